@@ -1,0 +1,1 @@
+"""agentq: LLM agent turns as background jobs on a Celery fleet."""

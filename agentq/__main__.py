@@ -1,0 +1,3 @@
+from agentq.cli.main import main
+
+raise SystemExit(main())

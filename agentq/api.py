@@ -1,0 +1,194 @@
+"""The Python API: start, follow, answer and abort turns from any process that reaches Redis."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+from celery import Celery
+
+from agentq import constants as k
+from agentq.config import Settings, get_settings
+from agentq.errors import PayloadTooLarge, TokenInvalid, TurnNotFound
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.interactions import Interactions
+from agentq.models import Event, InteractionAnswer, TurnHandle, TurnRequest
+from agentq.orchestrator.abort import finalize_abort
+from agentq.orchestrator.lease import holder_id
+from agentq.store import TurnStore
+
+TERMINAL_STATUSES = frozenset({"finished", "aborted", "error"})
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Client:
+    """A handle on agentq from outside the workers: the CLI, the gateway, your code."""
+
+    def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
+        from agentq.runtime import get_app, get_store
+
+        self.settings = settings or get_settings()
+        self.store: TurnStore = get_store(self.settings)
+        self.app = app or get_app()
+        self.interactions = Interactions(self.store)
+
+    # -- starting ------------------------------------------------------------------
+
+    def start_turn(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, Any]] | None = None,
+        conversation_id: str | None = None,
+        headless: bool = False,
+        detach: bool = False,
+        parent_turn_id: str | None = None,
+    ) -> TurnHandle:
+        """Queue a turn; returns at once with its id and the token that controls it."""
+        req = TurnRequest(prompt=prompt, messages=messages, conversation_id=conversation_id,
+                          headless=headless, detach=detach, parent_turn_id=parent_turn_id)
+        return self.start(req)
+
+    def start(self, req: TurnRequest) -> TurnHandle:
+        new = req.initial_messages()
+        if not new:
+            raise ValueError("a turn needs a prompt or messages")
+        size = len(json.dumps(new).encode())
+        if size > self.settings.max_prompt_bytes:
+            raise PayloadTooLarge("prompt", size, self.settings.max_prompt_bytes)
+        prior: list[dict[str, Any]] = []
+        if req.conversation_id:
+            prior = [json.loads(m) for m in
+                     self.store.redis.lrange(k.conversation_key(req.conversation_id), 0, -1)]
+        turn_id = uuid.uuid4().hex
+        token = secrets.token_urlsafe(32)
+        state = {
+            "status": "queued",
+            "created_at": time.time(),
+            "headless": req.headless,
+            "detach": req.detach,
+            "conversation_id": req.conversation_id,
+            "parent_turn_id": req.parent_turn_id,
+            "token_sha256": _hash_token(token),
+            "history_start": len(prior),
+            "round": 0,
+            "call_count": 0,
+        }
+        self.store.create(turn_id, state, prior + new)
+        self.app.send_task(k.TASK_TURN, args=[turn_id], task_id=f"{turn_id}.turn",
+                           queue=k.QUEUE_TURNS)
+        return TurnHandle(turn_id=turn_id, token=token, events_url=f"/v1/turns/{turn_id}/events")
+
+    # -- control ---------------------------------------------------------------------
+
+    def check_token(self, turn_id: str, token: str | None) -> dict[str, Any]:
+        """The turn's state if `token` is its token; constant-time comparison."""
+        state = self.store.state(turn_id)
+        if state is None:
+            raise TurnNotFound(turn_id)
+        expected = str(state.get("token_sha256", ""))
+        if not token or not hmac.compare_digest(_hash_token(token), expected):
+            raise TokenInvalid(turn_id)
+        return state
+
+    def abort(self, turn_id: str, token: str | None, reason: str = "user", *,
+              operator: bool = False) -> None:
+        """Abort a running turn and its sub-agents; unknown or finished turns raise TurnNotFound.
+
+        `operator=True` skips the token: for tools that already hold Redis credentials
+        (the `agentq abort` command), which could do anything to the turn anyway.
+        """
+        if operator:
+            state = self.store.state(turn_id) or {}
+            if not state:
+                raise TurnNotFound(turn_id)
+        else:
+            state = self.check_token(turn_id, token)
+        if state.get("status") in TERMINAL_STATUSES:
+            raise TurnNotFound(turn_id)
+        self._abort(turn_id, reason)
+
+    def _abort(self, turn_id: str, reason: str) -> None:
+        self.store.request_cancel(turn_id, reason)
+        self.store.push(turn_id, {"kind": "abort", "reason": reason})
+        for child in self.store.children(turn_id):
+            if self.store.status(child) not in TERMINAL_STATUSES:
+                self._abort(child, reason)
+        # No worker holds the turn (still queued, or its worker died): finish the abort here.
+        holder = holder_id()
+        if self.store.acquire_lease(turn_id, holder, self.settings.turn_lease_s):
+            try:
+                if self.store.status(turn_id) not in TERMINAL_STATUSES:
+                    finalize_abort(self.store, self.app, turn_id, reason,
+                                   kill_grace_s=self.settings.abort_kill_grace_s)
+            finally:
+                self.store.release_lease(turn_id, holder)
+
+    def answer(self, turn_id: str, request_id: str, token: str | None, decision: str,
+               value: str | None = None) -> None:
+        """Answer an interaction; raises if unknown (404) or closed already (409)."""
+        self.check_token(turn_id, token)
+        self.interactions.answer(turn_id, request_id,
+                                 InteractionAnswer.model_validate({"decision": decision,
+                                                                   "value": value}))
+
+    # -- reading -----------------------------------------------------------------------
+
+    def get(self, turn_id: str) -> dict[str, Any]:
+        state = self.store.state(turn_id)
+        if state is None:
+            raise TurnNotFound(turn_id)
+        state.pop("token_sha256", None)
+        results = self.store.results(turn_id)
+        return {
+            "turn_id": turn_id,
+            "state": state,
+            "history": self.store.history(turn_id),
+            "invocations": [r.record.model_dump() for r in results.values()],
+        }
+
+    def active(self) -> list[dict[str, Any]]:
+        out = []
+        for turn_id in self.store.active():
+            state = self.store.state(turn_id)
+            if state is None:
+                continue
+            results = self.store.results(turn_id)
+            running = [
+                {"call_id": cid, "tool": d.get("tool")}
+                for cid, d in self.store.dispatches(turn_id).items() if cid not in results
+            ]
+            out.append({
+                "turn_id": turn_id,
+                "status": state.get("status"),
+                "created_at": state.get("created_at"),
+                "started_at": state.get("started_at"),
+                "current_tools": running,
+                "call_count": state.get("call_count", 0),
+            })
+        return out
+
+    def events(self, turn_id: str, *, after_id: str = "0-0",
+               heartbeat_s: float | None = None) -> Iterator[Event | None]:
+        if self.store.state(turn_id) is None:
+            raise TurnNotFound(turn_id)
+        return self.store.bus.follow(turn_id, after_id=after_id, heartbeat_s=heartbeat_s)
+
+    def wait(self, turn_id: str, timeout_s: float = 300.0) -> Event:
+        """Block until the turn ends; return its terminal event."""
+        deadline = time.monotonic() + timeout_s
+        for ev in self.store.bus.follow(turn_id, heartbeat_s=1.0):
+            if ev is not None and ev.type in TERMINAL_TYPES:
+                return ev
+            if time.monotonic() > deadline:
+                break
+        raise TimeoutError(f"turn {turn_id} did not end within {timeout_s}s")

@@ -1,0 +1,57 @@
+"""The Celery app factory, with production defaults for long, killable, redelivery-safe tasks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from kombu import Queue
+
+from agentq.config import Settings
+from agentq.constants import QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
+
+MIN_VISIBILITY_TIMEOUT_S = 3600
+
+
+def visibility_timeout_s(longest_tool_timeout_s: float, queue_timeout_s: float) -> int:
+    """Longer than any call can take, so a slow tool's message is never delivered twice."""
+    need = 2 * (longest_tool_timeout_s + queue_timeout_s) + 600
+    return int(max(MIN_VISIBILITY_TIMEOUT_S, need))
+
+
+def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = None) -> Celery:
+    longest = longest_tool_timeout_s if longest_tool_timeout_s is not None else settings.tool_timeout_s
+    app = Celery("agentq", broker=settings.broker, backend=settings.redis_url)
+    conf: dict[str, Any] = {
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "result_serializer": "json",
+        # A task is acknowledged after it ran, so a dead worker's task is not lost.
+        "task_acks_late": True,
+        "worker_prefetch_multiplier": 1,
+        # Only idempotent tools ask to be run again after their process died (per task).
+        "task_reject_on_worker_lost": False,
+        "task_acks_on_failure_or_timeout": True,
+        "broker_transport_options": {
+            "visibility_timeout": visibility_timeout_s(longest, settings.tool_queue_timeout_s),
+        },
+        "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        "broker_connection_retry_on_startup": True,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "result_expires": 24 * 3600,
+        "task_default_queue": QUEUE_TOOLS,
+        "task_queues": (Queue(QUEUE_TOOLS), Queue(QUEUE_LLM), Queue(QUEUE_TURNS)),
+        "task_routes": {
+            "agentq.turn.*": {"queue": QUEUE_TURNS},
+            "agentq.llm.*": {"queue": QUEUE_LLM},
+            "agentq.tool.*": {"queue": QUEUE_TOOLS},
+        },
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+    }
+    if settings.broker.startswith(("amqp", "pyamqp")):
+        # RabbitMQ closes channels whose unacked message outlives consumer_timeout;
+        # hard limits bound the work, so ask for room above the longest one.
+        conf["broker_transport_options"] = {}
+    app.conf.update(conf)
+    return app

@@ -1,0 +1,1 @@
+"""The `agentq` command line."""

@@ -1,0 +1,155 @@
+"""Entry point of the `agentq` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from agentq.errors import AgentqError, ConfigError
+
+WORKER_KINDS = {
+    "turns": {"pool": "threads", "concurrency": "100"},
+    "llm": {"pool": "threads", "concurrency": "32"},
+    "tools": {"pool": "prefork", "concurrency": None},
+}
+
+
+def _has(opts: list[str], *names: str) -> bool:
+    return any(o == n or o.startswith(n + "=") or (len(n) == 2 and o.startswith(n) and len(o) > 2)
+               for o in opts for n in names)
+
+
+def _pool_of(opts: list[str]) -> str | None:
+    for i, o in enumerate(opts):
+        if o in ("-P", "--pool") and i + 1 < len(opts):
+            return opts[i + 1]
+        if o.startswith("--pool="):
+            return o.split("=", 1)[1]
+        if o.startswith("-P") and len(o) > 2:
+            return o[2:]
+    return None
+
+
+def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]:
+    """The celery worker command line for one kind of agentq worker."""
+    spec = WORKER_KINDS[kind]
+    pool = _pool_of(opts)
+    if kind == "tools" and pool not in (None, "prefork", "processes"):
+        raise ConfigError("--pool", f"the tool worker needs the prefork pool (hard time limits "
+                          f"are only enforced there), not {pool!r}")
+    queues = {"turns": ["agentq.turns"], "llm": ["agentq.llm"], "tools": tool_queues}[kind]
+    argv = ["worker"]
+    if not _has(opts, "-Q", "--queues"):
+        argv += ["-Q", ",".join(queues)]
+    if pool is None:
+        argv += ["-P", str(spec["pool"])]
+    if spec["concurrency"] and not _has(opts, "-c", "--concurrency"):
+        argv += ["-c", str(spec["concurrency"])]
+    if not _has(opts, "-n", "--hostname"):
+        argv += ["-n", f"{kind}@%h"]
+    if not _has(opts, "-l", "--loglevel"):
+        argv += ["-l", "INFO"]
+    return argv + ["-E", *opts]
+
+
+def cmd_worker(kind: str, opts: list[str]) -> int:
+    os.environ["AGENTQ_WORKER_KIND"] = kind
+    from agentq.worker import app, tool_queues
+
+    argv = worker_argv(kind, opts, tool_queues)
+    app.worker_main(argv=argv)
+    return 0
+
+
+def cmd_flower(opts: list[str]) -> int:
+    from agentq.config import get_settings
+    from agentq.worker import app
+
+    s = get_settings()
+    argv = ["flower", f"--port={s.flower_port}", "--address=127.0.0.1"]
+    if s.flower_basic_auth:
+        argv.append(f"--basic_auth={s.flower_basic_auth}")
+    app.start(argv=argv + opts)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run one turn and show it live")
+    r.add_argument("prompt")
+    r.add_argument("--json", action="store_true", help="print each event as a JSON line")
+    r.add_argument("--headless", action="store_true",
+                   help="no interactor: interactions use their declared default or fail (exit 4)")
+    r.add_argument("--conversation", default=None, help="continue this conversation id")
+    a = sub.add_parser("abort", help="abort a running turn")
+    a.add_argument("turn_id")
+    a.add_argument("--token", default=os.environ.get("AGENTQ_TURN_TOKEN"),
+                   help="the turn's token (or AGENTQ_TURN_TOKEN)")
+    sub.add_parser("turns", help="list running turns")
+    e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
+    e.add_argument("turn_id")
+    e.add_argument("--after", default="0-0", help="resume after this stream id")
+    w = sub.add_parser("worker", help="start a worker: turns, llm or tools")
+    w.add_argument("kind", choices=sorted(WORKER_KINDS))
+    sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app")
+    sv = sub.add_parser("serve", help="the HTTP gateway and web page")
+    sv.add_argument("--host", default=None)
+    sv.add_argument("--port", type=int, default=None)
+    sub.add_parser("dev", help="everything on one machine, Redis included")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args, rest = parser.parse_known_args(args_in)
+    if rest and args.cmd not in ("worker", "flower"):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return _dispatch(args, rest)
+    except ConfigError as exc:
+        print(f"agentq: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except AgentqError as exc:
+        print(f"agentq: {exc}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
+    from agentq.config import get_settings
+
+    get_settings()  # bad configuration fails here, naming the setting
+    if args.cmd == "worker":
+        return cmd_worker(args.kind, rest)
+    if args.cmd == "flower":
+        return cmd_flower(rest)
+    if args.cmd == "serve":
+        from agentq.gateway.server import serve
+
+        return serve(host=args.host, port=args.port)
+    if args.cmd == "dev":
+        from agentq.dev import main as dev_main
+
+        return dev_main()
+    from agentq.api import Client
+    from agentq.cli.run import print_json, run
+
+    client = Client()
+    if args.cmd == "run":
+        return run(client, args.prompt, as_json=args.json, headless=args.headless,
+                   conversation_id=args.conversation)
+    if args.cmd == "abort":
+        client.abort(args.turn_id, args.token, operator=args.token is None)
+        print(f"aborted {args.turn_id}")
+        return 0
+    if args.cmd == "turns":
+        print_json(client.active())
+        return 0
+    if args.cmd == "events":
+        for ev in client.events(args.turn_id, after_id=args.after):
+            if ev is not None:
+                print(ev.model_dump_json(), flush=True)
+        return 0
+    return 2

@@ -1,0 +1,127 @@
+"""Live rendering of a turn's events in a terminal: model text, a line per tool, a summary."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from agentq.models import Event
+
+STATUS_STYLE = {
+    "ok": "green",
+    "error": "red",
+    "timeout": "red",
+    "lost": "magenta",
+    "cancelled": "yellow",
+    "denied": "yellow",
+}
+
+
+def duration_style(elapsed_s: float) -> str:
+    """Green under 10 s, yellow to 30 s, red beyond: the same bands as the web page."""
+    if elapsed_s < 10:
+        return "green"
+    if elapsed_s < 30:
+        return "yellow"
+    return "red"
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
+
+
+@dataclass
+class ToolLine:
+    call_id: str
+    tool: str
+    started: float
+    finished: float | None = None
+    status: str | None = None
+    detail: str = ""
+    spinner: Spinner = field(default_factory=lambda: Spinner("dots"))
+
+
+@dataclass
+class TurnView:
+    """Folds events into what the screen shows."""
+
+    turn_id: str
+    text: str = ""
+    tools: dict[str, ToolLine] = field(default_factory=dict)
+    pending: dict[str, dict[str, Any]] = field(default_factory=dict)
+    outcome: str | None = None
+    detail: str = ""
+    started: float = field(default_factory=time.time)
+    retries: int = 0
+
+    def apply(self, ev: Event) -> None:
+        f = ev.fields
+        if ev.type == "llm_delta" and f.get("kind") == "text":
+            self.text += str(f.get("text", ""))
+        elif ev.type == "llm_retry":
+            self.retries += 1
+        elif ev.type == "tool_started":
+            cid = str(f["call_id"])
+            self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)
+        elif ev.type == "tool_finished":
+            cid = str(f["call_id"])
+            line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
+            line.finished = ev.ts
+            line.status = str(f.get("status"))
+            if f.get("duration_ms") is not None:
+                line.started = ev.ts - int(f["duration_ms"]) / 1000
+            line.detail = str(f.get("error") or f.get("reason") or "")
+            if f.get("overran"):
+                line.detail = (line.detail + " (over budget)").strip()
+        elif ev.type == "interaction_requested":
+            self.pending[str(f["request_id"])] = {**f, "ts": ev.ts}
+        elif ev.type in ("interaction_answered", "interaction_timed_out"):
+            self.pending.pop(str(f.get("request_id")), None)
+        elif ev.type in ("turn_finished", "turn_aborted", "turn_error"):
+            self.outcome = ev.type
+            self.detail = str(f.get("reason") or f.get("error") or "")
+            if ev.type == "turn_finished" and f.get("content") and not self.text:
+                self.text = str(f["content"])
+
+    def render(self) -> RenderableType:
+        now = time.time()
+        parts: list[RenderableType] = []
+        if self.text:
+            parts.append(Text(self.text))
+        table = Table.grid(padding=(0, 1))
+        for line in self.tools.values():
+            elapsed = (line.finished or now) - line.started
+            head: RenderableType = (
+                line.spinner if line.status is None
+                else Text("●", style=STATUS_STYLE.get(line.status, "white"))
+            )
+            table.add_row(
+                head,
+                Text(line.tool, style="bold"),
+                Text(fmt_s(elapsed), style=duration_style(elapsed)),
+                Text(line.status or "running", style=STATUS_STYLE.get(line.status or "", "cyan")),
+                Text(line.detail[:80], style="dim"),
+            )
+        if self.tools:
+            parts.append(table)
+        for rid, req in self.pending.items():
+            left = max(0.0, req["ts"] + int(req.get("timeout_ms", 0)) / 1000 - now)
+            parts.append(Text(f"? {req.get('prompt')}  [{rid}] {left:.0f}s left", style="yellow"))
+        return Group(*parts)
+
+    def summary(self) -> str:
+        counts: dict[str, int] = {}
+        for line in self.tools.values():
+            counts[line.status or "running"] = counts.get(line.status or "running", 0) + 1
+        tools = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tools"
+        took = fmt_s(time.time() - self.started)
+        outcome = {"turn_finished": "finished", "turn_aborted": "aborted",
+                   "turn_error": "failed"}.get(self.outcome or "", "ended")
+        extra = f" ({self.detail})" if self.detail and outcome != "finished" else ""
+        return f"turn {outcome}{extra} in {took}: {tools}"

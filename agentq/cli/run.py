@@ -1,0 +1,116 @@
+"""`agentq run`: start one turn and show it live; Ctrl-C aborts it for real."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from agentq.api import Client
+from agentq.cli.render import TurnView
+from agentq.errors import AgentqError
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.models import Event
+
+EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130
+
+
+def exit_code_for(ev: Event) -> int:
+    if ev.type == "turn_finished":
+        return EXIT_OK
+    if ev.type == "turn_aborted":
+        return EXIT_ABORTED
+    if ev.fields.get("code") == "headless_interaction":
+        return EXIT_HEADLESS
+    return EXIT_FAILED
+
+
+class _Answerer:
+    """Asks the person at the terminal, one request at a time, in a background thread."""
+
+    def __init__(self, client: Client, turn_id: str, token: str, console: Console) -> None:
+        self.client, self.turn_id, self.token, self.console = client, turn_id, token, console
+        self._busy = threading.Lock()
+
+    def ask(self, fields: dict[str, Any]) -> None:
+        threading.Thread(target=self._ask, args=(fields,), daemon=True).start()
+
+    def _ask(self, f: dict[str, Any]) -> None:
+        with self._busy:
+            rid = str(f["request_id"])
+            secs = int(f.get("timeout_ms", 0)) // 1000
+            try:
+                if f.get("kind") == "password":
+                    value: str | None = getpass.getpass(f"{f.get('prompt')} password ({secs}s): ")
+                    decision = "approve" if value else "deny"
+                else:
+                    line = input(f"{f.get('prompt')} [y/N] ({secs}s, silence denies): ")
+                    decision = "approve" if line.strip().lower() in ("y", "yes") else "deny"
+                    value = None
+                self.client.answer(self.turn_id, rid, self.token, decision, value)
+            except (EOFError, AgentqError):
+                pass
+
+
+def run(client: Client, prompt: str, *, as_json: bool, headless: bool,
+        conversation_id: str | None = None) -> int:
+    console = Console(stderr=as_json)
+    handle = client.start_turn(prompt, headless=headless, conversation_id=conversation_id)
+    aborts = {"n": 0}
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        aborts["n"] += 1
+        if aborts["n"] > 1:
+            raise KeyboardInterrupt
+        try:
+            client.abort(handle.turn_id, handle.token, reason="user")
+        except AgentqError:
+            pass
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    answerer = _Answerer(client, handle.turn_id, handle.token, console)
+    interactive = not headless and sys.stdin.isatty()
+    view = TurnView(handle.turn_id)
+    code = EXIT_FAILED
+    try:
+        if as_json:
+            for ev in client.events(handle.turn_id):
+                if ev is None:
+                    continue
+                sys.stdout.write(ev.model_dump_json() + "\n")
+                sys.stdout.flush()
+                if ev.type == "interaction_requested" and interactive:
+                    answerer.ask(ev.fields)
+                if ev.type in TERMINAL_TYPES:
+                    code = exit_code_for(ev)
+            return code
+        console.print(f"[dim]turn {handle.turn_id}[/dim]")
+        with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
+            for ev in client.events(handle.turn_id, heartbeat_s=0.25):
+                if ev is not None:
+                    view.apply(ev)
+                    if ev.type == "interaction_requested" and interactive:
+                        live.stop()
+                        answerer.ask(ev.fields)
+                        time.sleep(0)
+                    if ev.type in TERMINAL_TYPES:
+                        code = exit_code_for(ev)
+                live.update(view.render())
+        console.print(view.summary(), style="bold")
+        return code
+    except KeyboardInterrupt:
+        return EXIT_ABORTED
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))

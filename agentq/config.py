@@ -1,0 +1,130 @@
+"""Settings: one pydantic-settings class, read from `AGENTQ_*` environment variables."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from agentq.errors import ConfigError
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AGENTQ_", extra="ignore", frozen=True)
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Events, state and results.")
+    """Redis for events, state, results, and (by default) the broker."""
+    broker_url: str | None = None
+    """Celery broker; defaults to `redis_url`. `amqp://` works too."""
+
+    llm_base_url: str | None = None
+    """OpenAI-compatible server; unset means the scripted demo model under `agentq dev`."""
+    llm_api_key: str | None = None
+    """Falls back to OPENAI_API_KEY."""
+    llm_model: str = "gpt-4o-mini"
+    """Model name sent to the server."""
+    llm_max_retries: int = Field(2, ge=0, le=10)
+    """Retries of a model round on a zero-chunk stall, 429 or 5xx."""
+    llm_request_timeout_s: float = Field(60.0, gt=0)
+    """Connect/first-response timeout of the HTTP request itself."""
+
+    tools: str = ""
+    """Comma-separated modules imported for their @tool definitions."""
+    tool_timeout_s: float = Field(120.0, ge=0)
+    """Default hard limit of a tool; 0 means no limit."""
+    tool_budget_s: float = Field(10.0, ge=0)
+    """Default advisory budget of a tool."""
+    tool_grace_s: float = Field(5.0, ge=0)
+    """After a call's hard limit, how long the turn waits before settling it as lost."""
+    tool_queue_timeout_s: float = Field(300.0, gt=0)
+    """How long a call may wait in the queue for a free worker before it is settled as lost."""
+    abort_kill_grace_s: float = Field(2.0, ge=0)
+    """Between SIGTERM and SIGKILL when an aborted turn's tasks are terminated."""
+    progress_interval_s: float = Field(5.0, gt=0)
+    """How often the turn publishes tool_progress for a running tool."""
+
+    stream_idle_timeout_ms: int = 120_000
+    """Longest silence between two model chunks; <= 0 disables the watchdog."""
+    stream_duration_s: float = Field(60.0, gt=0)
+    """Model streaming time allowed per round-trip, tool time excluded."""
+
+    max_calls_per_turn: int = Field(50, ge=1)
+    """Tool calls a turn may make before it is told to stop."""
+    loop_threshold: int = Field(3, ge=2)
+    """The same call (tool and arguments) this many times in a turn stops the loop."""
+    max_result_bytes: int = Field(64 * 1024, ge=256)
+    """A tool result longer than this is cut, with a marker."""
+    max_arguments_bytes: int = Field(1024 * 1024, ge=256)
+    """A tool call's arguments longer than this settle as an error."""
+    max_prompt_bytes: int = Field(1024 * 1024, ge=256)
+    """A prompt longer than this is refused."""
+
+    turn_lease_s: float = Field(10.0, gt=0)
+    """A turn worker renews its lease on a running turn this often x3; a lapsed lease is resumed."""
+    event_log_maxlen: int = Field(10_000, ge=100)
+    """Approximate cap of each turn's replay log."""
+    state_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    """How long a finished turn's state, history and log are kept."""
+
+    approval_timeout_s: float = Field(120.0, gt=0)
+    password_timeout_s: float = Field(120.0, gt=0)
+    confirm_timeout_s: float = Field(60.0, gt=0)
+
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(8000, ge=0, le=65535)
+    flower_port: int = Field(5555, ge=0, le=65535)
+    flower_basic_auth: str | None = None
+    """`user:password` for Flower; required by the compose files."""
+
+    @field_validator("tool_timeout_s", "tool_budget_s", "tool_grace_s")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if v != v or v in (float("inf"), float("-inf")):
+            raise ValueError("must be a finite number of seconds")
+        return v
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        return v
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_scheme(cls, v: str | None) -> str | None:
+        if v and not v.startswith(("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://")):
+            raise ValueError("must be a redis:// or amqp:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _api_key_fallback(self) -> Settings:
+        if self.llm_api_key is None and os.environ.get("OPENAI_API_KEY"):
+            object.__setattr__(self, "llm_api_key", os.environ["OPENAI_API_KEY"])
+        return self
+
+    @property
+    def broker(self) -> str:
+        return self.broker_url or self.redis_url
+
+    @property
+    def tool_modules(self) -> list[str]:
+        return [m.strip() for m in self.tools.split(",") if m.strip()]
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read settings from the environment, turning validation errors into a ConfigError."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = str(err["loc"][0]) if err["loc"] else "settings"
+        raise ConfigError(f"AGENTQ_{field.upper()}", err["msg"]) from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once."""
+    return load_settings()

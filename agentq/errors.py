@@ -1,0 +1,184 @@
+"""The one exception tree of agentq.
+
+    AgentqError
+    ├── ConfigError(setting)                       bad configuration, raised at start
+    ├── PayloadTooLarge(what, size_bytes, limit_bytes)
+    ├── ToolError(tool)
+    │   ├── UnknownTool
+    │   ├── ToolDefinitionError                    a bad @tool declaration
+    │   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
+    │   └── ToolTimeout(timeout_s)
+    ├── LlmError
+    │   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
+    │   ├── StreamDurationExceeded(limit_s, elapsed_s)
+    │   ├── ModelHTTPError(status_code, retryable)
+    │   └── MalformedStreamChunk(chunk_index)
+    ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
+    └── TurnError(turn_id)
+        ├── TurnNotFound
+        ├── TokenInvalid
+        ├── TurnBusy                               another live worker holds the turn's lease
+        └── InteractionError(request_id)
+            ├── InteractionNotFound
+            ├── InteractionClosed(state)           answered or timed out already
+            └── HeadlessInteraction(kind)          no interactor and no declared default: exit 4
+"""
+
+from __future__ import annotations
+
+
+class AgentqError(Exception):
+    """Root of every error agentq raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(AgentqError):
+    def __init__(self, setting: str, message: str) -> None:
+        super().__init__(f"{setting}: {message}")
+        self.setting = setting
+
+
+class PayloadTooLarge(AgentqError):
+    def __init__(self, what: str, size_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"{what} is {size_bytes} bytes, over the limit of {limit_bytes} bytes")
+        self.what = what
+        self.size_bytes = size_bytes
+        self.limit_bytes = limit_bytes
+
+
+class ToolError(AgentqError):
+    def __init__(self, tool: str, message: str) -> None:
+        super().__init__(message)
+        self.tool = tool
+
+
+class UnknownTool(ToolError):
+    def __init__(self, tool: str, known: list[str] | None = None) -> None:
+        hint = f"; available tools: {', '.join(sorted(known))}" if known else ""
+        super().__init__(tool, f"unknown tool {tool!r}{hint}")
+        self.known = sorted(known or [])
+
+
+class ToolDefinitionError(ToolError):
+    def __init__(self, tool: str, detail: str) -> None:
+        super().__init__(tool, f"tool {tool!r} is badly declared: {detail}")
+        self.detail = detail
+
+
+class ToolArgumentsInvalid(ToolError):
+    def __init__(self, tool: str, detail: str) -> None:
+        super().__init__(tool, f"invalid arguments for tool {tool!r}: {detail}")
+        self.detail = detail
+
+
+class ToolTimeout(ToolError):
+    def __init__(self, tool: str, timeout_s: float) -> None:
+        super().__init__(tool, f"tool {tool!r} did not finish within {timeout_s:g}s")
+        self.timeout_s = timeout_s
+
+
+class LlmError(AgentqError):
+    """A model round failed."""
+
+    code: str = "ELLM"
+
+
+class StreamIdleTimeout(LlmError):
+    code = "ETIMEDOUT"
+
+    def __init__(self, idle_ms: int, chunks_received: int, stream_lifetime_ms: int) -> None:
+        super().__init__(
+            f"no stream activity for {idle_ms}ms (inactivity timeout) after "
+            f"{chunks_received} chunks, {stream_lifetime_ms}ms into the stream"
+        )
+        self.idle_ms = idle_ms
+        self.chunks_received = chunks_received
+        self.stream_lifetime_ms = stream_lifetime_ms
+
+
+class StreamDurationExceeded(LlmError):
+    code = "EDURATION"
+
+    def __init__(self, limit_s: float, elapsed_s: float) -> None:
+        super().__init__(
+            f"model streaming took {elapsed_s:.1f}s this turn, over stream_duration_s={limit_s:g}"
+        )
+        self.limit_s = limit_s
+        self.elapsed_s = elapsed_s
+
+
+class ModelHTTPError(LlmError):
+    code = "EHTTP"
+
+    def __init__(self, status_code: int, message: str, retryable: bool) -> None:
+        super().__init__(f"model server answered HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.retryable = retryable
+
+
+class MalformedStreamChunk(LlmError):
+    code = "EBADCHUNK"
+
+    def __init__(self, chunk_index: int, detail: str) -> None:
+        super().__init__(f"malformed stream chunk #{chunk_index}: {detail}")
+        self.chunk_index = chunk_index
+        self.detail = detail
+
+
+class Aborted(AgentqError):
+    def __init__(self, turn_id: str, reason: str = "user") -> None:
+        super().__init__(f"turn {turn_id} was aborted ({reason})")
+        self.turn_id = turn_id
+        self.reason = reason
+
+
+class TurnError(AgentqError):
+    def __init__(self, turn_id: str, message: str) -> None:
+        super().__init__(message)
+        self.turn_id = turn_id
+
+
+class TurnNotFound(TurnError):
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id} is unknown or already finished")
+
+
+class TokenInvalid(TurnError):
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(turn_id, f"missing or wrong token for turn {turn_id}")
+
+
+class TurnBusy(TurnError):
+    def __init__(self, turn_id: str, holder: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id} is being run by {holder}")
+        self.holder = holder
+
+
+class InteractionError(TurnError):
+    def __init__(self, turn_id: str, request_id: str, message: str) -> None:
+        super().__init__(turn_id, message)
+        self.request_id = request_id
+
+
+class InteractionNotFound(InteractionError):
+    def __init__(self, turn_id: str, request_id: str) -> None:
+        super().__init__(turn_id, request_id, f"no interaction {request_id} on turn {turn_id}")
+
+
+class InteractionClosed(InteractionError):
+    def __init__(self, turn_id: str, request_id: str, state: str) -> None:
+        super().__init__(turn_id, request_id, f"interaction {request_id} is already {state}")
+        self.state = state
+
+
+class HeadlessInteraction(InteractionError):
+    def __init__(self, turn_id: str, request_id: str, kind: str) -> None:
+        super().__init__(
+            turn_id,
+            request_id,
+            f"turn {turn_id} is headless and the {kind} request {request_id} declares no default",
+        )
+        self.kind = kind

@@ -1,0 +1,129 @@
+"""Publish a turn's events to its channel and log in one round trip; follow them without gaps."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from agentq.constants import events_channel, log_key, seq_key
+from agentq.models import Event
+
+# Appends to the log and publishes with the same seq, atomically: a subscriber that
+# reads the log after subscribing can dedupe by seq and never misses an event.
+# ARGV[1] is the event JSON without seq; the script splices seq (and, for the live
+# copy, the stream id) in as text so no JSON is parsed inside Redis.
+
+
+def publish_lua(seq: str, log: str, channel: str, body: str, maxlen: str) -> str:
+    """The Lua that publishes one event, for embedding in larger atomic scripts."""
+    return f"""
+local seq = redis.call('INCR', {seq})
+local body = '{{"seq":' .. seq .. ',' .. string.sub({body}, 2)
+local id = redis.call('XADD', {log}, 'MAXLEN', '~', {maxlen}, '*', 'e', body)
+redis.call('PUBLISH', {channel}, '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2))
+"""
+
+
+PUBLISH_LUA = publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]") + "return {seq, id}"
+
+TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
+
+
+def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
+    return json.dumps(
+        {"type": type_, "turn_id": turn_id, "ts": round(time.time(), 6), **fields},
+        separators=(",", ":"),
+        default=str,
+    )
+
+
+class EventBus:
+    def __init__(self, client: redis.Redis, *, log_maxlen: int = 10_000) -> None:
+        self.redis = client
+        self.log_maxlen = log_maxlen
+        self._publish = client.register_script(PUBLISH_LUA)
+
+    def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
+        """Publish one event; return its seq."""
+        res = self._publish(
+            keys=[seq_key(turn_id), log_key(turn_id), events_channel(turn_id)],
+            args=[event_body(turn_id, type_, fields), self.log_maxlen],
+        )
+        return int(res[0])
+
+    def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
+        """Events in the log strictly after `after_id`."""
+        start = "(" + after_id if after_id not in ("0", "0-0", "-") else "-"
+        entries = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)
+        return [Event.parse(fields[b"e"], stream_id=_s(eid)) for eid, fields in entries]
+
+    def follow(
+        self,
+        turn_id: str,
+        *,
+        after_id: str = "0-0",
+        idle_timeout_s: float | None = None,
+        stop_at_terminal: bool = True,
+        heartbeat_s: float | None = None,
+    ) -> Iterator[Event | None]:
+        """Yield every event after `after_id` exactly once: the log first, then live.
+
+        Subscribes before reading the log so nothing published in between is lost, and
+        drops live copies already seen in the log by seq. A seq gap on the live side
+        (a missed message) is filled from the log. Yields None every `heartbeat_s`
+        of silence, so callers can write keep-alives or notice a gone client.
+        """
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(events_channel(turn_id))
+        try:
+            last_seq = 0
+            last_id = after_id
+            while True:
+                batch = self.replay(turn_id, last_id)
+                for ev in batch:
+                    last_seq = ev.seq
+                    last_id = ev.stream_id or last_id
+                    yield ev
+                    if stop_at_terminal and ev.type in TERMINAL_TYPES:
+                        return
+                if len(batch) < 1000:
+                    break
+            silent_since = time.monotonic()
+            beat_at = time.monotonic()
+            while True:
+                wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
+                msg = pubsub.get_message(timeout=wait_s)
+                now = time.monotonic()
+                if msg is None:
+                    if idle_timeout_s is not None and now - silent_since > idle_timeout_s:
+                        return
+                    if heartbeat_s is not None and now - beat_at >= heartbeat_s:
+                        beat_at = now
+                        yield None
+                    continue
+                silent_since = now
+                ev = Event.parse(msg["data"])
+                if ev.seq <= last_seq:
+                    continue
+                if ev.seq > last_seq + 1:
+                    events = self.replay(turn_id, last_id)
+                else:
+                    events = [ev]
+                for e in events:
+                    if e.seq <= last_seq:
+                        continue
+                    last_seq = e.seq
+                    last_id = e.stream_id or last_id
+                    yield e
+                    if stop_at_terminal and e.type in TERMINAL_TYPES:
+                        return
+        finally:
+            pubsub.close()
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v

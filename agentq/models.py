@@ -1,0 +1,240 @@
+"""Pydantic models for everything that crosses a process boundary."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ToolStatus = Literal["ok", "error", "timeout", "cancelled", "denied", "lost"]
+TOOL_STATUSES: tuple[ToolStatus, ...] = ("ok", "error", "timeout", "cancelled", "denied", "lost")
+TurnStatus = Literal["queued", "running", "finished", "aborted", "error"]
+InteractionKind = Literal["approval", "password", "confirm", "device_code"]
+AbortReason = Literal["user", "disconnect", "timeout", "error"]
+
+EVENT_TYPES = (
+    "turn_started",
+    "llm_started",
+    "llm_delta",
+    "llm_retry",
+    "llm_finished",
+    "tool_started",
+    "tool_progress",
+    "tool_finished",
+    "interaction_requested",
+    "interaction_answered",
+    "interaction_timed_out",
+    "tool_denied",
+    "turn_aborted",
+    "turn_finished",
+    "turn_error",
+)
+
+
+def now_s() -> float:
+    return time.time()
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ToolCall(_Frozen):
+    """One call the model asked for; `arguments` is the raw JSON text the model sent."""
+
+    id: str
+    name: str
+    arguments: str = "{}"
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+class Usage(_Frozen):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class AssistantMessage(_Frozen):
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.tool_calls]
+        return msg
+
+
+class InvocationRecord(BaseModel):
+    """What happened to one call, kept with the turn for audit and metrics."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    call_id: str
+    tool: str
+    status: ToolStatus
+    task_id: str | None = None
+    worker: str | None = None
+    pid: int | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    duration_ms: int | None = None
+    budget_s: float | None = None
+    timeout_s: float | None = None
+    overran: bool = False
+    soft_limited: bool = False
+    partial: bool = False
+    attempt: int = 1
+
+
+class ToolResult(BaseModel):
+    """The settled result of one call: exactly one per call id."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    call_id: str
+    tool: str
+    status: ToolStatus
+    content: str
+    """What the model reads."""
+    error: str | None = None
+    reason: str | None = None
+    """For `denied`: timeout, user or policy."""
+    truncated_bytes: int = 0
+    record: InvocationRecord
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": self.call_id, "content": self.content}
+
+    def to_anthropic_block(self) -> dict[str, Any]:
+        return {
+            "type": "tool_result",
+            "tool_use_id": self.call_id,
+            "content": self.content,
+            "is_error": self.status != "ok",
+        }
+
+
+class ToolResultMessage(BaseModel):
+    """All settled results of one round, in the model's call order."""
+
+    results: list[ToolResult]
+
+    def to_openai(self) -> list[dict[str, Any]]:
+        return [r.to_openai() for r in self.results]
+
+    def to_anthropic(self) -> dict[str, Any]:
+        return {"role": "user", "content": [r.to_anthropic_block() for r in self.results]}
+
+
+class ToolTaskRequest(_Frozen):
+    """The kwargs of an `agentq.tool.<name>` task."""
+
+    turn_id: str
+    call_id: str
+    tool: str
+    arguments: dict[str, Any]
+    attempt: int = 1
+    timeout_s: float
+    soft_timeout_s: float | None
+    budget_s: float
+    secret_ref: str | None = None
+    """Redis key of a password answer; the secret itself never travels in a message."""
+
+
+class LlmRoundRequest(_Frozen):
+    """The kwargs of an `agentq.llm.round` task."""
+
+    turn_id: str
+    round_no: int
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    duration_left_s: float
+    idle_timeout_ms: int
+
+
+class LlmRoundResult(_Frozen):
+    ok: bool
+    message: AssistantMessage | None = None
+    error: str | None = None
+    error_code: str | None = None
+    error_type: str | None = None
+    aborted: bool = False
+    streamed_s: float = 0.0
+
+
+class InteractionRequest(_Frozen):
+    request_id: str
+    kind: InteractionKind
+    call_id: str | None = None
+    tool: str | None = None
+    prompt: str
+    timeout_ms: int = Field(gt=0)
+    default: Literal["approve", "deny"] | None = None
+    """Declared non-interactive default, used by headless turns."""
+    created_at: float = Field(default_factory=now_s)
+
+
+class InteractionAnswer(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    decision: Literal["approve", "deny"]
+    value: str | None = Field(default=None, max_length=4096)
+
+
+class TurnRequest(BaseModel):
+    """What a client sends to start a turn."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    conversation_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    headless: bool = False
+    detach: bool = False
+    parent_turn_id: str | None = None
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        msgs = list(self.messages or [])
+        if self.prompt:
+            msgs.append({"role": "user", "content": self.prompt})
+        return msgs
+
+
+class TurnHandle(_Frozen):
+    turn_id: str
+    token: str
+    events_url: str
+
+
+class Event(BaseModel):
+    """One event of a turn; type-specific fields ride along as extras."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    turn_id: str
+    seq: int = 0
+    ts: float = Field(default_factory=now_s)
+    stream_id: str | None = None
+
+    @property
+    def fields(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    @classmethod
+    def parse(cls, raw: str | bytes, stream_id: str | None = None) -> Event:
+        data = json.loads(raw)
+        if stream_id is not None:
+            data["stream_id"] = stream_id
+        return cls.model_validate(data)

@@ -1,0 +1,1 @@
+"""The conversation orchestrator: the turn loop, the round dispatcher, approvals, abort."""

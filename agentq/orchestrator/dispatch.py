@@ -1,0 +1,249 @@
+"""Send one round of tool calls as Celery tasks and collect them as each settles."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from agentq.errors import AgentqError, ToolArgumentsInvalid
+from agentq.models import ToolCall, ToolResult, ToolTaskRequest
+from agentq.orchestrator.context import TurnContext
+from agentq.results import error_result, lost_result
+from agentq.timing import Limits, effective_limits, lost_deadline, split_meta
+from agentq.tools.registry import ToolSpec, get_tool, parse_arguments
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A call that passed every check and may be sent to a worker."""
+
+    call: ToolCall
+    spec: ToolSpec
+    arguments: dict[str, Any]
+    limits: Limits
+
+    @property
+    def exclusive(self) -> bool:
+        return self.spec.policy.concurrency == "exclusive"
+
+
+def prepare(call: ToolCall, *, max_arguments_bytes: int) -> Prepared | ToolResult:
+    """Validate a call the model made; a problem becomes an `error` result it can act on."""
+    try:
+        spec = get_tool(call.name)
+        size = len(call.arguments.encode("utf-8"))
+        if size > max_arguments_bytes:
+            raise ToolArgumentsInvalid(
+                call.name,
+                f"arguments are {size} bytes, over the limit of {max_arguments_bytes} bytes; "
+                "pass a reference (a path, an id) instead of the data",
+            )
+        raw = parse_arguments(call.name, call.arguments)
+        args, hint_s, problem = split_meta(raw)
+        if problem:
+            raise ToolArgumentsInvalid(call.name, problem)
+        validated = spec.validate(args)
+    except AgentqError as exc:
+        return error_result(call, exc.message)
+    pol = spec.policy
+    limits = effective_limits(
+        timeout_s=pol.timeout_s,
+        soft_timeout_s=pol.soft_timeout_s,
+        budget_s=pol.budget_s,
+        max_timeout_s=pol.max_timeout_s,
+        hint_s=hint_s,
+    )
+    return Prepared(call, spec, validated.model_dump(mode="json"), limits)
+
+
+def plan_batches(prepared: list[Prepared]) -> list[list[Prepared]]:
+    """Consecutive parallel calls share a batch; an exclusive call is a batch of its own."""
+    batches: list[list[Prepared]] = []
+    for p in prepared:
+        if p.exclusive or not batches or batches[-1][0].exclusive:
+            batches.append([p])
+        else:
+            batches[-1].append(p)
+    return batches
+
+
+def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
+    return f"{turn_id}.{call_id}.{attempt}"
+
+
+class RoundDispatcher:
+    """Runs the calls of one round; every call ends with exactly one settled result."""
+
+    def __init__(self, ctx: TurnContext) -> None:
+        self.ctx = ctx
+        self.settled: dict[str, ToolResult] = {}
+
+    def run(
+        self,
+        calls: list[ToolCall],
+        *,
+        presettled: dict[str, ToolResult] | None = None,
+        secrets: dict[str, str] | None = None,
+    ) -> list[ToolResult]:
+        ctx = self.ctx
+        self.settled = dict(ctx.store.results(ctx.turn_id))
+        runnable: list[Prepared] = []
+        for call in calls:
+            if call.id in self.settled:
+                continue
+            pre = (presettled or {}).get(call.id)
+            outcome = pre if pre is not None else prepare(
+                call, max_arguments_bytes=ctx.settings.max_arguments_bytes
+            )
+            if isinstance(outcome, ToolResult):
+                ctx.store.settle(ctx.turn_id, outcome)
+                self.settled[call.id] = ctx.store.results(ctx.turn_id).get(call.id, outcome)
+            else:
+                runnable.append(outcome)
+        dispatched = ctx.store.dispatches(ctx.turn_id)
+        for batch in plan_batches(runnable):
+            fresh = [p for p in batch if p.call.id not in dispatched]
+            self._send(fresh, secrets or {})
+            self._collect([p for p in batch])
+        return [self.settled[c.id] for c in calls]
+
+    def _send(self, batch: list[Prepared], secrets: dict[str, str]) -> None:
+        ctx = self.ctx
+        now = time.time()
+        records = {
+            p.call.id: {
+                "tool": p.call.name,
+                "task_id": task_id_for(ctx.turn_id, p.call.id, 1),
+                "dispatched_at": now,
+                "timeout_s": p.limits.timeout_s,
+                "budget_s": p.limits.budget_s,
+            }
+            for p in batch
+        }
+        # Recorded before sending: a turn resumed elsewhere then waits instead of resending.
+        ctx.store.record_dispatch(ctx.turn_id, records)
+        for p in batch:
+            req = ToolTaskRequest(
+                turn_id=ctx.turn_id,
+                call_id=p.call.id,
+                tool=p.call.name,
+                arguments=p.arguments,
+                timeout_s=p.limits.timeout_s,
+                soft_timeout_s=p.limits.soft_timeout_s or None,
+                budget_s=p.limits.budget_s,
+                secret_ref=secrets.get(p.call.id),
+            )
+            ctx.app.send_task(
+                p.spec.task_name,
+                kwargs=req.model_dump(),
+                task_id=records[p.call.id]["task_id"],
+                queue=p.spec.policy.queue,
+                **p.limits.celery_options,
+            )
+
+    def _collect(self, batch: list[Prepared]) -> None:
+        ctx = self.ctx
+        waiting = {p.call.id: p for p in batch if p.call.id not in self.settled}
+        progress_every = ctx.settings.progress_interval_s
+        next_progress = time.time() + progress_every
+        next_deadline_check = time.time()
+        deadlines: dict[str, float | None] = {}
+        while waiting:
+            now = time.time()
+            if now >= next_deadline_check:
+                deadlines = self._deadlines(waiting)
+                # Starts are polled, not pushed: once a second is enough to learn a
+                # hard-limit deadline, since the worker itself reports the kill at once.
+                next_deadline_check = now + 1.0
+                for cid, when in deadlines.items():
+                    if when is not None and now >= when:
+                        self._settle_lost(waiting[cid])
+                        waiting.pop(cid, None)
+                if not waiting:
+                    break
+            if now >= next_progress:
+                self._publish_progress(waiting)
+                next_progress = now + progress_every
+            wake = min(
+                [next_progress, next_deadline_check]
+                + [d for d in deadlines.values() if d is not None]
+            )
+            msg = ctx.wait_until(wake)
+            if msg is None:
+                continue
+            if msg.get("kind") == "result":
+                result = ToolResult.model_validate(msg["result"])
+                self.settled[result.call_id] = result
+                waiting.pop(result.call_id, None)
+            else:
+                ctx.deferred.append(msg)
+                if len(ctx.deferred) > 100:
+                    ctx.deferred.pop(0)
+
+    def _deadlines(self, waiting: dict[str, Prepared]) -> dict[str, float | None]:
+        ctx = self.ctx
+        starts = ctx.store.starts(ctx.turn_id)
+        dispatched = ctx.store.dispatches(ctx.turn_id)
+        out: dict[str, float | None] = {}
+        for cid, p in waiting.items():
+            d = dispatched.get(cid, {})
+            s = starts.get(cid)
+            out[cid] = lost_deadline(
+                dispatched_at=float(d.get("dispatched_at", time.time())),
+                started_at=None if s is None else float(s["started_at"]),
+                timeout_s=p.limits.timeout_s,
+                grace_s=ctx.settings.tool_grace_s,
+                queue_timeout_s=ctx.settings.tool_queue_timeout_s,
+            )
+        return out
+
+    def _settle_lost(self, p: Prepared) -> None:
+        ctx = self.ctx
+        start = ctx.store.starts(ctx.turn_id).get(p.call.id)
+        why = (
+            "no worker reported a result within its hard limit plus grace"
+            if start
+            else "no tool worker picked it up in time"
+        )
+        task_id = task_id_for(ctx.turn_id, p.call.id, 1)
+        ctx.app.control.revoke(task_id, terminate=True, signal="SIGKILL")
+        ctx.store.settle(
+            ctx.turn_id,
+            lost_result(
+                p.call,
+                why,
+                task_id=task_id,
+                timeout_s=p.limits.timeout_s,
+                budget_s=p.limits.budget_s,
+                started_at=None if start is None else start.get("started_at"),
+                worker=None if start is None else start.get("worker"),
+            ),
+        )
+        self.settled[p.call.id] = ctx.store.results(ctx.turn_id)[p.call.id]
+
+    def _publish_progress(self, waiting: dict[str, Prepared]) -> None:
+        ctx = self.ctx
+        starts = ctx.store.starts(ctx.turn_id)
+        now = time.time()
+        for cid, p in waiting.items():
+            s = starts.get(cid)
+            ctx.publish(
+                "tool_progress",
+                call_id=cid,
+                tool=p.call.name,
+                elapsed_ms=int((now - float(s["started_at"])) * 1000) if s else 0,
+                state="running" if s else "queued",
+                source="turn",
+            )
+
+
+def canonical_call(call: ToolCall) -> str:
+    """The identity the loop detector compares: tool plus normalised arguments."""
+    try:
+        args: Any = json.loads(call.arguments or "{}")
+        norm = json.dumps(args, sort_keys=True, separators=(",", ":"))
+    except json.JSONDecodeError:
+        norm = call.arguments
+    return f"{call.name}:{norm}"

@@ -1,0 +1,255 @@
+"""The turn loop: model round, approval gate, dispatch, one tool-result message, repeat."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from celery import Celery
+
+from agentq import constants as k
+from agentq.errors import (
+    Aborted,
+    HeadlessInteraction,
+    LlmError,
+    StreamDurationExceeded,
+)
+from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, ToolCall
+from agentq.orchestrator.abort import finalize_abort, pending_calls
+from agentq.orchestrator.approvals import gate
+from agentq.orchestrator.context import TurnContext
+from agentq.orchestrator.dispatch import RoundDispatcher, canonical_call
+from agentq.orchestrator.lease import LeaseKeeper, holder_id
+from agentq.results import denied_result, error_result
+from agentq.runtime import get_app, get_settings, get_store
+from agentq.tools.registry import all_tools
+
+log = logging.getLogger("agentq.turn")
+TERMINAL = frozenset({"finished", "aborted", "error"})
+_keeper: LeaseKeeper | None = None
+
+
+def _lease_keeper() -> LeaseKeeper:
+    global _keeper
+    if _keeper is None:
+        _keeper = LeaseKeeper(get_store(), get_settings().turn_lease_s)
+    return _keeper
+
+
+def turn_calls(history: list[dict[str, Any]], start: int) -> list[ToolCall]:
+    out = []
+    for msg in history[start:]:
+        for c in msg.get("tool_calls") or []:
+            out.append(ToolCall(id=c["id"], name=c["function"]["name"],
+                                arguments=c["function"].get("arguments") or "{}"))
+    return out
+
+
+def limit_checks(
+    earlier: list[ToolCall], new: list[ToolCall], *, max_calls: int, loop_threshold: int
+) -> tuple[dict[str, str], str | None]:
+    """Which new calls must not run (call id -> why), and why the turn stops after this round."""
+    refused: dict[str, str] = {}
+    stop: str | None = None
+    seen = Counter(canonical_call(c) for c in earlier)
+    budget = max_calls - len(earlier)
+    for call in new:
+        key = canonical_call(call)
+        seen[key] += 1
+        if budget <= 0:
+            refused[call.id] = (
+                f"not run: this turn reached max_calls_per_turn={max_calls}. "
+                "Answer the user with what you have."
+            )
+            stop = "max_calls_per_turn"
+            continue
+        budget -= 1
+        if seen[key] >= loop_threshold:
+            refused[call.id] = (
+                f"not run: the same call ({call.name} with the same arguments) was made "
+                f"{seen[key]} times this turn; the loop detector stopped it."
+            )
+            stop = stop or "loop_detected"
+    return refused, stop
+
+
+class Turn:
+    def __init__(self, ctx: TurnContext, state: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.state = state
+
+    def llm_round(self, round_no: int) -> AssistantMessage:
+        ctx, s = self.ctx, self.ctx.settings
+        raw = ctx.store.redis.get(k.llm_result_key(ctx.turn_id, round_no))
+        result = None if raw is None else LlmRoundResult.model_validate_json(raw)
+        if result is None:
+            streamed_s = float(self.state.get("streamed_s", 0.0))
+            left_s = s.stream_duration_s - streamed_s
+            if left_s <= 0:
+                raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
+            attempt = int(self.state.get("llm_attempt", 0)) + 1
+            self.state["llm_attempt"] = attempt
+            ctx.store.update(ctx.turn_id, llm_attempt=attempt)
+            req = LlmRoundRequest(
+                turn_id=ctx.turn_id,
+                round_no=round_no,
+                tools=[t.openai_schema() for t in all_tools().values()],
+                duration_left_s=left_s,
+                idle_timeout_ms=s.stream_idle_timeout_ms,
+            )
+            ctx.app.send_task(k.TASK_LLM_ROUND, kwargs=req.model_dump(),
+                              task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
+                              queue=k.QUEUE_LLM)
+            idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
+            deadline = (time.time() + left_s + (s.llm_max_retries + 1)
+                        * (idle_s + s.llm_request_timeout_s) + 30)
+            while result is None:
+                if time.time() >= deadline:
+                    raise LlmError("no stream worker answered the model round in time")
+                msg = ctx.wait_until(deadline)
+                if msg is None:
+                    continue
+                if msg.get("kind") == "llm" and msg.get("round_no") == round_no:
+                    result = LlmRoundResult.model_validate(msg["result"])
+            self.state["streamed_s"] = float(self.state.get("streamed_s", 0.0)) + result.streamed_s
+            ctx.store.update(ctx.turn_id, streamed_s=self.state["streamed_s"])
+        if result.aborted:
+            ctx.check_abort()
+            raise Aborted(ctx.turn_id, "user")
+        if not result.ok or result.message is None:
+            err = LlmError(result.error or "model round failed")
+            # The stream worker's typed error crossed a process boundary as text;
+            # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
+            err.code = result.error_code or "ELLM"
+            raise err
+        return result.message
+
+    def run_round(self, calls: list[ToolCall], refused: dict[str, str]) -> None:
+        ctx = self.ctx
+        presettled = {c.id: error_result(c, refused[c.id]) for c in calls if c.id in refused}
+        allowed = [c for c in calls if c.id not in refused]
+        outcome = gate(ctx, allowed)
+        presettled.update(outcome.denied)
+        results = RoundDispatcher(ctx).run(calls, presettled=presettled, secrets=outcome.secrets)
+        ctx.store.append_history(ctx.turn_id, *[r.to_openai() for r in results])
+
+    def run(self) -> str:
+        ctx = self.ctx
+        start = int(self.state.get("history_start", 0))
+        while True:
+            ctx.check_abort()
+            history = ctx.store.history(ctx.turn_id)
+            pending = pending_calls(history)
+            if pending:
+                refused = self.state.get("refused") or {}
+                self.run_round(pending, refused)
+                stop = self.state.get("stop_after_round")
+                if stop:
+                    return str(stop)
+                continue
+            round_no = int(self.state.get("round", 0))
+            msg = self.llm_round(round_no)
+            earlier = turn_calls(history, start)
+            refused, stop = limit_checks(
+                earlier, list(msg.tool_calls),
+                max_calls=ctx.settings.max_calls_per_turn,
+                loop_threshold=ctx.settings.loop_threshold,
+            )
+            self.state.update(round=round_no + 1, refused=refused, stop_after_round=stop)
+            # The assistant message is durable before any of its calls is sent.
+            pipe = ctx.store.redis.pipeline()
+            pipe.rpush(k.history_key(ctx.turn_id), json.dumps(msg.to_openai()))
+            pipe.hset(k.turn_key(ctx.turn_id), mapping={
+                "round": json.dumps(round_no + 1), "refused": json.dumps(refused),
+                "stop_after_round": json.dumps(stop),
+                "call_count": json.dumps(len(earlier) + len(msg.tool_calls)),
+            })
+            pipe.execute()
+            if not msg.tool_calls:
+                return "stop"
+
+
+def _finish(ctx: TurnContext, state: dict[str, Any], reason: str) -> None:
+    history = ctx.store.history(ctx.turn_id)
+    final = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
+    conv = state.get("conversation_id")
+    if conv:
+        pipe = ctx.store.redis.pipeline()
+        pipe.delete(k.conversation_key(conv))
+        pipe.rpush(k.conversation_key(conv), *[json.dumps(m) for m in history])
+        pipe.execute()
+    ctx.store.close(ctx.turn_id, "finished", finish_reason=reason, finished_at=time.time())
+    ctx.publish("turn_finished", reason=reason, content=final.get("content") or "",
+                rounds=len([m for m in history if m.get("role") == "assistant"]))
+
+
+def _fail(ctx: TurnContext, code: str, message: str, **fields: Any) -> None:
+    for call in pending_calls(ctx.store.history(ctx.turn_id)):
+        ctx.store.settle(ctx.turn_id, denied_result(call, "policy") if code == "headless_interaction"
+                         else error_result(call, f"not run: the turn failed ({message})"))
+    results = ctx.store.results(ctx.turn_id)
+    calls = pending_calls(ctx.store.history(ctx.turn_id))
+    ctx.store.append_history(ctx.turn_id, *[results[c.id].to_openai() for c in calls])
+    ctx.store.close(ctx.turn_id, "error", error=message, error_code=code)
+    ctx.publish("turn_error", code=code, error=message, **fields)
+
+
+def run_turn(turn_id: str, app: Celery | None = None) -> str:
+    """Run (or resume) a turn until it finishes; safe to call twice: a live lease wins."""
+    store = get_store()
+    settings = get_settings()
+    state = store.state(turn_id)
+    if state is None:
+        log.warning("turn %s: no state, nothing to run", turn_id)
+        return "unknown"
+    if state.get("status") in TERMINAL:
+        return str(state["status"])
+    holder = holder_id()
+    if not store.acquire_lease(turn_id, holder, settings.turn_lease_s):
+        return "busy"
+    ctx = TurnContext(turn_id=turn_id, store=store, app=app or get_app(), settings=settings,
+                      headless=bool(state.get("headless")))
+    keeper = _lease_keeper()
+    keeper.hold(ctx, holder)
+    try:
+        state = store.state(turn_id) or state
+        if state.get("status") in TERMINAL:
+            return str(state["status"])
+        if state.get("status") == "queued":
+            store.update(turn_id, status="running", started_at=time.time())
+            ctx.publish("turn_started", conversation_id=state.get("conversation_id"),
+                        headless=ctx.headless)
+        else:
+            ctx.publish("turn_resumed", worker=holder)
+        try:
+            reason = Turn(ctx, state).run()
+        except Aborted as exc:
+            if exc.reason == "lease lost":
+                return "lease lost"
+            finalize_abort(store, ctx.app, turn_id, store.cancel_reason(turn_id) or exc.reason,
+                           kill_grace_s=settings.abort_kill_grace_s)
+            return "aborted"
+        except HeadlessInteraction as exc:
+            _fail(ctx, "headless_interaction", exc.message, request_id=exc.request_id,
+                  kind=exc.kind, exit_code=4)
+            return "error"
+        except LlmError as exc:
+            _fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)
+            return "error"
+        _finish(ctx, state, reason)
+        return "finished"
+    except Exception as exc:
+        log.exception("turn %s failed", turn_id)
+        _fail(ctx, "internal", f"{type(exc).__name__}: {exc}")
+        return "error"
+    finally:
+        keeper.drop(turn_id)
+
+
+def register_turn_task(app: Celery) -> None:
+    @app.task(name=k.TASK_TURN, acks_late=True, ignore_result=True, queue=k.QUEUE_TURNS)
+    def run_turn_task(turn_id: str) -> str:
+        return run_turn(turn_id, app)

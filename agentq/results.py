@@ -1,0 +1,129 @@
+"""Settling rules: how each way a call can end becomes one ToolResult the model can act on."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from agentq.models import InvocationRecord, ToolCall, ToolResult, ToolStatus
+
+
+def record_for(
+    call: ToolCall,
+    status: ToolStatus,
+    *,
+    task_id: str | None = None,
+    started_at: float | None = None,
+    finished_at: float | None = None,
+    budget_s: float | None = None,
+    timeout_s: float | None = None,
+    **extra: Any,
+) -> InvocationRecord:
+    finished = finished_at if finished_at is not None else time.time()
+    duration_ms = int((finished - started_at) * 1000) if started_at is not None else None
+    return InvocationRecord(
+        call_id=call.id,
+        tool=call.name,
+        status=status,
+        task_id=task_id,
+        started_at=started_at,
+        finished_at=finished,
+        duration_ms=duration_ms,
+        budget_s=budget_s,
+        timeout_s=timeout_s,
+        **extra,
+    )
+
+
+def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
+    """A call that could not run or raised: the model reads what went wrong."""
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="error",
+        content=json.dumps({"status": "error", "error": message}),
+        error=message,
+        record=record_for(call, "error", **record),
+    )
+
+
+def timeout_result(
+    call: ToolCall, timeout_s: float, *, killed: bool, soft: bool = False, **record: Any
+) -> ToolResult:
+    if soft:
+        what = (
+            f"Tool {call.name!r} hit its soft time limit and gave up without a result "
+            f"(hard limit {timeout_s:g}s)."
+        )
+    elif killed:
+        what = (
+            f"Tool {call.name!r} was stopped at its hard time limit of {timeout_s:g}s; "
+            "its process was killed, so it is not running any more."
+        )
+    else:
+        what = (
+            f"Tool {call.name!r} did not answer within {timeout_s:g}s; "
+            "it may still be running in the background."
+        )
+    advice = (
+        "Try a smaller or simpler request, split the work into steps, or pass "
+        '"_meta": {"timeout_s": N} in the arguments to ask for more time '
+        "(up to the tool's ceiling)."
+    )
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="timeout",
+        content=json.dumps({"status": "timeout", "error": what, "advice": advice}),
+        error=what,
+        record=record_for(call, "timeout", timeout_s=timeout_s, soft_limited=soft, **record),
+    )
+
+
+def cancelled_result(call: ToolCall, reason: str = "user", **record: Any) -> ToolResult:
+    msg = f"Tool {call.name!r} was cancelled because the turn was aborted ({reason})."
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="cancelled",
+        content=json.dumps({"status": "cancelled", "reason": reason, "error": msg}),
+        error=msg,
+        reason=reason,
+        record=record_for(call, "cancelled", **record),
+    )
+
+
+def denied_result(call: ToolCall, reason: str, **record: Any) -> ToolResult:
+    """The typed result of the approval gate; `reason` is timeout, user or policy."""
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="denied",
+        content=json.dumps({"status": "denied", "decider": "mode_gate", "reason": reason}),
+        reason=reason,
+        record=record_for(call, "denied", **record),
+    )
+
+
+def lost_result(call: ToolCall, why: str, **record: Any) -> ToolResult:
+    msg = (
+        f"Tool {call.name!r} was lost: {why}. It is unknown whether it had any effect; "
+        "check before running it again."
+    )
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="lost",
+        content=json.dumps({"status": "lost", "error": msg}),
+        error=msg,
+        record=record_for(call, "lost", **record),
+    )
+
+
+def order_results(calls: list[ToolCall], settled: dict[str, ToolResult]) -> list[ToolResult]:
+    """One result per call, in the model's call order; a call missing here is a bug."""
+    missing = [c.id for c in calls if c.id not in settled]
+    if missing:
+        raise ValueError(f"calls without a settled result: {missing}")
+    return [settled[c.id] for c in calls]

@@ -1,0 +1,63 @@
+"""Process-wide singletons: settings, Redis client, store, Celery app."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+from celery import Celery
+
+from agentq.config import Settings, get_settings
+from agentq.store import TurnStore
+
+_lock = threading.Lock()
+_redis: redis.Redis | None = None
+_store: TurnStore | None = None
+_app: Celery | None = None
+
+
+def get_redis(settings: Settings | None = None) -> redis.Redis:
+    global _redis
+    with _lock:
+        if _redis is None:
+            s = settings or get_settings()
+            _redis = redis.Redis.from_url(
+                s.redis_url,
+                socket_keepalive=True,
+                health_check_interval=30,
+                retry_on_timeout=True,
+            )
+        return _redis
+
+
+def get_store(settings: Settings | None = None) -> TurnStore:
+    global _store
+    s = settings or get_settings()
+    client = get_redis(s)
+    with _lock:
+        if _store is None:
+            _store = TurnStore(client, log_maxlen=s.event_log_maxlen, ttl_s=s.state_ttl_s)
+        return _store
+
+
+def get_app() -> Celery:
+    """The app of this process: the worker's when inside one, else a sender-only app."""
+    global _app
+    with _lock:
+        if _app is None:
+            from agentq.app import create_app
+
+            _app = create_app(get_settings())
+        return _app
+
+
+def set_app(app: Celery) -> None:
+    global _app
+    _app = app
+
+
+def reset() -> None:
+    """Forget every singleton (tests that change settings)."""
+    global _redis, _store, _app
+    get_settings.cache_clear()
+    _redis = _store = _app = None

@@ -1,0 +1,235 @@
+"""Durable turn state in Redis: state, history, results by call id, the inbox, the lease."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from agentq import constants as k
+from agentq.events.bus import EventBus, event_body, publish_lua
+from agentq.models import ToolResult
+
+# Settle = store the result under its call id (first writer wins), wake the turn and
+# publish tool_finished, in one atomic step: exactly one result per call, whoever
+# settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
+_SETTLE_LUA = (
+    """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[3])
+"""
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[4]", "ARGV[5]")
+    + "return 1"
+)
+
+# A task that starts checks, in the same step that records its start, that its call
+# is not settled yet (a redelivery) and its turn not cancelled.
+_START_LUA = (
+    """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+"""
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + "return 1"
+)
+
+_RENEW_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+def _loads(v: bytes | str | None) -> Any:
+    return None if v is None else json.loads(v)
+
+
+class TurnStore:
+    def __init__(self, client: redis.Redis, *, log_maxlen: int = 10_000, ttl_s: int = 604800):
+        self.redis = client
+        self.bus = EventBus(client, log_maxlen=log_maxlen)
+        self.ttl_s = ttl_s
+        self._settle = client.register_script(_SETTLE_LUA)
+        self._start = client.register_script(_START_LUA)
+        self._renew = client.register_script(_RENEW_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+
+    # -- state ---------------------------------------------------------------
+
+    def create(self, turn_id: str, state: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        pipe = self.redis.pipeline()
+        pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
+        if history:
+            pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
+        pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
+        parent = state.get("parent_turn_id")
+        if parent:
+            pipe.sadd(k.children_key(parent), turn_id)
+        pipe.execute()
+
+    def state(self, turn_id: str) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(k.turn_key(turn_id))
+        if not raw:
+            return None
+        return {f.decode(): json.loads(v) for f, v in raw.items()}
+
+    def update(self, turn_id: str, **fields: Any) -> None:
+        self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
+
+    def status(self, turn_id: str) -> str | None:
+        return _loads(self.redis.hget(k.turn_key(turn_id), "status"))  # type: ignore[no-any-return]
+
+    def active(self) -> list[str]:
+        return [t.decode() for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
+
+    def close(self, turn_id: str, status: str, **fields: Any) -> None:
+        """Mark the turn ended and give its keys the retention TTL."""
+        pipe = self.redis.pipeline()
+        pipe.hset(
+            k.turn_key(turn_id),
+            mapping={f: json.dumps(v) for f, v in {"status": status, **fields}.items()},
+        )
+        pipe.zrem(k.ACTIVE_TURNS, turn_id)
+        for key in k.turn_keys(turn_id):
+            pipe.expire(key, self.ttl_s)
+        pipe.execute()
+
+    # -- history ---------------------------------------------------------------
+
+    def history(self, turn_id: str) -> list[dict[str, Any]]:
+        return [json.loads(m) for m in self.redis.lrange(k.history_key(turn_id), 0, -1)]
+
+    def append_history(self, turn_id: str, *messages: dict[str, Any]) -> None:
+        if messages:
+            self.redis.rpush(k.history_key(turn_id), *[json.dumps(m) for m in messages])
+
+    # -- calls and results -------------------------------------------------------
+
+    def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
+        if records:
+            self.redis.hset(
+                k.calls_key(turn_id), mapping={c: json.dumps(r) for c, r in records.items()}
+            )
+
+    def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
+        raw = self.redis.hgetall(k.calls_key(turn_id))
+        return {c.decode(): json.loads(v) for c, v in raw.items()}
+
+    def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
+        raw = self.redis.hgetall(k.started_key(turn_id))
+        return {c.decode(): json.loads(v) for c, v in raw.items()}
+
+    def mark_started(self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]) -> int:
+        """Record a task's start; 1 started, 0 already settled, -1 turn cancelled."""
+        return int(
+            self._start(
+                keys=[
+                    k.results_key(turn_id),
+                    k.started_key(turn_id),
+                    k.cancel_key(turn_id),
+                    k.seq_key(turn_id),
+                    k.log_key(turn_id),
+                    k.events_channel(turn_id),
+                ],
+                args=[
+                    call_id,
+                    json.dumps(start),
+                    event_body(turn_id, "tool_started", event),
+                    self.bus.log_maxlen,
+                ],
+            )
+        )
+
+    def settle(self, turn_id: str, result: ToolResult) -> bool:
+        """Store a call's result unless one is stored already; True if this one won."""
+        result_json = result.model_dump_json()
+        rec = result.record
+        event = {
+            "call_id": result.call_id,
+            "tool": result.tool,
+            "status": result.status,
+            "duration_ms": rec.duration_ms,
+            "overran": rec.overran,
+            "soft_limited": rec.soft_limited,
+            "partial": rec.partial,
+            "worker": rec.worker,
+            "error": result.error,
+            "reason": result.reason,
+            "truncated_bytes": result.truncated_bytes,
+        }
+        inbox_msg = '{"kind":"result","call_id":%s,"result":%s}' % (
+            json.dumps(result.call_id),
+            result_json,
+        )
+        won = self._settle(
+            keys=[
+                k.results_key(turn_id),
+                k.inbox_key(turn_id),
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+            ],
+            args=[
+                result.call_id,
+                result_json,
+                inbox_msg,
+                event_body(turn_id, "tool_finished", event),
+                self.bus.log_maxlen,
+            ],
+        )
+        return bool(won)
+
+    def results(self, turn_id: str) -> dict[str, ToolResult]:
+        raw = self.redis.hgetall(k.results_key(turn_id))
+        return {c.decode(): ToolResult.model_validate_json(v) for c, v in raw.items()}
+
+    # -- inbox ----------------------------------------------------------------------
+
+    def push(self, turn_id: str, msg: dict[str, Any]) -> None:
+        self.redis.rpush(k.inbox_key(turn_id), json.dumps(msg))
+
+    def pop(self, turn_id: str, timeout_s: float) -> dict[str, Any] | None:
+        """Wait for the next inbox message; None when `timeout_s` passes first."""
+        if timeout_s <= 0:
+            raw = self.redis.lpop(k.inbox_key(turn_id))
+            return None if raw is None else json.loads(raw)  # type: ignore[arg-type]
+        item = self.redis.blpop([k.inbox_key(turn_id)], timeout=max(timeout_s, 0.01))
+        return None if item is None else json.loads(item[1])
+
+    # -- cancel ---------------------------------------------------------------------------
+
+    def request_cancel(self, turn_id: str, reason: str) -> bool:
+        """Set the cancel flag; False if it was set already."""
+        first = self.redis.set(k.cancel_key(turn_id), reason, nx=True, ex=self.ttl_s)
+        return bool(first)
+
+    def cancel_reason(self, turn_id: str) -> str | None:
+        v = self.redis.get(k.cancel_key(turn_id))
+        return None if v is None else v.decode()  # type: ignore[union-attr]
+
+    def children(self, turn_id: str) -> list[str]:
+        return [c.decode() for c in self.redis.smembers(k.children_key(turn_id))]
+
+    # -- lease -------------------------------------------------------------------------
+
+    def acquire_lease(self, turn_id: str, holder: str, ttl_s: float) -> bool:
+        return bool(self.redis.set(k.lease_key(turn_id), holder, nx=True, px=int(ttl_s * 1000)))
+
+    def renew_lease(self, turn_id: str, holder: str, ttl_s: float) -> bool:
+        return bool(self._renew(keys=[k.lease_key(turn_id)], args=[holder, int(ttl_s * 1000)]))
+
+    def release_lease(self, turn_id: str, holder: str) -> None:
+        self._release(keys=[k.lease_key(turn_id)], args=[holder])
+
+    def lease_holder(self, turn_id: str) -> str | None:
+        v = self.redis.get(k.lease_key(turn_id))
+        return None if v is None else v.decode()  # type: ignore[union-attr]

@@ -1,0 +1,1 @@
+"""Tools: the @tool decorator, their policy, their context, and the Celery task that runs them."""

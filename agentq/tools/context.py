@@ -1,0 +1,85 @@
+"""What a running tool sees of agentq: cancellation, progress, its deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+class ToolContext:
+    """Handed to a tool as its first argument (`ctx`)."""
+
+    _CANCEL_POLL_S = 0.1
+
+    def __init__(
+        self,
+        *,
+        turn_id: str,
+        call_id: str,
+        tool: str,
+        started_at: float,
+        timeout_s: float,
+        soft_timeout_s: float | None,
+        is_cancelled: Callable[[], bool] | None = None,
+        on_progress: Callable[[str, float | None, dict[str, Any]], None] | None = None,
+        read_secret: Callable[[], str | None] | None = None,
+        attempt: int = 1,
+    ) -> None:
+        self.turn_id = turn_id
+        self.call_id = call_id
+        self.tool = tool
+        self.started_at = started_at
+        self.timeout_s = timeout_s
+        self.soft_timeout_s = soft_timeout_s
+        self.attempt = attempt
+        self._is_cancelled = is_cancelled
+        self._on_progress = on_progress
+        self._read_secret = read_secret
+        self._cancel_checked_at = 0.0
+        self._cancelled = False
+
+    @property
+    def deadline(self) -> float | None:
+        """Epoch seconds at which the worker kills this call; None when unlimited."""
+        return self.started_at + self.timeout_s if self.timeout_s > 0 else None
+
+    @property
+    def time_left_s(self) -> float | None:
+        d = self.deadline
+        return None if d is None else max(0.0, d - time.time())
+
+    @property
+    def soft_limited(self) -> bool:
+        """True once the soft limit has passed: return what you have."""
+        return bool(self.soft_timeout_s) and time.time() - self.started_at >= (
+            self.soft_timeout_s or 0
+        )
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the turn was aborted; polled cheaply, so tools may check it in loops."""
+        if self._cancelled or self._is_cancelled is None:
+            return self._cancelled
+        now = time.monotonic()
+        if now - self._cancel_checked_at >= self._CANCEL_POLL_S:
+            self._cancel_checked_at = now
+            self._cancelled = self._is_cancelled()
+        return self._cancelled
+
+    def progress(self, message: str = "", pct: float | None = None, **fields: Any) -> None:
+        """Report progress: a `tool_progress` event for clients and a PROGRESS state in Flower."""
+        if self._on_progress is not None:
+            self._on_progress(message, pct, fields)
+
+    def secret(self) -> str | None:
+        """The password answered for this call, readable once; never stored anywhere else."""
+        return self._read_secret() if self._read_secret is not None else None
+
+
+class Partial:
+    """Return `Partial(value)` to say the result is incomplete (e.g. cut short by the soft limit)."""
+
+    def __init__(self, value: Any, note: str = "") -> None:
+        self.value = value
+        self.note = note

@@ -1,0 +1,185 @@
+"""The @tool decorator and the registry: arguments validated by pydantic from the signature."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, get_type_hints, overload
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+
+from agentq.constants import TOOL_TASK_PREFIX
+from agentq.errors import ToolArgumentsInvalid, ToolDefinitionError, UnknownTool
+from agentq.tools.context import ToolContext
+from agentq.tools.policy import ToolPolicy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_REGISTRY: dict[str, ToolSpec] = {}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    fn: Callable[..., Any]
+    description: str
+    policy: ToolPolicy
+    args_model: type[BaseModel]
+    wants_ctx: bool
+    schema: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def task_name(self) -> str:
+        return TOOL_TASK_PREFIX + self.name
+
+    def openai_schema(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.schema,
+            },
+        }
+
+    def validate(self, arguments: dict[str, Any]) -> BaseModel:
+        try:
+            return self.args_model.model_validate(arguments)
+        except ValidationError as exc:
+            raise ToolArgumentsInvalid(self.name, _describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:10]:
+        loc = ".".join(str(p) for p in err["loc"]) or "(arguments)"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _args_model(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], bool]:
+    sig = inspect.signature(fn)
+    try:
+        hints = get_type_hints(fn)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a declaration error
+        raise ToolDefinitionError(name, f"cannot resolve annotations: {exc}") from None
+    fields: dict[str, Any] = {}
+    wants_ctx = False
+    for i, (pname, param) in enumerate(sig.parameters.items()):
+        ann = hints.get(pname, Any)
+        if i == 0 and (ann is ToolContext or pname == "ctx"):
+            wants_ctx = True
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(name, f"*args/**kwargs ({pname}) cannot be described to a model")
+        if pname.startswith("_"):
+            raise ToolDefinitionError(name, f"argument {pname!r} may not start with '_'")
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[pname] = (ann, default)
+    model = create_model(  # type: ignore[call-overload]
+        f"{name}_arguments",
+        __config__=ConfigDict(extra="forbid"),
+        **fields,
+    )
+    return model, wants_ctx
+
+
+@overload
+def tool(fn: F, /) -> F: ...
+@overload
+def tool(
+    fn: None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    **policy: Any,
+) -> Callable[[F], F]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    **policy: Any,
+) -> Any:
+    """Declare a tool; keyword arguments are its ToolPolicy (timeout_s, budget_s, ...)."""
+
+    def register(f: F) -> F:
+        tool_name = name or f.__name__
+        try:
+            pol = ToolPolicy(**policy)
+        except ValidationError as exc:
+            raise ToolDefinitionError(tool_name, _describe(exc)) from None
+        except TypeError as exc:
+            raise ToolDefinitionError(tool_name, str(exc)) from None
+        model, wants_ctx = _args_model(tool_name, f)
+        schema = model.model_json_schema()
+        schema.pop("title", None)
+        for prop in schema.get("properties", {}).values():
+            prop.pop("title", None)
+        doc = description or inspect.getdoc(f) or ""
+        spec = ToolSpec(
+            name=tool_name,
+            fn=f,
+            description=doc.strip(),
+            policy=pol,
+            args_model=model,
+            wants_ctx=wants_ctx,
+            schema=schema,
+        )
+        _REGISTRY[tool_name] = spec
+        f.agentq_tool = spec  # type: ignore[attr-defined]
+        return f
+
+    if fn is not None:
+        return register(fn)
+    return register
+
+
+def get_tool(name: str) -> ToolSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownTool(name, list(_REGISTRY)) from None
+
+
+def all_tools() -> dict[str, ToolSpec]:
+    return dict(_REGISTRY)
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def load_tool_modules(modules: list[str]) -> list[str]:
+    """Import the modules named in AGENTQ_TOOLS; return the tool names now known."""
+    from agentq.errors import ConfigError
+
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:
+            raise ConfigError("AGENTQ_TOOLS", f"cannot import {mod!r}: {exc}") from None
+    return sorted(_REGISTRY)
+
+
+def parse_arguments(tool_name: str, raw: str) -> dict[str, Any]:
+    """Parse a call's raw JSON arguments into an object, with an error the model can act on."""
+    text = raw.strip() or "{}"
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ToolArgumentsInvalid(
+            tool_name, f"arguments are not valid JSON ({exc.msg} at position {exc.pos})"
+        ) from None
+    if not isinstance(value, dict):
+        raise ToolArgumentsInvalid(
+            tool_name, f"arguments must be a JSON object, got {type(value).__name__}"
+        )
+    return value

@@ -1,0 +1,58 @@
+"""The Celery app of agentq workers (`celery -A agentq.worker ...` works too)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from celery.signals import worker_init, worker_ready
+
+from agentq.app import create_app
+from agentq.config import get_settings
+from agentq.llm.task import register_llm_task
+from agentq.orchestrator.turn import register_turn_task
+from agentq.runtime import get_store, set_app
+from agentq.tools.registry import all_tools, load_tool_modules
+from agentq.tools.task import register_tool_tasks
+
+log = logging.getLogger("agentq.worker")
+
+settings = get_settings()
+load_tool_modules(settings.tool_modules)
+_longest = max([settings.tool_timeout_s] + [t.policy.timeout_s for t in all_tools().values()])
+app = create_app(settings, longest_tool_timeout_s=_longest)
+set_app(app)
+register_turn_task(app)
+register_llm_task(app)
+tool_queues = register_tool_tasks(app)
+
+PREFORK_POOLS = ("prefork", "processes")
+
+
+@worker_init.connect
+def _check_pool(sender: Any = None, **_: Any) -> None:
+    """A tool worker on a pool that cannot kill a process would not enforce hard limits."""
+    if os.environ.get("AGENTQ_WORKER_KIND") != "tools":
+        return
+    pool = getattr(sender, "pool_cls", None)
+    name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+    if not any(p in str(name) for p in PREFORK_POOLS):
+        raise SystemExit(
+            f"agentq: the tool worker needs the prefork pool (got {name}); "
+            "hard time limits are only enforced there"
+        )
+
+
+@worker_ready.connect
+def _start_reaper(**_: Any) -> None:
+    if os.environ.get("AGENTQ_WORKER_KIND") != "turns":
+        return
+    from agentq.constants import QUEUE_TURNS, TASK_TURN
+    from agentq.orchestrator.lease import Reaper
+
+    def resume(turn_id: str) -> None:
+        app.send_task(TASK_TURN, args=[turn_id], queue=QUEUE_TURNS)
+
+    Reaper(get_store(), settings.turn_lease_s, resume).start()
+    log.info("agentq turn worker ready: lease %.1fs, reaper on", settings.turn_lease_s)

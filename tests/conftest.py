@@ -1,0 +1,117 @@
+"""Shared fixtures: a real Redis, real worker processes, a real scripted model server."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentq import runtime
+from agentq.testing.processes import ManagedProcess, kill_all, start_worker
+from agentq.testing.redis_server import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+
+
+def base_env(redis_url: str, llm_url: str | None = None, **extra: str) -> dict[str, str]:
+    env = {
+        "AGENTQ_REDIS_URL": redis_url,
+        "AGENTQ_TOOLS": "agentq.testing.tools",
+        "AGENTQ_TURN_LEASE_S": "1.5",
+        "AGENTQ_TOOL_GRACE_S": "1.5",
+        "AGENTQ_ABORT_KILL_GRACE_S": "0.5",
+        "AGENTQ_PROGRESS_INTERVAL_S": "1",
+        "AGENTQ_STREAM_IDLE_TIMEOUT_MS": "3000",
+        "AGENTQ_LLM_MAX_RETRIES": "2",
+        "AGENTQ_APPROVAL_TIMEOUT_S": "120",
+        "PYTHONPATH": str(ROOT),
+        "PYTHONUNBUFFERED": "1",
+    }
+    if llm_url:
+        env["AGENTQ_LLM_BASE_URL"] = llm_url
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def llm_server() -> Iterator[object]:
+    from agentq.testing.openai_server import ScriptedOpenAIServer
+
+    with ScriptedOpenAIServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def agentq_env(redis_server: RedisServer, llm_server: object) -> Iterator[dict[str, str]]:
+    env = base_env(redis_server.url, llm_server.url)  # type: ignore[attr-defined]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    runtime.reset()
+    import agentq.testing.tools  # noqa: F401 - the dispatcher validates against the registry
+
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    runtime.reset()
+
+
+def _worker(kind: str, env: dict[str, str], concurrency: int, name: str) -> ManagedProcess:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return start_worker(
+        kind,
+        env=env,
+        hostname=f"{name}-{uuid.uuid4().hex[:6]}@%h",
+        concurrency=concurrency,
+        log_path=ARTIFACTS / f"{name}-{os.getpid()}.log",
+    )
+
+
+@pytest.fixture(scope="session")
+def tool_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
+    proc = _worker("tools", agentq_env, 4, "tools")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def llm_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
+    proc = _worker("llm", agentq_env, 8, "llm")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def turn_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
+    proc = _worker("turns", agentq_env, 32, "turns")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def fleet(tool_worker: ManagedProcess, llm_worker: ManagedProcess,
+          turn_worker: ManagedProcess) -> dict[str, ManagedProcess]:
+    return {"tools": tool_worker, "llm": llm_worker, "turns": turn_worker}
+
+
+@pytest.fixture()
+def client(agentq_env: dict[str, str]) -> object:
+    from agentq.api import Client
+
+    return Client()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    kill_all()
