@@ -1,1 +1,99 @@
-"""agentq: LLM agent turns as background jobs on a Celery fleet."""
+"""agentq: LLM agent turns as background jobs on a Celery fleet.
+
+Every tool call is its own Celery task with soft and hard limits, a turn can be
+aborted for real, the results of a round settle into one tool-result message, and
+every step is published as an event over Redis.
+"""
+
+from agentq.api import Client
+from agentq.config import Settings, get_settings, load_settings
+from agentq.errors import (
+    Aborted,
+    AgentqError,
+    ConfigError,
+    HeadlessInteraction,
+    InteractionClosed,
+    InteractionError,
+    InteractionNotFound,
+    LlmError,
+    MalformedStreamChunk,
+    ModelHTTPError,
+    PayloadTooLarge,
+    StreamDurationExceeded,
+    StreamIdleTimeout,
+    TokenInvalid,
+    ToolArgumentsInvalid,
+    ToolDefinitionError,
+    ToolError,
+    ToolTimeout,
+    TurnBusy,
+    TurnError,
+    TurnNotFound,
+    UnknownTool,
+)
+from agentq.models import (
+    AssistantMessage,
+    Event,
+    InteractionAnswer,
+    InteractionRequest,
+    InvocationRecord,
+    ToolCall,
+    ToolResult,
+    ToolResultMessage,
+    TurnHandle,
+    TurnRequest,
+)
+from agentq.tools.context import Partial, ToolContext
+from agentq.tools.policy import ToolPolicy
+from agentq.tools.registry import ToolSpec, tool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # declaring tools
+    "tool",
+    "ToolContext",
+    "ToolPolicy",
+    "ToolSpec",
+    "Partial",
+    # running turns
+    "Client",
+    "Settings",
+    "get_settings",
+    "load_settings",
+    # data that crosses processes
+    "AssistantMessage",
+    "Event",
+    "InteractionAnswer",
+    "InteractionRequest",
+    "InvocationRecord",
+    "ToolCall",
+    "ToolResult",
+    "ToolResultMessage",
+    "TurnHandle",
+    "TurnRequest",
+    # errors
+    "AgentqError",
+    "ConfigError",
+    "PayloadTooLarge",
+    "ToolError",
+    "UnknownTool",
+    "ToolDefinitionError",
+    "ToolArgumentsInvalid",
+    "ToolTimeout",
+    "LlmError",
+    "StreamIdleTimeout",
+    "StreamDurationExceeded",
+    "ModelHTTPError",
+    "MalformedStreamChunk",
+    "Aborted",
+    "TurnError",
+    "TurnNotFound",
+    "TokenInvalid",
+    "TurnBusy",
+    "InteractionError",
+    "InteractionNotFound",
+    "InteractionClosed",
+    "HeadlessInteraction",
+    "__version__",
+]

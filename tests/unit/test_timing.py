@@ -1,0 +1,65 @@
+"""Deadlines, hint clamping and budgets, decided without waiting."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentq.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
+
+
+def limits(timeout_s: float = 120, soft: float | None = None, max_s: float | None = None,
+           hint: float | None = None):
+    return effective_limits(timeout_s=timeout_s, soft_timeout_s=soft, budget_s=10,
+                            max_timeout_s=max_s, hint_s=hint)
+
+
+def test_defaults_soft_is_nine_tenths_of_hard() -> None:
+    lim = limits()
+    assert (lim.timeout_s, lim.soft_timeout_s) == (120, 108)
+    assert lim.celery_options == {"time_limit": 120, "soft_time_limit": 108}
+
+
+def test_hint_is_clamped_to_the_ceiling() -> None:
+    assert limits(timeout_s=30, hint=9999).timeout_s == 30
+    assert limits(timeout_s=30, max_s=300, hint=9999).timeout_s == 300
+    assert limits(timeout_s=30, max_s=300, hint=60).timeout_s == 60
+
+
+def test_hint_may_shorten_and_soft_follows() -> None:
+    lim = limits(timeout_s=30, soft=25, hint=10)
+    assert lim.timeout_s == 10 and lim.soft_timeout_s == 9
+
+
+def test_zero_timeout_means_no_limit_unless_hinted() -> None:
+    assert limits(timeout_s=0).celery_options == {}
+    assert limits(timeout_s=0, max_s=0, hint=50).timeout_s == 50
+
+
+def test_split_meta_strips_and_validates() -> None:
+    args, hint, problem = split_meta({"q": 1, "_meta": {"timeout_s": 5}})
+    assert args == {"q": 1} and hint == 5 and problem is None
+    assert split_meta({"q": 1}) == ({"q": 1}, None, None)
+    for bad in ({"timeout_s": -1}, {"timeout_s": "soon"}, {"timeout_s": True}, "x"):
+        args, hint, problem = split_meta({"q": 1, "_meta": bad})
+        assert args == {"q": 1} and hint is None and problem
+
+
+def test_lost_deadline_before_and_after_start() -> None:
+    kw = dict(timeout_s=2.0, grace_s=1.0, queue_timeout_s=300.0)
+    assert lost_deadline(dispatched_at=100.0, started_at=None, **kw) == 401.0
+    assert lost_deadline(dispatched_at=100.0, started_at=110.0, **kw) == 113.0
+    assert lost_deadline(dispatched_at=100.0, started_at=110.0, timeout_s=0, grace_s=1,
+                         queue_timeout_s=300) is None
+
+
+@pytest.mark.parametrize(("duration", "budget", "expected"),
+                         [(5, 10, False), (11, 10, True), (100, 0, False)])
+def test_overran(duration: float, budget: float, expected: bool) -> None:
+    assert overran(duration, budget) is expected
+
+
+def test_truncate_marks_how_much_was_cut() -> None:
+    text, cut = truncate_text("é" * 1000, 500)
+    assert cut > 0 and len(text.encode()) <= 500 + 80
+    assert f"cut {cut} of 2000 bytes" in text
+    assert truncate_text("short", 500) == ("short", 0)
