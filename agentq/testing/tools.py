@@ -30,16 +30,28 @@ def sleep(ctx: ToolContext, seconds: float) -> dict[str, object]:
     return {"slept_s": round(time.time() - start, 3), "pid": os.getpid()}
 
 
-@tool(timeout_s=2, budget_s=1)
-def stuck(seconds: float = 60) -> str:
-    """Block like an uninterruptible call: ignores cancellation and the soft limit."""
+def _sleep_through(seconds: float) -> None:
+    """Sleep like an uninterruptible call: deaf to cancellation and the soft limit."""
     end = time.time() + seconds
     while time.time() < end:
         try:
             time.sleep(max(0.0, end - time.time()))
         except SoftTimeLimitExceeded:
             continue
+
+
+@tool(timeout_s=2, budget_s=1)
+def stuck(seconds: float = 60) -> str:
+    """Block past its 2 s hard limit."""
+    _sleep_through(seconds)
     return "woke up"
+
+
+@tool(timeout_s=60, budget_s=1)
+def hang(seconds: float = 60) -> dict[str, object]:
+    """Block for a long time in one call; only killing the process stops it."""
+    _sleep_through(seconds)
+    return {"woke": True, "pid": os.getpid()}
 
 
 @tool(timeout_s=2, soft_timeout_s=1, budget_s=1)

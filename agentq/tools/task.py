@@ -33,6 +33,8 @@ class ToolTask(Task):  # type: ignore[misc]
     ignore_result = True
     typing = False
     reject_on_worker_lost = False
+    # An idempotent call whose process died is re-run at once, not after Celery's 180 s.
+    default_retry_delay = 0
 
 
 def _render(value: Any) -> str:

@@ -1,0 +1,164 @@
+"""Whole turns through real turn, stream and tool workers and the scripted model server."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import psutil
+import pytest
+
+from agentq.api import Client
+from agentq.errors import TurnNotFound
+from agentq.models import Event
+from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.processes import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+def script(llm_server: Any, *rounds: Round) -> str:
+    key = f"t-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(key, list(rounds))
+    return key
+
+
+def calls(*specs: tuple[str, dict[str, Any]]) -> list[ScriptedCall]:
+    return [ScriptedCall(name=n, arguments=a) for n, a in specs]
+
+
+def collect(client: Client, turn_id: str, timeout_s: float = 30) -> list[Event]:
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    for ev in client.events(turn_id, heartbeat_s=0.5):
+        if ev is not None:
+            out.append(ev)
+            if ev.type in ("turn_finished", "turn_aborted", "turn_error"):
+                return out
+        assert time.monotonic() < deadline, [e.type for e in out]
+    return out
+
+
+def assert_valid_history(history: list[dict[str, Any]]) -> None:
+    """Every tool call of every assistant message has exactly one tool message after it."""
+    for i, msg in enumerate(history):
+        for call in msg.get("tool_calls") or []:
+            answers = [m for m in history[i + 1:] if m.get("tool_call_id") == call["id"]]
+            assert len(answers) == 1, (call["id"], history)
+
+
+def test_turn_runs_tools_and_answers(fleet, llm_server, client: Client) -> None:
+    key = script(llm_server,
+                 Round(text="Working.", tool_calls=calls(("echo", {"text": "hi"}),
+                                                          ("sleep", {"seconds": 0.3}))),
+                 Round(text="All done."))
+    handle = client.start_turn(f"{key} please")
+    events = collect(client, handle.turn_id)
+    types = [e.type for e in events]
+    assert types[0] == "turn_started" and types[-1] == "turn_finished"
+    for t in ("llm_started", "llm_delta", "llm_finished", "tool_started", "tool_finished"):
+        assert t in types, t
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    finished = [e for e in events if e.type == "tool_finished"]
+    assert {e.fields["status"] for e in finished} == {"ok"}
+    assert events[-1].fields["content"] == "All done."
+    turn = client.get(handle.turn_id)
+    history = turn["history"]
+    assert [m["role"] for m in history] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert history[2]["content"] == "hi"
+    assert_valid_history(history)
+    assert turn["state"]["status"] == "finished"
+    assert {r["status"] for r in turn["invocations"]} == {"ok"}
+
+
+def test_abort_kills_the_stuck_tool_and_keeps_the_sibling(fleet, llm_server,
+                                                          client: Client) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}),
+                                                    ("echo", {"text": "fast"}))))
+    handle = client.start_turn(key)
+    tid = handle.turn_id
+    seen: dict[str, Event] = {}
+    for ev in client.events(tid, heartbeat_s=0.5):
+        if ev is None:
+            continue
+        if ev.type == "tool_started" and ev.fields["tool"] == "hang":
+            seen["hang"] = ev
+        if ev.type == "tool_finished" and ev.fields["tool"] == "echo":
+            seen["echo"] = ev
+        if len(seen) == 2:
+            break
+    pid = int(seen["hang"].fields["pid"])
+    assert psutil.pid_exists(pid)
+    t0 = time.monotonic()
+    client.abort(tid, handle.token)
+    aborted = None
+    for ev in client.events(tid, heartbeat_s=0.5):
+        if ev is not None and ev.type == "turn_aborted":
+            aborted = time.monotonic()
+            break
+    assert aborted is not None and aborted - t0 < 3.0, aborted and aborted - t0
+    wait_for(lambda: not psutil.pid_exists(pid), 5, message=f"tool process {pid} gone")
+    turn = client.get(tid)
+    assert turn["state"]["status"] == "aborted"
+    history = turn["history"]
+    assert_valid_history(history)
+    by_id = {m["tool_call_id"]: m for m in history if m["role"] == "tool"}
+    statuses = {r["call_id"]: r["status"] for r in turn["invocations"]}
+    hang_id = seen["hang"].fields["call_id"]
+    echo_id = seen["echo"].fields["call_id"]
+    assert statuses == {hang_id: "cancelled", echo_id: "ok"}
+    assert by_id[echo_id]["content"] == "fast"
+    assert json.loads(by_id[hang_id]["content"])["status"] == "cancelled"
+    # Aborting twice is harmless: the turn is over, so the answer is "not found".
+    with pytest.raises(TurnNotFound):
+        client.abort(tid, handle.token)
+
+
+def test_killed_tool_process_settles_lost_and_turn_goes_on(fleet, llm_server,
+                                                           client: Client) -> None:
+    key = script(llm_server,
+                 Round(tool_calls=calls(("die", {"seconds": 0.1}), ("echo", {"text": "ok"}))),
+                 Round(text="Recovered."))
+    handle = client.start_turn(key)
+    events = collect(client, handle.turn_id)
+    assert events[-1].type == "turn_finished"
+    statuses = {e.fields["tool"]: e.fields["status"] for e in events if e.type == "tool_finished"}
+    assert statuses == {"die": "lost", "echo": "ok"}
+    assert_valid_history(client.get(handle.turn_id)["history"])
+
+
+def test_idempotent_tool_is_retried_after_its_process_died(fleet, llm_server, client: Client,
+                                                           tmp_path) -> None:
+    marker = tmp_path / "marker"
+    key = script(llm_server, Round(tool_calls=calls(("die_once", {"marker": str(marker)}))),
+                 Round(text="ok"))
+    handle = client.start_turn(key)
+    events = collect(client, handle.turn_id)
+    finished = [e for e in events if e.type == "tool_finished"]
+    assert [e.fields["status"] for e in finished] == ["ok"]
+    assert marker.exists()  # the first attempt really ran and died
+    started = [e for e in events if e.type == "tool_started"]
+    assert len(started) == 2
+
+
+def test_loop_detector_and_call_limit_end_the_turn_cleanly(fleet, llm_server,
+                                                           client: Client) -> None:
+    same = calls(("echo", {"text": "again"}))
+    key = script(llm_server, *[Round(tool_calls=same) for _ in range(5)])
+    handle = client.start_turn(key)
+    events = collect(client, handle.turn_id)
+    assert events[-1].type == "turn_finished"
+    assert events[-1].fields["reason"] == "loop_detected"
+    history = client.get(handle.turn_id)["history"]
+    assert_valid_history(history)
+    assert "loop detector" in history[-1]["content"]
+
+
+def test_model_failure_is_a_turn_error_with_a_code(fleet, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(fault="http_400", fault_message="model says no"))
+    handle = client.start_turn(key)
+    events = collect(client, handle.turn_id)
+    assert events[-1].type == "turn_error"
+    assert "model says no" in events[-1].fields["error"]
