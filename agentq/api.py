@@ -54,8 +54,14 @@ class Client:
         parent_turn_id: str | None = None,
     ) -> TurnHandle:
         """Queue a turn; returns at once with its id and the token that controls it."""
-        req = TurnRequest(prompt=prompt, messages=messages, conversation_id=conversation_id,
-                          headless=headless, detach=detach, parent_turn_id=parent_turn_id)
+        req = TurnRequest(
+            prompt=prompt,
+            messages=messages,
+            conversation_id=conversation_id,
+            headless=headless,
+            detach=detach,
+            parent_turn_id=parent_turn_id,
+        )
         return self.start(req)
 
     def start(self, req: TurnRequest) -> TurnHandle:
@@ -67,8 +73,10 @@ class Client:
             raise PayloadTooLarge("prompt", size, self.settings.max_prompt_bytes)
         prior: list[dict[str, Any]] = []
         if req.conversation_id:
-            prior = [json.loads(m) for m in
-                     self.store.redis.lrange(k.conversation_key(req.conversation_id), 0, -1)]
+            prior = [
+                json.loads(m)
+                for m in self.store.redis.lrange(k.conversation_key(req.conversation_id), 0, -1)
+            ]
         turn_id = uuid.uuid4().hex
         token = secrets.token_urlsafe(32)
         state = {
@@ -84,8 +92,9 @@ class Client:
             "call_count": 0,
         }
         self.store.create(turn_id, state, prior + new)
-        self.app.send_task(k.TASK_TURN, args=[turn_id], task_id=f"{turn_id}.turn",
-                           queue=k.QUEUE_TURNS)
+        self.app.send_task(
+            k.TASK_TURN, args=[turn_id], task_id=f"{turn_id}.turn", queue=k.QUEUE_TURNS
+        )
         return TurnHandle(turn_id=turn_id, token=token, events_url=f"/v1/turns/{turn_id}/events")
 
     # -- control ---------------------------------------------------------------------
@@ -100,8 +109,9 @@ class Client:
             raise TokenInvalid(turn_id)
         return state
 
-    def abort(self, turn_id: str, token: str | None, reason: str = "user", *,
-              operator: bool = False) -> None:
+    def abort(
+        self, turn_id: str, token: str | None, reason: str = "user", *, operator: bool = False
+    ) -> None:
         """Abort a running turn and its sub-agents; unknown or finished turns raise TurnNotFound.
 
         `operator=True` skips the token: for tools that already hold Redis credentials
@@ -128,18 +138,31 @@ class Client:
         if self.store.acquire_lease(turn_id, holder, self.settings.turn_lease_s):
             try:
                 if self.store.status(turn_id) not in TERMINAL_STATUSES:
-                    finalize_abort(self.store, self.app, turn_id, reason,
-                                   kill_grace_s=self.settings.abort_kill_grace_s)
+                    finalize_abort(
+                        self.store,
+                        self.app,
+                        turn_id,
+                        reason,
+                        kill_grace_s=self.settings.abort_kill_grace_s,
+                    )
             finally:
                 self.store.release_lease(turn_id, holder)
 
-    def answer(self, turn_id: str, request_id: str, token: str | None, decision: str,
-               value: str | None = None) -> None:
+    def answer(
+        self,
+        turn_id: str,
+        request_id: str,
+        token: str | None,
+        decision: str,
+        value: str | None = None,
+    ) -> None:
         """Answer an interaction; raises if unknown (404) or closed already (409)."""
         self.check_token(turn_id, token)
-        self.interactions.answer(turn_id, request_id,
-                                 InteractionAnswer.model_validate({"decision": decision,
-                                                                   "value": value}))
+        self.interactions.answer(
+            turn_id,
+            request_id,
+            InteractionAnswer.model_validate({"decision": decision, "value": value}),
+        )
 
     # -- reading -----------------------------------------------------------------------
 
@@ -165,20 +188,24 @@ class Client:
             results = self.store.results(turn_id)
             running = [
                 {"call_id": cid, "tool": d.get("tool")}
-                for cid, d in self.store.dispatches(turn_id).items() if cid not in results
+                for cid, d in self.store.dispatches(turn_id).items()
+                if cid not in results
             ]
-            out.append({
-                "turn_id": turn_id,
-                "status": state.get("status"),
-                "created_at": state.get("created_at"),
-                "started_at": state.get("started_at"),
-                "current_tools": running,
-                "call_count": state.get("call_count", 0),
-            })
+            out.append(
+                {
+                    "turn_id": turn_id,
+                    "status": state.get("status"),
+                    "created_at": state.get("created_at"),
+                    "started_at": state.get("started_at"),
+                    "current_tools": running,
+                    "call_count": state.get("call_count", 0),
+                }
+            )
         return out
 
-    def events(self, turn_id: str, *, after_id: str = "0-0",
-               heartbeat_s: float | None = None) -> Iterator[Event | None]:
+    def events(
+        self, turn_id: str, *, after_id: str = "0-0", heartbeat_s: float | None = None
+    ) -> Iterator[Event | None]:
         if self.store.state(turn_id) is None:
             raise TurnNotFound(turn_id)
         return self.store.bus.follow(turn_id, after_id=after_id, heartbeat_s=heartbeat_s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from kombu import Queue
+from kombu import Queue  # type: ignore[attr-defined]
 
 from agentq.config import Settings
 from agentq.constants import QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
@@ -20,7 +20,9 @@ def visibility_timeout_s(longest_tool_timeout_s: float, queue_timeout_s: float) 
 
 
 def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = None) -> Celery:
-    longest = longest_tool_timeout_s if longest_tool_timeout_s is not None else settings.tool_timeout_s
+    longest = (
+        longest_tool_timeout_s if longest_tool_timeout_s is not None else settings.tool_timeout_s
+    )
     app = Celery("agentq", broker=settings.broker, backend=settings.redis_url)
     conf: dict[str, Any] = {
         "task_serializer": "json",
@@ -41,7 +43,7 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         "task_send_sent_event": True,
         "result_expires": 24 * 3600,
         "task_default_queue": QUEUE_TOOLS,
-        "task_queues": (Queue(QUEUE_TOOLS), Queue(QUEUE_LLM), Queue(QUEUE_TURNS)),
+        "task_queues": tuple(Queue(q) for q in (QUEUE_TOOLS, QUEUE_LLM, QUEUE_TURNS)),  # type: ignore[no-untyped-call]
         "task_routes": {
             "agentq.turn.*": {"queue": QUEUE_TURNS},
             "agentq.llm.*": {"queue": QUEUE_LLM},

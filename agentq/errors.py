@@ -1,27 +1,27 @@
 """The one exception tree of agentq.
 
-    AgentqError
-    ├── ConfigError(setting)                       bad configuration, raised at start
-    ├── PayloadTooLarge(what, size_bytes, limit_bytes)
-    ├── ToolError(tool)
-    │   ├── UnknownTool
-    │   ├── ToolDefinitionError                    a bad @tool declaration
-    │   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
-    │   └── ToolTimeout(timeout_s)
-    ├── LlmError
-    │   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
-    │   ├── StreamDurationExceeded(limit_s, elapsed_s)
-    │   ├── ModelHTTPError(status_code, retryable)
-    │   └── MalformedStreamChunk(chunk_index)
-    ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
-    └── TurnError(turn_id)
-        ├── TurnNotFound
-        ├── TokenInvalid
-        ├── TurnBusy                               another live worker holds the turn's lease
-        └── InteractionError(request_id)
-            ├── InteractionNotFound
-            ├── InteractionClosed(state)           answered or timed out already
-            └── HeadlessInteraction(kind)          no interactor and no declared default: exit 4
+AgentqError
+├── ConfigError(setting)                       bad configuration, raised at start
+├── PayloadTooLarge(what, size_bytes, limit_bytes)
+├── ToolError(tool)
+│   ├── UnknownTool
+│   ├── ToolDefinitionError                    a bad @tool declaration
+│   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
+│   └── ToolTimeout(timeout_s)
+├── LlmError
+│   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
+│   ├── StreamDurationExceeded(limit_s, elapsed_s)
+│   ├── ModelHTTPError(status_code, retryable)
+│   └── MalformedStreamChunk(chunk_index)
+├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
+└── TurnError(turn_id)
+    ├── TurnNotFound
+    ├── TokenInvalid
+    ├── TurnBusy                               another live worker holds the turn's lease
+    └── InteractionError(request_id)
+        ├── InteractionNotFound
+        ├── InteractionClosed(state)           answered or timed out already
+        └── HeadlessInteraction(kind)          no interactor and no declared default: exit 4
 """
 
 from __future__ import annotations

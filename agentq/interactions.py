@@ -8,7 +8,7 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.store import TurnStore
+from agentq.store import TurnStore, text
 
 # Closing a request is a compare-and-set on its state, so an answer and the timeout
 # can race and exactly one wins; the loser gets the state that won (409 to a client).
@@ -51,7 +51,7 @@ class Interactions:
         raw = self.store.redis.hmget(k.interaction_key(turn_id, request_id), "state", "request")
         if raw[0] is None or raw[1] is None:
             return None
-        return raw[0].decode(), InteractionRequest.model_validate_json(raw[1])
+        return text(raw[0]), InteractionRequest.model_validate_json(raw[1])
 
     def answer(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:
         """Deliver a client's answer; raises if unknown, answered already or timed out."""
@@ -61,8 +61,12 @@ class Interactions:
         _, req = found
         secret = answer.value if (req.kind == "password" and answer.value) else ""
         msg = json.dumps(
-            {"kind": "answer", "request_id": request_id, "decision": answer.decision,
-             "has_value": bool(answer.value)}
+            {
+                "kind": "answer",
+                "request_id": request_id,
+                "decision": answer.decision,
+                "has_value": bool(answer.value),
+            }
             | ({} if req.kind == "password" else {"value": answer.value})
         )
         outcome = self._close(
@@ -71,10 +75,15 @@ class Interactions:
                 k.inbox_key(turn_id),
                 k.secret_key(turn_id, request_id),
             ],
-            args=["answered", answer.decision, secret, msg,
-                  max(1, int(req.timeout_ms / 1000) + 600)],
+            args=[
+                "answered",
+                answer.decision,
+                secret,
+                msg,
+                max(1, int(req.timeout_ms / 1000) + 600),
+            ],
         )
-        outcome = outcome.decode() if isinstance(outcome, bytes) else outcome
+        outcome = text(outcome)
         if outcome == "missing":
             raise InteractionNotFound(turn_id, request_id)
         if outcome != "ok":
@@ -90,4 +99,4 @@ class Interactions:
             ],
             args=[state, "deny", "", "", 1],
         )
-        return (outcome.decode() if isinstance(outcome, bytes) else outcome) == "ok"
+        return text(outcome) == "ok"

@@ -49,6 +49,11 @@ return 0
 """
 
 
+def text(v: Any) -> str:
+    """Redis answers bytes; callers want str."""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
 def _loads(v: bytes | str | None) -> Any:
     return None if v is None else json.loads(v)
 
@@ -80,7 +85,7 @@ class TurnStore:
         raw = self.redis.hgetall(k.turn_key(turn_id))
         if not raw:
             return None
-        return {f.decode(): json.loads(v) for f, v in raw.items()}
+        return {text(f): json.loads(v) for f, v in raw.items()}
 
     def update(self, turn_id: str, **fields: Any) -> None:
         self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
@@ -89,7 +94,7 @@ class TurnStore:
         return _loads(self.redis.hget(k.turn_key(turn_id), "status"))  # type: ignore[no-any-return]
 
     def active(self) -> list[str]:
-        return [t.decode() for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
+        return [text(t) for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
 
     def close(self, turn_id: str, status: str, **fields: Any) -> None:
         """Mark the turn ended and give its keys the retention TTL."""
@@ -122,13 +127,15 @@ class TurnStore:
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
         raw = self.redis.hgetall(k.calls_key(turn_id))
-        return {c.decode(): json.loads(v) for c, v in raw.items()}
+        return {text(c): json.loads(v) for c, v in raw.items()}
 
     def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
         raw = self.redis.hgetall(k.started_key(turn_id))
-        return {c.decode(): json.loads(v) for c, v in raw.items()}
+        return {text(c): json.loads(v) for c, v in raw.items()}
 
-    def mark_started(self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]) -> int:
+    def mark_started(
+        self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
+    ) -> int:
         """Record a task's start; 1 started, 0 already settled, -1 turn cancelled."""
         return int(
             self._start(
@@ -166,9 +173,8 @@ class TurnStore:
             "reason": result.reason,
             "truncated_bytes": result.truncated_bytes,
         }
-        inbox_msg = '{"kind":"result","call_id":%s,"result":%s}' % (
-            json.dumps(result.call_id),
-            result_json,
+        inbox_msg = (
+            f'{{"kind":"result","call_id":{json.dumps(result.call_id)},"result":{result_json}}}'
         )
         won = self._settle(
             keys=[
@@ -190,7 +196,7 @@ class TurnStore:
 
     def results(self, turn_id: str) -> dict[str, ToolResult]:
         raw = self.redis.hgetall(k.results_key(turn_id))
-        return {c.decode(): ToolResult.model_validate_json(v) for c, v in raw.items()}
+        return {text(c): ToolResult.model_validate_json(v) for c, v in raw.items()}
 
     # -- inbox ----------------------------------------------------------------------
 
@@ -214,10 +220,10 @@ class TurnStore:
 
     def cancel_reason(self, turn_id: str) -> str | None:
         v = self.redis.get(k.cancel_key(turn_id))
-        return None if v is None else v.decode()  # type: ignore[union-attr]
+        return None if v is None else text(v)  # type: ignore[union-attr]
 
     def children(self, turn_id: str) -> list[str]:
-        return [c.decode() for c in self.redis.smembers(k.children_key(turn_id))]
+        return [text(c) for c in self.redis.smembers(k.children_key(turn_id))]
 
     # -- lease -------------------------------------------------------------------------
 
@@ -232,4 +238,4 @@ class TurnStore:
 
     def lease_holder(self, turn_id: str) -> str | None:
         v = self.redis.get(k.lease_key(turn_id))
-        return None if v is None else v.decode()  # type: ignore[union-attr]
+        return None if v is None else text(v)  # type: ignore[union-attr]

@@ -58,7 +58,7 @@ def split_meta(arguments: dict[str, Any]) -> tuple[dict[str, Any], float | None,
     args = {k: v for k, v in arguments.items() if k != META_KEY}
     meta = arguments[META_KEY]
     if not isinstance(meta, dict):
-        return args, None, "_meta must be an object like {\"timeout_s\": 30}"
+        return args, None, '_meta must be an object like {"timeout_s": 30}'
     raw = meta.get("timeout_s")
     if raw is None:
         return args, None, None

@@ -101,8 +101,9 @@ def turn_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
 
 
 @pytest.fixture(scope="session")
-def fleet(tool_worker: ManagedProcess, llm_worker: ManagedProcess,
-          turn_worker: ManagedProcess) -> dict[str, ManagedProcess]:
+def fleet(
+    tool_worker: ManagedProcess, llm_worker: ManagedProcess, turn_worker: ManagedProcess
+) -> dict[str, ManagedProcess]:
     return {"tools": tool_worker, "llm": llm_worker, "turns": turn_worker}
 
 

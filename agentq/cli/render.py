@@ -98,7 +98,8 @@ class TurnView:
         for line in self.tools.values():
             elapsed = (line.finished or now) - line.started
             head: RenderableType = (
-                line.spinner if line.status is None
+                line.spinner
+                if line.status is None
                 else Text("●", style=STATUS_STYLE.get(line.status, "white"))
             )
             table.add_row(
@@ -121,7 +122,10 @@ class TurnView:
             counts[line.status or "running"] = counts.get(line.status or "running", 0) + 1
         tools = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tools"
         took = fmt_s(time.time() - self.started)
-        outcome = {"turn_finished": "finished", "turn_aborted": "aborted",
-                   "turn_error": "failed"}.get(self.outcome or "", "ended")
+        outcome = {
+            "turn_finished": "finished",
+            "turn_aborted": "aborted",
+            "turn_error": "failed",
+        }.get(self.outcome or "", "ended")
         extra = f" ({self.detail})" if self.detail and outcome != "finished" else ""
         return f"turn {outcome}{extra} in {took}: {tools}"

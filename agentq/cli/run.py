@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import json
 import signal
@@ -60,8 +61,14 @@ class _Answerer:
                 pass
 
 
-def run(client: Client, prompt: str, *, as_json: bool, headless: bool,
-        conversation_id: str | None = None) -> int:
+def run(
+    client: Client,
+    prompt: str,
+    *,
+    as_json: bool,
+    headless: bool,
+    conversation_id: str | None = None,
+) -> int:
     console = Console(stderr=as_json)
     handle = client.start_turn(prompt, headless=headless, conversation_id=conversation_id)
     aborts = {"n": 0}
@@ -70,10 +77,8 @@ def run(client: Client, prompt: str, *, as_json: bool, headless: bool,
         aborts["n"] += 1
         if aborts["n"] > 1:
             raise KeyboardInterrupt
-        try:
+        with contextlib.suppress(AgentqError):
             client.abort(handle.turn_id, handle.token, reason="user")
-        except AgentqError:
-            pass
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     answerer = _Answerer(client, handle.turn_id, handle.token, console)

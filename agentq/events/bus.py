@@ -28,7 +28,9 @@ redis.call('PUBLISH', {channel}, '{{"stream_id":"' .. id .. '",' .. string.sub(b
 """
 
 
-PUBLISH_LUA = publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]") + "return {seq, id}"
+PUBLISH_LUA = (
+    publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]") + "return {seq, id}"
+)
 
 TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
 
@@ -58,7 +60,7 @@ class EventBus:
     def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
         """Events in the log strictly after `after_id`."""
         start = "(" + after_id if after_id not in ("0", "0-0", "-") else "-"
-        entries = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)
+        entries: list[Any] = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)  # type: ignore[assignment]
         return [Event.parse(fields[b"e"], stream_id=_s(eid)) for eid, fields in entries]
 
     def follow(
@@ -77,7 +79,7 @@ class EventBus:
         (a missed message) is filled from the log. Yields None every `heartbeat_s`
         of silence, so callers can write keep-alives or notice a gone client.
         """
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         pubsub.subscribe(events_channel(turn_id))
         try:
             last_seq = 0
@@ -109,10 +111,8 @@ class EventBus:
                 ev = Event.parse(msg["data"])
                 if ev.seq <= last_seq:
                     continue
-                if ev.seq > last_seq + 1:
-                    events = self.replay(turn_id, last_id)
-                else:
-                    events = [ev]
+                # A jump in seq means live messages were missed: refill from the log.
+                events = self.replay(turn_id, last_id) if ev.seq > last_seq + 1 else [ev]
                 for e in events:
                     if e.seq <= last_seq:
                         continue

@@ -9,9 +9,10 @@ import time
 from celery import Celery
 
 from agentq import constants as k
+from agentq.config import get_settings
 from agentq.errors import Aborted, AgentqError, LlmError
 from agentq.models import LlmRoundRequest, LlmRoundResult
-from agentq.runtime import get_settings, get_store
+from agentq.runtime import get_store
 
 log = logging.getLogger("agentq.llm")
 
@@ -33,12 +34,17 @@ def run_round(req: LlmRoundRequest) -> LlmRoundResult:
         store.bus.publish(req.turn_id, "llm_delta", round_no=req.round_no, kind=kind, text=text)
 
     def on_retry(attempt: int, exc: Exception, delay_s: float) -> None:
-        store.bus.publish(req.turn_id, "llm_retry", round_no=req.round_no, attempt=attempt,
-                          error=str(exc), code=getattr(exc, "code", None),
-                          delay_ms=int(delay_s * 1000))
+        store.bus.publish(
+            req.turn_id,
+            "llm_retry",
+            round_no=req.round_no,
+            attempt=attempt,
+            error=str(exc),
+            code=getattr(exc, "code", None),
+            delay_ms=int(delay_s * 1000),
+        )
 
-    store.bus.publish(req.turn_id, "llm_started", round_no=req.round_no,
-                      model=settings.llm_model)
+    store.bus.publish(req.turn_id, "llm_started", round_no=req.round_no, model=settings.llm_model)
     t0 = time.monotonic()
     try:
         if not settings.llm_base_url:
@@ -61,32 +67,53 @@ def run_round(req: LlmRoundRequest) -> LlmRoundResult:
         )
         result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
         store.bus.publish(
-            req.turn_id, "llm_finished", round_no=req.round_no,
-            finish_reason=message.finish_reason, tool_calls=len(message.tool_calls),
+            req.turn_id,
+            "llm_finished",
+            round_no=req.round_no,
+            finish_reason=message.finish_reason,
+            tool_calls=len(message.tool_calls),
             usage=None if message.usage is None else message.usage.model_dump(),
             duration_ms=int((time.monotonic() - t0) * 1000),
         )
     except Aborted:
-        result = LlmRoundResult(ok=False, aborted=True, error="aborted",
-                                streamed_s=time.monotonic() - t0)
+        result = LlmRoundResult(
+            ok=False, aborted=True, error="aborted", streamed_s=time.monotonic() - t0
+        )
     except AgentqError as exc:
         code = getattr(exc, "code", "ELLM")
         fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
-        store.bus.publish(req.turn_id, "llm_finished", round_no=req.round_no, error=exc.message,
-                          code=code, duration_ms=int((time.monotonic() - t0) * 1000), **{
-                              f"error_{k_}": v for k_, v in fields.items() if k_ != "message"})
-        result = LlmRoundResult(ok=False, error=exc.message, error_code=code,
-                                error_type=type(exc).__name__, streamed_s=time.monotonic() - t0)
-    except Exception as exc:  # noqa: BLE001 - the turn must hear about every failure
+        store.bus.publish(
+            req.turn_id,
+            "llm_finished",
+            round_no=req.round_no,
+            error=exc.message,
+            code=code,
+            duration_ms=int((time.monotonic() - t0) * 1000),
+            **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},
+        )
+        result = LlmRoundResult(
+            ok=False,
+            error=exc.message,
+            error_code=code,
+            error_type=type(exc).__name__,
+            streamed_s=time.monotonic() - t0,
+        )
+    except Exception as exc:
         log.exception("model round failed")
-        result = LlmRoundResult(ok=False, error=f"{type(exc).__name__}: {exc}",
-                                error_code="ELLM", error_type=type(exc).__name__,
-                                streamed_s=time.monotonic() - t0)
+        result = LlmRoundResult(
+            ok=False,
+            error=f"{type(exc).__name__}: {exc}",
+            error_code="ELLM",
+            error_type=type(exc).__name__,
+            streamed_s=time.monotonic() - t0,
+        )
     payload = result.model_dump_json()
     pipe = store.redis.pipeline()
     pipe.set(k.llm_result_key(req.turn_id, req.round_no), payload, ex=settings.state_ttl_s)
-    pipe.rpush(k.inbox_key(req.turn_id), '{"kind":"llm","round_no":%d,"result":%s}' % (
-        req.round_no, payload))
+    pipe.rpush(
+        k.inbox_key(req.turn_id),
+        f'{{"kind":"llm","round_no":{req.round_no},"result":{payload}}}',
+    )
     pipe.execute()
     return result
 

@@ -7,9 +7,10 @@ from typing import Any
 
 from celery import Celery
 
+from agentq.constants import results_key
 from agentq.models import ToolCall
 from agentq.results import cancelled_result
-from agentq.store import TurnStore
+from agentq.store import TurnStore, text
 
 
 def pending_calls(history: list[dict[str, Any]]) -> list[ToolCall]:
@@ -36,8 +37,7 @@ def revoke_unsettled(
     store: TurnStore, app: Celery, turn_id: str, *, kill_grace_s: float
 ) -> list[str]:
     """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace."""
-    settled = store.redis.hkeys(f"agentq:turn:{turn_id}:results")
-    done = {c.decode() for c in settled}
+    done = {text(c) for c in store.redis.hkeys(results_key(turn_id))}
     ids = [d["task_id"] for cid, d in store.dispatches(turn_id).items() if cid not in done]
     if not ids:
         return []

@@ -65,8 +65,7 @@ def gate(ctx: TurnContext, calls: list[ToolCall]) -> GateOutcome:
             if req.default is None:
                 raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
             interactions.expire(ctx.turn_id, rid, state="defaulted")
-            ctx.publish("interaction_answered", request_id=rid, decision=req.default,
-                        by="default")
+            ctx.publish("interaction_answered", request_id=rid, decision=req.default, by="default")
             if req.default == "deny":
                 out.denied[call.id] = denied_result(call, "policy")
                 ctx.publish("tool_denied", call_id=call.id, tool=call.name, reason="policy")
@@ -79,8 +78,12 @@ def gate(ctx: TurnContext, calls: list[ToolCall]) -> GateOutcome:
             call, req = asks[rid_next]
             del deadlines[rid_next]
             if interactions.expire(ctx.turn_id, rid_next):
-                ctx.publish("interaction_timed_out", request_id=rid_next, call_id=call.id,
-                            timeout_ms=req.timeout_ms)
+                ctx.publish(
+                    "interaction_timed_out",
+                    request_id=rid_next,
+                    call_id=call.id,
+                    timeout_ms=req.timeout_ms,
+                )
                 out.denied[call.id] = denied_result(call, "timeout")
                 ctx.publish("tool_denied", call_id=call.id, tool=call.name, reason="timeout")
             continue

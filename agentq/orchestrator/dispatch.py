@@ -94,8 +94,10 @@ class RoundDispatcher:
             if call.id in self.settled:
                 continue
             pre = (presettled or {}).get(call.id)
-            outcome = pre if pre is not None else prepare(
-                call, max_arguments_bytes=ctx.settings.max_arguments_bytes
+            outcome = (
+                pre
+                if pre is not None
+                else prepare(call, max_arguments_bytes=ctx.settings.max_arguments_bytes)
             )
             if isinstance(outcome, ToolResult):
                 ctx.store.settle(ctx.turn_id, outcome)

@@ -52,7 +52,7 @@ class LeaseKeeper:
                     if not self.store.renew_lease(turn_id, holder, self.lease_s):
                         log.warning("lost the lease on turn %s; stopping it here", turn_id)
                         ctx.lease_lost = True
-                except Exception:  # noqa: BLE001 - Redis may blip; the next beat retries
+                except Exception:
                     log.warning("lease renewal failed for %s", turn_id, exc_info=True)
 
 
@@ -89,5 +89,5 @@ class Reaper:
         while not self._stop.wait(max(0.2, self.lease_s / 2)):
             try:
                 self.sweep()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.warning("reaper sweep failed", exc_info=True)

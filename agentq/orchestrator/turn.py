@@ -11,6 +11,7 @@ from typing import Any
 from celery import Celery
 
 from agentq import constants as k
+from agentq.config import get_settings
 from agentq.errors import (
     Aborted,
     HeadlessInteraction,
@@ -24,7 +25,7 @@ from agentq.orchestrator.context import TurnContext
 from agentq.orchestrator.dispatch import RoundDispatcher, canonical_call
 from agentq.orchestrator.lease import LeaseKeeper, holder_id
 from agentq.results import denied_result, error_result
-from agentq.runtime import get_app, get_settings, get_store
+from agentq.runtime import get_app, get_store
 from agentq.tools.registry import all_tools
 
 log = logging.getLogger("agentq.turn")
@@ -43,8 +44,13 @@ def turn_calls(history: list[dict[str, Any]], start: int) -> list[ToolCall]:
     out = []
     for msg in history[start:]:
         for c in msg.get("tool_calls") or []:
-            out.append(ToolCall(id=c["id"], name=c["function"]["name"],
-                                arguments=c["function"].get("arguments") or "{}"))
+            out.append(
+                ToolCall(
+                    id=c["id"],
+                    name=c["function"]["name"],
+                    arguments=c["function"].get("arguments") or "{}",
+                )
+            )
     return out
 
 
@@ -100,12 +106,19 @@ class Turn:
                 duration_left_s=left_s,
                 idle_timeout_ms=s.stream_idle_timeout_ms,
             )
-            ctx.app.send_task(k.TASK_LLM_ROUND, kwargs=req.model_dump(),
-                              task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
-                              queue=k.QUEUE_LLM)
+            ctx.app.send_task(
+                k.TASK_LLM_ROUND,
+                kwargs=req.model_dump(),
+                task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
+                queue=k.QUEUE_LLM,
+            )
             idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
-            deadline = (time.time() + left_s + (s.llm_max_retries + 1)
-                        * (idle_s + s.llm_request_timeout_s) + 30)
+            deadline = (
+                time.time()
+                + left_s
+                + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
+                + 30
+            )
             while result is None:
                 if time.time() >= deadline:
                     raise LlmError("no stream worker answered the model round in time")
@@ -154,7 +167,8 @@ class Turn:
             msg = self.llm_round(round_no)
             earlier = turn_calls(history, start)
             refused, stop = limit_checks(
-                earlier, list(msg.tool_calls),
+                earlier,
+                list(msg.tool_calls),
                 max_calls=ctx.settings.max_calls_per_turn,
                 loop_threshold=ctx.settings.loop_threshold,
             )
@@ -162,11 +176,15 @@ class Turn:
             # The assistant message is durable before any of its calls is sent.
             pipe = ctx.store.redis.pipeline()
             pipe.rpush(k.history_key(ctx.turn_id), json.dumps(msg.to_openai()))
-            pipe.hset(k.turn_key(ctx.turn_id), mapping={
-                "round": json.dumps(round_no + 1), "refused": json.dumps(refused),
-                "stop_after_round": json.dumps(stop),
-                "call_count": json.dumps(len(earlier) + len(msg.tool_calls)),
-            })
+            pipe.hset(
+                k.turn_key(ctx.turn_id),
+                mapping={
+                    "round": json.dumps(round_no + 1),
+                    "refused": json.dumps(refused),
+                    "stop_after_round": json.dumps(stop),
+                    "call_count": json.dumps(len(earlier) + len(msg.tool_calls)),
+                },
+            )
             pipe.execute()
             if not msg.tool_calls:
                 return "stop"
@@ -174,7 +192,7 @@ class Turn:
 
 def _finish(ctx: TurnContext, state: dict[str, Any], reason: str) -> None:
     history = ctx.store.history(ctx.turn_id)
-    final = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
+    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     conv = state.get("conversation_id")
     if conv:
         pipe = ctx.store.redis.pipeline()
@@ -182,14 +200,22 @@ def _finish(ctx: TurnContext, state: dict[str, Any], reason: str) -> None:
         pipe.rpush(k.conversation_key(conv), *[json.dumps(m) for m in history])
         pipe.execute()
     ctx.store.close(ctx.turn_id, "finished", finish_reason=reason, finished_at=time.time())
-    ctx.publish("turn_finished", reason=reason, content=final.get("content") or "",
-                rounds=len([m for m in history if m.get("role") == "assistant"]))
+    ctx.publish(
+        "turn_finished",
+        reason=reason,
+        content=final.get("content") or "",
+        rounds=len([m for m in history if m.get("role") == "assistant"]),
+    )
 
 
 def _fail(ctx: TurnContext, code: str, message: str, **fields: Any) -> None:
     for call in pending_calls(ctx.store.history(ctx.turn_id)):
-        ctx.store.settle(ctx.turn_id, denied_result(call, "policy") if code == "headless_interaction"
-                         else error_result(call, f"not run: the turn failed ({message})"))
+        ctx.store.settle(
+            ctx.turn_id,
+            denied_result(call, "policy")
+            if code == "headless_interaction"
+            else error_result(call, f"not run: the turn failed ({message})"),
+        )
     results = ctx.store.results(ctx.turn_id)
     calls = pending_calls(ctx.store.history(ctx.turn_id))
     ctx.store.append_history(ctx.turn_id, *[results[c.id].to_openai() for c in calls])
@@ -210,8 +236,13 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
     holder = holder_id()
     if not store.acquire_lease(turn_id, holder, settings.turn_lease_s):
         return "busy"
-    ctx = TurnContext(turn_id=turn_id, store=store, app=app or get_app(), settings=settings,
-                      headless=bool(state.get("headless")))
+    ctx = TurnContext(
+        turn_id=turn_id,
+        store=store,
+        app=app or get_app(),
+        settings=settings,
+        headless=bool(state.get("headless")),
+    )
     keeper = _lease_keeper()
     keeper.hold(ctx, holder)
     try:
@@ -220,8 +251,9 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
             return str(state["status"])
         if state.get("status") == "queued":
             store.update(turn_id, status="running", started_at=time.time())
-            ctx.publish("turn_started", conversation_id=state.get("conversation_id"),
-                        headless=ctx.headless)
+            ctx.publish(
+                "turn_started", conversation_id=state.get("conversation_id"), headless=ctx.headless
+            )
         else:
             ctx.publish("turn_resumed", worker=holder)
         try:
@@ -229,12 +261,23 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
         except Aborted as exc:
             if exc.reason == "lease lost":
                 return "lease lost"
-            finalize_abort(store, ctx.app, turn_id, store.cancel_reason(turn_id) or exc.reason,
-                           kill_grace_s=settings.abort_kill_grace_s)
+            finalize_abort(
+                store,
+                ctx.app,
+                turn_id,
+                store.cancel_reason(turn_id) or exc.reason,
+                kill_grace_s=settings.abort_kill_grace_s,
+            )
             return "aborted"
         except HeadlessInteraction as exc:
-            _fail(ctx, "headless_interaction", exc.message, request_id=exc.request_id,
-                  kind=exc.kind, exit_code=4)
+            _fail(
+                ctx,
+                "headless_interaction",
+                exc.message,
+                request_id=exc.request_id,
+                kind=exc.kind,
+                exit_code=4,
+            )
             return "error"
         except LlmError as exc:
             _fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)

@@ -78,7 +78,7 @@ class ToolContext:
 
 
 class Partial:
-    """Return `Partial(value)` to say the result is incomplete (e.g. cut short by the soft limit)."""
+    """Return `Partial(value)` to mark a result incomplete (e.g. cut short by the soft limit)."""
 
     def __init__(self, value: Any, note: str = "") -> None:
         self.value = value

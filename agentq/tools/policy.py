@@ -38,12 +38,15 @@ class ToolPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _coherent(self) -> ToolPolicy:
-        if self.timeout_s > 0 and self.soft_timeout_s is not None:
-            if self.soft_timeout_s >= self.timeout_s:
-                raise ValueError(
-                    f"soft_timeout_s ({self.soft_timeout_s:g}) must be below "
-                    f"timeout_s ({self.timeout_s:g})"
-                )
+        if (
+            self.timeout_s > 0
+            and self.soft_timeout_s is not None
+            and self.soft_timeout_s >= self.timeout_s
+        ):
+            raise ValueError(
+                f"soft_timeout_s ({self.soft_timeout_s:g}) must be below "
+                f"timeout_s ({self.timeout_s:g})"
+            )
         if (
             self.max_timeout_s is not None
             and self.timeout_s > 0

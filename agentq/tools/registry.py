@@ -64,7 +64,7 @@ def _args_model(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], boo
     sig = inspect.signature(fn)
     try:
         hints = get_type_hints(fn)
-    except Exception as exc:  # noqa: BLE001 - any failure here is a declaration error
+    except Exception as exc:
         raise ToolDefinitionError(name, f"cannot resolve annotations: {exc}") from None
     fields: dict[str, Any] = {}
     wants_ctx = False
@@ -74,7 +74,9 @@ def _args_model(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], boo
             wants_ctx = True
             continue
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise ToolDefinitionError(name, f"*args/**kwargs ({pname}) cannot be described to a model")
+            raise ToolDefinitionError(
+                name, f"*args/**kwargs ({pname}) cannot be described to a model"
+            )
         if pname.startswith("_"):
             raise ToolDefinitionError(name, f"argument {pname!r} may not start with '_'")
         default = ... if param.default is inspect.Parameter.empty else param.default

@@ -15,10 +15,11 @@ from celery.signals import task_failure
 from pydantic import BaseModel
 
 from agentq import constants as k
+from agentq.config import get_settings
 from agentq.errors import AgentqError
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.results import error_result, lost_result, record_for, timeout_result
-from agentq.runtime import get_settings, get_store
+from agentq.runtime import get_store
 from agentq.timing import overran, truncate_text
 from agentq.tools.context import Partial, ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
@@ -60,17 +61,33 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     claim = store.mark_started(
         req.turn_id,
         req.call_id,
-        {"started_at": started, "worker": hostname, "pid": pid, "task_id": task_id,
-         "attempt": req.attempt},
-        {"call_id": req.call_id, "tool": req.tool, "worker": hostname, "pid": pid,
-         "timeout_s": req.timeout_s, "attempt": req.attempt},
+        {
+            "started_at": started,
+            "worker": hostname,
+            "pid": pid,
+            "task_id": task_id,
+            "attempt": req.attempt,
+        },
+        {
+            "call_id": req.call_id,
+            "tool": req.tool,
+            "worker": hostname,
+            "pid": pid,
+            "timeout_s": req.timeout_s,
+            "attempt": req.attempt,
+        },
     )
     if claim == 0:
         return "already settled: not run again"
     call = _call(req)
     common: dict[str, Any] = {
-        "task_id": task_id, "worker": hostname, "pid": pid, "attempt": req.attempt,
-        "budget_s": req.budget_s, "timeout_s": req.timeout_s, "started_at": started,
+        "task_id": task_id,
+        "worker": hostname,
+        "pid": pid,
+        "attempt": req.attempt,
+        "budget_s": req.budget_s,
+        "timeout_s": req.timeout_s,
+        "started_at": started,
     }
     if claim == -1:
         from agentq.results import cancelled_result
@@ -82,8 +99,15 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
 
     def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
         now = time.time()
-        meta = {"call_id": req.call_id, "tool": req.tool, "message": message, "pct": pct,
-                "elapsed_ms": int((now - started) * 1000), "source": "tool", **fields}
+        meta = {
+            "call_id": req.call_id,
+            "tool": req.tool,
+            "message": message,
+            "pct": pct,
+            "elapsed_ms": int((now - started) * 1000),
+            "source": "tool",
+            **fields,
+        }
         store.bus.publish(req.turn_id, "tool_progress", **meta)
         # Flower shows PROGRESS states; throttled since each is a backend write.
         if now - last_progress[0] >= 0.5:
@@ -91,7 +115,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             try:
                 task.send_event("task-progress", **meta)
                 task.update_state(state="PROGRESS", meta=meta)
-            except Exception:  # noqa: BLE001 - progress must never fail a tool
+            except Exception:
                 log.debug("progress not sent to Flower", exc_info=True)
 
     def read_secret() -> str | None:
@@ -101,10 +125,16 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         return None if raw is None else raw.decode()  # type: ignore[union-attr]
 
     ctx = ToolContext(
-        turn_id=req.turn_id, call_id=req.call_id, tool=req.tool, started_at=started,
-        timeout_s=req.timeout_s, soft_timeout_s=req.soft_timeout_s,
+        turn_id=req.turn_id,
+        call_id=req.call_id,
+        tool=req.tool,
+        started_at=started,
+        timeout_s=req.timeout_s,
+        soft_timeout_s=req.soft_timeout_s,
         is_cancelled=lambda: bool(store.redis.exists(k.cancel_key(req.turn_id))),
-        on_progress=on_progress, read_secret=read_secret, attempt=req.attempt,
+        on_progress=on_progress,
+        read_secret=read_secret,
+        attempt=req.attempt,
     )
     result: ToolResult
     try:
@@ -118,10 +148,19 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         soft = bool(req.soft_timeout_s) and finished - started >= (req.soft_timeout_s or 0)
         text, cut = truncate_text(_render(value), settings.max_result_bytes)
         result = ToolResult(
-            call_id=req.call_id, tool=req.tool, status="ok", content=text, truncated_bytes=cut,
+            call_id=req.call_id,
+            tool=req.tool,
+            status="ok",
+            content=text,
+            truncated_bytes=cut,
             record=record_for(
-                call, "ok", finished_at=finished, soft_limited=soft, partial=partial or soft,
-                overran=overran(finished - started, req.budget_s), **common,
+                call,
+                "ok",
+                finished_at=finished,
+                soft_limited=soft,
+                partial=partial or soft,
+                overran=overran(finished - started, req.budget_s),
+                **common,
             ),
         )
     except SoftTimeLimitExceeded:
@@ -129,7 +168,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         result = timeout_result(call, req.timeout_s, killed=False, soft=True, **rest)
     except AgentqError as exc:
         result = error_result(call, exc.message, **common)
-    except Exception as exc:  # noqa: BLE001 - any tool failure becomes an error result
+    except Exception as exc:
         result = error_result(call, f"{req.tool} raised {type(exc).__name__}: {exc}", **common)
     if result.status != "ok":
         result.record.overran = overran(time.time() - started, req.budget_s)
@@ -137,9 +176,13 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     return result.status
 
 
-def _on_task_failure(sender: Task | None = None, task_id: str | None = None,
-                     exception: BaseException | None = None, kwargs: dict[str, Any] | None = None,
-                     **_: Any) -> None:
+def _on_task_failure(
+    sender: Task | None = None,
+    task_id: str | None = None,
+    exception: BaseException | None = None,
+    kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
     """In the worker's parent process: settle calls whose process was killed or died."""
     name = getattr(sender, "name", "") or ""
     if not name.startswith(k.TOOL_TASK_PREFIX) or not kwargs:
@@ -148,21 +191,26 @@ def _on_task_failure(sender: Task | None = None, task_id: str | None = None,
         return
     try:
         req = ToolTaskRequest.model_validate(kwargs)
-    except Exception:  # noqa: BLE001
+    except Exception:
         log.exception("cannot settle task %s: bad kwargs", task_id)
         return
     store = get_store()
     start = json.loads(store.redis.hget(k.started_key(req.turn_id), req.call_id) or "{}")
     common: dict[str, Any] = {
-        "task_id": task_id, "worker": start.get("worker"), "pid": start.get("pid"),
-        "attempt": req.attempt, "budget_s": req.budget_s, "started_at": start.get("started_at"),
+        "task_id": task_id,
+        "worker": start.get("worker"),
+        "pid": start.get("pid"),
+        "attempt": req.attempt,
+        "budget_s": req.budget_s,
+        "started_at": start.get("started_at"),
     }
     call = _call(req)
     if isinstance(exception, TimeLimitExceeded):
         result = timeout_result(call, req.timeout_s, killed=True, **common)
     else:
-        result = lost_result(call, f"its worker process died ({exception})",
-                             timeout_s=req.timeout_s, **common)
+        result = lost_result(
+            call, f"its worker process died ({exception})", timeout_s=req.timeout_s, **common
+        )
     store.settle(req.turn_id, result)
 
 

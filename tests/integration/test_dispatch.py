@@ -68,8 +68,12 @@ def test_overran_budget_is_ok_with_flag(tool_worker) -> None:
 
 def test_exclusive_never_overlaps(tool_worker) -> None:
     ctx = _ctx()
-    calls = [call("stamp", seconds=0.3), call("stamp", seconds=0.3),
-             call("exclusive_write", seconds=0.3), call("stamp", seconds=0.3)]
+    calls = [
+        call("stamp", seconds=0.3),
+        call("stamp", seconds=0.3),
+        call("exclusive_write", seconds=0.3),
+        call("stamp", seconds=0.3),
+    ]
     results = RoundDispatcher(ctx).run(calls)
     assert all(r.status == "ok" for r in results)
     spans = [json.loads(r.content) for r in results]
@@ -98,7 +102,10 @@ def test_bad_input_settles_as_error_without_reaching_a_worker(tool_worker) -> No
     assert "not valid JSON" in (results["bad_json"].error or "")
     assert "unknown tool 'nope'" in (results["unknown"].error or "")
     assert "seconds" in (results["wrong_type"].error or "")
-    assert "text" in (results["missing"].error or "") and "required" in (results["missing"].error or "").lower()
+    assert (
+        "text" in (results["missing"].error or "")
+        and "required" in (results["missing"].error or "").lower()
+    )
     assert "other" in (results["extra"].error or "")
     assert "bytes" in (results["huge"].error or "")
     assert results["good"].status == "ok" and results["good"].content == "fine"

@@ -45,15 +45,18 @@ def assert_valid_history(history: list[dict[str, Any]]) -> None:
     """Every tool call of every assistant message has exactly one tool message after it."""
     for i, msg in enumerate(history):
         for call in msg.get("tool_calls") or []:
-            answers = [m for m in history[i + 1:] if m.get("tool_call_id") == call["id"]]
+            answers = [m for m in history[i + 1 :] if m.get("tool_call_id") == call["id"]]
             assert len(answers) == 1, (call["id"], history)
 
 
 def test_turn_runs_tools_and_answers(fleet, llm_server, client: Client) -> None:
-    key = script(llm_server,
-                 Round(text="Working.", tool_calls=calls(("echo", {"text": "hi"}),
-                                                          ("sleep", {"seconds": 0.3}))),
-                 Round(text="All done."))
+    key = script(
+        llm_server,
+        Round(
+            text="Working.", tool_calls=calls(("echo", {"text": "hi"}), ("sleep", {"seconds": 0.3}))
+        ),
+        Round(text="All done."),
+    )
     handle = client.start_turn(f"{key} please")
     events = collect(client, handle.turn_id)
     types = [e.type for e in events]
@@ -73,10 +76,12 @@ def test_turn_runs_tools_and_answers(fleet, llm_server, client: Client) -> None:
     assert {r["status"] for r in turn["invocations"]} == {"ok"}
 
 
-def test_abort_kills_the_stuck_tool_and_keeps_the_sibling(fleet, llm_server,
-                                                          client: Client) -> None:
-    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}),
-                                                    ("echo", {"text": "fast"}))))
+def test_abort_kills_the_stuck_tool_and_keeps_the_sibling(
+    fleet, llm_server, client: Client
+) -> None:
+    key = script(
+        llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}), ("echo", {"text": "fast"})))
+    )
     handle = client.start_turn(key)
     tid = handle.turn_id
     seen: dict[str, Event] = {}
@@ -116,11 +121,14 @@ def test_abort_kills_the_stuck_tool_and_keeps_the_sibling(fleet, llm_server,
         client.abort(tid, handle.token)
 
 
-def test_killed_tool_process_settles_lost_and_turn_goes_on(fleet, llm_server,
-                                                           client: Client) -> None:
-    key = script(llm_server,
-                 Round(tool_calls=calls(("die", {"seconds": 0.1}), ("echo", {"text": "ok"}))),
-                 Round(text="Recovered."))
+def test_killed_tool_process_settles_lost_and_turn_goes_on(
+    fleet, llm_server, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("die", {"seconds": 0.1}), ("echo", {"text": "ok"}))),
+        Round(text="Recovered."),
+    )
     handle = client.start_turn(key)
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_finished"
@@ -129,11 +137,13 @@ def test_killed_tool_process_settles_lost_and_turn_goes_on(fleet, llm_server,
     assert_valid_history(client.get(handle.turn_id)["history"])
 
 
-def test_idempotent_tool_is_retried_after_its_process_died(fleet, llm_server, client: Client,
-                                                           tmp_path) -> None:
+def test_idempotent_tool_is_retried_after_its_process_died(
+    fleet, llm_server, client: Client, tmp_path
+) -> None:
     marker = tmp_path / "marker"
-    key = script(llm_server, Round(tool_calls=calls(("die_once", {"marker": str(marker)}))),
-                 Round(text="ok"))
+    key = script(
+        llm_server, Round(tool_calls=calls(("die_once", {"marker": str(marker)}))), Round(text="ok")
+    )
     handle = client.start_turn(key)
     events = collect(client, handle.turn_id)
     finished = [e for e in events if e.type == "tool_finished"]
@@ -143,8 +153,9 @@ def test_idempotent_tool_is_retried_after_its_process_died(fleet, llm_server, cl
     assert len(started) == 2
 
 
-def test_loop_detector_and_call_limit_end_the_turn_cleanly(fleet, llm_server,
-                                                           client: Client) -> None:
+def test_loop_detector_and_call_limit_end_the_turn_cleanly(
+    fleet, llm_server, client: Client
+) -> None:
     same = calls(("echo", {"text": "again"}))
     key = script(llm_server, *[Round(tool_calls=same) for _ in range(5)])
     handle = client.start_turn(key)

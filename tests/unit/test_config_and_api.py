@@ -19,8 +19,9 @@ from agentq.errors import AgentqError, ConfigError
         ({"AGENTQ_STREAM_DURATION_S": "0"}, "AGENTQ_STREAM_DURATION_S"),
     ],
 )
-def test_bad_config_names_the_setting(monkeypatch: pytest.MonkeyPatch, env: dict[str, str],
-                                      setting: str) -> None:
+def test_bad_config_names_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], setting: str
+) -> None:
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ConfigError) as info:
@@ -42,8 +43,11 @@ def test_defaults_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_public_api_is_exported_and_errors_share_one_root() -> None:
     for name in agentq.__all__:
         assert hasattr(agentq, name), name
-    errors = [getattr(agentq, n) for n in agentq.__all__
-              if isinstance(getattr(agentq, n), type) and issubclass(getattr(agentq, n), Exception)]
+    errors = [
+        getattr(agentq, n)
+        for n in agentq.__all__
+        if isinstance(getattr(agentq, n), type) and issubclass(getattr(agentq, n), Exception)
+    ]
     assert len(errors) > 15 and all(issubclass(e, AgentqError) for e in errors)
     public = {n for n in dir(agentq) if not n.startswith("_") and n[0].isupper()}
     assert public <= set(agentq.__all__), public - set(agentq.__all__)

@@ -22,8 +22,10 @@ def test_schema_from_signature_and_docstring() -> None:
         fn = spec.openai_schema()["function"]
         assert fn["name"] == "search_docs"
         params = fn["parameters"]
-        assert params["properties"] == {"query": {"type": "string"},
-                                        "limit": {"type": "integer", "default": 5}}
+        assert params["properties"] == {
+            "query": {"type": "string"},
+            "limit": {"type": "integer", "default": 5},
+        }
         assert params["required"] == ["query"]
         assert params["additionalProperties"] is False
         assert spec.policy.timeout_s == 30 and spec.task_name == "agentq.tool.search_docs"

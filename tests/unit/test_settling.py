@@ -28,8 +28,11 @@ def c(i: int, name: str = "t", args: str = "{}") -> ToolCall:
 
 def test_denied_result_has_the_typed_shape() -> None:
     r = denied_result(c(1), "timeout")
-    assert json.loads(r.content) == {"status": "denied", "decider": "mode_gate",
-                                     "reason": "timeout"}
+    assert json.loads(r.content) == {
+        "status": "denied",
+        "decider": "mode_gate",
+        "reason": "timeout",
+    }
     assert r.status == "denied" and r.record.status == "denied"
 
 
@@ -43,8 +46,10 @@ def test_timeout_result_says_what_happened_and_what_to_try() -> None:
 
 def test_every_status_has_a_constructor() -> None:
     statuses = {
-        error_result(c(1), "x").status, timeout_result(c(1), 1, killed=True).status,
-        cancelled_result(c(1)).status, denied_result(c(1), "user").status,
+        error_result(c(1), "x").status,
+        timeout_result(c(1), 1, killed=True).status,
+        cancelled_result(c(1)).status,
+        denied_result(c(1), "user").status,
         lost_result(c(1), "gone").status,
     }
     assert statuses == {"error", "timeout", "cancelled", "denied", "lost"}
@@ -81,7 +86,12 @@ def test_exclusive_calls_get_a_batch_of_their_own() -> None:
         assert all(isinstance(p, Prepared) for p in prepared)
         batches = plan_batches([p for p in prepared if isinstance(p, Prepared)])
         assert [[p.call.id for p in b] for b in batches] == [
-            ["c0", "c1"], ["c2"], ["c3"], ["c4"], ["c5"]]
+            ["c0", "c1"],
+            ["c2"],
+            ["c3"],
+            ["c4"],
+            ["c5"],
+        ]
     finally:
         unregister("ex_tool")
         unregister("par_tool")
@@ -97,17 +107,23 @@ def test_call_limit_refuses_the_excess_and_stops_the_turn() -> None:
 
 def test_loop_detector_counts_same_tool_and_arguments() -> None:
     earlier = [c(1, "t", '{"a": 1, "b": 2}'), c(2, "t", '{"b": 2, "a": 1}')]
-    refused, stop = limit_checks(earlier, [c(3, "t", '{"a":1,"b":2}'), c(4, "t", '{"a": 9}')],
-                                 max_calls=50, loop_threshold=3)
+    refused, stop = limit_checks(
+        earlier, [c(3, "t", '{"a":1,"b":2}'), c(4, "t", '{"a": 9}')], max_calls=50, loop_threshold=3
+    )
     assert list(refused) == ["c3"] and stop == "loop_detected"
 
 
 def test_pending_calls_are_the_unanswered_calls_of_the_last_assistant_message() -> None:
     history = [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "t", "arguments": "{}"}},
-            {"id": "b", "type": "function", "function": {"name": "t", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "a", "type": "function", "function": {"name": "t", "arguments": "{}"}},
+                {"id": "b", "type": "function", "function": {"name": "t", "arguments": "{}"}},
+            ],
+        },
         {"role": "tool", "tool_call_id": "a", "content": "x"},
     ]
     assert [p.id for p in pending_calls(history)] == ["b"]

@@ -7,10 +7,15 @@ import pytest
 from agentq.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
 
 
-def limits(timeout_s: float = 120, soft: float | None = None, max_s: float | None = None,
-           hint: float | None = None):
-    return effective_limits(timeout_s=timeout_s, soft_timeout_s=soft, budget_s=10,
-                            max_timeout_s=max_s, hint_s=hint)
+def limits(
+    timeout_s: float = 120,
+    soft: float | None = None,
+    max_s: float | None = None,
+    hint: float | None = None,
+):
+    return effective_limits(
+        timeout_s=timeout_s, soft_timeout_s=soft, budget_s=10, max_timeout_s=max_s, hint_s=hint
+    )
 
 
 def test_defaults_soft_is_nine_tenths_of_hard() -> None:
@@ -48,12 +53,17 @@ def test_lost_deadline_before_and_after_start() -> None:
     kw = dict(timeout_s=2.0, grace_s=1.0, queue_timeout_s=300.0)
     assert lost_deadline(dispatched_at=100.0, started_at=None, **kw) == 401.0
     assert lost_deadline(dispatched_at=100.0, started_at=110.0, **kw) == 113.0
-    assert lost_deadline(dispatched_at=100.0, started_at=110.0, timeout_s=0, grace_s=1,
-                         queue_timeout_s=300) is None
+    assert (
+        lost_deadline(
+            dispatched_at=100.0, started_at=110.0, timeout_s=0, grace_s=1, queue_timeout_s=300
+        )
+        is None
+    )
 
 
-@pytest.mark.parametrize(("duration", "budget", "expected"),
-                         [(5, 10, False), (11, 10, True), (100, 0, False)])
+@pytest.mark.parametrize(
+    ("duration", "budget", "expected"), [(5, 10, False), (11, 10, True), (100, 0, False)]
+)
 def test_overran(duration: float, budget: float, expected: bool) -> None:
     assert overran(duration, budget) is expected
 
