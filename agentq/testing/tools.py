@@ -143,3 +143,22 @@ def login(ctx: ToolContext, user: str) -> str:
 def forbidden() -> str:
     """Denied by policy."""
     return "should never run"
+
+
+@tool(timeout_s=10, budget_s=1)
+def noop() -> None:
+    """Do nothing: scripts/bench.py measures agentq's own cost per call with it."""
+    return None
+
+
+@tool(timeout_s=1, budget_s=1)
+def bench_sleep(seconds: float = 5) -> str:
+    """Block past its 1 s hard limit, deaf to the soft limit: the bench's timeout probe."""
+    _sleep_through(seconds)
+    return "woke up"
+
+
+@tool(timeout_s=10, approval="ask", approval_timeout_s=1.0)
+def ask_quick(path: str) -> str:
+    """Asks for approval with a 1 s timeout (tests of the deny-on-silence rule)."""
+    return f"touched {path}"
