@@ -78,3 +78,37 @@ def test_live_copy_carries_the_stream_id_for_sse(agentq_env) -> None:
     log_ids = [e.stream_id for e in bus.replay(turn_id)]
     assert [e.stream_id for e in got] == log_ids
     assert [e.type for e in got] == ["turn_started", "turn_finished"]
+
+
+def test_progress_events_while_a_tool_runs_and_in_flower(fleet, llm_server, client) -> None:
+    from celery.result import AsyncResult
+
+    from agentq.runtime import get_app
+    from agentq.testing.openai_server import Round
+    from tests.integration.test_turns import calls, script
+
+    key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 3}))), Round(text="ok"))
+    h = client.start_turn(key)
+    seen_progress_state = []
+    events = []
+    for ev in client.events(h.turn_id, heartbeat_s=0.2):
+        if ev is not None:
+            events.append(ev)
+            if ev.type in ("turn_finished", "turn_error", "turn_aborted"):
+                break
+        started = [e for e in events if e.type == "tool_started"]
+        if started and not seen_progress_state:
+            task_id = f"{h.turn_id}.{started[0].fields['call_id']}.1"
+            res = AsyncResult(task_id, app=get_app())
+            if res.state == "PROGRESS":
+                seen_progress_state.append(res.info)
+    assert events[-1].type == "turn_finished"
+    by_turn = [e for e in events if e.type == "tool_progress" and e.fields["source"] == "turn"]
+    by_tool = [e for e in events if e.type == "tool_progress" and e.fields["source"] == "tool"]
+    # The test settings publish turn-side progress every second (5 s by default).
+    assert len(by_turn) >= 2
+    elapsed = [e.fields["elapsed_ms"] for e in by_turn]
+    assert elapsed == sorted(elapsed) and elapsed[-1] >= 1000
+    assert by_tool and by_tool[0].fields["message"] == "sleeping"
+    # Flower reads task states: the tool's progress is visible there as PROGRESS.
+    assert seen_progress_state and seen_progress_state[0]["tool"] == "sleep"
