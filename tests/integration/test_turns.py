@@ -173,3 +173,22 @@ def test_model_failure_is_a_turn_error_with_a_code(fleet, llm_server, client: Cl
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_error"
     assert "model says no" in events[-1].fields["error"]
+
+
+def test_aborting_a_parent_aborts_its_sub_agents(fleet, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
+    parent = client.start_turn(key)
+    child = client.start_turn(key, parent_turn_id=parent.turn_id)
+    for h in (parent, child):
+        wait_for(
+            lambda h=h: any(
+                t["turn_id"] == h.turn_id and t["current_tools"] for t in client.active()
+            ),
+            20,
+            message="both turns running a tool",
+        )
+    client.abort(parent.turn_id, parent.token)
+    for h in (parent, child):
+        last = collect(client, h.turn_id)[-1]
+        assert last.type == "turn_aborted", (h, last)
+        assert_valid_history(client.get(h.turn_id)["history"])
