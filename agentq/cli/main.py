@@ -5,10 +5,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from agentq.errors import AgentqError, ConfigError
 
-WORKER_KINDS = {
+if TYPE_CHECKING:
+    from agentq.config import Settings
+
+WORKER_KINDS: dict[str, dict[str, str | None]] = {
     "turns": {"pool": "threads", "concurrency": "100"},
     "llm": {"pool": "threads", "concurrency": "32"},
     "tools": {"pool": "prefork", "concurrency": None},
@@ -50,7 +55,7 @@ def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]
         argv += ["-n", f"{kind}@%h"]
     if not _has(opts, "-l", "--loglevel"):
         argv += ["-l", "INFO"]
-    return argv + ["-E", *opts]
+    return [*argv, "-E", *opts]
 
 
 def cmd_worker(kind: str, opts: list[str]) -> int:
@@ -62,15 +67,56 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
     return 0
 
 
+LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+
+
+def _opt_value(opts: list[str], *names: str) -> str | None:
+    """The value of a tornado-style ``--name=value`` option (Flower takes no other form)."""
+    for o in opts:
+        for n in names:
+            if o.startswith(n + "="):
+                return o.split("=", 1)[1]
+    return None
+
+
+def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str]) -> list[str]:
+    """Flower's command line: agentq's port and basic auth, bound to loopback by default.
+
+    Options on the command line win, then Flower's own ``FLOWER_*`` variables (which Flower
+    reads itself: ``FLOWER_ADDRESS=0.0.0.0`` in a container), then agentq's settings.
+    """
+    argv = ["flower"]
+    if not _has(opts, "--port") and ("AGENTQ_FLOWER_PORT" in environ
+                                     or "FLOWER_PORT" not in environ):
+        argv.append(f"--port={settings.flower_port}")
+    address = _opt_value(opts, "--address") or environ.get("FLOWER_ADDRESS") or "127.0.0.1"
+    if not _has(opts, "--address"):
+        argv.append(f"--address={address}")
+    if settings.flower_basic_auth and not _has(opts, "--basic_auth", "--basic-auth"):
+        argv.append(f"--basic_auth={settings.flower_basic_auth}")
+    authenticated = bool(
+        settings.flower_basic_auth
+        or environ.get("FLOWER_BASIC_AUTH")
+        or environ.get("FLOWER_AUTH")
+        or _has(opts, "--basic_auth", "--basic-auth", "--auth")
+    )
+    # Flower can revoke and kill tasks: it never listens beyond this machine unguarded.
+    if address not in LOOPBACK_ADDRESSES and not authenticated:
+        raise ConfigError(
+            "AGENTQ_FLOWER_BASIC_AUTH",
+            f"Flower would listen on {address or 'every address'} without authentication; "
+            "set it to user:password (or bind Flower to 127.0.0.1)",
+        )
+    return argv + opts
+
+
 def cmd_flower(opts: list[str]) -> int:
     from agentq.config import get_settings
+
+    argv = flower_argv(get_settings(), opts, os.environ)
     from agentq.worker import app
 
-    s = get_settings()
-    argv = ["flower", f"--port={s.flower_port}", "--address=127.0.0.1"]
-    if s.flower_basic_auth:
-        argv.append(f"--basic_auth={s.flower_basic_auth}")
-    app.start(argv=argv + opts)
+    app.start(argv=argv)
     return 0
 
 
@@ -97,7 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="the HTTP gateway and web page")
     sv.add_argument("--host", default=None)
     sv.add_argument("--port", type=int, default=None)
-    sub.add_parser("dev", help="everything on one machine, Redis included")
+    d = sub.add_parser("dev", help="everything on one machine, Redis included")
+    d.add_argument("--no-flower", action="store_true", help="don't start Flower")
+    d.add_argument("--no-gateway", action="store_true",
+                   help="don't start the gateway (HTTP API and web page)")
+    d.add_argument("--demo", action="store_true",
+                   help="run one demo turn once started, print its events, keep running")
+    d.add_argument("--once", action="store_true",
+                   help="start, run one demo turn live, stop everything; exit with its code")
+    d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
     return p
 
 
@@ -132,7 +186,7 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.cmd == "dev":
         from agentq.dev import main as dev_main
 
-        return dev_main()
+        return dev_main(args)
     from agentq.api import Client
     from agentq.cli.run import print_json, run
 

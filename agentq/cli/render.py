@@ -62,7 +62,9 @@ class TurnView:
 
     def apply(self, ev: Event) -> None:
         f = ev.fields
-        if ev.type == "llm_delta" and f.get("kind") == "text":
+        if ev.type == "llm_started" and self.text and not self.text.endswith("\n"):
+            self.text += "\n"
+        elif ev.type == "llm_delta" and f.get("kind") == "text":
             self.text += str(f.get("text", ""))
         elif ev.type == "llm_retry":
             self.retries += 1

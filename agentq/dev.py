@@ -1,0 +1,396 @@
+"""`agentq dev`: the whole fleet on one machine, and all of it stopped again by PID.
+
+Starts, in this order: Redis (an embedded ``redis-server`` when none answers at
+``AGENTQ_REDIS_URL``), the scripted demo model (when ``AGENTQ_LLM_BASE_URL`` is unset),
+then side by side the turn, stream and tool workers, the gateway and Flower. Every
+process runs in its own process group with its output in a log file; Ctrl-C, SIGTERM,
+the death of any process or a failed start stops all of them.
+
+    agentq dev                 # runs until Ctrl-C
+    agentq dev --once          # start, run one demo turn live, stop; exit with its code
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from agentq.config import Settings, get_settings
+from agentq.errors import ConfigError
+from agentq.testing.processes import (
+    CELERY_READY_PATTERN,
+    ManagedProcess,
+    ProcessStartError,
+    start_process,
+)
+from agentq.testing.redis_server import RedisServer, ensure_redis, find_free_port, port_is_free
+
+DEMO_PROMPT = "Say hello: call echo with 'hello' and sleep for 2 seconds, both at once."
+DEMO_TOOLS = "agentq.testing.tools"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+READY_TIMEOUT_S = 90.0
+"""Generous: five Python processes import Celery at once, on a laptop or a small CI box."""
+STOP_TIMEOUT_S = 10.0
+"""Per process, between SIGTERM and SIGKILL: a warm shutdown lets running tasks end."""
+TOOL_CONCURRENCY = 4
+_POLL_S = 0.05
+
+
+class _Stop(Exception):
+    """SIGTERM or SIGHUP: stop everything, like Ctrl-C."""
+
+
+@dataclass
+class DevOptions:
+    flower: bool = True
+    gateway: bool = True
+    demo: bool = False
+    once: bool = False
+    prompt: str = DEMO_PROMPT
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace | None) -> DevOptions:
+        if args is None:
+            return cls()
+        return cls(
+            flower=not getattr(args, "no_flower", False),
+            gateway=not getattr(args, "no_gateway", False),
+            demo=bool(getattr(args, "demo", False)),
+            once=bool(getattr(args, "once", False)),
+            prompt=getattr(args, "prompt", None) or DEMO_PROMPT,
+        )
+
+
+def say(message: str) -> None:
+    # A closed terminal or pipe must not keep the finally blocks from stopping everything.
+    with contextlib.suppress(OSError):
+        print(f"agentq dev: {message}", flush=True)
+
+
+@dataclass
+class Fleet:
+    """Everything `agentq dev` started; `stop()` ends it all, Redis last."""
+
+    log_dir: Path
+    procs: dict[str, ManagedProcess] = field(default_factory=dict)
+    redis: RedisServer | None = None
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        proc = start_process(argv, env=env, log_path=self.log_dir / f"{name}.log", name=name)
+        self.procs[name] = proc
+        return proc
+
+    def first_dead(self) -> tuple[str, int] | None:
+        for name, proc in self.procs.items():
+            rc = proc.poll()
+            if rc is not None:
+                return name, rc
+        if self.redis is not None and not self.redis.is_running():
+            return "redis", -1
+        return None
+
+    def stop(self) -> None:
+        procs = list(self.procs.values())
+        if procs:
+            # SIGTERM to all at once: each warm shutdown runs while the others do.
+            with ThreadPoolExecutor(len(procs)) as pool:
+                list(pool.map(lambda p: p.stop(timeout_s=STOP_TIMEOUT_S), procs))
+        if self.redis is not None:
+            self.redis.stop()
+
+
+def redact(url: str) -> str:
+    """`url` with its password replaced by ***, for the terminal."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rpartition('@')[2]}"))
+
+
+def _python(*args: str) -> list[str]:
+    return [sys.executable, "-m", *args]
+
+
+def _http_status(url: str, timeout_s: float = 1.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
+
+
+def _in_log(proc: ManagedProcess, pattern: str) -> Callable[[], bool]:
+    regex = re.compile(pattern, re.MULTILINE)
+    return lambda: bool(regex.search(proc.log_text()))
+
+
+def wait_ready(checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]],
+               timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until every check passes; ProcessStartError when a process exits or time runs out."""
+    pending = dict(checks)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for name, (proc, ready) in list(pending.items()):
+            if ready():
+                del pending[name]
+            elif proc.poll() is not None:
+                raise ProcessStartError(
+                    f"{name} (pid {proc.pid}) exited with code {proc.returncode} while "
+                    f"starting; its log: {proc.log_path}", proc.log_tail())
+        if pending and time.monotonic() >= deadline:
+            name, (proc, _) = next(iter(pending.items()))
+            raise ProcessStartError(
+                f"{', '.join(pending)} not ready within {timeout_s:g} s; log: {proc.log_path}",
+                proc.log_tail())
+        if pending:
+            time.sleep(_POLL_S)
+
+
+def _port(preferred: int, env_name: str, what: str) -> int:
+    """`preferred` when it is free; a free port otherwise, unless the user asked for that one.
+    0 means any free port."""
+    if preferred == 0:
+        return find_free_port()
+    if port_is_free(preferred):
+        return preferred
+    if env_name in os.environ:
+        raise ConfigError(env_name, f"port {preferred} for {what} is in use")
+    port = find_free_port()
+    say(f"port {preferred} is in use: {what} listens on {port} instead")
+    return port
+
+
+def _check_broker(url: str) -> None:
+    from kombu.connection import Connection
+
+    conn = Connection(url, connect_timeout=3)  # type: ignore[no-untyped-call]
+    try:
+        conn.ensure_connection(max_retries=1, timeout=3)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        # as_uri() hides the password.
+        raise ConfigError("AGENTQ_BROKER_URL",
+                          f"no broker answers at {conn.as_uri()}: {exc}") from None
+    finally:
+        conn.release()  # type: ignore[no-untyped-call]
+
+
+@dataclass
+class Started:
+    """What the summary prints and what the in-process client needs."""
+
+    env: dict[str, str]
+    redis_url: str
+    model_url: str | None = None
+    gateway_url: str | None = None
+    flower_url: str | None = None
+
+
+def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
+    # Ports first: a taken port the user asked for fails before anything starts.
+    gateway_port = (_port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway")
+                    if opts.gateway else 0)
+    flower_port = _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower") if opts.flower else 0
+    separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
+    if separate_broker:
+        _check_broker(settings.broker)
+    env: dict[str, str] = {}
+    url, embedded = ensure_redis(settings.redis_url)
+    fleet.redis = embedded
+    if embedded is None:
+        say(f"Redis: using the one answering at {redact(url)}")
+    else:
+        say(f"no Redis answered at {redact(settings.redis_url)}: started an embedded "
+            f"redis-server (pid {embedded.pid}) at {redact(url)}; it stops with agentq dev")
+    env["AGENTQ_REDIS_URL"] = url
+    if separate_broker:
+        say(f"broker: {redact(settings.broker)} (Redis kept for events and state)")
+    elif settings.broker_url:
+        env["AGENTQ_BROKER_URL"] = url  # it named the Redis we may have moved
+    if not settings.tools:
+        say(f"AGENTQ_TOOLS unset: loading the demo tools from {DEMO_TOOLS}")
+        env["AGENTQ_TOOLS"] = DEMO_TOOLS
+    started = Started(env=env, redis_url=url)
+
+    if not settings.llm_base_url:
+        say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
+        model = fleet.start("model", _python("agentq.testing.openai_server", "--port", "0",
+                                             "--script", "demo"), env)
+        wait_ready({"model": (model, _in_log(model, r"listening on \S+"))})
+        found = re.search(r"listening on (\S+)", model.log_text())
+        assert found is not None
+        started.model_url = env["AGENTQ_LLM_BASE_URL"] = found.group(1)
+
+    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
+    for kind in ("turns", "llm", "tools"):
+        argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
+        if kind == "tools":
+            argv += ["--concurrency", str(TOOL_CONCURRENCY)]
+        proc = fleet.start(f"worker-{kind}", argv, env)
+        checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
+    if opts.gateway:
+        host = settings.gateway_host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        started.gateway_url = f"http://{shown}:{gateway_port}"
+        gw = fleet.start("gateway", _python("agentq", "serve", "--host", host,
+                                            "--port", str(gateway_port)), env)
+        health = f"{started.gateway_url}/healthz"
+        in_log = _in_log(gw, r"Uvicorn running on")
+        checks["gateway"] = (gw, lambda: in_log() or _http_status(health) == 200)
+    if opts.flower:
+        started.flower_url = f"http://127.0.0.1:{flower_port}"
+        fl = fleet.start("flower", _python("agentq", "flower"),
+                         {**env, "AGENTQ_FLOWER_PORT": str(flower_port)})
+        # /healthcheck answers without credentials once Flower serves HTTP.
+        probe = f"{started.flower_url}/healthcheck"
+        checks["Flower"] = (fl, lambda: _http_status(probe) == 200)
+    wait_ready(checks)
+    return started
+
+
+def summary(started: Started, fleet: Fleet, settings: Settings, took_s: float) -> str:
+    lines = [f"ready in {took_s:.1f} s"]
+    if started.gateway_url:
+        lines.append(f"  web page  {started.gateway_url}/")
+    if started.flower_url:
+        auth = ("basic auth" if settings.flower_basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
+                else "no auth: bound to 127.0.0.1")
+        lines.append(f"  Flower    {started.flower_url}/  ({auth})")
+    where = "embedded, stops with agentq dev" if fleet.redis else "already running"
+    lines.append(f"  Redis     {redact(started.redis_url)}  ({where})")
+    if started.model_url:
+        lines.append(f"  model     {started.model_url}  (scripted demo model)")
+    pids = ", ".join(f"{name} {p.pid}" for name, p in fleet.procs.items())
+    lines.append(f"  pids      {pids}")
+    lines.append(f"  logs      {fleet.log_dir}")
+    # The variables another terminal needs that its environment does not already hold.
+    prefix = "".join(
+        f"{k}={redact(v)} " for k, v in started.env.items()
+        if k in ("AGENTQ_REDIS_URL", "AGENTQ_BROKER_URL")
+        and v != os.environ.get(k, DEFAULT_REDIS_URL)
+    )
+    lines.append(f'try it from another terminal:  {prefix}agentq run "hello"')
+    return "\n".join(lines)
+
+
+def _print_events(events: Iterator[Any]) -> None:
+    from agentq.events.bus import TERMINAL_TYPES
+
+    for ev in events:
+        if ev is None:
+            continue
+        fields = json.dumps(ev.fields, default=str, ensure_ascii=False)
+        print(f"  {ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
+        if ev.type in TERMINAL_TYPES:
+            return
+
+
+def _use_env(env: dict[str, str]) -> None:
+    """Point this process (its Client) at what was started."""
+    from agentq import runtime
+
+    os.environ.update(env)
+    runtime.reset()
+
+
+def _watch(fleet: Fleet) -> int:
+    """Block until a process dies (1) or we are told to stop."""
+    while True:
+        dead = fleet.first_dead()
+        if dead is not None:
+            name, rc = dead
+            proc = fleet.procs.get(name)
+            tail = proc.log_tail() if proc else ""
+            say(f"{name} exited with code {rc}; stopping everything\n{tail}")
+            return 1
+        time.sleep(0.5)
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _signals_stop() -> Iterator[None]:
+    saved = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def _stop_quietly(fleet: Fleet) -> None:
+    """Stop everything; signals wait until it is done, so no child is left behind."""
+    saved = {s: signal.signal(s, signal.SIG_IGN)
+             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        n = len(fleet.procs) + (fleet.redis is not None)
+        t0 = time.monotonic()
+        fleet.stop()
+        if n:
+            what = "process" if n == 1 else "processes"
+            say(f"stopped {n} {what} in {time.monotonic() - t0:.1f} s")
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+
+
+def main(args: argparse.Namespace | None = None) -> int:
+    opts = DevOptions.from_args(args)
+    settings = get_settings()
+    fleet = Fleet(Path(tempfile.mkdtemp(prefix="agentq-dev-")))
+    code = 1
+    t0 = time.monotonic()
+    try:
+        with _signals_stop():
+            try:
+                started = start_all(fleet, opts, settings)
+                say(summary(started, fleet, settings, time.monotonic() - t0))
+                _use_env(started.env)
+                from agentq.api import Client
+
+                if opts.once:
+                    from agentq.cli.run import run
+
+                    code = run(Client(), opts.prompt, as_json=False, headless=True)
+                    return code
+                if opts.demo:
+                    client = Client()
+                    handle = client.start_turn(opts.prompt, headless=True)
+                    say(f"demo turn {handle.turn_id}:")
+                    _print_events(client.events(handle.turn_id, heartbeat_s=1.0))
+                say("running; Ctrl-C stops everything")
+                code = _watch(fleet)
+                return code
+            except ProcessStartError as exc:
+                say(f"could not start: {exc}")
+                return 1
+            except (KeyboardInterrupt, _Stop):
+                code = 0
+                return 0
+    finally:
+        _stop_quietly(fleet)
+        if code == 0 or not any(fleet.log_dir.iterdir()):
+            shutil.rmtree(fleet.log_dir, ignore_errors=True)
+        else:
+            say(f"logs kept in {fleet.log_dir}")

@@ -1,0 +1,270 @@
+"""A fleet beyond one worker per kind: tool calls spread over two tool workers, and
+RabbitMQ as the Celery broker with Redis kept for events and state.
+
+Each test builds its own stack (a fresh Redis, its own turn, stream and tool workers)
+so the session workers cannot take its tasks; only the scripted model is shared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit
+
+import psutil
+import pytest
+from kombu import Connection
+
+from agentq import runtime
+from agentq.api import Client
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.models import Event
+from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.processes import (
+    ManagedProcess,
+    WaitTimeout,
+    start_process,
+    start_worker,
+    wait_for,
+)
+from agentq.testing.redis_server import RedisServer, find_free_port
+
+pytestmark = pytest.mark.integration
+
+AMQP_URL = os.environ.get("AGENTQ_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+RABBITMQ_START_TIMEOUT_S = 60
+
+
+@contextlib.contextmanager
+def process_env(env: dict[str, str]) -> Iterator[None]:
+    """Point this process (the Client) at `env`, then restore the session's settings."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    runtime.reset()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        runtime.reset()
+
+
+@contextlib.contextmanager
+def stack(
+    base: dict[str, str], *, broker_url: str | None, tool_workers: list[str], tool_concurrency: int
+) -> Iterator[tuple[Client, dict[str, ManagedProcess]]]:
+    """A fresh Redis, one turn and one stream worker, and one tool worker per name."""
+    with RedisServer() as redis_server:
+        env = {**base, "AGENTQ_REDIS_URL": redis_server.url,
+               "AGENTQ_BROKER_URL": broker_url or redis_server.url}
+        tag = uuid.uuid4().hex[:6]
+        specs: dict[str, tuple[str, int]] = {"turns": ("turns", 8), "llm": ("llm", 4)}
+        specs.update({name: ("tools", tool_concurrency) for name in tool_workers})
+        procs: dict[str, ManagedProcess] = {}
+        # Started side by side: each worker spends its start-up importing, not waiting.
+        with ThreadPoolExecutor(len(specs)) as pool:
+            futures = {
+                name: pool.submit(start_worker, kind, env=env, hostname=f"{name}-{tag}@%h",
+                                  concurrency=conc, ready_timeout_s=60)
+                for name, (kind, conc) in specs.items()
+            }
+            errors = []
+            for name, fut in futures.items():
+                try:
+                    procs[name] = fut.result()
+                except Exception as exc:
+                    errors.append(exc)
+        try:
+            if errors:
+                raise errors[0]
+            with process_env(env):
+                yield Client(), procs
+        finally:
+            for proc in procs.values():
+                proc.stop()
+
+
+def script(llm_server: Any, *rounds: Round) -> str:
+    key = f"fleet-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(key, list(rounds))
+    return key
+
+
+def collect(client: Client, turn_id: str, timeout_s: float = 60) -> list[Event]:
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    for ev in client.events(turn_id, heartbeat_s=0.5):
+        if ev is not None:
+            out.append(ev)
+            if ev.type in TERMINAL_TYPES:
+                return out
+        assert time.monotonic() < deadline, [e.type for e in out]
+    return out
+
+
+def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None:
+    # Three processes each: neither worker can take all six calls, so both must run some.
+    with stack(agentq_env, broker_url=None, tool_workers=["tools-a", "tools-b"],
+               tool_concurrency=3) as (client, procs):
+        # Different arguments: six identical calls would trip the loop detector.
+        sleeps = [ScriptedCall(name="sleep", arguments={"seconds": 0.5 + i / 100})
+                  for i in range(6)]
+        key = script(llm_server, Round(text="Six at once.", tool_calls=sleeps),
+                     Round(text="Done."))
+        handle = client.start_turn(f"{key} go")
+        events = collect(client, handle.turn_id)
+        assert events[-1].type == "turn_finished", events[-1]
+        finished = [e for e in events if e.type == "tool_finished"]
+        assert len(finished) == 6
+        assert {e.fields["status"] for e in finished} == {"ok"}
+        nodes = {str(e.fields["worker"]).split("@", 1)[0].rsplit("-", 1)[0] for e in finished}
+        assert nodes == {"tools-a", "tools-b"}, [e.fields["worker"] for e in finished]
+        records = client.get(handle.turn_id)["invocations"]
+        assert {r["worker"] for r in records} == {e.fields["worker"] for e in finished}
+        # All six ran at once: far less than the 3 s they would take one after another.
+        started = min(e.ts for e in events if e.type == "tool_started")
+        span_s = max(e.ts for e in finished) - started
+        assert span_s < 2.9, span_s
+        assert procs["tools-a"].is_running() and procs["tools-b"].is_running()
+
+
+# --------------------------------------------------------------------------- RabbitMQ
+
+
+def amqp_answers(url: str, timeout_s: float = 3.0) -> bool:
+    try:
+        with Connection(url, connect_timeout=timeout_s) as conn:
+            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="module")
+def amqp_broker() -> Iterator[str]:
+    """The RabbitMQ to use. Skips when none answers, except on CI with RabbitMQ
+    installed: there it is started (and stopped again by PID), and failing to is a failure."""
+    if amqp_answers(AMQP_URL):
+        yield AMQP_URL
+        return
+    server = shutil.which("rabbitmq-server")
+    if os.environ.get("CI") != "true" or server is None:
+        pytest.skip(f"no RabbitMQ answers at {AMQP_URL} (set AGENTQ_TEST_AMQP_URL, or run "
+                    "with CI=true where rabbitmq-server is installed to start one)")
+    port = urlsplit(AMQP_URL).port or 5672
+    # In the foreground, in its own process group, so it is stopped by PID afterwards.
+    proc = start_process([server], env={"RABBITMQ_NODE_PORT": str(port)}, name="rabbitmq")
+    try:
+        try:
+            wait_for(lambda: amqp_answers(AMQP_URL, 2.0) or proc.poll() is not None,
+                     RABBITMQ_START_TIMEOUT_S, interval_s=1.0,
+                     message=f"RabbitMQ to answer at {AMQP_URL}")
+        except WaitTimeout:
+            pytest.fail(f"started {server} but no broker answered in "
+                        f"{RABBITMQ_START_TIMEOUT_S} s:\n{proc.log_tail()}")
+        if proc.poll() is not None and not amqp_answers(AMQP_URL):
+            pytest.fail(f"{server} exited with code {proc.returncode}:\n{proc.log_tail()}")
+        yield AMQP_URL
+    finally:
+        # The server runs under `su`, which moves it to a session of its own: SIGTERM each
+        # descendant by PID (beam shuts down cleanly on it), then stop the group.
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.terminate()
+        proc.stop(timeout_s=30)
+
+
+def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_broker) -> None:
+    with stack(agentq_env, broker_url=amqp_broker, tool_workers=["tools-amqp"],
+               tool_concurrency=2) as (client, procs):
+        assert client.app.conf.broker_url.startswith("amqp://")
+        key = script(
+            llm_server,
+            Round(text="Two tools.", tool_calls=[
+                ScriptedCall(name="echo", arguments={"text": "via rabbit"}),
+                ScriptedCall(name="sleep", arguments={"seconds": 0.3}),
+            ]),
+            Round(text="Done over AMQP."),
+        )
+        handle = client.start_turn(f"{key} go")
+        events = collect(client, handle.turn_id)
+        assert events[-1].type == "turn_finished", events[-1]
+        assert events[-1].fields["content"] == "Done over AMQP."
+        turn = client.get(handle.turn_id)
+        assert {r["status"] for r in turn["invocations"]} == {"ok"}
+        assert all(r["worker"].startswith("tools-amqp-") for r in turn["invocations"])
+        assert turn["history"][2]["content"] == "via rabbit"
+
+        # Abort revokes over the broker's broadcast exchange: the stuck tool's process dies.
+        key = script(llm_server, Round(tool_calls=[ScriptedCall(name="hang",
+                                                                arguments={"seconds": 60})]))
+        handle = client.start_turn(f"{key} hang")
+        started: list[Event] = []
+        for ev in client.events(handle.turn_id, heartbeat_s=0.5):
+            if ev is not None and ev.type == "tool_started":
+                started.append(ev)
+                break
+        pid = int(started[0].fields["pid"])
+        client.abort(handle.turn_id, handle.token)
+        events = collect(client, handle.turn_id)
+        assert events[-1].type == "turn_aborted"
+        (res,) = [e for e in events if e.type == "tool_finished"]
+        assert res.fields["status"] == "cancelled"
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status()
+                 == psutil.STATUS_ZOMBIE, 10, message=f"tool process {pid} killed",
+                 ignore=(psutil.NoSuchProcess,))
+        assert procs["tools-amqp"].is_running()
+
+
+# --------------------------------------------------------------------------- agentq dev
+
+
+def test_agentq_dev_once_runs_a_turn_and_leaves_nothing_behind() -> None:
+    """The README's first command: embedded Redis, scripted model, all processes, one turn."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTQ_", "FLOWER_"))}
+    env.update({
+        "AGENTQ_REDIS_URL": f"redis://127.0.0.1:{find_free_port()}/0",
+        "AGENTQ_GATEWAY_PORT": "0",
+        "AGENTQ_FLOWER_PORT": "0",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+    })
+    proc = start_process([sys.executable, "-m", "agentq", "dev", "--once"], env=env,
+                         inherit_env=False, name="agentq-dev")
+    try:
+        rc = proc.wait(timeout_s=150)
+    finally:
+        proc.stop()
+    out = proc.log_text()
+    assert rc == 0, out
+    assert "no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model" in out
+    assert "started an embedded redis-server" in out
+    assert "turn finished" in out and "2 ok" in out, out
+    listed = re.search(r"^\s+pids\s+(.*)$", out, re.MULTILINE)
+    redis_pid = re.search(r"embedded redis-server \(pid (\d+)\)", out)
+    assert listed is not None and redis_pid is not None, out
+    pids = {int(p) for p in re.findall(r"\b(\d+)\b", listed.group(1))}
+    pids.add(int(redis_pid.group(1)))
+    assert len(pids) == 7, out  # model, 3 workers, gateway, Flower, Redis
+    # Each was the leader of its own process group: no member of those groups is left.
+    left = [p.info for p in psutil.process_iter(["pid", "name", "status"])
+            if _pgid(p.pid) in pids and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert not left, (left, out)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
