@@ -28,7 +28,7 @@ class Settings(BaseSettings):
     llm_max_retries: int = Field(2, ge=0, le=10)
     """Retries of a model round on a zero-chunk stall, 429 or 5xx."""
     llm_request_timeout_s: float = Field(60.0, gt=0)
-    """Connect/first-response timeout of the HTTP request itself."""
+    """Transport timeout of the HTTP request; with the watchdog on, at least idle limit + 1 s."""
 
     tools: str = ""
     """Comma-separated modules imported for their @tool definitions."""
@@ -63,6 +63,9 @@ class Settings(BaseSettings):
 
     turn_lease_s: float = Field(10.0, gt=0)
     """A turn worker renews its lease on a running turn this often x3; a lapsed lease is resumed."""
+    visibility_timeout_s: float | None = Field(None, gt=0)
+    """Redis broker: redeliver an unacked message after this long; default computed from the
+    longest tool limit (at least an hour). Below a call's run time a live call is sent twice."""
     event_log_maxlen: int = Field(10_000, ge=100)
     """Approximate cap of each turn's replay log."""
     state_ttl_s: int = Field(7 * 24 * 3600, gt=0)

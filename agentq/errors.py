@@ -12,6 +12,7 @@ AgentqError
 │   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
 │   ├── StreamDurationExceeded(limit_s, elapsed_s)
 │   ├── ModelHTTPError(status_code, retryable)
+│   │   └── ModelConnectionError(detail)      unreachable or dropped; retryable
 │   └── MalformedStreamChunk(chunk_index)
 ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
 └── TurnError(turn_id)
@@ -117,6 +118,18 @@ class ModelHTTPError(LlmError):
         super().__init__(f"model server answered HTTP {status_code}: {message}")
         self.status_code = status_code
         self.retryable = retryable
+
+
+class ModelConnectionError(ModelHTTPError):
+    """The model server could not be reached or dropped the connection; retryable."""
+
+    code = "ECONNECTION"
+
+    def __init__(self, detail: str) -> None:
+        LlmError.__init__(self, f"could not reach the model server: {detail}")
+        self.status_code = 0
+        self.retryable = True
+        self.detail = detail
 
 
 class MalformedStreamChunk(LlmError):

@@ -1,0 +1,1 @@
+"""The model side: one streamed round, its inactivity watchdog and its retry rules."""

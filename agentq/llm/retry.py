@@ -1,0 +1,103 @@
+"""When a failed model round is tried again, and after how long. Pure: no I/O, no sleeping.
+
+The rules (design.md, "Time limits"):
+
+- a user abort never retries, and wins over every other failure;
+- an inactivity timeout retries only when no chunk had arrived (the request stalled
+  before the model said anything), at most `max_retries` times;
+- HTTP 429 and 5xx, and a dropped connection, retry with backoff; other 4xx never;
+- a malformed chunk or an exhausted stream_duration_s never retries;
+- nothing retries once a chunk has arrived: its deltas are already published, and
+  replaying a generation half-way would show them twice.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import time
+from collections.abc import Mapping
+from typing import Literal
+
+from agentq.errors import (
+    Aborted,
+    MalformedStreamChunk,
+    ModelHTTPError,
+    StreamDurationExceeded,
+    StreamIdleTimeout,
+)
+
+FailureKind = Literal[
+    "abort", "idle_timeout", "http_retryable", "http_fatal", "malformed", "duration", "other"
+]
+
+BASE_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 30.0
+_RETRYABLE: frozenset[FailureKind] = frozenset({"idle_timeout", "http_retryable"})
+
+
+def retryable_status(status_code: int) -> bool:
+    """HTTP statuses worth another try: rate limits and server errors."""
+    return status_code == 429 or status_code >= 500
+
+
+def classify(exc: BaseException) -> FailureKind:
+    if isinstance(exc, Aborted):
+        return "abort"
+    if isinstance(exc, StreamIdleTimeout):
+        return "idle_timeout"
+    if isinstance(exc, ModelHTTPError):
+        return "http_retryable" if exc.retryable else "http_fatal"
+    if isinstance(exc, MalformedStreamChunk):
+        return "malformed"
+    if isinstance(exc, StreamDurationExceeded):
+        return "duration"
+    return "other"
+
+
+def should_retry(
+    exc: BaseException, *, chunks_received: int, attempt: int, max_retries: int
+) -> bool:
+    """Whether to try again after attempt number `attempt` (1-based) failed with `exc`."""
+    if attempt > max_retries or chunks_received > 0:
+        return False
+    return classify(exc) in _RETRYABLE
+
+
+def backoff_s(attempt: int, retry_after_s: float | None = None) -> float:
+    """Delay before the retry that follows failed attempt `attempt` (1-based).
+
+    The server's Retry-After wins when it sent one; both are capped at MAX_BACKOFF_S.
+    """
+    if retry_after_s is not None:
+        return min(max(retry_after_s, 0.0), MAX_BACKOFF_S)
+    exponent = max(attempt, 1) - 1
+    # Capping the exponent first keeps a huge attempt number from overflowing the float.
+    return min(BASE_BACKOFF_S * 2.0 ** min(exponent, 32), MAX_BACKOFF_S)
+
+
+def parse_retry_after(headers: Mapping[str, str], *, now_s: float | None = None) -> float | None:
+    """Seconds the server asked us to wait, from `retry-after-ms` or `Retry-After`.
+
+    `Retry-After` may be seconds or an HTTP date; `now_s` (epoch seconds) anchors the date.
+    Header names are matched case-insensitively.
+    """
+    lowered = {k.lower(): v for k, v in headers.items()}
+    raw_ms = lowered.get("retry-after-ms")
+    if raw_ms is not None:
+        try:
+            return max(float(raw_ms) / 1000.0, 0.0)
+        except ValueError:
+            pass
+    raw = lowered.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        return max(float(raw), 0.0)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(raw)
+    except (TypeError, ValueError):
+        return None
+    now = time.time() if now_s is None else now_s
+    return max(when.timestamp() - now, 0.0)
