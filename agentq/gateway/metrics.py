@@ -1,0 +1,191 @@
+"""Prometheus metrics of the gateway, in a registry of their own (no process/GC collectors).
+
+What each metric counts, and where it comes from:
+
+- ``agentq_tool_duration_seconds{tool,status}`` histogram: ``duration_ms`` of every
+  ``tool_finished`` event that carries one.
+- ``agentq_tool_results_total{tool,status}``: every ``tool_finished`` event, i.e. every
+  settled call, with or without a duration (denied calls have none).
+- ``agentq_tool_timeouts_total{tool}``: ``tool_finished`` with status ``timeout`` (the
+  hard limit killed the call; ``lost`` calls are counted under results only).
+- ``agentq_turn_aborts_total{reason}``: ``turn_aborted`` events by reason (user,
+  disconnect, timeout, error).
+- ``agentq_turns_ended_total{outcome}``: terminal events (finished, aborted, error).
+- ``agentq_watchdog_trips_total``: model streams cut by the inactivity watchdog, seen
+  as an ``llm_retry`` or a failed ``llm_finished`` with code ``ETIMEDOUT`` (each trip
+  ends in exactly one of the two).
+- ``agentq_events_streamed_total{type}``: SSE messages this gateway wrote (one per
+  client per event).
+- ``agentq_sse_connections`` gauge: SSE responses open now.
+- ``agentq_active_turns{status}`` gauge: turns in Redis' active set (queued, running),
+  read from ``Client.active()`` when /metrics is scraped.
+- ``agentq_running_tool_calls`` gauge: dispatched calls of active turns without a result
+  yet, read at scrape time too.
+- ``agentq_redis_up`` gauge: 1 if the scrape-time read of Redis worked, else 0.
+
+The event-derived metrics come from an :class:`EventObserver`: one pattern subscription
+to every turn's pub/sub channel, so they count the whole fleet's events, whether or
+not anyone is watching a turn. Pub/sub delivers at most once: events published while
+the gateway is down are not counted, and every gateway replica counts the same events
+(aggregate replicas with `max`, not `sum`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import threading
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from agentq.constants import PREFIX
+
+log = logging.getLogger("agentq.gateway.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+EVENTS_PATTERN = f"{PREFIX}:turn:*:events"
+DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+MAX_TOOL_LABELS = 200
+"""Tool names come from the model (an unknown tool still settles); cap the label set."""
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error"})
+_TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
+_TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.tool_duration = Histogram(
+            "agentq_tool_duration_seconds", "Duration of settled tool calls.",
+            ["tool", "status"], buckets=DURATION_BUCKETS_S, registry=r)
+        self.tool_results = Counter(
+            "agentq_tool_results", "Settled tool calls.", ["tool", "status"], registry=r)
+        self.tool_timeouts = Counter(
+            "agentq_tool_timeouts", "Tool calls stopped by their hard limit.", ["tool"],
+            registry=r)
+        self.aborts = Counter(
+            "agentq_turn_aborts", "Aborted turns by reason.", ["reason"], registry=r)
+        self.turns_ended = Counter(
+            "agentq_turns_ended", "Turns that ended, by outcome.", ["outcome"], registry=r)
+        self.watchdog_trips = Counter(
+            "agentq_watchdog_trips", "Model streams cut by the inactivity watchdog.", registry=r)
+        self.events_streamed = Counter(
+            "agentq_events_streamed", "SSE messages written to clients.", ["type"], registry=r)
+        self.sse_connections = Gauge(
+            "agentq_sse_connections", "Open SSE responses.", registry=r)
+        self.active_turns = Gauge(
+            "agentq_active_turns", "Turns queued or running.", ["status"], registry=r)
+        self.running_tools = Gauge(
+            "agentq_running_tool_calls", "Dispatched tool calls without a result yet.",
+            registry=r)
+        self.redis_up = Gauge(
+            "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r)
+        for status in ("queued", "running"):
+            self.active_turns.labels(status=status).set(0)
+        self._tools: set[str] = set()
+        self._lock = threading.Lock()
+
+    def _tool_label(self, name: object) -> str:
+        tool = str(name)
+        if not _TOOL_NAME.match(tool):
+            return "other"
+        with self._lock:
+            if tool in self._tools:
+                return tool
+            if len(self._tools) >= MAX_TOOL_LABELS:
+                return "other"
+            self._tools.add(tool)
+            return tool
+
+    def observe(self, event: dict[str, Any]) -> None:
+        """Fold one event (as published) into the counters."""
+        type_ = event.get("type")
+        if type_ == "tool_finished":
+            tool = self._tool_label(event.get("tool"))
+            status = str(event.get("status"))
+            status = status if status in _TOOL_STATUSES else "other"
+            self.tool_results.labels(tool=tool, status=status).inc()
+            duration_ms = event.get("duration_ms")
+            if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
+                self.tool_duration.labels(tool=tool, status=status).observe(duration_ms / 1000)
+            if status == "timeout":
+                self.tool_timeouts.labels(tool=tool).inc()
+        elif type_ in ("llm_retry", "llm_finished") and event.get("code") == "ETIMEDOUT":
+            self.watchdog_trips.inc()
+        if type_ in _TERMINAL:
+            self.turns_ended.labels(outcome=_TERMINAL[str(type_)]).inc()
+            if type_ == "turn_aborted":
+                reason = str(event.get("reason"))
+                self.aborts.labels(reason=reason if reason in _ABORT_REASONS else "other").inc()
+
+    def streamed(self, type_: str) -> None:
+        self.events_streamed.labels(type=type_ if len(type_) <= 40 else "other").inc()
+
+    def refresh_active(self, active: list[dict[str, Any]]) -> None:
+        """Set the scrape-time gauges from `Client.active()`."""
+        by_status = {"queued": 0, "running": 0}
+        running = 0
+        for turn in active:
+            status = str(turn.get("status"))
+            if status in by_status:
+                by_status[status] += 1
+            running += len(turn.get("current_tools") or [])
+        for status, n in by_status.items():
+            self.active_turns.labels(status=status).set(n)
+        self.running_tools.set(running)
+        self.redis_up.set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EventObserver:
+    """A daemon thread that feeds every turn's published events to :class:`GatewayMetrics`."""
+
+    def __init__(self, client: redis.Redis, metrics: GatewayMetrics, *,
+                 poll_s: float = 0.5, retry_s: float = 1.0) -> None:
+        self.redis = client
+        self.metrics = metrics
+        self.poll_s = poll_s
+        self.retry_s = retry_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="agentq-metrics", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+            try:
+                pubsub.psubscribe(EVENTS_PATTERN)
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=self.poll_s)
+                    if msg is None:
+                        continue
+                    try:
+                        event = json.loads(msg["data"])
+                    except (TypeError, ValueError):
+                        continue
+                    if isinstance(event, dict):
+                        self.metrics.observe(event)
+            except redis.RedisError as exc:
+                # Redis restarts are survivable: resubscribe once it answers again.
+                log.warning("metrics observer lost Redis (%s); retrying", exc)
+                self._stop.wait(self.retry_s)
+            finally:
+                with contextlib.suppress(redis.RedisError):
+                    pubsub.close()

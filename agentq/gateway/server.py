@@ -1,0 +1,116 @@
+"""Run the gateway under uvicorn: `agentq serve`, or in a background thread for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import socket
+import threading
+import time
+from types import TracebackType
+
+import uvicorn
+from starlette.applications import Starlette
+
+from agentq.config import get_settings
+
+GRACEFUL_SHUTDOWN_S = 5
+"""SSE streams end within a second of shutdown; past this, shutdown cancels what is left."""
+_TOKEN_PARAM = re.compile(r"(?<=[?&]token=)[^&]+")
+
+
+class RedactTokens(logging.Filter):
+    """EventSource puts the turn's token in the URL (`?token=`); keep it out of access logs."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple):
+            record.args = tuple(_TOKEN_PARAM.sub("***", a) if isinstance(a, str) else a
+                                for a in args)
+        return True
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn, telling the gateway first when it shuts down so SSE streams end cleanly."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        app = self.config.app
+        gateway = getattr(getattr(app, "state", None), "gateway", None)
+        if gateway is not None:
+            gateway.begin_shutdown()
+        await super().shutdown(sockets)
+
+
+def serve(host: str | None = None, port: int | None = None) -> int:
+    """Serve the gateway until interrupted; defaults from AGENTQ_GATEWAY_HOST/PORT."""
+    from agentq.gateway.app import create_app
+
+    settings = get_settings()
+    config = uvicorn.Config(
+        create_app(),
+        host=host or settings.gateway_host,
+        port=settings.gateway_port if port is None else port,
+        log_level="info",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    logging.getLogger("uvicorn.access").addFilter(RedactTokens())
+    server = GatewayServer(config)
+    # uvicorn re-raises Ctrl-C after its graceful shutdown: for us, a normal stop.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 1
+
+
+class BackgroundServer:
+    """A real uvicorn server on a thread, bound before start so its port is known.
+
+        with BackgroundServer(create_app()) as server:
+            httpx.get(server.url + "/healthz")
+    """
+
+    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
+                 start_timeout_s: float = 10.0) -> None:
+        self.app = app
+        self.host = host
+        self.start_timeout_s = start_timeout_s
+        # proto=IPPROTO_TCP, or asyncio skips TCP_NODELAY on accepted sockets (+40 ms a reply).
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on",
+                                timeout_graceful_shutdown=1)
+        self.server = GatewayServer(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name=f"uvicorn-{self.port}", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the gateway server thread exited during startup")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the gateway did not start within {self.start_timeout_s}s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,217 @@
+"""Server-sent events: a turn's log-then-live events as an ASGI response that notices disconnects.
+
+Each SSE message is ``id: <Redis stream id>``, ``event: <type>``, ``data: <event JSON>``,
+so a reconnecting EventSource sends back the last stream id as ``Last-Event-ID`` and the
+bus replays exactly what came after it. Blocking Redis reads run in worker threads (with
+their own capacity limiter, so many open streams cannot starve the REST handlers); the
+follow loop wakes at least every `poll_s`, which is when a gone client is noticed and
+the loop stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+import anyio
+import anyio.to_thread
+import redis
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from agentq.events.bus import TERMINAL_TYPES, EventBus
+from agentq.models import Event
+
+log = logging.getLogger("agentq.gateway.sse")
+
+KEEP_ALIVE = b": keep-alive\n\n"
+RETRY_MS = 1000
+"""Reconnect delay we ask EventSource for."""
+
+
+def format_event(ev: Event) -> bytes:
+    """One SSE message; the data is one line of JSON (json.dumps escapes newlines)."""
+    data = json.dumps(ev.model_dump(mode="json"), separators=(",", ":"), default=str)
+    return f"id: {ev.stream_id or ''}\nevent: {ev.type}\ndata: {data}\n\n".encode()
+
+
+def replay_all(bus: EventBus, turn_id: str, after_id: str) -> Iterator[Event | None]:
+    """The rest of an ended turn's log, page by page; no live part."""
+    last = after_id
+    while True:
+        batch = bus.replay(turn_id, last)
+        yield from batch
+        if len(batch) < 1000:
+            return
+        last = batch[-1].stream_id or last
+
+
+@dataclass
+class StreamState:
+    """What the response learned, for the disconnect decision after it ends."""
+
+    terminal_seen: bool = False
+    messages: int = 0
+
+
+_DONE = object()
+
+
+class BlockingEvents:
+    """A blocking event iterator stepped from worker threads, closable from any thread.
+
+    A step may outlive the coroutine that awaited it (the server cancels hard at
+    shutdown); closing then only asks, and the step closes the iterator when it
+    returns, since a generator cannot be closed while another thread runs it.
+    """
+
+    def __init__(self, events: Iterator[Event | None]) -> None:
+        self._events = events
+        self._lock = threading.Lock()
+        self._close_requested = False
+
+    def step(self) -> object:
+        with self._lock:
+            if self._close_requested:
+                return _DONE
+            item = next(self._events, _DONE)
+            if self._close_requested:
+                self._close_now()
+            return item
+
+    def close(self) -> None:
+        self._close_requested = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._close_now()
+            finally:
+                self._lock.release()
+
+    def _close_now(self) -> None:
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+
+async def event_source(
+    events: Iterator[Event | None],
+    state: StreamState,
+    *,
+    keep_alive_s: float,
+    limiter: anyio.CapacityLimiter,
+    on_event: Callable[[Event], None] | None = None,
+    closing: threading.Event | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """SSE bytes from a blocking event iterator that yields None when it is quiet.
+
+    Ends early, without a terminal event, once `closing` is set (server shutdown): the
+    client reconnects with its last id, to this server's successor or another replica.
+    """
+    source = BlockingEvents(events)
+    yield f"retry: {RETRY_MS}\n\n".encode()
+    last_write = time.monotonic()
+    try:
+        while True:
+            try:
+                item = await anyio.to_thread.run_sync(source.step, limiter=limiter)
+            except redis.RedisError as exc:
+                # End the response; the client reconnects with its last id and loses nothing.
+                log.warning("event stream lost Redis: %s", exc)
+                return
+            if item is _DONE or (closing is not None and closing.is_set()):
+                return
+            if item is None:
+                if time.monotonic() - last_write >= keep_alive_s:
+                    last_write = time.monotonic()
+                    yield KEEP_ALIVE
+                continue
+            assert isinstance(item, Event)
+            last_write = time.monotonic()
+            state.messages += 1
+            if on_event is not None:
+                on_event(item)
+            if item.type in TERMINAL_TYPES:
+                state.terminal_seen = True
+            yield format_event(item)
+            if item.type in TERMINAL_TYPES:
+                return
+    finally:
+        # Closing unsubscribes (socket I/O): off the loop, and done even when cancelled.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(source.close, limiter=limiter)
+
+
+class EventStreamResponse(Response):
+    """Streams `content`; if the client goes away first, awaits `on_disconnect`; then `on_close`."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        content: AsyncGenerator[bytes, None],
+        *,
+        on_disconnect: Callable[[], Awaitable[None]] | None = None,
+        on_close: Callable[[], None] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.content = content
+        self.on_disconnect = on_disconnect
+        self.on_close = on_close
+        self.status_code = 200
+        self.background = None
+        self.init_headers({
+            "Cache-Control": "no-cache, no-store",
+            # nginx buffers responses unless told not to; SSE must reach the client now.
+            "X-Accel-Buffering": "no",
+            **(headers or {}),
+        })
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        disconnected = False
+        complete = False
+
+        async def stream(scope_: anyio.CancelScope) -> None:
+            nonlocal disconnected, complete
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.content:
+                    await send({"type": "http.response.body", "body": chunk,
+                                "more_body": True})
+                complete = True
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                disconnected = not complete  # ASGI >= 2.4 servers raise on a send to a gone client
+            finally:
+                # Cancelled while sending, the generator sits at a yield: close it now, not
+                # whenever it is garbage collected, so its follow loop stops at once.
+                with anyio.CancelScope(shield=True):
+                    await self.content.aclose()
+            scope_.cancel()
+
+        async def listen(scope_: anyio.CancelScope) -> None:
+            nonlocal disconnected
+            while True:
+                message: Message = await receive()
+                if message["type"] == "http.disconnect":
+                    # Servers also report a disconnect once the response is complete;
+                    # only a client leaving mid-stream counts.
+                    disconnected = not complete
+                    scope_.cancel()
+                    return
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream, tg.cancel_scope)
+                tg.start_soon(listen, tg.cancel_scope)
+            if disconnected and self.on_disconnect is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.on_disconnect()
+        finally:
+            # Last, so "closed" means the disconnect was handled too (tests wait on it).
+            if self.on_close is not None:
+                self.on_close()

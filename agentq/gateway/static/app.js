@@ -1,0 +1,373 @@
+// The agentq web page: one turn at a time over POST /v1/turns and its SSE stream.
+// Event data is only ever put in the page with textContent, never as HTML.
+"use strict";
+
+const EVENT_TYPES = [
+  "turn_started", "turn_resumed", "llm_started", "llm_delta", "llm_retry", "llm_finished",
+  "tool_started", "tool_progress", "tool_finished", "interaction_requested",
+  "interaction_answered", "interaction_timed_out", "tool_denied", "turn_aborted",
+  "turn_finished", "turn_error",
+];
+const TERMINAL = new Set(["turn_finished", "turn_aborted", "turn_error"]);
+const MAX_RECONNECTS = 10;
+
+const $ = (sel, root = document) => root.querySelector(sel);
+const conversationId = "web-" + Array.from(crypto.getRandomValues(new Uint8Array(8)),
+  (b) => b.toString(16).padStart(2, "0")).join("");
+let current = null;
+
+function el(tag, cls, text) {
+  const node = document.createElement(tag);
+  if (cls) node.className = cls;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function fmtSeconds(s) {
+  if (s < 60) return s.toFixed(1) + "s";
+  return Math.floor(s / 60) + "m" + String(Math.floor(s % 60)).padStart(2, "0") + "s";
+}
+
+// Same bands as `agentq run`: green under 10 s, yellow to 30 s, red beyond.
+function durationBand(s) {
+  return s < 10 ? "d-green" : s < 30 ? "d-yellow" : "d-red";
+}
+
+// The server's clock stamps events; estimate when, on our monotonic clock, `ts` was.
+function localTime(tsSeconds) {
+  const age = Math.max(0, Date.now() - tsSeconds * 1000);
+  return performance.now() - age;
+}
+
+function setStatus(state, text) {
+  const node = $("#status");
+  node.dataset.state = state;
+  node.textContent = text;
+}
+
+function setConn(state) {
+  const node = $("#conn");
+  node.className = "conn " + state;
+  node.textContent = state;
+}
+
+function authHeaders(token) {
+  return { "Authorization": "Bearer " + token, "Content-Type": "application/json" };
+}
+
+async function errorText(res) {
+  try {
+    const body = await res.json();
+    return body.error ? body.error.message : res.statusText;
+  } catch (_) {
+    return res.status + " " + res.statusText;
+  }
+}
+
+class ToolChip {
+  constructor(parent, callId, tool) {
+    this.callId = callId;
+    this.startedAt = null;
+    this.finishedS = null;
+    this.node = el("span", "chip queued");
+    this.node.dataset.callId = callId;
+    this.node.append(el("span", "name", tool), el("span", "elapsed", "–"),
+      el("span", "status", "queued"));
+    parent.append(this.node);
+  }
+
+  start(atLocal) {
+    if (this.finishedS !== null) return;
+    this.startedAt = atLocal;
+    this.node.classList.replace("queued", "running");
+    $(".status", this.node).textContent = "running";
+    this.tick();
+  }
+
+  tick() {
+    if (this.startedAt === null || this.finishedS !== null) return;
+    this.showElapsed((performance.now() - this.startedAt) / 1000);
+  }
+
+  showElapsed(s) {
+    const span = $(".elapsed", this.node);
+    span.textContent = fmtSeconds(s);
+    span.className = "elapsed " + durationBand(s);
+  }
+
+  finish(status, durationMs, detail) {
+    const s = durationMs != null ? durationMs / 1000
+      : this.startedAt !== null ? (performance.now() - this.startedAt) / 1000 : null;
+    this.finishedS = s === null ? 0 : s;
+    if (s !== null) this.showElapsed(s);
+    this.node.classList.remove("queued", "running");
+    this.node.classList.add("done", "st-" + status);
+    this.node.dataset.status = status;
+    $(".status", this.node).textContent = status;
+    if (detail) this.node.title = detail;
+  }
+}
+
+class Ask {
+  constructor(turn, ev) {
+    this.turn = turn;
+    this.requestId = ev.request_id;
+    this.deadline = localTime(ev.created_at || ev.ts) + ev.timeout_ms;
+    this.node = el("div", "ask pending");
+    this.node.dataset.requestId = ev.request_id;
+    this.countdown = el("span", "countdown");
+    const head = el("div", "ask-head");
+    head.append(el("span", "kind", ev.kind), el("span", "prompt", ev.prompt), this.countdown);
+    this.node.append(head);
+    const row = el("div", "ask-actions");
+    if (ev.kind === "password") {
+      this.input = el("input", "secret");
+      this.input.type = "password";
+      this.input.autocomplete = "current-password";
+      this.input.placeholder = "password";
+      row.append(this.input);
+    }
+    const approve = el("button", "approve", ev.kind === "password" ? "Submit" : "Approve");
+    const deny = el("button", "deny", "Deny");
+    approve.type = deny.type = "button";
+    approve.addEventListener("click", () => this.answer("approve"));
+    deny.addEventListener("click", () => this.answer("deny"));
+    row.append(approve, deny);
+    this.node.append(row);
+    this.buttons = [approve, deny];
+    this.tick();
+  }
+
+  tick() {
+    if (!this.node.classList.contains("pending")) return;
+    const left = Math.max(0, (this.deadline - performance.now()) / 1000);
+    this.countdown.textContent = Math.ceil(left) + "s left";
+    this.countdown.classList.toggle("urgent", left < 10);
+  }
+
+  async answer(decision) {
+    this.buttons.forEach((b) => { b.disabled = true; });
+    const body = { decision };
+    if (this.input && decision === "approve") body.value = this.input.value;
+    const url = `/v1/turns/${this.turn.turnId}/interactions/${encodeURIComponent(this.requestId)}`;
+    const res = await fetch(url, {
+      method: "POST", headers: authHeaders(this.turn.token), body: JSON.stringify(body),
+    });
+    if (this.input) this.input.value = "";
+    if (!res.ok) this.close("closed", await errorText(res));
+  }
+
+  close(state, text) {
+    this.node.classList.remove("pending");
+    this.node.classList.add(state);
+    this.buttons.forEach((b) => { b.disabled = true; });
+    if (this.input) this.input.disabled = true;
+    this.countdown.textContent = text;
+  }
+}
+
+class TurnView {
+  constructor(handle, prompt) {
+    this.turnId = handle.turn_id;
+    this.token = handle.token;
+    this.eventsUrl = handle.events_url;
+    this.lastId = null;
+    this.lastSeq = 0;
+    this.done = false;
+    this.reconnects = 0;
+    this.chips = new Map();
+    this.asks = new Map();
+    this.node = el("article", "turn");
+    this.node.dataset.turnId = this.turnId;
+    this.node.append(el("div", "user", prompt));
+    this.reasoning = el("details", "reasoning");
+    this.reasoning.append(el("summary", "", "reasoning"), el("pre", ""));
+    this.reasoning.hidden = true;
+    this.text = el("div", "answer");
+    this.tools = el("div", "tools");
+    this.askList = el("div", "asks");
+    this.notes = el("div", "notes");
+    this.outcome = el("div", "outcome");
+    this.node.append(this.reasoning, this.tools, this.askList, this.text, this.notes,
+      this.outcome);
+    $("#transcript").append(this.node);
+    this.timer = setInterval(() => this.tick(), 100);
+  }
+
+  connect() {
+    const params = new URLSearchParams({ token: this.token });
+    // EventSource resends Last-Event-ID itself; ?after= covers a fresh EventSource.
+    if (this.lastId) params.set("after", this.lastId);
+    const es = new EventSource(`${this.eventsUrl}?${params}`);
+    for (const type of EVENT_TYPES) es.addEventListener(type, (e) => this.onMessage(e));
+    es.onopen = () => { this.reconnects = 0; setConn("live"); };
+    es.onerror = () => {
+      if (this.done) return;
+      if (es.readyState === EventSource.CLOSED) {
+        setConn("offline");
+        if (this.reconnects++ < MAX_RECONNECTS) {
+          setTimeout(() => { if (!this.done) this.connect(); }, 1000 * this.reconnects);
+        } else {
+          setStatus("error", "lost the event stream; reload to try again");
+        }
+      } else {
+        setConn("reconnecting");
+      }
+    };
+    this.es = es;
+  }
+
+  onMessage(e) {
+    const ev = JSON.parse(e.data);
+    if (ev.seq <= this.lastSeq) return; // a replayed copy after a reconnect
+    this.lastSeq = ev.seq;
+    this.lastId = e.lastEventId || this.lastId;
+    this.apply(ev);
+  }
+
+  chip(ev) {
+    let chip = this.chips.get(ev.call_id);
+    if (!chip) {
+      chip = new ToolChip(this.tools, ev.call_id, ev.tool || "?");
+      this.chips.set(ev.call_id, chip);
+    }
+    return chip;
+  }
+
+  apply(ev) {
+    switch (ev.type) {
+      case "turn_started":
+        setStatus("running", "running…");
+        break;
+      case "llm_delta":
+        if (ev.kind === "reasoning") {
+          this.reasoning.hidden = false;
+          $("pre", this.reasoning).textContent += ev.text;
+        } else {
+          this.text.textContent += ev.text;
+        }
+        break;
+      case "llm_retry":
+        this.notes.append(el("div", "note", `model retry ${ev.attempt}: ${ev.error}`));
+        break;
+      case "tool_started":
+        this.chip(ev).start(localTime(ev.ts));
+        break;
+      case "tool_progress": {
+        const chip = this.chip(ev);
+        if (ev.state !== "queued" && ev.elapsed_ms != null) {
+          // The server measured elapsed time; re-anchor on it to cancel clock skew.
+          chip.start(performance.now() - ev.elapsed_ms);
+        }
+        break;
+      }
+      case "tool_finished":
+        this.chip(ev).finish(ev.status, ev.duration_ms, ev.error || ev.reason);
+        break;
+      case "tool_denied":
+        if (!this.chips.get(ev.call_id)) this.chip(ev).finish("denied", null, ev.reason);
+        break;
+      case "interaction_requested": {
+        const ask = new Ask(this, ev);
+        this.asks.set(ev.request_id, ask);
+        this.askList.append(ask.node);
+        break;
+      }
+      case "interaction_answered": {
+        const ask = this.asks.get(ev.request_id);
+        if (ask) ask.close(ev.decision === "approve" ? "approved" : "denied",
+          `${ev.decision === "approve" ? "approved" : "denied"} (${ev.by})`);
+        break;
+      }
+      case "interaction_timed_out": {
+        const ask = this.asks.get(ev.request_id);
+        if (ask) ask.close("timed-out", "timed out: denied");
+        break;
+      }
+      case "turn_finished":
+        if (!this.text.textContent && ev.content) this.text.textContent = ev.content;
+        this.end("finished", ev.reason && ev.reason !== "stop" ? `finished (${ev.reason})`
+          : "finished");
+        break;
+      case "turn_aborted":
+        this.end("aborted", `aborted (${ev.reason})`);
+        break;
+      case "turn_error":
+        this.end("error", `error: ${ev.error}` + (ev.code ? ` [${ev.code}]` : ""));
+        break;
+      default:
+        break;
+    }
+  }
+
+  tick() {
+    this.chips.forEach((chip) => chip.tick());
+    this.asks.forEach((ask) => ask.tick());
+  }
+
+  end(state, text) {
+    this.done = true;
+    if (this.es) this.es.close();
+    this.tick();
+    clearInterval(this.timer);
+    this.outcome.textContent = text;
+    this.outcome.dataset.state = state;
+    this.asks.forEach((ask) => {
+      if (ask.node.classList.contains("pending")) ask.close("closed", "turn over");
+    });
+    setStatus(state, text);
+    setConn("idle");
+    $("#cancel").disabled = true;
+    $("#send").disabled = false;
+    if (current === this) current = null;
+  }
+
+  async cancel() {
+    $("#cancel").disabled = true;
+    setStatus("cancelling", "cancelling…");
+    const res = await fetch(`/v1/turns/${this.turnId}/abort`, {
+      method: "POST", headers: authHeaders(this.token),
+    });
+    if (!res.ok && !this.done) setStatus("error", "cancel failed: " + await errorText(res));
+  }
+}
+
+async function send(prompt) {
+  $("#send").disabled = true;
+  setStatus("starting", "starting…");
+  const res = await fetch("/v1/turns", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({
+      prompt, conversation_id: conversationId, detach: $("#detach").checked,
+    }),
+  });
+  if (!res.ok) {
+    setStatus("error", await errorText(res));
+    $("#send").disabled = false;
+    return;
+  }
+  current = new TurnView(await res.json(), prompt);
+  $("#cancel").disabled = false;
+  setStatus("running", "queued…");
+  current.connect();
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  const form = $("#composer");
+  const prompt = $("#prompt");
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    const text = prompt.value.trim();
+    if (!text || current) return;
+    prompt.value = "";
+    send(text).catch((err) => {
+      setStatus("error", String(err));
+      $("#send").disabled = false;
+    });
+  });
+  prompt.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) form.requestSubmit();
+  });
+  $("#cancel").addEventListener("click", () => { if (current) current.cancel(); });
+});

@@ -1,0 +1,167 @@
+"""The web page in headless Chromium against a real gateway, real workers, the scripted model."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentq.api import Client
+from agentq.gateway import BackgroundServer, create_app
+from agentq.testing.openai_server import Round, ScriptedCall
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
+
+
+def _unavailable(reason: str) -> None:
+    """Skip, except on CI where Chromium is installed: there a missing browser is a failure."""
+    if os.environ.get("CI") == "true" and CHROMIUM.exists():
+        pytest.fail(f"browser test cannot run on CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import Error, sync_playwright
+    except ImportError:
+        _unavailable("the playwright package is not installed (pip install -e '.[dev]')")
+    if not CHROMIUM.exists():
+        _unavailable(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_playwright() as pw:
+        try:
+            b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        except Error as exc:
+            _unavailable(f"Chromium did not start: {exc}")
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_app(Client())) as server:
+        yield server
+
+
+@pytest.fixture()
+def page(browser: Any, gateway: BackgroundServer) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1000, "height": 700})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    pg.set_default_timeout(20_000)
+    pg.goto(gateway.url + "/")
+    yield pg
+    context.close()
+    # A CSP violation or a script error shows up here, not as a failed selector.
+    assert not errors, errors
+
+
+def script(llm_server: Any, *rounds: Round) -> str:
+    key = f"b-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(key, list(rounds))
+    return key
+
+
+def send(page: Any, prompt: str) -> str:
+    page.fill("#prompt", prompt)
+    page.click("#send")
+    return str(page.locator("article.turn").last.get_attribute("data-turn-id"))
+
+
+def follow_until(client: Client, turn_id: str, *types: str, timeout_s: float = 30) -> Any:
+    deadline = time.monotonic() + timeout_s
+    for ev in client.events(turn_id, heartbeat_s=0.5):
+        if ev is not None and ev.type in types:
+            return ev
+        assert time.monotonic() < deadline, f"no {types} on turn {turn_id}"
+    raise AssertionError(f"stream of {turn_id} ended without {types}")
+
+
+def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(text="Hanging on.", tool_calls=[
+        ScriptedCall(name="hang", arguments={"seconds": 60})]))
+    turn_id = send(page, key)
+    chip = page.locator(".chip.running", has_text="hang")
+    chip.wait_for()
+    elapsed = chip.locator(".elapsed")
+    first = elapsed.inner_text()
+    # The timer runs in the page: its text changes while the tool is still running.
+    page.wait_for_function(
+        "(t) => { const e = document.querySelector('.chip.running .elapsed');"
+        " return e && e.textContent !== t && parseFloat(e.textContent) > 0.5; }", arg=first)
+    assert "d-green" in (elapsed.get_attribute("class") or "")
+    bands = page.evaluate("[9.9, 10, 29.9, 30.1].map(durationBand)")
+    assert bands == ["d-green", "d-yellow", "d-yellow", "d-red"]
+    assert page.locator("#cancel").is_enabled()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-running.png"), full_page=True)
+    page.click("#cancel")
+    page.locator('.chip[data-status="cancelled"]', has_text="hang").wait_for()
+    page.locator('#status[data-state="aborted"]').wait_for()
+    assert page.inner_text("#status") == "aborted (user)"
+    assert page.locator("#send").is_enabled() and page.locator("#cancel").is_disabled()
+    assert "Hanging on." in page.inner_text(".answer")
+    page.screenshot(path=str(ARTIFACTS / "browser-cancel.png"), full_page=True)
+    turn = client.get(turn_id)
+    assert turn["state"]["status"] == "aborted"
+    assert [r["status"] for r in turn["invocations"]] == ["cancelled"]
+
+
+def test_approval_prompt_with_countdown(page, llm_server, client: Client) -> None:
+    key = script(llm_server,
+                 Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "/t"})]),
+                 Round(text="Deleted it."))
+    turn_id = send(page, key)
+    ask = page.locator(".ask.pending")
+    ask.wait_for()
+    assert "delete_file" in ask.locator(".prompt").inner_text()
+    countdown = ask.locator(".countdown").inner_text()
+    assert countdown.endswith("s left") and 100 < int(countdown.split("s")[0]) <= 120
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-approval-pending.png"), full_page=True)
+    ask.locator("button.approve").click()
+    page.locator('.chip[data-status="ok"]', has_text="delete_file").wait_for()
+    page.locator('#status[data-state="finished"]').wait_for()
+    assert page.locator(".ask.approved").count() == 1
+    assert page.inner_text(".answer") == "Deleted it."
+    page.screenshot(path=str(ARTIFACTS / "browser-approval.png"), full_page=True)
+    assert client.get(turn_id)["state"]["status"] == "finished"
+
+
+def test_password_prompt_hands_the_secret_over(page, llm_server, client: Client) -> None:
+    login = ScriptedCall(name="login", arguments={"user": "bob"})
+    key = script(llm_server, Round(tool_calls=[login]), Round(text="Logged in."))
+    turn_id = send(page, key)
+    ask = page.locator(".ask.pending")
+    ask.wait_for()
+    ask.locator("input.secret[type=password]").fill("hunter2")
+    ask.locator("button.approve").click()
+    page.locator('.chip[data-status="ok"]', has_text="login").wait_for()
+    page.locator('#status[data-state="finished"]').wait_for()
+    history = client.get(turn_id)["history"]
+    assert [m["content"] for m in history if m["role"] == "tool"] == ["logged in bob"]
+    log = [e.model_dump_json() for e in client.store.bus.replay(turn_id)]
+    assert not [line for line in [*log, str(history)] if "hunter2" in line]
+
+
+def test_closing_the_page_aborts_its_attached_turn(page, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(tool_calls=[ScriptedCall(name="hang", arguments={})]))
+    turn_id = send(page, key)
+    page.locator(".chip.running", has_text="hang").wait_for()
+    page.close()
+    ev = follow_until(client, turn_id, *TERMINAL)
+    assert ev.type == "turn_aborted" and ev.fields["reason"] == "disconnect", ev
