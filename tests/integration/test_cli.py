@@ -128,3 +128,9 @@ def test_bad_config_fails_at_start_naming_the_setting(agentq_env) -> None:
     out = agentq({**agentq_env, "AGENTQ_TOOL_TIMEOUT_S": "-5"}, "turns")
     assert out.returncode == 2
     assert "AGENTQ_TOOL_TIMEOUT_S" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_tool_worker_refuses_a_pool_that_cannot_enforce_hard_limits(agentq_env) -> None:
+    out = agentq(agentq_env, "worker", "tools", "-P", "threads")
+    assert out.returncode == 2
+    assert "prefork" in out.stderr and "hard time limits" in out.stderr
