@@ -35,7 +35,8 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         "task_reject_on_worker_lost": False,
         "task_acks_on_failure_or_timeout": True,
         "broker_transport_options": {
-            "visibility_timeout": visibility_timeout_s(longest, settings.tool_queue_timeout_s),
+            "visibility_timeout": settings.visibility_timeout_s
+            or visibility_timeout_s(longest, settings.tool_queue_timeout_s),
         },
         "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
         "broker_connection_retry_on_startup": True,
@@ -49,11 +50,14 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
             "agentq.llm.*": {"queue": QUEUE_LLM},
             "agentq.tool.*": {"queue": QUEUE_TOOLS},
         },
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # A broker blip must not kill running tools: they settle through their own Redis
+        # connection, and a message the broker hands out again is not run twice.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
     }
     if settings.broker.startswith(("amqp", "pyamqp")):
-        # RabbitMQ closes channels whose unacked message outlives consumer_timeout;
-        # hard limits bound the work, so ask for room above the longest one.
+        # visibility_timeout is a Redis-transport notion: RabbitMQ redelivers an unacked
+        # message only when its channel closes. Its server-side consumer_timeout (default
+        # 30 min) must exceed the longest tool and turn: see docs/operations.md.
         conf["broker_transport_options"] = {}
     app.conf.update(conf)
     return app

@@ -84,6 +84,11 @@ def llm_result_key(turn_id: str, round_no: int) -> str:
     return f"{PREFIX}:turn:{turn_id}:llm:{round_no}"
 
 
+def llm_alive_key(turn_id: str, round_no: int) -> str:
+    """Set with a short TTL, renewed by the stream worker while it runs the round."""
+    return f"{PREFIX}:turn:{turn_id}:llm:{round_no}:alive"
+
+
 def conversation_key(conversation_id: str) -> str:
     return f"{PREFIX}:conv:{conversation_id}:history"
 

@@ -144,8 +144,9 @@ def _in_log(proc: ManagedProcess, pattern: str) -> Callable[[], bool]:
     return lambda: bool(regex.search(proc.log_text()))
 
 
-def wait_ready(checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]],
-               timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_ready(
+    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]], timeout_s: float = READY_TIMEOUT_S
+) -> None:
     """Wait until every check passes; ProcessStartError when a process exits or time runs out."""
     pending = dict(checks)
     deadline = time.monotonic() + timeout_s
@@ -156,12 +157,15 @@ def wait_ready(checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]],
             elif proc.poll() is not None:
                 raise ProcessStartError(
                     f"{name} (pid {proc.pid}) exited with code {proc.returncode} while "
-                    f"starting; its log: {proc.log_path}", proc.log_tail())
+                    f"starting; its log: {proc.log_path}",
+                    proc.log_tail(),
+                )
         if pending and time.monotonic() >= deadline:
             name, (proc, _) = next(iter(pending.items()))
             raise ProcessStartError(
                 f"{', '.join(pending)} not ready within {timeout_s:g} s; log: {proc.log_path}",
-                proc.log_tail())
+                proc.log_tail(),
+            )
         if pending:
             time.sleep(_POLL_S)
 
@@ -188,8 +192,9 @@ def _check_broker(url: str) -> None:
         conn.ensure_connection(max_retries=1, timeout=3)  # type: ignore[no-untyped-call]
     except Exception as exc:
         # as_uri() hides the password.
-        raise ConfigError("AGENTQ_BROKER_URL",
-                          f"no broker answers at {conn.as_uri()}: {exc}") from None
+        raise ConfigError(
+            "AGENTQ_BROKER_URL", f"no broker answers at {conn.as_uri()}: {exc}"
+        ) from None
     finally:
         conn.release()  # type: ignore[no-untyped-call]
 
@@ -207,8 +212,9 @@ class Started:
 
 def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
     # Ports first: a taken port the user asked for fails before anything starts.
-    gateway_port = (_port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway")
-                    if opts.gateway else 0)
+    gateway_port = (
+        _port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway") if opts.gateway else 0
+    )
     flower_port = _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower") if opts.flower else 0
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
     if separate_broker:
@@ -219,8 +225,10 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
     if embedded is None:
         say(f"Redis: using the one answering at {redact(url)}")
     else:
-        say(f"no Redis answered at {redact(settings.redis_url)}: started an embedded "
-            f"redis-server (pid {embedded.pid}) at {redact(url)}; it stops with agentq dev")
+        say(
+            f"no Redis answered at {redact(settings.redis_url)}: started an embedded "
+            f"redis-server (pid {embedded.pid}) at {redact(url)}; it stops with agentq dev"
+        )
     env["AGENTQ_REDIS_URL"] = url
     if separate_broker:
         say(f"broker: {redact(settings.broker)} (Redis kept for events and state)")
@@ -233,8 +241,9 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
 
     if not settings.llm_base_url:
         say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
-        model = fleet.start("model", _python("agentq.testing.openai_server", "--port", "0",
-                                             "--script", "demo"), env)
+        model = fleet.start(
+            "model", _python("agentq.testing.openai_server", "--port", "0", "--script", "demo"), env
+        )
         wait_ready({"model": (model, _in_log(model, r"listening on \S+"))})
         found = re.search(r"listening on (\S+)", model.log_text())
         assert found is not None
@@ -251,15 +260,17 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
         host = settings.gateway_host
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         started.gateway_url = f"http://{shown}:{gateway_port}"
-        gw = fleet.start("gateway", _python("agentq", "serve", "--host", host,
-                                            "--port", str(gateway_port)), env)
+        gw = fleet.start(
+            "gateway", _python("agentq", "serve", "--host", host, "--port", str(gateway_port)), env
+        )
         health = f"{started.gateway_url}/healthz"
         in_log = _in_log(gw, r"Uvicorn running on")
         checks["gateway"] = (gw, lambda: in_log() or _http_status(health) == 200)
     if opts.flower:
         started.flower_url = f"http://127.0.0.1:{flower_port}"
-        fl = fleet.start("flower", _python("agentq", "flower"),
-                         {**env, "AGENTQ_FLOWER_PORT": str(flower_port)})
+        fl = fleet.start(
+            "flower", _python("agentq", "flower"), {**env, "AGENTQ_FLOWER_PORT": str(flower_port)}
+        )
         # /healthcheck answers without credentials once Flower serves HTTP.
         probe = f"{started.flower_url}/healthcheck"
         checks["Flower"] = (fl, lambda: _http_status(probe) == 200)
@@ -272,8 +283,11 @@ def summary(started: Started, fleet: Fleet, settings: Settings, took_s: float) -
     if started.gateway_url:
         lines.append(f"  web page  {started.gateway_url}/")
     if started.flower_url:
-        auth = ("basic auth" if settings.flower_basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
-                else "no auth: bound to 127.0.0.1")
+        auth = (
+            "basic auth"
+            if settings.flower_basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
+            else "no auth: bound to 127.0.0.1"
+        )
         lines.append(f"  Flower    {started.flower_url}/  ({auth})")
     where = "embedded, stops with agentq dev" if fleet.redis else "already running"
     lines.append(f"  Redis     {redact(started.redis_url)}  ({where})")
@@ -284,7 +298,8 @@ def summary(started: Started, fleet: Fleet, settings: Settings, took_s: float) -
     lines.append(f"  logs      {fleet.log_dir}")
     # The variables another terminal needs that its environment does not already hold.
     prefix = "".join(
-        f"{k}={redact(v)} " for k, v in started.env.items()
+        f"{k}={redact(v)} "
+        for k, v in started.env.items()
         if k in ("AGENTQ_REDIS_URL", "AGENTQ_BROKER_URL")
         and v != os.environ.get(k, DEFAULT_REDIS_URL)
     )
@@ -341,8 +356,9 @@ def _signals_stop() -> Iterator[None]:
 
 def _stop_quietly(fleet: Fleet) -> None:
     """Stop everything; signals wait until it is done, so no child is left behind."""
-    saved = {s: signal.signal(s, signal.SIG_IGN)
-             for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    saved = {
+        s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    }
     try:
         n = len(fleet.procs) + (fleet.redis is not None)
         t0 = time.monotonic()

@@ -59,7 +59,10 @@ class Interactions:
         if found is None:
             raise InteractionNotFound(turn_id, request_id)
         _, req = found
-        secret = answer.value if (req.kind == "password" and answer.value) else ""
+        # Only an approved password is kept (until its tool reads it once); a denied
+        # call never runs, so its password would otherwise sit in Redis until expiry.
+        approved = answer.decision == "approve"
+        secret = answer.value if (req.kind == "password" and approved and answer.value) else ""
         msg = json.dumps(
             {
                 "kind": "answer",

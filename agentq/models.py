@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 ToolStatus = Literal["ok", "error", "timeout", "cancelled", "denied", "lost"]
 TOOL_STATUSES: tuple[ToolStatus, ...] = ("ok", "error", "timeout", "cancelled", "denied", "lost")
@@ -192,6 +192,9 @@ class InteractionAnswer(BaseModel):
     value: str | None = Field(default=None, max_length=4096)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
 class TurnRequest(BaseModel):
     """What a client sends to start a turn."""
 
@@ -203,6 +206,17 @@ class TurnRequest(BaseModel):
     headless: bool = False
     detach: bool = False
     parent_turn_id: str | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _chat_messages(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Refused here rather than by the model server, mid-turn, much later."""
+        for i, msg in enumerate(v or []):
+            if msg.get("role") not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}")
+            if not isinstance(msg.get("content"), (str, list, type(None))):
+                raise ValueError(f"messages[{i}].content must be text or a list of parts")
+        return v
 
     def initial_messages(self) -> list[dict[str, Any]]:
         msgs = list(self.messages or [])

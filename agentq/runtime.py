@@ -6,9 +6,16 @@ import threading
 
 import redis
 from celery import Celery
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from agentq.config import Settings, get_settings
 from agentq.store import TurnStore
+
+REDIS_MAX_CONNECTIONS = 10_000
+"""Redis's own default `maxclients`."""
+REDIS_RETRIES = 20
+"""With the backoff below, about 16 s of reconnect attempts before a command fails."""
 
 _lock = threading.Lock()
 _redis: redis.Redis | None = None
@@ -26,6 +33,13 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
                 socket_keepalive=True,
                 health_check_interval=30,
                 retry_on_timeout=True,
+                # Ride out a Redis restart (seconds) instead of failing the turn at once:
+                # redis-py's default retries give up within a few dozen milliseconds.
+                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
+                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+                # Every running turn blocks a connection on its inbox: redis-py's default
+                # cap of 100 would fail a busy turn worker with "Too many connections".
+                max_connections=REDIS_MAX_CONNECTIONS,
             )
         return _redis
 

@@ -15,8 +15,18 @@ from agentq.models import ToolResult
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
+# A turn that is over (or whose state Redis lost) takes no more results: nothing is
+# written after its terminal event, and nothing recreates half of a vanished turn.
+_TURN_OPEN_LUA = """
+local status = redis.call('HGET', KEYS[%d], 'status')
+if not status or status == '"finished"' or status == '"aborted"' or status == '"error"' then
+  return %d
+end
+"""
+
 _SETTLE_LUA = (
-    """
+    _TURN_OPEN_LUA % (6, 0)
+    + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[3])
 """
@@ -25,11 +35,21 @@ redis.call('RPUSH', KEYS[2], ARGV[3])
 )
 
 # A task that starts checks, in the same step that records its start, that its call
-# is not settled yet (a redelivery) and its turn not cancelled.
+# is not settled yet (a redelivery) and its turn not cancelled. The start record names
+# the delivery (task id and retry count): the broker handing the same delivery out
+# again while it runs (a restored unacked message) must not run the call twice.
 _START_LUA = (
     """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+"""
+    + _TURN_OPEN_LUA % (7, -2)
+    + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local prev = redis.call('HGET', KEYS[2], ARGV[1])
+if prev and ARGV[5] ~= '' then
+  local ok, rec = pcall(cjson.decode, prev)
+  if ok and rec['delivery'] == ARGV[5] then return 2 end
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 """
     + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
@@ -136,7 +156,8 @@ class TurnStore:
     def mark_started(
         self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
     ) -> int:
-        """Record a task's start; 1 started, 0 already settled, -1 turn cancelled."""
+        """Record a task's start; 1 started, 0 already settled, -1 turn cancelled,
+        -2 turn over or gone, 2 this delivery (`start["delivery"]`) started already."""
         return int(
             self._start(
                 keys=[
@@ -146,12 +167,14 @@ class TurnStore:
                     k.seq_key(turn_id),
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
+                    k.turn_key(turn_id),
                 ],
                 args=[
                     call_id,
                     json.dumps(start),
                     event_body(turn_id, "tool_started", event),
                     self.bus.log_maxlen,
+                    str(start.get("delivery") or ""),
                 ],
             )
         )
@@ -183,6 +206,7 @@ class TurnStore:
                 k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
+                k.turn_key(turn_id),
             ],
             args=[
                 result.call_id,
@@ -232,6 +256,13 @@ class TurnStore:
 
     def renew_lease(self, turn_id: str, holder: str, ttl_s: float) -> bool:
         return bool(self._renew(keys=[k.lease_key(turn_id)], args=[holder, int(ttl_s * 1000)]))
+
+    def renew_leases(self, held: dict[str, str], ttl_s: float) -> dict[str, bool]:
+        """Renew many leases (turn id -> holder) in one round trip; turn id -> still held."""
+        pipe = self.redis.pipeline(transaction=False)
+        for turn_id, holder in held.items():
+            self._renew(keys=[k.lease_key(turn_id)], args=[holder, int(ttl_s * 1000)], client=pipe)
+        return {t: bool(r) for t, r in zip(held, pipe.execute(), strict=True)}
 
     def release_lease(self, turn_id: str, holder: str) -> None:
         self._release(keys=[k.lease_key(turn_id)], args=[holder])

@@ -21,8 +21,11 @@ WORKER_KINDS: dict[str, dict[str, str | None]] = {
 
 
 def _has(opts: list[str], *names: str) -> bool:
-    return any(o == n or o.startswith(n + "=") or (len(n) == 2 and o.startswith(n) and len(o) > 2)
-               for o in opts for n in names)
+    return any(
+        o == n or o.startswith(n + "=") or (len(n) == 2 and o.startswith(n) and len(o) > 2)
+        for o in opts
+        for n in names
+    )
 
 
 def _pool_of(opts: list[str]) -> str | None:
@@ -41,8 +44,11 @@ def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]
     spec = WORKER_KINDS[kind]
     pool = _pool_of(opts)
     if kind == "tools" and pool not in (None, "prefork", "processes"):
-        raise ConfigError("--pool", f"the tool worker needs the prefork pool (hard time limits "
-                          f"are only enforced there), not {pool!r}")
+        raise ConfigError(
+            "--pool",
+            f"the tool worker needs the prefork pool (hard time limits "
+            f"are only enforced there), not {pool!r}",
+        )
     queues = {"turns": ["agentq.turns"], "llm": ["agentq.llm"], "tools": tool_queues}[kind]
     argv = ["worker"]
     if not _has(opts, "-Q", "--queues"):
@@ -58,8 +64,65 @@ def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]
     return [*argv, "-E", *opts]
 
 
+def _unreachable(url: str) -> str | None:
+    """Why `url` (Redis or AMQP) does not answer right now, or None when it does."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client = redis.Redis.from_url(
+            url, socket_connect_timeout=3, socket_timeout=3, retry=Retry(NoBackoff(), 0)
+        )
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            return str(exc)
+        finally:
+            client.close()
+        return None
+    from kombu import Connection  # type: ignore[attr-defined]
+
+    try:
+        with Connection(url, connect_timeout=3) as conn:  # type: ignore[no-untyped-call]
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+def _redact(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    auth, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{auth.split(':', 1)[0]}:**{at}{host}" if at else url
+
+
+def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) -> None:
+    """Fail at start, naming the setting, when Redis (or the broker) does not answer.
+
+    Celery would retry an unreachable broker 100 times over many minutes, which hides a
+    wrong URL; a broker lost later is still retried by Celery, as an outage should be.
+    """
+    import time
+
+    checks = [("AGENTQ_REDIS_URL", settings.redis_url)]
+    if broker and settings.broker != settings.redis_url:
+        checks.insert(0, ("AGENTQ_BROKER_URL", settings.broker))
+    for setting, url in checks:
+        for attempt in range(attempts):
+            problem = _unreachable(url)
+            if problem is None:
+                break
+            if attempt == attempts - 1:
+                raise ConfigError(setting, f"cannot reach {_redact(url)}: {problem}")
+            time.sleep(1.0)
+
+
 def cmd_worker(kind: str, opts: list[str]) -> int:
     os.environ["AGENTQ_WORKER_KIND"] = kind
+    from agentq.config import get_settings
+
+    require_reachable(get_settings(), broker=True)
     from agentq.worker import app, tool_queues
 
     argv = worker_argv(kind, opts, tool_queues)
@@ -86,8 +149,9 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     reads itself: ``FLOWER_ADDRESS=0.0.0.0`` in a container), then agentq's settings.
     """
     argv = ["flower"]
-    if not _has(opts, "--port") and ("AGENTQ_FLOWER_PORT" in environ
-                                     or "FLOWER_PORT" not in environ):
+    if not _has(opts, "--port") and (
+        "AGENTQ_FLOWER_PORT" in environ or "FLOWER_PORT" not in environ
+    ):
         argv.append(f"--port={settings.flower_port}")
     address = _opt_value(opts, "--address") or environ.get("FLOWER_ADDRESS") or "127.0.0.1"
     if not _has(opts, "--address"):
@@ -126,13 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run one turn and show it live")
     r.add_argument("prompt")
     r.add_argument("--json", action="store_true", help="print each event as a JSON line")
-    r.add_argument("--headless", action="store_true",
-                   help="no interactor: interactions use their declared default or fail (exit 4)")
+    r.add_argument(
+        "--headless",
+        action="store_true",
+        help="no interactor: interactions use their declared default or fail (exit 4)",
+    )
     r.add_argument("--conversation", default=None, help="continue this conversation id")
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id")
-    a.add_argument("--token", default=os.environ.get("AGENTQ_TURN_TOKEN"),
-                   help="the turn's token (or AGENTQ_TURN_TOKEN)")
+    a.add_argument(
+        "--token",
+        default=os.environ.get("AGENTQ_TURN_TOKEN"),
+        help="the turn's token (or AGENTQ_TURN_TOKEN)",
+    )
     sub.add_parser("turns", help="list running turns")
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id")
@@ -145,12 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=None)
     d = sub.add_parser("dev", help="everything on one machine, Redis included")
     d.add_argument("--no-flower", action="store_true", help="don't start Flower")
-    d.add_argument("--no-gateway", action="store_true",
-                   help="don't start the gateway (HTTP API and web page)")
-    d.add_argument("--demo", action="store_true",
-                   help="run one demo turn once started, print its events, keep running")
-    d.add_argument("--once", action="store_true",
-                   help="start, run one demo turn live, stop everything; exit with its code")
+    d.add_argument(
+        "--no-gateway", action="store_true", help="don't start the gateway (HTTP API and web page)"
+    )
+    d.add_argument(
+        "--demo",
+        action="store_true",
+        help="run one demo turn once started, print its events, keep running",
+    )
+    d.add_argument(
+        "--once",
+        action="store_true",
+        help="start, run one demo turn live, stop everything; exit with its code",
+    )
     d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
     return p
 
@@ -190,10 +267,16 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     from agentq.api import Client
     from agentq.cli.run import print_json, run
 
+    require_reachable(get_settings(), broker=args.cmd == "run")
     client = Client()
     if args.cmd == "run":
-        return run(client, args.prompt, as_json=args.json, headless=args.headless,
-                   conversation_id=args.conversation)
+        return run(
+            client,
+            args.prompt,
+            as_json=args.json,
+            headless=args.headless,
+            conversation_id=args.conversation,
+        )
     if args.cmd == "abort":
         client.abort(args.turn_id, args.token, operator=args.token is None)
         print(f"aborted {args.turn_id}")

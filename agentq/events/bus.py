@@ -32,6 +32,9 @@ PUBLISH_LUA = (
     publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]") + "return {seq, id}"
 )
 
+CATCH_UP_S = 2.0
+"""How often a silent follower re-reads the log for events its subscription missed."""
+
 TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
 
 
@@ -75,9 +78,10 @@ class EventBus:
         """Yield every event after `after_id` exactly once: the log first, then live.
 
         Subscribes before reading the log so nothing published in between is lost, and
-        drops live copies already seen in the log by seq. A seq gap on the live side
-        (a missed message) is filled from the log. Yields None every `heartbeat_s`
-        of silence, so callers can write keep-alives or notice a gone client.
+        drops live copies already seen in the log. A seq gap on the live side (a missed
+        message) is filled from the log, which a silent follower also re-reads every
+        CATCH_UP_S. Yields None every `heartbeat_s` of silence, so callers can write
+        keep-alives or notice a gone client.
         """
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         pubsub.subscribe(events_channel(turn_id))
@@ -95,7 +99,7 @@ class EventBus:
                 if len(batch) < 1000:
                     break
             silent_since = time.monotonic()
-            beat_at = time.monotonic()
+            beat_at = caught_up_at = time.monotonic()
             while True:
                 wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
                 msg = pubsub.get_message(timeout=wait_s)
@@ -106,15 +110,24 @@ class EventBus:
                     if heartbeat_s is not None and now - beat_at >= heartbeat_s:
                         beat_at = now
                         yield None
-                    continue
-                silent_since = now
-                ev = Event.parse(msg["data"])
-                if ev.seq <= last_seq:
-                    continue
-                # A jump in seq means live messages were missed: refill from the log.
-                events = self.replay(turn_id, last_id) if ev.seq > last_seq + 1 else [ev]
+                    # A live copy published while the subscription was reconnecting is
+                    # only in the log: look there now and then, or a quiet turn's last
+                    # event would never arrive.
+                    if now - caught_up_at < CATCH_UP_S:
+                        continue
+                    caught_up_at = now
+                    events = self.replay(turn_id, last_id)
+                    if events:
+                        silent_since = now
+                else:
+                    silent_since = now
+                    ev = Event.parse(msg["data"])
+                    if not _is_new(ev, last_seq, last_id):
+                        continue
+                    # A jump in seq means live messages were missed: refill from the log.
+                    events = [ev] if ev.seq == last_seq + 1 else self.replay(turn_id, last_id)
                 for e in events:
-                    if e.seq <= last_seq:
+                    if not _is_new(e, last_seq, last_id):
                         continue
                     last_seq = e.seq
                     last_id = e.stream_id or last_id
@@ -123,6 +136,25 @@ class EventBus:
                         return
         finally:
             pubsub.close()
+
+
+def _is_new(ev: Event, last_seq: int, last_id: str) -> bool:
+    """Whether `ev` comes after what was yielded: by stream id, else by seq.
+
+    Stream ids keep growing even when Redis lost the log (a restart without
+    persistence) and seq began again at 1, so the turn's last word still gets through.
+    """
+    if ev.stream_id is None:
+        return ev.seq > last_seq
+    return _stream_pos(ev.stream_id) > _stream_pos(last_id)
+
+
+def _stream_pos(stream_id: str) -> tuple[int, int]:
+    ms, _, n = stream_id.partition("-")
+    try:
+        return int(ms), int(n or 0)
+    except ValueError:  # "-" or "0": the start of the log
+        return 0, 0
 
 
 def _s(v: bytes | str) -> str:

@@ -54,16 +54,24 @@ BODY_MARGIN_BYTES = 64 * 1024
 HEALTH_TIMEOUT_S = 2.0
 _STREAM_ID = re.compile(r"^(0|\d+-\d+)$")
 # The page loads only its own script and style: no inline code, nothing from elsewhere.
-PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-            "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'")
+PAGE_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
 
 
 class ApiError(Exception):
     """An HTTP-level refusal that is not one of agentq's own errors."""
 
-    def __init__(self, status_code: int, type_: str, message: str, *,
-                 detail: list[dict[str, Any]] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status_code: int,
+        type_: str,
+        message: str,
+        *,
+        detail: list[dict[str, Any]] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.type = type_
@@ -72,9 +80,14 @@ class ApiError(Exception):
         self.headers = headers
 
 
-def error_response(status_code: int, type_: str, message: str, *,
-                   detail: list[dict[str, Any]] | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status_code: int,
+    type_: str,
+    message: str,
+    *,
+    detail: list[dict[str, Any]] | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body: dict[str, Any] = {"type": type_, "message": message}
     if detail is not None:
         body["detail"] = detail
@@ -83,11 +96,12 @@ def error_response(status_code: int, type_: str, message: str, *,
 
 def validation_error(exc: ValidationError) -> ApiError:
     """422 whose message names the first bad field, with every problem in `detail`."""
-    detail = [{"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
-              for e in exc.errors()]
+    detail = [
+        {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
+        for e in exc.errors()
+    ]
     first = detail[0] if detail else {"field": "body", "message": "invalid"}
-    return ApiError(422, "ValidationError", f"{first['field']}: {first['message']}",
-                    detail=detail)
+    return ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
 
 
 async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
@@ -122,24 +136,34 @@ def bearer(request: Request, *, allow_query: bool = False) -> str | None:
 def require_token(request: Request) -> str:
     token = bearer(request)
     if token is None:
-        raise ApiError(401, "Unauthorized", "this call needs the turn's token: "
-                       "Authorization: Bearer <token>", headers={"WWW-Authenticate": "Bearer"})
+        raise ApiError(
+            401,
+            "Unauthorized",
+            "this call needs the turn's token: Authorization: Bearer <token>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     return token
 
 
 class Gateway:
     """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter."""
 
-    def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float,
-                 observe_events: bool, max_streams: int) -> None:
+    def __init__(
+        self,
+        client: Client,
+        *,
+        heartbeat_s: float,
+        poll_s: float,
+        observe_events: bool,
+        max_streams: int,
+    ) -> None:
         self.client = client
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.metrics = GatewayMetrics()
         # Open streams hold a thread each; their own limiter keeps REST calls answering.
         self.stream_limiter = anyio.CapacityLimiter(max_streams)
-        self.observer = (EventObserver(client.store.redis, self.metrics)
-                         if observe_events else None)
+        self.observer = EventObserver(client.store.redis, self.metrics) if observe_events else None
         self.body_limit_bytes = client.settings.max_prompt_bytes + BODY_MARGIN_BYTES
         self.closing = threading.Event()
 
@@ -171,8 +195,11 @@ class Gateway:
         if not req.initial_messages():
             raise ApiError(422, "ValidationError", "prompt: a turn needs a prompt or messages")
         handle = await run_in_threadpool(self.client.start, req)
-        return JSONResponse(handle.model_dump(), status_code=202, headers={
-            "Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"})
+        return JSONResponse(
+            handle.model_dump(),
+            status_code=202,
+            headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
+        )
 
     async def get_turn(self, request: Request) -> Response:
         turn = await run_in_threadpool(self.client.get, request.path_params["turn_id"])
@@ -196,10 +223,12 @@ class Gateway:
             ans = InteractionAnswer.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        await run_in_threadpool(self.client.answer, turn_id, request_id, token, ans.decision,
-                                ans.value)
-        return JSONResponse({"ok": True, "turn_id": turn_id, "request_id": request_id,
-                             "decision": ans.decision})
+        await run_in_threadpool(
+            self.client.answer, turn_id, request_id, token, ans.decision, ans.value
+        )
+        return JSONResponse(
+            {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
+        )
 
     # -- events ----------------------------------------------------------------------
 
@@ -219,8 +248,9 @@ class Gateway:
         turn_id = request.path_params["turn_id"]
         token = bearer(request, allow_query=True)
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
-        after = (request.headers.get("last-event-id") or request.query_params.get("after")
-                 or "0-0").strip()
+        after = (
+            request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
+        ).strip()
         if not _STREAM_ID.match(after):
             raise ApiError(422, "ValidationError", "Last-Event-ID: must be a stream id like 1-0")
         keep_alive_s = self._keep_alive_s(request)
@@ -247,13 +277,21 @@ class Gateway:
                 log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
 
         self.metrics.sse_connections.inc()
-        body = event_source(events, state, keep_alive_s=keep_alive_s,
-                            limiter=self.stream_limiter, on_event=on_event, closing=self.closing)
-        return EventStreamResponse(body, on_disconnect=on_disconnect,
-                                   on_close=self.metrics.sse_connections.dec)
+        body = event_source(
+            events,
+            state,
+            keep_alive_s=keep_alive_s,
+            limiter=self.stream_limiter,
+            on_event=on_event,
+            closing=self.closing,
+        )
+        return EventStreamResponse(
+            body, on_disconnect=on_disconnect, on_close=self.metrics.sse_connections.dec
+        )
 
-    def _open_events(self, turn_id: str, token: str | None, after: str,
-                     poll_s: float) -> tuple[Iterator[Event | None], bool] | None:
+    def _open_events(
+        self, turn_id: str, token: str | None, after: str, poll_s: float
+    ) -> tuple[Iterator[Event | None], bool] | None:
         state = self.client.store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
@@ -271,8 +309,10 @@ class Gateway:
     # -- page, health, metrics ---------------------------------------------------------
 
     async def index(self, request: Request) -> Response:
-        return FileResponse(STATIC_DIR / "index.html", headers={
-            "Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"})
+        return FileResponse(
+            STATIC_DIR / "index.html",
+            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"},
+        )
 
     async def healthz(self, request: Request) -> Response:
         ok = False
@@ -280,21 +320,24 @@ class Gateway:
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 # Abandoned on timeout: a hung socket must not hang the health check.
-                ok = bool(await anyio.to_thread.run_sync(self.client.store.redis.ping,
-                                                         abandon_on_cancel=True))
+                ok = bool(
+                    await anyio.to_thread.run_sync(
+                        self.client.store.redis.ping, abandon_on_cancel=True
+                    )
+                )
             except redis.RedisError as exc:
                 error = f"{type(exc).__name__}: {exc}"
         if ok:
             return JSONResponse({"ok": True, "redis": "ok"})
-        return JSONResponse({"ok": False, "error": {"type": "RedisUnavailable",
-                                                    "message": error}}, status_code=503)
+        return JSONResponse(
+            {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
+        )
 
     async def metrics_page(self, request: Request) -> Response:
         active = None
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                active = await anyio.to_thread.run_sync(self.client.active,
-                                                        abandon_on_cancel=True)
+                active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
             except redis.RedisError as exc:
                 log.warning("metrics: cannot read active turns: %s", exc)
         if active is None:
@@ -315,8 +358,9 @@ def _status_name(status_code: int) -> str:
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status_code, exc.type, exc.message, detail=exc.detail,
-                          headers=exc.headers)
+    return error_response(
+        exc.status_code, exc.type, exc.message, detail=exc.detail, headers=exc.headers
+    )
 
 
 def _agentq_handler(status_code: int) -> Any:
@@ -334,24 +378,36 @@ async def _on_redis_error(request: Request, exc: Exception) -> Response:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(exc.status_code, _status_name(exc.status_code), exc.detail,
-                          headers=dict(exc.headers or {}))
+    return error_response(
+        exc.status_code, _status_name(exc.status_code), exc.detail, headers=dict(exc.headers or {})
+    )
 
 
 async def _on_crash(request: Request, exc: Exception) -> Response:
     return error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
 
 
-def create_app(client: Client | None = None, *, heartbeat_s: float = 15.0, poll_s: float = 1.0,
-               observe_events: bool = True, max_streams: int = 1000) -> Starlette:
+def create_app(
+    client: Client | None = None,
+    *,
+    heartbeat_s: float = 15.0,
+    poll_s: float = 1.0,
+    observe_events: bool = True,
+    max_streams: int = 1000,
+) -> Starlette:
     """The gateway app.
 
     `heartbeat_s` is how often an idle SSE stream gets a keep-alive comment (a request
     may ask for another with ``?heartbeat=``); `poll_s` bounds how long a client's
     disconnect can go unnoticed; `observe_events` feeds fleet-wide events to /metrics.
     """
-    gw = Gateway(client or Client(), heartbeat_s=heartbeat_s, poll_s=poll_s,
-                 observe_events=observe_events, max_streams=max_streams)
+    gw = Gateway(
+        client or Client(),
+        heartbeat_s=heartbeat_s,
+        poll_s=poll_s,
+        observe_events=observe_events,
+        max_streams=max_streams,
+    )
     routes = [
         Route("/", gw.index, methods=["GET"]),
         Route("/healthz", gw.healthz, methods=["GET"]),

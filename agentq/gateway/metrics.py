@@ -63,30 +63,40 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.tool_duration = Histogram(
-            "agentq_tool_duration_seconds", "Duration of settled tool calls.",
-            ["tool", "status"], buckets=DURATION_BUCKETS_S, registry=r)
+            "agentq_tool_duration_seconds",
+            "Duration of settled tool calls.",
+            ["tool", "status"],
+            buckets=DURATION_BUCKETS_S,
+            registry=r,
+        )
         self.tool_results = Counter(
-            "agentq_tool_results", "Settled tool calls.", ["tool", "status"], registry=r)
+            "agentq_tool_results", "Settled tool calls.", ["tool", "status"], registry=r
+        )
         self.tool_timeouts = Counter(
-            "agentq_tool_timeouts", "Tool calls stopped by their hard limit.", ["tool"],
-            registry=r)
+            "agentq_tool_timeouts", "Tool calls stopped by their hard limit.", ["tool"], registry=r
+        )
         self.aborts = Counter(
-            "agentq_turn_aborts", "Aborted turns by reason.", ["reason"], registry=r)
+            "agentq_turn_aborts", "Aborted turns by reason.", ["reason"], registry=r
+        )
         self.turns_ended = Counter(
-            "agentq_turns_ended", "Turns that ended, by outcome.", ["outcome"], registry=r)
+            "agentq_turns_ended", "Turns that ended, by outcome.", ["outcome"], registry=r
+        )
         self.watchdog_trips = Counter(
-            "agentq_watchdog_trips", "Model streams cut by the inactivity watchdog.", registry=r)
+            "agentq_watchdog_trips", "Model streams cut by the inactivity watchdog.", registry=r
+        )
         self.events_streamed = Counter(
-            "agentq_events_streamed", "SSE messages written to clients.", ["type"], registry=r)
-        self.sse_connections = Gauge(
-            "agentq_sse_connections", "Open SSE responses.", registry=r)
+            "agentq_events_streamed", "SSE messages written to clients.", ["type"], registry=r
+        )
+        self.sse_connections = Gauge("agentq_sse_connections", "Open SSE responses.", registry=r)
         self.active_turns = Gauge(
-            "agentq_active_turns", "Turns queued or running.", ["status"], registry=r)
+            "agentq_active_turns", "Turns queued or running.", ["status"], registry=r
+        )
         self.running_tools = Gauge(
-            "agentq_running_tool_calls", "Dispatched tool calls without a result yet.",
-            registry=r)
+            "agentq_running_tool_calls", "Dispatched tool calls without a result yet.", registry=r
+        )
         self.redis_up = Gauge(
-            "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r)
+            "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r
+        )
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
         self._tools: set[str] = set()
@@ -149,8 +159,14 @@ class GatewayMetrics:
 class EventObserver:
     """A daemon thread that feeds every turn's published events to :class:`GatewayMetrics`."""
 
-    def __init__(self, client: redis.Redis, metrics: GatewayMetrics, *,
-                 poll_s: float = 0.5, retry_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        metrics: GatewayMetrics,
+        *,
+        poll_s: float = 0.5,
+        retry_s: float = 1.0,
+    ) -> None:
         self.redis = client
         self.metrics = metrics
         self.poll_s = poll_s

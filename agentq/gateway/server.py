@@ -26,8 +26,9 @@ class RedactTokens(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if isinstance(args, tuple):
-            record.args = tuple(_TOKEN_PARAM.sub("***", a) if isinstance(a, str) else a
-                                for a in args)
+            record.args = tuple(
+                _TOKEN_PARAM.sub("***", a) if isinstance(a, str) else a for a in args
+            )
         return True
 
 
@@ -65,12 +66,18 @@ def serve(host: str | None = None, port: int | None = None) -> int:
 class BackgroundServer:
     """A real uvicorn server on a thread, bound before start so its port is known.
 
-        with BackgroundServer(create_app()) as server:
-            httpx.get(server.url + "/healthz")
+    with BackgroundServer(create_app()) as server:
+        httpx.get(server.url + "/healthz")
     """
 
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
-                 start_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        app: Starlette,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        start_timeout_s: float = 10.0,
+    ) -> None:
         self.app = app
         self.host = host
         self.start_timeout_s = start_timeout_s
@@ -79,11 +86,16 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="on",
-                                timeout_graceful_shutdown=1)
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1
+        )
         self.server = GatewayServer(config)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
-                                        name=f"uvicorn-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self._sock]},
+            name=f"uvicorn-{self.port}",
+            daemon=True,
+        )
 
     @property
     def url(self) -> str:
@@ -111,6 +123,10 @@ class BackgroundServer:
     def __enter__(self) -> BackgroundServer:
         return self.start()
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

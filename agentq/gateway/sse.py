@@ -163,12 +163,14 @@ class EventStreamResponse(Response):
         self.on_close = on_close
         self.status_code = 200
         self.background = None
-        self.init_headers({
-            "Cache-Control": "no-cache, no-store",
-            # nginx buffers responses unless told not to; SSE must reach the client now.
-            "X-Accel-Buffering": "no",
-            **(headers or {}),
-        })
+        self.init_headers(
+            {
+                "Cache-Control": "no-cache, no-store",
+                # nginx buffers responses unless told not to; SSE must reach the client now.
+                "X-Accel-Buffering": "no",
+                **(headers or {}),
+            }
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
@@ -177,11 +179,15 @@ class EventStreamResponse(Response):
         async def stream(scope_: anyio.CancelScope) -> None:
             nonlocal disconnected, complete
             try:
-                await send({"type": "http.response.start", "status": self.status_code,
-                            "headers": self.raw_headers})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": self.status_code,
+                        "headers": self.raw_headers,
+                    }
+                )
                 async for chunk in self.content:
-                    await send({"type": "http.response.body", "body": chunk,
-                                "more_body": True})
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 complete = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:

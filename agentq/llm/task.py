@@ -2,29 +2,64 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 
 from celery import Celery
 
 from agentq import constants as k
-from agentq.config import get_settings
+from agentq.config import Settings, get_settings
 from agentq.errors import Aborted, AgentqError, LlmError
 from agentq.models import LlmRoundRequest, LlmRoundResult
 from agentq.runtime import get_store
+from agentq.store import TurnStore
 
 log = logging.getLogger("agentq.llm")
 
 
 def run_round(req: LlmRoundRequest) -> LlmRoundResult:
-    from agentq.llm.client import stream_round
-
     settings = get_settings()
     store = get_store()
     done = store.redis.get(k.llm_result_key(req.turn_id, req.round_no))
     if done is not None:
         return LlmRoundResult.model_validate_json(done)
+    if store.status(req.turn_id) in (None, "finished", "aborted", "error"):
+        # A late or redelivered round of a turn that ended (or that Redis lost).
+        return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
+    # A heartbeat the turn watches: if this process dies mid-stream, the key lapses
+    # and the turn sends the round again instead of waiting for its long deadline.
+    alive = k.llm_alive_key(req.turn_id, req.round_no)
+    lease_ms = int(settings.turn_lease_s * 1000)
+    if not store.redis.set(alive, "1", nx=True, px=lease_ms):
+        # The broker handed this round out again while another delivery streams it.
+        log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
+        return LlmRoundResult(ok=False, error="streaming elsewhere", error_code="EDUPLICATE")
+    beating = threading.Event()
+
+    def beat() -> None:
+        while not beating.wait(settings.turn_lease_s / 3):
+            try:
+                store.redis.set(alive, "1", px=lease_ms)
+            except Exception:
+                log.warning("llm heartbeat failed", exc_info=True)
+
+    heart = threading.Thread(target=beat, name="agentq-llm-heartbeat", daemon=True)
+    heart.start()
+    try:
+        return _run_round(req, store, settings)
+    finally:
+        beating.set()
+        heart.join()
+        with contextlib.suppress(Exception):  # it lapses on its own; never mask the round
+            store.redis.delete(alive)
+
+
+def _run_round(req: LlmRoundRequest, store: TurnStore, settings: Settings) -> LlmRoundResult:
+    from agentq.llm.client import stream_round
+
     cancel = k.cancel_key(req.turn_id)
 
     def cancelled() -> bool:

@@ -105,10 +105,16 @@ class RoundDispatcher:
             else:
                 runnable.append(outcome)
         dispatched = ctx.store.dispatches(ctx.turn_id)
-        for batch in plan_batches(runnable):
-            fresh = [p for p in batch if p.call.id not in dispatched]
-            self._send(fresh, secrets or {})
-            self._collect([p for p in batch])
+        try:
+            for batch in plan_batches(runnable):
+                fresh = [p for p in batch if p.call.id not in dispatched]
+                self._send(fresh, secrets or {})
+                self._collect([p for p in batch])
+        finally:
+            # A tool reads its password once; if it died, was lost or was aborted
+            # first, the password must not outlive the round.
+            if secrets:
+                ctx.store.redis.delete(*secrets.values())
         return [self.settled[c.id] for c in calls]
 
     def _send(self, batch: list[Prepared], secrets: dict[str, str]) -> None:

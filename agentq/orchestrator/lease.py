@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -9,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from agentq import constants as k
 from agentq.orchestrator.context import TurnContext
 from agentq.store import TurnStore
 
@@ -47,13 +49,21 @@ class LeaseKeeper:
             time.sleep(self.lease_s / 3)
             with self._lock:
                 items = list(self._held.items())
-            for turn_id, (holder, ctx) in items:
-                try:
-                    if not self.store.renew_lease(turn_id, holder, self.lease_s):
-                        log.warning("lost the lease on turn %s; stopping it here", turn_id)
-                        ctx.lease_lost = True
-                except Exception:
-                    log.warning("lease renewal failed for %s", turn_id, exc_info=True)
+            if not items:
+                continue
+            # One round trip for all: renewing turn by turn, a busy worker (hundreds of
+            # turn threads on the GIL) let leases lapse and turns get resumed twice.
+            try:
+                kept = self.store.renew_leases({t: h for t, (h, _) in items}, self.lease_s)
+            except Exception:
+                log.warning("lease renewal failed", exc_info=True)
+                continue
+            with self._lock:
+                # A turn that ended meanwhile released its lease: that is no loss.
+                lost = [ctx for t, (_, ctx) in items if not kept[t] and t in self._held]
+            for ctx in lost:
+                log.warning("lost the lease on turn %s; stopping it here", ctx.turn_id)
+                ctx.lease_lost = True
 
 
 class Reaper:
@@ -75,8 +85,15 @@ class Reaper:
 
     def sweep(self) -> list[str]:
         resumed = []
-        for turn_id in self.store.active():
-            if self.store.status(turn_id) != "running" or self.store.lease_holder(turn_id):
+        active = self.store.active()
+        pipe = self.store.redis.pipeline(transaction=False)
+        for turn_id in active:
+            pipe.hget(k.turn_key(turn_id), "status")
+            pipe.exists(k.lease_key(turn_id))
+        found = pipe.execute()
+        for i, turn_id in enumerate(active):
+            status, leased = found[2 * i], found[2 * i + 1]
+            if status is None or json.loads(status) != "running" or leased:
                 continue
             claim = f"agentq:turn:{turn_id}:resume"
             if self.store.redis.set(claim, holder_id(), nx=True, px=int(self.lease_s * 1000)):

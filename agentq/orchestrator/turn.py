@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from typing import Any
 
+import redis
 from celery import Celery
 
 from agentq import constants as k
@@ -96,9 +97,6 @@ class Turn:
             left_s = s.stream_duration_s - streamed_s
             if left_s <= 0:
                 raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
-            attempt = int(self.state.get("llm_attempt", 0)) + 1
-            self.state["llm_attempt"] = attempt
-            ctx.store.update(ctx.turn_id, llm_attempt=attempt)
             req = LlmRoundRequest(
                 turn_id=ctx.turn_id,
                 round_no=round_no,
@@ -106,27 +104,7 @@ class Turn:
                 duration_left_s=left_s,
                 idle_timeout_ms=s.stream_idle_timeout_ms,
             )
-            ctx.app.send_task(
-                k.TASK_LLM_ROUND,
-                kwargs=req.model_dump(),
-                task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
-                queue=k.QUEUE_LLM,
-            )
-            idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
-            deadline = (
-                time.time()
-                + left_s
-                + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
-                + 30
-            )
-            while result is None:
-                if time.time() >= deadline:
-                    raise LlmError("no stream worker answered the model round in time")
-                msg = ctx.wait_until(deadline)
-                if msg is None:
-                    continue
-                if msg.get("kind") == "llm" and msg.get("round_no") == round_no:
-                    result = LlmRoundResult.model_validate(msg["result"])
+            result = self._await_llm(req)
             self.state["streamed_s"] = float(self.state.get("streamed_s", 0.0)) + result.streamed_s
             ctx.store.update(ctx.turn_id, streamed_s=self.state["streamed_s"])
         if result.aborted:
@@ -139,6 +117,66 @@ class Turn:
             err.code = result.error_code or "ELLM"
             raise err
         return result.message
+
+    def _await_llm(self, req: LlmRoundRequest) -> LlmRoundResult:
+        """Send the round and wait for it; send it again if its stream worker dies."""
+        ctx, s = self.ctx, self.ctx.settings
+        deadline = self._send_llm(req)
+        alive = k.llm_alive_key(req.turn_id, req.round_no)
+        done = k.llm_result_key(req.turn_id, req.round_no)
+        seen_alive, resends = False, 0
+        while True:
+            now = time.time()
+            if now >= deadline:
+                raise LlmError("no stream worker answered the model round in time")
+            msg = ctx.wait_until(min(deadline, now + s.turn_lease_s / 2))
+            if msg is not None:
+                if msg.get("kind") == "llm" and msg.get("round_no") == req.round_no:
+                    return LlmRoundResult.model_validate(msg["result"])
+                continue
+            if ctx.store.redis.exists(alive):
+                seen_alive = True
+            elif seen_alive and not ctx.store.redis.exists(done):
+                # The heartbeat lapsed without a result: the stream worker died mid-round.
+                if resends >= s.llm_max_retries:
+                    err = LlmError(
+                        "the stream worker died mid-round "
+                        f"(attempt {resends + 1} of {s.llm_max_retries + 1})"
+                    )
+                    err.code = "EWORKERLOST"
+                    raise err
+                resends += 1
+                seen_alive = False
+                ctx.publish(
+                    "llm_retry",
+                    round_no=req.round_no,
+                    attempt=resends,
+                    code="EWORKERLOST",
+                    error="the stream worker stopped mid-round; the round is sent again",
+                    delay_ms=0,
+                    restart=True,
+                )
+                deadline = self._send_llm(req)
+
+    def _send_llm(self, req: LlmRoundRequest) -> float:
+        """Send one model round to a stream worker; return when to give up waiting for it."""
+        ctx, s = self.ctx, self.ctx.settings
+        attempt = int(self.state.get("llm_attempt", 0)) + 1
+        self.state["llm_attempt"] = attempt
+        ctx.store.update(ctx.turn_id, llm_attempt=attempt)
+        ctx.app.send_task(
+            k.TASK_LLM_ROUND,
+            kwargs=req.model_dump(),
+            task_id=f"{ctx.turn_id}.llm.{req.round_no}.{attempt}",
+            queue=k.QUEUE_LLM,
+        )
+        idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
+        return (
+            time.time()
+            + req.duration_left_s
+            + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
+            + 30
+        )
 
     def run_round(self, calls: list[ToolCall], refused: dict[str, str]) -> None:
         ctx = self.ctx
@@ -223,6 +261,20 @@ def _fail(ctx: TurnContext, code: str, message: str, **fields: Any) -> None:
     ctx.publish("turn_error", code=code, error=message, **fields)
 
 
+def _state_lost(ctx: TurnContext) -> None:
+    """Redis lost the turn (a restart without persistence): end it with a clear error.
+
+    The record written here is terminal and expires like any finished turn, so nothing
+    half-made lingers; results arriving later are refused (the store's open-turn check).
+    """
+    message = (
+        "Redis lost this turn's state (restarted without persistence?); "
+        "it cannot go on: start it again"
+    )
+    ctx.store.close(ctx.turn_id, "error", error=message, error_code="state_lost")
+    ctx.publish("turn_error", code="state_lost", error=message)
+
+
 def run_turn(turn_id: str, app: Celery | None = None) -> str:
     """Run (or resume) a turn until it finishes; safe to call twice: a live lease wins."""
     store = get_store()
@@ -260,6 +312,9 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
             reason = Turn(ctx, state).run()
         except Aborted as exc:
             if exc.reason == "lease lost":
+                if store.status(turn_id) is None:
+                    _state_lost(ctx)
+                    return "error"
                 return "lease lost"
             finalize_abort(
                 store,
@@ -284,6 +339,11 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
             return "error"
         _finish(ctx, state, reason)
         return "finished"
+    except (redis.ConnectionError, redis.TimeoutError):
+        # Redis stayed away longer than the client's retries: the state may well be
+        # intact, so leave the turn to the reaper, which resumes it once Redis is back.
+        log.exception("turn %s: Redis unreachable; leaving it to be resumed", turn_id)
+        return "redis unreachable"
     except Exception as exc:
         log.exception("turn %s failed", turn_id)
         _fail(ctx, "internal", f"{type(exc).__name__}: {exc}")
@@ -293,6 +353,17 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
 
 
 def register_turn_task(app: Celery) -> None:
-    @app.task(name=k.TASK_TURN, acks_late=True, ignore_result=True, queue=k.QUEUE_TURNS)
+    # A turn whose task fails on Redis before it is marked running would stay queued for
+    # ever (the reaper resumes running turns only): Celery sends it again instead.
+    @app.task(
+        name=k.TASK_TURN,
+        acks_late=True,
+        ignore_result=True,
+        queue=k.QUEUE_TURNS,
+        autoretry_for=(redis.ConnectionError, redis.TimeoutError),
+        retry_backoff=1,
+        retry_backoff_max=30,
+        max_retries=20,
+    )
     def run_turn_task(turn_id: str) -> str:
         return run_turn(turn_id, app)

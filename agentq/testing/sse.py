@@ -1,9 +1,9 @@
 """A small server-sent events parser for tests and scripts (the client side of the gateway).
 
-    with httpx.stream("GET", url + handle["events_url"]) as resp:
-        for msg in iter_sse(resp):
-            if msg.comment is None:
-                print(msg.id, msg.event, msg.json())
+with httpx.stream("GET", url + handle["events_url"]) as resp:
+    for msg in iter_sse(resp):
+        if msg.comment is None:
+            print(msg.id, msg.event, msg.json())
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ def parse_sse(lines: Iterable[str]) -> Iterator[SSEMessage]:
     for line in lines:
         if line == "":
             if data or retry is not None or id_ is not None:
-                yield SSEMessage(event=event or "message", data="\n".join(data), id=id_,
-                                 retry_ms=retry)
+                yield SSEMessage(
+                    event=event or "message", data="\n".join(data), id=id_, retry_ms=retry
+                )
             event, data, id_, retry = "", [], None, None
             continue
         if line.startswith(":"):

@@ -67,6 +67,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             "pid": pid,
             "task_id": task_id,
             "attempt": req.attempt,
+            "delivery": f"{task_id}/{getattr(task.request, 'retries', 0) or 0}",
         },
         {
             "call_id": req.call_id,
@@ -79,6 +80,10 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     )
     if claim == 0:
         return "already settled: not run again"
+    if claim == 2:
+        return "delivered again while its first delivery ran: not run again"
+    if claim == -2:
+        return "its turn is over or gone: not run"
     call = _call(req)
     common: dict[str, Any] = {
         "task_id": task_id,

@@ -1,0 +1,98 @@
+"""A whole tool worker SIGKILLed mid-call: the turn settles the call by its hard limit plus
+grace, and the broker's later redelivery of the unacked message does not run it again."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from agentq.models import ToolCall
+from agentq.results import error_result
+from agentq.testing.openai_server import Round
+from agentq.testing.processes import wait_for
+from tests.faults.rig import assert_gapless, assert_valid_history, calls, starts
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
+
+VISIBILITY_S = 4.0
+# A redelivery delay this short is only safe because every call here outlives it by far
+# less than production's hour; it lets the test see the broker hand the message back.
+RIG_ENV = {"AGENTQ_VISIBILITY_TIMEOUT_S": str(VISIBILITY_S)}
+HARD_S, GRACE_S = 2.0, 1.5
+
+
+def test_dead_tool_worker_call_settles_lost_and_is_not_redelivered_into_a_rerun(
+    rig, tmp_path: Path
+) -> None:
+    count = tmp_path / "count"
+    key = rig.script(
+        Round(tool_calls=calls(("counted_short", {"path": str(count), "seconds": 30}))),
+        Round(text="Went on without it."),
+    )
+    handle = rig.client.start_turn(key)
+    started = rig.collect(handle.turn_id, until=lambda e: e.type == "tool_started")[-1]
+    wait_for(lambda: starts(count) == 1, 10, message="the tool to start its work")
+    record = rig.client.store.starts(handle.turn_id)[started.fields["call_id"]]
+    task_id, t_start = record["task_id"], float(record["started_at"])
+    old = rig.worker("tools")
+    old.kill()  # SIGKILL to the whole process group: parent and pool together
+    killed_at = time.time()
+
+    events = rig.collect(handle.turn_id, timeout_s=30)
+    assert events[-1].type == "turn_finished", events[-1]
+    done = next(e for e in events if e.type == "tool_finished")
+    assert done.fields["status"] == "lost"
+    # Settled by the turn itself: no sooner than hard limit plus grace after the start.
+    assert done.ts >= t_start + HARD_S + GRACE_S - 0.05, done.ts - t_start
+    assert done.ts - killed_at < HARD_S + GRACE_S + 3.0
+    assert_gapless(events)
+    assert_valid_history(rig.client.get(handle.turn_id)["history"])
+
+    # The killed worker never acked the message; once it is older than the visibility
+    # timeout, a new worker's startup sweep hands it back to the queue.
+    redis = rig.client.store.redis
+    assert redis.hlen("unacked") >= 1
+    wait_for(lambda: time.time() > t_start + VISIBILITY_S, 10, interval_s=0.1)
+    # Without mingle the new worker does not learn the turn's revoke from its neighbours:
+    # only the settled result in Redis stands between the message and a second run.
+    new = rig.start("tools", extra_args=("--without-mingle",))[0]
+    wait_for(
+        lambda: task_id in new.log_text(),
+        30,
+        interval_s=0.1,
+        message=f"the new worker to receive the redelivered task {task_id}",
+    )
+    wait_for(
+        lambda: redis.hlen("unacked") == 0,
+        15,
+        interval_s=0.1,
+        message="the redelivered message to be consumed",
+    )
+    assert starts(count) == 1, "the redelivered call ran the tool again"
+    wait_for(lambda: "already settled: not run again" in new.log_text(), 10, interval_s=0.1)
+    # No second result, no second tool_finished: the settled result stands.
+    log = rig.log_events(handle.turn_id)
+    assert [e.fields["status"] for e in log if e.type == "tool_finished"] == ["lost"]
+    assert log[-1].type == "turn_finished"
+
+
+def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> None:
+    # The broker restores unacked messages when a worker's connection drops (or after
+    # the visibility timeout), which can hand out a call that is still running.
+    store = rig.client.store
+    tid = "f" * 32
+    store.create(tid, {"status": "running"}, [{"role": "user", "content": "x"}])
+    first = {"started_at": 1.0, "delivery": "task-1/0"}
+    event = {"call_id": "c1", "tool": "counted"}
+    assert store.mark_started(tid, "c1", first, event) == 1
+    assert store.mark_started(tid, "c1", {**first, "started_at": 2.0}, event) == 2
+    # An explicit retry (Celery's retry count went up) is a new delivery: it may run.
+    assert store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event) == 1
+    store.close(tid, "finished")
+    # Nothing starts, and nothing settles, in a turn that is over.
+    assert store.mark_started(tid, "c2", {"delivery": "task-2/0"}, event) == -2
+    assert not store.settle(tid, error_result(ToolCall(id="c1", name="counted"), "too late"))
+    assert store.results(tid) == {}
+    assert [e.type for e in rig.log_events(tid)] == ["tool_started", "tool_started"]

@@ -1,0 +1,60 @@
+"""Tools for the fault suite; workers load them with AGENTQ_TOOLS=...,tests.faults.tools.
+
+Each counting tool appends a line to a file the moment it starts, before any other
+work: the file outlives worker kills and Redis restarts, so a test can prove that a
+call ran exactly as often as it should.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from agentq.tools.registry import tool
+
+
+def _count(path: str) -> None:
+    with open(path, "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+
+
+def _sleep_through(seconds: float) -> None:
+    """Sleep like an uninterruptible call: deaf to the soft limit."""
+    end = time.time() + seconds
+    while time.time() < end:
+        try:
+            time.sleep(max(0.0, end - time.time()))
+        except SoftTimeLimitExceeded:
+            continue
+
+
+@tool(timeout_s=30, budget_s=5)
+def counted(path: str, seconds: float = 0.0) -> dict[str, object]:
+    """Count a start in `path`, then sleep."""
+    _count(path)
+    _sleep_through(seconds)
+    return {"slept_s": seconds, "pid": os.getpid()}
+
+
+@tool(timeout_s=30, budget_s=5, idempotent=True, max_retries=2)
+def counted_idempotent(path: str, seconds: float = 0.0) -> dict[str, object]:
+    """Like `counted`, but safe to run again: retried when its process dies."""
+    _count(path)
+    _sleep_through(seconds)
+    return {"slept_s": seconds, "pid": os.getpid()}
+
+
+@tool(timeout_s=2, budget_s=1)
+def counted_short(path: str, seconds: float = 30.0) -> str:
+    """Count a start, then block past a 2 s hard limit."""
+    _count(path)
+    _sleep_through(seconds)
+    return "woke up"
+
+
+@tool(timeout_s=10, approval="ask", approval_timeout_s=0.5)
+def ask_quick(note: str = "") -> str:
+    """Asks for approval with a half-second timeout: silence denies."""
+    return f"approved {note}"
