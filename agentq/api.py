@@ -20,7 +20,7 @@ from agentq.interactions import Interactions
 from agentq.models import Event, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.abort import finalize_abort
 from agentq.orchestrator.lease import holder_id
-from agentq.store import TurnStore
+from agentq.store import TurnStore, text
 
 TERMINAL_STATUSES = frozenset({"finished", "aborted", "error"})
 
@@ -93,7 +93,11 @@ class Client:
         }
         self.store.create(turn_id, state, prior + new)
         self.app.send_task(
-            k.TASK_TURN, args=[turn_id], task_id=f"{turn_id}.turn", queue=k.QUEUE_TURNS
+            k.TASK_TURN,
+            args=[turn_id],
+            task_id=f"{turn_id}.turn",
+            queue=k.QUEUE_TURNS,
+            ignore_result=True,
         )
         return TurnHandle(turn_id=turn_id, token=token, events_url=f"/v1/turns/{turn_id}/events")
 
@@ -128,9 +132,13 @@ class Client:
         self._abort(turn_id, reason)
 
     def _abort(self, turn_id: str, reason: str) -> None:
-        self.store.request_cancel(turn_id, reason)
-        self.store.push(turn_id, {"kind": "abort", "reason": reason})
-        for child in self.store.children(turn_id):
+        # Flag, wake and the children in one round trip: abort latency is user-facing.
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.set(k.cancel_key(turn_id), reason, nx=True, ex=self.store.ttl_s)
+        pipe.rpush(k.inbox_key(turn_id), json.dumps({"kind": "abort", "reason": reason}))
+        pipe.smembers(k.children_key(turn_id))
+        children = [text(c) for c in pipe.execute()[2]]
+        for child in children:
             if self.store.status(child) not in TERMINAL_STATUSES:
                 self._abort(child, reason)
         # No worker holds the turn (still queued, or its worker died): finish the abort here.

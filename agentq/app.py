@@ -40,8 +40,13 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         },
         "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
         "broker_connection_retry_on_startup": True,
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        # Task events cost three publishes per task in the worker's event loop; Flower
+        # switches worker events on by itself while it watches (`enable_events`).
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
+        # agentq's broadcasts (revoke) reach agentq's workers only, not every Celery
+        # app on the same broker.
+        "control_exchange": "agentq",
         "result_expires": 24 * 3600,
         "task_default_queue": QUEUE_TOOLS,
         "task_queues": tuple(Queue(q) for q in (QUEUE_TOOLS, QUEUE_LLM, QUEUE_TURNS)),  # type: ignore[no-untyped-call]

@@ -66,6 +66,9 @@ class Settings(BaseSettings):
     visibility_timeout_s: float | None = Field(None, gt=0)
     """Redis broker: redeliver an unacked message after this long; default computed from the
     longest tool limit (at least an hour). Below a call's run time a live call is sent twice."""
+    task_events: bool = False
+    """Always send Celery task events (for monitors other than Flower, which turns them on
+    while it runs); off by default, they cost three publishes per task."""
     event_log_maxlen: int = Field(10_000, ge=100)
     """Approximate cap of each turn's replay log."""
     state_ttl_s: int = Field(7 * 24 * 3600, gt=0)

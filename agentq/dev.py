@@ -237,6 +237,9 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
     if not settings.tools:
         say(f"AGENTQ_TOOLS unset: loading the demo tools from {DEMO_TOOLS}")
         env["AGENTQ_TOOLS"] = DEMO_TOOLS
+    if opts.flower and "AGENTQ_TASK_EVENTS" not in os.environ:
+        # Flower runs here: task events from the first task on, not after its 5 s timer.
+        env["AGENTQ_TASK_EVENTS"] = "true"
     started = Started(env=env, redis_url=url)
 
     if not settings.llm_base_url:

@@ -218,6 +218,29 @@ class TurnStore:
         )
         return bool(won)
 
+    def round_view(
+        self, turn_id: str, call_ids: list[str]
+    ) -> tuple[dict[str, ToolResult], dict[str, dict[str, Any]]]:
+        """Settled results and dispatch records of these calls, in one round trip."""
+        if not call_ids:
+            return {}, {}
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hmget(k.results_key(turn_id), call_ids)
+        pipe.hmget(k.calls_key(turn_id), call_ids)
+        results, calls = pipe.execute()
+        return (
+            {
+                c: ToolResult.model_validate_json(r)
+                for c, r in zip(call_ids, results, strict=True)
+                if r
+            },
+            {c: json.loads(d) for c, d in zip(call_ids, calls, strict=True) if d},
+        )
+
+    def result(self, turn_id: str, call_id: str) -> ToolResult | None:
+        raw = self.redis.hget(k.results_key(turn_id), call_id)
+        return None if raw is None else ToolResult.model_validate_json(raw)
+
     def results(self, turn_id: str) -> dict[str, ToolResult]:
         raw = self.redis.hgetall(k.results_key(turn_id))
         return {text(c): ToolResult.model_validate_json(v) for c, v in raw.items()}

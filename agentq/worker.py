@@ -78,7 +78,7 @@ def _start_reaper(**_: Any) -> None:
     from agentq.orchestrator.lease import Reaper
 
     def resume(turn_id: str) -> None:
-        app.send_task(TASK_TURN, args=[turn_id], queue=QUEUE_TURNS)
+        app.send_task(TASK_TURN, args=[turn_id], queue=QUEUE_TURNS, ignore_result=True)
 
     Reaper(get_store(), settings.turn_lease_s, resume).start()
     log.info("agentq turn worker ready: lease %.1fs, reaper on", settings.turn_lease_s)

@@ -61,7 +61,7 @@ def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]
         argv += ["-n", f"{kind}@%h"]
     if not _has(opts, "-l", "--loglevel"):
         argv += ["-l", "INFO"]
-    return [*argv, "-E", *opts]
+    return [*argv, *opts]
 
 
 def _unreachable(url: str) -> str | None:

@@ -13,6 +13,7 @@ from celery import Celery
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import Aborted, AgentqError, LlmError
+from agentq.llm.client import stream_round
 from agentq.models import LlmRoundRequest, LlmRoundResult
 from agentq.runtime import get_store
 from agentq.store import TurnStore
@@ -58,8 +59,6 @@ def run_round(req: LlmRoundRequest) -> LlmRoundResult:
 
 
 def _run_round(req: LlmRoundRequest, store: TurnStore, settings: Settings) -> LlmRoundResult:
-    from agentq.llm.client import stream_round
-
     cancel = k.cancel_key(req.turn_id)
 
     def cancelled() -> bool:

@@ -8,6 +8,7 @@ server sees the connection go.
 
 from __future__ import annotations
 
+import functools
 import socket
 import ssl
 import threading
@@ -118,8 +119,14 @@ class _TrackingBackend(httpcore2.NetworkBackend):
         self._inner.sleep(seconds)
 
 
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """Loading the CA bundle costs ~60 ms of CPU: once per process, not per model round."""
+    return httpx2.create_ssl_context()
+
+
 def _tracking_transport(tracker: SocketTracker) -> httpx2.HTTPTransport:
-    transport = httpx2.HTTPTransport()
+    transport = httpx2.HTTPTransport(verify=_ssl_context())
     # httpx2 has no public hook for the connection pool's network backend; without
     # it only sockets registered from a response (after its headers) can be cut.
     pool = getattr(transport, "_pool", None)

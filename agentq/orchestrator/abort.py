@@ -36,17 +36,30 @@ def pending_calls(history: list[dict[str, Any]]) -> list[ToolCall]:
 def revoke_unsettled(
     store: TurnStore, app: Celery, turn_id: str, *, kill_grace_s: float
 ) -> list[str]:
-    """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace."""
+    """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace.
+
+    Only the workers running them are told: a task that has not started yet never
+    runs, since its start sees the turn's cancel flag.
+    """
     done = {text(c) for c in store.redis.hkeys(results_key(turn_id))}
-    ids = [d["task_id"] for cid, d in store.dispatches(turn_id).items() if cid not in done]
-    if not ids:
+    starts = store.starts(turn_id)
+    running = {
+        d["task_id"]: starts[cid].get("worker")
+        for cid, d in store.dispatches(turn_id).items()
+        if cid not in done and cid in starts
+    }
+    if not running:
         return []
-    app.control.revoke(ids, terminate=True, signal="SIGTERM")
+    ids = list(running)
+    workers = sorted({w for w in running.values() if w})
+    destination = workers if len(workers) == len(set(running.values())) else None
+
+    def revoke(signal: str) -> None:
+        app.control.revoke(ids, terminate=True, signal=signal, destination=destination)
+
+    revoke("SIGTERM")
     if kill_grace_s >= 0:
-        timer = threading.Timer(
-            kill_grace_s,
-            lambda: app.control.revoke(ids, terminate=True, signal="SIGKILL"),
-        )
+        timer = threading.Timer(kill_grace_s, revoke, args=("SIGKILL",))
         timer.daemon = True
         timer.start()
     return ids

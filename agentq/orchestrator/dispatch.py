@@ -88,7 +88,8 @@ class RoundDispatcher:
         secrets: dict[str, str] | None = None,
     ) -> list[ToolResult]:
         ctx = self.ctx
-        self.settled = dict(ctx.store.results(ctx.turn_id))
+        # Only this round's calls: earlier results of the turn are not read again.
+        self.settled, dispatched = ctx.store.round_view(ctx.turn_id, [c.id for c in calls])
         runnable: list[Prepared] = []
         for call in calls:
             if call.id in self.settled:
@@ -100,16 +101,16 @@ class RoundDispatcher:
                 else prepare(call, max_arguments_bytes=ctx.settings.max_arguments_bytes)
             )
             if isinstance(outcome, ToolResult):
-                ctx.store.settle(ctx.turn_id, outcome)
-                self.settled[call.id] = ctx.store.results(ctx.turn_id).get(call.id, outcome)
+                won = ctx.store.settle(ctx.turn_id, outcome)
+                stored = None if won else ctx.store.result(ctx.turn_id, call.id)
+                self.settled[call.id] = stored or outcome
             else:
                 runnable.append(outcome)
-        dispatched = ctx.store.dispatches(ctx.turn_id)
         try:
             for batch in plan_batches(runnable):
                 fresh = [p for p in batch if p.call.id not in dispatched]
                 self._send(fresh, secrets or {})
-                self._collect([p for p in batch])
+                self._collect(batch, all_fresh=len(fresh) == len(batch))
         finally:
             # A tool reads its password once; if it died, was lost or was aborted
             # first, the password must not outlive the round.
@@ -148,16 +149,33 @@ class RoundDispatcher:
                 kwargs=req.model_dump(),
                 task_id=records[p.call.id]["task_id"],
                 queue=p.spec.policy.queue,
+                # The result lives in agentq's store; no backend subscription per send.
+                ignore_result=True,
                 **p.limits.celery_options,
             )
 
-    def _collect(self, batch: list[Prepared]) -> None:
+    def _collect(self, batch: list[Prepared], *, all_fresh: bool = False) -> None:
         ctx = self.ctx
         waiting = {p.call.id: p for p in batch if p.call.id not in self.settled}
         progress_every = ctx.settings.progress_interval_s
-        next_progress = time.time() + progress_every
-        next_deadline_check = time.time()
+        now = time.time()
+        next_progress = now + progress_every
+        next_deadline_check = now
         deadlines: dict[str, float | None] = {}
+        if all_fresh:
+            # Calls sent a moment ago cannot be overdue: start from what we know and
+            # ask Redis about their starts only after a second.
+            next_deadline_check = now + 1.0
+            deadlines = {
+                cid: lost_deadline(
+                    dispatched_at=now,
+                    started_at=None,
+                    timeout_s=p.limits.timeout_s,
+                    grace_s=ctx.settings.tool_grace_s,
+                    queue_timeout_s=ctx.settings.tool_queue_timeout_s,
+                )
+                for cid, p in waiting.items()
+            }
         while waiting:
             now = time.time()
             if now >= next_deadline_check:

@@ -169,6 +169,7 @@ class Turn:
             kwargs=req.model_dump(),
             task_id=f"{ctx.turn_id}.llm.{req.round_no}.{attempt}",
             queue=k.QUEUE_LLM,
+            ignore_result=True,
         )
         idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
         return (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -99,22 +100,34 @@ def test_tool_task_shows_in_flower_by_tool_name(
     wait_for(hears_tool_worker, 30, interval_s=0.25, message="Flower sees the tool worker",
              ignore=(httpx.HTTPError,))
 
-    key = f"flower-{uuid.uuid4().hex[:8]}"
-    llm_server.set_script(key, [
-        Round(tool_calls=[ScriptedCall(name="echo", arguments={"text": key})]),
-        Round(text="ok"),
-    ])
-    handle = client.start_turn(f"{key} go")
-    assert client.wait(handle.turn_id, timeout_s=60).type == "turn_finished"
-    (record,) = client.get(handle.turn_id)["invocations"]
+    # The workers run without task events (AGENTQ_TASK_EVENTS is off by default): Flower
+    # switches them on by itself (enable_events, every 5 s). Run calls until one shows.
+    found: dict[str, Any] = {}
+
+    def run_call_and_find_it() -> dict[str, Any] | None:
+        key = f"flower-{uuid.uuid4().hex[:8]}"
+        llm_server.set_script(key, [
+            Round(tool_calls=[ScriptedCall(name="echo", arguments={"text": key})]),
+            Round(text="ok"),
+        ])
+        handle = client.start_turn(f"{key} go")
+        assert client.wait(handle.turn_id, timeout_s=60).type == "turn_finished"
+        (record,) = client.get(handle.turn_id)["invocations"]
+        found["record"] = record
+        task_id = record["task_id"]
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            tasks = api.get("/api/tasks", params={"taskname": "agentq.tool.echo"}).json()
+            task = tasks.get(task_id)
+            if task and task.get("state") == "SUCCESS":
+                return task  # type: ignore[no-any-return]
+            time.sleep(0.1)
+        return None
+
+    task = wait_for(run_call_and_find_it, 40, interval_s=0.1,
+                    message="a tool task in Flower", ignore=(httpx.HTTPError,))
+    record = found["record"]
     task_id = record["task_id"]
-
-    def flower_task() -> dict[str, Any] | None:
-        task = api.get("/api/tasks", params={"taskname": "agentq.tool.echo"}).json().get(task_id)
-        return task if task and task.get("state") == "SUCCESS" else None
-
-    task = wait_for(flower_task, 30, interval_s=0.25, message=f"task {task_id} in Flower",
-                    ignore=(httpx.HTTPError,))
     assert task["name"] == "agentq.tool.echo"
     assert task["worker"] == record["worker"]
     assert api.get(f"/api/task/info/{task_id}").json()["name"] == "agentq.tool.echo"

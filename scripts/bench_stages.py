@@ -1,0 +1,601 @@
+"""The measurements of scripts/bench.py: the fleet it runs on, and one function per stage.
+
+Every stage takes the running :class:`Fleet` and the sample :class:`Sizes` and returns
+a flat dict of figures (milliseconds and ratios rounded to 3 places; ``notes`` for what
+could not be measured), which bench.py merges into its one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import select
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from agentq import runtime
+from agentq.config import get_settings
+from agentq.constants import ACTIVE_TURNS
+from agentq.models import ToolCall
+from agentq.orchestrator.context import TurnContext
+from agentq.orchestrator.dispatch import RoundDispatcher
+from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
+from agentq.testing.processes import (
+    CELERY_READY_PATTERN,
+    ManagedProcess,
+    start_process,
+    start_worker,
+)
+from agentq.testing.redis_server import RedisServer, find_free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = Path(__file__).resolve().parent / "bench.py"
+
+TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
+
+
+class BenchError(RuntimeError):
+    """A measurement could not be taken (a call did not settle as expected)."""
+
+
+@dataclass(frozen=True)
+class Sizes:
+    overhead_calls: int = 300
+    warmup: int = 30
+    block: int = 25
+    throughput_calls: int = 1000
+    throughput_reps: int = 3
+    aborts: int = 20
+    timeouts: int = 10
+    watchdogs: int = 20
+    events: int = 1000
+    scale_turns: int = 200
+
+
+QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-th percentile, linearly interpolated; None for no samples."""
+    s = sorted(xs)
+    if not s:
+        return None
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def ms_stats(prefix: str, xs_s: list[float]) -> dict[str, float | None]:
+    ms = [x * 1000 for x in xs_s]
+    return {f"{prefix}_p50": _r(pct(ms, 50)), f"{prefix}_p99": _r(pct(ms, 99))}
+
+
+def _r(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else round(a / b, 3)
+
+
+# --------------------------------------------------------------------------- the fleet
+
+
+class Fleet:
+    """Redis, the scripted model, the workers (and the gateway if it exists), by PID."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.run_id = uuid.uuid4().hex[:6]
+        self.redis: RedisServer | None = None
+        self.llm: ScriptedOpenAIServer | None = None
+        self.procs: dict[str, ManagedProcess] = {}
+        self.env: dict[str, str] = {}
+        self.gateway_url: str | None = None
+        self.notes: list[str] = []
+
+    def start(self) -> None:
+        a = self.args
+        if a.use_env_redis and os.environ.get("AGENTQ_REDIS_URL"):
+            url = os.environ["AGENTQ_REDIS_URL"]
+        else:
+            self.redis = RedisServer().start()
+            url = self.redis.url
+        self.llm = ScriptedOpenAIServer().start()
+        self.env = {
+            "AGENTQ_REDIS_URL": url,
+            "AGENTQ_TOOLS": "agentq.testing.tools",
+            "AGENTQ_LLM_BASE_URL": self.llm.url,
+            "PYTHONPATH": str(ROOT),
+            "PYTHONUNBUFFERED": "1",
+        }
+        os.environ.update(self.env)
+        runtime.reset()
+        import agentq.testing.tools  # noqa: F401  (the dispatcher validates against the registry)
+
+        logs = Path(a.log_dir) if a.log_dir else None
+        conc = str(a.tool_concurrency)
+
+        def log(name: str) -> Path | None:
+            return None if logs is None else logs / f"{name}.log"
+
+        def host(kind: str) -> str:
+            return f"bench-{kind}-{self.run_id}@%h"
+
+        starters: dict[str, Callable[[], ManagedProcess]] = {
+            "tools": lambda: start_worker("tools", env=self.env, hostname=host("tools"),
+                                          concurrency=a.tool_concurrency, log_path=log("tools")),
+            "turns": lambda: start_worker("turns", env=self.env, hostname=host("turns"),
+                                          concurrency=250, log_path=log("turns")),
+            "llm": lambda: start_worker("llm", env=self.env, hostname=host("llm"),
+                                        concurrency=64, log_path=log("llm")),
+            "celery": lambda: start_process(
+                [sys.executable, "-m", "celery", "-A", "scripts.bench_celery_app", "worker",
+                 "-P", "prefork", "-c", conc, "-Q", "bench.noop", "--hostname", host("celery"),
+                 "--loglevel", "INFO"],
+                env=self.env, cwd=ROOT, log_path=log("celery"),
+                ready_pattern=CELERY_READY_PATTERN, name="celery-baseline"),
+        }
+        if _gateway_available():
+            port = find_free_port()
+            starters["gateway"] = lambda: start_process(
+                [sys.executable, "-m", "agentq", "serve", "--host", "127.0.0.1",
+                 "--port", str(port)],
+                env=self.env, cwd=ROOT, log_path=log("gateway"),
+                ready_pattern=r"Uvicorn running on|Application startup complete",
+                name="gateway")
+            self.gateway_url = f"http://127.0.0.1:{port}"
+        # Started side by side: each Celery worker takes seconds to boot on 2 cores.
+        with ThreadPoolExecutor(len(starters)) as pool:
+            futures = {k: pool.submit(fn) for k, fn in starters.items()}
+            errors = []
+            for kind, fut in futures.items():
+                try:
+                    self.procs[kind] = fut.result()
+                except Exception as exc:
+                    errors.append(f"{kind}: {exc}")
+        # Without the gateway only the SSE figure is missing; say so and go on.
+        for err in [e for e in errors if e.startswith("gateway:")]:
+            self.notes.append(f"the gateway did not start, no SSE figure: {err[:300]}")
+            self.gateway_url = None
+            errors.remove(err)
+        if errors:
+            raise BenchError("could not start the fleet:\n" + "\n".join(errors))
+
+    def stop(self) -> None:
+        def stop_one(proc: ManagedProcess) -> None:
+            with contextlib.suppress(Exception):
+                proc.stop(timeout_s=10)
+
+        # Side by side, like the start: each warm shutdown takes a second or two.
+        with ThreadPoolExecutor(max(len(self.procs), 1)) as pool:
+            list(pool.map(stop_one, list(self.procs.values())))
+        self.procs.clear()
+        if self.llm is not None:
+            self.llm.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+    # -- helpers shared by the stages
+
+    def new_ctx(self) -> TurnContext:
+        """A turn to dispatch rounds in from this process.
+
+        Its status is not "running", so the turn worker's reaper never "resumes" it.
+        It is a turn to the store's scripts (they only take results for open turns).
+        """
+        store = runtime.get_store()
+        turn_id = uuid.uuid4().hex
+        store.create(turn_id, {"status": "bench"}, [{"role": "user", "content": "bench"}])
+        # Not a running turn: kept out of the active set the reaper and /metrics scan.
+        store.redis.zrem(ACTIVE_TURNS, turn_id)
+        return TurnContext(turn_id=turn_id, store=store, app=runtime.get_app(),
+                           settings=get_settings())
+
+    def end_ctx(self, ctx: TurnContext) -> None:
+        ctx.store.close(ctx.turn_id, "finished")
+
+    def script(self, *rounds: Round) -> str:
+        assert self.llm is not None
+        key = f"bench-{uuid.uuid4().hex[:10]}"
+        self.llm.set_script(key, list(rounds))
+        return key
+
+    def memory_mb(self, measure: str = "rss") -> dict[str, float]:
+        """Memory of each process kind, its pool children included.
+
+        "rss" counts pages a forked pool shares with its parent once per process;
+        "pss" splits shared pages between the processes that share them, so a
+        prefork worker's sum is what it really costs (slower: reads smaps).
+        """
+        out: dict[str, float] = {}
+        pids = {kind: p.pid for kind, p in self.procs.items()}
+        if self.redis is not None:
+            pids["redis"] = self.redis.pid
+        for kind, pid in pids.items():
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                total = 0
+                for p in [proc, *proc.children(recursive=True)]:
+                    with contextlib.suppress(psutil.Error, AttributeError):
+                        total += (p.memory_full_info().pss if measure == "pss"
+                                  else p.memory_info().rss)
+                out[kind] = round(total / 2**20, 1)
+        return out
+
+
+def _gateway_available() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("agentq.gateway.server") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def noop_call() -> ToolCall:
+    return ToolCall(id=f"c_{uuid.uuid4().hex[:12]}", name="noop", arguments="{}")
+
+
+def agentq_once(fx: Fleet, ctx: TurnContext | None = None) -> float:
+    """One no-op call through a turn's dispatcher: one round, one call."""
+    own = ctx is None
+    ctx = ctx or fx.new_ctx()
+    t0 = time.perf_counter()
+    (res,) = RoundDispatcher(ctx).run([noop_call()])
+    dt = time.perf_counter() - t0
+    if own:
+        fx.end_ctx(ctx)
+    if res.status != "ok":
+        raise BenchError(f"noop settled {res.status}: {res.error}")
+    return dt
+
+
+def celery_once() -> float:
+    from scripts.bench_celery_app import noop
+
+    t0 = time.perf_counter()
+    noop.delay().get(timeout=30)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- the stages
+
+
+def bench_overhead(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    for _ in range(sz.warmup):
+        agentq_once(fx)
+        celery_once()
+    a: list[float] = []
+    c: list[float] = []
+    ctxs: list[TurnContext] = []
+    sides: list[tuple[list[float], Callable[[], float]]] = [
+        (a, lambda: agentq_once(fx, ctxs.pop())), (c, celery_once)]
+    block_ratios: list[float] = []
+    # Alternating blocks, and which side goes first, so machine noise hits both.
+    while len(a) < sz.overhead_calls:
+        k = min(sz.block, sz.overhead_calls - len(a))
+        # A block's turns are made before it and closed after it, so both sides make
+        # their calls back to back.
+        ctxs[:] = [fx.new_ctx() for _ in range(k)]
+        made = list(ctxs)
+        for samples, once in sides:
+            samples.extend(once() for _ in range(k))
+        sides.reverse()
+        for ctx in made:
+            fx.end_ctx(ctx)
+        block_ratios.append((pct(a[-k:], 50) or 0) / (pct(c[-k:], 50) or 1))
+    out: dict[str, Any] = {**ms_stats("agentq_call_ms", a), **ms_stats("celery_call_ms", c)}
+    out["overhead_ratio_p50"] = _ratio(out["agentq_call_ms_p50"], out["celery_call_ms_p50"])
+    out["overhead_ratio_p99"] = _ratio(out["agentq_call_ms_p99"], out["celery_call_ms_p99"])
+    # Each block's ratio compares calls made seconds apart: steadier on a busy machine.
+    out["overhead_ratio_p50_paired"] = _r(pct(block_ratios, 50))
+    out["overhead_samples"] = len(a)
+    return out
+
+
+def bench_throughput(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    from celery import group
+
+    from scripts.bench_celery_app import noop
+
+    n = sz.throughput_calls
+
+    def agentq_round() -> float:
+        ctx = fx.new_ctx()
+        calls = [ToolCall(id=f"c{i:05d}", name="noop", arguments="{}") for i in range(n)]
+        t0 = time.perf_counter()
+        results = RoundDispatcher(ctx).run(calls)
+        dt = time.perf_counter() - t0
+        fx.end_ctx(ctx)
+        bad = Counter(r.status for r in results if r.status != "ok")
+        if bad:
+            raise BenchError(f"throughput round: not all ok: {dict(bad)}")
+        return dt
+
+    def celery_group() -> float:
+        t0 = time.perf_counter()
+        group(noop.s() for _ in range(n)).apply_async().join_native(timeout=600)
+        return time.perf_counter() - t0
+
+    a: list[float] = []
+    c: list[float] = []
+    for rep in range(sz.throughput_reps):
+        if rep % 2 == 0:
+            a.append(agentq_round())
+            c.append(celery_group())
+        else:
+            c.append(celery_group())
+            a.append(agentq_round())
+    a_rate = n / (pct(a, 50) or 1)
+    c_rate = n / (pct(c, 50) or 1)
+    return {"agentq_calls_per_s": round(a_rate, 1), "celery_calls_per_s": round(c_rate, 1),
+            "throughput_ratio": _ratio(a_rate, c_rate), "throughput_calls": n,
+            "throughput_reps": sz.throughput_reps}
+
+
+def bench_timeout(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    over: list[float] = []
+    for _ in range(sz.timeouts):
+        ctx = fx.new_ctx()
+        call = ToolCall(id=f"c_{uuid.uuid4().hex[:12]}", name="bench_sleep",
+                        arguments='{"seconds": 5}')
+        (res,) = RoundDispatcher(ctx).run([call])
+        learned = time.time()
+        fx.end_ctx(ctx)
+        if res.status != "timeout" or res.record.started_at is None:
+            raise BenchError(f"bench_sleep settled {res.status}, not timeout")
+        over.append(learned - (res.record.started_at + 1.0))
+    return {**ms_stats("timeout_overshoot_ms", over), "timeout_samples": len(over)}
+
+
+class _ExitWatch(threading.Thread):
+    """Records when a process exits, from a pidfd: no polling interval in the figure."""
+
+    def __init__(self, pid: int, timeout_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.timeout_s = timeout_s
+        self.gone_at: float | None = None
+        self._fd = os.pidfd_open(pid)
+
+    def run(self) -> None:
+        try:
+            poller = select.poll()
+            poller.register(self._fd, select.POLLIN)
+            if poller.poll(int(self.timeout_s * 1000)):
+                self.gone_at = time.perf_counter()
+        finally:
+            os.close(self._fd)
+
+
+def bench_abort(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    from agentq.api import Client
+
+    client = Client()
+    key = fx.script(Round(tool_calls=[ScriptedCall(name="hang", arguments={"seconds": 60})]))
+    to_event: list[float] = []
+    to_gone: list[float] = []
+    for i in range(sz.aborts):
+        handle = client.start_turn(f"{key} abort {i}")
+        events = client.events(handle.turn_id, heartbeat_s=0.5)
+        deadline = time.monotonic() + 30
+        pid = None
+        for ev in events:
+            if time.monotonic() > deadline:
+                raise BenchError("no tool_started for hang within 30 s")
+            if ev is None:
+                continue
+            if ev.type in TERMINAL:
+                raise BenchError(f"abort turn ended early: {ev.type} {ev.fields}")
+            if ev.type == "tool_started" and ev.fields.get("tool") == "hang":
+                pid = int(ev.fields["pid"])
+                break
+        assert pid is not None
+        watch = _ExitWatch(pid, timeout_s=30)
+        watch.start()
+        t0 = time.perf_counter()
+        client.abort(handle.turn_id, handle.token)
+        got = None
+        for ev in events:
+            if ev is not None and ev.type == "turn_aborted":
+                got = time.perf_counter()
+                break
+            if time.monotonic() > deadline + 30:
+                break
+        with contextlib.suppress(Exception):
+            events.close()  # type: ignore[attr-defined]
+        watch.join(35)
+        if got is None:
+            raise BenchError("no turn_aborted event")
+        to_event.append(got - t0)
+        if watch.gone_at is None:
+            raise BenchError(f"tool process {pid} still alive 30 s after the abort")
+        to_gone.append(watch.gone_at - t0)
+    return {**ms_stats("abort_to_event_ms", to_event),
+            **ms_stats("abort_to_process_gone_ms", to_gone), "abort_samples": len(to_event)}
+
+
+def bench_watchdog(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    from agentq.errors import StreamIdleTimeout
+    from agentq.llm.client import stream_round
+
+    assert fx.llm is not None
+    key = fx.script(Round(text="hello", fault="silent_after_chunks", fault_after_chunks=1))
+    over: list[float] = []
+    for i in range(sz.watchdogs):
+        last = [0.0]
+
+        def on_delta(kind: str, text: str, last: list[float] = last) -> None:
+            last[0] = time.monotonic()
+
+        try:
+            stream_round([{"role": "user", "content": f"{key} {i}"}], [], base_url=fx.llm.url,
+                         api_key=None, model="scripted", idle_timeout_ms=500,
+                         duration_left_s=30, max_retries=0, request_timeout_s=5,
+                         on_delta=on_delta, on_retry=lambda *_: None,
+                         cancelled=lambda: False, turn_id="bench")
+        except StreamIdleTimeout:
+            failed = time.monotonic()
+        else:
+            raise BenchError("the silent stream did not time out")
+        if not last[0]:
+            raise BenchError("no chunk arrived before the silence")
+        over.append(failed - (last[0] + 0.5))
+    return {**ms_stats("watchdog_overshoot_ms", over), "watchdog_samples": len(over)}
+
+
+def publisher_main(turn_id: str, n: int, interval_ms: float) -> int:
+    """The worker side of the event-latency stage, in its own process."""
+    store = runtime.get_store()
+    go = f"bench:go:{turn_id}"
+    deadline = time.monotonic() + 30
+    while not store.redis.exists(go):
+        store.bus.publish(turn_id, "bench_warm")
+        time.sleep(0.02)
+        if time.monotonic() > deadline:
+            return 1
+    for i in range(n):
+        store.bus.publish(turn_id, "bench_ping", i=i, sent_ns=time.monotonic_ns())
+        time.sleep(interval_ms / 1000)
+    store.bus.publish(turn_id, "turn_finished", reason="bench")
+    return 0
+
+
+def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    store = runtime.get_store()
+    turn_id = uuid.uuid4().hex
+    token = secrets.token_urlsafe(16)
+    store.create(turn_id, {"status": "bench", "token_sha256": hashlib.sha256(
+        token.encode()).hexdigest()}, [{"role": "user", "content": "bench"}])
+    bus_lat: list[float] = []
+    sse_lat: list[float] = []
+    warm = {"bus": threading.Event(), "sse": threading.Event()}
+    errors: list[str] = []
+
+    def on_ping(data: dict[str, Any], into: list[float]) -> None:
+        if data.get("type") == "bench_ping":
+            into.append((time.monotonic_ns() - int(data["sent_ns"])) / 1e9)
+
+    def follow_bus() -> None:
+        for ev in store.bus.follow(turn_id, idle_timeout_s=30):
+            if ev is None:
+                continue
+            if ev.type == "bench_warm":
+                warm["bus"].set()
+            on_ping({"type": ev.type, **ev.fields}, bus_lat)
+
+    def follow_sse() -> None:
+        import httpx
+
+        url = f"{fx.gateway_url}/v1/turns/{turn_id}/events"
+        headers = {"Authorization": f"Bearer {token}", "Accept": "text/event-stream"}
+        try:
+            with httpx.stream("GET", url, headers=headers, timeout=30) as resp:
+                if resp.status_code != 200:
+                    errors.append(f"SSE answered {resp.status_code}")
+                    warm["sse"].set()
+                    return
+                for line in resp.iter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = json.loads(line[5:])
+                    if data.get("type") == "bench_warm":
+                        warm["sse"].set()
+                    on_ping(data, sse_lat)
+                    if data.get("type") in TERMINAL:
+                        return
+        except Exception as exc:
+            errors.append(f"SSE client: {type(exc).__name__}: {exc}")
+            warm["sse"].set()
+
+    threads = [threading.Thread(target=follow_bus, daemon=True)]
+    if fx.gateway_url:
+        threads.append(threading.Thread(target=follow_sse, daemon=True))
+    else:
+        warm["sse"].set()
+    for t in threads:
+        t.start()
+    pub = start_process([sys.executable, str(BENCH), "--publisher", turn_id,
+                         "--publish-n", str(sz.events), "--publish-interval-ms", "2"],
+                        env=fx.env, cwd=ROOT, name="bench-publisher")
+    try:
+        if not (warm["bus"].wait(30) and warm["sse"].wait(30)):
+            raise BenchError("subscribers saw no warm-up event")
+        store.redis.set(f"bench:go:{turn_id}", 1, ex=600)
+        for t in threads:
+            t.join(60 + sz.events * 0.01)
+        pub.wait(30)
+    finally:
+        pub.stop()
+        fx.end_ctx(TurnContext(turn_id, store, runtime.get_app(), get_settings()))
+    out: dict[str, Any] = {**ms_stats("event_latency_ms", bus_lat), "event_samples": len(bus_lat)}
+    if fx.gateway_url:
+        out.update(ms_stats("sse_latency_ms", sse_lat))
+        out["sse_samples"] = len(sse_lat)
+        out["notes"] = errors
+    else:
+        out.update({"sse_latency_ms_p50": None, "sse_latency_ms_p99": None,
+                    "notes": ["sse_latency: agentq.gateway is not importable yet; not measured"]})
+    return out
+
+
+def bench_scale(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    from agentq import constants as k
+    from agentq.api import Client
+
+    client = Client()
+    store = runtime.get_store()
+    key = fx.script(Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 1})]),
+                    Round(text="slept."))
+    before = fx.memory_mb()
+    pss_before = fx.memory_mb("pss")
+    t0 = time.perf_counter()
+    ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(sz.scale_turns)]
+    peak: dict[str, float] = {}
+    pss_peak: dict[str, float] = {}
+    polls = 0
+    max_active = 0
+    statuses: list[Any] = []
+    budget_s = 60 + 3 * sz.scale_turns / max(fx.args.tool_concurrency, 1)
+    while time.perf_counter() - t0 < budget_s:
+        for kind, mb in fx.memory_mb().items():
+            peak[kind] = max(peak.get(kind, 0.0), mb)
+        if polls % 5 == 0:
+            for kind, mb in fx.memory_mb("pss").items():
+                pss_peak[kind] = max(pss_peak.get(kind, 0.0), mb)
+        polls += 1
+        max_active = max(max_active, int(store.redis.zcard(k.ACTIVE_TURNS)))
+        pipe = store.redis.pipeline()
+        for tid in ids:
+            pipe.hget(k.turn_key(tid), "status")
+        statuses = [None if s is None else json.loads(s) for s in pipe.execute()]
+        if all(s in ("finished", "aborted", "error") for s in statuses):
+            break
+        time.sleep(0.2)
+    took = time.perf_counter() - t0
+    counts = Counter(str(s) for s in statuses)
+    turns_mb = peak.get("turns", 0.0) - before.get("turns", 0.0)
+    conc = fx.args.tool_concurrency
+    return {"scale_turns": sz.scale_turns, "scale_all_settled": counts.get("finished") == len(ids),
+            "scale_seconds": round(took, 2), "scale_statuses": dict(counts),
+            # The tools alone need this long: N one-second sleeps on `conc` processes.
+            "scale_floor_seconds": float(-(-sz.scale_turns // conc)),
+            "scale_max_active": max_active, "scale_tool_concurrency": conc,
+            "rss_mb": peak, "rss_mb_idle": before, "pss_mb": pss_peak, "pss_mb_idle": pss_before,
+            "turn_worker_kb_per_turn": round(turns_mb * 1024 / max(sz.scale_turns, 1), 1)}
