@@ -53,6 +53,10 @@ class Interactions:
             return None
         return text(raw[0]), InteractionRequest.model_validate_json(raw[1])
 
+    def decision(self, turn_id: str, request_id: str) -> str | None:
+        raw = self.store.redis.hget(k.interaction_key(turn_id, request_id), "decision")
+        return None if raw is None else text(raw)
+
     def answer(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:
         """Deliver a client's answer; raises if unknown, answered already or timed out."""
         found = self.get(turn_id, request_id)

@@ -59,15 +59,21 @@ class TurnView:
     detail: str = ""
     started: float = field(default_factory=time.time)
     retries: int = 0
+    round_start: int = 0
 
     def apply(self, ev: Event) -> None:
         f = ev.fields
-        if ev.type == "llm_started" and self.text and not self.text.endswith("\n"):
-            self.text += "\n"
+        if ev.type == "llm_started":
+            if self.text and not self.text.endswith("\n"):
+                self.text += "\n"
+            self.round_start = len(self.text)
         elif ev.type == "llm_delta" and f.get("kind") == "text":
             self.text += str(f.get("text", ""))
         elif ev.type == "llm_retry":
             self.retries += 1
+            if f.get("restart"):
+                # The round starts over on another stream worker: drop the dead attempt's text.
+                self.text = self.text[: self.round_start]
         elif ev.type == "tool_started":
             cid = str(f["call_id"])
             self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)

@@ -55,10 +55,28 @@ def gate(ctx: TurnContext, calls: list[ToolCall]) -> GateOutcome:
             timeout_ms=int(timeout_s * 1000),
             default=pol.approval_default,
         )
-        if interactions.get(ctx.turn_id, req.request_id) is None:
+        found = interactions.get(ctx.turn_id, req.request_id)
+        if found is None:
             interactions.open(ctx.turn_id, req)
             ctx.publish("interaction_requested", **req.model_dump(), headless=ctx.headless)
-        asks[req.request_id] = (call, req)
+            asks[req.request_id] = (call, req)
+            continue
+        # A resumed turn: the request was made before. Its answer may have been taken
+        # from the inbox by the worker that died, so the request's own record decides.
+        state, stored = found
+        if state == "pending":
+            asks[req.request_id] = (call, stored)  # the original clock, not a new one
+        elif state == "answered":
+            decision = interactions.decision(ctx.turn_id, req.request_id)
+            if decision != "approve":
+                out.denied[call.id] = denied_result(call, "user")
+            elif stored.kind == "password":
+                out.secrets[call.id] = k.secret_key(ctx.turn_id, req.request_id)
+        elif state == "defaulted":
+            if stored.default != "approve":
+                out.denied[call.id] = denied_result(call, "policy")
+        else:
+            out.denied[call.id] = denied_result(call, "timeout")
 
     if ctx.headless:
         for rid, (call, req) in asks.items():

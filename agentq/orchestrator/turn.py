@@ -83,6 +83,30 @@ def limit_checks(
     return refused, stop
 
 
+def history_form(
+    msg: AssistantMessage, max_arguments_bytes: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The assistant message as kept in history, and the calls refused for their size.
+
+    Oversized arguments are replaced: the call is refused anyway, and keeping megabytes
+    of arguments would send them back to the model with every later round.
+    """
+    out = msg.to_openai()
+    refused: dict[str, str] = {}
+    for call in out.get("tool_calls") or []:
+        size = len(call["function"]["arguments"].encode("utf-8"))
+        if size > max_arguments_bytes:
+            call["function"]["arguments"] = json.dumps(
+                {"_removed_by_agentq": f"{size} bytes of arguments, over the limit"}
+            )
+            refused[call["id"]] = (
+                f"invalid arguments for tool {call['function']['name']!r}: arguments are "
+                f"{size} bytes, over the limit of {max_arguments_bytes} bytes; pass a "
+                "reference (a path, an id) instead of the data"
+            )
+    return out, refused
+
+
 class Turn:
     def __init__(self, ctx: TurnContext, state: dict[str, Any]) -> None:
         self.ctx = ctx
@@ -211,10 +235,12 @@ class Turn:
                 max_calls=ctx.settings.max_calls_per_turn,
                 loop_threshold=ctx.settings.loop_threshold,
             )
+            kept, too_big = history_form(msg, ctx.settings.max_arguments_bytes)
+            refused = {**too_big, **refused}
             self.state.update(round=round_no + 1, refused=refused, stop_after_round=stop)
             # The assistant message is durable before any of its calls is sent.
             pipe = ctx.store.redis.pipeline()
-            pipe.rpush(k.history_key(ctx.turn_id), json.dumps(msg.to_openai()))
+            pipe.rpush(k.history_key(ctx.turn_id), json.dumps(kept))
             pipe.hset(
                 k.turn_key(ctx.turn_id),
                 mapping={

@@ -130,3 +130,15 @@ def test_pending_calls_are_the_unanswered_calls_of_the_last_assistant_message() 
     history.append({"role": "tool", "tool_call_id": "b", "content": "y"})
     assert pending_calls(history) == []
     assert pending_calls([{"role": "user", "content": "x"}]) == []
+
+
+def test_oversized_arguments_do_not_stay_in_history() -> None:
+    from agentq.models import AssistantMessage
+    from agentq.orchestrator.turn import history_form
+
+    msg = AssistantMessage(tool_calls=(c(1, "t", json.dumps({"x": "y" * 5000})), c(2, "t")))
+    out, refused = history_form(msg, 1000)
+    assert list(refused) == ["c1"] and "over the limit of 1000 bytes" in refused["c1"]
+    args = [json.loads(tc["function"]["arguments"]) for tc in out["tool_calls"]]
+    assert "_removed_by_agentq" in args[0] and "5009 bytes" in args[0]["_removed_by_agentq"]
+    assert args[1] == {}

@@ -239,6 +239,12 @@ class TurnView {
       case "turn_started":
         setStatus("running", "running…");
         break;
+      case "llm_started":
+        if (this.text.textContent && !this.text.textContent.endsWith("\n")) {
+          this.text.textContent += "\n";
+        }
+        this.roundStart = this.text.textContent.length;
+        break;
       case "llm_delta":
         if (ev.kind === "reasoning") {
           this.reasoning.hidden = false;
@@ -249,6 +255,10 @@ class TurnView {
         break;
       case "llm_retry":
         this.notes.append(el("div", "note", `model retry ${ev.attempt}: ${ev.error}`));
+        if (ev.restart) {
+          // The round starts over on another stream worker: drop the dead attempt's text.
+          this.text.textContent = this.text.textContent.slice(0, this.roundStart || 0);
+        }
         break;
       case "tool_started":
         this.chip(ev).start(localTime(ev.ts));
