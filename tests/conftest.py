@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from agentq import runtime
-from agentq.testing.processes import ManagedProcess, kill_all, start_worker
+from agentq.testing.processes import ManagedProcess, kill_all, start_worker, worker_env
 from agentq.testing.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,23 +18,7 @@ ARTIFACTS = ROOT / "artifacts"
 
 
 def base_env(redis_url: str, llm_url: str | None = None, **extra: str) -> dict[str, str]:
-    env = {
-        "AGENTQ_REDIS_URL": redis_url,
-        "AGENTQ_TOOLS": "agentq.testing.tools",
-        "AGENTQ_TURN_LEASE_S": "1.5",
-        "AGENTQ_TOOL_GRACE_S": "1.5",
-        "AGENTQ_ABORT_KILL_GRACE_S": "0.5",
-        "AGENTQ_PROGRESS_INTERVAL_S": "1",
-        "AGENTQ_STREAM_IDLE_TIMEOUT_MS": "3000",
-        "AGENTQ_LLM_MAX_RETRIES": "2",
-        "AGENTQ_APPROVAL_TIMEOUT_S": "120",
-        "PYTHONPATH": str(ROOT),
-        "PYTHONUNBUFFERED": "1",
-    }
-    if llm_url:
-        env["AGENTQ_LLM_BASE_URL"] = llm_url
-    env.update(extra)
-    return env
+    return worker_env(redis_url, llm_url, pythonpath=str(ROOT), **extra)
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ def sleep(ctx: ToolContext, seconds: float) -> dict[str, object]:
     return {"slept_s": round(time.time() - start, 3), "pid": os.getpid()}
 
 
-def _sleep_through(seconds: float) -> None:
+def sleep_through(seconds: float) -> None:
     """Sleep like an uninterruptible call: deaf to cancellation and the soft limit."""
     end = time.time() + seconds
     while time.time() < end:
@@ -43,14 +43,14 @@ def _sleep_through(seconds: float) -> None:
 @tool(timeout_s=2, budget_s=1)
 def stuck(seconds: float = 60) -> str:
     """Block past its 2 s hard limit."""
-    _sleep_through(seconds)
+    sleep_through(seconds)
     return "woke up"
 
 
 @tool(timeout_s=60, budget_s=1)
 def hang(seconds: float = 60) -> dict[str, object]:
     """Block for a long time in one call; only killing the process stops it."""
-    _sleep_through(seconds)
+    sleep_through(seconds)
     return {"woke": True, "pid": os.getpid()}
 
 
@@ -154,7 +154,7 @@ def noop() -> None:
 @tool(timeout_s=1, budget_s=1)
 def bench_sleep(seconds: float = 5) -> str:
     """Block past its 1 s hard limit, deaf to the soft limit: the bench's timeout probe."""
-    _sleep_through(seconds)
+    sleep_through(seconds)
     return "woke up"
 
 

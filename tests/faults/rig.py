@@ -20,7 +20,7 @@ from agentq import runtime
 from agentq.api import Client
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
-from agentq.testing.processes import ManagedProcess, start_worker
+from agentq.testing.processes import ManagedProcess, start_worker, worker_env
 from agentq.testing.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,23 +32,8 @@ DEFAULT_CONCURRENCY = {"tools": 4, "llm": 8, "turns": 32}
 
 def fault_env(redis_url: str, llm_url: str, **extra: str) -> dict[str, str]:
     """The settings every fault worker and the test process share: tiny real limits."""
-    env = {
-        "AGENTQ_REDIS_URL": redis_url,
-        "AGENTQ_LLM_BASE_URL": llm_url,
-        "AGENTQ_TOOLS": FAULT_TOOLS,
-        "AGENTQ_TURN_LEASE_S": "1.5",
-        "AGENTQ_TOOL_GRACE_S": "1.5",
-        "AGENTQ_ABORT_KILL_GRACE_S": "0.5",
-        "AGENTQ_PROGRESS_INTERVAL_S": "1",
-        "AGENTQ_STREAM_IDLE_TIMEOUT_MS": "3000",
-        "AGENTQ_LLM_MAX_RETRIES": "2",
-        "AGENTQ_APPROVAL_TIMEOUT_S": "120",
-        # Workers import tests.faults.tools from the repository root.
-        "PYTHONPATH": str(ROOT),
-        "PYTHONUNBUFFERED": "1",
-    }
-    env.update(extra)
-    return env
+    # Workers import tests.faults.tools from the repository root.
+    return worker_env(redis_url, llm_url, tools=FAULT_TOOLS, pythonpath=str(ROOT), **extra)
 
 
 class Rig:

@@ -8,10 +8,8 @@ call ran exactly as often as it should.
 from __future__ import annotations
 
 import os
-import time
 
-from celery.exceptions import SoftTimeLimitExceeded
-
+from agentq.testing.tools import sleep_through
 from agentq.tools.registry import tool
 
 
@@ -20,21 +18,11 @@ def _count(path: str) -> None:
         fh.write(f"{os.getpid()}\n")
 
 
-def _sleep_through(seconds: float) -> None:
-    """Sleep like an uninterruptible call: deaf to the soft limit."""
-    end = time.time() + seconds
-    while time.time() < end:
-        try:
-            time.sleep(max(0.0, end - time.time()))
-        except SoftTimeLimitExceeded:
-            continue
-
-
 @tool(timeout_s=30, budget_s=5)
 def counted(path: str, seconds: float = 0.0) -> dict[str, object]:
     """Count a start in `path`, then sleep."""
     _count(path)
-    _sleep_through(seconds)
+    sleep_through(seconds)
     return {"slept_s": seconds, "pid": os.getpid()}
 
 
@@ -42,7 +30,7 @@ def counted(path: str, seconds: float = 0.0) -> dict[str, object]:
 def counted_idempotent(path: str, seconds: float = 0.0) -> dict[str, object]:
     """Like `counted`, but safe to run again: retried when its process dies."""
     _count(path)
-    _sleep_through(seconds)
+    sleep_through(seconds)
     return {"slept_s": seconds, "pid": os.getpid()}
 
 
@@ -50,7 +38,7 @@ def counted_idempotent(path: str, seconds: float = 0.0) -> dict[str, object]:
 def counted_short(path: str, seconds: float = 30.0) -> str:
     """Count a start, then block past a 2 s hard limit."""
     _count(path)
-    _sleep_through(seconds)
+    sleep_through(seconds)
     return "woke up"
 
 
