@@ -182,6 +182,7 @@ def test_resumed_gate_uses_an_answer_the_dead_worker_had_taken(agentq_env) -> No
     store = get_store()
     turn_id = uuid.uuid4().hex
     store.create(turn_id, {"status": "running"}, [{"role": "user", "content": "x"}])
+    store.acquire_lease(turn_id, "test", 600)  # this test is the turn; keep reapers off
     ctx = TurnContext(turn_id=turn_id, store=store, app=get_app(), settings=get_settings())
     approve = ToolCall(id="a1", name="delete_file", arguments='{"path": "p"}')
     deny = ToolCall(id="d1", name="delete_file", arguments='{"path": "q"}')

@@ -23,6 +23,9 @@ def _ctx() -> TurnContext:
     store = get_store()
     turn_id = uuid.uuid4().hex
     store.create(turn_id, {"status": "running"}, [{"role": "user", "content": "x"}])
+    # This test is the turn: hold its lease, or a turn worker's reaper would take the
+    # "running" turn for an orphan, resume it and read its inbox.
+    store.acquire_lease(turn_id, "test", 600)
     return TurnContext(turn_id=turn_id, store=store, app=get_app(), settings=get_settings())
 
 
