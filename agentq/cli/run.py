@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import json
+import select
 import signal
 import sys
 import threading
@@ -47,18 +48,38 @@ class _Answerer:
     def _ask(self, f: dict[str, Any]) -> None:
         with self._busy:
             rid = str(f["request_id"])
-            secs = int(f.get("timeout_ms", 0)) // 1000
+            deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
             try:
                 if f.get("kind") == "password":
+                    secs = max(0, int(deadline - time.time()))
                     value: str | None = getpass.getpass(f"{f.get('prompt')} password ({secs}s): ")
                     decision = "approve" if value else "deny"
                 else:
-                    line = input(f"{f.get('prompt')} [y/N] ({secs}s, silence denies): ")
+                    line = countdown_input(f"{f.get('prompt')} [y/N]", deadline)
+                    if line is None:
+                        print("\nno answer in time: denied", flush=True)
+                        return
                     decision = "approve" if line.strip().lower() in ("y", "yes") else "deny"
                     value = None
                 self.client.answer(self.turn_id, rid, self.token, decision, value)
             except (EOFError, AgentqError):
                 pass
+
+
+def countdown_input(prompt: str, deadline: float) -> str | None:
+    """Read a line from the terminal, redrawing the seconds left; None when time runs out."""
+    while True:
+        left = deadline - time.time()
+        if left <= 0:
+            return None
+        sys.stdout.write(f"\r{prompt} ({int(left)}s left, silence denies): ")
+        sys.stdout.flush()
+        ready, _, _ = select.select([sys.stdin], [], [], min(1.0, left))
+        if ready:
+            line = sys.stdin.readline()
+            if not line:
+                raise EOFError
+            return line
 
 
 def run(

@@ -1,0 +1,64 @@
+"""`agentq run` in a real terminal (tmux): the approval prompt counts down and takes an answer."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from agentq.testing.openai_server import Round
+from agentq.testing.processes import wait_for
+from tests.integration.test_turns import calls, script
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed"),
+]
+
+
+def _screen(session: str) -> str:
+    out = subprocess.run(
+        ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=False
+    )
+    return out.stdout
+
+
+def test_interactive_approval_prompt_counts_down_and_approves(
+    fleet, llm_server, agentq_env
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("delete_file", {"path": "/tmp/demo"}))),
+        Round(text="Deleted as approved."),
+    )
+    session = f"agentq-{uuid.uuid4().hex[:8]}"
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in agentq_env.items())
+    cmd = f"env {env} {sys.executable} -m agentq run {shlex.quote(key)}; echo EXIT=$?; sleep 60"
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
+        check=True,
+        cwd=os.getcwd(),
+    )
+    try:
+        first = wait_for(
+            lambda: "left, silence denies" in _screen(session) and _screen(session),
+            30,
+            message="the approval prompt",
+        )
+        assert "Allow delete_file" in first
+        # The prompt counts down: the seconds shown change while nobody answers.
+        shown = [line for line in first.splitlines() if "left, silence denies" in line][-1]
+        wait_for(lambda: shown not in _screen(session), 5, message="the countdown ticks")
+        subprocess.run(["tmux", "send-keys", "-t", session, "y", "Enter"], check=True)
+        done = wait_for(
+            lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
+        )
+        assert "EXIT=0" in done, done
+        assert "delete_file" in done and "ok" in done
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
