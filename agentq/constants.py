@@ -89,6 +89,16 @@ def llm_alive_key(turn_id: str, round_no: int) -> str:
     return f"{PREFIX}:turn:{turn_id}:llm:{round_no}:alive"
 
 
+WORKER_HEARTBEAT_S = 1.0
+"""How often a tool worker's main process says it is alive."""
+WORKER_ALIVE_TTL_S = 5.0
+"""A tool worker silent this long is dead: its running calls settle as lost."""
+
+
+def worker_alive_key(hostname: str) -> str:
+    return f"{PREFIX}:worker:{hostname}:alive"
+
+
 def conversation_key(conversation_id: str) -> str:
     return f"{PREFIX}:conv:{conversation_id}:history"
 

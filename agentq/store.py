@@ -179,6 +179,15 @@ class TurnStore:
             )
         )
 
+    def workers_alive(self, hostnames: list[str]) -> dict[str, bool]:
+        """Which tool workers sent a heartbeat lately."""
+        if not hostnames:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for h in hostnames:
+            pipe.exists(k.worker_alive_key(h))
+        return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
+
     def settle(self, turn_id: str, result: ToolResult) -> bool:
         """Store a call's result unless one is stored already; True if this one won."""
         result_json = result.model_dump_json()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 from celery.signals import worker_init, worker_ready
@@ -68,6 +69,30 @@ def _check_pool(sender: Any = None, **_: Any) -> None:
             f"agentq: the tool worker needs the prefork pool (got {name}); "
             "hard time limits are only enforced there"
         )
+
+
+@worker_ready.connect
+def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+    """A tool worker says it is alive, so a turn can settle the calls of a dead one
+    without waiting for their hard limit (or forever, for tools without one)."""
+    if os.environ.get("AGENTQ_WORKER_KIND") != "tools":
+        return
+    import threading
+
+    from agentq.constants import WORKER_ALIVE_TTL_S, WORKER_HEARTBEAT_S, worker_alive_key
+
+    key = worker_alive_key(str(getattr(sender, "hostname", "")))
+    redis = get_store().redis
+
+    def beat() -> None:
+        while True:
+            try:
+                redis.set(key, os.getpid(), px=int(WORKER_ALIVE_TTL_S * 1000))
+            except Exception:
+                log.warning("worker heartbeat failed", exc_info=True)
+            time.sleep(WORKER_HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="agentq-heartbeat", daemon=True).start()
 
 
 @worker_ready.connect

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from agentq.constants import WORKER_ALIVE_TTL_S
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.orchestrator.context import TurnContext
@@ -79,6 +80,7 @@ class RoundDispatcher:
     def __init__(self, ctx: TurnContext) -> None:
         self.ctx = ctx
         self.settled: dict[str, ToolResult] = {}
+        self.lost_why: dict[str, str] = {}
 
     def run(
         self,
@@ -183,12 +185,15 @@ class RoundDispatcher:
                 # Starts are polled, not pushed: once a second is enough to learn a
                 # hard-limit deadline, since the worker itself reports the kill at once.
                 next_deadline_check = now + 1.0
-                for cid, when in deadlines.items():
-                    if when is not None and now >= when:
-                        self._settle_lost(waiting[cid])
-                        waiting.pop(cid, None)
-                if not waiting:
-                    break
+                now = time.time()
+            # Every due deadline is acted on now, not at the next poll: a deadline in the
+            # past would otherwise make the wait below return at once, again and again.
+            for cid, when in list(deadlines.items()):
+                if cid in waiting and when is not None and now >= when:
+                    self._settle_lost(waiting.pop(cid))
+                    deadlines.pop(cid)
+            if not waiting:
+                break
             if now >= next_progress:
                 self._publish_progress(waiting)
                 next_progress = now + progress_every
@@ -212,23 +217,40 @@ class RoundDispatcher:
         ctx = self.ctx
         starts = ctx.store.starts(ctx.turn_id)
         dispatched = ctx.store.dispatches(ctx.turn_id)
+        now = time.time()
         out: dict[str, float | None] = {}
         for cid, p in waiting.items():
             d = dispatched.get(cid, {})
             s = starts.get(cid)
             out[cid] = lost_deadline(
-                dispatched_at=float(d.get("dispatched_at", time.time())),
+                dispatched_at=float(d.get("dispatched_at", now)),
                 started_at=None if s is None else float(s["started_at"]),
                 timeout_s=p.limits.timeout_s,
                 grace_s=ctx.settings.tool_grace_s,
                 queue_timeout_s=ctx.settings.tool_queue_timeout_s,
             )
+        # A worker that died whole (no parent left to report the kill) stops its
+        # heartbeat: its calls are lost now, not at their hard limit, or never for
+        # tools without one.
+        watched = {
+            cid: str(s["worker"])
+            for cid, s in starts.items()
+            if cid in waiting
+            and s.get("heartbeat")
+            and s.get("worker")
+            and now - float(s["started_at"]) > WORKER_ALIVE_TTL_S
+        }
+        alive = ctx.store.workers_alive(sorted(set(watched.values())))
+        for cid, worker in watched.items():
+            if not alive.get(worker, True):
+                out[cid] = 0.0  # due at once
+                self.lost_why[cid] = f"its tool worker {worker} stopped sending heartbeats"
         return out
 
     def _settle_lost(self, p: Prepared) -> None:
         ctx = self.ctx
         start = ctx.store.starts(ctx.turn_id).get(p.call.id)
-        why = (
+        why = self.lost_why.get(p.call.id) or (
             "no worker reported a result within its hard limit plus grace"
             if start
             else "no tool worker picked it up in time"

@@ -68,6 +68,9 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             "task_id": task_id,
             "attempt": req.attempt,
             "delivery": f"{task_id}/{getattr(task.request, 'retries', 0) or 0}",
+            # `agentq worker tools` sends heartbeats; a bare `celery worker` does not,
+            # and its calls must not be taken for dead for lack of them.
+            "heartbeat": os.environ.get("AGENTQ_WORKER_KIND") == "tools",
         },
         {
             "call_id": req.call_id,

@@ -96,3 +96,34 @@ def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> 
     assert not store.settle(tid, error_result(ToolCall(id="c1", name="counted"), "too late"))
     assert store.results(tid) == {}
     assert [e.type for e in rig.log_events(tid)] == ["tool_started", "tool_started"]
+
+
+def test_dead_worker_of_an_unlimited_tool_is_noticed_by_its_heartbeat(rig, tmp_path: Path) -> None:
+    """A tool without a hard limit has no deadline: only the worker's heartbeat tells."""
+    from agentq.constants import WORKER_ALIVE_TTL_S
+
+    count = tmp_path / "count"
+    key = rig.script(
+        Round(
+            tool_calls=calls(
+                ("counted_unlimited", {"path": str(count)}),
+                ("counted", {"path": str(tmp_path / "fast")}),
+            )
+        ),
+        Round(text="Went on without it."),
+    )
+    handle = rig.client.start_turn(key)
+    rig.collect(handle.turn_id, until=lambda e: e.type == "tool_finished")
+    wait_for(lambda: starts(count) == 1, 10, message="the unlimited tool to start")
+    rig.worker("tools").kill()  # parent and pool together: nobody reports the kill
+    killed_at = time.time()
+    events = rig.collect(handle.turn_id, timeout_s=30)
+    assert events[-1].type == "turn_finished", events[-1]
+    finished = {e.fields["tool"]: e for e in events if e.type == "tool_finished"}
+    lost = finished["counted_unlimited"]
+    assert lost.fields["status"] == "lost"
+    assert "heartbeat" in lost.fields["error"]
+    assert lost.ts - killed_at < WORKER_ALIVE_TTL_S + 4.0, lost.ts - killed_at
+    assert finished["counted"].fields["status"] == "ok"
+    assert_gapless(events)
+    assert_valid_history(rig.client.get(handle.turn_id)["history"])

@@ -46,3 +46,11 @@ def counted_short(path: str, seconds: float = 30.0) -> str:
 def ask_quick(note: str = "") -> str:
     """Asks for approval with a half-second timeout: silence denies."""
     return f"approved {note}"
+
+
+@tool(timeout_s=0, budget_s=5)
+def counted_unlimited(path: str, seconds: float = 60.0) -> str:
+    """Count a start, then run long with no hard limit at all (long-running by design)."""
+    _count(path)
+    sleep_through(seconds)
+    return "done"
