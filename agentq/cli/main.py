@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id")
     e.add_argument("--after", default="0-0", help="resume after this stream id")
-    w = sub.add_parser("worker", help="start a worker: turns, llm or tools")
+    # No -h of its own: `agentq worker tools --help` shows Celery's worker options.
+    w = sub.add_parser("worker", help="start a worker: turns, llm or tools", add_help=False)
     w.add_argument("kind", choices=sorted(WORKER_KINDS))
     sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app")
     sv = sub.add_parser("serve", help="the HTTP gateway and web page")

@@ -134,3 +134,17 @@ def test_tool_worker_refuses_a_pool_that_cannot_enforce_hard_limits(agentq_env) 
     out = agentq(agentq_env, "worker", "tools", "-P", "threads")
     assert out.returncode == 2
     assert "prefork" in out.stderr and "hard time limits" in out.stderr
+
+
+def test_worker_entry_points_take_celery_options(agentq_env) -> None:
+    import subprocess as sp
+
+    for kind in ("turns", "llm", "tools"):
+        out = sp.run([sys.executable, "-m", f"workers.{kind}", "--help"],
+                     env={**os.environ, **agentq_env}, capture_output=True, text=True,
+                     timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "--concurrency" in out.stdout  # Celery's own worker options
+    bad = sp.run([sys.executable, "-m", "workers.tools", "-P", "solo"],
+                 env={**os.environ, **agentq_env}, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "prefork" in bad.stderr

@@ -1,0 +1,10 @@
+"""The tools worker: `python -m workers.tools [celery worker options]`, same as `agentq worker tools`."""
+
+from __future__ import annotations
+
+import sys
+
+from agentq.cli.main import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["worker", "tools", *sys.argv[1:]]))

@@ -1,0 +1,10 @@
+"""The turns worker: `python -m workers.turns [celery worker options]`, same as `agentq worker turns`."""
+
+from __future__ import annotations
+
+import sys
+
+from agentq.cli.main import main
+
+if __name__ == "__main__":
+    raise SystemExit(main(["worker", "turns", *sys.argv[1:]]))
