@@ -1,4 +1,4 @@
-"""The llm worker: `python -m workers.llm [celery worker options]`, same as `agentq worker llm`."""
+"""The llm worker, as `agentq worker llm`: `python -m workers.llm [celery worker options]`."""
 
 from __future__ import annotations
 

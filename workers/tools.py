@@ -1,4 +1,4 @@
-"""The tools worker: `python -m workers.tools [celery worker options]`, same as `agentq worker tools`."""
+"""The tools worker, as `agentq worker tools`: `python -m workers.tools [celery worker options]`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The turns worker: `python -m workers.turns [celery worker options]`, same as `agentq worker turns`."""
+"""The turns worker, as `agentq worker turns`: `python -m workers.turns [celery worker options]`."""
 
 from __future__ import annotations
 
