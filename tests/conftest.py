@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,6 +98,12 @@ def client(agentq_env: dict[str, str]) -> object:
     from agentq.api import Client
 
     return Client()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # A SIGTERMed test run (CI timeout, `kill`) still stops the processes it started:
+    # exiting through SystemExit runs the atexit hook of agentq.testing.processes.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
