@@ -17,12 +17,10 @@ from agentq.config import Settings, get_settings
 from agentq.errors import PayloadTooLarge, TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.interactions import Interactions
-from agentq.models import Event, InteractionAnswer, TurnHandle, TurnRequest
+from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.abort import finalize_abort
 from agentq.orchestrator.lease import holder_id
 from agentq.store import TurnStore, text
-
-TERMINAL_STATUSES = frozenset({"finished", "aborted", "error"})
 
 
 def _hash_token(token: str) -> str:

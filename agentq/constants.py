@@ -67,6 +67,11 @@ def cancel_key(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:cancel"
 
 
+def resume_claim_key(turn_id: str) -> str:
+    """Set NX by the reaper that resumes an orphaned turn, so only one resumes it."""
+    return f"{PREFIX}:turn:{turn_id}:resume"
+
+
 def lease_key(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:lease"
 

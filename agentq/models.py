@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 ToolStatus = Literal["ok", "error", "timeout", "cancelled", "denied", "lost"]
 TOOL_STATUSES: tuple[ToolStatus, ...] = ("ok", "error", "timeout", "cancelled", "denied", "lost")
 TurnStatus = Literal["queued", "running", "finished", "aborted", "error"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"finished", "aborted", "error"})
 InteractionKind = Literal["approval", "password", "confirm", "device_code"]
 AbortReason = Literal["user", "disconnect", "timeout", "error"]
 

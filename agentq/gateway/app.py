@@ -33,7 +33,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from agentq.api import TERMINAL_STATUSES, Client
+from agentq.api import Client
 from agentq.errors import (
     AgentqError,
     InteractionClosed,
@@ -44,7 +44,7 @@ from agentq.errors import (
 )
 from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source, replay_all
-from agentq.models import Event, InteractionAnswer, TurnRequest
+from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 
 log = logging.getLogger("agentq.gateway")
 

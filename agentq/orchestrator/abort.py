@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
 
 from agentq.constants import results_key
-from agentq.models import ToolCall
+from agentq.models import ToolCall, ToolResult
 from agentq.results import cancelled_result
 from agentq.store import TurnStore, text
 
@@ -51,8 +52,8 @@ def revoke_unsettled(
     if not running:
         return []
     ids = list(running)
-    workers = sorted({w for w in running.values() if w})
-    destination = workers if len(workers) == len(set(running.values())) else None
+    # A start record without a worker name (never expected) falls back to a broadcast.
+    destination = sorted({str(w) for w in running.values()}) if all(running.values()) else None
 
     def revoke(signal: str) -> None:
         app.control.revoke(ids, terminate=True, signal=signal, destination=destination)
@@ -65,19 +66,31 @@ def revoke_unsettled(
     return ids
 
 
-def settle_cancelled(store: TurnStore, turn_id: str, reason: str) -> int:
-    """Settle each unanswered call as cancelled and append the round's tool messages."""
-    history = store.history(turn_id)
-    calls = pending_calls(history)
+def settle_pending(
+    store: TurnStore,
+    turn_id: str,
+    result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
+) -> int:
+    """Settle each unanswered call (unless a result won already) and append the round's
+    tool messages, so the history stays valid however the turn ends."""
+    calls = pending_calls(store.history(turn_id))
     if not calls:
         return 0
-    dispatched = store.dispatches(turn_id)
+    _, dispatched = store.round_view(turn_id, [c.id for c in calls])
     for call in calls:
-        d = dispatched.get(call.id, {})
-        store.settle(turn_id, cancelled_result(call, reason, task_id=d.get("task_id")))
-    results = store.results(turn_id)
+        store.settle(turn_id, result_for(call, dispatched.get(call.id, {})))
+    results, _ = store.round_view(turn_id, [c.id for c in calls])
     store.append_history(turn_id, *[results[c.id].to_openai() for c in calls])
     return len(calls)
+
+
+def settle_cancelled(store: TurnStore, turn_id: str, reason: str) -> int:
+    """Settle each unanswered call as cancelled and append the round's tool messages."""
+    return settle_pending(
+        store,
+        turn_id,
+        lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
+    )
 
 
 def finalize_abort(

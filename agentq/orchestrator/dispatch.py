@@ -257,19 +257,18 @@ class RoundDispatcher:
         )
         task_id = task_id_for(ctx.turn_id, p.call.id, 1)
         ctx.app.control.revoke(task_id, terminate=True, signal="SIGKILL")
-        ctx.store.settle(
-            ctx.turn_id,
-            lost_result(
-                p.call,
-                why,
-                task_id=task_id,
-                timeout_s=p.limits.timeout_s,
-                budget_s=p.limits.budget_s,
-                started_at=None if start is None else start.get("started_at"),
-                worker=None if start is None else start.get("worker"),
-            ),
+        lost = lost_result(
+            p.call,
+            why,
+            task_id=task_id,
+            timeout_s=p.limits.timeout_s,
+            budget_s=p.limits.budget_s,
+            started_at=None if start is None else start.get("started_at"),
+            worker=None if start is None else start.get("worker"),
         )
-        self.settled[p.call.id] = ctx.store.results(ctx.turn_id)[p.call.id]
+        won = ctx.store.settle(ctx.turn_id, lost)
+        # A real result that landed meanwhile wins: keep the one Redis holds.
+        self.settled[p.call.id] = lost if won else ctx.store.result(ctx.turn_id, p.call.id) or lost
 
     def _publish_progress(self, waiting: dict[str, Prepared]) -> None:
         ctx = self.ctx

@@ -95,7 +95,7 @@ class Reaper:
             status, leased = found[2 * i], found[2 * i + 1]
             if status is None or json.loads(status) != "running" or leased:
                 continue
-            claim = f"agentq:turn:{turn_id}:resume"
+            claim = k.resume_claim_key(turn_id)
             if self.store.redis.set(claim, holder_id(), nx=True, px=int(self.lease_s * 1000)):
                 log.warning("turn %s lost its worker; resuming it", turn_id)
                 self.resume(turn_id)

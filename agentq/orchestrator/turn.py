@@ -19,8 +19,14 @@ from agentq.errors import (
     LlmError,
     StreamDurationExceeded,
 )
-from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, ToolCall
-from agentq.orchestrator.abort import finalize_abort, pending_calls
+from agentq.models import (
+    TERMINAL_STATUSES,
+    AssistantMessage,
+    LlmRoundRequest,
+    LlmRoundResult,
+    ToolCall,
+)
+from agentq.orchestrator.abort import finalize_abort, pending_calls, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.context import TurnContext
 from agentq.orchestrator.dispatch import RoundDispatcher, canonical_call
@@ -30,7 +36,6 @@ from agentq.runtime import get_app, get_store
 from agentq.tools.registry import all_tools
 
 log = logging.getLogger("agentq.turn")
-TERMINAL = frozenset({"finished", "aborted", "error"})
 _keeper: LeaseKeeper | None = None
 
 
@@ -274,16 +279,15 @@ def _finish(ctx: TurnContext, state: dict[str, Any], reason: str) -> None:
 
 
 def _fail(ctx: TurnContext, code: str, message: str, **fields: Any) -> None:
-    for call in pending_calls(ctx.store.history(ctx.turn_id)):
-        ctx.store.settle(
-            ctx.turn_id,
+    settle_pending(
+        ctx.store,
+        ctx.turn_id,
+        lambda call, _: (
             denied_result(call, "policy")
             if code == "headless_interaction"
-            else error_result(call, f"not run: the turn failed ({message})"),
-        )
-    results = ctx.store.results(ctx.turn_id)
-    calls = pending_calls(ctx.store.history(ctx.turn_id))
-    ctx.store.append_history(ctx.turn_id, *[results[c.id].to_openai() for c in calls])
+            else error_result(call, f"not run: the turn failed ({message})")
+        ),
+    )
     ctx.store.close(ctx.turn_id, "error", error=message, error_code=code)
     ctx.publish("turn_error", code=code, error=message, **fields)
 
@@ -310,7 +314,7 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
     if state is None:
         log.warning("turn %s: no state, nothing to run", turn_id)
         return "unknown"
-    if state.get("status") in TERMINAL:
+    if state.get("status") in TERMINAL_STATUSES:
         return str(state["status"])
     holder = holder_id()
     if not store.acquire_lease(turn_id, holder, settings.turn_lease_s):
@@ -326,7 +330,7 @@ def run_turn(turn_id: str, app: Celery | None = None) -> str:
     keeper.hold(ctx, holder)
     try:
         state = store.state(turn_id) or state
-        if state.get("status") in TERMINAL:
+        if state.get("status") in TERMINAL_STATUSES:
             return str(state["status"])
         if state.get("status") == "queued":
             store.update(turn_id, status="running", started_at=time.time())
