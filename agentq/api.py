@@ -13,13 +13,14 @@ from typing import Any
 from celery import Celery
 
 from agentq import constants as k
+from agentq.chat import check_messages
 from agentq.config import Settings, get_settings
+from agentq.conversations import open_conversation
 from agentq.errors import PayloadTooLarge, TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.interactions import Interactions
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnHandle, TurnRequest
-from agentq.orchestrator.abort import finalize_abort
-from agentq.orchestrator.lease import holder_id
+from agentq.orchestrator.steps import run_step, send_step
 from agentq.store import TurnStore, text
 
 
@@ -46,34 +47,60 @@ class Client:
         *,
         messages: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
+        conversation_token: str | None = None,
         headless: bool = False,
         detach: bool = False,
         parent_turn_id: str | None = None,
+        operator: bool = False,
     ) -> TurnHandle:
-        """Queue a turn; returns at once with its id and the token that controls it."""
+        """Queue a turn; returns at once with its id and the token that controls it.
+
+        `operator=True` may continue any conversation: for tools that hold Redis
+        credentials (`agentq run --conversation`), which could read it anyway.
+        """
         req = TurnRequest(
             prompt=prompt,
             messages=messages,
             conversation_id=conversation_id,
+            conversation_token=conversation_token,
             headless=headless,
             detach=detach,
             parent_turn_id=parent_turn_id,
         )
-        return self.start(req)
+        return self.start(req, operator=operator)
 
-    def start(self, req: TurnRequest) -> TurnHandle:
+    def start(
+        self,
+        req: TurnRequest,
+        *,
+        owner: str | None = None,
+        admin: bool = False,
+        operator: bool = False,
+    ) -> TurnHandle:
+        """Queue a turn owned by the key name `owner` (None: no key); see `start_turn`."""
         new = req.initial_messages()
         if not new:
             raise ValueError("a turn needs a prompt or messages")
+        # Again here: a TurnRequest built with model_construct() skipped its validators.
+        check_messages(new)
         size = len(json.dumps(new).encode())
         if size > self.settings.max_prompt_bytes:
             raise PayloadTooLarge("prompt", size, self.settings.max_prompt_bytes)
         prior: list[dict[str, Any]] = []
+        conversation_token = None
         if req.conversation_id:
-            prior = [
-                json.loads(m)
-                for m in self.store.redis.lrange(k.conversation_key(req.conversation_id), 0, -1)
-            ]
+            opened = open_conversation(
+                self.store.redis,
+                req.conversation_id,
+                new_bytes=size,
+                max_bytes=self.settings.max_conversation_bytes,
+                ttl_s=self.settings.state_ttl_s,
+                owner=owner,
+                admin=admin,
+                operator=operator,
+                token=req.conversation_token,
+            )
+            prior, conversation_token = opened.prior, opened.token
         # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
         turn_id = secrets.token_hex(16)
         token = secrets.token_urlsafe(32)
@@ -84,20 +111,20 @@ class Client:
             "detach": req.detach,
             "conversation_id": req.conversation_id,
             "parent_turn_id": req.parent_turn_id,
+            "owner": owner,
             "token_sha256": _hash_token(token),
             "history_start": len(prior),
             "round": 0,
             "call_count": 0,
         }
         self.store.create(turn_id, state, prior + new)
-        self.app.send_task(
-            k.TASK_TURN,
-            args=[turn_id],
-            task_id=f"{turn_id}.turn",
-            queue=k.QUEUE_TURNS,
-            ignore_result=True,
+        send_step(self.app, turn_id)
+        return TurnHandle(
+            turn_id=turn_id,
+            token=token,
+            events_url=f"/v1/turns/{turn_id}/events",
+            conversation_token=conversation_token,
         )
-        return TurnHandle(turn_id=turn_id, token=token, events_url=f"/v1/turns/{turn_id}/events")
 
     # -- control ---------------------------------------------------------------------
 
@@ -130,29 +157,20 @@ class Client:
         self._abort(turn_id, reason)
 
     def _abort(self, turn_id: str, reason: str) -> None:
-        # Flag, wake and the children in one round trip: abort latency is user-facing.
+        # Flag, notice and the children in one round trip: abort latency is user-facing.
         pipe = self.store.redis.pipeline(transaction=False)
         pipe.set(k.cancel_key(turn_id), reason, nx=True, ex=self.store.ttl_s)
-        pipe.rpush(k.inbox_key(turn_id), json.dumps({"kind": "abort", "reason": reason}))
         pipe.smembers(k.children_key(turn_id))
-        children = [text(c) for c in pipe.execute()[2]]
+        pipe.publish(k.CANCEL_CHANNEL, turn_id)
+        children = [text(c) for c in pipe.execute()[1]]
         for child in children:
             if self.store.status(child) not in TERMINAL_STATUSES:
                 self._abort(child, reason)
-        # No worker holds the turn (still queued, or its worker died): finish the abort here.
-        holder = holder_id()
-        if self.store.acquire_lease(turn_id, holder, self.settings.turn_lease_s):
-            try:
-                if self.store.status(turn_id) not in TERMINAL_STATUSES:
-                    finalize_abort(
-                        self.store,
-                        self.app,
-                        turn_id,
-                        reason,
-                        kill_grace_s=self.settings.abort_kill_grace_s,
-                    )
-            finally:
-                self.store.release_lease(turn_id, holder)
+        # The abort is a step like any other: taken here at once when no step holds the
+        # turn, else by the step that holds it, which sees the flag when it releases.
+        if not self.store.wake_here(turn_id):
+            return
+        run_step(turn_id, store=self.store, app=self.app, settings=self.settings)
 
     def answer(
         self,
@@ -200,6 +218,7 @@ class Client:
             out.append(
                 {
                     "turn_id": turn_id,
+                    "owner": state.get("owner"),
                     "status": state.get("status"),
                     "created_at": state.get("created_at"),
                     "started_at": state.get("started_at"),

@@ -8,7 +8,7 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from agentq.config import Settings
-from agentq.constants import QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
+from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
 
 MIN_VISIBILITY_TIMEOUT_S = 3600
 
@@ -17,6 +17,12 @@ def visibility_timeout_s(longest_tool_timeout_s: float, queue_timeout_s: float) 
     """Longer than any call can take, so a slow tool's message is never delivered twice."""
     need = 2 * (longest_tool_timeout_s + queue_timeout_s) + 600
     return int(max(MIN_VISIBILITY_TIMEOUT_S, need))
+
+
+def longest_limit_s(default_timeout_s: float, limits: list[tuple[float, float | None]]) -> float:
+    """The longest hard limit a call can get: each tool's (timeout_s, max_timeout_s), since
+    a per-call hint may raise a call's limit up to its ceiling."""
+    return max([default_timeout_s] + [max(t, m or 0) for t, m in limits])
 
 
 def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = None) -> Celery:
@@ -49,7 +55,7 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         "control_exchange": "agentq",
         "result_expires": 24 * 3600,
         "task_default_queue": QUEUE_TOOLS,
-        "task_queues": tuple(Queue(q) for q in (QUEUE_TOOLS, QUEUE_LLM, QUEUE_TURNS)),  # type: ignore[no-untyped-call]
+        "task_queues": tuple(Queue(q) for q in (QUEUE_TOOLS, QUEUE_IO, QUEUE_LLM, QUEUE_TURNS)),  # type: ignore[no-untyped-call]
         "task_routes": {
             "agentq.turn.*": {"queue": QUEUE_TURNS},
             "agentq.llm.*": {"queue": QUEUE_LLM},

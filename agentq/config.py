@@ -5,7 +5,14 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from agentq.errors import ConfigError
@@ -43,7 +50,12 @@ class Settings(BaseSettings):
     abort_kill_grace_s: float = Field(2.0, ge=0)
     """Between SIGTERM and SIGKILL when an aborted turn's tasks are terminated."""
     progress_interval_s: float = Field(5.0, gt=0)
-    """How often the turn publishes tool_progress for a running tool."""
+    """How often the worker running a call publishes tool_progress for it."""
+    io_capacity: int = Field(2000, ge=1)
+    """Calls (I/O worker) or model streams (stream worker) one process holds on its event
+    loop; past it the Celery threads wait and the broker keeps the rest."""
+    loop_lag_warn_ms: int = Field(100, ge=1)
+    """An event loop blocked this long is logged, with the call that blocked it."""
 
     stream_idle_timeout_ms: int = 120_000
     """Longest silence between two model chunks; <= 0 disables the watchdog."""
@@ -62,7 +74,12 @@ class Settings(BaseSettings):
     """A prompt longer than this is refused."""
 
     turn_lease_s: float = Field(10.0, gt=0)
-    """A turn worker renews its lease on a running turn this often x3; a lapsed lease is resumed."""
+    """A stream worker renews its claim on a model round every third of this; a claim that
+    lapses without a result means the worker died, and the turn sends the round again."""
+    step_lock_s: float = Field(10.0, gt=0)
+    """Longest a step may hold its turn; a step that died mid-way is taken over after this."""
+    sweep_interval_s: float = Field(0.25, gt=0)
+    """How often each turn worker sweeps for due deadlines and dead workers."""
     visibility_timeout_s: float | None = Field(None, gt=0)
     """Redis broker: redeliver an unacked message after this long; default computed from the
     longest tool limit (at least an hour). Below a call's run time a live call is sent twice."""
@@ -71,8 +88,18 @@ class Settings(BaseSettings):
     while it runs); off by default, they cost three publishes per task."""
     event_log_maxlen: int = Field(10_000, ge=100)
     """Approximate cap of each turn's replay log."""
-    state_ttl_s: int = Field(7 * 24 * 3600, gt=0)
-    """How long a finished turn's state, history and log are kept."""
+    turn_retention_s: int = Field(
+        7 * 24 * 3600,
+        gt=0,
+        validation_alias=AliasChoices(
+            "AGENTQ_TURN_RETENTION_S", "AGENTQ_STATE_TTL_S", "turn_retention_s", "state_ttl_s"
+        ),
+    )
+    """How long a finished turn (state, history, results, log, every key of it) is kept
+    before it expires from Redis. `AGENTQ_STATE_TTL_S` is the old name, still read."""
+    flower_url: str | None = None
+    """Where operators reach Flower (`https://flower.example.com`), for the console's links
+    to a call's task; default: this host at `flower_port`."""
 
     approval_timeout_s: float = Field(120.0, gt=0)
     password_timeout_s: float = Field(120.0, gt=0)
@@ -83,6 +110,26 @@ class Settings(BaseSettings):
     flower_port: int = Field(5555, ge=0, le=65535)
     flower_basic_auth: str | None = None
     """`user:password` for Flower; required by the compose files."""
+
+    api_keys: SecretStr | None = None
+    """Gateway keys, comma-separated `name=key` or `name=sha256:<hex of the key>`; a turn
+    belongs to the name of the key that started it. Unset (with no admin keys): the gateway
+    needs no key and serves loopback only."""
+    admin_keys: SecretStr | None = None
+    """Like `api_keys`, for keys that read, abort and answer every turn and read /metrics."""
+    metrics_token: SecretStr | None = None
+    """A bearer token that reads /metrics only (for a Prometheus scraper), besides admin keys."""
+    cors_origins: str = ""
+    """Comma-separated origins (`https://app.example.com`) whose pages may call the gateway;
+    none by default, and `*` is refused."""
+    max_active_turns_per_key: int = Field(100, ge=1)
+    """Running turns one key (or, without keys, one client address) may have at once."""
+    start_rate_per_s: float = Field(10.0, gt=0)
+    """Sustained turn starts per second allowed to one key (or client address)."""
+    start_burst: int = Field(50, ge=1)
+    """Turn starts one key may make at once before `start_rate_per_s` applies."""
+    max_conversation_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """A conversation's stored history plus a request's new messages may not pass this."""
 
     @field_validator("tool_timeout_s", "tool_budget_s", "tool_grace_s")
     @classmethod
@@ -105,6 +152,17 @@ class Settings(BaseSettings):
             raise ValueError("must be a redis:// or amqp:// URL")
         return v
 
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: str) -> str:
+        for origin in (o.strip() for o in v.split(",")):
+            if not origin:
+                continue
+            scheme, sep, rest = origin.partition("://")
+            if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+                raise ValueError(f"{origin!r} is not an origin like https://app.example.com")
+        return v
+
     @model_validator(mode="after")
     def _api_key_fallback(self) -> Settings:
         if self.llm_api_key is None and os.environ.get("OPENAI_API_KEY"):
@@ -112,8 +170,17 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def state_ttl_s(self) -> int:
+        """The retention TTL of a finished turn's keys (`turn_retention_s`, its old name)."""
+        return self.turn_retention_s
+
+    @property
     def broker(self) -> str:
         return self.broker_url or self.redis_url
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/").lower() for o in self.cors_origins.split(",") if o.strip()]
 
     @property
     def tool_modules(self) -> list[str]:
@@ -127,7 +194,10 @@ def load_settings(**overrides: object) -> Settings:
     except ValidationError as exc:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "settings"
-        raise ConfigError(f"AGENTQ_{field.upper()}", err["msg"]) from None
+        name = field.upper()
+        raise ConfigError(
+            name if name.startswith("AGENTQ_") else f"AGENTQ_{name}", err["msg"]
+        ) from None
 
 
 @lru_cache(maxsize=1)

@@ -7,13 +7,30 @@ PREFIX = "agentq"
 QUEUE_TURNS = "agentq.turns"
 QUEUE_LLM = "agentq.llm"
 QUEUE_TOOLS = "agentq.tools"
+QUEUE_IO = "agentq.io"
+"""The I/O tool worker's queue: `async def` tools and sync tools declared `thread=True`."""
 
-TASK_TURN = "agentq.turn.run"
+TASK_STEP = "agentq.turn.step"
 TASK_LLM_ROUND = "agentq.llm.round"
 TOOL_TASK_PREFIX = "agentq.tool."
 
+CANCEL_CHANNEL = f"{PREFIX}:control:cancel"
+"""Pub/sub channel carrying the id of every turn aborted, for workers that cancel in-process
+(the I/O and stream workers' event loops), within milliseconds of the abort."""
+
 ACTIVE_TURNS = f"{PREFIX}:turns:active"
-"""Sorted set: turn id scored by start time, for `agentq turns` and the lease reaper."""
+"""Sorted set: turn id scored by start time, for `agentq turns` and /v1/turns/active."""
+
+TURNS_INDEX = f"{PREFIX}:turns:index"
+"""Sorted set: every turn (running or kept) scored by created_at, for the operator console;
+entries whose turn expired are pruned when listed."""
+
+WAKEUPS = f"{PREFIX}:turns:wakeups"
+"""Sorted set: turn id scored by when it must take its next step (its earliest deadline).
+Every turn worker sweeps it, so a deadline fires even when the worker that set it died."""
+
+WORKERS = f"{PREFIX}:workers"
+"""Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""
 
 
 def turn_key(turn_id: str) -> str:
@@ -58,22 +75,28 @@ def children_key(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:children"
 
 
-def inbox_key(turn_id: str) -> str:
-    """List the turn blocks on: settled results, model rounds, abort, answers."""
-    return f"{PREFIX}:turn:{turn_id}:inbox"
+def step_lock_key(turn_id: str) -> str:
+    """Held (SET NX PX) by the one step advancing the turn; its token fences the step's writes."""
+    return f"{PREFIX}:turn:{turn_id}:step"
+
+
+def dirty_key(turn_id: str) -> str:
+    """Set by whatever wakes the turn; a step that finds it set at its end runs once more."""
+    return f"{PREFIX}:turn:{turn_id}:dirty"
+
+
+def outstanding_key(turn_id: str) -> str:
+    """Set of the call ids of the batch in flight: the settle that empties it wakes the turn."""
+    return f"{PREFIX}:turn:{turn_id}:outstanding"
+
+
+def plan_key(turn_id: str) -> str:
+    """Hash call_id -> CallPlan JSON: each call planned once per round."""
+    return f"{PREFIX}:turn:{turn_id}:plan"
 
 
 def cancel_key(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:cancel"
-
-
-def resume_claim_key(turn_id: str) -> str:
-    """Set NX by the reaper that resumes an orphaned turn, so only one resumes it."""
-    return f"{PREFIX}:turn:{turn_id}:resume"
-
-
-def lease_key(turn_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_id}:lease"
 
 
 def interaction_key(turn_id: str, request_id: str) -> str:
@@ -89,10 +112,19 @@ def llm_result_key(turn_id: str, round_no: int) -> str:
     return f"{PREFIX}:turn:{turn_id}:llm:{round_no}"
 
 
+def llm_taken_key(turn_id: str, round_no: int) -> str:
+    """Set when a stream worker takes a round; with its heartbeat gone, the worker died."""
+    return f"{PREFIX}:turn:{turn_id}:llm:{round_no}:taken"
+
+
 def llm_alive_key(turn_id: str, round_no: int) -> str:
     """Set with a short TTL, renewed by the stream worker while it runs the round."""
     return f"{PREFIX}:turn:{turn_id}:llm:{round_no}:alive"
 
+
+RECYCLE_EXIT_CODE = 75
+"""An event-loop worker exits with this code when a blocked loop made it unusable;
+`agentq worker io|llm` starts a fresh process in its place."""
 
 WORKER_HEARTBEAT_S = 1.0
 """How often a tool worker's main process says it is alive."""
@@ -104,8 +136,29 @@ def worker_alive_key(hostname: str) -> str:
     return f"{PREFIX}:worker:{hostname}:alive"
 
 
+def worker_calls_key(hostname: str) -> str:
+    """Set of "turn_id/call_id" running on a worker, to wake their turns when it dies."""
+    return f"{PREFIX}:worker:{hostname}:calls"
+
+
 def conversation_key(conversation_id: str) -> str:
     return f"{PREFIX}:conv:{conversation_id}:history"
+
+
+def conversation_owner_key(conversation_id: str) -> str:
+    """Who may continue the conversation: `owner:<sha256 of the key name>` or
+    `secret:<sha256 of the conversation token>`; never a plain key or token."""
+    return f"{PREFIX}:conv:{conversation_id}:owner"
+
+
+def owner_turns_key(subject: str) -> str:
+    """Sorted set of one caller's (key name or client address) turns, for the running cap."""
+    return f"{PREFIX}:limits:{subject}:turns"
+
+
+def start_bucket_key(subject: str) -> str:
+    """Hash of one caller's start-rate token bucket (tokens, last refill)."""
+    return f"{PREFIX}:limits:{subject}:bucket"
 
 
 def turn_keys(turn_id: str) -> list[str]:
@@ -119,6 +172,8 @@ def turn_keys(turn_id: str) -> list[str]:
         calls_key(turn_id),
         started_key(turn_id),
         children_key(turn_id),
-        inbox_key(turn_id),
         cancel_key(turn_id),
+        plan_key(turn_id),
+        dirty_key(turn_id),
+        outstanding_key(turn_id),
     ]

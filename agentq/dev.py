@@ -2,7 +2,7 @@
 
 Starts, in this order: Redis (an embedded ``redis-server`` when none answers at
 ``AGENTQ_REDIS_URL``), the scripted demo model (when ``AGENTQ_LLM_BASE_URL`` is unset),
-then side by side the turn, stream and tool workers, the gateway and Flower. Every
+then side by side the turn, stream, tool and I/O tool workers, the gateway and Flower. Every
 process runs in its own process group with its output in a log file; Ctrl-C, SIGTERM,
 the death of any process or a failed start stops all of them.
 
@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -24,7 +25,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -208,6 +209,18 @@ class Started:
     model_url: str | None = None
     gateway_url: str | None = None
     flower_url: str | None = None
+    flower_auth: str | None = None
+    """`user:password` generated for Flower when none was configured; printed at start."""
+
+
+def generated_flower_auth(settings: Settings, environ: Mapping[str, str]) -> str | None:
+    """`agentq:<random>` for Flower when no credentials are configured, else None.
+
+    Flower can revoke and kill tasks: even on loopback, not for any local process.
+    """
+    if settings.flower_basic_auth or environ.get("FLOWER_BASIC_AUTH") or environ.get("FLOWER_AUTH"):
+        return None
+    return f"agentq:{secrets.token_urlsafe(12)}"
 
 
 def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
@@ -253,7 +266,7 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
         started.model_url = env["AGENTQ_LLM_BASE_URL"] = found.group(1)
 
     checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
-    for kind in ("turns", "llm", "tools"):
+    for kind in ("turns", "llm", "tools", "io"):
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
             argv += ["--concurrency", str(TOOL_CONCURRENCY)]
@@ -271,9 +284,11 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
         checks["gateway"] = (gw, lambda: in_log() or _http_status(health) == 200)
     if opts.flower:
         started.flower_url = f"http://127.0.0.1:{flower_port}"
-        fl = fleet.start(
-            "flower", _python("agentq", "flower"), {**env, "AGENTQ_FLOWER_PORT": str(flower_port)}
-        )
+        flower_env = {**env, "AGENTQ_FLOWER_PORT": str(flower_port)}
+        started.flower_auth = generated_flower_auth(settings, os.environ)
+        if started.flower_auth:
+            flower_env["AGENTQ_FLOWER_BASIC_AUTH"] = started.flower_auth
+        fl = fleet.start("flower", _python("agentq", "flower"), flower_env)
         # /healthcheck answers without credentials once Flower serves HTTP.
         probe = f"{started.flower_url}/healthcheck"
         checks["Flower"] = (fl, lambda: _http_status(probe) == 200)
@@ -287,9 +302,10 @@ def summary(started: Started, fleet: Fleet, settings: Settings, took_s: float) -
         lines.append(f"  web page  {started.gateway_url}/")
     if started.flower_url:
         auth = (
-            "basic auth"
-            if settings.flower_basic_auth or os.environ.get("FLOWER_BASIC_AUTH")
-            else "no auth: bound to 127.0.0.1"
+            f"basic auth, user {started.flower_auth.partition(':')[0]} password "
+            f"{started.flower_auth.partition(':')[2]}"
+            if started.flower_auth
+            else "basic auth from AGENTQ_FLOWER_BASIC_AUTH"
         )
         lines.append(f"  Flower    {started.flower_url}/  ({auth})")
     where = "embedded, stops with agentq dev" if fleet.redis else "already running"

@@ -3,22 +3,30 @@
 AgentqError
 ├── ConfigError(setting)                       bad configuration, raised at start
 ├── PayloadTooLarge(what, size_bytes, limit_bytes)
+├── AccessError                                the gateway refuses a caller
+│   ├── Unauthorized                           no credential, or not a known key: 401
+│   ├── Forbidden                              a cross-site request, or not an admin: 403
+│   ├── UnsupportedMediaType(content_type)     a body that is not application/json: 415
+│   └── RateLimited(retry_after_s, limit)      too many starts or running turns: 429
 ├── ToolError(tool)
 │   ├── UnknownTool
 │   ├── ToolDefinitionError                    a bad @tool declaration
 │   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
+│   ├── ToolMisuse(detail)                     a tool returned what no tool may (a coroutine)
 │   └── ToolTimeout(timeout_s)
 ├── LlmError
 │   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
 │   ├── StreamDurationExceeded(limit_s, elapsed_s)
 │   ├── ModelHTTPError(status_code, retryable)
 │   │   └── ModelConnectionError(detail)      unreachable or dropped; retryable
-│   └── MalformedStreamChunk(chunk_index)
+│   ├── MalformedStreamChunk(chunk_index)
+│   └── ModelRoundFailed(code)                 the round's failure as the turn learns it
+├── ConversationNotFound(conversation_id)      unknown, expired or someone else's: 404
 ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
 └── TurnError(turn_id)
     ├── TurnNotFound
     ├── TokenInvalid
-    ├── TurnBusy                               another live worker holds the turn's lease
+    ├── StepLost                               a step's lock lapsed; another step took over
     └── InteractionError(request_id)
         ├── InteractionNotFound
         ├── InteractionClosed(state)           answered or timed out already
@@ -50,6 +58,38 @@ class PayloadTooLarge(AgentqError):
         self.limit_bytes = limit_bytes
 
 
+class AccessError(AgentqError):
+    """The gateway refuses a caller; the HTTP status rides on the class."""
+
+    status_code = 403
+
+
+class Unauthorized(AccessError):
+    status_code = 401
+
+
+class Forbidden(AccessError):
+    status_code = 403
+
+
+class UnsupportedMediaType(AccessError):
+    status_code = 415
+
+    def __init__(self, content_type: str) -> None:
+        shown = content_type or "none"
+        super().__init__(f"request bodies must be application/json (got Content-Type: {shown})")
+        self.content_type = content_type
+
+
+class RateLimited(AccessError):
+    status_code = 429
+
+    def __init__(self, retry_after_s: float, limit: str) -> None:
+        super().__init__(f"{limit}; retry after {retry_after_s:.1f}s")
+        self.retry_after_s = retry_after_s
+        self.limit = limit
+
+
 class ToolError(AgentqError):
     def __init__(self, tool: str, message: str) -> None:
         super().__init__(message)
@@ -72,6 +112,14 @@ class ToolDefinitionError(ToolError):
 class ToolArgumentsInvalid(ToolError):
     def __init__(self, tool: str, detail: str) -> None:
         super().__init__(tool, f"invalid arguments for tool {tool!r}: {detail}")
+        self.detail = detail
+
+
+class ToolMisuse(ToolError):
+    """A tool ran but its shape is wrong, e.g. a sync def that returned a coroutine."""
+
+    def __init__(self, tool: str, detail: str) -> None:
+        super().__init__(tool, f"tool {tool!r} is misdeclared: {detail}")
         self.detail = detail
 
 
@@ -141,6 +189,21 @@ class MalformedStreamChunk(LlmError):
         self.detail = detail
 
 
+class ModelRoundFailed(LlmError):
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ConversationNotFound(AgentqError):
+    def __init__(self, conversation_id: str) -> None:
+        super().__init__(
+            f"conversation {conversation_id} is unknown or not yours; start a new one "
+            "(or send its conversation_token)"
+        )
+        self.conversation_id = conversation_id
+
+
 class Aborted(AgentqError):
     def __init__(self, turn_id: str, reason: str = "user") -> None:
         super().__init__(f"turn {turn_id} was aborted ({reason})")
@@ -164,10 +227,9 @@ class TokenInvalid(TurnError):
         super().__init__(turn_id, f"missing or wrong token for turn {turn_id}")
 
 
-class TurnBusy(TurnError):
-    def __init__(self, turn_id: str, holder: str) -> None:
-        super().__init__(turn_id, f"turn {turn_id} is being run by {holder}")
-        self.holder = holder
+class StepLost(TurnError):
+    def __init__(self, turn_id: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id}: the step lost its lock to another step")
 
 
 class InteractionError(TurnError):

@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
-import json
+import time
+from typing import Any
 
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
+from agentq.events.bus import event_body, publish_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.store import TurnStore, text
+from agentq.store import TURN_OPEN_LUA, WAKE_BACKSTOP_S, TurnStore, text, wake_lua
 
 # Closing a request is a compare-and-set on its state, so an answer and the timeout
 # can race and exactly one wins; the loser gets the state that won (409 to a client).
-_CLOSE_LUA = """
+# An answer publishes interaction_answered and wakes the turn in the same step.
+_CLOSE_LUA = (
+    """
 local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
 if state ~= 'pending' then return state end
+"""
+    + TURN_OPEN_LUA % (7, "'closed'")
+    + """
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decision', ARGV[2])
 if ARGV[3] ~= '' then
-  redis.call('SET', KEYS[3], ARGV[3], 'EX', ARGV[5])
+  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
 end
-if ARGV[4] ~= '' then redis.call('RPUSH', KEYS[2], ARGV[4]) end
+if ARGV[5] ~= '' then
+"""
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[5]", "ARGV[6]")
+    + wake_lua("KEYS[6]", "KEYS[8]", "ARGV[7]", "ARGV[8]", "ARGV[9]")
+    + """
+end
 return 'ok'
 """
+)
 
 
 def default_timeout_s(kind: InteractionKind, settings: Settings) -> float | None:
@@ -58,7 +71,7 @@ class Interactions:
         return None if raw is None else text(raw)
 
     def answer(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:
-        """Deliver a client's answer; raises if unknown, answered already or timed out."""
+        """Deliver a client's answer and wake the turn; raises if unknown, answered or timed out."""
         found = self.get(turn_id, request_id)
         if found is None:
             raise InteractionNotFound(turn_id, request_id)
@@ -67,43 +80,62 @@ class Interactions:
         # call never runs, so its password would otherwise sit in Redis until expiry.
         approved = answer.decision == "approve"
         secret = answer.value if (req.kind == "password" and approved and answer.value) else ""
-        msg = json.dumps(
-            {
-                "kind": "answer",
-                "request_id": request_id,
-                "decision": answer.decision,
-                "has_value": bool(answer.value),
-            }
-            | ({} if req.kind == "password" else {"value": answer.value})
+        event = event_body(
+            turn_id,
+            "interaction_answered",
+            {"request_id": request_id, "decision": answer.decision, "by": "user"},
         )
-        outcome = self._close(
-            keys=[
-                k.interaction_key(turn_id, request_id),
-                k.inbox_key(turn_id),
-                k.secret_key(turn_id, request_id),
-            ],
-            args=[
+        outcome = text(
+            self._run_close(
+                turn_id,
+                request_id,
                 "answered",
                 answer.decision,
                 secret,
-                msg,
                 max(1, int(req.timeout_ms / 1000) + 600),
-            ],
+                event,
+            )
         )
-        outcome = text(outcome)
         if outcome == "missing":
             raise InteractionNotFound(turn_id, request_id)
         if outcome != "ok":
             raise InteractionClosed(turn_id, request_id, outcome)
+        self.store._send_step(turn_id)
 
     def expire(self, turn_id: str, request_id: str, state: str = "timed_out") -> bool:
         """Close a pending request without an answer; False if an answer won the race."""
-        outcome = self._close(
+        return text(self._run_close(turn_id, request_id, state, "deny", "", 1, "")) == "ok"
+
+    def _run_close(
+        self,
+        turn_id: str,
+        request_id: str,
+        state: str,
+        decision: str,
+        secret: str,
+        secret_ttl_s: int,
+        event: str,
+    ) -> Any:
+        return self._close(
             keys=[
                 k.interaction_key(turn_id, request_id),
-                k.inbox_key(turn_id),
                 k.secret_key(turn_id, request_id),
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+                k.dirty_key(turn_id),
+                k.turn_key(turn_id),
+                k.WAKEUPS,
             ],
-            args=[state, "deny", "", "", 1],
+            args=[
+                state,
+                decision,
+                secret,
+                secret_ttl_s,
+                event,
+                self.store.bus.log_maxlen,
+                turn_id,
+                time.time() + WAKE_BACKSTOP_S,
+                self.store.ttl_s,
+            ],
         )
-        return text(outcome) == "ok"

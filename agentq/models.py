@@ -4,14 +4,32 @@ from __future__ import annotations
 
 import json
 import time
+from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from agentq.chat import check_messages, check_text
+
 ToolStatus = Literal["ok", "error", "timeout", "cancelled", "denied", "lost"]
 TOOL_STATUSES: tuple[ToolStatus, ...] = ("ok", "error", "timeout", "cancelled", "denied", "lost")
-TurnStatus = Literal["queued", "running", "finished", "aborted", "error"]
-TERMINAL_STATUSES: frozenset[str] = frozenset({"finished", "aborted", "error"})
+
+
+class TurnStatus(str, Enum):
+    """Where a turn is in its life; see agentq.orchestrator.machine for the transitions."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    ERROR = "error"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TurnStatus.FINISHED, TurnStatus.ABORTED, TurnStatus.ERROR)
+
+
+TERMINAL_STATUSES: frozenset[str] = frozenset(s.value for s in TurnStatus if s.terminal)
 InteractionKind = Literal["approval", "password", "confirm", "device_code"]
 AbortReason = Literal["user", "disconnect", "timeout", "error"]
 
@@ -192,8 +210,10 @@ class InteractionAnswer(BaseModel):
     decision: Literal["approve", "deny"]
     value: str | None = Field(default=None, max_length=4096)
 
-
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+    @field_validator("value")
+    @classmethod
+    def _unicode(cls, v: str | None) -> str | None:
+        return check_text(v)
 
 
 class TurnRequest(BaseModel):
@@ -204,6 +224,8 @@ class TurnRequest(BaseModel):
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     conversation_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
+    conversation_token: str | None = Field(default=None, max_length=128)
+    """Continues a conversation created without a key: the token its first turn returned."""
     headless: bool = False
     detach: bool = False
     parent_turn_id: str | None = None
@@ -212,12 +234,12 @@ class TurnRequest(BaseModel):
     @classmethod
     def _chat_messages(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         """Refused here rather than by the model server, mid-turn, much later."""
-        for i, msg in enumerate(v or []):
-            if msg.get("role") not in CHAT_ROLES:
-                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}")
-            if not isinstance(msg.get("content"), (str, list, type(None))):
-                raise ValueError(f"messages[{i}].content must be text or a list of parts")
-        return v
+        return None if v is None else check_messages(v)
+
+    @field_validator("prompt", "conversation_token")
+    @classmethod
+    def _unicode(cls, v: str | None) -> str | None:
+        return check_text(v)
 
     def initial_messages(self) -> list[dict[str, Any]]:
         msgs = list(self.messages or [])
@@ -230,6 +252,8 @@ class TurnHandle(_Frozen):
     turn_id: str
     token: str
     events_url: str
+    conversation_token: str | None = None
+    """Set when this turn created a conversation without a key: send it to continue it."""
 
 
 class Event(BaseModel):

@@ -49,9 +49,18 @@ def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
 
 
 def timeout_result(
-    call: ToolCall, timeout_s: float, *, killed: bool, soft: bool = False, **record: Any
+    call: ToolCall,
+    timeout_s: float,
+    *,
+    killed: bool,
+    soft: bool = False,
+    what: str | None = None,
+    **record: Any,
 ) -> ToolResult:
-    if soft:
+    """`what` replaces the standard explanation (e.g. for a cancelled coroutine)."""
+    if what is not None:
+        pass
+    elif soft:
         what = (
             f"Tool {call.name!r} hit its soft time limit and gave up without a result "
             f"(hard limit {timeout_s:g}s)."

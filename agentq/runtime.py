@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import redis
@@ -37,8 +38,6 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
                 # redis-py's default retries give up within a few dozen milliseconds.
                 retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
                 retry_on_error=[redis.ConnectionError, redis.TimeoutError],
-                # Every running turn blocks a connection on its inbox: redis-py's default
-                # cap of 100 would fail a busy turn worker with "Too many connections".
                 max_connections=REDIS_MAX_CONNECTIONS,
             )
         return _redis
@@ -50,8 +49,42 @@ def get_store(settings: Settings | None = None) -> TurnStore:
     client = get_redis(s)
     with _lock:
         if _store is None:
-            _store = TurnStore(client, log_maxlen=s.event_log_maxlen, ttl_s=s.state_ttl_s)
+            _store = TurnStore(
+                client,
+                log_maxlen=s.event_log_maxlen,
+                ttl_s=s.state_ttl_s,
+                waker=_send_step,
+            )
         return _store
+
+
+_inline_steps = False
+
+
+def step_inline(enabled: bool = True) -> None:
+    """Take a woken turn's step in this process instead of sending it to a turn worker.
+
+    Worker processes that settle calls or finish model rounds switch it on: the step
+    that follows the last result of a batch then costs no broker round trip. Only for
+    processes whose own work it may delay by a few milliseconds (not a prefork parent).
+    """
+    global _inline_steps
+    _inline_steps = enabled
+
+
+def _send_step(turn_id: str) -> None:
+    from agentq.orchestrator.steps import run_step, send_step
+
+    if _inline_steps:
+        try:
+            run_step(turn_id, store=get_store(), app=get_app(), settings=get_settings())
+            return
+        except Exception:
+            # The fact is recorded and the turn marked: a turn worker takes the step.
+            logging.getLogger("agentq.turn").warning(
+                "turn %s: inline step failed; sending it", turn_id, exc_info=True
+            )
+    send_step(get_app(), turn_id)
 
 
 def get_app() -> Celery:
@@ -72,6 +105,7 @@ def set_app(app: Celery) -> None:
 
 def reset() -> None:
     """Forget every singleton (tests that change settings)."""
-    global _redis, _store, _app
+    global _redis, _store, _app, _inline_steps
     get_settings.cache_clear()
+    _inline_steps = False
     _redis = _store = _app = None

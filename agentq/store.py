@@ -1,37 +1,73 @@
-"""Durable turn state in Redis: state, history, results by call id, the inbox, the lease."""
+"""Durable turn state in Redis: state, history, results by call id, wakeups, the step lock.
+
+Nothing here waits. Whatever changes a turn's situation (a settled call, a finished model
+round, an answer, an abort) writes its fact and *wakes* the turn in one atomic step: it
+sets the turn's dirty flag and a near wakeup in ``agentq:turns:wakeups`` (the backstop,
+swept by every turn worker), then asks for a step at once through ``waker``.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from agentq import constants as k
 from agentq.events.bus import EventBus, event_body, publish_lua
-from agentq.models import ToolResult
+from agentq.models import ToolResult, TurnStatus
+
+WAKE_BACKSTOP_S = 2.0
+"""A wake whose step message was lost (its sender died) is swept up this much later."""
+
+# A turn that is over (or whose state Redis lost) takes no more writes: nothing is
+# written after its terminal event, and nothing recreates half of a vanished turn.
+TURN_OPEN_LUA = """
+local status = redis.call('HGET', KEYS[%d], 'status')
+if not status or status == '"finished"' or status == '"aborted"' or status == '"error"' then
+  return %s
+end
+"""
+
+
+def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
+    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at`."""
+    return f"""
+redis.call('SET', {dirty}, '1', 'EX', {ttl})
+local cur = redis.call('ZSCORE', {wakeups}, {turn_id})
+if (not cur) or tonumber(cur) > tonumber({at}) then
+  redis.call('ZADD', {wakeups}, {at}, {turn_id})
+end
+"""
+
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
-# A turn that is over (or whose state Redis lost) takes no more results: nothing is
-# written after its terminal event, and nothing recreates half of a vanished turn.
-_TURN_OPEN_LUA = """
-local status = redis.call('HGET', KEYS[%d], 'status')
-if not status or status == '"finished"' or status == '"aborted"' or status == '"error"' then
-  return %d
-end
-"""
-
 _SETTLE_LUA = (
-    _TURN_OPEN_LUA % (6, 0)
+    TURN_OPEN_LUA % (6, -2)
     + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
-redis.call('RPUSH', KEYS[2], ARGV[3])
+-- Only the settle that completes the batch in flight (or one of a call it does not
+-- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
+local tracked = redis.call('SREM', KEYS[9], ARGV[1])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[9]) == 0
+local start = redis.call('HGET', KEYS[8], ARGV[1])
+if start then
+  local ok, rec = pcall(cjson.decode, start)
+  if ok and type(rec['worker']) == 'string' then
+    redis.call('SREM', 'agentq:worker:' .. rec['worker'] .. ':calls', ARGV[8] .. '/' .. ARGV[1])
+  end
+end
+if ARGV[9] == '1' and ready then
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[4]", "ARGV[5]")
-    + "return 1"
+    + wake_lua("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]")
+    + "end\n"
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
+    + "if ready then return 3 end\nreturn 1"
 )
 
 # A task that starts checks, in the same step that records its start, that its call
@@ -42,7 +78,7 @@ _START_LUA = (
     """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 """
-    + _TURN_OPEN_LUA % (7, -2)
+    + TURN_OPEN_LUA % (7, -2)
     + """
 if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
 local prev = redis.call('HGET', KEYS[2], ARGV[1])
@@ -51,22 +87,125 @@ if prev and ARGV[5] ~= '' then
   if ok and rec['delivery'] == ARGV[5] then return 2 end
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[6] ~= '' then redis.call('SADD', KEYS[8], ARGV[6]) end
 """
     + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
     + "return 1"
 )
 
-_RENEW_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return 0
+# A woken turn: whoever wakes it (a model round, an answer) in one step.
+_WAKE_ONLY_LUA = (
+    TURN_OPEN_LUA % (3, 0)
+    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
+    + "return 1"
+)
+
+_FINISH_LLM_LUA = (
+    TURN_OPEN_LUA % (3, -2)
+    + """
+redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
+redis.call('DEL', KEYS[5])
+"""
+    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
+    + "return 1"
+)
+
+# Ending a turn: its status, its terminal event and the retention TTL of its keys in one
+# atomic step; exactly one ending wins, and nothing is published after it.
+_CLOSE_LUA = (
+    TURN_OPEN_LUA % (1, 0)
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + """
+for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+for i = 7, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+return 1
+"""
+)
+
+# A fact about a turn whose state Redis lost (a restart without persistence): the turn
+# cannot go on, so it ends here with a clear error, once, and its record expires.
+_STATE_LOST_LUA = (
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1])
+"""
+    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]")
+    + """
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return 1
+"""
+)
+
+STATE_LOST_MESSAGE = (
+    "Redis lost this turn's state (restarted without persistence?); it cannot go on: start it again"
+)
+
+# The step's writes are fenced by its lock token: a step whose lock lapsed (a paused
+# process) cannot overwrite what the step that took over wrote.
+_COMMIT_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local n = tonumber(ARGV[2])
+for i = 3, 2 + 2 * n, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+redis.call('HINCRBY', KEYS[2], 'version', 1)
+for i = 3 + 2 * n, #ARGV do redis.call('RPUSH', KEYS[3], ARGV[i]) end
+return 1
 """
 
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+# A step begins: take the lock, clear the dirty mark, and read what the step needs (state,
+# cancel flag, history) in one round trip.
+_BEGIN_LUA = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
+redis.call('DEL', KEYS[2])
+return {redis.call('HGETALL', KEYS[3]), redis.call('GET', KEYS[4]) or '',
+        redis.call('LRANGE', KEYS[5], 0, -1)}
 """
+
+# A step that goes round again (woken while it ran) reads afresh, lock kept.
+_REREAD_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+redis.call('DEL', KEYS[2])
+return {redis.call('HGETALL', KEYS[3]), redis.call('GET', KEYS[4]) or '',
+        redis.call('LRANGE', KEYS[5], 0, -1)}
+"""
+
+# Releasing the step lock: if the turn was woken meanwhile, keep the lock and step again;
+# else drop it and leave the turn's next deadline for the sweepers.
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[4])
+  return 0
+end
+redis.call('DEL', KEYS[1])
+if ARGV[3] == '' then
+  redis.call('ZREM', KEYS[3], ARGV[2])
+else
+  redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+end
+return 1
+"""
+
+# A sweeper claims a due wakeup by pushing it later (its retry if the step never runs):
+# several sweepers, one claim.
+_CLAIM_LUA = """
+local cur = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if (not cur) or tonumber(cur) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
+return 1
+"""
+
+
+@dataclass
+class StepView:
+    """What a step reads when it begins: the turn's state (None: Redis lost it), its cancel
+    reason and its history."""
+
+    state: dict[str, Any] | None
+    cancel_reason: str | None
+    history: list[dict[str, Any]]
 
 
 def text(v: Any) -> str:
@@ -79,14 +218,30 @@ def _loads(v: bytes | str | None) -> Any:
 
 
 class TurnStore:
-    def __init__(self, client: redis.Redis, *, log_maxlen: int = 10_000, ttl_s: int = 604800):
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        log_maxlen: int = 10_000,
+        ttl_s: int = 604800,
+        waker: Callable[[str], None] | None = None,
+    ):
         self.redis = client
         self.bus = EventBus(client, log_maxlen=log_maxlen)
         self.ttl_s = ttl_s
+        self.waker = waker
+        """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
         self._settle = client.register_script(_SETTLE_LUA)
         self._start = client.register_script(_START_LUA)
-        self._renew = client.register_script(_RENEW_LUA)
+        self._wake = client.register_script(_WAKE_ONLY_LUA)
+        self._finish_llm = client.register_script(_FINISH_LLM_LUA)
+        self._close = client.register_script(_CLOSE_LUA)
+        self._commit = client.register_script(_COMMIT_LUA)
         self._release = client.register_script(_RELEASE_LUA)
+        self._claim = client.register_script(_CLAIM_LUA)
+        self._begin = client.register_script(_BEGIN_LUA)
+        self._reread = client.register_script(_REREAD_LUA)
+        self._state_lost = client.register_script(_STATE_LOST_LUA)
 
     # -- state ---------------------------------------------------------------
 
@@ -96,6 +251,7 @@ class TurnStore:
         if history:
             pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
         pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
+        pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
         parent = state.get("parent_turn_id")
         if parent:
             pipe.sadd(k.children_key(parent), turn_id)
@@ -116,34 +272,145 @@ class TurnStore:
     def active(self) -> list[str]:
         return [text(t) for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
 
-    def close(self, turn_id: str, status: str, **fields: Any) -> None:
-        """Mark the turn ended and give its keys the retention TTL."""
-        pipe = self.redis.pipeline()
-        pipe.hset(
-            k.turn_key(turn_id),
-            mapping={f: json.dumps(v) for f, v in {"status": status, **fields}.items()},
+    def close(
+        self,
+        turn_id: str,
+        status: TurnStatus,
+        event: str,
+        event_fields: dict[str, Any],
+        **fields: Any,
+    ) -> bool:
+        """End the turn (status, terminal event, retention TTL) atomically; False if it had."""
+        flat: list[Any] = []
+        for f, v in {"status": status.value, "ended_at": time.time(), **fields}.items():
+            flat += [f, json.dumps(v)]
+        won = self._close(
+            keys=[
+                k.turn_key(turn_id),
+                k.ACTIVE_TURNS,
+                k.WAKEUPS,
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+                *k.turn_keys(turn_id),
+            ],
+            args=[
+                turn_id,
+                self.ttl_s,
+                event_body(turn_id, event, event_fields),
+                self.bus.log_maxlen,
+                *flat,
+            ],
         )
-        pipe.zrem(k.ACTIVE_TURNS, turn_id)
-        for key in k.turn_keys(turn_id):
-            pipe.expire(key, self.ttl_s)
-        pipe.execute()
+        return bool(won)
 
     # -- history ---------------------------------------------------------------
 
     def history(self, turn_id: str) -> list[dict[str, Any]]:
         return [json.loads(m) for m in self.redis.lrange(k.history_key(turn_id), 0, -1)]
 
-    def append_history(self, turn_id: str, *messages: dict[str, Any]) -> None:
-        if messages:
-            self.redis.rpush(k.history_key(turn_id), *[json.dumps(m) for m in messages])
+    # -- the step: lock, fenced commit, wakeups --------------------------------------
+
+    def lock_step(self, turn_id: str, token: str, ttl_ms: int) -> bool:
+        return bool(self.redis.set(k.step_lock_key(turn_id), token, nx=True, px=ttl_ms))
+
+    def begin_step(
+        self, turn_id: str, token: str, ttl_ms: int, *, again: bool = False
+    ) -> StepView | None:
+        """Lock the turn for a step (or keep the lock, `again`) and read it, in one round
+        trip; None if another step holds it (or, `again`, this step lost it)."""
+        script = self._reread if again else self._begin
+        raw = script(
+            keys=[
+                k.step_lock_key(turn_id),
+                k.dirty_key(turn_id),
+                k.turn_key(turn_id),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
+            ],
+            args=[token, ttl_ms],
+        )
+        if not raw:
+            return None
+        flat, cancel, history = raw
+        state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+        return StepView(
+            state=state or None,
+            cancel_reason=text(cancel) or None,
+            history=[json.loads(m) for m in history],
+        )
+
+    def commit(
+        self,
+        turn_id: str,
+        token: str,
+        fields: dict[str, Any],
+        append: list[dict[str, Any]] | None = None,
+    ) -> bool:
+        """Write state fields and append history messages, if this step still holds the lock."""
+        args: list[Any] = [token, len(fields)]
+        for f, v in fields.items():
+            args += [f, json.dumps(v)]
+        args += [json.dumps(m) for m in append or []]
+        ok = self._commit(
+            keys=[k.step_lock_key(turn_id), k.turn_key(turn_id), k.history_key(turn_id)],
+            args=args,
+        )
+        return bool(ok)
+
+    def release_step(
+        self, turn_id: str, token: str, next_wake_at: float | None, ttl_ms: int
+    ) -> int:
+        """1 released; 0 woken meanwhile, lock kept: step again; -1 the lock was lost."""
+        return int(
+            self._release(
+                keys=[k.step_lock_key(turn_id), k.dirty_key(turn_id), k.WAKEUPS],
+                args=[token, turn_id, "" if next_wake_at is None else repr(next_wake_at), ttl_ms],
+            )
+        )
+
+    def wake(self, turn_id: str) -> bool:
+        """Wake an open turn: mark it and send it a step; False if it has ended."""
+        ok = self.wake_here(turn_id)
+        if ok:
+            self._send_step(turn_id)
+        return ok
+
+    def wake_here(self, turn_id: str) -> bool:
+        """Mark an open turn woken, for a caller that steps it itself; False if it has ended."""
+        return bool(
+            self._wake(
+                keys=[k.dirty_key(turn_id), k.WAKEUPS, k.turn_key(turn_id)],
+                args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s],
+            )
+        )
+
+    def _send_step(self, turn_id: str) -> None:
+        if self.waker is not None:
+            self.waker(turn_id)
+
+    def due_wakeups(self, now: float, limit: int = 500) -> list[str]:
+        raw = self.redis.zrangebyscore(k.WAKEUPS, "-inf", now, start=0, num=limit)
+        return [text(t) for t in raw]
+
+    def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
+        """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
+        return bool(
+            self._claim(
+                keys=[k.WAKEUPS, k.dirty_key(turn_id)],
+                args=[turn_id, now, now + retry_s, self.ttl_s],
+            )
+        )
 
     # -- calls and results -------------------------------------------------------
 
     def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
+        """Record calls as sent, and as the batch in flight whose last settle wakes the turn."""
         if records:
-            self.redis.hset(
-                k.calls_key(turn_id), mapping={c: json.dumps(r) for c, r in records.items()}
-            )
+            pipe = self.redis.pipeline()
+            pipe.hset(k.calls_key(turn_id), mapping={c: json.dumps(r) for c, r in records.items()})
+            pipe.sadd(k.outstanding_key(turn_id), *records)
+            pipe.execute()
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
         raw = self.redis.hgetall(k.calls_key(turn_id))
@@ -158,6 +425,8 @@ class TurnStore:
     ) -> int:
         """Record a task's start; 1 started, 0 already settled, -1 turn cancelled,
         -2 turn over or gone, 2 this delivery (`start["delivery"]`) started already."""
+        worker = str(start.get("worker") or "")
+        watched = bool(start.get("heartbeat")) and bool(worker)
         return int(
             self._start(
                 keys=[
@@ -168,6 +437,7 @@ class TurnStore:
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                     k.turn_key(turn_id),
+                    k.worker_calls_key(worker or "-"),
                 ],
                 args=[
                     call_id,
@@ -175,12 +445,13 @@ class TurnStore:
                     event_body(turn_id, "tool_started", event),
                     self.bus.log_maxlen,
                     str(start.get("delivery") or ""),
+                    f"{turn_id}/{call_id}" if watched else "",
                 ],
             )
         )
 
     def workers_alive(self, hostnames: list[str]) -> dict[str, bool]:
-        """Which tool workers sent a heartbeat lately."""
+        """Which workers sent a heartbeat lately."""
         if not hostnames:
             return {}
         pipe = self.redis.pipeline(transaction=False)
@@ -188,8 +459,11 @@ class TurnStore:
             pipe.exists(k.worker_alive_key(h))
         return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
 
-    def settle(self, turn_id: str, result: ToolResult) -> bool:
-        """Store a call's result unless one is stored already; True if this one won."""
+    def settle(self, turn_id: str, result: ToolResult, *, wake: bool = True) -> bool:
+        """Store a call's result unless one is stored already; True if this one won.
+
+        `wake=False` is for the turn's own step, which goes on by itself.
+        """
         result_json = result.model_dump_json()
         rec = result.record
         event = {
@@ -205,27 +479,52 @@ class TurnStore:
             "reason": result.reason,
             "truncated_bytes": result.truncated_bytes,
         }
-        inbox_msg = (
-            f'{{"kind":"result","call_id":{json.dumps(result.call_id)},"result":{result_json}}}'
-        )
         won = self._settle(
             keys=[
                 k.results_key(turn_id),
-                k.inbox_key(turn_id),
+                k.dirty_key(turn_id),
                 k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(turn_id),
+                k.WAKEUPS,
+                k.started_key(turn_id),
+                k.outstanding_key(turn_id),
             ],
             args=[
                 result.call_id,
                 result_json,
-                inbox_msg,
                 event_body(turn_id, "tool_finished", event),
                 self.bus.log_maxlen,
+                "",
+                time.time() + WAKE_BACKSTOP_S,
+                self.ttl_s,
+                turn_id,
+                "1" if wake else "0",
             ],
         )
-        return bool(won)
+        if won == -2:
+            self.end_lost_turn(turn_id)
+        if won == 3 and wake:
+            self._send_step(turn_id)
+        return won in (1, 3)
+
+    def end_lost_turn(self, turn_id: str) -> bool:
+        """End a turn whose state Redis lost with turn_error `state_lost`; False if it exists."""
+        event = event_body(
+            turn_id, "turn_error", {"code": "state_lost", "error": STATE_LOST_MESSAGE}
+        )
+        return bool(
+            self._state_lost(
+                keys=[
+                    k.turn_key(turn_id),
+                    k.seq_key(turn_id),
+                    k.log_key(turn_id),
+                    k.events_channel(turn_id),
+                ],
+                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_maxlen, self.ttl_s],
+            )
+        )
 
     def round_view(
         self, turn_id: str, call_ids: list[str]
@@ -254,25 +553,41 @@ class TurnStore:
         raw = self.redis.hgetall(k.results_key(turn_id))
         return {text(c): ToolResult.model_validate_json(v) for c, v in raw.items()}
 
-    # -- inbox ----------------------------------------------------------------------
+    # -- model rounds ------------------------------------------------------------------
 
-    def push(self, turn_id: str, msg: dict[str, Any]) -> None:
-        self.redis.rpush(k.inbox_key(turn_id), json.dumps(msg))
+    def llm_round_started(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> bool:
+        """Claim a model round for this stream worker; False if another delivery streams it."""
+        if not self.redis.set(k.llm_alive_key(turn_id, round_no), worker, nx=True, px=lease_ms):
+            return False
+        self.redis.set(k.llm_taken_key(turn_id, round_no), worker, ex=self.ttl_s)
+        return True
 
-    def pop(self, turn_id: str, timeout_s: float) -> dict[str, Any] | None:
-        """Wait for the next inbox message; None when `timeout_s` passes first."""
-        if timeout_s <= 0:
-            raw = self.redis.lpop(k.inbox_key(turn_id))
-            return None if raw is None else json.loads(raw)  # type: ignore[arg-type]
-        item = self.redis.blpop([k.inbox_key(turn_id)], timeout=max(timeout_s, 0.01))
-        return None if item is None else json.loads(item[1])
+    def llm_round_alive(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> None:
+        """Renew the claim of a round while it streams."""
+        self.redis.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
+
+    def finish_llm_round(self, turn_id: str, round_no: int, result_json: str) -> None:
+        """Store a model round's result (LlmRoundResult JSON) and wake its turn."""
+        ok = self._finish_llm(
+            keys=[
+                k.dirty_key(turn_id),
+                k.WAKEUPS,
+                k.turn_key(turn_id),
+                k.llm_result_key(turn_id, round_no),
+                k.llm_alive_key(turn_id, round_no),
+            ],
+            args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json],
+        )
+        if ok == -2:
+            self.end_lost_turn(turn_id)
+        elif ok:
+            self._send_step(turn_id)
+
+    def llm_result(self, turn_id: str, round_no: int) -> str | None:
+        raw = self.redis.get(k.llm_result_key(turn_id, round_no))
+        return None if raw is None else text(raw)
 
     # -- cancel ---------------------------------------------------------------------------
-
-    def request_cancel(self, turn_id: str, reason: str) -> bool:
-        """Set the cancel flag; False if it was set already."""
-        first = self.redis.set(k.cancel_key(turn_id), reason, nx=True, ex=self.ttl_s)
-        return bool(first)
 
     def cancel_reason(self, turn_id: str) -> str | None:
         v = self.redis.get(k.cancel_key(turn_id))
@@ -281,24 +596,29 @@ class TurnStore:
     def children(self, turn_id: str) -> list[str]:
         return [text(c) for c in self.redis.smembers(k.children_key(turn_id))]
 
-    # -- lease -------------------------------------------------------------------------
-
-    def acquire_lease(self, turn_id: str, holder: str, ttl_s: float) -> bool:
-        return bool(self.redis.set(k.lease_key(turn_id), holder, nx=True, px=int(ttl_s * 1000)))
-
-    def renew_lease(self, turn_id: str, holder: str, ttl_s: float) -> bool:
-        return bool(self._renew(keys=[k.lease_key(turn_id)], args=[holder, int(ttl_s * 1000)]))
-
-    def renew_leases(self, held: dict[str, str], ttl_s: float) -> dict[str, bool]:
-        """Renew many leases (turn id -> holder) in one round trip; turn id -> still held."""
+    def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
+        """Renew many rounds' claims in one round trip: (turn id, round) -> worker."""
+        if not rounds:
+            return
         pipe = self.redis.pipeline(transaction=False)
-        for turn_id, holder in held.items():
-            self._renew(keys=[k.lease_key(turn_id)], args=[holder, int(ttl_s * 1000)], client=pipe)
-        return {t: bool(r) for t, r in zip(held, pipe.execute(), strict=True)}
+        for (turn_id, round_no), worker in rounds.items():
+            pipe.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
+        pipe.execute()
 
-    def release_lease(self, turn_id: str, holder: str) -> None:
-        self._release(keys=[k.lease_key(turn_id)], args=[holder])
-
-    def lease_holder(self, turn_id: str) -> str | None:
-        v = self.redis.get(k.lease_key(turn_id))
-        return None if v is None else text(v)  # type: ignore[union-attr]
+    def publish_many(self, turn_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Publish events of one turn in order, in one round trip."""
+        if not events:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for type_, fields in events:
+            self.bus._publish(
+                keys=[
+                    k.seq_key(turn_id),
+                    k.log_key(turn_id),
+                    k.events_channel(turn_id),
+                    k.turn_key(turn_id),
+                ],
+                args=[event_body(turn_id, type_, fields), self.bus.log_maxlen],
+                client=pipe,
+            )
+        pipe.execute()

@@ -7,15 +7,15 @@ import os
 import time
 from typing import Any
 
-from celery.signals import worker_init, worker_ready
+from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
 
-from agentq.app import create_app
+from agentq.app import create_app, longest_limit_s
 from agentq.config import get_settings
 from agentq.llm.task import register_llm_task
-from agentq.orchestrator.turn import register_turn_task
-from agentq.runtime import get_store, set_app
+from agentq.orchestrator.steps import register_step_task
+from agentq.runtime import get_store, set_app, step_inline
 from agentq.tools.registry import all_tools, load_tool_modules
-from agentq.tools.task import register_tool_tasks
+from agentq.tools.task import queues_of, register_tool_tasks
 
 log = logging.getLogger("agentq.worker")
 
@@ -47,12 +47,18 @@ def _survive_broker_restarts() -> None:
 _survive_broker_restarts()
 settings = get_settings()
 load_tool_modules(settings.tool_modules)
-_longest = max([settings.tool_timeout_s] + [t.policy.timeout_s for t in all_tools().values()])
+# The broker must not hand a message out again while its call may still run: the longest
+# limit any call can get, a per-call hint up to `max_timeout_s` included.
+_longest = longest_limit_s(
+    settings.tool_timeout_s,
+    [(t.policy.timeout_s, t.policy.max_timeout_s) for t in all_tools().values()],
+)
 app = create_app(settings, longest_tool_timeout_s=_longest)
 set_app(app)
-register_turn_task(app)
+register_step_task(app, get_store, get_settings)
 register_llm_task(app)
 tool_queues = register_tool_tasks(app)
+io_queues = queues_of(all_tools(), io=True)
 
 PREFORK_POOLS = ("prefork", "processes")
 
@@ -71,23 +77,48 @@ def _check_pool(sender: Any = None, **_: Any) -> None:
         )
 
 
+@worker_init.connect
+def _freeze_before_fork(**_: Any) -> None:
+    """Move everything imported so far out of the collector's sight before the prefork
+    pool forks: a collection in a child would otherwise write to (and so copy) every
+    page of objects it shares with the parent."""
+    if os.environ.get("AGENTQ_WORKER_KIND") != "tools":
+        return
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     """A tool worker says it is alive, so a turn can settle the calls of a dead one
     without waiting for their hard limit (or forever, for tools without one)."""
-    if os.environ.get("AGENTQ_WORKER_KIND") != "tools":
+    kind = os.environ.get("AGENTQ_WORKER_KIND")
+    if kind not in ("tools", "io"):
         return
+    if kind == "io":
+        from agentq.aio.host import get_host
+
+        # The loop is up before the first task, and blame names this worker.
+        get_host().hostname = str(getattr(sender, "hostname", ""))
     import threading
 
-    from agentq.constants import WORKER_ALIVE_TTL_S, WORKER_HEARTBEAT_S, worker_alive_key
+    from agentq.constants import WORKER_ALIVE_TTL_S, WORKER_HEARTBEAT_S, WORKERS, worker_alive_key
 
-    key = worker_alive_key(str(getattr(sender, "hostname", "")))
+    hostname = str(getattr(sender, "hostname", ""))
+    key = worker_alive_key(hostname)
     redis = get_store().redis
 
     def beat() -> None:
         while True:
             try:
-                redis.set(key, os.getpid(), px=int(WORKER_ALIVE_TTL_S * 1000))
+                pipe = redis.pipeline(transaction=False)
+                pipe.set(key, os.getpid(), px=int(WORKER_ALIVE_TTL_S * 1000))
+                # The sweepers find a worker that stopped beating here, and wake the
+                # turns of its calls at once.
+                pipe.zadd(WORKERS, {hostname: time.time()})
+                pipe.execute()
             except Exception:
                 log.warning("worker heartbeat failed", exc_info=True)
             time.sleep(WORKER_HEARTBEAT_S)
@@ -95,15 +126,44 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     threading.Thread(target=beat, name="agentq-heartbeat", daemon=True).start()
 
 
+@worker_shutdown.connect
+def _drain_loop(**_: Any) -> None:
+    """Warm shutdown of an event-loop worker: its calls and streams were acknowledged at
+    hand-off, so let them end (up to the longest limit) before the process goes."""
+    if os.environ.get("AGENTQ_WORKER_KIND") not in ("io", "llm"):
+        return
+    from agentq.aio import host as aio_host
+
+    host = aio_host._host
+    if host is None:
+        return
+    deadline = time.monotonic() + max(_longest, settings.stream_duration_s)
+    if host.loop.held:
+        log.info("waiting for %d coroutines on the event loop to end", host.loop.held)
+    while host.loop.held and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@worker_process_init.connect
+def _inline_steps_in_tool_children(**_: Any) -> None:
+    """A prefork child that settles a batch's last call takes the turn's next step itself."""
+    if os.environ.get("AGENTQ_WORKER_KIND") == "tools":
+        step_inline()
+
+
 @worker_ready.connect
-def _start_reaper(**_: Any) -> None:
+def _inline_steps_in_loop_workers(**_: Any) -> None:
+    """The I/O and stream workers settle from threads beside their loop: they take the
+    next step themselves too (the tool worker's parent, which settles hard kills, does not)."""
+    if os.environ.get("AGENTQ_WORKER_KIND") in ("io", "llm"):
+        step_inline()
+
+
+@worker_ready.connect
+def _start_sweeper(**_: Any) -> None:
     if os.environ.get("AGENTQ_WORKER_KIND") != "turns":
         return
-    from agentq.constants import QUEUE_TURNS, TASK_TURN
-    from agentq.orchestrator.lease import Reaper
+    from agentq.orchestrator.steps import Sweeper
 
-    def resume(turn_id: str) -> None:
-        app.send_task(TASK_TURN, args=[turn_id], queue=QUEUE_TURNS, ignore_result=True)
-
-    Reaper(get_store(), settings.turn_lease_s, resume).start()
-    log.info("agentq turn worker ready: lease %.1fs, reaper on", settings.turn_lease_s)
+    Sweeper(get_store(), app, settings).start()
+    log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)

@@ -45,6 +45,8 @@ from scripts.bench_stages import (  # noqa: E402
     agentq_once,
     bench_abort,
     bench_events,
+    bench_held,
+    bench_io,
     bench_overhead,
     bench_scale,
     bench_throughput,
@@ -55,14 +57,31 @@ from scripts.bench_stages import (  # noqa: E402
 )
 
 KEYS = (
-    "agentq_call_ms_p50", "agentq_call_ms_p99", "celery_call_ms_p50", "celery_call_ms_p99",
-    "overhead_ratio_p50", "overhead_ratio_p99", "agentq_calls_per_s", "celery_calls_per_s",
-    "throughput_ratio", "abort_to_event_ms_p50", "abort_to_event_ms_p99",
-    "abort_to_process_gone_ms_p50", "abort_to_process_gone_ms_p99",
-    "timeout_overshoot_ms_p50", "timeout_overshoot_ms_p99", "watchdog_overshoot_ms_p50",
-    "watchdog_overshoot_ms_p99", "event_latency_ms_p50", "event_latency_ms_p99",
-    "sse_latency_ms_p50", "sse_latency_ms_p99", "scale_turns", "scale_all_settled",
-    "scale_seconds", "rss_mb",
+    "agentq_call_ms_p50",
+    "agentq_call_ms_p99",
+    "celery_call_ms_p50",
+    "celery_call_ms_p99",
+    "overhead_ratio_p50",
+    "overhead_ratio_p99",
+    "agentq_calls_per_s",
+    "celery_calls_per_s",
+    "throughput_ratio",
+    "abort_to_event_ms_p50",
+    "abort_to_event_ms_p99",
+    "abort_to_process_gone_ms_p50",
+    "abort_to_process_gone_ms_p99",
+    "timeout_overshoot_ms_p50",
+    "timeout_overshoot_ms_p99",
+    "watchdog_overshoot_ms_p50",
+    "watchdog_overshoot_ms_p99",
+    "event_latency_ms_p50",
+    "event_latency_ms_p99",
+    "sse_latency_ms_p50",
+    "sse_latency_ms_p99",
+    "scale_turns",
+    "scale_all_settled",
+    "scale_seconds",
+    "rss_mb",
 )
 GOALS: list[tuple[str, str, float, str]] = [
     ("overhead_ratio_p50", "<=", 1.2, "≤ 1.2 (bar 1.5)"),
@@ -120,8 +139,12 @@ def _monitor(url: str, run: Callable[[], None]) -> list[tuple[str, str]]:
         with contextlib.suppress(Exception):
             while not stop.is_set():
                 cmd = mon.next_command()
-                seen.append((str(cmd.get("client_port") or "lua"),
-                             str(cmd.get("command", "")).split(" ")[0].upper()))
+                seen.append(
+                    (
+                        str(cmd.get("client_port") or "lua"),
+                        str(cmd.get("command", "")).split(" ")[0].upper(),
+                    )
+                )
 
     with redis_py.Redis.from_url(url).monitor() as mon:  # type: ignore[no-untyped-call]
         t = threading.Thread(target=listen, args=(mon,), daemon=True)
@@ -145,15 +168,14 @@ def cost_per_call(fx: Fleet, n: int = 100) -> dict[str, Any]:
 
     url = fx.env["AGENTQ_REDIS_URL"]
     port = int(redis_py.Redis.from_url(url).connection_pool.connection_kwargs.get("port", 6379))
-    # The agentq side's turns are made outside the windows: only the calls are counted.
-    ctxs = [fx.new_ctx() for _ in range(3 * n)]
-    made = list(ctxs)
     sides: dict[str, Callable[[], float]] = {
-        "agentq": lambda: agentq_once(fx, ctxs.pop()), "celery": celery_once}
+        "agentq": lambda: agentq_once(fx),
+        "celery": celery_once,
+    }
     worker = {"agentq": "tools", "celery": "celery"}
     cpu: dict[str, Counter[str]] = {side: Counter() for side in sides}
     for rep in range(4):
-        for side in (list(sides) if rep % 2 == 0 else list(sides)[::-1]):
+        for side in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
             kinds = _process_kinds(fx)
             before = _cpu_s(kinds)
             for _ in range(n // 2):
@@ -162,6 +184,7 @@ def cost_per_call(fx: Fleet, n: int = 100) -> dict[str, Any]:
             cpu[side].update({k_: after[k_] - before.get(k_, 0.0) for k_ in after})
     out: dict[str, Any] = {}
     for side, once in sides.items():
+
         def calls_of(once: Callable[[], float] = once) -> None:
             for _ in range(n):
                 once()
@@ -176,19 +199,26 @@ def cost_per_call(fx: Fleet, n: int = 100) -> dict[str, Any]:
         calls = 2 * n  # the CPU windows: 4 reps of n // 2
         # Only the processes on the call's path: the other workers idle alike for both.
         path = ("caller", "redis-server", f"{worker[side]} worker", f"{worker[side]} pool")
+        if side == "agentq":
+            path += ("turns worker",)  # the steps that send and collect the call
         cpu_ms = {k_: round(cpu[side][k_] * 1000 / calls, 3) for k_ in path}
         out[side] = {
             "cpu_ms_per_call": {**cpu_ms, "total": round(sum(cpu_ms.values()), 3)},
             "redis_commands_per_call": {
-                kind: {"total": round(sum(c.values()) / n, 2),
-                       **{k_: round(v / n, 2) for k_, v in c.most_common(8)}}
-                for kind, c in sorted(by_kind.items())},
+                kind: {
+                    "total": round(sum(c.values()) / n, 2),
+                    **{k_: round(v / n, 2) for k_, v in c.most_common(8)},
+                }
+                for kind, c in sorted(by_kind.items())
+            },
         }
-    for ctx in made:
-        fx.end_ctx(ctx)
     a, c = out["agentq"]["cpu_ms_per_call"]["total"], out["celery"]["cpu_ms_per_call"]["total"]
-    return {"cost_per_call": out, "agentq_cpu_ms_per_call": a, "celery_cpu_ms_per_call": c,
-            "cpu_ratio": round(a / c, 3) if c else None}
+    return {
+        "cost_per_call": out,
+        "agentq_cpu_ms_per_call": a,
+        "celery_cpu_ms_per_call": c,
+        "cpu_ratio": round(a / c, 3) if c else None,
+    }
 
 
 def profile(fx: Fleet, out_dir: Path, n: int = 300) -> dict[str, str]:
@@ -199,10 +229,24 @@ def profile(fx: Fleet, out_dir: Path, n: int = 300) -> dict[str, str]:
     files: dict[str, str] = {}
     tool_pid = fx.procs["tools"].pid
     spy_out = out_dir / "tool-worker.pyspy.txt"
-    spy = subprocess.Popen(["py-spy", "record", "--pid", str(tool_pid), "--subprocesses",
-                            "--rate", "500", "--format", "raw", "--nonblocking",
-                            "-o", str(spy_out)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    spy = subprocess.Popen(
+        [
+            "py-spy",
+            "record",
+            "--pid",
+            str(tool_pid),
+            "--subprocesses",
+            "--rate",
+            "500",
+            "--format",
+            "raw",
+            "--nonblocking",
+            "-o",
+            str(spy_out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(1.0)
         prof = Profiler(interval=0.0005)
@@ -243,20 +287,30 @@ def machine(fx: Fleet) -> dict[str, Any]:
     server = "?"
     with contextlib.suppress(Exception):
         server = str(runtime.get_redis().info("server").get("redis_version"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gb": round(
-        psutil.virtual_memory().total / 2**30, 1), "os": platform.platform(),
-        "python": platform.python_version(), "celery": celery.__version__,
-        "kombu": kombu.__version__, "redis_py": redis_py.__version__, "redis_server": server,
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "redis_py": redis_py.__version__,
+        "redis_server": server,
         "tool_concurrency": fx.args.tool_concurrency,
-        "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
 
 
 def judge(res: dict[str, Any]) -> dict[str, Any]:
     verdicts: dict[str, Any] = {}
     for key, op, target, text in GOALS:
         v = res.get(key)
-        ok = None if v is None else (v <= target if op == "<=" else
-                                     v >= target if op == ">=" else v < target)
+        ok = (
+            None
+            if v is None
+            else (v <= target if op == "<=" else v >= target if op == ">=" else v < target)
+        )
         verdicts[key] = {"value": v, "goal": text, "pass": ok}
     return verdicts
 
@@ -267,10 +321,12 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
 
     con = Console(stderr=to_stderr)
     m = res["machine"]
-    con.print(f"[bold]agentq vs plain Celery[/] on {m['cpu']}, {m['cores']} cores, "
-              f"{m['memory_gb']} GB, Python {m['python']}, Celery {m['celery']}, "
-              f"Redis {m['redis_server']} ({'quick' if res['quick'] else 'full'} run, "
-              f"{res['duration_s']} s)")
+    con.print(
+        f"[bold]agentq vs plain Celery[/] on {m['cpu']}, {m['cores']} cores, "
+        f"{m['memory_gb']} GB, Python {m['python']}, Celery {m['celery']}, "
+        f"Redis {m['redis_server']} ({'quick' if res['quick'] else 'full'} run, "
+        f"{res['duration_s']} s)"
+    )
     t = Table(title="Goals")
     for col in ("metric", "value", "goal", "result"):
         t.add_column(col)
@@ -281,49 +337,73 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
         t.add_row(key, str(v["value"]), v["goal"], status)
     con.print(t)
     rows = [
-        ("per-call ms p50 / p99", "agentq_call_ms_p50", "agentq_call_ms_p99",
-         "celery_call_ms_p50", "celery_call_ms_p99"),
+        (
+            "per-call ms p50 / p99",
+            "agentq_call_ms_p50",
+            "agentq_call_ms_p99",
+            "celery_call_ms_p50",
+            "celery_call_ms_p99",
+        ),
     ]
     d = Table(title="Measurements")
     for col in ("measurement", "agentq", "plain Celery", "ratio / note"):
         d.add_column(col)
     for label, a50, a99, c50, c99 in rows:
-        d.add_row(label, f"{res.get(a50)} / {res.get(a99)}", f"{res.get(c50)} / {res.get(c99)}",
-                  f"{res.get('overhead_ratio_p50')} / {res.get('overhead_ratio_p99')} "
-                  f"(paired p50 {res.get('overhead_ratio_p50_paired')})")
-    d.add_row(f"throughput, calls/s ({res.get('throughput_calls')} per round)",
-              str(res.get("agentq_calls_per_s")), str(res.get("celery_calls_per_s")),
-              str(res.get("throughput_ratio")))
-    for label, key in (("abort → turn_aborted ms", "abort_to_event_ms"),
-                       ("abort → tool process gone ms", "abort_to_process_gone_ms"),
-                       ("timeout overshoot ms (1 s limit)", "timeout_overshoot_ms"),
-                       ("watchdog overshoot ms (500 ms idle)", "watchdog_overshoot_ms"),
-                       ("event latency ms (publish → subscriber)", "event_latency_ms"),
-                       ("SSE latency ms (publish → SSE client)", "sse_latency_ms")):
-        d.add_row(label + " p50 / p99", f"{res.get(key + '_p50')} / {res.get(key + '_p99')}",
-                  "", "")
-    d.add_row("scale: turns, all settled, seconds (floor)",
-              f"{res.get('scale_turns')}, {res.get('scale_all_settled')}, "
-              f"{res.get('scale_seconds')} ({res.get('scale_floor_seconds')})", "",
-              f"max active {res.get('scale_max_active')}")
+        d.add_row(
+            label,
+            f"{res.get(a50)} / {res.get(a99)}",
+            f"{res.get(c50)} / {res.get(c99)}",
+            f"{res.get('overhead_ratio_p50')} / {res.get('overhead_ratio_p99')} "
+            f"(paired p50 {res.get('overhead_ratio_p50_paired')})",
+        )
+    d.add_row(
+        f"throughput, calls/s ({res.get('throughput_calls')} per round)",
+        str(res.get("agentq_calls_per_s")),
+        str(res.get("celery_calls_per_s")),
+        str(res.get("throughput_ratio")),
+    )
+    for label, key in (
+        ("abort → turn_aborted ms", "abort_to_event_ms"),
+        ("abort → tool process gone ms", "abort_to_process_gone_ms"),
+        ("timeout overshoot ms (1 s limit)", "timeout_overshoot_ms"),
+        ("watchdog overshoot ms (500 ms idle)", "watchdog_overshoot_ms"),
+        ("event latency ms (publish → subscriber)", "event_latency_ms"),
+        ("SSE latency ms (publish → SSE client)", "sse_latency_ms"),
+    ):
+        d.add_row(
+            label + " p50 / p99", f"{res.get(key + '_p50')} / {res.get(key + '_p99')}", "", ""
+        )
+    d.add_row(
+        "scale: turns, all settled, seconds (floor)",
+        f"{res.get('scale_turns')}, {res.get('scale_all_settled')}, "
+        f"{res.get('scale_seconds')} ({res.get('scale_floor_seconds')})",
+        "",
+        f"max active {res.get('scale_max_active')}",
+    )
     for what in ("rss", "pss"):
         mem = res.get(f"{what}_mb") or {}
-        d.add_row(f"peak {what.upper()} MB (worker + its pool)",
-                  ", ".join(f"{k_} {mem[k_]}" for k_ in ("turns", "tools", "llm", "redis")
-                            if k_ in mem),
-                  f"celery {mem.get('celery')}",
-                  f"{res.get('turn_worker_kb_per_turn')} KB/turn held" if what == "rss" else "")
+        d.add_row(
+            f"peak {what.upper()} MB (worker + its pool)",
+            ", ".join(f"{k_} {mem[k_]}" for k_ in ("turns", "tools", "llm", "redis") if k_ in mem),
+            f"celery {mem.get('celery')}",
+            f"{res.get('turn_worker_kb_per_turn')} KB/turn held" if what == "rss" else "",
+        )
     cost = res.get("cost_per_call") or {}
     if cost:
+
         def cpu(side: str) -> str:
             return ", ".join(f"{k_} {v}" for k_, v in cost[side]["cpu_ms_per_call"].items())
 
         def cmds(side: str) -> str:
-            return ", ".join(f"{k_} {v['total']}" for k_, v in
-                             cost[side]["redis_commands_per_call"].items() if v["total"] >= 0.5)
+            return ", ".join(
+                f"{k_} {v['total']}"
+                for k_, v in cost[side]["redis_commands_per_call"].items()
+                if v["total"] >= 0.5
+            )
 
-        d.add_row("CPU ms per call, by process", cpu("agentq"), cpu("celery"),
-                  str(res.get("cpu_ratio")))
+        d.add_row(
+            "CPU ms per call, by process", cpu("agentq"), cpu("celery"), str(res.get("cpu_ratio"))
+        )
         d.add_row("Redis commands per call, by process", cmds("agentq"), cmds("celery"), "")
     con.print(d)
     for note in res.get("notes", []):
@@ -334,6 +414,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sz = QUICK if args.quick else Sizes()
     if args.scale_turns:
         sz = Sizes(**{**sz.__dict__, "scale_turns": args.scale_turns})
+    if args.io_turns:
+        sz = Sizes(**{**sz.__dict__, "io_turns": args.io_turns})
+    if args.old_path_turns:
+        sz = Sizes(**{**sz.__dict__, "old_path_turns": args.old_path_turns})
     started = time.perf_counter()
     fx = Fleet(args)
     res: dict[str, Any] = {"quick": args.quick}
@@ -350,6 +434,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("watchdog", lambda: bench_watchdog(fx, sz)),
             ("events", lambda: bench_events(fx, sz)),
             ("scale", lambda: bench_scale(fx, sz)),
+            ("held", lambda: bench_held(fx, sz)),
+            ("io", lambda: bench_io(fx, sz)),
         ]
         if not args.no_cost:
             stages.append(("cost_per_call", lambda: cost_per_call(fx)))
@@ -368,8 +454,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             notes += out.pop("notes", [])
             res.update(out)
-            print(f"bench: {name} done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
-                  flush=True)
+            print(
+                f"bench: {name} done in {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     finally:
         fx.stop()
     res["duration_s"] = round(time.perf_counter() - started, 1)
@@ -378,8 +467,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["machine"]["load_avg_1m_at_end"] = round(load, 2)
     cores = os.cpu_count() or 1
     if max(load, res.get("machine", {}).get("load_avg_1m_at_start", 0)) > cores:
-        notes.append(f"the machine was busy (1-minute load {load:.1f} on {cores} cores): "
-                     "absolute figures are noisy; the interleaved ratios less so")
+        notes.append(
+            f"the machine was busy (1-minute load {load:.1f} on {cores} cores): "
+            "absolute figures are noisy; the interleaved ratios less so"
+        )
     for key in KEYS:  # --json always carries every key; null when not measured
         res.setdefault(key, None)
     res["goals"] = judge(res)
@@ -391,18 +482,41 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--quick", action="store_true", help="smaller samples; under 2 minutes")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
-    p.add_argument("--use-env-redis", action="store_true",
-                   help="use AGENTQ_REDIS_URL instead of starting a redis-server (one that "
-                   "no other agentq fleet consumes from: the bench starts its own workers)")
-    p.add_argument("--tool-concurrency", type=int, default=8,
-                   help="prefork processes of the agentq tool worker and the Celery worker")
+    p.add_argument(
+        "--use-env-redis",
+        action="store_true",
+        help="use AGENTQ_REDIS_URL instead of starting a redis-server (one that "
+        "no other agentq fleet consumes from: the bench starts its own workers)",
+    )
+    p.add_argument(
+        "--tool-concurrency",
+        type=int,
+        default=8,
+        help="prefork processes of the agentq tool worker and the Celery worker",
+    )
     p.add_argument("--scale-turns", type=int, default=0, help="turns of the scale stage")
-    p.add_argument("--only", default="", help="comma-separated stages to run: overhead, "
-                   "throughput, timeout, abort, watchdog, events, scale, cost_per_call, profile")
-    p.add_argument("--no-cost", action="store_true",
-                   help="skip measuring CPU and Redis commands per call (uses MONITOR)")
-    p.add_argument("--profile", metavar="DIR", default="",
-                   help="also profile the hot path of a call into DIR")
+    p.add_argument("--io-turns", type=int, default=0, help="turns of the io stage (1000)")
+    p.add_argument(
+        "--old-path-turns",
+        type=int,
+        default=0,
+        help="turns of the io stage's sync-tool comparison (300)",
+    )
+    p.add_argument(
+        "--only",
+        default="",
+        help="comma-separated stages to run: overhead, "
+        "throughput, timeout, abort, watchdog, events, scale, io, cost_per_call, "
+        "profile",
+    )
+    p.add_argument(
+        "--no-cost",
+        action="store_true",
+        help="skip measuring CPU and Redis commands per call (uses MONITOR)",
+    )
+    p.add_argument(
+        "--profile", metavar="DIR", default="", help="also profile the hot path of a call into DIR"
+    )
     p.add_argument("--log-dir", default="", help="keep the workers' logs here")
     p.add_argument("--publisher", help=argparse.SUPPRESS)
     p.add_argument("--publish-n", type=int, default=0, help=argparse.SUPPRESS)
@@ -415,8 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, default=str))
     # Missed goals are findings, not failures; a stage that could not measure is one.
-    return 0 if all(res.get(k) is not None for k in ("overhead_ratio_p50", "throughput_ratio")) \
-        else 1
+    return (
+        0 if all(res.get(k) is not None for k in ("overhead_ratio_p50", "throughput_ratio")) else 1
+    )
 
 
 if __name__ == "__main__":

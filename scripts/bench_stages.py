@@ -28,11 +28,7 @@ from typing import Any
 import psutil
 
 from agentq import runtime
-from agentq.config import get_settings
-from agentq.constants import ACTIVE_TURNS
-from agentq.models import ToolCall
-from agentq.orchestrator.context import TurnContext
-from agentq.orchestrator.dispatch import RoundDispatcher
+from agentq.models import ToolCall, TurnStatus
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
 from agentq.testing.processes import (
     CELERY_READY_PATTERN,
@@ -41,6 +37,7 @@ from agentq.testing.processes import (
     start_worker,
 )
 from agentq.testing.redis_server import RedisServer, find_free_port
+from agentq.testing.rounds import run_round
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent / "bench.py"
@@ -64,9 +61,12 @@ class Sizes:
     watchdogs: int = 20
     events: int = 1000
     scale_turns: int = 200
+    held_turns: int = 1000
+    io_turns: int = 1000
+    old_path_turns: int = 300
 
 
-QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50)
+QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60)
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -138,27 +138,69 @@ class Fleet:
             return f"bench-{kind}-{self.run_id}@%h"
 
         starters: dict[str, Callable[[], ManagedProcess]] = {
-            "tools": lambda: start_worker("tools", env=self.env, hostname=host("tools"),
-                                          concurrency=a.tool_concurrency, log_path=log("tools")),
-            "turns": lambda: start_worker("turns", env=self.env, hostname=host("turns"),
-                                          concurrency=250, log_path=log("turns")),
-            "llm": lambda: start_worker("llm", env=self.env, hostname=host("llm"),
-                                        concurrency=64, log_path=log("llm")),
+            # Not the held stage's queue: that stage brings its own 2-process worker.
+            "tools": lambda: start_worker(
+                "tools",
+                env=self.env,
+                hostname=host("tools"),
+                concurrency=a.tool_concurrency,
+                log_path=log("tools"),
+                extra_args=("-Q", "agentq.tools"),
+            ),
+            # A default turn worker: steps are short, a waiting turn holds no thread.
+            "turns": lambda: start_worker(
+                "turns", env=self.env, hostname=host("turns"), log_path=log("turns")
+            ),
+            # Default options, as `agentq worker llm` / `agentq worker io` start.
+            "llm": lambda: start_worker(
+                "llm", env=self.env, hostname=host("llm"), log_path=log("llm")
+            ),
+            "io": lambda: start_worker("io", env=self.env, hostname=host("io"), log_path=log("io")),
             "celery": lambda: start_process(
-                [sys.executable, "-m", "celery", "-A", "scripts.bench_celery_app", "worker",
-                 "-P", "prefork", "-c", conc, "-Q", "bench.noop", "--hostname", host("celery"),
-                 "--loglevel", "INFO"],
-                env=self.env, cwd=ROOT, log_path=log("celery"),
-                ready_pattern=CELERY_READY_PATTERN, name="celery-baseline"),
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "scripts.bench_celery_app",
+                    "worker",
+                    "-P",
+                    "prefork",
+                    "-c",
+                    conc,
+                    "-Q",
+                    "bench.noop",
+                    "--hostname",
+                    host("celery"),
+                    "--loglevel",
+                    "INFO",
+                ],
+                env=self.env,
+                cwd=ROOT,
+                log_path=log("celery"),
+                ready_pattern=CELERY_READY_PATTERN,
+                name="celery-baseline",
+            ),
         }
         if _gateway_available():
             port = find_free_port()
             starters["gateway"] = lambda: start_process(
-                [sys.executable, "-m", "agentq", "serve", "--host", "127.0.0.1",
-                 "--port", str(port)],
-                env=self.env, cwd=ROOT, log_path=log("gateway"),
+                [
+                    sys.executable,
+                    "-m",
+                    "agentq",
+                    "serve",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                env=self.env,
+                cwd=ROOT,
+                log_path=log("gateway"),
                 ready_pattern=r"Uvicorn running on|Application startup complete",
-                name="gateway")
+                name="gateway",
+            )
             self.gateway_url = f"http://127.0.0.1:{port}"
         # Started side by side: each Celery worker takes seconds to boot on 2 cores.
         with ThreadPoolExecutor(len(starters)) as pool:
@@ -193,23 +235,6 @@ class Fleet:
 
     # -- helpers shared by the stages
 
-    def new_ctx(self) -> TurnContext:
-        """A turn to dispatch rounds in from this process.
-
-        Its status is not "running", so the turn worker's reaper never "resumes" it.
-        It is a turn to the store's scripts (they only take results for open turns).
-        """
-        store = runtime.get_store()
-        turn_id = uuid.uuid4().hex
-        store.create(turn_id, {"status": "bench"}, [{"role": "user", "content": "bench"}])
-        # Not a running turn: kept out of the active set the reaper and /metrics scan.
-        store.redis.zrem(ACTIVE_TURNS, turn_id)
-        return TurnContext(turn_id=turn_id, store=store, app=runtime.get_app(),
-                           settings=get_settings())
-
-    def end_ctx(self, ctx: TurnContext) -> None:
-        ctx.store.close(ctx.turn_id, "finished")
-
     def script(self, *rounds: Round) -> str:
         assert self.llm is not None
         key = f"bench-{uuid.uuid4().hex[:10]}"
@@ -233,8 +258,9 @@ class Fleet:
                 total = 0
                 for p in [proc, *proc.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error, AttributeError):
-                        total += (p.memory_full_info().pss if measure == "pss"
-                                  else p.memory_info().rss)
+                        total += (
+                            p.memory_full_info().pss if measure == "pss" else p.memory_info().rss
+                        )
                 out[kind] = round(total / 2**20, 1)
         return out
 
@@ -252,18 +278,17 @@ def noop_call() -> ToolCall:
     return ToolCall(id=f"c_{uuid.uuid4().hex[:12]}", name="noop", arguments="{}")
 
 
-def agentq_once(fx: Fleet, ctx: TurnContext | None = None) -> float:
-    """One no-op call through a turn's dispatcher: one round, one call."""
-    own = ctx is None
-    ctx = ctx or fx.new_ctx()
-    t0 = time.perf_counter()
-    (res,) = RoundDispatcher(ctx).run([noop_call()])
-    dt = time.perf_counter() - t0
-    if own:
-        fx.end_ctx(ctx)
+def agentq_once(fx: Fleet) -> float:
+    """One no-op call as its turn sees it: from the step that sends it to the step that
+    collects its result (the round's end), both timed in Redis by the turn's own steps."""
+    call = noop_call()
+    turn_id, (res,) = run_round([call])
     if res.status != "ok":
         raise BenchError(f"noop settled {res.status}: {res.error}")
-    return dt
+    store = runtime.get_store()
+    sent_at = float(store.dispatches(turn_id)[call.id]["dispatched_at"])
+    collected_at = store.bus.replay(turn_id)[-1].ts
+    return collected_at - sent_at
 
 
 def celery_once() -> float:
@@ -283,22 +308,17 @@ def bench_overhead(fx: Fleet, sz: Sizes) -> dict[str, Any]:
         celery_once()
     a: list[float] = []
     c: list[float] = []
-    ctxs: list[TurnContext] = []
     sides: list[tuple[list[float], Callable[[], float]]] = [
-        (a, lambda: agentq_once(fx, ctxs.pop())), (c, celery_once)]
+        (a, lambda: agentq_once(fx)),
+        (c, celery_once),
+    ]
     block_ratios: list[float] = []
     # Alternating blocks, and which side goes first, so machine noise hits both.
     while len(a) < sz.overhead_calls:
         k = min(sz.block, sz.overhead_calls - len(a))
-        # A block's turns are made before it and closed after it, so both sides make
-        # their calls back to back.
-        ctxs[:] = [fx.new_ctx() for _ in range(k)]
-        made = list(ctxs)
         for samples, once in sides:
             samples.extend(once() for _ in range(k))
         sides.reverse()
-        for ctx in made:
-            fx.end_ctx(ctx)
         block_ratios.append((pct(a[-k:], 50) or 0) / (pct(c[-k:], 50) or 1))
     out: dict[str, Any] = {**ms_stats("agentq_call_ms", a), **ms_stats("celery_call_ms", c)}
     out["overhead_ratio_p50"] = _ratio(out["agentq_call_ms_p50"], out["celery_call_ms_p50"])
@@ -317,12 +337,10 @@ def bench_throughput(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     n = sz.throughput_calls
 
     def agentq_round() -> float:
-        ctx = fx.new_ctx()
         calls = [ToolCall(id=f"c{i:05d}", name="noop", arguments="{}") for i in range(n)]
         t0 = time.perf_counter()
-        results = RoundDispatcher(ctx).run(calls)
+        _, results = run_round(calls, timeout_s=600)
         dt = time.perf_counter() - t0
-        fx.end_ctx(ctx)
         bad = Counter(r.status for r in results if r.status != "ok")
         if bad:
             raise BenchError(f"throughput round: not all ok: {dict(bad)}")
@@ -344,20 +362,24 @@ def bench_throughput(fx: Fleet, sz: Sizes) -> dict[str, Any]:
             a.append(agentq_round())
     a_rate = n / (pct(a, 50) or 1)
     c_rate = n / (pct(c, 50) or 1)
-    return {"agentq_calls_per_s": round(a_rate, 1), "celery_calls_per_s": round(c_rate, 1),
-            "throughput_ratio": _ratio(a_rate, c_rate), "throughput_calls": n,
-            "throughput_reps": sz.throughput_reps}
+    return {
+        "agentq_calls_per_s": round(a_rate, 1),
+        "celery_calls_per_s": round(c_rate, 1),
+        "throughput_ratio": _ratio(a_rate, c_rate),
+        "throughput_calls": n,
+        "throughput_reps": sz.throughput_reps,
+    }
 
 
 def bench_timeout(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     over: list[float] = []
     for _ in range(sz.timeouts):
-        ctx = fx.new_ctx()
-        call = ToolCall(id=f"c_{uuid.uuid4().hex[:12]}", name="bench_sleep",
-                        arguments='{"seconds": 5}')
-        (res,) = RoundDispatcher(ctx).run([call])
-        learned = time.time()
-        fx.end_ctx(ctx)
+        call = ToolCall(
+            id=f"c_{uuid.uuid4().hex[:12]}", name="bench_sleep", arguments='{"seconds": 5}'
+        )
+        turn_id, (res,) = run_round([call])
+        # When the turn learned it: the step that collected the round.
+        learned = runtime.get_store().bus.replay(turn_id)[-1].ts
         if res.status != "timeout" or res.record.started_at is None:
             raise BenchError(f"bench_sleep settled {res.status}, not timeout")
         over.append(learned - (res.record.started_at + 1.0))
@@ -427,8 +449,11 @@ def bench_abort(fx: Fleet, sz: Sizes) -> dict[str, Any]:
         if watch.gone_at is None:
             raise BenchError(f"tool process {pid} still alive 30 s after the abort")
         to_gone.append(watch.gone_at - t0)
-    return {**ms_stats("abort_to_event_ms", to_event),
-            **ms_stats("abort_to_process_gone_ms", to_gone), "abort_samples": len(to_event)}
+    return {
+        **ms_stats("abort_to_event_ms", to_event),
+        **ms_stats("abort_to_process_gone_ms", to_gone),
+        "abort_samples": len(to_event),
+    }
 
 
 def bench_watchdog(fx: Fleet, sz: Sizes) -> dict[str, Any]:
@@ -445,11 +470,21 @@ def bench_watchdog(fx: Fleet, sz: Sizes) -> dict[str, Any]:
             last[0] = time.monotonic()
 
         try:
-            stream_round([{"role": "user", "content": f"{key} {i}"}], [], base_url=fx.llm.url,
-                         api_key=None, model="scripted", idle_timeout_ms=500,
-                         duration_left_s=30, max_retries=0, request_timeout_s=5,
-                         on_delta=on_delta, on_retry=lambda *_: None,
-                         cancelled=lambda: False, turn_id="bench")
+            stream_round(
+                [{"role": "user", "content": f"{key} {i}"}],
+                [],
+                base_url=fx.llm.url,
+                api_key=None,
+                model="scripted",
+                idle_timeout_ms=500,
+                duration_left_s=30,
+                max_retries=0,
+                request_timeout_s=5,
+                on_delta=on_delta,
+                on_retry=lambda *_: None,
+                cancelled=lambda: False,
+                turn_id="bench",
+            )
         except StreamIdleTimeout:
             failed = time.monotonic()
         else:
@@ -481,8 +516,11 @@ def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     store = runtime.get_store()
     turn_id = uuid.uuid4().hex
     token = secrets.token_urlsafe(16)
-    store.create(turn_id, {"status": "bench", "token_sha256": hashlib.sha256(
-        token.encode()).hexdigest()}, [{"role": "user", "content": "bench"}])
+    store.create(
+        turn_id,
+        {"status": "bench", "token_sha256": hashlib.sha256(token.encode()).hexdigest()},
+        [{"role": "user", "content": "bench"}],
+    )
     bus_lat: list[float] = []
     sse_lat: list[float] = []
     warm = {"bus": threading.Event(), "sse": threading.Event()}
@@ -531,9 +569,21 @@ def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
         warm["sse"].set()
     for t in threads:
         t.start()
-    pub = start_process([sys.executable, str(BENCH), "--publisher", turn_id,
-                         "--publish-n", str(sz.events), "--publish-interval-ms", "2"],
-                        env=fx.env, cwd=ROOT, name="bench-publisher")
+    pub = start_process(
+        [
+            sys.executable,
+            str(BENCH),
+            "--publisher",
+            turn_id,
+            "--publish-n",
+            str(sz.events),
+            "--publish-interval-ms",
+            "2",
+        ],
+        env=fx.env,
+        cwd=ROOT,
+        name="bench-publisher",
+    )
     try:
         if not (warm["bus"].wait(30) and warm["sse"].wait(30)):
             raise BenchError("subscribers saw no warm-up event")
@@ -543,15 +593,20 @@ def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
         pub.wait(30)
     finally:
         pub.stop()
-        fx.end_ctx(TurnContext(turn_id, store, runtime.get_app(), get_settings()))
+        store.close(turn_id, TurnStatus.FINISHED, "turn_finished", {"reason": "bench"})
     out: dict[str, Any] = {**ms_stats("event_latency_ms", bus_lat), "event_samples": len(bus_lat)}
     if fx.gateway_url:
         out.update(ms_stats("sse_latency_ms", sse_lat))
         out["sse_samples"] = len(sse_lat)
         out["notes"] = errors
     else:
-        out.update({"sse_latency_ms_p50": None, "sse_latency_ms_p99": None,
-                    "notes": ["sse_latency: agentq.gateway is not importable yet; not measured"]})
+        out.update(
+            {
+                "sse_latency_ms_p50": None,
+                "sse_latency_ms_p99": None,
+                "notes": ["sse_latency: agentq.gateway is not importable yet; not measured"],
+            }
+        )
     return out
 
 
@@ -561,8 +616,10 @@ def bench_scale(fx: Fleet, sz: Sizes) -> dict[str, Any]:
 
     client = Client()
     store = runtime.get_store()
-    key = fx.script(Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 1})]),
-                    Round(text="slept."))
+    key = fx.script(
+        Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 1})]),
+        Round(text="slept."),
+    )
     before = fx.memory_mb()
     pss_before = fx.memory_mb("pss")
     t0 = time.perf_counter()
@@ -592,10 +649,147 @@ def bench_scale(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     counts = Counter(str(s) for s in statuses)
     turns_mb = peak.get("turns", 0.0) - before.get("turns", 0.0)
     conc = fx.args.tool_concurrency
-    return {"scale_turns": sz.scale_turns, "scale_all_settled": counts.get("finished") == len(ids),
-            "scale_seconds": round(took, 2), "scale_statuses": dict(counts),
-            # The tools alone need this long: N one-second sleeps on `conc` processes.
-            "scale_floor_seconds": float(-(-sz.scale_turns // conc)),
-            "scale_max_active": max_active, "scale_tool_concurrency": conc,
-            "rss_mb": peak, "rss_mb_idle": before, "pss_mb": pss_peak, "pss_mb_idle": pss_before,
-            "turn_worker_kb_per_turn": round(turns_mb * 1024 / max(sz.scale_turns, 1), 1)}
+    return {
+        "scale_turns": sz.scale_turns,
+        "scale_all_settled": counts.get("finished") == len(ids),
+        "scale_seconds": round(took, 2),
+        "scale_statuses": dict(counts),
+        # The tools alone need this long: N one-second sleeps on `conc` processes.
+        "scale_floor_seconds": float(-(-sz.scale_turns // conc)),
+        "scale_max_active": max_active,
+        "scale_tool_concurrency": conc,
+        "rss_mb": peak,
+        "rss_mb_idle": before,
+        "pss_mb": pss_peak,
+        "pss_mb_idle": pss_before,
+        "turn_worker_kb_per_turn": round(turns_mb * 1024 / max(sz.scale_turns, 1), 1),
+    }
+
+
+def bench_held(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    """N turns each wait on one slow call while the tool worker has 2 processes: how many
+    one default turn worker holds at once, at what cost, and how fast they all abort."""
+    from agentq import constants as k
+    from agentq.api import Client
+
+    client = Client()
+    store = runtime.get_store()
+    n = sz.held_turns
+    tools = start_worker(
+        "tools",
+        env=fx.env,
+        hostname=f"bench-held-{fx.run_id}@%h",
+        concurrency=2,
+        extra_args=("-Q", "agentq.held"),
+    )
+    try:
+        key = fx.script(Round(tool_calls=[ScriptedCall(name="held", arguments={"seconds": 600})]))
+        before = fx.memory_mb().get("turns", 0.0)
+        clients_before = int(store.redis.info("clients")["connected_clients"])
+        t0 = time.perf_counter()
+        handles = [client.start_turn(f"{key} #{i}") for i in range(n)]
+        peak_clients = clients_before
+        held = 0
+        deadline = time.perf_counter() + 60 + n * 0.05
+        while time.perf_counter() < deadline:
+            peak_clients = max(peak_clients, int(store.redis.info("clients")["connected_clients"]))
+            pipe = store.redis.pipeline(transaction=False)
+            for h in handles:
+                pipe.exists(k.calls_key(h.turn_id))
+            held = sum(1 for x in pipe.execute() if x)
+            if held == n:
+                break
+            time.sleep(0.5)
+        held_s = time.perf_counter() - t0
+        turns_mb = fx.memory_mb().get("turns", 0.0) - before
+        t1 = time.perf_counter()
+        for h in handles:
+            client.abort(h.turn_id, h.token)
+        while store.redis.zcard(k.ACTIVE_TURNS) and time.perf_counter() - t1 < 120:
+            time.sleep(0.05)
+        aborted_s = time.perf_counter() - t1
+        left = int(store.redis.zcard(k.ACTIVE_TURNS))
+    finally:
+        tools.stop(timeout_s=10)
+    return {
+        "held_turns": n,
+        "held_at_once": held,
+        "held_seconds_to_hold": round(held_s, 2),
+        "held_redis_clients_before": clients_before,
+        "held_redis_clients_peak": peak_clients,
+        "held_turn_worker_kb_per_turn": round(turns_mb * 1024 / max(n, 1), 1),
+        "held_abort_all_seconds": round(aborted_s, 2),
+        "held_not_ended": left,
+    }
+
+
+# --------------------------------------------------------------------------- the io stage
+
+IO_WAIT_S = 5.0
+IO_STREAM_S = 2.0
+
+
+def _stream_round(tool_calls: list[ScriptedCall] | None = None) -> Round:
+    """A round that streams for about IO_STREAM_S: 20 chunks, 100 ms apart."""
+    return Round(
+        text="x" * 80,
+        chunk_size=4,
+        chunk_delay_ms=int(IO_STREAM_S * 1000 / 20),
+        tool_calls=tool_calls or [],
+    )
+
+
+def _fleet_mb(fx: Fleet, kinds: tuple[str, ...]) -> float:
+    mem = fx.memory_mb()
+    return round(sum(mem.get(k_, 0.0) for k_ in kinds), 1)
+
+
+def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any]:
+    """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2."""
+    from agentq import constants as k
+    from agentq.api import Client
+
+    client = Client()
+    store = runtime.get_store()
+    key = fx.script(
+        _stream_round([ScriptedCall(name=tool, arguments={"seconds": IO_WAIT_S})]), _stream_round()
+    )
+    kinds = (*fx.procs, "redis")
+    before = _fleet_mb(fx, kinds)
+    peak = before
+    t0 = time.perf_counter()
+    ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
+    statuses: list[Any] = []
+    while time.perf_counter() - t0 < 300:
+        peak = max(peak, _fleet_mb(fx, kinds))
+        pipe = store.redis.pipeline()
+        for tid in ids:
+            pipe.hget(k.turn_key(tid), "status")
+        statuses = [None if s is None else json.loads(s) for s in pipe.execute()]
+        if all(s in ("finished", "aborted", "error") for s in statuses):
+            break
+        time.sleep(0.2)
+    took = time.perf_counter() - t0
+    counts = Counter(str(s) for s in statuses)
+    return {
+        f"{prefix}_turns": n,
+        f"{prefix}_all_settled": counts.get("finished") == n,
+        f"{prefix}_seconds": round(took, 2),
+        f"{prefix}_statuses": dict(counts),
+        f"{prefix}_floor_seconds": IO_WAIT_S + 2 * IO_STREAM_S,
+        f"{prefix}_peak_rss_mb": peak,
+        f"{prefix}_idle_rss_mb": before,
+    }
+
+
+def bench_io(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    """1,000 real turns, each an async tool call of 5 s between two 2 s model rounds, on one
+    default `agentq worker io` and `agentq worker llm`; beside it, the old path (a sync
+    tool on the prefork tool worker) with 300."""
+    out: dict[str, Any] = {}
+    out.update(bench_turns_with(fx, sz.io_turns, "aio_sleep", "io_turns"))
+    out.update(bench_turns_with(fx, sz.old_path_turns, "sleep", "old_path"))
+    out["notes"] = [
+        f"old_path: sync `sleep` on the prefork tool worker -c {fx.args.tool_concurrency}",
+    ]
+    return out

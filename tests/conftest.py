@@ -54,7 +54,13 @@ def agentq_env(redis_server: RedisServer, llm_server: object) -> Iterator[dict[s
     runtime.reset()
 
 
-def _worker(kind: str, env: dict[str, str], concurrency: int, name: str) -> ManagedProcess:
+def _worker(
+    kind: str,
+    env: dict[str, str],
+    concurrency: int | None,
+    name: str,
+    extra_args: tuple[str, ...] = (),
+) -> ManagedProcess:
     ARTIFACTS.mkdir(exist_ok=True)
     return start_worker(
         kind,
@@ -62,12 +68,22 @@ def _worker(kind: str, env: dict[str, str], concurrency: int, name: str) -> Mana
         hostname=f"{name}-{uuid.uuid4().hex[:6]}@%h",
         concurrency=concurrency,
         log_path=ARTIFACTS / f"{name}-{os.getpid()}.log",
+        extra_args=extra_args,
     )
 
 
 @pytest.fixture(scope="session")
 def tool_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
     proc = _worker("tools", agentq_env, 4, "tools")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="session")
+def io_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
+    # Only agentq.io: the recycle test runs its own worker on the queue of the tool
+    # that blocks the loop for good.
+    proc = _worker("io", agentq_env, None, "io", ("-Q", "agentq.io"))
     yield proc
     proc.stop()
 

@@ -14,9 +14,11 @@ if TYPE_CHECKING:
     from agentq.config import Settings
 
 WORKER_KINDS: dict[str, dict[str, str | None]] = {
-    "turns": {"pool": "threads", "concurrency": "100"},
-    "llm": {"pool": "threads", "concurrency": "32"},
+    "turns": {"pool": "threads", "concurrency": "16"},
+    "llm": {"pool": "threads", "concurrency": "8"},
     "tools": {"pool": "prefork", "concurrency": None},
+    # The threads only hand calls to the event loop, which holds thousands of them.
+    "io": {"pool": "threads", "concurrency": "8"},
 }
 
 
@@ -39,7 +41,9 @@ def _pool_of(opts: list[str]) -> str | None:
     return None
 
 
-def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]:
+def worker_argv(
+    kind: str, opts: list[str], tool_queues: list[str], io_queues: list[str] | None = None
+) -> list[str]:
     """The celery worker command line for one kind of agentq worker."""
     spec = WORKER_KINDS[kind]
     pool = _pool_of(opts)
@@ -49,7 +53,18 @@ def worker_argv(kind: str, opts: list[str], tool_queues: list[str]) -> list[str]
             f"the tool worker needs the prefork pool (hard time limits "
             f"are only enforced there), not {pool!r}",
         )
-    queues = {"turns": ["agentq.turns"], "llm": ["agentq.llm"], "tools": tool_queues}[kind]
+    if kind == "io" and pool not in (None, "threads"):
+        raise ConfigError(
+            "--pool",
+            f"the I/O worker runs its calls on one event loop fed by the threads pool, "
+            f"not {pool!r}",
+        )
+    queues = {
+        "turns": ["agentq.turns"],
+        "llm": ["agentq.llm"],
+        "tools": tool_queues,
+        "io": io_queues or ["agentq.io"],
+    }[kind]
     argv = ["worker"]
     if not _has(opts, "-Q", "--queues"):
         argv += ["-Q", ",".join(queues)]
@@ -123,11 +138,57 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
     from agentq.config import get_settings
 
     require_reachable(get_settings(), broker=True)
-    from agentq.worker import app, tool_queues
+    if kind == "io" and not _is_help(opts) and os.environ.get(_SUPERVISED) != "1":
+        return supervise(kind, opts)
+    from agentq.worker import app, io_queues, tool_queues
 
-    argv = worker_argv(kind, opts, tool_queues)
+    argv = worker_argv(kind, opts, tool_queues, io_queues)
     app.worker_main(argv=argv)
     return 0
+
+
+_SUPERVISED = "AGENTQ_SUPERVISED"
+
+
+def _is_help(opts: list[str]) -> bool:
+    return any(o in ("-h", "--help") for o in opts)
+
+
+def supervise(kind: str, opts: list[str]) -> int:
+    """Run the worker as a child and start a fresh one when it recycles itself.
+
+    An event-loop worker whose loop stayed blocked past a call's hard limit exits with
+    RECYCLE_EXIT_CODE; any other exit ends the supervisor with the same code.
+    SIGTERM and SIGINT are passed on, so a warm shutdown stays warm.
+    """
+    import signal
+    import subprocess
+
+    from agentq.constants import RECYCLE_EXIT_CODE
+
+    argv = [sys.executable, "-m", "agentq", "worker", kind, *opts]
+    env = {**os.environ, _SUPERVISED: "1"}
+    child: subprocess.Popen[bytes] | None = None
+    stopping = False
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    while True:
+        child = subprocess.Popen(argv, env=env)
+        rc = child.wait()
+        if rc != RECYCLE_EXIT_CODE or stopping:
+            return rc
+        print(
+            f"agentq: the {kind} worker recycled itself (blocked event loop); restarting",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -203,17 +264,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("AGENTQ_TURN_TOKEN"),
         help="the turn's token (or AGENTQ_TURN_TOKEN)",
     )
-    sub.add_parser("turns", help="list running turns")
+    t = sub.add_parser("turns", help="list recent and running turns, newest first")
+    t.add_argument("--status", default=None, help="e.g. running, finished, active, ended")
+    t.add_argument("--agent", default=None, help="only turns of this agent")
+    t.add_argument("--limit", type=int, default=50)
+    t.add_argument("--json", action="store_true", help="one JSON document, for machines")
+    t.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=1.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (1 by default) until Ctrl-C",
+    )
+    sh = sub.add_parser("show", help="a turn's timeline: model rounds and calls")
+    sh.add_argument("turn_id")
+    sh.add_argument("--json", action="store_true", help="the timeline as JSON")
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id")
     e.add_argument("--after", default="0-0", help="resume after this stream id")
     # No -h of its own: `agentq worker tools --help` shows Celery's worker options.
-    w = sub.add_parser("worker", help="start a worker: turns, llm or tools", add_help=False)
+    w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
     w.add_argument("kind", choices=sorted(WORKER_KINDS))
     sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app")
     sv = sub.add_parser("serve", help="the HTTP gateway and web page")
     sv.add_argument("--host", default=None)
     sv.add_argument("--port", type=int, default=None)
+    sv.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="serve beyond loopback with no key (AGENTQ_API_KEYS unset): anyone who "
+        "reaches the port can read and start turns",
+    )
     d = sub.add_parser("dev", help="everything on one machine, Redis included")
     d.add_argument("--no-flower", action="store_true", help="don't start Flower")
     d.add_argument(
@@ -260,13 +343,13 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     if args.cmd == "serve":
         from agentq.gateway.server import serve
 
-        return serve(host=args.host, port=args.port)
+        return serve(host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth)
     if args.cmd == "dev":
         from agentq.dev import main as dev_main
 
         return dev_main(args)
     from agentq.api import Client
-    from agentq.cli.run import print_json, run
+    from agentq.cli.run import run
 
     require_reachable(get_settings(), broker=args.cmd == "run")
     client = Client()
@@ -283,8 +366,20 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"aborted {args.turn_id}")
         return 0
     if args.cmd == "turns":
-        print_json(client.active())
-        return 0
+        from agentq.cli.show import cmd_turns
+
+        return cmd_turns(
+            client,
+            status=args.status,
+            agent=args.agent,
+            limit=args.limit,
+            as_json=args.json,
+            watch=args.watch,
+        )
+    if args.cmd == "show":
+        from agentq.cli.show import cmd_show
+
+        return cmd_show(client, args.turn_id, as_json=args.json)
     if args.cmd == "events":
         for ev in client.events(args.turn_id, after_id=args.after):
             if ev is not None:

@@ -91,7 +91,10 @@ def run(
     conversation_id: str | None = None,
 ) -> int:
     console = Console(stderr=as_json)
-    handle = client.start_turn(prompt, headless=headless, conversation_id=conversation_id)
+    # The command holds Redis credentials: it may continue any conversation, as it could read it.
+    handle = client.start_turn(
+        prompt, headless=headless, conversation_id=conversation_id, operator=True
+    )
     aborts = {"n": 0}
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import redis
 
-from agentq.constants import events_channel, log_key, seq_key
+from agentq.constants import events_channel, log_key, seq_key, turn_key
 from agentq.models import Event
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
@@ -28,8 +28,18 @@ redis.call('PUBLISH', {channel}, '{{"stream_id":"' .. id .. '",' .. string.sub(b
 """
 
 
+# Nothing is published after a turn's terminal event (the terminal event itself is
+# published by the script that ends the turn): a late writer, such as a stream worker
+# finishing its deltas after an abort, is refused here atomically.
 PUBLISH_LUA = (
-    publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]") + "return {seq, id}"
+    """
+local status = redis.call('HGET', KEYS[4], 'status')
+if status == '"finished"' or status == '"aborted"' or status == '"error"' then
+  return {0, ''}
+end
+"""
+    + publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]")
+    + "return {seq, id}"
 )
 
 CATCH_UP_S = 2.0
@@ -53,9 +63,9 @@ class EventBus:
         self._publish = client.register_script(PUBLISH_LUA)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
-        """Publish one event; return its seq."""
+        """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
         res = self._publish(
-            keys=[seq_key(turn_id), log_key(turn_id), events_channel(turn_id)],
+            keys=[seq_key(turn_id), log_key(turn_id), events_channel(turn_id), turn_key(turn_id)],
             args=[event_body(turn_id, type_, fields), self.log_maxlen],
         )
         return int(res[0])

@@ -3,6 +3,13 @@
 Every Redis call (the Client's methods, the event follow loop) runs in a worker thread,
 never on the event loop. Errors are JSON: ``{"error": {"type": ..., "message": ...}}``.
 
+Who may do what (agentq.gateway.auth): with keys configured, every call but /healthz and
+the page needs `Authorization: Bearer` with an API key, an admin key or, for one turn's
+own endpoints, that turn's token; a turn someone may not see answers 404, like an
+unknown one. Without keys (loopback only), turns are readable by anyone who reaches the
+gateway and steered with their token. Starts are limited per caller (agentq.gateway.limits)
+and cross-site requests refused (agentq.gateway.guard).
+
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)
 owns it: if that client goes away before the turn's terminal event, the turn is
@@ -11,10 +18,8 @@ aborted with reason ``disconnect``. Without a token, the stream is read-only.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import re
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -27,23 +32,43 @@ import redis
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from agentq import logredact
 from agentq.api import Client
 from agentq.errors import (
     AgentqError,
-    InteractionClosed,
-    InteractionNotFound,
-    PayloadTooLarge,
-    TokenInvalid,
+    Forbidden,
     TurnNotFound,
+    Unauthorized,
 )
+from agentq.gateway.auth import (
+    Keyring,
+    Principal,
+    may_access,
+    may_list,
+    secret_matches,
+    token_matches,
+)
+from agentq.gateway.console import console_routes
+from agentq.gateway.errors import (
+    ApiError,
+    bearer,
+    exception_handlers,
+    read_json,
+    require_token,
+    validation_error,
+)
+from agentq.gateway.guard import RequestGuard
+from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source, replay_all
+from agentq.gateway.validate import clamp_to_log, request_id_of, stream_id_of, turn_id_of
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 
 log = logging.getLogger("agentq.gateway")
@@ -52,97 +77,11 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 BODY_MARGIN_BYTES = 64 * 1024
 """Room for JSON escaping and the other fields above `max_prompt_bytes`."""
 HEALTH_TIMEOUT_S = 2.0
-_STREAM_ID = re.compile(r"^(0|\d+-\d+)$")
 # The page loads only its own script and style: no inline code, nothing from elsewhere.
 PAGE_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
-
-
-class ApiError(Exception):
-    """An HTTP-level refusal that is not one of agentq's own errors."""
-
-    def __init__(
-        self,
-        status_code: int,
-        type_: str,
-        message: str,
-        *,
-        detail: list[dict[str, Any]] | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.type = type_
-        self.message = message
-        self.detail = detail
-        self.headers = headers
-
-
-def error_response(
-    status_code: int,
-    type_: str,
-    message: str,
-    *,
-    detail: list[dict[str, Any]] | None = None,
-    headers: dict[str, str] | None = None,
-) -> JSONResponse:
-    body: dict[str, Any] = {"type": type_, "message": message}
-    if detail is not None:
-        body["detail"] = detail
-    return JSONResponse({"error": body}, status_code=status_code, headers=headers)
-
-
-def validation_error(exc: ValidationError) -> ApiError:
-    """422 whose message names the first bad field, with every problem in `detail`."""
-    detail = [
-        {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
-        for e in exc.errors()
-    ]
-    first = detail[0] if detail else {"field": "body", "message": "invalid"}
-    return ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
-
-
-async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise PayloadTooLarge("request body", int(declared), limit_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit_bytes:
-            raise PayloadTooLarge("request body", len(body), limit_bytes)
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(422, "MalformedJSON", f"body: not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise ApiError(422, "ValidationError", "body: must be a JSON object")
-    return data
-
-
-def bearer(request: Request, *, allow_query: bool = False) -> str | None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, value = auth.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    if allow_query:
-        return request.query_params.get("token") or None
-    return None
-
-
-def require_token(request: Request) -> str:
-    token = bearer(request)
-    if token is None:
-        raise ApiError(
-            401,
-            "Unauthorized",
-            "this call needs the turn's token: Authorization: Bearer <token>",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    return token
 
 
 class Gateway:
@@ -156,8 +95,20 @@ class Gateway:
         poll_s: float,
         observe_events: bool,
         max_streams: int,
+        keyring: Keyring,
     ) -> None:
         self.client = client
+        self.keyring = keyring
+        settings = client.settings
+        self.limits = StartLimits(
+            client.store.redis,
+            rate_per_s=settings.start_rate_per_s,
+            burst=settings.start_burst,
+            max_active=settings.max_active_turns_per_key,
+        )
+        self.metrics_token = (
+            settings.metrics_token.get_secret_value() if settings.metrics_token else None
+        )
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.metrics = GatewayMetrics()
@@ -183,7 +134,36 @@ class Gateway:
 
     # -- turns ---------------------------------------------------------------------
 
+    # -- who is calling ------------------------------------------------------------------
+
+    def caller(self, request: Request) -> tuple[Principal | None, str | None]:
+        """The key holder (if the bearer is a key) and the bearer itself (maybe a turn token)."""
+        presented = bearer(request)
+        principal = self.keyring.identify(presented)
+        if self.keyring.enabled and presented is None:
+            raise Unauthorized("this call needs a key: Authorization: Bearer <key>")
+        return principal, presented
+
+    def require_key(self, request: Request) -> Principal | None:
+        """The caller's key; with keys configured, a call without a valid one is refused."""
+        principal, _ = self.caller(request)
+        if self.keyring.enabled and principal is None:
+            raise Unauthorized("unknown key")
+        return principal
+
+    def authorize(
+        self, turn_id: str, principal: Principal | None, token: str | None
+    ) -> dict[str, Any]:
+        """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
+        state = self.client.store.state(turn_id)
+        if state is None or not may_access(state, principal, token):
+            raise TurnNotFound(turn_id)
+        return state
+
+    # -- turns ---------------------------------------------------------------------
+
     async def start_turn(self, request: Request) -> Response:
+        principal = self.require_key(request)
         data = await read_json(request, self.body_limit_bytes)
         if "parent_turn_id" in data:
             # Only a running turn may start sub-agents; over HTTP it would graft onto any turn.
@@ -194,38 +174,78 @@ class Gateway:
             raise validation_error(exc) from None
         if not req.initial_messages():
             raise ApiError(422, "ValidationError", "prompt: a turn needs a prompt or messages")
-        handle = await run_in_threadpool(self.client.start, req)
+        handle = await run_in_threadpool(self._start_limited, req, principal, request)
         return JSONResponse(
-            handle.model_dump(),
+            handle.model_dump(exclude_none=True),
             status_code=202,
             headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
         )
 
+    def _start_limited(
+        self, req: TurnRequest, principal: Principal | None, request: Request
+    ) -> Any:
+        client_host = request.client.host if request.client else "unknown"
+        subject = principal.name if principal else f"addr:{client_host}"
+        self.limits.take_start(subject)
+        reservation = self.limits.reserve(subject)
+        turn_id = None
+        try:
+            handle = self.client.start(
+                req,
+                owner=principal.name if principal else None,
+                admin=bool(principal and principal.admin),
+            )
+            turn_id = handle.turn_id
+            return handle
+        finally:
+            self.limits.started(subject, reservation, turn_id)
+
     async def get_turn(self, request: Request) -> Response:
-        turn = await run_in_threadpool(self.client.get, request.path_params["turn_id"])
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        if self.keyring.enabled:
+            principal, token = self.caller(request)
+            await run_in_threadpool(self.authorize, turn_id, principal, token)
+        turn = await run_in_threadpool(self.client.get, turn_id)
         return JSONResponse(turn)
 
     async def active(self, request: Request) -> Response:
-        return JSONResponse({"turns": await run_in_threadpool(self.client.active)})
+        principal = self.require_key(request)
+        turns = await run_in_threadpool(self.client.active)
+        if principal is not None:
+            turns = [t for t in turns if may_list(t, principal)]
+        return JSONResponse({"turns": turns})
+
+    async def _steer_access(self, request: Request, turn_id: str) -> tuple[str | None, bool]:
+        """(the turn's token if the caller showed it, whether a key authorized the caller)."""
+        if not self.keyring.enabled:
+            return require_token(request), False
+        principal, presented = self.caller(request)
+        state = await run_in_threadpool(self.authorize, turn_id, principal, presented)
+        if token_matches(state, presented):
+            return presented, False
+        return None, True
 
     async def abort(self, request: Request) -> Response:
-        token = require_token(request)
-        turn_id = request.path_params["turn_id"]
-        await run_in_threadpool(self.client.abort, turn_id, token, "user")
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        token, by_key = await self._steer_access(request, turn_id)
+        await run_in_threadpool(self.client.abort, turn_id, token, "user", operator=by_key)
         return JSONResponse({"ok": True, "turn_id": turn_id})
 
     async def answer(self, request: Request) -> Response:
-        token = require_token(request)
-        turn_id = request.path_params["turn_id"]
-        request_id = request.path_params["request_id"]
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        request_id = request_id_of(request.path_params["request_id"])
+        token, by_key = await self._steer_access(request, turn_id)
         data = await read_json(request, self.body_limit_bytes)
         try:
             ans = InteractionAnswer.model_validate(data)
         except ValidationError as exc:
             raise validation_error(exc) from None
-        await run_in_threadpool(
-            self.client.answer, turn_id, request_id, token, ans.decision, ans.value
-        )
+        if by_key:
+            await run_in_threadpool(self.client.interactions.answer, turn_id, request_id, ans)
+        else:
+            await run_in_threadpool(
+                self.client.answer, turn_id, request_id, token, ans.decision, ans.value
+            )
         return JSONResponse(
             {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
         )
@@ -245,17 +265,25 @@ class Gateway:
         return min(max(value, 0.05), 60.0)
 
     async def events(self, request: Request) -> Response:
-        turn_id = request.path_params["turn_id"]
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        principal = None
+        if self.keyring.enabled:
+            # A key only in the header: a URL (?token=) ends up in logs and history.
+            principal = self.keyring.identify(bearer(request))
         token = bearer(request, allow_query=True)
+        if self.keyring.enabled and token is None:
+            raise Unauthorized("this stream needs a key or the turn's token")
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
-        after = (
-            request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-        ).strip()
-        if not _STREAM_ID.match(after):
-            raise ApiError(422, "ValidationError", "Last-Event-ID: must be a stream id like 1-0")
+        after = stream_id_of(
+            (
+                request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
+            ).strip()
+        )
         keep_alive_s = self._keep_alive_s(request)
         poll_s = min(self.poll_s, keep_alive_s)
-        opened = await run_in_threadpool(self._open_events, turn_id, token, after, poll_s)
+        opened = await run_in_threadpool(
+            self._open_events, turn_id, principal, token, after, poll_s
+        )
         if opened is None:
             # The turn ended and the client has its last event: 204 stops EventSource retrying.
             return Response(status_code=204)
@@ -290,15 +318,27 @@ class Gateway:
         )
 
     def _open_events(
-        self, turn_id: str, token: str | None, after: str, poll_s: float
+        self,
+        turn_id: str,
+        principal: Principal | None,
+        token: str | None,
+        after: str,
+        poll_s: float,
     ) -> tuple[Iterator[Event | None], bool] | None:
-        state = self.client.store.state(turn_id)
-        if state is None:
-            raise TurnNotFound(turn_id)
         owner = False
-        if token is not None:
-            self.client.check_token(turn_id, token)
-            owner = not state.get("detach")
+        if self.keyring.enabled:
+            state = self.authorize(turn_id, principal, token)
+            # Only the turn's token attaches: a key reading along never aborts on leaving.
+            owner = token_matches(state, token) and not state.get("detach")
+        else:
+            found = self.client.store.state(turn_id)
+            if found is None:
+                raise TurnNotFound(turn_id)
+            state = found
+            if token is not None:
+                self.client.check_token(turn_id, token)
+                owner = not state.get("detach")
+        after = clamp_to_log(self.client.store.redis, turn_id, after)
         if state.get("status") in TERMINAL_STATUSES:
             bus = self.client.store.bus
             if not bus.replay(turn_id, after, count=1):
@@ -333,7 +373,20 @@ class Gateway:
             {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
         )
 
+    def _check_metrics_access(self, request: Request) -> None:
+        if not self.keyring.enabled and self.metrics_token is None:
+            return
+        presented = bearer(request)
+        if self.metrics_token is not None and secret_matches(presented, self.metrics_token):
+            return
+        principal = self.keyring.identify(presented)
+        if principal is None:
+            raise Unauthorized("/metrics needs an admin key or AGENTQ_METRICS_TOKEN")
+        if not principal.admin:
+            raise Forbidden("/metrics needs an admin key")
+
     async def metrics_page(self, request: Request) -> Response:
+        self._check_metrics_access(request)
         active = None
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
@@ -347,46 +400,6 @@ class Gateway:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _status_name(status_code: int) -> str:
-    from http import HTTPStatus
-
-    try:
-        return HTTPStatus(status_code).phrase.replace(" ", "").replace("-", "")
-    except ValueError:
-        return "HTTPError"
-
-
-async def _on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return error_response(
-        exc.status_code, exc.type, exc.message, detail=exc.detail, headers=exc.headers
-    )
-
-
-def _agentq_handler(status_code: int) -> Any:
-    async def handler(request: Request, exc: Exception) -> Response:
-        message = exc.message if isinstance(exc, AgentqError) else str(exc)
-        return error_response(status_code, type(exc).__name__, message)
-
-    return handler
-
-
-async def _on_redis_error(request: Request, exc: Exception) -> Response:
-    log.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
-    return error_response(503, "RedisUnavailable", f"{type(exc).__name__}: {exc}")
-
-
-async def _on_http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return error_response(
-        exc.status_code, _status_name(exc.status_code), exc.detail, headers=dict(exc.headers or {})
-    )
-
-
-async def _on_crash(request: Request, exc: Exception) -> Response:
-    return error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
-
-
 def create_app(
     client: Client | None = None,
     *,
@@ -394,20 +407,42 @@ def create_app(
     poll_s: float = 1.0,
     observe_events: bool = True,
     max_streams: int = 1000,
+    bind_host: str = "127.0.0.1",
 ) -> Starlette:
     """The gateway app.
 
     `heartbeat_s` is how often an idle SSE stream gets a keep-alive comment (a request
     may ask for another with ``?heartbeat=``); `poll_s` bounds how long a client's
-    disconnect can go unnoticed; `observe_events` feeds fleet-wide events to /metrics.
+    disconnect can go unnoticed; `observe_events` feeds fleet-wide events to /metrics;
+    `bind_host` is the address it listens on, which the Host check accepts.
+    Bad keys in the settings raise ConfigError naming the variable.
     """
+    # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
+    logredact.install()
+    client = client or Client()
     gw = Gateway(
-        client or Client(),
+        client,
         heartbeat_s=heartbeat_s,
         poll_s=poll_s,
         observe_events=observe_events,
         max_streams=max_streams,
+        keyring=Keyring.from_settings(client.settings),
     )
+    origins = client.settings.cors_origin_list
+    middleware = [Middleware(RequestGuard, bind_host=bind_host, cors_origins=origins)]
+    if origins:
+        # Outermost, so a preflight is answered before the guard sees it.
+        middleware.insert(
+            0,
+            Middleware(
+                CORSMiddleware,
+                allow_origins=origins,
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+                expose_headers=["Location", "Retry-After"],
+                max_age=600,
+            ),
+        )
     routes = [
         Route("/", gw.index, methods=["GET"]),
         Route("/healthz", gw.healthz, methods=["GET"]),
@@ -419,21 +454,13 @@ def create_app(
         Route("/v1/turns/{turn_id}/events", gw.events, methods=["GET"]),
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
         Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
+        *console_routes(gw),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
-    handlers: dict[Any, Any] = {
-        ApiError: _on_api_error,
-        HTTPException: _on_http_error,
-        TurnNotFound: _agentq_handler(404),
-        InteractionNotFound: _agentq_handler(404),
-        InteractionClosed: _agentq_handler(409),
-        TokenInvalid: _agentq_handler(403),
-        PayloadTooLarge: _agentq_handler(413),
-        AgentqError: _agentq_handler(400),
-        redis.RedisError: _on_redis_error,
-        Exception: _on_crash,
-    }
-    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=gw.lifespan)
+    handlers = exception_handlers()
+    app = Starlette(
+        routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=gw.lifespan
+    )
     app.state.gateway = gw
     return app
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import socket
 import threading
 import time
@@ -14,22 +13,14 @@ import uvicorn
 from starlette.applications import Starlette
 
 from agentq.config import get_settings
+from agentq.logredact import RedactCredentials
 
 GRACEFUL_SHUTDOWN_S = 5
 """SSE streams end within a second of shutdown; past this, shutdown cancels what is left."""
-_TOKEN_PARAM = re.compile(r"(?<=[?&]token=)[^&]+")
 
 
-class RedactTokens(logging.Filter):
-    """EventSource puts the turn's token in the URL (`?token=`); keep it out of access logs."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple):
-            record.args = tuple(
-                _TOKEN_PARAM.sub("***", a) if isinstance(a, str) else a for a in args
-            )
-        return True
+class RedactTokens(RedactCredentials):
+    """Kept for existing imports: agentq.logredact's rule, which create_app installs."""
 
 
 class GatewayServer(uvicorn.Server):
@@ -43,14 +34,22 @@ class GatewayServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve(host: str | None = None, port: int | None = None) -> int:
-    """Serve the gateway until interrupted; defaults from AGENTQ_GATEWAY_HOST/PORT."""
+def serve(
+    host: str | None = None, port: int | None = None, *, insecure_no_auth: bool = False
+) -> int:
+    """Serve the gateway until interrupted; defaults from AGENTQ_GATEWAY_HOST/PORT.
+
+    Without keys, a non-loopback `host` raises ConfigError unless `insecure_no_auth`.
+    """
     from agentq.gateway.app import create_app
+    from agentq.gateway.auth import Keyring, check_bind
 
     settings = get_settings()
+    bind_host = host or settings.gateway_host
+    check_bind(bind_host, Keyring.from_settings(settings), insecure_no_auth=insecure_no_auth)
     config = uvicorn.Config(
-        create_app(),
-        host=host or settings.gateway_host,
+        create_app(bind_host=bind_host),
+        host=bind_host,
         port=settings.gateway_port if port is None else port,
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,

@@ -1,109 +1,186 @@
-"""The stream worker's task: one model round, streamed, watched, and handed back to the turn."""
+"""The stream worker's task: one model round, streamed on the event loop, watched, and
+handed back to the turn.
+
+The Celery task (a thread of the `threads` pool) hands the round to the process's loop
+and returns, so one process streams thousands of rounds. While a round streams its
+key `agentq:turn:{id}:llm:{round}:alive` is renewed, for all rounds at once, by one
+coroutine; if the process dies the keys lapse and the turn sends those rounds again.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-import threading
+import os
+import socket
 import time
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from agentq import constants as k
-from agentq.config import Settings, get_settings
+from agentq.aio.host import LoopHost, Running, get_host
+from agentq.config import Settings
 from agentq.errors import Aborted, AgentqError, LlmError
-from agentq.llm.client import stream_round
 from agentq.models import LlmRoundRequest, LlmRoundResult
-from agentq.runtime import get_store
-from agentq.store import TurnStore
+
+if TYPE_CHECKING:
+    import openai
 
 log = logging.getLogger("agentq.llm")
 
 
-def run_round(req: LlmRoundRequest) -> LlmRoundResult:
-    settings = get_settings()
-    store = get_store()
-    done = store.redis.get(k.llm_result_key(req.turn_id, req.round_no))
-    if done is not None:
-        return LlmRoundResult.model_validate_json(done)
-    if store.status(req.turn_id) in (None, "finished", "aborted", "error"):
-        # A late or redelivered round of a turn that ended (or that Redis lost).
-        return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
-    # A heartbeat the turn watches: if this process dies mid-stream, the key lapses
-    # and the turn sends the round again instead of waiting for its long deadline.
-    alive = k.llm_alive_key(req.turn_id, req.round_no)
-    lease_ms = int(settings.turn_lease_s * 1000)
-    if not store.redis.set(alive, "1", nx=True, px=lease_ms):
-        # The broker handed this round out again while another delivery streams it.
-        log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
-        return LlmRoundResult(ok=False, error="streaming elsewhere", error_code="EDUPLICATE")
-    beating = threading.Event()
+class _Streams:
+    """Per process: the shared model client and the rounds streaming now."""
 
-    def beat() -> None:
-        while not beating.wait(settings.turn_lease_s / 3):
+    def __init__(self, host: LoopHost) -> None:
+        from agentq.llm.aclient import client_timeout, make_client
+
+        s = host.settings
+        self.host = host
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.lease_ms = int(s.turn_lease_s * 1000)
+        self.alive: dict[tuple[str, int], str] = {}
+        self.client: openai.AsyncOpenAI | None = None
+        if s.llm_base_url:
+            self.client = make_client(
+                base_url=s.llm_base_url,
+                api_key=s.llm_api_key,
+                max_connections=s.io_capacity + 100,
+                timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
+            )
+        self.renewer = asyncio.get_running_loop().create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.host.settings.turn_lease_s / 3)
             try:
-                store.redis.set(alive, "1", px=lease_ms)
+                await self.host.io(
+                    self.host.store.llm_rounds_alive, dict(self.alive), self.lease_ms
+                )
             except Exception:
                 log.warning("llm heartbeat failed", exc_info=True)
 
-    heart = threading.Thread(target=beat, name="agentq-llm-heartbeat", daemon=True)
-    heart.start()
+
+_streams: _Streams | None = None
+
+
+def _get_streams(host: LoopHost) -> _Streams:
+    global _streams
+    if _streams is None:
+        _streams = _Streams(host)
+    return _streams
+
+
+class _Deltas:
+    """Publishes a round's deltas in order, batching what piles up while one batch is out."""
+
+    def __init__(self, host: LoopHost, turn_id: str, round_no: int) -> None:
+        self.host = host
+        self.turn_id = turn_id
+        self.round_no = round_no
+        self.buffer: list[tuple[str, dict[str, Any]]] = []
+        self.flushing: asyncio.Task[None] | None = None
+
+    def add(self, type_: str, **fields: Any) -> None:
+        self.buffer.append((type_, {"round_no": self.round_no, **fields}))
+        if self.flushing is None or self.flushing.done():
+            self.flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        while self.buffer:
+            batch, self.buffer = self.buffer, []
+            try:
+                await self.host.io(self.host.store.publish_many, self.turn_id, batch)
+            except Exception:
+                log.warning("llm events not published", exc_info=True)
+
+    async def drain(self) -> None:
+        while self.flushing is not None and not self.flushing.done():
+            await self.flushing
+        if self.buffer:
+            await self._flush()
+
+
+async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
+    store = host.store
+    streams = _get_streams(host)
+    done = await host.io(store.redis.get, k.llm_result_key(req.turn_id, req.round_no))
+    if done is not None:
+        return LlmRoundResult.model_validate_json(done)
+    if await host.io(store.status, req.turn_id) in (None, "finished", "aborted", "error"):
+        # A late or redelivered round of a turn that ended (or that Redis lost).
+        return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
+    claimed = await host.io(
+        store.llm_round_started, req.turn_id, req.round_no, streams.worker, streams.lease_ms
+    )
+    if not claimed:
+        # The broker handed this round out again while another delivery streams it.
+        log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
+        return LlmRoundResult(ok=False, error="streaming elsewhere", error_code="EDUPLICATE")
+    key = (req.turn_id, req.round_no)
+    streams.alive[key] = streams.worker
+    name = f"{k.TASK_LLM_ROUND}:{req.turn_id}:{req.round_no}"
+    host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
+    abort = asyncio.Event()
+    remove_cancel = host.cancels.add(req.turn_id, abort.set)
     try:
-        return _run_round(req, store, settings)
+        if await host.io(store.redis.exists, k.cancel_key(req.turn_id)):
+            abort.set()
+        result = await _stream(host, streams, req, abort)
     finally:
-        beating.set()
-        heart.join()
-        with contextlib.suppress(Exception):  # it lapses on its own; never mask the round
-            store.redis.delete(alive)
+        remove_cancel()
+        streams.alive.pop(key, None)
+        host.running.pop(name, None)
+    await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json())
+    return result
 
 
-def _run_round(req: LlmRoundRequest, store: TurnStore, settings: Settings) -> LlmRoundResult:
-    cancel = k.cancel_key(req.turn_id)
+async def _stream(
+    host: LoopHost, streams: _Streams, req: LlmRoundRequest, abort: asyncio.Event
+) -> LlmRoundResult:
+    from agentq.llm.aclient import astream_round
 
-    def cancelled() -> bool:
-        return bool(store.redis.exists(cancel))
+    settings: Settings = host.settings
+    events = _Deltas(host, req.turn_id, req.round_no)
 
     def on_delta(kind: str, text: str) -> None:
-        store.bus.publish(req.turn_id, "llm_delta", round_no=req.round_no, kind=kind, text=text)
+        events.add("llm_delta", kind=kind, text=text)
 
     def on_retry(attempt: int, exc: Exception, delay_s: float) -> None:
-        store.bus.publish(
-            req.turn_id,
+        events.add(
             "llm_retry",
-            round_no=req.round_no,
             attempt=attempt,
             error=str(exc),
             code=getattr(exc, "code", None),
             delay_ms=int(delay_s * 1000),
         )
 
-    store.bus.publish(req.turn_id, "llm_started", round_no=req.round_no, model=settings.llm_model)
+    events.add("llm_started", model=settings.llm_model)
     t0 = time.monotonic()
     try:
-        if not settings.llm_base_url:
+        if streams.client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
-        messages = store.history(req.turn_id)
-        message, streamed_s = stream_round(
+        messages = await host.io(host.store.history, req.turn_id)
+        message, streamed_s = await astream_round(
+            streams.client,
             messages,
             req.tools,
-            base_url=settings.llm_base_url,
-            api_key=settings.llm_api_key,
             model=settings.llm_model,
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,
             max_retries=settings.llm_max_retries,
-            request_timeout_s=settings.llm_request_timeout_s,
+            timeout=None,
             on_delta=on_delta,
             on_retry=on_retry,
-            cancelled=cancelled,
+            abort=abort,
             turn_id=req.turn_id,
         )
         result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
-        store.bus.publish(
-            req.turn_id,
+        events.add(
             "llm_finished",
-            round_no=req.round_no,
             finish_reason=message.finish_reason,
             tool_calls=len(message.tool_calls),
             usage=None if message.usage is None else message.usage.model_dump(),
@@ -116,10 +193,8 @@ def _run_round(req: LlmRoundRequest, store: TurnStore, settings: Settings) -> Ll
     except AgentqError as exc:
         code = getattr(exc, "code", "ELLM")
         fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
-        store.bus.publish(
-            req.turn_id,
+        events.add(
             "llm_finished",
-            round_no=req.round_no,
             error=exc.message,
             code=code,
             duration_ms=int((time.monotonic() - t0) * 1000),
@@ -141,19 +216,31 @@ def _run_round(req: LlmRoundRequest, store: TurnStore, settings: Settings) -> Ll
             error_type=type(exc).__name__,
             streamed_s=time.monotonic() - t0,
         )
-    payload = result.model_dump_json()
-    pipe = store.redis.pipeline()
-    pipe.set(k.llm_result_key(req.turn_id, req.round_no), payload, ex=settings.state_ttl_s)
-    pipe.rpush(
-        k.inbox_key(req.turn_id),
-        f'{{"kind":"llm","round_no":{req.round_no},"result":{payload}}}',
-    )
-    pipe.execute()
+    # Every delta is out before the turn hears the round ended.
+    await events.drain()
     return result
+
+
+def submit_round(req: LlmRoundRequest) -> None:
+    """In a Celery thread: hand the round to the loop (waiting while it is full)."""
+    host = get_host()
+    host.loop.submit(lambda: _guarded(host, req))
+
+
+async def _guarded(host: LoopHost, req: LlmRoundRequest) -> None:
+    try:
+        await run_round(host, req)
+    except Exception:
+        log.exception("round %s of turn %s failed outside the stream", req.round_no, req.turn_id)
+        with contextlib.suppress(Exception):
+            failed = LlmRoundResult(ok=False, error="the stream worker failed", error_code="ELLM")
+            await host.io(
+                host.store.finish_llm_round, req.turn_id, req.round_no, failed.model_dump_json()
+            )
 
 
 def register_llm_task(app: Celery) -> None:
     @app.task(name=k.TASK_LLM_ROUND, acks_late=True, ignore_result=True, queue=k.QUEUE_LLM)
     def llm_round_task(**kwargs: object) -> str:
-        result = run_round(LlmRoundRequest.model_validate(kwargs))
-        return "ok" if result.ok else json.dumps({"error": result.error})
+        submit_round(LlmRoundRequest.model_validate(kwargs))
+        return json.dumps({"round": "handed to the event loop"})

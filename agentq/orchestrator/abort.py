@@ -1,4 +1,4 @@
-"""Abort: revoke a turn's unfinished tasks and leave a history where every call has a result."""
+"""Ending a round early: revoke a turn's unfinished tasks and give every call a result."""
 
 from __future__ import annotations
 
@@ -8,30 +8,10 @@ from typing import Any
 
 from celery import Celery
 
-from agentq.constants import results_key
+from agentq import constants as k
 from agentq.models import ToolCall, ToolResult
-from agentq.results import cancelled_result
+from agentq.orchestrator.plan import pending_calls
 from agentq.store import TurnStore, text
-
-
-def pending_calls(history: list[dict[str, Any]]) -> list[ToolCall]:
-    """The tool calls of the last assistant message that have no tool message yet."""
-    for i in range(len(history) - 1, -1, -1):
-        msg = history[i]
-        if msg.get("role") == "assistant":
-            answered = {m.get("tool_call_id") for m in history[i + 1 :] if m.get("role") == "tool"}
-            return [
-                ToolCall(
-                    id=c["id"],
-                    name=c["function"]["name"],
-                    arguments=c["function"].get("arguments") or "{}",
-                )
-                for c in msg.get("tool_calls") or []
-                if c["id"] not in answered
-            ]
-        if msg.get("role") == "user":
-            return []
-    return []
 
 
 def revoke_unsettled(
@@ -42,7 +22,7 @@ def revoke_unsettled(
     Only the workers running them are told: a task that has not started yet never
     runs, since its start sees the turn's cancel flag.
     """
-    done = {text(c) for c in store.redis.hkeys(results_key(turn_id))}
+    done = {text(c) for c in store.redis.hkeys(k.results_key(turn_id))}
     starts = store.starts(turn_id)
     running = {
         d["task_id"]: starts[cid].get("worker")
@@ -69,37 +49,18 @@ def revoke_unsettled(
 def settle_pending(
     store: TurnStore,
     turn_id: str,
+    history: list[dict[str, Any]],
     result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
-) -> int:
-    """Settle each unanswered call (unless a result won already) and append the round's
-    tool messages, so the history stays valid however the turn ends."""
-    calls = pending_calls(store.history(turn_id))
+) -> list[dict[str, Any]]:
+    """Settle each unanswered call (unless a result won already); return the round's tool
+    messages, so the history stays valid however the turn ends."""
+    calls = pending_calls(history)
     if not calls:
-        return 0
+        return []
     _, dispatched = store.round_view(turn_id, [c.id for c in calls])
     for call in calls:
-        store.settle(turn_id, result_for(call, dispatched.get(call.id, {})))
+        store.settle(turn_id, result_for(call, dispatched.get(call.id, {})), wake=False)
     results, _ = store.round_view(turn_id, [c.id for c in calls])
-    store.append_history(turn_id, *[results[c.id].to_openai() for c in calls])
-    return len(calls)
-
-
-def settle_cancelled(store: TurnStore, turn_id: str, reason: str) -> int:
-    """Settle each unanswered call as cancelled and append the round's tool messages."""
-    return settle_pending(
-        store,
-        turn_id,
-        lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
-    )
-
-
-def finalize_abort(
-    store: TurnStore, app: Celery, turn_id: str, reason: str, *, kill_grace_s: float
-) -> None:
-    """Everything an abort does after the flag is set; run by whoever holds the turn's lease."""
-    revoked = revoke_unsettled(store, app, turn_id, kill_grace_s=kill_grace_s)
-    cancelled = settle_cancelled(store, turn_id, reason)
-    store.close(turn_id, "aborted", abort_reason=reason)
-    store.bus.publish(
-        turn_id, "turn_aborted", reason=reason, revoked=len(revoked), cancelled_calls=cancelled
-    )
+    # A password answer is read once by its tool; a round that ends must not leave one.
+    store.redis.delete(*[k.secret_key(turn_id, f"{c.id}.approval") for c in calls])
+    return [results[c.id].to_openai() for c in calls]

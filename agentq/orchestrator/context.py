@@ -1,4 +1,4 @@
-"""What one running turn carries: its id, its store, its inbox, its abort check."""
+"""What one step of a turn carries: the turn's state as read, and the lock token that fences it."""
 
 from __future__ import annotations
 
@@ -9,39 +9,33 @@ from typing import Any
 from celery import Celery
 
 from agentq.config import Settings
-from agentq.errors import Aborted
+from agentq.errors import StepLost
 from agentq.store import TurnStore
 
 
 @dataclass
-class TurnContext:
+class StepContext:
     turn_id: str
     store: TurnStore
     app: Celery
     settings: Settings
-    headless: bool = False
-    lease_lost: bool = False
-    deferred: list[dict[str, Any]] = field(default_factory=list)
-    """Inbox messages read while waiting for something else, handed out on the next wait."""
+    token: str
+    state: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The turn's history as this step knows it: read when it began, plus what it appended."""
+    cancel_reason: str | None = None
+    now: float = field(default_factory=time.time)
 
-    def check_abort(self) -> None:
-        reason = self.store.cancel_reason(self.turn_id)
-        if reason is not None:
-            raise Aborted(self.turn_id, reason)
+    @property
+    def headless(self) -> bool:
+        return bool(self.state.get("headless"))
 
-    def wait(self, timeout_s: float) -> dict[str, Any] | None:
-        """Next inbox message within `timeout_s`, or None; raises Aborted on an abort."""
-        if self.lease_lost:
-            raise Aborted(self.turn_id, "lease lost")
-        if self.deferred:
-            return self.deferred.pop(0)
-        msg = self.store.pop(self.turn_id, timeout_s)
-        if msg is not None and msg.get("kind") == "abort":
-            raise Aborted(self.turn_id, str(msg.get("reason", "user")))
-        return msg
-
-    def wait_until(self, deadline: float) -> dict[str, Any] | None:
-        return self.wait(max(0.0, deadline - time.time()))
+    def commit(self, append: list[dict[str, Any]] | None = None, **fields: Any) -> None:
+        """Record state fields (and history messages) atomically, fenced by the step's lock."""
+        if not self.store.commit(self.turn_id, self.token, fields, append):
+            raise StepLost(self.turn_id)
+        self.state.update(fields)
+        self.history.extend(append or [])
 
     def publish(self, type_: str, **fields: Any) -> int:
         return self.store.bus.publish(self.turn_id, type_, **fields)

@@ -94,6 +94,9 @@ class Round(BaseModel):
     retry_after_s: float | None = None
     """Sent with http_429 as `retry-after-ms` and a rounded-up `Retry-After`."""
     usage: Usage | None = None
+    raw_chunks: list[str] | None = None
+    """Sent verbatim as the stream's `data:` lines (then `[DONE]`) instead of the above:
+    arbitrary JSON, fragments or garbage, for fuzzing the stream worker."""
 
 
 Script = list[Round]
@@ -155,6 +158,8 @@ class _Plan:
 
 class _HTTPServer(ThreadingHTTPServer):
     daemon_threads = True
+    # A stream worker opens a thousand streams at once: keep their connects queued.
+    request_queue_size = 1024
 
     def __init__(self, address: tuple[str, int], owner: ScriptedOpenAIServer) -> None:
         super().__init__(address, _Handler)
@@ -489,6 +494,12 @@ class _Handler(BaseHTTPRequestHandler):
             "created": int(time.time()),
             "model": plan.model,
         }
+        if rnd.raw_chunks is not None:
+            for raw in rnd.raw_chunks:
+                self._event(raw)
+            self._event("[DONE]")
+            self._send_frame(b"0\r\n\r\n")
+            return
         fault_at = 0 if plan.fault == "silent_after_200" else rnd.fault_after_chunks
         delay_s = rnd.chunk_delay_ms / 1000
         sent = 0

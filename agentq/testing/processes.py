@@ -420,6 +420,7 @@ def worker_env(
         "AGENTQ_REDIS_URL": redis_url,
         "AGENTQ_TOOLS": tools,
         "AGENTQ_TURN_LEASE_S": "1.5",
+        "AGENTQ_STEP_LOCK_S": "1.5",
         "AGENTQ_TOOL_GRACE_S": "1.5",
         "AGENTQ_ABORT_KILL_GRACE_S": "0.5",
         "AGENTQ_PROGRESS_INTERVAL_S": "1",

@@ -162,3 +162,16 @@ def bench_sleep(seconds: float = 5) -> str:
 def ask_quick(path: str) -> str:
     """Asks for approval with a 1 s timeout (tests of the deny-on-silence rule)."""
     return f"touched {path}"
+
+
+@tool(timeout_s=0, budget_s=600, queue="agentq.held")
+def held(ctx: ToolContext, seconds: float = 600) -> str:
+    """Wait a long time on its own queue (the benchmark's held stage), until cancelled."""
+    end = time.time() + seconds
+    while time.time() < end and not ctx.cancelled:
+        time.sleep(0.2)
+    return "released"
+
+
+# The async tools register with these: one AGENTQ_TOOLS module serves both tool workers.
+from agentq.testing import aio_tools as _aio_tools  # noqa: E402, F401

@@ -7,18 +7,24 @@ import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, get_type_hints, overload
+from typing import Any, Literal, TypeVar, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from agentq.config import get_settings
 from agentq.constants import TOOL_TASK_PREFIX
 from agentq.errors import ToolArgumentsInvalid, ToolDefinitionError, UnknownTool
 from agentq.tools.context import ToolContext
-from agentq.tools.policy import ToolPolicy
+from agentq.tools.policy import ResolvedPolicy, ToolPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _REGISTRY: dict[str, ToolSpec] = {}
+
+
+ToolKind = Literal["sync", "async", "thread"]
+"""sync: a prefork process of `agentq worker tools`; async: the event loop of `agentq
+worker io`; thread: a sync tool on a thread of `agentq worker io` (`thread=True`)."""
 
 
 @dataclass(frozen=True)
@@ -26,14 +32,28 @@ class ToolSpec:
     name: str
     fn: Callable[..., Any]
     description: str
-    policy: ToolPolicy
+    declared: ToolPolicy
+    """The policy as declared; `policy` fills in the defaults."""
     args_model: type[BaseModel]
     wants_ctx: bool
     schema: dict[str, Any] = field(default_factory=dict)
+    kind: ToolKind = "sync"
 
     @property
     def task_name(self) -> str:
         return TOOL_TASK_PREFIX + self.name
+
+    @property
+    def on_io_worker(self) -> bool:
+        return self.kind != "sync"
+
+    @property
+    def policy(self) -> ResolvedPolicy:
+        """The policy with its unset fields taken from this process's settings."""
+        s = get_settings()
+        return self.declared.resolved(
+            timeout_s=s.tool_timeout_s, budget_s=s.tool_budget_s, on_io=self.on_io_worker
+        )
 
     def openai_schema(self) -> dict[str, Any]:
         return {
@@ -89,6 +109,31 @@ def _args_model(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], boo
     return model, wants_ctx
 
 
+def _kind(name: str, f: Callable[..., Any], pol: ToolPolicy) -> ToolKind:
+    """How the tool runs; the shapes that cannot be a tool are refused here."""
+    target = inspect.unwrap(f)
+    if inspect.isasyncgenfunction(f) or inspect.isasyncgenfunction(target):
+        raise ToolDefinitionError(
+            name,
+            "an async generator cannot be a tool: collect the items and return them "
+            "(a list), or report each with ctx.progress(...)",
+        )
+    if inspect.isgeneratorfunction(f) or inspect.isgeneratorfunction(target):
+        raise ToolDefinitionError(
+            name,
+            "a generator cannot be a tool: return a list instead of yielding, "
+            "or report each item with ctx.progress(...)",
+        )
+    is_async = inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(target)
+    if is_async and pol.thread:
+        raise ToolDefinitionError(
+            name, "thread=True is for sync tools; an async def tool runs on the event loop"
+        )
+    if is_async:
+        return "async"
+    return "thread" if pol.thread else "sync"
+
+
 @overload
 def tool(fn: F, /) -> F: ...
 @overload
@@ -120,6 +165,7 @@ def tool(
             raise ToolDefinitionError(tool_name, _describe(exc)) from None
         except TypeError as exc:
             raise ToolDefinitionError(tool_name, str(exc)) from None
+        kind = _kind(tool_name, f, pol)
         model, wants_ctx = _args_model(tool_name, f)
         schema = model.model_json_schema()
         schema.pop("title", None)
@@ -130,10 +176,11 @@ def tool(
             name=tool_name,
             fn=f,
             description=doc.strip(),
-            policy=pol,
+            declared=pol,
             args_model=model,
             wants_ctx=wants_ctx,
             schema=schema,
+            kind=kind,
         )
         _REGISTRY[tool_name] = spec
         f.agentq_tool = spec  # type: ignore[attr-defined]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentq.models import ToolCall
+from agentq.models import ToolCall, TurnStatus
 from agentq.results import error_result
 from agentq.testing.openai_server import Round
 from agentq.testing.processes import wait_for
@@ -90,12 +90,16 @@ def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> 
     assert store.mark_started(tid, "c1", {**first, "started_at": 2.0}, event) == 2
     # An explicit retry (Celery's retry count went up) is a new delivery: it may run.
     assert store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event) == 1
-    store.close(tid, "finished")
+    store.close(tid, TurnStatus.FINISHED, "turn_finished", {})
     # Nothing starts, and nothing settles, in a turn that is over.
     assert store.mark_started(tid, "c2", {"delivery": "task-2/0"}, event) == -2
     assert not store.settle(tid, error_result(ToolCall(id="c1", name="counted"), "too late"))
     assert store.results(tid) == {}
-    assert [e.type for e in rig.log_events(tid)] == ["tool_started", "tool_started"]
+    assert [e.type for e in rig.log_events(tid)] == [
+        "tool_started",
+        "tool_started",
+        "turn_finished",
+    ]
 
 
 def test_dead_worker_of_an_unlimited_tool_is_noticed_by_its_heartbeat(rig, tmp_path: Path) -> None:

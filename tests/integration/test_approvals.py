@@ -168,34 +168,44 @@ def test_password_answer_never_stored(fleet, llm_server, client: Client, redis_s
         assert secret not in proc.log_text()
 
 
-def test_resumed_gate_uses_an_answer_the_dead_worker_had_taken(agentq_env) -> None:
+def test_a_step_decides_from_the_request_records(agentq_env) -> None:
+    """A step that takes over after a crash decides from the records: no second ask, no wait."""
     import uuid
 
-    from agentq import constants as k
     from agentq.config import get_settings
     from agentq.interactions import Interactions
     from agentq.models import InteractionAnswer, InteractionRequest, ToolCall
     from agentq.orchestrator.approvals import gate
-    from agentq.orchestrator.context import TurnContext
+    from agentq.orchestrator.context import StepContext
+    from agentq.orchestrator.plan import plan_call
     from agentq.runtime import get_app
 
     store = get_store()
     turn_id = uuid.uuid4().hex
     store.create(turn_id, {"status": "running"}, [{"role": "user", "content": "x"}])
-    store.acquire_lease(turn_id, "test", 600)  # this test is the turn; keep reapers off
-    ctx = TurnContext(turn_id=turn_id, store=store, app=get_app(), settings=get_settings())
+    # This test is the step: hold the turn's lock so no turn worker steps it meanwhile.
+    assert store.lock_step(turn_id, "test", 600_000)
+    ctx = StepContext(turn_id, store, get_app(), get_settings(), "test", store.state(turn_id) or {})
     approve = ToolCall(id="a1", name="delete_file", arguments='{"path": "p"}')
     deny = ToolCall(id="d1", name="delete_file", arguments='{"path": "q"}')
     inter = Interactions(store)
     for call, decision in ((approve, "approve"), (deny, "deny")):
-        inter.open(turn_id, InteractionRequest(request_id=f"{call.id}.approval", kind="approval",
-                                               call_id=call.id, tool=call.name, prompt="?",
-                                               timeout_ms=120_000))
+        inter.open(
+            turn_id,
+            InteractionRequest(
+                request_id=f"{call.id}.approval",
+                kind="approval",
+                call_id=call.id,
+                tool=call.name,
+                prompt="?",
+                timeout_ms=120_000,
+            ),
+        )
         inter.answer(turn_id, f"{call.id}.approval", InteractionAnswer(decision=decision))
-    store.redis.delete(k.inbox_key(turn_id))  # the dead worker had popped the answers
     t0 = time.monotonic()
-    out = gate(ctx, [approve, deny])
+    out = gate(ctx, [plan_call(approve), plan_call(deny)])
     assert time.monotonic() - t0 < 2  # decided from the records, no 120 s wait
+    assert out.wait_until is None
     assert list(out.denied) == ["d1"] and out.denied["d1"].reason == "user"
     # Nothing was asked twice.
     assert not [e for e in store.bus.replay(turn_id) if e.type == "interaction_requested"]

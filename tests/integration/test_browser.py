@@ -19,9 +19,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
 CHROMIUM = Path("/usr/bin/chromium")
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 
 
@@ -92,8 +99,12 @@ def follow_until(client: Client, turn_id: str, *types: str, timeout_s: float = 3
 
 
 def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: Client) -> None:
-    key = script(llm_server, Round(text="Hanging on.", tool_calls=[
-        ScriptedCall(name="hang", arguments={"seconds": 60})]))
+    key = script(
+        llm_server,
+        Round(
+            text="Hanging on.", tool_calls=[ScriptedCall(name="hang", arguments={"seconds": 60})]
+        ),
+    )
     turn_id = send(page, key)
     chip = page.locator(".chip.running", has_text="hang")
     chip.wait_for()
@@ -102,7 +113,9 @@ def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: 
     # The timer runs in the page: its text changes while the tool is still running.
     page.wait_for_function(
         "(t) => { const e = document.querySelector('.chip.running .elapsed');"
-        " return e && e.textContent !== t && parseFloat(e.textContent) > 0.5; }", arg=first)
+        " return e && e.textContent !== t && parseFloat(e.textContent) > 0.5; }",
+        arg=first,
+    )
     assert "d-green" in (elapsed.get_attribute("class") or "")
     bands = page.evaluate("[9.9, 10, 29.9, 30.1].map(durationBand)")
     assert bands == ["d-green", "d-yellow", "d-yellow", "d-red"]
@@ -122,9 +135,11 @@ def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: 
 
 
 def test_approval_prompt_with_countdown(page, llm_server, client: Client) -> None:
-    key = script(llm_server,
-                 Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "/t"})]),
-                 Round(text="Deleted it."))
+    key = script(
+        llm_server,
+        Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "/t"})]),
+        Round(text="Deleted it."),
+    )
     turn_id = send(page, key)
     ask = page.locator(".ask.pending")
     ask.wait_for()

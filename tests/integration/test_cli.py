@@ -112,7 +112,7 @@ def test_events_turns_and_operator_abort(fleet, llm_server, agentq_env) -> None:
         20,
         message="turn running a tool",
     )
-    listed = json.loads(agentq(agentq_env, "turns").stdout)
+    listed = json.loads(agentq(agentq_env, "turns", "--json").stdout)["turns"]
     mine = next(t for t in listed if t["turn_id"] == h.turn_id)
     assert mine["current_tools"][0]["tool"] == "hang"
     out = agentq(agentq_env, "abort", h.turn_id)
@@ -139,12 +139,21 @@ def test_tool_worker_refuses_a_pool_that_cannot_enforce_hard_limits(agentq_env) 
 def test_worker_entry_points_take_celery_options(agentq_env) -> None:
     import subprocess as sp
 
-    for kind in ("turns", "llm", "tools"):
-        out = sp.run([sys.executable, "-m", f"workers.{kind}", "--help"],
-                     env={**os.environ, **agentq_env}, capture_output=True, text=True,
-                     timeout=60)
+    for kind in ("turns", "llm", "tools", "io"):
+        out = sp.run(
+            [sys.executable, "-m", f"workers.{kind}", "--help"],
+            env={**os.environ, **agentq_env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
         assert "--concurrency" in out.stdout  # Celery's own worker options
-    bad = sp.run([sys.executable, "-m", "workers.tools", "-P", "solo"],
-                 env={**os.environ, **agentq_env}, capture_output=True, text=True, timeout=60)
+    bad = sp.run(
+        [sys.executable, "-m", "workers.tools", "-P", "solo"],
+        env={**os.environ, **agentq_env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "prefork" in bad.stderr

@@ -11,40 +11,28 @@ import psutil
 import pytest
 
 from agentq.models import ToolCall
-from agentq.orchestrator.context import TurnContext
-from agentq.orchestrator.dispatch import RoundDispatcher
-from agentq.runtime import get_app, get_settings, get_store
+from agentq.runtime import get_store
 from agentq.testing.processes import wait_for
+from agentq.testing.rounds import run_round
 
 pytestmark = pytest.mark.integration
-
-
-def _ctx() -> TurnContext:
-    store = get_store()
-    turn_id = uuid.uuid4().hex
-    store.create(turn_id, {"status": "running"}, [{"role": "user", "content": "x"}])
-    # This test is the turn: hold its lease, or a turn worker's reaper would take the
-    # "running" turn for an orphan, resume it and read its inbox.
-    store.acquire_lease(turn_id, "test", 600)
-    return TurnContext(turn_id=turn_id, store=store, app=get_app(), settings=get_settings())
 
 
 def call(name: str, **args: Any) -> ToolCall:
     return ToolCall(id=f"c_{uuid.uuid4().hex[:8]}", name=name, arguments=json.dumps(args))
 
 
-def test_parallel_round_settles_ok_ok_timeout_in_about_the_hard_limit(tool_worker) -> None:
-    ctx = _ctx()
+def test_parallel_round_settles_ok_ok_timeout_in_about_the_hard_limit(fleet) -> None:
     calls = [call("echo", text="a"), call("stuck", seconds=30), call("sleep", seconds=0.2)]
     t0 = time.time()
-    results = RoundDispatcher(ctx).run(calls)
+    turn_id, results = run_round(calls)
     took = time.time() - t0
     assert [r.status for r in results] == ["ok", "timeout", "ok"]
     assert [r.call_id for r in results] == [c.id for c in calls]
     assert 1.5 < took < 6, took  # hard limit of `stuck` is 2 s
     assert results[0].content == "a"
     # The fast results settled before the slow one: the event log shows their order.
-    finished = [e for e in ctx.store.bus.replay(ctx.turn_id) if e.type == "tool_finished"]
+    finished = [e for e in get_store().bus.replay(turn_id) if e.type == "tool_finished"]
     order = [e.fields["call_id"] for e in finished]
     assert order.index(calls[1].id) == 2
     stuck = results[1]
@@ -52,32 +40,29 @@ def test_parallel_round_settles_ok_ok_timeout_in_about_the_hard_limit(tool_worke
     wait_for(lambda: not psutil.pid_exists(stuck.record.pid or 0), 5, message="killed child gone")
 
 
-def test_soft_limit_partial_result_is_used(tool_worker) -> None:
-    ctx = _ctx()
-    (res,) = RoundDispatcher(ctx).run([call("gather", items=100)])
+def test_soft_limit_partial_result_is_used(fleet) -> None:
+    _, (res,) = run_round([call("gather", items=100)])
     assert res.status == "ok"
     assert res.record.soft_limited and res.record.partial
     data = json.loads(res.content)
     assert data["complete"] is False and len(data["items"]) > 5
 
 
-def test_overran_budget_is_ok_with_flag(tool_worker) -> None:
-    ctx = _ctx()
-    (res,) = RoundDispatcher(ctx).run([call("slowpoke", seconds=0.5)])
+def test_overran_budget_is_ok_with_flag(fleet) -> None:
+    _, (res,) = run_round([call("slowpoke", seconds=0.5)])
     assert res.status == "ok" and res.record.overran is True
     assert res.content == "done after 0.5s"
     assert res.record.duration_ms is not None and res.record.duration_ms >= 500
 
 
-def test_exclusive_never_overlaps(tool_worker) -> None:
-    ctx = _ctx()
+def test_exclusive_never_overlaps(fleet) -> None:
     calls = [
         call("stamp", seconds=0.3),
         call("stamp", seconds=0.3),
         call("exclusive_write", seconds=0.3),
         call("stamp", seconds=0.3),
     ]
-    results = RoundDispatcher(ctx).run(calls)
+    _, results = run_round(calls)
     assert all(r.status == "ok" for r in results)
     spans = [json.loads(r.content) for r in results]
     ex = spans[2]
@@ -88,8 +73,7 @@ def test_exclusive_never_overlaps(tool_worker) -> None:
     assert spans[0]["start"] < spans[1]["end"] and spans[1]["start"] < spans[0]["end"]
 
 
-def test_bad_input_settles_as_error_without_reaching_a_worker(tool_worker) -> None:
-    ctx = _ctx()
+def test_bad_input_settles_as_error_without_reaching_a_worker(fleet) -> None:
     calls = [
         ToolCall(id="bad_json", name="echo", arguments="{not json"),
         ToolCall(id="unknown", name="nope", arguments="{}"),
@@ -101,7 +85,7 @@ def test_bad_input_settles_as_error_without_reaching_a_worker(tool_worker) -> No
         ToolCall(id="raises", name="fail", arguments='{"message": "kaput"}'),
         ToolCall(id="big", name="big", arguments='{"size_bytes": 200000}'),
     ]
-    results = {r.call_id: r for r in RoundDispatcher(ctx).run(calls)}
+    results = {r.call_id: r for r in run_round(calls)[1]}
     assert "not valid JSON" in (results["bad_json"].error or "")
     assert "unknown tool 'nope'" in (results["unknown"].error or "")
     assert "seconds" in (results["wrong_type"].error or "")
@@ -120,9 +104,8 @@ def test_bad_input_settles_as_error_without_reaching_a_worker(tool_worker) -> No
         assert results[cid].record.task_id is None  # never sent to a worker
 
 
-def test_meta_timeout_hint_is_clamped_and_stripped(tool_worker) -> None:
-    ctx = _ctx()
+def test_meta_timeout_hint_is_clamped_and_stripped(fleet) -> None:
     c = call("sleep", seconds=0.1, _meta={"timeout_s": 9999})
-    (res,) = RoundDispatcher(ctx).run([c])
+    _, (res,) = run_round([c])
     assert res.status == "ok"
     assert res.record.timeout_s == 30  # clamped to the tool's ceiling

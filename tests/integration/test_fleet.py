@@ -66,8 +66,11 @@ def stack(
 ) -> Iterator[tuple[Client, dict[str, ManagedProcess]]]:
     """A fresh Redis, one turn and one stream worker, and one tool worker per name."""
     with RedisServer() as redis_server:
-        env = {**base, "AGENTQ_REDIS_URL": redis_server.url,
-               "AGENTQ_BROKER_URL": broker_url or redis_server.url}
+        env = {
+            **base,
+            "AGENTQ_REDIS_URL": redis_server.url,
+            "AGENTQ_BROKER_URL": broker_url or redis_server.url,
+        }
         tag = uuid.uuid4().hex[:6]
         specs: dict[str, tuple[str, int]] = {"turns": ("turns", 8), "llm": ("llm", 4)}
         specs.update({name: ("tools", tool_concurrency) for name in tool_workers})
@@ -75,8 +78,14 @@ def stack(
         # Started side by side: each worker spends its start-up importing, not waiting.
         with ThreadPoolExecutor(len(specs)) as pool:
             futures = {
-                name: pool.submit(start_worker, kind, env=env, hostname=f"{name}-{tag}@%h",
-                                  concurrency=conc, ready_timeout_s=60)
+                name: pool.submit(
+                    start_worker,
+                    kind,
+                    env=env,
+                    hostname=f"{name}-{tag}@%h",
+                    concurrency=conc,
+                    ready_timeout_s=60,
+                )
                 for name, (kind, conc) in specs.items()
             }
             errors = []
@@ -115,13 +124,14 @@ def collect(client: Client, turn_id: str, timeout_s: float = 60) -> list[Event]:
 
 def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None:
     # Three processes each: neither worker can take all six calls, so both must run some.
-    with stack(agentq_env, broker_url=None, tool_workers=["tools-a", "tools-b"],
-               tool_concurrency=3) as (client, procs):
+    with stack(
+        agentq_env, broker_url=None, tool_workers=["tools-a", "tools-b"], tool_concurrency=3
+    ) as (client, procs):
         # Different arguments: six identical calls would trip the loop detector.
-        sleeps = [ScriptedCall(name="sleep", arguments={"seconds": 0.5 + i / 100})
-                  for i in range(6)]
-        key = script(llm_server, Round(text="Six at once.", tool_calls=sleeps),
-                     Round(text="Done."))
+        sleeps = [
+            ScriptedCall(name="sleep", arguments={"seconds": 0.5 + i / 100}) for i in range(6)
+        ]
+        key = script(llm_server, Round(text="Six at once.", tool_calls=sleeps), Round(text="Done."))
         handle = client.start_turn(f"{key} go")
         events = collect(client, handle.turn_id)
         assert events[-1].type == "turn_finished", events[-1]
@@ -160,19 +170,26 @@ def amqp_broker() -> Iterator[str]:
         return
     server = shutil.which("rabbitmq-server")
     if os.environ.get("CI") != "true" or server is None:
-        pytest.skip(f"no RabbitMQ answers at {AMQP_URL} (set AGENTQ_TEST_AMQP_URL, or run "
-                    "with CI=true where rabbitmq-server is installed to start one)")
+        pytest.skip(
+            f"no RabbitMQ answers at {AMQP_URL} (set AGENTQ_TEST_AMQP_URL, or run "
+            "with CI=true where rabbitmq-server is installed to start one)"
+        )
     port = urlsplit(AMQP_URL).port or 5672
     # In the foreground, in its own process group, so it is stopped by PID afterwards.
     proc = start_process([server], env={"RABBITMQ_NODE_PORT": str(port)}, name="rabbitmq")
     try:
         try:
-            wait_for(lambda: amqp_answers(AMQP_URL, 2.0) or proc.poll() is not None,
-                     RABBITMQ_START_TIMEOUT_S, interval_s=1.0,
-                     message=f"RabbitMQ to answer at {AMQP_URL}")
+            wait_for(
+                lambda: amqp_answers(AMQP_URL, 2.0) or proc.poll() is not None,
+                RABBITMQ_START_TIMEOUT_S,
+                interval_s=1.0,
+                message=f"RabbitMQ to answer at {AMQP_URL}",
+            )
         except WaitTimeout:
-            pytest.fail(f"started {server} but no broker answered in "
-                        f"{RABBITMQ_START_TIMEOUT_S} s:\n{proc.log_tail()}")
+            pytest.fail(
+                f"started {server} but no broker answered in "
+                f"{RABBITMQ_START_TIMEOUT_S} s:\n{proc.log_tail()}"
+            )
         if proc.poll() is not None and not amqp_answers(AMQP_URL):
             pytest.fail(f"{server} exited with code {proc.returncode}:\n{proc.log_tail()}")
         yield AMQP_URL
@@ -187,15 +204,19 @@ def amqp_broker() -> Iterator[str]:
 
 
 def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_broker) -> None:
-    with stack(agentq_env, broker_url=amqp_broker, tool_workers=["tools-amqp"],
-               tool_concurrency=2) as (client, procs):
+    with stack(
+        agentq_env, broker_url=amqp_broker, tool_workers=["tools-amqp"], tool_concurrency=2
+    ) as (client, procs):
         assert client.app.conf.broker_url.startswith("amqp://")
         key = script(
             llm_server,
-            Round(text="Two tools.", tool_calls=[
-                ScriptedCall(name="echo", arguments={"text": "via rabbit"}),
-                ScriptedCall(name="sleep", arguments={"seconds": 0.3}),
-            ]),
+            Round(
+                text="Two tools.",
+                tool_calls=[
+                    ScriptedCall(name="echo", arguments={"text": "via rabbit"}),
+                    ScriptedCall(name="sleep", arguments={"seconds": 0.3}),
+                ],
+            ),
             Round(text="Done over AMQP."),
         )
         handle = client.start_turn(f"{key} go")
@@ -208,8 +229,9 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
         assert turn["history"][2]["content"] == "via rabbit"
 
         # Abort revokes over the broker's broadcast exchange: the stuck tool's process dies.
-        key = script(llm_server, Round(tool_calls=[ScriptedCall(name="hang",
-                                                                arguments={"seconds": 60})]))
+        key = script(
+            llm_server, Round(tool_calls=[ScriptedCall(name="hang", arguments={"seconds": 60})])
+        )
         handle = client.start_turn(f"{key} hang")
         started: list[Event] = []
         for ev in client.events(handle.turn_id, heartbeat_s=0.5):
@@ -222,9 +244,14 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
         assert events[-1].type == "turn_aborted"
         (res,) = [e for e in events if e.type == "tool_finished"]
         assert res.fields["status"] == "cancelled"
-        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status()
-                 == psutil.STATUS_ZOMBIE, 10, message=f"tool process {pid} killed",
-                 ignore=(psutil.NoSuchProcess,))
+        wait_for(
+            lambda: (
+                not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            ),
+            10,
+            message=f"tool process {pid} killed",
+            ignore=(psutil.NoSuchProcess,),
+        )
         assert procs["tools-amqp"].is_running()
 
 
@@ -234,14 +261,20 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
 def test_agentq_dev_once_runs_a_turn_and_leaves_nothing_behind() -> None:
     """The README's first command: embedded Redis, scripted model, all processes, one turn."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTQ_", "FLOWER_"))}
-    env.update({
-        "AGENTQ_REDIS_URL": f"redis://127.0.0.1:{find_free_port()}/0",
-        "AGENTQ_GATEWAY_PORT": "0",
-        "AGENTQ_FLOWER_PORT": "0",
-        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-    })
-    proc = start_process([sys.executable, "-m", "agentq", "dev", "--once"], env=env,
-                         inherit_env=False, name="agentq-dev")
+    env.update(
+        {
+            "AGENTQ_REDIS_URL": f"redis://127.0.0.1:{find_free_port()}/0",
+            "AGENTQ_GATEWAY_PORT": "0",
+            "AGENTQ_FLOWER_PORT": "0",
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        }
+    )
+    proc = start_process(
+        [sys.executable, "-m", "agentq", "dev", "--once"],
+        env=env,
+        inherit_env=False,
+        name="agentq-dev",
+    )
     try:
         rc = proc.wait(timeout_s=150)
     finally:
@@ -251,15 +284,20 @@ def test_agentq_dev_once_runs_a_turn_and_leaves_nothing_behind() -> None:
     assert "no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model" in out
     assert "started an embedded redis-server" in out
     assert "turn finished" in out and "2 ok" in out, out
+    # Flower got generated basic-auth credentials, shown once at start.
+    assert re.search(r"Flower\s+\S+\s+\(basic auth, user agentq password \S{12,}\)", out), out
     listed = re.search(r"^\s+pids\s+(.*)$", out, re.MULTILINE)
     redis_pid = re.search(r"embedded redis-server \(pid (\d+)\)", out)
     assert listed is not None and redis_pid is not None, out
     pids = {int(p) for p in re.findall(r"\b(\d+)\b", listed.group(1))}
     pids.add(int(redis_pid.group(1)))
-    assert len(pids) == 7, out  # model, 3 workers, gateway, Flower, Redis
+    assert len(pids) == 8, out  # model, 4 workers, gateway, Flower, Redis
     # Each was the leader of its own process group: no member of those groups is left.
-    left = [p.info for p in psutil.process_iter(["pid", "name", "status"])
-            if _pgid(p.pid) in pids and p.info["status"] != psutil.STATUS_ZOMBIE]
+    left = [
+        p.info
+        for p in psutil.process_iter(["pid", "name", "status"])
+        if _pgid(p.pid) in pids and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
     assert not left, (left, out)
 
 

@@ -44,18 +44,25 @@ def test_flower_refuses_to_listen_beyond_loopback_without_auth() -> None:
     with pytest.raises(ConfigError) as err:
         flower_argv(open_settings, [], {"FLOWER_ADDRESS": "0.0.0.0"})
     assert err.value.setting == "AGENTQ_FLOWER_BASIC_AUTH"
-    assert flower_argv(open_settings, [], {"FLOWER_ADDRESS": "0.0.0.0",
-                                           "FLOWER_BASIC_AUTH": "a:b"})
+    assert flower_argv(open_settings, [], {"FLOWER_ADDRESS": "0.0.0.0", "FLOWER_BASIC_AUTH": "a:b"})
     assert flower_argv(open_settings, [], {})  # loopback without auth is fine
 
 
 @pytest.fixture(scope="module")
 def flower(agentq_env: dict[str, str], tool_worker: ManagedProcess) -> Iterator[str]:
     port = find_free_port()
-    env = {**agentq_env, "AGENTQ_FLOWER_PORT": str(port),
-           "AGENTQ_FLOWER_BASIC_AUTH": ":".join(AUTH)}
-    proc = start_process([sys.executable, "-m", "agentq", "flower"], env=env,
-                         ready_pattern=r"Visit me at", ready_timeout_s=60, name="flower")
+    env = {
+        **agentq_env,
+        "AGENTQ_FLOWER_PORT": str(port),
+        "AGENTQ_FLOWER_BASIC_AUTH": ":".join(AUTH),
+    }
+    proc = start_process(
+        [sys.executable, "-m", "agentq", "flower"],
+        env=env,
+        ready_pattern=r"Visit me at",
+        ready_timeout_s=60,
+        name="flower",
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _status(f"{url}/healthcheck") == 200, 30, message="Flower answers")
@@ -97,8 +104,13 @@ def test_tool_task_shows_in_flower_by_tool_name(
         data = api.get("/workers", params={"json": 1}).json()["data"]
         return any(str(w.get("hostname", "")).startswith(prefix) for w in data)
 
-    wait_for(hears_tool_worker, 30, interval_s=0.25, message="Flower sees the tool worker",
-             ignore=(httpx.HTTPError,))
+    wait_for(
+        hears_tool_worker,
+        30,
+        interval_s=0.25,
+        message="Flower sees the tool worker",
+        ignore=(httpx.HTTPError,),
+    )
 
     # The workers run without task events (AGENTQ_TASK_EVENTS is off by default): Flower
     # switches them on by itself (enable_events, every 5 s). Run calls until one shows.
@@ -106,10 +118,13 @@ def test_tool_task_shows_in_flower_by_tool_name(
 
     def run_call_and_find_it() -> dict[str, Any] | None:
         key = f"flower-{uuid.uuid4().hex[:8]}"
-        llm_server.set_script(key, [
-            Round(tool_calls=[ScriptedCall(name="echo", arguments={"text": key})]),
-            Round(text="ok"),
-        ])
+        llm_server.set_script(
+            key,
+            [
+                Round(tool_calls=[ScriptedCall(name="echo", arguments={"text": key})]),
+                Round(text="ok"),
+            ],
+        )
         handle = client.start_turn(f"{key} go")
         assert client.wait(handle.turn_id, timeout_s=60).type == "turn_finished"
         (record,) = client.get(handle.turn_id)["invocations"]
@@ -124,8 +139,13 @@ def test_tool_task_shows_in_flower_by_tool_name(
             time.sleep(0.1)
         return None
 
-    task = wait_for(run_call_and_find_it, 40, interval_s=0.1,
-                    message="a tool task in Flower", ignore=(httpx.HTTPError,))
+    task = wait_for(
+        run_call_and_find_it,
+        40,
+        interval_s=0.1,
+        message="a tool task in Flower",
+        ignore=(httpx.HTTPError,),
+    )
     record = found["record"]
     task_id = record["task_id"]
     assert task["name"] == "agentq.tool.echo"

@@ -65,9 +65,14 @@ def start(http: httpx.Client, prompt: str, **fields: Any) -> dict[str, Any]:
     return body
 
 
-def read(http: httpx.Client, url: str, *, headers: dict[str, str] | None = None,
-         params: dict[str, str] | None = None,
-         until: Callable[[SSEMessage], bool] | None = None) -> list[SSEMessage]:
+def read(
+    http: httpx.Client,
+    url: str,
+    *,
+    headers: dict[str, str] | None = None,
+    params: dict[str, str] | None = None,
+    until: Callable[[SSEMessage], bool] | None = None,
+) -> list[SSEMessage]:
     """Event messages of one SSE response: to its end, or up to the first `until` match."""
     out: list[SSEMessage] = []
     with http.stream("GET", url, headers=headers, params=params) as resp:
@@ -103,11 +108,14 @@ def sse_connections(http: httpx.Client) -> float:
     return float(m.group(1)) if m else -1.0
 
 
-def test_turn_streams_every_event_with_its_stream_id(fleet, llm_server, http,
-                                                     client: Client) -> None:
-    key = script(llm_server,
-                 Round(text="Checking.", tool_calls=calls(("echo", {"text": "hi"}))),
-                 Round(text="All done."))
+def test_turn_streams_every_event_with_its_stream_id(
+    fleet, llm_server, http, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(text="Checking.", tool_calls=calls(("echo", {"text": "hi"}))),
+        Round(text="All done."),
+    )
     h = start(http, key)
     assert h["events_url"] == f"/v1/turns/{h['turn_id']}/events"
     msgs = read(http, h["events_url"], headers=auth(h["token"]))
@@ -133,11 +141,14 @@ def test_turn_streams_every_event_with_its_stream_id(fleet, llm_server, http,
     assert [m.id for m in read(http, h["events_url"])] == [m.id for m in msgs]
 
 
-def test_reconnect_with_last_event_id_gets_exactly_the_rest(fleet, llm_server, http,
-                                                            client: Client) -> None:
-    key = script(llm_server,
-                 Round(text="One moment.", tool_calls=calls(("sleep", {"seconds": 1.5}))),
-                 Round(text="Slept well.", chunk_delay_ms=10))
+def test_reconnect_with_last_event_id_gets_exactly_the_rest(
+    fleet, llm_server, http, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(text="One moment.", tool_calls=calls(("sleep", {"seconds": 1.5}))),
+        Round(text="Slept well.", chunk_delay_ms=10),
+    )
     h = start(http, key, detach=True)
     first = read(http, h["events_url"], until=is_type("tool_started"))
     assert first[-1].event == "tool_started"
@@ -173,15 +184,17 @@ def test_abort_over_http_then_404(fleet, llm_server, http, client: Client) -> No
     assert [r["status"] for r in turn["invocations"]] == ["cancelled"]
 
 
-def test_errors_are_json_with_the_right_status(fleet, llm_server, http,
-                                               client: Client) -> None:
-    for method, path in [("GET", "/v1/turns/nope"), ("GET", "/v1/turns/nope/events"),
-                         ("POST", "/v1/turns/nope/abort")]:
+def test_errors_are_json_with_the_right_status(fleet, llm_server, http, client: Client) -> None:
+    for method, path in [
+        ("GET", "/v1/turns/nope"),
+        ("GET", "/v1/turns/nope/events"),
+        ("POST", "/v1/turns/nope/abort"),
+    ]:
         r = http.request(method, path, headers=auth("whatever"))
         assert r.status_code == 404, (path, r.text)
         assert r.json()["error"]["type"] == "TurnNotFound"
     assert http.get("/no/such/page").json()["error"]["type"] == "NotFound"
-    assert http.get("/v1/turns").status_code == 405
+    assert http.delete("/v1/turns").status_code == 405
 
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
     h = start(http, key, detach=True)
@@ -196,13 +209,18 @@ def test_errors_are_json_with_the_right_status(fleet, llm_server, http,
     assert bad_id.status_code == 422 and "Last-Event-ID" in bad_id.json()["error"]["message"]
     assert http.post(abort_url, headers=auth(h["token"])).status_code == 200
 
-    malformed = http.post("/v1/turns", content=b'{"prompt": ',
-                          headers={"Content-Type": "application/json"})
+    malformed = http.post(
+        "/v1/turns", content=b'{"prompt": ', headers={"Content-Type": "application/json"}
+    )
     assert malformed.status_code == 422
     assert malformed.json()["error"]["type"] == "MalformedJSON"
-    for body, field in [([1, 2], "body"), ({"prompt": "x", "headless": "maybe"}, "headless"),
-                        ({"prompt": "x", "bogus": 1}, "bogus"), ({}, "prompt"),
-                        ({"prompt": "x", "parent_turn_id": h["turn_id"]}, "parent_turn_id")]:
+    for body, field in [
+        ([1, 2], "body"),
+        ({"prompt": "x", "headless": "maybe"}, "headless"),
+        ({"prompt": "x", "bogus": 1}, "bogus"),
+        ({}, "prompt"),
+        ({"prompt": "x", "parent_turn_id": h["turn_id"]}, "parent_turn_id"),
+    ]:
         r = http.post("/v1/turns", json=body)
         assert r.status_code == 422, (body, r.text)
         assert r.json()["error"]["message"].startswith(f"{field}:"), r.json()
@@ -217,8 +235,11 @@ def test_errors_are_json_with_the_right_status(fleet, llm_server, http,
 
 
 def test_interaction_answer_paths(fleet, llm_server, http, client: Client) -> None:
-    key = script(llm_server, Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))),
-                 Round(text="Deleted."))
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))),
+        Round(text="Deleted."),
+    )
     h = start(http, key, detach=True)
     with http.stream("GET", h["events_url"]) as resp:
         events = iter_sse(resp)
@@ -226,13 +247,13 @@ def test_interaction_answer_paths(fleet, llm_server, http, client: Client) -> No
         assert req["kind"] == "approval" and req["timeout_ms"] > 0
         base = f"/v1/turns/{h['turn_id']}/interactions"
         url = f"{base}/{req['request_id']}"
-        unknown = http.post(f"{base}/nope", json={"decision": "approve"},
-                            headers=auth(h["token"]))
+        unknown = http.post(f"{base}/nope", json={"decision": "approve"}, headers=auth(h["token"]))
         assert unknown.status_code == 404
         assert unknown.json()["error"]["type"] == "InteractionNotFound"
         assert http.post(url, json={"decision": "approve"}).status_code == 401
-        assert http.post(url, json={"decision": "maybe"},
-                         headers=auth(h["token"])).status_code == 422
+        assert (
+            http.post(url, json={"decision": "maybe"}, headers=auth(h["token"])).status_code == 422
+        )
         ok = http.post(url, json={"decision": "approve"}, headers=auth(h["token"]))
         assert ok.status_code == 200 and ok.json()["ok"] is True
         twice = http.post(url, json={"decision": "deny"}, headers=auth(h["token"]))
@@ -262,12 +283,12 @@ def test_disconnect_aborts_an_attached_turn(fleet, llm_server, http, client: Cli
     assert client.get(h["turn_id"])["invocations"][0]["status"] == "cancelled"
 
 
-def test_disconnect_leaves_a_detached_turn_running(fleet, llm_server, http,
-                                                   client: Client) -> None:
+def test_disconnect_leaves_a_detached_turn_running(fleet, llm_server, http, client: Client) -> None:
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
     h = start(http, key, detach=True)
-    with http.stream("GET", h["events_url"], headers=auth(h["token"]),
-                     params={"heartbeat": "0.2"}) as resp:
+    with http.stream(
+        "GET", h["events_url"], headers=auth(h["token"]), params={"heartbeat": "0.2"}
+    ) as resp:
         events = iter_sse(resp)
         next(m for m in events if m.event == "tool_started")
         beat = next(m for m in events if m.comment is not None)
@@ -277,8 +298,12 @@ def test_disconnect_leaves_a_detached_turn_running(fleet, llm_server, http,
     # The gateway counts a stream closed only after it has handled the disconnect.
     wait_for(lambda: sse_connections(http) == 0, 10, 0.1, message="the stream was not closed")
     # The server-side follow loop stopped too: its subscription to the turn is gone.
-    wait_for(lambda: client.store.redis.pubsub_numsub(channel)[0][1] == 0, 10, 0.1,
-             message="the follow loop still subscribes to the turn")
+    wait_for(
+        lambda: client.store.redis.pubsub_numsub(channel)[0][1] == 0,
+        10,
+        0.1,
+        message="the follow loop still subscribes to the turn",
+    )
     turn = http.get(f"/v1/turns/{h['turn_id']}").json()
     assert turn["state"]["status"] == "running"
     assert "turn_aborted" not in [e.type for e in client.store.bus.replay(h["turn_id"])]
@@ -307,15 +332,22 @@ def test_active_healthz_and_metrics(fleet, llm_server, http, client: Client) -> 
 
     def scraped() -> str | None:
         body = http.get("/metrics")
-        ok = ('agentq_tool_duration_seconds_bucket{le="0.05",status="ok",tool="echo"}' in
-              body.text and 'agentq_turn_aborts_total{reason="user"}' in body.text)
+        ok = (
+            'agentq_tool_duration_seconds_bucket{le="0.05",status="ok",tool="echo"}' in body.text
+            and 'agentq_turn_aborts_total{reason="user"}' in body.text
+        )
         return body.text if ok else None
 
     text = wait_for(scraped, 10, 0.1, message="tool and abort metrics")
     assert isinstance(text, str)
-    for name in ("agentq_tool_results_total", "agentq_tool_timeouts_total",
-                 "agentq_watchdog_trips_total", "agentq_turns_ended_total",
-                 'agentq_events_streamed_total{type="turn_finished"}', "agentq_redis_up 1.0"):
+    for name in (
+        "agentq_tool_results_total",
+        "agentq_tool_timeouts_total",
+        "agentq_watchdog_trips_total",
+        "agentq_turns_ended_total",
+        'agentq_events_streamed_total{type="turn_finished"}',
+        "agentq_redis_up 1.0",
+    ):
         assert name in text, name
 
 
@@ -326,19 +358,25 @@ def test_healthz_is_503_when_redis_is_down(agentq_env: dict[str, str]) -> None:
     # A real Client whose Redis is a closed port: the gateway must answer, not hang.
     dead = Client.__new__(Client)
     dead.settings = get_settings()
-    dead.store = TurnStore(redis.Redis(host="127.0.0.1", port=dead_port, socket_connect_timeout=1,
-                                       retry=Retry(NoBackoff(), 0)))
-    with BackgroundServer(create_app(dead, observe_events=False)) as server, \
-            httpx.Client(base_url=server.url, timeout=10) as http:
+    dead.store = TurnStore(
+        redis.Redis(
+            host="127.0.0.1", port=dead_port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+        )
+    )
+    with (
+        BackgroundServer(create_app(dead, observe_events=False)) as server,
+        httpx.Client(base_url=server.url, timeout=10) as http,
+    ):
         r = http.get("/healthz")
         assert r.status_code == 503 and r.json()["error"]["type"] == "RedisUnavailable"
         assert "agentq_redis_up 0.0" in http.get("/metrics").text
-        down = http.get("/v1/turns/whatever")
+        down = http.get("/v1/turns/" + "0" * 32)
         assert down.status_code == 503 and down.json()["error"]["type"] == "RedisUnavailable"
 
 
 def test_gateway_shutdown_ends_streams_cleanly_and_leaves_turns_running(
-        fleet, llm_server, client: Client) -> None:
+    fleet, llm_server, client: Client
+) -> None:
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
     server = BackgroundServer(create_app(Client(), observe_events=False)).start()
     try:
@@ -367,8 +405,14 @@ def test_access_log_never_shows_a_token() -> None:
 
     from agentq.gateway.server import RedactTokens
 
-    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1,
-                               '%s - "%s %s HTTP/%s" %d', ("127.0.0.1:1", "GET",
-                               "/v1/turns/t/events?token=s3cr3t&heartbeat=1", "1.1", 200), None)
+    record = logging.LogRecord(
+        "uvicorn.access",
+        logging.INFO,
+        __file__,
+        1,
+        '%s - "%s %s HTTP/%s" %d',
+        ("127.0.0.1:1", "GET", "/v1/turns/t/events?token=s3cr3t&heartbeat=1", "1.1", 200),
+        None,
+    )
     assert RedactTokens().filter(record)
     assert "s3cr3t" not in record.getMessage() and "heartbeat=1" in record.getMessage()

@@ -1,13 +1,15 @@
-"""The Lua state machines of the store, on fakeredis: first writer wins, answers close once."""
+"""The Lua state machines of the store, on fakeredis: first writer wins, answers close once,
+one step at a time, nothing after the end."""
 
 from __future__ import annotations
 
 import fakeredis
 import pytest
 
+from agentq import constants as k
 from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.interactions import Interactions
-from agentq.models import InteractionAnswer, InteractionRequest, ToolCall
+from agentq.models import InteractionAnswer, InteractionRequest, ToolCall, TurnStatus
 from agentq.results import cancelled_result, error_result
 from agentq.store import TurnStore
 
@@ -22,20 +24,67 @@ def store() -> TurnStore:
 CALL = ToolCall(id="c1", name="echo")
 
 
-def test_first_settle_wins_and_publishes_once(store: TurnStore) -> None:
+def test_first_settle_wins_publishes_once_and_wakes_the_turn(store: TurnStore) -> None:
+    woken: list[str] = []
+    store.waker = woken.append
     assert store.settle("t1", error_result(CALL, "first")) is True
     assert store.settle("t1", cancelled_result(CALL)) is False
     assert store.results("t1")["c1"].error == "first"
     finished = [e for e in store.bus.replay("t1") if e.type == "tool_finished"]
     assert len(finished) == 1 and finished[0].fields["status"] == "error"
-    assert store.pop("t1", 0)["result"]["error"] == "first"  # type: ignore[index]
-    assert store.pop("t1", 0) is None
+    assert woken == ["t1"]  # the losing settle wakes nobody
+    assert store.redis.exists(k.dirty_key("t1"))
+    # The backstop: a sweeper steps the turn soon even if the step message was lost.
+    assert store.redis.zscore(k.WAKEUPS, "t1") is not None
 
 
-def test_no_result_after_the_turn_is_over(store: TurnStore) -> None:
-    store.close("t1", "aborted")
+def test_nothing_after_the_turn_is_over(store: TurnStore) -> None:
+    assert store.close("t1", TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}) is True
+    assert store.close("t1", TurnStatus.ERROR, "turn_error", {"code": "x"}) is False
     assert store.settle("t1", error_result(CALL, "late")) is False
     assert store.results("t1") == {}
+    assert store.bus.publish("t1", "llm_delta", text="late") == 0
+    assert store.wake("t1") is False
+    types = [e.type for e in store.bus.replay("t1")]
+    assert types == ["turn_aborted"]
+    assert store.state("t1")["status"] == "aborted"  # type: ignore[index]
+    assert store.redis.ttl(k.turn_key("t1")) > 0
+    assert store.redis.zscore(k.WAKEUPS, "t1") is None
+
+
+def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnStore) -> None:
+    store.redis.set(k.cancel_key("t1"), "user")
+    view = store.begin_step("t1", "a", 5000)
+    assert view is not None and view.state is not None and view.state["status"] == "running"
+    assert view.cancel_reason == "user" and view.history == [{"role": "user", "content": "x"}]
+    assert store.begin_step("t1", "b", 5000) is None
+    store.wake_here("t1")  # woken while "a" steps
+    assert store.release_step("t1", "a", None, 5000) == 0  # keep the lock: step again
+    assert store.begin_step("t1", "b", 5000, again=True) is None  # not b's lock
+    assert store.begin_step("t1", "a", 5000, again=True) is not None
+    assert store.release_step("t1", "a", 123.0, 5000) == 1
+    assert store.redis.zscore(k.WAKEUPS, "t1") == 123.0
+    assert store.lock_step("t1", "b", 5000) is True
+
+
+def test_a_step_whose_lock_lapsed_cannot_write(store: TurnStore) -> None:
+    assert store.lock_step("t1", "a", 5000) is True
+    assert store.commit("t1", "a", {"round": 1}, [{"role": "assistant", "content": "x"}])
+    store.redis.delete(k.step_lock_key("t1"))  # lapsed
+    assert store.lock_step("t1", "b", 5000) is True
+    assert store.commit("t1", "a", {"round": 9}) is False
+    assert store.release_step("t1", "a", None, 5000) == -1
+    assert store.state("t1")["round"] == 1  # type: ignore[index]
+    assert len(store.history("t1")) == 2
+
+
+def test_a_due_wakeup_is_claimed_by_one_sweeper(store: TurnStore) -> None:
+    store.redis.zadd(k.WAKEUPS, {"t1": 100.0})
+    assert store.due_wakeups(99.0) == []
+    assert store.due_wakeups(100.0) == ["t1"]
+    assert store.claim_wakeup("t1", 100.0, 15) is True
+    assert store.claim_wakeup("t1", 100.0, 15) is False  # pushed to 115: its retry
+    assert store.redis.zscore(k.WAKEUPS, "t1") == 115.0
 
 
 def test_start_refused_when_settled_or_cancelled(store: TurnStore) -> None:
@@ -44,7 +93,7 @@ def test_start_refused_when_settled_or_cancelled(store: TurnStore) -> None:
     assert store.mark_started("t1", "c2", start, event) == 1
     store.settle("t1", error_result(ToolCall(id="c3", name="echo"), "done"))
     assert store.mark_started("t1", "c3", start, event) == 0
-    store.request_cancel("t1", "user")
+    store.redis.set(k.cancel_key("t1"), "user")
     assert store.mark_started("t1", "c4", start, event) == -1
 
 
@@ -52,17 +101,6 @@ def test_seq_increases_by_one_per_event(store: TurnStore) -> None:
     for i in range(5):
         store.bus.publish("t1", "llm_delta", text=str(i))
     assert [e.seq for e in store.bus.replay("t1")] == [1, 2, 3, 4, 5]
-
-
-def test_lease_is_held_renewed_and_released_only_by_its_holder(store: TurnStore) -> None:
-    assert store.acquire_lease("t1", "a", 5) is True
-    assert store.acquire_lease("t1", "b", 5) is False
-    assert store.renew_lease("t1", "b", 5) is False
-    assert store.renew_lease("t1", "a", 5) is True
-    store.release_lease("t1", "b")
-    assert store.lease_holder("t1") == "a"
-    store.release_lease("t1", "a")
-    assert store.lease_holder("t1") is None
 
 
 def test_an_interaction_closes_exactly_once(store: TurnStore) -> None:
@@ -74,8 +112,8 @@ def test_an_interaction_closes_exactly_once(store: TurnStore) -> None:
         inter.answer("t1", "r1", InteractionAnswer(decision="deny"))
     assert info.value.state == "answered"
     assert inter.expire("t1", "r1") is False  # the answer won the race
-    inbox = store.pop("t1", 0)
-    assert inbox is not None and "s3cret" not in str(inbox) and inbox["has_value"] is True
+    answered = [e for e in store.bus.replay("t1") if e.type == "interaction_answered"]
+    assert len(answered) == 1 and "s3cret" not in answered[0].model_dump_json()
     with pytest.raises(InteractionNotFound):
         inter.answer("t1", "nope", InteractionAnswer(decision="approve"))
 

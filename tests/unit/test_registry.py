@@ -78,3 +78,78 @@ def test_parse_arguments_errors_are_specific() -> None:
         parse_arguments("t", "{oops")
     with pytest.raises(ToolArgumentsInvalid, match="JSON object, got list"):
         parse_arguments("t", "[1]")
+
+
+def test_async_tools_route_to_the_io_queue_and_sync_ones_to_tools() -> None:
+    @tool
+    async def fetch_async(url: str) -> str:
+        return url
+
+    @tool(thread=True)
+    def blocking_lib(url: str) -> str:
+        return url
+
+    @tool(queue="special")
+    async def routed(url: str) -> str:
+        return url
+
+    try:
+        assert get_tool("fetch_async").kind == "async"
+        assert get_tool("fetch_async").policy.queue == "agentq.io"
+        assert get_tool("blocking_lib").kind == "thread"
+        assert get_tool("blocking_lib").policy.queue == "agentq.io"
+        assert get_tool("routed").policy.queue == "special"
+    finally:
+        for n in ("fetch_async", "blocking_lib", "routed"):
+            unregister(n)
+
+
+def test_generators_and_async_generators_are_refused_at_declaration() -> None:
+    def gen() -> object:
+        yield 1
+
+    async def agen() -> object:
+        yield 1
+
+    async def coro() -> None: ...
+
+    with pytest.raises(ToolDefinitionError, match=r"generator cannot be a tool.*return a list"):
+        tool(gen)
+    with pytest.raises(ToolDefinitionError, match="async generator cannot be a tool"):
+        tool(agen)
+    with pytest.raises(ToolDefinitionError, match="thread=True is for sync tools"):
+        tool(thread=True)(coro)
+
+
+def test_unset_policy_fields_take_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentq import runtime
+
+    @tool
+    def plain() -> str:
+        return "x"
+
+    @tool(timeout_s=0, budget_s=3)
+    def unlimited() -> str:
+        return "x"
+
+    monkeypatch.setenv("AGENTQ_TOOL_TIMEOUT_S", "45")
+    monkeypatch.setenv("AGENTQ_TOOL_BUDGET_S", "7")
+    runtime.reset()
+    try:
+        pol = get_tool("plain").policy
+        assert (pol.timeout_s, pol.budget_s, pol.queue) == (45, 7, "agentq.tools")
+        pol = get_tool("unlimited").policy
+        assert (pol.timeout_s, pol.budget_s) == (0, 3)  # 0: no limit, kept as declared
+    finally:
+        unregister("plain")
+        unregister("unlimited")
+        monkeypatch.delenv("AGENTQ_TOOL_TIMEOUT_S")
+        monkeypatch.delenv("AGENTQ_TOOL_BUDGET_S")
+        runtime.reset()
+
+
+def test_visibility_timeout_counts_the_hint_ceiling() -> None:
+    from agentq.app import longest_limit_s, visibility_timeout_s
+
+    assert longest_limit_s(120, [(30, 4000), (60, None), (0, None)]) == 4000
+    assert visibility_timeout_s(longest_limit_s(120, [(30, 4000)]), 300) == 2 * 4300 + 600

@@ -8,9 +8,7 @@ import pytest
 
 from agentq import tool
 from agentq.models import ToolCall, ToolResultMessage
-from agentq.orchestrator.abort import pending_calls
-from agentq.orchestrator.dispatch import Prepared, plan_batches, prepare
-from agentq.orchestrator.turn import limit_checks
+from agentq.orchestrator.plan import batches, limit_checks, pending_calls, plan_call
 from agentq.results import (
     cancelled_result,
     denied_result,
@@ -82,10 +80,9 @@ def test_exclusive_calls_get_a_batch_of_their_own() -> None:
 
     try:
         names = ["par_tool", "par_tool", "ex_tool", "par_tool", "ex_tool", "ex_tool"]
-        prepared = [prepare(c(i, n), max_arguments_bytes=1000) for i, n in enumerate(names)]
-        assert all(isinstance(p, Prepared) for p in prepared)
-        batches = plan_batches([p for p in prepared if isinstance(p, Prepared)])
-        assert [[p.call.id for p in b] for b in batches] == [
+        plans = [plan_call(c(i, n)) for i, n in enumerate(names)]
+        assert all(p.refusal is None for p in plans)
+        assert [[p.call.id for p in b] for b in batches(plans)] == [
             ["c0", "c1"],
             ["c2"],
             ["c3"],
@@ -134,7 +131,7 @@ def test_pending_calls_are_the_unanswered_calls_of_the_last_assistant_message() 
 
 def test_oversized_arguments_do_not_stay_in_history() -> None:
     from agentq.models import AssistantMessage
-    from agentq.orchestrator.turn import history_form
+    from agentq.orchestrator.plan import history_form
 
     msg = AssistantMessage(tool_calls=(c(1, "t", json.dumps({"x": "y" * 5000})), c(2, "t")))
     out, refused = history_form(msg, 1000)

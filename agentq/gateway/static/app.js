@@ -15,6 +15,30 @@ const $ = (sel, root = document) => root.querySelector(sel);
 const conversationId = "web-" + Array.from(crypto.getRandomValues(new Uint8Array(8)),
   (b) => b.toString(16).padStart(2, "0")).join("");
 let current = null;
+// A key-protected conversation is bound to the key; without keys, to this token.
+let conversationToken = null;
+// The key lives in this tab's sessionStorage only: never in the URL, never in a cookie.
+const KEY_SLOT = "agentq.key";
+let pendingPrompt = null;
+
+function apiKey() {
+  return sessionStorage.getItem(KEY_SLOT);
+}
+
+function keyHeaders() {
+  const key = apiKey();
+  const headers = { "Content-Type": "application/json" };
+  if (key) headers.Authorization = "Bearer " + key;
+  return headers;
+}
+
+function askForKey(message) {
+  const form = $("#keyform");
+  $("#keymsg").textContent = message;
+  form.hidden = false;
+  $("#apikey").focus();
+  setStatus("error", message);
+}
 
 function el(tag, cls, text) {
   const node = document.createElement(tag);
@@ -345,25 +369,63 @@ class TurnView {
 async function send(prompt) {
   $("#send").disabled = true;
   setStatus("starting", "starting…");
+  const body = { prompt, conversation_id: conversationId, detach: $("#detach").checked };
+  if (conversationToken) body.conversation_token = conversationToken;
   const res = await fetch("/v1/turns", {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({
-      prompt, conversation_id: conversationId, detach: $("#detach").checked,
-    }),
+    method: "POST", headers: keyHeaders(), body: JSON.stringify(body),
   });
+  if (res.status === 401) {
+    pendingPrompt = prompt;
+    const had = apiKey() !== null;
+    sessionStorage.removeItem(KEY_SLOT);
+    askForKey(had ? "That key was not accepted; enter a key for this gateway."
+      : "This gateway needs a key.");
+    $("#send").disabled = false;
+    return;
+  }
   if (!res.ok) {
     setStatus("error", await errorText(res));
     $("#send").disabled = false;
     return;
   }
-  current = new TurnView(await res.json(), prompt);
+  const handle = await res.json();
+  if (handle.conversation_token) conversationToken = handle.conversation_token;
+  current = new TurnView(handle, prompt);
   $("#cancel").disabled = false;
   setStatus("running", "queued…");
   current.connect();
 }
 
+// Asks for a key at once when the gateway needs one (and this tab holds none that works).
+async function probeKey() {
+  const res = await fetch("/v1/turns/active", { headers: keyHeaders() });
+  if (res.status === 401) {
+    const had = apiKey() !== null;
+    sessionStorage.removeItem(KEY_SLOT);
+    askForKey(had ? "That key was not accepted; enter a key for this gateway."
+      : "This gateway needs a key.");
+  }
+}
+
 document.addEventListener("DOMContentLoaded", () => {
+  $("#keyform").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const input = $("#apikey");
+    const key = input.value.trim();
+    input.value = "";
+    if (!key) return;
+    sessionStorage.setItem(KEY_SLOT, key);
+    $("#keyform").hidden = true;
+    setStatus("idle", "Ready.");
+    const retry = pendingPrompt;
+    pendingPrompt = null;
+    if (retry && !current) {
+      send(retry).catch((err) => setStatus("error", String(err)));
+    } else {
+      probeKey().catch(() => {});
+    }
+  });
+  probeKey().catch(() => {});
   const form = $("#composer");
   const prompt = $("#prompt");
   form.addEventListener("submit", (e) => {

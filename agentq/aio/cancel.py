@@ -1,0 +1,112 @@
+"""Abort, in-process: the loop hears `agentq:control:cancel` and cancels within milliseconds.
+
+An abort sets the turn's cancel key and publishes the turn id on CANCEL_CHANNEL. The
+loop subscribes to the channel and runs the callbacks registered for that turn; a
+slow poll of the cancel keys of the turns it holds catches a message missed while the
+subscription was reconnecting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+
+from agentq import constants as k
+
+log = logging.getLogger("agentq.aio")
+
+POLL_S = 1.0
+"""The fallback poll of the cancel keys."""
+
+
+class CancelWatch:
+    """Turn id -> callbacks run (on the loop) once that turn is aborted."""
+
+    def __init__(self, redis_url: str, *, poll_s: float = POLL_S) -> None:
+        self._url = redis_url
+        self._poll_s = poll_s
+        self._handlers: dict[str, dict[int, Callable[[], None]]] = {}
+        self._next = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.subscribed = asyncio.Event()
+
+    def start(self) -> None:
+        """On the loop: subscribe and poll until the loop stops."""
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._listen(), name="agentq-cancel-listen"),
+            asyncio.get_running_loop().create_task(self._poll(), name="agentq-cancel-poll"),
+        ]
+
+    def add(self, turn_id: str, fn: Callable[[], None]) -> Callable[[], None]:
+        """On the loop: run `fn` when `turn_id` is aborted; returns the remover."""
+        self._next += 1
+        key = self._next
+        self._handlers.setdefault(turn_id, {})[key] = fn
+
+        def remove() -> None:
+            handlers = self._handlers.get(turn_id)
+            if handlers is not None:
+                handlers.pop(key, None)
+                if not handlers:
+                    del self._handlers[turn_id]
+
+        return remove
+
+    def fire(self, turn_id: str) -> int:
+        """Run (once) every callback of `turn_id`; returns how many ran."""
+        handlers = self._handlers.pop(turn_id, {})
+        for fn in handlers.values():
+            try:
+                fn()
+            except Exception:
+                log.exception("cancel callback of turn %s failed", turn_id)
+        return len(handlers)
+
+    async def _listen(self) -> None:
+        delay_s = 0.1
+        while True:
+            client = aioredis.Redis.from_url(self._url)
+            pubsub = client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(k.CANCEL_CHANNEL)
+                self.subscribed.set()
+                delay_s = 0.1
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        data = msg["data"]
+                        self.fire(data.decode() if isinstance(data, bytes) else str(data))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.subscribed.clear()
+                log.warning("cancel channel lost (%s); resubscribing in %.1f s", exc, delay_s)
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 5.0)
+            finally:
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await client.aclose()
+
+    async def _poll(self) -> None:
+        client = aioredis.Redis.from_url(self._url)
+        try:
+            while True:
+                await asyncio.sleep(self._poll_s)
+                turns = list(self._handlers)
+                if not turns:
+                    continue
+                try:
+                    async with client.pipeline(transaction=False) as pipe:
+                        for t in turns:
+                            pipe.exists(k.cancel_key(t))
+                        flags = await pipe.execute()
+                except Exception as exc:
+                    log.warning("cannot poll cancel keys: %s", exc)
+                    continue
+                for t, flag in zip(turns, flags, strict=True):
+                    if flag:
+                        self.fire(t)
+        finally:
+            await client.aclose()

@@ -1,0 +1,160 @@
+"""What an event-loop worker process holds: its loop, the cancel channel, the store's
+thread pool, and the calls running on the loop, so a blocked loop can name its culprit.
+
+Redis calls of the store are blocking, so coroutines run them on a small thread pool
+(`await host.io(fn, ...)`); they are short and few per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from agentq import constants as k
+from agentq.aio.cancel import CancelWatch
+from agentq.aio.loop import EventLoopThread
+from agentq.config import get_settings
+from agentq.runtime import get_store
+from agentq.store import TurnStore
+
+log = logging.getLogger("agentq.aio")
+
+T = TypeVar("T")
+
+STORE_THREADS = 16
+
+
+@dataclass
+class Running:
+    """One unit of work on the loop, for blame and for settling when the process recycles."""
+
+    turn_id: str
+    what: str
+    """e.g. "call c_1 of tool fetch" or "model round 2"."""
+    on_recycle: Callable[[str, bool], None] | None = None
+    """Settle it synchronously (from the watchdog thread): (why, it_blocked_the_loop)."""
+
+
+class LoopHost:
+    def __init__(self) -> None:
+        settings = get_settings()
+        self.settings = settings
+        self.store: TurnStore = get_store()
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            STORE_THREADS, thread_name_prefix="agentq-store"
+        )
+        self.threads = concurrent.futures.ThreadPoolExecutor(
+            256, thread_name_prefix="agentq-tool-thread"
+        )
+        self.running: dict[str, Running] = {}
+        self.hostname = ""
+        self.loop = EventLoopThread(
+            name="agentq-loop",
+            capacity=settings.io_capacity,
+            lag_warn_s=settings.loop_lag_warn_ms / 1000,
+            on_blocked=self._on_blocked,
+            on_stuck=self._on_stuck,
+        )
+        self.cancels = CancelWatch(settings.redis_url)
+        self.loop.start()
+        self.loop.call(self.cancels.start)
+
+    async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run a blocking store call off the loop."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self.pool, functools.partial(fn, *args, **kwargs)
+        )
+
+    def fire(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run a blocking store call off the loop, without waiting for it (events)."""
+        fut = self.pool.submit(fn, *args, **kwargs)
+        fut.add_done_callback(_log_failure)
+
+    def _blamed(self, task: asyncio.Task[Any] | None) -> tuple[str, Running | None]:
+        name = task.get_name() if task is not None else ""
+        return name, self.running.get(name)
+
+    def _on_blocked(self, task: asyncio.Task[Any] | None, stalled_s: float) -> None:
+        name, run = self._blamed(task)
+        culprit = run.what if run else (name or "unknown code")
+        log.warning(
+            "event loop blocked for %.0f ms by %s: a blocking call inside async def stalls "
+            "every other call on this worker; await an async API or declare the tool "
+            "thread=True (sync)",
+            stalled_s * 1000,
+            culprit,
+        )
+        if run is not None:
+            where = self.hostname or "its worker"
+            with contextlib.suppress(Exception):
+                self.store.bus.publish(
+                    run.turn_id,
+                    "tool_progress",
+                    state="blocking",
+                    source="worker",
+                    message=f"{culprit} is blocking the event loop of {where}",
+                    blocked_ms=int(stalled_s * 1000),
+                    **_call_fields(name),
+                )
+
+    def _on_stuck(self, task: asyncio.Task[Any] | None, stalled_s: float, why: str) -> None:
+        name, culprit = self._blamed(task)
+        log.critical(
+            "%s (%s): recycling this worker process", why, culprit.what if culprit else name
+        )
+        for key, run in list(self.running.items()):
+            if run.on_recycle is None:
+                continue
+            blocked = key == name
+            reason = (
+                f"{run.what} blocked the event loop past its hard limit; the worker was recycled"
+                if blocked
+                else f"its I/O worker was recycled: {culprit.what if culprit else 'a call'} "
+                "blocked the event loop"
+            )
+            with contextlib.suppress(Exception):
+                run.on_recycle(reason, blocked)
+        if self.hostname:
+            # The turn need not wait for the heartbeat to lapse.
+            with contextlib.suppress(Exception):
+                self.store.redis.delete(k.worker_alive_key(self.hostname))
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(k.RECYCLE_EXIT_CODE)
+
+
+def _call_fields(task_name: str) -> dict[str, str]:
+    """`agentq.tool.<name>:<call id>` task names carry the call."""
+    if task_name.startswith(k.TOOL_TASK_PREFIX) and ":" in task_name:
+        tool, _, call_id = task_name[len(k.TOOL_TASK_PREFIX) :].partition(":")
+        return {"tool": tool, "call_id": call_id}
+    return {}
+
+
+def _log_failure(fut: concurrent.futures.Future[Any]) -> None:
+    exc = fut.exception()
+    if exc is not None:
+        log.debug("background store call failed: %r", exc)
+
+
+_lock = threading.Lock()
+_host: LoopHost | None = None
+
+
+def get_host() -> LoopHost:
+    """This process's loop host, started on first use."""
+    global _host
+    with _lock:
+        if _host is None:
+            _host = LoopHost()
+        return _host

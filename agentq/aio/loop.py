@@ -1,0 +1,212 @@
+"""One asyncio loop on a background thread, with backpressure and a blocked-loop watchdog.
+
+Celery has no asyncio pool, so the I/O and stream workers run Celery's `threads` pool
+and hand each task's coroutine to this loop (`submit`); a submitting thread blocks
+while the loop already holds `capacity` coroutines, so the broker keeps what the
+process cannot take.
+
+A coroutine that makes a blocking call stalls every other one on the loop. A pulse
+on the loop records when it last ran; a watchdog thread sees the silence, names the
+task that holds the loop (`on_blocked`, once per stall), and when the stall outlasts
+the earliest hard deadline registered with `watch` (a call that can no longer be
+cancelled in time) it calls `on_stuck`, which recycles the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+log = logging.getLogger("agentq.aio")
+
+T = TypeVar("T")
+
+PULSE_S = 0.02
+"""How often the loop proves it runs."""
+WATCH_S = 0.02
+"""How often the watchdog thread looks."""
+STUCK_GRACE_S = 0.5
+"""A stall this long past a call's hard deadline recycles the process."""
+
+BlockedHook = Callable[["asyncio.Task[Any] | None", float], None]
+StuckHook = Callable[["asyncio.Task[Any] | None", float, str], None]
+
+
+class EventLoopThread:
+    """The process's loop: `start()` once, `submit()` from any thread."""
+
+    def __init__(
+        self,
+        *,
+        name: str = "agentq-loop",
+        capacity: int = 2000,
+        lag_warn_s: float = 0.1,
+        on_blocked: BlockedHook | None = None,
+        on_stuck: StuckHook | None = None,
+    ) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.lag_warn_s = lag_warn_s
+        self.on_blocked = on_blocked
+        self.on_stuck = on_stuck
+        self.loop = asyncio.new_event_loop()
+        self._slots = threading.BoundedSemaphore(capacity)
+        self._held = 0
+        self._held_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
+        self._started = threading.Event()
+        self._stopping = threading.Event()
+        self.beat = time.monotonic()
+        self.max_lag_ms = 0.0
+        self.stalls = 0
+        self._deadlines: dict[str, float] = {}
+        self._deadlines_lock = threading.Lock()
+
+    # -- lifecycle
+
+    def start(self) -> EventLoopThread:
+        if not self._thread.is_alive():
+            self._thread.start()
+            self._started.wait(10)
+            self._watchdog.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.create_task(self._pulse(), name=f"{self.name}-pulse")
+        self.loop.call_soon(self._started.set)
+        self.loop.run_forever()
+
+    # -- submitting
+
+    @property
+    def held(self) -> int:
+        """Coroutines submitted and not finished."""
+        return self._held
+
+    def submit(
+        self, coro_fn: Callable[[], Coroutine[Any, Any, T]], *, timeout_s: float | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Run `coro_fn()` on the loop; blocks while the loop is at capacity.
+
+        TimeoutError when no slot frees within `timeout_s`.
+        """
+        if not self._slots.acquire(timeout=timeout_s):
+            raise TimeoutError(f"{self.name} holds {self.capacity} coroutines: no slot free")
+        with self._held_lock:
+            self._held += 1
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro_fn(), self.loop)
+        except BaseException:
+            self._release()
+            raise
+        fut.add_done_callback(lambda _: self._release())
+        return fut
+
+    def _release(self) -> None:
+        with self._held_lock:
+            self._held -= 1
+        self._slots.release()
+
+    def call(self, fn: Callable[[], T], timeout_s: float = 5.0) -> T:
+        """Run a plain function on the loop thread and return its result."""
+
+        async def run() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
+
+    # -- deadlines the watchdog enforces
+
+    def watch(self, key: str, hard_deadline_mono: float | None) -> None:
+        """Register a hard deadline (time.monotonic()); the loop must reach it unblocked."""
+        if hard_deadline_mono is None:
+            return
+        with self._deadlines_lock:
+            self._deadlines[key] = hard_deadline_mono
+
+    def unwatch(self, key: str) -> None:
+        with self._deadlines_lock:
+            self._deadlines.pop(key, None)
+
+    # -- lag
+
+    async def _pulse(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(PULSE_S)
+            now = time.monotonic()
+            self.beat = now
+            lag_ms = (now - before - PULSE_S) * 1000
+            if lag_ms > self.max_lag_ms:
+                self.max_lag_ms = lag_ms
+            if lag_ms >= self.lag_warn_s * 1000:
+                log.warning("%s: the event loop was blocked for %.0f ms", self.name, lag_ms)
+
+    def _watch(self) -> None:
+        reported_for = 0.0
+        while not self._stopping.wait(WATCH_S):
+            beat = self.beat
+            now = time.monotonic()
+            stalled_s = now - beat
+            if stalled_s < self.lag_warn_s:
+                continue
+            task = _current_task(self.loop)
+            if reported_for != beat:
+                reported_for = beat
+                self.stalls += 1
+                if self.on_blocked is not None:
+                    try:
+                        self.on_blocked(task, stalled_s)
+                    except Exception:
+                        log.exception("on_blocked failed")
+            with self._deadlines_lock:
+                due = [k for k, d in self._deadlines.items() if now > d + STUCK_GRACE_S]
+            if due and self.on_stuck is not None:
+                why = (
+                    f"the event loop has been blocked for {stalled_s:.1f} s, past the hard "
+                    f"limit of {len(due)} call(s) on it"
+                )
+                self.on_stuck(task, stalled_s, why)
+                return
+
+
+def _current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
+    """The task holding `loop` right now, read from another thread (racy, good enough)."""
+    try:
+        return asyncio.current_task(loop)
+    except RuntimeError:
+        return None
+
+
+_lock = threading.Lock()
+_loop: EventLoopThread | None = None
+
+
+def get_loop(**options: Any) -> EventLoopThread:
+    """This process's loop, started on first use (`options` apply to that first use)."""
+    global _loop
+    with _lock:
+        if _loop is None:
+            _loop = EventLoopThread(**options).start()
+        return _loop
+
+
+def reset_loop() -> None:
+    global _loop
+    with _lock:
+        if _loop is not None:
+            _loop.stop()
+        _loop = None

@@ -1,0 +1,191 @@
+"""`agentq turns` (the console's list in a terminal) and `agentq show TURN_ID` (a timeline)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from agentq.api import Client
+from agentq.cli.render import STATUS_STYLE, fmt_s
+from agentq.errors import TurnNotFound
+from agentq.listing import TurnLister, TurnQuery
+from agentq.timeline import timeline
+
+TURN_STYLE = {
+    "queued": "dim",
+    "running": "cyan",
+    "finished": "green",
+    "aborted": "yellow",
+    "error": "red",
+}
+BAR_WIDTH = 60
+
+
+def _clock(ts: Any) -> str:
+    return (
+        "-" if not isinstance(ts, (int, float)) else time.strftime("%H:%M:%S", time.localtime(ts))
+    )
+
+
+def _counts(calls: dict[str, int]) -> Text:
+    out = Text()
+    for status, n in calls.items():
+        if out:
+            out.append(" ")
+        out.append(f"{status} {n}", style=STATUS_STYLE.get(status, "cyan"))
+    return out or Text("-", style="dim")
+
+
+def turns_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="turns, newest first", expand=False)
+    for col in ("turn", "status", "agent", "started", "ended", "duration", "calls", "pending"):
+        table.add_column(col, no_wrap=col != "calls")
+    for t in rows:
+        pending = len(t["pending_interactions"])
+        table.add_row(
+            t["turn_id"],
+            Text(str(t["status"]), style=TURN_STYLE.get(str(t["status"]), "")),
+            t.get("agent") or "-",
+            _clock(t.get("started_at")),
+            _clock(t.get("ended_at")),
+            "-" if t.get("duration_s") is None else fmt_s(float(t["duration_s"])),
+            _counts(t["calls"]),
+            Text(str(pending), style="bold yellow") if pending else Text("0", style="dim"),
+        )
+    return table
+
+
+def cmd_turns(
+    client: Client,
+    *,
+    status: str | None,
+    agent: str | None,
+    limit: int,
+    as_json: bool,
+    watch: float | None,
+) -> int:
+    """Print the list once (a table or JSON), or redraw it every `watch` seconds until Ctrl-C."""
+    lister = TurnLister(client.store.redis)
+    try:
+        query = TurnQuery.parse(status=status, agent=agent, limit=limit)
+    except ValueError as exc:
+        print(f"agentq turns: {exc}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps(lister.page(query).to_json()), flush=True)
+        return 0
+    console = Console()
+    if watch is None:
+        console.print(turns_table(lister.page(query).turns))
+        return 0
+    try:
+        with Live(
+            turns_table(lister.page(query).turns), console=console, auto_refresh=False
+        ) as live:
+            while True:
+                time.sleep(watch)
+                live.update(turns_table(lister.page(query).turns), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def bar(
+    start: float | None, end: float | None, t0: float, span: float, width: int
+) -> tuple[int, int]:
+    """The (offset, length) in cells of a bar from `start` to `end` on a `span`-second axis."""
+    if start is None:
+        return 0, 0
+    end = start if end is None else end
+    a = int((start - t0) / span * width)
+    b = int((end - t0) / span * width)
+    return max(0, min(a, width - 1)), max(1, min(b, width) - max(0, min(a, width - 1)))
+
+
+def _limit_marks(c: dict[str, Any], t0: float, span: float, width: int) -> dict[int, str]:
+    marks: dict[int, str] = {}
+    start = c.get("started_at")
+    if start is None:
+        return marks
+    for key, ch in (("budget_s", "b"), ("soft_timeout_s", "s"), ("timeout_s", "H")):
+        v = c.get(key)
+        if isinstance(v, (int, float)) and v > 0:
+            pos = int((start + v - t0) / span * width)
+            if 0 <= pos < width:
+                marks[pos] = ch
+    return marks
+
+
+def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableType:
+    turn = view["turn"]
+    t0 = float(view.get("started_at") or view.get("created_at") or view["now"])
+    end = float(view.get("ended_at") or view["now"])
+    span = max(end - t0, 0.001)
+    head = Text()
+    head.append(f"turn {view['turn_id']}  ", style="bold")
+    head.append(str(turn["status"]), style=TURN_STYLE.get(str(turn["status"]), ""))
+    head.append(f"  agent {turn.get('agent') or '-'}  {fmt_s(span)}")
+    table = Table(box=None, show_header=True, pad_edge=False)
+    table.add_column("what", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column(f"0 … {fmt_s(span)}", no_wrap=True)
+    table.add_column("took", justify="right", no_wrap=True)
+    table.add_column("limits b/s/H", no_wrap=True)
+    table.add_column("worker", no_wrap=True)
+    for r in view["rounds"]:
+        off, n = bar(r["started_at"], r["finished_at"], t0, span, width)
+        line = Text(" " * off) + Text("█" * n, style="blue")
+        took = "-" if r["finished_at"] is None else fmt_s(r["finished_at"] - r["started_at"])
+        table.add_row(f"model round {r['round']}", r["status"], line, took, "", "")
+    for c in view["calls"]:
+        style = STATUS_STYLE.get(c["status"], "cyan")
+        stop = c["finished_at"] if c["finished_at"] is not None else view["now"]
+        off, n = bar(c["started_at"], stop, t0, span, width)
+        cells = [" "] * width
+        for i in range(off, min(off + n, width)):
+            cells[i] = "█"
+        for pos, ch in _limit_marks(c, t0, span, width).items():
+            cells[pos] = ch
+        line = Text("".join(cells), style=style)
+        took = "-" if c["duration_ms"] is None else fmt_s(c["duration_ms"] / 1000)
+        flags = " overran" if c["overran"] else ""
+        limits = "/".join(
+            "-" if c.get(key) is None else f"{c[key]:g}"
+            for key in ("budget_s", "soft_timeout_s", "timeout_s")
+        )
+        worker = f"{c['worker'] or '-'} pid {c['pid'] or '-'}"
+        table.add_row(
+            f"{c['tool']} r{c['round'] or '?'}",
+            Text(c["status"] + flags, style=style),
+            line,
+            took,
+            limits,
+            worker,
+        )
+    legend = Text("b budget  s soft limit  H hard limit", style="dim")
+    return Group(head, table, legend)
+
+
+def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
+    state = client.store.state(turn_id)
+    if state is None:
+        raise TurnNotFound(turn_id)
+    rows = TurnLister(client.store.redis).summaries([turn_id])
+    view = timeline(client.store, turn_id, state)
+    summary = rows.get(turn_id, {})
+    summary.pop("_state", None)
+    view["turn"] = summary
+    if as_json:
+        print(json.dumps(view), flush=True)
+        return 0
+    Console().print(timeline_view(view))
+    return 0
+
+
+__all__ = ["bar", "cmd_show", "cmd_turns", "timeline_view", "turns_table"]

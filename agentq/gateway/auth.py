@@ -1,0 +1,193 @@
+"""Who is calling, and what they may do: API keys, principals and the turn access rule.
+
+Keys come from `AGENTQ_API_KEYS` and `AGENTQ_ADMIN_KEYS`, each a comma-separated list of
+``name=key`` or ``name=sha256:<hex of the key>``. Only sha256 digests are kept in memory;
+a presented key is hashed and compared with every known digest by `hmac.compare_digest`,
+so neither the comparison nor the loop stops early on a partial match.
+
+A turn started with a key belongs to that key's *name* (`owner` on the turn's state).
+It is read, aborted and answered with its own token, its owner's key or an admin key;
+everything here is a pure function of the turn's state, the caller and the token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import SecretStr
+
+from agentq.config import Settings
+from agentq.errors import ConfigError
+
+_NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
+_HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
+MIN_KEY_CHARS = 16
+"""A shorter key is a typo or a guessable password: refused at start."""
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+KEY_VARIABLES = "AGENTQ_API_KEYS or AGENTQ_ADMIN_KEYS"
+
+
+def sha256_hex(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The holder of an API key: its name, and whether it is an admin key."""
+
+    name: str
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class _Entry:
+    principal: Principal
+    digest: bytes
+
+
+def parse_keys(raw: str, *, setting: str, admin: bool = False) -> list[_Entry]:
+    """`name=key,name=sha256:<hex>` into entries; ConfigError naming `setting` if malformed."""
+    entries: list[_Entry] = []
+    for i, item in enumerate(part.strip() for part in raw.split(",")):
+        if not item:
+            continue
+        name, sep, key = item.partition("=")
+        name, key = name.strip(), key.strip()
+        where = f"entry {i + 1}"
+        if not sep or not name or not key:
+            raise ConfigError(setting, f"{where}: expected name=key or name=sha256:<hex>")
+        if not _NAME.match(name):
+            raise ConfigError(
+                setting, f"{where}: the name {name!r} may use letters, digits and _.@- only"
+            )
+        if key.startswith("sha256:"):
+            hexdigest = key.removeprefix("sha256:")
+            if not _HEX_DIGEST.match(hexdigest):
+                raise ConfigError(setting, f"{where} ({name}): sha256: needs 64 hex digits")
+            digest = bytes.fromhex(hexdigest)
+        else:
+            if len(key) < MIN_KEY_CHARS:
+                raise ConfigError(
+                    setting, f"{where} ({name}): a key needs at least {MIN_KEY_CHARS} characters"
+                )
+            digest = hashlib.sha256(key.encode()).digest()
+        entries.append(_Entry(Principal(name, admin), digest))
+    return entries
+
+
+class Keyring:
+    """The configured keys, as digests; `identify` tells which principal holds a key."""
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        names: dict[str, bool] = {}
+        for e in entries:
+            if names.get(e.principal.name, e.principal.admin) != e.principal.admin:
+                raise ConfigError(
+                    "AGENTQ_ADMIN_KEYS",
+                    f"{e.principal.name!r} is both an API key name and an admin key name",
+                )
+            names[e.principal.name] = e.principal.admin
+        digests = [e.digest for e in entries]
+        if len(set(digests)) != len(digests):
+            raise ConfigError("AGENTQ_API_KEYS", "the same key is listed twice")
+        self._entries = entries
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Keyring:
+        return cls(
+            parse_keys(_reveal(settings.api_keys), setting="AGENTQ_API_KEYS")
+            + parse_keys(_reveal(settings.admin_keys), setting="AGENTQ_ADMIN_KEYS", admin=True)
+        )
+
+    @property
+    def enabled(self) -> bool:
+        """Keys are configured: every endpoint but /healthz and the page needs one."""
+        return bool(self._entries)
+
+    def identify(self, presented: str | None) -> Principal | None:
+        """The principal whose key this is, or None; constant time over every key."""
+        if not presented:
+            return None
+        digest = hashlib.sha256(presented.encode()).digest()
+        found: Principal | None = None
+        for e in self._entries:
+            if hmac.compare_digest(digest, e.digest):
+                found = e.principal
+        return found
+
+
+def _reveal(secret: SecretStr | None) -> str:
+    return secret.get_secret_value() if secret is not None else ""
+
+
+def secret_matches(presented: str | None, expected: str) -> bool:
+    """Constant-time equality of a presented secret and a configured one, via digests."""
+    if not presented:
+        return False
+    return hmac.compare_digest(
+        hashlib.sha256(presented.encode()).digest(), hashlib.sha256(expected.encode()).digest()
+    )
+
+
+def token_matches(state: dict[str, Any], token: str | None) -> bool:
+    """`token` is the turn's own token (its sha256 is on the state)."""
+    if not token:
+        return False
+    expected = str(state.get("token_sha256", ""))
+    return hmac.compare_digest(sha256_hex(token), expected) and bool(expected)
+
+
+def may_access(state: dict[str, Any], principal: Principal | None, token: str | None) -> bool:
+    """Read and steer (abort, answer) rights on one turn: the same three holders for both."""
+    if token_matches(state, token):
+        return True
+    if principal is None:
+        return False
+    return principal.admin or (state.get("owner") is not None and state["owner"] == principal.name)
+
+
+def may_list(state: dict[str, Any], principal: Principal) -> bool:
+    """A turn appears in the caller's `/v1/turns/active`: theirs, or all for an admin."""
+    return principal.admin or state.get("owner") == principal.name
+
+
+def is_loopback(host: str) -> bool:
+    """`host` (a name or an address, maybe in [brackets]) only reaches this machine."""
+    host = host.strip().strip("[]").lower()
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, keyring: Keyring, *, insecure_no_auth: bool) -> None:
+    """Refuse to serve beyond this machine without keys, unless explicitly told to."""
+    if keyring.enabled or insecure_no_auth or is_loopback(host):
+        return
+    raise ConfigError(
+        "AGENTQ_API_KEYS",
+        f"the gateway would listen on {host or 'every address'} with no key: anyone who "
+        f"reaches it could read and start turns. Set {KEY_VARIABLES} (name=key,...), "
+        "bind to 127.0.0.1, or pass --insecure-no-auth",
+    )
+
+
+__all__ = [
+    "Keyring",
+    "Principal",
+    "check_bind",
+    "is_loopback",
+    "may_access",
+    "may_list",
+    "parse_keys",
+    "secret_matches",
+    "sha256_hex",
+    "token_matches",
+]

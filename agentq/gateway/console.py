@@ -1,0 +1,155 @@
+"""The operator console's endpoints: the list of turns, one turn's timeline, the approvals inbox,
+and abort and answer on behalf of an operator.
+
+Who sees what follows agentq.gateway.auth: with keys configured, an API key lists and
+steers its own turns and an admin key every turn; without keys the gateway serves
+loopback only, and the console's steering endpoints also refuse a client that is not
+on this machine (a gateway started with `--insecure-no-auth` stays read-only to the
+network: turns are then steered with their token, as before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentq.errors import Forbidden, TurnNotFound
+from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
+from agentq.gateway.errors import ApiError, read_json, validation_error
+from agentq.listing import TurnLister, TurnQuery
+from agentq.models import TERMINAL_STATUSES, InteractionAnswer
+from agentq.timeline import timeline
+
+if TYPE_CHECKING:
+    from agentq.gateway.app import Gateway
+
+NO_STORE = {"Cache-Control": "no-store"}
+
+
+class Console:
+    """The console's handlers, on the gateway's Client and keyring."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.lister = TurnLister(gw.client.store.redis)
+
+    def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
+        """Which turns the caller may list; None: every turn (no keys, loopback only)."""
+        principal = self.gw.require_key(request)
+        if principal is None:
+            return None
+        return lambda state: may_list(state, principal)
+
+    def _operator(self, request: Request) -> Principal | None:
+        """The key steering from the console; without keys, only a client on this machine."""
+        principal = self.gw.require_key(request)
+        if principal is None:
+            host = request.client.host if request.client else ""
+            if not is_loopback(host):
+                raise Forbidden("without keys, the console steers turns from this machine only")
+        return principal
+
+    def _state(self, turn_id: str, principal: Principal | None) -> dict[str, Any]:
+        state = self.gw.client.store.state(turn_id)
+        if state is None:
+            raise TurnNotFound(turn_id)
+        if self.gw.keyring.enabled and not may_access(state, principal, None):
+            raise TurnNotFound(turn_id)
+        return state
+
+    async def list_turns(self, request: Request) -> Response:
+        visible = self._viewer(request)
+        q = request.query_params
+        try:
+            query = TurnQuery.parse(
+                status=q.get("status"),
+                agent=q.get("agent"),
+                limit=q.get("limit"),
+                before=q.get("before"),
+            )
+        except ValueError as exc:
+            raise ApiError(422, "ValidationError", str(exc)) from None
+        page = await run_in_threadpool(self.lister.page, query, visible)
+        return JSONResponse(page.to_json(), headers=NO_STORE)
+
+    async def inbox(self, request: Request) -> Response:
+        visible = self._viewer(request)
+        pending = await run_in_threadpool(self.lister.pending_interactions, visible)
+        return JSONResponse({"interactions": pending}, headers=NO_STORE)
+
+    def _turn_view(self, turn_id: str, principal: Principal | None) -> dict[str, Any]:
+        state = self._state(turn_id, principal)
+        rows = self.lister.summaries([turn_id])
+        if turn_id not in rows:
+            raise TurnNotFound(turn_id)
+        summary = rows[turn_id]
+        summary.pop("_state", None)
+        view = timeline(self.gw.client.store, turn_id, state)
+        view["turn"] = summary
+        return view
+
+    async def turn_timeline(self, request: Request) -> Response:
+        principal = self.gw.require_key(request)
+        turn_id = request.path_params["turn_id"]
+        view = await run_in_threadpool(self._turn_view, turn_id, principal)
+        view["flower_url"] = self.flower_url(request)
+        return JSONResponse(view, headers=NO_STORE)
+
+    def flower_url(self, request: Request) -> str:
+        settings = self.gw.client.settings
+        if settings.flower_url:
+            return settings.flower_url.rstrip("/")
+        return f"{request.url.scheme}://{request.url.hostname}:{settings.flower_port}"
+
+    async def abort(self, request: Request) -> Response:
+        principal = self._operator(request)
+        turn_id = request.path_params["turn_id"]
+
+        def run() -> None:
+            state = self._state(turn_id, principal)
+            if state.get("status") in TERMINAL_STATUSES:
+                raise TurnNotFound(turn_id)
+            self.gw.client.abort(turn_id, None, "user", operator=True)
+
+        await run_in_threadpool(run)
+        return JSONResponse({"ok": True, "turn_id": turn_id})
+
+    async def answer(self, request: Request) -> Response:
+        principal = self._operator(request)
+        turn_id = request.path_params["turn_id"]
+        request_id = request.path_params["request_id"]
+        data = await read_json(request, self.gw.body_limit_bytes)
+        try:
+            ans = InteractionAnswer.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+
+        def run() -> None:
+            self._state(turn_id, principal)
+            self.gw.client.interactions.answer(turn_id, request_id, ans)
+
+        await run_in_threadpool(run)
+        return JSONResponse(
+            {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
+        )
+
+
+def console_routes(gw: Gateway) -> list[Route]:
+    """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
+    c = Console(gw)
+    return [
+        Route("/v1/turns", c.list_turns, methods=["GET"]),
+        Route("/v1/interactions", c.inbox, methods=["GET"]),
+        Route("/v1/turns/{turn_id}/timeline", c.turn_timeline, methods=["GET"]),
+        Route("/v1/console/turns/{turn_id}/abort", c.abort, methods=["POST"]),
+        Route("/v1/console/turns/{turn_id}/interactions/{request_id}", c.answer, methods=["POST"]),
+    ]
+
+
+__all__ = ["Console", "console_routes"]

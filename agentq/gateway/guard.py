@@ -1,0 +1,98 @@
+"""Cross-site protection for the gateway, as ASGI middleware in front of every route.
+
+A web page the user visits must not drive a gateway it can reach (one on the user's own
+machine, above all, which may run without keys). Browsers attach `Origin` to every POST
+and the real `Host`; so a mutating request is refused (403) unless its `Origin`, when it
+has one, is the gateway's own or listed in `AGENTQ_CORS_ORIGINS`, and its body, when it
+has one, is declared `application/json` (415 otherwise: a `no-cors` page can only send
+`text/plain`, form or multipart bodies). On every request but /healthz, `Host` must name
+this gateway (a loopback name, the address it is bound to, or a CORS origin's host), so
+a DNS-rebinding page cannot read a loopback gateway either; bound to every address
+(0.0.0.0), it cannot know its names, and keys guard it instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from agentq.errors import AccessError, Forbidden, UnsupportedMediaType
+from agentq.gateway.auth import is_loopback
+
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def host_name(host_header: str) -> str:
+    """`example.com:8000` -> `example.com`; `[::1]:8000` -> `::1`."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
+
+
+class RequestGuard:
+    """Refuses cross-site mutating requests, non-JSON bodies and foreign Host headers."""
+
+    def __init__(self, app: ASGIApp, *, bind_host: str, cors_origins: Iterable[str]) -> None:
+        self.app = app
+        self.cors_origins = frozenset(cors_origins)
+        self.any_host = bind_host.strip().lower() in WILDCARD_HOSTS
+        self.hosts = {host_name(bind_host)} | {
+            host_name(o.split("://", 1)[1]) for o in self.cors_origins
+        }
+
+    def host_allowed(self, host: str) -> bool:
+        name = host_name(host)
+        return self.any_host or is_loopback(name) or name in self.hosts
+
+    def refusal(self, scope: Scope) -> AccessError | None:
+        """Why the request must not reach the app, or None."""
+        headers = Headers(scope=scope)
+        if scope["path"] in OPEN_PATHS:
+            return None
+        host = headers.get("host", "")
+        if not self.host_allowed(host):
+            return Forbidden(f"Host {host!r} does not name this gateway")
+        if scope["method"] not in MUTATING:
+            return None
+        origin = headers.get("origin")
+        scheme = scope.get("scheme", "http")
+        if origin is not None:
+            origin = origin.strip().lower()
+            if origin != f"{scheme}://{host.lower()}" and origin not in self.cors_origins:
+                return Forbidden(f"cross-origin request from {origin} refused")
+        elif headers.get("sec-fetch-site") == "cross-site":
+            return Forbidden("cross-site request refused")
+        content_type = headers.get("content-type", "")
+        declared = headers.get("content-length")
+        has_body = "transfer-encoding" in headers or (declared not in (None, "0"))
+        if (content_type or has_body) and not is_json(content_type):
+            return UnsupportedMediaType(content_type)
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refused = self.refusal(scope)
+            if refused is not None:
+                body: dict[str, Any] = {
+                    "error": {"type": type(refused).__name__, "message": refused.message}
+                }
+                await JSONResponse(body, status_code=refused.status_code)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+__all__ = ["RequestGuard", "host_name", "is_json"]

@@ -1,0 +1,131 @@
+"""Per-caller limits on starting turns, kept in Redis so every gateway shares them.
+
+A caller (a key's name, or ``addr:<ip>`` without keys) gets a token bucket of
+`start_burst` starts refilled at `start_rate_per_s`, and at most
+`max_active_turns_per_key` running turns. Both checks are one Lua script each, so a
+flood of concurrent starts cannot slip past them between a read and a write.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+
+import redis
+
+from agentq import constants as k
+from agentq.errors import RateLimited
+
+# KEYS[1] the bucket; ARGV rate/s, burst. Redis's own clock: gateways may disagree on time.
+# Returns 0 when a start is allowed, else the milliseconds until one is.
+_BUCKET_LUA = """
+local now_t = redis.call('TIME')
+local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
+local rate = tonumber(ARGV[1])
+local burst = tonumber(ARGV[2])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(state[1]) or burst
+local at = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local wait_ms = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+else
+  wait_ms = math.ceil((1 - tokens) / rate * 1000)
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+return wait_ms
+"""
+
+# KEYS[1] the caller's set of turns (turn id or a reservation, scored by time);
+# ARGV max, reservation id, turn key prefix, stale-reservation age (s).
+# Drops ended or vanished turns, then reserves a slot if one is free: 1, else 0.
+_RESERVE_LUA = """
+local now_t = redis.call('TIME')
+local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
+local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+for i = 1, #members, 2 do
+  local m = members[i]
+  local gone = false
+  if string.sub(m, 1, 2) == 'r:' then
+    gone = tonumber(members[i + 1]) < now - tonumber(ARGV[4])
+  else
+    local status = redis.call('HGET', ARGV[3] .. m, 'status')
+    gone = (not status) or status == '"finished"' or status == '"aborted"'
+      or status == '"error"'
+  end
+  if gone then redis.call('ZREM', KEYS[1], m) end
+end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
+redis.call('ZADD', KEYS[1], now, ARGV[2])
+redis.call('EXPIRE', KEYS[1], 7 * 24 * 3600)
+return 1
+"""
+
+RESERVATION_TTL_S = 60
+"""A reservation whose start never completed (a crashed gateway) frees its slot after this."""
+ACTIVE_RETRY_AFTER_S = 1.0
+
+
+class StartLimits:
+    """The two limits on starting turns, for one gateway."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        rate_per_s: float,
+        burst: int,
+        max_active: int,
+    ) -> None:
+        self.redis = client
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_active = max_active
+        self._bucket = client.register_script(_BUCKET_LUA)
+        self._reserve = client.register_script(_RESERVE_LUA)
+
+    def take_start(self, subject: str) -> None:
+        """Spend one start from the caller's bucket, or raise RateLimited."""
+        wait_ms = int(
+            self._bucket(keys=[k.start_bucket_key(subject)], args=[self.rate_per_s, self.burst])
+        )
+        if wait_ms > 0:
+            raise RateLimited(
+                wait_ms / 1000,
+                f"too many turn starts: at most {self.burst} at once and "
+                f"{self.rate_per_s:g} per second",
+            )
+
+    def reserve(self, subject: str) -> str:
+        """Hold a running-turn slot for a start in progress; RateLimited if none is free."""
+        reservation = f"r:{secrets.token_hex(8)}"
+        turn_prefix = k.turn_key("")
+        ok = self._reserve(
+            keys=[k.owner_turns_key(subject)],
+            args=[self.max_active, reservation, turn_prefix, RESERVATION_TTL_S],
+        )
+        if not ok:
+            raise RateLimited(
+                ACTIVE_RETRY_AFTER_S,
+                f"too many running turns: at most {self.max_active} per key at once",
+            )
+        return reservation
+
+    def started(self, subject: str, reservation: str, turn_id: str | None) -> None:
+        """Turn the reservation into the started turn (or give it back: `turn_id` None)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(k.owner_turns_key(subject), reservation)
+        if turn_id is not None:
+            pipe.zadd(k.owner_turns_key(subject), {turn_id: time.time()})
+        pipe.execute()
+
+
+def retry_after_header(retry_after_s: float) -> str:
+    """Retry-After takes whole seconds; round up so a client that obeys it is let in."""
+    return str(max(1, math.ceil(retry_after_s)))
+
+
+__all__ = ["StartLimits", "retry_after_header"]

@@ -1,0 +1,293 @@
+// The operator console: the list of turns, one turn's timeline and event log, the
+// approvals inbox. It polls the gateway once a second; data goes in with textContent only.
+// Uses keyHeaders(), el(), fmtSeconds() and errorText() from app.js (loaded first).
+"use strict";
+
+const CONSOLE_POLL_MS = 1000;
+const consoleState = { open: null, timer: null, before: null, lastInbox: [] };
+
+const q = (sel, root = document) => root.querySelector(sel);
+
+function clock(ts) {
+  if (typeof ts !== "number") return "-";
+  return new Date(ts * 1000).toLocaleTimeString();
+}
+
+function countsText(calls) {
+  const parts = Object.entries(calls || {}).map(([s, n]) => s + " " + n);
+  return parts.length ? parts.join(", ") : "-";
+}
+
+async function getJSON(url) {
+  const res = await fetch(url, { headers: keyHeaders() });
+  if (!res.ok) throw new Error(await errorText(res));
+  return res.json();
+}
+
+function listUrl() {
+  const params = new URLSearchParams({ limit: "50" });
+  const status = q("#f-status").value;
+  const agent = q("#f-agent").value.trim();
+  if (status) params.set("status", status);
+  if (agent) params.set("agent", agent);
+  return "/v1/turns?" + params.toString();
+}
+
+function turnRow(t) {
+  const tr = el("tr");
+  tr.dataset.turnId = t.turn_id;
+  tr.dataset.status = t.status;
+  tr.tabIndex = 0;
+  tr.setAttribute("aria-label", "open turn " + t.turn_id);
+  const idCell = el("td", "mono", t.turn_id.slice(0, 12));
+  idCell.title = t.turn_id;
+  tr.append(
+    idCell,
+    el("td", "st st-" + t.status, t.status),
+    el("td", null, t.agent || "-"),
+    el("td", null, clock(t.started_at)),
+    el("td", null, t.duration_s == null ? "-" : fmtSeconds(t.duration_s)),
+    el("td", "calls", countsText(t.calls)),
+    el("td", t.pending_interactions.length ? "pending" : "muted",
+      String(t.pending_interactions.length)),
+  );
+  if (consoleState.open === t.turn_id) tr.classList.add("selected");
+  const open = () => openTurn(t.turn_id);
+  tr.addEventListener("click", open);
+  tr.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") { e.preventDefault(); open(); } });
+  return tr;
+}
+
+async function refreshList() {
+  const body = await getJSON(listUrl());
+  const tbody = q("#turns tbody");
+  const focused = document.activeElement && document.activeElement.dataset
+    ? document.activeElement.dataset.turnId : null;
+  tbody.replaceChildren(...body.turns.map(turnRow));
+  if (focused) {
+    const again = tbody.querySelector(`tr[data-turn-id="${CSS.escape(focused)}"]`);
+    if (again) again.focus();
+  }
+  consoleState.before = body.next_before;
+  q("#more").hidden = body.next_before == null;
+  q("#list-state").textContent = body.turns.length + " turns · " + new Date().toLocaleTimeString();
+}
+
+async function loadOlder() {
+  if (consoleState.before == null) return;
+  const body = await getJSON(listUrl() + "&before=" + encodeURIComponent(consoleState.before));
+  q("#turns tbody").append(...body.turns.map(turnRow));
+  consoleState.before = body.next_before;
+  q("#more").hidden = body.next_before == null;
+}
+
+function inboxItem(p) {
+  const li = el("li", "inbox-item");
+  li.dataset.turnId = p.turn_id;
+  li.dataset.requestId = p.request_id;
+  const head = el("div", "inbox-head");
+  head.append(el("strong", null, p.tool || p.kind), el("span", "mono muted", " " + p.turn_id.slice(0, 12)));
+  const countdown = el("span", "countdown");
+  countdown.dataset.expiresAt = String(p.expires_at);
+  li.append(head, el("div", "prompt", p.prompt), countdown);
+  const approve = el("button", "approve", "Approve");
+  const deny = el("button", "deny", "Deny");
+  approve.type = deny.type = "button";
+  const answer = async (decision) => {
+    approve.disabled = deny.disabled = true;
+    const res = await fetch(
+      `/v1/console/turns/${encodeURIComponent(p.turn_id)}/interactions/${encodeURIComponent(p.request_id)}`,
+      { method: "POST", headers: keyHeaders(), body: JSON.stringify({ decision }) },
+    );
+    li.classList.add(res.ok ? decision === "approve" ? "approved" : "denied" : "failed");
+    li.querySelector(".countdown").textContent = res.ok ? decision + "d" : await errorText(res);
+  };
+  approve.addEventListener("click", () => answer("approve").catch(() => {}));
+  deny.addEventListener("click", () => answer("deny").catch(() => {}));
+  const buttons = el("div", "inbox-buttons");
+  buttons.append(approve, deny);
+  li.append(buttons);
+  return li;
+}
+
+async function refreshInbox() {
+  const body = await getJSON("/v1/interactions");
+  const list = q("#inbox");
+  const key = (p) => p.turn_id + "/" + p.request_id;
+  const wanted = new Set(body.interactions.map(key));
+  // Keep items in place (and focus on their buttons); add new ones, drop closed ones.
+  for (const li of Array.from(list.children)) {
+    if (!wanted.has(li.dataset.turnId + "/" + li.dataset.requestId) && !li.classList.contains("approved")
+      && !li.classList.contains("denied")) li.remove();
+  }
+  const have = new Set(Array.from(list.children, (li) => li.dataset.turnId + "/" + li.dataset.requestId));
+  for (const p of body.interactions) if (!have.has(key(p))) list.append(inboxItem(p));
+  q("#inbox-empty").hidden = list.children.length > 0;
+  tickCountdowns();
+}
+
+function tickCountdowns() {
+  for (const node of document.querySelectorAll("#inbox .inbox-item:not(.approved):not(.denied) .countdown")) {
+    const left = Math.max(0, Number(node.dataset.expiresAt) - Date.now() / 1000);
+    node.textContent = Math.ceil(left) + "s left";
+  }
+}
+
+function pct(t, t0, span) {
+  return Math.max(0, Math.min(100, ((t - t0) / span) * 100));
+}
+
+function timelineRow(label, cls, start, end, t0, span, marks, detail) {
+  const row = el("div", "tl-row " + cls);
+  const name = el("div", "tl-label", label);
+  const track = el("div", "tl-track");
+  if (typeof start === "number") {
+    const bar = el("div", "tl-bar");
+    bar.style.left = pct(start, t0, span) + "%";
+    bar.style.width = Math.max(0.5, pct(end, t0, span) - pct(start, t0, span)) + "%";
+    bar.title = label + ": " + fmtSeconds(Math.max(0, end - start));
+    track.append(bar);
+    for (const [kind, seconds] of marks) {
+      const m = el("div", "tl-mark " + kind);
+      m.style.left = pct(start + seconds, t0, span) + "%";
+      m.title = kind + " " + seconds + "s";
+      track.append(m);
+    }
+  }
+  row.append(name, track, detail);
+  return row;
+}
+
+function callDetail(c, flowerUrl) {
+  const d = el("div", "tl-detail");
+  const took = c.duration_ms == null ? "" : fmtSeconds(c.duration_ms / 1000) + " ";
+  d.append(el("span", "st st-" + c.status, c.status + (c.overran ? " · overran" : "")));
+  d.append(el("span", "muted", " " + took + "· budget " + (c.budget_s ?? "-") + "s · soft "
+    + (c.soft_timeout_s ?? "-") + "s · hard " + (c.timeout_s ?? "-") + "s · "
+    + (c.worker || "-") + " pid " + (c.pid ?? "-") + " "));
+  if (c.task_id) {
+    const a = el("a", "flower", "Flower");
+    a.href = flowerUrl + "/task/" + encodeURIComponent(c.task_id);
+    a.target = "_blank";
+    a.rel = "noopener";
+    d.append(a);
+  }
+  return d;
+}
+
+function renderTimeline(view) {
+  const t0 = view.started_at || view.created_at || view.now;
+  const end = view.ended_at || view.now;
+  let span = Math.max(end - t0, 0.001);
+  for (const c of view.calls) {
+    if (typeof c.started_at === "number" && typeof c.timeout_s === "number") {
+      span = Math.max(span, Math.min(c.started_at + c.timeout_s, end + span * 0.25) - t0);
+    }
+  }
+  const rows = [];
+  for (const r of view.rounds) {
+    const stop = r.finished_at ?? view.now;
+    const detail = el("div", "tl-detail");
+    detail.append(el("span", "st st-" + r.status, r.status), el("span", "muted", " " + fmtSeconds(stop - r.started_at)));
+    const row = timelineRow("model round " + r.round, "round st-" + r.status, r.started_at, stop, t0, span, [], detail);
+    row.dataset.kind = "round";
+    row.dataset.status = r.status;
+    rows.push(row);
+  }
+  for (const c of view.calls) {
+    const stop = c.finished_at ?? view.now;
+    const marks = [];
+    if (c.budget_s) marks.push(["budget", c.budget_s]);
+    if (c.soft_timeout_s) marks.push(["soft", c.soft_timeout_s]);
+    if (c.timeout_s) marks.push(["hard", c.timeout_s]);
+    const row = timelineRow(c.tool + " (r" + (c.round ?? "?") + ")", "call st-" + c.status,
+      c.started_at, stop, t0, span, marks, callDetail(c, view.flower_url));
+    row.dataset.kind = "call";
+    row.dataset.status = c.status;
+    row.dataset.callId = c.call_id;
+    if (c.overran) row.classList.add("overran");
+    rows.push(row);
+  }
+  q("#timeline").replaceChildren(...rows);
+  q("#eventlog").replaceChildren(...view.events.map((e) => {
+    const li = el("li", "ev ev-" + e.type);
+    const f = e.fields || {};
+    const bits = ["tool", "status", "reason", "request_id", "decision", "error"].filter((k) => f[k] != null)
+      .map((k) => k + "=" + f[k]);
+    li.append(el("span", "muted", clock(e.ts) + " #" + e.seq + " "), el("strong", null, e.type), el("span", null, " " + bits.join(" ")));
+    return li;
+  }));
+}
+
+async function refreshView() {
+  const id = consoleState.open;
+  if (!id) return;
+  const view = await getJSON("/v1/turns/" + encodeURIComponent(id) + "/timeline");
+  if (consoleState.open !== id) return;
+  const t = view.turn;
+  q("#view-title").textContent = "turn " + id.slice(0, 12) + (t.agent ? " · " + t.agent : "");
+  const badge = q("#view-status");
+  badge.textContent = t.status + (t.abort_reason ? " (" + t.abort_reason + ")" : "");
+  badge.className = "badge st-" + t.status;
+  badge.dataset.status = t.status;
+  q("#view-abort").disabled = !(t.status === "running" || t.status === "queued");
+  renderTimeline(view);
+}
+
+function openTurn(id) {
+  consoleState.open = id;
+  q("#turn-view").hidden = false;
+  q("#turn-view").dataset.turnId = id;
+  for (const tr of document.querySelectorAll("#turns tbody tr")) {
+    tr.classList.toggle("selected", tr.dataset.turnId === id);
+  }
+  refreshView().catch((err) => { q("#view-status").textContent = String(err.message || err); });
+}
+
+async function abortOpen() {
+  const id = consoleState.open;
+  if (!id) return;
+  q("#view-abort").disabled = true;
+  const res = await fetch("/v1/console/turns/" + encodeURIComponent(id) + "/abort",
+    { method: "POST", headers: keyHeaders() });
+  if (!res.ok) q("#view-status").textContent = await errorText(res);
+  await refreshView();
+}
+
+async function pollConsole() {
+  if (q("#console").hidden) return;
+  await Promise.all([refreshList(), refreshInbox(), refreshView()]);
+}
+
+function showTab(name) {
+  const consoleOn = name === "console";
+  q("#chat").hidden = consoleOn;
+  q("#console").hidden = !consoleOn;
+  q("#tab-chat").setAttribute("aria-selected", String(!consoleOn));
+  q("#tab-console").setAttribute("aria-selected", String(consoleOn));
+  if (consoleOn) {
+    if (location.hash !== "#console") history.replaceState(null, "", "#console");
+    pollConsole().catch((err) => { q("#list-state").textContent = String(err.message || err); });
+  } else if (location.hash) {
+    history.replaceState(null, "", location.pathname);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  q("#tab-chat").addEventListener("click", () => showTab("chat"));
+  q("#tab-console").addEventListener("click", () => showTab("console"));
+  q("#filters").addEventListener("submit", (e) => e.preventDefault());
+  q("#f-status").addEventListener("change", () => refreshList().catch(() => {}));
+  q("#f-agent").addEventListener("input", () => refreshList().catch(() => {}));
+  q("#more").addEventListener("click", () => loadOlder().catch(() => {}));
+  q("#view-abort").addEventListener("click", () => abortOpen().catch(() => {}));
+  q("#view-close").addEventListener("click", () => {
+    consoleState.open = null;
+    q("#turn-view").hidden = true;
+  });
+  setInterval(() => {
+    pollConsole().catch((err) => { q("#list-state").textContent = String(err.message || err); });
+  }, CONSOLE_POLL_MS);
+  setInterval(tickCountdowns, 250);
+  if (location.hash === "#console") showTab("console");
+});

@@ -1,0 +1,106 @@
+"""What the gateway checks before it touches Redis: ids in paths, Last-Event-ID, JSON bodies.
+
+Every refusal is a 404 or 422 with a message; nothing a client sends reaches a Redis
+key, a parser or a stream read in a shape that would end as a 500 or 503.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import redis
+
+from agentq.chat import lone_surrogate_at
+from agentq.constants import log_key
+from agentq.gateway.errors import ApiError
+from agentq.ids import is_request_id, is_turn_id, parse_stream_id
+
+MAX_JSON_DEPTH = 32
+"""Deeper than any valid request (a message part is 5 levels down); json would recurse."""
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACKET = re.compile(rb"[\[\]{}]")
+
+
+def turn_id_of(value: str) -> str:
+    if not is_turn_id(value):
+        raise ApiError(404, "TurnNotFound", "no such turn: a turn id is 32 lowercase hex digits")
+    return value
+
+
+def request_id_of(value: str) -> str:
+    if not is_request_id(value):
+        raise ApiError(
+            404,
+            "InteractionNotFound",
+            "no such interaction: a request id is '<call id>.approval', the call id of "
+            "letters, digits and _ . : - (at most 128)",
+        )
+    return value
+
+
+def stream_id_of(value: str, field: str = "Last-Event-ID") -> str:
+    """A Redis stream id as Redis accepts it, else 422 (never a Redis error, never a hang)."""
+    pos = parse_stream_id(value)
+    if pos is None:
+        raise ApiError(
+            422,
+            "ValidationError",
+            f"{field}: must be a stream id like 1-0: two unsigned 64-bit integers",
+        )
+    return f"{pos[0]}-{pos[1]}"
+
+
+def clamp_to_log(client: redis.Redis, turn_id: str, after: str) -> str:
+    """`after`, or the log's last id when `after` lies past it (a client ahead of the log).
+
+    Events after an id from the future would be dropped as already seen, so the stream
+    would wait forever; from the log's end it gets every real event that comes.
+    """
+    pos = parse_stream_id(after)
+    if pos is None or pos == (0, 0):
+        return after
+    last: Any = client.xrevrange(log_key(turn_id), count=1)
+    if not last:
+        return "0-0"
+    raw = last[0][0]
+    last_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+    last_pos = parse_stream_id(last_id)
+    if last_pos is not None and pos > last_pos:
+        return last_id
+    return after
+
+
+def _raise_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, no lone surrogates, nested at most `max_depth`."""
+    depth = deepest = 0
+    for bracket in _BRACKET.finditer(_STRING.sub(b'""', body)):
+        depth += 1 if bracket.group() in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+        if deepest > max_depth:
+            raise ApiError(422, "ValidationError", f"body: nested deeper than {max_depth} levels")
+    try:
+        data = json.loads(body.decode("utf-8"), parse_constant=_raise_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise ApiError(422, "MalformedJSON", f"body: not valid JSON ({exc})") from None
+    bad = lone_surrogate_at(data)
+    if bad is not None:
+        raise ApiError(
+            422, "MalformedJSON", f"{bad}: text must be valid Unicode (a lone surrogate is not)"
+        )
+    return data
+
+
+__all__ = [
+    "MAX_JSON_DEPTH",
+    "clamp_to_log",
+    "loads_strict",
+    "request_id_of",
+    "stream_id_of",
+    "turn_id_of",
+]

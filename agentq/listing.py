@@ -1,0 +1,311 @@
+"""The list of turns for the operator console: recent and running turns, newest first.
+
+Every turn is in ``agentq:turns:index`` (a sorted set scored by ``created_at``) from its
+creation. A finished turn's keys expire after the retention TTL (`turn_retention_s`); the
+index entry of a turn whose state is gone is removed the next time a listing meets it,
+and each listing also checks a few of the oldest entries, so the index does not grow
+with turns nobody pages back to.
+
+One Lua call summarises a page of turns inside Redis (state, call counts by status,
+unsettled calls, pending interactions), so a page costs a couple of round trips and
+no result content crosses the network.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from agentq import constants as k
+from agentq.models import TERMINAL_STATUSES, TurnStatus
+from agentq.orchestrator.approvals import request_id_of
+from agentq.store import text
+
+MAX_LIMIT = 200
+DEFAULT_LIMIT = 50
+SCAN_BATCH = 100
+SCAN_MAX = 5000
+"""A filtered listing reads at most this many index entries per page, then hands back a
+cursor: a rare filter never makes one request read the whole index."""
+PRUNE_BATCH = 50
+TURN_STATUSES = frozenset(s.value for s in TurnStatus)
+
+# Results are matched, not decoded: the first "status" of a ToolResult's JSON is its own
+# (call_id and tool come before it, and a quote inside them is escaped).
+_SUMMARY_LUA = """
+local out = {}
+for i = 2, #ARGV do
+  local id = ARGV[i]
+  local base = 'agentq:turn:' .. id
+  local st = redis.call('HGETALL', base)
+  if #st == 0 then
+    out[#out + 1] = {id, false}
+  else
+    local counts = {}
+    local settled = {}
+    local res = redis.call('HGETALL', base .. ':results')
+    for j = 1, #res, 2 do
+      local s = string.match(res[j + 1], '"status":"(%a+)"') or 'unknown'
+      counts[s] = (counts[s] or 0) + 1
+      settled[res[j]] = true
+    end
+    local open = {}
+    local calls = redis.call('HGETALL', base .. ':calls')
+    for j = 1, #calls, 2 do
+      if not settled[calls[j]] then
+        local state = 'queued'
+        if redis.call('HEXISTS', base .. ':started', calls[j]) == 1 then state = 'running' end
+        counts[state] = (counts[state] or 0) + 1
+        local tool = string.match(calls[j + 1], '"tool":%s*"([^"]*)"') or '?'
+        open[#open + 1] = {calls[j], tool, state}
+      end
+    end
+    local pending = {}
+    local plan = redis.call('HKEYS', base .. ':plan')
+    for j = 1, #plan do
+      local ik = base .. ':interaction:' .. plan[j] .. ARGV[1]
+      local v = redis.call('HMGET', ik, 'state', 'request')
+      if v[1] == 'pending' and v[2] then pending[#pending + 1] = v[2] end
+    end
+    out[#out + 1] = {id, st, counts, open, pending}
+  end
+end
+return cjson.encode(out)
+"""
+
+
+def _as_list(v: Any) -> list[Any]:
+    # cjson encodes an empty table as {}.
+    return v if isinstance(v, list) else []
+
+
+def _as_dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _loads(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+@dataclass(frozen=True)
+class TurnQuery:
+    """Filters and paging of a listing; `before` is a `created_at` (exclusive)."""
+
+    status: frozenset[str] = frozenset()
+    agent: str | None = None
+    limit: int = DEFAULT_LIMIT
+    before: float | None = None
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        status: str | None = None,
+        agent: str | None = None,
+        limit: str | int | None = None,
+        before: str | float | None = None,
+    ) -> TurnQuery:
+        """From query-string values; ValueError naming the parameter if one is malformed."""
+        wanted = frozenset(s.strip() for s in (status or "").split(",") if s.strip())
+        unknown = sorted(wanted - TURN_STATUSES - {"active", "ended"})
+        if unknown:
+            raise ValueError(
+                f"status: unknown {', '.join(unknown)}; one or more of "
+                f"{', '.join(sorted(TURN_STATUSES))}, active, ended"
+            )
+        try:
+            n = DEFAULT_LIMIT if limit in (None, "") else int(limit)
+        except ValueError:
+            raise ValueError("limit: must be an integer") from None
+        if not 1 <= n <= MAX_LIMIT:
+            raise ValueError(f"limit: must be between 1 and {MAX_LIMIT}")
+        cursor: float | None = None
+        if before not in (None, ""):
+            try:
+                cursor = float(before)  # type: ignore[arg-type]
+            except ValueError:
+                raise ValueError("before: must be a created_at timestamp (seconds)") from None
+            if cursor != cursor or cursor in (float("inf"), float("-inf")):
+                raise ValueError("before: must be a finite timestamp")
+        return cls(status=wanted, agent=agent or None, limit=n, before=cursor)
+
+    def matches(self, summary: dict[str, Any]) -> bool:
+        status = summary.get("status")
+        if self.status:
+            groups = {str(status)}
+            groups.add("ended" if status in TERMINAL_STATUSES else "active")
+            if not groups & self.status:
+                return False
+        return self.agent is None or summary.get("agent") == self.agent
+
+
+@dataclass
+class TurnPage:
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    next_before: float | None = None
+    """Pass as `before` for the next page; None when there is none."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"turns": self.turns, "next_before": self.next_before}
+
+
+def summarise(
+    turn_id: str,
+    state: dict[str, Any],
+    counts: dict[str, int],
+    open_calls: list[list[str]],
+    pending: list[dict[str, Any]],
+    now: float,
+) -> dict[str, Any]:
+    """One row of the list, from the turn's state and what the summary script found."""
+    started = state.get("started_at")
+    ended = state.get("ended_at")
+    duration_s = None
+    if isinstance(started, (int, float)):
+        end = ended if isinstance(ended, (int, float)) else now
+        duration_s = round(max(0.0, end - started), 3)
+    for p in pending:
+        created = float(p.get("created_at") or now)
+        p["expires_at"] = created + float(p.get("timeout_ms") or 0) / 1000
+        p["turn_id"] = turn_id
+    return {
+        "turn_id": turn_id,
+        "status": state.get("status"),
+        "phase": state.get("phase"),
+        "agent": state.get("agent"),
+        "owner": state.get("owner"),
+        "parent_turn_id": state.get("parent_turn_id"),
+        "round": state.get("round", 0),
+        "created_at": state.get("created_at"),
+        "started_at": started,
+        "ended_at": ended,
+        "duration_s": duration_s,
+        "call_count": state.get("call_count", 0),
+        "calls": {s: int(n) for s, n in sorted(counts.items())},
+        "current_tools": [{"call_id": c, "tool": t, "state": s} for c, t, s in open_calls],
+        "pending_interactions": pending,
+        "error": state.get("error"),
+        "abort_reason": state.get("abort_reason") or state.get("reason"),
+    }
+
+
+class TurnLister:
+    """Reads pages of turn summaries; `visible` filters by who asks (the gateway's rule)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._summary = client.register_script(_SUMMARY_LUA)
+
+    def summaries(self, turn_ids: list[str], now: float | None = None) -> dict[str, dict[str, Any]]:
+        """Summaries of these turns (vanished ones omitted and dropped from the index)."""
+        if not turn_ids:
+            return {}
+        now = time.time() if now is None else now
+        raw = json.loads(text(self._summary(keys=[], args=[request_id_of(""), *turn_ids])))
+        out: dict[str, dict[str, Any]] = {}
+        gone: list[str] = []
+        for row in raw:
+            turn_id = row[0]
+            if row[1] is False:
+                gone.append(turn_id)
+                continue
+            flat = _as_list(row[1])
+            state = {flat[i]: _loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+            pending = [_loads(p) for p in _as_list(row[4])]
+            out[turn_id] = summarise(
+                turn_id,
+                state,
+                _as_dict(row[2]),
+                _as_list(row[3]),
+                [p for p in pending if isinstance(p, dict)],
+                now,
+            )
+            out[turn_id]["_state"] = state
+        if gone:
+            self.redis.zrem(k.TURNS_INDEX, *gone)
+        return out
+
+    def page(
+        self,
+        query: TurnQuery,
+        visible: Callable[[dict[str, Any]], bool] | None = None,
+        *,
+        scan_max: int = SCAN_MAX,
+    ) -> TurnPage:
+        """Newest first from `query.before`, filtered, at most `query.limit` turns."""
+        self.prune()
+        now = time.time()
+        top = "+inf" if query.before is None else f"({query.before!r}"
+        page = TurnPage()
+        scanned = 0
+        last_score: float | None = None
+        while scanned < scan_max:
+            rows: list[tuple[bytes, float]] = self.redis.zrevrangebyscore(  # type: ignore[assignment]
+                k.TURNS_INDEX, top, "-inf", start=0, num=SCAN_BATCH, withscores=True
+            )
+            if not rows:
+                return page
+            ids = [text(m) for m, _ in rows]
+            found = self.summaries(ids, now)
+            for member, score in rows:
+                scanned += 1
+                last_score = float(score)
+                row = found.get(text(member))
+                if row is None:
+                    continue
+                state = row.pop("_state")
+                if visible is not None and not visible(state):
+                    continue
+                if not query.matches(row):
+                    continue
+                page.turns.append(row)
+                if len(page.turns) >= query.limit:
+                    page.next_before = last_score
+                    return page
+            if len(rows) < SCAN_BATCH:
+                return page
+            top = f"({last_score!r}"
+        page.next_before = last_score
+        return page
+
+    def prune(self, batch: int = PRUNE_BATCH) -> int:
+        """Drop the oldest index entries whose turn has expired; how many were dropped."""
+        oldest = [text(m) for m in self.redis.zrange(k.TURNS_INDEX, 0, batch - 1)]
+        if not oldest:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for turn_id in oldest:
+            pipe.exists(k.turn_key(turn_id))
+        gone = [t for t, alive in zip(oldest, pipe.execute(), strict=True) if not alive]
+        if gone:
+            self.redis.zrem(k.TURNS_INDEX, *gone)
+        return len(gone)
+
+    def pending_interactions(
+        self, visible: Callable[[dict[str, Any]], bool] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every pending interaction of the running turns, the soonest to expire first."""
+        ids = [text(t) for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
+        out: list[dict[str, Any]] = []
+        for i in range(0, len(ids), SCAN_BATCH):
+            for row in self.summaries(ids[i : i + SCAN_BATCH]).values():
+                state = row.pop("_state")
+                if visible is not None and not visible(state):
+                    continue
+                for p in row["pending_interactions"]:
+                    p["agent"] = row["agent"]
+                    p["owner"] = row["owner"]
+                    out.append(p)
+        out.sort(key=lambda p: float(p["expires_at"]))
+        return out
+
+
+__all__ = ["TurnLister", "TurnPage", "TurnQuery", "summarise"]

@@ -1,0 +1,232 @@
+"""One model round on the event loop: the async twin of `agentq.llm.client.stream_round`.
+
+The same rules (`agentq.llm.retry`), the same inactivity watchdog semantics, the same
+stream-duration budget; one shared AsyncOpenAI client per process, so a stream worker
+holds thousands of streams with one loop and one connection pool. The watchdog is
+not a thread here: the attempt's reading task is cancelled on silence or abort, which
+closes that response's connection. An abort arrives as `abort` (an asyncio.Event the
+cancel channel sets) and always wins over the silence limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn, cast
+
+import httpx2
+import openai
+
+from agentq.errors import (
+    Aborted,
+    LlmError,
+    MalformedStreamChunk,
+    StreamDurationExceeded,
+    StreamIdleTimeout,
+)
+from agentq.llm.client import DeltaCallback, _Assembler, api_error_to_llm
+from agentq.llm.retry import backoff_s, parse_retry_after, should_retry
+from agentq.models import AssistantMessage
+
+RetryCallback = Callable[[int, Exception, float], None]
+_READ_BACKSTOP_MARGIN_S = 1.0
+
+
+def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Timeout:
+    """The transport's read timeout is only a backstop behind the watchdog."""
+    read_s = request_timeout_s
+    if idle_timeout_ms > 0:
+        read_s = max(read_s, idle_timeout_ms / 1000.0 + _READ_BACKSTOP_MARGIN_S)
+    return httpx2.Timeout(request_timeout_s, read=read_s)
+
+
+def make_client(
+    *, base_url: str, api_key: str | None, max_connections: int, timeout: httpx2.Timeout
+) -> openai.AsyncOpenAI:
+    http = openai.DefaultAsyncHttpxClient(
+        timeout=timeout,
+        limits=httpx2.Limits(max_connections=max_connections, max_keepalive_connections=200),
+    )
+    return openai.AsyncOpenAI(
+        base_url=base_url,
+        api_key=api_key or "unused",
+        max_retries=0,
+        timeout=timeout,
+        http_client=http,
+    )
+
+
+async def astream_round(
+    client: openai.AsyncOpenAI,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]],
+    *,
+    model: str,
+    idle_timeout_ms: int,
+    duration_left_s: float,
+    max_retries: int,
+    timeout: httpx2.Timeout | None,
+    on_delta: DeltaCallback,
+    on_retry: RetryCallback,
+    abort: asyncio.Event,
+    turn_id: str = "",
+    duration_limit_s: float | None = None,
+) -> tuple[AssistantMessage, float]:
+    """Stream one assistant message; returns it and the seconds spent streaming.
+
+    Raises what `stream_round` raises, under the same rules.
+    """
+    limit_s = duration_limit_s if duration_limit_s is not None else duration_left_s
+    streamed_s = 0.0
+    attempt = 0
+    while True:
+        attempt += 1
+        if abort.is_set():
+            raise Aborted(turn_id)
+        if duration_left_s <= 0:
+            raise StreamDurationExceeded(limit_s, limit_s - duration_left_s)
+        run = _Attempt(
+            client=client,
+            model=model,
+            idle_timeout_ms=idle_timeout_ms,
+            duration_left_s=duration_left_s,
+            duration_limit_s=limit_s,
+            timeout=timeout,
+            on_delta=on_delta,
+            abort=abort,
+            turn_id=turn_id,
+        )
+        try:
+            message = await run.run(messages, tools)
+        except LlmError as exc:
+            streamed_s += run.elapsed_s
+            error = exc
+        else:
+            return message, streamed_s + run.elapsed_s
+        if abort.is_set():
+            raise Aborted(turn_id) from error
+        if not should_retry(
+            error, chunks_received=run.chunks, attempt=attempt, max_retries=max_retries
+        ):
+            raise error
+        delay_s = backoff_s(attempt, run.retry_after_s)
+        on_retry(attempt, error, delay_s)
+        try:
+            await asyncio.wait_for(abort.wait(), delay_s)
+        except asyncio.TimeoutError:
+            continue
+        raise Aborted(turn_id)
+
+
+class _Attempt:
+    def __init__(
+        self,
+        *,
+        client: openai.AsyncOpenAI,
+        model: str,
+        idle_timeout_ms: int,
+        duration_left_s: float,
+        duration_limit_s: float,
+        timeout: httpx2.Timeout | None,
+        on_delta: DeltaCallback,
+        abort: asyncio.Event,
+        turn_id: str,
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.idle_timeout_ms = idle_timeout_ms
+        self.idle_s = idle_timeout_ms / 1000.0 if idle_timeout_ms > 0 else None
+        self.duration_left_s = duration_left_s
+        self.duration_limit_s = duration_limit_s
+        self.timeout = timeout
+        self.on_delta = on_delta
+        self.abort = abort
+        self.turn_id = turn_id
+        self.chunks = 0
+        self.retry_after_s: float | None = None
+        self.elapsed_s = 0.0
+        self._started = time.monotonic()
+        self._last = self._started
+
+    async def run(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> AssistantMessage:
+        self._started = self._last = time.monotonic()
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._stream(messages, tools))
+        aborted = loop.create_task(self.abort.wait())
+        trip: str | None = None
+        try:
+            while True:
+                wait_s = (
+                    None
+                    if self.idle_s is None
+                    else max(0.0, self._last + self.idle_s - time.monotonic())
+                )
+                done, _ = await asyncio.wait(
+                    {reader, aborted}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+                )
+                if reader in done:
+                    break
+                if aborted in done:
+                    trip = "abort"
+                elif self.idle_s is not None and time.monotonic() - self._last >= self.idle_s:
+                    # Abort wins: look at the flag again at the moment the limit fires.
+                    trip = "abort" if self.abort.is_set() else "idle"
+                if trip is not None:
+                    lifetime_ms = int((time.monotonic() - self._started) * 1000)
+                    reader.cancel()
+                    await asyncio.gather(reader, return_exceptions=True)
+                    if trip == "abort" or self.abort.is_set():
+                        raise Aborted(self.turn_id)
+                    raise StreamIdleTimeout(self.idle_timeout_ms, self.chunks, lifetime_ms)
+            return reader.result()
+        finally:
+            aborted.cancel()
+            if not reader.done():
+                reader.cancel()
+            self.elapsed_s = time.monotonic() - self._started
+
+    async def _stream(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+    ) -> AssistantMessage:
+        try:
+            stream = await self.client.chat.completions.create(
+                model=self.model,
+                messages=cast(Any, messages),
+                tools=cast(Any, tools) if tools else openai.omit,
+                stream=True,
+                stream_options={"include_usage": True},
+                timeout=self.timeout if self.timeout is not None else openai.NOT_GIVEN,
+            )
+        except openai.APIError as exc:
+            self._fail(exc)
+        async with stream:
+            assembler = _Assembler(self.on_delta)
+            chunks = stream.__aiter__()
+            while True:
+                try:
+                    chunk = await chunks.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (openai.APIError, ValueError) as exc:
+                    self._fail(exc)
+                self.chunks += 1
+                self._last = time.monotonic()
+                elapsed_s = self._last - self._started
+                if elapsed_s > self.duration_left_s:
+                    used_s = self.duration_limit_s - self.duration_left_s
+                    raise StreamDurationExceeded(self.duration_limit_s, used_s + elapsed_s)
+                assembler.add(chunk, self.chunks - 1)
+                self._last = time.monotonic()
+        return assembler.message()
+
+    def _fail(self, exc: Exception) -> NoReturn:
+        if isinstance(exc, openai.APIError):
+            if isinstance(exc, openai.APIStatusError):
+                self.retry_after_s = parse_retry_after(exc.response.headers)
+            raise api_error_to_llm(exc) from exc
+        problem = "not valid JSON" if isinstance(exc, json.JSONDecodeError) else "undecodable"
+        raise MalformedStreamChunk(self.chunks, f"{problem}: {exc}") from exc

@@ -1,0 +1,105 @@
+"""One redaction rule for credentials in log lines, whatever logger writes them.
+
+A query parameter whose name, once percent-decoded (``%74oken`` is ``token``), names a
+credential, an ``Authorization``/``Bearer`` value and an agentq or OpenAI style key are
+replaced by ``***``. `install()` wraps the process's LogRecord factory, so every record
+is redacted when it is made: uvicorn's access and error logs, agentq's, any library's,
+under `agentq serve` and under `uvicorn --factory agentq.gateway.app:create_app` alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+from urllib.parse import unquote_plus
+
+MASK = "***"
+SECRET_PARAMS = frozenset(
+    {
+        "token",
+        "access_token",
+        "conversation_token",
+        "api_key",
+        "apikey",
+        "key",
+        "authorization",
+        "auth",
+        "password",
+        "secret",
+    }
+)
+_PARAM = re.compile(r"(?P<sep>^|[?&;\s])(?P<name>[^=&;#\s\"'?]+)=(?P<value>[^&;#\s\"']*)")
+_BEARER = re.compile(r"(?i)\b(?P<scheme>bearer|basic)(?P<sp>\s+|%20|\+)(?P<value>[^\s\"',;&]+)")
+_AUTH_HEADER = re.compile(
+    r"(?i)(?P<name>authorization|x-api-key)(?P<sep>[\"']?\s*[:=]\s*[\"']?)"
+    r"(?P<value>(?:(?:bearer|basic)\s+)?[^\s\"',;&]+)"
+)
+_KEYS = re.compile(r"\b(?:sk|agq)-[A-Za-z0-9_-]{16,}")
+_installed = False
+
+
+def _decoded_name(name: str) -> str:
+    # Decoded until it stops changing: %2574oken is %74oken is token.
+    for _ in range(4):
+        plain = unquote_plus(name)
+        if plain == name:
+            break
+        name = plain
+    return name.strip().lower()
+
+
+def _param(m: re.Match[str]) -> str:
+    if _decoded_name(m.group("name")) in SECRET_PARAMS and m.group("value"):
+        return f"{m.group('sep')}{m.group('name')}={MASK}"
+    return m.group(0)
+
+
+def redact(text: str) -> str:
+    """`text` with every credential it shows replaced by ***."""
+    if not text:
+        return text
+    text = _AUTH_HEADER.sub(lambda m: f"{m.group('name')}{m.group('sep')}{MASK}", text)
+    text = _PARAM.sub(_param, text)
+    text = _BEARER.sub(lambda m: f"{m.group('scheme')}{m.group('sp')}{MASK}", text)
+    return _KEYS.sub(MASK, text)
+
+
+def _redact_arg(arg: Any) -> Any:
+    return redact(arg) if isinstance(arg, str) else arg
+
+
+def redact_record(record: logging.LogRecord) -> logging.LogRecord:
+    if isinstance(record.msg, str):
+        record.msg = redact(record.msg)
+    args = record.args
+    if isinstance(args, tuple):
+        record.args = tuple(_redact_arg(a) for a in args)
+    elif isinstance(args, dict):
+        record.args = {k: _redact_arg(v) for k, v in args.items()}
+    return record
+
+
+class RedactCredentials(logging.Filter):
+    """The same rule as a filter, for handlers a record factory does not reach."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        redact_record(record)
+        return True
+
+
+def install() -> None:
+    """Redact every log record this process makes from now on; calling it again is harmless."""
+    global _installed
+    if _installed:
+        return
+    make = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        return redact_record(make(*args, **kwargs))
+
+    logging.setLogRecordFactory(factory)
+    _installed = True
+
+
+__all__ = ["MASK", "RedactCredentials", "install", "redact", "redact_record"]

@@ -1,0 +1,265 @@
+"""The turn's life: a state machine kept in Redis and advanced by short steps.
+
+Transitions (``status`` in the turn's hash, and ``phase`` while it runs):
+
+====================  ===========================================  ===========================
+from                  on                                           to (what the step does)
+====================  ===========================================  ===========================
+queued                its first step                               running:model (turn_started;
+                                                                   the model round is sent)
+running:model         round sent, no result yet                    running:model (look again at
+                                                                   the round's deadline or the
+                                                                   heartbeat check)
+running:model         its stream worker died (heartbeat lapsed)    running:model (round sent
+                                                                   again, llm_max_retries times)
+running:model         an answer without tool calls                 finished (turn_finished)
+running:model         an answer with tool calls                    running:tools (assistant
+                                                                   message kept, calls planned)
+running:model         the round failed, or no worker in time       error (turn_error)
+running:tools         an approval still pending                    running:tools (look again at
+                                                                   its timeout)
+running:tools         a batch settled                              running:tools (next batch)
+running:tools         a call overdue, or its worker dead           running:tools (settled lost)
+running:tools         every call settled                           running:model (tool-result
+                                                                   message; next round)
+running:tools         every call settled, and a stop reason        finished (max_calls_per_turn,
+                                                                   loop_detected)
+running:tools         headless ask without a declared default      error (turn_error, exit 4)
+queued, running       the cancel flag                              aborted (tasks revoked, calls
+                                                                   cancelled, turn_aborted)
+queued, running       an unexpected failure                        error (turn_error)
+====================  ===========================================  ===========================
+
+A step does what can be done now and returns when the turn must look again (its next
+deadline, kept in ``agentq:turns:wakeups``); a settled call, a finished round, an
+answer or an abort wakes it sooner. Ending a turn is one atomic write (status, terminal
+event, retention TTL), so nothing is published after the end.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentq import constants as k
+from agentq.errors import HeadlessInteraction
+from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, TurnStatus
+from agentq.orchestrator.abort import revoke_unsettled, settle_pending
+from agentq.orchestrator.approvals import gate
+from agentq.orchestrator.context import StepContext
+from agentq.orchestrator.dispatch import advance_calls
+from agentq.orchestrator.model_round import poll_round
+from agentq.orchestrator.plan import (
+    CallPlan,
+    calls_of,
+    history_form,
+    limit_checks,
+    oversize_refusal,
+    pending_calls,
+    plan_call,
+)
+from agentq.results import cancelled_result, denied_result, error_result
+
+MAX_TRANSITIONS_PER_STEP = 50
+"""A bound on one step's work; a turn with more to do wakes itself for another step."""
+
+
+def advance(ctx: StepContext) -> float | None:
+    """Take the turn as far as it can go now; return when it must look again (None: no
+    deadline, only a wake moves it, or it has ended)."""
+    status = ctx.state.get("status")
+    if status in TERMINAL_STATUSES:
+        return None
+    reason = ctx.cancel_reason
+    if reason is not None:
+        abort_turn(ctx, reason)
+        return None
+    if status == TurnStatus.QUEUED.value:
+        ctx.commit(status=TurnStatus.RUNNING.value, started_at=ctx.now, phase="model")
+        ctx.publish(
+            "turn_started",
+            conversation_id=ctx.state.get("conversation_id"),
+            headless=ctx.headless,
+        )
+    for _ in range(MAX_TRANSITIONS_PER_STEP):
+        history = ctx.history
+        pending = pending_calls(history)
+        if pending:
+            done, wake_at = _tools(ctx, pending)
+            if not done:
+                return wake_at
+            stop = ctx.state.get("stop_after_round")
+            if stop:
+                finish(ctx, str(stop))
+                return None
+            continue
+        round_no = int(ctx.state.get("round", 0))
+        outcome = poll_round(ctx, round_no)
+        if isinstance(outcome, float):
+            return outcome
+        message, streamed_s = outcome
+        start = int(ctx.state.get("history_start", 0))
+        earlier = calls_of(history, start)
+        refused, stop = limit_checks(
+            earlier,
+            list(message.tool_calls),
+            max_calls=ctx.settings.max_calls_per_turn,
+            loop_threshold=ctx.settings.loop_threshold,
+        )
+        kept, too_big = history_form(message, ctx.settings.max_arguments_bytes)
+        refused = {**too_big, **refused}
+        _store_plans(ctx, [plan_call(c, refused.get(c.id)) for c in message.tool_calls])
+        # The assistant message is durable before any of its calls is sent.
+        ctx.commit(
+            append=[kept],
+            round=round_no + 1,
+            stop_after_round=stop,
+            call_count=len(earlier) + len(message.tool_calls),
+            streamed_s=float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
+            phase="tools" if message.tool_calls else "model",
+        )
+        if not message.tool_calls:
+            finish(ctx, "stop")
+            return None
+    return ctx.now  # more to do than one step should take: step again at once
+
+
+def _store_plans(ctx: StepContext, plans: list[CallPlan]) -> None:
+    if plans:
+        ctx.store.redis.hset(
+            k.plan_key(ctx.turn_id), mapping={p.call.id: p.model_dump_json() for p in plans}
+        )
+
+
+def _plans(ctx: StepContext, calls: list[ToolCall]) -> list[CallPlan]:
+    """The round's plans; calls that came with the prompt (no plan yet) are planned now."""
+    raw = ctx.store.redis.hmget(k.plan_key(ctx.turn_id), [c.id for c in calls])
+    limit = ctx.settings.max_arguments_bytes
+    plans = [
+        CallPlan.model_validate_json(r) if r else plan_call(c, oversize_refusal(c, limit))
+        for c, r in zip(calls, raw, strict=True)
+    ]
+    _store_plans(ctx, [p for p, r in zip(plans, raw, strict=True) if not r])
+    return plans
+
+
+def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
+    if ctx.store.settle(ctx.turn_id, result, wake=False):
+        return result, True
+    return ctx.store.result(ctx.turn_id, result.call_id) or result, False
+
+
+def _tools(ctx: StepContext, pending: list[ToolCall]) -> tuple[bool, float | None]:
+    """Gate and run the round's calls; True once every call has its result in history."""
+    plans = _plans(ctx, pending)
+    decided = gate(ctx, plans)
+    ids = [c.id for c in pending]
+    settled, dispatched = ctx.store.round_view(ctx.turn_id, ids)
+    for p in plans:
+        cid = p.call.id
+        if cid in settled:
+            continue
+        if p.refusal is not None:
+            settled[cid], _ = _settle(ctx, p.refused_result())
+        elif cid in decided.denied:
+            settled[cid], won = _settle(ctx, decided.denied[cid])
+            if won:
+                ctx.publish(
+                    "tool_denied",
+                    call_id=cid,
+                    tool=p.call.name,
+                    reason=decided.denied[cid].reason,
+                )
+    if decided.wait_until is not None:
+        # No call of a round runs before every call of it is decided.
+        return False, decided.wait_until
+    runnable = [p for p in plans if p.call.id not in settled]
+    wake_at = advance_calls(ctx, runnable, settled, dispatched, decided.secrets)
+    if any(cid not in settled for cid in ids):
+        return False, wake_at
+    if decided.secrets:
+        ctx.store.redis.delete(*decided.secrets.values())
+    ctx.commit(append=[settled[cid].to_openai() for cid in ids], phase="model")
+    return True, None
+
+
+def finish(ctx: StepContext, reason: str) -> None:
+    history = ctx.history
+    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
+    conv = ctx.state.get("conversation_id")
+    if conv:
+        pipe = ctx.store.redis.pipeline()
+        pipe.delete(k.conversation_key(conv))
+        pipe.rpush(k.conversation_key(conv), *[json.dumps(m) for m in history])
+        pipe.expire(k.conversation_key(conv), ctx.store.ttl_s)
+        pipe.execute()
+    ctx.store.close(
+        ctx.turn_id,
+        TurnStatus.FINISHED,
+        "turn_finished",
+        {
+            "reason": reason,
+            "content": final.get("content") or "",
+            "rounds": len([m for m in history if m.get("role") == "assistant"]),
+        },
+        finish_reason=reason,
+        finished_at=ctx.now,
+    )
+
+
+def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
+    """End the turn with turn_error, every call of its round settled first."""
+    headless = code == "headless_interaction"
+    msgs = settle_pending(
+        ctx.store,
+        ctx.turn_id,
+        ctx.history,
+        lambda call, _: (
+            denied_result(call, "policy")
+            if headless
+            else error_result(call, f"not run: the turn failed ({message})")
+        ),
+    )
+    if msgs:
+        ctx.commit(append=msgs)
+    ctx.store.close(
+        ctx.turn_id,
+        TurnStatus.ERROR,
+        "turn_error",
+        {"code": code, "error": message, **fields},
+        error=message,
+        error_code=code,
+    )
+
+
+def fail_headless(ctx: StepContext, exc: HeadlessInteraction) -> None:
+    fail(
+        ctx,
+        "headless_interaction",
+        exc.message,
+        request_id=exc.request_id,
+        kind=exc.kind,
+        exit_code=4,
+    )
+
+
+def abort_turn(ctx: StepContext, reason: str) -> None:
+    """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
+    revoked = revoke_unsettled(
+        ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
+    )
+    msgs = settle_pending(
+        ctx.store,
+        ctx.turn_id,
+        ctx.history,
+        lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
+    )
+    if msgs:
+        ctx.commit(append=msgs)
+    ctx.store.close(
+        ctx.turn_id,
+        TurnStatus.ABORTED,
+        "turn_aborted",
+        {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},
+        abort_reason=reason,
+    )

@@ -1,0 +1,103 @@
+"""The turn's side of a model round: send it to a stream worker, notice when none answers.
+
+The stream worker holds a heartbeat key while it streams and stores the round's result
+when done (which wakes the turn). A step that finds neither the result nor the
+heartbeat of a worker that had taken the round sends the round again.
+"""
+
+from __future__ import annotations
+
+from agentq import constants as k
+from agentq.errors import ModelRoundFailed, StreamDurationExceeded
+from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
+from agentq.orchestrator.context import StepContext
+from agentq.tools.registry import all_tools
+
+
+def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
+    s = ctx.settings
+    idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
+    return (
+        ctx.now
+        + duration_left_s
+        + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
+        + 30
+    )
+
+
+def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
+    s = ctx.settings
+    streamed_s = float(ctx.state.get("streamed_s", 0.0))
+    left_s = s.stream_duration_s - streamed_s
+    if left_s <= 0:
+        raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
+    req = LlmRoundRequest(
+        turn_id=ctx.turn_id,
+        round_no=round_no,
+        tools=[t.openai_schema() for t in all_tools().values()],
+        duration_left_s=left_s,
+        idle_timeout_ms=s.stream_idle_timeout_ms,
+    )
+    # Recorded before sending: a step that takes over waits for this round instead.
+    ctx.commit(
+        llm_round=round_no,
+        llm_attempt=attempt,
+        llm_deadline=_round_deadline(ctx, left_s),
+    )
+    ctx.app.send_task(
+        k.TASK_LLM_ROUND,
+        kwargs=req.model_dump(),
+        task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
+        queue=k.QUEUE_LLM,
+        ignore_result=True,
+    )
+
+
+def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
+    """The round's message and streaming seconds when it is done, else when to look again
+    (sending the round first if it was not sent)."""
+    raw = ctx.store.llm_result(ctx.turn_id, round_no)
+    if raw is not None:
+        return _message(ctx, LlmRoundResult.model_validate_json(raw))
+    s = ctx.settings
+    if ctx.state.get("llm_round") != round_no:
+        send_round(ctx, round_no, 1)
+        return min(float(ctx.state["llm_deadline"]), ctx.now + s.turn_lease_s)
+    deadline = float(ctx.state.get("llm_deadline") or 0)
+    if ctx.now >= deadline:
+        raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
+    pipe = ctx.store.redis.pipeline(transaction=False)
+    pipe.exists(k.llm_alive_key(ctx.turn_id, round_no))
+    pipe.get(k.llm_taken_key(ctx.turn_id, round_no))
+    alive, taken = pipe.execute()
+    if not alive and taken is not None:
+        # Taken, and its heartbeat lapsed without a result: the stream worker died.
+        attempt = int(ctx.state.get("llm_attempt", 1))
+        if attempt > s.llm_max_retries:
+            raise ModelRoundFailed(
+                f"the stream worker died mid-round (attempt {attempt} of {s.llm_max_retries + 1})",
+                "EWORKERLOST",
+            )
+        ctx.publish(
+            "llm_retry",
+            round_no=round_no,
+            attempt=attempt,
+            code="EWORKERLOST",
+            error="the stream worker stopped mid-round; the round is sent again",
+            delay_ms=0,
+            restart=True,
+        )
+        ctx.store.redis.delete(k.llm_taken_key(ctx.turn_id, round_no))
+        send_round(ctx, round_no, attempt + 1)
+    return min(float(ctx.state["llm_deadline"]), ctx.now + s.turn_lease_s)
+
+
+def _message(ctx: StepContext, result: LlmRoundResult) -> tuple[AssistantMessage, float]:
+    if result.aborted:
+        # Only a cancelled turn aborts a round: the step sees the flag and aborts.
+        raise ModelRoundFailed("the model round was aborted", "EABORTED")
+    if not result.ok or result.message is None:
+        # The stream worker's typed error crossed a process boundary as text;
+        # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
+        raise ModelRoundFailed(result.error or "model round failed", result.error_code or "ELLM")
+    return result.message, result.streamed_s

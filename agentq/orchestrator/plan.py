@@ -1,0 +1,189 @@
+"""Each call of a round is planned once: checked, limited and gated, before anything runs.
+
+The plan is stored with the turn, so the approval gate, the dispatcher and a step that
+takes over after a crash all read the same decisions instead of making them again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from agentq.errors import AgentqError, ToolArgumentsInvalid
+from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult
+from agentq.results import error_result
+from agentq.timing import Limits, effective_limits, split_meta
+from agentq.tools.registry import get_tool, parse_arguments
+
+
+class CallPlan(BaseModel):
+    """What the turn decided about one call; `refusal` set means it never runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    call: ToolCall
+    refusal: str | None = None
+    task_name: str = ""
+    queue: str = ""
+    exclusive: bool = False
+    arguments: dict[str, Any] = {}
+    timeout_s: float = 0.0
+    soft_timeout_s: float = 0.0
+    budget_s: float = 0.0
+    approval: Literal["auto", "ask", "deny"] = "auto"
+    approval_kind: InteractionKind = "approval"
+    approval_timeout_s: float | None = None
+    approval_default: Literal["approve", "deny"] | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.timeout_s, self.soft_timeout_s, self.budget_s)
+
+    def refused_result(self) -> ToolResult:
+        assert self.refusal is not None
+        return error_result(self.call, self.refusal)
+
+
+def plan_call(call: ToolCall, refusal: str | None = None) -> CallPlan:
+    """Validate a call the model made; a problem becomes a refusal the model can act on."""
+    if refusal is not None:
+        return CallPlan(call=call, refusal=refusal)
+    try:
+        spec = get_tool(call.name)
+        raw = parse_arguments(call.name, call.arguments)
+        args, hint_s, problem = split_meta(raw)
+        if problem:
+            raise ToolArgumentsInvalid(call.name, problem)
+        validated = spec.validate(args)
+    except AgentqError as exc:
+        return CallPlan(call=call, refusal=exc.message)
+    pol = spec.policy
+    limits = effective_limits(
+        timeout_s=pol.timeout_s,
+        soft_timeout_s=pol.soft_timeout_s,
+        budget_s=pol.budget_s,
+        max_timeout_s=pol.max_timeout_s,
+        hint_s=hint_s,
+    )
+    return CallPlan(
+        call=call,
+        task_name=spec.task_name,
+        queue=pol.queue,
+        exclusive=pol.concurrency == "exclusive",
+        arguments=validated.model_dump(mode="json"),
+        timeout_s=limits.timeout_s,
+        soft_timeout_s=limits.soft_timeout_s,
+        budget_s=limits.budget_s,
+        approval=pol.approval,
+        approval_kind=pol.approval_kind,
+        approval_timeout_s=pol.approval_timeout_s,
+        approval_default=pol.approval_default,
+    )
+
+
+def batches(plans: list[CallPlan]) -> list[list[CallPlan]]:
+    """Consecutive parallel calls share a batch; an exclusive call is a batch of its own."""
+    out: list[list[CallPlan]] = []
+    for p in plans:
+        if p.exclusive or not out or out[-1][0].exclusive:
+            out.append([p])
+        else:
+            out[-1].append(p)
+    return out
+
+
+def canonical_call(call: ToolCall) -> str:
+    """The identity the loop detector compares: tool plus normalised arguments."""
+    try:
+        args: Any = json.loads(call.arguments or "{}")
+        norm = json.dumps(args, sort_keys=True, separators=(",", ":"))
+    except json.JSONDecodeError:
+        norm = call.arguments
+    return f"{call.name}:{norm}"
+
+
+def limit_checks(
+    earlier: list[ToolCall], new: list[ToolCall], *, max_calls: int, loop_threshold: int
+) -> tuple[dict[str, str], str | None]:
+    """Which new calls must not run (call id -> why), and why the turn stops after this round."""
+    refused: dict[str, str] = {}
+    stop: str | None = None
+    seen = Counter(canonical_call(c) for c in earlier)
+    budget = max_calls - len(earlier)
+    for call in new:
+        key = canonical_call(call)
+        seen[key] += 1
+        if budget <= 0:
+            refused[call.id] = (
+                f"not run: this turn reached max_calls_per_turn={max_calls}. "
+                "Answer the user with what you have."
+            )
+            stop = "max_calls_per_turn"
+            continue
+        budget -= 1
+        if seen[key] >= loop_threshold:
+            refused[call.id] = (
+                f"not run: the same call ({call.name} with the same arguments) was made "
+                f"{seen[key]} times this turn; the loop detector stopped it."
+            )
+            stop = stop or "loop_detected"
+    return refused, stop
+
+
+def history_form(
+    msg: AssistantMessage, max_arguments_bytes: int
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The assistant message as kept in history, and the calls refused for their size.
+
+    Oversized arguments are replaced: the call is refused anyway, and keeping megabytes
+    of arguments would send them back to the model with every later round.
+    """
+    out = msg.to_openai()
+    refused: dict[str, str] = {}
+    for call, kept in zip(msg.tool_calls, out.get("tool_calls") or [], strict=True):
+        why = oversize_refusal(call, max_arguments_bytes)
+        if why is not None:
+            size = len(call.arguments.encode("utf-8"))
+            kept["function"]["arguments"] = json.dumps(
+                {"_removed_by_agentq": f"{size} bytes of arguments, over the limit"}
+            )
+            refused[call.id] = why
+    return out, refused
+
+
+def oversize_refusal(call: ToolCall, max_arguments_bytes: int) -> str | None:
+    """Why a call's arguments are too large to run, or None."""
+    size = len(call.arguments.encode("utf-8"))
+    if size <= max_arguments_bytes:
+        return None
+    return (
+        f"invalid arguments for tool {call.name!r}: arguments are {size} bytes, over the "
+        f"limit of {max_arguments_bytes} bytes; pass a reference (a path, an id) instead of "
+        "the data"
+    )
+
+
+def calls_of(history: list[dict[str, Any]], start: int = 0) -> list[ToolCall]:
+    """Every tool call the model made in `history[start:]`."""
+    return [
+        ToolCall(
+            id=c["id"], name=c["function"]["name"], arguments=c["function"].get("arguments") or "{}"
+        )
+        for msg in history[start:]
+        for c in msg.get("tool_calls") or []
+    ]
+
+
+def pending_calls(history: list[dict[str, Any]]) -> list[ToolCall]:
+    """The tool calls of the last assistant message that have no tool message yet."""
+    for i in range(len(history) - 1, -1, -1):
+        msg = history[i]
+        if msg.get("role") == "assistant":
+            answered = {m.get("tool_call_id") for m in history[i + 1 :] if m.get("role") == "tool"}
+            return [c for c in calls_of([msg]) if c.id not in answered]
+        if msg.get("role") == "user":
+            return []
+    return []

@@ -1,0 +1,162 @@
+"""Steps: the short `agentq.turn.step` tasks that advance turns, and the sweeper that wakes
+turns whose deadline came or whose worker died.
+
+Two steps of one turn never act at once: a step holds the turn's lock (SET NX PX with a
+token that fences its writes). A wake that finds the lock taken only marks the turn
+dirty; the holder sees the mark when it releases and steps again. A step that dies
+mid-way leaves its lock to lapse and its wakeup to come due: the next step finishes the
+work, since every write it skipped is still to do and every write it made is recorded.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import HeadlessInteraction, LlmError, StepLost
+from agentq.orchestrator.context import StepContext
+from agentq.orchestrator.machine import advance, fail, fail_headless
+from agentq.store import TurnStore, text
+
+log = logging.getLogger("agentq.turn")
+
+
+def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings) -> str:
+    """Advance one turn as far as it goes now; "busy" if another step holds it."""
+    token = secrets.token_hex(8)
+    ttl_ms = int(settings.step_lock_s * 1000)
+    view = store.begin_step(turn_id, token, ttl_ms)
+    if view is None:
+        return "busy"
+    while True:
+        if view.state is None:
+            store.release_step(turn_id, token, None, ttl_ms)
+            return "unknown"
+        ctx = StepContext(
+            turn_id,
+            store,
+            app,
+            settings,
+            token,
+            view.state,
+            history=view.history,
+            cancel_reason=view.cancel_reason,
+        )
+        try:
+            next_at = _advance(ctx)
+        except StepLost:
+            log.warning("turn %s: step lost its lock to another step", turn_id)
+            return "lost"
+        released = store.release_step(turn_id, token, next_at, ttl_ms)
+        if released == 1:
+            return "waiting"
+        if released == -1:
+            return "lost"
+        # Woken while it ran: read the turn again and go on, the lock kept.
+        again = store.begin_step(turn_id, token, ttl_ms, again=True)
+        if again is None:
+            return "lost"
+        view = again
+
+
+def _advance(ctx: StepContext) -> float | None:
+    try:
+        return advance(ctx)
+    except HeadlessInteraction as exc:
+        fail_headless(ctx, exc)
+    except LlmError as exc:
+        fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)
+    except (StepLost, redis.ConnectionError, redis.TimeoutError):
+        # Redis stayed away longer than the client's retries: the state is intact,
+        # the step's lock lapses and the wakeup sweep runs the turn again.
+        raise
+    except Exception as exc:
+        log.exception("turn %s: step failed", ctx.turn_id)
+        fail(ctx, "internal", f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def send_step(app: Celery, turn_id: str) -> None:
+    app.send_task(
+        k.TASK_STEP,
+        args=[turn_id],
+        queue=k.QUEUE_TURNS,
+        ignore_result=True,
+    )
+
+
+class Sweeper:
+    """Wakes turns whose deadline came, and the turns of workers that stopped beating.
+
+    Every turn worker runs one; several sweep the same sets safely, since each wakeup
+    and each dead worker is claimed by exactly one of them.
+    """
+
+    def __init__(self, store: TurnStore, app: Celery, settings: Settings) -> None:
+        self.store = store
+        self.app = app
+        self.interval_s = settings.sweep_interval_s
+        # A claimed wakeup comes due again after this: the retry when its step died.
+        self.retry_s = settings.step_lock_s + 5.0
+        self._stop = threading.Event()
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self._run, name="agentq-sweeper", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def sweep(self, now: float | None = None) -> int:
+        """One pass; returns how many turns it woke."""
+        now = time.time() if now is None else now
+        woke = 0
+        for turn_id in self.store.due_wakeups(now):
+            if self.store.claim_wakeup(turn_id, now, self.retry_s):
+                send_step(self.app, turn_id)
+                woke += 1
+        r = self.store.redis
+        for raw in r.zrangebyscore(k.WORKERS, "-inf", now - k.WORKER_ALIVE_TTL_S):
+            host = text(raw)
+            if not r.zrem(k.WORKERS, host):
+                continue  # another sweeper took it
+            calls = [text(m) for m in r.smembers(k.worker_calls_key(host))]
+            log.warning(
+                "worker %s stopped beating; waking the turns of its %d calls", host, len(calls)
+            )
+            for turn_id in sorted({c.split("/", 1)[0] for c in calls}):
+                woke += int(self.store.wake(turn_id))
+            r.delete(k.worker_calls_key(host))
+        return woke
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sweep()
+            except Exception:
+                log.warning("wakeup sweep failed", exc_info=True)
+
+
+def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:
+    # A step that fails on Redis is sent again by Celery; its wakeup is the backstop.
+    @app.task(
+        name=k.TASK_STEP,
+        acks_late=True,
+        ignore_result=True,
+        queue=k.QUEUE_TURNS,
+        autoretry_for=(redis.ConnectionError, redis.TimeoutError),
+        retry_backoff=1,
+        retry_backoff_max=30,
+        max_retries=20,
+    )
+    def step_task(turn_id: str) -> str:
+        return run_step(turn_id, store=store_of(), app=app, settings=settings_of())

@@ -1,0 +1,158 @@
+"""One turn laid out in time: each model round and each call as a bar from start to end.
+
+Built from what Redis already holds for the turn: its event log (model rounds start and
+end there), its dispatch records (`:calls`: limits, budget, task id), its start records
+(`:started`: worker, pid, start) and its settled results. Nothing is recorded twice for it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from agentq.events.bus import EventBus
+from agentq.models import TERMINAL_STATUSES, Event
+from agentq.store import TurnStore
+
+MAX_LOG_EVENTS = 20_000
+"""The log is capped (`event_log_maxlen`) anyway; this bounds one read of it."""
+LOG_TAIL = 300
+"""Events handed out with the timeline (deltas excluded): the newest ones."""
+QUIET_TYPES = frozenset({"llm_delta", "tool_progress"})
+# Fields that carry text the log line does not need (the model's output, arguments).
+_DROP_FIELDS = frozenset({"text", "arguments", "content", "usage"})
+
+
+def _log(bus: EventBus, turn_id: str) -> list[Event]:
+    out: list[Event] = []
+    after = "0-0"
+    while len(out) < MAX_LOG_EVENTS:
+        chunk = bus.replay(turn_id, after, count=1000)
+        out += [e for e in chunk if e.type != "llm_delta"]
+        if len(chunk) < 1000:
+            break
+        after = str(chunk[-1].stream_id)
+    return out
+
+
+def model_rounds(events: list[Event], ended_at: float | None) -> list[dict[str, Any]]:
+    """Model rounds from llm_started / llm_finished; an unfinished one ends with the turn."""
+    rounds: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for ev in events:
+        if ev.type == "llm_started":
+            if current is not None:
+                current.update(finished_at=ev.ts, status="lost")
+            current = {
+                "round": len(rounds) + 1,
+                "started_at": ev.ts,
+                "finished_at": None,
+                "status": "running",
+                "retries": 0,
+            }
+            rounds.append(current)
+        elif ev.type == "llm_retry" and current is not None:
+            current["retries"] += 1
+        elif ev.type == "llm_finished" and current is not None:
+            f = ev.fields
+            current.update(
+                finished_at=ev.ts,
+                status="error" if f.get("error") else "ok",
+                error=f.get("error"),
+                code=f.get("code"),
+                tool_calls=f.get("tool_calls"),
+            )
+            current = None
+    if current is not None and ended_at is not None:
+        current.update(finished_at=ended_at, status="cancelled")
+    return rounds
+
+
+def call_rounds(history: list[dict[str, Any]], start: int) -> dict[str, int]:
+    """call id -> the model round (1-based) that asked for it."""
+    out: dict[str, int] = {}
+    n = 0
+    for msg in history[start:]:
+        if msg.get("role") != "assistant":
+            continue
+        n += 1
+        for call in msg.get("tool_calls") or []:
+            if isinstance(call, dict) and call.get("id"):
+                out[str(call["id"])] = n
+    return out
+
+
+def calls(
+    dispatched: dict[str, dict[str, Any]],
+    starts: dict[str, dict[str, Any]],
+    results: dict[str, dict[str, Any]],
+    rounds_of: dict[str, int],
+) -> list[dict[str, Any]]:
+    """Every call of the turn with its bar, limits and outcome, in the order they were sent."""
+    ids = list(dispatched) + [c for c in results if c not in dispatched]
+    out = []
+    for cid in ids:
+        d = dispatched.get(cid, {})
+        s = starts.get(cid, {})
+        r = results.get(cid)
+        rec = (r or {}).get("record") or {}
+        status = str(r.get("status")) if r is not None else ("running" if s else "queued")
+        out.append(
+            {
+                "call_id": cid,
+                "tool": d.get("tool") or (r or {}).get("tool"),
+                "round": rounds_of.get(cid),
+                "status": status,
+                "dispatched_at": d.get("dispatched_at"),
+                "started_at": rec.get("started_at") or s.get("started_at"),
+                "finished_at": rec.get("finished_at"),
+                "duration_ms": rec.get("duration_ms"),
+                "timeout_s": d.get("timeout_s", rec.get("timeout_s")),
+                "soft_timeout_s": d.get("soft_timeout_s"),
+                "budget_s": d.get("budget_s", rec.get("budget_s")),
+                "overran": bool(rec.get("overran")),
+                "soft_limited": bool(rec.get("soft_limited")),
+                "partial": bool(rec.get("partial")),
+                "worker": rec.get("worker") or s.get("worker"),
+                "pid": rec.get("pid") or s.get("pid"),
+                "task_id": rec.get("task_id") or d.get("task_id"),
+                "queue": d.get("queue"),
+                "error": (r or {}).get("error"),
+                "reason": (r or {}).get("reason"),
+            }
+        )
+    return out
+
+
+def log_line(ev: Event) -> dict[str, Any]:
+    fields = {k: v for k, v in ev.fields.items() if k not in _DROP_FIELDS}
+    return {"seq": ev.seq, "ts": ev.ts, "type": ev.type, "fields": fields}
+
+
+def timeline(store: TurnStore, turn_id: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The turn's rounds, calls and recent events; `state` is its state hash, read already."""
+    now = time.time()
+    events = _log(store.bus, turn_id)
+    ended_at = state.get("ended_at")
+    results = {c: r.model_dump() for c, r in store.results(turn_id).items()}
+    rounds_of = call_rounds(store.history(turn_id), int(state.get("history_start") or 0))
+    bars = calls(store.dispatches(turn_id), store.starts(turn_id), results, rounds_of)
+    if state.get("status") in TERMINAL_STATUSES:
+        # A call the turn ended with and that never settled (it should not happen) ends here.
+        for c in bars:
+            if c["status"] in ("running", "queued") and c["finished_at"] is None:
+                c["finished_at"] = ended_at
+    shown = [e for e in events if e.type not in QUIET_TYPES][-LOG_TAIL:]
+    return {
+        "turn_id": turn_id,
+        "now": now,
+        "created_at": state.get("created_at"),
+        "started_at": state.get("started_at"),
+        "ended_at": ended_at,
+        "rounds": model_rounds(events, ended_at),
+        "calls": bars,
+        "events": [log_line(e) for e in shown],
+    }
+
+
+__all__ = ["call_rounds", "calls", "model_rounds", "timeline"]

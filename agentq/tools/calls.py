@@ -1,0 +1,219 @@
+"""One tool call's life as both tool workers share it: its start record, its ToolContext,
+and how what the tool returned or raised becomes a ToolResult."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import AgentqError, ToolMisuse
+from agentq.models import ToolCall, ToolResult, ToolTaskRequest
+from agentq.results import cancelled_result, error_result, record_for
+from agentq.store import TurnStore
+from agentq.timing import overran, truncate_text
+from agentq.tools.context import Partial
+from agentq.tools.registry import ToolSpec
+
+log = logging.getLogger("agentq.tools")
+
+HEARTBEAT_KINDS = ("tools", "io")
+"""Worker kinds whose main process sends `agentq:worker:{hostname}:alive`."""
+
+
+def render(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, BaseModel):
+        return value.model_dump_json()
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+@dataclass
+class CallScope:
+    """What every result of one call carries, fixed when the call starts."""
+
+    req: ToolTaskRequest
+    worker: str
+    task_id: str | None
+    started: float = field(default_factory=time.time)
+    pid: int = field(default_factory=os.getpid)
+
+    @property
+    def call(self) -> ToolCall:
+        return ToolCall(id=self.req.call_id, name=self.req.tool, arguments="")
+
+    @property
+    def common(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "worker": self.worker,
+            "pid": self.pid,
+            "attempt": self.req.attempt,
+            "budget_s": self.req.budget_s,
+            "timeout_s": self.req.timeout_s,
+            "started_at": self.started,
+        }
+
+    @property
+    def without_timeout(self) -> dict[str, Any]:
+        return {k_: v for k_, v in self.common.items() if k_ != "timeout_s"}
+
+    def elapsed_ms(self) -> int:
+        return int((time.time() - self.started) * 1000)
+
+    def finish(self, result: ToolResult) -> ToolResult:
+        if result.status != "ok":
+            result.record.overran = overran(time.time() - self.started, self.req.budget_s)
+        return result
+
+
+def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | None:
+    """Record the start; None when the call should run, else why it does not (for Flower)."""
+    req = scope.req
+    claim = store.mark_started(
+        req.turn_id,
+        req.call_id,
+        {
+            "started_at": scope.started,
+            "worker": scope.worker,
+            "pid": scope.pid,
+            "task_id": scope.task_id,
+            "attempt": req.attempt,
+            "delivery": delivery,
+            # `agentq worker tools|io` send heartbeats; a bare `celery worker` does not,
+            # and its calls must not be taken for dead for lack of them.
+            "heartbeat": os.environ.get("AGENTQ_WORKER_KIND") in HEARTBEAT_KINDS,
+        },
+        {
+            "call_id": req.call_id,
+            "tool": req.tool,
+            "worker": scope.worker,
+            "pid": scope.pid,
+            "timeout_s": req.timeout_s,
+            "attempt": req.attempt,
+        },
+    )
+    if claim == 0:
+        return "already settled: not run again"
+    if claim == 2:
+        return "delivered again while its first delivery ran: not run again"
+    if claim == -2:
+        return "its turn is over or gone: not run"
+    if claim == -1:
+        store.settle(req.turn_id, cancelled_result(scope.call, "user", **scope.common))
+        return "turn cancelled before start"
+    return None
+
+
+def secret_reader(store: TurnStore, req: ToolTaskRequest) -> Callable[[], str | None]:
+    def read_secret() -> str | None:
+        if not req.secret_ref:
+            return None
+        raw = store.redis.getdel(req.secret_ref)
+        return None if raw is None else raw.decode()  # type: ignore[union-attr]
+
+    return read_secret
+
+
+def cancel_probe(store: TurnStore, turn_id: str) -> Callable[[], bool]:
+    return lambda: bool(store.redis.exists(k.cancel_key(turn_id)))
+
+
+def progress_fields(
+    scope: CallScope, message: str, pct: float | None, fields: dict[str, Any]
+) -> dict[str, Any]:
+    return {
+        "call_id": scope.req.call_id,
+        "tool": scope.req.tool,
+        "message": message,
+        "pct": pct,
+        "elapsed_ms": scope.elapsed_ms(),
+        "source": "tool",
+        **fields,
+    }
+
+
+def tick_fields(scope: CallScope) -> dict[str, Any]:
+    """The worker's periodic `tool_progress` for a running call."""
+    return {
+        "call_id": scope.req.call_id,
+        "tool": scope.req.tool,
+        "elapsed_ms": scope.elapsed_ms(),
+        "state": "running",
+        "source": "worker",
+    }
+
+
+def call_kwargs(spec: ToolSpec, req: ToolTaskRequest) -> dict[str, Any]:
+    """The validated arguments (ToolArgumentsInvalid when the model's are wrong)."""
+    validated = spec.validate(req.arguments)
+    return {name: getattr(validated, name) for name in type(validated).model_fields}
+
+
+def check_value(spec: ToolSpec, value: Any) -> Any:
+    """Refuse what no tool may return, saying what to change; the value otherwise."""
+    if inspect.iscoroutine(value):
+        value.close()  # never awaited on purpose: no RuntimeWarning about it
+        raise ToolMisuse(
+            spec.name,
+            "it returned a coroutine; declare it `async def` so `agentq worker io` awaits it",
+        )
+    if inspect.isawaitable(value):
+        raise ToolMisuse(
+            spec.name,
+            f"it returned an awaitable ({type(value).__name__}); declare it `async def` "
+            "and await it inside",
+        )
+    if inspect.isgenerator(value) or inspect.isasyncgen(value):
+        if inspect.isgenerator(value):
+            value.close()
+        raise ToolMisuse(spec.name, "it returned a generator; return a list of the items instead")
+    return value
+
+
+def ok_result(
+    scope: CallScope, value: Any, settings: Settings, *, soft_fired: bool = False
+) -> ToolResult:
+    finished = time.time()
+    req = scope.req
+    partial = isinstance(value, Partial)
+    if isinstance(value, Partial):
+        value = value.value
+    soft = soft_fired or (
+        bool(req.soft_timeout_s) and finished - scope.started >= (req.soft_timeout_s or 0)
+    )
+    text, cut = truncate_text(render(value), settings.max_result_bytes)
+    return ToolResult(
+        call_id=req.call_id,
+        tool=req.tool,
+        status="ok",
+        content=text,
+        truncated_bytes=cut,
+        record=record_for(
+            scope.call,
+            "ok",
+            finished_at=finished,
+            soft_limited=soft,
+            partial=partial or soft,
+            overran=overran(finished - scope.started, req.budget_s),
+            **scope.common,
+        ),
+    )
+
+
+def raised_result(scope: CallScope, exc: BaseException) -> ToolResult:
+    if isinstance(exc, AgentqError):
+        return error_result(scope.call, exc.message, **scope.common)
+    return error_result(
+        scope.call, f"{scope.req.tool} raised {type(exc).__name__}: {exc}", **scope.common
+    )

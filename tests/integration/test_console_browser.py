@@ -1,0 +1,176 @@
+"""The operator console in headless Chromium: real gateway, real workers, the scripted model."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from agentq.api import Client
+from agentq.gateway import BackgroundServer, create_app
+from agentq.testing.openai_server import Round, ScriptedCall
+from tests.integration.test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _unavailable
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import Error, sync_playwright
+    except ImportError:
+        _unavailable("the playwright package is not installed (pip install -e '.[dev]')")
+    if not CHROMIUM.exists():
+        _unavailable(f"no Chromium at {CHROMIUM}")
+    with sync_playwright() as pw:
+        try:
+            b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        except Error as exc:
+            _unavailable(f"Chromium did not start: {exc}")
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
+    with BackgroundServer(create_app(Client())) as server:
+        yield server
+
+
+def open_console(chromium: Any, gateway: BackgroundServer, width: int, height: int) -> Any:
+    context = chromium.new_context(viewport={"width": width, "height": height})
+    pg = context.new_page()
+    pg.errors = []
+    pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
+    pg.on("pageerror", lambda exc: pg.errors.append(str(exc)))
+    pg.set_default_timeout(20_000)
+    pg.goto(gateway.url + "/")
+    pg.keyboard.press("Tab")  # the console is reachable by keyboard: Tab to it, Enter
+    pg.focus("#tab-console")
+    pg.keyboard.press("Enter")
+    pg.locator("#console:not([hidden])").wait_for()
+    return pg
+
+
+@pytest.fixture()
+def page(chromium: Any, gateway: BackgroundServer) -> Iterator[Any]:
+    pg = open_console(chromium, gateway, 1280, 800)
+    yield pg
+    errors = pg.errors
+    pg.context.close()
+    assert not errors, errors
+
+
+def script(llm_server: Any, *rounds: Round) -> str:
+    key = f"c-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(key, list(rounds))
+    return key
+
+
+def row(page: Any, turn_id: str) -> Any:
+    return page.locator(f'#turns tbody tr[data-turn-id="{turn_id}"]')
+
+
+def wait_event(client: Client, turn_id: str, type_: str, **fields: Any) -> Any:
+    deadline = time.monotonic() + 30
+    for ev in client.events(turn_id, heartbeat_s=0.5):
+        if (
+            ev is not None
+            and ev.type == type_
+            and all(ev.fields.get(k) == v for k, v in fields.items())
+        ):
+            return ev
+        assert time.monotonic() < deadline, f"no {type_} {fields} on {turn_id}"
+    raise AssertionError(f"stream of {turn_id} ended without {type_}")
+
+
+def test_list_updates_and_approving_from_the_inbox(
+    page: Any, llm_server: Any, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "/tmp/x"})]),
+        Round(text="Deleted."),
+    )
+    turn_id = client.start_turn(key, detach=True).turn_id
+    # The list picks the new turn up without a reload, running, with its pending approval.
+    row(page, turn_id).and_(page.locator('[data-status="running"]')).wait_for()
+    row(page, turn_id).locator("td.pending", has_text="1").wait_for()
+    item = page.locator(f'#inbox li[data-turn-id="{turn_id}"]')
+    item.wait_for()
+    assert "delete_file" in item.inner_text()
+    countdown = item.locator(".countdown").inner_text()
+    assert countdown.endswith("s left") and 100 < int(countdown.split("s")[0]) <= 120
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console-inbox.png"), full_page=True)
+    item.locator("button.approve").focus()
+    page.keyboard.press("Enter")
+    item.and_(page.locator(".approved")).wait_for()
+    # ... and shows it ended, again without a reload.
+    row(page, turn_id).and_(page.locator('[data-status="finished"]')).wait_for()
+    assert [r["status"] for r in client.get(turn_id)["invocations"]] == ["ok"]
+    page.screenshot(path=str(ARTIFACTS / "console-list.png"), full_page=True)
+
+
+def test_timeline_of_a_timed_out_and_a_cancelled_call_and_abort(
+    page: Any, llm_server: Any, client: Client, chromium: Any, gateway: BackgroundServer
+) -> None:
+    key = script(
+        llm_server,
+        Round(
+            tool_calls=[
+                ScriptedCall(name="stuck", arguments={"seconds": 60}),
+                ScriptedCall(name="hang", arguments={"seconds": 60}),
+            ]
+        ),
+    )
+    turn_id = client.start_turn(key, detach=True).turn_id
+    wait_event(client, turn_id, "tool_finished", tool="stuck", status="timeout")
+    row(page, turn_id).wait_for()
+    row(page, turn_id).focus()
+    page.keyboard.press("Enter")
+    view = page.locator("#turn-view:not([hidden])")
+    view.wait_for()
+    timeline = page.locator("#timeline")
+    timeline.locator('.tl-row[data-kind="round"]').first.wait_for()
+    stuck = timeline.locator('.tl-row[data-kind="call"][data-status="timeout"]', has_text="stuck")
+    stuck.wait_for()
+    detail = stuck.locator(".tl-detail").inner_text()
+    assert (
+        "hard 2s" in detail and "soft 1.8s" in detail and "budget 1s" in detail and "pid" in detail
+    )
+    for mark in ("budget", "soft", "hard"):
+        assert stuck.locator(f".tl-mark.{mark}").count() == 1
+    href = stuck.locator("a.flower").get_attribute("href") or ""
+    assert f"/task/{turn_id}." in href
+    timeline.locator('.tl-row[data-kind="call"][data-status="running"]', has_text="hang").wait_for()
+    assert page.locator("#eventlog li.ev-tool_finished").count() >= 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console-timeline-running.png"), full_page=True)
+
+    assert page.locator("#view-abort").is_enabled()
+    page.click("#view-abort")
+    page.locator('#view-status[data-status="aborted"]').wait_for()
+    timeline.locator(
+        '.tl-row[data-kind="call"][data-status="cancelled"]', has_text="hang"
+    ).wait_for()
+    page.locator("#eventlog li.ev-turn_aborted").wait_for()
+    assert page.locator("#view-abort").is_disabled()
+    row(page, turn_id).and_(page.locator('[data-status="aborted"]')).wait_for()
+    page.screenshot(path=str(ARTIFACTS / "console-timeline.png"), full_page=True)
+    statuses = sorted(r["status"] for r in client.get(turn_id)["invocations"])
+    assert statuses == ["cancelled", "timeout"]
+
+    phone = open_console(chromium, gateway, 390, 844)
+    try:
+        row(phone, turn_id).click()
+        phone.locator('#timeline .tl-row[data-status="cancelled"]').wait_for()
+        width = phone.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, f"the page scrolls sideways on a phone: {width}px"
+        phone.screenshot(path=str(ARTIFACTS / "console-phone.png"), full_page=True)
+        assert not phone.errors, phone.errors
+    finally:
+        phone.context.close()
