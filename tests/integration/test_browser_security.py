@@ -19,7 +19,6 @@ from agentq.config import load_settings
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.faults.rig import dump_redis
-from tests.integration.test_browser import browser  # noqa: F401 - the shared fixture
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.timeout(120)]
 

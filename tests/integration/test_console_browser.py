@@ -12,26 +12,9 @@ import pytest
 from agentq.api import Client
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round, ScriptedCall
-from tests.integration.test_browser import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, _unavailable
+from tests.integration.chromium import ARTIFACTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
-
-
-@pytest.fixture(scope="module")
-def chromium() -> Iterator[Any]:
-    try:
-        from playwright.sync_api import Error, sync_playwright
-    except ImportError:
-        _unavailable("the playwright package is not installed (pip install -e '.[dev]')")
-    if not CHROMIUM.exists():
-        _unavailable(f"no Chromium at {CHROMIUM}")
-    with sync_playwright() as pw:
-        try:
-            b = pw.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        except Error as exc:
-            _unavailable(f"Chromium did not start: {exc}")
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +23,8 @@ def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer
         yield server
 
 
-def open_console(chromium: Any, gateway: BackgroundServer, width: int, height: int) -> Any:
-    context = chromium.new_context(viewport={"width": width, "height": height})
+def open_console(browser: Any, gateway: BackgroundServer, width: int, height: int) -> Any:
+    context = browser.new_context(viewport={"width": width, "height": height})
     pg = context.new_page()
     pg.errors = []
     pg.on("console", lambda m: pg.errors.append(m.text) if m.type == "error" else None)
@@ -56,8 +39,8 @@ def open_console(chromium: Any, gateway: BackgroundServer, width: int, height: i
 
 
 @pytest.fixture()
-def page(chromium: Any, gateway: BackgroundServer) -> Iterator[Any]:
-    pg = open_console(chromium, gateway, 1280, 800)
+def page(browser: Any, gateway: BackgroundServer) -> Iterator[Any]:
+    pg = open_console(browser, gateway, 1280, 800)
     yield pg
     errors = pg.errors
     pg.context.close()
@@ -116,7 +99,7 @@ def test_list_updates_and_approving_from_the_inbox(
 
 
 def test_timeline_of_a_timed_out_and_a_cancelled_call_and_abort(
-    page: Any, llm_server: Any, client: Client, chromium: Any, gateway: BackgroundServer
+    page: Any, llm_server: Any, client: Client, browser: Any, gateway: BackgroundServer
 ) -> None:
     key = script(
         llm_server,
@@ -164,7 +147,7 @@ def test_timeline_of_a_timed_out_and_a_cancelled_call_and_abort(
     statuses = sorted(r["status"] for r in client.get(turn_id)["invocations"])
     assert statuses == ["cancelled", "timeout"]
 
-    phone = open_console(chromium, gateway, 390, 844)
+    phone = open_console(browser, gateway, 390, 844)
     try:
         row(phone, turn_id).click()
         phone.locator('#timeline .tl-row[data-status="cancelled"]').wait_for()
