@@ -4,17 +4,19 @@ handed back to the turn.
 The Celery task (a thread of the `threads` pool) hands the round to the process's loop
 and returns, so one process streams thousands of rounds. While a round streams its
 key `agentq:turn:{id}:llm:{round}:alive` is renewed, for all rounds at once, by one
-coroutine; if the process dies the keys lapse and the turn sends those rounds again.
+thread of its own; if the process dies the keys lapse and the turn sends those rounds again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
 import os
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,8 @@ class _Streams:
         self.host = host
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
         self.lease_ms = int(s.turn_lease_s * 1000)
-        self.alive: dict[tuple[str, int], str] = {}
+        self.alive: collections.Counter[tuple[str, int]] = collections.Counter()
+        """Rounds to keep claimed, counted: a redelivered round may run twice here."""
         self.client: openai.AsyncOpenAI | None = None
         if s.llm_base_url:
             self.client = make_client(
@@ -51,15 +54,23 @@ class _Streams:
                 max_connections=s.io_capacity + 100,
                 timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
             )
-        self.renewer = asyncio.get_running_loop().create_task(self._renew())
+        # Its own thread, not the loop's store pool: with thousands of rounds streaming,
+        # a renewal queued behind their store calls lapsed and every round was sent again.
+        self.renewer = threading.Thread(target=self._renew, name="agentq-llm-lease", daemon=True)
+        self.renewer.start()
 
-    async def _renew(self) -> None:
+    def release(self, key: tuple[str, int]) -> None:
+        self.alive[key] -= 1
+        if self.alive[key] <= 0:
+            del self.alive[key]
+
+    def _renew(self) -> None:
+        every_s = self.host.settings.turn_lease_s / 3
         while True:
-            await asyncio.sleep(self.host.settings.turn_lease_s / 3)
+            time.sleep(every_s)
             try:
-                await self.host.io(
-                    self.host.store.llm_rounds_alive, dict(self.alive), self.lease_ms
-                )
+                rounds = {key: self.worker for key in list(self.alive)}
+                self.host.store.llm_rounds_alive(rounds, self.lease_ms)
             except Exception:
                 log.warning("llm heartbeat failed", exc_info=True)
 
@@ -113,15 +124,18 @@ async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
     if await host.io(store.status, req.turn_id) in (None, "finished", "aborted", "error"):
         # A late or redelivered round of a turn that ended (or that Redis lost).
         return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
+    key = (req.turn_id, req.round_no)
+    # Renewed from the moment of the claim: a busy loop may resume this coroutine later
+    # than the lease, and a lapsed claim would have the turn send the round again.
+    streams.alive[key] += 1
     claimed = await host.io(
         store.llm_round_started, req.turn_id, req.round_no, streams.worker, streams.lease_ms
     )
     if not claimed:
         # The broker handed this round out again while another delivery streams it.
+        streams.release(key)
         log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
         return LlmRoundResult(ok=False, error="streaming elsewhere", error_code="EDUPLICATE")
-    key = (req.turn_id, req.round_no)
-    streams.alive[key] = streams.worker
     name = f"{k.TASK_LLM_ROUND}:{req.turn_id}:{req.round_no}"
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
@@ -132,7 +146,7 @@ async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
         result = await _stream(host, streams, req, abort)
     finally:
         remove_cancel()
-        streams.alive.pop(key, None)
+        streams.release(key)
         host.running.pop(name, None)
     await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json())
     return result
