@@ -506,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "
-        "throughput, timeout, abort, watchdog, events, scale, io, cost_per_call, "
+        "throughput, timeout, abort, watchdog, events, scale, held, io, cost_per_call, "
         "profile",
     )
     p.add_argument(

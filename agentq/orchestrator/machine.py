@@ -57,6 +57,7 @@ from agentq.orchestrator.plan import (
     oversize_refusal,
     pending_calls,
     plan_call,
+    with_safe_call_ids,
 )
 from agentq.results import cancelled_result, denied_result, error_result
 
@@ -98,6 +99,7 @@ def advance(ctx: StepContext) -> float | None:
         if isinstance(outcome, float):
             return outcome
         message, streamed_s = outcome
+        message = with_safe_call_ids(message, {c.id for c in calls_of(history)}, round_no)
         start = int(ctx.state.get("history_start", 0))
         earlier = calls_of(history, start)
         refused, stop = limit_checks(

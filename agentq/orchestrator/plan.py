@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import AgentqError, ToolArgumentsInvalid
+from agentq.ids import is_call_id
 from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult
 from agentq.results import error_result
 from agentq.timing import Limits, effective_limits, split_meta
@@ -164,6 +165,31 @@ def oversize_refusal(call: ToolCall, max_arguments_bytes: int) -> str | None:
         f"limit of {max_arguments_bytes} bytes; pass a reference (a path, an id) instead of "
         "the data"
     )
+
+
+def with_safe_call_ids(
+    message: AssistantMessage, taken: set[str], round_no: int
+) -> AssistantMessage:
+    """The message with every call id usable as a key and a URL part, and unique in the turn.
+
+    Call ids come from the model: an id with other characters could not be answered
+    over HTTP (its approval's request id would be refused), and an id a model reuses
+    across rounds ("call_0" every time) would find the earlier round's result settled.
+    The history keeps the id given here, in the assistant message and in its result.
+    """
+    seen = set(taken)
+    calls: list[ToolCall] = []
+    for i, call in enumerate(message.tool_calls):
+        new_id = call.id
+        if not is_call_id(new_id) or new_id in seen:
+            new_id = f"aq_r{round_no}_{i}"
+            while new_id in seen:
+                new_id += "_"
+        seen.add(new_id)
+        calls.append(call if new_id == call.id else call.model_copy(update={"id": new_id}))
+    if all(a is b for a, b in zip(calls, message.tool_calls, strict=True)):
+        return message
+    return message.model_copy(update={"tool_calls": tuple(calls)})
 
 
 def calls_of(history: list[dict[str, Any]], start: int = 0) -> list[ToolCall]:

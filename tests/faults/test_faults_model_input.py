@@ -124,3 +124,47 @@ def test_a_malformed_stream_chunk_fails_the_turn_clearly(rig) -> None:
     assert turn["state"]["status"] == "error" and turn["history"][-1]["role"] == "user"
     assert rig.llm.open_streams == 0
     _turn_works(rig)
+
+
+def test_call_ids_the_model_garbles_or_reuses_are_replaced_consistently(rig) -> None:
+    """Ids with unsafe characters, twice in a round, or reused from an earlier round get a
+    fresh id in the history and in their result, so each call settles on its own and an
+    approval can be answered by its request id."""
+    from agentq.ids import is_call_id, is_request_id
+    from agentq.testing.processes import wait_for
+
+    key = rig.script(
+        Round(
+            tool_calls=[
+                ScriptedCall(name="echo", arguments={"text": "a"}, id="call_0"),
+                ScriptedCall(name="echo", arguments={"text": "b"}, id="call_0"),
+                ScriptedCall(name="echo", arguments={"text": "c"}, id="../../x y"),
+            ]
+        ),
+        Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "p"}, id="call_0")]),
+        Round(text="done"),
+    )
+    handle = rig.client.start_turn(key)
+    tid = handle.turn_id
+
+    def requested() -> str | None:
+        for e in rig.log_events(tid):
+            if e.type == "interaction_requested":
+                return str(e.fields["request_id"])
+        return None
+
+    wait_for(lambda: requested() is not None, 30, message="approval requested")
+    request_id = requested()
+    assert request_id is not None and is_request_id(request_id), request_id
+    rig.client.answer(tid, request_id, handle.token, "approve")
+    events = rig.collect(tid)
+    assert events[-1].type == "turn_finished", events[-1]
+    assert_gapless(events)
+    history = rig.client.get(tid)["history"]
+    assert_valid_history(history)
+    ids = [c["id"] for m in history if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    assert len(ids) == 4 and len(set(ids)) == 4 and all(is_call_id(i) for i in ids), ids
+    assert ids[0] == "call_0"  # a good id is kept
+    tool_msgs = [m for m in history if m["role"] == "tool"]
+    assert [m["tool_call_id"] for m in tool_msgs] == ids
+    assert [m["content"] for m in tool_msgs] == ["a", "b", "c", "deleted p"]
