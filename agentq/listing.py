@@ -3,8 +3,9 @@
 Every turn is in ``agentq:turns:index`` (a sorted set scored by ``created_at``) from its
 creation. A finished turn's keys expire after the retention TTL (`turn_retention_s`); the
 index entry of a turn whose state is gone is removed the next time a listing meets it,
-and each listing also checks a few of the oldest entries, so the index does not grow
-with turns nobody pages back to.
+each listing also checks a few of the oldest entries, and the turn workers' sweeper
+drops the entries of expired turns every minute, so the index does not grow with turns
+nobody lists.
 
 One Lua call summarises a page of turns inside Redis (state, call counts by status,
 unsettled calls, pending interactions), so a page costs a couple of round trips and
@@ -276,9 +277,23 @@ class TurnLister:
         page.next_before = last_score
         return page
 
-    def prune(self, batch: int = PRUNE_BATCH) -> int:
-        """Drop the oldest index entries whose turn has expired; how many were dropped."""
-        oldest = [text(m) for m in self.redis.zrange(k.TURNS_INDEX, 0, batch - 1)]
+    def prune(
+        self, batch: int = PRUNE_BATCH, older_than: float | None = None, start: int = 0
+    ) -> int:
+        """Drop index entries whose turn has expired; how many were dropped.
+
+        Looks at the `batch` oldest entries, or, with `older_than`, at up to `batch`
+        entries created before it from position `start` (past live turns already seen).
+        """
+        if older_than is None:
+            oldest = [text(m) for m in self.redis.zrange(k.TURNS_INDEX, 0, batch - 1)]
+        else:
+            oldest = [
+                text(m)
+                for m in self.redis.zrangebyscore(
+                    k.TURNS_INDEX, "-inf", f"({older_than!r}", start=start, num=batch
+                )
+            ]
         if not oldest:
             return 0
         pipe = self.redis.pipeline(transaction=False)

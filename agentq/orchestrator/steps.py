@@ -28,6 +28,10 @@ from agentq.store import TurnStore, text
 
 log = logging.getLogger("agentq.turn")
 
+PRUNE_EVERY_S = 60.0
+PRUNE_ROUNDS = 10
+PRUNE_BATCH = 500
+
 
 def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings) -> str:
     """Advance one turn as far as it goes now; "busy" if another step holds it."""
@@ -106,6 +110,8 @@ class Sweeper:
         self.interval_s = settings.sweep_interval_s
         # A claimed wakeup comes due again after this: the retry when its step died.
         self.retry_s = settings.step_lock_s + 5.0
+        self.retention_s = settings.turn_retention_s
+        self._next_prune = 0.0
         self._stop = threading.Event()
 
     def start(self) -> threading.Thread:
@@ -136,7 +142,26 @@ class Sweeper:
             for turn_id in sorted({c.split("/", 1)[0] for c in calls}):
                 woke += int(self.store.wake(turn_id))
             r.delete(k.worker_calls_key(host))
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_EVERY_S
+            self.prune_index(now)
         return woke
+
+    def prune_index(self, now: float) -> int:
+        """Drop the console index's entries of turns whose retention ran out."""
+        from agentq.listing import TurnLister
+
+        lister = TurnLister(self.store.redis)
+        dropped = kept = 0
+        for _ in range(PRUNE_ROUNDS):
+            # Entries still alive stay in place: the next batch starts past them.
+            n = lister.prune(batch=PRUNE_BATCH, older_than=now - self.retention_s, start=kept)
+            dropped += n
+            seen = self.store.redis.zcount(k.TURNS_INDEX, "-inf", f"({now - self.retention_s!r}")
+            kept = min(kept + PRUNE_BATCH - n, seen)
+            if kept >= seen:
+                break
+        return dropped
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
