@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -420,6 +420,21 @@ class TurnStore:
         raw = self.redis.hgetall(k.started_key(turn_id))
         return {text(c): json.loads(v) for c, v in raw.items()}
 
+    def running_tasks(self, turn_id: str) -> dict[str, str | None]:
+        """Task id -> worker of each call that started and has no result yet, in one read."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hkeys(k.results_key(turn_id))
+        pipe.hgetall(k.started_key(turn_id))
+        pipe.hgetall(k.calls_key(turn_id))
+        done_raw, starts_raw, calls_raw = pipe.execute()
+        done = {text(c) for c in done_raw}
+        starts = {text(c): json.loads(v) for c, v in starts_raw.items()}
+        return {
+            json.loads(d)["task_id"]: starts[cid].get("worker")
+            for cid, d in ((text(c), v) for c, v in calls_raw.items())
+            if cid not in done and cid in starts
+        }
+
     def mark_started(
         self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
     ) -> int:
@@ -605,20 +620,22 @@ class TurnStore:
             pipe.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
         pipe.execute()
 
-    def publish_many(self, turn_id: str, events: list[tuple[str, dict[str, Any]]]) -> None:
-        """Publish events of one turn in order, in one round trip."""
-        if not events:
+    def publish_many(self, batches: Mapping[str, list[tuple[str, dict[str, Any]]]]) -> None:
+        """Publish the events of several turns, each turn's in order, in one round trip."""
+        if not any(batches.values()):
             return
         pipe = self.redis.pipeline(transaction=False)
-        for type_, fields in events:
-            self.bus._publish(
-                keys=[
-                    k.seq_key(turn_id),
-                    k.log_key(turn_id),
-                    k.events_channel(turn_id),
-                    k.turn_key(turn_id),
-                ],
-                args=[event_body(turn_id, type_, fields), self.bus.log_maxlen],
-                client=pipe,
-            )
+        for turn_id, events in batches.items():
+            keys = [
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+                k.turn_key(turn_id),
+            ]
+            for type_, fields in events:
+                self.bus._publish(
+                    keys=keys,
+                    args=[event_body(turn_id, type_, fields), self.bus.log_maxlen],
+                    client=pipe,
+                )
         pipe.execute()

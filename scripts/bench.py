@@ -11,8 +11,10 @@ It starts its own Redis, the three agentq workers (tools: prefork; turns, llm: t
 a plain Celery worker (scripts/bench_celery_app.py) and the scripted model server, all
 on 127.0.0.1, and stops every process it started by PID on the way out. The workers run
 with agentq's default settings; only the tool modules and the model URL are set.
-The stages themselves are in scripts/bench_stages.py; this file runs them, counts where
-a call's Redis commands go, profiles it on request, and prints the report.
+The stages are in scripts/bench_stages.py (latency, throughput, scale) and
+scripts/bench_capacity.py (held, io), the verdicts and tables in scripts/bench_report.py;
+this file runs them, counts where a call's Redis commands go, profiles it on request, and
+prints the report. `--runs 3` runs each stage three times and reports medians and spreads.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from agentq import runtime  # noqa: E402
+from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
+from scripts.bench_report import judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
     QUICK,
     Fleet,
@@ -45,8 +49,6 @@ from scripts.bench_stages import (  # noqa: E402
     agentq_once,
     bench_abort,
     bench_events,
-    bench_held,
-    bench_io,
     bench_overhead,
     bench_scale,
     bench_throughput,
@@ -83,16 +85,6 @@ KEYS = (
     "scale_seconds",
     "rss_mb",
 )
-GOALS: list[tuple[str, str, float, str]] = [
-    ("overhead_ratio_p50", "<=", 1.2, "≤ 1.2 (bar 1.5)"),
-    ("throughput_ratio", ">=", 0.8, "≥ 0.8"),
-    ("abort_to_event_ms_p99", "<", 100, "< 100 ms"),
-    ("timeout_overshoot_ms_p99", "<", 100, "< 100 ms"),
-    ("watchdog_overshoot_ms_p99", "<", 50, "< 50 ms"),
-    ("event_latency_ms_p50", "<", 2, "< 2 ms"),
-]
-
-
 # --------------------------------------------------------------------------- where time goes
 
 
@@ -302,114 +294,6 @@ def machine(fx: Fleet) -> dict[str, Any]:
     }
 
 
-def judge(res: dict[str, Any]) -> dict[str, Any]:
-    verdicts: dict[str, Any] = {}
-    for key, op, target, text in GOALS:
-        v = res.get(key)
-        ok = (
-            None
-            if v is None
-            else (v <= target if op == "<=" else v >= target if op == ">=" else v < target)
-        )
-        verdicts[key] = {"value": v, "goal": text, "pass": ok}
-    return verdicts
-
-
-def render(res: dict[str, Any], to_stderr: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    con = Console(stderr=to_stderr)
-    m = res["machine"]
-    con.print(
-        f"[bold]agentq vs plain Celery[/] on {m['cpu']}, {m['cores']} cores, "
-        f"{m['memory_gb']} GB, Python {m['python']}, Celery {m['celery']}, "
-        f"Redis {m['redis_server']} ({'quick' if res['quick'] else 'full'} run, "
-        f"{res['duration_s']} s)"
-    )
-    t = Table(title="Goals")
-    for col in ("metric", "value", "goal", "result"):
-        t.add_column(col)
-    for key, v in res["goals"].items():
-        status = "n/a" if v["pass"] is None else "[green]PASS[/]" if v["pass"] else "[red]MISS[/]"
-        if key == "overhead_ratio_p50" and v["pass"] is False and (v["value"] or 9) <= 1.5:
-            status = "[yellow]MISS (under the 1.5 bar)[/]"
-        t.add_row(key, str(v["value"]), v["goal"], status)
-    con.print(t)
-    rows = [
-        (
-            "per-call ms p50 / p99",
-            "agentq_call_ms_p50",
-            "agentq_call_ms_p99",
-            "celery_call_ms_p50",
-            "celery_call_ms_p99",
-        ),
-    ]
-    d = Table(title="Measurements")
-    for col in ("measurement", "agentq", "plain Celery", "ratio / note"):
-        d.add_column(col)
-    for label, a50, a99, c50, c99 in rows:
-        d.add_row(
-            label,
-            f"{res.get(a50)} / {res.get(a99)}",
-            f"{res.get(c50)} / {res.get(c99)}",
-            f"{res.get('overhead_ratio_p50')} / {res.get('overhead_ratio_p99')} "
-            f"(paired p50 {res.get('overhead_ratio_p50_paired')})",
-        )
-    d.add_row(
-        f"throughput, calls/s ({res.get('throughput_calls')} per round)",
-        str(res.get("agentq_calls_per_s")),
-        str(res.get("celery_calls_per_s")),
-        str(res.get("throughput_ratio")),
-    )
-    for label, key in (
-        ("abort → turn_aborted ms", "abort_to_event_ms"),
-        ("abort → tool process gone ms", "abort_to_process_gone_ms"),
-        ("timeout overshoot ms (1 s limit)", "timeout_overshoot_ms"),
-        ("watchdog overshoot ms (500 ms idle)", "watchdog_overshoot_ms"),
-        ("event latency ms (publish → subscriber)", "event_latency_ms"),
-        ("SSE latency ms (publish → SSE client)", "sse_latency_ms"),
-    ):
-        d.add_row(
-            label + " p50 / p99", f"{res.get(key + '_p50')} / {res.get(key + '_p99')}", "", ""
-        )
-    d.add_row(
-        "scale: turns, all settled, seconds (floor)",
-        f"{res.get('scale_turns')}, {res.get('scale_all_settled')}, "
-        f"{res.get('scale_seconds')} ({res.get('scale_floor_seconds')})",
-        "",
-        f"max active {res.get('scale_max_active')}",
-    )
-    for what in ("rss", "pss"):
-        mem = res.get(f"{what}_mb") or {}
-        d.add_row(
-            f"peak {what.upper()} MB (worker + its pool)",
-            ", ".join(f"{k_} {mem[k_]}" for k_ in ("turns", "tools", "llm", "redis") if k_ in mem),
-            f"celery {mem.get('celery')}",
-            f"{res.get('turn_worker_kb_per_turn')} KB/turn held" if what == "rss" else "",
-        )
-    cost = res.get("cost_per_call") or {}
-    if cost:
-
-        def cpu(side: str) -> str:
-            return ", ".join(f"{k_} {v}" for k_, v in cost[side]["cpu_ms_per_call"].items())
-
-        def cmds(side: str) -> str:
-            return ", ".join(
-                f"{k_} {v['total']}"
-                for k_, v in cost[side]["redis_commands_per_call"].items()
-                if v["total"] >= 0.5
-            )
-
-        d.add_row(
-            "CPU ms per call, by process", cpu("agentq"), cpu("celery"), str(res.get("cpu_ratio"))
-        )
-        d.add_row("Redis commands per call, by process", cmds("agentq"), cmds("celery"), "")
-    con.print(d)
-    for note in res.get("notes", []):
-        con.print(f"[yellow]note:[/] {note}")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     sz = QUICK if args.quick else Sizes()
     if args.scale_turns:
@@ -420,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sz = Sizes(**{**sz.__dict__, "old_path_turns": args.old_path_turns})
     started = time.perf_counter()
     fx = Fleet(args)
-    res: dict[str, Any] = {"quick": args.quick}
+    res: dict[str, Any] = {"quick": args.quick, "runs": args.runs}
     notes: list[str] = []
     try:
         fx.start()
@@ -447,13 +331,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 continue
             t0 = time.perf_counter()
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
-            try:
-                out = stage()
-            except Exception as exc:
-                notes.append(f"{name}: failed: {type(exc).__name__}: {exc}")
-                continue
-            notes += out.pop("notes", [])
-            res.update(out)
+            outs: list[dict[str, Any]] = []
+            for rep in range(1 if name in ("cost_per_call", "profile") else args.runs):
+                try:
+                    out = stage()
+                except Exception as exc:
+                    notes.append(f"{name} (run {rep + 1}): failed: {type(exc).__name__}: {exc}")
+                    continue
+                notes += out.pop("notes", [])
+                outs.append(out)
+            if outs:
+                res.update(merge_runs(outs))
             print(
                 f"bench: {name} done in {time.perf_counter() - t0:.1f} s",
                 file=sys.stderr,
@@ -493,6 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=8,
         help="prefork processes of the agentq tool worker and the Celery worker",
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="run each stage this many times and report the median and spread (3 for figures)",
     )
     p.add_argument("--scale-turns", type=int, default=0, help="turns of the scale stage")
     p.add_argument("--io-turns", type=int, default=0, help="turns of the io stage (1000)")

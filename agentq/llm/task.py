@@ -85,34 +85,60 @@ def _get_streams(host: LoopHost) -> _Streams:
     return _streams
 
 
-class _Deltas:
-    """Publishes a round's deltas in order, batching what piles up while one batch is out."""
+class _Publisher:
+    """One per process: the pending events of every round go out together, in one pipelined
+    round trip, so thousands of streams cost a few store calls a second, not one a chunk."""
 
-    def __init__(self, host: LoopHost, turn_id: str, round_no: int) -> None:
+    def __init__(self, host: LoopHost) -> None:
         self.host = host
-        self.turn_id = turn_id
-        self.round_no = round_no
-        self.buffer: list[tuple[str, dict[str, Any]]] = []
+        self.pending: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        self.in_flight: set[str] = set()
         self.flushing: asyncio.Task[None] | None = None
+        self.tick = asyncio.Event()
+        """Set (and replaced) each time a batch has gone out."""
 
-    def add(self, type_: str, **fields: Any) -> None:
-        self.buffer.append((type_, {"round_no": self.round_no, **fields}))
+    def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
+        self.pending.setdefault(turn_id, []).append((type_, fields))
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.get_running_loop().create_task(self._flush())
 
     async def _flush(self) -> None:
-        while self.buffer:
-            batch, self.buffer = self.buffer, []
+        while self.pending:
+            batch, self.pending = self.pending, {}
+            self.in_flight = set(batch)
             try:
-                await self.host.io(self.host.store.publish_many, self.turn_id, batch)
+                await self.host.io(self.host.store.publish_many, batch)
             except Exception:
                 log.warning("llm events not published", exc_info=True)
+            self.in_flight = set()
+            tick, self.tick = self.tick, asyncio.Event()
+            tick.set()
+
+    async def drain(self, turn_id: str) -> None:
+        """Return once every event of this turn added so far has been published."""
+        while turn_id in self.pending or turn_id in self.in_flight:
+            await self.tick.wait()
+
+
+_publisher: _Publisher | None = None
+
+
+class _Deltas:
+    """A round's events, in order, through the process's publisher."""
+
+    def __init__(self, host: LoopHost, turn_id: str, round_no: int) -> None:
+        global _publisher
+        if _publisher is None:
+            _publisher = _Publisher(host)
+        self.publisher = _publisher
+        self.turn_id = turn_id
+        self.round_no = round_no
+
+    def add(self, type_: str, **fields: Any) -> None:
+        self.publisher.add(self.turn_id, type_, {"round_no": self.round_no, **fields})
 
     async def drain(self) -> None:
-        while self.flushing is not None and not self.flushing.done():
-            await self.flushing
-        if self.buffer:
-            await self._flush()
+        await self.publisher.drain(self.turn_id)
 
 
 async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:

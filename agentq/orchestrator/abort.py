@@ -11,7 +11,7 @@ from celery import Celery
 from agentq import constants as k
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
-from agentq.store import TurnStore, text
+from agentq.store import TurnStore
 
 
 def revoke_unsettled(
@@ -22,13 +22,7 @@ def revoke_unsettled(
     Only the workers running them are told: a task that has not started yet never
     runs, since its start sees the turn's cancel flag.
     """
-    done = {text(c) for c in store.redis.hkeys(k.results_key(turn_id))}
-    starts = store.starts(turn_id)
-    running = {
-        d["task_id"]: starts[cid].get("worker")
-        for cid, d in store.dispatches(turn_id).items()
-        if cid not in done and cid in starts
-    }
+    running = store.running_tasks(turn_id)
     if not running:
         return []
     ids = list(running)
@@ -57,10 +51,18 @@ def settle_pending(
     calls = pending_calls(history)
     if not calls:
         return []
-    _, dispatched = store.round_view(turn_id, [c.id for c in calls])
+    settled, dispatched = store.round_view(turn_id, [c.id for c in calls])
+    lost_race = False
     for call in calls:
-        store.settle(turn_id, result_for(call, dispatched.get(call.id, {})), wake=False)
-    results, _ = store.round_view(turn_id, [c.id for c in calls])
+        if call.id in settled:
+            continue
+        mine = result_for(call, dispatched.get(call.id, {}))
+        if store.settle(turn_id, mine, wake=False):
+            settled[call.id] = mine
+        else:
+            lost_race = True  # a tool's result came first: it is the one kept
+    if lost_race:
+        settled, _ = store.round_view(turn_id, [c.id for c in calls])
     # A password answer is read once by its tool; a round that ends must not leave one.
     store.redis.delete(*[k.secret_key(turn_id, f"{c.id}.approval") for c in calls])
-    return [results[c.id].to_openai() for c in calls]
+    return [settled[c.id].to_openai() for c in calls]

@@ -1,0 +1,196 @@
+"""The capacity stages of the benchmark: turns held while they wait (`held`), and
+I/O-bound turns by the thousand on the I/O and stream workers (`io`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import psutil
+
+from agentq import runtime
+from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.processes import start_worker
+from scripts.bench_stages import Fleet, Sizes
+
+ABORT_CLIENTS = 16
+"""Client threads that press Cancel on the held turns, as many users would at once."""
+
+
+def redis_clients_by_kind(fx: Fleet, extra: dict[int, str] | None = None) -> dict[str, int]:
+    """Open connections to the bench's Redis, by process kind (a pool's children counted
+    with their worker)."""
+    port = int(runtime.get_redis().connection_pool.connection_kwargs.get("port", 6379))
+    pids: dict[int, str] = {os.getpid(): "bench client", **(extra or {})}
+    for kind, proc in fx.procs.items():
+        pids[proc.pid] = kind
+        for child in proc.children_pids():
+            pids[child] = kind
+    out: Counter[str] = Counter()
+    for pid, kind in pids.items():
+        with contextlib.suppress(psutil.Error):
+            for conn in psutil.Process(pid).net_connections(kind="tcp"):
+                if conn.raddr and conn.raddr.port == port:
+                    out[kind] += 1
+    return dict(out)
+
+
+def bench_held(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    """N turns each wait on one slow call while the tool worker has 2 processes: how many
+    one default turn worker holds at once, at what cost, and how fast they all abort."""
+    from agentq import constants as k
+    from agentq.api import Client
+
+    client = Client()
+    store = runtime.get_store()
+    n = sz.held_turns
+    tools = start_worker(
+        "tools",
+        env=fx.env,
+        hostname=f"bench-held-{fx.run_id}@%h",
+        concurrency=2,
+        extra_args=("-Q", "agentq.held"),
+    )
+    # The held fleet: what a turn waits on. The baseline Celery worker and the 8-process
+    # tool worker of the other stages hold connections of their own, counted apart.
+    held_kinds = ("turns", "llm", "held tools", "redis")
+    extra = {tools.pid: "held tools", **{c: "held tools" for c in tools.children_pids()}}
+
+    def held_clients() -> tuple[int, dict[str, int]]:
+        by_kind = redis_clients_by_kind(fx, extra)
+        return sum(v for kind_, v in by_kind.items() if kind_ in held_kinds), by_kind
+
+    try:
+        key = fx.script(Round(tool_calls=[ScriptedCall(name="held", arguments={"seconds": 600})]))
+        before = fx.memory_mb().get("turns", 0.0)
+        clients_before = int(store.redis.info("clients")["connected_clients"])
+        fleet_before, _ = held_clients()
+        t0 = time.perf_counter()
+        handles = [client.start_turn(f"{key} #{i}") for i in range(n)]
+        peak_clients = clients_before
+        peak_fleet, peak_by_kind = fleet_before, {}
+        held = 0
+        deadline = time.perf_counter() + 60 + n * 0.1
+        while time.perf_counter() < deadline:
+            peak_clients = max(peak_clients, int(store.redis.info("clients")["connected_clients"]))
+            fleet_now, by_kind = held_clients()
+            if fleet_now >= peak_fleet:
+                peak_fleet, peak_by_kind = fleet_now, by_kind
+            pipe = store.redis.pipeline(transaction=False)
+            for h in handles:
+                pipe.exists(k.calls_key(h.turn_id))
+            held = sum(1 for x in pipe.execute() if x)
+            if held == n:
+                break
+            time.sleep(0.5)
+        held_s = time.perf_counter() - t0
+        turns_mb = fx.memory_mb().get("turns", 0.0) - before
+        t1 = time.perf_counter()
+        with ThreadPoolExecutor(ABORT_CLIENTS) as pool:
+            list(pool.map(lambda h: client.abort(h.turn_id, h.token), handles))
+        while store.redis.zcard(k.ACTIVE_TURNS) and time.perf_counter() - t1 < 120:
+            time.sleep(0.05)
+        aborted_s = time.perf_counter() - t1
+        left = int(store.redis.zcard(k.ACTIVE_TURNS))
+    finally:
+        tools.stop(timeout_s=10)
+    return {
+        "held_turns": n,
+        "held_at_once": held,
+        "held_seconds_to_hold": round(held_s, 2),
+        "held_redis_clients_before": clients_before,
+        "held_redis_clients_all_peak": peak_clients,
+        "held_redis_clients_peak": peak_fleet,
+        "held_redis_clients_by_kind": peak_by_kind,
+        "held_turn_worker_kb_per_turn": round(turns_mb * 1024 / max(n, 1), 1),
+        "held_abort_all_seconds": round(aborted_s, 2),
+        "held_not_ended": left,
+        "notes": [
+            f"held: Redis connections of the held fleet ({', '.join(held_kinds)}) at their "
+            f"peak: {peak_by_kind}; all clients of the bench's Redis {clients_before} before, "
+            f"{peak_clients} at the peak; aborts from {ABORT_CLIENTS} client threads"
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- the io stage
+
+IO_WAIT_S = 5.0
+IO_STREAM_S = 2.0
+
+
+def _stream_round(tool_calls: list[ScriptedCall] | None = None) -> Round:
+    """A round that streams for about IO_STREAM_S: 20 chunks, 100 ms apart."""
+    return Round(
+        text="x" * 80,
+        chunk_size=4,
+        chunk_delay_ms=int(IO_STREAM_S * 1000 / 20),
+        tool_calls=tool_calls or [],
+    )
+
+
+def _fleet_mb(fx: Fleet, kinds: tuple[str, ...]) -> float:
+    mem = fx.memory_mb()
+    return round(sum(mem.get(k_, 0.0) for k_ in kinds), 1)
+
+
+def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any]:
+    """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2."""
+    from agentq import constants as k
+    from agentq.api import Client
+
+    client = Client()
+    store = runtime.get_store()
+    key = fx.script(
+        _stream_round([ScriptedCall(name=tool, arguments={"seconds": IO_WAIT_S})]), _stream_round()
+    )
+    # The fleet the turns run on; the other stages' workers idle beside it, counted apart.
+    kinds = ("turns", "llm", "redis", "io" if tool.startswith("aio") else "tools")
+    everything = (*fx.procs, "redis")
+    before = _fleet_mb(fx, kinds)
+    peak_all = _fleet_mb(fx, everything)
+    peak = before
+    t0 = time.perf_counter()
+    ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
+    statuses: list[Any] = []
+    while time.perf_counter() - t0 < 300:
+        peak = max(peak, _fleet_mb(fx, kinds))
+        peak_all = max(peak_all, _fleet_mb(fx, everything))
+        pipe = store.redis.pipeline()
+        for tid in ids:
+            pipe.hget(k.turn_key(tid), "status")
+        statuses = [None if s is None else json.loads(s) for s in pipe.execute()]
+        if all(s in ("finished", "aborted", "error") for s in statuses):
+            break
+        time.sleep(0.2)
+    took = time.perf_counter() - t0
+    counts = Counter(str(s) for s in statuses)
+    return {
+        f"{prefix}_turns": n,
+        f"{prefix}_all_settled": counts.get("finished") == n,
+        f"{prefix}_seconds": round(took, 2),
+        f"{prefix}_statuses": dict(counts),
+        f"{prefix}_floor_seconds": IO_WAIT_S + 2 * IO_STREAM_S,
+        f"{prefix}_peak_rss_mb": peak,
+        f"{prefix}_idle_rss_mb": before,
+        f"{prefix}_fleet": "+".join(kinds),
+        f"{prefix}_peak_rss_mb_all_processes": peak_all,
+    }
+
+
+def bench_io(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+    """1,000 real turns, each an async tool call of 5 s between two 2 s model rounds, on one
+    default `agentq worker io` and `agentq worker llm`; beside it, the old path (a sync
+    tool on the prefork tool worker) with 300."""
+    out: dict[str, Any] = {}
+    out.update(bench_turns_with(fx, sz.io_turns, "aio_sleep", "io_turns"))
+    out.update(bench_turns_with(fx, sz.old_path_turns, "sleep", "old_path"))
+    out["notes"] = [
+        f"old_path: sync `sleep` on the prefork tool worker -c {fx.args.tool_concurrency}",
+    ]
+    return out
