@@ -167,3 +167,15 @@ def _start_sweeper(**_: Any) -> None:
 
     Sweeper(get_store(), app, settings).start()
     log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
+
+
+
+@worker_ready.connect
+def _warm_stream_worker(**_: Any) -> None:
+    """Import the OpenAI SDK and build the model client before the first round: done on
+    the event loop, the import (seconds on a busy machine) stalled every stream."""
+    if os.environ.get("AGENTQ_WORKER_KIND") == "llm":
+        from agentq.llm.task import warm
+
+        warm()
+

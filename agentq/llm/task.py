@@ -76,13 +76,20 @@ class _Streams:
 
 
 _streams: _Streams | None = None
+_streams_lock = threading.Lock()
 
 
 def _get_streams(host: LoopHost) -> _Streams:
     global _streams
-    if _streams is None:
-        _streams = _Streams(host)
-    return _streams
+    with _streams_lock:
+        if _streams is None:
+            _streams = _Streams(host)
+        return _streams
+
+
+def warm() -> None:
+    """At worker start, off the loop: the SDK import and the shared client."""
+    _get_streams(get_host())
 
 
 class _Publisher:
