@@ -70,7 +70,8 @@ async function refreshList() {
   }
   consoleState.before = body.next_before;
   q("#more").hidden = body.next_before == null;
-  q("#list-state").textContent = body.turns.length + " turns · " + new Date().toLocaleTimeString();
+  const n = body.turns.length;
+  q("#list-state").textContent = n + (n === 1 ? " turn · " : " turns · ") + new Date().toLocaleTimeString();
 }
 
 async function loadOlder() {
