@@ -139,6 +139,24 @@ def _fleet_mb(fx: Fleet, kinds: tuple[str, ...]) -> float:
     return round(sum(mem.get(k_, 0.0) for k_ in kinds), 1)
 
 
+def _cpu_s_by_kind(fx: Fleet) -> dict[str, float]:
+    """CPU seconds used so far by each process kind (pool children included); "bench" is
+    this process, which also serves the scripted model."""
+    pids: dict[int, str] = {os.getpid(): "bench"}
+    if fx.redis is not None:
+        pids[fx.redis.pid] = "redis"
+    for kind, proc in fx.procs.items():
+        pids[proc.pid] = kind
+        for child in proc.children_pids():
+            pids[child] = kind
+    out: Counter[str] = Counter()
+    for pid, kind in pids.items():
+        with contextlib.suppress(psutil.Error):
+            t = psutil.Process(pid).cpu_times()
+            out[kind] += t.user + t.system
+    return dict(out)
+
+
 def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any]:
     """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2."""
     from agentq import constants as k
@@ -155,6 +173,7 @@ def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any
     before = _fleet_mb(fx, kinds)
     peak_all = _fleet_mb(fx, everything)
     peak = before
+    cpu_before = _cpu_s_by_kind(fx)
     t0 = time.perf_counter()
     ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
     statuses: list[Any] = []
@@ -169,6 +188,11 @@ def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any
             break
         time.sleep(0.2)
     took = time.perf_counter() - t0
+    cpu = {
+        kind: round(v - cpu_before.get(kind, 0.0), 1)
+        for kind, v in _cpu_s_by_kind(fx).items()
+        if v - cpu_before.get(kind, 0.0) >= 0.05
+    }
     counts = Counter(str(s) for s in statuses)
     return {
         f"{prefix}_turns": n,
@@ -180,6 +204,8 @@ def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any
         f"{prefix}_idle_rss_mb": before,
         f"{prefix}_fleet": "+".join(kinds),
         f"{prefix}_peak_rss_mb_all_processes": peak_all,
+        f"{prefix}_cpu_s_by_process": cpu,
+        f"{prefix}_cpu_s_total": round(sum(cpu.values()), 1),
     }
 
 

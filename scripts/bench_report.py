@@ -154,7 +154,7 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
                 f"{spread(res, prefix + '_seconds')} ({res.get(prefix + '_floor_seconds')}), "
                 f"{spread(res, prefix + '_peak_rss_mb')}",
                 "",
-                str(res.get(f"{prefix}_statuses")),
+                f"{res.get(f'{prefix}_statuses')}; CPU s: {res.get(f'{prefix}_cpu_s_by_process')}",
             )
     for what in ("rss", "pss"):
         mem = res.get(f"{what}_mb") or {}
