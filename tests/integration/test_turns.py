@@ -192,3 +192,30 @@ def test_aborting_a_parent_aborts_its_sub_agents(fleet, llm_server, client: Clie
         last = collect(client, h.turn_id)[-1]
         assert last.type == "turn_aborted", (h, last)
         assert_valid_history(client.get(h.turn_id)["history"])
+
+
+def test_abort_while_the_model_streams_leaves_nothing_after_the_end(
+    fleet, llm_server, client: Client
+) -> None:
+    """The stream worker goes on a moment after the abort: none of its writes may land."""
+    from agentq import constants as k
+
+    key = script(llm_server, Round(text="x" * 400, chunk_size=2, chunk_delay_ms=50))
+    handle = client.start_turn(key)
+    tid = handle.turn_id
+    for ev in client.events(tid, heartbeat_s=0.5):
+        if ev is not None and ev.type == "llm_delta":
+            break
+    client.abort(tid, handle.token)
+    events = collect(client, tid)
+    assert events[-1].type == "turn_aborted"
+    store = client.store
+    # The stream worker has let the round go once its claim is gone (deleted or lapsed).
+    wait_for(lambda: not store.redis.exists(k.llm_alive_key(tid, 0)), 10, message="round released")
+    log = store.bus.replay(tid)
+    assert log[-1].type == "turn_aborted", [e.type for e in log[-3:]]
+    assert [e.seq for e in log] == list(range(1, len(log) + 1))
+    keys = [kk.decode() for kk in store.redis.scan_iter(match=f"agentq:turn:{tid}*")]
+    assert keys, "the turn's keys are kept for their retention"
+    without_ttl = [kk for kk in keys if store.redis.ttl(kk) < 0]
+    assert not without_ttl, without_ttl
