@@ -14,7 +14,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import httpx2
 import openai
@@ -26,7 +26,13 @@ from agentq.errors import (
     StreamDurationExceeded,
     StreamIdleTimeout,
 )
-from agentq.llm.client import DeltaCallback, _Assembler, api_error_to_llm
+from agentq.llm.client import (
+    CHAT_COMPLETIONS_PATH,
+    DeltaCallback,
+    _Assembler,
+    api_error_to_llm,
+    chat_request,
+)
 from agentq.llm.retry import backoff_s, parse_retry_after, should_retry
 from agentq.models import AssistantMessage
 
@@ -193,13 +199,13 @@ class _Attempt:
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     ) -> AssistantMessage:
         try:
-            stream = await self.client.chat.completions.create(
-                model=self.model,
-                messages=cast(Any, messages),
-                tools=cast(Any, tools) if tools else openai.omit,
+            stream = await self.client.post(
+                CHAT_COMPLETIONS_PATH,
+                body=chat_request(self.model, messages, tools),
+                cast_to=object,
                 stream=True,
-                stream_options={"include_usage": True},
-                timeout=self.timeout if self.timeout is not None else openai.NOT_GIVEN,
+                stream_cls=openai.AsyncStream[object],
+                options={} if self.timeout is None else {"timeout": self.timeout},
             )
         except openai.APIError as exc:
             self._fail(exc)
