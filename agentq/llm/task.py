@@ -172,17 +172,20 @@ async def _stream(
             delay_ms=int(delay_s * 1000),
         )
 
-    events.add("llm_started", model=settings.llm_model)
+    model = req.model or settings.llm_model
+    events.add("llm_started", model=model)
     t0 = time.monotonic()
     try:
         if streams.client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
         messages = await host.io(host.store.history, req.turn_id)
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *messages]
         message, streamed_s = await astream_round(
             streams.client,
             messages,
             req.tools,
-            model=settings.llm_model,
+            model=model,
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,
             max_retries=settings.llm_max_retries,

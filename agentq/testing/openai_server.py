@@ -126,6 +126,39 @@ def demo_rounds() -> Script:
     ]
 
 
+def demo_agent_scripts() -> dict[str, Script]:
+    """The rounds of the demo agents (agentq.testing.agents), keyed by their instructions."""
+    from agentq.testing.agents import LEAD_INSTRUCTIONS, RESEARCHER_INSTRUCTIONS
+
+    return {
+        f"system:{LEAD_INSTRUCTIONS}": [
+            Round(
+                text="Asking the researcher.",
+                tool_calls=[
+                    ScriptedCall(name="researcher", arguments={"prompt": "What is agentq?"})
+                ],
+                chunk_size=6,
+                chunk_delay_ms=20,
+            ),
+            Round(
+                text="The researcher found that agentq runs agent turns as Celery jobs.",
+                chunk_size=6,
+                chunk_delay_ms=20,
+            ),
+        ],
+        f"system:{RESEARCHER_INSTRUCTIONS}": [
+            Round(
+                text="Looking it up.",
+                tool_calls=[
+                    ScriptedCall(name="echo", arguments={"text": "agentq: turns as Celery jobs"}),
+                    ScriptedCall(name="sleep", arguments={"seconds": 1}),
+                ],
+            ),
+            Round(text="agentq runs LLM agent turns as background jobs on a Celery fleet."),
+        ],
+    }
+
+
 def first_user_text(messages: Sequence[Any]) -> str:
     """The text of the first user message; content parts are joined."""
     for msg in messages:
@@ -137,6 +170,35 @@ def first_user_text(messages: Sequence[Any]) -> str:
                 return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
             return ""
     return ""
+
+
+def system_text(messages: Sequence[Any]) -> str:
+    """The text of the first system message (an agent's instructions), or ""."""
+    for msg in messages:
+        if isinstance(msg, Mapping) and msg.get("role") == "system":
+            content = msg.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+def script_key(scripts: Mapping[str, Any], user: str, system: str, model: str) -> str:
+    """Which script answers: the longest key the first user message starts with, else
+    `system:<prefix>` of the instructions, else `model:<name>`, else "default"."""
+    plain = [
+        k
+        for k in scripts
+        if k != DEFAULT_KEY and not k.startswith(("system:", "model:")) and user.startswith(k)
+    ]
+    if plain:
+        return max(plain, key=len)
+    by_system = [
+        k for k in scripts if k.startswith("system:") and system and system.startswith(k[7:])
+    ]
+    if by_system:
+        return max(by_system, key=len)
+    if f"model:{model}" in scripts:
+        return f"model:{model}"
+    return DEFAULT_KEY
 
 
 def round_index(messages: Sequence[Any]) -> int:
@@ -204,8 +266,11 @@ class _HTTPServer(ThreadingHTTPServer):
 class ScriptedOpenAIServer:
     """An OpenAI-compatible server on 127.0.0.1 answering from `scripts`.
 
-    A script is chosen by the longest key the first user message starts with, else
-    "default"; past the end of its script a conversation gets the text "done.".
+    A script is chosen by the longest key the first user message starts with, else by
+    a `system:<prefix>` key the system message (an agent's instructions) starts with,
+    else by a `model:<name>` key naming the request's model, else "default"; past the
+    end of its script a conversation gets the text "done.". Keys by instructions or model
+    script an agent's rounds whatever prompt another agent gives it.
     """
 
     def __init__(
@@ -319,8 +384,7 @@ class ScriptedOpenAIServer:
         user = first_user_text(messages)
         index = round_index(messages)
         with self._lock:
-            matching = [k for k in self.scripts if k != DEFAULT_KEY and user.startswith(k)]
-            key = max(matching, key=len) if matching else DEFAULT_KEY
+            key = script_key(self.scripts, user, system_text(messages), str(body.get("model")))
             script = self.scripts.get(key, [])
             rnd = script[index] if index < len(script) else Round(text="done.")
             counter = (key, index, user)
@@ -585,6 +649,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     scripts: dict[str, list[Round]] = {}
     if args.script == "demo":
         scripts[DEFAULT_KEY] = demo_rounds()
+        scripts.update(demo_agent_scripts())
     if args.script_file:
         scripts.update(_load_script_file(args.script_file))
 
