@@ -20,6 +20,10 @@ running:tools         an approval still pending                    running:tools
                                                                    its timeout)
 running:tools         a batch settled                              running:tools (next batch)
 running:tools         a call overdue, or its worker dead           running:tools (settled lost)
+running:tools         an agent call planned                        running:tools (child turn
+                                                                   started, subturn_started)
+running:tools         an agent call past its limit                 running:tools (settled
+                                                                   timeout, child aborted)
 running:tools         every call settled                           running:model (tool-result
                                                                    message; next round)
 running:tools         every call settled, and a stop reason        finished (max_calls_per_turn,
@@ -28,12 +32,15 @@ running:tools         headless ask without a declared default      error (turn_e
 queued, running       the cancel flag                              aborted (tasks revoked, calls
                                                                    cancelled, turn_aborted)
 queued, running       an unexpected failure                        error (turn_error)
+queued, running       an agent this worker does not run            error (turn_error)
 ====================  ===========================================  ===========================
 
 A step does what can be done now and returns when the turn must look again (its next
 deadline, kept in ``agentq:turns:wakeups``); a settled call, a finished round, an
 answer or an abort wakes it sooner. Ending a turn is one atomic write (status, terminal
-event, retention TTL), so nothing is published after the end.
+event, retention TTL), so nothing is published after the end; a child turn started by an
+agent call settles that call in its parent in the same write (ok, error or cancelled).
+Ending a turn aborts its children still running.
 """
 
 from __future__ import annotations
