@@ -107,8 +107,9 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
         "parent_tool": p.call.name,
         "agent": p.subturn_agent,
         "owner": state.get("owner"),
-        # Nobody holds a token of a child: its parent's owner (or an admin) steers it.
-        "token_sha256": hashlib.sha256(secrets.token_bytes(32)).hexdigest(),
+        # The parent's token steers its children too: it answers their approvals.
+        "token_sha256": state.get("token_sha256")
+        or hashlib.sha256(secrets.token_bytes(32)).hexdigest(),
         "history_start": 0,
         "round": 0,
         "call_count": 0,

@@ -127,6 +127,7 @@ def test_an_agent_called_as_a_tool_answers_through_its_child_turn(
     assert record["status"] == "ok" and record["task_id"] == child
     child_state = client.get(child)["state"]
     assert child_state["parent_turn_id"] == parent.turn_id and child_state["agent"] == "t_echoer"
+    assert client.check_token(child, parent.token)["parent_call_id"] == record["call_id"]
     # The child's model saw the parent's argument as its prompt, with its own instructions.
     (first, _) = requests_for(llm_server, child_key)
     assert first["messages"][0]["content"] == "You are t_echoer."
