@@ -20,14 +20,15 @@ def revoke_unsettled(
     """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace.
 
     Only the workers running them are told: a task that has not started yet never
-    runs, since its start sees the turn's cancel flag.
+    runs, since its start sees the turn's cancel flag. Agent calls have no task: their
+    child turns are aborted instead.
     """
     done = {text(c) for c in store.redis.hkeys(k.results_key(turn_id))}
     starts = store.starts(turn_id)
     running = {
         d["task_id"]: starts[cid].get("worker")
         for cid, d in store.dispatches(turn_id).items()
-        if cid not in done and cid in starts
+        if cid not in done and cid in starts and d.get("task_id")
     }
     if not running:
         return []

@@ -118,13 +118,16 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     ctx.store.create(child, child_state, [{"role": "user", "content": prompt}])
     # The backstop if the step message below is lost: a sweeper steps the child.
     ctx.store.redis.zadd(k.WAKEUPS, {child: now + WAKE_BACKSTOP_S})
-    ctx.publish(
-        "subturn_started",
-        call_id=p.call.id,
-        tool=p.call.name,
-        agent=p.subturn_agent,
-        child_turn_id=child,
+    # A start record without a worker: listings show the call running, and no worker
+    # heartbeat is watched for it.
+    ctx.store.redis.hset(
+        k.started_key(ctx.turn_id),
+        p.call.id,
+        json.dumps({"started_at": now, "child_turn_id": child, "worker": None}),
     )
+    fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}
+    ctx.publish("subturn_started", **fields, child_turn_id=child)
+    ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
     from agentq.orchestrator.steps import send_step
 
     send_step(ctx.app, child)

@@ -17,6 +17,7 @@ import pytest
 from agentq.api import Client
 from agentq.errors import UnknownAgent
 from agentq.gateway import BackgroundServer, create_app
+from agentq.listing import TurnLister
 from agentq.models import Event
 from agentq.testing.openai_server import Round, first_user_text
 from agentq.testing.processes import start_process, wait_for
@@ -115,6 +116,8 @@ def test_an_agent_called_as_a_tool_answers_through_its_child_turn(
     child = child_of(events)
     finished = [e for e in events if e.type == "tool_finished"]
     assert [(e.fields["tool"], e.fields["status"]) for e in finished] == [("ask_echoer", "ok")]
+    (started,) = [e for e in events if e.type == "tool_started"]
+    assert started.fields["child_turn_id"] == child and started.fields["agent"] == "t_echoer"
     child_events = collect(client, child)
     assert child_events[0].fields["parent_turn_id"] == parent.turn_id
     assert child_events[0].fields["agent"] == "t_echoer"
@@ -185,6 +188,11 @@ def test_aborting_the_parent_aborts_the_agent_it_waits_for(
             pid = int(ev.fields["pid"])
             break
     assert psutil.pid_exists(pid)
+    summary = TurnLister(client.store.redis).summaries([parent.turn_id])[parent.turn_id]
+    assert summary["agent"] == "t_boss"
+    assert [(c["tool"], c["state"]) for c in summary["current_tools"]] == [
+        ("ask_waiter", "running")
+    ]
     client.abort(parent.turn_id, parent.token)
     last = collect(client, parent.turn_id)[-1]
     assert last.type == "turn_aborted"
