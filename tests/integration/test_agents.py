@@ -99,6 +99,18 @@ def test_a_call_outside_the_agents_tools_settles_error_and_never_runs(
     assert "not available to agent 't_echoer'" in status["sleep"]["error"]
 
 
+def test_an_agents_own_limits_apply_to_its_turns(fleet, llm_server, client: Client) -> None:
+    four = calls(*[("sleep", {"seconds": 0.05 * (i + 1)}) for i in range(4)])
+    key = script(llm_server, Round(tool_calls=four), Round(text="stopped"))
+    handle = client.start_turn(key, agent="t_sleeper")  # max_calls_per_turn=3
+    events = collect(client, handle.turn_id)
+    assert events[-1].type == "turn_finished"
+    assert events[-1].fields["reason"] == "max_calls_per_turn"
+    finished = [e.fields for e in events if e.type == "tool_finished"]
+    assert sorted(f["status"] for f in finished) == ["error", "ok", "ok", "ok"]
+    assert any("max_calls_per_turn=3" in (f["error"] or "") for f in finished)
+
+
 def test_an_agent_called_as_a_tool_answers_through_its_child_turn(
     fleet, llm_server, client: Client
 ) -> None:
