@@ -8,6 +8,7 @@ the death of any process or a failed start stops all of them.
 
     agentq dev                 # runs until Ctrl-C
     agentq dev --once          # start, run one demo turn live, stop; exit with its code
+    agentq dev --once --agent lead   # the same, as the demo agent that calls another
 """
 
 from __future__ import annotations
