@@ -155,9 +155,15 @@ async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
 async def _stream(
     host: LoopHost, streams: _Streams, req: LlmRoundRequest, abort: asyncio.Event
 ) -> LlmRoundResult:
-    from agentq.llm.aclient import astream_round
+    from agentq.llm.aclient import astream_round, client_timeout
 
     settings: Settings = host.settings
+    # An agent with its own idle limit moves the transport's backstop behind it too.
+    timeout = (
+        None
+        if req.idle_timeout_ms == settings.stream_idle_timeout_ms
+        else client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms)
+    )
     events = _Deltas(host, req.turn_id, req.round_no)
 
     def on_delta(kind: str, text: str) -> None:
@@ -189,7 +195,7 @@ async def _stream(
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,
             max_retries=settings.llm_max_retries,
-            timeout=None,
+            timeout=timeout,
             on_delta=on_delta,
             on_retry=on_retry,
             abort=abort,
