@@ -9,6 +9,7 @@ does); the scripted demo model (`--script demo`) answers each by its instruction
 from __future__ import annotations
 
 from agentq.agents import Agent
+from agentq.testing.openai_server import Round, Script, ScriptedCall
 from agentq.testing.tools import echo, sleep
 
 RESEARCHER_INSTRUCTIONS = "You are the researcher. Gather facts with your tools, then report them."
@@ -27,3 +28,34 @@ lead = Agent(
     instructions=LEAD_INSTRUCTIONS,
     tools=[echo, researcher.as_tool(timeout_s=60)],
 )
+
+
+def demo_scripts() -> dict[str, Script]:
+    """The scripted model's rounds for these agents, keyed by their instructions."""
+    return {
+        f"system:{LEAD_INSTRUCTIONS}": [
+            Round(
+                text="Asking the researcher.",
+                tool_calls=[
+                    ScriptedCall(name="researcher", arguments={"prompt": "What is agentq?"})
+                ],
+                chunk_size=6,
+                chunk_delay_ms=20,
+            ),
+            Round(
+                text="The researcher found that agentq runs agent turns as Celery jobs.",
+                chunk_size=6,
+                chunk_delay_ms=20,
+            ),
+        ],
+        f"system:{RESEARCHER_INSTRUCTIONS}": [
+            Round(
+                text="Looking it up.",
+                tool_calls=[
+                    ScriptedCall(name="echo", arguments={"text": "agentq: turns as Celery jobs"}),
+                    ScriptedCall(name="sleep", arguments={"seconds": 1}),
+                ],
+            ),
+            Round(text="agentq runs LLM agent turns as background jobs on a Celery fleet."),
+        ],
+    }

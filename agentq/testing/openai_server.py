@@ -126,39 +126,6 @@ def demo_rounds() -> Script:
     ]
 
 
-def demo_agent_scripts() -> dict[str, Script]:
-    """The rounds of the demo agents (agentq.testing.agents), keyed by their instructions."""
-    from agentq.testing.agents import LEAD_INSTRUCTIONS, RESEARCHER_INSTRUCTIONS
-
-    return {
-        f"system:{LEAD_INSTRUCTIONS}": [
-            Round(
-                text="Asking the researcher.",
-                tool_calls=[
-                    ScriptedCall(name="researcher", arguments={"prompt": "What is agentq?"})
-                ],
-                chunk_size=6,
-                chunk_delay_ms=20,
-            ),
-            Round(
-                text="The researcher found that agentq runs agent turns as Celery jobs.",
-                chunk_size=6,
-                chunk_delay_ms=20,
-            ),
-        ],
-        f"system:{RESEARCHER_INSTRUCTIONS}": [
-            Round(
-                text="Looking it up.",
-                tool_calls=[
-                    ScriptedCall(name="echo", arguments={"text": "agentq: turns as Celery jobs"}),
-                    ScriptedCall(name="sleep", arguments={"seconds": 1}),
-                ],
-            ),
-            Round(text="agentq runs LLM agent turns as background jobs on a Celery fleet."),
-        ],
-    }
-
-
 def first_user_text(messages: Sequence[Any]) -> str:
     """The text of the first user message; content parts are joined."""
     for msg in messages:
@@ -649,7 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scripts: dict[str, list[Round]] = {}
     if args.script == "demo":
         scripts[DEFAULT_KEY] = demo_rounds()
-        scripts.update(demo_agent_scripts())
+        from agentq.testing.agents import demo_scripts
+
+        scripts.update(demo_scripts())
     if args.script_file:
         scripts.update(_load_script_file(args.script_file))
 
