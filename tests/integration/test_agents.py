@@ -262,20 +262,24 @@ def test_a_failed_child_settles_the_call_as_error(fleet, llm_server, client: Cli
 
 
 def test_listings_show_the_agent(fleet, llm_server, client: Client, agentq_env) -> None:
-    key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 3}))))
+    # Held by a hanging tool until the abort below: listed as running however slow the CLI.
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
     handle = client.start_turn(key, agent="t_sleeper")
     wait_for(
         lambda: any(
-            t["turn_id"] == handle.turn_id and t["agent"] == "t_sleeper" for t in client.active()
+            t["turn_id"] == handle.turn_id and t["agent"] == "t_sleeper" and t["current_tools"]
+            for t in client.active()
         ),
-        20,
+        30,
         message="the turn listed as active with its agent",
     )
     out = agentq(agentq_env, "turns", "--agent", "t_sleeper", "--json")
     assert out.returncode == 0, out.stderr
     listed = {t["turn_id"]: t for t in json.loads(out.stdout)["turns"]}
     assert listed[handle.turn_id]["agent"] == "t_sleeper"
+    assert listed[handle.turn_id]["status"] == "running"
     client.abort(handle.turn_id, handle.token)
+    assert collect(client, handle.turn_id)[-1].type == "turn_aborted"
 
 
 # -- unknown agents ---------------------------------------------------------------------
