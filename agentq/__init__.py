@@ -5,10 +5,13 @@ aborted for real, the results of a round settle into one tool-result message, an
 every step is published as an event over Redis.
 """
 
+from agentq.agents import Agent, AgentTool
 from agentq.api import Client
 from agentq.config import Settings, get_settings, load_settings
 from agentq.errors import (
     Aborted,
+    AgentDefinitionError,
+    AgentError,
     AgentqError,
     ConfigError,
     HeadlessInteraction,
@@ -30,6 +33,7 @@ from agentq.errors import (
     ToolTimeout,
     TurnError,
     TurnNotFound,
+    UnknownAgent,
     UnknownTool,
 )
 from agentq.models import (
@@ -57,6 +61,9 @@ __all__ = [
     "ToolPolicy",
     "ToolSpec",
     "Partial",
+    # declaring agents
+    "Agent",
+    "AgentTool",
     # running turns
     "Client",
     "Settings",
@@ -82,6 +89,9 @@ __all__ = [
     "ToolDefinitionError",
     "ToolArgumentsInvalid",
     "ToolTimeout",
+    "AgentError",
+    "UnknownAgent",
+    "AgentDefinitionError",
     "LlmError",
     "StreamIdleTimeout",
     "StreamDurationExceeded",

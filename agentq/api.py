@@ -13,6 +13,7 @@ from typing import Any
 from celery import Celery
 
 from agentq import constants as k
+from agentq.agents import require_known
 from agentq.chat import check_messages
 from agentq.config import Settings, get_settings
 from agentq.conversations import open_conversation
@@ -52,8 +53,12 @@ class Client:
         detach: bool = False,
         parent_turn_id: str | None = None,
         operator: bool = False,
+        agent: str | None = None,
     ) -> TurnHandle:
         """Queue a turn; returns at once with its id and the token that controls it.
+
+        `agent` names the Agent the turn runs as; one no turn worker runs raises
+        UnknownAgent (with the known ones).
 
         `operator=True` may continue any conversation: for tools that hold Redis
         credentials (`agentq run --conversation`), which could read it anyway.
@@ -66,6 +71,7 @@ class Client:
             headless=headless,
             detach=detach,
             parent_turn_id=parent_turn_id,
+            agent=agent,
         )
         return self.start(req, operator=operator)
 
@@ -86,6 +92,7 @@ class Client:
         size = len(json.dumps(new).encode())
         if size > self.settings.max_prompt_bytes:
             raise PayloadTooLarge("prompt", size, self.settings.max_prompt_bytes)
+        require_known(self.store.redis, req.agent)
         prior: list[dict[str, Any]] = []
         conversation_token = None
         if req.conversation_id:
@@ -111,6 +118,7 @@ class Client:
             "detach": req.detach,
             "conversation_id": req.conversation_id,
             "parent_turn_id": req.parent_turn_id,
+            "agent": req.agent,
             "owner": owner,
             "token_sha256": _hash_token(token),
             "history_start": len(prior),
@@ -219,6 +227,8 @@ class Client:
                 {
                     "turn_id": turn_id,
                     "owner": state.get("owner"),
+                    "agent": state.get("agent"),
+                    "parent_turn_id": state.get("parent_turn_id"),
                     "status": state.get("status"),
                     "created_at": state.get("created_at"),
                     "started_at": state.get("started_at"),

@@ -32,6 +32,9 @@ Every turn worker sweeps it, so a deadline fires even when the worker that set i
 WORKERS = f"{PREFIX}:workers"
 """Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""
 
+AGENTS = f"{PREFIX}:agents"
+"""Hash: agent name -> JSON {model, tools, seen_at}, published by turn workers."""
+
 
 def turn_key(turn_id: str) -> str:
     """Hash of the turn's state."""

@@ -8,6 +8,7 @@ the death of any process or a failed start stops all of them.
 
     agentq dev                 # runs until Ctrl-C
     agentq dev --once          # start, run one demo turn live, stop; exit with its code
+    agentq dev --once --agent lead   # the same, as the demo agent that calls another
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from agentq.testing.processes import (
 from agentq.testing.redis_server import RedisServer, ensure_redis, find_free_port, port_is_free
 
 DEMO_PROMPT = "Say hello: call echo with 'hello' and sleep for 2 seconds, both at once."
-DEMO_TOOLS = "agentq.testing.tools"
+DEMO_TOOLS = "agentq.testing.tools,agentq.testing.agents"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 READY_TIMEOUT_S = 90.0
 """Generous: five Python processes import Celery at once, on a laptop or a small CI box."""
@@ -65,6 +66,7 @@ class DevOptions:
     demo: bool = False
     once: bool = False
     prompt: str = DEMO_PROMPT
+    agent: str | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace | None) -> DevOptions:
@@ -76,6 +78,7 @@ class DevOptions:
             demo=bool(getattr(args, "demo", False)),
             once=bool(getattr(args, "once", False)),
             prompt=getattr(args, "prompt", None) or DEMO_PROMPT,
+            agent=getattr(args, "agent", None),
         )
 
 
@@ -407,11 +410,13 @@ def main(args: argparse.Namespace | None = None) -> int:
                 if opts.once:
                     from agentq.cli.run import run
 
-                    code = run(Client(), opts.prompt, as_json=False, headless=True)
+                    code = run(
+                        Client(), opts.prompt, as_json=False, headless=True, agent=opts.agent
+                    )
                     return code
                 if opts.demo:
                     client = Client()
-                    handle = client.start_turn(opts.prompt, headless=True)
+                    handle = client.start_turn(opts.prompt, headless=True, agent=opts.agent)
                     say(f"demo turn {handle.turn_id}:")
                     _print_events(client.events(handle.turn_id, heartbeat_s=1.0))
                 say("running; Ctrl-C stops everything")

@@ -14,6 +14,9 @@ AgentqError
 │   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
 │   ├── ToolMisuse(detail)                     a tool returned what no tool may (a coroutine)
 │   └── ToolTimeout(timeout_s)
+├── AgentError(agent)
+│   ├── UnknownAgent(known)                    a turn names an agent no worker defines: 422 / exit 2
+│   └── AgentDefinitionError(field, detail)    a bad Agent(...), found when it is loaded
 ├── LlmError
 │   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
 │   ├── StreamDurationExceeded(limit_s, elapsed_s)
@@ -127,6 +130,26 @@ class ToolTimeout(ToolError):
     def __init__(self, tool: str, timeout_s: float) -> None:
         super().__init__(tool, f"tool {tool!r} did not finish within {timeout_s:g}s")
         self.timeout_s = timeout_s
+
+
+class AgentError(AgentqError):
+    def __init__(self, agent: str, message: str) -> None:
+        super().__init__(message)
+        self.agent = agent
+
+
+class UnknownAgent(AgentError):
+    def __init__(self, agent: str, known: list[str]) -> None:
+        shown = ", ".join(sorted(known)) if known else "none (no turn worker has published any)"
+        super().__init__(agent, f"unknown agent {agent!r}; known agents: {shown}")
+        self.known = sorted(known)
+
+
+class AgentDefinitionError(AgentError):
+    def __init__(self, agent: str, field: str, detail: str) -> None:
+        super().__init__(agent, f"agent {agent!r} is badly defined: {field}: {detail}")
+        self.field = field
+        self.detail = detail
 
 
 class LlmError(AgentqError):

@@ -46,6 +46,7 @@ EVENT_TYPES = (
     "interaction_answered",
     "interaction_timed_out",
     "tool_denied",
+    "subturn_started",
     "turn_aborted",
     "turn_finished",
     "turn_error",
@@ -180,6 +181,10 @@ class LlmRoundRequest(_Frozen):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     duration_left_s: float
     idle_timeout_ms: int
+    model: str | None = None
+    """The agent's model; None: the stream worker's AGENTQ_LLM_MODEL."""
+    instructions: str = ""
+    """The agent's instructions, sent as the system message before the history."""
 
 
 class LlmRoundResult(_Frozen):
@@ -226,6 +231,8 @@ class TurnRequest(BaseModel):
     conversation_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     conversation_token: str | None = Field(default=None, max_length=128)
     """Continues a conversation created without a key: the token its first turn returned."""
+    agent: str | None = Field(default=None, max_length=64)
+    """The agent the turn runs as; unset: the model of the settings with every tool."""
     headless: bool = False
     detach: bool = False
     parent_turn_id: str | None = None

@@ -111,17 +111,31 @@ redis.call('DEL', KEYS[5])
 )
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
-# atomic step; exactly one ending wins, and nothing is published after it.
+# atomic step; exactly one ending wins, and nothing is published after it. A child turn
+# started by an agent-as-tool call settles that call in its parent in the same step
+# (first result wins, as in _SETTLE_LUA), and wakes the parent if the batch is complete.
 _CLOSE_LUA = (
     TURN_OPEN_LUA % (1, 0)
     + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
     + """
-for i = 5, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-for i = 7, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-return 1
+for i = 14, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if ARGV[5] == '' then return 1 end
+local pstatus = redis.call('HGET', KEYS[7], 'status')
+if not pstatus or pstatus == '"finished"' or pstatus == '"aborted"' or pstatus == '"error"' then
+  return 1
+end
+if redis.call('HSETNX', KEYS[8], ARGV[6], ARGV[7]) == 0 then return 1 end
+local tracked = redis.call('SREM', KEYS[13], ARGV[6])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[13]) == 0
+do
 """
+    + publish_lua("KEYS[10]", "KEYS[11]", "KEYS[12]", "ARGV[8]", "ARGV[4]")
+    + "end\nif not ready then return 1 end\n"
+    + wake_lua("KEYS[9]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
+    + "return 2\n"
 )
 
 # A fact about a turn whose state Redis lost (a restart without persistence): the turn
@@ -213,6 +227,24 @@ def text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _finished(result: ToolResult) -> dict[str, Any]:
+    """The fields of a call's tool_finished event."""
+    rec = result.record
+    return {
+        "call_id": result.call_id,
+        "tool": result.tool,
+        "status": result.status,
+        "duration_ms": rec.duration_ms,
+        "overran": rec.overran,
+        "soft_limited": rec.soft_limited,
+        "partial": rec.partial,
+        "worker": rec.worker,
+        "error": result.error,
+        "reason": result.reason,
+        "truncated_bytes": result.truncated_bytes,
+    }
+
+
 def _loads(v: bytes | str | None) -> Any:
     return None if v is None else json.loads(v)
 
@@ -278,12 +310,20 @@ class TurnStore:
         status: TurnStatus,
         event: str,
         event_fields: dict[str, Any],
+        *,
+        settle_parent: tuple[str, ToolResult] | None = None,
         **fields: Any,
     ) -> bool:
-        """End the turn (status, terminal event, retention TTL) atomically; False if it had."""
+        """End the turn (status, terminal event, retention TTL) atomically; False if it had.
+
+        `settle_parent` (parent turn id, result) settles the parent's call that started
+        this turn in the same step, and wakes the parent.
+        """
         flat: list[Any] = []
         for f, v in {"status": status.value, "ended_at": time.time(), **fields}.items():
             flat += [f, json.dumps(v)]
+        parent, result = settle_parent or ("", None)
+        pid = parent or turn_id  # placeholders the script leaves alone without a parent
         won = self._close(
             keys=[
                 k.turn_key(turn_id),
@@ -292,6 +332,13 @@ class TurnStore:
                 k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
+                k.turn_key(pid),
+                k.results_key(pid),
+                k.dirty_key(pid),
+                k.seq_key(pid),
+                k.log_key(pid),
+                k.events_channel(pid),
+                k.outstanding_key(pid),
                 *k.turn_keys(turn_id),
             ],
             args=[
@@ -299,9 +346,16 @@ class TurnStore:
                 self.ttl_s,
                 event_body(turn_id, event, event_fields),
                 self.bus.log_maxlen,
+                parent,
+                "" if result is None else result.call_id,
+                "" if result is None else result.model_dump_json(),
+                "" if result is None else event_body(pid, "tool_finished", _finished(result)),
+                time.time() + WAKE_BACKSTOP_S,
                 *flat,
             ],
         )
+        if won == 2:
+            self._send_step(parent)
         return bool(won)
 
     # -- history ---------------------------------------------------------------
@@ -429,10 +483,12 @@ class TurnStore:
         done_raw, starts_raw, calls_raw = pipe.execute()
         done = {text(c) for c in done_raw}
         starts = {text(c): json.loads(v) for c, v in starts_raw.items()}
+        records = {text(c): json.loads(v) for c, v in calls_raw.items()}
+        # Agent calls have no task: their child turns are aborted instead.
         return {
-            json.loads(d)["task_id"]: starts[cid].get("worker")
-            for cid, d in ((text(c), v) for c, v in calls_raw.items())
-            if cid not in done and cid in starts
+            d["task_id"]: starts[cid].get("worker")
+            for cid, d in records.items()
+            if cid not in done and cid in starts and d.get("task_id")
         }
 
     def mark_started(
@@ -480,20 +536,7 @@ class TurnStore:
         `wake=False` is for the turn's own step, which goes on by itself.
         """
         result_json = result.model_dump_json()
-        rec = result.record
-        event = {
-            "call_id": result.call_id,
-            "tool": result.tool,
-            "status": result.status,
-            "duration_ms": rec.duration_ms,
-            "overran": rec.overran,
-            "soft_limited": rec.soft_limited,
-            "partial": rec.partial,
-            "worker": rec.worker,
-            "error": result.error,
-            "reason": result.reason,
-            "truncated_bytes": result.truncated_bytes,
-        }
+        event = _finished(result)
         won = self._settle(
             keys=[
                 k.results_key(turn_id),

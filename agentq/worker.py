@@ -163,8 +163,11 @@ def _inline_steps_in_loop_workers(**_: Any) -> None:
 def _start_sweeper(**_: Any) -> None:
     if os.environ.get("AGENTQ_WORKER_KIND") != "turns":
         return
+    from agentq.agents import publish_agents
     from agentq.orchestrator.steps import Sweeper
 
+    # Before Celery logs "ready.": a client that waits for it finds the agents known.
+    publish_agents(get_store().redis)
     Sweeper(get_store(), app, settings).start()
     log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
 

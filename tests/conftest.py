@@ -19,7 +19,11 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 
 
+TEST_TOOLS = "agentq.testing.tools,agentq.testing.agents,tests.agents_under_test"
+
+
 def base_env(redis_url: str, llm_url: str | None = None, **extra: str) -> dict[str, str]:
+    extra.setdefault("tools", TEST_TOOLS)
     return worker_env(redis_url, llm_url, pythonpath=str(ROOT), **extra)
 
 

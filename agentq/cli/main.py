@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from agentq.errors import AgentqError, ConfigError
+from agentq.errors import AgentqError, ConfigError, UnknownAgent
 
 if TYPE_CHECKING:
     from agentq.config import Settings
@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="no interactor: interactions use their declared default or fail (exit 4)",
     )
     r.add_argument("--conversation", default=None, help="continue this conversation id")
+    r.add_argument("--agent", default=None, help="run the turn as this agent (unknown: exit 2)")
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id")
     a.add_argument(
@@ -313,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="start, run one demo turn live, stop everything; exit with its code",
     )
     d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
+    d.add_argument("--agent", default=None, help="the agent of the demo turn (e.g. lead)")
     return p
 
 
@@ -326,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args, rest)
     except ConfigError as exc:
         print(f"agentq: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except UnknownAgent as exc:
+        print(f"agentq: {exc}", file=sys.stderr)
         return 2
     except AgentqError as exc:
         print(f"agentq: {exc}", file=sys.stderr)
@@ -360,6 +365,7 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             as_json=args.json,
             headless=args.headless,
             conversation_id=args.conversation,
+            agent=args.agent,
         )
     if args.cmd == "abort":
         client.abort(args.turn_id, args.token, operator=args.token is None)

@@ -89,11 +89,12 @@ def run(
     as_json: bool,
     headless: bool,
     conversation_id: str | None = None,
+    agent: str | None = None,
 ) -> int:
     console = Console(stderr=as_json)
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
     handle = client.start_turn(
-        prompt, headless=headless, conversation_id=conversation_id, operator=True
+        prompt, headless=headless, conversation_id=conversation_id, operator=True, agent=agent
     )
     aborts = {"n": 0}
 

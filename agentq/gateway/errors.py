@@ -27,6 +27,7 @@ from agentq.errors import (
     TokenInvalid,
     TurnNotFound,
     Unauthorized,
+    UnknownAgent,
 )
 from agentq.gateway.limits import retry_after_header
 
@@ -149,6 +150,12 @@ def _agentq_handler(status_code: int) -> Any:
     return handler
 
 
+async def _on_unknown_agent(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, UnknownAgent)
+    body = {"type": "UnknownAgent", "message": exc.message, "known_agents": exc.known}
+    return JSONResponse({"error": body}, status_code=422)
+
+
 async def _on_redis_error(request: Request, exc: Exception) -> Response:
     log.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
     return error_response(503, "RedisUnavailable", f"{type(exc).__name__}: {exc}")
@@ -177,6 +184,7 @@ def exception_handlers() -> dict[Any, Any]:
         InteractionClosed: _agentq_handler(409),
         TokenInvalid: _agentq_handler(403),
         PayloadTooLarge: _agentq_handler(413),
+        UnknownAgent: _on_unknown_agent,
         AgentqError: _agentq_handler(400),
         redis.RedisError: _on_redis_error,
         Exception: _on_crash,

@@ -188,9 +188,15 @@ async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
 async def _stream(
     host: LoopHost, streams: _Streams, req: LlmRoundRequest, abort: asyncio.Event
 ) -> LlmRoundResult:
-    from agentq.llm.aclient import astream_round
+    from agentq.llm.aclient import astream_round, client_timeout
 
     settings: Settings = host.settings
+    # An agent with its own idle limit moves the transport's backstop behind it too.
+    timeout = (
+        None
+        if req.idle_timeout_ms == settings.stream_idle_timeout_ms
+        else client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms)
+    )
     events = _Deltas(host, req.turn_id, req.round_no)
 
     def on_delta(kind: str, text: str) -> None:
@@ -205,21 +211,24 @@ async def _stream(
             delay_ms=int(delay_s * 1000),
         )
 
-    events.add("llm_started", model=settings.llm_model)
+    model = req.model or settings.llm_model
+    events.add("llm_started", model=model)
     t0 = time.monotonic()
     try:
         if streams.client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
         messages = await host.io(host.store.history, req.turn_id)
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *messages]
         message, streamed_s = await astream_round(
             streams.client,
             messages,
             req.tools,
-            model=settings.llm_model,
+            model=model,
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,
             max_retries=settings.llm_max_retries,
-            timeout=None,
+            timeout=timeout,
             on_delta=on_delta,
             on_retry=on_retry,
             abort=abort,

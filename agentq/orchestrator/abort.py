@@ -20,7 +20,8 @@ def revoke_unsettled(
     """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace.
 
     Only the workers running them are told: a task that has not started yet never
-    runs, since its start sees the turn's cancel flag.
+    runs, since its start sees the turn's cancel flag. Agent calls have no task: their
+    child turns are aborted instead.
     """
     running = store.running_tasks(turn_id)
     if not running:

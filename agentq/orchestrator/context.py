@@ -8,6 +8,7 @@ from typing import Any
 
 from celery import Celery
 
+from agentq.agents import Agent
 from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.store import TurnStore
@@ -25,6 +26,8 @@ class StepContext:
     """The turn's history as this step knows it: read when it began, plus what it appended."""
     cancel_reason: str | None = None
     now: float = field(default_factory=time.time)
+    agent: Agent | None = None
+    """The turn's agent; `settings` already carry its overrides."""
 
     @property
     def headless(self) -> bool:

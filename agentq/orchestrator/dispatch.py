@@ -12,6 +12,7 @@ from typing import Any
 
 from agentq.constants import WORKER_ALIVE_TTL_S
 from agentq.models import ToolResult, ToolTaskRequest
+from agentq.orchestrator import subturns
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.plan import CallPlan, batches
 from agentq.results import lost_result
@@ -78,14 +79,28 @@ def advance_calls(
         waiting = [p for p in batch if p.call.id not in settled]
         if not waiting:
             continue
-        send(ctx, [p for p in waiting if p.call.id not in dispatched], secrets)
-        return _settle_overdue(ctx, waiting, settled)
+        tools = [p for p in waiting if not p.subturn_agent]
+        agents = [p for p in waiting if p.subturn_agent]
+        send(ctx, [p for p in tools if p.call.id not in dispatched], secrets)
+        fresh = [p for p in agents if p.call.id not in dispatched]
+        dispatched = {**dispatched, **subturns.record(ctx, fresh)}
+        due = [
+            t
+            for t in (
+                _settle_overdue(ctx, tools, settled),
+                subturns.watch(ctx, agents, settled, dispatched),
+            )
+            if t is not None
+        ]
+        return min(due) if due else None
     return None
 
 
 def _settle_overdue(
     ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult]
 ) -> float | None:
+    if not waiting:
+        return None
     starts = ctx.store.starts(ctx.turn_id)
     dispatched = ctx.store.dispatches(ctx.turn_id)
     s = ctx.settings

@@ -20,6 +20,10 @@ running:tools         an approval still pending                    running:tools
                                                                    its timeout)
 running:tools         a batch settled                              running:tools (next batch)
 running:tools         a call overdue, or its worker dead           running:tools (settled lost)
+running:tools         an agent call planned                        running:tools (child turn
+                                                                   started, subturn_started)
+running:tools         an agent call past its limit                 running:tools (settled
+                                                                   timeout, child aborted)
 running:tools         every call settled                           running:model (tool-result
                                                                    message; next round)
 running:tools         every call settled, and a stop reason        finished (max_calls_per_turn,
@@ -28,12 +32,15 @@ running:tools         headless ask without a declared default      error (turn_e
 queued, running       the cancel flag                              aborted (tasks revoked, calls
                                                                    cancelled, turn_aborted)
 queued, running       an unexpected failure                        error (turn_error)
+queued, running       an agent this worker does not run            error (turn_error)
 ====================  ===========================================  ===========================
 
 A step does what can be done now and returns when the turn must look again (its next
 deadline, kept in ``agentq:turns:wakeups``); a settled call, a finished round, an
 answer or an abort wakes it sooner. Ending a turn is one atomic write (status, terminal
-event, retention TTL), so nothing is published after the end.
+event, retention TTL), so nothing is published after the end; a child turn started by an
+agent call settles that call in its parent in the same write (ok, error or cancelled).
+Ending a turn aborts its children still running.
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ import json
 from typing import Any
 
 from agentq import constants as k
+from agentq.agents import all_agents
 from agentq.errors import HeadlessInteraction
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, TurnStatus
+from agentq.orchestrator import subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.context import StepContext
@@ -75,12 +84,19 @@ def advance(ctx: StepContext) -> float | None:
     if reason is not None:
         abort_turn(ctx, reason)
         return None
+    name = ctx.state.get("agent")
+    if name and ctx.agent is None:
+        known = ", ".join(sorted(all_agents())) or "none"
+        fail(ctx, "unknown_agent", f"this worker runs no agent {name!r} (it runs: {known})")
+        return None
     if status == TurnStatus.QUEUED.value:
         ctx.commit(status=TurnStatus.RUNNING.value, started_at=ctx.now, phase="model")
         ctx.publish(
             "turn_started",
             conversation_id=ctx.state.get("conversation_id"),
             headless=ctx.headless,
+            agent=name,
+            parent_turn_id=ctx.state.get("parent_turn_id"),
         )
     for _ in range(MAX_TRANSITIONS_PER_STEP):
         history = ctx.history
@@ -110,7 +126,7 @@ def advance(ctx: StepContext) -> float | None:
         )
         kept, too_big = history_form(message, ctx.settings.max_arguments_bytes)
         refused = {**too_big, **refused}
-        _store_plans(ctx, [plan_call(c, refused.get(c.id)) for c in message.tool_calls])
+        _store_plans(ctx, [plan_call(c, refused.get(c.id), ctx.agent) for c in message.tool_calls])
         # The assistant message is durable before any of its calls is sent.
         ctx.commit(
             append=[kept],
@@ -138,7 +154,9 @@ def _plans(ctx: StepContext, calls: list[ToolCall]) -> list[CallPlan]:
     raw = ctx.store.redis.hmget(k.plan_key(ctx.turn_id), [c.id for c in calls])
     limit = ctx.settings.max_arguments_bytes
     plans = [
-        CallPlan.model_validate_json(r) if r else plan_call(c, oversize_refusal(c, limit))
+        CallPlan.model_validate_json(r)
+        if r
+        else plan_call(c, oversize_refusal(c, limit), ctx.agent)
         for c, r in zip(calls, raw, strict=True)
     ]
     _store_plans(ctx, [p for p, r in zip(plans, raw, strict=True) if not r])
@@ -195,15 +213,17 @@ def finish(ctx: StepContext, reason: str) -> None:
         pipe.rpush(k.conversation_key(conv), *[json.dumps(m) for m in history])
         pipe.expire(k.conversation_key(conv), ctx.store.ttl_s)
         pipe.execute()
+    content = final.get("content") or ""
     ctx.store.close(
         ctx.turn_id,
         TurnStatus.FINISHED,
         "turn_finished",
         {
             "reason": reason,
-            "content": final.get("content") or "",
+            "content": content,
             "rounds": len([m for m in history if m.get("role") == "assistant"]),
         },
+        settle_parent=subturns.parent_settlement(ctx, "finished", content=content),
         finish_reason=reason,
         finished_at=ctx.now,
     )
@@ -224,11 +244,13 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     )
     if msgs:
         ctx.commit(append=msgs)
+    subturns.abort_children(ctx, "error")
     ctx.store.close(
         ctx.turn_id,
         TurnStatus.ERROR,
         "turn_error",
         {"code": code, "error": message, **fields},
+        settle_parent=subturns.parent_settlement(ctx, "error", error=message),
         error=message,
         error_code=code,
     )
@@ -258,10 +280,12 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
     )
     if msgs:
         ctx.commit(append=msgs)
+    subturns.abort_children(ctx, reason)
     ctx.store.close(
         ctx.turn_id,
         TurnStatus.ABORTED,
         "turn_aborted",
         {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},
+        settle_parent=subturns.parent_settlement(ctx, "aborted", error=reason),
         abort_reason=reason,
     )

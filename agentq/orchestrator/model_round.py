@@ -31,12 +31,19 @@ def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
     left_s = s.stream_duration_s - streamed_s
     if left_s <= 0:
         raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
+    agent = ctx.agent
     req = LlmRoundRequest(
         turn_id=ctx.turn_id,
         round_no=round_no,
-        tools=[t.openai_schema() for t in all_tools().values()],
+        tools=(
+            [t.openai_schema() for t in all_tools().values()]
+            if agent is None
+            else agent.tool_schemas()
+        ),
         duration_left_s=left_s,
         idle_timeout_ms=s.stream_idle_timeout_ms,
+        model=None if agent is None else agent.model,
+        instructions="" if agent is None else agent.instructions,
     )
     # Recorded before sending: a step that takes over waits for this round instead.
     ctx.commit(

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from agentq.agents import Agent, AgentTool
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.ids import is_call_id
 from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult
@@ -38,6 +39,8 @@ class CallPlan(BaseModel):
     approval_kind: InteractionKind = "approval"
     approval_timeout_s: float | None = None
     approval_default: Literal["approve", "deny"] | None = None
+    subturn_agent: str = ""
+    """Set for an agent called as a tool: the call runs a child turn of this agent."""
 
     @property
     def limits(self) -> Limits:
@@ -48,10 +51,20 @@ class CallPlan(BaseModel):
         return error_result(self.call, self.refusal)
 
 
-def plan_call(call: ToolCall, refusal: str | None = None) -> CallPlan:
+def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = None) -> CallPlan:
     """Validate a call the model made; a problem becomes a refusal the model can act on."""
     if refusal is not None:
         return CallPlan(call=call, refusal=refusal)
+    if agent is not None:
+        names = agent.tool_names()
+        if call.name not in names:
+            return CallPlan(
+                call=call,
+                refusal=f"tool {call.name!r} is not available to agent {agent.name!r}; "
+                f"its tools: {', '.join(names) or 'none'}",
+            )
+        if call.name in agent.agent_tools:
+            return _plan_subturn(call, agent.agent_tools[call.name], agent)
     try:
         spec = get_tool(call.name)
         raw = parse_arguments(call.name, call.arguments)
@@ -78,10 +91,38 @@ def plan_call(call: ToolCall, refusal: str | None = None) -> CallPlan:
         timeout_s=limits.timeout_s,
         soft_timeout_s=limits.soft_timeout_s,
         budget_s=limits.budget_s,
-        approval=pol.approval,
+        approval=pol.approval if agent is None else agent.approval.get(call.name, pol.approval),
         approval_kind=pol.approval_kind,
         approval_timeout_s=pol.approval_timeout_s,
-        approval_default=pol.approval_default,
+        approval_default=pol.approval_default or (agent.approval_default if agent else None),
+    )
+
+
+def _plan_subturn(call: ToolCall, tool: AgentTool, agent: Agent) -> CallPlan:
+    try:
+        raw = parse_arguments(call.name, call.arguments)
+        args, hint_s, problem = split_meta(raw)
+        prompt = args.get("prompt")
+        if problem:
+            raise ToolArgumentsInvalid(call.name, problem)
+        if set(args) != {"prompt"} or not isinstance(prompt, str) or not prompt.strip():
+            raise ToolArgumentsInvalid(call.name, 'expected {"prompt": "<a non-empty string>"}')
+    except AgentqError as exc:
+        return CallPlan(call=call, refusal=exc.message)
+    limits = effective_limits(
+        timeout_s=tool.timeout_s,
+        soft_timeout_s=None,
+        budget_s=0.0,
+        max_timeout_s=tool.timeout_s,
+        hint_s=hint_s,
+    )
+    return CallPlan(
+        call=call,
+        arguments={"prompt": prompt},
+        timeout_s=limits.timeout_s,
+        approval=agent.approval.get(call.name, "auto"),
+        approval_default=agent.approval_default,
+        subturn_agent=tool.agent,
     )
 
 

@@ -20,6 +20,7 @@ import redis
 from celery import Celery
 
 from agentq import constants as k
+from agentq.agents import all_agents, publish_agents
 from agentq.config import Settings
 from agentq.errors import HeadlessInteraction, LlmError, StepLost
 from agentq.orchestrator.context import StepContext
@@ -44,15 +45,17 @@ def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings)
         if view.state is None:
             store.release_step(turn_id, token, None, ttl_ms)
             return "unknown"
+        agent = all_agents().get(str(view.state.get("agent") or ""))
         ctx = StepContext(
             turn_id,
             store,
             app,
-            settings,
+            settings if agent is None else agent.settings_for(settings),
             token,
             view.state,
             history=view.history,
             cancel_reason=view.cancel_reason,
+            agent=agent,
         )
         try:
             next_at = _advance(ctx)
@@ -145,6 +148,8 @@ class Sweeper:
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY_S
             self.prune_index(now)
+            # Kept fresh, so agents no worker runs any more drop out of the known ones.
+            publish_agents(r, now)
         return woke
 
     def prune_index(self, now: float) -> int:

@@ -139,6 +139,35 @@ def first_user_text(messages: Sequence[Any]) -> str:
     return ""
 
 
+def system_text(messages: Sequence[Any]) -> str:
+    """The text of the first system message (an agent's instructions), or ""."""
+    for msg in messages:
+        if isinstance(msg, Mapping) and msg.get("role") == "system":
+            content = msg.get("content")
+            return content if isinstance(content, str) else ""
+    return ""
+
+
+def script_key(scripts: Mapping[str, Any], user: str, system: str, model: str) -> str:
+    """Which script answers: the longest key the first user message starts with, else
+    `system:<prefix>` of the instructions, else `model:<name>`, else "default"."""
+    plain = [
+        k
+        for k in scripts
+        if k != DEFAULT_KEY and not k.startswith(("system:", "model:")) and user.startswith(k)
+    ]
+    if plain:
+        return max(plain, key=len)
+    by_system = [
+        k for k in scripts if k.startswith("system:") and system and system.startswith(k[7:])
+    ]
+    if by_system:
+        return max(by_system, key=len)
+    if f"model:{model}" in scripts:
+        return f"model:{model}"
+    return DEFAULT_KEY
+
+
 def round_index(messages: Sequence[Any]) -> int:
     """Which round a request asks for: the assistant messages it already holds."""
     return sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
@@ -204,8 +233,11 @@ class _HTTPServer(ThreadingHTTPServer):
 class ScriptedOpenAIServer:
     """An OpenAI-compatible server on 127.0.0.1 answering from `scripts`.
 
-    A script is chosen by the longest key the first user message starts with, else
-    "default"; past the end of its script a conversation gets the text "done.".
+    A script is chosen by the longest key the first user message starts with, else by
+    a `system:<prefix>` key the system message (an agent's instructions) starts with,
+    else by a `model:<name>` key naming the request's model, else "default"; past the
+    end of its script a conversation gets the text "done.". Keys by instructions or model
+    script an agent's rounds whatever prompt another agent gives it.
     """
 
     def __init__(
@@ -319,8 +351,7 @@ class ScriptedOpenAIServer:
         user = first_user_text(messages)
         index = round_index(messages)
         with self._lock:
-            matching = [k for k in self.scripts if k != DEFAULT_KEY and user.startswith(k)]
-            key = max(matching, key=len) if matching else DEFAULT_KEY
+            key = script_key(self.scripts, user, system_text(messages), str(body.get("model")))
             script = self.scripts.get(key, [])
             rnd = script[index] if index < len(script) else Round(text="done.")
             counter = (key, index, user)
@@ -585,6 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scripts: dict[str, list[Round]] = {}
     if args.script == "demo":
         scripts[DEFAULT_KEY] = demo_rounds()
+        from agentq.testing.agents import demo_scripts
+
+        scripts.update(demo_scripts())
     if args.script_file:
         scripts.update(_load_script_file(args.script_file))
 

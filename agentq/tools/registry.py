@@ -207,7 +207,8 @@ def unregister(name: str) -> None:
 
 
 def load_tool_modules(modules: list[str]) -> list[str]:
-    """Import the modules named in AGENTQ_TOOLS; return the tool names now known."""
+    """Import the modules named in AGENTQ_TOOLS (tools and agents), check the agents, and
+    return the tool names now known."""
     from agentq.errors import ConfigError
 
     for mod in modules:
@@ -215,6 +216,9 @@ def load_tool_modules(modules: list[str]) -> list[str]:
             importlib.import_module(mod)
         except ImportError as exc:
             raise ConfigError("AGENTQ_TOOLS", f"cannot import {mod!r}: {exc}") from None
+    from agentq.agents import check_agents
+
+    check_agents()
     return sorted(_REGISTRY)
 
 

@@ -5,7 +5,7 @@
 const EVENT_TYPES = [
   "turn_started", "turn_resumed", "llm_started", "llm_delta", "llm_retry", "llm_finished",
   "tool_started", "tool_progress", "tool_finished", "interaction_requested",
-  "interaction_answered", "interaction_timed_out", "tool_denied", "turn_aborted",
+  "interaction_answered", "interaction_timed_out", "tool_denied", "subturn_started", "turn_aborted",
   "turn_finished", "turn_error",
 ];
 const TERMINAL = new Set(["turn_finished", "turn_aborted", "turn_error"]);
@@ -300,6 +300,9 @@ class TurnView {
         break;
       case "tool_denied":
         if (!this.chips.get(ev.call_id)) this.chip(ev).finish("denied", null, ev.reason);
+        break;
+      case "subturn_started":
+        this.notes.append(el("div", "note", `agent ${ev.agent} runs as turn ${ev.child_turn_id}`));
         break;
       case "interaction_requested": {
         const ask = new Ask(this, ev);

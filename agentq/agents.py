@@ -1,0 +1,248 @@
+"""Agents: named configurations of a turn (instructions, model, tools, limits), and
+agents called by other agents as tools.
+
+An `Agent(...)` made at import time of an `AGENTQ_TOOLS` module is registered under its
+name, the way `@tool` registers a tool; `load_tool_modules` checks every agent once all
+modules are imported (its tools must exist). Turn workers publish the names of their
+agents to Redis (`agentq:agents`), so the gateway and the CLI, which import no tool
+module, can refuse an unknown agent before a turn starts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import AgentDefinitionError, UnknownAgent
+from agentq.tools.policy import Approval
+
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+"""Names usable as OpenAI function names, since an agent may be offered as a tool."""
+PUBLISHED_FRESH_S = 600.0
+"""An agent a turn worker published longer ago than this is no longer known."""
+
+_AGENTS: dict[str, Agent] = {}
+
+
+class AgentTool(BaseModel):
+    """An agent offered to another agent's model as a tool: a call starts a child turn."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent: str
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str
+    timeout_s: float = Field(300.0, ge=0)
+    """Hard limit of the child turn: at it the child is aborted and the call settles
+    `timeout`; 0 means no limit."""
+
+    def openai_schema(self) -> dict[str, Any]:
+        params = {
+            "type": "object",
+            "properties": {"prompt": {"type": "string", "description": "The task for the agent."}},
+            "required": ["prompt"],
+            "additionalProperties": False,
+        }
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": params},
+        }
+
+
+class Agent(BaseModel):
+    """A named configuration a turn runs as; registered when made (in an AGENTQ_TOOLS module)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=NAME_PATTERN)
+    instructions: str = ""
+    """The system message, sent first in every model round of the agent's turns."""
+    model: str | None = None
+    """The model name sent to the server; unset: AGENTQ_LLM_MODEL."""
+    description: str = ""
+    """What the agent does: the description its `as_tool()` gives other models by default."""
+    tools: tuple[str | AgentTool, ...] | None = None
+    """The tools its model is offered and may call: names, @tool functions, or other
+    agents' `as_tool()`; unset: every @tool tool loaded (no agent tools)."""
+    max_calls_per_turn: int | None = Field(None, ge=1)
+    stream_idle_timeout_ms: int | None = None
+    stream_duration_s: float | None = Field(None, gt=0)
+    approval_timeout_s: float | None = Field(None, gt=0)
+    """How long an approval request of this agent's turns waits; unset: the setting."""
+    approval: dict[str, Approval] = Field(default_factory=dict)
+    """Per-tool approval for this agent (`{"delete_file": "ask"}`), over the tool's own."""
+    approval_default: Literal["approve", "deny"] | None = None
+    """What a headless turn of this agent does with an `ask` whose tool declares no default."""
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tool_names(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+            raise ValueError("must be a list of tools (names, @tool functions or as_tool())")
+        out: list[Any] = []
+        for item in v:
+            spec = getattr(item, "agentq_tool", None)
+            if spec is not None:
+                out.append(spec.name)
+            elif isinstance(item, (str, AgentTool)):
+                out.append(item)
+            else:
+                raise ValueError(
+                    f"{item!r} is not a tool: pass a name, a @tool function or as_tool()"
+                )
+        return tuple(out)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "agent"
+            raise AgentDefinitionError(str(data.get("name", "?")), field, err["msg"]) from None
+        _AGENTS[self.name] = self
+
+    def as_tool(
+        self, *, timeout_s: float = 300.0, description: str | None = None, name: str | None = None
+    ) -> AgentTool:
+        """This agent as a tool of another agent: its call runs a child turn of this agent."""
+        try:
+            return AgentTool(
+                agent=self.name,
+                name=name or self.name,
+                description=description or self.description or f"Ask the {self.name} agent.",
+                timeout_s=timeout_s,
+            )
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            raise AgentDefinitionError(self.name, f"as_tool.{err['loc'][0]}", err["msg"]) from None
+
+    @property
+    def agent_tools(self) -> dict[str, AgentTool]:
+        return {t.name: t for t in self.tools or () if isinstance(t, AgentTool)}
+
+    def tool_names(self) -> list[str]:
+        """The names of every tool this agent may call."""
+        from agentq.tools.registry import all_tools
+
+        if self.tools is None:
+            return sorted(all_tools())
+        return [t if isinstance(t, str) else t.name for t in self.tools]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """What the model is offered, in the agent's order."""
+        from agentq.tools.registry import all_tools
+
+        tools = all_tools()
+        agent_tools = self.agent_tools
+        return [
+            agent_tools[n].openai_schema() if n in agent_tools else tools[n].openai_schema()
+            for n in self.tool_names()
+            if n in agent_tools or n in tools
+        ]
+
+    def settings_for(self, base: Settings) -> Settings:
+        """The settings a turn of this agent runs under: the base with its overrides."""
+        update: dict[str, Any] = {
+            f: getattr(self, f)
+            for f in (
+                "max_calls_per_turn",
+                "stream_idle_timeout_ms",
+                "stream_duration_s",
+                "approval_timeout_s",
+            )
+            if getattr(self, f) is not None
+        }
+        return base.model_copy(update=update) if update else base
+
+
+def get_agent(name: str) -> Agent:
+    try:
+        return _AGENTS[name]
+    except KeyError:
+        raise UnknownAgent(name, list(_AGENTS)) from None
+
+
+def all_agents() -> dict[str, Agent]:
+    return dict(_AGENTS)
+
+
+def unregister_agent(name: str) -> None:
+    _AGENTS.pop(name, None)
+
+
+def check_agents() -> None:
+    """Check what only the whole set of modules can tell: every tool an agent names exists."""
+    from agentq.tools.registry import all_tools
+
+    tools = all_tools()
+    for agent in _AGENTS.values():
+        names = agent.tool_names()
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise AgentDefinitionError(agent.name, "tools", f"named twice: {', '.join(dup)}")
+        for t in agent.agent_tools.values():
+            if t.agent not in _AGENTS:
+                raise AgentDefinitionError(
+                    agent.name, "tools", f"as_tool of unknown agent {t.agent!r}"
+                )
+            if t.name in tools:
+                raise AgentDefinitionError(
+                    agent.name, "tools", f"agent tool {t.name!r} has the name of a @tool tool"
+                )
+        for n in names:
+            if n not in tools and n not in agent.agent_tools:
+                known = ", ".join(sorted(tools)) or "none"
+                raise AgentDefinitionError(
+                    agent.name, "tools", f"unknown tool {n!r} (known: {known})"
+                )
+        for n in agent.approval:
+            if n not in names:
+                raise AgentDefinitionError(
+                    agent.name, "approval", f"{n!r} is not one of the agent's tools"
+                )
+
+
+def publish_agents(client: redis.Redis, now: float | None = None) -> int:
+    """Tell the gateway and the CLI which agents this worker runs; returns how many."""
+    now = time.time() if now is None else now
+    agents = all_agents()
+    if agents:
+        client.hset(
+            k.AGENTS,
+            mapping={
+                a.name: json.dumps({"model": a.model, "tools": a.tool_names(), "seen_at": now})
+                for a in agents.values()
+            },
+        )
+    return len(agents)
+
+
+def published_agents(client: redis.Redis, now: float | None = None) -> list[str]:
+    """The agents some turn worker published lately."""
+    now = time.time() if now is None else now
+    out = []
+    for name, raw in client.hgetall(k.AGENTS).items():
+        try:
+            seen = float(json.loads(raw)["seen_at"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if now - seen <= PUBLISHED_FRESH_S:
+            out.append(name.decode() if isinstance(name, bytes) else str(name))
+    return sorted(out)
+
+
+def require_known(client: redis.Redis, agent: str | None) -> None:
+    """Refuse a turn that names an agent no turn worker runs (UnknownAgent)."""
+    if agent is None:
+        return
+    known = published_agents(client)
+    if agent not in known:
+        raise UnknownAgent(agent, known)

@@ -1,0 +1,212 @@
+"""Agents called as tools: a call that runs a child turn instead of a Celery task.
+
+The call is recorded as dispatched, waiting on its child (`child_turn_id`); the child is
+a turn like any other, with `parent_turn_id` and `parent_call_id` in its state. Its
+ending settles the parent's call in the same atomic step (`TurnStore.close`) and wakes
+the parent; nothing waits meanwhile. The parent's own step only watches the call's hard
+limit: at it the child is aborted and the call settles `timeout`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from typing import Any
+
+from agentq import constants as k
+from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
+from agentq.orchestrator.context import StepContext
+from agentq.orchestrator.plan import CallPlan
+from agentq.results import cancelled_result, error_result, record_for, timeout_result
+from agentq.store import WAKE_BACKSTOP_S
+from agentq.timing import truncate_text
+
+
+def child_turn_id(turn_id: str, call_id: str) -> str:
+    """The child's id, derived so a step that takes over finds the child it started."""
+    return hashlib.sha256(f"{turn_id}/{call_id}".encode()).hexdigest()[:32]
+
+
+def record(ctx: StepContext, plans: list[CallPlan]) -> dict[str, dict[str, Any]]:
+    """Record agent calls as dispatched, each waiting on its child turn; return the records."""
+    records = {
+        p.call.id: {
+            "tool": p.call.name,
+            "agent": p.subturn_agent,
+            "child_turn_id": child_turn_id(ctx.turn_id, p.call.id),
+            "dispatched_at": time.time(),
+            "timeout_s": p.timeout_s,
+        }
+        for p in plans
+    }
+    ctx.store.record_dispatch(ctx.turn_id, records)
+    return records
+
+
+def watch(
+    ctx: StepContext,
+    waiting: list[CallPlan],
+    settled: dict[str, ToolResult],
+    dispatched: dict[str, dict[str, Any]],
+) -> float | None:
+    """Start the children not started yet, settle the calls past their hard limit (the
+    child aborted), and return the earliest limit still ahead."""
+    if not waiting:
+        return None
+    r = ctx.store.redis
+    pipe = r.pipeline(transaction=False)
+    for p in waiting:
+        pipe.hget(k.turn_key(dispatched[p.call.id]["child_turn_id"]), "status")
+    statuses = pipe.execute()
+    next_at: float | None = None
+    for p, raw in zip(waiting, statuses, strict=True):
+        rec = dispatched[p.call.id]
+        child = str(rec["child_turn_id"])
+        if raw is None:
+            _start_child(ctx, p, child)
+        elif json.loads(raw) in TERMINAL_STATUSES:
+            # Its ending settles this call; a result Redis already holds wins over ours.
+            settled[p.call.id] = ctx.store.result(ctx.turn_id, p.call.id) or _from_child(
+                ctx, p.call, child, float(rec["dispatched_at"])
+            )
+            continue
+        if p.timeout_s <= 0:
+            continue
+        due = float(rec["dispatched_at"]) + p.timeout_s
+        if ctx.now < due:
+            next_at = due if next_at is None else min(next_at, due)
+            continue
+        result = timeout_result(
+            p.call,
+            p.timeout_s,
+            killed=True,
+            what=f"Agent {p.subturn_agent!r} did not answer within {p.timeout_s:g}s; "
+            "its turn was aborted.",
+            started_at=float(rec["dispatched_at"]),
+            task_id=child,
+        )
+        won = ctx.store.settle(ctx.turn_id, result, wake=False)
+        settled[p.call.id] = result if won else ctx.store.result(ctx.turn_id, p.call.id) or result
+        abort_child(ctx, child, "timeout")
+    return next_at
+
+
+def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
+    state = ctx.state
+    now = time.time()
+    child_state = {
+        "status": "queued",
+        "created_at": now,
+        "headless": bool(state.get("headless")),
+        "detach": True,
+        "conversation_id": None,
+        "parent_turn_id": ctx.turn_id,
+        "parent_call_id": p.call.id,
+        "parent_tool": p.call.name,
+        "agent": p.subturn_agent,
+        "owner": state.get("owner"),
+        # The parent's token steers its children too: it answers their approvals.
+        "token_sha256": state.get("token_sha256")
+        or hashlib.sha256(secrets.token_bytes(32)).hexdigest(),
+        "history_start": 0,
+        "round": 0,
+        "call_count": 0,
+    }
+    prompt = str(p.arguments["prompt"])
+    ctx.store.create(child, child_state, [{"role": "user", "content": prompt}])
+    # The backstop if the step message below is lost: a sweeper steps the child.
+    ctx.store.redis.zadd(k.WAKEUPS, {child: now + WAKE_BACKSTOP_S})
+    # A start record without a worker: listings show the call running, and no worker
+    # heartbeat is watched for it.
+    ctx.store.redis.hset(
+        k.started_key(ctx.turn_id),
+        p.call.id,
+        json.dumps({"started_at": now, "child_turn_id": child, "worker": None}),
+    )
+    fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}
+    ctx.publish("subturn_started", **fields, child_turn_id=child)
+    ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
+    from agentq.orchestrator.steps import send_step
+
+    send_step(ctx.app, child)
+
+
+def abort_child(ctx: StepContext, child: str, reason: str) -> None:
+    """Flag a child turn cancelled and wake it: its own step aborts it (and its children)."""
+    pipe = ctx.store.redis.pipeline(transaction=False)
+    pipe.set(k.cancel_key(child), reason, nx=True, ex=ctx.store.ttl_s)
+    pipe.publish(k.CANCEL_CHANNEL, child)
+    pipe.execute()
+    ctx.store.wake(child)
+
+
+def abort_children(ctx: StepContext, reason: str) -> None:
+    """Abort every child of an ending turn that is still running."""
+    children = ctx.store.children(ctx.turn_id)
+    if not children:
+        return
+    pipe = ctx.store.redis.pipeline(transaction=False)
+    for c in children:
+        pipe.hget(k.turn_key(c), "status")
+    for c, raw in zip(children, pipe.execute(), strict=True):
+        if raw is not None and json.loads(raw) not in TERMINAL_STATUSES:
+            abort_child(ctx, c, reason)
+
+
+def parent_settlement(
+    ctx: StepContext, status: str, content: str = "", error: str = ""
+) -> tuple[str, ToolResult] | None:
+    """For a child started by an agent call: (parent turn id, the call's result)."""
+    state = ctx.state
+    parent, call_id = state.get("parent_turn_id"), state.get("parent_call_id")
+    if not parent or not call_id:
+        return None
+    call = ToolCall(id=str(call_id), name=str(state.get("parent_tool") or "agent"))
+    started_at = float(state.get("created_at") or ctx.now)
+    return str(parent), _result(ctx, call, ctx.turn_id, status, content, error, started_at)
+
+
+def _result(
+    ctx: StepContext,
+    call: ToolCall,
+    child: str,
+    status: str,
+    content: str,
+    error: str,
+    started_at: float,
+) -> ToolResult:
+    """The call's result from how its child turn ended; the record's task id is the child's."""
+    extra: dict[str, Any] = {"task_id": child, "started_at": started_at}
+    if status == "finished":
+        body, cut = truncate_text(content, ctx.settings.max_result_bytes)
+        return ToolResult(
+            call_id=call.id,
+            tool=call.name,
+            status="ok",
+            content=body,
+            truncated_bytes=cut,
+            record=record_for(call, "ok", **extra),
+        )
+    if status == "aborted":
+        return cancelled_result(call, error or "user", **extra)
+    return error_result(call, f"the agent's turn failed: {error or 'unknown error'}", **extra)
+
+
+def _from_child(ctx: StepContext, call: ToolCall, child: str, started_at: float) -> ToolResult:
+    """The backstop: a child that ended without settling the call (it never should)."""
+    state = ctx.store.state(child) or {}
+    status = str(state.get("status"))
+    content = ""
+    if status == "finished":
+        history = ctx.store.history(child)
+        final: dict[str, Any] = next(
+            (m for m in reversed(history) if m.get("role") == "assistant"), {}
+        )
+        content = str(final.get("content") or "")
+    error = str(state.get("error") or state.get("abort_reason") or "")
+    result = _result(ctx, call, child, status, content, error, started_at)
+    if ctx.store.settle(ctx.turn_id, result, wake=False):
+        return result
+    return ctx.store.result(ctx.turn_id, call.id) or result
