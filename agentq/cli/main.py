@@ -218,7 +218,7 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     if not _has(opts, "--address"):
         argv.append(f"--address={address}")
     if settings.flower_basic_auth and not _has(opts, "--basic_auth", "--basic-auth"):
-        argv.append(f"--basic_auth={settings.flower_basic_auth}")
+        argv.append(f"--basic_auth={settings.flower_basic_auth.get_secret_value()}")
     authenticated = bool(
         settings.flower_basic_auth
         or environ.get("FLOWER_BASIC_AUTH")
