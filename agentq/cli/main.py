@@ -45,20 +45,13 @@ def worker_argv(
     kind: str, opts: list[str], tool_queues: list[str], io_queues: list[str] | None = None
 ) -> list[str]:
     """The celery worker command line for one kind of agentq worker."""
+    from agentq.roles import pool_problem
+
     spec = WORKER_KINDS[kind]
     pool = _pool_of(opts)
-    if kind == "tools" and pool not in (None, "prefork", "processes"):
-        raise ConfigError(
-            "--pool",
-            f"the tool worker needs the prefork pool (hard time limits "
-            f"are only enforced there), not {pool!r}",
-        )
-    if kind == "io" and pool not in (None, "threads"):
-        raise ConfigError(
-            "--pool",
-            f"the I/O worker runs its calls on one event loop fed by the threads pool, "
-            f"not {pool!r}",
-        )
+    problem = pool_problem(kind, pool) if pool is not None else None
+    if problem:
+        raise ConfigError("--pool", problem)
     queues = {
         "turns": ["agentq.turns"],
         "llm": ["agentq.llm"],
@@ -134,10 +127,10 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
 
 
 def cmd_worker(kind: str, opts: list[str]) -> int:
-    os.environ["AGENTQ_WORKER_KIND"] = kind
     from agentq.config import get_settings
 
-    require_reachable(get_settings(), broker=True)
+    if not _is_help(opts):
+        require_reachable(get_settings(), broker=True)
     if kind == "io" and not _is_help(opts) and os.environ.get(_SUPERVISED) != "1":
         return supervise(kind, opts)
     from agentq.worker import app, io_queues, tool_queues
