@@ -239,7 +239,10 @@ def cmd_flower(opts: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from agentq import __version__
+
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
+    p.add_argument("--version", action="version", version=f"agentq {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run one turn and show it live")
     r.add_argument("prompt")
@@ -274,13 +277,28 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="a turn's timeline: model rounds and calls")
     sh.add_argument("turn_id")
     sh.add_argument("--json", action="store_true", help="the timeline as JSON")
+    an = sub.add_parser("answer", help="approve or deny a turn's pending interaction")
+    an.add_argument("turn_id")
+    an.add_argument("request_id", help="from its interaction_requested event, or `agentq show`")
+    an.add_argument("decision", choices=["approve", "deny"])
+    an.add_argument(
+        "--value",
+        default=None,
+        help="the answer's value; `-` reads it from the terminal without echo (a password)",
+    )
+    an.add_argument(
+        "--token",
+        default=os.environ.get("AGENTQ_TURN_TOKEN"),
+        help="the turn's token (or AGENTQ_TURN_TOKEN); without it, as an operator",
+    )
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id")
     e.add_argument("--after", default="0-0", help="resume after this stream id")
-    # No -h of its own: `agentq worker tools --help` shows Celery's worker options.
+    # No -h of their own: `agentq worker tools --help` shows Celery's worker options,
+    # `agentq flower --help` Flower's.
     w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
     w.add_argument("kind", choices=sorted(WORKER_KINDS))
-    sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app")
+    sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app", add_help=False)
     sv = sub.add_parser("serve", help="the HTTP gateway and web page")
     sv.add_argument("--host", default=None)
     sv.add_argument("--port", type=int, default=None)
@@ -311,6 +329,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
+    from agentq.cli.helptext import WORKER_HELP, flower_help
+
+    if args_in[:1] == ["worker"] and (len(args_in) == 1 or _is_help(args_in[1:2])):
+        print(WORKER_HELP, end="")
+        return 0
+    if args_in[:1] == ["flower"] and _is_help(args_in[1:]):
+        print(flower_help(), end="")
+        return 0
     parser = build_parser()
     args, rest = parser.parse_known_args(args_in)
     if rest and args.cmd not in ("worker", "flower"):
@@ -381,6 +407,23 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         from agentq.cli.show import cmd_show
 
         return cmd_show(client, args.turn_id, as_json=args.json)
+    if args.cmd == "answer":
+        value = args.value
+        if value == "-":
+            import getpass
+
+            value = getpass.getpass("value: ")
+        client.answer(
+            args.turn_id,
+            args.request_id,
+            args.token,
+            args.decision,
+            value,
+            operator=args.token is None,
+        )
+        done = {"approve": "approved", "deny": "denied"}[args.decision]
+        print(f"{done} {args.request_id} of {args.turn_id}")
+        return 0
     if args.cmd == "events":
         for ev in client.events(args.turn_id, after_id=args.after):
             if ev is not None:
