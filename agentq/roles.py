@@ -14,7 +14,6 @@ from agentq.constants import QUEUE_LLM, QUEUE_TURNS
 from agentq.errors import ConfigError
 
 Role = Literal["turns", "llm", "tools", "io"]
-ROLES: tuple[Role, ...] = ("turns", "llm", "tools", "io")
 HEARTBEAT_ROLES: tuple[Role, ...] = ("tools", "io")
 """Roles that run tool calls: they beat, so a turn settles the calls of a dead one as lost."""
 PREFORK_POOLS = ("prefork", "processes")
@@ -80,7 +79,6 @@ def current_role() -> Role | None:
 
 __all__ = [
     "HEARTBEAT_ROLES",
-    "ROLES",
     "Role",
     "current_role",
     "pool_problem",
