@@ -332,8 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     from agentq.cli.helptext import WORKER_HELP, flower_help
 
     if args_in[:1] == ["worker"] and (len(args_in) == 1 or _is_help(args_in[1:2])):
-        print(WORKER_HELP, end="")
-        return 0
+        # `agentq worker` alone is a usage error; `agentq worker --help` is not.
+        print(WORKER_HELP, end="", file=sys.stdout if len(args_in) > 1 else sys.stderr)
+        return 0 if len(args_in) > 1 else 2
     if args_in[:1] == ["flower"] and _is_help(args_in[1:]):
         print(flower_help(), end="")
         return 0
