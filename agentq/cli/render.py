@@ -36,6 +36,14 @@ def fmt_s(seconds: float) -> str:
     return f"{seconds:.1f}s" if seconds < 60 else f"{int(seconds // 60)}m{seconds % 60:04.1f}s"
 
 
+def progress_text(message: Any, pct: Any) -> str:
+    """`searching 40%`: a tool's own progress report, as a line of the live view shows it."""
+    parts = [str(message)] if message else []
+    if isinstance(pct, (int, float)) and pct == pct and abs(pct) != float("inf"):
+        parts.append(f"{max(0, min(100, round(pct)))}%")
+    return " ".join(parts)
+
+
 @dataclass
 class ToolLine:
     call_id: str
@@ -44,6 +52,8 @@ class ToolLine:
     finished: float | None = None
     status: str | None = None
     detail: str = ""
+    progress: str = ""
+    """What the tool last reported with `ctx.progress(message, pct)`, while it runs."""
     spinner: Spinner = field(default_factory=lambda: Spinner("dots"))
 
 
@@ -77,6 +87,10 @@ class TurnView:
         elif ev.type == "tool_started":
             cid = str(f["call_id"])
             self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)
+        elif ev.type == "tool_progress" and f.get("source") == "tool":
+            cid = str(f["call_id"])
+            line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
+            line.progress = progress_text(f.get("message"), f.get("pct"))
         elif ev.type == "tool_finished":
             cid = str(f["call_id"])
             line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
@@ -115,7 +129,7 @@ class TurnView:
                 Text(line.tool, style="bold"),
                 Text(fmt_s(elapsed), style=duration_style(elapsed)),
                 Text(line.status or "running", style=STATUS_STYLE.get(line.status or "", "cyan")),
-                Text(line.detail[:80], style="dim"),
+                Text((line.detail if line.status else line.progress)[:80], style="dim"),
             )
         if self.tools:
             parts.append(table)

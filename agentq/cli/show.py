@@ -184,7 +184,16 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     if as_json:
         print(json.dumps(view), flush=True)
         return 0
-    Console().print(timeline_view(view))
+    console = Console()
+    console.print(timeline_view(view))
+    for p in summary.get("pending_interactions", []):
+        left_s = max(0.0, float(p["expires_at"]) - time.time())
+        console.print(
+            Text(f"? {p.get('prompt') or p.get('kind')}  ({left_s:.0f}s left)", style="yellow")
+        )
+        # Unwrapped, so it can be copied as one command.
+        answer = f"  agentq answer {turn_id} {p.get('request_id')} approve|deny"
+        console.print(Text(answer, style="dim"), soft_wrap=True)
     return 0
 
 

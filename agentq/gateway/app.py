@@ -354,6 +354,12 @@ class Gateway:
             headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"},
         )
 
+    async def openapi(self, request: Request) -> Response:
+        from agentq import __version__
+        from agentq.gateway.openapi import openapi_document
+
+        return JSONResponse(openapi_document(__version__))
+
     async def healthz(self, request: Request) -> Response:
         ok = False
         error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
@@ -447,6 +453,7 @@ def create_app(
         Route("/", gw.index, methods=["GET"]),
         Route("/healthz", gw.healthz, methods=["GET"]),
         Route("/metrics", gw.metrics_page, methods=["GET"]),
+        Route("/openapi.json", gw.openapi, methods=["GET"]),
         Route("/v1/turns", gw.start_turn, methods=["POST"]),
         # Before /v1/turns/{turn_id}, which would otherwise take "active" for an id.
         Route("/v1/turns/active", gw.active, methods=["GET"]),

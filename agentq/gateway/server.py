@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import socket
 import threading
 import time
@@ -13,14 +12,9 @@ import uvicorn
 from starlette.applications import Starlette
 
 from agentq.config import get_settings
-from agentq.logredact import RedactCredentials
 
 GRACEFUL_SHUTDOWN_S = 5
 """SSE streams end within a second of shutdown; past this, shutdown cancels what is left."""
-
-
-class RedactTokens(RedactCredentials):
-    """Kept for existing imports: agentq.logredact's rule, which create_app installs."""
 
 
 class GatewayServer(uvicorn.Server):
@@ -54,7 +48,6 @@ def serve(
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    logging.getLogger("uvicorn.access").addFilter(RedactTokens())
     server = GatewayServer(config)
     # uvicorn re-raises Ctrl-C after its graceful shutdown: for us, a normal stop.
     with contextlib.suppress(KeyboardInterrupt):

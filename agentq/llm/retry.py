@@ -14,8 +14,9 @@ The rules (design.md, "Time limits"):
 from __future__ import annotations
 
 import email.utils
+import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 from agentq.errors import (
@@ -63,16 +64,28 @@ def should_retry(
     return classify(exc) in _RETRYABLE
 
 
-def backoff_s(attempt: int, retry_after_s: float | None = None) -> float:
+JITTER = 0.25
+"""The largest fraction by which a retry's exponential delay is cut at random."""
+
+
+def backoff_s(
+    attempt: int,
+    retry_after_s: float | None = None,
+    *,
+    rand: Callable[[], float] = random.random,
+) -> float:
     """Delay before the retry that follows failed attempt `attempt` (1-based).
 
     The server's Retry-After wins when it sent one; both are capped at MAX_BACKOFF_S.
+    Without it, the exponential delay is cut by up to a quarter at random (`rand()` in
+    [0, 1)), as the OpenAI SDK does, so streams that failed together do not retry together.
     """
     if retry_after_s is not None:
         return min(max(retry_after_s, 0.0), MAX_BACKOFF_S)
     exponent = max(attempt, 1) - 1
     # Capping the exponent first keeps a huge attempt number from overflowing the float.
-    return min(BASE_BACKOFF_S * 2.0 ** min(exponent, 32), MAX_BACKOFF_S)
+    delay_s = min(BASE_BACKOFF_S * 2.0 ** min(exponent, 32), MAX_BACKOFF_S)
+    return delay_s * (1.0 - JITTER * rand())
 
 
 def parse_retry_after(headers: Mapping[str, str], *, now_s: float | None = None) -> float | None:

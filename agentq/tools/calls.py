@@ -19,15 +19,13 @@ from agentq.config import Settings
 from agentq.errors import AgentqError, ToolMisuse
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.results import cancelled_result, error_result, record_for
+from agentq.roles import HEARTBEAT_ROLES, current_role
 from agentq.store import TurnStore
 from agentq.timing import overran, truncate_text
 from agentq.tools.context import Partial
 from agentq.tools.registry import ToolSpec
 
 log = logging.getLogger("agentq.tools")
-
-HEARTBEAT_KINDS = ("tools", "io")
-"""Worker kinds whose main process sends `agentq:worker:{hostname}:alive`."""
 
 
 def render(value: Any) -> str:
@@ -90,9 +88,9 @@ def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | Non
             "task_id": scope.task_id,
             "attempt": req.attempt,
             "delivery": delivery,
-            # `agentq worker tools|io` send heartbeats; a bare `celery worker` does not,
-            # and its calls must not be taken for dead for lack of them.
-            "heartbeat": os.environ.get("AGENTQ_WORKER_KIND") in HEARTBEAT_KINDS,
+            # Tool and I/O workers beat; a call run elsewhere (eagerly, in a test) does
+            # not, and must not be taken for dead for lack of beats.
+            "heartbeat": current_role() in HEARTBEAT_ROLES,
         },
         {
             "call_id": req.call_id,

@@ -143,3 +143,23 @@ def test_closing_the_page_aborts_its_attached_turn(page, llm_server, client: Cli
     page.close()
     ev = follow_until(client, turn_id, *TERMINAL)
     assert ev.type == "turn_aborted" and ev.fields["reason"] == "disconnect", ev
+
+
+def test_a_chip_shows_the_progress_its_tool_reports(page, llm_server, client: Client) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 3})]),
+        Round(text="Slept."),
+    )
+    turn_id = send(page, key)
+    chip = page.locator(".chip.running", has_text="sleep")
+    chip.wait_for()
+    # ctx.progress("sleeping", pct=...) every half second: message and percent in the chip.
+    page.wait_for_function(
+        "() => { const p = document.querySelector('.chip.running .progress');"
+        " return p && /^sleeping \\d+%$/.test(p.textContent) && parseInt(p.textContent"
+        ".split(' ')[1]) > 0; }"
+    )
+    page.locator('.chip[data-status="ok"]', has_text="sleep").wait_for()
+    assert page.locator('.chip[data-status="ok"] .progress').inner_text() == ""
+    assert follow_until(client, turn_id, *TERMINAL).type == "turn_finished"

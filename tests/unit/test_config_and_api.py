@@ -38,9 +38,34 @@ def test_defaults_and_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
     s = load_settings()
-    assert s.llm_api_key == "sk-test"
+    assert s.llm_api_key is not None and s.llm_api_key.get_secret_value() == "sk-test"
     assert s.broker == s.redis_url == "redis://127.0.0.1:6379/0"
     assert s.stream_idle_timeout_ms == 120_000 and s.tool_timeout_s == 120
+
+
+def test_no_secret_in_the_repr_of_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentq.config import get_settings
+
+    secrets = {
+        "AGENTQ_LLM_API_KEY": "sk-llm-secret-0123456789",
+        "AGENTQ_FLOWER_BASIC_AUTH": "ops:flower-secret",
+        "AGENTQ_API_KEYS": "alice=api-secret",
+        "AGENTQ_ADMIN_KEYS": "root=admin-secret",
+        "AGENTQ_METRICS_TOKEN": "metrics-secret",
+    }
+    for k, v in secrets.items():
+        monkeypatch.setenv(k, v)
+    get_settings.cache_clear()
+    try:
+        s = get_settings()
+        shown = repr(s) + str(s) + s.model_dump_json()
+        for v in secrets.values():
+            assert v not in shown, v
+        assert s.llm_api_key is not None and s.llm_api_key.get_secret_value() == secrets[
+            "AGENTQ_LLM_API_KEY"
+        ]
+    finally:
+        get_settings.cache_clear()
 
 
 def test_public_api_is_exported_and_errors_share_one_root() -> None:

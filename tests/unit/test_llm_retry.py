@@ -108,8 +108,12 @@ def test_never_retried(exc: BaseException) -> None:
     assert not should_retry(exc, chunks_received=0, attempt=1, max_retries=10)
 
 
+def no_jitter() -> float:
+    return 0.0
+
+
 def test_backoff_is_exponential_from_a_small_base() -> None:
-    assert [backoff_s(a) for a in (1, 2, 3, 4)] == [
+    assert [backoff_s(a, rand=no_jitter) for a in (1, 2, 3, 4)] == [
         BASE_BACKOFF_S,
         BASE_BACKOFF_S * 2,
         BASE_BACKOFF_S * 4,
@@ -119,9 +123,18 @@ def test_backoff_is_exponential_from_a_small_base() -> None:
 
 
 def test_backoff_is_capped_and_never_overflows() -> None:
-    assert backoff_s(50) == MAX_BACKOFF_S
-    assert backoff_s(10_000) == MAX_BACKOFF_S
-    assert backoff_s(0) == backoff_s(1) == BASE_BACKOFF_S
+    assert backoff_s(50, rand=no_jitter) == MAX_BACKOFF_S
+    assert backoff_s(10_000, rand=no_jitter) == MAX_BACKOFF_S
+    assert backoff_s(0, rand=no_jitter) == backoff_s(1, rand=no_jitter) == BASE_BACKOFF_S
+
+
+def test_backoff_is_jittered_by_up_to_a_quarter() -> None:
+    assert backoff_s(3, rand=lambda: 0.999999) == pytest.approx(BASE_BACKOFF_S * 4 * 0.75)
+    delays = {backoff_s(3) for _ in range(50)}
+    # Spread out, never above the exponential delay, never below three quarters of it.
+    assert len(delays) > 40
+    assert all(BASE_BACKOFF_S * 3 <= d <= BASE_BACKOFF_S * 4 for d in delays)
+    assert backoff_s(50) >= MAX_BACKOFF_S * 0.75
 
 
 def test_backoff_honours_retry_after_within_the_cap() -> None:

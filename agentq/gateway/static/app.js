@@ -96,8 +96,20 @@ class ToolChip {
     this.node = el("span", "chip queued");
     this.node.dataset.callId = callId;
     this.node.append(el("span", "name", tool), el("span", "elapsed", "–"),
-      el("span", "status", "queued"));
+      el("span", "status", "queued"), el("span", "progress", ""));
     parent.append(this.node);
+  }
+
+  // What the tool reported with ctx.progress(message, pct): shown while it runs.
+  progress(message, pct) {
+    if (this.finishedS !== null) return;
+    const parts = [];
+    if (message) parts.push(String(message).slice(0, 80));
+    if (typeof pct === "number" && isFinite(pct)) {
+      parts.push(Math.max(0, Math.min(100, Math.round(pct))) + "%");
+    }
+    $(".progress", this.node).textContent = parts.join(" ");
+    if (typeof pct === "number" && isFinite(pct)) this.node.dataset.pct = String(pct);
   }
 
   start(atLocal) {
@@ -128,6 +140,7 @@ class ToolChip {
     this.node.classList.add("done", "st-" + status);
     this.node.dataset.status = status;
     $(".status", this.node).textContent = status;
+    $(".progress", this.node).textContent = "";
     if (detail) this.node.title = detail;
   }
 }
@@ -293,6 +306,7 @@ class TurnView {
           // The server measured elapsed time; re-anchor on it to cancel clock skew.
           chip.start(performance.now() - ev.elapsed_ms);
         }
+        if (ev.source === "tool") chip.progress(ev.message, ev.pct);
         break;
       }
       case "tool_finished":

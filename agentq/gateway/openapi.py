@@ -1,0 +1,215 @@
+"""`GET /openapi.json`: the gateway's HTTP API as an OpenAPI 3.1 document.
+
+The operations are listed here by hand, with who may call each (`x-agentq-auth`); request
+and response bodies are the pydantic models the handlers validate with. A test checks the
+list against the app's real route table and each operation's auth rule against the server.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from agentq.models import InteractionAnswer, TurnHandle, TurnRequest
+
+Auth = Literal["public", "key", "turn", "owner", "operator", "admin"]
+AUTH_RULES: dict[Auth, str] = {
+    "public": "No credential.",
+    "key": "With keys configured: an API or admin key; lists show the caller's own turns "
+    "(every turn for an admin).",
+    "turn": "With keys configured: the turn's token, its owner's key or an admin key; "
+    "anyone else gets 404, as for an unknown turn. Without keys: anyone for reading, the "
+    "turn's token for steering.",
+    "owner": "With keys configured: the turn owner's key or an admin key; anyone else gets 404.",
+    "operator": "With keys configured: the turn owner's key or an admin key (anyone else "
+    "gets 404). Without keys: a client on this machine only (403 otherwise).",
+    "admin": "An admin key or AGENTQ_METRICS_TOKEN; another key gets 403.",
+}
+TURN_ID = {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}
+REQUEST_ID = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _query(name: str, description: str, type_: str = "string") -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": {"type": type_}} | {
+        "description": description
+    }
+
+
+@dataclass(frozen=True)
+class Operation:
+    method: str
+    path: str
+    summary: str
+    auth: Auth
+    ok: str = "200"
+    request: type[BaseModel] | None = None
+    response: type[BaseModel] | None = None
+    media_type: str = "application/json"
+    parameters: tuple[dict[str, Any], ...] = ()
+    errors: tuple[str, ...] = field(default=())
+
+
+OPERATIONS: tuple[Operation, ...] = (
+    Operation("GET", "/", "The web page: chat, live tool chips, Cancel, approvals.", "public",
+              media_type="text/html"),
+    Operation("GET", "/static/{path}", "The page's script and style.", "public",
+              media_type="text/plain",
+              parameters=({"name": "path", "in": "path", "required": True,
+                           "schema": {"type": "string"}},)),
+    Operation("GET", "/healthz", "Liveness, and whether Redis answers.", "public",
+              errors=("503",)),
+    Operation("GET", "/openapi.json", "This document.", "public"),
+    Operation("GET", "/metrics", "Prometheus metrics.", "admin", media_type="text/plain",
+              errors=("401", "403")),
+    Operation("POST", "/v1/turns", "Start a turn.", "key", ok="202", request=TurnRequest,
+              response=TurnHandle, errors=("401", "413", "415", "422", "429")),
+    Operation("GET", "/v1/turns", "Recent and running turns, newest first.", "key",
+              parameters=(
+                  _query("status", "Comma-separated: queued, running, finished, aborted, "
+                         "error, active, ended."),
+                  _query("agent", "Only turns of this agent."),
+                  _query("limit", "At most this many turns.", "integer"),
+                  _query("before", "Turns started before this time (epoch seconds), "
+                         "for the next page.", "number"),
+              ), errors=("401", "422")),
+    Operation("GET", "/v1/turns/active", "Running turns: id, started, current tools, "
+              "call count.", "key", errors=("401",)),
+    Operation("GET", "/v1/turns/{turn_id}", "A turn's state, history and invocation "
+              "records.", "turn", parameters=(TURN_ID,), errors=("401", "404")),
+    Operation("GET", "/v1/turns/{turn_id}/events", "The turn's events as Server-Sent "
+              "Events, from the start (or after Last-Event-ID), then live.", "turn",
+              media_type="text/event-stream",
+              parameters=(
+                  TURN_ID,
+                  _query("token", "The turn's token, for EventSource, which cannot set "
+                         "headers."),
+                  _query("heartbeat", "Seconds between keep-alive comments.", "number"),
+                  {"name": "Last-Event-ID", "in": "header", "required": False,
+                   "schema": {"type": "string"}},
+              ), errors=("401", "404")),
+    Operation("GET", "/v1/turns/{turn_id}/timeline", "A turn's model rounds and calls "
+              "on a time line (the console).", "owner", parameters=(TURN_ID,),
+              errors=("401", "404")),
+    Operation("POST", "/v1/turns/{turn_id}/abort", "Abort a running turn and its "
+              "sub-agents.", "turn", parameters=(TURN_ID,), errors=("401", "404")),
+    Operation("POST", "/v1/turns/{turn_id}/interactions/{request_id}", "Answer an "
+              "interaction (approval, password, confirm).", "turn",
+              request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
+              errors=("401", "404", "409", "422")),
+    Operation("GET", "/v1/interactions", "Every pending interaction of the running turns, "
+              "the soonest to expire first (the console's inbox).", "key", errors=("401",)),
+    Operation("POST", "/v1/console/turns/{turn_id}/abort", "Abort a turn from the "
+              "console, as an operator.", "operator", parameters=(TURN_ID,),
+              errors=("401", "403", "404")),
+    Operation("POST", "/v1/console/turns/{turn_id}/interactions/{request_id}", "Answer an "
+              "interaction from the console, as an operator.", "operator",
+              request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
+              errors=("401", "403", "404", "409", "422")),
+)  # fmt: skip
+
+_ERROR_TEXT = {
+    "401": "No credential, or not a known key.",
+    "403": "Not allowed: see x-agentq-auth.",
+    "404": "Unknown, finished (abort) or not the caller's.",
+    "409": "Answered or timed out already.",
+    "413": "The body is too large.",
+    "415": "The body is not application/json.",
+    "422": "The request does not validate.",
+    "429": "Too many starts or running turns for this caller; see Retry-After.",
+    "503": "Redis does not answer.",
+}
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _operation_id(op: Operation) -> str:
+    """`post_v1_turns_turn_id_abort`: unique per method and path."""
+    return re.sub(r"[^a-z0-9]+", "_", f"{op.method} {op.path}".lower()).strip("_") or "page"
+
+
+def _operation(op: Operation) -> dict[str, Any]:
+    ok_content: dict[str, Any] = {"schema": _ref(op.response)} if op.response else {}
+    out: dict[str, Any] = {
+        "summary": op.summary,
+        "operationId": _operation_id(op),
+        "x-agentq-auth": op.auth,
+        "description": AUTH_RULES[op.auth],
+        "security": [] if op.auth == "public" else [{"bearer": []}],
+        "responses": {
+            op.ok: {"description": "OK", "content": {op.media_type: ok_content}},
+            **{
+                code: {
+                    "description": _ERROR_TEXT[code],
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
+                    },
+                }
+                for code in op.errors
+            },
+        },
+    }
+    if op.parameters:
+        out["parameters"] = list(op.parameters)
+    if op.request is not None:
+        out["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": _ref(op.request)}},
+        }
+    return out
+
+
+@cache
+def openapi_document(version: str) -> dict[str, Any]:
+    """The whole document (the same for every caller: it describes, it grants nothing)."""
+    models: list[type[BaseModel]] = [TurnRequest, InteractionAnswer, TurnHandle]
+    _, defs = models_json_schema(
+        [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
+    )
+    schemas: dict[str, Any] = dict(defs.get("$defs", {}))
+    schemas["Error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["type", "message"],
+                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+            }
+        },
+    }
+    paths: dict[str, dict[str, Any]] = {}
+    for op in OPERATIONS:
+        paths.setdefault(op.path, {})[op.method.lower()] = _operation(op)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "agentq gateway",
+            "version": version,
+            "description": "LLM agent turns on a Celery fleet: start turns, follow their "
+            "events, abort them, answer their interactions. Errors are "
+            '`{"error": {"type", "message"}}`. Who may call what: each operation\'s '
+            "`x-agentq-auth` and description. Without AGENTQ_API_KEYS/AGENTQ_ADMIN_KEYS the "
+            "gateway serves loopback only and needs no key.",
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "An API key, an admin key, or a turn's token.",
+                }
+            },
+        },
+    }
+
+
+__all__ = ["AUTH_RULES", "OPERATIONS", "Operation", "openapi_document"]

@@ -1,0 +1,87 @@
+"""A worker's role (turns, llm, tools, io) follows from the queues it consumes.
+
+`agentq worker KIND` and a bare `celery -A agentq worker -Q ...` get the same role, and so
+the same heartbeat, checks and pool rules: the role is decided once, when the worker
+starts, from its queues, and every process of that worker reads it here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+from agentq.constants import QUEUE_LLM, QUEUE_TURNS
+from agentq.errors import ConfigError
+
+Role = Literal["turns", "llm", "tools", "io"]
+HEARTBEAT_ROLES: tuple[Role, ...] = ("tools", "io")
+"""Roles that run tool calls: they beat, so a turn settles the calls of a dead one as lost."""
+PREFORK_POOLS = ("prefork", "processes")
+
+_role: Role | None = None
+
+
+def role_of(queues: Iterable[str], tool_queues: Iterable[str], io_queues: Iterable[str]) -> Role:
+    """The one role a worker consuming `queues` has; ConfigError for a mix or a stranger."""
+    owners: dict[str, set[Role]] = {}
+    for q in tool_queues:
+        owners.setdefault(q, set()).add("tools")
+    for q in io_queues:
+        owners.setdefault(q, set()).add("io")
+    owners.setdefault(QUEUE_TURNS, set()).add("turns")
+    owners.setdefault(QUEUE_LLM, set()).add("llm")
+    names = sorted(set(queues))
+    unknown = [q for q in names if q not in owners]
+    if not names or unknown:
+        raise ConfigError(
+            "-Q",
+            f"not a queue of agentq: {', '.join(unknown) or '(none)'}; "
+            f"known: {', '.join(sorted(owners))}",
+        )
+    roles = sorted({r for q in names for r in owners[q]})
+    if len(roles) != 1:
+        by_role = {r: [q for q in names if r in owners[q]] for r in roles}
+        listed = "; ".join(f"{r}: {', '.join(qs)}" for r, qs in by_role.items())
+        raise ConfigError(
+            "-Q",
+            f"a worker consumes the queues of one role, and these are of {len(roles)} "
+            f"({listed}): start one worker per role, e.g. `celery -A agentq worker "
+            f"-Q agentq.tools` or `agentq worker tools`",
+        )
+    return roles[0]
+
+
+def pool_problem(role: str, pool: str) -> str | None:
+    """Why `pool` (a Celery pool name or class path) cannot serve `role`, or None."""
+    name = pool.lower()
+    if role == "tools" and not any(p in name for p in PREFORK_POOLS):
+        return (
+            f"the tool worker needs the prefork pool (hard time limits are only "
+            f"enforced there), not {pool!r}"
+        )
+    if role == "io" and "thread" not in name:
+        return (
+            f"the I/O worker runs its calls on one event loop fed by the threads pool, not {pool!r}"
+        )
+    return None
+
+
+def set_role(role: Role | None) -> None:
+    """Record this worker's role (before the prefork pool forks, so its children know it)."""
+    global _role
+    _role = role
+
+
+def current_role() -> Role | None:
+    """This process's worker role; None outside a worker (a client, the gateway, a test)."""
+    return _role
+
+
+__all__ = [
+    "HEARTBEAT_ROLES",
+    "Role",
+    "current_role",
+    "pool_problem",
+    "role_of",
+    "set_role",
+]

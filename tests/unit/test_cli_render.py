@@ -1,0 +1,62 @@
+"""The live view of `agentq run` folds events into lines: progress shows while a tool runs."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from agentq.cli.render import TurnView, progress_text
+from agentq.models import Event
+
+
+def ev(seq: int, type_: str, **fields: object) -> Event:
+    return Event.model_validate(
+        {"type": type_, "turn_id": "t", "seq": seq, "ts": 100.0 + seq, **fields}
+    )
+
+
+def shown(view: TurnView) -> str:
+    out = io.StringIO()
+    Console(file=out, width=120, color_system=None).print(view.render())
+    return out.getvalue()
+
+
+def test_progress_text_clamps_and_skips_what_is_missing() -> None:
+    assert progress_text("indexing", 41.6) == "indexing 42%"
+    assert progress_text("", 250) == "100%"
+    assert progress_text("half", None) == "half"
+    assert progress_text(None, float("nan")) == ""
+
+
+def test_the_live_view_shows_a_tools_progress_until_it_finishes() -> None:
+    view = TurnView("t")
+    view.apply(ev(1, "tool_started", call_id="c1", tool="crawl"))
+    view.apply(
+        ev(
+            2,
+            "tool_progress",
+            call_id="c1",
+            tool="crawl",
+            message="page 3 of 10",
+            pct=30,
+            source="tool",
+            elapsed_ms=900,
+        )
+    )
+    # The worker's own heartbeat tick carries no message: it must not erase the tool's.
+    view.apply(
+        ev(
+            3,
+            "tool_progress",
+            call_id="c1",
+            tool="crawl",
+            state="running",
+            source="worker",
+            elapsed_ms=1000,
+        )
+    )
+    assert "page 3 of 10 30%" in shown(view)
+    view.apply(ev(4, "tool_finished", call_id="c1", tool="crawl", status="ok", duration_ms=1500))
+    text = shown(view)
+    assert "page 3 of 10" not in text and "ok" in text
