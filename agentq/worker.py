@@ -191,4 +191,3 @@ def _warm_stream_worker(**_: Any) -> None:
         from agentq.llm.task import warm
 
         warm()
-

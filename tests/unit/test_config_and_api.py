@@ -61,9 +61,10 @@ def test_no_secret_in_the_repr_of_settings(monkeypatch: pytest.MonkeyPatch) -> N
         shown = repr(s) + str(s) + s.model_dump_json()
         for v in secrets.values():
             assert v not in shown, v
-        assert s.llm_api_key is not None and s.llm_api_key.get_secret_value() == secrets[
-            "AGENTQ_LLM_API_KEY"
-        ]
+        assert (
+            s.llm_api_key is not None
+            and s.llm_api_key.get_secret_value() == secrets["AGENTQ_LLM_API_KEY"]
+        )
     finally:
         get_settings.cache_clear()
 
