@@ -27,7 +27,7 @@ def flower_help() -> str:
     start = text.find("\n", text.find("options.py options:")) + 1
     # The default cookie secret is random per process: no use to a reader, and a secret.
     body = re.sub(
-        r"(--cookie-secret\s+secure cookie secret) \(default [^)]*\)", r"\1", text[start:]
+        r"(--cookie-secret\s+secure cookie secret)\s+\(default\s[^)]*\)", r"\1", text[start:]
     )
     return (
         "usage: agentq flower [--name=value ...]\n\n"
