@@ -22,6 +22,7 @@ from agentq.interactions import Interactions
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.steps import run_step, send_step
 from agentq.store import TurnStore, text
+from agentq.telemetry import tracing
 
 
 def _hash_token(token: str) -> str:
@@ -38,6 +39,8 @@ class Client:
         self.store: TurnStore = get_store(self.settings)
         self.app = app or get_app()
         self.interactions = Interactions(self.store)
+        # Drawing a turn's trace ids needs no SDK here: the workers record its spans.
+        self.traced = bool(self.settings.otel_spans_file) or tracing.wanted(self.settings.otel)
 
     # -- starting ------------------------------------------------------------------
 
@@ -117,6 +120,8 @@ class Client:
             "round": 0,
             "call_count": 0,
         }
+        if self.traced:
+            state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
         self.store.create(turn_id, state, prior + new)
         send_step(self.app, turn_id)
         return TurnHandle(

@@ -33,6 +33,11 @@ WORKERS = f"{PREFIX}:workers"
 """Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""
 
 
+STEP_DURATIONS = f"{PREFIX}:metrics:step_duration"
+"""Hash: the fleet's step durations as histogram buckets (`le:<seconds>`), `sum` and `count`,
+added to by every process that runs steps; /metrics reads it."""
+
+
 def turn_key(turn_id: str) -> str:
     """Hash of the turn's state."""
     return f"{PREFIX}:turn:{turn_id}"

@@ -170,6 +170,8 @@ class ToolTaskRequest(_Frozen):
     budget_s: float
     secret_ref: str | None = None
     """Redis key of a password answer; the secret itself never travels in a message."""
+    traceparent: str | None = None
+    """The turn's W3C trace context when tracing is on: the call's span goes under it."""
 
 
 class LlmRoundRequest(_Frozen):
@@ -180,6 +182,8 @@ class LlmRoundRequest(_Frozen):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     duration_left_s: float
     idle_timeout_ms: int
+    traceparent: str | None = None
+    """The turn's W3C trace context when tracing is on: the round's span goes under it."""
 
 
 class LlmRoundResult(_Frozen):

@@ -10,6 +10,7 @@ from celery import Celery
 
 from agentq.config import Settings
 from agentq.errors import StepLost
+from agentq.models import TurnStatus
 from agentq.store import TurnStore
 
 
@@ -25,6 +26,9 @@ class StepContext:
     """The turn's history as this step knows it: read when it began, plus what it appended."""
     cancel_reason: str | None = None
     now: float = field(default_factory=time.time)
+    ended: str | None = None
+    """The status this step ended the turn with (None: the turn goes on)."""
+    ended_error: str | None = None
 
     @property
     def headless(self) -> bool:
@@ -36,6 +40,20 @@ class StepContext:
             raise StepLost(self.turn_id)
         self.state.update(fields)
         self.history.extend(append or [])
+
+    def close(
+        self,
+        status: TurnStatus,
+        event: str,
+        event_fields: dict[str, Any],
+        error: str | None = None,
+        **fields: Any,
+    ) -> None:
+        """End the turn (status, terminal event, retention TTL) in one atomic write."""
+        if error is not None:
+            fields["error"] = error
+        if self.store.close(self.turn_id, status, event, event_fields, **fields):
+            self.ended, self.ended_error = status.value, error
 
     def publish(self, type_: str, **fields: Any) -> int:
         return self.store.bus.publish(self.turn_id, type_, **fields)

@@ -50,6 +50,7 @@ def send(ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]) -> No
             soft_timeout_s=p.soft_timeout_s or None,
             budget_s=p.budget_s,
             secret_ref=secrets.get(p.call.id),
+            traceparent=ctx.state.get("traceparent"),
         )
         ctx.app.send_task(
             p.task_name,

@@ -195,8 +195,7 @@ def finish(ctx: StepContext, reason: str) -> None:
         pipe.rpush(k.conversation_key(conv), *[json.dumps(m) for m in history])
         pipe.expire(k.conversation_key(conv), ctx.store.ttl_s)
         pipe.execute()
-    ctx.store.close(
-        ctx.turn_id,
+    ctx.close(
         TurnStatus.FINISHED,
         "turn_finished",
         {
@@ -224,8 +223,7 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     )
     if msgs:
         ctx.commit(append=msgs)
-    ctx.store.close(
-        ctx.turn_id,
+    ctx.close(
         TurnStatus.ERROR,
         "turn_error",
         {"code": code, "error": message, **fields},
@@ -258,8 +256,7 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
     )
     if msgs:
         ctx.commit(append=msgs)
-    ctx.store.close(
-        ctx.turn_id,
+    ctx.close(
         TurnStatus.ABORTED,
         "turn_aborted",
         {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},

@@ -37,6 +37,7 @@ def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
         tools=[t.openai_schema() for t in all_tools().values()],
         duration_left_s=left_s,
         idle_timeout_ms=s.stream_idle_timeout_ms,
+        traceparent=ctx.state.get("traceparent"),
     )
     # Recorded before sending: a step that takes over waits for this round instead.
     ctx.commit(
