@@ -67,7 +67,11 @@ def _observed_steps(
     span = tracing.start_span(
         tracing.SPAN_STEP,
         state.get("traceparent"),
-        {tracing.ATTR_TURN_ID: turn_id, tracing.ATTR_AGENT: state.get("agent")},
+        {
+            tracing.ATTR_TURN_ID: turn_id,
+            tracing.ATTR_AGENT: state.get("agent"),
+            tracing.ATTR_TASK_ID: log_context.celery_task()[0],
+        },
     )
     try:
         with tracing.active(span):

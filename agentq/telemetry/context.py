@@ -6,6 +6,7 @@ on, so the hot path pays nothing otherwise); read by the JSON log formatter.
 
 from __future__ import annotations
 
+import sys
 from contextvars import ContextVar, Token
 from typing import NamedTuple
 
@@ -18,6 +19,18 @@ class LogContext(NamedTuple):
 
 _EMPTY = LogContext()
 _current: ContextVar[LogContext] = ContextVar("agentq_log_context", default=_EMPTY)
+
+
+def celery_task() -> tuple[str | None, str | None]:
+    """The id and name of the Celery task this thread runs, found as Celery's TaskFormatter
+    finds them (without importing Celery into a process that has none)."""
+    state = sys.modules.get("celery._state")
+    if state is None:
+        return None, None
+    task = state.get_current_task()
+    if task is None or task.request is None:
+        return None, None
+    return getattr(task.request, "id", None), getattr(task, "name", None)
 
 
 def bind(
@@ -35,4 +48,4 @@ def current() -> LogContext:
     return _current.get()
 
 
-__all__ = ["LogContext", "bind", "current", "unbind"]
+__all__ = ["LogContext", "bind", "celery_task", "current", "unbind"]

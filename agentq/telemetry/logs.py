@@ -9,27 +9,16 @@ gets it too), the gateway from its app factory. Each line carries `ts`, `level`,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import sys
 import time
 from typing import Any
 
-from agentq.telemetry.context import current
+from agentq.telemetry.context import celery_task, current
 
 enabled = False
 """True once JSON logs are on in this process: the step, call and round bind their ids."""
-
-
-def _celery_task() -> tuple[str | None, str | None]:
-    """The id and name of the Celery task this thread runs, as Celery's TaskFormatter finds them."""
-    mod = sys.modules.get("celery._state")
-    if mod is None:
-        return None, None
-    task = mod.get_current_task()
-    if task is None or task.request is None:
-        return None, None
-    return getattr(task.request, "id", None), getattr(task, "name", None)
 
 
 class JsonFormatter(logging.Formatter):
@@ -45,7 +34,7 @@ class JsonFormatter(logging.Formatter):
             "pid": record.process,
         }
         ctx = current()
-        task_id, task_name = _celery_task()
+        task_id, task_name = celery_task()
         if ctx.turn_id is not None:
             out["turn_id"] = ctx.turn_id
         if ctx.call_id is not None:
@@ -105,6 +94,38 @@ def connect_celery_signals(log_format: str) -> None:
 
     after_setup_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json")
     after_setup_task_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json.task")
+    _bind_task_ids()
+
+
+def _bind_task_ids() -> None:
+    """Bind a task's turn (and call) from its arguments for the whole of its run, so
+    Celery's own lines about it (`... succeeded in 0.002s`) carry them too."""
+    from celery.signals import task_postrun, task_prerun
+
+    from agentq.telemetry.context import bind, unbind
+
+    tokens: dict[str, Any] = {}
+
+    def prerun(
+        task_id: str | None = None,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **_: Any,
+    ) -> None:
+        kw = kwargs or {}
+        turn_id = kw.get("turn_id") or (args[0] if args and isinstance(args[0], str) else None)
+        if task_id is not None and isinstance(turn_id, str):
+            tokens[task_id] = bind(turn_id, kw.get("call_id"), task_id)
+
+    def postrun(task_id: str | None = None, **_: Any) -> None:
+        token = tokens.pop(task_id, None) if task_id is not None else None
+        if token is not None:
+            # A token from another thread (a duplicate delivery) cannot be reset here.
+            with contextlib.suppress(ValueError):
+                unbind(token)
+
+    task_prerun.connect(prerun, weak=False, dispatch_uid="agentq.logs.prerun")
+    task_postrun.connect(postrun, weak=False, dispatch_uid="agentq.logs.postrun")
 
 
 __all__ = ["JsonFormatter", "apply", "connect_celery_signals", "enabled", "install"]
