@@ -239,8 +239,9 @@ def test_metrics_of_real_turns(obs: Fleet, llm_server: Any) -> None:
     before = obs.http.get("/metrics").text
     turn_id, _ = run_turn(obs, llm_server)
     spans = wait_for(
-        lambda: (s := turn_spans(obs, turn_id)) and any(x["name"] == tracing.SPAN_TURN for x in s)
-        and s,
+        lambda: (
+            (s := turn_spans(obs, turn_id)) and any(x["name"] == tracing.SPAN_TURN for x in s) and s
+        ),
         15,
         0.1,
     )
