@@ -79,10 +79,9 @@ def test_span_tree_of_one_turn(exporter: InMemorySpanExporter) -> None:
             tp,
             {**attrs, tracing.ATTR_CALL_ID: call_id, tracing.ATTR_TOOL: tool},
         )
-        with tracing.active(call):
-            # A tool's own span nests under its call's span.
-            with trace.get_tracer("tool").start_as_current_span("inside"):
-                pass
+        # A tool's own span nests under its call's span.
+        with tracing.active(call), trace.get_tracer("tool").start_as_current_span("inside"):
+            pass
         tracing.end_span(call, "ok" if tool == "echo" else "timeout")
     rnd = tracing.start_span(tracing.SPAN_ROUND, tp, attrs)
     tracing.end_span(rnd, "ok", {tracing.ATTR_INPUT_TOKENS: 11, tracing.ATTR_OUTPUT_TOKENS: None})
