@@ -39,8 +39,12 @@ class Client:
         self.store: TurnStore = get_store(self.settings)
         self.app = app or get_app()
         self.interactions = Interactions(self.store)
-        # Drawing a turn's trace ids needs no SDK here: the workers record its spans.
-        self.traced = bool(self.settings.otel_spans_file) or tracing.wanted(self.settings.otel)
+        s = self.settings
+        self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
+        if self.traced:
+            # The workers record a turn's spans; this process records those of the abort
+            # steps it runs (the turn's own span, when such a step ends it).
+            tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     # -- starting ------------------------------------------------------------------
 

@@ -70,7 +70,7 @@ from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source, replay_all
 from agentq.gateway.validate import clamp_to_log, request_id_of, stream_id_of, turn_id_of
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
-from agentq.telemetry import logs, tracing
+from agentq.telemetry import logs
 from agentq.telemetry.steptimes import read_histogram
 
 log = logging.getLogger("agentq.gateway")
@@ -425,10 +425,7 @@ def create_app(
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
-    s = client.settings
-    logs.install(s.log_format)
-    # The gateway runs abort steps itself: their spans, and the span of a turn they end.
-    tracing.setup("gateway", otel=s.otel, spans_file=s.otel_spans_file)
+    logs.install(client.settings.log_format)
     gw = Gateway(
         client,
         heartbeat_s=heartbeat_s,
