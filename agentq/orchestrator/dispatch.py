@@ -15,6 +15,7 @@ from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.plan import CallPlan, batches
 from agentq.results import lost_result
+from agentq.telemetry import tracing
 from agentq.timing import lost_deadline
 
 
@@ -149,6 +150,8 @@ def _settle_lost(
         worker=None if start is None else start.get("worker"),
     )
     if ctx.store.settle(ctx.turn_id, lost, wake=False):
+        if tracing.enabled:
+            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, lost)
         return lost
     # A real result that landed meanwhile wins: keep the one Redis holds.
     return ctx.store.result(ctx.turn_id, p.call.id) or lost

@@ -60,6 +60,7 @@ from agentq.orchestrator.plan import (
     with_safe_call_ids,
 )
 from agentq.results import cancelled_result, denied_result, error_result
+from agentq.telemetry import tracing
 
 MAX_TRANSITIONS_PER_STEP = 50
 """A bound on one step's work; a turn with more to do wakes itself for another step."""
@@ -147,6 +148,8 @@ def _plans(ctx: StepContext, calls: list[ToolCall]) -> list[CallPlan]:
 
 def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
     if ctx.store.settle(ctx.turn_id, result, wake=False):
+        if tracing.enabled:
+            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, result)
         return result, True
     return ctx.store.result(ctx.turn_id, result.call_id) or result, False
 

@@ -336,6 +336,26 @@ def end_turn(
     end_span(span, status, error=error)
 
 
+def record_settled(traceparent: object, turn_id: str, result: Any) -> None:
+    """The span of a call that a step settled itself (refused, denied, lost)."""
+    rec = result.record
+    record_span(
+        CALL_SPAN_PREFIX + result.tool,
+        traceparent,
+        {
+            ATTR_TURN_ID: turn_id,
+            ATTR_CALL_ID: result.call_id,
+            ATTR_TOOL: result.tool,
+            ATTR_TASK_ID: rec.task_id,
+            "agentq.settled_by": "turn",
+        },
+        start_s=rec.started_at,
+        end_s=None,
+        status=result.status,
+        error=result.error or result.reason,
+    )
+
+
 def call_attributes(req: Any, task_id: str | None) -> dict[str, Any]:
     return {
         ATTR_TURN_ID: req.turn_id,

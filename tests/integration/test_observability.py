@@ -181,6 +181,27 @@ def test_one_turn_is_one_trace_across_processes(obs: Fleet, llm_server: Any) -> 
     assert len({s["pid"] for s in spans}) >= 3
 
 
+def test_a_call_the_turn_refuses_has_its_span_too(obs: Fleet, llm_server: Any) -> None:
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(
+        key,
+        [Round(tool_calls=[ScriptedCall(name="no_such_tool", arguments={})]), Round(text="ok")],
+    )
+    handle = obs.client.start_turn(f"{key} go")
+    obs.client.wait(handle.turn_id, timeout_s=30)
+
+    def refused() -> dict[str, Any] | None:
+        spans = turn_spans(obs, handle.turn_id)
+        return next((s for s in spans if s["name"] == "agentq.tool.no_such_tool"), None)
+
+    span = wait_for(refused, 15, 0.1, message="the refused call's span")
+    assert isinstance(span, dict)
+    assert span["attributes"][tracing.ATTR_STATUS] == "error" and span["status"] == "ERROR"
+    assert span["attributes"]["agentq.settled_by"] == "turn"
+    ids = tracing.parse(obs.client.get(handle.turn_id)["state"]["traceparent"])
+    assert ids is not None and span["parent_span_id"] == f"{ids[1]:016x}"
+
+
 def json_lines(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text().splitlines():
