@@ -185,7 +185,6 @@ class Sweeper:
         # A claimed wakeup comes due again after this: the retry when its step died.
         self.retry_s = settings.step_lock_s + 5.0
         self.retention_s = settings.turn_retention_s
-        self.flush_s = settings.metrics_flush_s
         self._next_prune = 0.0
         self._stop = threading.Event()
 
@@ -244,8 +243,6 @@ class Sweeper:
                 self.sweep()
             except Exception:
                 log.warning("wakeup sweep failed", exc_info=True)
-            # The last steps' durations reach /metrics even when no step follows them.
-            step_times.flush_due(self.store.redis, self.flush_s)
 
 
 def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:

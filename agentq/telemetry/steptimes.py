@@ -3,13 +3,14 @@ fleet's totals in Redis every `metrics_flush_s`, read by the gateway's /metrics.
 
 A step takes milliseconds and runs in turn workers, tool children and loop workers
 alike, so neither a scrape port per process nor a Redis write per step: a local
-histogram, flushed by the step that finds it due (and by the turn worker's sweeper).
+histogram, added to Redis by a thread of the process (started by its first step).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 import time
 
@@ -31,35 +32,42 @@ INF_FIELD = "le:+Inf"
 
 
 class StepTimes:
-    """This process's step durations not yet added to Redis."""
+    """This process's step durations not yet added to Redis, and the thread that adds them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts = [0] * (len(STEP_BUCKETS_S) + 1)
         self._sum_s = 0.0
-        self._next_flush = 0.0
+        self._pid = 0
 
     def observe(self, seconds: float, client: redis.Redis, flush_s: float) -> None:
-        """Count one step; add the counts to Redis if `flush_s` passed since the last time."""
-        now = time.monotonic()
+        """Count one step; the process's flusher adds the counts to Redis every `flush_s`."""
         with self._lock:
+            if self._pid != os.getpid():
+                self._start(client, flush_s)
             self._counts[bisect.bisect_left(STEP_BUCKETS_S, seconds)] += 1
             self._sum_s += seconds
-            due = now >= self._next_flush
-            if due:
-                self._next_flush = now + flush_s
-        if due:
+
+    def _start(self, client: redis.Redis, flush_s: float) -> None:
+        # A forked child starts with its parent's counts, which the parent flushes itself.
+        self._pid = os.getpid()
+        self._counts = [0] * len(self._counts)
+        self._sum_s = 0.0
+        thread = threading.Thread(
+            target=self._run, args=(client, flush_s), name="agentq-step-times", daemon=True
+        )
+        thread.start()
+
+    def _run(self, client: redis.Redis, flush_s: float) -> None:
+        pid = os.getpid()
+        while self._pid == pid:
+            time.sleep(flush_s)
             self.flush(client)
 
-    def flush_due(self, client: redis.Redis, flush_s: float) -> None:
-        """Flush if `flush_s` passed since the last flush (for a thread that steps no turns)."""
-        now = time.monotonic()
+    def stop(self) -> None:
+        """Stop the flusher thread (after its current sleep); counts stay until `flush`."""
         with self._lock:
-            due = now >= self._next_flush
-            if due:
-                self._next_flush = now + flush_s
-        if due:
-            self.flush(client)
+            self._pid = 0
 
     def flush(self, client: redis.Redis) -> None:
         with self._lock:
@@ -70,11 +78,9 @@ class StepTimes:
             return
         try:
             pipe = client.pipeline(transaction=False)
-            for i, c in enumerate(counts):
+            fields = [bucket_field(le_s) for le_s in STEP_BUCKETS_S] + [INF_FIELD]
+            for field, c in zip(fields, counts, strict=True):
                 if c:
-                    field = (
-                        bucket_field(STEP_BUCKETS_S[i]) if i < len(STEP_BUCKETS_S) else INF_FIELD
-                    )
                     pipe.hincrby(STEP_DURATIONS, field, c)
             pipe.hincrbyfloat(STEP_DURATIONS, "sum", total_s)
             pipe.hincrby(STEP_DURATIONS, "count", n)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,10 +29,11 @@ from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import (
     JSON_READY_PATTERN,
     ManagedProcess,
+    start_process,
     start_worker,
     wait_for,
 )
-from agentq.testing.redis_server import RedisServer
+from agentq.testing.redis_server import RedisServer, find_free_port
 from agentq.testing.spans import read_spans
 from tests.conftest import base_env
 
@@ -305,3 +307,28 @@ def test_metrics_of_real_turns(obs: Fleet, llm_server: Any) -> None:
         text, "agentq_step_duration_seconds_count"
     )
     assert metric(text, "agentq_step_duration_seconds_sum") > 0
+
+
+def test_gateway_logs_json_without_the_token(obs: Fleet, tmp_path: Path) -> None:
+    port = find_free_port()
+    env = {**os.environ, "AGENTQ_LOG_FORMAT": "json", "AGENTQ_GATEWAY_PORT": str(port)}
+    log_path = tmp_path / "gateway.log"
+    with start_process(
+        [sys.executable, "-m", "agentq", "serve"],
+        env=env,
+        log_path=log_path,
+        ready_pattern=r'"message": "Uvicorn running',
+        name="gateway-json",
+    ):
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/turns/nope/events?token=s3cr3t-t0ken").status_code == 404
+
+        def access() -> dict[str, Any] | None:
+            lines = json_lines(log_path)
+            return next((x for x in lines if x["logger"] == "uvicorn.access"), None)
+
+        line = wait_for(access, 10, 0.05, message="the access log line")
+        assert isinstance(line, dict) and "/v1/turns/nope/events" in line["message"]
+    text = log_path.read_text()
+    assert "s3cr3t-t0ken" not in text
+    assert all(isinstance(json.loads(t), dict) for t in text.splitlines() if t.strip())

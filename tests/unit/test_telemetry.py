@@ -21,6 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from agentq.gateway.metrics import GatewayMetrics
 from agentq.telemetry import context, logs, tracing
 from agentq.telemetry.steptimes import StepTimes, read_histogram
+from agentq.testing.processes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,17 +179,30 @@ def test_json_log_line_keeps_a_traceback_on_one_line() -> None:
 def test_step_durations_add_up_across_processes() -> None:
     r = fakeredis.FakeRedis()
     a, b = StepTimes(), StepTimes()
-    a.observe(0.002, r, flush_s=3600)  # the first observation flushes
-    a.observe(0.3, r, flush_s=3600)  # kept until the next flush
+    a.observe(0.002, r, flush_s=3600)
+    a.observe(0.3, r, flush_s=3600)
     b.observe(20.0, r, flush_s=3600)
+    assert read_histogram(r) is None  # counted here, not yet in Redis
+    a.flush(r)
+    b.flush(r)
     hist = read_histogram(r)
     assert hist is not None
     buckets, total_s = dict(hist[0]), hist[1]
-    assert buckets["0.001"] == 0 and buckets["0.0025"] == 1 and buckets["10"] == 1
-    assert buckets["+Inf"] == 2 and total_s == pytest.approx(20.002)
-    a.flush(r)
-    hist = read_histogram(r)
-    assert hist is not None and dict(hist[0])["+Inf"] == 3 and dict(hist[0])["0.5"] == 2
+    assert buckets["0.001"] == 0 and buckets["0.0025"] == 1 and buckets["0.5"] == 2
+    assert buckets["10"] == 2 and buckets["+Inf"] == 3 and total_s == pytest.approx(20.302)
+    a.flush(r)  # nothing new: nothing added
+    assert read_histogram(r) == hist
+
+
+def test_the_flusher_thread_adds_counts_by_itself() -> None:
+    r = fakeredis.FakeRedis()
+    times = StepTimes()
+    times.observe(0.01, r, flush_s=0.05)
+    try:
+        hist = wait_for(lambda: read_histogram(r), 5, 0.02, message="the flusher's write")
+    finally:
+        times.stop()
+    assert hist is not None and dict(hist[0])["+Inf"] == 1
 
 
 def test_gateway_counts_tokens_and_time_to_first_token() -> None:
