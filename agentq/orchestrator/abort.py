@@ -12,6 +12,7 @@ from agentq import constants as k
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
 from agentq.store import TurnStore, text
+from agentq.telemetry import tracing
 
 
 def revoke_unsettled(
@@ -51,6 +52,7 @@ def settle_pending(
     turn_id: str,
     history: list[dict[str, Any]],
     result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
+    traceparent: object = None,
 ) -> list[dict[str, Any]]:
     """Settle each unanswered call (unless a result won already); return the round's tool
     messages, so the history stays valid however the turn ends."""
@@ -59,7 +61,9 @@ def settle_pending(
         return []
     _, dispatched = store.round_view(turn_id, [c.id for c in calls])
     for call in calls:
-        store.settle(turn_id, result_for(call, dispatched.get(call.id, {})), wake=False)
+        result = result_for(call, dispatched.get(call.id, {}))
+        if store.settle(turn_id, result, wake=False) and tracing.enabled:
+            tracing.record_settled(traceparent, turn_id, result)
     results, _ = store.round_view(turn_id, [c.id for c in calls])
     # A password answer is read once by its tool; a round that ends must not leave one.
     store.redis.delete(*[k.secret_key(turn_id, f"{c.id}.approval") for c in calls])

@@ -223,6 +223,7 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
             if headless
             else error_result(call, f"not run: the turn failed ({message})")
         ),
+        ctx.state.get("traceparent"),
     )
     if msgs:
         ctx.commit(append=msgs)
@@ -256,6 +257,7 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
         ctx.turn_id,
         ctx.history,
         lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
+        ctx.state.get("traceparent"),
     )
     if msgs:
         ctx.commit(append=msgs)

@@ -157,14 +157,18 @@ def _observed(task_id: str | None, req: ToolTaskRequest, run: Callable[[], str])
         req.traceparent,
         tracing.call_attributes(req, task_id),
     )
-    status = "error"
     try:
         with tracing.active(span):
             status = run()
-        return status
+    except Exception as exc:
+        tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    # Anything else (the hard limit's SIGTERM, a revoke) leaves the span open, unexported:
+    # whoever settles the call (the worker's parent, the abort) records it.
     finally:
         log_context.unbind(bound)
-        tracing.end_span(span, status)
+    tracing.end_span(span, status)
+    return status
 
 
 def _on_task_failure(
@@ -202,8 +206,8 @@ def _on_task_failure(
         result = lost_result(
             call, f"its worker process died ({exception})", timeout_s=req.timeout_s, **common
         )
-    store.settle(req.turn_id, result)
-    if tracing.enabled:
+    won = store.settle(req.turn_id, result)
+    if won and tracing.enabled:
         # The child that ran the call died with its span: record it from here.
         tracing.record_span(
             tracing.CALL_SPAN_PREFIX + req.tool,

@@ -204,6 +204,64 @@ def test_a_call_the_turn_refuses_has_its_span_too(obs: Fleet, llm_server: Any) -
     assert ids is not None and span["parent_span_id"] == f"{ids[1]:016x}"
 
 
+def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Fleet, llm_server: Any) -> None:
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(
+        key, [Round(tool_calls=[ScriptedCall(name="stuck", arguments={})]), Round(text="ok")]
+    )
+    handle = obs.client.start_turn(f"{key} go")
+    obs.client.wait(handle.turn_id, timeout_s=30)
+
+    def killed() -> list[dict[str, Any]] | None:
+        spans = turn_spans(obs, handle.turn_id)
+        found = [s for s in spans if s["name"] == "agentq.tool.stuck"]
+        return found if any(s["name"] == tracing.SPAN_TURN for s in spans) and found else None
+
+    found = wait_for(killed, 15, 0.1, message="the killed call's span")
+    assert isinstance(found, list)
+    # The child died with its span open; the worker's parent, which settles the call,
+    # records it.
+    (span,) = found
+    assert span["attributes"][tracing.ATTR_STATUS] == "timeout" and span["status"] == "ERROR"
+    assert span["service"] == "agentq-tools"
+    assert (span["end_ns"] - span["start_ns"]) / 1e9 >= 1.5
+
+
+def test_an_aborted_turn_has_its_span_and_one_per_call(obs: Fleet, llm_server: Any) -> None:
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    calls = [
+        ScriptedCall(name="hang", arguments={"seconds": 60}),
+        ScriptedCall(name="aio_sleep", arguments={"seconds": 60}),
+    ]
+    llm_server.set_script(key, [Round(tool_calls=calls), Round(text="never")])
+    handle = obs.client.start_turn(f"{key} go")
+    started: set[str] = set()
+    for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
+        if ev is not None and ev.type == "tool_started":
+            started.add(str(ev.fields["tool"]))
+            if started == {"hang", "aio_sleep"}:
+                break
+    obs.client.abort(handle.turn_id, handle.token)
+    obs.client.wait(handle.turn_id, timeout_s=30)
+
+    def spans() -> list[dict[str, Any]] | None:
+        got = turn_spans(obs, handle.turn_id)
+        names = [s["name"] for s in got]
+        done = tracing.SPAN_TURN in names and {"agentq.tool.hang", "agentq.tool.aio_sleep"} <= set(
+            names
+        )
+        return got if done else None
+
+    got = wait_for(spans, 15, 0.1, message="the aborted turn's spans")
+    assert isinstance(got, list)
+    (root,) = [s for s in got if s["name"] == tracing.SPAN_TURN]
+    assert root["attributes"][tracing.ATTR_STATUS] == "aborted" and root["status"] == "ERROR"
+    for tool in ("hang", "aio_sleep"):
+        (call,) = [s for s in got if s["name"] == f"agentq.tool.{tool}"]
+        assert call["attributes"][tracing.ATTR_STATUS] == "cancelled", call
+        assert call["parent_span_id"] == root["span_id"]
+
+
 def json_lines(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text().splitlines():
