@@ -170,9 +170,10 @@ async def run_round(
         host.running.pop(name, None)
         if observed:
             log_context.unbind(bound)
-    await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json())
     if observed:
+        # Before the result is stored: storing it may run the turn's next step here.
         _end_round_span(span, result, stats)
+    await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json())
     return result
 
 
