@@ -23,6 +23,7 @@ from agentq.interactions import Interactions
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.steps import run_step, send_step
 from agentq.store import TurnStore, text
+from agentq.telemetry import tracing
 
 
 def _hash_token(token: str) -> str:
@@ -39,6 +40,12 @@ class Client:
         self.store: TurnStore = get_store(self.settings)
         self.app = app or get_app()
         self.interactions = Interactions(self.store)
+        s = self.settings
+        self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
+        if self.traced:
+            # The workers record a turn's spans; this process records those of the abort
+            # steps it runs (the turn's own span, when such a step ends it).
+            tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     # -- starting ------------------------------------------------------------------
 
@@ -125,6 +132,8 @@ class Client:
             "round": 0,
             "call_count": 0,
         }
+        if self.traced:
+            state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
         self.store.create(turn_id, state, prior + new)
         send_step(self.app, turn_id)
         return TurnHandle(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from typing import Literal
 
 from pydantic import (
     AliasChoices,
@@ -86,6 +87,14 @@ class Settings(BaseSettings):
     task_events: bool = False
     """Always send Celery task events (for monitors other than Flower, which turns them on
     while it runs); off by default, they cost three publishes per task."""
+    log_format: Literal["text", "json"] = "text"
+    """`json`: every log line of the workers and the gateway is one JSON object."""
+    otel: bool | None = None
+    """OpenTelemetry traces on or off; unset follows the standard `OTEL_*` variables."""
+    otel_spans_file: str | None = None
+    """For tests: every span as a JSON line in this file (tracing on, no collector)."""
+    metrics_flush_s: float = Field(5.0, gt=0)
+    """How often a process adds its step durations to the fleet's totals in Redis."""
     event_log_maxlen: int = Field(10_000, ge=100)
     """Approximate cap of each turn's replay log."""
     turn_retention_s: int = Field(

@@ -36,6 +36,11 @@ AGENTS = f"{PREFIX}:agents"
 """Hash: agent name -> JSON {model, tools, seen_at}, published by turn workers."""
 
 
+STEP_DURATIONS = f"{PREFIX}:metrics:step_duration"
+"""Hash: the fleet's step durations as histogram buckets (`le:<seconds>`), `sum` and `count`,
+added to by every process that runs steps; /metrics reads it."""
+
+
 def turn_key(turn_id: str) -> str:
     """Hash of the turn's state."""
     return f"{PREFIX}:turn:{turn_id}"

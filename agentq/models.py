@@ -171,6 +171,8 @@ class ToolTaskRequest(_Frozen):
     budget_s: float
     secret_ref: str | None = None
     """Redis key of a password answer; the secret itself never travels in a message."""
+    traceparent: str | None = None
+    """The turn's W3C trace context when tracing is on: the call's span goes under it."""
 
 
 class LlmRoundRequest(_Frozen):
@@ -185,6 +187,8 @@ class LlmRoundRequest(_Frozen):
     """The agent's model; None: the stream worker's AGENTQ_LLM_MODEL."""
     instructions: str = ""
     """The agent's instructions, sent as the system message before the history."""
+    traceparent: str | None = None
+    """The turn's W3C trace context when tracing is on: the round's span goes under it."""
 
 
 class LlmRoundResult(_Frozen):

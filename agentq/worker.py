@@ -10,7 +10,13 @@ import os
 import time
 from typing import Any
 
-from celery.signals import worker_init, worker_process_init, worker_ready, worker_shutdown
+from celery.signals import (
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+)
 
 from agentq.app import create_app, longest_limit_s
 from agentq.config import get_settings
@@ -19,6 +25,7 @@ from agentq.llm.task import register_llm_task
 from agentq.orchestrator.steps import register_step_task
 from agentq.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.runtime import get_store, set_app, step_inline
+from agentq.telemetry import logs, tracing
 from agentq.tools.registry import all_tools, load_tool_modules
 from agentq.tools.task import queues_of, register_tool_tasks
 
@@ -51,6 +58,12 @@ def _survive_broker_restarts() -> None:
 
 _survive_broker_restarts()
 settings = get_settings()
+logs.connect_celery_signals(settings.log_format)
+tracing.setup(
+    os.environ.get("AGENTQ_WORKER_KIND") or "worker",
+    otel=settings.otel,
+    spans_file=settings.otel_spans_file,
+)
 load_tool_modules(settings.tool_modules)
 # The broker must not hand a message out again while its call may still run: the longest
 # limit any call can get, a per-call hint up to `max_timeout_s` included.
@@ -191,3 +204,17 @@ def _warm_stream_worker(**_: Any) -> None:
         from agentq.llm.task import warm
 
         warm()
+
+
+@worker_process_shutdown.connect
+@worker_shutdown.connect
+def _flush_telemetry(**_: Any) -> None:
+    """Export the spans still buffered, and the step durations not yet in Redis, before
+    the process goes (a prefork child exits without running atexit hooks)."""
+    from agentq.telemetry.steptimes import step_times
+
+    tracing.shutdown()
+    try:
+        step_times.flush(get_store().redis)
+    except Exception:
+        log.debug("step durations not flushed at exit", exc_info=True)

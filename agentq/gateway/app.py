@@ -70,6 +70,8 @@ from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source, replay_all
 from agentq.gateway.validate import clamp_to_log, request_id_of, stream_id_of, turn_id_of
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
+from agentq.telemetry import logs
+from agentq.telemetry.steptimes import read_histogram
 
 log = logging.getLogger("agentq.gateway")
 
@@ -397,6 +399,9 @@ class Gateway:
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
+                self.metrics.steps.snapshot = await anyio.to_thread.run_sync(
+                    read_histogram, self.client.store.redis, abandon_on_cancel=True
+                )
             except redis.RedisError as exc:
                 log.warning("metrics: cannot read active turns: %s", exc)
         if active is None:
@@ -426,6 +431,7 @@ def create_app(
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
+    logs.install(client.settings.log_format)
     gw = Gateway(
         client,
         heartbeat_s=heartbeat_s,

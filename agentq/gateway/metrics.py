@@ -8,6 +8,14 @@ What each metric counts, and where it comes from:
   settled call, with or without a duration (denied calls have none).
 - ``agentq_tool_timeouts_total{tool}``: ``tool_finished`` with status ``timeout`` (the
   hard limit killed the call; ``lost`` calls are counted under results only).
+- ``agentq_llm_tokens_total{kind}``: ``usage`` of every ``llm_finished`` event, ``kind``
+  ``prompt`` or ``completion``.
+- ``agentq_llm_ttft_seconds`` histogram: ``ttft_ms`` of ``llm_finished`` (from the round's
+  start, retries included, to its first text, reasoning or tool call).
+- ``agentq_llm_round_duration_seconds{outcome}`` histogram: ``duration_ms`` of
+  ``llm_finished`` (``ok`` or ``error``).
+- ``agentq_step_duration_seconds`` histogram: every turn step of the fleet, read from
+  Redis at scrape time (each process adds its counts every ``AGENTQ_METRICS_FLUSH_S``).
 - ``agentq_turn_aborts_total{reason}``: ``turn_aborted`` events by reason (user,
   disconnect, timeout, error).
 - ``agentq_turns_ended_total{outcome}``: terminal events (finished, aborted, error).
@@ -41,6 +49,7 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from agentq.constants import PREFIX
 
@@ -48,6 +57,8 @@ log = logging.getLogger("agentq.gateway.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 EVENTS_PATTERN = f"{PREFIX}:turn:*:events"
+TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, float("inf"))
+ROUND_BUCKETS_S = (0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, float("inf"))
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
 MAX_TOOL_LABELS = 200
 """Tool names come from the model (an unknown tool still settles); cap the label set."""
@@ -97,8 +108,28 @@ class GatewayMetrics:
         self.redis_up = Gauge(
             "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r
         )
+        self.tokens = Counter(
+            "agentq_llm_tokens", "Model tokens by kind (prompt, completion).", ["kind"], registry=r
+        )
+        self.ttft = Histogram(
+            "agentq_llm_ttft_seconds",
+            "Time to first token of model rounds.",
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.round_duration = Histogram(
+            "agentq_llm_round_duration_seconds",
+            "Duration of model rounds, by outcome.",
+            ["outcome"],
+            buckets=ROUND_BUCKETS_S,
+            registry=r,
+        )
+        self.steps = StepDurations()
+        r.register(self.steps)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
+        for kind in ("prompt", "completion"):
+            self.tokens.labels(kind=kind)
         self._tools: set[str] = set()
         self._lock = threading.Lock()
 
@@ -127,13 +158,30 @@ class GatewayMetrics:
                 self.tool_duration.labels(tool=tool, status=status).observe(duration_ms / 1000)
             if status == "timeout":
                 self.tool_timeouts.labels(tool=tool).inc()
-        elif type_ in ("llm_retry", "llm_finished") and event.get("code") == "ETIMEDOUT":
+        elif type_ == "llm_finished":
+            self._llm_finished(event)
+        if type_ in ("llm_retry", "llm_finished") and event.get("code") == "ETIMEDOUT":
             self.watchdog_trips.inc()
         if type_ in _TERMINAL:
             self.turns_ended.labels(outcome=_TERMINAL[str(type_)]).inc()
             if type_ == "turn_aborted":
                 reason = str(event.get("reason"))
                 self.aborts.labels(reason=reason if reason in _ABORT_REASONS else "other").inc()
+
+    def _llm_finished(self, event: dict[str, Any]) -> None:
+        usage = event.get("usage")
+        if isinstance(usage, dict):
+            for kind in ("prompt", "completion"):
+                n = usage.get(f"{kind}_tokens")
+                if isinstance(n, int) and n > 0:
+                    self.tokens.labels(kind=kind).inc(n)
+        ttft_ms = event.get("ttft_ms")
+        if isinstance(ttft_ms, (int, float)) and ttft_ms >= 0:
+            self.ttft.observe(ttft_ms / 1000)
+        duration_ms = event.get("duration_ms")
+        if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
+            outcome = "error" if event.get("error") else "ok"
+            self.round_duration.labels(outcome=outcome).observe(duration_ms / 1000)
 
     def streamed(self, type_: str) -> None:
         self.events_streamed.labels(type=type_ if len(type_) <= 40 else "other").inc()
@@ -154,6 +202,26 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StepDurations:
+    """``agentq_step_duration_seconds`` from the fleet's totals, as last read from Redis."""
+
+    NAME = "agentq_step_duration_seconds"
+    HELP = "Duration of turn steps, fleet-wide."
+
+    def __init__(self) -> None:
+        self.snapshot: tuple[list[tuple[str, float]], float] | None = None
+
+    def describe(self) -> list[HistogramMetricFamily]:
+        return [HistogramMetricFamily(self.NAME, self.HELP)]
+
+    def collect(self) -> list[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.NAME, self.HELP)
+        snap = self.snapshot
+        if snap is not None:
+            family.add_metric([], buckets=snap[0], sum_value=snap[1])
+        return [family]
 
 
 class EventObserver:

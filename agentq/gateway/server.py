@@ -12,6 +12,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from agentq.config import get_settings
+from agentq.telemetry import logs
 
 GRACEFUL_SHUTDOWN_S = 5
 """SSE streams end within a second of shutdown; past this, shutdown cancels what is left."""
@@ -48,6 +49,8 @@ def serve(
         log_level="info",
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+    # uvicorn.Config set its own formatters after the app factory ran.
+    logs.install(settings.log_format)
     server = GatewayServer(config)
     # uvicorn re-raises Ctrl-C after its graceful shutdown: for us, a normal stop.
     with contextlib.suppress(KeyboardInterrupt):

@@ -79,8 +79,12 @@ async def astream_round(
     abort: asyncio.Event,
     turn_id: str = "",
     duration_limit_s: float | None = None,
+    on_first_output: Callable[[], None] | None = None,
 ) -> tuple[AssistantMessage, float]:
     """Stream one assistant message; returns it and the seconds spent streaming.
+
+    `on_first_output` is called once per attempt, when the first chunk with text, reasoning
+    or a tool call arrives (time to first token).
 
     Raises what `stream_round` raises, under the same rules.
     """
@@ -103,6 +107,7 @@ async def astream_round(
             on_delta=on_delta,
             abort=abort,
             turn_id=turn_id,
+            on_first_output=on_first_output,
         )
         try:
             message = await run.run(messages, tools)
@@ -139,8 +144,10 @@ class _Attempt:
         on_delta: DeltaCallback,
         abort: asyncio.Event,
         turn_id: str,
+        on_first_output: Callable[[], None] | None = None,
     ) -> None:
         self.client = client
+        self.on_first_output = on_first_output
         self.model = model
         self.idle_timeout_ms = idle_timeout_ms
         self.idle_s = idle_timeout_ms / 1000.0 if idle_timeout_ms > 0 else None
@@ -226,6 +233,9 @@ class _Attempt:
                     used_s = self.duration_limit_s - self.duration_left_s
                     raise StreamDurationExceeded(self.duration_limit_s, used_s + elapsed_s)
                 assembler.add(chunk, self.chunks - 1)
+                if self.on_first_output is not None and assembler.has_output:
+                    self.on_first_output()
+                    self.on_first_output = None
                 self._last = time.monotonic()
         return assembler.message()
 

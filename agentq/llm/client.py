@@ -367,6 +367,11 @@ class _Assembler:
         if arguments:
             partial.arguments.append(arguments)
 
+    @property
+    def has_output(self) -> bool:
+        """Whether the model said anything yet: text, reasoning or a tool call."""
+        return bool(self._text or self._reasoning or self._calls)
+
     def message(self) -> AssistantMessage:
         calls: list[ToolCall] = []
         for position in sorted(self._calls):

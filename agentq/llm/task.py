@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,8 @@ from agentq.aio.host import LoopHost, Running, get_host
 from agentq.config import Settings
 from agentq.errors import Aborted, AgentqError, LlmError
 from agentq.models import LlmRoundRequest, LlmRoundResult
+from agentq.telemetry import context as log_context
+from agentq.telemetry import logs, tracing
 
 if TYPE_CHECKING:
     import openai
@@ -148,7 +151,9 @@ class _Deltas:
         await self.publisher.drain(self.turn_id)
 
 
-async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
+async def run_round(
+    host: LoopHost, req: LlmRoundRequest, task_id: str | None = None
+) -> LlmRoundResult:
     store = host.store
     streams = _get_streams(host)
     done = await host.io(store.redis.get, k.llm_result_key(req.turn_id, req.round_no))
@@ -173,20 +178,71 @@ async def run_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundResult:
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
     remove_cancel = host.cancels.add(req.turn_id, abort.set)
+    stats = _RoundStats()
+    observed = tracing.enabled or logs.enabled
+    if observed:
+        bound = log_context.bind(req.turn_id, None, task_id)
+        span = tracing.start_span(
+            tracing.SPAN_ROUND,
+            req.traceparent,
+            {
+                tracing.ATTR_TURN_ID: req.turn_id,
+                tracing.ATTR_ROUND: req.round_no,
+                tracing.ATTR_TASK_ID: task_id,
+                "gen_ai.request.model": host.settings.llm_model,
+            },
+        )
     try:
         if await host.io(store.redis.exists, k.cancel_key(req.turn_id)):
             abort.set()
-        result = await _stream(host, streams, req, abort)
+        with tracing.active(span) if observed else contextlib.nullcontext():
+            result = await _stream(host, streams, req, abort, stats)
     finally:
         remove_cancel()
         streams.release(key)
         host.running.pop(name, None)
+        if observed:
+            log_context.unbind(bound)
+    if observed:
+        # Before the result is stored: storing it may run the turn's next step here.
+        _end_round_span(span, result, stats)
     await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json())
     return result
 
 
+@dataclasses.dataclass
+class _RoundStats:
+    ttft_ms: int | None = None
+    """From the round's start (retries included) to its first text, reasoning or tool call."""
+
+
+def _end_round_span(span: Any, result: LlmRoundResult, stats: _RoundStats) -> None:
+    usage = result.message.usage if result.message is not None else None
+    status = "ok" if result.ok else "aborted" if result.aborted else "error"
+    tracing.end_span(
+        span,
+        status,
+        {
+            tracing.ATTR_TTFT_MS: stats.ttft_ms,
+            tracing.ATTR_INPUT_TOKENS: usage.prompt_tokens if usage else None,
+            tracing.ATTR_OUTPUT_TOKENS: usage.completion_tokens if usage else None,
+            "agentq.error_code": result.error_code,
+            "gen_ai.response.finish_reasons": (
+                [result.message.finish_reason]
+                if result.message is not None and result.message.finish_reason
+                else None
+            ),
+        },
+        error=result.error,
+    )
+
+
 async def _stream(
-    host: LoopHost, streams: _Streams, req: LlmRoundRequest, abort: asyncio.Event
+    host: LoopHost,
+    streams: _Streams,
+    req: LlmRoundRequest,
+    abort: asyncio.Event,
+    stats: _RoundStats,
 ) -> LlmRoundResult:
     from agentq.llm.aclient import astream_round, client_timeout
 
@@ -214,6 +270,11 @@ async def _stream(
     model = req.model or settings.llm_model
     events.add("llm_started", model=model)
     t0 = time.monotonic()
+
+    def on_first_output() -> None:
+        if stats.ttft_ms is None:
+            stats.ttft_ms = int((time.monotonic() - t0) * 1000)
+
     try:
         if streams.client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
@@ -233,6 +294,7 @@ async def _stream(
             on_retry=on_retry,
             abort=abort,
             turn_id=req.turn_id,
+            on_first_output=on_first_output,
         )
         result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
         events.add(
@@ -241,6 +303,7 @@ async def _stream(
             tool_calls=len(message.tool_calls),
             usage=None if message.usage is None else message.usage.model_dump(),
             duration_ms=int((time.monotonic() - t0) * 1000),
+            ttft_ms=stats.ttft_ms,
         )
     except Aborted:
         result = LlmRoundResult(
@@ -254,6 +317,7 @@ async def _stream(
             error=exc.message,
             code=code,
             duration_ms=int((time.monotonic() - t0) * 1000),
+            ttft_ms=stats.ttft_ms,
             **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},
         )
         result = LlmRoundResult(
@@ -277,15 +341,15 @@ async def _stream(
     return result
 
 
-def submit_round(req: LlmRoundRequest) -> None:
+def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
     """In a Celery thread: hand the round to the loop (waiting while it is full)."""
     host = get_host()
-    host.loop.submit(lambda: _guarded(host, req))
+    host.loop.submit(lambda: _guarded(host, req, task_id))
 
 
-async def _guarded(host: LoopHost, req: LlmRoundRequest) -> None:
+async def _guarded(host: LoopHost, req: LlmRoundRequest, task_id: str | None = None) -> None:
     try:
-        await run_round(host, req)
+        await run_round(host, req, task_id)
     except Exception:
         log.exception("round %s of turn %s failed outside the stream", req.round_no, req.turn_id)
         with contextlib.suppress(Exception):
@@ -296,7 +360,9 @@ async def _guarded(host: LoopHost, req: LlmRoundRequest) -> None:
 
 
 def register_llm_task(app: Celery) -> None:
-    @app.task(name=k.TASK_LLM_ROUND, acks_late=True, ignore_result=True, queue=k.QUEUE_LLM)
-    def llm_round_task(**kwargs: object) -> str:
-        submit_round(LlmRoundRequest.model_validate(kwargs))
+    @app.task(
+        name=k.TASK_LLM_ROUND, bind=True, acks_late=True, ignore_result=True, queue=k.QUEUE_LLM
+    )
+    def llm_round_task(self: Any, **kwargs: object) -> str:
+        submit_round(LlmRoundRequest.model_validate(kwargs), getattr(self.request, "id", None))
         return json.dumps({"round": "handed to the event loop"})

@@ -12,6 +12,7 @@ from agentq import constants as k
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
 from agentq.store import TurnStore
+from agentq.telemetry import tracing
 
 
 def revoke_unsettled(
@@ -46,6 +47,7 @@ def settle_pending(
     turn_id: str,
     history: list[dict[str, Any]],
     result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
+    traceparent: object = None,
 ) -> list[dict[str, Any]]:
     """Settle each unanswered call (unless a result won already); return the round's tool
     messages, so the history stays valid however the turn ends."""
@@ -60,6 +62,8 @@ def settle_pending(
         mine = result_for(call, dispatched.get(call.id, {}))
         if store.settle(turn_id, mine, wake=False):
             settled[call.id] = mine
+            if tracing.enabled:
+                tracing.record_settled(traceparent, turn_id, mine)
         else:
             lost_race = True  # a tool's result came first: it is the one kept
     if lost_race:

@@ -11,6 +11,7 @@ from celery import Celery
 from agentq.agents import Agent
 from agentq.config import Settings
 from agentq.errors import StepLost
+from agentq.models import TurnStatus
 from agentq.store import TurnStore
 
 
@@ -28,6 +29,9 @@ class StepContext:
     now: float = field(default_factory=time.time)
     agent: Agent | None = None
     """The turn's agent; `settings` already carry its overrides."""
+    ended: str | None = None
+    """The status this step ended the turn with (None: the turn goes on)."""
+    ended_error: str | None = None
 
     @property
     def headless(self) -> bool:
@@ -39,6 +43,20 @@ class StepContext:
             raise StepLost(self.turn_id)
         self.state.update(fields)
         self.history.extend(append or [])
+
+    def close(
+        self,
+        status: TurnStatus,
+        event: str,
+        event_fields: dict[str, Any],
+        error: str | None = None,
+        **fields: Any,
+    ) -> None:
+        """End the turn (status, terminal event, retention TTL) in one atomic write."""
+        if error is not None:
+            fields["error"] = error
+        if self.store.close(self.turn_id, status, event, event_fields, **fields):
+            self.ended, self.ended_error = status.value, error
 
     def publish(self, type_: str, **fields: Any) -> int:
         return self.store.bus.publish(self.turn_id, type_, **fields)

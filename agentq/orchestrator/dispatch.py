@@ -16,6 +16,7 @@ from agentq.orchestrator import subturns
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.plan import CallPlan, batches
 from agentq.results import lost_result
+from agentq.telemetry import tracing
 from agentq.timing import lost_deadline
 
 
@@ -51,6 +52,7 @@ def send(ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]) -> No
             soft_timeout_s=p.soft_timeout_s or None,
             budget_s=p.budget_s,
             secret_ref=secrets.get(p.call.id),
+            traceparent=ctx.state.get("traceparent"),
         )
         ctx.app.send_task(
             p.task_name,
@@ -163,6 +165,8 @@ def _settle_lost(
         worker=None if start is None else start.get("worker"),
     )
     if ctx.store.settle(ctx.turn_id, lost, wake=False):
+        if tracing.enabled:
+            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, lost)
         return lost
     # A real result that landed meanwhile wins: keep the one Redis holds.
     return ctx.store.result(ctx.turn_id, p.call.id) or lost

@@ -69,6 +69,7 @@ from agentq.orchestrator.plan import (
     with_safe_call_ids,
 )
 from agentq.results import cancelled_result, denied_result, error_result
+from agentq.telemetry import tracing
 
 MAX_TRANSITIONS_PER_STEP = 50
 """A bound on one step's work; a turn with more to do wakes itself for another step."""
@@ -165,6 +166,8 @@ def _plans(ctx: StepContext, calls: list[ToolCall]) -> list[CallPlan]:
 
 def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
     if ctx.store.settle(ctx.turn_id, result, wake=False):
+        if tracing.enabled:
+            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, result)
         return result, True
     return ctx.store.result(ctx.turn_id, result.call_id) or result, False
 
@@ -214,8 +217,7 @@ def finish(ctx: StepContext, reason: str) -> None:
         pipe.expire(k.conversation_key(conv), ctx.store.ttl_s)
         pipe.execute()
     content = final.get("content") or ""
-    ctx.store.close(
-        ctx.turn_id,
+    ctx.close(
         TurnStatus.FINISHED,
         "turn_finished",
         {
@@ -241,12 +243,12 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
             if headless
             else error_result(call, f"not run: the turn failed ({message})")
         ),
+        ctx.state.get("traceparent"),
     )
     if msgs:
         ctx.commit(append=msgs)
     subturns.abort_children(ctx, "error")
-    ctx.store.close(
-        ctx.turn_id,
+    ctx.close(
         TurnStatus.ERROR,
         "turn_error",
         {"code": code, "error": message, **fields},
@@ -277,12 +279,12 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
         ctx.turn_id,
         ctx.history,
         lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
+        ctx.state.get("traceparent"),
     )
     if msgs:
         ctx.commit(append=msgs)
     subturns.abort_children(ctx, reason)
-    ctx.store.close(
-        ctx.turn_id,
+    ctx.close(
         TurnStatus.ABORTED,
         "turn_aborted",
         {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},

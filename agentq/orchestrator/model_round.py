@@ -44,6 +44,7 @@ def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
         idle_timeout_ms=s.stream_idle_timeout_ms,
         model=None if agent is None else agent.model,
         instructions="" if agent is None else agent.instructions,
+        traceparent=ctx.state.get("traceparent"),
     )
     # Recorded before sending: a step that takes over waits for this round instead.
     ctx.commit(

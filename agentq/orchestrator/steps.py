@@ -25,7 +25,10 @@ from agentq.config import Settings
 from agentq.errors import HeadlessInteraction, LlmError, StepLost
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.machine import advance, fail, fail_headless
-from agentq.store import TurnStore, text
+from agentq.store import StepView, TurnStore, text
+from agentq.telemetry import context as log_context
+from agentq.telemetry import logs, tracing
+from agentq.telemetry.steptimes import step_times
 
 log = logging.getLogger("agentq.turn")
 
@@ -36,11 +39,62 @@ PRUNE_BATCH = 500
 
 def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings) -> str:
     """Advance one turn as far as it goes now; "busy" if another step holds it."""
-    token = secrets.token_hex(8)
-    ttl_ms = int(settings.step_lock_s * 1000)
-    view = store.begin_step(turn_id, token, ttl_ms)
-    if view is None:
-        return "busy"
+    started = time.perf_counter()
+    try:
+        token = secrets.token_hex(8)
+        ttl_ms = int(settings.step_lock_s * 1000)
+        view = store.begin_step(turn_id, token, ttl_ms)
+        if view is None:
+            return "busy"
+        if not (tracing.enabled or logs.enabled):
+            return _steps(turn_id, view, token, ttl_ms, store, app, settings)
+        return _observed_steps(turn_id, view, token, ttl_ms, store, app, settings)
+    finally:
+        step_times.observe(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
+
+
+def _observed_steps(
+    turn_id: str,
+    view: StepView,
+    token: str,
+    ttl_ms: int,
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+) -> str:
+    """`_steps` with the turn's id bound for the logs and a step span under the turn's."""
+    state = view.state or {}
+    bound = log_context.bind(turn_id)
+    span = tracing.start_span(
+        tracing.SPAN_STEP,
+        state.get("traceparent"),
+        {
+            tracing.ATTR_TURN_ID: turn_id,
+            tracing.ATTR_AGENT: state.get("agent"),
+            tracing.ATTR_TASK_ID: log_context.celery_task()[0],
+        },
+    )
+    try:
+        with tracing.active(span):
+            outcome = _steps(turn_id, view, token, ttl_ms, store, app, settings)
+    except BaseException as exc:
+        tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        log_context.unbind(bound)
+    tracing.end_span(span, None, {"agentq.step_outcome": outcome})
+    return outcome
+
+
+def _steps(
+    turn_id: str,
+    view: StepView,
+    token: str,
+    ttl_ms: int,
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+) -> str:
     while True:
         if view.state is None:
             store.release_step(turn_id, token, None, ttl_ms)
@@ -62,6 +116,8 @@ def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings)
         except StepLost:
             log.warning("turn %s: step lost its lock to another step", turn_id)
             return "lost"
+        if ctx.ended is not None and tracing.enabled:
+            _end_turn_span(ctx)
         released = store.release_step(turn_id, token, next_at, ttl_ms)
         if released == 1:
             return "waiting"
@@ -72,6 +128,24 @@ def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings)
         if again is None:
             return "lost"
         view = again
+
+
+def _end_turn_span(ctx: StepContext) -> None:
+    state = ctx.state
+    tracing.end_turn(
+        state.get("traceparent"),
+        state.get("trace_caller"),
+        {
+            tracing.ATTR_TURN_ID: ctx.turn_id,
+            tracing.ATTR_AGENT: state.get("agent"),
+            "agentq.rounds": state.get("round"),
+            "agentq.call_count": state.get("call_count"),
+            "agentq.parent_turn_id": state.get("parent_turn_id"),
+        },
+        created_at=state.get("created_at"),
+        status=str(ctx.ended),
+        error=ctx.ended_error,
+    )
 
 
 def _advance(ctx: StepContext) -> float | None:

@@ -37,6 +37,7 @@ import psutil
 
 __all__ = [
     "CELERY_READY_PATTERN",
+    "JSON_READY_PATTERN",
     "ManagedProcess",
     "ProcessStartError",
     "WaitTimeout",
@@ -50,6 +51,8 @@ T = TypeVar("T")
 
 CELERY_READY_PATTERN = r"\bready\.[ \t]*\r?$"
 """Celery's worker ready line: ``... celery@host ready.`` (matched per line)."""
+JSON_READY_PATTERN = r'"message": "[^"]*\bready\."'
+"""The same line from a worker with `AGENTQ_LOG_FORMAT=json`."""
 
 _POLL_S = 0.02
 
@@ -447,6 +450,7 @@ def start_worker(
     log_path: Path | None = None,
     ready_timeout_s: float = 30,
     loglevel: str = "INFO",
+    ready_pattern: str = CELERY_READY_PATTERN,
 ) -> ManagedProcess:
     """Start ``python -m agentq worker KIND --hostname H --loglevel INFO ...`` and wait
     for Celery's ``ready.`` line.
@@ -473,7 +477,7 @@ def start_worker(
         argv,
         env=env,
         log_path=log_path,
-        ready_pattern=CELERY_READY_PATTERN,
+        ready_pattern=ready_pattern,
         ready_timeout_s=ready_timeout_s,
         name=f"worker-{kind}-{hostname.split('@', 1)[0]}",
     )

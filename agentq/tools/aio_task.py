@@ -28,6 +28,8 @@ from celery import Task
 from agentq.aio.host import LoopHost, Running, get_host
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.results import cancelled_result, lost_result, timeout_result
+from agentq.telemetry import context as log_context
+from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     CallScope,
     call_kwargs,
@@ -74,6 +76,29 @@ async def _guarded(
 
 
 async def run_async_call(
+    host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any = None
+) -> str:
+    if not (tracing.enabled or logs.enabled):
+        return await _run_async_call(host, spec, scope, delivery, backend)
+    # Bound in this call's own asyncio task: the other calls on the loop keep theirs.
+    req = scope.req
+    bound = log_context.bind(req.turn_id, req.call_id, scope.task_id)
+    span = tracing.start_span(
+        tracing.CALL_SPAN_PREFIX + req.tool,
+        req.traceparent,
+        tracing.call_attributes(req, scope.task_id),
+    )
+    status = "error"
+    try:
+        with tracing.active(span):
+            status = await _run_async_call(host, spec, scope, delivery, backend)
+        return status
+    finally:
+        log_context.unbind(bound)
+        tracing.end_span(span, status)
+
+
+async def _run_async_call(
     host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any = None
 ) -> str:
     req = scope.req

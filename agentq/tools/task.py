@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from billiard.exceptions import WorkerLostError
@@ -14,11 +15,13 @@ from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
 
 from agentq import constants as k
-from agentq.config import get_settings
+from agentq.config import Settings, get_settings
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.results import lost_result, timeout_result
 from agentq.runtime import get_store
 from agentq.store import TurnStore
+from agentq.telemetry import context as log_context
+from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     CallScope,
     call_kwargs,
@@ -116,6 +119,19 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         read_secret=secret_reader(store, req),
         attempt=req.attempt,
     )
+    if tracing.enabled or logs.enabled:
+        return _observed(task_id, req, lambda: _run(spec, req, scope, ctx, store, settings))
+    return _run(spec, req, scope, ctx, store, settings)
+
+
+def _run(
+    spec: ToolSpec,
+    req: ToolTaskRequest,
+    scope: CallScope,
+    ctx: ToolContext,
+    store: TurnStore,
+    settings: Settings,
+) -> str:
     result: ToolResult
     try:
         with _Ticker(store, scope, settings.progress_interval_s):
@@ -130,6 +146,29 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         result = raised_result(scope, exc)
     store.settle(req.turn_id, scope.finish(result))
     return result.status
+
+
+def _observed(task_id: str | None, req: ToolTaskRequest, run: Callable[[], str]) -> str:
+    """`run` with the call's ids bound for the logs and its span current (tools' own spans
+    nest under it)."""
+    bound = log_context.bind(req.turn_id, req.call_id, task_id)
+    span = tracing.start_span(
+        tracing.CALL_SPAN_PREFIX + req.tool,
+        req.traceparent,
+        tracing.call_attributes(req, task_id),
+    )
+    try:
+        with tracing.active(span):
+            status = run()
+    except Exception as exc:
+        tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    # Anything else (the hard limit's SIGTERM, a revoke) leaves the span open, unexported:
+    # whoever settles the call (the worker's parent, the abort) records it.
+    finally:
+        log_context.unbind(bound)
+    tracing.end_span(span, status)
+    return status
 
 
 def _on_task_failure(
@@ -167,7 +206,18 @@ def _on_task_failure(
         result = lost_result(
             call, f"its worker process died ({exception})", timeout_s=req.timeout_s, **common
         )
-    store.settle(req.turn_id, result)
+    won = store.settle(req.turn_id, result)
+    if won and tracing.enabled:
+        # The child that ran the call died with its span: record it from here.
+        tracing.record_span(
+            tracing.CALL_SPAN_PREFIX + req.tool,
+            req.traceparent,
+            tracing.call_attributes(req, task_id),
+            start_s=start.get("started_at"),
+            end_s=None,
+            status=result.status,
+            error=result.error,
+        )
 
 
 def queues_of(specs: dict[str, ToolSpec], *, io: bool) -> list[str]:

@@ -1,0 +1,131 @@
+"""JSON logs (`AGENTQ_LOG_FORMAT=json`): one JSON object a line, with the turn, call and
+Celery task a line is about.
+
+Workers switch it on from Celery's logging signals (so `celery -A agentq.worker worker`
+gets it too), the gateway from its app factory. Each line carries `ts`, `level`,
+`logger`, `message`, `pid`, and, where known, `turn_id`, `call_id`, `task_id` and
+`task_name`; a traceback goes in `exc`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+from agentq.telemetry.context import celery_task, current
+
+enabled = False
+"""True once JSON logs are on in this process: the step, call and round bind their ids."""
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one JSON object on one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+        }
+        ctx = current()
+        task_id, task_name = celery_task()
+        if ctx.turn_id is not None:
+            out["turn_id"] = ctx.turn_id
+        if ctx.call_id is not None:
+            out["call_id"] = ctx.call_id
+        # The bound id wins: on an event loop the Celery task that handed a call over is gone.
+        task_id = ctx.task_id or task_id
+        if task_id is not None:
+            out["task_id"] = task_id
+        if task_name is not None:
+            out["task_name"] = task_name
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def _loggers() -> list[logging.Logger]:
+    found = [logging.getLogger()]
+    for obj in list(logging.Logger.manager.loggerDict.values()):
+        if isinstance(obj, logging.Logger):
+            found.append(obj)
+    return found
+
+
+def apply(loggers: list[logging.Logger] | None = None) -> None:
+    """Give every handler of these loggers (default: all loggers) the JSON formatter."""
+    formatter = JsonFormatter()
+    for logger in _loggers() if loggers is None else loggers:
+        for handler in logger.handlers:
+            handler.setFormatter(formatter)
+
+
+def install(log_format: str) -> bool:
+    """Switch this process to JSON logs if `log_format` is "json"; True if it did."""
+    global enabled
+    if log_format != "json":
+        return False
+    enabled = True
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.StreamHandler())
+    apply()
+    return True
+
+
+def connect_celery_signals(log_format: str) -> None:
+    """Re-apply the JSON formatter after Celery configured its loggers in a worker."""
+    if log_format != "json":
+        return
+    from celery.signals import after_setup_logger, after_setup_task_logger
+
+    def reformat(logger: logging.Logger | None = None, **_: Any) -> None:
+        install("json")
+        if logger is not None:
+            apply([logger])
+
+    after_setup_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json")
+    after_setup_task_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json.task")
+    _bind_task_ids()
+
+
+def _bind_task_ids() -> None:
+    """Bind a task's turn (and call) from its arguments for the whole of its run, so
+    Celery's own lines about it (`... succeeded in 0.002s`) carry them too."""
+    from celery.signals import task_postrun, task_prerun
+
+    from agentq.telemetry.context import bind, unbind
+
+    tokens: dict[str, Any] = {}
+
+    def prerun(
+        task_id: str | None = None,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **_: Any,
+    ) -> None:
+        kw = kwargs or {}
+        turn_id = kw.get("turn_id") or (args[0] if args and isinstance(args[0], str) else None)
+        if task_id is not None and isinstance(turn_id, str):
+            tokens[task_id] = bind(turn_id, kw.get("call_id"), task_id)
+
+    def postrun(task_id: str | None = None, **_: Any) -> None:
+        token = tokens.pop(task_id, None) if task_id is not None else None
+        if token is not None:
+            # A token from another thread (a duplicate delivery) cannot be reset here.
+            with contextlib.suppress(ValueError):
+                unbind(token)
+
+    task_prerun.connect(prerun, weak=False, dispatch_uid="agentq.logs.prerun")
+    task_postrun.connect(postrun, weak=False, dispatch_uid="agentq.logs.postrun")
+
+
+__all__ = ["JsonFormatter", "apply", "connect_celery_signals", "enabled", "install"]

@@ -1,0 +1,394 @@
+"""OpenTelemetry traces of turns: a turn is a trace, each step, model round and tool call
+a span under the turn's span.
+
+A turn lives in several processes over its life, so its span context travels as data: the
+client that starts a turn draws its W3C `traceparent` (in the caller's trace if a span is
+current there) and stores it in the turn's state hash; a step reads it with the state and
+passes it on in the `traceparent` field of every model round and tool call it sends. Each
+process records its own spans under that parent. The turn's own span is recorded last,
+by the step that ends the turn, with the ids drawn at the start and the turn's
+`created_at` as its start, so the tree is whole whichever processes took part.
+
+Off unless configured (`AGENTQ_OTEL=1`, `OTEL_EXPORTER_OTLP_ENDPOINT`,
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_TRACES_EXPORTER` other than `none`; `AGENTQ_OTEL=0`
+wins). Without the `agentq[otel]` extra, agentq runs untraced and says why once. When
+off, the hot path pays one test of `enabled`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+log = logging.getLogger("agentq.telemetry")
+
+enabled = False
+"""True once this process records spans; every hook tests it first."""
+
+SPAN_TURN = "agentq.turn"
+SPAN_STEP = "agentq.turn.step"
+SPAN_ROUND = "agentq.llm.round"
+CALL_SPAN_PREFIX = "agentq.tool."
+"""A call's span is named like its Celery task: `agentq.tool.<tool name>`."""
+
+ATTR_TURN_ID = "agentq.turn_id"
+ATTR_CALL_ID = "agentq.call_id"
+ATTR_TOOL = "agentq.tool"
+ATTR_STATUS = "agentq.status"
+ATTR_AGENT = "agentq.agent"
+ATTR_TASK_ID = "agentq.task_id"
+ATTR_ROUND = "agentq.round_no"
+ATTR_TTFT_MS = "agentq.ttft_ms"
+ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+
+OK_STATUSES = frozenset({"ok", "finished", "waiting", "busy", "unknown"})
+"""Statuses that are not failures of the span's work (denied or cancelled are errors)."""
+
+_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+_FALSE = ("0", "false", "no", "off")
+
+_tracer: Any = None
+_provider: Any = None
+_ids: Any = None
+
+
+def wanted(otel: bool | None = None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether tracing is configured: `otel` (AGENTQ_OTEL) if set, else the OTEL_* variables."""
+    env = os.environ if environ is None else environ
+    if otel is not None:
+        return otel
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporter = env.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if exporter:
+        return exporter != "none"
+    return bool(
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def parse(traceparent: object) -> tuple[int, int] | None:
+    """(trace_id, span_id) of a W3C traceparent, or None if it is not one."""
+    if not isinstance(traceparent, str):
+        return None
+    m = _TRACEPARENT.match(traceparent)
+    if m is None:
+        return None
+    trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
+    if not trace_id or not span_id:
+        return None
+    return trace_id, span_id
+
+
+def format_traceparent(trace_id: int, span_id: int) -> str:
+    return f"00-{trace_id:032x}-{span_id:016x}-01"
+
+
+def new_turn_trace() -> tuple[str, str | None]:
+    """The new turn's traceparent, and the caller's if a span is current here.
+
+    Needs no SDK: the ids are drawn here, and the span is recorded when the turn ends.
+    """
+    trace_id = 0
+    caller: str | None = None
+    with contextlib.suppress(ImportError):
+        from opentelemetry import trace
+
+        sc = trace.get_current_span().get_span_context()
+        if sc.is_valid:
+            trace_id = sc.trace_id
+            caller = format_traceparent(sc.trace_id, sc.span_id)
+    while not trace_id:
+        trace_id = secrets.randbits(128)
+    span_id = 0
+    while not span_id:
+        span_id = secrets.randbits(64)
+    return format_traceparent(trace_id, span_id), caller
+
+
+def setup(
+    service: str,
+    *,
+    otel: bool | None = None,
+    spans_file: str | None = None,
+    exporter: Any = None,
+) -> bool:
+    """Record spans in this process if tracing is configured (or `exporter` is given, for
+    tests); True if on. Safe to call again."""
+    global enabled, _tracer, _provider, _ids
+    if enabled:
+        return True
+    if exporter is None and not (spans_file or wanted(otel)):
+        return False
+    try:
+        from opentelemetry import trace
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+    except ImportError:
+        log.warning(
+            "tracing is configured but OpenTelemetry is not installed: agentq runs "
+            "untraced (pip install 'agentq[otel]')"
+        )
+        return False
+    processor: Any
+    if exporter is not None:
+        processor = SimpleSpanProcessor(exporter)
+    elif spans_file:
+        from agentq.testing.spans import JsonLinesSpanExporter
+
+        # Written as each span ends: a prefork child may be killed at any time.
+        processor = SimpleSpanProcessor(JsonLinesSpanExporter(spans_file))
+    else:
+        made = _standard_exporter()
+        if made is None:
+            return False
+        processor = BatchSpanProcessor(made)
+    attributes = (
+        {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": f"agentq-{service}"}
+    )
+    _ids = _PresetIds()
+    _provider = TracerProvider(resource=Resource.create(attributes), id_generator=_ids)
+    _provider.add_span_processor(processor)
+    if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        # Tools' own instrumentation (httpx, databases) nests under the call's span.
+        trace.set_tracer_provider(_provider)
+    _tracer = _provider.get_tracer("agentq")
+    enabled = True
+    return True
+
+
+def _standard_exporter() -> Any:
+    kind = os.environ.get("OTEL_TRACES_EXPORTER", "otlp").split(",")[0].strip().lower()
+    if kind == "console":
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+        return ConsoleSpanExporter()
+    if kind not in ("otlp", ""):
+        log.warning(
+            "OTEL_TRACES_EXPORTER=%s is not supported by agentq (otlp, console): "
+            "agentq runs untraced",
+            kind,
+        )
+        return None
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        log.warning(
+            "tracing is configured but the OTLP exporter is not installed: agentq "
+            "runs untraced (pip install 'agentq[otel]')"
+        )
+        return None
+    return OTLPSpanExporter()
+
+
+def shutdown() -> None:
+    """Export what is buffered and stop (a worker process that ends)."""
+    global enabled
+    if _provider is not None:
+        with contextlib.suppress(Exception):
+            _provider.force_flush()
+            _provider.shutdown()
+    enabled = False
+
+
+def flush() -> None:
+    if _provider is not None:
+        with contextlib.suppress(Exception):
+            _provider.force_flush()
+
+
+class _PresetIds:
+    """Random ids, except for the turn's span, whose ids were drawn when the turn began."""
+
+    def __init__(self) -> None:
+        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+
+        self._random = RandomIdGenerator()
+        self._preset = threading.local()
+
+    @contextlib.contextmanager
+    def preset(self, trace_id: int, span_id: int) -> Iterator[None]:
+        self._preset.ids = (trace_id, span_id)
+        try:
+            yield
+        finally:
+            self._preset.ids = None
+
+    def generate_span_id(self) -> int:
+        ids = getattr(self._preset, "ids", None)
+        return ids[1] if ids else self._random.generate_span_id()  # type: ignore[no-any-return]
+
+    def generate_trace_id(self) -> int:
+        ids = getattr(self._preset, "ids", None)
+        return ids[0] if ids else self._random.generate_trace_id()  # type: ignore[no-any-return]
+
+    def is_trace_id_random(self) -> bool:
+        return True
+
+
+def _context(traceparent: object) -> Any:
+    """An OpenTelemetry context whose current span is the remote parent `traceparent`."""
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+
+    ids = parse(traceparent)
+    if ids is None:
+        return Context()
+    sc = trace.SpanContext(
+        ids[0], ids[1], is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(sc), Context())
+
+
+def _ns(ts_s: float | None) -> int | None:
+    return None if ts_s is None else int(ts_s * 1e9)
+
+
+def start_span(
+    name: str,
+    traceparent: object,
+    attributes: Mapping[str, Any],
+    start_s: float | None = None,
+) -> Any:
+    """A span under `traceparent` (None when tracing is off or there is no parent)."""
+    if not enabled or parse(traceparent) is None:
+        return None
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    return _tracer.start_span(
+        name, context=_context(traceparent), attributes=clean, start_time=_ns(start_s)
+    )
+
+
+def end_span(
+    span: Any,
+    status: str | None,
+    attributes: Mapping[str, Any] | None = None,
+    end_s: float | None = None,
+    error: str | None = None,
+) -> None:
+    if span is None:
+        return
+    from opentelemetry.trace import Status, StatusCode
+
+    for key, value in (attributes or {}).items():
+        if value is not None:
+            span.set_attribute(key, value)
+    if status is not None:
+        span.set_attribute(ATTR_STATUS, status)
+        if status not in OK_STATUSES:
+            span.set_status(Status(StatusCode.ERROR, error or status))
+    span.end(end_time=_ns(end_s))
+
+
+@contextlib.contextmanager
+def active(span: Any) -> Iterator[None]:
+    """Make `span` current while the block runs (a tool's own spans nest under it)."""
+    if span is None:
+        yield
+        return
+    from opentelemetry import trace
+
+    with trace.use_span(span, end_on_exit=False, record_exception=False):
+        yield
+
+
+def record_span(
+    name: str,
+    traceparent: object,
+    attributes: Mapping[str, Any],
+    *,
+    start_s: float | None,
+    end_s: float | None,
+    status: str | None,
+    error: str | None = None,
+) -> None:
+    """A span whose work already happened (a call settled by someone else than its worker)."""
+    span = start_span(name, traceparent, attributes, start_s)
+    end_span(span, status, end_s=end_s, error=error)
+
+
+def end_turn(
+    traceparent: object,
+    caller: object,
+    attributes: Mapping[str, Any],
+    *,
+    created_at: float | None,
+    status: str,
+    error: str | None = None,
+) -> None:
+    """Record the turn's span with the ids its traceparent names, from its creation to now."""
+    ids = parse(traceparent)
+    if not enabled or ids is None:
+        return
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    with _ids.preset(*ids):
+        span = _tracer.start_span(
+            SPAN_TURN, context=_context(caller), attributes=clean, start_time=_ns(created_at)
+        )
+    end_span(span, status, error=error)
+
+
+def record_settled(traceparent: object, turn_id: str, result: Any) -> None:
+    """The span of a call that a step settled itself (refused, denied, lost)."""
+    rec = result.record
+    record_span(
+        CALL_SPAN_PREFIX + result.tool,
+        traceparent,
+        {
+            ATTR_TURN_ID: turn_id,
+            ATTR_CALL_ID: result.call_id,
+            ATTR_TOOL: result.tool,
+            ATTR_TASK_ID: rec.task_id,
+            "agentq.settled_by": "turn",
+        },
+        start_s=rec.started_at,
+        end_s=None,
+        status=result.status,
+        error=result.error or result.reason,
+    )
+
+
+def call_attributes(req: Any, task_id: str | None) -> dict[str, Any]:
+    return {
+        ATTR_TURN_ID: req.turn_id,
+        ATTR_CALL_ID: req.call_id,
+        ATTR_TOOL: req.tool,
+        ATTR_TASK_ID: task_id,
+        "agentq.attempt": req.attempt,
+    }
+
+
+def result_attributes(result: Any) -> dict[str, Any]:
+    rec = result.record
+    return {
+        "agentq.duration_ms": rec.duration_ms,
+        "agentq.worker": rec.worker,
+        "agentq.overran": rec.overran,
+    }
+
+
+__all__ = [
+    "CALL_SPAN_PREFIX",
+    "SPAN_ROUND",
+    "SPAN_STEP",
+    "SPAN_TURN",
+    "active",
+    "end_span",
+    "end_turn",
+    "enabled",
+    "new_turn_trace",
+    "parse",
+    "record_span",
+    "setup",
+    "shutdown",
+    "start_span",
+    "wanted",
+]

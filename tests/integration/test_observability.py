@@ -1,0 +1,392 @@
+"""Traces, JSON logs and metrics of a real turn, on a fleet of its own with both on.
+
+The fleet uses its own Redis database, so its queues and metrics hold only its turns. Its
+workers write their spans to one JSON-lines file (agentq.testing.spans), which the test
+reads to check the tree across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentq import runtime
+from agentq.api import Client
+from agentq.gateway import BackgroundServer, create_app
+from agentq.models import Usage
+from agentq.telemetry import tracing
+from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.processes import (
+    JSON_READY_PATTERN,
+    ManagedProcess,
+    start_process,
+    start_worker,
+    wait_for,
+)
+from agentq.testing.redis_server import RedisServer, find_free_port
+from agentq.testing.spans import read_spans
+from tests.conftest import base_env
+
+pytestmark = pytest.mark.integration
+
+OBS_DB = 7
+USAGE = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
+
+
+@dataclass
+class Fleet:
+    spans: Path
+    logs: dict[str, Path]
+    workers: dict[str, ManagedProcess]
+    client: Client
+    http: httpx.Client
+
+
+@pytest.fixture(scope="module")
+def obs(
+    redis_server: RedisServer, llm_server: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Fleet]:
+    tmp = tmp_path_factory.mktemp("obs")
+    spans = tmp / "spans.jsonl"
+    url = re.sub(r"/\d+$", f"/{OBS_DB}", redis_server.url)
+    env = base_env(
+        url,
+        llm_server.url,
+        AGENTQ_TOOLS="agentq.testing.tools,agentq.testing.aio_tools",
+        AGENTQ_OTEL_SPANS_FILE=str(spans),
+        AGENTQ_METRICS_FLUSH_S="0.2",
+    )
+    # Not for this process: JSON logs would reformat pytest's own handlers.
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    runtime.reset()
+    logs: dict[str, Path] = {}
+    workers: dict[str, ManagedProcess] = {}
+    server: BackgroundServer | None = None
+    try:
+        for kind, concurrency in (("turns", 4), ("llm", 2), ("tools", 2), ("io", None)):
+            logs[kind] = tmp / f"{kind}.log"
+            workers[kind] = start_worker(
+                kind,
+                env={**env, "AGENTQ_LOG_FORMAT": "json"},
+                hostname=f"obs-{kind}-{uuid.uuid4().hex[:6]}@%h",
+                concurrency=concurrency,
+                log_path=logs[kind],
+                ready_pattern=JSON_READY_PATTERN,
+            )
+        client = Client()
+        numpat = client.store.redis.pubsub_numpat()
+        server = BackgroundServer(create_app(client)).start()
+        # The gateway counts only events published after it subscribed.
+        wait_for(lambda: client.store.redis.pubsub_numpat() > numpat, 10, 0.05)
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            yield Fleet(spans, logs, workers, client, http)
+    finally:
+        if server is not None:
+            server.stop()
+        for proc in workers.values():
+            proc.stop()
+        tracing.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        runtime.reset()
+
+
+def run_turn(obs: Fleet, llm_server: Any) -> tuple[str, dict[str, Any]]:
+    """One turn: a round with a sync and an async call, then an answer."""
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    calls = [
+        ScriptedCall(name="echo", arguments={"text": "hi"}),
+        ScriptedCall(name="aio_echo", arguments={"text": "ho"}),
+    ]
+    llm_server.set_script(
+        key,
+        [
+            Round(text="Calling.", tool_calls=calls, usage=USAGE, chunk_delay_ms=5),
+            Round(text="Done.", usage=USAGE),
+        ],
+    )
+    handle = obs.client.start_turn(f"{key} go")
+    for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
+        if ev is not None and ev.type in ("turn_finished", "turn_error", "turn_aborted"):
+            assert ev.type == "turn_finished", ev
+            break
+    return handle.turn_id, obs.client.get(handle.turn_id)
+
+
+def turn_spans(obs: Fleet, turn_id: str) -> list[dict[str, Any]]:
+    return [
+        s for s in read_spans(obs.spans) if s["attributes"].get(tracing.ATTR_TURN_ID) == turn_id
+    ]
+
+
+def test_one_turn_is_one_trace_across_processes(obs: Fleet, llm_server: Any) -> None:
+    turn_id, turn = run_turn(obs, llm_server)
+    traceparent = turn["state"]["traceparent"]
+    ids = tracing.parse(traceparent)
+    assert ids is not None, traceparent
+    trace_id, turn_span_id = f"{ids[0]:032x}", f"{ids[1]:016x}"
+
+    def complete() -> list[dict[str, Any]] | None:
+        spans = turn_spans(obs, turn_id)
+        names = [s["name"] for s in spans]
+        done = (
+            names.count(tracing.SPAN_TURN) == 1
+            and names.count(tracing.SPAN_ROUND) == 2
+            and "agentq.tool.echo" in names
+            and "agentq.tool.aio_echo" in names
+        )
+        return spans if done else None
+
+    spans = wait_for(complete, 15, 0.1, message="the turn's spans")
+    assert isinstance(spans, list)
+    assert {s["trace_id"] for s in spans} == {trace_id}
+    (root,) = [s for s in spans if s["name"] == tracing.SPAN_TURN]
+    assert root["span_id"] == turn_span_id and root["parent_span_id"] is None
+    assert root["attributes"][tracing.ATTR_STATUS] == "finished"
+    children = [s for s in spans if s is not root]
+    assert {s["parent_span_id"] for s in children} == {turn_span_id}
+    assert all(root["start_ns"] <= s["start_ns"] for s in children)
+
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for s in children:
+        by_name.setdefault(s["name"], []).append(s)
+    for r in by_name[tracing.SPAN_ROUND]:
+        assert r["attributes"][tracing.ATTR_INPUT_TOKENS] == USAGE.prompt_tokens
+        assert r["attributes"][tracing.ATTR_OUTPUT_TOKENS] == USAGE.completion_tokens
+        assert r["attributes"][tracing.ATTR_TTFT_MS] >= 0
+        assert r["attributes"][tracing.ATTR_STATUS] == "ok"
+    call_ids = {m["tool_call_id"]: m for m in turn["history"] if m.get("role") == "tool"}
+    for tool in ("echo", "aio_echo"):
+        (call,) = by_name[f"agentq.tool.{tool}"]
+        attrs = call["attributes"]
+        assert attrs[tracing.ATTR_TOOL] == tool and attrs[tracing.ATTR_STATUS] == "ok"
+        assert attrs[tracing.ATTR_CALL_ID] in call_ids
+        assert call["status"] == "UNSET"
+    assert len(by_name[tracing.SPAN_STEP]) >= 2
+    # Recorded where the work ran: stream worker, prefork child, I/O worker, steps.
+    services = {s["service"] for s in spans}
+    assert {"agentq-llm", "agentq-tools", "agentq-io"} <= services, services
+    assert len({s["pid"] for s in spans}) >= 3
+
+
+def test_a_call_the_turn_refuses_has_its_span_too(obs: Fleet, llm_server: Any) -> None:
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(
+        key,
+        [Round(tool_calls=[ScriptedCall(name="no_such_tool", arguments={})]), Round(text="ok")],
+    )
+    handle = obs.client.start_turn(f"{key} go")
+    obs.client.wait(handle.turn_id, timeout_s=30)
+
+    def refused() -> dict[str, Any] | None:
+        spans = turn_spans(obs, handle.turn_id)
+        return next((s for s in spans if s["name"] == "agentq.tool.no_such_tool"), None)
+
+    span = wait_for(refused, 15, 0.1, message="the refused call's span")
+    assert isinstance(span, dict)
+    assert span["attributes"][tracing.ATTR_STATUS] == "error" and span["status"] == "ERROR"
+    assert span["attributes"]["agentq.settled_by"] == "turn"
+    ids = tracing.parse(obs.client.get(handle.turn_id)["state"]["traceparent"])
+    assert ids is not None and span["parent_span_id"] == f"{ids[1]:016x}"
+
+
+def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Fleet, llm_server: Any) -> None:
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(
+        key, [Round(tool_calls=[ScriptedCall(name="stuck", arguments={})]), Round(text="ok")]
+    )
+    handle = obs.client.start_turn(f"{key} go")
+    obs.client.wait(handle.turn_id, timeout_s=30)
+
+    def killed() -> list[dict[str, Any]] | None:
+        spans = turn_spans(obs, handle.turn_id)
+        found = [s for s in spans if s["name"] == "agentq.tool.stuck"]
+        return found if any(s["name"] == tracing.SPAN_TURN for s in spans) and found else None
+
+    found = wait_for(killed, 15, 0.1, message="the killed call's span")
+    assert isinstance(found, list)
+    # The child died with its span open; the worker's parent, which settles the call,
+    # records it.
+    (span,) = found
+    assert span["attributes"][tracing.ATTR_STATUS] == "timeout" and span["status"] == "ERROR"
+    assert span["service"] == "agentq-tools"
+    assert (span["end_ns"] - span["start_ns"]) / 1e9 >= 1.5
+
+
+def test_an_aborted_turn_has_its_span_and_one_per_call(obs: Fleet, llm_server: Any) -> None:
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    calls = [
+        ScriptedCall(name="hang", arguments={"seconds": 60}),
+        ScriptedCall(name="aio_sleep", arguments={"seconds": 60}),
+    ]
+    llm_server.set_script(key, [Round(tool_calls=calls), Round(text="never")])
+    handle = obs.client.start_turn(f"{key} go")
+    started: set[str] = set()
+    for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
+        if ev is not None and ev.type == "tool_started":
+            started.add(str(ev.fields["tool"]))
+            if started == {"hang", "aio_sleep"}:
+                break
+    obs.client.abort(handle.turn_id, handle.token)
+    obs.client.wait(handle.turn_id, timeout_s=30)
+
+    def spans() -> list[dict[str, Any]] | None:
+        got = turn_spans(obs, handle.turn_id)
+        names = [s["name"] for s in got]
+        done = tracing.SPAN_TURN in names and {"agentq.tool.hang", "agentq.tool.aio_sleep"} <= set(
+            names
+        )
+        return got if done else None
+
+    got = wait_for(spans, 15, 0.1, message="the aborted turn's spans")
+    assert isinstance(got, list)
+    (root,) = [s for s in got if s["name"] == tracing.SPAN_TURN]
+    assert root["attributes"][tracing.ATTR_STATUS] == "aborted" and root["status"] == "ERROR"
+    for tool in ("hang", "aio_sleep"):
+        (call,) = [s for s in got if s["name"] == f"agentq.tool.{tool}"]
+        assert call["attributes"][tracing.ATTR_STATUS] == "cancelled", call
+        assert call["parent_span_id"] == root["span_id"]
+
+
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def test_json_log_line_per_step(obs: Fleet, llm_server: Any) -> None:
+    turn_id, _ = run_turn(obs, llm_server)
+
+    def step_spans() -> list[dict[str, Any]] | None:
+        spans = turn_spans(obs, turn_id)
+        steps = [s for s in spans if s["name"] == tracing.SPAN_STEP]
+        return steps if any(s["name"] == tracing.SPAN_TURN for s in spans) else None
+
+    steps = wait_for(step_spans, 15, 0.1, message="the turn's step spans")
+    assert isinstance(steps, list)
+    turn_worker_steps = {
+        s["attributes"][tracing.ATTR_TASK_ID] for s in steps if s["service"] == "agentq-turns"
+    }
+    assert turn_worker_steps, steps
+
+    def logged() -> set[str] | None:
+        ids = {
+            line["task_id"]
+            for line in json_lines(obs.logs["turns"])
+            if line.get("turn_id") == turn_id and line.get("task_name") == "agentq.turn.step"
+        }
+        return ids if turn_worker_steps <= ids else None
+
+    # Each step the turn worker ran has its own JSON line (Celery's "succeeded"),
+    # carrying the turn and the Celery task.
+    assert wait_for(logged, 10, 0.1, message="a JSON line per step")
+    lines = json_lines(obs.logs["turns"])
+    mine = [x for x in lines if x.get("turn_id") == turn_id]
+    assert all({"ts", "level", "logger", "message", "pid"} <= x.keys() for x in mine)
+    assert any("succeeded" in x["message"] for x in mine)
+    # After the banner every line of a worker's log is one JSON object.
+    for kind in ("turns", "llm", "tools", "io"):
+        text = obs.logs[kind].read_text().splitlines()
+        ready = next(i for i, t in enumerate(text) if re.search(JSON_READY_PATTERN, t))
+        for t in text[ready:]:
+            assert isinstance(json.loads(t), dict), (kind, t)
+    # Calls log with their call id: Celery's line about the prefork task carries it.
+    tool_lines = [x for x in json_lines(obs.logs["tools"]) if x.get("turn_id") == turn_id]
+    assert any(x.get("call_id") and x.get("task_id") for x in tool_lines), tool_lines
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_metrics_of_real_turns(obs: Fleet, llm_server: Any) -> None:
+    before = obs.http.get("/metrics").text
+    turn_id, _ = run_turn(obs, llm_server)
+    spans = wait_for(
+        lambda: (
+            (s := turn_spans(obs, turn_id)) and any(x["name"] == tracing.SPAN_TURN for x in s) and s
+        ),
+        15,
+        0.1,
+    )
+    assert isinstance(spans, list)
+    steps = len([s for s in spans if s["name"] == tracing.SPAN_STEP])
+    base = {
+        name: metric(before, name)
+        for name in (
+            'agentq_llm_tokens_total{kind="prompt"}',
+            'agentq_llm_tokens_total{kind="completion"}',
+            "agentq_llm_ttft_seconds_count",
+            "agentq_step_duration_seconds_count",
+        )
+    }
+
+    def scraped() -> str | None:
+        text = obs.http.get("/metrics").text
+        grew = (
+            metric(text, 'agentq_llm_tokens_total{kind="prompt"}')
+            >= base['agentq_llm_tokens_total{kind="prompt"}'] + 2 * USAGE.prompt_tokens
+            and metric(text, "agentq_step_duration_seconds_count")
+            >= base["agentq_step_duration_seconds_count"] + steps
+        )
+        return text if grew else None
+
+    text = wait_for(scraped, 10, 0.1, message="token and step metrics")
+    assert isinstance(text, str)
+    assert (
+        metric(text, 'agentq_llm_tokens_total{kind="completion"}')
+        >= base['agentq_llm_tokens_total{kind="completion"}'] + 2 * USAGE.completion_tokens
+    )
+    assert metric(text, "agentq_llm_ttft_seconds_count") >= (
+        base["agentq_llm_ttft_seconds_count"] + 2
+    )
+    assert metric(text, 'agentq_llm_round_duration_seconds_count{outcome="ok"}') >= 2
+    for tool in ("echo", "aio_echo"):
+        name = f'agentq_tool_duration_seconds_count{{status="ok",tool="{tool}"}}'
+        assert metric(text, name) >= 1, name
+    assert metric(text, 'agentq_step_duration_seconds_bucket{le="+Inf"}') == metric(
+        text, "agentq_step_duration_seconds_count"
+    )
+    assert metric(text, "agentq_step_duration_seconds_sum") > 0
+
+
+def test_gateway_logs_json_without_the_token(obs: Fleet, tmp_path: Path) -> None:
+    port = find_free_port()
+    env = {**os.environ, "AGENTQ_LOG_FORMAT": "json", "AGENTQ_GATEWAY_PORT": str(port)}
+    log_path = tmp_path / "gateway.log"
+    with start_process(
+        [sys.executable, "-m", "agentq", "serve"],
+        env=env,
+        log_path=log_path,
+        ready_pattern=r'"message": "Uvicorn running',
+        name="gateway-json",
+    ):
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/v1/turns/nope/events?token=s3cr3t-t0ken").status_code == 404
+
+        def access() -> dict[str, Any] | None:
+            lines = json_lines(log_path)
+            return next((x for x in lines if x["logger"] == "uvicorn.access"), None)
+
+        line = wait_for(access, 10, 0.05, message="the access log line")
+        assert isinstance(line, dict) and "/v1/turns/nope/events" in line["message"]
+    text = log_path.read_text()
+    assert "s3cr3t-t0ken" not in text
+    assert all(isinstance(json.loads(t), dict) for t in text.splitlines() if t.strip())

@@ -1,0 +1,227 @@
+"""Traces (with the SDK's in-memory exporter), JSON log lines, step-duration totals and the
+event-derived model metrics, in one process."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from agentq.gateway.metrics import GatewayMetrics
+from agentq.telemetry import context, logs, tracing
+from agentq.telemetry.steptimes import StepTimes, read_histogram
+from agentq.testing.processes import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def exporter() -> Iterator[InMemorySpanExporter]:
+    exp = InMemorySpanExporter()
+    assert tracing.setup("test", exporter=exp)
+    yield exp
+    tracing.shutdown()
+    assert not tracing.enabled
+
+
+@pytest.mark.parametrize(
+    ("otel", "env", "on"),
+    [
+        (None, {}, False),
+        (None, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, True),
+        (None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://127.0.0.1:4318"}, True),
+        (None, {"OTEL_TRACES_EXPORTER": "console"}, True),
+        (None, {"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}, False),
+        (None, {"OTEL_SDK_DISABLED": "true", "OTEL_EXPORTER_OTLP_ENDPOINT": "x"}, False),
+        (False, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318"}, False),
+        (True, {}, True),
+    ],
+)
+def test_tracing_is_off_unless_configured(otel: bool | None, env: dict[str, str], on: bool) -> None:
+    assert tracing.wanted(otel, env) is on
+
+
+def test_off_costs_nothing_and_records_nothing() -> None:
+    assert not tracing.enabled
+    tp, _ = tracing.new_turn_trace()
+    assert tracing.start_span(tracing.SPAN_STEP, tp, {}) is None
+    tracing.end_span(None, "ok")
+
+
+@pytest.mark.parametrize(
+    "bad", [None, "", "00-xyz", "00-" + "0" * 32 + "-" + "1" * 16 + "-01", "01-" + "a" * 49]
+)
+def test_a_bad_traceparent_is_no_parent(bad: object) -> None:
+    assert tracing.parse(bad) is None
+
+
+def test_span_tree_of_one_turn(exporter: InMemorySpanExporter) -> None:
+    tp, caller = tracing.new_turn_trace()
+    assert caller is None
+    ids = tracing.parse(tp)
+    assert ids is not None
+    attrs = {tracing.ATTR_TURN_ID: "t1"}
+    step = tracing.start_span(tracing.SPAN_STEP, tp, attrs)
+    tracing.end_span(step, None)
+    for call_id, tool in (("c1", "echo"), ("c2", "sleep")):
+        call = tracing.start_span(
+            tracing.CALL_SPAN_PREFIX + tool,
+            tp,
+            {**attrs, tracing.ATTR_CALL_ID: call_id, tracing.ATTR_TOOL: tool},
+        )
+        # A tool's own span nests under its call's span.
+        with tracing.active(call), trace.get_tracer("tool").start_as_current_span("inside"):
+            pass
+        tracing.end_span(call, "ok" if tool == "echo" else "timeout")
+    rnd = tracing.start_span(tracing.SPAN_ROUND, tp, attrs)
+    tracing.end_span(rnd, "ok", {tracing.ATTR_INPUT_TOKENS: 11, tracing.ATTR_OUTPUT_TOKENS: None})
+    tracing.end_turn(tp, caller, {**attrs, tracing.ATTR_AGENT: None}, created_at=1.0, status="ok")
+
+    spans = {s.name: s for s in exporter.get_finished_spans() if s.name != "inside"}
+    assert set(spans) == {
+        tracing.SPAN_TURN,
+        tracing.SPAN_STEP,
+        tracing.SPAN_ROUND,
+        "agentq.tool.echo",
+        "agentq.tool.sleep",
+    }
+    root = spans[tracing.SPAN_TURN]
+    assert root.context is not None
+    assert (root.context.trace_id, root.context.span_id) == ids
+    assert root.parent is None and root.start_time == 1_000_000_000
+    assert tracing.ATTR_AGENT not in (root.attributes or {})
+    for name, span in spans.items():
+        assert span.context is not None and span.context.trace_id == ids[0]
+        if span is not root:
+            assert span.parent is not None and span.parent.span_id == ids[1], name
+    assert spans["agentq.tool.sleep"].status.status_code == trace.StatusCode.ERROR
+    assert spans["agentq.tool.echo"].status.status_code == trace.StatusCode.UNSET
+    assert (spans[tracing.SPAN_ROUND].attributes or {})[tracing.ATTR_INPUT_TOKENS] == 11
+    assert tracing.ATTR_OUTPUT_TOKENS not in (spans[tracing.SPAN_ROUND].attributes or {})
+    inside = [s for s in exporter.get_finished_spans() if s.name == "inside"]
+    assert {s.parent.span_id for s in inside if s.parent} == {
+        spans["agentq.tool.echo"].context.span_id,  # type: ignore[union-attr]
+        spans["agentq.tool.sleep"].context.span_id,  # type: ignore[union-attr]
+    }
+
+
+def test_a_turn_started_under_a_span_joins_its_trace(exporter: InMemorySpanExporter) -> None:
+    outer = TracerProvider().get_tracer("caller")
+    with outer.start_as_current_span("request") as request:
+        tp, caller = tracing.new_turn_trace()
+    ctx = request.get_span_context()
+    ids = tracing.parse(tp)
+    assert ids is not None and ids[0] == ctx.trace_id and caller is not None
+    tracing.end_turn(tp, caller, {}, created_at=None, status="finished")
+    (root,) = exporter.get_finished_spans()
+    assert root.parent is not None and root.parent.span_id == ctx.span_id
+
+
+def test_agentq_runs_without_opentelemetry(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['opentelemetry'] = None\n"
+        "from agentq.telemetry import tracing\n"
+        "assert not tracing.setup('x', otel=True) and not tracing.enabled\n"
+        "tp, caller = tracing.new_turn_trace(); assert tracing.parse(tp) and caller is None\n"
+        "import agentq.worker, agentq.gateway.app\n"
+        "print('ok')\n"
+    )
+    env = {**os.environ, "AGENTQ_OTEL": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert "pip install 'agentq[otel]'" in out.stderr
+
+
+def test_json_log_line_carries_the_bound_ids() -> None:
+    record = logging.LogRecord("agentq.turn", logging.WARNING, __file__, 1, "x %s", ("y",), None)
+    token = context.bind("turn1", "call1", "task1")
+    try:
+        line = logs.JsonFormatter().format(record)
+    finally:
+        context.unbind(token)
+    out = json.loads(line)
+    assert out["message"] == "x y" and out["level"] == "WARNING"
+    assert (out["turn_id"], out["call_id"], out["task_id"]) == ("turn1", "call1", "task1")
+    assert "\n" not in line
+    plain = json.loads(logs.JsonFormatter().format(record))
+    assert "turn_id" not in plain and "call_id" not in plain
+
+
+def test_json_log_line_keeps_a_traceback_on_one_line() -> None:
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        record = logging.LogRecord(
+            "agentq", logging.ERROR, __file__, 1, "failed", None, sys.exc_info()
+        )
+    line = logs.JsonFormatter().format(record)
+    assert "\n" not in line and "ValueError: boom" in json.loads(line)["exc"]
+
+
+def test_step_durations_add_up_across_processes() -> None:
+    r = fakeredis.FakeRedis()
+    a, b = StepTimes(), StepTimes()
+    a.observe(0.002, r, flush_s=3600)
+    a.observe(0.3, r, flush_s=3600)
+    b.observe(20.0, r, flush_s=3600)
+    assert read_histogram(r) is None  # counted here, not yet in Redis
+    a.flush(r)
+    b.flush(r)
+    hist = read_histogram(r)
+    assert hist is not None
+    buckets, total_s = dict(hist[0]), hist[1]
+    assert buckets["0.001"] == 0 and buckets["0.0025"] == 1 and buckets["0.5"] == 2
+    assert buckets["10"] == 2 and buckets["+Inf"] == 3 and total_s == pytest.approx(20.302)
+    a.flush(r)  # nothing new: nothing added
+    assert read_histogram(r) == hist
+
+
+def test_the_flusher_thread_adds_counts_by_itself() -> None:
+    r = fakeredis.FakeRedis()
+    times = StepTimes()
+    times.observe(0.01, r, flush_s=0.05)
+    try:
+        hist = wait_for(lambda: read_histogram(r), 5, 0.02, message="the flusher's write")
+    finally:
+        times.stop()
+    assert hist is not None and dict(hist[0])["+Inf"] == 1
+
+
+def test_gateway_counts_tokens_and_time_to_first_token() -> None:
+    m = GatewayMetrics()
+    event: dict[str, Any] = {
+        "type": "llm_finished",
+        "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
+        "ttft_ms": 250,
+        "duration_ms": 900,
+    }
+    m.observe(event)
+    m.observe({**event, "usage": None, "ttft_ms": None, "error": "x", "code": "ETIMEDOUT"})
+    m.steps.snapshot = ([("0.005", 3.0), ("+Inf", 4.0)], 1.5)
+    text = m.render().decode()
+    assert 'agentq_llm_tokens_total{kind="prompt"} 11.0' in text
+    assert 'agentq_llm_tokens_total{kind="completion"} 7.0' in text
+    assert "agentq_llm_ttft_seconds_count 1.0" in text
+    assert 'agentq_llm_ttft_seconds_bucket{le="0.25"} 1.0' in text
+    assert 'agentq_llm_round_duration_seconds_count{outcome="error"} 1.0' in text
+    assert "agentq_watchdog_trips_total 1.0" in text
+    assert "agentq_step_duration_seconds_count 4.0" in text
+    assert 'agentq_step_duration_seconds_bucket{le="0.005"} 3.0' in text
