@@ -1,5 +1,6 @@
 """Every third-party module agentq imports comes from a distribution pyproject.toml
-declares: a runtime dependency, or the `local` extra for `agentq dev` and agentq.testing."""
+declares: a runtime dependency, the `local` extra for `agentq dev` and agentq.testing, or
+the `otel` extra for the tracing module (which agentq runs without)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "agentq"
 # Only these may use the `local` extra: they are what it is for.
 LOCAL_USERS = ("testing/", "dev.py")
+# Only these may use the `otel` extra: each imports it guarded, so agentq runs without it.
+OTEL_USERS = ("telemetry/tracing.py", "testing/spans.py")
 
 
-def declared() -> tuple[set[str], set[str]]:
+def declared(extra: str = "local") -> tuple[set[str], set[str]]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     names = lambda reqs: {canonicalize_name(Requirement(r).name) for r in reqs}  # noqa: E731
-    return names(project["dependencies"]), names(project["optional-dependencies"]["local"])
+    return names(project["dependencies"]), names(project["optional-dependencies"][extra])
 
 
 def imports_of(path: Path) -> set[str]:
@@ -37,11 +40,16 @@ def imports_of(path: Path) -> set[str]:
 
 def test_every_third_party_import_is_declared() -> None:
     runtime, local = declared()
+    _, otel = declared("otel")
     dists = md.packages_distributions()
     problems = []
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE).as_posix()
-        allowed = runtime | local if rel.startswith(LOCAL_USERS) else runtime
+        allowed = set(runtime)
+        if rel.startswith(LOCAL_USERS):
+            allowed |= local
+        if rel.startswith(OTEL_USERS):
+            allowed |= otel
         for module in sorted(imports_of(path)):
             owners = {canonicalize_name(d) for d in dists.get(module, [])}
             assert owners, f"{rel} imports {module}, which no installed distribution provides"
