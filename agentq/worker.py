@@ -59,11 +59,6 @@ def _survive_broker_restarts() -> None:
 _survive_broker_restarts()
 settings = get_settings()
 logs.connect_celery_signals(settings.log_format)
-tracing.setup(
-    os.environ.get("AGENTQ_WORKER_KIND") or "worker",
-    otel=settings.otel,
-    spans_file=settings.otel_spans_file,
-)
 load_tool_modules(settings.tool_modules)
 # The broker must not hand a message out again while its call may still run: the longest
 # limit any call can get, a per-call hint up to `max_timeout_s` included.
@@ -93,6 +88,8 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     if problem:
         raise SystemExit(f"agentq: {problem}")
     set_role(role)
+    # Here, not at import: the role names the service, and a prefork pool forks after this.
+    tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
 
 
 @worker_ready.connect
