@@ -80,8 +80,10 @@ def test_span_tree_of_one_turn(exporter: InMemorySpanExporter) -> None:
             tp,
             {**attrs, tracing.ATTR_CALL_ID: call_id, tracing.ATTR_TOOL: tool},
         )
-        # A tool's own span nests under its call's span.
-        with tracing.active(call), trace.get_tracer("tool").start_as_current_span("inside"):
+        # A tool's own span nests under its call's span. Through agentq's provider: the
+        # global one is set once per process, and an earlier test may have set it.
+        tool_tracer = trace.get_tracer("tool", tracer_provider=tracing._provider)
+        with tracing.active(call), tool_tracer.start_as_current_span("inside"):
             pass
         tracing.end_span(call, "ok" if tool == "echo" else "timeout")
     rnd = tracing.start_span(tracing.SPAN_ROUND, tp, attrs)
