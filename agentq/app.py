@@ -7,6 +7,7 @@ from typing import Any
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
+from agentq.broker import patch_redis_transport
 from agentq.config import Settings
 from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
 
@@ -26,6 +27,7 @@ def longest_limit_s(default_timeout_s: float, limits: list[tuple[float, float | 
 
 
 def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = None) -> Celery:
+    patch_redis_transport()
     longest = (
         longest_tool_timeout_s if longest_tool_timeout_s is not None else settings.tool_timeout_s
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -108,6 +108,22 @@ redis.call('DEL', KEYS[5])
 """
     + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
     + "return 1"
+)
+
+# A stream worker takes a model round: unless it has a result or its turn is over, claim
+# it, and read what the round needs, in one step (each round trip is a handoff to a thread
+# on a stream worker that holds thousands of rounds).
+_BEGIN_LLM_LUA = (
+    """
+local done = redis.call('GET', KEYS[1])
+if done then return {1, done} end
+"""
+    + TURN_OPEN_LUA % (2, "{2}")
+    + """
+if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
+redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
+return {0, redis.call('EXISTS', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, -1)}
+"""
 )
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
@@ -249,6 +265,19 @@ def _loads(v: bytes | str | None) -> Any:
     return None if v is None else json.loads(v)
 
 
+@dataclass(frozen=True)
+class LlmRoundStart:
+    """What a stream worker found when it took a round: a result already stored, a turn
+    that is over, another delivery streaming it, or the round claimed with its history."""
+
+    done: str | None = None
+    gone: bool = False
+    elsewhere: bool = False
+    claimed: bool = False
+    cancelled: bool = False
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
 class TurnStore:
     def __init__(
         self,
@@ -267,6 +296,7 @@ class TurnStore:
         self._start = client.register_script(_START_LUA)
         self._wake = client.register_script(_WAKE_ONLY_LUA)
         self._finish_llm = client.register_script(_FINISH_LLM_LUA)
+        self._begin_llm = client.register_script(_BEGIN_LLM_LUA)
         self._close = client.register_script(_CLOSE_LUA)
         self._commit = client.register_script(_COMMIT_LUA)
         self._release = client.register_script(_RELEASE_LUA)
@@ -613,12 +643,33 @@ class TurnStore:
 
     # -- model rounds ------------------------------------------------------------------
 
-    def llm_round_started(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> bool:
-        """Claim a model round for this stream worker; False if another delivery streams it."""
-        if not self.redis.set(k.llm_alive_key(turn_id, round_no), worker, nx=True, px=lease_ms):
-            return False
-        self.redis.set(k.llm_taken_key(turn_id, round_no), worker, ex=self.ttl_s)
-        return True
+    def begin_llm_round(
+        self, turn_id: str, round_no: int, worker: str, lease_ms: int
+    ) -> LlmRoundStart:
+        """Claim a model round for this stream worker and read its history, in one step."""
+        res = self._begin_llm(
+            keys=[
+                k.llm_result_key(turn_id, round_no),
+                k.turn_key(turn_id),
+                k.llm_alive_key(turn_id, round_no),
+                k.llm_taken_key(turn_id, round_no),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
+            ],
+            args=[worker, lease_ms, self.ttl_s],
+        )
+        outcome = int(res[0])
+        if outcome == 1:
+            return LlmRoundStart(done=text(res[1]))
+        if outcome == 2:
+            return LlmRoundStart(gone=True)
+        if outcome == 3:
+            return LlmRoundStart(elsewhere=True)
+        return LlmRoundStart(
+            claimed=True,
+            cancelled=bool(res[1]),
+            history=[json.loads(m) for m in res[2]],
+        )
 
     def llm_round_alive(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> None:
         """Renew the claim of a round while it streams."""

@@ -32,31 +32,6 @@ from agentq.tools.task import queues_of, register_tool_tasks
 log = logging.getLogger("agentq.worker")
 
 
-def _survive_broker_restarts() -> None:
-    """Keep a worker alive when its Redis broker restarts while tasks are unacked.
-
-    Celery 5.7 / kombu 5.7 close the lost connection's transport before its channel; the
-    channel then tries to restore its unacked messages through the closed transport and
-    raises AttributeError, which Celery treats as unrecoverable and exits. Raising a
-    connection error there instead lets Celery reconnect as it does for any broker loss.
-    """
-    import redis
-    from kombu.transport import redis as kombu_redis
-
-    original = kombu_redis.Channel._connparams
-    if getattr(original, "agentq_patched", False):
-        return
-
-    def connparams(self: Any, asynchronous: bool = False) -> Any:
-        if self.connection.client is None:
-            raise redis.exceptions.ConnectionError("the broker connection is closed")
-        return original(self, asynchronous)  # type: ignore[no-untyped-call]
-
-    connparams.agentq_patched = True  # type: ignore[attr-defined]
-    kombu_redis.Channel._connparams = connparams  # type: ignore[method-assign]
-
-
-_survive_broker_restarts()
 settings = get_settings()
 logs.connect_celery_signals(settings.log_format)
 load_tool_modules(settings.tool_modules)

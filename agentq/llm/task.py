@@ -156,22 +156,21 @@ async def run_round(
 ) -> LlmRoundResult:
     store = host.store
     streams = _get_streams(host)
-    done = await host.io(store.redis.get, k.llm_result_key(req.turn_id, req.round_no))
-    if done is not None:
-        return LlmRoundResult.model_validate_json(done)
-    if await host.io(store.status, req.turn_id) in (None, "finished", "aborted", "error"):
-        # A late or redelivered round of a turn that ended (or that Redis lost).
-        return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
     key = (req.turn_id, req.round_no)
     # Renewed from the moment of the claim: a busy loop may resume this coroutine later
     # than the lease, and a lapsed claim would have the turn send the round again.
     streams.alive[key] += 1
-    claimed = await host.io(
-        store.llm_round_started, req.turn_id, req.round_no, streams.worker, streams.lease_ms
+    start = await host.io(
+        store.begin_llm_round, req.turn_id, req.round_no, streams.worker, streams.lease_ms
     )
-    if not claimed:
-        # The broker handed this round out again while another delivery streams it.
+    if not start.claimed:
         streams.release(key)
+        if start.done is not None:
+            return LlmRoundResult.model_validate_json(start.done)
+        if start.gone:
+            # A late or redelivered round of a turn that ended (or that Redis lost).
+            return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
+        # The broker handed this round out again while another delivery streams it.
         log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
         return LlmRoundResult(ok=False, error="streaming elsewhere", error_code="EDUPLICATE")
     name = f"{k.TASK_LLM_ROUND}:{req.turn_id}:{req.round_no}"
@@ -193,10 +192,10 @@ async def run_round(
             },
         )
     try:
-        if await host.io(store.redis.exists, k.cancel_key(req.turn_id)):
+        if start.cancelled:
             abort.set()
         with tracing.active(span) if observed else contextlib.nullcontext():
-            result = await _stream(host, streams, req, abort, stats)
+            result = await _stream(host, streams, req, start.history, abort, stats)
     finally:
         remove_cancel()
         streams.release(key)
@@ -241,6 +240,7 @@ async def _stream(
     host: LoopHost,
     streams: _Streams,
     req: LlmRoundRequest,
+    messages: list[dict[str, Any]],
     abort: asyncio.Event,
     stats: _RoundStats,
 ) -> LlmRoundResult:
@@ -278,7 +278,6 @@ async def _stream(
     try:
         if streams.client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
-        messages = await host.io(host.store.history, req.turn_id)
         if req.instructions:
             messages = [{"role": "system", "content": req.instructions}, *messages]
         message, streamed_s = await astream_round(

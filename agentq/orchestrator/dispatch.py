@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from agentq.broker import task_repr
 from agentq.constants import WORKER_ALIVE_TTL_S
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
@@ -59,6 +60,10 @@ def send(ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]) -> No
             kwargs=req.model_dump(),
             task_id=records[p.call.id]["task_id"],
             queue=p.queue,
+            argsrepr="()",
+            kwargsrepr=task_repr(
+                turn_id=ctx.turn_id, call_id=p.call.id, tool=p.call.name, arguments=p.arguments
+            ),
             # The result lives in agentq's store; no backend subscription per send.
             ignore_result=True,
             **p.limits.celery_options,

@@ -8,6 +8,7 @@ heartbeat of a worker that had taken the round sends the round again.
 from __future__ import annotations
 
 from agentq import constants as k
+from agentq.broker import task_repr
 from agentq.errors import ModelRoundFailed, StreamDurationExceeded
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator.context import StepContext
@@ -57,6 +58,8 @@ def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
         kwargs=req.model_dump(),
         task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
         queue=k.QUEUE_LLM,
+        argsrepr="()",
+        kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(req.tools)),
         ignore_result=True,
     )
 

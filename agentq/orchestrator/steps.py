@@ -170,6 +170,8 @@ def send_step(app: Celery, turn_id: str) -> None:
         k.TASK_STEP,
         args=[turn_id],
         queue=k.QUEUE_TURNS,
+        argsrepr=f"['{turn_id}']",
+        kwargsrepr="{}",
         ignore_result=True,
     )
 

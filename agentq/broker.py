@@ -1,0 +1,62 @@
+"""What agentq changes in kombu's Redis transport, and the task reprs it hands Celery.
+
+Both exist for the hot path: a step sends a task or two, and at thousands of turns the
+transport's per-publish costs were a third of a turn worker's CPU. The patches touch
+kombu internals, which is why pyproject.toml bounds kombu's version.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+REPR_LIMIT = 200
+"""Characters of a task's arguments that Flower and the worker log show."""
+
+
+def patch_redis_transport() -> None:
+    """Apply agentq's changes to kombu's Redis channel once per process."""
+    import redis
+    from kombu.transport import redis as kombu_redis
+
+    channel = kombu_redis.Channel
+    if getattr(channel, "agentq_patched", False):
+        return
+
+    # Keep a worker alive when its Redis broker restarts while tasks are unacked: Celery
+    # 5.7 / kombu 5.7 close the lost connection's transport before its channel; the
+    # channel then tries to restore its unacked messages through the closed transport and
+    # raises AttributeError, which Celery treats as unrecoverable and exits. A connection
+    # error instead lets Celery reconnect as it does for any broker loss.
+    connparams = channel._connparams
+
+    def _connparams(self: Any, asynchronous: bool = False) -> Any:
+        if self.connection.client is None:
+            raise redis.exceptions.ConnectionError("the broker connection is closed")
+        return connparams(self, asynchronous)  # type: ignore[no-untyped-call]
+
+    # kombu builds a new redis.Redis around the channel's pool for every publish (half a
+    # millisecond of response-callback tables each time): one per pool does, since a
+    # redis.Redis is safe to share between threads.
+    create_client = channel._create_client
+
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return create_client(self, asynchronous=True)  # type: ignore[no-untyped-call]
+        pool = self.pool
+        cached = self.__dict__.get("_agentq_client")
+        if cached is None or cached[0] is not pool:
+            cached = (pool, create_client(self))  # type: ignore[no-untyped-call]
+            self.__dict__["_agentq_client"] = cached
+        return cached[1]
+
+    channel._connparams = _connparams  # type: ignore[method-assign]
+    channel._create_client = _create_client  # type: ignore[method-assign]
+    channel.agentq_patched = True  # type: ignore[attr-defined]
+
+
+def task_repr(**fields: Any) -> str:
+    """A short repr of a task's arguments, made without Celery's saferepr (a millisecond
+    per send for a model round's tool schemas)."""
+    text = json.dumps(fields, default=str, separators=(",", ":"))
+    return text if len(text) <= REPR_LIMIT else text[: REPR_LIMIT - 1] + "…"
