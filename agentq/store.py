@@ -330,16 +330,29 @@ class TurnStore:
     # -- state ---------------------------------------------------------------
 
     def create(self, turn_id: str, state: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        pipe = self.redis.pipeline()
-        pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
-        if history:
-            pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
-        pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
-        pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
-        parent = state.get("parent_turn_id")
-        if parent:
-            pipe.sadd(k.children_key(parent), turn_id)
-        pipe.execute()
+        """Store a new turn, woken: if the message of its first step is lost (a failover
+        took it with the old master, its sender died), the wakeup sweep starts it."""
+
+        def build(pipe: Any) -> None:
+            pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
+            # Written whole each time, so sending it again (see _durable_write) is harmless.
+            pipe.delete(k.history_key(turn_id))
+            if history:
+                pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
+            pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
+            pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
+            pipe.set(k.dirty_key(turn_id), "1", ex=self.ttl_s)
+            pipe.zadd(k.WAKEUPS, {turn_id: time.time() + WAKE_BACKSTOP_S})
+            parent = state.get("parent_turn_id")
+            if parent:
+                pipe.sadd(k.children_key(parent), turn_id)
+
+        if self.replicas_acked:
+            self._durable_write(build)
+        else:
+            pipe = self.redis.pipeline()
+            build(pipe)
+            pipe.execute()
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
         raw = self.redis.hgetall(k.turn_key(turn_id))
