@@ -190,12 +190,19 @@ class Injector(threading.Thread):
         self.fleet, self.cluster, self.rng, self.tally = fleet, cluster, rng, tally
         self.interval_s = interval_s
         self.stop_at = stop_at
+        # At least three failovers in any run: one is forced when none came for a while.
+        self.failover_every_s = (stop_at - time.monotonic()) / 3.5
+        self.last_failover = time.monotonic()
 
     def run(self) -> None:
         while time.monotonic() < self.stop_at:
             time.sleep(self.rng.uniform(0.5, 1.5) * self.interval_s)
             kinds, weights = zip(*FAULT_WEIGHTS.items(), strict=True)
             fault = self.rng.choices(kinds, weights)[0]
+            if time.monotonic() - self.last_failover > self.failover_every_s:
+                fault = "sentinel failover"
+            if fault == "sentinel failover":
+                self.last_failover = time.monotonic()
             try:
                 if self.inject(fault):
                     self.tally.fault(fault)
