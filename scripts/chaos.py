@@ -452,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drain-s", type=float, default=180.0, help="time for turns to end after")
     ap.add_argument("--logs", type=Path, default=ROOT / "artifacts" / "chaos")
     args = ap.parse_args(argv)
+    started = time.monotonic()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)
     say(f"seed {seed}; logs in {args.logs}")
@@ -491,17 +492,22 @@ def main(argv: list[str] | None = None) -> int:
         injector.join()
         say("faults over; restoring the fleet and letting the turns end")
         fleet.settle()
+        deadline = time.monotonic() + args.drain_s
         for d in drivers:
-            d.join(args.drain_s)
+            d.join(max(0.0, deadline - time.monotonic()))
         client = Client()
         turns = all_turns(client, list(tally.turns))
-        deadline = time.monotonic() + args.drain_s
         while time.monotonic() < deadline:
             if all(client.store.status(t) in ENDED for t in turns):
                 break
             time.sleep(1.0)
+        drained_s = time.monotonic() - (deadline - args.drain_s)
         checks = check_invariants(client, turns, runs_file)
         ok = report(seed, args.duration_s, tally, checks, len(turns))
+        print(
+            f"\ndrained {drained_s:.0f} s after the faults stopped; "
+            f"{time.monotonic() - started:.0f} s in all"
+        )
         return 0 if ok else 1
     finally:
         if fleet is not None:
