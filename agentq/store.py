@@ -30,6 +30,9 @@ DURABLE_ATTEMPTS = 8
 backoff, about 5 s, longer than Sentinel takes to demote the old master."""
 """A replica that does not acknowledge is logged at most this often per process."""
 
+START_BACKSTOP_S = 30.0
+"""A new turn whose first step message was lost is swept up this much later: long enough
+that a burst of new turns waiting in the queue is not sent a second step each."""
 WAKE_BACKSTOP_S = 2.0
 """A wake whose step message was lost (its sender died) is swept up this much later."""
 
@@ -342,7 +345,7 @@ class TurnStore:
             pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
             pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
             pipe.set(k.dirty_key(turn_id), "1", ex=self.ttl_s)
-            pipe.zadd(k.WAKEUPS, {turn_id: time.time() + WAKE_BACKSTOP_S})
+            pipe.zadd(k.WAKEUPS, {turn_id: time.time() + START_BACKSTOP_S})
             parent = state.get("parent_turn_id")
             if parent:
                 pipe.sadd(k.children_key(parent), turn_id)
