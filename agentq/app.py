@@ -9,6 +9,7 @@ from kombu import Queue  # type: ignore[attr-defined]
 
 from agentq.broker import patch_redis_transport
 from agentq.config import Settings
+from agentq.connections import transport_options
 from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
 
 MIN_VISIBILITY_TIMEOUT_S = 3600
@@ -45,8 +46,12 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s
             or visibility_timeout_s(longest, settings.tool_queue_timeout_s),
+            **transport_options(settings.broker, settings.redis_sentinel_master),
         },
-        "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        "result_backend_transport_options": {
+            "retry_policy": {"timeout": 5.0},
+            **transport_options(settings.redis_url, settings.redis_sentinel_master),
+        },
         "broker_connection_retry_on_startup": True,
         # Task events cost three publishes per task in the worker's event loop; Flower
         # switches worker events on by itself while it watches (`enable_events`).

@@ -26,6 +26,13 @@ class Settings(BaseSettings):
     """Redis for events, state, results, and (by default) the broker."""
     broker_url: str | None = None
     """Celery broker; defaults to `redis_url`. `amqp://` works too."""
+    redis_sentinel_master: str | None = None
+    """The master's name when `redis_url` or `broker_url` is `sentinel://h1:26379;...`."""
+    redis_min_replicas_acked: int | None = Field(None, ge=0)
+    """Replicas that must acknowledge (Redis `WAIT`) the writes that dispatch or settle a
+    call and end a turn before they count; unset: 1 behind Sentinel, else 0 (no wait)."""
+    redis_wait_timeout_ms: int = Field(500, ge=1)
+    """Longest `WAIT` for those replicas; past it the write stands, with a warning."""
 
     llm_base_url: str | None = None
     """OpenAI-compatible server; unset means the scripted demo model under `agentq dev`."""
@@ -150,15 +157,16 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must be a redis://, rediss:// or unix:// URL")
+        if not v.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
+            raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
         return v
 
     @field_validator("broker_url")
     @classmethod
     def _broker_scheme(cls, v: str | None) -> str | None:
-        if v and not v.startswith(("redis://", "rediss://", "amqp://", "amqps://", "pyamqp://")):
-            raise ValueError("must be a redis:// or amqp:// URL")
+        schemes = ("redis://", "rediss://", "sentinel://", "amqp://", "amqps://", "pyamqp://")
+        if v and not v.startswith(schemes):
+            raise ValueError("must be a redis://, sentinel:// or amqp:// URL")
         return v
 
     @field_validator("cors_origins")
@@ -171,6 +179,30 @@ class Settings(BaseSettings):
             if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
                 raise ValueError(f"{origin!r} is not an origin like https://app.example.com")
         return v
+
+    @model_validator(mode="after")
+    def _sentinel_master(self) -> Settings:
+        from agentq.connections import is_sentinel, parse_sentinel_url
+
+        for setting, url in (
+            ("AGENTQ_REDIS_URL", self.redis_url),
+            ("AGENTQ_BROKER_URL", self.broker_url),
+        ):
+            if url and is_sentinel(url):
+                parse_sentinel_url(url, setting)
+                if not self.redis_sentinel_master:
+                    raise ConfigError(
+                        "AGENTQ_REDIS_SENTINEL_MASTER",
+                        f"{setting} is a sentinel:// URL: set the name of its master",
+                    )
+        return self
+
+    @property
+    def replicas_acked(self) -> int:
+        """`redis_min_replicas_acked`, or its default for the kind of Redis URL."""
+        if self.redis_min_replicas_acked is not None:
+            return self.redis_min_replicas_acked
+        return 1 if self.redis_url.startswith("sentinel://") else 0
 
     @model_validator(mode="after")
     def _api_key_fallback(self) -> Settings:

@@ -32,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from agentq.config import Settings, get_settings
+from agentq.connections import is_sentinel, probe, transport_options
+from agentq.connections import redact as redact_urls
 from agentq.errors import ConfigError
 from agentq.testing.processes import (
     CELERY_READY_PATTERN,
@@ -121,12 +122,8 @@ class Fleet:
 
 
 def redact(url: str) -> str:
-    """`url` with its password replaced by ***, for the terminal."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{parts.netloc.rpartition('@')[2]}"))
+    """`url` (or a `;`-separated list of them) with passwords hidden, for the terminal."""
+    return redact_urls(url)
 
 
 def _python(*args: str) -> list[str]:
@@ -188,10 +185,25 @@ def _port(preferred: int, env_name: str, what: str) -> int:
     return port
 
 
-def _check_broker(url: str) -> None:
+def _redis_for(settings: Settings) -> tuple[str, RedisServer | None]:
+    """The Redis to use: a Sentinel's master as it is, else `ensure_redis`."""
+    if not is_sentinel(settings.redis_url):
+        return ensure_redis(settings.redis_url)
+    problem = probe(settings.redis_url, settings.redis_sentinel_master)
+    if problem is not None:
+        raise ConfigError(
+            "AGENTQ_REDIS_URL",
+            f"no master answers behind {redact_urls(settings.redis_url)}: {problem}",
+        )
+    return settings.redis_url, None
+
+
+def _check_broker(url: str, master_name: str | None = None) -> None:
     from kombu.connection import Connection
 
-    conn = Connection(url, connect_timeout=3)  # type: ignore[no-untyped-call]
+    conn = Connection(  # type: ignore[no-untyped-call]
+        url, connect_timeout=3, transport_options=transport_options(url, master_name)
+    )
     try:
         conn.ensure_connection(max_retries=1, timeout=3)  # type: ignore[no-untyped-call]
     except Exception as exc:
@@ -234,9 +246,9 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
     flower_port = _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower") if opts.flower else 0
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
     if separate_broker:
-        _check_broker(settings.broker)
+        _check_broker(settings.broker, settings.redis_sentinel_master)
     env: dict[str, str] = {}
-    url, embedded = ensure_redis(settings.redis_url)
+    url, embedded = _redis_for(settings)
     fleet.redis = embedded
     if embedded is None:
         say(f"Redis: using the one answering at {redact(url)}")

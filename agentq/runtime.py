@@ -7,16 +7,10 @@ import threading
 
 import redis
 from celery import Celery
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
 
 from agentq.config import Settings, get_settings
+from agentq.connections import REDIS_MAX_CONNECTIONS, redis_client
 from agentq.store import TurnStore
-
-REDIS_MAX_CONNECTIONS = 10_000
-"""Redis's own default `maxclients`."""
-REDIS_RETRIES = 20
-"""With the backoff below, about 16 s of reconnect attempts before a command fails."""
 
 _lock = threading.Lock()
 _redis: redis.Redis | None = None
@@ -29,15 +23,11 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
     with _lock:
         if _redis is None:
             s = settings or get_settings()
-            _redis = redis.Redis.from_url(
+            _redis = redis_client(
                 s.redis_url,
+                s.redis_sentinel_master,
                 socket_keepalive=True,
                 health_check_interval=30,
-                retry_on_timeout=True,
-                # Ride out a Redis restart (seconds) instead of failing the turn at once:
-                # redis-py's default retries give up within a few dozen milliseconds.
-                retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
-                retry_on_error=[redis.ConnectionError, redis.TimeoutError],
                 max_connections=REDIS_MAX_CONNECTIONS,
             )
         return _redis
@@ -54,6 +44,8 @@ def get_store(settings: Settings | None = None) -> TurnStore:
                 log_maxlen=s.event_log_maxlen,
                 ttl_s=s.state_ttl_s,
                 waker=_send_step,
+                replicas_acked=s.replicas_acked,
+                wait_timeout_ms=s.redis_wait_timeout_ms,
             )
         return _store
 

@@ -8,7 +8,9 @@ swept by every turn worker), then asks for a step at once through ``waker``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -20,6 +22,17 @@ from agentq import constants as k
 from agentq.events.bus import EventBus, event_body, publish_lua
 from agentq.models import ToolResult, TurnStatus
 
+log = logging.getLogger("agentq.store")
+
+WAIT_WARN_EVERY_S = 10.0
+DURABLE_ATTEMPTS = 8
+"""Runs of an idempotent settling write that replicas did not acknowledge: with the
+backoff, about 5 s, longer than Sentinel takes to demote the old master."""
+"""A replica that does not acknowledge is logged at most this often per process."""
+
+START_BACKSTOP_S = 30.0
+"""A new turn whose first step message was lost is swept up this much later: long enough
+that a burst of new turns waiting in the queue is not sent a second step each."""
 WAKE_BACKSTOP_S = 2.0
 """A wake whose step message was lost (its sender died) is swept up this much later."""
 
@@ -286,8 +299,14 @@ class TurnStore:
         log_maxlen: int = 10_000,
         ttl_s: int = 604800,
         waker: Callable[[str], None] | None = None,
+        replicas_acked: int = 0,
+        wait_timeout_ms: int = 500,
     ):
         self.redis = client
+        self.replicas_acked = replicas_acked
+        """Replicas that must acknowledge the writes a failover must not lose (`WAIT`)."""
+        self.wait_timeout_ms = wait_timeout_ms
+        self._wait_warned_at = 0.0
         self.bus = EventBus(client, log_maxlen=log_maxlen)
         self.ttl_s = ttl_s
         self.waker = waker
@@ -305,19 +324,100 @@ class TurnStore:
         self._reread = client.register_script(_REREAD_LUA)
         self._state_lost = client.register_script(_STATE_LOST_LUA)
 
+    def _durable(self, script: Any, keys: list[Any], args: list[Any], *, again: bool = True) -> Any:
+        """Run a script whose write a failover must not lose (see `_durable_write`)."""
+        if not self.replicas_acked:
+            return script(keys=keys, args=args)
+        return self._durable_write(lambda p: script(keys=keys, args=args, client=p), again)[0]
+
+    def _durable_write(self, build: Callable[[Any], None], again: bool = True) -> list[Any]:
+        """Send the commands `build` puts in a pipeline, then WAIT for `replicas_acked`
+        replicas on the same connection; the answers of the first run, WAIT's cut off.
+
+        Too few acknowledgements mean the write may sit on a master being replaced, so
+        idempotent writes (`again`) are sent again, with backoff, until replicas
+        acknowledge them: after a failover the client has moved to the new master and
+        the write lands there.
+        """
+        first: list[Any] = []
+        acked = 0
+        for attempt in range(DURABLE_ATTEMPTS if again else 1):
+            if attempt:
+                time.sleep(min(0.1 * 2**attempt, 1.0))
+                self._follow_master()
+            *res, acked = self._pipelined(build, wait=True)
+            if attempt == 0:
+                first = res
+            if not self.replicas_acked or int(acked) >= self.replicas_acked:
+                return first
+        self._under_acked(int(acked))
+        return first
+
+    def _pipelined(self, build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
+        """Run the commands `build` puts in a pipeline (with a WAIT last, `wait`).
+
+        A pipeline loads its scripts once, before it is sent: when a retry took it to
+        a new master (a failover, a restart) that lacks them, it is built and sent again.
+        """
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            build(pipe)
+            if wait:
+                pipe.wait(self.replicas_acked, self.wait_timeout_ms)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _follow_master(self) -> None:
+        """Behind Sentinel, ask for the master now: if it moved, the pool drops its
+        connections to the old one instead of writing there until it is demoted."""
+        refresh = getattr(self.redis.connection_pool, "get_master_address", None)
+        if refresh is not None:
+            # No sentinel answers: the write is retried as it is.
+            with contextlib.suppress(redis.RedisError):
+                refresh()
+
+    def _under_acked(self, acked: int) -> None:
+        now = time.monotonic()
+        if now - self._wait_warned_at > WAIT_WARN_EVERY_S:
+            self._wait_warned_at = now
+            log.warning(
+                "%d of %d replicas acknowledged a settling write within %d ms: a failover "
+                "now could lose it",
+                acked,
+                self.replicas_acked,
+                self.wait_timeout_ms,
+            )
+
     # -- state ---------------------------------------------------------------
 
     def create(self, turn_id: str, state: dict[str, Any], history: list[dict[str, Any]]) -> None:
-        pipe = self.redis.pipeline()
-        pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
-        if history:
-            pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
-        pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
-        pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
-        parent = state.get("parent_turn_id")
-        if parent:
-            pipe.sadd(k.children_key(parent), turn_id)
-        pipe.execute()
+        """Store a new turn, woken: if the message of its first step is lost (a failover
+        took it with the old master, its sender died), the wakeup sweep starts it."""
+
+        def build(pipe: Any) -> None:
+            pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
+            # Written whole each time, so sending it again (see _durable_write) is harmless.
+            pipe.delete(k.history_key(turn_id))
+            if history:
+                pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
+            pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
+            pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
+            pipe.set(k.dirty_key(turn_id), "1", ex=self.ttl_s)
+            pipe.zadd(k.WAKEUPS, {turn_id: time.time() + START_BACKSTOP_S})
+            parent = state.get("parent_turn_id")
+            if parent:
+                pipe.sadd(k.children_key(parent), turn_id)
+
+        if self.replicas_acked:
+            self._durable_write(build)
+        else:
+            pipe = self.redis.pipeline()
+            build(pipe)
+            pipe.execute()
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
         raw = self.redis.hgetall(k.turn_key(turn_id))
@@ -354,7 +454,8 @@ class TurnStore:
             flat += [f, json.dumps(v)]
         parent, result = settle_parent or ("", None)
         pid = parent or turn_id  # placeholders the script leaves alone without a parent
-        won = self._close(
+        won = self._durable(
+            self._close,
             keys=[
                 k.turn_key(turn_id),
                 k.ACTIVE_TURNS,
@@ -436,9 +537,12 @@ class TurnStore:
         for f, v in fields.items():
             args += [f, json.dumps(v)]
         args += [json.dumps(m) for m in append or []]
-        ok = self._commit(
+        # Not run again: a second run would append the messages twice.
+        ok = self._durable(
+            self._commit,
             keys=[k.step_lock_key(turn_id), k.turn_key(turn_id), k.history_key(turn_id)],
             args=args,
+            again=False,
         )
         return bool(ok)
 
@@ -490,10 +594,18 @@ class TurnStore:
 
     def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
         """Record calls as sent, and as the batch in flight whose last settle wakes the turn."""
-        if records:
-            pipe = self.redis.pipeline()
+        if not records:
+            return
+
+        def build(pipe: Any) -> None:
             pipe.hset(k.calls_key(turn_id), mapping={c: json.dumps(r) for c, r in records.items()})
             pipe.sadd(k.outstanding_key(turn_id), *records)
+
+        if self.replicas_acked:
+            self._durable_write(build)
+        else:
+            pipe = self.redis.pipeline()
+            build(pipe)
             pipe.execute()
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
@@ -529,7 +641,8 @@ class TurnStore:
         worker = str(start.get("worker") or "")
         watched = bool(start.get("heartbeat")) and bool(worker)
         return int(
-            self._start(
+            self._durable(
+                self._start,
                 keys=[
                     k.results_key(turn_id),
                     k.started_key(turn_id),
@@ -567,7 +680,8 @@ class TurnStore:
         """
         result_json = result.model_dump_json()
         event = _finished(result)
-        won = self._settle(
+        won = self._durable(
+            self._settle,
             keys=[
                 k.results_key(turn_id),
                 k.dirty_key(turn_id),
@@ -718,18 +832,20 @@ class TurnStore:
         """Publish the events of several turns, each turn's in order, in one round trip."""
         if not any(batches.values()):
             return
-        pipe = self.redis.pipeline(transaction=False)
-        for turn_id, events in batches.items():
-            keys = [
-                k.seq_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-                k.turn_key(turn_id),
-            ]
-            for type_, fields in events:
-                self.bus._publish(
-                    keys=keys,
-                    args=[event_body(turn_id, type_, fields), self.bus.log_maxlen],
-                    client=pipe,
-                )
-        pipe.execute()
+        bodies = {
+            turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
+            for turn_id, events in batches.items()
+        }
+
+        def build(pipe: Any) -> None:
+            for turn_id, turn_bodies in bodies.items():
+                keys = [
+                    k.seq_key(turn_id),
+                    k.log_key(turn_id),
+                    k.events_channel(turn_id),
+                    k.turn_key(turn_id),
+                ]
+                for body in turn_bodies:
+                    self.bus._publish(keys=keys, args=[body, self.bus.log_maxlen], client=pipe)
+
+        self._pipelined(build)

@@ -12,9 +12,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-
 from agentq import constants as k
+from agentq.connections import async_redis_client
 
 log = logging.getLogger("agentq.aio")
 
@@ -25,8 +24,11 @@ POLL_S = 1.0
 class CancelWatch:
     """Turn id -> callbacks run (on the loop) once that turn is aborted."""
 
-    def __init__(self, redis_url: str, *, poll_s: float = POLL_S) -> None:
+    def __init__(
+        self, redis_url: str, master_name: str | None = None, *, poll_s: float = POLL_S
+    ) -> None:
         self._url = redis_url
+        self._master = master_name
         self._poll_s = poll_s
         self._handlers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
@@ -68,7 +70,7 @@ class CancelWatch:
     async def _listen(self) -> None:
         delay_s = 0.1
         while True:
-            client = aioredis.Redis.from_url(self._url)
+            client = async_redis_client(self._url, self._master)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(k.CANCEL_CHANNEL)
@@ -90,7 +92,7 @@ class CancelWatch:
                 await client.aclose()
 
     async def _poll(self) -> None:
-        client = aioredis.Redis.from_url(self._url)
+        client = async_redis_client(self._url, self._master)
         try:
             while True:
                 await asyncio.sleep(self._poll_s)

@@ -64,7 +64,7 @@ class LoopHost:
             on_blocked=self._on_blocked,
             on_stuck=self._on_stuck,
         )
-        self.cancels = CancelWatch(settings.redis_url)
+        self.cancels = CancelWatch(settings.redis_url, settings.redis_sentinel_master)
         self.loop.start()
         self.loop.call(self.cancels.start)
 

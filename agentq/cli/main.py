@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from agentq.connections import redact
 from agentq.errors import AgentqError, ConfigError, MissingExtra, UnknownAgent
 
 if TYPE_CHECKING:
@@ -72,23 +73,12 @@ def worker_argv(
     return [*argv, *opts]
 
 
-def _unreachable(url: str) -> str | None:
-    """Why `url` (Redis or AMQP) does not answer right now, or None when it does."""
-    if url.startswith(("redis://", "rediss://", "unix://")):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+def _unreachable(url: str, master_name: str | None = None) -> str | None:
+    """Why `url` (Redis, Sentinel or AMQP) does not answer right now, or None when it does."""
+    if url.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
+        from agentq.connections import probe
 
-        client = redis.Redis.from_url(
-            url, socket_connect_timeout=3, socket_timeout=3, retry=Retry(NoBackoff(), 0)
-        )
-        try:
-            client.ping()
-        except redis.RedisError as exc:
-            return str(exc)
-        finally:
-            client.close()
-        return None
+        return probe(url, master_name)
     from kombu import Connection  # type: ignore[attr-defined]
 
     try:
@@ -97,12 +87,6 @@ def _unreachable(url: str) -> str | None:
     except Exception as exc:
         return str(exc) or type(exc).__name__
     return None
-
-
-def _redact(url: str) -> str:
-    scheme, sep, rest = url.partition("://")
-    auth, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{auth.split(':', 1)[0]}:**{at}{host}" if at else url
 
 
 def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) -> None:
@@ -118,11 +102,11 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
         checks.insert(0, ("AGENTQ_BROKER_URL", settings.broker))
     for setting, url in checks:
         for attempt in range(attempts):
-            problem = _unreachable(url)
+            problem = _unreachable(url, settings.redis_sentinel_master)
             if problem is None:
                 break
             if attempt == attempts - 1:
-                raise ConfigError(setting, f"cannot reach {_redact(url)}: {problem}")
+                raise ConfigError(setting, f"cannot reach {redact(url)}: {problem}")
             time.sleep(1.0)
 
 

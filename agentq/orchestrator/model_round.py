@@ -26,7 +26,12 @@ def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
     )
 
 
-def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
+PICKUP_LEASES = 4
+"""A round no stream worker took within this many turn leases is sent again: its message
+was lost (it went to a Redis master that a failover replaced)."""
+
+
+def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) -> None:
     s = ctx.settings
     streamed_s = float(ctx.state.get("streamed_s", 0.0))
     left_s = s.stream_duration_s - streamed_s
@@ -51,12 +56,17 @@ def send_round(ctx: StepContext, round_no: int, attempt: int) -> None:
     ctx.commit(
         llm_round=round_no,
         llm_attempt=attempt,
-        llm_deadline=_round_deadline(ctx, left_s),
+        llm_sends=sends,
+        llm_sent_at=ctx.now,
+        # Sent again unpicked: the round keeps the deadline of its attempt.
+        llm_deadline=(
+            float(ctx.state["llm_deadline"]) if sends > 1 else _round_deadline(ctx, left_s)
+        ),
     )
     ctx.app.send_task(
         k.TASK_LLM_ROUND,
         kwargs=req.model_dump(),
-        task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}",
+        task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}" + (f".{sends}" if sends > 1 else ""),
         queue=k.QUEUE_LLM,
         argsrepr="()",
         kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(req.tools)),
@@ -100,6 +110,12 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
         )
         ctx.store.redis.delete(k.llm_taken_key(ctx.turn_id, round_no))
         send_round(ctx, round_no, attempt + 1)
+    elif not alive and taken is None:
+        sent_at = float(ctx.state.get("llm_sent_at") or ctx.now)
+        if ctx.now - sent_at >= PICKUP_LEASES * s.turn_lease_s:
+            # A delivery that arrives after all finds the result or the claim: not run twice.
+            sends = int(ctx.state.get("llm_sends") or 1) + 1
+            send_round(ctx, round_no, int(ctx.state.get("llm_attempt", 1)), sends)
     return min(float(ctx.state["llm_deadline"]), ctx.now + s.turn_lease_s)
 
 

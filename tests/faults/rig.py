@@ -22,6 +22,7 @@ from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
 from agentq.testing.processes import ManagedProcess, start_worker, worker_env
 from agentq.testing.redis_server import RedisServer
+from agentq.testing.sentinel import SentinelCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "artifacts" / "faults"
@@ -39,11 +40,19 @@ def fault_env(redis_url: str, llm_url: str, **extra: str) -> dict[str, str]:
 class Rig:
     """One Redis, one scripted model server, any number of workers; stopped by PID."""
 
-    def __init__(self, name: str, *, appendonly: bool = False, **env: str) -> None:
+    def __init__(
+        self, name: str, *, appendonly: bool = False, sentinel: bool = False, **env: str
+    ) -> None:
         self.name = name
-        self.redis = RedisServer(appendonly=appendonly).start()
+        # Behind Sentinel, every process reaches Redis through the sentinel:// URL only.
+        self.cluster = SentinelCluster(appendonly=appendonly).start() if sentinel else None
+        self.redis = self.cluster.servers[0] if self.cluster else RedisServer(appendonly=appendonly)
+        self.redis.start()
         self.llm = ScriptedOpenAIServer().start()
-        self.env = fault_env(self.redis.url, self.llm.url, **env)
+        if self.cluster is not None:
+            env = {"AGENTQ_REDIS_SENTINEL_MASTER": self.cluster.master_name, **env}
+        redis_url = self.cluster.url if self.cluster else self.redis.url
+        self.env = fault_env(redis_url, self.llm.url, **env)
         self.workers: list[ManagedProcess] = []
         self._saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
@@ -69,7 +78,7 @@ class Rig:
                 kind,
                 env={**self.env, **(env or {})},
                 hostname=f"{tag}@%h",
-                concurrency=conc[kind],
+                concurrency=conc.get(kind),
                 extra_args=extra_args,
                 log_path=LOGS / f"{tag}.log",
                 ready_timeout_s=60,
@@ -93,6 +102,8 @@ class Rig:
         with ThreadPoolExecutor(max_workers=len(self.workers) or 1) as pool:
             list(pool.map(lambda w: w.stop(timeout_s=5), self.workers))
         self.llm.stop()
+        if self.cluster is not None:
+            self.cluster.stop()
         self.redis.stop()
         for k, v in self._saved.items():
             if v is None:

@@ -78,3 +78,22 @@ def test_killed_stream_worker_out_of_retries_fails_the_turn_clearly(make_rig) ->
     assert events[-1].ts - killed_at < 3 * LEASE_S + 2
     assert rig.client.get(tid)["state"]["status"] == "error"
     assert_gapless(events)
+
+
+def test_a_round_whose_message_was_lost_is_sent_again(make_rig) -> None:
+    # No stream worker yet: the round's message waits in the queue, where the test drops
+    # it, as a failover drops what the old master took.
+    rig = make_rig()
+    rig.start("turns")
+    handle = rig.client.start_turn(rig.script(Round(text="Answered after all.")))
+    redis = rig.client.store.redis
+    wait_for(lambda: redis.llen("agentq.llm") == 1, 30, message="the round to be sent")
+    assert redis.delete("agentq.llm") == 1
+    rig.start("llm")
+    t0 = time.monotonic()
+    events = rig.collect(handle.turn_id, timeout_s=40)
+    assert events[-1].type == "turn_finished", [e.type for e in events]
+    assert events[-1].fields["content"] == "Answered after all."
+    # Sent again after 4 leases (1.5 s each here), not at the round's deadline (minutes).
+    assert time.monotonic() - t0 < 30
+    assert_gapless(events)

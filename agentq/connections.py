@@ -1,0 +1,256 @@
+"""Every Redis client agentq makes, from one URL: plain Redis or a master behind Sentinel.
+
+`sentinel://h1:26379;sentinel://h2:26379/0` with a master name is Celery's convention for
+Redis behind Sentinel; the same URL and name configure the state store, the event bus,
+the broker and the result backend. A Sentinel client asks the sentinels for the current
+master on every new connection, and a connection to a master that was demoted (the
+`READONLY` answer) is dropped and retried, so a failover costs the commands in flight a
+reconnect and nothing more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from redis._parsers.base import BaseParser
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+from redis.sentinel import Sentinel, SentinelManagedConnection
+
+from agentq.errors import ConfigError
+
+SENTINEL_SCHEME = "sentinel://"
+DEFAULT_SENTINEL_PORT = 26379
+SENTINEL_MASTER_SETTING = "AGENTQ_REDIS_SENTINEL_MASTER"
+REDIS_MAX_CONNECTIONS = 10_000
+"""Redis's own default `maxclients`."""
+REDIS_RETRIES = 20
+"""With the backoff below, about 16 s of reconnect attempts before a command fails: long
+enough for a restart or a Sentinel failover (a few seconds with default timeouts)."""
+
+
+class NoReplicasError(redis.ConnectionError):
+    """`NOREPLICAS`: the master has fewer good replicas than its `min-replicas-to-write`.
+
+    Behind Sentinel that is a master whose replica was just promoted: the write must go
+    to the new master, so it is retried like a lost connection (a new connection asks
+    the sentinels for the master) instead of failing the caller.
+    """
+
+
+class MasterChangedError(redis.ConnectionError):
+    """`UNBLOCKED ... instance state changed`: a blocked command (a broker's BRPOP, a
+    WAIT) on a master that was just demoted; the caller reconnects to the new master."""
+
+
+_parse_error = BaseParser.parse_error.__func__  # type: ignore[attr-defined]
+
+
+def _parse_failover_errors(cls: type[BaseParser], response: str) -> redis.RedisError:
+    """redis-py's error parsing, plus the answers of a master being replaced.
+
+    A write inside a Lua script on a demoted master fails as `ERR Error running script
+    ... -READONLY`; it is a ReadOnlyError like the plain answer, so redis-py's Sentinel
+    connection reconnects to the new master. Celery's BRPOP gets `UNBLOCKED`, which
+    would otherwise stop the worker for good.
+    """
+    if response.startswith("UNBLOCKED"):
+        return MasterChangedError(response)
+    if response.startswith(("ERR Error running script", "Error running script")):
+        if "-READONLY " in response:
+            return redis.ReadOnlyError(response)
+        if "-NOREPLICAS " in response:
+            return NoReplicasError(response)
+    if response.startswith(("ERR WAIT cannot be used with replica", "WAIT cannot be used")):
+        return redis.ReadOnlyError(response)
+    error: redis.RedisError = _parse_error(cls, response)
+    return error
+
+
+_connect_check_health = SentinelManagedConnection.connect_check_health
+
+
+def _connect_to_master(
+    self: SentinelManagedConnection, check_health: bool = True, retry_socket_connect: bool = True
+) -> None:
+    """Reconnect to the master Sentinel names now, not to the address of the last one.
+
+    redis-py 8 reconnects a dropped connection through `connect_check_health`, which
+    skips the Sentinel lookup of `connect`: after a failover every retry went back to
+    the demoted master (READONLY) until the retries ran out.
+    """
+    if not self._sock and self.connection_pool.is_master:
+        self.host, self.port = self.connection_pool.get_master_address()
+    _connect_check_health(self, check_health, retry_socket_connect)
+
+
+# Process-wide: every client (ours, kombu's, Celery's backend) parses errors here and
+# reconnects through Sentinel.
+SentinelManagedConnection.connect_check_health = _connect_to_master  # type: ignore[method-assign,assignment]
+BaseParser.EXCEPTION_CLASSES["NOREPLICAS"] = NoReplicasError
+BaseParser.parse_error = classmethod(_parse_failover_errors)  # type: ignore[method-assign,assignment]
+
+RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
+"""A demoted master's READONLY answer reaches us as a ConnectionError (redis-py's
+SentinelManagedConnection turns it into one), and so does NOREPLICAS (NoReplicasError),
+so both are retried on the new master."""
+
+
+@dataclass(frozen=True)
+class SentinelUrl:
+    """The parts of a `sentinel://` URL list."""
+
+    sentinels: list[tuple[str, int]]
+    db: int
+    username: str | None
+    password: str | None
+
+
+def is_sentinel(url: str) -> bool:
+    return url.startswith(SENTINEL_SCHEME)
+
+
+def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelUrl:
+    """`sentinel://[:pw@]h1:26379;sentinel://h2:26379/0` -> sentinels, db, credentials of the
+    master (taken from the first part, as Celery does)."""
+    sentinels: list[tuple[str, int]] = []
+    db = 0
+    username = password = None
+    for i, chunk in enumerate(c.strip() for c in url.split(";")):
+        if not chunk.startswith(SENTINEL_SCHEME):
+            raise ConfigError(
+                setting,
+                f"every part of a Sentinel URL starts with sentinel://, not {redact(chunk)!r}",
+            )
+        parts = urlsplit(chunk)
+        try:
+            port = parts.port or DEFAULT_SENTINEL_PORT
+        except ValueError:
+            raise ConfigError(setting, f"bad port in {redact(chunk)!r}") from None
+        if not parts.hostname:
+            raise ConfigError(setting, f"no host in {redact(chunk)!r}")
+        sentinels.append((parts.hostname, port))
+        if i == 0:
+            path = parts.path.strip("/")
+            if path:
+                if not path.isdigit():
+                    raise ConfigError(setting, f"the database must be a number, not {path!r}")
+                db = int(path)
+            username = unquote(parts.username) if parts.username else None
+            password = unquote(parts.password) if parts.password else None
+    return SentinelUrl(sentinels=sentinels, db=db, username=username, password=password)
+
+
+def redact(url: str) -> str:
+    """The URL (or `;`-separated URL list) with every password replaced by `**`."""
+    out = []
+    for chunk in url.split(";"):
+        scheme, sep, rest = chunk.partition("://")
+        auth, at, host = rest.rpartition("@")
+        out.append(f"{scheme}{sep}{auth.split(':', 1)[0]}:**{at}{host}" if at else chunk)
+    return ";".join(out)
+
+
+def _sync_retry(retries: int) -> Retry:
+    if retries <= 0:
+        return Retry(NoBackoff(), 0)
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries)
+
+
+def redis_client(
+    url: str,
+    master_name: str | None = None,
+    *,
+    retries: int = REDIS_RETRIES,
+    **kwargs: Any,
+) -> redis.Redis:
+    """A client for `url`; for a Sentinel URL, for the current master of `master_name`.
+
+    `retries` reconnect attempts (with backoff) ride out a restart or failover instead of
+    failing a turn at once; `retries=0` is for probes that must answer quickly.
+    """
+    options: dict[str, Any] = {
+        "retry": _sync_retry(retries),
+        "retry_on_error": RETRY_ON if retries > 0 else [],
+        **kwargs,
+    }
+    if not is_sentinel(url):
+        return redis.Redis.from_url(url, **options)
+    if not master_name:
+        raise ConfigError(
+            "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
+        )
+    parsed = parse_sentinel_url(url)
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        parsed.sentinels,
+        sentinel_kwargs={
+            "socket_timeout": kwargs.get("socket_timeout") or 2.0,
+            "socket_connect_timeout": kwargs.get("socket_connect_timeout") or 2.0,
+        },
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
+        **options,
+    )
+    client: redis.Redis = sentinel.master_for(master_name)  # type: ignore[no-untyped-call]
+    return client
+
+
+def async_redis_client(url: str, master_name: str | None = None) -> aioredis.Redis:
+    """The asyncio twin of `redis_client`, with the same retries."""
+    retry = AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES)
+    if not is_sentinel(url):
+        return aioredis.Redis.from_url(url, retry=retry, retry_on_error=RETRY_ON)
+    if not master_name:
+        raise ConfigError(
+            "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
+        )
+    parsed = parse_sentinel_url(url)
+    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
+        parsed.sentinels,
+        sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
+        db=parsed.db,
+        username=parsed.username,
+        password=parsed.password,
+        retry=retry,
+        retry_on_error=RETRY_ON,
+    )
+    client: aioredis.Redis = sentinel.master_for(master_name)
+    return client
+
+
+def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
+    """What kombu's and Celery's Sentinel transports need besides the URL."""
+    if not is_sentinel(url):
+        return {}
+    return {
+        "master_name": master_name,
+        "sentinel_kwargs": {"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
+    }
+
+
+def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> str | None:
+    """None when the Redis at `url` (or Sentinel's master) answers PING, else why not."""
+    try:
+        client = redis_client(
+            url,
+            master_name,
+            retries=0,
+            socket_connect_timeout=timeout_s,
+            socket_timeout=timeout_s,
+        )
+    except ValueError as exc:
+        return f"bad URL: {exc}"
+    try:
+        client.ping()
+    except (redis.RedisError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    finally:
+        client.close()
+    return None
