@@ -73,7 +73,8 @@ def _parse_failover_errors(cls: type[BaseParser], response: str) -> redis.RedisE
     return error
 
 
-_connect_check_health = SentinelManagedConnection.connect_check_health
+# Older redis-py (5, 6) reconnects through `connect`, which asks Sentinel already.
+_connect_check_health = getattr(SentinelManagedConnection, "connect_check_health", None)
 
 
 def _connect_to_master(
@@ -87,12 +88,14 @@ def _connect_to_master(
     """
     if not self._sock and self.connection_pool.is_master:
         self.host, self.port = self.connection_pool.get_master_address()
+    assert _connect_check_health is not None
     _connect_check_health(self, check_health, retry_socket_connect)
 
 
 # Process-wide: every client (ours, kombu's, Celery's backend) parses errors here and
 # reconnects through Sentinel.
-SentinelManagedConnection.connect_check_health = _connect_to_master  # type: ignore[method-assign,assignment]
+if _connect_check_health is not None:
+    SentinelManagedConnection.connect_check_health = _connect_to_master  # type: ignore[method-assign,assignment]
 BaseParser.EXCEPTION_CLASSES["NOREPLICAS"] = NoReplicasError
 BaseParser.parse_error = classmethod(_parse_failover_errors)  # type: ignore[method-assign,assignment]
 
