@@ -4,7 +4,6 @@ I/O-bound turns by the thousand on the I/O and stream workers (`io`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections import Counter
@@ -16,23 +15,28 @@ import psutil
 from agentq import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import start_worker
-from scripts.bench_stages import Fleet, Sizes
+from scripts.bench_stages import Fleet, Sizes, turn_statuses
 
 ABORT_CLIENTS = 16
 """Client threads that press Cancel on the held turns, as many users would at once."""
 
 
-def redis_clients_by_kind(fx: Fleet, extra: dict[int, str] | None = None) -> dict[str, int]:
-    """Open connections to the bench's Redis, by process kind (a pool's children counted
-    with their worker)."""
-    port = int(runtime.get_redis().connection_pool.connection_kwargs.get("port", 6379))
-    pids: dict[int, str] = {os.getpid(): "bench client", **(extra or {})}
+def pids_by_kind(fx: Fleet, pids: dict[int, str]) -> dict[int, str]:
+    """`pids` and every process of the fleet with its kind (a pool's children counted with
+    their worker)."""
+    out = dict(pids)
     for kind, proc in fx.procs.items():
-        pids[proc.pid] = kind
+        out[proc.pid] = kind
         for child in proc.children_pids():
-            pids[child] = kind
+            out[child] = kind
+    return out
+
+
+def redis_clients_by_kind(fx: Fleet, extra: dict[int, str] | None = None) -> dict[str, int]:
+    """Open connections to the bench's Redis, by process kind."""
+    port = int(runtime.get_redis().connection_pool.connection_kwargs.get("port", 6379))
     out: Counter[str] = Counter()
-    for pid, kind in pids.items():
+    for pid, kind in pids_by_kind(fx, {os.getpid(): "bench client", **(extra or {})}).items():
         with contextlib.suppress(psutil.Error):
             for conn in psutil.Process(pid).net_connections(kind="tcp"):
                 if conn.raddr and conn.raddr.port == port:
@@ -145,12 +149,8 @@ def _cpu_s_by_kind(fx: Fleet) -> dict[str, float]:
     pids: dict[int, str] = {os.getpid(): "bench"}
     if fx.redis is not None:
         pids[fx.redis.pid] = "redis"
-    for kind, proc in fx.procs.items():
-        pids[proc.pid] = kind
-        for child in proc.children_pids():
-            pids[child] = kind
     out: Counter[str] = Counter()
-    for pid, kind in pids.items():
+    for pid, kind in pids_by_kind(fx, pids).items():
         with contextlib.suppress(psutil.Error):
             t = psutil.Process(pid).cpu_times()
             out[kind] += t.user + t.system
@@ -159,7 +159,6 @@ def _cpu_s_by_kind(fx: Fleet) -> dict[str, float]:
 
 def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any]:
     """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2."""
-    from agentq import constants as k
     from agentq.api import Client
 
     client = Client()
@@ -180,10 +179,7 @@ def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any
     while time.perf_counter() - t0 < 300:
         peak = max(peak, _fleet_mb(fx, kinds))
         peak_all = max(peak_all, _fleet_mb(fx, everything))
-        pipe = store.redis.pipeline()
-        for tid in ids:
-            pipe.hget(k.turn_key(tid), "status")
-        statuses = [None if s is None else json.loads(s) for s in pipe.execute()]
+        statuses = turn_statuses(store, ids)
         if all(s in ("finished", "aborted", "error") for s in statuses):
             break
         time.sleep(0.2)

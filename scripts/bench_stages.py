@@ -69,6 +69,16 @@ class Sizes:
 QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60)
 
 
+def turn_statuses(store: Any, turn_ids: list[str]) -> list[Any]:
+    """Each turn's status, in one round trip (None for a turn Redis does not have)."""
+    from agentq import constants as k
+
+    pipe = store.redis.pipeline()
+    for tid in turn_ids:
+        pipe.hget(k.turn_key(tid), "status")
+    return [None if s is None else json.loads(s) for s in pipe.execute()]
+
+
 def pct(xs: list[float], q: float) -> float | None:
     """The q-th percentile, linearly interpolated; None for no samples."""
     s = sorted(xs)
@@ -638,10 +648,7 @@ def bench_scale(fx: Fleet, sz: Sizes) -> dict[str, Any]:
                 pss_peak[kind] = max(pss_peak.get(kind, 0.0), mb)
         polls += 1
         max_active = max(max_active, int(store.redis.zcard(k.ACTIVE_TURNS)))
-        pipe = store.redis.pipeline()
-        for tid in ids:
-            pipe.hget(k.turn_key(tid), "status")
-        statuses = [None if s is None else json.loads(s) for s in pipe.execute()]
+        statuses = turn_statuses(store, ids)
         if all(s in ("finished", "aborted", "error") for s in statuses):
             break
         time.sleep(0.2)
