@@ -14,12 +14,11 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from agentq import runtime
 from agentq.api import Client
 from agentq.models import Event
-from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
+from agentq.testing.openai_server import Round, ScriptedOpenAIServer
 from agentq.testing.processes import ManagedProcess, start_worker, worker_env
 from agentq.testing.redis_server import RedisServer
 from agentq.testing.sentinel import SentinelCluster
@@ -155,53 +154,3 @@ class Rig:
     def log_events(self, turn_id: str) -> list[Event]:
         """The whole replay log of a turn."""
         return self.client.store.bus.replay(turn_id, "0-0", count=100_000)
-
-
-def calls(*specs: tuple[str, Any]) -> list[ScriptedCall]:
-    return [ScriptedCall(name=n, arguments=a) for n, a in specs]
-
-
-def assert_valid_history(history: list[dict[str, Any]]) -> None:
-    """Every tool call of every assistant message has exactly one tool message, no orphans."""
-    ids: list[str] = []
-    for i, msg in enumerate(history):
-        for call in msg.get("tool_calls") or []:
-            ids.append(call["id"])
-            answers = [m for m in history[i + 1 :] if m.get("tool_call_id") == call["id"]]
-            assert len(answers) == 1, (call["id"], len(answers))
-    answered = [m["tool_call_id"] for m in history if m.get("role") == "tool"]
-    assert sorted(answered) == sorted(ids), "a tool message answers no call"
-
-
-def assert_gapless(events: list[Event]) -> None:
-    """seq runs 1, 2, 3 ... with no gap and no repeat: a client can tell nothing is missing."""
-    seqs = [e.seq for e in events]
-    assert seqs == list(range(1, len(seqs) + 1)), seqs
-
-
-def starts(path: Path) -> int:
-    """How many times a counting tool began (one line per start)."""
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def dump_redis(client: Any) -> str:
-    """Every key and value in Redis as text, to search for what must not be stored."""
-    out = []
-    for key in client.scan_iter(count=1000):
-        kind = client.type(key).decode()
-        if kind == "string":
-            val: Any = client.get(key)
-        elif kind == "hash":
-            val = client.hgetall(key)
-        elif kind == "list":
-            val = client.lrange(key, 0, -1)
-        elif kind == "set":
-            val = client.smembers(key)
-        elif kind == "zset":
-            val = client.zrange(key, 0, -1, withscores=True)
-        elif kind == "stream":
-            val = client.xrange(key)
-        else:
-            val = kind
-        out.append(f"{key!r} {val!r}")
-    return "\n".join(out)

@@ -15,7 +15,8 @@ import pytest
 from agentq.constants import WORKER_ALIVE_TTL_S, worker_alive_key
 from agentq.testing.openai_server import Round
 from agentq.testing.processes import CELERY_READY_PATTERN, start_process, wait_for
-from tests.faults.rig import LOGS, ROOT, Rig, calls, starts
+from tests.faults.rig import LOGS, ROOT, Rig
+from tests.helpers import calls, starts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
