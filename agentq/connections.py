@@ -236,7 +236,11 @@ def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
 
 
 def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> str | None:
-    """None when the Redis at `url` (or Sentinel's master) answers PING, else why not."""
+    """None when the Redis at `url` (or Sentinel's master) answers PING, else why not.
+
+    A reason starting with `refused:` means a Redis answered but will not serve us (a bad
+    password, ...); one starting with `bad URL` means the URL does not parse.
+    """
     try:
         client = redis_client(
             url,
@@ -249,6 +253,8 @@ def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> s
         return f"bad URL: {exc}"
     try:
         client.ping()
+    except (redis.AuthenticationError, redis.ResponseError) as exc:
+        return f"refused: {exc}"
     except (redis.RedisError, OSError) as exc:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     finally:

@@ -122,7 +122,7 @@ def client(agentq_env: dict[str, str]) -> object:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     # A SIGTERMed test run (CI timeout, `kill`) still stops the processes it started:
-    # exiting through SystemExit runs the atexit hook of agentq.testing.processes.
+    # exiting through SystemExit runs the atexit hook of agentq.local.processes.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
