@@ -7,6 +7,7 @@ with one environment, keeps an optional embedded Redis, and stops everything at 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,7 +19,7 @@ import psutil
 from agentq.local.processes import ManagedProcess, start_process, start_worker
 from agentq.local.redis_server import RedisServer
 
-__all__ = ["LocalFleet"]
+__all__ = ["LocalFleet", "memory_mb"]
 
 
 class LocalFleet:
@@ -53,6 +54,7 @@ class LocalFleet:
         env: Mapping[str, str] | None = None,
         ready_pattern: str | None = None,
         ready_timeout_s: float = 30,
+        cwd: Path | None = None,
     ) -> ManagedProcess:
         """Start `argv` as `name` with the fleet's environment (plus `env`), logging to log_dir."""
         proc = start_process(
@@ -61,6 +63,7 @@ class LocalFleet:
             log_path=self._log(name),
             ready_pattern=ready_pattern,
             ready_timeout_s=ready_timeout_s,
+            cwd=cwd,
             name=name,
         )
         with self._lock:
@@ -161,17 +164,9 @@ class LocalFleet:
             out["redis"] = self.redis.pid
         return out
 
-    def rss_mb(self) -> dict[str, float]:
-        """Resident memory of every process and its children (a prefork pool), in MB."""
-        out: dict[str, float] = {}
-        for name, pid in self.pids().items():
-            try:
-                proc = psutil.Process(pid)
-                tree = [proc, *proc.children(recursive=True)]
-                out[name] = sum(p.memory_info().rss for p in tree) / 1e6
-            except psutil.Error:
-                continue
-        return out
+    def memory_mb(self, measure: str = "rss") -> dict[str, float]:
+        """Memory of every process by name, its pool children included (see `memory_mb`)."""
+        return memory_mb(self.pids(), measure)
 
     # -- stopping ----------------------------------------------------------------
 
@@ -190,3 +185,22 @@ class LocalFleet:
             return None
         self.log_dir.mkdir(parents=True, exist_ok=True)
         return self.log_dir / f"{name}.log"
+
+
+def memory_mb(pids: Mapping[str, int], measure: str = "rss") -> dict[str, float]:
+    """Memory of each process and its children (a prefork pool), in MiB, by label.
+
+    "rss" counts pages a forked pool shares with its parent once per process; "pss"
+    splits shared pages between the processes that share them, so a prefork worker's
+    sum is what it really costs (slower: reads smaps).
+    """
+    out: dict[str, float] = {}
+    for label, pid in pids.items():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            total = 0
+            for p in [proc, *proc.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error, AttributeError):
+                    total += p.memory_full_info().pss if measure == "pss" else p.memory_info().rss
+            out[label] = round(total / 2**20, 1)
+    return out

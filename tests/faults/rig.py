@@ -12,14 +12,15 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from agentq import runtime
 from agentq.api import Client
+from agentq.local.fleet import LocalFleet
+from agentq.local.processes import ManagedProcess
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
-from agentq.testing.processes import ManagedProcess, start_worker, worker_env
+from agentq.testing.processes import worker_env
 from agentq.testing.redis_server import RedisServer
 from agentq.testing.sentinel import SentinelCluster
 
@@ -52,7 +53,7 @@ class Rig:
             env = {"AGENTQ_REDIS_SENTINEL_MASTER": self.cluster.master_name, **env}
         redis_url = self.cluster.url if self.cluster else self.redis.url
         self.env = fault_env(redis_url, self.llm.url, **env)
-        self.workers: list[ManagedProcess] = []
+        self.fleet = LocalFleet(self.env, log_dir=LOGS, name=name, stop_timeout_s=5)
         self._saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         runtime.reset()
@@ -68,29 +69,22 @@ class Rig:
         extra_args: tuple[str, ...] = (),
     ) -> list[ManagedProcess]:
         """Start workers of these kinds at once (in parallel: each takes seconds)."""
-        LOGS.mkdir(parents=True, exist_ok=True)
-        conc = {**DEFAULT_CONCURRENCY, **(concurrency or {})}
+        return self.fleet.start_workers(
+            kinds,
+            concurrency={**DEFAULT_CONCURRENCY, **(concurrency or {})},
+            extra_args=extra_args,
+            env=env,
+            ready_timeout_s=60,
+        )
 
-        def one(kind: str) -> ManagedProcess:
-            tag = f"{self.name}-{kind}-{uuid.uuid4().hex[:6]}"
-            return start_worker(
-                kind,
-                env={**self.env, **(env or {})},
-                hostname=f"{tag}@%h",
-                concurrency=conc.get(kind),
-                extra_args=extra_args,
-                log_path=LOGS / f"{tag}.log",
-                ready_timeout_s=60,
-            )
-
-        with ThreadPoolExecutor(max_workers=len(kinds) or 1) as pool:
-            started = list(pool.map(one, kinds))
-        self.workers.extend(started)
-        return started
+    @property
+    def workers(self) -> list[ManagedProcess]:
+        """Every process the rig started, oldest first."""
+        return list(self.fleet.procs.values())
 
     def worker(self, kind: str) -> ManagedProcess:
         """The newest live worker of a kind."""
-        live = [w for w in self.workers if w.is_running() and f"-{kind}-" in w.name]
+        live = self.fleet.live(kind)
         assert live, f"no live {kind} worker"
         return live[-1]
 
@@ -98,8 +92,7 @@ class Rig:
         return "\n".join(w.log_text() for w in self.workers)
 
     def close(self) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.workers) or 1) as pool:
-            list(pool.map(lambda w: w.stop(timeout_s=5), self.workers))
+        self.fleet.stop()
         self.llm.stop()
         if self.cluster is not None:
             self.cluster.stop()
