@@ -16,7 +16,12 @@ from pathlib import Path
 
 import psutil
 
-from agentq.local.processes import ManagedProcess, start_process, start_worker
+from agentq.local.processes import (
+    CELERY_READY_PATTERN,
+    ManagedProcess,
+    start_process,
+    start_worker,
+)
 from agentq.local.redis_server import RedisServer
 
 __all__ = ["LocalFleet", "memory_mb"]
@@ -80,6 +85,7 @@ class LocalFleet:
         env: Mapping[str, str] | None = None,
         ready_timeout_s: float = 30,
         loglevel: str = "INFO",
+        ready_pattern: str = CELERY_READY_PATTERN,
     ) -> ManagedProcess:
         """`agentq worker KIND` under a unique node name, once Celery says it is ready."""
         name = name or f"{self.name}-{kind}-{uuid.uuid4().hex[:6]}"
@@ -92,6 +98,7 @@ class LocalFleet:
             log_path=self._log(name),
             ready_timeout_s=ready_timeout_s,
             loglevel=loglevel,
+            ready_pattern=ready_pattern,
         )
         with self._lock:
             self.procs[name] = proc
