@@ -35,7 +35,7 @@ class LocalFleet:
         env: Mapping[str, str],
         *,
         log_dir: Path | None = None,
-        name: str = "agentq",
+        name: str = "",
         redis: RedisServer | None = None,
         stop_timeout_s: float = 10.0,
     ) -> None:
@@ -88,7 +88,9 @@ class LocalFleet:
         ready_pattern: str = CELERY_READY_PATTERN,
     ) -> ManagedProcess:
         """`agentq worker KIND` under a unique node name, once Celery says it is ready."""
-        name = name or f"{self.name}-{kind}-{uuid.uuid4().hex[:6]}"
+        if name is None:
+            prefix = f"{self.name}-" if self.name else ""
+            name = f"{prefix}{kind}-{uuid.uuid4().hex[:6]}"
         proc = start_worker(
             kind,
             env={**self.env, **(env or {})},
