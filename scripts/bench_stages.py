@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentq import runtime
+from agentq.events.bus import TERMINAL_TYPES
 from agentq.local.fleet import LocalFleet, memory_mb
 from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_process
 from agentq.local.redis_server import RedisServer, find_free_port
@@ -36,7 +37,6 @@ from agentq.testing.rounds import run_round
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent / "bench.py"
 
-TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 
 
 class BenchError(RuntimeError):
@@ -392,7 +392,7 @@ def bench_abort(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                 raise BenchError("no tool_started for hang within 30 s")
             if ev is None:
                 continue
-            if ev.type in TERMINAL:
+            if ev.type in TERMINAL_TYPES:
                 raise BenchError(f"abort turn ended early: {ev.type} {ev.fields}")
             if ev.type == "tool_started" and ev.fields.get("tool") == "hang":
                 pid = int(ev.fields["pid"])
@@ -525,7 +525,7 @@ def bench_events(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                     if data.get("type") == "bench_warm":
                         warm["sse"].set()
                     on_ping(data, sse_lat)
-                    if data.get("type") in TERMINAL:
+                    if data.get("type") in TERMINAL_TYPES:
                         return
         except Exception as exc:
             errors.append(f"SSE client: {type(exc).__name__}: {exc}")

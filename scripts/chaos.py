@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 from agentq import runtime  # noqa: E402
 from agentq.api import Client  # noqa: E402
 from agentq.constants import interaction_key  # noqa: E402
+from agentq.events.bus import TERMINAL_TYPES  # noqa: E402
 from agentq.local.fleet import LocalFleet  # noqa: E402
 from agentq.local.processes import ManagedProcess  # noqa: E402
 from agentq.local.redis_server import RedisServer  # noqa: E402
@@ -65,7 +66,6 @@ FAULT_WEIGHTS = {
     "redis restart": 10,
     "sentinel failover": 13,
 }
-TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 ENDED = ("finished", "aborted", "error")
 TURN_WAIT_S = 150.0
 ROLL_GRACE_S = 40.0
@@ -307,7 +307,7 @@ class Driver(threading.Thread):
         deadline = time.monotonic() + TURN_WAIT_S
         for ev in self.client.events(handle.turn_id, heartbeat_s=0.5):
             if ev is not None:
-                if ev.type in TERMINAL:
+                if ev.type in TERMINAL_TYPES:
                     return
                 if ev.type == "interaction_requested" and scenario == "approve":
                     self._answer(handle.turn_id, handle.token, ev)
@@ -361,7 +361,7 @@ def check_invariants(client: Client, turns: list[str], runs_file: Path) -> list[
         log = store.bus.replay(tid, "0-0", count=1_000_000)
         status = store.status(tid)
         ended.checked += 1
-        if status not in ENDED or not log or log[-1].type not in TERMINAL:
+        if status not in ENDED or not log or log[-1].type not in TERMINAL_TYPES:
             last = log[-1].type if log else None
             ended.violations.append(f"{tid}: status {status}, last event {last}")
         gapless.checked += 1

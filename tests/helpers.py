@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,21 @@ def calls(*specs: tuple[str, Any]) -> list[ScriptedCall]:
     return [ScriptedCall(name=n, arguments=a) for n, a in specs]
 
 
-def collect(client: Client, turn_id: str, timeout_s: float = 30) -> list[Event]:
-    """Every event of a turn up to and including its terminal one."""
+def collect(
+    client: Client,
+    turn_id: str,
+    timeout_s: float = 30,
+    *,
+    until: Callable[[Event], bool] | None = None,
+    heartbeat_s: float = 0.5,
+) -> list[Event]:
+    """Every event of a turn up to and including its terminal one (or the first `until`)."""
     out: list[Event] = []
     deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=0.5):
+    for ev in client.events(turn_id, heartbeat_s=heartbeat_s):
         if ev is not None:
             out.append(ev)
-            if ev.type in TERMINAL_TYPES:
+            if ev.type in TERMINAL_TYPES or (until is not None and until(ev)):
                 return out
         assert time.monotonic() < deadline, [e.type for e in out]
     return out

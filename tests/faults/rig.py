@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from agentq import runtime
 from agentq.api import Client
+from agentq.events.bus import TERMINAL_TYPES
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess
 from agentq.models import Event
@@ -23,11 +23,11 @@ from agentq.testing.openai_server import Round, ScriptedOpenAIServer
 from agentq.testing.processes import worker_env
 from agentq.testing.redis_server import RedisServer
 from agentq.testing.sentinel import SentinelCluster
+from tests.helpers import collect, script
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "artifacts" / "faults"
 FAULT_TOOLS = "agentq.testing.tools,tests.faults.tools"
-TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 DEFAULT_CONCURRENCY = {"tools": 4, "llm": 8, "turns": 32}
 
 
@@ -108,23 +108,13 @@ class Rig:
 
     def script(self, *rounds: Round) -> str:
         """A fresh script key: a prompt starting with it plays these rounds."""
-        key = f"f-{uuid.uuid4().hex[:10]}"
-        self.llm.set_script(key, list(rounds))
-        return key
+        return script(self.llm, *rounds)
 
     def collect(
         self, turn_id: str, timeout_s: float = 30, until: Callable[[Event], bool] | None = None
     ) -> list[Event]:
         """Events of a turn from the start, until a terminal one (or `until`)."""
-        out: list[Event] = []
-        deadline = time.monotonic() + timeout_s
-        for ev in self.client.events(turn_id, heartbeat_s=0.25):
-            if ev is not None:
-                out.append(ev)
-                if ev.type in TERMINAL or (until is not None and until(ev)):
-                    return out
-            assert time.monotonic() < deadline, [e.type for e in out]
-        return out
+        return collect(self.client, turn_id, timeout_s, until=until, heartbeat_s=0.25)
 
     def follow(self, turn_id: str, timeout_s: float = 40) -> tuple[threading.Thread, list[Event]]:
         """Follow a turn from a thread, as a client would; events land in the list as they come."""
@@ -135,7 +125,7 @@ class Rig:
             for ev in self.client.events(turn_id, heartbeat_s=0.25):
                 if ev is not None:
                     seen.append(ev)
-                    if ev.type in TERMINAL:
+                    if ev.type in TERMINAL_TYPES:
                         return
                 if time.monotonic() > stop:
                     return
