@@ -33,7 +33,7 @@ from types import FrameType
 from typing import Any
 
 from agentq.config import Settings, get_settings
-from agentq.connections import is_sentinel, probe, redact, transport_options
+from agentq.connections import is_sentinel, probe, redact
 from agentq.errors import ConfigError
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import (
@@ -160,20 +160,9 @@ def _redis_for(settings: Settings) -> tuple[str, RedisServer | None]:
 
 
 def _check_broker(url: str, master_name: str | None = None) -> None:
-    from kombu.connection import Connection
-
-    conn = Connection(  # type: ignore[no-untyped-call]
-        url, connect_timeout=3, transport_options=transport_options(url, master_name)
-    )
-    try:
-        conn.ensure_connection(max_retries=1, timeout=3)  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        # as_uri() hides the password.
-        raise ConfigError(
-            "AGENTQ_BROKER_URL", f"no broker answers at {conn.as_uri()}: {exc}"
-        ) from None
-    finally:
-        conn.release()  # type: ignore[no-untyped-call]
+    problem = probe(url, master_name)
+    if problem is not None:
+        raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {redact(url)}: {problem}")
 
 
 @dataclass

@@ -19,10 +19,10 @@ from urllib.parse import urlsplit
 
 import psutil
 import pytest
-from kombu import Connection
 
 from agentq import runtime
 from agentq.api import Client
+from agentq.connections import probe
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import (
@@ -132,20 +132,11 @@ def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None
 # --------------------------------------------------------------------------- RabbitMQ
 
 
-def amqp_answers(url: str, timeout_s: float = 3.0) -> bool:
-    try:
-        with Connection(url, connect_timeout=timeout_s) as conn:
-            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
-        return True
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="module")
 def amqp_broker() -> Iterator[str]:
     """The RabbitMQ to use. Skips when none answers, except on CI with RabbitMQ
     installed: there it is started (and stopped again by PID), and failing to is a failure."""
-    if amqp_answers(AMQP_URL):
+    if probe(AMQP_URL) is None:
         yield AMQP_URL
         return
     server = shutil.which("rabbitmq-server")
@@ -160,7 +151,7 @@ def amqp_broker() -> Iterator[str]:
     try:
         try:
             wait_for(
-                lambda: amqp_answers(AMQP_URL, 2.0) or proc.poll() is not None,
+                lambda: probe(AMQP_URL, timeout_s=2.0) is None or proc.poll() is not None,
                 RABBITMQ_START_TIMEOUT_S,
                 interval_s=1.0,
                 message=f"RabbitMQ to answer at {AMQP_URL}",
@@ -170,7 +161,7 @@ def amqp_broker() -> Iterator[str]:
                 f"started {server} but no broker answered in "
                 f"{RABBITMQ_START_TIMEOUT_S} s:\n{proc.log_tail()}"
             )
-        if proc.poll() is not None and not amqp_answers(AMQP_URL):
+        if proc.poll() is not None and probe(AMQP_URL) is not None:
             pytest.fail(f"{server} exited with code {proc.returncode}:\n{proc.log_tail()}")
         yield AMQP_URL
     finally:
