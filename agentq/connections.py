@@ -238,8 +238,29 @@ def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
     }
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
+"""URLs `probe` checks with redis-py; any other is a kombu broker (AMQP, ...)."""
+
+
+def _probe_broker(url: str, timeout_s: float) -> str | None:
+    from kombu import Connection  # type: ignore[attr-defined]
+
+    try:
+        with Connection(url, connect_timeout=timeout_s) as conn:  # type: ignore[no-untyped-call]
+            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
+    except Exception as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> str | None:
-    """None when the Redis at `url` (or Sentinel's master) answers PING, else why not."""
+    """None when the Redis at `url` (or Sentinel's master, or another kombu broker) answers.
+
+    Else why not: a reason starting with `refused:` means a Redis answered but will not
+    serve us (a bad password, ...); one starting with `bad URL` means the URL does not parse.
+    """
+    if not url.startswith(REDIS_SCHEMES):
+        return _probe_broker(url, timeout_s)
     try:
         client = redis_client(
             url,
@@ -252,6 +273,8 @@ def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> s
         return f"bad URL: {exc}"
     try:
         client.ping()
+    except (redis.AuthenticationError, redis.ResponseError) as exc:
+        return f"refused: {exc}"
     except (redis.RedisError, OSError) as exc:
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     finally:

@@ -27,23 +27,21 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from agentq.config import Settings, get_settings
-from agentq.connections import is_sentinel, probe, transport_options
-from agentq.connections import redact as redact_urls
+from agentq.connections import is_sentinel, probe, redact
 from agentq.errors import ConfigError
-from agentq.testing.processes import (
+from agentq.local.fleet import LocalFleet
+from agentq.local.processes import (
     CELERY_READY_PATTERN,
     ManagedProcess,
     ProcessStartError,
-    start_process,
 )
-from agentq.testing.redis_server import RedisServer, ensure_redis, find_free_port, port_is_free
+from agentq.local.redis_server import RedisServer, ensure_redis, find_free_port, port_is_free
 
 DEMO_PROMPT = "Say hello: call echo with 'hello' and sleep for 2 seconds, both at once."
 DEMO_TOOLS = "agentq.testing.tools,agentq.testing.agents"
@@ -87,43 +85,6 @@ def say(message: str) -> None:
     # A closed terminal or pipe must not keep the finally blocks from stopping everything.
     with contextlib.suppress(OSError):
         print(f"agentq dev: {message}", flush=True)
-
-
-@dataclass
-class Fleet:
-    """Everything `agentq dev` started; `stop()` ends it all, Redis last."""
-
-    log_dir: Path
-    procs: dict[str, ManagedProcess] = field(default_factory=dict)
-    redis: RedisServer | None = None
-
-    def start(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
-        proc = start_process(argv, env=env, log_path=self.log_dir / f"{name}.log", name=name)
-        self.procs[name] = proc
-        return proc
-
-    def first_dead(self) -> tuple[str, int] | None:
-        for name, proc in self.procs.items():
-            rc = proc.poll()
-            if rc is not None:
-                return name, rc
-        if self.redis is not None and not self.redis.is_running():
-            return "redis", -1
-        return None
-
-    def stop(self) -> None:
-        procs = list(self.procs.values())
-        if procs:
-            # SIGTERM to all at once: each warm shutdown runs while the others do.
-            with ThreadPoolExecutor(len(procs)) as pool:
-                list(pool.map(lambda p: p.stop(timeout_s=STOP_TIMEOUT_S), procs))
-        if self.redis is not None:
-            self.redis.stop()
-
-
-def redact(url: str) -> str:
-    """`url` (or a `;`-separated list of them) with passwords hidden, for the terminal."""
-    return redact_urls(url)
 
 
 def _python(*args: str) -> list[str]:
@@ -193,26 +154,15 @@ def _redis_for(settings: Settings) -> tuple[str, RedisServer | None]:
     if problem is not None:
         raise ConfigError(
             "AGENTQ_REDIS_URL",
-            f"no master answers behind {redact_urls(settings.redis_url)}: {problem}",
+            f"no master answers behind {redact(settings.redis_url)}: {problem}",
         )
     return settings.redis_url, None
 
 
 def _check_broker(url: str, master_name: str | None = None) -> None:
-    from kombu.connection import Connection
-
-    conn = Connection(  # type: ignore[no-untyped-call]
-        url, connect_timeout=3, transport_options=transport_options(url, master_name)
-    )
-    try:
-        conn.ensure_connection(max_retries=1, timeout=3)  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        # as_uri() hides the password.
-        raise ConfigError(
-            "AGENTQ_BROKER_URL", f"no broker answers at {conn.as_uri()}: {exc}"
-        ) from None
-    finally:
-        conn.release()  # type: ignore[no-untyped-call]
+    problem = probe(url, master_name)
+    if problem is not None:
+        raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {redact(url)}: {problem}")
 
 
 @dataclass
@@ -238,7 +188,7 @@ def generated_flower_auth(settings: Settings, environ: Mapping[str, str]) -> str
     return f"agentq:{secrets.token_urlsafe(12)}"
 
 
-def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
+def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Started:
     # Ports first: a taken port the user asked for fails before anything starts.
     gateway_port = (
         _port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway") if opts.gateway else 0
@@ -273,7 +223,9 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
     if not settings.llm_base_url:
         say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
         model = fleet.start(
-            "model", _python("agentq.testing.openai_server", "--port", "0", "--script", "demo"), env
+            "model",
+            _python("agentq.testing.openai_server", "--port", "0", "--script", "demo"),
+            env=env,
         )
         wait_ready({"model": (model, _in_log(model, r"listening on \S+"))})
         found = re.search(r"listening on (\S+)", model.log_text())
@@ -285,14 +237,16 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
             argv += ["--concurrency", str(TOOL_CONCURRENCY)]
-        proc = fleet.start(f"worker-{kind}", argv, env)
+        proc = fleet.start(f"worker-{kind}", argv, env=env)
         checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
     if opts.gateway:
         host = settings.gateway_host
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         started.gateway_url = f"http://{shown}:{gateway_port}"
         gw = fleet.start(
-            "gateway", _python("agentq", "serve", "--host", host, "--port", str(gateway_port)), env
+            "gateway",
+            _python("agentq", "serve", "--host", host, "--port", str(gateway_port)),
+            env=env,
         )
         health = f"{started.gateway_url}/healthz"
         in_log = _in_log(gw, r"Uvicorn running on")
@@ -303,7 +257,7 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
         started.flower_auth = generated_flower_auth(settings, os.environ)
         if started.flower_auth:
             flower_env["AGENTQ_FLOWER_BASIC_AUTH"] = started.flower_auth
-        fl = fleet.start("flower", _python("agentq", "flower"), flower_env)
+        fl = fleet.start("flower", _python("agentq", "flower"), env=flower_env)
         # /healthcheck answers without credentials once Flower serves HTTP.
         probe = f"{started.flower_url}/healthcheck"
         checks["Flower"] = (fl, lambda: _http_status(probe) == 200)
@@ -311,7 +265,7 @@ def start_all(fleet: Fleet, opts: DevOptions, settings: Settings) -> Started:
     return started
 
 
-def summary(started: Started, fleet: Fleet, settings: Settings, took_s: float) -> str:
+def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: float) -> str:
     lines = [f"ready in {took_s:.1f} s"]
     if started.gateway_url:
         lines.append(f"  web page  {started.gateway_url}/")
@@ -361,7 +315,7 @@ def _use_env(env: dict[str, str]) -> None:
     runtime.reset()
 
 
-def _watch(fleet: Fleet) -> int:
+def _watch(fleet: LocalFleet) -> int:
     """Block until a process dies (1) or we are told to stop."""
     while True:
         dead = fleet.first_dead()
@@ -388,7 +342,7 @@ def _signals_stop() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _stop_quietly(fleet: Fleet) -> None:
+def _stop_quietly(fleet: LocalFleet) -> None:
     """Stop everything; signals wait until it is done, so no child is left behind."""
     saved = {
         s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -408,7 +362,8 @@ def _stop_quietly(fleet: Fleet) -> None:
 def main(args: argparse.Namespace | None = None) -> int:
     opts = DevOptions.from_args(args)
     settings = get_settings()
-    fleet = Fleet(Path(tempfile.mkdtemp(prefix="agentq-dev-")))
+    log_dir = Path(tempfile.mkdtemp(prefix="agentq-dev-"))
+    fleet = LocalFleet({}, log_dir=log_dir, stop_timeout_s=STOP_TIMEOUT_S)
     code = 1
     t0 = time.monotonic()
     try:
@@ -442,7 +397,7 @@ def main(args: argparse.Namespace | None = None) -> int:
                 return 0
     finally:
         _stop_quietly(fleet)
-        if code == 0 or not any(fleet.log_dir.iterdir()):
-            shutil.rmtree(fleet.log_dir, ignore_errors=True)
+        if code == 0 or not any(log_dir.iterdir()):
+            shutil.rmtree(log_dir, ignore_errors=True)
         else:
-            say(f"logs kept in {fleet.log_dir}")
+            say(f"logs kept in {log_dir}")

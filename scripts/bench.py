@@ -44,7 +44,7 @@ from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
 from scripts.bench_report import judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
     QUICK,
-    Fleet,
+    BenchRig,
     Sizes,
     agentq_once,
     bench_abort,
@@ -88,7 +88,7 @@ KEYS = (
 # --------------------------------------------------------------------------- where time goes
 
 
-def _process_kinds(fx: Fleet) -> dict[int, str]:
+def _process_kinds(fx: BenchRig) -> dict[int, str]:
     kinds = {os.getpid(): "caller"}
     if fx.redis is not None:
         kinds[fx.redis.pid] = "redis-server"
@@ -150,7 +150,7 @@ def _monitor(url: str, run: Callable[[], None]) -> list[tuple[str, str]]:
     return list(seen)
 
 
-def cost_per_call(fx: Fleet, n: int = 100) -> dict[str, Any]:
+def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     """CPU ms and Redis commands per no-op call, by process: where a call's time goes.
 
     CPU time barely depends on what else the machine runs, unlike latency, so it is
@@ -213,7 +213,7 @@ def cost_per_call(fx: Fleet, n: int = 100) -> dict[str, Any]:
     }
 
 
-def profile(fx: Fleet, out_dir: Path, n: int = 300) -> dict[str, str]:
+def profile(fx: BenchRig, out_dir: Path, n: int = 300) -> dict[str, str]:
     """pyinstrument on the dispatcher side; py-spy on the tool worker while it runs."""
     from pyinstrument import Profiler
 
@@ -265,7 +265,7 @@ def profile(fx: Fleet, out_dir: Path, n: int = 300) -> dict[str, str]:
 # --------------------------------------------------------------------------- the report
 
 
-def machine(fx: Fleet) -> dict[str, Any]:
+def machine(fx: BenchRig) -> dict[str, Any]:
     import celery
     import kombu
     import redis as redis_py
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.old_path_turns:
         sz = Sizes(**{**sz.__dict__, "old_path_turns": args.old_path_turns})
     started = time.perf_counter()
-    fx = Fleet(args)
+    fx = BenchRig(args)
     res: dict[str, Any] = {"quick": args.quick, "runs": args.runs}
     notes: list[str] = []
     try:

@@ -15,13 +15,13 @@ import psutil
 from agentq import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import start_worker
-from scripts.bench_stages import Fleet, Sizes, turn_statuses
+from scripts.bench_stages import BenchRig, Sizes, turn_statuses
 
 ABORT_CLIENTS = 16
 """Client threads that press Cancel on the held turns, as many users would at once."""
 
 
-def pids_by_kind(fx: Fleet, pids: dict[int, str]) -> dict[int, str]:
+def pids_by_kind(fx: BenchRig, pids: dict[int, str]) -> dict[int, str]:
     """`pids` and every process of the fleet with its kind (a pool's children counted with
     their worker)."""
     out = dict(pids)
@@ -32,7 +32,7 @@ def pids_by_kind(fx: Fleet, pids: dict[int, str]) -> dict[int, str]:
     return out
 
 
-def redis_clients_by_kind(fx: Fleet, extra: dict[int, str] | None = None) -> dict[str, int]:
+def redis_clients_by_kind(fx: BenchRig, extra: dict[int, str] | None = None) -> dict[str, int]:
     """Open connections to the bench's Redis, by process kind."""
     port = int(runtime.get_redis().connection_pool.connection_kwargs.get("port", 6379))
     out: Counter[str] = Counter()
@@ -44,7 +44,7 @@ def redis_clients_by_kind(fx: Fleet, extra: dict[int, str] | None = None) -> dic
     return dict(out)
 
 
-def bench_held(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_held(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     """N turns each wait on one slow call while the tool worker has 2 processes: how many
     one default turn worker holds at once, at what cost, and how fast they all abort."""
     from agentq import constants as k
@@ -138,12 +138,12 @@ def _stream_round(tool_calls: list[ScriptedCall] | None = None) -> Round:
     )
 
 
-def _fleet_mb(fx: Fleet, kinds: tuple[str, ...]) -> float:
+def _fleet_mb(fx: BenchRig, kinds: tuple[str, ...]) -> float:
     mem = fx.memory_mb()
     return round(sum(mem.get(k_, 0.0) for k_ in kinds), 1)
 
 
-def _cpu_s_by_kind(fx: Fleet) -> dict[str, float]:
+def _cpu_s_by_kind(fx: BenchRig) -> dict[str, float]:
     """CPU seconds used so far by each process kind (pool children included); "bench" is
     this process, which also serves the scripted model."""
     pids: dict[int, str] = {os.getpid(): "bench"}
@@ -157,7 +157,7 @@ def _cpu_s_by_kind(fx: Fleet) -> dict[str, float]:
     return dict(out)
 
 
-def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any]:
+def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, Any]:
     """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2."""
     from agentq.api import Client
 
@@ -205,7 +205,7 @@ def bench_turns_with(fx: Fleet, n: int, tool: str, prefix: str) -> dict[str, Any
     }
 
 
-def bench_io(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_io(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     """1,000 real turns, each an async tool call of 5 s between two 2 s model rounds, on one
     default `agentq worker io` and `agentq worker llm`; beside it, the old path (a sync
     tool on the prefork tool worker) with 300."""

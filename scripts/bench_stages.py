@@ -1,6 +1,6 @@
 """The measurements of scripts/bench.py: the fleet it runs on, and one function per stage.
 
-Every stage takes the running :class:`Fleet` and the sample :class:`Sizes` and returns
+Every stage takes the running :class:`BenchRig` and the sample :class:`Sizes` and returns
 a flat dict of figures (milliseconds and ratios rounded to 3 places; ``notes`` for what
 could not be measured), which bench.py merges into its one JSON object.
 """
@@ -25,24 +25,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from agentq import runtime
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.local.fleet import LocalFleet, memory_mb
+from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_process
+from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import ToolCall, TurnStatus
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
-from agentq.testing.processes import (
-    CELERY_READY_PATTERN,
-    ManagedProcess,
-    start_process,
-    start_worker,
-)
-from agentq.testing.redis_server import RedisServer, find_free_port
 from agentq.testing.rounds import run_round
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent / "bench.py"
-
-TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 
 
 class BenchError(RuntimeError):
@@ -106,15 +99,15 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 # --------------------------------------------------------------------------- the fleet
 
 
-class Fleet:
-    """Redis, the scripted model, the workers (and the gateway if it exists), by PID."""
+class BenchRig:
+    """Redis, the scripted model and a LocalFleet of the workers (and the gateway if it exists)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.run_id = uuid.uuid4().hex[:6]
         self.redis: RedisServer | None = None
         self.llm: ScriptedOpenAIServer | None = None
-        self.procs: dict[str, ManagedProcess] = {}
+        self.local: LocalFleet | None = None
         self.env: dict[str, str] = {}
         self.gateway_url: str | None = None
         self.notes: list[str] = []
@@ -140,33 +133,26 @@ class Fleet:
 
         logs = Path(a.log_dir) if a.log_dir else None
         conc = str(a.tool_concurrency)
-
-        def log(name: str) -> Path | None:
-            return None if logs is None else logs / f"{name}.log"
+        fleet = self.local = LocalFleet(self.env, log_dir=logs, redis=self.redis)
 
         def host(kind: str) -> str:
-            return f"bench-{kind}-{self.run_id}@%h"
+            return f"bench-{kind}-{self.run_id}"
 
         starters: dict[str, Callable[[], ManagedProcess]] = {
             # Not the held stage's queue: that stage brings its own 2-process worker.
-            "tools": lambda: start_worker(
+            "tools": lambda: fleet.start_worker(
                 "tools",
-                env=self.env,
-                hostname=host("tools"),
+                name=host("tools"),
                 concurrency=a.tool_concurrency,
-                log_path=log("tools"),
                 extra_args=("-Q", "agentq.tools"),
             ),
             # A default turn worker: steps are short, a waiting turn holds no thread.
-            "turns": lambda: start_worker(
-                "turns", env=self.env, hostname=host("turns"), log_path=log("turns")
-            ),
+            "turns": lambda: fleet.start_worker("turns", name=host("turns")),
             # Default options, as `agentq worker llm` / `agentq worker io` start.
-            "llm": lambda: start_worker(
-                "llm", env=self.env, hostname=host("llm"), log_path=log("llm")
-            ),
-            "io": lambda: start_worker("io", env=self.env, hostname=host("io"), log_path=log("io")),
-            "celery": lambda: start_process(
+            "llm": lambda: fleet.start_worker("llm", name=host("llm")),
+            "io": lambda: fleet.start_worker("io", name=host("io")),
+            "celery": lambda: fleet.start(
+                "celery",
                 [
                     sys.executable,
                     "-m",
@@ -181,20 +167,18 @@ class Fleet:
                     "-Q",
                     "bench.noop",
                     "--hostname",
-                    host("celery"),
+                    f"{host('celery')}@%h",
                     "--loglevel",
                     "INFO",
                 ],
-                env=self.env,
                 cwd=ROOT,
-                log_path=log("celery"),
                 ready_pattern=CELERY_READY_PATTERN,
-                name="celery-baseline",
             ),
         }
         if _gateway_available():
             port = find_free_port()
-            starters["gateway"] = lambda: start_process(
+            starters["gateway"] = lambda: fleet.start(
+                "gateway",
                 [
                     sys.executable,
                     "-m",
@@ -205,11 +189,8 @@ class Fleet:
                     "--port",
                     str(port),
                 ],
-                env=self.env,
                 cwd=ROOT,
-                log_path=log("gateway"),
                 ready_pattern=r"Uvicorn running on|Application startup complete",
-                name="gateway",
             )
             self.gateway_url = f"http://127.0.0.1:{port}"
         # Started side by side: each Celery worker takes seconds to boot on 2 cores.
@@ -218,7 +199,7 @@ class Fleet:
             errors = []
             for kind, fut in futures.items():
                 try:
-                    self.procs[kind] = fut.result()
+                    fut.result()
                 except Exception as exc:
                     errors.append(f"{kind}: {exc}")
         # Without the gateway only the SSE figure is missing; say so and go on.
@@ -229,19 +210,22 @@ class Fleet:
         if errors:
             raise BenchError("could not start the fleet:\n" + "\n".join(errors))
 
-    def stop(self) -> None:
-        def stop_one(proc: ManagedProcess) -> None:
-            with contextlib.suppress(Exception):
-                proc.stop(timeout_s=10)
+    @property
+    def procs(self) -> dict[str, ManagedProcess]:
+        """The fleet's processes by kind ("tools", ..., "celery", "gateway")."""
+        if self.local is None:
+            return {}
+        return {self.local.kinds.get(n, n): p for n, p in self.local.procs.items()}
 
-        # Side by side, like the start: each warm shutdown takes a second or two.
-        with ThreadPoolExecutor(max(len(self.procs), 1)) as pool:
-            list(pool.map(stop_one, list(self.procs.values())))
-        self.procs.clear()
+    def stop(self) -> None:
+        # Side by side, like the start: each warm shutdown takes a second or two; Redis last.
+        if self.local is not None:
+            self.local.stop()
+            self.local = None
+        elif self.redis is not None:
+            self.redis.stop()
         if self.llm is not None:
             self.llm.stop()
-        if self.redis is not None:
-            self.redis.stop()
 
     # -- helpers shared by the stages
 
@@ -252,27 +236,11 @@ class Fleet:
         return key
 
     def memory_mb(self, measure: str = "rss") -> dict[str, float]:
-        """Memory of each process kind, its pool children included.
-
-        "rss" counts pages a forked pool shares with its parent once per process;
-        "pss" splits shared pages between the processes that share them, so a
-        prefork worker's sum is what it really costs (slower: reads smaps).
-        """
-        out: dict[str, float] = {}
+        """Memory of each process kind, its pool children included (rss or pss)."""
         pids = {kind: p.pid for kind, p in self.procs.items()}
         if self.redis is not None:
             pids["redis"] = self.redis.pid
-        for kind, pid in pids.items():
-            with contextlib.suppress(psutil.Error):
-                proc = psutil.Process(pid)
-                total = 0
-                for p in [proc, *proc.children(recursive=True)]:
-                    with contextlib.suppress(psutil.Error, AttributeError):
-                        total += (
-                            p.memory_full_info().pss if measure == "pss" else p.memory_info().rss
-                        )
-                out[kind] = round(total / 2**20, 1)
-        return out
+        return memory_mb(pids, measure)
 
 
 def _gateway_available() -> bool:
@@ -288,7 +256,7 @@ def noop_call() -> ToolCall:
     return ToolCall(id=f"c_{uuid.uuid4().hex[:12]}", name="noop", arguments="{}")
 
 
-def agentq_once(fx: Fleet) -> float:
+def agentq_once(fx: BenchRig) -> float:
     """One no-op call as its turn sees it: from the step that sends it to the step that
     collects its result (the round's end), both timed in Redis by the turn's own steps."""
     call = noop_call()
@@ -312,7 +280,7 @@ def celery_once() -> float:
 # --------------------------------------------------------------------------- the stages
 
 
-def bench_overhead(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_overhead(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     for _ in range(sz.warmup):
         agentq_once(fx)
         celery_once()
@@ -339,7 +307,7 @@ def bench_overhead(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     return out
 
 
-def bench_throughput(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_throughput(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     from celery import group
 
     from scripts.bench_celery_app import noop
@@ -381,7 +349,7 @@ def bench_throughput(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     }
 
 
-def bench_timeout(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_timeout(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     over: list[float] = []
     for _ in range(sz.timeouts):
         call = ToolCall(
@@ -416,7 +384,7 @@ class _ExitWatch(threading.Thread):
             os.close(self._fd)
 
 
-def bench_abort(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_abort(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     from agentq.api import Client
 
     client = Client()
@@ -433,7 +401,7 @@ def bench_abort(fx: Fleet, sz: Sizes) -> dict[str, Any]:
                 raise BenchError("no tool_started for hang within 30 s")
             if ev is None:
                 continue
-            if ev.type in TERMINAL:
+            if ev.type in TERMINAL_TYPES:
                 raise BenchError(f"abort turn ended early: {ev.type} {ev.fields}")
             if ev.type == "tool_started" and ev.fields.get("tool") == "hang":
                 pid = int(ev.fields["pid"])
@@ -466,7 +434,7 @@ def bench_abort(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     }
 
 
-def bench_watchdog(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     from agentq.errors import StreamIdleTimeout
     from agentq.llm.client import stream_round
 
@@ -522,7 +490,7 @@ def publisher_main(turn_id: str, n: int, interval_ms: float) -> int:
     return 0
 
 
-def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_events(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     store = runtime.get_store()
     turn_id = uuid.uuid4().hex
     token = secrets.token_urlsafe(16)
@@ -566,7 +534,7 @@ def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
                     if data.get("type") == "bench_warm":
                         warm["sse"].set()
                     on_ping(data, sse_lat)
-                    if data.get("type") in TERMINAL:
+                    if data.get("type") in TERMINAL_TYPES:
                         return
         except Exception as exc:
             errors.append(f"SSE client: {type(exc).__name__}: {exc}")
@@ -620,7 +588,7 @@ def bench_events(fx: Fleet, sz: Sizes) -> dict[str, Any]:
     return out
 
 
-def bench_scale(fx: Fleet, sz: Sizes) -> dict[str, Any]:
+def bench_scale(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     from agentq import constants as k
     from agentq.api import Client
 

@@ -46,11 +46,14 @@ sys.path.insert(0, str(ROOT))
 from agentq import runtime  # noqa: E402
 from agentq.api import Client  # noqa: E402
 from agentq.constants import interaction_key  # noqa: E402
+from agentq.events.bus import TERMINAL_TYPES  # noqa: E402
+from agentq.local.fleet import LocalFleet  # noqa: E402
+from agentq.local.processes import ManagedProcess  # noqa: E402
+from agentq.local.redis_server import RedisServer  # noqa: E402
 from agentq.models import Event  # noqa: E402
 from agentq.testing.chaos_tools import RUNS_FILE  # noqa: E402
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer  # noqa: E402
-from agentq.testing.processes import ManagedProcess, start_worker, worker_env  # noqa: E402
-from agentq.testing.redis_server import RedisServer  # noqa: E402
+from agentq.testing.processes import worker_env  # noqa: E402
 from agentq.testing.sentinel import SentinelCluster  # noqa: E402
 
 TOOLS = "agentq.testing.tools,agentq.testing.chaos_tools"
@@ -63,7 +66,6 @@ FAULT_WEIGHTS = {
     "redis restart": 10,
     "sentinel failover": 13,
 }
-TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 ENDED = ("finished", "aborted", "error")
 TURN_WAIT_S = 150.0
 ROLL_GRACE_S = 40.0
@@ -74,31 +76,17 @@ def say(msg: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-class Fleet:
-    """Workers by kind; kills and rolls run in background threads so faults overlap."""
+class Churn:
+    """The soak's workers on a LocalFleet, replaced in background threads so faults overlap."""
 
     def __init__(self, env: dict[str, str], logs: Path) -> None:
-        self.env = env
-        self.logs = logs
-        self.workers: dict[str, list[ManagedProcess]] = {k: [] for k in FLEET}
-        self.retired: list[ManagedProcess] = []
+        self.local = LocalFleet(env, log_dir=logs, name="chaos", stop_timeout_s=10)
         self._lock = threading.Lock()
         self._busy: set[str] = set()
         self._threads: list[threading.Thread] = []
 
     def start(self, kind: str) -> ManagedProcess:
-        tag = f"{kind}-{uuid.uuid4().hex[:6]}"
-        proc = start_worker(
-            kind,
-            env=self.env,
-            hostname=f"chaos-{tag}@%h",
-            concurrency=CONCURRENCY[kind],
-            log_path=self.logs / f"{tag}.log",
-            ready_timeout_s=120,
-        )
-        with self._lock:
-            self.workers[kind].append(proc)
-        return proc
+        return self.local.start_worker(kind, concurrency=CONCURRENCY[kind], ready_timeout_s=120)
 
     def start_all(self) -> None:
         kinds = [k for k, n in FLEET.items() for _ in range(n)]
@@ -106,18 +94,17 @@ class Fleet:
             list(pool.map(self.start, kinds))
 
     def live(self, kind: str) -> list[ManagedProcess]:
-        with self._lock:
-            return [w for w in self.workers[kind] if w.is_running()]
+        return self.local.live(kind)
 
     def pick(self, rng: random.Random) -> tuple[str, ManagedProcess] | None:
         """A live worker of a kind not being replaced right now."""
         with self._lock:
-            kinds = [k for k in FLEET if k not in self._busy and self.workers[k]]
+            kinds = [k for k in FLEET if k not in self._busy and self.local.workers(k)]
             if not kinds:
                 return None
             kind = rng.choice(kinds)
             self._busy.add(kind)
-            return kind, rng.choice(self.workers[kind])
+            return kind, rng.choice(self.local.workers(kind))
 
     def replace(self, kind: str, proc: ManagedProcess, how: Callable[[], object]) -> None:
         """Stop `proc` with `how`, then start a new worker of its kind (in the background)."""
@@ -125,9 +112,7 @@ class Fleet:
         def run() -> None:
             try:
                 how()
-                with self._lock:
-                    self.workers[kind].remove(proc)
-                    self.retired.append(proc)
+                self.local.retire(proc)
                 self.start(kind)
             except Exception as exc:
                 say(f"replacing a {kind} worker failed: {exc}")
@@ -148,9 +133,7 @@ class Fleet:
                 self.start(kind)
 
     def stop(self) -> None:
-        procs = [w for ws in self.workers.values() for w in ws] + self.retired
-        with ThreadPoolExecutor(max(1, len(procs))) as pool:
-            list(pool.map(lambda w: w.stop(timeout_s=10), procs))
+        self.local.stop()
 
 
 def roll(proc: ManagedProcess) -> None:
@@ -179,7 +162,7 @@ class Tally:
 class Injector(threading.Thread):
     def __init__(
         self,
-        fleet: Fleet,
+        fleet: Churn,
         cluster: SentinelCluster,
         rng: random.Random,
         tally: Tally,
@@ -324,7 +307,7 @@ class Driver(threading.Thread):
         deadline = time.monotonic() + TURN_WAIT_S
         for ev in self.client.events(handle.turn_id, heartbeat_s=0.5):
             if ev is not None:
-                if ev.type in TERMINAL:
+                if ev.type in TERMINAL_TYPES:
                     return
                 if ev.type == "interaction_requested" and scenario == "approve":
                     self._answer(handle.turn_id, handle.token, ev)
@@ -378,7 +361,7 @@ def check_invariants(client: Client, turns: list[str], runs_file: Path) -> list[
         log = store.bus.replay(tid, "0-0", count=1_000_000)
         status = store.status(tid)
         ended.checked += 1
-        if status not in ENDED or not log or log[-1].type not in TERMINAL:
+        if status not in ENDED or not log or log[-1].type not in TERMINAL_TYPES:
             last = log[-1].type if log else None
             ended.violations.append(f"{tid}: status {status}, last event {last}")
         gapless.checked += 1
@@ -462,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cluster = SentinelCluster(appendonly=True)
     llm = ScriptedOpenAIServer()
-    fleet: Fleet | None = None
+    fleet: Churn | None = None
     try:
         cluster.start()
         llm.start()
@@ -479,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         os.environ.update(env)
         runtime.reset()
-        fleet = Fleet(env, args.logs)
+        fleet = Churn(env, args.logs)
         say("starting the fleet")
         fleet.start_all()
         tally = Tally()

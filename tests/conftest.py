@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agentq import runtime
-from agentq.testing.processes import ManagedProcess, kill_all, start_worker, worker_env
+from agentq.local.fleet import LocalFleet
+from agentq.testing.processes import ManagedProcess, kill_all, worker_env
 from agentq.testing.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,52 +58,34 @@ def agentq_env(redis_server: RedisServer, llm_server: object) -> Iterator[dict[s
     runtime.reset()
 
 
-def _worker(
-    kind: str,
-    env: dict[str, str],
-    concurrency: int | None,
-    name: str,
-    extra_args: tuple[str, ...] = (),
-) -> ManagedProcess:
-    ARTIFACTS.mkdir(exist_ok=True)
-    return start_worker(
-        kind,
-        env=env,
-        hostname=f"{name}-{uuid.uuid4().hex[:6]}@%h",
-        concurrency=concurrency,
-        log_path=ARTIFACTS / f"{name}-{os.getpid()}.log",
-        extra_args=extra_args,
-    )
+@pytest.fixture(scope="session")
+def local_fleet(agentq_env: dict[str, str]) -> Iterator[LocalFleet]:
+    """The session's launcher: every worker a fixture or test starts, stopped at the end."""
+    fleet = LocalFleet(agentq_env, log_dir=ARTIFACTS)
+    yield fleet
+    fleet.stop()
 
 
 @pytest.fixture(scope="session")
-def tool_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
-    proc = _worker("tools", agentq_env, 4, "tools")
-    yield proc
-    proc.stop()
+def tool_worker(local_fleet: LocalFleet) -> ManagedProcess:
+    return local_fleet.start_worker("tools", concurrency=4)
 
 
 @pytest.fixture(scope="session")
-def io_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
+def io_worker(local_fleet: LocalFleet) -> ManagedProcess:
     # Only agentq.io: the recycle test runs its own worker on the queue of the tool
     # that blocks the loop for good.
-    proc = _worker("io", agentq_env, None, "io", ("-Q", "agentq.io"))
-    yield proc
-    proc.stop()
+    return local_fleet.start_worker("io", extra_args=("-Q", "agentq.io"))
 
 
 @pytest.fixture(scope="session")
-def llm_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
-    proc = _worker("llm", agentq_env, 8, "llm")
-    yield proc
-    proc.stop()
+def llm_worker(local_fleet: LocalFleet) -> ManagedProcess:
+    return local_fleet.start_worker("llm", concurrency=8)
 
 
 @pytest.fixture(scope="session")
-def turn_worker(agentq_env: dict[str, str]) -> Iterator[ManagedProcess]:
-    proc = _worker("turns", agentq_env, 32, "turns")
-    yield proc
-    proc.stop()
+def turn_worker(local_fleet: LocalFleet) -> ManagedProcess:
+    return local_fleet.start_worker("turns", concurrency=32)
 
 
 @pytest.fixture(scope="session")
@@ -122,7 +104,7 @@ def client(agentq_env: dict[str, str]) -> object:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     # A SIGTERMed test run (CI timeout, `kill`) still stops the processes it started:
-    # exiting through SystemExit runs the atexit hook of agentq.testing.processes.
+    # exiting through SystemExit runs the atexit hook of agentq.local.processes.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 

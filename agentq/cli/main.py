@@ -8,7 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from agentq.connections import redact
+from agentq.connections import probe, redact
 from agentq.errors import AgentqError, ConfigError, MissingExtra, UnknownAgent
 
 if TYPE_CHECKING:
@@ -73,22 +73,6 @@ def worker_argv(
     return [*argv, *opts]
 
 
-def _unreachable(url: str, master_name: str | None = None) -> str | None:
-    """Why `url` (Redis, Sentinel or AMQP) does not answer right now, or None when it does."""
-    if url.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
-        from agentq.connections import probe
-
-        return probe(url, master_name)
-    from kombu import Connection  # type: ignore[attr-defined]
-
-    try:
-        with Connection(url, connect_timeout=3) as conn:  # type: ignore[no-untyped-call]
-            conn.ensure_connection(max_retries=1)
-    except Exception as exc:
-        return str(exc) or type(exc).__name__
-    return None
-
-
 def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) -> None:
     """Fail at start, naming the setting, when Redis (or the broker) does not answer.
 
@@ -102,7 +86,7 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
         checks.insert(0, ("AGENTQ_BROKER_URL", settings.broker))
     for setting, url in checks:
         for attempt in range(attempts):
-            problem = _unreachable(url, settings.redis_sentinel_master)
+            problem = probe(url, settings.redis_sentinel_master)
             if problem is None:
                 break
             if attempt == attempts - 1:

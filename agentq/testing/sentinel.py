@@ -19,7 +19,7 @@ from typing import Any
 
 import redis
 
-from agentq.testing.redis_server import RedisServer, RedisServerError
+from agentq.local.redis_server import RedisServer, RedisServerError
 
 __all__ = ["SentinelCluster", "SentinelServer"]
 

@@ -10,24 +10,24 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from agentq import runtime
 from agentq.api import Client
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.local.fleet import LocalFleet
+from agentq.local.processes import ManagedProcess
 from agentq.models import Event
-from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
-from agentq.testing.processes import ManagedProcess, start_worker, worker_env
+from agentq.testing.openai_server import Round, ScriptedOpenAIServer
+from agentq.testing.processes import worker_env
 from agentq.testing.redis_server import RedisServer
 from agentq.testing.sentinel import SentinelCluster
+from tests.helpers import collect, script
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "artifacts" / "faults"
 FAULT_TOOLS = "agentq.testing.tools,tests.faults.tools"
-TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 DEFAULT_CONCURRENCY = {"tools": 4, "llm": 8, "turns": 32}
 
 
@@ -53,7 +53,7 @@ class Rig:
             env = {"AGENTQ_REDIS_SENTINEL_MASTER": self.cluster.master_name, **env}
         redis_url = self.cluster.url if self.cluster else self.redis.url
         self.env = fault_env(redis_url, self.llm.url, **env)
-        self.workers: list[ManagedProcess] = []
+        self.fleet = LocalFleet(self.env, log_dir=LOGS, name=name, stop_timeout_s=5)
         self._saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         runtime.reset()
@@ -69,29 +69,22 @@ class Rig:
         extra_args: tuple[str, ...] = (),
     ) -> list[ManagedProcess]:
         """Start workers of these kinds at once (in parallel: each takes seconds)."""
-        LOGS.mkdir(parents=True, exist_ok=True)
-        conc = {**DEFAULT_CONCURRENCY, **(concurrency or {})}
+        return self.fleet.start_workers(
+            kinds,
+            concurrency={**DEFAULT_CONCURRENCY, **(concurrency or {})},
+            extra_args=extra_args,
+            env=env,
+            ready_timeout_s=60,
+        )
 
-        def one(kind: str) -> ManagedProcess:
-            tag = f"{self.name}-{kind}-{uuid.uuid4().hex[:6]}"
-            return start_worker(
-                kind,
-                env={**self.env, **(env or {})},
-                hostname=f"{tag}@%h",
-                concurrency=conc.get(kind),
-                extra_args=extra_args,
-                log_path=LOGS / f"{tag}.log",
-                ready_timeout_s=60,
-            )
-
-        with ThreadPoolExecutor(max_workers=len(kinds) or 1) as pool:
-            started = list(pool.map(one, kinds))
-        self.workers.extend(started)
-        return started
+    @property
+    def workers(self) -> list[ManagedProcess]:
+        """Every process the rig started, oldest first."""
+        return list(self.fleet.procs.values())
 
     def worker(self, kind: str) -> ManagedProcess:
         """The newest live worker of a kind."""
-        live = [w for w in self.workers if w.is_running() and f"-{kind}-" in w.name]
+        live = self.fleet.live(kind)
         assert live, f"no live {kind} worker"
         return live[-1]
 
@@ -99,8 +92,7 @@ class Rig:
         return "\n".join(w.log_text() for w in self.workers)
 
     def close(self) -> None:
-        with ThreadPoolExecutor(max_workers=len(self.workers) or 1) as pool:
-            list(pool.map(lambda w: w.stop(timeout_s=5), self.workers))
+        self.fleet.stop()
         self.llm.stop()
         if self.cluster is not None:
             self.cluster.stop()
@@ -116,23 +108,13 @@ class Rig:
 
     def script(self, *rounds: Round) -> str:
         """A fresh script key: a prompt starting with it plays these rounds."""
-        key = f"f-{uuid.uuid4().hex[:10]}"
-        self.llm.set_script(key, list(rounds))
-        return key
+        return script(self.llm, *rounds)
 
     def collect(
         self, turn_id: str, timeout_s: float = 30, until: Callable[[Event], bool] | None = None
     ) -> list[Event]:
         """Events of a turn from the start, until a terminal one (or `until`)."""
-        out: list[Event] = []
-        deadline = time.monotonic() + timeout_s
-        for ev in self.client.events(turn_id, heartbeat_s=0.25):
-            if ev is not None:
-                out.append(ev)
-                if ev.type in TERMINAL or (until is not None and until(ev)):
-                    return out
-            assert time.monotonic() < deadline, [e.type for e in out]
-        return out
+        return collect(self.client, turn_id, timeout_s, until=until, heartbeat_s=0.25)
 
     def follow(self, turn_id: str, timeout_s: float = 40) -> tuple[threading.Thread, list[Event]]:
         """Follow a turn from a thread, as a client would; events land in the list as they come."""
@@ -143,7 +125,7 @@ class Rig:
             for ev in self.client.events(turn_id, heartbeat_s=0.25):
                 if ev is not None:
                     seen.append(ev)
-                    if ev.type in TERMINAL:
+                    if ev.type in TERMINAL_TYPES:
                         return
                 if time.monotonic() > stop:
                     return
@@ -155,53 +137,3 @@ class Rig:
     def log_events(self, turn_id: str) -> list[Event]:
         """The whole replay log of a turn."""
         return self.client.store.bus.replay(turn_id, "0-0", count=100_000)
-
-
-def calls(*specs: tuple[str, Any]) -> list[ScriptedCall]:
-    return [ScriptedCall(name=n, arguments=a) for n, a in specs]
-
-
-def assert_valid_history(history: list[dict[str, Any]]) -> None:
-    """Every tool call of every assistant message has exactly one tool message, no orphans."""
-    ids: list[str] = []
-    for i, msg in enumerate(history):
-        for call in msg.get("tool_calls") or []:
-            ids.append(call["id"])
-            answers = [m for m in history[i + 1 :] if m.get("tool_call_id") == call["id"]]
-            assert len(answers) == 1, (call["id"], len(answers))
-    answered = [m["tool_call_id"] for m in history if m.get("role") == "tool"]
-    assert sorted(answered) == sorted(ids), "a tool message answers no call"
-
-
-def assert_gapless(events: list[Event]) -> None:
-    """seq runs 1, 2, 3 ... with no gap and no repeat: a client can tell nothing is missing."""
-    seqs = [e.seq for e in events]
-    assert seqs == list(range(1, len(seqs) + 1)), seqs
-
-
-def starts(path: Path) -> int:
-    """How many times a counting tool began (one line per start)."""
-    return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def dump_redis(client: Any) -> str:
-    """Every key and value in Redis as text, to search for what must not be stored."""
-    out = []
-    for key in client.scan_iter(count=1000):
-        kind = client.type(key).decode()
-        if kind == "string":
-            val: Any = client.get(key)
-        elif kind == "hash":
-            val = client.hgetall(key)
-        elif kind == "list":
-            val = client.lrange(key, 0, -1)
-        elif kind == "set":
-            val = client.smembers(key)
-        elif kind == "zset":
-            val = client.zrange(key, 0, -1, withscores=True)
-        elif kind == "stream":
-            val = client.xrange(key)
-        else:
-            val = kind
-        out.append(f"{key!r} {val!r}")
-    return "\n".join(out)

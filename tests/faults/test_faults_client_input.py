@@ -25,7 +25,8 @@ from agentq.errors import (
 from agentq.models import InteractionAnswer, TurnRequest
 from agentq.testing.openai_server import Round
 from agentq.tools.registry import tool, unregister
-from tests.faults.rig import ROOT, assert_valid_history, calls
+from tests.faults.rig import ROOT
+from tests.helpers import assert_valid_history, calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
 

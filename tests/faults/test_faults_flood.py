@@ -24,7 +24,7 @@ from agentq.gateway import BackgroundServer, create_app
 from agentq.models import TERMINAL_STATUSES
 from agentq.testing.openai_server import Round
 from agentq.testing.processes import wait_for
-from tests.faults.rig import calls
+from tests.helpers import calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(180)]
 

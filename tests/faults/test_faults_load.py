@@ -14,7 +14,7 @@ import pytest
 
 from agentq import constants as k
 from agentq.testing.openai_server import Round
-from tests.faults.rig import assert_valid_history, calls
+from tests.helpers import assert_valid_history, calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(150)]
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from agentq.testing.openai_server import Round, ScriptedCall
-from tests.faults.rig import assert_gapless, assert_valid_history, calls
+from tests.helpers import assert_gapless, assert_valid_history, calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
 

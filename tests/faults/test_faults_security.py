@@ -20,7 +20,8 @@ from agentq.cli.main import flower_argv
 from agentq.config import load_settings
 from agentq.errors import ConfigError, TokenInvalid
 from agentq.testing.openai_server import Round
-from tests.faults.rig import ROOT, assert_valid_history, calls, dump_redis
+from tests.faults.rig import ROOT
+from tests.helpers import assert_valid_history, calls, dump_redis
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
 

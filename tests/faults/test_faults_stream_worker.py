@@ -9,7 +9,7 @@ import pytest
 
 from agentq.testing.openai_server import Round
 from agentq.testing.processes import wait_for
-from tests.faults.rig import assert_gapless
+from tests.helpers import assert_gapless
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
 

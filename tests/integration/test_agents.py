@@ -22,8 +22,8 @@ from agentq.models import Event
 from agentq.testing.openai_server import Round, first_user_text
 from agentq.testing.processes import start_process, wait_for
 from agentq.testing.redis_server import find_free_port
+from tests.helpers import assert_valid_history, calls, collect, script
 from tests.integration.test_cli import agentq
-from tests.integration.test_turns import assert_valid_history, calls, collect, script
 
 pytestmark = pytest.mark.integration
 

@@ -9,21 +9,11 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import InteractionClosed, InteractionNotFound
-from agentq.models import Event
 from agentq.runtime import get_store
 from agentq.testing.openai_server import Round
-from tests.integration.test_turns import assert_valid_history, calls, collect, script
+from tests.helpers import assert_valid_history, calls, collect, script, wait_event
 
 pytestmark = pytest.mark.integration
-
-
-def wait_event(client: Client, turn_id: str, type_: str, timeout_s: float = 20) -> Event:
-    deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=0.5):
-        if ev is not None and ev.type == type_:
-            return ev
-        assert time.monotonic() < deadline, f"no {type_}"
-    raise AssertionError(f"turn ended without {type_}")
 
 
 def test_approved_call_runs(fleet, llm_server, client: Client) -> None:

@@ -14,8 +14,9 @@ import pytest
 
 from agentq.constants import WORKER_ALIVE_TTL_S, worker_alive_key
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import CELERY_READY_PATTERN, start_process, wait_for
-from tests.faults.rig import LOGS, ROOT, Rig, calls, starts
+from agentq.testing.processes import CELERY_READY_PATTERN, wait_for
+from tests.faults.rig import ROOT, Rig
+from tests.helpers import calls, starts
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -69,17 +70,13 @@ def test_a_bare_tool_worker_beats_and_its_death_settles_the_call_lost(tmp_path: 
     try:
         rig.start("llm", "turns")
         hostname = f"bare-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
-        LOGS.mkdir(parents=True, exist_ok=True)
-        worker = start_process(
+        worker = rig.fleet.start(
+            hostname.split("@")[0],
             bare_worker_argv("-Q", "agentq.tools", "-n", hostname, "-c", "2", "-l", "INFO"),
-            env=rig.env,
-            log_path=LOGS / f"{hostname.split('@')[0]}.log",
             ready_pattern=CELERY_READY_PATTERN,
             ready_timeout_s=60,
             cwd=ROOT,
-            name="bare-celery-tools",
         )
-        rig.workers.append(worker)
         assert "agentq tools worker: consuming agentq.tools" in worker.log_text()
         redis = rig.client.store.redis
         wait_for(lambda: redis.exists(worker_alive_key(hostname)), 10, message="a heartbeat")

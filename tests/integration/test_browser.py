@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +10,7 @@ import pytest
 from agentq.api import Client
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round, ScriptedCall
+from tests.helpers import follow_until, script
 from tests.integration.chromium import ARTIFACTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -40,25 +39,10 @@ def page(browser: Any, gateway: BackgroundServer) -> Iterator[Any]:
     assert not errors, errors
 
 
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"b-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
-
-
 def send(page: Any, prompt: str) -> str:
     page.fill("#prompt", prompt)
     page.click("#send")
     return str(page.locator("article.turn").last.get_attribute("data-turn-id"))
-
-
-def follow_until(client: Client, turn_id: str, *types: str, timeout_s: float = 30) -> Any:
-    deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=0.5):
-        if ev is not None and ev.type in types:
-            return ev
-        assert time.monotonic() < deadline, f"no {types} on turn {turn_id}"
-    raise AssertionError(f"stream of {turn_id} ended without {types}")
 
 
 def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: Client) -> None:

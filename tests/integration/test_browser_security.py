@@ -18,17 +18,11 @@ from agentq.api import Client
 from agentq.config import load_settings
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round, ScriptedCall
-from tests.faults.rig import dump_redis
+from tests.helpers import dump_redis, script
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.timeout(120)]
 
 KEY = "page-" + secrets.token_urlsafe(24)
-
-
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"bs-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
 
 
 @pytest.fixture(scope="module")

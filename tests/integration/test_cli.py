@@ -14,7 +14,7 @@ import pytest
 
 from agentq.testing.openai_server import Round
 from agentq.testing.processes import wait_for
-from tests.integration.test_turns import calls, script
+from tests.helpers import calls, script
 
 pytestmark = pytest.mark.integration
 

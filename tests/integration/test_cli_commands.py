@@ -12,8 +12,7 @@ import pytest
 import agentq
 from agentq.api import Client
 from agentq.testing.openai_server import Round
-from tests.integration.test_approvals import wait_event
-from tests.integration.test_turns import calls, collect, script
+from tests.helpers import calls, collect, script, wait_event
 
 pytestmark = pytest.mark.integration
 

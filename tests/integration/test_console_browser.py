@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +10,7 @@ import pytest
 from agentq.api import Client
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round, ScriptedCall
+from tests.helpers import script, wait_event
 from tests.integration.chromium import ARTIFACTS
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
@@ -47,27 +46,8 @@ def page(browser: Any, gateway: BackgroundServer) -> Iterator[Any]:
     assert not errors, errors
 
 
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"c-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
-
-
 def row(page: Any, turn_id: str) -> Any:
     return page.locator(f'#turns tbody tr[data-turn-id="{turn_id}"]')
-
-
-def wait_event(client: Client, turn_id: str, type_: str, **fields: Any) -> Any:
-    deadline = time.monotonic() + 30
-    for ev in client.events(turn_id, heartbeat_s=0.5):
-        if (
-            ev is not None
-            and ev.type == type_
-            and all(ev.fields.get(k) == v for k, v in fields.items())
-        ):
-            return ev
-        assert time.monotonic() < deadline, f"no {type_} {fields} on {turn_id}"
-    raise AssertionError(f"stream of {turn_id} ended without {type_}")
 
 
 def test_list_updates_and_approving_from_the_inbox(

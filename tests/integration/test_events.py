@@ -85,7 +85,7 @@ def test_progress_events_while_a_tool_runs_and_in_flower(fleet, llm_server, clie
 
     from agentq.runtime import get_app
     from agentq.testing.openai_server import Round
-    from tests.integration.test_turns import calls, script
+    from tests.helpers import calls, script
 
     key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 3}))), Round(text="ok"))
     h = client.start_turn(key)

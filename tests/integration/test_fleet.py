@@ -12,20 +12,17 @@ import os
 import re
 import shutil
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 from urllib.parse import urlsplit
 
 import psutil
 import pytest
-from kombu import Connection
 
 from agentq import runtime
 from agentq.api import Client
-from agentq.events.bus import TERMINAL_TYPES
+from agentq.connections import probe
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import (
@@ -36,6 +33,7 @@ from agentq.testing.processes import (
     wait_for,
 )
 from agentq.testing.redis_server import RedisServer, find_free_port
+from tests.helpers import collect, script
 
 pytestmark = pytest.mark.integration
 
@@ -104,24 +102,6 @@ def stack(
                 proc.stop()
 
 
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"fleet-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
-
-
-def collect(client: Client, turn_id: str, timeout_s: float = 60) -> list[Event]:
-    out: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=0.5):
-        if ev is not None:
-            out.append(ev)
-            if ev.type in TERMINAL_TYPES:
-                return out
-        assert time.monotonic() < deadline, [e.type for e in out]
-    return out
-
-
 def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None:
     # Three processes each: neither worker can take all six calls, so both must run some.
     with stack(
@@ -133,7 +113,7 @@ def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None
         ]
         key = script(llm_server, Round(text="Six at once.", tool_calls=sleeps), Round(text="Done."))
         handle = client.start_turn(f"{key} go")
-        events = collect(client, handle.turn_id)
+        events = collect(client, handle.turn_id, timeout_s=60)
         assert events[-1].type == "turn_finished", events[-1]
         finished = [e for e in events if e.type == "tool_finished"]
         assert len(finished) == 6
@@ -152,20 +132,11 @@ def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None
 # --------------------------------------------------------------------------- RabbitMQ
 
 
-def amqp_answers(url: str, timeout_s: float = 3.0) -> bool:
-    try:
-        with Connection(url, connect_timeout=timeout_s) as conn:
-            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
-        return True
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="module")
 def amqp_broker() -> Iterator[str]:
     """The RabbitMQ to use. Skips when none answers, except on CI with RabbitMQ
     installed: there it is started (and stopped again by PID), and failing to is a failure."""
-    if amqp_answers(AMQP_URL):
+    if probe(AMQP_URL) is None:
         yield AMQP_URL
         return
     server = shutil.which("rabbitmq-server")
@@ -180,7 +151,7 @@ def amqp_broker() -> Iterator[str]:
     try:
         try:
             wait_for(
-                lambda: amqp_answers(AMQP_URL, 2.0) or proc.poll() is not None,
+                lambda: probe(AMQP_URL, timeout_s=2.0) is None or proc.poll() is not None,
                 RABBITMQ_START_TIMEOUT_S,
                 interval_s=1.0,
                 message=f"RabbitMQ to answer at {AMQP_URL}",
@@ -190,7 +161,7 @@ def amqp_broker() -> Iterator[str]:
                 f"started {server} but no broker answered in "
                 f"{RABBITMQ_START_TIMEOUT_S} s:\n{proc.log_tail()}"
             )
-        if proc.poll() is not None and not amqp_answers(AMQP_URL):
+        if proc.poll() is not None and probe(AMQP_URL) is not None:
             pytest.fail(f"{server} exited with code {proc.returncode}:\n{proc.log_tail()}")
         yield AMQP_URL
     finally:
@@ -220,7 +191,7 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
             Round(text="Done over AMQP."),
         )
         handle = client.start_turn(f"{key} go")
-        events = collect(client, handle.turn_id)
+        events = collect(client, handle.turn_id, timeout_s=60)
         assert events[-1].type == "turn_finished", events[-1]
         assert events[-1].fields["content"] == "Done over AMQP."
         turn = client.get(handle.turn_id)
@@ -240,7 +211,7 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
                 break
         pid = int(started[0].fields["pid"])
         client.abort(handle.turn_id, handle.token)
-        events = collect(client, handle.turn_id)
+        events = collect(client, handle.turn_id, timeout_s=60)
         assert events[-1].type == "turn_aborted"
         (res,) = [e for e in events if e.type == "tool_finished"]
         assert res.fields["status"] == "cancelled"

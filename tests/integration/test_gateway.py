@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import socket
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,26 +18,16 @@ from agentq.api import Client
 from agentq.config import get_settings
 from agentq.constants import events_channel
 from agentq.gateway import BackgroundServer, create_app
-from agentq.models import Event
 from agentq.store import TurnStore
-from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.openai_server import Round
 from agentq.testing.processes import wait_for
 from agentq.testing.sse import SSEMessage, iter_sse
+from tests.helpers import calls, follow_until, script
 
 pytestmark = pytest.mark.integration
 
 TERMINAL = ("turn_finished", "turn_aborted", "turn_error")
 STREAM_ID = re.compile(r"^\d+-\d+$")
-
-
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"g-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
-
-
-def calls(*specs: tuple[str, dict[str, Any]]) -> list[ScriptedCall]:
-    return [ScriptedCall(name=n, arguments=a) for n, a in specs]
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +81,6 @@ def is_type(*types: str, tool: str | None = None) -> Callable[[SSEMessage], bool
         return msg.event in types and (tool is None or msg.json().get("tool") == tool)
 
     return match
-
-
-def follow_until(client: Client, turn_id: str, *types: str, timeout_s: float = 30) -> Event:
-    deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=0.5):
-        if ev is not None and ev.type in types:
-            return ev
-        assert time.monotonic() < deadline, f"no {types} on turn {turn_id}"
-    raise AssertionError(f"stream of {turn_id} ended without {types}")
 
 
 def sse_connections(http: httpx.Client) -> float:

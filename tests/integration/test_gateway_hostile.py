@@ -24,6 +24,7 @@ from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import wait_for
 from agentq.testing.redis_server import find_free_port
 from agentq.testing.sse import iter_sse
+from tests.helpers import script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -41,12 +42,6 @@ def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer
 def http(gateway: BackgroundServer) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=gateway.url, timeout=httpx.Timeout(20.0)) as c:
         yield c
-
-
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"h-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
 
 
 def hanging_turn(http: httpx.Client, llm_server: Any) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from agentq.gateway import BackgroundServer, create_app
 from agentq.models import TERMINAL_STATUSES
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import wait_for
-from tests.faults.rig import dump_redis
+from tests.helpers import dump_redis, script
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -162,12 +162,6 @@ def open_gw(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer
     settings = load_settings(start_burst=10_000, start_rate_per_s=1000.0)
     with BackgroundServer(create_app(Client(settings))) as server:
         yield server
-
-
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"s-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
 
 
 def bearer(value: str) -> dict[str, str]:

@@ -175,10 +175,8 @@ def test_a_blocking_call_is_named_and_its_neighbours_survive(io_worker, turn_wor
     assert "blocked" in io_worker.log_text() and calls[0].id in io_worker.log_text()
 
 
-def test_a_loop_blocked_past_a_hard_limit_recycles_the_worker(agentq_env, turn_worker) -> None:
-    from tests.conftest import _worker
-
-    proc = _worker("io", agentq_env, None, "io-recycle", ("-Q", "agentq.io.recycle"))
+def test_a_loop_blocked_past_a_hard_limit_recycles_the_worker(local_fleet, turn_worker) -> None:
+    proc = local_fleet.start_worker("io", extra_args=("-Q", "agentq.io.recycle"))
     try:
         first = wait_for(proc.children_pids, 10, message="the supervised worker")
         c = call("aio_block_forever", seconds=60)

@@ -23,6 +23,7 @@ import pytest
 from agentq import runtime
 from agentq.api import Client
 from agentq.gateway import BackgroundServer, create_app
+from agentq.local.fleet import LocalFleet
 from agentq.models import Usage
 from agentq.telemetry import tracing
 from agentq.testing.openai_server import Round, ScriptedCall
@@ -30,7 +31,6 @@ from agentq.testing.processes import (
     JSON_READY_PATTERN,
     ManagedProcess,
     start_process,
-    start_worker,
     wait_for,
 )
 from agentq.testing.redis_server import RedisServer, find_free_port
@@ -44,7 +44,7 @@ USAGE = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
 
 
 @dataclass
-class Fleet:
+class Obs:
     spans: Path
     logs: dict[str, Path]
     workers: dict[str, ManagedProcess]
@@ -55,7 +55,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def obs(
     redis_server: RedisServer, llm_server: Any, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Fleet]:
+) -> Iterator[Obs]:
     tmp = tmp_path_factory.mktemp("obs")
     spans = tmp / "spans.jsonl"
     url = re.sub(r"/\d+$", f"/{OBS_DB}", redis_server.url)
@@ -72,30 +72,25 @@ def obs(
     runtime.reset()
     logs: dict[str, Path] = {}
     workers: dict[str, ManagedProcess] = {}
+    local = LocalFleet({**env, "AGENTQ_LOG_FORMAT": "json"}, log_dir=tmp, name="obs")
     server: BackgroundServer | None = None
     try:
         for kind, concurrency in (("turns", 4), ("llm", 2), ("tools", 2), ("io", None)):
-            logs[kind] = tmp / f"{kind}.log"
-            workers[kind] = start_worker(
-                kind,
-                env={**env, "AGENTQ_LOG_FORMAT": "json"},
-                hostname=f"obs-{kind}-{uuid.uuid4().hex[:6]}@%h",
-                concurrency=concurrency,
-                log_path=logs[kind],
-                ready_pattern=JSON_READY_PATTERN,
+            workers[kind] = local.start_worker(
+                kind, concurrency=concurrency, ready_pattern=JSON_READY_PATTERN
             )
+            logs[kind] = workers[kind].log_path
         client = Client()
         numpat = client.store.redis.pubsub_numpat()
         server = BackgroundServer(create_app(client)).start()
         # The gateway counts only events published after it subscribed.
         wait_for(lambda: client.store.redis.pubsub_numpat() > numpat, 10, 0.05)
         with httpx.Client(base_url=server.url, timeout=10) as http:
-            yield Fleet(spans, logs, workers, client, http)
+            yield Obs(spans, logs, workers, client, http)
     finally:
         if server is not None:
             server.stop()
-        for proc in workers.values():
-            proc.stop()
+        local.stop()
         tracing.shutdown()
         for k, v in saved.items():
             if v is None:
@@ -105,7 +100,7 @@ def obs(
         runtime.reset()
 
 
-def run_turn(obs: Fleet, llm_server: Any) -> tuple[str, dict[str, Any]]:
+def run_turn(obs: Obs, llm_server: Any) -> tuple[str, dict[str, Any]]:
     """One turn: a round with a sync and an async call, then an answer."""
     key = f"obs-{uuid.uuid4().hex[:10]}"
     calls = [
@@ -127,13 +122,13 @@ def run_turn(obs: Fleet, llm_server: Any) -> tuple[str, dict[str, Any]]:
     return handle.turn_id, obs.client.get(handle.turn_id)
 
 
-def turn_spans(obs: Fleet, turn_id: str) -> list[dict[str, Any]]:
+def turn_spans(obs: Obs, turn_id: str) -> list[dict[str, Any]]:
     return [
         s for s in read_spans(obs.spans) if s["attributes"].get(tracing.ATTR_TURN_ID) == turn_id
     ]
 
 
-def test_one_turn_is_one_trace_across_processes(obs: Fleet, llm_server: Any) -> None:
+def test_one_turn_is_one_trace_across_processes(obs: Obs, llm_server: Any) -> None:
     turn_id, turn = run_turn(obs, llm_server)
     traceparent = turn["state"]["traceparent"]
     ids = tracing.parse(traceparent)
@@ -183,7 +178,7 @@ def test_one_turn_is_one_trace_across_processes(obs: Fleet, llm_server: Any) -> 
     assert len({s["pid"] for s in spans}) >= 3
 
 
-def test_a_call_the_turn_refuses_has_its_span_too(obs: Fleet, llm_server: Any) -> None:
+def test_a_call_the_turn_refuses_has_its_span_too(obs: Obs, llm_server: Any) -> None:
     key = f"obs-{uuid.uuid4().hex[:10]}"
     llm_server.set_script(
         key,
@@ -204,7 +199,7 @@ def test_a_call_the_turn_refuses_has_its_span_too(obs: Fleet, llm_server: Any) -
     assert ids is not None and span["parent_span_id"] == f"{ids[1]:016x}"
 
 
-def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Fleet, llm_server: Any) -> None:
+def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Obs, llm_server: Any) -> None:
     key = f"obs-{uuid.uuid4().hex[:10]}"
     llm_server.set_script(
         key, [Round(tool_calls=[ScriptedCall(name="stuck", arguments={})]), Round(text="ok")]
@@ -227,7 +222,7 @@ def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Fleet, llm_server: An
     assert (span["end_ns"] - span["start_ns"]) / 1e9 >= 1.5
 
 
-def test_an_aborted_turn_has_its_span_and_one_per_call(obs: Fleet, llm_server: Any) -> None:
+def test_an_aborted_turn_has_its_span_and_one_per_call(obs: Obs, llm_server: Any) -> None:
     key = f"obs-{uuid.uuid4().hex[:10]}"
     calls = [
         ScriptedCall(name="hang", arguments={"seconds": 60}),
@@ -270,7 +265,7 @@ def json_lines(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def test_json_log_line_per_step(obs: Fleet, llm_server: Any) -> None:
+def test_json_log_line_per_step(obs: Obs, llm_server: Any) -> None:
     turn_id, _ = run_turn(obs, llm_server)
 
     def step_spans() -> list[dict[str, Any]] | None:
@@ -316,7 +311,7 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_metrics_of_real_turns(obs: Fleet, llm_server: Any) -> None:
+def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
     before = obs.http.get("/metrics").text
     turn_id, _ = run_turn(obs, llm_server)
     spans = wait_for(
@@ -367,7 +362,7 @@ def test_metrics_of_real_turns(obs: Fleet, llm_server: Any) -> None:
     assert metric(text, "agentq_step_duration_seconds_sum") > 0
 
 
-def test_gateway_logs_json_without_the_token(obs: Fleet, tmp_path: Path) -> None:
+def test_gateway_logs_json_without_the_token(obs: Obs, tmp_path: Path) -> None:
     port = find_free_port()
     env = {**os.environ, "AGENTQ_LOG_FORMAT": "json", "AGENTQ_GATEWAY_PORT": str(port)}
     log_path = tmp_path / "gateway.log"

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
-from typing import Any
 
 import psutil
 import pytest
@@ -13,40 +11,11 @@ import pytest
 from agentq.api import Client
 from agentq.errors import TurnNotFound
 from agentq.models import Event
-from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.openai_server import Round
 from agentq.testing.processes import wait_for
+from tests.helpers import assert_valid_history, calls, collect, script
 
 pytestmark = pytest.mark.integration
-
-
-def script(llm_server: Any, *rounds: Round) -> str:
-    key = f"t-{uuid.uuid4().hex[:10]}"
-    llm_server.set_script(key, list(rounds))
-    return key
-
-
-def calls(*specs: tuple[str, dict[str, Any]]) -> list[ScriptedCall]:
-    return [ScriptedCall(name=n, arguments=a) for n, a in specs]
-
-
-def collect(client: Client, turn_id: str, timeout_s: float = 30) -> list[Event]:
-    out: list[Event] = []
-    deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=0.5):
-        if ev is not None:
-            out.append(ev)
-            if ev.type in ("turn_finished", "turn_aborted", "turn_error"):
-                return out
-        assert time.monotonic() < deadline, [e.type for e in out]
-    return out
-
-
-def assert_valid_history(history: list[dict[str, Any]]) -> None:
-    """Every tool call of every assistant message has exactly one tool message after it."""
-    for i, msg in enumerate(history):
-        for call in msg.get("tool_calls") or []:
-            answers = [m for m in history[i + 1 :] if m.get("tool_call_id") == call["id"]]
-            assert len(answers) == 1, (call["id"], history)
 
 
 def test_turn_runs_tools_and_answers(fleet, llm_server, client: Client) -> None:

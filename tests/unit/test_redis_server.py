@@ -20,8 +20,8 @@ import pytest
 import redis
 
 from agentq.errors import ConfigError
-from agentq.testing import processes
-from agentq.testing.processes import (
+from agentq.local import processes
+from agentq.local.processes import (
     ManagedProcess,
     ProcessStartError,
     WaitTimeout,
@@ -29,7 +29,7 @@ from agentq.testing.processes import (
     start_worker,
     wait_for,
 )
-from agentq.testing.redis_server import (
+from agentq.local.redis_server import (
     RedisServer,
     RedisServerError,
     ensure_redis,

@@ -1,0 +1,118 @@
+"""Helpers the integration and fault suites share: script a model, follow a turn, check its logs."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentq.api import Client
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.models import Event
+from agentq.testing.openai_server import Round, ScriptedCall
+
+
+def script(llm_server: Any, *rounds: Round) -> str:
+    """Give the scripted model server these rounds under a fresh key to put in a prompt."""
+    key = f"s-{uuid.uuid4().hex[:10]}"
+    llm_server.set_script(key, list(rounds))
+    return key
+
+
+def calls(*specs: tuple[str, Any]) -> list[ScriptedCall]:
+    """Scripted tool calls from (name, arguments) pairs."""
+    return [ScriptedCall(name=n, arguments=a) for n, a in specs]
+
+
+def collect(
+    client: Client,
+    turn_id: str,
+    timeout_s: float = 30,
+    *,
+    until: Callable[[Event], bool] | None = None,
+    heartbeat_s: float = 0.5,
+) -> list[Event]:
+    """Every event of a turn up to and including its terminal one (or the first `until`)."""
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout_s
+    for ev in client.events(turn_id, heartbeat_s=heartbeat_s):
+        if ev is not None:
+            out.append(ev)
+            if ev.type in TERMINAL_TYPES or (until is not None and until(ev)):
+                return out
+        assert time.monotonic() < deadline, [e.type for e in out]
+    return out
+
+
+def follow_until(client: Client, turn_id: str, *types: str, timeout_s: float = 30) -> Event:
+    """The first event of one of these types on a turn's stream."""
+    deadline = time.monotonic() + timeout_s
+    for ev in client.events(turn_id, heartbeat_s=0.5):
+        if ev is not None and ev.type in types:
+            return ev
+        assert time.monotonic() < deadline, f"no {types} on turn {turn_id}"
+    raise AssertionError(f"stream of {turn_id} ended without {types}")
+
+
+def wait_event(
+    client: Client, turn_id: str, type_: str, timeout_s: float = 30, **fields: Any
+) -> Event:
+    """The first event of this type on a turn's stream whose fields match."""
+    deadline = time.monotonic() + timeout_s
+    for ev in client.events(turn_id, heartbeat_s=0.5):
+        if (
+            ev is not None
+            and ev.type == type_
+            and all(ev.fields.get(k) == v for k, v in fields.items())
+        ):
+            return ev
+        assert time.monotonic() < deadline, f"no {type_} {fields} on {turn_id}"
+    raise AssertionError(f"stream of {turn_id} ended without {type_}")
+
+
+def assert_valid_history(history: list[dict[str, Any]]) -> None:
+    """Every tool call of every assistant message has exactly one tool message, no orphans."""
+    ids: list[str] = []
+    for i, msg in enumerate(history):
+        for call in msg.get("tool_calls") or []:
+            ids.append(call["id"])
+            answers = [m for m in history[i + 1 :] if m.get("tool_call_id") == call["id"]]
+            assert len(answers) == 1, (call["id"], len(answers), history)
+    answered = [m["tool_call_id"] for m in history if m.get("role") == "tool"]
+    assert sorted(answered) == sorted(ids), "a tool message answers no call"
+
+
+def assert_gapless(events: list[Event]) -> None:
+    """seq runs 1, 2, 3 ... with no gap and no repeat: a client can tell nothing is missing."""
+    seqs = [e.seq for e in events]
+    assert seqs == list(range(1, len(seqs) + 1)), seqs
+
+
+def starts(path: Path) -> int:
+    """How many times a counting tool began (one line per start)."""
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def dump_redis(client: Any) -> str:
+    """Every key and value in Redis as text, to search for what must not be stored."""
+    out = []
+    for key in client.scan_iter(count=1000):
+        kind = client.type(key).decode()
+        if kind == "string":
+            val: Any = client.get(key)
+        elif kind == "hash":
+            val = client.hgetall(key)
+        elif kind == "list":
+            val = client.lrange(key, 0, -1)
+        elif kind == "set":
+            val = client.smembers(key)
+        elif kind == "zset":
+            val = client.zrange(key, 0, -1, withscores=True)
+        elif kind == "stream":
+            val = client.xrange(key)
+        else:
+            val = kind
+        out.append(f"{key!r} {val!r}")
+    return "\n".join(out)
