@@ -1,5 +1,6 @@
 """Every third-party module agentq imports comes from a distribution pyproject.toml
-declares: a runtime dependency, the `local` extra for `agentq dev` and agentq.testing, or
+declares: a runtime dependency, the `local` extra for `agentq dev` (agentq.local) and
+agentq.testing, or
 the `otel` extra for the tracing module (which agentq runs without)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "agentq"
 # Only these may use the `local` extra: they are what it is for.
-LOCAL_USERS = ("testing/", "dev.py")
+LOCAL_USERS = ("testing/", "local/", "dev.py")
 # Only these may use the `otel` extra: each imports it guarded, so agentq runs without it.
 OTEL_USERS = ("telemetry/tracing.py", "testing/spans.py")
 
