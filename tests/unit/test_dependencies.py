@@ -1,7 +1,6 @@
 """Every third-party module agentq imports comes from a distribution pyproject.toml
 declares: a runtime dependency, the `local` extra for `agentq dev` (agentq.local) and
-agentq.testing, or
-the `otel` extra for the tracing module (which agentq runs without)."""
+agentq.testing, or the `otel` extra for the tracing module (which agentq runs without)."""
 
 from __future__ import annotations
 
