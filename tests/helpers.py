@@ -116,3 +116,34 @@ def dump_redis(client: Any) -> str:
             val = kind
         out.append(f"{key!r} {val!r}")
     return "\n".join(out)
+
+
+def run_dev_once(*args: str, name: str) -> tuple[int, str]:
+    """`agentq dev --once ARGS` as a new user runs it (no AGENTQ_ settings, a free Redis
+    port, so it embeds its own): its exit code and its output."""
+    import os
+    import sys
+
+    from agentq.testing.processes import start_process
+    from agentq.testing.redis_server import find_free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTQ_", "FLOWER_"))}
+    env.update(
+        {
+            "AGENTQ_REDIS_URL": f"redis://127.0.0.1:{find_free_port()}/0",
+            "AGENTQ_GATEWAY_PORT": "0",
+            "AGENTQ_FLOWER_PORT": "0",
+            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        }
+    )
+    proc = start_process(
+        [sys.executable, "-m", "agentq", "dev", "--once", *args],
+        env=env,
+        inherit_env=False,
+        name=name,
+    )
+    try:
+        rc = proc.wait(timeout_s=150)
+    finally:
+        proc.stop()
+    return int(rc if rc is not None else -1), proc.log_text()

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,9 +18,8 @@ from agentq.gateway import BackgroundServer, create_app
 from agentq.listing import TurnLister
 from agentq.models import Event
 from agentq.testing.openai_server import Round, first_user_text
-from agentq.testing.processes import start_process, wait_for
-from agentq.testing.redis_server import find_free_port
-from tests.helpers import assert_valid_history, calls, collect, script
+from agentq.testing.processes import wait_for
+from tests.helpers import assert_valid_history, calls, collect, run_dev_once, script
 from tests.integration.test_cli import agentq
 
 pytestmark = pytest.mark.integration
@@ -320,25 +317,7 @@ def test_unknown_agent_from_python_raises_with_the_known_ones(fleet, client: Cli
 
 def test_agentq_dev_once_runs_the_demo_agents() -> None:
     """The README's agents example: the lead asks the researcher, as a child turn."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTQ_", "FLOWER_"))}
-    env.update(
-        {
-            "AGENTQ_REDIS_URL": f"redis://127.0.0.1:{find_free_port()}/0",
-            "AGENTQ_GATEWAY_PORT": "0",
-            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-        }
-    )
-    proc = start_process(
-        [sys.executable, "-m", "agentq", "dev", "--once", "--no-flower", "--agent", "lead"],
-        env=env,
-        inherit_env=False,
-        name="agentq-dev-agents",
-    )
-    try:
-        rc = proc.wait(timeout_s=150)
-    finally:
-        proc.stop()
-    out = proc.log_text()
+    rc, out = run_dev_once("--no-flower", "--agent", "lead", name="agentq-dev-agents")
     assert rc == 0, out
     assert "Asking the researcher." in out
     assert "The researcher found that agentq runs agent turns as Celery jobs." in out

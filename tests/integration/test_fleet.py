@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +31,8 @@ from agentq.testing.processes import (
     start_worker,
     wait_for,
 )
-from agentq.testing.redis_server import RedisServer, find_free_port
-from tests.helpers import collect, script
+from agentq.testing.redis_server import RedisServer
+from tests.helpers import collect, run_dev_once, script
 
 pytestmark = pytest.mark.integration
 
@@ -231,26 +230,7 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
 
 def test_agentq_dev_once_runs_a_turn_and_leaves_nothing_behind() -> None:
     """The README's first command: embedded Redis, scripted model, all processes, one turn."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTQ_", "FLOWER_"))}
-    env.update(
-        {
-            "AGENTQ_REDIS_URL": f"redis://127.0.0.1:{find_free_port()}/0",
-            "AGENTQ_GATEWAY_PORT": "0",
-            "AGENTQ_FLOWER_PORT": "0",
-            "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-        }
-    )
-    proc = start_process(
-        [sys.executable, "-m", "agentq", "dev", "--once"],
-        env=env,
-        inherit_env=False,
-        name="agentq-dev",
-    )
-    try:
-        rc = proc.wait(timeout_s=150)
-    finally:
-        proc.stop()
-    out = proc.log_text()
+    rc, out = run_dev_once(name="agentq-dev")
     assert rc == 0, out
     assert "no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model" in out
     assert "started an embedded redis-server" in out
