@@ -116,15 +116,21 @@ def test_an_out_of_range_last_event_id_is_422(
         assert "Last-Event-ID" in err["message"] and "64-bit" in err["message"]
         err = error_of(http.get(h["events_url"], params={"after": value}), 422)
     finally:
-        http.post(
-            f"/v1/turns/{h['turn_id']}/abort", headers={"Authorization": f"Bearer {h['token']}"}
-        )
+        auth = {"Authorization": f"Bearer {h['token']}"}
+        aborted = http.post(f"/v1/turns/{h['turn_id']}/abort", headers=auth)
+    assert aborted.status_code == 200, aborted.text
+    # Ended first (a stream after a future id on a running turn waits for the turn's end).
+    wait_for(
+        lambda: (
+            http.get(f"/v1/turns/{h['turn_id']}", headers=auth).json()["state"]["status"]
+            == "aborted"
+        ),
+        timeout_s=30,
+        message="the turn ended",
+    )
     # The largest id Redis accepts is still an id: no Redis error, just the ended turn's 204.
     top = "18446744073709551615-18446744073709551615"
-    wait_for(
-        lambda: http.get(h["events_url"], headers={"Last-Event-ID": top}).status_code == 204,
-        timeout_s=15,
-    )
+    assert http.get(h["events_url"], headers={"Last-Event-ID": top}).status_code == 204
 
 
 # -- 2. ids in paths -----------------------------------------------------------------------
