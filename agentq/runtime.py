@@ -10,7 +10,7 @@ from celery import Celery
 
 from agentq.config import Settings, get_settings
 from agentq.connections import REDIS_MAX_CONNECTIONS, redis_client
-from agentq.store import TurnStore
+from agentq.store import StepView, TurnStore
 
 _lock = threading.Lock()
 _redis: redis.Redis | None = None
@@ -44,6 +44,7 @@ def get_store(settings: Settings | None = None) -> TurnStore:
                 log_maxlen=s.event_log_maxlen,
                 ttl_s=s.state_ttl_s,
                 waker=_send_step,
+                stepper=_InlineStepper(),
                 replicas_acked=s.replicas_acked,
                 wait_timeout_ms=s.redis_wait_timeout_ms,
             )
@@ -72,11 +73,41 @@ def _send_step(turn_id: str) -> None:
             run_step(turn_id, store=get_store(), app=get_app(), settings=get_settings())
             return
         except Exception:
-            # The fact is recorded and the turn marked: a turn worker takes the step.
-            logging.getLogger("agentq.turn").warning(
-                "turn %s: inline step failed; sending it", turn_id, exc_info=True
-            )
+            _inline_failed(turn_id)
     send_step(get_app(), turn_id)
+
+
+def _inline_failed(turn_id: str) -> None:
+    # The fact is recorded and the turn marked: a turn worker takes the step (once the
+    # failed step's lock, if it held one, lapses; the wakeup sweep is the backstop).
+    logging.getLogger("agentq.turn").warning(
+        "turn %s: inline step failed; sending it", turn_id, exc_info=True
+    )
+
+
+class _InlineStepper:
+    """Lets the write that wakes a turn take the step lock too, when steps run here."""
+
+    def lock_ms(self) -> int | None:
+        return int(get_settings().step_lock_s * 1000) if _inline_steps else None
+
+    def run(self, turn_id: str, token: str, view: StepView) -> None:
+        from agentq.orchestrator.steps import send_step, take_step
+
+        settings = get_settings()
+        try:
+            take_step(
+                turn_id,
+                view,
+                token,
+                int(settings.step_lock_s * 1000),
+                store=get_store(),
+                app=get_app(),
+                settings=settings,
+            )
+        except Exception:
+            _inline_failed(turn_id)
+            send_step(get_app(), turn_id)
 
 
 def get_app() -> Celery:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
@@ -57,6 +58,21 @@ end
 """
 
 
+def take_step_lua(
+    lock: str, dirty: str, turn: str, cancel: str, history: str, token: str, ttl_ms: str
+) -> str:
+    """Lua that, for a caller that steps the woken turn itself (`token` set), takes the
+    step lock and returns what the step reads, as the begin script would: one round trip
+    fewer between the last result of a batch and the step that collects it."""
+    return f"""
+if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
+  redis.call('DEL', {dirty})
+  return {{3, redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
+          redis.call('LRANGE', {history}, 0, -1)}}
+end
+"""
+
+
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
@@ -80,7 +96,11 @@ if ARGV[9] == '1' and ready then
     + wake_lua("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]")
     + "end\n"
     + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
-    + "if ready then return 3 end\nreturn 1"
+    + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
+    + take_step_lua(
+        "KEYS[10]", "KEYS[2]", "KEYS[6]", "KEYS[11]", "KEYS[12]", "ARGV[10]", "ARGV[11]"
+    )
+    + "end\nreturn 3"
 )
 
 # A task that starts checks, in the same step that records its start, that its call
@@ -120,6 +140,7 @@ redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
 redis.call('DEL', KEYS[5])
 """
     + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
+    + take_step_lua("KEYS[6]", "KEYS[1]", "KEYS[3]", "KEYS[7]", "KEYS[8]", "ARGV[5]", "ARGV[6]")
     + "return 1"
 )
 
@@ -251,6 +272,26 @@ class StepView:
     history: list[dict[str, Any]]
 
 
+class InlineStepper(Protocol):
+    """Takes a woken turn's step in this process (see `runtime.step_inline`)."""
+
+    def lock_ms(self) -> int | None:
+        """The step lock's lifetime; None when steps are not taken here now."""
+
+    def run(self, turn_id: str, token: str, view: StepView) -> None:
+        """Go on with a step whose lock (`token`) and view a write already took."""
+
+
+def step_view(flat: list[Any], cancel: Any, history: list[Any]) -> StepView:
+    """A step's view from what the begin script (or a write that took the lock) returned."""
+    state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    return StepView(
+        state=state or None,
+        cancel_reason=text(cancel) or None,
+        history=[json.loads(m) for m in history],
+    )
+
+
 def text(v: Any) -> str:
     """Redis answers bytes; callers want str."""
     return v.decode() if isinstance(v, bytes) else str(v)
@@ -299,6 +340,7 @@ class TurnStore:
         log_maxlen: int = 10_000,
         ttl_s: int = 604800,
         waker: Callable[[str], None] | None = None,
+        stepper: InlineStepper | None = None,
         replicas_acked: int = 0,
         wait_timeout_ms: int = 500,
     ):
@@ -311,6 +353,8 @@ class TurnStore:
         self.ttl_s = ttl_s
         self.waker = waker
         """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
+        self.stepper = stepper
+        """Takes the step of a turn this process woke, when this process steps turns itself."""
         self._settle = client.register_script(_SETTLE_LUA)
         self._start = client.register_script(_START_LUA)
         self._wake = client.register_script(_WAKE_ONLY_LUA)
@@ -517,13 +561,7 @@ class TurnStore:
         )
         if not raw:
             return None
-        flat, cancel, history = raw
-        state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
-        return StepView(
-            state=state or None,
-            cancel_reason=text(cancel) or None,
-            history=[json.loads(m) for m in history],
-        )
+        return step_view(*raw)
 
     def commit(
         self,
@@ -680,6 +718,7 @@ class TurnStore:
         """
         result_json = result.model_dump_json()
         event = _finished(result)
+        token, lock_ms = self._inline_lock() if wake else ("", 0)
         won = self._durable(
             self._settle,
             keys=[
@@ -692,6 +731,9 @@ class TurnStore:
                 k.WAKEUPS,
                 k.started_key(turn_id),
                 k.outstanding_key(turn_id),
+                k.step_lock_key(turn_id),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
             ],
             args=[
                 result.call_id,
@@ -703,13 +745,31 @@ class TurnStore:
                 self.ttl_s,
                 turn_id,
                 "1" if wake else "0",
+                token,
+                lock_ms,
             ],
         )
+        won = self._woke(turn_id, won, token, wake=won == 3 and wake)
         if won == -2:
             self.end_lost_turn(turn_id)
-        if won == 3 and wake:
-            self._send_step(turn_id)
         return won in (1, 3)
+
+    def _inline_lock(self) -> tuple[str, int]:
+        """A step lock token for a write that may take the step it wakes here ("" if not)."""
+        lock_ms = self.stepper.lock_ms() if self.stepper is not None else None
+        return ("", 0) if lock_ms is None else (secrets.token_hex(8), lock_ms)
+
+    def _woke(self, turn_id: str, answer: Any, token: str, *, wake: bool) -> int:
+        """After a write that wakes a turn: take the step it locked for this process, else
+        send one (unless another step holds the lock: it steps again when it lets go)."""
+        if isinstance(answer, list):
+            code, flat, cancel, history = answer
+            if self.stepper is not None:
+                self.stepper.run(turn_id, token, step_view(flat, cancel, history))
+            return int(code)
+        if wake and not token:
+            self._send_step(turn_id)
+        return int(answer)
 
     def end_lost_turn(self, turn_id: str) -> bool:
         """End a turn whose state Redis lost with turn_error `state_lost`; False if it exists."""
@@ -732,13 +792,24 @@ class TurnStore:
         self, turn_id: str, call_ids: list[str]
     ) -> tuple[dict[str, ToolResult], dict[str, dict[str, Any]]]:
         """Settled results and dispatch records of these calls, in one round trip."""
+        _, settled, dispatched = self.round_plans_view(turn_id, call_ids, plans=False)
+        return settled, dispatched
+
+    def round_plans_view(
+        self, turn_id: str, call_ids: list[str], *, plans: bool = True
+    ) -> tuple[list[bytes | None], dict[str, ToolResult], dict[str, dict[str, Any]]]:
+        """The stored plans (raw, in order), settled results and dispatch records of these
+        calls, in one round trip."""
         if not call_ids:
-            return {}, {}
+            return [], {}, {}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hmget(k.results_key(turn_id), call_ids)
         pipe.hmget(k.calls_key(turn_id), call_ids)
-        results, calls = pipe.execute()
+        if plans:
+            pipe.hmget(k.plan_key(turn_id), call_ids)
+        results, calls, *raw_plans = pipe.execute()
         return (
+            raw_plans[0] if plans else [],
             {
                 c: ToolResult.model_validate_json(r)
                 for c, r in zip(call_ids, results, strict=True)
@@ -791,6 +862,7 @@ class TurnStore:
 
     def finish_llm_round(self, turn_id: str, round_no: int, result_json: str) -> None:
         """Store a model round's result (LlmRoundResult JSON) and wake its turn."""
+        token, lock_ms = self._inline_lock()
         ok = self._finish_llm(
             keys=[
                 k.dirty_key(turn_id),
@@ -798,13 +870,14 @@ class TurnStore:
                 k.turn_key(turn_id),
                 k.llm_result_key(turn_id, round_no),
                 k.llm_alive_key(turn_id, round_no),
+                k.step_lock_key(turn_id),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
             ],
-            args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json],
+            args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json, token, lock_ms],
         )
-        if ok == -2:
+        if self._woke(turn_id, ok, token, wake=ok == 1) == -2:
             self.end_lost_turn(turn_id)
-        elif ok:
-            self._send_step(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:
         raw = self.redis.get(k.llm_result_key(turn_id, round_no))

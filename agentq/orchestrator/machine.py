@@ -150,9 +150,9 @@ def _store_plans(ctx: StepContext, plans: list[CallPlan]) -> None:
         )
 
 
-def _plans(ctx: StepContext, calls: list[ToolCall]) -> list[CallPlan]:
-    """The round's plans; calls that came with the prompt (no plan yet) are planned now."""
-    raw = ctx.store.redis.hmget(k.plan_key(ctx.turn_id), [c.id for c in calls])
+def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
+    """The round's plans from their stored form; calls that came with the prompt (no plan
+    yet) are planned now."""
     limit = ctx.settings.max_arguments_bytes
     plans = [
         CallPlan.model_validate_json(r)
@@ -174,10 +174,11 @@ def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
 
 def _tools(ctx: StepContext, pending: list[ToolCall]) -> tuple[bool, float | None]:
     """Gate and run the round's calls; True once every call has its result in history."""
-    plans = _plans(ctx, pending)
-    decided = gate(ctx, plans)
     ids = [c.id for c in pending]
-    settled, dispatched = ctx.store.round_view(ctx.turn_id, ids)
+    # One read for the whole round: a result that lands after it wakes the turn again.
+    raw_plans, settled, dispatched = ctx.store.round_plans_view(ctx.turn_id, ids)
+    plans = _plans(ctx, pending, raw_plans)
+    decided = gate(ctx, plans)
     for p in plans:
         cid = p.call.id
         if cid in settled:

@@ -46,11 +46,41 @@ def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings)
         view = store.begin_step(turn_id, token, ttl_ms)
         if view is None:
             return "busy"
-        if not (tracing.enabled or logs.enabled):
-            return _steps(turn_id, view, token, ttl_ms, store, app, settings)
-        return _observed_steps(turn_id, view, token, ttl_ms, store, app, settings)
+        return _step(turn_id, view, token, ttl_ms, store, app, settings)
     finally:
         step_times.observe(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
+
+
+def take_step(
+    turn_id: str,
+    view: StepView,
+    token: str,
+    ttl_ms: int,
+    *,
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+) -> str:
+    """`run_step` for a step whose lock and view the write that woke the turn already took."""
+    started = time.perf_counter()
+    try:
+        return _step(turn_id, view, token, ttl_ms, store, app, settings)
+    finally:
+        step_times.observe(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
+
+
+def _step(
+    turn_id: str,
+    view: StepView,
+    token: str,
+    ttl_ms: int,
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+) -> str:
+    if not (tracing.enabled or logs.enabled):
+        return _steps(turn_id, view, token, ttl_ms, store, app, settings)
+    return _observed_steps(turn_id, view, token, ttl_ms, store, app, settings)
 
 
 def _observed_steps(

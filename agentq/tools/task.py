@@ -56,29 +56,60 @@ def _call(req: ToolTaskRequest) -> ToolCall:
 
 
 class _Ticker:
-    """A thread publishing the worker's `tool_progress` every progress_interval_s."""
+    """One thread per process publishing the running call's `tool_progress` every
+    progress_interval_s: a prefork child runs one call at a time, and starting a thread per
+    call cost more than a short call itself."""
 
-    def __init__(self, store: TurnStore, scope: CallScope, interval_s: float) -> None:
-        self._stop = threading.Event()
-        self._store = store
-        self._scope = scope
-        self._interval_s = interval_s
-        self._thread = threading.Thread(target=self._run, name="agentq-tick", daemon=True)
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._current: tuple[TurnStore, CallScope, float] | None = None
+        self._thread: threading.Thread | None = None
 
-    def __enter__(self) -> _Ticker:
-        self._thread.start()
-        return self
+    def running(self, store: TurnStore, scope: CallScope, interval_s: float) -> _Ticking:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                # Started lazily, after the fork: a thread does not survive into a child.
+                self._thread = threading.Thread(target=self._run, name="agentq-tick", daemon=True)
+                self._thread.start()
+            self._current = (store, scope, interval_s)
+            self._cond.notify()
+        return _Ticking(self, scope)
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
+    def stop(self, scope: CallScope) -> None:
+        with self._cond:
+            if self._current is not None and self._current[1] is scope:
+                self._current = None
+                self._cond.notify()
 
     def _run(self) -> None:
-        turn_id = self._scope.req.turn_id
-        while not self._stop.wait(self._interval_s):
+        while True:
+            with self._cond:
+                while self._current is None:
+                    self._cond.wait()
+                store, scope, interval_s = self._current
+                # Woken early when the call ends (or another begins): no tick for it then.
+                self._cond.wait(interval_s)
+                if self._current is None or self._current[1] is not scope:
+                    continue
             try:
-                self._store.bus.publish(turn_id, "tool_progress", **tick_fields(self._scope))
+                store.bus.publish(scope.req.turn_id, "tool_progress", **tick_fields(scope))
             except Exception:
                 log.debug("progress tick not sent", exc_info=True)
+
+
+class _Ticking:
+    def __init__(self, ticker: _Ticker, scope: CallScope) -> None:
+        self._ticker = ticker
+        self._scope = scope
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._ticker.stop(self._scope)
+
+
+_ticker = _Ticker()
 
 
 def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
@@ -134,7 +165,7 @@ def _run(
 ) -> str:
     result: ToolResult
     try:
-        with _Ticker(store, scope, settings.progress_interval_s):
+        with _ticker.running(store, scope, settings.progress_interval_s):
             kwargs = call_kwargs(spec, req)
             value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
             result = ok_result(scope, check_value(spec, value), settings)
