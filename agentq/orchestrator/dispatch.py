@@ -25,10 +25,13 @@ def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
     return f"{turn_id}.{call_id}.{attempt}"
 
 
-def send(ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]) -> None:
-    """Record the calls as dispatched, then send them; a step that takes over never resends."""
+def send(
+    ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """Record the calls as dispatched, then send them; a step that takes over never resends.
+    Returns the dispatch records."""
     if not plans:
-        return
+        return {}
     now = time.time()
     records = {
         p.call.id: {
@@ -68,6 +71,7 @@ def send(ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]) -> No
             ignore_result=True,
             **p.limits.celery_options,
         )
+    return records
 
 
 def advance_calls(
@@ -88,13 +92,13 @@ def advance_calls(
             continue
         tools = [p for p in waiting if not p.subturn_agent]
         agents = [p for p in waiting if p.subturn_agent]
-        send(ctx, [p for p in tools if p.call.id not in dispatched], secrets)
+        sent = send(ctx, [p for p in tools if p.call.id not in dispatched], secrets)
         fresh = [p for p in agents if p.call.id not in dispatched]
         dispatched = {**dispatched, **subturns.record(ctx, fresh)}
         due = [
             t
             for t in (
-                _settle_overdue(ctx, tools, settled),
+                _settle_overdue(ctx, tools, settled, sent if len(sent) == len(tools) else None),
                 subturns.watch(ctx, agents, settled, dispatched),
             )
             if t is not None
@@ -104,12 +108,26 @@ def advance_calls(
 
 
 def _settle_overdue(
-    ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult]
+    ctx: StepContext,
+    waiting: list[CallPlan],
+    settled: dict[str, ToolResult],
+    just_sent: dict[str, dict[str, Any]] | None = None,
 ) -> float | None:
+    """Settle the calls nobody will settle; return when to look again.
+
+    `just_sent`: every waiting call was sent by this step, with these records. Nothing
+    can be overdue yet and no start is known: the deadline is the queue allowance, as it
+    was when the read came before the starts; a worker that dies whole wakes the turn by
+    its heartbeat, and any later step reads the starts.
+    """
     if not waiting:
         return None
-    starts = ctx.store.starts(ctx.turn_id)
-    dispatched = ctx.store.dispatches(ctx.turn_id)
+    if just_sent is not None:
+        starts: dict[str, dict[str, Any]] = {}
+        dispatched = just_sent
+    else:
+        starts = ctx.store.starts(ctx.turn_id)
+        dispatched = ctx.store.dispatches(ctx.turn_id)
     s = ctx.settings
     # A worker that died whole (no parent left to report the kill) stops its heartbeat:
     # its calls are lost now, not at their hard limit, or never for tools without one.
