@@ -224,6 +224,15 @@ class StepDurations:
         return [family]
 
 
+_UNMEASURED = (b'"type":"llm_delta"', b'"type":"tool_progress"')
+
+
+def _unmeasured(data: Any) -> bool:
+    """Deltas and progress (most events by far) count in no metric: not even decoded."""
+    head = data[:160] if isinstance(data, bytes) else b""
+    return any(marker in head for marker in _UNMEASURED)
+
+
 class EventObserver:
     """A daemon thread that feeds every turn's published events to :class:`GatewayMetrics`."""
 
@@ -258,7 +267,7 @@ class EventObserver:
                 pubsub.psubscribe(EVENTS_PATTERN)
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=self.poll_s)
-                    if msg is None:
+                    if msg is None or _unmeasured(msg["data"]):
                         continue
                     try:
                         event = json.loads(msg["data"])
