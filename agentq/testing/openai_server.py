@@ -6,7 +6,9 @@ model is configured.
 
 The round to answer is chosen from the request alone (the number of assistant
 messages already in `messages`), and the script from the first user message, so
-any number of concurrent conversations can share one server.
+any number of concurrent conversations can share one server. It serves them from one
+asyncio loop in one thread (`agentq.testing.http_loop`) over keep-alive connections, so a
+thousand slow streams cost sockets, not threads.
 
     python -m agentq.testing.openai_server --port 0 --script demo
 """
@@ -14,25 +16,24 @@ any number of concurrent conversations can share one server.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import asyncio
 import json
-import select
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Literal, cast
+from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from agentq.models import Usage
+from agentq.testing.http_loop import BackgroundHTTPServer
+from agentq.testing.http_wire import ClientGone, Conn, Request, error_body
 
 Fault = Literal[
     "silent_after_200",
@@ -46,8 +47,10 @@ Fault = Literal[
 ]
 
 DEFAULT_KEY = "default"
-_POLL_S = 0.05
-_STOP_GRACE_S = 0.5
+_KEEPALIVE_S = 0.05
+"""Between the SSE comments of a `keepalive_only` hold."""
+_JSON = {"Content-Type": "application/json"}
+_SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _HTTP_FAULTS: dict[str, tuple[int, str, str]] = {
     "http_500": (500, "server_error", "scripted fault: internal server error"),
     "http_429": (429, "rate_limit_exceeded", "scripted fault: rate limit reached"),
@@ -173,61 +176,12 @@ def round_index(messages: Sequence[Any]) -> int:
     return sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
 
 
-class _ClientGone(Exception):
-    """The client closed its end while we were answering."""
-
-
 @dataclass
 class _Plan:
     round: Round
     index: int
     fault: Fault | None
     model: str
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # A stream worker opens a thousand streams at once: keep their connects queued.
-    request_queue_size = 1024
-
-    def __init__(self, address: tuple[str, int], owner: ScriptedOpenAIServer) -> None:
-        super().__init__(address, _Handler)
-        self.owner = owner
-        self._handlers_lock = threading.Lock()
-        self._handlers: dict[threading.Thread, socket.socket] = {}
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # server_close() does not join daemon handler threads, so we track them ourselves.
-        thread = threading.Thread(
-            target=self._serve_one,
-            args=(request, client_address),
-            name="scripted-openai-handler",
-            daemon=True,
-        )
-        with self._handlers_lock:
-            self._handlers[thread] = request
-        thread.start()
-
-    def _serve_one(self, request: Any, client_address: Any) -> None:
-        try:
-            self.process_request_thread(request, client_address)
-        finally:
-            with self._handlers_lock:
-                self._handlers.pop(threading.current_thread(), None)
-
-    def join_handlers(self, grace_s: float) -> None:
-        """Join every handler; cut the connections of those still busy after `grace_s`."""
-        with self._handlers_lock:
-            handlers = list(self._handlers.items())
-        deadline = time.monotonic() + grace_s
-        for thread, _ in handlers:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-        for thread, sock in handlers:
-            if thread.is_alive():
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-        for thread, _ in handlers:
-            thread.join()
 
 
 class ScriptedOpenAIServer:
@@ -257,16 +211,14 @@ class ScriptedOpenAIServer:
         self._attempts: dict[tuple[str, int, str], int] = {}
         self._open_streams = 0
         self._closed_by_client = 0
-        self._stop = threading.Event()
-        self._httpd: _HTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._http: BackgroundHTTPServer | None = None
 
     @property
     def url(self) -> str:
-        if self._httpd is None:
+        if self._http is None:
             raise RuntimeError("the server is not started")
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}/v1"
+        host, port = self._http.address
+        return f"http://{host}:{port}/v1"
 
     @property
     def open_streams(self) -> int:
@@ -280,6 +232,11 @@ class ScriptedOpenAIServer:
         with self._lock:
             return self._closed_by_client
 
+    @property
+    def connections_accepted(self) -> int:
+        """TCP connections accepted since start(): with keep-alive, fewer than requests."""
+        return 0 if self._http is None else self._http.connections_accepted
+
     def set_script(self, key: str, rounds: Sequence[Round]) -> None:
         with self._lock:
             self.scripts[key] = list(rounds)
@@ -292,35 +249,20 @@ class ScriptedOpenAIServer:
             self._closed_by_client = 0
 
     def start(self) -> ScriptedOpenAIServer:
-        if self._httpd is not None:
+        if self._http is not None:
             return self
-        self._stop.clear()
-        httpd = _HTTPServer((self._host, self._port), self)
-        self._httpd = httpd
-        self._thread = threading.Thread(
-            target=httpd.serve_forever,
-            kwargs={"poll_interval": _POLL_S},
-            name="scripted-openai-server",
-            daemon=True,
+        http = BackgroundHTTPServer(
+            self._answer, host=self._host, port=self._port, name="scripted-openai-server"
         )
-        self._thread.start()
+        http.start()
+        self._http = http
         return self
 
     def stop(self) -> None:
-        """Stop serving, end held streams, free the port and join every thread."""
-        httpd, thread = self._httpd, self._thread
-        if httpd is None:
-            return
-        self._stop.set()
-        httpd.shutdown()
-        if thread is not None:
-            thread.join()
-        # Held streams notice the stop event within a poll; a handler stuck reading a
-        # request that never comes is cut loose.
-        httpd.join_handlers(grace_s=_STOP_GRACE_S)
-        httpd.server_close()
-        self._httpd = None
-        self._thread = None
+        """Stop serving, cut every connection and stream, free the port and join the thread."""
+        http, self._http = self._http, None
+        if http is not None:
+            http.stop()
 
     def __enter__(self) -> ScriptedOpenAIServer:
         return self.start()
@@ -361,6 +303,41 @@ class ScriptedOpenAIServer:
         model = body.get("model")
         return _Plan(rnd, index, rnd.fault if applies else None, str(model or self.model))
 
+    async def _answer(self, conn: Conn, request: Request) -> bool:
+        """Answer one request on the server's loop; False when the connection is spent."""
+        try:
+            return await self._route(conn, request)
+        except ClientGone:
+            self._client_gone()
+            return False
+
+    async def _route(self, conn: Conn, request: Request) -> bool:
+        route = request.path.rstrip("/")
+        if request.method == "GET":
+            if route == "/v1/models":
+                data = [{"id": self.model, "object": "model", "created": 0, "owned_by": "agentq"}]
+                return await _json(conn, 200, {"object": "list", "data": data})
+            return await _error(conn, 404, "not_found", f"no route GET {request.target}")
+        if request.method != "POST":
+            return await _error(conn, 405, "method_not_allowed", f"{request.method} not served")
+        if route != "/v1/chat/completions":
+            return await _error(conn, 404, "not_found", f"no route POST {request.target}")
+        try:
+            body = json.loads(request.body or b"null")
+        except ValueError as exc:
+            msg = f"request body is not JSON: {exc}"
+            return await _error(conn, 400, "invalid_request_error", msg)
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return await _error(conn, 400, "invalid_request_error", "'messages' must be a list")
+        self._record(body)
+        plan = self._plan(body)
+        if plan.fault in _HTTP_FAULTS:
+            status, kind, message = _HTTP_FAULTS[plan.fault]
+            rnd = plan.round
+            return await _error(conn, status, kind, rnd.fault_message or message, rnd.retry_after_s)
+        answer = _Answer(self, conn, plan, body)
+        return await (answer.stream() if body.get("stream") else answer.complete())
+
 
 def _usage(rnd: Round, body: Mapping[str, Any]) -> dict[str, int]:
     if rnd.usage is not None:
@@ -397,93 +374,25 @@ def _deltas(plan: _Plan) -> Iterator[tuple[dict[str, Any], str | None]]:
     yield {}, "tool_calls" if rnd.tool_calls else "stop"
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server_version = "agentq-scripted/1"
-    # Bounds a read of a request that never arrives; held streams poll instead.
-    timeout = 10
+class _Answer:
+    """The answer to one chat completion request, played on its connection."""
 
-    @property
-    def owner(self) -> ScriptedOpenAIServer:
-        return cast(_HTTPServer, self.server).owner
+    def __init__(self, owner: ScriptedOpenAIServer, conn: Conn, plan: _Plan, body: Any) -> None:
+        self.owner = owner
+        self.conn = conn
+        self.plan = plan
+        self.body: Mapping[str, Any] = body
 
-    def log_message(self, format: str, *args: Any) -> None:
-        """Quiet: tests read `server.requests` instead."""
-
-    def do_GET(self) -> None:
-        self.close_connection = True
-        if self.path.rstrip("/") == "/v1/models":
-            data = [{"id": self.owner.model, "object": "model", "created": 0, "owned_by": "agentq"}]
-            self._json(200, {"object": "list", "data": data})
-        else:
-            self._error(404, "not_found", f"no route GET {self.path}")
-
-    def do_POST(self) -> None:
-        self.close_connection = True
-        if self.path.rstrip("/") != "/v1/chat/completions":
-            self._error(404, "not_found", f"no route POST {self.path}")
-            return
-        length = int(self.headers.get("Content-Length") or 0)
-        try:
-            body = json.loads(self.rfile.read(length) or b"null")
-        except ValueError as exc:
-            self._error(400, "invalid_request_error", f"request body is not JSON: {exc}")
-            return
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            self._error(400, "invalid_request_error", "'messages' must be a list")
-            return
-        owner = self.owner
-        owner._record(body)
-        plan = owner._plan(body)
-        if plan.fault in _HTTP_FAULTS:
-            status, kind, message = _HTTP_FAULTS[plan.fault]
-            self._error(status, kind, plan.round.fault_message or message, plan.round.retry_after_s)
-            return
-        try:
-            if body.get("stream"):
-                self._stream(plan, body)
-            else:
-                self._complete(plan, body)
-        except _ClientGone:
-            owner._client_gone()
-
-    def _json(self, status: int, payload: object, headers: Mapping[str, str] | None = None) -> None:
-        self._send(status, json.dumps(payload).encode(), headers)
-
-    def _send(self, status: int, raw: bytes, headers: Mapping[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(raw)))
-        self.send_header("Connection", "close")
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        try:
-            self.wfile.write(raw)
-        except OSError:
-            self.owner._client_gone()
-
-    def _error(
-        self, status: int, kind: str, message: str, retry_after_s: float | None = None
-    ) -> None:
-        headers: dict[str, str] = {}
-        if retry_after_s is not None:
-            headers["retry-after-ms"] = str(int(retry_after_s * 1000))
-            headers["Retry-After"] = str(max(1, int(-(-retry_after_s // 1))))
-        error = {"message": message, "type": kind, "param": None, "code": kind}
-        self._json(status, {"error": error}, headers)
-
-    def _complete(self, plan: _Plan, body: Mapping[str, Any]) -> None:
-        rnd = plan.round
+    async def complete(self) -> bool:
+        plan, rnd = self.plan, self.plan.round
         if plan.fault in ("silent_after_200", "silent_after_chunks", "keepalive_only"):
-            self._hold(keepalive=False)
-            return
+            await self._hold(keepalive=False)
         if plan.fault == "disconnect":
-            self.connection.shutdown(socket.SHUT_RDWR)
-            return
+            self.conn.cut()
+            return False
         if plan.fault == "malformed":
-            self._send(200, b"{not json")
-            return
+            await self.conn.respond(200, b"{not json", _JSON)
+            return True
         message: dict[str, Any] = {"role": "assistant", "content": rnd.text or None}
         if rnd.reasoning:
             message["reasoning_content"] = rnd.reasoning
@@ -498,27 +407,22 @@ class _Handler(BaseHTTPRequestHandler):
             "created": int(time.time()),
             "model": plan.model,
             "choices": [choice],
-            "usage": _usage(rnd, body),
+            "usage": _usage(rnd, self.body),
         }
-        self._json(200, completion)
+        return await _json(self.conn, 200, completion)
 
-    def _stream(self, plan: _Plan, body: Mapping[str, Any]) -> None:
-        rnd = plan.round
-        owner = self.owner
+    async def stream(self) -> bool:
+        """Stream the round; False when a fault left the body unfinished."""
         # Counted before the headers go out, so a client holding the response sees it.
-        owner._count_stream(+1)
+        self.owner._count_stream(+1)
         try:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Transfer-Encoding", "chunked")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self._stream_body(plan, body, rnd)
+            await self.conn.start_chunked(200, _SSE)
+            return await self._stream_body()
         finally:
-            owner._count_stream(-1)
+            self.owner._count_stream(-1)
 
-    def _stream_body(self, plan: _Plan, body: Mapping[str, Any], rnd: Round) -> None:
+    async def _stream_body(self) -> bool:
+        plan, rnd, body = self.plan, self.plan.round, self.body
         base = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
             "object": "chat.completion.chunk",
@@ -527,75 +431,74 @@ class _Handler(BaseHTTPRequestHandler):
         }
         if rnd.raw_chunks is not None:
             for raw in rnd.raw_chunks:
-                self._event(raw)
-            self._event("[DONE]")
-            self._send_frame(b"0\r\n\r\n")
-            return
+                await self._event(raw)
+            await self.conn.end_chunked(b"data: [DONE]\n\n")
+            return True
         fault_at = 0 if plan.fault == "silent_after_200" else rnd.fault_after_chunks
         delay_s = rnd.chunk_delay_ms / 1000
         sent = 0
         for delta, finish in _deltas(plan):
-            if sent == fault_at and self._fault(plan):
-                return
-            if sent and delay_s and self.owner._stop.wait(delay_s):
-                return
+            if sent == fault_at and await self._fault():
+                return False
+            if sent and delay_s:
+                await asyncio.sleep(delay_s)
             if sent == 0:
                 delta = {"role": "assistant", **delta}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            self._event(json.dumps({**base, "choices": [choice]}))
+            await self._event(json.dumps({**base, "choices": [choice]}))
             sent += 1
-        if sent <= fault_at and self._fault(plan):
-            return
+        if sent <= fault_at and await self._fault():
+            return False
         options = body.get("stream_options")
         if isinstance(options, Mapping) and options.get("include_usage"):
-            self._event(json.dumps({**base, "choices": [], "usage": _usage(rnd, body)}))
-        self._event("[DONE]")
-        self._send_frame(b"0\r\n\r\n")
+            await self._event(json.dumps({**base, "choices": [], "usage": _usage(rnd, body)}))
+        await self.conn.end_chunked(b"data: [DONE]\n\n")
+        return True
 
-    def _fault(self, plan: _Plan) -> bool:
+    async def _fault(self) -> bool:
         """Play a mid-stream fault; True when the stream must end here."""
-        fault = plan.fault
+        fault = self.plan.fault
         if fault in ("silent_after_200", "silent_after_chunks"):
-            self._hold(keepalive=False)
-            return True
+            await self._hold(keepalive=False)
         if fault == "keepalive_only":
-            self._hold(keepalive=True)
-            return True
+            await self._hold(keepalive=True)
         if fault == "disconnect":
             # No terminating chunk: the client sees the body cut short.
-            self.connection.shutdown(socket.SHUT_RDWR)
+            self.conn.cut()
             return True
         if fault == "malformed":
-            self._event("{not json")
-            plan.fault = None
+            await self._event("{not json")
+            self.plan.fault = None
         return False
 
-    def _event(self, data: str) -> None:
-        self._write(f"data: {data}\n\n".encode())
+    async def _event(self, data: str) -> None:
+        await self.conn.send_chunk(f"data: {data}\n\n".encode())
 
-    def _write(self, payload: bytes) -> None:
-        self._send_frame(b"%x\r\n%s\r\n" % (len(payload), payload))
-
-    def _send_frame(self, frame: bytes) -> None:
-        try:
-            self.wfile.write(frame)
-        except OSError as exc:
-            raise _ClientGone from exc
-
-    def _hold(self, *, keepalive: bool) -> None:
-        """Keep the connection open, sending no data, until the client leaves or we stop."""
-        sock = self.connection
-        while not self.owner._stop.is_set():
+    async def _hold(self, *, keepalive: bool) -> NoReturn:
+        """Send no data (SSE comments at most) until the client leaves; stop() cancels us."""
+        while True:
             if keepalive:
-                self._write(b": keep-alive\n\n")
-            readable, _, _ = select.select([sock], [], [], _POLL_S)
-            if readable:
-                try:
-                    data = sock.recv(4096)
-                except OSError:
-                    data = b""
-                if not data:
-                    raise _ClientGone
+                await self.conn.send_chunk(b": keep-alive\n\n")
+            if await self.conn.wait_gone(_KEEPALIVE_S if keepalive else None):
+                raise ClientGone
+
+
+async def _json(
+    conn: Conn, status: int, payload: object, headers: Mapping[str, str] | None = None
+) -> bool:
+    await conn.respond(status, json.dumps(payload).encode(), {**_JSON, **(headers or {})})
+    return True
+
+
+async def _error(
+    conn: Conn, status: int, kind: str, message: str, retry_after_s: float | None = None
+) -> bool:
+    headers = dict(_JSON)
+    if retry_after_s is not None:
+        headers["retry-after-ms"] = str(int(retry_after_s * 1000))
+        headers["Retry-After"] = str(max(1, int(-(-retry_after_s // 1))))
+    await conn.respond(status, error_body(kind, message), headers)
+    return True
 
 
 def _load_script_file(path: str) -> dict[str, Script]:

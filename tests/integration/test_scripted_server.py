@@ -1,0 +1,213 @@
+"""The scripted OpenAI server's serving: one thread for any number of streams, keep-alive
+connections, a prompt stop, and clear refusals of requests it does not parse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from agentq.testing.openai_server import Round, ScriptedOpenAIServer
+
+pytestmark = pytest.mark.integration
+
+SLOW = Round(text="x" * 30, chunk_size=1, chunk_delay_ms=100)
+"""About three seconds of stream: long enough for every stream to be open at once."""
+
+
+@pytest.fixture
+def server() -> Iterator[ScriptedOpenAIServer]:
+    with ScriptedOpenAIServer({"slow": [SLOW], "quick": [Round(text="hello there")]}) as srv:
+        yield srv
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout_s: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or predicate}")
+        time.sleep(0.01)
+
+
+def _address(server: ScriptedOpenAIServer) -> tuple[str, int]:
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    return host, int(port)
+
+
+def _post(prompt: str, *, stream: bool = True) -> bytes:
+    body = json.dumps(
+        {"model": "m", "stream": stream, "messages": [{"role": "user", "content": prompt}]}
+    ).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    return head.encode() + body
+
+
+def _raw(server: ScriptedOpenAIServer, data: bytes) -> bytes:
+    """What the server answers to `data` on a fresh connection, up to its close."""
+    with socket.create_connection(_address(server), timeout=5) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def test_two_hundred_streams_share_the_server_thread(server: ScriptedOpenAIServer) -> None:
+    threads_before = threading.active_count()
+    host, port = _address(server)
+
+    async def one(all_open: asyncio.Event) -> bytes:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(_post("slow"))
+            first = await reader.readuntil(b"data: ")
+            await all_open.wait()
+            return first + await reader.readuntil(b"0\r\n\r\n")
+        finally:
+            writer.close()
+            await writer.wait_closed()
+
+    async def go() -> tuple[list[bytes], int, int]:
+        all_open = asyncio.Event()
+        tasks = [asyncio.create_task(one(all_open)) for _ in range(200)]
+        deadline = time.monotonic() + 20
+        while server.open_streams < 200 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        streams, threads = server.open_streams, threading.active_count()
+        all_open.set()
+        return await asyncio.gather(*tasks), streams, threads
+
+    bodies, streams, threads = asyncio.run(go())
+    assert streams == 200
+    assert threads <= threads_before + 2, [t.name for t in threading.enumerate()]
+    for body in bodies:
+        assert b"Transfer-Encoding: chunked" in body
+        assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+        assert body.count(b'"content": "x"') == 30
+    wait_until(lambda: server.open_streams == 0, what="every stream to close")
+    assert server.connections_accepted == 200
+
+
+def test_sequential_requests_reuse_one_connection(server: ScriptedOpenAIServer) -> None:
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "quick"}]}
+    before = server.connections_accepted
+    with httpx.Client(base_url=server.url, timeout=5) as client:
+        for _ in range(2):
+            with client.stream("POST", "/chat/completions", json=body) as response:
+                assert response.headers["transfer-encoding"] == "chunked"
+                text = "".join(response.iter_text())
+            assert text.rstrip().endswith("data: [DONE]")
+        plain = client.post("/chat/completions", json={**body, "stream": False}).json()
+        assert plain["choices"][0]["message"]["content"] == "hello there"
+        assert client.get("/models").status_code == 200
+        assert client.get("/nowhere").status_code == 404
+        assert client.delete("/models").status_code == 405
+    assert server.connections_accepted - before == 1
+
+
+def test_the_openai_sdk_reuses_its_connection(server: ScriptedOpenAIServer) -> None:
+    from openai import AsyncOpenAI, BadRequestError, OpenAI
+
+    server.set_script("refused", [Round(fault="http_400")])
+    quick: Any = [{"role": "user", "content": "quick"}]
+    refused: Any = [{"role": "user", "content": "refused"}]
+    before = server.connections_accepted
+    with OpenAI(base_url=server.url, api_key="k", max_retries=0) as client:
+        for _ in range(3):
+            answer = client.chat.completions.create(model="m", messages=quick)
+            assert answer.choices[0].message.content == "hello there"
+            with pytest.raises(BadRequestError):
+                client.chat.completions.create(model="m", messages=refused)
+    assert server.connections_accepted - before == 1
+
+    async def streams() -> list[str]:
+        # The stream worker's client: it reads a stream to its end, so it can reuse it.
+        async with AsyncOpenAI(base_url=server.url, api_key="k", max_retries=0) as aclient:
+            texts = []
+            for _ in range(3):
+                chunks = await aclient.chat.completions.create(
+                    model="m", messages=quick, stream=True
+                )
+                texts.append("".join([c.choices[0].delta.content or "" async for c in chunks]))
+            return texts
+
+    before = server.connections_accepted
+    assert asyncio.run(streams()) == ["hello there"] * 3
+    assert server.connections_accepted - before == 1
+
+
+def test_a_broken_stream_cuts_the_connection(server: ScriptedOpenAIServer) -> None:
+    server.set_script("cut", [Round(text="abcdef", chunk_size=2, fault="disconnect")])
+    # The connection closes with the body unfinished: no terminating chunk.
+    answer = _raw(server, _post("cut"))
+    assert answer.startswith(b"HTTP/1.1 200 ")
+    assert not answer.endswith(b"0\r\n\r\n")
+
+
+def test_stop_with_streams_open_returns_at_once() -> None:
+    scripts = {
+        "silent": [Round(fault="silent_after_200")],
+        "keepalive": [Round(fault="keepalive_only")],
+        "slow": [SLOW],
+        "mute": [Round(fault="silent_after_chunks")],
+    }
+    server = ScriptedOpenAIServer(scripts).start()
+    address = _address(server)
+    socks = [socket.create_connection(address, timeout=5) for _ in range(40)]
+    try:
+        for i, sock in enumerate(socks):
+            sock.sendall(_post(list(scripts)[i % 4], stream=i % 8 != 3))
+        idle = socket.create_connection(address, timeout=5)
+        socks.append(idle)
+        wait_until(lambda: server.open_streams == 35, what="the streams to open")
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 2.0
+        assert server.open_streams == 0
+        assert not [t for t in threading.enumerate() if t.name == "scripted-openai-server"]
+        for sock in socks:
+            assert _ends(sock)
+        with pytest.raises(OSError), socket.create_connection(address, timeout=1):
+            pass
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _ends(sock: socket.socket) -> bool:
+    """Read to the end of a connection: an EOF or a reset both end it."""
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (b"NOT A REQUEST\r\n\r\n", 400),
+        (b"GET /v1/models HTTP/1.0\r\n\r\n", 505),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+        (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: -3\r\n\r\n", 400),
+        (b"GET /v1/models HTTP/1.1\r\nBad Header\r\n\r\n", 400),
+        (b"GET /v1/models HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431),
+    ],
+)
+def test_requests_it_does_not_parse_are_refused(
+    server: ScriptedOpenAIServer, data: bytes, status: int
+) -> None:
+    answer = _raw(server, data + b"GET /v1/models HTTP/1.1\r\n\r\n")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), head
+    assert json.loads(body)["error"]["message"]
+    # The connection is closed after a refusal, so the request queued behind it is not served.
+    assert b'"object": "list"' not in body
