@@ -7,7 +7,7 @@ import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 from agentq.chat import check_messages, check_text
 
@@ -181,6 +181,7 @@ class LlmRoundRequest(_Frozen):
     turn_id: str
     round_no: int
     tools: list[dict[str, Any]] = Field(default_factory=list)
+    """The tools' schemas; on the wire one JSON string (see `_tools_as_text`)."""
     duration_left_s: float
     idle_timeout_ms: int
     model: str | None = None
@@ -189,6 +190,17 @@ class LlmRoundRequest(_Frozen):
     """The agent's instructions, sent as the system message before the history."""
     traceparent: str | None = None
     """The turn's W3C trace context when tracing is on: the round's span goes under it."""
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_from_text(cls, v: Any) -> Any:
+        return json.loads(v) if isinstance(v, (str, bytes)) else v
+
+    @field_serializer("tools")
+    def _tools_as_text(self, tools: list[dict[str, Any]]) -> str:
+        # Schemas are dozens of small objects: as one string the broker's decoder (kombu's,
+        # with a Python hook per object) reads them at C speed.
+        return json.dumps(tools, separators=(",", ":"))
 
 
 class LlmRoundResult(_Frozen):

@@ -19,6 +19,7 @@ import os
 import socket
 import threading
 import time
+import zlib
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentq.llm")
 
+STREAMS_PER_CLIENT = 128
+"""Streams per model client (and connection pool) at full capacity."""
+
 
 class _Streams:
     """Per process: the shared model client and the rounds streaming now."""
@@ -49,18 +53,30 @@ class _Streams:
         self.lease_ms = int(s.turn_lease_s * 1000)
         self.alive: collections.Counter[tuple[str, int]] = collections.Counter()
         """Rounds to keep claimed, counted: a redelivered round may run twice here."""
-        self.client: openai.AsyncOpenAI | None = None
+        self.clients: list[openai.AsyncOpenAI] = []
         if s.llm_base_url:
-            self.client = make_client(
-                base_url=s.llm_base_url,
-                api_key=s.llm_api_key.get_secret_value() if s.llm_api_key else None,
-                max_connections=s.io_capacity + 100,
-                timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
-            )
+            # Several clients, each with its own connection pool: the pool scans all of
+            # its connections on every request and every response end, which with
+            # thousands of streams in one pool cost more than the streams themselves.
+            self.clients = [
+                make_client(
+                    base_url=s.llm_base_url,
+                    api_key=s.llm_api_key.get_secret_value() if s.llm_api_key else None,
+                    max_connections=s.io_capacity + 100,
+                    timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
+                )
+                for _ in range(max(1, -(-s.io_capacity // STREAMS_PER_CLIENT)))
+            ]
         # Its own thread, not the loop's store pool: with thousands of rounds streaming,
         # a renewal queued behind their store calls lapsed and every round was sent again.
         self.renewer = threading.Thread(target=self._renew, name="agentq-llm-lease", daemon=True)
         self.renewer.start()
+
+    def client_for(self, turn_id: str) -> openai.AsyncOpenAI | None:
+        """The client of this turn's rounds (None: no model server configured)."""
+        if not self.clients:
+            return None
+        return self.clients[zlib.crc32(turn_id.encode()) % len(self.clients)]
 
     def release(self, key: tuple[str, int]) -> None:
         self.alive[key] -= 1
@@ -276,12 +292,13 @@ async def _stream(
             stats.ttft_ms = int((time.monotonic() - t0) * 1000)
 
     try:
-        if streams.client is None:
+        client = streams.client_for(req.turn_id)
+        if client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
         if req.instructions:
             messages = [{"role": "system", "content": req.instructions}, *messages]
         message, streamed_s = await astream_round(
-            streams.client,
+            client,
             messages,
             req.tools,
             model=model,
