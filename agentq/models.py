@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from enum import Enum
@@ -175,6 +176,13 @@ class ToolTaskRequest(_Frozen):
     """The turn's W3C trace context when tracing is on: the call's span goes under it."""
 
 
+@functools.lru_cache(maxsize=64)
+def _parsed_schemas(text: str) -> Any:
+    # Every round of a fleet sends one of a few tool sets: parsed once per process. The
+    # validator copies the list and its dicts; nothing downstream changes a schema.
+    return json.loads(text)
+
+
 class LlmRoundRequest(_Frozen):
     """The kwargs of an `agentq.llm.round` task."""
 
@@ -194,7 +202,7 @@ class LlmRoundRequest(_Frozen):
     @field_validator("tools", mode="before")
     @classmethod
     def _tools_from_text(cls, v: Any) -> Any:
-        return json.loads(v) if isinstance(v, (str, bytes)) else v
+        return _parsed_schemas(v) if isinstance(v, str) else v
 
     @field_serializer("tools")
     def _tools_as_text(self, tools: list[dict[str, Any]]) -> str:
