@@ -32,7 +32,7 @@ from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_p
 from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import ToolCall, TurnStatus
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
-from agentq.testing.rounds import run_round
+from agentq.testing.rounds import run_round, start_round
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent / "bench.py"
@@ -256,14 +256,30 @@ def noop_call() -> ToolCall:
     return ToolCall(id=f"c_{uuid.uuid4().hex[:12]}", name="noop", arguments="{}")
 
 
+QUIET_WAIT_S = 0.015
+"""How long the overhead stage's client keeps still before it looks for the turn's end."""
+
+
 def agentq_once(fx: BenchRig) -> float:
     """One no-op call as its turn sees it: from the step that sends it to the step that
-    collects its result (the round's end), both timed in Redis by the turn's own steps."""
+    collects its result (the round's end), both timed in Redis by the turn's own steps.
+
+    The client does not follow the turn's events: a follower wakes at each of them, and
+    on two cores its wake-ups slowed the very call it timed (by about 0.5 ms a call). It
+    keeps still, then looks for the turn's end every few milliseconds.
+    """
     call = noop_call()
-    turn_id, (res,) = run_round([call])
-    if res.status != "ok":
-        raise BenchError(f"noop settled {res.status}: {res.error}")
     store = runtime.get_store()
+    turn_id = start_round([call])
+    time.sleep(QUIET_WAIT_S)
+    deadline = time.monotonic() + 30
+    while turn_statuses(store, [turn_id])[0] not in ("finished", "aborted", "error"):
+        if time.monotonic() > deadline:
+            raise BenchError(f"noop turn {turn_id} did not end within 30 s")
+        time.sleep(0.005)
+    res = store.result(turn_id, call.id)
+    if res is None or res.status != "ok":
+        raise BenchError(f"noop settled {res and res.status}: {res and res.error}")
     sent_at = float(store.dispatches(turn_id)[call.id]["dispatched_at"])
     collected_at = store.bus.replay(turn_id)[-1].ts
     return collected_at - sent_at
