@@ -158,7 +158,12 @@ def test_stop_with_streams_open_returns_at_once() -> None:
         "slow": [SLOW],
         "mute": [Round(fault="silent_after_chunks")],
     }
+    before = set(threading.enumerate())
     server = ScriptedOpenAIServer(scripts).start()
+    # Its own thread: other tests of the session may run servers of their own.
+    (own,) = [
+        t for t in threading.enumerate() if t not in before and t.name == "scripted-openai-server"
+    ]
     address = _address(server)
     socks = [socket.create_connection(address, timeout=5) for _ in range(40)]
     try:
@@ -171,7 +176,7 @@ def test_stop_with_streams_open_returns_at_once() -> None:
         server.stop()
         assert time.monotonic() - started < 2.0
         assert server.open_streams == 0
-        assert not [t for t in threading.enumerate() if t.name == "scripted-openai-server"]
+        assert not own.is_alive()
         for sock in socks:
             assert _ends(sock)
         with pytest.raises(OSError), socket.create_connection(address, timeout=1):
