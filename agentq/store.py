@@ -3,7 +3,9 @@
 Nothing here waits. Whatever changes a turn's situation (a settled call, a finished model
 round, an answer, an abort) writes its fact and *wakes* the turn in one atomic step: it
 sets the turn's dirty flag and a near wakeup in ``agentq:turns:wakeups`` (the backstop,
-swept by every turn worker), then asks for a step at once through ``waker``.
+swept by every turn worker), then asks for a step at once through ``waker``. A process
+that takes woken turns' steps itself (``stepper``) has the same script take the step
+lock too, and goes on with the step from what the script read.
 """
 
 from __future__ import annotations
