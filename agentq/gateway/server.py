@@ -6,12 +6,12 @@ import contextlib
 import socket
 import threading
 import time
-from types import TracebackType
 
 import uvicorn
 from starlette.applications import Starlette
 
 from agentq.config import get_settings
+from agentq.lifecycle import Started
 from agentq.telemetry import logs
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -58,7 +58,7 @@ def serve(
     return 0 if server.started else 1
 
 
-class BackgroundServer:
+class BackgroundServer(Started):
     """A real uvicorn server on a thread, bound before start so its port is known.
 
     with BackgroundServer(create_app()) as server:
@@ -114,14 +114,3 @@ class BackgroundServer:
             self._thread.join(timeout_s)
         with contextlib.suppress(OSError):
             self._sock.close()
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -15,10 +15,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import Literal
 
 from agentq.errors import Aborted, AgentqError, StreamIdleTimeout
+from agentq.lifecycle import Started
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ TripReason = Literal["abort", "idle"]
 POLL_S = 0.05
 
 
-class StreamWatchdog:
+class StreamWatchdog(Started):
     """Watches one attempt: `start()` when the request goes out, `chunk()` per parsed chunk.
 
     `idle_timeout_ms <= 0` disables the silence limit; abort polling still runs.
@@ -106,17 +106,6 @@ class StreamWatchdog:
         err = self.error()
         if err is not None:
             raise err
-
-    def __enter__(self) -> StreamWatchdog:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _is_cancelled(self) -> bool:
         try:

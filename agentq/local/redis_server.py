@@ -27,7 +27,6 @@ import time
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
-from types import TracebackType
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import psutil
@@ -37,6 +36,7 @@ from redis.retry import Retry
 
 from agentq.connections import probe, redact
 from agentq.errors import ConfigError
+from agentq.lifecycle import Started
 from agentq.local.processes import _register, _unregister
 
 __all__ = [
@@ -148,7 +148,7 @@ def ping(url: str, timeout_s: float = 0.5) -> bool:
 # --------------------------------------------------------------------------- RedisServer
 
 
-class RedisServer:
+class RedisServer(Started):
     """A ``redis-server`` child process bound to 127.0.0.1, without persistence.
 
     ``port=None`` picks a free port at ``start()`` (and keeps it across ``restart()``).
@@ -394,19 +394,6 @@ class RedisServer:
         self._terminate(grace_s=0)
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-
-    # -- context manager
-
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = f"pid={self._popen.pid}" if self.is_running() and self._popen else "stopped"

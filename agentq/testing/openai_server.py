@@ -26,11 +26,12 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from agentq.lifecycle import Started
 from agentq.models import Usage
 from agentq.testing.http_loop import BackgroundHTTPServer
 from agentq.testing.http_wire import ClientGone, Conn, Request, error_body
@@ -184,7 +185,7 @@ class _Plan:
     model: str
 
 
-class ScriptedOpenAIServer:
+class ScriptedOpenAIServer(Started):
     """An OpenAI-compatible server on 127.0.0.1 answering from `scripts`.
 
     A script is chosen by the longest key the first user message starts with, else by
@@ -263,17 +264,6 @@ class ScriptedOpenAIServer:
         http, self._http = self._http, None
         if http is not None:
             http.stop()
-
-    def __enter__(self) -> ScriptedOpenAIServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def _record(self, body: dict[str, Any]) -> None:
         with self._lock:

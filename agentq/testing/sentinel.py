@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import redis
 
+from agentq.lifecycle import Started
 from agentq.local.redis_server import RedisServer, RedisServerError
 
 __all__ = ["SentinelCluster", "SentinelServer"]
@@ -64,7 +64,7 @@ class SentinelServer(RedisServer):
         return f"sentinel://{self.host}:{self.port}"
 
 
-class SentinelCluster:
+class SentinelCluster(Started):
     """A master, `replicas` replicas and `sentinels` sentinels; `url` is the sentinel:// list."""
 
     def __init__(
@@ -223,14 +223,3 @@ class SentinelCluster:
     def stop(self) -> None:
         for p in [*self.sentinels, *self.servers]:
             p.stop()
-
-    def __enter__(self) -> SentinelCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -1,0 +1,31 @@
+"""Things started and stopped around a `with` block: servers, watchdogs, test clusters."""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Self
+
+
+class Started:
+    """`with thing:` starts it and stops it, however the block ends.
+
+    Subclasses define `start()` (returning themselves) and `stop()`.
+    """
+
+    def start(self) -> object:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
