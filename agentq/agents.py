@@ -227,16 +227,28 @@ def publish_agents(client: redis.Redis, now: float | None = None) -> int:
 
 def published_agents(client: redis.Redis, now: float | None = None) -> list[str]:
     """The agents some turn worker published lately."""
+    return [a["name"] for a in published_agent_details(client, now)]
+
+
+def published_agent_details(client: redis.Redis, now: float | None = None) -> list[dict[str, Any]]:
+    """The agents some turn worker published lately, by name: name, model, tools."""
     now = time.time() if now is None else now
     out = []
     for name, raw in client.hgetall(k.AGENTS).items():
         try:
-            seen = float(json.loads(raw)["seen_at"])
+            rec = json.loads(raw)
+            seen = float(rec["seen_at"])
         except (ValueError, KeyError, TypeError):
             continue
         if now - seen <= PUBLISHED_FRESH_S:
-            out.append(name.decode() if isinstance(name, bytes) else str(name))
-    return sorted(out)
+            out.append(
+                {
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "model": rec.get("model"),
+                    "tools": rec.get("tools") or [],
+                }
+            )
+    return sorted(out, key=lambda a: str(a["name"]))
 
 
 def require_known(client: redis.Redis, agent: str | None) -> None:

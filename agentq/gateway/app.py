@@ -40,6 +40,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from agentq import logredact
+from agentq.agents import published_agent_details
 from agentq.api import Client
 from agentq.errors import (
     AgentqError,
@@ -209,6 +210,11 @@ class Gateway:
             await run_in_threadpool(self.authorize, turn_id, principal, token)
         turn = await run_in_threadpool(self.client.get, turn_id)
         return JSONResponse(turn)
+
+    async def agents(self, request: Request) -> Response:
+        self.require_key(request)
+        agents = await run_in_threadpool(published_agent_details, self.client.store.redis)
+        return JSONResponse({"agents": agents})
 
     async def active(self, request: Request) -> Response:
         principal = self.require_key(request)
@@ -463,6 +469,7 @@ def create_app(
         Route("/v1/turns", gw.start_turn, methods=["POST"]),
         # Before /v1/turns/{turn_id}, which would otherwise take "active" for an id.
         Route("/v1/turns/active", gw.active, methods=["GET"]),
+        Route("/v1/agents", gw.agents, methods=["GET"]),
         Route("/v1/turns/{turn_id}", gw.get_turn, methods=["GET"]),
         Route("/v1/turns/{turn_id}/events", gw.events, methods=["GET"]),
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),

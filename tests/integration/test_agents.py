@@ -302,6 +302,17 @@ def test_unknown_agent_over_http_is_422_with_the_known_agents(
         assert ok.status_code == 202, ok.text
 
 
+def test_the_gateway_lists_the_agents_with_their_models_and_tools(
+    gateway: BackgroundServer,
+) -> None:
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        r = http.get("/v1/agents")
+    assert r.status_code == 200, r.text
+    agents = {a["name"]: a for a in r.json()["agents"]}
+    assert agents["t_echoer"] == {"name": "t_echoer", "model": "model-echoer", "tools": ["echo"]}
+    assert {"t_boss", "lead", "researcher"} <= set(agents)
+
+
 def test_unknown_agent_from_the_cli_exits_2(fleet, agentq_env) -> None:
     out = agentq(agentq_env, "run", "--agent", "nobody", "hello")
     assert out.returncode == 2, (out.stdout, out.stderr)

@@ -81,6 +81,20 @@ def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: 
     assert [r["status"] for r in turn["invocations"]] == ["cancelled"]
 
 
+def test_the_page_starts_a_turn_as_the_agent_picked(page, llm_server, client: Client) -> None:
+    # The picker shows once the page has listed the agents the turn workers run.
+    page.locator("#agent-label").wait_for()
+    values = page.locator("#agent option").evaluate_all("os => os.map((o) => o.value)")
+    assert values[0] == "" and "t_echoer" in values
+    page.select_option("#agent", "t_echoer")
+    turn_id = send(page, script(llm_server, Round(text="As the echoer.")))
+    page.locator('#status[data-state="finished"]').wait_for()
+    assert "As the echoer." in page.inner_text(".answer")
+    assert client.get(turn_id)["state"]["agent"] == "t_echoer"
+    # The choice stays for the conversation's next turn.
+    assert page.input_value("#agent") == "t_echoer"
+
+
 def test_approval_prompt_with_countdown(page, llm_server, client: Client) -> None:
     key = script(
         llm_server,

@@ -53,6 +53,7 @@ EVIL = "http://evil.example"
 ENDPOINTS = [
     "POST /v1/turns",
     "GET /v1/turns/active",
+    "GET /v1/agents",
     "GET /v1/turns/{id}",
     "GET /v1/turns/{id}/events",
     "POST /v1/turns/{id}/abort",
@@ -94,6 +95,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     #                                        none wrong bob  othtok alice tok  admin xorigin
     "POST /v1/turns":                        row(401, 401, 202, 401, 202, 401, 202, 403),
     "GET /v1/turns/active":                  row(401, 401, 200, 401, 200, 401, 200, 401),
+    "GET /v1/agents":                        row(401, 401, 200, 401, 200, 401, 200, 401),
     "GET /v1/turns/{id}":                    row(401, 404, 404, 404, 200, 200, 200, 401),
     "GET /v1/turns/{id}/events":             row(401, 404, 404, 404, 200, 200, 200, 401),
     "POST /v1/turns/{id}/abort":             row(401, 404, 404, 404, 200, 200, 200, 403),
@@ -106,6 +108,7 @@ EXPECTED_OPEN: dict[str, dict[str, int]] = {
     #                                        none tok  othtok xorigin rebind
     "POST /v1/turns":                        orow(202, 202, 202, 403, 403),
     "GET /v1/turns/active":                  orow(200, 200, 200, 200, 403),
+    "GET /v1/agents":                        orow(200, 200, 200, 200, 403),
     "GET /v1/turns/{id}":                    orow(200, 200, 200, 200, 403),
     "GET /v1/turns/{id}/events":             orow(200, 200, 403, 200, 403),
     "POST /v1/turns/{id}/abort":             orow(401, 200, 403, 403, 403),

@@ -388,6 +388,8 @@ async function send(prompt) {
   setStatus("starting", "starting…");
   const body = { prompt, conversation_id: conversationId, detach: $("#detach").checked };
   if (conversationToken) body.conversation_token = conversationToken;
+  const agent = $("#agent").value;
+  if (agent) body.agent = agent;
   const res = await fetch("/v1/turns", {
     method: "POST", headers: keyHeaders(), body: JSON.stringify(body),
   });
@@ -413,15 +415,33 @@ async function send(prompt) {
   current.connect();
 }
 
-// Asks for a key at once when the gateway needs one (and this tab holds none that works).
+// Asks for a key at once when the gateway needs one (and this tab holds none that works);
+// with one, lists the agents the turn workers run, to pick one for the next turn.
 async function probeKey() {
-  const res = await fetch("/v1/turns/active", { headers: keyHeaders() });
+  const res = await fetch("/v1/agents", { headers: keyHeaders() });
   if (res.status === 401) {
     const had = apiKey() !== null;
     sessionStorage.removeItem(KEY_SLOT);
     askForKey(had ? "That key was not accepted; enter a key for this gateway."
       : "This gateway needs a key.");
+    return;
   }
+  if (res.ok) showAgents((await res.json()).agents || []);
+}
+
+function showAgents(agents) {
+  const select = $("#agent");
+  const chosen = select.value;
+  select.replaceChildren(el("option", null, "(none)"));
+  select.firstChild.value = "";
+  for (const a of agents) {
+    const opt = el("option", null, a.model ? `${a.name} (${a.model})` : a.name);
+    opt.value = a.name;
+    opt.title = (a.tools || []).join(", ");
+    select.append(opt);
+  }
+  select.value = agents.some((a) => a.name === chosen) ? chosen : "";
+  $("#agent-label").hidden = agents.length === 0;
 }
 
 document.addEventListener("DOMContentLoaded", () => {
