@@ -166,14 +166,22 @@ return {0, redis.call('EXISTS', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, -1)}
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
 # started by an agent-as-tool call settles that call in its parent in the same step
 # (first result wins, as in _SETTLE_LUA), and wakes the parent if the batch is complete.
+# A step ends the turn fenced by its lock, with the history messages it has not committed
+# yet (the round's last tool results): the turn's last words and its end are one write.
 _CLOSE_LUA = (
     TURN_OPEN_LUA % (1, 0)
+    + """
+if ARGV[10] ~= '' and redis.call('GET', KEYS[14]) ~= ARGV[10] then return -1 end
+local n = tonumber(ARGV[11])
+for i = 12, 11 + n do redis.call('RPUSH', KEYS[15], ARGV[i]) end
+if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
+"""
     + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
     + """
-for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+for i = 12 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-for i = 14, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+for i = 16, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local pstatus = redis.call('HGET', KEYS[7], 'status')
 if not pstatus or pstatus == '"finished"' or pstatus == '"aborted"' or pstatus == '"error"' then
@@ -488,13 +496,19 @@ class TurnStore:
         event_fields: dict[str, Any],
         *,
         settle_parent: tuple[str, ToolResult] | None = None,
+        token: str = "",
+        append: list[dict[str, Any]] | None = None,
         **fields: Any,
-    ) -> bool:
-        """End the turn (status, terminal event, retention TTL) atomically; False if it had.
+    ) -> int:
+        """End the turn (status, terminal event, retention TTL) atomically: 1 (or 2: it
+        settled its parent's call), 0 if it had ended, -1 if `token` no longer holds the
+        step lock (nothing written).
 
         `settle_parent` (parent turn id, result) settles the parent's call that started
-        this turn in the same step, and wakes the parent.
+        this turn in the same step, and wakes the parent; `append` adds history messages
+        first, in the same write.
         """
+        messages = [json.dumps(m) for m in append or []]
         flat: list[Any] = []
         for f, v in {"status": status.value, "ended_at": time.time(), **fields}.items():
             flat += [f, json.dumps(v)]
@@ -516,6 +530,8 @@ class TurnStore:
                 k.log_key(pid),
                 k.events_channel(pid),
                 k.outstanding_key(pid),
+                k.step_lock_key(turn_id),
+                k.history_key(turn_id),
                 *k.turn_keys(turn_id),
             ],
             args=[
@@ -528,12 +544,15 @@ class TurnStore:
                 "" if result is None else result.model_dump_json(),
                 "" if result is None else event_body(pid, "tool_finished", _finished(result)),
                 time.time() + WAKE_BACKSTOP_S,
+                token,
+                len(messages),
+                *messages,
                 *flat,
             ],
         )
         if won == 2:
             self._send_step(parent)
-        return bool(won)
+        return int(won)
 
     # -- history ---------------------------------------------------------------
 

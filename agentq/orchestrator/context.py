@@ -50,13 +50,21 @@ class StepContext:
         event: str,
         event_fields: dict[str, Any],
         error: str | None = None,
+        append: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> None:
-        """End the turn (status, terminal event, retention TTL) in one atomic write."""
+        """End the turn (status, terminal event, retention TTL) in one atomic write, fenced
+        by the step's lock, with `append`'s history messages written first."""
         if error is not None:
             fields["error"] = error
-        if self.store.close(self.turn_id, status, event, event_fields, **fields):
+        won = self.store.close(
+            self.turn_id, status, event, event_fields, token=self.token, append=append, **fields
+        )
+        if won == -1:
+            raise StepLost(self.turn_id)
+        if won:
             self.ended, self.ended_error = status.value, error
+            self.history.extend(append or [])
 
     def publish(self, type_: str, **fields: Any) -> int:
         return self.store.bus.publish(self.turn_id, type_, **fields)

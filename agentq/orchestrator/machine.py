@@ -37,8 +37,9 @@ queued, running       an agent this worker does not run            error (turn_e
 
 A step does what can be done now and returns when the turn must look again (its next
 deadline, kept in ``agentq:turns:wakeups``); a settled call, a finished round, an
-answer or an abort wakes it sooner. Ending a turn is one atomic write (status, terminal
-event, retention TTL), so nothing is published after the end; a child turn started by an
+answer or an abort wakes it sooner. Ending a turn is one atomic write, fenced by the
+step's lock (the round's last tool-result messages, status, terminal event, retention
+TTL), so nothing is published after the end; a child turn started by an
 agent call settles that call in its parent in the same write (ok, error or cancelled).
 Ending a turn aborts its children still running.
 """
@@ -103,13 +104,14 @@ def advance(ctx: StepContext) -> float | None:
         history = ctx.history
         pending = pending_calls(history)
         if pending:
-            done, wake_at = _tools(ctx, pending)
-            if not done:
+            messages, wake_at = _tools(ctx, pending)
+            if messages is None:
                 return wake_at
             stop = ctx.state.get("stop_after_round")
             if stop:
-                finish(ctx, str(stop))
+                finish(ctx, str(stop), append=messages)
                 return None
+            ctx.commit(append=messages, phase="model")
             continue
         round_no = int(ctx.state.get("round", 0))
         outcome = poll_round(ctx, round_no)
@@ -172,8 +174,11 @@ def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
     return ctx.store.result(ctx.turn_id, result.call_id) or result, False
 
 
-def _tools(ctx: StepContext, pending: list[ToolCall]) -> tuple[bool, float | None]:
-    """Gate and run the round's calls; True once every call has its result in history."""
+def _tools(
+    ctx: StepContext, pending: list[ToolCall]
+) -> tuple[list[dict[str, Any]] | None, float | None]:
+    """Gate and run the round's calls: once every call has its result, the round's
+    tool-result messages (for the caller to write); else None and when to look again."""
     ids = [c.id for c in pending]
     # One read for the whole round: a result that lands after it wakes the turn again.
     raw_plans, settled, dispatched = ctx.store.round_plans_view(ctx.turn_id, ids)
@@ -196,19 +201,20 @@ def _tools(ctx: StepContext, pending: list[ToolCall]) -> tuple[bool, float | Non
                 )
     if decided.wait_until is not None:
         # No call of a round runs before every call of it is decided.
-        return False, decided.wait_until
+        return None, decided.wait_until
     runnable = [p for p in plans if p.call.id not in settled]
     wake_at = advance_calls(ctx, runnable, settled, dispatched, decided.secrets)
     if any(cid not in settled for cid in ids):
-        return False, wake_at
+        return None, wake_at
     if decided.secrets:
         ctx.store.redis.delete(*decided.secrets.values())
-    ctx.commit(append=[settled[cid].to_openai() for cid in ids], phase="model")
-    return True, None
+    return [settled[cid].to_openai() for cid in ids], None
 
 
-def finish(ctx: StepContext, reason: str) -> None:
-    history = ctx.history
+def finish(ctx: StepContext, reason: str, append: list[dict[str, Any]] | None = None) -> None:
+    """End the turn with turn_finished; `append` (the round's last tool results) is written
+    in the same write."""
+    history = [*ctx.history, *(append or [])]
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     conv = ctx.state.get("conversation_id")
     if conv:
@@ -227,6 +233,7 @@ def finish(ctx: StepContext, reason: str) -> None:
             "rounds": len([m for m in history if m.get("role") == "assistant"]),
         },
         settle_parent=subturns.parent_settlement(ctx, "finished", content=content),
+        append=append,
         finish_reason=reason,
         finished_at=ctx.now,
     )
@@ -246,14 +253,13 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
         ),
         ctx.state.get("traceparent"),
     )
-    if msgs:
-        ctx.commit(append=msgs)
     subturns.abort_children(ctx, "error")
     ctx.close(
         TurnStatus.ERROR,
         "turn_error",
         {"code": code, "error": message, **fields},
         settle_parent=subturns.parent_settlement(ctx, "error", error=message),
+        append=msgs,
         error=message,
         error_code=code,
     )
@@ -282,13 +288,12 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
         lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
         ctx.state.get("traceparent"),
     )
-    if msgs:
-        ctx.commit(append=msgs)
     subturns.abort_children(ctx, reason)
     ctx.close(
         TurnStatus.ABORTED,
         "turn_aborted",
         {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},
         settle_parent=subturns.parent_settlement(ctx, "aborted", error=reason),
+        append=msgs,
         abort_reason=reason,
     )

@@ -39,8 +39,8 @@ def test_first_settle_wins_publishes_once_and_wakes_the_turn(store: TurnStore) -
 
 
 def test_nothing_after_the_turn_is_over(store: TurnStore) -> None:
-    assert store.close("t1", TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}) is True
-    assert store.close("t1", TurnStatus.ERROR, "turn_error", {"code": "x"}) is False
+    assert store.close("t1", TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}) == 1
+    assert store.close("t1", TurnStatus.ERROR, "turn_error", {"code": "x"}) == 0
     assert store.settle("t1", error_result(CALL, "late")) is False
     assert store.results("t1") == {}
     assert store.bus.publish("t1", "llm_delta", text="late") == 0
@@ -150,3 +150,30 @@ def test_the_sweeper_drops_index_entries_of_expired_turns_and_keeps_live_ones() 
     assert sweeper.prune_index(now) == len(expired)
     left = {m.decode() for m in r.zrange(k.TURNS_INDEX, 0, -1)}
     assert left == {*live, "recent"}
+
+
+def test_a_step_ends_the_turn_with_its_last_messages_only_while_it_holds_the_lock(
+    store: TurnStore,
+) -> None:
+    store.create("t2", {"status": "running"}, [{"role": "user", "content": "hi"}])
+    assert store.begin_step("t2", "mine", 10_000) is not None
+    last = [{"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    # A step whose lock lapsed and was taken by another writes nothing, not even the end.
+    store.redis.set(k.step_lock_key("t2"), "theirs")
+    assert (
+        store.close("t2", TurnStatus.FINISHED, "turn_finished", {}, token="mine", append=last) == -1
+    )
+    assert store.history("t2") == [{"role": "user", "content": "hi"}]
+    assert store.status("t2") == "running" and not store.bus.replay("t2")
+    store.redis.set(k.step_lock_key("t2"), "mine")
+    assert (
+        store.close("t2", TurnStatus.FINISHED, "turn_finished", {}, token="mine", append=last) == 1
+    )
+    assert store.history("t2") == [{"role": "user", "content": "hi"}, *last]
+    assert store.status("t2") == "finished"
+    assert [e.type for e in store.bus.replay("t2")] == ["turn_finished"]
+    # Ended: a second end (a retry after a failover) appends nothing twice.
+    assert (
+        store.close("t2", TurnStatus.FINISHED, "turn_finished", {}, token="mine", append=last) == 0
+    )
+    assert len(store.history("t2")) == 2
