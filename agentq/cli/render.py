@@ -87,7 +87,7 @@ class TurnView:
         elif ev.type == "tool_started":
             cid = str(f["call_id"])
             self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)
-        elif ev.type == "tool_progress" and f.get("source") == "tool":
+        elif ev.type == "tool_progress" and f.get("source") in ("tool", "agent"):
             cid = str(f["call_id"])
             line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
             line.progress = progress_text(f.get("message"), f.get("pct"))

@@ -71,6 +71,7 @@ def send(
             ignore_result=True,
             **p.limits.celery_options,
         )
+    subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
     return records
 
 

@@ -11,6 +11,7 @@ from agentq import constants as k
 from agentq.broker import task_repr
 from agentq.errors import ModelRoundFailed, StreamDurationExceeded
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
+from agentq.orchestrator import subturns
 from agentq.orchestrator.context import StepContext
 from agentq.tools.registry import all_tools
 
@@ -72,6 +73,8 @@ def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) ->
         kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(req.tools)),
         ignore_result=True,
     )
+    if sends == 1 and attempt == 1:
+        subturns.report_to_parent(ctx, f"model round {round_no + 1}")
 
 
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:

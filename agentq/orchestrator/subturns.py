@@ -133,6 +133,28 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     send_step(ctx.app, child)
 
 
+def report_to_parent(ctx: StepContext, message: str) -> None:
+    """A child turn's step, shown on its parent's stream as `tool_progress` of the call that
+    started it (a parent waiting on an agent sees it work, as it sees a tool's progress)."""
+    state = ctx.state
+    parent, call_id = state.get("parent_turn_id"), state.get("parent_call_id")
+    if not parent or not call_id:
+        return
+    created_at = float(state.get("created_at") or ctx.now)
+    ctx.store.bus.publish(
+        str(parent),
+        "tool_progress",
+        call_id=call_id,
+        tool=state.get("parent_tool"),
+        message=message,
+        pct=None,
+        elapsed_ms=int(max(0.0, ctx.now - created_at) * 1000),
+        source="agent",
+        agent=state.get("agent"),
+        child_turn_id=ctx.turn_id,
+    )
+
+
 def abort_child(ctx: StepContext, child: str, reason: str) -> None:
     """Flag a child turn cancelled and wake it: its own step aborts it (and its children)."""
     pipe = ctx.store.redis.pipeline(transaction=False)

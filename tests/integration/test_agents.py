@@ -127,6 +127,17 @@ def test_an_agent_called_as_a_tool_answers_through_its_child_turn(
     assert [(e.fields["tool"], e.fields["status"]) for e in finished] == [("ask_echoer", "ok")]
     (started,) = [e for e in events if e.type == "tool_started"]
     assert started.fields["child_turn_id"] == child and started.fields["agent"] == "t_echoer"
+    # The parent's stream shows the agent at work, as the progress of the call it waits on.
+    progress = [e for e in events if e.type == "tool_progress" and e.fields["source"] == "agent"]
+    assert [e.fields["message"] for e in progress] == [
+        "model round 1",
+        "calling echo",
+        "model round 2",
+    ]
+    assert {(e.fields["call_id"], e.fields["child_turn_id"]) for e in progress} == {
+        (started.fields["call_id"], child)
+    }
+    assert events.index(progress[-1]) < events.index(finished[0])
     child_events = collect(client, child)
     assert child_events[0].fields["parent_turn_id"] == parent.turn_id
     assert child_events[0].fields["agent"] == "t_echoer"

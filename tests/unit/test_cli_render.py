@@ -60,3 +60,22 @@ def test_the_live_view_shows_a_tools_progress_until_it_finishes() -> None:
     view.apply(ev(4, "tool_finished", call_id="c1", tool="crawl", status="ok", duration_ms=1500))
     text = shown(view)
     assert "page 3 of 10" not in text and "ok" in text
+
+
+def test_the_live_view_shows_what_an_agent_call_is_doing() -> None:
+    view = TurnView("t")
+    view.apply(ev(1, "tool_started", call_id="c1", tool="ask_researcher", child_turn_id="k"))
+    view.apply(
+        ev(
+            2,
+            "tool_progress",
+            call_id="c1",
+            tool="ask_researcher",
+            message="calling search, fetch",
+            pct=None,
+            source="agent",
+            child_turn_id="k",
+            elapsed_ms=400,
+        )
+    )
+    assert "calling search, fetch" in shown(view)
