@@ -64,3 +64,28 @@ def test_a_rolling_deploy_hands_turns_over_at_once(make_rig, tmp_path: Path) -> 
     # Nothing waited for a step lock (30 s) to lapse.
     assert time.monotonic() - t0 < STEP_LOCK_S, stopped_s
     assert starts(count) == 3
+
+
+def test_a_second_sigterm_does_not_cut_a_warm_shutdown_short(make_rig, tmp_path: Path) -> None:
+    """An impatient deploy sends SIGTERM twice: the running call still finishes, once."""
+    rig = make_rig()
+    rig.start("tools", "llm", "turns")
+    count = tmp_path / "count"
+    key = rig.script(
+        Round(tool_calls=calls(("counted", {"path": str(count), "seconds": 3}))),
+        Round(text="Done despite two signals."),
+    )
+    handle = rig.client.start_turn(key)
+    wait_for(lambda: starts(count) == 1, 30, message="the call to start")
+    tools = rig.worker("tools")
+    os.kill(tools.pid, signal.SIGTERM)
+    wait_for(lambda: "Warm shutdown" in tools.log_text(), 10, message="the warm shutdown")
+    os.kill(tools.pid, signal.SIGTERM)
+    events = rig.collect(handle.turn_id, timeout_s=60)
+    assert events[-1].type == "turn_finished", [e.type for e in events]
+    finished = [e for e in events if e.type == "tool_finished"]
+    assert [e.fields["status"] for e in finished] == ["ok"], finished
+    assert starts(count) == 1
+    # The worker went once its call was done, by itself.
+    assert tools.wait(30) == 0
+    tools.stop()
