@@ -35,6 +35,32 @@ _LINGER_S = 2.0
 log = logging.getLogger(__name__)
 
 
+class _Tracked(asyncio.StreamReaderProtocol):
+    """asyncio's stream protocol, keeping every open transport in `open_transports` from
+    the moment of the accept: one accepted just before stop() has no task yet."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+        open_transports: set[asyncio.Transport],
+    ) -> None:
+        super().__init__(reader, serve)
+        self._open = open_transports
+        self._mine: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(transport, asyncio.Transport):
+            self._mine = transport
+            self._open.add(transport)
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._mine is not None:
+            self._open.discard(self._mine)
+        super().connection_lost(exc)
+
+
 class BackgroundHTTPServer:
     """Serves `handler` on host:port from a thread of its own, between start() and stop()."""
 
@@ -48,6 +74,7 @@ class BackgroundHTTPServer:
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
         self._serving: dict[Conn, asyncio.Task[None]] = {}
+        self._transports: set[asyncio.Transport] = set()
         self._accepted = 0
         self._stopping = False
 
@@ -90,9 +117,13 @@ class BackgroundHTTPServer:
             self._address = None
 
     async def _listen(self) -> asyncio.Server:
-        return await asyncio.start_server(
-            self._serve, self._host, self._port, limit=MAX_HEAD_BYTES, backlog=_BACKLOG
-        )
+        loop = asyncio.get_running_loop()
+
+        def protocol() -> _Tracked:
+            reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=loop)
+            return _Tracked(reader, self._serve, self._transports)
+
+        return await loop.create_server(protocol, self._host, self._port, backlog=_BACKLOG)
 
     async def _shutdown(self) -> None:
         self._stopping = True
@@ -109,7 +140,11 @@ class BackgroundHTTPServer:
             if not others:
                 break
             await asyncio.wait(others, timeout=_STOP_WAIT_S)
-        # Lets the aborted transports run their connection_lost and close their sockets.
+        # Whatever is still open (accepted too late for a task, or a task that did not
+        # end in time) is cut here; then their connection_lost runs and closes the sockets.
+        for transport in list(self._transports):
+            transport.abort()
+        await asyncio.sleep(0)
         await asyncio.sleep(0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
