@@ -91,19 +91,18 @@ class _InlineStepper:
     def lock_ms(self) -> int | None:
         return int(get_settings().step_lock_s * 1000) if _inline_steps else None
 
-    def run(self, turn_id: str, token: str, view: StepView) -> None:
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
         from agentq.orchestrator.steps import send_step, take_step
 
-        settings = get_settings()
         try:
             take_step(
                 turn_id,
                 view,
                 token,
-                int(settings.step_lock_s * 1000),
+                lock_ms,
                 store=get_store(),
                 app=get_app(),
-                settings=settings,
+                settings=get_settings(),
             )
         except Exception:
             _inline_failed(turn_id)

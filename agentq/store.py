@@ -288,8 +288,8 @@ class InlineStepper(Protocol):
     def lock_ms(self) -> int | None:
         """The step lock's lifetime; None when steps are not taken here now."""
 
-    def run(self, turn_id: str, token: str, view: StepView) -> None:
-        """Go on with a step whose lock (`token`) and view a write already took."""
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        """Go on with a step whose lock (`token`, for `lock_ms`) and view a write already took."""
 
 
 def step_view(flat: list[Any], cancel: Any, history: list[Any]) -> StepView:
@@ -770,7 +770,7 @@ class TurnStore:
                 lock_ms,
             ],
         )
-        won = self._woke(turn_id, won, token, wake=won == 3 and wake)
+        won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)
         if won == -2:
             self.end_lost_turn(turn_id)
         return won in (1, 3)
@@ -780,13 +780,13 @@ class TurnStore:
         lock_ms = self.stepper.lock_ms() if self.stepper is not None else None
         return ("", 0) if lock_ms is None else (secrets.token_hex(8), lock_ms)
 
-    def _woke(self, turn_id: str, answer: Any, token: str, *, wake: bool) -> int:
+    def _woke(self, turn_id: str, answer: Any, token: str, lock_ms: int, *, wake: bool) -> int:
         """After a write that wakes a turn: take the step it locked for this process, else
         send one (unless another step holds the lock: it steps again when it lets go)."""
         if isinstance(answer, list):
             code, flat, cancel, history = answer
             if self.stepper is not None:
-                self.stepper.run(turn_id, token, step_view(flat, cancel, history))
+                self.stepper.run(turn_id, token, lock_ms, step_view(flat, cancel, history))
             return int(code)
         if wake and not token:
             self._send_step(turn_id)
@@ -897,7 +897,7 @@ class TurnStore:
             ],
             args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json, token, lock_ms],
         )
-        if self._woke(turn_id, ok, token, wake=ok == 1) == -2:
+        if self._woke(turn_id, ok, token, lock_ms, wake=ok == 1) == -2:
             self.end_lost_turn(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:

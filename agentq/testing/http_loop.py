@@ -73,7 +73,7 @@ class BackgroundHTTPServer:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._address: tuple[str, int] | None = None
-        self._serving: dict[Conn, asyncio.Task[None]] = {}
+        self._serving: set[asyncio.Task[None]] = set()
         self._transports: set[asyncio.Transport] = set()
         self._accepted = 0
         self._stopping = False
@@ -133,8 +133,8 @@ class BackgroundHTTPServer:
         # Again while tasks remain: a connection accepted as the listener closed starts its
         # task late, sees the stop and ends on its own.
         for _ in range(3):
-            for conn, task in list(self._serving.items()):
-                conn.writer.transport.abort()
+            self._abort_all()
+            for task in list(self._serving):
                 task.cancel()
             others = [t for t in asyncio.all_tasks() if t is not me]
             if not others:
@@ -142,17 +142,21 @@ class BackgroundHTTPServer:
             await asyncio.wait(others, timeout=_STOP_WAIT_S)
         # Whatever is still open (accepted too late for a task, or a task that did not
         # end in time) is cut here; then their connection_lost runs and closes the sockets.
+        self._abort_all()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    def _abort_all(self) -> None:
+        """Cut every accepted connection, with or without a task serving it."""
         for transport in list(self._transports):
             transport.abort()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = Conn(reader, writer)
         task = asyncio.current_task()
         assert task is not None
         self._accepted += 1
-        self._serving[conn] = task
+        self._serving.add(task)
         try:
             if not self._stopping:
                 await self._requests(conn)
@@ -162,7 +166,7 @@ class BackgroundHTTPServer:
             if not self._stopping:
                 raise
         finally:
-            del self._serving[conn]
+            self._serving.discard(task)
             if self._stopping:
                 writer.transport.abort()
             else:
