@@ -10,7 +10,8 @@ from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.events.bus import event_body, publish_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.store import TURN_OPEN_LUA, WAKE_BACKSTOP_S, TurnStore, text, wake_lua
+from agentq.store import WAKE_BACKSTOP_S, TurnStore, text
+from agentq.store_lua import TURN_OPEN_LUA, wake_lua
 
 # Closing a request is a compare-and-set on its state, so an answer and the timeout
 # can race and exactly one wins; the loser gets the state that won (409 to a client).

@@ -22,16 +22,17 @@ from typing import Any, Protocol
 import redis
 
 from agentq import constants as k
-from agentq.events.bus import EventBus, event_body, publish_lua
+from agentq import store_lua as lua
+from agentq.events.bus import EventBus, event_body
 from agentq.models import ToolResult, TurnStatus
 
 log = logging.getLogger("agentq.store")
 
 WAIT_WARN_EVERY_S = 10.0
+"""A replica that does not acknowledge is logged at most this often per process."""
 DURABLE_ATTEMPTS = 8
 """Runs of an idempotent settling write that replicas did not acknowledge: with the
 backoff, about 5 s, longer than Sentinel takes to demote the old master."""
-"""A replica that does not acknowledge is logged at most this often per process."""
 
 START_BACKSTOP_S = 30.0
 """A new turn whose first step message was lost is swept up this much later: long enough
@@ -39,237 +40,9 @@ that a burst of new turns waiting in the queue is not sent a second step each.""
 WAKE_BACKSTOP_S = 2.0
 """A wake whose step message was lost (its sender died) is swept up this much later."""
 
-# A turn that is over (or whose state Redis lost) takes no more writes: nothing is
-# written after its terminal event, and nothing recreates half of a vanished turn.
-TURN_OPEN_LUA = """
-local status = redis.call('HGET', KEYS[%d], 'status')
-if not status or status == '"finished"' or status == '"aborted"' or status == '"error"' then
-  return %s
-end
-"""
-
-
-def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
-    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at`."""
-    return f"""
-redis.call('SET', {dirty}, '1', 'EX', {ttl})
-local cur = redis.call('ZSCORE', {wakeups}, {turn_id})
-if (not cur) or tonumber(cur) > tonumber({at}) then
-  redis.call('ZADD', {wakeups}, {at}, {turn_id})
-end
-"""
-
-
-def take_step_lua(
-    lock: str, dirty: str, turn: str, cancel: str, history: str, token: str, ttl_ms: str
-) -> str:
-    """Lua that, for a caller that steps the woken turn itself (`token` set), takes the
-    step lock and returns what the step reads, as the begin script would: one round trip
-    fewer between the last result of a batch and the step that collects it."""
-    return f"""
-if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
-  redis.call('DEL', {dirty})
-  return {{3, redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
-          redis.call('LRANGE', {history}, 0, -1)}}
-end
-"""
-
-
-# Settle = store the result under its call id (first writer wins), wake the turn and
-# publish tool_finished, in one atomic step: exactly one result per call, whoever
-# settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
-_SETTLE_LUA = (
-    TURN_OPEN_LUA % (6, -2)
-    + """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
--- Only the settle that completes the batch in flight (or one of a call it does not
--- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
-local tracked = redis.call('SREM', KEYS[9], ARGV[1])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[9]) == 0
-local start = redis.call('HGET', KEYS[8], ARGV[1])
-if start then
-  local ok, rec = pcall(cjson.decode, start)
-  if ok and type(rec['worker']) == 'string' then
-    redis.call('SREM', 'agentq:worker:' .. rec['worker'] .. ':calls', ARGV[8] .. '/' .. ARGV[1])
-  end
-end
-if ARGV[9] == '1' and ready then
-"""
-    + wake_lua("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]")
-    + "end\n"
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
-    + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
-    + take_step_lua(
-        "KEYS[10]", "KEYS[2]", "KEYS[6]", "KEYS[11]", "KEYS[12]", "ARGV[10]", "ARGV[11]"
-    )
-    + "end\nreturn 3"
-)
-
-# A task that starts checks, in the same step that records its start, that its call
-# is not settled yet (a redelivery) and its turn not cancelled. The start record names
-# the delivery (task id and retry count): the broker handing the same delivery out
-# again while it runs (a restored unacked message) must not run the call twice.
-_START_LUA = (
-    """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
-"""
-    + TURN_OPEN_LUA % (7, -2)
-    + """
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
-local prev = redis.call('HGET', KEYS[2], ARGV[1])
-if prev and ARGV[5] ~= '' then
-  local ok, rec = pcall(cjson.decode, prev)
-  if ok and rec['delivery'] == ARGV[5] then return 2 end
-end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if ARGV[6] ~= '' then redis.call('SADD', KEYS[8], ARGV[6]) end
-"""
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
-    + "return 1"
-)
-
-# A woken turn: whoever wakes it (a model round, an answer) in one step.
-_WAKE_ONLY_LUA = (
-    TURN_OPEN_LUA % (3, 0)
-    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
-    + "return 1"
-)
-
-_FINISH_LLM_LUA = (
-    TURN_OPEN_LUA % (3, -2)
-    + """
-redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
-redis.call('DEL', KEYS[5])
-"""
-    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
-    + take_step_lua("KEYS[6]", "KEYS[1]", "KEYS[3]", "KEYS[7]", "KEYS[8]", "ARGV[5]", "ARGV[6]")
-    + "return 1"
-)
-
-# A stream worker takes a model round: unless it has a result or its turn is over, claim
-# it, and read what the round needs, in one step (each round trip is a handoff to a thread
-# on a stream worker that holds thousands of rounds).
-_BEGIN_LLM_LUA = (
-    """
-local done = redis.call('GET', KEYS[1])
-if done then return {1, done} end
-"""
-    + TURN_OPEN_LUA % (2, "{2}")
-    + """
-if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
-redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
-return {0, redis.call('EXISTS', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, -1)}
-"""
-)
-
-# Ending a turn: its status, its terminal event and the retention TTL of its keys in one
-# atomic step; exactly one ending wins, and nothing is published after it. A child turn
-# started by an agent-as-tool call settles that call in its parent in the same step
-# (first result wins, as in _SETTLE_LUA), and wakes the parent if the batch is complete.
-# A step ends the turn fenced by its lock, with the history messages it has not committed
-# yet (the round's last tool results): the turn's last words and its end are one write.
-_CLOSE_LUA = (
-    TURN_OPEN_LUA % (1, 0)
-    + """
-if ARGV[10] ~= '' and redis.call('GET', KEYS[14]) ~= ARGV[10] then return -1 end
-local n = tonumber(ARGV[11])
-for i = 12, 11 + n do redis.call('RPUSH', KEYS[15], ARGV[i]) end
-if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
-"""
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
-    + """
-for i = 12 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-for i = 16, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-if ARGV[5] == '' then return 1 end
-local pstatus = redis.call('HGET', KEYS[7], 'status')
-if not pstatus or pstatus == '"finished"' or pstatus == '"aborted"' or pstatus == '"error"' then
-  return 1
-end
-if redis.call('HSETNX', KEYS[8], ARGV[6], ARGV[7]) == 0 then return 1 end
-local tracked = redis.call('SREM', KEYS[13], ARGV[6])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[13]) == 0
-do
-"""
-    + publish_lua("KEYS[10]", "KEYS[11]", "KEYS[12]", "ARGV[8]", "ARGV[4]")
-    + "end\nif not ready then return 1 end\n"
-    + wake_lua("KEYS[9]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
-    + "return 2\n"
-)
-
-# A fact about a turn whose state Redis lost (a restart without persistence): the turn
-# cannot go on, so it ends here with a clear error, once, and its record expires.
-_STATE_LOST_LUA = (
-    """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1])
-"""
-    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]")
-    + """
-for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
-return 1
-"""
-)
-
 STATE_LOST_MESSAGE = (
     "Redis lost this turn's state (restarted without persistence?); it cannot go on: start it again"
 )
-
-# The step's writes are fenced by its lock token: a step whose lock lapsed (a paused
-# process) cannot overwrite what the step that took over wrote.
-_COMMIT_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local n = tonumber(ARGV[2])
-for i = 3, 2 + 2 * n, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
-redis.call('HINCRBY', KEYS[2], 'version', 1)
-for i = 3 + 2 * n, #ARGV do redis.call('RPUSH', KEYS[3], ARGV[i]) end
-return 1
-"""
-
-# A step begins: take the lock, clear the dirty mark, and read what the step needs (state,
-# cancel flag, history) in one round trip.
-_BEGIN_LUA = """
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
-redis.call('DEL', KEYS[2])
-return {redis.call('HGETALL', KEYS[3]), redis.call('GET', KEYS[4]) or '',
-        redis.call('LRANGE', KEYS[5], 0, -1)}
-"""
-
-# A step that goes round again (woken while it ran) reads afresh, lock kept.
-_REREAD_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
-redis.call('DEL', KEYS[2])
-return {redis.call('HGETALL', KEYS[3]), redis.call('GET', KEYS[4]) or '',
-        redis.call('LRANGE', KEYS[5], 0, -1)}
-"""
-
-# Releasing the step lock: if the turn was woken meanwhile, keep the lock and step again;
-# else drop it and leave the turn's next deadline for the sweepers.
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return 0
-end
-redis.call('DEL', KEYS[1])
-if ARGV[3] == '' then
-  redis.call('ZREM', KEYS[3], ARGV[2])
-else
-  redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
-end
-return 1
-"""
-
-# A sweeper claims a due wakeup by pushing it later (its retry if the step never runs):
-# several sweepers, one claim.
-_CLAIM_LUA = """
-local cur = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if (not cur) or tonumber(cur) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
-return 1
-"""
 
 
 @dataclass
@@ -365,18 +138,18 @@ class TurnStore:
         """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
         self.stepper = stepper
         """Takes the step of a turn this process woke, when this process steps turns itself."""
-        self._settle = client.register_script(_SETTLE_LUA)
-        self._start = client.register_script(_START_LUA)
-        self._wake = client.register_script(_WAKE_ONLY_LUA)
-        self._finish_llm = client.register_script(_FINISH_LLM_LUA)
-        self._begin_llm = client.register_script(_BEGIN_LLM_LUA)
-        self._close = client.register_script(_CLOSE_LUA)
-        self._commit = client.register_script(_COMMIT_LUA)
-        self._release = client.register_script(_RELEASE_LUA)
-        self._claim = client.register_script(_CLAIM_LUA)
-        self._begin = client.register_script(_BEGIN_LUA)
-        self._reread = client.register_script(_REREAD_LUA)
-        self._state_lost = client.register_script(_STATE_LOST_LUA)
+        self._settle = client.register_script(lua.SETTLE_LUA)
+        self._start = client.register_script(lua.START_LUA)
+        self._wake = client.register_script(lua.WAKE_ONLY_LUA)
+        self._finish_llm = client.register_script(lua.FINISH_LLM_LUA)
+        self._begin_llm = client.register_script(lua.BEGIN_LLM_LUA)
+        self._close = client.register_script(lua.CLOSE_LUA)
+        self._commit = client.register_script(lua.COMMIT_LUA)
+        self._release = client.register_script(lua.RELEASE_LUA)
+        self._claim = client.register_script(lua.CLAIM_LUA)
+        self._begin = client.register_script(lua.BEGIN_LUA)
+        self._reread = client.register_script(lua.REREAD_LUA)
+        self._state_lost = client.register_script(lua.STATE_LOST_LUA)
 
     def _durable(self, script: Any, keys: list[Any], args: list[Any], *, again: bool = True) -> Any:
         """Run a script whose write a failover must not lose (see `_durable_write`)."""
