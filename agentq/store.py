@@ -45,14 +45,34 @@ STATE_LOST_MESSAGE = (
 )
 
 
+@dataclass(frozen=True)
+class RoundRead:
+    """The stored results, dispatch records and plans (raw, in call order) of a round's
+    calls, read with the step's view or known by the step that planned them."""
+
+    ids: tuple[str, ...]
+    results: list[Any]
+    calls: list[Any]
+    plans: list[Any]
+
+    @classmethod
+    def planned(cls, plans: dict[str, str]) -> RoundRead:
+        """A round just planned: nothing sent or settled yet."""
+        none: list[Any] = [None] * len(plans)
+        return cls(tuple(plans), none, list(none), list(plans.values()))
+
+
 @dataclass
 class StepView:
     """What a step reads when it begins: the turn's state (None: Redis lost it), its cancel
-    reason and its history."""
+    reason, its history and, when the state names them, its round's calls as stored."""
 
     state: dict[str, Any] | None
     cancel_reason: str | None
     history: list[dict[str, Any]]
+    round: RoundRead | None = None
+    llm_result: tuple[int, str] | None = None
+    """(round, LlmRoundResult JSON): a model round's result its writer took this step with."""
 
 
 class InlineStepper(Protocol):
@@ -65,13 +85,17 @@ class InlineStepper(Protocol):
         """Go on with a step whose lock (`token`, for `lock_ms`) and view a write already took."""
 
 
-def step_view(flat: list[Any], cancel: Any, history: list[Any]) -> StepView:
+def step_view(
+    flat: list[Any], cancel: Any, history: list[Any], rnd: list[Any] | None = None
+) -> StepView:
     """A step's view from what the begin script (or a write that took the lock) returned."""
     state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    ids = state.get("round_calls")
     return StepView(
         state=state or None,
         cancel_reason=text(cancel) or None,
         history=[json.loads(m) for m in history],
+        round=RoundRead(tuple(ids), *rnd) if rnd and isinstance(ids, list) else None,
     )
 
 
@@ -350,6 +374,9 @@ class TurnStore:
                 k.turn_key(turn_id),
                 k.cancel_key(turn_id),
                 k.history_key(turn_id),
+                k.results_key(turn_id),
+                k.calls_key(turn_id),
+                k.plan_key(turn_id),
             ],
             args=[token, ttl_ms],
         )
@@ -528,6 +555,8 @@ class TurnStore:
                 k.step_lock_key(turn_id),
                 k.cancel_key(turn_id),
                 k.history_key(turn_id),
+                k.calls_key(turn_id),
+                k.plan_key(turn_id),
             ],
             args=[
                 result.call_id,
@@ -553,13 +582,24 @@ class TurnStore:
         lock_ms = self.stepper.lock_ms() if self.stepper is not None else None
         return ("", 0) if lock_ms is None else (secrets.token_hex(8), lock_ms)
 
-    def _woke(self, turn_id: str, answer: Any, token: str, lock_ms: int, *, wake: bool) -> int:
+    def _woke(
+        self,
+        turn_id: str,
+        answer: Any,
+        token: str,
+        lock_ms: int,
+        *,
+        wake: bool,
+        llm_result: tuple[int, str] | None = None,
+    ) -> int:
         """After a write that wakes a turn: take the step it locked for this process, else
         send one (unless another step holds the lock: it steps again when it lets go)."""
         if isinstance(answer, list):
-            code, flat, cancel, history = answer
+            code, *raw = answer
             if self.stepper is not None:
-                self.stepper.run(turn_id, token, lock_ms, step_view(flat, cancel, history))
+                view = step_view(*raw)
+                view.llm_result = llm_result
+                self.stepper.run(turn_id, token, lock_ms, view)
             return int(code)
         if wake and not token:
             self._send_step(turn_id)
@@ -590,18 +630,26 @@ class TurnStore:
         return settled, dispatched
 
     def round_plans_view(
-        self, turn_id: str, call_ids: list[str], *, plans: bool = True
+        self,
+        turn_id: str,
+        call_ids: list[str],
+        *,
+        plans: bool = True,
+        read: RoundRead | None = None,
     ) -> tuple[list[bytes | None], dict[str, ToolResult], dict[str, dict[str, Any]]]:
         """The stored plans (raw, in order), settled results and dispatch records of these
-        calls, in one round trip."""
+        calls: from `read` when it is of these calls, else in one round trip."""
         if not call_ids:
             return [], {}, {}
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hmget(k.results_key(turn_id), call_ids)
-        pipe.hmget(k.calls_key(turn_id), call_ids)
-        if plans:
-            pipe.hmget(k.plan_key(turn_id), call_ids)
-        results, calls, *raw_plans = pipe.execute()
+        if read is not None and list(read.ids) == call_ids:
+            results, calls, raw_plans = read.results, read.calls, [read.plans]
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hmget(k.results_key(turn_id), call_ids)
+            pipe.hmget(k.calls_key(turn_id), call_ids)
+            if plans:
+                pipe.hmget(k.plan_key(turn_id), call_ids)
+            results, calls, *raw_plans = pipe.execute()
         return (
             raw_plans[0] if plans else [],
             {
@@ -670,7 +718,10 @@ class TurnStore:
             ],
             args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json, token, lock_ms],
         )
-        if self._woke(turn_id, ok, token, lock_ms, wake=ok == 1) == -2:
+        woke = self._woke(
+            turn_id, ok, token, lock_ms, wake=ok == 1, llm_result=(round_no, result_json)
+        )
+        if woke == -2:
             self.end_lost_turn(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:

@@ -26,8 +26,44 @@ end
 """
 
 
+MAX_ROUND_READ = 500
+"""A round with more calls than this is read by the step itself, not by the script."""
+
+
+def read_view_lua(
+    turn: str, cancel: str, history: str, round_keys: tuple[str, str, str] | None = None
+) -> str:
+    """Lua expressions, comma-separated: what a step reads (state, cancel reason, history,
+    round).
+
+    `round` holds the settled results, dispatch records and plans of the calls named by
+    the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
+    that collects a round needs no read of its own; {} without them.
+    """
+    rnd = "{}"
+    if round_keys is not None:
+        results, calls, plans = round_keys
+        rnd = f"""(function()
+  local rc = redis.call('HGET', {turn}, 'round_calls')
+  if not rc then return {{}} end
+  local ok, ids = pcall(cjson.decode, rc)
+  if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
+  return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
+          redis.call('HMGET', {plans}, unpack(ids))}}
+end)()"""
+    return f"""redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
+  redis.call('LRANGE', {history}, 0, -1), {rnd}"""
+
+
 def take_step_lua(
-    lock: str, dirty: str, turn: str, cancel: str, history: str, token: str, ttl_ms: str
+    lock: str,
+    dirty: str,
+    turn: str,
+    cancel: str,
+    history: str,
+    token: str,
+    ttl_ms: str,
+    round_keys: tuple[str, str, str] | None = None,
 ) -> str:
     """Lua that, for a caller that steps the woken turn itself (`token` set), takes the
     step lock and returns what the step reads, as the begin script would: one round trip
@@ -35,8 +71,7 @@ def take_step_lua(
     return f"""
 if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
   redis.call('DEL', {dirty})
-  return {{3, redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
-          redis.call('LRANGE', {history}, 0, -1)}}
+  return {{3, {read_view_lua(turn, cancel, history, round_keys)}}}
 end
 """
 
@@ -66,7 +101,14 @@ if ARGV[9] == '1' and ready then
     + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
     + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
     + take_step_lua(
-        "KEYS[10]", "KEYS[2]", "KEYS[6]", "KEYS[11]", "KEYS[12]", "ARGV[10]", "ARGV[11]"
+        "KEYS[10]",
+        "KEYS[2]",
+        "KEYS[6]",
+        "KEYS[11]",
+        "KEYS[12]",
+        "ARGV[10]",
+        "ARGV[11]",
+        ("KEYS[1]", "KEYS[13]", "KEYS[14]"),
     )
     + "end\nreturn 3"
 )
@@ -192,19 +234,18 @@ return 1
 
 # A step begins: take the lock, clear the dirty mark, and read what the step needs (state,
 # cancel flag, history) in one round trip.
-BEGIN_LUA = """
+_ROUND_KEYS = ("KEYS[6]", "KEYS[7]", "KEYS[8]")
+BEGIN_LUA = f"""
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
 redis.call('DEL', KEYS[2])
-return {redis.call('HGETALL', KEYS[3]), redis.call('GET', KEYS[4]) or '',
-        redis.call('LRANGE', KEYS[5], 0, -1)}
+return {{{read_view_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", _ROUND_KEYS)}}}
 """
 
 # A step that goes round again (woken while it ran) reads afresh, lock kept.
-REREAD_LUA = """
+REREAD_LUA = f"""
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 redis.call('DEL', KEYS[2])
-return {redis.call('HGETALL', KEYS[3]), redis.call('GET', KEYS[4]) or '',
-        redis.call('LRANGE', KEYS[5], 0, -1)}
+return {{{read_view_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", _ROUND_KEYS)}}}
 """
 
 # Releasing the step lock: if the turn was woken meanwhile, keep the lock and step again;

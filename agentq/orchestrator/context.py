@@ -12,7 +12,7 @@ from agentq.agents import Agent
 from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import TurnStatus
-from agentq.store import TurnStore
+from agentq.store import RoundRead, TurnStore
 
 
 @dataclass
@@ -29,6 +29,10 @@ class StepContext:
     now: float = field(default_factory=time.time)
     agent: Agent | None = None
     """The turn's agent; `settings` already carry its overrides."""
+    round_read: RoundRead | None = None
+    """Its round's calls as stored when the step began (or as it planned them); used once."""
+    llm_result: tuple[int, str] | None = None
+    """(round, result JSON) of a model round, when the step began with it in hand."""
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     ended_error: str | None = None
@@ -65,6 +69,10 @@ class StepContext:
         if won:
             self.ended, self.ended_error = status.value, error
             self.history.extend(append or [])
+
+    def take_round_read(self) -> RoundRead | None:
+        read, self.round_read = self.round_read, None
+        return read
 
     def publish(self, type_: str, **fields: Any) -> int:
         return self.store.bus.publish(self.turn_id, type_, **fields)

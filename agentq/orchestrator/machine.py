@@ -47,7 +47,7 @@ Ending a turn aborts its children still running.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from agentq import constants as k
 from agentq.agents import all_agents
@@ -70,6 +70,7 @@ from agentq.orchestrator.plan import (
     with_safe_call_ids,
 )
 from agentq.results import cancelled_result, denied_result, error_result
+from agentq.store import RoundRead
 from agentq.telemetry import tracing
 
 MAX_TRANSITIONS_PER_STEP = 50
@@ -129,7 +130,9 @@ def advance(ctx: StepContext) -> float | None:
         )
         kept, too_big = history_form(message, ctx.settings.max_arguments_bytes)
         refused = {**too_big, **refused}
-        _store_plans(ctx, [plan_call(c, refused.get(c.id), ctx.agent) for c in message.tool_calls])
+        plans = _store_plans(
+            ctx, [plan_call(c, refused.get(c.id), ctx.agent) for c in message.tool_calls]
+        )
         # The assistant message is durable before any of its calls is sent.
         ctx.commit(
             append=[kept],
@@ -138,18 +141,29 @@ def advance(ctx: StepContext) -> float | None:
             call_count=len(earlier) + len(message.tool_calls),
             streamed_s=float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
             phase="tools" if message.tool_calls else "model",
+            round_calls=list(plans) or None,
         )
+        # Nothing of calls this new was sent or settled: the step goes on without a read.
+        ctx.round_read = RoundRead.planned(plans) if plans else None
         if not message.tool_calls:
             finish(ctx, "stop")
             return None
     return ctx.now  # more to do than one step should take: step again at once
 
 
-def _store_plans(ctx: StepContext, plans: list[CallPlan]) -> None:
-    if plans:
-        ctx.store.redis.hset(
-            k.plan_key(ctx.turn_id), mapping={p.call.id: p.model_dump_json() for p in plans}
-        )
+def _store_plans(
+    ctx: StepContext, plans: list[CallPlan], round_calls: list[str] | None = None
+) -> dict[str, str]:
+    """Store the plans (and, `round_calls`, name the round's calls for the next step's read);
+    the plans as stored, by call id."""
+    stored = {p.call.id: p.model_dump_json() for p in plans}
+    if stored:
+        pipe = ctx.store.redis.pipeline(transaction=False)
+        pipe.hset(k.plan_key(ctx.turn_id), mapping=cast(Any, stored))
+        if round_calls is not None:
+            pipe.hset(k.turn_key(ctx.turn_id), "round_calls", json.dumps(round_calls))
+        pipe.execute()
+    return stored
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
@@ -162,7 +176,7 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
         else plan_call(c, oversize_refusal(c, limit), ctx.agent)
         for c, r in zip(calls, raw, strict=True)
     ]
-    _store_plans(ctx, [p for p, r in zip(plans, raw, strict=True) if not r])
+    _store_plans(ctx, [p for p, r in zip(plans, raw, strict=True) if not r], [c.id for c in calls])
     return plans
 
 
@@ -181,7 +195,9 @@ def _tools(
     tool-result messages (for the caller to write); else None and when to look again."""
     ids = [c.id for c in pending]
     # One read for the whole round: a result that lands after it wakes the turn again.
-    raw_plans, settled, dispatched = ctx.store.round_plans_view(ctx.turn_id, ids)
+    raw_plans, settled, dispatched = ctx.store.round_plans_view(
+        ctx.turn_id, ids, read=ctx.take_round_read()
+    )
     plans = _plans(ctx, pending, raw_plans)
     decided = gate(ctx, plans)
     for p in plans:

@@ -80,7 +80,10 @@ def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) ->
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
     """The round's message and streaming seconds when it is done, else when to look again
     (sending the round first if it was not sent)."""
-    raw = ctx.store.llm_result(ctx.turn_id, round_no)
+    known = ctx.llm_result
+    raw = (
+        known[1] if known and known[0] == round_no else ctx.store.llm_result(ctx.turn_id, round_no)
+    )
     if raw is not None:
         return _message(ctx, LlmRoundResult.model_validate_json(raw))
     s = ctx.settings

@@ -140,6 +140,8 @@ def _steps(
             history=view.history,
             cancel_reason=view.cancel_reason,
             agent=agent,
+            round_read=view.round,
+            llm_result=view.llm_result,
         )
         try:
             next_at = _advance(ctx)

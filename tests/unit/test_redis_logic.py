@@ -3,6 +3,8 @@ one step at a time, nothing after the end."""
 
 from __future__ import annotations
 
+import json
+
 import fakeredis
 import pytest
 
@@ -11,7 +13,7 @@ from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.interactions import Interactions
 from agentq.models import InteractionAnswer, InteractionRequest, ToolCall, TurnStatus
 from agentq.results import cancelled_result, error_result
-from agentq.store import TurnStore
+from agentq.store import StepView, TurnStore
 
 
 @pytest.fixture()
@@ -177,3 +179,48 @@ def test_a_step_ends_the_turn_with_its_last_messages_only_while_it_holds_the_loc
         store.close("t2", TurnStatus.FINISHED, "turn_finished", {}, token="mine", append=last) == 0
     )
     assert len(store.history("t2")) == 2
+
+
+class _Capture:
+    """An inline stepper that keeps the views it is handed."""
+
+    def __init__(self) -> None:
+        self.views: list[StepView] = []
+
+    def lock_ms(self) -> int | None:
+        return 5000
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        self.views.append(view)
+
+
+def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
+    c2 = ToolCall(id="c2", name="echo")
+    store.redis.hset(k.turn_key("t1"), "round_calls", json.dumps(["c1", "c2"]))
+    store.redis.hset(k.plan_key("t1"), mapping={"c1": "plan-1", "c2": "plan-2"})
+    store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
+    assert store.settle("t1", error_result(CALL, "one"), wake=False)
+    view = store.begin_step("t1", "s", 5000)
+    assert view is not None and view.round is not None
+    assert view.round.ids == ("c1", "c2") and view.round.plans == [b"plan-1", b"plan-2"]
+    plans, settled, sent = store.round_plans_view("t1", ["c1", "c2"], read=view.round)
+    assert plans == [b"plan-1", b"plan-2"] and list(settled) == ["c1"]
+    assert sent == {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
+    assert store.release_step("t1", "s", None, 5000) == 1
+    # The settle that completes the batch takes the step, with the round read in its view.
+    capture = _Capture()
+    store.stepper = capture
+    assert store.settle("t1", error_result(c2, "two"))
+    (taken,) = capture.views
+    assert taken.round is not None and all(taken.round.results)
+    assert store.redis.get(k.step_lock_key("t1")) is not None
+    # A read of other calls is not used: the step reads them itself.
+    _, settled, _ = store.round_plans_view("t1", ["c2"], read=taken.round)
+    assert settled["c2"].error == "two"
+
+
+def test_a_turn_without_named_round_calls_has_no_round_read(store: TurnStore) -> None:
+    view = store.begin_step("t1", "s", 5000)
+    assert view is not None and view.round is None
+    store.redis.hset(k.turn_key("t1"), "round_calls", "null")
+    assert store.begin_step("t1", "s", 5000, again=True).round is None  # type: ignore[union-attr]
