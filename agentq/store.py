@@ -174,6 +174,7 @@ class TurnStore:
         self._begin = client.register_script(lua.BEGIN_LUA)
         self._reread = client.register_script(lua.REREAD_LUA)
         self._state_lost = client.register_script(lua.STATE_LOST_LUA)
+        self._record_dispatch = client.register_script(lua.RECORD_DISPATCH_LUA)
 
     def _durable(self, script: Any, keys: list[Any], args: list[Any], *, again: bool = True) -> Any:
         """Run a script whose write a failover must not lose (see `_durable_write`)."""
@@ -452,20 +453,18 @@ class TurnStore:
     # -- calls and results -------------------------------------------------------
 
     def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
-        """Record calls as sent, and as the batch in flight whose last settle wakes the turn."""
+        """Record calls as sent, and those not settled yet as the batch in flight whose last
+        settle wakes the turn."""
         if not records:
             return
-
-        def build(pipe: Any) -> None:
-            pipe.hset(k.calls_key(turn_id), mapping={c: json.dumps(r) for c, r in records.items()})
-            pipe.sadd(k.outstanding_key(turn_id), *records)
-
-        if self.replicas_acked:
-            self._durable_write(build)
-        else:
-            pipe = self.redis.pipeline()
-            build(pipe)
-            pipe.execute()
+        args: list[Any] = []
+        for c, r in records.items():
+            args += [c, json.dumps(r)]
+        self._durable(
+            self._record_dispatch,
+            keys=[k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)],
+            args=args,
+        )
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
         raw = self.redis.hgetall(k.calls_key(turn_id))

@@ -274,3 +274,13 @@ redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
 return 1
 """
+
+# The step sends a batch's calls first and records them after (still holding its lock): a
+# call may settle before its record, and is then not counted in the batch in flight.
+RECORD_DISPATCH_LUA = """
+for i = 1, #ARGV, 2 do
+  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  if redis.call('HEXISTS', KEYS[3], ARGV[i]) == 0 then redis.call('SADD', KEYS[2], ARGV[i]) end
+end
+return 1
+"""

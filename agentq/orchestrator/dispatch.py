@@ -28,8 +28,14 @@ def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
 def send(
     ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """Record the calls as dispatched, then send them; a step that takes over never resends.
-    Returns the dispatch records."""
+    """Send the calls, then record them as dispatched (the lock still held); returns the
+    dispatch records.
+
+    A step that dies between the two leaves calls sent but not recorded: the step that
+    takes over sends them again under the same task ids, and a call's start claim runs
+    each once (a second delivery of a started call is refused, one of a settled call too).
+    Recording first put a round trip between the step and the call's message.
+    """
     if not plans:
         return {}
     now = time.time()
@@ -45,7 +51,6 @@ def send(
         }
         for p in plans
     }
-    ctx.store.record_dispatch(ctx.turn_id, records)
     for p in plans:
         req = ToolTaskRequest(
             turn_id=ctx.turn_id,
@@ -71,6 +76,7 @@ def send(
             ignore_result=True,
             **p.limits.celery_options,
         )
+    ctx.store.record_dispatch(ctx.turn_id, records)
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
     return records
 

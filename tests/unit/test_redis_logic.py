@@ -224,3 +224,18 @@ def test_a_turn_without_named_round_calls_has_no_round_read(store: TurnStore) ->
     assert view is not None and view.round is None
     store.redis.hset(k.turn_key("t1"), "round_calls", "null")
     assert store.begin_step("t1", "s", 5000, again=True).round is None  # type: ignore[union-attr]
+
+
+def test_a_call_that_settles_before_its_record_is_not_in_flight(store: TurnStore) -> None:
+    # Calls are sent before they are recorded: a fast one may settle first.
+    c2 = ToolCall(id="c2", name="echo")
+    assert store.settle("t1", error_result(CALL, "fast"))
+    assert store.redis.exists(k.dirty_key("t1"))  # it woke the turn
+    store.redis.delete(k.dirty_key("t1"))
+    store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
+    assert store.dispatches("t1") == {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
+    assert store.redis.smembers(k.outstanding_key("t1")) == {b"c2"}
+    # The batch's last call in flight wakes the turn.
+    assert store.settle("t1", error_result(c2, "slow"))
+    assert store.redis.exists(k.dirty_key("t1"))
+    assert store.redis.scard(k.outstanding_key("t1")) == 0
