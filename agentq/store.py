@@ -407,15 +407,27 @@ class TurnStore:
         return bool(ok)
 
     def release_step(
-        self, turn_id: str, token: str, next_wake_at: float | None, ttl_ms: int
+        self,
+        turn_id: str,
+        token: str,
+        next_wake_at: float | None,
+        ttl_ms: int,
+        dispatched: dict[str, dict[str, Any]] | None = None,
     ) -> int:
-        """1 released; 0 woken meanwhile, lock kept: step again; -1 the lock was lost."""
-        return int(
-            self._release(
-                keys=[k.step_lock_key(turn_id), k.dirty_key(turn_id), k.WAKEUPS],
-                args=[token, turn_id, "" if next_wake_at is None else repr(next_wake_at), ttl_ms],
-            )
-        )
+        """Let go of the step's lock, recording the calls it sent (`dispatched`, see
+        `record_dispatch`) while it still holds it: 1 released; 0 woken meanwhile, lock
+        kept: step again; -1 the lock was lost (nothing recorded)."""
+        args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
+        args.append(ttl_ms)
+        for c, r in (dispatched or {}).items():
+            args += [c, json.dumps(r)]
+        keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.WAKEUPS]
+        keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
+        if not dispatched:
+            return int(self._release(keys=keys, args=args))
+        # Not sent again: a second run finds the lock gone. Records a failover loses are
+        # of calls a later step sends again, which their start claims run once.
+        return int(self._durable(self._release, keys=keys, args=args, again=False))
 
     def wake(self, turn_id: str) -> bool:
         """Wake an open turn: mark it and send it a step; False if it has ended."""

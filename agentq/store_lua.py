@@ -175,11 +175,15 @@ return {0, redis.call('EXISTS', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, -1)}
 # started by an agent-as-tool call settles that call in its parent in the same step
 # (first result wins, as in SETTLE_LUA), and wakes the parent if the batch is complete.
 # A step ends the turn fenced by its lock, with the history messages it has not committed
-# yet (the round's last tool results): the turn's last words and its end are one write.
+# yet (the round's last tool results): the turn's last words and its end are one write,
+# which lets go of the lock too.
 CLOSE_LUA = (
     TURN_OPEN_LUA % (1, 0)
     + """
-if ARGV[10] ~= '' and redis.call('GET', KEYS[14]) ~= ARGV[10] then return -1 end
+if ARGV[10] ~= '' then
+  if redis.call('GET', KEYS[14]) ~= ARGV[10] then return -1 end
+  redis.call('DEL', KEYS[14])
+end
 local n = tonumber(ARGV[11])
 for i = 12, 11 + n do redis.call('RPUSH', KEYS[15], ARGV[i]) end
 if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
@@ -248,10 +252,33 @@ redis.call('DEL', KEYS[2])
 return {{{read_view_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", _ROUND_KEYS)}}}
 """
 
-# Releasing the step lock: if the turn was woken meanwhile, keep the lock and step again;
-# else drop it and leave the turn's next deadline for the sweepers.
-RELEASE_LUA = """
+
+def record_lua(calls: str, outstanding: str, results: str, first: int) -> str:
+    """Lua recording the dispatch records in ARGV[first..] (call id, record pairs): sent,
+    and, unless already settled, in the batch in flight whose last settle wakes the turn.
+
+    A step sends a batch's calls first and records them after (still holding its lock), so
+    a call may settle before its record; it woke the turn then, and is not in flight.
+    """
+    return f"""
+for i = {first}, #ARGV, 2 do
+  redis.call('HSET', {calls}, ARGV[i], ARGV[i + 1])
+  if redis.call('HEXISTS', {results}, ARGV[i]) == 0 then
+    redis.call('SADD', {outstanding}, ARGV[i])
+  end
+end
+"""
+
+
+# Releasing the step lock, with the dispatch records of the calls the step sent: if the
+# turn was woken meanwhile, keep the lock and step again; else drop it and leave the turn's
+# next deadline for the sweepers.
+RELEASE_LUA = (
+    """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+"""
+    + record_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", 5)
+    + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
   return 0
@@ -264,6 +291,7 @@ else
 end
 return 1
 """
+)
 
 # A sweeper claims a due wakeup by pushing it later (its retry if the step never runs):
 # several sweepers, one claim.
@@ -275,12 +303,5 @@ redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
 return 1
 """
 
-# The step sends a batch's calls first and records them after (still holding its lock): a
-# call may settle before its record, and is then not counted in the batch in flight.
-RECORD_DISPATCH_LUA = """
-for i = 1, #ARGV, 2 do
-  redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
-  if redis.call('HEXISTS', KEYS[3], ARGV[i]) == 0 then redis.call('SADD', KEYS[2], ARGV[i]) end
-end
-return 1
-"""
+# Dispatch records written apart from a step's release (a sub-agent call's child turn).
+RECORD_DISPATCH_LUA = record_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", 1) + "return 1\n"

@@ -33,6 +33,8 @@ class StepContext:
     """Its round's calls as stored when the step began (or as it planned them); used once."""
     llm_result: tuple[int, str] | None = None
     """(round, result JSON) of a model round, when the step began with it in hand."""
+    dispatched: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Dispatch records of the calls this step sent, written when it lets go of its lock."""
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     ended_error: str | None = None

@@ -28,13 +28,13 @@ def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
 def send(
     ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]
 ) -> dict[str, dict[str, Any]]:
-    """Send the calls, then record them as dispatched (the lock still held); returns the
-    dispatch records.
+    """Send the calls; their dispatch records are written when the step lets go of its
+    lock (in the same write). Returns the records.
 
-    A step that dies between the two leaves calls sent but not recorded: the step that
-    takes over sends them again under the same task ids, and a call's start claim runs
-    each once (a second delivery of a started call is refused, one of a settled call too).
-    Recording first put a round trip between the step and the call's message.
+    A step that dies (or loses its lock) before that leaves calls sent but not recorded:
+    the step that takes over sends them again under the same task ids, and a call's start
+    claim runs each once (a second delivery of a started call is refused, one of a settled
+    call too). Recording first put a round trip between the step and the call's message.
     """
     if not plans:
         return {}
@@ -76,7 +76,7 @@ def send(
             ignore_result=True,
             **p.limits.celery_options,
         )
-    ctx.store.record_dispatch(ctx.turn_id, records)
+    ctx.dispatched.update(records)
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
     return records
 

@@ -148,9 +148,11 @@ def _steps(
         except StepLost:
             log.warning("turn %s: step lost its lock to another step", turn_id)
             return "lost"
-        if ctx.ended is not None and tracing.enabled:
-            _end_turn_span(ctx)
-        released = store.release_step(turn_id, token, next_at, ttl_ms)
+        if ctx.ended is not None:
+            if tracing.enabled:
+                _end_turn_span(ctx)
+            return "ended"  # the write that ended the turn let go of the lock
+        released = store.release_step(turn_id, token, next_at, ttl_ms, ctx.dispatched)
         if released == 1:
             return "waiting"
         if released == -1:

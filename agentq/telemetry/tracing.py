@@ -48,7 +48,7 @@ ATTR_TTFT_MS = "agentq.ttft_ms"
 ATTR_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 ATTR_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 
-OK_STATUSES = frozenset({"ok", "finished", "waiting", "busy", "unknown"})
+OK_STATUSES = frozenset({"ok", "finished", "waiting", "ended", "busy", "unknown"})
 """Statuses that are not failures of the span's work (denied or cancelled are errors)."""
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")

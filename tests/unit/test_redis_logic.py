@@ -239,3 +239,20 @@ def test_a_call_that_settles_before_its_record_is_not_in_flight(store: TurnStore
     assert store.settle("t1", error_result(c2, "slow"))
     assert store.redis.exists(k.dirty_key("t1"))
     assert store.redis.scard(k.outstanding_key("t1")) == 0
+
+
+def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lock(
+    store: TurnStore,
+) -> None:
+    sent = {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
+    assert store.lock_step("t1", "a", 5000) is True
+    assert store.release_step("t1", "b", None, 5000, sent) == -1  # not b's lock
+    assert store.dispatches("t1") == {}
+    assert store.settle("t1", error_result(CALL, "fast"), wake=False)
+    store.wake_here("t1")  # woken while "a" steps: the lock is kept, the records written
+    assert store.release_step("t1", "a", None, 5000, sent) == 0
+    assert store.dispatches("t1") == sent
+    assert store.redis.smembers(k.outstanding_key("t1")) == {b"c2"}
+    # Ending the turn lets go of the lock in the same write.
+    assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == 1
+    assert store.redis.get(k.step_lock_key("t1")) is None
