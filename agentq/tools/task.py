@@ -39,6 +39,9 @@ from agentq.tools.registry import ToolSpec, all_tools
 
 log = logging.getLogger("agentq.tools")
 
+TICK_POLL_S = 0.5
+"""How often the progress ticker looks at the running call."""
+
 
 class ToolTask(Task):  # type: ignore[misc]
     """Base of every `agentq.tool.<name>` task."""
@@ -57,40 +60,49 @@ def _call(req: ToolTaskRequest) -> ToolCall:
 
 class _Ticker:
     """One thread per process publishing the running call's `tool_progress` every
-    progress_interval_s: a prefork child runs one call at a time, and starting a thread per
-    call cost more than a short call itself."""
+    progress_interval_s (a quarter of it late at most, and TICK_POLL_S): a prefork child
+    runs one call at a time.
+
+    A call's start and end only set an attribute: starting a thread per call, or waking
+    one at each start and end, cost more than a short call itself.
+    """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
         self._current: tuple[TurnStore, CallScope, float] | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def running(self, store: TurnStore, scope: CallScope, interval_s: float) -> _Ticking:
-        with self._cond:
-            if self._thread is None or not self._thread.is_alive():
-                # Started lazily, after the fork: a thread does not survive into a child.
-                self._thread = threading.Thread(target=self._run, name="agentq-tick", daemon=True)
-                self._thread.start()
-            self._current = (store, scope, interval_s)
-            self._cond.notify()
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    # Started lazily, after the fork: a thread does not survive into a child.
+                    self._thread = threading.Thread(
+                        target=self._run, name="agentq-tick", daemon=True
+                    )
+                    self._thread.start()
+        self._current = (store, scope, interval_s)
         return _Ticking(self, scope)
 
     def stop(self, scope: CallScope) -> None:
-        with self._cond:
-            if self._current is not None and self._current[1] is scope:
-                self._current = None
-                self._cond.notify()
+        current = self._current
+        if current is not None and current[1] is scope:
+            self._current = None
 
     def _run(self) -> None:
+        ticked: tuple[CallScope, float] | None = None
+        poll_s = TICK_POLL_S
         while True:
-            with self._cond:
-                while self._current is None:
-                    self._cond.wait()
-                store, scope, interval_s = self._current
-                # Woken early when the call ends (or another begins): no tick for it then.
-                self._cond.wait(interval_s)
-                if self._current is None or self._current[1] is not scope:
-                    continue
+            time.sleep(poll_s)
+            current = self._current
+            if current is None:
+                continue
+            store, scope, interval_s = current
+            poll_s = min(TICK_POLL_S, interval_s / 4)
+            last = ticked[1] if ticked is not None and ticked[0] is scope else scope.started
+            if time.time() - last < interval_s:
+                continue
+            ticked = (scope, time.time())
             try:
                 store.bus.publish(scope.req.turn_id, "tool_progress", **tick_fields(scope))
             except Exception:
