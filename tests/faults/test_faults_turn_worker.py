@@ -105,6 +105,32 @@ def test_a_step_that_died_holding_the_turn_is_taken_over(rig, tmp_path: Path) ->
     _check_done(rig, tid, (fast, slow, later))
 
 
+def test_calls_sent_but_not_recorded_are_sent_again_and_run_once(rig, tmp_path: Path) -> None:
+    """A step sends a batch's calls, then records them as it lets go of the turn: one that
+    died in between leaves calls sent but unrecorded. The next step sends them again under
+    the same task ids, and each call's start claim runs it once."""
+    key, fast, slow, later = _three_rounds(rig, tmp_path)
+    tid = rig.client.start_turn(key).turn_id
+    store = rig.client.store
+    wait_for(lambda: "call_r0_0" in store.results(tid) and starts(slow) == 1, 10)
+    first = store.dispatches(tid)
+    assert set(first) == {"call_r0_0", "call_r0_1"}
+    # As if the step that sent them had died before its release wrote the records.
+    store.redis.delete(k.calls_key(tid), k.outstanding_key(tid))
+    assert store.wake(tid)
+    wait_for(
+        lambda: "call_r0_1" in store.dispatches(tid),
+        10,
+        message="the next step sent the unrecorded call again",
+    )
+    again = store.dispatches(tid)
+    # Sent again under the same task id; the settled fast call was not sent again.
+    assert again["call_r0_1"]["task_id"] == first["call_r0_1"]["task_id"]
+    assert again["call_r0_1"]["dispatched_at"] > first["call_r0_1"]["dispatched_at"]
+    assert "call_r0_0" not in again
+    _check_done(rig, tid, (fast, slow, later))
+
+
 def test_a_step_delivered_many_times_acts_once(rig, tmp_path: Path) -> None:
     key, fast, slow, later = _three_rounds(rig, tmp_path)
     tid = rig.client.start_turn(key).turn_id
