@@ -291,7 +291,22 @@ def machine(fx: BenchRig) -> dict[str, Any]:
         "redis_server": server,
         "tool_concurrency": fx.args.tool_concurrency,
         "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        "python_loop_ms_at_start": python_loop_ms(),
     }
+
+
+def python_loop_ms(reps: int = 5) -> float:
+    """The fastest of `reps` timings of a fixed pure-Python loop: how fast this (virtual)
+    machine runs Python now. On a shared VM it moved by half within minutes, and every
+    absolute figure with it; compare it across runs before comparing their times."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(1_000_000):
+            x += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best * 1000, 1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -353,6 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     load = os.getloadavg()[0]
     if "machine" in res:
         res["machine"]["load_avg_1m_at_end"] = round(load, 2)
+        res["machine"]["python_loop_ms_at_end"] = python_loop_ms()
     cores = os.cpu_count() or 1
     if max(load, res.get("machine", {}).get("load_avg_1m_at_start", 0)) > cores:
         notes.append(

@@ -74,7 +74,9 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
         f"[bold]agentq vs plain Celery[/] on {m['cpu']}, {m['cores']} cores, "
         f"{m['memory_gb']} GB, Python {m['python']}, Celery {m['celery']}, "
         f"Redis {m['redis_server']} ({'quick' if res['quick'] else 'full'} run, "
-        f"{res['duration_s']} s)"
+        f"{res['duration_s']} s); a fixed Python loop took "
+        f"{m.get('python_loop_ms_at_start')} ms at the start, "
+        f"{m.get('python_loop_ms_at_end')} ms at the end"
     )
     t = Table(title="Goals")
     for col in ("metric", "value", "goal", "result"):
