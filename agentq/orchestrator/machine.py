@@ -143,7 +143,7 @@ def advance(ctx: StepContext) -> float | None:
             phase="tools" if message.tool_calls else "model",
             round_calls=list(plans) or None,
         )
-        # Nothing of calls this new was sent or settled: the step goes on without a read.
+        # Calls this new are neither sent nor settled: the step goes on without a read.
         ctx.round_read = RoundRead.planned(plans) if plans else None
         if not message.tool_calls:
             finish(ctx, "stop")

@@ -60,8 +60,8 @@ def _call(req: ToolTaskRequest) -> ToolCall:
 
 class _Ticker:
     """One thread per process publishing the running call's `tool_progress` every
-    progress_interval_s (a quarter of it late at most, and TICK_POLL_S): a prefork child
-    runs one call at a time.
+    progress_interval_s, late by a quarter interval (and TICK_POLL_S) at most: a prefork
+    child runs one call at a time.
 
     A call's start and end only set an attribute: starting a thread per call, or waking
     one at each start and end, cost more than a short call itself.
