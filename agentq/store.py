@@ -99,6 +99,11 @@ def step_view(
     )
 
 
+def _dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
+    """Dispatch records as the (call id, record JSON) pairs `store_lua.record_lua` reads."""
+    return [x for c, r in records.items() for x in (c, json.dumps(r))]
+
+
 def text(v: Any) -> str:
     """Redis answers bytes; callers want str."""
     return v.decode() if isinstance(v, bytes) else str(v)
@@ -418,9 +423,7 @@ class TurnStore:
         `record_dispatch`) while it still holds it: 1 released; 0 woken meanwhile, lock
         kept: step again; -1 the lock was lost (nothing recorded)."""
         args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
-        args.append(ttl_ms)
-        for c, r in (dispatched or {}).items():
-            args += [c, json.dumps(r)]
+        args += [ttl_ms, *_dispatch_args(dispatched or {})]
         keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.WAKEUPS]
         keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
         if not dispatched:
@@ -469,13 +472,10 @@ class TurnStore:
         settle wakes the turn."""
         if not records:
             return
-        args: list[Any] = []
-        for c, r in records.items():
-            args += [c, json.dumps(r)]
         self._durable(
             self._record_dispatch,
             keys=[k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)],
-            args=args,
+            args=_dispatch_args(records),
         )
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
