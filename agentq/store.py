@@ -765,16 +765,4 @@ class TurnStore:
             turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
             for turn_id, events in batches.items()
         }
-
-        def build(pipe: Any) -> None:
-            for turn_id, turn_bodies in bodies.items():
-                keys = [
-                    k.seq_key(turn_id),
-                    k.log_key(turn_id),
-                    k.events_channel(turn_id),
-                    k.turn_key(turn_id),
-                ]
-                for body in turn_bodies:
-                    self.bus._publish(keys=keys, args=[body, self.bus.log_maxlen], client=pipe)
-
-        self._pipelined(build)
+        self._pipelined(lambda pipe: self.bus.publish_many(bodies, client=pipe))

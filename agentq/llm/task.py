@@ -108,6 +108,9 @@ def _get_streams(host: LoopHost) -> _Streams:
 
 def warm() -> None:
     """At worker start, off the loop: the SDK import and the shared client."""
+    # The SDK's HTTP client logs every request at INFO: thousands of lines a minute on a
+    # busy stream worker, each formatted on the loop. A round that fails is logged here.
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
     _get_streams(get_host())
 
 

@@ -256,3 +256,28 @@ def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lo
     # Ending the turn lets go of the lock in the same write.
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == 1
     assert store.redis.get(k.step_lock_key("t1")) is None
+
+
+def test_publish_many_keeps_each_turns_order_and_skips_ended_turns(store: TurnStore) -> None:
+    from agentq.events import bus as bus_module
+
+    store.create("t2", {"status": "running"}, [{"role": "user", "content": "y"}])
+    store.create("t3", {"status": "running"}, [{"role": "user", "content": "z"}])
+    store.bus.publish("t1", "llm_started")
+    assert store.close("t3", TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}) == 1
+    n = bus_module.PUBLISH_MANY_EVENTS + 20  # more than one script call's worth
+    store.publish_many(
+        {
+            "t1": [("llm_delta", {"text": str(i)}) for i in range(n)],
+            "t3": [("llm_delta", {"text": "late"})],
+            "t2": [("llm_delta", {"text": "a"}), ("llm_finished", {})],
+        }
+    )
+    t1 = store.bus.replay("t1")
+    assert [e.seq for e in t1] == list(range(1, n + 2))
+    assert [e.fields.get("text") for e in t1[1:]] == [str(i) for i in range(n)]
+    assert [(e.seq, e.type) for e in store.bus.replay("t2")] == [
+        (1, "llm_delta"),
+        (2, "llm_finished"),
+    ]
+    assert [e.type for e in store.bus.replay("t3")] == ["turn_aborted"]
