@@ -128,6 +128,14 @@ class BackgroundHTTPServer:
     async def _shutdown(self) -> None:
         self._stopping = True
         if self._server is not None:
+            # Stop accepting, and let the connections accepted already get their transport
+            # before the close: Python 3.11 refuses (and leaks the open socket of) a
+            # transport made for a server that has closed.
+            loop = asyncio.get_running_loop()
+            for sock in self._server.sockets:
+                loop.remove_reader(sock.fileno())
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
             self._server.close()
         me = asyncio.current_task()
         # Again while tasks remain: a connection accepted as the listener closed starts its
