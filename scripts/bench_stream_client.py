@@ -1,0 +1,122 @@
+"""CPU per model stream of the stream worker's OpenAI client, by HTTP transport.
+
+    python scripts/bench_stream_client.py [--streams 1000] [--pairs 3]
+
+Runs `--streams` concurrent 2-second rounds (20 chunks, as in the bench's io stage) from
+the scripted server, run in a process of its own, through `agentq.llm.aclient.make_client`
+with the SDK's aiohttp transport and with its httpx2 one, in alternating pairs, and prints
+the client's CPU milliseconds per stream. On a loaded 2-core machine both numbers move by a
+tenth from one minute to the next: compare within a pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from agentq.llm import aclient  # noqa: E402
+
+ROUND = {"text": "x" * 80, "chunk_size": 4, "chunk_delay_ms": 100}
+CLIENTS = 8
+"""As many clients as the stream worker keeps for 1,000 streams (STREAMS_PER_CLIENT)."""
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def _streams(url: str, transport: str, n: int) -> float:
+    limits = httpx2.Limits(max_connections=n + 100, max_keepalive_connections=200)
+    timeout = httpx2.Timeout(60)
+    factory: Any = (
+        openai.DefaultAioHttpClient if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
+    )
+    clients = [
+        openai.AsyncOpenAI(
+            base_url=url,
+            api_key="unused",
+            max_retries=0,
+            http_client=factory(timeout=timeout, limits=limits),
+        )
+        for _ in range(CLIENTS)
+    ]
+
+    async def one(i: int) -> int:
+        stream = await clients[i % CLIENTS].chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "k"}], stream=True
+        )
+        return len([chunk async for chunk in stream])
+
+    try:
+        await asyncio.gather(*[one(i) for i in range(50)])  # connections and imports warm
+        before = _cpu_s()
+        chunks = await asyncio.gather(*[one(i) for i in range(n)])
+        used = _cpu_s() - before
+    finally:
+        for c in clients:
+            await c.close()
+    if min(chunks) < 20:
+        raise SystemExit(f"a stream ended early: {min(chunks)} chunks")
+    return used * 1000 / n
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--streams", type=int, default=1000)
+    p.add_argument("--pairs", type=int, default=3)
+    args = p.parse_args()
+    if not 1 <= args.streams <= 5000:
+        raise SystemExit("--streams: 1 to 5000")
+    assert aclient.make_client  # the transport choice these numbers are for
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"k": [ROUND] * 4}, f)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "agentq.testing.openai_server", "--script-file", f.name],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        url = line.rsplit(" ", 1)[-1].strip()
+        if not url.startswith("http"):
+            raise SystemExit(f"the scripted server did not start: {line!r}")
+        got: dict[str, list[float]] = {"aiohttp": [], "httpx2": []}
+        for pair in range(args.pairs):
+            for transport in ("httpx2", "aiohttp") if pair % 2 else ("aiohttp", "httpx2"):
+                t0 = time.perf_counter()
+                ms = asyncio.run(_streams(url, transport, args.streams))
+                got[transport].append(ms)
+                print(
+                    f"{transport:8s} {args.streams} streams: {ms:.2f} CPU ms a stream "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
+        a, h = statistics.median(got["aiohttp"]), statistics.median(got["httpx2"])
+        print(f"median: aiohttp {a:.2f} ms, httpx2 {h:.2f} ms, ratio {a / h:.2f}")
+    finally:
+        server.terminate()
+        server.wait(10)
+        Path(f.name).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
