@@ -3,9 +3,10 @@
     python scripts/bench_stream_client.py [--streams 1000] [--pairs 3]
 
 Runs `--streams` concurrent 2-second rounds (20 chunks, as in the bench's io stage) from
-the scripted server, run in a process of its own, through `agentq.llm.aclient.make_client`
-with the SDK's aiohttp transport and with its httpx2 one, in alternating pairs, and prints
-the client's CPU milliseconds per stream. On a loaded 2-core machine both numbers move by a
+the scripted server, run in a process of its own, through the stream worker's round
+(`agentq.llm.aclient.astream_round`) on the SDK's client with its aiohttp transport (as
+`make_client` builds it) and with its httpx2 one, in alternating pairs, and prints the
+CPU milliseconds per stream. On a loaded 2-core machine both numbers move by a
 tenth from one minute to the next: compare within a pair.
 """
 
@@ -57,11 +58,25 @@ async def _streams(url: str, transport: str, n: int) -> float:
         for _ in range(CLIENTS)
     ]
 
+    never = asyncio.Event()
+
     async def one(i: int) -> int:
-        stream = await clients[i % CLIENTS].chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "k"}], stream=True
+        # The stream worker's own round: agentq.llm.aclient.astream_round on this client.
+        deltas: list[str] = []
+        await aclient.astream_round(
+            clients[i % CLIENTS],
+            [{"role": "user", "content": "k"}],
+            [],
+            model="m",
+            idle_timeout_ms=30_000,
+            duration_left_s=60,
+            max_retries=0,
+            timeout=None,
+            on_delta=lambda kind, text: deltas.append(text),
+            on_retry=lambda *_: None,
+            abort=never,
         )
-        return len([chunk async for chunk in stream])
+        return len(deltas)
 
     try:
         await asyncio.gather(*[one(i) for i in range(50)])  # connections and imports warm
@@ -72,7 +87,7 @@ async def _streams(url: str, transport: str, n: int) -> float:
         for c in clients:
             await c.close()
     if min(chunks) < 20:
-        raise SystemExit(f"a stream ended early: {min(chunks)} chunks")
+        raise SystemExit(f"a stream ended early: {min(chunks)} deltas")
     return used * 1000 / n
 
 
@@ -83,7 +98,6 @@ def main() -> int:
     args = p.parse_args()
     if not 1 <= args.streams <= 5000:
         raise SystemExit("--streams: 1 to 5000")
-    assert aclient.make_client  # the transport choice these numbers are for
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"k": [ROUND] * 4}, f)
     server = subprocess.Popen(

@@ -57,9 +57,9 @@ def make_client(
     limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=200)
     http: httpx2.AsyncClient
     try:
-        # The SDK's aiohttp transport (the `openai[aiohttp]` extra): with a thousand streams
-        # in one process it costs two thirds of the CPU of httpx2's, whose HTTP/1.1 parser
-        # and connection pool are pure Python (4.6 against 6.8 ms a 2 s round, measured).
+        # The SDK's aiohttp transport (the `openai[aiohttp]` extra): a thousand rounds at
+        # once cost 2.7 CPU ms each on it and 4.8 on httpx2, whose HTTP/1.1 parser and
+        # connection pool are pure Python (scripts/bench_stream_client.py).
         http = openai.DefaultAioHttpClient(timeout=timeout, limits=limits)
     except RuntimeError:
         log.warning("aiohttp is not installed: model streams use the slower httpx2 transport")
