@@ -55,9 +55,10 @@ class _Streams:
         """Rounds to keep claimed, counted: a redelivered round may run twice here."""
         self.clients: list[openai.AsyncOpenAI] = []
         if s.llm_base_url:
-            # Several clients, each with its own connection pool: the pool scans all of
-            # its connections on every request and every response end, which with
-            # thousands of streams in one pool cost more than the streams themselves.
+            # Several clients, each with its own connection pool: httpx2's pool (the
+            # fallback transport) scans all of its connections on every request and every
+            # response end, which with thousands of streams in one pool cost more than the
+            # streams themselves.
             self.clients = [
                 make_client(
                     base_url=s.llm_base_url,
