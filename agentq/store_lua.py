@@ -3,16 +3,20 @@ take or release a step, end a turn) is one script, so a crash leaves it done or 
 
 from __future__ import annotations
 
-from agentq.events.bus import publish_lua
+from agentq.events.bus import ended_lua, publish_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
 # written after its terminal event, and nothing recreates half of a vanished turn.
-TURN_OPEN_LUA = """
+TURN_OPEN_LUA = (
+    """
 local status = redis.call('HGET', KEYS[%d], 'status')
-if not status or status == '"finished"' or status == '"aborted"' or status == '"error"' then
+if not status or """
+    + ended_lua("status")
+    + """ then
   return %s
 end
 """
+)
 
 
 def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
@@ -196,7 +200,9 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 for i = 16, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local pstatus = redis.call('HGET', KEYS[7], 'status')
-if not pstatus or pstatus == '"finished"' or pstatus == '"aborted"' or pstatus == '"error"' then
+if not pstatus or """
+    + ended_lua("pstatus")
+    + """ then
   return 1
 end
 if redis.call('HSETNX', KEYS[8], ARGV[6], ARGV[7]) == 0 then return 1 end

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from agentq.constants import events_channel, log_key, seq_key, turn_key
-from agentq.models import Event
+from agentq.models import TERMINAL_STATUSES, Event
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
 # reads the log after subscribing can dedupe by seq and never misses an event.
@@ -28,14 +28,19 @@ redis.call('PUBLISH', {channel}, '{{"stream_id":"' .. id .. '",' .. string.sub(b
 """
 
 
+def ended_lua(status: str) -> str:
+    """A Lua condition: `status` (a turn's `status` field, as stored: JSON) is terminal."""
+    return " or ".join(f"{status} == '\"{s}\"'" for s in sorted(TERMINAL_STATUSES))
+
+
 # Nothing is published after a turn's terminal event (the terminal event itself is
 # published by the script that ends the turn): a late writer, such as a stream worker
 # finishing its deltas after an abort, is refused here atomically.
 PUBLISH_LUA = (
-    """
+    f"""
 local status = redis.call('HGET', KEYS[4], 'status')
-if status == '"finished"' or status == '"aborted"' or status == '"error"' then
-  return {0, ''}
+if {ended_lua("status")} then
+  return {{0, ''}}
 end
 """
     + publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]")
@@ -46,12 +51,12 @@ end
 # the log's maxlen, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
 PUBLISH_MANY_LUA = (
-    """
+    f"""
 local a = 2
 for t = 0, #KEYS / 4 - 1 do
   local n = tonumber(ARGV[a])
   local status = redis.call('HGET', KEYS[4 * t + 4], 'status')
-  if status == '"finished"' or status == '"aborted"' or status == '"error"' then
+  if {ended_lua("status")} then
     a = a + 1 + n
   else
     for i = 1, n do

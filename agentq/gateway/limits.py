@@ -16,6 +16,7 @@ import redis
 
 from agentq import constants as k
 from agentq.errors import RateLimited
+from agentq.events.bus import ended_lua
 
 # KEYS[1] the bucket; ARGV rate/s, burst. Redis's own clock: gateways may disagree on time.
 # Returns 0 when a start is allowed, else the milliseconds until one is.
@@ -42,7 +43,8 @@ return wait_ms
 # KEYS[1] the caller's set of turns (turn id or a reservation, scored by time);
 # ARGV max, reservation id, turn key prefix, stale-reservation age (s).
 # Drops ended or vanished turns, then reserves a slot if one is free: 1, else 0.
-_RESERVE_LUA = """
+_RESERVE_LUA = (
+    """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
 local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
@@ -53,8 +55,9 @@ for i = 1, #members, 2 do
     gone = tonumber(members[i + 1]) < now - tonumber(ARGV[4])
   else
     local status = redis.call('HGET', ARGV[3] .. m, 'status')
-    gone = (not status) or status == '"finished"' or status == '"aborted"'
-      or status == '"error"'
+    gone = (not status) or """
+    + ended_lua("status")
+    + """
   end
   if gone then redis.call('ZREM', KEYS[1], m) end
 end
@@ -63,6 +66,7 @@ redis.call('ZADD', KEYS[1], now, ARGV[2])
 redis.call('EXPIRE', KEYS[1], 7 * 24 * 3600)
 return 1
 """
+)
 
 RESERVATION_TTL_S = 60
 """A reservation whose start never completed (a crashed gateway) frees its slot after this."""
