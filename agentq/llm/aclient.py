@@ -11,6 +11,7 @@ cancel channel sets) and always wins over the silence limit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -51,6 +52,12 @@ def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Tim
     return httpx2.Timeout(request_timeout_s, read=read_s)
 
 
+@functools.cache
+def _warn_no_aiohttp() -> None:
+    """Once per process: a stream worker builds several clients."""
+    log.warning("aiohttp is not installed: model streams use the slower httpx2 transport")
+
+
 def make_client(
     *, base_url: str, api_key: str | None, max_connections: int, timeout: httpx2.Timeout
 ) -> openai.AsyncOpenAI:
@@ -62,7 +69,7 @@ def make_client(
         # connection pool are pure Python (scripts/bench_stream_client.py).
         http = openai.DefaultAioHttpClient(timeout=timeout, limits=limits)
     except RuntimeError:
-        log.warning("aiohttp is not installed: model streams use the slower httpx2 transport")
+        _warn_no_aiohttp()
         http = openai.DefaultAsyncHttpxClient(timeout=timeout, limits=limits)
     return openai.AsyncOpenAI(
         base_url=base_url,
