@@ -18,6 +18,17 @@ CANCEL_CHANNEL = f"{PREFIX}:control:cancel"
 """Pub/sub channel carrying the id of every turn aborted, for workers that cancel in-process
 (the I/O and stream workers' event loops), within milliseconds of the abort."""
 
+MEASURED_EVENTS_CHANNEL = f"{PREFIX}:events:measured"
+"""Every turn's events that a gateway metric counts (not deltas or progress), published
+here too by the script that publishes them to the turn's channel."""
+MEASURED_EVENT_TYPES = (
+    "tool_finished",
+    "llm_finished",
+    "llm_retry",
+    "turn_finished",
+    "turn_aborted",
+    "turn_error",
+)
 ACTIVE_TURNS = f"{PREFIX}:turns:active"
 """Sorted set: turn id scored by start time, for `agentq turns` and /v1/turns/active."""
 

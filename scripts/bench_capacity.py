@@ -4,6 +4,7 @@ I/O-bound turns by the thousand on the I/O and stream workers (`io`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import time
 from collections import Counter
@@ -15,7 +16,7 @@ import psutil
 from agentq import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.processes import start_worker
-from scripts.bench_stages import BenchRig, Sizes, turn_statuses
+from scripts.bench_stages import BenchRig, Sizes, pct, turn_statuses
 
 ABORT_CLIENTS = 16
 """Client threads that press Cancel on the held turns, as many users would at once."""
@@ -198,6 +199,7 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
         if v - cpu_before.get(kind, 0.0) >= 0.05
     }
     counts = Counter(str(s) for s in statuses)
+    phases = _phase_ms(store, ids, since)
     return {
         f"{prefix}_turns": n,
         f"{prefix}_all_settled": counts.get("finished") == n,
@@ -210,6 +212,44 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
         f"{prefix}_peak_rss_mb_all_processes": peak_all,
         f"{prefix}_cpu_s_by_process": cpu,
         f"{prefix}_cpu_s_total": round(sum(cpu.values()), 1),
+        f"{prefix}_phase_ms": phases,
+    }
+
+
+# The steps of a bench turn, in order, by their event type (the nth of that type).
+_PHASES = (
+    ("turn_started", 1),
+    ("llm_started", 1),
+    ("llm_finished", 1),
+    ("tool_started", 1),
+    ("tool_finished", 1),
+    ("llm_started", 2),
+    ("llm_finished", 2),
+    ("turn_finished", 1),
+)
+
+
+def _phase_ms(store: Any, ids: list[str], since: float) -> dict[str, list[int]]:
+    """When each step of the turns happened, from each turn's event log (read after the
+    stage, off the clock): ms since the stage began, as [p50, p90, max] over the turns."""
+    from agentq import constants as k
+
+    at: dict[str, list[int]] = {f"{t}#{n}": [] for t, n in _PHASES}
+    pipe = store.redis.pipeline()
+    for tid in ids:
+        pipe.xrange(k.log_key(tid))
+    for entries in pipe.execute():
+        seen: Counter[str] = Counter()
+        for sid, fields in entries:
+            type_ = json.loads(fields[b"e"])["type"]
+            seen[type_] += 1
+            name = f"{type_}#{seen[type_]}"
+            if name in at:
+                at[name].append(int(sid.split(b"-")[0]) - int(since * 1000))
+    return {
+        name: [int(pct(xs, 50) or 0), int(pct(xs, 90) or 0), max(xs)]
+        for name, xs in at.items()
+        if xs
     }
 
 

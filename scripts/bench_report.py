@@ -158,6 +158,18 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
                 "",
                 f"{res.get(f'{prefix}_statuses')}; CPU s: {res.get(f'{prefix}_cpu_s_by_process')}",
             )
+            phases = res.get(f"{prefix}_phase_ms") or {}
+            if phases:
+                # Where the time above the floor goes: when the last turns reached each step.
+                d.add_row(
+                    f"{label}: s to each step (p50/max)",
+                    ", ".join(
+                        f"{name} {ms[0] / 1000:.1f}/{ms[2] / 1000:.1f}"
+                        for name, ms in phases.items()
+                    ),
+                    "",
+                    "",
+                )
     for what in ("rss", "pss"):
         mem = res.get(f"{what}_mb") or {}
         d.add_row(

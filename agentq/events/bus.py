@@ -9,7 +9,14 @@ from typing import Any
 
 import redis
 
-from agentq.constants import events_channel, log_key, seq_key, turn_key
+from agentq.constants import (
+    MEASURED_EVENT_TYPES,
+    MEASURED_EVENTS_CHANNEL,
+    events_channel,
+    log_key,
+    seq_key,
+    turn_key,
+)
 from agentq.models import TERMINAL_STATUSES, Event
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
@@ -18,13 +25,23 @@ from agentq.models import TERMINAL_STATUSES, Event
 # copy, the stream id) in as text so no JSON is parsed inside Redis.
 
 
+# A body starts with its type (`event_body`): the gateways' metrics read only the types
+# they count from one channel, not every delta of every turn through a pattern.
+_MEASURED_LUA = " or ".join(f"etype == '{t}'" for t in MEASURED_EVENT_TYPES)
+
+
 def publish_lua(seq: str, log: str, channel: str, body: str, maxlen: str) -> str:
     """The Lua that publishes one event, for embedding in larger atomic scripts."""
     return f"""
 local seq = redis.call('INCR', {seq})
 local body = '{{"seq":' .. seq .. ',' .. string.sub({body}, 2)
 local id = redis.call('XADD', {log}, 'MAXLEN', '~', {maxlen}, '*', 'e', body)
-redis.call('PUBLISH', {channel}, '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2))
+local live = '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2)
+redis.call('PUBLISH', {channel}, live)
+local etype = string.match({body}, '^{{"type":"([%w_]+)"')
+if {_MEASURED_LUA} then
+  redis.call('PUBLISH', '{MEASURED_EVENTS_CHANNEL}', live)
+end
 """
 
 
@@ -81,6 +98,7 @@ TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
 
 
 def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
+    """An event as published, without its seq; `type` first (the publish scripts read it)."""
     return json.dumps(
         {"type": type_, "turn_id": turn_id, "ts": round(time.time(), 6), **fields},
         separators=(",", ":"),

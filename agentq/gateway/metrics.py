@@ -31,11 +31,12 @@ What each metric counts, and where it comes from:
   yet, read at scrape time too.
 - ``agentq_redis_up`` gauge: 1 if the scrape-time read of Redis worked, else 0.
 
-The event-derived metrics come from an :class:`EventObserver`: one pattern subscription
-to every turn's pub/sub channel, so they count the whole fleet's events, whether or
-not anyone is watching a turn. Pub/sub delivers at most once: events published while
-the gateway is down are not counted, and every gateway replica counts the same events
-(aggregate replicas with `max`, not `sum`).
+The event-derived metrics come from an :class:`EventObserver`: a subscription to the
+channel where the publish scripts copy every turn's events of the types counted here
+(`MEASURED_EVENTS_CHANNEL`; never deltas or progress), so they count the whole fleet's
+events, whether or not anyone is watching a turn. Pub/sub delivers at most once: events
+published while the gateway is down are not counted, and every gateway replica counts the
+same events (aggregate replicas with `max`, not `sum`).
 """
 
 from __future__ import annotations
@@ -51,12 +52,11 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
-from agentq.constants import PREFIX
+from agentq.constants import MEASURED_EVENTS_CHANNEL
 
 log = logging.getLogger("agentq.gateway.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-EVENTS_PATTERN = f"{PREFIX}:turn:*:events"
 TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, float("inf"))
 ROUND_BUCKETS_S = (0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, float("inf"))
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
@@ -224,15 +224,6 @@ class StepDurations:
         return [family]
 
 
-_UNMEASURED = (b'"type":"llm_delta"', b'"type":"tool_progress"')
-
-
-def _unmeasured(data: Any) -> bool:
-    """Deltas and progress (most events by far) count in no metric: not even decoded."""
-    head = data[:160] if isinstance(data, bytes) else b""
-    return any(marker in head for marker in _UNMEASURED)
-
-
 class EventObserver:
     """A daemon thread that feeds every turn's published events to :class:`GatewayMetrics`."""
 
@@ -264,10 +255,10 @@ class EventObserver:
         while not self._stop.is_set():
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
             try:
-                pubsub.psubscribe(EVENTS_PATTERN)
+                pubsub.subscribe(MEASURED_EVENTS_CHANNEL)
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=self.poll_s)
-                    if msg is None or _unmeasured(msg["data"]):
+                    if msg is None:
                         continue
                     try:
                         event = json.loads(msg["data"])

@@ -281,3 +281,27 @@ def test_publish_many_keeps_each_turns_order_and_skips_ended_turns(store: TurnSt
         (2, "llm_finished"),
     ]
     assert [e.type for e in store.bus.replay("t3")] == ["turn_aborted"]
+
+
+def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_not(
+    store: TurnStore,
+) -> None:
+    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(k.MEASURED_EVENTS_CHANNEL)
+    store.bus.publish("t1", "llm_started")
+    store.publish_many({"t1": [("llm_delta", {"text": "a"}), ("llm_finished", {"code": "x"})]})
+    store.bus.publish("t1", "tool_progress", message="half")
+    assert store.settle("t1", error_result(CALL, "boom")) is True
+    assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}) == 1
+    seen = []
+    for _ in range(20):  # the subscription's confirmation reads as None too
+        msg = pubsub.get_message(timeout=0.05)
+        if msg is not None:
+            seen.append(json.loads(msg["data"]))
+    assert [(e["type"], e["seq"]) for e in seen] == [
+        ("llm_finished", 3),
+        ("tool_finished", 5),
+        ("turn_finished", 6),
+    ]
+    # The same message as on the turn's own channel: its seq and log position included.
+    assert all(e["turn_id"] == "t1" and "stream_id" in e for e in seen)
