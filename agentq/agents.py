@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -21,6 +21,9 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import AgentDefinitionError, UnknownAgent
 from agentq.tools.policy import Approval
+
+if TYPE_CHECKING:
+    from agentq.tools.registry import ToolSpec
 
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 """Names usable as OpenAI function names, since an agent may be offered as a tool."""
@@ -136,17 +139,21 @@ class Agent(BaseModel):
             return sorted(all_tools())
         return [t if isinstance(t, str) else t.name for t in self.tools]
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        """What the model is offered, in the agent's order."""
+    def offered_tools(self) -> list[ToolSpec | AgentTool]:
+        """What the model is offered (tools, and agents as tools), in the agent's order."""
         from agentq.tools.registry import all_tools
 
         tools = all_tools()
         agent_tools = self.agent_tools
         return [
-            agent_tools[n].openai_schema() if n in agent_tools else tools[n].openai_schema()
+            agent_tools[n] if n in agent_tools else tools[n]
             for n in self.tool_names()
             if n in agent_tools or n in tools
         ]
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The schemas of `offered_tools`."""
+        return [t.openai_schema() for t in self.offered_tools()]
 
     def settings_for(self, base: Settings) -> Settings:
         """The settings a turn of this agent runs under: the base with its overrides."""

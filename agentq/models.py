@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 from enum import Enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from agentq.chat import check_messages, check_text
 
@@ -176,20 +175,15 @@ class ToolTaskRequest(_Frozen):
     """The turn's W3C trace context when tracing is on: the call's span goes under it."""
 
 
-@functools.lru_cache(maxsize=64)
-def _parsed_schemas(text: str) -> Any:
-    # Every round of a fleet sends one of a few tool sets: parsed once per process. The
-    # validator copies the list and its dicts; nothing downstream changes a schema.
-    return json.loads(text)
-
-
 class LlmRoundRequest(_Frozen):
     """The kwargs of an `agentq.llm.round` task."""
 
     turn_id: str
     round_no: int
-    tools: list[dict[str, Any]] = Field(default_factory=list)
-    """The tools' schemas; on the wire one JSON string (see `_tools_as_text`)."""
+    tools_json: str = "[]"
+    """The tools' schemas: the JSON array sent to the model, encoded once per tool set by
+    the turn and spliced into the request by the stream worker, never parsed between
+    (dozens of small objects cost kombu a Python hook each, and every hop an encoding)."""
     duration_left_s: float
     idle_timeout_ms: int
     model: str | None = None
@@ -199,16 +193,12 @@ class LlmRoundRequest(_Frozen):
     traceparent: str | None = None
     """The turn's W3C trace context when tracing is on: the round's span goes under it."""
 
-    @field_validator("tools", mode="before")
+    @field_validator("tools_json")
     @classmethod
-    def _tools_from_text(cls, v: Any) -> Any:
-        return _parsed_schemas(v) if isinstance(v, str) else v
-
-    @field_serializer("tools")
-    def _tools_as_text(self, tools: list[dict[str, Any]]) -> str:
-        # Schemas are dozens of small objects: as one string the broker's decoder (kombu's,
-        # with a Python hook per object) reads them at C speed.
-        return json.dumps(tools, separators=(",", ":"))
+    def _a_json_array(cls, v: str) -> str:
+        if not v.strip().startswith("["):
+            raise ValueError("tools_json must be the JSON array of the tools' schemas")
+        return v
 
 
 class LlmRoundResult(_Frozen):

@@ -31,6 +31,7 @@ from agentq.errors import (
 from agentq.llm.client import (
     CHAT_COMPLETIONS_PATH,
     DeltaCallback,
+    Tools,
     _Assembler,
     api_error_to_llm,
     chat_request,
@@ -83,7 +84,7 @@ def make_client(
 async def astream_round(
     client: openai.AsyncOpenAI,
     messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
+    tools: Tools,
     *,
     model: str,
     idle_timeout_ms: int,
@@ -179,9 +180,7 @@ class _Attempt:
         self._started = time.monotonic()
         self._last = self._started
 
-    async def run(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-    ) -> AssistantMessage:
+    async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         self._started = self._last = time.monotonic()
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._stream(messages, tools))
@@ -218,13 +217,11 @@ class _Attempt:
                 reader.cancel()
             self.elapsed_s = time.monotonic() - self._started
 
-    async def _stream(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-    ) -> AssistantMessage:
+    async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         try:
             stream = await self.client.post(
                 CHAT_COMPLETIONS_PATH,
-                body=chat_request(self.model, messages, tools),
+                content=chat_request(self.model, messages, tools),
                 cast_to=object,
                 stream=True,
                 stream_cls=openai.AsyncStream[object],

@@ -38,12 +38,16 @@ RetryCallback = Callable[[int, Exception, float], None]
 
 # The transport's own read timeout is only a backstop behind the watchdog, so it
 # must never fire first.
+Tools = list[dict[str, Any]] | str
+"""Tool schemas: a list, or the JSON array text of one (the stream worker's form)."""
+
+
 _READ_BACKSTOP_MARGIN_S = 1.0
 
 
 def stream_round(
     messages: list[dict[str, Any]],
-    tools: list[dict[str, Any]],
+    tools: Tools,
     *,
     base_url: str,
     api_key: str | None,
@@ -174,7 +178,7 @@ class _Attempt:
             read_s = max(read_s, self.idle_timeout_ms / 1000.0 + _READ_BACKSTOP_MARGIN_S)
         return httpx2.Timeout(self.request_timeout_s, read=read_s)
 
-    def run(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> AssistantMessage:
+    def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         tracker = SocketTracker()
         watchdog = StreamWatchdog(
             idle_timeout_ms=self.idle_timeout_ms,
@@ -209,12 +213,12 @@ class _Attempt:
         tracker: SocketTracker,
         watchdog: StreamWatchdog,
         messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
+        tools: Tools,
     ) -> AssistantMessage:
         try:
             stream = client.post(
                 CHAT_COMPLETIONS_PATH,
-                body=chat_request(self.model, messages, tools),
+                content=chat_request(self.model, messages, tools),
                 cast_to=object,
                 stream=True,
                 stream_cls=openai.Stream[object],
@@ -260,15 +264,15 @@ class _Attempt:
 CHAT_COMPLETIONS_PATH = "/chat/completions"
 
 
-def chat_request(
-    model: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-) -> dict[str, Any]:
-    """The streamed chat-completions request body.
+def chat_request(model: str, messages: list[dict[str, Any]], tools: Tools) -> bytes:
+    """The streamed chat-completions request body, encoded.
 
-    Sent through the SDK's own `post` (its auth, errors and transport) as it is: the
-    turn's history and the tool schemas are JSON already, and the per-request transform
-    of `chat.completions.create` cost a busy stream worker a fifth of its CPU. Chunks come
-    back as plain dicts for the same reason (the SDK's model construction cost as much).
+    Sent through the SDK's own `post` (its auth, errors and transport) as its `content`,
+    which it sends as it is: the turn's history and the tool schemas are JSON already, and the
+    per-request transform of `chat.completions.create` cost a busy stream worker a fifth
+    of its CPU. A stream worker gets the schemas as the text the turn encoded once per
+    tool set and splices them in unparsed. Chunks come back as plain dicts for the same
+    reason (the SDK's model construction cost as much).
     """
     body: dict[str, Any] = {
         "model": model,
@@ -276,9 +280,11 @@ def chat_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if tools:
-        body["tools"] = tools
-    return body
+    text = json.dumps(body, separators=(",", ":"))
+    schemas = tools if isinstance(tools, str) else json.dumps(tools, separators=(",", ":"))
+    if schemas.strip() not in ("", "[]"):
+        text = text[:-1] + ',"tools":' + schemas + "}"
+    return text.encode()
 
 
 def _field(obj: object, name: str) -> Any:

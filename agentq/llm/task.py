@@ -304,7 +304,7 @@ async def _stream(
         message, streamed_s = await astream_round(
             client,
             messages,
-            req.tools,
+            req.tools_json,
             model=model,
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,

@@ -13,7 +13,7 @@ from agentq.errors import ModelRoundFailed, StreamDurationExceeded
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import subturns
 from agentq.orchestrator.context import StepContext
-from agentq.tools.registry import all_tools
+from agentq.tools.registry import all_tools, schemas_json
 
 
 def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
@@ -39,14 +39,11 @@ def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) ->
     if left_s <= 0:
         raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
     agent = ctx.agent
+    offered = list(all_tools().values()) if agent is None else agent.offered_tools()
     req = LlmRoundRequest(
         turn_id=ctx.turn_id,
         round_no=round_no,
-        tools=(
-            [t.openai_schema() for t in all_tools().values()]
-            if agent is None
-            else agent.tool_schemas()
-        ),
+        tools_json=schemas_json(offered),
         duration_left_s=left_s,
         idle_timeout_ms=s.stream_idle_timeout_ms,
         model=None if agent is None else agent.model,
@@ -70,7 +67,7 @@ def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) ->
         task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}" + (f".{sends}" if sends > 1 else ""),
         queue=k.QUEUE_LLM,
         argsrepr="()",
-        kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(req.tools)),
+        kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(offered)),
         ignore_result=True,
     )
     if sends == 1 and attempt == 1:

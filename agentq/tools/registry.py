@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_type_hints, overload
+from typing import Any, Literal, Protocol, TypeVar, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
@@ -236,3 +236,25 @@ def parse_arguments(tool_name: str, raw: str) -> dict[str, Any]:
             tool_name, f"arguments must be a JSON object, got {type(value).__name__}"
         )
     return value
+
+
+class _Offered(Protocol):
+    def openai_schema(self) -> dict[str, Any]: ...
+
+
+_schemas_json: dict[tuple[int, ...], tuple[tuple[_Offered, ...], str]] = {}
+
+
+def schemas_json(offered: Sequence[_Offered]) -> str:
+    """The JSON array of these tools' schemas, as a model round sends it: encoded once per
+    tool set (every round of a fleet offers one of a few), not once per round."""
+    key = tuple(map(id, offered))
+    hit = _schemas_json.get(key)
+    # The entry holds the tools themselves, so no id in a key is reused while it lives.
+    if hit is not None and all(a is b for a, b in zip(hit[0], offered, strict=True)):
+        return hit[1]
+    text = json.dumps([t.openai_schema() for t in offered], separators=(",", ":"))
+    if len(_schemas_json) >= 64:
+        _schemas_json.clear()
+    _schemas_json[key] = (tuple(offered), text)
+    return text

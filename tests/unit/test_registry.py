@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
+from pydantic import ValidationError
 
 from agentq import ToolContext, tool
 from agentq.errors import ToolArgumentsInvalid, ToolDefinitionError, UnknownTool
@@ -153,3 +157,42 @@ def test_visibility_timeout_counts_the_hint_ceiling() -> None:
 
     assert longest_limit_s(120, [(30, 4000), (60, None), (0, None)]) == 4000
     assert visibility_timeout_s(longest_limit_s(120, [(30, 4000)]), 300) == 2 * 4300 + 600
+
+
+def test_a_rounds_tool_schemas_are_encoded_once_per_tool_set_and_sent_unparsed() -> None:
+    from agentq.llm.client import chat_request
+    from agentq.models import LlmRoundRequest
+    from agentq.tools.registry import schemas_json
+
+    @tool(name="t_schema_a")
+    def a(text: str) -> str:
+        return text
+
+    @tool(name="t_schema_b")
+    def b(n: int = 1) -> int:
+        return n
+
+    try:
+        _schemas_once(schemas_json, chat_request, LlmRoundRequest)
+    finally:
+        unregister("t_schema_a")
+        unregister("t_schema_b")
+
+
+def _schemas_once(schemas_json: Any, chat_request: Any, request_model: Any) -> None:
+    both = [get_tool("t_schema_a"), get_tool("t_schema_b")]
+    text = schemas_json(both)
+    assert schemas_json(list(both)) is text  # the same tools: the text encoded before
+    assert [s["function"]["name"] for s in json.loads(text)] == ["t_schema_a", "t_schema_b"]
+    assert json.loads(schemas_json(both[:1])) == [both[0].openai_schema()]
+
+    body = json.loads(chat_request("m", [{"role": "user", "content": "hi"}], text))
+    assert body["tools"] == json.loads(text) and body["stream"] is True
+    assert "tools" not in json.loads(chat_request("m", [], "[]"))
+    # The sync client's list form encodes to the same request.
+    assert chat_request("m", [], json.loads(text)) == chat_request("m", [], text)
+
+    with pytest.raises(ValidationError, match="JSON array"):
+        request_model(
+            turn_id="t", round_no=0, tools_json='{"x": 1}', duration_left_s=1, idle_timeout_ms=1
+        )
