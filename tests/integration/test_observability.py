@@ -22,6 +22,7 @@ import pytest
 
 from agentq import runtime
 from agentq.api import Client
+from agentq.constants import MEASURED_EVENTS_CHANNEL
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
 from agentq.models import Usage
@@ -81,10 +82,15 @@ def obs(
             )
             logs[kind] = workers[kind].log_path
         client = Client()
-        numpat = client.store.redis.pubsub_numpat()
+
+        def measured_subscribers() -> int:
+            ((_, n),) = client.store.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
+            return int(n)
+
+        before = measured_subscribers()
         server = BackgroundServer(create_app(client)).start()
         # The gateway counts only events published after it subscribed.
-        wait_for(lambda: client.store.redis.pubsub_numpat() > numpat, 10, 0.05)
+        wait_for(lambda: measured_subscribers() > before, 10, 0.05)
         with httpx.Client(base_url=server.url, timeout=10) as http:
             yield Obs(spans, logs, workers, client, http)
     finally:
