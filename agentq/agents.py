@@ -151,10 +151,6 @@ class Agent(BaseModel):
             if n in agent_tools or n in tools
         ]
 
-    def tool_schemas(self) -> list[dict[str, Any]]:
-        """The schemas of `offered_tools`."""
-        return [t.openai_schema() for t in self.offered_tools()]
-
     def settings_for(self, base: Settings) -> Settings:
         """The settings a turn of this agent runs under: the base with its overrides."""
         update: dict[str, Any] = {

@@ -36,12 +36,12 @@ DeltaCallback = Callable[[str, str], None]
 RetryCallback = Callable[[int, Exception, float], None]
 """(attempt that failed, its error, delay before the retry in seconds)."""
 
-# The transport's own read timeout is only a backstop behind the watchdog, so it
-# must never fire first.
 Tools = list[dict[str, Any]] | str
 """Tool schemas: a list, or the JSON array text of one (the stream worker's form)."""
 
 
+# The transport's own read timeout is only a backstop behind the watchdog, so it
+# must never fire first.
 _READ_BACKSTOP_MARGIN_S = 1.0
 
 

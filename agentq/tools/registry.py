@@ -250,8 +250,9 @@ def schemas_json(offered: Sequence[_Offered]) -> str:
     tool set (every round of a fleet offers one of a few), not once per round."""
     key = tuple(map(id, offered))
     hit = _schemas_json.get(key)
-    # The entry holds the tools themselves, so no id in a key is reused while it lives.
-    if hit is not None and all(a is b for a, b in zip(hit[0], offered, strict=True)):
+    # The entry holds the tools themselves, so no id in a key is reused while it lives:
+    # the same key is the same tools.
+    if hit is not None:
         return hit[1]
     text = json.dumps([t.openai_schema() for t in offered], separators=(",", ":"))
     if len(_schemas_json) >= 64:

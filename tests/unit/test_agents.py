@@ -39,7 +39,7 @@ def only_new_agents() -> Iterator[None]:
 def test_tools_are_names_and_default_to_every_tool() -> None:
     a = Agent(name="u_a", tools=[demo.echo, "sleep"])
     assert a.tool_names() == ["echo", "sleep"]
-    assert [t["function"]["name"] for t in a.tool_schemas()] == ["echo", "sleep"]
+    assert [t.openai_schema()["function"]["name"] for t in a.offered_tools()] == ["echo", "sleep"]
     everything = Agent(name="u_all")
     assert {"echo", "sleep", "hang"} <= set(everything.tool_names())
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from agentq import ToolContext, tool
 from agentq.errors import ToolArgumentsInvalid, ToolDefinitionError, UnknownTool
-from agentq.tools.registry import get_tool, parse_arguments, unregister
+from agentq.llm.client import chat_request
+from agentq.models import LlmRoundRequest
+from agentq.tools.registry import get_tool, parse_arguments, schemas_json, unregister
 
 
 def test_schema_from_signature_and_docstring() -> None:
@@ -160,10 +161,6 @@ def test_visibility_timeout_counts_the_hint_ceiling() -> None:
 
 
 def test_a_rounds_tool_schemas_are_encoded_once_per_tool_set_and_sent_unparsed() -> None:
-    from agentq.llm.client import chat_request
-    from agentq.models import LlmRoundRequest
-    from agentq.tools.registry import schemas_json
-
     @tool(name="t_schema_a")
     def a(text: str) -> str:
         return text
@@ -173,26 +170,22 @@ def test_a_rounds_tool_schemas_are_encoded_once_per_tool_set_and_sent_unparsed()
         return n
 
     try:
-        _schemas_once(schemas_json, chat_request, LlmRoundRequest)
+        both = [get_tool("t_schema_a"), get_tool("t_schema_b")]
+        text = schemas_json(both)
+        assert schemas_json(list(both)) is text  # the same tools: the text encoded before
+        assert [s["function"]["name"] for s in json.loads(text)] == ["t_schema_a", "t_schema_b"]
+        assert json.loads(schemas_json(both[:1])) == [both[0].openai_schema()]
+
+        body = json.loads(chat_request("m", [{"role": "user", "content": "hi"}], text))
+        assert body["tools"] == json.loads(text) and body["stream"] is True
+        assert "tools" not in json.loads(chat_request("m", [], "[]"))
+        # The sync client's list form encodes to the same request.
+        assert chat_request("m", [], json.loads(text)) == chat_request("m", [], text)
+
+        with pytest.raises(ValidationError, match="JSON array"):
+            LlmRoundRequest(
+                turn_id="t", round_no=0, tools_json='{"x": 1}', duration_left_s=1, idle_timeout_ms=1
+            )
     finally:
         unregister("t_schema_a")
         unregister("t_schema_b")
-
-
-def _schemas_once(schemas_json: Any, chat_request: Any, request_model: Any) -> None:
-    both = [get_tool("t_schema_a"), get_tool("t_schema_b")]
-    text = schemas_json(both)
-    assert schemas_json(list(both)) is text  # the same tools: the text encoded before
-    assert [s["function"]["name"] for s in json.loads(text)] == ["t_schema_a", "t_schema_b"]
-    assert json.loads(schemas_json(both[:1])) == [both[0].openai_schema()]
-
-    body = json.loads(chat_request("m", [{"role": "user", "content": "hi"}], text))
-    assert body["tools"] == json.loads(text) and body["stream"] is True
-    assert "tools" not in json.loads(chat_request("m", [], "[]"))
-    # The sync client's list form encodes to the same request.
-    assert chat_request("m", [], json.loads(text)) == chat_request("m", [], text)
-
-    with pytest.raises(ValidationError, match="JSON array"):
-        request_model(
-            turn_id="t", round_no=0, tools_json='{"x": 1}', duration_left_s=1, idle_timeout_ms=1
-        )
