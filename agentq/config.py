@@ -62,6 +62,10 @@ class Settings(BaseSettings):
     io_capacity: int = Field(2000, ge=1)
     """Calls (I/O worker) or model streams (stream worker) one process holds on its event
     loop; past it the Celery threads wait and the broker keeps the rest."""
+    llm_processes: int = Field(0, ge=0, le=64)
+    """Event-loop processes of `agentq worker llm` (`--processes`); 0: one per CPU, at most 4."""
+    io_processes: int = Field(0, ge=0, le=64)
+    """Event-loop processes of `agentq worker io` (`--processes`); 0: one."""
     loop_lag_warn_ms: int = Field(100, ge=1)
     """An event loop blocked this long is logged, with the call that blocked it."""
 

@@ -31,6 +31,9 @@ from agentq.tools.task import queues_of, register_tool_tasks
 
 log = logging.getLogger("agentq.worker")
 
+LOOP_BROKER_POOL = 2
+"""Broker connections an event-loop worker process keeps for publishing."""
+
 
 settings = get_settings()
 logs.connect_celery_signals(settings.log_format)
@@ -63,6 +66,20 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     if problem:
         raise SystemExit(f"agentq: {problem}")
     set_role(role)
+    if role in ("llm", "io"):
+        # The steps these workers take publish from their few store threads: a pool of
+        # two broker connections serves them (Celery's default keeps ten, each two Redis
+        # connections, per process).
+        sender.app.conf.broker_pool_limit = LOOP_BROKER_POOL
+    if role == "llm" and settings.broker.startswith(("redis", "rediss", "sentinel")):
+        # A round is handed to the loop the moment it arrives, and the turn sends again a
+        # round no stream worker claimed (PICKUP_LEASES), so kombu's unacked hash (two
+        # Redis round trips a message, on the consumer's own thread) guards nothing here.
+        # A warm shutdown still puts back what was prefetched.
+        sender.app.conf.broker_transport_options = {
+            **sender.app.conf.broker_transport_options,
+            "ack_emulation": False,
+        }
     # Here, not at import: the role names the service, and a prefork pool forks after this.
     tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
 

@@ -130,13 +130,12 @@ IO_STREAM_S = 2.0
 
 
 def _stream_round(tool_calls: list[ScriptedCall] | None = None) -> Round:
-    """A round that streams for about IO_STREAM_S: 20 chunks, 100 ms apart."""
-    return Round(
-        text="x" * 80,
-        chunk_size=4,
-        chunk_delay_ms=int(IO_STREAM_S * 1000 / 20),
-        tool_calls=tool_calls or [],
-    )
+    """A round that streams for IO_STREAM_S: 80 characters (and the tool call's arguments)
+    in 4-character chunks, evenly paced."""
+    rnd = Round(text="x" * 80, chunk_size=4, tool_calls=tool_calls or [])
+    # 21 chunks without the call, 26 with it: one pace for both would stretch round 1.
+    rnd.chunk_delay_ms = round(IO_STREAM_S * 1000 / (rnd.chunk_count() - 1))
+    return rnd
 
 
 def _fleet_mb(fx: BenchRig, kinds: tuple[str, ...]) -> float:

@@ -30,9 +30,9 @@ log = logging.getLogger("agentq.aio")
 
 T = TypeVar("T")
 
-STORE_THREADS = 8
+STORE_THREADS = 4
 """Threads for the loop's store calls (short round trips). Each may hold a Redis connection:
-16 gave a stream worker 44 connections and no faster io stage than 8 (or 4)."""
+16 gave a stream worker 44 connections and no faster io stage than 8 or 4."""
 
 
 @dataclass

@@ -8,9 +8,14 @@ Start an agentq worker; every further option goes to `celery worker`.
 `agentq worker KIND --help` lists them (--concurrency, --hostname, --queues, ...).
 
   turns   the turn state machine's steps      queue agentq.turns, threads pool
-  llm     model streams on one event loop     queue agentq.llm, threads pool
+  llm     model streams on event loops        queue agentq.llm, threads pool
   tools   sync `def` tools, hard time limits  queue agentq.tools + tool queues, prefork
   io      `async def` tools on one event loop queue agentq.io + tool queues, threads
+
+llm and io take one option of agentq's own, before or among Celery's:
+  --processes N   event-loop processes, each a Celery worker named KIND-i@host
+                  (llm: one per CPU, at most 4, or AGENTQ_LLM_PROCESSES;
+                   io: 1, or AGENTQ_IO_PROCESSES)
 """
 
 

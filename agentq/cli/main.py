@@ -95,12 +95,22 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
 
 
 def cmd_worker(kind: str, opts: list[str]) -> int:
+    from agentq.cli.supervise import SUPERVISED_ENV, default_processes, supervise, take_processes
     from agentq.config import get_settings
 
+    settings = get_settings()
+    if kind in ("llm", "io"):
+        setting = settings.llm_processes if kind == "llm" else settings.io_processes
+        opts, asked = take_processes(opts, setting)
+        if not _is_help(opts) and os.environ.get(SUPERVISED_ENV) != "1":
+            processes = asked or default_processes(kind)
+            # An I/O worker is always supervised: it recycles itself when a tool blocks
+            # its loop past a hard limit.
+            if processes > 1 or kind == "io":
+                require_reachable(settings, broker=True)
+                return supervise(kind, opts, processes)
     if not _is_help(opts):
-        require_reachable(get_settings(), broker=True)
-    if kind == "io" and not _is_help(opts) and os.environ.get(_SUPERVISED) != "1":
-        return supervise(kind, opts)
+        require_reachable(settings, broker=True)
     from agentq.worker import app, io_queues, tool_queues
 
     argv = worker_argv(kind, opts, tool_queues, io_queues)
@@ -108,48 +118,8 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
     return 0
 
 
-_SUPERVISED = "AGENTQ_SUPERVISED"
-
-
 def _is_help(opts: list[str]) -> bool:
     return any(o in ("-h", "--help") for o in opts)
-
-
-def supervise(kind: str, opts: list[str]) -> int:
-    """Run the worker as a child and start a fresh one when it recycles itself.
-
-    An event-loop worker whose loop stayed blocked past a call's hard limit exits with
-    RECYCLE_EXIT_CODE; any other exit ends the supervisor with the same code.
-    SIGTERM and SIGINT are passed on, so a warm shutdown stays warm.
-    """
-    import signal
-    import subprocess
-
-    from agentq.constants import RECYCLE_EXIT_CODE
-
-    argv = [sys.executable, "-m", "agentq", "worker", kind, *opts]
-    env = {**os.environ, _SUPERVISED: "1"}
-    child: subprocess.Popen[bytes] | None = None
-    stopping = False
-
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-    while True:
-        child = subprocess.Popen(argv, env=env)
-        rc = child.wait()
-        if rc != RECYCLE_EXIT_CODE or stopping:
-            return rc
-        print(
-            f"agentq: the {kind} worker recycled itself (blocked event loop); restarting",
-            file=sys.stderr,
-            flush=True,
-        )
 
 
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")

@@ -87,7 +87,7 @@ class Round(BaseModel):
     chunk_size: int = Field(default=8, ge=1)
     """Characters per text, reasoning or arguments delta."""
     chunk_delay_ms: int = Field(default=0, ge=0)
-    """Pause before every chunk after the first."""
+    """The pace of the stream: chunk i goes out i * chunk_delay_ms after the first."""
     fault: Fault | None = None
     fault_after_chunks: int = Field(default=0, ge=0)
     """For the mid-stream faults: how many data chunks go out before the fault."""
@@ -101,6 +101,13 @@ class Round(BaseModel):
     raw_chunks: list[str] | None = None
     """Sent verbatim as the stream's `data:` lines (then `[DONE]`) instead of the above:
     arbitrary JSON, fragments or garbage, for fuzzing the stream worker."""
+
+    def chunk_count(self) -> int:
+        """The data chunks the round streams (a usage chunk aside): it lasts
+        `(chunk_count() - 1) * chunk_delay_ms`."""
+        if self.raw_chunks is not None:
+            return len(self.raw_chunks)
+        return sum(1 for _ in _deltas(_Plan(self, 0, None, "")))
 
 
 Script = list[Round]
@@ -429,12 +436,16 @@ class _Answer:
         head = json.dumps(base)[:-1] + ', "choices": ['
         fault_at = 0 if plan.fault == "silent_after_200" else rnd.fault_after_chunks
         delay_s = rnd.chunk_delay_ms / 1000
+        clock = asyncio.get_running_loop().time
+        started = clock()
         sent = 0
         for delta, finish in _deltas(plan):
             if sent == fault_at and await self._fault():
                 return False
             if sent and delay_s:
-                await asyncio.sleep(delay_s)
+                # On a fixed schedule, as a model makes tokens at its own pace: a chunk this
+                # busy server sends late does not push back the ones after it.
+                await asyncio.sleep(max(0.0, started + sent * delay_s - clock()))
             if sent == 0:
                 delta = {"role": "assistant", **delta}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}

@@ -128,6 +128,57 @@ def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None
         assert procs["tools-a"].is_running() and procs["tools-b"].is_running()
 
 
+def test_a_stream_worker_of_two_processes_streams_on_both(agentq_env, llm_server) -> None:
+    """`agentq worker llm --processes 2`: two Celery nodes, one event loop each, both take
+    rounds; the supervisor killed outright takes its workers along."""
+    with RedisServer() as redis_server:
+        url = redis_server.url
+        env = {**agentq_env, "AGENTQ_REDIS_URL": url, "AGENTQ_BROKER_URL": url}
+        tag = uuid.uuid4().hex[:6]
+        turns = start_worker("turns", env=env, hostname=f"turns-{tag}@%h", concurrency=8)
+        llm = start_worker(
+            "llm", env=env, hostname=f"llm-{tag}@%h", extra_args=("--processes", "2")
+        )
+        try:
+            workers = wait_for(
+                lambda: pids if len(pids := llm.children_pids()) == 2 else None,
+                30,
+                message="two stream worker processes",
+            )
+            wait_for(lambda: llm.log_text().count(" ready.") == 2, 60, message="both ready")
+            with process_env(env):
+                client = Client()
+                # Sixteen rounds of a second each at once: more than one process prefetches.
+                slow = Round(text="x" * 20, chunk_size=2, chunk_delay_ms=100)
+                handles = [client.start_turn(f"{script(llm_server, slow)} go") for _ in range(16)]
+                for h in handles:
+                    events = collect(client, h.turn_id, timeout_s=60)
+                    assert events[-1].type == "turn_finished", events[-1]
+                    assert events[-1].fields["content"] == "x" * 20
+                stats = client.app.control.inspect(timeout=5).stats() or {}
+            served = {
+                node.split("@", 1)[0]: s.get("total", {}).get("agentq.llm.round", 0)
+                for node, s in stats.items()
+                if node.startswith(f"llm-{tag}-")
+            }
+            assert set(served) == {f"llm-{tag}-1", f"llm-{tag}-2"}, stats.keys()
+            assert sum(served.values()) == 16 and min(served.values()) > 0, served
+            # SIGKILL to the supervisor alone: its workers get SIGTERM from the kernel.
+            os.kill(llm.pid, 9)
+            for pid in workers:
+                wait_for(
+                    lambda pid=pid: (
+                        not psutil.pid_exists(pid)
+                        or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+                    ),
+                    30,
+                    message=f"stream worker {pid} to go with its supervisor",
+                )
+        finally:
+            llm.stop()
+            turns.stop()
+
+
 # --------------------------------------------------------------------------- RabbitMQ
 
 

@@ -112,6 +112,29 @@ def test_sequential_requests_reuse_one_connection(server: ScriptedOpenAIServer) 
     assert server.connections_accepted - before == 1
 
 
+def test_a_paced_round_streams_its_chunk_count_on_schedule() -> None:
+    from agentq.testing.openai_server import ScriptedCall
+
+    rnd = Round(
+        text="x" * 12,
+        chunk_size=4,
+        chunk_delay_ms=60,
+        tool_calls=[ScriptedCall(name="echo", arguments={"text": "hi"})],
+    )
+    # 3 text chunks, the call's header, its 16 characters of arguments in 4, the finish.
+    assert rnd.chunk_count() == 9
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "paced"}]}
+    with ScriptedOpenAIServer({"paced": [rnd]}) as srv, httpx.Client(timeout=5) as client:
+        t0 = time.monotonic()
+        with client.stream("POST", f"{srv.url}/chat/completions", json=body) as response:
+            text = "".join(response.iter_text())
+        took_s = time.monotonic() - t0
+    data = [line for line in text.splitlines() if line.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and len(data) - 1 == rnd.chunk_count()
+    # (9 - 1) * 60 ms: paced from the first chunk, whatever the machine's load adds.
+    assert 0.48 <= took_s < 3.0, took_s
+
+
 def test_the_openai_sdk_reuses_its_connection(server: ScriptedOpenAIServer) -> None:
     from openai import AsyncOpenAI, BadRequestError, OpenAI
 

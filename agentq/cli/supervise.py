@@ -1,0 +1,156 @@
+"""Event-loop workers as several processes under one command: `agentq worker llm` and
+`agentq worker io` run N Celery workers, one event loop each, and start a fresh one when
+a worker recycles itself.
+
+One loop is one core: a stream worker's rounds cost CPU per SSE chunk, and a thousand
+streams at once keep a single Python process busy. Each process holds its own loop,
+Redis connections and Celery consumer, so Flower shows them as `llm-1@host`,
+`llm-2@host`, ... (one process keeps the plain name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from agentq.errors import ConfigError
+
+SUPERVISED_ENV = "AGENTQ_SUPERVISED"
+"""Set in the workers a supervisor starts, so they run Celery instead of supervising."""
+PROCESSES_OPTION = "--processes"
+MAX_AUTO_PROCESSES = 4
+"""The default of `agentq worker llm` is one process per CPU, up to this many: each
+holds thousands of streams, and each costs about 100 MB and 15 Redis connections."""
+
+
+def default_processes(kind: str) -> int:
+    """One per CPU (at most MAX_AUTO_PROCESSES) for the stream worker; one for I/O."""
+    if kind != "llm":
+        return 1
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_AUTO_PROCESSES))
+
+
+def take_processes(opts: Sequence[str], setting: int) -> tuple[list[str], int | None]:
+    """`--processes N` out of the Celery options: (the rest, N or None when not given);
+    `setting` (AGENTQ_LLM_PROCESSES / AGENTQ_IO_PROCESSES, 0 = the default) is the fallback."""
+    rest: list[str] = []
+    value: str | None = None
+    it = iter(opts)
+    for o in it:
+        if o == PROCESSES_OPTION:
+            value = next(it, "")
+        elif o.startswith(PROCESSES_OPTION + "="):
+            value = o.split("=", 1)[1]
+        else:
+            rest.append(o)
+    if value is None:
+        return rest, setting or None
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise ConfigError(PROCESSES_OPTION, f"must be a whole number from 1 to 64, not {value!r}")
+    return rest, n
+
+
+_HOSTNAME_OPTS = ("-n", "--hostname")
+
+
+def child_opts(kind: str, opts: Sequence[str], index: int, processes: int) -> list[str]:
+    """The options of worker `index` (0-based): with several, each gets its own node name
+    (`llm@%h` becomes `llm-1@%h`, ...), which Celery needs for revokes and Flower."""
+    if processes == 1:
+        return list(opts)
+    rest: list[str] = []
+    name = f"{kind}@%h"
+    it = iter(opts)
+    for o in it:
+        if o in _HOSTNAME_OPTS:
+            name = next(it, name)
+        elif o.startswith("--hostname="):
+            name = o.split("=", 1)[1]
+        elif o.startswith("-n") and len(o) > 2:
+            name = o[2:]
+        else:
+            rest.append(o)
+    node, at, host = name.partition("@")
+    return [*rest, "--hostname", f"{node}-{index + 1}{at}{host}"]
+
+
+def _die_with_parent() -> None:
+    """In each worker, before exec: a supervisor killed outright takes its workers along
+    (SIGTERM: a warm shutdown), instead of leaving them orphaned."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
+    """Run `processes` workers of `kind` until they end; returns the first bad exit code.
+
+    A worker that exits with RECYCLE_EXIT_CODE (its loop stayed blocked past a call's
+    hard limit) is started again. Any other exit stops the others (SIGTERM: warm) and
+    ends the supervisor with that code, for the service manager to restart. SIGTERM and
+    SIGINT are passed on, so a warm shutdown stays warm.
+    """
+    from agentq.constants import RECYCLE_EXIT_CODE
+
+    env = {**os.environ, SUPERVISED_ENV: "1"}
+    argvs = [
+        [sys.executable, "-m", "agentq", "worker", kind, *child_opts(kind, opts, i, processes)]
+        for i in range(processes)
+    ]
+    running: dict[int, int] = {}
+    """pid -> index of its argv."""
+    stopping = False
+
+    def start(i: int) -> None:
+        proc = subprocess.Popen(argvs[i], env=env, preexec_fn=_die_with_parent)
+        running[proc.pid] = i
+
+    def signal_all(signum: int) -> None:
+        for pid in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        signal_all(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    for i in range(processes):
+        start(i)
+    first_rc: int | None = None
+    while running:
+        pid, status = os.wait()
+        if pid not in running:
+            continue
+        i = running.pop(pid)
+        rc = os.waitstatus_to_exitcode(status)
+        if rc == RECYCLE_EXIT_CODE and not stopping:
+            print(
+                f"agentq: a {kind} worker recycled itself (blocked event loop); restarting",
+                file=sys.stderr,
+                flush=True,
+            )
+            start(i)
+            continue
+        if first_rc is None:
+            first_rc = rc
+        if not stopping:
+            stopping = True
+            signal_all(signal.SIGTERM)
+    return first_rc or 0

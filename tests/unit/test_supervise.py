@@ -1,0 +1,65 @@
+"""`agentq worker llm|io --processes N`: the option, each worker's node name, the default."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from agentq.cli.supervise import (
+    MAX_AUTO_PROCESSES,
+    child_opts,
+    default_processes,
+    take_processes,
+)
+from agentq.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("opts", "setting", "expected"),
+    [
+        (["-l", "INFO"], 0, (["-l", "INFO"], None)),
+        (["-l", "INFO"], 3, (["-l", "INFO"], 3)),
+        (["--processes", "2", "-l", "INFO"], 3, (["-l", "INFO"], 2)),
+        (["-l", "INFO", "--processes=5"], 0, (["-l", "INFO"], 5)),
+    ],
+)
+def test_processes_option_is_taken_out_of_celerys(
+    opts: list[str], setting: int, expected: tuple[list[str], int | None]
+) -> None:
+    assert take_processes(opts, setting) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "65", "two", ""])
+def test_a_bad_processes_value_names_the_option(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        take_processes(["--processes", value], 0)
+    assert err.value.setting == "--processes"
+    assert "1 to 64" in str(err.value)
+
+
+def test_one_process_keeps_the_options_and_node_name() -> None:
+    assert child_opts("llm", ["-n", "a@h", "-l", "INFO"], 0, 1) == ["-n", "a@h", "-l", "INFO"]
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        ["-n", "edge@box", "-l", "INFO"],
+        ["--hostname=edge@box", "-l", "INFO"],
+        ["-nedge@box", "-l", "INFO"],
+    ],
+)
+def test_each_of_several_workers_gets_its_own_node_name(opts: list[str]) -> None:
+    names = [child_opts("llm", opts, i, 3) for i in range(3)]
+    assert names == [["-l", "INFO", "--hostname", f"edge-{i}@box"] for i in (1, 2, 3)]
+
+
+def test_without_a_node_name_the_kind_names_them() -> None:
+    assert child_opts("io", [], 1, 2) == ["--hostname", "io-2@%h"]
+
+
+def test_the_stream_worker_defaults_to_one_process_per_cpu_up_to_a_cap() -> None:
+    cpus = len(os.sched_getaffinity(0))
+    assert default_processes("llm") == min(cpus, MAX_AUTO_PROCESSES)
+    assert default_processes("io") == 1
