@@ -71,7 +71,7 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         # two broker connections serves them (Celery's default keeps ten, each two Redis
         # connections, per process).
         sender.app.conf.broker_pool_limit = LOOP_BROKER_POOL
-    if role == "llm" and settings.broker.startswith(("redis", "rediss", "sentinel")):
+    if role == "llm" and settings.broker.startswith(("redis", "sentinel")):
         # A round is handed to the loop the moment it arrives, and the turn sends again a
         # round no stream worker claimed (PICKUP_LEASES), so kombu's unacked hash (two
         # Redis round trips a message, on the consumer's own thread) guards nothing here.
