@@ -19,6 +19,9 @@ log = logging.getLogger("agentq.aio")
 
 POLL_S = 1.0
 """The fallback poll of the cancel keys."""
+RECENT_TURNS = 10_000
+"""Aborts that found no callback, remembered for one registered just after (a round is
+claimed off the loop and registers when the loop takes it up): the newest this many."""
 
 
 class CancelWatch:
@@ -33,6 +36,8 @@ class CancelWatch:
         self._handlers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self._recent: dict[str, None] = {}
+        """Aborted turns that had no callback yet, oldest first."""
         self.subscribed = asyncio.Event()
 
     def start(self) -> None:
@@ -47,6 +52,8 @@ class CancelWatch:
         self._next += 1
         key = self._next
         self._handlers.setdefault(turn_id, {})[key] = fn
+        if turn_id in self._recent:
+            asyncio.get_running_loop().call_soon(self.fire, turn_id)
 
         def remove() -> None:
             handlers = self._handlers.get(turn_id)
@@ -60,12 +67,20 @@ class CancelWatch:
     def fire(self, turn_id: str) -> int:
         """Run (once) every callback of `turn_id`; returns how many ran."""
         handlers = self._handlers.pop(turn_id, {})
+        if not handlers:
+            self._remember(turn_id)
         for fn in handlers.values():
             try:
                 fn()
             except Exception:
                 log.exception("cancel callback of turn %s failed", turn_id)
         return len(handlers)
+
+    def _remember(self, turn_id: str) -> None:
+        self._recent.pop(turn_id, None)
+        self._recent[turn_id] = None
+        if len(self._recent) > RECENT_TURNS:
+            del self._recent[next(iter(self._recent))]
 
     async def _listen(self) -> None:
         delay_s = 0.1
@@ -100,15 +115,14 @@ class CancelWatch:
                 if not turns:
                     continue
                 try:
-                    async with client.pipeline(transaction=False) as pipe:
-                        for t in turns:
-                            pipe.exists(k.cancel_key(t))
-                        flags = await pipe.execute()
+                    # One MGET, not an EXISTS per turn: a loop holding a thousand turns
+                    # spent 4% of its time packing and parsing those each second.
+                    flags = await client.mget([k.cancel_key(t) for t in turns])
                 except Exception as exc:
                     log.warning("cannot poll cancel keys: %s", exc)
                     continue
                 for t, flag in zip(turns, flags, strict=True):
-                    if flag:
+                    if flag is not None:
                         self.fire(t)
         finally:
             await client.aclose()

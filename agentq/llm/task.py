@@ -29,6 +29,7 @@ from agentq.aio.host import LoopHost, Running, get_host
 from agentq.config import Settings
 from agentq.errors import Aborted, AgentqError, LlmError
 from agentq.models import LlmRoundRequest, LlmRoundResult
+from agentq.store import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 
@@ -53,6 +54,8 @@ class _Streams:
         self.lease_ms = int(s.turn_lease_s * 1000)
         self.alive: collections.Counter[tuple[str, int]] = collections.Counter()
         """Rounds to keep claimed, counted: a redelivered round may run twice here."""
+        self._alive_lock = threading.Lock()
+        """Celery's threads claim, the loop releases, the renewer reads."""
         self.clients: list[openai.AsyncOpenAI] = []
         if s.llm_base_url:
             # Several clients, each with its own connection pool: httpx2's pool (the
@@ -79,17 +82,23 @@ class _Streams:
             return None
         return self.clients[zlib.crc32(turn_id.encode()) % len(self.clients)]
 
+    def hold(self, key: tuple[str, int]) -> None:
+        with self._alive_lock:
+            self.alive[key] += 1
+
     def release(self, key: tuple[str, int]) -> None:
-        self.alive[key] -= 1
-        if self.alive[key] <= 0:
-            del self.alive[key]
+        with self._alive_lock:
+            self.alive[key] -= 1
+            if self.alive[key] <= 0:
+                del self.alive[key]
 
     def _renew(self) -> None:
         every_s = self.host.settings.turn_lease_s / 3
         while True:
             time.sleep(every_s)
             try:
-                rounds = {key: self.worker for key in list(self.alive)}
+                with self._alive_lock:
+                    rounds = dict.fromkeys(self.alive, self.worker)
                 self.host.store.llm_rounds_alive(rounds, self.lease_ms)
             except Exception:
                 log.warning("llm heartbeat failed", exc_info=True)
@@ -171,28 +180,40 @@ class _Deltas:
         await self.publisher.drain(self.turn_id)
 
 
+def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
+    """In a Celery thread: claim the round and read its history; None when it is not
+    this delivery's to stream (done, gone, or streaming elsewhere)."""
+    streams = _get_streams(host)
+    key = (req.turn_id, req.round_no)
+    # Renewed from the moment of the claim: a busy loop may start this round later than
+    # the lease, and a lapsed claim would have the turn send the round again.
+    streams.hold(key)
+    try:
+        start = host.store.begin_llm_round(
+            req.turn_id, req.round_no, streams.worker, streams.lease_ms
+        )
+    except BaseException:
+        streams.release(key)
+        raise
+    if start.claimed:
+        return start
+    streams.release(key)
+    if start.gone:
+        # A late or redelivered round of a turn that ended (or that Redis lost).
+        log.info("round %s of turn %s: the turn is over or gone", req.round_no, req.turn_id)
+    elif start.done is None:
+        # The broker handed this round out again while another delivery streams it.
+        log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
+    return None
+
+
 async def run_round(
-    host: LoopHost, req: LlmRoundRequest, task_id: str | None = None
+    host: LoopHost, req: LlmRoundRequest, start: LlmRoundStart, task_id: str | None = None
 ) -> LlmRoundResult:
+    """On the loop: stream a round `claim_round` claimed, and store its result."""
     store = host.store
     streams = _get_streams(host)
     key = (req.turn_id, req.round_no)
-    # Renewed from the moment of the claim: a busy loop may resume this coroutine later
-    # than the lease, and a lapsed claim would have the turn send the round again.
-    streams.alive[key] += 1
-    start = await host.io(
-        store.begin_llm_round, req.turn_id, req.round_no, streams.worker, streams.lease_ms
-    )
-    if not start.claimed:
-        streams.release(key)
-        if start.done is not None:
-            return LlmRoundResult.model_validate_json(start.done)
-        if start.gone:
-            # A late or redelivered round of a turn that ended (or that Redis lost).
-            return LlmRoundResult(ok=False, error="the turn is over or gone", error_code="EGONE")
-        # The broker handed this round out again while another delivery streams it.
-        log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
-        return LlmRoundResult(ok=False, error="streaming elsewhere", error_code="EDUPLICATE")
     name = f"{k.TASK_LLM_ROUND}:{req.turn_id}:{req.round_no}"
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
@@ -362,21 +383,36 @@ async def _stream(
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
-    """In a Celery thread: hand the round to the loop (waiting while it is full)."""
+    """In a Celery thread: claim the round, then hand it to the loop (waiting while the
+    loop is full). The claim is a blocking Redis call, which this thread can afford and
+    the loop, holding thousands of streams, cannot."""
     host = get_host()
-    host.loop.submit(lambda: _guarded(host, req, task_id))
-
-
-async def _guarded(host: LoopHost, req: LlmRoundRequest, task_id: str | None = None) -> None:
     try:
-        await run_round(host, req, task_id)
+        start = claim_round(host, req)
+    except Exception:
+        log.exception("round %s of turn %s could not be claimed", req.round_no, req.turn_id)
+        _fail_round(host, req)
+        return
+    if start is not None:
+        host.loop.submit(lambda: _guarded(host, req, start, task_id))
+
+
+def _fail_round(host: LoopHost, req: LlmRoundRequest) -> None:
+    """Tell the turn now, rather than after its pick-up wait, that this round failed here."""
+    with contextlib.suppress(Exception):
+        failed = LlmRoundResult(ok=False, error="the stream worker failed", error_code="ELLM")
+        host.store.finish_llm_round(req.turn_id, req.round_no, failed.model_dump_json())
+
+
+async def _guarded(
+    host: LoopHost, req: LlmRoundRequest, start: LlmRoundStart, task_id: str | None = None
+) -> None:
+    try:
+        await run_round(host, req, start, task_id)
     except Exception:
         log.exception("round %s of turn %s failed outside the stream", req.round_no, req.turn_id)
         with contextlib.suppress(Exception):
-            failed = LlmRoundResult(ok=False, error="the stream worker failed", error_code="ELLM")
-            await host.io(
-                host.store.finish_llm_round, req.turn_id, req.round_no, failed.model_dump_json()
-            )
+            await host.io(_fail_round, host, req)
 
 
 def register_llm_task(app: Celery) -> None:
