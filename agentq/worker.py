@@ -31,8 +31,9 @@ from agentq.tools.task import queues_of, register_tool_tasks
 
 log = logging.getLogger("agentq.worker")
 
-LOOP_BROKER_POOL = 2
-"""Broker connections an event-loop worker process keeps for publishing."""
+BROKER_POOL = {"turns": 4, "llm": 2, "io": 2}
+"""Broker connections a worker process keeps for publishing (Celery's default is ten, each
+two Redis connections): the steps these workers take publish from a few threads."""
 
 
 settings = get_settings()
@@ -66,11 +67,8 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     if problem:
         raise SystemExit(f"agentq: {problem}")
     set_role(role)
-    if role in ("llm", "io"):
-        # The steps these workers take publish from their few store threads: a pool of
-        # two broker connections serves them (Celery's default keeps ten, each two Redis
-        # connections, per process).
-        sender.app.conf.broker_pool_limit = LOOP_BROKER_POOL
+    if role in BROKER_POOL:
+        sender.app.conf.broker_pool_limit = BROKER_POOL[role]
     if role == "llm" and settings.broker.startswith(("redis", "sentinel")):
         # A round is handed to the loop the moment it arrives, and the turn sends again a
         # round no stream worker claimed (PICKUP_LEASES), so kombu's unacked hash (two

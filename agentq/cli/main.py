@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 WORKER_KINDS: dict[str, dict[str, str | None]] = {
     "turns": {"pool": "threads", "concurrency": "16"},
-    "llm": {"pool": "threads", "concurrency": "8"},
+    # The threads claim each round and hand it to the event loop, which streams it.
+    "llm": {"pool": "threads", "concurrency": "4"},
     "tools": {"pool": "prefork", "concurrency": None},
     # The threads only hand calls to the event loop, which holds thousands of them.
     "io": {"pool": "threads", "concurrency": "8"},

@@ -137,7 +137,20 @@ class _Publisher:
         """Set (and replaced) each time a batch has gone out."""
 
     def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
-        self.pending.setdefault(turn_id, []).append((type_, fields))
+        events = self.pending.setdefault(turn_id, [])
+        if type_ == "llm_delta" and events:
+            # Deltas that arrive while the last batch is still going out join the delta
+            # before them: a loaded worker publishes fewer, longer deltas instead of
+            # falling behind; an idle one still sends each chunk as it comes.
+            last_type, last = events[-1]
+            if (
+                last_type == "llm_delta"
+                and last["round_no"] == fields["round_no"]
+                and last["kind"] == fields["kind"]
+            ):
+                last["text"] += fields["text"]
+                return
+        events.append((type_, fields))
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.get_running_loop().create_task(self._flush())
 
