@@ -24,7 +24,7 @@ SUPERVISED_ENV = "AGENTQ_SUPERVISED"
 PROCESSES_OPTION = "--processes"
 MAX_AUTO_PROCESSES = 4
 """The default of `agentq worker llm` is one process per CPU, up to this many: each
-holds thousands of streams, and each costs about 100 MB and 15 Redis connections."""
+holds thousands of streams, and each costs about 150 MB and 20 Redis connections."""
 
 
 def default_processes(kind: str) -> int:
