@@ -1,10 +1,11 @@
 """The stream worker's task: one model round, streamed on the event loop, watched, and
 handed back to the turn.
 
-The Celery task (a thread of the `threads` pool) hands the round to the process's loop
-and returns, so one process streams thousands of rounds. While a round streams its
-key `agentq:turn:{id}:llm:{round}:alive` is renewed, for all rounds at once, by one
-thread of its own; if the process dies the keys lapse and the turn sends those rounds again.
+The Celery task (a thread of the `threads` pool) claims the round, hands it to the
+process's loop and returns, so one process streams thousands of rounds. While a round
+streams its key `agentq:turn:{id}:llm:{round}:alive` is renewed, for all rounds at once,
+by one thread of its own; if the process dies the keys lapse and the turn sends those
+rounds again.
 """
 
 from __future__ import annotations
@@ -406,8 +407,15 @@ def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
         log.exception("round %s of turn %s could not be claimed", req.round_no, req.turn_id)
         _fail_round(host, req)
         return
-    if start is not None:
+    if start is None:
+        return
+    try:
         host.loop.submit(lambda: _guarded(host, req, start, task_id))
+    except BaseException:
+        # Not on the loop after all: stop renewing the claim, and say so to the turn.
+        _get_streams(host).release((req.turn_id, req.round_no))
+        _fail_round(host, req)
+        raise
 
 
 def _fail_round(host: LoopHost, req: LlmRoundRequest) -> None:
