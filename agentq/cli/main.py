@@ -8,6 +8,7 @@ import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from agentq.cli.options import has_option, take_option
 from agentq.connections import probe, redact
 from agentq.errors import AgentqError, ConfigError, MissingExtra, UnknownAgent
 
@@ -24,25 +25,6 @@ WORKER_KINDS: dict[str, dict[str, str | None]] = {
 }
 
 
-def _has(opts: list[str], *names: str) -> bool:
-    return any(
-        o == n or o.startswith(n + "=") or (len(n) == 2 and o.startswith(n) and len(o) > 2)
-        for o in opts
-        for n in names
-    )
-
-
-def _pool_of(opts: list[str]) -> str | None:
-    for i, o in enumerate(opts):
-        if o in ("-P", "--pool") and i + 1 < len(opts):
-            return opts[i + 1]
-        if o.startswith("--pool="):
-            return o.split("=", 1)[1]
-        if o.startswith("-P") and len(o) > 2:
-            return o[2:]
-    return None
-
-
 def worker_argv(
     kind: str, opts: list[str], tool_queues: list[str], io_queues: list[str] | None = None
 ) -> list[str]:
@@ -50,7 +32,7 @@ def worker_argv(
     from agentq.roles import pool_problem
 
     spec = WORKER_KINDS[kind]
-    pool = _pool_of(opts)
+    pool = take_option(opts, "-P", "--pool")[0] or None
     problem = pool_problem(kind, pool) if pool is not None else None
     if problem:
         raise ConfigError("--pool", problem)
@@ -61,15 +43,15 @@ def worker_argv(
         "io": io_queues or ["agentq.io"],
     }[kind]
     argv = ["worker"]
-    if not _has(opts, "-Q", "--queues"):
+    if not has_option(opts, "-Q", "--queues"):
         argv += ["-Q", ",".join(queues)]
     if pool is None:
         argv += ["-P", str(spec["pool"])]
-    if spec["concurrency"] and not _has(opts, "-c", "--concurrency"):
+    if spec["concurrency"] and not has_option(opts, "-c", "--concurrency"):
         argv += ["-c", str(spec["concurrency"])]
-    if not _has(opts, "-n", "--hostname"):
+    if not has_option(opts, "-n", "--hostname"):
         argv += ["-n", f"{kind}@%h"]
-    if not _has(opts, "-l", "--loglevel"):
+    if not has_option(opts, "-l", "--loglevel"):
         argv += ["-l", "INFO"]
     return [*argv, *opts]
 
@@ -100,18 +82,17 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
     from agentq.config import get_settings
 
     settings = get_settings()
+    processes = 1
     if kind in ("llm", "io"):
         setting = settings.llm_processes if kind == "llm" else settings.io_processes
         opts, asked = take_processes(opts, setting)
-        if not _is_help(opts) and os.environ.get(SUPERVISED_ENV) != "1":
-            processes = asked or default_processes(kind)
-            # An I/O worker is always supervised: it recycles itself when a tool blocks
-            # its loop past a hard limit.
-            if processes > 1 or kind == "io":
-                require_reachable(settings, broker=True)
-                return supervise(kind, opts, processes)
+        processes = asked or default_processes(kind)
     if not _is_help(opts):
         require_reachable(settings, broker=True)
+        # An I/O worker is always supervised: it recycles itself when a tool blocks its
+        # loop past a hard limit.
+        if os.environ.get(SUPERVISED_ENV) != "1" and (processes > 1 or kind == "io"):
+            return supervise(kind, opts, processes)
     from agentq.worker import app, io_queues, tool_queues
 
     argv = worker_argv(kind, opts, tool_queues, io_queues)
@@ -142,20 +123,20 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     reads itself: ``FLOWER_ADDRESS=0.0.0.0`` in a container), then agentq's settings.
     """
     argv = ["flower"]
-    if not _has(opts, "--port") and (
+    if not has_option(opts, "--port") and (
         "AGENTQ_FLOWER_PORT" in environ or "FLOWER_PORT" not in environ
     ):
         argv.append(f"--port={settings.flower_port}")
     address = _opt_value(opts, "--address") or environ.get("FLOWER_ADDRESS") or "127.0.0.1"
-    if not _has(opts, "--address"):
+    if not has_option(opts, "--address"):
         argv.append(f"--address={address}")
-    if settings.flower_basic_auth and not _has(opts, "--basic_auth", "--basic-auth"):
+    if settings.flower_basic_auth and not has_option(opts, "--basic_auth", "--basic-auth"):
         argv.append(f"--basic_auth={settings.flower_basic_auth.get_secret_value()}")
     authenticated = bool(
         settings.flower_basic_auth
         or environ.get("FLOWER_BASIC_AUTH")
         or environ.get("FLOWER_AUTH")
-        or _has(opts, "--basic_auth", "--basic-auth", "--auth")
+        or has_option(opts, "--basic_auth", "--basic-auth", "--auth")
     )
     # Flower can revoke and kill tasks: it never listens beyond this machine unguarded.
     if address not in LOOPBACK_ADDRESSES and not authenticated:

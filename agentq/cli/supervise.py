@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+from agentq.cli.options import take_option
 from agentq.errors import ConfigError
 
 SUPERVISED_ENV = "AGENTQ_SUPERVISED"
@@ -41,16 +42,7 @@ def default_processes(kind: str) -> int:
 def take_processes(opts: Sequence[str], setting: int) -> tuple[list[str], int | None]:
     """`--processes N` out of the Celery options: (the rest, N or None when not given);
     `setting` (AGENTQ_LLM_PROCESSES / AGENTQ_IO_PROCESSES, 0 = the default) is the fallback."""
-    rest: list[str] = []
-    value: str | None = None
-    it = iter(opts)
-    for o in it:
-        if o == PROCESSES_OPTION:
-            value = next(it, "")
-        elif o.startswith(PROCESSES_OPTION + "="):
-            value = o.split("=", 1)[1]
-        else:
-            rest.append(o)
+    value, rest = take_option(opts, PROCESSES_OPTION)
     if value is None:
         return rest, setting or None
     try:
@@ -62,27 +54,13 @@ def take_processes(opts: Sequence[str], setting: int) -> tuple[list[str], int | 
     return rest, n
 
 
-_HOSTNAME_OPTS = ("-n", "--hostname")
-
-
 def child_opts(kind: str, opts: Sequence[str], index: int, processes: int) -> list[str]:
     """The options of worker `index` (0-based): with several, each gets its own node name
     (`llm@%h` becomes `llm-1@%h`, ...), which Celery needs for revokes and Flower."""
     if processes == 1:
         return list(opts)
-    rest: list[str] = []
-    name = f"{kind}@%h"
-    it = iter(opts)
-    for o in it:
-        if o in _HOSTNAME_OPTS:
-            name = next(it, name)
-        elif o.startswith("--hostname="):
-            name = o.split("=", 1)[1]
-        elif o.startswith("-n") and len(o) > 2:
-            name = o[2:]
-        else:
-            rest.append(o)
-    node, at, host = name.partition("@")
+    name, rest = take_option(opts, "-n", "--hostname")
+    node, at, host = (name or f"{kind}@%h").partition("@")
     return [*rest, "--hostname", f"{node}-{index + 1}{at}{host}"]
 
 

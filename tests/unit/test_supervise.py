@@ -1,4 +1,5 @@
-"""`agentq worker llm|io --processes N`: the option, each worker's node name, the default."""
+"""The options agentq reads before Celery: `agentq worker llm|io --processes N`, each
+worker's node name, the default, and the pool a tool worker refuses."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 
 import pytest
 
+from agentq.cli.main import worker_argv
+from agentq.cli.options import has_option, take_option
 from agentq.cli.supervise import (
     MAX_AUTO_PROCESSES,
     child_opts,
@@ -63,3 +66,23 @@ def test_the_stream_worker_defaults_to_one_process_per_cpu_up_to_a_cap() -> None
     cpus = len(os.sched_getaffinity(0))
     assert default_processes("llm") == min(cpus, MAX_AUTO_PROCESSES)
     assert default_processes("io") == 1
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [["-P", "threads"], ["-Pthreads"], ["--pool", "threads"], ["--pool=threads"]],
+)
+def test_every_form_of_an_option_is_read(opts: list[str]) -> None:
+    assert has_option(["-l", "INFO", *opts], "-P", "--pool")
+    assert take_option(["-l", "INFO", *opts], "-P", "--pool") == ("threads", ["-l", "INFO"])
+    # The tool worker reads the pool in each form, and refuses one that cannot kill.
+    with pytest.raises(ConfigError) as err:
+        worker_argv("tools", opts, ["agentq.tools"])
+    assert err.value.setting == "--pool"
+
+
+def test_the_last_value_given_is_the_one_celery_takes() -> None:
+    assert take_option(["-P", "threads", "--pool=prefork"], "-P", "--pool")[0] == "prefork"
+    assert take_option(["-l", "INFO", "--pool"], "-P", "--pool") == ("", ["-l", "INFO"])
+    assert take_option(["-l", "INFO"], "-P", "--pool") == (None, ["-l", "INFO"])
+    assert not has_option(["--pooling", "x", "-l"], "-P", "--pool")
