@@ -8,6 +8,7 @@ every step is published as an event over Redis.
 from agentq.agents import Agent, AgentTool
 from agentq.api import Client
 from agentq.config import Settings, get_settings, load_settings
+from agentq.constants import VERSION as __version__
 from agentq.errors import (
     Aborted,
     AgentDefinitionError,
@@ -51,8 +52,6 @@ from agentq.models import (
 from agentq.tools.context import Partial, ToolContext
 from agentq.tools.policy import ToolPolicy
 from agentq.tools.registry import ToolSpec, tool
-
-__version__ = "0.1.0"
 
 __all__ = [
     # declaring tools

@@ -10,6 +10,7 @@ module, can refuse an unknown agent before a turn starts.
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentq import constants as k
 from agentq.config import Settings
-from agentq.errors import AgentDefinitionError, UnknownAgent
+from agentq.errors import AgentDefinitionError, ConfigError, UnknownAgent
 from agentq.tools.policy import Approval
+from agentq.tools.registry import all_tools
 
 if TYPE_CHECKING:
     from agentq.tools.registry import ToolSpec
@@ -133,16 +135,12 @@ class Agent(BaseModel):
 
     def tool_names(self) -> list[str]:
         """The names of every tool this agent may call."""
-        from agentq.tools.registry import all_tools
-
         if self.tools is None:
             return sorted(all_tools())
         return [t if isinstance(t, str) else t.name for t in self.tools]
 
     def offered_tools(self) -> list[ToolSpec | AgentTool]:
         """What the model is offered (tools, and agents as tools), in the agent's order."""
-        from agentq.tools.registry import all_tools
-
         tools = all_tools()
         agent_tools = self.agent_tools
         return [
@@ -183,8 +181,6 @@ def unregister_agent(name: str) -> None:
 
 def check_agents() -> None:
     """Check what only the whole set of modules can tell: every tool an agent names exists."""
-    from agentq.tools.registry import all_tools
-
     tools = all_tools()
     for agent in _AGENTS.values():
         names = agent.tool_names()
@@ -261,3 +257,15 @@ def require_known(client: redis.Redis, agent: str | None) -> None:
     known = published_agents(client)
     if agent not in known:
         raise UnknownAgent(agent, known)
+
+
+def load_tool_modules(modules: list[str]) -> list[str]:
+    """Import the modules named in AGENTQ_TOOLS (tools and agents), check the agents, and
+    return the tool names now known."""
+    for mod in modules:
+        try:
+            importlib.import_module(mod)
+        except ImportError as exc:
+            raise ConfigError("AGENTQ_TOOLS", f"cannot import {mod!r}: {exc}") from None
+    check_agents()
+    return sorted(all_tools())

@@ -8,22 +8,32 @@ import json
 import secrets
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from agentq import constants as k
 from agentq.agents import require_known
-from agentq.chat import check_messages
 from agentq.config import Settings, get_settings
-from agentq.conversations import open_conversation
 from agentq.errors import PayloadTooLarge, TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES
-from agentq.interactions import Interactions
-from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnHandle, TurnRequest
-from agentq.orchestrator.steps import run_step, send_step
-from agentq.store import TurnStore, text
+from agentq.fleet.broker import send_step
+from agentq.models import (
+    TERMINAL_STATUSES,
+    Event,
+    InteractionAnswer,
+    TurnHandle,
+    TurnRequest,
+    check_messages,
+)
+from agentq.orchestrator.steps import run_step
+from agentq.state.base import text
+from agentq.state.conversations import open_conversation
+from agentq.state.interactions import Interactions
 from agentq.telemetry import tracing
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 
 def _hash_token(token: str) -> str:
@@ -34,7 +44,7 @@ class Client:
     """A handle on agentq from outside the workers: the CLI, the gateway, your code."""
 
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
-        from agentq.runtime import get_app, get_store
+        from agentq.fleet.runtime import get_app, get_store
 
         self.settings = settings or get_settings()
         self.store: TurnStore = get_store(self.settings)

@@ -1,6 +1,16 @@
-"""Redis key layout and queue names, in one place."""
+"""Redis key layout and queue names, in one place.
+
+Keys are built only from ids checked at the edge (agentq.models): a turn id is 32
+lowercase hex digits (`secrets.token_hex(16)`); an interaction request id is
+``<call id>.approval`` (`approval_request_id`) with a call id of safe characters.
+Anything else names nothing: a key built from it could name another of the turn's keys
+(``{id}:results``, ``{id}:log``).
+"""
 
 from __future__ import annotations
+
+VERSION = "0.1.0"
+"""agentq.__version__; here so that no part of the package imports the package itself."""
 
 PREFIX = "agentq"
 
@@ -196,3 +206,8 @@ def turn_keys(turn_id: str) -> list[str]:
         dirty_key(turn_id),
         outstanding_key(turn_id),
     ]
+
+
+def approval_request_id(call_id: str) -> str:
+    """The id of the approval request that gates a call."""
+    return f"{call_id}.approval"

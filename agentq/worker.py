@@ -1,6 +1,6 @@
 """The Celery app of agentq workers: `agentq worker KIND`, `celery -A agentq worker -Q ...`.
 
-Each worker's role comes from the queues it consumes (agentq.roles), decided when it starts.
+Each worker's role comes from the queues it consumes (agentq.fleet.roles), decided when it starts.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from agentq.app import create_app, longest_limit_s
+from agentq.agents import load_tool_modules
 from agentq.config import get_settings
 from agentq.errors import ConfigError
+from agentq.fleet.app import create_app, longest_limit_s
+from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
+from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.task import register_llm_task
+from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.steps import register_step_task
-from agentq.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
-from agentq.runtime import get_store, set_app, step_inline
 from agentq.telemetry import logs, tracing
-from agentq.tools.registry import all_tools, load_tool_modules
+from agentq.tools.registry import all_tools
 from agentq.tools.task import queues_of, register_tool_tasks
 
 log = logging.getLogger("agentq.worker")

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agentq import runtime  # noqa: E402
+from agentq.fleet import runtime  # noqa: E402
 from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
 from scripts.bench_report import judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402

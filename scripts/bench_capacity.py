@@ -14,9 +14,9 @@ from typing import Any
 
 import psutil
 
-from agentq import runtime
+from agentq.fleet import runtime
+from agentq.local.processes import start_worker
 from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.processes import start_worker
 from scripts.bench_stages import BenchRig, Sizes, pct, turn_statuses
 
 ABORT_CLIENTS = 16

@@ -43,18 +43,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agentq import runtime  # noqa: E402
 from agentq.api import Client  # noqa: E402
 from agentq.constants import interaction_key  # noqa: E402
 from agentq.events.bus import TERMINAL_TYPES  # noqa: E402
+from agentq.fleet import runtime  # noqa: E402
 from agentq.local.fleet import LocalFleet  # noqa: E402
 from agentq.local.processes import ManagedProcess  # noqa: E402
 from agentq.local.redis_server import RedisServer  # noqa: E402
 from agentq.models import Event  # noqa: E402
 from agentq.testing.chaos_tools import RUNS_FILE  # noqa: E402
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer  # noqa: E402
-from agentq.testing.processes import worker_env  # noqa: E402
 from agentq.testing.sentinel import SentinelCluster  # noqa: E402
+from agentq.testing.workers import worker_env  # noqa: E402
 
 TOOLS = "agentq.testing.tools,agentq.testing.chaos_tools"
 FLEET = {"tools": 2, "io": 1, "llm": 1, "turns": 2}

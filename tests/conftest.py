@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from agentq import runtime
+from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet
-from agentq.testing.processes import ManagedProcess, kill_all, worker_env
-from agentq.testing.redis_server import RedisServer
+from agentq.local.processes import ManagedProcess, kill_all
+from agentq.local.redis_server import RedisServer
+from agentq.testing.workers import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"

@@ -124,8 +124,8 @@ def run_dev_once(*args: str, name: str) -> tuple[int, str]:
     import os
     import sys
 
-    from agentq.testing.processes import start_process
-    from agentq.testing.redis_server import find_free_port
+    from agentq.local.processes import start_process
+    from agentq.local.redis_server import find_free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AGENTQ_", "FLOWER_"))}
     env.update(

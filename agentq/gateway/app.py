@@ -39,9 +39,9 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from agentq import logredact
 from agentq.agents import published_agent_details
 from agentq.api import Client
+from agentq.constants import VERSION
 from agentq.errors import (
     AgentqError,
     Forbidden,
@@ -61,7 +61,6 @@ from agentq.gateway.errors import (
     ApiError,
     bearer,
     exception_handlers,
-    read_json,
     require_token,
     validation_error,
 )
@@ -69,9 +68,16 @@ from agentq.gateway.guard import RequestGuard
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source, replay_all
-from agentq.gateway.validate import clamp_to_log, request_id_of, stream_id_of, turn_id_of
+from agentq.gateway.validate import (
+    clamp_to_log,
+    read_json,
+    request_id_of,
+    stream_id_of,
+    turn_id_of,
+)
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 from agentq.telemetry import logs
+from agentq.telemetry import redact as logredact
 from agentq.telemetry.steptimes import read_histogram
 
 log = logging.getLogger("agentq.gateway")
@@ -363,10 +369,9 @@ class Gateway:
         )
 
     async def openapi(self, request: Request) -> Response:
-        from agentq import __version__
         from agentq.gateway.openapi import openapi_document
 
-        return JSONResponse(openapi_document(__version__))
+        return JSONResponse(openapi_document(VERSION))
 
     async def healthz(self, request: Request) -> Response:
         ok = False

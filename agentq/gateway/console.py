@@ -21,10 +21,11 @@ from starlette.routing import Route
 
 from agentq.errors import Forbidden, TurnNotFound
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
-from agentq.gateway.errors import ApiError, read_json, validation_error
-from agentq.listing import TurnLister, TurnQuery
+from agentq.gateway.errors import ApiError, validation_error
+from agentq.gateway.validate import read_json
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
-from agentq.timeline import timeline
+from agentq.state.listing import TurnLister, TurnQuery
+from agentq.state.timeline import timeline
 
 if TYPE_CHECKING:
     from agentq.gateway.app import Gateway

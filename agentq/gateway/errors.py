@@ -78,24 +78,6 @@ def validation_error(exc: ValidationError) -> ApiError:
     return ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
 
 
-async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise PayloadTooLarge("request body", int(declared), limit_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit_bytes:
-            raise PayloadTooLarge("request body", len(body), limit_bytes)
-    from agentq.gateway.validate import loads_strict  # it raises ApiError, defined here
-
-    data = loads_strict(bytes(body))
-    if not isinstance(data, dict):
-        raise ApiError(422, "ValidationError", "body: must be a JSON object")
-    return data
-
-
 def bearer(request: Request, *, allow_query: bool = False) -> str | None:
     auth = request.headers.get("authorization", "")
     scheme, _, value = auth.partition(" ")
@@ -196,7 +178,6 @@ __all__ = [
     "bearer",
     "error_response",
     "exception_handlers",
-    "read_json",
     "require_token",
     "validation_error",
 ]

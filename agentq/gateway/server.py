@@ -11,7 +11,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from agentq.config import get_settings
-from agentq.lifecycle import Started
+from agentq.fleet.lifecycle import Started
 from agentq.telemetry import logs
 
 GRACEFUL_SHUTDOWN_S = 5

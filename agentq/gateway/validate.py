@@ -11,11 +11,12 @@ import re
 from typing import Any
 
 import redis
+from starlette.requests import Request
 
-from agentq.chat import lone_surrogate_at
 from agentq.constants import log_key
+from agentq.errors import PayloadTooLarge
 from agentq.gateway.errors import ApiError
-from agentq.ids import is_request_id, is_turn_id, parse_stream_id
+from agentq.models import is_request_id, is_turn_id, lone_surrogate_at, parse_stream_id
 
 MAX_JSON_DEPTH = 32
 """Deeper than any valid request (a message part is 5 levels down); json would recurse."""
@@ -96,10 +97,28 @@ def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return data
 
 
+
+async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise PayloadTooLarge("request body", int(declared), limit_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit_bytes:
+            raise PayloadTooLarge("request body", len(body), limit_bytes)
+    data = loads_strict(bytes(body))
+    if not isinstance(data, dict):
+        raise ApiError(422, "ValidationError", "body: must be a JSON object")
+    return data
+
+
 __all__ = [
     "MAX_JSON_DEPTH",
     "clamp_to_log",
     "loads_strict",
+    "read_json",
     "request_id_of",
     "stream_id_of",
     "turn_id_of",

@@ -30,7 +30,7 @@ from agentq.aio.host import LoopHost, Running, get_host
 from agentq.config import Settings
 from agentq.errors import Aborted, AgentqError, LlmError
 from agentq.models import LlmRoundRequest, LlmRoundResult
-from agentq.store import LlmRoundStart
+from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from agentq.errors import Aborted, AgentqError, StreamIdleTimeout
-from agentq.lifecycle import Started
+from agentq.fleet.lifecycle import Started
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,11 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Protocol, TypeVar
 
 import psutil
+
+from agentq.fleet.lifecycle import Started
 
 __all__ = [
     "CELERY_READY_PATTERN",
@@ -159,7 +160,7 @@ def _build_env(env: Mapping[str, str] | None, inherit_env: bool) -> dict[str, st
 # --------------------------------------------------------------------------- ManagedProcess
 
 
-class ManagedProcess:
+class ManagedProcess(Started):
     """A child process leading its own process group, with its output in a log file."""
 
     def __init__(
@@ -308,18 +309,9 @@ class ManagedProcess:
         rc = self._popen.returncode
         return rc if rc is not None else -9
 
-    # -- context manager
-
-    def __enter__(self) -> ManagedProcess:
+    def start(self) -> ManagedProcess:
+        """Already running: the process starts when it is made; `with` only stops it."""
         return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         state = "running" if self.is_running() else f"exited {self.returncode}"

@@ -34,9 +34,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from agentq.connections import probe, redact
+from agentq.config import redact
 from agentq.errors import ConfigError
-from agentq.lifecycle import Started
+from agentq.fleet.connections import probe
+from agentq.fleet.lifecycle import Started
 from agentq.local.processes import _register, _unregister
 
 __all__ = [

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
 from agentq import constants as k
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
-from agentq.store import TurnStore
 from agentq.telemetry import tracing
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 
 def revoke_unsettled(

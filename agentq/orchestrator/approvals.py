@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from agentq import constants as k
 from agentq.errors import HeadlessInteraction
-from agentq.interactions import Interactions, default_timeout_s
 from agentq.models import InteractionRequest, ToolResult
-from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.plan import CallPlan
-from agentq.results import denied_result
+from agentq.state.interactions import Interactions, default_timeout_s
+from agentq.tools.results import denied_result
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
 
 
 @dataclass
@@ -27,10 +30,6 @@ class GateOutcome:
     """call id -> Redis key of a password answer, handed to the tool by reference."""
     wait_until: float | None = None
     """The earliest timeout of a request still pending; None when every call is decided."""
-
-
-def request_id_of(call_id: str) -> str:
-    return f"{call_id}.approval"
 
 
 def _prompt(p: CallPlan) -> str:
@@ -44,7 +43,7 @@ def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
     timeout_s = p.approval_timeout_s or default_timeout_s(p.approval_kind, ctx.settings)
     assert timeout_s is not None  # checked when the tool was declared
     return InteractionRequest(
-        request_id=request_id_of(p.call.id),
+        request_id=k.approval_request_id(p.call.id),
         kind=p.approval_kind,
         call_id=p.call.id,
         tool=p.call.name,
@@ -65,7 +64,7 @@ def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
         if p.approval == "deny":
             out.denied[call.id] = denied_result(call, "policy")
             continue
-        rid = request_id_of(call.id)
+        rid = k.approval_request_id(call.id)
         found = interactions.get(ctx.turn_id, rid)
         if found is None:
             req = _request(ctx, p)

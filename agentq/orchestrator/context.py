@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 
@@ -12,7 +12,10 @@ from agentq.agents import Agent
 from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import TurnStatus
-from agentq.store import RoundRead, TurnStore
+from agentq.state.base import RoundRead
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 
 @dataclass

@@ -8,17 +8,19 @@ call wakes the turn by itself.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentq.broker import task_repr
 from agentq.constants import WORKER_ALIVE_TTL_S
+from agentq.fleet.broker import task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
-from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.plan import CallPlan, batches
-from agentq.results import lost_result
 from agentq.telemetry import tracing
-from agentq.timing import lost_deadline
+from agentq.tools.results import lost_result
+from agentq.tools.timing import lost_deadline
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
 
 
 def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:

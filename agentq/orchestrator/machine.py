@@ -47,7 +47,7 @@ Ending a turn aborts its children still running.
 from __future__ import annotations
 
 import json
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from agentq import constants as k
 from agentq.agents import all_agents
@@ -56,7 +56,6 @@ from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, TurnStatus
 from agentq.orchestrator import subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
-from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.dispatch import advance_calls
 from agentq.orchestrator.model_round import poll_round
 from agentq.orchestrator.plan import (
@@ -69,9 +68,12 @@ from agentq.orchestrator.plan import (
     plan_call,
     with_safe_call_ids,
 )
-from agentq.results import cancelled_result, denied_result, error_result
-from agentq.store import RoundRead
+from agentq.state.base import RoundRead
 from agentq.telemetry import tracing
+from agentq.tools.results import cancelled_result, denied_result, error_result
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
 
 MAX_TRANSITIONS_PER_STEP = 50
 """A bound on one step's work; a turn with more to do wakes itself for another step."""

@@ -7,13 +7,17 @@ heartbeat of a worker that had taken the round sends the round again.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from agentq import constants as k
-from agentq.broker import task_repr
 from agentq.errors import ModelRoundFailed, StreamDurationExceeded
+from agentq.fleet.broker import task_repr
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import subturns
-from agentq.orchestrator.context import StepContext
 from agentq.tools.registry import all_tools, schemas_json
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
 
 
 def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:

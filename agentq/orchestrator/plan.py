@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from agentq.agents import Agent, AgentTool
 from agentq.errors import AgentqError, ToolArgumentsInvalid
-from agentq.ids import is_call_id
-from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult
-from agentq.results import error_result
-from agentq.timing import Limits, effective_limits, split_meta
+from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult, is_call_id
 from agentq.tools.registry import get_tool, parse_arguments
+from agentq.tools.results import error_result
+from agentq.tools.timing import Limits, effective_limits, split_meta
+
+if TYPE_CHECKING:
+    from agentq.agents import Agent, AgentTool
 
 
 class CallPlan(BaseModel):

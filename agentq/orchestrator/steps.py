@@ -23,9 +23,11 @@ from agentq import constants as k
 from agentq.agents import all_agents, publish_agents
 from agentq.config import Settings
 from agentq.errors import HeadlessInteraction, LlmError, StepLost
+from agentq.fleet.broker import send_step
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.machine import advance, fail, fail_headless
-from agentq.store import StepView, TurnStore, text
+from agentq.state.base import StepView, text
+from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.telemetry.steptimes import step_times
@@ -199,17 +201,6 @@ def _advance(ctx: StepContext) -> float | None:
     return None
 
 
-def send_step(app: Celery, turn_id: str) -> None:
-    app.send_task(
-        k.TASK_STEP,
-        args=[turn_id],
-        queue=k.QUEUE_TURNS,
-        argsrepr=f"['{turn_id}']",
-        kwargsrepr="{}",
-        ignore_result=True,
-    )
-
-
 class Sweeper:
     """Wakes turns whose deadline came, and the turns of workers that stopped beating.
 
@@ -264,7 +255,7 @@ class Sweeper:
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""
-        from agentq.listing import TurnLister
+        from agentq.state.listing import TurnLister
 
         lister = TurnLister(self.store.redis)
         dropped = kept = 0

@@ -13,15 +13,18 @@ import hashlib
 import json
 import secrets
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
+from agentq.fleet.broker import send_step
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
-from agentq.orchestrator.context import StepContext
-from agentq.orchestrator.plan import CallPlan
-from agentq.results import cancelled_result, error_result, record_for, timeout_result
-from agentq.store import WAKE_BACKSTOP_S
-from agentq.timing import truncate_text
+from agentq.state.base import WAKE_BACKSTOP_S
+from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
+from agentq.tools.timing import truncate_text
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
+    from agentq.orchestrator.plan import CallPlan
 
 
 def child_turn_id(turn_id: str, call_id: str) -> str:
@@ -128,8 +131,6 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
-    from agentq.orchestrator.steps import send_step
-
     send_step(ctx.app, child)
 
 

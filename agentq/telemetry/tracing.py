@@ -142,7 +142,7 @@ def setup(
     if exporter is not None:
         processor = SimpleSpanProcessor(exporter)
     elif spans_file:
-        from agentq.testing.spans import JsonLinesSpanExporter
+        from agentq.telemetry.spans import JsonLinesSpanExporter
 
         # Written as each span ends: a prefork child may be killed at any time.
         processor = SimpleSpanProcessor(JsonLinesSpanExporter(spans_file))

@@ -8,8 +8,9 @@ does); the scripted demo model (`--script demo`) answers each by its instruction
 
 from __future__ import annotations
 
+from typing import Any
+
 from agentq.agents import Agent
-from agentq.testing.openai_server import Round, Script, ScriptedCall
 from agentq.testing.tools import echo, sleep
 
 RESEARCHER_INSTRUCTIONS = "You are the researcher. Gather facts with your tools, then report them."
@@ -30,32 +31,31 @@ lead = Agent(
 )
 
 
-def demo_scripts() -> dict[str, Script]:
-    """The scripted model's rounds for these agents, keyed by their instructions."""
+def demo_scripts() -> dict[str, list[dict[str, Any]]]:
+    """The scripted model's rounds for these agents, keyed by their instructions, in the
+    script file format of agentq.testing.openai_server (which validates them)."""
     return {
         f"system:{LEAD_INSTRUCTIONS}": [
-            Round(
+            dict(
                 text="Asking the researcher.",
-                tool_calls=[
-                    ScriptedCall(name="researcher", arguments={"prompt": "What is agentq?"})
-                ],
+                tool_calls=[dict(name="researcher", arguments={"prompt": "What is agentq?"})],
                 chunk_size=6,
                 chunk_delay_ms=20,
             ),
-            Round(
+            dict(
                 text="The researcher found that agentq runs agent turns as Celery jobs.",
                 chunk_size=6,
                 chunk_delay_ms=20,
             ),
         ],
         f"system:{RESEARCHER_INSTRUCTIONS}": [
-            Round(
+            dict(
                 text="Looking it up.",
                 tool_calls=[
-                    ScriptedCall(name="echo", arguments={"text": "agentq: turns as Celery jobs"}),
-                    ScriptedCall(name="sleep", arguments={"seconds": 1}),
+                    dict(name="echo", arguments={"text": "agentq: turns as Celery jobs"}),
+                    dict(name="sleep", arguments={"seconds": 1}),
                 ],
             ),
-            Round(text="agentq runs LLM agent turns as background jobs on a Celery fleet."),
+            dict(text="agentq runs LLM agent turns as background jobs on a Celery fleet."),
         ],
     }

@@ -31,7 +31,7 @@ from typing import Any, Literal, NoReturn
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from agentq.lifecycle import Started
+from agentq.fleet.lifecycle import Started
 from agentq.models import Usage
 from agentq.testing.http_loop import BackgroundHTTPServer
 from agentq.testing.http_wire import ClientGone, Conn, Request, error_body
@@ -525,7 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scripts[DEFAULT_KEY] = demo_rounds()
         from agentq.testing.agents import demo_scripts
 
-        scripts.update(demo_scripts())
+        scripts.update(_SCRIPTS.validate_python(demo_scripts()))
     if args.script_file:
         scripts.update(_load_script_file(args.script_file))
 

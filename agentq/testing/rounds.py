@@ -9,9 +9,9 @@ from __future__ import annotations
 import secrets
 import time
 
+from agentq.fleet.broker import send_step
+from agentq.fleet.runtime import get_app, get_store
 from agentq.models import AssistantMessage, ToolCall, ToolResult
-from agentq.orchestrator.steps import send_step
-from agentq.runtime import get_app, get_store
 
 ROUND_ONLY = "round_only"
 """The finish reason of a turn made by :func:`start_round`."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from agentq.lifecycle import Started
+from agentq.fleet.lifecycle import Started
 from agentq.local.redis_server import RedisServer, RedisServerError
 
 __all__ = ["SentinelCluster", "SentinelServer"]

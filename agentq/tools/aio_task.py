@@ -27,7 +27,6 @@ from celery import Task
 
 from agentq.aio.host import LoopHost, Running, get_host
 from agentq.models import ToolResult, ToolTaskRequest
-from agentq.results import cancelled_result, lost_result, timeout_result
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
@@ -43,6 +42,7 @@ from agentq.tools.calls import (
 )
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec
+from agentq.tools.results import cancelled_result, lost_result, timeout_result
 
 log = logging.getLogger("agentq.tools")
 

@@ -10,20 +10,22 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import AgentqError, ToolMisuse
+from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
-from agentq.results import cancelled_result, error_result, record_for
-from agentq.roles import HEARTBEAT_ROLES, current_role
-from agentq.store import TurnStore
-from agentq.timing import overran, truncate_text
 from agentq.tools.context import Partial
 from agentq.tools.registry import ToolSpec
+from agentq.tools.results import cancelled_result, error_result, record_for
+from agentq.tools.timing import overran, truncate_text
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.tools")
 

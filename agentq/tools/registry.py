@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -204,22 +203,6 @@ def all_tools() -> dict[str, ToolSpec]:
 
 def unregister(name: str) -> None:
     _REGISTRY.pop(name, None)
-
-
-def load_tool_modules(modules: list[str]) -> list[str]:
-    """Import the modules named in AGENTQ_TOOLS (tools and agents), check the agents, and
-    return the tool names now known."""
-    from agentq.errors import ConfigError
-
-    for mod in modules:
-        try:
-            importlib.import_module(mod)
-        except ImportError as exc:
-            raise ConfigError("AGENTQ_TOOLS", f"cannot import {mod!r}: {exc}") from None
-    from agentq.agents import check_agents
-
-    check_agents()
-    return sorted(_REGISTRY)
 
 
 def parse_arguments(tool_name: str, raw: str) -> dict[str, Any]:

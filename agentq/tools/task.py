@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
 from celery import Celery, Task
@@ -16,10 +16,8 @@ from celery.signals import task_failure
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
+from agentq.fleet.runtime import get_store
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
-from agentq.results import lost_result, timeout_result
-from agentq.runtime import get_store
-from agentq.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
@@ -36,6 +34,10 @@ from agentq.tools.calls import (
 )
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
+from agentq.tools.results import lost_result, timeout_result
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.tools")
 

@@ -13,16 +13,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from agentq import runtime
 from agentq.api import Client
 from agentq.events.bus import TERMINAL_TYPES
+from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess
+from agentq.local.redis_server import RedisServer
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
-from agentq.testing.processes import worker_env
-from agentq.testing.redis_server import RedisServer
 from agentq.testing.sentinel import SentinelCluster
+from agentq.testing.workers import worker_env
 from tests.helpers import collect, script
 
 ROOT = Path(__file__).resolve().parents[2]

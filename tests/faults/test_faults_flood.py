@@ -21,9 +21,9 @@ from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import TurnNotFound
 from agentq.gateway import BackgroundServer, create_app
+from agentq.local.processes import wait_for
 from agentq.models import TERMINAL_STATUSES
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from tests.helpers import calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(180)]

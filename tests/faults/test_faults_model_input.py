@@ -130,8 +130,8 @@ def test_call_ids_the_model_garbles_or_reuses_are_replaced_consistently(rig) -> 
     """Ids with unsafe characters, twice in a round, or reused from an earlier round get a
     fresh id in the history and in their result, so each call settles on its own and an
     approval can be answered by its request id."""
-    from agentq.ids import is_call_id, is_request_id
-    from agentq.testing.processes import wait_for
+    from agentq.local.processes import wait_for
+    from agentq.models import is_call_id, is_request_id
 
     key = rig.script(
         Round(

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(180)]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from tests.faults.rig import FAULT_TOOLS
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts
 

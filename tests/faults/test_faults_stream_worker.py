@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from tests.helpers import assert_gapless
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]

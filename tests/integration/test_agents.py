@@ -15,10 +15,10 @@ import pytest
 from agentq.api import Client
 from agentq.errors import UnknownAgent
 from agentq.gateway import BackgroundServer, create_app
-from agentq.listing import TurnLister
+from agentq.local.processes import wait_for
 from agentq.models import Event
+from agentq.state.listing import TurnLister
 from agentq.testing.openai_server import Round, first_user_text
-from agentq.testing.processes import wait_for
 from tests.helpers import assert_valid_history, calls, collect, run_dev_once, script
 from tests.integration.test_cli import agentq
 

@@ -9,7 +9,7 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import InteractionClosed, InteractionNotFound
-from agentq.runtime import get_store
+from agentq.fleet.runtime import get_store
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_valid_history, calls, collect, script, wait_event
 
@@ -163,12 +163,12 @@ def test_a_step_decides_from_the_request_records(agentq_env) -> None:
     import uuid
 
     from agentq.config import get_settings
-    from agentq.interactions import Interactions
+    from agentq.fleet.runtime import get_app
     from agentq.models import InteractionAnswer, InteractionRequest, ToolCall
     from agentq.orchestrator.approvals import gate
     from agentq.orchestrator.context import StepContext
     from agentq.orchestrator.plan import plan_call
-    from agentq.runtime import get_app
+    from agentq.state.interactions import Interactions
 
     store = get_store()
     turn_id = uuid.uuid4().hex

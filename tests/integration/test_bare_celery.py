@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from agentq.constants import WORKER_ALIVE_TTL_S, worker_alive_key
+from agentq.local.processes import CELERY_READY_PATTERN, wait_for
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import CELERY_READY_PATTERN, wait_for
 from tests.faults.rig import ROOT, Rig
 from tests.helpers import calls, starts
 

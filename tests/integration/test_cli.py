@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
+from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from tests.helpers import calls, script
 
 pytestmark = pytest.mark.integration

@@ -14,11 +14,11 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.gateway import BackgroundServer, create_app
-from agentq.interactions import Interactions
-from agentq.listing import TurnLister, TurnQuery
+from agentq.local.processes import wait_for
 from agentq.models import InteractionRequest, InvocationRecord, ToolResult, TurnStatus
-from agentq.store import TurnStore
-from agentq.testing.processes import wait_for
+from agentq.state.interactions import Interactions
+from agentq.state.listing import TurnLister, TurnQuery
+from agentq.state.store import TurnStore
 
 pytestmark = pytest.mark.integration
 

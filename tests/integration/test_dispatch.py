@@ -10,9 +10,9 @@ from typing import Any
 import psutil
 import pytest
 
+from agentq.fleet.runtime import get_store
+from agentq.local.processes import wait_for
 from agentq.models import ToolCall
-from agentq.runtime import get_store
-from agentq.testing.processes import wait_for
 from agentq.testing.rounds import run_round
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from agentq.runtime import get_store
-from agentq.testing.processes import wait_for
+from agentq.fleet.runtime import get_store
+from agentq.local.processes import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -83,7 +83,7 @@ def test_live_copy_carries_the_stream_id_for_sse(agentq_env) -> None:
 def test_progress_events_while_a_tool_runs_and_in_flower(fleet, llm_server, client) -> None:
     from celery.result import AsyncResult
 
-    from agentq.runtime import get_app
+    from agentq.fleet.runtime import get_app
     from agentq.testing.openai_server import Round
     from tests.helpers import calls, script
 

@@ -19,19 +19,19 @@ from urllib.parse import urlsplit
 import psutil
 import pytest
 
-from agentq import runtime
 from agentq.api import Client
-from agentq.connections import probe
-from agentq.models import Event
-from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.processes import (
+from agentq.fleet import runtime
+from agentq.fleet.connections import probe
+from agentq.local.processes import (
     ManagedProcess,
     WaitTimeout,
     start_process,
     start_worker,
     wait_for,
 )
-from agentq.testing.redis_server import RedisServer
+from agentq.local.redis_server import RedisServer
+from agentq.models import Event
+from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import collect, run_dev_once, script
 
 pytestmark = pytest.mark.integration

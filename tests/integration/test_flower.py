@@ -18,9 +18,9 @@ from agentq.api import Client
 from agentq.cli.main import flower_argv
 from agentq.config import load_settings
 from agentq.errors import ConfigError
+from agentq.local.processes import ManagedProcess, start_process, wait_for
+from agentq.local.redis_server import find_free_port
 from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.processes import ManagedProcess, start_process, wait_for
-from agentq.testing.redis_server import find_free_port
 
 pytestmark = pytest.mark.integration
 

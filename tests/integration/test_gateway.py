@@ -18,9 +18,9 @@ from agentq.api import Client
 from agentq.config import get_settings
 from agentq.constants import events_channel
 from agentq.gateway import BackgroundServer, create_app
-from agentq.store import TurnStore
+from agentq.local.processes import wait_for
+from agentq.state.store import TurnStore
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from agentq.testing.sse import SSEMessage, iter_sse
 from tests.helpers import calls, follow_until, script
 
@@ -383,7 +383,7 @@ def test_gateway_shutdown_ends_streams_cleanly_and_leaves_turns_running(
 def test_access_log_never_shows_a_token() -> None:
     import logging
 
-    from agentq.logredact import RedactCredentials
+    from agentq.telemetry.redact import RedactCredentials
 
     record = logging.LogRecord(
         "uvicorn.access",

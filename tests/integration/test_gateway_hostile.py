@@ -19,10 +19,10 @@ from pydantic import ValidationError
 
 from agentq.api import Client
 from agentq.gateway import BackgroundServer, create_app
+from agentq.local.processes import wait_for
+from agentq.local.redis_server import find_free_port
 from agentq.models import TurnRequest
 from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.processes import wait_for
-from agentq.testing.redis_server import find_free_port
 from agentq.testing.sse import iter_sse
 from tests.helpers import script
 
@@ -308,7 +308,7 @@ def _answers(url: str) -> bool:
 
 
 def test_redaction_rule_covers_every_encoding() -> None:
-    from agentq.logredact import redact
+    from agentq.telemetry.redact import redact
 
     for line in (
         "GET /x?%74oken=SECRET&a=1",

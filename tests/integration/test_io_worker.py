@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 from agentq import constants as k
+from agentq.fleet.runtime import get_app, get_store
+from agentq.local.processes import wait_for
 from agentq.models import ToolCall, ToolTaskRequest
-from agentq.runtime import get_app, get_store
-from agentq.testing.processes import wait_for
 from agentq.testing.rounds import run_round
 from agentq.tools.registry import get_tool
 

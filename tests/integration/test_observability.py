@@ -1,7 +1,7 @@
 """Traces, JSON logs and metrics of a real turn, on a fleet of its own with both on.
 
 The fleet uses its own Redis database, so its queues and metrics hold only its turns. Its
-workers write their spans to one JSON-lines file (agentq.testing.spans), which the test
+workers write their spans to one JSON-lines file (agentq.telemetry.spans), which the test
 reads to check the tree across processes.
 """
 
@@ -20,22 +20,17 @@ from typing import Any
 import httpx
 import pytest
 
-from agentq import runtime
 from agentq.api import Client
 from agentq.constants import MEASURED_EVENTS_CHANNEL
+from agentq.fleet import runtime
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
+from agentq.local.processes import JSON_READY_PATTERN, ManagedProcess, start_process, wait_for
+from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import Usage
 from agentq.telemetry import tracing
+from agentq.telemetry.spans import read_spans
 from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.processes import (
-    JSON_READY_PATTERN,
-    ManagedProcess,
-    start_process,
-    wait_for,
-)
-from agentq.testing.redis_server import RedisServer, find_free_port
-from agentq.testing.spans import read_spans
 from tests.conftest import base_env
 
 pytestmark = pytest.mark.integration

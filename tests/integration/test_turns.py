@@ -10,9 +10,9 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import TurnNotFound
+from agentq.local.processes import wait_for
 from agentq.models import Event
 from agentq.testing.openai_server import Round
-from agentq.testing.processes import wait_for
 from tests.helpers import assert_valid_history, calls, collect, script
 
 pytestmark = pytest.mark.integration

@@ -23,9 +23,9 @@ from agentq.config import load_settings
 from agentq.errors import AgentDefinitionError, UnknownAgent
 from agentq.models import ToolCall, TurnStatus
 from agentq.orchestrator.plan import plan_call
-from agentq.results import error_result
-from agentq.store import TurnStore
+from agentq.state.store import TurnStore
 from agentq.testing.openai_server import script_key
+from agentq.tools.results import error_result
 
 
 @pytest.fixture(autouse=True)

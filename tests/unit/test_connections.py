@@ -6,16 +6,10 @@ import pytest
 import redis
 from redis._parsers.base import BaseParser
 
-from agentq.app import create_app
-from agentq.config import load_settings
-from agentq.connections import (
-    MasterChangedError,
-    NoReplicasError,
-    parse_sentinel_url,
-    redact,
-    redis_client,
-)
+from agentq.config import load_settings, parse_sentinel_url, redact
 from agentq.errors import ConfigError
+from agentq.fleet.app import create_app
+from agentq.fleet.connections import MasterChangedError, NoReplicasError, redis_client
 
 URL = "sentinel://:pw@h1:26379;sentinel://h2;sentinel://h3:26381/2"
 

@@ -16,9 +16,9 @@ from packaging.utils import canonicalize_name
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "agentq"
 # Only these may use the `local` extra: they are what it is for.
-LOCAL_USERS = ("testing/", "local/", "dev.py")
+LOCAL_USERS = ("testing/", "local/", "cli/dev.py")
 # Only these may use the `otel` extra: each imports it guarded, so agentq runs without it.
-OTEL_USERS = ("telemetry/tracing.py", "testing/spans.py")
+OTEL_USERS = ("telemetry/tracing.py", "telemetry/spans.py")
 
 
 def declared(extra: str = "local") -> tuple[set[str], set[str]]:

@@ -10,10 +10,11 @@ import pytest
 
 from agentq import constants as k
 from agentq.errors import InteractionClosed, InteractionNotFound
-from agentq.interactions import Interactions
 from agentq.models import InteractionAnswer, InteractionRequest, ToolCall, TurnStatus
-from agentq.results import cancelled_result, error_result
-from agentq.store import StepView, TurnStore
+from agentq.state.base import StepView
+from agentq.state.interactions import Interactions
+from agentq.state.store import TurnStore
+from agentq.tools.results import cancelled_result, error_result
 
 
 @pytest.fixture()

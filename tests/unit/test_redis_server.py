@@ -344,7 +344,7 @@ def test_not_ready_by_deadline_is_killed() -> None:
 def test_atexit_kills_leftovers() -> None:
     """A test that crashes without stopping its processes does not leak them."""
     code = f"""
-        from agentq.testing.processes import start_process
+        from agentq.local.processes import start_process
         p = start_process({_py(READY_THEN_SLEEP)!r}, ready_pattern=r"ready\\.")
         print(p.pid, flush=True)
         raise SystemExit(1)   # no stop(): the atexit hook must clean up

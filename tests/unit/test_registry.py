@@ -127,7 +127,7 @@ def test_generators_and_async_generators_are_refused_at_declaration() -> None:
 
 
 def test_unset_policy_fields_take_the_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentq import runtime
+    from agentq.fleet import runtime
 
     @tool
     def plain() -> str:
@@ -154,7 +154,7 @@ def test_unset_policy_fields_take_the_settings(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_visibility_timeout_counts_the_hint_ceiling() -> None:
-    from agentq.app import longest_limit_s, visibility_timeout_s
+    from agentq.fleet.app import longest_limit_s, visibility_timeout_s
 
     assert longest_limit_s(120, [(30, 4000), (60, None), (0, None)]) == 4000
     assert visibility_timeout_s(longest_limit_s(120, [(30, 4000)]), 300) == 2 * 4300 + 600

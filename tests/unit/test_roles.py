@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentq.errors import ConfigError
-from agentq.roles import pool_problem, role_of
+from agentq.fleet.roles import pool_problem, role_of
 
 TOOLS = ["agentq.tools", "gpu"]
 IO = ["agentq.io", "agentq.io.recycle"]

@@ -9,7 +9,8 @@ import pytest
 from agentq import tool
 from agentq.models import ToolCall, ToolResultMessage
 from agentq.orchestrator.plan import batches, limit_checks, pending_calls, plan_call
-from agentq.results import (
+from agentq.tools.registry import unregister
+from agentq.tools.results import (
     cancelled_result,
     denied_result,
     error_result,
@@ -17,7 +18,6 @@ from agentq.results import (
     order_results,
     timeout_result,
 )
-from agentq.tools.registry import unregister
 
 
 def c(i: int, name: str = "t", args: str = "{}") -> ToolCall:

@@ -19,9 +19,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from agentq.gateway.metrics import GatewayMetrics
+from agentq.local.processes import wait_for
 from agentq.telemetry import context, logs, tracing
 from agentq.telemetry.steptimes import StepTimes, read_histogram
-from agentq.testing.processes import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 

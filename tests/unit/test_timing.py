@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentq.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
+from agentq.tools.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
 
 
 def limits(

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.events.bus import event_body, publish_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.store import WAKE_BACKSTOP_S, TurnStore, text
-from agentq.store_lua import TURN_OPEN_LUA, wake_lua
+from agentq.state.base import WAKE_BACKSTOP_S, text
+from agentq.state.lua import TURN_OPEN_LUA, wake_lua
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 # Closing a request is a compare-and-set on its state, so an answer and the timeout
 # can race and exactly one wins; the loser gets the state that won (409 to a client).

@@ -8,11 +8,13 @@ end there), its dispatch records (`:calls`: limits, budget, task id), its start 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentq.events.bus import EventBus
 from agentq.models import TERMINAL_STATUSES, Event
-from agentq.store import TurnStore
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 MAX_LOG_EVENTS = 20_000
 """The log is capped (`event_log_maxlen`) anyway; this bounds one read of it."""

@@ -10,9 +10,7 @@ reconnect and nothing more.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -23,10 +21,9 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
+from agentq.config import is_sentinel, parse_sentinel_url
 from agentq.errors import ConfigError
 
-SENTINEL_SCHEME = "sentinel://"
-DEFAULT_SENTINEL_PORT = 26379
 SENTINEL_MASTER_SETTING = "AGENTQ_REDIS_SENTINEL_MASTER"
 REDIS_MAX_CONNECTIONS = 10_000
 """Redis's own default `maxclients`."""
@@ -103,61 +100,6 @@ RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
 """A demoted master's READONLY answer reaches us as a ConnectionError (redis-py's
 SentinelManagedConnection turns it into one), and so does NOREPLICAS (NoReplicasError),
 so both are retried on the new master."""
-
-
-@dataclass(frozen=True)
-class SentinelUrl:
-    """The parts of a `sentinel://` URL list."""
-
-    sentinels: list[tuple[str, int]]
-    db: int
-    username: str | None
-    password: str | None
-
-
-def is_sentinel(url: str) -> bool:
-    return url.startswith(SENTINEL_SCHEME)
-
-
-def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelUrl:
-    """`sentinel://[:pw@]h1:26379;sentinel://h2:26379/0` -> sentinels, db, credentials of the
-    master (taken from the first part, as Celery does)."""
-    sentinels: list[tuple[str, int]] = []
-    db = 0
-    username = password = None
-    for i, chunk in enumerate(c.strip() for c in url.split(";")):
-        if not chunk.startswith(SENTINEL_SCHEME):
-            raise ConfigError(
-                setting,
-                f"every part of a Sentinel URL starts with sentinel://, not {redact(chunk)!r}",
-            )
-        parts = urlsplit(chunk)
-        try:
-            port = parts.port or DEFAULT_SENTINEL_PORT
-        except ValueError:
-            raise ConfigError(setting, f"bad port in {redact(chunk)!r}") from None
-        if not parts.hostname:
-            raise ConfigError(setting, f"no host in {redact(chunk)!r}")
-        sentinels.append((parts.hostname, port))
-        if i == 0:
-            path = parts.path.strip("/")
-            if path:
-                if not path.isdigit():
-                    raise ConfigError(setting, f"the database must be a number, not {path!r}")
-                db = int(path)
-            username = unquote(parts.username) if parts.username else None
-            password = unquote(parts.password) if parts.password else None
-    return SentinelUrl(sentinels=sentinels, db=db, username=username, password=password)
-
-
-def redact(url: str) -> str:
-    """The URL (or `;`-separated URL list) with every password replaced by `**`."""
-    out = []
-    for chunk in url.split(";"):
-        scheme, sep, rest = chunk.partition("://")
-        auth, at, host = rest.rpartition("@")
-        out.append(f"{scheme}{sep}{auth.split(':', 1)[0]}:**{at}{host}" if at else chunk)
-    return ";".join(out)
 
 
 def _sync_retry(retries: int) -> Retry:

@@ -7,10 +7,10 @@ from typing import Any
 from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
-from agentq.broker import patch_redis_transport
 from agentq.config import Settings
-from agentq.connections import transport_options
 from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
+from agentq.fleet.broker import patch_redis_transport
+from agentq.fleet.connections import transport_options
 
 MIN_VISIBILITY_TIMEOUT_S = 3600
 

@@ -32,9 +32,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from agentq.config import Settings, get_settings
-from agentq.connections import is_sentinel, probe, redact
+from agentq.config import Settings, get_settings, is_sentinel, redact
 from agentq.errors import ConfigError
+from agentq.fleet.connections import probe
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import (
     CELERY_READY_PATTERN,
@@ -309,7 +309,7 @@ def _print_events(events: Iterator[Any]) -> None:
 
 def _use_env(env: dict[str, str]) -> None:
     """Point this process (its Client) at what was started."""
-    from agentq import runtime
+    from agentq.fleet import runtime
 
     os.environ.update(env)
     runtime.reset()

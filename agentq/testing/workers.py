@@ -1,31 +1,6 @@
-"""Process helpers for tests: the production launcher of agentq.local plus test worker settings."""
+"""Settings for the workers a test starts: tiny real limits, so faults show in seconds."""
 
 from __future__ import annotations
-
-from agentq.local.processes import (
-    CELERY_READY_PATTERN,
-    JSON_READY_PATTERN,
-    ManagedProcess,
-    ProcessStartError,
-    WaitTimeout,
-    kill_all,
-    start_process,
-    start_worker,
-    wait_for,
-)
-
-__all__ = [
-    "CELERY_READY_PATTERN",
-    "JSON_READY_PATTERN",
-    "ManagedProcess",
-    "ProcessStartError",
-    "WaitTimeout",
-    "kill_all",
-    "start_process",
-    "start_worker",
-    "wait_for",
-    "worker_env",
-]
 
 
 def worker_env(

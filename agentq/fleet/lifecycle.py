@@ -15,7 +15,7 @@ class Started:
     def start(self) -> object:
         raise NotImplementedError
 
-    def stop(self) -> None:
+    def stop(self) -> object:
         raise NotImplementedError
 
     def __enter__(self) -> Self:

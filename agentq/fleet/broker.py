@@ -1,4 +1,5 @@
-"""What agentq changes in kombu's Redis transport, and the task reprs it hands Celery.
+"""What agentq changes in kombu's Redis transport, the task reprs it hands Celery, and the
+step message every part of agentq sends.
 
 Both exist for the hot path: a step sends a task or two, and at thousands of turns the
 transport's per-publish costs were a third of a turn worker's CPU. The patches touch
@@ -8,7 +9,12 @@ kombu internals, which is why pyproject.toml bounds kombu's version.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from agentq.constants import QUEUE_TURNS, TASK_STEP
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 REPR_LIMIT = 200
 """Characters of a task's arguments that Flower and the worker log show."""
@@ -60,3 +66,15 @@ def task_repr(**fields: Any) -> str:
     per send for a model round's tool schemas)."""
     text = json.dumps(fields, default=str, separators=(",", ":"))
     return text if len(text) <= REPR_LIMIT else text[: REPR_LIMIT - 1] + "…"
+
+
+def send_step(app: Celery, turn_id: str) -> None:
+    """Ask a turn worker for one step of the turn."""
+    app.send_task(
+        TASK_STEP,
+        args=[turn_id],
+        queue=QUEUE_TURNS,
+        argsrepr=f"['{turn_id}']",
+        kwargsrepr="{}",
+        ignore_result=True,
+    )

@@ -24,8 +24,7 @@ import redis
 
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.orchestrator.approvals import request_id_of
-from agentq.store import text
+from agentq.state.base import text
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
@@ -210,7 +209,7 @@ class TurnLister:
         if not turn_ids:
             return {}
         now = time.time() if now is None else now
-        raw = json.loads(text(self._summary(keys=[], args=[request_id_of(""), *turn_ids])))
+        raw = json.loads(text(self._summary(keys=[], args=[k.approval_request_id(""), *turn_ids])))
         out: dict[str, dict[str, Any]] = {}
         gone: list[str] = []
         for row in raw:

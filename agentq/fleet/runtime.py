@@ -1,0 +1,114 @@
+"""Process-wide singletons: settings, Redis client, store, Celery app, and how a woken turn's
+step is taken (sent to a turn worker, or taken here by agentq.orchestrator.inline)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Protocol
+
+import redis
+from celery import Celery
+
+from agentq.config import Settings, get_settings
+from agentq.fleet.broker import send_step
+from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, redis_client
+from agentq.state.base import InlineStepper, StepView
+from agentq.state.store import TurnStore
+
+_lock = threading.Lock()
+_redis: redis.Redis | None = None
+_store: TurnStore | None = None
+_app: Celery | None = None
+
+
+def get_redis(settings: Settings | None = None) -> redis.Redis:
+    global _redis
+    with _lock:
+        if _redis is None:
+            s = settings or get_settings()
+            _redis = redis_client(
+                s.redis_url,
+                s.redis_sentinel_master,
+                socket_keepalive=True,
+                health_check_interval=30,
+                max_connections=REDIS_MAX_CONNECTIONS,
+            )
+        return _redis
+
+
+def get_store(settings: Settings | None = None) -> TurnStore:
+    global _store
+    s = settings or get_settings()
+    client = get_redis(s)
+    with _lock:
+        if _store is None:
+            _store = TurnStore(
+                client,
+                log_maxlen=s.event_log_maxlen,
+                ttl_s=s.state_ttl_s,
+                waker=_send_step,
+                stepper=_Stepper(),
+                replicas_acked=s.replicas_acked,
+                wait_timeout_ms=s.redis_wait_timeout_ms,
+            )
+        return _store
+
+
+class InlineSteps(InlineStepper, Protocol):
+    """Takes woken turns' steps in this process (agentq.orchestrator.inline)."""
+
+    def wake(self, turn_id: str) -> None:
+        """Take the step of a turn a write just woke, or send it when that fails."""
+
+
+_inline: InlineSteps | None = None
+
+
+def set_inline_steps(steps: InlineSteps | None) -> None:
+    """Install (or, with None, remove) the stepper that takes woken turns' steps here."""
+    global _inline
+    _inline = steps
+
+
+def _send_step(turn_id: str) -> None:
+    if _inline is not None:
+        _inline.wake(turn_id)
+    else:
+        send_step(get_app(), turn_id)
+
+
+class _Stepper:
+    """The store's stepper: whatever inline stepping is installed now, else none."""
+
+    def lock_ms(self) -> int | None:
+        return _inline.lock_ms() if _inline is not None else None
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        if _inline is not None:
+            _inline.run(turn_id, token, lock_ms, view)
+        else:
+            send_step(get_app(), turn_id)
+
+
+def get_app() -> Celery:
+    """The app of this process: the worker's when inside one, else a sender-only app."""
+    global _app
+    with _lock:
+        if _app is None:
+            from agentq.fleet.app import create_app
+
+            _app = create_app(get_settings())
+        return _app
+
+
+def set_app(app: Celery) -> None:
+    global _app
+    _app = app
+
+
+def reset() -> None:
+    """Forget every singleton (tests that change settings)."""
+    global _redis, _store, _app, _inline
+    get_settings.cache_clear()
+    _inline = None
+    _redis = _store = _app = None

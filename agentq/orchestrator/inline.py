@@ -1,0 +1,60 @@
+"""Inline steps: a process that wakes a turn takes the turn's step itself.
+
+Worker processes that settle calls or finish model rounds switch it on: the step that
+follows the last result of a batch then costs no broker round trip. Only for processes
+whose own work it may delay by a few milliseconds (not a prefork parent).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from agentq.config import get_settings
+from agentq.fleet import runtime
+from agentq.fleet.broker import send_step
+from agentq.orchestrator.steps import run_step, take_step
+from agentq.state.base import StepView
+
+log = logging.getLogger("agentq.turn")
+
+
+def step_inline(enabled: bool = True) -> None:
+    """Take a woken turn's step in this process instead of sending it to a turn worker."""
+    runtime.set_inline_steps(_InlineSteps() if enabled else None)
+
+
+def _failed(turn_id: str) -> None:
+    # The fact is recorded and the turn marked: a turn worker takes the step (once the
+    # failed step's lock, if it held one, lapses; the wakeup sweep is the backstop).
+    log.warning("turn %s: inline step failed; sending it", turn_id, exc_info=True)
+    send_step(runtime.get_app(), turn_id)
+
+
+class _InlineSteps:
+    def wake(self, turn_id: str) -> None:
+        try:
+            run_step(
+                turn_id,
+                store=runtime.get_store(),
+                app=runtime.get_app(),
+                settings=get_settings(),
+            )
+        except Exception:
+            _failed(turn_id)
+
+    def lock_ms(self) -> int | None:
+        return int(get_settings().step_lock_s * 1000)
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        try:
+            take_step(
+                turn_id,
+                view,
+                token,
+                lock_ms,
+                store=runtime.get_store(),
+                app=runtime.get_app(),
+                settings=get_settings(),
+            )
+        except Exception:
+            _failed(turn_id)

@@ -1,0 +1,299 @@
+"""What every part of the turn store shares: the client, durable writes, waking a turn,
+the views a step reads, and the helpers that decode what Redis returns.
+
+Nothing here waits. Whatever changes a turn's situation (a settled call, a finished model
+round, an answer, an abort) writes its fact and *wakes* the turn in one atomic step: it
+sets the turn's dirty flag and a near wakeup in ``agentq:turns:wakeups`` (the backstop,
+swept by every turn worker), then asks for a step at once through ``waker``. A process
+that takes woken turns' steps itself (``stepper``) has the same script take the step
+lock too, and goes on with the step from what the script read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import redis
+from redis.commands.core import Script
+
+from agentq import constants as k
+from agentq.events.bus import EventBus, event_body, publish_lua
+from agentq.models import ToolResult
+
+log = logging.getLogger("agentq.state")
+
+WAIT_WARN_EVERY_S = 10.0
+"""A replica that does not acknowledge is logged at most this often per process."""
+DURABLE_ATTEMPTS = 8
+"""Runs of an idempotent settling write that replicas did not acknowledge: with the
+backoff, about 5 s, longer than Sentinel takes to demote the old master."""
+
+START_BACKSTOP_S = 30.0
+"""A new turn whose first step message was lost is swept up this much later: long enough
+that a burst of new turns waiting in the queue is not sent a second step each."""
+WAKE_BACKSTOP_S = 2.0
+"""A wake whose step message was lost (its sender died) is swept up this much later."""
+
+STATE_LOST_MESSAGE = (
+    "Redis lost this turn's state (restarted without persistence?); it cannot go on: start it again"
+)
+
+# A fact about a turn whose state Redis lost (a restart without persistence): the turn
+# cannot go on, so it ends here with a clear error, once, and its record expires.
+STATE_LOST_LUA = (
+    """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1])
+"""
+    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]")
+    + """
+for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return 1
+"""
+)
+
+
+@dataclass(frozen=True)
+class RoundRead:
+    """The stored results, dispatch records and plans (raw, in call order) of a round's
+    calls, read with the step's view or known by the step that planned them."""
+
+    ids: tuple[str, ...]
+    results: list[Any]
+    calls: list[Any]
+    plans: list[Any]
+
+    @classmethod
+    def planned(cls, plans: dict[str, str]) -> RoundRead:
+        """A round just planned: nothing sent or settled yet."""
+        none: list[Any] = [None] * len(plans)
+        return cls(tuple(plans), none, list(none), list(plans.values()))
+
+
+@dataclass
+class StepView:
+    """What a step reads when it begins: the turn's state (None: Redis lost it), its cancel
+    reason, its history and, when the state names them, its round's calls as stored."""
+
+    state: dict[str, Any] | None
+    cancel_reason: str | None
+    history: list[dict[str, Any]]
+    round: RoundRead | None = None
+    llm_result: tuple[int, str] | None = None
+    """(round, LlmRoundResult JSON): a model round's result its writer took this step with."""
+
+
+class InlineStepper(Protocol):
+    """Takes a woken turn's step in this process (see `runtime.step_inline`)."""
+
+    def lock_ms(self) -> int | None:
+        """The step lock's lifetime; None when steps are not taken here now."""
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        """Go on with a step whose lock (`token`, for `lock_ms`) and view a write already took."""
+
+
+def step_view(
+    flat: list[Any], cancel: Any, history: list[Any], rnd: list[Any] | None = None
+) -> StepView:
+    """A step's view from what the begin script (or a write that took the lock) returned."""
+    state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    ids = state.get("round_calls")
+    return StepView(
+        state=state or None,
+        cancel_reason=text(cancel) or None,
+        history=[json.loads(m) for m in history],
+        round=RoundRead(tuple(ids), *rnd) if rnd and isinstance(ids, list) else None,
+    )
+
+
+def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
+    """Dispatch records as the (call id, record JSON) pairs `lua.record_lua` reads."""
+    return [x for c, r in records.items() for x in (c, json.dumps(r))]
+
+
+def text(v: Any) -> str:
+    """Redis answers bytes; callers want str."""
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def finished(result: ToolResult) -> dict[str, Any]:
+    """The fields of a call's tool_finished event."""
+    rec = result.record
+    return {
+        "call_id": result.call_id,
+        "tool": result.tool,
+        "status": result.status,
+        "duration_ms": rec.duration_ms,
+        "overran": rec.overran,
+        "soft_limited": rec.soft_limited,
+        "partial": rec.partial,
+        "worker": rec.worker,
+        "error": result.error,
+        "reason": result.reason,
+        "truncated_bytes": result.truncated_bytes,
+    }
+
+
+def loads(v: bytes | str | None) -> Any:
+    return None if v is None else json.loads(v)
+
+
+class StoreBase:
+    """The client and the writes every part of the store makes."""
+
+    LUA: ClassVar[dict[str, str]] = {
+        "_state_lost": STATE_LOST_LUA,
+    }
+    _state_lost: Script
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        log_maxlen: int = 10_000,
+        ttl_s: int = 604800,
+        waker: Callable[[str], None] | None = None,
+        stepper: InlineStepper | None = None,
+        replicas_acked: int = 0,
+        wait_timeout_ms: int = 500,
+    ):
+        self.redis = client
+        self.replicas_acked = replicas_acked
+        """Replicas that must acknowledge the writes a failover must not lose (`WAIT`)."""
+        self.wait_timeout_ms = wait_timeout_ms
+        self._wait_warned_at = 0.0
+        self.bus = EventBus(client, log_maxlen=log_maxlen)
+        self.ttl_s = ttl_s
+        self.waker = waker
+        """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
+        self.stepper = stepper
+        """Takes the step of a turn this process woke, when this process steps turns itself."""
+        # Each part of the store names the scripts it runs; all are loaded here once.
+        for cls in reversed(type(self).__mro__):
+            for attr, source in vars(cls).get("LUA", {}).items():
+                setattr(self, attr, client.register_script(source))
+
+    def _durable(self, script: Any, keys: list[Any], args: list[Any], *, again: bool = True) -> Any:
+        """Run a script whose write a failover must not lose (see `_durable_write`)."""
+        if not self.replicas_acked:
+            return script(keys=keys, args=args)
+        return self._durable_write(lambda p: script(keys=keys, args=args, client=p), again)[0]
+
+    def _durable_write(self, build: Callable[[Any], None], again: bool = True) -> list[Any]:
+        """Send the commands `build` puts in a pipeline, then WAIT for `replicas_acked`
+        replicas on the same connection; the answers of the first run, WAIT's cut off.
+
+        Too few acknowledgements mean the write may sit on a master being replaced, so
+        idempotent writes (`again`) are sent again, with backoff, until replicas
+        acknowledge them: after a failover the client has moved to the new master and
+        the write lands there.
+        """
+        first: list[Any] = []
+        acked = 0
+        for attempt in range(DURABLE_ATTEMPTS if again else 1):
+            if attempt:
+                time.sleep(min(0.1 * 2**attempt, 1.0))
+                self._follow_master()
+            *res, acked = self._pipelined(build, wait=True)
+            if attempt == 0:
+                first = res
+            if not self.replicas_acked or int(acked) >= self.replicas_acked:
+                return first
+        self._under_acked(int(acked))
+        return first
+
+    def _pipelined(self, build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
+        """Run the commands `build` puts in a pipeline (with a WAIT last, `wait`).
+
+        A pipeline loads its scripts once, before it is sent: when a retry took it to
+        a new master (a failover, a restart) that lacks them, it is built and sent again.
+        """
+        for attempt in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            build(pipe)
+            if wait:
+                pipe.wait(self.replicas_acked, self.wait_timeout_ms)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _follow_master(self) -> None:
+        """Behind Sentinel, ask for the master now: if it moved, the pool drops its
+        connections to the old one instead of writing there until it is demoted."""
+        refresh = getattr(self.redis.connection_pool, "get_master_address", None)
+        if refresh is not None:
+            # No sentinel answers: the write is retried as it is.
+            with contextlib.suppress(redis.RedisError):
+                refresh()
+
+    def _under_acked(self, acked: int) -> None:
+        now = time.monotonic()
+        if now - self._wait_warned_at > WAIT_WARN_EVERY_S:
+            self._wait_warned_at = now
+            log.warning(
+                "%d of %d replicas acknowledged a settling write within %d ms: a failover "
+                "now could lose it",
+                acked,
+                self.replicas_acked,
+                self.wait_timeout_ms,
+            )
+
+    def _send_step(self, turn_id: str) -> None:
+        if self.waker is not None:
+            self.waker(turn_id)
+
+    def _inline_lock(self) -> tuple[str, int]:
+        """A step lock token for a write that may take the step it wakes here ("" if not)."""
+        lock_ms = self.stepper.lock_ms() if self.stepper is not None else None
+        return ("", 0) if lock_ms is None else (secrets.token_hex(8), lock_ms)
+
+    def _woke(
+        self,
+        turn_id: str,
+        answer: Any,
+        token: str,
+        lock_ms: int,
+        *,
+        wake: bool,
+        llm_result: tuple[int, str] | None = None,
+    ) -> int:
+        """After a write that wakes a turn: take the step it locked for this process, else
+        send one (unless another step holds the lock: it steps again when it lets go)."""
+        if isinstance(answer, list):
+            code, *raw = answer
+            if self.stepper is not None:
+                view = step_view(*raw)
+                view.llm_result = llm_result
+                self.stepper.run(turn_id, token, lock_ms, view)
+            return int(code)
+        if wake and not token:
+            self._send_step(turn_id)
+        return int(answer)
+
+    def end_lost_turn(self, turn_id: str) -> bool:
+        """End a turn whose state Redis lost with turn_error `state_lost`; False if it exists."""
+        event = event_body(
+            turn_id, "turn_error", {"code": "state_lost", "error": STATE_LOST_MESSAGE}
+        )
+        return bool(
+            self._state_lost(
+                keys=[
+                    k.turn_key(turn_id),
+                    k.seq_key(turn_id),
+                    k.log_key(turn_id),
+                    k.events_channel(turn_id),
+                ],
+                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_maxlen, self.ttl_s],
+            )
+        )

@@ -1,0 +1,220 @@
+"""Tool calls: their dispatch records, their starts, and exactly one result each."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, ClassVar
+
+from redis.commands.core import Script
+
+from agentq import constants as k
+from agentq.events.bus import event_body, publish_lua
+from agentq.models import ToolResult
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, dispatch_args, finished, text
+from agentq.state.lua import TURN_OPEN_LUA, record_lua, take_step_lua, wake_lua
+
+# Settle = store the result under its call id (first writer wins), wake the turn and
+# publish tool_finished, in one atomic step: exactly one result per call, whoever
+# settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
+SETTLE_LUA = (
+    TURN_OPEN_LUA % (6, -2)
+    + """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+-- Only the settle that completes the batch in flight (or one of a call it does not
+-- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
+local tracked = redis.call('SREM', KEYS[9], ARGV[1])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[9]) == 0
+local start = redis.call('HGET', KEYS[8], ARGV[1])
+if start then
+  local ok, rec = pcall(cjson.decode, start)
+  if ok and type(rec['worker']) == 'string' then
+    redis.call('SREM', 'agentq:worker:' .. rec['worker'] .. ':calls', ARGV[8] .. '/' .. ARGV[1])
+  end
+end
+if ARGV[9] == '1' and ready then
+"""
+    + wake_lua("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]")
+    + "end\n"
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
+    + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
+    + take_step_lua(
+        "KEYS[10]",
+        "KEYS[2]",
+        "KEYS[6]",
+        "KEYS[11]",
+        "KEYS[12]",
+        "ARGV[10]",
+        "ARGV[11]",
+        ("KEYS[1]", "KEYS[13]", "KEYS[14]"),
+    )
+    + "end\nreturn 3"
+)
+
+# A task that starts checks, in the same step that records its start, that its call
+# is not settled yet (a redelivery) and its turn not cancelled. The start record names
+# the delivery (task id and retry count): the broker handing the same delivery out
+# again while it runs (a restored unacked message) must not run the call twice.
+START_LUA = (
+    """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+"""
+    + TURN_OPEN_LUA % (7, -2)
+    + """
+if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+local prev = redis.call('HGET', KEYS[2], ARGV[1])
+if prev and ARGV[5] ~= '' then
+  local ok, rec = pcall(cjson.decode, prev)
+  if ok and rec['delivery'] == ARGV[5] then return 2 end
+end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+if ARGV[6] ~= '' then redis.call('SADD', KEYS[8], ARGV[6]) end
+"""
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + "return 1"
+)
+
+# Dispatch records written apart from a step's release (a sub-agent call's child turn).
+RECORD_DISPATCH_LUA = record_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", 1) + "return 1\n"
+
+
+class CallRecords(StoreBase):
+    """Dispatch records, start records and settled results, by call id."""
+
+    LUA: ClassVar[dict[str, str]] = {
+        "_settle": SETTLE_LUA,
+        "_start": START_LUA,
+        "_record_dispatch": RECORD_DISPATCH_LUA,
+    }
+    _settle: Script
+    _start: Script
+    _record_dispatch: Script
+
+    def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
+        """Record calls as sent, and those not settled yet as the batch in flight whose last
+        settle wakes the turn."""
+        if not records:
+            return
+        self._durable(
+            self._record_dispatch,
+            keys=[k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)],
+            args=dispatch_args(records),
+        )
+
+    def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
+        raw = self.redis.hgetall(k.calls_key(turn_id))
+        return {text(c): json.loads(v) for c, v in raw.items()}
+
+    def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
+        raw = self.redis.hgetall(k.started_key(turn_id))
+        return {text(c): json.loads(v) for c, v in raw.items()}
+
+    def running_tasks(self, turn_id: str) -> dict[str, str | None]:
+        """Task id -> worker of each call that started and has no result yet, in one read."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hkeys(k.results_key(turn_id))
+        pipe.hgetall(k.started_key(turn_id))
+        pipe.hgetall(k.calls_key(turn_id))
+        done_raw, starts_raw, calls_raw = pipe.execute()
+        done = {text(c) for c in done_raw}
+        starts = {text(c): json.loads(v) for c, v in starts_raw.items()}
+        records = {text(c): json.loads(v) for c, v in calls_raw.items()}
+        # Agent calls have no task: their child turns are aborted instead.
+        return {
+            d["task_id"]: starts[cid].get("worker")
+            for cid, d in records.items()
+            if cid not in done and cid in starts and d.get("task_id")
+        }
+
+    def mark_started(
+        self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
+    ) -> int:
+        """Record a task's start; 1 started, 0 already settled, -1 turn cancelled,
+        -2 turn over or gone, 2 this delivery (`start["delivery"]`) started already."""
+        worker = str(start.get("worker") or "")
+        watched = bool(start.get("heartbeat")) and bool(worker)
+        return int(
+            self._durable(
+                self._start,
+                keys=[
+                    k.results_key(turn_id),
+                    k.started_key(turn_id),
+                    k.cancel_key(turn_id),
+                    k.seq_key(turn_id),
+                    k.log_key(turn_id),
+                    k.events_channel(turn_id),
+                    k.turn_key(turn_id),
+                    k.worker_calls_key(worker or "-"),
+                ],
+                args=[
+                    call_id,
+                    json.dumps(start),
+                    event_body(turn_id, "tool_started", event),
+                    self.bus.log_maxlen,
+                    str(start.get("delivery") or ""),
+                    f"{turn_id}/{call_id}" if watched else "",
+                ],
+            )
+        )
+
+    def workers_alive(self, hostnames: list[str]) -> dict[str, bool]:
+        """Which workers sent a heartbeat lately."""
+        if not hostnames:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for h in hostnames:
+            pipe.exists(k.worker_alive_key(h))
+        return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
+
+    def settle(self, turn_id: str, result: ToolResult, *, wake: bool = True) -> bool:
+        """Store a call's result unless one is stored already; True if this one won.
+
+        `wake=False` is for the turn's own step, which goes on by itself.
+        """
+        result_json = result.model_dump_json()
+        event = finished(result)
+        token, lock_ms = self._inline_lock() if wake else ("", 0)
+        won = self._durable(
+            self._settle,
+            keys=[
+                k.results_key(turn_id),
+                k.dirty_key(turn_id),
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+                k.turn_key(turn_id),
+                k.WAKEUPS,
+                k.started_key(turn_id),
+                k.outstanding_key(turn_id),
+                k.step_lock_key(turn_id),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
+                k.calls_key(turn_id),
+                k.plan_key(turn_id),
+            ],
+            args=[
+                result.call_id,
+                result_json,
+                event_body(turn_id, "tool_finished", event),
+                self.bus.log_maxlen,
+                "",
+                time.time() + WAKE_BACKSTOP_S,
+                self.ttl_s,
+                turn_id,
+                "1" if wake else "0",
+                token,
+                lock_ms,
+            ],
+        )
+        won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)
+        if won == -2:
+            self.end_lost_turn(turn_id)
+        return won in (1, 3)
+
+    def result(self, turn_id: str, call_id: str) -> ToolResult | None:
+        raw = self.redis.hget(k.results_key(turn_id), call_id)
+        return None if raw is None else ToolResult.model_validate_json(raw)
+
+    def results(self, turn_id: str) -> dict[str, ToolResult]:
+        raw = self.redis.hgetall(k.results_key(turn_id))
+        return {text(c): ToolResult.model_validate_json(v) for c, v in raw.items()}

@@ -1,0 +1,98 @@
+"""Lua fragments the store's scripts share: the open-turn guard, waking a turn, what a step
+reads, taking the step lock and recording dispatches. Each whole script stands beside the
+method that runs it."""
+
+from __future__ import annotations
+
+from agentq.events.bus import ended_lua
+
+# A turn that is over (or whose state Redis lost) takes no more writes: nothing is
+# written after its terminal event, and nothing recreates half of a vanished turn.
+TURN_OPEN_LUA = (
+    """
+local status = redis.call('HGET', KEYS[%d], 'status')
+if not status or """
+    + ended_lua("status")
+    + """ then
+  return %s
+end
+"""
+)
+
+
+def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
+    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at`."""
+    return f"""
+redis.call('SET', {dirty}, '1', 'EX', {ttl})
+local cur = redis.call('ZSCORE', {wakeups}, {turn_id})
+if (not cur) or tonumber(cur) > tonumber({at}) then
+  redis.call('ZADD', {wakeups}, {at}, {turn_id})
+end
+"""
+
+
+MAX_ROUND_READ = 500
+"""A round with more calls than this is read by the step itself, not by the script."""
+
+
+def read_view_lua(
+    turn: str, cancel: str, history: str, round_keys: tuple[str, str, str] | None = None
+) -> str:
+    """Lua expressions, comma-separated: what a step reads (state, cancel reason, history,
+    round).
+
+    `round` holds the settled results, dispatch records and plans of the calls named by
+    the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
+    that collects a round needs no read of its own; {} without them.
+    """
+    rnd = "{}"
+    if round_keys is not None:
+        results, calls, plans = round_keys
+        rnd = f"""(function()
+  local rc = redis.call('HGET', {turn}, 'round_calls')
+  if not rc then return {{}} end
+  local ok, ids = pcall(cjson.decode, rc)
+  if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
+  return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
+          redis.call('HMGET', {plans}, unpack(ids))}}
+end)()"""
+    return f"""redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
+  redis.call('LRANGE', {history}, 0, -1), {rnd}"""
+
+
+def take_step_lua(
+    lock: str,
+    dirty: str,
+    turn: str,
+    cancel: str,
+    history: str,
+    token: str,
+    ttl_ms: str,
+    round_keys: tuple[str, str, str] | None = None,
+) -> str:
+    """Lua that, for a caller that steps the woken turn itself (`token` set), takes the
+    step lock and returns what the step reads, as the begin script would: one round trip
+    fewer between the last result of a batch and the step that collects it."""
+    return f"""
+if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
+  redis.call('DEL', {dirty})
+  return {{3, {read_view_lua(turn, cancel, history, round_keys)}}}
+end
+"""
+
+
+def record_lua(calls: str, outstanding: str, results: str, first: int) -> str:
+    """Lua recording the dispatch records in ARGV[first..] (call id, record pairs): sent,
+    and, unless already settled, in the batch in flight whose last settle wakes the turn.
+
+    A step sends a batch's calls first and records them after (still holding its lock), so
+    a call may settle before its record; it woke the turn then, and is not in flight.
+    """
+    return f"""
+for i = {first}, #ARGV, 2 do
+  redis.call('HSET', {calls}, ARGV[i], ARGV[i + 1])
+  if redis.call('HEXISTS', {results}, ARGV[i]) == 0 then
+    redis.call('SADD', {outstanding}, ARGV[i])
+  end
+end
+"""

@@ -1,0 +1,132 @@
+"""Model rounds: who streams each, its lease, and its result."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from redis.commands.core import Script
+
+from agentq import constants as k
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
+from agentq.state.lua import TURN_OPEN_LUA, take_step_lua, wake_lua
+
+FINISH_LLM_LUA = (
+    TURN_OPEN_LUA % (3, -2)
+    + """
+redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
+redis.call('DEL', KEYS[5])
+"""
+    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
+    + take_step_lua("KEYS[6]", "KEYS[1]", "KEYS[3]", "KEYS[7]", "KEYS[8]", "ARGV[5]", "ARGV[6]")
+    + "return 1"
+)
+
+# A stream worker takes a model round: unless it has a result or its turn is over, claim
+# it, and read what the round needs, in one step (each round trip is a handoff to a thread
+# on a stream worker that holds thousands of rounds).
+BEGIN_LLM_LUA = (
+    """
+local done = redis.call('GET', KEYS[1])
+if done then return {1, done} end
+"""
+    + TURN_OPEN_LUA % (2, "{2}")
+    + """
+if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
+redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
+return {0, redis.call('EXISTS', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, -1)}
+"""
+)
+
+
+@dataclass(frozen=True)
+class LlmRoundStart:
+    """What a stream worker found when it took a round: a result already stored, a turn
+    that is over, another delivery streaming it, or the round claimed with its history."""
+
+    done: str | None = None
+    gone: bool = False
+    elsewhere: bool = False
+    claimed: bool = False
+    cancelled: bool = False
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RoundRecords(StoreBase):
+    """A round's claim by a stream worker, its liveness lease and its stored result."""
+
+    LUA: ClassVar[dict[str, str]] = {
+        "_finish_llm": FINISH_LLM_LUA,
+        "_begin_llm": BEGIN_LLM_LUA,
+    }
+    _finish_llm: Script
+    _begin_llm: Script
+
+    def begin_llm_round(
+        self, turn_id: str, round_no: int, worker: str, lease_ms: int
+    ) -> LlmRoundStart:
+        """Claim a model round for this stream worker and read its history, in one step."""
+        res = self._begin_llm(
+            keys=[
+                k.llm_result_key(turn_id, round_no),
+                k.turn_key(turn_id),
+                k.llm_alive_key(turn_id, round_no),
+                k.llm_taken_key(turn_id, round_no),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
+            ],
+            args=[worker, lease_ms, self.ttl_s],
+        )
+        outcome = int(res[0])
+        if outcome == 1:
+            return LlmRoundStart(done=text(res[1]))
+        if outcome == 2:
+            return LlmRoundStart(gone=True)
+        if outcome == 3:
+            return LlmRoundStart(elsewhere=True)
+        return LlmRoundStart(
+            claimed=True,
+            cancelled=bool(res[1]),
+            history=[json.loads(m) for m in res[2]],
+        )
+
+    def llm_round_alive(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> None:
+        """Renew the claim of a round while it streams."""
+        self.redis.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
+
+    def finish_llm_round(self, turn_id: str, round_no: int, result_json: str) -> None:
+        """Store a model round's result (LlmRoundResult JSON) and wake its turn."""
+        token, lock_ms = self._inline_lock()
+        ok = self._finish_llm(
+            keys=[
+                k.dirty_key(turn_id),
+                k.WAKEUPS,
+                k.turn_key(turn_id),
+                k.llm_result_key(turn_id, round_no),
+                k.llm_alive_key(turn_id, round_no),
+                k.step_lock_key(turn_id),
+                k.cancel_key(turn_id),
+                k.history_key(turn_id),
+            ],
+            args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json, token, lock_ms],
+        )
+        woke = self._woke(
+            turn_id, ok, token, lock_ms, wake=ok == 1, llm_result=(round_no, result_json)
+        )
+        if woke == -2:
+            self.end_lost_turn(turn_id)
+
+    def llm_result(self, turn_id: str, round_no: int) -> str | None:
+        raw = self.redis.get(k.llm_result_key(turn_id, round_no))
+        return None if raw is None else text(raw)
+
+    def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
+        """Renew many rounds' claims in one round trip: (turn id, round) -> worker."""
+        if not rounds:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for (turn_id, round_no), worker in rounds.items():
+            pipe.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
+        pipe.execute()

@@ -1,0 +1,14 @@
+"""Durable turn state in Redis, one class put together from its parts: the turn
+(agentq.state.turns), its step (steplock), its calls (calls) and its model rounds (rounds);
+agentq.state.base says how a write wakes a turn."""
+
+from __future__ import annotations
+
+from agentq.state.calls import CallRecords
+from agentq.state.rounds import RoundRecords
+from agentq.state.steplock import StepRecords
+from agentq.state.turns import TurnRecords
+
+
+class TurnStore(TurnRecords, StepRecords, CallRecords, RoundRecords):
+    """Everything Redis holds for turns, and every write that changes it."""

@@ -1,0 +1,193 @@
+"""The turn itself: its state, its history, its children, and its end."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from redis.commands.core import Script
+
+from agentq import constants as k
+from agentq.events.bus import ended_lua, event_body, publish_lua
+from agentq.models import ToolResult, TurnStatus
+from agentq.state.base import START_BACKSTOP_S, WAKE_BACKSTOP_S, StoreBase, finished, loads, text
+from agentq.state.lua import TURN_OPEN_LUA, wake_lua
+
+# Ending a turn: its status, its terminal event and the retention TTL of its keys in one
+# atomic step; exactly one ending wins, and nothing is published after it. A child turn
+# started by an agent-as-tool call settles that call in its parent in the same step
+# (first result wins, as in SETTLE_LUA), and wakes the parent if the batch is complete.
+# A step ends the turn fenced by its lock, with the history messages it has not committed
+# yet (the round's last tool results): the turn's last words and its end are one write,
+# which lets go of the lock too.
+CLOSE_LUA = (
+    TURN_OPEN_LUA % (1, 0)
+    + """
+if ARGV[10] ~= '' then
+  if redis.call('GET', KEYS[14]) ~= ARGV[10] then return -1 end
+  redis.call('DEL', KEYS[14])
+end
+local n = tonumber(ARGV[11])
+for i = 12, 11 + n do redis.call('RPUSH', KEYS[15], ARGV[i]) end
+if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
+"""
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + """
+for i = 12 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+for i = 16, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if ARGV[5] == '' then return 1 end
+local pstatus = redis.call('HGET', KEYS[7], 'status')
+if not pstatus or """
+    + ended_lua("pstatus")
+    + """ then
+  return 1
+end
+if redis.call('HSETNX', KEYS[8], ARGV[6], ARGV[7]) == 0 then return 1 end
+local tracked = redis.call('SREM', KEYS[13], ARGV[6])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[13]) == 0
+do
+"""
+    + publish_lua("KEYS[10]", "KEYS[11]", "KEYS[12]", "ARGV[8]", "ARGV[4]")
+    + "end\nif not ready then return 1 end\n"
+    + wake_lua("KEYS[9]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
+    + "return 2\n"
+)
+
+
+class TurnRecords(StoreBase):
+    """A turn's state hash, history and children; `close` ends it once."""
+
+    LUA: ClassVar[dict[str, str]] = {
+        "_close": CLOSE_LUA,
+    }
+    _close: Script
+
+    def create(self, turn_id: str, state: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        """Store a new turn, woken: if the message of its first step is lost (a failover
+        took it with the old master, its sender died), the wakeup sweep starts it."""
+
+        def build(pipe: Any) -> None:
+            pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
+            # Written whole each time, so sending it again (see _durable_write) is harmless.
+            pipe.delete(k.history_key(turn_id))
+            if history:
+                pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
+            pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
+            pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
+            pipe.set(k.dirty_key(turn_id), "1", ex=self.ttl_s)
+            pipe.zadd(k.WAKEUPS, {turn_id: time.time() + START_BACKSTOP_S})
+            parent = state.get("parent_turn_id")
+            if parent:
+                pipe.sadd(k.children_key(parent), turn_id)
+
+        if self.replicas_acked:
+            self._durable_write(build)
+        else:
+            pipe = self.redis.pipeline()
+            build(pipe)
+            pipe.execute()
+
+    def state(self, turn_id: str) -> dict[str, Any] | None:
+        raw = self.redis.hgetall(k.turn_key(turn_id))
+        if not raw:
+            return None
+        return {text(f): json.loads(v) for f, v in raw.items()}
+
+    def update(self, turn_id: str, **fields: Any) -> None:
+        self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
+
+    def status(self, turn_id: str) -> str | None:
+        return loads(self.redis.hget(k.turn_key(turn_id), "status"))  # type: ignore[no-any-return]
+
+    def active(self) -> list[str]:
+        return [text(t) for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
+
+    def close(
+        self,
+        turn_id: str,
+        status: TurnStatus,
+        event: str,
+        event_fields: dict[str, Any],
+        *,
+        settle_parent: tuple[str, ToolResult] | None = None,
+        token: str = "",
+        append: list[dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> int:
+        """End the turn (status, terminal event, retention TTL) atomically: 1 (or 2: it
+        settled its parent's call), 0 if it had ended, -1 if `token` no longer holds the
+        step lock (nothing written).
+
+        `settle_parent` (parent turn id, result) settles the parent's call that started
+        this turn in the same step, and wakes the parent; `append` adds history messages
+        first, in the same write.
+        """
+        messages = [json.dumps(m) for m in append or []]
+        flat: list[Any] = []
+        for f, v in {"status": status.value, "ended_at": time.time(), **fields}.items():
+            flat += [f, json.dumps(v)]
+        parent, result = settle_parent or ("", None)
+        pid = parent or turn_id  # placeholders the script leaves alone without a parent
+        won = self._durable(
+            self._close,
+            keys=[
+                k.turn_key(turn_id),
+                k.ACTIVE_TURNS,
+                k.WAKEUPS,
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+                k.turn_key(pid),
+                k.results_key(pid),
+                k.dirty_key(pid),
+                k.seq_key(pid),
+                k.log_key(pid),
+                k.events_channel(pid),
+                k.outstanding_key(pid),
+                k.step_lock_key(turn_id),
+                k.history_key(turn_id),
+                *k.turn_keys(turn_id),
+            ],
+            args=[
+                turn_id,
+                self.ttl_s,
+                event_body(turn_id, event, event_fields),
+                self.bus.log_maxlen,
+                parent,
+                "" if result is None else result.call_id,
+                "" if result is None else result.model_dump_json(),
+                "" if result is None else event_body(pid, "tool_finished", finished(result)),
+                time.time() + WAKE_BACKSTOP_S,
+                token,
+                len(messages),
+                *messages,
+                *flat,
+            ],
+        )
+        if won == 2:
+            self._send_step(parent)
+        return int(won)
+
+    def history(self, turn_id: str) -> list[dict[str, Any]]:
+        return [json.loads(m) for m in self.redis.lrange(k.history_key(turn_id), 0, -1)]
+
+    def cancel_reason(self, turn_id: str) -> str | None:
+        v = self.redis.get(k.cancel_key(turn_id))
+        return None if v is None else text(v)  # type: ignore[union-attr]
+
+    def children(self, turn_id: str) -> list[str]:
+        return [text(c) for c in self.redis.smembers(k.children_key(turn_id))]
+
+    def publish_many(self, batches: Mapping[str, list[tuple[str, dict[str, Any]]]]) -> None:
+        """Publish the events of several turns, each turn's in order, in one round trip."""
+        if not any(batches.values()):
+            return
+        bodies = {
+            turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
+            for turn_id, events in batches.items()
+        }
+        self._pipelined(lambda pipe: self.bus.publish_many(bodies, client=pipe))
