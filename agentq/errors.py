@@ -22,7 +22,9 @@ AgentqError
 │   ├── StreamIdleTimeout(idle_ms, chunks_received, stream_lifetime_ms)   code "ETIMEDOUT"
 │   ├── StreamDurationExceeded(limit_s, elapsed_s)
 │   ├── ModelHTTPError(status_code, retryable)
-│   │   └── ModelConnectionError(detail)      unreachable or dropped; retryable
+│   │   ├── ModelConnectionError(detail)      unreachable or dropped; retryable
+│   │   └── ModelBusy(retry_after_s, headers)  429, or 503/529 overloaded: capacity, not a fault
+│   ├── ModelCapacityTimeout(model, waited_s)  waited for model capacity past the turn's limit
 │   ├── MalformedStreamChunk(chunk_index)
 │   └── ModelRoundFailed(code)                 the round's failure as the turn learns it
 ├── ConversationNotFound(conversation_id)      unknown, expired or someone else's: 404
@@ -211,6 +213,42 @@ class ModelConnectionError(ModelHTTPError):
         self.status_code = 0
         self.retryable = True
         self.detail = detail
+
+
+class ModelBusy(ModelHTTPError):
+    """The provider refused for lack of capacity (429, or 503/529 overloaded).
+
+    The fleet's capacity manager pauses the model for every worker and queues the round
+    again; it never uses up one of the turn's retries.
+    """
+
+    code = "EBUSY"
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        retry_after_s: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(status_code, message, retryable=True)
+        self.retry_after_s = retry_after_s
+        self.headers = headers or {}
+        """The provider's rate-limit headers (`retry-after*`, `x-ratelimit-*`) only."""
+
+
+class ModelCapacityTimeout(LlmError):
+    """A round waited for model capacity until the turn's own limit ran out."""
+
+    code = "ECAPACITY"
+
+    def __init__(self, model: str, waited_s: float) -> None:
+        super().__init__(
+            f"waited {waited_s:.0f} s for model capacity on {model!r} "
+            "(AGENTQ_LLM_QUEUE_TIMEOUT_S) without getting it"
+        )
+        self.model = model
+        self.waited_s = waited_s
 
 
 class MalformedStreamChunk(LlmError):

@@ -259,6 +259,7 @@ EVENT_TYPES = (
     "turn_started",
     "llm_started",
     "llm_delta",
+    "llm_queued",
     "llm_retry",
     "llm_finished",
     "tool_started",
@@ -414,6 +415,14 @@ class LlmRoundRequest(_Frozen):
     """The agent's instructions, sent as the system message before the history."""
     traceparent: str | None = None
     """The turn's W3C trace context when tracing is on: the round's span goes under it."""
+    deployment: str | None = None
+    """The deployment of `model` the fleet's capacity manager granted; None: the default."""
+    lease_id: str | None = None
+    """The capacity grant the stream worker gives back when the round ends."""
+    tokens_estimate: int = 0
+    """Tokens the grant counted before the request (corrected from the usage after)."""
+    queued_s: float = 0.0
+    """How long the round waited for model capacity before it was sent."""
 
     @field_validator("tools_json")
     @classmethod

@@ -57,6 +57,16 @@ class ToolLine:
     spinner: Spinner = field(default_factory=lambda: Spinner("dots"))
 
 
+def capacity_text(position: Any, wait_s: Any) -> str:
+    """What a round waiting for model capacity shows: its place and the estimated wait."""
+    bits = []
+    if isinstance(position, int):
+        bits.append(f"position {position}")
+    if isinstance(wait_s, (int, float)):
+        bits.append(f"about {fmt_s(float(wait_s))}")
+    return "waiting for model capacity" + (f" ({', '.join(bits)})" if bits else "")
+
+
 @dataclass
 class TurnView:
     """Folds events into what the screen shows."""
@@ -70,10 +80,15 @@ class TurnView:
     started: float = field(default_factory=time.time)
     retries: int = 0
     round_start: int = 0
+    waiting: str = ""
+    """Set while a model round waits for model capacity (`llm_queued`)."""
 
     def apply(self, ev: Event) -> None:
         f = ev.fields
-        if ev.type == "llm_started":
+        if ev.type == "llm_queued":
+            self.waiting = capacity_text(f.get("position"), f.get("wait_s"))
+        elif ev.type == "llm_started":
+            self.waiting = ""
             if self.text and not self.text.endswith("\n"):
                 self.text += "\n"
             self.round_start = len(self.text)
@@ -106,6 +121,7 @@ class TurnView:
         elif ev.type in ("interaction_answered", "interaction_timed_out"):
             self.pending.pop(str(f.get("request_id")), None)
         elif ev.type in ("turn_finished", "turn_aborted", "turn_error"):
+            self.waiting = ""
             self.outcome = ev.type
             self.detail = str(f.get("reason") or f.get("error") or "")
             if ev.type == "turn_finished" and f.get("content") and not self.text:
@@ -116,6 +132,8 @@ class TurnView:
         parts: list[RenderableType] = []
         if self.text:
             parts.append(Text(self.text))
+        if self.waiting:
+            parts.append(Text(self.waiting, style="yellow"))
         table = Table.grid(padding=(0, 1))
         for line in self.tools.values():
             elapsed = (line.finished or now) - line.started

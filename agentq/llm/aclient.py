@@ -25,6 +25,7 @@ from agentq.errors import (
     Aborted,
     LlmError,
     MalformedStreamChunk,
+    ModelBusy,
     StreamDurationExceeded,
     StreamIdleTimeout,
 )
@@ -36,7 +37,7 @@ from agentq.llm.client import (
     api_error_to_llm,
     chat_request,
 )
-from agentq.llm.retry import backoff_s, parse_retry_after, should_retry
+from agentq.llm.retry import backoff_s, parse_retry_after, rate_headers, should_retry
 from agentq.models import AssistantMessage
 
 log = logging.getLogger("agentq.llm")
@@ -97,11 +98,15 @@ async def astream_round(
     turn_id: str = "",
     duration_limit_s: float | None = None,
     on_first_output: Callable[[], None] | None = None,
+    busy_is_final: bool = False,
+    on_headers: Callable[[dict[str, str]], None] | None = None,
 ) -> tuple[AssistantMessage, float]:
     """Stream one assistant message; returns it and the seconds spent streaming.
 
     `on_first_output` is called once per attempt, when the first chunk with text, reasoning
-    or a tool call arrives (time to first token).
+    or a tool call arrives (time to first token). `on_headers` gets the rate-limit headers
+    of the answer that streams. With `busy_is_final`, a busy answer (429, 503, 529) ends
+    the round with `ModelBusy` at once: the fleet's capacity manager waits, not this stream.
 
     Raises what `stream_round` raises, under the same rules.
     """
@@ -125,6 +130,7 @@ async def astream_round(
             abort=abort,
             turn_id=turn_id,
             on_first_output=on_first_output,
+            on_headers=on_headers,
         )
         try:
             message = await run.run(messages, tools)
@@ -135,6 +141,8 @@ async def astream_round(
             return message, streamed_s + run.elapsed_s
         if abort.is_set():
             raise Aborted(turn_id) from error
+        if busy_is_final and isinstance(error, ModelBusy):
+            raise error
         if not should_retry(
             error, chunks_received=run.chunks, attempt=attempt, max_retries=max_retries
         ):
@@ -162,9 +170,11 @@ class _Attempt:
         abort: asyncio.Event,
         turn_id: str,
         on_first_output: Callable[[], None] | None = None,
+        on_headers: Callable[[dict[str, str]], None] | None = None,
     ) -> None:
         self.client = client
         self.on_first_output = on_first_output
+        self.on_headers = on_headers
         self.model = model
         self.idle_timeout_ms = idle_timeout_ms
         self.idle_s = idle_timeout_ms / 1000.0 if idle_timeout_ms > 0 else None
@@ -229,6 +239,8 @@ class _Attempt:
             )
         except openai.APIError as exc:
             self._fail(exc)
+        if self.on_headers is not None:
+            self.on_headers(rate_headers(stream.response.headers))
         async with stream:
             assembler = _Assembler(self.on_delta)
             chunks = stream.__aiter__()

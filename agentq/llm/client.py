@@ -22,11 +22,19 @@ from agentq.errors import (
     Aborted,
     LlmError,
     MalformedStreamChunk,
+    ModelBusy,
     ModelConnectionError,
     ModelHTTPError,
     StreamDurationExceeded,
 )
-from agentq.llm.retry import backoff_s, parse_retry_after, retryable_status, should_retry
+from agentq.llm.retry import (
+    BUSY_STATUSES,
+    backoff_s,
+    parse_retry_after,
+    rate_headers,
+    retryable_status,
+    should_retry,
+)
 from agentq.llm.transport import SocketTracker, tracked_http_client
 from agentq.llm.watchdog import POLL_S, StreamWatchdog
 from agentq.models import AssistantMessage, ToolCall, Usage
@@ -131,6 +139,11 @@ def api_error_to_llm(exc: openai.APIError) -> ModelHTTPError:
         message = exc.message
         if isinstance(body, dict) and isinstance(body.get("message"), str):
             message = body["message"]
+        if exc.status_code in BUSY_STATUSES:
+            headers = exc.response.headers
+            return ModelBusy(
+                exc.status_code, message, parse_retry_after(headers), rate_headers(headers)
+            )
         return ModelHTTPError(exc.status_code, message, retryable_status(exc.status_code))
     if isinstance(exc, openai.APIConnectionError):
         cause = exc.__cause__

@@ -36,6 +36,20 @@ MAX_BACKOFF_S = 30.0
 _RETRYABLE: frozenset[FailureKind] = frozenset({"idle_timeout", "http_retryable"})
 
 
+BUSY_STATUSES = frozenset({429, 503, 529})
+"""Rate limited (429) or overloaded (503, and 529 as some providers send it): the provider
+lacks capacity, the request itself is fine."""
+
+
+def rate_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The provider's rate-limit headers only (`retry-after*`, `x-ratelimit-*`), lowercased."""
+    return {
+        name.lower(): value
+        for name, value in headers.items()
+        if name.lower().startswith(("retry-after", "x-ratelimit-"))
+    }
+
+
 def retryable_status(status_code: int) -> bool:
     """HTTP statuses worth another try: rate limits and server errors."""
     return status_code == 429 or status_code >= 500

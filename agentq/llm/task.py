@@ -28,7 +28,18 @@ from celery import Celery
 from agentq import constants as k
 from agentq.aio.host import LoopHost, Running, get_host
 from agentq.config import Settings
-from agentq.errors import Aborted, AgentqError, LlmError
+from agentq.errors import (
+    Aborted,
+    AgentqError,
+    LlmError,
+    ModelBusy,
+    ModelConnectionError,
+    ModelHTTPError,
+    StreamIdleTimeout,
+)
+from agentq.llm.capacity import Capacity, Wakes, capacity_for
+from agentq.llm.limits import DEFAULT_DEPLOYMENT, parse_rate_headers
+from agentq.llm.wakes import wake_granted as _wake_granted
 from agentq.models import LlmRoundRequest, LlmRoundResult
 from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
@@ -72,16 +83,47 @@ class _Streams:
                 )
                 for _ in range(max(1, -(-s.io_capacity // STREAMS_PER_CLIENT)))
             ]
+        self.capacity: Capacity = capacity_for(host.store.redis, s)
+        self.deployed: dict[str, list[openai.AsyncOpenAI]] = {}
+        """Clients of configured deployments with their own endpoint or key, made on first use."""
+        self.leases: dict[tuple[str, int], str] = {}
+        """Capacity leases of the rounds streaming here, renewed with their claims."""
+        self._leases_renewed = time.monotonic()
         # Its own thread, not the loop's store pool: with thousands of rounds streaming,
         # a renewal queued behind their store calls lapsed and every round was sent again.
         self.renewer = threading.Thread(target=self._renew, name="agentq-llm-lease", daemon=True)
         self.renewer.start()
 
-    def client_for(self, turn_id: str) -> openai.AsyncOpenAI | None:
-        """The client of this turn's rounds (None: no model server configured)."""
-        if not self.clients:
-            return None
-        return self.clients[zlib.crc32(turn_id.encode()) % len(self.clients)]
+    def client_for(
+        self, turn_id: str, model: str, deployment: str | None
+    ) -> tuple[openai.AsyncOpenAI | None, str]:
+        """The client of this turn's rounds on `deployment` (None: no model server
+        configured), and the model name that deployment knows the model by."""
+        entry = self.capacity.limits.get(model)
+        dep = None
+        if entry is not None and deployment and deployment != DEFAULT_DEPLOYMENT:
+            with contextlib.suppress(KeyError):
+                dep = entry.deployment(deployment)
+        pool = self.clients
+        if dep is not None and (dep.base_url or dep.api_key):
+            pool = self.deployed.get(dep.name) or []
+            if not pool:
+                from agentq.llm.aclient import client_timeout, make_client
+
+                s = self.host.settings
+                key = dep.api_key or s.llm_api_key
+                pool = self.deployed[dep.name] = [
+                    make_client(
+                        base_url=dep.base_url or s.llm_base_url or "",
+                        api_key=key.get_secret_value() if key else None,
+                        max_connections=s.io_capacity + 100,
+                        timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
+                    )
+                ]
+        if not pool:
+            return None, model
+        client = pool[zlib.crc32(turn_id.encode()) % len(pool)]
+        return client, (dep.model if dep is not None and dep.model else model)
 
     def hold(self, key: tuple[str, int]) -> None:
         with self._alive_lock:
@@ -92,6 +134,12 @@ class _Streams:
             self.alive[key] -= 1
             if self.alive[key] <= 0:
                 del self.alive[key]
+                self.leases.pop(key, None)
+
+    def hold_lease(self, key: tuple[str, int], lease_id: str | None) -> None:
+        if lease_id:
+            with self._alive_lock:
+                self.leases[key] = lease_id
 
     def _renew(self) -> None:
         every_s = self.host.settings.turn_lease_s / 3
@@ -103,6 +151,15 @@ class _Streams:
                 self.host.store.llm_rounds_alive(rounds, self.lease_ms)
             except Exception:
                 log.warning("llm heartbeat failed", exc_info=True)
+            if time.monotonic() - self._leases_renewed >= self.capacity.lease_ttl_ms / 3000:
+                self._leases_renewed = time.monotonic()
+                with self._alive_lock:
+                    leases = list(self.leases.values())
+                for lease in leases:
+                    try:
+                        self.capacity.renew(lease)
+                    except Exception:
+                        log.warning("capacity lease renewal failed", exc_info=True)
 
 
 _streams: _Streams | None = None
@@ -210,8 +267,12 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
         streams.release(key)
         raise
     if start.claimed:
+        streams.hold_lease(key, req.lease_id)
         return start
     streams.release(key)
+    if (start.gone or start.done is not None) and req.lease_id:
+        # Nobody will stream this round: its capacity grant goes back to the queue.
+        _wake_granted(host.store, streams.capacity.release(req.lease_id))
     if start.gone:
         # A late or redelivered round of a turn that ended (or that Redis lost).
         log.info("round %s of turn %s: the turn is over or gone", req.round_no, req.turn_id)
@@ -323,15 +384,22 @@ async def _stream(
         )
 
     model = req.model or settings.llm_model
-    events.add("llm_started", model=model)
+    deployment = req.deployment or DEFAULT_DEPLOYMENT
+    started: dict[str, Any] = {"model": model}
+    if req.queued_s:
+        started["queued_ms"] = int(req.queued_s * 1000)
+    events.add("llm_started", **started)
     t0 = time.monotonic()
+    headers: dict[str, str] = {}
+    busy: ModelBusy | None = None
+    failure: AgentqError | None = None
 
     def on_first_output() -> None:
         if stats.ttft_ms is None:
             stats.ttft_ms = int((time.monotonic() - t0) * 1000)
 
     try:
-        client = streams.client_for(req.turn_id)
+        client, sent_model = streams.client_for(req.turn_id, model, req.deployment)
         if client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
         if req.instructions:
@@ -340,7 +408,7 @@ async def _stream(
             client,
             messages,
             req.tools_json,
-            model=model,
+            model=sent_model,
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,
             max_retries=settings.llm_max_retries,
@@ -350,6 +418,8 @@ async def _stream(
             abort=abort,
             turn_id=req.turn_id,
             on_first_output=on_first_output,
+            busy_is_final=True,
+            on_headers=headers.update,
         )
         result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
         events.add(
@@ -360,11 +430,32 @@ async def _stream(
             duration_ms=int((time.monotonic() - t0) * 1000),
             ttft_ms=stats.ttft_ms,
         )
+    except ModelBusy as exc:
+        # Not this round's failure: the fleet pauses the model and the turn queues the
+        # round again, with none of its retries used.
+        busy = exc
+        events.add(
+            "llm_finished",
+            error=exc.message,
+            code=exc.code,
+            status=exc.status_code,
+            model=model,
+            deployment=deployment,
+            duration_ms=int((time.monotonic() - t0) * 1000),
+        )
+        result = LlmRoundResult(
+            ok=False,
+            error=exc.message,
+            error_code=exc.code,
+            error_type=type(exc).__name__,
+            streamed_s=time.monotonic() - t0,
+        )
     except Aborted:
         result = LlmRoundResult(
             ok=False, aborted=True, error="aborted", streamed_s=time.monotonic() - t0
         )
     except AgentqError as exc:
+        failure = exc
         code = getattr(exc, "code", "ELLM")
         fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
         events.add(
@@ -393,7 +484,62 @@ async def _stream(
         )
     # Every delta is out before the turn hears the round ended.
     await events.drain()
+    await host.io(
+        _settle_capacity, host, streams.capacity, req, model, result, busy or failure, headers
+    )
     return result
+
+
+def _settle_capacity(
+    host: LoopHost,
+    cap: Capacity,
+    req: LlmRoundRequest,
+    model: str,
+    result: LlmRoundResult,
+    failure: AgentqError | None,
+    headers: dict[str, str],
+) -> None:
+    """Tell the fleet's capacity manager how the round went: a busy provider pauses the
+    model (or the deployment) for every worker until its reset, rate-limit headers pace
+    what follows, failures count towards the deployment's breaker, and the round's grant
+    goes back with its real token usage, waking the rounds it frees capacity for."""
+    deployment = req.deployment or DEFAULT_DEPLOYMENT
+    scope = None if deployment == DEFAULT_DEPLOYMENT else deployment
+    busy = failure if isinstance(failure, ModelBusy) else None
+    try:
+        if busy is not None:
+            signal = parse_rate_headers(busy.headers)
+            resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
+            pause_s = signal.pause_s or busy.retry_after_s or max(resets, default=1.0)
+            cap.pause(model, scope, for_ms=int(pause_s * 1000))
+        elif headers:
+            cap.note_remaining(model, deployment, parse_rate_headers(headers))
+        if result.ok:
+            cap.report_success(model, deployment)
+        elif busy is None and failure is not None and _deployment_failure(failure):
+            cap.report_failure(model, deployment, _deployment_failure(failure))
+        used = None
+        if result.message is not None and result.message.usage is not None:
+            used = result.message.usage.total_tokens
+        elif busy is not None:
+            used = 0
+        wakes = cap.release(req.lease_id, tokens_used=used) if req.lease_id else Wakes()
+        _wake_granted(host.store, wakes)
+    except Exception:
+        # The lease lapses by itself and the turn goes on: capacity is bookkeeping here.
+        log.warning("capacity bookkeeping of a round failed", exc_info=True)
+
+
+def _deployment_failure(exc: AgentqError) -> str:
+    """What a failure says against the deployment ("" if nothing): a server error, a
+    refused or dropped connection, a stream that stalled."""
+    if isinstance(exc, ModelConnectionError):
+        return "connection"
+    if isinstance(exc, ModelHTTPError) and exc.status_code >= 500:
+        return "5xx"
+    if isinstance(exc, StreamIdleTimeout):
+        return "stall"
+    return ""
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:

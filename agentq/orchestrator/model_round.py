@@ -1,8 +1,10 @@
 """The turn's side of a model round: send it to a stream worker, notice when none answers.
 
+A round is sent once the fleet's capacity manager admits it (agentq.orchestrator.admission).
 The stream worker holds a heartbeat key while it streams and stores the round's result
 when done (which wakes the turn). A step that finds neither the result nor the
-heartbeat of a worker that had taken the round sends the round again.
+heartbeat of a worker that had taken the round sends the round again; a round the
+provider refused as busy goes back to admission.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from agentq import constants as k
 from agentq.errors import ModelRoundFailed, StreamDurationExceeded
 from agentq.fleet.broker import task_repr
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
-from agentq.orchestrator import subturns
+from agentq.llm.capacity import Grant
+from agentq.orchestrator import admission, subturns
 from agentq.tools.registry import all_tools, schemas_json
 
 if TYPE_CHECKING:
@@ -31,12 +34,17 @@ def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
     )
 
 
+BUSY_CODE = "EBUSY"
+"""The round's result code when the provider answered busy (ModelBusy)."""
+
 PICKUP_LEASES = 4
 """A round no stream worker took within this many turn leases is sent again: its message
 was lost (it went to a Redis master that a failover replaced)."""
 
 
-def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) -> None:
+def send_round(
+    ctx: StepContext, round_no: int, attempt: int, sends: int = 1, grant: Grant | None = None
+) -> None:
     s = ctx.settings
     streamed_s = float(ctx.state.get("streamed_s", 0.0))
     left_s = s.stream_duration_s - streamed_s
@@ -53,9 +61,28 @@ def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) ->
         model=None if agent is None else agent.model,
         instructions="" if agent is None else agent.instructions,
         traceparent=ctx.state.get("traceparent"),
+        deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
+        lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
+        tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_tokens") or 0),
+        queued_s=(ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now)) if grant else 0.0,
+    )
+    admissions = int(ctx.state.get("llm_admissions") or 0) + (1 if grant else 0)
+    grant_fields = (
+        {
+            "llm_admissions": admissions,
+            "llm_deployment": grant.deployment,
+            "llm_lease": grant.lease_id,
+            "llm_tokens": grant.tokens,
+            "llm_wait_round": None,
+            "llm_wait_since": None,
+            "llm_wait_position": None,
+        }
+        if grant
+        else {}
     )
     # Recorded before sending: a step that takes over waits for this round instead.
     ctx.commit(
+        **grant_fields,
         llm_round=round_no,
         llm_attempt=attempt,
         llm_sends=sends,
@@ -68,7 +95,10 @@ def send_round(ctx: StepContext, round_no: int, attempt: int, sends: int = 1) ->
     ctx.app.send_task(
         k.TASK_LLM_ROUND,
         kwargs=req.model_dump(),
-        task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}" + (f".{sends}" if sends > 1 else ""),
+        # A round the provider refused as busy is sent again under a new id.
+        task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}"
+        + (f".{sends}" if sends > 1 else "")
+        + (f".a{admissions}" if admissions > 1 else ""),
         queue=k.QUEUE_LLM,
         argsrepr="()",
         kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(offered)),
@@ -85,11 +115,22 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     raw = (
         known[1] if known and known[0] == round_no else ctx.store.llm_result(ctx.turn_id, round_no)
     )
-    if raw is not None:
-        return _message(ctx, LlmRoundResult.model_validate_json(raw))
     s = ctx.settings
+    if raw is not None:
+        result = LlmRoundResult.model_validate_json(raw)
+        if result.error_code != BUSY_CODE:
+            return _message(ctx, result)
+        # The provider was busy: the round waits for capacity again, its retries untouched.
+        ctx.store.redis.delete(
+            k.llm_result_key(ctx.turn_id, round_no), k.llm_taken_key(ctx.turn_id, round_no)
+        )
+        ctx.llm_result = None
+        ctx.commit(llm_round=None)
     if ctx.state.get("llm_round") != round_no:
-        send_round(ctx, round_no, 1)
+        grant = admission.admit(ctx, round_no)
+        if not isinstance(grant, Grant):
+            return grant
+        send_round(ctx, round_no, 1, grant=grant)
         return min(float(ctx.state["llm_deadline"]), ctx.now + s.turn_lease_s)
     deadline = float(ctx.state.get("llm_deadline") or 0)
     if ctx.now >= deadline:

@@ -3,7 +3,7 @@
 "use strict";
 
 const EVENT_TYPES = [
-  "turn_started", "turn_resumed", "llm_started", "llm_delta", "llm_retry", "llm_finished",
+  "turn_started", "turn_resumed", "llm_started", "llm_queued", "llm_delta", "llm_retry", "llm_finished",
   "tool_started", "tool_progress", "tool_finished", "interaction_requested",
   "interaction_answered", "interaction_timed_out", "tool_denied", "subturn_started", "turn_aborted",
   "turn_finished", "turn_error",
@@ -276,7 +276,15 @@ class TurnView {
       case "turn_started":
         setStatus("running", "running…");
         break;
+      case "llm_queued": {
+        const bits = [];
+        if (ev.position != null) bits.push("position " + ev.position);
+        if (ev.wait_s != null) bits.push("about " + Math.ceil(ev.wait_s) + " s");
+        setStatus("queued", "waiting for model capacity" + (bits.length ? " (" + bits.join(", ") + ")" : ""));
+        break;
+      }
       case "llm_started":
+        setStatus("running", "running…");
         if (this.text.textContent && !this.text.textContent.endsWith("\n")) {
           this.text.textContent += "\n";
         }

@@ -1,0 +1,30 @@
+"""Waking the turns a capacity decision granted, and the next head of the queue on time."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agentq import constants as k
+
+if TYPE_CHECKING:
+    from agentq.llm.capacity import Wakes
+    from agentq.state.store import TurnStore
+
+
+def waiter_of(turn_id: str, round_no: int) -> str:
+    """The capacity queue's id of a turn's model round."""
+    return f"{turn_id}:{round_no}"
+
+
+def turn_of(waiter: str) -> str:
+    return waiter.rsplit(":", 1)[0]
+
+
+def wake_granted(store: TurnStore, wakes: Wakes) -> None:
+    """Wake the turns whose rounds were just granted, and set the wakeup of the turn now
+    at the head of the queue to when its slot opens (earlier wakeups stay)."""
+    for waiter in wakes.woken:
+        store.wake(turn_of(waiter))
+    if wakes.wake_next is not None:
+        turn_id = turn_of(wakes.wake_next.waiter)
+        store.redis.zadd(k.WAKEUPS, {turn_id: wakes.wake_next.at_ms / 1000}, lt=True)

@@ -1,0 +1,84 @@
+"""A model round's admission: the fleet's capacity manager grants it a slot, or queues it.
+
+A queued round is held state like every other wait of the turn: the turn records that it
+waits, publishes `llm_queued`, and its step ends with a wakeup at the time the capacity
+manager named (the next slot for the head of the queue, later for those behind). Whoever
+frees or finds capacity grants the rounds at the head of the queue and wakes their turns;
+nothing polls, and no thread or connection is held while a round waits. A busy answer
+from the provider (429, 503, 529) brings the round back here without using up one of
+the turn's retries; only `llm_queue_timeout_s` bounds how long a round waits.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from agentq.errors import ModelCapacityTimeout
+from agentq.llm.capacity import Capacity, Grant, capacity_for
+from agentq.llm.limits import estimate_tokens
+from agentq.llm.wakes import waiter_of, wake_granted
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
+
+
+def model_of(ctx: StepContext) -> str:
+    agent = ctx.agent
+    return (agent.model if agent is not None else None) or ctx.settings.llm_model
+
+
+def interactive(state: dict[str, object]) -> bool:
+    """A person follows the turn (it is neither detached nor headless): served first."""
+    return not (state.get("detach") or state.get("headless"))
+
+
+def capacity(ctx: StepContext) -> Capacity:
+    return capacity_for(ctx.store.redis, ctx.settings)
+
+
+def admit(ctx: StepContext, round_no: int) -> Grant | float:
+    """The round's grant, or when its turn should ask again (the round waits, queued)."""
+    model = model_of(ctx)
+    waiter = waiter_of(ctx.turn_id, round_no)
+    waiting = ctx.state.get("llm_wait_round") == round_no
+    since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
+    cap = capacity(ctx)
+    chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
+    got = cap.acquire(
+        model,
+        waiter=waiter,
+        owner=str(ctx.state.get("owner") or ""),
+        interactive=interactive(ctx.state),
+        tokens=estimate_tokens(chars, None),
+    )
+    wake_granted(ctx.store, got)
+    if isinstance(got, Grant):
+        return got
+    waited_s = ctx.now - since
+    limit_s = ctx.settings.llm_queue_timeout_s
+    if waited_s >= limit_s:
+        _, wakes = cap.withdraw(model, waiter)
+        wake_granted(ctx.store, wakes)
+        raise ModelCapacityTimeout(model, waited_s)
+    fields: dict[str, object] = {"llm_wait_round": round_no, "llm_wait_since": since}
+    if not waiting or ctx.state.get("llm_wait_position") != got.position:
+        ctx.publish(
+            "llm_queued",
+            round_no=round_no,
+            model=model,
+            position=got.position,
+            wait_s=round(got.wait_ms / 1000, 1),
+        )
+        fields["llm_wait_position"] = got.position
+    ctx.commit(**fields)
+    return min(got.retry_at_ms / 1000, since + limit_s)
+
+
+def withdraw(ctx: StepContext) -> None:
+    """An ending turn's round leaves the queue at once (a grant it had not used goes back)."""
+    round_no = ctx.state.get("llm_wait_round")
+    if round_no is None:
+        return
+    _, wakes = capacity(ctx).withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no)))
+    wake_granted(ctx.store, wakes)
