@@ -1,0 +1,389 @@
+"""Fleet-wide model capacity in Redis: pacing, stream slots, a fair queue, pauses, breakers.
+
+Every llm worker shares a model's limits (`agentq.llm.limits`) through Redis, and each
+decision is one Lua script (`capacity_lua`), so workers racing for one slot never both
+get it. Waiting holds nothing: a round that cannot have capacity now is queued in Redis
+and `acquire` says when its turn should ask again; whoever frees or finds capacity
+grants the waiters at the head of the queue and is told whose turns to wake.
+
+    cap = Capacity(redis_client, parse_limits(os.environ["AGENTQ_LLM_LIMITS"]))
+    got = cap.acquire("gpt-4.1", waiter=f"{turn_id}:{round_no}", owner=key_name,
+                      interactive=True, tokens=estimate_tokens(chars, max_tokens))
+    for waiter in got.woken: ...                  # wake those turns now
+    if isinstance(got, Queued): ...               # wake this turn at got.retry_at_ms
+    else: ...; cap.release(got, tokens_used=usage.total_tokens)
+
+Queue order: interactive rounds before background ones (or one background grant in
+`background_every` while both wait); within a class, owners take turns by start-time
+fair queuing with per-owner weights (default 1); an owner's own rounds stay in order.
+A newcomer never passes anyone already waiting. All of a model's keys share the hash
+tag `{prefix}:{<model>}:`, so each script touches one Redis Cluster slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import redis
+from pydantic import BaseModel, ConfigDict
+
+from agentq.llm import capacity_lua as lua
+from agentq.llm.limits import DEFAULT_DEPLOYMENT, ModelLimitsEntry, RateSignal
+
+BreakerVerdict = Literal["closed", "open"]
+
+
+class WakeAt(BaseModel):
+    """A waiter whose turn should be woken at `at_ms` (epoch ms, Redis clock)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    waiter: str
+    at_ms: int
+
+
+class Wakes(BaseModel):
+    """Whose turns a capacity call asks its caller to wake."""
+
+    model_config = ConfigDict(frozen=True)
+
+    woken: tuple[str, ...] = ()
+    """Other waiters granted by this call: wake their turns now (each takes its grant
+    on its next `acquire`)."""
+    wake_next: WakeAt | None = None
+    """The waiter now at the head of the queue (not the caller) and when the next slot
+    opens: wake its turn then and it takes that slot, however stale its own estimate."""
+
+
+class Grant(Wakes):
+    """Capacity for one request: a deployment to send it to and a lease to release."""
+
+    model: str
+    deployment: str
+    lease_id: str
+    """Empty for a model without configured limits (nothing to release)."""
+    granted_at_ms: int
+    tokens: int
+    """The estimate counted against tpm; `release` corrects it from the real usage."""
+
+
+class Queued(Wakes):
+    """No capacity yet: the round waits in the queue."""
+
+    position: int
+    """1 = next to be served."""
+    wait_ms: int
+    """Estimated wait: until the next slot, plus one pacing interval per round ahead."""
+    next_slot_ms: int
+    """When capacity opens next for whoever is at the head of the queue."""
+    # Only the head asks at the next slot: a queue of thousands asking at every slot would
+    # wake thousands of turns per slot. The cap keeps a live waiter from looking dead.
+    retry_at_ms: int
+    """When this waiter's turn should call `acquire` again: the next slot at the head of
+    the queue, its estimated turn further back, at most `waiter_ttl_ms` / 3 away."""
+
+
+def pacing_interval_ms(entry: ModelLimitsEntry, tokens: int) -> float:
+    """Milliseconds between two requests of `tokens` each at the model's steady rate."""
+    deps = entry.routes
+    rpm = entry.rpm or (sum(d.rpm or 0 for d in deps) if all(d.rpm for d in deps) else 0)
+    tpm = entry.tpm or (sum(d.tpm or 0 for d in deps) if all(d.tpm for d in deps) else 0)
+    return max(60_000 / rpm if rpm else 0.0, tokens * 60_000 / tpm if tpm else 0.0)
+
+
+class Capacity:
+    """Fleet-wide limits of the models in `limits`; other models pass unmetered."""
+
+    def __init__(
+        self,
+        redis_client: redis.Redis,
+        limits: Mapping[str, ModelLimitsEntry],
+        *,
+        prefix: str = "agentq:cap",
+        owner_weights: Mapping[str, float] | None = None,
+        background_every: int = 0,
+        burst_s: float = 1.0,
+        lease_ttl_ms: int = 60_000,
+        grant_ttl_ms: int = 30_000,
+        waiter_ttl_ms: int = 300_000,
+        breaker_failures: int = 5,
+        breaker_cooldown_ms: int = 30_000,
+        max_grants_per_call: int = 64,
+    ) -> None:
+        weights = dict(owner_weights or {})
+        if any(not w > 0 for w in weights.values()):
+            raise ValueError("owner weights must be > 0")
+        if min(lease_ttl_ms, grant_ttl_ms, waiter_ttl_ms, breaker_cooldown_ms) <= 0:
+            raise ValueError("ttls and the breaker cool-down must be > 0 ms")
+        if breaker_failures < 1 or max_grants_per_call < 1 or background_every < 0:
+            raise ValueError(
+                "breaker_failures and max_grants_per_call must be >= 1, background_every >= 0"
+            )
+        self.redis = redis_client
+        self.limits = dict(limits)
+        self.prefix = prefix
+        self.owner_weights = weights
+        """Fair-share weight by owner (default 1): weight 2 is served twice as often."""
+        self.lease_ttl_ms = lease_ttl_ms
+        """A taken lease not renewed (`renew`) or released this long is freed: its worker died."""
+        self.waiter_ttl_ms = waiter_ttl_ms
+        """A queued round whose turn has not called `acquire` this long is dropped."""
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown_ms = breaker_cooldown_ms
+        self._config = {
+            model: json.dumps(
+                {
+                    "rpm": entry.rpm or 0,
+                    "tpm": entry.tpm or 0,
+                    "streams": entry.streams or 0,
+                    "strategy": entry.strategy,
+                    "deps": [
+                        {
+                            "n": d.name,
+                            "rpm": d.rpm or 0,
+                            "tpm": d.tpm or 0,
+                            "streams": d.streams or 0,
+                        }
+                        for d in entry.routes
+                    ],
+                    "burst_ms": burst_s * 1000,
+                    "lease_ttl_ms": lease_ttl_ms,
+                    "grant_ttl_ms": grant_ttl_ms,
+                    "waiter_ttl_ms": waiter_ttl_ms,
+                    "bg_every": background_every,
+                    "max_pump": max_grants_per_call,
+                }
+            )
+            for model, entry in self.limits.items()
+        }
+        self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
+        self._release = redis_client.register_script(lua.RELEASE_LUA)
+        self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
+        self._snapshot = redis_client.register_script(lua.SNAPSHOT_LUA)
+        self._renew = redis_client.register_script(lua.RENEW_LUA)
+        self._pause = redis_client.register_script(lua.PAUSE_LUA)
+        self._breaker = redis_client.register_script(lua.BREAKER_LUA)
+
+    def keys(self, model: str) -> list[str]:
+        """The model's Redis keys, in the order the scripts take them."""
+        return [f"{self.prefix}:{{{model}}}:{suffix}" for suffix in lua.KEY_SUFFIXES]
+
+    def _key(self, model: str, suffix: str) -> str:
+        return f"{self.prefix}:{{{model}}}:{suffix}"
+
+    def _run(self, script: Any, model: str, now_ms: int | None, *args: object) -> dict[str, Any]:
+        """Run a deciding script on the model's keys; its JSON answer."""
+        argv = [self._config[model], "" if now_ms is None else now_ms, model, secrets.token_hex(8)]
+        raw = script(keys=self.keys(model), args=[*argv, *args])
+        out: dict[str, Any] = json.loads(raw)
+        return out
+
+    def acquire(
+        self,
+        model: str,
+        *,
+        waiter: str,
+        owner: str,
+        interactive: bool,
+        tokens: int,
+        now_ms: int | None = None,
+    ) -> Grant | Queued:
+        """Capacity for one request of `waiter` (unique per round) or its place in the
+        queue; asking again keeps the place, or returns the same grant until released."""
+        if not waiter:
+            raise ValueError("waiter must be a non-empty id")
+        tokens = max(int(tokens), 0)
+        if model not in self._config:
+            at_ms = int(time.time() * 1000) if now_ms is None else now_ms
+            return Grant(
+                model=model,
+                deployment=DEFAULT_DEPLOYMENT,
+                lease_id="",
+                granted_at_ms=at_ms,
+                tokens=tokens,
+            )
+        weight = self.owner_weights.get(owner, 1.0)
+        cls = "i" if interactive else "b"
+        out = self._run(self._acquire, model, now_ms, waiter, cls, owner, repr(weight), tokens)
+        wakes = _wakes(out, skip=waiter)
+        if "g" in out:
+            g = out["g"]
+            return Grant(
+                model=model,
+                deployment=g["d"],
+                lease_id=g["l"],
+                granted_at_ms=int(g["at"]),
+                tokens=int(g["t"]),
+                **wakes,
+            )
+        now = int(out["now"])
+        next_slot = max(math.ceil(out.get("ready") or now), now)
+        position = int(out["pos"])
+        ahead_ms = (position - 1) * pacing_interval_ms(self.limits[model], tokens)
+        wait_ms = int(next_slot - now + ahead_ms)
+        at_ms = next_slot if position <= 1 else now + wait_ms
+        return Queued(
+            position=position,
+            wait_ms=wait_ms,
+            next_slot_ms=next_slot,
+            retry_at_ms=min(at_ms, now + self.waiter_ttl_ms // 3),
+            **wakes,
+        )
+
+    def release(
+        self, lease: Grant | str, *, tokens_used: int | None = None, now_ms: int | None = None
+    ) -> Wakes:
+        """Free a lease's stream slot, correct tpm from the real usage, and grant waiters."""
+        lease_id = lease.lease_id if isinstance(lease, Grant) else lease
+        model = _lease_model(lease_id)
+        if model not in self._config:
+            return Wakes()
+        used = "" if tokens_used is None else max(int(tokens_used), 0)
+        return Wakes(**_wakes(self._run(self._release, model, now_ms, lease_id, used)))
+
+    def renew(
+        self, lease: Grant | str, ttl_ms: int | None = None, *, now_ms: int | None = None
+    ) -> bool:
+        """Keep a lease for `ttl_ms` more (default `lease_ttl_ms`); False if it was lost."""
+        lease_id = lease.lease_id if isinstance(lease, Grant) else lease
+        if not lease_id:
+            return True
+        model = _lease_model(lease_id)
+        if model not in self._config:
+            return False
+        ttl = self.lease_ttl_ms if ttl_ms is None else ttl_ms
+        args = ["", "" if now_ms is None else now_ms, lease_id, ttl]
+        return bool(self._renew(keys=[self._key(model, "leases")], args=args))
+
+    def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> tuple[bool, Wakes]:
+        """Take an aborted round out of the queue and give back a grant it did not take:
+        (whether anything was withdrawn, whom to wake)."""
+        # The model is an argument because it names the keys (and the Cluster slot).
+        if model not in self._config:
+            return False, Wakes()
+        out = self._run(self._withdraw, model, now_ms, waiter)
+        return bool(out.get("done")), Wakes(**_wakes(out))
+
+    def pause(
+        self,
+        model: str,
+        deployment: str | None = None,
+        *,
+        until_ms: int | None = None,
+        for_ms: int | None = None,
+        now_ms: int | None = None,
+    ) -> int:
+        """Hold a model (or one deployment) fleet-wide, e.g. after a 429, until `until_ms` or
+        for `for_ms` on Redis's clock, and return when the (only lengthened) pause ends."""
+        if (until_ms is None) == (for_ms is None):
+            raise ValueError("give one of until_ms, for_ms")
+        if model not in self._config:
+            return 0
+        field = "m" if deployment is None else f"d:{deployment}"
+        args = [
+            "",
+            "" if now_ms is None else now_ms,
+            field,
+            "" if until_ms is None else int(until_ms),
+            "" if for_ms is None else max(int(for_ms), 0),
+        ]
+        return int(self._pause(keys=[self._key(model, "paused")], args=args))
+
+    def note_remaining(
+        self, model: str, deployment: str, signal: RateSignal, *, now_ms: int | None = None
+    ) -> int | None:
+        """Pause the deployment after a Retry-After or an exhausted allowance until its
+        reset, and return when the pause ends (None: no pause needed)."""
+        pause_s = signal.pause_s
+        if signal.remaining_requests is not None and signal.remaining_requests <= 0:
+            pause_s = max(pause_s or 0.0, signal.reset_requests_s or 1.0)
+        if signal.remaining_tokens is not None and signal.remaining_tokens <= 0:
+            pause_s = max(pause_s or 0.0, signal.reset_tokens_s or 1.0)
+        if not pause_s:
+            return None
+        return self.pause(model, deployment, for_ms=math.ceil(pause_s * 1000), now_ms=now_ms)
+
+    def report_failure(
+        self, model: str, deployment: str, kind: str, *, now_ms: int | None = None
+    ) -> BreakerVerdict:
+        """Count a failure (`5xx`, `stall`, `connection`...) of a deployment, opening its
+        breaker for a cool-down after `breaker_failures` in a row or a failed probe."""
+        return self._report(model, deployment, False, kind, now_ms)
+
+    def report_success(
+        self, model: str, deployment: str, *, now_ms: int | None = None
+    ) -> BreakerVerdict:
+        """A request to the deployment worked: its breaker closes."""
+        return self._report(model, deployment, True, "", now_ms)
+
+    def _report(
+        self, model: str, deployment: str, ok: bool, kind: str, now_ms: int | None
+    ) -> BreakerVerdict:
+        if model not in self._config:
+            return "closed"
+        args = [
+            "",
+            "" if now_ms is None else now_ms,
+            deployment,
+            "1" if ok else "0",
+            kind,
+            self.breaker_failures,
+            self.breaker_cooldown_ms,
+        ]
+        state = self._breaker(keys=[self._key(model, "breaker")], args=args)
+        return "open" if state in ("open", b"open") else "closed"
+
+    def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
+        """The model's capacity state now, for metrics and the console."""
+        if model not in self._config:
+            return {"model": model, "managed": False}
+        out = self._run(self._snapshot, model, now_ms)
+        return {
+            "model": model,
+            "managed": True,
+            "now_ms": int(out["now"]),
+            "queued": {
+                "interactive": int(out["interactive"]),
+                "background": int(out["background"]),
+            },
+            "streams_in_use": int(out["streams"]),
+            "grants_outstanding": int(out["grants"]),
+            "paused_until_ms": int(out["paused_until_ms"]) or None,
+            "requests_last_minute": int(out["requests"]),
+            "tokens_last_minute": int(out["tokens"]),
+            "deployments": {
+                d["name"]: {
+                    "breaker": d["state"],
+                    "failures": int(d["failures"]),
+                    "open_until_ms": int(d["open_until_ms"]) or None,
+                    "last_failure": d["last_failure"] or None,
+                    "streams_in_use": int(d["streams"]),
+                    "paused_until_ms": int(d["paused_until_ms"]) or None,
+                }
+                for d in _list(out["deps"])
+            },
+        }
+
+
+def _list(value: Any) -> list[Any]:
+    """A JSON array from Lua's cjson, which writes an empty one as {}."""
+    return list(value) if isinstance(value, list) else []
+
+
+def _wakes(out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
+    """The `Wakes` fields of a script's answer."""
+    head = out.get("head")
+    wake_next = None
+    if head and head != skip:
+        wake_next = WakeAt(waiter=head, at_ms=max(math.ceil(out.get("ready") or 0), 0))
+    return {"woken": tuple(_list(out.get("woken"))), "wake_next": wake_next}
+
+
+def _lease_model(lease_id: str) -> str:
+    """The model a lease id names (`<nonce><n>:<model>`); '' for no lease."""
+    return lease_id.partition(":")[2]

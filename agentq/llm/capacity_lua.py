@@ -1,0 +1,425 @@
+"""The Lua scripts behind `agentq.llm.capacity`: every decision about a model's capacity is
+one script, so workers racing for the same slot never both get it.
+
+Every script that decides gets the model's keys in the order of `KEY_SUFFIXES` and
+ARGV = [config JSON, now_ms ('' = Redis TIME), model, nonce, ...its own arguments].
+"""
+
+from __future__ import annotations
+
+KEY_SUFFIXES = (
+    "q:i",  # ZSET waiter -> start tag: interactive rounds waiting
+    "q:b",  # ZSET waiter -> start tag: background rounds waiting
+    "q:meta",  # HASH waiter -> {c: class, o: owner, t: tokens, s: last seen ms}
+    "q:ft:i",  # HASH owner -> finish tag of its last interactive round
+    "q:ft:b",  # HASH owner -> finish tag of its last background round
+    "q:state",  # HASH v:i, v:b (virtual times), ic (interactive grants since background)
+    "gcra",  # HASH r, t, r:<dep>, t:<dep> -> theoretical arrival time ms
+    "leases",  # ZSET lease id -> expiry ms
+    "leases:meta",  # HASH lease id -> {d: deployment, t: tokens, w: waiter, p: probe}
+    "inflight",  # HASH deployment -> leases held
+    "grants",  # HASH waiter -> {l: lease, d: deployment, at: ms, t: tokens, k: taken}
+    "paused",  # HASH m | d:<dep> -> paused until ms
+    "breaker",  # HASH f:<dep> failures, o:<dep> open until, p:<dep> probe until, k:<dep> kind
+    "usage",  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests and tokens used
+)
+
+NOW_LUA = """
+local now = tonumber(ARGV[2])
+if not now then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+PRELUDE_LUA = (
+    """
+local cfg = cjson.decode(ARGV[1])
+"""
+    + NOW_LUA
+    + """
+local QI, QB, QM, FTI, FTB, ST, GCRA = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local LEASES, LMETA, INFL, GRANTS = KEYS[8], KEYS[9], KEYS[10], KEYS[11]
+local PAUSE, BRK, USE = KEYS[12], KEYS[13], KEYS[14]
+local MODEL, NONCE = ARGV[3], ARGV[4]
+local DEPS = {}
+for _, d in ipairs(cfg.deps) do DEPS[d.n] = d end
+
+local function num(v) return tonumber(v) or 0 end
+-- %.17g keeps epoch milliseconds and fractional tags exact; tostring would round them.
+local function fmt(x) return string.format('%.17g', x) end
+
+-- GCRA: a request passes when the limit's theoretical arrival time runs at most one
+-- burst (less one emission interval) ahead of now; `limit` is per minute.
+local function gcra_ready(field, limit)
+  if limit <= 0 then return now end
+  local t = 60000 / limit
+  local tat = math.max(num(redis.call('HGET', GCRA, field)), now)
+  return tat - math.max(cfg.burst_ms - t, 0)
+end
+
+local function gcra_add(field, limit, cost)
+  if limit <= 0 or cost == 0 then return end
+  local tat = num(redis.call('HGET', GCRA, field))
+  if cost > 0 then
+    tat = math.max(tat, now)
+  elseif tat == 0 then
+    return
+  end
+  redis.call('HSET', GCRA, field, fmt(tat + cost * 60000 / limit))
+end
+
+-- Requests and tokens per 10 s bucket; the last six buckets are the last minute.
+local function use(requests, tokens)
+  local b = math.floor(now / 10000)
+  if num(redis.call('HGET', USE, 'cur')) ~= b then
+    redis.call('HSET', USE, 'cur', b)
+    for _, f in ipairs(redis.call('HKEYS', USE)) do
+      local fb = tonumber(string.sub(f, 3))
+      if fb and fb < b - 5 then redis.call('HDEL', USE, f) end
+    end
+  end
+  if requests ~= 0 then redis.call('HINCRBY', USE, 'r:' .. b, requests) end
+  if tokens ~= 0 then redis.call('HINCRBY', USE, 't:' .. b, tokens) end
+end
+
+local function next_expiry()
+  local first = redis.call('ZRANGE', LEASES, 0, 0, 'WITHSCORES')
+  if first[1] then return math.max(tonumber(first[2]), now + 1) end
+  return now + 1
+end
+
+local function drop_lease(lid)
+  local raw = redis.call('HGET', LMETA, lid)
+  redis.call('ZREM', LEASES, lid)
+  if not raw then return nil end
+  redis.call('HDEL', LMETA, lid)
+  local m = cjson.decode(raw)
+  if redis.call('HINCRBY', INFL, m.d, -1) <= 0 then redis.call('HDEL', INFL, m.d) end
+  local g = redis.call('HGET', GRANTS, m.w)
+  if g and cjson.decode(g).l == lid then redis.call('HDEL', GRANTS, m.w) end
+  -- A probe that ends without a verdict (its worker died) lets the next request probe.
+  if m.p == 1 then redis.call('HDEL', BRK, 'p:' .. m.d) end
+  return m
+end
+
+-- Leases past their expiry belong to dead workers (or grants nobody took): free them.
+local function purge()
+  for _, lid in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 100)) do
+    drop_lease(lid)
+  end
+end
+
+local function breaker(dep)
+  local o = tonumber(redis.call('HGET', BRK, 'o:' .. dep))
+  if not o then return 'closed', now end
+  if o > now then return 'open', o end
+  local p = tonumber(redis.call('HGET', BRK, 'p:' .. dep))
+  if p and p > now then return 'probing', p end
+  return 'half_open', now
+end
+
+local function dep_ready(d)
+  local state, ready = breaker(d.n)
+  ready = math.max(ready, num(redis.call('HGET', PAUSE, 'd:' .. d.n)))
+  if d.streams > 0 and num(redis.call('HGET', INFL, d.n)) >= d.streams then
+    ready = math.max(ready, next_expiry())
+  end
+  return math.max(ready, gcra_ready('r:' .. d.n, d.rpm), gcra_ready('t:' .. d.n, d.tpm)), state
+end
+
+local function model_ready()
+  local ready = math.max(now, num(redis.call('HGET', PAUSE, 'm')))
+  if cfg.streams > 0 and redis.call('ZCARD', LEASES) >= cfg.streams then
+    ready = math.max(ready, next_expiry())
+  end
+  return math.max(ready, gcra_ready('r', cfg.rpm), gcra_ready('t', cfg.tpm))
+end
+
+-- Takes the model's and a deployment's share for one request (the deployment, whether it
+-- probes a half-open breaker), or says when to try again (nil, 0, ready_ms).
+local function admit(tokens)
+  local ready = model_ready()
+  if ready > now then return nil, 0, ready end
+  local best, best_load, best_state, soonest = nil, 0, nil, nil
+  for _, d in ipairs(cfg.deps) do
+    local r, state = dep_ready(d)
+    if r <= now then
+      local load = num(redis.call('HGET', INFL, d.n))
+      if d.streams > 0 then load = load / d.streams end
+      if best == nil or load < best_load then best, best_load, best_state = d, load, state end
+      if cfg.strategy == 'ordered' then break end
+    elseif soonest == nil or r < soonest then
+      soonest = r
+    end
+  end
+  if best == nil then return nil, 0, soonest end
+  gcra_add('r', cfg.rpm, 1)
+  gcra_add('t', cfg.tpm, tokens)
+  gcra_add('r:' .. best.n, best.rpm, 1)
+  gcra_add('t:' .. best.n, best.tpm, tokens)
+  local probe = 0
+  if best_state == 'half_open' then
+    -- One request probes a deployment whose cool-down ended; the rest wait for its verdict.
+    redis.call('HSET', BRK, 'p:' .. best.n, now + cfg.lease_ttl_ms)
+    probe = 1
+  end
+  use(1, tokens)
+  return best, probe, now
+end
+
+local function queue_of(cls)
+  if cls == 'i' then return QI, FTI end
+  return QB, FTB
+end
+
+-- Start-time fair queuing per class: a round's start tag is the later of the class's
+-- virtual time and its owner's previous finish tag, so owners take turns whatever
+-- their backlog, and an owner's own rounds keep their order.
+local function enqueue(w, cls, owner, weight, tokens)
+  local q, ft = queue_of(cls)
+  local v = num(redis.call('HGET', ST, 'v:' .. cls))
+  local start = math.max(v, num(redis.call('HGET', ft, owner)))
+  redis.call('HSET', ft, owner, fmt(start + 1 / weight))
+  redis.call('ZADD', q, fmt(start), w)
+  redis.call('HSET', QM, w, cjson.encode({c = cls, o = owner, t = tokens, s = now}))
+end
+
+local function unqueue(w, cls, tag)
+  local q, ft = queue_of(cls)
+  redis.call('ZREM', q, w)
+  redis.call('HDEL', QM, w)
+  if tag and tag > num(redis.call('HGET', ST, 'v:' .. cls)) then
+    redis.call('HSET', ST, 'v:' .. cls, fmt(tag))
+  end
+  -- An empty class forgets finish tags, so rounds withdrawn in bulk hold no owner back.
+  if redis.call('ZCARD', q) == 0 then redis.call('DEL', ft) end
+end
+
+local function pick_class()
+  local ni, nb = redis.call('ZCARD', QI), redis.call('ZCARD', QB)
+  if ni == 0 and nb == 0 then return nil end
+  if nb == 0 then return 'i' end
+  if ni == 0 then return 'b' end
+  -- While both wait, background gets one grant in bg_every (0: strict priority).
+  if cfg.bg_every > 0 and num(redis.call('HGET', ST, 'ic')) >= cfg.bg_every - 1 then return 'b' end
+  return 'i'
+end
+
+-- Grants the head waiters as long as capacity allows; `me` takes its grant at once.
+local function pump(me)
+  local woken, own = {}, nil
+  for i = 1, cfg.max_pump do
+    local cls = pick_class()
+    if not cls then return own, woken, nil, nil end
+    local head = redis.call('ZRANGE', queue_of(cls), 0, 0, 'WITHSCORES')
+    local w, tag = head[1], tonumber(head[2])
+    local raw = redis.call('HGET', QM, w)
+    local m = raw and cjson.decode(raw)
+    if not m or m.s + cfg.waiter_ttl_ms < now then
+      -- Its turn stopped asking without withdrawing: a grant would hold a slot for nobody.
+      unqueue(w, cls, nil)
+    else
+      local d, probe, ready = admit(m.t)
+      if not d then return own, woken, w, ready end
+      unqueue(w, cls, tag)
+      if cls == 'b' then
+        redis.call('HSET', ST, 'ic', 0)
+      elseif redis.call('ZCARD', QB) > 0 then
+        redis.call('HINCRBY', ST, 'ic', 1)
+      end
+      local lid = NONCE .. i .. ':' .. MODEL
+      local taken = w == me
+      local ttl = cfg.grant_ttl_ms
+      if taken then ttl = cfg.lease_ttl_ms end
+      redis.call('ZADD', LEASES, now + ttl, lid)
+      redis.call('HSET', LMETA, lid, cjson.encode({d = d.n, t = m.t, w = w, p = probe}))
+      redis.call('HINCRBY', INFL, d.n, 1)
+      local g = {l = lid, d = d.n, at = now, t = m.t, k = taken and 1 or 0}
+      redis.call('HSET', GRANTS, w, cjson.encode(g))
+      if taken then own = g else woken[#woken + 1] = w end
+    end
+  end
+  -- This call granted its share; whoever is at the head may go on at once.
+  local cls = pick_class()
+  if not cls then return own, woken, nil, nil end
+  return own, woken, redis.call('ZRANGE', queue_of(cls), 0, 0)[1], now
+end
+
+local function position(w)
+  local raw = redis.call('HGET', QM, w)
+  if not raw then return 0 end
+  local cls = cjson.decode(raw).c
+  local rank = redis.call('ZRANK', queue_of(cls), w)
+  if cls == 'b' then rank = rank + redis.call('ZCARD', QI) end
+  return rank + 1
+end
+"""
+)
+
+# ARGV[5..9]: waiter, class (i|b), owner, owner weight, tokens.
+ACQUIRE_LUA = (
+    PRELUDE_LUA
+    + """
+local w = ARGV[5]
+purge()
+local raw = redis.call('HGET', GRANTS, w)
+if raw then
+  -- Taking a grant (or asking again for one taken) gives its lease a full term.
+  local g = cjson.decode(raw)
+  redis.call('ZADD', LEASES, 'XX', now + cfg.lease_ttl_ms, g.l)
+  if g.k == 0 then
+    g.k = 1
+    redis.call('HSET', GRANTS, w, cjson.encode(g))
+  end
+  return cjson.encode({g = g, now = now})
+end
+raw = redis.call('HGET', QM, w)
+if raw then
+  local m = cjson.decode(raw)
+  m.s = now
+  redis.call('HSET', QM, w, cjson.encode(m))
+else
+  enqueue(w, ARGV[6], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]))
+end
+local own, woken, head, ready = pump(w)
+local out = {woken = woken, head = head, ready = ready, now = now}
+if own then out.g = own else out.pos = position(w) end
+return cjson.encode(out)
+"""
+)
+
+# ARGV[5..6]: lease id, tokens used ('' = unknown).
+RELEASE_LUA = (
+    PRELUDE_LUA
+    + """
+local m = drop_lease(ARGV[5])
+local used = tonumber(ARGV[6])
+if m and used then
+  -- The estimate counted against tpm becomes the real usage: the difference is taken or
+  -- given back, so a short answer frees what its max_completion_tokens had reserved.
+  local delta = used - m.t
+  gcra_add('t', cfg.tpm, delta)
+  local d = DEPS[m.d]
+  if d then gcra_add('t:' .. d.n, d.tpm, delta) end
+  use(0, delta)
+end
+purge()
+local own, woken, head, ready = pump('')
+return cjson.encode({woken = woken, head = head, ready = ready, now = now, done = m and 1 or 0})
+"""
+)
+
+# ARGV[5]: waiter.
+WITHDRAW_LUA = (
+    PRELUDE_LUA
+    + """
+local w = ARGV[5]
+local done = 0
+local raw = redis.call('HGET', QM, w)
+if raw then
+  unqueue(w, cjson.decode(raw).c, nil)
+  done = 1
+end
+raw = redis.call('HGET', GRANTS, w)
+if raw and cjson.decode(raw).k == 0 then
+  -- A grant nobody took: its request was never sent, so its share of the limits comes back.
+  local m = drop_lease(cjson.decode(raw).l)
+  if m then
+    gcra_add('r', cfg.rpm, -1)
+    gcra_add('t', cfg.tpm, -m.t)
+    local d = DEPS[m.d]
+    if d then
+      gcra_add('r:' .. d.n, d.rpm, -1)
+      gcra_add('t:' .. d.n, d.tpm, -m.t)
+    end
+    use(-1, -m.t)
+  end
+  done = 1
+end
+purge()
+local own, woken, head, ready = pump('')
+return cjson.encode({woken = woken, head = head, ready = ready, now = now, done = done})
+"""
+)
+
+SNAPSHOT_LUA = (
+    PRELUDE_LUA
+    + """
+local b = math.floor(now / 10000)
+local used = {r = 0, t = 0}
+local flat = redis.call('HGETALL', USE)
+for i = 1, #flat, 2 do
+  local kind, fb = string.sub(flat[i], 1, 1), tonumber(string.sub(flat[i], 3))
+  if fb and fb >= b - 5 and fb <= b then used[kind] = used[kind] + tonumber(flat[i + 1]) end
+end
+local deps = {}
+for _, d in ipairs(cfg.deps) do
+  local state = breaker(d.n)
+  local paused = num(redis.call('HGET', PAUSE, 'd:' .. d.n))
+  deps[#deps + 1] = {
+    name = d.n, state = state, streams = num(redis.call('HGET', INFL, d.n)),
+    failures = num(redis.call('HGET', BRK, 'f:' .. d.n)),
+    open_until_ms = num(redis.call('HGET', BRK, 'o:' .. d.n)),
+    last_failure = redis.call('HGET', BRK, 'k:' .. d.n) or '',
+    paused_until_ms = paused > now and paused or 0,
+  }
+end
+local paused = num(redis.call('HGET', PAUSE, 'm'))
+return cjson.encode({
+  now = now, interactive = redis.call('ZCARD', QI), background = redis.call('ZCARD', QB),
+  streams = redis.call('ZCOUNT', LEASES, '(' .. now, '+inf'), grants = redis.call('HLEN', GRANTS),
+  paused_until_ms = paused > now and paused or 0, requests = used.r, tokens = used.t, deps = deps,
+})
+"""
+)
+
+# KEYS[1]: leases. ARGV[3..4]: lease id, ttl ms. An expired lease not yet purged still
+# holds its slot, so renewing it is safe.
+RENEW_LUA = (
+    NOW_LUA
+    + """
+if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[4]), ARGV[3])
+return 1
+"""
+)
+
+# KEYS[1]: paused. ARGV[3..5]: field, until ms or '', for ms or ''. Pauses only lengthen.
+PAUSE_LUA = (
+    NOW_LUA
+    + """
+local until_ms = tonumber(ARGV[4]) or (now + tonumber(ARGV[5]))
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[3])) or 0
+if until_ms > cur then
+  redis.call('HSET', KEYS[1], ARGV[3], string.format('%d', until_ms))
+  return until_ms
+end
+return cur
+"""
+)
+
+# KEYS[1]: breaker. ARGV[3..7]: deployment, '1' success | '0' failure, kind, failures to
+# open, cool-down ms.
+BREAKER_LUA = (
+    NOW_LUA
+    + """
+local d = ARGV[3]
+if ARGV[4] == '1' then
+  redis.call('HDEL', KEYS[1], 'f:' .. d, 'o:' .. d, 'p:' .. d, 'k:' .. d)
+  return 'closed'
+end
+local fails = redis.call('HINCRBY', KEYS[1], 'f:' .. d, 1)
+redis.call('HSET', KEYS[1], 'k:' .. d, ARGV[5])
+local o = tonumber(redis.call('HGET', KEYS[1], 'o:' .. d))
+-- Failures of requests sent before it opened do not lengthen the cool-down.
+if o and o > now then return 'open' end
+if o or fails >= tonumber(ARGV[6]) then
+  -- Tripped, or the half-open probe failed: every worker skips it for a cool-down.
+  redis.call('HSET', KEYS[1], 'o:' .. d, string.format('%d', now + tonumber(ARGV[7])))
+  redis.call('HDEL', KEYS[1], 'p:' .. d)
+  return 'open'
+end
+return 'closed'
+"""
+)

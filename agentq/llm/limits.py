@@ -1,0 +1,231 @@
+"""Model capacity limits (`AGENTQ_LLM_LIMITS`), provider rate-limit headers and token estimates.
+
+Pure: no I/O. `agentq.llm.capacity` enforces these limits fleet-wide in Redis.
+
+    AGENTQ_LLM_LIMITS='{"gpt-4.1": {"rpm": 500, "tpm": 300000, "streams": 200}}'
+
+An entry may split its traffic over `deployments` (endpoints or accounts of the same
+model), each with its own limits, chosen `ordered` (the first healthy one with capacity)
+or `least_loaded`. An entry without deployments has one implicit deployment, `default`,
+which is the configured `AGENTQ_LLM_BASE_URL`.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import math
+import re
+import time
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from agentq.errors import ConfigError
+
+SETTING = "AGENTQ_LLM_LIMITS"
+DEFAULT_DEPLOYMENT = "default"
+CHARS_PER_TOKEN = 4
+"""English text and code average about four characters per token with OpenAI's tokenizers."""
+DEFAULT_COMPLETION_TOKENS = 1024
+"""Completion tokens assumed when a request sets no `max_completion_tokens`."""
+
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+
+
+class _Limits(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rpm: int | None = Field(default=None, gt=0, strict=True)
+    """Requests per minute."""
+    tpm: int | None = Field(default=None, gt=0, strict=True)
+    """Tokens (prompt and completion) per minute."""
+    streams: int | None = Field(default=None, gt=0, strict=True)
+    """Streams open at once."""
+
+
+class DeploymentLimits(_Limits):
+    """One endpoint (or account) serving a model, with its own limits."""
+
+    name: str = Field(pattern=_NAME, max_length=64)
+    base_url: str | None = None
+    """The endpoint; None: the configured `AGENTQ_LLM_BASE_URL`."""
+    model: str | None = None
+    """The provider's name for the model; None: the name the request sends."""
+    api_key: SecretStr | None = None
+    """None: the configured `AGENTQ_LLM_API_KEY`."""
+
+
+class ModelLimitsEntry(_Limits):
+    """The limits of one model (by the name requests send), shared by every llm worker."""
+
+    deployments: tuple[DeploymentLimits, ...] = ()
+    strategy: Literal["ordered", "least_loaded"] = "ordered"
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelLimitsEntry:
+        names = [d.name for d in self.deployments]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"deployment names must be unique, repeated: {', '.join(dupes)}")
+        if not self.deployments and not (self.rpm or self.tpm or self.streams):
+            raise ValueError("sets none of rpm, tpm, streams, deployments")
+        return self
+
+    @property
+    def routes(self) -> tuple[DeploymentLimits, ...]:
+        """The deployments to choose from: the configured ones, or the implicit default."""
+        return self.deployments or (DeploymentLimits(name=DEFAULT_DEPLOYMENT),)
+
+    def deployment(self, name: str) -> DeploymentLimits:
+        """The deployment called `name` (KeyError if there is none)."""
+        for d in self.routes:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+
+def parse_limits(raw: str | None) -> dict[str, ModelLimitsEntry]:
+    """The entries of `AGENTQ_LLM_LIMITS` by model name; empty when unset or blank."""
+    if raw is None or not raw.strip():
+        return {}
+    try:
+        data: Any = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(SETTING, f"not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(SETTING, "must be a JSON object keyed by model name")
+    out: dict[str, ModelLimitsEntry] = {}
+    for model, spec in data.items():
+        # A brace would end the model's Redis Cluster hash tag ({prefix}:{model}:...) early.
+        if not model.strip() or "{" in model or "}" in model:
+            raise ConfigError(SETTING, f"bad model name {model!r}: empty or contains braces")
+        if not isinstance(spec, dict):
+            raise ConfigError(SETTING, f"{model}: must be an object with rpm, tpm, streams")
+        try:
+            out[model] = ModelLimitsEntry.model_validate(spec)
+        except ValidationError as exc:
+            raise ConfigError(SETTING, f"{model}: {_describe(exc)}") from None
+    return out
+
+
+def _describe(exc: ValidationError) -> str:
+    """pydantic's errors as `deployments.0.rpm: Input should be greater than 0; ...`."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+    return "; ".join(parts)
+
+
+class RateSignal(BaseModel):
+    """What a provider's response headers say about its rate limits (None: not sent)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    pause_s: float | None = None
+    """Retry-After: wait this long before the next request."""
+    remaining_requests: int | None = None
+    remaining_tokens: int | None = None
+    reset_requests_s: float | None = None
+    """Until the request allowance is full again."""
+    reset_tokens_s: float | None = None
+    limit_requests: int | None = None
+    limit_tokens: int | None = None
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s|d)")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
+_UNIT_S["ns"] = 1e-9
+
+
+def parse_duration_s(text: str) -> float | None:
+    """Seconds in an OpenAI reset duration (`1s`, `250ms`, `6m0s`, `1h2m3.5s`, or plain
+    seconds); None when it is not one."""
+    text = text.strip()
+    try:
+        plain = float(text)
+    except ValueError:
+        pass
+    else:
+        return max(plain, 0.0) if math.isfinite(plain) else None
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        return None
+    return sum(float(n) * _UNIT_S[u] for n, u in parts)
+
+
+def _until_s(text: str, now_s: float) -> float | None:
+    """Seconds from now to an RFC 3339 or HTTP date, or a duration; None if unreadable."""
+    duration = parse_duration_s(text)
+    if duration is not None:
+        return duration
+    try:
+        # Python 3.10's fromisoformat does not read the "Z" suffix.
+        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            return None
+    if when.tzinfo is None:
+        return None
+    return max(when.timestamp() - now_s, 0.0)
+
+
+def _int(text: str | None) -> int | None:
+    if text is None:
+        return None
+    try:
+        return int(float(text))
+    except (ValueError, OverflowError):
+        return None
+
+
+def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None) -> RateSignal:
+    """The rate-limit signal in a response's headers (OpenAI's `x-ratelimit-*`, Anthropic's
+    `anthropic-ratelimit-*`, `retry-after`, `retry-after-ms`); `now_s` anchors dates."""
+    h = {k.lower(): v for k, v in headers.items()}
+    now = time.time() if now_s is None else now_s
+    pause_s: float | None = None
+    if "retry-after-ms" in h:
+        ms = _int(h["retry-after-ms"])
+        pause_s = None if ms is None else max(ms, 0) / 1000.0
+    if pause_s is None and "retry-after" in h:
+        pause_s = _until_s(h["retry-after"], now)
+
+    def reset(kind: str) -> float | None:
+        raw = h.get(f"x-ratelimit-reset-{kind}") or h.get(f"anthropic-ratelimit-{kind}-reset")
+        return None if raw is None else _until_s(raw, now)
+
+    def count(what: str, kind: str) -> int | None:
+        raw = h.get(f"x-ratelimit-{what}-{kind}") or h.get(f"anthropic-ratelimit-{kind}-{what}")
+        return _int(raw)
+
+    return RateSignal(
+        pause_s=pause_s,
+        remaining_requests=count("remaining", "requests"),
+        remaining_tokens=count("remaining", "tokens"),
+        reset_requests_s=reset("requests"),
+        reset_tokens_s=reset("tokens"),
+        limit_requests=count("limit", "requests"),
+        limit_tokens=count("limit", "tokens"),
+    )
+
+
+def estimate_tokens(prompt_chars: int, max_completion_tokens: int | None) -> int:
+    """Tokens a request may use, counted against `tpm` before it is sent: the prompt at
+    CHARS_PER_TOKEN characters a token, plus the completion allowance.
+
+    The completion counts at its maximum (DEFAULT_COMPLETION_TOKENS when unset), as
+    providers count it against their own limit. `release` corrects the account from the
+    response's real usage. No tokenizer: tiktoken is not a dependency, and it downloads
+    its encoding files on first use, which a worker offline cannot do.
+    """
+    prompt = math.ceil(max(prompt_chars, 0) / CHARS_PER_TOKEN)
+    completion = max_completion_tokens
+    if completion is None:
+        completion = DEFAULT_COMPLETION_TOKENS
+    return max(prompt + max(completion, 0), 1)

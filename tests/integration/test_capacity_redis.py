@@ -1,0 +1,437 @@
+"""Fleet-wide model capacity against a real redis-server: pacing, tokens, stream leases,
+queue order, withdraw, pauses, breakers, deployment choice, and many threads at once.
+
+Time is passed explicitly (`now_ms`) except in the concurrency test, which uses Redis's clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt
+from agentq.llm.limits import RateSignal, parse_limits, parse_rate_headers
+from agentq.testing.redis_server import RedisServer
+
+T0 = 1_700_000_000_000
+
+
+@pytest.fixture()
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+def make(r: redis.Redis, spec: dict[str, Any], **kw: Any) -> Capacity:
+    """A Capacity under a prefix of its own, so tests share the server but no keys."""
+    limits = parse_limits(json.dumps(spec))
+    return Capacity(r, limits, prefix=f"test:cap:{uuid.uuid4().hex[:8]}", **kw)
+
+
+def grab(
+    cap: Capacity,
+    waiter: str,
+    now_ms: int,
+    *,
+    owner: str = "o",
+    tokens: int = 1,
+    interactive: bool = False,
+    model: str = "m",
+) -> Grant | Queued:
+    return cap.acquire(
+        model, waiter=waiter, owner=owner, interactive=interactive, tokens=tokens, now_ms=now_ms
+    )
+
+
+def granted(res: Grant | Queued) -> Grant:
+    assert isinstance(res, Grant), res
+    return res
+
+
+def queued(res: Grant | Queued) -> Queued:
+    assert isinstance(res, Queued), res
+    return res
+
+
+def max_in_window(times: list[int], window_ms: int) -> int:
+    """The most events in any half-open window [t, t + window_ms)."""
+    times = sorted(times)
+    best, lo = 0, 0
+    for hi, t in enumerate(times):
+        while times[lo] <= t - window_ms:
+            lo += 1
+        best = max(best, hi - lo + 1)
+    return best
+
+
+def test_gcra_paces_1200_rpm_to_a_one_second_burst_then_one_every_50_ms(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 1200}})
+    at: dict[str, int] = {}
+    arrivals = []
+    # 30 at once, then a newcomer every 10 ms for 3 s: five times the limit.
+    for n, tick in enumerate([0] * 29 + list(range(300))):
+        now = T0 + tick * 10
+        waiter = f"w{n:04d}"
+        arrivals.append(waiter)
+        res = grab(cap, waiter, now)
+        if isinstance(res, Grant):
+            at[waiter] = now
+        for other in res.woken:
+            at[other] = now
+    times = [t - T0 for t in at.values()]
+    assert times.count(0) == 20  # the burst: one second's worth, not 1,200
+    assert 75 <= len(times) <= 80  # 20 + 20/s over 3 s: capacity is used, not wasted
+    # Any one-second window: at most the burst plus what refills in it.
+    assert max_in_window(times, 1000) <= 39
+    steady = sorted(t for t in times if t > 0)
+    assert all(b - a >= 50 for a, b in itertools.pairwise(steady))
+    assert max_in_window([t for t in times if t >= 1000], 1000) <= 20
+    # One owner's rounds are served in arrival order.
+    assert sorted(at, key=lambda w: (at[w], w)) == arrivals[: len(at)]
+
+
+def test_tokens_are_estimated_up_front_and_corrected_from_real_usage(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"tpm": 6000}})  # 100 tokens/s: 10 ms a token, 990 ms burst room
+    a = granted(grab(cap, "a", T0, tokens=1000))
+    b = queued(grab(cap, "b", T0, tokens=100))
+    assert b.next_slot_ms == T0 + 10_000 - 990
+    # a used 100 of the 1,000 it reserved: 900 tokens (9 s) come back, b goes at once.
+    wakes = cap.release(a, tokens_used=100, now_ms=T0 + 10)
+    assert wakes.woken == ("b",)
+    b_grant = granted(grab(cap, "b", T0 + 10))
+    assert b_grant.tokens == 100
+    # b used 3,000, not 100: the 2,900 more push the next request 29 s further out.
+    cap.release(b_grant, tokens_used=3000, now_ms=T0 + 20)
+    c = queued(grab(cap, "c", T0 + 20, tokens=10))
+    assert c.next_slot_ms == T0 + 2000 + 29_000 - 990
+    snap = cap.snapshot("m", now_ms=T0 + 20)
+    assert snap["tokens_last_minute"] == 100 + 3000
+    assert snap["requests_last_minute"] == 2
+
+
+def test_stream_slots_are_leases_and_a_dead_workers_lease_comes_back(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"streams": 2}}, lease_ttl_ms=10_000, grant_ttl_ms=5_000)
+    a = granted(grab(cap, "a", T0))
+    b = granted(grab(cap, "b", T0))
+    c = queued(grab(cap, "c", T0))
+    assert c.position == 1 and c.next_slot_ms == T0 + 10_000  # backstop: a lease's expiry
+    assert cap.snapshot("m", now_ms=T0)["streams_in_use"] == 2
+    # a's worker releases: the slot goes to the head of the queue, whose turn must be woken.
+    assert cap.release(a, now_ms=T0 + 100).woken == ("c",)
+    c_grant = granted(grab(cap, "c", T0 + 200))
+    assert c_grant.granted_at_ms == T0 + 100
+    # c's worker renews its lease; b's worker died and never does.
+    assert cap.renew(c_grant, 10_000, now_ms=T0 + 9_000)
+    d = queued(grab(cap, "d", T0 + 9_500))
+    assert d.next_slot_ms == T0 + 10_000
+    got = granted(grab(cap, "d", T0 + 10_001))
+    assert got.lease_id not in (b.lease_id, c_grant.lease_id)
+    assert not cap.renew(b, now_ms=T0 + 10_002)  # b's worker learns its slot is gone
+    assert cap.snapshot("m", now_ms=T0 + 10_002)["streams_in_use"] == 2  # c and d
+    assert cap.release(b, now_ms=T0 + 10_003).woken == ()  # a late release frees nothing twice
+    assert cap.snapshot("m", now_ms=T0 + 10_003)["streams_in_use"] == 2
+
+
+def test_interactive_goes_first_and_a_big_backlog_does_not_delay_another_owner(
+    r: redis.Redis,
+) -> None:
+    cap = make(r, {"m": {"rpm": 60}})  # one request a second
+    granted(grab(cap, "A:0", T0, owner="A"))
+    for i in range(1, 501):
+        assert queued(grab(cap, f"A:{i:03d}", T0 + 1, owner="A")).position == i
+    b = queued(grab(cap, "B:chat", T0 + 500, owner="B", interactive=True))
+    assert b.position == 1 and b.next_slot_ms == T0 + 1000 and b.retry_at_ms == T0 + 1000
+    assert queued(grab(cap, "A:001", T0 + 600, owner="A")).position == 2
+    # The next slot, whoever takes the step: B's round is granted in it.
+    res = queued(grab(cap, "A:001", T0 + 1000, owner="A"))
+    assert res.woken == ("B:chat",) and res.position == 1
+    assert granted(grab(cap, "B:chat", T0 + 1001, owner="B")).granted_at_ms == T0 + 1000
+    # Background: C's first round starts level with A's next (both first of their owner
+    # in the queue), not behind A's 499.
+    c = queued(grab(cap, "C:bg", T0 + 1100, owner="C"))
+    assert c.position == 2
+    assert granted(grab(cap, "A:001", T0 + 2000, owner="A")).granted_at_ms == T0 + 2000
+    assert queued(grab(cap, "A:002", T0 + 3000, owner="A")).woken == ("C:bg",)
+    snap = cap.snapshot("m", now_ms=T0 + 3000)
+    assert snap["queued"] == {"interactive": 0, "background": 499}
+
+
+def test_owners_take_turns_by_weight_and_each_keeps_its_order(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 6000}}, owner_weights={"heavy": 2})
+    cap.pause("m", until_ms=T0 + 1000, now_ms=T0)  # everyone queues, then one call serves all
+    for i in range(1, 5):
+        queued(grab(cap, f"heavy:{i}", T0 + i, owner="heavy"))
+    for i in range(1, 5):
+        queued(grab(cap, f"light:{i}", T0 + 10 + i, owner="light"))
+    queued(grab(cap, "chat:1", T0 + 20, owner="light", interactive=True))
+    res = granted(grab(cap, "new:1", T0 + 1000, owner="new"))
+    # Woken lists grants in the order given: interactive first, then by start tag
+    # (heavy 0, .5, 1, 1.5; light 0, 1, 2, 3; new 0), ties by waiter id.
+    assert res.woken == (
+        "chat:1",
+        "heavy:1",
+        "light:1",
+        # new:1, the caller, was granted here
+        "heavy:2",
+        "heavy:3",
+        "light:2",
+        "heavy:4",
+        "light:3",
+        "light:4",
+    )
+
+
+def test_class_weights_let_background_through_while_interactive_waits(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 6000}}, background_every=3)
+    cap.pause("m", until_ms=T0 + 1000, now_ms=T0)
+    for i in range(1, 7):
+        queued(grab(cap, f"i:{i}", T0 + i, interactive=True))
+        queued(grab(cap, f"b:{i}", T0 + i))
+    res = granted(grab(cap, "b:1", T0 + 1000))
+    # Two interactive grants, then one background (b:1, the caller), and so on.
+    assert res.woken == (
+        "i:1",
+        "i:2",
+        "i:3",
+        "i:4",
+        "b:2",
+        "i:5",
+        "i:6",
+        "b:3",
+        "b:4",
+        "b:5",
+        "b:6",
+    )
+
+
+def test_withdraw_leaves_the_queue_and_gives_back_an_untaken_grant(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 60}})
+    granted(grab(cap, "a", T0))
+    queued(grab(cap, "b", T0))
+    queued(grab(cap, "c", T0))
+    queued(grab(cap, "d", T0))
+    assert queued(grab(cap, "d", T0 + 1)).position == 3
+    done, _ = cap.withdraw("m", "c", now_ms=T0 + 2)
+    assert done
+    assert queued(grab(cap, "d", T0 + 3)).position == 2
+    assert cap.withdraw("m", "c", now_ms=T0 + 4)[0] is False
+    # b is granted by d's call but its turn is aborted before it takes the grant: the
+    # request was never sent, so the slot comes back and d takes it in the same call.
+    assert queued(grab(cap, "d", T0 + 1000)).woken == ("b",)
+    done, wakes = cap.withdraw("m", "b", now_ms=T0 + 1001)
+    assert done and wakes.woken == ("d",)
+    assert cap.snapshot("m", now_ms=T0 + 1001)["requests_last_minute"] == 2  # a and d
+    assert queued(grab(cap, "b", T0 + 1002)).position == 1  # b asks again: a new round
+    # A grant already taken is the stream worker's to release, not withdraw's.
+    d = granted(grab(cap, "d", T0 + 1003))
+    assert cap.withdraw("m", "d", now_ms=T0 + 1004)[0] is False
+    assert cap.renew(d, now_ms=T0 + 1005)
+
+
+def test_a_429_pauses_the_deployment_for_the_whole_fleet(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 600}})
+    other_worker = Capacity(r, cap.limits, prefix=cap.prefix)
+    signal = parse_rate_headers({"retry-after": "5"})
+    assert cap.note_remaining("m", "default", signal, now_ms=T0) == T0 + 5000
+    res = queued(grab(other_worker, "a", T0 + 10))
+    assert res.next_slot_ms == T0 + 5000
+    assert cap.pause("m", "default", until_ms=T0 + 2000, now_ms=T0) == T0 + 5000  # only lengthens
+    assert cap.snapshot("m", now_ms=T0)["deployments"]["default"]["paused_until_ms"] == T0 + 5000
+    assert granted(grab(other_worker, "a", T0 + 5000)).granted_at_ms == T0 + 5000
+    # An exhausted allowance pauses until its reset; a healthy one does not pause.
+    empty = RateSignal(remaining_requests=0, reset_requests_s=2.0, remaining_tokens=500)
+    assert cap.note_remaining("m", "default", empty, now_ms=T0 + 6000) == T0 + 8000
+    assert cap.note_remaining("m", "default", RateSignal(remaining_requests=3)) is None
+    # A model-wide pause holds every deployment.
+    assert cap.pause("m", for_ms=1000, now_ms=T0 + 9000) == T0 + 10_000
+    assert queued(grab(cap, "b", T0 + 9001)).next_slot_ms == T0 + 10_000
+    assert cap.snapshot("m", now_ms=T0 + 9001)["paused_until_ms"] == T0 + 10_000
+
+
+def two(strategy: str, **a: Any) -> dict[str, Any]:
+    deps = [{"name": "a", **a}, {"name": "b", "streams": 4}]
+    return {"m": {"streams": 100, "strategy": strategy, "deployments": deps}}
+
+
+def test_breaker_opens_after_n_failures_then_half_opens_with_one_probe(r: redis.Redis) -> None:
+    cap = make(r, two("ordered"), breaker_failures=3, breaker_cooldown_ms=10_000)
+    assert granted(grab(cap, "x1", T0)).deployment == "a"
+    assert cap.report_failure("m", "a", "5xx", now_ms=T0) == "closed"
+    assert cap.report_failure("m", "a", "stall", now_ms=T0) == "closed"
+    assert cap.report_failure("m", "a", "connection", now_ms=T0 + 1) == "open"
+    assert granted(grab(cap, "x2", T0 + 2)).deployment == "b"
+    assert cap.report_failure("m", "a", "5xx", now_ms=T0 + 3) == "open"  # in flight before
+    snap = cap.snapshot("m", now_ms=T0 + 3)["deployments"]["a"]
+    assert snap["breaker"] == "open" and snap["open_until_ms"] == T0 + 10_001
+    assert snap["last_failure"] == "5xx" and snap["failures"] == 4
+    # Cool-down over: one request probes a, the next goes to b while the probe runs.
+    probe = granted(grab(cap, "x3", T0 + 10_001))
+    assert probe.deployment == "a"
+    assert granted(grab(cap, "x4", T0 + 10_002)).deployment == "b"
+    assert cap.snapshot("m", now_ms=T0 + 10_002)["deployments"]["a"]["breaker"] == "probing"
+    # The probe fails: open again for a whole cool-down.
+    assert cap.report_failure("m", "a", "5xx", now_ms=T0 + 10_003) == "open"
+    cap.release(probe, now_ms=T0 + 10_004)
+    assert granted(grab(cap, "x5", T0 + 19_000)).deployment == "b"
+    probe = granted(grab(cap, "x6", T0 + 20_003))
+    assert probe.deployment == "a"
+    assert cap.report_success("m", "a", now_ms=T0 + 20_004) == "closed"
+    assert granted(grab(cap, "x7", T0 + 20_005)).deployment == "a"
+    assert cap.snapshot("m", now_ms=T0 + 20_005)["deployments"]["a"]["failures"] == 0
+
+
+def test_a_probe_whose_worker_died_lets_another_request_probe(r: redis.Redis) -> None:
+    cap = make(r, two("ordered"), breaker_failures=1, breaker_cooldown_ms=1000, lease_ttl_ms=5000)
+    cap.report_failure("m", "a", "5xx", now_ms=T0)
+    assert granted(grab(cap, "p1", T0 + 1000)).deployment == "a"  # the probe; never reports
+    assert granted(grab(cap, "p2", T0 + 2000)).deployment == "b"
+    assert granted(grab(cap, "p3", T0 + 6001)).deployment == "a"  # its lease expired
+
+
+def test_all_deployments_down_queues_until_the_first_comes_back(r: redis.Redis) -> None:
+    cap = make(r, two("ordered"), breaker_failures=1, breaker_cooldown_ms=4000)
+    cap.report_failure("m", "a", "5xx", now_ms=T0)
+    cap.report_failure("m", "b", "5xx", now_ms=T0 + 1000)
+    assert queued(grab(cap, "x", T0 + 1500)).next_slot_ms == T0 + 4000
+    assert granted(grab(cap, "x", T0 + 4000)).deployment == "a"
+
+
+def test_ordered_fills_the_first_deployment_least_loaded_spreads(r: redis.Redis) -> None:
+    ordered = make(r, two("ordered", streams=2))
+    picks = [granted(grab(ordered, f"o{i}", T0)).deployment for i in range(6)]
+    assert picks == ["a", "a", "b", "b", "b", "b"]
+    assert queued(grab(ordered, "o6", T0)).position == 1  # both full
+    spread = make(r, two("least_loaded", streams=2))
+    picks = [granted(grab(spread, f"l{i}", T0)).deployment for i in range(6)]
+    # By share of each one's streams in use (a: 2, b: 4), ties to the first listed.
+    assert picks == ["a", "b", "b", "a", "b", "b"]
+    snap = spread.snapshot("m", now_ms=T0)["deployments"]
+    assert (snap["a"]["streams_in_use"], snap["b"]["streams_in_use"]) == (2, 4)
+
+
+def test_deployment_rpm_limits_move_traffic_to_the_next(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"deployments": [{"name": "a", "rpm": 60}, {"name": "b", "rpm": 60}]}})
+    picks = [granted(grab(cap, f"w{i}", T0)).deployment for i in range(2)]
+    assert picks == ["a", "b"]
+    assert queued(grab(cap, "w2", T0)).next_slot_ms == T0 + 1000
+
+
+def test_the_head_of_the_queue_is_named_with_the_time_of_its_slot(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 60}})
+    a = granted(grab(cap, "a", T0))
+    assert queued(grab(cap, "b", T0)).wake_next is None  # b is the head itself
+    assert queued(grab(cap, "c", T0)).wake_next == WakeAt(waiter="b", at_ms=T0 + 1000)
+    wakes = cap.release(a, now_ms=T0 + 1000)
+    assert wakes.woken == ("b",) and wakes.wake_next == WakeAt(waiter="c", at_ms=T0 + 2000)
+
+
+def test_acquire_is_idempotent_per_waiter(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"streams": 5}})
+    first = granted(grab(cap, "w", T0))
+    again = granted(grab(cap, "w", T0 + 5))
+    assert again.lease_id == first.lease_id and again.granted_at_ms == T0
+    assert cap.snapshot("m", now_ms=T0 + 5)["streams_in_use"] == 1
+    cap.release(first, now_ms=T0 + 6)
+    assert granted(grab(cap, "w", T0 + 7)).lease_id != first.lease_id  # a new round
+
+
+def test_a_waiter_whose_turn_stopped_asking_is_dropped(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 60}}, waiter_ttl_ms=30_000)
+    granted(grab(cap, "a", T0))
+    ghost = queued(grab(cap, "ghost", T0))
+    assert ghost.retry_at_ms == T0 + 1000
+    late = queued(grab(cap, "late", T0 + 1))
+    assert late.retry_at_ms <= T0 + 1 + 10_000  # a live waiter asks at least every ttl/3
+    res = granted(grab(cap, "late", T0 + 30_001))  # ghost never asked again
+    assert res.woken == ()
+    assert cap.snapshot("m", now_ms=T0 + 30_001)["queued"]["background"] == 0
+
+
+def test_models_without_limits_pass_unmetered(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 1}})
+    res = granted(grab(cap, "w", T0, model="other"))
+    assert res.lease_id == "" and res.deployment == "default"
+    assert cap.release(res).woken == ()
+    assert cap.renew(res)
+    assert cap.snapshot("other") == {"model": "other", "managed": False}
+
+
+def test_a_models_keys_share_one_cluster_slot(r: redis.Redis) -> None:
+    cap = make(r, two("least_loaded"), breaker_failures=1)
+    g = granted(grab(cap, "a", T0))
+    cap.pause("m", for_ms=10, now_ms=T0)
+    cap.pause("m", "b", for_ms=10, now_ms=T0)
+    queued(grab(cap, "b", T0, interactive=True))
+    cap.report_failure("m", "a", "5xx", now_ms=T0)
+    cap.release(g, tokens_used=5, now_ms=T0)
+    keys = [k.decode() for k in r.scan_iter(match=f"{cap.prefix}:*")]
+    assert len(keys) >= 6
+    assert all(k.startswith(f"{cap.prefix}:{{m}}:") for k in keys)
+    assert len({key_slot(k.encode()) for k in keys}) == 1
+
+
+def test_many_threads_sharing_one_limit_never_exceed_it(r: redis.Redis) -> None:
+    # Redis's clock: 100 requests/s with a burst of 100, and at most 4 streams at once.
+    cap = make(r, {"m": {"rpm": 6000, "streams": 4}})
+    events: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+    holding = 0
+    most_held = 0
+    grant_times: list[int] = []
+    errors: list[BaseException] = []
+
+    def wake(waiters: tuple[str, ...]) -> None:
+        for w in waiters:
+            events[w].set()
+
+    def worker(k: int) -> None:
+        nonlocal holding, most_held
+        try:
+            for i in range(50):
+                waiter = f"t{k}:{i}"
+                events[waiter] = threading.Event()
+                while True:
+                    res = cap.acquire(
+                        "m", waiter=waiter, owner=f"o{k % 3}", interactive=k % 2 == 0, tokens=1
+                    )
+                    wake(res.woken)
+                    if isinstance(res, Grant):
+                        break
+                    # The turn sleeps until its wakeup, or until someone's call grants it.
+                    delay_s = max(res.retry_at_ms / 1000 - time.time(), 0.001)
+                    events[waiter].wait(min(delay_s, 1.0))
+                    events[waiter].clear()
+                with lock:
+                    holding += 1
+                    most_held = max(most_held, holding)
+                    grant_times.append(res.granted_at_ms)
+                time.sleep(0.002)  # the stream itself
+                with lock:
+                    holding -= 1
+                wake(cap.release(res, tokens_used=1).woken)
+        except BaseException as exc:  # the main thread reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    assert len(grant_times) == 400
+    assert most_held <= 4
+    assert max_in_window(grant_times, 1000) <= 199  # burst 100 + 100 refilled in the second
+    assert max(grant_times) - min(grant_times) >= 2900  # 300 past the burst at 100/s
+    snap = cap.snapshot("m")
+    assert snap["streams_in_use"] == 0 and snap["queued"] == {"interactive": 0, "background": 0}
