@@ -100,6 +100,17 @@ class Settings(BaseSettings):
     """Falls back to OPENAI_API_KEY; `get_secret_value()` reads it, a repr shows ***."""
     llm_model: str = "gpt-4o-mini"
     """Model name sent to the server."""
+    llm_limits: str | None = None
+    """Fleet-wide model limits (JSON keyed by model name: `rpm`, `tpm`, `streams`,
+    `deployments`, `strategy`), shared by every llm worker through Redis; see
+    docs/operations.md. Unset: no limits, but a busy provider's answers still pace the fleet."""
+    llm_queue_timeout_s: float = Field(600.0, gt=0)
+    """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
+    llm_owner_weights: dict[str, float] = Field(default_factory=dict)
+    """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
+    llm_background_every: int = Field(0, ge=0)
+    """0: interactive rounds are always served before background ones; N: one background
+    round in every N grants while both wait, so background work never starves."""
     llm_max_retries: int = Field(2, ge=0, le=10)
     """Retries of a model round on a zero-chunk stall, 429 or 5xx."""
     llm_request_timeout_s: float = Field(60.0, gt=0)
@@ -216,6 +227,14 @@ class Settings(BaseSettings):
     def _finite(cls, v: float) -> float:
         if v != v or v in (float("inf"), float("-inf")):
             raise ValueError("must be a finite number of seconds")
+        return v
+
+    @field_validator("llm_owner_weights")
+    @classmethod
+    def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(name for name, w in v.items() if not w > 0)
+        if bad:
+            raise ValueError(f"weights must be > 0: {', '.join(bad)}")
         return v
 
     @field_validator("redis_url")

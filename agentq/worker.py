@@ -24,6 +24,7 @@ from agentq.errors import ConfigError
 from agentq.fleet.app import create_app, longest_limit_s
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
+from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task
 from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.steps import register_step_task
@@ -41,6 +42,8 @@ two Redis connections): the steps these workers take publish from a few threads.
 settings = get_settings()
 logs.connect_celery_signals(settings.log_format)
 load_tool_modules(settings.tool_modules)
+# A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
+parse_limits(settings.llm_limits)
 # The broker must not hand a message out again while its call may still run: the longest
 # limit any call can get, a per-call hint up to `max_timeout_s` included.
 _longest = longest_limit_s(

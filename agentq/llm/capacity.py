@@ -25,15 +25,16 @@ from __future__ import annotations
 import json
 import math
 import secrets
-import time
+import threading
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import redis
 from pydantic import BaseModel, ConfigDict
 
+from agentq.config import Settings
 from agentq.llm import capacity_lua as lua
-from agentq.llm.limits import DEFAULT_DEPLOYMENT, ModelLimitsEntry, RateSignal
+from agentq.llm.limits import ModelLimitsEntry, RateSignal, parse_limits
 
 BreakerVerdict = Literal["closed", "open"]
 
@@ -126,6 +127,7 @@ class Capacity:
             )
         self.redis = redis_client
         self.limits = dict(limits)
+        self._configured = frozenset(self.limits)
         self.prefix = prefix
         self.owner_weights = weights
         """Fair-share weight by owner (default 1): weight 2 is served twice as often."""
@@ -135,8 +137,36 @@ class Capacity:
         """A queued round whose turn has not called `acquire` this long is dropped."""
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_ms = breaker_cooldown_ms
-        self._config = {
-            model: json.dumps(
+        self._tunables = {
+            "burst_ms": burst_s * 1000,
+            "lease_ttl_ms": lease_ttl_ms,
+            "grant_ttl_ms": grant_ttl_ms,
+            "waiter_ttl_ms": waiter_ttl_ms,
+            "bg_every": background_every,
+            "max_pump": max_grants_per_call,
+        }
+        self._config: dict[str, str] = {}
+        self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
+        self._release = redis_client.register_script(lua.RELEASE_LUA)
+        self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
+        self._snapshot = redis_client.register_script(lua.SNAPSHOT_LUA)
+        self._renew = redis_client.register_script(lua.RENEW_LUA)
+        self._pause = redis_client.register_script(lua.PAUSE_LUA)
+        self._breaker = redis_client.register_script(lua.BREAKER_LUA)
+
+    def entry(self, model: str) -> ModelLimitsEntry:
+        """The model's limits; a model without configured ones has none, but still shares
+        the fleet's queue and every pause a busy provider causes: learned, not configured."""
+        entry = self.limits.get(model)
+        if entry is None:
+            entry = self.limits[model] = ModelLimitsEntry.model_construct()
+        return entry
+
+    def _config_of(self, model: str) -> str:
+        config = self._config.get(model)
+        if config is None:
+            entry = self.entry(model)
+            config = self._config[model] = json.dumps(
                 {
                     "rpm": entry.rpm or 0,
                     "tpm": entry.tpm or 0,
@@ -151,23 +181,10 @@ class Capacity:
                         }
                         for d in entry.routes
                     ],
-                    "burst_ms": burst_s * 1000,
-                    "lease_ttl_ms": lease_ttl_ms,
-                    "grant_ttl_ms": grant_ttl_ms,
-                    "waiter_ttl_ms": waiter_ttl_ms,
-                    "bg_every": background_every,
-                    "max_pump": max_grants_per_call,
+                    **self._tunables,
                 }
             )
-            for model, entry in self.limits.items()
-        }
-        self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
-        self._release = redis_client.register_script(lua.RELEASE_LUA)
-        self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
-        self._snapshot = redis_client.register_script(lua.SNAPSHOT_LUA)
-        self._renew = redis_client.register_script(lua.RENEW_LUA)
-        self._pause = redis_client.register_script(lua.PAUSE_LUA)
-        self._breaker = redis_client.register_script(lua.BREAKER_LUA)
+        return config
 
     def keys(self, model: str) -> list[str]:
         """The model's Redis keys, in the order the scripts take them."""
@@ -178,7 +195,12 @@ class Capacity:
 
     def _run(self, script: Any, model: str, now_ms: int | None, *args: object) -> dict[str, Any]:
         """Run a deciding script on the model's keys; its JSON answer."""
-        argv = [self._config[model], "" if now_ms is None else now_ms, model, secrets.token_hex(8)]
+        argv = [
+            self._config_of(model),
+            "" if now_ms is None else now_ms,
+            model,
+            secrets.token_hex(8),
+        ]
         raw = script(keys=self.keys(model), args=[*argv, *args])
         out: dict[str, Any] = json.loads(raw)
         return out
@@ -198,15 +220,6 @@ class Capacity:
         if not waiter:
             raise ValueError("waiter must be a non-empty id")
         tokens = max(int(tokens), 0)
-        if model not in self._config:
-            at_ms = int(time.time() * 1000) if now_ms is None else now_ms
-            return Grant(
-                model=model,
-                deployment=DEFAULT_DEPLOYMENT,
-                lease_id="",
-                granted_at_ms=at_ms,
-                tokens=tokens,
-            )
         weight = self.owner_weights.get(owner, 1.0)
         cls = "i" if interactive else "b"
         out = self._run(self._acquire, model, now_ms, waiter, cls, owner, repr(weight), tokens)
@@ -224,7 +237,7 @@ class Capacity:
         now = int(out["now"])
         next_slot = max(math.ceil(out.get("ready") or now), now)
         position = int(out["pos"])
-        ahead_ms = (position - 1) * pacing_interval_ms(self.limits[model], tokens)
+        ahead_ms = (position - 1) * pacing_interval_ms(self.entry(model), tokens)
         wait_ms = int(next_slot - now + ahead_ms)
         at_ms = next_slot if position <= 1 else now + wait_ms
         return Queued(
@@ -240,9 +253,9 @@ class Capacity:
     ) -> Wakes:
         """Free a lease's stream slot, correct tpm from the real usage, and grant waiters."""
         lease_id = lease.lease_id if isinstance(lease, Grant) else lease
-        model = _lease_model(lease_id)
-        if model not in self._config:
+        if not lease_id:
             return Wakes()
+        model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
         return Wakes(**_wakes(self._run(self._release, model, now_ms, lease_id, used)))
 
@@ -254,8 +267,6 @@ class Capacity:
         if not lease_id:
             return True
         model = _lease_model(lease_id)
-        if model not in self._config:
-            return False
         ttl = self.lease_ttl_ms if ttl_ms is None else ttl_ms
         args = ["", "" if now_ms is None else now_ms, lease_id, ttl]
         return bool(self._renew(keys=[self._key(model, "leases")], args=args))
@@ -264,8 +275,6 @@ class Capacity:
         """Take an aborted round out of the queue and give back a grant it did not take:
         (whether anything was withdrawn, whom to wake)."""
         # The model is an argument because it names the keys (and the Cluster slot).
-        if model not in self._config:
-            return False, Wakes()
         out = self._run(self._withdraw, model, now_ms, waiter)
         return bool(out.get("done")), Wakes(**_wakes(out))
 
@@ -282,8 +291,6 @@ class Capacity:
         for `for_ms` on Redis's clock, and return when the (only lengthened) pause ends."""
         if (until_ms is None) == (for_ms is None):
             raise ValueError("give one of until_ms, for_ms")
-        if model not in self._config:
-            return 0
         field = "m" if deployment is None else f"d:{deployment}"
         args = [
             "",
@@ -324,8 +331,6 @@ class Capacity:
     def _report(
         self, model: str, deployment: str, ok: bool, kind: str, now_ms: int | None
     ) -> BreakerVerdict:
-        if model not in self._config:
-            return "closed"
         args = [
             "",
             "" if now_ms is None else now_ms,
@@ -340,12 +345,10 @@ class Capacity:
 
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
         """The model's capacity state now, for metrics and the console."""
-        if model not in self._config:
-            return {"model": model, "managed": False}
         out = self._run(self._snapshot, model, now_ms)
         return {
             "model": model,
-            "managed": True,
+            "configured": model in self._configured,
             "now_ms": int(out["now"]),
             "queued": {
                 "interactive": int(out["interactive"]),
@@ -387,3 +390,27 @@ def _wakes(out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
 def _lease_model(lease_id: str) -> str:
     """The model a lease id names (`<nonce><n>:<model>`); '' for no lease."""
     return lease_id.partition(":")[2]
+
+
+_fleet: dict[tuple[int, str, str, int], Capacity] = {}
+_fleet_lock = threading.Lock()
+
+
+def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
+    """This process's capacity manager for `settings` on `redis_client` (one per pair)."""
+    key = (
+        id(redis_client),
+        settings.llm_limits or "",
+        json.dumps(settings.llm_owner_weights, sort_keys=True),
+        settings.llm_background_every,
+    )
+    with _fleet_lock:
+        cap = _fleet.get(key)
+        if cap is None:
+            cap = _fleet[key] = Capacity(
+                redis_client,
+                parse_limits(settings.llm_limits),
+                owner_weights=settings.llm_owner_weights,
+                background_every=settings.llm_background_every,
+            )
+        return cap

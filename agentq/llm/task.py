@@ -11,16 +11,11 @@ rounds again.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
 import json
 import logging
-import os
-import socket
-import threading
 import time
-import zlib
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -33,145 +28,19 @@ from agentq.errors import (
     AgentqError,
     LlmError,
     ModelBusy,
-    ModelConnectionError,
-    ModelHTTPError,
-    StreamIdleTimeout,
 )
-from agentq.llm.capacity import Capacity, Wakes, capacity_for
-from agentq.llm.limits import DEFAULT_DEPLOYMENT, parse_rate_headers
-from agentq.llm.wakes import wake_granted as _wake_granted
+from agentq.llm.limits import DEFAULT_DEPLOYMENT
+from agentq.llm.streams import Streams, get_streams, settle_capacity
+from agentq.llm.wakes import wake_granted
 from agentq.models import LlmRoundRequest, LlmRoundResult
 from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 
 if TYPE_CHECKING:
-    import openai
+    pass
 
 log = logging.getLogger("agentq.llm")
-
-STREAMS_PER_CLIENT = 128
-"""Streams per model client (and connection pool) at full capacity."""
-
-
-class _Streams:
-    """Per process: the shared model client and the rounds streaming now."""
-
-    def __init__(self, host: LoopHost) -> None:
-        from agentq.llm.aclient import client_timeout, make_client
-
-        s = host.settings
-        self.host = host
-        self.worker = f"{socket.gethostname()}:{os.getpid()}"
-        self.lease_ms = int(s.turn_lease_s * 1000)
-        self.alive: collections.Counter[tuple[str, int]] = collections.Counter()
-        """Rounds to keep claimed, counted: a redelivered round may run twice here."""
-        self._alive_lock = threading.Lock()
-        """Celery's threads claim, the loop releases, the renewer reads."""
-        self.clients: list[openai.AsyncOpenAI] = []
-        if s.llm_base_url:
-            # Several clients, each with its own connection pool: httpx2's pool (the
-            # fallback transport) scans all of its connections on every request and every
-            # response end, which with thousands of streams in one pool cost more than the
-            # streams themselves.
-            self.clients = [
-                make_client(
-                    base_url=s.llm_base_url,
-                    api_key=s.llm_api_key.get_secret_value() if s.llm_api_key else None,
-                    max_connections=s.io_capacity + 100,
-                    timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
-                )
-                for _ in range(max(1, -(-s.io_capacity // STREAMS_PER_CLIENT)))
-            ]
-        self.capacity: Capacity = capacity_for(host.store.redis, s)
-        self.deployed: dict[str, list[openai.AsyncOpenAI]] = {}
-        """Clients of configured deployments with their own endpoint or key, made on first use."""
-        self.leases: dict[tuple[str, int], str] = {}
-        """Capacity leases of the rounds streaming here, renewed with their claims."""
-        self._leases_renewed = time.monotonic()
-        # Its own thread, not the loop's store pool: with thousands of rounds streaming,
-        # a renewal queued behind their store calls lapsed and every round was sent again.
-        self.renewer = threading.Thread(target=self._renew, name="agentq-llm-lease", daemon=True)
-        self.renewer.start()
-
-    def client_for(
-        self, turn_id: str, model: str, deployment: str | None
-    ) -> tuple[openai.AsyncOpenAI | None, str]:
-        """The client of this turn's rounds on `deployment` (None: no model server
-        configured), and the model name that deployment knows the model by."""
-        entry = self.capacity.limits.get(model)
-        dep = None
-        if entry is not None and deployment and deployment != DEFAULT_DEPLOYMENT:
-            with contextlib.suppress(KeyError):
-                dep = entry.deployment(deployment)
-        pool = self.clients
-        if dep is not None and (dep.base_url or dep.api_key):
-            pool = self.deployed.get(dep.name) or []
-            if not pool:
-                from agentq.llm.aclient import client_timeout, make_client
-
-                s = self.host.settings
-                key = dep.api_key or s.llm_api_key
-                pool = self.deployed[dep.name] = [
-                    make_client(
-                        base_url=dep.base_url or s.llm_base_url or "",
-                        api_key=key.get_secret_value() if key else None,
-                        max_connections=s.io_capacity + 100,
-                        timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
-                    )
-                ]
-        if not pool:
-            return None, model
-        client = pool[zlib.crc32(turn_id.encode()) % len(pool)]
-        return client, (dep.model if dep is not None and dep.model else model)
-
-    def hold(self, key: tuple[str, int]) -> None:
-        with self._alive_lock:
-            self.alive[key] += 1
-
-    def release(self, key: tuple[str, int]) -> None:
-        with self._alive_lock:
-            self.alive[key] -= 1
-            if self.alive[key] <= 0:
-                del self.alive[key]
-                self.leases.pop(key, None)
-
-    def hold_lease(self, key: tuple[str, int], lease_id: str | None) -> None:
-        if lease_id:
-            with self._alive_lock:
-                self.leases[key] = lease_id
-
-    def _renew(self) -> None:
-        every_s = self.host.settings.turn_lease_s / 3
-        while True:
-            time.sleep(every_s)
-            try:
-                with self._alive_lock:
-                    rounds = dict.fromkeys(self.alive, self.worker)
-                self.host.store.llm_rounds_alive(rounds, self.lease_ms)
-            except Exception:
-                log.warning("llm heartbeat failed", exc_info=True)
-            if time.monotonic() - self._leases_renewed >= self.capacity.lease_ttl_ms / 3000:
-                self._leases_renewed = time.monotonic()
-                with self._alive_lock:
-                    leases = list(self.leases.values())
-                for lease in leases:
-                    try:
-                        self.capacity.renew(lease)
-                    except Exception:
-                        log.warning("capacity lease renewal failed", exc_info=True)
-
-
-_streams: _Streams | None = None
-_streams_lock = threading.Lock()
-
-
-def _get_streams(host: LoopHost) -> _Streams:
-    global _streams
-    with _streams_lock:
-        if _streams is None:
-            _streams = _Streams(host)
-        return _streams
 
 
 def warm() -> None:
@@ -179,7 +48,7 @@ def warm() -> None:
     # The SDK's HTTP client logs every request at INFO: thousands of lines a minute on a
     # busy stream worker, each formatted on the loop. A round that fails is logged here.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
-    _get_streams(get_host())
+    get_streams(get_host())
 
 
 class _Publisher:
@@ -254,7 +123,7 @@ class _Deltas:
 def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     """In a Celery thread: claim the round and read its history; None when it is not
     this delivery's to stream (done, gone, or streaming elsewhere)."""
-    streams = _get_streams(host)
+    streams = get_streams(host)
     key = (req.turn_id, req.round_no)
     # Renewed from the moment of the claim: a busy loop may start this round later than
     # the lease, and a lapsed claim would have the turn send the round again.
@@ -272,7 +141,7 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     streams.release(key)
     if (start.gone or start.done is not None) and req.lease_id:
         # Nobody will stream this round: its capacity grant goes back to the queue.
-        _wake_granted(host.store, streams.capacity.release(req.lease_id))
+        wake_granted(host.store, streams.capacity.release(req.lease_id))
     if start.gone:
         # A late or redelivered round of a turn that ended (or that Redis lost).
         log.info("round %s of turn %s: the turn is over or gone", req.round_no, req.turn_id)
@@ -287,7 +156,7 @@ async def run_round(
 ) -> LlmRoundResult:
     """On the loop: stream a round `claim_round` claimed, and store its result."""
     store = host.store
-    streams = _get_streams(host)
+    streams = get_streams(host)
     key = (req.turn_id, req.round_no)
     name = f"{k.TASK_LLM_ROUND}:{req.turn_id}:{req.round_no}"
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
@@ -354,7 +223,7 @@ def _end_round_span(span: Any, result: LlmRoundResult, stats: _RoundStats) -> No
 
 async def _stream(
     host: LoopHost,
-    streams: _Streams,
+    streams: Streams,
     req: LlmRoundRequest,
     messages: list[dict[str, Any]],
     abort: asyncio.Event,
@@ -485,61 +354,9 @@ async def _stream(
     # Every delta is out before the turn hears the round ended.
     await events.drain()
     await host.io(
-        _settle_capacity, host, streams.capacity, req, model, result, busy or failure, headers
+        settle_capacity, host, streams.capacity, req, model, result, busy or failure, headers
     )
     return result
-
-
-def _settle_capacity(
-    host: LoopHost,
-    cap: Capacity,
-    req: LlmRoundRequest,
-    model: str,
-    result: LlmRoundResult,
-    failure: AgentqError | None,
-    headers: dict[str, str],
-) -> None:
-    """Tell the fleet's capacity manager how the round went: a busy provider pauses the
-    model (or the deployment) for every worker until its reset, rate-limit headers pace
-    what follows, failures count towards the deployment's breaker, and the round's grant
-    goes back with its real token usage, waking the rounds it frees capacity for."""
-    deployment = req.deployment or DEFAULT_DEPLOYMENT
-    scope = None if deployment == DEFAULT_DEPLOYMENT else deployment
-    busy = failure if isinstance(failure, ModelBusy) else None
-    try:
-        if busy is not None:
-            signal = parse_rate_headers(busy.headers)
-            resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
-            pause_s = signal.pause_s or busy.retry_after_s or max(resets, default=1.0)
-            cap.pause(model, scope, for_ms=int(pause_s * 1000))
-        elif headers:
-            cap.note_remaining(model, deployment, parse_rate_headers(headers))
-        if result.ok:
-            cap.report_success(model, deployment)
-        elif busy is None and failure is not None and _deployment_failure(failure):
-            cap.report_failure(model, deployment, _deployment_failure(failure))
-        used = None
-        if result.message is not None and result.message.usage is not None:
-            used = result.message.usage.total_tokens
-        elif busy is not None:
-            used = 0
-        wakes = cap.release(req.lease_id, tokens_used=used) if req.lease_id else Wakes()
-        _wake_granted(host.store, wakes)
-    except Exception:
-        # The lease lapses by itself and the turn goes on: capacity is bookkeeping here.
-        log.warning("capacity bookkeeping of a round failed", exc_info=True)
-
-
-def _deployment_failure(exc: AgentqError) -> str:
-    """What a failure says against the deployment ("" if nothing): a server error, a
-    refused or dropped connection, a stream that stalled."""
-    if isinstance(exc, ModelConnectionError):
-        return "connection"
-    if isinstance(exc, ModelHTTPError) and exc.status_code >= 500:
-        return "5xx"
-    if isinstance(exc, StreamIdleTimeout):
-        return "stall"
-    return ""
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
@@ -559,7 +376,7 @@ def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
         host.loop.submit(lambda: _guarded(host, req, start, task_id))
     except BaseException:
         # Not on the loop after all: stop renewing the claim, and say so to the turn.
-        _get_streams(host).release((req.turn_id, req.round_no))
+        get_streams(host).release((req.turn_id, req.round_no))
         _fail_round(host, req)
         raise
 

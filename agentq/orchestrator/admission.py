@@ -12,7 +12,7 @@ the turn's retries; only `llm_queue_timeout_s` bounds how long a round waits.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentq.errors import ModelCapacityTimeout
 from agentq.llm.capacity import Capacity, Grant, capacity_for
@@ -61,7 +61,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
         _, wakes = cap.withdraw(model, waiter)
         wake_granted(ctx.store, wakes)
         raise ModelCapacityTimeout(model, waited_s)
-    fields: dict[str, object] = {"llm_wait_round": round_no, "llm_wait_since": since}
+    fields: dict[str, Any] = {"llm_wait_round": round_no, "llm_wait_since": since}
     if not waiting or ctx.state.get("llm_wait_position") != got.position:
         ctx.publish(
             "llm_queued",

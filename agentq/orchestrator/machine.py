@@ -53,7 +53,7 @@ from agentq import constants as k
 from agentq.agents import all_agents
 from agentq.errors import HeadlessInteraction
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, TurnStatus
-from agentq.orchestrator import subturns
+from agentq.orchestrator import admission, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
@@ -259,6 +259,7 @@ def finish(ctx: StepContext, reason: str, append: list[dict[str, Any]] | None = 
 
 def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     """End the turn with turn_error, every call of its round settled first."""
+    admission.withdraw(ctx)
     headless = code == "headless_interaction"
     msgs = settle_pending(
         ctx.store,
@@ -296,6 +297,7 @@ def fail_headless(ctx: StepContext, exc: HeadlessInteraction) -> None:
 
 def abort_turn(ctx: StepContext, reason: str) -> None:
     """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
+    admission.withdraw(ctx)
     revoked = revoke_unsettled(
         ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
     )

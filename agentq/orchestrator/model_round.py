@@ -9,13 +9,13 @@ provider refused as busy goes back to admission.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.errors import ModelRoundFailed, StreamDurationExceeded
 from agentq.fleet.broker import task_repr
-from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.llm.capacity import Grant
+from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import admission, subturns
 from agentq.tools.registry import all_tools, schemas_json
 
@@ -67,7 +67,7 @@ def send_round(
         queued_s=(ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now)) if grant else 0.0,
     )
     admissions = int(ctx.state.get("llm_admissions") or 0) + (1 if grant else 0)
-    grant_fields = (
+    grant_fields: dict[str, Any] = (
         {
             "llm_admissions": admissions,
             "llm_deployment": grant.deployment,

@@ -20,7 +20,7 @@ from redis.crc import key_slot
 
 from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt
 from agentq.llm.limits import RateSignal, parse_limits, parse_rate_headers
-from agentq.testing.redis_server import RedisServer
+from agentq.local.redis_server import RedisServer
 
 T0 = 1_700_000_000_000
 
@@ -357,13 +357,19 @@ def test_a_waiter_whose_turn_stopped_asking_is_dropped(r: redis.Redis) -> None:
     assert cap.snapshot("m", now_ms=T0 + 30_001)["queued"]["background"] == 0
 
 
-def test_models_without_limits_pass_unmetered(r: redis.Redis) -> None:
+def test_models_without_limits_are_unmetered_but_learn_pauses(r: redis.Redis) -> None:
     cap = make(r, {"m": {"rpm": 1}})
-    res = granted(grab(cap, "w", T0, model="other"))
-    assert res.lease_id == "" and res.deployment == "default"
-    assert cap.release(res).woken == ()
-    assert cap.renew(res)
-    assert cap.snapshot("other") == {"model": "other", "managed": False}
+    grants = [granted(grab(cap, f"w{i}", T0, model="other")) for i in range(200)]
+    assert {g.deployment for g in grants} == {"default"}
+    assert not cap.snapshot("other", now_ms=T0)["configured"]
+    # A busy answer pauses the unconfigured model for every worker: newcomers queue.
+    cap.pause("other", for_ms=1000, now_ms=T0)
+    q = queued(grab(cap, "late", T0 + 10, model="other"))
+    assert q.position == 1 and q.next_slot_ms == T0 + 1000
+    assert granted(grab(cap, "late", T0 + 1000, model="other")).lease_id
+    for g in grants:
+        cap.release(g, now_ms=T0 + 1000)
+    assert cap.snapshot("other", now_ms=T0 + 1000)["streams_in_use"] <= 1
 
 
 def test_a_models_keys_share_one_cluster_slot(r: redis.Redis) -> None:

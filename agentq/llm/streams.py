@@ -1,0 +1,209 @@
+"""The stream worker's process-wide state: its model clients (one set per deployment),
+the rounds it streams and their claims and capacity leases, kept alive by one thread, and
+how a round's end is told to the fleet's capacity manager."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import zlib
+from typing import TYPE_CHECKING
+
+from agentq.aio.host import LoopHost
+from agentq.errors import (
+    AgentqError,
+    ModelBusy,
+    ModelConnectionError,
+    ModelHTTPError,
+    StreamIdleTimeout,
+)
+from agentq.llm.capacity import Capacity, Wakes, capacity_for
+from agentq.llm.limits import DEFAULT_DEPLOYMENT, parse_rate_headers
+from agentq.llm.wakes import wake_granted
+from agentq.models import LlmRoundRequest, LlmRoundResult
+
+if TYPE_CHECKING:
+    import openai
+
+log = logging.getLogger("agentq.llm")
+
+
+STREAMS_PER_CLIENT = 128
+"""Streams per model client (and connection pool) at full capacity."""
+
+
+class Streams:
+    """Per process: the shared model client and the rounds streaming now."""
+
+    def __init__(self, host: LoopHost) -> None:
+        from agentq.llm.aclient import client_timeout, make_client
+
+        s = host.settings
+        self.host = host
+        self.worker = f"{socket.gethostname()}:{os.getpid()}"
+        self.lease_ms = int(s.turn_lease_s * 1000)
+        self.alive: collections.Counter[tuple[str, int]] = collections.Counter()
+        """Rounds to keep claimed, counted: a redelivered round may run twice here."""
+        self._alive_lock = threading.Lock()
+        """Celery's threads claim, the loop releases, the renewer reads."""
+        self.clients: list[openai.AsyncOpenAI] = []
+        if s.llm_base_url:
+            # Several clients, each with its own connection pool: httpx2's pool (the
+            # fallback transport) scans all of its connections on every request and every
+            # response end, which with thousands of streams in one pool cost more than the
+            # streams themselves.
+            self.clients = [
+                make_client(
+                    base_url=s.llm_base_url,
+                    api_key=s.llm_api_key.get_secret_value() if s.llm_api_key else None,
+                    max_connections=s.io_capacity + 100,
+                    timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
+                )
+                for _ in range(max(1, -(-s.io_capacity // STREAMS_PER_CLIENT)))
+            ]
+        self.capacity: Capacity = capacity_for(host.store.redis, s)
+        self.deployed: dict[str, list[openai.AsyncOpenAI]] = {}
+        """Clients of configured deployments with their own endpoint or key, made on first use."""
+        self.leases: dict[tuple[str, int], str] = {}
+        """Capacity leases of the rounds streaming here, renewed with their claims."""
+        self._leases_renewed = time.monotonic()
+        # Its own thread, not the loop's store pool: with thousands of rounds streaming,
+        # a renewal queued behind their store calls lapsed and every round was sent again.
+        self.renewer = threading.Thread(target=self._renew, name="agentq-llm-lease", daemon=True)
+        self.renewer.start()
+
+    def client_for(
+        self, turn_id: str, model: str, deployment: str | None
+    ) -> tuple[openai.AsyncOpenAI | None, str]:
+        """The client of this turn's rounds on `deployment` (None: no model server
+        configured), and the model name that deployment knows the model by."""
+        entry = self.capacity.limits.get(model)
+        dep = None
+        if entry is not None and deployment and deployment != DEFAULT_DEPLOYMENT:
+            with contextlib.suppress(KeyError):
+                dep = entry.deployment(deployment)
+        pool = self.clients
+        if dep is not None and (dep.base_url or dep.api_key):
+            pool = self.deployed.get(dep.name) or []
+            if not pool:
+                from agentq.llm.aclient import client_timeout, make_client
+
+                s = self.host.settings
+                key = dep.api_key or s.llm_api_key
+                pool = self.deployed[dep.name] = [
+                    make_client(
+                        base_url=dep.base_url or s.llm_base_url or "",
+                        api_key=key.get_secret_value() if key else None,
+                        max_connections=s.io_capacity + 100,
+                        timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
+                    )
+                ]
+        if not pool:
+            return None, model
+        client = pool[zlib.crc32(turn_id.encode()) % len(pool)]
+        return client, (dep.model if dep is not None and dep.model else model)
+
+    def hold(self, key: tuple[str, int]) -> None:
+        with self._alive_lock:
+            self.alive[key] += 1
+
+    def release(self, key: tuple[str, int]) -> None:
+        with self._alive_lock:
+            self.alive[key] -= 1
+            if self.alive[key] <= 0:
+                del self.alive[key]
+                self.leases.pop(key, None)
+
+    def hold_lease(self, key: tuple[str, int], lease_id: str | None) -> None:
+        if lease_id:
+            with self._alive_lock:
+                self.leases[key] = lease_id
+
+    def _renew(self) -> None:
+        every_s = self.host.settings.turn_lease_s / 3
+        while True:
+            time.sleep(every_s)
+            try:
+                with self._alive_lock:
+                    rounds = dict.fromkeys(self.alive, self.worker)
+                self.host.store.llm_rounds_alive(rounds, self.lease_ms)
+            except Exception:
+                log.warning("llm heartbeat failed", exc_info=True)
+            if time.monotonic() - self._leases_renewed >= self.capacity.lease_ttl_ms / 3000:
+                self._leases_renewed = time.monotonic()
+                with self._alive_lock:
+                    leases = list(self.leases.values())
+                for lease in leases:
+                    try:
+                        self.capacity.renew(lease)
+                    except Exception:
+                        log.warning("capacity lease renewal failed", exc_info=True)
+
+
+_streams: Streams | None = None
+_streams_lock = threading.Lock()
+
+
+def get_streams(host: LoopHost) -> Streams:
+    global _streams
+    with _streams_lock:
+        if _streams is None:
+            _streams = Streams(host)
+        return _streams
+
+
+def settle_capacity(
+    host: LoopHost,
+    cap: Capacity,
+    req: LlmRoundRequest,
+    model: str,
+    result: LlmRoundResult,
+    failure: AgentqError | None,
+    headers: dict[str, str],
+) -> None:
+    """Tell the fleet's capacity manager how the round went: a busy provider pauses the
+    model (or the deployment) for every worker until its reset, rate-limit headers pace
+    what follows, failures count towards the deployment's breaker, and the round's grant
+    goes back with its real token usage, waking the rounds it frees capacity for."""
+    deployment = req.deployment or DEFAULT_DEPLOYMENT
+    scope = None if deployment == DEFAULT_DEPLOYMENT else deployment
+    busy = failure if isinstance(failure, ModelBusy) else None
+    try:
+        if busy is not None:
+            signal = parse_rate_headers(busy.headers)
+            resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
+            pause_s = signal.pause_s or busy.retry_after_s or max(resets, default=1.0)
+            cap.pause(model, scope, for_ms=int(pause_s * 1000))
+        elif headers:
+            cap.note_remaining(model, deployment, parse_rate_headers(headers))
+        if result.ok:
+            cap.report_success(model, deployment)
+        elif busy is None and failure is not None and _deployment_failure(failure):
+            cap.report_failure(model, deployment, _deployment_failure(failure))
+        used = None
+        if result.message is not None and result.message.usage is not None:
+            used = result.message.usage.total_tokens
+        elif busy is not None:
+            used = 0
+        wakes = cap.release(req.lease_id, tokens_used=used) if req.lease_id else Wakes()
+        wake_granted(host.store, wakes)
+    except Exception:
+        # The lease lapses by itself and the turn goes on: capacity is bookkeeping here.
+        log.warning("capacity bookkeeping of a round failed", exc_info=True)
+
+
+def _deployment_failure(exc: AgentqError) -> str:
+    """What a failure says against the deployment ("" if nothing): a server error, a
+    refused or dropped connection, a stream that stalled."""
+    if isinstance(exc, ModelConnectionError):
+        return "connection"
+    if isinstance(exc, ModelHTTPError) and exc.status_code >= 500:
+        return "5xx"
+    if isinstance(exc, StreamIdleTimeout):
+        return "stall"
+    return ""
