@@ -35,6 +35,7 @@ from agentq.fleet.lifecycle import Started
 from agentq.models import Usage
 from agentq.testing.http_loop import BackgroundHTTPServer
 from agentq.testing.http_wire import ClientGone, Conn, Request, error_body
+from agentq.testing.ratelimit import ProviderLimits
 
 Fault = Literal[
     "silent_after_200",
@@ -209,7 +210,10 @@ class ScriptedOpenAIServer(Started):
         host: str = "127.0.0.1",
         port: int = 0,
         model: str = "scripted",
+        limits: ProviderLimits | None = None,
     ) -> None:
+        self.limits = limits or ProviderLimits()
+        """The provider's rate limits and overloaded answers (off unless set)."""
         self.scripts: dict[str, list[Round]] = {k: list(v) for k, v in (scripts or {}).items()}
         self.requests: list[dict[str, Any]] = []
         self.model = model
@@ -250,11 +254,12 @@ class ScriptedOpenAIServer(Started):
             self.scripts[key] = list(rounds)
 
     def reset(self) -> None:
-        """Forget received requests and fault attempt counts."""
+        """Forget received requests, fault attempt counts and rate-limit counts."""
         with self._lock:
             self.requests.clear()
             self._attempts.clear()
             self._closed_by_client = 0
+        self.limits.reset()
 
     def start(self) -> ScriptedOpenAIServer:
         if self._http is not None:
@@ -328,11 +333,17 @@ class ScriptedOpenAIServer(Started):
             return await _error(conn, 400, "invalid_request_error", "'messages' must be a list")
         self._record(body)
         plan = self._plan(body)
+        usage = _usage(plan.round, body)
+        verdict = self.limits.check(time.time(), usage["total_tokens"])
+        if verdict.status != 200:
+            return await _error(
+                conn, verdict.status, verdict.kind, verdict.message, headers=verdict.headers
+            )
         if plan.fault in _HTTP_FAULTS:
             status, kind, message = _HTTP_FAULTS[plan.fault]
             rnd = plan.round
             return await _error(conn, status, kind, rnd.fault_message or message, rnd.retry_after_s)
-        answer = _Answer(self, conn, plan, body)
+        answer = _Answer(self, conn, plan, body, verdict.headers)
         return await (answer.stream() if body.get("stream") else answer.complete())
 
 
@@ -374,11 +385,20 @@ def _deltas(plan: _Plan) -> Iterator[tuple[dict[str, Any], str | None]]:
 class _Answer:
     """The answer to one chat completion request, played on its connection."""
 
-    def __init__(self, owner: ScriptedOpenAIServer, conn: Conn, plan: _Plan, body: Any) -> None:
+    def __init__(
+        self,
+        owner: ScriptedOpenAIServer,
+        conn: Conn,
+        plan: _Plan,
+        body: Any,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.owner = owner
         self.conn = conn
         self.plan = plan
         self.body: Mapping[str, Any] = body
+        self.headers = dict(headers or {})
+        """The rate-limit headers of the answer."""
 
     async def complete(self) -> bool:
         plan, rnd = self.plan, self.plan.round
@@ -406,14 +426,14 @@ class _Answer:
             "choices": [choice],
             "usage": _usage(rnd, self.body),
         }
-        return await _json(self.conn, 200, completion)
+        return await _json(self.conn, 200, completion, self.headers)
 
     async def stream(self) -> bool:
         """Stream the round; False when a fault left the body unfinished."""
         # Counted before the headers go out, so a client holding the response sees it.
         self.owner._count_stream(+1)
         try:
-            await self.conn.start_chunked(200, _SSE)
+            await self.conn.start_chunked(200, {**_SSE, **self.headers})
             return await self._stream_body()
         finally:
             self.owner._count_stream(-1)
@@ -495,9 +515,14 @@ async def _json(
 
 
 async def _error(
-    conn: Conn, status: int, kind: str, message: str, retry_after_s: float | None = None
+    conn: Conn,
+    status: int,
+    kind: str,
+    message: str,
+    retry_after_s: float | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> bool:
-    headers = dict(_JSON)
+    headers = {**_JSON, **(headers or {})}
     if retry_after_s is not None:
         headers["retry-after-ms"] = str(int(retry_after_s * 1000))
         headers["Retry-After"] = str(max(1, int(-(-retry_after_s // 1))))
@@ -518,6 +543,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--script", choices=["demo", "none"], default="demo")
     parser.add_argument("--script-file", help='JSON: {"key": [round, ...]}')
+    parser.add_argument("--requests-per-s", type=float, help="admit at most this many a second")
+    parser.add_argument(
+        "--tokens-per-s", type=float, help="admit at most this many tokens a second"
+    )
+    parser.add_argument("--overloaded-every", type=int, help="answer every Nth request 503")
     args = parser.parse_args(argv)
 
     scripts: dict[str, list[Round]] = {}
@@ -536,7 +566,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    with ScriptedOpenAIServer(scripts, host=args.host, port=args.port) as server:
+    limits = ProviderLimits(
+        requests_per_s=args.requests_per_s,
+        tokens_per_s=args.tokens_per_s,
+        overloaded_every=args.overloaded_every,
+    )
+    with ScriptedOpenAIServer(scripts, host=args.host, port=args.port, limits=limits) as server:
         print(f"listening on {server.url}", flush=True)
         while not stop.wait(0.5):
             pass
