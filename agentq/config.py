@@ -108,6 +108,12 @@ class Settings(BaseSettings):
     """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
     llm_owner_weights: dict[str, float] = Field(default_factory=dict)
     """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
+    llm_lease_ttl_s: float = Field(60.0, gt=0)
+    """A stream slot (`streams`) whose llm worker stopped renewing it comes back after this."""
+    llm_breaker_failures: int = Field(5, ge=1)
+    """Failures in a row (5xx, refused connections, stalls) that take a deployment out."""
+    llm_breaker_cooldown_s: float = Field(30.0, gt=0)
+    """How long a failing deployment is skipped, fleet-wide, before one request probes it."""
     llm_background_every: int = Field(0, ge=0)
     """0: interactive rounds are always served before background ones; N: one background
     round in every N grants while both wait, so background work never starves."""

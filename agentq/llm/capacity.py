@@ -392,7 +392,7 @@ def _lease_model(lease_id: str) -> str:
     return lease_id.partition(":")[2]
 
 
-_fleet: dict[tuple[int, str, str, int], Capacity] = {}
+_fleet: dict[tuple[object, ...], Capacity] = {}
 _fleet_lock = threading.Lock()
 
 
@@ -403,6 +403,9 @@ def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
         settings.llm_limits or "",
         json.dumps(settings.llm_owner_weights, sort_keys=True),
         settings.llm_background_every,
+        settings.llm_lease_ttl_s,
+        settings.llm_breaker_failures,
+        settings.llm_breaker_cooldown_s,
     )
     with _fleet_lock:
         cap = _fleet.get(key)
@@ -412,5 +415,8 @@ def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
                 parse_limits(settings.llm_limits),
                 owner_weights=settings.llm_owner_weights,
                 background_every=settings.llm_background_every,
+                lease_ttl_ms=int(settings.llm_lease_ttl_s * 1000),
+                breaker_failures=settings.llm_breaker_failures,
+                breaker_cooldown_ms=int(settings.llm_breaker_cooldown_s * 1000),
             )
         return cap

@@ -135,10 +135,15 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     deadline = float(ctx.state.get("llm_deadline") or 0)
     if ctx.now >= deadline:
         raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
-    pipe = ctx.store.redis.pipeline(transaction=False)
+    # One snapshot: a round that finished after the result was read above has no
+    # heartbeat any more, and must not be taken for a round whose worker died.
+    pipe = ctx.store.redis.pipeline(transaction=True)
+    pipe.get(k.llm_result_key(ctx.turn_id, round_no))
     pipe.exists(k.llm_alive_key(ctx.turn_id, round_no))
     pipe.get(k.llm_taken_key(ctx.turn_id, round_no))
-    alive, taken = pipe.execute()
+    late, alive, taken = pipe.execute()
+    if late is not None:
+        return ctx.now
     if not alive and taken is not None:
         # Taken, and its heartbeat lapsed without a result: the stream worker died.
         attempt = int(ctx.state.get("llm_attempt", 1))

@@ -1,0 +1,129 @@
+"""Model capacity across the fleet, against a scripted provider that rate-limits for real:
+a busy provider fails no turn and uses up no retry, a configured limit holds for every
+worker, an abort takes a queued round out at once, people at a screen go first and keys
+share fairly, and a dead worker's stream slot comes back."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from agentq.config import load_settings
+from agentq.llm.capacity import capacity_for
+from agentq.local.processes import wait_for
+from agentq.models import Event, TurnRequest
+from agentq.testing.openai_server import Round
+from tests.helpers import calls, wait_event
+
+MODEL = "gpt-4o-mini"
+"""The model the workers ask for (AGENTQ_LLM_MODEL's default); the scripted server answers any."""
+
+pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def _first(events: list[Event], type_: str) -> Event:
+    return next(e for e in events if e.type == type_)
+
+
+def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  # type: ignore[no-untyped-def]
+    # No limit is configured, and no retry is allowed: 429s must still cost nothing.
+    # A lapsed stream heartbeat would use one: the rig's 1.5 s lease is tight on a busy box.
+    rig = make_rig(AGENTQ_LLM_MAX_RETRIES="0", AGENTQ_TURN_LEASE_S="5")
+    rig.llm.limits.requests_per_s = 4
+    rig.start("tools", "llm", "turns")
+    key = rig.script(Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="all done"))
+    handles = [rig.client.start_turn(key, detach=True) for _ in range(16)]
+    events = {h.turn_id: rig.collect(h.turn_id, timeout_s=120) for h in handles}
+    ends = [ev[-1].type for ev in events.values()]
+    assert ends == ["turn_finished"] * 16, [
+        [(round(e.ts % 100, 2), e.type, e.fields.get("code"), e.fields.get("round_no")) for e in ev]
+        for ev in events.values()
+        if ev[-1].type != "turn_finished"
+    ][0][-6:]
+    limits = rig.llm.limits
+    assert limits.refused[429] > 0, "the provider never refused: the test proves nothing"
+    # The provider counts in whole-second windows: 4 at the end of one and 4 at the start
+    # of the next are 8 within one second, and allowed.
+    assert limits.most_in_one_second() <= 8
+    assert len(limits.admitted_at) == 32
+    queued = [e for ev in events.values() for e in ev if e.type == "llm_queued"]
+    assert queued and all(e.fields["position"] >= 1 for e in queued)
+    assert all("wait_s" in e.fields for e in queued)
+
+
+def test_a_configured_limit_holds_for_every_worker(make_rig) -> None:  # type: ignore[no-untyped-def]
+    rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"rpm": 240}}))
+    rig.start("llm", "llm", "turns", "turns")
+    key = rig.script(Round(text="paced"))
+    started = time.monotonic()
+    handles = [rig.client.start_turn(key) for _ in range(16)]
+    for h in handles:
+        assert rig.collect(h.turn_id, timeout_s=60)[-1].type == "turn_finished"
+    limits = rig.llm.limits
+    # 240 rpm is 4 a second: a one-second burst of 4, then one every 250 ms, so at most 7
+    # grants in any second; arrival at the server may bunch them by a few milliseconds.
+    assert limits.most_in_one_second() <= 8
+    assert max(limits.admitted_at) - min(limits.admitted_at) >= 2.0
+    assert time.monotonic() - started < 60
+    assert not limits.refused
+
+
+def test_an_abort_takes_a_queued_round_out_at_once(make_rig) -> None:  # type: ignore[no-untyped-def]
+    rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}))
+    rig.start("llm", "turns")
+    slow = rig.script(Round(text="slowly " * 30, chunk_size=7, chunk_delay_ms=100))
+    first = rig.client.start_turn(slow)
+    wait_event(rig.client, first.turn_id, "llm_started")
+    second = rig.client.start_turn(rig.script(Round(text="never streamed")))
+    queued = wait_event(rig.client, second.turn_id, "llm_queued")
+    assert queued.fields["position"] == 1
+    cap = capacity_for(rig.client.store.redis, load_settings())
+    assert cap.snapshot(MODEL)["queued"]["interactive"] == 1
+    asked = time.monotonic()
+    rig.client.abort(second.turn_id, second.token)
+    events = rig.collect(second.turn_id, timeout_s=10)
+    assert events[-1].type == "turn_aborted"
+    assert time.monotonic() - asked < 5
+    assert "llm_started" not in [e.type for e in events]
+    assert cap.snapshot(MODEL)["queued"]["interactive"] == 0
+    assert rig.collect(first.turn_id, timeout_s=30)[-1].type == "turn_finished"
+
+
+def test_a_person_at_a_screen_goes_before_another_keys_backlog(make_rig) -> None:  # type: ignore[no-untyped-def]
+    rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"rpm": 120}}))
+    rig.start("llm", "turns")
+    key = rig.script(Round(text="hello"))
+    bulk = [rig.client.start(TurnRequest(prompt=key, detach=True), owner="bulk") for _ in range(10)]
+    wait_event(rig.client, bulk[-1].turn_id, "llm_queued")
+    alice = rig.client.start(TurnRequest(prompt=key), owner="alice")
+    mine = rig.collect(alice.turn_id, timeout_s=60)
+    assert mine[-1].type == "turn_finished"
+    theirs = [rig.collect(h.turn_id, timeout_s=60) for h in bulk]
+    assert all(ev[-1].type == "turn_finished" for ev in theirs)
+    served = _first(mine, "llm_started").ts
+    after = [ev for ev in theirs if _first(ev, "llm_started").ts > served]
+    # 120 rpm is one round every 500 ms: she waits about one interval, not the backlog.
+    assert len(after) >= 5, [round(_first(ev, "llm_started").ts - served, 2) for ev in theirs]
+    assert served - _first(mine, "turn_started").ts < 3.0
+
+
+def test_a_dead_workers_stream_slot_comes_back(make_rig) -> None:  # type: ignore[no-untyped-def]
+    rig = make_rig(
+        AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}), AGENTQ_LLM_LEASE_TTL_S="2"
+    )
+    rig.start("llm", "turns")
+    slow = rig.script(Round(text="slowly " * 30, chunk_size=7, chunk_delay_ms=100))
+    first = rig.client.start_turn(slow)
+    wait_event(rig.client, first.turn_id, "llm_delta")
+    rig.worker("llm").kill()
+    wait_for(lambda: rig.llm.open_streams == 0, 5, message="the orphaned stream to close")
+    # Nobody is left to give the slot back: the turn ends, the lease must lapse.
+    rig.client.abort(first.turn_id, first.token)
+    assert rig.collect(first.turn_id, timeout_s=20)[-1].type == "turn_aborted"
+    rig.start("llm")
+    second = rig.client.start_turn(rig.script(Round(text="my turn")))
+    events = rig.collect(second.turn_id, timeout_s=60)
+    assert events[-1].type == "turn_finished"
+    assert events[-1].fields["content"] == "my turn"
