@@ -37,7 +37,8 @@ def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  
     handles = [rig.client.start_turn(key, detach=True) for _ in range(16)]
     events = {h.turn_id: rig.collect(h.turn_id, timeout_s=120) for h in handles}
     ends = [ev[-1].type for ev in events.values()]
-    assert ends == ["turn_finished"] * 16, [
+    failed = [ev for ev in events.values() if ev[-1].type != "turn_finished"]
+    assert not failed, [(e.type, e.fields.get("code")) for e in failed[0][-6:]]
         [(round(e.ts % 100, 2), e.type, e.fields.get("code"), e.fields.get("round_no")) for e in ev]
         for ev in events.values()
         if ev[-1].type != "turn_finished"
