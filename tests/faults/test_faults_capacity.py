@@ -39,10 +39,6 @@ def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  
     ends = [ev[-1].type for ev in events.values()]
     failed = [ev for ev in events.values() if ev[-1].type != "turn_finished"]
     assert not failed, [(e.type, e.fields.get("code")) for e in failed[0][-6:]]
-        [(round(e.ts % 100, 2), e.type, e.fields.get("code"), e.fields.get("round_no")) for e in ev]
-        for ev in events.values()
-        if ev[-1].type != "turn_finished"
-    ][0][-6:]
     limits = rig.llm.limits
     assert limits.refused[429] > 0, "the provider never refused: the test proves nothing"
     # The provider counts in whole-second windows: 4 at the end of one and 4 at the start
