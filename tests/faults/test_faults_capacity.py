@@ -36,7 +36,6 @@ def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  
     key = rig.script(Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="all done"))
     handles = [rig.client.start_turn(key, detach=True) for _ in range(16)]
     events = {h.turn_id: rig.collect(h.turn_id, timeout_s=120) for h in handles}
-    ends = [ev[-1].type for ev in events.values()]
     failed = [ev for ev in events.values() if ev[-1].type != "turn_finished"]
     assert not failed, [(e.type, e.fields.get("code")) for e in failed[0][-6:]]
     limits = rig.llm.limits
