@@ -440,6 +440,8 @@ class LlmRoundResult(_Frozen):
     error_type: str | None = None
     aborted: bool = False
     streamed_s: float = 0.0
+    failover: bool = False
+    """The deployment failed before the model said anything: another one may take the round."""
 
 
 class InteractionRequest(_Frozen):

@@ -37,7 +37,13 @@ from agentq.llm.client import (
     api_error_to_llm,
     chat_request,
 )
-from agentq.llm.retry import backoff_s, parse_retry_after, rate_headers, should_retry
+from agentq.llm.retry import (
+    backoff_s,
+    classify,
+    parse_retry_after,
+    rate_headers,
+    should_retry,
+)
 from agentq.models import AssistantMessage
 
 log = logging.getLogger("agentq.llm")
@@ -100,6 +106,7 @@ async def astream_round(
     on_first_output: Callable[[], None] | None = None,
     busy_is_final: bool = False,
     on_headers: Callable[[dict[str, str]], None] | None = None,
+    failover: bool = False,
 ) -> tuple[AssistantMessage, float]:
     """Stream one assistant message; returns it and the seconds spent streaming.
 
@@ -107,6 +114,9 @@ async def astream_round(
     or a tool call arrives (time to first token). `on_headers` gets the rate-limit headers
     of the answer that streams. With `busy_is_final`, a busy answer (429, 503, 529) ends
     the round with `ModelBusy` at once: the fleet's capacity manager waits, not this stream.
+    With `failover` (the model has other deployments), a failure that a retry here would
+    send to the same deployment again (a server error, a refused connection, a stall before
+    any chunk) ends the round at once too, so the next attempt goes to a healthy one.
 
     Raises what `stream_round` raises, under the same rules.
     """
@@ -142,6 +152,8 @@ async def astream_round(
         if abort.is_set():
             raise Aborted(turn_id) from error
         if busy_is_final and isinstance(error, ModelBusy):
+            raise error
+        if failover and run.chunks == 0 and classify(error) in ("http_retryable", "idle_timeout"):
             raise error
         if not should_retry(
             error, chunks_received=run.chunks, attempt=attempt, max_retries=max_retries

@@ -183,8 +183,8 @@ def settle_capacity(
             cap.note_remaining(model, deployment, parse_rate_headers(headers))
         if result.ok:
             cap.report_success(model, deployment)
-        elif busy is None and failure is not None and _deployment_failure(failure):
-            cap.report_failure(model, deployment, _deployment_failure(failure))
+        elif busy is None and failure is not None and deployment_failure(failure):
+            cap.report_failure(model, deployment, deployment_failure(failure))
         used = None
         if result.message is not None and result.message.usage is not None:
             used = result.message.usage.total_tokens
@@ -197,7 +197,7 @@ def settle_capacity(
         log.warning("capacity bookkeeping of a round failed", exc_info=True)
 
 
-def _deployment_failure(exc: AgentqError) -> str:
+def deployment_failure(exc: AgentqError) -> str:
     """What a failure says against the deployment ("" if nothing): a server error, a
     refused or dropped connection, a stream that stalled."""
     if isinstance(exc, ModelConnectionError):

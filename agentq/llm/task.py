@@ -30,7 +30,7 @@ from agentq.errors import (
     ModelBusy,
 )
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
-from agentq.llm.streams import Streams, get_streams, settle_capacity
+from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.llm.wakes import wake_granted
 from agentq.models import LlmRoundRequest, LlmRoundResult
 from agentq.state.rounds import LlmRoundStart
@@ -261,6 +261,8 @@ async def _stream(
     t0 = time.monotonic()
     headers: dict[str, str] = {}
     busy: ModelBusy | None = None
+    # With other deployments to go to, a failing one gives the round up at once.
+    failover = len(streams.capacity.entry(model).routes) > 1
     failure: AgentqError | None = None
 
     def on_first_output() -> None:
@@ -289,6 +291,7 @@ async def _stream(
             on_first_output=on_first_output,
             busy_is_final=True,
             on_headers=headers.update,
+            failover=failover,
         )
         result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
         events.add(
@@ -341,6 +344,7 @@ async def _stream(
             error_code=code,
             error_type=type(exc).__name__,
             streamed_s=time.monotonic() - t0,
+            failover=failover and stats.ttft_ms is None and bool(deployment_failure(exc)),
         )
     except Exception as exc:
         log.exception("model round failed")

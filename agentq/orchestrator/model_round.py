@@ -118,14 +118,30 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     s = ctx.settings
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
-        if result.error_code != BUSY_CODE:
+        same_round = ctx.state.get("llm_failover_round") == round_no
+        failovers = int(ctx.state.get("llm_failovers") or 0) if same_round else 0
+        busy = result.error_code == BUSY_CODE
+        if not busy and not (result.failover and failovers < s.llm_max_retries):
             return _message(ctx, result)
-        # The provider was busy: the round waits for capacity again, its retries untouched.
+        fields: dict[str, Any] = {"llm_round": None}
+        if not busy:
+            # Its deployment failed before the model said anything: another one takes it.
+            fields.update(llm_failovers=failovers + 1, llm_failover_round=round_no)
+            ctx.publish(
+                "llm_retry",
+                round_no=round_no,
+                attempt=failovers + 1,
+                code=result.error_code,
+                error=f"{result.error} (on deployment {ctx.state.get('llm_deployment')})",
+                delay_ms=0,
+                failover=True,
+            )
+        # A busy provider costs no retry: the round waits for capacity again.
         ctx.store.redis.delete(
             k.llm_result_key(ctx.turn_id, round_no), k.llm_taken_key(ctx.turn_id, round_no)
         )
         ctx.llm_result = None
-        ctx.commit(llm_round=None)
+        ctx.commit(**fields)
     if ctx.state.get("llm_round") != round_no:
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):

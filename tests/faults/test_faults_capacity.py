@@ -14,7 +14,7 @@ from agentq.config import load_settings
 from agentq.llm.capacity import capacity_for
 from agentq.local.processes import wait_for
 from agentq.models import Event, TurnRequest
-from agentq.testing.openai_server import Round
+from agentq.testing.openai_server import Round, ScriptedOpenAIServer
 from tests.helpers import calls, wait_event
 
 MODEL = "gpt-4o-mini"
@@ -123,3 +123,40 @@ def test_a_dead_workers_stream_slot_comes_back(make_rig) -> None:  # type: ignor
     events = rig.collect(second.turn_id, timeout_s=60)
     assert events[-1].type == "turn_finished"
     assert events[-1].fields["content"] == "my turn"
+
+
+def test_a_failing_deployment_is_skipped_for_the_next_one(make_rig) -> None:  # type: ignore[no-untyped-def]
+    with ScriptedOpenAIServer() as healthy:
+        rig = make_rig(
+            AGENTQ_LLM_BREAKER_FAILURES="1",
+            AGENTQ_LLM_LIMITS=json.dumps(
+                {
+                    MODEL: {
+                        "strategy": "ordered",
+                        "deployments": [
+                            {"name": "first", "base_url": "PLACEHOLDER", "api_key": "sk-first-0"},
+                            {"name": "second", "base_url": healthy.url, "api_key": "sk-second-0"},
+                        ],
+                    }
+                }
+            ).replace("PLACEHOLDER", "http://127.0.0.1:9/v1"),
+        )
+        # The first deployment refuses connections (nothing listens on port 9).
+        rig.start("llm", "turns")
+        key = rig.script(Round(text="unused"))
+        healthy.set_script(key, [Round(text="from the second deployment")])
+        first = rig.client.start_turn(key)
+        events = rig.collect(first.turn_id, timeout_s=60)
+        assert events[-1].type == "turn_finished"
+        assert events[-1].fields["content"] == "from the second deployment"
+        failover = [e for e in events if e.type == "llm_retry" and e.fields.get("failover")]
+        assert len(failover) == 1 and "first" in failover[0].fields["error"]
+        # The breaker is open now: the next turn goes straight to the second deployment.
+        second = rig.client.start_turn(key)
+        again = rig.collect(second.turn_id, timeout_s=60)
+        assert again[-1].type == "turn_finished"
+        assert not [e for e in again if e.type == "llm_retry"]
+        assert len(healthy.requests) == 2
+        # Keys never reach events or logs.
+        text = json.dumps([e.fields for e in events + again]) + rig.logs()
+        assert "sk-first-0" not in text and "sk-second-0" not in text
