@@ -33,11 +33,12 @@ def patch_redis_transport() -> None:
     # 5.7 / kombu 5.7 close the lost connection's transport before its channel; the
     # channel then tries to restore its unacked messages through the closed transport and
     # raises AttributeError, which Celery treats as unrecoverable and exits. A connection
-    # error instead lets Celery reconnect as it does for any broker loss.
+    # error instead lets Celery reconnect as it does for any broker loss. A publish on a
+    # channel closed under it (a Sentinel failover) has no connection at all: the same.
     connparams = channel._connparams
 
     def _connparams(self: Any, asynchronous: bool = False) -> Any:
-        if self.connection.client is None:
+        if self.connection is None or self.connection.client is None:
             raise redis.exceptions.ConnectionError("the broker connection is closed")
         return connparams(self, asynchronous)  # type: ignore[no-untyped-call]
 
