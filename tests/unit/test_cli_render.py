@@ -79,3 +79,13 @@ def test_the_live_view_shows_what_an_agent_call_is_doing() -> None:
         )
     )
     assert "calling search, fetch" in shown(view)
+
+
+def test_the_live_view_says_a_round_waits_for_model_capacity_until_it_starts() -> None:
+    view = TurnView("t")
+    view.apply(ev(1, "llm_queued", round_no=0, model="m", position=3, wait_s=1.5))
+    assert "waiting for model capacity (position 3, about 1.5s)" in shown(view)
+    view.apply(ev(2, "llm_queued", round_no=0, model="m", position=1, wait_s=0.2))
+    assert "position 1" in shown(view) and "position 3" not in shown(view)
+    view.apply(ev(3, "llm_started", round_no=0))
+    assert "waiting for model capacity" not in shown(view)
