@@ -28,11 +28,6 @@ def model_of(ctx: StepContext) -> str:
     return (agent.model if agent is not None else None) or ctx.settings.llm_model
 
 
-def interactive(state: dict[str, object]) -> bool:
-    """A person follows the turn (it is neither detached nor headless): served first."""
-    return not (state.get("detach") or state.get("headless"))
-
-
 def capacity(ctx: StepContext) -> Capacity:
     return capacity_for(ctx.store.redis, ctx.settings)
 
@@ -49,7 +44,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
         model,
         waiter=waiter,
         owner=str(ctx.state.get("owner") or ""),
-        interactive=interactive(ctx.state),
+        interactive=ctx.interactive,
         tokens=estimate_tokens(chars, None),
     )
     wake_granted(ctx.store, got)

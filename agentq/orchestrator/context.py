@@ -46,6 +46,14 @@ class StepContext:
     def headless(self) -> bool:
         return bool(self.state.get("headless"))
 
+    @property
+    def interactive(self) -> bool:
+        """A person follows the turn (it is neither detached nor headless, or it is the
+        child of a turn a person follows): its model rounds are served first."""
+        if "interactive" in self.state:
+            return bool(self.state["interactive"])
+        return not (self.state.get("detach") or self.headless)
+
     def commit(self, append: list[dict[str, Any]] | None = None, **fields: Any) -> None:
         """Record state fields (and history messages) atomically, fenced by the step's lock."""
         if not self.store.commit(self.turn_id, self.token, fields, append):

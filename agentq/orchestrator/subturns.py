@@ -104,6 +104,8 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
         "created_at": now,
         "headless": bool(state.get("headless")),
         "detach": True,
+        # A sub-agent works for whoever waits on its parent: its rounds keep their place.
+        "interactive": ctx.interactive,
         "conversation_id": None,
         "parent_turn_id": ctx.turn_id,
         "parent_call_id": p.call.id,
