@@ -42,6 +42,13 @@ PICKUP_LEASES = 4
 was lost (it went to a Redis master that a failover replaced)."""
 
 
+def _queued_s(ctx: StepContext, round_no: int) -> float:
+    """How long this round has waited for model capacity so far (0: it never waited)."""
+    if ctx.state.get("llm_wait_round") != round_no:
+        return 0.0
+    return max(0.0, ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now))
+
+
 def send_round(
     ctx: StepContext, round_no: int, attempt: int, sends: int = 1, grant: Grant | None = None
 ) -> None:
@@ -63,8 +70,8 @@ def send_round(
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
-        tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_tokens") or 0),
-        queued_s=(ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now)) if grant else 0.0,
+        tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_estimate") or 0),
+        queued_s=_queued_s(ctx, round_no) if grant else 0.0,
     )
     admissions = int(ctx.state.get("llm_admissions") or 0) + (1 if grant else 0)
     grant_fields: dict[str, Any] = (
@@ -72,9 +79,9 @@ def send_round(
             "llm_admissions": admissions,
             "llm_deployment": grant.deployment,
             "llm_lease": grant.lease_id,
-            "llm_tokens": grant.tokens,
-            "llm_wait_round": None,
-            "llm_wait_since": None,
+            "llm_estimate": grant.tokens,
+            # The wait's start stays: a round the provider turns away again waits on the
+            # same clock (`llm_queue_timeout_s` bounds the whole wait).
             "llm_wait_position": None,
         }
         if grant
