@@ -33,6 +33,8 @@ MEASURED_EVENTS_CHANNEL = f"{PREFIX}:events:measured"
 here too by the script that publishes them to the turn's channel."""
 MEASURED_EVENT_TYPES = (
     "tool_finished",
+    "llm_queued",
+    "llm_started",
     "llm_finished",
     "llm_retry",
     "turn_finished",

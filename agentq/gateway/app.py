@@ -56,6 +56,7 @@ from agentq.gateway.auth import (
     secret_matches,
     token_matches,
 )
+from agentq.gateway.capacity import read_snapshots
 from agentq.gateway.console import console_routes
 from agentq.gateway.errors import (
     ApiError,
@@ -75,6 +76,7 @@ from agentq.gateway.validate import (
     stream_id_of,
     turn_id_of,
 )
+from agentq.llm.capacity import capacity_for
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
@@ -121,6 +123,8 @@ class Gateway:
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.metrics = GatewayMetrics()
+        # Reads only (snapshots); a bad AGENTQ_LLM_LIMITS stops the gateway at start.
+        self.capacity = capacity_for(client.store.redis, settings)
         # Open streams hold a thread each; their own limiter keeps REST calls answering.
         self.stream_limiter = anyio.CapacityLimiter(max_streams)
         self.observer = EventObserver(client.store.redis, self.metrics) if observe_events else None
@@ -392,29 +396,41 @@ class Gateway:
             {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
         )
 
-    def _check_metrics_access(self, request: Request) -> None:
+    def require_admin_read(self, request: Request) -> None:
+        """The fleet-wide numbers (/metrics, /v1/capacity): an admin key or the metrics
+        token when either is configured (a key that is not an admin's: 403)."""
         if not self.keyring.enabled and self.metrics_token is None:
             return
         presented = bearer(request)
         if self.metrics_token is not None and secret_matches(presented, self.metrics_token):
             return
         principal = self.keyring.identify(presented)
+        path = request.url.path
         if principal is None:
-            raise Unauthorized("/metrics needs an admin key or AGENTQ_METRICS_TOKEN")
+            raise Unauthorized(f"{path} needs an admin key or AGENTQ_METRICS_TOKEN")
         if not principal.admin:
-            raise Forbidden("/metrics needs an admin key")
+            raise Forbidden(f"{path} needs an admin key")
+
+    def read_capacity(self) -> list[dict[str, Any]]:
+        """The capacity snapshot of every model the gateway knows (agentq.gateway.capacity)."""
+        return read_snapshots(self.capacity, self.client.settings, self.client.store.redis)
 
     async def metrics_page(self, request: Request) -> Response:
-        self._check_metrics_access(request)
+        self.require_admin_read(request)
         active = None
+        capacity: list[dict[str, Any]] = []
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
                 self.metrics.steps.snapshot = await anyio.to_thread.run_sync(
                     read_histogram, self.client.store.redis, abandon_on_cancel=True
                 )
+                capacity = await anyio.to_thread.run_sync(
+                    self.read_capacity, abandon_on_cancel=True
+                )
             except redis.RedisError as exc:
-                log.warning("metrics: cannot read active turns: %s", exc)
+                log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
+        self.metrics.capacity.snapshots = capacity
         if active is None:
             self.metrics.redis_up.set(0)
         else:

@@ -1,11 +1,13 @@
 """The operator console's endpoints: the list of turns, one turn's timeline, the approvals inbox,
-and abort and answer on behalf of an operator.
+the fleet's model capacity, and abort and answer on behalf of an operator.
 
 Who sees what follows agentq.gateway.auth: with keys configured, an API key lists and
 steers its own turns and an admin key every turn; without keys the gateway serves
 loopback only, and the console's steering endpoints also refuse a client that is not
 on this machine (a gateway started with `--insecure-no-auth` stays read-only to the
-network: turns are then steered with their token, as before).
+network: turns are then steered with their token, as before). The model capacity is
+fleet-wide, like /metrics: with keys configured (or `AGENTQ_METRICS_TOKEN`), it needs an
+admin key (or that token).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.routing import Route
 
 from agentq.errors import Forbidden, TurnNotFound
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
+from agentq.gateway.capacity import capacity_view
 from agentq.gateway.errors import ApiError, validation_error
 from agentq.gateway.validate import read_json
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
@@ -108,6 +111,11 @@ class Console:
             return settings.flower_url.rstrip("/")
         return f"{request.url.scheme}://{request.url.hostname}:{settings.flower_port}"
 
+    async def capacity(self, request: Request) -> Response:
+        self.gw.require_admin_read(request)
+        snapshots = await run_in_threadpool(self.gw.read_capacity)
+        return JSONResponse(capacity_view(self.gw.capacity, snapshots), headers=NO_STORE)
+
     async def abort(self, request: Request) -> Response:
         principal = self._operator(request)
         turn_id = request.path_params["turn_id"]
@@ -147,6 +155,7 @@ def console_routes(gw: Gateway) -> list[Route]:
     return [
         Route("/v1/turns", c.list_turns, methods=["GET"]),
         Route("/v1/interactions", c.inbox, methods=["GET"]),
+        Route("/v1/capacity", c.capacity, methods=["GET"]),
         Route("/v1/turns/{turn_id}/timeline", c.turn_timeline, methods=["GET"]),
         Route("/v1/console/turns/{turn_id}/abort", c.abort, methods=["POST"]),
         Route("/v1/console/turns/{turn_id}/interactions/{request_id}", c.answer, methods=["POST"]),

@@ -10,6 +10,16 @@ What each metric counts, and where it comes from:
   hard limit killed the call; ``lost`` calls are counted under results only).
 - ``agentq_llm_tokens_total{kind}``: ``usage`` of every ``llm_finished`` event, ``kind``
   ``prompt`` or ``completion``.
+- ``agentq_llm_model_tokens_total{model,kind}``: the same by model (``llm_finished``
+  carries its ``model``): ``rate(...[1m]) * 60`` is a model's tokens per minute.
+- ``agentq_llm_rounds_queued_total{model}``: model rounds that had to wait for model
+  capacity: the ``llm_queued`` event that starts a wait (``first``); the ones published
+  as the round moves up the queue are not counted again. A round the provider refused
+  as busy that waits again counts again.
+- ``agentq_llm_queue_wait_seconds{model}`` histogram: ``queued_ms`` of ``llm_started``,
+  how long a round that waited for capacity waited (rounds sent at once are not in it).
+- ``agentq_llm_busy_total{model,deployment,status}``: a provider's busy answers (HTTP
+  429, 503, 529): ``llm_finished`` with code ``EBUSY``.
 - ``agentq_llm_ttft_seconds`` histogram: ``ttft_ms`` of ``llm_finished`` (from the round's
   start, retries included, to its first text, reasoning or tool call).
 - ``agentq_llm_round_duration_seconds{outcome}`` histogram: ``duration_ms`` of
@@ -30,6 +40,11 @@ What each metric counts, and where it comes from:
 - ``agentq_running_tool_calls`` gauge: dispatched calls of active turns without a result
   yet, read at scrape time too.
 - ``agentq_redis_up`` gauge: 1 if the scrape-time read of Redis worked, else 0.
+- ``agentq_llm_queued{model,class}``, ``agentq_llm_streams_in_use{model}`` and
+  ``agentq_llm_paused{model}`` (1 while the model is paused fleet-wide, e.g. after a 429)
+  gauges: the capacity manager's state of every model the gateway knows (configured in
+  ``AGENTQ_LLM_LIMITS``, ``AGENTQ_LLM_MODEL``, the published agents' models), read from
+  Redis at scrape time (``class`` ``interactive`` or ``background``).
 
 The event-derived metrics come from an :class:`EventObserver`: a subscription to the
 channel where the publish scripts copy every turn's events of the types counted here
@@ -50,9 +65,10 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
 
 from agentq.constants import MEASURED_EVENTS_CHANNEL
+from agentq.errors import ModelBusy
 
 log = logging.getLogger("agentq.gateway.metrics")
 
@@ -60,13 +76,40 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, float("inf"))
 ROUND_BUCKETS_S = (0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, float("inf"))
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
+QUEUE_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
 MAX_TOOL_LABELS = 200
 """Tool names come from the model (an unknown tool still settles); cap the label set."""
+MAX_MODEL_LABELS = 100
+"""Models and deployments come from the fleet's configuration; capped all the same."""
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error"})
 _TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
 _TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
+
+
+class _Labels:
+    """A capped set of label values: past `limit` distinct ones, or one that does not
+    match `pattern`, a value is counted as ``other``."""
+
+    def __init__(self, pattern: re.Pattern[str], limit: int) -> None:
+        self.pattern = pattern
+        self.limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, value: object) -> str:
+        label = str(value)
+        if not self.pattern.match(label):
+            return "other"
+        with self._lock:
+            if label in self._seen:
+                return label
+            if len(self._seen) >= self.limit:
+                return "other"
+            self._seen.add(label)
+            return label
 
 
 class GatewayMetrics:
@@ -124,26 +167,46 @@ class GatewayMetrics:
             buckets=ROUND_BUCKETS_S,
             registry=r,
         )
+        self.model_tokens = Counter(
+            "agentq_llm_model_tokens",
+            "Model tokens by model and kind (prompt, completion).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.rounds_queued = Counter(
+            "agentq_llm_rounds_queued",
+            "Model rounds that had to wait for model capacity.",
+            ["model"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "agentq_llm_queue_wait_seconds",
+            "How long model rounds waited for model capacity.",
+            ["model"],
+            buckets=QUEUE_BUCKETS_S,
+            registry=r,
+        )
+        self.busy = Counter(
+            "agentq_llm_busy",
+            "Busy answers (429, 503, 529) of model providers.",
+            ["model", "deployment", "status"],
+            registry=r,
+        )
         self.steps = StepDurations()
         r.register(self.steps)
+        self.capacity = CapacityGauges()
+        r.register(self.capacity)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
         for kind in ("prompt", "completion"):
             self.tokens.labels(kind=kind)
-        self._tools: set[str] = set()
-        self._lock = threading.Lock()
+        self._tool_label = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
+        self._model_label = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
+        self._deployment_label = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
 
-    def _tool_label(self, name: object) -> str:
-        tool = str(name)
-        if not _TOOL_NAME.match(tool):
-            return "other"
-        with self._lock:
-            if tool in self._tools:
-                return tool
-            if len(self._tools) >= MAX_TOOL_LABELS:
-                return "other"
-            self._tools.add(tool)
-            return tool
+    def _model(self, event: dict[str, Any]) -> str:
+        model = event.get("model")
+        return "unknown" if model is None else self._model_label(model)
 
     def observe(self, event: dict[str, Any]) -> None:
         """Fold one event (as published) into the counters."""
@@ -160,6 +223,14 @@ class GatewayMetrics:
                 self.tool_timeouts.labels(tool=tool).inc()
         elif type_ == "llm_finished":
             self._llm_finished(event)
+        elif type_ == "llm_queued":
+            # Published again as the round moves up the queue: only its first one counts.
+            if event.get("first") is True:
+                self.rounds_queued.labels(model=self._model(event)).inc()
+        elif type_ == "llm_started":
+            queued_ms = event.get("queued_ms")
+            if isinstance(queued_ms, (int, float)) and queued_ms >= 0:
+                self.queue_wait.labels(model=self._model(event)).observe(queued_ms / 1000)
         if type_ in ("llm_retry", "llm_finished") and event.get("code") == "ETIMEDOUT":
             self.watchdog_trips.inc()
         if type_ in _TERMINAL:
@@ -171,10 +242,19 @@ class GatewayMetrics:
     def _llm_finished(self, event: dict[str, Any]) -> None:
         usage = event.get("usage")
         if isinstance(usage, dict):
+            model = self._model(event)
             for kind in ("prompt", "completion"):
                 n = usage.get(f"{kind}_tokens")
                 if isinstance(n, int) and n > 0:
                     self.tokens.labels(kind=kind).inc(n)
+                    self.model_tokens.labels(model=model, kind=kind).inc(n)
+        if event.get("code") == ModelBusy.code:
+            status = event.get("status")
+            self.busy.labels(
+                model=self._model(event),
+                deployment=self._deployment_label(event.get("deployment")),
+                status=str(status) if isinstance(status, int) and 100 <= status < 600 else "other",
+            ).inc()
         ttft_ms = event.get("ttft_ms")
         if isinstance(ttft_ms, (int, float)) and ttft_ms >= 0:
             self.ttft.observe(ttft_ms / 1000)
@@ -222,6 +302,46 @@ class StepDurations:
         if snap is not None:
             family.add_metric([], buckets=snap[0], sum_value=snap[1])
         return [family]
+
+
+class CapacityGauges:
+    """The capacity gauges from the models' `Capacity.snapshot`s, as last read from Redis
+    (none when the last read failed: a stale queue length would mislead)."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[dict[str, Any]] = []
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return self._families()
+
+    @staticmethod
+    def _families() -> list[GaugeMetricFamily]:
+        return [
+            GaugeMetricFamily(
+                "agentq_llm_queued",
+                "Model rounds waiting for model capacity, by class.",
+                labels=["model", "class"],
+            ),
+            GaugeMetricFamily(
+                "agentq_llm_streams_in_use", "Model streams open now.", labels=["model"]
+            ),
+            GaugeMetricFamily(
+                "agentq_llm_paused",
+                "1 while the model is paused fleet-wide (a provider said it was busy).",
+                labels=["model"],
+            ),
+        ]
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        queued, streams, paused = families = self._families()
+        for snap in self.snapshots:
+            model = str(snap["model"])
+            for cls in ("interactive", "background"):
+                queued.add_metric([model, cls], snap["queued"][cls])
+            streams.add_metric([model], snap["streams_in_use"])
+            until = snap.get("paused_until_ms")
+            paused.add_metric([model], 1 if until and until > snap["now_ms"] else 0)
+        return families
 
 
 class EventObserver:

@@ -105,6 +105,10 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=("401", "404", "409", "422")),
     Operation("GET", "/v1/interactions", "Every pending interaction of the running turns, "
               "the soonest to expire first (the console's inbox).", "key", errors=("401",)),
+    Operation("GET", "/v1/capacity", "The fleet's model capacity per model (the console's "
+              "panel): rounds queued by class, streams in use, pauses, requests and tokens "
+              "in the last minute, deployments with their breakers, configured limits.",
+              "admin", errors=("401", "403", "503")),
     Operation("POST", "/v1/console/turns/{turn_id}/abort", "Abort a turn from the "
               "console, as an operator.", "operator", parameters=(TURN_ID,),
               errors=("401", "403", "404")),

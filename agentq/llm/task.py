@@ -296,6 +296,7 @@ async def _stream(
         result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
         events.add(
             "llm_finished",
+            model=model,
             finish_reason=message.finish_reason,
             tool_calls=len(message.tool_calls),
             usage=None if message.usage is None else message.usage.model_dump(),
@@ -334,6 +335,7 @@ async def _stream(
             "llm_finished",
             error=exc.message,
             code=code,
+            model=model,
             duration_ms=int((time.monotonic() - t0) * 1000),
             ttft_ms=stats.ttft_ms,
             **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},

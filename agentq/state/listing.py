@@ -192,8 +192,22 @@ def summarise(
         "calls": {s: int(n) for s, n in sorted(counts.items())},
         "current_tools": [{"call_id": c, "tool": t, "state": s} for c, t, s in open_calls],
         "pending_interactions": pending,
+        "model_wait": model_wait(state),
         "error": state.get("error"),
         "abort_reason": state.get("abort_reason") or state.get("reason"),
+    }
+
+
+def model_wait(state: dict[str, Any]) -> dict[str, Any] | None:
+    """The model round the turn holds waiting for model capacity (agentq.orchestrator.
+    admission): its round, since when, its last known place in the queue; else None."""
+    round_no = state.get("llm_wait_round")
+    if round_no is None or state.get("status") in TERMINAL_STATUSES:
+        return None
+    return {
+        "round": round_no,
+        "since": state.get("llm_wait_since"),
+        "position": state.get("llm_wait_position"),
     }
 
 

@@ -51,6 +51,9 @@ def model_rounds(events: list[Event], ended_at: float | None) -> list[dict[str, 
                 "finished_at": None,
                 "status": "running",
                 "retries": 0,
+                # How long the round waited for model capacity before it was sent.
+                "queued_ms": ev.fields.get("queued_ms"),
+                "model": ev.fields.get("model"),
             }
             rounds.append(current)
         elif ev.type == "llm_retry" and current is not None:

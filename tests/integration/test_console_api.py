@@ -238,3 +238,36 @@ def test_retention_setting_and_its_old_name(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("AGENTQ_TURN_RETENTION_S", "soon")
     with pytest.raises(Exception, match="AGENTQ_TURN_RETENTION_S"):
         load_settings()
+
+
+def test_a_turn_waiting_for_model_capacity_says_so(
+    store: TurnStore, open_gateway: httpx.Client
+) -> None:
+    agent = f"w-{uuid.uuid4().hex[:8]}"
+    since = time.time() - 3
+    turn_id = make_turn(store, agent=agent, created_at=since - 1, status="running")
+    # As admission leaves it: the round's wait on the state, `llm_queued` in the log.
+    store.update(turn_id, llm_wait_round=0, llm_wait_since=since, llm_wait_position=2)
+    store.bus.publish(
+        turn_id, "llm_queued", round_no=0, model="m", position=2, wait_s=1.5, first=True
+    )
+    row = open_gateway.get("/v1/turns", params={"agent": agent}).json()["turns"][0]
+    assert row["model_wait"] == {"round": 0, "since": since, "position": 2}
+    view = open_gateway.get(f"/v1/turns/{turn_id}/timeline").json()
+    assert view["turn"]["model_wait"]["position"] == 2
+    [queued] = [e for e in view["events"] if e["type"] == "llm_queued"]
+    assert queued["fields"]["model"] == "m" and queued["fields"]["first"] is True
+
+    # Granted: the round goes out, and says how long it waited.
+    store.update(turn_id, llm_wait_round=None, llm_wait_since=None, llm_wait_position=None)
+    store.bus.publish(turn_id, "llm_started", round_no=0, model="m", queued_ms=3000)
+    view = open_gateway.get(f"/v1/turns/{turn_id}/timeline").json()
+    assert view["turn"]["model_wait"] is None
+    [rnd] = view["rounds"]
+    assert rnd["queued_ms"] == 3000 and rnd["model"] == "m" and rnd["status"] == "running"
+
+    # A turn that ended while waiting does not wait any more.
+    store.update(turn_id, llm_wait_round=1, llm_wait_since=time.time())
+    store.close(turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"})
+    row = open_gateway.get("/v1/turns", params={"agent": agent}).json()["turns"][0]
+    assert row["status"] == "aborted" and row["model_wait"] is None

@@ -137,3 +137,14 @@ def test_timeline_of_a_timed_out_and_a_cancelled_call_and_abort(
         assert not phone.errors, phone.errors
     finally:
         phone.context.close()
+
+
+def test_model_capacity_panel(page: Any, client: Client) -> None:
+    # A gateway without keys shows the fleet's capacity; its default model is always known.
+    model = client.settings.llm_model
+    item = page.locator(f'#capacity li.cap-model[data-model="{model}"]')
+    item.wait_for()
+    text = item.inner_text()
+    assert "queued interactive" in text and "streams" in text and "tokens/min" in text
+    item.locator('.cap-dep[data-deployment="default"]').wait_for()
+    assert page.locator('#capacity-state[data-state="ok"]').count() == 1

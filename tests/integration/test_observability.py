@@ -363,6 +363,66 @@ def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
     assert metric(text, "agentq_step_duration_seconds_sum") > 0
 
 
+def test_capacity_metrics_of_a_round_the_provider_refused_once(obs: Obs, llm_server: Any) -> None:
+    # A 429 pauses the model fleet-wide for its Retry-After: the round waits for capacity,
+    # then goes out again and finishes.
+    model = obs.client.settings.llm_model
+    names = {
+        "queued": f'agentq_llm_rounds_queued_total{{model="{model}"}}',
+        "waits": f'agentq_llm_queue_wait_seconds_count{{model="{model}"}}',
+        "waited_s": f'agentq_llm_queue_wait_seconds_sum{{model="{model}"}}',
+        "busy": f'agentq_llm_busy_total{{deployment="default",model="{model}",status="429"}}',
+        "prompt": f'agentq_llm_model_tokens_total{{kind="prompt",model="{model}"}}',
+        "completion": f'agentq_llm_model_tokens_total{{kind="completion",model="{model}"}}',
+    }
+    before = obs.http.get("/metrics").text
+    base = {k: metric(before, name) for k, name in names.items()}
+    key = f"obs-{uuid.uuid4().hex[:10]}"
+    busy_once = Round(text="Done.", usage=USAGE, fault="http_429", fault_times=1, retry_after_s=2.5)
+    llm_server.set_script(key, [busy_once])
+    handle = obs.client.start_turn(f"{key} go")
+    events = []
+    for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
+        if ev is None:
+            continue
+        events.append(ev)
+        if ev.type in ("turn_finished", "turn_error", "turn_aborted"):
+            break
+    assert events[-1].type == "turn_finished", events[-1]
+    finished = [e.fields for e in events if e.type == "llm_finished"]
+    assert [f.get("code") for f in finished] == ["EBUSY", None]
+    assert finished[0]["status"] == 429 and finished[1]["model"] == model
+    queued = [e.fields for e in events if e.type == "llm_queued"]
+    assert queued and queued[0]["first"] is True
+    assert not any(f["first"] for f in queued[1:])
+    # The first send did not wait; the second waited for the pause to end.
+    waits = [e.fields.get("queued_ms") for e in events if e.type == "llm_started"]
+    assert len(waits) == 2 and waits[0] is None
+    queued_ms = waits[1]
+    assert isinstance(queued_ms, int) and queued_ms > 0
+
+    def scraped() -> str | None:
+        text = obs.http.get("/metrics").text
+        grew = (
+            metric(text, names["queued"]) == base["queued"] + 1
+            and metric(text, names["waits"]) == base["waits"] + 1
+            and metric(text, names["busy"]) == base["busy"] + 1
+            and metric(text, names["prompt"]) == base["prompt"] + USAGE.prompt_tokens
+        )
+        return text if grew else None
+
+    text = wait_for(scraped, 10, 0.1, message="the capacity metrics")
+    assert isinstance(text, str)
+    assert metric(text, names["completion"]) == base["completion"] + USAGE.completion_tokens
+    assert metric(text, names["waited_s"]) - base["waited_s"] == pytest.approx(
+        queued_ms / 1000, abs=0.01
+    )
+    # The capacity gauges of the model the fleet uses, read at scrape time.
+    for gauge in ("agentq_llm_paused", "agentq_llm_streams_in_use"):
+        assert re.search(rf'^{gauge}\{{model="{re.escape(model)}"\}} \S+$', text, re.M), gauge
+    assert f'agentq_llm_queued{{class="interactive",model="{model}"}}' in text
+
+
 def test_gateway_logs_json_without_the_token(obs: Obs, tmp_path: Path) -> None:
     port = find_free_port()
     env = {**os.environ, "AGENTQ_LOG_FORMAT": "json", "AGENTQ_GATEWAY_PORT": str(port)}

@@ -289,7 +289,8 @@ def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_no
 ) -> None:
     pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(k.MEASURED_EVENTS_CHANNEL)
-    store.bus.publish("t1", "llm_started")
+    store.bus.publish("t1", "llm_queued", position=1, first=True)
+    store.bus.publish("t1", "llm_started", queued_ms=5)
     store.publish_many({"t1": [("llm_delta", {"text": "a"}), ("llm_finished", {"code": "x"})]})
     store.bus.publish("t1", "tool_progress", message="half")
     assert store.settle("t1", error_result(CALL, "boom")) is True
@@ -300,9 +301,11 @@ def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_no
         if msg is not None:
             seen.append(json.loads(msg["data"]))
     assert [(e["type"], e["seq"]) for e in seen] == [
-        ("llm_finished", 3),
-        ("tool_finished", 5),
-        ("turn_finished", 6),
+        ("llm_queued", 1),
+        ("llm_started", 2),
+        ("llm_finished", 4),
+        ("tool_finished", 6),
+        ("turn_finished", 7),
     ]
     # The same message as on the turn's own channel: its seq and log position included.
     assert all(e["turn_id"] == "t1" and "stream_id" in e for e in seen)

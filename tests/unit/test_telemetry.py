@@ -227,3 +227,69 @@ def test_gateway_counts_tokens_and_time_to_first_token() -> None:
     assert "agentq_watchdog_trips_total 1.0" in text
     assert "agentq_step_duration_seconds_count 4.0" in text
     assert 'agentq_step_duration_seconds_bucket{le="0.005"} 3.0' in text
+
+
+def test_gateway_counts_capacity_waits_busy_answers_and_tokens_by_model() -> None:
+    m = GatewayMetrics()
+    queued: dict[str, Any] = {"type": "llm_queued", "model": "gpt-x", "round_no": 0}
+    m.observe({**queued, "position": 3, "wait_s": 1.5, "first": True})
+    # The same wait moving up the queue, and a publisher that predates `first`: not counted.
+    m.observe({**queued, "position": 2, "wait_s": 1.0, "first": False})
+    m.observe({**queued, "position": 1, "wait_s": 0.5})
+    m.observe({"type": "llm_started", "model": "gpt-x", "round_no": 0, "queued_ms": 1500})
+    m.observe({"type": "llm_started", "model": "gpt-x", "round_no": 1})  # sent at once
+    busy = {"type": "llm_finished", "model": "gpt-x", "code": "EBUSY", "error": "busy"}
+    m.observe({**busy, "status": 429, "deployment": "east", "duration_ms": 5})
+    m.observe({**busy, "status": 529, "deployment": "west", "duration_ms": 5})
+    m.observe({**busy, "status": "x", "deployment": "east"})
+    usage = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
+    m.observe({"type": "llm_finished", "model": "gpt-x", "usage": usage, "duration_ms": 9})
+    m.observe({"type": "llm_finished", "model": "gpt-y", "usage": usage, "duration_ms": 9})
+    m.observe({"type": "llm_finished", "model": "bad model {", "usage": usage})
+    m.observe({"type": "llm_finished", "usage": usage})  # a worker that predates `model`
+    text = m.render().decode()
+    assert 'agentq_llm_rounds_queued_total{model="gpt-x"} 1.0' in text
+    assert 'agentq_llm_queue_wait_seconds_count{model="gpt-x"} 1.0' in text
+    assert 'agentq_llm_queue_wait_seconds_sum{model="gpt-x"} 1.5' in text
+    assert 'agentq_llm_queue_wait_seconds_bucket{le="1.0",model="gpt-x"} 0.0' in text
+    assert 'agentq_llm_queue_wait_seconds_bucket{le="2.5",model="gpt-x"} 1.0' in text
+    busy_total = "agentq_llm_busy_total"
+    assert f'{busy_total}{{deployment="east",model="gpt-x",status="429"}} 1.0' in text
+    assert f'{busy_total}{{deployment="west",model="gpt-x",status="529"}} 1.0' in text
+    assert f'{busy_total}{{deployment="east",model="gpt-x",status="other"}} 1.0' in text
+    tokens = "agentq_llm_model_tokens_total"
+    assert f'{tokens}{{kind="prompt",model="gpt-x"}} 11.0' in text
+    assert f'{tokens}{{kind="completion",model="gpt-y"}} 7.0' in text
+    assert f'{tokens}{{kind="prompt",model="other"}} 11.0' in text
+    assert f'{tokens}{{kind="prompt",model="unknown"}} 11.0' in text
+    # The model-less total counts them all; a busy answer has no usage.
+    assert 'agentq_llm_tokens_total{kind="prompt"} 44.0' in text
+    # No capacity read yet: the gauges have no samples.
+    assert "agentq_llm_queued{" not in text and "agentq_llm_paused{" not in text
+
+
+def test_capacity_gauges_come_from_the_last_snapshots() -> None:
+    m = GatewayMetrics()
+
+    def snap(model: str, *, paused_until_ms: int | None, i: int, b: int) -> dict[str, Any]:
+        return {
+            "model": model,
+            "now_ms": 1_000_000,
+            "queued": {"interactive": i, "background": b},
+            "streams_in_use": i + b,
+            "paused_until_ms": paused_until_ms,
+        }
+
+    m.capacity.snapshots = [
+        snap("gpt-x", paused_until_ms=1_005_000, i=2, b=5),
+        snap("gpt-y", paused_until_ms=None, i=0, b=0),
+    ]
+    text = m.render().decode()
+    assert 'agentq_llm_queued{class="interactive",model="gpt-x"} 2.0' in text
+    assert 'agentq_llm_queued{class="background",model="gpt-x"} 5.0' in text
+    assert 'agentq_llm_streams_in_use{model="gpt-x"} 7.0' in text
+    assert 'agentq_llm_paused{model="gpt-x"} 1.0' in text
+    assert 'agentq_llm_paused{model="gpt-y"} 0.0' in text
+    assert 'agentq_llm_queued{class="background",model="gpt-y"} 0.0' in text
+    m.capacity.snapshots = []  # the read failed: no stale numbers
+    assert "agentq_llm_queued{" not in m.render().decode()

@@ -1,10 +1,11 @@
 // The operator console: the list of turns, one turn's timeline and event log, the
-// approvals inbox. It polls the gateway once a second; data goes in with textContent only.
+// approvals inbox, the fleet's model capacity. It polls the gateway once a second; data
+// goes in with textContent only.
 // Uses keyHeaders(), el(), fmtSeconds() and errorText() from app.js (loaded first).
 "use strict";
 
 const CONSOLE_POLL_MS = 1000;
-const consoleState = { open: null, timer: null, before: null, lastInbox: [] };
+const consoleState = { open: null, timer: null, before: null, lastInbox: [], capacityRefused: null };
 
 const q = (sel, root = document) => root.querySelector(sel);
 
@@ -33,6 +34,14 @@ function listUrl() {
   return "/v1/turns?" + params.toString();
 }
 
+// As the chat page says it (app.js): "waiting for model capacity (position 2, about 4 s)".
+function waitText(position, waitS) {
+  const bits = [];
+  if (position != null) bits.push("position " + position);
+  if (waitS != null) bits.push("about " + Math.ceil(waitS) + " s");
+  return "waiting for model capacity" + (bits.length ? " (" + bits.join(", ") + ")" : "");
+}
+
 function turnRow(t) {
   const tr = el("tr");
   tr.dataset.turnId = t.turn_id;
@@ -41,9 +50,16 @@ function turnRow(t) {
   tr.setAttribute("aria-label", "open turn " + t.turn_id);
   const idCell = el("td", "mono", t.turn_id.slice(0, 12));
   idCell.title = t.turn_id;
+  const statusCell = el("td", "st st-" + t.status, t.status);
+  if (t.model_wait) {
+    tr.dataset.modelWait = "true";
+    const mark = el("span", "cap-wait", " · capacity");
+    mark.title = waitText(t.model_wait.position, null);
+    statusCell.append(mark);
+  }
   tr.append(
     idCell,
-    el("td", "st st-" + t.status, t.status),
+    statusCell,
     el("td", null, t.agent || "-"),
     el("td", null, clock(t.started_at)),
     el("td", null, t.duration_s == null ? "-" : fmtSeconds(t.duration_s)),
@@ -189,7 +205,10 @@ function renderTimeline(view) {
   for (const r of view.rounds) {
     const stop = r.finished_at ?? view.now;
     const detail = el("div", "tl-detail");
-    detail.append(el("span", "st st-" + r.status, r.status), el("span", "muted", " " + fmtSeconds(stop - r.started_at)));
+    const notes = [fmtSeconds(stop - r.started_at)];
+    if (r.code) notes.push(r.code);
+    if (r.queued_ms) notes.push("waited " + fmtSeconds(r.queued_ms / 1000) + " for model capacity");
+    detail.append(el("span", "st st-" + r.status, r.status), el("span", "muted", " " + notes.join(" · ")));
     const row = timelineRow("model round " + r.round, "round st-" + r.status, r.started_at, stop, t0, span, [], detail);
     row.dataset.kind = "round";
     row.dataset.status = r.status;
@@ -213,8 +232,10 @@ function renderTimeline(view) {
   q("#eventlog").replaceChildren(...view.events.map((e) => {
     const li = el("li", "ev ev-" + e.type);
     const f = e.fields || {};
-    const bits = ["tool", "status", "reason", "request_id", "decision", "error"].filter((k) => f[k] != null)
-      .map((k) => k + "=" + f[k]);
+    const bits = ["tool", "model", "deployment", "status", "code", "reason", "request_id", "decision", "error"]
+      .filter((k) => f[k] != null).map((k) => k + "=" + f[k]);
+    if (e.type === "llm_queued") bits.unshift(waitText(f.position, f.wait_s));
+    if (f.queued_ms) bits.push("waited " + fmtSeconds(f.queued_ms / 1000));
     li.append(el("span", "muted", clock(e.ts) + " #" + e.seq + " "), el("strong", null, e.type), el("span", null, " " + bits.join(" ")));
     return li;
   }));
@@ -232,7 +253,111 @@ async function refreshView() {
   badge.className = "badge st-" + t.status;
   badge.dataset.status = t.status;
   q("#view-abort").disabled = !(t.status === "running" || t.status === "queued");
+  showWait(t.model_wait, view);
   renderTimeline(view);
+}
+
+// A round of the turn waits for model capacity: where it stands, from the turn's state and
+// its last `llm_queued` event.
+function showWait(wait, view) {
+  const node = q("#view-wait");
+  node.hidden = !wait;
+  if (!wait) return;
+  const last = view.events.filter((e) => e.type === "llm_queued").pop();
+  const f = last ? last.fields : {};
+  let text = waitText(wait.position ?? f.position, f.wait_s);
+  if (f.model) text += " · " + f.model;
+  if (typeof wait.since === "number") text += " · waiting " + fmtSeconds(Math.max(0, view.now - wait.since));
+  node.textContent = text;
+}
+
+function fmtCount(n) {
+  return n == null ? "-" : Number(n).toLocaleString("en-US");
+}
+
+function ofLimit(used, limit) {
+  return fmtCount(used) + (limit ? " / " + fmtCount(limit) : "");
+}
+
+// Times come from Redis' clock (`now_ms`), not this browser's: no skew.
+function pausedFor(untilMs, nowMs) {
+  return untilMs && untilMs > nowMs ? "paused, " + fmtSeconds((untilMs - nowMs) / 1000) + " left" : null;
+}
+
+function capacityStat(cls, label, value) {
+  const span = el("span", "cap-stat " + cls);
+  span.append(el("span", "muted", label + " "), el("span", "v", value));
+  return span;
+}
+
+function capacityItem(m) {
+  const li = el("li", "cap-model");
+  li.dataset.model = m.model;
+  const limits = m.limits || {};
+  const paused = pausedFor(m.paused_until_ms, m.now_ms);
+  li.dataset.paused = String(Boolean(paused));
+  const head = el("div", "cap-head");
+  head.append(el("strong", "mono", m.model));
+  if (paused) head.append(el("span", "badge cap-paused", paused));
+  if (!m.configured) head.append(el("span", "muted", "no limits configured"));
+  const stats = el("div", "cap-stats");
+  stats.append(
+    capacityStat("cap-queued-interactive", "queued interactive", fmtCount(m.queued.interactive)),
+    capacityStat("cap-queued-background", "background", fmtCount(m.queued.background)),
+    capacityStat("cap-streams", "streams", ofLimit(m.streams_in_use, limits.streams)),
+    capacityStat("cap-requests", "requests/min", ofLimit(m.requests_last_minute, limits.rpm)),
+    capacityStat("cap-tokens", "tokens/min", ofLimit(m.tokens_last_minute, limits.tpm)),
+  );
+  const deps = el("ul", "cap-deps");
+  for (const [name, d] of Object.entries(m.deployments || {})) {
+    const item = el("li", "cap-dep breaker-" + d.breaker);
+    item.dataset.deployment = name;
+    item.dataset.breaker = d.breaker;
+    const bits = ["breaker " + d.breaker.replace("_", "-")];
+    if (d.breaker === "open" && d.open_until_ms > m.now_ms) {
+      bits[0] += " " + fmtSeconds((d.open_until_ms - m.now_ms) / 1000);
+    }
+    if (d.failures) bits.push(d.failures + " failed" + (d.last_failure ? " (" + d.last_failure + ")" : ""));
+    bits.push("streams " + ofLimit(d.streams_in_use, d.limits && d.limits.streams));
+    const depPaused = pausedFor(d.paused_until_ms, m.now_ms);
+    if (depPaused) bits.push(depPaused);
+    item.append(el("span", "mono", name), el("span", null, " · " + bits.join(" · ")));
+    deps.append(item);
+  }
+  li.append(head, stats, deps);
+  return li;
+}
+
+// Admin keys only (like /metrics): another key sees a note, not an error, and is not
+// refused again every second (until the page uses another key).
+async function refreshCapacity() {
+  const note = q("#capacity-state");
+  const headers = keyHeaders();
+  const asking = JSON.stringify(headers);
+  if (consoleState.capacityRefused === asking) return;
+  let res;
+  try {
+    res = await fetch("/v1/capacity", { headers });
+  } catch (err) {
+    note.textContent = String(err.message || err);
+    return;
+  }
+  if (res.status === 401 || res.status === 403) {
+    consoleState.capacityRefused = asking;
+    q("#capacity").replaceChildren();
+    note.dataset.state = "forbidden";
+    note.textContent = "Model capacity is shown to admin keys only.";
+    return;
+  }
+  if (!res.ok) {
+    note.dataset.state = "error";
+    note.textContent = await errorText(res);
+    return;
+  }
+  const body = await res.json();
+  q("#capacity").replaceChildren(...body.models.map(capacityItem));
+  note.dataset.state = "ok";
+  note.textContent = body.models.length ? "" : "No model known yet.";
 }
 
 function openTurn(id) {
@@ -257,7 +382,7 @@ async function abortOpen() {
 
 async function pollConsole() {
   if (q("#console").hidden) return;
-  await Promise.all([refreshList(), refreshInbox(), refreshView()]);
+  await Promise.all([refreshList(), refreshInbox(), refreshView(), refreshCapacity()]);
 }
 
 function showTab(name) {
