@@ -12,7 +12,8 @@ a plain Celery worker (scripts/bench_celery_app.py) and the scripted model serve
 on 127.0.0.1, and stops every process it started by PID on the way out. The workers run
 with agentq's default settings; only the tool modules and the model URL are set.
 The stages are in scripts/bench_stages.py (latency, throughput, scale) and
-scripts/bench_capacity.py (held, io), the verdicts and tables in scripts/bench_report.py;
+scripts/bench_capacity.py (held, io) and scripts/bench_model_capacity.py (capacity: model
+rounds against a rate-limited provider), the verdicts and tables in scripts/bench_report.py;
 this file runs them, counts where a call's Redis commands go, profiles it on request, and
 prints the report. `--runs 3` runs each stage three times and reports medians and spreads.
 """
@@ -41,6 +42,7 @@ if str(ROOT) not in sys.path:
 
 from agentq.fleet import runtime  # noqa: E402
 from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
+from scripts.bench_model_capacity import bench_model_capacity  # noqa: E402
 from scripts.bench_report import judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
     QUICK,
@@ -315,6 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sz = Sizes(**{**sz.__dict__, "scale_turns": args.scale_turns})
     if args.io_turns:
         sz = Sizes(**{**sz.__dict__, "io_turns": args.io_turns})
+    if args.capacity_turns:
+        sz = Sizes(**{**sz.__dict__, "capacity_turns": args.capacity_turns})
     if args.old_path_turns:
         sz = Sizes(**{**sz.__dict__, "old_path_turns": args.old_path_turns})
     started = time.perf_counter()
@@ -335,6 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("scale", lambda: bench_scale(fx, sz)),
             ("held", lambda: bench_held(fx, sz)),
             ("io", lambda: bench_io(fx, sz)),
+            ("capacity", lambda: bench_model_capacity(fx, sz)),
         ]
         if not args.no_cost:
             stages.append(("cost_per_call", lambda: cost_per_call(fx)))
@@ -413,10 +418,16 @@ def main(argv: list[str] | None = None) -> int:
         help="turns of the io stage's sync-tool comparison (300)",
     )
     p.add_argument(
+        "--capacity-turns",
+        type=int,
+        default=0,
+        help="turns of the capacity stage's runs at 20 requests/s (300)",
+    )
+    p.add_argument(
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "
-        "throughput, timeout, abort, watchdog, events, scale, held, io, cost_per_call, "
+        "throughput, timeout, abort, watchdog, events, scale, held, io, capacity, cost_per_call, "
         "profile",
     )
     p.add_argument(

@@ -16,6 +16,12 @@ GOALS: list[tuple[str, str, float, str]] = [
     ("held_abort_all_seconds", "<=", 10, "≤ 10 s"),
     ("io_turns_seconds", "<=", 15, "≤ 15 s (floor 9)"),
     ("io_turns_peak_rss_mb", "<", 1536, "< 1.5 GB"),
+    ("capacity_open_not_finished", "<=", 0, "0: every turn finishes"),
+    ("capacity_open_floor_ratio", "<=", 2.0, "≤ 2 x the floor"),
+    ("capacity_limited_not_finished", "<=", 0, "0: every turn finishes"),
+    ("capacity_limited_floor_ratio", "<=", 1.2, "≤ 1.2 x the floor"),
+    ("capacity_limited_refused_share", "<=", 0.05, "≤ 5% refused"),
+    ("capacity_fair_first_round_s_p99", "<=", 2.0, "≤ 2 s"),
 ]
 
 
@@ -170,6 +176,50 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
                     "",
                     "",
                 )
+    for prefix, label in (
+        ("capacity_open", "capacity: nothing configured"),
+        ("capacity_limited", "capacity: the limit configured"),
+    ):
+        if res.get(f"{prefix}_turns") is not None:
+            d.add_row(
+                f"{label}: turns, finished, s (floor), ratio",
+                f"{res.get(prefix + '_turns')}, {spread(res, prefix + '_finished')}, "
+                f"{spread(res, prefix + '_seconds')} ({res.get(prefix + '_floor_seconds')}), "
+                f"{spread(res, prefix + '_floor_ratio')}",
+                "",
+                f"{res.get(prefix + '_statuses')}",
+            )
+            d.add_row(
+                f"{label}: requests admitted / refused (share), most in 1 s, llm_queued",
+                f"{res.get(prefix + '_requests_admitted')} / "
+                f"{res.get(prefix + '_requests_refused')} "
+                f"({res.get(prefix + '_refused_share')}), "
+                f"{res.get(prefix + '_most_in_one_second')}, "
+                f"{res.get(prefix + '_llm_queued')} "
+                f"in {res.get(prefix + '_llm_queued_turns')} turns",
+                "",
+                f"busy rounds seen {res.get(prefix + '_busy_rounds_seen')}, "
+                f"retries used {res.get(prefix + '_llm_retries')}",
+            )
+            secs = res.get(f"{prefix}_per_second") or []
+            d.add_row(
+                f"{label}: admitted/refused in each second",
+                " ".join(f"{a}/{r}" for a, r in secs),
+                "",
+                "",
+            )
+    if res.get("capacity_fair_bulk_turns") is not None:
+        d.add_row(
+            "capacity: fairness, interactive first round s p50 / p99 / max",
+            f"{res.get('capacity_fair_first_round_s_p50')} / "
+            f"{spread(res, 'capacity_fair_first_round_s_p99')} / "
+            f"{res.get('capacity_fair_first_round_s_max')}",
+            "",
+            f"turn_started → served p99 {res.get('capacity_fair_from_turn_started_s_p99')}; "
+            f"{res.get('capacity_fair_interactive_turns')} interactive behind "
+            f"{res.get('capacity_fair_bulk_queued_at_start')} queued background rounds "
+            f"of {res.get('capacity_fair_bulk_turns')} turns",
+        )
     for what in ("rss", "pss"):
         mem = res.get(f"{what}_mb") or {}
         d.add_row(

@@ -57,9 +57,12 @@ class Sizes:
     held_turns: int = 1000
     io_turns: int = 1000
     old_path_turns: int = 300
+    capacity_turns: int = 300
+    capacity_bulk_turns: int = 500
+    capacity_interactive_turns: int = 10
 
 
-QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60)
+QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60, 60, 100, 5)
 
 
 def turn_statuses(store: Any, turn_ids: list[str]) -> list[Any]:
