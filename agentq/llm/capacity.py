@@ -172,6 +172,7 @@ class Capacity:
                     "tpm": entry.tpm or 0,
                     "streams": entry.streams or 0,
                     "strategy": entry.strategy,
+                    "configured": model in self._configured,
                     "deps": [
                         {
                             "n": d.name,
@@ -404,6 +405,7 @@ def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
         json.dumps(settings.llm_owner_weights, sort_keys=True),
         settings.llm_background_every,
         settings.llm_lease_ttl_s,
+        settings.llm_burst_s,
         settings.llm_breaker_failures,
         settings.llm_breaker_cooldown_s,
     )
@@ -416,6 +418,7 @@ def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
                 owner_weights=settings.llm_owner_weights,
                 background_every=settings.llm_background_every,
                 lease_ttl_ms=int(settings.llm_lease_ttl_s * 1000),
+                burst_s=settings.llm_burst_s,
                 breaker_failures=settings.llm_breaker_failures,
                 breaker_cooldown_ms=int(settings.llm_breaker_cooldown_s * 1000),
             )

@@ -22,7 +22,11 @@ KEY_SUFFIXES = (
     "paused",  # HASH m | d:<dep> -> paused until ms
     "breaker",  # HASH f:<dep> failures, o:<dep> open until, p:<dep> probe until, k:<dep> kind
     "usage",  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests and tokens used
+    "config",  # STRING the model's limits as the last process configured with them sent them
 )
+
+CONFIG_TTL_S = 86_400
+"""The fleet's stored limits of a model outlive the last configured caller this long."""
 
 NOW_LUA = """
 local now = tonumber(ARGV[2])
@@ -35,6 +39,16 @@ end
 PRELUDE_LUA = (
     """
 local cfg = cjson.decode(ARGV[1])
+-- The limits are the fleet's: a process configured with them stores them, and one that
+-- is not (a tool worker stepping a turn inline, a client aborting) decides by them too.
+if cfg.configured then
+  redis.call('SET', KEYS[15], ARGV[1], 'EX', """
+    + str(CONFIG_TTL_S)
+    + """)
+else
+  local stored = redis.call('GET', KEYS[15])
+  if stored then cfg = cjson.decode(stored) end
+end
 """
     + NOW_LUA
     + """

@@ -441,3 +441,16 @@ def test_many_threads_sharing_one_limit_never_exceed_it(r: redis.Redis) -> None:
     assert max(grant_times) - min(grant_times) >= 2900  # 300 past the burst at 100/s
     snap = cap.snapshot("m")
     assert snap["streams_in_use"] == 0 and snap["queued"] == {"interactive": 0, "background": 0}
+
+
+def test_a_process_without_the_limits_decides_by_the_fleets(r: redis.Redis) -> None:
+    # A tool worker that steps a turn inline, or a client that aborts one, may run without
+    # AGENTQ_LLM_LIMITS: it must not let rounds through unpaced.
+    prefix = f"test:cap:{uuid.uuid4().hex[:8]}"
+    configured = Capacity(r, parse_limits(json.dumps({"m": {"rpm": 60}})), prefix=prefix)
+    bare = Capacity(r, {}, prefix=prefix)
+    granted(grab(bare, "before", T0))  # nothing stored yet: unmetered
+    granted(grab(configured, "a", T0 + 1))
+    q = queued(grab(bare, "b", T0 + 2))
+    assert q.next_slot_ms >= T0 + 1000
+    assert granted(grab(bare, "b", q.next_slot_ms)).lease_id
