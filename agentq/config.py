@@ -108,10 +108,12 @@ class Settings(BaseSettings):
     """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
     llm_owner_weights: dict[str, float] = Field(default_factory=dict)
     """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
-    llm_burst_s: float = Field(0.1, ge=0)
+    llm_burst_s: float = Field(0.5, ge=0)
     """How far ahead of its steady pace a model's requests may run (GCRA's burst): providers
     count per-minute limits in one-second windows, so a second's worth at once overflows
-    the first window. 0.1 s at 1,200 rpm lets 2 through at once, then one every 50 ms."""
+    the first window; less than the turn sweeper's wake-up delay (0.25 s) loses the slots
+    that pass while the next round is woken. 0.5 s at 1,200 rpm: 10 at once, then one every
+    50 ms."""
     llm_lease_ttl_s: float = Field(60.0, gt=0)
     """A stream slot (`streams`) whose llm worker stopped renewing it comes back after this."""
     llm_breaker_failures: int = Field(5, ge=1)
