@@ -160,3 +160,24 @@ def test_a_failing_deployment_is_skipped_for_the_next_one(make_rig) -> None:  # 
         # Keys never reach events or logs.
         text = json.dumps([e.fields for e in events + again]) + rig.logs()
         assert "sk-first-0" not in text and "sk-second-0" not in text
+
+
+def test_a_round_that_waits_past_the_turns_limit_fails_it_clearly(make_rig) -> None:  # type: ignore[no-untyped-def]
+    rig = make_rig(
+        AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}), AGENTQ_LLM_QUEUE_TIMEOUT_S="1"
+    )
+    rig.start("llm", "turns")
+    slow = rig.script(Round(text="slowly " * 40, chunk_size=7, chunk_delay_ms=100))
+    first = rig.client.start_turn(slow)
+    wait_event(rig.client, first.turn_id, "llm_started")
+    second = rig.client.start_turn(rig.script(Round(text="too late")))
+    events = rig.collect(second.turn_id, timeout_s=30)
+    end = events[-1]
+    assert end.type == "turn_error" and end.fields["code"] == "ECAPACITY", end.fields
+    assert end.fields["error_type"] == "ModelCapacityTimeout"
+    assert "model capacity" in end.fields["error"]
+    queued = _first(events, "llm_queued")
+    assert 1.0 <= end.ts - queued.ts < 10
+    cap = capacity_for(rig.client.store.redis, load_settings())
+    assert cap.snapshot(MODEL)["queued"]["interactive"] == 0
+    assert rig.collect(first.turn_id, timeout_s=30)[-1].type == "turn_finished"
