@@ -2,7 +2,7 @@
 """agentq side by side with plain Celery on the same broker, in one run.
 
     python scripts/bench.py                 # the full run (a few minutes on 2 cores)
-    python scripts/bench.py --quick         # under 2 minutes
+    python scripts/bench.py --quick         # under 3 minutes
     python scripts/bench.py --quick --json  # one JSON object on stdout, the table on stderr
     python scripts/bench.py --use-env-redis # AGENTQ_REDIS_URL instead of an own redis-server
     python scripts/bench.py --profile DIR   # also profile a call's hot path into DIR
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="smaller samples; under 2 minutes")
+    p.add_argument("--quick", action="store_true", help="smaller samples; under 3 minutes")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument(
         "--use-env-redis",
