@@ -24,6 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agentq.errors import ConfigError
+from agentq.llm.retry import parse_retry_after
 
 SETTING = "AGENTQ_LLM_LIMITS"
 DEFAULT_DEPLOYMENT = "default"
@@ -189,12 +190,7 @@ def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None
     `anthropic-ratelimit-*`, `retry-after`, `retry-after-ms`); `now_s` anchors dates."""
     h = {k.lower(): v for k, v in headers.items()}
     now = time.time() if now_s is None else now_s
-    pause_s: float | None = None
-    if "retry-after-ms" in h:
-        ms = _int(h["retry-after-ms"])
-        pause_s = None if ms is None else max(ms, 0) / 1000.0
-    if pause_s is None and "retry-after" in h:
-        pause_s = _until_s(h["retry-after"], now)
+    pause_s = parse_retry_after(h, now_s=now)
 
     def reset(kind: str) -> float | None:
         raw = h.get(f"x-ratelimit-reset-{kind}") or h.get(f"anthropic-ratelimit-{kind}-reset")

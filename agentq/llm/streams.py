@@ -177,7 +177,7 @@ def settle_capacity(
         if busy is not None:
             signal = parse_rate_headers(busy.headers)
             resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
-            pause_s = signal.pause_s or busy.retry_after_s or max(resets, default=1.0)
+            pause_s = signal.pause_s or max(resets, default=1.0)
             cap.pause(model, scope, for_ms=int(pause_s * 1000))
         elif headers:
             cap.note_remaining(model, deployment, parse_rate_headers(headers))
