@@ -76,7 +76,8 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
 def withdraw(ctx: StepContext) -> None:
     """An ending turn's round leaves the queue at once (a grant it had not used goes back)."""
     round_no = ctx.state.get("llm_wait_round")
-    if round_no is None:
+    # A round that was sent is the stream worker's to give back: nothing waits here.
+    if round_no is None or ctx.state.get("llm_round") == round_no:
         return
     _, wakes = capacity(ctx).withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no)))
     wake_granted(ctx.store, wakes)

@@ -27,6 +27,17 @@ def _first(events: list[Event], type_: str) -> Event:
     return next(e for e in events if e.type == type_)
 
 
+def _one_stream_held(make_rig, until: str = "llm_started", **env: str):  # type: ignore[no-untyped-def]
+    """A rig whose model allows one stream, and the turn that holds it, streaming slowly
+    (about 4 s) and seen as far as `until`."""
+    rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}), **env)
+    rig.start("llm", "turns")
+    slow = rig.script(Round(text="slowly " * 40, chunk_size=7, chunk_delay_ms=100))
+    first = rig.client.start_turn(slow)
+    wait_event(rig.client, first.turn_id, until)
+    return rig, first
+
+
 def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  # type: ignore[no-untyped-def]
     # No limit is configured, and no retry is allowed: 429s must still cost nothing.
     # A lapsed stream heartbeat would use one: the rig's 1.5 s lease is tight on a busy box.
@@ -67,11 +78,7 @@ def test_a_configured_limit_holds_for_every_worker(make_rig) -> None:  # type: i
 
 
 def test_an_abort_takes_a_queued_round_out_at_once(make_rig) -> None:  # type: ignore[no-untyped-def]
-    rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}))
-    rig.start("llm", "turns")
-    slow = rig.script(Round(text="slowly " * 30, chunk_size=7, chunk_delay_ms=100))
-    first = rig.client.start_turn(slow)
-    wait_event(rig.client, first.turn_id, "llm_started")
+    rig, first = _one_stream_held(make_rig)
     second = rig.client.start_turn(rig.script(Round(text="never streamed")))
     queued = wait_event(rig.client, second.turn_id, "llm_queued")
     assert queued.fields["position"] == 1
@@ -106,13 +113,7 @@ def test_a_person_at_a_screen_goes_before_another_keys_backlog(make_rig) -> None
 
 
 def test_a_dead_workers_stream_slot_comes_back(make_rig) -> None:  # type: ignore[no-untyped-def]
-    rig = make_rig(
-        AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}), AGENTQ_LLM_LEASE_TTL_S="2"
-    )
-    rig.start("llm", "turns")
-    slow = rig.script(Round(text="slowly " * 30, chunk_size=7, chunk_delay_ms=100))
-    first = rig.client.start_turn(slow)
-    wait_event(rig.client, first.turn_id, "llm_delta")
+    rig, first = _one_stream_held(make_rig, "llm_delta", AGENTQ_LLM_LEASE_TTL_S="2")
     rig.worker("llm").kill()
     wait_for(lambda: rig.llm.open_streams == 0, 5, message="the orphaned stream to close")
     # Nobody is left to give the slot back: the turn ends, the lease must lapse.
@@ -163,13 +164,7 @@ def test_a_failing_deployment_is_skipped_for_the_next_one(make_rig) -> None:  # 
 
 
 def test_a_round_that_waits_past_the_turns_limit_fails_it_clearly(make_rig) -> None:  # type: ignore[no-untyped-def]
-    rig = make_rig(
-        AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}), AGENTQ_LLM_QUEUE_TIMEOUT_S="1"
-    )
-    rig.start("llm", "turns")
-    slow = rig.script(Round(text="slowly " * 40, chunk_size=7, chunk_delay_ms=100))
-    first = rig.client.start_turn(slow)
-    wait_event(rig.client, first.turn_id, "llm_started")
+    rig, first = _one_stream_held(make_rig, AGENTQ_LLM_QUEUE_TIMEOUT_S="1")
     second = rig.client.start_turn(rig.script(Round(text="too late")))
     events = rig.collect(second.turn_id, timeout_s=30)
     end = events[-1]
