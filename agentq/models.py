@@ -410,7 +410,8 @@ class LlmRoundRequest(_Frozen):
     duration_left_s: float
     idle_timeout_ms: int
     model: str | None = None
-    """The agent's model; None: the stream worker's AGENTQ_LLM_MODEL."""
+    """The model the turn admitted the round for (its agent's, else the turn worker's
+    AGENTQ_LLM_MODEL); None: the stream worker's AGENTQ_LLM_MODEL."""
     instructions: str = ""
     """The agent's instructions, sent as the system message before the history."""
     traceparent: str | None = None

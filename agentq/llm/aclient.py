@@ -37,13 +37,8 @@ from agentq.llm.client import (
     api_error_to_llm,
     chat_request,
 )
-from agentq.llm.retry import (
-    backoff_s,
-    classify,
-    parse_retry_after,
-    rate_headers,
-    should_retry,
-)
+from agentq.llm.headers import parse_retry_after, rate_headers
+from agentq.llm.retry import backoff_s, classify, should_retry
 from agentq.models import AssistantMessage
 
 log = logging.getLogger("agentq.llm")

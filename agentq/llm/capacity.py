@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict
 
 from agentq.config import Settings
 from agentq.llm import capacity_lua as lua
-from agentq.llm.limits import ModelLimitsEntry, RateSignal, parse_limits
+from agentq.llm.headers import RateSignal
+from agentq.llm.limits import ModelLimitsEntry, parse_limits
 
 BreakerVerdict = Literal["closed", "open"]
 

@@ -27,14 +27,8 @@ from agentq.errors import (
     ModelHTTPError,
     StreamDurationExceeded,
 )
-from agentq.llm.retry import (
-    BUSY_STATUSES,
-    backoff_s,
-    parse_retry_after,
-    rate_headers,
-    retryable_status,
-    should_retry,
-)
+from agentq.llm.headers import BUSY_STATUSES, parse_retry_after, rate_headers
+from agentq.llm.retry import backoff_s, retryable_status, should_retry
 from agentq.llm.transport import SocketTracker, tracked_http_client
 from agentq.llm.watchdog import POLL_S, StreamWatchdog
 from agentq.models import AssistantMessage, ToolCall, Usage

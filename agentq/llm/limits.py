@@ -1,6 +1,7 @@
-"""Model capacity limits (`AGENTQ_LLM_LIMITS`), provider rate-limit headers and token estimates.
+"""Model capacity limits (`AGENTQ_LLM_LIMITS`) and token estimates.
 
-Pure: no I/O. `agentq.llm.capacity` enforces these limits fleet-wide in Redis.
+Pure: no I/O. `agentq.llm.capacity` enforces these limits fleet-wide in Redis; what a
+provider's answers say about its own limits is read by `agentq.llm.headers`.
 
     AGENTQ_LLM_LIMITS='{"gpt-4.1": {"rpm": 500, "tpm": 300000, "streams": 200}}'
 
@@ -12,19 +13,13 @@ which is the configured `AGENTQ_LLM_BASE_URL`.
 
 from __future__ import annotations
 
-import email.utils
 import json
 import math
-import re
-import time
-from collections.abc import Mapping
-from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
 from agentq.errors import ConfigError
-from agentq.llm.retry import parse_retry_after
 
 SETTING = "AGENTQ_LLM_LIMITS"
 DEFAULT_DEPLOYMENT = "default"
@@ -119,96 +114,6 @@ def _describe(exc: ValidationError) -> str:
         where = ".".join(str(p) for p in err["loc"])
         parts.append(f"{where}: {err['msg']}" if where else err["msg"])
     return "; ".join(parts)
-
-
-class RateSignal(BaseModel):
-    """What a provider's response headers say about its rate limits (None: not sent)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    pause_s: float | None = None
-    """Retry-After: wait this long before the next request."""
-    remaining_requests: int | None = None
-    remaining_tokens: int | None = None
-    reset_requests_s: float | None = None
-    """Until the request allowance is full again."""
-    reset_tokens_s: float | None = None
-    limit_requests: int | None = None
-    limit_tokens: int | None = None
-
-
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ms|us|µs|ns|h|m|s|d)")
-_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
-_UNIT_S["ns"] = 1e-9
-
-
-def parse_duration_s(text: str) -> float | None:
-    """Seconds in an OpenAI reset duration (`1s`, `250ms`, `6m0s`, `1h2m3.5s`, or plain
-    seconds); None when it is not one."""
-    text = text.strip()
-    try:
-        plain = float(text)
-    except ValueError:
-        pass
-    else:
-        return max(plain, 0.0) if math.isfinite(plain) else None
-    parts = _DURATION_PART.findall(text)
-    if not parts or "".join(n + u for n, u in parts) != text:
-        return None
-    return sum(float(n) * _UNIT_S[u] for n, u in parts)
-
-
-def _until_s(text: str, now_s: float) -> float | None:
-    """Seconds from now to an RFC 3339 or HTTP date, or a duration; None if unreadable."""
-    duration = parse_duration_s(text)
-    if duration is not None:
-        return duration
-    try:
-        # Python 3.10's fromisoformat does not read the "Z" suffix.
-        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError):
-            return None
-    if when.tzinfo is None:
-        return None
-    return max(when.timestamp() - now_s, 0.0)
-
-
-def _int(text: str | None) -> int | None:
-    if text is None:
-        return None
-    try:
-        return int(float(text))
-    except (ValueError, OverflowError):
-        return None
-
-
-def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None) -> RateSignal:
-    """The rate-limit signal in a response's headers (OpenAI's `x-ratelimit-*`, Anthropic's
-    `anthropic-ratelimit-*`, `retry-after`, `retry-after-ms`); `now_s` anchors dates."""
-    h = {k.lower(): v for k, v in headers.items()}
-    now = time.time() if now_s is None else now_s
-    pause_s = parse_retry_after(h, now_s=now)
-
-    def reset(kind: str) -> float | None:
-        raw = h.get(f"x-ratelimit-reset-{kind}") or h.get(f"anthropic-ratelimit-{kind}-reset")
-        return None if raw is None else _until_s(raw, now)
-
-    def count(what: str, kind: str) -> int | None:
-        raw = h.get(f"x-ratelimit-{what}-{kind}") or h.get(f"anthropic-ratelimit-{kind}-{what}")
-        return _int(raw)
-
-    return RateSignal(
-        pause_s=pause_s,
-        remaining_requests=count("remaining", "requests"),
-        remaining_tokens=count("remaining", "tokens"),
-        reset_requests_s=reset("requests"),
-        reset_tokens_s=reset("tokens"),
-        limit_requests=count("limit", "requests"),
-        limit_tokens=count("limit", "tokens"),
-    )
 
 
 def estimate_tokens(prompt_chars: int, max_completion_tokens: int | None) -> int:

@@ -13,10 +13,8 @@ The rules (design.md, "Time limits"):
 
 from __future__ import annotations
 
-import email.utils
 import random
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Literal
 
 from agentq.errors import (
@@ -34,20 +32,6 @@ FailureKind = Literal[
 BASE_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 30.0
 _RETRYABLE: frozenset[FailureKind] = frozenset({"idle_timeout", "http_retryable"})
-
-
-BUSY_STATUSES = frozenset({429, 503, 529})
-"""Rate limited (429) or overloaded (503, and 529 as some providers send it): the provider
-lacks capacity, the request itself is fine."""
-
-
-def rate_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The provider's rate-limit headers only (`retry-after*`, `x-ratelimit-*`), lowercased."""
-    return {
-        name.lower(): value
-        for name, value in headers.items()
-        if name.lower().startswith(("retry-after", "x-ratelimit-"))
-    }
 
 
 def retryable_status(status_code: int) -> bool:
@@ -102,29 +86,4 @@ def backoff_s(
     return delay_s * (1.0 - JITTER * rand())
 
 
-def parse_retry_after(headers: Mapping[str, str], *, now_s: float | None = None) -> float | None:
-    """Seconds the server asked us to wait, from `retry-after-ms` or `Retry-After`.
-
-    `Retry-After` may be seconds or an HTTP date; `now_s` (epoch seconds) anchors the date.
-    Header names are matched case-insensitively.
-    """
-    lowered = {k.lower(): v for k, v in headers.items()}
-    raw_ms = lowered.get("retry-after-ms")
-    if raw_ms is not None:
-        try:
-            return max(float(raw_ms) / 1000.0, 0.0)
-        except ValueError:
-            pass
-    raw = lowered.get("retry-after")
-    if raw is None:
-        return None
-    try:
-        return max(float(raw), 0.0)
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return None
-    now = time.time() if now_s is None else now_s
-    return max(when.timestamp() - now, 0.0)
+# END

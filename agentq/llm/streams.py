@@ -23,7 +23,8 @@ from agentq.errors import (
     StreamIdleTimeout,
 )
 from agentq.llm.capacity import Capacity, Wakes, capacity_for
-from agentq.llm.limits import DEFAULT_DEPLOYMENT, parse_rate_headers
+from agentq.llm.headers import parse_rate_headers
+from agentq.llm.limits import DEFAULT_DEPLOYMENT
 from agentq.llm.wakes import wake_granted
 from agentq.models import LlmRoundRequest, LlmRoundResult
 

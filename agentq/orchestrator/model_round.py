@@ -65,7 +65,8 @@ def send_round(
         tools_json=schemas_json(offered),
         duration_left_s=left_s,
         idle_timeout_ms=s.stream_idle_timeout_ms,
-        model=None if agent is None else agent.model,
+        # The model the round was admitted for: its limits and its call are one model's.
+        model=admission.model_of(ctx),
         instructions="" if agent is None else agent.instructions,
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),

@@ -19,7 +19,8 @@ import redis
 from redis.crc import key_slot
 
 from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt
-from agentq.llm.limits import RateSignal, parse_limits, parse_rate_headers
+from agentq.llm.headers import RateSignal, parse_rate_headers
+from agentq.llm.limits import parse_limits
 from agentq.local.redis_server import RedisServer
 
 T0 = 1_700_000_000_000

@@ -8,14 +8,8 @@ import pytest
 
 from agentq.errors import ConfigError
 from agentq.llm.capacity import pacing_interval_ms
-from agentq.llm.limits import (
-    DEFAULT_COMPLETION_TOKENS,
-    RateSignal,
-    estimate_tokens,
-    parse_duration_s,
-    parse_limits,
-    parse_rate_headers,
-)
+from agentq.llm.headers import RateSignal, parse_duration_s, parse_rate_headers
+from agentq.llm.limits import DEFAULT_COMPLETION_TOKENS, estimate_tokens, parse_limits
 
 
 def test_the_documented_example_parses() -> None:

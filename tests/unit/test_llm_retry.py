@@ -12,12 +12,12 @@ from agentq.errors import (
     StreamDurationExceeded,
     StreamIdleTimeout,
 )
+from agentq.llm.headers import parse_retry_after
 from agentq.llm.retry import (
     BASE_BACKOFF_S,
     MAX_BACKOFF_S,
     backoff_s,
     classify,
-    parse_retry_after,
     retryable_status,
     should_retry,
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agentq.llm.limits import parse_rate_headers
+from agentq.llm.headers import parse_rate_headers
 from agentq.testing.ratelimit import ProviderLimits
 
 
