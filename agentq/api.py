@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import secrets
 import time
 from collections.abc import Iterator
@@ -15,9 +16,9 @@ from celery import Celery
 from agentq import constants as k
 from agentq.agents import require_known
 from agentq.config import Settings, get_settings
-from agentq.errors import PayloadTooLarge, TokenInvalid, TurnNotFound
+from agentq.errors import BrokerUnavailable, PayloadTooLarge, TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES
-from agentq.fleet.broker import send_step
+from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import (
     TERMINAL_STATUSES,
     Event,
@@ -34,6 +35,8 @@ from agentq.telemetry import tracing
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
+
+log = logging.getLogger("agentq.api")
 
 
 def _hash_token(token: str) -> str:
@@ -145,7 +148,12 @@ class Client:
         if self.traced:
             state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
         self.store.create(turn_id, state, prior + new)
-        send_step(self.app, turn_id)
+        try:
+            send_step(self.app, turn_id)
+        except BrokerUnavailable as exc:
+            # The turn is stored: a turn worker's sweep starts it once the broker is back.
+            log.warning("%s; the turn starts when the broker is back", exc)
+            self.store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
         return TurnHandle(
             turn_id=turn_id,
             token=token,

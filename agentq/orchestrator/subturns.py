@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
+from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
 from agentq.state.base import WAKE_BACKSTOP_S
@@ -25,6 +27,8 @@ from agentq.tools.timing import truncate_text
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
     from agentq.orchestrator.plan import CallPlan
+
+log = logging.getLogger("agentq.turn")
 
 
 def child_turn_id(turn_id: str, call_id: str) -> str:
@@ -133,7 +137,10 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
-    send_step(ctx.app, child)
+    try:
+        send_step(ctx.app, child)
+    except BrokerUnavailable as exc:
+        log.warning("%s; the child's wakeup sends it later", exc)
 
 
 def report_to_parent(ctx: StepContext, message: str) -> None:
