@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from agentq import constants as k
+from agentq.fleet.health import HEALTH_EVERY_S
 from agentq.local.processes import wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.testing.openai_server import Round
@@ -165,3 +167,26 @@ def test_turn_started_while_the_broker_is_down_runs_when_it_is_back(
     turn = rig.client.get(handle.turn_id)
     assert [r["status"] for r in turn["invocations"]] == ["ok"]
     assert turn["history"][-1]["content"] == "Started late."
+
+
+def _age_s(path: Path) -> float:
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def test_health_file_is_fresh_only_while_the_worker_has_its_broker(
+    make_rig, broker_redis: RedisServer, tmp_path: Path
+) -> None:
+    health = tmp_path / "health"
+    rig = make_rig(AGENTQ_BROKER_URL=broker_redis.url, AGENTQ_HEALTH_FILE=str(health))
+    rig.start("turns", concurrency={"turns": 2})
+    first = wait_for(lambda: health.exists() and health.stat().st_mtime, 30)
+    wait_for(lambda: health.stat().st_mtime > first, 3 * HEALTH_EVERY_S, interval_s=0.2)
+    broker_redis.halt()
+    wait_for(lambda: _age_s(health) > 2 * HEALTH_EVERY_S, 6 * HEALTH_EVERY_S, interval_s=0.5)
+    broker_redis.start()
+    wait_for(lambda: _age_s(health) < HEALTH_EVERY_S, 60, interval_s=0.5)
+    rig.fleet.stop()
+    assert not health.exists()  # a stopped worker is not healthy
