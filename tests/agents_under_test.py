@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel, Field
+
 from agentq.agents import Agent
 from agentq.testing.tools import echo, hang, sleep
 
@@ -16,6 +18,16 @@ sleeper = Agent(
     max_calls_per_turn=3,
 )
 waiter = Agent(name="t_waiter", instructions="You are t_waiter.", tools=[hang])
+
+
+class Verdict(BaseModel):
+    """The typed answer of t_judge."""
+
+    answer: str
+    confidence: float = Field(ge=0, le=1)
+
+
+judge = Agent(name="t_judge", instructions="You are t_judge.", tools=[echo], output_type=Verdict)
 boss = Agent(
     name="t_boss",
     instructions="You are t_boss.",
@@ -24,6 +36,7 @@ boss = Agent(
         echoer.as_tool(name="ask_echoer", timeout_s=30, description="Ask the echoer."),
         sleeper.as_tool(name="ask_sleeper", timeout_s=2),
         waiter.as_tool(name="ask_waiter", timeout_s=60),
+        judge.as_tool(name="ask_judge", timeout_s=30),
     ],
 )
 middle = Agent(

@@ -23,7 +23,7 @@ import redis
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from agentq.events.bus import TERMINAL_TYPES, EventBus
+from agentq.events.bus import TERMINAL_TYPES
 from agentq.models import Event
 
 log = logging.getLogger("agentq.gateway.sse")
@@ -37,17 +37,6 @@ def format_event(ev: Event) -> bytes:
     """One SSE message; the data is one line of JSON (json.dumps escapes newlines)."""
     data = json.dumps(ev.model_dump(mode="json"), separators=(",", ":"), default=str)
     return f"id: {ev.stream_id or ''}\nevent: {ev.type}\ndata: {data}\n\n".encode()
-
-
-def replay_all(bus: EventBus, turn_id: str, after_id: str) -> Iterator[Event | None]:
-    """The rest of an ended turn's log, page by page; no live part."""
-    last = after_id
-    while True:
-        batch = bus.replay(turn_id, last)
-        yield from batch
-        if len(batch) < 1000:
-            return
-        last = batch[-1].stream_id or last
 
 
 @dataclass
