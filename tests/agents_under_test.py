@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from agentq.agents import Agent
-from agentq.testing.tools import echo, hang, sleep
+from agentq.testing.tools import ask_quick, delete_file, echo, hang, sleep
 
 echoer = Agent(
     name="t_echoer", instructions="You are t_echoer.", model="model-echoer", tools=[echo]
@@ -28,6 +28,7 @@ class Verdict(BaseModel):
 
 
 judge = Agent(name="t_judge", instructions="You are t_judge.", tools=[echo], output_type=Verdict)
+asker = Agent(name="t_asker", instructions="You are t_asker.", tools=[delete_file, ask_quick])
 boss = Agent(
     name="t_boss",
     instructions="You are t_boss.",
@@ -37,6 +38,7 @@ boss = Agent(
         sleeper.as_tool(name="ask_sleeper", timeout_s=2),
         waiter.as_tool(name="ask_waiter", timeout_s=60),
         judge.as_tool(name="ask_judge", timeout_s=30),
+        asker.as_tool(name="ask_asker", timeout_s=60),
     ],
 )
 middle = Agent(

@@ -178,8 +178,16 @@ class TreeFollower:
         for s in streams if streams is not None else list(self.streams.values()):
             load(s)
         while not self.done:
+            # Ids of two streams tie within a millisecond: the deeper stream first, since
+            # a child's end and the settling of its call in the parent are one script
+            # that writes the child's terminal event first.
             heads = [
-                (_stream_pos(q[0].stream_id or "0-0"), order.get(t, len(order)), t)
+                (
+                    _stream_pos(q[0].stream_id or "0-0"),
+                    -len(self.streams[t].path),
+                    order.get(t, len(order)),
+                    t,
+                )
                 for t, q in pending.items()
                 if q and t in self.streams
             ]
@@ -191,7 +199,7 @@ class TreeFollower:
                     full.discard(t)
                     load(self.streams[t])
                 continue
-            tid = min(heads)[2]
+            tid = min(heads)[3]
             known = set(self.streams)
             yield from self._emit(self.streams[tid], pending[tid].popleft())
             for t in self.streams:
