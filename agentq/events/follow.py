@@ -55,14 +55,14 @@ class Cursor:
         """Raises ValueError naming what is wrong (the gateway answers 422 with it)."""
         head, *rest = raw.strip().split(",")
         if parse_stream_id(head) is None:
-            raise ValueError("must start with a stream id like 1-0")
+            raise ValueError("must be a stream id like 1-0: two unsigned 64-bit integers")
         if len(rest) > CURSOR_CHILDREN_MAX:
             raise ValueError(f"names more than {CURSOR_CHILDREN_MAX} child streams")
         children: dict[str, str] = {}
         for part in rest:
             tid, _, pos = part.partition("=")
             if not is_turn_id(tid) or parse_stream_id(pos) is None:
-                raise ValueError("a child position is <turn id>=<stream id>")
+                raise ValueError("a relayed stream's position is <turn id>=<stream id>")
             children[tid] = _norm(pos)
         return cls(_norm(head), children)
 

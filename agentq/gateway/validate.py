@@ -49,7 +49,7 @@ def cursor_of(value: str, field: str = "Last-Event-ID") -> Cursor:
         return Cursor.parse(value)
     except ValueError as exc:
         raise ApiError(
-            422, "ValidationError", f"{field}: {exc}; it is an SSE id as sent, like 1-0"
+            422, "ValidationError", f"{field}: {exc} (an SSE id as the stream sent it)"
         ) from None
 
 

@@ -12,7 +12,12 @@ running:model         round sent, no result yet                    running:model
                                                                    heartbeat check)
 running:model         its stream worker died (heartbeat lapsed)    running:model (round sent
                                                                    again, llm_max_retries times)
-running:model         an answer without tool calls                 finished (turn_finished)
+running:model         an answer without tool calls                 finished (turn_finished; a
+                                                                   typed output stored)
+running:model         an answer its agent's output type refuses    running:model (the errors
+                                                                   as a user message; once)
+running:model         ... refused a second time                    error (turn_error,
+                                                                   invalid_output)
 running:model         an answer with tool calls                    running:tools (assistant
                                                                    message kept, calls planned)
 running:model         the round failed, or no worker in time       error (turn_error)
@@ -26,6 +31,8 @@ running:tools         an agent call past its limit                 running:tools
                                                                    timeout, child aborted)
 running:tools         every call settled                           running:model (tool-result
                                                                    message; next round)
+running:tools         an agent call's heartbeat is due             running:tools (tool_progress
+                                                                   of the call, child's phase)
 running:tools         every call settled, and a stop reason        finished (max_calls_per_turn,
                                                                    loop_detected)
 running:tools         headless ask without a declared default      error (turn_error, exit 4)
