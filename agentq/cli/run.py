@@ -134,16 +134,21 @@ def run(
         with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
             # Every level of sub-agents: an approval they ask for is answered here.
             events = client.events(handle.turn_id, heartbeat_s=0.25, depth=RELAY_DEPTH_MAX)
+            asked = False
             for ev in events:
                 if ev is not None:
                     view.apply(ev)
                     if ev.type == "interaction_requested" and interactive:
                         live.stop()
+                        asked = True
                         answerer.ask(ev)
                         time.sleep(0)
                     if ev.type in TERMINAL_TYPES and not ev.path:
                         code = exit_code_for(ev)
                 live.update(view.render())
+        if asked:
+            # The live view stopped for a prompt: show how the turn ended below the answer.
+            console.print(view.render())
         console.print(view.summary(), style="bold")
         return code
     except KeyboardInterrupt:

@@ -239,3 +239,32 @@ def test_the_console_lists_and_answers_a_childs_request_for_the_parents_owner(
     (done,) = [e for e in events if e.path and e.type == "tool_finished"]
     assert done.fields["status"] == "denied"
     assert events[-1].type == "turn_finished" and not events[-1].path
+
+
+def test_sse_resumes_a_live_relay_after_a_disconnect_without_loss_or_repeats(
+    keyed: BackgroundServer, llm_server: Any, client: Client
+) -> None:
+    key, _ = asking_parent(llm_server)
+    with httpx.Client(base_url=keyed.url, timeout=30) as http:
+        r = http.post("/v1/turns", json={"prompt": key, "agent": "t_boss"}, headers=auth(ALICE_KEY))
+        assert r.status_code == 202, r.text
+        parent = r.json()["turn_id"]
+        seen: list[SSEMessage] = []
+        with http.stream("GET", f"/v1/turns/{parent}/events", headers=auth(ALICE_KEY)) as resp:
+            for msg in iter_sse(resp):
+                if msg.comment is None and msg.data:
+                    seen.append(msg)
+                    if msg.event == "interaction_requested":
+                        break
+        asked = seen[-1].json()
+        child = asked["turn_id"]
+        assert f",{child}=" in (seen[-1].id or "")  # the child's stream is open
+        url = f"/v1/turns/{child}/interactions/{asked['request_id']}"
+        assert http.post(url, json={"decision": "approve"}, headers=auth(ALICE_KEY)).is_success
+        assert client.wait(parent, timeout_s=60).type == "turn_finished"
+        rest = sse(http, parent, ALICE_KEY, last_event_id=seen[-1].id)
+        full = sse(http, parent, ALICE_KEY)
+    # The relayed answer comes first after the resume point; together, every event once.
+    assert rest[0].event == "interaction_answered" and rest[0].json()["path"] == [child]
+    assert len(seen) + len(rest) == len(full)
+    assert sorted(m.data for m in seen + rest) == sorted(m.data for m in full)
