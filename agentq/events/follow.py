@@ -174,16 +174,18 @@ class TreeFollower:
             pending[s.turn_id] = deque(batch)
             if len(batch) >= PAGE:
                 full.add(s.turn_id)
+            else:
+                full.discard(s.turn_id)
 
         for s in streams if streams is not None else list(self.streams.values()):
             load(s)
         while not self.done:
-            # Ids of two streams tie within a millisecond: the deeper stream first, since
-            # a child's end and the settling of its call in the parent are one script
-            # that writes the child's terminal event first.
+            # By the millisecond of the stream id: the sequence part counts per stream,
+            # so within a millisecond the deeper stream goes first (a child's end and the
+            # settling of its call in the parent are one script, the child's end first).
             heads = [
                 (
-                    _stream_pos(q[0].stream_id or "0-0"),
+                    _stream_pos(q[0].stream_id or "0-0")[0],
                     -len(self.streams[t].path),
                     order.get(t, len(order)),
                     t,
@@ -192,16 +194,14 @@ class TreeFollower:
                 if q and t in self.streams
             ]
             if not heads:
-                refill = [t for t in full if t in self.streams]
-                if not refill:
-                    return
-                for t in refill:
-                    full.discard(t)
-                    load(self.streams[t])
-                continue
+                return
             tid = min(heads)[3]
             known = set(self.streams)
             yield from self._emit(self.streams[tid], pending[tid].popleft())
+            if not pending[tid] and tid in full and tid in self.streams:
+                # Its next page before any other stream's next event: the merge needs
+                # every open stream's head.
+                load(self.streams[tid])
             for t in self.streams:
                 if t not in known:
                     # A child that event opened: its log is merged with the rest from here.
