@@ -67,7 +67,7 @@ def send_round(
         idle_timeout_ms=s.stream_idle_timeout_ms,
         # The model the round was admitted for: its limits and its call are one model's.
         model=admission.model_of(ctx),
-        instructions="" if agent is None else agent.instructions,
+        instructions="" if agent is None else agent.system_message(),
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
