@@ -108,6 +108,11 @@ def _flower_workers(fleet: ComposeFleet) -> list[str]:
     return sorted(r.json())
 
 
+def _kind(worker: str) -> str:
+    """`turns@host` is a turns worker; the llm supervisor's are `llm-1@host`, `llm-2@host`."""
+    return worker.split("@")[0].split("-")[0]
+
+
 def test_flower_lists_every_worker(fleet: ComposeFleet) -> None:
     assert httpx.get(fleet.flower_url + "/api/workers", timeout=10).status_code == 401
     names = wait_for(
@@ -128,14 +133,14 @@ def test_three_tool_containers_share_the_calls(fleet: ComposeFleet) -> None:
     fleet.up("--scale", "tools=3", "--no-recreate")
     assert len(fleet.containers("tools")) == 3
     wait_for(
-        lambda: sum(n.startswith("tools@") for n in _flower_workers(fleet)) == 3,
+        lambda: sum(_kind(n) == "tools" for n in _flower_workers(fleet)) == 3,
         90,
         interval_s=2,
         message="Flower to list 3 tool workers",
     )
     ids = fleet.start_turns(24)
     turns = fleet.wait_ended(ids, END_BOUND_S)
-    workers = Counter(r["worker"].split("-")[0] for t in turns.values() for r in t["invocations"])
+    workers = Counter(r["worker"] for t in turns.values() for r in t["invocations"])
     assert {t["state"]["status"] for t in turns.values()} == {"finished"}
     hosts = {r["worker"] for t in turns.values() for r in t["invocations"]}
     print(f"\ncompose: scaled to 3 tool containers in {since(t0)} s; calls by host: {workers}")
