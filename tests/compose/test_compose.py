@@ -115,17 +115,18 @@ def _kind(worker: str) -> str:
 
 def test_flower_lists_every_worker(fleet: ComposeFleet) -> None:
     assert httpx.get(fleet.flower_url + "/api/workers", timeout=10).status_code == 401
-    names = wait_for(
-        lambda: (
-            (w := _flower_workers(fleet))
-            and all(any(n.startswith(f"{s}@") for n in w) for s in WORKER_SERVICES)
-            and w
-        ),
-        60,
-        interval_s=2,
-        message="Flower to list a turns, llm, tools and io worker",
-    )
-    print(f"\ncompose: Flower lists {names}")
+    # A worker slow to answer one inspect broadcast is missing from that answer only.
+    seen: set[str] = set()
+
+    def every_kind() -> bool:
+        seen.update(_flower_workers(fleet))
+        return {_kind(n) for n in seen} >= set(WORKER_SERVICES)
+
+    try:
+        wait_for(every_kind, 90, interval_s=2)
+    except AssertionError:
+        raise AssertionError(f"in 90 s Flower listed only {sorted(seen)}") from None
+    print(f"\ncompose: Flower lists {sorted(seen)}")
 
 
 def test_three_tool_containers_share_the_calls(fleet: ComposeFleet) -> None:
