@@ -222,7 +222,8 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
     if state is None or state.get("status") not in EVENT_TYPES:
         return None
     status = str(state["status"])
-    final: dict[str, Any] = next((m for m in reversed(store.history(turn_id)) if m.get("role") == "assistant"), {})
+    history = store.history(turn_id)
+    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "rounds": 0}
     after = "0-0"
     while True:

@@ -1,0 +1,207 @@
+"""Webhooks through real workers: a real receiver on 127.0.0.1 checks every signature with
+the `standardwebhooks` package; failures, retries with backoff, 410, a worker restart."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from standardwebhooks import Webhook
+from standardwebhooks.webhooks import WebhookVerificationError
+
+from agentq import constants as k
+from agentq.api import Client
+from agentq.config import load_settings
+from agentq.errors import WebhookRefused
+from agentq.fleet.runtime import get_store
+from agentq.local.fleet import LocalFleet
+from agentq.local.processes import ManagedProcess, wait_for
+from agentq.testing.openai_server import Round
+from agentq.testing.webhooks import Received, WebhookReceiver
+from agentq.webhooks.deliveries import Deliveries
+from tests.helpers import calls, follow_until, script
+
+pytestmark = pytest.mark.integration
+
+SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+ENV = {
+    "AGENTQ_WEBHOOK_SECRET": SECRET,
+    "AGENTQ_WEBHOOK_ALLOW_PRIVATE": "true",
+    "AGENTQ_WEBHOOK_ALLOW_HTTP": "true",
+    "AGENTQ_WEBHOOK_TIMEOUT_S": "2",
+    "AGENTQ_WEBHOOK_RETRY_BASE_S": "0.5",
+    "AGENTQ_WEBHOOK_RETRY_MAX_S": "4",
+    "AGENTQ_WEBHOOK_SWEEP_INTERVAL_S": "0.1",
+}
+
+
+def _webhook_worker(local_fleet: LocalFleet) -> ManagedProcess:
+    """A worker for the webhook queue alone, as an operator may run one."""
+    return local_fleet.start_worker("io", extra_args=("-Q", k.QUEUE_WEBHOOKS), env=ENV)
+
+
+@pytest.fixture(scope="module")
+def webhook_worker(local_fleet: LocalFleet) -> Iterator[ManagedProcess]:
+    proc = _webhook_worker(local_fleet)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture()
+def hook_client(agentq_env: dict[str, str]) -> Client:
+    return Client(
+        load_settings(webhook_secret=SECRET, webhook_allow_private=True, webhook_allow_http=True)
+    )
+
+
+def deliveries() -> Deliveries:
+    return Deliveries(get_store().redis, retention_s=3600)
+
+
+def verified(r: Received) -> dict[str, Any]:
+    """The body, once its signature checks out under the reference implementation."""
+    return Webhook(SECRET).verify(r.body, r.headers)  # type: ignore[no-any-return]
+
+
+def test_finished_turn_posts_one_signed_webhook(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    key = script(llm_server, Round(text="The answer is 42."))
+    with WebhookReceiver([200]) as rx:
+        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        (got,) = rx.wait(1)
+        body = verified(got)
+        assert got.headers["webhook-id"] == k.webhook_id(handle.turn_id)
+        assert body["type"] == "turn.finished"
+        data = body["data"]
+        assert data["turn_id"] == handle.turn_id and data["status"] == "finished"
+        assert data["output_text"] == "The answer is 42."
+        assert data["usage"]["rounds"] == 1
+        assert data["created_at"] <= data["ended_at"]
+        # Anything else must fail the check: the signature covers id, timestamp and body.
+        with pytest.raises(WebhookVerificationError):
+            Webhook(SECRET).verify(got.body + b" ", got.headers)
+        d = wait_for(
+            lambda: (
+                (x := deliveries().get(k.webhook_id(handle.turn_id)))
+                and x.status != "pending"
+                and x
+            ),
+            10,
+        )
+        assert d.status == "delivered" and d.attempts == 1
+        assert [a.status_code for a in deliveries().attempts(d.id)] == [200]
+        assert SECRET not in json.dumps(hook_client.get(handle.turn_id))
+
+
+def test_failures_are_retried_with_backoff_under_one_id(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    key = script(llm_server, Round(text="ok"))
+    with WebhookReceiver([500, 503, 200]) as rx:
+        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        got = rx.wait(3)
+        for r in got:
+            verified(r)
+        assert {r.headers["webhook-id"] for r in got} == {k.webhook_id(handle.turn_id)}
+        first_gap, second_gap = got[1].at - got[0].at, got[2].at - got[1].at
+        # 0.5 s then 1 s (less up to a fifth of jitter), plus the sweep's tick.
+        assert 0.4 <= first_gap < second_gap, (first_gap, second_gap)
+        assert second_gap >= 0.8
+        d = wait_for(
+            lambda: (
+                (x := deliveries().get(k.webhook_id(handle.turn_id)))
+                and x.status == "delivered"
+                and x
+            ),
+            10,
+        )
+        assert [a.status_code for a in deliveries().attempts(d.id)] == [500, 503, 200]
+        assert d.id not in {m.decode() for m in get_store().redis.zrange(k.WEBHOOKS_DUE, 0, -1)}
+
+
+def test_410_stops_the_delivery(fleet, webhook_worker, llm_server, hook_client: Client) -> None:
+    key = script(llm_server, Round(text="ok"))
+    with WebhookReceiver([410, 200]) as rx:
+        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        d = wait_for(
+            lambda: (
+                (x := deliveries().get(k.webhook_id(handle.turn_id))) and x.status == "gone" and x
+            ),
+            15,
+        )
+        assert d.attempts == 1 and len(rx.received) == 1
+        assert get_store().redis.zscore(k.WEBHOOKS_DUE, d.id) is None
+
+
+def test_aborted_turn_posts_turn_aborted(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 30}))))
+    with WebhookReceiver([200]) as rx:
+        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url)
+        follow_until(hook_client, handle.turn_id, "tool_started")
+        hook_client.abort(handle.turn_id, handle.token)
+        body = verified(rx.wait(1)[0])
+        assert body["type"] == "turn.aborted"
+        assert body["data"]["status"] == "aborted" and body["data"]["abort_reason"] == "user"
+
+
+def test_retries_survive_a_worker_restart(
+    fleet, local_fleet: LocalFleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    """The module's worker is killed between two attempts; the retry is due in Redis, and a
+    new worker's sweep sends it under the same id."""
+    key = script(llm_server, Round(text="ok"))
+    with WebhookReceiver([500]) as rx:
+        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        rx.wait(1)
+        # The first attempt is recorded (due again later) before the worker dies.
+        delivery_id = k.webhook_id(handle.turn_id)
+        wait_for(lambda: (d := deliveries().get(delivery_id)) and d.attempts >= 1, 10)
+        webhook_worker.kill()
+        rx.answer([200])
+        second = _webhook_worker(local_fleet)
+        try:
+            d = wait_for(
+                lambda: (x := deliveries().get(delivery_id)) and x.status == "delivered" and x,
+                30,
+            )
+            assert d.attempts >= 2
+            assert {r.headers["webhook-id"] for r in rx.received} == {delivery_id}
+            for r in rx.received:
+                verified(r)
+        finally:
+            second.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("http://example.com/hook", "scheme must be https"),
+        ("https://127.0.0.1/hook", "loopback"),
+        ("https://10.1.2.3/hook", "private"),
+        ("https://169.254.169.254/latest", "link-local"),
+        ("https://[::1]/hook", "loopback"),
+        ("https://localhost/hook", "loopback name"),
+        ("https://user:pw@example.com/hook", "credentials"),
+    ],
+)
+def test_undeliverable_url_is_refused_at_start(
+    agentq_env: dict[str, str], url: str, reason: str
+) -> None:
+    client = Client(load_settings(webhook_secret=SECRET))
+    before = get_store().redis.zcard(k.TURNS_INDEX)
+    with pytest.raises(WebhookRefused, match=reason):
+        client.start_turn("hi", webhook_url=url)
+    assert get_store().redis.zcard(k.TURNS_INDEX) == before
+
+
+def test_no_secret_no_webhook(agentq_env: dict[str, str]) -> None:
+    client = Client(load_settings(webhook_secret=None))
+    with pytest.raises(WebhookRefused, match="AGENTQ_WEBHOOK_SECRET"):
+        client.start_turn("hi", webhook_url="https://example.com/hook")
