@@ -28,6 +28,7 @@ from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task
 from agentq.orchestrator.inline import step_inline
+from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import register_step_task
 from agentq.telemetry import logs, tracing
 from agentq.tools.registry import all_tools
@@ -57,6 +58,7 @@ set_app(app)
 register_step_task(app, get_store, get_settings)
 register_llm_task(app)
 register_webhook_task(app, get_store, get_settings)
+register_schedule_task(app, get_store, get_settings)
 tool_queues = register_tool_tasks(app)
 io_queues = [*queues_of(all_tools(), io=True), QUEUE_WEBHOOKS]
 
