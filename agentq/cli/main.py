@@ -237,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--no-gateway", action="store_true", help="don't start the gateway (HTTP API and web page)"
     )
+    d.add_argument("--no-beat", action="store_true", help="don't start a beat (schedules)")
     d.add_argument(
         "--demo",
         action="store_true",
