@@ -174,14 +174,9 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
 
 def webhook_view(client: Client, turn_id: str) -> dict[str, Any] | None:
     """The turn's webhook delivery and its attempts, if it has one."""
-    from agentq.constants import webhook_id
     from agentq.webhooks.deliveries import Deliveries
 
-    deliveries = Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s)
-    d = deliveries.get(webhook_id(turn_id))
-    if d is None:
-        return None
-    return {**d.model_dump(), "tries": [a.model_dump() for a in deliveries.attempts(d.id)]}
+    return Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s).of_turn(turn_id)
 
 
 def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:

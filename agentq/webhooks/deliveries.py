@@ -196,6 +196,13 @@ class Deliveries:
                 out.append(d)
         return out
 
+    def of_turn(self, turn_id: str) -> dict[str, Any] | None:
+        """A turn's delivery with its attempts (`tries`), for `agentq show` and the console."""
+        d = self.get(k.webhook_id(turn_id))
+        if d is None:
+            return None
+        return {**d.model_dump(), "tries": [a.model_dump() for a in self.attempts(d.id)]}
+
     def counts(self) -> dict[str, int]:
         return {text(f): int(v) for f, v in self.redis.hgetall(k.WEBHOOK_COUNTS).items()}
 

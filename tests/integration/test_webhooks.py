@@ -9,6 +9,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from standardwebhooks import Webhook
 from standardwebhooks.webhooks import WebhookVerificationError
@@ -16,8 +17,9 @@ from standardwebhooks.webhooks import WebhookVerificationError
 from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.errors import WebhookRefused
+from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.runtime import get_store
+from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
 from agentq.testing.openai_server import Round
@@ -205,3 +207,62 @@ def test_no_secret_no_webhook(agentq_env: dict[str, str]) -> None:
     client = Client(load_settings(webhook_secret=None))
     with pytest.raises(WebhookRefused, match="AGENTQ_WEBHOOK_SECRET"):
         client.start_turn("hi", webhook_url="https://example.com/hook")
+
+
+ALICE_KEY = "alice-" + base64.b64encode(os.urandom(12)).decode()
+ADMIN_KEY = "ops-" + base64.b64encode(os.urandom(12)).decode()
+
+
+def test_over_http_a_key_default_url_the_console_and_metrics(
+    fleet, webhook_worker, llm_server, agentq_env: dict[str, str]
+) -> None:
+    key = script(llm_server, Round(text="via http"))
+    with WebhookReceiver([500, 200]) as rx:
+        settings = load_settings(
+            webhook_secret=SECRET,
+            webhook_allow_private=True,
+            webhook_allow_http=True,
+            webhook_urls={"alice": rx.url},
+            api_keys=f"alice={ALICE_KEY}",
+            admin_keys=f"ops={ADMIN_KEY}",
+        )
+        with (
+            BackgroundServer(create_app(Client(settings), observe_events=False)) as server,
+            httpx.Client(base_url=server.url, timeout=30) as http,
+        ):
+            alice = {"Authorization": f"Bearer {ALICE_KEY}"}
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            # Private addresses are allowed here; a scheme nobody delivers to is not.
+            refused = http.post(
+                "/v1/turns", json={"prompt": "x", "webhook_url": "ftp://h/x"}, headers=alice
+            )
+            assert refused.status_code == 422, refused.text
+            assert refused.json()["error"]["type"] == "WebhookRefused"
+            assert "scheme must be" in refused.json()["error"]["message"]
+            # No webhook_url: alice's key has a default one.
+            r = http.post("/v1/turns", json={"prompt": f"{key} go", "detach": True}, headers=alice)
+            assert r.status_code == 202, r.text
+            turn_id = r.json()["turn_id"]
+            got = rx.wait(2)
+            assert {verified(g)["data"]["turn_id"] for g in got} == {turn_id}
+            wait_for(
+                lambda: (d := deliveries().get(k.webhook_id(turn_id))) and d.status == "delivered",
+                10,
+            )
+            view = http.get(f"/v1/turns/{turn_id}/timeline", headers=alice).json()
+            assert view["webhook"]["status"] == "delivered"
+            assert [t["status_code"] for t in view["webhook"]["tries"]] == [500, 200]
+            assert http.get("/v1/webhooks", headers=alice).status_code == 403
+            listed = http.get("/v1/webhooks", headers=admin).json()["deliveries"]
+            assert k.webhook_id(turn_id) in [d["id"] for d in listed]
+            metrics = http.get("/metrics", headers=admin).text
+            assert 'agentq_webhook_attempts_total{outcome="http_500"}' in metrics
+            assert 'agentq_webhook_deliveries_total{status="delivered"}' in metrics
+            assert "agentq_webhook_backlog" in metrics
+            assert SECRET not in metrics and SECRET not in json.dumps(view)
+
+
+def test_a_bad_key_default_url_stops_the_gateway_at_start(agentq_env: dict[str, str]) -> None:
+    settings = load_settings(webhook_secret=SECRET, webhook_urls={"alice": "http://x.example/"})
+    with pytest.raises(ConfigError, match=r"AGENTQ_WEBHOOK_URLS: alice: .*scheme must be https"):
+        create_app(Client(settings))
