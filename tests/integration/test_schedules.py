@@ -9,10 +9,12 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import httpx
 import pytest
 from redbeat import RedBeatSchedulerEntry
 
@@ -20,6 +22,7 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.fleet.runtime import get_app, get_store
+from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import ManagedProcess, start_process, wait_for
 from agentq.orchestrator.scheduled import run_tick, tick_turn_id
 from agentq.schedules.spec import ScheduleSpec
@@ -30,6 +33,8 @@ from tests.helpers import calls, script
 pytestmark = pytest.mark.integration
 
 BEAT_ENV = {"AGENTQ_BEAT_MAX_INTERVAL_S": "0.25"}
+ALICE_KEY = "alice-" + uuid.uuid4().hex
+ADMIN_KEY = "ops-" + uuid.uuid4().hex
 
 
 class Beats:
@@ -204,3 +209,36 @@ def test_schedule_commands(agentq_env: dict[str, str], schedules: Schedules) -> 
     assert gone.returncode == 0
     missing = agentq_cli("schedule", "remove", "daily", env=env)
     assert missing.returncode == 1 and "no schedule named 'daily'" in missing.stderr
+
+
+def test_schedules_over_http_are_for_admin_keys(agentq_env: dict[str, str], schedules) -> None:
+    settings = load_settings(api_keys=f"alice={ALICE_KEY}", admin_keys=f"ops={ADMIN_KEY}")
+    with (
+        BackgroundServer(create_app(Client(settings), observe_events=False)) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        alice = {"Authorization": f"Bearer {ALICE_KEY}"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        body = {"name": "nightly", "cron": "0 2 * * *", "prompt": "tidy up"}
+        assert http.post("/v1/schedules", json=body, headers=alice).status_code == 403
+        assert http.get("/v1/schedules", headers=alice).status_code == 403
+        assert http.post("/v1/schedules", json=body).status_code == 401
+        made = http.post("/v1/schedules", json=body, headers=admin)
+        assert made.status_code == 201, made.text
+        assert made.json()["owner"] == "ops" and made.json()["when"] == "cron 0 2 * * *"
+        bad = http.post(
+            "/v1/schedules", json={"name": "b", "every": "1ms", "prompt": "x"}, headers=admin
+        )
+        assert bad.status_code == 422 and "at least 1s" in bad.json()["error"]["message"]
+        both = http.post(
+            "/v1/schedules",
+            json={"name": "b", "every": "5m", "cron": "* * * * *", "prompt": "x"},
+            headers=admin,
+        )
+        assert both.status_code == 422 and "not both" in both.json()["error"]["message"]
+        (row,) = http.get("/v1/schedules", headers=admin).json()["schedules"]
+        assert row["name"] == "nightly" and row["fired"] == 0
+        assert http.delete("/v1/schedules/nightly", headers=alice).status_code == 403
+        assert http.delete("/v1/schedules/nightly", headers=admin).status_code == 200
+        gone = http.delete("/v1/schedules/nightly", headers=admin)
+        assert gone.status_code == 404 and gone.json()["error"]["type"] == "ScheduleNotFound"
