@@ -35,8 +35,17 @@ class Jobs:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         client = gw.client
-        self.schedules = Schedules(client.app, client.store.redis, client.settings)
+        self._schedules: Schedules | None = None
         self.deliveries = Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s)
+
+    @property
+    def schedules(self) -> Schedules:
+        """Made on first use: behind Sentinel the gateway serves all else, and schedules
+        answer with the ConfigError that says why they cannot run there."""
+        if self._schedules is None:
+            c = self.gw.client
+            self._schedules = Schedules(c.app, c.store.redis, c.settings)
+        return self._schedules
 
     def _admin(self, request: Request) -> Principal | None:
         principal = self.gw.require_key(request)

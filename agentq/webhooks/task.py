@@ -34,9 +34,10 @@ WAITING_RECHECK_S = 30.0
 
 
 def lease_s(settings: Settings) -> float:
-    """How long a sent attempt's message has before a sweep sends another: its attempt's
-    bound plus time to wait in the queue."""
-    return settings.webhook_timeout_s + 60.0
+    """How long a sent attempt's message has before a sweep sends another: twice its
+    attempt's bound plus a little time in the queue. A message that waits longer finds its
+    attempt made (or in flight) and does nothing."""
+    return 2 * settings.webhook_timeout_s + 5.0
 
 
 def deliveries(store: TurnStore, settings: Settings) -> Deliveries:

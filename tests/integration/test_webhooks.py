@@ -46,11 +46,18 @@ def _webhook_worker(local_fleet: LocalFleet) -> ManagedProcess:
     return local_fleet.start_worker("io", extra_args=("-Q", k.QUEUE_WEBHOOKS), env=ENV)
 
 
+class WorkerSlot:
+    """The module's webhook worker; a test that kills it puts the next one here."""
+
+    def __init__(self, proc: ManagedProcess) -> None:
+        self.proc = proc
+
+
 @pytest.fixture(scope="module")
-def webhook_worker(local_fleet: LocalFleet) -> Iterator[ManagedProcess]:
-    proc = _webhook_worker(local_fleet)
-    yield proc
-    proc.stop()
+def webhook_worker(local_fleet: LocalFleet) -> Iterator[WorkerSlot]:
+    slot = WorkerSlot(_webhook_worker(local_fleet))
+    yield slot
+    slot.proc.stop()
 
 
 @pytest.fixture()
@@ -98,6 +105,28 @@ def test_finished_turn_posts_one_signed_webhook(
         assert d.status == "delivered" and d.attempts == 1
         assert [a.status_code for a in deliveries().attempts(d.id)] == [200]
         assert SECRET not in json.dumps(hook_client.get(handle.turn_id))
+        assert get_store().redis.zscore(k.WEBHOOKS_WAITING, handle.turn_id) is None
+
+
+def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    """The step that ended the turn died before it queued the delivery: the turn was noted
+    when it started, and the sweep queues its delivery once it finds it ended."""
+    key = script(llm_server, Round(text="ok"))
+    with WebhookReceiver([200]) as rx:
+        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        rx.wait(1)
+        delivery_id = k.webhook_id(handle.turn_id)
+        wait_for(lambda: (d := deliveries().get(delivery_id)) and d.status == "delivered", 10)
+        redis = get_store().redis
+        # As if the delivery had never been queued: gone, and the turn still noted.
+        redis.delete(k.webhook_key(delivery_id), k.webhook_attempts_key(delivery_id))
+        redis.zadd(k.WEBHOOKS_WAITING, {handle.turn_id: 0})
+        again = rx.wait(2)[1]
+        assert again.headers["webhook-id"] == delivery_id
+        assert verified(again)["data"]["turn_id"] == handle.turn_id
+        assert redis.zscore(k.WEBHOOKS_WAITING, handle.turn_id) is None
 
 
 def test_failures_are_retried_with_backoff_under_one_id(
@@ -165,20 +194,17 @@ def test_retries_survive_a_worker_restart(
         # The first attempt is recorded (due again later) before the worker dies.
         delivery_id = k.webhook_id(handle.turn_id)
         wait_for(lambda: (d := deliveries().get(delivery_id)) and d.attempts >= 1, 10)
-        webhook_worker.kill()
+        webhook_worker.proc.kill()
         rx.answer([200])
-        second = _webhook_worker(local_fleet)
-        try:
-            d = wait_for(
-                lambda: (x := deliveries().get(delivery_id)) and x.status == "delivered" and x,
-                30,
-            )
-            assert d.attempts >= 2
-            assert {r.headers["webhook-id"] for r in rx.received} == {delivery_id}
-            for r in rx.received:
-                verified(r)
-        finally:
-            second.stop()
+        webhook_worker.proc = _webhook_worker(local_fleet)
+        d = wait_for(
+            lambda: (x := deliveries().get(delivery_id)) and x.status == "delivered" and x,
+            30,
+        )
+        assert d.attempts >= 2
+        assert {r.headers["webhook-id"] for r in rx.received} == {delivery_id}
+        for r in rx.received:
+            verified(r)
 
 
 @pytest.mark.parametrize(
