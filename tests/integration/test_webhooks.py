@@ -16,6 +16,7 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from agentq import constants as k
 from agentq.api import Client
+from agentq.cli.show import cmd_show
 from agentq.config import load_settings
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.runtime import get_store
@@ -130,7 +131,7 @@ def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
 
 
 def test_failures_are_retried_with_backoff_under_one_id(
-    fleet, webhook_worker, llm_server, hook_client: Client
+    fleet, webhook_worker, llm_server, hook_client: Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
     key = script(llm_server, Round(text="ok"))
     with WebhookReceiver([500, 503, 200]) as rx:
@@ -152,6 +153,11 @@ def test_failures_are_retried_with_backoff_under_one_id(
             10,
         )
         assert [a.status_code for a in deliveries().attempts(d.id)] == [500, 503, 200]
+        # `agentq show` has the delivery and each attempt.
+        assert cmd_show(hook_client, handle.turn_id, as_json=True) == 0
+        shown = json.loads(capsys.readouterr().out)["webhook"]
+        assert shown["status"] == "delivered" and shown["attempts"] == 3
+        assert [t["error"] for t in shown["tries"]] == ["HTTP 500", "HTTP 503", None]
         assert d.id not in {m.decode() for m in get_store().redis.zrange(k.WEBHOOKS_DUE, 0, -1)}
 
 
