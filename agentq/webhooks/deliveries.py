@@ -238,7 +238,7 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
         for ev in chunk:
             if ev.type == "llm_finished":
                 usage["rounds"] += 1
-                used = getattr(ev, "usage", None)
+                used = ev.fields.get("usage")
                 if isinstance(used, dict):
                     for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
                         usage[name] += int(used.get(name) or 0)

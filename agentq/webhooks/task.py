@@ -13,15 +13,20 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery import Celery, Task
 
 from agentq import constants as k
 from agentq.config import Settings
-from agentq.state.base import text
 from agentq.webhooks import backoff, signing
-from agentq.webhooks.deliveries import AttemptRecord, Deliveries, encode, turn_payload
+from agentq.webhooks.deliveries import (
+    AttemptRecord,
+    Deliveries,
+    Delivery,
+    encode,
+    turn_payload,
+)
 from agentq.webhooks.post import post
 
 if TYPE_CHECKING:
@@ -138,7 +143,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         redis.delete(lock)
 
 
-def _retry_later(dels: Deliveries, d: Any, error: str, settings: Settings) -> str:
+def _retry_later(dels: Deliveries, d: Delivery, error: str, settings: Settings) -> str:
     """Count a failed attempt that never reached the network (this worker cannot sign)."""
     n = d.attempts + 1
     out = backoff.outcome(
@@ -218,4 +223,4 @@ class WebhookSweeper:
 
 def redacted_url(url: str) -> str:
     """For logs: scheme, host and path, no query (which may carry a token)."""
-    return text(url).split("?", 1)[0]
+    return url.split("?", 1)[0]

@@ -23,6 +23,7 @@ from agentq.fleet.runtime import get_store
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
+from agentq.models import Usage
 from agentq.testing.openai_server import Round
 from agentq.testing.webhooks import Received, WebhookReceiver
 from agentq.webhooks.deliveries import Deliveries
@@ -80,7 +81,8 @@ def verified(r: Received) -> dict[str, Any]:
 def test_finished_turn_posts_one_signed_webhook(
     fleet, webhook_worker, llm_server, hook_client: Client
 ) -> None:
-    key = script(llm_server, Round(text="The answer is 42."))
+    used = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
+    key = script(llm_server, Round(text="The answer is 42.", usage=used))
     with WebhookReceiver([200]) as rx:
         handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         (got,) = rx.wait(1)
@@ -90,7 +92,7 @@ def test_finished_turn_posts_one_signed_webhook(
         data = body["data"]
         assert data["turn_id"] == handle.turn_id and data["status"] == "finished"
         assert data["output_text"] == "The answer is 42."
-        assert data["usage"]["rounds"] == 1
+        assert data["usage"] == {**used.model_dump(), "rounds": 1}
         assert data["created_at"] <= data["ended_at"]
         # Anything else must fail the check: the signature covers id, timestamp and body.
         with pytest.raises(WebhookVerificationError):
