@@ -204,7 +204,8 @@ def test_retries_survive_a_worker_restart(
         wait_for(lambda: (d := deliveries().get(delivery_id)) and d.attempts >= 1, 10)
         webhook_worker.proc.kill()
         rx.answer([200])
-        webhook_worker.proc = _webhook_worker(local_fleet)
+        # A plain `agentq worker io` this time: it consumes the webhook queue by default.
+        webhook_worker.proc = local_fleet.start_worker("io", env=ENV)
         d = wait_for(
             lambda: (x := deliveries().get(delivery_id)) and x.status == "delivered" and x,
             30,

@@ -12,7 +12,9 @@ import pytest
 from standardwebhooks import Webhook
 
 from agentq.config import load_settings
+from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError, WebhookRefused
+from agentq.fleet.roles import role_of
 from agentq.webhooks import signing
 from agentq.webhooks.backoff import JITTER, outcome, retry_delay_s
 from agentq.webhooks.target import check_url, resolve
@@ -106,3 +108,10 @@ def test_every_resolved_address_is_checked(monkeypatch: pytest.MonkeyPatch) -> N
     assert resolve(t, allow_private=True) == ["93.184.216.34", "10.0.0.5"]
     _resolving_to(monkeypatch, "93.184.216.34")
     assert resolve(t, allow_private=False) == ["93.184.216.34"]
+
+
+def test_the_webhook_queue_belongs_to_the_io_role() -> None:
+    assert role_of([QUEUE_WEBHOOKS], [], []) == "io"
+    assert role_of(["agentq.io", QUEUE_WEBHOOKS], [], ["agentq.io"]) == "io"
+    with pytest.raises(ConfigError, match="of 2"):
+        role_of(["agentq.turns", QUEUE_WEBHOOKS], [], [])
