@@ -84,6 +84,9 @@ class Agent(BaseModel):
     """Per-tool approval for this agent (`{"delete_file": "ask"}`), over the tool's own."""
     approval_default: Literal["approve", "deny"] | None = None
     """What a headless turn of this agent does with an `ask` whose tool declares no default."""
+    output_type: type[BaseModel] | None = None
+    """A pydantic model the final answer must be (as JSON): validated, sent back to the
+    model once when invalid, stored with the turn as `output`, and an agent call's result."""
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -113,6 +116,15 @@ class Agent(BaseModel):
             field = ".".join(str(p) for p in err["loc"]) or "agent"
             raise AgentDefinitionError(str(data.get("name", "?")), field, err["msg"]) from None
         _AGENTS[self.name] = self
+
+    def system_message(self) -> str:
+        """What each model round sends first: the instructions, and with an output type,
+        its JSON schema."""
+        if self.output_type is None:
+            return self.instructions
+        schema = json.dumps(self.output_type.model_json_schema(), separators=(",", ":"))
+        ask = f"Answer with only one JSON object that matches this JSON schema: {schema}"
+        return f"{self.instructions}\n\n{ask}" if self.instructions else ask
 
     def as_tool(
         self, *, timeout_s: float = 300.0, description: str | None = None, name: str | None = None

@@ -5,14 +5,16 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import Celery
+from pydantic import BaseModel
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.follow import follow
 from agentq.models import (
     TERMINAL_STATUSES,
     Event,
@@ -28,6 +30,9 @@ from agentq.telemetry import tracing
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class Client:
@@ -193,6 +198,18 @@ class Client:
             "invocations": [r.record.model_dump() for r in results.values()],
         }
 
+    def output(self, turn_id: str, output_type: type[M] | None = None) -> M | Any:
+        """The typed output of a finished turn whose agent declares an `output_type`: its
+        JSON value, or validated as `output_type` (pass the agent's model). None when the
+        turn has none (no output type, or it did not finish with an answer)."""
+        state = self.store.state(turn_id)
+        if state is None:
+            raise TurnNotFound(turn_id)
+        value = state.get("output")
+        if value is None or output_type is None:
+            return value
+        return output_type.model_validate(value)
+
     def active(self) -> list[dict[str, Any]]:
         out = []
         for turn_id in self.store.active():
@@ -221,16 +238,27 @@ class Client:
         return out
 
     def events(
-        self, turn_id: str, *, after_id: str = "0-0", heartbeat_s: float | None = None
+        self,
+        turn_id: str,
+        *,
+        after_id: str = "0-0",
+        heartbeat_s: float | None = None,
+        depth: int = 1,
     ) -> Iterator[Event | None]:
+        """The turn's events, the log first, then live, up to its terminal event.
+
+        The events of the sub-agents it calls are relayed `depth` levels down (0: none),
+        each with `path`. `after_id` is an event's `cursor` (or a stream id) to resume
+        after; None is yielded every `heartbeat_s` of silence.
+        """
         if self.store.state(turn_id) is None:
             raise TurnNotFound(turn_id)
-        return self.store.bus.follow(turn_id, after_id=after_id, heartbeat_s=heartbeat_s)
+        return follow(self.store.bus, turn_id, after=after_id, heartbeat_s=heartbeat_s, depth=depth)
 
     def wait(self, turn_id: str, timeout_s: float = 300.0) -> Event:
         """Block until the turn ends; return its terminal event."""
         deadline = time.monotonic() + timeout_s
-        for ev in self.store.bus.follow(turn_id, heartbeat_s=1.0):
+        for ev in follow(self.store.bus, turn_id, heartbeat_s=1.0):
             if ev is not None and ev.type in TERMINAL_TYPES:
                 return ev
             if time.monotonic() > deadline:

@@ -198,6 +198,9 @@ class Settings(BaseSettings):
     visibility_timeout_s: float | None = Field(None, gt=0)
     """Redis broker: redeliver an unacked message after this long; default computed from the
     longest tool limit (at least an hour). Below a call's run time a live call is sent twice."""
+    health_file: str | None = None
+    """A file a worker touches every few seconds while it is connected to the broker and
+    consuming: a container's healthcheck reads its age (the compose image sets it)."""
     task_events: bool = False
     """Always send Celery task events (for monitors other than Flower, which turns them on
     while it runs); off by default, they cost three publishes per task."""

@@ -106,6 +106,11 @@ def children_key(turn_id: str) -> str:
     return f"{PREFIX}:turn:{turn_id}:children"
 
 
+def agent_beat_key(turn_id: str, call_id: str) -> str:
+    """Set (NX PX) when a step publishes the heartbeat `tool_progress` of an agent call."""
+    return f"{PREFIX}:turn:{turn_id}:beat:{call_id}"
+
+
 def step_lock_key(turn_id: str) -> str:
     """Held (SET NX PX) by the one step advancing the turn; its token fences the step's writes."""
     return f"{PREFIX}:turn:{turn_id}:step"

@@ -27,6 +27,7 @@ AgentqError
 │   ├── ModelCapacityTimeout(model, waited_s)  waited for model capacity past the turn's limit
 │   ├── MalformedStreamChunk(chunk_index)
 │   └── ModelRoundFailed(code)                 the round's failure as the turn learns it
+├── BrokerUnavailable(what, error)             a publish failed past kombu's retries
 ├── ConversationNotFound(conversation_id)      unknown, expired or someone else's: 404
 ├── WebhookRefused(url, reason)                a webhook target agentq will not deliver to: 422
 ├── ScheduleError(schedule)
@@ -268,6 +269,16 @@ class ModelRoundFailed(LlmError):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class BrokerUnavailable(AgentqError):
+    """The broker refused a publish past kombu's retries: what it was stays in Redis (the
+    turn's wakeup, an unrecorded dispatch) and is sent again when the broker is back."""
+
+    def __init__(self, what: str, error: str) -> None:
+        super().__init__(f"the broker is unavailable: {what} not sent ({error})")
+        self.what = what
+        self.error = error
 
 
 class ConversationNotFound(AgentqError):

@@ -523,10 +523,19 @@ class Event(BaseModel):
     seq: int = 0
     ts: float = Field(default_factory=now_s)
     stream_id: str | None = None
+    cursor: str | None = Field(default=None, exclude=True)
+    """Where a reader resumes right after this event (`Last-Event-ID`): its stream id, or
+    with sub-agents relayed, the positions in every stream followed (`events.follow`)."""
 
     @property
     def fields(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+    @property
+    def path(self) -> list[str]:
+        """For a sub-agent's event relayed into a parent's stream: the turn ids from the
+        parent's direct child down to the turn that emitted it; [] for the turn's own."""
+        return list((self.model_extra or {}).get("path") or [])
 
     @classmethod
     def parse(cls, raw: str | bytes, stream_id: str | None = None) -> Event:

@@ -22,6 +22,7 @@ from agentq.agents import load_tool_modules
 from agentq.config import get_settings
 from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError
+from agentq.fleet import health
 from agentq.fleet.app import create_app, longest_limit_s
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
@@ -55,6 +56,8 @@ _longest = longest_limit_s(
 )
 app = create_app(settings, longest_tool_timeout_s=_longest)
 set_app(app)
+if settings.health_file:
+    health.install(app, settings.health_file)
 register_step_task(app, get_store, get_settings)
 register_llm_task(app)
 register_webhook_task(app, get_store, get_settings)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.follow import follow
 from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet, memory_mb
 from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_process
@@ -528,7 +529,7 @@ def bench_events(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
             into.append((time.monotonic_ns() - int(data["sent_ns"])) / 1e9)
 
     def follow_bus() -> None:
-        for ev in store.bus.follow(turn_id, idle_timeout_s=30):
+        for ev in follow(store.bus, turn_id, idle_timeout_s=30):
             if ev is None:
                 continue
             if ev.type == "bench_warm":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pydantic import BaseModel, Field
+
 from agentq.agents import Agent
-from agentq.testing.tools import echo, hang, sleep
+from agentq.testing.tools import ask_quick, delete_file, echo, hang, sleep
 
 echoer = Agent(
     name="t_echoer", instructions="You are t_echoer.", model="model-echoer", tools=[echo]
@@ -16,6 +18,17 @@ sleeper = Agent(
     max_calls_per_turn=3,
 )
 waiter = Agent(name="t_waiter", instructions="You are t_waiter.", tools=[hang])
+
+
+class Verdict(BaseModel):
+    """The typed answer of t_judge."""
+
+    answer: str
+    confidence: float = Field(ge=0, le=1)
+
+
+judge = Agent(name="t_judge", instructions="You are t_judge.", tools=[echo], output_type=Verdict)
+asker = Agent(name="t_asker", instructions="You are t_asker.", tools=[delete_file, ask_quick])
 boss = Agent(
     name="t_boss",
     instructions="You are t_boss.",
@@ -24,6 +37,8 @@ boss = Agent(
         echoer.as_tool(name="ask_echoer", timeout_s=30, description="Ask the echoer."),
         sleeper.as_tool(name="ask_sleeper", timeout_s=2),
         waiter.as_tool(name="ask_waiter", timeout_s=60),
+        judge.as_tool(name="ask_judge", timeout_s=30),
+        asker.as_tool(name="ask_asker", timeout_s=60),
     ],
 )
 middle = Agent(

@@ -33,14 +33,16 @@ def collect(
     *,
     until: Callable[[Event], bool] | None = None,
     heartbeat_s: float = 0.5,
+    depth: int = 1,
 ) -> list[Event]:
-    """Every event of a turn up to and including its terminal one (or the first `until`)."""
+    """Every event of a turn up to and including its terminal one (or the first `until`),
+    with its sub-agents' relayed `depth` levels down."""
     out: list[Event] = []
     deadline = time.monotonic() + timeout_s
-    for ev in client.events(turn_id, heartbeat_s=heartbeat_s):
+    for ev in client.events(turn_id, heartbeat_s=heartbeat_s, depth=depth):
         if ev is not None:
             out.append(ev)
-            if ev.type in TERMINAL_TYPES or (until is not None and until(ev)):
+            if (ev.type in TERMINAL_TYPES and not ev.path) or (until is not None and until(ev)):
                 return out
         assert time.monotonic() < deadline, [e.type for e in out]
     return out
@@ -57,15 +59,21 @@ def follow_until(client: Client, turn_id: str, *types: str, timeout_s: float = 3
 
 
 def wait_event(
-    client: Client, turn_id: str, type_: str, timeout_s: float = 30, **fields: Any
+    client: Client,
+    turn_id: str,
+    type_: str,
+    timeout_s: float = 30,
+    until: Callable[[Event], bool] | None = None,
+    **fields: Any,
 ) -> Event:
-    """The first event of this type on a turn's stream whose fields match."""
+    """The first event of this type on a turn's stream whose fields match (and `until`)."""
     deadline = time.monotonic() + timeout_s
     for ev in client.events(turn_id, heartbeat_s=0.5):
         if (
             ev is not None
             and ev.type == type_
             and all(ev.fields.get(k) == v for k, v in fields.items())
+            and (until is None or until(ev))
         ):
             return ev
         assert time.monotonic() < deadline, f"no {type_} {fields} on {turn_id}"

@@ -319,8 +319,10 @@ def _print_events(events: Iterator[Any]) -> None:
         if ev is None:
             continue
         fields = json.dumps(ev.fields, default=str, ensure_ascii=False)
-        print(f"  {ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
-        if ev.type in TERMINAL_TYPES:
+        # A sub-agent's events, relayed, are indented under the call that started them.
+        indent = "  " * len(ev.path)
+        print(f"  {indent}{ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
+        if ev.type in TERMINAL_TYPES and not ev.path:
             return
 
 

@@ -12,6 +12,7 @@ from agentq.cli.options import has_option, take_option
 from agentq.config import redact
 from agentq.constants import VERSION
 from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
+from agentq.events.follow import RELAY_DEPTH_MAX
 from agentq.fleet.connections import probe
 
 if TYPE_CHECKING:
@@ -217,7 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id")
-    e.add_argument("--after", default="0-0", help="resume after this stream id")
+    e.add_argument(
+        "--after", default="0-0", help="resume after this stream id (or an event's cursor)"
+    )
+    e.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        choices=range(RELAY_DEPTH_MAX + 1),
+        metavar="N",
+        help="levels of sub-agents whose events are relayed, each with `path` (default 1)",
+    )
     # No -h of their own: `agentq worker tools --help` shows Celery's worker options,
     # `agentq flower --help` Flower's.
     w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
@@ -364,7 +375,7 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         print(f"{done} {args.request_id} of {args.turn_id}")
         return 0
     if args.cmd == "events":
-        for ev in client.events(args.turn_id, after_id=args.after):
+        for ev in client.events(args.turn_id, after_id=args.after, depth=args.depth):
             if ev is not None:
                 print(ev.model_dump_json(), flush=True)
         return 0

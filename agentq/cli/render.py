@@ -55,6 +55,9 @@ class ToolLine:
     progress: str = ""
     """What the tool last reported with `ctx.progress(message, pct)`, while it runs."""
     spinner: Spinner = field(default_factory=lambda: Spinner("dots"))
+    child_turn_id: str | None = None
+    """For an agent call: the child turn, whose relayed events `sub` folds."""
+    sub: TurnView | None = None
 
 
 def capacity_text(position: Any, wait_s: Any) -> str:
@@ -83,7 +86,16 @@ class TurnView:
     waiting: str = ""
     """Set while a model round waits for model capacity (`llm_queued`)."""
 
-    def apply(self, ev: Event) -> None:
+    def apply(self, ev: Event, depth: int = 0) -> None:
+        """Fold one event in; a sub-agent's relayed one (with `path`) into the view of the
+        agent call that started it, nested as deep as its path."""
+        if len(ev.path) > depth:
+            child = ev.path[depth]
+            line = next((t for t in self.tools.values() if t.child_turn_id == child), None)
+            if line is not None:
+                line.sub = line.sub or TurnView(child)
+                line.sub.apply(ev, depth + 1)
+            return
         f = ev.fields
         if ev.type == "llm_queued":
             self.waiting = capacity_text(f.get("position"), f.get("wait_s"))
@@ -102,6 +114,8 @@ class TurnView:
         elif ev.type == "tool_started":
             cid = str(f["call_id"])
             self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)
+            if f.get("child_turn_id"):
+                self.tools[cid].child_turn_id = str(f["child_turn_id"])
         elif ev.type == "tool_progress" and f.get("source") in ("tool", "agent"):
             cid = str(f["call_id"])
             line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
@@ -117,7 +131,7 @@ class TurnView:
             if f.get("overran"):
                 line.detail = (line.detail + " (over budget)").strip()
         elif ev.type == "interaction_requested":
-            self.pending[str(f["request_id"])] = {**f, "ts": ev.ts}
+            self.pending[str(f["request_id"])] = {**f, "ts": ev.ts, "path": ev.path}
         elif ev.type in ("interaction_answered", "interaction_timed_out"):
             self.pending.pop(str(f.get("request_id")), None)
         elif ev.type in ("turn_finished", "turn_aborted", "turn_error"):
@@ -135,6 +149,19 @@ class TurnView:
         if self.waiting:
             parts.append(Text(self.waiting, style="yellow"))
         table = Table.grid(padding=(0, 1))
+        self._rows(table, now, 0)
+        if self.tools:
+            parts.append(table)
+        for rid, req in self.all_pending():
+            left = max(0.0, req["ts"] + int(req.get("timeout_ms", 0)) / 1000 - now)
+            who = f"[{req['agent']}] " if req.get("path") and req.get("agent") else ""
+            parts.append(
+                Text(f"? {who}{req.get('prompt')}  [{rid}] {left:.0f}s left", style="yellow")
+            )
+        return Group(*parts)
+
+    def _rows(self, table: Table, now: float, level: int) -> None:
+        """A row per tool; a sub-agent's tools nested under the agent call's row."""
         for line in self.tools.values():
             elapsed = (line.finished or now) - line.started
             head: RenderableType = (
@@ -144,17 +171,21 @@ class TurnView:
             )
             table.add_row(
                 head,
-                Text(line.tool, style="bold"),
+                Text(("  " * level + "└ " if level else "") + line.tool, style="bold"),
                 Text(fmt_s(elapsed), style=duration_style(elapsed)),
                 Text(line.status or "running", style=STATUS_STYLE.get(line.status or "", "cyan")),
                 Text((line.detail if line.status else line.progress)[:80], style="dim"),
             )
-        if self.tools:
-            parts.append(table)
-        for rid, req in self.pending.items():
-            left = max(0.0, req["ts"] + int(req.get("timeout_ms", 0)) / 1000 - now)
-            parts.append(Text(f"? {req.get('prompt')}  [{rid}] {left:.0f}s left", style="yellow"))
-        return Group(*parts)
+            if line.sub is not None:
+                line.sub._rows(table, now, level + 1)
+
+    def all_pending(self) -> list[tuple[str, dict[str, Any]]]:
+        """Open interaction requests, the sub-agents' too: each is answered from here."""
+        out = list(self.pending.items())
+        for line in self.tools.values():
+            if line.sub is not None:
+                out += line.sub.all_pending()
+        return out
 
     def summary(self) -> str:
         counts: dict[str, int] = {}

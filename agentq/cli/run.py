@@ -20,6 +20,7 @@ from agentq.api import Client
 from agentq.cli.render import TurnView
 from agentq.errors import AgentqError
 from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.follow import RELAY_DEPTH_MAX
 from agentq.models import Event
 
 EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130
@@ -42,26 +43,33 @@ class _Answerer:
         self.client, self.turn_id, self.token, self.console = client, turn_id, token, console
         self._busy = threading.Lock()
 
-    def ask(self, fields: dict[str, Any]) -> None:
-        threading.Thread(target=self._ask, args=(fields,), daemon=True).start()
+    def ask(self, ev: Event) -> None:
+        threading.Thread(target=self._ask, args=(ev,), daemon=True).start()
 
-    def _ask(self, f: dict[str, Any]) -> None:
+    def _ask(self, ev: Event) -> None:
+        f = ev.fields
+        # A sub-agent's request, relayed, is answered on its own turn: the turn's token
+        # opens its sub-agents too.
+        turn_id = ev.turn_id if ev.path else self.turn_id
+        who = f"[{f['agent']}] " if ev.path and f.get("agent") else ""
         with self._busy:
             rid = str(f["request_id"])
             deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
             try:
                 if f.get("kind") == "password":
                     secs = max(0, int(deadline - time.time()))
-                    value: str | None = getpass.getpass(f"{f.get('prompt')} password ({secs}s): ")
+                    value: str | None = getpass.getpass(
+                        f"{who}{f.get('prompt')} password ({secs}s): "
+                    )
                     decision = "approve" if value else "deny"
                 else:
-                    line = countdown_input(f"{f.get('prompt')} [y/N]", deadline)
+                    line = countdown_input(f"{who}{f.get('prompt')} [y/N]", deadline)
                     if line is None:
                         print("\nno answer in time: denied", flush=True)
                         return
                     decision = "approve" if line.strip().lower() in ("y", "yes") else "deny"
                     value = None
-                self.client.answer(self.turn_id, rid, self.token, decision, value)
+                self.client.answer(turn_id, rid, self.token, decision, value)
             except (EOFError, AgentqError):
                 pass
 
@@ -118,28 +126,35 @@ def run(
     code = EXIT_FAILED
     try:
         if as_json:
-            for ev in client.events(handle.turn_id):
+            for ev in client.events(handle.turn_id, depth=RELAY_DEPTH_MAX):
                 if ev is None:
                     continue
                 sys.stdout.write(ev.model_dump_json() + "\n")
                 sys.stdout.flush()
                 if ev.type == "interaction_requested" and interactive:
-                    answerer.ask(ev.fields)
-                if ev.type in TERMINAL_TYPES:
+                    answerer.ask(ev)
+                if ev.type in TERMINAL_TYPES and not ev.path:
                     code = exit_code_for(ev)
             return code
         console.print(f"[dim]turn {handle.turn_id}[/dim]")
         with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
-            for ev in client.events(handle.turn_id, heartbeat_s=0.25):
+            # Every level of sub-agents: an approval they ask for is answered here.
+            events = client.events(handle.turn_id, heartbeat_s=0.25, depth=RELAY_DEPTH_MAX)
+            asked = False
+            for ev in events:
                 if ev is not None:
                     view.apply(ev)
                     if ev.type == "interaction_requested" and interactive:
                         live.stop()
-                        answerer.ask(ev.fields)
+                        asked = True
+                        answerer.ask(ev)
                         time.sleep(0)
-                    if ev.type in TERMINAL_TYPES:
+                    if ev.type in TERMINAL_TYPES and not ev.path:
                         code = exit_code_for(ev)
                 live.update(view.render())
+        if asked:
+            # The live view stopped for a prompt: show how the turn ended below the answer.
+            console.print(view.render())
         console.print(view.summary(), style="bold")
         return code
     except KeyboardInterrupt:

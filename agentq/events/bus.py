@@ -1,10 +1,11 @@
-"""Publish a turn's events to its channel and log in one round trip; follow them without gaps."""
+"""Publish a turn's events to its channel and log in one round trip; read its log
+(`events.follow` follows it without gaps)."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import redis
@@ -91,9 +92,6 @@ PUBLISH_MANY_EVENTS = 100
 """Events per PUBLISH_MANY_LUA call: Redis runs a script alone, so a batch of a thousand
 would hold every other client for milliseconds."""
 
-CATCH_UP_S = 2.0
-"""How often a silent follower re-reads the log for events its subscription missed."""
-
 TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
 
 
@@ -142,96 +140,6 @@ class EventBus:
         start = "(" + after_id if after_id not in ("0", "0-0", "-") else "-"
         entries: list[Any] = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)  # type: ignore[assignment]
         return [Event.parse(fields[b"e"], stream_id=_s(eid)) for eid, fields in entries]
-
-    def follow(
-        self,
-        turn_id: str,
-        *,
-        after_id: str = "0-0",
-        idle_timeout_s: float | None = None,
-        stop_at_terminal: bool = True,
-        heartbeat_s: float | None = None,
-    ) -> Iterator[Event | None]:
-        """Yield every event after `after_id` exactly once: the log first, then live.
-
-        Subscribes before reading the log so nothing published in between is lost, and
-        drops live copies already seen in the log. A seq gap on the live side (a missed
-        message) is filled from the log, which a silent follower also re-reads every
-        CATCH_UP_S. Yields None every `heartbeat_s` of silence, so callers can write
-        keep-alives or notice a gone client.
-        """
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        pubsub.subscribe(events_channel(turn_id))
-        try:
-            last_seq = 0
-            last_id = after_id
-            while True:
-                batch = self.replay(turn_id, last_id)
-                for ev in batch:
-                    last_seq = ev.seq
-                    last_id = ev.stream_id or last_id
-                    yield ev
-                    if stop_at_terminal and ev.type in TERMINAL_TYPES:
-                        return
-                if len(batch) < 1000:
-                    break
-            silent_since = time.monotonic()
-            beat_at = caught_up_at = time.monotonic()
-            while True:
-                wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
-                msg = pubsub.get_message(timeout=wait_s)
-                now = time.monotonic()
-                if msg is None:
-                    if idle_timeout_s is not None and now - silent_since > idle_timeout_s:
-                        return
-                    if heartbeat_s is not None and now - beat_at >= heartbeat_s:
-                        beat_at = now
-                        yield None
-                    # A live copy published while the subscription was reconnecting is
-                    # only in the log: look there now and then, or a quiet turn's last
-                    # event would never arrive.
-                    if now - caught_up_at < CATCH_UP_S:
-                        continue
-                    caught_up_at = now
-                    events = self.replay(turn_id, last_id)
-                    if events:
-                        silent_since = now
-                else:
-                    silent_since = now
-                    ev = Event.parse(msg["data"])
-                    if not _is_new(ev, last_seq, last_id):
-                        continue
-                    # A jump in seq means live messages were missed: refill from the log.
-                    events = [ev] if ev.seq == last_seq + 1 else self.replay(turn_id, last_id)
-                for e in events:
-                    if not _is_new(e, last_seq, last_id):
-                        continue
-                    last_seq = e.seq
-                    last_id = e.stream_id or last_id
-                    yield e
-                    if stop_at_terminal and e.type in TERMINAL_TYPES:
-                        return
-        finally:
-            pubsub.close()
-
-
-def _is_new(ev: Event, last_seq: int, last_id: str) -> bool:
-    """Whether `ev` comes after what was yielded: by stream id, else by seq.
-
-    Stream ids keep growing even when Redis lost the log (a restart without
-    persistence) and seq began again at 1, so the turn's last word still gets through.
-    """
-    if ev.stream_id is None:
-        return ev.seq > last_seq
-    return _stream_pos(ev.stream_id) > _stream_pos(last_id)
-
-
-def _stream_pos(stream_id: str) -> tuple[int, int]:
-    ms, _, n = stream_id.partition("-")
-    try:
-        return int(ms), int(n or 0)
-    except ValueError:  # "-" or "0": the start of the log
-        return 0, 0
 
 
 def _s(v: bytes | str) -> str:

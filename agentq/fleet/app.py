@@ -80,6 +80,8 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         # visibility_timeout is a Redis-transport notion: RabbitMQ redelivers an unacked
         # message only when its channel closes. Its server-side consumer_timeout (default
         # 30 min) must exceed the longest tool and turn: see docs/operations.md.
-        conf["broker_transport_options"] = {}
+        # Publisher confirms: a send returns once RabbitMQ has the message on disk, so a
+        # broker that crashes right after loses no call or round a turn counts as sent.
+        conf["broker_transport_options"] = {"confirm_publish": True}
     app.conf.update(conf)
     return app

@@ -9,12 +9,20 @@ kombu internals, which is why pyproject.toml bounds kombu's version.
 from __future__ import annotations
 
 import json
+import logging
 from typing import TYPE_CHECKING, Any
 
 from agentq.constants import QUEUE_TURNS, TASK_STEP
+from agentq.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
     from celery import Celery
+
+BROKER_RETRY_S = 1.0
+"""A publish the broker refused past kombu's retries is tried again this much later, by
+the turn's wakeup: the wakeups in Redis are agentq's outbox."""
+
+log = logging.getLogger("agentq.broker")
 
 REPR_LIMIT = 200
 """Characters of a task's arguments that Flower and the worker log show."""
@@ -69,10 +77,48 @@ def task_repr(**fields: Any) -> str:
     return text if len(text) <= REPR_LIMIT else text[: REPR_LIMIT - 1] + "…"
 
 
+def publish(app: Celery, name: str, *, what: str, **options: Any) -> None:
+    """Send a task; a broker that stays away past kombu's retries raises BrokerUnavailable
+    (whatever the transport raised), which the caller leaves to the turn's wakeup."""
+    try:
+        app.send_task(name, **options)
+    except _broker_errors(app) as exc:
+        raise BrokerUnavailable(what, f"{type(exc).__name__}: {exc}") from exc
+
+
+def revoke(app: Celery, task_ids: str | list[str], **options: Any) -> bool:
+    """Revoke tasks; False if the broker is away (a task that runs on finds its call
+    settled already, and its result is dropped: only its worker's time is lost)."""
+    try:
+        app.control.revoke(task_ids, **options)
+    except _broker_errors(app) as exc:
+        log.warning("revoke of %s not sent: the broker is away (%s)", task_ids, exc)
+        return False
+    return True
+
+
+def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] | None = app.__dict__.get("_agentq_broker_errors")
+    if errors is None:
+        from kombu.exceptions import OperationalError
+
+        conn = app.connection_for_write()
+        try:
+            # Not its channel errors: for Redis those include KeyError and ResponseError.
+            errors = (OperationalError, *conn.recoverable_connection_errors)
+        finally:
+            conn.release()
+        app.__dict__["_agentq_broker_errors"] = errors
+    return errors
+
+
 def send_step(app: Celery, turn_id: str) -> None:
-    """Ask a turn worker for one step of the turn."""
-    app.send_task(
+    """Ask a turn worker for one step of the turn (BrokerUnavailable if the broker is away:
+    the turn's wakeup sends it later)."""
+    publish(
+        app,
         TASK_STEP,
+        what=f"the step of turn {turn_id}",
         args=[turn_id],
         queue=QUEUE_TURNS,
         argsrepr=f"['{turn_id}']",

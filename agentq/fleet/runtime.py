@@ -3,6 +3,7 @@ step is taken (sent to a turn worker, or taken here by agentq.orchestrator.inlin
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Protocol
 
@@ -10,10 +11,13 @@ import redis
 from celery import Celery
 
 from agentq.config import Settings, get_settings
+from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
 from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, redis_client
 from agentq.state.base import InlineStepper, StepView
 from agentq.state.store import TurnStore
+
+log = logging.getLogger("agentq.broker")
 
 _lock = threading.Lock()
 _redis: redis.Redis | None = None
@@ -74,7 +78,16 @@ def _send_step(turn_id: str) -> None:
     if _inline is not None:
         _inline.wake(turn_id)
     else:
+        send_woken_step(turn_id)
+
+
+def send_woken_step(turn_id: str) -> None:
+    """Send the step of a turn a write just woke; with the broker away, its wakeup (due
+    within seconds of the write) sends it later."""
+    try:
         send_step(get_app(), turn_id)
+    except BrokerUnavailable as exc:
+        log.warning("%s; the turn's wakeup sends it later", exc)
 
 
 class _Stepper:
@@ -87,7 +100,7 @@ class _Stepper:
         if _inline is not None:
             _inline.run(turn_id, token, lock_ms, view)
         else:
-            send_step(get_app(), turn_id)
+            send_woken_step(turn_id)
 
 
 def get_app() -> Celery:

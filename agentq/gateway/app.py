@@ -48,6 +48,7 @@ from agentq.errors import (
     TurnNotFound,
     Unauthorized,
 )
+from agentq.events.follow import Cursor, follow
 from agentq.gateway.auth import (
     Keyring,
     Principal,
@@ -69,12 +70,13 @@ from agentq.gateway.guard import RequestGuard
 from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
-from agentq.gateway.sse import EventStreamResponse, StreamState, event_source, replay_all
+from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.validate import (
     clamp_to_log,
+    cursor_of,
+    depth_of,
     read_json,
     request_id_of,
-    stream_id_of,
     turn_id_of,
 )
 from agentq.llm.capacity import capacity_for
@@ -294,15 +296,16 @@ class Gateway:
         if self.keyring.enabled and token is None:
             raise Unauthorized("this stream needs a key or the turn's token")
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
-        after = stream_id_of(
+        after = cursor_of(
             (
                 request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
             ).strip()
         )
+        depth = depth_of(request.query_params.get("depth"))
         keep_alive_s = self._keep_alive_s(request)
         poll_s = min(self.poll_s, keep_alive_s)
         opened = await run_in_threadpool(
-            self._open_events, turn_id, principal, token, after, poll_s
+            self._open_events, turn_id, principal, token, after, depth, poll_s
         )
         if opened is None:
             # The turn ended and the client has its last event: 204 stops EventSource retrying.
@@ -342,7 +345,8 @@ class Gateway:
         turn_id: str,
         principal: Principal | None,
         token: str | None,
-        after: str,
+        after: Cursor,
+        depth: int,
         poll_s: float,
     ) -> tuple[Iterator[Event | None], bool] | None:
         owner = False
@@ -358,13 +362,16 @@ class Gateway:
             if token is not None:
                 self.client.check_token(turn_id, token)
                 owner = not state.get("detach")
-        after = clamp_to_log(self.client.store.redis, turn_id, after)
+        # Relayed sub-agents are read with the parent's authorization: the follower opens
+        # only streams of turns below this one (a cursor naming any other is ignored).
+        after.root = clamp_to_log(self.client.store.redis, turn_id, after.root)
+        bus = self.client.store.bus
         if state.get("status") in TERMINAL_STATUSES:
-            bus = self.client.store.bus
-            if not bus.replay(turn_id, after, count=1):
+            if not bus.replay(turn_id, after.root, count=1):
                 return None
-            return replay_all(bus, turn_id, after), False
-        return self.client.events(turn_id, after_id=after, heartbeat_s=poll_s), owner
+            return follow(bus, turn_id, after=after, depth=depth, live=False), False
+        events = follow(bus, turn_id, after=after, depth=depth, heartbeat_s=poll_s)
+        return events, owner
 
     # -- page, health, metrics ---------------------------------------------------------
 

@@ -94,6 +94,8 @@ OPERATIONS: tuple[Operation, ...] = (
                   _query("token", "The turn's token, for EventSource, which cannot set "
                          "headers."),
                   _query("heartbeat", "Seconds between keep-alive comments.", "number"),
+                  _query("depth", "Levels of sub-agents whose events are relayed, each "
+                         "with `path` (0 to 8; default 1).", "integer"),
                   {"name": "Last-Event-ID", "in": "header", "required": False,
                    "schema": {"type": "string"}},
               ), errors=("401", "404")),

@@ -1,8 +1,10 @@
 """Server-sent events: a turn's log-then-live events as an ASGI response that notices disconnects.
 
-Each SSE message is ``id: <Redis stream id>``, ``event: <type>``, ``data: <event JSON>``,
-so a reconnecting EventSource sends back the last stream id as ``Last-Event-ID`` and the
-bus replays exactly what came after it. Blocking Redis reads run in worker threads (with
+Each SSE message is ``id: <cursor>``, ``event: <type>``, ``data: <event JSON>``; the
+cursor is the Redis stream id, followed by the positions of the sub-agent streams being
+relayed while any is open (`events.follow.Cursor`), so a reconnecting EventSource sends it
+back as ``Last-Event-ID`` and the follow replays exactly what came after it, in every
+stream. Blocking Redis reads run in worker threads (with
 their own capacity limiter, so many open streams cannot starve the REST handlers); the
 follow loop wakes at least every `poll_s`, which is when a gone client is noticed and
 the loop stopped.
@@ -23,7 +25,7 @@ import redis
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from agentq.events.bus import TERMINAL_TYPES, EventBus
+from agentq.events.bus import TERMINAL_TYPES
 from agentq.models import Event
 
 log = logging.getLogger("agentq.gateway.sse")
@@ -36,18 +38,7 @@ RETRY_MS = 1000
 def format_event(ev: Event) -> bytes:
     """One SSE message; the data is one line of JSON (json.dumps escapes newlines)."""
     data = json.dumps(ev.model_dump(mode="json"), separators=(",", ":"), default=str)
-    return f"id: {ev.stream_id or ''}\nevent: {ev.type}\ndata: {data}\n\n".encode()
-
-
-def replay_all(bus: EventBus, turn_id: str, after_id: str) -> Iterator[Event | None]:
-    """The rest of an ended turn's log, page by page; no live part."""
-    last = after_id
-    while True:
-        batch = bus.replay(turn_id, last)
-        yield from batch
-        if len(batch) < 1000:
-            return
-        last = batch[-1].stream_id or last
+    return f"id: {ev.cursor or ev.stream_id or ''}\nevent: {ev.type}\ndata: {data}\n\n".encode()
 
 
 @dataclass
@@ -134,10 +125,12 @@ async def event_source(
             state.messages += 1
             if on_event is not None:
                 on_event(item)
-            if item.type in TERMINAL_TYPES:
+            # A sub-agent's relayed end is not the turn's.
+            terminal = item.type in TERMINAL_TYPES and not item.path
+            if terminal:
                 state.terminal_seen = True
             yield format_event(item)
-            if item.type in TERMINAL_TYPES:
+            if terminal:
                 return
     finally:
         # Closing unsubscribes (socket I/O): off the loop, and done even when cancelled.

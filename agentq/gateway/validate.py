@@ -15,6 +15,7 @@ from starlette.requests import Request
 
 from agentq.constants import log_key
 from agentq.errors import PayloadTooLarge
+from agentq.events.follow import RELAY_DEPTH_MAX, Cursor
 from agentq.gateway.errors import ApiError
 from agentq.models import is_request_id, is_turn_id, lone_surrogate_at, parse_stream_id
 
@@ -41,16 +42,26 @@ def request_id_of(value: str) -> str:
     return value
 
 
-def stream_id_of(value: str, field: str = "Last-Event-ID") -> str:
-    """A Redis stream id as Redis accepts it, else 422 (never a Redis error, never a hang)."""
-    pos = parse_stream_id(value)
-    if pos is None:
+def cursor_of(value: str, field: str = "Last-Event-ID") -> Cursor:
+    """Where a reader resumes (an SSE id this gateway sent: a stream id, maybe with the
+    positions of relayed sub-agent streams), else 422."""
+    try:
+        return Cursor.parse(value)
+    except ValueError as exc:
         raise ApiError(
-            422,
-            "ValidationError",
-            f"{field}: must be a stream id like 1-0: two unsigned 64-bit integers",
+            422, "ValidationError", f"{field}: {exc} (an SSE id as the stream sent it)"
+        ) from None
+
+
+def depth_of(raw: str | None, default: int = 1) -> int:
+    """How many levels of sub-agents to relay (`?depth=`), else 422."""
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) > RELAY_DEPTH_MAX:
+        raise ApiError(
+            422, "ValidationError", f"depth: must be an integer from 0 to {RELAY_DEPTH_MAX}"
         )
-    return f"{pos[0]}-{pos[1]}"
+    return int(raw)
 
 
 def clamp_to_log(client: redis.Redis, turn_id: str, after: str) -> str:
@@ -116,9 +127,10 @@ async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
 __all__ = [
     "MAX_JSON_DEPTH",
     "clamp_to_log",
+    "cursor_of",
+    "depth_of",
     "loads_strict",
     "read_json",
     "request_id_of",
-    "stream_id_of",
     "turn_id_of",
 ]

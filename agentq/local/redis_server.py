@@ -383,6 +383,14 @@ class RedisServer(Started):
             self._requested_port = self._port  # never move to another port on restart
             return self.start()
 
+    def halt(self) -> None:
+        """Stop the server as an operator would (SIGTERM: it writes its AOF), keeping its
+        data and port; ``start()`` brings it back."""
+        with self._lock:
+            self._terminate()
+            if self._port is not None:
+                self._requested_port = self._port
+
     def kill(self) -> None:
         """SIGKILL the server at once (a crash, for fault tests); ``start()`` brings it back
         on the same port."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery
 
 from agentq import constants as k
+from agentq.fleet.broker import revoke
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
 from agentq.telemetry import tracing
@@ -33,12 +34,12 @@ def revoke_unsettled(
     # A start record without a worker name (never expected) falls back to a broadcast.
     destination = sorted({str(w) for w in running.values()}) if all(running.values()) else None
 
-    def revoke(signal: str) -> None:
-        app.control.revoke(ids, terminate=True, signal=signal, destination=destination)
+    def send(signal: str) -> None:
+        revoke(app, ids, terminate=True, signal=signal, destination=destination)
 
-    revoke("SIGTERM")
+    send("SIGTERM")
     if kill_grace_s >= 0:
-        timer = threading.Timer(kill_grace_s, revoke, args=("SIGKILL",))
+        timer = threading.Timer(kill_grace_s, send, args=("SIGKILL",))
         timer.daemon = True
         timer.start()
     return ids

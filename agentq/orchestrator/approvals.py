@@ -69,7 +69,13 @@ def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
         if found is None:
             req = _request(ctx, p)
             interactions.open(ctx.turn_id, req)
-            ctx.publish("interaction_requested", **req.model_dump(), headless=ctx.headless)
+            # `agent` names who asks when the request is relayed into a parent's stream.
+            ctx.publish(
+                "interaction_requested",
+                **req.model_dump(),
+                headless=ctx.headless,
+                agent=ctx.state.get("agent"),
+            )
             if ctx.headless:
                 if req.default is None:
                     raise HeadlessInteraction(ctx.turn_id, rid, req.kind)

@@ -11,7 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentq.constants import WORKER_ALIVE_TTL_S
-from agentq.fleet.broker import task_repr
+from agentq.fleet.broker import publish, revoke, task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
 from agentq.orchestrator.plan import CallPlan, batches
@@ -65,8 +65,10 @@ def send(
             secret_ref=secrets.get(p.call.id),
             traceparent=ctx.state.get("traceparent"),
         )
-        ctx.app.send_task(
+        publish(
+            ctx.app,
             p.task_name,
+            what=f"call {p.call.id} of turn {ctx.turn_id}",
             kwargs=req.model_dump(),
             task_id=records[p.call.id]["task_id"],
             queue=p.queue,
@@ -78,7 +80,9 @@ def send(
             ignore_result=True,
             **p.limits.celery_options,
         )
-    ctx.dispatched.update(records)
+        # Recorded one by one: when the broker fails mid-batch, the calls not sent stay
+        # undispatched and the next step sends them.
+        ctx.dispatched[p.call.id] = records[p.call.id]
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
     return records
 
@@ -186,7 +190,7 @@ def _settle_lost(
     ctx: StepContext, p: CallPlan, why: str, start: dict[str, Any] | None
 ) -> ToolResult:
     task_id = task_id_for(ctx.turn_id, p.call.id, 1)
-    ctx.app.control.revoke(task_id, terminate=True, signal="SIGKILL")
+    revoke(ctx.app, task_id, terminate=True, signal="SIGKILL")
     lost = lost_result(
         p.call,
         why,

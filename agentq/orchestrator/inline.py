@@ -11,7 +11,6 @@ import logging
 
 from agentq.config import get_settings
 from agentq.fleet import runtime
-from agentq.fleet.broker import send_step
 from agentq.orchestrator.steps import run_step, take_step
 from agentq.state.base import StepView
 
@@ -27,7 +26,7 @@ def _failed(turn_id: str) -> None:
     # The fact is recorded and the turn marked: a turn worker takes the step (once the
     # failed step's lock, if it held one, lapses; the wakeup sweep is the backstop).
     log.warning("turn %s: inline step failed; sending it", turn_id, exc_info=True)
-    send_step(runtime.get_app(), turn_id)
+    runtime.send_woken_step(turn_id)
 
 
 class _InlineSteps:

@@ -12,7 +12,12 @@ running:model         round sent, no result yet                    running:model
                                                                    heartbeat check)
 running:model         its stream worker died (heartbeat lapsed)    running:model (round sent
                                                                    again, llm_max_retries times)
-running:model         an answer without tool calls                 finished (turn_finished)
+running:model         an answer without tool calls                 finished (turn_finished; a
+                                                                   typed output stored)
+running:model         an answer its agent's output type refuses    running:model (the errors
+                                                                   as a user message; once)
+running:model         ... refused a second time                    error (turn_error,
+                                                                   invalid_output)
 running:model         an answer with tool calls                    running:tools (assistant
                                                                    message kept, calls planned)
 running:model         the round failed, or no worker in time       error (turn_error)
@@ -26,6 +31,8 @@ running:tools         an agent call past its limit                 running:tools
                                                                    timeout, child aborted)
 running:tools         every call settled                           running:model (tool-result
                                                                    message; next round)
+running:tools         an agent call's heartbeat is due             running:tools (tool_progress
+                                                                   of the call, child's phase)
 running:tools         every call settled, and a stop reason        finished (max_calls_per_turn,
                                                                    loop_detected)
 running:tools         headless ask without a declared default      error (turn_error, exit 4)
@@ -58,6 +65,7 @@ from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
 from agentq.orchestrator.model_round import poll_round
+from agentq.orchestrator.outputs import check_output
 from agentq.orchestrator.plan import (
     CallPlan,
     calls_of,
@@ -148,7 +156,15 @@ def advance(ctx: StepContext) -> float | None:
         # Calls this new are neither sent nor settled: the step goes on without a read.
         ctx.round_read = RoundRead.planned(plans) if plans else None
         if not message.tool_calls:
-            finish(ctx, "stop")
+            checked = check_output(ctx, kept)
+            if checked.retry is not None:
+                retries = int(ctx.state.get("output_retries") or 0) + 1
+                ctx.commit(append=[checked.retry], output_retries=retries)
+                continue
+            if checked.error is not None:
+                fail(ctx, "invalid_output", checked.error)
+            else:
+                finish(ctx, "stop", output=checked.value)
             return None
     return ctx.now  # more to do than one step should take: step again at once
 
@@ -229,9 +245,14 @@ def _tools(
     return [settled[cid].to_openai() for cid in ids], None
 
 
-def finish(ctx: StepContext, reason: str, append: list[dict[str, Any]] | None = None) -> None:
+def finish(
+    ctx: StepContext,
+    reason: str,
+    append: list[dict[str, Any]] | None = None,
+    output: Any = None,
+) -> None:
     """End the turn with turn_finished; `append` (the round's last tool results) is written
-    in the same write."""
+    in the same write; `output` is the agent's typed answer (JSON), stored with the turn."""
     history = [*ctx.history, *(append or [])]
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     conv = ctx.state.get("conversation_id")
@@ -242,6 +263,7 @@ def finish(ctx: StepContext, reason: str, append: list[dict[str, Any]] | None = 
         pipe.expire(k.conversation_key(conv), ctx.store.ttl_s)
         pipe.execute()
     content = final.get("content") or ""
+    typed = {} if output is None else {"output": output}
     ctx.close(
         TurnStatus.FINISHED,
         "turn_finished",
@@ -249,11 +271,18 @@ def finish(ctx: StepContext, reason: str, append: list[dict[str, Any]] | None = 
             "reason": reason,
             "content": content,
             "rounds": len([m for m in history if m.get("role") == "assistant"]),
+            **typed,
         },
-        settle_parent=subturns.parent_settlement(ctx, "finished", content=content),
+        settle_parent=subturns.parent_settlement(
+            ctx,
+            "finished",
+            # A parent gets the typed value, as the validated JSON.
+            content=content if output is None else json.dumps(output, separators=(",", ":")),
+        ),
         append=append,
         finish_reason=reason,
         finished_at=ctx.now,
+        **typed,
     )
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.errors import ModelRoundFailed, StreamDurationExceeded
-from agentq.fleet.broker import task_repr
+from agentq.errors import BrokerUnavailable, ModelRoundFailed, StreamDurationExceeded
+from agentq.fleet.broker import publish, task_repr
 from agentq.llm.capacity import Grant
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import admission, subturns
@@ -67,7 +67,7 @@ def send_round(
         idle_timeout_ms=s.stream_idle_timeout_ms,
         # The model the round was admitted for: its limits and its call are one model's.
         model=admission.model_of(ctx),
-        instructions="" if agent is None else agent.instructions,
+        instructions="" if agent is None else agent.system_message(),
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
@@ -100,18 +100,25 @@ def send_round(
             float(ctx.state["llm_deadline"]) if sends > 1 else _round_deadline(ctx, left_s)
         ),
     )
-    ctx.app.send_task(
-        k.TASK_LLM_ROUND,
-        kwargs=req.model_dump(),
-        # A round the provider refused as busy is sent again under a new id.
-        task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}"
-        + (f".{sends}" if sends > 1 else "")
-        + (f".a{admissions}" if admissions > 1 else ""),
-        queue=k.QUEUE_LLM,
-        argsrepr="()",
-        kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(offered)),
-        ignore_result=True,
-    )
+    try:
+        publish(
+            ctx.app,
+            k.TASK_LLM_ROUND,
+            what=f"model round {round_no} of turn {ctx.turn_id}",
+            kwargs=req.model_dump(),
+            # A round the provider refused as busy is sent again under a new id.
+            task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}"
+            + (f".{sends}" if sends > 1 else "")
+            + (f".a{admissions}" if admissions > 1 else ""),
+            queue=k.QUEUE_LLM,
+            argsrepr="()",
+            kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(offered)),
+            ignore_result=True,
+        )
+    except BrokerUnavailable:
+        # Not picked up for long already: the step after the outage sends it at once.
+        ctx.commit(llm_sent_at=0.0)
+        raise
     if sends == 1 and attempt == 1:
         subturns.report_to_parent(ctx, f"model round {round_no + 1}")
 
@@ -188,7 +195,8 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
         ctx.store.redis.delete(k.llm_taken_key(ctx.turn_id, round_no))
         send_round(ctx, round_no, attempt + 1)
     elif not alive and taken is None:
-        sent_at = float(ctx.state.get("llm_sent_at") or ctx.now)
+        sent_at = ctx.state.get("llm_sent_at")
+        sent_at = ctx.now if sent_at is None else float(sent_at)
         if ctx.now - sent_at >= PICKUP_LEASES * s.turn_lease_s:
             # A delivery that arrives after all finds the result or the claim: not run twice.
             sends = int(ctx.state.get("llm_sends") or 1) + 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
@@ -16,8 +17,8 @@ from celery import Celery
 
 from agentq.agents import require_known
 from agentq.config import Settings
-from agentq.errors import PayloadTooLarge
-from agentq.fleet.broker import send_step
+from agentq.errors import BrokerUnavailable, PayloadTooLarge
+from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.state.conversations import open_conversation
 from agentq.telemetry import tracing
@@ -26,6 +27,8 @@ from agentq.webhooks.task import WAITING_RECHECK_S, deliveries
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
+
+log = logging.getLogger("agentq.api")
 
 
 def hash_token(token: str) -> str:
@@ -103,7 +106,12 @@ def start_turn(
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, prior + new)
-    send_step(app, turn_id)
+    try:
+        send_step(app, turn_id)
+    except BrokerUnavailable as exc:
+        # The turn is stored: a turn worker's sweep starts it once the broker is back.
+        log.warning("%s; the turn starts when the broker is back", exc)
+        store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
     return TurnHandle(
         turn_id=turn_id,
         token=token,

@@ -22,8 +22,8 @@ from celery import Celery
 from agentq import constants as k
 from agentq.agents import all_agents, publish_agents
 from agentq.config import Settings
-from agentq.errors import HeadlessInteraction, LlmError, StepLost
-from agentq.fleet.broker import send_step
+from agentq.errors import BrokerUnavailable, HeadlessInteraction, LlmError, StepLost
+from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.machine import advance, fail, fail_headless
 from agentq.state.base import StepView, text
@@ -150,6 +150,10 @@ def _steps(
         except StepLost:
             log.warning("turn %s: step lost its lock to another step", turn_id)
             return "lost"
+        except BrokerUnavailable as exc:
+            # What was not sent is recorded as not sent; the wakeup tries again.
+            log.warning("turn %s: %s; trying again in %g s", turn_id, exc, BROKER_RETRY_S)
+            next_at = time.time() + BROKER_RETRY_S
         if ctx.ended is not None:
             if tracing.enabled:
                 _end_turn_span(ctx)
@@ -191,7 +195,7 @@ def _advance(ctx: StepContext) -> float | None:
         fail_headless(ctx, exc)
     except LlmError as exc:
         fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)
-    except (StepLost, redis.ConnectionError, redis.TimeoutError):
+    except (StepLost, BrokerUnavailable, redis.ConnectionError, redis.TimeoutError):
         # Redis stayed away longer than the client's retries: the state is intact,
         # the step's lock lapses and the wakeup sweep runs the turn again.
         raise
@@ -232,7 +236,13 @@ class Sweeper:
         woke = 0
         for turn_id in self.store.due_wakeups(now):
             if self.store.claim_wakeup(turn_id, now, self.retry_s):
-                send_step(self.app, turn_id)
+                try:
+                    send_step(self.app, turn_id)
+                except BrokerUnavailable as exc:
+                    # The rest wait too: each would spend kombu's retries on the same outage.
+                    self.store.wake_by(turn_id, now + BROKER_RETRY_S)
+                    log.warning("wakeup sweep paused: %s", exc)
+                    break
                 woke += 1
         r = self.store.redis
         for raw in r.zrangebyscore(k.WORKERS, "-inf", now - k.WORKER_ALIVE_TTL_S):

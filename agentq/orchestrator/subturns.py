@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
+from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
 from agentq.state.base import WAKE_BACKSTOP_S
@@ -25,6 +27,13 @@ from agentq.tools.timing import truncate_text
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
     from agentq.orchestrator.plan import CallPlan
+
+log = logging.getLogger("agentq.turn")
+
+
+BEAT_SHARE = 0.9
+"""An agent call's heartbeat comes every this share of `progress_interval_s`: the step
+that publishes it is woken by a sweeper, a little late."""
 
 
 def child_turn_id(turn_id: str, call_id: str) -> str:
@@ -59,12 +68,16 @@ def watch(
     if not waiting:
         return None
     r = ctx.store.redis
+    beat_s = ctx.settings.progress_interval_s * BEAT_SHARE
     pipe = r.pipeline(transaction=False)
     for p in waiting:
-        pipe.hget(k.turn_key(dispatched[p.call.id]["child_turn_id"]), "status")
-    statuses = pipe.execute()
+        pipe.hmget(k.turn_key(dispatched[p.call.id]["child_turn_id"]), ["status", "progress"])
+        # At most one heartbeat per call per beat_s, however many steps look.
+        pipe.set(k.agent_beat_key(ctx.turn_id, p.call.id), 1, nx=True, px=int(beat_s * 900))
+    replies = pipe.execute()
     next_at: float | None = None
-    for p, raw in zip(waiting, statuses, strict=True):
+    for i, p in enumerate(waiting):
+        (raw, progress), beat = replies[2 * i], replies[2 * i + 1]
         rec = dispatched[p.call.id]
         child = str(rec["child_turn_id"])
         if raw is None:
@@ -75,11 +88,16 @@ def watch(
                 ctx, p.call, child, float(rec["dispatched_at"])
             )
             continue
+        elif beat:
+            _beat(ctx, p, rec, json.loads(progress) if progress else "starting")
+        # The next heartbeat: a parent holds no process, so its step is woken for it.
+        beat_at = ctx.now + beat_s
+        next_at = beat_at if next_at is None else min(next_at, beat_at)
         if p.timeout_s <= 0:
             continue
         due = float(rec["dispatched_at"]) + p.timeout_s
         if ctx.now < due:
-            next_at = due if next_at is None else min(next_at, due)
+            next_at = min(next_at, due)
             continue
         result = timeout_result(
             p.call,
@@ -94,6 +112,21 @@ def watch(
         settled[p.call.id] = result if won else ctx.store.result(ctx.turn_id, p.call.id) or result
         abort_child(ctx, child, "timeout")
     return next_at
+
+
+def _beat(ctx: StepContext, p: CallPlan, rec: dict[str, Any], message: str) -> None:
+    """The heartbeat `tool_progress` of a running agent call: its child's last phase."""
+    ctx.publish(
+        "tool_progress",
+        call_id=p.call.id,
+        tool=p.call.name,
+        message=message,
+        pct=None,
+        elapsed_ms=int(max(0.0, ctx.now - float(rec["dispatched_at"])) * 1000),
+        source="agent",
+        agent=p.subturn_agent,
+        child_turn_id=rec["child_turn_id"],
+    )
 
 
 def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
@@ -133,7 +166,10 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
-    send_step(ctx.app, child)
+    try:
+        send_step(ctx.app, child)
+    except BrokerUnavailable as exc:
+        log.warning("%s; the child's wakeup sends it later", exc)
 
 
 def report_to_parent(ctx: StepContext, message: str) -> None:
@@ -144,6 +180,8 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
     if not parent or not call_id:
         return
     created_at = float(state.get("created_at") or ctx.now)
+    # Kept for the parent's heartbeats while this phase lasts.
+    ctx.store.update(ctx.turn_id, progress=message)
     ctx.store.bus.publish(
         str(parent),
         "tool_progress",

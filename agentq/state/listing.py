@@ -331,6 +331,8 @@ class TurnLister:
                 for p in row["pending_interactions"]:
                     p["agent"] = row["agent"]
                     p["owner"] = row["owner"]
+                    # A sub-agent's request: the console shows whose agent call asked.
+                    p["parent_turn_id"] = state.get("parent_turn_id")
                     out.append(p)
         out.sort(key=lambda p: float(p["expires_at"]))
         return out

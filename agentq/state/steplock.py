@@ -192,6 +192,11 @@ class StepRecords(StoreBase):
             )
         )
 
+    def wake_by(self, turn_id: str, at: float) -> None:
+        """Bring a pending wakeup forward to `at` (its step could not be sent): none is added
+        for a turn that has none, since that turn has ended."""
+        self.redis.zadd(k.WAKEUPS, {turn_id: at}, xx=True, lt=True)
+
     def due_wakeups(self, now: float, limit: int = 500) -> list[str]:
         raw = self.redis.zrangebyscore(k.WAKEUPS, "-inf", now, start=0, num=limit)
         return [text(t) for t in raw]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import secrets
 import time
 
+from agentq.events.follow import follow
 from agentq.fleet.broker import send_step
 from agentq.fleet.runtime import get_app, get_store
 from agentq.models import AssistantMessage, ToolCall, ToolResult
@@ -41,7 +42,7 @@ def wait_round(turn_id: str, calls: list[ToolCall], timeout_s: float = 60.0) -> 
     """Wait for the round's turn to end; its results in call order."""
     store = get_store()
     deadline = time.monotonic() + timeout_s
-    for ev in store.bus.follow(turn_id, heartbeat_s=0.5):
+    for ev in follow(store.bus, turn_id, heartbeat_s=0.5):
         if ev is not None and ev.type in ("turn_finished", "turn_aborted", "turn_error"):
             if ev.type != "turn_finished":
                 raise AssertionError(f"round turn {turn_id} ended with {ev.type}: {ev.fields}")

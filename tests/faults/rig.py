@@ -125,7 +125,7 @@ class Rig:
             for ev in self.client.events(turn_id, heartbeat_s=0.25):
                 if ev is not None:
                     seen.append(ev)
-                    if ev.type in TERMINAL_TYPES:
+                    if ev.type in TERMINAL_TYPES and not ev.path:
                         return
                 if time.monotonic() > stop:
                     return

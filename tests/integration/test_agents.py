@@ -16,10 +16,17 @@ from agentq.api import Client
 from agentq.errors import UnknownAgent
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
-from agentq.models import Event
+from agentq.models import Event, parse_stream_id
 from agentq.state.listing import TurnLister
 from agentq.testing.openai_server import Round, first_user_text
-from tests.helpers import assert_valid_history, calls, collect, run_dev_once, script
+from tests.helpers import (
+    assert_valid_history,
+    calls,
+    collect,
+    run_dev_once,
+    script,
+    wait_event,
+)
 from tests.integration.test_cli import agentq
 
 pytestmark = pytest.mark.integration
@@ -33,8 +40,18 @@ def tool_names(request: dict[str, Any]) -> set[str]:
     return {t["function"]["name"] for t in request.get("tools") or []}
 
 
+def own(events: list[Event]) -> list[Event]:
+    """The turn's own events, without its sub-agents' relayed ones."""
+    return [e for e in events if not e.path]
+
+
+def started_event(events: list[Event]) -> Event:
+    (started,) = [e for e in own(events) if e.type == "tool_started"]
+    return started
+
+
 def child_of(events: list[Event]) -> str:
-    started = [e for e in events if e.type == "subturn_started"]
+    started = [e for e in own(events) if e.type == "subturn_started"]
     assert len(started) == 1, [e.type for e in events]
     return str(started[0].fields["child_turn_id"])
 
@@ -120,11 +137,21 @@ def test_an_agent_called_as_a_tool_answers_through_its_child_turn(
         Round(text="The echoer said 42."),
     )
     parent = client.start_turn(key, agent="t_boss")
-    events = collect(client, parent.turn_id)
+    relayed = collect(client, parent.turn_id)
+    events = own(relayed)
     assert events[-1].type == "turn_finished", events[-1]
     child = child_of(events)
     finished = [e for e in events if e.type == "tool_finished"]
     assert [(e.fields["tool"], e.fields["status"]) for e in finished] == [("ask_echoer", "ok")]
+    # The child's own events are relayed into the parent's stream, with their type and
+    # the path down to the child, between the call's start and its end.
+    from_child = [e for e in relayed if e.path]
+    assert {tuple(e.path) for e in from_child} == {(child,)}
+    assert {e.turn_id for e in from_child} == {child}
+    assert [e.type for e in from_child] == [e.type for e in collect(client, child)]
+    assert relayed.index(started_event(relayed)) < relayed.index(from_child[0])
+    assert relayed.index(from_child[-1]) < relayed.index(finished[0])
+    assert [e.fields["tool"] for e in from_child if e.type == "tool_finished"] == ["echo"]
     (started,) = [e for e in events if e.type == "tool_started"]
     assert started.fields["child_turn_id"] == child and started.fields["agent"] == "t_echoer"
     # The parent's stream shows the agent at work, as the progress of the call it waits on.
@@ -168,7 +195,7 @@ def test_an_agent_past_its_limit_settles_timeout_and_its_turn_is_aborted(
     )
     t0 = time.monotonic()
     parent = client.start_turn(key, agent="t_boss")
-    events = collect(client, parent.turn_id)
+    events = own(collect(client, parent.turn_id))
     took_s = time.monotonic() - t0
     assert events[-1].type == "turn_finished", events[-1]
     finished = [e for e in events if e.type == "tool_finished"]
@@ -208,15 +235,38 @@ def test_aborting_the_parent_aborts_the_agent_it_waits_for(
             pid = int(ev.fields["pid"])
             break
     assert psutil.pid_exists(pid)
+    # While the child waits on its tool, the parent's call still beats (every 5 s), with
+    # the child's phase: a parent's step is woken for it, no process waits.
+    beat = wait_event(
+        client,
+        parent.turn_id,
+        "tool_progress",
+        timeout_s=15,
+        message="calling hang",
+        source="agent",
+        child_turn_id=child,
+        until=lambda e: int(e.fields["elapsed_ms"]) >= 4000,
+    )
+    assert not beat.path and beat.fields["tool"] == "ask_waiter"
     summary = TurnLister(client.store.redis).summaries([parent.turn_id])[parent.turn_id]
     assert summary["agent"] == "t_boss"
     assert [(c["tool"], c["state"]) for c in summary["current_tools"]] == [
         ("ask_waiter", "running")
     ]
     client.abort(parent.turn_id, parent.token)
-    last = collect(client, parent.turn_id)[-1]
-    assert last.type == "turn_aborted"
-    assert collect(client, child)[-1].type == "turn_aborted"
+    parent_events = collect(client, parent.turn_id)
+    last = parent_events[-1]
+    assert last.type == "turn_aborted" and not last.path
+    child_last = collect(client, child)[-1]
+    assert child_last.type == "turn_aborted"
+    # Nothing of the child is relayed after the parent's terminal event.
+    end = parse_stream_id(last.stream_id or "")
+    relayed = [e for e in parent_events if e.path]
+    assert relayed and all(parse_stream_id(e.stream_id or "") <= end for e in relayed)
+    relayed_ids = {e.stream_id for e in relayed if e.turn_id == child}
+    assert (child_last.stream_id in relayed_ids) == (
+        parse_stream_id(child_last.stream_id or "") <= end
+    )
     wait_for(lambda: not psutil.pid_exists(pid), 10, message=f"tool process {pid} gone")
     turn = client.get(parent.turn_id)
     assert [r["status"] for r in turn["invocations"]] == ["cancelled"]
@@ -242,9 +292,16 @@ def test_agents_nest_two_levels_deep(fleet, llm_server, client: Client) -> None:
     events = collect(client, top.turn_id)
     assert events[-1].type == "turn_finished" and events[-1].fields["content"] == "top is done"
     middle = child_of(events)
-    middle_events = collect(client, middle)
+    middle_events = collect(client, middle, depth=0)
     leaf = child_of(middle_events)
     leaf_events = collect(client, leaf)
+    # One level is relayed by default; two when asked, each event with its full path.
+    assert {tuple(e.path) for e in events} == {(), (middle,)}
+    deep = collect(client, top.turn_id, depth=2)
+    assert {tuple(e.path) for e in deep} == {(), (middle,), (middle, leaf)}
+    assert [e.type for e in deep if e.path == [middle, leaf]] == [e.type for e in leaf_events]
+    assert [e.type for e in deep if e.path == [middle]] == [e.type for e in middle_events]
+    assert not [e for e in collect(client, top.turn_id, depth=0) if e.path]
     assert middle_events[0].fields["parent_turn_id"] == top.turn_id
     assert leaf_events[0].fields["parent_turn_id"] == middle
     assert leaf_events[0].fields["agent"] == "t_echoer"
@@ -262,7 +319,7 @@ def test_a_failed_child_settles_the_call_as_error(fleet, llm_server, client: Cli
         Round(text="The child failed."),
     )
     parent = client.start_turn(key, agent="t_boss")
-    events = collect(client, parent.turn_id)
+    events = own(collect(client, parent.turn_id))
     assert events[-1].type == "turn_finished"
     (finished,) = [e for e in events if e.type == "tool_finished"]
     assert finished.fields["status"] == "error"

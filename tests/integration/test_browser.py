@@ -161,3 +161,45 @@ def test_a_chip_shows_the_progress_its_tool_reports(page, llm_server, client: Cl
     page.locator('.chip[data-status="ok"]', has_text="sleep").wait_for()
     assert page.locator('.chip[data-status="ok"] .progress').inner_text() == ""
     assert follow_until(client, turn_id, *TERMINAL).type == "turn_finished"
+
+
+def test_a_sub_agent_works_nested_under_its_call_and_asks_from_the_page(
+    page, llm_server, client: Client
+) -> None:
+    child_key = script(
+        llm_server,
+        Round(
+            text="Child deleting.",
+            tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "/sub"})],
+        ),
+        Round(text="child done"),
+    )
+    key = script(
+        llm_server,
+        Round(tool_calls=[ScriptedCall(name="ask_asker", arguments={"prompt": f"{child_key} go"})]),
+        Round(text="Lead is done."),
+    )
+    page.locator("#agent-label").wait_for()
+    page.select_option("#agent", "t_boss")
+    turn_id = send(page, key)
+    # The child's request is relayed into the parent's stream and shown, named by its call.
+    ask = page.locator(".ask.pending")
+    ask.wait_for()
+    assert ask.locator(".who").inner_text() == "ask_asker"
+    assert "delete_file" in ask.locator(".prompt").inner_text()
+    # The child's tool and text show nested under the agent call's chip.
+    sub = page.locator(".subagent")
+    sub.locator(".chip", has_text="delete_file").wait_for()
+    assert "Child deleting." in sub.locator(".sub-text").inner_text()
+    assert page.locator(".tools > .chip", has_text="ask_asker").count() == 1
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-subagent-ask.png"), full_page=True)
+    ask.locator("button.approve").click()
+    sub.locator('.chip[data-status="ok"]', has_text="delete_file").wait_for()
+    page.locator('.chip[data-status="ok"]', has_text="ask_asker").wait_for()
+    page.locator('#status[data-state="finished"]').wait_for()
+    assert page.inner_text("article.turn .answer") == "Lead is done."
+    assert sub.get_attribute("data-state") == "finished"
+    page.screenshot(path=str(ARTIFACTS / "browser-subagent.png"), full_page=True)
+    child = client.get(turn_id)["invocations"][0]["task_id"]
+    assert client.get(child)["state"]["parent_turn_id"] == turn_id

@@ -62,3 +62,50 @@ def test_interactive_approval_prompt_counts_down_and_approves(
         assert "delete_file" in done and "ok" in done
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+
+
+def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
+    fleet, llm_server, agentq_env
+) -> None:
+    child_key = script(
+        llm_server,
+        Round(tool_calls=calls(("delete_file", {"path": "/tmp/sub"}))),
+        Round(text="child deleted"),
+    )
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("ask_asker", {"prompt": f"{child_key} go"}))),
+        Round(text="Lead saw it done."),
+    )
+    session = f"agentq-{uuid.uuid4().hex[:8]}"
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in agentq_env.items())
+    cmd = (
+        f"env {env} {sys.executable} -m agentq run --agent t_boss {shlex.quote(key)};"
+        " echo EXIT=$?; sleep 60"
+    )
+    subprocess.run(
+        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
+        check=True,
+        cwd=os.getcwd(),
+    )
+    try:
+        first = wait_for(
+            lambda: "left, silence denies" in _screen(session) and _screen(session),
+            30,
+            message="the sub-agent's approval prompt",
+        )
+        # The request comes from the child turn, relayed into the parent's stream.
+        assert "[t_asker] Allow delete_file" in first, first
+        subprocess.run(["tmux", "send-keys", "-t", session, "y", "Enter"], check=True)
+        done = wait_for(
+            lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
+        )
+        assert "EXIT=0" in done, done
+        # The child's tool line nests under the agent call's line.
+        lines = done.splitlines()
+        call = next((i for i, s in enumerate(lines) if "ask_asker" in s and " ok" in s), -1)
+        assert call >= 0, done
+        assert "└ delete_file" in lines[call + 1] and " ok" in lines[call + 1], done
+        assert "Lead saw it done." in done
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from agentq.events.follow import follow
 from agentq.fleet.runtime import get_store
 from agentq.local.processes import wait_for
 
@@ -31,7 +32,7 @@ def test_late_subscriber_gets_every_event_exactly_once(agentq_env) -> None:
     try:
         wait_for(lambda: len(bus.replay(turn_id)) >= total // 3, 10, message="first third")
         seqs = []
-        for ev in bus.follow(turn_id):
+        for ev in follow(bus, turn_id):
             if ev is None:
                 continue
             if not joined.is_set():
@@ -49,10 +50,10 @@ def test_resume_after_a_stream_id_gives_exactly_the_rest(agentq_env) -> None:
     for i in range(20):
         bus.publish(turn_id, "llm_delta", text=str(i))
     bus.publish(turn_id, "turn_finished", reason="stop")
-    first = [e for e in bus.follow(turn_id) if e is not None]
+    first = [e for e in follow(bus, turn_id) if e is not None]
     assert [e.seq for e in first] == list(range(1, 22))
     assert all(e.stream_id for e in first)
-    rest = [e for e in bus.follow(turn_id, after_id=first[9].stream_id or "") if e is not None]
+    rest = [e for e in follow(bus, turn_id, after=first[9].stream_id or "") if e is not None]
     assert [e.seq for e in rest] == list(range(11, 22))
 
 
@@ -62,13 +63,13 @@ def test_live_copy_carries_the_stream_id_for_sse(agentq_env) -> None:
     got = []
     done = threading.Event()
 
-    def follow() -> None:
-        for ev in bus.follow(turn_id):
+    def run() -> None:
+        for ev in follow(bus, turn_id):
             if ev is not None:
                 got.append(ev)
         done.set()
 
-    t = threading.Thread(target=follow)
+    t = threading.Thread(target=run)
     t.start()
     wait_for(lambda: bus.redis.pubsub_numsub(f"agentq:turn:{turn_id}:events")[0][1] > 0, 5)
     bus.publish(turn_id, "turn_started")

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import fakeredis
 import pytest
+from pydantic import BaseModel
 
 import agentq.testing.tools as demo
 from agentq import constants as k
@@ -53,6 +54,7 @@ def test_tools_are_names_and_default_to_every_tool() -> None:
         ({"name": "u_x", "tools": "echo"}, "tools"),
         ({"name": "u_x", "tools": [42]}, "tools"),
         ({"name": "u_x", "temperature": 0.3}, "temperature"),
+        ({"name": "u_x", "output_type": dict}, "output_type"),
     ],
 )
 def test_a_bad_field_names_the_agent_and_the_field(fields: dict[str, object], field: str) -> None:
@@ -61,6 +63,20 @@ def test_a_bad_field_names_the_agent_and_the_field(fields: dict[str, object], fi
     assert info.value.field == field
     assert info.value.agent == fields["name"]
     assert field in info.value.message
+
+
+def test_an_output_type_asks_the_model_for_its_schema() -> None:
+    class Answer(BaseModel):
+        value: int
+
+    plain = Agent(name="u_plain", instructions="Be brief.")
+    assert plain.system_message() == "Be brief."
+    typed = Agent(name="u_typed", instructions="Be brief.", output_type=Answer)
+    first, schema = typed.system_message().split("\n\n")
+    assert first == "Be brief."
+    assert json.loads(schema.split(": ", 1)[1]) == Answer.model_json_schema()
+    bare = Agent(name="u_bare", output_type=Answer)
+    assert bare.system_message().startswith("Answer with only one JSON object")
 
 
 def test_the_loaded_set_is_checked_whole() -> None:

@@ -89,3 +89,31 @@ def test_the_live_view_says_a_round_waits_for_model_capacity_until_it_starts() -
     assert "position 1" in shown(view) and "position 3" not in shown(view)
     view.apply(ev(3, "llm_started", round_no=0))
     assert "waiting for model capacity" not in shown(view)
+
+
+def test_a_sub_agents_tools_and_requests_nest_under_its_agent_call() -> None:
+    view = TurnView("t")
+    view.apply(ev(1, "tool_started", call_id="c1", tool="ask_researcher", child_turn_id="k"))
+    view.apply(ev(2, "tool_started", call_id="c2", tool="ask_other", child_turn_id="k2"))
+    # The child's call ids may repeat the parent's: its events are folded apart, by path.
+    view.apply(ev(1, "tool_started", call_id="c1", tool="search", path=["k"]))
+    view.apply(ev(2, "tool_started", call_id="c9", tool="lookup", path=["k", "g"]))
+    view.apply(
+        ev(3, "interaction_requested", request_id="c1.approval", prompt="run search?",
+           timeout_ms=60_000, agent="researcher", path=["k"])
+    )  # fmt: skip
+    text = shown(view)
+    lines = text.splitlines()
+    parent = next(i for i, s in enumerate(lines) if "ask_researcher" in s)
+    child = next(i for i, s in enumerate(lines) if "└ search" in s)
+    assert parent < child, text
+    assert "lookup" not in text  # its parent line is unknown: nothing to nest it under
+    assert "? [researcher] run search?" in text
+    view.apply(ev(4, "tool_finished", call_id="c1", tool="search", status="ok", path=["k"]))
+    view.apply(ev(5, "interaction_answered", request_id="c1.approval", path=["k"]))
+    view.apply(ev(6, "turn_finished", path=["k"]))
+    assert view.outcome is None  # the child's end is not the turn's
+    assert view.tools["c1"].status is None and view.tools["c1"].sub is not None
+    assert view.tools["c1"].sub.tools["c1"].status == "ok"
+    assert "run search?" not in shown(view)
+    assert view.summary().endswith("2 running")

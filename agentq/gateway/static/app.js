@@ -10,6 +10,7 @@ const EVENT_TYPES = [
 ];
 const TERMINAL = new Set(["turn_finished", "turn_aborted", "turn_error"]);
 const MAX_RECONNECTS = 10;
+const RELAY_DEPTH = 8; // the gateway's most: every level of sub-agents
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const conversationId = "web-" + Array.from(crypto.getRandomValues(new Uint8Array(8)),
@@ -146,15 +147,20 @@ class ToolChip {
 }
 
 class Ask {
-  constructor(turn, ev) {
+  // `who`: the agent call a relayed sub-agent request comes from; it is answered on the
+  // sub-agent's own turn, with the parent's token (it opens the turns it started).
+  constructor(turn, ev, who) {
     this.turn = turn;
+    this.turnId = ev.turn_id || turn.turnId;
     this.requestId = ev.request_id;
     this.deadline = localTime(ev.created_at || ev.ts) + ev.timeout_ms;
     this.node = el("div", "ask pending");
     this.node.dataset.requestId = ev.request_id;
     this.countdown = el("span", "countdown");
     const head = el("div", "ask-head");
-    head.append(el("span", "kind", ev.kind), el("span", "prompt", ev.prompt), this.countdown);
+    head.append(el("span", "kind", ev.kind));
+    if (who) head.append(el("span", "who", who));
+    head.append(el("span", "prompt", ev.prompt), this.countdown);
     this.node.append(head);
     const row = el("div", "ask-actions");
     if (ev.kind === "password") {
@@ -186,7 +192,7 @@ class Ask {
     this.buttons.forEach((b) => { b.disabled = true; });
     const body = { decision };
     if (this.input && decision === "approve") body.value = this.input.value;
-    const url = `/v1/turns/${this.turn.turnId}/interactions/${encodeURIComponent(this.requestId)}`;
+    const url = `/v1/turns/${this.turnId}/interactions/${encodeURIComponent(this.requestId)}`;
     const res = await fetch(url, {
       method: "POST", headers: authHeaders(this.turn.token), body: JSON.stringify(body),
     });
@@ -203,16 +209,34 @@ class Ask {
   }
 }
 
+// A sub-agent's activity (its model text, its tools, its own sub-agents), nested under the
+// chip of the agent call that started it; fed by the events relayed with a `path`.
+class SubAgent {
+  constructor(chip, childTurnId, name) {
+    this.turnId = childTurnId;
+    this.name = name;
+    this.chips = new Map();
+    this.children = new Map();
+    this.node = el("div", "subagent");
+    this.node.dataset.childTurnId = childTurnId;
+    this.text = el("div", "sub-text");
+    this.tools = el("div", "tools");
+    this.node.append(this.text, this.tools);
+    chip.node.after(this.node);
+  }
+}
+
 class TurnView {
   constructor(handle, prompt) {
     this.turnId = handle.turn_id;
     this.token = handle.token;
     this.eventsUrl = handle.events_url;
     this.lastId = null;
-    this.lastSeq = 0;
+    this.lastSeqs = new Map();
     this.done = false;
     this.reconnects = 0;
     this.chips = new Map();
+    this.children = new Map();
     this.asks = new Map();
     this.node = el("article", "turn");
     this.node.dataset.turnId = this.turnId;
@@ -232,7 +256,8 @@ class TurnView {
   }
 
   connect() {
-    const params = new URLSearchParams({ token: this.token });
+    // Every level of sub-agents: their work shows nested, their approvals are answered here.
+    const params = new URLSearchParams({ token: this.token, depth: String(RELAY_DEPTH) });
     // EventSource resends Last-Event-ID itself; ?after= covers a fresh EventSource.
     if (this.lastId) params.set("after", this.lastId);
     const es = new EventSource(`${this.eventsUrl}?${params}`);
@@ -256,22 +281,98 @@ class TurnView {
 
   onMessage(e) {
     const ev = JSON.parse(e.data);
-    if (ev.seq <= this.lastSeq) return; // a replayed copy after a reconnect
-    this.lastSeq = ev.seq;
+    // A replayed copy after a reconnect; seq counts per turn, and sub-agents relay theirs.
+    if (ev.seq <= (this.lastSeqs.get(ev.turn_id) || 0)) return;
+    this.lastSeqs.set(ev.turn_id, ev.seq);
     this.lastId = e.lastEventId || this.lastId;
-    this.apply(ev);
+    if (ev.path && ev.path.length) this.applyRelayed(ev);
+    else this.apply(ev);
   }
 
-  chip(ev) {
-    let chip = this.chips.get(ev.call_id);
+  chip(ev, scope = this) {
+    let chip = scope.chips.get(ev.call_id);
     if (!chip) {
-      chip = new ToolChip(this.tools, ev.call_id, ev.tool || "?");
-      this.chips.set(ev.call_id, chip);
+      chip = new ToolChip(scope.tools, ev.call_id, ev.tool || "?");
+      scope.chips.set(ev.call_id, chip);
+    }
+    if (ev.child_turn_id && !scope.children.has(ev.child_turn_id)) {
+      scope.children.set(ev.child_turn_id, new SubAgent(chip, ev.child_turn_id, ev.tool || "?"));
     }
     return chip;
   }
 
+  // The chip events, the same for the turn and for each sub-agent.
+  applyTool(ev, scope) {
+    switch (ev.type) {
+      case "tool_started":
+        this.chip(ev, scope).start(localTime(ev.ts));
+        return true;
+      case "tool_progress": {
+        const chip = this.chip(ev, scope);
+        if (ev.state !== "queued" && ev.elapsed_ms != null) {
+          // The server measured elapsed time; re-anchor on it to cancel clock skew.
+          chip.start(performance.now() - ev.elapsed_ms);
+        }
+        if (ev.source === "tool" || ev.source === "agent") chip.progress(ev.message, ev.pct);
+        return true;
+      }
+      case "tool_finished":
+        this.chip(ev, scope).finish(ev.status, ev.duration_ms, ev.error || ev.reason);
+        return true;
+      case "tool_denied":
+        if (!scope.chips.get(ev.call_id)) this.chip(ev, scope).finish("denied", null, ev.reason);
+        return true;
+      case "interaction_requested": {
+        const ask = new Ask(this, ev, scope === this ? null : scope.name);
+        this.asks.set(`${ev.turn_id}/${ev.request_id}`, ask);
+        this.askList.append(ask.node);
+        return true;
+      }
+      case "interaction_answered": {
+        const ask = this.asks.get(`${ev.turn_id}/${ev.request_id}`);
+        if (ask) ask.close(ev.decision === "approve" ? "approved" : "denied",
+          `${ev.decision === "approve" ? "approved" : "denied"} (${ev.by})`);
+        return true;
+      }
+      case "interaction_timed_out": {
+        const ask = this.asks.get(`${ev.turn_id}/${ev.request_id}`);
+        if (ask) ask.close("timed-out", "timed out: denied");
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // A sub-agent's event: into the view nested under the agent call that started it.
+  applyRelayed(ev) {
+    let scope = this;
+    for (const id of ev.path) {
+      scope = scope.children.get(id);
+      if (!scope) return;
+    }
+    if (this.applyTool(ev, scope)) return;
+    switch (ev.type) {
+      case "llm_started":
+        if (scope.text.textContent && !scope.text.textContent.endsWith("\n")) {
+          scope.text.textContent += "\n";
+        }
+        break;
+      case "llm_delta":
+        if (ev.kind !== "reasoning") scope.text.textContent += ev.text;
+        break;
+      case "turn_finished":
+      case "turn_aborted":
+      case "turn_error":
+        scope.node.dataset.state = ev.type.slice(5);
+        break;
+      default:
+        break;
+    }
+  }
+
   apply(ev) {
+    if (this.applyTool(ev, this)) return;
     switch (ev.type) {
       case "turn_started":
         setStatus("running", "running…");
@@ -305,44 +406,9 @@ class TurnView {
           this.text.textContent = this.text.textContent.slice(0, this.roundStart || 0);
         }
         break;
-      case "tool_started":
-        this.chip(ev).start(localTime(ev.ts));
-        break;
-      case "tool_progress": {
-        const chip = this.chip(ev);
-        if (ev.state !== "queued" && ev.elapsed_ms != null) {
-          // The server measured elapsed time; re-anchor on it to cancel clock skew.
-          chip.start(performance.now() - ev.elapsed_ms);
-        }
-        if (ev.source === "tool") chip.progress(ev.message, ev.pct);
-        break;
-      }
-      case "tool_finished":
-        this.chip(ev).finish(ev.status, ev.duration_ms, ev.error || ev.reason);
-        break;
-      case "tool_denied":
-        if (!this.chips.get(ev.call_id)) this.chip(ev).finish("denied", null, ev.reason);
-        break;
       case "subturn_started":
         this.notes.append(el("div", "note", `agent ${ev.agent} runs as turn ${ev.child_turn_id}`));
         break;
-      case "interaction_requested": {
-        const ask = new Ask(this, ev);
-        this.asks.set(ev.request_id, ask);
-        this.askList.append(ask.node);
-        break;
-      }
-      case "interaction_answered": {
-        const ask = this.asks.get(ev.request_id);
-        if (ask) ask.close(ev.decision === "approve" ? "approved" : "denied",
-          `${ev.decision === "approve" ? "approved" : "denied"} (${ev.by})`);
-        break;
-      }
-      case "interaction_timed_out": {
-        const ask = this.asks.get(ev.request_id);
-        if (ask) ask.close("timed-out", "timed out: denied");
-        break;
-      }
       case "turn_finished":
         if (!this.text.textContent && ev.content) this.text.textContent = ev.content;
         this.end("finished", ev.reason && ev.reason !== "stop" ? `finished (${ev.reason})`
@@ -359,9 +425,10 @@ class TurnView {
     }
   }
 
-  tick() {
-    this.chips.forEach((chip) => chip.tick());
-    this.asks.forEach((ask) => ask.tick());
+  tick(scope = this) {
+    scope.chips.forEach((chip) => chip.tick());
+    scope.children.forEach((sub) => this.tick(sub));
+    if (scope === this) this.asks.forEach((ask) => ask.tick());
   }
 
   end(state, text) {

@@ -104,6 +104,9 @@ function inboxItem(p) {
   li.dataset.requestId = p.request_id;
   const head = el("div", "inbox-head");
   head.append(el("strong", null, p.tool || p.kind), el("span", "mono muted", " " + p.turn_id.slice(0, 12)));
+  if (p.parent_turn_id) {
+    head.append(el("span", "muted", ` sub-agent ${p.agent || ""} of ${p.parent_turn_id.slice(0, 12)}`));
+  }
   const countdown = el("span", "countdown");
   countdown.dataset.expiresAt = String(p.expires_at);
   li.append(head, el("div", "prompt", p.prompt), countdown);

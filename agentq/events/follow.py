@@ -1,0 +1,298 @@
+"""Follow a turn's events without gaps, and relay its sub-agents' events into it.
+
+A sub-agent's events stay in its own log: nothing is copied at publish time. A reader of
+a parent merges the streams of the children it discovers (each `subturn_started` names
+one), up to `depth` levels, and marks a child's events with `path`: the turn ids from
+the parent's direct child down to the turn that emitted them. Its position is a
+`Cursor`: the parent's stream id plus the position in each child stream still open, so
+`Last-Event-ID` resumes every stream it had reached.
+
+Nothing of a stream is relayed after the terminal event of the turn above it: a stream
+closes (with its descendants) when its turn's own terminal event is yielded, and the
+whole follow stops at the root's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import redis
+
+from agentq.constants import events_channel, turn_key
+from agentq.events.bus import TERMINAL_TYPES, EventBus
+from agentq.models import Event, is_turn_id, parse_stream_id
+
+CATCH_UP_S = 2.0
+"""How often a silent follower re-reads the logs for events its subscription missed."""
+PAGE = 1000
+"""Events per log read."""
+RELAY_DEPTH_MAX = 8
+"""The deepest sub-agent level a reader may ask to have relayed."""
+CURSOR_CHILDREN_MAX = 64
+"""Open child streams a cursor may name: bounds what one `Last-Event-ID` costs to resume."""
+
+
+@dataclass
+class Cursor:
+    """Where a reader of a turn stands: the root's stream id and each open child's.
+
+    Encoded `<root id>` alone while no child stream is open (a plain stream id, as
+    before relaying), else `<root id>,<child turn id>=<its stream id>,...`.
+    """
+
+    root: str = "0-0"
+    children: dict[str, str] = field(default_factory=dict)
+
+    def encode(self) -> str:
+        return self.root + "".join(f",{t}={p}" for t, p in self.children.items())
+
+    @classmethod
+    def parse(cls, raw: str) -> Cursor:
+        """Raises ValueError naming what is wrong (the gateway answers 422 with it)."""
+        head, *rest = raw.strip().split(",")
+        if parse_stream_id(head) is None:
+            raise ValueError("must be a stream id like 1-0: two unsigned 64-bit integers")
+        if len(rest) > CURSOR_CHILDREN_MAX:
+            raise ValueError(f"names more than {CURSOR_CHILDREN_MAX} child streams")
+        children: dict[str, str] = {}
+        for part in rest:
+            tid, _, pos = part.partition("=")
+            if not is_turn_id(tid) or parse_stream_id(pos) is None:
+                raise ValueError("a relayed stream's position is <turn id>=<stream id>")
+            children[tid] = _norm(pos)
+        return cls(_norm(head), children)
+
+
+@dataclass
+class _Stream:
+    turn_id: str
+    path: tuple[str, ...]
+    """() for the root; else the turn ids from the root's direct child down to this one."""
+    last_id: str = "0-0"
+    last_seq: int = 0
+
+
+class TreeFollower:
+    """One follow of a turn and, `depth` levels down, of the sub-agents it starts."""
+
+    def __init__(
+        self,
+        bus: EventBus,
+        root: str,
+        *,
+        after: Cursor,
+        depth: int,
+        stop_at_terminal: bool,
+    ) -> None:
+        self.redis: redis.Redis = bus.redis
+        self.replay = bus.replay
+        self.root = root
+        self.depth = max(0, min(depth, RELAY_DEPTH_MAX))
+        self.stop_at_terminal = stop_at_terminal
+        self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
+        self.done = False
+        self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self.pubsub.subscribe(events_channel(root))
+        for tid, pos in after.children.items():
+            path = self._path_of(tid)
+            if path is not None:
+                self._open(tid, path, pos)
+
+    def _path_of(self, turn_id: str) -> tuple[str, ...] | None:
+        """The path of a descendant named by a resuming cursor; None if it is not one
+        within `depth` (a cursor never opens another turn's stream)."""
+        path = [turn_id]
+        current = turn_id
+        for _ in range(self.depth):
+            raw = self.redis.hget(turn_key(current), "parent_turn_id")
+            parent = json.loads(raw) if raw else None  # type: ignore[arg-type]
+            if parent == self.root:
+                return tuple(reversed(path))
+            if not isinstance(parent, str):
+                return None
+            path.append(parent)
+            current = parent
+        return None
+
+    def _open(self, turn_id: str, path: tuple[str, ...], after: str = "0-0") -> None:
+        if turn_id not in self.streams:
+            self.streams[turn_id] = _Stream(turn_id, path, after)
+            self.pubsub.subscribe(events_channel(turn_id))
+
+    def _close(self, turn_id: str) -> None:
+        """A child stream ended: it and every stream below it."""
+        gone = [t for t, s in self.streams.items() if turn_id in s.path and t != self.root]
+        for t in gone:
+            del self.streams[t]
+        self.pubsub.unsubscribe(*(events_channel(t) for t in gone))
+
+    def cursor(self) -> Cursor:
+        return Cursor(
+            self.streams[self.root].last_id,
+            {t: s.last_id for t, s in self.streams.items() if t != self.root},
+        )
+
+    def _emit(self, stream: _Stream, ev: Event) -> Iterator[Event]:
+        """Yield `ev` if it is new for its stream; open or close streams as it says."""
+        if self.done or self.streams.get(stream.turn_id) is not stream:
+            return
+        if not _is_new(ev, stream.last_seq, stream.last_id):
+            return
+        stream.last_seq = ev.seq
+        stream.last_id = ev.stream_id or stream.last_id
+        if stream.path:
+            ev = Event.model_validate({**ev.model_dump(), "path": list(stream.path)})
+        child = ev.fields.get("child_turn_id")
+        if (
+            ev.type == "subturn_started"
+            and len(stream.path) < self.depth
+            and isinstance(child, str)
+            and is_turn_id(child)
+        ):
+            self._open(child, (*stream.path, child))
+        ended = ev.type in TERMINAL_TYPES
+        if ended and stream.path:
+            self._close(stream.turn_id)
+        ev.cursor = self.cursor().encode()
+        yield ev
+        if ended and not stream.path and self.stop_at_terminal:
+            self.done = True
+
+    def catch_up(self, streams: list[_Stream] | None = None) -> Iterator[Event]:
+        """Everything the logs hold past each stream's position, merged by stream id (a
+        child's events fall between the parent's around them)."""
+        pending: dict[str, deque[Event]] = {}
+        full: set[str] = set()
+        order = {t: i for i, t in enumerate(self.streams)}
+
+        def load(s: _Stream) -> None:
+            batch = self.replay(s.turn_id, s.last_id, PAGE)
+            pending[s.turn_id] = deque(batch)
+            if len(batch) >= PAGE:
+                full.add(s.turn_id)
+            else:
+                full.discard(s.turn_id)
+
+        for s in streams if streams is not None else list(self.streams.values()):
+            load(s)
+        while not self.done:
+            # By the millisecond of the stream id: the sequence part counts per stream,
+            # so within a millisecond the deeper stream goes first (a child's end and the
+            # settling of its call in the parent are one script, the child's end first).
+            heads = [
+                (
+                    _stream_pos(q[0].stream_id or "0-0")[0],
+                    -len(self.streams[t].path),
+                    order.get(t, len(order)),
+                    t,
+                )
+                for t, q in pending.items()
+                if q and t in self.streams
+            ]
+            if not heads:
+                return
+            tid = min(heads)[3]
+            known = set(self.streams)
+            yield from self._emit(self.streams[tid], pending[tid].popleft())
+            if not pending[tid] and tid in full and tid in self.streams:
+                # Its next page before any other stream's next event: the merge needs
+                # every open stream's head.
+                load(self.streams[tid])
+            for t in self.streams:
+                if t not in known:
+                    # A child that event opened: its log is merged with the rest from here.
+                    order[t] = len(order)
+                    load(self.streams[t])
+
+    def live(self, ev: Event) -> Iterator[Event]:
+        """A live copy from the subscription; a gap in its stream's seq is refilled."""
+        stream = self.streams.get(ev.turn_id)
+        if stream is None or not _is_new(ev, stream.last_seq, stream.last_id):
+            return
+        if ev.seq != stream.last_seq + 1:
+            yield from self.catch_up([stream])
+            return
+        known = set(self.streams)
+        yield from self._emit(stream, ev)
+        opened = [s for t, s in self.streams.items() if t not in known]
+        if opened:
+            # Subscribed when opened, so its log and then its live copies miss nothing.
+            yield from self.catch_up(opened)
+
+    def close(self) -> None:
+        self.pubsub.close()
+
+
+def follow(
+    bus: EventBus,
+    turn_id: str,
+    *,
+    after: Cursor | str = "0-0",
+    depth: int = 0,
+    idle_timeout_s: float | None = None,
+    stop_at_terminal: bool = True,
+    heartbeat_s: float | None = None,
+    live: bool = True,
+) -> Iterator[Event | None]:
+    """Yield every event after `after` exactly once: the logs first, then (`live`) live.
+
+    Subscribes before reading a log so nothing published in between is lost, and drops
+    live copies already seen in the log. A seq gap on the live side (a missed message) is
+    filled from the log, which a silent follower also re-reads every CATCH_UP_S. Yields
+    None every `heartbeat_s` of silence, so callers can write keep-alives or notice a
+    gone client. Each event's `cursor` resumes right after it.
+    """
+    cursor = Cursor.parse(after) if isinstance(after, str) else after
+    tree = TreeFollower(bus, turn_id, after=cursor, depth=depth, stop_at_terminal=stop_at_terminal)
+    try:
+        yield from tree.catch_up()
+        if not live:
+            return
+        silent_since = beat_at = caught_up_at = time.monotonic()
+        while not tree.done:
+            wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
+            msg = tree.pubsub.get_message(timeout=wait_s)
+            now = time.monotonic()
+            if msg is not None:
+                silent_since = now
+                yield from tree.live(Event.parse(msg["data"]))
+                continue
+            if idle_timeout_s is not None and now - silent_since > idle_timeout_s:
+                return
+            if heartbeat_s is not None and now - beat_at >= heartbeat_s:
+                beat_at = now
+                yield None
+            # A live copy published while the subscription was reconnecting is only in
+            # the log: look there now and then, or a quiet turn's last event would never
+            # arrive.
+            if now - caught_up_at >= CATCH_UP_S:
+                caught_up_at = now
+                for ev in tree.catch_up():
+                    silent_since = now
+                    yield ev
+    finally:
+        tree.close()
+
+
+def _is_new(ev: Event, last_seq: int, last_id: str) -> bool:
+    """Whether `ev` comes after what was yielded: by stream id, else by seq.
+
+    Stream ids keep growing even when Redis lost the log (a restart without
+    persistence) and seq began again at 1, so the turn's last word still gets through.
+    """
+    if ev.stream_id is None:
+        return ev.seq > last_seq
+    return _stream_pos(ev.stream_id) > _stream_pos(last_id)
+
+
+def _stream_pos(stream_id: str) -> tuple[int, int]:
+    return parse_stream_id(stream_id) or (0, 0)
+
+
+def _norm(stream_id: str) -> str:
+    ms, n = parse_stream_id(stream_id) or (0, 0)
+    return f"{ms}-{n}"
