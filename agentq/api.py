@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
-import logging
-import secrets
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -15,37 +11,28 @@ from celery import Celery
 from pydantic import BaseModel
 
 from agentq import constants as k
-from agentq.agents import require_known
 from agentq.config import Settings, get_settings
-from agentq.errors import BrokerUnavailable, PayloadTooLarge, TokenInvalid, TurnNotFound
+from agentq.errors import TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.events.follow import follow
-from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import (
     TERMINAL_STATUSES,
     Event,
     InteractionAnswer,
     TurnHandle,
     TurnRequest,
-    check_messages,
 )
+from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
 from agentq.state.base import text
-from agentq.state.conversations import open_conversation
 from agentq.state.interactions import Interactions
 from agentq.telemetry import tracing
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
 
-log = logging.getLogger("agentq.api")
-
 
 M = TypeVar("M", bound=BaseModel)
-
-
-def _hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class Client:
@@ -79,11 +66,15 @@ class Client:
         parent_turn_id: str | None = None,
         operator: bool = False,
         agent: str | None = None,
+        webhook_url: str | None = None,
     ) -> TurnHandle:
         """Queue a turn; returns at once with its id and the token that controls it.
 
         `agent` names the Agent the turn runs as; one no turn worker runs raises
         UnknownAgent (with the known ones).
+
+        `webhook_url` gets a signed POST when the turn ends (see docs/webhooks.md); a URL
+        that can never be delivered to raises WebhookRefused.
 
         `operator=True` may continue any conversation: for tools that hold Redis
         credentials (`agentq run --conversation`), which could read it anyway.
@@ -97,6 +88,7 @@ class Client:
             detach=detach,
             parent_turn_id=parent_turn_id,
             agent=agent,
+            webhook_url=webhook_url,
         )
         return self.start(req, operator=operator)
 
@@ -109,61 +101,15 @@ class Client:
         operator: bool = False,
     ) -> TurnHandle:
         """Queue a turn owned by the key name `owner` (None: no key); see `start_turn`."""
-        new = req.initial_messages()
-        if not new:
-            raise ValueError("a turn needs a prompt or messages")
-        # Again here: a TurnRequest built with model_construct() skipped its validators.
-        check_messages(new)
-        size = len(json.dumps(new).encode())
-        if size > self.settings.max_prompt_bytes:
-            raise PayloadTooLarge("prompt", size, self.settings.max_prompt_bytes)
-        require_known(self.store.redis, req.agent)
-        prior: list[dict[str, Any]] = []
-        conversation_token = None
-        if req.conversation_id:
-            opened = open_conversation(
-                self.store.redis,
-                req.conversation_id,
-                new_bytes=size,
-                max_bytes=self.settings.max_conversation_bytes,
-                ttl_s=self.settings.state_ttl_s,
-                owner=owner,
-                admin=admin,
-                operator=operator,
-                token=req.conversation_token,
-            )
-            prior, conversation_token = opened.prior, opened.token
-        # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
-        turn_id = secrets.token_hex(16)
-        token = secrets.token_urlsafe(32)
-        state = {
-            "status": "queued",
-            "created_at": time.time(),
-            "headless": req.headless,
-            "detach": req.detach,
-            "conversation_id": req.conversation_id,
-            "parent_turn_id": req.parent_turn_id,
-            "agent": req.agent,
-            "owner": owner,
-            "token_sha256": _hash_token(token),
-            "history_start": len(prior),
-            "round": 0,
-            "call_count": 0,
-        }
-        if self.traced:
-            state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
-        self.store.create(turn_id, state, prior + new)
-        try:
-            send_step(self.app, turn_id)
-        except BrokerUnavailable as exc:
-            # The turn is stored: a turn worker's sweep starts it once the broker is back.
-            log.warning("%s; the turn starts when the broker is back", exc)
-            self.store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
-        return TurnHandle(
-            turn_id=turn_id,
-            token=token,
-            events_url=f"/v1/turns/{turn_id}/events",
-            conversation_token=conversation_token,
+        return start_turn(
+            self.store,
+            self.app,
+            self.settings,
+            req,
+            owner=owner,
+            admin=admin,
+            operator=operator,
+            traced=self.traced,
         )
 
     # -- control ---------------------------------------------------------------------
@@ -174,7 +120,7 @@ class Client:
         if state is None:
             raise TurnNotFound(turn_id)
         expected = str(state.get("token_sha256", ""))
-        if not token or not hmac.compare_digest(_hash_token(token), expected):
+        if not token or not hmac.compare_digest(hash_token(token), expected):
             raise TokenInvalid(turn_id)
         return state
 

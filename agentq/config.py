@@ -79,6 +79,26 @@ def redact(url: str) -> str:
     return ";".join(out)
 
 
+WEBHOOK_SECRET_PREFIX = "whsec_"
+
+
+def webhook_key_bytes(secret: str) -> bytes:
+    """The HMAC key of a Standard Webhooks secret (`whsec_` + base64); ValueError, never
+    showing the secret, for anything else."""
+    import base64
+    import binascii
+
+    if not secret.startswith(WEBHOOK_SECRET_PREFIX):
+        raise ValueError("must start with whsec_ (then the base64 of the key)")
+    try:
+        key = base64.b64decode(secret[len(WEBHOOK_SECRET_PREFIX) :], validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("the part after whsec_ is not base64") from None
+    if not 24 <= len(key) <= 64:
+        raise ValueError(f"the key is {len(key)} bytes; Standard Webhooks keys are 24 to 64")
+    return key
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AGENTQ_", extra="ignore", frozen=True)
 
@@ -237,11 +257,42 @@ class Settings(BaseSettings):
     max_conversation_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """A conversation's stored history plus a request's new messages may not pass this."""
 
+    webhook_secret: SecretStr | None = None
+    """Signs webhooks (Standard Webhooks): `whsec_` + base64 of 24 to 64 random bytes. Unset:
+    a turn with a webhook is refused."""
+    webhook_urls: dict[str, str] = Field(default_factory=dict)
+    """Default webhook URL of a key's turns, by key name (JSON: `{"ci": "https://..."}`);
+    a turn's own `webhook_url` wins."""
+    webhook_allow_private: bool = False
+    """Deliver to private, loopback and link-local addresses (tests, private networks)."""
+    webhook_allow_http: bool = False
+    """Deliver to http:// URLs, not only https://."""
+    webhook_timeout_s: float = Field(10.0, gt=0, le=60)
+    """Bound of one delivery attempt (connect, send, first byte of the answer)."""
+    webhook_retry_base_s: float = Field(5.0, gt=0)
+    """Wait before the first retry; each next one waits twice as long (with jitter)."""
+    webhook_retry_max_s: float = Field(3600.0, gt=0)
+    """Longest wait between two attempts."""
+    webhook_max_age_s: float = Field(24 * 3600.0, gt=0)
+    """A delivery not accepted this long after it was queued fails for good."""
+    webhook_sweep_interval_s: float = Field(1.0, gt=0)
+    """How often a webhook worker looks for due retries and turns whose delivery was lost."""
+    beat_max_interval_s: float = Field(5.0, gt=0)
+    """Longest sleep of `agentq beat` between two looks at its schedules; a second beat
+    takes over five of these after the first one died (celery-redbeat's lock)."""
+
     @field_validator("tool_timeout_s", "tool_budget_s", "tool_grace_s")
     @classmethod
     def _finite(cls, v: float) -> float:
         if v != v or v in (float("inf"), float("-inf")):
             raise ValueError("must be a finite number of seconds")
+        return v
+
+    @field_validator("webhook_secret")
+    @classmethod
+    def _whsec(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None:
+            webhook_key_bytes(v.get_secret_value())
         return v
 
     @field_validator("llm_owner_weights")

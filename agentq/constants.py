@@ -218,3 +218,57 @@ def turn_keys(turn_id: str) -> list[str]:
 def approval_request_id(call_id: str) -> str:
     """The id of the approval request that gates a call."""
     return f"{call_id}.approval"
+
+
+QUEUE_WEBHOOKS = "agentq.webhooks"
+"""Webhook deliveries; the I/O worker consumes it unless a worker is started for it alone."""
+TASK_WEBHOOK_DELIVER = "agentq.webhook.deliver"
+TASK_SCHEDULE_TICK = "agentq.turn.scheduled"
+"""Sent by `agentq beat` for a due schedule; routed to the turn workers with agentq.turn.*."""
+
+WEBHOOKS_DUE = f"{PREFIX}:webhooks:due"
+"""Sorted set: delivery id scored by its next attempt (or, while one runs, its lease's end).
+Every worker consuming the webhook queue sweeps it: a lost message or a restart loses nothing."""
+WEBHOOKS_INDEX = f"{PREFIX}:webhooks:index"
+"""Sorted set: delivery id scored by created_at, for the console and `agentq webhooks`."""
+WEBHOOKS_WAITING = f"{PREFIX}:webhooks:waiting"
+"""Sorted set: running turns that have a webhook, scored by when to look whether they ended:
+the backstop for a turn whose ending step died before it queued the delivery."""
+WEBHOOK_COUNTS = f"{PREFIX}:metrics:webhooks"
+"""Hash: delivery and attempt counters (`attempts:<outcome>`, `deliveries:<status>`)."""
+
+
+def webhook_key(delivery_id: str) -> str:
+    """Hash of one delivery: url, body, status, attempts, next_at."""
+    return f"{PREFIX}:webhook:{delivery_id}"
+
+
+def webhook_attempts_key(delivery_id: str) -> str:
+    """List of the delivery's attempts (JSON: at, status_code, error, duration_ms)."""
+    return f"{PREFIX}:webhook:{delivery_id}:attempts"
+
+
+def webhook_lock_key(delivery_id: str) -> str:
+    """Held (SET NX PX) by the one attempt in flight, so two messages never post at once."""
+    return f"{PREFIX}:webhook:{delivery_id}:lock"
+
+
+def webhook_id(turn_id: str) -> str:
+    """The `webhook-id` of a turn's delivery: one per turn, the same on every retry."""
+    return f"msg_{turn_id}"
+
+
+SCHEDULES = f"{PREFIX}:schedules"
+"""Hash: schedule name -> ScheduleSpec JSON (the beat's entries live under BEAT_PREFIX)."""
+BEAT_PREFIX = f"{PREFIX}:beat:"
+"""celery-redbeat's key prefix: its entries, its schedule set and the lock of the one beat."""
+
+
+def schedule_state_key(name: str) -> str:
+    """Hash of a schedule's runs: last turn id, fired, skipped counts."""
+    return f"{PREFIX}:schedule:{name}:runs"
+
+
+def schedule_tick_key(name: str, tick: str) -> str:
+    """SET NX by the one tick task that starts the tick's turn (two beats, one turn)."""
+    return f"{PREFIX}:schedule:{name}:tick:{tick}"

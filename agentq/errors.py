@@ -29,6 +29,10 @@ AgentqError
 │   └── ModelRoundFailed(code)                 the round's failure as the turn learns it
 ├── BrokerUnavailable(what, error)             a publish failed past kombu's retries
 ├── ConversationNotFound(conversation_id)      unknown, expired or someone else's: 404
+├── WebhookRefused(url, reason)                a webhook target agentq will not deliver to: 422
+├── ScheduleError(schedule)
+│   ├── ScheduleNotFound                       404 / exit 1
+│   └── ScheduleInvalid(detail)                a bad name, interval or cron expression: 422 / exit 2
 ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
 └── TurnError(turn_id)
     ├── TurnNotFound
@@ -284,6 +288,33 @@ class ConversationNotFound(AgentqError):
             "(or send its conversation_token)"
         )
         self.conversation_id = conversation_id
+
+
+class WebhookRefused(AgentqError):
+    """A webhook URL that can never be delivered to (checked when a turn starts), or a
+    target refused when an attempt resolves it (a name that now points somewhere private)."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(f"webhook_url {url!r} refused: {reason}")
+        self.url = url
+        self.reason = reason
+
+
+class ScheduleError(AgentqError):
+    def __init__(self, schedule: str, message: str) -> None:
+        super().__init__(message)
+        self.schedule = schedule
+
+
+class ScheduleNotFound(ScheduleError):
+    def __init__(self, schedule: str) -> None:
+        super().__init__(schedule, f"no schedule named {schedule!r}")
+
+
+class ScheduleInvalid(ScheduleError):
+    def __init__(self, schedule: str, detail: str) -> None:
+        super().__init__(schedule, f"schedule {schedule!r}: {detail}")
+        self.detail = detail
 
 
 class Aborted(AgentqError):

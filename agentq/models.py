@@ -484,6 +484,8 @@ class TurnRequest(BaseModel):
     headless: bool = False
     detach: bool = False
     parent_turn_id: str | None = None
+    webhook_url: str | None = Field(default=None, max_length=2048)
+    """Gets a signed POST (Standard Webhooks) when the turn ends."""
 
     @field_validator("messages")
     @classmethod

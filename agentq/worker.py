@@ -20,6 +20,7 @@ from celery.signals import (
 
 from agentq.agents import load_tool_modules
 from agentq.config import get_settings
+from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError
 from agentq.fleet import health
 from agentq.fleet.app import create_app, longest_limit_s
@@ -28,10 +29,12 @@ from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task
 from agentq.orchestrator.inline import step_inline
+from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import register_step_task
 from agentq.telemetry import logs, tracing
 from agentq.tools.registry import all_tools
 from agentq.tools.task import queues_of, register_tool_tasks
+from agentq.webhooks.task import register_webhook_task
 
 log = logging.getLogger("agentq.worker")
 
@@ -57,8 +60,10 @@ if settings.health_file:
     health.install(app, settings.health_file)
 register_step_task(app, get_store, get_settings)
 register_llm_task(app)
+register_webhook_task(app, get_store, get_settings)
+register_schedule_task(app, get_store, get_settings)
 tool_queues = register_tool_tasks(app)
-io_queues = queues_of(all_tools(), io=True)
+io_queues = [*queues_of(all_tools(), io=True), QUEUE_WEBHOOKS]
 
 
 @worker_init.connect
@@ -189,6 +194,17 @@ def _start_sweeper(**_: Any) -> None:
     publish_agents(get_store().redis)
     Sweeper(get_store(), app, settings).start()
     log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
+
+
+@worker_ready.connect
+def _start_webhook_sweeper(sender: Any = None, **_: Any) -> None:
+    """Whoever delivers webhooks sends their due retries (and a lost message again)."""
+    consumed = sender.app.amqp.queues.consume_from if sender is not None else {}
+    if QUEUE_WEBHOOKS not in consumed:
+        return
+    from agentq.webhooks.task import WebhookSweeper
+
+    WebhookSweeper(get_store(), app, settings).start()
 
 
 @worker_ready.connect

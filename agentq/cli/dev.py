@@ -62,6 +62,7 @@ class _Stop(Exception):
 class DevOptions:
     flower: bool = True
     gateway: bool = True
+    beat: bool = True
     demo: bool = False
     once: bool = False
     prompt: str = DEMO_PROMPT
@@ -74,6 +75,7 @@ class DevOptions:
         return cls(
             flower=not getattr(args, "no_flower", False),
             gateway=not getattr(args, "no_gateway", False),
+            beat=not getattr(args, "no_beat", False),
             demo=bool(getattr(args, "demo", False)),
             once=bool(getattr(args, "once", False)),
             prompt=getattr(args, "prompt", None) or DEMO_PROMPT,
@@ -176,6 +178,9 @@ class Started:
     flower_url: str | None = None
     flower_auth: str | None = None
     """`user:password` generated for Flower when none was configured; printed at start."""
+    webhook_secret: str | None = None
+    """Generated when AGENTQ_WEBHOOK_SECRET was unset, so `agentq run --webhook` works here;
+    printed at start for the receiver to check signatures with."""
 
 
 def generated_flower_auth(settings: Settings, environ: Mapping[str, str]) -> str | None:
@@ -219,6 +224,12 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
         # Flower runs here: task events from the first task on, not after its 5 s timer.
         env["AGENTQ_TASK_EVENTS"] = "true"
     started = Started(env=env, redis_url=url)
+    if settings.webhook_secret is None:
+        import base64
+        import secrets
+
+        secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+        started.webhook_secret = env["AGENTQ_WEBHOOK_SECRET"] = secret
 
     if not settings.llm_base_url:
         say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
@@ -239,6 +250,10 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
             argv += ["--concurrency", str(TOOL_CONCURRENCY)]
         proc = fleet.start(f"worker-{kind}", argv, env=env)
         checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
+    if opts.beat:
+        # A beat already running elsewhere holds the lock: this one waits for its turn.
+        beat = fleet.start("beat", _python("agentq", "beat"), env=env)
+        checks["beat"] = (beat, _in_log(beat, r"beat: Starting"))
     if opts.gateway:
         host = settings.gateway_host
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
@@ -277,6 +292,8 @@ def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: flo
             else "basic auth from AGENTQ_FLOWER_BASIC_AUTH"
         )
         lines.append(f"  Flower    {started.flower_url}/  ({auth})")
+    if started.webhook_secret:
+        lines.append(f"  webhooks  signed with {started.webhook_secret} (generated)")
     where = "embedded, stops with agentq dev" if fleet.redis else "already running"
     lines.append(f"  Redis     {redact(started.redis_url)}  ({where})")
     if started.model_url:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from agentq.cli.options import has_option, take_option
 from agentq.config import redact
 from agentq.constants import VERSION
-from agentq.errors import AgentqError, ConfigError, MissingExtra, UnknownAgent
+from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
 from agentq.events.follow import RELAY_DEPTH_MAX
 from agentq.fleet.connections import probe
 
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--conversation", default=None, help="continue this conversation id")
     r.add_argument("--agent", default=None, help="run the turn as this agent (unknown: exit 2)")
+    r.add_argument(
+        "--webhook", default=None, metavar="URL", help="POST the turn's end to URL (signed)"
+    )
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id")
     a.add_argument(
@@ -245,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--no-gateway", action="store_true", help="don't start the gateway (HTTP API and web page)"
     )
+    d.add_argument("--no-beat", action="store_true", help="don't start a beat (schedules)")
     d.add_argument(
         "--demo",
         action="store_true",
@@ -257,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
     d.add_argument("--agent", default=None, help="the agent of the demo turn (e.g. lead)")
+    from agentq.cli.schedule import add_parsers
+
+    add_parsers(sub)
     return p
 
 
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"agentq: configuration error: {exc}", file=sys.stderr)
         return 2
-    except (UnknownAgent, MissingExtra) as exc:
+    except (UnknownAgent, MissingExtra, ScheduleInvalid) as exc:
         print(f"agentq: {exc}", file=sys.stderr)
         return 2
     except AgentqError as exc:
@@ -309,6 +316,13 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             raise MissingExtra("local", exc.name, "agentq dev") from None
 
         return dev_main(args)
+    if args.cmd in ("beat", "schedule"):
+        from agentq.cli.schedule import cmd_beat, cmd_schedule
+
+        require_reachable(get_settings(), broker=args.cmd == "beat")
+        if args.cmd == "beat":
+            return cmd_beat(get_settings())
+        return cmd_schedule(args, get_settings())
     from agentq.api import Client
     from agentq.cli.run import run
 
@@ -322,6 +336,7 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             headless=args.headless,
             conversation_id=args.conversation,
             agent=args.agent,
+            webhook_url=args.webhook,
         )
     if args.cmd == "abort":
         client.abort(args.turn_id, args.token, operator=args.token is None)

@@ -98,11 +98,17 @@ def run(
     headless: bool,
     conversation_id: str | None = None,
     agent: str | None = None,
+    webhook_url: str | None = None,
 ) -> int:
     console = Console(stderr=as_json)
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
     handle = client.start_turn(
-        prompt, headless=headless, conversation_id=conversation_id, operator=True, agent=agent
+        prompt,
+        headless=headless,
+        conversation_id=conversation_id,
+        operator=True,
+        agent=agent,
+        webhook_url=webhook_url,
     )
     aborts = {"n": 0}
 

@@ -172,6 +172,13 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
     return Group(head, table, legend)
 
 
+def webhook_view(client: Client, turn_id: str) -> dict[str, Any] | None:
+    """The turn's webhook delivery and its attempts, if it has one."""
+    from agentq.webhooks.deliveries import Deliveries
+
+    return Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s).of_turn(turn_id)
+
+
 def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     state = client.store.state(turn_id)
     if state is None:
@@ -181,11 +188,24 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     summary = rows.get(turn_id, {})
     summary.pop("_state", None)
     view["turn"] = summary
+    view["webhook"] = webhook_view(client, turn_id)
     if as_json:
         print(json.dumps(view), flush=True)
         return 0
     console = Console()
     console.print(timeline_view(view))
+    hook = view["webhook"]
+    if hook:
+        console.print(
+            Text(
+                f"webhook {hook['id']} -> {hook['url']}: {hook['status']}, "
+                f"{hook['attempts']} attempt(s)",
+                style="green" if hook["status"] == "delivered" else "yellow",
+            )
+        )
+        for a in hook["tries"]:
+            outcome = a["error"] or a["status_code"]
+            console.print(Text(f"  #{a['n']} {outcome} in {a['duration_ms']} ms", style="dim"))
     for p in summary.get("pending_interactions", []):
         left_s = max(0.0, float(p["expires_at"]) - time.time())
         console.print(

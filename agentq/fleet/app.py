@@ -8,7 +8,7 @@ from celery import Celery
 from kombu import Queue  # type: ignore[attr-defined]
 
 from agentq.config import Settings
-from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS
+from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS, QUEUE_WEBHOOKS
 from agentq.fleet.broker import patch_redis_transport
 from agentq.fleet.connections import transport_options
 
@@ -62,11 +62,15 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         "control_exchange": "agentq",
         "result_expires": 24 * 3600,
         "task_default_queue": QUEUE_TOOLS,
-        "task_queues": tuple(Queue(q) for q in (QUEUE_TOOLS, QUEUE_IO, QUEUE_LLM, QUEUE_TURNS)),  # type: ignore[no-untyped-call]
+        "task_queues": tuple(
+            Queue(q)  # type: ignore[no-untyped-call]
+            for q in (QUEUE_TOOLS, QUEUE_IO, QUEUE_LLM, QUEUE_TURNS, QUEUE_WEBHOOKS)
+        ),
         "task_routes": {
             "agentq.turn.*": {"queue": QUEUE_TURNS},
             "agentq.llm.*": {"queue": QUEUE_LLM},
             "agentq.tool.*": {"queue": QUEUE_TOOLS},
+            "agentq.webhook.*": {"queue": QUEUE_WEBHOOKS},
         },
         # A broker blip must not kill running tools: they settle through their own Redis
         # connection, and a message the broker hands out again is not run twice.

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from agentq.constants import QUEUE_LLM, QUEUE_TURNS
+from agentq.constants import QUEUE_LLM, QUEUE_TURNS, QUEUE_WEBHOOKS
 from agentq.errors import ConfigError
 
 Role = Literal["turns", "llm", "tools", "io"]
@@ -30,6 +30,9 @@ def role_of(queues: Iterable[str], tool_queues: Iterable[str], io_queues: Iterab
         owners.setdefault(q, set()).add("io")
     owners.setdefault(QUEUE_TURNS, set()).add("turns")
     owners.setdefault(QUEUE_LLM, set()).add("llm")
+    # Webhook attempts wait on the network, as async tools do: the I/O worker takes them,
+    # or a worker started for that queue alone (`-Q agentq.webhooks -P threads`).
+    owners.setdefault(QUEUE_WEBHOOKS, set()).add("io")
     names = sorted(set(queues))
     unknown = [q for q in names if q not in owners]
     if not names or unknown:

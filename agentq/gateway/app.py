@@ -67,6 +67,7 @@ from agentq.gateway.errors import (
     validation_error,
 )
 from agentq.gateway.guard import RequestGuard
+from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
@@ -83,6 +84,7 @@ from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnReque
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
 from agentq.telemetry.steptimes import read_histogram
+from agentq.webhooks.deliveries import Deliveries
 
 log = logging.getLogger("agentq.gateway")
 
@@ -422,10 +424,16 @@ class Gateway:
         """The capacity snapshot of every model the gateway knows (agentq.gateway.capacity)."""
         return read_snapshots(self.capacity, self.client.settings, self.client.store.redis)
 
+    def read_webhooks(self) -> tuple[dict[str, int], int | None]:
+        """The fleet's webhook counters and backlog, for /metrics."""
+        d = Deliveries(self.client.store.redis, retention_s=self.client.settings.state_ttl_s)
+        return d.counts(), d.backlog()
+
     async def metrics_page(self, request: Request) -> Response:
         self.require_admin_read(request)
         active = None
         capacity: list[dict[str, Any]] = []
+        hooks: tuple[dict[str, int], int | None] = ({}, None)
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
@@ -435,9 +443,11 @@ class Gateway:
                 capacity = await anyio.to_thread.run_sync(
                     self.read_capacity, abandon_on_cancel=True
                 )
+                hooks = await anyio.to_thread.run_sync(self.read_webhooks, abandon_on_cancel=True)
             except redis.RedisError as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
         self.metrics.capacity.snapshots = capacity
+        self.metrics.webhooks.counts, self.metrics.webhooks.backlog = hooks
         if active is None:
             self.metrics.redis_up.set(0)
         else:
@@ -466,6 +476,7 @@ def create_app(
     logredact.install()
     client = client or Client()
     logs.install(client.settings.log_format)
+    check_key_webhooks(client.settings)
     gw = Gateway(
         client,
         heartbeat_s=heartbeat_s,
@@ -483,7 +494,7 @@ def create_app(
             Middleware(
                 CORSMiddleware,
                 allow_origins=origins,
-                allow_methods=["GET", "POST"],
+                allow_methods=["GET", "POST", "DELETE"],
                 allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
                 expose_headers=["Location", "Retry-After"],
                 max_age=600,
@@ -503,6 +514,7 @@ def create_app(
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
         Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
         *console_routes(gw),
+        *job_routes(gw),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
     handlers = exception_handlers()

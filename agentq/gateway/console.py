@@ -29,6 +29,7 @@ from agentq.gateway.validate import read_json
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.timeline import timeline
+from agentq.webhooks.deliveries import Deliveries
 
 if TYPE_CHECKING:
     from agentq.gateway.app import Gateway
@@ -42,6 +43,9 @@ class Console:
     def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.lister = TurnLister(gw.client.store.redis)
+        self.deliveries = Deliveries(
+            gw.client.store.redis, retention_s=gw.client.settings.state_ttl_s
+        )
 
     def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
         """Which turns the caller may list; None: every turn (no keys, loopback only)."""
@@ -96,6 +100,7 @@ class Console:
         summary.pop("_state", None)
         view = timeline(self.gw.client.store, turn_id, state)
         view["turn"] = summary
+        view["webhook"] = self.deliveries.of_turn(turn_id)
         return view
 
     async def turn_timeline(self, request: Request) -> Response:

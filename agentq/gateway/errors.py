@@ -24,10 +24,13 @@ from agentq.errors import (
     InteractionNotFound,
     PayloadTooLarge,
     RateLimited,
+    ScheduleInvalid,
+    ScheduleNotFound,
     TokenInvalid,
     TurnNotFound,
     Unauthorized,
     UnknownAgent,
+    WebhookRefused,
 )
 from agentq.gateway.limits import retry_after_header
 
@@ -167,6 +170,9 @@ def exception_handlers() -> dict[Any, Any]:
         TokenInvalid: _agentq_handler(403),
         PayloadTooLarge: _agentq_handler(413),
         UnknownAgent: _on_unknown_agent,
+        WebhookRefused: _agentq_handler(422),
+        ScheduleNotFound: _agentq_handler(404),
+        ScheduleInvalid: _agentq_handler(422),
         AgentqError: _agentq_handler(400),
         redis.RedisError: _on_redis_error,
         Exception: _on_crash,

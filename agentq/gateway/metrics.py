@@ -26,6 +26,10 @@ What each metric counts, and where it comes from:
   ``llm_finished`` (``ok`` or ``error``).
 - ``agentq_step_duration_seconds`` histogram: every turn step of the fleet, read from
   Redis at scrape time (each process adds its counts every ``AGENTQ_METRICS_FLUSH_S``).
+- ``agentq_webhook_attempts_total{outcome}`` (``ok``, ``http_500``, ``timed_out``,
+  ``refused``, ``unreachable`` ...), ``agentq_webhook_deliveries_total{status}``
+  (``created``, ``delivered``, ``gone``, ``failed``), ``agentq_webhook_backlog`` (deliveries
+  still to be accepted): fleet-wide, read from Redis at scrape time.
 - ``agentq_turn_aborts_total{reason}``: ``turn_aborted`` events by reason (user,
   disconnect, timeout, error).
 - ``agentq_turns_ended_total{outcome}``: terminal events (finished, aborted, error).
@@ -65,7 +69,12 @@ from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from agentq.constants import MEASURED_EVENTS_CHANNEL
 from agentq.errors import ModelBusy
@@ -196,6 +205,8 @@ class GatewayMetrics:
         r.register(self.steps)
         self.capacity = CapacityGauges()
         r.register(self.capacity)
+        self.webhooks = WebhookMetrics()
+        r.register(self.webhooks)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
         for kind in ("prompt", "completion"):
@@ -302,6 +313,39 @@ class StepDurations:
         if snap is not None:
             family.add_metric([], buckets=snap[0], sum_value=snap[1])
         return [family]
+
+
+class WebhookMetrics:
+    """The webhook counters of the fleet, as last read from Redis (none if the read failed)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.backlog: int | None = None
+
+    def describe(self) -> list[Metric]:
+        return self._families()
+
+    @staticmethod
+    def _families() -> list[Metric]:
+        return [
+            CounterMetricFamily(
+                "agentq_webhook_attempts", "Webhook attempts by outcome.", labels=["outcome"]
+            ),
+            CounterMetricFamily(
+                "agentq_webhook_deliveries", "Webhook deliveries by status.", labels=["status"]
+            ),
+            GaugeMetricFamily("agentq_webhook_backlog", "Webhook deliveries not yet accepted."),
+        ]
+
+    def collect(self) -> list[Metric]:
+        attempts, deliveries, backlog = families = self._families()
+        for name, n in sorted(self.counts.items()):
+            kind, _, label = name.partition(":")
+            target = attempts if kind == "attempts" else deliveries
+            target.add_metric([label], n)  # type: ignore[attr-defined]
+        if self.backlog is not None:
+            backlog.add_metric([], self.backlog)  # type: ignore[attr-defined]
+        return families
 
 
 class CapacityGauges:

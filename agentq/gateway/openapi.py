@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from agentq.models import InteractionAnswer, TurnHandle, TurnRequest
 
-Auth = Literal["public", "key", "turn", "owner", "operator", "admin"]
+Auth = Literal["public", "key", "turn", "owner", "operator", "admin", "admin_key"]
 AUTH_RULES: dict[Auth, str] = {
     "public": "No credential.",
     "key": "With keys configured: an API or admin key; lists show the caller's own turns "
@@ -29,7 +29,10 @@ AUTH_RULES: dict[Auth, str] = {
     "operator": "With keys configured: the turn owner's key or an admin key (anyone else "
     "gets 404). Without keys: a client on this machine only (403 otherwise).",
     "admin": "An admin key or AGENTQ_METRICS_TOKEN; another key gets 403.",
+    "admin_key": "With keys configured: an admin key; another key gets 403. Without keys: "
+    "anyone (the gateway serves loopback only).",
 }
+NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
 TURN_ID = {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}
 REQUEST_ID = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
@@ -118,6 +121,17 @@ OPERATIONS: tuple[Operation, ...] = (
               "interaction from the console, as an operator.", "operator",
               request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
               errors=("401", "403", "404", "409", "422")),
+    Operation("GET", "/v1/schedules", "Every schedule, its last turn and its next tick.",
+              "admin_key", errors=("401", "403")),
+    Operation("POST", "/v1/schedules", "Add a schedule: name, every (30s, 5m) or cron "
+              "(5 fields, UTC), prompt, agent?, webhook_url?, overlap?.", "admin_key",
+              ok="201", errors=("401", "403", "422")),
+    Operation("DELETE", "/v1/schedules/{name}", "Remove a schedule.", "admin_key",
+              parameters=(NAME,), errors=("401", "403", "404")),
+    Operation("GET", "/v1/webhooks", "Recent webhook deliveries: status, attempts, next "
+              "attempt.", "admin", parameters=(_query("limit", "At most this many.",
+                                                       "integer"),),
+              errors=("401", "403")),
 )  # fmt: skip
 
 _ERROR_TEXT = {

@@ -13,6 +13,7 @@ from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import TurnStatus
 from agentq.state.base import RoundRead
+from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -82,6 +83,11 @@ class StepContext:
         if won:
             self.ended, self.ended_error = status.value, error
             self.history.extend(append or [])
+            url = self.state.get("webhook_url")
+            if url:
+                # After the end is written: a crash in between leaves the turn in
+                # WEBHOOKS_WAITING, where the webhook sweep finds it ended.
+                queue_delivery(self.store, self.app, self.settings, self.turn_id, url)
 
     def take_round_read(self) -> RoundRead | None:
         read, self.round_read = self.round_read, None

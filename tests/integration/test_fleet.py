@@ -293,7 +293,8 @@ def test_agentq_dev_once_runs_a_turn_and_leaves_nothing_behind() -> None:
     assert listed is not None and redis_pid is not None, out
     pids = {int(p) for p in re.findall(r"\b(\d+)\b", listed.group(1))}
     pids.add(int(redis_pid.group(1)))
-    assert len(pids) == 8, out  # model, 4 workers, gateway, Flower, Redis
+    assert len(pids) == 9, out  # model, 4 workers, beat, gateway, Flower, Redis
+    assert re.search(r"webhooks\s+signed with whsec_\S+ \(generated\)", out), out
     # Each was the leader of its own process group: no member of those groups is left.
     left = [
         p.info

@@ -23,6 +23,8 @@ RANKS: dict[str, int] = {
     "state": 4,
     "fleet": 5,
     "aio": 6,
+    "webhooks": 6,
+    "schedules": 6,
     "llm": 7,
     "tools": 7,
     "agents": 8,

@@ -231,6 +231,7 @@ function renderTimeline(view) {
     if (c.overran) row.classList.add("overran");
     rows.push(row);
   }
+  if (view.webhook) rows.push(webhookRow(view.webhook));
   q("#timeline").replaceChildren(...rows);
   q("#eventlog").replaceChildren(...view.events.map((e) => {
     const li = el("li", "ev ev-" + e.type);
@@ -242,6 +243,17 @@ function renderTimeline(view) {
     li.append(el("span", "muted", clock(e.ts) + " #" + e.seq + " "), el("strong", null, e.type), el("span", null, " " + bits.join(" ")));
     return li;
   }));
+}
+
+// The turn's webhook delivery: its status, and each attempt's answer.
+function webhookRow(w) {
+  const row = el("div", "tl-webhook");
+  row.dataset.kind = "webhook";
+  row.dataset.status = w.status;
+  const tries = w.tries.map((a) => "#" + a.n + " " + (a.error || a.status_code) + " in " + a.duration_ms + " ms");
+  row.append(el("strong", null, "webhook "), el("span", "st st-" + w.status, w.status),
+    el("span", "muted", " " + w.url + " · " + w.attempts + " attempt(s)" + (tries.length ? " · " + tries.join(", ") : "")));
+  return row;
 }
 
 async function refreshView() {

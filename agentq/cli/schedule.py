@@ -1,0 +1,90 @@
+"""`agentq schedule add|list|remove` and `agentq beat`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from agentq.config import Settings
+from agentq.fleet.runtime import get_app, get_redis
+from agentq.schedules.spec import build_spec, parse_every
+from agentq.schedules.store import Schedules
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sub.add_parser("beat", help="fire the schedules (Celery beat; one of many beats fires)")
+    s = sub.add_parser("schedule", help="scheduled agent runs: add, list, remove")
+    ss = s.add_subparsers(dest="schedule_cmd", required=True)
+    a = ss.add_parser("add", help="run PROMPT as a turn every period or at cron times (UTC)")
+    a.add_argument("name")
+    when = a.add_mutually_exclusive_group(required=True)
+    when.add_argument("--every", default=None, help="a period: 30s, 5m, 2h, 1d")
+    when.add_argument("--cron", default=None, help='five fields, in UTC: "0 7 * * *"')
+    a.add_argument("--agent", default=None, help="run the turns as this agent")
+    a.add_argument("--webhook", default=None, help="POST each turn's end to this URL")
+    a.add_argument(
+        "--overlap",
+        action="store_true",
+        help="start a tick's turn even while the previous one still runs (default: skip it)",
+    )
+    a.add_argument("prompt")
+    ls = ss.add_parser("list", help="every schedule, its last turn and its next tick")
+    ls.add_argument("--json", action="store_true", help="one JSON document, for machines")
+    rm = ss.add_parser("remove", help="remove a schedule")
+    rm.add_argument("name")
+
+
+def cmd_beat(settings: Settings) -> int:
+    from agentq.schedules.beat import run_beat
+
+    run_beat(get_app(), settings)
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
+    schedules = Schedules(get_app(), get_redis(settings), settings)
+    if args.schedule_cmd == "add":
+        spec = build_spec(
+            {
+                "name": args.name,
+                "every_s": parse_every(args.every, args.name) if args.every else None,
+                "cron": args.cron,
+                "prompt": args.prompt,
+                "agent": args.agent,
+                "webhook_url": args.webhook,
+                "overlap": args.overlap,
+            }
+        )
+        if spec.webhook_url:
+            from agentq.webhooks.target import check_for_turn
+
+            check_for_turn(spec.webhook_url, settings)
+        schedules.add(spec)
+        print(f"added {spec.name}: {spec.when}")
+        return 0
+    if args.schedule_cmd == "remove":
+        schedules.remove(args.name)
+        print(f"removed {args.name}")
+        return 0
+    rows = schedules.list()
+    if args.json:
+        print(json.dumps({"schedules": rows}))
+        return 0
+    table = Table("name", "when", "agent", "fired", "skipped", "last turn", "next in")
+    for r in rows:
+        next_in = "" if r["next_at"] is None else f"{max(0.0, r['next_at'] - time.time()):.0f}s"
+        table.add_row(
+            r["name"],
+            r["when"],
+            r["agent"] or "",
+            str(r["fired"]),
+            str(r["skipped"]),
+            r["last_turn_id"] or "",
+            next_in,
+        )
+    Console().print(table)
+    return 0

@@ -1,0 +1,115 @@
+"""Background jobs on the HTTP API: schedules (admin keys) and webhook deliveries.
+
+`GET|POST /v1/schedules`, `DELETE /v1/schedules/{name}`: like `agentq schedule`, for
+admin keys (without keys, the gateway serves loopback only, and so anyone on this
+machine, as the CLI does). `GET /v1/webhooks`: the recent deliveries and their state, for
+the console (admin keys; an API key sees its own turns' deliveries through their timeline).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentq.config import Settings
+from agentq.errors import ConfigError, Forbidden, WebhookRefused
+from agentq.gateway.auth import Principal
+from agentq.gateway.validate import read_json
+from agentq.schedules.spec import build_spec, parse_every
+from agentq.schedules.store import Schedules
+from agentq.webhooks.deliveries import Deliveries
+from agentq.webhooks.target import check_for_turn
+
+if TYPE_CHECKING:
+    from agentq.gateway.app import Gateway
+
+NO_STORE = {"Cache-Control": "no-store"}
+MAX_LISTED = 200
+
+
+class Jobs:
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        client = gw.client
+        self._schedules: Schedules | None = None
+        self.deliveries = Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s)
+
+    @property
+    def schedules(self) -> Schedules:
+        """Made on first use: behind Sentinel the gateway serves all else, and schedules
+        answer with the ConfigError that says why they cannot run there."""
+        if self._schedules is None:
+            c = self.gw.client
+            self._schedules = Schedules(c.app, c.store.redis, c.settings)
+        return self._schedules
+
+    def _admin(self, request: Request) -> Principal | None:
+        principal = self.gw.require_key(request)
+        if principal is not None and not principal.admin:
+            raise Forbidden(f"{request.url.path} needs an admin key")
+        return principal
+
+    async def list_schedules(self, request: Request) -> Response:
+        self._admin(request)
+        rows = await run_in_threadpool(self.schedules.list)
+        return JSONResponse({"schedules": rows}, headers=NO_STORE)
+
+    async def add_schedule(self, request: Request) -> Response:
+        principal = self._admin(request)
+        data: dict[str, Any] = await read_json(request, self.gw.body_limit_bytes)
+        name = str(data.get("name") or "")
+        every = data.pop("every", None)
+        if every is not None:
+            data["every_s"] = parse_every(str(every), name)
+        data["owner"] = principal.name if principal else None
+        data.pop("created_at", None)
+        spec = build_spec(data)
+        if spec.webhook_url:
+            check_for_turn(spec.webhook_url, self.gw.client.settings)
+        spec = await run_in_threadpool(self.schedules.add, spec)
+        return JSONResponse(
+            {**spec.model_dump(), "when": spec.when},
+            status_code=201,
+            headers={"Location": f"/v1/schedules/{spec.name}", **NO_STORE},
+        )
+
+    async def remove_schedule(self, request: Request) -> Response:
+        self._admin(request)
+        name = request.path_params["name"]
+        await run_in_threadpool(self.schedules.remove, name)
+        return JSONResponse({"ok": True, "name": name})
+
+    async def list_webhooks(self, request: Request) -> Response:
+        self.gw.require_admin_read(request)
+        try:
+            limit = min(MAX_LISTED, max(1, int(request.query_params.get("limit", "50"))))
+        except ValueError:
+            limit = 50
+        rows = await run_in_threadpool(self.deliveries.recent, limit)
+        return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
+
+
+def job_routes(gw: Gateway) -> list[Route]:
+    j = Jobs(gw)
+    return [
+        Route("/v1/schedules", j.list_schedules, methods=["GET"]),
+        Route("/v1/schedules", j.add_schedule, methods=["POST"]),
+        Route("/v1/schedules/{name}", j.remove_schedule, methods=["DELETE"]),
+        Route("/v1/webhooks", j.list_webhooks, methods=["GET"]),
+    ]
+
+
+def check_key_webhooks(settings: Settings) -> None:
+    """Each key's default webhook URL (AGENTQ_WEBHOOK_URLS), checked when the gateway starts."""
+    for name, url in settings.webhook_urls.items():
+        try:
+            check_for_turn(url, settings)
+        except WebhookRefused as exc:
+            raise ConfigError("AGENTQ_WEBHOOK_URLS", f"{name}: {exc.message}") from None
+
+
+__all__ = ["Jobs", "check_key_webhooks", "job_routes"]

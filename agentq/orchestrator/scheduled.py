@@ -1,0 +1,91 @@
+"""A schedule's tick: start its turn, once per tick, unless its last turn still runs.
+
+`agentq beat` sends the tick task (name, tick) when a schedule is due; a turn worker runs
+it. The tick's name is claimed with SET NX before anything starts, so two beats that both
+sent the tick start one turn; the turn's id is derived from it too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from celery import Celery
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import AgentqError, ScheduleNotFound
+from agentq.models import TERMINAL_STATUSES, TurnRequest
+from agentq.orchestrator.start import start_turn
+from agentq.schedules.store import load_spec
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
+
+log = logging.getLogger("agentq.schedules")
+
+TICK_KEY_TTL_S = 7 * 24 * 3600
+"""How long a tick's claim is kept: longer than any redelivery of its message."""
+
+
+def tick_turn_id(name: str, tick: str) -> str:
+    """The turn id of a tick: the same for every message of that tick."""
+    return hashlib.sha256(f"schedule:{name}:{tick}".encode()).hexdigest()[:32]
+
+
+def run_tick(store: TurnStore, app: Celery, settings: Settings, name: str, tick: str) -> str:
+    """Start the tick's turn; returns started, duplicate, skipped, gone or failed."""
+    try:
+        spec = load_spec(store.redis, name)
+    except ScheduleNotFound:
+        return "gone"
+    redis = store.redis
+    if not redis.set(k.schedule_tick_key(name, tick), "1", nx=True, ex=TICK_KEY_TTL_S):
+        return "duplicate"
+    runs = k.schedule_state_key(name)
+    last = redis.hget(runs, "last_turn_id")
+    if last is not None and not spec.overlap:
+        status = store.status(last.decode() if isinstance(last, bytes) else str(last))
+        if status is not None and status not in TERMINAL_STATUSES:
+            redis.hincrby(runs, "skipped", 1)
+            log.info("schedule %s: tick %s skipped, turn %s still runs", name, tick, last)
+            return "skipped"
+    req = TurnRequest(
+        prompt=spec.prompt,
+        agent=spec.agent,
+        headless=True,
+        detach=True,
+        webhook_url=spec.webhook_url,
+    )
+    try:
+        handle = start_turn(
+            store,
+            app,
+            settings,
+            req,
+            owner=spec.owner,
+            turn_id=tick_turn_id(name, tick),
+            extra_state={"schedule": name},
+        )
+    except AgentqError as exc:
+        redis.hset(runs, mapping={"last_error": exc.message, "last_fired_at": time.time()})
+        log.warning("schedule %s: tick %s did not start a turn: %s", name, tick, exc.message)
+        return "failed"
+    pipe = redis.pipeline()
+    pipe.hset(runs, mapping={"last_turn_id": handle.turn_id, "last_fired_at": time.time()})
+    pipe.hdel(runs, "last_error")
+    pipe.hincrby(runs, "fired", 1)
+    pipe.execute()
+    log.info("schedule %s: tick %s started turn %s", name, tick, handle.turn_id)
+    return "started"
+
+
+def register_schedule_task(
+    app: Celery, get_store: Callable[[], TurnStore], get_settings: Callable[[], Settings]
+) -> None:
+    @app.task(name=k.TASK_SCHEDULE_TICK, acks_late=True, ignore_result=True)
+    def scheduled(name: str, tick: str = "first") -> str:
+        return run_tick(get_store(), app, get_settings(), name, tick)

@@ -1,0 +1,100 @@
+"""Adding, listing and removing schedules: our spec in SCHEDULES, and beside it the
+celery-redbeat entry that `agentq beat` fires."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery
+from redbeat import RedBeatSchedulerEntry
+from redbeat.schedulers import ensure_conf
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import ScheduleInvalid, ScheduleNotFound
+from agentq.schedules.beat import configure
+from agentq.schedules.spec import ScheduleSpec
+from agentq.state.base import text
+
+if TYPE_CHECKING:
+    import redis
+
+
+class Schedules:
+    def __init__(self, app: Celery, redis: redis.Redis, settings: Settings) -> None:
+        self.app = configure(app, settings)
+        self.redis = redis
+
+    def _entry(self, spec: ScheduleSpec) -> RedBeatSchedulerEntry:
+        return RedBeatSchedulerEntry(
+            spec.name,
+            k.TASK_SCHEDULE_TICK,
+            spec.celery_schedule(),
+            kwargs={"name": spec.name},
+            options={"queue": k.QUEUE_TURNS},
+            app=self.app,
+        )
+
+    def add(self, spec: ScheduleSpec) -> ScheduleSpec:
+        """Store a new schedule; its first tick is one period (or the next cron time) away."""
+        spec = spec.model_copy(update={"created_at": time.time()})
+        if not self.redis.hsetnx(k.SCHEDULES, spec.name, spec.model_dump_json()):
+            raise ScheduleInvalid(spec.name, "exists already; remove it first")
+        entry = self._entry(spec)
+        # From now, not from year 1: celery would find a never-run entry due at once.
+        entry.last_run_at = datetime.now(timezone.utc)
+        entry.save()
+        return spec
+
+    def get(self, name: str) -> ScheduleSpec:
+        return load_spec(self.redis, name)
+
+    def remove(self, name: str) -> None:
+        if not self.redis.hdel(k.SCHEDULES, name):
+            raise ScheduleNotFound(name)
+        key = RedBeatSchedulerEntry.generate_key(self.app, name)
+        pipe = self.redis.pipeline()
+        pipe.zrem(ensure_conf(self.app).schedule_key, key)
+        pipe.delete(key, k.schedule_state_key(name))
+        pipe.execute()
+
+    def list(self) -> list[dict[str, Any]]:
+        """Every schedule with its runs: last turn, fired and skipped ticks, next due."""
+        out = []
+        for name, raw in sorted(self.redis.hgetall(k.SCHEDULES).items()):
+            spec = ScheduleSpec.model_validate_json(raw)
+            runs = {
+                text(f): text(v)
+                for f, v in self.redis.hgetall(k.schedule_state_key(text(name))).items()
+            }
+            item: dict[str, Any] = json.loads(spec.model_dump_json())
+            item["when"] = spec.when
+            item["fired"] = int(runs.get("fired", 0))
+            item["skipped"] = int(runs.get("skipped", 0))
+            item["last_turn_id"] = runs.get("last_turn_id")
+            item["last_fired_at"] = (
+                float(runs["last_fired_at"]) if "last_fired_at" in runs else None
+            )
+            item["last_error"] = runs.get("last_error")
+            item["next_at"] = self._next_at(spec.name)
+            out.append(item)
+        return out
+
+    def _next_at(self, name: str) -> float | None:
+        try:
+            entry = RedBeatSchedulerEntry.from_key(
+                RedBeatSchedulerEntry.generate_key(self.app, name), app=self.app
+            )
+        except KeyError:
+            return None
+        return float(entry.due_at.timestamp())
+
+
+def load_spec(redis: redis.Redis, name: str) -> ScheduleSpec:
+    raw = redis.hget(k.SCHEDULES, name)
+    if raw is None:
+        raise ScheduleNotFound(name)
+    return ScheduleSpec.model_validate_json(raw)  # type: ignore[arg-type]

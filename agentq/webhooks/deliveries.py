@@ -1,0 +1,270 @@
+"""Deliveries in Redis: one per turn with a webhook, kept until it is accepted, gone or
+failed for good, whatever happens to the message that carries an attempt.
+
+A delivery's score in WEBHOOKS_DUE is when its next attempt is due. Whoever sends an
+attempt's message first pushes that score a lease ahead (`claim_due`), so a message lost
+with a worker, or never sent, is sent again by a sweep once the lease ends.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel
+
+from agentq import constants as k
+from agentq.state.base import text
+
+if TYPE_CHECKING:
+    import redis
+
+    from agentq.state.store import TurnStore
+
+EVENT_TYPES = {"finished": "turn.finished", "error": "turn.failed", "aborted": "turn.aborted"}
+"""The webhook `type` of each terminal turn status."""
+MAX_ATTEMPTS_KEPT = 50
+"""Attempts kept per delivery for `agentq show` and the console (the newest)."""
+
+
+class Delivery(BaseModel):
+    """One delivery as stored (never with the secret or a signature)."""
+
+    id: str
+    turn_id: str
+    url: str
+    status: Literal["pending", "delivered", "gone", "failed"] = "pending"
+    attempts: int = 0
+    created_at: float
+    next_at: float | None = None
+    last_status_code: int | None = None
+    last_error: str | None = None
+    ended_at: float | None = None
+
+
+class AttemptRecord(BaseModel):
+    n: int
+    at: float
+    status_code: int | None
+    error: str | None
+    duration_ms: int
+
+
+# Creating a delivery: once per turn (a second ending, a sweep that raced the step: no-op);
+# due a lease from now, since the creator sends the first attempt's message itself.
+CREATE_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], 'id', ARGV[1], 'turn_id', ARGV[2], 'url', ARGV[3],
+  'status', 'pending', 'attempts', 0, 'created_at', ARGV[4], 'next_at', ARGV[4])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[2])
+redis.call('HINCRBY', KEYS[5], 'deliveries:created', 1)
+return 1
+"""
+
+# Taking due deliveries: each one's score moves a lease ahead, so two sweepers (or a sweep
+# and the creator) never send the same attempt at once; returns id, attempts pairs.
+CLAIM_LUA = """
+local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
+local out = {}
+for _, id in ipairs(ids) do
+  redis.call('ZADD', KEYS[1], ARGV[2], id)
+  local attempts = redis.call('HGET', ARGV[4] .. id, 'attempts')
+  if attempts then
+    out[#out + 1] = id
+    out[#out + 1] = attempts
+  else
+    redis.call('ZREM', KEYS[1], id)
+  end
+end
+return out
+"""
+
+
+class Deliveries:
+    def __init__(self, redis: redis.Redis, *, retention_s: int) -> None:
+        self.redis = redis
+        self.retention_s = retention_s
+        self._create = redis.register_script(CREATE_LUA)
+        self._claim = redis.register_script(CLAIM_LUA)
+
+    def wait_for(self, turn_id: str, check_at: float) -> None:
+        """Note a turn with a webhook, so a sweep queues its delivery even if the step that
+        ends it dies before it does (called before the turn is stored)."""
+        self.redis.zadd(k.WEBHOOKS_WAITING, {turn_id: check_at})
+
+    def create(self, turn_id: str, url: str, *, lease_s: float) -> str | None:
+        """Queue the turn's delivery; its id if this call created it (send its first attempt
+        now), None if it existed."""
+        delivery_id = k.webhook_id(turn_id)
+        now = time.time()
+        created = self._create(
+            keys=[
+                k.webhook_key(delivery_id),
+                k.WEBHOOKS_DUE,
+                k.WEBHOOKS_INDEX,
+                k.WEBHOOKS_WAITING,
+                k.WEBHOOK_COUNTS,
+            ],
+            args=[delivery_id, turn_id, url, now, now + lease_s],
+        )
+        return delivery_id if created else None
+
+    def claim_due(self, *, lease_s: float, limit: int = 100) -> list[tuple[str, int]]:
+        """Due deliveries (id, attempts made), each pushed a lease ahead."""
+        now = time.time()
+        raw = self._claim(
+            keys=[k.WEBHOOKS_DUE],
+            args=[now, now + lease_s, limit, k.webhook_key("")],
+        )
+        return [(text(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
+
+    def waiting_due(self, limit: int = 100) -> list[str]:
+        return [
+            text(t)
+            for t in self.redis.zrangebyscore(k.WEBHOOKS_WAITING, "-inf", time.time(), 0, limit)
+        ]
+
+    def get(self, delivery_id: str) -> Delivery | None:
+        raw = {text(f): text(v) for f, v in self.redis.hgetall(k.webhook_key(delivery_id)).items()}
+        if not raw:
+            return None
+        raw.pop("body", None)
+        return Delivery.model_validate({f: v for f, v in raw.items() if v != ""})
+
+    def body(self, delivery_id: str) -> bytes | None:
+        value = self.redis.hget(k.webhook_key(delivery_id), "body")
+        return None if value is None else bytes(value)  # type: ignore[arg-type]
+
+    def set_body(self, delivery_id: str, body: bytes) -> bytes:
+        """Fix the body the first attempt built; every retry sends the same bytes."""
+        pipe = self.redis.pipeline()
+        pipe.hsetnx(k.webhook_key(delivery_id), "body", body)
+        pipe.hget(k.webhook_key(delivery_id), "body")
+        return bytes(pipe.execute()[1])
+
+    def attempts(self, delivery_id: str) -> list[AttemptRecord]:
+        return [
+            AttemptRecord.model_validate_json(a)
+            for a in self.redis.lrange(k.webhook_attempts_key(delivery_id), 0, -1)
+        ]
+
+    def record(
+        self,
+        delivery: Delivery,
+        attempt: AttemptRecord,
+        status: str,
+        next_at: float | None,
+    ) -> None:
+        """The attempt, its outcome, and the next attempt's time (or the end), in one write."""
+        key = k.webhook_key(delivery.id)
+        attempts_key = k.webhook_attempts_key(delivery.id)
+        fields = {
+            "attempts": str(attempt.n),
+            "status": status,
+            "next_at": "" if next_at is None else repr(next_at),
+            "last_status_code": "" if attempt.status_code is None else str(attempt.status_code),
+            "last_error": attempt.error or "",
+        }
+        pipe: Any = self.redis.pipeline()
+        pipe.hset(key, mapping=fields)
+        pipe.rpush(attempts_key, attempt.model_dump_json())
+        pipe.ltrim(attempts_key, -MAX_ATTEMPTS_KEPT, -1)
+        outcome = "ok" if status == "delivered" else (attempt.error or "error").split(":")[0]
+        pipe.hincrby(k.WEBHOOK_COUNTS, f"attempts:{_label(outcome)}", 1)
+        if next_at is None:
+            pipe.hset(key, "ended_at", time.time())
+            pipe.zrem(k.WEBHOOKS_DUE, delivery.id)
+            pipe.hincrby(k.WEBHOOK_COUNTS, f"deliveries:{status}", 1)
+            pipe.expire(key, self.retention_s)
+            pipe.expire(attempts_key, self.retention_s)
+        else:
+            pipe.zadd(k.WEBHOOKS_DUE, {delivery.id: next_at})
+        pipe.execute()
+
+    def recent(self, limit: int = 50) -> list[Delivery]:
+        ids = [text(i) for i in self.redis.zrevrange(k.WEBHOOKS_INDEX, 0, limit - 1)]
+        out = []
+        for delivery_id in ids:
+            d = self.get(delivery_id)
+            if d is None:
+                self.redis.zrem(k.WEBHOOKS_INDEX, delivery_id)
+            else:
+                out.append(d)
+        return out
+
+    def of_turn(self, turn_id: str) -> dict[str, Any] | None:
+        """A turn's delivery with its attempts (`tries`), for `agentq show` and the console."""
+        d = self.get(k.webhook_id(turn_id))
+        if d is None:
+            return None
+        return {**d.model_dump(), "tries": [a.model_dump() for a in self.attempts(d.id)]}
+
+    def counts(self) -> dict[str, int]:
+        return {text(f): int(v) for f, v in self.redis.hgetall(k.WEBHOOK_COUNTS).items()}
+
+    def backlog(self) -> int:
+        """Deliveries not yet accepted, gone or failed."""
+        return int(self.redis.zcard(k.WEBHOOKS_DUE))
+
+
+def _label(outcome: str) -> str:
+    """A small set of metric labels from an attempt's error: ok, HTTP 500, timed out ..."""
+    word = outcome.lower()
+    if word.startswith("http "):
+        return word.replace(" ", "_")
+    for known in ("refused", "timed out"):
+        if word.startswith(known):
+            return known.replace(" ", "_")
+    return "unreachable" if word != "ok" else "ok"
+
+
+def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
+    """The webhook body of an ended turn (None: it is gone or has not ended): `type`,
+    `timestamp` and `data` (id, status, the final assistant text, usage, timestamps)."""
+    state = store.state(turn_id)
+    if state is None or state.get("status") not in EVENT_TYPES:
+        return None
+    status = str(state["status"])
+    history = store.history(turn_id)
+    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
+    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "rounds": 0}
+    after = "0-0"
+    while True:
+        chunk = store.bus.replay(turn_id, after, count=1000)
+        for ev in chunk:
+            if ev.type == "llm_finished":
+                usage["rounds"] += 1
+                used = ev.fields.get("usage")
+                if isinstance(used, dict):
+                    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                        usage[name] += int(used.get(name) or 0)
+        if len(chunk) < 1000:
+            break
+        after = str(chunk[-1].stream_id)
+    ended_at = float(state.get("ended_at") or time.time())
+    data: dict[str, Any] = {
+        "turn_id": turn_id,
+        "status": status,
+        "agent": state.get("agent"),
+        "output_text": final.get("content") or "",
+        "usage": usage,
+        "created_at": state.get("created_at"),
+        "started_at": state.get("started_at"),
+        "ended_at": ended_at,
+    }
+    for field in ("error", "error_code", "abort_reason", "finish_reason", "schedule"):
+        if state.get(field) is not None:
+            data[field] = state[field]
+    return {
+        "type": EVENT_TYPES[status],
+        "timestamp": datetime.fromtimestamp(ended_at, timezone.utc).isoformat(),
+        "data": data,
+    }
+
+
+def encode(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()

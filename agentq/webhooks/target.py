@@ -1,0 +1,147 @@
+"""Where agentq may post a webhook, and the one checked address it connects to.
+
+A URL is checked twice: when a turn names it (scheme, credentials, a literal address, a
+`localhost` name: whatever can never be delivered to is refused at `POST /v1/turns`), and
+at each attempt, after resolution: every address the name resolves to must be allowed,
+and the attempt connects to one of those very addresses (with the name as Host and SNI),
+so a name cannot resolve to a public address for the check and a private one for the post.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from agentq.config import Settings
+from agentq.errors import WebhookRefused
+
+MAX_URL_CHARS = 2048
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@dataclass(frozen=True)
+class Target:
+    """A checked URL: its parts, and the address an attempt connects to."""
+
+    url: str
+    scheme: str
+    host: str
+    port: int
+    path: str
+    """Path and query, as sent."""
+
+    @property
+    def host_header(self) -> str:
+        default = 443 if self.scheme == "https" else 80
+        name = f"[{self.host}]" if ":" in self.host else self.host
+        return name if self.port == default else f"{name}:{self.port}"
+
+    def url_for(self, address: str) -> str:
+        """The URL with `address` in place of the name: what the transport connects to."""
+        netloc = f"[{address}]" if ":" in address else address
+        return f"{self.scheme}://{netloc}:{self.port}{self.path}"
+
+
+def address_problem(address: IPAddress) -> str | None:
+    """Why a webhook may not go to `address` (without AGENTQ_WEBHOOK_ALLOW_PRIVATE), or None."""
+    mapped = getattr(address, "ipv4_mapped", None)
+    if mapped is not None:
+        address = mapped
+    if address.is_loopback:
+        return "a loopback address"
+    if address.is_link_local:
+        return "a link-local address"
+    if address.is_private:
+        return "a private address"
+    if address.is_multicast or address.is_unspecified or address.is_reserved:
+        return "not a unicast address"
+    if not address.is_global:
+        return "not a public address"
+    return None
+
+
+def check_url(url: str, *, allow_http: bool, allow_private: bool) -> Target:
+    """The URL's target, or WebhookRefused naming what makes it undeliverable."""
+    if len(url) > MAX_URL_CHARS:
+        raise WebhookRefused(url[:64] + "...", f"longer than {MAX_URL_CHARS} characters")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise WebhookRefused(url, f"not a URL ({exc})") from None
+    schemes = ("https", "http") if allow_http else ("https",)
+    if parts.scheme not in schemes:
+        hint = "" if allow_http else " (http:// needs AGENTQ_WEBHOOK_ALLOW_HTTP=true)"
+        raise WebhookRefused(url, f"the scheme must be {' or '.join(schemes)}{hint}")
+    if parts.username is not None or parts.password is not None:
+        raise WebhookRefused(url, "credentials in the URL are not sent; put a token in the path")
+    if parts.fragment:
+        raise WebhookRefused(url, "a fragment (#...) is never sent")
+    host = (parts.hostname or "").rstrip(".")
+    if not host:
+        raise WebhookRefused(url, "no host")
+    if not allow_private:
+        if host == "localhost" or host.endswith(".localhost"):
+            raise WebhookRefused(url, f"{host} is a loopback name{_PRIVATE_HINT}")
+        literal = _literal(host)
+        if literal is not None:
+            problem = address_problem(literal)
+            if problem:
+                raise WebhookRefused(url, f"{host} is {problem}{_PRIVATE_HINT}")
+    path = parts.path or "/"
+    if parts.query:
+        path += "?" + parts.query
+    return Target(
+        url=url,
+        scheme=parts.scheme,
+        host=host,
+        port=port or (443 if parts.scheme == "https" else 80),
+        path=path,
+    )
+
+
+_PRIVATE_HINT = " (allowed with AGENTQ_WEBHOOK_ALLOW_PRIVATE=true)"
+
+
+def _literal(host: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None
+
+
+def resolve(target: Target, *, allow_private: bool) -> list[str]:
+    """The addresses of the target's host, every one of them allowed; WebhookRefused if
+    the name does not resolve or any address is refused."""
+    try:
+        infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise WebhookRefused(target.url, f"{target.host} does not resolve ({exc})") from None
+    addresses: list[str] = []
+    for info in infos:
+        address = str(info[4][0]).split("%", 1)[0]
+        if address not in addresses:
+            addresses.append(address)
+    if not allow_private:
+        for address in addresses:
+            problem = address_problem(ipaddress.ip_address(address))
+            if problem:
+                raise WebhookRefused(
+                    target.url, f"{target.host} resolves to {address}, {problem}{_PRIVATE_HINT}"
+                )
+    if not addresses:
+        raise WebhookRefused(target.url, f"{target.host} has no address")
+    return addresses
+
+
+def check_for_turn(url: str, settings: Settings) -> Target:
+    """A turn's webhook URL, checked when the turn starts: deliverable, and signable here."""
+    target = check_url(
+        url, allow_http=settings.webhook_allow_http, allow_private=settings.webhook_allow_private
+    )
+    if settings.webhook_secret is None:
+        raise WebhookRefused(url, "AGENTQ_WEBHOOK_SECRET is not set, so nothing can be signed")
+    return target

@@ -1,0 +1,232 @@
+"""The delivery task (one attempt, on the webhook queue) and the sweep that sends due ones.
+
+A turn's ending step queues its delivery and sends the first attempt's message
+(`queue_delivery`); every later attempt is sent by a sweep of WEBHOOKS_DUE when it is due,
+by any worker consuming the webhook queue. Nothing waits in a Celery countdown, which a
+Redis broker would lose or hold past its visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from celery import Celery, Task
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.webhooks import backoff, signing
+from agentq.webhooks.deliveries import (
+    AttemptRecord,
+    Deliveries,
+    Delivery,
+    encode,
+    turn_payload,
+)
+from agentq.webhooks.post import post
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
+
+log = logging.getLogger("agentq.webhooks")
+
+WAITING_RECHECK_S = 30.0
+"""How often the sweep looks again at a running turn that has a webhook."""
+
+
+def lease_s(settings: Settings) -> float:
+    """How long a sent attempt's message has before a sweep sends another: twice its
+    attempt's bound plus a little time in the queue. A message that waits longer finds its
+    attempt made (or in flight) and does nothing."""
+    return 2 * settings.webhook_timeout_s + 5.0
+
+
+def deliveries(store: TurnStore, settings: Settings) -> Deliveries:
+    return Deliveries(store.redis, retention_s=settings.state_ttl_s)
+
+
+def send_attempt(app: Celery, delivery_id: str, attempts: int) -> None:
+    """Send the message of the delivery's next attempt (the attempt after `attempts`)."""
+    app.send_task(k.TASK_WEBHOOK_DELIVER, args=[delivery_id, attempts], queue=k.QUEUE_WEBHOOKS)
+
+
+def queue_delivery(
+    store: TurnStore, app: Celery, settings: Settings, turn_id: str, url: str
+) -> None:
+    """Queue the ended turn's delivery and send its first attempt (a second call: no-op)."""
+    created = deliveries(store, settings).create(turn_id, url, lease_s=lease_s(settings))
+    if not created:
+        return
+    try:
+        send_attempt(app, created, 0)
+    except Exception as exc:
+        # The turn has ended already, whatever the broker says: the delivery is due in
+        # Redis, and a sweep sends it once its lease is over.
+        log.warning("webhook %s not sent now (%s); a sweep sends it", created, exc)
+
+
+def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_before: int) -> str:
+    """Make the delivery's next attempt, if it is still pending and no other message made it
+    already; return what happened (for the task's result and the logs)."""
+    lock = k.webhook_lock_key(delivery_id)
+    redis = store.redis
+    if not redis.set(lock, "1", nx=True, px=int(lease_s(settings) * 1000)):
+        return "busy"
+    try:
+        dels = deliveries(store, settings)
+        d = dels.get(delivery_id)
+        if d is None or d.status != "pending":
+            return "done"
+        if d.attempts != attempts_before:
+            # A message sent again after a lapsed lease, for an attempt made already.
+            return "stale"
+        body = dels.body(delivery_id)
+        if body is None:
+            payload = turn_payload(store, d.turn_id)
+            if payload is None:
+                dels.record(
+                    d,
+                    AttemptRecord(
+                        n=d.attempts,
+                        at=time.time(),
+                        status_code=None,
+                        error="the turn is gone",
+                        duration_ms=0,
+                    ),
+                    "failed",
+                    None,
+                )
+                return "failed"
+            body = dels.set_body(delivery_id, encode(payload))
+        secret = settings.webhook_secret
+        if secret is None:
+            return _retry_later(
+                dels, d, "AGENTQ_WEBHOOK_SECRET is not set on this worker", settings
+            )
+        now = time.time()
+        headers = signing.headers(secret.get_secret_value(), delivery_id, int(now), body)
+        result = post(
+            d.url,
+            body,
+            headers,
+            timeout_s=settings.webhook_timeout_s,
+            allow_http=settings.webhook_allow_http,
+            allow_private=settings.webhook_allow_private,
+        )
+        n = d.attempts + 1
+        out = backoff.outcome(
+            result.status_code,
+            attempts=n,
+            created_at=d.created_at,
+            now=time.time(),
+            base_s=settings.webhook_retry_base_s,
+            max_s=settings.webhook_retry_max_s,
+            max_age_s=settings.webhook_max_age_s,
+            jitter=random.random(),
+        )
+        record = AttemptRecord(
+            n=n,
+            at=now,
+            status_code=result.status_code,
+            error=result.error,
+            duration_ms=result.duration_ms,
+        )
+        dels.record(d, record, out.status, out.next_at)
+        log.info(
+            "webhook %s attempt %d to %s: %s -> %s",
+            delivery_id,
+            n,
+            redacted_url(d.url),
+            result.error or result.status_code,
+            out.status,
+        )
+        return out.status
+    finally:
+        redis.delete(lock)
+
+
+def _retry_later(dels: Deliveries, d: Delivery, error: str, settings: Settings) -> str:
+    """Count a failed attempt that never reached the network (this worker cannot sign)."""
+    n = d.attempts + 1
+    out = backoff.outcome(
+        None,
+        attempts=n,
+        created_at=d.created_at,
+        now=time.time(),
+        base_s=settings.webhook_retry_base_s,
+        max_s=settings.webhook_retry_max_s,
+        max_age_s=settings.webhook_max_age_s,
+    )
+    log.error("webhook %s: %s", d.id, error)
+    dels.record(
+        d,
+        AttemptRecord(n=n, at=time.time(), status_code=None, error=error, duration_ms=0),
+        out.status,
+        out.next_at,
+    )
+    return out.status
+
+
+def register_webhook_task(
+    app: Celery, get_store: Callable[[], TurnStore], get_settings: Callable[[], Settings]
+) -> None:
+    @app.task(name=k.TASK_WEBHOOK_DELIVER, bind=True, acks_late=True, ignore_result=True)
+    def deliver(self: Task, delivery_id: str, attempts_before: int) -> str:
+        return attempt(get_store(), get_settings(), delivery_id, attempts_before)
+
+
+class WebhookSweeper:
+    """Sends the due attempts and queues the deliveries of turns whose ending step died;
+    runs in every worker that consumes the webhook queue."""
+
+    def __init__(self, store: TurnStore, app: Celery, settings: Settings) -> None:
+        self.store = store
+        self.app = app
+        self.settings = settings
+        self.deliveries = deliveries(store, settings)
+        self._stop = threading.Event()
+
+    def sweep(self) -> int:
+        """One pass; returns how many attempts it sent."""
+        sent = 0
+        for delivery_id, attempts in self.deliveries.claim_due(lease_s=lease_s(self.settings)):
+            send_attempt(self.app, delivery_id, attempts)
+            sent += 1
+        for turn_id in self.deliveries.waiting_due():
+            state = self.store.state(turn_id)
+            if state is None:
+                self.store.redis.zrem(k.WEBHOOKS_WAITING, turn_id)
+            elif state.get("status") in ("finished", "error", "aborted") and state.get(
+                "webhook_url"
+            ):
+                queue_delivery(self.store, self.app, self.settings, turn_id, state["webhook_url"])
+                sent += 1
+            else:
+                self.store.redis.zadd(
+                    k.WEBHOOKS_WAITING, {turn_id: time.time() + WAITING_RECHECK_S}
+                )
+        return sent
+
+    def run(self) -> None:
+        while not self._stop.wait(self.settings.webhook_sweep_interval_s):
+            try:
+                self.sweep()
+            except Exception:
+                log.warning("webhook sweep failed", exc_info=True)
+
+    def start(self) -> threading.Thread:
+        t = threading.Thread(target=self.run, name="agentq-webhook-sweeper", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def redacted_url(url: str) -> str:
+    """For logs: scheme, host and path, no query (which may carry a token)."""
+    return url.split("?", 1)[0]
