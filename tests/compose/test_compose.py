@@ -148,6 +148,33 @@ def test_three_tool_containers_share_the_calls(fleet: ComposeFleet) -> None:
     assert len(hosts) == 3, hosts
 
 
+def _schedules(fleet: ComposeFleet) -> dict[str, dict[str, object]]:
+    out = fleet.compose("exec", "-T", "turns", "agentq", "schedule", "list", "--json").stdout
+    return {r["name"]: r for r in json.loads(out)["schedules"]}
+
+
+def test_the_beat_fires_a_schedule_in_the_fleet(fleet: ComposeFleet) -> None:
+    add = ("exec", "-T", "turns", "agentq", "schedule", "add", "compose-tick", "--every", "5s")
+    fleet.compose(*add, "hello from the beat")
+    try:
+        fired = wait_for(
+            lambda: (r := _schedules(fleet).get("compose-tick")) and r["last_turn_id"] and r,
+            90,
+            interval_s=2,
+            message="the beat to fire the schedule",
+        )
+        turn_id = str(fired["last_turn_id"])
+
+        def status() -> object:
+            out = fleet.compose("exec", "-T", "turns", "agentq", "show", turn_id, "--json")
+            return json.loads(out.stdout)["turn"].get("status")
+
+        wait_for(lambda: status() == "finished", 90, interval_s=2, message="the tick's turn")
+        print(f"\ncompose: the beat fired compose-tick: {fired['fired']} tick(s), turn {turn_id}")
+    finally:
+        fleet.compose("exec", "-T", "turns", "agentq", "schedule", "remove", "compose-tick")
+
+
 def _kill_one_tools_container(fleet: ComposeFleet) -> None:
     subprocess.run(["docker", "kill", "-s", "KILL", fleet.containers("tools")[0]], check=True)
 
