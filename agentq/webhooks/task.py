@@ -118,16 +118,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
             allow_private=settings.webhook_allow_private,
         )
         n = d.attempts + 1
-        out = backoff.outcome(
-            result.status_code,
-            attempts=n,
-            created_at=d.created_at,
-            now=time.time(),
-            base_s=settings.webhook_retry_base_s,
-            max_s=settings.webhook_retry_max_s,
-            max_age_s=settings.webhook_max_age_s,
-            jitter=random.random(),
-        )
+        out = _outcome(result.status_code, d, settings, jitter=random.random())
         record = AttemptRecord(
             n=n,
             at=now,
@@ -149,18 +140,26 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         redis.delete(lock)
 
 
-def _retry_later(dels: Deliveries, d: Delivery, error: str, settings: Settings) -> str:
-    """Count a failed attempt that never reached the network (this worker cannot sign)."""
-    n = d.attempts + 1
-    out = backoff.outcome(
-        None,
-        attempts=n,
+def _outcome(
+    status_code: int | None, d: Delivery, settings: Settings, **jitter: float
+) -> backoff.Outcome:
+    """What the attempt that got `status_code` (None: no answer) means for the delivery."""
+    return backoff.outcome(
+        status_code,
+        attempts=d.attempts + 1,
         created_at=d.created_at,
         now=time.time(),
         base_s=settings.webhook_retry_base_s,
         max_s=settings.webhook_retry_max_s,
         max_age_s=settings.webhook_max_age_s,
+        **jitter,
     )
+
+
+def _retry_later(dels: Deliveries, d: Delivery, error: str, settings: Settings) -> str:
+    """Count a failed attempt that never reached the network (this worker cannot sign)."""
+    n = d.attempts + 1
+    out = _outcome(None, d, settings)
     log.error("webhook %s: %s", d.id, error)
     dels.record(
         d,
