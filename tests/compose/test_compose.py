@@ -145,6 +145,14 @@ def test_three_tool_containers_share_the_calls(fleet: ComposeFleet) -> None:
     assert {t["state"]["status"] for t in turns.values()} == {"finished"}
     hosts = {r["worker"] for t in turns.values() for r in t["invocations"]}
     print(f"\ncompose: scaled to 3 tool containers in {since(t0)} s; calls by host: {workers}")
+    stats = subprocess.run(
+        ["docker", "stats", "--no-stream", "--format", "{{.Name}} {{.MemUsage}}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    mine = [line for line in stats.stdout.splitlines() if line.startswith(fleet.project)]
+    print("compose: memory after 24 turns: " + "; ".join(m.split(" / ")[0] for m in mine))
     assert len(hosts) == 3, hosts
 
 
