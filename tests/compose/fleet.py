@@ -85,10 +85,10 @@ class ComposeFleet:
             check=False,
         )
         if check and done.returncode != 0:
-            raise AssertionError(
-                f"docker compose {' '.join(args)} exited {done.returncode}:\n"
-                f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-            )
+            # Compose's progress lines repeat: the last ones say what went wrong.
+            tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
+            what = f"docker compose {' '.join(args)} exited {done.returncode}"
+            raise AssertionError(f"{what}:\n{tail}")
         return done
 
     def build(self) -> None:
