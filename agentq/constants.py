@@ -193,7 +193,9 @@ def start_bucket_key(subject: str) -> str:
 
 
 def turn_keys(turn_id: str) -> list[str]:
-    """Every per-turn key that gets the retention TTL when the turn ends."""
+    """Every per-turn key that outlives the turn: each gets the retention TTL when the turn
+    ends. The cancel flag is written with that TTL already; the keys of
+    `ended_turn_keys` are deleted instead (one command, not one a key)."""
     return [
         turn_key(turn_id),
         log_key(turn_id),
@@ -203,11 +205,12 @@ def turn_keys(turn_id: str) -> list[str]:
         calls_key(turn_id),
         started_key(turn_id),
         children_key(turn_id),
-        cancel_key(turn_id),
-        plan_key(turn_id),
-        dirty_key(turn_id),
-        outstanding_key(turn_id),
     ]
+
+
+def ended_turn_keys(turn_id: str) -> list[str]:
+    """The per-turn keys that mean nothing once the turn has ended: deleted by its end."""
+    return [plan_key(turn_id), dirty_key(turn_id), outstanding_key(turn_id)]
 
 
 def approval_request_id(call_id: str) -> str:

@@ -20,14 +20,30 @@ end
 )
 
 
+MANY_CHUNK = 1000
+"""Arguments per command of `many_lua`: Lua's unpack refuses a few thousand at once."""
+
+
+def many_lua(command: str, key: str, first: str, last: str) -> str:
+    """Lua that runs `command key ARGV[first..last]` as few commands as it can (one for up
+    to MANY_CHUNK arguments; none for none): Redis counts and runs every call, so a write
+    of ten fields is one command, not ten. `MANY_CHUNK` is even, so pairs stay whole."""
+    return f"""
+do
+  local last = {last}
+  for i = {first}, last, {MANY_CHUNK} do
+    redis.call('{command}', {key}, unpack(ARGV, i, math.min(i + {MANY_CHUNK - 1}, last)))
+  end
+end
+"""
+
+
 def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
-    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at`."""
+    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at` (an
+    earlier wakeup stays: LT, Redis >= 6.2)."""
     return f"""
 redis.call('SET', {dirty}, '1', 'EX', {ttl})
-local cur = redis.call('ZSCORE', {wakeups}, {turn_id})
-if (not cur) or tonumber(cur) > tonumber({at}) then
-  redis.call('ZADD', {wakeups}, {at}, {turn_id})
-end
+redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
 """
 
 
@@ -38,26 +54,30 @@ MAX_ROUND_READ = 500
 def read_view_lua(
     turn: str, cancel: str, history: str, round_keys: tuple[str, str, str] | None = None
 ) -> str:
-    """Lua expressions, comma-separated: what a step reads (state, cancel reason, history,
-    round).
+    """A Lua expression list: what a step reads (state, cancel reason, history, round).
 
     `round` holds the settled results, dispatch records and plans of the calls named by
     the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
-    that collects a round needs no read of its own; {} without them.
+    that collects a round needs no read of its own; {} without them. `round_calls` is
+    taken from the state as read, not read again.
     """
     rnd = "{}"
     if round_keys is not None:
         results, calls, plans = round_keys
         rnd = f"""(function()
-  local rc = redis.call('HGET', {turn}, 'round_calls')
-  if not rc then return {{}} end
-  local ok, ids = pcall(cjson.decode, rc)
-  if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
-  return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
-          redis.call('HMGET', {plans}, unpack(ids))}}
-end)()"""
-    return f"""redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
-  redis.call('LRANGE', {history}, 0, -1), {rnd}"""
+    local rc
+    for i = 1, #st, 2 do if st[i] == 'round_calls' then rc = st[i + 1] end end
+    if not rc then return {{}} end
+    local ok, ids = pcall(cjson.decode, rc)
+    if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
+    return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
+            redis.call('HMGET', {plans}, unpack(ids))}}
+  end)()"""
+    return f"""unpack((function()
+  local st = redis.call('HGETALL', {turn})
+  return {{st, redis.call('GET', {cancel}) or '', redis.call('LRANGE', {history}, 0, -1),
+    {rnd}}}
+end)())"""
 
 
 def take_step_lua(

@@ -13,7 +13,7 @@ from agentq import constants as k
 from agentq.events.bus import ended_lua, event_body, publish_lua
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import START_BACKSTOP_S, WAKE_BACKSTOP_S, StoreBase, finished, loads, text
-from agentq.state.lua import TURN_OPEN_LUA, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, many_lua, wake_lua
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
@@ -30,15 +30,18 @@ if ARGV[10] ~= '' then
   redis.call('DEL', KEYS[14])
 end
 local n = tonumber(ARGV[11])
-for i = 12, 11 + n do redis.call('RPUSH', KEYS[15], ARGV[i]) end
+"""
+    + many_lua("RPUSH", "KEYS[15]", "12", "11 + n")
+    + """
 if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
 """
     + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + many_lua("HSET", "KEYS[1]", "12 + n", "#ARGV")
     + """
-for i = 12 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-for i = 16, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[16], KEYS[17], KEYS[18])
+for i = 19, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local pstatus = redis.call('HGET', KEYS[7], 'status')
 if not pstatus or """
@@ -87,9 +90,9 @@ class TurnRecords(StoreBase):
         if self.replicas_acked:
             self._durable_write(build)
         else:
-            pipe = self.redis.pipeline()
-            build(pipe)
-            pipe.execute()
+            # Not MULTI/EXEC: nothing steps the turn before its step is sent, after this
+            # returns, and a reader meanwhile sees a turn just queued either way.
+            self._pipelined(build)
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
         raw = self.redis.hgetall(k.turn_key(turn_id))
@@ -150,6 +153,7 @@ class TurnRecords(StoreBase):
                 k.outstanding_key(pid),
                 k.step_lock_key(turn_id),
                 k.history_key(turn_id),
+                *k.ended_turn_keys(turn_id),
                 *k.turn_keys(turn_id),
             ],
             args=[
