@@ -16,7 +16,7 @@ from agentq import constants as k
 from agentq.agents import require_known
 from agentq.config import Settings, get_settings
 from agentq.errors import PayloadTooLarge, TokenInvalid, TurnNotFound
-from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.bus import TERMINAL_TYPES, WATCHERS_FIELD
 from agentq.fleet.broker import send_step
 from agentq.models import (
     TERMINAL_STATUSES,
@@ -231,6 +231,7 @@ class Client:
         if state is None:
             raise TurnNotFound(turn_id)
         state.pop("token_sha256", None)
+        state.pop(WATCHERS_FIELD, None)  # bookkeeping of the event bus, not the turn's
         results = self.store.results(turn_id)
         return {
             "turn_id": turn_id,

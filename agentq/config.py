@@ -152,6 +152,10 @@ class Settings(BaseSettings):
     loop_lag_warn_ms: int = Field(100, ge=1)
     """An event loop blocked this long is logged, with the call that blocked it."""
 
+    llm_delta_interval_ms: int = Field(250, ge=0)
+    """A stream worker publishes a round's `llm_delta` events at most this often, each
+    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk."""
+
     stream_idle_timeout_ms: int = 120_000
     """Longest silence between two model chunks; <= 0 disables the watchdog."""
     stream_duration_s: float = Field(60.0, gt=0)

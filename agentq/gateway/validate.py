@@ -97,7 +97,6 @@ def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return data
 
 
-
 async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
     """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
     declared = request.headers.get("content-length")

@@ -52,7 +52,7 @@ STATE_LOST_LUA = (
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1])
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]")
+    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]", "1")
     + """
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
@@ -294,6 +294,6 @@ class StoreBase:
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                 ],
-                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_maxlen, self.ttl_s],
+                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_arg(), self.ttl_s],
             )
         )

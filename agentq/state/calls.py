@@ -36,7 +36,7 @@ if ARGV[9] == '1' and ready then
 """
     + wake_lua("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]")
     + "end\n"
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
     + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
     + take_step_lua(
         "KEYS[10]",
@@ -70,7 +70,7 @@ end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 if ARGV[6] ~= '' then redis.call('SADD', KEYS[8], ARGV[6]) end
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]", "watched")
     + "return 1"
 )
 
@@ -150,7 +150,7 @@ class CallRecords(StoreBase):
                     call_id,
                     json.dumps(start),
                     event_body(turn_id, "tool_started", event),
-                    self.bus.log_maxlen,
+                    self.bus.log_arg(),
                     str(start.get("delivery") or ""),
                     f"{turn_id}/{call_id}" if watched else "",
                 ],
@@ -196,7 +196,7 @@ class CallRecords(StoreBase):
                 result.call_id,
                 result_json,
                 event_body(turn_id, "tool_finished", event),
-                self.bus.log_maxlen,
+                self.bus.log_arg(),
                 "",
                 time.time() + WAKE_BACKSTOP_S,
                 self.ttl_s,

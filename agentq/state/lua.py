@@ -4,13 +4,17 @@ method that runs it."""
 
 from __future__ import annotations
 
-from agentq.events.bus import ended_lua
+from agentq.events.bus import WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
-# written after its terminal event, and nothing recreates half of a vanished turn.
+# written after its terminal event, and nothing recreates half of a vanished turn. It
+# leaves `watched` (the turn's followers) for the publish fragment.
 TURN_OPEN_LUA = (
     """
-local status = redis.call('HGET', KEYS[%d], 'status')
+local open = redis.call('HMGET', KEYS[%d], 'status', '"""
+    + WATCHERS_FIELD
+    + """')
+local status, watched = open[1], open[2]
 if not status or """
     + ended_lua("status")
     + """ then
