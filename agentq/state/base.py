@@ -71,6 +71,12 @@ class RoundRead:
     plans: list[Any]
 
     @classmethod
+    def untouched(cls, ids: tuple[str, ...]) -> RoundRead:
+        """Calls of which nothing is stored: not planned, sent or settled."""
+        none: list[Any] = [None] * len(ids)
+        return cls(ids, none, list(none), list(none))
+
+    @classmethod
     def planned(cls, plans: dict[str, str]) -> RoundRead:
         """A round just planned: nothing sent or settled yet."""
         none: list[Any] = [None] * len(plans)

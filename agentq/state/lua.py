@@ -84,9 +84,9 @@ def read_view_lua(
 end)())"""
 
 
-def take_step_lua(
+def wake_or_step_lua(
+    wake: tuple[str, str, str, str, str],
     lock: str,
-    dirty: str,
     turn: str,
     cancel: str,
     history: str,
@@ -94,15 +94,21 @@ def take_step_lua(
     ttl_ms: str,
     round_keys: tuple[str, str, str] | None = None,
 ) -> str:
-    """Lua that, for a caller that steps the woken turn itself (`token` set), takes the
-    step lock and returns what the step reads, as the begin script would: one round trip
-    fewer between the last result of a batch and the step that collects it."""
+    """Lua that wakes the turn (`wake`: the arguments of `wake_lua`) or, for a caller that
+    steps the woken turn itself (`token` set), takes the step lock and returns what the
+    step reads, as the begin script would: one round trip fewer between the last result
+    of a batch and the step that collects it.
+
+    A step taken here needs no dirty mark (it reads now), only its wakeup, should its
+    process die in it. A mark some other wake left stays: that step runs once more.
+    """
+    dirty, wakeups, turn_id, at, ttl = wake
     return f"""
 if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
-  redis.call('DEL', {dirty})
+  redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
   return {{3, {read_view_lua(turn, cancel, history, round_keys)}}}
 end
-"""
+""" + wake_lua(dirty, wakeups, turn_id, at, ttl)
 
 
 def record_lua(calls: str, outstanding: str, results: str, first: int) -> str:
