@@ -3,7 +3,7 @@ handed back to the turn.
 
 The Celery task (a thread of the `threads` pool) claims the round, hands it to the
 process's loop and returns, so one process streams thousands of rounds. While a round
-streams its key `agentq:turn:{id}:llm:{round}:alive` is renewed, for all rounds at once,
+streams its key `agentq:turn:{<id>}:llm:<round>:alive` is renewed, for all rounds at once,
 by one thread of its own; if the process dies the keys lapse and the turn sends those
 rounds again.
 """

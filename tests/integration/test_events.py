@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+from agentq import constants as k
 from agentq.fleet.runtime import get_store
 from agentq.local.processes import wait_for
 
@@ -70,7 +71,7 @@ def test_live_copy_carries_the_stream_id_for_sse(agentq_env) -> None:
 
     t = threading.Thread(target=follow)
     t.start()
-    wait_for(lambda: bus.redis.pubsub_numsub(f"agentq:turn:{turn_id}:events")[0][1] > 0, 5)
+    wait_for(lambda: bus.redis.pubsub_numsub(k.events_channel(turn_id))[0][1] > 0, 5)
     bus.publish(turn_id, "turn_started")
     bus.publish(turn_id, "turn_finished", reason="stop")
     assert done.wait(5)
