@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from agentq.constants import (
     MEASURED_EVENT_TYPES,
@@ -44,19 +45,22 @@ def publish_lua(seq: str, log: str, channel: str, body: str, opts: str, watched:
     """The Lua that publishes one event, for embedding in larger atomic scripts.
 
     `opts` is a `log_arg` (the log's maxlen, `m` appended while gateways count measured
-    events); `watched` a Lua value, the turn's `watchers` field as read (false: none).
+    events, then `s` on a Redis Cluster: the turn's channel is a shard channel, SPUBLISH,
+    in its slot); `watched` a Lua value, the turn's `watchers` field as read (false: none).
     """
     return f"""
 local seq = redis.call('INCR', {seq})
 local body = '{{"seq":' .. seq .. ',' .. string.sub({body}, 2)
-local maxlen, measured = string.match({opts}, '^(%d+)(m?)$')
+local maxlen, measured, sharded = string.match({opts}, '^(%d+)(m?)(s?)$')
 local id = redis.call('XADD', {log}, 'MAXLEN', '~', maxlen, '*', 'e', body)
 local etype = measured == 'm' and string.match({body}, '^{{"type":"([%w_]+)"')
 local counted = etype and ({_MEASURED_LUA})
 local watched = {watched}
 if counted or (watched and tonumber(watched) > 0) then
   local live = '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2)
-  if watched and tonumber(watched) > 0 then redis.call('PUBLISH', {channel}, live) end
+  if watched and tonumber(watched) > 0 then
+    redis.call(sharded == 's' and 'SPUBLISH' or 'PUBLISH', {channel}, live)
+  end
   if counted then redis.call('PUBLISH', '{MEASURED_EVENTS_CHANNEL}', live) end
 end
 """
@@ -140,19 +144,26 @@ starts counting misses at most this much of them."""
 
 
 class EventBus:
-    def __init__(self, client: redis.Redis, *, log_maxlen: int = 10_000) -> None:
+    def __init__(self, client: redis.Redis | RedisCluster, *, log_maxlen: int = 10_000) -> None:
         self.redis = client
         self.log_maxlen = log_maxlen
         self._publish = client.register_script(PUBLISH_LUA)
         self._publish_many = client.register_script(PUBLISH_MANY_LUA)
         self._watch = client.register_script(WATCH_LUA)
         self._measured = (True, -MEASURED_CHECK_S)  # (counted, checked at, monotonic s)
+        self.sharded = isinstance(client, RedisCluster)
+        """On a Redis Cluster a turn's channel is a shard channel (SPUBLISH/SSUBSCRIBE):
+        its messages stay on the turn's shard instead of crossing the whole cluster."""
 
     def log_arg(self) -> str:
         """The publish scripts' options: the log's maxlen, with `m` appended while some
         gateway subscribes to the measured channel (asked at most every MEASURED_CHECK_S)."""
         counted, at = self._measured
         now = time.monotonic()
+        if self.sharded:
+            # A plain channel's subscribers are counted per node: the measured copies of
+            # a Cluster's turns go out always.
+            return f"{self.log_maxlen}ms"
         if now - at >= MEASURED_CHECK_S:
             try:
                 subs = self.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
@@ -219,7 +230,10 @@ class EventBus:
         # reaches the subscription; a turn not created yet is marked at a later catch-up.
         watching = self.watch(turn_id, 1)
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        pubsub.subscribe(events_channel(turn_id))
+        if self.sharded:
+            pubsub.ssubscribe(events_channel(turn_id))
+        else:
+            pubsub.subscribe(events_channel(turn_id))
         try:
             last_seq = 0
             last_id = after_id
@@ -237,7 +251,11 @@ class EventBus:
             beat_at = caught_up_at = time.monotonic()
             while True:
                 wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
-                msg = pubsub.get_message(timeout=wait_s)
+                msg = (
+                    pubsub.get_sharded_message(timeout=wait_s)
+                    if self.sharded
+                    else pubsub.get_message(timeout=wait_s)
+                )
                 now = time.monotonic()
                 if msg is None:
                     if idle_timeout_s is not None and now - silent_since > idle_timeout_s:

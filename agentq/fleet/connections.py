@@ -160,7 +160,7 @@ def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -
     It follows MOVED and ASK answers and, when a master fails, retries (with the same
     backoff as `redis_client`) until the cluster has promoted its replica.
     """
-    startup = [ClusterNode(host, port) for host, port in parse_cluster_nodes(nodes)]
+    startup = [ClusterNode(host, port) for host, port in parse_cluster_nodes(nodes)]  # type: ignore[no-untyped-call]
     return RedisCluster(
         startup_nodes=startup,
         retry=_sync_retry(retries),

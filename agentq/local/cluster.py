@@ -57,7 +57,7 @@ def find_cluster_redis_server() -> str:
 
 def _info(client: redis.Redis) -> dict[str, str]:
     """CLUSTER INFO as a dict (its answer is `field:value` lines)."""
-    raw = client.execute_command("CLUSTER INFO")
+    raw = client.execute_command("CLUSTER INFO")  # type: ignore[no-untyped-call]
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     if isinstance(raw, dict):
         return {str(k_): str(v) for k_, v in raw.items()}
