@@ -142,3 +142,15 @@ def test_a_master_failing_over_mid_turn_loses_no_acknowledged_event(
     assert [ev.seq for ev in bus.replay(turn_id)] == list(range(1, 11))
     assert [ev.fields["i"] for ev in bus.replay(turn_id)] == list(range(10))
     client.close()
+
+
+def test_the_turn_store_refuses_a_cluster_it_cannot_run_on_yet(cluster: LocalCluster) -> None:
+    from agentq.fleet import runtime
+
+    runtime.reset()
+    try:
+        with pytest.raises(ConfigError) as err:
+            runtime.get_redis(Settings(redis_cluster_nodes=cluster.nodes))
+        assert err.value.setting == "AGENTQ_REDIS_CLUSTER_NODES"
+    finally:
+        runtime.reset()
