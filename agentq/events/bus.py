@@ -113,11 +113,15 @@ return 1
 """
 )
 
-# A follower marks the turn it follows (by one) and unmarks it when it stops (by minus
-# one); a turn Redis does not hold is not created by it.
+# A follower marks the turn it follows (by one, again if it saw a live copy missing) and
+# unmarks it when it stops (by as many); a turn Redis does not hold is not created by it.
+# The count is a hint, never below zero: a mark lost (a failover) and then taken back
+# leaves it short, and a follower left unmarked marks again at its next catch-up.
 WATCH_LUA = f"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-return redis.call('HINCRBY', KEYS[1], '{WATCHERS_FIELD}', ARGV[1])
+local n = redis.call('HINCRBY', KEYS[1], '{WATCHERS_FIELD}', ARGV[1])
+if n <= 0 then redis.call('HDEL', KEYS[1], '{WATCHERS_FIELD}') end
+return n
 """
 PUBLISH_MANY_EVENTS = 100
 """Events per PUBLISH_MANY_LUA call: Redis runs a script alone, so a batch of a thousand
@@ -228,7 +232,7 @@ class EventBus:
         """
         # Marked before subscribing, so every live copy published after the log read below
         # reaches the subscription; a turn not created yet is marked at a later catch-up.
-        watching = self.watch(turn_id, 1)
+        marks = int(self.watch(turn_id, 1))
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         if self.sharded:
             pubsub.ssubscribe(events_channel(turn_id))
@@ -269,9 +273,11 @@ class EventBus:
                     if now - caught_up_at < CATCH_UP_S:
                         continue
                     caught_up_at = now
-                    if not watching:
-                        watching = self.watch(turn_id, 1)
                     events = self.replay(turn_id, last_id)
+                    if events or not marks:
+                        # Events that came without their live copies: the mark may be
+                        # gone (a failover lost it, or the turn did not exist): mark again.
+                        marks += int(self.watch(turn_id, 1))
                     if events:
                         silent_since = now
                 else:
@@ -291,11 +297,11 @@ class EventBus:
                         return
         finally:
             pubsub.close()
-            if watching:
+            if marks:
                 # A follower that dies without this leaves the turn publishing live copies
                 # to nobody: a cost, not a fault.
                 with contextlib.suppress(redis.RedisError):
-                    self.watch(turn_id, -1)
+                    self.watch(turn_id, -marks)
 
 
 def _is_new(ev: Event, last_seq: int, last_id: str) -> bool:

@@ -204,9 +204,6 @@ class LocalCluster:
                     return False
         return True
 
-    def client(self) -> redis.RedisCluster:
-        return redis.RedisCluster(host="127.0.0.1", port=self.masters[0].port)
-
     def stop(self) -> None:
         for s in self.servers:
             s.stop()

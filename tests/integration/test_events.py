@@ -159,3 +159,38 @@ def test_progress_events_while_a_tool_runs_and_in_flower(fleet, llm_server, clie
     assert by_tool and by_tool[0].fields["message"] == "sleeping"
     # Flower reads task states: the tool's progress is visible there as PROGRESS.
     assert seen_progress_state and seen_progress_state[0]["tool"] == "sleep"
+
+
+def test_a_follower_whose_mark_was_lost_marks_the_turn_again(agentq_env) -> None:
+    bus = get_store().bus
+    turn_id = uuid.uuid4().hex
+    bus.redis.hset(k.turn_key(turn_id), "status", json.dumps("running"))
+    got: list[int] = []
+
+    def follow() -> None:
+        for ev in bus.follow(turn_id, heartbeat_s=0.2):
+            if ev is not None:
+                got.append(ev.seq)
+
+    t = threading.Thread(target=follow, daemon=True)
+    t.start()
+
+    def marks() -> int:
+        return int(bus.redis.hget(k.turn_key(turn_id), "watchers") or 0)
+
+    wait_for(lambda: marks() == 1, 5, message="the follower's mark")
+    bus.publish(turn_id, "llm_delta", text="first")
+    wait_for(lambda: got == [1], 10, message="the first event")  # past its first log read
+    # As a failover that did not carry the mark over would leave it.
+    bus.redis.hdel(k.turn_key(turn_id), "watchers")
+    bus.publish(turn_id, "llm_delta", text="missed live")
+    # The follower finds the event in the log and, since it came without its live copy,
+    # marks the turn again: the next ones go out live.
+    wait_for(lambda: got == [1, 2], 10, message="the event, from the log")
+    wait_for(lambda: marks() == 1, 10, message="the mark, again")
+    assert _live_copies(bus, turn_id, lambda: bus.publish(turn_id, "llm_delta", text="x")) == 1
+    bus.publish(turn_id, "turn_finished", reason="stop")
+    t.join(10)
+    assert got == [1, 2, 3, 4]
+    # Counted out by as many as it counted in, and never below none.
+    assert bus.redis.hget(k.turn_key(turn_id), "watchers") is None
