@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import TokenInvalid, TurnNotFound
-from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.bus import TERMINAL_TYPES, WATCHERS_FIELD
 from agentq.events.follow import follow
 from agentq.models import (
     TERMINAL_STATUSES,
@@ -190,6 +190,7 @@ class Client:
         if state is None:
             raise TurnNotFound(turn_id)
         state.pop("token_sha256", None)
+        state.pop(WATCHERS_FIELD, None)  # bookkeeping of the event bus, not the turn's
         results = self.store.results(turn_id)
         return {
             "turn_id": turn_id,

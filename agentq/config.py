@@ -69,6 +69,23 @@ def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelU
     return SentinelUrl(sentinels=sentinels, db=db, username=username, password=password)
 
 
+def parse_cluster_nodes(
+    nodes: str, setting: str = "AGENTQ_REDIS_CLUSTER_NODES"
+) -> list[tuple[str, int]]:
+    """`h1:7000,h2:7001` -> [(h1, 7000), (h2, 7001)]: the nodes a Cluster client starts from."""
+    out: list[tuple[str, int]] = []
+    for part in (p.strip() for p in nodes.split(",")):
+        if not part:
+            continue
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(setting, f"{part!r} is not host:port (e.g. 10.0.0.5:7000)")
+        out.append((host.strip("[]"), int(port)))
+    if not out:
+        raise ConfigError(setting, "name at least one node, as host:port,host:port")
+    return out
+
+
 def redact(url: str) -> str:
     """The URL (or `;`-separated URL list) with every password replaced by `**`."""
     out = []
@@ -108,6 +125,9 @@ class Settings(BaseSettings):
     """Celery broker; defaults to `redis_url`. `amqp://` works too."""
     redis_sentinel_master: str | None = None
     """The master's name when `redis_url` or `broker_url` is `sentinel://h1:26379;...`."""
+    redis_cluster_nodes: str | None = None
+    """`host:port,...` of a Redis Cluster (Redis >= 7) for turn state and events; the broker
+    stays `broker_url` (kombu does not speak Cluster). See docs/operations.md."""
     redis_min_replicas_acked: int | None = Field(None, ge=0)
     """Replicas that must acknowledge (Redis `WAIT`) the writes that dispatch or settle a
     call and end a turn before they count; unset: 1 behind Sentinel, else 0 (no wait)."""
@@ -171,6 +191,10 @@ class Settings(BaseSettings):
     """Event-loop processes of `agentq worker io` (`--processes`); 0: one."""
     loop_lag_warn_ms: int = Field(100, ge=1)
     """An event loop blocked this long is logged, with the call that blocked it."""
+
+    llm_delta_interval_ms: int = Field(250, ge=0)
+    """A stream worker publishes a round's `llm_delta` events at most this often, each
+    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk."""
 
     stream_idle_timeout_ms: int = 120_000
     """Longest silence between two model chunks; <= 0 disables the watchdog."""
@@ -328,6 +352,12 @@ class Settings(BaseSettings):
             if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
                 raise ValueError(f"{origin!r} is not an origin like https://app.example.com")
         return v
+
+    @model_validator(mode="after")
+    def _cluster_nodes(self) -> Settings:
+        if self.redis_cluster_nodes:
+            parse_cluster_nodes(self.redis_cluster_nodes)
+        return self
 
     @model_validator(mode="after")
     def _sentinel_master(self) -> Settings:

@@ -5,6 +5,11 @@ lowercase hex digits (`secrets.token_hex(16)`); an interaction request id is
 ``<call id>.approval`` (`approval_request_id`) with a call id of safe characters.
 Anything else names nothing: a key built from it could name another of the turn's keys
 (``{id}:results``, ``{id}:log``).
+
+Every key of one turn carries the turn id as its Redis Cluster hash tag, in literal braces
+(``agentq:turn:{<turn id>}:log``), so a script that touches only the turn's own keys runs on
+one slot; a conversation's keys likewise carry ``{<conversation id>}``. One layout for a
+single Redis and a Cluster alike: braces cost a single Redis nothing.
 """
 
 from __future__ import annotations
@@ -64,46 +69,51 @@ STEP_DURATIONS = f"{PREFIX}:metrics:step_duration"
 added to by every process that runs steps; /metrics reads it."""
 
 
+def turn_tag(turn_id: str) -> str:
+    """The hash tag every key of the turn shares: its id in braces."""
+    return "{" + turn_id + "}"
+
+
 def turn_key(turn_id: str) -> str:
     """Hash of the turn's state."""
-    return f"{PREFIX}:turn:{turn_id}"
+    return f"{PREFIX}:turn:{turn_tag(turn_id)}"
 
 
 def events_channel(turn_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_id}:events"
+    return f"{turn_key(turn_id)}:events"
 
 
 def log_key(turn_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_id}:log"
+    return f"{turn_key(turn_id)}:log"
 
 
 def seq_key(turn_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_id}:seq"
+    return f"{turn_key(turn_id)}:seq"
 
 
 def history_key(turn_id: str) -> str:
     """List of the turn's messages (OpenAI chat format, JSON)."""
-    return f"{PREFIX}:turn:{turn_id}:history"
+    return f"{turn_key(turn_id)}:history"
 
 
 def results_key(turn_id: str) -> str:
     """Hash call_id -> settled ToolResult JSON; the first writer wins (HSETNX)."""
-    return f"{PREFIX}:turn:{turn_id}:results"
+    return f"{turn_key(turn_id)}:results"
 
 
 def calls_key(turn_id: str) -> str:
     """Hash call_id -> dispatch record (task id, started, worker)."""
-    return f"{PREFIX}:turn:{turn_id}:calls"
+    return f"{turn_key(turn_id)}:calls"
 
 
 def started_key(turn_id: str) -> str:
     """Hash call_id -> start record (worker, pid, started_at), written by the tool worker."""
-    return f"{PREFIX}:turn:{turn_id}:started"
+    return f"{turn_key(turn_id)}:started"
 
 
 def children_key(turn_id: str) -> str:
     """Set of sub-agent turns started by this turn; aborted with it."""
-    return f"{PREFIX}:turn:{turn_id}:children"
+    return f"{turn_key(turn_id)}:children"
 
 
 def agent_beat_key(turn_id: str, call_id: str) -> str:
@@ -113,49 +123,49 @@ def agent_beat_key(turn_id: str, call_id: str) -> str:
 
 def step_lock_key(turn_id: str) -> str:
     """Held (SET NX PX) by the one step advancing the turn; its token fences the step's writes."""
-    return f"{PREFIX}:turn:{turn_id}:step"
+    return f"{turn_key(turn_id)}:step"
 
 
 def dirty_key(turn_id: str) -> str:
     """Set by whatever wakes the turn; a step that finds it set at its end runs once more."""
-    return f"{PREFIX}:turn:{turn_id}:dirty"
+    return f"{turn_key(turn_id)}:dirty"
 
 
 def outstanding_key(turn_id: str) -> str:
     """Set of the call ids of the batch in flight: the settle that empties it wakes the turn."""
-    return f"{PREFIX}:turn:{turn_id}:outstanding"
+    return f"{turn_key(turn_id)}:outstanding"
 
 
 def plan_key(turn_id: str) -> str:
     """Hash call_id -> CallPlan JSON: each call planned once per round."""
-    return f"{PREFIX}:turn:{turn_id}:plan"
+    return f"{turn_key(turn_id)}:plan"
 
 
 def cancel_key(turn_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_id}:cancel"
+    return f"{turn_key(turn_id)}:cancel"
 
 
 def interaction_key(turn_id: str, request_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_id}:interaction:{request_id}"
+    return f"{turn_key(turn_id)}:interaction:{request_id}"
 
 
 def secret_key(turn_id: str, request_id: str) -> str:
     """A password answer, read once by the tool and never written elsewhere."""
-    return f"{PREFIX}:turn:{turn_id}:secret:{request_id}"
+    return f"{turn_key(turn_id)}:secret:{request_id}"
 
 
 def llm_result_key(turn_id: str, round_no: int) -> str:
-    return f"{PREFIX}:turn:{turn_id}:llm:{round_no}"
+    return f"{turn_key(turn_id)}:llm:{round_no}"
 
 
 def llm_taken_key(turn_id: str, round_no: int) -> str:
     """Set when a stream worker takes a round; with its heartbeat gone, the worker died."""
-    return f"{PREFIX}:turn:{turn_id}:llm:{round_no}:taken"
+    return f"{turn_key(turn_id)}:llm:{round_no}:taken"
 
 
 def llm_alive_key(turn_id: str, round_no: int) -> str:
     """Set with a short TTL, renewed by the stream worker while it runs the round."""
-    return f"{PREFIX}:turn:{turn_id}:llm:{round_no}:alive"
+    return f"{turn_key(turn_id)}:llm:{round_no}:alive"
 
 
 RECYCLE_EXIT_CODE = 75
@@ -178,13 +188,13 @@ def worker_calls_key(hostname: str) -> str:
 
 
 def conversation_key(conversation_id: str) -> str:
-    return f"{PREFIX}:conv:{conversation_id}:history"
+    return f"{PREFIX}:conv:{{{conversation_id}}}:history"
 
 
 def conversation_owner_key(conversation_id: str) -> str:
     """Who may continue the conversation: `owner:<sha256 of the key name>` or
     `secret:<sha256 of the conversation token>`; never a plain key or token."""
-    return f"{PREFIX}:conv:{conversation_id}:owner"
+    return f"{PREFIX}:conv:{{{conversation_id}}}:owner"
 
 
 def owner_turns_key(subject: str) -> str:
@@ -198,7 +208,9 @@ def start_bucket_key(subject: str) -> str:
 
 
 def turn_keys(turn_id: str) -> list[str]:
-    """Every per-turn key that gets the retention TTL when the turn ends."""
+    """Every per-turn key that outlives the turn: each gets the retention TTL when the turn
+    ends. The cancel flag is written with that TTL already; the keys of
+    `ended_turn_keys` are deleted instead (one command, not one a key)."""
     return [
         turn_key(turn_id),
         log_key(turn_id),
@@ -208,11 +220,12 @@ def turn_keys(turn_id: str) -> list[str]:
         calls_key(turn_id),
         started_key(turn_id),
         children_key(turn_id),
-        cancel_key(turn_id),
-        plan_key(turn_id),
-        dirty_key(turn_id),
-        outstanding_key(turn_id),
     ]
+
+
+def ended_turn_keys(turn_id: str) -> list[str]:
+    """The per-turn keys that mean nothing once the turn has ended: deleted by its end."""
+    return [plan_key(turn_id), dirty_key(turn_id), outstanding_key(turn_id)]
 
 
 def approval_request_id(call_id: str) -> str:

@@ -82,11 +82,13 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     set_role(role)
     if role in BROKER_POOL:
         sender.app.conf.broker_pool_limit = BROKER_POOL[role]
-    if role == "llm" and settings.broker.startswith(("redis", "sentinel")):
-        # A round is handed to the loop the moment it arrives, and the turn sends again a
-        # round no stream worker claimed (PICKUP_LEASES), so kombu's unacked hash (two
-        # Redis round trips a message, on the consumer's own thread) guards nothing here.
-        # A warm shutdown still puts back what was prefetched.
+    if role in ("llm", "turns") and settings.broker.startswith(("redis", "sentinel")):
+        # kombu's unacked hash (eight Redis commands a message, on the consumer's own
+        # thread) guards nothing here: a round is handed to the loop the moment it
+        # arrives and the turn sends again a round no stream worker claimed
+        # (PICKUP_LEASES); a step message lost with its worker is swept up from the
+        # turn's wakeup (`agentq:turns:wakeups`), long before the visibility timeout
+        # would restore it. A warm shutdown still puts back what was prefetched.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,
             "ack_emulation": False,

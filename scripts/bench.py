@@ -48,6 +48,7 @@ from scripts.bench_stages import (  # noqa: E402
     QUICK,
     BenchRig,
     Sizes,
+    agentq_call,
     agentq_once,
     bench_abort,
     bench_events,
@@ -162,8 +163,9 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
 
     url = fx.env["AGENTQ_REDIS_URL"]
     port = int(redis_py.Redis.from_url(url).connection_pool.connection_kwargs.get("port", 6379))
-    sides: dict[str, Callable[[], float]] = {
-        "agentq": lambda: agentq_once(fx),
+    # The client's side as Celery's: start, wait, read the result (no timing reads).
+    sides: dict[str, Callable[[], object]] = {
+        "agentq": lambda: agentq_call(fx),
         "celery": celery_once,
     }
     worker = {"agentq": "tools", "celery": "celery"}
@@ -179,7 +181,7 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for side, once in sides.items():
 
-        def calls_of(once: Callable[[], float] = once) -> None:
+        def calls_of(once: Callable[[], object] = once) -> None:
             for _ in range(n):
                 once()
 
@@ -207,11 +209,30 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
             },
         }
     a, c = out["agentq"]["cpu_ms_per_call"]["total"], out["celery"]["cpu_ms_per_call"]["total"]
+    # The processes that idle alike for both sides (the other workers' heartbeats and
+    # sweeps) are left out, as for the CPU above.
+    idle = ("io pool", "io worker", "llm pool", "llm worker", "other")
+    cmds = {
+        side: round(
+            sum(
+                v["total"]
+                for kind, v in out[side]["redis_commands_per_call"].items()
+                if kind not in idle and kind != ("turns worker" if side == "celery" else "")
+            ),
+            2,
+        )
+        for side in out
+    }
     return {
         "cost_per_call": out,
         "agentq_cpu_ms_per_call": a,
         "celery_cpu_ms_per_call": c,
         "cpu_ratio": round(a / c, 3) if c else None,
+        "agentq_redis_commands_per_call": cmds["agentq"],
+        "celery_redis_commands_per_call": cmds["celery"],
+        "redis_commands_ratio": round(cmds["agentq"] / cmds["celery"], 2)
+        if cmds["celery"]
+        else None,
     }
 
 

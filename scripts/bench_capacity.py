@@ -7,9 +7,12 @@ import contextlib
 import gc
 import json
 import os
+import subprocess
+import sys
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -180,6 +183,7 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
     peak_all = _fleet_mb(fx, everything)
     peak = before
     cpu_before = _cpu_s_by_kind(fx)
+    commands_before = redis_commands(store.redis)
     since = time.time()
     t0 = time.perf_counter()
     ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
@@ -197,6 +201,9 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
             break
         time.sleep(0.05)
     took = time.perf_counter() - t0
+    # Everything Redis ran meanwhile, the commands scripts ran included (as MONITOR shows
+    # them): the turns', the idle workers' and this watcher's (about 20 a second).
+    commands = redis_commands(store.redis) - commands_before
     statuses = turn_statuses(store, ids)
     cpu = {
         kind: round(v - cpu_before.get(kind, 0.0), 1)
@@ -217,6 +224,8 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
         f"{prefix}_peak_rss_mb_all_processes": peak_all,
         f"{prefix}_cpu_s_by_process": cpu,
         f"{prefix}_cpu_s_total": round(sum(cpu.values()), 1),
+        f"{prefix}_fleet_cpu_s": round(sum(cpu.get(k_, 0.0) for k_ in kinds), 1),
+        f"{prefix}_redis_commands_per_turn": round(commands / n, 1),
         f"{prefix}_phase_ms": phases,
     }
 
@@ -258,12 +267,46 @@ def _phase_ms(store: Any, ids: list[str], since: float) -> dict[str, list[int]]:
     }
 
 
+def redis_commands(client: Any) -> int:
+    """Commands Redis has run since it started (INFO commandstats), scripts' included."""
+    stats: dict[str, Any] = client.info("commandstats")
+    return sum(int(v["calls"]) for v in stats.values())
+
+
+def bench_raw_sdk(fx: BenchRig, n: int) -> dict[str, Any]:
+    """The io stage's turns as one asyncio loop with the raw OpenAI SDK (its own process,
+    scripts/bench_raw_sdk.py): the CPU the model and tool waits cost with nothing around."""
+    assert fx.llm is not None
+    key = fx.script(
+        _stream_round([ScriptedCall(name="aio_sleep", arguments={"seconds": IO_WAIT_S})]),
+        _stream_round(),
+    )
+    script = Path(__file__).resolve().parent / "bench_raw_sdk.py"
+    cmd = [sys.executable, str(script), "--base-url", fx.llm.url, "--prompt-key", key]
+    done = subprocess.run(
+        [*cmd, "--turns", str(n)], capture_output=True, text=True, timeout=300, check=False
+    )
+    if not done.stdout.strip():
+        raise RuntimeError(f"bench_raw_sdk.py failed: {done.stderr[-500:]}")
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    return {
+        "raw_sdk_turns": res["turns"],
+        "raw_sdk_finished": res["finished"],
+        "raw_sdk_seconds": res["seconds"],
+        "raw_sdk_cpu_s": res["cpu_s"],
+    }
+
+
 def bench_io(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     """1,000 real turns, each an async tool call of 5 s between two 2 s model rounds, on one
-    default `agentq worker io` and `agentq worker llm`; beside it, the old path (a sync
-    tool on the prefork tool worker) with 300."""
+    default `agentq worker io` and `agentq worker llm`, and the same turns as one raw-SDK
+    asyncio loop (the reference for their CPU); beside it, the old path (a sync tool on the
+    prefork tool worker) with 300."""
     out: dict[str, Any] = {}
     out.update(bench_turns_with(fx, sz.io_turns, "aio_sleep", "io_turns"))
+    out.update(bench_raw_sdk(fx, sz.io_turns))
+    if out.get("raw_sdk_cpu_s"):
+        out["io_cpu_vs_raw_sdk"] = round(out["io_turns_fleet_cpu_s"] / out["raw_sdk_cpu_s"], 2)
     out.update(bench_turns_with(fx, sz.old_path_turns, "sleep", "old_path"))
     out["notes"] = [
         f"old_path: sync `sleep` on the prefork tool worker -c {fx.args.tool_concurrency}",

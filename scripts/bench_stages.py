@@ -31,7 +31,7 @@ from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet, memory_mb
 from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_process
 from agentq.local.redis_server import RedisServer, find_free_port
-from agentq.models import ToolCall, TurnStatus
+from agentq.models import ToolCall, ToolResult, TurnStatus
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
 from agentq.testing.rounds import run_round, start_round
 
@@ -70,7 +70,7 @@ def turn_statuses(store: Any, turn_ids: list[str]) -> list[Any]:
     """Each turn's status, in one round trip (None for a turn Redis does not have)."""
     from agentq import constants as k
 
-    pipe = store.redis.pipeline()
+    pipe = store.redis.pipeline(transaction=False)  # reads: no MULTI/EXEC to count
     for tid in turn_ids:
         pipe.hget(k.turn_key(tid), "status")
     return [None if s is None else json.loads(s) for s in pipe.execute()]
@@ -262,6 +262,24 @@ def noop_call() -> ToolCall:
 
 QUIET_WAIT_S = 0.015
 """How long the overhead stage's client keeps still before it looks for the turn's end."""
+
+
+def agentq_call(fx: BenchRig) -> ToolResult:
+    """One no-op call as a client makes it: start the turn, wait for its end, read the
+    result; without the overhead stage's timing reads (its dispatch record and log)."""
+    call = noop_call()
+    store = runtime.get_store()
+    turn_id = start_round([call])
+    time.sleep(QUIET_WAIT_S)
+    deadline = time.monotonic() + 30
+    while turn_statuses(store, [turn_id])[0] not in ("finished", "aborted", "error"):
+        if time.monotonic() > deadline:
+            raise BenchError(f"noop turn {turn_id} did not end within 30 s")
+        time.sleep(0.005)
+    res = store.result(turn_id, call.id)
+    if res is None or res.status != "ok":
+        raise BenchError(f"noop settled {res and res.status}: {res and res.error}")
+    return res
 
 
 def agentq_once(fx: BenchRig) -> float:

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from agentq.constants import (
     MEASURED_EVENT_TYPES,
@@ -24,24 +25,43 @@ from agentq.models import TERMINAL_STATUSES, Event
 # reads the log after subscribing can dedupe by seq and never misses an event.
 # ARGV[1] is the event JSON without seq; the script splices seq (and, for the live
 # copy, the stream id) in as text so no JSON is parsed inside Redis.
+#
+# The live copy goes out only while someone follows the turn (its `watchers` field, kept by
+# `follow`), and the copy on the measured channel only while a gateway counts them (the
+# `m` of `log_arg`): most events are written once, to the log, and a PUBLISH to nobody is
+# a command Redis runs all the same. A follower marks the turn before it subscribes and
+# reads the log after, so what was published before the mark is in what it reads.
 
 
 # A body starts with its type (`event_body`): the gateways' metrics read only the types
 # they count from one channel, not every delta of every turn through a pattern.
 _MEASURED_LUA = " or ".join(f"etype == '{t}'" for t in MEASURED_EVENT_TYPES)
 
+WATCHERS_FIELD = "watchers"
+"""Field of the turn's state hash: how many followers want the live copies."""
 
-def publish_lua(seq: str, log: str, channel: str, body: str, maxlen: str) -> str:
-    """The Lua that publishes one event, for embedding in larger atomic scripts."""
+
+def publish_lua(seq: str, log: str, channel: str, body: str, opts: str, watched: str) -> str:
+    """The Lua that publishes one event, for embedding in larger atomic scripts.
+
+    `opts` is a `log_arg` (the log's maxlen, `m` appended while gateways count measured
+    events, then `s` on a Redis Cluster: the turn's channel is a shard channel, SPUBLISH,
+    in its slot); `watched` a Lua value, the turn's `watchers` field as read (false: none).
+    """
     return f"""
 local seq = redis.call('INCR', {seq})
 local body = '{{"seq":' .. seq .. ',' .. string.sub({body}, 2)
-local id = redis.call('XADD', {log}, 'MAXLEN', '~', {maxlen}, '*', 'e', body)
-local live = '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2)
-redis.call('PUBLISH', {channel}, live)
-local etype = string.match({body}, '^{{"type":"([%w_]+)"')
-if {_MEASURED_LUA} then
-  redis.call('PUBLISH', '{MEASURED_EVENTS_CHANNEL}', live)
+local maxlen, measured, sharded = string.match({opts}, '^(%d+)(m?)(s?)$')
+local id = redis.call('XADD', {log}, 'MAXLEN', '~', maxlen, '*', 'e', body)
+local etype = measured == 'm' and string.match({body}, '^{{"type":"([%w_]+)"')
+local counted = etype and ({_MEASURED_LUA})
+local watched = {watched}
+if counted or (watched and tonumber(watched) > 0) then
+  local live = '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2)
+  if watched and tonumber(watched) > 0 then
+    redis.call(sharded == 's' and 'SPUBLISH' or 'PUBLISH', {channel}, live)
+  end
+  if counted then redis.call('PUBLISH', '{MEASURED_EVENTS_CHANNEL}', live) end
 end
 """
 
@@ -56,30 +76,34 @@ def ended_lua(status: str) -> str:
 # finishing its deltas after an abort, is refused here atomically.
 PUBLISH_LUA = (
     f"""
-local status = redis.call('HGET', KEYS[4], 'status')
+local open = redis.call('HMGET', KEYS[4], 'status', '{WATCHERS_FIELD}')
+local status = open[1]
 if {ended_lua("status")} then
   return {{0, ''}}
 end
 """
-    + publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]")
+    + publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]", "open[2]")
     + "return {seq, id}"
 )
 
 # The events of many turns in one call: KEYS are four per turn (as for PUBLISH_LUA), ARGV
-# the log's maxlen, then for each turn the number of its events and their bodies. One
+# the `log_arg`, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
 PUBLISH_MANY_LUA = (
     f"""
 local a = 2
 for t = 0, #KEYS / 4 - 1 do
   local n = tonumber(ARGV[a])
-  local status = redis.call('HGET', KEYS[4 * t + 4], 'status')
+  local open = redis.call('HMGET', KEYS[4 * t + 4], 'status', '{WATCHERS_FIELD}')
+  local status = open[1]
   if {ended_lua("status")} then
     a = a + 1 + n
   else
     for i = 1, n do
 """
-    + publish_lua("KEYS[4 * t + 1]", "KEYS[4 * t + 2]", "KEYS[4 * t + 3]", "ARGV[a + i]", "ARGV[1]")
+    + publish_lua(
+        "KEYS[4 * t + 1]", "KEYS[4 * t + 2]", "KEYS[4 * t + 3]", "ARGV[a + i]", "ARGV[1]", "open[2]"
+    )
     + """
     end
     a = a + 1 + n
@@ -88,6 +112,17 @@ end
 return 1
 """
 )
+
+# A follower marks the turn it follows (by one, again if it saw a live copy missing) and
+# unmarks it when it stops (by as many); a turn Redis does not hold is not created by it.
+# The count is a hint, never below zero: a mark lost (a failover) and then taken back
+# leaves it short, and a follower left unmarked marks again at its next catch-up.
+WATCH_LUA = f"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local n = redis.call('HINCRBY', KEYS[1], '{WATCHERS_FIELD}', ARGV[1])
+if n <= 0 then redis.call('HDEL', KEYS[1], '{WATCHERS_FIELD}') end
+return n
+"""
 PUBLISH_MANY_EVENTS = 100
 """Events per PUBLISH_MANY_LUA call: Redis runs a script alone, so a batch of a thousand
 would hold every other client for milliseconds."""
@@ -104,26 +139,60 @@ def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
     )
 
 
+MEASURED_CHECK_S = 5.0
+"""How often a process asks Redis whether a gateway counts measured events: a gateway that
+starts counting misses at most this much of them."""
+
+
 class EventBus:
-    def __init__(self, client: redis.Redis, *, log_maxlen: int = 10_000) -> None:
+    def __init__(self, client: redis.Redis | RedisCluster, *, log_maxlen: int = 10_000) -> None:
         self.redis = client
         self.log_maxlen = log_maxlen
         self._publish = client.register_script(PUBLISH_LUA)
         self._publish_many = client.register_script(PUBLISH_MANY_LUA)
+        self._watch = client.register_script(WATCH_LUA)
+        self._measured = (True, -MEASURED_CHECK_S)  # (counted, checked at, monotonic s)
+        self.sharded = isinstance(client, RedisCluster)
+        """On a Redis Cluster a turn's channel is a shard channel (SPUBLISH/SSUBSCRIBE):
+        its messages stay on the turn's shard instead of crossing the whole cluster."""
+
+    def log_arg(self) -> str:
+        """The publish scripts' options: the log's maxlen, with `m` appended while some
+        gateway subscribes to the measured channel (asked at most every MEASURED_CHECK_S)."""
+        counted, at = self._measured
+        now = time.monotonic()
+        if self.sharded:
+            # A plain channel's subscribers are counted per node: the measured copies of
+            # a Cluster's turns go out always.
+            return f"{self.log_maxlen}ms"
+        if now - at >= MEASURED_CHECK_S:
+            try:
+                subs = self.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
+                counted = any(int(n) for _, n in subs)
+            except redis.RedisError:
+                counted = True  # unsure: publish them, as before there was a check
+            self._measured = (counted, now)
+        return f"{self.log_maxlen}m" if counted else str(self.log_maxlen)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
         """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
         res = self._publish(
             keys=[seq_key(turn_id), log_key(turn_id), events_channel(turn_id), turn_key(turn_id)],
-            args=[event_body(turn_id, type_, fields), self.log_maxlen],
+            args=[event_body(turn_id, type_, fields), self.log_arg()],
         )
         return int(res[0])
+
+    def watch(self, turn_id: str, by: int) -> bool:
+        """Count a follower of the turn in (`by` 1) or out (-1); False if Redis does not hold
+        the turn (yet)."""
+        return self._watch(keys=[turn_key(turn_id)], args=[by]) is not None
 
     def publish_many(self, batches: Mapping[str, list[str]], *, client: Any = None) -> None:
         """Publish event bodies (`event_body`) of several turns, each turn's in order, in
         calls of about PUBLISH_MANY_EVENTS events (on `client`, e.g. a pipeline)."""
         keys: list[str] = []
-        args: list[Any] = [self.log_maxlen]
+        opts = self.log_arg()
+        args: list[Any] = [opts]
         for turn_id, bodies in batches.items():
             if not bodies:
                 continue
@@ -131,7 +200,7 @@ class EventBus:
             args += [len(bodies), *bodies]
             if len(args) > PUBLISH_MANY_EVENTS:
                 self._publish_many(keys=keys, args=args, client=client)
-                keys, args = [], [self.log_maxlen]
+                keys, args = [], [opts]
         if keys:
             self._publish_many(keys=keys, args=args, client=client)
 

@@ -14,11 +14,13 @@ whole follow stops at the root's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -88,15 +90,19 @@ class TreeFollower:
         depth: int,
         stop_at_terminal: bool,
     ) -> None:
-        self.redis: redis.Redis = bus.redis
+        self.redis: redis.Redis = bus.redis  # type: ignore[assignment]
+        self.bus = bus
         self.replay = bus.replay
+        self.marks: dict[str, int] = {}
+        """How often this follower counted itself in each open stream's `watchers`: a turn
+        publishes its live copies only while someone does."""
         self.root = root
         self.depth = max(0, min(depth, RELAY_DEPTH_MAX))
         self.stop_at_terminal = stop_at_terminal
         self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
         self.done = False
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        self.pubsub.subscribe(events_channel(root))
+        self._subscribe(root)
         for tid, pos in after.children.items():
             path = self._path_of(tid)
             if path is not None:
@@ -118,17 +124,47 @@ class TreeFollower:
             current = parent
         return None
 
+    def _subscribe(self, turn_id: str) -> None:
+        # Counted in before subscribing, so every live copy published after the log read
+        # that follows reaches the subscription; a turn not created yet is counted in at a
+        # later catch-up (`remark`).
+        self.marks[turn_id] = int(self.bus.watch(turn_id, 1))
+        if self.bus.sharded:
+            self.pubsub.ssubscribe(events_channel(turn_id))
+        else:
+            self.pubsub.subscribe(events_channel(turn_id))
+
+    def _unmark(self, turn_ids: list[str]) -> None:
+        for t in turn_ids:
+            n = self.marks.pop(t, 0)
+            if n:
+                # A follower that dies without this leaves the turn publishing live copies
+                # to nobody: a cost, not a fault.
+                with contextlib.suppress(redis.RedisError):
+                    self.bus.watch(t, -n)
+
+    def remark(self, turn_id: str) -> None:
+        """Count in again where the count may be gone (a failover lost it, or the turn did
+        not exist yet): its events came by the log, not live."""
+        if turn_id in self.streams:
+            self.marks[turn_id] = self.marks.get(turn_id, 0) + int(self.bus.watch(turn_id, 1))
+
     def _open(self, turn_id: str, path: tuple[str, ...], after: str = "0-0") -> None:
         if turn_id not in self.streams:
             self.streams[turn_id] = _Stream(turn_id, path, after)
-            self.pubsub.subscribe(events_channel(turn_id))
+            self._subscribe(turn_id)
 
     def _close(self, turn_id: str) -> None:
         """A child stream ended: it and every stream below it."""
         gone = [t for t, s in self.streams.items() if turn_id in s.path and t != self.root]
         for t in gone:
             del self.streams[t]
-        self.pubsub.unsubscribe(*(events_channel(t) for t in gone))
+        channels = [events_channel(t) for t in gone]
+        if self.bus.sharded:
+            self.pubsub.sunsubscribe(*channels)
+        else:
+            self.pubsub.unsubscribe(*channels)
+        self._unmark(gone)
 
     def cursor(self) -> Cursor:
         return Cursor(
@@ -223,8 +259,14 @@ class TreeFollower:
             # Subscribed when opened, so its log and then its live copies miss nothing.
             yield from self.catch_up(opened)
 
+    def message(self, timeout_s: float) -> dict[str, Any] | None:
+        if self.bus.sharded:
+            return self.pubsub.get_sharded_message(timeout=timeout_s)  # type: ignore[no-any-return]
+        return self.pubsub.get_message(timeout=timeout_s)  # type: ignore[no-any-return]
+
     def close(self) -> None:
         self.pubsub.close()
+        self._unmark(list(self.marks))
 
 
 def follow(
@@ -255,7 +297,7 @@ def follow(
         silent_since = beat_at = caught_up_at = time.monotonic()
         while not tree.done:
             wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
-            msg = tree.pubsub.get_message(timeout=wait_s)
+            msg = tree.message(wait_s)
             now = time.monotonic()
             if msg is not None:
                 silent_since = now
@@ -271,9 +313,14 @@ def follow(
             # arrive.
             if now - caught_up_at >= CATCH_UP_S:
                 caught_up_at = now
+                came: set[str] = set()
                 for ev in tree.catch_up():
                     silent_since = now
+                    came.add(ev.turn_id)
                     yield ev
+                for t in list(tree.streams):
+                    if t in came or not tree.marks.get(t):
+                        tree.remark(t)
     finally:
         tree.close()
 

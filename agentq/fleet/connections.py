@@ -1,4 +1,5 @@
-"""Every Redis client agentq makes, from one URL: plain Redis or a master behind Sentinel.
+"""Every Redis client agentq makes, from one URL: plain Redis or a master behind Sentinel;
+or, for turn state and events, a Redis Cluster (`cluster_client`).
 
 `sentinel://h1:26379;sentinel://h2:26379/0` with a master name is Celery's convention for
 Redis behind Sentinel; the same URL and name configure the state store, the event bus,
@@ -18,10 +19,11 @@ from redis._parsers.base import BaseParser
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from agentq.config import is_sentinel, parse_sentinel_url
+from agentq.config import is_sentinel, parse_cluster_nodes, parse_sentinel_url
 from agentq.errors import ConfigError
 
 SENTINEL_MASTER_SETTING = "AGENTQ_REDIS_SENTINEL_MASTER"
@@ -145,6 +147,26 @@ def redis_client(
     )
     client: redis.Redis = sentinel.master_for(master_name)  # type: ignore[no-untyped-call]
     return client
+
+
+CLUSTER_REINITIALIZE_STEPS = 1
+"""A MOVED answer refreshes the client's slot map at once: after a failover the next
+command goes to the promoted replica, not again to the lost master."""
+
+
+def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -> RedisCluster:
+    """A client for the Redis Cluster whose nodes `nodes` (`host:port,...`) name some of.
+
+    It follows MOVED and ASK answers and, when a master fails, retries (with the same
+    backoff as `redis_client`) until the cluster has promoted its replica.
+    """
+    startup = [ClusterNode(host, port) for host, port in parse_cluster_nodes(nodes)]  # type: ignore[no-untyped-call]
+    return RedisCluster(
+        startup_nodes=startup,
+        retry=_sync_retry(retries),
+        reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
+        **kwargs,
+    )
 
 
 def async_redis_client(url: str, master_name: str | None = None) -> aioredis.Redis:

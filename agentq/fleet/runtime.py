@@ -11,7 +11,7 @@ import redis
 from celery import Celery
 
 from agentq.config import Settings, get_settings
-from agentq.errors import BrokerUnavailable
+from agentq.errors import BrokerUnavailable, ConfigError
 from agentq.fleet.broker import send_step
 from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, redis_client
 from agentq.state.base import InlineStepper, StepView
@@ -30,6 +30,15 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
     with _lock:
         if _redis is None:
             s = settings or get_settings()
+            if s.redis_cluster_nodes:
+                # Better a refusal at start than turns failing on their first cross-slot
+                # script: the indexes the store's scripts write are not sharded yet.
+                raise ConfigError(
+                    "AGENTQ_REDIS_CLUSTER_NODES",
+                    "the turn store does not run on Redis Cluster in this version (its "
+                    "events do: agentq.events.bus on connections.cluster_client); see "
+                    "docs/operations.md, 'One Redis or a Cluster'",
+                )
             _redis = redis_client(
                 s.redis_url,
                 s.redis_sentinel_master,

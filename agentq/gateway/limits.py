@@ -41,7 +41,8 @@ return wait_ms
 """
 
 # KEYS[1] the caller's set of turns (turn id or a reservation, scored by time);
-# ARGV max, reservation id, turn key prefix, stale-reservation age (s).
+# ARGV max, reservation id, turn key prefix (the key is prefix .. id .. '}'), stale-reservation
+# age (s).
 # Drops ended or vanished turns, then reserves a slot if one is free: 1, else 0.
 _RESERVE_LUA = (
     """
@@ -54,7 +55,7 @@ for i = 1, #members, 2 do
   if string.sub(m, 1, 2) == 'r:' then
     gone = tonumber(members[i + 1]) < now - tonumber(ARGV[4])
   else
-    local status = redis.call('HGET', ARGV[3] .. m, 'status')
+    local status = redis.call('HGET', ARGV[3] .. m .. '}', 'status')
     gone = (not status) or """
     + ended_lua("status")
     + """
@@ -106,7 +107,7 @@ class StartLimits:
     def reserve(self, subject: str) -> str:
         """Hold a running-turn slot for a start in progress; RateLimited if none is free."""
         reservation = f"r:{secrets.token_hex(8)}"
-        turn_prefix = k.turn_key("")
+        turn_prefix = k.turn_key("")[:-1]  # up to the tag's closing brace
         ok = self._reserve(
             keys=[k.owner_turns_key(subject)],
             args=[self.max_active, reservation, turn_prefix, RESERVATION_TTL_S],

@@ -220,6 +220,19 @@ local function pick_class()
   return 'i'
 end
 
+-- A lease of deployment `d` for waiter `w` (taken: by the caller itself, now).
+local function grant(w, d, probe, tokens, taken, i)
+  local lid = NONCE .. i .. ':' .. MODEL
+  local ttl = cfg.grant_ttl_ms
+  if taken then ttl = cfg.lease_ttl_ms end
+  redis.call('ZADD', LEASES, now + ttl, lid)
+  redis.call('HSET', LMETA, lid, cjson.encode({d = d.n, t = tokens, w = w, p = probe}))
+  redis.call('HINCRBY', INFL, d.n, 1)
+  local g = {l = lid, d = d.n, at = now, t = tokens, k = taken and 1 or 0}
+  redis.call('HSET', GRANTS, w, cjson.encode(g))
+  return g
+end
+
 -- Grants the head waiters as long as capacity allows; `me` takes its grant at once.
 local function pump(me)
   local woken, own = {}, nil
@@ -242,15 +255,8 @@ local function pump(me)
       elseif redis.call('ZCARD', QB) > 0 then
         redis.call('HINCRBY', ST, 'ic', 1)
       end
-      local lid = NONCE .. i .. ':' .. MODEL
       local taken = w == me
-      local ttl = cfg.grant_ttl_ms
-      if taken then ttl = cfg.lease_ttl_ms end
-      redis.call('ZADD', LEASES, now + ttl, lid)
-      redis.call('HSET', LMETA, lid, cjson.encode({d = d.n, t = m.t, w = w, p = probe}))
-      redis.call('HINCRBY', INFL, d.n, 1)
-      local g = {l = lid, d = d.n, at = now, t = m.t, k = taken and 1 or 0}
-      redis.call('HSET', GRANTS, w, cjson.encode(g))
+      local g = grant(w, d, probe, m.t, taken, i)
       if taken then own = g else woken[#woken + 1] = w end
     end
   end
@@ -294,6 +300,17 @@ if raw then
   m.s = now
   redis.call('HSET', QM, w, cjson.encode(m))
 else
+  -- Nobody waits: a round that capacity admits now takes its lease without passing
+  -- through the queue (joining it and leaving it at once leaves the queue as it was:
+  -- an empty class has no finish tags, so its virtual time would not move).
+  if redis.call('ZCARD', QI) == 0 and redis.call('ZCARD', QB) == 0 then
+    local d, probe = admit(tonumber(ARGV[9]))
+    if d then
+      if ARGV[6] == 'b' then redis.call('HSET', ST, 'ic', 0) end
+      local g = grant(w, d, probe, tonumber(ARGV[9]), true, 1)
+      return cjson.encode({g = g, woken = {}, now = now})
+    end
+  end
   enqueue(w, ARGV[6], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]))
 end
 local own, woken, head, ready = pump(w)

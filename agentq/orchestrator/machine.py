@@ -104,6 +104,10 @@ def advance(ctx: StepContext) -> float | None:
         return None
     if status == TurnStatus.QUEUED.value:
         ctx.commit(status=TurnStatus.RUNNING.value, started_at=ctx.now, phase="model")
+        # Nothing of a turn's calls is stored before its first step: the calls it came
+        # with (if any) are read as they are, without a round trip.
+        ids = tuple(c.id for c in pending_calls(ctx.history))
+        ctx.round_read = RoundRead.untouched(ids) if ids else None
         ctx.publish(
             "turn_started",
             conversation_id=ctx.state.get("conversation_id"),

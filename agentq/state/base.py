@@ -52,7 +52,7 @@ STATE_LOST_LUA = (
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1])
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]")
+    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]", "1")
     + """
 for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
 return 1
@@ -69,6 +69,12 @@ class RoundRead:
     results: list[Any]
     calls: list[Any]
     plans: list[Any]
+
+    @classmethod
+    def untouched(cls, ids: tuple[str, ...]) -> RoundRead:
+        """Calls of which nothing is stored: not planned, sent or settled."""
+        none: list[Any] = [None] * len(ids)
+        return cls(ids, none, list(none), list(none))
 
     @classmethod
     def planned(cls, plans: dict[str, str]) -> RoundRead:
@@ -294,6 +300,6 @@ class StoreBase:
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                 ],
-                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_maxlen, self.ttl_s],
+                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_arg(), self.ttl_s],
             )
         )

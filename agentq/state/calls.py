@@ -12,7 +12,7 @@ from agentq import constants as k
 from agentq.events.bus import event_body, publish_lua
 from agentq.models import ToolResult
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, dispatch_args, finished, text
-from agentq.state.lua import TURN_OPEN_LUA, record_lua, take_step_lua, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, record_lua, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
@@ -25,22 +25,22 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
 local tracked = redis.call('SREM', KEYS[9], ARGV[1])
 local ready = tracked == 0 or redis.call('SCARD', KEYS[9]) == 0
-local start = redis.call('HGET', KEYS[8], ARGV[1])
-if start then
-  local ok, rec = pcall(cjson.decode, start)
-  if ok and type(rec['worker']) == 'string' then
-    redis.call('SREM', 'agentq:worker:' .. rec['worker'] .. ':calls', ARGV[8] .. '/' .. ARGV[1])
-  end
+-- The worker the result names ran the call (ARGV[12]); else its start record says which.
+local worker = ARGV[12]
+if worker == '' then
+  local start = redis.call('HGET', KEYS[8], ARGV[1])
+  local ok, rec = pcall(cjson.decode, start or '')
+  if ok and type(rec) == 'table' and type(rec['worker']) == 'string' then worker = rec['worker'] end
 end
-if ARGV[9] == '1' and ready then
+if worker ~= '' then
+  redis.call('SREM', 'agentq:worker:' .. worker .. ':calls', ARGV[8] .. '/' .. ARGV[1])
+end
 """
-    + wake_lua("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]")
-    + "end\n"
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]")
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
     + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
-    + take_step_lua(
+    + wake_or_step_lua(
+        ("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]"),
         "KEYS[10]",
-        "KEYS[2]",
         "KEYS[6]",
         "KEYS[11]",
         "KEYS[12]",
@@ -70,7 +70,7 @@ end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
 if ARGV[6] ~= '' then redis.call('SADD', KEYS[8], ARGV[6]) end
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]", "watched")
     + "return 1"
 )
 
@@ -150,7 +150,7 @@ class CallRecords(StoreBase):
                     call_id,
                     json.dumps(start),
                     event_body(turn_id, "tool_started", event),
-                    self.bus.log_maxlen,
+                    self.bus.log_arg(),
                     str(start.get("delivery") or ""),
                     f"{turn_id}/{call_id}" if watched else "",
                 ],
@@ -196,7 +196,7 @@ class CallRecords(StoreBase):
                 result.call_id,
                 result_json,
                 event_body(turn_id, "tool_finished", event),
-                self.bus.log_maxlen,
+                self.bus.log_arg(),
                 "",
                 time.time() + WAKE_BACKSTOP_S,
                 self.ttl_s,
@@ -204,6 +204,7 @@ class CallRecords(StoreBase):
                 "1" if wake else "0",
                 token,
                 lock_ms,
+                result.record.worker or "",
             ],
         )
         won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)

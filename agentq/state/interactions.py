@@ -33,7 +33,7 @@ if ARGV[3] ~= '' then
 end
 if ARGV[5] ~= '' then
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[5]", "ARGV[6]")
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[5]", "ARGV[6]", "watched")
     + wake_lua("KEYS[6]", "KEYS[8]", "ARGV[7]", "ARGV[8]", "ARGV[9]")
     + """
 end
@@ -137,7 +137,7 @@ class Interactions:
                 secret,
                 secret_ttl_s,
                 event,
-                self.store.bus.log_maxlen,
+                self.store.bus.log_arg(),
                 turn_id,
                 time.time() + WAKE_BACKSTOP_S,
                 self.store.ttl_s,

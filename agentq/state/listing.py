@@ -41,7 +41,7 @@ _SUMMARY_LUA = """
 local out = {}
 for i = 2, #ARGV do
   local id = ARGV[i]
-  local base = 'agentq:turn:' .. id
+  local base = 'agentq:turn:{' .. id .. '}'
   local st = redis.call('HGETALL', base)
   if #st == 0 then
     out[#out + 1] = {id, false}

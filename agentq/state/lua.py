@@ -4,13 +4,17 @@ method that runs it."""
 
 from __future__ import annotations
 
-from agentq.events.bus import ended_lua
+from agentq.events.bus import WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
-# written after its terminal event, and nothing recreates half of a vanished turn.
+# written after its terminal event, and nothing recreates half of a vanished turn. It
+# leaves `watched` (the turn's followers) for the publish fragment.
 TURN_OPEN_LUA = (
     """
-local status = redis.call('HGET', KEYS[%d], 'status')
+local open = redis.call('HMGET', KEYS[%d], 'status', '"""
+    + WATCHERS_FIELD
+    + """')
+local status, watched = open[1], open[2]
 if not status or """
     + ended_lua("status")
     + """ then
@@ -20,14 +24,30 @@ end
 )
 
 
+MANY_CHUNK = 1000
+"""Arguments per command of `many_lua`: Lua's unpack refuses a few thousand at once."""
+
+
+def many_lua(command: str, key: str, first: str, last: str) -> str:
+    """Lua that runs `command key ARGV[first..last]` as few commands as it can (one for up
+    to MANY_CHUNK arguments; none for none): Redis counts and runs every call, so a write
+    of ten fields is one command, not ten. `MANY_CHUNK` is even, so pairs stay whole."""
+    return f"""
+do
+  local last = {last}
+  for i = {first}, last, {MANY_CHUNK} do
+    redis.call('{command}', {key}, unpack(ARGV, i, math.min(i + {MANY_CHUNK - 1}, last)))
+  end
+end
+"""
+
+
 def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
-    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at`."""
+    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at` (an
+    earlier wakeup stays: LT, Redis >= 6.2)."""
     return f"""
 redis.call('SET', {dirty}, '1', 'EX', {ttl})
-local cur = redis.call('ZSCORE', {wakeups}, {turn_id})
-if (not cur) or tonumber(cur) > tonumber({at}) then
-  redis.call('ZADD', {wakeups}, {at}, {turn_id})
-end
+redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
 """
 
 
@@ -38,31 +58,35 @@ MAX_ROUND_READ = 500
 def read_view_lua(
     turn: str, cancel: str, history: str, round_keys: tuple[str, str, str] | None = None
 ) -> str:
-    """Lua expressions, comma-separated: what a step reads (state, cancel reason, history,
-    round).
+    """A Lua expression list: what a step reads (state, cancel reason, history, round).
 
     `round` holds the settled results, dispatch records and plans of the calls named by
     the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
-    that collects a round needs no read of its own; {} without them.
+    that collects a round needs no read of its own; {} without them. `round_calls` is
+    taken from the state as read, not read again.
     """
     rnd = "{}"
     if round_keys is not None:
         results, calls, plans = round_keys
         rnd = f"""(function()
-  local rc = redis.call('HGET', {turn}, 'round_calls')
-  if not rc then return {{}} end
-  local ok, ids = pcall(cjson.decode, rc)
-  if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
-  return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
-          redis.call('HMGET', {plans}, unpack(ids))}}
-end)()"""
-    return f"""redis.call('HGETALL', {turn}), redis.call('GET', {cancel}) or '',
-  redis.call('LRANGE', {history}, 0, -1), {rnd}"""
+    local rc
+    for i = 1, #st, 2 do if st[i] == 'round_calls' then rc = st[i + 1] end end
+    if not rc then return {{}} end
+    local ok, ids = pcall(cjson.decode, rc)
+    if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
+    return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
+            redis.call('HMGET', {plans}, unpack(ids))}}
+  end)()"""
+    return f"""unpack((function()
+  local st = redis.call('HGETALL', {turn})
+  return {{st, redis.call('GET', {cancel}) or '', redis.call('LRANGE', {history}, 0, -1),
+    {rnd}}}
+end)())"""
 
 
-def take_step_lua(
+def wake_or_step_lua(
+    wake: tuple[str, str, str, str, str],
     lock: str,
-    dirty: str,
     turn: str,
     cancel: str,
     history: str,
@@ -70,15 +94,21 @@ def take_step_lua(
     ttl_ms: str,
     round_keys: tuple[str, str, str] | None = None,
 ) -> str:
-    """Lua that, for a caller that steps the woken turn itself (`token` set), takes the
-    step lock and returns what the step reads, as the begin script would: one round trip
-    fewer between the last result of a batch and the step that collects it."""
+    """Lua that wakes the turn (`wake`: the arguments of `wake_lua`) or, for a caller that
+    steps the woken turn itself (`token` set), takes the step lock and returns what the
+    step reads, as the begin script would: one round trip fewer between the last result
+    of a batch and the step that collects it.
+
+    A step taken here needs no dirty mark (it reads now), only its wakeup, should its
+    process die in it. A mark some other wake left stays: that step runs once more.
+    """
+    dirty, wakeups, turn_id, at, ttl = wake
     return f"""
 if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
-  redis.call('DEL', {dirty})
+  redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
   return {{3, {read_view_lua(turn, cancel, history, round_keys)}}}
 end
-"""
+""" + wake_lua(dirty, wakeups, turn_id, at, ttl)
 
 
 def record_lua(calls: str, outstanding: str, results: str, first: int) -> str:

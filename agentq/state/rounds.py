@@ -11,7 +11,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
-from agentq.state.lua import TURN_OPEN_LUA, take_step_lua, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
 
 FINISH_LLM_LUA = (
     TURN_OPEN_LUA % (3, -2)
@@ -19,8 +19,15 @@ FINISH_LLM_LUA = (
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
 redis.call('DEL', KEYS[5])
 """
-    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
-    + take_step_lua("KEYS[6]", "KEYS[1]", "KEYS[3]", "KEYS[7]", "KEYS[8]", "ARGV[5]", "ARGV[6]")
+    + wake_or_step_lua(
+        ("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]"),
+        "KEYS[6]",
+        "KEYS[3]",
+        "KEYS[7]",
+        "KEYS[8]",
+        "ARGV[5]",
+        "ARGV[6]",
+    )
     + "return 1"
 )
 

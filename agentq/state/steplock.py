@@ -19,7 +19,7 @@ from agentq.state.base import (
     step_view,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, read_view_lua, record_lua, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, many_lua, read_view_lua, record_lua, wake_lua
 
 # A woken turn: whoever wakes it (a model round, an answer) in one step.
 WAKE_ONLY_LUA = (
@@ -30,14 +30,20 @@ WAKE_ONLY_LUA = (
 
 # The step's writes are fenced by its lock token: a step whose lock lapsed (a paused
 # process) cannot overwrite what the step that took over wrote.
-COMMIT_LUA = """
+COMMIT_LUA = (
+    """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local n = tonumber(ARGV[2])
-for i = 3, 2 + 2 * n, 2 do redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+"""
+    + many_lua("HSET", "KEYS[2]", "3", "2 + 2 * n")
+    + """
 redis.call('HINCRBY', KEYS[2], 'version', 1)
-for i = 3 + 2 * n, #ARGV do redis.call('RPUSH', KEYS[3], ARGV[i]) end
+"""
+    + many_lua("RPUSH", "KEYS[3]", "3 + 2 * n", "#ARGV")
+    + """
 return 1
 """
+)
 
 # A step begins: take the lock, clear the dirty mark, and read what the step needs (state,
 # cancel flag, history) in one round trip.

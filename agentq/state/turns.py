@@ -10,10 +10,16 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import ended_lua, event_body, publish_lua
+from agentq.events.bus import (
+    PUBLISH_MANY_EVENTS,
+    WATCHERS_FIELD,
+    ended_lua,
+    event_body,
+    publish_lua,
+)
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import START_BACKSTOP_S, WAKE_BACKSTOP_S, StoreBase, finished, loads, text
-from agentq.state.lua import TURN_OPEN_LUA, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, many_lua, wake_lua
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
@@ -30,17 +36,23 @@ if ARGV[10] ~= '' then
   redis.call('DEL', KEYS[14])
 end
 local n = tonumber(ARGV[11])
-for i = 12, 11 + n do redis.call('RPUSH', KEYS[15], ARGV[i]) end
+"""
+    + many_lua("RPUSH", "KEYS[15]", "12", "11 + n")
+    + """
 if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]")
+    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]", "watched")
+    + many_lua("HSET", "KEYS[1]", "12 + n", "#ARGV")
     + """
-for i = 12 + n, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1]) end
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-for i = 16, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[16], KEYS[17], KEYS[18])
+for i = 19, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
-local pstatus = redis.call('HGET', KEYS[7], 'status')
+local popen = redis.call('HMGET', KEYS[7], 'status', '"""
+    + WATCHERS_FIELD
+    + """')
+local pstatus, pwatched = popen[1], popen[2]
 if not pstatus or """
     + ended_lua("pstatus")
     + """ then
@@ -51,7 +63,7 @@ local tracked = redis.call('SREM', KEYS[13], ARGV[6])
 local ready = tracked == 0 or redis.call('SCARD', KEYS[13]) == 0
 do
 """
-    + publish_lua("KEYS[10]", "KEYS[11]", "KEYS[12]", "ARGV[8]", "ARGV[4]")
+    + publish_lua("KEYS[10]", "KEYS[11]", "KEYS[12]", "ARGV[8]", "ARGV[4]", "pwatched")
     + "end\nif not ready then return 1 end\n"
     + wake_lua("KEYS[9]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
     + "return 2\n"
@@ -87,9 +99,9 @@ class TurnRecords(StoreBase):
         if self.replicas_acked:
             self._durable_write(build)
         else:
-            pipe = self.redis.pipeline()
-            build(pipe)
-            pipe.execute()
+            # Not MULTI/EXEC: nothing steps the turn before its step is sent, after this
+            # returns, and a reader meanwhile sees a turn just queued either way.
+            self._pipelined(build)
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
         raw = self.redis.hgetall(k.turn_key(turn_id))
@@ -150,13 +162,14 @@ class TurnRecords(StoreBase):
                 k.outstanding_key(pid),
                 k.step_lock_key(turn_id),
                 k.history_key(turn_id),
+                *k.ended_turn_keys(turn_id),
                 *k.turn_keys(turn_id),
             ],
             args=[
                 turn_id,
                 self.ttl_s,
                 event_body(turn_id, event, event_fields),
-                self.bus.log_maxlen,
+                self.bus.log_arg(),
                 parent,
                 "" if result is None else result.call_id,
                 "" if result is None else result.model_dump_json(),
@@ -190,4 +203,8 @@ class TurnRecords(StoreBase):
             turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
             for turn_id, events in batches.items()
         }
-        self._pipelined(lambda pipe: self.bus.publish_many(bodies, client=pipe))
+        if sum(len(b) + 1 for b in bodies.values()) < PUBLISH_MANY_EVENTS:
+            # One script call: a pipeline would ask SCRIPT EXISTS first, every time.
+            self.bus.publish_many(bodies)
+        else:
+            self._pipelined(lambda pipe: self.bus.publish_many(bodies, client=pipe))

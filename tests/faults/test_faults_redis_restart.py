@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from agentq import constants as k
 from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts
@@ -94,11 +95,11 @@ def test_turn_fails_clearly_when_redis_loses_everything(make_rig, tmp_path: Path
         interval_s=0.1,
     )
     redis = rig.client.store.redis
-    keys = [kk.decode() for kk in redis.scan_iter(match=f"agentq:turn:{tid}*")]
+    keys = [kk.decode() for kk in redis.scan_iter(match=k.turn_key(tid) + "*")]
     assert keys and all(redis.ttl(kk) > 0 for kk in keys), {kk: redis.ttl(kk) for kk in keys}
     log = rig.log_events(tid)
     assert log[-1].type == "turn_error"  # nothing after the terminal event
-    assert not redis.exists(f"agentq:turn:{tid}:results")
+    assert not redis.exists(k.results_key(tid))
     assert starts(count) == 1
     again = rig.client.start_turn(rig.script(Round(tool_calls=calls(("echo", {"text": "x"})))))
     assert rig.collect(again.turn_id)[-1].type == "turn_finished"

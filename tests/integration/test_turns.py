@@ -184,7 +184,7 @@ def test_abort_while_the_model_streams_leaves_nothing_after_the_end(
     log = store.bus.replay(tid)
     assert log[-1].type == "turn_aborted", [e.type for e in log[-3:]]
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
-    keys = [kk.decode() for kk in store.redis.scan_iter(match=f"agentq:turn:{tid}*")]
+    keys = [kk.decode() for kk in store.redis.scan_iter(match=k.turn_key(tid) + "*")]
     assert keys, "the turn's keys are kept for their retention"
     without_ttl = [kk for kk in keys if store.redis.ttl(kk) < 0]
     assert not without_ttl, without_ttl

@@ -1,4 +1,5 @@
-"""Sentinel URLs: parsing, validation naming the setting, redaction, failover errors."""
+"""Sentinel URLs and Cluster nodes: parsing, validation naming the setting, redaction,
+failover errors."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import redis
 from redis._parsers.base import BaseParser
 
-from agentq.config import load_settings, parse_sentinel_url, redact
+from agentq.config import load_settings, parse_cluster_nodes, parse_sentinel_url, redact
 from agentq.errors import ConfigError
 from agentq.fleet.app import create_app
 from agentq.fleet.connections import MasterChangedError, NoReplicasError, redis_client
@@ -89,3 +90,15 @@ def test_failover_answers_become_errors_that_reconnect(reply: str, kind: type) -
     assert type(err) is kind, err
     if kind in (MasterChangedError, NoReplicasError):
         assert isinstance(err, redis.ConnectionError)
+
+
+def test_cluster_nodes_are_host_port_pairs_and_bad_ones_name_the_setting() -> None:
+    assert parse_cluster_nodes("10.0.0.5:7000, r2:7001,[::1]:7002") == [
+        ("10.0.0.5", 7000),
+        ("r2", 7001),
+        ("::1", 7002),
+    ]
+    for bad in ("r1", "r1:", ":7000", "r1:70000", "r1:7000,r2:x", " , "):
+        with pytest.raises(ConfigError) as info:
+            load_settings(redis_cluster_nodes=bad)
+        assert info.value.setting == "AGENTQ_REDIS_CLUSTER_NODES", bad

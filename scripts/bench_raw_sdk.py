@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""The io stage's reference: the same turns as one asyncio loop with the raw OpenAI SDK.
+
+    python scripts/bench_raw_sdk.py --base-url URL --prompt-key KEY --turns 1000
+
+Each turn streams round 1 from the model, waits out its one tool call (`asyncio.sleep`,
+as the `aio_sleep` tool does), sends the tool's result and streams round 2: the model and
+tool waits of the io stage with nothing around them (no queue, no state, no events, no
+Redis). It prints one JSON object: turns finished, seconds, and the CPU seconds this
+process used (user + system), which the bench sets against the agentq fleet's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import sys
+import time
+from typing import Any
+
+
+async def one_turn(client: Any, model: str, prompt: str) -> bool:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    for _ in range(4):  # rounds: the script has two; a bound keeps a broken one finite
+        text: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        stream = await client.chat.completions.create(model=model, messages=messages, stream=True)
+        async for chunk in stream:
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            if delta.content:
+                text.append(delta.content)
+            for tc in delta.tool_calls or []:
+                call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] = tc.id or call["id"]
+                if tc.function is not None:
+                    call["name"] += tc.function.name or ""
+                    call["arguments"] += tc.function.arguments or ""
+        if not calls:
+            return True
+        messages.append(
+            {
+                "role": "assistant",
+                "content": "".join(text) or None,
+                "tool_calls": [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in calls.values()
+                ],
+            }
+        )
+        for c in calls.values():
+            seconds = float(json.loads(c["arguments"] or "{}").get("seconds", 0))
+            await asyncio.sleep(seconds)  # the aio_sleep tool
+            messages.append({"role": "tool", "tool_call_id": c["id"], "content": "null"})
+    return False
+
+
+TURNS_PER_CLIENT = 50
+"""Turns sharing one SDK client: httpx's pool looks at each of its connections for every
+request, so one pool of a thousand made the reference loop spend most of its CPU there
+(1,000 turns: 72 s with one client on the test VM); a client per 50 turns is what a tuned
+loop would do."""
+
+
+async def run(base_url: str, model: str, key: str, turns: int) -> dict[str, Any]:
+    import httpx
+    from openai import AsyncOpenAI
+
+    limits = httpx.Limits(max_connections=TURNS_PER_CLIENT)
+    clients = [
+        AsyncOpenAI(
+            base_url=base_url,
+            api_key="bench",
+            max_retries=0,
+            http_client=httpx.AsyncClient(limits=limits, timeout=120),
+        )
+        for _ in range(-(-turns // TURNS_PER_CLIENT))
+    ]
+    t0 = time.perf_counter()
+    done = await asyncio.gather(
+        *(one_turn(clients[i // TURNS_PER_CLIENT], model, f"{key} #{i}") for i in range(turns)),
+        return_exceptions=True,
+    )
+    took = time.perf_counter() - t0
+    for client in clients:
+        await client.close()
+    return {
+        "turns": turns,
+        "finished": sum(1 for d in done if d is True),
+        "errors": sorted({type(d).__name__ for d in done if isinstance(d, BaseException)}),
+        "seconds": round(took, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--model", default="gpt-4o-mini")
+    p.add_argument("--prompt-key", required=True)
+    p.add_argument("--turns", type=int, default=1000)
+    args = p.parse_args(argv)
+    import httpx  # noqa: F401  (imported before the clock starts, as the fleet's are)
+    import openai  # noqa: F401
+
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    out = asyncio.run(run(args.base_url, args.model, args.prompt_key, args.turns))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    out["cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)
+    print(json.dumps(out))
+    return 0 if out["finished"] == out["turns"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

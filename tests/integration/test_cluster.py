@@ -1,0 +1,156 @@
+"""Turn state on a local Redis Cluster (3 masters, each with a replica), started by the
+fixture and stopped by PID: a turn's keys on one slot, its events over sharded pub/sub,
+replay and resume from the log, and a master failing over while events are published."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis.crc import key_slot
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import ConfigError
+from agentq.events.bus import EventBus
+from agentq.fleet.connections import cluster_client
+from agentq.local.cluster import LocalCluster
+from agentq.local.processes import wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(masters=3, replicas=1) as c:
+        yield c
+
+
+def _turn(client: object, turn_id: str) -> None:
+    """A running turn's state hash, as the store leaves it after the first step."""
+    client.hset(k.turn_key(turn_id), mapping={"status": json.dumps("running")})  # type: ignore[attr-defined]
+
+
+def test_the_setting_names_the_cluster_and_a_bad_one_fails_at_start(cluster: LocalCluster) -> None:
+    settings = Settings(redis_cluster_nodes=cluster.nodes)
+    client = cluster_client(settings.redis_cluster_nodes or "")
+    try:
+        # Three masters, each serving a third of the slots: the client knows them all.
+        assert len(client.get_primaries()) == 3
+        assert client.ping()
+    finally:
+        client.close()
+    with pytest.raises(ConfigError) as err:
+        Settings(redis_cluster_nodes="127.0.0.1:7000,nonsense")
+    assert err.value.setting == "AGENTQ_REDIS_CLUSTER_NODES"
+
+
+def test_a_turns_keys_share_one_slot_and_turns_spread_over_the_masters(
+    cluster: LocalCluster,
+) -> None:
+    turn_id = uuid.uuid4().hex
+    keys = [
+        *k.turn_keys(turn_id),
+        *k.ended_turn_keys(turn_id),
+        k.events_channel(turn_id),
+        k.step_lock_key(turn_id),
+        k.cancel_key(turn_id),
+        k.interaction_key(turn_id, "c1.approval"),
+        k.secret_key(turn_id, "c1.password"),
+        k.llm_result_key(turn_id, 0),
+        k.llm_alive_key(turn_id, 0),
+    ]
+    assert {key_slot(key.encode()) for key in keys} == {key_slot(k.turn_key(turn_id).encode())}
+    masters = {cluster.master_of(k.turn_key(uuid.uuid4().hex)).port for _ in range(60)}
+    assert len(masters) == 3
+
+
+def test_events_go_over_sharded_pubsub_and_replay_from_the_log(cluster: LocalCluster) -> None:
+    client = cluster_client(cluster.nodes)
+    bus = EventBus(client)
+    turn_id = uuid.uuid4().hex
+    _turn(client, turn_id)
+    master = cluster.master_of(k.turn_key(turn_id))
+    node = master.client()
+
+    def spublished() -> int:
+        stats = node.info("commandstats")
+        return int(stats.get("cmdstat_spublish", {}).get("calls", 0))
+
+    seen: list[int] = []
+    subscribed = threading.Event()
+
+    def follower() -> None:
+        for ev in bus.follow(turn_id, heartbeat_s=0.2):
+            subscribed.set()
+            if ev is not None:
+                seen.append(ev.seq)
+
+    # Nobody follows yet: the event goes to the log only, no channel.
+    assert bus.publish(turn_id, "llm_started", model="m") == 1
+    before = spublished()
+    t = threading.Thread(target=follower, daemon=True)
+    t.start()
+    wait_for(lambda: seen == [1], 10, message="the logged event, replayed")
+    # The follower counts itself in: the next events are published to the shard channel.
+    wait_for(
+        lambda: int(client.hget(k.turn_key(turn_id), "watchers") or 0) == 1,
+        10,
+        message="follower counted",
+    )
+    for i in range(3):
+        bus.publish(turn_id, "tool_progress", i=i)
+    bus.publish(turn_id, "turn_finished", reason="stop")
+    t.join(10)
+    assert seen == [1, 2, 3, 4, 5]
+    assert spublished() - before == 4
+    # Resuming after the second event (Last-Event-ID) yields the rest, once each.
+    log = bus.replay(turn_id)
+    rest = [ev.seq for ev in bus.follow(turn_id, after_id=log[1].stream_id or "") if ev]
+    assert rest == [3, 4, 5]
+    # The follower counted itself out when it stopped.
+    assert int(client.hget(k.turn_key(turn_id), "watchers") or 0) == 0
+    node.close()
+    client.close()
+
+
+def test_a_master_failing_over_mid_turn_loses_no_acknowledged_event(
+    cluster: LocalCluster,
+) -> None:
+    client = cluster_client(cluster.nodes)
+    bus = EventBus(client)
+    turn_id = uuid.uuid4().hex
+    _turn(client, turn_id)
+    for i in range(5):
+        bus.publish(turn_id, "tool_progress", i=i)
+    master = cluster.master_of(k.turn_key(turn_id))
+    # The store's settling writes WAIT for a replica (AGENTQ_REDIS_MIN_REPLICAS_ACKED): the
+    # same here, so the events published so far are on the replica that takes over.
+    with master.client() as node:
+        assert int(node.execute_command("WAIT", 1, 5000)) == 1
+    dead = cluster.fail_master_of(k.turn_key(turn_id))
+    assert dead.port == master.port
+    # The same client goes on: it finds the promoted replica and reloads its scripts there.
+    t0 = time.monotonic()
+    for i in range(5, 10):
+        bus.publish(turn_id, "tool_progress", i=i)
+    assert time.monotonic() - t0 < 30
+    assert [ev.seq for ev in bus.replay(turn_id)] == list(range(1, 11))
+    assert [ev.fields["i"] for ev in bus.replay(turn_id)] == list(range(10))
+    client.close()
+
+
+def test_the_turn_store_refuses_a_cluster_it_cannot_run_on_yet(cluster: LocalCluster) -> None:
+    from agentq.fleet import runtime
+
+    runtime.reset()
+    try:
+        with pytest.raises(ConfigError) as err:
+            runtime.get_redis(Settings(redis_cluster_nodes=cluster.nodes))
+        assert err.value.setting == "AGENTQ_REDIS_CLUSTER_NODES"
+    finally:
+        runtime.reset()
