@@ -76,7 +76,7 @@ def test_turn_ids_are_128_random_bits_and_tokens_are_never_stored(rig) -> None:
     # A uuid4 fixes 6 of its bits (version 4, variant 10): 128 random bits vary there too.
     assert {t[12] for t in ids} != {"4"}
     assert {int(t[16], 16) >> 2 for t in ids} != {0b10}
-    assert all(k.events_channel(t).endswith(f"{t}:events") for t in ids)
+    assert all(k.events_channel(t) == f"agentq:turn:{{{t}}}:events" for t in ids)
     tokens = [h.token for h in handles]
     assert len(set(tokens)) == len(tokens) and min(len(t) for t in tokens) >= 43
     stored = dump_redis(client.store.redis)
