@@ -17,6 +17,7 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import ConfigError
 from agentq.events.bus import EventBus
+from agentq.events.follow import follow
 from agentq.fleet.connections import cluster_client
 from agentq.local.cluster import LocalCluster
 from agentq.local.processes import wait_for
@@ -85,7 +86,7 @@ def test_events_go_over_sharded_pubsub_and_replay_from_the_log(cluster: LocalClu
     subscribed = threading.Event()
 
     def follower() -> None:
-        for ev in bus.follow(turn_id, heartbeat_s=0.2):
+        for ev in follow(bus, turn_id, heartbeat_s=0.2):
             subscribed.set()
             if ev is not None:
                 seen.append(ev.seq)
@@ -110,7 +111,7 @@ def test_events_go_over_sharded_pubsub_and_replay_from_the_log(cluster: LocalClu
     assert spublished() - before == 4
     # Resuming after the second event (Last-Event-ID) yields the rest, once each.
     log = bus.replay(turn_id)
-    rest = [ev.seq for ev in bus.follow(turn_id, after_id=log[1].stream_id or "") if ev]
+    rest = [ev.seq for ev in follow(bus, turn_id, after=log[1].stream_id or "") if ev]
     assert rest == [3, 4, 5]
     # The follower counted itself out when it stopped.
     assert int(client.hget(k.turn_key(turn_id), "watchers") or 0) == 0
