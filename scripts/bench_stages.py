@@ -267,6 +267,11 @@ QUIET_WAIT_S = 0.015
 def agentq_call(fx: BenchRig) -> ToolResult:
     """One no-op call as a client makes it: start the turn, wait for its end, read the
     result; without the overhead stage's timing reads (its dispatch record and log)."""
+    return _noop_turn()[2]
+
+
+def _noop_turn() -> tuple[str, str, ToolResult]:
+    """Start a turn of one no-op call, keep still, poll for its end: (turn, call, result)."""
     call = noop_call()
     store = runtime.get_store()
     turn_id = start_round([call])
@@ -279,7 +284,7 @@ def agentq_call(fx: BenchRig) -> ToolResult:
     res = store.result(turn_id, call.id)
     if res is None or res.status != "ok":
         raise BenchError(f"noop settled {res and res.status}: {res and res.error}")
-    return res
+    return turn_id, call.id, res
 
 
 def agentq_once(fx: BenchRig) -> float:
@@ -290,19 +295,9 @@ def agentq_once(fx: BenchRig) -> float:
     on two cores its wake-ups slowed the very call it timed (by about 0.5 ms a call). It
     keeps still, then looks for the turn's end every few milliseconds.
     """
-    call = noop_call()
+    turn_id, call_id, _ = _noop_turn()
     store = runtime.get_store()
-    turn_id = start_round([call])
-    time.sleep(QUIET_WAIT_S)
-    deadline = time.monotonic() + 30
-    while turn_statuses(store, [turn_id])[0] not in ("finished", "aborted", "error"):
-        if time.monotonic() > deadline:
-            raise BenchError(f"noop turn {turn_id} did not end within 30 s")
-        time.sleep(0.005)
-    res = store.result(turn_id, call.id)
-    if res is None or res.status != "ok":
-        raise BenchError(f"noop settled {res and res.status}: {res and res.error}")
-    sent_at = float(store.dispatches(turn_id)[call.id]["dispatched_at"])
+    sent_at = float(store.dispatches(turn_id)[call_id]["dispatched_at"])
     collected_at = store.bus.replay(turn_id)[-1].ts
     return collected_at - sent_at
 

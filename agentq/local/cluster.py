@@ -17,11 +17,11 @@ import re
 import shutil
 import subprocess
 import time
-from types import TracebackType
 
 import redis
 from redis.crc import key_slot
 
+from agentq.fleet.lifecycle import Started
 from agentq.local.redis_server import RedisServer, RedisServerError, find_free_port, port_is_free
 
 SLOTS = 16384
@@ -73,7 +73,7 @@ def _cluster_port() -> int:
     raise RedisServerError("no free port pair (port, port + 10000) for a cluster node")
 
 
-class LocalCluster:
+class LocalCluster(Started):
     """`masters` masters sharing the slots evenly, each with `replicas` replicas."""
 
     def __init__(self, masters: int = 3, replicas: int = 0, *, timeout_s: float = 30.0) -> None:
@@ -207,14 +207,3 @@ class LocalCluster:
     def stop(self) -> None:
         for s in self.servers:
             s.stop()
-
-    def __enter__(self) -> LocalCluster:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
