@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import Celery
 from pydantic import BaseModel
 
-from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import TokenInvalid, TurnNotFound
 from agentq.events.bus import TERMINAL_TYPES, WATCHERS_FIELD
@@ -24,7 +23,6 @@ from agentq.models import (
 )
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
-from agentq.state.base import text
 from agentq.state.interactions import Interactions
 from agentq.telemetry import tracing
 
@@ -144,11 +142,7 @@ class Client:
 
     def _abort(self, turn_id: str, reason: str) -> None:
         # Flag, notice and the children in one round trip: abort latency is user-facing.
-        pipe = self.store.redis.pipeline(transaction=False)
-        pipe.set(k.cancel_key(turn_id), reason, nx=True, ex=self.store.ttl_s)
-        pipe.smembers(k.children_key(turn_id))
-        pipe.publish(k.CANCEL_CHANNEL, turn_id)
-        children = [text(c) for c in pipe.execute()[1]]
+        children = self.store.flag_cancel(turn_id, reason)
         for child in children:
             if self.store.status(child) not in TERMINAL_STATUSES:
                 self._abort(child, reason)

@@ -18,6 +18,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from agentq import constants as k
 from agentq.errors import ConfigError
 
 SENTINEL_SCHEME = "sentinel://"
@@ -126,8 +127,13 @@ class Settings(BaseSettings):
     redis_sentinel_master: str | None = None
     """The master's name when `redis_url` or `broker_url` is `sentinel://h1:26379;...`."""
     redis_cluster_nodes: str | None = None
-    """`host:port,...` of a Redis Cluster (Redis >= 7) for turn state and events; the broker
-    stays `broker_url` (kombu does not speak Cluster). See docs/operations.md."""
+    """`host:port,...` of a Redis Cluster (Redis >= 7) for turn state and events. `redis_url`
+    then names a plain Redis (or Sentinel) for the rest: the broker unless `broker_url`
+    says otherwise (kombu does not speak Cluster), Celery's results and the beat's
+    schedule. See docs/operations.md, 'One Redis or a Cluster'."""
+    redis_shards: int | None = Field(None, ge=1, le=1024)
+    """How many shards turn state is split into (agentq.constants.shard_count): unset, 16 on
+    a Cluster and 1 otherwise. Every process of a fleet must use the same value."""
     redis_min_replicas_acked: int | None = Field(None, ge=0)
     """Replicas that must acknowledge (Redis `WAIT`) the writes that dispatch or settle a
     call and end a turn before they count; unset: 1 behind Sentinel, else 0 (no wait)."""
@@ -357,6 +363,14 @@ class Settings(BaseSettings):
     def _cluster_nodes(self) -> Settings:
         if self.redis_cluster_nodes:
             parse_cluster_nodes(self.redis_cluster_nodes)
+            if self.redis_min_replicas_acked:
+                # WAIT counts the writes of its own connection, and a Cluster client
+                # spreads a turn's writes over pooled connections.
+                raise ConfigError(
+                    "AGENTQ_REDIS_MIN_REPLICAS_ACKED",
+                    "a Redis Cluster takes no WAIT in this version; leave it unset "
+                    "(see docs/operations.md, 'One Redis or a Cluster')",
+                )
         return self
 
     @model_validator(mode="after")
@@ -375,10 +389,19 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def shard_count(self) -> int:
+        """`redis_shards`, or its default: 16 on a Cluster, else 1."""
+        if self.redis_shards is not None:
+            return self.redis_shards
+        return k.DEFAULT_CLUSTER_SHARDS if self.redis_cluster_nodes else 1
+
+    @property
     def replicas_acked(self) -> int:
         """`redis_min_replicas_acked`, or its default for the kind of Redis URL."""
         if self.redis_min_replicas_acked is not None:
             return self.redis_min_replicas_acked
+        if self.redis_cluster_nodes:
+            return 0
         return 1 if self.redis_url.startswith("sentinel://") else 0
 
     @model_validator(mode="after")

@@ -6,13 +6,24 @@ lowercase hex digits (`secrets.token_hex(16)`); an interaction request id is
 Anything else names nothing: a key built from it could name another of the turn's keys
 (``{id}:results``, ``{id}:log``).
 
-Every key of one turn carries the turn id as its Redis Cluster hash tag, in literal braces
-(``agentq:turn:{<turn id>}:log``), so a script that touches only the turn's own keys runs on
-one slot; a conversation's keys likewise carry ``{<conversation id>}``. One layout for a
-single Redis and a Cluster alike: braces cost a single Redis nothing.
+Every key of one turn shares one Redis Cluster hash tag, so each script runs on one slot.
+On one Redis (one shard) the tag is the turn id, in literal braces
+(``agentq:turn:{<turn id>}:log``); on a Cluster the state is split into `shard_count()`
+shards and the tag is the turn's shard (``agentq:turn:{s3}<turn id>:log``), which the
+fleet-wide indexes of that shard (wakeups, active turns, the listing, a worker's running
+calls) share too: a script writes a turn and its index entries on one slot, atomically,
+and a sweeper reads one index a shard. A sub-agent's turn id starts with its parent's
+four hex digits (`orchestrator.subturns.child_turn_id`), so it lands in its parent's
+shard and its end settles the parent's call in the same script. A conversation's keys
+carry ``{<conversation id>}``.
 """
 
 from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 VERSION = "0.1.0"
 """agentq.__version__; here so that no part of the package imports the package itself."""
@@ -69,9 +80,94 @@ STEP_DURATIONS = f"{PREFIX}:metrics:step_duration"
 added to by every process that runs steps; /metrics reads it."""
 
 
+SHARDS_ENV = "AGENTQ_REDIS_SHARDS"
+DEFAULT_CLUSTER_SHARDS = 16
+_shards: int | None = None
+
+
+def shard_count() -> int:
+    """How many shards the turn state is split into: `AGENTQ_REDIS_SHARDS`, else 16 on a
+    Cluster (`AGENTQ_REDIS_CLUSTER_NODES` set), else 1. It names keys, so every process of
+    a fleet must agree on it, and it does not change while turns are stored."""
+    global _shards
+    if _shards is None:
+        raw = os.environ.get(SHARDS_ENV, "").strip()
+        cluster = bool(os.environ.get("AGENTQ_REDIS_CLUSTER_NODES", "").strip())
+        _shards = int(raw) if raw else (DEFAULT_CLUSTER_SHARDS if cluster else 1)
+    return _shards
+
+
+def set_shard_count(n: int | None) -> None:
+    """Fix the shard count for this process (None: read the environment again)."""
+    global _shards
+    _shards = n
+
+
+def shard_of(turn_id: str) -> int:
+    """The shard of a turn: its first four hex digits modulo the shard count."""
+    n = shard_count()
+    if n == 1:
+        return 0
+    try:
+        return int(turn_id[:4], 16) % n
+    except ValueError:  # not a turn id: names no stored turn, any shard will do
+        return key_slot(turn_id.encode()) % n
+
+
+@lru_cache(maxsize=1024)
+def shard_tag(shard: int, shards: int) -> str:
+    """The hash tag of a shard: a short string whose slot lies in the shard's share of the
+    16384 slots, so a cluster whose masters hold even slot ranges gets even shares."""
+    lo = shard * REDIS_CLUSTER_HASH_SLOTS // shards
+    hi = (shard + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
+    n = 0
+    while not lo <= key_slot(f"s{shard}.{n}".encode()) < hi:
+        n += 1
+    return f"s{shard}.{n}"
+
+
+def shards() -> range:
+    return range(shard_count())
+
+
+def _shard_key(name: str, shard: int) -> str:
+    """A fleet-wide index's key for one shard (its plain name with one shard)."""
+    n = shard_count()
+    return name if n == 1 else f"{name}:{{{shard_tag(shard, n)}}}"
+
+
+def wakeups_key(shard: int) -> str:
+    return _shard_key(WAKEUPS, shard)
+
+
+def active_key(shard: int) -> str:
+    return _shard_key(ACTIVE_TURNS, shard)
+
+
+def index_key(shard: int) -> str:
+    return _shard_key(TURNS_INDEX, shard)
+
+
+def turn_wakeups_key(turn_id: str) -> str:
+    """The wakeups of the turn's shard."""
+    return wakeups_key(shard_of(turn_id))
+
+
+def turn_active_key(turn_id: str) -> str:
+    return active_key(shard_of(turn_id))
+
+
+def turn_index_key(turn_id: str) -> str:
+    return index_key(shard_of(turn_id))
+
+
 def turn_tag(turn_id: str) -> str:
-    """The hash tag every key of the turn shares: its id in braces."""
-    return "{" + turn_id + "}"
+    """The part of a turn's key names that carries its hash tag: `{<turn id>}` on one
+    shard, `{<shard tag>}<turn id>` on several."""
+    n = shard_count()
+    if n == 1:
+        return "{" + turn_id + "}"
+    return "{" + shard_tag(shard_of(turn_id), n) + "}" + turn_id
 
 
 def turn_key(turn_id: str) -> str:
@@ -118,7 +214,7 @@ def children_key(turn_id: str) -> str:
 
 def agent_beat_key(turn_id: str, call_id: str) -> str:
     """Set (NX PX) when a step publishes the heartbeat `tool_progress` of an agent call."""
-    return f"{PREFIX}:turn:{turn_id}:beat:{call_id}"
+    return f"{turn_key(turn_id)}:beat:{call_id}"
 
 
 def step_lock_key(turn_id: str) -> str:
@@ -182,9 +278,10 @@ def worker_alive_key(hostname: str) -> str:
     return f"{PREFIX}:worker:{hostname}:alive"
 
 
-def worker_calls_key(hostname: str) -> str:
-    """Set of "turn_id/call_id" running on a worker, to wake their turns when it dies."""
-    return f"{PREFIX}:worker:{hostname}:calls"
+def worker_calls_key(hostname: str, shard: int = 0) -> str:
+    """Set of "turn_id/call_id" running on a worker (those of one shard), to wake their
+    turns when it dies."""
+    return _shard_key(f"{PREFIX}:worker:{hostname}:calls", shard)
 
 
 def conversation_key(conversation_id: str) -> str:
@@ -239,31 +336,34 @@ TASK_WEBHOOK_DELIVER = "agentq.webhook.deliver"
 TASK_SCHEDULE_TICK = "agentq.turn.scheduled"
 """Sent by `agentq beat` for a due schedule; routed to the turn workers with agentq.turn.*."""
 
-WEBHOOKS_DUE = f"{PREFIX}:webhooks:due"
+WEBHOOKS = f"{PREFIX}:{{webhooks}}"
+"""What every webhook key starts with: one hash tag, so the delivery scripts (a delivery and
+the fleet-wide queues it is in) run on one slot of a Cluster."""
+WEBHOOKS_DUE = f"{WEBHOOKS}:due"
 """Sorted set: delivery id scored by its next attempt (or, while one runs, its lease's end).
 Every worker consuming the webhook queue sweeps it: a lost message or a restart loses nothing."""
-WEBHOOKS_INDEX = f"{PREFIX}:webhooks:index"
+WEBHOOKS_INDEX = f"{WEBHOOKS}:index"
 """Sorted set: delivery id scored by created_at, for the console and `agentq webhooks`."""
-WEBHOOKS_WAITING = f"{PREFIX}:webhooks:waiting"
+WEBHOOKS_WAITING = f"{WEBHOOKS}:waiting"
 """Sorted set: running turns that have a webhook, scored by when to look whether they ended:
 the backstop for a turn whose ending step died before it queued the delivery."""
-WEBHOOK_COUNTS = f"{PREFIX}:metrics:webhooks"
+WEBHOOK_COUNTS = f"{WEBHOOKS}:counts"
 """Hash: delivery and attempt counters (`attempts:<outcome>`, `deliveries:<status>`)."""
 
 
 def webhook_key(delivery_id: str) -> str:
     """Hash of one delivery: url, body, status, attempts, next_at."""
-    return f"{PREFIX}:webhook:{delivery_id}"
+    return f"{WEBHOOKS}:delivery:{delivery_id}"
 
 
 def webhook_attempts_key(delivery_id: str) -> str:
     """List of the delivery's attempts (JSON: at, status_code, error, duration_ms)."""
-    return f"{PREFIX}:webhook:{delivery_id}:attempts"
+    return f"{webhook_key(delivery_id)}:attempts"
 
 
 def webhook_lock_key(delivery_id: str) -> str:
     """Held (SET NX PX) by the one attempt in flight, so two messages never post at once."""
-    return f"{PREFIX}:webhook:{delivery_id}:lock"
+    return f"{webhook_key(delivery_id)}:lock"
 
 
 def webhook_id(turn_id: str) -> str:

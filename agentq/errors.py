@@ -46,6 +46,13 @@ AgentqError
 
 from __future__ import annotations
 
+import redis
+from redis.exceptions import RedisClusterException
+
+REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
+"""What a Redis command may raise: a Cluster client's own errors (no slot map, no node
+reachable) are not RedisErrors."""
+
 
 class AgentqError(Exception):
     """Root of every error agentq raises on purpose."""

@@ -11,9 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from agentq import constants as k
-from agentq.fleet.connections import async_redis_client
+from agentq.fleet.connections import (
+    async_cluster_client,
+    async_node_client,
+    async_redis_client,
+)
 
 log = logging.getLogger("agentq.aio")
 
@@ -28,10 +33,16 @@ class CancelWatch:
     """Turn id -> callbacks run (on the loop) once that turn is aborted."""
 
     def __init__(
-        self, redis_url: str, master_name: str | None = None, *, poll_s: float = POLL_S
+        self,
+        redis_url: str,
+        master_name: str | None = None,
+        *,
+        cluster_nodes: str | None = None,
+        poll_s: float = POLL_S,
     ) -> None:
         self._url = redis_url
         self._master = master_name
+        self._cluster = cluster_nodes
         self._poll_s = poll_s
         self._handlers: dict[str, dict[int, Callable[[], None]]] = {}
         self._next = 0
@@ -84,8 +95,13 @@ class CancelWatch:
 
     async def _listen(self) -> None:
         delay_s = 0.1
+        attempt = 0
         while True:
-            client = async_redis_client(self._url, self._master)
+            if self._cluster:
+                client = async_node_client(self._cluster, attempt)
+                attempt += 1
+            else:
+                client = async_redis_client(self._url, self._master)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(k.CANCEL_CHANNEL)
@@ -107,7 +123,11 @@ class CancelWatch:
                 await client.aclose()
 
     async def _poll(self) -> None:
-        client = async_redis_client(self._url, self._master)
+        client: Any = (
+            async_cluster_client(self._cluster)
+            if self._cluster
+            else async_redis_client(self._url, self._master)
+        )
         try:
             while True:
                 await asyncio.sleep(self._poll_s)
@@ -117,7 +137,10 @@ class CancelWatch:
                 try:
                     # One MGET, not an EXISTS per turn: a loop holding a thousand turns
                     # spent 4% of its time packing and parsing those each second.
-                    flags = await client.mget([k.cancel_key(t) for t in turns])
+                    keys = [k.cancel_key(t) for t in turns]
+                    flags = await (
+                        client.mget_nonatomic(keys) if self._cluster else client.mget(keys)
+                    )
                 except Exception as exc:
                     log.warning("cannot poll cancel keys: %s", exc)
                     continue

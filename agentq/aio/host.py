@@ -68,7 +68,11 @@ class LoopHost:
             on_blocked=self._on_blocked,
             on_stuck=self._on_stuck,
         )
-        self.cancels = CancelWatch(settings.redis_url, settings.redis_sentinel_master)
+        self.cancels = CancelWatch(
+            settings.redis_url,
+            settings.redis_sentinel_master,
+            cluster_nodes=settings.redis_cluster_nodes,
+        )
         self.loop.start()
         self.loop.call(self.cancels.start)
 

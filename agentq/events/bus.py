@@ -17,8 +17,10 @@ from agentq.constants import (
     events_channel,
     log_key,
     seq_key,
+    shard_of,
     turn_key,
 )
+from agentq.errors import REDIS_ERRORS
 from agentq.models import TERMINAL_STATUSES, Event
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
@@ -169,7 +171,7 @@ class EventBus:
             try:
                 subs = self.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
                 counted = any(int(n) for _, n in subs)
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 counted = True  # unsure: publish them, as before there was a check
             self._measured = (counted, now)
         return f"{self.log_maxlen}m" if counted else str(self.log_maxlen)
@@ -189,20 +191,26 @@ class EventBus:
 
     def publish_many(self, batches: Mapping[str, list[str]], *, client: Any = None) -> None:
         """Publish event bodies (`event_body`) of several turns, each turn's in order, in
-        calls of about PUBLISH_MANY_EVENTS events (on `client`, e.g. a pipeline)."""
-        keys: list[str] = []
+        calls of about PUBLISH_MANY_EVENTS events (on `client`, e.g. a pipeline). On a
+        Cluster each call holds the turns of one shard only: a script runs on one slot."""
         opts = self.log_arg()
-        args: list[Any] = [opts]
+        by_shard: dict[int, list[str]] = {}
         for turn_id, bodies in batches.items():
-            if not bodies:
-                continue
-            keys += [seq_key(turn_id), log_key(turn_id), events_channel(turn_id), turn_key(turn_id)]
-            args += [len(bodies), *bodies]
-            if len(args) > PUBLISH_MANY_EVENTS:
+            if bodies:
+                by_shard.setdefault(shard_of(turn_id) if self.sharded else 0, []).append(turn_id)
+        for turn_ids in by_shard.values():
+            keys: list[str] = []
+            args: list[Any] = [opts]
+            for turn_id in turn_ids:
+                bodies = batches[turn_id]
+                keys += [seq_key(turn_id), log_key(turn_id), events_channel(turn_id)]
+                keys.append(turn_key(turn_id))
+                args += [len(bodies), *bodies]
+                if len(args) > PUBLISH_MANY_EVENTS:
+                    self._publish_many(keys=keys, args=args, client=client)
+                    keys, args = [], [opts]
+            if keys:
                 self._publish_many(keys=keys, args=args, client=client)
-                keys, args = [], [opts]
-        if keys:
-            self._publish_many(keys=keys, args=args, client=client)
 
     def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
         """Events in the log strictly after `after_id`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -23,10 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from agentq.constants import events_channel, turn_key
 from agentq.events.bus import TERMINAL_TYPES, EventBus
 from agentq.models import Event, is_turn_id, parse_stream_id
+
+log = logging.getLogger("agentq.events")
 
 CATCH_UP_S = 2.0
 """How often a silent follower re-reads the logs for events its subscription missed."""
@@ -102,6 +106,10 @@ class TreeFollower:
         self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
         self.done = False
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        self.broken = False
+        """The shard subscription was lost (a Cluster node failed) and is not back yet."""
+        self.resubscribed = False
+        """Subscribed again after a loss: what was published meanwhile is only in the logs."""
         self._subscribe(root)
         for tid, pos in after.children.items():
             path = self._path_of(tid)
@@ -260,9 +268,33 @@ class TreeFollower:
             yield from self.catch_up(opened)
 
     def message(self, timeout_s: float) -> dict[str, Any] | None:
-        if self.bus.sharded:
+        if not self.bus.sharded:
+            # A plain PubSub reconnects and subscribes again by itself.
+            return self.pubsub.get_message(timeout=timeout_s)  # type: ignore[no-any-return]
+        try:
+            if self.broken:
+                self._resubscribe()
             return self.pubsub.get_sharded_message(timeout=timeout_s)  # type: ignore[no-any-return]
-        return self.pubsub.get_message(timeout=timeout_s)  # type: ignore[no-any-return]
+        except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
+            # A shard subscription dies with its node; once a replica serves the slot, it
+            # is made again, and the logs fill in what it missed.
+            if not self.broken:
+                log.warning("event subscription lost (%s); subscribing again", exc)
+            self.broken = True
+            time.sleep(min(timeout_s, 0.25))
+            return None
+
+    def _resubscribe(self) -> None:
+        with contextlib.suppress(Exception):
+            self.pubsub.close()
+        # A command on each turn's slot makes the client learn who serves it now.
+        for t in self.streams:
+            self.redis.exists(turn_key(t))
+        self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        for t in self.streams:
+            self.pubsub.ssubscribe(events_channel(t))
+        self.broken = False
+        self.resubscribed = True
 
     def close(self) -> None:
         self.pubsub.close()
@@ -311,8 +343,9 @@ def follow(
             # A live copy published while the subscription was reconnecting is only in
             # the log: look there now and then, or a quiet turn's last event would never
             # arrive.
-            if now - caught_up_at >= CATCH_UP_S:
+            if now - caught_up_at >= CATCH_UP_S or tree.resubscribed:
                 caught_up_at = now
+                tree.resubscribed = False
                 came: set[str] = set()
                 for ev in tree.catch_up():
                     silent_since = now

@@ -20,6 +20,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
@@ -154,6 +155,32 @@ CLUSTER_REINITIALIZE_STEPS = 1
 command goes to the promoted replica, not again to the lost master."""
 
 
+CLUSTER_RETRY_ON = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
+
+
+class BackoffCluster(RedisCluster):
+    """A RedisCluster whose commands outlast a failover.
+
+    redis-py retries a command whose node failed at once, reloading the slot map each
+    time: its retries are spent in milliseconds, while the cluster takes a node timeout
+    or two to promote the replica. Here each retry waits first, with the same backoff
+    as `redis_client` (about 16 s in all).
+    """
+
+    def __init__(self, *args: Any, retries: int = REDIS_RETRIES, **kwargs: Any) -> None:
+        # Set first: the base class sends commands while it starts.
+        self._backoff = Retry(
+            ExponentialBackoff(cap=1.0, base=0.05), retries, supported_errors=CLUSTER_RETRY_ON
+        )
+        super().__init__(*args, **kwargs)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        return self._backoff.call_with_retry(
+            lambda: super(BackoffCluster, self).execute_command(*args, **kwargs),  # type: ignore[no-untyped-call]
+            lambda _exc: None,
+        )
+
+
 def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -> RedisCluster:
     """A client for the Redis Cluster whose nodes `nodes` (`host:port,...`) name some of.
 
@@ -161,12 +188,31 @@ def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -
     backoff as `redis_client`) until the cluster has promoted its replica.
     """
     startup = [ClusterNode(host, port) for host, port in parse_cluster_nodes(nodes)]  # type: ignore[no-untyped-call]
-    return RedisCluster(
+    return BackoffCluster(
         startup_nodes=startup,
+        retries=retries,
         retry=_sync_retry(retries),
         reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
         **kwargs,
     )
+
+
+def async_cluster_client(nodes: str) -> aioredis.RedisCluster:
+    """The asyncio twin of `cluster_client`."""
+    startup = [aioredis.cluster.ClusterNode(h, p) for h, p in parse_cluster_nodes(nodes)]
+    return aioredis.RedisCluster(
+        startup_nodes=startup,
+        retry=AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
+        reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
+    )
+
+
+def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
+    """A plain asyncio client of one node of a Cluster (the next one on each `attempt`):
+    a plain channel's messages reach every node's subscribers."""
+    startup = parse_cluster_nodes(nodes)
+    host, port = startup[attempt % len(startup)]
+    return aioredis.Redis(host=host, port=port)
 
 
 def async_redis_client(url: str, master_name: str | None = None) -> aioredis.Redis:

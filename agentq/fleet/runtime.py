@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis
 from celery import Celery
 
+from agentq import constants as k
 from agentq.config import Settings, get_settings
-from agentq.errors import BrokerUnavailable, ConfigError
+from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
-from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, redis_client
+from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, cluster_client, redis_client
 from agentq.state.base import InlineStepper, StepView
 from agentq.state.store import TurnStore
 
@@ -30,15 +31,20 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
     with _lock:
         if _redis is None:
             s = settings or get_settings()
+            k.set_shard_count(s.shard_count)
             if s.redis_cluster_nodes:
-                # Better a refusal at start than turns failing on their first cross-slot
-                # script: the indexes the store's scripts write are not sharded yet.
-                raise ConfigError(
-                    "AGENTQ_REDIS_CLUSTER_NODES",
-                    "the turn store does not run on Redis Cluster in this version (its "
-                    "events do: agentq.events.bus on connections.cluster_client); see "
-                    "docs/operations.md, 'One Redis or a Cluster'",
+                # The store sends a Cluster only one-slot scripts and transactions and
+                # the commands both clients share (see agentq.constants on shards).
+                _redis = cast(
+                    redis.Redis,
+                    cluster_client(
+                        s.redis_cluster_nodes,
+                        socket_keepalive=True,
+                        health_check_interval=30,
+                        max_connections=REDIS_MAX_CONNECTIONS,
+                    ),
                 )
+                return _redis
             _redis = redis_client(
                 s.redis_url,
                 s.redis_sentinel_master,
@@ -132,5 +138,6 @@ def reset() -> None:
     """Forget every singleton (tests that change settings)."""
     global _redis, _store, _app, _inline
     get_settings.cache_clear()
+    k.set_shard_count(None)
     _inline = None
     _redis = _store = _app = None

@@ -28,7 +28,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import redis
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -43,6 +42,7 @@ from agentq.agents import published_agent_details
 from agentq.api import Client
 from agentq.constants import VERSION
 from agentq.errors import (
+    REDIS_ERRORS,
     AgentqError,
     Forbidden,
     TurnNotFound,
@@ -324,7 +324,9 @@ class Gateway:
                 await run_in_threadpool(self.client.abort, turn_id, token, "disconnect")
             except TurnNotFound:
                 pass  # it ended in the meantime
-            except (AgentqError, redis.RedisError) as exc:
+            except AgentqError as exc:
+                log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
+            except REDIS_ERRORS as exc:
                 log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
 
         self.metrics.sse_connections.inc()
@@ -397,7 +399,7 @@ class Gateway:
                         self.client.store.redis.ping, abandon_on_cancel=True
                     )
                 )
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
         if ok:
             return JSONResponse({"ok": True, "redis": "ok"})
@@ -444,7 +446,7 @@ class Gateway:
                     self.read_capacity, abandon_on_cancel=True
                 )
                 hooks = await anyio.to_thread.run_sync(self.read_webhooks, abandon_on_cancel=True)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
         self.metrics.capacity.snapshots = capacity
         self.metrics.webhooks.counts, self.metrics.webhooks.backlog = hooks

@@ -8,6 +8,7 @@ flood of concurrent starts cannot slip past them between a read and a write.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
@@ -16,7 +17,8 @@ import redis
 
 from agentq import constants as k
 from agentq.errors import RateLimited
-from agentq.events.bus import ended_lua
+from agentq.models import TERMINAL_STATUSES
+from agentq.state.base import text
 
 # KEYS[1] the bucket; ARGV rate/s, burst. Redis's own clock: gateways may disagree on time.
 # Returns 0 when a start is allowed, else the milliseconds until one is.
@@ -41,33 +43,26 @@ return wait_ms
 """
 
 # KEYS[1] the caller's set of turns (turn id or a reservation, scored by time);
-# ARGV max, reservation id, turn key prefix (the key is prefix .. id .. '}'), stale-reservation
-# age (s).
-# Drops ended or vanished turns, then reserves a slot if one is free: 1, else 0.
-_RESERVE_LUA = (
-    """
+# ARGV max, reservation id, stale-reservation age (s), then the turns found ended.
+# Drops those and stale reservations, then reserves a slot if one is free: 1, else 0.
+# The turns' states are read before, outside the script: on a Cluster they live on other
+# slots than the caller's set.
+_RESERVE_LUA = """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
+if #ARGV > 3 then redis.call('ZREM', KEYS[1], unpack(ARGV, 4)) end
 local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
 for i = 1, #members, 2 do
   local m = members[i]
-  local gone = false
-  if string.sub(m, 1, 2) == 'r:' then
-    gone = tonumber(members[i + 1]) < now - tonumber(ARGV[4])
-  else
-    local status = redis.call('HGET', ARGV[3] .. m .. '}', 'status')
-    gone = (not status) or """
-    + ended_lua("status")
-    + """
+  if string.sub(m, 1, 2) == 'r:' and tonumber(members[i + 1]) < now - tonumber(ARGV[3]) then
+    redis.call('ZREM', KEYS[1], m)
   end
-  if gone then redis.call('ZREM', KEYS[1], m) end
 end
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
 redis.call('ZADD', KEYS[1], now, ARGV[2])
 redis.call('EXPIRE', KEYS[1], 7 * 24 * 3600)
 return 1
 """
-)
 
 RESERVATION_TTL_S = 60
 """A reservation whose start never completed (a crashed gateway) frees its slot after this."""
@@ -107,10 +102,18 @@ class StartLimits:
     def reserve(self, subject: str) -> str:
         """Hold a running-turn slot for a start in progress; RateLimited if none is free."""
         reservation = f"r:{secrets.token_hex(8)}"
-        turn_prefix = k.turn_key("")[:-1]  # up to the tag's closing brace
+        key = k.owner_turns_key(subject)
+        turns = [m for m in map(text, self.redis.zrange(key, 0, -1)) if not m.startswith("r:")]
+        ended: list[str] = []
+        if turns:
+            pipe = self.redis.pipeline(transaction=False)
+            for t in turns:
+                pipe.hget(k.turn_key(t), "status")
+            for t, raw in zip(turns, pipe.execute(), strict=True):
+                if raw is None or str(json.loads(raw)) in TERMINAL_STATUSES:
+                    ended.append(t)
         ok = self._reserve(
-            keys=[k.owner_turns_key(subject)],
-            args=[self.max_active, reservation, turn_prefix, RESERVATION_TTL_S],
+            keys=[key], args=[self.max_active, reservation, RESERVATION_TTL_S, *ended]
         )
         if not ok:
             raise RateLimited(

@@ -77,7 +77,7 @@ from prometheus_client.core import (
 )
 
 from agentq.constants import MEASURED_EVENTS_CHANNEL
-from agentq.errors import ModelBusy
+from agentq.errors import REDIS_ERRORS, ModelBusy
 
 log = logging.getLogger("agentq.gateway.metrics")
 
@@ -430,7 +430,7 @@ class EventObserver:
                         continue
                     if isinstance(event, dict):
                         self.metrics.observe(event)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 # Redis restarts are survivable: resubscribe once it answers again.
                 log.warning("metrics observer lost Redis (%s); retrying", exc)
                 self._stop.wait(self.retry_s)

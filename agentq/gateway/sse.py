@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
-import redis
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from agentq.errors import REDIS_ERRORS
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.models import Event
 
@@ -109,7 +109,7 @@ async def event_source(
         while True:
             try:
                 item = await anyio.to_thread.run_sync(source.step, limiter=limiter)
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 # End the response; the client reconnects with its last id and loses nothing.
                 log.warning("event stream lost Redis: %s", exc)
                 return

@@ -27,4 +27,6 @@ def wake_granted(store: TurnStore, wakes: Wakes) -> None:
         store.wake(turn_of(waiter))
     if wakes.wake_next is not None:
         turn_id = turn_of(wakes.wake_next.waiter)
-        store.redis.zadd(k.WAKEUPS, {turn_id: wakes.wake_next.at_ms / 1000}, lt=True)
+        store.redis.zadd(
+            k.turn_wakeups_key(turn_id), {turn_id: wakes.wake_next.at_ms / 1000}, lt=True
+        )

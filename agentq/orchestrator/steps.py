@@ -249,13 +249,17 @@ class Sweeper:
             host = text(raw)
             if not r.zrem(k.WORKERS, host):
                 continue  # another sweeper took it
-            calls = [text(m) for m in r.smembers(k.worker_calls_key(host))]
+            pipe = r.pipeline(transaction=False)
+            for shard in k.shards():
+                pipe.smembers(k.worker_calls_key(host, shard))
+            calls = [text(m) for got in pipe.execute() for m in got]
             log.warning(
                 "worker %s stopped beating; waking the turns of its %d calls", host, len(calls)
             )
             for turn_id in sorted({c.split("/", 1)[0] for c in calls}):
                 woke += int(self.store.wake(turn_id))
-            r.delete(k.worker_calls_key(host))
+            for shard in k.shards():
+                r.delete(k.worker_calls_key(host, shard))
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY_S
             self.prune_index(now)
@@ -273,7 +277,7 @@ class Sweeper:
             # Entries still alive stay in place: the next batch starts past them.
             n = lister.prune(batch=PRUNE_BATCH, older_than=now - self.retention_s, start=kept)
             dropped += n
-            seen = self.store.redis.zcount(k.TURNS_INDEX, "-inf", f"({now - self.retention_s!r}")
+            seen = lister.count_older(now - self.retention_s)
             kept = min(kept + PRUNE_BATCH - n, seen)
             if kept >= seen:
                 break

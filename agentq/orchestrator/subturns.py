@@ -37,8 +37,9 @@ that publishes it is woken by a sweeper, a little late."""
 
 
 def child_turn_id(turn_id: str, call_id: str) -> str:
-    """The child's id, derived so a step that takes over finds the child it started."""
-    return hashlib.sha256(f"{turn_id}/{call_id}".encode()).hexdigest()[:32]
+    """The child's id, derived so a step that takes over finds the child it started; its
+    first four hex digits are the parent's, so it is stored in the parent's shard."""
+    return turn_id[:4] + hashlib.sha256(f"{turn_id}/{call_id}".encode()).hexdigest()[:28]
 
 
 def record(ctx: StepContext, plans: list[CallPlan]) -> dict[str, dict[str, Any]]:
@@ -155,7 +156,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     prompt = str(p.arguments["prompt"])
     ctx.store.create(child, child_state, [{"role": "user", "content": prompt}])
     # The backstop if the step message below is lost: a sweeper steps the child.
-    ctx.store.redis.zadd(k.WAKEUPS, {child: now + WAKE_BACKSTOP_S})
+    ctx.store.redis.zadd(k.turn_wakeups_key(child), {child: now + WAKE_BACKSTOP_S})
     # A start record without a worker: listings show the call running, and no worker
     # heartbeat is watched for it.
     ctx.store.redis.hset(
@@ -198,10 +199,7 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
 
 def abort_child(ctx: StepContext, child: str, reason: str) -> None:
     """Flag a child turn cancelled and wake it: its own step aborts it (and its children)."""
-    pipe = ctx.store.redis.pipeline(transaction=False)
-    pipe.set(k.cancel_key(child), reason, nx=True, ex=ctx.store.ttl_s)
-    pipe.publish(k.CANCEL_CHANNEL, child)
-    pipe.execute()
+    ctx.store.flag_cancel(child, reason)
     ctx.store.wake(child)
 
 

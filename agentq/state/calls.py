@@ -33,7 +33,7 @@ if worker == '' then
   if ok and type(rec) == 'table' and type(rec['worker']) == 'string' then worker = rec['worker'] end
 end
 if worker ~= '' then
-  redis.call('SREM', 'agentq:worker:' .. worker .. ':calls', ARGV[8] .. '/' .. ARGV[1])
+  redis.call('SREM', ARGV[13] .. worker .. ARGV[14], ARGV[8] .. '/' .. ARGV[1])
 end
 """
     + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
@@ -144,7 +144,7 @@ class CallRecords(StoreBase):
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                     k.turn_key(turn_id),
-                    k.worker_calls_key(worker or "-"),
+                    k.worker_calls_key(worker or "-", k.shard_of(turn_id)),
                 ],
                 args=[
                     call_id,
@@ -183,7 +183,7 @@ class CallRecords(StoreBase):
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(turn_id),
-                k.WAKEUPS,
+                k.turn_wakeups_key(turn_id),
                 k.started_key(turn_id),
                 k.outstanding_key(turn_id),
                 k.step_lock_key(turn_id),
@@ -205,6 +205,7 @@ class CallRecords(StoreBase):
                 token,
                 lock_ms,
                 result.record.worker or "",
+                *k.worker_calls_key("\0", k.shard_of(turn_id)).split("\0"),
             ],
         )
         won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)

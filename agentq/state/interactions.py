@@ -129,7 +129,7 @@ class Interactions:
                 k.events_channel(turn_id),
                 k.dirty_key(turn_id),
                 k.turn_key(turn_id),
-                k.WAKEUPS,
+                k.turn_wakeups_key(turn_id),
             ],
             args=[
                 state,

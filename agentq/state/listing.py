@@ -7,9 +7,10 @@ each listing also checks a few of the oldest entries, and the turn workers' swee
 drops the entries of expired turns every minute, so the index does not grow with turns
 nobody lists.
 
-One Lua call summarises a page of turns inside Redis (state, call counts by status,
-unsettled calls, pending interactions), so a page costs a couple of round trips and
-no result content crosses the network.
+Each shard of the state (agentq.constants.shard_count) has its own index; a listing
+merges them. One Lua call a shard summarises a page of turns inside Redis (state, call
+counts by status, unsettled calls, pending interactions), so a page costs a couple of
+round trips and no result content crosses the network.
 """
 
 from __future__ import annotations
@@ -39,9 +40,8 @@ TURN_STATUSES = frozenset(s.value for s in TurnStatus)
 # (call_id and tool come before it, and a quote inside them is escaped).
 _SUMMARY_LUA = """
 local out = {}
-for i = 2, #ARGV do
-  local id = ARGV[i]
-  local base = 'agentq:turn:{' .. id .. '}'
+for i = 2, #ARGV, 2 do
+  local id, base = ARGV[i], ARGV[i + 1]
   local st = redis.call('HGETALL', base)
   if #st == 0 then
     out[#out + 1] = {id, false}
@@ -223,7 +223,16 @@ class TurnLister:
         if not turn_ids:
             return {}
         now = time.time() if now is None else now
-        raw = json.loads(text(self._summary(keys=[], args=[k.approval_request_id(""), *turn_ids])))
+        by_shard: dict[int, list[str]] = {}
+        for t in turn_ids:
+            by_shard.setdefault(k.shard_of(t), []).append(t)
+        raw: list[Any] = []
+        for shard, ids in by_shard.items():
+            # The shard's index key only routes the call to the shard's slot.
+            args = [k.approval_request_id("")]
+            for t in ids:
+                args += [t, k.turn_key(t)]
+            raw += json.loads(text(self._summary(keys=[k.index_key(shard)], args=args)))
         out: dict[str, dict[str, Any]] = {}
         gone: list[str] = []
         for row in raw:
@@ -243,9 +252,47 @@ class TurnLister:
                 now,
             )
             out[turn_id]["_state"] = state
-        if gone:
-            self.redis.zrem(k.TURNS_INDEX, *gone)
+        self._drop(gone)
         return out
+
+    def _drop(self, gone: list[str]) -> None:
+        """Remove these turns' index entries, each from its shard's index."""
+        if not gone:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for t in gone:
+            pipe.zrem(k.turn_index_key(t), t)
+        pipe.execute()
+
+    def _newest(self, top: str, num: int) -> list[tuple[str, float]]:
+        """The `num` newest index entries below `top`, over every shard."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in k.shards():
+            pipe.zrevrangebyscore(
+                k.index_key(shard), top, "-inf", start=0, num=num, withscores=True
+            )
+        rows = [(text(m), float(s)) for got in pipe.execute() for m, s in got]
+        rows.sort(key=lambda r: r[1], reverse=True)
+        return rows[:num]
+
+    def _oldest(self, batch: int, older_than: float | None, start: int) -> list[str]:
+        """The oldest index entries over every shard: the `batch` oldest, or from position
+        `start` those created before `older_than`."""
+        pipe = self.redis.pipeline(transaction=False)
+        top = "+inf" if older_than is None else f"({older_than!r}"
+        for shard in k.shards():
+            pipe.zrangebyscore(
+                k.index_key(shard), "-inf", top, start=0, num=start + batch, withscores=True
+            )
+        rows = sorted(((float(s), text(m)) for got in pipe.execute() for m, s in got))
+        return [m for _, m in rows[start : start + batch]]
+
+    def count_older(self, older_than: float) -> int:
+        """How many index entries were created before `older_than`."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in k.shards():
+            pipe.zcount(k.index_key(shard), "-inf", f"({older_than!r}")
+        return sum(int(n) for n in pipe.execute())
 
     def page(
         self,
@@ -262,17 +309,14 @@ class TurnLister:
         scanned = 0
         last_score: float | None = None
         while scanned < scan_max:
-            rows: list[tuple[bytes, float]] = self.redis.zrevrangebyscore(  # type: ignore[assignment]
-                k.TURNS_INDEX, top, "-inf", start=0, num=SCAN_BATCH, withscores=True
-            )
+            rows = self._newest(top, SCAN_BATCH)
             if not rows:
                 return page
-            ids = [text(m) for m, _ in rows]
-            found = self.summaries(ids, now)
+            found = self.summaries([m for m, _ in rows], now)
             for member, score in rows:
                 scanned += 1
-                last_score = float(score)
-                row = found.get(text(member))
+                last_score = score
+                row = found.get(member)
                 if row is None:
                     continue
                 state = row.pop("_state")
@@ -298,30 +342,24 @@ class TurnLister:
         Looks at the `batch` oldest entries, or, with `older_than`, at up to `batch`
         entries created before it from position `start` (past live turns already seen).
         """
-        if older_than is None:
-            oldest = [text(m) for m in self.redis.zrange(k.TURNS_INDEX, 0, batch - 1)]
-        else:
-            oldest = [
-                text(m)
-                for m in self.redis.zrangebyscore(
-                    k.TURNS_INDEX, "-inf", f"({older_than!r}", start=start, num=batch
-                )
-            ]
+        oldest = self._oldest(batch, older_than, 0 if older_than is None else start)
         if not oldest:
             return 0
         pipe = self.redis.pipeline(transaction=False)
         for turn_id in oldest:
             pipe.exists(k.turn_key(turn_id))
         gone = [t for t, alive in zip(oldest, pipe.execute(), strict=True) if not alive]
-        if gone:
-            self.redis.zrem(k.TURNS_INDEX, *gone)
+        self._drop(gone)
         return len(gone)
 
     def pending_interactions(
         self, visible: Callable[[dict[str, Any]], bool] | None = None
     ) -> list[dict[str, Any]]:
         """Every pending interaction of the running turns, the soonest to expire first."""
-        ids = [text(t) for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in k.shards():
+            pipe.zrange(k.active_key(shard), 0, -1)
+        ids = [text(t) for got in pipe.execute() for t in got]
         out: list[dict[str, Any]] = []
         for i in range(0, len(ids), SCAN_BATCH):
             for row in self.summaries(ids[i : i + SCAN_BATCH]).values():

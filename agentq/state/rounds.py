@@ -109,7 +109,7 @@ class RoundRecords(StoreBase):
         ok = self._finish_llm(
             keys=[
                 k.dirty_key(turn_id),
-                k.WAKEUPS,
+                k.turn_wakeups_key(turn_id),
                 k.turn_key(turn_id),
                 k.llm_result_key(turn_id, round_no),
                 k.llm_alive_key(turn_id, round_no),

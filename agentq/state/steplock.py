@@ -174,7 +174,7 @@ class StepRecords(StoreBase):
         kept: step again; -1 the lock was lost (nothing recorded)."""
         args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
         args += [ttl_ms, *dispatch_args(dispatched or {})]
-        keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.WAKEUPS]
+        keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
         if not dispatched:
             return int(self._release(keys=keys, args=args))
@@ -193,7 +193,7 @@ class StepRecords(StoreBase):
         """Mark an open turn woken, for a caller that steps it itself; False if it has ended."""
         return bool(
             self._wake(
-                keys=[k.dirty_key(turn_id), k.WAKEUPS, k.turn_key(turn_id)],
+                keys=[k.dirty_key(turn_id), k.turn_wakeups_key(turn_id), k.turn_key(turn_id)],
                 args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s],
             )
         )
@@ -201,17 +201,20 @@ class StepRecords(StoreBase):
     def wake_by(self, turn_id: str, at: float) -> None:
         """Bring a pending wakeup forward to `at` (its step could not be sent): none is added
         for a turn that has none, since that turn has ended."""
-        self.redis.zadd(k.WAKEUPS, {turn_id: at}, xx=True, lt=True)
+        self.redis.zadd(k.turn_wakeups_key(turn_id), {turn_id: at}, xx=True, lt=True)
 
     def due_wakeups(self, now: float, limit: int = 500) -> list[str]:
-        raw = self.redis.zrangebyscore(k.WAKEUPS, "-inf", now, start=0, num=limit)
-        return [text(t) for t in raw]
+        """Turns whose wakeup is due, up to `limit` of each shard, in one round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in k.shards():
+            pipe.zrangebyscore(k.wakeups_key(shard), "-inf", now, start=0, num=limit)
+        return [text(t) for raw in pipe.execute() for t in raw]
 
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
         return bool(
             self._claim(
-                keys=[k.WAKEUPS, k.dirty_key(turn_id)],
+                keys=[k.turn_wakeups_key(turn_id), k.dirty_key(turn_id)],
                 args=[turn_id, now, now + retry_s, self.ttl_s],
             )
         )

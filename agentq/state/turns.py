@@ -70,13 +70,34 @@ do
 )
 
 
+# KEYS: the cancel flag, the children; ARGV: reason, TTL, the cancel channel, the turn id.
+# A script, not a pipeline: a Cluster pipeline takes no PUBLISH (a script's reaches every
+# node's subscribers).
+FLAG_CANCEL_LUA = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return redis.call('SMEMBERS', KEYS[2])
+"""
+
+
 class TurnRecords(StoreBase):
     """A turn's state hash, history and children; `close` ends it once."""
 
     LUA: ClassVar[dict[str, str]] = {
         "_close": CLOSE_LUA,
+        "_flag_cancel": FLAG_CANCEL_LUA,
     }
     _close: Script
+    _flag_cancel: Script
+
+    def flag_cancel(self, turn_id: str, reason: str) -> list[str]:
+        """Flag the turn cancelled (the first reason stays), tell the event loops that hold
+        its calls, and return its children, in one round trip."""
+        children = self._flag_cancel(
+            keys=[k.cancel_key(turn_id), k.children_key(turn_id)],
+            args=[reason, self.ttl_s, k.CANCEL_CHANNEL, turn_id],
+        )
+        return [text(c) for c in children]
 
     def create(self, turn_id: str, state: dict[str, Any], history: list[dict[str, Any]]) -> None:
         """Store a new turn, woken: if the message of its first step is lost (a failover
@@ -88,10 +109,12 @@ class TurnRecords(StoreBase):
             pipe.delete(k.history_key(turn_id))
             if history:
                 pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
-            pipe.zadd(k.ACTIVE_TURNS, {turn_id: time.time()})
-            pipe.zadd(k.TURNS_INDEX, {turn_id: float(state.get("created_at") or time.time())})
+            pipe.zadd(k.turn_active_key(turn_id), {turn_id: time.time()})
+            pipe.zadd(
+                k.turn_index_key(turn_id), {turn_id: float(state.get("created_at") or time.time())}
+            )
             pipe.set(k.dirty_key(turn_id), "1", ex=self.ttl_s)
-            pipe.zadd(k.WAKEUPS, {turn_id: time.time() + START_BACKSTOP_S})
+            pipe.zadd(k.turn_wakeups_key(turn_id), {turn_id: time.time() + START_BACKSTOP_S})
             parent = state.get("parent_turn_id")
             if parent:
                 pipe.sadd(k.children_key(parent), turn_id)
@@ -116,7 +139,12 @@ class TurnRecords(StoreBase):
         return loads(self.redis.hget(k.turn_key(turn_id), "status"))  # type: ignore[no-any-return]
 
     def active(self) -> list[str]:
-        return [text(t) for t in self.redis.zrange(k.ACTIVE_TURNS, 0, -1)]
+        """The running turns, oldest first."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in k.shards():
+            pipe.zrange(k.active_key(shard), 0, -1, withscores=True)
+        rows = [(float(s), text(t)) for got in pipe.execute() for t, s in got]
+        return [t for _, t in sorted(rows)]
 
     def close(
         self,
@@ -148,8 +176,8 @@ class TurnRecords(StoreBase):
             self._close,
             keys=[
                 k.turn_key(turn_id),
-                k.ACTIVE_TURNS,
-                k.WAKEUPS,
+                k.turn_active_key(turn_id),
+                k.turn_wakeups_key(turn_id),
                 k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),

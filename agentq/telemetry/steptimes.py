@@ -17,6 +17,7 @@ import time
 import redis
 
 from agentq.constants import STEP_DURATIONS
+from agentq.errors import REDIS_ERRORS
 
 log = logging.getLogger("agentq.telemetry")
 
@@ -85,7 +86,7 @@ class StepTimes:
             pipe.hincrbyfloat(STEP_DURATIONS, "sum", total_s)
             pipe.hincrby(STEP_DURATIONS, "count", n)
             pipe.execute()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             # Kept for the next flush: a Redis blip loses no counts.
             log.debug("step durations not flushed: %s", exc)
             with self._lock:

@@ -16,6 +16,7 @@ from pathlib import Path
 from agentq.api import Client
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.fleet import runtime
+from agentq.local.cluster import LocalCluster
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess
 from agentq.local.redis_server import RedisServer
@@ -41,9 +42,20 @@ class Rig:
     """One Redis, one scripted model server, any number of workers; stopped by PID."""
 
     def __init__(
-        self, name: str, *, appendonly: bool = False, sentinel: bool = False, **env: str
+        self,
+        name: str,
+        *,
+        appendonly: bool = False,
+        sentinel: bool = False,
+        cluster: bool = False,
+        **env: str,
     ) -> None:
         self.name = name
+        # On a Cluster (3 masters, a replica each) the turn state lives there, and the
+        # rig's plain Redis is the broker and Celery's result backend.
+        self.redis_cluster = LocalCluster(masters=3, replicas=1).start() if cluster else None
+        if self.redis_cluster is not None:
+            env = {"AGENTQ_REDIS_CLUSTER_NODES": self.redis_cluster.nodes, **env}
         # Behind Sentinel, every process reaches Redis through the sentinel:// URL only.
         self.cluster = SentinelCluster(appendonly=appendonly).start() if sentinel else None
         self.redis = self.cluster.servers[0] if self.cluster else RedisServer(appendonly=appendonly)
@@ -96,6 +108,8 @@ class Rig:
         self.llm.stop()
         if self.cluster is not None:
             self.cluster.stop()
+        if self.redis_cluster is not None:
+            self.redis_cluster.stop()
         self.redis.stop()
         for k, v in self._saved.items():
             if v is None:
