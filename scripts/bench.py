@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:
 
 from agentq.fleet import runtime  # noqa: E402
 from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
+from scripts.bench_cluster import bench_cluster  # noqa: E402
 from scripts.bench_model_capacity import bench_model_capacity  # noqa: E402
 from scripts.bench_report import judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
@@ -361,6 +362,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("held", lambda: bench_held(fx, sz)),
             ("io", lambda: bench_io(fx, sz)),
             ("capacity", lambda: bench_model_capacity(fx, sz)),
+            ("cluster", lambda: bench_cluster(fx, sz)),
         ]
         if not args.no_cost:
             stages.append(("cost_per_call", lambda: cost_per_call(fx)))
@@ -448,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "
-        "throughput, timeout, abort, watchdog, events, scale, held, io, capacity, cost_per_call, "
+        "throughput, timeout, abort, watchdog, events, scale, held, io, capacity, cluster, "
+        "cost_per_call, "
         "profile",
     )
     p.add_argument(

@@ -224,6 +224,21 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
             f"{res.get('capacity_fair_bulk_queued_at_start')} queued background rounds "
             f"of {res.get('capacity_fair_bulk_turns')} turns",
         )
+    if res.get("cluster_turns") is not None:
+        d.add_row(
+            "cluster: turns, finished, s; Redis CPU ms / commands per turn",
+            f"3 masters: {res.get('cluster_turns')}, {res.get('cluster_all_finished')}, "
+            f"{res.get('cluster_seconds')}; {res.get('cluster_redis_cpu_ms_per_turn')} / "
+            f"{res.get('cluster_redis_commands_per_turn')} "
+            f"(+ broker {res.get('cluster_broker_cpu_ms_per_turn')} / "
+            f"{res.get('cluster_broker_commands_per_turn')})",
+            f"one Redis: {res.get('one_redis_turns')}, {res.get('one_redis_all_finished')}, "
+            f"{res.get('one_redis_seconds')}; {res.get('one_redis_redis_cpu_ms_per_turn')} / "
+            f"{res.get('one_redis_redis_commands_per_turn')}",
+            f"per master CPU ms {res.get('cluster_masters_cpu_ms_per_turn')}, busiest share "
+            f"{res.get('cluster_busiest_master_share')}; one Redis core: "
+            f"{res.get('one_redis_turns_per_s_per_core')} turns/s",
+        )
     for what in ("rss", "pss"):
         mem = res.get(f"{what}_mb") or {}
         d.add_row(

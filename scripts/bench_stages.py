@@ -61,9 +61,10 @@ class Sizes:
     capacity_turns: int = 300
     capacity_bulk_turns: int = 500
     capacity_interactive_turns: int = 10
+    cluster_turns: int = 300
 
 
-QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60, 60, 100, 5)
+QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60, 60, 100, 5, 100)
 
 
 def turn_statuses(store: Any, turn_ids: list[str]) -> list[Any]:

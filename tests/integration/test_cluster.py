@@ -8,6 +8,7 @@ import json
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -145,13 +146,27 @@ def test_a_master_failing_over_mid_turn_loses_no_acknowledged_event(
     client.close()
 
 
-def test_the_turn_store_refuses_a_cluster_it_cannot_run_on_yet(cluster: LocalCluster) -> None:
+def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: LocalCluster) -> None:
     from agentq.fleet import runtime
 
     runtime.reset()
     try:
-        with pytest.raises(ConfigError) as err:
-            runtime.get_redis(Settings(redis_cluster_nodes=cluster.nodes))
-        assert err.value.setting == "AGENTQ_REDIS_CLUSTER_NODES"
+        store = runtime.get_store(Settings(redis_cluster_nodes=cluster.nodes))
+        assert k.shard_count() == k.DEFAULT_CLUSTER_SHARDS
+        # Each shard's indexes live on a slot of their own share of the slots: with three
+        # masters holding even ranges, each master holds a third of the shards.
+        per_master = Counter(cluster.master_of(k.wakeups_key(s)).port for s in k.shards())
+        assert sorted(per_master.values()) == [5, 5, 6]
+        turn_id = "0a0b" + uuid.uuid4().hex[4:]
+        keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id), k.turn_active_key(turn_id)]
+        keys += [k.turn_index_key(turn_id), k.worker_calls_key("w1", k.shard_of(turn_id))]
+        assert len({key_slot(key.encode()) for key in keys}) == 1
+        store.create(turn_id, {"status": "queued", "created_at": time.time()}, [])
+        assert store.active() == [turn_id]
+        assert turn_id in store.due_wakeups(time.time() + 60)
     finally:
         runtime.reset()
+    # WAIT counts one connection's writes; a Cluster client spreads them over many.
+    with pytest.raises(ConfigError) as err:
+        Settings(redis_cluster_nodes=cluster.nodes, redis_min_replicas_acked=1)
+    assert err.value.setting == "AGENTQ_REDIS_MIN_REPLICAS_ACKED"
