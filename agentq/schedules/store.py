@@ -3,6 +3,7 @@ celery-redbeat entry that `agentq beat` fires."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from datetime import datetime, timezone
@@ -10,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery
 from redbeat import RedBeatSchedulerEntry
-from redbeat.schedulers import ensure_conf
 
 from agentq import constants as k
 from agentq.config import Settings
@@ -55,11 +55,12 @@ class Schedules:
     def remove(self, name: str) -> None:
         if not self.redis.hdel(k.SCHEDULES, name):
             raise ScheduleNotFound(name)
+        # The beat's entry through celery-redbeat's own client: on a Cluster it lives on
+        # the plain Redis, not beside the spec.
         key = RedBeatSchedulerEntry.generate_key(self.app, name)
-        pipe = self.redis.pipeline()
-        pipe.zrem(ensure_conf(self.app).schedule_key, key)
-        pipe.delete(key, k.schedule_state_key(name))
-        pipe.execute()
+        with contextlib.suppress(KeyError):
+            RedBeatSchedulerEntry.from_key(key, app=self.app).delete()
+        self.redis.delete(k.schedule_state_key(name))
 
     def list(self) -> list[dict[str, Any]]:
         """Every schedule with its runs: last turn, fired and skipped ticks, next due."""

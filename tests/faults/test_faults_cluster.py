@@ -6,18 +6,27 @@ result and ran once."""
 
 from __future__ import annotations
 
+import base64
 import json
+import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 from redis.crc import key_slot
+from standardwebhooks import Webhook
 
 from agentq import constants as k
+from agentq.config import load_settings
+from agentq.fleet.runtime import get_app
 from agentq.local.processes import wait_for
+from agentq.schedules.spec import ScheduleSpec
+from agentq.schedules.store import Schedules
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.testing.openai_server import Round
+from agentq.testing.webhooks import WebhookReceiver
 from tests.faults.rig import FAULT_TOOLS, Rig
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts, wait_event
 
@@ -198,3 +207,46 @@ def _explain(rig: Rig, ids: list[str]) -> str:
         last = [(e.type, str(e.fields)[:120]) for e in rig.log_events(tid)[-5:]]
         lines.append(f"{tid}: wakeup={wake} now={time.time():.1f} state={state} last={last}")
     return "\n".join(lines)
+
+
+SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
+HOOK_ENV = {
+    "AGENTQ_WEBHOOK_SECRET": SECRET,
+    "AGENTQ_WEBHOOK_ALLOW_PRIVATE": "true",
+    "AGENTQ_WEBHOOK_ALLOW_HTTP": "true",
+    "AGENTQ_WEBHOOK_SWEEP_INTERVAL_S": "0.1",
+    "AGENTQ_BEAT_MAX_INTERVAL_S": "0.25",
+}
+
+
+def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:
+    rig: Rig = make_rig(cluster=True, AGENTQ_TOOLS=TOOLS, **HOOK_ENV)
+    rig.start("tools", "llm", "turns", "io")
+    # The beat's own schedule is on the plain Redis (celery-redbeat does not speak
+    # Cluster); the schedules and their runs are on the cluster.
+    rig.fleet.start(
+        "beat", [sys.executable, "-m", "agentq", "beat"], ready_pattern="beat: Acquired lock"
+    )
+    key = rig.script(Round(text="Reported from the cluster."))
+    with WebhookReceiver([500, 200]) as rx:
+        handle = rig.client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        first, second = rx.wait(2)
+        body = Webhook(SECRET).verify(second.body, second.headers)
+        assert first.headers["webhook-id"] == second.headers["webhook-id"]
+        assert body["type"] == "turn.finished" and body["data"]["turn_id"] == handle.turn_id
+        assert body["data"]["output_text"] == "Reported from the cluster."
+
+    redis = rig.client.store.redis
+    schedules = Schedules(get_app(), redis, load_settings())
+    schedules.add(ScheduleSpec(name="report", every_s=1, prompt=f"{key} report"))
+
+    def fired() -> int:
+        return int(redis.hget(k.schedule_state_key("report"), "fired") or 0)
+
+    wait_for(lambda: fired() >= 2, 30, message="two ticks of the schedule")
+    last = redis.hget(k.schedule_state_key("report"), "last_turn_id")
+    assert last is not None
+    done = rig.collect(last.decode(), timeout_s=30)
+    assert done[-1].type == "turn_finished"
+    assert rig.client.get(last.decode())["state"]["schedule"] == "report"
+    schedules.remove("report")

@@ -1,6 +1,8 @@
 """Turn state on a local Redis Cluster (3 masters, each with a replica), started by the
 fixture and stopped by PID: a turn's keys on one slot, its events over sharded pub/sub,
-replay and resume from the log, and a master failing over while events are published."""
+replay and resume from the log, a master failing over while events are published, and
+the store split into shards spread evenly over the masters. Whole turns on a cluster with
+real workers: tests/faults/test_faults_cluster.py."""
 
 from __future__ import annotations
 
