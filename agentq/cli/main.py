@@ -13,7 +13,7 @@ from agentq.config import redact
 from agentq.constants import VERSION
 from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
 from agentq.events.follow import RELAY_DEPTH_MAX
-from agentq.fleet.connections import probe
+from agentq.fleet.connections import probe, probe_cluster
 
 if TYPE_CHECKING:
     from agentq.config import Settings
@@ -70,9 +70,14 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
     checks = [("AGENTQ_REDIS_URL", settings.redis_url)]
     if broker and settings.broker != settings.redis_url:
         checks.insert(0, ("AGENTQ_BROKER_URL", settings.broker))
+    if settings.redis_cluster_nodes:
+        checks.append(("AGENTQ_REDIS_CLUSTER_NODES", settings.redis_cluster_nodes))
     for setting, url in checks:
         for attempt in range(attempts):
-            problem = probe(url, settings.redis_sentinel_master)
+            if setting == "AGENTQ_REDIS_CLUSTER_NODES":
+                problem = probe_cluster(url)
+            else:
+                problem = probe(url, settings.redis_sentinel_master)
             if problem is None:
                 break
             if attempt == attempts - 1:

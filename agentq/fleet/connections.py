@@ -25,7 +25,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
 from agentq.config import is_sentinel, parse_cluster_nodes, parse_sentinel_url
-from agentq.errors import ConfigError
+from agentq.errors import REDIS_ERRORS, ConfigError
 
 SENTINEL_MASTER_SETTING = "AGENTQ_REDIS_SENTINEL_MASTER"
 REDIS_MAX_CONNECTIONS = 10_000
@@ -260,6 +260,23 @@ def _probe_broker(url: str, timeout_s: float) -> str | None:
             conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
     except Exception as exc:
         return str(exc) or type(exc).__name__
+    return None
+
+
+def probe_cluster(nodes: str, timeout_s: float = 3.0) -> str | None:
+    """None when the Redis Cluster that `nodes` name some of answers; else why not."""
+    try:
+        client = cluster_client(
+            nodes, retries=0, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        )
+    except REDIS_ERRORS as exc:
+        return str(exc) or type(exc).__name__
+    try:
+        client.ping()
+    except (*REDIS_ERRORS, OSError) as exc:  # type: ignore[misc]
+        return str(exc) or type(exc).__name__
+    finally:
+        client.close()
     return None
 
 

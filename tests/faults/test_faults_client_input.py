@@ -155,5 +155,11 @@ def test_unreachable_broker_and_redis_fail_fast_with_a_clear_message(rig) -> Non
     assert "AGENTQ_REDIS_URL: cannot reach redis://:**@127.0.0.1:1/0" in out, out
     assert "pw@" not in out and "Traceback" not in out and took_s < 20
 
+    # A Cluster nobody answers for: named at start, not a traceback on the first step.
+    code, out, took_s = _agentq("worker", "turns", AGENTQ_REDIS_CLUSTER_NODES="127.0.0.1:1")
+    assert code == 2, out
+    assert "AGENTQ_REDIS_CLUSTER_NODES: cannot reach 127.0.0.1:1" in out, out
+    assert "Traceback" not in out and took_s < 30
+
     code, out, _ = _agentq("worker", "tools", AGENTQ_TOOL_TIMEOUT_S="-5")
     assert code == 2 and "AGENTQ_TOOL_TIMEOUT_S" in out and "Traceback" not in out, out
