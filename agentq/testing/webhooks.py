@@ -3,6 +3,8 @@ with the next status of a script and keeps what it received (headers, raw body, 
 
 from __future__ import annotations
 
+import base64
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -79,3 +81,22 @@ class WebhookReceiver:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(5)
+
+
+def new_secret() -> str:
+    """A fresh `AGENTQ_WEBHOOK_SECRET` (`whsec_` + base64 of 32 random bytes)."""
+    return "whsec_" + base64.b64encode(os.urandom(32)).decode()
+
+
+def webhook_env(secret: str) -> dict[str, str]:
+    """Settings for workers delivering to a test receiver: plain http on 127.0.0.1 allowed,
+    short timeouts and retries, a fast sweep."""
+    return {
+        "AGENTQ_WEBHOOK_SECRET": secret,
+        "AGENTQ_WEBHOOK_ALLOW_PRIVATE": "true",
+        "AGENTQ_WEBHOOK_ALLOW_HTTP": "true",
+        "AGENTQ_WEBHOOK_TIMEOUT_S": "2",
+        "AGENTQ_WEBHOOK_RETRY_BASE_S": "0.5",
+        "AGENTQ_WEBHOOK_RETRY_MAX_S": "4",
+        "AGENTQ_WEBHOOK_SWEEP_INTERVAL_S": "0.1",
+    }

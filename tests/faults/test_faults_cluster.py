@@ -6,9 +6,7 @@ result and ran once."""
 
 from __future__ import annotations
 
-import base64
 import json
-import os
 import sys
 import time
 from collections import Counter
@@ -26,7 +24,7 @@ from agentq.schedules.spec import ScheduleSpec
 from agentq.schedules.store import Schedules
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.testing.openai_server import Round
-from agentq.testing.webhooks import WebhookReceiver
+from agentq.testing.webhooks import WebhookReceiver, new_secret, webhook_env
 from tests.faults.rig import FAULT_TOOLS, Rig
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts, wait_event
 
@@ -209,14 +207,8 @@ def _explain(rig: Rig, ids: list[str]) -> str:
     return "\n".join(lines)
 
 
-SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
-HOOK_ENV = {
-    "AGENTQ_WEBHOOK_SECRET": SECRET,
-    "AGENTQ_WEBHOOK_ALLOW_PRIVATE": "true",
-    "AGENTQ_WEBHOOK_ALLOW_HTTP": "true",
-    "AGENTQ_WEBHOOK_SWEEP_INTERVAL_S": "0.1",
-    "AGENTQ_BEAT_MAX_INTERVAL_S": "0.25",
-}
+SECRET = new_secret()
+HOOK_ENV = {**webhook_env(SECRET), "AGENTQ_BEAT_MAX_INTERVAL_S": "0.25"}
 
 
 def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:

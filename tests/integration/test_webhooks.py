@@ -25,22 +25,14 @@ from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
 from agentq.models import Usage
 from agentq.testing.openai_server import Round
-from agentq.testing.webhooks import Received, WebhookReceiver
+from agentq.testing.webhooks import Received, WebhookReceiver, new_secret, webhook_env
 from agentq.webhooks.deliveries import Deliveries
 from tests.helpers import calls, follow_until, script
 
 pytestmark = pytest.mark.integration
 
-SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
-ENV = {
-    "AGENTQ_WEBHOOK_SECRET": SECRET,
-    "AGENTQ_WEBHOOK_ALLOW_PRIVATE": "true",
-    "AGENTQ_WEBHOOK_ALLOW_HTTP": "true",
-    "AGENTQ_WEBHOOK_TIMEOUT_S": "2",
-    "AGENTQ_WEBHOOK_RETRY_BASE_S": "0.5",
-    "AGENTQ_WEBHOOK_RETRY_MAX_S": "4",
-    "AGENTQ_WEBHOOK_SWEEP_INTERVAL_S": "0.1",
-}
+SECRET = new_secret()
+ENV = webhook_env(SECRET)
 
 
 def _webhook_worker(local_fleet: LocalFleet) -> ManagedProcess:
