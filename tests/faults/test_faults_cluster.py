@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 from redis.crc import key_slot
 from standardwebhooks import Webhook
@@ -19,11 +20,13 @@ from standardwebhooks import Webhook
 from agentq import constants as k
 from agentq.config import load_settings
 from agentq.fleet.runtime import get_app
+from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.schedules.spec import ScheduleSpec
 from agentq.schedules.store import Schedules
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.testing.openai_server import Round
+from agentq.testing.sse import iter_sse
 from agentq.testing.webhooks import WebhookReceiver, new_secret, webhook_env
 from tests.faults.rig import FAULT_TOOLS, Rig
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts, wait_event
@@ -100,6 +103,36 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
     created = [rig.client.get(t)["state"]["created_at"] for t in seen]
     assert created == sorted(created, reverse=True)
     assert rig.client.store.active() == []
+
+    # The gateway on the cluster: a turn over HTTP, its events over SSE (a shard channel),
+    # the active list and the metrics the gateway counts from the measured copies.
+    with (
+        BackgroundServer(create_app(rig.client)) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        r = http.post("/v1/turns", json={"prompt": f"{key} over http"})
+        assert r.status_code == 202, r.text
+        started_http = r.json()
+        headers = {"Authorization": f"Bearer {started_http['token']}"}
+        with http.stream("GET", started_http["events_url"], headers=headers) as resp:
+            assert resp.status_code == 200
+            types = [m.event for m in iter_sse(resp) if m.id is not None]
+        assert types[0] == "turn_started" and types[-1] == "turn_finished", types
+        assert types.count("tool_finished") == 2
+        assert http.get("/v1/turns/active").json() == {"turns": []}
+        got = http.get(f"/v1/turns/{started_http['turn_id']}", headers=headers).json()
+        assert got["state"]["status"] == "finished"
+        # Counted from the measured copies, which a Cluster's scripts publish to a plain
+        # channel that reaches the gateway whichever node it listens on.
+        ended = 'agentq_turns_ended_total{outcome="finished"}'
+        wait_for(
+            lambda: any(
+                line.startswith(ended) and float(line.split()[-1]) >= 1
+                for line in http.get("/metrics").text.splitlines()
+            ),
+            15,
+            message="the gateway to count the finished turn",
+        )
 
 
 def test_aborts_and_approvals_on_a_cluster(make_rig) -> None:
