@@ -105,10 +105,15 @@ SentinelManagedConnection turns it into one), and so does NOREPLICAS (NoReplicas
 so both are retried on the new master."""
 
 
+def _backoff() -> ExponentialBackoff:
+    """The wait between reconnect attempts of every client: 50 ms doubling up to 1 s."""
+    return ExponentialBackoff(cap=1.0, base=0.05)
+
+
 def _sync_retry(retries: int) -> Retry:
     if retries <= 0:
         return Retry(NoBackoff(), 0)
-    return Retry(ExponentialBackoff(cap=1.0, base=0.05), retries)
+    return Retry(_backoff(), retries)
 
 
 def redis_client(
@@ -169,9 +174,7 @@ class BackoffCluster(RedisCluster):
 
     def __init__(self, *args: Any, retries: int = REDIS_RETRIES, **kwargs: Any) -> None:
         # Set first: the base class sends commands while it starts.
-        self._backoff = Retry(
-            ExponentialBackoff(cap=1.0, base=0.05), retries, supported_errors=CLUSTER_RETRY_ON
-        )
+        self._backoff = Retry(_backoff(), retries, supported_errors=CLUSTER_RETRY_ON)
         super().__init__(*args, **kwargs)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
@@ -202,7 +205,7 @@ def async_cluster_client(nodes: str) -> aioredis.RedisCluster:
     startup = [aioredis.cluster.ClusterNode(h, p) for h, p in parse_cluster_nodes(nodes)]
     return aioredis.RedisCluster(
         startup_nodes=startup,
-        retry=AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES),
+        retry=AsyncRetry(_backoff(), REDIS_RETRIES),
         reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
     )
 
@@ -217,7 +220,7 @@ def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
 
 def async_redis_client(url: str, master_name: str | None = None) -> aioredis.Redis:
     """The asyncio twin of `redis_client`, with the same retries."""
-    retry = AsyncRetry(ExponentialBackoff(cap=1.0, base=0.05), REDIS_RETRIES)
+    retry = AsyncRetry(_backoff(), REDIS_RETRIES)
     if not is_sentinel(url):
         return aioredis.Redis.from_url(url, retry=retry, retry_on_error=RETRY_ON)
     if not master_name:

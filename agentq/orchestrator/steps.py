@@ -26,7 +26,7 @@ from agentq.errors import BrokerUnavailable, HeadlessInteraction, LlmError, Step
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.machine import advance, fail, fail_headless
-from agentq.state.base import StepView, text
+from agentq.state.base import StepView, each_shard, text
 from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
@@ -249,22 +249,22 @@ class Sweeper:
             host = text(raw)
             if not r.zrem(k.WORKERS, host):
                 continue  # another sweeper took it
-            pipe = r.pipeline(transaction=False)
-            for shard in k.shards():
-                pipe.smembers(k.worker_calls_key(host, shard))
-            calls = [text(m) for got in pipe.execute() for m in got]
-            log.warning(
-                "worker %s stopped beating; waking the turns of its %d calls", host, len(calls)
-            )
-            for turn_id in sorted({c.split("/", 1)[0] for c in calls}):
-                woke += int(self.store.wake(turn_id))
-            for shard in k.shards():
-                r.delete(k.worker_calls_key(host, shard))
+            woke += self._wake_calls_of(host)
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY_S
             self.prune_index(now)
             # Kept fresh, so agents no worker runs any more drop out of the known ones.
             publish_agents(r, now)
+        return woke
+
+    def _wake_calls_of(self, host: str) -> int:
+        """Wake the turns of a dead worker's running calls; how many were woken."""
+        r = self.store.redis
+        got = each_shard(r, lambda p, s: p.smembers(k.worker_calls_key(host, s)))
+        calls = [text(m) for members in got for m in members]
+        log.warning("worker %s stopped beating; waking the turns of its %d calls", host, len(calls))
+        woke = sum(int(self.store.wake(t)) for t in sorted({c.split("/", 1)[0] for c in calls}))
+        each_shard(r, lambda p, s: p.delete(k.worker_calls_key(host, s)))
         return woke
 
     def prune_index(self, now: float) -> int:

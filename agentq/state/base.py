@@ -125,6 +125,21 @@ def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
     return [x for c, r in records.items() for x in (c, json.dumps(r))]
 
 
+def each_shard(client: Any, command: Callable[[Any, int], Any]) -> list[Any]:
+    """The answers of `command(pipe, shard)` for every shard of the state, in one round
+    trip (agentq.constants: one shard on one Redis, several on a Cluster)."""
+    pipe = client.pipeline(transaction=False)
+    for shard in k.shards():
+        command(pipe, shard)
+    return list(pipe.execute())
+
+
+def active_turns(client: Any) -> list[str]:
+    """The running turns of every shard, oldest first."""
+    got = each_shard(client, lambda p, s: p.zrange(k.active_key(s), 0, -1, withscores=True))
+    return [text(t) for _, t in sorted((float(sc), t) for rows in got for t, sc in rows)]
+
+
 def text(v: Any) -> str:
     """Redis answers bytes; callers want str."""
     return v.decode() if isinstance(v, bytes) else str(v)

@@ -25,7 +25,7 @@ import redis
 
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.state.base import text
+from agentq.state.base import active_turns, each_shard, text
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
@@ -266,33 +266,35 @@ class TurnLister:
 
     def _newest(self, top: str, num: int) -> list[tuple[str, float]]:
         """The `num` newest index entries below `top`, over every shard."""
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in k.shards():
-            pipe.zrevrangebyscore(
-                k.index_key(shard), top, "-inf", start=0, num=num, withscores=True
-            )
-        rows = [(text(m), float(s)) for got in pipe.execute() for m, s in got]
+        got = each_shard(
+            self.redis,
+            lambda p, s: p.zrevrangebyscore(
+                k.index_key(s), top, "-inf", start=0, num=num, withscores=True
+            ),
+        )
+        rows = [(text(m), float(sc)) for found in got for m, sc in found]
         rows.sort(key=lambda r: r[1], reverse=True)
         return rows[:num]
 
     def _oldest(self, batch: int, older_than: float | None, start: int) -> list[str]:
         """The oldest index entries over every shard: the `batch` oldest, or from position
         `start` those created before `older_than`."""
-        pipe = self.redis.pipeline(transaction=False)
         top = "+inf" if older_than is None else f"({older_than!r}"
-        for shard in k.shards():
-            pipe.zrangebyscore(
-                k.index_key(shard), "-inf", top, start=0, num=start + batch, withscores=True
-            )
-        rows = sorted(((float(s), text(m)) for got in pipe.execute() for m, s in got))
+        got = each_shard(
+            self.redis,
+            lambda p, s: p.zrangebyscore(
+                k.index_key(s), "-inf", top, start=0, num=start + batch, withscores=True
+            ),
+        )
+        rows = sorted((float(sc), text(m)) for found in got for m, sc in found)
         return [m for _, m in rows[start : start + batch]]
 
     def count_older(self, older_than: float) -> int:
         """How many index entries were created before `older_than`."""
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in k.shards():
-            pipe.zcount(k.index_key(shard), "-inf", f"({older_than!r}")
-        return sum(int(n) for n in pipe.execute())
+        got = each_shard(
+            self.redis, lambda p, s: p.zcount(k.index_key(s), "-inf", f"({older_than!r}")
+        )
+        return sum(int(n) for n in got)
 
     def page(
         self,
@@ -356,10 +358,7 @@ class TurnLister:
         self, visible: Callable[[dict[str, Any]], bool] | None = None
     ) -> list[dict[str, Any]]:
         """Every pending interaction of the running turns, the soonest to expire first."""
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in k.shards():
-            pipe.zrange(k.active_key(shard), 0, -1)
-        ids = [text(t) for got in pipe.execute() for t in got]
+        ids = active_turns(self.redis)
         out: list[dict[str, Any]] = []
         for i in range(0, len(ids), SCAN_BATCH):
             for row in self.summaries(ids[i : i + SCAN_BATCH]).values():

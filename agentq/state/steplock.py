@@ -16,6 +16,7 @@ from agentq.state.base import (
     StepView,
     StoreBase,
     dispatch_args,
+    each_shard,
     step_view,
     text,
 )
@@ -205,10 +206,11 @@ class StepRecords(StoreBase):
 
     def due_wakeups(self, now: float, limit: int = 500) -> list[str]:
         """Turns whose wakeup is due, up to `limit` of each shard, in one round trip."""
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in k.shards():
-            pipe.zrangebyscore(k.wakeups_key(shard), "-inf", now, start=0, num=limit)
-        return [text(t) for raw in pipe.execute() for t in raw]
+        got = each_shard(
+            self.redis,
+            lambda p, s: p.zrangebyscore(k.wakeups_key(s), "-inf", now, start=0, num=limit),
+        )
+        return [text(t) for raw in got for t in raw]
 
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""

@@ -18,7 +18,15 @@ from agentq.events.bus import (
     publish_lua,
 )
 from agentq.models import ToolResult, TurnStatus
-from agentq.state.base import START_BACKSTOP_S, WAKE_BACKSTOP_S, StoreBase, finished, loads, text
+from agentq.state.base import (
+    START_BACKSTOP_S,
+    WAKE_BACKSTOP_S,
+    StoreBase,
+    active_turns,
+    finished,
+    loads,
+    text,
+)
 from agentq.state.lua import TURN_OPEN_LUA, many_lua, wake_lua
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
@@ -140,11 +148,7 @@ class TurnRecords(StoreBase):
 
     def active(self) -> list[str]:
         """The running turns, oldest first."""
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in k.shards():
-            pipe.zrange(k.active_key(shard), 0, -1, withscores=True)
-        rows = [(float(s), text(t)) for got in pipe.execute() for t, s in got]
-        return [t for _, t in sorted(rows)]
+        return active_turns(self.redis)
 
     def close(
         self,
