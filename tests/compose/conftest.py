@@ -1,7 +1,8 @@
 """The compose suite: the demo fleet on RabbitMQ in real containers, built once per run.
 
 Skipped, saying why, only where no Docker engine can be started (`../shared/docker/engine`
-or `AGENTQ_DOCKER_ENGINE` starts one here). Every container and volume is removed after.
+or `AGENTQ_DOCKER_ENGINE` starts one here). Every container and volume is removed after,
+and an engine the suite started is stopped.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.compose.fleet import ComposeFleet, since, start_engine
+from tests.compose.fleet import ComposeFleet, since, start_engine, stop_engine
 
 
 @pytest.fixture(scope="session")
-def engine() -> None:
-    why = start_engine()
+def engine() -> Iterator[None]:
+    why, started = start_engine()
     if why is not None:
         pytest.skip(why)
+    yield
+    if started:  # an engine that was running before stays running
+        stop_engine()
 
 
 @pytest.fixture(scope="session")

@@ -34,17 +34,24 @@ def docker_works() -> bool:
     return done.returncode == 0
 
 
-def start_engine() -> str | None:
-    """Make sure a Docker engine answers; None if one does, else why none can."""
+def start_engine() -> tuple[str | None, bool]:
+    """Make sure a Docker engine answers: (None, whether this call started it), or (why
+    none can, False)."""
     if docker_works():
-        return None
+        return None, False
     if not ENGINE.exists():
-        return f"no Docker engine answers and there is no {ENGINE} to start one"
+        return f"no Docker engine answers and there is no {ENGINE} to start one", False
     done = subprocess.run([str(ENGINE)], capture_output=True, text=True, timeout=1200, check=False)
     if done.returncode != 0 or not docker_works():
         tail = "\n".join((done.stdout + done.stderr).splitlines()[-10:])
-        return f"{ENGINE} could not start a Docker engine (exit {done.returncode}):\n{tail}"
-    return None
+        why = f"{ENGINE} could not start a Docker engine (exit {done.returncode}):\n{tail}"
+        return why, False
+    return None, True
+
+
+def stop_engine() -> None:
+    """Stop the engine `start_engine` started (the script stops it by its PID)."""
+    subprocess.run([str(ENGINE), "--stop"], capture_output=True, timeout=120, check=False)
 
 
 @dataclass
