@@ -57,19 +57,20 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
         wake_granted(ctx.store, wakes)
         raise ModelCapacityTimeout(model, waited_s)
     fields: dict[str, Any] = {"llm_wait_round": round_no, "llm_wait_since": since}
+    events: list[tuple[str, dict[str, Any]]] = []
     if not waiting or ctx.state.get("llm_wait_position") != got.position:
         # `first`: this wait starts here (the metrics count rounds that had to wait by it);
         # later ones only say the round moved up the queue.
-        ctx.publish(
-            "llm_queued",
-            round_no=round_no,
-            model=model,
-            position=got.position,
-            wait_s=round(got.wait_ms / 1000, 1),
-            first=not waiting,
-        )
+        queued = {
+            "round_no": round_no,
+            "model": model,
+            "position": got.position,
+            "wait_s": round(got.wait_ms / 1000, 1),
+            "first": not waiting,
+        }
+        events.append(("llm_queued", queued))
         fields["llm_wait_position"] = got.position
-    ctx.commit(**fields)
+    ctx.commit(events=events, **fields)
     return min(got.retry_at_ms / 1000, since + limit_s)
 
 

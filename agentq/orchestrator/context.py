@@ -55,9 +55,19 @@ class StepContext:
             return bool(self.state["interactive"])
         return not (self.state.get("detach") or self.headless)
 
-    def commit(self, append: list[dict[str, Any]] | None = None, **fields: Any) -> None:
-        """Record state fields (and history messages) atomically, fenced by the step's lock."""
-        if not self.store.commit(self.turn_id, self.token, fields, append):
+    def commit(
+        self,
+        append: list[dict[str, Any]] | None = None,
+        *,
+        events: list[tuple[str, dict[str, Any]]] | None = None,
+        plans: dict[str, str] | None = None,
+        **fields: Any,
+    ) -> None:
+        """Record state fields (and history messages, call plans, the events the change
+        means) atomically, fenced by the step's lock."""
+        if not self.store.commit(
+            self.turn_id, self.token, fields, append, plans=plans, events=events
+        ):
             raise StepLost(self.turn_id)
         self.state.update(fields)
         self.history.extend(append or [])

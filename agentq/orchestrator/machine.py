@@ -103,18 +103,22 @@ def advance(ctx: StepContext) -> float | None:
         fail(ctx, "unknown_agent", f"this worker runs no agent {name!r} (it runs: {known})")
         return None
     if status == TurnStatus.QUEUED.value:
-        ctx.commit(status=TurnStatus.RUNNING.value, started_at=ctx.now, phase="model")
+        started = {
+            "conversation_id": ctx.state.get("conversation_id"),
+            "headless": ctx.headless,
+            "agent": name,
+            "parent_turn_id": ctx.state.get("parent_turn_id"),
+        }
+        ctx.commit(
+            events=[("turn_started", started)],
+            status=TurnStatus.RUNNING.value,
+            started_at=ctx.now,
+            phase="model",
+        )
         # Nothing of a turn's calls is stored before its first step: the calls it came
         # with (if any) are read as they are, without a round trip.
         ids = tuple(c.id for c in pending_calls(ctx.history))
         ctx.round_read = RoundRead.untouched(ids) if ids else None
-        ctx.publish(
-            "turn_started",
-            conversation_id=ctx.state.get("conversation_id"),
-            headless=ctx.headless,
-            agent=name,
-            parent_turn_id=ctx.state.get("parent_turn_id"),
-        )
     for _ in range(MAX_TRANSITIONS_PER_STEP):
         history = ctx.history
         pending = pending_calls(history)
@@ -144,12 +148,14 @@ def advance(ctx: StepContext) -> float | None:
         )
         kept, too_big = history_form(message, ctx.settings.max_arguments_bytes)
         refused = {**too_big, **refused}
-        plans = _store_plans(
-            ctx, [plan_call(c, refused.get(c.id), ctx.agent) for c in message.tool_calls]
-        )
-        # The assistant message is durable before any of its calls is sent.
+        plans = {
+            c.id: plan_call(c, refused.get(c.id), ctx.agent).model_dump_json()
+            for c in message.tool_calls
+        }
+        # The assistant message (and its calls' plans) is durable before any call is sent.
         ctx.commit(
             append=[kept],
+            plans=plans,
             round=round_no + 1,
             stop_after_round=stop,
             call_count=len(earlier) + len(message.tool_calls),
@@ -173,19 +179,14 @@ def advance(ctx: StepContext) -> float | None:
     return ctx.now  # more to do than one step should take: step again at once
 
 
-def _store_plans(
-    ctx: StepContext, plans: list[CallPlan], round_calls: list[str] | None = None
-) -> dict[str, str]:
-    """Store the plans (and, `round_calls`, name the round's calls for the next step's read);
-    the plans as stored, by call id."""
+def _store_plans(ctx: StepContext, plans: list[CallPlan], round_calls: list[str]) -> None:
+    """Store the plans and name the round's calls for the next step's read."""
     stored = {p.call.id: p.model_dump_json() for p in plans}
     if stored:
         pipe = ctx.store.redis.pipeline(transaction=False)
         pipe.hset(k.plan_key(ctx.turn_id), mapping=cast(Any, stored))
-        if round_calls is not None:
-            pipe.hset(k.turn_key(ctx.turn_id), "round_calls", json.dumps(round_calls))
+        pipe.hset(k.turn_key(ctx.turn_id), "round_calls", json.dumps(round_calls))
         pipe.execute()
-    return stored
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:

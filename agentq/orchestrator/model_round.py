@@ -127,9 +127,12 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     """The round's message and streaming seconds when it is done, else when to look again
     (sending the round first if it was not sent)."""
     known = ctx.llm_result
-    raw = (
-        known[1] if known and known[0] == round_no else ctx.store.llm_result(ctx.turn_id, round_no)
-    )
+    if known and known[0] == round_no:
+        raw: str | None = known[1]
+    elif ctx.state.get("llm_round") == round_no:
+        raw = ctx.store.llm_result(ctx.turn_id, round_no)
+    else:
+        raw = None  # a round not sent (llm_round is recorded before sending) has no result
     s = ctx.settings
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
@@ -139,24 +142,25 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
         if not busy and not (result.failover and failovers < s.llm_max_retries):
             return _message(ctx, result)
         fields: dict[str, Any] = {"llm_round": None}
+        events: list[tuple[str, dict[str, Any]]] = []
         if not busy:
             # Its deployment failed before the model said anything: another one takes it.
             fields.update(llm_failovers=failovers + 1, llm_failover_round=round_no)
-            ctx.publish(
-                "llm_retry",
-                round_no=round_no,
-                attempt=failovers + 1,
-                code=result.error_code,
-                error=f"{result.error} (on deployment {ctx.state.get('llm_deployment')})",
-                delay_ms=0,
-                failover=True,
-            )
+            retry = {
+                "round_no": round_no,
+                "attempt": failovers + 1,
+                "code": result.error_code,
+                "error": f"{result.error} (on deployment {ctx.state.get('llm_deployment')})",
+                "delay_ms": 0,
+                "failover": True,
+            }
+            events.append(("llm_retry", retry))
         # A busy provider costs no retry: the round waits for capacity again.
         ctx.store.redis.delete(
             k.llm_result_key(ctx.turn_id, round_no), k.llm_taken_key(ctx.turn_id, round_no)
         )
         ctx.llm_result = None
-        ctx.commit(**fields)
+        ctx.commit(events=events, **fields)
     if ctx.state.get("llm_round") != round_no:
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):

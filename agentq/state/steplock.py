@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
+from agentq.events.bus import WATCHERS_FIELD, event_body, publish_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -30,18 +31,30 @@ WAKE_ONLY_LUA = (
 )
 
 # The step's writes are fenced by its lock token: a step whose lock lapsed (a paused
-# process) cannot overwrite what the step that took over wrote.
+# process) cannot overwrite what the step that took over wrote. With them, in the same
+# write: the plans of calls just asked for, and the events the change means, so that an
+# event is never seen without its state nor a step's state without its event.
 COMMIT_LUA = (
     """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-local n = tonumber(ARGV[2])
+local nf, na, np, ne = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local a = 7 + 2 * nf
 """
-    + many_lua("HSET", "KEYS[2]", "3", "2 + 2 * n")
+    + many_lua("HSET", "KEYS[2]", "7", "a - 1")
+    + many_lua("RPUSH", "KEYS[3]", "a", "a + na - 1")
+    + many_lua("HSET", "KEYS[4]", "a + na", "a + na + 2 * np - 1")
     + """
-redis.call('HINCRBY', KEYS[2], 'version', 1)
+a = a + na + 2 * np
+if ne > 0 then
+  local watchers = redis.call('HGET', KEYS[2], '"""
+    + WATCHERS_FIELD
+    + """')
+  for i = a, a + ne - 1 do
 """
-    + many_lua("RPUSH", "KEYS[3]", "3 + 2 * n", "#ARGV")
+    + publish_lua("KEYS[5]", "KEYS[6]", "KEYS[7]", "ARGV[i]", "ARGV[6]", "watchers")
     + """
+  end
+end
 return 1
 """
 )
@@ -147,16 +160,32 @@ class StepRecords(StoreBase):
         token: str,
         fields: dict[str, Any],
         append: list[dict[str, Any]] | None = None,
+        *,
+        plans: dict[str, str] | None = None,
+        events: list[tuple[str, dict[str, Any]]] | None = None,
     ) -> bool:
-        """Write state fields and append history messages, if this step still holds the lock."""
-        args: list[Any] = [token, len(fields)]
+        """Write state fields, append history messages, store call plans (call id -> plan
+        JSON) and publish events, in one write, if this step still holds the lock."""
+        messages = [json.dumps(m) for m in append or []]
+        plan_pairs = [x for c, p in (plans or {}).items() for x in (c, p)]
+        bodies = [event_body(turn_id, t, f) for t, f in events or []]
+        args: list[Any] = [token, len(fields), len(messages), len(plan_pairs) // 2, len(bodies)]
+        args.append(self.bus.log_arg() if bodies else "")
         for f, v in fields.items():
             args += [f, json.dumps(v)]
-        args += [json.dumps(m) for m in append or []]
+        args += [*messages, *plan_pairs, *bodies]
         # Not run again: a second run would append the messages twice.
         ok = self._durable(
             self._commit,
-            keys=[k.step_lock_key(turn_id), k.turn_key(turn_id), k.history_key(turn_id)],
+            keys=[
+                k.step_lock_key(turn_id),
+                k.turn_key(turn_id),
+                k.history_key(turn_id),
+                k.plan_key(turn_id),
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+            ],
             args=args,
             again=False,
         )

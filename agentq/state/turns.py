@@ -47,7 +47,6 @@ local n = tonumber(ARGV[11])
 """
     + many_lua("RPUSH", "KEYS[15]", "12", "11 + n")
     + """
-if n > 0 then redis.call('HINCRBY', KEYS[1], 'version', 1) end
 """
     + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]", "watched")
     + many_lua("HSET", "KEYS[1]", "12 + n", "#ARGV")
@@ -113,15 +112,17 @@ class TurnRecords(StoreBase):
 
         def build(pipe: Any) -> None:
             pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
-            # Written whole each time, so sending it again (see _durable_write) is harmless.
-            pipe.delete(k.history_key(turn_id))
+            if self.replicas_acked:
+                # Written whole each time, so sending it again (see _durable_write) is
+                # harmless; a turn id is new otherwise, and has no history to clear.
+                pipe.delete(k.history_key(turn_id))
             if history:
                 pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
             pipe.zadd(k.turn_active_key(turn_id), {turn_id: time.time()})
             pipe.zadd(
                 k.turn_index_key(turn_id), {turn_id: float(state.get("created_at") or time.time())}
             )
-            pipe.set(k.dirty_key(turn_id), "1", ex=self.ttl_s)
+            # No dirty mark: no step can hold a turn that did not exist.
             pipe.zadd(k.turn_wakeups_key(turn_id), {turn_id: time.time() + START_BACKSTOP_S})
             parent = state.get("parent_turn_id")
             if parent:
