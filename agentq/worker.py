@@ -82,13 +82,16 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     set_role(role)
     if role in BROKER_POOL:
         sender.app.conf.broker_pool_limit = BROKER_POOL[role]
-    if role in ("llm", "turns") and settings.broker.startswith(("redis", "sentinel")):
+    if settings.broker.startswith(("redis", "sentinel")):
         # kombu's unacked hash (eight Redis commands a message, on the consumer's own
-        # thread) guards nothing here: a round is handed to the loop the moment it
-        # arrives and the turn sends again a round no stream worker claimed
-        # (PICKUP_LEASES); a step message lost with its worker is swept up from the
-        # turn's wakeup (`agentq:turns:wakeups`), long before the visibility timeout
-        # would restore it. A warm shutdown still puts back what was prefetched.
+        # thread) guards nothing agentq does not guard already, and sooner: a round is
+        # handed to the loop the moment it arrives and the turn sends again a round no
+        # stream worker claimed (PICKUP_LEASES); a step message lost with its worker is
+        # swept up from the turn's wakeup (`agentq:turns:wakeups`); a call whose worker
+        # died settles `lost` (its heartbeat, or `tool_queue_timeout_s` for one never
+        # started), long before the visibility timeout, which outlasts both, would restore
+        # it; a webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown
+        # and a requeueing reject (an idempotent tool's dead child) still put messages back.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,
             "ack_emulation": False,
