@@ -23,7 +23,7 @@ from agentq.config import get_settings
 from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError
 from agentq.fleet import health
-from agentq.fleet.app import create_app, longest_limit_s
+from agentq.fleet.app import create_app
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
@@ -48,13 +48,13 @@ logs.connect_celery_signals(settings.log_format)
 load_tool_modules(settings.tool_modules)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
 parse_limits(settings.llm_limits)
-# The broker must not hand a message out again while its call may still run: the longest
-# limit any call can get, a per-call hint up to `max_timeout_s` included.
-_longest = longest_limit_s(
-    settings.tool_timeout_s,
-    [(t.policy.timeout_s, t.policy.max_timeout_s) for t in all_tools().values()],
+# An event-loop worker lets its calls end before it goes: the longest limit any call can
+# get, a per-call hint up to `max_timeout_s` included.
+_longest = max(
+    [settings.tool_timeout_s]
+    + [max(t.policy.timeout_s, t.policy.max_timeout_s or 0) for t in all_tools().values()]
 )
-app = create_app(settings, longest_tool_timeout_s=_longest)
+app = create_app(settings)
 set_app(app)
 if settings.health_file:
     health.install(app, settings.health_file)
@@ -89,8 +89,8 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         # stream worker claimed (PICKUP_LEASES); a step message lost with its worker is
         # swept up from the turn's wakeup (`agentq:turns:wakeups`); a call whose worker
         # died settles `lost` (its heartbeat, or `tool_queue_timeout_s` for one never
-        # started), long before the visibility timeout, which outlasts both, would restore
-        # it; a webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown
+        # started), long before kombu's visibility timeout (an hour) would restore it; a
+        # webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown
         # and a requeueing reject (an idempotent tool's dead child) still put messages back.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,

@@ -12,26 +12,9 @@ from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS, QUEU
 from agentq.fleet.broker import patch_redis_transport
 from agentq.fleet.connections import transport_options
 
-MIN_VISIBILITY_TIMEOUT_S = 3600
 
-
-def visibility_timeout_s(longest_tool_timeout_s: float, queue_timeout_s: float) -> int:
-    """Longer than any call can take, so a slow tool's message is never delivered twice."""
-    need = 2 * (longest_tool_timeout_s + queue_timeout_s) + 600
-    return int(max(MIN_VISIBILITY_TIMEOUT_S, need))
-
-
-def longest_limit_s(default_timeout_s: float, limits: list[tuple[float, float | None]]) -> float:
-    """The longest hard limit a call can get: each tool's (timeout_s, max_timeout_s), since
-    a per-call hint may raise a call's limit up to its ceiling."""
-    return max([default_timeout_s] + [max(t, m or 0) for t, m in limits])
-
-
-def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = None) -> Celery:
+def create_app(settings: Settings) -> Celery:
     patch_redis_transport()
-    longest = (
-        longest_tool_timeout_s if longest_tool_timeout_s is not None else settings.tool_timeout_s
-    )
     app = Celery("agentq", broker=settings.broker, backend=settings.redis_url)
     conf: dict[str, Any] = {
         "task_serializer": "json",
@@ -43,11 +26,11 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         # Only idempotent tools ask to be run again after their process died (per task).
         "task_reject_on_worker_lost": False,
         "task_acks_on_failure_or_timeout": True,
-        "broker_transport_options": {
-            "visibility_timeout": settings.visibility_timeout_s
-            or visibility_timeout_s(longest, settings.tool_queue_timeout_s),
-            **transport_options(settings.broker, settings.redis_sentinel_master),
-        },
+        # No visibility timeout: agentq's workers consume a Redis broker without kombu's
+        # unacked hash (`agentq.worker`), so nothing is restored after one.
+        "broker_transport_options": transport_options(
+            settings.broker, settings.redis_sentinel_master
+        ),
         "result_backend_transport_options": {
             "retry_policy": {"timeout": 5.0},
             **transport_options(settings.redis_url, settings.redis_sentinel_master),
@@ -77,9 +60,9 @@ def create_app(settings: Settings, *, longest_tool_timeout_s: float | None = Non
         "worker_cancel_long_running_tasks_on_connection_loss": False,
     }
     if settings.broker.startswith(("amqp", "pyamqp")):
-        # visibility_timeout is a Redis-transport notion: RabbitMQ redelivers an unacked
-        # message only when its channel closes. Its server-side consumer_timeout (default
-        # 30 min) must exceed the longest tool and turn: see docs/operations.md.
+        # RabbitMQ redelivers an unacked message only when its channel closes. Its
+        # server-side consumer_timeout (default 30 min) must exceed the longest tool and
+        # turn: see docs/operations.md.
         # Publisher confirms: a send returns once RabbitMQ has the message on disk, so a
         # broker that crashes right after loses no call or round a turn counts as sent.
         conf["broker_transport_options"] = {"confirm_publish": True}

@@ -2,8 +2,8 @@
 
 A turn's ending step queues its delivery and sends the first attempt's message
 (`queue_delivery`); every later attempt is sent by a sweep of WEBHOOKS_DUE when it is due,
-by any worker consuming the webhook queue. Nothing waits in a Celery countdown, which a
-Redis broker would lose or hold past its visibility timeout.
+by any worker consuming the webhook queue. Nothing waits in a Celery countdown, which is
+held in a worker's memory and dies with it.
 """
 
 from __future__ import annotations

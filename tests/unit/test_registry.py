@@ -153,13 +153,6 @@ def test_unset_policy_fields_take_the_settings(monkeypatch: pytest.MonkeyPatch) 
         runtime.reset()
 
 
-def test_visibility_timeout_counts_the_hint_ceiling() -> None:
-    from agentq.fleet.app import longest_limit_s, visibility_timeout_s
-
-    assert longest_limit_s(120, [(30, 4000), (60, None), (0, None)]) == 4000
-    assert visibility_timeout_s(longest_limit_s(120, [(30, 4000)]), 300) == 2 * 4300 + 600
-
-
 def test_a_rounds_tool_schemas_are_encoded_once_per_tool_set_and_sent_unparsed() -> None:
     @tool(name="t_schema_a")
     def a(text: str) -> str:
