@@ -68,7 +68,8 @@ class Grant(Wakes):
     model: str
     deployment: str
     lease_id: str
-    """Empty for a model without configured limits (nothing to release)."""
+    """Empty for a model without limits that nothing held (no queue, grant, lease, pause
+    or breaker failure of it): nothing to renew or release."""
     granted_at_ms: int
     tokens: int
     """The estimate counted against tpm; `release` corrects it from the real usage."""
@@ -322,28 +323,28 @@ class Capacity:
     ) -> BreakerVerdict:
         """Count a failure (`5xx`, `stall`, `connection`...) of a deployment, opening its
         breaker for a cool-down after `breaker_failures` in a row or a failed probe."""
-        return self._report(model, deployment, False, kind, now_ms)
-
-    def report_success(
-        self, model: str, deployment: str, *, now_ms: int | None = None
-    ) -> BreakerVerdict:
-        """A request to the deployment worked: its breaker closes."""
-        return self._report(model, deployment, True, "", now_ms)
-
-    def _report(
-        self, model: str, deployment: str, ok: bool, kind: str, now_ms: int | None
-    ) -> BreakerVerdict:
         args = [
             "",
             "" if now_ms is None else now_ms,
             deployment,
-            "1" if ok else "0",
             kind,
             self.breaker_failures,
             self.breaker_cooldown_ms,
         ]
         state = self._breaker(keys=[self._key(model, "breaker")], args=args)
         return "open" if state in ("open", b"open") else "closed"
+
+    def report_success(
+        self, model: str, deployment: str, *, now_ms: int | None = None
+    ) -> BreakerVerdict:
+        """A request to the deployment worked: its breaker closes."""
+        # One command after every round, no script or clock (`now_ms` is for symmetry):
+        # forgetting the failures decides nothing, and deleting fields that are not there
+        # writes (and replicates) nothing. With the hash gone, rounds of a model without
+        # limits go without a lease again.
+        fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
+        self.redis.hdel(self._key(model, "breaker"), *fields)
+        return "closed"
 
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
         """The model's capacity state now, for metrics and the console."""

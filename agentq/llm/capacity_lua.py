@@ -36,7 +36,7 @@ if not now then
 end
 """
 
-PRELUDE_LUA = (
+CONFIG_LUA = (
     """
 local cfg = cjson.decode(ARGV[1])
 -- The limits are the fleet's: a process configured with them stores them, and one that
@@ -50,8 +50,37 @@ else
   if stored then cfg = cjson.decode(stored) end
 end
 """
-    + NOW_LUA
-    + """
+)
+
+# The round of a model without limits (every unconfigured one) has nothing to count, and
+# while the fleet holds nothing of the model it has nothing to wait for but a pause: it
+# goes at once, with no lease to release, and the script writes nothing. No queue means
+# no queued waiter; no grant or lease means nothing to purge and no earlier grant of
+# this waiter to hand back; no breaker hash means every breaker is closed. Anything held
+# takes the full decision below. A background round going this way leaves the count of
+# interactive grants as it was: that count only matters while both classes wait.
+UNMETERED_LUA = """
+local function unmetered()
+  if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return false end
+  -- least_loaded weighs deployments by the leases they hold: it needs them recorded.
+  if cfg.deps[2] and cfg.strategy ~= 'ordered' then return false end
+  for _, d in ipairs(cfg.deps) do
+    if d.rpm > 0 or d.tpm > 0 or d.streams > 0 then return false end
+  end
+  return true
+end
+if unmetered() and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13]) == 0 then
+  local dep = cfg.deps[1].n
+  -- Pauses stay in the hash after they end: an old one does not hold the round.
+  local p = redis.call('HMGET', KEYS[12], 'm', 'd:' .. dep)
+  if (tonumber(p[1]) or 0) <= now and (tonumber(p[2]) or 0) <= now then
+    local g = {l = '', d = dep, at = now, t = tonumber(ARGV[9]), k = 1}
+    return cjson.encode({g = g, woken = {}, now = now})
+  end
+end
+"""
+
+HELPERS_LUA = """
 local QI, QB, QM, FTI, FTB, ST, GCRA = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local LEASES, LMETA, INFL, GRANTS = KEYS[8], KEYS[9], KEYS[10], KEYS[11]
 local PAUSE, BRK, USE = KEYS[12], KEYS[13], KEYS[14]
@@ -275,11 +304,15 @@ local function position(w)
   return rank + 1
 end
 """
-)
+
+PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 
 # ARGV[5..9]: waiter, class (i|b), owner, owner weight, tokens.
 ACQUIRE_LUA = (
-    PRELUDE_LUA
+    CONFIG_LUA
+    + NOW_LUA
+    + UNMETERED_LUA
+    + HELPERS_LUA
     + """
 local w = ARGV[5]
 purge()
@@ -430,24 +463,20 @@ return cur
 """
 )
 
-# KEYS[1]: breaker. ARGV[3..7]: deployment, '1' success | '0' failure, kind, failures to
-# open, cool-down ms.
+# KEYS[1]: breaker. ARGV[3..6]: deployment, kind, failures to open, cool-down ms. A success
+# needs no script: it deletes the deployment's fields (`Capacity.report_success`).
 BREAKER_LUA = (
     NOW_LUA
     + """
 local d = ARGV[3]
-if ARGV[4] == '1' then
-  redis.call('HDEL', KEYS[1], 'f:' .. d, 'o:' .. d, 'p:' .. d, 'k:' .. d)
-  return 'closed'
-end
 local fails = redis.call('HINCRBY', KEYS[1], 'f:' .. d, 1)
-redis.call('HSET', KEYS[1], 'k:' .. d, ARGV[5])
+redis.call('HSET', KEYS[1], 'k:' .. d, ARGV[4])
 local o = tonumber(redis.call('HGET', KEYS[1], 'o:' .. d))
 -- Failures of requests sent before it opened do not lengthen the cool-down.
 if o and o > now then return 'open' end
-if o or fails >= tonumber(ARGV[6]) then
+if o or fails >= tonumber(ARGV[5]) then
   -- Tripped, or the half-open probe failed: every worker skips it for a cool-down.
-  redis.call('HSET', KEYS[1], 'o:' .. d, string.format('%d', now + tonumber(ARGV[7])))
+  redis.call('HSET', KEYS[1], 'o:' .. d, string.format('%d', now + tonumber(ARGV[6])))
   redis.call('HDEL', KEYS[1], 'p:' .. d)
   return 'open'
 end

@@ -20,9 +20,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(9
 HARD_S, GRACE_S = 2.0, 1.5
 
 
-def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(
-    rig, tmp_path: Path
-) -> None:
+def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(rig, tmp_path: Path) -> None:
     count = tmp_path / "count"
     key = rig.script(
         Round(tool_calls=calls(("counted_short", {"path": str(count), "seconds": 30}))),

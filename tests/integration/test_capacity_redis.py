@@ -11,14 +11,15 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 from redis.crc import key_slot
 
-from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt
+from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt, Wakes
 from agentq.llm.headers import RateSignal, parse_rate_headers
 from agentq.llm.limits import parse_limits
 from agentq.local.redis_server import RedisServer
@@ -362,15 +363,144 @@ def test_models_without_limits_are_unmetered_but_learn_pauses(r: redis.Redis) ->
     cap = make(r, {"m": {"rpm": 1}})
     grants = [granted(grab(cap, f"w{i}", T0, model="other")) for i in range(200)]
     assert {g.deployment for g in grants} == {"default"}
+    assert {g.lease_id for g in grants} == {""}  # nothing held them: nothing to release
     assert not cap.snapshot("other", now_ms=T0)["configured"]
     # A busy answer pauses the unconfigured model for every worker: newcomers queue.
     cap.pause("other", for_ms=1000, now_ms=T0)
     q = queued(grab(cap, "late", T0 + 10, model="other"))
     assert q.position == 1 and q.next_slot_ms == T0 + 1000
-    assert granted(grab(cap, "late", T0 + 1000, model="other")).lease_id
+    late = granted(grab(cap, "late", T0 + 1000, model="other"))
+    assert late.lease_id
     for g in grants:
         cap.release(g, now_ms=T0 + 1000)
     assert cap.snapshot("other", now_ms=T0 + 1000)["streams_in_use"] <= 1
+    # Its lease still out, the next round takes one too; once it is back, none again.
+    after = granted(grab(cap, "after", T0 + 1001, model="other"))
+    assert after.lease_id
+    cap.release(late, now_ms=T0 + 1002)
+    cap.release(after, now_ms=T0 + 1002)
+    assert granted(grab(cap, "last", T0 + 1003, model="other")).lease_id == ""
+
+
+def cap_keys(r: redis.Redis, cap: Capacity) -> set[str]:
+    """The suffixes of the capacity's keys in Redis (`leases`, `q:i`...), any model's."""
+    return {k.decode().split("}:", 1)[1] for k in r.scan_iter(match=f"{cap.prefix}:*")}
+
+
+def test_a_model_without_limits_that_nothing_holds_writes_nothing(r: redis.Redis) -> None:
+    for cap in (make(r, {"m": {"rpm": 1}}), Capacity(r, {}, prefix=f"test:cap:{uuid.uuid4()}")):
+        g = granted(cap.acquire("free", waiter="w", owner="o", interactive=True, tokens=700))
+        assert (g.model, g.deployment, g.lease_id, g.tokens) == ("free", "default", "", 700)
+        assert g.granted_at_ms > T0 and g.woken == () and g.wake_next is None
+        # No lease, grant, queue or usage: renewing and releasing have nothing to do.
+        assert cap.renew(g) and cap.release(g, tokens_used=9) == Wakes()
+        assert cap.report_success("free", "default") == "closed"
+        assert cap.withdraw("free", "w") == (False, Wakes())
+        snap = cap.snapshot("free")
+        assert snap["streams_in_use"] == 0 and snap["grants_outstanding"] == 0
+        assert cap_keys(r, cap) == set()
+
+
+def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -> None:
+    cap = make(r, {}, breaker_failures=2, breaker_cooldown_ms=1000)
+    # A queued round granted by another's call takes that grant when it asks again, though
+    # the queue is empty by then: an outstanding grant keeps every round on the full path.
+    cap.pause("m", for_ms=500, now_ms=T0)
+    queued(grab(cap, "a", T0 + 1))
+    queued(grab(cap, "b", T0 + 2))
+    b = granted(grab(cap, "b", T0 + 500))
+    assert b.woken == ("a",) and b.lease_id
+    a = granted(grab(cap, "a", T0 + 501))
+    assert a.lease_id and a.granted_at_ms == T0 + 500
+    assert cap.snapshot("m", now_ms=T0 + 501)["streams_in_use"] == 2
+    cap.release(a, now_ms=T0 + 502)
+    cap.release(b, now_ms=T0 + 502)
+    assert granted(grab(cap, "c", T0 + 503)).lease_id == ""  # the pause has ended
+    # A deployment's pause (a provider's exhausted allowance) holds its rounds too.
+    cap.note_remaining("m", "default", RateSignal(remaining_requests=0), now_ms=T0 + 600)
+    assert queued(grab(cap, "d", T0 + 601)).next_slot_ms == T0 + 1600
+    d = granted(grab(cap, "d", T0 + 1600))
+    assert d.lease_id
+    cap.release(d, now_ms=T0 + 1601)
+    # A failure on record: rounds take leases (a probe must hold one) until a success.
+    cap.report_failure("m", "default", "5xx", now_ms=T0 + 2000)
+    e = granted(grab(cap, "e", T0 + 2001))
+    assert e.lease_id
+    assert cap.report_failure("m", "default", "5xx", now_ms=T0 + 2002) == "open"
+    assert queued(grab(cap, "f", T0 + 2003)).next_slot_ms == T0 + 3002
+    cap.release(e, now_ms=T0 + 2004)
+    probe = granted(grab(cap, "f", T0 + 3002))
+    assert probe.lease_id
+    assert queued(grab(cap, "g", T0 + 3003)).next_slot_ms > T0 + 3003  # one probe at a time
+    assert cap.report_success("m", "default") == "closed"
+    g = granted(grab(cap, "g", T0 + 3004))
+    assert g.lease_id and g.woken == ()
+    cap.release(probe, now_ms=T0 + 3005)
+    cap.release(g, now_ms=T0 + 3005)
+    assert granted(grab(cap, "h", T0 + 3006)).lease_id == ""
+    # What is left holds nothing: ended pauses, virtual times, the minute's usage.
+    assert cap_keys(r, cap) == {"paused", "q:state", "usage"}
+
+
+def test_limits_anywhere_keep_every_round_on_a_lease(r: redis.Redis) -> None:
+    # Only a model with no limit at all, for the model or any deployment, goes without.
+    specs: list[dict[str, Any]] = [
+        {"rpm": 6000},
+        {"tpm": 10**9},
+        {"streams": 100},
+        {"deployments": [{"name": "a"}, {"name": "b", "rpm": 6000}]},
+        # least_loaded counts each deployment's streams by their leases.
+        {"strategy": "least_loaded", "deployments": [{"name": "a"}, {"name": "b"}]},
+    ]
+    for spec in specs:
+        cap = make(r, {"m": spec})
+        got = [granted(grab(cap, f"w{i}", T0)) for i in range(4)]
+        assert all(g.lease_id for g in got), spec
+        if spec.get("strategy") == "least_loaded":
+            assert [g.deployment for g in got] == ["a", "b", "a", "b"]
+    # Deployments without limits, taken in order: the first, without a lease.
+    cap = make(r, {"m": {"deployments": [{"name": "a"}, {"name": "b"}]}}, breaker_failures=1)
+    assert granted(grab(cap, "x", T0)).lease_id == ""
+    cap.report_failure("m", "a", "5xx", now_ms=T0)
+    failover = granted(grab(cap, "y", T0 + 1))
+    assert (failover.deployment, bool(failover.lease_id)) == ("b", True)
+
+
+def commands(r: redis.Redis) -> Counter[str]:
+    stats = r.info("commandstats")
+    return Counter({k.removeprefix("cmdstat_"): v["calls"] for k, v in stats.items()})
+
+
+def count_commands(r: redis.Redis, fn: Callable[[], object]) -> Counter[str]:
+    before = commands(r)
+    fn()
+    ran = commands(r) - before
+    del ran["info"]
+    return ran
+
+
+def test_a_round_of_a_model_without_limits_costs_a_handful_of_commands() -> None:
+    # A server of its own: nothing else's commands in its counts.
+    with RedisServer() as server, redis.Redis.from_url(server.url) as r:
+        limited = Capacity(r, parse_limits(json.dumps({"m": {"rpm": 6000}})))
+        bare = Capacity(r, {})
+
+        def round_of(cap: Capacity, model: str, waiter: str) -> None:
+            g = granted(cap.acquire(model, waiter=waiter, owner="o", interactive=True, tokens=9))
+            cap.report_success(model, g.deployment)
+            cap.release(g, tokens_used=5)
+
+        for cap in (limited, bare):
+            round_of(cap, "m", "warm")  # loads the scripts
+        free = count_commands(r, lambda: round_of(bare, "free", "w1"))
+        # The script, the fleet's stored limits, the clock, one look at the queue, grants,
+        # leases and breakers, one at the pauses; the breaker's HDEL of nothing.
+        assert sum(free.values()) <= 6, free
+        assert not free.keys() & {"set", "hset", "hincrby", "zadd", "zrem", "del"}, free
+        metered = count_commands(r, lambda: round_of(limited, "m", "w2"))
+        assert sum(metered.values()) >= 5 * sum(free.values()), metered
+        # A configured model does not pay for the look.
+        assert not metered.keys() & {"exists", "hmget"}, metered
 
 
 def test_a_models_keys_share_one_cluster_slot(r: redis.Redis) -> None:
