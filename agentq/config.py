@@ -200,7 +200,15 @@ class Settings(BaseSettings):
 
     llm_delta_interval_ms: int = Field(250, ge=0)
     """A stream worker publishes a round's `llm_delta` events at most this often, each
-    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk."""
+    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk.
+    That is for a turn someone follows live; see `llm_quiet_delta_interval_ms`."""
+    llm_quiet_delta_interval_ms: int = Field(2000, ge=0)
+    """For a turn nobody followed when its events last went out: its `llm_delta` events
+    wait, joining, until this long after that publish (any other event of the turn, or the
+    round's end, takes them along at once; a round's first event goes at once). A
+    follower that starts watching mid-round reads the log up to this far behind, and gets
+    live copies from the turn's next publish on, every `llm_delta_interval_ms` again.
+    0 (or not above `llm_delta_interval_ms`): every turn as if followed."""
 
     stream_idle_timeout_ms: int = 120_000
     """Longest silence between two model chunks; <= 0 disables the watchdog."""
@@ -225,9 +233,6 @@ class Settings(BaseSettings):
     """Longest a step may hold its turn; a step that died mid-way is taken over after this."""
     sweep_interval_s: float = Field(0.25, gt=0)
     """How often each turn worker sweeps for due deadlines and dead workers."""
-    visibility_timeout_s: float | None = Field(None, gt=0)
-    """Redis broker: redeliver an unacked message after this long; default computed from the
-    longest tool limit (at least an hour). Below a call's run time a live call is sent twice."""
     health_file: str | None = None
     """A file a worker touches every few seconds while it is connected to the broker and
     consuming: a container's healthcheck reads its age (the compose image sets it)."""

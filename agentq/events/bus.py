@@ -91,9 +91,12 @@ end
 # The events of many turns in one call: KEYS are four per turn (as for PUBLISH_LUA), ARGV
 # the `log_arg`, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
+# Returns the positions (from 0) of the turns someone follows: the script reads `watchers`
+# anyway, and the stream worker holds back the deltas of a turn nobody watches live.
 PUBLISH_MANY_LUA = (
     f"""
 local a = 2
+local followed = {{}}
 for t = 0, #KEYS / 4 - 1 do
   local n = tonumber(ARGV[a])
   local open = redis.call('HMGET', KEYS[4 * t + 4], 'status', '{WATCHERS_FIELD}')
@@ -101,6 +104,7 @@ for t = 0, #KEYS / 4 - 1 do
   if {ended_lua("status")} then
     a = a + 1 + n
   else
+    if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end
     for i = 1, n do
 """
     + publish_lua(
@@ -111,7 +115,7 @@ for t = 0, #KEYS / 4 - 1 do
     a = a + 1 + n
   end
 end
-return 1
+return followed
 """
 )
 
@@ -189,28 +193,56 @@ class EventBus:
         the turn (yet)."""
         return self._watch(keys=[turn_key(turn_id)], args=[by]) is not None
 
-    def publish_many(self, batches: Mapping[str, list[str]], *, client: Any = None) -> None:
+    def publish_many(self, batches: Mapping[str, list[str]]) -> set[str]:
         """Publish event bodies (`event_body`) of several turns, each turn's in order, in
-        calls of about PUBLISH_MANY_EVENTS events (on `client`, e.g. a pipeline). On a
-        Cluster each call holds the turns of one shard only: a script runs on one slot."""
+        calls of about PUBLISH_MANY_EVENTS events, pipelined when there are several. On a
+        Cluster each call holds the turns of one shard only: a script runs on one slot.
+
+        Returns the turns someone followed (`watchers` > 0) as their events went out."""
         opts = self.log_arg()
         by_shard: dict[int, list[str]] = {}
         for turn_id, bodies in batches.items():
             if bodies:
                 by_shard.setdefault(shard_of(turn_id) if self.sharded else 0, []).append(turn_id)
+        calls: list[tuple[list[str], list[str], list[Any]]] = []
         for turn_ids in by_shard.values():
+            ids: list[str] = []
             keys: list[str] = []
             args: list[Any] = [opts]
             for turn_id in turn_ids:
                 bodies = batches[turn_id]
+                ids.append(turn_id)
                 keys += [seq_key(turn_id), log_key(turn_id), events_channel(turn_id)]
                 keys.append(turn_key(turn_id))
                 args += [len(bodies), *bodies]
                 if len(args) > PUBLISH_MANY_EVENTS:
-                    self._publish_many(keys=keys, args=args, client=client)
-                    keys, args = [], [opts]
+                    calls.append((ids, keys, args))
+                    ids, keys, args = [], [], [opts]
             if keys:
-                self._publish_many(keys=keys, args=args, client=client)
+                calls.append((ids, keys, args))
+        if not calls:
+            return set()
+        if len(calls) == 1:
+            # One script call: a pipeline would ask SCRIPT EXISTS first, every time.
+            _, keys, args = calls[0]
+            replies = [self._publish_many(keys=keys, args=args)]
+        else:
+            replies = []
+            for attempt in range(2):
+                pipe = self.redis.pipeline(transaction=False)
+                for _, keys, args in calls:
+                    self._publish_many(keys=keys, args=args, client=pipe)
+                try:
+                    replies = pipe.execute()
+                    break
+                except redis.exceptions.NoScriptError:
+                    # The pipeline loaded its script on a master that a failover replaced
+                    # before it ran: once more, on the new one.
+                    if attempt:
+                        raise
+        return {
+            ids[int(t)] for (ids, _, _), reply in zip(calls, replies, strict=True) for t in reply
+        }
 
     def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
         """Events in the log strictly after `after_id`."""

@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
+import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -29,6 +32,7 @@ from agentq.errors import (
     LlmError,
     ModelBusy,
 )
+from agentq.events.bus import event_body
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.llm.wakes import wake_granted
@@ -38,7 +42,7 @@ from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 
 if TYPE_CHECKING:
-    pass
+    from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.llm")
 
@@ -51,6 +55,29 @@ def warm() -> None:
     get_streams(get_host())
 
 
+Batch = dict[str, list[tuple[str, dict[str, Any]]]]
+"""Events by turn, each turn's in order: (type, fields)."""
+
+
+def _publish(store: TurnStore, batch: Batch) -> set[str]:
+    """In a store thread: publish a batch; return the turns of it someone follows."""
+    return store.bus.publish_many(
+        {
+            turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
+            for turn_id, events in batch.items()
+        }
+    )
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What the last publish of a turn's events found."""
+
+    watched: bool
+    at: float
+    """When its events went out (monotonic s)."""
+
+
 class _Publisher:
     """One per process: the pending events of every round go out together, in one pipelined
     round trip, so thousands of streams cost a few store calls a second, not one a chunk.
@@ -58,25 +85,45 @@ class _Publisher:
     After a batch it waits `llm_delta_interval_ms` (unless a round ends: `drain`), and the
     deltas that come meanwhile join the one before them: a round of a hundred chunks is a
     few events, each of them four Redis commands, instead of a hundred.
+
+    A turn nobody followed when its events last went out (`llm_quiet_delta_interval_ms`)
+    keeps its deltas, joining, until that interval has passed since: most rounds are never
+    watched live, and their deltas are about half of what a turn costs Redis. Any other
+    event of the turn, or a `drain`, takes them along at once, in order. A turn's first
+    event goes at once: nothing is known of it before.
     """
 
-    def __init__(self, host: LoopHost) -> None:
+    def __init__(self, host: LoopHost, publish: Callable[[Batch], set[str]] | None = None) -> None:
         self.host = host
-        self.interval_s = host.settings.llm_delta_interval_ms / 1000
-        self.pending: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        settings = host.settings
+        self.interval_s = settings.llm_delta_interval_ms / 1000
+        quiet_ms = settings.llm_quiet_delta_interval_ms
+        self.quiet_s = quiet_ms / 1000 if quiet_ms > settings.llm_delta_interval_ms else 0.0
+        """0: no turn's deltas are held."""
+        self.publish = publish or functools.partial(_publish, host.store)
+        self.pending: Batch = {}
         self.in_flight: set[str] = set()
+        self.seen: dict[str, _Seen] = {}
+        self.draining: dict[str, int] = {}
+        """Turns a `drain` waits for (how many drains): their deltas are not held."""
+        self.pruned_at = time.monotonic()
         self.flushing: asyncio.Task[None] | None = None
         self.tick = asyncio.Event()
         """Set (and replaced) each time a batch has gone out."""
         self.urgent = asyncio.Event()
         """Set by `drain`: a round waits for its events, so the next batch goes now."""
+        self.wake = asyncio.Event()
+        """Wakes the loop from waiting for held deltas alone: an event came that may not
+        wait that long, or a `drain`."""
+        self.holding_until: float | None = None
+        """While only held deltas wait: when the first of them is due."""
 
     def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
         events = self.pending.setdefault(turn_id, [])
         if type_ == "llm_delta" and events:
             # Deltas that arrive while the last batch is still going out (or in the
-            # interval after it) join the delta before them: a loaded worker publishes
-            # fewer, longer deltas instead of falling behind.
+            # interval after it, or while held) join the delta before them: a loaded
+            # worker publishes fewer, longer deltas instead of falling behind.
             last_type, last = events[-1]
             if (
                 last_type == "llm_delta"
@@ -88,16 +135,64 @@ class _Publisher:
         events.append((type_, fields))
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.get_running_loop().create_task(self._flush())
+        elif self.holding_until is not None:
+            # Otherwise the loop looks at every turn after the batch it is on: waking it
+            # for each held delta would have it scan thousands of turns a chunk.
+            due = self._due(turn_id, time.monotonic()) if type_ == "llm_delta" else None
+            if due is None or due < self.holding_until:
+                self.wake.set()
+
+    def _due(self, turn_id: str, now: float) -> float | None:
+        """When the turn's deltas may go out, if they are held now; else None."""
+        seen = self.seen.get(turn_id)
+        if seen is None or seen.watched or turn_id in self.draining:
+            return None
+        due = seen.at + self.quiet_s
+        return due if due > now else None
+
+    def _take(self, now: float) -> tuple[Batch, float]:
+        """The events to publish now, and when the first held delta is due."""
+        if not self.quiet_s:
+            taken, self.pending = self.pending, {}
+            return taken, math.inf
+        batch: Batch = {}
+        first_due = math.inf
+        for turn_id, events in self.pending.items():
+            due = self._due(turn_id, now)
+            if due is not None and all(type_ == "llm_delta" for type_, _ in events):
+                first_due = min(first_due, due)
+            else:
+                batch[turn_id] = events
+        for turn_id in batch:
+            del self.pending[turn_id]
+        return batch, first_due
 
     async def _flush(self) -> None:
         while self.pending:
-            batch, self.pending = self.pending, {}
+            now = time.monotonic()
+            batch, first_due = self._take(now)
+            if not batch:
+                # Only held deltas: nothing to do until the first is due, unless an event
+                # comes that may not wait that long (`add`, `drain`).
+                self.wake.clear()
+                self.holding_until = first_due
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.wake.wait(), first_due - now)
+                finally:
+                    self.holding_until = None
+                continue
             self.in_flight = set(batch)
             self.urgent.clear()
             try:
-                await self.host.io(self.host.store.publish_many, batch)
+                watched = await self.host.io(self.publish, batch)
             except Exception:
                 log.warning("llm events not published", exc_info=True)
+            else:
+                if self.quiet_s:
+                    for turn_id in batch:
+                        self.seen[turn_id] = _Seen(turn_id in watched, now)
+                    self._prune(now)
             self.in_flight = set()
             tick, self.tick = self.tick, asyncio.Event()
             tick.set()
@@ -105,11 +200,30 @@ class _Publisher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.urgent.wait(), self.interval_s)
 
+    def _prune(self, now: float) -> None:
+        """Forget turns that published nothing for the quiet interval: for a turn not
+        seen, as for one seen that long ago, nothing is held. A round that ends forgets
+        its turn (`drain`); this catches those that never got there."""
+        if now - self.pruned_at >= self.quiet_s:
+            self.pruned_at = now
+            self.seen = {t: s for t, s in self.seen.items() if s.at + self.quiet_s > now}
+
     async def drain(self, turn_id: str) -> None:
-        """Return once every event of this turn added so far has been published."""
-        while turn_id in self.pending or turn_id in self.in_flight:
-            self.urgent.set()
-            await self.tick.wait()
+        """Return once every event of this turn added so far has been published (held
+        deltas too); the round is over, so what was learned of the turn goes."""
+        self.draining[turn_id] = self.draining.get(turn_id, 0) + 1
+        try:
+            while turn_id in self.pending or turn_id in self.in_flight:
+                self.urgent.set()
+                self.wake.set()
+                await self.tick.wait()
+        finally:
+            left = self.draining.pop(turn_id) - 1
+            if left:
+                self.draining[turn_id] = left
+            else:
+                # Its next round (here or elsewhere) learns afresh, from its first event.
+                self.seen.pop(turn_id, None)
 
 
 _publisher: _Publisher | None = None

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import (
-    PUBLISH_MANY_EVENTS,
     WATCHERS_FIELD,
     ended_lua,
     event_body,
@@ -227,17 +225,3 @@ class TurnRecords(StoreBase):
 
     def children(self, turn_id: str) -> list[str]:
         return [text(c) for c in self.redis.smembers(k.children_key(turn_id))]
-
-    def publish_many(self, batches: Mapping[str, list[tuple[str, dict[str, Any]]]]) -> None:
-        """Publish the events of several turns, each turn's in order, in one round trip."""
-        if not any(batches.values()):
-            return
-        bodies = {
-            turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
-            for turn_id, events in batches.items()
-        }
-        if sum(len(b) + 1 for b in bodies.values()) < PUBLISH_MANY_EVENTS:
-            # One script call: a pipeline would ask SCRIPT EXISTS first, every time.
-            self.bus.publish_many(bodies)
-        else:
-            self._pipelined(lambda pipe: self.bus.publish_many(bodies, client=pipe))

@@ -4,12 +4,14 @@ one step at a time, nothing after the end."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import fakeredis
 import pytest
 
 from agentq import constants as k
 from agentq.errors import InteractionClosed, InteractionNotFound
+from agentq.events.bus import event_body
 from agentq.models import InteractionAnswer, InteractionRequest, ToolCall, TurnStatus
 from agentq.state.base import StepView
 from agentq.state.interactions import Interactions
@@ -259,6 +261,13 @@ def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lo
     assert store.redis.get(k.step_lock_key("t1")) is None
 
 
+def publish_many(store: TurnStore, batches: dict[str, list[tuple[str, dict[str, Any]]]]) -> None:
+    """As a stream worker publishes: event bodies of several turns in one go."""
+    store.bus.publish_many(
+        {t: [event_body(t, type_, f) for type_, f in events] for t, events in batches.items()}
+    )
+
+
 def test_publish_many_keeps_each_turns_order_and_skips_ended_turns(store: TurnStore) -> None:
     from agentq.events import bus as bus_module
 
@@ -267,12 +276,13 @@ def test_publish_many_keeps_each_turns_order_and_skips_ended_turns(store: TurnSt
     store.bus.publish("t1", "llm_started")
     assert store.close("t3", TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}) == 1
     n = bus_module.PUBLISH_MANY_EVENTS + 20  # more than one script call's worth
-    store.publish_many(
+    publish_many(
+        store,
         {
             "t1": [("llm_delta", {"text": str(i)}) for i in range(n)],
             "t3": [("llm_delta", {"text": "late"})],
             "t2": [("llm_delta", {"text": "a"}), ("llm_finished", {})],
-        }
+        },
     )
     t1 = store.bus.replay("t1")
     assert [e.seq for e in t1] == list(range(1, n + 2))
@@ -291,7 +301,7 @@ def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_no
     pubsub.subscribe(k.MEASURED_EVENTS_CHANNEL)
     store.bus.publish("t1", "llm_queued", position=1, first=True)
     store.bus.publish("t1", "llm_started", queued_ms=5)
-    store.publish_many({"t1": [("llm_delta", {"text": "a"}), ("llm_finished", {"code": "x"})]})
+    publish_many(store, {"t1": [("llm_delta", {"text": "a"}), ("llm_finished", {"code": "x"})]})
     store.bus.publish("t1", "tool_progress", message="half")
     assert store.settle("t1", error_result(CALL, "boom")) is True
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}) == 1

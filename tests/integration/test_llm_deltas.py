@@ -1,0 +1,66 @@
+"""A real stream worker's `llm_delta` events: every `AGENTQ_LLM_DELTA_INTERVAL_MS` (250 ms)
+while someone follows the turn, every `AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS` (2 s) while
+nobody does; the text is whole either way."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from agentq.api import Client
+from agentq.local.processes import wait_for
+from agentq.models import Event
+from agentq.testing.openai_server import Round
+from tests.helpers import calls, script
+
+pytestmark = pytest.mark.integration
+
+TEXT = "".join(f"w{i:03d} " for i in range(100))
+# 125 chunks over about 3 s: a dozen deltas at the watched interval, two at the quiet one.
+STREAM = Round(text=TEXT, chunk_size=4, chunk_delay_ms=25)
+
+
+def _deltas(events: list[Event], round_no: int) -> list[Event]:
+    return [e for e in events if e.type == "llm_delta" and e.fields["round_no"] == round_no]
+
+
+def test_an_unwatched_round_publishes_few_deltas_with_the_whole_text(
+    fleet, llm_server, client: Client
+) -> None:
+    assert STREAM.chunk_count() > 100
+    handle = client.start_turn(script(llm_server, STREAM))
+    tid = handle.turn_id
+    # Polled, not followed: a follower would count itself in `watchers`.
+    wait_for(lambda: client.store.status(tid) == "finished", 30, message="the turn's end")
+    log = client.store.bus.replay(tid)
+    deltas = _deltas(log, 0)
+    assert "".join(e.fields["text"] for e in deltas) == TEXT
+    assert 1 <= len(deltas) <= 4, [e.ts for e in deltas]
+    started = next(e for e in log if e.type == "llm_started")
+    # The round's first event went at once; its deltas waited a quiet interval after it.
+    assert deltas[0].ts - started.ts >= 1.8
+
+
+def test_a_watched_round_gets_deltas_at_the_normal_interval(
+    fleet, llm_server, client: Client
+) -> None:
+    # The approval holds the turn until the follower is surely counted in: the streamed
+    # round's first publish finds it watched.
+    key = script(llm_server, Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))), STREAM)
+    handle = client.start_turn(key)
+    events: list[Event] = []
+    for ev in client.events(handle.turn_id, heartbeat_s=0.5):
+        if ev is None:
+            continue
+        events.append(ev)
+        if ev.type == "interaction_requested":
+            client.answer(handle.turn_id, ev.fields["request_id"], handle.token, "approve")
+        if ev.type in ("turn_finished", "turn_error", "turn_aborted"):
+            break
+    assert events[-1].type == "turn_finished", events[-1]
+    deltas = _deltas(events, 1)
+    assert "".join(e.fields["text"] for e in deltas) == TEXT
+    assert len(deltas) >= 6, [e.ts for e in deltas]
+    gaps = [b.ts - a.ts for a, b in itertools.pairwise(deltas)]
+    assert max(gaps) < 1.5, gaps  # never a quiet interval's wait
