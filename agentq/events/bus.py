@@ -145,9 +145,12 @@ def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
     )
 
 
-MEASURED_CHECK_S = 5.0
-"""How often a process asks Redis whether a gateway counts measured events: a gateway that
-starts counting misses at most this much of them."""
+MEASURED_CHECK_S = 1.0
+"""How often a process that found no gateway counting measured events asks again: a gateway
+that starts counting misses at most this much of them."""
+MEASURED_RECHECK_S = 5.0
+"""How often a process that found one asks again: a gateway gone costs a few copies to
+nobody until then, not a count."""
 
 
 class EventBus:
@@ -157,21 +160,22 @@ class EventBus:
         self._publish = client.register_script(PUBLISH_LUA)
         self._publish_many = client.register_script(PUBLISH_MANY_LUA)
         self._watch = client.register_script(WATCH_LUA)
-        self._measured = (True, -MEASURED_CHECK_S)  # (counted, checked at, monotonic s)
+        self._measured = (True, -MEASURED_RECHECK_S)  # (counted, checked at, monotonic s)
         self.sharded = isinstance(client, RedisCluster)
         """On a Redis Cluster a turn's channel is a shard channel (SPUBLISH/SSUBSCRIBE):
         its messages stay on the turn's shard instead of crossing the whole cluster."""
 
     def log_arg(self) -> str:
         """The publish scripts' options: the log's maxlen, with `m` appended while some
-        gateway subscribes to the measured channel (asked at most every MEASURED_CHECK_S)."""
+        gateway subscribes to the measured channel (asked again after MEASURED_CHECK_S, or
+        MEASURED_RECHECK_S while one does)."""
         counted, at = self._measured
         now = time.monotonic()
         if self.sharded:
             # A plain channel's subscribers are counted per node: the measured copies of
             # a Cluster's turns go out always.
             return f"{self.log_maxlen}ms"
-        if now - at >= MEASURED_CHECK_S:
+        if now - at >= (MEASURED_RECHECK_S if counted else MEASURED_CHECK_S):
             try:
                 subs = self.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
                 counted = any(int(n) for _, n in subs)

@@ -17,6 +17,7 @@ from redis.retry import Retry
 from agentq.api import Client
 from agentq.config import get_settings
 from agentq.constants import events_channel
+from agentq.events.bus import MEASURED_CHECK_S
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.state.store import TurnStore
@@ -33,6 +34,10 @@ STREAM_ID = re.compile(r"^\d+-\d+$")
 @pytest.fixture(scope="module")
 def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
     with BackgroundServer(create_app(Client())) as server:
+        # A worker that found nobody counting asks again within MEASURED_CHECK_S: only
+        # from then on are the events this gateway counts in /metrics all copied to it.
+        counting_from = time.monotonic() + MEASURED_CHECK_S
+        wait_for(lambda: time.monotonic() >= counting_from, 2 * MEASURED_CHECK_S, 0.05)
         yield server
 
 
