@@ -19,6 +19,16 @@ async def aio_sleep(ctx: ToolContext, seconds: float) -> dict[str, object]:
     return {"slept_s": round(time.time() - start, 3), "pid": os.getpid()}
 
 
+@tool(timeout_s=10)
+async def aio_two_steps(ctx: ToolContext, seconds: float = 0.8) -> str:
+    """Report progress at once and again after `seconds`."""
+    ctx.progress("first step", pct=0)
+    await asyncio.sleep(seconds)
+    ctx.progress("second step", pct=50)
+    await asyncio.sleep(0.05)
+    return "done"
+
+
 @tool(timeout_s=10, budget_s=1)
 async def aio_echo(text: str) -> str:
     """Echo the text back, asynchronously."""

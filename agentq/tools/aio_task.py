@@ -49,6 +49,9 @@ log = logging.getLogger("agentq.tools")
 SOFT_LIMIT_MESSAGE = "agentq: soft time limit"
 """The message of the CancelledError an async tool sees at its soft limit."""
 FLOWER_PROGRESS_S = 0.5
+"""A call's progress reaches Flower (a PROGRESS state in the result backend, five Redis
+commands) at most this often, and only once the call has run this long: most async calls
+end sooner, and Flower is for watching the long ones."""
 
 
 def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
@@ -112,7 +115,7 @@ async def _run_async_call(
     aborted = threading.Event()
     abort_wait = asyncio.Event()
     soft_fired = [False]
-    last_flower = [0.0]
+    last_flower = [time.monotonic()]
 
     def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
         meta = progress_fields(scope, message, pct, fields)

@@ -56,6 +56,29 @@ def test_async_tool_ok_with_progress_from_tool_and_worker(io_worker, turn_worker
     assert {"pid", "started_at", "task_id", "attempt", "delivery"} <= set(start)
 
 
+def test_flower_sees_the_progress_of_long_calls_only(io_worker, turn_worker) -> None:
+    from celery.result import AsyncResult
+
+    long, short = call("aio_two_steps", seconds=0.8), call("aio_sleep", seconds=0.05)
+    turn_id, results = run_round([long, short])
+    assert [r.status for r in results] == ["ok", "ok"], results
+
+    def backend(c: ToolCall) -> AsyncResult:
+        return AsyncResult(f"{turn_id}.{c.id}.1", app=get_app())
+
+    # A report once the call has run FLOWER_PROGRESS_S is a PROGRESS state in Flower;
+    # one in a call's first moments is not written (most calls are over by then).
+    assert backend(long).state == "PROGRESS"
+    assert backend(long).info["message"] == "second step"
+    assert backend(short).state == "PENDING"
+    tool_reports = [
+        e.fields["message"]
+        for e in get_store().bus.replay(turn_id)
+        if e.type == "tool_progress" and e.fields["source"] == "tool"
+    ]
+    assert sorted(tool_reports) == ["first step", "second step", "waiting"]
+
+
 def test_hard_limit_cancels_and_settles_timeout(io_worker, turn_worker) -> None:
     t0 = time.time()
     _turn_id, (res,) = run_round([call("aio_stuck", seconds=30)])
