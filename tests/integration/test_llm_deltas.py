@@ -38,8 +38,15 @@ def test_an_unwatched_round_publishes_few_deltas_with_the_whole_text(
     assert "".join(e.fields["text"] for e in deltas) == TEXT
     assert 1 <= len(deltas) <= 4, [e.ts for e in deltas]
     started = next(e for e in log if e.type == "llm_started")
-    # The round's first event went at once; its deltas waited a quiet interval after it.
-    assert deltas[0].ts - started.ts >= 1.8
+    finished = next(e for e in log if e.type == "llm_finished")
+    # An event's ts is when its batch went out. The round's first batch goes at once (with
+    # any chunk already in), its last with `llm_finished`; between them the turn's deltas
+    # wait a quiet interval after its previous publish.
+    went = [started.ts] + [d.ts for d in deltas]
+    for before, d in zip(went, deltas, strict=False):
+        if d.ts - started.ts < 0.05 or finished.ts - d.ts < 0.05:
+            continue
+        assert d.ts - before >= 1.8, [round(t - started.ts, 3) for t in went]
 
 
 def test_a_watched_round_gets_deltas_at_the_normal_interval(
