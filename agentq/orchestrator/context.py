@@ -55,6 +55,25 @@ class StepContext:
             return bool(self.state["interactive"])
         return not (self.state.get("detach") or self.headless)
 
+    staged: tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]] = field(
+        default_factory=lambda: ({}, [])
+    )
+    """State fields and events `stage`d for the step's next write (see `stage`)."""
+
+    def stage(self, events: list[tuple[str, dict[str, Any]]] | None = None, **fields: Any) -> None:
+        """Record state fields (and their events) with the step's next write, not now: the
+        step sees them at once, Redis with whatever it writes next (`commit`, `close`, a
+        `publish` or the end of the step, `flush`). For a change nothing outside the step
+        acts on before then, such as a turn's start: one write instead of two."""
+        self.state.update(fields)
+        self.staged[0].update(fields)
+        self.staged[1].extend(events or [])
+
+    def flush(self) -> None:
+        """Write what was staged, if anything."""
+        if self.staged[0] or self.staged[1]:
+            self.commit()
+
     def commit(
         self,
         append: list[dict[str, Any]] | None = None,
@@ -64,11 +83,15 @@ class StepContext:
         **fields: Any,
     ) -> None:
         """Record state fields (and history messages, call plans, the events the change
-        means) atomically, fenced by the step's lock."""
+        means) atomically, fenced by the step's lock, after whatever was staged."""
+        staged_fields, staged_events = self.staged
+        fields = {**staged_fields, **fields}
+        events = [*staged_events, *(events or [])]
         if not self.store.commit(
             self.turn_id, self.token, fields, append, plans=plans, events=events
         ):
             raise StepLost(self.turn_id)
+        self.staged = ({}, [])
         self.state.update(fields)
         self.history.extend(append or [])
 
@@ -85,6 +108,7 @@ class StepContext:
         by the step's lock, with `append`'s history messages written first."""
         if error is not None:
             fields["error"] = error
+        self.flush()  # what was staged comes first, its events before the terminal one
         won = self.store.close(
             self.turn_id, status, event, event_fields, token=self.token, append=append, **fields
         )
@@ -104,4 +128,5 @@ class StepContext:
         return read
 
     def publish(self, type_: str, **fields: Any) -> int:
+        self.flush()  # events in the order the step meant them
         return self.store.bus.publish(self.turn_id, type_, **fields)

@@ -54,7 +54,7 @@ Ending a turn aborts its children still running.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.agents import all_agents
@@ -109,7 +109,9 @@ def advance(ctx: StepContext) -> float | None:
             "agent": name,
             "parent_turn_id": ctx.state.get("parent_turn_id"),
         }
-        ctx.commit(
+        # Written with the step's first write (the model round's send, the round's plans),
+        # which comes before anything that acts on it: one write fewer per turn.
+        ctx.stage(
             events=[("turn_started", started)],
             status=TurnStatus.RUNNING.value,
             started_at=ctx.now,
@@ -180,13 +182,13 @@ def advance(ctx: StepContext) -> float | None:
 
 
 def _store_plans(ctx: StepContext, plans: list[CallPlan], round_calls: list[str]) -> None:
-    """Store the plans and name the round's calls for the next step's read."""
+    """Store the plans and name the round's calls for the next step's read (with what
+    the step staged: nothing of the round runs before this)."""
     stored = {p.call.id: p.model_dump_json() for p in plans}
     if stored:
-        pipe = ctx.store.redis.pipeline(transaction=False)
-        pipe.hset(k.plan_key(ctx.turn_id), mapping=cast(Any, stored))
-        pipe.hset(k.turn_key(ctx.turn_id), "round_calls", json.dumps(round_calls))
-        pipe.execute()
+        ctx.commit(plans=stored, round_calls=round_calls)
+    else:
+        ctx.flush()
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:

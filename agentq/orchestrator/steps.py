@@ -147,6 +147,8 @@ def _steps(
         )
         try:
             next_at = _advance(ctx)
+            if ctx.ended is None:
+                ctx.flush()
         except StepLost:
             log.warning("turn %s: step lost its lock to another step", turn_id)
             return "lost"
