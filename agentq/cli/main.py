@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from agentq.cli.options import has_option, take_option
@@ -67,17 +67,17 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
     """
     import time
 
-    checks = [("AGENTQ_REDIS_URL", settings.redis_url)]
+    master = settings.redis_sentinel_master
+    checks: list[tuple[str, str, Callable[[str], str | None]]] = [
+        ("AGENTQ_REDIS_URL", settings.redis_url, lambda url: probe(url, master))
+    ]
     if broker and settings.broker != settings.redis_url:
-        checks.insert(0, ("AGENTQ_BROKER_URL", settings.broker))
+        checks.insert(0, ("AGENTQ_BROKER_URL", settings.broker, lambda url: probe(url, master)))
     if settings.redis_cluster_nodes:
-        checks.append(("AGENTQ_REDIS_CLUSTER_NODES", settings.redis_cluster_nodes))
-    for setting, url in checks:
+        checks.append(("AGENTQ_REDIS_CLUSTER_NODES", settings.redis_cluster_nodes, probe_cluster))
+    for setting, url, check in checks:
         for attempt in range(attempts):
-            if setting == "AGENTQ_REDIS_CLUSTER_NODES":
-                problem = probe_cluster(url)
-            else:
-                problem = probe(url, settings.redis_sentinel_master)
+            problem = check(url)
             if problem is None:
                 break
             if attempt == attempts - 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -153,6 +153,23 @@ MEASURED_RECHECK_S = 5.0
 nobody until then, not a count."""
 
 
+def run_pipeline(client: Any, build: Callable[[Any], None]) -> list[Any]:
+    """Run the commands `build` puts in a pipeline of `client`; their answers.
+
+    A pipeline loads its scripts once, before it is sent: when a retry took it to a new
+    master (a failover, a restart) that lacks them, it is built and sent again.
+    """
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        build(pipe)
+        try:
+            return list(pipe.execute())
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+    raise AssertionError("unreachable")
+
+
 class EventBus:
     def __init__(self, client: redis.Redis | RedisCluster, *, log_maxlen: int = 10_000) -> None:
         self.redis = client
@@ -231,19 +248,12 @@ class EventBus:
             _, keys, args = calls[0]
             replies = [self._publish_many(keys=keys, args=args)]
         else:
-            replies = []
-            for attempt in range(2):
-                pipe = self.redis.pipeline(transaction=False)
+
+            def build(pipe: Any) -> None:
                 for _, keys, args in calls:
                     self._publish_many(keys=keys, args=args, client=pipe)
-                try:
-                    replies = pipe.execute()
-                    break
-                except redis.exceptions.NoScriptError:
-                    # The pipeline loaded its script on a master that a failover replaced
-                    # before it ran: once more, on the new one.
-                    if attempt:
-                        raise
+
+            replies = run_pipeline(self.redis, build)
         return {
             ids[int(t)] for (ids, _, _), reply in zip(calls, replies, strict=True) for t in reply
         }

@@ -24,7 +24,7 @@ import redis
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import EventBus, event_body, publish_lua
+from agentq.events.bus import EventBus, event_body, publish_lua, run_pipeline
 from agentq.models import ToolResult
 
 log = logging.getLogger("agentq.state")
@@ -232,22 +232,15 @@ class StoreBase:
         return first
 
     def _pipelined(self, build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
-        """Run the commands `build` puts in a pipeline (with a WAIT last, `wait`).
+        """Run the commands `build` puts in a pipeline (with a WAIT last, `wait`), built
+        again if a failover took it to a master without its scripts (`run_pipeline`)."""
 
-        A pipeline loads its scripts once, before it is sent: when a retry took it to
-        a new master (a failover, a restart) that lacks them, it is built and sent again.
-        """
-        for attempt in range(2):
-            pipe = self.redis.pipeline(transaction=False)
+        def built(pipe: Any) -> None:
             build(pipe)
             if wait:
                 pipe.wait(self.replicas_acked, self.wait_timeout_ms)
-            try:
-                return list(pipe.execute())
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+
+        return run_pipeline(self.redis, built)
 
     def _follow_master(self) -> None:
         """Behind Sentinel, ask for the master now: if it moved, the pool drops its
