@@ -74,6 +74,11 @@ class StepContext:
         if self.staged[0] or self.staged[1]:
             self.commit()
 
+    def take_staged(self) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+        """What was staged, for the write that lets go of the step's lock, which writes it."""
+        staged, self.staged = self.staged, ({}, [])
+        return staged
+
     def commit(
         self,
         append: list[dict[str, Any]] | None = None,

@@ -88,8 +88,10 @@ def send_round(
         if grant
         else {}
     )
-    # Recorded before sending: a step that takes over waits for this round instead.
-    ctx.commit(
+    # Written with the step's release, after the message went out: a step that takes
+    # over from a step that died in between sends the round again, and the delivery that
+    # comes second finds the round claimed or done (the begin script), so it streams once.
+    ctx.stage(
         **grant_fields,
         llm_round=round_no,
         llm_attempt=attempt,
@@ -117,7 +119,7 @@ def send_round(
         )
     except BrokerUnavailable:
         # Not picked up for long already: the step after the outage sends it at once.
-        ctx.commit(llm_sent_at=0.0)
+        ctx.stage(llm_sent_at=0.0)
         raise
     if sends == 1 and attempt == 1:
         subturns.report_to_parent(ctx, f"model round {round_no + 1}")
@@ -132,7 +134,9 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     elif ctx.state.get("llm_round") == round_no:
         raw = ctx.store.llm_result(ctx.turn_id, round_no)
     else:
-        raw = None  # a round not sent (llm_round is recorded before sending) has no result
+        # Not recorded as sent: not sent, or its step died between the send and the write
+        # (sent again now, its result read once this send is recorded).
+        raw = None
     s = ctx.settings
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)

@@ -147,8 +147,6 @@ def _steps(
         )
         try:
             next_at = _advance(ctx)
-            if ctx.ended is None:
-                ctx.flush()
         except StepLost:
             log.warning("turn %s: step lost its lock to another step", turn_id)
             return "lost"
@@ -160,7 +158,10 @@ def _steps(
             if tracing.enabled:
                 _end_turn_span(ctx)
             return "ended"  # the write that ended the turn let go of the lock
-        released = store.release_step(turn_id, token, next_at, ttl_ms, ctx.dispatched)
+        fields, events = ctx.take_staged()
+        released = store.release_step(
+            turn_id, token, next_at, ttl_ms, ctx.dispatched, fields=fields, events=events
+        )
         if released == 1:
             return "waiting"
         if released == -1:

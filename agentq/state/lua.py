@@ -111,8 +111,9 @@ end
 """ + wake_lua(dirty, wakeups, turn_id, at, ttl)
 
 
-def record_lua(calls: str, outstanding: str, results: str, first: int) -> str:
-    """Lua recording the dispatch records in ARGV[first..] (call id, record pairs): sent,
+def record_lua(calls: str, outstanding: str, results: str, first: int | str) -> str:
+    """Lua recording the dispatch records in ARGV[first..] (call id, record pairs; `first`
+    a number or a Lua expression): sent,
     and, unless already settled, in the batch in flight whose last settle wakes the turn.
 
     A step sends a batch's calls first and records them after (still holding its lock), so

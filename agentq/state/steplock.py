@@ -76,14 +76,32 @@ redis.call('DEL', KEYS[2])
 return {{{read_view_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", _ROUND_KEYS)}}}
 """
 
-# Releasing the step lock, with the dispatch records of the calls the step sent: if the
-# turn was woken meanwhile, keep the lock and step again; else drop it and leave the turn's
-# next deadline for the sweepers.
+# Releasing the step lock, with what the step staged (state fields and their events) and
+# the dispatch records of the calls it sent: a step that sent a model round writes its
+# send here, after the message went out, not in a write of its own before (a delivery
+# that comes before this write finds the turn locked, marks it woken, and the step reads
+# again). If the turn was woken meanwhile, keep the lock and step again; else drop it
+# and leave the turn's next deadline for the sweepers.
 RELEASE_LUA = (
     """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+local nf, ne = tonumber(ARGV[5]), tonumber(ARGV[6])
+local a = 8 + 2 * nf
 """
-    + record_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", 5)
+    + many_lua("HSET", "KEYS[7]", "8", "a - 1")
+    + """
+if ne > 0 then
+  local watchers = redis.call('HGET', KEYS[7], '"""
+    + WATCHERS_FIELD
+    + """')
+  for i = a, a + ne - 1 do
+"""
+    + publish_lua("KEYS[8]", "KEYS[9]", "KEYS[10]", "ARGV[i]", "ARGV[7]", "watchers")
+    + """
+  end
+end
+"""
+    + record_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "a + ne")
     + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('PEXPIRE', KEYS[1], ARGV[4])
@@ -198,18 +216,30 @@ class StepRecords(StoreBase):
         next_wake_at: float | None,
         ttl_ms: int,
         dispatched: dict[str, dict[str, Any]] | None = None,
+        *,
+        fields: dict[str, Any] | None = None,
+        events: list[tuple[str, dict[str, Any]]] | None = None,
     ) -> int:
-        """Let go of the step's lock, recording the calls it sent (`dispatched`, see
+        """Let go of the step's lock, writing state `fields` and publishing `events` (what
+        the step staged) and recording the calls it sent (`dispatched`, see
         `record_dispatch`) while it still holds it: 1 released; 0 woken meanwhile, lock
-        kept: step again; -1 the lock was lost (nothing recorded)."""
+        kept: step again; -1 the lock was lost (nothing written)."""
+        fields = fields or {}
+        bodies = [event_body(turn_id, t, f) for t, f in events or []]
         args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
-        args += [ttl_ms, *dispatch_args(dispatched or {})]
+        args += [ttl_ms, len(fields), len(bodies), self.bus.log_arg() if bodies else ""]
+        for f, v in fields.items():
+            args += [f, json.dumps(v)]
+        args += [*bodies, *dispatch_args(dispatched or {})]
         keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
-        if not dispatched:
+        keys += [k.turn_key(turn_id), k.seq_key(turn_id), k.log_key(turn_id)]
+        keys.append(k.events_channel(turn_id))
+        if not (dispatched or fields or bodies):
             return int(self._release(keys=keys, args=args))
-        # Not sent again: a second run finds the lock gone. Records a failover loses are
-        # of calls a later step sends again, which their start claims run once.
+        # Not sent again: a second run finds the lock gone (and would publish twice).
+        # Records a failover loses are of calls a later step sends again, which their
+        # start claims run once.
         return int(self._durable(self._release, keys=keys, args=args, again=False))
 
     def wake(self, turn_id: str) -> bool:
