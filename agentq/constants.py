@@ -238,7 +238,13 @@ def plan_key(turn_id: str) -> str:
 
 
 def cancel_key(turn_id: str) -> str:
+    """Why the turn was cancelled, for the processes that poll many turns (one MGET)."""
     return f"{turn_key(turn_id)}:cancel"
+
+
+CANCEL_FIELD = "cancel"
+"""Field of the turn's state hash: the same reason (JSON), which the scripts read with the
+state they read anyway."""
 
 
 def interaction_key(turn_id: str, request_id: str) -> str:

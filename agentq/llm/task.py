@@ -82,15 +82,17 @@ class _Publisher:
     """One per process: the pending events of every round go out together, in one pipelined
     round trip, so thousands of streams cost a few store calls a second, not one a chunk.
 
-    After a batch it waits `llm_delta_interval_ms` (unless a round ends: `drain`), and the
-    deltas that come meanwhile join the one before them: a round of a hundred chunks is a
-    few events, each of them four Redis commands, instead of a hundred.
+    After a batch it waits `llm_delta_interval_ms`, and the deltas that come meanwhile join
+    the one before them: a round of a hundred chunks is a few events, each of them four
+    Redis commands, instead of a hundred. A round that ends `take`s its turn's events not
+    yet out, for the write that stores its result.
 
     A turn nobody followed when its events last went out (`llm_quiet_delta_interval_ms`)
     keeps its deltas, joining, until that interval has passed since: most rounds are never
     watched live, and their deltas are about half of what a turn costs Redis. Any other
-    event of the turn, or a `drain`, takes them along at once, in order. A turn's first
-    event goes at once: nothing is known of it before.
+    event of the turn takes them along at once, in order. What the round's claim found
+    (`learned`) counts as its first publish; a turn of which nothing is known has its
+    first event go at once.
     """
 
     def __init__(self, host: LoopHost, publish: Callable[[Batch], set[str]] | None = None) -> None:
@@ -104,17 +106,13 @@ class _Publisher:
         self.pending: Batch = {}
         self.in_flight: set[str] = set()
         self.seen: dict[str, _Seen] = {}
-        self.draining: dict[str, int] = {}
-        """Turns a `drain` waits for (how many drains): their deltas are not held."""
         self.pruned_at = time.monotonic()
         self.flushing: asyncio.Task[None] | None = None
         self.tick = asyncio.Event()
         """Set (and replaced) each time a batch has gone out."""
-        self.urgent = asyncio.Event()
-        """Set by `drain`: a round waits for its events, so the next batch goes now."""
         self.wake = asyncio.Event()
         """Wakes the loop from waiting for held deltas alone: an event came that may not
-        wait that long, or a `drain`."""
+        wait that long."""
         self.holding_until: float | None = None
         """While only held deltas wait: when the first of them is due."""
 
@@ -145,7 +143,7 @@ class _Publisher:
     def _due(self, turn_id: str, now: float) -> float | None:
         """When the turn's deltas may go out, if they are held now; else None."""
         seen = self.seen.get(turn_id)
-        if seen is None or seen.watched or turn_id in self.draining:
+        if seen is None or seen.watched:
             return None
         due = seen.at + self.quiet_s
         return due if due > now else None
@@ -173,7 +171,7 @@ class _Publisher:
             batch, first_due = self._take(now)
             if not batch:
                 # Only held deltas: nothing to do until the first is due, unless an event
-                # comes that may not wait that long (`add`, `drain`).
+                # comes that may not wait that long (`add`).
                 self.wake.clear()
                 self.holding_until = first_due
                 try:
@@ -183,7 +181,6 @@ class _Publisher:
                     self.holding_until = None
                 continue
             self.in_flight = set(batch)
-            self.urgent.clear()
             try:
                 watched = await self.host.io(self.publish, batch)
             except Exception:
@@ -196,34 +193,35 @@ class _Publisher:
             self.in_flight = set()
             tick, self.tick = self.tick, asyncio.Event()
             tick.set()
-            if self.interval_s > 0 and not self.urgent.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.urgent.wait(), self.interval_s)
+            if self.interval_s > 0:
+                await asyncio.sleep(self.interval_s)
 
     def _prune(self, now: float) -> None:
         """Forget turns that published nothing for the quiet interval: for a turn not
         seen, as for one seen that long ago, nothing is held. A round that ends forgets
-        its turn (`drain`); this catches those that never got there."""
+        its turn (`take`); this catches those that never got there."""
         if now - self.pruned_at >= self.quiet_s:
             self.pruned_at = now
             self.seen = {t: s for t, s in self.seen.items() if s.at + self.quiet_s > now}
 
-    async def drain(self, turn_id: str) -> None:
-        """Return once every event of this turn added so far has been published (held
-        deltas too); the round is over, so what was learned of the turn goes."""
-        self.draining[turn_id] = self.draining.get(turn_id, 0) + 1
-        try:
-            while turn_id in self.pending or turn_id in self.in_flight:
-                self.urgent.set()
-                self.wake.set()
-                await self.tick.wait()
-        finally:
-            left = self.draining.pop(turn_id) - 1
-            if left:
-                self.draining[turn_id] = left
-            else:
-                # Its next round (here or elsewhere) learns afresh, from its first event.
-                self.seen.pop(turn_id, None)
+    def learned(self, turn_id: str, watched: bool) -> None:
+        """What a write of the turn's own found (a round's claim, which publishes its
+        llm_started): as if its events had gone out now."""
+        if self.quiet_s:
+            self.seen[turn_id] = _Seen(watched, time.monotonic())
+
+    async def take(self, turn_id: str) -> list[tuple[str, dict[str, Any]]]:
+        """The turn's events not published yet, held deltas too, once those of it going
+        out have gone: its round is over, and the write of its result carries them. What
+        was learned of the turn goes with them."""
+        while turn_id in self.in_flight:
+            await self.tick.wait()
+        # Its next round (here or elsewhere) learns afresh.
+        self.seen.pop(turn_id, None)
+        taken = self.pending.pop(turn_id, [])
+        if taken:
+            self.wake.set()  # a loop that waits for held deltas alone may wait for none now
+        return taken
 
 
 _publisher: _Publisher | None = None
@@ -243,8 +241,23 @@ class _Deltas:
     def add(self, type_: str, **fields: Any) -> None:
         self.publisher.add(self.turn_id, type_, {"round_no": self.round_no, **fields})
 
-    async def drain(self) -> None:
-        await self.publisher.drain(self.turn_id)
+    def learned(self, watched: bool) -> None:
+        self.publisher.learned(self.turn_id, watched)
+
+    async def take(self) -> list[tuple[str, dict[str, Any]]]:
+        return await self.publisher.take(self.turn_id)
+
+
+def _started(host: LoopHost, req: LlmRoundRequest) -> dict[str, Any]:
+    """The fields of the round's llm_started, which its claim publishes."""
+    started: dict[str, Any] = {"round_no": req.round_no, "model": _model(host, req)}
+    if req.queued_s:
+        started["queued_ms"] = int(req.queued_s * 1000)
+    return started
+
+
+def _model(host: LoopHost, req: LlmRoundRequest) -> str:
+    return req.model or host.settings.llm_model
 
 
 def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
@@ -257,7 +270,7 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     streams.hold(key)
     try:
         start = host.store.begin_llm_round(
-            req.turn_id, req.round_no, streams.worker, streams.lease_ms
+            req.turn_id, req.round_no, streams.worker, streams.lease_ms, _started(host, req)
         )
     except BaseException:
         streams.release(key)
@@ -307,7 +320,7 @@ async def run_round(
         if start.cancelled:
             abort.set()
         with tracing.active(span) if observed else contextlib.nullcontext():
-            result = await _stream(host, streams, req, start.history, abort, stats)
+            result, last = await _stream(host, streams, req, start, abort, stats)
     finally:
         remove_cancel()
         streams.release(key)
@@ -317,7 +330,7 @@ async def run_round(
     if observed:
         # Before the result is stored: storing it may run the turn's next step here.
         _end_round_span(span, result, stats)
-    await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json())
+    await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last)
     return result
 
 
@@ -352,10 +365,11 @@ async def _stream(
     host: LoopHost,
     streams: Streams,
     req: LlmRoundRequest,
-    messages: list[dict[str, Any]],
+    start: LlmRoundStart,
     abort: asyncio.Event,
     stats: _RoundStats,
-) -> LlmRoundResult:
+) -> tuple[LlmRoundResult, list[tuple[str, dict[str, Any]]]]:
+    """The round's result, and its events not published yet (for the write of its end)."""
     from agentq.llm.aclient import astream_round, client_timeout
 
     settings: Settings = host.settings
@@ -366,6 +380,8 @@ async def _stream(
         else client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms)
     )
     events = _Deltas(host, req.turn_id, req.round_no)
+    events.learned(start.followed)
+    messages = start.history
 
     def on_delta(kind: str, text: str) -> None:
         events.add("llm_delta", kind=kind, text=text)
@@ -379,12 +395,8 @@ async def _stream(
             delay_ms=int(delay_s * 1000),
         )
 
-    model = req.model or settings.llm_model
+    model = _model(host, req)
     deployment = req.deployment or DEFAULT_DEPLOYMENT
-    started: dict[str, Any] = {"model": model}
-    if req.queued_s:
-        started["queued_ms"] = int(req.queued_s * 1000)
-    events.add("llm_started", **started)
     t0 = time.monotonic()
     headers: dict[str, str] = {}
     busy: ModelBusy | None = None
@@ -484,12 +496,12 @@ async def _stream(
             error_type=type(exc).__name__,
             streamed_s=time.monotonic() - t0,
         )
-    # Every delta is out before the turn hears the round ended.
-    await events.drain()
+    # Every delta is out, or in the write of the round's end, before the turn hears it.
+    last = await events.take()
     await host.io(
         settle_capacity, host, streams.capacity, req, model, result, busy or failure, headers
     )
-    return result
+    return result, last
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:

@@ -88,6 +88,10 @@ def send_round(
         if grant
         else {}
     )
+    # The events staged so far (a turn's start) come before any of the round's, which its
+    # stream worker publishes as soon as the message is out.
+    if ctx.staged[1]:
+        ctx.flush()
     # Written with the step's release, after the message went out: a step that takes
     # over from a step that died in between sends the round again, and the delivery that
     # comes second finds the round claimed or done (the begin script), so it streams once.

@@ -106,15 +106,14 @@ class InlineStepper(Protocol):
         """Go on with a step whose lock (`token`, for `lock_ms`) and view a write already took."""
 
 
-def step_view(
-    flat: list[Any], cancel: Any, history: list[Any], rnd: list[Any] | None = None
-) -> StepView:
+def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None) -> StepView:
     """A step's view from what the begin script (or a write that took the lock) returned."""
     state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
     ids = state.get("round_calls")
+    cancel = state.pop(k.CANCEL_FIELD, None)
     return StepView(
         state=state or None,
-        cancel_reason=text(cancel) or None,
+        cancel_reason=None if cancel is None else str(cancel),
         history=[json.loads(m) for m in history],
         round=RoundRead(tuple(ids), *rnd) if rnd and isinstance(ids, list) else None,
     )

@@ -43,10 +43,9 @@ end
         "KEYS[10]",
         "KEYS[6]",
         "KEYS[11]",
-        "KEYS[12]",
         "ARGV[10]",
         "ARGV[11]",
-        ("KEYS[1]", "KEYS[13]", "KEYS[14]"),
+        ("KEYS[1]", "KEYS[12]", "KEYS[13]"),
     )
     + "end\nreturn 3"
 )
@@ -59,18 +58,18 @@ START_LUA = (
     """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 """
-    + TURN_OPEN_LUA % (7, -2)
+    + TURN_OPEN_LUA % (6, -2)
     + """
-if redis.call('EXISTS', KEYS[3]) == 1 then return -1 end
+if cancelled then return -1 end
 local prev = redis.call('HGET', KEYS[2], ARGV[1])
 if prev and ARGV[5] ~= '' then
   local ok, rec = pcall(cjson.decode, prev)
   if ok and rec['delivery'] == ARGV[5] then return 2 end
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if ARGV[6] ~= '' then redis.call('SADD', KEYS[8], ARGV[6]) end
+if ARGV[6] ~= '' then redis.call('SADD', KEYS[7], ARGV[6]) end
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
     + "return 1"
 )
 
@@ -139,7 +138,6 @@ class CallRecords(StoreBase):
                 keys=[
                     k.results_key(turn_id),
                     k.started_key(turn_id),
-                    k.cancel_key(turn_id),
                     k.seq_key(turn_id),
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
@@ -187,7 +185,6 @@ class CallRecords(StoreBase):
                 k.started_key(turn_id),
                 k.outstanding_key(turn_id),
                 k.step_lock_key(turn_id),
-                k.cancel_key(turn_id),
                 k.history_key(turn_id),
                 k.calls_key(turn_id),
                 k.plan_key(turn_id),

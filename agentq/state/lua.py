@@ -4,17 +4,20 @@ method that runs it."""
 
 from __future__ import annotations
 
+from agentq.constants import CANCEL_FIELD
 from agentq.events.bus import WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
 # written after its terminal event, and nothing recreates half of a vanished turn. It
-# leaves `watched` (the turn's followers) for the publish fragment.
+# leaves `watched` (the turn's followers) for the publish fragment, and `cancelled`.
 TURN_OPEN_LUA = (
     """
 local open = redis.call('HMGET', KEYS[%d], 'status', '"""
     + WATCHERS_FIELD
+    + """', '"""
+    + CANCEL_FIELD
     + """')
-local status, watched = open[1], open[2]
+local status, watched, cancelled = open[1], open[2], open[3]
 if not status or """
     + ended_lua("status")
     + """ then
@@ -55,10 +58,9 @@ MAX_ROUND_READ = 500
 """A round with more calls than this is read by the step itself, not by the script."""
 
 
-def read_view_lua(
-    turn: str, cancel: str, history: str, round_keys: tuple[str, str, str] | None = None
-) -> str:
-    """A Lua expression list: what a step reads (state, cancel reason, history, round).
+def read_view_lua(turn: str, history: str, round_keys: tuple[str, str, str] | None = None) -> str:
+    """A Lua expression list: what a step reads (state, its cancel reason among it,
+    history, round).
 
     `round` holds the settled results, dispatch records and plans of the calls named by
     the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
@@ -79,8 +81,7 @@ def read_view_lua(
   end)()"""
     return f"""unpack((function()
   local st = redis.call('HGETALL', {turn})
-  return {{st, redis.call('GET', {cancel}) or '', redis.call('LRANGE', {history}, 0, -1),
-    {rnd}}}
+  return {{st, redis.call('LRANGE', {history}, 0, -1), {rnd}}}
 end)())"""
 
 
@@ -88,7 +89,6 @@ def wake_or_step_lua(
     wake: tuple[str, str, str, str, str],
     lock: str,
     turn: str,
-    cancel: str,
     history: str,
     token: str,
     ttl_ms: str,
@@ -106,7 +106,7 @@ def wake_or_step_lua(
     return f"""
 if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
-  return {{3, {read_view_lua(turn, cancel, history, round_keys)}}}
+  return {{3, {read_view_lua(turn, history, round_keys)}}}
 end
 """ + wake_lua(dirty, wakeups, turn_id, at, ttl)
 

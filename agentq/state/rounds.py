@@ -10,12 +10,20 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
+from agentq.events.bus import event_body, publish_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
 from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
 
+# A round's end: the events of it not published yet (its last deltas, llm_finished), its
+# result, and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
     TURN_OPEN_LUA % (3, -2)
     + """
+for i = 8, #ARGV do
+"""
+    + publish_lua("KEYS[8]", "KEYS[9]", "KEYS[10]", "ARGV[i]", "ARGV[7]", "watched")
+    + """
+end
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
 redis.call('DEL', KEYS[5])
 """
@@ -24,7 +32,6 @@ redis.call('DEL', KEYS[5])
         "KEYS[6]",
         "KEYS[3]",
         "KEYS[7]",
-        "KEYS[8]",
         "ARGV[5]",
         "ARGV[6]",
     )
@@ -32,8 +39,9 @@ redis.call('DEL', KEYS[5])
 )
 
 # A stream worker takes a model round: unless it has a result or its turn is over, claim
-# it, and read what the round needs, in one step (each round trip is a handoff to a thread
-# on a stream worker that holds thousands of rounds).
+# it, publish llm_started, and read what the round needs, in one step (each round trip is
+# a handoff to a thread on a stream worker that holds thousands of rounds). It answers
+# whether anyone follows the turn, which decides how often its deltas go out.
 BEGIN_LLM_LUA = (
     """
 local done = redis.call('GET', KEYS[1])
@@ -43,7 +51,11 @@ if done then return {1, done} end
     + """
 if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
 redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
-return {0, redis.call('EXISTS', KEYS[5]), redis.call('LRANGE', KEYS[6], 0, -1)}
+"""
+    + publish_lua("KEYS[6]", "KEYS[7]", "KEYS[8]", "ARGV[4]", "ARGV[5]", "watched")
+    + """
+local followed = watched and tonumber(watched) > 0 and 1 or 0
+return {0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[5], 0, -1), followed}
 """
 )
 
@@ -59,6 +71,8 @@ class LlmRoundStart:
     claimed: bool = False
     cancelled: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
+    followed: bool = False
+    """Someone followed the turn live when the round was claimed."""
 
 
 class RoundRecords(StoreBase):
@@ -72,19 +86,28 @@ class RoundRecords(StoreBase):
     _begin_llm: Script
 
     def begin_llm_round(
-        self, turn_id: str, round_no: int, worker: str, lease_ms: int
+        self, turn_id: str, round_no: int, worker: str, lease_ms: int, started: dict[str, Any]
     ) -> LlmRoundStart:
-        """Claim a model round for this stream worker and read its history, in one step."""
+        """Claim a model round for this stream worker, publish its llm_started (`started`:
+        the event's fields) and read its history, in one step."""
         res = self._begin_llm(
             keys=[
                 k.llm_result_key(turn_id, round_no),
                 k.turn_key(turn_id),
                 k.llm_alive_key(turn_id, round_no),
                 k.llm_taken_key(turn_id, round_no),
-                k.cancel_key(turn_id),
                 k.history_key(turn_id),
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
             ],
-            args=[worker, lease_ms, self.ttl_s],
+            args=[
+                worker,
+                lease_ms,
+                self.ttl_s,
+                event_body(turn_id, "llm_started", started),
+                self.bus.log_arg(),
+            ],
         )
         outcome = int(res[0])
         if outcome == 1:
@@ -97,14 +120,22 @@ class RoundRecords(StoreBase):
             claimed=True,
             cancelled=bool(res[1]),
             history=[json.loads(m) for m in res[2]],
+            followed=bool(res[3]),
         )
 
     def llm_round_alive(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> None:
         """Renew the claim of a round while it streams."""
         self.redis.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
 
-    def finish_llm_round(self, turn_id: str, round_no: int, result_json: str) -> None:
-        """Store a model round's result (LlmRoundResult JSON) and wake its turn."""
+    def finish_llm_round(
+        self,
+        turn_id: str,
+        round_no: int,
+        result_json: str,
+        events: list[tuple[str, dict[str, Any]]] | None = None,
+    ) -> None:
+        """Publish the round's last `events`, store its result (LlmRoundResult JSON) and
+        wake its turn, in one write."""
         token, lock_ms = self._inline_lock()
         ok = self._finish_llm(
             keys=[
@@ -114,10 +145,21 @@ class RoundRecords(StoreBase):
                 k.llm_result_key(turn_id, round_no),
                 k.llm_alive_key(turn_id, round_no),
                 k.step_lock_key(turn_id),
-                k.cancel_key(turn_id),
                 k.history_key(turn_id),
+                k.seq_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
             ],
-            args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s, result_json, token, lock_ms],
+            args=[
+                turn_id,
+                time.time() + WAKE_BACKSTOP_S,
+                self.ttl_s,
+                result_json,
+                token,
+                lock_ms,
+                self.bus.log_arg() if events else "",
+                *[event_body(turn_id, t, f) for t, f in events or []],
+            ],
         )
         woke = self._woke(
             turn_id, ok, token, lock_ms, wake=ok == 1, llm_result=(round_no, result_json)

@@ -59,21 +59,21 @@ return 1
 """
 )
 
-# A step begins: take the lock, clear the dirty mark, and read what the step needs (state,
-# cancel flag, history) in one round trip.
-_ROUND_KEYS = ("KEYS[6]", "KEYS[7]", "KEYS[8]")
+# A step begins: take the lock, clear the dirty mark, and read what the step needs (state
+# with its cancel reason, history) in one round trip.
+_ROUND_KEYS = ("KEYS[5]", "KEYS[6]", "KEYS[7]")
 
 BEGIN_LUA = f"""
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
 redis.call('DEL', KEYS[2])
-return {{{read_view_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", _ROUND_KEYS)}}}
+return {{{read_view_lua("KEYS[3]", "KEYS[4]", _ROUND_KEYS)}}}
 """
 
 # A step that goes round again (woken while it ran) reads afresh, lock kept.
 REREAD_LUA = f"""
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 redis.call('DEL', KEYS[2])
-return {{{read_view_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", _ROUND_KEYS)}}}
+return {{{read_view_lua("KEYS[3]", "KEYS[4]", _ROUND_KEYS)}}}
 """
 
 # Releasing the step lock, with what the step staged (state fields and their events) and
@@ -160,7 +160,6 @@ class StepRecords(StoreBase):
                 k.step_lock_key(turn_id),
                 k.dirty_key(turn_id),
                 k.turn_key(turn_id),
-                k.cancel_key(turn_id),
                 k.history_key(turn_id),
                 k.results_key(turn_id),
                 k.calls_key(turn_id),

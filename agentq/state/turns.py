@@ -75,11 +75,16 @@ do
 )
 
 
-# KEYS: the cancel flag, the children; ARGV: reason, TTL, the cancel channel, the turn id.
-# A script, not a pipeline: a Cluster pipeline takes no PUBLISH (a script's reaches every
-# node's subscribers).
-FLAG_CANCEL_LUA = """
+# KEYS: the cancel flag, the children, the turn; ARGV: reason, TTL, the cancel channel,
+# the turn id, the reason as JSON. The reason goes in the turn's state too, where the
+# scripts read it with the state; not into a turn Redis does not hold. A script, not a
+# pipeline: a Cluster pipeline takes no PUBLISH (a script's reaches every node's
+# subscribers).
+FLAG_CANCEL_LUA = f"""
 redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HSETNX', KEYS[3], '{k.CANCEL_FIELD}', ARGV[5])
+end
 redis.call('PUBLISH', ARGV[3], ARGV[4])
 return redis.call('SMEMBERS', KEYS[2])
 """
@@ -99,8 +104,8 @@ class TurnRecords(StoreBase):
         """Flag the turn cancelled (the first reason stays), tell the event loops that hold
         its calls, and return its children, in one round trip."""
         children = self._flag_cancel(
-            keys=[k.cancel_key(turn_id), k.children_key(turn_id)],
-            args=[reason, self.ttl_s, k.CANCEL_CHANNEL, turn_id],
+            keys=[k.cancel_key(turn_id), k.children_key(turn_id), k.turn_key(turn_id)],
+            args=[reason, self.ttl_s, k.CANCEL_CHANNEL, turn_id, json.dumps(reason)],
         )
         return [text(c) for c in children]
 

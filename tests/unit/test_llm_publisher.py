@@ -1,8 +1,8 @@
 """The stream worker's event publisher: deltas that wait for a batch in flight, or for the
 interval after it, join the delta before them (same round, same kind), nothing else is
-merged or reordered; a round that ends does not wait out the interval. A turn nobody
-follows has its deltas held for the quiet interval, unless another event of it or its
-round's end comes first."""
+merged or reordered; a round that ends takes what of its turn is not out yet (for the
+write of its end) without waiting out the interval. A turn nobody follows has its deltas
+held for the quiet interval, unless another event of it or its round's end comes first."""
 
 from __future__ import annotations
 
@@ -94,10 +94,13 @@ def test_deltas_behind_a_batch_in_flight_are_joined_in_order() -> None:
         pub.add("t2", "llm_delta", _delta(1, "text", "y"))
         pub.add("t1", "llm_finished", {"round_no": 0})
         host.store.release.set()
-        await asyncio.wait_for(pub.drain("t1"), 5)
-        await asyncio.wait_for(pub.drain("t2"), 5)
+        # Each waits for the batch in flight; the loop sent what came meanwhile on.
+        taken.append(await asyncio.wait_for(pub.take("t1"), 5))
+        taken.append(await asyncio.wait_for(pub.take("t2"), 5))
 
+    taken: list[list[tuple[str, dict[str, Any]]]] = []
     asyncio.run(main())
+    assert taken == [[], []]
     first, second = host.store.batches
     # With nothing in flight, each event went out as it came.
     assert first == {
@@ -127,15 +130,15 @@ def test_deltas_within_the_interval_join_and_a_round_end_does_not_wait_it_out() 
             pub.add("t1", "llm_delta", _delta(0, "text", piece))
         pub.add("t1", "llm_finished", {"round_no": 0})
         t0 = time.monotonic()
-        await asyncio.wait_for(pub.drain("t1"), 5)
+        taken.extend(await asyncio.wait_for(pub.take("t1"), 5))
         waited_s.append(time.monotonic() - t0)
 
+    taken: list[tuple[str, dict[str, Any]]] = []
     asyncio.run(main())
-    assert host.store.batches == [
-        {"t1": [("llm_delta", _delta(0, "text", "a"))]},
-        {"t1": [("llm_delta", _delta(0, "text", "bcd")), ("llm_finished", {"round_no": 0})]},
-    ]
-    assert waited_s[0] < 5  # not the minute of the interval: the drain cut it short
+    assert host.store.batches == [{"t1": [("llm_delta", _delta(0, "text", "a"))]}]
+    # For the round's last write, in order, joined:
+    assert taken == [("llm_delta", _delta(0, "text", "bcd")), ("llm_finished", {"round_no": 0})]
+    assert waited_s[0] < 5  # not the minute of the interval
 
 
 def _types(batch_events: list[tuple[str, dict[str, Any]]]) -> list[str]:
@@ -159,24 +162,23 @@ def test_an_unwatched_turns_deltas_wait_out_the_quiet_interval() -> None:
             await asyncio.sleep(0.01)
         await _until(lambda: any("quiet" in b for b in host.store.batches[1:]))
         pub.add("quiet", "llm_finished", {"round_no": 0})
-        pub.add("seen", "llm_finished", {"round_no": 0})
-        await asyncio.wait_for(pub.drain("quiet"), 5)
-        await asyncio.wait_for(pub.drain("seen"), 5)
+        taken.extend(await asyncio.wait_for(pub.take("quiet"), 5))
 
+    taken: list[tuple[str, dict[str, Any]]] = []
     asyncio.run(main())
     batches, sent_at = host.store.batches, host.store.sent_at
     quiet = [(b["quiet"], at) for b, at in zip(batches, sent_at, strict=True) if "quiet" in b]
     seen = [b["seen"] for b in batches if "seen" in b]
     # The watched turn goes at the normal interval: many deltas; the other, once a quiet
-    # interval, and then with its end.
+    # interval, and then with its end (the llm_finished came: it takes them along, out
+    # at once or in what the round's end took).
     assert len(seen) > 10
-    assert [_types(evs) for evs, _ in quiet] == [
-        ["llm_started"],
-        ["llm_delta"],
-        ["llm_delta", "llm_finished"],
-    ]
+    assert [_types(evs) for evs, _ in quiet][:2] == [["llm_started"], ["llm_delta"]]
+    rest = [e for evs, _ in quiet[2:] for e in evs] + taken
+    assert _types(rest) in (["llm_delta", "llm_finished"], ["llm_finished"])
     assert quiet[1][1] - quiet[0][1] >= quiet_s
     text = "".join(f["text"] for evs, _ in quiet for t, f in evs if t == "llm_delta")
+    text += "".join(f["text"] for t, f in taken if t == "llm_delta")
     assert text == "".join(f"q{i} " for i in range(60))
 
 
@@ -204,7 +206,7 @@ def test_the_loop_sleeps_while_only_held_deltas_wait() -> None:
                 await asyncio.sleep(0.001)
         await _until(lambda: len(host.store.batches) == 2)
         for t in turns:
-            await asyncio.wait_for(pub.drain(t), 5)
+            assert await asyncio.wait_for(pub.take(t), 5) == []
 
     turns = [f"t{n}" for n in range(10)]
     asyncio.run(main())
@@ -238,7 +240,7 @@ def test_another_event_of_the_turn_takes_its_held_deltas_along_first() -> None:
         pub.add("t1", "llm_retry", {"round_no": 0, "attempt": 1})
         await _until(lambda: len(host.store.batches) == 2)
         assert time.monotonic() - t0 < 5  # not the minute of the quiet interval
-        await asyncio.wait_for(pub.drain("t1"), 5)
+        assert await asyncio.wait_for(pub.take("t1"), 5) == []
 
     asyncio.run(main())
     assert host.store.batches[1] == {
@@ -250,7 +252,7 @@ def test_another_event_of_the_turn_takes_its_held_deltas_along_first() -> None:
     }
 
 
-def test_drain_takes_held_deltas_out_and_forgets_the_turn() -> None:
+def test_take_takes_held_deltas_out_and_forgets_the_turn() -> None:
     host = _Host(slow=False, quiet_ms=60_000, watched=set())
 
     async def main() -> None:
@@ -261,23 +263,41 @@ def test_drain_takes_held_deltas_out_and_forgets_the_turn() -> None:
         for piece in ("a", "b"):
             pub.add("t1", "llm_delta", _delta(0, "text", piece))
         await _until(lambda: pub.holding_until is not None)
-        await asyncio.wait_for(pub.drain("t1"), 5)
-        assert host.store.batches[1:] == [{"t1": [("llm_delta", _delta(0, "text", "ab"))]}]
+        taken = await asyncio.wait_for(pub.take("t1"), 5)
+        assert taken == [("llm_delta", _delta(0, "text", "ab"))]
+        assert len(host.store.batches) == 1
         # The round is over: nothing of the turn is kept (its next round learns afresh).
-        assert (pub.pending, pub.seen, pub.draining) == ({}, {}, {})
+        assert (pub.pending, pub.seen) == ({}, {})
         await asyncio.wait_for(pub.flushing, 5)  # type: ignore[arg-type]
         # Its next round's first event goes at once, its deltas are held again.
         pub.add("t1", "llm_started", {"round_no": 1})
-        await _until(lambda: len(host.store.batches) == 3)
+        await _until(lambda: len(host.store.batches) == 2)
         pub.add("t1", "llm_delta", _delta(1, "text", "c"))
         await _until(lambda: pub.holding_until is not None)
-        await asyncio.wait_for(pub.drain("t1"), 5)
+        assert await asyncio.wait_for(pub.take("t1"), 5) == [("llm_delta", _delta(1, "text", "c"))]
 
     asyncio.run(main())
-    assert host.store.batches[2:] == [
-        {"t1": [("llm_started", {"round_no": 1})]},
-        {"t1": [("llm_delta", _delta(1, "text", "c"))]},
-    ]
+    assert host.store.batches[1:] == [{"t1": [("llm_started", {"round_no": 1})]}]
+
+
+def test_what_a_claim_learned_holds_the_deltas_from_the_first() -> None:
+    host = _Host(slow=False, quiet_ms=60_000, watched=set())
+
+    async def main() -> None:
+        pub = host.publisher()
+        # The round's claim published llm_started and found nobody following.
+        pub.learned("t1", False)
+        pub.learned("t2", True)
+        for t in ("t1", "t2"):
+            pub.add(t, "llm_delta", _delta(0, "text", "a"))
+        await _until(lambda: len(host.store.batches) == 1)
+        await _until(lambda: pub.holding_until is not None)
+        taken.extend(await asyncio.wait_for(pub.take("t1"), 5))
+
+    taken: list[tuple[str, dict[str, Any]]] = []
+    asyncio.run(main())
+    assert host.store.batches == [{"t2": [("llm_delta", _delta(0, "text", "a"))]}]
+    assert taken == [("llm_delta", _delta(0, "text", "a"))]
 
 
 def test_a_watched_turn_pending_beside_held_ones_goes_at_once() -> None:
@@ -296,13 +316,15 @@ def test_a_watched_turn_pending_beside_held_ones_goes_at_once() -> None:
         # A turn never published (its first event) wakes it too.
         pub.add("new", "llm_started", {"round_no": 0})
         await _until(lambda: len(host.store.batches) == 3)
-        await asyncio.wait_for(pub.drain("q"), 5)
+        await _until(lambda: pub.holding_until is not None)
+        assert await asyncio.wait_for(pub.take("q"), 5) == [
+            ("llm_delta", _delta(0, "text", "held"))
+        ]
 
     asyncio.run(main())
     assert host.store.batches[1:] == [
         {"w": [("llm_delta", _delta(0, "text", "live"))]},
         {"new": [("llm_started", {"round_no": 0})]},
-        {"q": [("llm_delta", _delta(0, "text", "held"))]},
     ]
 
 
@@ -331,7 +353,7 @@ def test_turns_not_published_for_the_quiet_interval_are_forgotten() -> None:
             pub.add(f"gone{i}", "llm_started", {"round_no": 0})
         await _until(lambda: len(host.store.batches) == 1)
         assert len(pub.seen) == 50
-        # No drain came for them (a round that never ended here): once their quiet
+        # No take came for them (a round that never ended here): once their quiet
         # interval is over, holding nothing is what is known of them anyway.
         await asyncio.sleep(quiet_s - (time.monotonic() - host.store.sent_at[0]) + 0.01)
         pub.add("t1", "llm_started", {"round_no": 0})

@@ -58,7 +58,7 @@ def test_nothing_after_the_turn_is_over(store: TurnStore) -> None:
 
 
 def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnStore) -> None:
-    store.redis.set(k.cancel_key("t1"), "user")
+    store.flag_cancel("t1", "user")
     view = store.begin_step("t1", "a", 5000)
     assert view is not None and view.state is not None and view.state["status"] == "running"
     assert view.cancel_reason == "user" and view.history == [{"role": "user", "content": "x"}]
@@ -98,7 +98,7 @@ def test_start_refused_when_settled_or_cancelled(store: TurnStore) -> None:
     assert store.mark_started("t1", "c2", start, event) == 1
     store.settle("t1", error_result(ToolCall(id="c3", name="echo"), "done"))
     assert store.mark_started("t1", "c3", start, event) == 0
-    store.redis.set(k.cancel_key("t1"), "user")
+    store.flag_cancel("t1", "user")
     assert store.mark_started("t1", "c4", start, event) == -1
 
 
