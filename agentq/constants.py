@@ -183,10 +183,6 @@ def log_key(turn_id: str) -> str:
     return f"{turn_key(turn_id)}:log"
 
 
-def seq_key(turn_id: str) -> str:
-    return f"{turn_key(turn_id)}:seq"
-
-
 def history_key(turn_id: str) -> str:
     """List of the turn's messages (OpenAI chat format, JSON)."""
     return f"{turn_key(turn_id)}:history"
@@ -317,7 +313,6 @@ def turn_keys(turn_id: str) -> list[str]:
     return [
         turn_key(turn_id),
         log_key(turn_id),
-        seq_key(turn_id),
         history_key(turn_id),
         results_key(turn_id),
         calls_key(turn_id),

@@ -16,7 +16,6 @@ from agentq.constants import (
     MEASURED_EVENTS_CHANNEL,
     events_channel,
     log_key,
-    seq_key,
     shard_of,
     turn_key,
 )
@@ -24,7 +23,9 @@ from agentq.errors import REDIS_ERRORS
 from agentq.models import TERMINAL_STATUSES, Event
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
-# reads the log after subscribing can dedupe by seq and never misses an event.
+# reads the log after subscribing can dedupe by seq and never misses an event. The seq
+# is a field of the turn's state hash (`SEQ_FIELD`), which the scripts read with its
+# status anyway, and write back with whatever else they write to it.
 # ARGV[1] is the event JSON without seq; the script splices seq (and, for the live
 # copy, the stream id) in as text so no JSON is parsed inside Redis.
 #
@@ -41,18 +42,24 @@ _MEASURED_LUA = " or ".join(f"etype == '{t}'" for t in MEASURED_EVENT_TYPES)
 
 WATCHERS_FIELD = "watchers"
 """Field of the turn's state hash: how many followers want the live copies."""
+SEQ_FIELD = "seq"
+"""Field of the turn's state hash: the seq of its last event."""
 
 
-def publish_lua(seq: str, log: str, channel: str, body: str, opts: str, watched: str) -> str:
+def publish_lua(
+    log: str, channel: str, body: str, opts: str, watched: str, seq: str = "seq"
+) -> str:
     """The Lua that publishes one event, for embedding in larger atomic scripts.
 
     `opts` is a `log_arg` (the log's maxlen, `m` appended while gateways count measured
     events, then `s` on a Redis Cluster: the turn's channel is a shard channel, SPUBLISH,
     in its slot); `watched` a Lua value, the turn's `watchers` field as read (false: none).
+    `seq` names a Lua local holding the turn's last seq (its SEQ_FIELD as read, 0 for
+    none): the fragment counts it up, and the script writes it back to the turn's hash.
     """
     return f"""
-local seq = redis.call('INCR', {seq})
-local body = '{{"seq":' .. seq .. ',' .. string.sub({body}, 2)
+{seq} = {seq} + 1
+local body = '{{"seq":' .. {seq} .. ',' .. string.sub({body}, 2)
 local maxlen, measured, sharded = string.match({opts}, '^(%d+)(m?)(s?)$')
 local id = redis.call('XADD', {log}, 'MAXLEN', '~', maxlen, '*', 'e', body)
 local etype = measured == 'm' and string.match({body}, '^{{"type":"([%w_]+)"')
@@ -78,17 +85,18 @@ def ended_lua(status: str) -> str:
 # finishing its deltas after an abort, is refused here atomically.
 PUBLISH_LUA = (
     f"""
-local open = redis.call('HMGET', KEYS[4], 'status', '{WATCHERS_FIELD}')
-local status = open[1]
+local open = redis.call('HMGET', KEYS[3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
+local status, last = open[1], tonumber(open[3]) or 0
 if {ended_lua("status")} then
   return {{0, ''}}
 end
 """
-    + publish_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", "ARGV[1]", "ARGV[2]", "open[2]")
-    + "return {seq, id}"
+    + publish_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "open[2]", "last")
+    + f"redis.call('HSET', KEYS[3], '{SEQ_FIELD}', last)\n"
+    + "return {last, id}"
 )
 
-# The events of many turns in one call: KEYS are four per turn (as for PUBLISH_LUA), ARGV
+# The events of many turns in one call: KEYS are three per turn (as for PUBLISH_LUA), ARGV
 # the `log_arg`, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
 # Returns the positions (from 0) of the turns someone follows: the script reads `watchers`
@@ -97,21 +105,20 @@ PUBLISH_MANY_LUA = (
     f"""
 local a = 2
 local followed = {{}}
-for t = 0, #KEYS / 4 - 1 do
+for t = 0, #KEYS / 3 - 1 do
   local n = tonumber(ARGV[a])
-  local open = redis.call('HMGET', KEYS[4 * t + 4], 'status', '{WATCHERS_FIELD}')
-  local status = open[1]
+  local open = redis.call('HMGET', KEYS[3 * t + 3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
+  local status, last = open[1], tonumber(open[3]) or 0
   if {ended_lua("status")} then
     a = a + 1 + n
   else
     if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end
     for i = 1, n do
 """
-    + publish_lua(
-        "KEYS[4 * t + 1]", "KEYS[4 * t + 2]", "KEYS[4 * t + 3]", "ARGV[a + i]", "ARGV[1]", "open[2]"
-    )
-    + """
+    + publish_lua("KEYS[3 * t + 1]", "KEYS[3 * t + 2]", "ARGV[a + i]", "ARGV[1]", "open[2]", "last")
+    + f"""
     end
+    redis.call('HSET', KEYS[3 * t + 3], '{SEQ_FIELD}', last)
     a = a + 1 + n
   end
 end
@@ -204,7 +211,7 @@ class EventBus:
     def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
         """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
         res = self._publish(
-            keys=[seq_key(turn_id), log_key(turn_id), events_channel(turn_id), turn_key(turn_id)],
+            keys=[log_key(turn_id), events_channel(turn_id), turn_key(turn_id)],
             args=[event_body(turn_id, type_, fields), self.log_arg()],
         )
         return int(res[0])
@@ -233,8 +240,7 @@ class EventBus:
             for turn_id in turn_ids:
                 bodies = batches[turn_id]
                 ids.append(turn_id)
-                keys += [seq_key(turn_id), log_key(turn_id), events_channel(turn_id)]
-                keys.append(turn_key(turn_id))
+                keys += [log_key(turn_id), events_channel(turn_id), turn_key(turn_id)]
                 args += [len(bodies), *bodies]
                 if len(args) > PUBLISH_MANY_EVENTS:
                     calls.append((ids, keys, args))

@@ -24,7 +24,7 @@ import redis
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import EventBus, event_body, publish_lua, run_pipeline
+from agentq.events.bus import SEQ_FIELD, EventBus, event_body, publish_lua, run_pipeline
 from agentq.models import ToolResult
 
 log = logging.getLogger("agentq.state")
@@ -50,11 +50,14 @@ STATE_LOST_MESSAGE = (
 STATE_LOST_LUA = (
     """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1])
+local seq = 0
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "KEYS[4]", "ARGV[2]", "ARGV[3]", "1")
-    + """
-for i = 1, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[2]", "ARGV[3]", "1")
+    + f"""
+redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1],
+  '{SEQ_FIELD}', seq)
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 )
@@ -301,12 +304,7 @@ class StoreBase:
         )
         return bool(
             self._state_lost(
-                keys=[
-                    k.turn_key(turn_id),
-                    k.seq_key(turn_id),
-                    k.log_key(turn_id),
-                    k.events_channel(turn_id),
-                ],
+                keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
                 args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_arg(), self.ttl_s],
             )
         )

@@ -12,23 +12,23 @@ from agentq import constants as k
 from agentq.events.bus import event_body, publish_lua
 from agentq.models import ToolResult
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, dispatch_args, finished, text
-from agentq.state.lua import TURN_OPEN_LUA, record_lua, wake_or_step_lua
+from agentq.state.lua import TURN_OPEN_LUA, record_lua, seq_lua, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
-    TURN_OPEN_LUA % (6, -2)
+    TURN_OPEN_LUA % (5, -2)
     + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
-local tracked = redis.call('SREM', KEYS[9], ARGV[1])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[9]) == 0
+local tracked = redis.call('SREM', KEYS[8], ARGV[1])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[8]) == 0
 -- The worker the result names ran the call (ARGV[12]); else its start record says which.
 local worker = ARGV[12]
 if worker == '' then
-  local start = redis.call('HGET', KEYS[8], ARGV[1])
+  local start = redis.call('HGET', KEYS[7], ARGV[1])
   local ok, rec = pcall(cjson.decode, start or '')
   if ok and type(rec) == 'table' and type(rec['worker']) == 'string' then worker = rec['worker'] end
 end
@@ -36,16 +36,17 @@ if worker ~= '' then
   redis.call('SREM', ARGV[13] .. worker .. ARGV[14], ARGV[8] .. '/' .. ARGV[1])
 end
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
+    + seq_lua("KEYS[5]")
     + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
     + wake_or_step_lua(
-        ("KEYS[2]", "KEYS[7]", "ARGV[8]", "ARGV[6]", "ARGV[7]"),
+        ("KEYS[2]", "KEYS[6]", "ARGV[8]", "ARGV[6]", "ARGV[7]"),
+        "KEYS[9]",
+        "KEYS[5]",
         "KEYS[10]",
-        "KEYS[6]",
-        "KEYS[11]",
         "ARGV[10]",
         "ARGV[11]",
-        ("KEYS[1]", "KEYS[12]", "KEYS[13]"),
+        ("KEYS[1]", "KEYS[11]", "KEYS[12]"),
     )
     + "end\nreturn 3"
 )
@@ -58,7 +59,7 @@ START_LUA = (
     """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 """
-    + TURN_OPEN_LUA % (6, -2)
+    + TURN_OPEN_LUA % (5, -2)
     + """
 if cancelled then return -1 end
 local prev = redis.call('HGET', KEYS[2], ARGV[1])
@@ -67,9 +68,10 @@ if prev and ARGV[5] ~= '' then
   if ok and rec['delivery'] == ARGV[5] then return 2 end
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if ARGV[6] ~= '' then redis.call('SADD', KEYS[7], ARGV[6]) end
+if ARGV[6] ~= '' then redis.call('SADD', KEYS[6], ARGV[6]) end
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
+    + seq_lua("KEYS[5]")
     + "return 1"
 )
 
@@ -138,7 +140,6 @@ class CallRecords(StoreBase):
                 keys=[
                     k.results_key(turn_id),
                     k.started_key(turn_id),
-                    k.seq_key(turn_id),
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                     k.turn_key(turn_id),
@@ -177,7 +178,6 @@ class CallRecords(StoreBase):
             keys=[
                 k.results_key(turn_id),
                 k.dirty_key(turn_id),
-                k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(turn_id),

@@ -11,7 +11,7 @@ from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.events.bus import event_body, publish_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
 from agentq.state.base import WAKE_BACKSTOP_S, text
-from agentq.state.lua import TURN_OPEN_LUA, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, seq_lua, wake_lua
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -25,7 +25,7 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
 if state ~= 'pending' then return state end
 """
-    + TURN_OPEN_LUA % (7, "'closed'")
+    + TURN_OPEN_LUA % (6, "'closed'")
     + """
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decision', ARGV[2])
 if ARGV[3] ~= '' then
@@ -33,8 +33,9 @@ if ARGV[3] ~= '' then
 end
 if ARGV[5] ~= '' then
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "ARGV[5]", "ARGV[6]", "watched")
-    + wake_lua("KEYS[6]", "KEYS[8]", "ARGV[7]", "ARGV[8]", "ARGV[9]")
+    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[5]", "ARGV[6]", "watched")
+    + seq_lua("KEYS[6]")
+    + wake_lua("KEYS[5]", "KEYS[7]", "ARGV[7]", "ARGV[8]", "ARGV[9]")
     + """
 end
 return 'ok'
@@ -124,7 +125,6 @@ class Interactions:
             keys=[
                 k.interaction_key(turn_id, request_id),
                 k.secret_key(turn_id, request_id),
-                k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.dirty_key(turn_id),

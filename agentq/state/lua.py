@@ -5,19 +5,22 @@ method that runs it."""
 from __future__ import annotations
 
 from agentq.constants import CANCEL_FIELD
-from agentq.events.bus import WATCHERS_FIELD, ended_lua
+from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
 # written after its terminal event, and nothing recreates half of a vanished turn. It
-# leaves `watched` (the turn's followers) for the publish fragment, and `cancelled`.
+# leaves `watched` (the turn's followers) and `seq` (its last event's) for the publish
+# fragment, and `cancelled`.
 TURN_OPEN_LUA = (
     """
 local open = redis.call('HMGET', KEYS[%d], 'status', '"""
     + WATCHERS_FIELD
     + """', '"""
     + CANCEL_FIELD
+    + """', '"""
+    + SEQ_FIELD
     + """')
-local status, watched, cancelled = open[1], open[2], open[3]
+local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
 if not status or """
     + ended_lua("status")
     + """ then
@@ -25,6 +28,24 @@ if not status or """
 end
 """
 )
+
+
+def seq_lua(turn: str, seq: str = "seq") -> str:
+    """Lua that writes a turn's seq (the Lua local `seq`) back after publishing with it."""
+    return f"redis.call('HSET', {turn}, '{SEQ_FIELD}', {seq})\n"
+
+
+def hset_seq_lua(turn: str, first: str, last: str, seq: str = "seq") -> str:
+    """Lua that writes the field/value pairs ARGV[first..last] (a few: one command's
+    arguments) and the turn's seq in one HSET."""
+    return f"""
+do
+  local f = {{unpack(ARGV, {first}, {last})}}
+  f[#f + 1] = '{SEQ_FIELD}'
+  f[#f + 1] = {seq}
+  redis.call('HSET', {turn}, unpack(f))
+end
+"""
 
 
 MANY_CHUNK = 1000

@@ -12,7 +12,7 @@ from redis.commands.core import Script
 from agentq import constants as k
 from agentq.events.bus import event_body, publish_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
-from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
+from agentq.state.lua import TURN_OPEN_LUA, seq_lua, wake_or_step_lua
 
 # A round's end: the events of it not published yet (its last deltas, llm_finished), its
 # result, and the turn woken (or stepped here), in one write.
@@ -21,9 +21,12 @@ FINISH_LLM_LUA = (
     + """
 for i = 8, #ARGV do
 """
-    + publish_lua("KEYS[8]", "KEYS[9]", "KEYS[10]", "ARGV[i]", "ARGV[7]", "watched")
+    + publish_lua("KEYS[8]", "KEYS[9]", "ARGV[i]", "ARGV[7]", "watched")
     + """
 end
+if #ARGV >= 8 then """
+    + seq_lua("KEYS[3]")
+    + """end
 redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
 redis.call('DEL', KEYS[5])
 """
@@ -52,7 +55,8 @@ if done then return {1, done} end
 if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
 redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
 """
-    + publish_lua("KEYS[6]", "KEYS[7]", "KEYS[8]", "ARGV[4]", "ARGV[5]", "watched")
+    + publish_lua("KEYS[6]", "KEYS[7]", "ARGV[4]", "ARGV[5]", "watched")
+    + seq_lua("KEYS[2]")
     + """
 local followed = watched and tonumber(watched) > 0 and 1 or 0
 return {0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[5], 0, -1), followed}
@@ -97,7 +101,6 @@ class RoundRecords(StoreBase):
                 k.llm_alive_key(turn_id, round_no),
                 k.llm_taken_key(turn_id, round_no),
                 k.history_key(turn_id),
-                k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],
@@ -146,7 +149,6 @@ class RoundRecords(StoreBase):
                 k.llm_alive_key(turn_id, round_no),
                 k.step_lock_key(turn_id),
                 k.history_key(turn_id),
-                k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],

@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import WATCHERS_FIELD, event_body, publish_lua
+from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, event_body, publish_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -21,7 +21,14 @@ from agentq.state.base import (
     step_view,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, many_lua, read_view_lua, record_lua, wake_lua
+from agentq.state.lua import (
+    TURN_OPEN_LUA,
+    hset_seq_lua,
+    many_lua,
+    read_view_lua,
+    record_lua,
+    wake_lua,
+)
 
 # A woken turn: whoever wakes it (a model round, an answer) in one step.
 WAKE_ONLY_LUA = (
@@ -29,6 +36,35 @@ WAKE_ONLY_LUA = (
     + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
     + "return 1"
 )
+
+
+def _fields_and_events_lua(
+    turn: str, log: str, channel: str, fields: str, first: str, opts: str
+) -> str:
+    """Lua that writes the state fields ARGV[fields..a - 1] (`a` a local) and publishes the
+    `ne` (a local) event bodies from ARGV[first] on: with events, the fields and the turn's
+    new seq are one HSET."""
+    return (
+        f"""
+if ne > 0 then
+  local open = redis.call('HMGET', {turn}, '{WATCHERS_FIELD}', '{SEQ_FIELD}')
+  local watchers, seq = open[1], tonumber(open[2]) or 0
+  for i = {first}, {first} + ne - 1 do
+"""
+        + publish_lua(log, channel, "ARGV[i]", opts, "watchers")
+        + """
+  end
+"""
+        + hset_seq_lua(turn, fields, "a - 1")
+        + """
+else
+"""
+        + many_lua("HSET", turn, fields, "a - 1")
+        + """
+end
+"""
+    )
+
 
 # The step's writes are fenced by its lock token: a step whose lock lapsed (a paused
 # process) cannot overwrite what the step that took over wrote. With them, in the same
@@ -40,23 +76,10 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local nf, na, np, ne = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local a = 7 + 2 * nf
 """
-    + many_lua("HSET", "KEYS[2]", "7", "a - 1")
     + many_lua("RPUSH", "KEYS[3]", "a", "a + na - 1")
     + many_lua("HSET", "KEYS[4]", "a + na", "a + na + 2 * np - 1")
-    + """
-a = a + na + 2 * np
-if ne > 0 then
-  local watchers = redis.call('HGET', KEYS[2], '"""
-    + WATCHERS_FIELD
-    + """')
-  for i = a, a + ne - 1 do
-"""
-    + publish_lua("KEYS[5]", "KEYS[6]", "KEYS[7]", "ARGV[i]", "ARGV[6]", "watchers")
-    + """
-  end
-end
-return 1
-"""
+    + _fields_and_events_lua("KEYS[2]", "KEYS[5]", "KEYS[6]", "7", "a + na + 2 * np", "ARGV[6]")
+    + "return 1\n"
 )
 
 # A step begins: take the lock, clear the dirty mark, and read what the step needs (state
@@ -88,19 +111,7 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 local nf, ne = tonumber(ARGV[5]), tonumber(ARGV[6])
 local a = 8 + 2 * nf
 """
-    + many_lua("HSET", "KEYS[7]", "8", "a - 1")
-    + """
-if ne > 0 then
-  local watchers = redis.call('HGET', KEYS[7], '"""
-    + WATCHERS_FIELD
-    + """')
-  for i = a, a + ne - 1 do
-"""
-    + publish_lua("KEYS[8]", "KEYS[9]", "KEYS[10]", "ARGV[i]", "ARGV[7]", "watchers")
-    + """
-  end
-end
-"""
+    + _fields_and_events_lua("KEYS[7]", "KEYS[8]", "KEYS[9]", "8", "a", "ARGV[7]")
     + record_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "a + ne")
     + """
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -199,7 +210,6 @@ class StepRecords(StoreBase):
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
                 k.plan_key(turn_id),
-                k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],
@@ -232,8 +242,7 @@ class StepRecords(StoreBase):
         args += [*bodies, *dispatch_args(dispatched or {})]
         keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
-        keys += [k.turn_key(turn_id), k.seq_key(turn_id), k.log_key(turn_id)]
-        keys.append(k.events_channel(turn_id))
+        keys += [k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)]
         if not (dispatched or fields or bodies):
             return int(self._release(keys=keys, args=args))
         # Not sent again: a second run finds the lock gone (and would publish twice).

@@ -10,6 +10,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import (
+    SEQ_FIELD,
     WATCHERS_FIELD,
     ended_lua,
     event_body,
@@ -25,7 +26,7 @@ from agentq.state.base import (
     loads,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, many_lua, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, hset_seq_lua, many_lua, seq_lua, wake_lua
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
@@ -38,39 +39,41 @@ CLOSE_LUA = (
     TURN_OPEN_LUA % (1, 0)
     + """
 if ARGV[10] ~= '' then
-  if redis.call('GET', KEYS[14]) ~= ARGV[10] then return -1 end
-  redis.call('DEL', KEYS[14])
+  if redis.call('GET', KEYS[12]) ~= ARGV[10] then return -1 end
+  redis.call('DEL', KEYS[12])
 end
 local n = tonumber(ARGV[11])
 """
-    + many_lua("RPUSH", "KEYS[15]", "12", "11 + n")
-    + """
-"""
-    + publish_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "ARGV[3]", "ARGV[4]", "watched")
-    + many_lua("HSET", "KEYS[1]", "12 + n", "#ARGV")
+    + many_lua("RPUSH", "KEYS[13]", "12", "11 + n")
+    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
+    + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV")
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[16], KEYS[17], KEYS[18])
-for i = 19, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[14], KEYS[15], KEYS[16])
+for i = 17, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
-local popen = redis.call('HMGET', KEYS[7], 'status', '"""
+local popen = redis.call('HMGET', KEYS[6], 'status', '"""
     + WATCHERS_FIELD
+    + """', '"""
+    + SEQ_FIELD
     + """')
-local pstatus, pwatched = popen[1], popen[2]
+local pstatus, pwatched, pseq = popen[1], popen[2], tonumber(popen[3]) or 0
 if not pstatus or """
     + ended_lua("pstatus")
     + """ then
   return 1
 end
-if redis.call('HSETNX', KEYS[8], ARGV[6], ARGV[7]) == 0 then return 1 end
-local tracked = redis.call('SREM', KEYS[13], ARGV[6])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[13]) == 0
+if redis.call('HSETNX', KEYS[7], ARGV[6], ARGV[7]) == 0 then return 1 end
+local tracked = redis.call('SREM', KEYS[11], ARGV[6])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[11]) == 0
 do
 """
-    + publish_lua("KEYS[10]", "KEYS[11]", "KEYS[12]", "ARGV[8]", "ARGV[4]", "pwatched")
-    + "end\nif not ready then return 1 end\n"
-    + wake_lua("KEYS[9]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
+    + publish_lua("KEYS[9]", "KEYS[10]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
+    + "end\n"
+    + seq_lua("KEYS[6]", "pseq")
+    + "if not ready then return 1 end\n"
+    + wake_lua("KEYS[8]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
     + "return 2\n"
 )
 
@@ -186,13 +189,11 @@ class TurnRecords(StoreBase):
                 k.turn_key(turn_id),
                 k.turn_active_key(turn_id),
                 k.turn_wakeups_key(turn_id),
-                k.seq_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(pid),
                 k.results_key(pid),
                 k.dirty_key(pid),
-                k.seq_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
                 k.outstanding_key(pid),

@@ -214,7 +214,7 @@ def test_a_childs_end_loses_to_a_result_already_there_and_to_an_ended_parent() -
     assert woken == []
     store2, woken2 = _stores()
     store2.close("parent", TurnStatus.ABORTED, "turn_aborted", {})
-    seq = store2.redis.get(k.seq_key("parent"))
+    seq = store2.redis.hget(k.turn_key("parent"), "seq")
     store2.close(
         "child",
         TurnStatus.FINISHED,
@@ -223,4 +223,4 @@ def test_a_childs_end_loses_to_a_result_already_there_and_to_an_ended_parent() -
         settle_parent=("parent", error_result(CALL, "x")),
     )
     assert store2.results("parent") == {} and woken2 == []
-    assert store2.redis.get(k.seq_key("parent")) == seq  # nothing published after its end
+    assert store2.redis.hget(k.turn_key("parent"), "seq") == seq  # nothing published after its end
