@@ -317,13 +317,18 @@ def turn_keys(turn_id: str) -> list[str]:
         results_key(turn_id),
         calls_key(turn_id),
         started_key(turn_id),
-        children_key(turn_id),
     ]
 
 
 def ended_turn_keys(turn_id: str) -> list[str]:
-    """The per-turn keys that mean nothing once the turn has ended: deleted by its end."""
-    return [plan_key(turn_id), dirty_key(turn_id), outstanding_key(turn_id)]
+    """The per-turn keys that mean nothing once the turn has ended: deleted by its end.
+    Its children are read to abort them, which only a running turn does."""
+    return [
+        plan_key(turn_id),
+        dirty_key(turn_id),
+        outstanding_key(turn_id),
+        children_key(turn_id),
+    ]
 
 
 def approval_request_id(call_id: str) -> str:

@@ -82,12 +82,14 @@ def ended_lua(status: str) -> str:
 
 # Nothing is published after a turn's terminal event (the terminal event itself is
 # published by the script that ends the turn): a late writer, such as a stream worker
-# finishing its deltas after an abort, is refused here atomically.
+# finishing its deltas after an abort, is refused here atomically. Nor to a turn Redis
+# does not hold (it lost it): its seq would make half a turn, which `end_lost_turn` then
+# could not end.
 PUBLISH_LUA = (
     f"""
 local open = redis.call('HMGET', KEYS[3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
 local status, last = open[1], tonumber(open[3]) or 0
-if {ended_lua("status")} then
+if not status or {ended_lua("status")} then
   return {{0, ''}}
 end
 """
@@ -109,7 +111,7 @@ for t = 0, #KEYS / 3 - 1 do
   local n = tonumber(ARGV[a])
   local open = redis.call('HMGET', KEYS[3 * t + 3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
   local status, last = open[1], tonumber(open[3]) or 0
-  if {ended_lua("status")} then
+  if not status or {ended_lua("status")} then
     a = a + 1 + n
   else
     if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end

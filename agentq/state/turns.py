@@ -50,8 +50,8 @@ local n = tonumber(ARGV[11])
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[14], KEYS[15], KEYS[16])
-for i = 17, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[14], KEYS[15], KEYS[16], KEYS[17])
+for i = 18, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local popen = redis.call('HMGET', KEYS[6], 'status', '"""
     + WATCHERS_FIELD
