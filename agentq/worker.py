@@ -90,8 +90,9 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         # swept up from the turn's wakeup (`agentq:turns:wakeups`); a call whose worker
         # died settles `lost` (its heartbeat, or `tool_queue_timeout_s` for one never
         # started), long before kombu's visibility timeout (an hour) would restore it; a
-        # webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown
-        # and a requeueing reject (an idempotent tool's dead child) still put messages back.
+        # webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown, a
+        # requeueing reject (an idempotent tool's dead child) and a broken connection
+        # (`fleet.broker.patch_redis_transport`) still put messages back.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,
             "ack_emulation": False,

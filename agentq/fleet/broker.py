@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from typing import TYPE_CHECKING, Any
 
 from agentq.constants import QUEUE_TURNS, TASK_STEP
@@ -23,6 +24,11 @@ BROKER_RETRY_S = 1.0
 the turn's wakeup: the wakeups in Redis are agentq's outbox."""
 
 log = logging.getLogger("agentq.broker")
+
+_unrestored: list[tuple[dict[str, Any], str, str]] = []
+"""Messages this process could not put back on its broker (payload, exchange, routing
+key), for the next channel that consumes from it."""
+_unrestored_lock = threading.Lock()
 
 REPR_LIMIT = 200
 """Characters of a task's arguments that Flower and the worker log show."""
@@ -65,9 +71,66 @@ def patch_redis_transport() -> None:
             self.__dict__["_agentq_client"] = cached
         return cached[1]
 
+    # Give back what a worker held when its broker connection broke. Celery drops the
+    # requests it had received and not started (`Consumer.on_close`), and kombu puts every
+    # unacknowledged message back as the channel closes: through a broker that is away by
+    # then. With kombu's unacked hash (off in agentq's workers: `agentq.worker`) its
+    # visibility timeout would restore them an hour later; here they wait in the process
+    # and go back to their queues through the first channel that consumes again. One
+    # that ran (or runs) already is refused by its call's start claim, a step by the
+    # turn's lock, a model round by its claim: none runs twice.
+    restore = channel._restore
+    lost = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+    def _restore(self: Any, message: Any, leftmost: bool = False) -> Any:
+        try:
+            return restore(self, message, leftmost)  # type: ignore[no-untyped-call]
+        except lost:
+            if self.ack_emulation:
+                raise
+            payload = message.serializable()
+            payload["redelivered"] = True
+            info = message.delivery_info
+            with _unrestored_lock:
+                _unrestored.append((payload, info["exchange"], info["routing_key"]))
+            log.warning(
+                "the broker is away: message %s kept to put back on %r when it returns",
+                message.properties.get("correlation_id"),
+                info["routing_key"],
+            )
+            return None
+
+    basic_consume = channel.basic_consume
+
+    def _basic_consume(self: Any, queue: str, *args: Any, **kwargs: Any) -> Any:
+        answer = basic_consume(self, queue, *args, **kwargs)  # type: ignore[no-untyped-call]
+        if _unrestored:
+            _give_back(self)
+        return answer
+
     channel._connparams = _connparams  # type: ignore[method-assign]
     channel._create_client = _create_client  # type: ignore[method-assign]
+    channel._restore = _restore  # type: ignore[method-assign]
+    channel.basic_consume = _basic_consume  # type: ignore[method-assign]
     channel.agentq_patched = True  # type: ignore[attr-defined]
+
+
+def _give_back(channel: Any) -> None:
+    """Put the messages kept by `_restore` back on their queues through `channel`; those
+    it cannot wait for the next channel."""
+    with _unrestored_lock:
+        kept = list(_unrestored)
+        _unrestored.clear()
+    for i, (payload, exchange, routing_key) in enumerate(kept):
+        try:
+            for queue in channel._lookup(exchange, routing_key):
+                channel._put(queue, payload)
+        except Exception as exc:
+            with _unrestored_lock:
+                _unrestored.extend(kept[i:])
+            log.warning("%d messages not put back yet: %s", len(kept) - i, exc)
+            return
+    log.info("put %d messages back on the broker after its connection returned", len(kept))
 
 
 def task_repr(**fields: Any) -> str:

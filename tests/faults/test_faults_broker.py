@@ -9,11 +9,13 @@ is back; workers reconnect and consume again; a message delivered twice runs onc
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from agentq import constants as k
 from agentq.fleet.health import HEALTH_EVERY_S
@@ -144,6 +146,49 @@ def test_redis_broker_restart_under_load_fails_no_turn(make_rig, broker_redis: R
     rig = make_rig(AGENTQ_BROKER_URL=broker_redis.url)
     rig.start("tools", "llm", "turns", concurrency={"turns": 16, "tools": 4})
     _outage_under_load(rig, _outage(broker_redis.halt, broker_redis.start))
+
+
+def test_calls_a_worker_held_unstarted_go_back_when_the_broker_returns(
+    make_rig, broker_redis: RedisServer
+) -> None:
+    """A worker holds calls it received and has not started (here: it prefetches four, and
+    runs one at a time); its broker restarts. Celery drops them as the connection breaks,
+    kombu cannot put them back through a broker that is away, and without kombu's unacked
+    hash nothing would: agentq keeps them and puts them back when the broker returns, so
+    each runs, once, instead of settling `lost` after the queue timeout."""
+    rig = make_rig(AGENTQ_BROKER_URL=broker_redis.url, AGENTQ_TOOL_QUEUE_TIMEOUT_S="120")
+    rig.start("llm", "turns")
+    rig.start("tools", concurrency={"tools": 1}, extra_args=("--prefetch-multiplier", "4"))
+    key = rig.script(
+        # Four different calls: the same one four times would be stopped as a loop.
+        Round(tool_calls=calls(*[("sleep", {"seconds": 2 + i / 100}) for i in range(4)])),
+        Round(text="All four ran."),
+    )
+    turn_id = rig.client.start_turn(key).turn_id
+    broker = redis.Redis.from_url(broker_redis.url)
+    # One call runs; the other three left the queue for the worker, which holds them.
+    wait_for(
+        lambda: len(rig.client.store.starts(turn_id)) == 1 and broker.llen(k.QUEUE_TOOLS) == 0,
+        30,
+        message="one call running, three held by the worker",
+    )
+    broker_redis.halt()
+    time.sleep(OUTAGE_S)
+    broker_redis.start()
+    wait_for(
+        lambda: _statuses(rig, [turn_id]) == ["finished"],
+        60,
+        interval_s=0.5,
+        message="the turn to finish after the broker returned",
+    )
+    turn = rig.client.get(turn_id)
+    assert_valid_history(turn["history"])
+    assert [r["status"] for r in turn["invocations"]] == ["ok"] * 4, [
+        (r["call_id"], r["status"], r.get("error")) for r in turn["invocations"]
+    ]
+    assert [r["attempt"] for r in turn["invocations"]] == [1, 1, 1, 1]
+    # Those held, and the running one's (which its start claim refuses to run again).
+    assert re.search(r"put [34] messages back on the broker", rig.logs())
 
 
 def test_turn_started_while_the_broker_is_down_runs_when_it_is_back(
