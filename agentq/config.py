@@ -203,11 +203,11 @@ class Settings(BaseSettings):
     holding the text that came meanwhile (the first chunk goes at once); 0: every chunk.
     That is for a turn someone follows live; see `llm_quiet_delta_interval_ms`."""
     llm_quiet_delta_interval_ms: int = Field(2000, ge=0)
-    """For a turn nobody followed when its events last went out: its `llm_delta` events
-    wait, joining, until this long after that publish (any other event of the turn, or the
-    round's end, takes them along at once; a round's first event goes at once). A
-    follower that starts watching mid-round reads the log up to this far behind, and gets
-    live copies from the turn's next publish on, every `llm_delta_interval_ms` again.
+    """For a turn nobody followed when its events last went out (or its round was claimed):
+    its `llm_delta` events wait, joining, until this long after that (any other event of
+    the turn, or the round's end, takes them along at once). A follower that starts
+    watching mid-round is told to the stream worker (`agentq:control:watch`), which sends
+    them at once and every `llm_delta_interval_ms` from then on.
     0 (or not above `llm_delta_interval_ms`): every turn as if followed."""
 
     stream_idle_timeout_ms: int = 120_000

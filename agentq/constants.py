@@ -43,6 +43,10 @@ TOOL_TASK_PREFIX = "agentq.tool."
 CANCEL_CHANNEL = f"{PREFIX}:control:cancel"
 """Pub/sub channel carrying the id of every turn aborted, for workers that cancel in-process
 (the I/O and stream workers' event loops), within milliseconds of the abort."""
+WATCH_CHANNEL = f"{PREFIX}:control:watch"
+"""Pub/sub channel carrying a turn id each time a follower starts following that turn: a
+stream worker that holds back an unwatched turn's deltas (`AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS`)
+sends them live from then on."""
 
 MEASURED_EVENTS_CHANNEL = f"{PREFIX}:events:measured"
 """Every turn's events that a gateway metric counts (not deltas or progress), published
@@ -256,9 +260,9 @@ def llm_result_key(turn_id: str, round_no: int) -> str:
     return f"{turn_key(turn_id)}:llm:{round_no}"
 
 
-def llm_taken_key(turn_id: str, round_no: int) -> str:
-    """Set when a stream worker takes a round; with its heartbeat gone, the worker died."""
-    return f"{turn_key(turn_id)}:llm:{round_no}:taken"
+LLM_TAKEN_FIELD = "llm_taken"
+"""Field of the turn's state hash: the round a stream worker took last, written with the
+round's llm_started; with its heartbeat gone and no result, the worker died."""
 
 
 def llm_alive_key(turn_id: str, round_no: int) -> str:

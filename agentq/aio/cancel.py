@@ -3,7 +3,8 @@
 An abort sets the turn's cancel key and publishes the turn id on CANCEL_CHANNEL. The
 loop subscribes to the channel and runs the callbacks registered for that turn; a
 slow poll of the cancel keys of the turns it holds catches a message missed while the
-subscription was reconnecting.
+subscription was reconnecting. The same subscription hears WATCH_CHANNEL, where a
+follower's first mark of a turn is told, for whoever holds back that turn's events.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class CancelWatch:
         self._recent: dict[str, None] = {}
         """Aborted turns that had no callback yet, oldest first."""
         self.subscribed = asyncio.Event()
+        self.on_watch: Callable[[str], None] | None = None
+        """Run (on the loop) with a turn's id when someone starts following it."""
 
     def start(self) -> None:
         """On the loop: subscribe and poll until the loop stops."""
@@ -104,13 +107,21 @@ class CancelWatch:
                 client = async_redis_client(self._url, self._master)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(k.CANCEL_CHANNEL)
+                await pubsub.subscribe(k.CANCEL_CHANNEL, k.WATCH_CHANNEL)
                 self.subscribed.set()
                 delay_s = 0.1
                 async for msg in pubsub.listen():
-                    if msg.get("type") == "message":
-                        data = msg["data"]
-                        self.fire(data.decode() if isinstance(data, bytes) else str(data))
+                    if msg.get("type") != "message":
+                        continue
+                    data, channel = msg["data"], msg["channel"]
+                    turn_id = data.decode() if isinstance(data, bytes) else str(data)
+                    if (channel.decode() if isinstance(channel, bytes) else channel) == (
+                        k.WATCH_CHANNEL
+                    ):
+                        if self.on_watch is not None:
+                            self.on_watch(turn_id)
+                    else:
+                        self.fire(turn_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -14,6 +14,7 @@ from redis.cluster import RedisCluster
 from agentq.constants import (
     MEASURED_EVENT_TYPES,
     MEASURED_EVENTS_CHANNEL,
+    WATCH_CHANNEL,
     events_channel,
     log_key,
     shard_of,
@@ -131,11 +132,13 @@ return followed
 # A follower marks the turn it follows (by one, again if it saw a live copy missing) and
 # unmarks it when it stops (by as many); a turn Redis does not hold is not created by it.
 # The count is a hint, never below zero: a mark lost (a failover) and then taken back
-# leaves it short, and a follower left unmarked marks again at its next catch-up.
+# leaves it short, and a follower left unmarked marks again at its next catch-up. A mark
+# is told to the stream workers (WATCH_CHANNEL), which then stop holding the turn's deltas.
 WATCH_LUA = f"""
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local n = redis.call('HINCRBY', KEYS[1], '{WATCHERS_FIELD}', ARGV[1])
 if n <= 0 then redis.call('HDEL', KEYS[1], '{WATCHERS_FIELD}') end
+if tonumber(ARGV[1]) > 0 then redis.call('PUBLISH', '{WATCH_CHANNEL}', ARGV[2]) end
 return n
 """
 PUBLISH_MANY_EVENTS = 100
@@ -221,7 +224,7 @@ class EventBus:
     def watch(self, turn_id: str, by: int) -> bool:
         """Count a follower of the turn in (`by` 1) or out (-1); False if Redis does not hold
         the turn (yet)."""
-        return self._watch(keys=[turn_key(turn_id)], args=[by]) is not None
+        return self._watch(keys=[turn_key(turn_id)], args=[by, turn_id]) is not None
 
     def publish_many(self, batches: Mapping[str, list[str]]) -> set[str]:
         """Publish event bodies (`event_body`) of several turns, each turn's in order, in

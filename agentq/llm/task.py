@@ -206,9 +206,18 @@ class _Publisher:
 
     def learned(self, turn_id: str, watched: bool) -> None:
         """What a write of the turn's own found (a round's claim, which publishes its
-        llm_started): as if its events had gone out now."""
-        if self.quiet_s:
+        llm_started): as if its events had gone out now, unless something newer is known
+        (a follower came since: `watched`)."""
+        if self.quiet_s and turn_id not in self.seen:
             self.seen[turn_id] = _Seen(watched, time.monotonic())
+
+    def watched(self, turn_id: str) -> None:
+        """Someone started following the turn: its deltas go live from now (any held go
+        with the next batch)."""
+        if self.quiet_s:
+            self.seen[turn_id] = _Seen(True, time.monotonic())
+            if turn_id in self.pending:
+                self.wake.set()
 
     async def take(self, turn_id: str) -> list[tuple[str, dict[str, Any]]]:
         """The turn's events not published yet, held deltas too, once those of it going
@@ -234,6 +243,7 @@ class _Deltas:
         global _publisher
         if _publisher is None:
             _publisher = _Publisher(host)
+            host.cancels.on_watch = _publisher.watched
         self.publisher = _publisher
         self.turn_id = turn_id
         self.round_no = round_no

@@ -9,6 +9,7 @@ provider refused as busy goes back to admission.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -164,9 +165,10 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             }
             events.append(("llm_retry", retry))
         # A busy provider costs no retry: the round waits for capacity again.
-        ctx.store.redis.delete(
-            k.llm_result_key(ctx.turn_id, round_no), k.llm_taken_key(ctx.turn_id, round_no)
-        )
+        pipe = ctx.store.redis.pipeline(transaction=False)
+        pipe.delete(k.llm_result_key(ctx.turn_id, round_no))
+        pipe.hdel(k.turn_key(ctx.turn_id), k.LLM_TAKEN_FIELD)
+        pipe.execute()
         ctx.llm_result = None
         ctx.commit(events=events, **fields)
     if ctx.state.get("llm_round") != round_no:
@@ -183,11 +185,12 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     pipe = ctx.store.redis.pipeline(transaction=True)
     pipe.get(k.llm_result_key(ctx.turn_id, round_no))
     pipe.exists(k.llm_alive_key(ctx.turn_id, round_no))
-    pipe.get(k.llm_taken_key(ctx.turn_id, round_no))
-    late, alive, taken = pipe.execute()
+    pipe.hget(k.turn_key(ctx.turn_id), k.LLM_TAKEN_FIELD)
+    late, alive, raw_taken = pipe.execute()
+    taken = raw_taken is not None and json.loads(raw_taken) == round_no
     if late is not None:
         return ctx.now
-    if not alive and taken is not None:
+    if not alive and taken:
         # Taken, and its heartbeat lapsed without a result: the stream worker died.
         attempt = int(ctx.state.get("llm_attempt", 1))
         if attempt > s.llm_max_retries:
@@ -204,9 +207,9 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             delay_ms=0,
             restart=True,
         )
-        ctx.store.redis.delete(k.llm_taken_key(ctx.turn_id, round_no))
+        ctx.store.redis.hdel(k.turn_key(ctx.turn_id), k.LLM_TAKEN_FIELD)
         send_round(ctx, round_no, attempt + 1)
-    elif not alive and taken is None:
+    elif not alive:
         sent_at = ctx.state.get("llm_sent_at")
         sent_at = ctx.now if sent_at is None else float(sent_at)
         if ctx.now - sent_at >= PICKUP_LEASES * s.turn_lease_s:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import event_body, publish_lua
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
 from agentq.state.lua import TURN_OPEN_LUA, seq_lua, wake_or_step_lua
 
@@ -53,13 +53,12 @@ if done then return {1, done} end
     + TURN_OPEN_LUA % (2, "{2}")
     + """
 if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
-redis.call('SET', KEYS[4], ARGV[1], 'EX', ARGV[3])
 """
-    + publish_lua("KEYS[6]", "KEYS[7]", "ARGV[4]", "ARGV[5]", "watched")
-    + seq_lua("KEYS[2]")
-    + """
+    + publish_lua("KEYS[5]", "KEYS[6]", "ARGV[4]", "ARGV[5]", "watched")
+    + f"""
+redis.call('HSET', KEYS[2], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[6])
 local followed = watched and tonumber(watched) > 0 and 1 or 0
-return {0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[5], 0, -1), followed}
+return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[4], 0, -1), followed}}
 """
 )
 
@@ -99,7 +98,6 @@ class RoundRecords(StoreBase):
                 k.llm_result_key(turn_id, round_no),
                 k.turn_key(turn_id),
                 k.llm_alive_key(turn_id, round_no),
-                k.llm_taken_key(turn_id, round_no),
                 k.history_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
@@ -110,6 +108,7 @@ class RoundRecords(StoreBase):
                 self.ttl_s,
                 event_body(turn_id, "llm_started", started),
                 self.bus.log_arg(),
+                round_no,
             ],
         )
         outcome = int(res[0])

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.integration
 def test_late_subscriber_gets_every_event_exactly_once(agentq_env) -> None:
     bus = get_store().bus
     turn_id = uuid.uuid4().hex
+    bus.redis.hset(k.turn_key(turn_id), "status", json.dumps("running"))
     total = 600
     joined = threading.Event()
 
@@ -51,6 +52,7 @@ def test_late_subscriber_gets_every_event_exactly_once(agentq_env) -> None:
 def test_resume_after_a_stream_id_gives_exactly_the_rest(agentq_env) -> None:
     bus = get_store().bus
     turn_id = uuid.uuid4().hex
+    bus.redis.hset(k.turn_key(turn_id), "status", json.dumps("running"))
     for i in range(20):
         bus.publish(turn_id, "llm_delta", text=str(i))
     bus.publish(turn_id, "turn_finished", reason="stop")

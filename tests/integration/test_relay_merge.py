@@ -22,9 +22,12 @@ pytestmark = pytest.mark.integration
 
 
 def new_turn(bus: EventBus, parent: str | None = None) -> str:
+    """A running turn (events are published only to turns Redis holds)."""
     turn_id = uuid.uuid4().hex
+    fields = {"status": json.dumps("running")}
     if parent is not None:
-        bus.redis.hset(k.turn_key(turn_id), "parent_turn_id", json.dumps(parent))
+        fields["parent_turn_id"] = json.dumps(parent)
+    bus.redis.hset(k.turn_key(turn_id), mapping=fields)
     return turn_id
 
 

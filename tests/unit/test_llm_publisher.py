@@ -392,3 +392,28 @@ def test_publish_many_reports_the_followed_turns_in_one_call_or_many() -> None:
         0,
     ]
     assert _publish(store, {}) == set()
+
+
+def test_a_follower_that_comes_releases_the_held_deltas() -> None:
+    host = _Host(slow=False, quiet_ms=60_000, watched=set())
+
+    async def main() -> None:
+        pub = host.publisher()
+        pub.learned("t1", False)  # nobody followed when the round was claimed
+        pub.add("t1", "llm_delta", _delta(0, "text", "a"))
+        pub.add("t1", "llm_delta", _delta(0, "text", "b"))
+        await _until(lambda: pub.holding_until is not None)
+        assert host.store.batches == []
+        host.store.watched = {"t1"}  # a follower marks the turn in Redis ...
+        pub.watched("t1")  # ... which the watch channel tells
+        await _until(lambda: len(host.store.batches) == 1)
+        # A claim's older knowledge does not undo it.
+        pub.learned("t1", False)
+        pub.add("t1", "llm_delta", _delta(0, "text", "c"))
+        await _until(lambda: len(host.store.batches) == 2)
+
+    asyncio.run(main())
+    assert host.store.batches == [
+        {"t1": [("llm_delta", _delta(0, "text", "ab"))]},
+        {"t1": [("llm_delta", _delta(0, "text", "c"))]},
+    ]
