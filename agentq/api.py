@@ -11,8 +11,9 @@ from celery import Celery
 from pydantic import BaseModel
 
 from agentq.config import Settings, get_settings
+from agentq.constants import LLM_TAKEN_FIELD
 from agentq.errors import TokenInvalid, TurnNotFound
-from agentq.events.bus import TERMINAL_TYPES, WATCHERS_FIELD
+from agentq.events.bus import SEQ_FIELD, TERMINAL_TYPES, WATCHERS_FIELD
 from agentq.events.follow import follow
 from agentq.models import (
     TERMINAL_STATUSES,
@@ -184,7 +185,8 @@ class Client:
         if state is None:
             raise TurnNotFound(turn_id)
         state.pop("token_sha256", None)
-        state.pop(WATCHERS_FIELD, None)  # bookkeeping of the event bus, not the turn's
+        for field in (WATCHERS_FIELD, SEQ_FIELD, LLM_TAKEN_FIELD):
+            state.pop(field, None)  # bookkeeping of the event bus and the rounds
         results = self.store.results(turn_id)
         return {
             "turn_id": turn_id,
