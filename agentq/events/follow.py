@@ -262,10 +262,12 @@ class TreeFollower:
             return
         known = set(self.streams)
         yield from self._emit(stream, ev)
-        opened = [s for t, s in self.streams.items() if t not in known]
-        if opened:
+        if set(self.streams) - known:
             # Subscribed when opened, so its log and then its live copies miss nothing.
-            yield from self.catch_up(opened)
+            # Every stream's log, not only its: what the parent published before the
+            # child began (the call's tool_started) may still wait in the subscription,
+            # behind this message, and the merge puts it before the child's events.
+            yield from self.catch_up()
 
     def message(self, timeout_s: float) -> dict[str, Any] | None:
         if not self.bus.sharded:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -128,3 +129,41 @@ def test_live_child_events_arrive_relayed_and_stop_at_the_parents_end(agentq_env
     assert got[-1].type == "turn_finished" and got[-1].turn_id == root
     # The follower left the child's channel with the rest.
     assert bus.redis.pubsub_numsub(k.events_channel(child))[0][1] == 0
+
+
+def _next_ms() -> None:
+    """Wait for the clock's next millisecond: stream ids then order the next publish."""
+    now = int(time.time() * 1000)
+    while int(time.time() * 1000) == now:
+        pass
+
+
+def test_a_child_found_live_does_not_jump_ahead_of_what_its_parent_published_first(
+    agentq_env: Any,
+) -> None:
+    bus = get_store().bus
+    root = new_turn(bus)
+    child = new_turn(bus, root)
+    bus.publish(root, "turn_started")
+    events = follow(bus, root, depth=1, heartbeat_s=0.05)
+    first = next(e for e in events if e is not None)  # from the log; live from here
+    assert first.type == "turn_started"
+    # All published before the reader takes the first live copy: the parent announces
+    # the child and starts its call, then the child starts and ends, then the parent.
+    for turn, type_, fields in [
+        (root, "subturn_started", {"child_turn_id": child}),
+        (root, "tool_started", {"call_id": "c1", "child_turn_id": child}),
+        (child, "turn_started", {}),
+        (child, "turn_finished", {}),
+        (root, "turn_finished", {}),
+    ]:
+        _next_ms()
+        bus.publish(turn, type_, **fields)
+    rest = [(e.turn_id == child, e.type) for e in events if e is not None]
+    assert rest == [
+        (False, "subturn_started"),
+        (False, "tool_started"),
+        (True, "turn_started"),
+        (True, "turn_finished"),
+        (False, "turn_finished"),
+    ]
