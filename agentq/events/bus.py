@@ -254,10 +254,11 @@ class EventBus:
                 calls.append((ids, keys, args))
         if not calls:
             return set()
-        if len(calls) == 1:
-            # One script call: a pipeline would ask SCRIPT EXISTS first, every time.
-            _, keys, args = calls[0]
-            replies = [self._publish_many(keys=keys, args=args)]
+        if len(calls) == 1 or self.sharded:
+            # One script call: a pipeline would ask SCRIPT EXISTS first, every time. On a
+            # Cluster one call after the other: redis-py's cluster pipeline refuses
+            # scripts (it lost every batch that spanned shards).
+            replies = [self._publish_many(keys=keys, args=args) for _, keys, args in calls]
         else:
 
             def build(pipe: Any) -> None:

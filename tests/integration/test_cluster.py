@@ -19,7 +19,7 @@ from redis.crc import key_slot
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import ConfigError
-from agentq.events.bus import EventBus
+from agentq.events.bus import EventBus, event_body
 from agentq.events.follow import follow
 from agentq.fleet.connections import cluster_client
 from agentq.local.cluster import LocalCluster
@@ -120,6 +120,29 @@ def test_events_go_over_sharded_pubsub_and_replay_from_the_log(cluster: LocalClu
     assert int(client.hget(k.turn_key(turn_id), "watchers") or 0) == 0
     node.close()
     client.close()
+
+
+def test_a_batch_of_many_turns_events_lands_on_every_shard(cluster: LocalCluster) -> None:
+    """A stream worker publishes the events of all its turns in one batch: on a Cluster
+    that is one script call per shard (redis-py's cluster pipeline refuses scripts, and
+    the batch was lost whole when it spanned shards)."""
+    k.set_shard_count(16)  # as every process of a Cluster fleet has it
+    client = cluster_client(cluster.nodes)
+    try:
+        bus = EventBus(client)
+        turns = [uuid.uuid4().hex for _ in range(40)]
+        for t in turns:
+            _turn(client, t)
+        client.hincrby(k.turn_key(turns[0]), "watchers", 1)  # type: ignore[attr-defined]
+        delta = {"round_no": 0, "kind": "text", "text": "x"}
+        bodies = {t: [event_body(t, "llm_delta", delta)] * 3 for t in turns}
+        assert len({k.shard_of(t) for t in turns}) > 1
+        assert bus.publish_many(bodies) == {turns[0]}
+        for t in turns:
+            assert [e.seq for e in bus.replay(t)] == [1, 2, 3]
+    finally:
+        client.close()
+        k.set_shard_count(None)
 
 
 def test_a_master_failing_over_mid_turn_loses_no_acknowledged_event(
