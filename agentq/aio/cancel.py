@@ -25,6 +25,8 @@ log = logging.getLogger("agentq.aio")
 
 POLL_S = 1.0
 """The fallback poll of the cancel keys."""
+_WATCH_CHANNEL_NAMES = (k.WATCH_CHANNEL, k.WATCH_CHANNEL.encode())
+"""The watch channel's name as a subscription reports it (bytes, or str when decoded)."""
 RECENT_TURNS = 10_000
 """Aborts that found no callback, remembered for one registered just after (a round is
 claimed off the loop and registers when the loop takes it up): the newest this many."""
@@ -113,15 +115,12 @@ class CancelWatch:
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    data, channel = msg["data"], msg["channel"]
+                    data = msg["data"]
                     turn_id = data.decode() if isinstance(data, bytes) else str(data)
-                    if (channel.decode() if isinstance(channel, bytes) else channel) == (
-                        k.WATCH_CHANNEL
-                    ):
-                        if self.on_watch is not None:
-                            self.on_watch(turn_id)
-                    else:
+                    if msg["channel"] not in _WATCH_CHANNEL_NAMES:
                         self.fire(turn_id)
+                    elif self.on_watch is not None:
+                        self.on_watch(turn_id)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -76,6 +76,11 @@ end
 """
 
 
+def seq_lua(turn: str, seq: str = "seq") -> str:
+    """Lua that writes a turn's seq (the Lua local `seq`) back after publishing with it."""
+    return f"redis.call('HSET', {turn}, '{SEQ_FIELD}', {seq})\n"
+
+
 def ended_lua(status: str) -> str:
     """A Lua condition: `status` (a turn's `status` field, as stored: JSON) is terminal."""
     return " or ".join(f"{status} == '\"{s}\"'" for s in sorted(TERMINAL_STATUSES))
@@ -95,7 +100,7 @@ if not status or {ended_lua("status")} then
 end
 """
     + publish_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "open[2]", "last")
-    + f"redis.call('HSET', KEYS[3], '{SEQ_FIELD}', last)\n"
+    + seq_lua("KEYS[3]", "last")
     + "return {last, id}"
 )
 
@@ -119,9 +124,11 @@ for t = 0, #KEYS / 3 - 1 do
     for i = 1, n do
 """
     + publish_lua("KEYS[3 * t + 1]", "KEYS[3 * t + 2]", "ARGV[a + i]", "ARGV[1]", "open[2]", "last")
-    + f"""
+    + """
     end
-    redis.call('HSET', KEYS[3 * t + 3], '{SEQ_FIELD}', last)
+"""
+    + seq_lua("KEYS[3 * t + 3]", "last")
+    + """
     a = a + 1 + n
   end
 end

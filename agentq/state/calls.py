@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import event_body, publish_lua
+from agentq.events.bus import event_body, publish_lua, seq_lua
 from agentq.models import ToolResult
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, dispatch_args, finished, text
-from agentq.state.lua import TURN_OPEN_LUA, record_lua, seq_lua, wake_or_step_lua
+from agentq.state.lua import TURN_OPEN_LUA, record_lua, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever

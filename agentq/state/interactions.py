@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
-from agentq.events.bus import event_body, publish_lua
+from agentq.events.bus import event_body, publish_lua, seq_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
 from agentq.state.base import WAKE_BACKSTOP_S, text
-from agentq.state.lua import TURN_OPEN_LUA, seq_lua, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, wake_lua
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore

@@ -30,11 +30,6 @@ end
 )
 
 
-def seq_lua(turn: str, seq: str = "seq") -> str:
-    """Lua that writes a turn's seq (the Lua local `seq`) back after publishing with it."""
-    return f"redis.call('HSET', {turn}, '{SEQ_FIELD}', {seq})\n"
-
-
 def hset_seq_lua(turn: str, first: str, last: str, seq: str = "seq") -> str:
     """Lua that writes the field/value pairs ARGV[first..last] (a few: one command's
     arguments) and the turn's seq in one HSET."""

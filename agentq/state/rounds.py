@@ -10,9 +10,9 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua, seq_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
-from agentq.state.lua import TURN_OPEN_LUA, seq_lua, wake_or_step_lua
+from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
 
 # A round's end: the events of it not published yet (its last deltas, llm_finished), its
 # result, and the turn woken (or stepped here), in one write.

@@ -15,6 +15,7 @@ from agentq.events.bus import (
     ended_lua,
     event_body,
     publish_lua,
+    seq_lua,
 )
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
@@ -26,7 +27,7 @@ from agentq.state.base import (
     loads,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, hset_seq_lua, many_lua, seq_lua, wake_lua
+from agentq.state.lua import TURN_OPEN_LUA, hset_seq_lua, many_lua, wake_lua
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
