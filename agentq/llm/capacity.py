@@ -26,6 +26,7 @@ import json
 import math
 import secrets
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -148,6 +149,8 @@ class Capacity:
             "max_pump": max_grants_per_call,
         }
         self._config: dict[str, str] = {}
+        self._failed: set[tuple[str, str]] = set()
+        """(model, deployment) this process counted a failure of and no success since."""
         self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
         self._release = redis_client.register_script(lua.RELEASE_LUA)
         self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
@@ -233,7 +236,8 @@ class Capacity:
                 model=model,
                 deployment=g["d"],
                 lease_id=g["l"],
-                granted_at_ms=int(g["at"]),
+                # A round that went without reading Redis' clock has the caller's.
+                granted_at_ms=int(g["at"]) if g["at"] else int(time.time() * 1000),
                 tokens=int(g["t"]),
                 **wakes,
             )
@@ -331,17 +335,27 @@ class Capacity:
             self.breaker_failures,
             self.breaker_cooldown_ms,
         ]
+        self._failed.add((model, deployment))
         state = self._breaker(keys=[self._key(model, "breaker")], args=args)
         return "open" if state in ("open", b"open") else "closed"
 
     def report_success(
-        self, model: str, deployment: str, *, now_ms: int | None = None
+        self, model: str, deployment: str, *, unleased: bool = False, now_ms: int | None = None
     ) -> BreakerVerdict:
-        """A request to the deployment worked: its breaker closes."""
-        # One command after every round, no script or clock (`now_ms` is for symmetry):
-        # forgetting the failures decides nothing, and deleting fields that are not there
-        # writes (and replicates) nothing. With the hash gone, rounds of a model without
-        # limits go without a lease again.
+        """A request to the deployment worked: its breaker closes.
+
+        `unleased`: the round went without a lease, so the model's breaker hash did not
+        exist when it was admitted; unless this process counted a failure since, there is
+        nothing to forget and no command is sent. (Another process's failure in between
+        stays counted: the next leased round's success forgets it.)"""
+        key = (model, deployment)
+        if unleased and key not in self._failed:
+            return "closed"
+        self._failed.discard(key)
+        # One command, no script or clock (`now_ms` is for symmetry): forgetting the
+        # failures decides nothing, and deleting fields that are not there writes (and
+        # replicates) nothing. With the hash gone, rounds of a model without limits go
+        # without a lease again.
         fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
         self.redis.hdel(self._key(model, "breaker"), *fields)
         return "closed"

@@ -56,9 +56,12 @@ end
 # while the fleet holds nothing of the model it has nothing to wait for but a pause: it
 # goes at once, with no lease to release, and the script writes nothing. No queue means
 # no queued waiter; no grant or lease means nothing to purge and no earlier grant of
-# this waiter to hand back; no breaker hash means every breaker is closed. Anything held
-# takes the full decision below. A background round going this way leaves the count of
-# interactive grants as it was: that count only matters while both classes wait.
+# this waiter to hand back; no breaker hash means every breaker is closed; no pause hash
+# (it expires when its last pause ends) means no pause, so the script needs no clock
+# either (`at` is the caller's, or false: the caller's own). A pause hash present is
+# read against the clock. Anything held takes the full decision below. A background
+# round going this way leaves the count of interactive grants as it was: that count
+# only matters while both classes wait.
 UNMETERED_LUA = """
 local function unmetered()
   if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return false end
@@ -69,9 +72,19 @@ local function unmetered()
   end
   return true
 end
-if unmetered() and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13]) == 0 then
+local quiet = unmetered()
+  and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13], KEYS[12])
+if quiet == 0 then
+  local at = tonumber(ARGV[2]) or false
+  local g = {l = '', d = cfg.deps[1].n, at = at, t = tonumber(ARGV[9]), k = 1}
+  return cjson.encode({g = g, woken = {}, now = at})
+end
+"""
+
+# After UNMETERED_LUA and the clock: only the pause hash was there; its pauses may be over.
+UNMETERED_PAUSED_LUA = """
+if quiet == 1 and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13]) == 0 then
   local dep = cfg.deps[1].n
-  -- Pauses stay in the hash after they end: an old one does not hold the round.
   local p = redis.call('HMGET', KEYS[12], 'm', 'd:' .. dep)
   if (tonumber(p[1]) or 0) <= now and (tonumber(p[2]) or 0) <= now then
     local g = {l = '', d = dep, at = now, t = tonumber(ARGV[9]), k = 1}
@@ -310,8 +323,9 @@ PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 # ARGV[5..9]: waiter, class (i|b), owner, owner weight, tokens.
 ACQUIRE_LUA = (
     CONFIG_LUA
-    + NOW_LUA
     + UNMETERED_LUA
+    + NOW_LUA
+    + UNMETERED_PAUSED_LUA
     + HELPERS_LUA
     + """
 local w = ARGV[5]
@@ -449,7 +463,9 @@ return 1
 """
 )
 
-# KEYS[1]: paused. ARGV[3..5]: field, until ms or '', for ms or ''. Pauses only lengthen.
+# KEYS[1]: paused. ARGV[3..5]: field, until ms or '', for ms or ''. Pauses only lengthen,
+# and the hash expires when its last pause ends: a model nobody paused lately has none,
+# which lets its unmetered rounds go without reading the clock (UNMETERED_LUA).
 PAUSE_LUA = (
     NOW_LUA
     + """
@@ -457,6 +473,16 @@ local until_ms = tonumber(ARGV[4]) or (now + tonumber(ARGV[5]))
 local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[3])) or 0
 if until_ms > cur then
   redis.call('HSET', KEYS[1], ARGV[3], string.format('%d', until_ms))
+  -- Relative to the script's now, which tests may set: the hash outlives every pause.
+  local ttl = redis.call('PTTL', KEYS[1])
+  if ttl == -1 then
+    -- A hash from before pauses expired: its latest pause decides.
+    ttl = 0
+    for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+      ttl = math.max(ttl, (tonumber(v) or 0) - now)
+    end
+  end
+  redis.call('PEXPIRE', KEYS[1], math.max(ttl, until_ms - now) + 1)
   return until_ms
 end
 return cur

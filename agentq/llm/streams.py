@@ -183,7 +183,7 @@ def settle_capacity(
         elif headers:
             cap.note_remaining(model, deployment, parse_rate_headers(headers))
         if result.ok:
-            cap.report_success(model, deployment)
+            cap.report_success(model, deployment, unleased=not req.lease_id)
         elif busy is None and failure is not None and deployment_failure(failure):
             cap.report_failure(model, deployment, deployment_failure(failure))
         used = None

@@ -401,6 +401,41 @@ def test_a_model_without_limits_that_nothing_holds_writes_nothing(r: redis.Redis
         assert cap_keys(r, cap) == set()
 
 
+def _time_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_time", {}).get("calls", 0))
+
+
+def test_a_pause_is_forgotten_when_it_ends_and_rounds_go_without_the_clock_again(
+    r: redis.Redis,
+) -> None:
+    cap = make(r, {})
+    before = _time_calls(r)
+    assert (
+        granted(cap.acquire("m", waiter="a", owner="o", interactive=True, tokens=1)).lease_id == ""
+    )
+    assert _time_calls(r) == before  # nothing held, nothing paused: no clock read
+    cap.pause("m", for_ms=300)
+    paused_key = f"{cap.prefix}:{{m}}:paused"
+    assert 0 < int(r.pttl(paused_key)) <= 301
+    assert isinstance(cap.acquire("m", waiter="b", owner="o", interactive=True, tokens=1), Queued)
+    assert _time_calls(r) > before  # a pause is read against Redis' clock
+    cap.withdraw("m", "b")
+    deadline = time.monotonic() + 10
+    while r.exists(paused_key) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not r.exists(paused_key)
+    # A longer pause of a deployment keeps the hash while it lasts; a shorter one later does
+    # not cut it short.
+    cap.pause("m", "eu", for_ms=5000)
+    cap.pause("m", for_ms=100)
+    assert int(r.pttl(paused_key)) > 4000
+    r.delete(paused_key)
+    for_clock = _time_calls(r)
+    g = granted(cap.acquire("m", waiter="c", owner="o", interactive=True, tokens=1))
+    assert g.lease_id == "" and abs(g.granted_at_ms - time.time() * 1000) < 5000
+    assert _time_calls(r) == for_clock
+
+
 def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -> None:
     cap = make(r, {}, breaker_failures=2, breaker_cooldown_ms=1000)
     # A queued round granted by another's call takes that grant when it asks again, though
@@ -439,7 +474,7 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     cap.release(g, now_ms=T0 + 3005)
     assert granted(grab(cap, "h", T0 + 3006)).lease_id == ""
     # What is left holds nothing: ended pauses, virtual times, the minute's usage.
-    assert cap_keys(r, cap) == {"paused", "q:state", "usage"}
+    assert cap_keys(r, cap) <= {"paused", "q:state", "usage"}  # pauses expire
 
 
 def test_limits_anywhere_keep_every_round_on_a_lease(r: redis.Redis) -> None:
