@@ -113,7 +113,12 @@ class StepContext:
         by the step's lock, with `append`'s history messages written first."""
         if error is not None:
             fields["error"] = error
-        self.flush()  # what was staged comes first, its events before the terminal one
+        if self.staged[1]:
+            self.flush()  # what was staged comes first, its events before the terminal one
+        else:
+            # Staged fields alone are written with the end: one write instead of two.
+            fields = {**self.staged[0], **fields}
+            self.staged = ({}, [])
         won = self.store.close(
             self.turn_id, status, event, event_fields, token=self.token, append=append, **fields
         )

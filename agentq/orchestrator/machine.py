@@ -154,30 +154,33 @@ def advance(ctx: StepContext) -> float | None:
             c.id: plan_call(c, refused.get(c.id), ctx.agent).model_dump_json()
             for c in message.tool_calls
         }
-        # The assistant message (and its calls' plans) is durable before any call is sent.
-        ctx.commit(
-            append=[kept],
-            plans=plans,
-            round=round_no + 1,
-            stop_after_round=stop,
-            call_count=len(earlier) + len(message.tool_calls),
-            streamed_s=float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
-            phase="tools" if message.tool_calls else "model",
-            round_calls=list(plans) or None,
-        )
-        # Calls this new are neither sent nor settled: the step goes on without a read.
-        ctx.round_read = RoundRead.planned(plans) if plans else None
+        counts: dict[str, Any] = {
+            "round": round_no + 1,
+            "stop_after_round": stop,
+            "call_count": len(earlier) + len(message.tool_calls),
+            "streamed_s": float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
+            "phase": "tools" if message.tool_calls else "model",
+            "round_calls": list(plans) or None,
+        }
         if not message.tool_calls:
+            # An answer without calls: written with what follows it (the end of the turn,
+            # or the retry's message), in that one write.
+            ctx.stage(**counts)
             checked = check_output(ctx, kept)
             if checked.retry is not None:
                 retries = int(ctx.state.get("output_retries") or 0) + 1
-                ctx.commit(append=[checked.retry], output_retries=retries)
+                ctx.commit(append=[kept, checked.retry], output_retries=retries)
                 continue
             if checked.error is not None:
+                ctx.commit(append=[kept])
                 fail(ctx, "invalid_output", checked.error)
             else:
-                finish(ctx, "stop", output=checked.value)
+                finish(ctx, "stop", append=[kept], output=checked.value)
             return None
+        # The assistant message (and its calls' plans) is durable before any call is sent.
+        ctx.commit(append=[kept], plans=plans, **counts)
+        # Calls this new are neither sent nor settled: the step goes on without a read.
+        ctx.round_read = RoundRead.planned(plans) if plans else None
     return ctx.now  # more to do than one step should take: step again at once
 
 
