@@ -217,14 +217,14 @@ def agent_beat_key(turn_id: str, call_id: str) -> str:
     return f"{turn_key(turn_id)}:beat:{call_id}"
 
 
-def step_lock_key(turn_id: str) -> str:
-    """Held (SET NX PX) by the one step advancing the turn; its token fences the step's writes."""
-    return f"{turn_key(turn_id)}:step"
+STEP_FIELD = "step"
+"""Field of the turn's state hash: the step lock, `"<token>:<until ms>"` (JSON), held by the
+one step advancing the turn until then; its token fences the step's writes. Beside the
+state it guards, every script reads it with the state it reads anyway."""
 
-
-def dirty_key(turn_id: str) -> str:
-    """Set by whatever wakes the turn; a step that finds it set at its end runs once more."""
-    return f"{turn_key(turn_id)}:dirty"
+DIRTY_FIELD = "dirty"
+"""Field of the turn's state hash: 1 once whatever wakes the turn has; a step that finds it
+set at its end runs once more."""
 
 
 def outstanding_key(turn_id: str) -> str:
@@ -329,7 +329,6 @@ def ended_turn_keys(turn_id: str) -> list[str]:
     Its children are read to abort them, which only a running turn does."""
     return [
         plan_key(turn_id),
-        dirty_key(turn_id),
         outstanding_key(turn_id),
         children_key(turn_id),
     ]

@@ -142,6 +142,11 @@ def active_turns(client: Any) -> list[str]:
     return [text(t) for _, t in sorted((float(sc), t) for rows in got for t, sc in rows)]
 
 
+def now_ms() -> int:
+    """This process's wall clock in ms, which the step lock's lifetime is counted on."""
+    return int(time.time() * 1000)
+
+
 def text(v: Any) -> str:
     """Redis answers bytes; callers want str."""
     return v.decode() if isinstance(v, bytes) else str(v)

@@ -9,46 +9,55 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import event_body, publish_lua, seq_lua
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua, seq_lua
 from agentq.models import ToolResult
-from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, dispatch_args, finished, text
+from agentq.state.base import (
+    WAKE_BACKSTOP_S,
+    StoreBase,
+    dispatch_args,
+    finished,
+    now_ms,
+    text,
+)
 from agentq.state.lua import TURN_OPEN_LUA, record_lua, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
-    TURN_OPEN_LUA % (5, -2)
+    TURN_OPEN_LUA % (4, -2)
     + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
-local tracked = redis.call('SREM', KEYS[8], ARGV[1])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[8]) == 0
--- The worker the result names ran the call (ARGV[12]); else its start record says which.
-local worker = ARGV[12]
+local tracked = redis.call('SREM', KEYS[7], ARGV[1])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[7]) == 0
+-- The worker the result names ran the call (ARGV[11]); else its start record says which.
+local worker = ARGV[11]
 if worker == '' then
-  local start = redis.call('HGET', KEYS[7], ARGV[1])
+  local start = redis.call('HGET', KEYS[6], ARGV[1])
   local ok, rec = pcall(cjson.decode, start or '')
   if ok and type(rec) == 'table' and type(rec['worker']) == 'string' then worker = rec['worker'] end
 end
 if worker ~= '' then
-  redis.call('SREM', ARGV[13] .. worker .. ARGV[14], ARGV[8] .. '/' .. ARGV[1])
+  redis.call('SREM', ARGV[12] .. worker .. ARGV[13], ARGV[7] .. '/' .. ARGV[1])
 end
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
-    + seq_lua("KEYS[5]")
-    + "if not ready then return 1 end\nif ARGV[9] == '1' then\n"
+    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
+    + "if not ready or ARGV[8] ~= '1' then\n"
+    + seq_lua("KEYS[4]")
+    + "  return ready and 3 or 1\nend\n"
     + wake_or_step_lua(
-        ("KEYS[2]", "KEYS[6]", "ARGV[8]", "ARGV[6]", "ARGV[7]"),
-        "KEYS[9]",
-        "KEYS[5]",
-        "KEYS[10]",
+        ("KEYS[5]", "ARGV[7]", "ARGV[6]"),
+        "KEYS[4]",
+        "KEYS[8]",
+        "ARGV[9]",
         "ARGV[10]",
-        "ARGV[11]",
-        ("KEYS[1]", "KEYS[11]", "KEYS[12]"),
+        "ARGV[5]",
+        ("KEYS[1]", "KEYS[9]", "KEYS[10]"),
+        fields=f"'{SEQ_FIELD}', seq",
     )
-    + "end\nreturn 3"
+    + "return 3"
 )
 
 # A task that starts checks, in the same step that records its start, that its call
@@ -177,14 +186,12 @@ class CallRecords(StoreBase):
             self._settle,
             keys=[
                 k.results_key(turn_id),
-                k.dirty_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(turn_id),
                 k.turn_wakeups_key(turn_id),
                 k.started_key(turn_id),
                 k.outstanding_key(turn_id),
-                k.step_lock_key(turn_id),
                 k.history_key(turn_id),
                 k.calls_key(turn_id),
                 k.plan_key(turn_id),
@@ -194,9 +201,8 @@ class CallRecords(StoreBase):
                 result_json,
                 event_body(turn_id, "tool_finished", event),
                 self.bus.log_arg(),
-                "",
+                now_ms(),
                 time.time() + WAKE_BACKSTOP_S,
-                self.ttl_s,
                 turn_id,
                 "1" if wake else "0",
                 token,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
-from agentq.events.bus import event_body, publish_lua, seq_lua
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
 from agentq.state.base import WAKE_BACKSTOP_S, text
 from agentq.state.lua import TURN_OPEN_LUA, wake_lua
@@ -25,7 +25,7 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if not state then return 'missing' end
 if state ~= 'pending' then return state end
 """
-    + TURN_OPEN_LUA % (6, "'closed'")
+    + TURN_OPEN_LUA % (5, "'closed'")
     + """
 redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decision', ARGV[2])
 if ARGV[3] ~= '' then
@@ -34,8 +34,7 @@ end
 if ARGV[5] ~= '' then
 """
     + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[5]", "ARGV[6]", "watched")
-    + seq_lua("KEYS[6]")
-    + wake_lua("KEYS[5]", "KEYS[7]", "ARGV[7]", "ARGV[8]", "ARGV[9]")
+    + wake_lua("KEYS[5]", "KEYS[6]", "ARGV[7]", "ARGV[8]", f"'{SEQ_FIELD}', seq")
     + """
 end
 return 'ok'
@@ -127,7 +126,6 @@ class Interactions:
                 k.secret_key(turn_id, request_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
-                k.dirty_key(turn_id),
                 k.turn_key(turn_id),
                 k.turn_wakeups_key(turn_id),
             ],
@@ -140,6 +138,5 @@ class Interactions:
                 self.store.bus.log_arg(),
                 turn_id,
                 time.time() + WAKE_BACKSTOP_S,
-                self.store.ttl_s,
             ],
         )

@@ -4,13 +4,13 @@ method that runs it."""
 
 from __future__ import annotations
 
-from agentq.constants import CANCEL_FIELD
+from agentq.constants import CANCEL_FIELD, DIRTY_FIELD, STEP_FIELD
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
 # written after its terminal event, and nothing recreates half of a vanished turn. It
 # leaves `watched` (the turn's followers) and `seq` (its last event's) for the publish
-# fragment, and `cancelled`.
+# fragment, `cancelled`, and `held` (the step lock as stored, see `lock_free_lua`).
 TURN_OPEN_LUA = (
     """
 local open = redis.call('HMGET', KEYS[%d], 'status', '"""
@@ -19,8 +19,11 @@ local open = redis.call('HMGET', KEYS[%d], 'status', '"""
     + CANCEL_FIELD
     + """', '"""
     + SEQ_FIELD
+    + """', '"""
+    + STEP_FIELD
     + """')
 local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
+local held = open[5]
 if not status or """
     + ended_lua("status")
     + """ then
@@ -28,6 +31,35 @@ if not status or """
 end
 """
 )
+
+
+# The step lock is a field of the turn's state (STEP_FIELD), so the scripts that take,
+# check or let go of it do so in the commands they run on the state anyway. Its lifetime
+# is on the callers' clocks (ARGV), as the wakeups' are: a caller whose clock runs ahead
+# may take a lock early, and the fence (the token) still keeps the step it took over
+# from writing anything.
+def lock_free_lua(held: str, now_ms: str) -> str:
+    """A Lua condition: the step lock as read (`held`; false, "" or lapsed) is free at `now_ms`."""
+    return (
+        f"(not {held} or (tonumber(string.match({held}, ':(%d+)\"$')) or 0) <= tonumber({now_ms}))"
+    )
+
+
+def lock_mine_lua(held: str, token: str) -> str:
+    """A Lua condition: the step lock as read (`held`) is the one `token` took."""
+    return f"({held} and string.match({held}, '^\"(.*):%d+\"$') == {token})"
+
+
+def lock_value_lua(token: str, now_ms: str, ttl_ms: str) -> str:
+    """A Lua expression: the step lock's value for `token`, held `ttl_ms` from `now_ms`."""
+    return (
+        f"""('"' .. {token} .. ':'"""
+        f""" .. string.format('%d', tonumber({now_ms}) + tonumber({ttl_ms})) .. '"')"""
+    )
+
+
+LOCK_FREE_VALUE = '""'
+"""The step lock's value once let go (JSON, as every state field)."""
 
 
 def hset_seq_lua(turn: str, first: str, last: str, seq: str = "seq") -> str:
@@ -61,11 +93,13 @@ end
 """
 
 
-def wake_lua(dirty: str, wakeups: str, turn_id: str, at: str, ttl: str) -> str:
-    """Lua that marks a turn as woken and makes sure a sweeper steps it by `at` (an
-    earlier wakeup stays: LT, Redis >= 6.2)."""
+def wake_lua(turn: str, wakeups: str, turn_id: str, at: str, fields: str = "") -> str:
+    """Lua that marks a turn as woken (its DIRTY_FIELD, in one HSET with the field/value
+    pairs `fields`, a Lua argument list) and makes sure a sweeper steps it by `at` (an
+    earlier wakeup stays: LT, Redis >= 6.2). The turn must exist (TURN_OPEN_LUA)."""
+    more = f", {fields}" if fields else ""
     return f"""
-redis.call('SET', {dirty}, '1', 'EX', {ttl})
+redis.call('HSET', {turn}, '{DIRTY_FIELD}', 1{more})
 redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
 """
 
@@ -74,9 +108,9 @@ MAX_ROUND_READ = 500
 """A round with more calls than this is read by the step itself, not by the script."""
 
 
-def read_view_lua(turn: str, history: str, round_keys: tuple[str, str, str] | None = None) -> str:
-    """A Lua expression list: what a step reads (state, its cancel reason among it,
-    history, round).
+def view_lua(st: str, history: str, round_keys: tuple[str, str, str] | None = None) -> str:
+    """A Lua table expression: what a step reads (state `st` as HGETALL gave it, its cancel
+    reason among it, history, round).
 
     `round` holds the settled results, dispatch records and plans of the calls named by
     the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
@@ -88,43 +122,53 @@ def read_view_lua(turn: str, history: str, round_keys: tuple[str, str, str] | No
         results, calls, plans = round_keys
         rnd = f"""(function()
     local rc
-    for i = 1, #st, 2 do if st[i] == 'round_calls' then rc = st[i + 1] end end
+    for i = 1, #{st}, 2 do if {st}[i] == 'round_calls' then rc = {st}[i + 1] end end
     if not rc then return {{}} end
     local ok, ids = pcall(cjson.decode, rc)
     if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
     return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
             redis.call('HMGET', {plans}, unpack(ids))}}
   end)()"""
+    return f"{{{st}, redis.call('LRANGE', {history}, 0, -1), {rnd}}}"
+
+
+def read_view_lua(turn: str, history: str, round_keys: tuple[str, str, str] | None = None) -> str:
+    """A Lua expression list: what a step reads (`view_lua`), the state read here."""
     return f"""unpack((function()
   local st = redis.call('HGETALL', {turn})
-  return {{st, redis.call('LRANGE', {history}, 0, -1), {rnd}}}
+  return {view_lua("st", history, round_keys)}
 end)())"""
 
 
 def wake_or_step_lua(
-    wake: tuple[str, str, str, str, str],
-    lock: str,
+    wake: tuple[str, str, str],
     turn: str,
     history: str,
     token: str,
     ttl_ms: str,
+    now_ms: str,
     round_keys: tuple[str, str, str] | None = None,
+    fields: str = "",
 ) -> str:
-    """Lua that wakes the turn (`wake`: the arguments of `wake_lua`) or, for a caller that
-    steps the woken turn itself (`token` set), takes the step lock and returns what the
-    step reads, as the begin script would: one round trip fewer between the last result
-    of a batch and the step that collects it.
+    """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
+    for a caller that steps the woken turn itself (`token` set) when the lock (`held`, as
+    TURN_OPEN_LUA read it) is free, takes the step lock and returns what the step reads,
+    as the begin script would: one round trip fewer between the last result of a batch
+    and the step that collects it. Either way the field/value pairs `fields` are written
+    in the same HSET.
 
     A step taken here needs no dirty mark (it reads now), only its wakeup, should its
     process die in it. A mark some other wake left stays: that step runs once more.
     """
-    dirty, wakeups, turn_id, at, ttl = wake
+    wakeups, turn_id, at = wake
+    more = f", {fields}" if fields else ""
     return f"""
-if {token} ~= '' and redis.call('SET', {lock}, {token}, 'NX', 'PX', {ttl_ms}) then
+if {token} ~= '' and {lock_free_lua("held", now_ms)} then
+  redis.call('HSET', {turn}, '{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}{more})
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
   return {{3, {read_view_lua(turn, history, round_keys)}}}
 end
-""" + wake_lua(dirty, wakeups, turn_id, at, ttl)
+""" + wake_lua(turn, wakeups, turn_id, at, fields)
 
 
 def record_lua(calls: str, outstanding: str, results: str, first: int | str) -> str:

@@ -10,33 +10,31 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import SEQ_FIELD, event_body, publish_lua, seq_lua
-from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, text
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
 from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
 
 # A round's end: the events of it not published yet (its last deltas, llm_finished), its
 # result, and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
-    TURN_OPEN_LUA % (3, -2)
+    TURN_OPEN_LUA % (2, -2)
     + """
-for i = 8, #ARGV do
+for i = 9, #ARGV do
 """
-    + publish_lua("KEYS[8]", "KEYS[9]", "ARGV[i]", "ARGV[7]", "watched")
+    + publish_lua("KEYS[6]", "KEYS[7]", "ARGV[i]", "ARGV[7]", "watched")
     + """
 end
-if #ARGV >= 8 then """
-    + seq_lua("KEYS[3]")
-    + """end
-redis.call('SET', KEYS[4], ARGV[4], 'EX', ARGV[3])
-redis.call('DEL', KEYS[5])
+redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[3])
+redis.call('DEL', KEYS[4])
 """
     + wake_or_step_lua(
-        ("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]"),
-        "KEYS[6]",
-        "KEYS[3]",
-        "KEYS[7]",
+        ("KEYS[1]", "ARGV[1]", "ARGV[2]"),
+        "KEYS[2]",
+        "KEYS[5]",
         "ARGV[5]",
         "ARGV[6]",
+        "ARGV[8]",
+        fields=f"'{SEQ_FIELD}', seq",
     )
     + "return 1"
 )
@@ -141,12 +139,10 @@ class RoundRecords(StoreBase):
         token, lock_ms = self._inline_lock()
         ok = self._finish_llm(
             keys=[
-                k.dirty_key(turn_id),
                 k.turn_wakeups_key(turn_id),
                 k.turn_key(turn_id),
                 k.llm_result_key(turn_id, round_no),
                 k.llm_alive_key(turn_id, round_no),
-                k.step_lock_key(turn_id),
                 k.history_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
@@ -159,6 +155,7 @@ class RoundRecords(StoreBase):
                 token,
                 lock_ms,
                 self.bus.log_arg() if events else "",
+                now_ms(),
                 *[event_body(turn_id, t, f) for t, f in events or []],
             ],
         )

@@ -18,49 +18,56 @@ from agentq.state.base import (
     StoreBase,
     dispatch_args,
     each_shard,
+    now_ms,
     step_view,
     text,
 )
 from agentq.state.lua import (
+    LOCK_FREE_VALUE,
     TURN_OPEN_LUA,
-    hset_seq_lua,
+    lock_free_lua,
+    lock_mine_lua,
+    lock_value_lua,
     many_lua,
-    read_view_lua,
     record_lua,
+    view_lua,
     wake_lua,
 )
 
+_STEP, _DIRTY = k.STEP_FIELD, k.DIRTY_FIELD
+
 # A woken turn: whoever wakes it (a model round, an answer) in one step.
 WAKE_ONLY_LUA = (
-    TURN_OPEN_LUA % (3, 0)
-    + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "ARGV[3]")
-    + "return 1"
+    TURN_OPEN_LUA % (1, 0) + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]") + "return 1"
 )
 
 
-def _fields_and_events_lua(
-    turn: str, log: str, channel: str, fields: str, first: str, opts: str
-) -> str:
-    """Lua that writes the state fields ARGV[fields..a - 1] (`a` a local) and publishes the
-    `ne` (a local) event bodies from ARGV[first] on: with events, the fields and the turn's
-    new seq are one HSET."""
+# What a fenced write reads first: the step lock, whether the token still holds it (else
+# `refused` is returned), and `watchers`, `seq` and `dirty` for what it writes next.
+def _fence_lua(refused: int) -> str:
+    return f"""
+local open = redis.call('HMGET', KEYS[1], '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}', '{_DIRTY}')
+if not {lock_mine_lua("open[1]", "ARGV[1]")} then return {refused} end
+local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
+"""
+
+
+def _fields_and_events_lua(log: str, channel: str, fields: str, first: str, opts: str) -> str:
+    """Lua that puts the state fields ARGV[fields..a - 1] (`a` a local) in the table `w`,
+    publishes the `ne` (a local) event bodies from ARGV[first] on, and puts the turn's new
+    seq in `w` too: the script writes `w` in one HSET."""
     return (
         f"""
+local w = {{}}
+for i = {fields}, a - 1 do w[#w + 1] = ARGV[i] end
 if ne > 0 then
-  local open = redis.call('HMGET', {turn}, '{WATCHERS_FIELD}', '{SEQ_FIELD}')
-  local watchers, seq = open[1], tonumber(open[2]) or 0
   for i = {first}, {first} + ne - 1 do
 """
         + publish_lua(log, channel, "ARGV[i]", opts, "watchers")
-        + """
+        + f"""
   end
-"""
-        + hset_seq_lua(turn, fields, "a - 1")
-        + """
-else
-"""
-        + many_lua("HSET", turn, fields, "a - 1")
-        + """
+  w[#w + 1] = '{SEQ_FIELD}'
+  w[#w + 1] = seq
 end
 """
     )
@@ -71,70 +78,91 @@ end
 # write: the plans of calls just asked for, and the events the change means, so that an
 # event is never seen without its state nor a step's state without its event.
 COMMIT_LUA = (
-    """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+    _fence_lua(0)
+    + """
 local nf, na, np, ne = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local a = 7 + 2 * nf
 """
-    + many_lua("RPUSH", "KEYS[3]", "a", "a + na - 1")
-    + many_lua("HSET", "KEYS[4]", "a + na", "a + na + 2 * np - 1")
-    + _fields_and_events_lua("KEYS[2]", "KEYS[5]", "KEYS[6]", "7", "a + na + 2 * np", "ARGV[6]")
-    + "return 1\n"
+    + many_lua("RPUSH", "KEYS[2]", "a", "a + na - 1")
+    + many_lua("HSET", "KEYS[3]", "a + na", "a + na + 2 * np - 1")
+    + _fields_and_events_lua("KEYS[4]", "KEYS[5]", "7", "a + na + 2 * np", "ARGV[6]")
+    + """
+if #w > 0 then redis.call('HSET', KEYS[1], unpack(w)) end
+return 1
+"""
 )
 
-# A step begins: take the lock, clear the dirty mark, and read what the step needs (state
-# with its cancel reason, history) in one round trip.
-_ROUND_KEYS = ("KEYS[5]", "KEYS[6]", "KEYS[7]")
+# A step begins: take the lock (free, or lapsed), clear the dirty mark, and read what the
+# step needs (state with its cancel reason, history, round) in one round trip. A turn
+# Redis does not hold is read as such, and nothing is written to it.
+_ROUND_KEYS = ("KEYS[3]", "KEYS[4]", "KEYS[5]")
 
 BEGIN_LUA = f"""
-if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false end
-redis.call('DEL', KEYS[2])
-return {{{read_view_lua("KEYS[3]", "KEYS[4]", _ROUND_KEYS)}}}
+local st = redis.call('HGETALL', KEYS[1])
+if #st == 0 then return {{{{}}, {{}}, {{}}}} end
+local held = false
+for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
+if not {lock_free_lua("held", "ARGV[3]")} then return false end
+local lock = {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")}
+redis.call('HSET', KEYS[1], '{_STEP}', lock, '{_DIRTY}', 0)
+return {view_lua("st", "KEYS[2]", _ROUND_KEYS)}
 """
 
 # A step that goes round again (woken while it ran) reads afresh, lock kept.
 REREAD_LUA = f"""
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
-redis.call('DEL', KEYS[2])
-return {{{read_view_lua("KEYS[3]", "KEYS[4]", _ROUND_KEYS)}}}
+local st = redis.call('HGETALL', KEYS[1])
+local held = false
+for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
+if not {lock_mine_lua("held", "ARGV[1]")} then return false end
+redis.call('HSET', KEYS[1], '{_DIRTY}', 0)
+return {view_lua("st", "KEYS[2]", _ROUND_KEYS)}
 """
 
 # Releasing the step lock, with what the step staged (state fields and their events) and
 # the dispatch records of the calls it sent: a step that sent a model round writes its
 # send here, after the message went out, not in a write of its own before (a delivery
 # that comes before this write finds the turn locked, marks it woken, and the step reads
-# again). If the turn was woken meanwhile, keep the lock and step again; else drop it
-# and leave the turn's next deadline for the sweepers.
+# again). If the turn was woken meanwhile, keep the lock (for a full term) and step
+# again; else let go of it and leave the turn's next deadline for the sweepers.
 RELEASE_LUA = (
-    """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
-local nf, ne = tonumber(ARGV[5]), tonumber(ARGV[6])
-local a = 8 + 2 * nf
-"""
-    + _fields_and_events_lua("KEYS[7]", "KEYS[8]", "KEYS[9]", "8", "a", "ARGV[7]")
-    + record_lua("KEYS[4]", "KEYS[5]", "KEYS[6]", "a + ne")
+    _fence_lua(-1)
     + """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('PEXPIRE', KEYS[1], ARGV[4])
-  return 0
-end
-redis.call('DEL', KEYS[1])
+local nf, ne = tonumber(ARGV[5]), tonumber(ARGV[6])
+local a = 9 + 2 * nf
+"""
+    + _fields_and_events_lua("KEYS[6]", "KEYS[7]", "9", "a", "ARGV[7]")
+    + f"""
+w[#w + 1] = '{_STEP}'
+w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
+redis.call('HSET', KEYS[1], unpack(w))
+"""
+    + record_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "a + ne")
+    + """
+if dirty then return 0 end
 if ARGV[3] == '' then
-  redis.call('ZREM', KEYS[3], ARGV[2])
+  redis.call('ZREM', KEYS[2], ARGV[2])
 else
-  redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
 end
 return 1
 """
 )
 
 # A sweeper claims a due wakeup by pushing it later (its retry if the step never runs):
-# several sweepers, one claim.
-CLAIM_LUA = """
+# several sweepers, one claim. The turn is marked woken, should a step hold it now.
+CLAIM_LUA = f"""
 local cur = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if (not cur) or tonumber(cur) > tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], '{_DIRTY}', 1) end
+return 1
+"""
+
+# Taking the step lock alone (a caller that holds a turn still, such as a test).
+LOCK_LUA = f"""
+local h = redis.call('HMGET', KEYS[1], 'status', '{_STEP}')
+if not h[1] or not {lock_free_lua("h[2]", "ARGV[3]")} then return 0 end
+redis.call('HSET', KEYS[1], '{_STEP}', {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")})
 return 1
 """
 
@@ -149,6 +177,7 @@ class StepRecords(StoreBase):
         "_reread": REREAD_LUA,
         "_release": RELEASE_LUA,
         "_claim": CLAIM_LUA,
+        "_lock": LOCK_LUA,
     }
     _wake: Script
     _commit: Script
@@ -156,9 +185,17 @@ class StepRecords(StoreBase):
     _reread: Script
     _release: Script
     _claim: Script
+    _lock: Script
 
     def lock_step(self, turn_id: str, token: str, ttl_ms: int) -> bool:
-        return bool(self.redis.set(k.step_lock_key(turn_id), token, nx=True, px=ttl_ms))
+        """Take a turn's step lock (free or lapsed) for `ttl_ms`; False if held or no turn."""
+        return bool(self._lock(keys=[k.turn_key(turn_id)], args=[token, ttl_ms, now_ms()]))
+
+    def step_holder(self, turn_id: str) -> str | None:
+        """The token of the step that holds the turn's lock now, if any."""
+        raw = self.redis.hget(k.turn_key(turn_id), k.STEP_FIELD)
+        token, _, until = str(json.loads(raw) if raw else "").rpartition(":")
+        return token if token and until.isdigit() and int(until) > now_ms() else None
 
     def begin_step(
         self, turn_id: str, token: str, ttl_ms: int, *, again: bool = False
@@ -168,15 +205,13 @@ class StepRecords(StoreBase):
         script = self._reread if again else self._begin
         raw = script(
             keys=[
-                k.step_lock_key(turn_id),
-                k.dirty_key(turn_id),
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
                 k.results_key(turn_id),
                 k.calls_key(turn_id),
                 k.plan_key(turn_id),
             ],
-            args=[token, ttl_ms],
+            args=[token, ttl_ms, now_ms()],
         )
         if not raw:
             return None
@@ -206,7 +241,6 @@ class StepRecords(StoreBase):
         ok = self._durable(
             self._commit,
             keys=[
-                k.step_lock_key(turn_id),
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
                 k.plan_key(turn_id),
@@ -237,12 +271,13 @@ class StepRecords(StoreBase):
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
         args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
         args += [ttl_ms, len(fields), len(bodies), self.bus.log_arg() if bodies else ""]
+        args.append(now_ms())
         for f, v in fields.items():
             args += [f, json.dumps(v)]
         args += [*bodies, *dispatch_args(dispatched or {})]
-        keys = [k.step_lock_key(turn_id), k.dirty_key(turn_id), k.turn_wakeups_key(turn_id)]
+        keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
-        keys += [k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)]
+        keys += [k.log_key(turn_id), k.events_channel(turn_id)]
         if not (dispatched or fields or bodies):
             return int(self._release(keys=keys, args=args))
         # Not sent again: a second run finds the lock gone (and would publish twice).
@@ -261,8 +296,8 @@ class StepRecords(StoreBase):
         """Mark an open turn woken, for a caller that steps it itself; False if it has ended."""
         return bool(
             self._wake(
-                keys=[k.dirty_key(turn_id), k.turn_wakeups_key(turn_id), k.turn_key(turn_id)],
-                args=[turn_id, time.time() + WAKE_BACKSTOP_S, self.ttl_s],
+                keys=[k.turn_key(turn_id), k.turn_wakeups_key(turn_id)],
+                args=[turn_id, time.time() + WAKE_BACKSTOP_S],
             )
         )
 
@@ -283,8 +318,8 @@ class StepRecords(StoreBase):
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
         return bool(
             self._claim(
-                keys=[k.turn_wakeups_key(turn_id), k.dirty_key(turn_id)],
-                args=[turn_id, now, now + retry_s, self.ttl_s],
+                keys=[k.turn_wakeups_key(turn_id), k.turn_key(turn_id)],
+                args=[turn_id, now, now + retry_s],
             )
         )
 

@@ -27,7 +27,14 @@ from agentq.state.base import (
     loads,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, hset_seq_lua, many_lua, wake_lua
+from agentq.state.lua import (
+    LOCK_FREE_VALUE,
+    TURN_OPEN_LUA,
+    hset_seq_lua,
+    lock_mine_lua,
+    many_lua,
+    wake_lua,
+)
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
@@ -38,21 +45,19 @@ from agentq.state.lua import TURN_OPEN_LUA, hset_seq_lua, many_lua, wake_lua
 # which lets go of the lock too.
 CLOSE_LUA = (
     TURN_OPEN_LUA % (1, 0)
-    + """
-if ARGV[10] ~= '' then
-  if redis.call('GET', KEYS[12]) ~= ARGV[10] then return -1 end
-  redis.call('DEL', KEYS[12])
-end
+    + "if ARGV[10] ~= '' and not "
+    + lock_mine_lua("held", "ARGV[10]")
+    + """ then return -1 end
 local n = tonumber(ARGV[11])
 """
-    + many_lua("RPUSH", "KEYS[13]", "12", "11 + n")
+    + many_lua("RPUSH", "KEYS[11]", "12", "11 + n")
     + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
     + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV")
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[14], KEYS[15], KEYS[16], KEYS[17])
-for i = 18, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[12], KEYS[13], KEYS[14])
+for i = 15, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local popen = redis.call('HMGET', KEYS[6], 'status', '"""
     + WATCHERS_FIELD
@@ -66,15 +71,15 @@ if not pstatus or """
   return 1
 end
 if redis.call('HSETNX', KEYS[7], ARGV[6], ARGV[7]) == 0 then return 1 end
-local tracked = redis.call('SREM', KEYS[11], ARGV[6])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[11]) == 0
+local tracked = redis.call('SREM', KEYS[10], ARGV[6])
+local ready = tracked == 0 or redis.call('SCARD', KEYS[10]) == 0
 do
 """
-    + publish_lua("KEYS[9]", "KEYS[10]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
-    + "end\n"
+    + publish_lua("KEYS[8]", "KEYS[9]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
+    + "end\nif not ready then\n"
     + seq_lua("KEYS[6]", "pseq")
-    + "if not ready then return 1 end\n"
-    + wake_lua("KEYS[8]", "KEYS[3]", "ARGV[5]", "ARGV[9]", "ARGV[2]")
+    + "  return 1\nend\n"
+    + wake_lua("KEYS[6]", "KEYS[3]", "ARGV[5]", "ARGV[9]", f"'{SEQ_FIELD}', pseq")
     + "return 2\n"
 )
 
@@ -182,6 +187,8 @@ class TurnRecords(StoreBase):
         flat: list[Any] = []
         for f, v in {"status": status.value, "ended_at": time.time(), **fields}.items():
             flat += [f, json.dumps(v)]
+        if token:
+            flat += [k.STEP_FIELD, LOCK_FREE_VALUE]  # the end lets go of the step's lock
         parent, result = settle_parent or ("", None)
         pid = parent or turn_id  # placeholders the script leaves alone without a parent
         won = self._durable(
@@ -194,11 +201,9 @@ class TurnRecords(StoreBase):
                 k.events_channel(turn_id),
                 k.turn_key(pid),
                 k.results_key(pid),
-                k.dirty_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
                 k.outstanding_key(pid),
-                k.step_lock_key(turn_id),
                 k.history_key(turn_id),
                 *k.ended_turn_keys(turn_id),
                 *k.turn_keys(turn_id),

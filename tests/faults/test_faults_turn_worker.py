@@ -63,7 +63,7 @@ def _check_done(rig, tid: str, counted: tuple[Path, ...]) -> None:  # type: igno
     assert turn["state"]["status"] == "finished"
     # The step that ended the turn lets go of it just after the terminal event.
     wait_for(
-        lambda: not rig.client.store.redis.exists(k.step_lock_key(tid)),
+        lambda: rig.client.store.step_holder(tid) is None,
         10,
         message="the last step released the turn",
     )

@@ -61,7 +61,6 @@ def test_a_turns_keys_share_one_slot_and_turns_spread_over_the_masters(
         *k.turn_keys(turn_id),
         *k.ended_turn_keys(turn_id),
         k.events_channel(turn_id),
-        k.step_lock_key(turn_id),
         k.cancel_key(turn_id),
         k.interaction_key(turn_id, "c1.approval"),
         k.secret_key(turn_id, "c1.password"),

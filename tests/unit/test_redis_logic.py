@@ -4,6 +4,7 @@ one step at a time, nothing after the end."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import fakeredis
@@ -29,6 +30,16 @@ def store() -> TurnStore:
 CALL = ToolCall(id="c1", name="echo")
 
 
+def _dirty(store: TurnStore, turn_id: str) -> bool:
+    return store.redis.hget(k.turn_key(turn_id), k.DIRTY_FIELD) == b"1"
+
+
+def _lock(store: TurnStore, turn_id: str, token: str, *, lapsed: bool = False) -> None:
+    """Set the step lock as a step elsewhere left it: held by `token`, or lapsed."""
+    until = 1 if lapsed else int(time.time() * 1000) + 10_000
+    store.redis.hset(k.turn_key(turn_id), k.STEP_FIELD, json.dumps(f"{token}:{until}"))
+
+
 def test_first_settle_wins_publishes_once_and_wakes_the_turn(store: TurnStore) -> None:
     woken: list[str] = []
     store.waker = woken.append
@@ -38,7 +49,7 @@ def test_first_settle_wins_publishes_once_and_wakes_the_turn(store: TurnStore) -
     finished = [e for e in store.bus.replay("t1") if e.type == "tool_finished"]
     assert len(finished) == 1 and finished[0].fields["status"] == "error"
     assert woken == ["t1"]  # the losing settle wakes nobody
-    assert store.redis.exists(k.dirty_key("t1"))
+    assert _dirty(store, "t1")
     # The backstop: a sweeper steps the turn soon even if the step message was lost.
     assert store.redis.zscore(k.WAKEUPS, "t1") is not None
 
@@ -75,7 +86,7 @@ def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnSt
 def test_a_step_whose_lock_lapsed_cannot_write(store: TurnStore) -> None:
     assert store.lock_step("t1", "a", 5000) is True
     assert store.commit("t1", "a", {"round": 1}, [{"role": "assistant", "content": "x"}])
-    store.redis.delete(k.step_lock_key("t1"))  # lapsed
+    _lock(store, "t1", "a", lapsed=True)
     assert store.lock_step("t1", "b", 5000) is True
     assert store.commit("t1", "a", {"round": 9}) is False
     assert store.release_step("t1", "a", None, 5000) == -1
@@ -164,13 +175,13 @@ def test_a_step_ends_the_turn_with_its_last_messages_only_while_it_holds_the_loc
     assert store.begin_step("t2", "mine", 10_000) is not None
     last = [{"role": "tool", "tool_call_id": "c1", "content": "ok"}]
     # A step whose lock lapsed and was taken by another writes nothing, not even the end.
-    store.redis.set(k.step_lock_key("t2"), "theirs")
+    _lock(store, "t2", "theirs")
     assert (
         store.close("t2", TurnStatus.FINISHED, "turn_finished", {}, token="mine", append=last) == -1
     )
     assert store.history("t2") == [{"role": "user", "content": "hi"}]
     assert store.status("t2") == "running" and not store.bus.replay("t2")
-    store.redis.set(k.step_lock_key("t2"), "mine")
+    _lock(store, "t2", "mine")
     assert (
         store.close("t2", TurnStatus.FINISHED, "turn_finished", {}, token="mine", append=last) == 1
     )
@@ -216,7 +227,7 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     assert store.settle("t1", error_result(c2, "two"))
     (taken,) = capture.views
     assert taken.round is not None and all(taken.round.results)
-    assert store.redis.get(k.step_lock_key("t1")) is not None
+    assert store.step_holder("t1") is not None
     # A read of other calls is not used: the step reads them itself.
     _, settled, _ = store.round_plans_view("t1", ["c2"], read=taken.round)
     assert settled["c2"].error == "two"
@@ -233,14 +244,14 @@ def test_a_call_that_settles_before_its_record_is_not_in_flight(store: TurnStore
     # Calls are sent before they are recorded: a fast one may settle first.
     c2 = ToolCall(id="c2", name="echo")
     assert store.settle("t1", error_result(CALL, "fast"))
-    assert store.redis.exists(k.dirty_key("t1"))  # it woke the turn
-    store.redis.delete(k.dirty_key("t1"))
+    assert _dirty(store, "t1")  # it woke the turn
+    store.redis.hset(k.turn_key("t1"), k.DIRTY_FIELD, 0)
     store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
     assert store.dispatches("t1") == {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
     assert store.redis.smembers(k.outstanding_key("t1")) == {b"c2"}
     # The batch's last call in flight wakes the turn.
     assert store.settle("t1", error_result(c2, "slow"))
-    assert store.redis.exists(k.dirty_key("t1"))
+    assert _dirty(store, "t1")
     assert store.redis.scard(k.outstanding_key("t1")) == 0
 
 
@@ -258,7 +269,7 @@ def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lo
     assert store.redis.smembers(k.outstanding_key("t1")) == {b"c2"}
     # Ending the turn lets go of the lock in the same write.
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == 1
-    assert store.redis.get(k.step_lock_key("t1")) is None
+    assert store.step_holder("t1") is None
 
 
 def publish_many(store: TurnStore, batches: dict[str, list[tuple[str, dict[str, Any]]]]) -> None:

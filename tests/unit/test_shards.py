@@ -45,7 +45,7 @@ def test_a_turns_keys_its_indexes_and_its_children_share_one_slot(shards: int) -
     assert len(child) == 32 and child != parent and child[:4] == parent[:4]
     shard = k.shard_of(parent)
     keys = [*k.turn_keys(parent), *k.ended_turn_keys(parent), k.events_channel(parent)]
-    keys += [k.step_lock_key(parent), k.interaction_key(parent, "c.approval")]
+    keys += [k.interaction_key(parent, "c.approval")]
     keys += [k.turn_wakeups_key(parent), k.turn_active_key(parent), k.turn_index_key(parent)]
     keys += [k.worker_calls_key("w1", shard), k.agent_beat_key(parent, "c")]
     keys += [k.turn_key(child), k.results_key(child)]
@@ -59,12 +59,16 @@ def test_a_turns_keys_its_indexes_and_its_children_share_one_slot(shards: int) -
 def test_sweeps_active_turns_and_the_listing_merge_every_shard(shards: int) -> None:
     store = TurnStore(fakeredis.FakeRedis())
     now = time.time()
-    ids = []
-    for i in range(24):
+    # 24 turns, at least one on every shard (random ids alone miss one now and then).
+    ids: list[str] = []
+    while len(ids) < shards:  # one on each shard first
         turn_id = secrets.token_hex(16)
+        if k.shard_of(turn_id) not in {k.shard_of(t) for t in ids}:
+            ids.append(turn_id)
+    ids += [secrets.token_hex(16) for _ in range(24 - shards)]
+    assert len({k.shard_of(t) for t in ids}) == shards
+    for i, turn_id in enumerate(ids):
         store.create(turn_id, {"status": "running", "created_at": now - 100 + i}, [])
-        ids.append(turn_id)
-    assert len({k.shard_of(t) for t in ids}) == shards  # 24 random turns reach every shard
     assert store.active() == ids  # oldest first, whatever their shard
     assert set(store.due_wakeups(now + 60)) == set(ids)
     store.close(ids[0], TurnStatus.FINISHED, "turn_finished", {})
