@@ -436,6 +436,29 @@ def test_a_pause_is_forgotten_when_it_ends_and_rounds_go_without_the_clock_again
     assert _time_calls(r) == for_clock
 
 
+def _hdel_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_hdel", {}).get("calls", 0))
+
+
+def test_an_unleased_success_forgets_failures_only_this_process_counted(r: redis.Redis) -> None:
+    cap = make(r, {})
+    breaker = f"{cap.prefix}:{{m}}:breaker"
+    before = _hdel_calls(r)
+    assert cap.report_success("m", "default", unleased=True) == "closed"
+    assert _hdel_calls(r) == before  # admitted with no breaker hash: nothing to forget
+    cap.report_failure("m", "default", "5xx", now_ms=T0)
+    assert r.hget(breaker, "f:default") == b"1"
+    cap.report_success("m", "default", unleased=True)  # this process counted one since
+    assert not r.exists(breaker)
+    # Another process's failure is forgotten by the next leased round's success.
+    other = Capacity(r, {}, prefix=cap.prefix)
+    other.report_failure("m", "default", "5xx", now_ms=T0)
+    cap.report_success("m", "default", unleased=True)
+    assert r.hget(breaker, "f:default") == b"1"
+    cap.report_success("m", "default")
+    assert not r.exists(breaker)
+
+
 def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -> None:
     cap = make(r, {}, breaker_failures=2, breaker_cooldown_ms=1000)
     # A queued round granted by another's call takes that grant when it asks again, though
