@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from celery import Celery
 from pydantic import BaseModel
 
+from agentq import constants as k
 from agentq.config import Settings, get_settings
-from agentq.constants import DIRTY_FIELD, LLM_TAKEN_FIELD, STEP_FIELD
 from agentq.errors import TokenInvalid, TurnNotFound
 from agentq.events.bus import SEQ_FIELD, TERMINAL_TYPES, WATCHERS_FIELD
 from agentq.events.follow import follow
@@ -185,7 +185,7 @@ class Client:
         if state is None:
             raise TurnNotFound(turn_id)
         state.pop("token_sha256", None)
-        for field in (WATCHERS_FIELD, SEQ_FIELD, LLM_TAKEN_FIELD, STEP_FIELD, DIRTY_FIELD):
+        for field in (WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_FIELDS):
             state.pop(field, None)  # bookkeeping of the event bus and the rounds
         results = self.store.results(turn_id)
         return {

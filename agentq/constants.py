@@ -256,13 +256,27 @@ def secret_key(turn_id: str, request_id: str) -> str:
     return f"{turn_key(turn_id)}:secret:{request_id}"
 
 
-def llm_result_key(turn_id: str, round_no: int) -> str:
-    return f"{turn_key(turn_id)}:llm:{round_no}"
+LLM_RESULT_FIELD = "llm_result"
+"""Field of the turn's state hash: the last model round's result (LlmRoundResult JSON), as
+its stream worker stored it; cleared once a step has written its message to the history."""
+LLM_RESULT_ROUND_FIELD = "llm_result_round"
+"""Field of the turn's state hash: the last round with a result. Rounds only go up, so a
+delivery of a round at or below it has nothing to stream."""
 
 
 LLM_TAKEN_FIELD = "llm_taken"
 """Field of the turn's state hash: the round a stream worker took last, written with the
 round's llm_started; with its heartbeat gone and no result, the worker died."""
+
+BOOKKEEPING_FIELDS = (
+    STEP_FIELD,
+    DIRTY_FIELD,
+    LLM_TAKEN_FIELD,
+    LLM_RESULT_FIELD,
+    LLM_RESULT_ROUND_FIELD,
+)
+"""Fields of the turn's state hash that are the machinery's, not the turn's: a client's
+view of the turn leaves them out."""
 
 
 def llm_alive_key(turn_id: str, round_no: int) -> str:

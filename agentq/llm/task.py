@@ -289,13 +289,13 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
         streams.hold_lease(key, req.lease_id)
         return start
     streams.release(key)
-    if (start.gone or start.done is not None) and req.lease_id:
+    if (start.gone or start.done) and req.lease_id:
         # Nobody will stream this round: its capacity grant goes back to the queue.
         wake_granted(host.store, streams.capacity.release(req.lease_id))
     if start.gone:
         # A late or redelivered round of a turn that ended (or that Redis lost).
         log.info("round %s of turn %s: the turn is over or gone", req.round_no, req.turn_id)
-    elif start.done is None:
+    elif not start.done:
         # The broker handed this round out again while another delivery streams it.
         log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
     return None

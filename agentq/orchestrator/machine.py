@@ -161,6 +161,7 @@ def advance(ctx: StepContext) -> float | None:
             "streamed_s": float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
             "phase": "tools" if message.tool_calls else "model",
             "round_calls": list(plans) or None,
+            k.LLM_RESULT_FIELD: None,  # in the history from now on
         }
         if not message.tool_calls:
             # An answer without calls: written with what follows it (the end of the turn,

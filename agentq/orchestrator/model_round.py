@@ -136,6 +136,9 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     known = ctx.llm_result
     if known and known[0] == round_no:
         raw: str | None = known[1]
+    elif ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD):
+        # Stored before the step read the turn: its view has it.
+        raw = json.dumps(ctx.state[k.LLM_RESULT_FIELD])
     elif ctx.state.get("llm_round") == round_no:
         raw = ctx.store.llm_result(ctx.turn_id, round_no)
     else:
@@ -150,7 +153,14 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
         busy = result.error_code == BUSY_CODE
         if not busy and not (result.failover and failovers < s.llm_max_retries):
             return _message(ctx, result)
-        fields: dict[str, Any] = {"llm_round": None}
+        # The round goes again: its result is forgotten, and so is its claim (a delivery of
+        # an earlier round still finds it done).
+        fields: dict[str, Any] = {
+            "llm_round": None,
+            k.LLM_RESULT_FIELD: None,
+            k.LLM_RESULT_ROUND_FIELD: round_no - 1,
+            k.LLM_TAKEN_FIELD: None,
+        }
         events: list[tuple[str, dict[str, Any]]] = []
         if not busy:
             # Its deployment failed before the model said anything: another one takes it.
@@ -165,10 +175,6 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             }
             events.append(("llm_retry", retry))
         # A busy provider costs no retry: the round waits for capacity again.
-        pipe = ctx.store.redis.pipeline(transaction=False)
-        pipe.delete(k.llm_result_key(ctx.turn_id, round_no))
-        pipe.hdel(k.turn_key(ctx.turn_id), k.LLM_TAKEN_FIELD)
-        pipe.execute()
         ctx.llm_result = None
         ctx.commit(events=events, **fields)
     if ctx.state.get("llm_round") != round_no:
@@ -183,12 +189,11 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     # One snapshot: a round that finished after the result was read above has no
     # heartbeat any more, and must not be taken for a round whose worker died.
     pipe = ctx.store.redis.pipeline(transaction=True)
-    pipe.get(k.llm_result_key(ctx.turn_id, round_no))
+    pipe.hmget(k.turn_key(ctx.turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_TAKEN_FIELD])
     pipe.exists(k.llm_alive_key(ctx.turn_id, round_no))
-    pipe.hget(k.turn_key(ctx.turn_id), k.LLM_TAKEN_FIELD)
-    late, alive, raw_taken = pipe.execute()
+    (raw_done, raw_taken), alive = pipe.execute()
     taken = raw_taken is not None and json.loads(raw_taken) == round_no
-    if late is not None:
+    if raw_done is not None and json.loads(raw_done) == round_no:
         return ctx.now
     if not alive and taken:
         # Taken, and its heartbeat lapsed without a result: the stream worker died.

@@ -115,7 +115,8 @@ def view_lua(st: str, history: str, round_keys: tuple[str, str, str] | None = No
     `round` holds the settled results, dispatch records and plans of the calls named by
     the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
     that collects a round needs no read of its own; {} without them. `round_calls` is
-    taken from the state as read, not read again.
+    taken from the state as read, not read again; the dispatch records only while a call
+    is unsettled (all None else).
     """
     rnd = "{}"
     if round_keys is not None:
@@ -126,8 +127,14 @@ def view_lua(st: str, history: str, round_keys: tuple[str, str, str] | None = No
     if not rc then return {{}} end
     local ok, ids = pcall(cjson.decode, rc)
     if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
-    return {{redis.call('HMGET', {results}, unpack(ids)), redis.call('HMGET', {calls}, unpack(ids)),
-            redis.call('HMGET', {plans}, unpack(ids))}}
+    local settled = redis.call('HMGET', {results}, unpack(ids))
+    -- Every call settled: the step sends nothing, and needs no dispatch record.
+    local records = {{}}
+    for i = 1, #ids do
+      if not settled[i] then records = redis.call('HMGET', {calls}, unpack(ids)) break end
+      records[i] = false
+    end
+    return {{settled, records, redis.call('HMGET', {plans}, unpack(ids))}}
   end)()"""
     return f"{{{st}, redis.call('LRANGE', {history}, 0, -1), {rnd}}}"
 

@@ -10,31 +10,32 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
+from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
 from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
 
 # A round's end: the events of it not published yet (its last deltas, llm_finished), its
-# result, and the turn woken (or stepped here), in one write.
+# result (fields of the turn's state, in the HSET of its seq), and the turn woken (or
+# stepped here), in one write.
 FINISH_LLM_LUA = (
     TURN_OPEN_LUA % (2, -2)
     + """
 for i = 9, #ARGV do
 """
-    + publish_lua("KEYS[6]", "KEYS[7]", "ARGV[i]", "ARGV[7]", "watched")
+    + publish_lua("KEYS[5]", "KEYS[6]", "ARGV[i]", "ARGV[6]", "watched")
     + """
 end
-redis.call('SET', KEYS[3], ARGV[4], 'EX', ARGV[3])
-redis.call('DEL', KEYS[4])
+redis.call('DEL', KEYS[3])
 """
     + wake_or_step_lua(
         ("KEYS[1]", "ARGV[1]", "ARGV[2]"),
         "KEYS[2]",
-        "KEYS[5]",
+        "KEYS[4]",
+        "ARGV[4]",
         "ARGV[5]",
-        "ARGV[6]",
-        "ARGV[8]",
-        fields=f"'{SEQ_FIELD}', seq",
+        "ARGV[7]",
+        fields=f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', ARGV[3], "
+        f"'{k.LLM_RESULT_ROUND_FIELD}', ARGV[8]",
     )
     + "return 1"
 )
@@ -44,19 +45,19 @@ redis.call('DEL', KEYS[4])
 # a handoff to a thread on a stream worker that holds thousands of rounds). It answers
 # whether anyone follows the turn, which decides how often its deltas go out.
 BEGIN_LLM_LUA = (
-    """
-local done = redis.call('GET', KEYS[1])
-if done then return {1, done} end
+    f"""
+local open = redis.call('HMGET', KEYS[1], 'status', '{WATCHERS_FIELD}', '{k.CANCEL_FIELD}',
+  '{SEQ_FIELD}', '{k.LLM_RESULT_ROUND_FIELD}')
+local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
+if (tonumber(open[5]) or -1) >= tonumber(ARGV[6]) then return {{1}} end
+if not status or {ended_lua("status")} then return {{2}} end
+if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {{3}} end
 """
-    + TURN_OPEN_LUA % (2, "{2}")
-    + """
-if not redis.call('SET', KEYS[3], ARGV[1], 'NX', 'PX', ARGV[2]) then return {3} end
-"""
-    + publish_lua("KEYS[5]", "KEYS[6]", "ARGV[4]", "ARGV[5]", "watched")
+    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[4]", "ARGV[5]", "watched")
     + f"""
-redis.call('HSET', KEYS[2], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[6])
+redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[6])
 local followed = watched and tonumber(watched) > 0 and 1 or 0
-return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[4], 0, -1), followed}}
+return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[3], 0, -1), followed}}
 """
 )
 
@@ -66,7 +67,7 @@ class LlmRoundStart:
     """What a stream worker found when it took a round: a result already stored, a turn
     that is over, another delivery streaming it, or the round claimed with its history."""
 
-    done: str | None = None
+    done: bool = False
     gone: bool = False
     elsewhere: bool = False
     claimed: bool = False
@@ -93,7 +94,6 @@ class RoundRecords(StoreBase):
         the event's fields) and read its history, in one step."""
         res = self._begin_llm(
             keys=[
-                k.llm_result_key(turn_id, round_no),
                 k.turn_key(turn_id),
                 k.llm_alive_key(turn_id, round_no),
                 k.history_key(turn_id),
@@ -111,7 +111,7 @@ class RoundRecords(StoreBase):
         )
         outcome = int(res[0])
         if outcome == 1:
-            return LlmRoundStart(done=text(res[1]))
+            return LlmRoundStart(done=True)
         if outcome == 2:
             return LlmRoundStart(gone=True)
         if outcome == 3:
@@ -141,7 +141,6 @@ class RoundRecords(StoreBase):
             keys=[
                 k.turn_wakeups_key(turn_id),
                 k.turn_key(turn_id),
-                k.llm_result_key(turn_id, round_no),
                 k.llm_alive_key(turn_id, round_no),
                 k.history_key(turn_id),
                 k.log_key(turn_id),
@@ -150,12 +149,12 @@ class RoundRecords(StoreBase):
             args=[
                 turn_id,
                 time.time() + WAKE_BACKSTOP_S,
-                self.ttl_s,
                 result_json,
                 token,
                 lock_ms,
                 self.bus.log_arg() if events else "",
                 now_ms(),
+                round_no,
                 *[event_body(turn_id, t, f) for t, f in events or []],
             ],
         )
@@ -166,8 +165,13 @@ class RoundRecords(StoreBase):
             self.end_lost_turn(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:
-        raw = self.redis.get(k.llm_result_key(turn_id, round_no))
-        return None if raw is None else text(raw)
+        """The round's result (LlmRoundResult JSON) if it is the last one stored."""
+        at, raw = self.redis.hmget(
+            k.turn_key(turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_RESULT_FIELD]
+        )
+        if at is None or raw is None or int(at) != round_no:
+            return None
+        return text(raw) if text(raw) != "null" else None
 
     def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
         """Renew many rounds' claims in one round trip: (turn id, round) -> worker."""
