@@ -61,6 +61,10 @@ MEASURED_EVENT_TYPES = (
     "turn_aborted",
     "turn_error",
 )
+MEASURED_ONLY_WITH = {"llm_started": "queued_ms"}
+"""Types whose events a gateway counts only when they carry this field (a round's start
+only tells the queue-wait metric anything when the round waited): the others are not
+copied to the measured channel."""
 ACTIVE_TURNS = f"{PREFIX}:turns:active"
 """Sorted set: turn id scored by start time, for `agentq turns` and /v1/turns/active."""
 

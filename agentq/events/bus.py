@@ -14,6 +14,7 @@ from redis.cluster import RedisCluster
 from agentq.constants import (
     MEASURED_EVENT_TYPES,
     MEASURED_EVENTS_CHANNEL,
+    MEASURED_ONLY_WITH,
     WATCH_CHANNEL,
     events_channel,
     log_key,
@@ -39,7 +40,12 @@ from agentq.models import TERMINAL_STATUSES, Event
 
 # A body starts with its type (`event_body`): the gateways' metrics read only the types
 # they count from one channel, not every delta of every turn through a pattern.
-_MEASURED_LUA = " or ".join(f"etype == '{t}'" for t in MEASURED_EVENT_TYPES)
+_MEASURED_LUA = " or ".join(
+    f"(etype == '{t}' and string.find({{body}}, '\"{MEASURED_ONLY_WITH[t]}\":', 1, true))"
+    if t in MEASURED_ONLY_WITH
+    else f"etype == '{t}'"
+    for t in MEASURED_EVENT_TYPES
+)
 
 WATCHERS_FIELD = "watchers"
 """Field of the turn's state hash: how many followers want the live copies."""
@@ -64,7 +70,7 @@ local body = '{{"seq":' .. {seq} .. ',' .. string.sub({body}, 2)
 local maxlen, measured, sharded = string.match({opts}, '^(%d+)(m?)(s?)$')
 local id = redis.call('XADD', {log}, 'MAXLEN', '~', maxlen, '*', 'e', body)
 local etype = measured == 'm' and string.match({body}, '^{{"type":"([%w_]+)"')
-local counted = etype and ({_MEASURED_LUA})
+local counted = etype and ({_MEASURED_LUA.replace("{body}", body)})
 local watched = {watched}
 if counted or (watched and tonumber(watched) > 0) then
   local live = '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2)

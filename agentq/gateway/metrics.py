@@ -52,7 +52,8 @@ What each metric counts, and where it comes from:
 
 The event-derived metrics come from an :class:`EventObserver`: a subscription to the
 channel where the publish scripts copy every turn's events of the types counted here
-(`MEASURED_EVENTS_CHANNEL`; never deltas or progress), so they count the whole fleet's
+(`MEASURED_EVENTS_CHANNEL`; never deltas or progress, and an `llm_started` only when it
+carries the `queued_ms` the queue-wait histogram observes), so they count the whole fleet's
 events, whether or not anyone is watching a turn. Pub/sub delivers at most once: events
 published while the gateway is down are not counted, and every gateway replica counts the
 same events (aggregate replicas with `max`, not `sum`).

@@ -312,6 +312,8 @@ def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_no
     pubsub.subscribe(k.MEASURED_EVENTS_CHANNEL)
     store.bus.publish("t1", "llm_queued", position=1, first=True)
     store.bus.publish("t1", "llm_started", queued_ms=5)
+    # A round that did not wait tells the queue-wait metric nothing: not copied.
+    store.bus.publish("t1", "llm_started", round_no=1)
     publish_many(store, {"t1": [("llm_delta", {"text": "a"}), ("llm_finished", {"code": "x"})]})
     store.bus.publish("t1", "tool_progress", message="half")
     assert store.settle("t1", error_result(CALL, "boom")) is True
@@ -324,9 +326,9 @@ def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_no
     assert [(e["type"], e["seq"]) for e in seen] == [
         ("llm_queued", 1),
         ("llm_started", 2),
-        ("llm_finished", 4),
-        ("tool_finished", 6),
-        ("turn_finished", 7),
+        ("llm_finished", 5),
+        ("tool_finished", 7),
+        ("turn_finished", 8),
     ]
     # The same message as on the turn's own channel: its seq and log position included.
     assert all(e["turn_id"] == "t1" and "stream_id" in e for e in seen)
