@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
@@ -126,6 +128,33 @@ class _Ticking:
 _ticker = _Ticker()
 
 
+@contextlib.contextmanager
+def _soft_limit_seen() -> Iterator[list[bool]]:
+    """Whether the pool's soft time limit fired during the call, also when the tool caught
+    it: the pool times the limit from when it accepted the job, a little before the call
+    began here, so the call's own clock can read just under the limit when it fires."""
+    fired = [False]
+    sig = getattr(signal, "SIGUSR1", None)  # billiard's soft limit signal
+    prev = signal.getsignal(sig) if sig is not None else None
+    if (
+        sig is None
+        or not callable(prev)
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield fired
+        return
+
+    def seen(signum: int, frame: Any) -> None:
+        fired[0] = True
+        prev(signum, frame)
+
+    signal.signal(sig, seen)
+    try:
+        yield fired
+    finally:
+        signal.signal(sig, prev)
+
+
 def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     """Run one call and settle its result; the return value is only for Flower."""
     store = get_store()
@@ -179,10 +208,13 @@ def _run(
 ) -> str:
     result: ToolResult
     try:
-        with _ticker.running(store, scope, settings.progress_interval_s):
+        with (
+            _ticker.running(store, scope, settings.progress_interval_s),
+            _soft_limit_seen() as soft,
+        ):
             kwargs = call_kwargs(spec, req)
             value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
-            result = ok_result(scope, check_value(spec, value), settings)
+            result = ok_result(scope, check_value(spec, value), settings, soft_fired=soft[0])
     except SoftTimeLimitExceeded:
         result = timeout_result(
             scope.call, req.timeout_s, killed=False, soft=True, **scope.without_timeout

@@ -302,9 +302,14 @@ def test_json_log_line_per_step(obs: Obs, llm_server: Any) -> None:
         ready = next(i for i, t in enumerate(text) if re.search(JSON_READY_PATTERN, t))
         for t in text[ready:]:
             assert isinstance(json.loads(t), dict), (kind, t)
-    # Calls log with their call id: Celery's line about the prefork task carries it.
-    tool_lines = [x for x in json_lines(obs.logs["tools"]) if x.get("turn_id") == turn_id]
-    assert any(x.get("call_id") and x.get("task_id") for x in tool_lines), tool_lines
+    # Calls log with their call id: Celery's line about the prefork task carries it. The
+    # worker writes it when the pool hands the task's return back, which can come after
+    # the turn ended (the call's own process took the turn's last step).
+    def call_logged() -> bool:
+        lines = [x for x in json_lines(obs.logs["tools"]) if x.get("turn_id") == turn_id]
+        return any(x.get("call_id") and x.get("task_id") for x in lines)
+
+    assert wait_for(call_logged, 10, 0.1, message="the call's JSON line with its call id")
 
 
 def metric(text: str, name: str) -> float:

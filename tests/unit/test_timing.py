@@ -73,3 +73,28 @@ def test_truncate_marks_how_much_was_cut() -> None:
     assert cut > 0 and len(text.encode()) <= 500 + 80
     assert f"cut {cut} of 2000 bytes" in text
     assert truncate_text("short", 500) == ("short", 0)
+
+
+def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
+    # As in a prefork child: billiard's handler raises on the soft limit's signal, the
+    # tool catches it and returns early, before its own clock reaches the limit.
+    import os
+    import signal
+
+    from billiard.pool import soft_timeout_sighandler
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    from agentq.tools.task import _soft_limit_seen
+
+    before = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    try:
+        with _soft_limit_seen() as quiet:
+            pass
+        assert quiet == [False]
+        with _soft_limit_seen() as soft:
+            with pytest.raises(SoftTimeLimitExceeded):
+                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before this returns
+        assert soft == [True]
+        assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler  # restored
+    finally:
+        signal.signal(signal.SIGUSR1, before)
