@@ -302,6 +302,7 @@ def test_json_log_line_per_step(obs: Obs, llm_server: Any) -> None:
         ready = next(i for i, t in enumerate(text) if re.search(JSON_READY_PATTERN, t))
         for t in text[ready:]:
             assert isinstance(json.loads(t), dict), (kind, t)
+
     # Calls log with their call id: Celery's line about the prefork task carries it. The
     # worker writes it when the pool hands the task's return back, which can come after
     # the turn ended (the call's own process took the turn's last step).

@@ -91,9 +91,8 @@ def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
         with _soft_limit_seen() as quiet:
             pass
         assert quiet == [False]
-        with _soft_limit_seen() as soft:
-            with pytest.raises(SoftTimeLimitExceeded):
-                os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before this returns
+        with _soft_limit_seen() as soft, pytest.raises(SoftTimeLimitExceeded):
+            os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before this returns
         assert soft == [True]
         assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler  # restored
     finally:
