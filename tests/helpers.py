@@ -155,3 +155,14 @@ def run_dev_once(*args: str, name: str) -> tuple[int, str]:
     finally:
         proc.stop()
     return int(rc if rc is not None else -1), proc.log_text()
+
+
+def exited(pid: int) -> bool:
+    """The process has exited: gone, or a zombie its parent has not reaped yet (on a busy
+    machine a pool's parent can take seconds to reap a child it killed)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True

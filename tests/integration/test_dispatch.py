@@ -7,13 +7,13 @@ import time
 import uuid
 from typing import Any
 
-import psutil
 import pytest
 
 from agentq.fleet.runtime import get_store
 from agentq.local.processes import wait_for
 from agentq.models import ToolCall
 from agentq.testing.rounds import run_round
+from tests.helpers import exited
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def test_parallel_round_settles_ok_ok_timeout_in_about_the_hard_limit(fleet) -> 
     assert order.index(calls[1].id) == 2
     stuck = results[1]
     assert "killed" in stuck.content and stuck.record.pid
-    wait_for(lambda: not psutil.pid_exists(stuck.record.pid or 0), 5, message="killed child gone")
+    wait_for(lambda: exited(stuck.record.pid or 0), 5, message="killed child gone")
 
 
 def test_soft_limit_partial_result_is_used(fleet) -> None:
