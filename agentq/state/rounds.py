@@ -49,13 +49,13 @@ BEGIN_LLM_LUA = (
 local open = redis.call('HMGET', KEYS[1], 'status', '{WATCHERS_FIELD}', '{k.CANCEL_FIELD}',
   '{SEQ_FIELD}', '{k.LLM_RESULT_ROUND_FIELD}')
 local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
-if (tonumber(open[5]) or -1) >= tonumber(ARGV[6]) then return {{1}} end
+if (tonumber(open[5]) or -1) >= tonumber(ARGV[5]) then return {{1}} end
 if not status or {ended_lua("status")} then return {{2}} end
 if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {{3}} end
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[4]", "ARGV[5]", "watched")
+    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
     + f"""
-redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[6])
+redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[5])
 local followed = watched and tonumber(watched) > 0 and 1 or 0
 return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[3], 0, -1), followed}}
 """
@@ -103,7 +103,6 @@ class RoundRecords(StoreBase):
             args=[
                 worker,
                 lease_ms,
-                self.ttl_s,
                 event_body(turn_id, "llm_started", started),
                 self.bus.log_arg(),
                 round_no,

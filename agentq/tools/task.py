@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
+from billiard.pool import SIG_SOFT_TIMEOUT
 from celery import Celery, Task
 from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
 from celery.signals import task_failure
@@ -134,7 +135,7 @@ def _soft_limit_seen() -> Iterator[list[bool]]:
     it: the pool times the limit from when it accepted the job, a little before the call
     began here, so the call's own clock can read just under the limit when it fires."""
     fired = [False]
-    sig = getattr(signal, "SIGUSR1", None)  # billiard's soft limit signal
+    sig = SIG_SOFT_TIMEOUT
     prev = signal.getsignal(sig) if sig is not None else None
     if (
         sig is None

@@ -81,19 +81,19 @@ def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
     import os
     import signal
 
-    from billiard.pool import soft_timeout_sighandler
+    from billiard.pool import SIG_SOFT_TIMEOUT, soft_timeout_sighandler
     from celery.exceptions import SoftTimeLimitExceeded
 
     from agentq.tools.task import _soft_limit_seen
 
-    before = signal.signal(signal.SIGUSR1, soft_timeout_sighandler)
+    before = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
     try:
         with _soft_limit_seen() as quiet:
             pass
         assert quiet == [False]
         with _soft_limit_seen() as soft, pytest.raises(SoftTimeLimitExceeded):
-            os.kill(os.getpid(), signal.SIGUSR1)  # its handler runs before this returns
+            os.kill(os.getpid(), SIG_SOFT_TIMEOUT)  # its handler runs before this returns
         assert soft == [True]
-        assert signal.getsignal(signal.SIGUSR1) is soft_timeout_sighandler  # restored
+        assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler  # restored
     finally:
-        signal.signal(signal.SIGUSR1, before)
+        signal.signal(SIG_SOFT_TIMEOUT, before)
