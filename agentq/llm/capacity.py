@@ -149,6 +149,8 @@ class Capacity:
             "max_pump": max_grants_per_call,
         }
         self._config: dict[str, str] = {}
+        self._stored_at: dict[str, float] = {}
+        """When this process last asked the scripts to store a model's config (monotonic s)."""
         self._failed: set[tuple[str, str]] = set()
         """(model, deployment) this process counted a failure of and no success since."""
         self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
@@ -168,6 +170,8 @@ class Capacity:
         return entry
 
     def _config_of(self, model: str) -> str:
+        """The model's config as the scripts take it; a configured process's asks them to
+        store it (`store`) once every CONFIG_STORE_S."""
         config = self._config.get(model)
         if config is None:
             entry = self.entry(model)
@@ -190,6 +194,11 @@ class Capacity:
                     **self._tunables,
                 }
             )
+        if model in self._configured:
+            now = time.monotonic()
+            if now - self._stored_at.get(model, -lua.CONFIG_STORE_S) >= lua.CONFIG_STORE_S:
+                self._stored_at[model] = now
+                return config[:-1] + ', "store": true}'
         return config
 
     def keys(self, model: str) -> list[str]:

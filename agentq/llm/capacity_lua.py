@@ -36,15 +36,19 @@ if not now then
 end
 """
 
+CONFIG_STORE_S = 30.0
+"""A configured process stores its limits again after this long (`store` in its config):
+once per round would be a write per round; a stored copy Redis lost is back this soon."""
+
 CONFIG_LUA = (
     """
 local cfg = cjson.decode(ARGV[1])
 -- The limits are the fleet's: a process configured with them stores them, and one that
 -- is not (a tool worker stepping a turn inline, a client aborting) decides by them too.
 if cfg.configured then
-  redis.call('SET', KEYS[15], ARGV[1], 'EX', """
+  if cfg.store then redis.call('SET', KEYS[15], ARGV[1], 'EX', """
     + str(CONFIG_TTL_S)
-    + """)
+    + """) end
 else
   local stored = redis.call('GET', KEYS[15])
   if stored then cfg = cjson.decode(stored) end
@@ -320,9 +324,24 @@ end
 
 PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 
+# An unconfigured caller (no limits of its own: unmetered) of a model the fleet stored no
+# limits for either goes at once when nothing else is held: the stored config's key is
+# one more of the keys EXISTS counts, instead of a GET of its own before them.
+UNCONFIGURED_LUA = """
+local mine = cjson.decode(ARGV[1])
+if not mine.configured
+  and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13], KEYS[12], KEYS[15]) == 0
+then
+  local at = tonumber(ARGV[2]) or false
+  local g = {l = '', d = mine.deps[1].n, at = at, t = tonumber(ARGV[9]), k = 1}
+  return cjson.encode({g = g, woken = {}, now = at})
+end
+"""
+
 # ARGV[5..9]: waiter, class (i|b), owner, owner weight, tokens.
 ACQUIRE_LUA = (
-    CONFIG_LUA
+    UNCONFIGURED_LUA
+    + CONFIG_LUA
     + UNMETERED_LUA
     + NOW_LUA
     + UNMETERED_PAUSED_LUA
