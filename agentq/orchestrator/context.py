@@ -59,25 +59,75 @@ class StepContext:
         default_factory=lambda: ({}, [])
     )
     """State fields and events `stage`d for the step's next write (see `stage`)."""
+    staged_append: list[dict[str, Any]] = field(default_factory=list)
+    """History messages `stage`d for the step's next write, after the ones it wrote."""
+    released: int | None = None
+    """Set once the step let go of its lock before its end (`release`): 1 let go, 0 kept
+    (woken meanwhile: the step reads again and goes on)."""
 
-    def stage(self, events: list[tuple[str, dict[str, Any]]] | None = None, **fields: Any) -> None:
-        """Record state fields (and their events) with the step's next write, not now: the
-        step sees them at once, Redis with whatever it writes next (`commit`, `close`, a
-        `publish` or the end of the step, `flush`). For a change nothing outside the step
-        acts on before then, such as a turn's start: one write instead of two."""
+    def stage(
+        self,
+        events: list[tuple[str, dict[str, Any]]] | None = None,
+        append: list[dict[str, Any]] | None = None,
+        **fields: Any,
+    ) -> None:
+        """Record state fields (and their events, and history messages) with the step's
+        next write, not now: the step sees them at once, Redis with whatever it writes next
+        (`commit`, `close`, a `publish`, `release` or the end of the step, `flush`). For a
+        change nothing outside the step acts on before then, such as a turn's start: one
+        write instead of two."""
         self.state.update(fields)
         self.staged[0].update(fields)
         self.staged[1].extend(events or [])
+        self.staged_append.extend(append or [])
+        self.history.extend(append or [])
 
     def flush(self) -> None:
         """Write what was staged, if anything."""
-        if self.staged[0] or self.staged[1]:
+        if self.staged[0] or self.staged[1] or self.staged_append:
             self.commit()
 
-    def take_staged(self) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]]:
+    def _take_append(self) -> list[dict[str, Any]]:
+        taken, self.staged_append = self.staged_append, []
+        return taken
+
+    def release(self, next_at: float | None) -> int:
+        """Let go of the step's lock now, with what it staged and the calls it sent, before
+        the step's last act (a model round's message): 1 let go, 0 woken meanwhile (the lock
+        kept). The step ends without a release of its own (see `released`)."""
+        fields, events = self.staged
+        released = self.store.release_step(
+            self.turn_id,
+            self.token,
+            next_at,
+            int(self.settings.step_lock_s * 1000),
+            self.dispatched,
+            fields=fields,
+            events=events,
+            append=self.staged_append,
+        )
+        if released == -1:
+            raise StepLost(self.turn_id)
+        self.staged, self.staged_append, self.dispatched = ({}, []), [], {}
+        self.released = released
+        return released
+
+    def relock(self) -> bool:
+        """Take the lock again after `release` let go of it (the step's last act failed):
+        False if another step holds it now, which goes on from what was written."""
+        if self.released == 1 and not self.store.lock_step(
+            self.turn_id, self.token, int(self.settings.step_lock_s * 1000)
+        ):
+            return False
+        self.released = None
+        return True
+
+    def take_staged(
+        self,
+    ) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
         """What was staged, for the write that lets go of the step's lock, which writes it."""
         staged, self.staged = self.staged, ({}, [])
-        return staged
+        return staged[0], staged[1], self._take_append()
 
     def commit(
         self,
@@ -92,11 +142,12 @@ class StepContext:
         staged_fields, staged_events = self.staged
         fields = {**staged_fields, **fields}
         events = [*staged_events, *(events or [])]
+        messages = [*self.staged_append, *(append or [])]
         if not self.store.commit(
-            self.turn_id, self.token, fields, append, plans=plans, events=events
+            self.turn_id, self.token, fields, messages, plans=plans, events=events
         ):
             raise StepLost(self.turn_id)
-        self.staged = ({}, [])
+        self.staged, self.staged_append = ({}, []), []
         self.state.update(fields)
         self.history.extend(append or [])
 
@@ -119,8 +170,15 @@ class StepContext:
             # Staged fields alone are written with the end: one write instead of two.
             fields = {**self.staged[0], **fields}
             self.staged = ({}, [])
+        staged_append = self._take_append()
         won = self.store.close(
-            self.turn_id, status, event, event_fields, token=self.token, append=append, **fields
+            self.turn_id,
+            status,
+            event,
+            event_fields,
+            token=self.token,
+            append=[*staged_append, *(append or [])],
+            **fields,
         )
         if won == -1:
             raise StepLost(self.turn_id)

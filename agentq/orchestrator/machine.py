@@ -132,7 +132,8 @@ def advance(ctx: StepContext) -> float | None:
             if stop:
                 finish(ctx, str(stop), append=messages)
                 return None
-            ctx.commit(append=messages, phase="model")
+            # Written with the round's send (or whatever the step writes next).
+            ctx.stage(append=messages, phase="model")
             continue
         round_no = int(ctx.state.get("round", 0))
         outcome = poll_round(ctx, round_no)

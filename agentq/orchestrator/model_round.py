@@ -89,13 +89,13 @@ def send_round(
         if grant
         else {}
     )
-    # The events staged so far (a turn's start) come before any of the round's, which its
-    # stream worker publishes as soon as the message is out.
-    if ctx.staged[1]:
-        ctx.flush()
-    # Written with the step's release, after the message went out: a step that takes
-    # over from a step that died in between sends the round again, and the delivery that
-    # comes second finds the round claimed or done (the begin script), so it streams once.
+    deadline = float(ctx.state["llm_deadline"]) if sends > 1 else _round_deadline(ctx, left_s)
+    # The send is the step's last act: what it staged (the turn's start, the round's tool
+    # results), the send's record and the lock's release are one write, before the message
+    # goes out, so the stream worker reads the history this round answers and publishes
+    # its events after the turn's. A step that dies before the message is out leaves a
+    # round recorded as sent that nobody took: the next step sends it again after
+    # PICKUP_LEASES (the delivery that comes second finds the round claimed or done).
     ctx.stage(
         **grant_fields,
         llm_round=round_no,
@@ -103,10 +103,9 @@ def send_round(
         llm_sends=sends,
         llm_sent_at=ctx.now,
         # Sent again unpicked: the round keeps the deadline of its attempt.
-        llm_deadline=(
-            float(ctx.state["llm_deadline"]) if sends > 1 else _round_deadline(ctx, left_s)
-        ),
+        llm_deadline=deadline,
     )
+    ctx.release(min(deadline, ctx.now + s.turn_lease_s))
     try:
         publish(
             ctx.app,
@@ -123,8 +122,10 @@ def send_round(
             ignore_result=True,
         )
     except BrokerUnavailable:
-        # Not picked up for long already: the step after the outage sends it at once.
-        ctx.stage(llm_sent_at=0.0)
+        # Not picked up for long already: the step after the outage sends it at once. A
+        # step that took the turn meanwhile waits for the pickup instead.
+        if ctx.relock():
+            ctx.stage(llm_sent_at=0.0)
         raise
     if sends == 1 and attempt == 1:
         subturns.report_to_parent(ctx, f"model round {round_no + 1}")

@@ -158,10 +158,21 @@ def _steps(
             if tracing.enabled:
                 _end_turn_span(ctx)
             return "ended"  # the write that ended the turn let go of the lock
-        fields, events = ctx.take_staged()
-        released = store.release_step(
-            turn_id, token, next_at, ttl_ms, ctx.dispatched, fields=fields, events=events
-        )
+        if ctx.released is None:
+            fields, events, append = ctx.take_staged()
+            released = store.release_step(
+                turn_id,
+                token,
+                next_at,
+                ttl_ms,
+                ctx.dispatched,
+                fields=fields,
+                events=events,
+                append=append,
+            )
+        else:
+            # Let go of before its last act (`StepContext.release`).
+            released = ctx.released
         if released == 1:
             return "waiting"
         if released == -1:

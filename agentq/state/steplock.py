@@ -127,16 +127,17 @@ return {view_lua("st", "KEYS[2]", _ROUND_KEYS)}
 RELEASE_LUA = (
     _fence_lua(-1)
     + """
-local nf, ne = tonumber(ARGV[5]), tonumber(ARGV[6])
-local a = 9 + 2 * nf
+local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
+local a = 10 + 2 * nf
 """
-    + _fields_and_events_lua("KEYS[6]", "KEYS[7]", "9", "a", "ARGV[7]")
+    + many_lua("RPUSH", "KEYS[8]", "a", "a + na - 1")
+    + _fields_and_events_lua("KEYS[6]", "KEYS[7]", "10", "a + na", "ARGV[7]")
     + f"""
 w[#w + 1] = '{_STEP}'
 w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
 redis.call('HSET', KEYS[1], unpack(w))
 """
-    + record_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "a + ne")
+    + record_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "a + na + ne")
     + """
 if dirty then return 0 end
 if ARGV[3] == '' then
@@ -262,23 +263,25 @@ class StepRecords(StoreBase):
         *,
         fields: dict[str, Any] | None = None,
         events: list[tuple[str, dict[str, Any]]] | None = None,
+        append: list[dict[str, Any]] | None = None,
     ) -> int:
-        """Let go of the step's lock, writing state `fields` and publishing `events` (what
-        the step staged) and recording the calls it sent (`dispatched`, see
-        `record_dispatch`) while it still holds it: 1 released; 0 woken meanwhile, lock
-        kept: step again; -1 the lock was lost (nothing written)."""
+        """Let go of the step's lock, appending history messages, writing state `fields`
+        and publishing `events` (what the step staged) and recording the calls it sent
+        (`dispatched`, see `record_dispatch`) while it still holds it: 1 released; 0 woken
+        meanwhile, lock kept: step again; -1 the lock was lost (nothing written)."""
         fields = fields or {}
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
+        messages = [json.dumps(m) for m in append or []]
         args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
         args += [ttl_ms, len(fields), len(bodies), self.bus.log_arg() if bodies else ""]
-        args.append(now_ms())
+        args += [now_ms(), len(messages)]
         for f, v in fields.items():
             args += [f, json.dumps(v)]
-        args += [*bodies, *dispatch_args(dispatched or {})]
+        args += [*messages, *bodies, *dispatch_args(dispatched or {})]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
-        keys += [k.log_key(turn_id), k.events_channel(turn_id)]
-        if not (dispatched or fields or bodies):
+        keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]
+        if not (dispatched or fields or bodies or messages):
             return int(self._release(keys=keys, args=args))
         # Not sent again: a second run finds the lock gone (and would publish twice).
         # Records a failover loses are of calls a later step sends again, which their

@@ -129,7 +129,7 @@ def test_loop_detector_and_call_limit_end_the_turn_cleanly(
     key = script(llm_server, *[Round(tool_calls=same) for _ in range(5)])
     handle = client.start_turn(key)
     events = collect(client, handle.turn_id)
-    assert events[-1].type == "turn_finished"
+    assert events[-1].type == "turn_finished", events[-1].fields
     assert events[-1].fields["reason"] == "loop_detected"
     history = client.get(handle.turn_id)["history"]
     assert_valid_history(history)
