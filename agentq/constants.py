@@ -231,9 +231,9 @@ DIRTY_FIELD = "dirty"
 set at its end runs once more."""
 
 
-def outstanding_key(turn_id: str) -> str:
-    """Set of the call ids of the batch in flight: the settle that empties it wakes the turn."""
-    return f"{turn_key(turn_id)}:outstanding"
+UNSETTLED_FIELD = "unsettled"
+"""Field of the turn's state hash: how many calls of the batch in flight (recorded as sent
+before they settled) have no result yet; the settle that brings it to 0 wakes the turn."""
 
 
 def plan_key(turn_id: str) -> str:
@@ -275,6 +275,7 @@ round's llm_started; with its heartbeat gone and no result, the worker died."""
 BOOKKEEPING_FIELDS = (
     STEP_FIELD,
     DIRTY_FIELD,
+    UNSETTLED_FIELD,
     LLM_TAKEN_FIELD,
     LLM_RESULT_FIELD,
     LLM_RESULT_ROUND_FIELD,
@@ -300,12 +301,6 @@ WORKER_ALIVE_TTL_S = 5.0
 
 def worker_alive_key(hostname: str) -> str:
     return f"{PREFIX}:worker:{hostname}:alive"
-
-
-def worker_calls_key(hostname: str, shard: int = 0) -> str:
-    """Set of "turn_id/call_id" running on a worker (those of one shard), to wake their
-    turns when it dies."""
-    return _shard_key(f"{PREFIX}:worker:{hostname}:calls", shard)
 
 
 def conversation_key(conversation_id: str) -> str:
@@ -347,7 +342,6 @@ def ended_turn_keys(turn_id: str) -> list[str]:
     Its children are read to abort them, which only a running turn does."""
     return [
         plan_key(turn_id),
-        outstanding_key(turn_id),
         children_key(turn_id),
     ]
 

@@ -26,7 +26,7 @@ from agentq.errors import BrokerUnavailable, HeadlessInteraction, LlmError, Step
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.machine import advance, fail, fail_headless
-from agentq.state.base import StepView, each_shard, text
+from agentq.state.base import StepView, text
 from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
@@ -272,14 +272,11 @@ class Sweeper:
         return woke
 
     def _wake_calls_of(self, host: str) -> int:
-        """Wake the turns of a dead worker's running calls; how many were woken."""
-        r = self.store.redis
-        got = each_shard(r, lambda p, s: p.smembers(k.worker_calls_key(host, s)))
-        calls = [text(m) for members in got for m in members]
-        log.warning("worker %s stopped beating; waking the turns of its %d calls", host, len(calls))
-        woke = sum(int(self.store.wake(t)) for t in sorted({c.split("/", 1)[0] for c in calls}))
-        each_shard(r, lambda p, s: p.delete(k.worker_calls_key(host, s)))
-        return woke
+        """Wake the turns of a dead worker's calls (their steps settle the running ones as
+        lost); how many were woken."""
+        turns = self.store.turns_running_on(host)
+        log.warning("worker %s stopped beating; waking the %d turns of its calls", host, len(turns))
+        return sum(int(self.store.wake(t)) for t in turns)
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""

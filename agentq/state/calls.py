@@ -14,6 +14,7 @@ from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
     StoreBase,
+    active_turns,
     dispatch_args,
     finished,
     now_ms,
@@ -29,33 +30,25 @@ SETTLE_LUA = (
     + """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
--- track) wakes the turn: a round of a thousand calls takes one step, not a thousand.
-local tracked = redis.call('SREM', KEYS[7], ARGV[1])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[7]) == 0
--- The worker the result names ran the call (ARGV[11]); else its start record says which.
-local worker = ARGV[11]
-if worker == '' then
-  local start = redis.call('HGET', KEYS[6], ARGV[1])
-  local ok, rec = pcall(cjson.decode, start or '')
-  if ok and type(rec) == 'table' and type(rec['worker']) == 'string' then worker = rec['worker'] end
-end
-if worker ~= '' then
-  redis.call('SREM', ARGV[12] .. worker .. ARGV[13], ARGV[7] .. '/' .. ARGV[1])
-end
+-- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
+-- call recorded as sent is in the batch's count: this first result takes it out.
+local tracked = redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1
+if tracked then unsettled = math.max(unsettled - 1, 0) end
+local ready = not tracked or unsettled == 0
 """
     + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
     + "if not ready or ARGV[8] ~= '1' then\n"
-    + seq_lua("KEYS[4]")
+    + f"  redis.call('HSET', KEYS[4], '{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled)\n"
     + "  return ready and 3 or 1\nend\n"
     + wake_or_step_lua(
         ("KEYS[5]", "ARGV[7]", "ARGV[6]"),
         "KEYS[4]",
-        "KEYS[8]",
+        "KEYS[7]",
         "ARGV[9]",
         "ARGV[10]",
         "ARGV[5]",
-        ("KEYS[1]", "KEYS[9]", "KEYS[10]"),
-        fields=f"'{SEQ_FIELD}', seq",
+        ("KEYS[1]", "KEYS[6]", "KEYS[8]"),
+        fields=f"'{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
     )
     + "return 3"
 )
@@ -77,7 +70,6 @@ if prev and ARGV[5] ~= '' then
   if ok and rec['delivery'] == ARGV[5] then return 2 end
 end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-if ARGV[6] ~= '' then redis.call('SADD', KEYS[6], ARGV[6]) end
 """
     + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
     + seq_lua("KEYS[5]")
@@ -85,7 +77,15 @@ if ARGV[6] ~= '' then redis.call('SADD', KEYS[6], ARGV[6]) end
 )
 
 # Dispatch records written apart from a step's release (a sub-agent call's child turn).
-RECORD_DISPATCH_LUA = record_lua("KEYS[1]", "KEYS[2]", "KEYS[3]", 1) + "return 1\n"
+RECORD_DISPATCH_LUA = (
+    record_lua("KEYS[1]", "KEYS[2]", 1)
+    + f"""
+if counted > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HINCRBY', KEYS[3], '{k.UNSETTLED_FIELD}', counted)
+end
+return 1
+"""
+)
 
 
 class CallRecords(StoreBase):
@@ -107,7 +107,7 @@ class CallRecords(StoreBase):
             return
         self._durable(
             self._record_dispatch,
-            keys=[k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)],
+            keys=[k.calls_key(turn_id), k.results_key(turn_id), k.turn_key(turn_id)],
             args=dispatch_args(records),
         )
 
@@ -141,8 +141,6 @@ class CallRecords(StoreBase):
     ) -> int:
         """Record a task's start; 1 started, 0 already settled, -1 turn cancelled,
         -2 turn over or gone, 2 this delivery (`start["delivery"]`) started already."""
-        worker = str(start.get("worker") or "")
-        watched = bool(start.get("heartbeat")) and bool(worker)
         return int(
             self._durable(
                 self._start,
@@ -152,7 +150,6 @@ class CallRecords(StoreBase):
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                     k.turn_key(turn_id),
-                    k.worker_calls_key(worker or "-", k.shard_of(turn_id)),
                 ],
                 args=[
                     call_id,
@@ -160,10 +157,35 @@ class CallRecords(StoreBase):
                     event_body(turn_id, "tool_started", event),
                     self.bus.log_arg(),
                     str(start.get("delivery") or ""),
-                    f"{turn_id}/{call_id}" if watched else "",
                 ],
             )
         )
+
+    def turns_running_on(self, worker: str, batch: int = 500) -> list[str]:
+        """The open turns with a call whose start record names `worker` and asks to be
+        watched by its heartbeat (`heartbeat`), settled or not.
+
+        Read only when a worker stops beating, from every open turn's start records, a
+        batch of turns a round trip: a call's start and result then need no entry in a
+        per-worker index, two writes a call for an event that rarely comes.
+        """
+        needle = json.dumps(worker)
+        ids = active_turns(self.redis)
+        found: list[str] = []
+        for i in range(0, len(ids), batch):
+            chunk = ids[i : i + batch]
+            pipe = self.redis.pipeline(transaction=False)
+            for turn_id in chunk:
+                pipe.hvals(k.started_key(turn_id))
+            for turn_id, starts in zip(chunk, pipe.execute(), strict=True):
+                for raw in starts:
+                    if needle not in text(raw):
+                        continue
+                    rec = json.loads(raw)
+                    if rec.get("worker") == worker and rec.get("heartbeat"):
+                        found.append(turn_id)
+                        break
+        return found
 
     def workers_alive(self, hostnames: list[str]) -> dict[str, bool]:
         """Which workers sent a heartbeat lately."""
@@ -190,10 +212,8 @@ class CallRecords(StoreBase):
                 k.events_channel(turn_id),
                 k.turn_key(turn_id),
                 k.turn_wakeups_key(turn_id),
-                k.started_key(turn_id),
-                k.outstanding_key(turn_id),
-                k.history_key(turn_id),
                 k.calls_key(turn_id),
+                k.history_key(turn_id),
                 k.plan_key(turn_id),
             ],
             args=[
@@ -207,8 +227,6 @@ class CallRecords(StoreBase):
                 "1" if wake else "0",
                 token,
                 lock_ms,
-                result.record.worker or "",
-                *k.worker_calls_key("\0", k.shard_of(turn_id)).split("\0"),
             ],
         )
         won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)

@@ -4,13 +4,14 @@ method that runs it."""
 
 from __future__ import annotations
 
-from agentq.constants import CANCEL_FIELD, DIRTY_FIELD, STEP_FIELD
+from agentq.constants import CANCEL_FIELD, DIRTY_FIELD, STEP_FIELD, UNSETTLED_FIELD
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
 # written after its terminal event, and nothing recreates half of a vanished turn. It
 # leaves `watched` (the turn's followers) and `seq` (its last event's) for the publish
-# fragment, `cancelled`, and `held` (the step lock as stored, see `lock_free_lua`).
+# fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`) and
+# `unsettled` (UNSETTLED_FIELD).
 TURN_OPEN_LUA = (
     """
 local open = redis.call('HMGET', KEYS[%d], 'status', '"""
@@ -21,9 +22,11 @@ local open = redis.call('HMGET', KEYS[%d], 'status', '"""
     + SEQ_FIELD
     + """', '"""
     + STEP_FIELD
+    + """', '"""
+    + UNSETTLED_FIELD
     + """')
 local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
-local held = open[5]
+local held, unsettled = open[5], tonumber(open[6]) or 0
 if not status or """
     + ended_lua("status")
     + """ then
@@ -178,19 +181,21 @@ end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)
 
 
-def record_lua(calls: str, outstanding: str, results: str, first: int | str) -> str:
+def record_lua(calls: str, results: str, first: int | str) -> str:
     """Lua recording the dispatch records in ARGV[first..] (call id, record pairs; `first`
-    a number or a Lua expression): sent,
-    and, unless already settled, in the batch in flight whose last settle wakes the turn.
+    a number or a Lua expression) as sent. It leaves `counted`: how many of them are new
+    and not settled yet, the calls the batch in flight gains (UNSETTLED_FIELD), for the
+    script to add to the turn's count in the write it makes anyway.
 
     A step sends a batch's calls first and records them after (still holding its lock), so
     a call may settle before its record; it woke the turn then, and is not in flight.
     """
     return f"""
+local counted = 0
 for i = {first}, #ARGV, 2 do
-  redis.call('HSET', {calls}, ARGV[i], ARGV[i + 1])
-  if redis.call('HEXISTS', {results}, ARGV[i]) == 0 then
-    redis.call('SADD', {outstanding}, ARGV[i])
+  if redis.call('HSET', {calls}, ARGV[i], ARGV[i + 1]) == 1
+    and redis.call('HEXISTS', {results}, ARGV[i]) == 0 then
+    counted = counted + 1
   end
 end
 """

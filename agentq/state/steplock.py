@@ -46,9 +46,11 @@ WAKE_ONLY_LUA = (
 # `refused` is returned), and `watchers`, `seq` and `dirty` for what it writes next.
 def _fence_lua(refused: int) -> str:
     return f"""
-local open = redis.call('HMGET', KEYS[1], '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}', '{_DIRTY}')
+local open = redis.call('HMGET', KEYS[1], '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}', '{_DIRTY}',
+  '{k.UNSETTLED_FIELD}')
 if not {lock_mine_lua("open[1]", "ARGV[1]")} then return {refused} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
+local unsettled = tonumber(open[5]) or 0
 """
 
 
@@ -118,26 +120,31 @@ redis.call('HSET', KEYS[1], '{_DIRTY}', 0)
 return {view_lua("st", "KEYS[2]", _ROUND_KEYS)}
 """
 
-# Releasing the step lock, with what the step staged (state fields and their events) and
-# the dispatch records of the calls it sent: a step that sent a model round writes its
-# send here, after the message went out, not in a write of its own before (a delivery
-# that comes before this write finds the turn locked, marks it woken, and the step reads
-# again). If the turn was woken meanwhile, keep the lock (for a full term) and step
-# again; else let go of it and leave the turn's next deadline for the sweepers.
+# Releasing the step lock, with what the step staged (history messages, state fields and
+# their events) and the dispatch records of the calls it sent, after their messages went
+# out (a result that comes before this write finds the turn locked, marks it woken, and
+# the step reads again). A step whose last act is a model round's send releases before
+# it (`StepContext.release`). If the turn was woken meanwhile, keep the lock (for a full
+# term) and step again; else let go of it and leave the turn's next deadline for the
+# sweepers.
 RELEASE_LUA = (
     _fence_lua(-1)
     + """
 local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
 local a = 10 + 2 * nf
 """
-    + many_lua("RPUSH", "KEYS[8]", "a", "a + na - 1")
-    + _fields_and_events_lua("KEYS[6]", "KEYS[7]", "10", "a + na", "ARGV[7]")
+    + many_lua("RPUSH", "KEYS[7]", "a", "a + na - 1")
+    + _fields_and_events_lua("KEYS[5]", "KEYS[6]", "10", "a + na", "ARGV[7]")
+    + record_lua("KEYS[3]", "KEYS[4]", "a + na + ne")
     + f"""
+if counted > 0 then
+  w[#w + 1] = '{k.UNSETTLED_FIELD}'
+  w[#w + 1] = unsettled + counted
+end
 w[#w + 1] = '{_STEP}'
 w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
 redis.call('HSET', KEYS[1], unpack(w))
 """
-    + record_lua("KEYS[3]", "KEYS[4]", "KEYS[5]", "a + na + ne")
     + """
 if dirty then return 0 end
 if ARGV[3] == '' then
@@ -279,7 +286,7 @@ class StepRecords(StoreBase):
             args += [f, json.dumps(v)]
         args += [*messages, *bodies, *dispatch_args(dispatched or {})]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
-        keys += [k.calls_key(turn_id), k.outstanding_key(turn_id), k.results_key(turn_id)]
+        keys += [k.calls_key(turn_id), k.results_key(turn_id)]
         keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]
         if not (dispatched or fields or bodies or messages):
             return int(self._release(keys=keys, args=args))

@@ -15,7 +15,6 @@ from agentq.events.bus import (
     ended_lua,
     event_body,
     publish_lua,
-    seq_lua,
 )
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
@@ -56,13 +55,15 @@ local n = tonumber(ARGV[11])
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[12], KEYS[13], KEYS[14])
-for i = 15, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+redis.call('DEL', KEYS[12], KEYS[13])
+for i = 14, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local popen = redis.call('HMGET', KEYS[6], 'status', '"""
     + WATCHERS_FIELD
     + """', '"""
     + SEQ_FIELD
+    + """', '"""
+    + k.UNSETTLED_FIELD
     + """')
 local pstatus, pwatched, pseq = popen[1], popen[2], tonumber(popen[3]) or 0
 if not pstatus or """
@@ -71,15 +72,22 @@ if not pstatus or """
   return 1
 end
 if redis.call('HSETNX', KEYS[7], ARGV[6], ARGV[7]) == 0 then return 1 end
-local tracked = redis.call('SREM', KEYS[10], ARGV[6])
-local ready = tracked == 0 or redis.call('SCARD', KEYS[10]) == 0
+local left = tonumber(popen[4]) or 0
+local tracked = redis.call('HEXISTS', KEYS[10], ARGV[6]) == 1
+if tracked then left = math.max(left - 1, 0) end
 do
 """
     + publish_lua("KEYS[8]", "KEYS[9]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
-    + "end\nif not ready then\n"
-    + seq_lua("KEYS[6]", "pseq")
+    + "end\nif tracked and left > 0 then\n"
+    + f"  redis.call('HSET', KEYS[6], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
     + "  return 1\nend\n"
-    + wake_lua("KEYS[6]", "KEYS[3]", "ARGV[5]", "ARGV[9]", f"'{SEQ_FIELD}', pseq")
+    + wake_lua(
+        "KEYS[6]",
+        "KEYS[3]",
+        "ARGV[5]",
+        "ARGV[9]",
+        f"'{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left",
+    )
     + "return 2\n"
 )
 
@@ -203,7 +211,7 @@ class TurnRecords(StoreBase):
                 k.results_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
-                k.outstanding_key(pid),
+                k.calls_key(pid),
                 k.history_key(turn_id),
                 *k.ended_turn_keys(turn_id),
                 *k.turn_keys(turn_id),

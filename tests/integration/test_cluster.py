@@ -182,7 +182,7 @@ def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: Local
         assert sorted(per_master.values()) == [5, 5, 6]
         turn_id = "0a0b" + uuid.uuid4().hex[4:]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id), k.turn_active_key(turn_id)]
-        keys += [k.turn_index_key(turn_id), k.worker_calls_key("w1", k.shard_of(turn_id))]
+        keys += [k.turn_index_key(turn_id)]
         assert len({key_slot(key.encode()) for key in keys}) == 1
         store.create(turn_id, {"status": "queued", "created_at": time.time()}, [])
         assert store.active() == [turn_id]

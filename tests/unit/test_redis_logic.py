@@ -34,6 +34,10 @@ def _dirty(store: TurnStore, turn_id: str) -> bool:
     return store.redis.hget(k.turn_key(turn_id), k.DIRTY_FIELD) == b"1"
 
 
+def _unsettled(store: TurnStore, turn_id: str) -> int:
+    return int(store.redis.hget(k.turn_key(turn_id), k.UNSETTLED_FIELD) or 0)
+
+
 def _lock(store: TurnStore, turn_id: str, token: str, *, lapsed: bool = False) -> None:
     """Set the step lock as a step elsewhere left it: held by `token`, or lapsed."""
     until = 1 if lapsed else int(time.time() * 1000) + 10_000
@@ -111,6 +115,23 @@ def test_start_refused_when_settled_or_cancelled(store: TurnStore) -> None:
     assert store.mark_started("t1", "c3", start, event) == 0
     store.flag_cancel("t1", "user")
     assert store.mark_started("t1", "c4", start, event) == -1
+
+
+def test_a_dead_workers_turns_are_found_by_their_start_records(store: TurnStore) -> None:
+    store.create("t2", {"status": "running"}, [])
+    store.create("t3", {"status": "running"}, [])
+    event = {"call_id": "c", "tool": "echo"}
+    start = {"started_at": 1.0, "pid": 1, "task_id": "x", "attempt": 1, "heartbeat": True}
+    store.mark_started("t1", "c1", {**start, "worker": "w1"}, event)
+    store.mark_started("t2", "c1", {**start, "worker": "w2"}, event)
+    # Not watched by its worker's heartbeat: the call's own deadline tells.
+    store.mark_started("t3", "c1", {**start, "worker": "w1", "heartbeat": False}, event)
+    assert store.turns_running_on("w1", batch=1) == ["t1"]
+    assert store.turns_running_on("w2") == ["t2"]
+    assert store.turns_running_on("w") == []
+    # A turn that ended is not open: not read.
+    store.close("t1", TurnStatus.FINISHED, "turn_finished", {})
+    assert store.turns_running_on("w1") == []
 
 
 def test_seq_increases_by_one_per_event(store: TurnStore) -> None:
@@ -248,11 +269,11 @@ def test_a_call_that_settles_before_its_record_is_not_in_flight(store: TurnStore
     store.redis.hset(k.turn_key("t1"), k.DIRTY_FIELD, 0)
     store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
     assert store.dispatches("t1") == {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
-    assert store.redis.smembers(k.outstanding_key("t1")) == {b"c2"}
+    assert _unsettled(store, "t1") == 1  # c2 only
     # The batch's last call in flight wakes the turn.
     assert store.settle("t1", error_result(c2, "slow"))
     assert _dirty(store, "t1")
-    assert store.redis.scard(k.outstanding_key("t1")) == 0
+    assert _unsettled(store, "t1") == 0
 
 
 def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lock(
@@ -266,7 +287,10 @@ def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lo
     store.wake_here("t1")  # woken while "a" steps: the lock is kept, the records written
     assert store.release_step("t1", "a", None, 5000, sent) == 0
     assert store.dispatches("t1") == sent
-    assert store.redis.smembers(k.outstanding_key("t1")) == {b"c2"}
+    assert _unsettled(store, "t1") == 1  # c2 only
+    # Recorded again (a step that took over), a call is not counted twice.
+    store.record_dispatch("t1", sent)
+    assert _unsettled(store, "t1") == 1
     # Ending the turn lets go of the lock in the same write.
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == 1
     assert store.step_holder("t1") is None

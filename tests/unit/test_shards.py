@@ -43,11 +43,10 @@ def test_a_turns_keys_its_indexes_and_its_children_share_one_slot(shards: int) -
     parent = secrets.token_hex(16)
     child = child_turn_id(parent, "call_1")
     assert len(child) == 32 and child != parent and child[:4] == parent[:4]
-    shard = k.shard_of(parent)
     keys = [*k.turn_keys(parent), *k.ended_turn_keys(parent), k.events_channel(parent)]
     keys += [k.interaction_key(parent, "c.approval")]
     keys += [k.turn_wakeups_key(parent), k.turn_active_key(parent), k.turn_index_key(parent)]
-    keys += [k.worker_calls_key("w1", shard), k.agent_beat_key(parent, "c")]
+    keys += [k.agent_beat_key(parent, "c")]
     keys += [k.turn_key(child), k.results_key(child)]
     assert {_slot(key) for key in keys} == {_slot(k.turn_key(parent))}
     # With one shard (one Redis) the names are the contract's: the tag is the turn id.
