@@ -20,6 +20,7 @@ carry ``{<conversation id>}``.
 
 from __future__ import annotations
 
+import json
 import os
 from functools import lru_cache
 
@@ -272,8 +273,30 @@ LLM_TAKEN_FIELD = "llm_taken"
 """Field of the turn's state hash: the round a stream worker took last, written with the
 round's llm_started; with its heartbeat gone and no result, the worker died."""
 
+LLM_ALIVE_FIELD = "llm_alive"
+"""Field of the turn's state hash: `"<round>:<until ms>:<worker>"` (JSON), the lease of the
+stream worker that took the round, renewed while it streams (on the workers' clocks, as
+the step lock); written with the claim, cleared with the result."""
+
+
+def llm_alive(value: object, round_no: int, now_ms: int) -> bool:
+    """Whether a stream worker's lease (LLM_ALIVE_FIELD, as read) holds `round_no` at `now_ms`."""
+    raw = value.decode() if isinstance(value, bytes) else value
+    if not isinstance(raw, str) or not raw.startswith('"'):
+        return False
+    held, _, rest = raw.strip('"').partition(":")
+    until = rest.partition(":")[0]
+    return held == str(round_no) and until.isdigit() and int(until) > now_ms
+
+
+def llm_alive_value(round_no: int, until_ms: int, worker: str) -> str:
+    """LLM_ALIVE_FIELD's value for a lease of `worker` on `round_no` until `until_ms`."""
+    return json.dumps(f"{round_no}:{until_ms}:{worker}")
+
+
 BOOKKEEPING_FIELDS = (
     STEP_FIELD,
+    LLM_ALIVE_FIELD,
     DIRTY_FIELD,
     UNSETTLED_FIELD,
     LLM_TAKEN_FIELD,
@@ -282,11 +305,6 @@ BOOKKEEPING_FIELDS = (
 )
 """Fields of the turn's state hash that are the machinery's, not the turn's: a client's
 view of the turn leaves them out."""
-
-
-def llm_alive_key(turn_id: str, round_no: int) -> str:
-    """Set with a short TTL, renewed by the stream worker while it runs the round."""
-    return f"{turn_key(turn_id)}:llm:{round_no}:alive"
 
 
 RECYCLE_EXIT_CODE = 75

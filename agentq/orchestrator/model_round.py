@@ -1,9 +1,9 @@
 """The turn's side of a model round: send it to a stream worker, notice when none answers.
 
 A round is sent once the fleet's capacity manager admits it (agentq.orchestrator.admission).
-The stream worker holds a heartbeat key while it streams and stores the round's result
+The stream worker holds a lease on the round while it streams and stores the round's result
 when done (which wakes the turn). A step that finds neither the result nor the
-heartbeat of a worker that had taken the round sends the round again; a round the
+lease of a worker that had taken the round sends the round again; a round the
 provider refused as busy goes back to admission.
 """
 
@@ -18,6 +18,7 @@ from agentq.fleet.broker import publish, task_repr
 from agentq.llm.capacity import Grant
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import admission, subturns
+from agentq.state.base import now_ms
 from agentq.tools.registry import all_tools, schemas_json
 
 if TYPE_CHECKING:
@@ -187,17 +188,17 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     deadline = float(ctx.state.get("llm_deadline") or 0)
     if ctx.now >= deadline:
         raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
-    # One snapshot: a round that finished after the result was read above has no
-    # heartbeat any more, and must not be taken for a round whose worker died.
-    pipe = ctx.store.redis.pipeline(transaction=True)
-    pipe.hmget(k.turn_key(ctx.turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_TAKEN_FIELD])
-    pipe.exists(k.llm_alive_key(ctx.turn_id, round_no))
-    (raw_done, raw_taken), alive = pipe.execute()
+    # One read: a round that finished after the result was read above has no lease any
+    # more, and must not be taken for a round whose worker died.
+    raw_done, raw_taken, raw_alive = ctx.store.redis.hmget(
+        k.turn_key(ctx.turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_TAKEN_FIELD, k.LLM_ALIVE_FIELD]
+    )
+    alive = k.llm_alive(raw_alive, round_no, now_ms())
     taken = raw_taken is not None and json.loads(raw_taken) == round_no
     if raw_done is not None and json.loads(raw_done) == round_no:
         return ctx.now
     if not alive and taken:
-        # Taken, and its heartbeat lapsed without a result: the stream worker died.
+        # Taken, and its lease lapsed without a result: the stream worker died.
         attempt = int(ctx.state.get("llm_attempt", 1))
         if attempt > s.llm_max_retries:
             raise ModelRoundFailed(

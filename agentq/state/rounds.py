@@ -1,4 +1,4 @@
-"""Model rounds: who streams each, its lease, and its result."""
+"""Model rounds: who streams each, its lease, and its result (fields of the turn's state)."""
 
 from __future__ import annotations
 
@@ -22,42 +22,48 @@ FINISH_LLM_LUA = (
     + """
 for i = 9, #ARGV do
 """
-    + publish_lua("KEYS[5]", "KEYS[6]", "ARGV[i]", "ARGV[6]", "watched")
+    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[i]", "ARGV[6]", "watched")
     + """
 end
-redis.call('DEL', KEYS[3])
 """
     + wake_or_step_lua(
         ("KEYS[1]", "ARGV[1]", "ARGV[2]"),
         "KEYS[2]",
-        "KEYS[4]",
+        "KEYS[3]",
         "ARGV[4]",
         "ARGV[5]",
         "ARGV[7]",
         fields=f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', ARGV[3], "
-        f"'{k.LLM_RESULT_ROUND_FIELD}', ARGV[8]",
+        f"'{k.LLM_RESULT_ROUND_FIELD}', ARGV[8], '{k.LLM_ALIVE_FIELD}', 'null'",
     )
     + "return 1"
 )
 
-# A stream worker takes a model round: unless it has a result or its turn is over, claim
-# it, publish llm_started, and read what the round needs, in one step (each round trip is
-# a handoff to a thread on a stream worker that holds thousands of rounds). It answers
-# whether anyone follows the turn, which decides how often its deltas go out.
+# A stream worker takes a model round: unless it has a result, its turn is over or another
+# delivery holds its lease (LLM_ALIVE_FIELD), claim it, publish llm_started, and read what
+# the round needs, in one step (each round trip is a handoff to a thread on a stream
+# worker that holds thousands of rounds). It answers whether anyone follows the turn,
+# which decides how often its deltas go out. ARGV[6] is the worker's clock (ms).
 BEGIN_LLM_LUA = (
     f"""
 local open = redis.call('HMGET', KEYS[1], 'status', '{WATCHERS_FIELD}', '{k.CANCEL_FIELD}',
-  '{SEQ_FIELD}', '{k.LLM_RESULT_ROUND_FIELD}')
+  '{SEQ_FIELD}', '{k.LLM_RESULT_ROUND_FIELD}', '{k.LLM_ALIVE_FIELD}')
 local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
 if (tonumber(open[5]) or -1) >= tonumber(ARGV[5]) then return {{1}} end
 if not status or {ended_lua("status")} then return {{2}} end
-if not redis.call('SET', KEYS[2], ARGV[1], 'NX', 'PX', ARGV[2]) then return {{3}} end
+if open[6] then
+  local r, u = string.match(open[6], '^"(%-?%d+):(%d+):')
+  if tonumber(r) == tonumber(ARGV[5]) and tonumber(u) > tonumber(ARGV[6]) then return {{3}} end
+end
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
     + f"""
-redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[5])
+local until_ms = string.format('%d', tonumber(ARGV[6]) + tonumber(ARGV[2]))
+local lease = cjson.encode(ARGV[5] .. ':' .. until_ms .. ':' .. ARGV[1])
+redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[5],
+  '{k.LLM_ALIVE_FIELD}', lease)
 local followed = watched and tonumber(watched) > 0 and 1 or 0
-return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[3], 0, -1), followed}}
+return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[2], 0, -1), followed}}
 """
 )
 
@@ -95,7 +101,6 @@ class RoundRecords(StoreBase):
         res = self._begin_llm(
             keys=[
                 k.turn_key(turn_id),
-                k.llm_alive_key(turn_id, round_no),
                 k.history_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
@@ -106,6 +111,7 @@ class RoundRecords(StoreBase):
                 event_body(turn_id, "llm_started", started),
                 self.bus.log_arg(),
                 round_no,
+                now_ms(),
             ],
         )
         outcome = int(res[0])
@@ -122,10 +128,6 @@ class RoundRecords(StoreBase):
             followed=bool(res[3]),
         )
 
-    def llm_round_alive(self, turn_id: str, round_no: int, worker: str, lease_ms: int) -> None:
-        """Renew the claim of a round while it streams."""
-        self.redis.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
-
     def finish_llm_round(
         self,
         turn_id: str,
@@ -140,7 +142,6 @@ class RoundRecords(StoreBase):
             keys=[
                 k.turn_wakeups_key(turn_id),
                 k.turn_key(turn_id),
-                k.llm_alive_key(turn_id, round_no),
                 k.history_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
@@ -173,10 +174,16 @@ class RoundRecords(StoreBase):
         return text(raw) if text(raw) != "null" else None
 
     def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
-        """Renew many rounds' claims in one round trip: (turn id, round) -> worker."""
+        """Renew many rounds' leases in one round trip: (turn id, round) -> worker.
+
+        A plain HSET: a renewal that lands after the round's result (which clears the
+        lease) leaves a lease of a round that has its result, which nothing reads, and the
+        turn's hash outlives every round of it (its retention starts when it ends)."""
         if not rounds:
             return
+        until_ms = now_ms() + lease_ms
         pipe = self.redis.pipeline(transaction=False)
         for (turn_id, round_no), worker in rounds.items():
-            pipe.set(k.llm_alive_key(turn_id, round_no), worker, px=lease_ms, xx=True)
+            value = k.llm_alive_value(round_no, until_ms, worker)
+            pipe.hset(k.turn_key(turn_id), k.LLM_ALIVE_FIELD, value)
         pipe.execute()

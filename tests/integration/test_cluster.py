@@ -64,7 +64,6 @@ def test_a_turns_keys_share_one_slot_and_turns_spread_over_the_masters(
         k.cancel_key(turn_id),
         k.interaction_key(turn_id, "c1.approval"),
         k.secret_key(turn_id, "c1.password"),
-        k.llm_alive_key(turn_id, 0),
     ]
     assert {key_slot(key.encode()) for key in keys} == {key_slot(k.turn_key(turn_id).encode())}
     masters = {cluster.master_of(k.turn_key(uuid.uuid4().hex)).port for _ in range(60)}

@@ -179,8 +179,13 @@ def test_abort_while_the_model_streams_leaves_nothing_after_the_end(
     events = collect(client, tid)
     assert events[-1].type == "turn_aborted"
     store = client.store
-    # The stream worker has let the round go once its claim is gone (deleted or lapsed).
-    wait_for(lambda: not store.redis.exists(k.llm_alive_key(tid, 0)), 10, message="round released")
+    # The stream worker has let the round go: it stopped renewing its lease, which lapses.
+    from agentq.state.base import now_ms
+
+    def released() -> bool:
+        return not k.llm_alive(store.redis.hget(k.turn_key(tid), k.LLM_ALIVE_FIELD), 0, now_ms())
+
+    wait_for(released, 25, message="round released")
     log = store.bus.replay(tid)
     assert log[-1].type == "turn_aborted", [e.type for e in log[-3:]]
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
