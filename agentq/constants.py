@@ -49,23 +49,6 @@ WATCH_CHANNEL = f"{PREFIX}:control:watch"
 stream worker that holds back an unwatched turn's deltas (`AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS`)
 sends them live from then on."""
 
-MEASURED_EVENTS_CHANNEL = f"{PREFIX}:events:measured"
-"""Every turn's events that a gateway metric counts (not deltas or progress), published
-here too by the script that publishes them to the turn's channel."""
-MEASURED_EVENT_TYPES = (
-    "tool_finished",
-    "llm_queued",
-    "llm_started",
-    "llm_finished",
-    "llm_retry",
-    "turn_finished",
-    "turn_aborted",
-    "turn_error",
-)
-MEASURED_ONLY_WITH = {"llm_started": "queued_ms"}
-"""Types whose events a gateway counts only when they carry this field (a round's start
-only tells the queue-wait metric anything when the round waited): the others are not
-copied to the measured channel."""
 ACTIVE_TURNS = f"{PREFIX}:turns:active"
 """Sorted set: turn id scored by start time, for `agentq turns` and /v1/turns/active."""
 
@@ -84,9 +67,9 @@ AGENTS = f"{PREFIX}:agents"
 """Hash: agent name -> JSON {model, tools, seen_at}, published by turn workers."""
 
 
-STEP_DURATIONS = f"{PREFIX}:metrics:step_duration"
-"""Hash: the fleet's step durations as histogram buckets (`le:<seconds>`), `sum` and `count`,
-added to by every process that runs steps; /metrics reads it."""
+FLEET_COUNTS = f"{PREFIX}:metrics:fleet"
+"""Hash: the fleet's counters and histograms (agentq.telemetry.fleetcounts), added to by
+every process that publishes turn events or runs steps; /metrics reads it."""
 
 
 SHARDS_ENV = "AGENTQ_REDIS_SHARDS"

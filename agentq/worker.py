@@ -226,12 +226,12 @@ def _warm_stream_worker(**_: Any) -> None:
 @worker_process_shutdown.connect
 @worker_shutdown.connect
 def _flush_telemetry(**_: Any) -> None:
-    """Export the spans still buffered, and the step durations not yet in Redis, before
-    the process goes (a prefork child exits without running atexit hooks)."""
-    from agentq.telemetry.steptimes import step_times
+    """Export the spans still buffered, and the fleet counts not yet in Redis, before the
+    process goes (a prefork child exits without running atexit hooks)."""
+    from agentq.telemetry.fleetcounts import fleet_counts
 
     tracing.shutdown()
     try:
-        step_times.flush(get_store().redis)
+        fleet_counts.flush(get_store().redis)
     except Exception:
-        log.debug("step durations not flushed at exit", exc_info=True)
+        log.debug("fleet counts not flushed at exit", exc_info=True)

@@ -25,7 +25,10 @@ TEST_TOOLS = "agentq.testing.tools,agentq.testing.agents,tests.agents_under_test
 
 def base_env(redis_url: str, llm_url: str | None = None, **extra: str) -> dict[str, str]:
     extra.setdefault("tools", TEST_TOOLS)
-    return worker_env(redis_url, llm_url, pythonpath=str(ROOT), **extra)
+    env = worker_env(redis_url, llm_url, pythonpath=str(ROOT), **extra)
+    # The fleet's metrics reach Redis every flush: tests that read /metrics wait less.
+    env.setdefault("AGENTQ_METRICS_FLUSH_S", "0.5")
+    return env
 
 
 @pytest.fixture(scope="session")

@@ -12,17 +12,16 @@ import redis
 from redis.cluster import RedisCluster
 
 from agentq.constants import (
-    MEASURED_EVENT_TYPES,
-    MEASURED_EVENTS_CHANNEL,
-    MEASURED_ONLY_WITH,
     WATCH_CHANNEL,
     events_channel,
     log_key,
     shard_of,
     turn_key,
 )
-from agentq.errors import REDIS_ERRORS
 from agentq.models import TERMINAL_STATUSES, Event
+
+EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]
+"""Counts published events (type, fields) in the fleet's metrics."""
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
 # reads the log after subscribing can dedupe by seq and never misses an event. The seq
@@ -32,20 +31,11 @@ from agentq.models import TERMINAL_STATUSES, Event
 # copy, the stream id) in as text so no JSON is parsed inside Redis.
 #
 # The live copy goes out only while someone follows the turn (its `watchers` field, kept by
-# `follow`), and the copy on the measured channel only while a gateway counts them (the
-# `m` of `log_arg`): most events are written once, to the log, and a PUBLISH to nobody is
-# a command Redis runs all the same. A follower marks the turn before it subscribes and
-# reads the log after, so what was published before the mark is in what it reads.
-
-
-# A body starts with its type (`event_body`): the gateways' metrics read only the types
-# they count from one channel, not every delta of every turn through a pattern.
-_MEASURED_LUA = " or ".join(
-    f"(etype == '{t}' and string.find({{body}}, '\"{MEASURED_ONLY_WITH[t]}\":', 1, true))"
-    if t in MEASURED_ONLY_WITH
-    else f"etype == '{t}'"
-    for t in MEASURED_EVENT_TYPES
-)
+# `follow`): most events are written once, to the log, and a PUBLISH to nobody is a
+# command Redis runs all the same. A follower marks the turn before it subscribes and
+# reads the log after, so what was published before the mark is in what it reads. The
+# fleet's metrics count events in the processes that publish them (FleetCounts), not
+# from copies on a channel.
 
 WATCHERS_FIELD = "watchers"
 """Field of the turn's state hash: how many followers want the live copies."""
@@ -58,26 +48,21 @@ def publish_lua(
 ) -> str:
     """The Lua that publishes one event, for embedding in larger atomic scripts.
 
-    `opts` is a `log_arg` (the log's maxlen, `m` appended while gateways count measured
-    events, then `s` on a Redis Cluster: the turn's channel is a shard channel, SPUBLISH,
-    in its slot); `watched` a Lua value, the turn's `watchers` field as read (false: none).
-    `seq` names a Lua local holding the turn's last seq (its SEQ_FIELD as read, 0 for
-    none): the fragment counts it up, and the script writes it back to the turn's hash.
+    `opts` is a `log_arg` (the log's maxlen, then `s` on a Redis Cluster: the turn's channel
+    is a shard channel, SPUBLISH, in its slot); `watched` a Lua value, the turn's
+    `watchers` field as read (false: none). `seq` names a Lua local holding the turn's last
+    seq (its SEQ_FIELD as read, 0 for none): the fragment counts it up, and the script
+    writes it back to the turn's hash.
     """
     return f"""
 {seq} = {seq} + 1
 local body = '{{"seq":' .. {seq} .. ',' .. string.sub({body}, 2)
-local maxlen, measured, sharded = string.match({opts}, '^(%d+)(m?)(s?)$')
+local maxlen, sharded = string.match({opts}, '^(%d+)(s?)$')
 local id = redis.call('XADD', {log}, 'MAXLEN', '~', maxlen, '*', 'e', body)
-local etype = measured == 'm' and string.match({body}, '^{{"type":"([%w_]+)"')
-local counted = etype and ({_MEASURED_LUA.replace("{body}", body)})
 local watched = {watched}
-if counted or (watched and tonumber(watched) > 0) then
+if watched and tonumber(watched) > 0 then
   local live = '{{"stream_id":"' .. id .. '",' .. string.sub(body, 2)
-  if watched and tonumber(watched) > 0 then
-    redis.call(sharded == 's' and 'SPUBLISH' or 'PUBLISH', {channel}, live)
-  end
-  if counted then redis.call('PUBLISH', '{MEASURED_EVENTS_CHANNEL}', live) end
+  redis.call(sharded == 's' and 'SPUBLISH' or 'PUBLISH', {channel}, live)
 end
 """
 
@@ -113,8 +98,9 @@ end
 # The events of many turns in one call: KEYS are three per turn (as for PUBLISH_LUA), ARGV
 # the `log_arg`, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
-# Returns the positions (from 0) of the turns someone follows: the script reads `watchers`
-# anyway, and the stream worker holds back the deltas of a turn nobody watches live.
+# Returns the positions (from 0) of the turns someone follows (the script reads `watchers`
+# anyway, and the stream worker holds back the deltas of a turn nobody watches live), and
+# those of the turns that are over (-1 - position: nothing of theirs was published).
 PUBLISH_MANY_LUA = (
     f"""
 local a = 2
@@ -124,6 +110,7 @@ for t = 0, #KEYS / 3 - 1 do
   local open = redis.call('HMGET', KEYS[3 * t + 3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
   local status, last = open[1], tonumber(open[3]) or 0
   if not status or {ended_lua("status")} then
+    followed[#followed + 1] = -1 - t
     a = a + 1 + n
   else
     if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end
@@ -170,14 +157,6 @@ def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
     )
 
 
-MEASURED_CHECK_S = 1.0
-"""How often a process that found no gateway counting measured events asks again: a gateway
-that starts counting misses at most this much of them."""
-MEASURED_RECHECK_S = 5.0
-"""How often a process that found one asks again: a gateway gone costs a few copies to
-nobody until then, not a count."""
-
-
 def run_pipeline(client: Any, build: Callable[[Any], None]) -> list[Any]:
     """Run the commands `build` puts in a pipeline of `client`; their answers.
 
@@ -196,35 +175,34 @@ def run_pipeline(client: Any, build: Callable[[Any], None]) -> list[Any]:
 
 
 class EventBus:
-    def __init__(self, client: redis.Redis | RedisCluster, *, log_maxlen: int = 10_000) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | RedisCluster,
+        *,
+        log_maxlen: int = 10_000,
+        count: EventCount | None = None,
+        counted_types: frozenset[str] = frozenset(),
+    ) -> None:
         self.redis = client
         self.log_maxlen = log_maxlen
+        self._count = count
+        # How the bodies of counted events begin (`event_body` puts the type first).
+        self._counted_prefixes = tuple(f'{{"type":"{t}"' for t in sorted(counted_types))
         self._publish = client.register_script(PUBLISH_LUA)
         self._publish_many = client.register_script(PUBLISH_MANY_LUA)
         self._watch = client.register_script(WATCH_LUA)
-        self._measured = (True, -MEASURED_RECHECK_S)  # (counted, checked at, monotonic s)
         self.sharded = isinstance(client, RedisCluster)
         """On a Redis Cluster a turn's channel is a shard channel (SPUBLISH/SSUBSCRIBE):
         its messages stay on the turn's shard instead of crossing the whole cluster."""
 
     def log_arg(self) -> str:
-        """The publish scripts' options: the log's maxlen, with `m` appended while some
-        gateway subscribes to the measured channel (asked again after MEASURED_CHECK_S, or
-        MEASURED_RECHECK_S while one does)."""
-        counted, at = self._measured
-        now = time.monotonic()
-        if self.sharded:
-            # A plain channel's subscribers are counted per node: the measured copies of
-            # a Cluster's turns go out always.
-            return f"{self.log_maxlen}ms"
-        if now - at >= (MEASURED_RECHECK_S if counted else MEASURED_CHECK_S):
-            try:
-                subs = self.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
-                counted = any(int(n) for _, n in subs)
-            except REDIS_ERRORS:
-                counted = True  # unsure: publish them, as before there was a check
-            self._measured = (counted, now)
-        return f"{self.log_maxlen}m" if counted else str(self.log_maxlen)
+        """The publish scripts' options: the log's maxlen, `s` on a Cluster."""
+        return f"{self.log_maxlen}s" if self.sharded else str(self.log_maxlen)
+
+    def counted(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Count published events (type, fields) in the fleet's metrics, if this bus does."""
+        if self._count is not None and events:
+            self._count(events)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
         """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
@@ -232,6 +210,8 @@ class EventBus:
             keys=[log_key(turn_id), events_channel(turn_id), turn_key(turn_id)],
             args=[event_body(turn_id, type_, fields), self.log_arg()],
         )
+        if int(res[0]):
+            self.counted([(type_, fields)])
         return int(res[0])
 
     def watch(self, turn_id: str, by: int) -> bool:
@@ -279,9 +259,22 @@ class EventBus:
                     self._publish_many(keys=keys, args=args, client=pipe)
 
             replies = run_pipeline(self.redis, build)
-        return {
-            ids[int(t)] for (ids, _, _), reply in zip(calls, replies, strict=True) for t in reply
-        }
+        followed: set[str] = set()
+        over: set[str] = set()
+        for (ids, _, _), reply in zip(calls, replies, strict=True):
+            for t in map(int, reply):
+                (followed if t >= 0 else over).add(ids[t if t >= 0 else -1 - t])
+        self.counted(
+            [
+                (str(event["type"]), event)
+                for turn_id, bodies in batches.items()
+                if turn_id not in over
+                for body in bodies
+                if self._counted_prefixes and body.startswith(self._counted_prefixes)
+                for event in (json.loads(body),)
+            ]
+        )
+        return followed
 
     def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
         """Events in the log strictly after `after_id`."""

@@ -69,6 +69,7 @@ def get_store(settings: Settings | None = None) -> TurnStore:
                 stepper=_Stepper(),
                 replicas_acked=s.replicas_acked,
                 wait_timeout_ms=s.redis_wait_timeout_ms,
+                metrics_flush_s=s.metrics_flush_s,
             )
         return _store
 

@@ -69,7 +69,7 @@ from agentq.gateway.errors import (
 from agentq.gateway.guard import RequestGuard
 from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
-from agentq.gateway.metrics import CONTENT_TYPE, EventObserver, GatewayMetrics
+from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.validate import (
     clamp_to_log,
@@ -83,7 +83,7 @@ from agentq.llm.capacity import capacity_for
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
-from agentq.telemetry.steptimes import read_histogram
+from agentq.telemetry.fleetcounts import read_counts
 from agentq.webhooks.deliveries import Deliveries
 
 log = logging.getLogger("agentq.gateway")
@@ -108,7 +108,6 @@ class Gateway:
         *,
         heartbeat_s: float,
         poll_s: float,
-        observe_events: bool,
         max_streams: int,
         keyring: Keyring,
     ) -> None:
@@ -131,7 +130,6 @@ class Gateway:
         self.capacity = capacity_for(client.store.redis, settings)
         # Open streams hold a thread each; their own limiter keeps REST calls answering.
         self.stream_limiter = anyio.CapacityLimiter(max_streams)
-        self.observer = EventObserver(client.store.redis, self.metrics) if observe_events else None
         self.body_limit_bytes = client.settings.max_prompt_bytes + BODY_MARGIN_BYTES
         self.closing = threading.Event()
 
@@ -141,13 +139,7 @@ class Gateway:
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        if self.observer is not None:
-            self.observer.start()
-        try:
-            yield
-        finally:
-            if self.observer is not None:
-                await run_in_threadpool(self.observer.stop)
+        yield
 
     # -- turns ---------------------------------------------------------------------
 
@@ -439,8 +431,8 @@ class Gateway:
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
-                self.metrics.steps.snapshot = await anyio.to_thread.run_sync(
-                    read_histogram, self.client.store.redis, abandon_on_cancel=True
+                self.metrics.fleet.counts = await anyio.to_thread.run_sync(
+                    read_counts, self.client.store.redis, abandon_on_cancel=True
                 )
                 capacity = await anyio.to_thread.run_sync(
                     self.read_capacity, abandon_on_cancel=True
@@ -462,7 +454,6 @@ def create_app(
     *,
     heartbeat_s: float = 15.0,
     poll_s: float = 1.0,
-    observe_events: bool = True,
     max_streams: int = 1000,
     bind_host: str = "127.0.0.1",
 ) -> Starlette:
@@ -470,9 +461,8 @@ def create_app(
 
     `heartbeat_s` is how often an idle SSE stream gets a keep-alive comment (a request
     may ask for another with ``?heartbeat=``); `poll_s` bounds how long a client's
-    disconnect can go unnoticed; `observe_events` feeds fleet-wide events to /metrics;
-    `bind_host` is the address it listens on, which the Host check accepts.
-    Bad keys in the settings raise ConfigError naming the variable.
+    disconnect can go unnoticed; `bind_host` is the address it listens on, which the Host
+    check accepts. Bad keys in the settings raise ConfigError naming the variable.
     """
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
@@ -483,7 +473,6 @@ def create_app(
         client,
         heartbeat_s=heartbeat_s,
         poll_s=poll_s,
-        observe_events=observe_events,
         max_streams=max_streams,
         keyring=Keyring.from_settings(client.settings),
     )

@@ -24,8 +24,7 @@ What each metric counts, and where it comes from:
   start, retries included, to its first text, reasoning or tool call).
 - ``agentq_llm_round_duration_seconds{outcome}`` histogram: ``duration_ms`` of
   ``llm_finished`` (``ok`` or ``error``).
-- ``agentq_step_duration_seconds`` histogram: every turn step of the fleet, read from
-  Redis at scrape time (each process adds its counts every ``AGENTQ_METRICS_FLUSH_S``).
+- ``agentq_step_duration_seconds`` histogram: every turn step of the fleet.
 - ``agentq_webhook_attempts_total{outcome}`` (``ok``, ``http_500``, ``timed_out``,
   ``refused``, ``unreachable`` ...), ``agentq_webhook_deliveries_total{status}``
   (``created``, ``delivered``, ``gone``, ``failed``), ``agentq_webhook_backlog`` (deliveries
@@ -50,26 +49,21 @@ What each metric counts, and where it comes from:
   ``AGENTQ_LLM_LIMITS``, ``AGENTQ_LLM_MODEL``, the published agents' models), read from
   Redis at scrape time (``class`` ``interactive`` or ``background``).
 
-The event-derived metrics come from an :class:`EventObserver`: a subscription to the
-channel where the publish scripts copy every turn's events of the types counted here
-(`MEASURED_EVENTS_CHANNEL`; never deltas or progress, and an `llm_started` only when it
-carries the `queued_ms` the queue-wait histogram observes), so they count the whole fleet's
-events, whether or not anyone is watching a turn. Pub/sub delivers at most once: events
-published while the gateway is down are not counted, and every gateway replica counts the
-same events (aggregate replicas with `max`, not `sum`).
+The event-derived metrics and the step durations are the fleet's: each process counts
+the events its writes published and the steps it ran, and adds them to one Redis hash
+every ``AGENTQ_METRICS_FLUSH_S`` (agentq.telemetry.fleetcounts); /metrics reads the hash
+at scrape time. Every gateway replica shows the same totals, and events published while no
+gateway ran are counted too; a process that dies loses what it counted since its last flush.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import re
-import threading
 from typing import Any
 
-import redis
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import Counter as PromCounter
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -77,78 +71,18 @@ from prometheus_client.core import (
     Metric,
 )
 
-from agentq.constants import MEASURED_EVENTS_CHANNEL
-from agentq.errors import REDIS_ERRORS, ModelBusy
+from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES, Family
 
 log = logging.getLogger("agentq.gateway.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, float("inf"))
-ROUND_BUCKETS_S = (0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120, float("inf"))
-DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, float("inf"))
-QUEUE_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, float("inf"))
-MAX_TOOL_LABELS = 200
-"""Tool names come from the model (an unknown tool still settles); cap the label set."""
-MAX_MODEL_LABELS = 100
-"""Models and deployments come from the fleet's configuration; capped all the same."""
-
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
-_ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error"})
-_TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
-_TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
-
-
-class _Labels:
-    """A capped set of label values: past `limit` distinct ones, or one that does not
-    match `pattern`, a value is counted as ``other``."""
-
-    def __init__(self, pattern: re.Pattern[str], limit: int) -> None:
-        self.pattern = pattern
-        self.limit = limit
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, value: object) -> str:
-        label = str(value)
-        if not self.pattern.match(label):
-            return "other"
-        with self._lock:
-            if label in self._seen:
-                return label
-            if len(self._seen) >= self.limit:
-                return "other"
-            self._seen.add(label)
-            return label
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.tool_duration = Histogram(
-            "agentq_tool_duration_seconds",
-            "Duration of settled tool calls.",
-            ["tool", "status"],
-            buckets=DURATION_BUCKETS_S,
-            registry=r,
-        )
-        self.tool_results = Counter(
-            "agentq_tool_results", "Settled tool calls.", ["tool", "status"], registry=r
-        )
-        self.tool_timeouts = Counter(
-            "agentq_tool_timeouts", "Tool calls stopped by their hard limit.", ["tool"], registry=r
-        )
-        self.aborts = Counter(
-            "agentq_turn_aborts", "Aborted turns by reason.", ["reason"], registry=r
-        )
-        self.turns_ended = Counter(
-            "agentq_turns_ended", "Turns that ended, by outcome.", ["outcome"], registry=r
-        )
-        self.watchdog_trips = Counter(
-            "agentq_watchdog_trips", "Model streams cut by the inactivity watchdog.", registry=r
-        )
-        self.events_streamed = Counter(
+        self.events_streamed = PromCounter(
             "agentq_events_streamed", "SSE messages written to clients.", ["type"], registry=r
         )
         self.sse_connections = Gauge("agentq_sse_connections", "Open SSE responses.", registry=r)
@@ -161,119 +95,14 @@ class GatewayMetrics:
         self.redis_up = Gauge(
             "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r
         )
-        self.tokens = Counter(
-            "agentq_llm_tokens", "Model tokens by kind (prompt, completion).", ["kind"], registry=r
-        )
-        self.ttft = Histogram(
-            "agentq_llm_ttft_seconds",
-            "Time to first token of model rounds.",
-            buckets=TTFT_BUCKETS_S,
-            registry=r,
-        )
-        self.round_duration = Histogram(
-            "agentq_llm_round_duration_seconds",
-            "Duration of model rounds, by outcome.",
-            ["outcome"],
-            buckets=ROUND_BUCKETS_S,
-            registry=r,
-        )
-        self.model_tokens = Counter(
-            "agentq_llm_model_tokens",
-            "Model tokens by model and kind (prompt, completion).",
-            ["model", "kind"],
-            registry=r,
-        )
-        self.rounds_queued = Counter(
-            "agentq_llm_rounds_queued",
-            "Model rounds that had to wait for model capacity.",
-            ["model"],
-            registry=r,
-        )
-        self.queue_wait = Histogram(
-            "agentq_llm_queue_wait_seconds",
-            "How long model rounds waited for model capacity.",
-            ["model"],
-            buckets=QUEUE_BUCKETS_S,
-            registry=r,
-        )
-        self.busy = Counter(
-            "agentq_llm_busy",
-            "Busy answers (429, 503, 529) of model providers.",
-            ["model", "deployment", "status"],
-            registry=r,
-        )
-        self.steps = StepDurations()
-        r.register(self.steps)
+        self.fleet = FleetMetrics()
+        r.register(self.fleet)
         self.capacity = CapacityGauges()
         r.register(self.capacity)
         self.webhooks = WebhookMetrics()
         r.register(self.webhooks)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
-        for kind in ("prompt", "completion"):
-            self.tokens.labels(kind=kind)
-        self._tool_label = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
-        self._model_label = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
-        self._deployment_label = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
-
-    def _model(self, event: dict[str, Any]) -> str:
-        model = event.get("model")
-        return "unknown" if model is None else self._model_label(model)
-
-    def observe(self, event: dict[str, Any]) -> None:
-        """Fold one event (as published) into the counters."""
-        type_ = event.get("type")
-        if type_ == "tool_finished":
-            tool = self._tool_label(event.get("tool"))
-            status = str(event.get("status"))
-            status = status if status in _TOOL_STATUSES else "other"
-            self.tool_results.labels(tool=tool, status=status).inc()
-            duration_ms = event.get("duration_ms")
-            if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
-                self.tool_duration.labels(tool=tool, status=status).observe(duration_ms / 1000)
-            if status == "timeout":
-                self.tool_timeouts.labels(tool=tool).inc()
-        elif type_ == "llm_finished":
-            self._llm_finished(event)
-        elif type_ == "llm_queued":
-            # Published again as the round moves up the queue: only its first one counts.
-            if event.get("first") is True:
-                self.rounds_queued.labels(model=self._model(event)).inc()
-        elif type_ == "llm_started":
-            queued_ms = event.get("queued_ms")
-            if isinstance(queued_ms, (int, float)) and queued_ms >= 0:
-                self.queue_wait.labels(model=self._model(event)).observe(queued_ms / 1000)
-        if type_ in ("llm_retry", "llm_finished") and event.get("code") == "ETIMEDOUT":
-            self.watchdog_trips.inc()
-        if type_ in _TERMINAL:
-            self.turns_ended.labels(outcome=_TERMINAL[str(type_)]).inc()
-            if type_ == "turn_aborted":
-                reason = str(event.get("reason"))
-                self.aborts.labels(reason=reason if reason in _ABORT_REASONS else "other").inc()
-
-    def _llm_finished(self, event: dict[str, Any]) -> None:
-        usage = event.get("usage")
-        if isinstance(usage, dict):
-            model = self._model(event)
-            for kind in ("prompt", "completion"):
-                n = usage.get(f"{kind}_tokens")
-                if isinstance(n, int) and n > 0:
-                    self.tokens.labels(kind=kind).inc(n)
-                    self.model_tokens.labels(model=model, kind=kind).inc(n)
-        if event.get("code") == ModelBusy.code:
-            status = event.get("status")
-            self.busy.labels(
-                model=self._model(event),
-                deployment=self._deployment_label(event.get("deployment")),
-                status=str(status) if isinstance(status, int) and 100 <= status < 600 else "other",
-            ).inc()
-        ttft_ms = event.get("ttft_ms")
-        if isinstance(ttft_ms, (int, float)) and ttft_ms >= 0:
-            self.ttft.observe(ttft_ms / 1000)
-        duration_ms = event.get("duration_ms")
-        if isinstance(duration_ms, (int, float)) and duration_ms >= 0:
-            outcome = "error" if event.get("error") else "ok"
-            self.round_duration.labels(outcome=outcome).observe(duration_ms / 1000)
 
     def streamed(self, type_: str) -> None:
         self.events_streamed.labels(type=type_ if len(type_) <= 40 else "other").inc()
@@ -296,24 +125,60 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-class StepDurations:
-    """``agentq_step_duration_seconds`` from the fleet's totals, as last read from Redis."""
-
-    NAME = "agentq_step_duration_seconds"
-    HELP = "Duration of turn steps, fleet-wide."
+class FleetMetrics:
+    """The fleet's event counters and histograms (agentq.telemetry.fleetcounts), from the
+    hash as last read at scrape time; each family shows at least its unlabelled samples."""
 
     def __init__(self) -> None:
-        self.snapshot: tuple[list[tuple[str, float]], float] | None = None
+        self.counts: dict[str, float] = {}
 
-    def describe(self) -> list[HistogramMetricFamily]:
-        return [HistogramMetricFamily(self.NAME, self.HELP)]
+    def describe(self) -> list[Metric]:
+        return [self._family(f) for f in FAMILIES.values()]
 
-    def collect(self) -> list[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.NAME, self.HELP)
-        snap = self.snapshot
-        if snap is not None:
-            family.add_metric([], buckets=snap[0], sum_value=snap[1])
-        return [family]
+    @staticmethod
+    def _family(f: Family) -> Metric:
+        name = f"agentq_{f.name}"
+        if f.buckets is None:
+            return CounterMetricFamily(name, f.help, labels=list(f.labels))
+        return HistogramMetricFamily(name, f.help, labels=list(f.labels))
+
+    def collect(self) -> list[Metric]:
+        series: dict[str, dict[tuple[str, ...], dict[str, float]]] = {}
+        for field, value in self.counts.items():
+            name, _, rest = field.partition("|")
+            raw_labels, _, part = rest.rpartition("|")
+            f = FAMILIES.get(name)
+            try:
+                labels = tuple(str(v) for v in json.loads(raw_labels))
+            except ValueError:
+                continue
+            if f is None or len(labels) != len(f.labels):
+                continue  # a field of another version's families
+            of = series.setdefault(name, {})
+            if labels not in of and len(of) >= MAX_SERIES:
+                labels = ("other",) * len(labels)
+            parts = of.setdefault(labels, {})
+            parts[part] = parts.get(part, 0.0) + value
+        out: list[Metric] = []
+        for f in FAMILIES.values():
+            family = self._family(f)
+            samples = series.get(f.name, {})
+            if not samples and not f.labels:
+                samples = {(): {}}
+            for labels, parts in sorted(samples.items()):
+                if f.buckets is None:
+                    family.add_metric(list(labels), parts.get("", 0.0))  # type: ignore[attr-defined]
+                    continue
+                cumulative = 0.0
+                buckets: list[tuple[str, float]] = []
+                for i, le in enumerate((*f.buckets, float("inf"))):
+                    cumulative += parts.get(str(i), 0.0)
+                    buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+                family.add_metric(  # type: ignore[attr-defined]
+                    list(labels), buckets=buckets, sum_value=parts.get("sum", 0.0)
+                )
+            out.append(family)
+        return out
 
 
 class WebhookMetrics:
@@ -387,54 +252,3 @@ class CapacityGauges:
             until = snap.get("paused_until_ms")
             paused.add_metric([model], 1 if until and until > snap["now_ms"] else 0)
         return families
-
-
-class EventObserver:
-    """A daemon thread that feeds every turn's published events to :class:`GatewayMetrics`."""
-
-    def __init__(
-        self,
-        client: redis.Redis,
-        metrics: GatewayMetrics,
-        *,
-        poll_s: float = 0.5,
-        retry_s: float = 1.0,
-    ) -> None:
-        self.redis = client
-        self.metrics = metrics
-        self.poll_s = poll_s
-        self.retry_s = retry_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="agentq-metrics", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-            try:
-                pubsub.subscribe(MEASURED_EVENTS_CHANNEL)
-                while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=self.poll_s)
-                    if msg is None:
-                        continue
-                    try:
-                        event = json.loads(msg["data"])
-                    except (TypeError, ValueError):
-                        continue
-                    if isinstance(event, dict):
-                        self.metrics.observe(event)
-            except REDIS_ERRORS as exc:
-                # Redis restarts are survivable: resubscribe once it answers again.
-                log.warning("metrics observer lost Redis (%s); retrying", exc)
-                self._stop.wait(self.retry_s)
-            finally:
-                with contextlib.suppress(redis.RedisError):
-                    pubsub.close()

@@ -30,7 +30,7 @@ from agentq.state.base import StepView, text
 from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
-from agentq.telemetry.steptimes import step_times
+from agentq.telemetry.fleetcounts import fleet_counts
 
 log = logging.getLogger("agentq.turn")
 
@@ -50,7 +50,7 @@ def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings)
             return "busy"
         return _step(turn_id, view, token, ttl_ms, store, app, settings)
     finally:
-        step_times.observe(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
+        fleet_counts.step(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
 
 
 def take_step(
@@ -68,7 +68,7 @@ def take_step(
     try:
         return _step(turn_id, view, token, ttl_ms, store, app, settings)
     finally:
-        step_times.observe(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
+        fleet_counts.step(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
 
 
 def _step(

@@ -26,6 +26,7 @@ from redis.commands.core import Script
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, EventBus, event_body, publish_lua, run_pipeline
 from agentq.models import ToolResult
+from agentq.telemetry.fleetcounts import COUNTED_TYPES, fleet_counts
 
 log = logging.getLogger("agentq.state")
 
@@ -192,13 +193,21 @@ class StoreBase:
         stepper: InlineStepper | None = None,
         replicas_acked: int = 0,
         wait_timeout_ms: int = 500,
+        metrics_flush_s: float = 5.0,
     ):
         self.redis = client
         self.replicas_acked = replicas_acked
         """Replicas that must acknowledge the writes a failover must not lose (`WAIT`)."""
         self.wait_timeout_ms = wait_timeout_ms
         self._wait_warned_at = 0.0
-        self.bus = EventBus(client, log_maxlen=log_maxlen)
+        self.metrics_flush_s = metrics_flush_s
+        """How often this process adds the events it counted to the fleet's counts."""
+        self.bus = EventBus(
+            client,
+            log_maxlen=log_maxlen,
+            count=lambda events: fleet_counts.events(events, client, self.metrics_flush_s),
+            counted_types=COUNTED_TYPES,
+        )
         self.ttl_s = ttl_s
         self.waker = waker
         """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
@@ -304,12 +313,18 @@ class StoreBase:
 
     def end_lost_turn(self, turn_id: str) -> bool:
         """End a turn whose state Redis lost with turn_error `state_lost`; False if it exists."""
-        event = event_body(
-            turn_id, "turn_error", {"code": "state_lost", "error": STATE_LOST_MESSAGE}
-        )
-        return bool(
+        fields = {"code": "state_lost", "error": STATE_LOST_MESSAGE}
+        ended = bool(
             self._state_lost(
                 keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
-                args=[json.dumps(STATE_LOST_MESSAGE), event, self.bus.log_arg(), self.ttl_s],
+                args=[
+                    json.dumps(STATE_LOST_MESSAGE),
+                    event_body(turn_id, "turn_error", fields),
+                    self.bus.log_arg(),
+                    self.ttl_s,
+                ],
             )
         )
+        if ended:
+            self.bus.counted([("turn_error", fields)])
+        return ended

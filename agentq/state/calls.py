@@ -232,6 +232,8 @@ class CallRecords(StoreBase):
         won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)
         if won == -2:
             self.end_lost_turn(turn_id)
+        if won in (1, 3):
+            self.bus.counted([("tool_finished", event)])
         return won in (1, 3)
 
     def result(self, turn_id: str, call_id: str) -> ToolResult | None:

@@ -121,6 +121,7 @@ class RoundRecords(StoreBase):
             return LlmRoundStart(gone=True)
         if outcome == 3:
             return LlmRoundStart(elsewhere=True)
+        self.bus.counted([("llm_started", started)])
         return LlmRoundStart(
             claimed=True,
             cancelled=bool(res[1]),
@@ -158,6 +159,8 @@ class RoundRecords(StoreBase):
                 *[event_body(turn_id, t, f) for t, f in events or []],
             ],
         )
+        if ok == 1 or isinstance(ok, list):
+            self.bus.counted(events or [])
         woke = self._woke(
             turn_id, ok, token, lock_ms, wake=ok == 1, llm_result=(round_no, result_json)
         )

@@ -258,6 +258,8 @@ class StepRecords(StoreBase):
             args=args,
             again=False,
         )
+        if ok:
+            self.bus.counted(events or [])
         return bool(ok)
 
     def release_step(
@@ -293,7 +295,10 @@ class StepRecords(StoreBase):
         # Not sent again: a second run finds the lock gone (and would publish twice).
         # Records a failover loses are of calls a later step sends again, which their
         # start claims run once.
-        return int(self._durable(self._release, keys=keys, args=args, again=False))
+        released = int(self._durable(self._release, keys=keys, args=args, again=False))
+        if released != -1:
+            self.bus.counted(events or [])
+        return released
 
     def wake(self, turn_id: str) -> bool:
         """Wake an open turn: mark it and send it a step; False if it has ended."""

@@ -41,7 +41,9 @@ from agentq.state.lua import (
 # (first result wins, as in SETTLE_LUA), and wakes the parent if the batch is complete.
 # A step ends the turn fenced by its lock, with the history messages it has not committed
 # yet (the round's last tool results): the turn's last words and its end are one write,
-# which lets go of the lock too.
+# which lets go of the lock too. Returns -1 (lock lost), 0 (ended already), 1 (ended),
+# 2 (ended, its parent's call settled and the parent woken), 3 (ended, the parent's call
+# settled, other calls of its batch still out).
 CLOSE_LUA = (
     TURN_OPEN_LUA % (1, 0)
     + "if ARGV[10] ~= '' and not "
@@ -80,7 +82,7 @@ do
     + publish_lua("KEYS[8]", "KEYS[9]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
     + "end\nif tracked and left > 0 then\n"
     + f"  redis.call('HSET', KEYS[6], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
-    + "  return 1\nend\n"
+    + "  return 3\nend\n"
     + wake_lua(
         "KEYS[6]",
         "KEYS[3]",
@@ -232,6 +234,11 @@ class TurnRecords(StoreBase):
                 *flat,
             ],
         )
+        if won in (1, 2, 3):
+            counted = [(event, event_fields)]
+            if won != 1 and result is not None:
+                counted.append(("tool_finished", finished(result)))
+            self.bus.counted(counted)
         if won == 2:
             self._send_step(parent)
         return int(won)

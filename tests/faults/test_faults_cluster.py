@@ -109,7 +109,7 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
     assert rig.client.store.active() == []
 
     # The gateway on the cluster: a turn over HTTP, its events over SSE (a shard channel),
-    # the active list and the metrics the gateway counts from the measured copies.
+    # the active list and the fleet's metrics.
     with (
         BackgroundServer(create_app(rig.client)) as server,
         httpx.Client(base_url=server.url, timeout=30) as http,
@@ -126,8 +126,7 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
         assert http.get("/v1/turns/active").json() == {"turns": []}
         got = http.get(f"/v1/turns/{started_http['turn_id']}", headers=headers).json()
         assert got["state"]["status"] == "finished"
-        # Counted from the measured copies, which a Cluster's scripts publish to a plain
-        # channel that reaches the gateway whichever node it listens on.
+        # Counted by the processes that published the events, in one hash of the Cluster.
         ended = 'agentq_turns_ended_total{outcome="finished"}'
         wait_for(
             lambda: any(

@@ -66,7 +66,7 @@ def test_a_flood_from_one_key_does_not_slow_another_keys_turn(rig: Any) -> None:
     client = rig.client
     work = rig.script(Round(tool_calls=calls(("sleep", {"seconds": 2.0}))), Round(text="Done."))
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as gw,
+        BackgroundServer(create_app(Client(settings))) as gw,
         httpx.Client(base_url=gw.url, timeout=30) as http,
     ):
         baseline_s = timed_turn(http, client, work)

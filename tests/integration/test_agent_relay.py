@@ -29,7 +29,7 @@ def keyed(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
     settings = load_settings(
         api_keys=f"alice={ALICE_KEY},bob={BOB_KEY}", start_burst=1000, start_rate_per_s=100.0
     )
-    with BackgroundServer(create_app(Client(settings), observe_events=False)) as server:
+    with BackgroundServer(create_app(Client(settings))) as server:
         yield server
 
 

@@ -28,13 +28,13 @@ KEY = "page-" + secrets.token_urlsafe(24)
 @pytest.fixture(scope="module")
 def keyed_gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
     settings = load_settings(api_keys=f"webuser={KEY}")
-    with BackgroundServer(create_app(Client(settings), observe_events=False)) as server:
+    with BackgroundServer(create_app(Client(settings))) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def open_gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
-    with BackgroundServer(create_app(Client(), observe_events=False)) as server:
+    with BackgroundServer(create_app(Client())) as server:
         yield server
 
 

@@ -75,8 +75,8 @@ def rig(agentq_env: dict[str, str]) -> Iterator[Rig]:
     # The fleet's capacity as any llm worker sees it: the same Redis keys as the gateway's.
     cap = Capacity(client.store.redis, parse_limits(limits), breaker_failures=2)
     with (
-        BackgroundServer(create_app(client, observe_events=False)) as k_server,
-        BackgroundServer(create_app(Client(open_), observe_events=False)) as o_server,
+        BackgroundServer(create_app(client)) as k_server,
+        BackgroundServer(create_app(Client(open_))) as o_server,
         httpx.Client(base_url=k_server.url, timeout=10) as k_http,
         httpx.Client(base_url=o_server.url, timeout=10) as o_http,
     ):

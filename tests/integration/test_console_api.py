@@ -33,7 +33,7 @@ def store(agentq_env: dict[str, str]) -> TurnStore:
 
 @pytest.fixture(scope="module")
 def open_gateway(agentq_env: dict[str, str]) -> Iterator[httpx.Client]:
-    app = create_app(Client(), observe_events=False)
+    app = create_app(Client())
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=10) as http:
         yield http
 
@@ -41,7 +41,7 @@ def open_gateway(agentq_env: dict[str, str]) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def keyed_gateway(agentq_env: dict[str, str]) -> Iterator[httpx.Client]:
     settings = load_settings(api_keys=f"alice={ALICE_KEY}", admin_keys=f"ops={ADMIN_KEY}")
-    app = create_app(Client(settings), observe_events=False)
+    app = create_app(Client(settings))
     with BackgroundServer(app) as server, httpx.Client(base_url=server.url, timeout=10) as http:
         yield http
 

@@ -17,7 +17,6 @@ from redis.retry import Retry
 from agentq.api import Client
 from agentq.config import get_settings
 from agentq.constants import events_channel
-from agentq.events.bus import MEASURED_CHECK_S
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.state.store import TurnStore
@@ -34,10 +33,6 @@ STREAM_ID = re.compile(r"^\d+-\d+$")
 @pytest.fixture(scope="module")
 def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
     with BackgroundServer(create_app(Client())) as server:
-        # A worker that found nobody counting asks again within MEASURED_CHECK_S: only
-        # from then on are the events this gateway counts in /metrics all copied to it.
-        counting_from = time.monotonic() + MEASURED_CHECK_S
-        wait_for(lambda: time.monotonic() >= counting_from, 2 * MEASURED_CHECK_S, 0.05)
         yield server
 
 
@@ -349,7 +344,7 @@ def test_healthz_is_503_when_redis_is_down(agentq_env: dict[str, str]) -> None:
         )
     )
     with (
-        BackgroundServer(create_app(dead, observe_events=False)) as server,
+        BackgroundServer(create_app(dead)) as server,
         httpx.Client(base_url=server.url, timeout=10) as http,
     ):
         r = http.get("/healthz")
@@ -363,7 +358,7 @@ def test_gateway_shutdown_ends_streams_cleanly_and_leaves_turns_running(
     fleet, llm_server, client: Client
 ) -> None:
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
-    server = BackgroundServer(create_app(Client(), observe_events=False)).start()
+    server = BackgroundServer(create_app(Client())).start()
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
             h = start(http, key)

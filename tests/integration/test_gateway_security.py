@@ -558,7 +558,7 @@ def test_conversation_size_cap(fleet: Any, agentq_env: dict[str, str], llm_serve
     settings = keyed_settings(max_conversation_bytes=2048)
     conv = f"c-{uuid.uuid4().hex[:8]}"
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as gw,
+        BackgroundServer(create_app(Client(settings))) as gw,
         httpx.Client(base_url=gw.url, headers=bearer(ALICE_KEY), timeout=10) as http,
     ):
         whole = http.post("/v1/turns", json={"prompt": "x" * 3000, "conversation_id": conv})
@@ -593,7 +593,7 @@ def test_start_rate_limit_is_per_key_with_retry_after(
     settings = keyed_settings(start_burst=3, start_rate_per_s=0.5)
     key = script(llm_server, Round(text="ok"))
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as gw,
+        BackgroundServer(create_app(Client(settings))) as gw,
         httpx.Client(base_url=gw.url, timeout=10) as http,
     ):
         codes = [
@@ -623,7 +623,7 @@ def test_start_rate_limit_without_keys_is_per_client_address(
     settings = load_settings(start_burst=2, start_rate_per_s=0.2)
     key = script(llm_server, Round(text="ok"))
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as gw,
+        BackgroundServer(create_app(Client(settings))) as gw,
         httpx.Client(base_url=gw.url, timeout=10) as http,
     ):
         codes = [http.post("/v1/turns", json={"prompt": key}).status_code for _ in range(3)]
@@ -637,7 +637,7 @@ def test_running_turns_cap_per_key(fleet: Any, agentq_env: dict[str, str], llm_s
         llm_server, Round(tool_calls=[ScriptedCall(name="hang", arguments={"seconds": 60})])
     )
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as gw,
+        BackgroundServer(create_app(Client(settings))) as gw,
         httpx.Client(base_url=gw.url, timeout=10, headers=bearer(CAROL_KEY)) as http,
     ):
         ids = []
@@ -714,7 +714,7 @@ def test_cors_allows_listed_origins_only(
     app_origin = "https://app.example.com"
     settings = keyed_settings(cors_origins=app_origin)
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as gw,
+        BackgroundServer(create_app(Client(settings))) as gw,
         httpx.Client(base_url=gw.url, timeout=10) as http,
     ):
         pre = {
@@ -736,7 +736,7 @@ def test_cors_allows_listed_origins_only(
         )
         assert evil.status_code == 403 and "access-control-allow-origin" not in evil.headers
     # None by default: no CORS header for anyone.
-    with BackgroundServer(create_app(Client(keyed_settings()), observe_events=False)) as gw:
+    with BackgroundServer(create_app(Client(keyed_settings()))) as gw:
         r = httpx.get(
             gw.url + "/v1/turns/active", headers={"Origin": app_origin, **bearer(ALICE_KEY)}
         )

@@ -21,7 +21,6 @@ import httpx
 import pytest
 
 from agentq.api import Client
-from agentq.constants import MEASURED_EVENTS_CHANNEL
 from agentq.fleet import runtime
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
@@ -36,6 +35,8 @@ from tests.conftest import base_env
 pytestmark = pytest.mark.integration
 
 OBS_DB = 7
+FLUSH_S = 0.2
+"""The fleet's AGENTQ_METRICS_FLUSH_S."""
 USAGE = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
 
 
@@ -60,7 +61,7 @@ def obs(
         llm_server.url,
         AGENTQ_TOOLS="agentq.testing.tools,agentq.testing.aio_tools",
         AGENTQ_OTEL_SPANS_FILE=str(spans),
-        AGENTQ_METRICS_FLUSH_S="0.2",
+        AGENTQ_METRICS_FLUSH_S=str(FLUSH_S),
     )
     # Not for this process: JSON logs would reformat pytest's own handlers.
     saved = {k: os.environ.get(k) for k in env}
@@ -77,15 +78,7 @@ def obs(
             )
             logs[kind] = workers[kind].log_path
         client = Client()
-
-        def measured_subscribers() -> int:
-            ((_, n),) = client.store.redis.pubsub_numsub(MEASURED_EVENTS_CHANNEL)
-            return int(n)
-
-        before = measured_subscribers()
         server = BackgroundServer(create_app(client)).start()
-        # The gateway counts only events published after it subscribed.
-        wait_for(lambda: measured_subscribers() > before, 10, 0.05)
         with httpx.Client(base_url=server.url, timeout=10) as http:
             yield Obs(spans, logs, workers, client, http)
     finally:
@@ -318,8 +311,26 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def settled_metrics(obs: Obs) -> str:
+    """/metrics once the fleet's counts stopped moving (each process adds what it counted
+    every FLUSH_S: an earlier test's last events may still be on their way)."""
+    seen: list[str] = []
+
+    def still() -> str | None:
+        text = re.sub(
+            r"^agentq_(sse|events_streamed|active|running).*$",
+            "",
+            obs.http.get("/metrics").text,
+            flags=re.M,
+        )
+        seen.append(text)
+        return text if len(seen) > 1 and seen[-2] == text else None
+
+    return wait_for(still, 10, 3 * FLUSH_S, message="the fleet's counts to settle")
+
+
 def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
-    before = obs.http.get("/metrics").text
+    before = settled_metrics(obs)
     turn_id, _ = run_turn(obs, llm_server)
     spans = wait_for(
         lambda: (
@@ -381,7 +392,7 @@ def test_capacity_metrics_of_a_round_the_provider_refused_once(obs: Obs, llm_ser
         "prompt": f'agentq_llm_model_tokens_total{{kind="prompt",model="{model}"}}',
         "completion": f'agentq_llm_model_tokens_total{{kind="completion",model="{model}"}}',
     }
-    before = obs.http.get("/metrics").text
+    before = settled_metrics(obs)
     base = {k: metric(before, name) for k, name in names.items()}
     key = f"obs-{uuid.uuid4().hex[:10]}"
     busy_once = Round(text="Done.", usage=USAGE, fault="http_429", fault_times=1, retry_after_s=2.5)

@@ -40,7 +40,7 @@ BODIES: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def keyed(agentq_env: dict[str, str]) -> Iterator[tuple[BackgroundServer, Any]]:
     settings = load_settings(api_keys=f"alice={ALICE_KEY}", admin_keys=f"ops={ADMIN_KEY}")
-    app = create_app(Client(settings), observe_events=False)
+    app = create_app(Client(settings))
     with BackgroundServer(app) as server:
         yield server, app
 

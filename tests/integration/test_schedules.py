@@ -214,7 +214,7 @@ def test_schedule_commands(agentq_env: dict[str, str], schedules: Schedules) -> 
 def test_schedules_over_http_are_for_admin_keys(agentq_env: dict[str, str], schedules) -> None:
     settings = load_settings(api_keys=f"alice={ALICE_KEY}", admin_keys=f"ops={ADMIN_KEY}")
     with (
-        BackgroundServer(create_app(Client(settings), observe_events=False)) as server,
+        BackgroundServer(create_app(Client(settings))) as server,
         httpx.Client(base_url=server.url, timeout=30) as http,
     ):
         alice = {"Authorization": f"Bearer {ALICE_KEY}"}

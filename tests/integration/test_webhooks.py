@@ -254,7 +254,7 @@ def test_over_http_a_key_default_url_the_console_and_metrics(
             admin_keys=f"ops={ADMIN_KEY}",
         )
         with (
-            BackgroundServer(create_app(Client(settings), observe_events=False)) as server,
+            BackgroundServer(create_app(Client(settings))) as server,
             httpx.Client(base_url=server.url, timeout=30) as http,
         ):
             alice = {"Authorization": f"Bearer {ALICE_KEY}"}

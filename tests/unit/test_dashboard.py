@@ -10,19 +10,21 @@ from typing import Any
 import yaml
 
 from agentq.gateway.metrics import GatewayMetrics
+from agentq.telemetry.fleetcounts import FleetCounts
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 
 
 def exported_names() -> set[str]:
-    m = GatewayMetrics()
-    for event in (
+    fc = FleetCounts()
+    events: list[dict[str, Any]] = [
         {"type": "tool_finished", "tool": "echo", "status": "timeout", "duration_ms": 5},
         {"type": "llm_finished", "usage": {"prompt_tokens": 1}, "ttft_ms": 1, "duration_ms": 1},
         {"type": "turn_aborted", "reason": "user"},
-    ):
-        m.observe(event)
-    m.steps.snapshot = ([("+Inf", 1.0)], 0.1)
+    ]
+    fc.fold([(str(e["type"]), e) for e in events])
+    m = GatewayMetrics()
+    m.fleet.counts = fc.pending()
     m.refresh_active([])
     return {
         re.split(r"[{ ]", line, maxsplit=1)[0]

@@ -329,30 +329,35 @@ def test_publish_many_keeps_each_turns_order_and_skips_ended_turns(store: TurnSt
     assert [e.type for e in store.bus.replay("t3")] == ["turn_aborted"]
 
 
-def test_counted_event_types_are_copied_to_the_metrics_channel_and_deltas_are_not(
-    store: TurnStore,
+def test_the_writes_that_publish_counted_events_count_them_once(
+    store: TurnStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pubsub = store.redis.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(k.MEASURED_EVENTS_CHANNEL)
-    store.bus.publish("t1", "llm_queued", position=1, first=True)
-    store.bus.publish("t1", "llm_started", queued_ms=5)
-    # A round that did not wait tells the queue-wait metric nothing: not copied.
-    store.bus.publish("t1", "llm_started", round_no=1)
-    publish_many(store, {"t1": [("llm_delta", {"text": "a"}), ("llm_finished", {"code": "x"})]})
-    store.bus.publish("t1", "tool_progress", message="half")
-    assert store.settle("t1", error_result(CALL, "boom")) is True
-    assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}) == 1
-    seen = []
-    for _ in range(20):  # the subscription's confirmation reads as None too
-        msg = pubsub.get_message(timeout=0.05)
-        if msg is not None:
-            seen.append(json.loads(msg["data"]))
-    assert [(e["type"], e["seq"]) for e in seen] == [
-        ("llm_queued", 1),
-        ("llm_started", 2),
-        ("llm_finished", 5),
-        ("tool_finished", 7),
-        ("turn_finished", 8),
-    ]
-    # The same message as on the turn's own channel: its seq and log position included.
-    assert all(e["turn_id"] == "t1" and "stream_id" in e for e in seen)
+    from agentq.state import base
+    from agentq.telemetry.fleetcounts import FleetCounts, field_of
+
+    counts = FleetCounts()
+    monkeypatch.setattr(base, "fleet_counts", counts)
+    store.metrics_flush_s = 3600  # the flusher that starts waits: nothing leaves here
+    try:
+        store.bus.publish("t1", "llm_queued", model="m", position=1, first=True)
+        store.bus.publish("t1", "llm_started", model="m", queued_ms=5)
+        store.bus.publish("t1", "llm_started", model="m", round_no=1)  # did not wait
+        finished = {"code": "ETIMEDOUT", "error": "idle"}
+        publish_many(store, {"t1": [("llm_delta", {"text": "a"}), ("llm_finished", finished)]})
+        store.bus.publish("t1", "tool_progress", message="half")
+        assert store.settle("t1", error_result(CALL, "boom")) is True
+        assert store.settle("t1", error_result(CALL, "again")) is False  # not published
+        assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}) == 1
+        # Refused after the end: nothing published, nothing counted.
+        assert store.bus.publish("t1", "turn_error", code="x") == 0
+        publish_many(store, {"t1": [("llm_retry", {"code": "ETIMEDOUT"})]})
+        got = counts.pending()
+    finally:
+        counts.stop()
+    assert got.pop(field_of("llm_rounds_queued", ("m",))) == 1
+    assert got.pop(field_of("llm_queue_wait_seconds", ("m",), "0")) == 1  # under 0.1 s
+    assert got.pop(field_of("llm_queue_wait_seconds", ("m",), "sum")) == pytest.approx(0.005)
+    assert got.pop(field_of("watchdog_trips", ())) == 1
+    assert got.pop(field_of("tool_results", ("echo", "error"))) == 1
+    assert got.pop(field_of("turns_ended", ("finished",))) == 1
+    assert got == {}

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from agentq.gateway.metrics import GatewayMetrics
 from agentq.local.processes import wait_for
 from agentq.telemetry import context, logs, tracing
-from agentq.telemetry.steptimes import StepTimes, read_histogram
+from agentq.telemetry.fleetcounts import FleetCounts, read_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,76 +178,106 @@ def test_json_log_line_keeps_a_traceback_on_one_line() -> None:
     assert "\n" not in line and "ValueError: boom" in json.loads(line)["exc"]
 
 
+def _rendered(counts: dict[str, float]) -> str:
+    m = GatewayMetrics()
+    m.fleet.counts = counts
+    return m.render().decode()
+
+
+def _folded(*events: dict[str, Any]) -> str:
+    """/metrics of a fleet whose processes published these events (as published)."""
+    fc = FleetCounts()
+    fc.fold([(str(e["type"]), e) for e in events])
+    return _rendered(fc.pending())
+
+
 def test_step_durations_add_up_across_processes() -> None:
     r = fakeredis.FakeRedis()
-    a, b = StepTimes(), StepTimes()
-    a.observe(0.002, r, flush_s=3600)
-    a.observe(0.3, r, flush_s=3600)
-    b.observe(20.0, r, flush_s=3600)
-    assert read_histogram(r) is None  # counted here, not yet in Redis
-    a.flush(r)
-    b.flush(r)
-    hist = read_histogram(r)
-    assert hist is not None
-    buckets, total_s = dict(hist[0]), hist[1]
-    assert buckets["0.001"] == 0 and buckets["0.0025"] == 1 and buckets["0.5"] == 2
-    assert buckets["10"] == 2 and buckets["+Inf"] == 3 and total_s == pytest.approx(20.302)
-    a.flush(r)  # nothing new: nothing added
-    assert read_histogram(r) == hist
+    a, b = FleetCounts(), FleetCounts()
+    try:
+        a.step(0.002, r, flush_s=3600)
+        a.step(0.3, r, flush_s=3600)
+        b.step(20.0, r, flush_s=3600)
+        assert read_counts(r) == {}  # counted here, not yet in Redis
+        a.flush(r)
+        b.flush(r)
+        counts = read_counts(r)
+        text = _rendered(counts)
+        step = "agentq_step_duration_seconds"
+        assert f'{step}_bucket{{le="0.001"}} 0.0' in text
+        assert f'{step}_bucket{{le="0.0025"}} 1.0' in text
+        assert f'{step}_bucket{{le="0.5"}} 2.0' in text
+        assert f'{step}_bucket{{le="10.0"}} 2.0' in text
+        assert f'{step}_bucket{{le="+Inf"}} 3.0' in text
+        assert f"{step}_count 3.0" in text and f"{step}_sum 20.302" in text
+        a.flush(r)  # nothing new: nothing added
+        assert read_counts(r) == counts
+    finally:
+        a.stop()
+        b.stop()
 
 
 def test_the_flusher_thread_adds_counts_by_itself() -> None:
     r = fakeredis.FakeRedis()
-    times = StepTimes()
-    times.observe(0.01, r, flush_s=0.05)
+    counts = FleetCounts()
+    counts.events([("turn_finished", {"reason": "stop"})], r, flush_s=0.05)
     try:
-        hist = wait_for(lambda: read_histogram(r), 5, 0.02, message="the flusher's write")
+        got = wait_for(lambda: read_counts(r), 5, 0.02, message="the flusher's write")
     finally:
-        times.stop()
-    assert hist is not None and dict(hist[0])["+Inf"] == 1
+        counts.stop()
+    assert 'agentq_turns_ended_total{outcome="finished"} 1.0' in _rendered(got)
+
+
+def test_events_of_other_types_and_unknown_fields_count_nothing() -> None:
+    r = fakeredis.FakeRedis()
+    counts = FleetCounts()
+    # Deltas and progress are never counted, and start no flusher.
+    counts.events([("llm_delta", {"text": "x"}), ("tool_progress", {})], r, flush_s=0.05)
+    assert counts.pending() == {}
+    # A hash field of another version (or garbage) is left out of /metrics, not a failure.
+    text = _rendered({"no_such|[]|": 3.0, "tool_results|not json|": 1.0, "turns_ended|[]|": 1.0})
+    assert "no_such" not in text and "agentq_turns_ended_total 1.0" not in text
 
 
 def test_gateway_counts_tokens_and_time_to_first_token() -> None:
-    m = GatewayMetrics()
     event: dict[str, Any] = {
         "type": "llm_finished",
         "usage": {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18},
         "ttft_ms": 250,
         "duration_ms": 900,
     }
-    m.observe(event)
-    m.observe({**event, "usage": None, "ttft_ms": None, "error": "x", "code": "ETIMEDOUT"})
-    m.steps.snapshot = ([("0.005", 3.0), ("+Inf", 4.0)], 1.5)
-    text = m.render().decode()
+    text = _folded(
+        event, {**event, "usage": None, "ttft_ms": None, "error": "x", "code": "ETIMEDOUT"}
+    )
     assert 'agentq_llm_tokens_total{kind="prompt"} 11.0' in text
     assert 'agentq_llm_tokens_total{kind="completion"} 7.0' in text
     assert "agentq_llm_ttft_seconds_count 1.0" in text
     assert 'agentq_llm_ttft_seconds_bucket{le="0.25"} 1.0' in text
     assert 'agentq_llm_round_duration_seconds_count{outcome="error"} 1.0' in text
     assert "agentq_watchdog_trips_total 1.0" in text
-    assert "agentq_step_duration_seconds_count 4.0" in text
-    assert 'agentq_step_duration_seconds_bucket{le="0.005"} 3.0' in text
+    # No step counted: the unlabelled histogram is there, empty.
+    assert "agentq_step_duration_seconds_count 0.0" in text
 
 
 def test_gateway_counts_capacity_waits_busy_answers_and_tokens_by_model() -> None:
-    m = GatewayMetrics()
+    seen: list[dict[str, Any]] = []
     queued: dict[str, Any] = {"type": "llm_queued", "model": "gpt-x", "round_no": 0}
-    m.observe({**queued, "position": 3, "wait_s": 1.5, "first": True})
+    seen.append({**queued, "position": 3, "wait_s": 1.5, "first": True})
     # The same wait moving up the queue, and a publisher that predates `first`: not counted.
-    m.observe({**queued, "position": 2, "wait_s": 1.0, "first": False})
-    m.observe({**queued, "position": 1, "wait_s": 0.5})
-    m.observe({"type": "llm_started", "model": "gpt-x", "round_no": 0, "queued_ms": 1500})
-    m.observe({"type": "llm_started", "model": "gpt-x", "round_no": 1})  # sent at once
+    seen.append({**queued, "position": 2, "wait_s": 1.0, "first": False})
+    seen.append({**queued, "position": 1, "wait_s": 0.5})
+    seen.append({"type": "llm_started", "model": "gpt-x", "round_no": 0, "queued_ms": 1500})
+    seen.append({"type": "llm_started", "model": "gpt-x", "round_no": 1})  # sent at once
     busy = {"type": "llm_finished", "model": "gpt-x", "code": "EBUSY", "error": "busy"}
-    m.observe({**busy, "status": 429, "deployment": "east", "duration_ms": 5})
-    m.observe({**busy, "status": 529, "deployment": "west", "duration_ms": 5})
-    m.observe({**busy, "status": "x", "deployment": "east"})
+    seen.append({**busy, "status": 429, "deployment": "east", "duration_ms": 5})
+    seen.append({**busy, "status": 529, "deployment": "west", "duration_ms": 5})
+    seen.append({**busy, "status": "x", "deployment": "east"})
     usage = {"prompt_tokens": 11, "completion_tokens": 7, "total_tokens": 18}
-    m.observe({"type": "llm_finished", "model": "gpt-x", "usage": usage, "duration_ms": 9})
-    m.observe({"type": "llm_finished", "model": "gpt-y", "usage": usage, "duration_ms": 9})
-    m.observe({"type": "llm_finished", "model": "bad model {", "usage": usage})
-    m.observe({"type": "llm_finished", "usage": usage})  # a worker that predates `model`
-    text = m.render().decode()
+    seen.append({"type": "llm_finished", "model": "gpt-x", "usage": usage, "duration_ms": 9})
+    seen.append({"type": "llm_finished", "model": "gpt-y", "usage": usage, "duration_ms": 9})
+    seen.append({"type": "llm_finished", "model": "bad model {", "usage": usage})
+    seen.append({"type": "llm_finished", "usage": usage})  # a worker that predates `model`
+    text = _folded(*seen)
     assert 'agentq_llm_rounds_queued_total{model="gpt-x"} 1.0' in text
     assert 'agentq_llm_queue_wait_seconds_count{model="gpt-x"} 1.0' in text
     assert 'agentq_llm_queue_wait_seconds_sum{model="gpt-x"} 1.5' in text

@@ -1,0 +1,319 @@
+"""The fleet's counts for Prometheus: the turn events each process published and the steps
+it ran, folded here, added to Redis every `metrics_flush_s`, read by the gateway's /metrics.
+
+An event is counted by the process whose write published it, after the write went
+through: no copy of it on a channel for the gateways to count (a PUBLISH an event, and
+counts lost while no gateway listened), no write per step. A flusher thread of the
+process (started by the first count) adds the counts to one hash, so every gateway
+replica reads the same fleet-wide totals. A process that dies loses what it counted since
+its last flush (at most `metrics_flush_s`; a worker flushes as it shuts down).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from agentq.constants import FLEET_COUNTS
+from agentq.errors import REDIS_ERRORS, ModelBusy
+
+log = logging.getLogger("agentq.telemetry")
+
+INF = float("inf")
+TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
+ROUND_BUCKETS_S = (0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120)
+DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+QUEUE_BUCKETS_S = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+"""Upper bounds (seconds) of each histogram; past the last one a value counts in +Inf."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One metric: its name without the `agentq_` prefix, help, labels, and buckets (a
+    histogram) or none (a counter)."""
+
+    name: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | None = None
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("tool_results", "Settled tool calls.", ("tool", "status")),
+        Family("tool_timeouts", "Tool calls stopped by their hard limit.", ("tool",)),
+        Family(
+            "tool_duration_seconds",
+            "Duration of settled tool calls.",
+            ("tool", "status"),
+            DURATION_BUCKETS_S,
+        ),
+        Family("turn_aborts", "Aborted turns by reason.", ("reason",)),
+        Family("turns_ended", "Turns that ended, by outcome.", ("outcome",)),
+        Family("watchdog_trips", "Model streams cut by the inactivity watchdog."),
+        Family("llm_tokens", "Model tokens by kind (prompt, completion).", ("kind",)),
+        Family(
+            "llm_model_tokens",
+            "Model tokens by model and kind (prompt, completion).",
+            ("model", "kind"),
+        ),
+        Family(
+            "llm_rounds_queued", "Model rounds that had to wait for model capacity.", ("model",)
+        ),
+        Family(
+            "llm_queue_wait_seconds",
+            "How long model rounds waited for model capacity.",
+            ("model",),
+            QUEUE_BUCKETS_S,
+        ),
+        Family(
+            "llm_busy",
+            "Busy answers (429, 503, 529) of model providers.",
+            ("model", "deployment", "status"),
+        ),
+        Family("llm_ttft_seconds", "Time to first token of model rounds.", (), TTFT_BUCKETS_S),
+        Family(
+            "llm_round_duration_seconds",
+            "Duration of model rounds, by outcome.",
+            ("outcome",),
+            ROUND_BUCKETS_S,
+        ),
+        Family("step_duration_seconds", "Duration of turn steps, fleet-wide.", (), STEP_BUCKETS_S),
+    )
+}
+
+COUNTED_TYPES = frozenset(
+    {
+        "tool_finished",
+        "llm_finished",
+        "llm_queued",
+        "llm_started",
+        "llm_retry",
+        "turn_finished",
+        "turn_aborted",
+        "turn_error",
+    }
+)
+"""The event types any count is taken from."""
+
+MAX_TOOL_LABELS = 200
+"""Tool names come from the model (an unknown tool still settles); cap the label set."""
+MAX_MODEL_LABELS = 100
+"""Models and deployments come from the fleet's configuration; capped all the same."""
+MAX_SERIES = 2000
+"""Label sets a family shows at most: the hash gathers every process's, across restarts."""
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
+_ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error"})
+_TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
+_TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
+
+
+class _Labels:
+    """A capped set of label values: past `limit` distinct ones, or one that does not
+    match `pattern`, a value is counted as ``other``."""
+
+    def __init__(self, pattern: re.Pattern[str], limit: int) -> None:
+        self.pattern = pattern
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, value: object) -> str:
+        label = str(value)
+        if not self.pattern.match(label):
+            return "other"
+        if label not in self._seen:
+            if len(self._seen) >= self.limit:
+                return "other"
+            self._seen.add(label)
+        return label
+
+
+def field_of(family: str, labels: tuple[str, ...], part: str = "") -> str:
+    """The hash field of a counter (`part` ""), a histogram's bucket (its index) or sum."""
+    return f"{family}|{json.dumps(list(labels))}|{part}"
+
+
+def _number(v: object) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
+
+
+class FleetCounts:
+    """This process's counts not yet added to Redis, and the thread that adds them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ints: Counter[str] = Counter()
+        self._sums: defaultdict[str, float] = defaultdict(float)
+        self._pid = 0
+        self._tool = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
+        self._model = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
+        self._deployment = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
+
+    # -- counting
+
+    def _inc(self, family: str, labels: tuple[str, ...] = (), by: int = 1) -> None:
+        self._ints[field_of(family, labels)] += by
+
+    def _observe(self, family: str, labels: tuple[str, ...], value_s: float) -> None:
+        buckets = FAMILIES[family].buckets
+        assert buckets is not None
+        self._ints[field_of(family, labels, str(bisect.bisect_left(buckets, value_s)))] += 1
+        self._sums[field_of(family, labels, "sum")] += value_s
+
+    def step(self, seconds: float, client: redis.Redis, flush_s: float) -> None:
+        """Count one turn step's duration."""
+        with self._lock:
+            self._started(client, flush_s)
+            self._observe("step_duration_seconds", (), seconds)
+
+    def events(self, events: list[tuple[str, dict[str, Any]]], client: Any, flush_s: float) -> None:
+        """Count the events (type, fields) of a write that published them."""
+        if any(t in COUNTED_TYPES for t, _ in events):
+            with self._lock:
+                self._started(client, flush_s)
+            self.fold(events)
+
+    def fold(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        """Count events (type, fields) here, without starting the flusher."""
+        with self._lock:
+            for type_, fields in events:
+                if type_ in COUNTED_TYPES:
+                    self._event(type_, fields)
+
+    def _model_of(self, fields: dict[str, Any]) -> str:
+        model = fields.get("model")
+        return "unknown" if model is None else self._model(model)
+
+    def _event(self, type_: str, f: dict[str, Any]) -> None:
+        if type_ == "tool_finished":
+            tool = self._tool(f.get("tool"))
+            status = str(f.get("status"))
+            status = status if status in _TOOL_STATUSES else "other"
+            self._inc("tool_results", (tool, status))
+            duration_ms = _number(f.get("duration_ms"))
+            if duration_ms is not None:
+                self._observe("tool_duration_seconds", (tool, status), duration_ms / 1000)
+            if status == "timeout":
+                self._inc("tool_timeouts", (tool,))
+        elif type_ == "llm_finished":
+            self._llm_finished(f)
+        elif type_ == "llm_queued":
+            # Published again as the round moves up the queue: only its first one counts.
+            if f.get("first") is True:
+                self._inc("llm_rounds_queued", (self._model_of(f),))
+        elif type_ == "llm_started":
+            queued_ms = _number(f.get("queued_ms"))
+            if queued_ms is not None:
+                self._observe("llm_queue_wait_seconds", (self._model_of(f),), queued_ms / 1000)
+        if type_ in ("llm_retry", "llm_finished") and f.get("code") == "ETIMEDOUT":
+            self._inc("watchdog_trips")
+        if type_ in _TERMINAL:
+            self._inc("turns_ended", (_TERMINAL[type_],))
+            if type_ == "turn_aborted":
+                reason = str(f.get("reason"))
+                self._inc("turn_aborts", (reason if reason in _ABORT_REASONS else "other",))
+
+    def _llm_finished(self, f: dict[str, Any]) -> None:
+        usage = f.get("usage")
+        if isinstance(usage, dict):
+            model = self._model_of(f)
+            for kind in ("prompt", "completion"):
+                n = usage.get(f"{kind}_tokens")
+                if isinstance(n, int) and n > 0:
+                    self._inc("llm_tokens", (kind,), n)
+                    self._inc("llm_model_tokens", (model, kind), n)
+        if f.get("code") == ModelBusy.code:
+            status = f.get("status")
+            code = str(status) if isinstance(status, int) and 100 <= status < 600 else "other"
+            self._inc("llm_busy", (self._model_of(f), self._deployment(f.get("deployment")), code))
+        ttft_ms = _number(f.get("ttft_ms"))
+        if ttft_ms is not None:
+            self._observe("llm_ttft_seconds", (), ttft_ms / 1000)
+        duration_ms = _number(f.get("duration_ms"))
+        if duration_ms is not None:
+            outcome = "error" if f.get("error") else "ok"
+            self._observe("llm_round_duration_seconds", (outcome,), duration_ms / 1000)
+
+    def pending(self) -> dict[str, float]:
+        """The counts not yet added to Redis, as the hash holds them."""
+        with self._lock:
+            return {**self._ints, **self._sums}
+
+    # -- flushing
+
+    def _started(self, client: Any, flush_s: float) -> None:
+        if self._pid == os.getpid():
+            return
+        # A forked child starts with its parent's counts, which the parent flushes itself.
+        self._pid = os.getpid()
+        self._ints, self._sums = Counter(), defaultdict(float)
+        thread = threading.Thread(
+            target=self._run, args=(client, flush_s), name="agentq-fleet-counts", daemon=True
+        )
+        thread.start()
+
+    def _run(self, client: Any, flush_s: float) -> None:
+        pid = os.getpid()
+        while self._pid == pid:
+            time.sleep(flush_s)
+            self.flush(client)
+
+    def stop(self) -> None:
+        """Stop the flusher thread (after its current sleep); counts stay until `flush`."""
+        with self._lock:
+            self._pid = 0
+
+    def flush(self, client: Any) -> None:
+        """Add the counts to the fleet's hash (kept for the next flush if Redis fails)."""
+        with self._lock:
+            ints, sums = self._ints, self._sums
+            self._ints, self._sums = Counter(), defaultdict(float)
+        if not ints and not sums:
+            return
+        try:
+            pipe = client.pipeline(transaction=False)
+            for field, n in ints.items():
+                pipe.hincrby(FLEET_COUNTS, field, n)
+            for field, v in sums.items():
+                pipe.hincrbyfloat(FLEET_COUNTS, field, v)
+            pipe.execute()
+        except REDIS_ERRORS as exc:
+            log.debug("fleet counts not flushed: %s", exc)
+            with self._lock:
+                self._ints.update(ints)
+                for field, v in sums.items():
+                    self._sums[field] += v
+
+
+fleet_counts = FleetCounts()
+"""The process's counts."""
+
+
+def read_counts(client: redis.Redis) -> dict[str, float]:
+    """The fleet's counts as the hash holds them (field -> value)."""
+    raw = client.hgetall(FLEET_COUNTS)
+    return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in raw.items()}
+
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "FleetCounts",
+    "field_of",
+    "fleet_counts",
+    "read_counts",
+]
