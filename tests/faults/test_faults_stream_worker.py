@@ -14,7 +14,8 @@ from tests.helpers import assert_gapless
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
 
 LEASE_S = 1.5
-TEXT = "The quick brown fox jumps over the lazy dog, twice over."
+# 30 chunks of 150 ms: still streaming when the third delta is seen, on a loaded machine too.
+TEXT = "The quick brown fox jumps over the lazy dog, twice over. " * 2
 
 
 def _kill_mid_stream(rig) -> tuple[str, float]:  # type: ignore[no-untyped-def]

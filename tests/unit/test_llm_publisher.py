@@ -176,7 +176,7 @@ def test_an_unwatched_turns_deltas_wait_out_the_quiet_interval() -> None:
     assert [_types(evs) for evs, _ in quiet][:2] == [["llm_started"], ["llm_delta"]]
     rest = [e for evs, _ in quiet[2:] for e in evs] + taken
     assert _types(rest) in (["llm_delta", "llm_finished"], ["llm_finished"])
-    assert quiet[1][1] - quiet[0][1] >= quiet_s
+    assert quiet[1][1] - quiet[0][1] >= quiet_s * 0.98  # two clocks read a moment apart
     text = "".join(f["text"] for evs, _ in quiet for t, f in evs if t == "llm_delta")
     text += "".join(f["text"] for t, f in taken if t == "llm_delta")
     assert text == "".join(f"q{i} " for i in range(60))
