@@ -4,7 +4,7 @@ Keys are built only from ids checked at the edge (agentq.models): a turn id is 3
 lowercase hex digits (`secrets.token_hex(16)`); an interaction request id is
 ``<call id>.approval`` (`approval_request_id`) with a call id of safe characters.
 Anything else names nothing: a key built from it could name another of the turn's keys
-(``{id}:results``, ``{id}:log``).
+(``{id}:calls``, ``{id}:log``).
 
 Every key of one turn shares one Redis Cluster hash tag, so each script runs on one slot.
 On one Redis (one shard) the tag is the turn id, in literal braces
@@ -180,19 +180,19 @@ def history_key(turn_id: str) -> str:
     return f"{turn_key(turn_id)}:history"
 
 
-def results_key(turn_id: str) -> str:
-    """Hash call_id -> settled ToolResult JSON; the first writer wins (HSETNX)."""
-    return f"{turn_key(turn_id)}:results"
-
-
 def calls_key(turn_id: str) -> str:
-    """Hash call_id -> dispatch record (task id, started, worker)."""
+    """Hash of the turn's calls, three fields a call (`DISPATCHED`, `STARTED`, `SETTLED`
+    and the call id): one key, so a start reads whether its call settled in the same
+    command, and the turn's end sets one TTL, not three."""
     return f"{turn_key(turn_id)}:calls"
 
 
-def started_key(turn_id: str) -> str:
-    """Hash call_id -> start record (worker, pid, started_at), written by the tool worker."""
-    return f"{turn_key(turn_id)}:started"
+DISPATCHED = "d:"
+"""A call's dispatch record (task id, when sent, limits, queue), written by the step."""
+STARTED = "s:"
+"""A call's start record (worker, pid, started_at, delivery), written by the tool worker."""
+SETTLED = "r:"
+"""A call's settled ToolResult JSON; the first writer wins (HSETNX)."""
 
 
 def children_key(turn_id: str) -> str:
@@ -332,9 +332,7 @@ def turn_keys(turn_id: str) -> list[str]:
         turn_key(turn_id),
         log_key(turn_id),
         history_key(turn_id),
-        results_key(turn_id),
         calls_key(turn_id),
-        started_key(turn_id),
     ]
 
 

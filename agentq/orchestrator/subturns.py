@@ -160,8 +160,8 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     # A start record without a worker: listings show the call running, and no worker
     # heartbeat is watched for it.
     ctx.store.redis.hset(
-        k.started_key(ctx.turn_id),
-        p.call.id,
+        k.calls_key(ctx.turn_id),
+        k.STARTED + p.call.id,
         json.dumps({"started_at": now, "child_turn_id": child, "worker": None}),
     )
     fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}

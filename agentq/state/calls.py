@@ -27,12 +27,12 @@ from agentq.state.lua import TURN_OPEN_LUA, record_lua, wake_or_step_lua
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
     TURN_OPEN_LUA % (4, -2)
-    + """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+    + f"""
+if redis.call('HSETNX', KEYS[1], '{k.SETTLED}' .. ARGV[1], ARGV[2]) == 0 then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
 -- call recorded as sent is in the batch's count: this first result takes it out.
-local tracked = redis.call('HEXISTS', KEYS[6], ARGV[1]) == 1
+local tracked = redis.call('HEXISTS', KEYS[1], '{k.DISPATCHED}' .. ARGV[1]) == 1
 if tracked then unsettled = math.max(unsettled - 1, 0) end
 local ready = not tracked or unsettled == 0
 """
@@ -43,11 +43,11 @@ local ready = not tracked or unsettled == 0
     + wake_or_step_lua(
         ("KEYS[5]", "ARGV[7]", "ARGV[6]"),
         "KEYS[4]",
-        "KEYS[7]",
+        "KEYS[6]",
         "ARGV[9]",
         "ARGV[10]",
         "ARGV[5]",
-        ("KEYS[1]", "KEYS[6]", "KEYS[8]"),
+        ("KEYS[1]", "KEYS[7]"),
         fields=f"'{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
     )
     + "return 3"
@@ -56,36 +56,47 @@ local ready = not tracked or unsettled == 0
 # A task that starts checks, in the same step that records its start, that its call
 # is not settled yet (a redelivery) and its turn not cancelled. The start record names
 # the delivery (task id and retry count): the broker handing the same delivery out
-# again while it runs (a restored unacked message) must not run the call twice.
+# again while it runs (a restored unacked message) must not run the call twice. Its
+# result and start record are fields of one hash: one read for both.
 START_LUA = (
-    """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+    f"""
+local mine = redis.call('HMGET', KEYS[1], '{k.SETTLED}' .. ARGV[1], '{k.STARTED}' .. ARGV[1])
+if mine[1] then return 0 end
 """
-    + TURN_OPEN_LUA % (5, -2)
-    + """
+    + TURN_OPEN_LUA % (4, -2)
+    + f"""
 if cancelled then return -1 end
-local prev = redis.call('HGET', KEYS[2], ARGV[1])
-if prev and ARGV[5] ~= '' then
-  local ok, rec = pcall(cjson.decode, prev)
+if mine[2] and ARGV[5] ~= '' then
+  local ok, rec = pcall(cjson.decode, mine[2])
   if ok and rec['delivery'] == ARGV[5] then return 2 end
 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2])
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
-    + seq_lua("KEYS[5]")
+    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
+    + seq_lua("KEYS[4]")
     + "return 1"
 )
 
 # Dispatch records written apart from a step's release (a sub-agent call's child turn).
 RECORD_DISPATCH_LUA = (
-    record_lua("KEYS[1]", "KEYS[2]", 1)
+    record_lua("KEYS[1]", 1)
     + f"""
-if counted > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HINCRBY', KEYS[3], '{k.UNSETTLED_FIELD}', counted)
+if counted > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
+  redis.call('HINCRBY', KEYS[2], '{k.UNSETTLED_FIELD}', counted)
 end
 return 1
 """
 )
+
+
+def _fields(raw: dict[Any, Any], prefix: str) -> dict[str, Any]:
+    """The records of one kind (`prefix`) in a turn's calls hash as read, by call id."""
+    out: dict[str, Any] = {}
+    for f, v in raw.items():
+        name = text(f)
+        if name.startswith(prefix):
+            out[name[len(prefix) :]] = v
+    return out
 
 
 class CallRecords(StoreBase):
@@ -107,28 +118,25 @@ class CallRecords(StoreBase):
             return
         self._durable(
             self._record_dispatch,
-            keys=[k.calls_key(turn_id), k.results_key(turn_id), k.turn_key(turn_id)],
+            keys=[k.calls_key(turn_id), k.turn_key(turn_id)],
             args=dispatch_args(records),
         )
 
+    def _calls(self, turn_id: str, prefix: str) -> dict[str, Any]:
+        return _fields(self.redis.hgetall(k.calls_key(turn_id)), prefix)
+
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        raw = self.redis.hgetall(k.calls_key(turn_id))
-        return {text(c): json.loads(v) for c, v in raw.items()}
+        return {c: json.loads(v) for c, v in self._calls(turn_id, k.DISPATCHED).items()}
 
     def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        raw = self.redis.hgetall(k.started_key(turn_id))
-        return {text(c): json.loads(v) for c, v in raw.items()}
+        return {c: json.loads(v) for c, v in self._calls(turn_id, k.STARTED).items()}
 
     def running_tasks(self, turn_id: str) -> dict[str, str | None]:
         """Task id -> worker of each call that started and has no result yet, in one read."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hkeys(k.results_key(turn_id))
-        pipe.hgetall(k.started_key(turn_id))
-        pipe.hgetall(k.calls_key(turn_id))
-        done_raw, starts_raw, calls_raw = pipe.execute()
-        done = {text(c) for c in done_raw}
-        starts = {text(c): json.loads(v) for c, v in starts_raw.items()}
-        records = {text(c): json.loads(v) for c, v in calls_raw.items()}
+        raw = self.redis.hgetall(k.calls_key(turn_id))
+        done = set(_fields(raw, k.SETTLED))
+        starts = {c: json.loads(v) for c, v in _fields(raw, k.STARTED).items()}
+        records = {c: json.loads(v) for c, v in _fields(raw, k.DISPATCHED).items()}
         # Agent calls have no task: their child turns are aborted instead.
         return {
             d["task_id"]: starts[cid].get("worker")
@@ -145,8 +153,7 @@ class CallRecords(StoreBase):
             self._durable(
                 self._start,
                 keys=[
-                    k.results_key(turn_id),
-                    k.started_key(turn_id),
+                    k.calls_key(turn_id),
                     k.log_key(turn_id),
                     k.events_channel(turn_id),
                     k.turn_key(turn_id),
@@ -176,9 +183,9 @@ class CallRecords(StoreBase):
             chunk = ids[i : i + batch]
             pipe = self.redis.pipeline(transaction=False)
             for turn_id in chunk:
-                pipe.hvals(k.started_key(turn_id))
-            for turn_id, starts in zip(chunk, pipe.execute(), strict=True):
-                for raw in starts:
+                pipe.hgetall(k.calls_key(turn_id))
+            for turn_id, calls in zip(chunk, pipe.execute(), strict=True):
+                for raw in _fields(calls, k.STARTED).values():
                     if needle not in text(raw):
                         continue
                     rec = json.loads(raw)
@@ -207,12 +214,11 @@ class CallRecords(StoreBase):
         won = self._durable(
             self._settle,
             keys=[
-                k.results_key(turn_id),
+                k.calls_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(turn_id),
                 k.turn_wakeups_key(turn_id),
-                k.calls_key(turn_id),
                 k.history_key(turn_id),
                 k.plan_key(turn_id),
             ],
@@ -237,9 +243,9 @@ class CallRecords(StoreBase):
         return won in (1, 3)
 
     def result(self, turn_id: str, call_id: str) -> ToolResult | None:
-        raw = self.redis.hget(k.results_key(turn_id), call_id)
+        raw = self.redis.hget(k.calls_key(turn_id), k.SETTLED + call_id)
         return None if raw is None else ToolResult.model_validate_json(raw)
 
     def results(self, turn_id: str) -> dict[str, ToolResult]:
-        raw = self.redis.hgetall(k.results_key(turn_id))
-        return {text(c): ToolResult.model_validate_json(v) for c, v in raw.items()}
+        settled = self._calls(turn_id, k.SETTLED)
+        return {c: ToolResult.model_validate_json(v) for c, v in settled.items()}

@@ -38,7 +38,8 @@ TURN_STATUSES = frozenset(s.value for s in TurnStatus)
 
 # Results are matched, not decoded: the first "status" of a ToolResult's JSON is its own
 # (call_id and tool come before it, and a quote inside them is escaped).
-_SUMMARY_LUA = """
+_SUMMARY_LUA = (
+    """
 local out = {}
 for i = 2, #ARGV, 2 do
   local id, base = ARGV[i], ARGV[i + 1]
@@ -47,22 +48,33 @@ for i = 2, #ARGV, 2 do
     out[#out + 1] = {id, false}
   else
     local counts = {}
-    local settled = {}
-    local res = redis.call('HGETALL', base .. ':results')
-    for j = 1, #res, 2 do
-      local s = string.match(res[j + 1], '"status":"(%a+)"') or 'unknown'
-      counts[s] = (counts[s] or 0) + 1
-      settled[res[j]] = true
-    end
-    local open = {}
+    local settled, started, sent = {}, {}, {}
     local calls = redis.call('HGETALL', base .. ':calls')
     for j = 1, #calls, 2 do
-      if not settled[calls[j]] then
-        local state = 'queued'
-        if redis.call('HEXISTS', base .. ':started', calls[j]) == 1 then state = 'running' end
+      local kind, call = string.sub(calls[j], 1, 2), string.sub(calls[j], 3)
+      if kind == '"""
+    + k.SETTLED
+    + """' then
+        local s = string.match(calls[j + 1], '"status":"(%a+)"') or 'unknown'
+        counts[s] = (counts[s] or 0) + 1
+        settled[call] = true
+      elseif kind == '"""
+    + k.STARTED
+    + """' then
+        started[call] = true
+      elseif kind == '"""
+    + k.DISPATCHED
+    + """' then
+        sent[#sent + 1] = {call, calls[j + 1]}
+      end
+    end
+    local open = {}
+    for _, d in ipairs(sent) do
+      if not settled[d[1]] then
+        local state = started[d[1]] and 'running' or 'queued'
         counts[state] = (counts[state] or 0) + 1
-        local tool = string.match(calls[j + 1], '"tool":%s*"([^"]*)"') or '?'
-        open[#open + 1] = {calls[j], tool, state}
+        local tool = string.match(d[2], '"tool":%s*"([^"]*)"') or '?'
+        open[#open + 1] = {d[1], tool, state}
       end
     end
     local pending = {}
@@ -77,6 +89,7 @@ for i = 2, #ARGV, 2 do
 end
 return cjson.encode(out)
 """
+)
 
 
 def _as_list(v: Any) -> list[Any]:

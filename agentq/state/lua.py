@@ -4,7 +4,14 @@ method that runs it."""
 
 from __future__ import annotations
 
-from agentq.constants import CANCEL_FIELD, DIRTY_FIELD, STEP_FIELD, UNSETTLED_FIELD
+from agentq.constants import (
+    CANCEL_FIELD,
+    DIRTY_FIELD,
+    DISPATCHED,
+    SETTLED,
+    STEP_FIELD,
+    UNSETTLED_FIELD,
+)
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
 
 # A turn that is over (or whose state Redis lost) takes no more writes: nothing is
@@ -111,38 +118,45 @@ MAX_ROUND_READ = 500
 """A round with more calls than this is read by the step itself, not by the script."""
 
 
-def view_lua(st: str, history: str, round_keys: tuple[str, str, str] | None = None) -> str:
+def view_lua(st: str, history: str, round_keys: tuple[str, str] | None = None) -> str:
     """A Lua table expression: what a step reads (state `st` as HGETALL gave it, its cancel
     reason among it, history, round).
 
     `round` holds the settled results, dispatch records and plans of the calls named by
-    the state's `round_calls` (HMGETs of `round_keys`: results, calls, plans), so the step
-    that collects a round needs no read of its own; {} without them. `round_calls` is
+    the state's `round_calls` (HMGETs of `round_keys`: the calls' hash, the plans), so the
+    step that collects a round needs no read of its own; {} without them. `round_calls` is
     taken from the state as read, not read again; the dispatch records only while a call
     is unsettled (all None else).
     """
     rnd = "{}"
     if round_keys is not None:
-        results, calls, plans = round_keys
+        calls, plans = round_keys
         rnd = f"""(function()
     local rc
     for i = 1, #{st}, 2 do if {st}[i] == 'round_calls' then rc = {st}[i + 1] end end
     if not rc then return {{}} end
     local ok, ids = pcall(cjson.decode, rc)
     if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
-    local settled = redis.call('HMGET', {results}, unpack(ids))
-    -- Every call settled: the step sends nothing, and needs no dispatch record.
-    local records = {{}}
+    local fields = {{}}
     for i = 1, #ids do
-      if not settled[i] then records = redis.call('HMGET', {calls}, unpack(ids)) break end
-      records[i] = false
+      fields[i] = '{SETTLED}' .. ids[i]
+      fields[#ids + i] = '{DISPATCHED}' .. ids[i]
     end
+    local got = redis.call('HMGET', {calls}, unpack(fields))
+    local settled, records, open = {{}}, {{}}, false
+    for i = 1, #ids do
+      settled[i] = got[i]
+      records[i] = got[#ids + i]
+      open = open or not got[i]
+    end
+    -- Every call settled: the step sends nothing, and needs no dispatch record.
+    if not open then for i = 1, #ids do records[i] = false end end
     return {{settled, records, redis.call('HMGET', {plans}, unpack(ids))}}
   end)()"""
     return f"{{{st}, redis.call('LRANGE', {history}, 0, -1), {rnd}}}"
 
 
-def read_view_lua(turn: str, history: str, round_keys: tuple[str, str, str] | None = None) -> str:
+def read_view_lua(turn: str, history: str, round_keys: tuple[str, str] | None = None) -> str:
     """A Lua expression list: what a step reads (`view_lua`), the state read here."""
     return f"""unpack((function()
   local st = redis.call('HGETALL', {turn})
@@ -157,7 +171,7 @@ def wake_or_step_lua(
     token: str,
     ttl_ms: str,
     now_ms: str,
-    round_keys: tuple[str, str, str] | None = None,
+    round_keys: tuple[str, str] | None = None,
     fields: str = "",
 ) -> str:
     """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
@@ -181,7 +195,7 @@ end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)
 
 
-def record_lua(calls: str, results: str, first: int | str) -> str:
+def record_lua(calls: str, first: int | str) -> str:
     """Lua recording the dispatch records in ARGV[first..] (call id, record pairs; `first`
     a number or a Lua expression) as sent. It leaves `counted`: how many of them are new
     and not settled yet, the calls the batch in flight gains (UNSETTLED_FIELD), for the
@@ -193,8 +207,8 @@ def record_lua(calls: str, results: str, first: int | str) -> str:
     return f"""
 local counted = 0
 for i = {first}, #ARGV, 2 do
-  if redis.call('HSET', {calls}, ARGV[i], ARGV[i + 1]) == 1
-    and redis.call('HEXISTS', {results}, ARGV[i]) == 0 then
+  if redis.call('HSET', {calls}, '{DISPATCHED}' .. ARGV[i], ARGV[i + 1]) == 1
+    and redis.call('HEXISTS', {calls}, '{SETTLED}' .. ARGV[i]) == 0 then
     counted = counted + 1
   end
 end

@@ -97,7 +97,7 @@ return 1
 # A step begins: take the lock (free, or lapsed), clear the dirty mark, and read what the
 # step needs (state with its cancel reason, history, round) in one round trip. A turn
 # Redis does not hold is read as such, and nothing is written to it.
-_ROUND_KEYS = ("KEYS[3]", "KEYS[4]", "KEYS[5]")
+_ROUND_KEYS = ("KEYS[3]", "KEYS[4]")
 
 BEGIN_LUA = f"""
 local st = redis.call('HGETALL', KEYS[1])
@@ -133,9 +133,9 @@ RELEASE_LUA = (
 local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
 local a = 10 + 2 * nf
 """
-    + many_lua("RPUSH", "KEYS[7]", "a", "a + na - 1")
-    + _fields_and_events_lua("KEYS[5]", "KEYS[6]", "10", "a + na", "ARGV[7]")
-    + record_lua("KEYS[3]", "KEYS[4]", "a + na + ne")
+    + many_lua("RPUSH", "KEYS[6]", "a", "a + na - 1")
+    + _fields_and_events_lua("KEYS[4]", "KEYS[5]", "10", "a + na", "ARGV[7]")
+    + record_lua("KEYS[3]", "a + na + ne")
     + f"""
 if counted > 0 then
   w[#w + 1] = '{k.UNSETTLED_FIELD}'
@@ -215,7 +215,6 @@ class StepRecords(StoreBase):
             keys=[
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
-                k.results_key(turn_id),
                 k.calls_key(turn_id),
                 k.plan_key(turn_id),
             ],
@@ -288,7 +287,7 @@ class StepRecords(StoreBase):
             args += [f, json.dumps(v)]
         args += [*messages, *bodies, *dispatch_args(dispatched or {})]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
-        keys += [k.calls_key(turn_id), k.results_key(turn_id)]
+        keys += [k.calls_key(turn_id)]
         keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]
         if not (dispatched or fields or bodies or messages):
             return int(self._release(keys=keys, args=args))
@@ -361,11 +360,12 @@ class StepRecords(StoreBase):
             results, calls, raw_plans = read.results, read.calls, [read.plans]
         else:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hmget(k.results_key(turn_id), call_ids)
-            pipe.hmget(k.calls_key(turn_id), call_ids)
+            fields = [k.SETTLED + c for c in call_ids] + [k.DISPATCHED + c for c in call_ids]
+            pipe.hmget(k.calls_key(turn_id), fields)
             if plans:
                 pipe.hmget(k.plan_key(turn_id), call_ids)
-            results, calls, *raw_plans = pipe.execute()
+            got, *raw_plans = pipe.execute()
+            results, calls = got[: len(call_ids)], got[len(call_ids) :]
         return (
             raw_plans[0] if plans else [],
             {

@@ -73,9 +73,13 @@ if not pstatus or """
     + """ then
   return 1
 end
-if redis.call('HSETNX', KEYS[7], ARGV[6], ARGV[7]) == 0 then return 1 end
+if redis.call('HSETNX', KEYS[7], '"""
+    + k.SETTLED
+    + """' .. ARGV[6], ARGV[7]) == 0 then return 1 end
 local left = tonumber(popen[4]) or 0
-local tracked = redis.call('HEXISTS', KEYS[10], ARGV[6]) == 1
+local tracked = redis.call('HEXISTS', KEYS[10], '"""
+    + k.DISPATCHED
+    + """' .. ARGV[6]) == 1
 if tracked then left = math.max(left - 1, 0) end
 do
 """
@@ -210,7 +214,7 @@ class TurnRecords(StoreBase):
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(pid),
-                k.results_key(pid),
+                k.calls_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
                 k.calls_key(pid),

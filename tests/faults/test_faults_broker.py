@@ -74,10 +74,9 @@ def _statuses(rig: Rig, ids: list[str]) -> list[str | None]:
 
 def _outage_under_load(rig: Rig, outage: Callable[[], None]) -> None:
     ids = _start_turns(rig)
-    redis = rig.client.store.redis
     # Mid-flight: some turns have calls running, others still wait for their first step.
     wait_for(
-        lambda: sum(redis.hlen(k.results_key(t)) > 0 for t in ids) >= 3,
+        lambda: sum(bool(rig.client.store.results(t)) for t in ids) >= 3,
         60,
         message="the first results",
     )

@@ -116,7 +116,7 @@ def test_calls_sent_but_not_recorded_are_sent_again_and_run_once(rig, tmp_path: 
     first = store.dispatches(tid)
     assert set(first) == {"call_r0_0", "call_r0_1"}
     # As if the step that sent them had died before its release wrote the records.
-    store.redis.delete(k.calls_key(tid))
+    store.redis.hdel(k.calls_key(tid), *[k.DISPATCHED + c for c in first])
     store.redis.hdel(k.turn_key(tid), k.UNSETTLED_FIELD)
     assert store.wake(tid)
     wait_for(

@@ -236,7 +236,7 @@ def test_a_thousand_concurrent_calls_in_one_worker(io_worker) -> None:
         )
         app.send_task("agentq.tool.aio_sleep", kwargs=req.model_dump(), queue=k.QUEUE_IO)
     wait_for(
-        lambda: store.redis.hlen(k.results_key(turn_id)) >= n,
+        lambda: len(store.results(turn_id)) >= n,
         90,
         interval_s=0.2,
         message="all calls settled",
