@@ -11,7 +11,9 @@ its last flush (at most `metrics_flush_s`; a worker flushes as it shuts down).
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import contextlib
 import json
 import logging
 import os
@@ -108,6 +110,8 @@ COUNTED_TYPES = frozenset(
 )
 """The event types any count is taken from."""
 
+EXIT_FLUSH_S = 2.0
+"""How long a process that exits waits for its last flush."""
 MAX_TOOL_LABELS = 200
 """Tool names come from the model (an unknown tool still settles); cap the label set."""
 MAX_MODEL_LABELS = 100
@@ -265,6 +269,21 @@ class FleetCounts:
             target=self._run, args=(client, flush_s), name="agentq-fleet-counts", daemon=True
         )
         thread.start()
+        # A short-lived process (a CLI abort that runs the abort step itself) ends before
+        # its first flush; a prefork child exits without atexit and flushes on Celery's
+        # worker_process_shutdown instead (agentq.worker).
+        atexit.register(self._flush_at_exit, client)
+
+    def _flush_at_exit(self, client: Any) -> None:
+        # Bounded: with Redis gone, the client's retries would hold the exit for seconds.
+        if self._pid == os.getpid() and (self._ints or self._sums):
+            last = threading.Thread(target=self._flush_quietly, args=(client,), daemon=True)
+            last.start()
+            last.join(EXIT_FLUSH_S)
+
+    def _flush_quietly(self, client: Any) -> None:
+        with contextlib.suppress(Exception):
+            self.flush(client)
 
     def _run(self, client: Any, flush_s: float) -> None:
         pid = os.getpid()

@@ -8,12 +8,14 @@ import logging
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import fakeredis
 import pytest
+import redis
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -21,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from agentq.gateway.metrics import GatewayMetrics
 from agentq.local.processes import wait_for
 from agentq.telemetry import context, logs, tracing
-from agentq.telemetry.fleetcounts import FleetCounts, read_counts
+from agentq.telemetry.fleetcounts import FleetCounts, field_of, read_counts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -226,6 +228,20 @@ def test_the_flusher_thread_adds_counts_by_itself() -> None:
     finally:
         counts.stop()
     assert 'agentq_turns_ended_total{outcome="finished"} 1.0' in _rendered(got)
+
+
+def test_a_process_that_exits_before_its_first_flush_flushes_at_exit(redis_server: Any) -> None:
+    # A CLI that aborts a turn runs the abort step and exits well within a flush interval.
+    tool = f"exit_probe_{uuid.uuid4().hex[:8]}"
+    code = (
+        "import redis\n"
+        "from agentq.telemetry.fleetcounts import fleet_counts\n"
+        f"r = redis.Redis.from_url({redis_server.url!r})\n"
+        f"fleet_counts.events([('tool_finished', {{'tool': {tool!r}, 'status': 'ok'}})], r, 3600)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    got = read_counts(redis.Redis.from_url(redis_server.url))
+    assert got.get(field_of("tool_results", (tool, "ok"))) == 1
 
 
 def test_events_of_other_types_and_unknown_fields_count_nothing() -> None:
