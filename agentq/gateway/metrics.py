@@ -59,7 +59,6 @@ gateway ran are counted too; a process that dies loses what it counted since its
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -72,8 +71,6 @@ from prometheus_client.core import (
 )
 
 from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES, Family
-
-log = logging.getLogger("agentq.gateway.metrics")
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

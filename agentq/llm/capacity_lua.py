@@ -56,6 +56,15 @@ end
 """
 )
 
+# A round that goes at once, on deployment `dep`, without a lease (`at`: the grant's time,
+# or false: the caller's own clock). ARGV[9] is its tokens.
+AT_ONCE_LUA = """
+local function at_once(dep, at)
+  local g = {l = '', d = dep, at = at, t = tonumber(ARGV[9]), k = 1}
+  return cjson.encode({g = g, woken = {}, now = at})
+end
+"""
+
 # The round of a model without limits (every unconfigured one) has nothing to count, and
 # while the fleet holds nothing of the model it has nothing to wait for but a pause: it
 # goes at once, with no lease to release, and the script writes nothing. No queue means
@@ -78,11 +87,7 @@ local function unmetered()
 end
 local quiet = unmetered()
   and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13], KEYS[12])
-if quiet == 0 then
-  local at = tonumber(ARGV[2]) or false
-  local g = {l = '', d = cfg.deps[1].n, at = at, t = tonumber(ARGV[9]), k = 1}
-  return cjson.encode({g = g, woken = {}, now = at})
-end
+if quiet == 0 then return at_once(cfg.deps[1].n, tonumber(ARGV[2]) or false) end
 """
 
 # After UNMETERED_LUA and the clock: only the pause hash was there; its pauses may be over.
@@ -91,8 +96,7 @@ if quiet == 1 and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS
   local dep = cfg.deps[1].n
   local p = redis.call('HMGET', KEYS[12], 'm', 'd:' .. dep)
   if (tonumber(p[1]) or 0) <= now and (tonumber(p[2]) or 0) <= now then
-    local g = {l = '', d = dep, at = now, t = tonumber(ARGV[9]), k = 1}
-    return cjson.encode({g = g, woken = {}, now = now})
+    return at_once(dep, now)
   end
 end
 """
@@ -332,15 +336,14 @@ local mine = cjson.decode(ARGV[1])
 if not mine.configured
   and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13], KEYS[12], KEYS[15]) == 0
 then
-  local at = tonumber(ARGV[2]) or false
-  local g = {l = '', d = mine.deps[1].n, at = at, t = tonumber(ARGV[9]), k = 1}
-  return cjson.encode({g = g, woken = {}, now = at})
+  return at_once(mine.deps[1].n, tonumber(ARGV[2]) or false)
 end
 """
 
 # ARGV[5..9]: waiter, class (i|b), owner, owner weight, tokens.
 ACQUIRE_LUA = (
-    UNCONFIGURED_LUA
+    AT_ONCE_LUA
+    + UNCONFIGURED_LUA
     + CONFIG_LUA
     + UNMETERED_LUA
     + NOW_LUA

@@ -42,6 +42,8 @@ class StepContext:
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     ended_error: str | None = None
+    lock_ms: int = 0
+    """The step lock's lifetime, as the step took it (0: `settings.step_lock_s`)."""
 
     @property
     def headless(self) -> bool:
@@ -91,16 +93,20 @@ class StepContext:
         taken, self.staged_append = self.staged_append, []
         return taken
 
+    def _lock_ms(self) -> int:
+        return self.lock_ms or int(self.settings.step_lock_s * 1000)
+
     def release(self, next_at: float | None) -> int:
-        """Let go of the step's lock now, with what it staged and the calls it sent, before
-        the step's last act (a model round's message): 1 let go, 0 woken meanwhile (the lock
-        kept). The step ends without a release of its own (see `released`)."""
+        """Let go of the step's lock, with what it staged and the calls it sent, and leave
+        the turn's next deadline (`next_at`) for the sweepers: 1 let go, 0 woken meanwhile
+        (the lock kept: the step reads again and goes on). At the step's end, or before its
+        last act (a model round's message), after which the step ends without another."""
         fields, events = self.staged
         released = self.store.release_step(
             self.turn_id,
             self.token,
             next_at,
-            int(self.settings.step_lock_s * 1000),
+            self._lock_ms(),
             self.dispatched,
             fields=fields,
             events=events,
@@ -116,18 +122,11 @@ class StepContext:
         """Take the lock again after `release` let go of it (the step's last act failed):
         False if another step holds it now, which goes on from what was written."""
         if self.released == 1 and not self.store.lock_step(
-            self.turn_id, self.token, int(self.settings.step_lock_s * 1000)
+            self.turn_id, self.token, self._lock_ms()
         ):
             return False
         self.released = None
         return True
-
-    def take_staged(
-        self,
-    ) -> tuple[dict[str, Any], list[tuple[str, dict[str, Any]]], list[dict[str, Any]]]:
-        """What was staged, for the write that lets go of the step's lock, which writes it."""
-        staged, self.staged = self.staged, ({}, [])
-        return staged[0], staged[1], self._take_append()
 
     def commit(
         self,

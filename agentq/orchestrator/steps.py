@@ -144,6 +144,7 @@ def _steps(
             agent=agent,
             round_read=view.round,
             llm_result=view.llm_result,
+            lock_ms=ttl_ms,
         )
         try:
             next_at = _advance(ctx)
@@ -158,25 +159,13 @@ def _steps(
             if tracing.enabled:
                 _end_turn_span(ctx)
             return "ended"  # the write that ended the turn let go of the lock
-        if ctx.released is None:
-            fields, events, append = ctx.take_staged()
-            released = store.release_step(
-                turn_id,
-                token,
-                next_at,
-                ttl_ms,
-                ctx.dispatched,
-                fields=fields,
-                events=events,
-                append=append,
-            )
-        else:
-            # Let go of before its last act (`StepContext.release`).
-            released = ctx.released
-        if released == 1:
+        if ctx.released is None:  # else it let go before its last act
+            try:
+                ctx.release(next_at)
+            except StepLost:
+                return "lost"
+        if ctx.released == 1:
             return "waiting"
-        if released == -1:
-            return "lost"
         # Woken while it ran: read the turn again and go on, the lock kept.
         again = store.begin_step(turn_id, token, ttl_ms, again=True)
         if again is None:

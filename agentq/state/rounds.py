@@ -43,7 +43,8 @@ end
 # delivery holds its lease (LLM_ALIVE_FIELD), claim it, publish llm_started, and read what
 # the round needs, in one step (each round trip is a handoff to a thread on a stream
 # worker that holds thousands of rounds). It answers whether anyone follows the turn,
-# which decides how often its deltas go out. ARGV[6] is the worker's clock (ms).
+# which decides how often its deltas go out. ARGV[1] is the lease the worker takes
+# (`constants.llm_alive_value`), ARGV[2] its clock (ms).
 BEGIN_LLM_LUA = (
     f"""
 local open = redis.call('HMGET', KEYS[1], 'status', '{WATCHERS_FIELD}', '{k.CANCEL_FIELD}',
@@ -53,15 +54,13 @@ if (tonumber(open[5]) or -1) >= tonumber(ARGV[5]) then return {{1}} end
 if not status or {ended_lua("status")} then return {{2}} end
 if open[6] then
   local r, u = string.match(open[6], '^"(%-?%d+):(%d+):')
-  if tonumber(r) == tonumber(ARGV[5]) and tonumber(u) > tonumber(ARGV[6]) then return {{3}} end
+  if tonumber(r) == tonumber(ARGV[5]) and tonumber(u) > tonumber(ARGV[2]) then return {{3}} end
 end
 """
     + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
     + f"""
-local until_ms = string.format('%d', tonumber(ARGV[6]) + tonumber(ARGV[2]))
-local lease = cjson.encode(ARGV[5] .. ':' .. until_ms .. ':' .. ARGV[1])
 redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[5],
-  '{k.LLM_ALIVE_FIELD}', lease)
+  '{k.LLM_ALIVE_FIELD}', ARGV[1])
 local followed = watched and tonumber(watched) > 0 and 1 or 0
 return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[2], 0, -1), followed}}
 """
@@ -98,6 +97,7 @@ class RoundRecords(StoreBase):
     ) -> LlmRoundStart:
         """Claim a model round for this stream worker, publish its llm_started (`started`:
         the event's fields) and read its history, in one step."""
+        now = now_ms()
         res = self._begin_llm(
             keys=[
                 k.turn_key(turn_id),
@@ -106,12 +106,11 @@ class RoundRecords(StoreBase):
                 k.events_channel(turn_id),
             ],
             args=[
-                worker,
-                lease_ms,
+                k.llm_alive_value(round_no, now + lease_ms, worker),
+                now,
                 event_body(turn_id, "llm_started", started),
                 self.bus.log_arg(),
                 round_no,
-                now_ms(),
             ],
         )
         outcome = int(res[0])
