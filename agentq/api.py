@@ -208,10 +208,11 @@ class Client:
         return output_type.model_validate(value)
 
     def active(self) -> list[dict[str, Any]]:
+        """The open turns, oldest first, with the calls each has out."""
         out = []
         for turn_id in self.store.active():
             state = self.store.state(turn_id)
-            if state is None:
+            if state is None or state.get("status") in TERMINAL_STATUSES:
                 continue
             results = self.store.results(turn_id)
             running = [
@@ -232,7 +233,7 @@ class Client:
                     "call_count": state.get("call_count", 0),
                 }
             )
-        return out
+        return sorted(out, key=lambda t: float(t["created_at"] or 0))
 
     def events(
         self,

@@ -49,16 +49,15 @@ WATCH_CHANNEL = f"{PREFIX}:control:watch"
 stream worker that holds back an unwatched turn's deltas (`AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS`)
 sends them live from then on."""
 
-ACTIVE_TURNS = f"{PREFIX}:turns:active"
-"""Sorted set: turn id scored by start time, for `agentq turns` and /v1/turns/active."""
-
 TURNS_INDEX = f"{PREFIX}:turns:index"
 """Sorted set: every turn (running or kept) scored by created_at, for the operator console;
 entries whose turn expired are pruned when listed."""
 
 WAKEUPS = f"{PREFIX}:turns:wakeups"
-"""Sorted set: turn id scored by when it must take its next step (its earliest deadline).
-Every turn worker sweeps it, so a deadline fires even when the worker that set it died."""
+"""Sorted set of every open turn (queued, running, waiting), scored by when it must take
+its next step (its earliest deadline; +inf: none, only a wake moves it). Every turn worker
+sweeps it, so a deadline fires even when the worker that set it died; its members are the
+open turns of `agentq turns` and /v1/turns/active (one entry a turn, not two)."""
 
 WORKERS = f"{PREFIX}:workers"
 """Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""
@@ -132,10 +131,6 @@ def wakeups_key(shard: int) -> str:
     return _shard_key(WAKEUPS, shard)
 
 
-def active_key(shard: int) -> str:
-    return _shard_key(ACTIVE_TURNS, shard)
-
-
 def index_key(shard: int) -> str:
     return _shard_key(TURNS_INDEX, shard)
 
@@ -143,10 +138,6 @@ def index_key(shard: int) -> str:
 def turn_wakeups_key(turn_id: str) -> str:
     """The wakeups of the turn's shard."""
     return wakeups_key(shard_of(turn_id))
-
-
-def turn_active_key(turn_id: str) -> str:
-    return active_key(shard_of(turn_id))
 
 
 def turn_index_key(turn_id: str) -> str:
@@ -181,9 +172,9 @@ def history_key(turn_id: str) -> str:
 
 
 def calls_key(turn_id: str) -> str:
-    """Hash of the turn's calls, three fields a call (`DISPATCHED`, `STARTED`, `SETTLED`
-    and the call id): one key, so a start reads whether its call settled in the same
-    command, and the turn's end sets one TTL, not three."""
+    """Hash of the turn's calls, up to four fields a call (`PLANNED`, `DISPATCHED`,
+    `STARTED`, `SETTLED` and the call id): one key, so a start reads whether its call
+    settled in the same command, and the turn's end sets one TTL, not four."""
     return f"{turn_key(turn_id)}:calls"
 
 
@@ -193,6 +184,9 @@ STARTED = "s:"
 """A call's start record (worker, pid, started_at, delivery), written by the tool worker."""
 SETTLED = "r:"
 """A call's settled ToolResult JSON; the first writer wins (HSETNX)."""
+PLANNED = "p:"
+"""A call's CallPlan JSON, written once, before the call is sent: a step that collects
+the round reads a call's plan, dispatch record and result in one HMGET."""
 
 
 def children_key(turn_id: str) -> str:
@@ -215,14 +209,15 @@ DIRTY_FIELD = "dirty"
 set at its end runs once more."""
 
 
+PICKUP_LEASES = 4
+"""A model round no stream worker took, or a tool call no worker started, within this many
+turn leases of being recorded as sent is sent again: its step died before the message went
+out, or the message was lost (it went to a Redis master that a failover replaced)."""
+
+
 UNSETTLED_FIELD = "unsettled"
 """Field of the turn's state hash: how many calls of the batch in flight (recorded as sent
 before they settled) have no result yet; the settle that brings it to 0 wakes the turn."""
-
-
-def plan_key(turn_id: str) -> str:
-    """Hash call_id -> CallPlan JSON: each call planned once per round."""
-    return f"{turn_key(turn_id)}:plan"
 
 
 def cancel_key(turn_id: str) -> str:
@@ -326,8 +321,8 @@ def start_bucket_key(subject: str) -> str:
 
 def turn_keys(turn_id: str) -> list[str]:
     """Every per-turn key that outlives the turn: each gets the retention TTL when the turn
-    ends. The cancel flag is written with that TTL already; the keys of
-    `ended_turn_keys` are deleted instead (one command, not one a key)."""
+    ends. The cancel flag is written with that TTL already; the children set, read only
+    to abort a running turn, is deleted instead."""
     return [
         turn_key(turn_id),
         log_key(turn_id),
@@ -336,13 +331,9 @@ def turn_keys(turn_id: str) -> list[str]:
     ]
 
 
-def ended_turn_keys(turn_id: str) -> list[str]:
-    """The per-turn keys that mean nothing once the turn has ended: deleted by its end.
-    Its children are read to abort them, which only a running turn does."""
-    return [
-        plan_key(turn_id),
-        children_key(turn_id),
-    ]
+CHILDREN_FIELD = "has_children"
+"""Field of the turn's state hash, set when its first sub-agent turn is created: only
+then does its end delete `children_key` (a command fewer for every other turn)."""
 
 
 def approval_request_id(call_id: str) -> str:

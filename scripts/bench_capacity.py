@@ -102,10 +102,10 @@ def bench_held(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         t1 = time.perf_counter()
         with ThreadPoolExecutor(ABORT_CLIENTS) as pool:
             list(pool.map(lambda h: client.abort(h.turn_id, h.token), handles))
-        while store.redis.zcard(k.ACTIVE_TURNS) and time.perf_counter() - t1 < 120:
+        while store.redis.zcard(k.WAKEUPS) and time.perf_counter() - t1 < 120:
             time.sleep(0.05)
         aborted_s = time.perf_counter() - t1
-        left = int(store.redis.zcard(k.ACTIVE_TURNS))
+        left = int(store.redis.zcard(k.WAKEUPS))
     finally:
         tools.stop(timeout_s=10)
     return {
@@ -188,7 +188,7 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
     t0 = time.perf_counter()
     ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
     # The watcher shares the fleet's two cores: it counts this stage's turns still open
-    # (the active set, by start time: one command), and the memory of every process
+    # (the open turns: one ZCARD), and the memory of every process
     # (psutil walks /proc) once a second. Reading a thousand statuses five times a second
     # cost the fleet two CPU-seconds of the stage.
     next_mem = 0.0
@@ -197,7 +197,7 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
             next_mem = time.perf_counter() + 1.0
             peak = max(peak, _fleet_mb(fx, kinds))
             peak_all = max(peak_all, _fleet_mb(fx, everything))
-        if not store.redis.zcount(k.ACTIVE_TURNS, since - 1, "+inf"):
+        if not store.redis.zcard(k.WAKEUPS):
             break
         time.sleep(0.05)
     took = time.perf_counter() - t0

@@ -172,11 +172,11 @@ def _run_turns(fx: BenchRig, n: int, prefix: str, limits: str | None) -> dict[st
     handles = [client.start_turn(f"{key} #{i}", detach=True) for i in range(n)]
     started_s = time.time() - since
     ids = [h.turn_id for h in handles]
-    # The turns still open, as the io stage counts them: one command on the active set
-    # (by start time), not n statuses a poll on the fleet's two cores.
+    # The turns still open, as the io stage counts them: one ZCARD of the open
+    # turns, not n statuses a poll on the fleet's two cores.
     while time.time() - since < budget_s:
         time.sleep(0.1)
-        if not store.redis.zcount(k.ACTIVE_TURNS, since - 1, "+inf"):
+        if not store.redis.zcard(k.WAKEUPS):
             break
     ended = sum(1 for s in turn_statuses(store, ids) if s in ENDED)
     not_ended = _abort_all(client, store, handles) if ended < n else 0

@@ -649,7 +649,7 @@ def bench_scale(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
             for kind, mb in fx.memory_mb("pss").items():
                 pss_peak[kind] = max(pss_peak.get(kind, 0.0), mb)
         polls += 1
-        max_active = max(max_active, int(store.redis.zcard(k.ACTIVE_TURNS)))
+        max_active = max(max_active, int(store.redis.zcard(k.WAKEUPS)))
         statuses = turn_statuses(store, ids)
         if all(s in ("finished", "aborted", "error") for s in statuses):
             break

@@ -28,5 +28,5 @@ def wake_granted(store: TurnStore, wakes: Wakes) -> None:
     if wakes.wake_next is not None:
         turn_id = turn_of(wakes.wake_next.waiter)
         store.redis.zadd(
-            k.turn_wakeups_key(turn_id), {turn_id: wakes.wake_next.at_ms / 1000}, lt=True
+            k.turn_wakeups_key(turn_id), {turn_id: wakes.wake_next.at_ms / 1000}, xx=True, lt=True
         )

@@ -63,7 +63,7 @@ def settle_pending(
         if call.id in settled:
             continue
         mine = result_for(call, dispatched.get(call.id, {}))
-        if store.settle(turn_id, mine, wake=False):
+        if store.settle(turn_id, mine, wake=False, tracked=call.id in dispatched):
             settled[call.id] = mine
             if tracing.enabled:
                 tracing.record_settled(traceparent, turn_id, mine)

@@ -38,7 +38,10 @@ class StepContext:
     llm_result: tuple[int, str] | None = None
     """(round, result JSON) of a model round, when the step began with it in hand."""
     dispatched: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Dispatch records of the calls this step sent, written when it lets go of its lock."""
+    """Dispatch records of the calls this step sends, written when it lets go of its lock,
+    just before the sends (`dispatch.send`)."""
+    new_calls: int = 0
+    """How many of `dispatched` are sent for the first time (not sent again)."""
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     ended_error: str | None = None
@@ -63,6 +66,8 @@ class StepContext:
     """State fields and events `stage`d for the step's next write (see `stage`)."""
     staged_append: list[dict[str, Any]] = field(default_factory=list)
     """History messages `stage`d for the step's next write, after the ones it wrote."""
+    staged_plans: dict[str, str] = field(default_factory=dict)
+    """Call plans (call id -> CallPlan JSON) `stage`d for the step's next write."""
     released: int | None = None
     """Set once the step let go of its lock before its end (`release`): 1 let go, 0 kept
     (woken meanwhile: the step reads again and goes on)."""
@@ -71,10 +76,11 @@ class StepContext:
         self,
         events: list[tuple[str, dict[str, Any]]] | None = None,
         append: list[dict[str, Any]] | None = None,
+        plans: dict[str, str] | None = None,
         **fields: Any,
     ) -> None:
-        """Record state fields (and their events, and history messages) with the step's
-        next write, not now: the step sees them at once, Redis with whatever it writes next
+        """Record state fields (and their events, history messages and call plans) with the
+        step's next write, not now: the step sees them at once, Redis with whatever it writes next
         (`commit`, `close`, a `publish`, `release` or the end of the step, `flush`). For a
         change nothing outside the step acts on before then, such as a turn's start: one
         write instead of two."""
@@ -82,11 +88,12 @@ class StepContext:
         self.staged[0].update(fields)
         self.staged[1].extend(events or [])
         self.staged_append.extend(append or [])
+        self.staged_plans.update(plans or {})
         self.history.extend(append or [])
 
     def flush(self) -> None:
         """Write what was staged, if anything."""
-        if self.staged[0] or self.staged[1] or self.staged_append:
+        if self.staged[0] or self.staged[1] or self.staged_append or self.staged_plans:
             self.commit()
 
     def _take_append(self) -> list[dict[str, Any]]:
@@ -97,10 +104,11 @@ class StepContext:
         return self.lock_ms or int(self.settings.step_lock_s * 1000)
 
     def release(self, next_at: float | None) -> int:
-        """Let go of the step's lock, with what it staged and the calls it sent, and leave
-        the turn's next deadline (`next_at`) for the sweepers: 1 let go, 0 woken meanwhile
-        (the lock kept: the step reads again and goes on). At the step's end, or before its
-        last act (a model round's message), after which the step ends without another."""
+        """Let go of the step's lock, with what it staged and the calls it is about to send,
+        and leave the turn's next deadline (`next_at`) for the sweepers: 1 let go, 0 woken
+        meanwhile (the lock kept: the step reads again and goes on). At the step's end, or
+        before its last act (a model round's message, a batch of calls), after which the
+        step ends without another write."""
         fields, events = self.staged
         released = self.store.release_step(
             self.turn_id,
@@ -111,10 +119,13 @@ class StepContext:
             fields=fields,
             events=events,
             append=self.staged_append,
+            plans=self.staged_plans,
+            new_calls=self.new_calls,
         )
         if released == -1:
             raise StepLost(self.turn_id)
         self.staged, self.staged_append, self.dispatched = ({}, []), [], {}
+        self.staged_plans, self.new_calls = {}, 0
         self.released = released
         return released
 
@@ -142,11 +153,12 @@ class StepContext:
         fields = {**staged_fields, **fields}
         events = [*staged_events, *(events or [])]
         messages = [*self.staged_append, *(append or [])]
+        plans = {**self.staged_plans, **(plans or {})}
         if not self.store.commit(
             self.turn_id, self.token, fields, messages, plans=plans, events=events
         ):
             raise StepLost(self.turn_id)
-        self.staged, self.staged_append = ({}, []), []
+        self.staged, self.staged_append, self.staged_plans = ({}, []), [], {}
         self.state.update(fields)
         self.history.extend(append or [])
 
@@ -163,7 +175,7 @@ class StepContext:
         by the step's lock, with `append`'s history messages written first."""
         if error is not None:
             fields["error"] = error
-        if self.staged[1]:
+        if self.staged[1] or self.staged_plans:
             self.flush()  # what was staged comes first, its events before the terminal one
         else:
             # Staged fields alone are written with the end: one write instead of two.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from agentq.constants import WORKER_ALIVE_TTL_S
+from agentq.constants import PICKUP_LEASES, WORKER_ALIVE_TTL_S
 from agentq.fleet.broker import publish, revoke, task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
@@ -27,22 +27,16 @@ def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
     return f"{turn_id}.{call_id}.{attempt}"
 
 
-def send(
-    ctx: StepContext, plans: list[CallPlan], secrets: dict[str, str]
+def _records(
+    ctx: StepContext, plans: list[CallPlan], earlier: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """Send the calls; their dispatch records are written when the step lets go of its
-    lock (in the same write). Returns the records.
-
-    A step that dies (or loses its lock) before that leaves calls sent but not recorded:
-    the step that takes over sends them again under the same task ids, and a call's start
-    claim runs each once (a second delivery of a started call is refused, one of a settled
-    call too). Recording first put a round trip between the step and the call's message.
-    """
-    if not plans:
-        return {}
+    """The dispatch records of the calls about to be sent: new ones, or, for a call sent
+    before (`earlier`), its record marked as sent again."""
     now = time.time()
-    records = {
-        p.call.id: {
+    return {
+        p.call.id: {**earlier[p.call.id], "sends": int(earlier[p.call.id].get("sends", 1)) + 1}
+        if p.call.id in earlier
+        else {
             "tool": p.call.name,
             "task_id": task_id_for(ctx.turn_id, p.call.id, 1),
             "dispatched_at": now,
@@ -53,38 +47,65 @@ def send(
         }
         for p in plans
     }
-    for p in plans:
-        req = ToolTaskRequest(
-            turn_id=ctx.turn_id,
-            call_id=p.call.id,
-            tool=p.call.name,
-            arguments=p.arguments,
-            timeout_s=p.timeout_s,
-            soft_timeout_s=p.soft_timeout_s or None,
-            budget_s=p.budget_s,
-            secret_ref=secrets.get(p.call.id),
-            traceparent=ctx.state.get("traceparent"),
-        )
-        publish(
-            ctx.app,
-            p.task_name,
-            what=f"call {p.call.id} of turn {ctx.turn_id}",
-            kwargs=req.model_dump(),
-            task_id=records[p.call.id]["task_id"],
-            queue=p.queue,
-            argsrepr="()",
-            kwargsrepr=task_repr(
-                turn_id=ctx.turn_id, call_id=p.call.id, tool=p.call.name, arguments=p.arguments
-            ),
-            # The result lives in agentq's store; no backend subscription per send.
-            ignore_result=True,
-            **p.limits.celery_options,
-        )
-        # Recorded one by one: when the broker fails mid-batch, the calls not sent stay
-        # undispatched and the next step sends them.
-        ctx.dispatched[p.call.id] = records[p.call.id]
+
+
+def send(
+    ctx: StepContext,
+    plans: list[CallPlan],
+    records: dict[str, dict[str, Any]],
+    secrets: dict[str, str],
+    next_at: float | None,
+) -> None:
+    """Send the calls as the step's last act: their records (`records`, with everything the
+    step staged) are written as it lets go of its lock, then the messages go out.
+
+    Recorded first, a call's start and result always find its record, and its events
+    follow the turn's. A step that dies between the write and the last message leaves
+    calls recorded that were never sent: the step that wakes PICKUP_LEASES later sends a
+    call that has not started again, once, under the same task id (a call's start claim
+    runs it once, whichever delivery comes first).
+    """
+    ctx.dispatched.update(records)
+    ctx.new_calls += sum(1 for r in records.values() if int(r.get("sends", 1)) == 1)
+    ctx.release(next_at)
+    sent: list[str] = []
+    try:
+        for p in plans:
+            req = ToolTaskRequest(
+                turn_id=ctx.turn_id,
+                call_id=p.call.id,
+                tool=p.call.name,
+                arguments=p.arguments,
+                timeout_s=p.timeout_s,
+                soft_timeout_s=p.soft_timeout_s or None,
+                budget_s=p.budget_s,
+                secret_ref=secrets.get(p.call.id),
+                traceparent=ctx.state.get("traceparent"),
+            )
+            publish(
+                ctx.app,
+                p.task_name,
+                what=f"call {p.call.id} of turn {ctx.turn_id}",
+                kwargs=req.model_dump(),
+                task_id=records[p.call.id]["task_id"],
+                queue=p.queue,
+                argsrepr="()",
+                kwargsrepr=task_repr(
+                    turn_id=ctx.turn_id, call_id=p.call.id, tool=p.call.name, arguments=p.arguments
+                ),
+                # The result lives in agentq's store; no backend subscription per send.
+                ignore_result=True,
+                **p.limits.celery_options,
+            )
+            sent.append(p.call.id)
+    except BaseException:
+        # What was not sent is recorded as not sent, for the step after the outage to
+        # send at once; a step that took the turn meanwhile sends it after the pickup.
+        unsent = {c: r for c, r in records.items() if c not in sent}
+        if ctx.relock():
+            ctx.store.unrecord(ctx.turn_id, unsent)
+        raise
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
-    return records
 
 
 def advance_calls(
@@ -97,7 +118,8 @@ def advance_calls(
     """Send the first batch that is not settled yet and settle its overdue calls.
 
     Returns when the turn must look again, or None when it waits only for results (each
-    wakes it); every call of `plans` is in `settled` when the batches are all done.
+    wakes it); every call of `plans` is in `settled` when the batches are all done. A
+    step that sends calls has let go of the turn when this returns.
     """
     for batch in batches(plans):
         waiting = [p for p in batch if p.call.id not in settled]
@@ -105,47 +127,68 @@ def advance_calls(
             continue
         tools = [p for p in waiting if not p.subturn_agent]
         agents = [p for p in waiting if p.subturn_agent]
-        sent = send(ctx, [p for p in tools if p.call.id not in dispatched], secrets)
-        fresh = [p for p in agents if p.call.id not in dispatched]
-        dispatched = {**dispatched, **subturns.record(ctx, fresh)}
-        due = [
-            t
-            for t in (
-                _settle_overdue(ctx, tools, settled, sent if len(sent) == len(tools) else None),
-                subturns.watch(ctx, agents, settled, dispatched),
-            )
-            if t is not None
-        ]
+        fresh = [p for p in tools if p.call.id not in dispatched]
+        due: list[float] = []
+        if agents:
+            ctx.flush()  # the turn's own events come before its children's
+            new_agents = [p for p in agents if p.call.id not in dispatched]
+            dispatched = {**dispatched, **subturns.record(ctx, new_agents)}
+            at = subturns.watch(ctx, agents, settled, dispatched)
+            due += [] if at is None else [at]
+        at, again = _settle_overdue(ctx, [p for p in tools if p not in fresh], settled)
+        due += [] if at is None else [at]
+        if fresh or again:
+            resend = [p for p in tools if p.call.id in again]
+            records = {**_records(ctx, fresh, {}), **_records(ctx, resend, again)}
+            if fresh:
+                # Recorded before they are sent: a step that dies in between leaves them
+                # to the pickup, the first wake after PICKUP_LEASES.
+                due += [ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s]
+                due += [_queue_deadline(ctx, fresh)]
+            send(ctx, [*fresh, *resend], records, secrets, min(due))
         return min(due) if due else None
     return None
 
 
-def _settle_overdue(
-    ctx: StepContext,
-    waiting: list[CallPlan],
-    settled: dict[str, ToolResult],
-    just_sent: dict[str, dict[str, Any]] | None = None,
-) -> float | None:
-    """Settle the calls nobody will settle; return when to look again.
-
-    `just_sent`: every waiting call was sent by this step, with these records. Nothing
-    can be overdue yet and no start is known: the deadline is the queue allowance, as it
-    was when the read came before the starts; a worker that dies whole wakes the turn by
-    its heartbeat, and any later step reads the starts.
-    """
-    if not waiting:
-        return None
-    if just_sent is not None:
-        starts: dict[str, dict[str, Any]] = {}
-        dispatched = just_sent
-    else:
-        starts = ctx.store.starts(ctx.turn_id)
-        dispatched = ctx.store.dispatches(ctx.turn_id)
+def _queue_deadline(ctx: StepContext, plans: list[CallPlan]) -> float:
     s = ctx.settings
+    return min(
+        float(
+            lost_deadline(
+                dispatched_at=ctx.now,
+                started_at=None,
+                timeout_s=p.timeout_s,
+                grace_s=s.tool_grace_s,
+                queue_timeout_s=s.tool_queue_timeout_s,
+            )
+            or ctx.now
+        )
+        for p in plans
+    )
+
+
+def _settle_overdue(
+    ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult]
+) -> tuple[float | None, dict[str, dict[str, Any]]]:
+    """Settle the calls sent earlier that nobody will settle; return when to look again,
+    and the calls to send again with their records (recorded, not started after
+    PICKUP_LEASES: their step may have died before it sent them)."""
+    if not waiting:
+        return None, {}
+    starts = ctx.store.starts(ctx.turn_id)
+    dispatched = ctx.store.dispatches(ctx.turn_id)
+    s = ctx.settings
+    pickup_s = PICKUP_LEASES * s.turn_lease_s
+    again: dict[str, dict[str, Any]] = {}
     # A worker that died whole (no parent left to report the kill) stops its heartbeat:
     # its calls are lost now, not at their hard limit, or never for tools without one.
     watched: dict[str, str] = {}
     next_at: float | None = None
+
+    def look_at(t: float) -> None:
+        nonlocal next_at
+        next_at = t if next_at is None else min(next_at, t)
+
     for p in waiting:
         rec = starts.get(p.call.id) or {}
         if not (rec.get("heartbeat") and rec.get("worker")):
@@ -155,24 +198,31 @@ def _settle_overdue(
         if ctx.now >= judged_at:
             watched[p.call.id] = str(rec["worker"])
         else:
-            next_at = judged_at if next_at is None else min(next_at, judged_at)
+            look_at(judged_at)
     alive = ctx.store.workers_alive(sorted(set(watched.values())))
     for p in waiting:
         cid = p.call.id
         start = starts.get(cid)
+        sent = dispatched.get(cid, {})
+        sent_at = float(sent.get("dispatched_at", ctx.now))
+        if start is None and int(sent.get("sends", 1)) == 1:
+            if ctx.now >= sent_at + pickup_s:
+                again[cid] = sent
+            else:
+                look_at(sent_at + pickup_s)
         why: str | None = None
         if cid in watched and not alive.get(watched[cid], True):
             why = f"its tool worker {watched[cid]} stopped sending heartbeats"
         else:
             due = lost_deadline(
-                dispatched_at=float(dispatched.get(cid, {}).get("dispatched_at", ctx.now)),
+                dispatched_at=sent_at,
                 started_at=None if start is None else float(start["started_at"]),
                 timeout_s=p.timeout_s,
                 grace_s=s.tool_grace_s,
                 queue_timeout_s=s.tool_queue_timeout_s,
             )
             if due is not None and ctx.now < due:
-                next_at = due if next_at is None else min(next_at, due)
+                look_at(due)
                 continue
             if due is not None:
                 why = (
@@ -182,13 +232,15 @@ def _settle_overdue(
                 )
         if why is None:
             continue  # no limit and a live worker: its result wakes the turn
+        again.pop(cid, None)
         settled[cid] = _settle_lost(ctx, p, why, start)
-    return next_at
+    return next_at, again
 
 
 def _settle_lost(
     ctx: StepContext, p: CallPlan, why: str, start: dict[str, Any] | None
 ) -> ToolResult:
+    ctx.flush()  # its tool_finished after what the step staged
     task_id = task_id_for(ctx.turn_id, p.call.id, 1)
     revoke(ctx.app, task_id, terminate=True, signal="SIGKILL")
     lost = lost_result(

@@ -179,21 +179,20 @@ def advance(ctx: StepContext) -> float | None:
             else:
                 finish(ctx, "stop", append=[kept], output=checked.value)
             return None
-        # The assistant message (and its calls' plans) is durable before any call is sent.
-        ctx.commit(append=[kept], plans=plans, **counts)
+        # The assistant message and its calls' plans are written with the calls' records,
+        # before any call is sent (or with whatever the step writes first).
+        ctx.stage(append=[kept], plans=plans, **counts)
         # Calls this new are neither sent nor settled: the step goes on without a read.
         ctx.round_read = RoundRead.planned(plans) if plans else None
     return ctx.now  # more to do than one step should take: step again at once
 
 
 def _store_plans(ctx: StepContext, plans: list[CallPlan], round_calls: list[str]) -> None:
-    """Store the plans and name the round's calls for the next step's read (with what
-    the step staged: nothing of the round runs before this)."""
+    """Store the plans and name the round's calls for the next step's read, with the
+    step's next write (nothing of the round runs before it)."""
     stored = {p.call.id: p.model_dump_json() for p in plans}
     if stored:
-        ctx.commit(plans=stored, round_calls=round_calls)
-    else:
-        ctx.flush()
+        ctx.stage(plans=stored, round_calls=round_calls)
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
@@ -211,7 +210,8 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
 
 
 def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
-    if ctx.store.settle(ctx.turn_id, result, wake=False):
+    ctx.flush()  # its tool_finished after what the step staged (the turn's start)
+    if ctx.store.settle(ctx.turn_id, result, wake=False, tracked=False):
         if tracing.enabled:
             tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, result)
         return result, True

@@ -39,10 +39,6 @@ def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
 BUSY_CODE = "EBUSY"
 """The round's result code when the provider answered busy (ModelBusy)."""
 
-PICKUP_LEASES = 4
-"""A round no stream worker took within this many turn leases is sent again: its message
-was lost (it went to a Redis master that a failover replaced)."""
-
 
 def _queued_s(ctx: StepContext, round_no: int) -> float:
     """How long this round has waited for model capacity so far (0: it never waited)."""
@@ -219,7 +215,7 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     elif not alive:
         sent_at = ctx.state.get("llm_sent_at")
         sent_at = ctx.now if sent_at is None else float(sent_at)
-        if ctx.now - sent_at >= PICKUP_LEASES * s.turn_lease_s:
+        if ctx.now - sent_at >= k.PICKUP_LEASES * s.turn_lease_s:
             # A delivery that arrives after all finds the result or the claim: not run twice.
             sends = int(ctx.state.get("llm_sends") or 1) + 1
             send_round(ctx, round_no, int(ctx.state.get("llm_attempt", 1)), sends)

@@ -124,7 +124,7 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
 
 
 def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
-    """Dispatch records as the (call id, record JSON) pairs `lua.record_lua` reads."""
+    """Dispatch records as the (call id, record JSON) pairs RECORD_DISPATCH_LUA reads."""
     return [x for c, r in records.items() for x in (c, json.dumps(r))]
 
 
@@ -138,8 +138,8 @@ def each_shard(client: Any, command: Callable[[Any, int], Any]) -> list[Any]:
 
 
 def active_turns(client: Any) -> list[str]:
-    """The running turns of every shard, oldest first."""
-    got = each_shard(client, lambda p, s: p.zrange(k.active_key(s), 0, -1, withscores=True))
+    """The open turns of every shard (the members of their wakeups), the soonest due first."""
+    got = each_shard(client, lambda p, s: p.zrange(k.wakeups_key(s), 0, -1, withscores=True))
     return [text(t) for _, t in sorted((float(sc), t) for rows in got for t, sc in rows)]
 
 

@@ -20,7 +20,7 @@ from agentq.state.base import (
     now_ms,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, record_lua, wake_or_step_lua
+from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
@@ -31,8 +31,9 @@ SETTLE_LUA = (
 if redis.call('HSETNX', KEYS[1], '{k.SETTLED}' .. ARGV[1], ARGV[2]) == 0 then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
--- call recorded as sent is in the batch's count: this first result takes it out.
-local tracked = redis.call('HEXISTS', KEYS[1], '{k.DISPATCHED}' .. ARGV[1]) == 1
+-- call recorded as sent (ARGV[11]: every call a worker settles, since calls are recorded
+-- before they are sent) is in the batch's count: this first result takes it out.
+local tracked = ARGV[11] == '1'
 if tracked then unsettled = math.max(unsettled - 1, 0) end
 local ready = not tracked or unsettled == 0
 """
@@ -47,7 +48,7 @@ local ready = not tracked or unsettled == 0
         "ARGV[9]",
         "ARGV[10]",
         "ARGV[5]",
-        ("KEYS[1]", "KEYS[7]"),
+        "KEYS[1]",
         fields=f"'{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
     )
     + "return 3"
@@ -77,16 +78,20 @@ redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2])
     + "return 1"
 )
 
-# Dispatch records written apart from a step's release (a sub-agent call's child turn).
-RECORD_DISPATCH_LUA = (
-    record_lua("KEYS[1]", 1)
-    + f"""
+# Dispatch records written apart from a step's release (a sub-agent call's child turn,
+# recorded before the child is started): the new ones join the batch in flight.
+RECORD_DISPATCH_LUA = f"""
+local w = {{}}
+for i = 1, #ARGV, 2 do
+  w[#w + 1] = '{k.DISPATCHED}' .. ARGV[i]
+  w[#w + 1] = ARGV[i + 1]
+end
+local counted = redis.call('HSET', KEYS[1], unpack(w))
 if counted > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('HINCRBY', KEYS[2], '{k.UNSETTLED_FIELD}', counted)
 end
 return 1
 """
-)
 
 
 def _fields(raw: dict[Any, Any], prefix: str) -> dict[str, Any]:
@@ -121,6 +126,26 @@ class CallRecords(StoreBase):
             keys=[k.calls_key(turn_id), k.turn_key(turn_id)],
             args=dispatch_args(records),
         )
+
+    def unrecord(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
+        """Take back the records of calls a step recorded but could not send (the broker
+        went away): a new one is deleted and leaves the batch in flight, one sent again
+        gets its earlier count of sends back. For the step that holds the turn."""
+        if not records:
+            return
+        new = [k.DISPATCHED + c for c, r in records.items() if int(r.get("sends", 1)) == 1]
+        earlier = {
+            k.DISPATCHED + c: json.dumps({**r, "sends": int(r["sends"]) - 1})
+            for c, r in records.items()
+            if int(r.get("sends", 1)) > 1
+        }
+        pipe = self.redis.pipeline(transaction=False)
+        if new:
+            pipe.hdel(k.calls_key(turn_id), *new)
+            pipe.hincrby(k.turn_key(turn_id), k.UNSETTLED_FIELD, -len(new))
+        for field, record in earlier.items():
+            pipe.hset(k.calls_key(turn_id), field, record)
+        pipe.execute()
 
     def _calls(self, turn_id: str, prefix: str) -> dict[str, Any]:
         return _fields(self.redis.hgetall(k.calls_key(turn_id)), prefix)
@@ -203,10 +228,14 @@ class CallRecords(StoreBase):
             pipe.exists(k.worker_alive_key(h))
         return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
 
-    def settle(self, turn_id: str, result: ToolResult, *, wake: bool = True) -> bool:
+    def settle(
+        self, turn_id: str, result: ToolResult, *, wake: bool = True, tracked: bool = True
+    ) -> bool:
         """Store a call's result unless one is stored already; True if this one won.
 
-        `wake=False` is for the turn's own step, which goes on by itself.
+        `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
+        for a call the turn never recorded as sent (refused, denied): it was never in the
+        batch in flight.
         """
         result_json = result.model_dump_json()
         event = finished(result)
@@ -220,7 +249,6 @@ class CallRecords(StoreBase):
                 k.turn_key(turn_id),
                 k.turn_wakeups_key(turn_id),
                 k.history_key(turn_id),
-                k.plan_key(turn_id),
             ],
             args=[
                 result.call_id,
@@ -233,6 +261,7 @@ class CallRecords(StoreBase):
                 "1" if wake else "0",
                 token,
                 lock_ms,
+                "1" if tracked else "0",
             ],
         )
         won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)

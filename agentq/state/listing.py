@@ -48,7 +48,7 @@ for i = 2, #ARGV, 2 do
     out[#out + 1] = {id, false}
   else
     local counts = {}
-    local settled, started, sent = {}, {}, {}
+    local settled, started, sent, planned = {}, {}, {}, {}
     local calls = redis.call('HGETALL', base .. ':calls')
     for j = 1, #calls, 2 do
       local kind, call = string.sub(calls[j], 1, 2), string.sub(calls[j], 3)
@@ -66,6 +66,10 @@ for i = 2, #ARGV, 2 do
     + k.DISPATCHED
     + """' then
         sent[#sent + 1] = {call, calls[j + 1]}
+      elseif kind == '"""
+    + k.PLANNED
+    + """' then
+        planned[#planned + 1] = call
       end
     end
     local open = {}
@@ -78,9 +82,8 @@ for i = 2, #ARGV, 2 do
       end
     end
     local pending = {}
-    local plan = redis.call('HKEYS', base .. ':plan')
-    for j = 1, #plan do
-      local ik = base .. ':interaction:' .. plan[j] .. ARGV[1]
+    for j = 1, #planned do
+      local ik = base .. ':interaction:' .. planned[j] .. ARGV[1]
       local v = redis.call('HMGET', ik, 'state', 'request')
       if v[1] == 'pending' and v[2] then pending[#pending + 1] = v[2] end
     end

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from agentq.constants import (
     CANCEL_FIELD,
+    CHILDREN_FIELD,
     DIRTY_FIELD,
     DISPATCHED,
+    PLANNED,
     SETTLED,
     STEP_FIELD,
     UNSETTLED_FIELD,
@@ -31,9 +33,11 @@ local open = redis.call('HMGET', KEYS[%d], 'status', '"""
     + STEP_FIELD
     + """', '"""
     + UNSETTLED_FIELD
+    + """', '"""
+    + CHILDREN_FIELD
     + """')
 local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
-local held, unsettled = open[5], tonumber(open[6]) or 0
+local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
 if not status or """
     + ended_lua("status")
     + """ then
@@ -118,49 +122,50 @@ MAX_ROUND_READ = 500
 """A round with more calls than this is read by the step itself, not by the script."""
 
 
-def view_lua(st: str, history: str, round_keys: tuple[str, str] | None = None) -> str:
+def view_lua(st: str, history: str, calls: str | None = None) -> str:
     """A Lua table expression: what a step reads (state `st` as HGETALL gave it, its cancel
     reason among it, history, round).
 
     `round` holds the settled results, dispatch records and plans of the calls named by
-    the state's `round_calls` (HMGETs of `round_keys`: the calls' hash, the plans), so the
-    step that collects a round needs no read of its own; {} without them. `round_calls` is
-    taken from the state as read, not read again; the dispatch records only while a call
-    is unsettled (all None else).
+    the state's `round_calls` (one HMGET of `calls`, the calls' hash), so the step that
+    collects a round needs no read of its own; {} without it. `round_calls` is taken from
+    the state as read, not read again; the dispatch records only while a call is
+    unsettled (all None else).
     """
     rnd = "{}"
-    if round_keys is not None:
-        calls, plans = round_keys
+    if calls is not None:
         rnd = f"""(function()
     local rc
     for i = 1, #{st}, 2 do if {st}[i] == 'round_calls' then rc = {st}[i + 1] end end
     if not rc then return {{}} end
     local ok, ids = pcall(cjson.decode, rc)
     if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
-    local fields = {{}}
-    for i = 1, #ids do
+    local n, fields = #ids, {{}}
+    for i = 1, n do
       fields[i] = '{SETTLED}' .. ids[i]
-      fields[#ids + i] = '{DISPATCHED}' .. ids[i]
+      fields[n + i] = '{DISPATCHED}' .. ids[i]
+      fields[2 * n + i] = '{PLANNED}' .. ids[i]
     end
     local got = redis.call('HMGET', {calls}, unpack(fields))
-    local settled, records, open = {{}}, {{}}, false
-    for i = 1, #ids do
+    local settled, records, plans, open = {{}}, {{}}, {{}}, false
+    for i = 1, n do
       settled[i] = got[i]
-      records[i] = got[#ids + i]
+      records[i] = got[n + i]
+      plans[i] = got[2 * n + i]
       open = open or not got[i]
     end
     -- Every call settled: the step sends nothing, and needs no dispatch record.
-    if not open then for i = 1, #ids do records[i] = false end end
-    return {{settled, records, redis.call('HMGET', {plans}, unpack(ids))}}
+    if not open then for i = 1, n do records[i] = false end end
+    return {{settled, records, plans}}
   end)()"""
     return f"{{{st}, redis.call('LRANGE', {history}, 0, -1), {rnd}}}"
 
 
-def read_view_lua(turn: str, history: str, round_keys: tuple[str, str] | None = None) -> str:
+def read_view_lua(turn: str, history: str, calls: str | None = None) -> str:
     """A Lua expression list: what a step reads (`view_lua`), the state read here."""
     return f"""unpack((function()
   local st = redis.call('HGETALL', {turn})
-  return {view_lua("st", history, round_keys)}
+  return {view_lua("st", history, calls)}
 end)())"""
 
 
@@ -171,7 +176,7 @@ def wake_or_step_lua(
     token: str,
     ttl_ms: str,
     now_ms: str,
-    round_keys: tuple[str, str] | None = None,
+    calls: str | None = None,
     fields: str = "",
 ) -> str:
     """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
@@ -190,26 +195,6 @@ def wake_or_step_lua(
 if {token} ~= '' and {lock_free_lua("held", now_ms)} then
   redis.call('HSET', {turn}, '{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}{more})
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
-  return {{3, {read_view_lua(turn, history, round_keys)}}}
+  return {{3, {read_view_lua(turn, history, calls)}}}
 end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)
-
-
-def record_lua(calls: str, first: int | str) -> str:
-    """Lua recording the dispatch records in ARGV[first..] (call id, record pairs; `first`
-    a number or a Lua expression) as sent. It leaves `counted`: how many of them are new
-    and not settled yet, the calls the batch in flight gains (UNSETTLED_FIELD), for the
-    script to add to the turn's count in the write it makes anyway.
-
-    A step sends a batch's calls first and records them after (still holding its lock), so
-    a call may settle before its record; it woke the turn then, and is not in flight.
-    """
-    return f"""
-local counted = 0
-for i = {first}, #ARGV, 2 do
-  if redis.call('HSET', {calls}, '{DISPATCHED}' .. ARGV[i], ARGV[i + 1]) == 1
-    and redis.call('HEXISTS', {calls}, '{SETTLED}' .. ARGV[i]) == 0 then
-    counted = counted + 1
-  end
-end
-"""

@@ -16,7 +16,6 @@ from agentq.state.base import (
     RoundRead,
     StepView,
     StoreBase,
-    dispatch_args,
     each_shard,
     now_ms,
     step_view,
@@ -29,7 +28,6 @@ from agentq.state.lua import (
     lock_mine_lua,
     lock_value_lua,
     many_lua,
-    record_lua,
     view_lua,
     wake_lua,
 )
@@ -97,7 +95,6 @@ return 1
 # A step begins: take the lock (free, or lapsed), clear the dirty mark, and read what the
 # step needs (state with its cancel reason, history, round) in one round trip. A turn
 # Redis does not hold is read as such, and nothing is written to it.
-_ROUND_KEYS = ("KEYS[3]", "KEYS[4]")
 
 BEGIN_LUA = f"""
 local st = redis.call('HGETALL', KEYS[1])
@@ -107,7 +104,7 @@ for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if not {lock_free_lua("held", "ARGV[3]")} then return false end
 local lock = {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")}
 redis.call('HSET', KEYS[1], '{_STEP}', lock, '{_DIRTY}', 0)
-return {view_lua("st", "KEYS[2]", _ROUND_KEYS)}
+return {view_lua("st", "KEYS[2]", "KEYS[3]")}
 """
 
 # A step that goes round again (woken while it ran) reads afresh, lock kept.
@@ -117,25 +114,26 @@ local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if not {lock_mine_lua("held", "ARGV[1]")} then return false end
 redis.call('HSET', KEYS[1], '{_DIRTY}', 0)
-return {view_lua("st", "KEYS[2]", _ROUND_KEYS)}
+return {view_lua("st", "KEYS[2]", "KEYS[3]")}
 """
 
 # Releasing the step lock, with what the step staged (history messages, state fields and
-# their events) and the dispatch records of the calls it sent, after their messages went
-# out (a result that comes before this write finds the turn locked, marks it woken, and
-# the step reads again). A step whose last act is a model round's send releases before
-# it (`StepContext.release`). If the turn was woken meanwhile, keep the lock (for a full
-# term) and step again; else let go of it and leave the turn's next deadline for the
-# sweepers.
+# their events, call plans) and the dispatch records of the calls it is about to send:
+# a step's sends are its last act, after this write, so a call's start and result always
+# find its record, and its events follow the turn's. `counted` (ARGV[10]) of the records
+# are of calls sent for the first time, which the batch in flight gains. If the turn was
+# woken meanwhile, keep the lock (for a full term) and step again; else let go of it and
+# leave the turn's next deadline for the sweepers.
 RELEASE_LUA = (
     _fence_lua(-1)
     + """
 local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
-local a = 10 + 2 * nf
+local counted = tonumber(ARGV[10])
+local a = 11 + 2 * nf
 """
     + many_lua("RPUSH", "KEYS[6]", "a", "a + na - 1")
-    + _fields_and_events_lua("KEYS[4]", "KEYS[5]", "10", "a + na", "ARGV[7]")
-    + record_lua("KEYS[3]", "a + na + ne")
+    + _fields_and_events_lua("KEYS[4]", "KEYS[5]", "11", "a + na", "ARGV[7]")
+    + many_lua("HSET", "KEYS[3]", "a + na + ne", "#ARGV")
     + f"""
 if counted > 0 then
   w[#w + 1] = '{k.UNSETTLED_FIELD}'
@@ -147,11 +145,8 @@ redis.call('HSET', KEYS[1], unpack(w))
 """
     + """
 if dirty then return 0 end
-if ARGV[3] == '' then
-  redis.call('ZREM', KEYS[2], ARGV[2])
-else
-  redis.call('ZADD', KEYS[2], ARGV[3], ARGV[2])
-end
+-- No deadline: the turn stays among the open ones, due never (a wake moves it).
+redis.call('ZADD', KEYS[2], ARGV[3] == '' and '+inf' or ARGV[3], ARGV[2])
 return 1
 """
 )
@@ -216,7 +211,6 @@ class StepRecords(StoreBase):
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
                 k.calls_key(turn_id),
-                k.plan_key(turn_id),
             ],
             args=[token, ttl_ms, now_ms()],
         )
@@ -237,7 +231,7 @@ class StepRecords(StoreBase):
         """Write state fields, append history messages, store call plans (call id -> plan
         JSON) and publish events, in one write, if this step still holds the lock."""
         messages = [json.dumps(m) for m in append or []]
-        plan_pairs = [x for c, p in (plans or {}).items() for x in (c, p)]
+        plan_pairs = [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)]
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
         args: list[Any] = [token, len(fields), len(messages), len(plan_pairs) // 2, len(bodies)]
         args.append(self.bus.log_arg() if bodies else "")
@@ -250,7 +244,7 @@ class StepRecords(StoreBase):
             keys=[
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
-                k.plan_key(turn_id),
+                k.calls_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],
@@ -272,24 +266,30 @@ class StepRecords(StoreBase):
         fields: dict[str, Any] | None = None,
         events: list[tuple[str, dict[str, Any]]] | None = None,
         append: list[dict[str, Any]] | None = None,
+        plans: dict[str, str] | None = None,
+        new_calls: int = 0,
     ) -> int:
         """Let go of the step's lock, appending history messages, writing state `fields`
-        and publishing `events` (what the step staged) and recording the calls it sent
-        (`dispatched`, see `record_dispatch`) while it still holds it: 1 released; 0 woken
-        meanwhile, lock kept: step again; -1 the lock was lost (nothing written)."""
+        and call `plans`, publishing `events` (what the step staged) and recording the
+        calls it is about to send (`dispatched`; `new_calls` of them sent for the first
+        time) while it still holds it: 1 released; 0 woken meanwhile, lock kept: step
+        again; -1 the lock was lost (nothing written)."""
         fields = fields or {}
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
         messages = [json.dumps(m) for m in append or []]
         args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
         args += [ttl_ms, len(fields), len(bodies), self.bus.log_arg() if bodies else ""]
-        args += [now_ms(), len(messages)]
+        args += [now_ms(), len(messages), new_calls]
         for f, v in fields.items():
             args += [f, json.dumps(v)]
-        args += [*messages, *bodies, *dispatch_args(dispatched or {})]
+        args += [*messages, *bodies]
+        args += [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)]
+        for c, r in (dispatched or {}).items():
+            args += [k.DISPATCHED + c, json.dumps(r)]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id)]
         keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]
-        if not (dispatched or fields or bodies or messages):
+        if not (dispatched or fields or bodies or messages or plans):
             return int(self._release(keys=keys, args=args))
         # Not sent again: a second run finds the lock gone (and would publish twice).
         # Records a failover loses are of calls a later step sends again, which their
@@ -359,13 +359,10 @@ class StepRecords(StoreBase):
         if read is not None and list(read.ids) == call_ids:
             results, calls, raw_plans = read.results, read.calls, [read.plans]
         else:
-            pipe = self.redis.pipeline(transaction=False)
-            fields = [k.SETTLED + c for c in call_ids] + [k.DISPATCHED + c for c in call_ids]
-            pipe.hmget(k.calls_key(turn_id), fields)
-            if plans:
-                pipe.hmget(k.plan_key(turn_id), call_ids)
-            got, *raw_plans = pipe.execute()
-            results, calls = got[: len(call_ids)], got[len(call_ids) :]
+            kinds = (k.SETTLED, k.DISPATCHED, k.PLANNED) if plans else (k.SETTLED, k.DISPATCHED)
+            n = len(call_ids)
+            got = self.redis.hmget(k.calls_key(turn_id), [p + c for p in kinds for c in call_ids])
+            results, calls, raw_plans = got[:n], got[n : 2 * n], [got[2 * n :]]
         return (
             raw_plans[0] if plans else [],
             {

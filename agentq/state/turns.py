@@ -51,16 +51,15 @@ CLOSE_LUA = (
     + """ then return -1 end
 local n = tonumber(ARGV[11])
 """
-    + many_lua("RPUSH", "KEYS[11]", "12", "11 + n")
-    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[3]", "ARGV[4]", "watched")
+    + many_lua("RPUSH", "KEYS[10]", "12", "11 + n")
+    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
     + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV")
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('DEL', KEYS[12], KEYS[13])
-for i = 14, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if kids then redis.call('DEL', KEYS[11]) end
+for i = 12, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
-local popen = redis.call('HMGET', KEYS[6], 'status', '"""
+local popen = redis.call('HMGET', KEYS[5], 'status', '"""
     + WATCHERS_FIELD
     + """', '"""
     + SEQ_FIELD
@@ -73,23 +72,23 @@ if not pstatus or """
     + """ then
   return 1
 end
-if redis.call('HSETNX', KEYS[7], '"""
+if redis.call('HSETNX', KEYS[6], '"""
     + k.SETTLED
     + """' .. ARGV[6], ARGV[7]) == 0 then return 1 end
 local left = tonumber(popen[4]) or 0
-local tracked = redis.call('HEXISTS', KEYS[10], '"""
+local tracked = redis.call('HEXISTS', KEYS[9], '"""
     + k.DISPATCHED
     + """' .. ARGV[6]) == 1
 if tracked then left = math.max(left - 1, 0) end
 do
 """
-    + publish_lua("KEYS[8]", "KEYS[9]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
+    + publish_lua("KEYS[7]", "KEYS[8]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
     + "end\nif tracked and left > 0 then\n"
-    + f"  redis.call('HSET', KEYS[6], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
+    + f"  redis.call('HSET', KEYS[5], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
     + "  return 3\nend\n"
     + wake_lua(
-        "KEYS[6]",
-        "KEYS[3]",
+        "KEYS[5]",
+        "KEYS[2]",
         "ARGV[5]",
         "ARGV[9]",
         f"'{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left",
@@ -144,7 +143,6 @@ class TurnRecords(StoreBase):
                 pipe.delete(k.history_key(turn_id))
             if history:
                 pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
-            pipe.zadd(k.turn_active_key(turn_id), {turn_id: time.time()})
             pipe.zadd(
                 k.turn_index_key(turn_id), {turn_id: float(state.get("created_at") or time.time())}
             )
@@ -153,6 +151,7 @@ class TurnRecords(StoreBase):
             parent = state.get("parent_turn_id")
             if parent:
                 pipe.sadd(k.children_key(parent), turn_id)
+                pipe.hset(k.turn_key(parent), k.CHILDREN_FIELD, "1")
 
         if self.replicas_acked:
             self._durable_write(build)
@@ -209,7 +208,6 @@ class TurnRecords(StoreBase):
             self._close,
             keys=[
                 k.turn_key(turn_id),
-                k.turn_active_key(turn_id),
                 k.turn_wakeups_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
@@ -219,7 +217,7 @@ class TurnRecords(StoreBase):
                 k.events_channel(pid),
                 k.calls_key(pid),
                 k.history_key(turn_id),
-                *k.ended_turn_keys(turn_id),
+                k.children_key(turn_id),
                 *k.turn_keys(turn_id),
             ],
             args=[

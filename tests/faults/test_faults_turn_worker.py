@@ -105,30 +105,39 @@ def test_a_step_that_died_holding_the_turn_is_taken_over(rig, tmp_path: Path) ->
     _check_done(rig, tid, (fast, slow, later))
 
 
-def test_calls_sent_but_not_recorded_are_sent_again_and_run_once(rig, tmp_path: Path) -> None:
-    """A step sends a batch's calls, then records them as it lets go of the turn: one that
-    died in between leaves calls sent but unrecorded. The next step sends them again under
-    the same task ids, and each call's start claim runs it once."""
+def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
+    make_rig, tmp_path: Path
+) -> None:
+    """A step records a batch's calls as it lets go of the turn, then sends them: one that
+    died in between leaves calls recorded that nobody sent. The step that wakes
+    PICKUP_LEASES later sends each call that has not started again, once, under its task
+    id, and the calls run once each."""
+    rig = make_rig(AGENTQ_TURN_LEASE_S="1")  # the pickup after 4 s
+    rig.start("llm", "turns")  # no tool worker: the calls' messages wait in the broker
     key, fast, slow, later = _three_rounds(rig, tmp_path)
     tid = rig.client.start_turn(key).turn_id
     store = rig.client.store
-    wait_for(lambda: "call_r0_0" in store.results(tid) and starts(slow) == 1, 10)
+    queued = [k.QUEUE_TOOLS, *[f"{k.QUEUE_TOOLS}\x06\x16{p}" for p in (3, 6, 9)]]
+    wait_for(
+        lambda: sum(store.redis.llen(q) for q in queued) == 2,
+        20,
+        message="the step recorded and sent the first batch",
+    )
     first = store.dispatches(tid)
     assert set(first) == {"call_r0_0", "call_r0_1"}
-    # As if the step that sent them had died before its release wrote the records.
-    store.redis.hdel(k.calls_key(tid), *[k.DISPATCHED + c for c in first])
-    store.redis.hdel(k.turn_key(tid), k.UNSETTLED_FIELD)
-    assert store.wake(tid)
+    # As if the step had died between its write and its sends: the messages never left.
+    store.redis.delete(*queued)
+    rig.start("tools")
     wait_for(
-        lambda: "call_r0_1" in store.dispatches(tid),
-        10,
-        message="the next step sent the unrecorded call again",
+        lambda: all(d.get("sends") == 2 for d in store.dispatches(tid).values()),
+        30,
+        message="the pickup sent both calls again",
     )
     again = store.dispatches(tid)
-    # Sent again under the same task id; the settled fast call was not sent again.
-    assert again["call_r0_1"]["task_id"] == first["call_r0_1"]["task_id"]
-    assert again["call_r0_1"]["dispatched_at"] > first["call_r0_1"]["dispatched_at"]
-    assert "call_r0_0" not in again
+    for cid, rec in first.items():
+        # The same task id, and the queue allowance still runs from the first send.
+        assert again[cid]["task_id"] == rec["task_id"]
+        assert again[cid]["dispatched_at"] == rec["dispatched_at"]
     _check_done(rig, tid, (fast, slow, later))
 
 
@@ -175,7 +184,7 @@ def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Pa
     # Held = every turn dispatched its call and waits; no turn worker thread holds any.
     wait_for(
         lambda: (
-            store.redis.zcard(k.ACTIVE_TURNS) == n
+            store.redis.zcard(k.WAKEUPS) == n
             and all(store.state(h.turn_id).get("phase") == "tools" for h in handles[-10:])
         ),
         90,
@@ -191,7 +200,7 @@ def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Pa
         ended = rig.log_events(h.turn_id)
         assert ended[-1].type not in ("turn_finished", "turn_error"), ended[-1]
         rig.client.abort(h.turn_id, h.token)
-    wait_for(lambda: store.redis.zcard(k.ACTIVE_TURNS) == 0, 60, message="all ended")
+    wait_for(lambda: store.redis.zcard(k.WAKEUPS) == 0, 60, message="all ended")
     took = time.monotonic() - t0
     assert took < 60, took
     sample = handles[:: n // 20]

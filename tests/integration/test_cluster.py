@@ -59,7 +59,7 @@ def test_a_turns_keys_share_one_slot_and_turns_spread_over_the_masters(
     turn_id = uuid.uuid4().hex
     keys = [
         *k.turn_keys(turn_id),
-        *k.ended_turn_keys(turn_id),
+        k.children_key(turn_id),
         k.events_channel(turn_id),
         k.cancel_key(turn_id),
         k.interaction_key(turn_id, "c1.approval"),
@@ -180,7 +180,7 @@ def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: Local
         per_master = Counter(cluster.master_of(k.wakeups_key(s)).port for s in k.shards())
         assert sorted(per_master.values()) == [5, 5, 6]
         turn_id = "0a0b" + uuid.uuid4().hex[4:]
-        keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id), k.turn_active_key(turn_id)]
+        keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.turn_index_key(turn_id)]
         assert len({key_slot(key.encode()) for key in keys}) == 1
         store.create(turn_id, {"status": "queued", "created_at": time.time()}, [])

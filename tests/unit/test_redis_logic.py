@@ -232,7 +232,9 @@ class _Capture:
 def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     c2 = ToolCall(id="c2", name="echo")
     store.redis.hset(k.turn_key("t1"), "round_calls", json.dumps(["c1", "c2"]))
-    store.redis.hset(k.plan_key("t1"), mapping={"c1": "plan-1", "c2": "plan-2"})
+    store.redis.hset(
+        k.calls_key("t1"), mapping={k.PLANNED + "c1": "plan-1", k.PLANNED + "c2": "plan-2"}
+    )
     store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
     assert store.settle("t1", error_result(CALL, "one"), wake=False)
     view = store.begin_step("t1", "s", 5000)
@@ -261,37 +263,44 @@ def test_a_turn_without_named_round_calls_has_no_round_read(store: TurnStore) ->
     assert store.begin_step("t1", "s", 5000, again=True).round is None  # type: ignore[union-attr]
 
 
-def test_a_call_that_settles_before_its_record_is_not_in_flight(store: TurnStore) -> None:
-    # Calls are sent before they are recorded: a fast one may settle first.
+def test_only_the_settle_that_completes_the_batch_in_flight_wakes_the_turn(
+    store: TurnStore,
+) -> None:
     c2 = ToolCall(id="c2", name="echo")
-    assert store.settle("t1", error_result(CALL, "fast"))
-    assert _dirty(store, "t1")  # it woke the turn
-    store.redis.hset(k.turn_key("t1"), k.DIRTY_FIELD, 0)
     store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
-    assert store.dispatches("t1") == {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
-    assert _unsettled(store, "t1") == 1  # c2 only
-    # The batch's last call in flight wakes the turn.
-    assert store.settle("t1", error_result(c2, "slow"))
-    assert _dirty(store, "t1")
-    assert _unsettled(store, "t1") == 0
+    assert _unsettled(store, "t1") == 2
+    assert store.settle("t1", error_result(CALL, "first"))
+    assert not _dirty(store, "t1") and _unsettled(store, "t1") == 1
+    assert store.settle("t1", error_result(c2, "last"))
+    assert _dirty(store, "t1") and _unsettled(store, "t1") == 0
 
 
-def test_a_step_records_the_calls_it_sent_when_it_lets_go_only_if_it_held_the_lock(
+def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lock(
     store: TurnStore,
 ) -> None:
     sent = {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
+    plans = {"c1": "plan-1", "c2": "plan-2"}
     assert store.lock_step("t1", "a", 5000) is True
-    assert store.release_step("t1", "b", None, 5000, sent) == -1  # not b's lock
-    assert store.dispatches("t1") == {}
-    assert store.settle("t1", error_result(CALL, "fast"), wake=False)
+    assert store.release_step("t1", "b", None, 5000, sent, plans=plans, new_calls=2) == -1
+    assert store.dispatches("t1") == {}  # not b's lock: nothing written
+    assert store.redis.hget(k.calls_key("t1"), k.PLANNED + "c1") is None
     store.wake_here("t1")  # woken while "a" steps: the lock is kept, the records written
-    assert store.release_step("t1", "a", None, 5000, sent) == 0
+    assert store.release_step("t1", "a", None, 5000, sent, plans=plans, new_calls=2) == 0
     assert store.dispatches("t1") == sent
-    assert _unsettled(store, "t1") == 1  # c2 only
-    # Recorded again (a step that took over), a call is not counted twice.
-    store.record_dispatch("t1", sent)
+    assert store.redis.hget(k.calls_key("t1"), k.PLANNED + "c2") == b"plan-2"
+    assert _unsettled(store, "t1") == 2
+    # Sent again (the pickup), a call is not counted twice.
+    assert store.begin_step("t1", "a", 5000, again=True) is not None  # the step reads again
+    again = {"c2": {"task_id": "b", "sends": 2}}
+    assert store.release_step("t1", "a", None, 5000, again, new_calls=0) == 1
+    assert _unsettled(store, "t1") == 2
+    # The broker went away before c2 went out again, and c1 was never sent at all: c1
+    # leaves the batch in flight, c2 gets its earlier count of sends back.
+    store.unrecord("t1", {"c1": sent["c1"], "c2": again["c2"]})
+    assert store.dispatches("t1") == {"c2": {"task_id": "b", "sends": 1}}
     assert _unsettled(store, "t1") == 1
     # Ending the turn lets go of the lock in the same write.
+    assert store.lock_step("t1", "a", 5000) is True
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == 1
     assert store.step_holder("t1") is None
 

@@ -43,9 +43,9 @@ def test_a_turns_keys_its_indexes_and_its_children_share_one_slot(shards: int) -
     parent = secrets.token_hex(16)
     child = child_turn_id(parent, "call_1")
     assert len(child) == 32 and child != parent and child[:4] == parent[:4]
-    keys = [*k.turn_keys(parent), *k.ended_turn_keys(parent), k.events_channel(parent)]
+    keys = [*k.turn_keys(parent), k.children_key(parent), k.events_channel(parent)]
     keys += [k.interaction_key(parent, "c.approval")]
-    keys += [k.turn_wakeups_key(parent), k.turn_active_key(parent), k.turn_index_key(parent)]
+    keys += [k.turn_wakeups_key(parent), k.turn_index_key(parent)]
     keys += [k.agent_beat_key(parent, "c")]
     keys += [k.turn_key(child), k.calls_key(child)]
     assert {_slot(key) for key in keys} == {_slot(k.turn_key(parent))}
