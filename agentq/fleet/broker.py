@@ -149,6 +149,17 @@ def publish(app: Celery, name: str, *, what: str, **options: Any) -> None:
         raise BrokerUnavailable(what, f"{type(exc).__name__}: {exc}") from exc
 
 
+def queue_size(app: Celery, queue: str) -> int | None:
+    """Messages waiting in a broker queue (not those a worker holds unacknowledged); None
+    when the broker cannot tell (it is away, or the queue does not exist)."""
+    try:
+        with app.connection_for_read() as conn, conn.channel() as channel:
+            return int(channel.queue_declare(queue=queue, passive=True).message_count)
+    except Exception as exc:  # any transport's refusal means the same: unknown
+        log.debug("size of queue %s unknown: %s", queue, exc)
+        return None
+
+
 def revoke(app: Celery, task_ids: str | list[str], **options: Any) -> bool:
     """Revoke tasks; False if the broker is away (a task that runs on finds its call
     settled already, and its result is dropped: only its worker's time is lost)."""

@@ -7,11 +7,12 @@ call wakes the turn by itself.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from agentq.constants import PICKUP_LEASES, WORKER_ALIVE_TTL_S
-from agentq.fleet.broker import publish, revoke, task_repr
+from agentq.fleet.broker import publish, queue_size, revoke, task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
 from agentq.orchestrator.plan import CallPlan, batches
@@ -21,6 +22,8 @@ from agentq.tools.timing import lost_deadline
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
+
+log = logging.getLogger("agentq.dispatch")
 
 
 def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
@@ -62,8 +65,8 @@ def send(
     Recorded first, a call's start and result always find its record, and its events
     follow the turn's. A step that dies between the write and the last message leaves
     calls recorded that were never sent: the step that wakes PICKUP_LEASES later sends a
-    call that has not started again, once, under the same task id (a call's start claim
-    runs it once, whichever delivery comes first).
+    call that has not started, and cannot be waiting in its queue, again, once, under the
+    same task id (a call's start claim runs it once, whichever delivery comes first).
     """
     ctx.dispatched.update(records)
     ctx.new_calls += sum(1 for r in records.values() if int(r.get("sends", 1)) == 1)
@@ -207,7 +210,7 @@ def _settle_overdue(
         sent_at = float(sent.get("dispatched_at", ctx.now))
         if start is None and int(sent.get("sends", 1)) == 1:
             if ctx.now >= sent_at + pickup_s:
-                again[cid] = sent
+                again[cid] = {**sent, "queue": sent.get("queue") or p.queue}
             else:
                 look_at(sent_at + pickup_s)
         why: str | None = None
@@ -234,7 +237,20 @@ def _settle_overdue(
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
         settled[cid] = _settle_lost(ctx, p, why, start)
-    return next_at, again
+    # A call whose queue still holds messages may be among them (a backlog): it waits for
+    # its queue allowance instead of a second message. Only a call that cannot be waiting
+    # is sent again.
+    waiting_in = {q: queue_size(ctx.app, q) for q in {str(r["queue"]) for r in again.values()}}
+    held = sorted(c for c, r in again.items() if waiting_in[str(r["queue"])])
+    if held:
+        log.info(
+            "turn %s: calls %s not started after the pickup, their queue holds messages:"
+            " not sent again while it does",
+            ctx.turn_id,
+            ", ".join(held),
+        )
+        look_at(ctx.now + pickup_s)  # looked at again while the backlog lasts
+    return next_at, {c: r for c, r in again.items() if c not in held}
 
 
 def _settle_lost(

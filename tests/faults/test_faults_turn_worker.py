@@ -110,8 +110,8 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
 ) -> None:
     """A step records a batch's calls as it lets go of the turn, then sends them: one that
     died in between leaves calls recorded that nobody sent. The step that wakes
-    PICKUP_LEASES later sends each call that has not started again, once, under its task
-    id, and the calls run once each."""
+    PICKUP_LEASES later sends each call that has not started, and cannot be waiting in its
+    queue, again, once, under its task id, and the calls run once each."""
     rig = make_rig(AGENTQ_TURN_LEASE_S="1")  # the pickup after 4 s
     rig.start("llm", "turns")  # no tool worker: the calls' messages wait in the broker
     key, fast, slow, later = _three_rounds(rig, tmp_path)
@@ -125,6 +125,15 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
     )
     first = store.dispatches(tid)
     assert set(first) == {"call_r0_0", "call_r0_1"}
+    # While the calls' queue holds messages they may be among them (a backlog): the
+    # pickup's step looks and sends nothing again.
+    wait_for(
+        lambda: "not sent again while it does" in rig.worker("turns").log_text(),
+        30,
+        message="the pickup's step held the calls back",
+    )
+    assert all(d.get("sends", 1) == 1 for d in store.dispatches(tid).values())
+    assert sum(store.redis.llen(q) for q in queued) == 2
     # As if the step had died between its write and its sends: the messages never left.
     store.redis.delete(*queued)
     rig.start("tools")
