@@ -241,6 +241,9 @@ class Settings(BaseSettings):
     while it runs); off by default, they cost three publishes per task."""
     log_format: Literal["text", "json"] = "text"
     """`json`: every log line of the workers and the gateway is one JSON object."""
+    task_received_logs: bool = False
+    """Celery's `Task ... received` line (INFO) for every step, call and model round; off
+    by default: it carries no turn id, and its `succeeded` line stays."""
     otel: bool | None = None
     """OpenTelemetry traces on or off; unset follows the standard `OTEL_*` variables."""
     otel_spans_file: str | None = None

@@ -45,6 +45,11 @@ two Redis connections): the steps these workers take publish from a few threads.
 
 settings = get_settings()
 logs.connect_celery_signals(settings.log_format)
+if not settings.task_received_logs:
+    # Before the consumer builds its strategies, which read the level once. At INFO each
+    # message costs a formatted line in the consumer: a sixth of an I/O worker's CPU,
+    # with the `succeeded` line, in the benchmark's io stage.
+    logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
 load_tool_modules(settings.tool_modules)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
 parse_limits(settings.llm_limits)

@@ -289,6 +289,12 @@ def test_json_log_line_per_step(obs: Obs, llm_server: Any) -> None:
     mine = [x for x in lines if x.get("turn_id") == turn_id]
     assert all({"ts", "level", "logger", "message", "pid"} <= x.keys() for x in mine)
     assert any("succeeded" in x["message"] for x in mine)
+    # Celery's `received` line, which carries no turn, is off (AGENTQ_TASK_RECEIVED_LOGS).
+    assert not any(
+        x.get("logger") == "celery.worker.strategy" and x.get("level") == "INFO"
+        for kind in ("turns", "tools", "llm", "io")
+        for x in json_lines(obs.logs[kind])
+    )
     # After the banner every line of a worker's log is one JSON object.
     for kind in ("turns", "llm", "tools", "io"):
         text = obs.logs[kind].read_text().splitlines()
