@@ -138,7 +138,8 @@ def advance_calls(
             dispatched = {**dispatched, **subturns.record(ctx, new_agents)}
             at = subturns.watch(ctx, agents, settled, dispatched)
             due += [] if at is None else [at]
-        at, again = _settle_overdue(ctx, [p for p in tools if p not in fresh], settled)
+        earlier = [p for p in tools if p.call.id in dispatched]
+        at, again = _settle_overdue(ctx, earlier, settled)
         due += [] if at is None else [at]
         if fresh or again:
             resend = [p for p in tools if p.call.id in again]
@@ -146,28 +147,12 @@ def advance_calls(
             if fresh:
                 # Recorded before they are sent: a step that dies in between leaves them
                 # to the pickup, the first wake after PICKUP_LEASES.
-                due += [ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s]
-                due += [_queue_deadline(ctx, fresh)]
+                s = ctx.settings
+                due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
+                due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]  # lost_deadline
             send(ctx, [*fresh, *resend], records, secrets, min(due))
         return min(due) if due else None
     return None
-
-
-def _queue_deadline(ctx: StepContext, plans: list[CallPlan]) -> float:
-    s = ctx.settings
-    return min(
-        float(
-            lost_deadline(
-                dispatched_at=ctx.now,
-                started_at=None,
-                timeout_s=p.timeout_s,
-                grace_s=s.tool_grace_s,
-                queue_timeout_s=s.tool_queue_timeout_s,
-            )
-            or ctx.now
-        )
-        for p in plans
-    )
 
 
 def _settle_overdue(
