@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, event_body, publish_lua
+from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -45,10 +45,10 @@ WAKE_ONLY_LUA = (
 def _fence_lua(refused: int) -> str:
     return f"""
 local open = redis.call('HMGET', KEYS[1], '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}', '{_DIRTY}',
-  '{k.UNSETTLED_FIELD}')
+  '{k.UNSETTLED_FIELD}', 'status')
 if not {lock_mine_lua("open[1]", "ARGV[1]")} then return {refused} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
-local unsettled = tonumber(open[5]) or 0
+local unsettled, status = tonumber(open[5]) or 0, open[6]
 """
 
 
@@ -143,10 +143,15 @@ w[#w + 1] = '{_STEP}'
 w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
 redis.call('HSET', KEYS[1], unpack(w))
 """
-    + """
-if dirty then return 0 end
--- No deadline: the turn stays among the open ones, due never (a wake moves it).
-redis.call('ZADD', KEYS[2], ARGV[3] == '' and '+inf' or ARGV[3], ARGV[2])
+    + "\nif dirty then return 0 end\nif "
+    + ended_lua("status")
+    + """ then
+  -- A step of a turn that had ended (a late delivery): it is not among the open ones.
+  redis.call('ZREM', KEYS[2], ARGV[2])
+else
+  -- No deadline: the turn stays among the open ones, due never (a wake moves it).
+  redis.call('ZADD', KEYS[2], ARGV[3] == '' and '+inf' or ARGV[3], ARGV[2])
+end
 return 1
 """
 )

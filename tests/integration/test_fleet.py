@@ -8,6 +8,7 @@ so the session workers cannot take its tasks; only the scripted model is shared.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -150,7 +151,8 @@ def test_a_stream_worker_of_two_processes_streams_on_both(agentq_env, llm_server
                 client = Client()
                 # Sixteen rounds of a second each at once: more than one process prefetches.
                 slow = Round(text="x" * 20, chunk_size=2, chunk_delay_ms=100)
-                handles = [client.start_turn(f"{script(llm_server, slow)} go") for _ in range(16)]
+                keys = [script(llm_server, slow) for _ in range(16)]
+                handles = [client.start_turn(f"{key} go") for key in keys]
                 for h in handles:
                     events = collect(client, h.turn_id, timeout_s=60)
                     assert events[-1].type == "turn_finished", events[-1]
@@ -162,7 +164,14 @@ def test_a_stream_worker_of_two_processes_streams_on_both(agentq_env, llm_server
                 if node.startswith(f"llm-{tag}-")
             }
             assert set(served) == {f"llm-{tag}-1", f"llm-{tag}-2"}, stats.keys()
-            assert sum(served.values()) == 16 and min(served.values()) > 0, served
+            assert min(served.values()) > 0, served
+            # Each round streamed once. (A round a loaded machine left unclaimed for four
+            # leases is delivered again, and the second delivery finds it claimed: counted
+            # by Celery, never streamed.)
+            streamed = [
+                r for r in list(llm_server.requests) if any(key in json.dumps(r) for key in keys)
+            ]
+            assert len(streamed) == 16, len(streamed)
             # SIGKILL to the supervisor alone: its workers get SIGTERM from the kernel.
             os.kill(llm.pid, 9)
             for pid in workers:

@@ -70,6 +70,20 @@ def test_nothing_after_the_turn_is_over(store: TurnStore) -> None:
     assert store.state("t1")["status"] == "aborted"  # type: ignore[index]
     assert store.redis.ttl(k.turn_key("t1")) > 0
     assert store.redis.zscore(k.WAKEUPS, "t1") is None
+    # A late step of the ended turn (one delivered after the end) lets go of it without
+    # putting it back among the open turns, whose set the wakeups are.
+    assert store.lock_step("t1", "late", 5000)
+    assert store.release_step("t1", "late", None, 5000) == 1
+    assert store.redis.zscore(k.WAKEUPS, "t1") is None
+    assert store.active() == []
+
+
+def test_a_turn_without_a_deadline_stays_among_the_open_ones(store: TurnStore) -> None:
+    assert store.active() == ["t1"]
+    assert store.lock_step("t1", "a", 5000)
+    assert store.release_step("t1", "a", None, 5000) == 1
+    assert store.redis.zscore(k.WAKEUPS, "t1") == float("inf")
+    assert store.active() == ["t1"] and store.due_wakeups(time.time() + 3600) == []
 
 
 def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnStore) -> None:
