@@ -68,28 +68,31 @@ def send(
     call that has not started, and cannot be waiting in its queue, again, once, under the
     same task id (a call's start claim runs it once, whichever delivery comes first).
     """
+    requests = {
+        p.call.id: ToolTaskRequest(
+            turn_id=ctx.turn_id,
+            call_id=p.call.id,
+            tool=p.call.name,
+            arguments=p.arguments,
+            timeout_s=p.timeout_s,
+            soft_timeout_s=p.soft_timeout_s or None,
+            budget_s=p.budget_s,
+            secret_ref=secrets.get(p.call.id),
+            traceparent=ctx.state.get("traceparent"),
+        ).model_dump()
+        for p in plans
+    }
     ctx.dispatched.update(records)
     ctx.new_calls += sum(1 for r in records.values() if int(r.get("sends", 1)) == 1)
     ctx.release(next_at)
-    sent: list[str] = []
+    sent: set[str] = set()
     try:
         for p in plans:
-            req = ToolTaskRequest(
-                turn_id=ctx.turn_id,
-                call_id=p.call.id,
-                tool=p.call.name,
-                arguments=p.arguments,
-                timeout_s=p.timeout_s,
-                soft_timeout_s=p.soft_timeout_s or None,
-                budget_s=p.budget_s,
-                secret_ref=secrets.get(p.call.id),
-                traceparent=ctx.state.get("traceparent"),
-            )
             publish(
                 ctx.app,
                 p.task_name,
                 what=f"call {p.call.id} of turn {ctx.turn_id}",
-                kwargs=req.model_dump(),
+                kwargs=requests[p.call.id],
                 task_id=records[p.call.id]["task_id"],
                 queue=p.queue,
                 argsrepr="()",
@@ -100,7 +103,7 @@ def send(
                 ignore_result=True,
                 **p.limits.celery_options,
             )
-            sent.append(p.call.id)
+            sent.add(p.call.id)
     except BaseException:
         # What was not sent is recorded as not sent, for the step after the outage to
         # send at once; a step that took the turn meanwhile sends it after the pickup.
