@@ -145,17 +145,30 @@ def advance_calls(
         at, again = _settle_overdue(ctx, earlier, settled)
         due += [] if at is None else [at]
         if fresh or again:
-            resend = [p for p in tools if p.call.id in again]
-            records = {**_records(ctx, fresh, {}), **_records(ctx, resend, again)}
+            out = [*fresh, *(p for p in tools if p.call.id in again)]
             if fresh:
                 # Recorded before they are sent: a step that dies in between leaves them
                 # to the pickup, the first wake after PICKUP_LEASES.
                 s = ctx.settings
                 due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
-                due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]  # lost_deadline
-            send(ctx, [*fresh, *resend], records, secrets, min(due))
+                due += [_queue_deadline(ctx, ctx.now)]
+            send(ctx, out, _records(ctx, out, again), secrets, min(due))
         return min(due) if due else None
     return None
+
+
+def _queue_deadline(ctx: StepContext, dispatched_at: float) -> float:
+    """When a call sent at `dispatched_at` that never started settles as lost."""
+    s = ctx.settings
+    due = lost_deadline(
+        dispatched_at=dispatched_at,
+        started_at=None,
+        timeout_s=0,
+        grace_s=s.tool_grace_s,
+        queue_timeout_s=s.tool_queue_timeout_s,
+    )
+    assert due is not None  # a call not started always has its queue allowance
+    return due
 
 
 def _settle_overdue(
@@ -198,7 +211,7 @@ def _settle_overdue(
         sent_at = float(sent.get("dispatched_at", ctx.now))
         if start is None and int(sent.get("sends", 1)) == 1:
             if ctx.now >= sent_at + pickup_s:
-                again[cid] = {**sent, "queue": sent.get("queue") or p.queue}
+                again[cid] = sent
             else:
                 look_at(sent_at + pickup_s)
         why: str | None = None
@@ -228,8 +241,9 @@ def _settle_overdue(
     # A call whose queue still holds messages may be among them (a backlog): it waits for
     # its queue allowance instead of a second message. Only a call that cannot be waiting
     # is sent again.
-    waiting_in = {q: queue_size(ctx.app, q) for q in {str(r["queue"]) for r in again.values()}}
-    held = sorted(c for c, r in again.items() if waiting_in[str(r["queue"])])
+    queues = {p.call.id: p.queue for p in waiting if p.call.id in again}
+    waiting_in = {q: queue_size(ctx.app, q) for q in set(queues.values())}
+    held = sorted(c for c, q in queues.items() if waiting_in[q])
     if held:
         log.info(
             "turn %s: calls %s not started after the pickup, their queue holds messages:"

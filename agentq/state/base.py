@@ -124,8 +124,13 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
 
 
 def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
-    """Dispatch records as the (call id, record JSON) pairs RECORD_DISPATCH_LUA reads."""
-    return [x for c, r in records.items() for x in (c, json.dumps(r))]
+    """Dispatch records as the (field, record JSON) pairs of a turn's calls hash."""
+    return [x for c, r in records.items() for x in (k.DISPATCHED + c, json.dumps(r))]
+
+
+def plan_args(plans: Mapping[str, str]) -> list[str]:
+    """Call plans (call id -> CallPlan JSON) as the (field, plan) pairs of the calls hash."""
+    return [x for c, p in plans.items() for x in (k.PLANNED + c, p)]
 
 
 def each_shard(client: Any, command: Callable[[Any, int], Any]) -> list[Any]:

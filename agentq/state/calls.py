@@ -81,12 +81,7 @@ redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2])
 # Dispatch records written apart from a step's release (a sub-agent call's child turn,
 # recorded before the child is started): the new ones join the batch in flight.
 RECORD_DISPATCH_LUA = f"""
-local w = {{}}
-for i = 1, #ARGV, 2 do
-  w[#w + 1] = '{k.DISPATCHED}' .. ARGV[i]
-  w[#w + 1] = ARGV[i + 1]
-end
-local counted = redis.call('HSET', KEYS[1], unpack(w))
+local counted = redis.call('HSET', KEYS[1], unpack(ARGV))
 if counted > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
   redis.call('HINCRBY', KEYS[2], '{k.UNSETTLED_FIELD}', counted)
 end

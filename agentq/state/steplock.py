@@ -16,8 +16,10 @@ from agentq.state.base import (
     RoundRead,
     StepView,
     StoreBase,
+    dispatch_args,
     each_shard,
     now_ms,
+    plan_args,
     step_view,
     text,
 )
@@ -236,7 +238,7 @@ class StepRecords(StoreBase):
         """Write state fields, append history messages, store call plans (call id -> plan
         JSON) and publish events, in one write, if this step still holds the lock."""
         messages = [json.dumps(m) for m in append or []]
-        plan_pairs = [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)]
+        plan_pairs = plan_args(plans or {})
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
         args: list[Any] = [token, len(fields), len(messages), len(plan_pairs) // 2, len(bodies)]
         args.append(self.bus.log_arg() if bodies else "")
@@ -287,10 +289,7 @@ class StepRecords(StoreBase):
         args += [now_ms(), len(messages), new_calls]
         for f, v in fields.items():
             args += [f, json.dumps(v)]
-        args += [*messages, *bodies]
-        args += [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)]
-        for c, r in (dispatched or {}).items():
-            args += [k.DISPATCHED + c, json.dumps(r)]
+        args += [*messages, *bodies, *plan_args(plans or {}), *dispatch_args(dispatched or {})]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
         keys += [k.calls_key(turn_id)]
         keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]

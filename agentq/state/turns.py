@@ -51,13 +51,13 @@ CLOSE_LUA = (
     + """ then return -1 end
 local n = tonumber(ARGV[11])
 """
-    + many_lua("RPUSH", "KEYS[10]", "12", "11 + n")
+    + many_lua("RPUSH", "KEYS[9]", "12", "11 + n")
     + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
     + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV")
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
-if kids then redis.call('DEL', KEYS[11]) end
-for i = 12, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if kids then redis.call('DEL', KEYS[10]) end
+for i = 11, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local popen = redis.call('HMGET', KEYS[5], 'status', '"""
     + WATCHERS_FIELD
@@ -75,15 +75,12 @@ end
 if redis.call('HSETNX', KEYS[6], '"""
     + k.SETTLED
     + """' .. ARGV[6], ARGV[7]) == 0 then return 1 end
-local left = tonumber(popen[4]) or 0
-local tracked = redis.call('HEXISTS', KEYS[9], '"""
-    + k.DISPATCHED
-    + """' .. ARGV[6]) == 1
-if tracked then left = math.max(left - 1, 0) end
+-- The parent recorded its call before it started this turn: the call is in its batch.
+local left = math.max((tonumber(popen[4]) or 0) - 1, 0)
 do
 """
     + publish_lua("KEYS[7]", "KEYS[8]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
-    + "end\nif tracked and left > 0 then\n"
+    + "end\nif left > 0 then\n"
     + f"  redis.call('HSET', KEYS[5], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
     + "  return 3\nend\n"
     + wake_lua(
@@ -215,7 +212,6 @@ class TurnRecords(StoreBase):
                 k.calls_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
-                k.calls_key(pid),
                 k.history_key(turn_id),
                 k.children_key(turn_id),
                 *k.turn_keys(turn_id),
