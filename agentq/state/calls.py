@@ -20,13 +20,15 @@ from agentq.state.base import (
     now_ms,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
+from agentq.state.lua import TURN_OPEN_LUA, turn_open_lua, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
-    TURN_OPEN_LUA % (4, -2)
+    # A call alone in its batch (ARGV[12]) is the last: its settle takes the step, so the
+    # state is read whole at once (see `wake_or_step_lua`).
+    turn_open_lua("KEYS[4]", "-2", whole="ARGV[12] == '1' and ARGV[9] ~= ''")
     + f"""
 if redis.call('HSETNX', KEYS[1], '{k.SETTLED}' .. ARGV[1], ARGV[2]) == 0 then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
@@ -50,6 +52,7 @@ local ready = not tracked or unsettled == 0
         "ARGV[5]",
         "KEYS[1]",
         fields=f"'{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
+        whole=True,
     )
     + "return 3"
 )
@@ -75,7 +78,9 @@ redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2])
 """
     + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
     + seq_lua("KEYS[4]")
-    + "return 1"
+    # Alone in the batch in flight (which counts it: recorded before sent), its settle
+    # will be the one that takes the turn's step.
+    + "return unsettled <= 1 and 3 or 1"
 )
 
 # Dispatch records written apart from a step's release (a sub-agent call's child turn,
@@ -167,8 +172,9 @@ class CallRecords(StoreBase):
     def mark_started(
         self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
     ) -> int:
-        """Record a task's start; 1 started, 0 already settled, -1 turn cancelled,
-        -2 turn over or gone, 2 this delivery (`start["delivery"]`) started already."""
+        """Record a task's start; 1 started (3: and it is the only call of the batch in
+        flight, see `settle`'s `alone`), 0 already settled, -1 turn cancelled, -2 turn
+        over or gone, 2 this delivery (`start["delivery"]`) started already."""
         return int(
             self._durable(
                 self._start,
@@ -224,13 +230,21 @@ class CallRecords(StoreBase):
         return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
 
     def settle(
-        self, turn_id: str, result: ToolResult, *, wake: bool = True, tracked: bool = True
+        self,
+        turn_id: str,
+        result: ToolResult,
+        *,
+        wake: bool = True,
+        tracked: bool = True,
+        alone: bool = False,
     ) -> bool:
         """Store a call's result unless one is stored already; True if this one won.
 
         `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
         for a call the turn never recorded as sent (refused, denied): it was never in the
-        batch in flight.
+        batch in flight. `alone`: the call was the batch's only one when it started
+        (`mark_started` answered 3), so this settle most likely takes the turn's step and
+        reads its whole state at once; a wrong guess costs a larger read, nothing else.
         """
         result_json = result.model_dump_json()
         event = finished(result)
@@ -257,6 +271,7 @@ class CallRecords(StoreBase):
                 token,
                 lock_ms,
                 "1" if tracked else "0",
+                "1" if alone else "0",
             ],
         )
         won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)

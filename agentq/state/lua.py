@@ -16,35 +16,60 @@ from agentq.constants import (
 )
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
 
-# A turn that is over (or whose state Redis lost) takes no more writes: nothing is
-# written after its terminal event, and nothing recreates half of a vanished turn. It
-# leaves `watched` (the turn's followers) and `seq` (its last event's) for the publish
-# fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`) and
-# `unsettled` (UNSETTLED_FIELD).
-TURN_OPEN_LUA = (
+_OPEN_FIELDS = ", ".join(
+    f"'{f}'"
+    for f in (
+        "status",
+        WATCHERS_FIELD,
+        CANCEL_FIELD,
+        SEQ_FIELD,
+        STEP_FIELD,
+        UNSETTLED_FIELD,
+        CHILDREN_FIELD,
+    )
+)
+
+
+def turn_open_lua(turn: str, ended: str, whole: str | None = None) -> str:
+    """Lua that reads what every write to a turn checks first, and answers `ended` for a
+    turn that is over (or whose state Redis lost): nothing is written after its terminal
+    event, and nothing recreates half of a vanished turn.
+
+    It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
+    publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
+    `unsettled` (UNSETTLED_FIELD) and `kids` (CHILDREN_FIELD). When the Lua condition
+    `whole` holds, the whole state is read instead (HGETALL) and left in `whole_st`: a
+    write that is about to take the turn's step (`wake_or_step_lua`) then has the step's
+    view without reading the state a second time.
     """
-local open = redis.call('HMGET', KEYS[%d], 'status', '"""
-    + WATCHERS_FIELD
-    + """', '"""
-    + CANCEL_FIELD
-    + """', '"""
-    + SEQ_FIELD
-    + """', '"""
-    + STEP_FIELD
-    + """', '"""
-    + UNSETTLED_FIELD
-    + """', '"""
-    + CHILDREN_FIELD
-    + """')
-local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
-local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
-if not status or """
-    + ended_lua("status")
-    + """ then
-  return %s
+    read = f"local open = redis.call('HMGET', {turn}, {_OPEN_FIELDS})\n"
+    if whole is not None:
+        read = f"""
+local whole_st, open = false, nil
+if {whole} then
+  whole_st = redis.call('HGETALL', {turn})
+  local by = {{}}
+  for i = 1, #whole_st, 2 do by[whole_st[i]] = whole_st[i + 1] end
+  open = {{}}
+  for i, name in ipairs({{{_OPEN_FIELDS}}}) do open[i] = by[name] or false end
+else
+  open = redis.call('HMGET', {turn}, {_OPEN_FIELDS})
 end
 """
-)
+    return (
+        read
+        + f"""local status, watched, cancelled = open[1], open[2], open[3]
+local seq = tonumber(open[4]) or 0
+local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
+if not status or {ended_lua("status")} then
+  return {ended}
+end
+"""
+    )
+
+
+# The guard as most writes use it: `TURN_OPEN_LUA % (turn key's index, answer if over)`.
+TURN_OPEN_LUA = turn_open_lua("KEYS[%d]", "%s")
 
 
 # The step lock is a field of the turn's state (STEP_FIELD), so the scripts that take,
@@ -161,14 +186,6 @@ def view_lua(st: str, history: str, calls: str | None = None) -> str:
     return f"{{{st}, redis.call('LRANGE', {history}, 0, -1), {rnd}}}"
 
 
-def read_view_lua(turn: str, history: str, calls: str | None = None) -> str:
-    """A Lua expression list: what a step reads (`view_lua`), the state read here."""
-    return f"""unpack((function()
-  local st = redis.call('HGETALL', {turn})
-  return {view_lua("st", history, calls)}
-end)())"""
-
-
 def wake_or_step_lua(
     wake: tuple[str, str, str],
     turn: str,
@@ -178,6 +195,7 @@ def wake_or_step_lua(
     now_ms: str,
     calls: str | None = None,
     fields: str = "",
+    whole: bool = False,
 ) -> str:
     """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
     for a caller that steps the woken turn itself (`token` set) when the lock (`held`, as
@@ -188,13 +206,34 @@ def wake_or_step_lua(
 
     A step taken here needs no dirty mark (it reads now), only its wakeup, should its
     process die in it. A mark some other wake left stays: that step runs once more.
+
+    `whole`: the script read the state with `turn_open_lua(..., whole=...)`; when that
+    read the whole state (`whole_st`), the step's view is it with this HSET's fields
+    laid over, instead of a second read.
     """
     wakeups, turn_id, at = wake
     more = f", {fields}" if fields else ""
+    state = "local st = redis.call('HGETALL', " + turn + ")"
+    if whole:
+        state = f"""local st = whole_st
+  if st then
+    local at = {{}}
+    for i = 1, #st, 2 do at[st[i]] = i end
+    for i = 1, #w, 2 do
+      local v = w[i + 1]
+      if type(v) == 'number' then v = string.format('%.17g', v) end
+      local j = at[w[i]]
+      if j then st[j + 1] = v else st[#st + 1] = w[i]; st[#st + 1] = v end
+    end
+  else
+    st = redis.call('HGETALL', {turn})
+  end"""
     return f"""
 if {token} ~= '' and {lock_free_lua("held", now_ms)} then
-  redis.call('HSET', {turn}, '{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}{more})
+  local w = {{'{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}{more}}}
+  redis.call('HSET', {turn}, unpack(w))
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
-  return {{3, {read_view_lua(turn, history, calls)}}}
+  {state}
+  return {{3, unpack({view_lua("st", history, calls)})}}
 end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)

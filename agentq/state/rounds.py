@@ -12,13 +12,14 @@ from redis.commands.core import Script
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
-from agentq.state.lua import TURN_OPEN_LUA, wake_or_step_lua
+from agentq.state.lua import turn_open_lua, wake_or_step_lua
 
 # A round's end: the events of it not published yet (its last deltas, llm_finished), its
 # result (fields of the turn's state, in the HSET of its seq), and the turn woken (or
 # stepped here), in one write.
 FINISH_LLM_LUA = (
-    TURN_OPEN_LUA % (2, -2)
+    # A round's end always wakes its turn: a writer that steps it reads the state whole.
+    turn_open_lua("KEYS[2]", "-2", whole="ARGV[4] ~= ''")
     + """
 for i = 9, #ARGV do
 """
@@ -35,6 +36,7 @@ end
         "ARGV[7]",
         fields=f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', ARGV[3], "
         f"'{k.LLM_RESULT_ROUND_FIELD}', ARGV[8], '{k.LLM_ALIVE_FIELD}', 'null'",
+        whole=True,
     )
     + "return 1"
 )

@@ -38,6 +38,7 @@ from agentq.tools.calls import (
     progress_fields,
     raised_result,
     secret_reader,
+    settle,
     tick_fields,
 )
 from agentq.tools.context import ToolContext
@@ -141,7 +142,7 @@ async def _run_async_call(
     try:
         kwargs = call_kwargs(spec, req)
     except Exception as exc:
-        await host.io(store.settle, req.turn_id, scope.finish(raised_result(scope, exc)))
+        await host.io(settle, store, scope, raised_result(scope, exc))
         return "error"
 
     def on_abort() -> None:
@@ -161,7 +162,7 @@ async def _run_async_call(
         try:
             made = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
         except Exception as exc:
-            await host.io(store.settle, req.turn_id, scope.finish(raised_result(scope, exc)))
+            await host.io(settle, store, scope, raised_result(scope, exc))
             return "error"
         inner = loop.create_task(_await(made), name=name)
     settled = threading.Lock()
@@ -172,7 +173,7 @@ async def _run_async_call(
             if done_flag[0]:
                 return False
             done_flag[0] = True
-        store.settle(req.turn_id, scope.finish(result))
+        settle(store, scope, result)
         return True
 
     def on_recycle(why: str, blocked: bool) -> None:

@@ -47,6 +47,8 @@ class CallScope:
     task_id: str | None
     started: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
+    alone: bool = False
+    """The call was its turn's only one in flight when it started (see `settle`)."""
 
     @property
     def call(self) -> ToolCall:
@@ -77,6 +79,11 @@ class CallScope:
         return result
 
 
+def settle(store: TurnStore, scope: CallScope, result: ToolResult) -> None:
+    """Settle the call with what it returned or raised (its scope's fields added)."""
+    store.settle(scope.req.turn_id, scope.finish(result), alone=scope.alone)
+
+
 def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | None:
     """Record the start; None when the call should run, else why it does not (for Flower)."""
     req = scope.req
@@ -103,6 +110,7 @@ def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | Non
             "attempt": req.attempt,
         },
     )
+    scope.alone = claim == 3
     if claim == 0:
         return "already settled: not run again"
     if claim == 2:

@@ -33,6 +33,7 @@ from agentq.tools.calls import (
     progress_fields,
     raised_result,
     secret_reader,
+    settle,
     tick_fields,
 )
 from agentq.tools.context import ToolContext
@@ -222,7 +223,7 @@ def _run(
         )
     except Exception as exc:
         result = raised_result(scope, exc)
-    store.settle(req.turn_id, scope.finish(result))
+    settle(store, scope, result)
     return result.status
 
 

@@ -73,10 +73,11 @@ def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> 
     store.create(tid, {"status": "running"}, [{"role": "user", "content": "x"}])
     first = {"started_at": 1.0, "delivery": "task-1/0"}
     event = {"call_id": "c1", "tool": "counted"}
-    assert store.mark_started(tid, "c1", first, event) == 1
+    # Started (3: the only call in flight, as none is recorded here).
+    assert store.mark_started(tid, "c1", first, event) == 3
     assert store.mark_started(tid, "c1", {**first, "started_at": 2.0}, event) == 2
     # An explicit retry (Celery's retry count went up) is a new delivery: it may run.
-    assert store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event) == 1
+    assert store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event) == 3
     store.close(tid, TurnStatus.FINISHED, "turn_finished", {})
     # Nothing starts, and nothing settles, in a turn that is over.
     assert store.mark_started(tid, "c2", {"delivery": "task-2/0"}, event) == -2

@@ -124,6 +124,8 @@ def test_a_due_wakeup_is_claimed_by_one_sweeper(store: TurnStore) -> None:
 def test_start_refused_when_settled_or_cancelled(store: TurnStore) -> None:
     start = {"started_at": 1.0, "worker": "w", "pid": 1, "task_id": "x", "attempt": 1}
     event = {"call_id": "c2", "tool": "echo"}
+    # Started beside another call in flight (3 would say it is the batch's only one).
+    store.record_dispatch("t1", {"c2": {"task_id": "x"}, "c5": {"task_id": "y"}})
     assert store.mark_started("t1", "c2", start, event) == 1
     store.settle("t1", error_result(ToolCall(id="c3", name="echo"), "done"))
     assert store.mark_started("t1", "c3", start, event) == 0
@@ -268,6 +270,27 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     # A read of other calls is not used: the step reads them itself.
     _, settled, _ = store.round_plans_view("t1", ["c2"], read=taken.round)
     assert settled["c2"].error == "two"
+
+
+def test_a_lone_calls_settle_hands_its_step_the_view_a_fresh_read_gives(store: TurnStore) -> None:
+    store.create("t1", {"status": "running", "round_calls": ["c1"]}, [{"role": "user"}])
+    store.redis.hset(k.calls_key("t1"), k.PLANNED + "c1", "plan-1")
+    store.record_dispatch("t1", {"c1": {"task_id": "a"}})
+    start = {"started_at": 1.0, "worker": "w", "pid": 1, "task_id": "a", "attempt": 1}
+    assert store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"}) == 3
+    capture = _Capture()
+    store.stepper = capture
+    # Its settle reads the state whole before it writes, and lays its writes over it.
+    assert store.settle("t1", error_result(CALL, "one"), alone=True)
+    (taken,) = capture.views
+    token = store.step_holder("t1")
+    assert token is not None
+    fresh = store.begin_step("t1", token, 5000, again=True)
+    assert fresh is not None and taken.state is not None
+    assert taken.state == fresh.state
+    assert taken.state["seq"] == 2 and taken.state[k.UNSETTLED_FIELD] == 0
+    assert taken.history == fresh.history and taken.round == fresh.round
+    assert taken.round is not None and taken.round.plans == [b"plan-1"]
 
 
 def test_a_turn_without_named_round_calls_has_no_round_read(store: TurnStore) -> None:
