@@ -275,20 +275,18 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     this delivery's to stream (done, gone, or streaming elsewhere)."""
     streams = get_streams(host)
     key = (req.turn_id, req.round_no)
-    # Renewed from the moment of the claim: a busy loop may start this round later than
-    # the lease, and a lapsed claim would have the turn send the round again.
-    streams.hold(key)
-    try:
-        start = host.store.begin_llm_round(
-            req.turn_id, req.round_no, streams.worker, streams.lease_ms, _started(host, req)
-        )
-    except BaseException:
-        streams.release(key)
-        raise
+    start = host.store.begin_llm_round(
+        req.turn_id, req.round_no, streams.worker, streams.lease_ms, _started(host, req)
+    )
     if start.claimed:
+        # Renewed from the moment of the claim: a busy loop may start this round later
+        # than the lease, and a lapsed claim would have the turn send the round again.
+        # Not before it: the renewer would write this worker's lease for a round it has
+        # not claimed yet, and the claim would find it held "elsewhere" and refuse it,
+        # leaving the round to the turn's pickup, four leases later.
+        streams.hold(key)
         streams.hold_lease(key, req.lease_id)
         return start
-    streams.release(key)
     if (start.gone or start.done) and req.lease_id:
         # Nobody will stream this round: its capacity grant goes back to the queue.
         wake_granted(host.store, streams.capacity.release(req.lease_id))
