@@ -38,20 +38,22 @@ def turn_open_lua(turn: str, ended: str, whole: str | None = None) -> str:
     It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
     publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
     `unsettled` (UNSETTLED_FIELD) and `kids` (CHILDREN_FIELD). When the Lua condition
-    `whole` holds, the whole state is read instead (HGETALL) and left in `whole_st`: a
-    write that is about to take the turn's step (`wake_or_step_lua`) then has the step's
-    view without reading the state a second time.
+    `whole` holds, the whole state is read instead (HGETALL) and left in `whole_st`, with
+    `whole_at` (field -> its index there): a write that is about to take the turn's step
+    (`wake_or_step_lua`) then has the step's view without reading the state a second time.
     """
     read = f"local open = redis.call('HMGET', {turn}, {_OPEN_FIELDS})\n"
     if whole is not None:
         read = f"""
-local whole_st, open = false, nil
+local whole_st, whole_at, open = false, {{}}, nil
 if {whole} then
   whole_st = redis.call('HGETALL', {turn})
-  local by = {{}}
-  for i = 1, #whole_st, 2 do by[whole_st[i]] = whole_st[i + 1] end
+  for i = 1, #whole_st, 2 do whole_at[whole_st[i]] = i end
   open = {{}}
-  for i, name in ipairs({{{_OPEN_FIELDS}}}) do open[i] = by[name] or false end
+  for i, name in ipairs({{{_OPEN_FIELDS}}}) do
+    local j = whole_at[name]
+    open[i] = j and whole_st[j + 1] or false
+  end
 else
   open = redis.call('HMGET', {turn}, {_OPEN_FIELDS})
 end
@@ -217,13 +219,17 @@ def wake_or_step_lua(
     if whole:
         state = f"""local st = whole_st
   if st then
-    local at = {{}}
-    for i = 1, #st, 2 do at[st[i]] = i end
     for i = 1, #w, 2 do
       local v = w[i + 1]
       if type(v) == 'number' then v = string.format('%.17g', v) end
-      local j = at[w[i]]
-      if j then st[j + 1] = v else st[#st + 1] = w[i]; st[#st + 1] = v end
+      local j = whole_at[w[i]]
+      if j then
+        st[j + 1] = v
+      else
+        st[#st + 1] = w[i]
+        st[#st + 1] = v
+        whole_at[w[i]] = #st - 1
+      end
     end
   else
     st = redis.call('HGETALL', {turn})
