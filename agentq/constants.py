@@ -4,7 +4,7 @@ Keys are built only from ids checked at the edge (agentq.models): a turn id is 3
 lowercase hex digits (`secrets.token_hex(16)`); an interaction request id is
 ``<call id>.approval`` (`approval_request_id`) with a call id of safe characters.
 Anything else names nothing: a key built from it could name another of the turn's keys
-(``{id}:calls``, ``{id}:log``).
+(``{id}:history``, ``{id}:log``).
 
 Every key of one turn shares one Redis Cluster hash tag, so each script runs on one slot.
 On one Redis (one shard) the tag is the turn id, in literal braces
@@ -171,13 +171,10 @@ def history_key(turn_id: str) -> str:
     return f"{turn_key(turn_id)}:history"
 
 
-def calls_key(turn_id: str) -> str:
-    """Hash of the turn's calls, up to four fields a call (`PLANNED`, `DISPATCHED`,
-    `STARTED`, `SETTLED` and the call id): one key, so a start reads whether its call
-    settled in the same command, and the turn's end sets one TTL, not four."""
-    return f"{turn_key(turn_id)}:calls"
-
-
+# A turn's calls are fields of its state hash, up to four a call (one of these prefixes
+# and the call id): a call's start, settle and plan are then written in the HSET their
+# script makes of the state anyway, a start reads whether its call settled in the command
+# that reads the turn, and a step's read of the state brings its round along.
 DISPATCHED = "d:"
 """A call's dispatch record (task id, when sent, limits, queue), written by the step."""
 STARTED = "s:"
@@ -186,7 +183,13 @@ SETTLED = "r:"
 """A call's settled ToolResult JSON; the first writer wins (HSETNX)."""
 PLANNED = "p:"
 """A call's CallPlan JSON, written once, before the call is sent: a step that collects
-the round reads a call's plan, dispatch record and result in one HMGET."""
+the round reads a call's plan, dispatch record and result with the state."""
+CALL_RECORDS = (DISPATCHED, STARTED, SETTLED, PLANNED)
+
+
+def is_call_record(field: str) -> bool:
+    """Whether a field of a turn's state hash is one of its calls' records."""
+    return field[:2] in CALL_RECORDS
 
 
 def children_key(turn_id: str) -> str:
@@ -327,7 +330,6 @@ def turn_keys(turn_id: str) -> list[str]:
         turn_key(turn_id),
         log_key(turn_id),
         history_key(turn_id),
-        calls_key(turn_id),
     ]
 
 

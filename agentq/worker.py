@@ -106,6 +106,14 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
 
 
+@worker_init.connect
+def _upgrade_layout(**_: Any) -> None:
+    """Before the first task: turns an older version stored are moved to this layout."""
+    from agentq.state.layout import upgrade_layout
+
+    upgrade_layout(get_store().redis)
+
+
 @worker_ready.connect
 def _announce_role(sender: Any = None, **_: Any) -> None:
     consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []

@@ -92,8 +92,9 @@ def bench_held(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                 peak_fleet, peak_by_kind = fleet_now, by_kind
             pipe = store.redis.pipeline(transaction=False)
             for h in handles:
-                pipe.exists(k.calls_key(h.turn_id))
-            held = sum(1 for x in pipe.execute() if x)
+                # Its round's calls are planned (the first record of its calls).
+                pipe.hget(k.turn_key(h.turn_id), "round_calls")
+            held = sum(1 for x in pipe.execute() if x not in (None, b"null"))
             if held == n:
                 break
             time.sleep(0.5)

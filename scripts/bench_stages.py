@@ -272,17 +272,26 @@ def agentq_call(fx: BenchRig) -> ToolResult:
 
 
 def _noop_turn() -> tuple[str, str, ToolResult]:
-    """Start a turn of one no-op call, keep still, poll for its end: (turn, call, result)."""
+    """Start a turn of one no-op call, keep still, poll for its end: (turn, call, result).
+
+    Each poll reads the turn's status and the call's result in one command (both are
+    fields of the turn's state), as Celery's client reads its result in one GET.
+    """
+    from agentq import constants as k
+
     call = noop_call()
     store = runtime.get_store()
     turn_id = start_round([call])
     time.sleep(QUIET_WAIT_S)
     deadline = time.monotonic() + 30
-    while turn_statuses(store, [turn_id])[0] not in ("finished", "aborted", "error"):
+    while True:
+        status, raw = store.redis.hmget(k.turn_key(turn_id), "status", k.SETTLED + call.id)
+        if status is not None and json.loads(status) in ("finished", "aborted", "error"):
+            break
         if time.monotonic() > deadline:
             raise BenchError(f"noop turn {turn_id} did not end within 30 s")
         time.sleep(0.005)
-    res = store.result(turn_id, call.id)
+    res = None if raw is None else ToolResult.model_validate_json(raw)
     if res is None or res.status != "ok":
         raise BenchError(f"noop settled {res and res.status}: {res and res.error}")
     return turn_id, call.id, res

@@ -160,7 +160,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     # A start record without a worker: listings show the call running, and no worker
     # heartbeat is watched for it.
     ctx.store.redis.hset(
-        k.calls_key(ctx.turn_id),
+        k.turn_key(ctx.turn_id),
         k.STARTED + p.call.id,
         json.dumps({"started_at": now, "child_turn_id": child, "worker": None}),
     )

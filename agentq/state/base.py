@@ -124,12 +124,12 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
 
 
 def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
-    """Dispatch records as the (field, record JSON) pairs of a turn's calls hash."""
+    """Dispatch records as the (field, record JSON) pairs of a turn's state hash."""
     return [x for c, r in records.items() for x in (k.DISPATCHED + c, json.dumps(r))]
 
 
 def plan_args(plans: Mapping[str, str]) -> list[str]:
-    """Call plans (call id -> CallPlan JSON) as the (field, plan) pairs of the calls hash."""
+    """Call plans (call id -> CallPlan JSON) as the (field, plan) pairs of the state hash."""
     return [x for c, p in plans.items() for x in (k.PLANNED + c, p)]
 
 

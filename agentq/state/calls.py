@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 from redis.commands.core import Script
 
 from agentq import constants as k
-from agentq.events.bus import SEQ_FIELD, event_body, publish_lua, seq_lua
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -20,7 +20,7 @@ from agentq.state.base import (
     now_ms,
     text,
 )
-from agentq.state.lua import TURN_OPEN_LUA, turn_open_lua, wake_or_step_lua
+from agentq.state.lua import turn_open_lua, wake_or_step_lua
 
 # Settle = store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
@@ -28,9 +28,14 @@ from agentq.state.lua import TURN_OPEN_LUA, turn_open_lua, wake_or_step_lua
 SETTLE_LUA = (
     # A call alone in its batch (ARGV[12]) is the last: its settle takes the step, so the
     # state is read whole at once (see `wake_or_step_lua`).
-    turn_open_lua("KEYS[4]", "-2", whole="ARGV[12] == '1' and ARGV[9] ~= ''")
-    + f"""
-if redis.call('HSETNX', KEYS[1], '{k.SETTLED}' .. ARGV[1], ARGV[2]) == 0 then return 0 end
+    turn_open_lua(
+        "KEYS[1]",
+        "-2",
+        whole="ARGV[12] == '1' and ARGV[9] ~= ''",
+        extra=(f"'{k.SETTLED}' .. ARGV[1]",),
+    )
+    + """
+if more[1] then return 0 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
 -- call recorded as sent (ARGV[11]: every call a worker settles, since calls are recorded
@@ -41,17 +46,18 @@ local ready = not tracked or unsettled == 0
 """
     + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
     + "if not ready or ARGV[8] ~= '1' then\n"
-    + f"  redis.call('HSET', KEYS[4], '{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled)\n"
+    + f"  redis.call('HSET', KEYS[1], '{k.SETTLED}' .. ARGV[1], ARGV[2], '{SEQ_FIELD}', seq,\n"
+    + f"    '{k.UNSETTLED_FIELD}', unsettled)\n"
     + "  return ready and 3 or 1\nend\n"
     + wake_or_step_lua(
-        ("KEYS[5]", "ARGV[7]", "ARGV[6]"),
-        "KEYS[4]",
-        "KEYS[6]",
+        ("KEYS[4]", "ARGV[7]", "ARGV[6]"),
+        "KEYS[1]",
+        "KEYS[5]",
         "ARGV[9]",
         "ARGV[10]",
         "ARGV[5]",
-        "KEYS[1]",
-        fields=f"'{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
+        fields=f"'{k.SETTLED}' .. ARGV[1], ARGV[2], '{SEQ_FIELD}', seq, "
+        f"'{k.UNSETTLED_FIELD}', unsettled",
         whole=True,
     )
     + "return 3"
@@ -61,41 +67,45 @@ local ready = not tracked or unsettled == 0
 # is not settled yet (a redelivery) and its turn not cancelled. The start record names
 # the delivery (task id and retry count): the broker handing the same delivery out
 # again while it runs (a restored unacked message) must not run the call twice. Its
-# result and start record are fields of one hash: one read for both.
+# result and start record are fields of the turn's state: one read for all three.
 START_LUA = (
-    f"""
-local mine = redis.call('HMGET', KEYS[1], '{k.SETTLED}' .. ARGV[1], '{k.STARTED}' .. ARGV[1])
-if mine[1] then return 0 end
-"""
-    + TURN_OPEN_LUA % (4, -2)
-    + f"""
+    turn_open_lua(
+        "KEYS[1]",
+        "more[1] and 0 or -2",
+        extra=(f"'{k.SETTLED}' .. ARGV[1]", f"'{k.STARTED}' .. ARGV[1]"),
+    )
+    + """
+if more[1] then return 0 end
 if cancelled then return -1 end
-if mine[2] and ARGV[5] ~= '' then
-  local ok, rec = pcall(cjson.decode, mine[2])
+if more[2] and ARGV[5] ~= '' then
+  local ok, rec = pcall(cjson.decode, more[2])
   if ok and rec['delivery'] == ARGV[5] then return 2 end
 end
-redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2])
 """
     + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
-    + seq_lua("KEYS[4]")
+    + f"""
+redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2], '{SEQ_FIELD}', seq)
+"""
     # Alone in the batch in flight (which counts it: recorded before sent), its settle
     # will be the one that takes the turn's step.
     + "return unsettled <= 1 and 3 or 1"
 )
 
 # Dispatch records written apart from a step's release (a sub-agent call's child turn,
-# recorded before the child is started): the new ones join the batch in flight.
+# recorded before the child is started): the new ones join the batch in flight. Not
+# into a turn Redis does not hold: that would make half a turn.
 RECORD_DISPATCH_LUA = f"""
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 local counted = redis.call('HSET', KEYS[1], unpack(ARGV))
-if counted > 0 and redis.call('EXISTS', KEYS[2]) == 1 then
-  redis.call('HINCRBY', KEYS[2], '{k.UNSETTLED_FIELD}', counted)
+if counted > 0 then
+  redis.call('HINCRBY', KEYS[1], '{k.UNSETTLED_FIELD}', counted)
 end
 return 1
 """
 
 
 def _fields(raw: dict[Any, Any], prefix: str) -> dict[str, Any]:
-    """The records of one kind (`prefix`) in a turn's calls hash as read, by call id."""
+    """The records of one kind (`prefix`) in a turn's state as read, by call id."""
     out: dict[str, Any] = {}
     for f, v in raw.items():
         name = text(f)
@@ -123,7 +133,7 @@ class CallRecords(StoreBase):
             return
         self._durable(
             self._record_dispatch,
-            keys=[k.calls_key(turn_id), k.turn_key(turn_id)],
+            keys=[k.turn_key(turn_id)],
             args=dispatch_args(records),
         )
 
@@ -141,14 +151,14 @@ class CallRecords(StoreBase):
         }
         pipe = self.redis.pipeline(transaction=False)
         if new:
-            pipe.hdel(k.calls_key(turn_id), *new)
+            pipe.hdel(k.turn_key(turn_id), *new)
             pipe.hincrby(k.turn_key(turn_id), k.UNSETTLED_FIELD, -len(new))
         for field, record in earlier.items():
-            pipe.hset(k.calls_key(turn_id), field, record)
+            pipe.hset(k.turn_key(turn_id), field, record)
         pipe.execute()
 
     def _calls(self, turn_id: str, prefix: str) -> dict[str, Any]:
-        return _fields(self.redis.hgetall(k.calls_key(turn_id)), prefix)
+        return _fields(self.redis.hgetall(k.turn_key(turn_id)), prefix)
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
         return {c: json.loads(v) for c, v in self._calls(turn_id, k.DISPATCHED).items()}
@@ -158,7 +168,7 @@ class CallRecords(StoreBase):
 
     def running_tasks(self, turn_id: str) -> dict[str, str | None]:
         """Task id -> worker of each call that started and has no result yet, in one read."""
-        raw = self.redis.hgetall(k.calls_key(turn_id))
+        raw = self.redis.hgetall(k.turn_key(turn_id))
         done = set(_fields(raw, k.SETTLED))
         starts = {c: json.loads(v) for c, v in _fields(raw, k.STARTED).items()}
         records = {c: json.loads(v) for c, v in _fields(raw, k.DISPATCHED).items()}
@@ -178,12 +188,7 @@ class CallRecords(StoreBase):
         return int(
             self._durable(
                 self._start,
-                keys=[
-                    k.calls_key(turn_id),
-                    k.log_key(turn_id),
-                    k.events_channel(turn_id),
-                    k.turn_key(turn_id),
-                ],
+                keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
                 args=[
                     call_id,
                     json.dumps(start),
@@ -209,7 +214,7 @@ class CallRecords(StoreBase):
             chunk = ids[i : i + batch]
             pipe = self.redis.pipeline(transaction=False)
             for turn_id in chunk:
-                pipe.hgetall(k.calls_key(turn_id))
+                pipe.hgetall(k.turn_key(turn_id))
             for turn_id, calls in zip(chunk, pipe.execute(), strict=True):
                 for raw in _fields(calls, k.STARTED).values():
                     if needle not in text(raw):
@@ -252,10 +257,9 @@ class CallRecords(StoreBase):
         won = self._durable(
             self._settle,
             keys=[
-                k.calls_key(turn_id),
+                k.turn_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
-                k.turn_key(turn_id),
                 k.turn_wakeups_key(turn_id),
                 k.history_key(turn_id),
             ],
@@ -282,7 +286,7 @@ class CallRecords(StoreBase):
         return won in (1, 3)
 
     def result(self, turn_id: str, call_id: str) -> ToolResult | None:
-        raw = self.redis.hget(k.calls_key(turn_id), k.SETTLED + call_id)
+        raw = self.redis.hget(k.turn_key(turn_id), k.SETTLED + call_id)
         return None if raw is None else ToolResult.model_validate_json(raw)
 
     def results(self, turn_id: str) -> dict[str, ToolResult]:

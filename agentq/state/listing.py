@@ -43,19 +43,19 @@ _SUMMARY_LUA = (
 local out = {}
 for i = 2, #ARGV, 2 do
   local id, base = ARGV[i], ARGV[i + 1]
-  local st = redis.call('HGETALL', base)
-  if #st == 0 then
+  local all = redis.call('HGETALL', base)
+  if #all == 0 then
     out[#out + 1] = {id, false}
   else
     local counts = {}
-    local settled, started, sent, planned = {}, {}, {}, {}
-    local calls = redis.call('HGETALL', base .. ':calls')
-    for j = 1, #calls, 2 do
-      local kind, call = string.sub(calls[j], 1, 2), string.sub(calls[j], 3)
+    local st, settled, started, sent, planned = {}, {}, {}, {}, {}
+    -- The calls' records are fields of the state: counted here, not sent back.
+    for j = 1, #all, 2 do
+      local kind, call = string.sub(all[j], 1, 2), string.sub(all[j], 3)
       if kind == '"""
     + k.SETTLED
     + """' then
-        local s = string.match(calls[j + 1], '"status":"(%a+)"') or 'unknown'
+        local s = string.match(all[j + 1], '"status":"(%a+)"') or 'unknown'
         counts[s] = (counts[s] or 0) + 1
         settled[call] = true
       elseif kind == '"""
@@ -65,11 +65,14 @@ for i = 2, #ARGV, 2 do
       elseif kind == '"""
     + k.DISPATCHED
     + """' then
-        sent[#sent + 1] = {call, calls[j + 1]}
+        sent[#sent + 1] = {call, all[j + 1]}
       elseif kind == '"""
     + k.PLANNED
     + """' then
         planned[#planned + 1] = call
+      else
+        st[#st + 1] = all[j]
+        st[#st + 1] = all[j + 1]
       end
     end
     local open = {}

@@ -5,6 +5,7 @@ method that runs it."""
 from __future__ import annotations
 
 from agentq.constants import (
+    CALL_RECORDS,
     CANCEL_FIELD,
     CHILDREN_FIELD,
     DIRTY_FIELD,
@@ -30,19 +31,25 @@ _OPEN_FIELDS = ", ".join(
 )
 
 
-def turn_open_lua(turn: str, ended: str, whole: str | None = None) -> str:
+def turn_open_lua(
+    turn: str, ended: str, whole: str | None = None, extra: tuple[str, ...] = ()
+) -> str:
     """Lua that reads what every write to a turn checks first, and answers `ended` for a
     turn that is over (or whose state Redis lost): nothing is written after its terminal
     event, and nothing recreates half of a vanished turn.
 
     It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
     publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
-    `unsettled` (UNSETTLED_FIELD) and `kids` (CHILDREN_FIELD). When the Lua condition
-    `whole` holds, the whole state is read instead (HGETALL) and left in `whole_st`, with
-    `whole_at` (field -> its index there): a write that is about to take the turn's step
-    (`wake_or_step_lua`) then has the step's view without reading the state a second time.
+    `unsettled` (UNSETTLED_FIELD), `kids` (CHILDREN_FIELD) and `more`, the values of the
+    fields whose names the Lua expressions `extra` give (a call's records), read in the
+    same command. When the Lua condition `whole` holds, the whole state is read instead
+    (HGETALL) and left in `whole_st`, with `whole_at` (field -> its index there): a write
+    that is about to take the turn's step (`wake_or_step_lua`) then has the step's view
+    without reading the state a second time.
     """
-    read = f"local open = redis.call('HMGET', {turn}, {_OPEN_FIELDS})\n"
+    names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
+    n_open = _OPEN_FIELDS.count(",") + 1
+    read = f"local open = redis.call('HMGET', {turn}, {names})\n"
     if whole is not None:
         read = f"""
 local whole_st, whole_at, open = false, {{}}, nil
@@ -50,12 +57,12 @@ if {whole} then
   whole_st = redis.call('HGETALL', {turn})
   for i = 1, #whole_st, 2 do whole_at[whole_st[i]] = i end
   open = {{}}
-  for i, name in ipairs({{{_OPEN_FIELDS}}}) do
+  for i, name in ipairs({{{names}}}) do
     local j = whole_at[name]
     open[i] = j and whole_st[j + 1] or false
   end
 else
-  open = redis.call('HMGET', {turn}, {_OPEN_FIELDS})
+  open = redis.call('HMGET', {turn}, {names})
 end
 """
     return (
@@ -63,6 +70,8 @@ end
         + f"""local status, watched, cancelled = open[1], open[2], open[3]
 local seq = tonumber(open[4]) or 0
 local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
+local more = {{}}
+for i = 1, {len(extra)} do more[i] = open[{n_open} + i] end
 if not status or {ended_lua("status")} then
   return {ended}
 end
@@ -120,6 +129,20 @@ MANY_CHUNK = 1000
 """Arguments per command of `many_lua`: Lua's unpack refuses a few thousand at once."""
 
 
+_IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
+"""A Lua condition on `p`, a state field's first two characters: the field is a call's record."""
+
+
+def hset_table_lua(key: str, table: str) -> str:
+    """Lua that writes the field/value pairs of the Lua array `table` to the hash `key` in
+    as few HSETs as it can (one for up to MANY_CHUNK values; none for none)."""
+    return f"""
+for i = 1, #{table}, {MANY_CHUNK} do
+  redis.call('HSET', {key}, unpack({table}, i, math.min(i + {MANY_CHUNK - 1}, #{table})))
+end
+"""
+
+
 def many_lua(command: str, key: str, first: str, last: str) -> str:
     """Lua that runs `command key ARGV[first..last]` as few commands as it can (one for up
     to MANY_CHUNK arguments; none for none): Redis counts and runs every call, so a write
@@ -145,47 +168,46 @@ redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
 """
 
 
-MAX_ROUND_READ = 500
-"""A round with more calls than this is read by the step itself, not by the script."""
+def view_lua(st: str, history: str) -> str:
+    """A Lua table expression: what a step reads: the state `st` as HGETALL gave it
+    (without its calls' records; its cancel reason among it), history, and the round.
 
-
-def view_lua(st: str, history: str, calls: str | None = None) -> str:
-    """A Lua table expression: what a step reads (state `st` as HGETALL gave it, its cancel
-    reason among it, history, round).
-
-    `round` holds the settled results, dispatch records and plans of the calls named by
-    the state's `round_calls` (one HMGET of `calls`, the calls' hash), so the step that
-    collects a round needs no read of its own; {} without it. `round_calls` is taken from
-    the state as read, not read again; the dispatch records only while a call is
-    unsettled (all None else).
+    `round` holds the settled results, dispatch records and plans of the calls the
+    state's `round_calls` names, picked out of `st` (the calls' records are fields of
+    the state), so the step that collects a round needs no read of its own; the dispatch
+    records only while a call is unsettled (all None else), {} without a round.
     """
-    rnd = "{}"
-    if calls is not None:
-        rnd = f"""(function()
-    local rc
-    for i = 1, #{st}, 2 do if {st}[i] == 'round_calls' then rc = {st}[i + 1] end end
-    if not rc then return {{}} end
-    local ok, ids = pcall(cjson.decode, rc)
-    if not ok or type(ids) ~= 'table' or #ids == 0 or #ids > {MAX_ROUND_READ} then return {{}} end
-    local n, fields = #ids, {{}}
-    for i = 1, n do
-      fields[i] = '{SETTLED}' .. ids[i]
-      fields[n + i] = '{DISPATCHED}' .. ids[i]
-      fields[2 * n + i] = '{PLANNED}' .. ids[i]
+    return f"""(function()
+    local state, rec, rc = {{}}, {{}}, nil
+    for i = 1, #{st}, 2 do
+      local f = {st}[i]
+      local p = string.sub(f, 1, 2)
+      if {_IS_RECORD_LUA} then
+        rec[f] = {st}[i + 1]
+      else
+        state[#state + 1] = f
+        state[#state + 1] = {st}[i + 1]
+        if f == 'round_calls' then rc = {st}[i + 1] end
+      end
     end
-    local got = redis.call('HMGET', {calls}, unpack(fields))
-    local settled, records, plans, open = {{}}, {{}}, {{}}, false
-    for i = 1, n do
-      settled[i] = got[i]
-      records[i] = got[n + i]
-      plans[i] = got[2 * n + i]
-      open = open or not got[i]
+    local rnd = {{}}
+    local ok, ids = false, nil
+    if rc then ok, ids = pcall(cjson.decode, rc) end
+    if ok and type(ids) == 'table' and #ids > 0 then
+      local settled, records, plans, open = {{}}, {{}}, {{}}, false
+      for i = 1, #ids do
+        local id = tostring(ids[i])
+        settled[i] = rec['{SETTLED}' .. id] or false
+        records[i] = rec['{DISPATCHED}' .. id] or false
+        plans[i] = rec['{PLANNED}' .. id] or false
+        open = open or not settled[i]
+      end
+      -- Every call settled: the step sends nothing, and needs no dispatch record.
+      if not open then for i = 1, #ids do records[i] = false end end
+      rnd = {{settled, records, plans}}
     end
-    -- Every call settled: the step sends nothing, and needs no dispatch record.
-    if not open then for i = 1, n do records[i] = false end end
-    return {{settled, records, plans}}
+    return {{state, redis.call('LRANGE', {history}, 0, -1), rnd}}
   end)()"""
-    return f"{{{st}, redis.call('LRANGE', {history}, 0, -1), {rnd}}}"
 
 
 def wake_or_step_lua(
@@ -195,7 +217,6 @@ def wake_or_step_lua(
     token: str,
     ttl_ms: str,
     now_ms: str,
-    calls: str | None = None,
     fields: str = "",
     whole: bool = False,
 ) -> str:
@@ -240,6 +261,6 @@ if {token} ~= '' and {lock_free_lua("held", now_ms)} then
   redis.call('HSET', {turn}, unpack(w))
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
   {state}
-  return {{3, unpack({view_lua("st", history, calls)})}}
+  return {{3, unpack({view_lua("st", history)})}}
 end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)

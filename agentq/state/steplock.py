@@ -26,6 +26,7 @@ from agentq.state.base import (
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
     TURN_OPEN_LUA,
+    hset_table_lua,
     lock_free_lua,
     lock_mine_lua,
     lock_value_lua,
@@ -86,12 +87,12 @@ local nf, na, np, ne = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), 
 local a = 7 + 2 * nf
 """
     + many_lua("RPUSH", "KEYS[2]", "a", "a + na - 1")
-    + many_lua("HSET", "KEYS[3]", "a + na", "a + na + 2 * np - 1")
-    + _fields_and_events_lua("KEYS[4]", "KEYS[5]", "7", "a + na + 2 * np", "ARGV[6]")
+    + _fields_and_events_lua("KEYS[3]", "KEYS[4]", "7", "a + na + 2 * np", "ARGV[6]")
     + """
-if #w > 0 then redis.call('HSET', KEYS[1], unpack(w)) end
-return 1
+for i = a + na, a + na + 2 * np - 1 do w[#w + 1] = ARGV[i] end
 """
+    + hset_table_lua("KEYS[1]", "w")
+    + "return 1\n"
 )
 
 # A step begins: take the lock (free, or lapsed), clear the dirty mark, and read what the
@@ -106,7 +107,7 @@ for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if not {lock_free_lua("held", "ARGV[3]")} then return false end
 local lock = {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")}
 redis.call('HSET', KEYS[1], '{_STEP}', lock, '{_DIRTY}', 0)
-return {view_lua("st", "KEYS[2]", "KEYS[3]")}
+return {view_lua("st", "KEYS[2]")}
 """
 
 # A step that goes round again (woken while it ran) reads afresh, lock kept.
@@ -116,7 +117,7 @@ local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if not {lock_mine_lua("held", "ARGV[1]")} then return false end
 redis.call('HSET', KEYS[1], '{_DIRTY}', 0)
-return {view_lua("st", "KEYS[2]", "KEYS[3]")}
+return {view_lua("st", "KEYS[2]")}
 """
 
 # Releasing the step lock, with what the step staged (history messages, state fields and
@@ -133,18 +134,18 @@ local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
 local counted = tonumber(ARGV[10])
 local a = 11 + 2 * nf
 """
-    + many_lua("RPUSH", "KEYS[6]", "a", "a + na - 1")
-    + _fields_and_events_lua("KEYS[4]", "KEYS[5]", "11", "a + na", "ARGV[7]")
-    + many_lua("HSET", "KEYS[3]", "a + na + ne", "#ARGV")
+    + many_lua("RPUSH", "KEYS[5]", "a", "a + na - 1")
+    + _fields_and_events_lua("KEYS[3]", "KEYS[4]", "11", "a + na", "ARGV[7]")
     + f"""
+for i = a + na + ne, #ARGV do w[#w + 1] = ARGV[i] end
 if counted > 0 then
   w[#w + 1] = '{k.UNSETTLED_FIELD}'
   w[#w + 1] = unsettled + counted
 end
 w[#w + 1] = '{_STEP}'
 w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
-redis.call('HSET', KEYS[1], unpack(w))
 """
+    + hset_table_lua("KEYS[1]", "w")
     + "\nif dirty then return 0 end\nif "
     + ended_lua("status")
     + """ then
@@ -214,11 +215,7 @@ class StepRecords(StoreBase):
         trip; None if another step holds it (or, `again`, this step lost it)."""
         script = self._reread if again else self._begin
         raw = script(
-            keys=[
-                k.turn_key(turn_id),
-                k.history_key(turn_id),
-                k.calls_key(turn_id),
-            ],
+            keys=[k.turn_key(turn_id), k.history_key(turn_id)],
             args=[token, ttl_ms, now_ms()],
         )
         if not raw:
@@ -251,7 +248,6 @@ class StepRecords(StoreBase):
             keys=[
                 k.turn_key(turn_id),
                 k.history_key(turn_id),
-                k.calls_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],
@@ -291,7 +287,6 @@ class StepRecords(StoreBase):
             args += [f, json.dumps(v)]
         args += [*messages, *bodies, *plan_args(plans or {}), *dispatch_args(dispatched or {})]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
-        keys += [k.calls_key(turn_id)]
         keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]
         if not (dispatched or fields or bodies or messages or plans):
             return int(self._release(keys=keys, args=args))
@@ -365,7 +360,7 @@ class StepRecords(StoreBase):
         else:
             kinds = (k.SETTLED, k.DISPATCHED, k.PLANNED) if plans else (k.SETTLED, k.DISPATCHED)
             n = len(call_ids)
-            got = self.redis.hmget(k.calls_key(turn_id), [p + c for p in kinds for c in call_ids])
+            got = self.redis.hmget(k.turn_key(turn_id), [p + c for p in kinds for c in call_ids])
             results, calls, raw_plans = got[:n], got[n : 2 * n], [got[2 * n :]]
         return (
             raw_plans[0] if plans else [],

@@ -51,13 +51,13 @@ CLOSE_LUA = (
     + """ then return -1 end
 local n = tonumber(ARGV[11])
 """
-    + many_lua("RPUSH", "KEYS[9]", "12", "11 + n")
+    + many_lua("RPUSH", "KEYS[8]", "12", "11 + n")
     + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
     + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV")
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
-if kids then redis.call('DEL', KEYS[10]) end
-for i = 11, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if kids then redis.call('DEL', KEYS[9]) end
+for i = 10, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local popen = redis.call('HMGET', KEYS[5], 'status', '"""
     + WATCHERS_FIELD
@@ -65,30 +65,31 @@ local popen = redis.call('HMGET', KEYS[5], 'status', '"""
     + SEQ_FIELD
     + """', '"""
     + k.UNSETTLED_FIELD
-    + """')
+    + """', '"""
+    + k.SETTLED
+    + """' .. ARGV[6])
 local pstatus, pwatched, pseq = popen[1], popen[2], tonumber(popen[3]) or 0
 if not pstatus or """
     + ended_lua("pstatus")
     + """ then
   return 1
 end
-if redis.call('HSETNX', KEYS[6], '"""
-    + k.SETTLED
-    + """' .. ARGV[6], ARGV[7]) == 0 then return 1 end
+if popen[5] then return 1 end
 -- The parent recorded its call before it started this turn: the call is in its batch.
 local left = math.max((tonumber(popen[4]) or 0) - 1, 0)
 do
 """
-    + publish_lua("KEYS[7]", "KEYS[8]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
+    + publish_lua("KEYS[6]", "KEYS[7]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
     + "end\nif left > 0 then\n"
-    + f"  redis.call('HSET', KEYS[5], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
+    + f"  redis.call('HSET', KEYS[5], '{k.SETTLED}' .. ARGV[6], ARGV[7], '{SEQ_FIELD}', pseq,\n"
+    + f"    '{k.UNSETTLED_FIELD}', left)\n"
     + "  return 3\nend\n"
     + wake_lua(
         "KEYS[5]",
         "KEYS[2]",
         "ARGV[5]",
         "ARGV[9]",
-        f"'{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left",
+        f"'{k.SETTLED}' .. ARGV[6], ARGV[7], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left",
     )
     + "return 2\n"
 )
@@ -158,10 +159,12 @@ class TurnRecords(StoreBase):
             self._pipelined(build)
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
+        """The turn's state fields (its calls' records left out), None if Redis has none."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
         if not raw:
             return None
-        return {text(f): json.loads(v) for f, v in raw.items()}
+        fields = ((text(f), v) for f, v in raw.items())
+        return {f: json.loads(v) for f, v in fields if not k.is_call_record(f)}
 
     def update(self, turn_id: str, **fields: Any) -> None:
         self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
@@ -209,7 +212,6 @@ class TurnRecords(StoreBase):
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_key(pid),
-                k.calls_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
                 k.history_key(turn_id),

@@ -269,7 +269,7 @@ def _on_task_failure(
         log.exception("cannot settle task %s: bad kwargs", task_id)
         return
     store = get_store()
-    start = json.loads(store.redis.hget(k.calls_key(req.turn_id), k.STARTED + req.call_id) or "{}")
+    start = json.loads(store.redis.hget(k.turn_key(req.turn_id), k.STARTED + req.call_id) or "{}")
     common: dict[str, Any] = {
         "task_id": task_id,
         "worker": start.get("worker"),

@@ -136,10 +136,10 @@ def test_call_counts_and_pending_interactions(store: TurnStore, open_gateway: ht
             for c, t in [("c1", "echo"), ("c2", "stuck"), ("c3", "hang"), ("c4", "echo")]
         },
     )
-    store.redis.hset(k.calls_key(turn_id), k.STARTED + "c3", '{"worker": "w1", "pid": 7}')
+    store.redis.hset(k.turn_key(turn_id), k.STARTED + "c3", '{"worker": "w1", "pid": 7}')
     assert store.settle(turn_id, result("c1", "echo", "ok"), wake=False)
     assert store.settle(turn_id, result("c2", "stuck", "timeout"), wake=False)
-    store.redis.hset(k.calls_key(turn_id), k.PLANNED + "c5", "{}")
+    store.redis.hset(k.turn_key(turn_id), k.PLANNED + "c5", "{}")
     req = InteractionRequest(
         request_id="c5.approval",
         kind="approval",
@@ -207,9 +207,9 @@ def test_finished_turns_expire_with_all_their_keys_and_leave_the_index(
     kept = make_turn(store, agent=agent, created_at=time.time() - 5, status="running")
     gone = make_turn(short, agent=agent, created_at=time.time(), status="running")
     short.record_dispatch(gone, {"c1": {"tool": "echo", "dispatched_at": time.time()}})
-    short.redis.hset(k.calls_key(gone), k.STARTED + "c1", '{"worker": "w1"}')
+    short.redis.hset(k.turn_key(gone), k.STARTED + "c1", '{"worker": "w1"}')
     short.settle(gone, result("c1", "echo", "ok"), wake=False)
-    short.redis.hset(k.calls_key(gone), k.PLANNED + "c1", "{}")
+    short.redis.hset(k.turn_key(gone), k.PLANNED + "c1", "{}")
     short.bus.publish(gone, "llm_started")
     assert short.close(gone, TurnStatus.FINISHED, "turn_finished", {})
 

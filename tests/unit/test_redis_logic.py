@@ -249,7 +249,7 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     c2 = ToolCall(id="c2", name="echo")
     store.redis.hset(k.turn_key("t1"), "round_calls", json.dumps(["c1", "c2"]))
     store.redis.hset(
-        k.calls_key("t1"), mapping={k.PLANNED + "c1": "plan-1", k.PLANNED + "c2": "plan-2"}
+        k.turn_key("t1"), mapping={k.PLANNED + "c1": "plan-1", k.PLANNED + "c2": "plan-2"}
     )
     store.record_dispatch("t1", {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}})
     assert store.settle("t1", error_result(CALL, "one"), wake=False)
@@ -274,7 +274,7 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
 
 def test_a_lone_calls_settle_hands_its_step_the_view_a_fresh_read_gives(store: TurnStore) -> None:
     store.create("t1", {"status": "running", "round_calls": ["c1"]}, [{"role": "user"}])
-    store.redis.hset(k.calls_key("t1"), k.PLANNED + "c1", "plan-1")
+    store.redis.hset(k.turn_key("t1"), k.PLANNED + "c1", "plan-1")
     store.record_dispatch("t1", {"c1": {"task_id": "a"}})
     start = {"started_at": 1.0, "worker": "w", "pid": 1, "task_id": "a", "attempt": 1}
     assert store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"}) == 3
@@ -320,11 +320,11 @@ def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lo
     assert store.lock_step("t1", "a", 5000) is True
     assert store.release_step("t1", "b", None, 5000, sent, plans=plans, new_calls=2) == -1
     assert store.dispatches("t1") == {}  # not b's lock: nothing written
-    assert store.redis.hget(k.calls_key("t1"), k.PLANNED + "c1") is None
+    assert store.redis.hget(k.turn_key("t1"), k.PLANNED + "c1") is None
     store.wake_here("t1")  # woken while "a" steps: the lock is kept, the records written
     assert store.release_step("t1", "a", None, 5000, sent, plans=plans, new_calls=2) == 0
     assert store.dispatches("t1") == sent
-    assert store.redis.hget(k.calls_key("t1"), k.PLANNED + "c2") == b"plan-2"
+    assert store.redis.hget(k.turn_key("t1"), k.PLANNED + "c2") == b"plan-2"
     assert _unsettled(store, "t1") == 2
     # Sent again (the pickup), a call is not counted twice.
     assert store.begin_step("t1", "a", 5000, again=True) is not None  # the step reads again
@@ -407,3 +407,45 @@ def test_the_writes_that_publish_counted_events_count_them_once(
     assert got.pop(field_of("tool_results", ("echo", "error"))) == 1
     assert got.pop(field_of("turns_ended", ("finished",))) == 1
     assert got == {}
+
+
+def test_a_turns_call_records_are_fields_of_its_state_that_state_reads_leave_out(
+    store: TurnStore,
+) -> None:
+    store.record_dispatch("t1", {"c1": {"task_id": "a"}})
+    start = {"started_at": 1.0, "worker": "w", "pid": 1, "task_id": "a", "attempt": 1}
+    assert store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"}) == 3
+    assert store.settle("t1", error_result(CALL, "one"), wake=False)
+    fields = {f.decode() for f in store.redis.hkeys(k.turn_key("t1"))}
+    assert {k.DISPATCHED + "c1", k.STARTED + "c1", k.SETTLED + "c1"} <= fields
+    assert store.redis.keys("*:calls") == []
+    state = store.state("t1")
+    assert state is not None and state["status"] == "running"
+    assert not [f for f in state if k.is_call_record(f)]
+    view = store.begin_step("t1", "s", 5000)
+    assert view is not None and view.state is not None
+    assert not [f for f in view.state if k.is_call_record(f)]
+    assert store.results("t1")["c1"].error == "one" and store.starts("t1")["c1"]["pid"] == 1
+
+
+def test_an_older_layouts_call_records_move_into_each_turns_state_once() -> None:
+    from agentq.state.layout import LAYOUT, LAYOUT_KEY, upgrade_layout
+
+    r = fakeredis.FakeRedis()
+    store = TurnStore(r)
+    store.create("t2", {"status": "running"}, [])
+    old = k.turn_key("t2") + ":calls"
+    r.hset(old, mapping={k.DISPATCHED + "c1": '{"task_id": "a"}', k.SETTLED + "c1": "old"})
+    # A newer worker settled the call meanwhile: its result stays.
+    r.hset(k.turn_key("t2"), k.SETTLED + "c1", "new")
+    # The records of a turn whose state is gone are dropped, not made into half a turn.
+    r.hset(k.turn_key("gone") + ":calls", k.SETTLED + "c9", "x")
+    assert upgrade_layout(r) == 2
+    assert not r.exists(old) and not r.exists(k.turn_key("gone") + ":calls")
+    assert not r.exists(k.turn_key("gone"))
+    assert r.hget(k.turn_key("t2"), k.SETTLED + "c1") == b"new"
+    assert store.dispatches("t2") == {"c1": {"task_id": "a"}}
+    assert int(r.get(LAYOUT_KEY) or 0) == LAYOUT
+    # Once per Redis: a later start of a worker does not look again.
+    r.hset(old, k.SETTLED + "c2", "late")
+    assert upgrade_layout(r) == 0 and r.exists(old)
