@@ -179,8 +179,7 @@ def _settle_overdue(
     PICKUP_LEASES: their step may have died before it sent them)."""
     if not waiting:
         return None, {}
-    starts = ctx.store.starts(ctx.turn_id)
-    dispatched = ctx.store.dispatches(ctx.turn_id)
+    starts, dispatched = ctx.store.starts_and_dispatches(ctx.turn_id)
     s = ctx.settings
     pickup_s = PICKUP_LEASES * s.turn_lease_s
     again: dict[str, dict[str, Any]] = {}

@@ -166,6 +166,14 @@ class CallRecords(StoreBase):
     def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
         return {c: json.loads(v) for c, v in self._calls(turn_id, k.STARTED).items()}
 
+    def starts_and_dispatches(
+        self, turn_id: str
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """`starts` and `dispatches`, from one read of the turn."""
+        raw = self.redis.hgetall(k.turn_key(turn_id))
+        starts = {c: json.loads(v) for c, v in _fields(raw, k.STARTED).items()}
+        return starts, {c: json.loads(v) for c, v in _fields(raw, k.DISPATCHED).items()}
+
     def running_tasks(self, turn_id: str) -> dict[str, str | None]:
         """Task id -> worker of each call that started and has no result yet, in one read."""
         raw = self.redis.hgetall(k.turn_key(turn_id))

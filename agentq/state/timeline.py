@@ -141,7 +141,8 @@ def timeline(store: TurnStore, turn_id: str, state: dict[str, Any]) -> dict[str,
     ended_at = state.get("ended_at")
     results = {c: r.model_dump() for c, r in store.results(turn_id).items()}
     rounds_of = call_rounds(store.history(turn_id), int(state.get("history_start") or 0))
-    bars = calls(store.dispatches(turn_id), store.starts(turn_id), results, rounds_of)
+    starts, dispatched = store.starts_and_dispatches(turn_id)
+    bars = calls(dispatched, starts, results, rounds_of)
     if state.get("status") in TERMINAL_STATUSES:
         # A call the turn ended with and that never settled (it should not happen) ends here.
         for c in bars:
