@@ -1,0 +1,140 @@
+"""What one no-op call costs Redis, write by write, on a real Redis: the budget behind the
+bench's `cost_per_call` (docs/benchmarks.md). A change that adds a command to a call's
+path fails here first, and says where."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from agentq.local.redis_server import RedisServer
+from agentq.models import ToolCall, TurnStatus
+from agentq.state.base import StepView
+from agentq.state.store import TurnStore
+from agentq.tools.results import error_result
+
+pytestmark = pytest.mark.integration
+
+
+class _Stepper:
+    """Takes the step a settle hands it (as a tool process does), keeping its token."""
+
+    def __init__(self) -> None:
+        self.taken: list[tuple[str, StepView]] = []
+
+    def lock_ms(self) -> int | None:
+        return 5000
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        self.taken.append((token, view))
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[redis.Redis]:
+    with RedisServer() as server:
+        yield redis.Redis.from_url(server.url)
+
+
+def _commands(r: redis.Redis) -> int:
+    stats: dict[str, Any] = r.info("commandstats")
+    return sum(int(v["calls"]) for name, v in stats.items() if name != "cmdstat_info")
+
+
+def _cost(r: redis.Redis, write: Callable[[], object]) -> int:
+    before = _commands(r)
+    write()
+    return _commands(r) - before
+
+
+def _one_call(store: TurnStore) -> dict[str, int]:
+    """A turn of one call, through the store as the client, the turn worker and the tool
+    process drive it; the commands each write costs (scripts' commands included)."""
+    r = store.redis
+    turn_id, call = secrets.token_hex(16), ToolCall(id="c_1", name="noop")
+    state = {"status": "queued", "created_at": time.time(), "round": 1, "call_count": 1}
+    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None}]
+    cost: dict[str, int] = {}
+    cost["create"] = _cost(r, lambda: store.create(turn_id, state, history))
+    views: list[StepView | None] = []
+    cost["open"] = _cost(r, lambda: views.append(store.begin_step(turn_id, "s1", 5000)))
+    assert views[0] is not None and views[0].state is not None
+    sent = {call.id: {"task_id": "t", "dispatched_at": time.time(), "tool": "noop"}}
+    cost["send"] = _cost(
+        r,
+        lambda: store.release_step(
+            turn_id,
+            "s1",
+            time.time() + 40,
+            5000,
+            sent,
+            fields={"status": "running", "round_calls": [call.id]},
+            events=[("turn_started", {})],
+            plans={call.id: json.dumps({"call": call.model_dump()})},
+            new_calls=1,
+        ),
+    )
+    start = {"started_at": time.time(), "worker": "w", "pid": 1, "task_id": "t"}
+    answers: list[int] = []
+    cost["start"] = _cost(
+        r,
+        lambda: answers.append(
+            store.mark_started(turn_id, call.id, start, {"call_id": call.id, "tool": "noop"})
+        ),
+    )
+    assert answers == [3]  # alone in its batch
+    stepper = _Stepper()
+    store.stepper = stepper
+    try:
+        cost["settle"] = _cost(
+            r, lambda: store.settle(turn_id, error_result(call, "done"), alone=True)
+        )
+    finally:
+        store.stepper = None
+    ((token, view),) = stepper.taken
+    assert view.round is not None and all(view.round.results)  # the step has the result
+    tool_message = {"role": "tool", "tool_call_id": call.id, "content": "done"}
+    cost["end"] = _cost(
+        r,
+        lambda: store.close(
+            turn_id,
+            TurnStatus.FINISHED,
+            "turn_finished",
+            {},
+            token=token,
+            append=[tool_message],
+        ),
+    )
+    assert store.status(turn_id) == "finished"
+    return cost
+
+
+def test_a_no_op_calls_writes_cost_the_commands_the_benchmark_counts(
+    client: redis.Redis,
+) -> None:
+    store = TurnStore(client)
+    _one_call(store)  # the scripts are loaded once, by the first
+    cost = _one_call(store)
+    assert cost == {
+        # state, history, the listing's index, the wakeup (one pipeline)
+        "create": 4,
+        # lock, state (its calls' records among it), history
+        "open": 4,
+        # fenced: the state with plans and records in one HSET, turn_started, the wakeup
+        "send": 5,
+        # the state and the call's records in one HMGET, tool_started, one HSET
+        "start": 4,
+        # the whole state, tool_finished, one HSET (result, step lock), the backstop,
+        # the history for the step it takes
+        "settle": 6,
+        # fenced: the last message, turn_finished, the state, the wakeup gone, 3 TTLs
+        "end": 9,
+    }, cost
+    # With the client's two messages (the step's and the call's, LPUSH and BRPOP each)
+    # and its read of the end, 37: the bench's `agentq_redis_commands_per_call`.
+    assert sum(cost.values()) + 4 + 1 == 37
