@@ -180,7 +180,7 @@ DISPATCHED = "d:"
 STARTED = "s:"
 """A call's start record (worker, pid, started_at, delivery), written by the tool worker."""
 SETTLED = "r:"
-"""A call's settled ToolResult JSON; the first writer wins (HSETNX)."""
+"""A call's settled ToolResult JSON; the first writer wins (a later settle writes nothing)."""
 PLANNED = "p:"
 """A call's CallPlan JSON, written once, before the call is sent: a step that collects
 the round reads a call's plan, dispatch record and result with the state."""

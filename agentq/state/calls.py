@@ -114,6 +114,11 @@ def _fields(raw: dict[Any, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+def _decoded(raw: dict[Any, Any], prefix: str) -> dict[str, dict[str, Any]]:
+    """The JSON records of one kind (`prefix`) in a turn's state as read, by call id."""
+    return {c: json.loads(v) for c, v in _fields(raw, prefix).items()}
+
+
 class CallRecords(StoreBase):
     """Dispatch records, start records and settled results, by call id."""
 
@@ -161,25 +166,23 @@ class CallRecords(StoreBase):
         return _fields(self.redis.hgetall(k.turn_key(turn_id)), prefix)
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        return {c: json.loads(v) for c, v in self._calls(turn_id, k.DISPATCHED).items()}
+        return self.starts_and_dispatches(turn_id)[1]
 
     def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        return {c: json.loads(v) for c, v in self._calls(turn_id, k.STARTED).items()}
+        return self.starts_and_dispatches(turn_id)[0]
 
     def starts_and_dispatches(
         self, turn_id: str
     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         """`starts` and `dispatches`, from one read of the turn."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
-        starts = {c: json.loads(v) for c, v in _fields(raw, k.STARTED).items()}
-        return starts, {c: json.loads(v) for c, v in _fields(raw, k.DISPATCHED).items()}
+        return _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
 
     def running_tasks(self, turn_id: str) -> dict[str, str | None]:
         """Task id -> worker of each call that started and has no result yet, in one read."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
         done = set(_fields(raw, k.SETTLED))
-        starts = {c: json.loads(v) for c, v in _fields(raw, k.STARTED).items()}
-        records = {c: json.loads(v) for c, v in _fields(raw, k.DISPATCHED).items()}
+        starts, records = _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
         # Agent calls have no task: their child turns are aborted instead.
         return {
             d["task_id"]: starts[cid].get("worker")

@@ -17,18 +17,16 @@ from agentq.constants import (
 )
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
 
-_OPEN_FIELDS = ", ".join(
-    f"'{f}'"
-    for f in (
-        "status",
-        WATCHERS_FIELD,
-        CANCEL_FIELD,
-        SEQ_FIELD,
-        STEP_FIELD,
-        UNSETTLED_FIELD,
-        CHILDREN_FIELD,
-    )
+_OPEN = (
+    "status",
+    WATCHERS_FIELD,
+    CANCEL_FIELD,
+    SEQ_FIELD,
+    STEP_FIELD,
+    UNSETTLED_FIELD,
+    CHILDREN_FIELD,
 )
+_OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
 
 def turn_open_lua(
@@ -48,7 +46,6 @@ def turn_open_lua(
     without reading the state a second time.
     """
     names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
-    n_open = _OPEN_FIELDS.count(",") + 1
     read = f"local open = redis.call('HMGET', {turn}, {names})\n"
     if whole is not None:
         read = f"""
@@ -71,7 +68,7 @@ end
 local seq = tonumber(open[4]) or 0
 local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
 local more = {{}}
-for i = 1, {len(extra)} do more[i] = open[{n_open} + i] end
+for i = 1, {len(extra)} do more[i] = open[{len(_OPEN)} + i] end
 if not status or {ended_lua("status")} then
   return {ended}
 end
