@@ -4,7 +4,7 @@ Keys are built only from ids checked at the edge (agentq.models): a turn id is 3
 lowercase hex digits (`secrets.token_hex(16)`); an interaction request id is
 ``<call id>.approval`` (`approval_request_id`) with a call id of safe characters.
 Anything else names nothing: a key built from it could name another of the turn's keys
-(``{id}:history``, ``{id}:log``).
+(``{id}:log``, ``{id}:events``).
 
 Every key of one turn shares one Redis Cluster hash tag, so each script runs on one slot.
 On one Redis (one shard) the tag is the turn id, in literal braces
@@ -166,11 +166,6 @@ def log_key(turn_id: str) -> str:
     return f"{turn_key(turn_id)}:log"
 
 
-def history_key(turn_id: str) -> str:
-    """List of the turn's messages (OpenAI chat format, JSON)."""
-    return f"{turn_key(turn_id)}:history"
-
-
 # A turn's calls are fields of its state hash, up to four a call (one of these prefixes
 # and the call id): a call's start, settle and plan are then written in the HSET their
 # script makes of the state anyway, a start reads whether its call settled in the command
@@ -186,10 +181,25 @@ PLANNED = "p:"
 the round reads a call's plan, dispatch record and result with the state."""
 CALL_RECORDS = (DISPATCHED, STARTED, SETTLED, PLANNED)
 
+# A turn's history is fields of its state hash too, a message a field (this prefix and
+# its index from 0; OpenAI chat format, JSON), with their count: a step reads its history
+# in the command that reads its state, and writes the messages it adds in the HSET of
+# its state, so the history costs a turn no command of its own, nor a TTL at its end.
+MESSAGE = "m:"
+"""A history message: the prefix of its field, before its index."""
+HISTORY_LEN_FIELD = "history_len"
+"""How many messages the turn's history holds (fields MESSAGE + 0 .. n - 1)."""
+RECORDS = (*CALL_RECORDS, MESSAGE)
+
 
 def is_call_record(field: str) -> bool:
     """Whether a field of a turn's state hash is one of its calls' records."""
     return field[:2] in CALL_RECORDS
+
+
+def is_record(field: str) -> bool:
+    """Whether a field of a turn's state hash is a record (a call's or a message), not state."""
+    return field[:2] in RECORDS
 
 
 def children_key(turn_id: str) -> str:
@@ -329,7 +339,6 @@ def turn_keys(turn_id: str) -> list[str]:
     return [
         turn_key(turn_id),
         log_key(turn_id),
-        history_key(turn_id),
     ]
 
 

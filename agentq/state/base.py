@@ -123,6 +123,26 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
     )
 
 
+def message_fields(messages: list[dict[str, Any]], first: int = 0) -> dict[str, str]:
+    """History messages as fields of a turn's state hash, from index `first`, with the
+    history's new length (nothing for none)."""
+    if not messages:
+        return {}
+    fields = {f"{k.MESSAGE}{first + i}": json.dumps(m) for i, m in enumerate(messages)}
+    fields[k.HISTORY_LEN_FIELD] = str(first + len(messages))
+    return fields
+
+
+def history_of(raw: Mapping[Any, Any]) -> list[dict[str, Any]]:
+    """A turn's messages, in order, out of its state hash as HGETALL read it."""
+    found = {}
+    for f, v in raw.items():
+        name = text(f)
+        if name.startswith(k.MESSAGE):
+            found[int(name[len(k.MESSAGE) :])] = v
+    return [json.loads(found[i]) for i in sorted(found)]
+
+
 def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
     """Dispatch records as the (field, record JSON) pairs of a turn's state hash."""
     return [x for c, r in records.items() for x in (k.DISPATCHED + c, json.dumps(r))]

@@ -52,7 +52,6 @@ local ready = not tracked or unsettled == 0
     + wake_or_step_lua(
         ("KEYS[4]", "ARGV[7]", "ARGV[6]"),
         "KEYS[1]",
-        "KEYS[5]",
         "ARGV[9]",
         "ARGV[10]",
         "ARGV[5]",
@@ -272,7 +271,6 @@ class CallRecords(StoreBase):
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
                 k.turn_wakeups_key(turn_id),
-                k.history_key(turn_id),
             ],
             args=[
                 result.call_id,

@@ -9,14 +9,15 @@ from typing import Any
 
 from agentq import constants as k
 from agentq.state.base import text
+from agentq.state.lua import hset_table_lua
 
 log = logging.getLogger("agentq.state")
 
 LAYOUT_KEY = f"{k.PREFIX}:layout"
 """The layout the turns in this Redis are kept in (absent: an older one)."""
-LAYOUT = 8
-"""A turn's calls are fields of its state hash, not of a `{turn}:calls` hash (issue #33's
-eighth pass)."""
+LAYOUT = 9
+"""A turn's calls (8) and its history (9) are fields of its state hash, not a
+`{turn}:calls` hash and a `{turn}:history` list (issue #33's eighth and ninth passes)."""
 
 # One turn's call records into its state: a field the state holds already (written by a
 # newer worker meanwhile) stays. Both keys carry the turn's hash tag: one slot.
@@ -31,17 +32,51 @@ return 1
 """
 
 
+# One turn's history list into its state, as its message fields and their count, unless
+# the state has a history of its own already or is gone.
+_MERGE_HISTORY_LUA = (
+    """
+local msgs = redis.call('LRANGE', KEYS[2], 0, -1)
+if #msgs == 0 then return 0 end
+if redis.call('EXISTS', KEYS[1]) == 1
+    and redis.call('HEXISTS', KEYS[1], '"""
+    + k.HISTORY_LEN_FIELD
+    + """') == 0 then
+  local w = {}
+  for i = 1, #msgs do
+    w[#w + 1] = '"""
+    + k.MESSAGE
+    + """' .. string.format('%d', i - 1)
+    w[#w + 1] = msgs[i]
+  end
+  w[#w + 1] = '"""
+    + k.HISTORY_LEN_FIELD
+    + """'
+  w[#w + 1] = #msgs
+"""
+    + hset_table_lua("KEYS[1]", "w")
+    + """
+end
+redis.call('DEL', KEYS[2])
+return 1
+"""
+)
+
+_MOVES = (("calls", _MERGE_CALLS_LUA), ("history", _MERGE_HISTORY_LUA))
+
+
 def upgrade_layout(client: Any) -> int:
-    """Move the call records of every turn an older version stored into the turn's state,
-    unless this Redis is marked as moved already; how many turns' records moved."""
+    """Move the call records and the history of every turn an older version stored into
+    the turn's state, unless this Redis is marked as moved already; how many keys moved."""
     if int(client.get(LAYOUT_KEY) or 0) >= LAYOUT:
         return 0
-    merge = client.register_script(_MERGE_CALLS_LUA)
     moved = 0
-    for raw in client.scan_iter(match=f"{k.PREFIX}:turn:*:calls", count=1000):
-        calls = text(raw)
-        moved += int(merge(keys=[calls[: -len(":calls")], calls]))
+    for suffix, lua in _MOVES:
+        merge = client.register_script(lua)
+        for raw in client.scan_iter(match=f"{k.PREFIX}:turn:*:{suffix}", count=1000):
+            old = text(raw)
+            moved += int(merge(keys=[old[: -len(suffix) - 1], old]))
     client.set(LAYOUT_KEY, LAYOUT)
     if moved:
-        log.warning("moved the call records of %d turns into their state hashes", moved)
+        log.warning("moved %d keys of turns into their state hashes", moved)
     return moved

@@ -49,7 +49,7 @@ for i = 2, #ARGV, 2 do
   else
     local counts = {}
     local st, settled, started, sent, planned = {}, {}, {}, {}, {}
-    -- The calls' records are fields of the state: counted here, not sent back.
+    -- The calls' records (counted here) and the history are fields of the state: not sent back.
     for j = 1, #all, 2 do
       local kind, call = string.sub(all[j], 1, 2), string.sub(all[j], 3)
       if kind == '"""
@@ -70,6 +70,10 @@ for i = 2, #ARGV, 2 do
     + k.PLANNED
     + """' then
         planned[#planned + 1] = call
+      elseif kind == '"""
+    + k.MESSAGE
+    + """' then
+        -- The history: not the listing's.
       else
         st[#st + 1] = all[j]
         st[#st + 1] = all[j + 1]

@@ -10,6 +10,8 @@ from agentq.constants import (
     CHILDREN_FIELD,
     DIRTY_FIELD,
     DISPATCHED,
+    HISTORY_LEN_FIELD,
+    MESSAGE,
     PLANNED,
     SETTLED,
     STEP_FIELD,
@@ -25,6 +27,7 @@ _OPEN = (
     STEP_FIELD,
     UNSETTLED_FIELD,
     CHILDREN_FIELD,
+    HISTORY_LEN_FIELD,
 )
 _OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
@@ -38,7 +41,8 @@ def turn_open_lua(
 
     It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
     publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
-    `unsettled` (UNSETTLED_FIELD), `kids` (CHILDREN_FIELD) and `more`, the values of the
+    `unsettled` (UNSETTLED_FIELD), `kids` (CHILDREN_FIELD), `hlen` (the history's
+    length, which `append_lua` appends after) and `more`, the values of the
     fields whose names the Lua expressions `extra` give (a call's records), read in the
     same command. When the Lua condition `whole` holds, the whole state is read instead
     (HGETALL) and left in `whole_st`, with `whole_at` (field -> its index there): a write
@@ -67,6 +71,7 @@ end
         + f"""local status, watched, cancelled = open[1], open[2], open[3]
 local seq = tonumber(open[4]) or 0
 local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
+local hlen = tonumber(open[8]) or 0
 local more = {{}}
 for i = 1, {len(extra)} do more[i] = open[{len(_OPEN)} + i] end
 if not status or {ended_lua("status")} then
@@ -109,15 +114,39 @@ LOCK_FREE_VALUE = '""'
 """The step lock's value once let go (JSON, as every state field)."""
 
 
-def hset_seq_lua(turn: str, first: str, last: str, seq: str = "seq") -> str:
+def hset_seq_lua(
+    turn: str, first: str, last: str, seq: str = "seq", messages: tuple[str, str] | None = None
+) -> str:
     """Lua that writes the field/value pairs ARGV[first..last] (a few: one command's
-    arguments) and the turn's seq in one HSET."""
+    arguments), the history messages ARGV[messages] (`append_lua`) and the turn's seq in
+    as few HSETs as it can (one, unless the messages are many)."""
+    append = append_lua("f", *messages) if messages else ""
     return f"""
 do
   local f = {{unpack(ARGV, {first}, {last})}}
   f[#f + 1] = '{SEQ_FIELD}'
   f[#f + 1] = {seq}
-  redis.call('HSET', {turn}, unpack(f))
+{append}{hset_table_lua(turn, "f")}end
+"""
+
+
+def append_lua(w: str, first: str, last: str) -> str:
+    """Lua that adds the history messages ARGV[first..last] to the field/value table `w`
+    as the turn's next messages (after `hlen`, as `turn_open_lua` or a fence read it),
+    and their new count: the HSET that writes `w` appends them to the history."""
+    return f"""
+do
+  local next_m = hlen
+  for i = {first}, {last} do
+    {w}[#{w} + 1] = '{MESSAGE}' .. string.format('%d', next_m)
+    {w}[#{w} + 1] = ARGV[i]
+    next_m = next_m + 1
+  end
+  if next_m > hlen then
+    {w}[#{w} + 1] = '{HISTORY_LEN_FIELD}'
+    {w}[#{w} + 1] = next_m
+    hlen = next_m
+  end
 end
 """
 
@@ -165,9 +194,10 @@ redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
 """
 
 
-def view_lua(st: str, history: str) -> str:
+def view_lua(st: str) -> str:
     """A Lua table expression: what a step reads: the state `st` as HGETALL gave it
-    (without its calls' records; its cancel reason among it), history, and the round.
+    (without its records; its cancel reason among it), its history (the messages'
+    fields, in order), and the round.
 
     `round` holds the settled results, dispatch records and plans of the calls the
     state's `round_calls` names, picked out of `st` (the calls' records are fields of
@@ -175,12 +205,14 @@ def view_lua(st: str, history: str) -> str:
     records only while a call is unsettled (all None else), {} without a round.
     """
     return f"""(function()
-    local state, rec, rc = {{}}, {{}}, nil
+    local state, rec, rc, hist = {{}}, {{}}, nil, {{}}
     for i = 1, #{st}, 2 do
       local f = {st}[i]
       local p = string.sub(f, 1, 2)
       if {_IS_RECORD_LUA} then
         rec[f] = {st}[i + 1]
+      elseif p == '{MESSAGE}' then
+        hist[tonumber(string.sub(f, 3)) + 1] = {st}[i + 1]
       else
         state[#state + 1] = f
         state[#state + 1] = {st}[i + 1]
@@ -203,14 +235,13 @@ def view_lua(st: str, history: str) -> str:
       if not open then for i = 1, #ids do records[i] = false end end
       rnd = {{settled, records, plans}}
     end
-    return {{state, redis.call('LRANGE', {history}, 0, -1), rnd}}
+    return {{state, hist, rnd}}
   end)()"""
 
 
 def wake_or_step_lua(
     wake: tuple[str, str, str],
     turn: str,
-    history: str,
     token: str,
     ttl_ms: str,
     now_ms: str,
@@ -258,6 +289,6 @@ if {token} ~= '' and {lock_free_lua("held", now_ms)} then
   redis.call('HSET', {turn}, unpack(w))
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
   {state}
-  return {{3, unpack({view_lua("st", history)})}}
+  return {{3, unpack({view_lua("st")})}}
 end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)

@@ -23,14 +23,13 @@ FINISH_LLM_LUA = (
     + """
 for i = 9, #ARGV do
 """
-    + publish_lua("KEYS[4]", "KEYS[5]", "ARGV[i]", "ARGV[6]", "watched")
+    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[i]", "ARGV[6]", "watched")
     + """
 end
 """
     + wake_or_step_lua(
         ("KEYS[1]", "ARGV[1]", "ARGV[2]"),
         "KEYS[2]",
-        "KEYS[3]",
         "ARGV[4]",
         "ARGV[5]",
         "ARGV[7]",
@@ -49,22 +48,32 @@ end
 # (`constants.llm_alive_value`), ARGV[2] its clock (ms).
 BEGIN_LLM_LUA = (
     f"""
-local open = redis.call('HMGET', KEYS[1], 'status', '{WATCHERS_FIELD}', '{k.CANCEL_FIELD}',
-  '{SEQ_FIELD}', '{k.LLM_RESULT_ROUND_FIELD}', '{k.LLM_ALIVE_FIELD}')
-local status, watched, cancelled, seq = open[1], open[2], open[3], tonumber(open[4]) or 0
-if (tonumber(open[5]) or -1) >= tonumber(ARGV[5]) then return {{1}} end
+local st = redis.call('HGETALL', KEYS[1])
+local at = {{}}
+for i = 1, #st, 2 do at[st[i]] = i + 1 end
+local function get(f) return at[f] and st[at[f]] or false end
+local status, watched, cancelled = get('status'), get('{WATCHERS_FIELD}'), get('{k.CANCEL_FIELD}')
+local seq = tonumber(get('{SEQ_FIELD}')) or 0
+if (tonumber(get('{k.LLM_RESULT_ROUND_FIELD}')) or -1) >= tonumber(ARGV[5]) then return {{1}} end
 if not status or {ended_lua("status")} then return {{2}} end
-if open[6] then
-  local r, u = string.match(open[6], '^"(%-?%d+):(%d+):')
+local alive = get('{k.LLM_ALIVE_FIELD}')
+if alive then
+  local r, u = string.match(alive, '^"(%-?%d+):(%d+):')
   if tonumber(r) == tonumber(ARGV[5]) and tonumber(u) > tonumber(ARGV[2]) then return {{3}} end
 end
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
     + f"""
 redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[5],
   '{k.LLM_ALIVE_FIELD}', ARGV[1])
 local followed = watched and tonumber(watched) > 0 and 1 or 0
-return {{0, cancelled and 1 or 0, redis.call('LRANGE', KEYS[2], 0, -1), followed}}
+local hist = {{}}
+for i = 1, #st, 2 do
+  if string.sub(st[i], 1, 2) == '{k.MESSAGE}' then
+    hist[tonumber(string.sub(st[i], 3)) + 1] = st[i + 1]
+  end
+end
+return {{0, cancelled and 1 or 0, hist, followed}}
 """
 )
 
@@ -101,12 +110,7 @@ class RoundRecords(StoreBase):
         the event's fields) and read its history, in one step."""
         now = now_ms()
         res = self._begin_llm(
-            keys=[
-                k.turn_key(turn_id),
-                k.history_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-            ],
+            keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
             args=[
                 k.llm_alive_value(round_no, now + lease_ms, worker),
                 now,
@@ -144,7 +148,6 @@ class RoundRecords(StoreBase):
             keys=[
                 k.turn_wakeups_key(turn_id),
                 k.turn_key(turn_id),
-                k.history_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],

@@ -26,11 +26,11 @@ from agentq.state.base import (
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
     TURN_OPEN_LUA,
+    append_lua,
     hset_table_lua,
     lock_free_lua,
     lock_mine_lua,
     lock_value_lua,
-    many_lua,
     view_lua,
     wake_lua,
 )
@@ -44,14 +44,14 @@ WAKE_ONLY_LUA = (
 
 
 # What a fenced write reads first: the step lock, whether the token still holds it (else
-# `refused` is returned), and `watchers`, `seq` and `dirty` for what it writes next.
+# `refused` is returned), and `watchers`, `seq`, `dirty` and `hlen` for what it writes next.
 def _fence_lua(refused: int) -> str:
     return f"""
 local open = redis.call('HMGET', KEYS[1], '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}', '{_DIRTY}',
-  '{k.UNSETTLED_FIELD}', 'status')
+  '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
 if not {lock_mine_lua("open[1]", "ARGV[1]")} then return {refused} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
-local unsettled, status = tonumber(open[5]) or 0, open[6]
+local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
 """
 
 
@@ -86,11 +86,11 @@ COMMIT_LUA = (
 local nf, na, np, ne = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local a = 7 + 2 * nf
 """
-    + many_lua("RPUSH", "KEYS[2]", "a", "a + na - 1")
-    + _fields_and_events_lua("KEYS[3]", "KEYS[4]", "7", "a + na + 2 * np", "ARGV[6]")
+    + _fields_and_events_lua("KEYS[2]", "KEYS[3]", "7", "a + na + 2 * np", "ARGV[6]")
     + """
 for i = a + na, a + na + 2 * np - 1 do w[#w + 1] = ARGV[i] end
 """
+    + append_lua("w", "a", "a + na - 1")
     + hset_table_lua("KEYS[1]", "w")
     + "return 1\n"
 )
@@ -107,7 +107,7 @@ for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if not {lock_free_lua("held", "ARGV[3]")} then return false end
 local lock = {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")}
 redis.call('HSET', KEYS[1], '{_STEP}', lock, '{_DIRTY}', 0)
-return {view_lua("st", "KEYS[2]")}
+return {view_lua("st")}
 """
 
 # A step that goes round again (woken while it ran) reads afresh, lock kept.
@@ -117,7 +117,7 @@ local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if not {lock_mine_lua("held", "ARGV[1]")} then return false end
 redis.call('HSET', KEYS[1], '{_DIRTY}', 0)
-return {view_lua("st", "KEYS[2]")}
+return {view_lua("st")}
 """
 
 # Releasing the step lock, with what the step staged (history messages, state fields and
@@ -134,7 +134,6 @@ local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
 local counted = tonumber(ARGV[10])
 local a = 11 + 2 * nf
 """
-    + many_lua("RPUSH", "KEYS[5]", "a", "a + na - 1")
     + _fields_and_events_lua("KEYS[3]", "KEYS[4]", "11", "a + na", "ARGV[7]")
     + f"""
 for i = a + na + ne, #ARGV do w[#w + 1] = ARGV[i] end
@@ -145,6 +144,7 @@ end
 w[#w + 1] = '{_STEP}'
 w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
 """
+    + append_lua("w", "a", "a + na - 1")
     + hset_table_lua("KEYS[1]", "w")
     + "\nif dirty then return 0 end\nif "
     + ended_lua("status")
@@ -215,7 +215,7 @@ class StepRecords(StoreBase):
         trip; None if another step holds it (or, `again`, this step lost it)."""
         script = self._reread if again else self._begin
         raw = script(
-            keys=[k.turn_key(turn_id), k.history_key(turn_id)],
+            keys=[k.turn_key(turn_id)],
             args=[token, ttl_ms, now_ms()],
         )
         if not raw:
@@ -247,7 +247,6 @@ class StepRecords(StoreBase):
             self._commit,
             keys=[
                 k.turn_key(turn_id),
-                k.history_key(turn_id),
                 k.log_key(turn_id),
                 k.events_channel(turn_id),
             ],
@@ -287,7 +286,7 @@ class StepRecords(StoreBase):
             args += [f, json.dumps(v)]
         args += [*messages, *bodies, *plan_args(plans or {}), *dispatch_args(dispatched or {})]
         keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
-        keys += [k.log_key(turn_id), k.events_channel(turn_id), k.history_key(turn_id)]
+        keys += [k.log_key(turn_id), k.events_channel(turn_id)]
         if not (dispatched or fields or bodies or messages or plans):
             return int(self._release(keys=keys, args=args))
         # Not sent again: a second run finds the lock gone (and would publish twice).

@@ -23,7 +23,9 @@ from agentq.state.base import (
     StoreBase,
     active_turns,
     finished,
+    history_of,
     loads,
+    message_fields,
     text,
 )
 from agentq.state.lua import (
@@ -31,7 +33,6 @@ from agentq.state.lua import (
     TURN_OPEN_LUA,
     hset_seq_lua,
     lock_mine_lua,
-    many_lua,
     wake_lua,
 )
 
@@ -51,13 +52,12 @@ CLOSE_LUA = (
     + """ then return -1 end
 local n = tonumber(ARGV[11])
 """
-    + many_lua("RPUSH", "KEYS[8]", "12", "11 + n")
     + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
-    + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV")
+    + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV", messages=("12", "11 + n"))
     + """
 redis.call('ZREM', KEYS[2], ARGV[1])
-if kids then redis.call('DEL', KEYS[9]) end
-for i = 10, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+if kids then redis.call('DEL', KEYS[8]) end
+for i = 9, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 if ARGV[5] == '' then return 1 end
 local popen = redis.call('HMGET', KEYS[5], 'status', '"""
     + WATCHERS_FIELD
@@ -133,14 +133,13 @@ class TurnRecords(StoreBase):
         """Store a new turn, woken: if the message of its first step is lost (a failover
         took it with the old master, its sender died), the wakeup sweep starts it."""
 
+        fields = {f: json.dumps(v) for f, v in state.items()}
+        # Its history is fields of its state (constants.MESSAGE): written whole, so
+        # sending it again (see _durable_write) is harmless.
+        fields.update(message_fields(history))
+
         def build(pipe: Any) -> None:
-            pipe.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in state.items()})
-            if self.replicas_acked:
-                # Written whole each time, so sending it again (see _durable_write) is
-                # harmless; a turn id is new otherwise, and has no history to clear.
-                pipe.delete(k.history_key(turn_id))
-            if history:
-                pipe.rpush(k.history_key(turn_id), *[json.dumps(m) for m in history])
+            pipe.hset(k.turn_key(turn_id), mapping=fields)
             pipe.zadd(
                 k.turn_index_key(turn_id), {turn_id: float(state.get("created_at") or time.time())}
             )
@@ -164,7 +163,7 @@ class TurnRecords(StoreBase):
         if not raw:
             return None
         fields = ((text(f), v) for f, v in raw.items())
-        return {f: json.loads(v) for f, v in fields if not k.is_call_record(f)}
+        return {f: json.loads(v) for f, v in fields if not k.is_record(f)}
 
     def update(self, turn_id: str, **fields: Any) -> None:
         self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
@@ -214,7 +213,6 @@ class TurnRecords(StoreBase):
                 k.turn_key(pid),
                 k.log_key(pid),
                 k.events_channel(pid),
-                k.history_key(turn_id),
                 k.children_key(turn_id),
                 *k.turn_keys(turn_id),
             ],
@@ -244,7 +242,8 @@ class TurnRecords(StoreBase):
         return int(won)
 
     def history(self, turn_id: str) -> list[dict[str, Any]]:
-        return [json.loads(m) for m in self.redis.lrange(k.history_key(turn_id), 0, -1)]
+        """The turn's messages, in order ([] if Redis has no such turn)."""
+        return history_of(self.redis.hgetall(k.turn_key(turn_id)))
 
     def cancel_reason(self, turn_id: str) -> str | None:
         v = self.redis.get(k.cancel_key(turn_id))

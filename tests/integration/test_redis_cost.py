@@ -52,7 +52,7 @@ def _cost(r: redis.Redis, write: Callable[[], object]) -> int:
     return _commands(r) - before
 
 
-def _one_call(store: TurnStore) -> dict[str, int]:
+def _one_call(store: TurnStore) -> tuple[str, dict[str, int]]:
     """A turn of one call, through the store as the client, the turn worker and the tool
     process drive it; the commands each write costs (scripts' commands included)."""
     r = store.redis
@@ -111,7 +111,7 @@ def _one_call(store: TurnStore) -> dict[str, int]:
         ),
     )
     assert store.status(turn_id) == "finished"
-    return cost
+    return turn_id, cost
 
 
 def test_a_no_op_calls_writes_cost_the_commands_the_benchmark_counts(
@@ -119,22 +119,24 @@ def test_a_no_op_calls_writes_cost_the_commands_the_benchmark_counts(
 ) -> None:
     store = TurnStore(client)
     _one_call(store)  # the scripts are loaded once, by the first
-    cost = _one_call(store)
+    turn_id, cost = _one_call(store)
     assert cost == {
-        # state, history, the listing's index, the wakeup (one pipeline)
-        "create": 4,
-        # lock, state (its calls' records among it), history
-        "open": 4,
+        # state (its history among it), the listing's index, the wakeup (one pipeline)
+        "create": 3,
+        # lock, state (its calls' records and its history among it)
+        "open": 3,
         # fenced: the state with plans and records in one HSET, turn_started, the wakeup
         "send": 5,
         # the state and the call's records in one HMGET, tool_started, one HSET
         "start": 4,
-        # the whole state, tool_finished, one HSET (result, step lock), the backstop,
-        # the history for the step it takes
-        "settle": 6,
-        # fenced: the last message, turn_finished, the state, the wakeup gone, 3 TTLs
-        "end": 9,
+        # the whole state (the history for the step it takes among it), tool_finished,
+        # one HSET (result, step lock), the backstop
+        "settle": 5,
+        # fenced: turn_finished, the state with the last messages, the wakeup gone, 2 TTLs
+        "end": 7,
     }, cost
     # With the client's two messages (the step's and the call's, LPUSH and BRPOP each)
-    # and its read of the end, 37: the bench's `agentq_redis_commands_per_call`.
-    assert sum(cost.values()) + 4 + 1 == 37
+    # and its read of the end, 32: the bench's `agentq_redis_commands_per_call`.
+    assert sum(cost.values()) + 4 + 1 == 32
+    # The history the steps wrote is the turn's, in order.
+    assert [m["role"] for m in store.history(turn_id)] == ["user", "assistant", "tool"]

@@ -449,3 +449,29 @@ def test_an_older_layouts_call_records_move_into_each_turns_state_once() -> None
     # Once per Redis: a later start of a worker does not look again.
     r.hset(old, k.SETTLED + "c2", "late")
     assert upgrade_layout(r) == 0 and r.exists(old)
+
+
+def test_an_older_layouts_history_lists_move_into_each_turns_state_once() -> None:
+    from agentq.state.layout import upgrade_layout
+
+    r = fakeredis.FakeRedis()
+    store = TurnStore(r)
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(12)]
+    store.create("t1", {"status": "running"}, [])
+    r.rpush(k.turn_key("t1") + ":history", *[json.dumps(m) for m in messages])
+    # A turn with a history of its own (a newer worker's) keeps it.
+    store.create("t2", {"status": "running"}, [{"role": "user", "content": "new"}])
+    r.rpush(k.turn_key("t2") + ":history", json.dumps({"role": "user", "content": "old"}))
+    r.rpush(k.turn_key("gone") + ":history", json.dumps(messages[0]))
+    assert upgrade_layout(r) == 3
+    assert store.history("t1") == messages  # in order, past index 9
+    assert store.history("t2") == [{"role": "user", "content": "new"}]
+    assert not r.keys("*:history") and not r.exists(k.turn_key("gone"))
+    # The next step appends after them.
+    view = store.begin_step("t1", "s", 5000)
+    assert view is not None and view.history == messages
+    assert store.release_step("t1", "s", None, 5000, append=[{"role": "assistant", "content": "a"}])
+    assert store.history("t1") == [*messages, {"role": "assistant", "content": "a"}]
+    state = store.state("t1")
+    assert state is not None and state[k.HISTORY_LEN_FIELD] == 13
+    assert not [f for f in state if f.startswith(k.MESSAGE)]

@@ -47,7 +47,7 @@ def test_a_turns_keys_its_indexes_and_its_children_share_one_slot(shards: int) -
     keys += [k.interaction_key(parent, "c.approval")]
     keys += [k.turn_wakeups_key(parent), k.turn_index_key(parent)]
     keys += [k.agent_beat_key(parent, "c")]
-    keys += [k.turn_key(child), k.history_key(child)]
+    keys += [k.turn_key(child), k.log_key(child)]
     assert {_slot(key) for key in keys} == {_slot(k.turn_key(parent))}
     # With one shard (one Redis) the names are the contract's: the tag is the turn id.
     k.set_shard_count(1)
