@@ -22,11 +22,13 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(1
 
 
 def test_a_turn_an_older_layout_left_mid_round_goes_on_from_its_records(make_rig) -> None:
-    """The older version kept a turn's call records in `{turn}:calls`. A turn it left with
-    its round's only call settled, the round not collected yet, goes on under the newer
-    workers from that result: the first of them moves the records into the turn's state
-    before it takes a task. Had they stayed where they were, the step would find the call
-    never planned and send it again, and with no tool worker here the turn would wait."""
+    """The older versions kept a turn's call records in `{turn}:calls` and its history in
+    `{turn}:history`. A turn they left with its round's only call settled, the round not
+    collected yet, goes on under the newer workers from that result and that history: the
+    first of them moves both into the turn's state before it takes a task. Had the
+    records stayed where they were, the step would find the call never planned and send
+    it again (with no tool worker here the turn would wait); had the history, the model
+    would be asked with no messages."""
     rig = make_rig()
     # The model's first round (the call) was streamed under the older workers.
     key = rig.script(
@@ -47,7 +49,8 @@ def test_a_turn_an_older_layout_left_mid_round_goes_on_from_its_records(make_rig
         "round_calls": [call.id],
         k.UNSETTLED_FIELD: 0,
     }
-    store.create(turn_id, state, history)
+    store.create(turn_id, state, [])
+    store.redis.rpush(k.turn_key(turn_id) + ":history", *[json.dumps(m) for m in history])
     result = ToolResult(
         call_id=call.id,
         tool=call.name,
@@ -76,4 +79,5 @@ def test_a_turn_an_older_layout_left_mid_round_goes_on_from_its_records(make_rig
     assert turn["history"][-1]["content"] == "Went on after the upgrade."
     assert [r["status"] for r in turn["invocations"]] == ["ok"]
     assert not store.redis.exists(k.turn_key(turn_id) + ":calls")
+    assert not store.redis.exists(k.turn_key(turn_id) + ":history")
     assert int(store.redis.get(LAYOUT_KEY) or 0) == LAYOUT
