@@ -181,18 +181,18 @@ class Client:
     # -- reading -----------------------------------------------------------------------
 
     def get(self, turn_id: str) -> dict[str, Any]:
-        state = self.store.state(turn_id)
-        if state is None:
+        whole = self.store.snapshot(turn_id)
+        if whole is None:
             raise TurnNotFound(turn_id)
+        state = whole.state
         state.pop("token_sha256", None)
         for field in (WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_FIELDS):
             state.pop(field, None)  # bookkeeping of the event bus and the rounds
-        results = self.store.results(turn_id)
         return {
             "turn_id": turn_id,
             "state": state,
-            "history": self.store.history(turn_id),
-            "invocations": [r.record.model_dump() for r in results.values()],
+            "history": whole.history,
+            "invocations": [r.record.model_dump() for r in whole.results.values()],
         }
 
     def output(self, turn_id: str, output_type: type[M] | None = None) -> M | Any:

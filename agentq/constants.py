@@ -293,6 +293,7 @@ BOOKKEEPING_FIELDS = (
     LLM_TAKEN_FIELD,
     LLM_RESULT_FIELD,
     LLM_RESULT_ROUND_FIELD,
+    HISTORY_LEN_FIELD,
 )
 """Fields of the turn's state hash that are the machinery's, not the turn's: a client's
 view of the turn leaves them out."""

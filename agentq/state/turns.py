@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from redis.commands.core import Script
@@ -110,6 +111,16 @@ return redis.call('SMEMBERS', KEYS[2])
 """
 
 
+@dataclass(frozen=True)
+class TurnSnapshot:
+    """A turn as one read of its state hash found it."""
+
+    state: dict[str, Any]
+    history: list[dict[str, Any]]
+    results: dict[str, ToolResult]
+    """Its calls' settled results, by call id."""
+
+
 class TurnRecords(StoreBase):
     """A turn's state hash, history and children; `close` ends it once."""
 
@@ -158,12 +169,27 @@ class TurnRecords(StoreBase):
             self._pipelined(build)
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
-        """The turn's state fields (its calls' records left out), None if Redis has none."""
+        """The turn's state fields (its records left out), None if Redis has none."""
+        whole = self.snapshot(turn_id)
+        return None if whole is None else whole.state
+
+    def snapshot(self, turn_id: str) -> TurnSnapshot | None:
+        """The turn's state, history and settled results, from one read; None if Redis
+        has no such turn."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
         if not raw:
             return None
-        fields = ((text(f), v) for f, v in raw.items())
-        return {f: json.loads(v) for f, v in fields if not k.is_record(f)}
+        fields = {text(f): v for f, v in raw.items()}
+        n = len(k.SETTLED)
+        return TurnSnapshot(
+            state={f: json.loads(v) for f, v in fields.items() if not k.is_record(f)},
+            history=history_of(fields),
+            results={
+                f[n:]: ToolResult.model_validate_json(v)
+                for f, v in fields.items()
+                if f.startswith(k.SETTLED)
+            },
+        )
 
     def update(self, turn_id: str, **fields: Any) -> None:
         self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
