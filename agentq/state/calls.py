@@ -113,6 +113,31 @@ def _fields(raw: dict[Any, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+SCAN_COUNT = 10_000
+"""Fields an HSCAN of a turn's state looks at a call: a turn has fewer, mostly, so one
+call reads all of its records."""
+
+
+def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
+    """The fields of each turn's state hash that are its calls' records of these kinds
+    (prefix letters, as "sd" for `s:` and `d:`), in one round trip for all (another for a
+    turn too large for one scan): matched in Redis, so a turn's history stays there."""
+    pattern = f"[{kinds}]:*"
+    pipe = client.pipeline(transaction=False)
+    for turn_id in turn_ids:
+        pipe.hscan(k.turn_key(turn_id), 0, match=pattern, count=SCAN_COUNT)
+    out: list[dict[Any, Any]] = []
+    for turn_id, (cursor, fields) in zip(turn_ids, pipe.execute(), strict=True):
+        found = dict(fields)
+        while int(cursor):
+            cursor, more = client.hscan(
+                k.turn_key(turn_id), cursor, match=pattern, count=SCAN_COUNT
+            )
+            found.update(more)
+        out.append(found)
+    return out
+
+
 def _decoded(raw: dict[Any, Any], prefix: str) -> dict[str, dict[str, Any]]:
     """The JSON records of one kind (`prefix`) in a turn's state as read, by call id."""
     return {c: json.loads(v) for c, v in _fields(raw, prefix).items()}
@@ -161,8 +186,11 @@ class CallRecords(StoreBase):
             pipe.hset(k.turn_key(turn_id), field, record)
         pipe.execute()
 
+    def _records(self, turn_id: str, kinds: str) -> dict[Any, Any]:
+        return records_of(self.redis, [turn_id], kinds)[0]
+
     def _calls(self, turn_id: str, prefix: str) -> dict[str, Any]:
-        return _fields(self.redis.hgetall(k.turn_key(turn_id)), prefix)
+        return _fields(self._records(turn_id, prefix[0]), prefix)
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
         return self.starts_and_dispatches(turn_id)[1]
@@ -174,12 +202,12 @@ class CallRecords(StoreBase):
         self, turn_id: str
     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         """`starts` and `dispatches`, from one read of the turn."""
-        raw = self.redis.hgetall(k.turn_key(turn_id))
+        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0])
         return _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
 
     def running_tasks(self, turn_id: str) -> dict[str, str | None]:
         """Task id -> worker of each call that started and has no result yet, in one read."""
-        raw = self.redis.hgetall(k.turn_key(turn_id))
+        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.SETTLED[0])
         done = set(_fields(raw, k.SETTLED))
         starts, records = _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
         # Agent calls have no task: their child turns are aborted instead.
@@ -222,10 +250,9 @@ class CallRecords(StoreBase):
         found: list[str] = []
         for i in range(0, len(ids), batch):
             chunk = ids[i : i + batch]
-            pipe = self.redis.pipeline(transaction=False)
-            for turn_id in chunk:
-                pipe.hgetall(k.turn_key(turn_id))
-            for turn_id, calls in zip(chunk, pipe.execute(), strict=True):
+            for turn_id, calls in zip(
+                chunk, records_of(self.redis, chunk, k.STARTED[0]), strict=True
+            ):
                 for raw in _fields(calls, k.STARTED).values():
                     if needle not in text(raw):
                         continue
