@@ -56,7 +56,7 @@ def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
 def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
     """Decide what can be decided now about the calls that need a decision."""
     out = GateOutcome()
-    interactions = Interactions(ctx.store)
+    interactions: Interactions | None = None  # most steps ask nobody: no scripts to load
     for p in plans:
         call = p.call
         if p.refusal is not None or p.approval == "auto":
@@ -64,6 +64,8 @@ def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
         if p.approval == "deny":
             out.denied[call.id] = denied_result(call, "policy")
             continue
+        if interactions is None:
+            interactions = Interactions(ctx.store)
         rid = k.approval_request_id(call.id)
         found = interactions.get(ctx.turn_id, rid)
         if found is None:
