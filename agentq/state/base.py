@@ -133,6 +133,16 @@ def message_fields(messages: list[dict[str, Any]], first: int = 0) -> dict[str, 
     return fields
 
 
+def call_fields(raw: Mapping[Any, Any], prefix: str) -> dict[str, Any]:
+    """The records of one kind (`prefix`) in a turn's state hash as read, by call id."""
+    out: dict[str, Any] = {}
+    for f, v in raw.items():
+        name = text(f)
+        if name.startswith(prefix):
+            out[name[len(prefix) :]] = v
+    return out
+
+
 def history_of(raw: Mapping[Any, Any]) -> list[dict[str, Any]]:
     """A turn's messages, in order, out of its state hash as HGETALL read it."""
     found = {}

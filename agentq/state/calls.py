@@ -15,6 +15,7 @@ from agentq.state.base import (
     WAKE_BACKSTOP_S,
     StoreBase,
     active_turns,
+    call_fields,
     dispatch_args,
     finished,
     now_ms,
@@ -103,16 +104,6 @@ return 1
 """
 
 
-def _fields(raw: dict[Any, Any], prefix: str) -> dict[str, Any]:
-    """The records of one kind (`prefix`) in a turn's state as read, by call id."""
-    out: dict[str, Any] = {}
-    for f, v in raw.items():
-        name = text(f)
-        if name.startswith(prefix):
-            out[name[len(prefix) :]] = v
-    return out
-
-
 SCAN_COUNT = 10_000
 """Fields an HSCAN of a turn's state looks at a call: a turn has fewer, mostly, so one
 call reads all of its records."""
@@ -140,7 +131,7 @@ def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, A
 
 def _decoded(raw: dict[Any, Any], prefix: str) -> dict[str, dict[str, Any]]:
     """The JSON records of one kind (`prefix`) in a turn's state as read, by call id."""
-    return {c: json.loads(v) for c, v in _fields(raw, prefix).items()}
+    return {c: json.loads(v) for c, v in call_fields(raw, prefix).items()}
 
 
 class CallRecords(StoreBase):
@@ -190,7 +181,7 @@ class CallRecords(StoreBase):
         return records_of(self.redis, [turn_id], kinds)[0]
 
     def _calls(self, turn_id: str, prefix: str) -> dict[str, Any]:
-        return _fields(self._records(turn_id, prefix[0]), prefix)
+        return call_fields(self._records(turn_id, prefix[0]), prefix)
 
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
         return self.starts_and_dispatches(turn_id)[1]
@@ -208,7 +199,7 @@ class CallRecords(StoreBase):
     def running_tasks(self, turn_id: str) -> dict[str, str | None]:
         """Task id -> worker of each call that started and has no result yet, in one read."""
         raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.SETTLED[0])
-        done = set(_fields(raw, k.SETTLED))
+        done = set(call_fields(raw, k.SETTLED))
         starts, records = _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
         # Agent calls have no task: their child turns are aborted instead.
         return {
@@ -253,7 +244,7 @@ class CallRecords(StoreBase):
             for turn_id, calls in zip(
                 chunk, records_of(self.redis, chunk, k.STARTED[0]), strict=True
             ):
-                for raw in _fields(calls, k.STARTED).values():
+                for raw in call_fields(calls, k.STARTED).values():
                     if needle not in text(raw):
                         continue
                     rec = json.loads(raw)

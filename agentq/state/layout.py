@@ -9,7 +9,7 @@ from typing import Any
 
 from agentq import constants as k
 from agentq.state.base import text
-from agentq.state.lua import hset_table_lua
+from agentq.state.lua import append_lua, hset_table_lua
 
 log = logging.getLogger("agentq.state")
 
@@ -42,18 +42,9 @@ if redis.call('EXISTS', KEYS[1]) == 1
     and redis.call('HEXISTS', KEYS[1], '"""
     + k.HISTORY_LEN_FIELD
     + """') == 0 then
-  local w = {}
-  for i = 1, #msgs do
-    w[#w + 1] = '"""
-    + k.MESSAGE
-    + """' .. string.format('%d', i - 1)
-    w[#w + 1] = msgs[i]
-  end
-  w[#w + 1] = '"""
-    + k.HISTORY_LEN_FIELD
-    + """'
-  w[#w + 1] = #msgs
+  local hlen, w = 0, {}
 """
+    + append_lua("w", "1", "#msgs", src="msgs")
     + hset_table_lua("KEYS[1]", "w")
     + """
 end

@@ -130,16 +130,17 @@ do
 """
 
 
-def append_lua(w: str, first: str, last: str) -> str:
-    """Lua that adds the history messages ARGV[first..last] to the field/value table `w`
-    as the turn's next messages (after `hlen`, as `turn_open_lua` or a fence read it),
-    and their new count: the HSET that writes `w` appends them to the history."""
+def append_lua(w: str, first: str, last: str, src: str = "ARGV") -> str:
+    """Lua that adds the history messages `src`[first..last] (a Lua array; the script's
+    arguments unless said) to the field/value table `w` as the turn's next messages
+    (after `hlen`, as `turn_open_lua` or a fence read it), and their new count: the HSET
+    that writes `w` appends them to the history."""
     return f"""
 do
   local next_m = hlen
   for i = {first}, {last} do
     {w}[#{w} + 1] = '{MESSAGE}' .. string.format('%d', next_m)
-    {w}[#{w} + 1] = ARGV[i]
+    {w}[#{w} + 1] = {src}[i]
     next_m = next_m + 1
   end
   if next_m > hlen then

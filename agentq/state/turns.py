@@ -23,6 +23,7 @@ from agentq.state.base import (
     WAKE_BACKSTOP_S,
     StoreBase,
     active_turns,
+    call_fields,
     finished,
     history_of,
     loads,
@@ -121,6 +122,12 @@ class TurnSnapshot:
     """Its calls' settled results, by call id."""
 
 
+def _state_of(raw: dict[Any, Any]) -> dict[str, Any]:
+    """A turn's state fields out of its state hash as read: its records left out."""
+    fields = ((text(f), v) for f, v in raw.items())
+    return {f: json.loads(v) for f, v in fields if not k.is_record(f)}
+
+
 class TurnRecords(StoreBase):
     """A turn's state hash, history and children; `close` ends it once."""
 
@@ -170,8 +177,8 @@ class TurnRecords(StoreBase):
 
     def state(self, turn_id: str) -> dict[str, Any] | None:
         """The turn's state fields (its records left out), None if Redis has none."""
-        whole = self.snapshot(turn_id)
-        return None if whole is None else whole.state
+        raw = self.redis.hgetall(k.turn_key(turn_id))
+        return _state_of(raw) if raw else None
 
     def snapshot(self, turn_id: str) -> TurnSnapshot | None:
         """The turn's state, history and settled results, from one read; None if Redis
@@ -179,16 +186,11 @@ class TurnRecords(StoreBase):
         raw = self.redis.hgetall(k.turn_key(turn_id))
         if not raw:
             return None
-        fields = {text(f): v for f, v in raw.items()}
-        n = len(k.SETTLED)
+        settled = call_fields(raw, k.SETTLED)
         return TurnSnapshot(
-            state={f: json.loads(v) for f, v in fields.items() if not k.is_record(f)},
-            history=history_of(fields),
-            results={
-                f[n:]: ToolResult.model_validate_json(v)
-                for f, v in fields.items()
-                if f.startswith(k.SETTLED)
-            },
+            state=_state_of(raw),
+            history=history_of(raw),
+            results={c: ToolResult.model_validate_json(v) for c, v in settled.items()},
         )
 
     def update(self, turn_id: str, **fields: Any) -> None:
