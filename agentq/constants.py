@@ -192,11 +192,6 @@ HISTORY_LEN_FIELD = "history_len"
 RECORDS = (*CALL_RECORDS, MESSAGE)
 
 
-def is_call_record(field: str) -> bool:
-    """Whether a field of a turn's state hash is one of its calls' records."""
-    return field[:2] in CALL_RECORDS
-
-
 def is_record(field: str) -> bool:
     """Whether a field of a turn's state hash is a record (a call's or a message), not state."""
     return field[:2] in RECORDS

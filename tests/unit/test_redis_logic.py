@@ -421,10 +421,10 @@ def test_a_turns_call_records_are_fields_of_its_state_that_state_reads_leave_out
     assert store.redis.keys("*:calls") == []
     state = store.state("t1")
     assert state is not None and state["status"] == "running"
-    assert not [f for f in state if k.is_call_record(f)]
+    assert not [f for f in state if k.is_record(f)]
     view = store.begin_step("t1", "s", 5000)
     assert view is not None and view.state is not None
-    assert not [f for f in view.state if k.is_call_record(f)]
+    assert not [f for f in view.state if k.is_record(f)]
     assert store.results("t1")["c1"].error == "one" and store.starts("t1")["c1"]["pid"] == 1
 
 
