@@ -39,6 +39,9 @@ QUEUE_IO = "agentq.io"
 
 TASK_STEP = "agentq.turn.step"
 TASK_LLM_ROUND = "agentq.llm.round"
+TASK_LLM_START = "agentq.llm.start"
+"""A new turn's first step when that step sends a model round: a stream worker takes it and
+streams the round itself (agentq.orchestrator.steps)."""
 TOOL_TASK_PREFIX = "agentq.tool."
 
 CANCEL_CHANNEL = f"{PREFIX}:control:cancel"

@@ -27,7 +27,7 @@ from agentq.fleet.app import create_app
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
-from agentq.llm.task import register_llm_task
+from agentq.llm.task import register_llm_task, submit_round
 from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import register_step_task
@@ -63,7 +63,7 @@ app = create_app(settings)
 set_app(app)
 if settings.health_file:
     health.install(app, settings.health_file)
-register_step_task(app, get_store, get_settings)
+register_step_task(app, get_store, get_settings, submit_round)
 register_llm_task(app)
 register_webhook_task(app, get_store, get_settings)
 register_schedule_task(app, get_store, get_settings)

@@ -13,7 +13,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any
 
-from agentq.constants import QUEUE_TURNS, TASK_STEP
+from agentq.constants import QUEUE_LLM, QUEUE_TURNS, TASK_LLM_START, TASK_STEP
 from agentq.errors import BrokerUnavailable
 
 if TYPE_CHECKING:
@@ -186,15 +186,19 @@ def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
     return errors
 
 
-def send_step(app: Celery, turn_id: str) -> None:
+def send_step(app: Celery, turn_id: str, *, model_first: bool = False) -> None:
     """Ask a turn worker for one step of the turn (BrokerUnavailable if the broker is away:
-    the turn's wakeup sends it later)."""
+    the turn's wakeup sends it later).
+
+    `model_first`: the new turn's first step sends a model round, so a stream worker takes
+    it (`agentq.llm.start`) and streams that round itself: one delivery fewer per turn.
+    """
     publish(
         app,
-        TASK_STEP,
+        TASK_LLM_START if model_first else TASK_STEP,
         what=f"the step of turn {turn_id}",
         args=[turn_id],
-        queue=QUEUE_TURNS,
+        queue=QUEUE_LLM if model_first else QUEUE_TURNS,
         argsrepr=f"['{turn_id}']",
         kwargsrepr="{}",
         ignore_result=True,

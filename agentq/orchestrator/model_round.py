@@ -9,7 +9,10 @@ provider refused as busy goes back to admission.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -34,6 +37,25 @@ def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
         + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
         + 30
     )
+
+
+RoundSubmitter = Callable[[LlmRoundRequest, str], None]
+"""Claims a round and hands it to this process's event loop (a stream worker's
+`agentq.llm.task.submit_round`), given the round and its task id."""
+
+_here = threading.local()
+
+
+@contextlib.contextmanager
+def rounds_here(submit: RoundSubmitter) -> Iterator[None]:
+    """Within it, a round this thread's step sends goes to `submit` (a stream worker's
+    thread: the round is claimed and streamed here, as a delivered one is) instead of
+    through the broker to a stream worker."""
+    _here.submit = submit
+    try:
+        yield
+    finally:
+        _here.submit = None
 
 
 BUSY_CODE = "EBUSY"
@@ -103,19 +125,35 @@ def send_round(
         llm_deadline=deadline,
     )
     ctx.release(min(deadline, ctx.now + s.turn_lease_s))
+    # A round the provider refused as busy is sent again under a new id.
+    task_id = (
+        f"{ctx.turn_id}.llm.{round_no}.{attempt}"
+        + (f".{sends}" if sends > 1 else "")
+        + (f".a{admissions}" if admissions > 1 else "")
+    )
+    submit: RoundSubmitter | None = getattr(_here, "submit", None)
+    if submit is not None:
+        submit(req, task_id)
+    else:
+        _publish_round(ctx, req, task_id, round_no, len(offered))
+    if sends == 1 and attempt == 1:
+        subturns.report_to_parent(ctx, f"model round {round_no + 1}")
+
+
+def _publish_round(
+    ctx: StepContext, req: LlmRoundRequest, task_id: str, round_no: int, tools: int
+) -> None:
+    """Send the round to the stream workers through the broker."""
     try:
         publish(
             ctx.app,
             k.TASK_LLM_ROUND,
             what=f"model round {round_no} of turn {ctx.turn_id}",
             kwargs=req.model_dump(),
-            # A round the provider refused as busy is sent again under a new id.
-            task_id=f"{ctx.turn_id}.llm.{round_no}.{attempt}"
-            + (f".{sends}" if sends > 1 else "")
-            + (f".a{admissions}" if admissions > 1 else ""),
+            task_id=task_id,
             queue=k.QUEUE_LLM,
             argsrepr="()",
-            kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=len(offered)),
+            kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=tools),
             ignore_result=True,
         )
     except BrokerUnavailable:
@@ -124,8 +162,6 @@ def send_round(
         if ctx.relock():
             ctx.stage(llm_sent_at=0.0)
         raise
-    if sends == 1 and attempt == 1:
-        subturns.report_to_parent(ctx, f"model round {round_no + 1}")
 
 
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:

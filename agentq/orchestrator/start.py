@@ -107,7 +107,9 @@ def start_turn(
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, prior + new)
     try:
-        send_step(app, turn_id)
+        # Every call in the messages has its result (check_messages): the first step
+        # sends a model round, so a stream worker takes it.
+        send_step(app, turn_id, model_first=True)
     except BrokerUnavailable as exc:
         # The turn is stored: a turn worker's sweep starts it once the broker is back.
         log.warning("%s; the turn starts when the broker is back", exc)

@@ -26,6 +26,7 @@ from agentq.errors import BrokerUnavailable, HeadlessInteraction, LlmError, Step
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.machine import advance, fail, fail_headless
+from agentq.orchestrator.model_round import RoundSubmitter, rounds_here
 from agentq.state.base import StepView, text
 from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
@@ -291,7 +292,12 @@ class Sweeper:
                 log.warning("wakeup sweep failed", exc_info=True)
 
 
-def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:
+def register_step_task(
+    app: Celery, store_of: Any, settings_of: Any, submit_round: RoundSubmitter
+) -> None:
+    """The step tasks: `agentq.turn.step` for turn workers, and `agentq.llm.start` for
+    stream workers, whose rounds go to `submit_round` (agentq.llm.task)."""
+
     # A step that fails on Redis is sent again by Celery; its wakeup is the backstop.
     @app.task(
         name=k.TASK_STEP,
@@ -305,3 +311,19 @@ def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:
     )
     def step_task(turn_id: str) -> str:
         return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
+
+    # A new turn's first step, when it sends a model round: a stream worker takes it and
+    # streams that round itself, as if it had been delivered (one delivery, not two).
+    @app.task(
+        name=k.TASK_LLM_START,
+        acks_late=True,
+        ignore_result=True,
+        queue=k.QUEUE_LLM,
+        autoretry_for=(redis.ConnectionError, redis.TimeoutError),
+        retry_backoff=1,
+        retry_backoff_max=30,
+        max_retries=20,
+    )
+    def first_step_task(turn_id: str) -> str:
+        with rounds_here(submit_round):
+            return run_step(turn_id, store=store_of(), app=app, settings=settings_of())

@@ -168,7 +168,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
     try:
-        send_step(ctx.app, child)
+        send_step(ctx.app, child, model_first=True)
     except BrokerUnavailable as exc:
         log.warning("%s; the child's wakeup sends it later", exc)
 

@@ -158,8 +158,13 @@ def test_a_stream_worker_of_two_processes_streams_on_both(agentq_env, llm_server
                     assert events[-1].type == "turn_finished", events[-1]
                     assert events[-1].fields["content"] == "x" * 20
                 stats = client.app.control.inspect(timeout=5).stats() or {}
+            # A turn's first round comes with its first step (agentq.llm.start) and
+            # streams where that step ran; later rounds come as agentq.llm.round.
             served = {
-                node.split("@", 1)[0]: s.get("total", {}).get("agentq.llm.round", 0)
+                node.split("@", 1)[0]: sum(
+                    s.get("total", {}).get(name, 0)
+                    for name in ("agentq.llm.round", "agentq.llm.start")
+                )
                 for node, s in stats.items()
                 if node.startswith(f"llm-{tag}-")
             }
@@ -231,6 +236,42 @@ def amqp_broker() -> Iterator[str]:
                 with contextlib.suppress(psutil.Error):
                     child.terminate()
         proc.stop(timeout_s=30)
+
+
+def _task_totals(client: Client, prefix: str) -> dict[str, int]:
+    """Tasks run so far by the Celery nodes named `prefix...`, by task name."""
+    out: dict[str, int] = {}
+    for node, s in (client.app.control.inspect(timeout=5).stats() or {}).items():
+        if node.startswith(prefix):
+            for name, n in s.get("total", {}).items():
+                out[name] = out.get(name, 0) + n
+    return out
+
+
+def test_a_new_turns_first_round_streams_where_its_first_step_ran(agentq_env, llm_server) -> None:
+    """A turn that starts with a model round needs one delivery before it streams: its
+    first step goes to a stream worker (`agentq.llm.start`), which streams the round that
+    step sends itself instead of sending it through the broker. No turn worker runs: the
+    stream worker also takes the step that ends the turn, inline."""
+    with RedisServer() as redis_server:
+        url = redis_server.url
+        env = {**agentq_env, "AGENTQ_REDIS_URL": url, "AGENTQ_BROKER_URL": url}
+        tag = uuid.uuid4().hex[:6]
+        # No turn worker yet: the turn can only start on the stream worker.
+        llm = start_worker("llm", env=env, hostname=f"llm-{tag}@%h")
+        try:
+            with process_env(env):
+                client = Client()
+                handle = client.start_turn(f"{script(llm_server, Round(text='first'))} go")
+                events = collect(client, handle.turn_id, timeout_s=60)
+                assert events[0].type == "turn_started", events
+                assert events[-1].type == "turn_finished", events[-1]
+                assert events[-1].fields["content"] == "first"
+                totals = _task_totals(client, f"llm-{tag}")
+                assert totals.get("agentq.llm.start") == 1, totals
+                assert "agentq.llm.round" not in totals, totals
+        finally:
+            llm.stop()
 
 
 def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_broker) -> None:
