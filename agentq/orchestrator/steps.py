@@ -299,31 +299,22 @@ def register_step_task(
     stream workers, whose rounds go to `submit_round` (agentq.llm.task)."""
 
     # A step that fails on Redis is sent again by Celery; its wakeup is the backstop.
-    @app.task(
-        name=k.TASK_STEP,
-        acks_late=True,
-        ignore_result=True,
-        queue=k.QUEUE_TURNS,
-        autoretry_for=(redis.ConnectionError, redis.TimeoutError),
-        retry_backoff=1,
-        retry_backoff_max=30,
-        max_retries=20,
-    )
+    options: dict[str, Any] = {
+        "acks_late": True,
+        "ignore_result": True,
+        "autoretry_for": (redis.ConnectionError, redis.TimeoutError),
+        "retry_backoff": 1,
+        "retry_backoff_max": 30,
+        "max_retries": 20,
+    }
+
+    @app.task(name=k.TASK_STEP, queue=k.QUEUE_TURNS, **options)
     def step_task(turn_id: str) -> str:
         return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
 
-    # A new turn's first step, when it sends a model round: a stream worker takes it and
+    # A new turn's first step, which sends a model round: a stream worker takes it and
     # streams that round itself, as if it had been delivered (one delivery, not two).
-    @app.task(
-        name=k.TASK_LLM_START,
-        acks_late=True,
-        ignore_result=True,
-        queue=k.QUEUE_LLM,
-        autoretry_for=(redis.ConnectionError, redis.TimeoutError),
-        retry_backoff=1,
-        retry_backoff_max=30,
-        max_retries=20,
-    )
+    @app.task(name=k.TASK_LLM_START, queue=k.QUEUE_LLM, **options)
     def first_step_task(turn_id: str) -> str:
         with rounds_here(submit_round):
             return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
