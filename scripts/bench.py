@@ -154,11 +154,17 @@ def _monitor(url: str, run: Callable[[], None]) -> list[tuple[str, str]]:
     return list(seen)
 
 
+TURN_WORKER_SIDE = "agentq, sent by a turn worker"
+
+
 def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     """CPU ms and Redis commands per no-op call, by process: where a call's time goes.
 
     CPU time barely depends on what else the machine runs, unlike latency, so it is
-    the steadier measure of what agentq adds to a call.
+    the steadier measure of what agentq adds to a call. The call is sent as a model turn
+    sends its calls: by the process that learned of them (there the stream worker, after
+    the round that asked for them; here the caller). The same call sent by a turn
+    worker's step, one Celery delivery more, is measured beside it.
     """
     import redis as redis_py
 
@@ -167,12 +173,16 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     # The client's side as Celery's: start, wait, read the result (no timing reads).
     sides: dict[str, Callable[[], object]] = {
         "agentq": lambda: agentq_call(fx),
+        TURN_WORKER_SIDE: lambda: agentq_call(fx, step_here=False),
         "celery": celery_once,
     }
-    worker = {"agentq": "tools", "celery": "celery"}
+    worker = {"agentq": "tools", TURN_WORKER_SIDE: "tools", "celery": "celery"}
     cpu: dict[str, Counter[str]] = {side: Counter() for side in sides}
-    for rep in range(4):
-        for side in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
+    order = list(sides)
+    for _rep in range(4):
+        # Each side goes first, middle and last in turn, so machine noise hits all three.
+        order = order[1:] + order[:1]
+        for side in order:
             kinds = _process_kinds(fx)
             before = _cpu_s(kinds)
             for _ in range(n // 2):
@@ -194,10 +204,10 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
             kind = "inside Lua" if not cport.isdigit() else ports.get(cport, "other")
             by_kind.setdefault(kind, Counter())[name] += 1
         calls = 2 * n  # the CPU windows: 4 reps of n // 2
-        # Only the processes on the call's path: the other workers idle alike for both.
+        # Only the processes on the call's path: the other workers idle alike for all.
         path = ("caller", "redis-server", f"{worker[side]} worker", f"{worker[side]} pool")
-        if side == "agentq":
-            path += ("turns worker",)  # the steps that send and collect the call
+        if side != "celery":
+            path += ("turns worker",)  # its sweeps; on the other side, its step as well
         cpu_ms = {k_: round(cpu[side][k_] * 1000 / calls, 3) for k_ in path}
         out[side] = {
             "cpu_ms_per_call": {**cpu_ms, "total": round(sum(cpu_ms.values()), 3)},
@@ -209,8 +219,7 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
                 for kind, c in sorted(by_kind.items())
             },
         }
-    a, c = out["agentq"]["cpu_ms_per_call"]["total"], out["celery"]["cpu_ms_per_call"]["total"]
-    # The processes that idle alike for both sides (the other workers' heartbeats and
+    # The processes that idle alike for all sides (the other workers' heartbeats and
     # sweeps) are left out, as for the CPU above.
     idle = ("io pool", "io worker", "llm pool", "llm worker", "other")
     cmds = {
@@ -224,14 +233,20 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
         )
         for side in out
     }
+    cpu_total = {side: out[side]["cpu_ms_per_call"]["total"] for side in out}
+    c = cpu_total["celery"]
     return {
         "cost_per_call": out,
-        "agentq_cpu_ms_per_call": a,
+        "agentq_cpu_ms_per_call": cpu_total["agentq"],
         "celery_cpu_ms_per_call": c,
-        "cpu_ratio": round(a / c, 3) if c else None,
+        "cpu_ratio": round(cpu_total["agentq"] / c, 3) if c else None,
+        "cpu_ratio_turn_worker": round(cpu_total[TURN_WORKER_SIDE] / c, 3) if c else None,
         "agentq_redis_commands_per_call": cmds["agentq"],
         "celery_redis_commands_per_call": cmds["celery"],
         "redis_commands_ratio": round(cmds["agentq"] / cmds["celery"], 2)
+        if cmds["celery"]
+        else None,
+        "redis_commands_ratio_turn_worker": round(cmds[TURN_WORKER_SIDE] / cmds["celery"], 2)
         if cmds["celery"]
         else None,
     }

@@ -265,13 +265,17 @@ QUIET_WAIT_S = 0.015
 """How long the overhead stage's client keeps still before it looks for the turn's end."""
 
 
-def agentq_call(fx: BenchRig) -> ToolResult:
+def agentq_call(fx: BenchRig, *, step_here: bool = True) -> ToolResult:
     """One no-op call as a client makes it: start the turn, wait for its end, read the
-    result; without the overhead stage's timing reads (its dispatch record and log)."""
-    return _noop_turn()[2]
+    result; without the overhead stage's timing reads (its dispatch record and log).
+
+    With `step_here` the caller sends the call itself, as the stream worker that streamed
+    a model round sends its calls; otherwise a turn worker's step does.
+    """
+    return _noop_turn(step_here=step_here)[2]
 
 
-def _noop_turn() -> tuple[str, str, ToolResult]:
+def _noop_turn(*, step_here: bool = False) -> tuple[str, str, ToolResult]:
     """Start a turn of one no-op call, keep still, poll for its end: (turn, call, result).
 
     Each poll reads the turn's status and the call's result in one command (both are
@@ -281,7 +285,7 @@ def _noop_turn() -> tuple[str, str, ToolResult]:
 
     call = noop_call()
     store = runtime.get_store()
-    turn_id = start_round([call])
+    turn_id = start_round([call], step_here=step_here)
     time.sleep(QUIET_WAIT_S)
     deadline = time.monotonic() + 30
     while True:

@@ -9,17 +9,24 @@ from __future__ import annotations
 import secrets
 import time
 
+from agentq.config import get_settings
 from agentq.events.follow import follow
 from agentq.fleet.broker import send_step
 from agentq.fleet.runtime import get_app, get_store
 from agentq.models import AssistantMessage, ToolCall, ToolResult
+from agentq.orchestrator.steps import run_step
 
 ROUND_ONLY = "round_only"
 """The finish reason of a turn made by :func:`start_round`."""
 
 
-def start_round(calls: list[ToolCall]) -> str:
-    """Queue a turn whose only work is this round of calls; return its id."""
+def start_round(calls: list[ToolCall], *, step_here: bool = False) -> str:
+    """Queue a turn whose only work is this round of calls; return its id.
+
+    With `step_here` this process takes the turn's first step, which sends the calls, as
+    a stream worker sends the calls of the model round it streamed; otherwise a turn
+    worker takes it.
+    """
     store = get_store()
     turn_id = secrets.token_hex(16)
     history = [
@@ -34,7 +41,10 @@ def start_round(calls: list[ToolCall]) -> str:
         "stop_after_round": ROUND_ONLY,
     }
     store.create(turn_id, state, history)
-    send_step(get_app(), turn_id)
+    if step_here:
+        run_step(turn_id, store=store, app=get_app(), settings=get_settings())
+    else:
+        send_step(get_app(), turn_id)
     return turn_id
 
 

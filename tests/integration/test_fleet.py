@@ -31,8 +31,9 @@ from agentq.local.processes import (
     wait_for,
 )
 from agentq.local.redis_server import RedisServer
-from agentq.models import Event
+from agentq.models import Event, ToolCall
 from agentq.testing.openai_server import Round, ScriptedCall
+from agentq.testing.rounds import start_round, wait_round
 from tests.helpers import collect, run_dev_once, script
 
 pytestmark = pytest.mark.integration
@@ -272,6 +273,28 @@ def test_a_new_turns_first_round_streams_where_its_first_step_ran(agentq_env, ll
                 assert "agentq.llm.round" not in totals, totals
         finally:
             llm.stop()
+
+
+def test_a_round_the_caller_sends_needs_no_turn_worker(agentq_env) -> None:
+    """The bench's `cost_per_call` sends its call as a model turn sends its calls: the
+    process that learned of them takes the step (`start_round(step_here=True)`). A tool
+    worker alone runs the call, and its child takes the step that ends the turn."""
+    with RedisServer() as redis_server:
+        url = redis_server.url
+        env = {**agentq_env, "AGENTQ_REDIS_URL": url, "AGENTQ_BROKER_URL": url}
+        tag = uuid.uuid4().hex[:6]
+        tools = start_worker("tools", env=env, hostname=f"tools-{tag}@%h", concurrency=2)
+        try:
+            with process_env(env):
+                calls = [ToolCall(id="c_here", name="echo", arguments='{"text": "here"}')]
+                turn_id = start_round(calls, step_here=True)
+                (res,) = wait_round(turn_id, calls, timeout_s=60)
+                assert (res.status, res.content) == ("ok", "here")
+                assert runtime.get_store().status(turn_id) == "finished"
+                totals = _task_totals(Client(), f"tools-{tag}")
+                assert totals == {"agentq.tool.echo": 1}, totals
+        finally:
+            tools.stop()
 
 
 def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_broker) -> None:

@@ -135,8 +135,10 @@ def test_a_no_op_calls_writes_cost_the_commands_the_benchmark_counts(
         # fenced: turn_finished, the state with the last messages, the wakeup gone, 2 TTLs
         "end": 7,
     }, cost
-    # With the client's two messages (the step's and the call's, LPUSH and BRPOP each)
-    # and its read of the end, 32: the bench's `agentq_redis_commands_per_call`.
-    assert sum(cost.values()) + 4 + 1 == 32
+    # With the call's message (LPUSH and BRPOP) and the client's read of the end, 30: the
+    # bench's `agentq_redis_commands_per_call`, whose caller sends the call as a stream
+    # worker sends a model round's calls; 32 when a turn worker's step sends it (the
+    # step's own message is two more).
+    assert sum(cost.values()) + 2 + 1 == 30
     # The history the steps wrote is the turn's, in order.
     assert [m["role"] for m in store.history(turn_id)] == ["user", "assistant", "tool"]
