@@ -7,12 +7,17 @@ and an engine the suite started is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.compose.fleet import ComposeFleet, since, start_engine, stop_engine
+
+LOGS = Path(__file__).resolve().parents[2] / "artifacts" / "compose-fleet.log"
+"""Every container's log of the last compose run."""
 
 
 @pytest.fixture(scope="session")
@@ -37,4 +42,8 @@ def fleet(engine: None) -> Iterator[ComposeFleet]:
         print(f"\ncompose: image built in {built_s} s, fleet healthy {since(t0)} s after start")
         yield f
     finally:
+        # The containers go with `down`: their logs stay, for a failure to be read after.
+        with contextlib.suppress(Exception):
+            LOGS.parent.mkdir(parents=True, exist_ok=True)
+            LOGS.write_text(f.logs(tail=-1))
         f.down()

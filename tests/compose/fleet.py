@@ -125,7 +125,15 @@ class ComposeFleet:
         return {r["Name"]: r.get("Health") or r.get("State", "") for r in rows}
 
     def logs(self, *services: str, tail: int = 60) -> str:
-        args = ("logs", "--no-color", "--tail", str(tail), *services)
+        """The services' last `tail` log lines (all of them for a negative `tail`)."""
+        args = (
+            "logs",
+            "--no-color",
+            "--timestamps",
+            "--tail",
+            str(tail) if tail >= 0 else "all",
+            *services,
+        )
         return self.compose(*args, check=False).stdout
 
     # -- as a user of the gateway ------------------------------------------------
