@@ -44,7 +44,7 @@ from agentq.fleet import runtime  # noqa: E402
 from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
 from scripts.bench_cluster import bench_cluster  # noqa: E402
 from scripts.bench_model_capacity import bench_model_capacity  # noqa: E402
-from scripts.bench_report import judge, merge_runs, render  # noqa: E402
+from scripts.bench_report import TURN_WORKER_SIDE, judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
     QUICK,
     BenchRig,
@@ -154,9 +154,6 @@ def _monitor(url: str, run: Callable[[], None]) -> list[tuple[str, str]]:
     return list(seen)
 
 
-TURN_WORKER_SIDE = "agentq, sent by a turn worker"
-
-
 def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     """CPU ms and Redis commands per no-op call, by process: where a call's time goes.
 
@@ -172,7 +169,7 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     port = int(redis_py.Redis.from_url(url).connection_pool.connection_kwargs.get("port", 6379))
     # The client's side as Celery's: start, wait, read the result (no timing reads).
     sides: dict[str, Callable[[], object]] = {
-        "agentq": lambda: agentq_call(fx),
+        "agentq": lambda: agentq_call(fx, step_here=True),
         TURN_WORKER_SIDE: lambda: agentq_call(fx, step_here=False),
         "celery": celery_once,
     }

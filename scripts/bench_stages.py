@@ -265,7 +265,7 @@ QUIET_WAIT_S = 0.015
 """How long the overhead stage's client keeps still before it looks for the turn's end."""
 
 
-def agentq_call(fx: BenchRig, *, step_here: bool = True) -> ToolResult:
+def agentq_call(fx: BenchRig, *, step_here: bool) -> ToolResult:
     """One no-op call as a client makes it: start the turn, wait for its end, read the
     result; without the overhead stage's timing reads (its dispatch record and log).
 
