@@ -5,7 +5,7 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
 from celery import Celery
 from pydantic import BaseModel
@@ -25,6 +25,7 @@ from agentq.models import (
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
 from agentq.state.interactions import Interactions
+from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 
 if TYPE_CHECKING:
@@ -32,6 +33,42 @@ if TYPE_CHECKING:
 
 
 M = TypeVar("M", bound=BaseModel)
+
+_HIDDEN = frozenset({"token_sha256", WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_FIELDS})
+"""State fields a client's view leaves out: the token's hash, the bus's and the rounds'
+bookkeeping."""
+
+
+class TurnView(TypedDict):
+    """A turn as `Client.get` reads it."""
+
+    turn_id: str
+    state: TurnState
+    """Its state, bookkeeping and the token's hash left out."""
+    history: list[dict[str, Any]]
+    """Its messages, in order (OpenAI chat format)."""
+    invocations: list[dict[str, Any]]
+    """The records of its settled calls (`InvocationRecord` as JSON)."""
+
+
+class RunningCall(TypedDict):
+    call_id: str
+    tool: str | None
+
+
+class ActiveTurn(TypedDict):
+    """An open turn as `Client.active` lists it."""
+
+    turn_id: str
+    owner: str | None
+    agent: str | None
+    parent_turn_id: str | None
+    status: str | None
+    created_at: float | None
+    started_at: float | None
+    current_tools: list[RunningCall]
+    """Its calls sent and not settled."""
+    call_count: int
 
 
 class Client:
@@ -113,7 +150,7 @@ class Client:
 
     # -- control ---------------------------------------------------------------------
 
-    def check_token(self, turn_id: str, token: str | None) -> dict[str, Any]:
+    def check_token(self, turn_id: str, token: str | None) -> TurnState:
         """The turn's state if `token` is its token; constant-time comparison."""
         state = self.store.state(turn_id)
         if state is None:
@@ -132,7 +169,7 @@ class Client:
         (the `agentq abort` command), which could do anything to the turn anyway.
         """
         if operator:
-            state = self.store.state(turn_id) or {}
+            state = self.store.state(turn_id) or TurnState()
             if not state:
                 raise TurnNotFound(turn_id)
         else:
@@ -180,14 +217,11 @@ class Client:
 
     # -- reading -----------------------------------------------------------------------
 
-    def get(self, turn_id: str) -> dict[str, Any]:
+    def get(self, turn_id: str) -> TurnView:
         whole = self.store.snapshot(turn_id)
         if whole is None:
             raise TurnNotFound(turn_id)
-        state = whole.state
-        state.pop("token_sha256", None)
-        for field in (WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_FIELDS):
-            state.pop(field, None)  # bookkeeping of the event bus and the rounds
+        state = cast(TurnState, {f: v for f, v in whole.state.items() if f not in _HIDDEN})
         return {
             "turn_id": turn_id,
             "state": state,
@@ -207,15 +241,15 @@ class Client:
             return value
         return output_type.model_validate(value)
 
-    def active(self) -> list[dict[str, Any]]:
+    def active(self) -> list[ActiveTurn]:
         """The open turns, oldest first, with the calls each has out."""
-        out = []
+        out: list[ActiveTurn] = []
         for turn_id in self.store.active():
             state = self.store.state(turn_id)
             if state is None or state.get("status") in TERMINAL_STATUSES:
                 continue
             results = self.store.results(turn_id)
-            running = [
+            running: list[RunningCall] = [
                 {"call_id": cid, "tool": d.get("tool")}
                 for cid, d in self.store.dispatches(turn_id).items()
                 if cid not in results

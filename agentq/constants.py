@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
+from typing import Final
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
@@ -190,7 +191,7 @@ CALL_RECORDS = (DISPATCHED, STARTED, SETTLED, PLANNED)
 # its state, so the history costs a turn no command of its own, nor a TTL at its end.
 MESSAGE = "m:"
 """A history message: the prefix of its field, before its index."""
-HISTORY_LEN_FIELD = "history_len"
+HISTORY_LEN_FIELD: Final = "history_len"
 """How many messages the turn's history holds (fields MESSAGE + 0 .. n - 1)."""
 RECORDS = (*CALL_RECORDS, MESSAGE)
 
@@ -210,12 +211,12 @@ def agent_beat_key(turn_id: str, call_id: str) -> str:
     return f"{turn_key(turn_id)}:beat:{call_id}"
 
 
-STEP_FIELD = "step"
+STEP_FIELD: Final = "step"
 """Field of the turn's state hash: the step lock, `"<token>:<until ms>"` (JSON), held by the
 one step advancing the turn until then; its token fences the step's writes. Beside the
 state it guards, every script reads it with the state it reads anyway."""
 
-DIRTY_FIELD = "dirty"
+DIRTY_FIELD: Final = "dirty"
 """Field of the turn's state hash: 1 once whatever wakes the turn has; a step that finds it
 set at its end runs once more."""
 
@@ -226,7 +227,7 @@ turn leases of being recorded as sent is sent again: its step died before the me
 out, or the message was lost (it went to a Redis master that a failover replaced)."""
 
 
-UNSETTLED_FIELD = "unsettled"
+UNSETTLED_FIELD: Final = "unsettled"
 """Field of the turn's state hash: how many calls of the batch in flight (recorded as sent
 before they settled) have no result yet; the settle that brings it to 0 wakes the turn."""
 
@@ -236,7 +237,7 @@ def cancel_key(turn_id: str) -> str:
     return f"{turn_key(turn_id)}:cancel"
 
 
-CANCEL_FIELD = "cancel"
+CANCEL_FIELD: Final = "cancel"
 """Field of the turn's state hash: the same reason (JSON), which the scripts read with the
 state they read anyway."""
 
@@ -250,19 +251,19 @@ def secret_key(turn_id: str, request_id: str) -> str:
     return f"{turn_key(turn_id)}:secret:{request_id}"
 
 
-LLM_RESULT_FIELD = "llm_result"
+LLM_RESULT_FIELD: Final = "llm_result"
 """Field of the turn's state hash: the last model round's result (LlmRoundResult JSON), as
 its stream worker stored it; cleared once a step has written its message to the history."""
-LLM_RESULT_ROUND_FIELD = "llm_result_round"
+LLM_RESULT_ROUND_FIELD: Final = "llm_result_round"
 """Field of the turn's state hash: the last round with a result. Rounds only go up, so a
 delivery of a round at or below it has nothing to stream."""
 
 
-LLM_TAKEN_FIELD = "llm_taken"
+LLM_TAKEN_FIELD: Final = "llm_taken"
 """Field of the turn's state hash: the round a stream worker took last, written with the
 round's llm_started; with its heartbeat gone and no result, the worker died."""
 
-LLM_ALIVE_FIELD = "llm_alive"
+LLM_ALIVE_FIELD: Final = "llm_alive"
 """Field of the turn's state hash: `"<round>:<until ms>:<worker>"` (JSON), the lease of the
 stream worker that took the round, renewed while it streams (on the workers' clocks, as
 the step lock); written with the claim, cleared with the result."""
@@ -341,7 +342,7 @@ def turn_keys(turn_id: str) -> list[str]:
     ]
 
 
-CHILDREN_FIELD = "has_children"
+CHILDREN_FIELD: Final = "has_children"
 """Field of the turn's state hash, set when its first sub-agent turn is created: only
 then does its end delete `children_key` (a command fewer for every other turn)."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Final
 
 import redis
 from redis.cluster import RedisCluster
@@ -37,9 +37,9 @@ EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]
 # fleet's metrics count events in the processes that publish them (FleetCounts), not
 # from copies on a channel.
 
-WATCHERS_FIELD = "watchers"
+WATCHERS_FIELD: Final = "watchers"
 """Field of the turn's state hash: how many followers want the live copies."""
-SEQ_FIELD = "seq"
+SEQ_FIELD: Final = "seq"
 """Field of the turn's state hash: the seq of its last event."""
 
 

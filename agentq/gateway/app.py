@@ -81,6 +81,7 @@ from agentq.gateway.validate import (
 )
 from agentq.llm.capacity import capacity_for
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
+from agentq.state.turn_state import TurnState
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
 from agentq.telemetry.fleetcounts import read_counts
@@ -160,9 +161,7 @@ class Gateway:
             raise Unauthorized("unknown key")
         return principal
 
-    def authorize(
-        self, turn_id: str, principal: Principal | None, token: str | None
-    ) -> dict[str, Any]:
+    def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
         """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
         state = self.client.store.state(turn_id)
         if state is None or not may_access(state, principal, token):

@@ -16,13 +16,14 @@ import hashlib
 import hmac
 import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import SecretStr
 
 from agentq.config import Settings
 from agentq.errors import ConfigError
+from agentq.state.turn_state import TurnState
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
 _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -134,7 +135,7 @@ def secret_matches(presented: str | None, expected: str) -> bool:
     )
 
 
-def token_matches(state: dict[str, Any], token: str | None) -> bool:
+def token_matches(state: TurnState, token: str | None) -> bool:
     """`token` is the turn's own token (its sha256 is on the state)."""
     if not token:
         return False
@@ -142,7 +143,7 @@ def token_matches(state: dict[str, Any], token: str | None) -> bool:
     return hmac.compare_digest(sha256_hex(token), expected) and bool(expected)
 
 
-def may_access(state: dict[str, Any], principal: Principal | None, token: str | None) -> bool:
+def may_access(state: TurnState, principal: Principal | None, token: str | None) -> bool:
     """Read and steer (abort, answer) rights on one turn: the same three holders for both."""
     if token_matches(state, token):
         return True
@@ -151,7 +152,7 @@ def may_access(state: dict[str, Any], principal: Principal | None, token: str | 
     return principal.admin or (state.get("owner") is not None and state["owner"] == principal.name)
 
 
-def may_list(state: dict[str, Any], principal: Principal) -> bool:
+def may_list(state: Mapping[str, object], principal: Principal) -> bool:
     """A turn appears in the caller's `/v1/turns/active`: theirs, or all for an admin."""
     return principal.admin or state.get("owner") == principal.name
 

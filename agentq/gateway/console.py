@@ -29,6 +29,7 @@ from agentq.gateway.validate import read_json
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.timeline import timeline
+from agentq.state.turn_state import TurnState
 from agentq.webhooks.deliveries import Deliveries
 
 if TYPE_CHECKING:
@@ -63,7 +64,7 @@ class Console:
                 raise Forbidden("without keys, the console steers turns from this machine only")
         return principal
 
-    def _state(self, turn_id: str, principal: Principal | None) -> dict[str, Any]:
+    def _state(self, turn_id: str, principal: Principal | None) -> TurnState:
         state = self.gw.client.store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)

@@ -59,7 +59,7 @@ gateway ran are counted too; a process that dies loses what it counted since its
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client import Counter as PromCounter
@@ -71,6 +71,9 @@ from prometheus_client.core import (
 )
 
 from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES, Family
+
+if TYPE_CHECKING:
+    from agentq.api import ActiveTurn
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -104,7 +107,7 @@ class GatewayMetrics:
     def streamed(self, type_: str) -> None:
         self.events_streamed.labels(type=type_ if len(type_) <= 40 else "other").inc()
 
-    def refresh_active(self, active: list[dict[str, Any]]) -> None:
+    def refresh_active(self, active: list[ActiveTurn]) -> None:
         """Set the scrape-time gauges from `Client.active()`."""
         by_status = {"queued": 0, "running": 0}
         running = 0
@@ -112,7 +115,7 @@ class GatewayMetrics:
             status = str(turn.get("status"))
             if status in by_status:
                 by_status[status] += 1
-            running += len(turn.get("current_tools") or [])
+            running += len(turn["current_tools"])
         for status, n in by_status.items():
             self.active_turns.labels(status=status).set(n)
         self.running_tools.set(running)

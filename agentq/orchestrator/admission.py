@@ -18,6 +18,7 @@ from agentq.errors import ModelCapacityTimeout
 from agentq.llm.capacity import Capacity, Grant, capacity_for
 from agentq.llm.limits import estimate_tokens
 from agentq.llm.wakes import waiter_of, wake_granted
+from agentq.state.turn_state import TurnState
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -56,7 +57,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
         _, wakes = cap.withdraw(model, waiter)
         wake_granted(ctx.store, wakes)
         raise ModelCapacityTimeout(model, waited_s)
-    fields: dict[str, Any] = {"llm_wait_round": round_no, "llm_wait_since": since}
+    fields: TurnState = {"llm_wait_round": round_no, "llm_wait_since": since}
     events: list[tuple[str, dict[str, Any]]] = []
     if not waiting or ctx.state.get("llm_wait_position") != got.position:
         # `first`: this wait starts here (the metrics count rounds that had to wait by it);

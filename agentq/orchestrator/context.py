@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from celery import Celery
 
@@ -13,6 +13,7 @@ from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import TurnStatus
 from agentq.state.base import RoundRead
+from agentq.state.turn_state import TurnState
 from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ class StepContext:
     app: Celery
     settings: Settings
     token: str
-    state: dict[str, Any]
+    state: TurnState
     history: list[dict[str, Any]] = field(default_factory=list)
     """The turn's history as this step knows it: read when it began, plus what it appended."""
     cancel_reason: str | None = None
@@ -60,8 +61,8 @@ class StepContext:
             return bool(self.state["interactive"])
         return not (self.state.get("detach") or self.headless)
 
-    staged: tuple[dict[str, Any], list[tuple[str, dict[str, Any]]]] = field(
-        default_factory=lambda: ({}, [])
+    staged: tuple[TurnState, list[tuple[str, dict[str, Any]]]] = field(
+        default_factory=lambda: (TurnState(), [])
     )
     """State fields and events `stage`d for the step's next write (see `stage`)."""
     staged_append: list[dict[str, Any]] = field(default_factory=list)
@@ -77,7 +78,7 @@ class StepContext:
         events: list[tuple[str, dict[str, Any]]] | None = None,
         append: list[dict[str, Any]] | None = None,
         plans: dict[str, str] | None = None,
-        **fields: Any,
+        **fields: Unpack[TurnState],
     ) -> None:
         """Record state fields (and their events, history messages and call plans) with the
         step's next write, not now: the step sees them at once, Redis with whatever it writes next
@@ -145,7 +146,7 @@ class StepContext:
         *,
         events: list[tuple[str, dict[str, Any]]] | None = None,
         plans: dict[str, str] | None = None,
-        **fields: Any,
+        **fields: Unpack[TurnState],
     ) -> None:
         """Record state fields (and history messages, call plans, the events the change
         means) atomically, fenced by the step's lock, after whatever was staged."""

@@ -77,6 +77,7 @@ from agentq.orchestrator.plan import (
     with_safe_call_ids,
 )
 from agentq.state.base import RoundRead
+from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 from agentq.tools.results import cancelled_result, denied_result, error_result
 
@@ -155,7 +156,7 @@ def advance(ctx: StepContext) -> float | None:
             c.id: plan_call(c, refused.get(c.id), ctx.agent).model_dump_json()
             for c in message.tool_calls
         }
-        counts: dict[str, Any] = {
+        counts: TurnState = {
             "round": round_no + 1,
             "stop_after_round": stop,
             "call_count": len(earlier) + len(message.tool_calls),

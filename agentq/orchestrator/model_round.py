@@ -22,6 +22,7 @@ from agentq.llm.capacity import Grant
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import admission, subturns
 from agentq.state.base import now_ms
+from agentq.state.turn_state import TurnState
 from agentq.tools.registry import all_tools, schemas_json
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def send_round(
         queued_s=_queued_s(ctx, round_no) if grant else 0.0,
     )
     admissions = int(ctx.state.get("llm_admissions") or 0) + (1 if grant else 0)
-    grant_fields: dict[str, Any] = (
+    grant_fields: TurnState = (
         {
             "llm_admissions": admissions,
             "llm_deployment": grant.deployment,
@@ -115,15 +116,16 @@ def send_round(
     # its events after the turn's. A step that dies before the message is out leaves a
     # round recorded as sent that nobody took: the next step sends it again after
     # PICKUP_LEASES (the delivery that comes second finds the round claimed or done).
-    ctx.stage(
+    sent: TurnState = {
         **grant_fields,
-        llm_round=round_no,
-        llm_attempt=attempt,
-        llm_sends=sends,
-        llm_sent_at=ctx.now,
+        "llm_round": round_no,
+        "llm_attempt": attempt,
+        "llm_sends": sends,
+        "llm_sent_at": ctx.now,
         # Sent again unpicked: the round keeps the deadline of its attempt.
-        llm_deadline=deadline,
-    )
+        "llm_deadline": deadline,
+    }
+    ctx.stage(**sent)
     ctx.release(min(deadline, ctx.now + s.turn_lease_s))
     # A round the provider refused as busy is sent again under a new id.
     task_id = (
@@ -189,7 +191,7 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             return _message(ctx, result)
         # The round goes again: its result is forgotten, and so is its claim (a delivery of
         # an earlier round still finds it done).
-        fields: dict[str, Any] = {
+        fields: TurnState = {
             "llm_round": None,
             k.LLM_RESULT_FIELD: None,
             k.LLM_RESULT_ROUND_FIELD: round_no - 1,
@@ -198,7 +200,7 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
         events: list[tuple[str, dict[str, Any]]] = []
         if not busy:
             # Its deployment failed before the model said anything: another one takes it.
-            fields.update(llm_failovers=failovers + 1, llm_failover_round=round_no)
+            fields.update({"llm_failovers": failovers + 1, "llm_failover_round": round_no})
             retry = {
                 "round_no": round_no,
                 "attempt": failovers + 1,

@@ -21,6 +21,7 @@ from agentq.errors import BrokerUnavailable, PayloadTooLarge
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.state.conversations import open_conversation
+from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 from agentq.webhooks.target import check_for_turn
 from agentq.webhooks.task import WAITING_RECHECK_S, deliveries
@@ -46,7 +47,7 @@ def start_turn(
     operator: bool = False,
     traced: bool = False,
     turn_id: str | None = None,
-    extra_state: dict[str, Any] | None = None,
+    extra_state: TurnState | None = None,
 ) -> TurnHandle:
     """Queue a turn owned by the key name `owner` (None: no key); see `Client.start_turn`.
 
@@ -83,7 +84,7 @@ def start_turn(
     # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
     turn_id = turn_id or secrets.token_hex(16)
     token = secrets.token_urlsafe(32)
-    state = {
+    state: TurnState = {
         "status": "queued",
         "created_at": time.time(),
         "headless": req.headless,

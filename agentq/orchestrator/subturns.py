@@ -21,6 +21,7 @@ from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
 from agentq.state.base import WAKE_BACKSTOP_S
+from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
 from agentq.tools.timing import truncate_text
 
@@ -133,7 +134,7 @@ def _beat(ctx: StepContext, p: CallPlan, rec: dict[str, Any], message: str) -> N
 def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     state = ctx.state
     now = time.time()
-    child_state = {
+    child_state: TurnState = {
         "status": "queued",
         "created_at": now,
         "headless": bool(state.get("headless")),

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, cast
 
 import redis
 from redis.commands.core import Script
@@ -26,6 +26,7 @@ from redis.commands.core import Script
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, EventBus, event_body, publish_lua, run_pipeline
 from agentq.models import ToolResult
+from agentq.state.turn_state import TurnState
 from agentq.telemetry.fleetcounts import COUNTED_TYPES, fleet_counts
 
 log = logging.getLogger("agentq.state")
@@ -92,7 +93,7 @@ class StepView:
     """What a step reads when it begins: the turn's state (None: Redis lost it), its cancel
     reason, its history and, when the state names them, its round's calls as stored."""
 
-    state: dict[str, Any] | None
+    state: TurnState | None
     cancel_reason: str | None
     history: list[dict[str, Any]]
     round: RoundRead | None = None
@@ -112,7 +113,9 @@ class InlineStepper(Protocol):
 
 def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None) -> StepView:
     """A step's view from what the begin script (or a write that took the lock) returned."""
-    state = {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    state = cast(
+        TurnState, {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    )
     ids = state.get("round_calls")
     cancel = state.pop(k.CANCEL_FIELD, None)
     return StepView(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from redis.commands.core import Script
@@ -226,7 +227,7 @@ class StepRecords(StoreBase):
         self,
         turn_id: str,
         token: str,
-        fields: dict[str, Any],
+        fields: Mapping[str, Any],
         append: list[dict[str, Any]] | None = None,
         *,
         plans: dict[str, str] | None = None,
@@ -265,7 +266,7 @@ class StepRecords(StoreBase):
         ttl_ms: int,
         dispatched: dict[str, dict[str, Any]] | None = None,
         *,
-        fields: dict[str, Any] | None = None,
+        fields: Mapping[str, Any] | None = None,
         events: list[tuple[str, dict[str, Any]]] | None = None,
         append: list[dict[str, Any]] | None = None,
         plans: dict[str, str] | None = None,

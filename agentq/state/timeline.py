@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq.events.bus import EventBus
 from agentq.models import TERMINAL_STATUSES, Event
+from agentq.state.turn_state import TurnState
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -134,7 +135,7 @@ def log_line(ev: Event) -> dict[str, Any]:
     return {"seq": ev.seq, "ts": ev.ts, "type": ev.type, "fields": fields}
 
 
-def timeline(store: TurnStore, turn_id: str, state: dict[str, Any]) -> dict[str, Any]:
+def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]:
     """The turn's rounds, calls and recent events; `state` is its state hash, read already."""
     now = time.time()
     events = _log(store.bus, turn_id)

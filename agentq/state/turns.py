@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from redis.commands.core import Script
 
@@ -37,6 +37,7 @@ from agentq.state.lua import (
     lock_mine_lua,
     wake_lua,
 )
+from agentq.state.turn_state import TurnState
 
 # Ending a turn: its status, its terminal event and the retention TTL of its keys in one
 # atomic step; exactly one ending wins, and nothing is published after it. A child turn
@@ -116,16 +117,16 @@ return redis.call('SMEMBERS', KEYS[2])
 class TurnSnapshot:
     """A turn as one read of its state hash found it."""
 
-    state: dict[str, Any]
+    state: TurnState
     history: list[dict[str, Any]]
     results: dict[str, ToolResult]
     """Its calls' settled results, by call id."""
 
 
-def _state_of(raw: dict[Any, Any]) -> dict[str, Any]:
+def _state_of(raw: dict[Any, Any]) -> TurnState:
     """A turn's state fields out of its state hash as read: its records left out."""
     fields = ((text(f), v) for f, v in raw.items())
-    return {f: json.loads(v) for f, v in fields if not k.is_record(f)}
+    return cast(TurnState, {f: json.loads(v) for f, v in fields if not k.is_record(f)})
 
 
 class TurnRecords(StoreBase):
@@ -147,7 +148,7 @@ class TurnRecords(StoreBase):
         )
         return [text(c) for c in children]
 
-    def create(self, turn_id: str, state: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    def create(self, turn_id: str, state: TurnState, history: list[dict[str, Any]]) -> None:
         """Store a new turn, woken: if the message of its first step is lost (a failover
         took it with the old master, its sender died), the wakeup sweep starts it."""
 
@@ -175,7 +176,7 @@ class TurnRecords(StoreBase):
             # returns, and a reader meanwhile sees a turn just queued either way.
             self._pipelined(build)
 
-    def state(self, turn_id: str) -> dict[str, Any] | None:
+    def state(self, turn_id: str) -> TurnState | None:
         """The turn's state fields (its records left out), None if Redis has none."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
         return _state_of(raw) if raw else None

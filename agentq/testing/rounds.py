@@ -15,6 +15,7 @@ from agentq.fleet.broker import send_step
 from agentq.fleet.runtime import get_app, get_store
 from agentq.models import AssistantMessage, ToolCall, ToolResult
 from agentq.orchestrator.steps import run_step
+from agentq.state.turn_state import TurnState
 
 ROUND_ONLY = "round_only"
 """The finish reason of a turn made by :func:`start_round`."""
@@ -33,7 +34,7 @@ def start_round(calls: list[ToolCall], *, step_here: bool = False) -> str:
         {"role": "user", "content": "run these calls"},
         AssistantMessage(tool_calls=tuple(calls)).to_openai(),
     ]
-    state = {
+    state: TurnState = {
         "status": "queued",
         "created_at": time.time(),
         "round": 1,

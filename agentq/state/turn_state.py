@@ -1,0 +1,171 @@
+"""The turn's state: the fields of its state hash (each JSON), as one read decodes them.
+
+Every module that reads a turn's state reads it as a `TurnState`, so mypy refuses a
+misspelled field instead of letting it read as None. The hash holds the turn's records
+too (its calls and history messages, `constants.RECORDS`); those are not state, and a
+read of the state leaves them out. A new field is added here first, with one line
+saying what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypedDict
+
+
+class TurnState(TypedDict, total=False):
+    """A turn's state fields, as `TurnStore.state` returns them; every field may be absent
+    (an older turn, a field not written yet, one written None)."""
+
+    # -- what the turn is, written when it is stored --------------------------------------
+    status: str
+    """`TurnStatus` value: queued, running, finished, error or aborted."""
+    created_at: float
+    """When the turn was stored (epoch seconds)."""
+    headless: bool
+    """Nobody can answer a question: an approval without a default fails the turn."""
+    detach: bool
+    """Nobody follows the turn's stream: its model rounds wait behind interactive ones."""
+    interactive: bool
+    """Set on a child turn: whether a person follows its parent (overrides detach/headless)."""
+    conversation_id: str | None
+    """The conversation the turn continues, whose history it starts from."""
+    history_start: int
+    """How many messages of the history came from the conversation (before this turn)."""
+    conversation_waiting: bool
+    """Queued behind another turn of its conversation: its messages are in
+    `pending_messages`, not yet in its history (its first step after its turn comes moves
+    them there, after the conversation's history)."""
+    pending_messages: list[dict[str, Any]]
+    """A waiting turn's own messages, until it runs (or joins the running turn)."""
+    conversation_base_len: int
+    """The conversation history's length when the turn read it: its exchange is appended
+    after exactly that many messages."""
+    multitask: str | None
+    """What the turn's request asked for when its conversation was busy."""
+    inject_seq: int
+    """Messages sent to join this running turn (multitask inject), counted by the sender."""
+    inject_seen: int
+    """`inject_seq` as the turn last took injected messages in."""
+    injected_turns: list[str]
+    """Queued turns whose message this turn took into its history."""
+    injected_into: str
+    """For a turn ended because its message joined a running turn: that turn's id."""
+    parent_turn_id: str | None
+    """For a child turn started by an agent call: the turn that called it."""
+    parent_call_id: str
+    """For a child turn: the id of the parent's call it answers."""
+    parent_tool: str
+    """For a child turn: the name of the parent's tool (the agent) it answers."""
+    agent: str | None
+    """The agent the turn runs (None: the default, every registered tool)."""
+    owner: str | None
+    """The key name that started the turn (None: no key)."""
+    token_sha256: str
+    """sha256 of the turn's control token (a child shares its parent's)."""
+    webhook_url: str
+    """Where the turn's end is delivered as a signed webhook."""
+    traceparent: str
+    """W3C traceparent of the turn's trace, when the turn is traced."""
+    trace_caller: str | None
+    """The span id of the caller that started the traced turn."""
+    schedule: str
+    """The schedule whose tick started the turn."""
+
+    # -- how far it went -----------------------------------------------------------------
+    started_at: float
+    """When its first step ran (epoch seconds)."""
+    phase: str
+    """While running: "model" (a round is due or out) or "tools" (calls are out)."""
+    round: int
+    """How many model rounds have answered (the next round's number)."""
+    round_calls: list[str] | None
+    """The ids of the current round's calls, read with the state by the next step."""
+    call_count: int
+    """How many tool calls the turn has made since `history_start`."""
+    stop_after_round: str | None
+    """A stop reason (max_calls_per_turn, loop_detected) that ends the turn once the
+    round's calls are settled."""
+    streamed_s: float
+    """Seconds spent streaming model rounds so far."""
+    output_retries: int
+    """How many answers the agent's output type refused (they were sent back)."""
+    progress: str
+    """A child turn's last phase, shown in its parent's heartbeats."""
+
+    # -- its model round: sending, admission, failover -----------------------------------
+    llm_round: int | None
+    """The round last recorded as sent (None: the round goes again)."""
+    llm_attempt: int
+    """The attempt of `llm_round` (a stream worker that died mid-round costs one)."""
+    llm_sends: int
+    """How many times this attempt was sent (a send nobody picked up is sent again)."""
+    llm_sent_at: float
+    """When the round was last sent (0: send again at once)."""
+    llm_deadline: float
+    """When the round's attempt fails if no result came."""
+    llm_admissions: int
+    """How many capacity grants the turn's rounds took."""
+    llm_deployment: str
+    """The deployment the round was admitted to."""
+    llm_lease: str
+    """The capacity lease of the round's grant."""
+    llm_estimate: int
+    """The tokens the round's grant reserved."""
+    llm_wait_round: int
+    """The round waiting for model capacity (or that waited last)."""
+    llm_wait_since: float
+    """When that round started to wait."""
+    llm_wait_position: int | None
+    """Its place in the capacity queue, as last told (None once granted)."""
+    llm_failovers: int
+    """How many deployments failed `llm_failover_round` before it said anything."""
+    llm_failover_round: int
+    """The round those failovers are counted for."""
+
+    # -- its end -------------------------------------------------------------------------
+    ended_at: float
+    """When the turn ended (epoch seconds)."""
+    finished_at: float
+    """When it finished with an answer."""
+    finish_reason: str
+    """Why it finished: stop, max_calls_per_turn, loop_detected."""
+    output: Any
+    """The agent's typed answer (JSON), when its agent declares an output type."""
+    error: str
+    """Why it ended in error."""
+    error_code: str
+    """The error's code (unknown_agent, invalid_output, ELLM, state_lost, ...)."""
+    abort_reason: str
+    """Why it was aborted (the cancel reason)."""
+    reason: str
+    """An older spelling of `abort_reason`, still read."""
+
+    # -- the machinery's bookkeeping (constants.BOOKKEEPING_FIELDS, the event bus) -------
+    step: str
+    """constants.STEP_FIELD: the step lock, `"<token>:<until ms>"`."""
+    dirty: int
+    """constants.DIRTY_FIELD: 1 once the turn was woken while a step held it."""
+    unsettled: int
+    """constants.UNSETTLED_FIELD: calls of the batch in flight without a result."""
+    cancel: str
+    """constants.CANCEL_FIELD: the cancel reason, read by the scripts with the state."""
+    has_children: int
+    """constants.CHILDREN_FIELD: set once the turn started a child turn."""
+    history_len: int
+    """constants.HISTORY_LEN_FIELD: how many history messages the hash holds."""
+    llm_result: dict[str, Any] | None
+    """constants.LLM_RESULT_FIELD: the last round's result, until it is in the history."""
+    llm_result_round: int
+    """constants.LLM_RESULT_ROUND_FIELD: the last round with a result."""
+    llm_taken: int | None
+    """constants.LLM_TAKEN_FIELD: the round a stream worker took last."""
+    llm_alive: str
+    """constants.LLM_ALIVE_FIELD: that worker's lease, `"<round>:<until ms>:<worker>"`."""
+    watchers: int
+    """events.bus.WATCHERS_FIELD: how many followers want the live copies."""
+    seq: int
+    """events.bus.SEQ_FIELD: the seq of the turn's last event."""
+
+
+TURN_STATE_FIELDS = frozenset(TurnState.__annotations__)
+"""Every field a turn's state may hold (a test checks the names in constants match)."""
