@@ -19,9 +19,11 @@ from agentq.models import (
     TERMINAL_STATUSES,
     Event,
     InteractionAnswer,
+    MultitaskMode,
     TurnHandle,
     TurnRequest,
 )
+from agentq.orchestrator.conversation import conversations
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
 from agentq.state.interactions import Interactions
@@ -103,8 +105,17 @@ class Client:
         operator: bool = False,
         agent: str | None = None,
         webhook_url: str | None = None,
+        multitask: MultitaskMode | None = None,
+        idempotency_key: str | None = None,
     ) -> TurnHandle:
         """Queue a turn; returns at once with its id and the token that controls it.
+
+        `multitask` (with `conversation_id`): what the message does while another turn of
+        the conversation runs: "enqueue" (the default: it runs after it), "reject"
+        (ConversationBusy), "interrupt", "rollback" or "inject" (docs/conversations.md).
+
+        `idempotency_key`: a second call with the same key (within 24 h) starts nothing
+        and returns the first call's turn; with other arguments, IdempotencyKeyReused.
 
         `agent` names the Agent the turn runs as; one no turn worker runs raises
         UnknownAgent (with the known ones).
@@ -125,8 +136,9 @@ class Client:
             parent_turn_id=parent_turn_id,
             agent=agent,
             webhook_url=webhook_url,
+            multitask=multitask,
         )
-        return self.start(req, operator=operator)
+        return self.start(req, operator=operator, idempotency_key=idempotency_key)
 
     def start(
         self,
@@ -135,6 +147,7 @@ class Client:
         owner: str | None = None,
         admin: bool = False,
         operator: bool = False,
+        idempotency_key: str | None = None,
     ) -> TurnHandle:
         """Queue a turn owned by the key name `owner` (None: no key); see `start_turn`."""
         return start_turn(
@@ -146,6 +159,8 @@ class Client:
             admin=admin,
             operator=operator,
             traced=self.traced,
+            idempotency_key=idempotency_key,
+            abort=self._abort,
         )
 
     # -- control ---------------------------------------------------------------------
@@ -268,6 +283,55 @@ class Client:
                 }
             )
         return sorted(out, key=lambda t: float(t["created_at"] or 0))
+
+    # -- conversations -------------------------------------------------------------------
+
+    def conversation(
+        self,
+        conversation_id: str,
+        *,
+        owner: str | None = None,
+        token: str | None = None,
+        operator: bool = False,
+    ) -> dict[str, Any]:
+        """A conversation: idle or busy, its running and queued turns, its messages.
+
+        The caller is its owner's key name, or holds its conversation token; `operator`
+        (an admin key, a holder of Redis credentials) may read any. Anyone else, and an
+        unknown id: ConversationNotFound."""
+        convs = conversations(self.store)
+        convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
+        return convs.view(conversation_id).public()
+
+    def conversations(
+        self,
+        *,
+        owner: str | None = None,
+        operator: bool = False,
+        limit: int = 50,
+        before: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """The caller's conversations (every one for an operator), most recent first."""
+        return conversations(self.store).listing(
+            owner=owner, any_owner=operator, limit=limit, before=before
+        )
+
+    def delete_conversation(
+        self,
+        conversation_id: str,
+        *,
+        owner: str | None = None,
+        token: str | None = None,
+        operator: bool = False,
+    ) -> list[str]:
+        """Abort the conversation's running and queued turns and remove it; returns them."""
+        convs = conversations(self.store)
+        convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
+        turns = convs.delete(conversation_id)
+        for turn_id in turns:
+            if self.store.status(turn_id) not in (None, *TERMINAL_STATUSES):
+                self._abort(turn_id, "user")
+        return turns
 
     def events(
         self,

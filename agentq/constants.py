@@ -20,17 +20,20 @@ carry ``{<conversation id>}``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from functools import lru_cache
 from typing import Final
 
-from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
-
 VERSION = "0.1.0"
 """agentq.__version__; here so that no part of the package imports the package itself."""
 
 PREFIX = "agentq"
+
+RELAY_DEPTH_MAX = 8
+"""The deepest sub-agent level a reader may ask to have relayed (agentq.events.follow);
+here so that the command line can name it without loading the event bus."""
 
 QUEUE_TURNS = "agentq.turns"
 QUEUE_LLM = "agentq.llm"
@@ -69,6 +72,22 @@ WORKERS = f"{PREFIX}:workers"
 AGENTS = f"{PREFIX}:agents"
 """Hash: agent name -> JSON {model, tools, seen_at}, published by turn workers."""
 
+MCP_TOOLS = f"{PREFIX}:mcp:tools"
+"""Hash: MCP server name -> JSON {listed_at, tools}, the fleet's shared listing (agentq.mcp)."""
+MCP_HEALTH = f"{PREFIX}:mcp:health"
+"""Hash: MCP server name -> JSON {ok, failures, error, worker, at}: how its last start went."""
+
+
+def mcp_slots_key(server: str) -> str:
+    """Sorted set: the calls of an MCP server with a fleet-wide `concurrency` now running
+    (call id scored by when its slot lapses)."""
+    return f"{PREFIX}:mcp:{server}:slots"
+
+
+def mcp_listing_key(server: str) -> str:
+    """The lock of the one process listing an MCP server's tools."""
+    return f"{PREFIX}:mcp:{server}:listing"
+
 
 FLEET_COUNTS = f"{PREFIX}:metrics:fleet"
 """Hash: the fleet's counters and histograms (agentq.telemetry.fleetcounts), added to by
@@ -106,6 +125,8 @@ def shard_of(turn_id: str) -> int:
     try:
         return int(turn_id[:4], 16) % n
     except ValueError:  # not a turn id: names no stored turn, any shard will do
+        from redis.crc import key_slot
+
         return key_slot(turn_id.encode()) % n
 
 
@@ -113,6 +134,9 @@ def shard_of(turn_id: str) -> int:
 def shard_tag(shard: int, shards: int) -> str:
     """The hash tag of a shard: a short string whose slot lies in the shard's share of the
     16384 slots, so a cluster whose masters hold even slot ranges gets even shares."""
+    # Imported here: `agentq --version` reads this module and should not load redis.
+    from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+
     lo = shard * REDIS_CLUSTER_HASH_SLOTS // shards
     hi = (shard + 1) * REDIS_CLUSTER_HASH_SLOTS // shards
     n = 0
@@ -320,6 +344,35 @@ def conversation_owner_key(conversation_id: str) -> str:
     """Who may continue the conversation: `owner:<sha256 of the key name>` or
     `secret:<sha256 of the conversation token>`; never a plain key or token."""
     return f"{PREFIX}:conv:{{{conversation_id}}}:owner"
+
+
+def conversation_meta_key(conversation_id: str) -> str:
+    """Hash: the turn that holds the conversation (`running`), one to roll back, its size."""
+    return f"{PREFIX}:conv:{{{conversation_id}}}:meta"
+
+
+def conversation_queue_key(conversation_id: str) -> str:
+    """List: the turns waiting for the conversation, in the order they run."""
+    return f"{PREFIX}:conv:{{{conversation_id}}}:queue"
+
+
+def conversation_inject_key(conversation_id: str) -> str:
+    """Set: queued turns whose message may join the running turn's next round instead."""
+    return f"{PREFIX}:conv:{{{conversation_id}}}:inject"
+
+
+CONVERSATIONS_INDEX = f"{PREFIX}:conversations:index"
+"""Sorted set: every conversation scored by its last change, for listing them; entries whose
+conversation expired are pruned when listed."""
+
+IDEMPOTENCY_TTL_S = 24 * 3600
+
+
+def idempotency_key(caller: str, key: str) -> str:
+    """A start's record under one caller's (key name, or '' without a key) Idempotency-Key;
+    both hashed, so neither a key name nor the client's key appears in Redis."""
+    digest = hashlib.sha256(f"{caller}\0{key}".encode()).hexdigest()
+    return f"{PREFIX}:idem:{digest}"
 
 
 def owner_turns_key(subject: str) -> str:

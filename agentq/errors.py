@@ -15,6 +15,9 @@ AgentqError
 │   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
 │   ├── ToolMisuse(detail)                     a tool returned what no tool may (a coroutine)
 │   └── ToolTimeout(timeout_s)
+├── McpError(server)
+│   ├── McpServerUnavailable(detail)           cannot be started or reached, or died mid-call
+│   └── McpToolFailed(tool, detail)            the server answered the call with isError
 ├── AgentError(agent)
 │   ├── UnknownAgent(known)                    a turn names an agent no worker defines: 422 / exit 2
 │   └── AgentDefinitionError(field, detail)    a bad Agent(...), found when it is loaded
@@ -29,6 +32,8 @@ AgentqError
 │   └── ModelRoundFailed(code)                 the round's failure as the turn learns it
 ├── BrokerUnavailable(what, error)             a publish failed past kombu's retries
 ├── ConversationNotFound(conversation_id)      unknown, expired or someone else's: 404
+├── ConversationBusy(conversation_id, running_turn_id)   multitask=reject while a turn runs: 409
+├── IdempotencyKeyReused                       an Idempotency-Key sent again with another body: 422
 ├── WebhookRefused(url, reason)                a webhook target agentq will not deliver to: 422
 ├── ScheduleError(schedule)
 │   ├── ScheduleNotFound                       404 / exit 1
@@ -154,6 +159,27 @@ class ToolTimeout(ToolError):
     def __init__(self, tool: str, timeout_s: float) -> None:
         super().__init__(tool, f"tool {tool!r} did not finish within {timeout_s:g}s")
         self.timeout_s = timeout_s
+
+
+class McpError(AgentqError):
+    """Something about one MCP server (AGENTQ_MCP_SERVERS), named in the message."""
+
+    def __init__(self, server: str, message: str) -> None:
+        super().__init__(message)
+        self.server = server
+
+
+class McpServerUnavailable(McpError):
+    def __init__(self, server: str, detail: str) -> None:
+        super().__init__(server, f"MCP server {server!r} is unavailable: {detail}")
+        self.detail = detail
+
+
+class McpToolFailed(McpError):
+    def __init__(self, server: str, tool: str, detail: str) -> None:
+        super().__init__(server, f"MCP tool {tool!r} of server {server!r} failed: {detail}")
+        self.tool = tool
+        self.detail = detail
 
 
 class AgentError(AgentqError):
@@ -295,6 +321,32 @@ class ConversationNotFound(AgentqError):
             "(or send its conversation_token)"
         )
         self.conversation_id = conversation_id
+
+
+class ConversationBusy(AgentqError):
+    """A turn with `multitask="reject"` found another turn of its conversation running."""
+
+    code = "conversation_busy"
+
+    def __init__(self, conversation_id: str, running_turn_id: str) -> None:
+        super().__init__(
+            f"conversation {conversation_id} is busy with turn {running_turn_id}; send again "
+            "later, or with multitask enqueue, interrupt, rollback or inject"
+        )
+        self.conversation_id = conversation_id
+        self.running_turn_id = running_turn_id
+
+
+class IdempotencyKeyReused(AgentqError):
+    """An Idempotency-Key this caller used within its retention for a different request."""
+
+    code = "idempotency_key_reused"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this Idempotency-Key was used for a different request in the last 24 h: "
+            "a retry must send the same body; a new request needs a new key"
+        )
 
 
 class WebhookRefused(AgentqError):

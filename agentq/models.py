@@ -14,7 +14,7 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The shapes of the ids that travel in URLs and messages: checked at the edge, before any
 # Redis key is built from them.
@@ -253,7 +253,7 @@ class TurnStatus(str, Enum):
 
 TERMINAL_STATUSES: frozenset[str] = frozenset(s.value for s in TurnStatus if s.terminal)
 InteractionKind = Literal["approval", "password", "confirm", "device_code"]
-AbortReason = Literal["user", "disconnect", "timeout", "error"]
+AbortReason = Literal["user", "disconnect", "timeout", "error", "interrupt", "rollback"]
 
 EVENT_TYPES = (
     "turn_started",
@@ -469,6 +469,10 @@ class InteractionAnswer(BaseModel):
         return check_text(v)
 
 
+MultitaskMode = Literal["enqueue", "reject", "interrupt", "rollback", "inject"]
+"""What a message to a busy conversation does (TurnRequest.multitask)."""
+
+
 class TurnRequest(BaseModel):
     """What a client sends to start a turn."""
 
@@ -479,6 +483,9 @@ class TurnRequest(BaseModel):
     conversation_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     conversation_token: str | None = Field(default=None, max_length=128)
     """Continues a conversation created without a key: the token its first turn returned."""
+    multitask: MultitaskMode | None = None
+    """With `conversation_id`: what this message does when another turn of the conversation
+    still runs (default enqueue: it runs after it). See docs/conversations.md."""
     agent: str | None = Field(default=None, max_length=64)
     """The agent the turn runs as; unset: the model of the settings with every tool."""
     headless: bool = False
@@ -498,6 +505,12 @@ class TurnRequest(BaseModel):
     def _unicode(cls, v: str | None) -> str | None:
         return check_text(v)
 
+    @model_validator(mode="after")
+    def _multitask_needs_conversation(self) -> TurnRequest:
+        if self.multitask is not None and not self.conversation_id:
+            raise ValueError("multitask: only with a conversation_id")
+        return self
+
     def initial_messages(self) -> list[dict[str, Any]]:
         msgs = list(self.messages or [])
         if self.prompt:
@@ -511,6 +524,14 @@ class TurnHandle(_Frozen):
     events_url: str
     conversation_token: str | None = None
     """Set when this turn created a conversation without a key: send it to continue it."""
+    queued: bool | None = None
+    """True: the turn waits behind another turn of its conversation (`position`, `behind`)."""
+    position: int | None = None
+    behind: str | None = None
+    injected: bool | None = None
+    """True (multitask inject): `turn_id` is the running turn the message joins at its next
+    model round; `message_turn_id` is the turn that runs it if that turn has none."""
+    message_turn_id: str | None = None
 
 
 class Event(BaseModel):

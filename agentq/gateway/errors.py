@@ -19,7 +19,9 @@ from starlette.responses import JSONResponse, Response
 from agentq.errors import (
     AccessError,
     AgentqError,
+    ConversationBusy,
     ConversationNotFound,
+    IdempotencyKeyReused,
     InteractionClosed,
     InteractionNotFound,
     PayloadTooLarge,
@@ -141,6 +143,24 @@ async def _on_unknown_agent(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": body}, status_code=422)
 
 
+async def _on_conversation_busy(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ConversationBusy)
+    body = {
+        "type": "ConversationBusy",
+        "code": exc.code,
+        "message": exc.message,
+        "conversation_id": exc.conversation_id,
+        "running_turn_id": exc.running_turn_id,
+    }
+    return JSONResponse({"error": body}, status_code=409)
+
+
+async def _on_idempotency_reused(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, IdempotencyKeyReused)
+    body = {"type": "IdempotencyKeyReused", "code": exc.code, "message": exc.message}
+    return JSONResponse({"error": body}, status_code=422)
+
+
 async def _on_redis_error(request: Request, exc: Exception) -> Response:
     log.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
     return error_response(503, "RedisUnavailable", f"{type(exc).__name__}: {exc}")
@@ -165,6 +185,8 @@ def exception_handlers() -> dict[Any, Any]:
         AccessError: _on_access_error,
         TurnNotFound: _agentq_handler(404),
         ConversationNotFound: _agentq_handler(404),
+        ConversationBusy: _on_conversation_busy,
+        IdempotencyKeyReused: _on_idempotency_reused,
         InteractionNotFound: _agentq_handler(404),
         InteractionClosed: _agentq_handler(409),
         TokenInvalid: _agentq_handler(403),

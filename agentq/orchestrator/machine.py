@@ -58,9 +58,9 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.agents import all_agents
-from agentq.errors import HeadlessInteraction
+from agentq.errors import ConversationNotFound, HeadlessInteraction
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, TurnStatus
-from agentq.orchestrator import admission, subturns
+from agentq.orchestrator import admission, conversation, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
@@ -104,6 +104,14 @@ def advance(ctx: StepContext) -> float | None:
         fail(ctx, "unknown_agent", f"this worker runs no agent {name!r} (it runs: {known})")
         return None
     if status == TurnStatus.QUEUED.value:
+        if ctx.state.get("conversation_waiting"):
+            try:
+                wait = conversation.take_turn(ctx)
+            except ConversationNotFound as exc:
+                fail(ctx, "conversation_gone", exc.message)
+                return None
+            if wait is not None:
+                return wait
         started = {
             "conversation_id": ctx.state.get("conversation_id"),
             "headless": ctx.headless,
@@ -137,6 +145,9 @@ def advance(ctx: StepContext) -> float | None:
             ctx.stage(append=messages, phase="model")
             continue
         round_no = int(ctx.state.get("round", 0))
+        if ctx.state.get("inject_seq") and ctx.state.get("llm_round") != round_no:
+            # Before the round is sent: messages sent to join the turn go in it.
+            conversation.take_injected(ctx)
         outcome = poll_round(ctx, round_no)
         if isinstance(outcome, float):
             return outcome
@@ -268,13 +279,6 @@ def finish(
     in the same write; `output` is the agent's typed answer (JSON), stored with the turn."""
     history = [*ctx.history, *(append or [])]
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
-    conv = ctx.state.get("conversation_id")
-    if conv:
-        pipe = ctx.store.redis.pipeline()
-        pipe.delete(k.conversation_key(conv))
-        pipe.rpush(k.conversation_key(conv), *[json.dumps(m) for m in history])
-        pipe.expire(k.conversation_key(conv), ctx.store.ttl_s)
-        pipe.execute()
     content = final.get("content") or ""
     typed = {} if output is None else {"output": output}
     ctx.close(

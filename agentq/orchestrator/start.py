@@ -11,7 +11,7 @@ import json
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from celery import Celery
 
@@ -20,7 +20,10 @@ from agentq.config import Settings
 from agentq.errors import BrokerUnavailable, PayloadTooLarge
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TurnHandle, TurnRequest, check_messages
-from agentq.state.conversations import open_conversation
+from agentq.orchestrator import conversation
+from agentq.orchestrator.conversation import Aborter
+from agentq.state.conversations import Admit, Multitask
+from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 from agentq.webhooks.target import check_for_turn
@@ -48,12 +51,53 @@ def start_turn(
     traced: bool = False,
     turn_id: str | None = None,
     extra_state: TurnState | None = None,
+    idempotency_key: str | None = None,
+    abort: Aborter | None = None,
 ) -> TurnHandle:
     """Queue a turn owned by the key name `owner` (None: no key); see `Client.start_turn`.
 
     `turn_id` (default: a new random one) and `extra_state` (fields stored with the turn's
-    state) are for starters other than a client: a schedule's tick.
+    state) are for starters other than a client: a schedule's tick. `abort(turn_id,
+    reason)` aborts the turn a multitask interrupt or rollback replaces.
     """
+    # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
+    turn_id = turn_id or secrets.token_hex(16)
+
+    def start() -> TurnHandle:
+        return _start(
+            store,
+            app,
+            settings,
+            req,
+            turn_id=str(turn_id),
+            owner=owner,
+            admin=admin,
+            operator=operator,
+            traced=traced,
+            extra_state=extra_state,
+            abort=abort,
+        )
+
+    if idempotency_key is None:
+        return start()
+    body = fingerprint(req.model_dump(mode="json", exclude_none=True))
+    return start_once(store.redis, owner or "", check_key(idempotency_key), body, turn_id, start)
+
+
+def _start(
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+    req: TurnRequest,
+    *,
+    turn_id: str,
+    owner: str | None,
+    admin: bool,
+    operator: bool,
+    traced: bool,
+    extra_state: TurnState | None,
+    abort: Aborter | None,
+) -> TurnHandle:
     new = req.initial_messages()
     if not new:
         raise ValueError("a turn needs a prompt or messages")
@@ -66,23 +110,10 @@ def start_turn(
     if webhook_url:
         check_for_turn(webhook_url, settings)
     require_known(store.redis, req.agent)
-    prior: list[dict[str, Any]] = []
-    conversation_token = None
-    if req.conversation_id:
-        opened = open_conversation(
-            store.redis,
-            req.conversation_id,
-            new_bytes=size,
-            max_bytes=settings.max_conversation_bytes,
-            ttl_s=settings.state_ttl_s,
-            owner=owner,
-            admin=admin,
-            operator=operator,
-            token=req.conversation_token,
+    if req.conversation_id and size > settings.max_conversation_bytes:
+        raise PayloadTooLarge(
+            f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
         )
-        prior, conversation_token = opened.prior, opened.token
-    # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
-    turn_id = turn_id or secrets.token_hex(16)
     token = secrets.token_urlsafe(32)
     state: TurnState = {
         "status": "queued",
@@ -94,11 +125,20 @@ def start_turn(
         "agent": req.agent,
         "owner": owner,
         "token_sha256": hash_token(token),
-        "history_start": len(prior),
+        "history_start": 0,
         "round": 0,
         "call_count": 0,
         **(extra_state or {}),
     }
+    history = new
+    if req.conversation_id:
+        # Stored before it is admitted (so the turn holding a conversation always exists),
+        # its messages aside until its first step reads the conversation's history.
+        state["conversation_waiting"] = True
+        state["pending_messages"] = new
+        if req.multitask:
+            state["multitask"] = req.multitask
+        history = []
     if webhook_url:
         state["webhook_url"] = webhook_url
         # Before the turn exists: whatever happens to the step that ends it, a sweep
@@ -106,7 +146,35 @@ def start_turn(
         deliveries(store, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
-    store.create(turn_id, state, prior + new)
+    store.create(turn_id, state, history)
+    handle: dict[str, object] = {}
+    if req.conversation_id:
+        new_token = None if owner else secrets.token_urlsafe(32)
+        admitted = conversation.admit(
+            store,
+            app,
+            req.conversation_id,
+            turn_id,
+            Multitask(req.multitask or "enqueue"),
+            new_bytes=size,
+            max_bytes=settings.max_conversation_bytes,
+            claim=conversation.claim_of(owner, new_token),
+            may=conversation.held_bindings(owner, req.conversation_token),
+            any_owner=admin or operator,
+            abort=abort,
+        )
+        if admitted.created:
+            handle["conversation_token"] = new_token
+        if admitted.outcome is not Admit.RUN:
+            # Its predecessor's hand-off sends its first step (the wakeup is the backstop).
+            fields = {"position": admitted.position, "behind": admitted.behind}
+            store.bus.publish(turn_id, "turn_queued", **fields)
+            if admitted.outcome is Admit.INJECTED:
+                handle.update(
+                    injected=True, message_turn_id=turn_id, events_url_of=admitted.running
+                )
+            handle.update(queued=True, **fields)
+            return _handle(turn_id, token, handle)
     try:
         # Every call in the messages has its result (check_messages): the first step
         # sends a model round, so a stream worker takes it.
@@ -115,9 +183,14 @@ def start_turn(
         # The turn is stored: a turn worker's sweep starts it once the broker is back.
         log.warning("%s; the turn starts when the broker is back", exc)
         store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
+    return _handle(turn_id, token, handle)
+
+
+def _handle(turn_id: str, token: str, fields: dict[str, object]) -> TurnHandle:
+    shown = str(fields.pop("events_url_of", None) or turn_id)
     return TurnHandle(
-        turn_id=turn_id,
+        turn_id=shown,
         token=token,
-        events_url=f"/v1/turns/{turn_id}/events",
-        conversation_token=conversation_token,
+        events_url=f"/v1/turns/{shown}/events",
+        **fields,  # type: ignore[arg-type]
     )

@@ -25,9 +25,11 @@ from agentq.config import Settings
 from agentq.errors import BrokerUnavailable, HeadlessInteraction, LlmError, StepLost
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.orchestrator.context import StepContext
+from agentq.orchestrator.conversation import hand_off
 from agentq.orchestrator.machine import advance, fail, fail_headless
 from agentq.orchestrator.model_round import RoundSubmitter, rounds_here
 from agentq.state.base import StepView, text
+from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
@@ -159,13 +161,17 @@ def _steps(
         if ctx.ended is not None:
             if tracing.enabled:
                 _end_turn_span(ctx)
+            if ctx.state.get("conversation_id"):
+                # After the end is written: a crash in between leaves the conversation held
+                # by an ended turn, which the turn queued behind it releases.
+                hand_off(store, app, turn_id, ctx.state, ctx.history)
             return "ended"  # the write that ended the turn let go of the lock
         if ctx.released is None:  # else it let go before its last act
             try:
                 ctx.release(next_at)
             except StepLost:
                 return "lost"
-        if ctx.released == 1:
+        if ctx.released is Released.RELEASED:
             return "waiting"
         # Woken while it ran: read the turn again and go on, the lock kept.
         again = store.begin_step(turn_id, token, ttl_ms, again=True)

@@ -35,7 +35,7 @@ class TurnState(TypedDict, total=False):
     """Queued behind another turn of its conversation: its messages are in
     `pending_messages`, not yet in its history (its first step after its turn comes moves
     them there, after the conversation's history)."""
-    pending_messages: list[dict[str, Any]]
+    pending_messages: list[dict[str, Any]] | None
     """A waiting turn's own messages, until it runs (or joins the running turn)."""
     conversation_base_len: int
     """The conversation history's length when the turn read it: its exchange is appended
@@ -46,7 +46,7 @@ class TurnState(TypedDict, total=False):
     """Messages sent to join this running turn (multitask inject), counted by the sender."""
     inject_seen: int
     """`inject_seq` as the turn last took injected messages in."""
-    injected_turns: list[str]
+    injected_turns: list[str] | None
     """Queued turns whose message this turn took into its history."""
     injected_into: str
     """For a turn ended because its message joined a running turn: that turn's id."""

@@ -121,7 +121,7 @@ MAX_SERIES = 2000
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
-_ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error"})
+_ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error", "interrupt", "rollback"})
 _TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
 _TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
 

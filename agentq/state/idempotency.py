@@ -1,0 +1,116 @@
+"""Idempotent starts: the same Idempotency-Key from the same caller starts one turn.
+
+The first request with a key claims its record (SET NX) with the turn id and token it is
+about to use, marked pending; the others wait for it to be done and answer with the same
+turn. A start that fails drops the record, so a retry of a refused request is tried again
+rather than answered with a turn that never was. The record holds the turn's token sealed
+with the key itself (whose sha256 alone names the record): a reader of Redis learns
+neither the key nor the token.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from agentq import constants as k
+from agentq.errors import IdempotencyKeyReused
+from agentq.models import TurnHandle
+
+MAX_KEY_BYTES = 255
+WAIT_FOR_FIRST_S = 10.0
+"""How long a repeat waits for the first request with its key to finish starting."""
+_POLL_S = 0.01
+
+
+def check_key(key: str) -> str:
+    """The key as given, or ValueError saying what is wrong with it."""
+    size = len(key.encode())
+    if size == 0:
+        raise ValueError("Idempotency-Key: empty; send 1 to 255 bytes, or no header")
+    if size > MAX_KEY_BYTES:
+        raise ValueError(f"Idempotency-Key: {size} bytes, more than {MAX_KEY_BYTES}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in key):
+        raise ValueError("Idempotency-Key: control characters are not allowed")
+    return key
+
+
+def fingerprint(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _pad(key: str, size: int) -> bytes:
+    return hashlib.shake_256(b"agentq.idempotency\0" + key.encode()).digest(size)
+
+
+def _xor(key: str, raw: bytes) -> bytes:
+    return bytes(a ^ b for a, b in zip(raw, _pad(key, len(raw)), strict=True))
+
+
+def _seal(key: str, secret: str) -> str:
+    return base64.b64encode(_xor(key, secret.encode())).decode()
+
+
+def _open(key: str, sealed: str) -> str:
+    return _xor(key, base64.b64decode(sealed)).decode()
+
+
+def _handle_of(key: str, record: dict[str, Any]) -> TurnHandle:
+    handle = dict(record["handle"])
+    for field in ("token", "conversation_token"):
+        if handle.get(field):
+            handle[field] = _open(key, handle[field])
+    return TurnHandle.model_validate(handle)
+
+
+def start_once(
+    client: redis.Redis,
+    caller: str,
+    key: str,
+    body: str,
+    turn_id: str,
+    start: Callable[[], TurnHandle],
+) -> TurnHandle:
+    """`start()` the first time this caller sends `key` (within IDEMPOTENCY_TTL_S), else
+    the handle the first time returned; IdempotencyKeyReused if the body differs."""
+    record_key = k.idempotency_key(caller, key)
+    claim = json.dumps({"body": body, "turn_id": turn_id, "state": "pending"})
+    deadline = time.monotonic() + WAIT_FOR_FIRST_S
+    while True:
+        if client.set(record_key, claim, nx=True, ex=k.IDEMPOTENCY_TTL_S):
+            break
+        raw = client.get(record_key)
+        if raw is None:
+            continue  # the first one failed and let go: this one tries
+        record = json.loads(raw)
+        if record["body"] != body:
+            raise IdempotencyKeyReused()
+        if record["state"] == "done":
+            return _handle_of(key, record)
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the first request with this Idempotency-Key is still starting its turn "
+                f"after {WAIT_FOR_FIRST_S:g} s; try again"
+            )
+        time.sleep(_POLL_S)
+    try:
+        handle = start()
+    except BaseException:
+        client.delete(record_key)
+        raise
+    stored = handle.model_dump(exclude_none=True)
+    for field in ("token", "conversation_token"):
+        if stored.get(field):
+            stored[field] = _seal(key, stored[field])
+    done = {"body": body, "turn_id": handle.turn_id, "state": "done", "handle": stored}
+    client.set(record_key, json.dumps(done), xx=True, keepttl=True)
+    return handle
+
+
+__all__ = ["MAX_KEY_BYTES", "check_key", "fingerprint", "start_once"]

@@ -1,0 +1,245 @@
+"""Conversations through real workers: one turn at a time, each multitask policy, appends
+that lose nothing, idempotent starts, and the conversation as a resource."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from agentq.api import Client
+from agentq.errors import ConversationBusy, ConversationNotFound, IdempotencyKeyReused
+from agentq.models import Event, TurnRequest
+from agentq.testing.openai_server import Round
+from tests.helpers import assert_valid_history, calls, collect, script
+
+pytestmark = pytest.mark.integration
+
+
+def conv_id() -> str:
+    return f"c-{uuid.uuid4().hex[:12]}"
+
+
+def until_type(type_: str, **fields: object):
+    def match(ev: Event) -> bool:
+        return ev.type == type_ and all(ev.fields.get(f) == v for f, v in fields.items())
+
+    return match
+
+
+def user_texts(history: list[dict]) -> list[str]:
+    return [str(m["content"]) for m in history if m["role"] == "user"]
+
+
+def test_a_second_message_waits_for_the_first_and_both_are_kept(
+    fleet, llm_server, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("sleep", {"seconds": 1.0}))),
+        Round(text="first answer"),
+        Round(text="second answer"),
+    )
+    conv = conv_id()
+    first = client.start_turn(f"{key} one", conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_started"))
+    second = client.start_turn("two", conversation_id=conv, operator=True)
+    assert second.queued is True and second.position == 1 and second.behind == first.turn_id
+    assert client.conversation(conv, operator=True)["status"] == "busy"
+    events = collect(client, second.turn_id)
+    assert events[0].type == "turn_queued"
+    assert events[0].fields == {"position": 1, "behind": first.turn_id}
+    assert events[1].type == "turn_started" and events[-1].type == "turn_finished"
+    assert events[-1].fields["content"] == "second answer"
+    first_end = collect(client, first.turn_id)[-1]
+    assert first_end.type == "turn_finished"
+    # The second ran after the first had ended, on the history it left.
+    assert events[1].ts >= first_end.ts
+    view = client.conversation(conv, operator=True)
+    assert view["status"] == "idle" and view["running_turn_id"] is None and view["queued"] == []
+    history = view["messages"]
+    assert user_texts(history) == [f"{key} one", "two"]
+    assert [m["role"] for m in history] == [
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+        "user",
+        "assistant",
+    ]
+    assert_valid_history(history)
+    # The third turn is sent the whole conversation.
+    third = client.start_turn("three", conversation_id=conv, operator=True)
+    collect(client, third.turn_id)
+    assert user_texts(client.get(third.turn_id)["history"]) == [f"{key} one", "two", "three"]
+
+
+def test_reject_answers_busy_and_stores_nothing(fleet, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 1.0}))), Round(text="ok"))
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_started"))
+    with pytest.raises(ConversationBusy) as err:
+        client.start_turn("again", conversation_id=conv, operator=True, multitask="reject")
+    assert err.value.running_turn_id == first.turn_id
+    assert err.value.code == "conversation_busy"
+    assert client.conversation(conv, operator=True)["queued"] == []
+    collect(client, first.turn_id)
+    assert user_texts(client.conversation(conv, operator=True)["messages"]) == [key]
+
+
+def test_interrupt_aborts_the_running_turn_and_keeps_what_it_settled(
+    fleet, llm_server, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("echo", {"text": "kept"}), ("hang", {"seconds": 60}))),
+        Round(text="after interrupt"),
+    )
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_finished", tool="echo"))
+    second = client.start_turn(
+        "stop that", conversation_id=conv, operator=True, multitask="interrupt"
+    )
+    aborted = collect(client, first.turn_id)[-1]
+    assert aborted.type == "turn_aborted" and aborted.fields["reason"] == "interrupt"
+    assert collect(client, second.turn_id)[-1].type == "turn_finished"
+    history = client.conversation(conv, operator=True)["messages"]
+    assert_valid_history(history)
+    tools = {m["tool_call_id"]: m["content"] for m in history if m["role"] == "tool"}
+    assert "kept" in tools.values()
+    assert user_texts(history) == [key, "stop that"]
+
+
+def test_rollback_drops_the_running_turns_exchange(fleet, llm_server, client: Client) -> None:
+    key = script(
+        llm_server,
+        Round(text="first"),
+        Round(tool_calls=calls(("hang", {"seconds": 60}))),
+        Round(text="rolled"),
+    )
+    conv = conv_id()
+    collect(client, client.start_turn(key, conversation_id=conv, operator=True).turn_id)
+    doomed = client.start_turn("do the slow thing", conversation_id=conv, operator=True)
+    collect(client, doomed.turn_id, until=until_type("tool_started"))
+    # The scripted model counts assistant messages: without the rolled back exchange the
+    # next request is its round 1 again, so script that round's answer for the new turn.
+    llm_server.set_script(key, [Round(text="first"), Round(text="rolled")])
+    newer = client.start_turn(
+        "never mind", conversation_id=conv, operator=True, multitask="rollback"
+    )
+    assert collect(client, doomed.turn_id)[-1].fields["reason"] == "rollback"
+    assert collect(client, newer.turn_id)[-1].fields["content"] == "rolled"
+    history = client.conversation(conv, operator=True)["messages"]
+    assert user_texts(history) == [key, "never mind"]
+    assert_valid_history(history)
+
+
+def test_inject_joins_the_running_turn_at_its_next_round(fleet, llm_server, client: Client) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("sleep", {"seconds": 1.0}))),
+        Round(text="saw both"),
+    )
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_started"))
+    joined = client.start_turn(
+        "also check X", conversation_id=conv, operator=True, multitask="inject"
+    )
+    assert joined.injected is True and joined.turn_id == first.turn_id
+    assert joined.message_turn_id and joined.message_turn_id != first.turn_id
+    events = collect(client, first.turn_id)
+    injected = [e for e in events if e.type == "message_injected"]
+    assert [e.fields["message_turn_id"] for e in injected] == [joined.message_turn_id]
+    assert events[-1].type == "turn_finished"
+    history = client.get(first.turn_id)["history"]
+    roles = [m["role"] for m in history]
+    assert roles == ["user", "assistant", "tool", "user", "assistant"]
+    assert history[3]["content"] == "also check X"
+    # Its own turn ended, pointing at the turn that took its message.
+    own = collect(client, joined.message_turn_id)[-1]
+    assert own.type == "turn_finished" and own.fields["into"] == first.turn_id
+    conv_history = client.conversation(conv, operator=True)["messages"]
+    assert conv_history == history
+    assert client.conversation(conv, operator=True)["queued"] == []
+
+
+def test_an_inject_the_turn_cannot_take_runs_as_the_next_turn(
+    fleet, llm_server, client: Client
+) -> None:
+    # One slow round and no tool calls: no later round for the message to join.
+    key = script(llm_server, Round(text="a slow only answer " * 4, chunk_delay_ms=80, chunk_size=4))
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("llm_delta"))
+    joined = client.start_turn(
+        "late addition", conversation_id=conv, operator=True, multitask="inject"
+    )
+    assert joined.injected is True
+    events = collect(client, str(joined.message_turn_id))
+    assert events[-1].type == "turn_finished"
+    assert all(e.type != "message_injected" for e in collect(client, first.turn_id))
+    assert user_texts(client.conversation(conv, operator=True)["messages"]) == [
+        key,
+        "late addition",
+    ]
+
+
+def test_idempotent_starts_return_the_first_turn(fleet, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(text="once"))
+    ikey = f"idem-{uuid.uuid4().hex}"
+    handles = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            handles.append(client.start_turn(key, idempotency_key=ikey))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors
+    assert len({(h.turn_id, h.token) for h in handles}) == 1 and len(handles) == 12
+    collect(client, handles[0].turn_id)
+    assert client.start_turn(key, idempotency_key=ikey).turn_id == handles[0].turn_id
+    with pytest.raises(IdempotencyKeyReused):
+        client.start_turn(key + " different", idempotency_key=ikey)
+    with pytest.raises(ValueError, match="Idempotency-Key"):
+        client.start_turn(key, idempotency_key="")
+    with pytest.raises(ValueError, match="255"):
+        client.start_turn(key, idempotency_key="k" * 256)
+
+
+def test_delete_aborts_its_turns_and_removes_it(fleet, llm_server, client: Client) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
+    conv = conv_id()
+    running = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, running.turn_id, until=until_type("tool_started"))
+    queued = client.start_turn("later", conversation_id=conv, operator=True)
+    listed = [c["conversation_id"] for c in client.conversations(operator=True, limit=200)]
+    assert conv in listed
+    removed = client.delete_conversation(conv, operator=True)
+    assert removed == [running.turn_id, queued.turn_id]
+    assert collect(client, running.turn_id)[-1].type == "turn_aborted"
+    assert collect(client, queued.turn_id)[-1].type == "turn_aborted"
+    with pytest.raises(ConversationNotFound):
+        client.conversation(conv, operator=True)
+
+
+def test_another_owners_conversation_is_not_found(fleet, llm_server, client: Client) -> None:
+    conv = conv_id()
+    req = TurnRequest(prompt=script(llm_server, Round(text="mine")), conversation_id=conv)
+    handle = client.start(req, owner="alice")
+    collect(client, handle.turn_id)
+    with pytest.raises(ConversationNotFound):
+        client.conversation(conv, owner="bob")
+    assert client.conversation(conv, owner="alice")["status"] == "idle"
+    assert conv not in [c["conversation_id"] for c in client.conversations(owner="bob")]
+    assert conv in [c["conversation_id"] for c in client.conversations(owner="alice")]
