@@ -19,7 +19,7 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agentq import constants as k
-from agentq.config import Settings
+from agentq.config import Settings, get_settings
 from agentq.errors import AgentDefinitionError, ConfigError, UnknownAgent
 from agentq.tools.policy import Approval
 from agentq.tools.registry import all_tools
@@ -75,6 +75,10 @@ class Agent(BaseModel):
     tools: tuple[str | AgentTool, ...] | None = None
     """The tools its model is offered and may call: names, @tool functions, or other
     agents' `as_tool()`; unset: every @tool tool loaded (no agent tools)."""
+    mcp_servers: tuple[str, ...] | None = None
+    """MCP servers (AGENTQ_MCP_SERVERS) whose tools its model is offered, besides `tools`;
+    unset: every server when `tools` is unset too, else none (a `SERVER__TOOL` name in
+    `tools` still offers that one tool)."""
     max_calls_per_turn: int | None = Field(None, ge=1)
     stream_idle_timeout_ms: int | None = None
     stream_duration_s: float | None = Field(None, gt=0)
@@ -147,9 +151,18 @@ class Agent(BaseModel):
 
     def tool_names(self) -> list[str]:
         """The names of every tool this agent may call."""
+        tools = all_tools()
+        if self.tools is None and self.mcp_servers is None:
+            return sorted(tools)
         if self.tools is None:
-            return sorted(all_tools())
-        return [t if isinstance(t, str) else t.name for t in self.tools]
+            names = sorted(n for n, s in tools.items() if not s.mcp_server)
+        else:
+            names = [t if isinstance(t, str) else t.name for t in self.tools]
+        servers = set(self.mcp_servers or ())
+        named = set(names)
+        return names + sorted(
+            n for n, s in tools.items() if s.mcp_server in servers and n not in named
+        )
 
     def offered_tools(self) -> list[ToolSpec | AgentTool]:
         """What the model is offered (tools, and agents as tools), in the agent's order."""
@@ -191,10 +204,23 @@ def unregister_agent(name: str) -> None:
     _AGENTS.pop(name, None)
 
 
-def check_agents() -> None:
-    """Check what only the whole set of modules can tell: every tool an agent names exists."""
+def check_agents(mcp_servers: str | None = None) -> None:
+    """Check what only the whole set of modules can tell: every tool an agent names exists,
+    and every MCP server (of `mcp_servers`, AGENTQ_MCP_SERVERS) it names is configured."""
     tools = all_tools()
+    try:
+        servers = set(json.loads(mcp_servers or "{}"))
+    except (ValueError, TypeError):
+        servers = set()
     for agent in _AGENTS.values():
+        unknown_servers = sorted(set(agent.mcp_servers or ()) - servers)
+        if unknown_servers:
+            raise AgentDefinitionError(
+                agent.name,
+                "mcp_servers",
+                f"not in AGENTQ_MCP_SERVERS: {', '.join(unknown_servers)} "
+                f"(configured: {', '.join(sorted(servers)) or 'none'})",
+            )
         names = agent.tool_names()
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
@@ -209,6 +235,10 @@ def check_agents() -> None:
                     agent.name, "tools", f"agent tool {t.name!r} has the name of a @tool tool"
                 )
         for n in names:
+            # A configured MCP server's tool (`SERVER__TOOL`) may be missing while its server
+            # is down; it is offered once listed.
+            if n.split("__", 1)[0] in servers and "__" in n:
+                continue
             if n not in tools and n not in agent.agent_tools:
                 known = ", ".join(sorted(tools)) or "none"
                 raise AgentDefinitionError(
@@ -279,5 +309,5 @@ def load_tool_modules(modules: list[str]) -> list[str]:
             importlib.import_module(mod)
         except ImportError as exc:
             raise ConfigError("AGENTQ_TOOLS", f"cannot import {mod!r}: {exc}") from None
-    check_agents()
+    check_agents(get_settings().mcp_servers)
     return sorted(all_tools())

@@ -318,6 +318,13 @@ class Settings(BaseSettings):
     beat_max_interval_s: float = Field(5.0, gt=0)
     """Longest sleep of `agentq beat` between two looks at its schedules; a second beat
     takes over five of these after the first one died (celery-redbeat's lock)."""
+    mcp_servers: str | None = None
+    """MCP servers whose tools the fleet's models may call (JSON keyed by server name:
+    `command` argv with `env` and `cwd`, or `url` with `headers`; the tool policy
+    `timeout_s`, `budget_s`, `approval`, `concurrency`, `tools`); see docs/mcp.md."""
+    mcp_tools_ttl_s: float = Field(300.0, gt=0)
+    """How long a listing of an MCP server's tools is used before it is listed again
+    (a server's `notifications/tools/list_changed` lists it at once)."""
 
     @field_validator("tool_timeout_s", "tool_budget_s", "tool_grace_s")
     @classmethod

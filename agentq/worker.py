@@ -28,6 +28,8 @@ from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task, submit_round
+from agentq.mcp import hooks as mcp_hooks
+from agentq.mcp.catalog import load_mcp
 from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import register_step_task
@@ -51,6 +53,8 @@ if not settings.task_received_logs:
     # with the `succeeded` line, in the benchmark's io stage.
     logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
 load_tool_modules(settings.tool_modules)
+# The tools of AGENTQ_MCP_SERVERS join the registry before its tasks are registered.
+load_mcp(settings, lambda: get_store().redis)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
 parse_limits(settings.llm_limits)
 # An event-loop worker lets its calls end before it goes: the longest limit any call can
@@ -248,3 +252,7 @@ def _flush_telemetry(**_: Any) -> None:
         fleet_counts.flush(get_store().redis)
     except Exception:
         log.debug("fleet counts not flushed at exit", exc_info=True)
+
+
+# After _drain_loop: the calls on the loop end before their MCP sessions stop.
+mcp_hooks.connect(lambda specs: register_tool_tasks(app, specs))

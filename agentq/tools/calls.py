@@ -165,7 +165,10 @@ def tick_fields(scope: CallScope) -> dict[str, Any]:
 def call_kwargs(spec: ToolSpec, req: ToolTaskRequest) -> dict[str, Any]:
     """The validated arguments (ToolArgumentsInvalid when the model's are wrong)."""
     validated = spec.validate(req.arguments)
-    return {name: getattr(validated, name) for name in type(validated).model_fields}
+    kwargs = {name: getattr(validated, name) for name in type(validated).model_fields}
+    # A model that keeps extra fields (an MCP tool's, checked by its JSON schema) passes them on.
+    kwargs.update(validated.model_extra or {})
+    return kwargs
 
 
 def check_value(spec: ToolSpec, value: Any) -> Any:

@@ -37,6 +37,8 @@ class ToolSpec:
     wants_ctx: bool
     schema: dict[str, Any] = field(default_factory=dict)
     kind: ToolKind = "sync"
+    mcp_server: str = ""
+    """The MCP server the tool belongs to (agentq.mcp); empty for a @tool function."""
 
     @property
     def task_name(self) -> str:
@@ -190,7 +192,23 @@ def tool(
     return register
 
 
+_refreshers: list[Callable[[], None]] = []
+
+
+def add_refresher(fn: Callable[[], None]) -> None:
+    """Run `fn` (cheap, never raising) before the registry is read: a source of tools that
+    change while the process runs (MCP servers) brings them up to date."""
+    _refreshers.append(fn)
+
+
+def register(spec: ToolSpec) -> None:
+    """Add (or replace) a tool made without @tool, e.g. an MCP server's."""
+    _REGISTRY[spec.name] = spec
+
+
 def get_tool(name: str) -> ToolSpec:
+    for refresh in _refreshers:
+        refresh()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -198,6 +216,8 @@ def get_tool(name: str) -> ToolSpec:
 
 
 def all_tools() -> dict[str, ToolSpec]:
+    for refresh in _refreshers:
+        refresh()
     return dict(_REGISTRY)
 
 

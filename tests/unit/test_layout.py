@@ -28,6 +28,7 @@ RANKS: dict[str, int] = {
     "llm": 7,
     "tools": 7,
     "agents": 8,
+    "mcp": 8,
     "orchestrator": 9,
     "api": 10,
     "worker": 10,

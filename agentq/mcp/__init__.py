@@ -1,0 +1,1 @@
+"""MCP servers as governed tools: their configuration, sessions, tool listings and calls."""

@@ -1,0 +1,288 @@
+"""The configured MCP servers' tools in this process's registry, and the listings the
+fleet shares through Redis.
+
+Every worker process loads each server's listing at start: from Redis (`agentq:mcp:tools`)
+when some process listed it within AGENTQ_MCP_TOOLS_TTL_S, else by listing it itself (a
+short-lived session; one process at a time per server). Reads of the registry look at Redis
+every few seconds for a newer listing, so a server's `notifications/tools/list_changed`,
+heard by the I/O worker that holds its session, which lists it again at once, reaches the
+turn workers within seconds; a listing past its TTL is made again by whoever reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentq import constants as k
+from agentq.config import Settings
+from agentq.errors import McpServerUnavailable
+from agentq.mcp.link import ListedTool, ServerLink, explain
+from agentq.mcp.servers import McpServer, parse_servers
+from agentq.mcp.tools import McpToolSpec, make_spec
+from agentq.tools import registry
+from agentq.tools.registry import ToolSpec
+
+log = logging.getLogger("agentq.mcp")
+
+POLL_S = 5.0
+"""How often registry reads look at Redis for newer listings."""
+LIST_TIMEOUT_S = 60.0
+"""Longest a listing (a server's start included) may take."""
+AWAIT_POLL_S = 0.1
+"""How often a starting process looks for the listing another process is making."""
+RETRY_FAILED_S = 30.0
+"""A server that could not be listed is tried again after this (or its TTL, if shorter)."""
+
+
+@dataclass
+class Listing:
+    listed_at: float
+    tools: list[ListedTool] = field(default_factory=list)
+    error: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "listed_at": self.listed_at,
+                "tools": [t.to_json() for t in self.tools],
+                "error": self.error,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Listing:
+        data = json.loads(raw)
+        return cls(
+            listed_at=float(data["listed_at"]),
+            tools=[ListedTool(**t) for t in data.get("tools") or []],
+            error=str(data.get("error") or ""),
+        )
+
+
+class McpTools:
+    """This process's MCP servers: their sessions (used by the I/O worker) and listings."""
+
+    def __init__(
+        self, servers: dict[str, McpServer], ttl_s: float, redis: Callable[[], Any]
+    ) -> None:
+        self.servers = servers
+        self.ttl_s = ttl_s
+        self._redis = redis
+        self.links = {name: ServerLink(s, self._list_changed) for name, s in servers.items()}
+        self.applied: dict[str, float] = {}
+        self.registered: dict[str, set[str]] = {name: set() for name in servers}
+        self.on_new_tools: Callable[[list[ToolSpec]], None] | None = None
+        """Told of tools a listing added after start (the I/O worker registers their tasks)."""
+        self._looked = 0.0
+        self._busy = threading.Lock()
+
+    # -- listings
+
+    def load(self) -> None:
+        """At start: every server's listing, shared or made here (blocking)."""
+        with self._busy:
+            self._looked = time.monotonic()
+            self._bring_up_to_date(force=True)
+
+    def refresh(self) -> None:
+        """Before a registry read: newer listings from Redis, every POLL_S at most."""
+        if time.monotonic() - self._looked < POLL_S or not self._busy.acquire(blocking=False):
+            return
+        try:
+            self._looked = time.monotonic()
+            if _in_event_loop():
+                return
+            self._bring_up_to_date(force=False)
+        except Exception as exc:
+            log.warning("MCP listings not refreshed: %s", explain(exc))
+        finally:
+            self._busy.release()
+
+    def _bring_up_to_date(self, *, force: bool) -> None:
+        shared = self._read()
+        for name, server in self.servers.items():
+            listing = shared.get(name)
+            if listing is None or self._stale(listing):
+                listing = self._list_here(server, listing, wait=force) or listing
+            if listing is not None and (force or listing.listed_at > self.applied.get(name, -1)):
+                self.apply(name, listing)
+
+    def _stale(self, listing: Listing) -> bool:
+        age_s = time.time() - listing.listed_at
+        return age_s > (min(self.ttl_s, RETRY_FAILED_S) if listing.error else self.ttl_s)
+
+    def _read(self) -> dict[str, Listing]:
+        try:
+            raw = self._redis().hgetall(k.MCP_TOOLS)
+        except Exception as exc:
+            log.warning("MCP listings not read from Redis: %s", explain(exc))
+            return {}
+        out = {}
+        for name, value in raw.items():
+            key = name.decode() if isinstance(name, bytes) else str(name)
+            try:
+                out[key] = Listing.from_json(value)
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def _write(self, name: str, listing: Listing) -> None:
+        try:
+            self._redis().hset(k.MCP_TOOLS, name, listing.to_json())
+        except Exception as exc:
+            log.warning("MCP listing of %s not shared: %s", name, explain(exc))
+
+    def _list_here(
+        self, server: McpServer, previous: Listing | None, *, wait: bool
+    ) -> Listing | None:
+        """List the server with a session of its own. When another process is at it: None,
+        or with `wait` (at start, where the worker's tasks are made from the listing) the
+        listing that process shares."""
+        lock = k.mcp_listing_key(server.name)
+        try:
+            if not self._redis().set(lock, "1", nx=True, px=int(LIST_TIMEOUT_S * 1000)):
+                return self._await_listing(server.name, previous) if wait else None
+        except Exception:
+            pass  # without Redis this process lists for itself
+        try:
+            tools = _run_async(lambda: _list_once(server), LIST_TIMEOUT_S)
+            listing = Listing(time.time(), tools)
+            log.info("MCP server %s lists %d tools", server.name, len(tools))
+        except Exception as exc:
+            why = explain(exc)
+            log.warning("MCP server %s: tools not listed: %s", server.name, why)
+            listing = Listing(time.time(), previous.tools if previous else [], error=why)
+            self._health(server.name, why)
+        finally:
+            with contextlib.suppress(Exception):
+                self._redis().delete(lock)
+        self._write(server.name, listing)
+        return listing
+
+    def _await_listing(self, name: str, previous: Listing | None) -> Listing | None:
+        since = previous.listed_at if previous is not None else 0.0
+        deadline = time.monotonic() + LIST_TIMEOUT_S
+        while time.monotonic() < deadline:
+            time.sleep(AWAIT_POLL_S)
+            listing = self._read().get(name)
+            if listing is not None and listing.listed_at > since:
+                return listing
+            if not self._redis().exists(k.mcp_listing_key(name)):
+                return listing
+        return None
+
+    def _health(self, name: str, error: str) -> None:
+        entry = {"ok": False, "failures": 1, "error": error, "worker": "", "at": time.time()}
+        try:
+            self._redis().hset(k.MCP_HEALTH, name, json.dumps(entry))
+        except Exception:
+            log.debug("MCP health not recorded", exc_info=True)
+
+    def apply(self, name: str, listing: Listing) -> list[ToolSpec]:
+        """Put the listing's tools (those the allowlist keeps) in the registry, in place of
+        the server's earlier ones; returns the tools that were not there before."""
+        self.applied[name] = listing.listed_at
+        server = self.servers[name]
+        specs: dict[str, McpToolSpec] = {}
+        others = {
+            n: s for n, s in registry.all_tools().items() if getattr(s, "mcp_server", "") != name
+        }
+        for tool in listing.tools:
+            if server.tools is not None and tool.name not in server.tools:
+                continue
+            spec = make_spec(server, tool, self.links)
+            if spec.name in others:
+                log.warning("MCP tool %s of %s hides nothing: the name is taken", tool.name, name)
+                continue
+            specs[spec.name] = spec
+        before = self.registered[name]
+        for gone in before - set(specs):
+            registry.unregister(gone)
+        for spec in specs.values():
+            registry.register(spec)
+        self.registered[name] = set(specs)
+        added: list[ToolSpec] = [s for n, s in specs.items() if n not in before]
+        if added and self.on_new_tools is not None:
+            self.on_new_tools(added)
+        return added
+
+    def _list_changed(self, name: str) -> None:
+        """On the loop: the server said its tools changed; list them on its session now."""
+        asyncio.get_running_loop().create_task(self._relist(name), name=f"agentq-mcp-{name}-list")
+
+    async def _relist(self, name: str) -> None:
+        try:
+            tools = await self.links[name].list_tools()
+        except McpServerUnavailable as exc:
+            log.warning("%s", exc.message)
+            return
+        listing = Listing(time.time(), tools)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._write, name, listing)
+        await loop.run_in_executor(None, self.apply, name, listing)
+        log.info("MCP server %s changed its tools: %d now", name, len(tools))
+
+    # -- the sessions
+
+    async def close(self) -> None:
+        """On the loop: stop every session (the worker is going)."""
+        await asyncio.gather(*(link.stop("the worker stops") for link in self.links.values()))
+
+
+async def _list_once(server: McpServer) -> list[ListedTool]:
+    link = ServerLink(server)
+    try:
+        return await link.list_tools()
+    finally:
+        await link.stop("listed")
+
+
+def _run_async(make: Callable[[], Any], timeout_s: float) -> Any:
+    """Run a coroutine to its end on a loop of its own, in a thread of its own."""
+    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="agentq-mcp-list")
+    try:
+        return pool.submit(lambda: asyncio.run(make())).result(timeout_s)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+_lock = threading.Lock()
+_tools: McpTools | None = None
+
+
+def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
+    """Load the tools of AGENTQ_MCP_SERVERS into this process's registry (once); None when
+    no server is configured. A bad setting raises ConfigError, naming it."""
+    global _tools
+    servers = parse_servers(settings.mcp_servers)
+    with _lock:
+        if _tools is not None:
+            return _tools
+        if not servers:
+            return None
+        tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
+        tools.load()
+        registry.add_refresher(tools.refresh)
+        _tools = tools
+        return tools
+
+
+def loaded() -> McpTools | None:
+    return _tools

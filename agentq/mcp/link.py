@@ -1,0 +1,379 @@
+"""One MCP server's session in a worker process, shared by the server's calls.
+
+The session lives in an owner task on the process's event loop (the SDK's transports are
+anyio task groups, entered and left by one task); calls from other tasks send on it. It is
+started at first use and made again when it died, with a backoff while it keeps dying, so
+a broken server is not restarted in a tight loop. After a call is cancelled (abort, hard
+limit) the server must answer a ping within `cancel_grace_s`: one that does not (it is
+stuck in the cancelled work) is stopped, a stdio server's process killed, and the next call
+starts it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentq import constants as k
+from agentq.errors import McpServerUnavailable, McpToolFailed
+from agentq.mcp.child import ENV_KEYS
+from agentq.mcp.servers import McpServer
+
+log = logging.getLogger("agentq.mcp")
+
+BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
+"""Wait before the next start after 1, 2, 3... failures in a row (the last repeats)."""
+STOP_TIMEOUT_S = 10.0
+"""Longest wait for a session to close (the SDK closes stdin, waits, then kills the tree)."""
+
+ProgressFn = Callable[[float, "float | None", "str | None"], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ListedTool:
+    """One tool as the server lists it: what a process needs to offer and check calls."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    output_schema: dict[str, Any] | None = None
+    read_only: bool | None = None
+    destructive: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "description": self.description,
+            "input_schema": self.input_schema,
+            "output_schema": self.output_schema,
+            "read_only": self.read_only,
+            "destructive": self.destructive,
+        }
+
+
+def backoff_s(failures: int) -> float:
+    """How long after its last failure a server that failed `failures` times in a row waits."""
+    if failures <= 0:
+        return 0.0
+    return BACKOFF_S[min(failures, len(BACKOFF_S)) - 1]
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first exception inside an (anyio) exception group, or `exc` itself."""
+    while getattr(exc, "exceptions", None):
+        exc = exc.exceptions[0]  # type: ignore[attr-defined]
+    return exc
+
+
+def explain(exc: BaseException) -> str:
+    """One line for an exception, an anyio group's first leaf included."""
+    exc = _leaf(exc)
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+
+
+def _is_disconnect(exc: BaseException) -> bool:
+    import anyio
+    import httpx2
+    from mcp.shared.exceptions import MCPError
+    from mcp_types import CONNECTION_CLOSED
+
+    exc = _leaf(exc)
+    if isinstance(exc, MCPError):
+        return exc.code == CONNECTION_CLOSED
+    return isinstance(
+        exc,
+        (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError, httpx2.TransportError),
+    )
+
+
+class ServerLink:
+    """This process's session with one server."""
+
+    def __init__(
+        self, server: McpServer, on_list_changed: Callable[[str], None] | None = None
+    ) -> None:
+        self.server = server
+        self.on_list_changed = on_list_changed
+        self.failures = 0
+        self.last_error = ""
+        self.stopped_why = ""
+        self._failed_at = 0.0
+        self._session: Any = None
+        self._stop: asyncio.Event | None = None
+        self._owner: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
+        self._checking: asyncio.Task[None] | None = None
+        self._lock: asyncio.Lock | None = None
+        self.starts = 0
+        self.reported_ok: bool | None = None
+        """What /healthz was last told of this server by this process."""
+
+    @property
+    def name(self) -> str:
+        return self.server.name
+
+    # -- the session
+
+    async def session(self) -> Any:
+        """The live session, started (or made again) when there is none."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        if self._checking is not None:
+            # A call just cancelled: the next one waits to learn whether the server is stuck.
+            await asyncio.shield(self._checking)
+        async with self._lock:
+            current = self._session
+            if current is not None and not _closed(current):
+                return current
+            if current is not None:
+                self._failed("its connection closed (the server exited)")
+                self._begin_stop("its connection closed")
+            if self._stopping is not None:
+                await asyncio.shield(self._stopping)
+            wait_s = self._failed_at + backoff_s(self.failures) - time.monotonic()
+            if wait_s > 0:
+                raise McpServerUnavailable(
+                    self.name,
+                    f"{self.last_error}; it failed {self.failures} time(s) in a row, "
+                    f"next start in {wait_s:.1f} s",
+                )
+            try:
+                return await self._start()
+            except McpServerUnavailable as exc:
+                self._failed(exc.detail)
+                raise
+
+    async def _start(self) -> Any:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[Any] = loop.create_future()
+        stop = asyncio.Event()
+        owner = loop.create_task(self._own(ready, stop), name=f"agentq-mcp-{self.name}")
+        try:
+            session = await asyncio.wait_for(asyncio.shield(ready), self.server.start_timeout_s)
+        except asyncio.TimeoutError:
+            stop.set()
+            owner.cancel()
+            raise McpServerUnavailable(
+                self.name,
+                f"{self.server.describe()} did not answer initialize within "
+                f"{self.server.start_timeout_s:g} s",
+            ) from None
+        except Exception as exc:
+            await _settle(owner)
+            raise McpServerUnavailable(
+                self.name, f"cannot start {self.server.describe()}: {explain(exc)}"
+            ) from None
+        self._session, self._stop, self._owner = session, stop, owner
+        self.stopped_why = ""
+        self.starts += 1
+        log.info("MCP server %s started (%s)", self.name, self.server.describe())
+        return session
+
+    async def _own(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
+        """The owner task: enters the transport and the session, holds them until told."""
+        from mcp import ClientSession
+        from mcp_types import Implementation
+
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                read, write = await stack.enter_async_context(self._transport())
+                session = await stack.enter_async_context(
+                    ClientSession(
+                        read,
+                        write,
+                        message_handler=self._on_message,
+                        client_info=Implementation(name="agentq", version=k.VERSION),
+                    )
+                )
+                await session.initialize()
+                if not ready.done():
+                    ready.set_result(session)
+                await stop.wait()
+        except asyncio.CancelledError:
+            if not ready.done():
+                ready.set_exception(RuntimeError("start cancelled"))
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(RuntimeError(explain(exc)))
+            else:
+                log.info("MCP server %s: session ended: %s", self.name, explain(exc))
+
+    def _transport(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        if self.server.command is not None:
+            return self._stdio()
+        return self._http()
+
+    @contextlib.asynccontextmanager
+    async def _stdio(self) -> AsyncIterator[Any]:
+        from mcp.client.stdio import StdioServerParameters, stdio_client
+
+        assert self.server.command is not None
+        env = dict(self.server.env)
+        env[ENV_KEYS] = ",".join(self.server.env)
+        # The launcher is agentq's own module: found where this process found agentq.
+        env["PYTHONPATH"] = _agentq_path()
+        params = StdioServerParameters(
+            command=sys.executable,
+            args=["-m", "agentq.mcp.child", *self.server.command],
+            env=env,
+            cwd=self.server.cwd,
+        )
+        # The process's real stderr: Celery puts a logging proxy, which has no fd, in sys.stderr.
+        async with stdio_client(params, errlog=sys.__stderr__ or sys.stderr) as streams:
+            yield streams
+
+    @contextlib.asynccontextmanager
+    async def _http(self) -> AsyncIterator[Any]:
+        import httpx2
+        from mcp.client.streamable_http import streamable_http_client
+
+        assert self.server.url is not None
+        timeout = httpx2.Timeout(30.0, read=None)
+        async with (
+            httpx2.AsyncClient(headers=self.server.resolved_headers(), timeout=timeout) as http,
+            streamable_http_client(self.server.url, http_client=http) as streams,
+        ):
+            yield streams
+
+    async def _on_message(self, message: Any) -> None:
+        method = getattr(getattr(message, "root", message), "method", None)
+        if method == "notifications/tools/list_changed" and self.on_list_changed is not None:
+            self.on_list_changed(self.name)
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        self.last_error = why
+        self._failed_at = time.monotonic()
+        log.warning("MCP server %s failed (%d in a row): %s", self.name, self.failures, why)
+
+    def _begin_stop(self, why: str) -> None:
+        """Stop the session in the background; the next `session()` waits for it."""
+        stop, owner = self._stop, self._owner
+        self._session = self._stop = self._owner = None
+        if stop is None or owner is None:
+            return
+        self.stopped_why = why
+        stop.set()
+
+        async def wait() -> None:
+            try:
+                await asyncio.wait_for(asyncio.shield(owner), STOP_TIMEOUT_S)
+            except Exception:
+                owner.cancel()
+            finally:
+                self._stopping = None
+
+        self._stopping = asyncio.get_running_loop().create_task(wait())
+
+    async def stop(self, why: str = "stopped") -> None:
+        self._begin_stop(why)
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
+
+    # -- what calls use
+
+    async def list_tools(self) -> list[ListedTool]:
+        session = await self.session()
+        out: list[ListedTool] = []
+        cursor: str | None = None
+        try:
+            while True:
+                if cursor is None:
+                    page = await session.list_tools()
+                else:
+                    from mcp_types import PaginatedRequestParams
+
+                    page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor))
+                out.extend(_listed(t) for t in page.tools)
+                cursor = page.next_cursor
+                if not cursor:
+                    return out
+        except Exception as exc:
+            if _is_disconnect(exc):
+                self._failed(f"its connection closed while listing tools: {explain(exc)}")
+                self._begin_stop("disconnected")
+            raise McpServerUnavailable(self.name, f"tools/list failed: {explain(exc)}") from None
+
+    async def call(self, tool: str, arguments: dict[str, Any], on_progress: ProgressFn) -> Any:
+        """Call a tool; McpServerUnavailable when the server died or cannot be reached,
+        McpToolFailed when it answered with a protocol error."""
+        session = await self.session()
+        try:
+            result = await session.call_tool(tool, arguments, progress_callback=on_progress)
+        except asyncio.CancelledError:
+            self._check_after_cancel(session)
+            raise
+        except Exception as exc:
+            if _is_disconnect(exc) or _closed(session):
+                why = self.stopped_why or "its connection closed during the call"
+                if self._session is session:
+                    self._failed(f"{why} ({explain(exc)})")
+                    self._begin_stop("disconnected")
+                raise McpServerUnavailable(
+                    self.name, f"{why}; the server exited, crashed or cannot be reached"
+                ) from None
+            self.failures = 0
+            raise McpToolFailed(self.name, tool, explain(exc)) from None
+        self.failures = 0
+        return result
+
+    def _check_after_cancel(self, session: Any) -> None:
+        """A cancelled request (abort, hard limit): a server that does not answer a ping
+        within the grace is stuck in the work it was told to drop, and is stopped."""
+        grace_s = self.server.cancel_grace_s
+
+        async def check() -> None:
+            try:
+                await asyncio.wait_for(session.send_ping(), grace_s)
+                return
+            except Exception as exc:
+                why = explain(exc) if not isinstance(exc, asyncio.TimeoutError) else "no answer"
+            finally:
+                self._checking = None
+            if self._session is session:
+                log.warning(
+                    "MCP server %s ignored a cancel (ping: %s within %g s): stopping it",
+                    self.name,
+                    why,
+                    grace_s,
+                )
+                self._begin_stop(f"it ignored a cancel and was stopped ({why} to a ping)")
+
+        if self._checking is None:
+            self._checking = asyncio.get_running_loop().create_task(
+                check(), name=f"agentq-mcp-{self.name}-check"
+            )
+
+
+def _closed(session: Any) -> bool:
+    """The SDK's dispatcher knows when the transport closed (the server exited)."""
+    return bool(getattr(getattr(session, "_dispatcher", None), "_closed", False))
+
+
+def _listed(tool: Any) -> ListedTool:
+    ann = tool.annotations
+    return ListedTool(
+        name=tool.name,
+        description=tool.description or tool.title or "",
+        input_schema=dict(tool.input_schema or {"type": "object"}),
+        output_schema=dict(tool.output_schema) if tool.output_schema else None,
+        read_only=ann.read_only_hint if ann is not None else None,
+        destructive=ann.destructive_hint if ann is not None else None,
+    )
+
+
+def _agentq_path() -> str:
+    return str(Path(__file__).resolve().parents[2])
+
+
+async def _settle(task: asyncio.Task[Any]) -> None:
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(task, STOP_TIMEOUT_S)

@@ -1,0 +1,230 @@
+"""An MCP server's tool as an agentq tool: its spec (checked by the tool's JSON schema) and
+its call, an `async def` tool on `agentq worker io` like any other.
+
+So the call inherits the I/O worker's governance: soft and hard limits, `tool_progress`
+ticks, an abort that cancels it (the SDK sends `notifications/cancelled` for a request its
+caller stopped waiting for), exactly one settled result. What is MCP's own: the server's
+`notifications/progress` become `tool_progress`, `isError` raises McpToolFailed (the call
+settles `error` with the server's text), `structuredContent` is the result where given
+(the SDK checks it against the tool's `outputSchema`), else the text content.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from agentq import constants as k
+from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInvalid
+from agentq.fleet.runtime import get_store
+from agentq.mcp.link import ListedTool, ServerLink
+from agentq.mcp.names import tool_name
+from agentq.mcp.servers import McpServer
+from agentq.tools.context import ToolContext
+from agentq.tools.policy import Approval, ToolPolicy
+from agentq.tools.registry import ToolSpec
+
+log = logging.getLogger("agentq.mcp")
+
+SLOT_POLL_S = 0.05
+"""How often a call waiting for a fleet-wide slot of its server looks again."""
+SLOT_UNLIMITED_S = 3600.0
+"""How long a slot of a call without a hard limit is held if its worker dies with it."""
+
+_ACQUIRE = """
+local key = KEYS[1]
+local call_id, now, lapses, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+if redis.call('ZSCORE', key, call_id) or redis.call('ZCARD', key) < limit then
+  redis.call('ZADD', key, lapses, call_id)
+  redis.call('PEXPIRE', key, math.ceil((lapses - now) * 1000) + 1000)
+  return 1
+end
+return 0
+"""
+
+
+class McpArguments(BaseModel):
+    """The arguments of an MCP tool's call, as its JSON schema accepted them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+@dataclass(frozen=True)
+class McpToolSpec(ToolSpec):
+    """A tool of an MCP server (`mcp_server`), named `SERVER__TOOL` to the model."""
+
+    remote: str = ""
+    """The tool's own name on its server."""
+    output_schema: dict[str, Any] | None = None
+    _validator: Any = field(default=None, compare=False, repr=False)
+
+    def validate(self, arguments: dict[str, Any]) -> BaseModel:
+        """Check the arguments against the tool's input schema, before anything is sent."""
+        from jsonschema import exceptions
+
+        error = exceptions.best_match(self._validator.iter_errors(arguments))
+        if error is not None:
+            where = ".".join(str(p) for p in error.absolute_path) or "(arguments)"
+            raise ToolArgumentsInvalid(self.name, f"{where}: {error.message}")
+        return McpArguments.model_validate(arguments)
+
+
+def approval_of(server: McpServer, listed: ListedTool) -> Approval:
+    """`annotations`: ask unless the tool says it only reads, and the server is trusted."""
+    if server.approval != "annotations":
+        return server.approval
+    return "auto" if server.trust_annotations and listed.read_only is True else "ask"
+
+
+def make_spec(server: McpServer, listed: ListedTool, links: dict[str, ServerLink]) -> McpToolSpec:
+    from jsonschema.validators import validator_for
+
+    schema = listed.input_schema or {"type": "object"}
+    cls = validator_for(schema)
+    try:
+        cls.check_schema(schema)
+    except Exception:
+        # A broken schema checks nothing rather than refusing every call; the server decides.
+        log.warning("MCP tool %s of %s: its input schema is invalid", listed.name, server.name)
+        schema = {"type": "object"}
+        cls = validator_for(schema)
+    approval = approval_of(server, listed)
+    policy = ToolPolicy.model_validate(
+        {
+            "timeout_s": server.timeout_s,
+            "budget_s": server.budget_s,
+            "concurrency": "exclusive" if server.concurrency == "exclusive" else "parallel",
+            "approval": approval,
+            "approval_kind": "confirm"
+            if approval == "ask" and server.trust_annotations and listed.destructive
+            else "approval",
+            "queue": server.queue,
+        }
+    )
+    remote = listed.name
+
+    async def call(ctx: ToolContext, /, **arguments: Any) -> Any:
+        link = links.get(server.name)
+        if link is None:
+            raise McpServerUnavailable(server.name, "not configured in this worker")
+        return await call_tool(link, remote, ctx, arguments)
+
+    name = tool_name(server.name, remote)
+    call.__name__ = name
+    return McpToolSpec(
+        name=name,
+        fn=call,
+        description=listed.description or f"{remote} (MCP server {server.name})",
+        declared=policy,
+        args_model=McpArguments,
+        wants_ctx=True,
+        schema=schema,
+        kind="async",
+        mcp_server=server.name,
+        remote=remote,
+        output_schema=listed.output_schema,
+        _validator=cls(schema),
+    )
+
+
+async def call_tool(
+    link: ServerLink, remote: str, ctx: ToolContext, arguments: dict[str, Any]
+) -> Any:
+    """One call on the server's session, within its fleet-wide slot when it has a number."""
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        pct = round(100.0 * progress / total, 1) if total else None
+        ctx.progress(message or "", pct=pct, progress=progress, total=total)
+
+    async with _slot(link.server, ctx):
+        try:
+            result = await link.call(remote, arguments, on_progress)
+        except McpServerUnavailable as exc:
+            _report(link, ok=False, error=exc.detail)
+            raise
+    if link.reported_ok is not True:
+        _report(link, ok=True, error="")
+    if result.is_error:
+        raise McpToolFailed(link.name, remote, content_text(result.content) or "isError, no text")
+    if result.structured_content is not None:
+        return result.structured_content
+    return content_text(result.content)
+
+
+def content_text(blocks: list[Any]) -> str:
+    """What the model reads of a result's content blocks: the text, and a line for each
+    block that is not text."""
+    parts = []
+    for block in blocks:
+        kind = getattr(block, "type", "")
+        if kind == "text":
+            parts.append(block.text)
+        elif kind == "resource":
+            res = block.resource
+            text = getattr(res, "text", None)
+            parts.append(text if text is not None else f"[resource {res.uri}]")
+        elif kind == "resource_link":
+            parts.append(f"[resource link {block.uri}]")
+        else:
+            mime = getattr(block, "mime_type", "") or kind
+            parts.append(f"[{kind} content, {mime}]")
+    return "\n".join(parts)
+
+
+@contextlib.asynccontextmanager
+async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
+    """Hold one of the server's fleet-wide slots (`concurrency: N`) for the call."""
+    limit = server.limit
+    if limit is None:
+        yield
+        return
+    redis = get_store().redis
+    loop = asyncio.get_running_loop()
+    key = k.mcp_slots_key(server.name)
+    hold_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
+    waited = False
+    while True:
+        now = time.time()
+        got = await loop.run_in_executor(
+            None, redis.eval, _ACQUIRE, 1, key, ctx.call_id, now, now + hold_s, limit
+        )
+        if int(got):
+            break
+        if not waited:
+            waited = True
+            ctx.progress(f"waiting for one of {limit} slots of MCP server {server.name}")
+        await asyncio.sleep(SLOT_POLL_S)
+    try:
+        yield
+    finally:
+        loop.run_in_executor(None, redis.zrem, key, ctx.call_id)
+
+
+def _report(link: ServerLink, *, ok: bool, error: str) -> None:
+    """How the server's last start went, for /healthz and the console (never its headers)."""
+    try:
+        entry = {
+            "ok": ok,
+            "failures": link.failures,
+            "error": error,
+            "worker": f"{socket.gethostname()}:{os.getpid()}",
+            "at": time.time(),
+        }
+        redis = get_store().redis
+        asyncio.get_running_loop().run_in_executor(
+            None, redis.hset, k.MCP_HEALTH, link.name, json.dumps(entry)
+        )
+        link.reported_ok = ok
+    except Exception:
+        log.debug("MCP health not recorded", exc_info=True)
