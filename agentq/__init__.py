@@ -5,55 +5,61 @@ aborted for real, the results of a round settle into one tool-result message, an
 every step is published as an event over Redis.
 """
 
-from agentq.agents import Agent, AgentTool
-from agentq.api import Client
-from agentq.config import Settings, get_settings, load_settings
-from agentq.constants import VERSION as __version__
-from agentq.errors import (
-    Aborted,
-    AgentDefinitionError,
-    AgentError,
-    AgentqError,
-    ConfigError,
-    HeadlessInteraction,
-    InteractionClosed,
-    InteractionError,
-    InteractionNotFound,
-    LlmError,
-    MalformedStreamChunk,
-    ModelBusy,
-    ModelCapacityTimeout,
-    ModelConnectionError,
-    ModelHTTPError,
-    PayloadTooLarge,
-    StepLost,
-    StreamDurationExceeded,
-    StreamIdleTimeout,
-    TokenInvalid,
-    ToolArgumentsInvalid,
-    ToolDefinitionError,
-    ToolError,
-    ToolTimeout,
-    TurnError,
-    TurnNotFound,
-    UnknownAgent,
-    UnknownTool,
-)
-from agentq.models import (
-    AssistantMessage,
-    Event,
-    InteractionAnswer,
-    InteractionRequest,
-    InvocationRecord,
-    ToolCall,
-    ToolResult,
-    ToolResultMessage,
-    TurnHandle,
-    TurnRequest,
-)
-from agentq.tools.context import Partial, ToolContext
-from agentq.tools.policy import ToolPolicy
-from agentq.tools.registry import ToolSpec, tool
+from __future__ import annotations
+
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from agentq.agents import Agent, AgentTool
+    from agentq.api import Client
+    from agentq.config import Settings, get_settings, load_settings
+    from agentq.constants import VERSION as __version__
+    from agentq.errors import (
+        Aborted,
+        AgentDefinitionError,
+        AgentError,
+        AgentqError,
+        ConfigError,
+        HeadlessInteraction,
+        InteractionClosed,
+        InteractionError,
+        InteractionNotFound,
+        LlmError,
+        MalformedStreamChunk,
+        ModelBusy,
+        ModelCapacityTimeout,
+        ModelConnectionError,
+        ModelHTTPError,
+        PayloadTooLarge,
+        StepLost,
+        StreamDurationExceeded,
+        StreamIdleTimeout,
+        TokenInvalid,
+        ToolArgumentsInvalid,
+        ToolDefinitionError,
+        ToolError,
+        ToolTimeout,
+        TurnError,
+        TurnNotFound,
+        UnknownAgent,
+        UnknownTool,
+    )
+    from agentq.models import (
+        AssistantMessage,
+        Event,
+        InteractionAnswer,
+        InteractionRequest,
+        InvocationRecord,
+        ToolCall,
+        ToolResult,
+        ToolResultMessage,
+        TurnHandle,
+        TurnRequest,
+    )
+    from agentq.tools.context import Partial, ToolContext
+    from agentq.tools.policy import ToolPolicy
+    from agentq.tools.registry import ToolSpec, tool
 
 __all__ = [
     # declaring tools
@@ -112,3 +118,43 @@ __all__ = [
     "HeadlessInteraction",
     "__version__",
 ]
+
+_SOURCES: dict[str, tuple[str, ...]] = {
+    "agentq.tools.registry": ("tool", "ToolSpec"),
+    "agentq.tools.context": ("ToolContext", "Partial"),
+    "agentq.tools.policy": ("ToolPolicy",),
+    "agentq.agents": ("Agent", "AgentTool"),
+    "agentq.api": ("Client",),
+    "agentq.config": ("Settings", "get_settings", "load_settings"),
+    "agentq.models": (
+        "AssistantMessage",
+        "Event",
+        "InteractionAnswer",
+        "InteractionRequest",
+        "InvocationRecord",
+        "ToolCall",
+        "ToolResult",
+        "ToolResultMessage",
+        "TurnHandle",
+        "TurnRequest",
+    ),
+    "agentq.constants": ("__version__",),
+}
+"""Where each public name lives, for the names `__all__` lists; every name not placed here
+is an exception of `agentq.errors` (tests/unit/test_public_api.py keeps both in step)."""
+_ALIASES = {"__version__": "VERSION"}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    """PEP 562: a public name is imported on first use, so `agentq --version` and a
+    process that needs only `agentq.errors` do not pay for Celery, redis and the SDKs."""
+    if name not in __all__:
+        raise AttributeError(f"module 'agentq' has no attribute {name!r}")
+    module = next((m for m, names in _SOURCES.items() if name in names), "agentq.errors")
+    value = getattr(_importlib.import_module(module), _ALIASES.get(name, name))
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -248,6 +248,10 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
             argv += ["--concurrency", str(TOOL_CONCURRENCY)]
+        if kind == "llm" and not settings.llm_processes:
+            # One event loop holds the streams of a machine's worth of turns; a process a
+            # CPU would start two more Pythons beside the rest of the fleet for nothing.
+            argv += ["--processes", "1"]
         proc = fleet.start(f"worker-{kind}", argv, env=env)
         checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
     if opts.beat:

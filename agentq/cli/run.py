@@ -18,9 +18,9 @@ from rich.live import Live
 
 from agentq.api import Client
 from agentq.cli.render import TurnView
+from agentq.constants import RELAY_DEPTH_MAX
 from agentq.errors import AgentqError
 from agentq.events.bus import TERMINAL_TYPES
-from agentq.events.follow import RELAY_DEPTH_MAX
 from agentq.models import Event
 
 EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130

@@ -5,14 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.table import Table
-
-from agentq.config import Settings
-from agentq.fleet.runtime import get_app, get_redis
-from agentq.schedules.spec import build_spec, parse_every
-from agentq.schedules.store import Schedules
+if TYPE_CHECKING:
+    from agentq.config import Settings
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,6 +35,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def cmd_beat(settings: Settings) -> int:
+    from agentq.fleet.runtime import get_app
     from agentq.schedules.beat import run_beat
 
     run_beat(get_app(), settings)
@@ -46,6 +43,13 @@ def cmd_beat(settings: Settings) -> int:
 
 
 def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from agentq.fleet.runtime import get_app, get_redis
+    from agentq.schedules.spec import build_spec, parse_every
+    from agentq.schedules.store import Schedules
+
     schedules = Schedules(get_app(), get_redis(settings), settings)
     if args.schedule_cmd == "add":
         spec = build_spec(

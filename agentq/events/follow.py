@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisClusterException
 
-from agentq.constants import events_channel, turn_key
+from agentq.constants import RELAY_DEPTH_MAX, events_channel, turn_key
 from agentq.events.bus import TERMINAL_TYPES, EventBus
 from agentq.models import Event, is_turn_id, parse_stream_id
 
@@ -36,8 +36,6 @@ CATCH_UP_S = 2.0
 """How often a silent follower re-reads the logs for events its subscription missed."""
 PAGE = 1000
 """Events per log read."""
-RELAY_DEPTH_MAX = 8
-"""The deepest sub-agent level a reader may ask to have relayed."""
 CURSOR_CHILDREN_MAX = 64
 """Open child streams a cursor may name: bounds what one `Last-Event-ID` costs to resume."""
 

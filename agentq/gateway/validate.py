@@ -13,9 +13,9 @@ from typing import Any
 import redis
 from starlette.requests import Request
 
-from agentq.constants import log_key
+from agentq.constants import RELAY_DEPTH_MAX, log_key
 from agentq.errors import PayloadTooLarge
-from agentq.events.follow import RELAY_DEPTH_MAX, Cursor
+from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError
 from agentq.models import is_request_id, is_turn_id, lone_surrogate_at, parse_stream_id
 

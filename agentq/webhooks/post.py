@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from agentq.errors import WebhookRefused
 from agentq.webhooks.target import check_url, resolve
 
@@ -31,6 +29,10 @@ def post(
 ) -> Attempt:
     """POST `body` once. Redirects are not followed (a 3xx is a failed attempt): following
     one would post the signed body to a place nobody checked. The answer's body is never read."""
+    # Imported here: every process that can end a turn imports this module, `agentq abort`
+    # among them, and only a delivery needs an HTTP client.
+    import httpx
+
     started = time.monotonic()
 
     def took_ms() -> int:
