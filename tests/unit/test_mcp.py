@@ -1,0 +1,163 @@
+"""The pure parts of agentq.mcp: configuration, names, policy, argument checks, backoff."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from mcp_types import EmbeddedResource, ImageContent, TextContent, TextResourceContents
+
+from agentq.agents import Agent, check_agents, unregister_agent
+from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvalid
+from agentq.mcp.catalog import Listing, McpTools
+from agentq.mcp.link import BACKOFF_S, ListedTool, backoff_s
+from agentq.mcp.names import MAX_NAME, tool_name
+from agentq.mcp.servers import parse_servers
+from agentq.mcp.tools import approval_of, content_text, make_spec
+from agentq.tools import registry
+
+
+def servers(**spec: Any) -> str:
+    return json.dumps(spec)
+
+
+def test_names_are_server__tool_safe_and_at_most_64() -> None:
+    assert tool_name("github", "create_issue") == "github__create_issue"
+    assert tool_name("fs", "read.file/v2") == "fs__read_file_v2"
+    a, b = tool_name("s", "x" * 80), tool_name("s", "x" * 79 + "y")
+    assert len(a) == len(b) == MAX_NAME and a != b
+
+
+def test_a_bad_setting_names_the_setting_and_the_server() -> None:
+    assert parse_servers(None) == {} and parse_servers(" ") == {}
+    for raw, words in [
+        ("[", "not JSON"),
+        ("[]", "JSON object"),
+        (servers(gh={}), "either `command`"),
+        (servers(gh={"command": ["x"], "url": "http://h/mcp"}), "either `command`"),
+        (servers(gh={"url": "ftp://h"}), "http"),
+        (servers(gh={"command": ["x"], "headers": {"A": "b"}}), "`headers`"),
+        (servers(gh={"command": ["x"], "concurrency": 0}), "at least 1"),
+        (servers(gh={"command": ["x"], "approval": "maybe"}), "approval"),
+        (servers(gh={"command": ["x"], "colour": "red"}), "colour"),
+        (servers(**{"bad name": {"command": ["x"]}}), "bad name"),
+    ]:
+        with pytest.raises(ConfigError) as caught:
+            parse_servers(raw)
+        assert caught.value.setting == "AGENTQ_MCP_SERVERS"
+        assert words in caught.value.message, caught.value.message
+
+
+def test_header_values_name_environment_variables_never_stored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (server,) = parse_servers(
+        servers(gh={"url": "https://h/mcp", "headers": {"Authorization": "Bearer ${GH_TOKEN}"}})
+    ).values()
+    monkeypatch.delenv("GH_TOKEN", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        server.resolved_headers()
+    assert "GH_TOKEN" in caught.value.message
+    monkeypatch.setenv("GH_TOKEN", "s3cret")
+    assert server.resolved_headers() == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in repr(server) and "Bearer" not in repr(server)
+
+
+def listed(name: str = "t", **kw: Any) -> ListedTool:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+    }
+    return ListedTool(name=name, description="A tool.", input_schema=schema, **kw)
+
+
+def test_approval_by_annotations_trusts_read_only_only_when_told() -> None:
+    base = {"command": ["x"], "approval": "annotations"}
+    untrusted = parse_servers(servers(s=base))["s"]
+    trusted = parse_servers(servers(s={**base, "trust_annotations": True}))["s"]
+    assert approval_of(untrusted, listed(read_only=True)) == "ask"
+    assert approval_of(trusted, listed(read_only=True)) == "auto"
+    assert approval_of(trusted, listed(read_only=None)) == "ask"
+    plain = parse_servers(servers(s={"command": ["x"], "approval": "deny"}))["s"]
+    assert approval_of(plain, listed(read_only=True)) == "deny"
+
+
+def test_a_spec_checks_arguments_by_schema_and_carries_the_policy() -> None:
+    server = parse_servers(
+        servers(s={"command": ["x"], "timeout_s": 7, "budget_s": 2, "concurrency": "exclusive"})
+    )["s"]
+    spec = make_spec(server, listed("count.things"), {})
+    assert spec.name == "s__count_things" and spec.remote == "count.things"
+    assert spec.task_name == "agentq.tool.s__count_things" and spec.kind == "async"
+    assert spec.openai_schema()["function"]["parameters"]["required"] == ["n"]
+    pol = spec.policy
+    assert (pol.timeout_s, pol.budget_s, pol.concurrency, pol.queue) == (
+        7,
+        2,
+        "exclusive",
+        "agentq.io",
+    )
+    assert spec.validate({"n": 3}).model_dump() == {"n": 3}
+    with pytest.raises(ToolArgumentsInvalid) as caught:
+        spec.validate({"n": "three"})
+    assert "n: 'three' is not of type 'integer'" in caught.value.message
+    with pytest.raises(ToolArgumentsInvalid):
+        spec.validate({})
+
+
+def test_backoff_grows_and_stops_growing() -> None:
+    assert backoff_s(0) == backoff_s(1) == 0.0
+    waits = [backoff_s(n) for n in range(1, 12)]
+    assert waits == sorted(waits) and waits[-1] == BACKOFF_S[-1]
+
+
+def test_content_text_keeps_text_and_names_the_rest() -> None:
+    blocks = [
+        TextContent(type="text", text="hello"),
+        ImageContent(type="image", data="aGk=", mime_type="image/png"),
+        EmbeddedResource(
+            type="resource",
+            resource=TextResourceContents(uri="file:///a", text="inside", mime_type="text/plain"),
+        ),
+    ]
+    assert content_text(blocks) == "hello\n[image content, image/png]\ninside"
+
+
+@pytest.fixture()
+def mcp_tools() -> Iterator[McpTools]:
+    cfg = parse_servers(servers(gh={"command": ["x"], "tools": ["a", "b"]}, fs={"command": ["y"]}))
+    tools = McpTools(cfg, 300.0, lambda: None)
+    yield tools
+    for names in tools.registered.values():
+        for n in names:
+            registry.unregister(n)
+
+
+def test_a_listing_replaces_the_server_s_tools_within_its_allowlist(mcp_tools: McpTools) -> None:
+    added = mcp_tools.apply("gh", Listing(1.0, [listed("a"), listed("b"), listed("c")]))
+    assert sorted(s.name for s in added) == ["gh__a", "gh__b"]
+    assert "gh__c" not in registry.all_tools()
+    added = mcp_tools.apply("gh", Listing(2.0, [listed("b")]))
+    assert added == [] and "gh__a" not in registry.all_tools() and "gh__b" in registry.all_tools()
+
+
+def test_agents_name_the_servers_their_turns_may_use(mcp_tools: McpTools) -> None:
+    mcp_tools.apply("gh", Listing(1.0, [listed("a")]))
+    mcp_tools.apply("fs", Listing(1.0, [listed("read")]))
+    every = Agent(name="mcp_every")
+    only_fs = Agent(name="mcp_only_fs", tools=[], mcp_servers=["fs"])
+    one = Agent(name="mcp_one", tools=["gh__a"])
+    try:
+        assert {"gh__a", "fs__read"} <= set(every.tool_names())
+        assert only_fs.tool_names() == ["fs__read"]
+        assert one.tool_names() == ["gh__a"]
+        check_agents(servers(gh={}, fs={}))
+        with pytest.raises(AgentDefinitionError) as caught:
+            check_agents(servers(gh={}))
+        assert "fs" in caught.value.message and "mcp_servers" in caught.value.message
+    finally:
+        for name in ("mcp_every", "mcp_only_fs", "mcp_one"):
+            unregister_agent(name)
