@@ -49,6 +49,8 @@ QUEUES: dict[str, str] = {
     "io": QUEUE_IO,
 }
 SECRET_NAME = "agentq-secrets"
+# The namespace the base's cross-namespace addresses name; overlays put theirs in.
+DEFAULT_NAMESPACE = "agentq"
 
 Doc = dict[str, Any]
 
@@ -491,12 +493,15 @@ def test_the_broker_decides_the_queue_scaler(target: str) -> None:
         for _, c in agentq_containers(docs):
             url = effective_env(docs, c)["AGENTQ_REDIS_URL"]
             assert url is not None
-            address = url.split("://", 1)[1].split("/", 1)[0]
+            host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
             db = url.rsplit("/", 1)[1]
             for so in of_kind(docs, "ScaledObject"):
+                # KEDA's operator resolves names from its own namespace: the pods' Redis,
+                # named with theirs.
+                namespace = so["metadata"].get("namespace", DEFAULT_NAMESPACE)
                 for t in so["spec"]["triggers"]:
                     if t["type"] == "redis":
-                        assert t["metadata"]["address"] == address
+                        assert t["metadata"]["address"] == f"{host}.{namespace}.svc:{port}"
                         assert t["metadata"]["databaseIndex"] == db
 
 
@@ -783,7 +788,8 @@ def test_the_demo_runs_its_dependencies_in_the_cluster() -> None:
     for so in of_kind(docs, "ScaledObject"):
         for t in so["spec"]["triggers"]:
             if t["type"] == "prometheus":
-                assert t["metadata"]["serverAddress"] == "http://prometheus:9090"
+                namespace = so["metadata"]["namespace"]
+                assert t["metadata"]["serverAddress"] == f"http://prometheus.{namespace}.svc:9090"
 
 
 # -- the documentation -------------------------------------------------------------------
