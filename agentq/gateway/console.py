@@ -33,7 +33,7 @@ from agentq.state.turn_state import TurnState
 from agentq.webhooks.deliveries import Deliveries
 
 if TYPE_CHECKING:
-    from agentq.gateway.app import Gateway
+    from agentq.gateway.context import RouteContext
 
 NO_STORE = {"Cache-Control": "no-store"}
 
@@ -41,7 +41,7 @@ NO_STORE = {"Cache-Control": "no-store"}
 class Console:
     """The console's handlers, on the gateway's Client and keyring."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: RouteContext) -> None:
         self.gw = gw
         self.lister = TurnLister(gw.client.store.redis)
         self.deliveries = Deliveries(
@@ -155,7 +155,7 @@ class Console:
         )
 
 
-def console_routes(gw: Gateway) -> list[Route]:
+def console_routes(gw: RouteContext) -> list[Route]:
     """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
     c = Console(gw)
     return [

@@ -25,14 +25,14 @@ from agentq.webhooks.deliveries import Deliveries
 from agentq.webhooks.target import check_for_turn
 
 if TYPE_CHECKING:
-    from agentq.gateway.app import Gateway
+    from agentq.gateway.context import RouteContext
 
 NO_STORE = {"Cache-Control": "no-store"}
 MAX_LISTED = 200
 
 
 class Jobs:
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: RouteContext) -> None:
         self.gw = gw
         client = gw.client
         self._schedules: Schedules | None = None
@@ -93,7 +93,7 @@ class Jobs:
         return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 
 
-def job_routes(gw: Gateway) -> list[Route]:
+def job_routes(gw: RouteContext) -> list[Route]:
     j = Jobs(gw)
     return [
         Route("/v1/schedules", j.list_schedules, methods=["GET"]),

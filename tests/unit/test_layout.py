@@ -1,8 +1,10 @@
 """The package layout of docs/architecture.md, checked: imports run one way, down.
 
 Each package (or top-level module) has a rank; a module may import only from its own
-package or from a lower rank. Imports under `if TYPE_CHECKING:` are annotations, not
-dependencies, and are not counted.
+package or from a lower rank. Imports are read wherever a reader sees them: at the top of
+a module, inside functions and methods, under `try`, `with` and `match`. Imports under
+`if TYPE_CHECKING:` are annotations, not dependencies, for the ranks and the layers; a
+cycle through them is still a cycle (two modules that each need the other to be read).
 """
 
 from __future__ import annotations
@@ -64,26 +66,36 @@ def _room(module: str) -> str:
     return module.split(".")[1]
 
 
-def _runtime_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+def _is_type_checking(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(node: ast.AST, *, annotations: bool) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement under `node`, at any depth (functions, classes, `match`...);
+    those under `if TYPE_CHECKING:` only with `annotations`."""
     found: list[ast.Import | ast.ImportFrom] = []
-    for node in body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        for field in ("body", "orelse", "finalbody", "handlers"):
-            sub = getattr(node, field, None)
-            if isinstance(sub, list) and sub and isinstance(sub[0], ast.AST):
-                found += _runtime_imports(sub)  # type: ignore[arg-type]
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            found.append(child)
+        elif _is_type_checking(child) and not annotations:
+            assert isinstance(child, ast.If)
+            # Its `else:` runs.
+            found += _imports(ast.Module(body=child.orelse, type_ignores=[]), annotations=False)
+        else:
+            found += _imports(child, annotations=annotations)
     return found
 
 
-@cache
-def imports_of(module: str) -> frozenset[str]:
-    path = MODULES[module]
-    is_pkg = path.name == "__init__.py"
+def _runtime_imports(body: list[ast.stmt]) -> list[ast.Import | ast.ImportFrom]:
+    return _imports(ast.Module(body=body, type_ignores=[]), annotations=False)
+
+
+def read_imports(
+    module: str, source: str, *, is_pkg: bool = False, annotations: bool = False
+) -> frozenset[str]:
+    """The agentq modules `source` (the text of `module`) imports."""
     out = set()
-    for node in _runtime_imports(ast.parse(path.read_text()).body):
+    for node in _imports(ast.parse(source), annotations=annotations):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         else:
@@ -100,6 +112,57 @@ def imports_of(module: str) -> frozenset[str]:
             if name in MODULES and name != module and name != "agentq":
                 out.add(name)
     return frozenset(out)
+
+
+@cache
+def imports_of(module: str, *, annotations: bool = False) -> frozenset[str]:
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
+    return read_imports(module, path.read_text(), is_pkg=is_pkg, annotations=annotations)
+
+
+SAMPLE = """
+from typing import TYPE_CHECKING
+import agentq.errors
+
+if TYPE_CHECKING:
+    from agentq.api import Client
+else:
+    from agentq.models import Event
+
+def f():
+    from agentq.config import Settings
+    def g():
+        import agentq.events.bus
+
+class C:
+    def m(self):
+        try:
+            from agentq.state import listing
+        except ImportError:
+            from agentq.constants import VERSION
+        with open("x"):
+            from . import options
+        match self:
+            case 1:
+                from agentq.tools.policy import ToolPolicy
+"""
+
+
+def test_the_reader_reads_every_import_a_person_would() -> None:
+    runtime = {
+        "agentq.errors",
+        "agentq.models",
+        "agentq.config",
+        "agentq.events.bus",
+        "agentq.state.listing",
+        "agentq.constants",
+        "agentq.cli",
+        "agentq.cli.options",
+        "agentq.tools.policy",
+    }
+    assert read_imports("agentq.cli.sample", SAMPLE) == runtime
+    assert read_imports("agentq.cli.sample", SAMPLE, annotations=True) == {*runtime, "agentq.api"}
 
 
 def test_every_room_has_a_rank() -> None:
@@ -135,11 +198,12 @@ def _depth(module: str) -> int:
 
 def test_no_cycles_and_at_most_twelve_layers() -> None:
     # _depth recurses without a guard: a cycle would recurse forever, so look for one first.
+    # Annotations count here: a cycle a reader must follow is one, whenever it runs.
     state: dict[str, int] = {}
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
-        for d in imports_of(m):
+        for d in imports_of(m, annotations=True):
             assert state.get(d) != 1, "import cycle: " + " -> ".join([*path, m, d])
             if d not in state:
                 visit(d, [*path, m])

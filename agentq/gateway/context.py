@@ -1,0 +1,40 @@
+"""What the console's and the jobs' routes use of the gateway, as a type.
+
+`agentq.gateway.app.Gateway` mounts those routes and is one of these; the routes take it as
+this type, so neither `console` nor `jobs` imports the module that imports them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from agentq.api import Client
+    from agentq.gateway.auth import Keyring, Principal
+    from agentq.llm.capacity import Capacity
+
+
+class RouteContext(Protocol):
+    """The shared Client, the caller checks, the body limit and model capacity."""
+
+    client: Client
+    keyring: Keyring
+    capacity: Capacity
+    body_limit_bytes: int
+
+    def require_key(self, request: Request) -> Principal | None:
+        """The caller's key; with keys configured, a call without a valid one is refused."""
+        ...
+
+    def require_admin_read(self, request: Request) -> None:
+        """Refuses a caller who may not read fleet-wide numbers."""
+        ...
+
+    def read_capacity(self) -> list[dict[str, Any]]:
+        """The capacity snapshot of every model the gateway knows."""
+        ...
+
+
+__all__ = ["RouteContext"]
