@@ -816,3 +816,26 @@ def test_docs_commands_name_the_overlays() -> None:
     for path in TARGETS.values():
         if path.name != "base":
             assert str(path.relative_to(ROOT)) in doc
+
+
+def test_targets_fit_what_one_replica_holds(target: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue's target per replica is what a replica runs at once: the tool worker's pool
+    processes; the stream worker's target is within its loops' capacity."""
+    docs = render(target)
+    scalers = {s["spec"]["scaleTargetRef"]["name"]: s for s in of_kind(docs, "ScaledObject")}
+    dep, c = worker_deployment(docs, "tools")
+    command = c["command"]
+    concurrency = command[command.index("--concurrency") + 1]
+    (trigger,) = scalers[dep["metadata"]["name"]]["spec"]["triggers"]
+    assert trigger["metadata"].get("listLength", trigger["metadata"].get("value")) == concurrency
+    dep, c = worker_deployment(docs, "llm")
+    s = settings_for(effective_env(docs, c), monkeypatch)
+    (per_replica,) = [
+        float(t["metadata"]["threshold"])
+        for t in scalers[dep["metadata"]["name"]]["spec"]["triggers"]
+        if t["type"] == "prometheus"
+    ]
+    assert s.llm_processes >= 1, "AGENTQ_LLM_PROCESSES: the default counts the node's cores"
+    assert per_replica <= s.llm_processes * s.io_capacity
+    cpu = c["resources"]["limits"]["cpu"]
+    assert cpu_cores(cpu) >= s.llm_processes, "one event loop a core"
