@@ -259,7 +259,18 @@ def publish_agents(client: redis.Redis, now: float | None = None) -> int:
         client.hset(
             k.AGENTS,
             mapping={
-                a.name: json.dumps({"model": a.model, "tools": a.tool_names(), "seen_at": now})
+                a.name: json.dumps(
+                    {
+                        "model": a.model,
+                        "tools": a.tool_names(),
+                        "seen_at": now,
+                        # What the gateway's /mcp tells MCP clients about the agent.
+                        "description": a.description,
+                        "output_schema": a.output_type.model_json_schema()
+                        if a.output_type is not None
+                        else None,
+                    }
+                )
                 for a in agents.values()
             },
         )
@@ -287,6 +298,8 @@ def published_agent_details(client: redis.Redis, now: float | None = None) -> li
                     "name": name.decode() if isinstance(name, bytes) else str(name),
                     "model": rec.get("model"),
                     "tools": rec.get("tools") or [],
+                    "description": rec.get("description") or "",
+                    "output_schema": rec.get("output_schema"),
                 }
             )
     return sorted(out, key=lambda a: str(a["name"]))

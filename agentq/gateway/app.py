@@ -69,6 +69,7 @@ from agentq.gateway.errors import (
 from agentq.gateway.guard import RequestGuard
 from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
+from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.validate import (
@@ -507,9 +508,15 @@ def create_app(
         *job_routes(gw),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
+    # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.
+    mcp = McpEndpoint(gw)
+    routes.extend(mcp.routes())
     handlers = exception_handlers()
     app = Starlette(
-        routes=routes, middleware=middleware, exception_handlers=handlers, lifespan=gw.lifespan
+        routes=routes,
+        middleware=middleware,
+        exception_handlers=handlers,
+        lifespan=mcp.lifespan(gw.lifespan),
     )
     app.state.gateway = gw
     return app

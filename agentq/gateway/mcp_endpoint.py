@@ -1,0 +1,281 @@
+"""`/mcp`: the fleet's agents served to MCP clients (Streamable HTTP, the `mcp` SDK).
+
+Each agent a turn worker publishes is a tool (`input`: the prompt; an agent with a typed
+output declares it as `outputSchema`). A call starts a turn owned by the caller's key
+(Bearer, the gateway's rules: without keys, loopback only), sends the turn's events as
+progress notifications (the phase, tool names, the elapsed time), and returns the final
+answer (its typed output as `structuredContent`). A cancel aborts the turn; a turn that
+ends in `turn_error` (`budget_exceeded`, a model timeout, anything else) or is aborted
+answers `isError`. A session belongs to the key that made it: another key's requests on
+it answer 404, as its turns do everywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
+
+from agentq.agents import published_agent_details
+from agentq.constants import VERSION
+from agentq.errors import AgentqError, TurnNotFound, Unauthorized
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.follow import follow
+from agentq.gateway.auth import Principal
+from agentq.gateway.errors import bearer
+from agentq.models import Event, TurnHandle, TurnRequest
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+    from agentq.gateway.app import Gateway
+
+log = logging.getLogger("agentq.gateway")
+
+PATH = "/mcp"
+INPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string", "description": "The task for the agent."}},
+    "required": ["input"],
+}
+TURN_META_KEY = "io.agentq/turn_id"
+"""The `_meta` key of a call's result that names its turn."""
+FOLLOW_HEARTBEAT_S = 1.0
+"""How often the follow loop wakes without events, so a cancel is seen within it."""
+_END = object()
+MAX_SESSIONS = 10_000
+"""Sessions whose owner is remembered; the oldest is forgotten past this."""
+
+
+def progress_message(ev: Event, started: float) -> str | None:
+    """What an MCP client is told of one turn event; None: not worth a notification."""
+    f = ev.fields
+    elapsed = f"[{max(0.0, ev.ts - started):.1f} s]"
+    if ev.type == "turn_started":
+        return f"{elapsed} turn {ev.turn_id} started"
+    if ev.type == "turn_queued":
+        return f"{elapsed} queued behind another turn"
+    if ev.type == "llm_started":
+        return f"{elapsed} thinking (model round {f.get('round', '?')})"
+    if ev.type == "tool_started":
+        return f"{elapsed} calling {f.get('tool')}"
+    if ev.type == "tool_progress" and f.get("source") == "tool" and f.get("message"):
+        return f"{elapsed} {f.get('tool')}: {f.get('message')}"
+    if ev.type == "tool_finished":
+        return f"{elapsed} {f.get('tool')}: {f.get('status')}"
+    if ev.type == "interaction_requested":
+        return f"{elapsed} waiting for an answer ({f.get('kind', 'approval')})"
+    return None
+
+
+def result_of(terminal: Event) -> Any:
+    """The CallToolResult of a turn that ended with `terminal`."""
+    from mcp_types import CallToolResult, TextContent
+
+    f = terminal.fields
+    if terminal.type == "turn_finished":
+        output = f.get("output")
+        text = str(f.get("content") or "")
+        if output is not None:
+            text = text or json.dumps(output)
+            return CallToolResult(
+                content=[TextContent(type="text", text=text)], structured_content=output
+            )
+        return CallToolResult(content=[TextContent(type="text", text=text)])
+    if terminal.type == "turn_error":
+        code = f.get("code") or "error"
+        message = f"turn {terminal.turn_id} failed ({code}): {f.get('error') or 'no detail'}"
+    else:
+        message = f"turn {terminal.turn_id} was aborted ({f.get('reason') or 'user'})"
+    return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)
+
+
+def _error(message: str) -> Any:
+    from mcp_types import CallToolResult, TextContent
+
+    return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)
+
+
+class McpEndpoint:
+    """The `/mcp` route: an ASGI app in front of the SDK's session manager."""
+
+    def __init__(self, gw: Gateway) -> None:
+        from mcp.server.lowlevel import Server
+        from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
+        from mcp.server.transport_security import TransportSecuritySettings
+
+        self.gw = gw
+        self.server: Any = Server(
+            "agentq",
+            version=VERSION,
+            description="The agents of an agentq fleet: each call is a durable, observable turn.",
+            on_list_tools=self._list_tools,
+            on_call_tool=self._call_tool,
+        )
+        # The gateway's RequestGuard checks Host and Origin for every path already.
+        self.manager = StreamableHTTPSessionManager(
+            app=self.server,
+            security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+        )
+        self.owners: dict[str, str | None] = {}
+
+    def routes(self) -> list[Route]:
+        return [Route(PATH, endpoint=self, methods=["GET", "POST", "DELETE"])]
+
+    def lifespan(
+        self, inner: Callable[[Starlette], AbstractAsyncContextManager[None]]
+    ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+        """The app's lifespan with the session manager running inside it."""
+
+        @asynccontextmanager
+        async def both(app: Starlette) -> AsyncIterator[None]:
+            async with self.manager.run(), inner(app):
+                yield
+
+        return both
+
+    # -- HTTP: who may use which session
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        principal = self.gw.require_key(request)
+        owner = principal.name if principal is not None else None
+        session_id = request.headers.get("mcp-session-id")
+        if session_id is not None and self.owners.get(session_id, owner) != owner:
+            # Someone else's session is unknown to this caller, as someone else's turn is.
+            raise TurnNotFound(f"mcp session {session_id}")
+
+        async def remember_owner(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                for name, value in message.get("headers") or []:
+                    if name.lower() == b"mcp-session-id":
+                        self._own(value.decode("latin-1"), owner)
+            await send(message)
+
+        await self.manager.asgi_app(scope, receive, remember_owner)
+
+    def _own(self, session_id: str, owner: str | None) -> None:
+        if session_id in self.owners:
+            return
+        if len(self.owners) >= MAX_SESSIONS:
+            del self.owners[next(iter(self.owners))]
+        self.owners[session_id] = owner
+
+    def _principal(self, ctx: Any) -> Principal | None:
+        request = getattr(ctx, "request", None)
+        if not isinstance(request, Request):
+            return None
+        return self.gw.keyring.identify(bearer(request))
+
+    # -- MCP: the agents as tools
+
+    async def _list_tools(self, ctx: Any, params: Any) -> Any:
+        from mcp_types import ListToolsResult, Tool
+
+        agents = await run_in_threadpool(published_agent_details, self.gw.client.store.redis)
+        tools = [
+            Tool(
+                name=a["name"],
+                description=a.get("description")
+                or f"Run the {a['name']} agent of this agentq fleet (a turn, with its tools).",
+                input_schema=INPUT_SCHEMA,
+                output_schema=a.get("output_schema"),
+            )
+            for a in agents
+        ]
+        return ListToolsResult(tools=tools)
+
+    async def _call_tool(self, ctx: Any, params: Any) -> Any:
+        principal = self._principal(ctx)
+        if self.gw.keyring.enabled and principal is None:
+            raise Unauthorized("this call needs a key: Authorization: Bearer <key>")
+        prompt = (params.arguments or {}).get("input")
+        if not isinstance(prompt, str) or not prompt.strip():
+            return _error('expected {"input": "<the task, a non-empty string>"}')
+        known = await run_in_threadpool(published_agent_details, self.gw.client.store.redis)
+        if params.name not in {a["name"] for a in known}:
+            return _error(f"unknown agent {params.name!r}")
+        request = getattr(ctx, "request", None)
+        host = request.client.host if isinstance(request, Request) and request.client else ""
+        req = TurnRequest(prompt=prompt, agent=params.name, headless=True, detach=True)
+        try:
+            handle = await run_in_threadpool(self._start, req, principal, host)
+        except AgentqError as exc:
+            return _error(exc.message)
+        try:
+            terminal = await self._follow(ctx, handle)
+        except BaseException:
+            # The client cancelled the request (notifications/cancelled) or went away.
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(self._abort, handle)
+            raise
+        result = result_of(terminal)
+        # Where the caller can read the whole turn (GET /v1/turns/{id}, its events).
+        result.meta = {TURN_META_KEY: handle.turn_id}
+        return result
+
+    def _start(self, req: TurnRequest, principal: Principal | None, host: str) -> TurnHandle:
+        """As POST /v1/turns starts one: the caller's start limits and ownership."""
+        limits = self.gw.limits
+        subject = principal.name if principal else f"addr:{host or 'unknown'}"
+        limits.take_start(subject)
+        reservation = limits.reserve(subject)
+        turn_id = None
+        try:
+            handle = self.gw.client.start(
+                req,
+                owner=principal.name if principal else None,
+                admin=bool(principal and principal.admin),
+            )
+            turn_id = handle.turn_id
+            return handle
+        finally:
+            limits.started(subject, reservation, turn_id)
+
+    def _abort(self, handle: TurnHandle) -> None:
+        try:
+            self.gw.client.abort(handle.turn_id, handle.token)
+            log.info("mcp: turn %s aborted: its call was cancelled", handle.turn_id)
+        except TurnNotFound:
+            pass  # it ended first
+
+    async def _follow(self, ctx: Any, handle: TurnHandle) -> Event:
+        """Relay the turn's events as progress until its terminal event."""
+        events: Iterator[Event | None] = follow(
+            self.gw.client.store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S
+        )
+        started = time.time()
+        sent = 0
+        try:
+            while True:
+                ev = await anyio.to_thread.run_sync(next, events, _END, abandon_on_cancel=True)
+                if ev is _END:
+                    raise RuntimeError(f"the events of turn {handle.turn_id} ended early")
+                if not isinstance(ev, Event):
+                    continue
+                if ev.type in TERMINAL_TYPES and not ev.path:
+                    return ev
+                if ev.type == "turn_started":
+                    started = ev.ts
+                message = progress_message(ev, started)
+                if message is not None and not ev.path:
+                    sent += 1
+                    await ctx.session.report_progress(sent, None, message)
+        finally:
+            close = getattr(events, "close", None)
+            if callable(close):
+                # On a thread: a follow still waiting in Redis must not hold the loop. One
+                # still running in an abandoned thread cannot be closed; it ends by itself.
+                with anyio.CancelScope(shield=True), contextlib.suppress(ValueError):
+                    await anyio.to_thread.run_sync(close)
