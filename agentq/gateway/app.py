@@ -59,6 +59,7 @@ from agentq.gateway.auth import (
 )
 from agentq.gateway.capacity import read_snapshots
 from agentq.gateway.console import console_routes
+from agentq.gateway.conversations import conversation_routes
 from agentq.gateway.errors import (
     ApiError,
     bearer,
@@ -82,6 +83,7 @@ from agentq.gateway.validate import (
 )
 from agentq.llm.capacity import capacity_for
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
+from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
@@ -183,7 +185,15 @@ class Gateway:
             raise validation_error(exc) from None
         if not req.initial_messages():
             raise ApiError(422, "ValidationError", "prompt: a turn needs a prompt or messages")
-        handle = await run_in_threadpool(self._start_limited, req, principal, request)
+        idempotency_key = request.headers.get("idempotency-key")
+        if idempotency_key is not None:
+            try:
+                check_key(idempotency_key)
+            except ValueError as exc:
+                raise ApiError(422, "ValidationError", str(exc)) from None
+        handle = await run_in_threadpool(
+            self._start_limited, req, principal, request, idempotency_key
+        )
         return JSONResponse(
             handle.model_dump(exclude_none=True),
             status_code=202,
@@ -191,7 +201,11 @@ class Gateway:
         )
 
     def _start_limited(
-        self, req: TurnRequest, principal: Principal | None, request: Request
+        self,
+        req: TurnRequest,
+        principal: Principal | None,
+        request: Request,
+        idempotency_key: str | None,
     ) -> Any:
         client_host = request.client.host if request.client else "unknown"
         subject = principal.name if principal else f"addr:{client_host}"
@@ -203,6 +217,7 @@ class Gateway:
                 req,
                 owner=principal.name if principal else None,
                 admin=bool(principal and principal.admin),
+                idempotency_key=idempotency_key,
             )
             turn_id = handle.turn_id
             return handle
@@ -504,6 +519,7 @@ def create_app(
         Route("/v1/turns/{turn_id}/events", gw.events, methods=["GET"]),
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
         Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
+        *conversation_routes(client, gw.require_key, keyed=gw.keyring.enabled),
         *console_routes(gw),
         *job_routes(gw),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),

@@ -252,9 +252,10 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
     snap = store.snapshot(turn_id)
     if snap is not None and snap.state.get("status") not in TERMINAL_STATUSES:
         return
-    log.warning("turn %s ended without handing its conversation on: done for it now", turn_id)
     if snap is not None:
-        hand_off(store, app, turn_id, snap.state, snap.history)
+        # Often its own hand-off is under way: the release script lets one of them act.
+        if hand_off(store, app, turn_id, snap.state, snap.history) is not Release.LEFT:
+            log.warning("turn %s ended without handing its conversation on: done for it", turn_id)
         return
     # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
     # can be appended; the conversation goes on without it.

@@ -197,7 +197,7 @@ def test_idempotent_starts_return_the_first_turn(fleet, llm_server, client: Clie
     def start() -> None:
         try:
             handles.append(client.start_turn(key, idempotency_key=ikey))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=start) for _ in range(12)]

@@ -1,0 +1,105 @@
+"""Conversations over HTTP: `GET /v1/conversations`, `GET|DELETE /v1/conversations/{id}`.
+
+The same holders as for turns: the key that created the conversation or an admin key;
+without keys, the conversation token its first turn returned (`Authorization: Bearer`).
+Anyone else gets the 404 an unknown conversation gets.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentq.api import Client
+from agentq.errors import ConversationNotFound
+from agentq.gateway.auth import Principal
+from agentq.gateway.errors import ApiError, bearer
+
+NO_STORE = {"Cache-Control": "no-store"}
+MAX_LISTED = 200
+_CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+
+def conversation_id_of(raw: str) -> str:
+    """A path's conversation id, or the 404 any unknown one gets (nothing else names a key)."""
+    if not _CONVERSATION_ID.match(raw):
+        raise ConversationNotFound(raw[:128])
+    return raw
+
+
+def _number(request: Request, name: str, default: float | None, *, low: float, high: float) -> Any:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ApiError(422, "ValidationError", f"{name}: not a number: {raw!r}") from None
+    if not low <= value <= high:
+        raise ApiError(422, "ValidationError", f"{name}: must be between {low:g} and {high:g}")
+    return value
+
+
+class ConversationRoutes:
+    def __init__(
+        self, client: Client, require_key: Callable[[Request], Principal | None], keyed: bool
+    ) -> None:
+        self.client = client
+        self.require_key = require_key
+        self.keyed = keyed
+
+    def _who(self, request: Request) -> dict[str, Any]:
+        principal = self.require_key(request)
+        if principal is not None:
+            return {"owner": principal.name, "operator": principal.admin}
+        if self.keyed:  # require_key refused a missing or unknown key already
+            raise ConversationNotFound("")
+        return {"token": bearer(request)}
+
+    async def get(self, request: Request) -> Response:
+        cid = conversation_id_of(request.path_params["conversation_id"])
+        who = self._who(request)
+        view = await run_in_threadpool(lambda: self.client.conversation(cid, **who))
+        return JSONResponse(view, headers=NO_STORE)
+
+    async def delete(self, request: Request) -> Response:
+        cid = conversation_id_of(request.path_params["conversation_id"])
+        who = self._who(request)
+        aborted = await run_in_threadpool(lambda: self.client.delete_conversation(cid, **who))
+        return JSONResponse(
+            {"ok": True, "conversation_id": cid, "aborted_turns": aborted}, headers=NO_STORE
+        )
+
+    async def listing(self, request: Request) -> Response:
+        principal = self.require_key(request)
+        limit = int(_number(request, "limit", 50, low=1, high=MAX_LISTED))
+        before = _number(request, "before", None, low=0, high=1e12)
+        owner = principal.name if principal else None
+        # Without keys (loopback only) the caller may list every conversation, as the CLI.
+        operator = principal.admin if principal else True
+        rows = await run_in_threadpool(
+            lambda: self.client.conversations(
+                owner=owner, operator=operator, limit=limit, before=before
+            )
+        )
+        return JSONResponse({"conversations": rows}, headers=NO_STORE)
+
+
+def conversation_routes(
+    client: Client, require_key: Callable[[Request], Principal | None], *, keyed: bool
+) -> list[Route]:
+    r = ConversationRoutes(client, require_key, keyed)
+    return [
+        Route("/v1/conversations", r.listing, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", r.get, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", r.delete, methods=["DELETE"]),
+    ]
+
+
+__all__ = ["conversation_routes"]
