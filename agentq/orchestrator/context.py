@@ -13,6 +13,8 @@ from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import TurnStatus
 from agentq.state.base import RoundRead
+from agentq.state.steplock import Released
+from agentq.state.turns import Closed
 from agentq.state.turn_state import TurnState
 from agentq.webhooks.task import queue_delivery
 
@@ -69,9 +71,9 @@ class StepContext:
     """History messages `stage`d for the step's next write, after the ones it wrote."""
     staged_plans: dict[str, str] = field(default_factory=dict)
     """Call plans (call id -> CallPlan JSON) `stage`d for the step's next write."""
-    released: int | None = None
-    """Set once the step let go of its lock before its end (`release`): 1 let go, 0 kept
-    (woken meanwhile: the step reads again and goes on)."""
+    released: Released | None = None
+    """Set once the step let go of its lock before its end (`release`): RELEASED, or
+    WOKEN (the lock kept: the step reads again and goes on)."""
 
     def stage(
         self,
@@ -104,9 +106,9 @@ class StepContext:
     def _lock_ms(self) -> int:
         return self.lock_ms or int(self.settings.step_lock_s * 1000)
 
-    def release(self, next_at: float | None) -> int:
+    def release(self, next_at: float | None) -> Released:
         """Let go of the step's lock, with what it staged and the calls it is about to send,
-        and leave the turn's next deadline (`next_at`) for the sweepers: 1 let go, 0 woken
+        and leave the turn's next deadline (`next_at`) for the sweepers: RELEASED, or WOKEN
         meanwhile (the lock kept: the step reads again and goes on). At the step's end, or
         before its last act (a model round's message, a batch of calls), after which the
         step ends without another write."""
@@ -123,7 +125,7 @@ class StepContext:
             plans=self.staged_plans,
             new_calls=self.new_calls,
         )
-        if released == -1:
+        if released is Released.LOST:
             raise StepLost(self.turn_id)
         self.staged, self.staged_append, self.dispatched = ({}, []), [], {}
         self.staged_plans, self.new_calls = {}, 0
@@ -133,7 +135,7 @@ class StepContext:
     def relock(self) -> bool:
         """Take the lock again after `release` let go of it (the step's last act failed):
         False if another step holds it now, which goes on from what was written."""
-        if self.released == 1 and not self.store.lock_step(
+        if self.released is Released.RELEASED and not self.store.lock_step(
             self.turn_id, self.token, self._lock_ms()
         ):
             return False
@@ -192,9 +194,9 @@ class StepContext:
             append=[*staged_append, *(append or [])],
             **fields,
         )
-        if won == -1:
+        if won is Closed.LOST:
             raise StepLost(self.turn_id)
-        if won:
+        if won is not Closed.ENDED_ALREADY:
             self.ended, self.ended_error = status.value, error
             self.history.extend(append or [])
             url = self.state.get("webhook_url")

@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import redis
 from redis.commands.core import Script
@@ -26,6 +26,7 @@ from redis.commands.core import Script
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, EventBus, event_body, publish_lua, run_pipeline
 from agentq.models import ToolResult
+from agentq.state.lua_args import bind_lua
 from agentq.state.turn_state import TurnState
 from agentq.telemetry.fleetcounts import COUNTED_TYPES, fleet_counts
 
@@ -47,19 +48,37 @@ STATE_LOST_MESSAGE = (
     "Redis lost this turn's state (restarted without persistence?); it cannot go on: start it again"
 )
 
-# A fact about a turn whose state Redis lost (a restart without persistence): the turn
-# cannot go on, so it ends here with a clear error, once, and its record expires.
+
+class StateLostKeys(NamedTuple):
+    turn_key: str
+    log_key: str
+    channel: str
+
+
+class StateLostArgs(NamedTuple):
+    error: str
+    """The error message (JSON)."""
+    event: str
+    """The turn_error event body."""
+    log_opts: str
+    ttl_s: int
+
+
+# STATE_LOST_LUA: a fact about a turn whose state Redis lost (a restart without
+# persistence): the turn cannot go on, so it ends here with a clear error, once, and its
+# record expires.
 STATE_LOST_LUA = (
-    """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+    bind_lua(StateLostKeys, StateLostArgs)
+    + """
+if redis.call('EXISTS', turn_key) == 1 then return 0 end
 local seq = 0
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[2]", "ARGV[3]", "1")
+    + publish_lua("log_key", "channel", "event", "log_opts", "1")
     + f"""
-redis.call('HSET', KEYS[1], 'status', '"error"', 'error_code', '"state_lost"', 'error', ARGV[1],
+redis.call('HSET', turn_key, 'status', '"error"', 'error_code', '"state_lost"', 'error', error,
   '{SEQ_FIELD}', seq)
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+redis.call('EXPIRE', turn_key, ttl_s)
+redis.call('EXPIRE', log_key, ttl_s)
 return 1
 """
 )
@@ -354,13 +373,19 @@ class StoreBase:
         fields = {"code": "state_lost", "error": STATE_LOST_MESSAGE}
         ended = bool(
             self._state_lost(
-                keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
-                args=[
-                    json.dumps(STATE_LOST_MESSAGE),
-                    event_body(turn_id, "turn_error", fields),
-                    self.bus.log_arg(),
-                    self.ttl_s,
-                ],
+                keys=list(
+                    StateLostKeys(
+                        k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)
+                    )
+                ),
+                args=list(
+                    StateLostArgs(
+                        json.dumps(STATE_LOST_MESSAGE),
+                        event_body(turn_id, "turn_error", fields),
+                        self.bus.log_arg(),
+                        self.ttl_s,
+                    )
+                ),
             )
         )
         if ended:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, ClassVar
+from enum import IntEnum
+from typing import Any, ClassVar, NamedTuple
 
 from redis.commands.core import Script
 
@@ -22,86 +23,173 @@ from agentq.state.base import (
     text,
 )
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
+from agentq.state.lua_args import TurnKey, argv_of, bind_lua
 
-# Settle = store the result under its call id (first writer wins), wake the turn and
+
+class Settled(IntEnum):
+    """What `settle` found (SETTLE_LUA answers it)."""
+
+    TURN_GONE = -2
+    """The turn is over, or Redis lost it: nothing written."""
+    LOST = 0
+    """A result was stored first: it is the one kept."""
+    WON = 1
+    """Stored; other calls of the batch in flight have no result yet (or the caller
+    asked for no wake)."""
+    READY = 3
+    """Stored, and it completed the batch in flight: the turn is woken (or its step was
+    taken here, when the answer came with the step's view)."""
+
+
+class Started(IntEnum):
+    """What `mark_started` found (START_LUA answers it)."""
+
+    TURN_GONE = -2
+    """The turn is over, or Redis lost it: the call does not run."""
+    CANCELLED = -1
+    """The turn is cancelled: the call does not run (and is settled as such)."""
+    SETTLED = 0
+    """The call has its result already (a redelivery)."""
+    STARTED = 1
+    """Recorded: the call runs."""
+    REDELIVERED = 2
+    """This delivery started already (a restored unacked message): not run twice."""
+    STARTED_ALONE = 3
+    """Recorded, and the call is the batch's only one in flight: its settle will most
+    likely take the turn's step (see `settle`'s `alone`)."""
+
+
+class SettleKeys(NamedTuple):
+    turn_key: str
+    log_key: str
+    channel: str
+    wakeups_key: str
+
+
+class SettleArgs(NamedTuple):
+    call_id: str
+    result: str
+    """The ToolResult JSON."""
+    event: str
+    """The tool_finished event body."""
+    log_opts: str
+    now_ms: int
+    wake_at: float
+    turn_id: str
+    wake: str
+    """"1": wake the turn if the batch is complete ("0": the turn's own step settles)."""
+    token: str
+    """A step lock token, when this process takes the step it wakes ("" if not)."""
+    lock_ms: int
+    tracked: str
+    """"1": the call was recorded as sent, so it counts in the batch in flight."""
+    alone: str
+    """"1": the call was its batch's only one when it started."""
+
+
+# SETTLE_LUA: store the result under its call id (first writer wins), wake the turn and
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
-    # A call alone in its batch (ARGV[12]) is the last: its settle takes the step, so the
-    # state is read whole at once (see `wake_or_step_lua`).
-    turn_open_lua(
-        "KEYS[1]",
-        "-2",
-        whole="ARGV[12] == '1' and ARGV[9] ~= ''",
-        extra=(f"'{k.SETTLED}' .. ARGV[1]",),
+    bind_lua(SettleKeys, SettleArgs)
+    # A call alone in its batch is the last: its settle takes the step, so the state is
+    # read whole at once (see `wake_or_step_lua`).
+    + turn_open_lua(
+        "turn_key",
+        f"{Settled.TURN_GONE:d}",
+        whole="alone == '1' and token ~= ''",
+        extra=(f"'{k.SETTLED}' .. call_id",),
     )
-    + """
-if more[1] then return 0 end
+    + f"""
+if more[1] then return {Settled.LOST:d} end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
--- call recorded as sent (ARGV[11]: every call a worker settles, since calls are recorded
--- before they are sent) is in the batch's count: this first result takes it out.
-local tracked = ARGV[11] == '1'
-if tracked then unsettled = math.max(unsettled - 1, 0) end
-local ready = not tracked or unsettled == 0
+-- call recorded as sent (every call a worker settles, since calls are recorded before
+-- they are sent) is in the batch's count: this first result takes it out.
+local is_tracked = tracked == '1'
+if is_tracked then unsettled = math.max(unsettled - 1, 0) end
+local ready = not is_tracked or unsettled == 0
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
-    + "if not ready or ARGV[8] ~= '1' then\n"
-    + f"  redis.call('HSET', KEYS[1], '{k.SETTLED}' .. ARGV[1], ARGV[2], '{SEQ_FIELD}', seq,\n"
+    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
+    + "if not ready or wake ~= '1' then\n"
+    + f"  redis.call('HSET', turn_key, '{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq,\n"
     + f"    '{k.UNSETTLED_FIELD}', unsettled)\n"
-    + "  return ready and 3 or 1\nend\n"
+    + f"  return ready and {Settled.READY:d} or {Settled.WON:d}\nend\n"
     + wake_or_step_lua(
-        ("KEYS[4]", "ARGV[7]", "ARGV[6]"),
-        "KEYS[1]",
-        "ARGV[9]",
-        "ARGV[10]",
-        "ARGV[5]",
-        fields=f"'{k.SETTLED}' .. ARGV[1], ARGV[2], '{SEQ_FIELD}', seq, "
+        ("wakeups_key", "turn_id", "wake_at"),
+        "turn_key",
+        "token",
+        "lock_ms",
+        "now_ms",
+        fields=f"'{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, "
         f"'{k.UNSETTLED_FIELD}', unsettled",
         whole=True,
+        stepped=Settled.READY,
     )
-    + "return 3"
+    + f"return {Settled.READY:d}"
 )
 
-# A task that starts checks, in the same step that records its start, that its call
-# is not settled yet (a redelivery) and its turn not cancelled. The start record names
-# the delivery (task id and retry count): the broker handing the same delivery out
+
+class StartKeys(NamedTuple):
+    turn_key: str
+    log_key: str
+    channel: str
+
+
+class StartArgs(NamedTuple):
+    call_id: str
+    start: str
+    """The start record (JSON)."""
+    event: str
+    """The tool_started event body."""
+    log_opts: str
+    delivery: str
+    """The delivery's task id and retry count ("": not known)."""
+
+
+# START_LUA: a task that starts checks, in the same step that records its start, that its
+# call is not settled yet (a redelivery) and its turn not cancelled. The start record
+# names the delivery (task id and retry count): the broker handing the same delivery out
 # again while it runs (a restored unacked message) must not run the call twice. Its
 # result and start record are fields of the turn's state: one read for all three.
 START_LUA = (
-    turn_open_lua(
-        "KEYS[1]",
-        "more[1] and 0 or -2",
-        extra=(f"'{k.SETTLED}' .. ARGV[1]", f"'{k.STARTED}' .. ARGV[1]"),
+    bind_lua(StartKeys, StartArgs)
+    + turn_open_lua(
+        "turn_key",
+        f"more[1] and {Started.SETTLED:d} or {Started.TURN_GONE:d}",
+        extra=(f"'{k.SETTLED}' .. call_id", f"'{k.STARTED}' .. call_id"),
     )
-    + """
-if more[1] then return 0 end
-if cancelled then return -1 end
-if more[2] and ARGV[5] ~= '' then
+    + f"""
+if more[1] then return {Started.SETTLED:d} end
+if cancelled then return {Started.CANCELLED:d} end
+if more[2] and delivery ~= '' then
   local ok, rec = pcall(cjson.decode, more[2])
-  if ok and rec['delivery'] == ARGV[5] then return 2 end
+  if ok and rec['delivery'] == delivery then return {Started.REDELIVERED:d} end
 end
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
     + f"""
-redis.call('HSET', KEYS[1], '{k.STARTED}' .. ARGV[1], ARGV[2], '{SEQ_FIELD}', seq)
+redis.call('HSET', turn_key, '{k.STARTED}' .. call_id, start, '{SEQ_FIELD}', seq)
 """
     # Alone in the batch in flight (which counts it: recorded before sent), its settle
     # will be the one that takes the turn's step.
-    + "return unsettled <= 1 and 3 or 1"
+    + f"return unsettled <= 1 and {Started.STARTED_ALONE:d} or {Started.STARTED:d}"
 )
 
-# Dispatch records written apart from a step's release (a sub-agent call's child turn,
-# recorded before the child is started): the new ones join the batch in flight. Not
-# into a turn Redis does not hold: that would make half a turn.
-RECORD_DISPATCH_LUA = f"""
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-local counted = redis.call('HSET', KEYS[1], unpack(ARGV))
+# RECORD_DISPATCH_LUA: dispatch records written apart from a step's release (a sub-agent
+# call's child turn, recorded before the child is started): the new ones join the batch
+# in flight. Not into a turn Redis does not hold: that would make half a turn.
+RECORD_DISPATCH_LUA = (
+    bind_lua(TurnKey, (), rest="records")
+    + f"""
+if redis.call('EXISTS', turn_key) == 0 then return 0 end
+local counted = redis.call('HSET', turn_key, unpack(ARGV, records_at))
 if counted > 0 then
-  redis.call('HINCRBY', KEYS[1], '{k.UNSETTLED_FIELD}', counted)
+  redis.call('HINCRBY', turn_key, '{k.UNSETTLED_FIELD}', counted)
 end
 return 1
 """
+)
 
 
 SCAN_COUNT = 10_000
@@ -153,8 +241,8 @@ class CallRecords(StoreBase):
             return
         self._durable(
             self._record_dispatch,
-            keys=[k.turn_key(turn_id)],
-            args=dispatch_args(records),
+            keys=list(TurnKey(k.turn_key(turn_id))),
+            args=argv_of((), dispatch_args(records)),
         )
 
     def unrecord(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
@@ -210,23 +298,17 @@ class CallRecords(StoreBase):
 
     def mark_started(
         self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
-    ) -> int:
-        """Record a task's start; 1 started (3: and it is the only call of the batch in
-        flight, see `settle`'s `alone`), 0 already settled, -1 turn cancelled, -2 turn
-        over or gone, 2 this delivery (`start["delivery"]`) started already."""
-        return int(
-            self._durable(
-                self._start,
-                keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
-                args=[
-                    call_id,
-                    json.dumps(start),
-                    event_body(turn_id, "tool_started", event),
-                    self.bus.log_arg(),
-                    str(start.get("delivery") or ""),
-                ],
-            )
+    ) -> Started:
+        """Record a task's start, unless the call must not run (see `Started`)."""
+        keys = StartKeys(k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id))
+        args = StartArgs(
+            call_id,
+            json.dumps(start),
+            event_body(turn_id, "tool_started", event),
+            self.bus.log_arg(),
+            str(start.get("delivery") or ""),
         )
+        return Started(int(self._durable(self._start, keys=list(keys), args=list(args))))
 
     def turns_running_on(self, worker: str, batch: int = 500) -> list[str]:
         """The open turns with a call whose start record names `worker` and asks to be
@@ -282,35 +364,35 @@ class CallRecords(StoreBase):
         result_json = result.model_dump_json()
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
-        won = self._durable(
-            self._settle,
-            keys=[
-                k.turn_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-                k.turn_wakeups_key(turn_id),
-            ],
-            args=[
-                result.call_id,
-                result_json,
-                event_body(turn_id, "tool_finished", event),
-                self.bus.log_arg(),
-                now_ms(),
-                time.time() + WAKE_BACKSTOP_S,
-                turn_id,
-                "1" if wake else "0",
-                token,
-                lock_ms,
-                "1" if tracked else "0",
-                "1" if alone else "0",
-            ],
+        keys = SettleKeys(
+            k.turn_key(turn_id),
+            k.log_key(turn_id),
+            k.events_channel(turn_id),
+            k.turn_wakeups_key(turn_id),
         )
-        won = self._woke(turn_id, won, token, lock_ms, wake=won == 3 and wake)
-        if won == -2:
+        args = SettleArgs(
+            result.call_id,
+            result_json,
+            event_body(turn_id, "tool_finished", event),
+            self.bus.log_arg(),
+            now_ms(),
+            time.time() + WAKE_BACKSTOP_S,
+            turn_id,
+            "1" if wake else "0",
+            token,
+            lock_ms,
+            "1" if tracked else "0",
+            "1" if alone else "0",
+        )
+        answer = self._durable(self._settle, keys=list(keys), args=list(args))
+        ready = answer == Settled.READY
+        got = Settled(self._woke(turn_id, answer, token, lock_ms, wake=ready and wake))
+        if got is Settled.TURN_GONE:
             self.end_lost_turn(turn_id)
-        if won in (1, 3):
+        won = got in (Settled.WON, Settled.READY)
+        if won:
             self.bus.counted([("tool_finished", event)])
-        return won in (1, 3)
+        return won
 
     def result(self, turn_id: str, call_id: str) -> ToolResult | None:
         raw = self.redis.hget(k.turn_key(turn_id), k.SETTLED + call_id)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentq import constants as k
 from agentq.config import Settings
@@ -11,30 +11,56 @@ from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
 from agentq.state.base import WAKE_BACKSTOP_S, text
-from agentq.state.lua import TURN_OPEN_LUA, wake_lua
+from agentq.state.lua import turn_open_lua, wake_lua
+from agentq.state.lua_args import bind_lua
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
 
-# Closing a request is a compare-and-set on its state, so an answer and the timeout
-# can race and exactly one wins; the loser gets the state that won (409 to a client).
-# An answer publishes interaction_answered and wakes the turn in the same step.
+
+class CloseKeys(NamedTuple):
+    interaction_key: str
+    secret_key: str
+    log_key: str
+    channel: str
+    turn_key: str
+    wakeups_key: str
+
+
+class CloseArgs(NamedTuple):
+    new_state: str
+    """answered, defaulted, ..."""
+    decision: str
+    secret: str
+    """A password answer ("": none), kept `secret_ttl_s` for its tool to read once."""
+    secret_ttl_s: int
+    event: str
+    """The interaction_answered body ("": no event, and no wake)."""
+    log_opts: str
+    turn_id: str
+    wake_at: float
+
+
+# _CLOSE_LUA: closing a request is a compare-and-set on its state, so an answer and the
+# timeout can race and exactly one wins; the loser gets the state that won (409 to a
+# client). An answer publishes interaction_answered and wakes the turn in the same step.
 _CLOSE_LUA = (
-    """
-local state = redis.call('HGET', KEYS[1], 'state')
+    bind_lua(CloseKeys, CloseArgs)
+    + """
+local state = redis.call('HGET', interaction_key, 'state')
 if not state then return 'missing' end
 if state ~= 'pending' then return state end
 """
-    + TURN_OPEN_LUA % (5, "'closed'")
+    + turn_open_lua("turn_key", "'closed'")
     + """
-redis.call('HSET', KEYS[1], 'state', ARGV[1], 'decision', ARGV[2])
-if ARGV[3] ~= '' then
-  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
+redis.call('HSET', interaction_key, 'state', new_state, 'decision', decision)
+if secret ~= '' then
+  redis.call('SET', secret_key, secret, 'EX', secret_ttl_s)
 end
-if ARGV[5] ~= '' then
+if event ~= '' then
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[5]", "ARGV[6]", "watched")
-    + wake_lua("KEYS[5]", "KEYS[6]", "ARGV[7]", "ARGV[8]", f"'{SEQ_FIELD}', seq")
+    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
+    + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at", f"'{SEQ_FIELD}', seq")
     + """
 end
 return 'ok'
@@ -120,23 +146,22 @@ class Interactions:
         secret_ttl_s: int,
         event: str,
     ) -> Any:
-        return self._close(
-            keys=[
-                k.interaction_key(turn_id, request_id),
-                k.secret_key(turn_id, request_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-                k.turn_key(turn_id),
-                k.turn_wakeups_key(turn_id),
-            ],
-            args=[
-                state,
-                decision,
-                secret,
-                secret_ttl_s,
-                event,
-                self.store.bus.log_arg(),
-                turn_id,
-                time.time() + WAKE_BACKSTOP_S,
-            ],
+        keys = CloseKeys(
+            k.interaction_key(turn_id, request_id),
+            k.secret_key(turn_id, request_id),
+            k.log_key(turn_id),
+            k.events_channel(turn_id),
+            k.turn_key(turn_id),
+            k.turn_wakeups_key(turn_id),
         )
+        args = CloseArgs(
+            state,
+            decision,
+            secret,
+            secret_ttl_s,
+            event,
+            self.store.bus.log_arg(),
+            turn_id,
+            time.time() + WAKE_BACKSTOP_S,
+        )
+        return self._close(keys=list(keys), args=list(args))

@@ -5,11 +5,12 @@ by the first worker of a fleet that starts after an upgrade (docs/operations.md,
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.state.base import text
 from agentq.state.lua import append_lua, hset_table_lua
+from agentq.state.lua_args import bind_lua
 
 log = logging.getLogger("agentq.state")
 
@@ -19,36 +20,48 @@ LAYOUT = 9
 """A turn's calls (8) and its history (9) are fields of its state hash, not a
 `{turn}:calls` hash and a `{turn}:history` list (issue #33's eighth and ninth passes)."""
 
-# One turn's call records into its state: a field the state holds already (written by a
-# newer worker meanwhile) stays. Both keys carry the turn's hash tag: one slot.
-_MERGE_CALLS_LUA = """
-local rec = redis.call('HGETALL', KEYS[2])
+
+class MoveKeys(NamedTuple):
+    turn_key: str
+    old_key: str
+    """The older version's key (`{turn}:calls` or `{turn}:history`): same hash tag."""
+
+
+# _MERGE_CALLS_LUA: one turn's call records into its state: a field the state holds
+# already (written by a newer worker meanwhile) stays. Both keys carry the turn's hash
+# tag: one slot.
+_MERGE_CALLS_LUA = (
+    bind_lua(MoveKeys)
+    + """
+local rec = redis.call('HGETALL', old_key)
 if #rec == 0 then return 0 end
-if redis.call('EXISTS', KEYS[1]) == 1 then
-  for i = 1, #rec, 2 do redis.call('HSETNX', KEYS[1], rec[i], rec[i + 1]) end
+if redis.call('EXISTS', turn_key) == 1 then
+  for i = 1, #rec, 2 do redis.call('HSETNX', turn_key, rec[i], rec[i + 1]) end
 end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', old_key)
 return 1
 """
+)
 
 
-# One turn's history list into its state, as its message fields and their count, unless
-# the state has a history of its own already or is gone.
+# _MERGE_HISTORY_LUA: one turn's history list into its state, as its message fields and
+# their count, unless the state has a history of its own already or is gone.
 _MERGE_HISTORY_LUA = (
-    """
-local msgs = redis.call('LRANGE', KEYS[2], 0, -1)
+    bind_lua(MoveKeys)
+    + """
+local msgs = redis.call('LRANGE', old_key, 0, -1)
 if #msgs == 0 then return 0 end
-if redis.call('EXISTS', KEYS[1]) == 1
-    and redis.call('HEXISTS', KEYS[1], '"""
+if redis.call('EXISTS', turn_key) == 1
+    and redis.call('HEXISTS', turn_key, '"""
     + k.HISTORY_LEN_FIELD
     + """') == 0 then
   local hlen, w = 0, {}
 """
     + append_lua("w", "1", "#msgs", src="msgs")
-    + hset_table_lua("KEYS[1]", "w")
+    + hset_table_lua("turn_key", "w")
     + """
 end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', old_key)
 return 1
 """
 )
@@ -66,7 +79,7 @@ def upgrade_layout(client: Any) -> int:
         merge = client.register_script(lua)
         for raw in client.scan_iter(match=f"{k.PREFIX}:turn:*:{suffix}", count=1000):
             old = text(raw)
-            moved += int(merge(keys=[old[: -len(suffix) - 1], old]))
+            moved += int(merge(keys=list(MoveKeys(old[: -len(suffix) - 1], old))))
     client.set(LAYOUT_KEY, LAYOUT)
     if moved:
         log.warning("moved %d keys of turns into their state hashes", moved)

@@ -19,13 +19,14 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.state.base import active_turns, each_shard, text
+from agentq.state.lua_args import argv_of, bind_lua
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
@@ -36,12 +37,26 @@ cursor: a rare filter never makes one request read the whole index."""
 PRUNE_BATCH = 50
 TURN_STATUSES = frozenset(s.value for s in TurnStatus)
 
-# Results are matched, not decoded: the first "status" of a ToolResult's JSON is its own
-# (call_id and tool come before it, and a quote inside them is escaped).
+
+class SummaryKeys(NamedTuple):
+    index_key: str
+    """The shard's index: it only routes the call to the shard's slot."""
+
+
+class SummaryArgs(NamedTuple):
+    approval_suffix: str
+    """What follows a call id in the id of its approval request."""
+
+
+# _SUMMARY_LUA: the summaries of a shard's turns (ARGV after the named ones: turn id,
+# state key, for each). Results are matched, not decoded: the first "status" of a
+# ToolResult's JSON is its own (call_id and tool come before it, and a quote inside them
+# is escaped).
 _SUMMARY_LUA = (
-    """
+    bind_lua(SummaryKeys, SummaryArgs, rest="turns")
+    + """
 local out = {}
-for i = 2, #ARGV, 2 do
+for i = turns_at, #ARGV, 2 do
   local id, base = ARGV[i], ARGV[i + 1]
   local all = redis.call('HGETALL', base)
   if #all == 0 then
@@ -90,7 +105,7 @@ for i = 2, #ARGV, 2 do
     end
     local pending = {}
     for j = 1, #planned do
-      local ik = base .. ':interaction:' .. planned[j] .. ARGV[1]
+      local ik = base .. ':interaction:' .. planned[j] .. approval_suffix
       local v = redis.call('HMGET', ik, 'state', 'request')
       if v[1] == 'pending' and v[2] then pending[#pending + 1] = v[2] end
     end
@@ -251,11 +266,10 @@ class TurnLister:
             by_shard.setdefault(k.shard_of(t), []).append(t)
         raw: list[Any] = []
         for shard, ids in by_shard.items():
-            # The shard's index key only routes the call to the shard's slot.
-            args = [k.approval_request_id("")]
-            for t in ids:
-                args += [t, k.turn_key(t)]
-            raw += json.loads(text(self._summary(keys=[k.index_key(shard)], args=args)))
+            turns = [a for t in ids for a in (t, k.turn_key(t))]
+            args = argv_of(SummaryArgs(k.approval_request_id("")), turns)
+            keys = list(SummaryKeys(k.index_key(shard)))
+            raw += json.loads(text(self._summary(keys=keys, args=args)))
         out: dict[str, dict[str, Any]] = {}
         gone: list[str] = []
         for row in raw:

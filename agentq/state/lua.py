@@ -81,10 +81,6 @@ end
     )
 
 
-# The guard as most writes use it: `TURN_OPEN_LUA % (turn key's index, answer if over)`.
-TURN_OPEN_LUA = turn_open_lua("KEYS[%d]", "%s")
-
-
 # The step lock is a field of the turn's state (STEP_FIELD), so the scripts that take,
 # check or let go of it do so in the commands they run on the state anyway. Its lifetime
 # is on the callers' clocks (ARGV), as the wakeups' are: a caller whose clock runs ahead
@@ -248,6 +244,7 @@ def wake_or_step_lua(
     now_ms: str,
     fields: str = "",
     whole: bool = False,
+    stepped: int = 3,
 ) -> str:
     """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
     for a caller that steps the woken turn itself (`token` set) when the lock (`held`, as
@@ -258,6 +255,8 @@ def wake_or_step_lua(
 
     A step taken here needs no dirty mark (it reads now), only its wakeup, should its
     process die in it. A mark some other wake left stays: that step runs once more.
+
+    `stepped` is what the script answers, first, with the view of a step it took.
 
     `whole`: the script read the state with `turn_open_lua(..., whole=...)`; when that
     read the whole state (`whole_st`), the step's view is it with this HSET's fields
@@ -290,6 +289,6 @@ if {token} ~= '' and {lock_free_lua("held", now_ms)} then
   redis.call('HSET', {turn}, unpack(w))
   redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
   {state}
-  return {{3, unpack({view_lua("st")})}}
+  return {{{stepped:d}, unpack({view_lua("st")})}}
 end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from enum import IntEnum
+from typing import Any, ClassVar, NamedTuple
 
 from redis.commands.core import Script
 
@@ -13,59 +14,130 @@ from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
+from agentq.state.lua_args import argv_of, bind_lua
 
-# A round's end: the events of it not published yet (its last deltas, llm_finished), its
-# result (fields of the turn's state, in the HSET of its seq), and the turn woken (or
-# stepped here), in one write.
+
+class RoundFinished(IntEnum):
+    """What `finish_llm_round` did (FINISH_LLM_LUA answers it)."""
+
+    TURN_GONE = -2
+    """The turn is over, or Redis lost it: nothing written."""
+    WOKEN = 1
+    """The result stored and the turn woken."""
+    STEPPED = 3
+    """The result stored and the turn's step taken here (the answer carries its view)."""
+
+
+class RoundBegun(IntEnum):
+    """What `begin_llm_round` found (BEGIN_LLM_LUA answers it first)."""
+
+    CLAIMED = 0
+    """Claimed: the answer carries the cancel flag, the history and whether it is followed."""
+    DONE = 1
+    """The round has its result already."""
+    GONE = 2
+    """The turn is over, or Redis lost it."""
+    ELSEWHERE = 3
+    """Another delivery holds the round's lease."""
+
+
+class FinishLlmKeys(NamedTuple):
+    wakeups_key: str
+    turn_key: str
+    log_key: str
+    channel: str
+
+
+class FinishLlmArgs(NamedTuple):
+    turn_id: str
+    wake_at: float
+    result: str
+    """The round's LlmRoundResult JSON."""
+    token: str
+    """A step lock token, when this process takes the step it wakes ("" if not)."""
+    lock_ms: int
+    log_opts: str
+    now_ms: int
+    round_no: int
+
+
+# FINISH_LLM_LUA: a round's end: the events of it not published yet (its last deltas,
+# llm_finished: ARGV after the named ones), its result (fields of the turn's state, in
+# the HSET of its seq), and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
+    bind_lua(FinishLlmKeys, FinishLlmArgs, rest="events")
     # A round's end always wakes its turn: a writer that steps it reads the state whole.
-    turn_open_lua("KEYS[2]", "-2", whole="ARGV[4] ~= ''")
+    + turn_open_lua("turn_key", f"{RoundFinished.TURN_GONE:d}", whole="token ~= ''")
     + """
-for i = 9, #ARGV do
+for i = events_at, #ARGV do
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[i]", "ARGV[6]", "watched")
+    + publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watched")
     + """
 end
 """
     + wake_or_step_lua(
-        ("KEYS[1]", "ARGV[1]", "ARGV[2]"),
-        "KEYS[2]",
-        "ARGV[4]",
-        "ARGV[5]",
-        "ARGV[7]",
-        fields=f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', ARGV[3], "
-        f"'{k.LLM_RESULT_ROUND_FIELD}', ARGV[8], '{k.LLM_ALIVE_FIELD}', 'null'",
+        ("wakeups_key", "turn_id", "wake_at"),
+        "turn_key",
+        "token",
+        "lock_ms",
+        "now_ms",
+        fields=f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', result, "
+        f"'{k.LLM_RESULT_ROUND_FIELD}', round_no, '{k.LLM_ALIVE_FIELD}', 'null'",
         whole=True,
+        stepped=RoundFinished.STEPPED,
     )
-    + "return 1"
+    + f"return {RoundFinished.WOKEN:d}"
 )
 
-# A stream worker takes a model round: unless it has a result, its turn is over or another
-# delivery holds its lease (LLM_ALIVE_FIELD), claim it, publish llm_started, and read what
-# the round needs, in one step (each round trip is a handoff to a thread on a stream
-# worker that holds thousands of rounds). It answers whether anyone follows the turn,
-# which decides how often its deltas go out. ARGV[1] is the lease the worker takes
-# (`constants.llm_alive_value`), ARGV[2] its clock (ms).
+
+class BeginLlmKeys(NamedTuple):
+    turn_key: str
+    log_key: str
+    channel: str
+
+
+class BeginLlmArgs(NamedTuple):
+    lease: str
+    """The lease the worker takes (`constants.llm_alive_value`)."""
+    now_ms: int
+    """The worker's clock."""
+    event: str
+    """The llm_started event body."""
+    log_opts: str
+    round_no: int
+
+
+# BEGIN_LLM_LUA: a stream worker takes a model round: unless it has a result, its turn is
+# over or another delivery holds its lease (LLM_ALIVE_FIELD), claim it, publish
+# llm_started, and read what the round needs, in one step (each round trip is a handoff
+# to a thread on a stream worker that holds thousands of rounds). It answers whether
+# anyone follows the turn, which decides how often its deltas go out.
 BEGIN_LLM_LUA = (
-    f"""
-local st = redis.call('HGETALL', KEYS[1])
+    bind_lua(BeginLlmKeys, BeginLlmArgs)
+    + f"""
+local st = redis.call('HGETALL', turn_key)
 local at = {{}}
 for i = 1, #st, 2 do at[st[i]] = i + 1 end
 local function get(f) return at[f] and st[at[f]] or false end
 local status, watched, cancelled = get('status'), get('{WATCHERS_FIELD}'), get('{k.CANCEL_FIELD}')
 local seq = tonumber(get('{SEQ_FIELD}')) or 0
-if (tonumber(get('{k.LLM_RESULT_ROUND_FIELD}')) or -1) >= tonumber(ARGV[5]) then return {{1}} end
-if not status or {ended_lua("status")} then return {{2}} end
+local round = tonumber(round_no)
+if (tonumber(get('{k.LLM_RESULT_ROUND_FIELD}')) or -1) >= round then
+  return {{{RoundBegun.DONE:d}}}
+end
+if not status or {ended_lua("status")} then return {{{RoundBegun.GONE:d}}} end
 local alive = get('{k.LLM_ALIVE_FIELD}')
 if alive then
   local r, u = string.match(alive, '^"(%-?%d+):(%d+):')
-  if tonumber(r) == tonumber(ARGV[5]) and tonumber(u) > tonumber(ARGV[2]) then return {{3}} end
+  if tonumber(r) == round and tonumber(u) > tonumber(now_ms) then
+    return {{{RoundBegun.ELSEWHERE:d}}}
+  end
 end
 """
-    + publish_lua("KEYS[2]", "KEYS[3]", "ARGV[3]", "ARGV[4]", "watched")
+    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
     + f"""
-redis.call('HSET', KEYS[1], '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', ARGV[5],
-  '{k.LLM_ALIVE_FIELD}', ARGV[1])
+redis.call('HSET', turn_key, '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', round_no,
+  '{k.LLM_ALIVE_FIELD}', lease)
 local followed = watched and tonumber(watched) > 0 and 1 or 0
 local hist = {{}}
 for i = 1, #st, 2 do
@@ -73,7 +145,7 @@ for i = 1, #st, 2 do
     hist[tonumber(string.sub(st[i], 3)) + 1] = st[i + 1]
   end
 end
-return {{0, cancelled and 1 or 0, hist, followed}}
+return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, hist, followed}}
 """
 )
 
@@ -109,22 +181,21 @@ class RoundRecords(StoreBase):
         """Claim a model round for this stream worker, publish its llm_started (`started`:
         the event's fields) and read its history, in one step."""
         now = now_ms()
-        res = self._begin_llm(
-            keys=[k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)],
-            args=[
-                k.llm_alive_value(round_no, now + lease_ms, worker),
-                now,
-                event_body(turn_id, "llm_started", started),
-                self.bus.log_arg(),
-                round_no,
-            ],
+        keys = BeginLlmKeys(k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id))
+        args = BeginLlmArgs(
+            k.llm_alive_value(round_no, now + lease_ms, worker),
+            now,
+            event_body(turn_id, "llm_started", started),
+            self.bus.log_arg(),
+            round_no,
         )
-        outcome = int(res[0])
-        if outcome == 1:
+        res = self._begin_llm(keys=list(keys), args=list(args))
+        outcome = RoundBegun(int(res[0]))
+        if outcome is RoundBegun.DONE:
             return LlmRoundStart(done=True)
-        if outcome == 2:
+        if outcome is RoundBegun.GONE:
             return LlmRoundStart(gone=True)
-        if outcome == 3:
+        if outcome is RoundBegun.ELSEWHERE:
             return LlmRoundStart(elsewhere=True)
         self.bus.counted([("llm_started", started)])
         return LlmRoundStart(
@@ -144,31 +215,31 @@ class RoundRecords(StoreBase):
         """Publish the round's last `events`, store its result (LlmRoundResult JSON) and
         wake its turn, in one write."""
         token, lock_ms = self._inline_lock()
-        ok = self._finish_llm(
-            keys=[
-                k.turn_wakeups_key(turn_id),
-                k.turn_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-            ],
-            args=[
-                turn_id,
-                time.time() + WAKE_BACKSTOP_S,
-                result_json,
-                token,
-                lock_ms,
-                self.bus.log_arg() if events else "",
-                now_ms(),
-                round_no,
-                *[event_body(turn_id, t, f) for t, f in events or []],
-            ],
+        keys = FinishLlmKeys(
+            k.turn_wakeups_key(turn_id),
+            k.turn_key(turn_id),
+            k.log_key(turn_id),
+            k.events_channel(turn_id),
         )
-        if ok == 1 or isinstance(ok, list):
+        args = FinishLlmArgs(
+            turn_id,
+            time.time() + WAKE_BACKSTOP_S,
+            result_json,
+            token,
+            lock_ms,
+            self.bus.log_arg() if events else "",
+            now_ms(),
+            round_no,
+        )
+        bodies = [event_body(turn_id, t, f) for t, f in events or []]
+        ok = self._finish_llm(keys=list(keys), args=argv_of(args, bodies))
+        woken = ok == RoundFinished.WOKEN
+        if woken or isinstance(ok, list):
             self.bus.counted(events or [])
         woke = self._woke(
-            turn_id, ok, token, lock_ms, wake=ok == 1, llm_result=(round_no, result_json)
+            turn_id, ok, token, lock_ms, wake=woken, llm_result=(round_no, result_json)
         )
-        if woke == -2:
+        if woke == RoundFinished.TURN_GONE:
             self.end_lost_turn(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from enum import IntEnum
+from typing import Any, ClassVar, NamedTuple
 
 from redis.commands.core import Script
 
@@ -26,157 +27,313 @@ from agentq.state.base import (
 )
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
-    TURN_OPEN_LUA,
     append_lua,
     hset_table_lua,
     lock_free_lua,
     lock_mine_lua,
     lock_value_lua,
+    turn_open_lua,
     view_lua,
     wake_lua,
 )
+from agentq.state.lua_args import TurnKey, argv_of, bind_lua
 
 _STEP, _DIRTY = k.STEP_FIELD, k.DIRTY_FIELD
 
-# A woken turn: whoever wakes it (a model round, an answer) in one step.
+
+class Released(IntEnum):
+    """What `release_step` did (RELEASE_LUA answers it)."""
+
+    LOST = -1
+    """The step's token no longer holds the lock: nothing written."""
+    WOKEN = 0
+    """Written, and the turn was woken meanwhile: the lock is kept (a full term) and the
+    step reads again and goes on."""
+    RELEASED = 1
+    """Written, the lock let go, the turn's next deadline left for the sweepers."""
+
+
+class WakeKeys(NamedTuple):
+    turn_key: str
+    wakeups_key: str
+    """The sorted set of wakeups of the turn's shard."""
+
+
+class WakeArgs(NamedTuple):
+    turn_id: str
+    wake_at: float
+    """When a sweeper steps the turn if its step message is lost."""
+
+
+# WAKE_ONLY_LUA: a woken turn: whoever wakes it (a model round, an answer) in one step.
 WAKE_ONLY_LUA = (
-    TURN_OPEN_LUA % (1, 0) + wake_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]") + "return 1"
+    bind_lua(WakeKeys, WakeArgs)
+    + turn_open_lua("turn_key", "0")
+    + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at")
+    + "return 1"
 )
+
+
+class StepWrite(NamedTuple):
+    """What a step's fenced write carries (COMMIT_LUA and RELEASE_LUA alike): the sections
+    of its ARGV after the named arguments, in this order, their sizes among the named
+    arguments (`counts`, the last four of each script's arguments)."""
+
+    fields: list[str]
+    """State field/value pairs, flat (values JSON)."""
+    messages: list[str]
+    """History messages (JSON) appended after the turn's last."""
+    plans: list[str]
+    """Call id/CallPlan JSON pairs, flat (`plan_args`)."""
+    events: list[str]
+    """Event bodies published, in order."""
+
+    @classmethod
+    def of(
+        cls,
+        turn_id: str,
+        fields: Mapping[str, Any] | None,
+        append: list[dict[str, Any]] | None,
+        plans: dict[str, str] | None,
+        events: list[tuple[str, dict[str, Any]]] | None,
+    ) -> StepWrite:
+        flat: list[str] = []
+        for f, v in (fields or {}).items():
+            flat += [f, json.dumps(v)]
+        return cls(
+            flat,
+            [json.dumps(m) for m in append or []],
+            plan_args(plans or {}),
+            [event_body(turn_id, t, f) for t, f in events or []],
+        )
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """n_fields, n_messages, n_plans, n_events."""
+        return len(self.fields) // 2, len(self.messages), len(self.plans) // 2, len(self.events)
+
+    def sections(self) -> list[str]:
+        return [*self.fields, *self.messages, *self.plans, *self.events]
+
+    def __bool__(self) -> bool:
+        return any(self.counts())
+
+
+# Where the sections of a StepWrite start in ARGV, from its counts (the scripts' last four
+# named arguments) and `sections_at` (where the named arguments end): `records_at` is
+# what follows them (RELEASE_LUA's dispatch records).
+_SECTIONS_LUA = """
+local nf, nm = tonumber(n_fields), tonumber(n_messages)
+local np, ne = tonumber(n_plans), tonumber(n_events)
+local fields_at = sections_at
+local messages_at = fields_at + 2 * nf
+local plans_at = messages_at + nm
+local events_at = plans_at + 2 * np
+local records_at = events_at + ne
+"""
 
 
 # What a fenced write reads first: the step lock, whether the token still holds it (else
 # `refused` is returned), and `watchers`, `seq`, `dirty` and `hlen` for what it writes next.
 def _fence_lua(refused: int) -> str:
     return f"""
-local open = redis.call('HMGET', KEYS[1], '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}', '{_DIRTY}',
-  '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
-if not {lock_mine_lua("open[1]", "ARGV[1]")} then return {refused} end
+local open = redis.call('HMGET', turn_key, '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
+  '{_DIRTY}', '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
+if not {lock_mine_lua("open[1]", "token")} then return {refused:d} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
 local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
 """
 
 
-def _fields_and_events_lua(log: str, channel: str, fields: str, first: str, opts: str) -> str:
-    """Lua that puts the state fields ARGV[fields..a - 1] (`a` a local) in the table `w`,
-    publishes the `ne` (a local) event bodies from ARGV[first] on, and puts the turn's new
-    seq in `w` too: the script writes `w` in one HSET."""
-    return (
-        f"""
-local w = {{}}
-for i = {fields}, a - 1 do w[#w + 1] = ARGV[i] end
+# What a fenced write writes of its StepWrite: the state fields and call plans go in the
+# table `w`, the events are published (and the turn's new seq goes in `w` too), the
+# messages are appended to `w` last (`append_lua`); the script writes `w` in one HSET.
+_WRITE_LUA = (
+    _SECTIONS_LUA
+    + """
+local w = {}
+for i = fields_at, messages_at - 1 do w[#w + 1] = ARGV[i] end
+for i = plans_at, events_at - 1 do w[#w + 1] = ARGV[i] end
 if ne > 0 then
-  for i = {first}, {first} + ne - 1 do
+  for i = events_at, records_at - 1 do
 """
-        + publish_lua(log, channel, "ARGV[i]", opts, "watchers")
-        + f"""
+    + publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watchers")
+    + f"""
   end
   w[#w + 1] = '{SEQ_FIELD}'
   w[#w + 1] = seq
 end
 """
-    )
+)
 
 
-# The step's writes are fenced by its lock token: a step whose lock lapsed (a paused
-# process) cannot overwrite what the step that took over wrote. With them, in the same
-# write: the plans of calls just asked for, and the events the change means, so that an
-# event is never seen without its state nor a step's state without its event.
+class CommitKeys(NamedTuple):
+    turn_key: str
+    log_key: str
+    channel: str
+    """The turn's events channel."""
+
+
+class CommitArgs(NamedTuple):
+    token: str
+    """The step's lock token: the fence."""
+    log_opts: str
+    """`EventBus.log_arg()` ("" without events)."""
+    n_fields: int
+    n_messages: int
+    n_plans: int
+    n_events: int
+
+
+# COMMIT_LUA: the step's writes are fenced by its lock token: a step whose lock lapsed (a
+# paused process) cannot overwrite what the step that took over wrote. With them, in the
+# same write: the plans of calls just asked for, and the events the change means, so that
+# an event is never seen without its state nor a step's state without its event.
 COMMIT_LUA = (
-    _fence_lua(0)
-    + """
-local nf, na, np, ne = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local a = 7 + 2 * nf
-"""
-    + _fields_and_events_lua("KEYS[2]", "KEYS[3]", "7", "a + na + 2 * np", "ARGV[6]")
-    + """
-for i = a + na, a + na + 2 * np - 1 do w[#w + 1] = ARGV[i] end
-"""
-    + append_lua("w", "a", "a + na - 1")
-    + hset_table_lua("KEYS[1]", "w")
+    bind_lua(CommitKeys, CommitArgs, rest="sections")
+    + _fence_lua(0)
+    + _WRITE_LUA
+    + append_lua("w", "messages_at", "plans_at - 1")
+    + hset_table_lua("turn_key", "w")
     + "return 1\n"
 )
 
-# A step begins: take the lock (free, or lapsed), clear the dirty mark, and read what the
-# step needs (state with its cancel reason, history, round) in one round trip. A turn
-# Redis does not hold is read as such, and nothing is written to it.
 
-BEGIN_LUA = f"""
-local st = redis.call('HGETALL', KEYS[1])
+class LockArgs(NamedTuple):
+    token: str
+    lock_ms: int
+    """The lock's lifetime."""
+    now_ms: int
+    """The caller's clock, on which the lock's lifetime runs."""
+
+
+# BEGIN_LUA: a step begins: take the lock (free, or lapsed), clear the dirty mark, and
+# read what the step needs (state with its cancel reason, history, round) in one round
+# trip. A turn Redis does not hold is read as such, and nothing is written to it.
+BEGIN_LUA = (
+    bind_lua(TurnKey, LockArgs)
+    + f"""
+local st = redis.call('HGETALL', turn_key)
 if #st == 0 then return {{{{}}, {{}}, {{}}}} end
 local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
-if not {lock_free_lua("held", "ARGV[3]")} then return false end
-local lock = {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")}
-redis.call('HSET', KEYS[1], '{_STEP}', lock, '{_DIRTY}', 0)
+if not {lock_free_lua("held", "now_ms")} then return false end
+local lock = {lock_value_lua("token", "now_ms", "lock_ms")}
+redis.call('HSET', turn_key, '{_STEP}', lock, '{_DIRTY}', 0)
 return {view_lua("st")}
 """
+)
 
-# A step that goes round again (woken while it ran) reads afresh, lock kept.
-REREAD_LUA = f"""
-local st = redis.call('HGETALL', KEYS[1])
+# REREAD_LUA: a step that goes round again (woken while it ran) reads afresh, lock kept.
+REREAD_LUA = (
+    bind_lua(TurnKey, LockArgs)
+    + f"""
+local st = redis.call('HGETALL', turn_key)
 local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
-if not {lock_mine_lua("held", "ARGV[1]")} then return false end
-redis.call('HSET', KEYS[1], '{_DIRTY}', 0)
+if not {lock_mine_lua("held", "token")} then return false end
+redis.call('HSET', turn_key, '{_DIRTY}', 0)
 return {view_lua("st")}
 """
+)
 
-# Releasing the step lock, with what the step staged (history messages, state fields and
-# their events, call plans) and the dispatch records of the calls it is about to send:
-# a step's sends are its last act, after this write, so a call's start and result always
-# find its record, and its events follow the turn's. `counted` (ARGV[10]) of the records
-# are of calls sent for the first time, which the batch in flight gains. If the turn was
-# woken meanwhile, keep the lock (for a full term) and step again; else let go of it and
-# leave the turn's next deadline for the sweepers.
+
+class ReleaseKeys(NamedTuple):
+    turn_key: str
+    wakeups_key: str
+    log_key: str
+    channel: str
+
+
+class ReleaseArgs(NamedTuple):
+    token: str
+    turn_id: str
+    next_at: str
+    """The turn's next deadline (epoch seconds; "": none, only a wake moves it)."""
+    lock_ms: int
+    """A lock kept (the turn was woken meanwhile) is kept this long."""
+    log_opts: str
+    now_ms: int
+    new_calls: int
+    """How many of the dispatch records are of calls sent for the first time."""
+    n_fields: int
+    n_messages: int
+    n_plans: int
+    n_events: int
+
+
+# RELEASE_LUA: releasing the step lock, with what the step staged (a StepWrite) and,
+# after it, the dispatch records of the calls it is about to send: a step's sends are its
+# last act, after this write, so a call's start and result always find its record, and
+# its events follow the turn's. `new_calls` of the records are of calls sent for the
+# first time, which the batch in flight gains. If the turn was woken meanwhile, keep the
+# lock (for a full term) and step again; else let go of it and leave the turn's next
+# deadline for the sweepers.
 RELEASE_LUA = (
-    _fence_lua(-1)
-    + """
-local nf, ne, na = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[9])
-local counted = tonumber(ARGV[10])
-local a = 11 + 2 * nf
-"""
-    + _fields_and_events_lua("KEYS[3]", "KEYS[4]", "11", "a + na", "ARGV[7]")
+    bind_lua(ReleaseKeys, ReleaseArgs, rest="sections")
+    + _fence_lua(Released.LOST)
+    + _WRITE_LUA
     + f"""
-for i = a + na + ne, #ARGV do w[#w + 1] = ARGV[i] end
+for i = records_at, #ARGV do w[#w + 1] = ARGV[i] end
+local counted = tonumber(new_calls)
 if counted > 0 then
   w[#w + 1] = '{k.UNSETTLED_FIELD}'
   w[#w + 1] = unsettled + counted
 end
 w[#w + 1] = '{_STEP}'
-w[#w + 1] = dirty and {lock_value_lua("ARGV[1]", "ARGV[8]", "ARGV[4]")} or '{LOCK_FREE_VALUE}'
+w[#w + 1] = dirty and {lock_value_lua("token", "now_ms", "lock_ms")} or '{LOCK_FREE_VALUE}'
 """
-    + append_lua("w", "a", "a + na - 1")
-    + hset_table_lua("KEYS[1]", "w")
-    + "\nif dirty then return 0 end\nif "
+    + append_lua("w", "messages_at", "plans_at - 1")
+    + hset_table_lua("turn_key", "w")
+    + f"\nif dirty then return {Released.WOKEN:d} end\nif "
     + ended_lua("status")
-    + """ then
+    + f""" then
   -- A step of a turn that had ended (a late delivery): it is not among the open ones.
-  redis.call('ZREM', KEYS[2], ARGV[2])
+  redis.call('ZREM', wakeups_key, turn_id)
 else
   -- No deadline: the turn stays among the open ones, due never (a wake moves it).
-  redis.call('ZADD', KEYS[2], ARGV[3] == '' and '+inf' or ARGV[3], ARGV[2])
+  redis.call('ZADD', wakeups_key, next_at == '' and '+inf' or next_at, turn_id)
 end
+return {Released.RELEASED:d}
+"""
+)
+
+
+class ClaimKeys(NamedTuple):
+    wakeups_key: str
+    turn_key: str
+
+
+class ClaimArgs(NamedTuple):
+    turn_id: str
+    now: float
+    retry_at: float
+    """When the wakeup is due again, should the step it claims never run."""
+
+
+# CLAIM_LUA: a sweeper claims a due wakeup by pushing it later (its retry if the step
+# never runs): several sweepers, one claim. The turn is marked woken, should a step hold
+# it now.
+CLAIM_LUA = (
+    bind_lua(ClaimKeys, ClaimArgs)
+    + f"""
+local cur = redis.call('ZSCORE', wakeups_key, turn_id)
+if (not cur) or tonumber(cur) > tonumber(now) then return 0 end
+redis.call('ZADD', wakeups_key, retry_at, turn_id)
+if redis.call('EXISTS', turn_key) == 1 then redis.call('HSET', turn_key, '{_DIRTY}', 1) end
 return 1
 """
 )
 
-# A sweeper claims a due wakeup by pushing it later (its retry if the step never runs):
-# several sweepers, one claim. The turn is marked woken, should a step hold it now.
-CLAIM_LUA = f"""
-local cur = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if (not cur) or tonumber(cur) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('HSET', KEYS[2], '{_DIRTY}', 1) end
+# LOCK_LUA: taking the step lock alone (a caller that holds a turn still, such as a test).
+LOCK_LUA = (
+    bind_lua(TurnKey, LockArgs)
+    + f"""
+local h = redis.call('HMGET', turn_key, 'status', '{_STEP}')
+if not h[1] or not {lock_free_lua("h[2]", "now_ms")} then return 0 end
+redis.call('HSET', turn_key, '{_STEP}', {lock_value_lua("token", "now_ms", "lock_ms")})
 return 1
 """
-
-# Taking the step lock alone (a caller that holds a turn still, such as a test).
-LOCK_LUA = f"""
-local h = redis.call('HMGET', KEYS[1], 'status', '{_STEP}')
-if not h[1] or not {lock_free_lua("h[2]", "ARGV[3]")} then return 0 end
-redis.call('HSET', KEYS[1], '{_STEP}', {lock_value_lua("ARGV[1]", "ARGV[3]", "ARGV[2]")})
-return 1
-"""
+)
 
 
 class StepRecords(StoreBase):
@@ -201,7 +358,8 @@ class StepRecords(StoreBase):
 
     def lock_step(self, turn_id: str, token: str, ttl_ms: int) -> bool:
         """Take a turn's step lock (free or lapsed) for `ttl_ms`; False if held or no turn."""
-        return bool(self._lock(keys=[k.turn_key(turn_id)], args=[token, ttl_ms, now_ms()]))
+        keys, args = TurnKey(k.turn_key(turn_id)), LockArgs(token, ttl_ms, now_ms())
+        return bool(self._lock(keys=list(keys), args=list(args)))
 
     def step_holder(self, turn_id: str) -> str | None:
         """The token of the step that holds the turn's lock now, if any."""
@@ -215,10 +373,7 @@ class StepRecords(StoreBase):
         """Lock the turn for a step (or keep the lock, `again`) and read it, in one round
         trip; None if another step holds it (or, `again`, this step lost it)."""
         script = self._reread if again else self._begin
-        raw = script(
-            keys=[k.turn_key(turn_id)],
-            args=[token, ttl_ms, now_ms()],
-        )
+        raw = script(keys=[k.turn_key(turn_id)], args=list(LockArgs(token, ttl_ms, now_ms())))
         if not raw:
             return None
         return step_view(*raw)
@@ -235,24 +390,12 @@ class StepRecords(StoreBase):
     ) -> bool:
         """Write state fields, append history messages, store call plans (call id -> plan
         JSON) and publish events, in one write, if this step still holds the lock."""
-        messages = [json.dumps(m) for m in append or []]
-        plan_pairs = plan_args(plans or {})
-        bodies = [event_body(turn_id, t, f) for t, f in events or []]
-        args: list[Any] = [token, len(fields), len(messages), len(plan_pairs) // 2, len(bodies)]
-        args.append(self.bus.log_arg() if bodies else "")
-        for f, v in fields.items():
-            args += [f, json.dumps(v)]
-        args += [*messages, *plan_pairs, *bodies]
+        write = StepWrite.of(turn_id, fields, append, plans, events)
+        named = CommitArgs(token, self.bus.log_arg() if write.events else "", *write.counts())
+        keys = CommitKeys(k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id))
         # Not run again: a second run would append the messages twice.
         ok = self._durable(
-            self._commit,
-            keys=[
-                k.turn_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-            ],
-            args=args,
-            again=False,
+            self._commit, keys=list(keys), args=argv_of(named, write.sections()), again=False
         )
         if ok:
             self.bus.counted(events or [])
@@ -271,30 +414,38 @@ class StepRecords(StoreBase):
         append: list[dict[str, Any]] | None = None,
         plans: dict[str, str] | None = None,
         new_calls: int = 0,
-    ) -> int:
+    ) -> Released:
         """Let go of the step's lock, appending history messages, writing state `fields`
         and call `plans`, publishing `events` (what the step staged) and recording the
         calls it is about to send (`dispatched`; `new_calls` of them sent for the first
-        time) while it still holds it: 1 released; 0 woken meanwhile, lock kept: step
-        again; -1 the lock was lost (nothing written)."""
-        fields = fields or {}
-        bodies = [event_body(turn_id, t, f) for t, f in events or []]
-        messages = [json.dumps(m) for m in append or []]
-        args: list[Any] = [token, turn_id, "" if next_wake_at is None else repr(next_wake_at)]
-        args += [ttl_ms, len(fields), len(bodies), self.bus.log_arg() if bodies else ""]
-        args += [now_ms(), len(messages), new_calls]
-        for f, v in fields.items():
-            args += [f, json.dumps(v)]
-        args += [*messages, *bodies, *plan_args(plans or {}), *dispatch_args(dispatched or {})]
-        keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
-        keys += [k.log_key(turn_id), k.events_channel(turn_id)]
-        if not (dispatched or fields or bodies or messages or plans):
-            return int(self._release(keys=keys, args=args))
+        time) while it still holds it (see `Released`)."""
+        write = StepWrite.of(turn_id, fields, append, plans, events)
+        named = ReleaseArgs(
+            token,
+            turn_id,
+            "" if next_wake_at is None else repr(next_wake_at),
+            ttl_ms,
+            self.bus.log_arg() if write.events else "",
+            now_ms(),
+            new_calls,
+            *write.counts(),
+        )
+        args = argv_of(named, write.sections(), dispatch_args(dispatched or {}))
+        keys = list(
+            ReleaseKeys(
+                k.turn_key(turn_id),
+                k.turn_wakeups_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+            )
+        )
+        if not (dispatched or write):
+            return Released(int(self._release(keys=keys, args=args)))
         # Not sent again: a second run finds the lock gone (and would publish twice).
         # Records a failover loses are of calls a later step sends again, which their
         # start claims run once.
-        released = int(self._durable(self._release, keys=keys, args=args, again=False))
-        if released != -1:
+        released = Released(int(self._durable(self._release, keys=keys, args=args, again=False)))
+        if released is not Released.LOST:
             self.bus.counted(events or [])
         return released
 
@@ -309,8 +460,8 @@ class StepRecords(StoreBase):
         """Mark an open turn woken, for a caller that steps it itself; False if it has ended."""
         return bool(
             self._wake(
-                keys=[k.turn_key(turn_id), k.turn_wakeups_key(turn_id)],
-                args=[turn_id, time.time() + WAKE_BACKSTOP_S],
+                keys=list(WakeKeys(k.turn_key(turn_id), k.turn_wakeups_key(turn_id))),
+                args=list(WakeArgs(turn_id, time.time() + WAKE_BACKSTOP_S)),
             )
         )
 
@@ -331,8 +482,8 @@ class StepRecords(StoreBase):
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
         return bool(
             self._claim(
-                keys=[k.turn_wakeups_key(turn_id), k.turn_key(turn_id)],
-                args=[turn_id, now, now + retry_s],
+                keys=list(ClaimKeys(k.turn_wakeups_key(turn_id), k.turn_key(turn_id))),
+                args=list(ClaimArgs(turn_id, now, now + retry_s)),
             )
         )
 

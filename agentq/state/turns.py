@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, cast
+from enum import IntEnum
+from typing import Any, ClassVar, NamedTuple, cast
 
 from redis.commands.core import Script
 
@@ -30,39 +31,83 @@ from agentq.state.base import (
     message_fields,
     text,
 )
-from agentq.state.lua import (
-    LOCK_FREE_VALUE,
-    TURN_OPEN_LUA,
-    hset_seq_lua,
-    lock_mine_lua,
-    wake_lua,
-)
+from agentq.state.lua import LOCK_FREE_VALUE, hset_seq_lua, lock_mine_lua, turn_open_lua, wake_lua
+from agentq.state.lua_args import argv_of, bind_lua
 from agentq.state.turn_state import TurnState
 
-# Ending a turn: its status, its terminal event and the retention TTL of its keys in one
-# atomic step; exactly one ending wins, and nothing is published after it. A child turn
-# started by an agent-as-tool call settles that call in its parent in the same step
-# (first result wins, as in SETTLE_LUA), and wakes the parent if the batch is complete.
-# A step ends the turn fenced by its lock, with the history messages it has not committed
-# yet (the round's last tool results): the turn's last words and its end are one write,
-# which lets go of the lock too. Returns -1 (lock lost), 0 (ended already), 1 (ended),
-# 2 (ended, its parent's call settled and the parent woken), 3 (ended, the parent's call
-# settled, other calls of its batch still out).
+
+class Closed(IntEnum):
+    """What `close` did (CLOSE_LUA answers it)."""
+
+    LOST = -1
+    """The step's token no longer holds the lock: nothing written."""
+    ENDED_ALREADY = 0
+    """The turn had ended (or Redis lost it): nothing written."""
+    ENDED = 1
+    """Ended here."""
+    PARENT_WOKEN = 2
+    """Ended here, its parent's call settled, and the parent woken (its batch complete)."""
+    PARENT_WAITS = 3
+    """Ended here and its parent's call settled; other calls of that batch are still out."""
+
+
+class CloseKeys(NamedTuple):
+    turn_key: str
+    wakeups_key: str
+    log_key: str
+    channel: str
+    parent_key: str
+    """The parent's state hash (the turn's own, as a placeholder, without a parent)."""
+    parent_log_key: str
+    parent_channel: str
+    children_key: str
+
+
+class CloseArgs(NamedTuple):
+    turn_id: str
+    ttl_s: int
+    """The retention TTL of the turn's keys."""
+    event: str
+    """The terminal event's body."""
+    log_opts: str
+    parent_id: str
+    """"": the turn has no parent call to settle."""
+    parent_call_id: str
+    parent_result: str
+    """The parent call's ToolResult JSON."""
+    parent_event: str
+    """The parent's tool_finished event body."""
+    wake_at: float
+    token: str
+    """The step's lock token ("": not fenced)."""
+    n_messages: int
+
+
+# CLOSE_LUA: ending a turn: its status, its terminal event and the retention TTL of its
+# keys in one atomic step; exactly one ending wins, and nothing is published after it. A
+# child turn started by an agent-as-tool call settles that call in its parent in the same
+# step (first result wins, as in SETTLE_LUA), and wakes the parent if the batch is
+# complete. A step ends the turn fenced by its lock, with the history messages it has not
+# committed yet (the round's last tool results): the turn's last words and its end are
+# one write, which lets go of the lock too. KEYS after the named ones get the TTL; ARGV
+# after the named ones: the messages, then the state's field/value pairs.
 CLOSE_LUA = (
-    TURN_OPEN_LUA % (1, 0)
-    + "if ARGV[10] ~= '' and not "
-    + lock_mine_lua("held", "ARGV[10]")
-    + """ then return -1 end
-local n = tonumber(ARGV[11])
+    bind_lua(CloseKeys, CloseArgs, rest="messages")
+    + turn_open_lua("turn_key", f"{Closed.ENDED_ALREADY:d}")
+    + "if token ~= '' and not "
+    + lock_mine_lua("held", "token")
+    + f""" then return {Closed.LOST:d} end
+local n = tonumber(n_messages)
+local fields_at = messages_at + n
 """
-    + publish_lua("KEYS[3]", "KEYS[4]", "ARGV[3]", "ARGV[4]", "watched")
-    + hset_seq_lua("KEYS[1]", "12 + n", "#ARGV", messages=("12", "11 + n"))
-    + """
-redis.call('ZREM', KEYS[2], ARGV[1])
-if kids then redis.call('DEL', KEYS[8]) end
-for i = 9, #KEYS do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
-if ARGV[5] == '' then return 1 end
-local popen = redis.call('HMGET', KEYS[5], 'status', '"""
+    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
+    + hset_seq_lua("turn_key", "fields_at", "#ARGV", messages=("messages_at", "fields_at - 1"))
+    + f"""
+redis.call('ZREM', wakeups_key, turn_id)
+if kids then redis.call('DEL', children_key) end
+for i = {len(CloseKeys._fields) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
+if parent_id == '' then return {Closed.ENDED:d} end
+local popen = redis.call('HMGET', parent_key, 'status', '"""
     + WATCHERS_FIELD
     + """', '"""
     + SEQ_FIELD
@@ -70,47 +115,67 @@ local popen = redis.call('HMGET', KEYS[5], 'status', '"""
     + k.UNSETTLED_FIELD
     + """', '"""
     + k.SETTLED
-    + """' .. ARGV[6])
+    + """' .. parent_call_id)
 local pstatus, pwatched, pseq = popen[1], popen[2], tonumber(popen[3]) or 0
 if not pstatus or """
     + ended_lua("pstatus")
-    + """ then
-  return 1
+    + f""" then
+  return {Closed.ENDED:d}
 end
-if popen[5] then return 1 end
+if popen[5] then return {Closed.ENDED:d} end
 -- The parent recorded its call before it started this turn: the call is in its batch.
 local left = math.max((tonumber(popen[4]) or 0) - 1, 0)
 do
 """
-    + publish_lua("KEYS[6]", "KEYS[7]", "ARGV[8]", "ARGV[4]", "pwatched", "pseq")
-    + "end\nif left > 0 then\n"
-    + f"  redis.call('HSET', KEYS[5], '{k.SETTLED}' .. ARGV[6], ARGV[7], '{SEQ_FIELD}', pseq,\n"
-    + f"    '{k.UNSETTLED_FIELD}', left)\n"
-    + "  return 3\nend\n"
-    + wake_lua(
-        "KEYS[5]",
-        "KEYS[2]",
-        "ARGV[5]",
-        "ARGV[9]",
-        f"'{k.SETTLED}' .. ARGV[6], ARGV[7], '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left",
+    + publish_lua(
+        "parent_log_key", "parent_channel", "parent_event", "log_opts", "pwatched", "pseq"
     )
-    + "return 2\n"
+    + "end\nif left > 0 then\n"
+    + f"  redis.call('HSET', parent_key, '{k.SETTLED}' .. parent_call_id, parent_result,\n"
+    + f"    '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
+    + f"  return {Closed.PARENT_WAITS:d}\nend\n"
+    + wake_lua(
+        "parent_key",
+        "wakeups_key",
+        "parent_id",
+        "wake_at",
+        f"'{k.SETTLED}' .. parent_call_id, parent_result, '{SEQ_FIELD}', pseq, "
+        f"'{k.UNSETTLED_FIELD}', left",
+    )
+    + f"return {Closed.PARENT_WOKEN:d}\n"
 )
 
 
-# KEYS: the cancel flag, the children, the turn; ARGV: reason, TTL, the cancel channel,
-# the turn id, the reason as JSON. The reason goes in the turn's state too, where the
-# scripts read it with the state; not into a turn Redis does not hold. A script, not a
-# pipeline: a Cluster pipeline takes no PUBLISH (a script's reaches every node's
-# subscribers).
-FLAG_CANCEL_LUA = f"""
-redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2])
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  redis.call('HSETNX', KEYS[3], '{k.CANCEL_FIELD}', ARGV[5])
+class FlagCancelKeys(NamedTuple):
+    cancel_key: str
+    children_key: str
+    turn_key: str
+
+
+class FlagCancelArgs(NamedTuple):
+    reason: str
+    ttl_s: int
+    cancel_channel: str
+    turn_id: str
+    reason_json: str
+    """The reason as JSON, for the turn's state."""
+
+
+# FLAG_CANCEL_LUA: the cancel flag, the children: the reason goes in the turn's state
+# too, where the scripts read it with the state; not into a turn Redis does not hold. A
+# script, not a pipeline: a Cluster pipeline takes no PUBLISH (a script's reaches every
+# node's subscribers).
+FLAG_CANCEL_LUA = (
+    bind_lua(FlagCancelKeys, FlagCancelArgs)
+    + f"""
+redis.call('SET', cancel_key, reason, 'NX', 'EX', ttl_s)
+if redis.call('EXISTS', turn_key) == 1 then
+  redis.call('HSETNX', turn_key, '{k.CANCEL_FIELD}', reason_json)
 end
-redis.call('PUBLISH', ARGV[3], ARGV[4])
-return redis.call('SMEMBERS', KEYS[2])
+redis.call('PUBLISH', cancel_channel, turn_id)
+return redis.call('SMEMBERS', children_key)
 """
+)
 
 
 @dataclass(frozen=True)
@@ -142,10 +207,9 @@ class TurnRecords(StoreBase):
     def flag_cancel(self, turn_id: str, reason: str) -> list[str]:
         """Flag the turn cancelled (the first reason stays), tell the event loops that hold
         its calls, and return its children, in one round trip."""
-        children = self._flag_cancel(
-            keys=[k.cancel_key(turn_id), k.children_key(turn_id), k.turn_key(turn_id)],
-            args=[reason, self.ttl_s, k.CANCEL_CHANNEL, turn_id, json.dumps(reason)],
-        )
+        keys = FlagCancelKeys(k.cancel_key(turn_id), k.children_key(turn_id), k.turn_key(turn_id))
+        args = FlagCancelArgs(reason, self.ttl_s, k.CANCEL_CHANNEL, turn_id, json.dumps(reason))
+        children = self._flag_cancel(keys=list(keys), args=list(args))
         return [text(c) for c in children]
 
     def create(self, turn_id: str, state: TurnState, history: list[dict[str, Any]]) -> None:
@@ -215,10 +279,9 @@ class TurnRecords(StoreBase):
         token: str = "",
         append: list[dict[str, Any]] | None = None,
         **fields: Any,
-    ) -> int:
-        """End the turn (status, terminal event, retention TTL) atomically: 1 (or 2: it
-        settled its parent's call), 0 if it had ended, -1 if `token` no longer holds the
-        step lock (nothing written).
+    ) -> Closed:
+        """End the turn (status, terminal event, retention TTL) atomically, unless it had
+        ended or `token` no longer holds the step lock (see `Closed`).
 
         `settle_parent` (parent turn id, result) settles the parent's call that started
         this turn in the same step, and wakes the parent; `append` adds history messages
@@ -232,43 +295,46 @@ class TurnRecords(StoreBase):
             flat += [k.STEP_FIELD, LOCK_FREE_VALUE]  # the end lets go of the step's lock
         parent, result = settle_parent or ("", None)
         pid = parent or turn_id  # placeholders the script leaves alone without a parent
-        won = self._durable(
-            self._close,
-            keys=[
-                k.turn_key(turn_id),
-                k.turn_wakeups_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-                k.turn_key(pid),
-                k.log_key(pid),
-                k.events_channel(pid),
-                k.children_key(turn_id),
-                *k.turn_keys(turn_id),
-            ],
-            args=[
-                turn_id,
-                self.ttl_s,
-                event_body(turn_id, event, event_fields),
-                self.bus.log_arg(),
-                parent,
-                "" if result is None else result.call_id,
-                "" if result is None else result.model_dump_json(),
-                "" if result is None else event_body(pid, "tool_finished", finished(result)),
-                time.time() + WAKE_BACKSTOP_S,
-                token,
-                len(messages),
-                *messages,
-                *flat,
-            ],
+        keys = CloseKeys(
+            k.turn_key(turn_id),
+            k.turn_wakeups_key(turn_id),
+            k.log_key(turn_id),
+            k.events_channel(turn_id),
+            k.turn_key(pid),
+            k.log_key(pid),
+            k.events_channel(pid),
+            k.children_key(turn_id),
         )
-        if won in (1, 2, 3):
+        args = CloseArgs(
+            turn_id,
+            self.ttl_s,
+            event_body(turn_id, event, event_fields),
+            self.bus.log_arg(),
+            parent,
+            "" if result is None else result.call_id,
+            "" if result is None else result.model_dump_json(),
+            "" if result is None else event_body(pid, "tool_finished", finished(result)),
+            time.time() + WAKE_BACKSTOP_S,
+            token,
+            len(messages),
+        )
+        won = Closed(
+            int(
+                self._durable(
+                    self._close,
+                    keys=argv_of(keys, k.turn_keys(turn_id)),
+                    args=argv_of(args, messages, flat),
+                )
+            )
+        )
+        if won >= Closed.ENDED:
             counted = [(event, event_fields)]
-            if won != 1 and result is not None:
+            if won is not Closed.ENDED and result is not None:
                 counted.append(("tool_finished", finished(result)))
             self.bus.counted(counted)
-        if won == 2:
+        if won is Closed.PARENT_WOKEN:
             self._send_step(parent)
-        return int(won)
+        return won
 
     def history(self, turn_id: str) -> list[dict[str, Any]]:
         """The turn's messages, in order ([] if Redis has no such turn)."""

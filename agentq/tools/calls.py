@@ -19,6 +19,7 @@ from agentq.config import Settings
 from agentq.errors import AgentqError, ToolMisuse
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
+from agentq.state.calls import Started
 from agentq.tools.context import Partial
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import cancelled_result, error_result, record_for
@@ -110,14 +111,14 @@ def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | Non
             "attempt": req.attempt,
         },
     )
-    scope.alone = claim == 3
-    if claim == 0:
+    scope.alone = claim is Started.STARTED_ALONE
+    if claim is Started.SETTLED:
         return "already settled: not run again"
-    if claim == 2:
+    if claim is Started.REDELIVERED:
         return "delivered again while its first delivery ran: not run again"
-    if claim == -2:
+    if claim is Started.TURN_GONE:
         return "its turn is over or gone: not run"
-    if claim == -1:
+    if claim is Started.CANCELLED:
         store.settle(req.turn_id, cancelled_result(scope.call, "user", **scope.common))
         return "turn cancelled before start"
     return None

@@ -1,0 +1,45 @@
+"""How a Lua script's inputs are named: each script opens by binding its KEYS and ARGV
+to names, in the order of the NamedTuples the Python builds its lists from, so an
+argument's position is written in one place. Imports nothing of agentq: every module
+with a script may use it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+
+class TurnKey(NamedTuple):
+    """KEYS of a script that touches the turn's state hash alone."""
+
+    turn_key: str
+
+
+def names_of(layout: Any) -> tuple[str, ...]:
+    """The names of a script's inputs, in order: a NamedTuple class's fields, or names."""
+    return tuple(getattr(layout, "_fields", layout))
+
+
+def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
+    """Lua that opens a script: a one-line header giving its argument layout, then each of
+    its KEYS and ARGV bound to a name (`local turn_key = KEYS[1]`), in the order of `keys`
+    and `args` (the NamedTuple classes, or names, that the Python builds the lists from),
+    so a script reads its inputs by name and no offset is written twice. `rest` names
+    what follows the named ARGV (a variable tail), bound to its first index,
+    `<rest>_at`."""
+    key_names, arg_names = names_of(keys), names_of(args)
+    tail = f", {rest}..." if rest else ""
+    lines = [f"-- KEYS: {', '.join(key_names) or '-'}; ARGV: {', '.join(arg_names) or '-'}{tail}"]
+    lines += [f"local {n} = KEYS[{i}]" for i, n in enumerate(key_names, 1)]
+    lines += [f"local {n} = ARGV[{i}]" for i, n in enumerate(arg_names, 1)]
+    if rest:
+        lines.append(f"local {rest}_at = {len(arg_names) + 1}")
+    return "\n".join(lines) + "\n"
+
+
+def argv_of(values: Sequence[Any], *tail: Sequence[Any]) -> list[Any]:
+    """A script's ARGV: its named arguments (a NamedTuple), then its variable sections."""
+    out = list(values)
+    for section in tail:
+        out.extend(section)
+    return out
