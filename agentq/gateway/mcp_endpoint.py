@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
@@ -39,7 +39,9 @@ from agentq.models import Event, TurnHandle, TurnRequest
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from agentq.gateway.app import Gateway
+    from agentq.api import Client
+    from agentq.gateway.auth import Keyring
+    from agentq.gateway.limits import StartLimits
 
 log = logging.getLogger("agentq.gateway")
 
@@ -56,6 +58,16 @@ FOLLOW_HEARTBEAT_S = 1.0
 _END = object()
 MAX_SESSIONS = 10_000
 """Sessions whose owner is remembered; the oldest is forgotten past this."""
+
+
+class GatewayParts(Protocol):
+    """What /mcp uses of the gateway (agentq.gateway.app.Gateway)."""
+
+    client: Client
+    keyring: Keyring
+    limits: StartLimits
+
+    def require_key(self, request: Request) -> Principal | None: ...
 
 
 def progress_message(ev: Event, started: float) -> str | None:
@@ -81,7 +93,7 @@ def progress_message(ev: Event, started: float) -> str | None:
 
 def result_of(terminal: Event) -> Any:
     """The CallToolResult of a turn that ended with `terminal`."""
-    from mcp_types import CallToolResult, TextContent
+    from mcp.types import CallToolResult, TextContent
 
     f = terminal.fields
     if terminal.type == "turn_finished":
@@ -102,7 +114,7 @@ def result_of(terminal: Event) -> Any:
 
 
 def _error(message: str) -> Any:
-    from mcp_types import CallToolResult, TextContent
+    from mcp.types import CallToolResult, TextContent
 
     return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)
 
@@ -110,7 +122,7 @@ def _error(message: str) -> Any:
 class McpEndpoint:
     """The `/mcp` route: an ASGI app in front of the SDK's session manager."""
 
-    def __init__(self, gw: Gateway) -> None:
+    def __init__(self, gw: GatewayParts) -> None:
         from mcp.server.lowlevel import Server
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.server.transport_security import TransportSecuritySettings
@@ -181,7 +193,7 @@ class McpEndpoint:
     # -- MCP: the agents as tools
 
     async def _list_tools(self, ctx: Any, params: Any) -> Any:
-        from mcp_types import ListToolsResult, Tool
+        from mcp.types import ListToolsResult, Tool
 
         agents = await run_in_threadpool(published_agent_details, self.gw.client.store.redis)
         tools = [

@@ -83,7 +83,7 @@ def _is_disconnect(exc: BaseException) -> bool:
     import anyio
     import httpx2
     from mcp.shared.exceptions import MCPError
-    from mcp_types import CONNECTION_CLOSED
+    from mcp.types import CONNECTION_CLOSED
 
     exc = _leaf(exc)
     if isinstance(exc, MCPError):
@@ -180,7 +180,7 @@ class ServerLink:
     async def _own(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
         """The owner task: enters the transport and the session, holds them until told."""
         from mcp import ClientSession
-        from mcp_types import Implementation
+        from mcp.types import Implementation
 
         try:
             async with contextlib.AsyncExitStack() as stack:
@@ -289,7 +289,7 @@ class ServerLink:
                 if cursor is None:
                     page = await session.list_tools()
                 else:
-                    from mcp_types import PaginatedRequestParams
+                    from mcp.types import PaginatedRequestParams
 
                     page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor))
                 out.extend(_listed(t) for t in page.tools)

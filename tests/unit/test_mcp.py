@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mcp_types import EmbeddedResource, ImageContent, TextContent, TextResourceContents
+from mcp.types import EmbeddedResource, ImageContent, TextContent, TextResourceContents
 
 from agentq.agents import Agent, check_agents, unregister_agent
 from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvalid
