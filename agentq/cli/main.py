@@ -117,6 +117,7 @@ def _is_help(opts: list[str]) -> bool:
 
 
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
+TURN_ID_HELP = "the turn's id, or any prefix of it that names one turn (as `agentq turns` shows it)"
 
 
 def _opt_value(opts: list[str], *names: str) -> str | None:
@@ -185,12 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="no interactor: interactions use their declared default or fail (exit 4)",
     )
     r.add_argument("--conversation", default=None, help="continue this conversation id")
+    r.add_argument(
+        "--multitask",
+        default=None,
+        choices=("enqueue", "reject", "interrupt", "rollback", "inject"),
+        help="with --conversation, when another of its turns runs: wait for it (enqueue, "
+        "the default), refuse (reject), abort it (interrupt), drop it (rollback), or join it "
+        "(inject)",
+    )
+    r.add_argument(
+        "--idempotency-key",
+        default=None,
+        metavar="KEY",
+        help="run again with the same KEY within 24 h: follow the first run's turn instead",
+    )
     r.add_argument("--agent", default=None, help="run the turn as this agent (unknown: exit 2)")
     r.add_argument(
         "--webhook", default=None, metavar="URL", help="POST the turn's end to URL (signed)"
     )
     a = sub.add_parser("abort", help="abort a running turn")
-    a.add_argument("turn_id")
+    a.add_argument("turn_id", help=TURN_ID_HELP)
     a.add_argument(
         "--token",
         default=os.environ.get("AGENTQ_TURN_TOKEN"),
@@ -211,10 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="redraw every SECONDS (1 by default) until Ctrl-C",
     )
     sh = sub.add_parser("show", help="a turn's timeline: model rounds and calls")
-    sh.add_argument("turn_id")
+    sh.add_argument("turn_id", help=TURN_ID_HELP)
     sh.add_argument("--json", action="store_true", help="the timeline as JSON")
     an = sub.add_parser("answer", help="approve or deny a turn's pending interaction")
-    an.add_argument("turn_id")
+    an.add_argument("turn_id", help=TURN_ID_HELP)
     an.add_argument("request_id", help="from its interaction_requested event, or `agentq show`")
     an.add_argument("decision", choices=["approve", "deny"])
     an.add_argument(
@@ -228,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the turn's token (or AGENTQ_TURN_TOKEN); without it, as an operator",
     )
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
-    e.add_argument("turn_id")
+    e.add_argument("turn_id", help=TURN_ID_HELP)
     e.add_argument(
         "--after", default="0-0", help="resume after this stream id (or an event's cursor)"
     )
@@ -272,8 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
     d.add_argument("--agent", default=None, help="the agent of the demo turn (e.g. lead)")
+    from agentq.cli.conversations import add_parser as add_conversations
     from agentq.cli.schedule import add_parsers
 
+    add_conversations(sub)
     add_parsers(sub)
     return p
 
@@ -342,6 +359,15 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
     require_reachable(get_settings(), broker=args.cmd == "run")
     client = Client()
+    if getattr(args, "turn_id", None) is not None:
+        from agentq.cli.ids import ambiguity_text, resolve_turn_id
+        from agentq.errors import AmbiguousTurnId
+
+        try:
+            args.turn_id = resolve_turn_id(client, args.turn_id)
+        except AmbiguousTurnId as exc:
+            print(ambiguity_text(client, exc), file=sys.stderr)
+            return 2
     if args.cmd == "run":
         from agentq.cli.run import run
 
@@ -353,7 +379,13 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             conversation_id=args.conversation,
             agent=args.agent,
             webhook_url=args.webhook,
+            multitask=args.multitask,
+            idempotency_key=args.idempotency_key,
         )
+    if args.cmd == "conversations":
+        from agentq.cli.conversations import cmd_conversations
+
+        return cmd_conversations(client, args)
     if args.cmd == "abort":
         client.abort(args.turn_id, args.token, operator=args.token is None)
         print(f"aborted {args.turn_id}")

@@ -21,7 +21,7 @@ from agentq.cli.render import TurnView
 from agentq.constants import RELAY_DEPTH_MAX
 from agentq.errors import AgentqError
 from agentq.events.bus import TERMINAL_TYPES
-from agentq.models import Event
+from agentq.models import Event, MultitaskMode
 
 EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130
 
@@ -99,6 +99,8 @@ def run(
     conversation_id: str | None = None,
     agent: str | None = None,
     webhook_url: str | None = None,
+    multitask: MultitaskMode | None = None,
+    idempotency_key: str | None = None,
 ) -> int:
     console = Console(stderr=as_json)
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
@@ -109,7 +111,20 @@ def run(
         operator=True,
         agent=agent,
         webhook_url=webhook_url,
+        multitask=multitask,
+        idempotency_key=idempotency_key,
     )
+    if handle.injected:
+        # The message joins a running turn: follow that turn, whose next round holds it.
+        console.print(
+            f"[dim]joined running turn {handle.turn_id} (if it has no further round, the "
+            f"message runs as turn {handle.message_turn_id})[/]"
+        )
+    elif handle.queued:
+        console.print(
+            f"[dim]queued behind turn {handle.behind} (position {handle.position}); it starts "
+            "when the conversation's turns before it have ended[/]"
+        )
     aborts = {"n": 0}
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -117,7 +132,10 @@ def run(
         if aborts["n"] > 1:
             raise KeyboardInterrupt
         with contextlib.suppress(AgentqError):
-            client.abort(handle.turn_id, handle.token, reason="user")
+            # An injected message's token is its own turn's, not the joined one's.
+            client.abort(
+                handle.turn_id, handle.token, reason="user", operator=bool(handle.injected)
+            )
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     answerer = _Answerer(client, handle.turn_id, handle.token, console)

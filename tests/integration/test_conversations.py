@@ -3,6 +3,10 @@ that lose nothing, idempotent starts, and the conversation as a resource."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import uuid
 
@@ -243,3 +247,52 @@ def test_another_owners_conversation_is_not_found(fleet, llm_server, client: Cli
     assert client.conversation(conv, owner="alice")["status"] == "idle"
     assert conv not in [c["conversation_id"] for c in client.conversations(owner="bob")]
     assert conv in [c["conversation_id"] for c in client.conversations(owner="alice")]
+
+
+def test_the_cli_queues_a_message_and_shows_the_conversation(
+    fleet, llm_server, agentq_env, client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("sleep", {"seconds": 1.0}))),
+        Round(text="one"),
+        Round(text="two"),
+    )
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_started"))
+    out = agentq_cli(agentq_env, "run", "--conversation", conv, "--idempotency-key", "k1", "two")
+    assert out.returncode == 0, out.stderr
+    assert "queued behind turn" in out.stdout and "two" in out.stdout
+    # The same key again: the first run's turn, not a third exchange.
+    again = agentq_cli(
+        agentq_env, "run", "--json", "--conversation", conv, "--idempotency-key", "k1", "two"
+    )
+    assert again.returncode == 0, again.stderr
+    busy = agentq_cli(
+        agentq_env, "run", "--conversation", conv, "--multitask", "reject", "x", timeout_s=30
+    )
+    assert busy.returncode == 0  # idle by now: reject runs it
+    shown = agentq_cli(agentq_env, "conversations", "show", conv, "--json")
+    assert shown.returncode == 0, shown.stderr
+    view = json.loads(shown.stdout)
+    assert user_texts(view["messages"]) == [key, "two", "x"]
+    listed = agentq_cli(agentq_env, "conversations", "--limit", "200")
+    assert conv in listed.stdout
+    gone = agentq_cli(agentq_env, "conversations", "delete", conv)
+    assert gone.returncode == 0 and f"deleted {conv}" in gone.stdout
+    missing = agentq_cli(agentq_env, "conversations", "show", conv)
+    assert missing.returncode == 1 and "unknown or not yours" in missing.stderr
+    bad = agentq_cli(agentq_env, "run", "--conversation", conv, "--multitask", "queue", "x")
+    assert bad.returncode == 2 and "enqueue" in bad.stderr
+
+
+def agentq_cli(env: dict[str, str], *args: str, timeout_s: float = 60):
+    return subprocess.run(
+        [sys.executable, "-m", "agentq", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )

@@ -1,0 +1,92 @@
+"""`agentq conversations`: list conversations, show one, delete one (its turns aborted)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from agentq.api import Client
+from agentq.cli.ids import short_id
+
+CONVERSATION_ID_HELP = "a conversation id (as given with --conversation)"
+
+
+def add_parser(sub: Any) -> None:
+    c = sub.add_parser(
+        "conversations", help="list conversations, show one, or delete one and its turns"
+    )
+    c.add_argument("action", nargs="?", choices=("list", "show", "delete"), default="list")
+    c.add_argument("conversation_id", nargs="?", default=None, help=CONVERSATION_ID_HELP)
+    c.add_argument("--limit", type=int, default=20, help="at most this many (list)")
+    c.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _clock(ts: Any) -> str:
+    if not isinstance(ts, (int, float)):
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
+    console = Console()
+    if args.action != "list" and not args.conversation_id:
+        console.print(f"agentq conversations {args.action}: needs a conversation id")
+        return 2
+    # The command holds Redis credentials: it may read any conversation, as the console.
+    if args.action == "delete":
+        aborted = client.delete_conversation(args.conversation_id, operator=True)
+        if args.json:
+            print(json.dumps({"conversation_id": args.conversation_id, "aborted_turns": aborted}))
+        else:
+            console.print(
+                f"deleted {args.conversation_id}"
+                + (f" (aborted {len(aborted)} turns)" if aborted else "")
+            )
+        return 0
+    if args.action == "show":
+        view = client.conversation(args.conversation_id, operator=True)
+        if args.json:
+            print(json.dumps(view))
+            return 0
+        running = view["running_turn_id"]
+        console.print(
+            f"[bold]{view['conversation_id']}[/]  {view['status']}"
+            + (f", running {short_id(running)}" if running else "")
+            + (f", {len(view['queued'])} queued" if view["queued"] else "")
+            + f", updated {_clock(view['updated_at'])}"
+        )
+        for m in view["messages"]:
+            role = m.get("role", "?")
+            text = m.get("content") or ""
+            if m.get("tool_calls"):
+                text = ", ".join(c["function"]["name"] for c in m["tool_calls"])
+                role += " (calls)"
+            console.print(f"  [dim]{role:>16}[/]  {str(text)[:200]}", highlight=False)
+        return 0
+    rows = client.conversations(operator=True, limit=max(1, min(args.limit, 200)))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("conversation", "status", "running", "queued", "messages", "updated"):
+        table.add_column(col, no_wrap=col != "conversation", overflow="fold")
+    for r in rows:
+        table.add_row(
+            r["conversation_id"],
+            r["status"],
+            short_id(r["running_turn_id"]) if r["running_turn_id"] else "-",
+            str(r["queued"]),
+            str(r["messages"]),
+            _clock(r["updated_at"]),
+        )
+    console.print(table)
+    return 0
+
+
+__all__ = ["add_parser", "cmd_conversations"]
