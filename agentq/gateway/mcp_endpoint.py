@@ -33,7 +33,7 @@ from agentq.errors import AgentqError, TurnNotFound, Unauthorized
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.events.follow import follow
 from agentq.gateway.auth import Principal
-from agentq.gateway.errors import bearer
+from agentq.gateway.errors import ApiError, bearer
 from agentq.models import Event, TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
@@ -89,6 +89,23 @@ def progress_message(ev: Event, started: float) -> str | None:
     if ev.type == "interaction_requested":
         return f"{elapsed} waiting for an answer ({f.get('kind', 'approval')})"
     return None
+
+
+def check_transport(method: str, headers: Any, session_id: str | None) -> None:
+    """Refuse, as the gateway refuses a bad request (422, JSON), what no MCP session can
+    take: a POST that is not JSON or cannot take the answer, a GET or DELETE outside one."""
+    if method == "POST":
+        if "application/json" not in headers.get("content-type", ""):
+            raise ApiError(422, "ValidationError", "Content-Type: application/json required")
+        accept = headers.get("accept", "")
+        if not ("application/json" in accept and "text/event-stream" in accept):
+            raise ApiError(
+                422, "ValidationError", "Accept: application/json, text/event-stream required"
+            )
+    elif session_id is None:
+        raise ApiError(
+            422, "ValidationError", "Mcp-Session-Id required: POST an initialize request first"
+        )
 
 
 def result_of(terminal: Event) -> Any:
@@ -164,6 +181,7 @@ class McpEndpoint:
         principal = self.gw.require_key(request)
         owner = principal.name if principal is not None else None
         session_id = request.headers.get("mcp-session-id")
+        check_transport(request.method, request.headers, session_id)
         if session_id is not None and self.owners.get(session_id, owner) != owner:
             # Someone else's session is unknown to this caller, as someone else's turn is.
             raise TurnNotFound(f"mcp session {session_id}")

@@ -132,6 +132,13 @@ OPERATIONS: tuple[Operation, ...] = (
               "attempt.", "admin", parameters=(_query("limit", "At most this many.",
                                                        "integer"),),
               errors=("401", "403")),
+    Operation("POST", "/mcp", "MCP over Streamable HTTP (JSON-RPC): the fleet's agents as "
+              "tools, each call a turn of the caller's; see docs/mcp.md.", "key",
+              media_type="text/event-stream", errors=("401", "404", "422")),
+    Operation("GET", "/mcp", "MCP: a session's stream of server messages (Mcp-Session-Id).",
+              "key", media_type="text/event-stream", errors=("401", "404", "422")),
+    Operation("DELETE", "/mcp", "MCP: end a session (Mcp-Session-Id).", "key",
+              errors=("401", "404", "422")),
 )  # fmt: skip
 
 _ERROR_TEXT = {
