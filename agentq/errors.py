@@ -41,6 +41,7 @@ AgentqError
 ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
 └── TurnError(turn_id)
     ├── TurnNotFound
+    ├── AmbiguousTurnId(matches)               a typed prefix names several turns: exit 2
     ├── TokenInvalid
     ├── StepLost                               a step's lock lapsed; another step took over
     └── InteractionError(request_id)
@@ -392,6 +393,17 @@ class TurnError(AgentqError):
 class TurnNotFound(TurnError):
     def __init__(self, turn_id: str) -> None:
         super().__init__(turn_id, f"turn {turn_id} is unknown or already finished")
+
+
+class AmbiguousTurnId(TurnError):
+    """`turn_id` is the prefix a person typed; `matches` the turns it names, newest first
+    (`more`: and others beyond them)."""
+
+    def __init__(self, turn_id: str, matches: list[str], *, more: bool = False) -> None:
+        n = f"more than {len(matches)}" if more else str(len(matches))
+        super().__init__(turn_id, f"turn id prefix {turn_id} is ambiguous: it names {n} turns")
+        self.matches = matches
+        self.more = more
 
 
 class TokenInvalid(TurnError):

@@ -5,14 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
-from agentq.api import Client
 from agentq.cli.ids import short_id
+
+if TYPE_CHECKING:
+    from agentq.api import Client
 
 CONVERSATION_ID_HELP = "a conversation id (as given with --conversation)"
 
@@ -34,6 +32,11 @@ def _clock(ts: Any) -> str:
 
 
 def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
+    # Imported here: `agentq --help` builds this command's parser, and loads none of them.
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
     console = Console()
     if args.action != "list" and not args.conversation_id:
         console.print(f"agentq conversations {args.action}: needs a conversation id")

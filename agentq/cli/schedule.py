@@ -46,6 +46,7 @@ def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from agentq.cli.ids import short_id
     from agentq.fleet.runtime import get_app, get_redis
     from agentq.schedules.spec import build_spec, parse_every
     from agentq.schedules.store import Schedules
@@ -87,7 +88,7 @@ def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
             r["agent"] or "",
             str(r["fired"]),
             str(r["skipped"]),
-            r["last_turn_id"] or "",
+            short_id(r["last_turn_id"]) if r["last_turn_id"] else "",
             next_in,
         )
     Console().print(table)

@@ -7,12 +7,14 @@ import sys
 import time
 from typing import Any
 
+from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from agentq.api import Client
+from agentq.cli.ids import short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.errors import TurnNotFound
 from agentq.state.listing import TurnLister, TurnQuery
@@ -26,6 +28,8 @@ TURN_STYLE = {
     "error": "red",
 }
 BAR_WIDTH = 60
+WIDE_COLUMNS = 100
+"""A terminal at least this wide shows `agentq turns`' `ended` column too."""
 
 
 def _clock(ts: Any) -> str:
@@ -43,22 +47,38 @@ def _counts(calls: dict[str, int]) -> Text:
     return out or Text("-", style="dim")
 
 
-def turns_table(rows: list[dict[str, Any]]) -> Table:
-    table = Table(title="turns, newest first", expand=False)
-    for col in ("turn", "status", "agent", "started", "ended", "duration", "calls", "pending"):
-        table.add_column(col, no_wrap=col != "calls")
+def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
+    """Short turn ids, no vertical rules; below WIDE_COLUMNS columns, no `ended` column (it
+    is `started` plus `took`), so a row fits 80 columns with its calls unclipped."""
+    wide = width is None or width >= WIDE_COLUMNS
+    table = Table(
+        title="turns, newest first",
+        expand=False,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    columns = ["turn", "status", "agent", "started", "ended", "took", "calls", "pending"]
+    if not wide:
+        columns.remove("ended")
+    for col in columns:
+        table.add_column(col, no_wrap=col != "calls", min_width=12 if col == "calls" else None)
     for t in rows:
         pending = len(t["pending_interactions"])
-        table.add_row(
-            t["turn_id"],
-            Text(str(t["status"]), style=TURN_STYLE.get(str(t["status"]), "")),
-            t.get("agent") or "-",
-            _clock(t.get("started_at")),
-            _clock(t.get("ended_at")),
-            "-" if t.get("duration_s") is None else fmt_s(float(t["duration_s"])),
-            _counts(t["calls"]),
-            Text(str(pending), style="bold yellow") if pending else Text("0", style="dim"),
-        )
+        cells: dict[str, RenderableType] = {
+            "turn": short_id(t["turn_id"]),
+            "status": Text(str(t["status"]), style=TURN_STYLE.get(str(t["status"]), "")),
+            "agent": t.get("agent") or "-",
+            "started": _clock(t.get("started_at")),
+            "ended": _clock(t.get("ended_at")),
+            "took": "-" if t.get("duration_s") is None else fmt_s(float(t["duration_s"])),
+            "calls": _counts(t["calls"]),
+            "pending": (
+                Text(str(pending), style="bold yellow") if pending else Text("0", style="dim")
+            ),
+        }
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
@@ -83,15 +103,17 @@ def cmd_turns(
         return 0
     console = Console()
     if watch is None:
-        console.print(turns_table(lister.page(query).turns))
+        console.print(turns_table(lister.page(query).turns, console.width))
         return 0
     try:
         with Live(
-            turns_table(lister.page(query).turns), console=console, auto_refresh=False
+            turns_table(lister.page(query).turns, console.width),
+            console=console,
+            auto_refresh=False,
         ) as live:
             while True:
                 time.sleep(watch)
-                live.update(turns_table(lister.page(query).turns), refresh=True)
+                live.update(turns_table(lister.page(query).turns, console.width), refresh=True)
     except KeyboardInterrupt:
         return 0
 

@@ -1,0 +1,62 @@
+"""Turn ids as a person sees and types them: 12 characters in a table, as git and Docker
+show them, and any unambiguous prefix on the command line. `--json` keeps full ids."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentq.api import Client
+    from agentq.errors import AmbiguousTurnId
+
+SHORT_ID_LEN = 12
+MATCHES_SHOWN = 10
+"""The matches an ambiguous prefix lists."""
+
+
+def short_id(turn_id: str) -> str:
+    return turn_id[:SHORT_ID_LEN]
+
+
+def resolve_turn_id(client: Client, given: str) -> str:
+    """The turn `given` names: a full id as it is, else the one live turn whose id starts
+    with it. A prefix that names several raises AmbiguousTurnId; one that names none comes
+    back as it was, so the command reports an unknown turn as it always has."""
+    # Imported here, as everything below Redis is: tables import short_id at `--help`.
+    from agentq.errors import AmbiguousTurnId
+    from agentq.state.lookup import TURN_ID_LEN, find_turn_ids
+
+    if len(given) == TURN_ID_LEN:
+        return given
+    matches, more = find_turn_ids(client.store.redis, given, limit=MATCHES_SHOWN)
+    if len(matches) == 1 and not more:
+        return matches[0]
+    if matches:
+        raise AmbiguousTurnId(given, matches, more=more)
+    return given
+
+
+def ambiguity_text(client: Client, exc: AmbiguousTurnId) -> str:
+    """What the command prints: the matches, newest first, with their status and agent."""
+    from agentq.state.listing import TurnLister
+
+    rows = TurnLister(client.store.redis).summaries(exc.matches)
+    lines = [f"agentq: {exc}; the candidates:"]
+    for turn_id in exc.matches:
+        row = rows.get(turn_id, {})
+        created = row.get("created_at")
+        when = (
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
+            if isinstance(created, (int, float))
+            else "-"
+        )
+        lines.append(
+            f"  {turn_id}  {row.get('status') or '-':<9} {when}  {row.get('agent') or '-'}"
+        )
+    if exc.more:
+        lines.append("  ... and more: type more of the id")
+    return "\n".join(lines)
+
+
+__all__ = ["SHORT_ID_LEN", "ambiguity_text", "resolve_turn_id", "short_id"]

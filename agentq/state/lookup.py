@@ -1,0 +1,72 @@
+"""Turn ids by prefix: a person types `agentq show 3f2a9c01b7e4`, not 32 hex digits.
+
+Every turn is in its shard's index (agentq.state.listing) from its creation, so a prefix is
+looked up there. Four hex digits or more name the turn's shard (`constants.shard_of`), so
+only that shard's index is read; Redis matches the prefix as it scans (ZSCAN MATCH), so only
+matching ids cross the network. The scan stops once it has `limit` live turns, and reads at
+most `scan_max` index entries, so a lookup is a bounded number of round trips whatever the
+index holds. An index entry whose turn has expired is not a match.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from agentq import constants as k
+from agentq.state.base import text
+
+TURN_ID_LEN = 32
+SCAN_COUNT = 1000
+"""Index entries a ZSCAN call reads."""
+SCAN_MAX = 200_000
+"""Index entries a lookup reads at most, over every shard it reads."""
+_PREFIX = re.compile(r"[0-9a-f]{1,32}")
+
+
+def find_turn_ids(
+    client: Any, prefix: str, *, limit: int = 10, scan_max: int = SCAN_MAX
+) -> tuple[list[str], bool]:
+    """The stored turns whose id starts with `prefix` (hex, any case), newest first, at most
+    `limit` of them, and whether the lookup stopped before it knew them all (more matches,
+    or `scan_max` entries read). Something that cannot begin a turn id matches nothing."""
+    prefix = prefix.lower()
+    if not _PREFIX.fullmatch(prefix):
+        return [], False
+    if len(prefix) == TURN_ID_LEN:
+        return ([prefix] if client.exists(k.turn_key(prefix)) else []), False
+    shards = [k.shard_of(prefix)] if len(prefix) >= 4 else list(k.shards())
+    found: dict[str, float] = {}
+    scanned = 0
+    for shard in shards:
+        cursor = 0
+        while True:
+            cursor, rows = client.zscan(
+                k.index_key(shard), cursor, match=prefix + "*", count=SCAN_COUNT
+            )
+            scanned += SCAN_COUNT
+            fresh = [(text(m), float(sc)) for m, sc in rows if text(m) not in found]
+            found.update(_alive(client, fresh))
+            if len(found) > limit:
+                return _newest(found, limit), True
+            if int(cursor) == 0:
+                break
+            if scanned >= scan_max:
+                return _newest(found, limit), True
+    return _newest(found, limit), False
+
+
+def _alive(client: Any, rows: list[tuple[str, float]]) -> list[tuple[str, float]]:
+    if not rows:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for turn_id, _ in rows:
+        pipe.exists(k.turn_key(turn_id))
+    return [row for row, alive in zip(rows, pipe.execute(), strict=True) if alive]
+
+
+def _newest(found: dict[str, float], limit: int) -> list[str]:
+    return sorted(found, key=lambda t: found[t], reverse=True)[:limit]
+
+
+__all__ = ["SCAN_MAX", "find_turn_ids"]
