@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.api import Client
 from agentq.errors import ConversationNotFound
 from agentq.gateway.auth import Principal
 from agentq.gateway.errors import ApiError, bearer
+
+if TYPE_CHECKING:
+    from agentq.api import Client
 
 NO_STORE = {"Cache-Control": "no-store"}
 MAX_LISTED = 200
