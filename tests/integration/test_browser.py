@@ -40,9 +40,12 @@ def page(browser: Any, gateway: BackgroundServer) -> Iterator[Any]:
 
 
 def send(page: Any, prompt: str) -> str:
+    before = page.locator("article.turn").count()
     page.fill("#prompt", prompt)
     page.click("#send")
-    return str(page.locator("article.turn").last.get_attribute("data-turn-id"))
+    # The page adds the turn's article once the gateway answered.
+    page.locator("article.turn").nth(before).wait_for()
+    return str(page.locator("article.turn").nth(before).get_attribute("data-turn-id"))
 
 
 def test_cancel_from_the_page_aborts_the_running_tool(page, llm_server, client: Client) -> None:
@@ -204,3 +207,42 @@ def test_a_sub_agent_works_nested_under_its_call_and_asks_from_the_page(
     page.screenshot(path=str(ARTIFACTS / "browser-subagent.png"), full_page=True)
     child = client.get(turn_id)["invocations"][0]["task_id"]
     assert client.get(child)["state"]["parent_turn_id"] == turn_id
+
+
+def test_a_second_message_while_a_turn_runs_is_queued_or_joins_it(
+    page, llm_server, client: Client
+) -> None:
+    nap = Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 1.5})])
+    key = script(
+        llm_server,
+        nap,
+        Round(text="Saw the addition."),
+        nap,
+        Round(text="slow done"),
+        Round(text="And the queued one."),
+    )
+    first = send(page, key)
+    page.locator(".chip.running", has_text="sleep").wait_for()
+    # Send stays enabled while a turn runs; the message joins the running turn.
+    page.select_option("#multitask", "inject")
+    joined = send(page, "also this")
+    assert joined != first
+    page.locator(f'article[data-turn-id="{joined}"].injected').wait_for()
+    running = page.locator(f'article[data-turn-id="{first}"]')
+    running.locator(".injected-note").wait_for()
+    page.locator(f'article[data-turn-id="{first}"] .outcome[data-state="finished"]').wait_for()
+    assert "Saw the addition." in running.locator(".answer").inner_text()
+    # A slow turn, then a message queued behind it.
+    busy = send(page, "slow please")
+    page.locator(f'article[data-turn-id="{busy}"] .chip.running', has_text="sleep").wait_for()
+    page.select_option("#multitask", "enqueue")
+    queued = send(page, "after that")
+    page.locator(f'article[data-turn-id="{queued}"] .queued-note').wait_for()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "browser-queued.png"), full_page=True)
+    page.locator(f'article[data-turn-id="{queued}"] .outcome[data-state="finished"]').wait_for()
+    page.locator('#status[data-state="finished"]').wait_for()
+    assert client.get(joined)["state"]["injected_into"] == first
+    history = client.get(queued)["history"]
+    users = [m["content"] for m in history if m["role"] == "user"]
+    assert users == [key, "also this", "slow please", "after that"]

@@ -6,7 +6,7 @@ const EVENT_TYPES = [
   "turn_started", "turn_resumed", "llm_started", "llm_queued", "llm_delta", "llm_retry", "llm_finished",
   "tool_started", "tool_progress", "tool_finished", "interaction_requested",
   "interaction_answered", "interaction_timed_out", "tool_denied", "subturn_started", "turn_aborted",
-  "turn_finished", "turn_error",
+  "turn_finished", "turn_error", "turn_queued", "message_injected",
 ];
 const TERMINAL = new Set(["turn_finished", "turn_aborted", "turn_error"]);
 const MAX_RECONNECTS = 10;
@@ -15,7 +15,8 @@ const RELAY_DEPTH = 8; // the gateway's most: every level of sub-agents
 const $ = (sel, root = document) => root.querySelector(sel);
 const conversationId = "web-" + Array.from(crypto.getRandomValues(new Uint8Array(8)),
   (b) => b.toString(16).padStart(2, "0")).join("");
-let current = null;
+// The turns this page follows that have not ended: the running one and any queued behind it.
+const active = new Set();
 // A key-protected conversation is bound to the key; without keys, to this token.
 let conversationToken = null;
 // The key lives in this tab's sessionStorage only: never in the URL, never in a cookie.
@@ -241,6 +242,7 @@ class TurnView {
     this.node = el("article", "turn");
     this.node.dataset.turnId = this.turnId;
     this.node.append(el("div", "user", prompt));
+    if (handle.injected) this.node.classList.add("joining");
     this.reasoning = el("details", "reasoning");
     this.reasoning.append(el("summary", "", "reasoning"), el("pre", ""));
     this.reasoning.hidden = true;
@@ -253,6 +255,7 @@ class TurnView {
       this.outcome);
     $("#transcript").append(this.node);
     this.timer = setInterval(() => this.tick(), 100);
+    active.add(this);
   }
 
   connect() {
@@ -375,7 +378,22 @@ class TurnView {
     if (this.applyTool(ev, this)) return;
     switch (ev.type) {
       case "turn_started":
+        this.node.classList.remove("queued-turn", "joining");
         setStatus("running", "running…");
+        break;
+      case "turn_queued":
+        // Another turn of this conversation runs: this one starts when it ends.
+        this.node.classList.add("queued-turn");
+        this.notes.append(el("div", "note queued-note",
+          `queued behind turn ${String(ev.behind).slice(0, 12)} (position ${ev.position})`));
+        if (!this.node.classList.contains("joining")) {
+          setStatus("running", active.size > 1 ? "running… (a message waits behind it)"
+            : "queued…");
+        }
+        break;
+      case "message_injected":
+        this.notes.append(el("div", "note injected-note",
+          `a message joined this turn (turn ${String(ev.message_turn_id).slice(0, 12)})`));
         break;
       case "llm_queued": {
         const bits = [];
@@ -410,6 +428,13 @@ class TurnView {
         this.notes.append(el("div", "note", `agent ${ev.agent} runs as turn ${ev.child_turn_id}`));
         break;
       case "turn_finished":
+        if (ev.reason === "injected") {
+          // Its message went into the running turn's next round: the answer is there.
+          this.node.classList.remove("joining", "queued-turn");
+          this.node.classList.add("injected");
+          this.end("finished", `joined turn ${String(ev.into).slice(0, 12)}`);
+          break;
+        }
         if (!this.text.textContent && ev.content) this.text.textContent = ev.content;
         this.end("finished", ev.reason && ev.reason !== "stop" ? `finished (${ev.reason})`
           : "finished");
@@ -441,11 +466,13 @@ class TurnView {
     this.asks.forEach((ask) => {
       if (ask.node.classList.contains("pending")) ask.close("closed", "turn over");
     });
-    setStatus(state, text);
-    setConn("idle");
-    $("#cancel").disabled = true;
+    active.delete(this);
+    if (active.size === 0) {
+      setStatus(state, text);
+      setConn("idle");
+      $("#cancel").disabled = true;
+    }
     $("#send").disabled = false;
-    if (current === this) current = null;
   }
 
   async cancel() {
@@ -462,6 +489,8 @@ async function send(prompt) {
   $("#send").disabled = true;
   setStatus("starting", "starting…");
   const body = { prompt, conversation_id: conversationId, detach: $("#detach").checked };
+  // A message sent while a turn runs: queued after it, added to it, or instead of it.
+  if (active.size) body.multitask = $("#multitask").value;
   if (conversationToken) body.conversation_token = conversationToken;
   const agent = $("#agent").value;
   if (agent) body.agent = agent;
@@ -484,10 +513,19 @@ async function send(prompt) {
   }
   const handle = await res.json();
   if (handle.conversation_token) conversationToken = handle.conversation_token;
-  current = new TurnView(handle, prompt);
+  const own = handle.injected
+    // Its own turn: it ends "injected" once the running turn took the message in.
+    ? { ...handle, turn_id: handle.message_turn_id,
+      events_url: `/v1/turns/${handle.message_turn_id}/events` }
+    : handle;
+  const view = new TurnView(own, prompt);
+  if (handle.injected) {
+    view.notes.append(el("div", "note joining-note", "joins the running turn at its next round"));
+  }
   $("#cancel").disabled = false;
-  setStatus("running", "queued…");
-  current.connect();
+  $("#send").disabled = false;
+  if (!handle.queued) setStatus("running", "starting…");
+  view.connect();
 }
 
 // Asks for a key at once when the gateway needs one (and this tab holds none that works);
@@ -531,7 +569,7 @@ document.addEventListener("DOMContentLoaded", () => {
     setStatus("idle", "Ready.");
     const retry = pendingPrompt;
     pendingPrompt = null;
-    if (retry && !current) {
+    if (retry && active.size === 0) {
       send(retry).catch((err) => setStatus("error", String(err)));
     } else {
       probeKey().catch(() => {});
@@ -543,7 +581,7 @@ document.addEventListener("DOMContentLoaded", () => {
   form.addEventListener("submit", (e) => {
     e.preventDefault();
     const text = prompt.value.trim();
-    if (!text || current) return;
+    if (!text) return;
     prompt.value = "";
     send(text).catch((err) => {
       setStatus("error", String(err));
@@ -553,5 +591,6 @@ document.addEventListener("DOMContentLoaded", () => {
   prompt.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) form.requestSubmit();
   });
-  $("#cancel").addEventListener("click", () => { if (current) current.cancel(); });
+  // Cancel stops every turn of the conversation this page started that has not ended.
+  $("#cancel").addEventListener("click", () => { active.forEach((view) => view.cancel()); });
 });
