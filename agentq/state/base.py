@@ -25,8 +25,8 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, EventBus, event_body, publish_lua, run_pipeline
+from agentq.events.lua_args import bind_lua
 from agentq.models import ToolResult
-from agentq.state.lua_args import bind_lua
 from agentq.state.turn_state import TurnState
 from agentq.telemetry.fleetcounts import COUNTED_TYPES, fleet_counts
 

@@ -11,6 +11,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
+from agentq.events.lua_args import TurnKey, argv_of, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -23,7 +24,6 @@ from agentq.state.base import (
     text,
 )
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
-from agentq.state.lua_args import TurnKey, argv_of, bind_lua
 
 
 class Settled(IntEnum):

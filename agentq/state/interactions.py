@@ -9,10 +9,10 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import InteractionClosed, InteractionNotFound
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
+from agentq.events.lua_args import bind_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
 from agentq.state.base import WAKE_BACKSTOP_S, text
 from agentq.state.lua import turn_open_lua, wake_lua
-from agentq.state.lua_args import bind_lua
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore

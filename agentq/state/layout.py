@@ -8,9 +8,9 @@ import logging
 from typing import Any, NamedTuple
 
 from agentq import constants as k
+from agentq.events.lua_args import bind_lua
 from agentq.state.base import text
 from agentq.state.lua import append_lua, hset_table_lua
-from agentq.state.lua_args import bind_lua
 
 log = logging.getLogger("agentq.state")
 

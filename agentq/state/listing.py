@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import redis
 
 from agentq import constants as k
+from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.state.base import active_turns, each_shard, text
-from agentq.state.lua_args import argv_of, bind_lua
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50

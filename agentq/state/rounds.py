@@ -12,9 +12,9 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
+from agentq.events.lua_args import argv_of, bind_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
-from agentq.state.lua_args import argv_of, bind_lua
 
 
 class RoundFinished(IntEnum):

@@ -12,6 +12,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
+from agentq.events.lua_args import TurnKey, argv_of, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -36,7 +37,6 @@ from agentq.state.lua import (
     view_lua,
     wake_lua,
 )
-from agentq.state.lua_args import TurnKey, argv_of, bind_lua
 
 _STEP, _DIRTY = k.STEP_FIELD, k.DIRTY_FIELD
 

@@ -18,6 +18,7 @@ from agentq.events.bus import (
     event_body,
     publish_lua,
 )
+from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
     START_BACKSTOP_S,
@@ -32,7 +33,6 @@ from agentq.state.base import (
     text,
 )
 from agentq.state.lua import LOCK_FREE_VALUE, hset_seq_lua, lock_mine_lua, turn_open_lua, wake_lua
-from agentq.state.lua_args import argv_of, bind_lua
 from agentq.state.turn_state import TurnState
 
 
