@@ -82,6 +82,7 @@ from agentq.gateway.validate import (
     turn_id_of,
 )
 from agentq.llm.capacity import capacity_for
+from agentq.mcp.catalog import server_health
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
@@ -397,6 +398,7 @@ class Gateway:
 
     async def healthz(self, request: Request) -> Response:
         ok = False
+        mcp: dict[str, dict[str, Any]] = {}
         error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
@@ -406,10 +408,17 @@ class Gateway:
                         self.client.store.redis.ping, abandon_on_cancel=True
                     )
                 )
+                # MCP servers (AGENTQ_MCP_SERVERS) that keep failing show here, not as 503.
+                mcp = await anyio.to_thread.run_sync(
+                    server_health, self.client.store.redis, abandon_on_cancel=True
+                )
             except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
         if ok:
-            return JSONResponse({"ok": True, "redis": "ok"})
+            body: dict[str, Any] = {"ok": True, "redis": "ok"}
+            if mcp:
+                body["mcp"] = mcp
+            return JSONResponse(body)
         return JSONResponse(
             {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
         )

@@ -286,3 +286,17 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
 
 def loaded() -> McpTools | None:
     return _tools
+
+
+def server_health(redis: Any) -> dict[str, dict[str, Any]]:
+    """How each MCP server's last start or call went, fleet-wide (for /healthz): `ok`, the
+    `failures` in a row and when; the error text stays in the workers' logs."""
+    out = {}
+    for name, raw in (redis.hgetall(k.MCP_HEALTH) or {}).items():
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        out[key] = {f: entry.get(f) for f in ("ok", "failures", "at")}
+    return out

@@ -4,6 +4,7 @@ gateway (with keys) and the session's real workers and scripted model."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 
+from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.gateway import BackgroundServer, create_app
@@ -138,6 +140,19 @@ def test_failures_are_is_error_results(gateway: BackgroundServer, llm_server: An
     unknown, failed = asyncio.run(go())
     assert unknown.is_error and "unknown agent" in unknown.content[0].text
     assert failed.is_error and "failed" in failed.content[0].text, failed
+
+
+def test_healthz_shows_mcp_servers_without_their_errors(gateway: BackgroundServer) -> None:
+    redis = Client().store.redis
+    entry = {"ok": False, "failures": 3, "error": "secret detail", "worker": "w", "at": 1.0}
+    redis.hset(k.MCP_HEALTH, "broken", json.dumps(entry))
+    try:
+        body = httpx.get(gateway.url + "/healthz").json()
+    finally:
+        redis.hdel(k.MCP_HEALTH, "broken")
+    assert body["ok"] is True
+    assert body["mcp"]["broken"] == {"ok": False, "failures": 3, "at": 1.0}
+    assert "secret detail" not in json.dumps(body)
 
 
 def test_mcp_needs_a_key_and_a_session_is_its_maker_s(gateway: BackgroundServer) -> None:

@@ -29,6 +29,7 @@ from agentq.api import Client
 from agentq.fleet import runtime
 from agentq.local.processes import ManagedProcess, start_process, start_worker, wait_for
 from agentq.local.redis_server import RedisServer
+from agentq.mcp.catalog import server_health
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import collect, script, wait_event
@@ -269,12 +270,13 @@ def test_a_server_that_crashes_settles_error_naming_it_and_restarts(
     got = results(stack, events)["t__crash"]
     assert got["status"] == "error"
     assert "MCP server 't'" in got["content"]["error"], got
+    redis = stack.client.store.redis
+    wait_for(lambda: server_health(redis)["t"]["ok"] is False, timeout_s=5)
     events = run(
         stack, ScriptedCall(name="t__echo", arguments={"text": "back"}), llm_server=llm_server
     )
     assert results(stack, events)["t__echo"]["status"] == "ok"
-    health = json.loads(stack.client.store.redis.hget(k.MCP_HEALTH, "t"))
-    assert health["ok"] is True
+    wait_for(lambda: server_health(redis)["t"]["ok"] is True, timeout_s=5)
 
 
 def test_a_numeric_concurrency_runs_one_call_at_a_time_fleet_wide(stack: Stack, llm_server) -> None:
