@@ -17,7 +17,7 @@ from pydantic.json_schema import models_json_schema
 
 from agentq.models import InteractionAnswer, TurnHandle, TurnRequest
 
-Auth = Literal["public", "key", "turn", "owner", "operator", "admin", "admin_key"]
+Auth = Literal["public", "key", "turn", "owner", "conversation", "operator", "admin", "admin_key"]
 AUTH_RULES: dict[Auth, str] = {
     "public": "No credential.",
     "key": "With keys configured: an API or admin key; lists show the caller's own turns "
@@ -26,6 +26,9 @@ AUTH_RULES: dict[Auth, str] = {
     "anyone else gets 404, as for an unknown turn. Without keys: anyone for reading, the "
     "turn's token for steering.",
     "owner": "With keys configured: the turn owner's key or an admin key; anyone else gets 404.",
+    "conversation": "With keys configured: the key that created the conversation or an admin "
+    "key; anyone else gets 404, as for an unknown conversation. Without keys: the "
+    "conversation token its first turn returned.",
     "operator": "With keys configured: the turn owner's key or an admin key (anyone else "
     "gets 404). Without keys: a client on this machine only (403 otherwise).",
     "admin": "An admin key or AGENTQ_METRICS_TOKEN; another key gets 403.",
@@ -34,6 +37,21 @@ AUTH_RULES: dict[Auth, str] = {
 }
 NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
 TURN_ID = {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}
+CONVERSATION_ID = {
+    "name": "conversation_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+}
+IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    "description": "The same key from the same caller within 24 h answers with the first "
+    "request's turn (the same body) instead of starting another; another body: 422, code "
+    "idempotency_key_reused.",
+}
 REQUEST_ID = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
 
 
@@ -69,8 +87,24 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/openapi.json", "This document.", "public"),
     Operation("GET", "/metrics", "Prometheus metrics.", "admin", media_type="text/plain",
               errors=("401", "403")),
-    Operation("POST", "/v1/turns", "Start a turn.", "key", ok="202", request=TurnRequest,
-              response=TurnHandle, errors=("401", "413", "415", "422", "429")),
+    Operation("POST", "/v1/turns", "Start a turn; with conversation_id, one turn of the "
+              "conversation runs at a time and multitask says what this message does while "
+              "another runs (docs/conversations.md).", "key", ok="202", request=TurnRequest,
+              response=TurnHandle, parameters=(IDEMPOTENCY_KEY,),
+              errors=("401", "404", "409", "413", "415", "422", "429")),
+    Operation("GET", "/v1/conversations", "The caller's conversations (every one for an "
+              "admin), most recently changed first.", "key",
+              parameters=(
+                  _query("limit", "At most this many (1 to 200; default 50).", "integer"),
+                  _query("before", "Conversations changed before this time (epoch "
+                         "seconds), for the next page.", "number"),
+              ), errors=("401", "422")),
+    Operation("GET", "/v1/conversations/{conversation_id}", "A conversation: status "
+              "(idle, busy), running_turn_id, queued turn ids, messages, updated_at.",
+              "conversation", parameters=(CONVERSATION_ID,), errors=("401", "404")),
+    Operation("DELETE", "/v1/conversations/{conversation_id}", "Abort the conversation's "
+              "running and queued turns and remove it.", "conversation",
+              parameters=(CONVERSATION_ID,), errors=("401", "404")),
     Operation("GET", "/v1/turns", "Recent and running turns, newest first.", "key",
               parameters=(
                   _query("status", "Comma-separated: queued, running, finished, aborted, "
@@ -145,7 +179,8 @@ _ERROR_TEXT = {
     "401": "No credential, or not a known key.",
     "403": "Not allowed: see x-agentq-auth.",
     "404": "Unknown, finished (abort) or not the caller's.",
-    "409": "Answered or timed out already.",
+    "409": "Answered or timed out already; or (code conversation_busy, multitask reject) "
+    "another turn of the conversation runs: running_turn_id names it.",
     "413": "The body is too large.",
     "415": "The body is not application/json.",
     "422": "The request does not validate.",
@@ -209,7 +244,15 @@ def openapi_document(version: str) -> dict[str, Any]:
             "error": {
                 "type": "object",
                 "required": ["type", "message"],
-                "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+                "properties": {
+                    "type": {"type": "string"},
+                    "message": {"type": "string"},
+                    "code": {
+                        "type": "string",
+                        "description": "A stable code where one applies: conversation_busy, "
+                        "idempotency_key_reused.",
+                    },
+                },
             }
         },
     }

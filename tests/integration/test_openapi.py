@@ -27,6 +27,7 @@ PARAMS = {
     "request_id": "call_x.approval",
     "path": "app.js",
     "name": "no-such-schedule",
+    "conversation_id": "no-such-conversation",
 }
 BODIES: dict[str, Any] = {
     # Refused by validation, so the check starts no turn.
@@ -122,7 +123,7 @@ def test_each_operation_answers_by_its_documented_auth_rule(
         assert anonymous.status_code == 401, (where, anonymous.status_code)
         if rule == "key":
             assert with_key.status_code in (200, 422), (where, with_key.status_code)
-        elif rule in ("turn", "owner", "operator"):
+        elif rule in ("turn", "owner", "operator", "conversation"):
             # A turn the key does not own (here: no turn at all) is not found.
             assert with_key.status_code == 404, (where, with_key.status_code)
         elif rule == "admin":
@@ -135,4 +136,13 @@ def test_each_operation_answers_by_its_documented_auth_rule(
             assert admin in (200, 404, 422), (where, admin)
         else:
             raise AssertionError(f"undocumented rule {rule!r} at {where}")
-    assert seen == {"public", "key", "turn", "owner", "operator", "admin", "admin_key"}
+    assert seen == {
+        "public",
+        "key",
+        "turn",
+        "owner",
+        "conversation",
+        "operator",
+        "admin",
+        "admin_key",
+    }
