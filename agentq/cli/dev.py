@@ -231,19 +231,20 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
         secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
         started.webhook_secret = env["AGENTQ_WEBHOOK_SECRET"] = secret
 
+    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
     if not settings.llm_base_url:
         say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
+        # Its port is picked here, so the workers start beside it rather than after it.
+        model_port = find_free_port()
         model = fleet.start(
             "model",
-            _python("agentq.testing.openai_server", "--port", "0", "--script", "demo"),
+            _python("agentq.testing.openai_server", "--port", str(model_port), "--script", "demo"),
             env=env,
         )
-        wait_ready({"model": (model, _in_log(model, r"listening on \S+"))})
-        found = re.search(r"listening on (\S+)", model.log_text())
-        assert found is not None
-        started.model_url = env["AGENTQ_LLM_BASE_URL"] = found.group(1)
+        checks["model"] = (model, _in_log(model, r"listening on \S+"))
+        started.model_url = f"http://127.0.0.1:{model_port}/v1"
+        env["AGENTQ_LLM_BASE_URL"] = started.model_url
 
-    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
     for kind in ("turns", "llm", "tools", "io"):
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
