@@ -28,6 +28,7 @@ from agentq.state.conversations import (
     Multitask,
     Release,
     ReleaseArgs,
+    Take,
     binding,
 )
 
@@ -149,16 +150,15 @@ def take_turn(ctx: StepContext) -> float | None:
     state = ctx.state
     cid = str(state.get("conversation_id"))
     convs = conversations(ctx.store)
-    running, queue = convs.holder(cid)
-    if running != ctx.turn_id:
-        if ctx.turn_id not in queue:
-            # Deleted with its conversation, or its starter died before admitting it.
-            raise ConversationNotFound(cid)
+    outcome, prior, running = convs.take(cid, ctx.turn_id)
+    if outcome is Take.GONE:
+        # Deleted with its conversation, or its starter died before admitting it.
+        raise ConversationNotFound(cid)
+    if outcome is Take.WAITS:
         if running is not None and not _alive(ctx.store, running):
             release_for(ctx.store, ctx.app, cid, running)
             return ctx.now
         return ctx.now + WAITING_RECHECK_S
-    prior = convs.history(cid)
     own = list(state.get("pending_messages") or [])
     ctx.stage(
         append=[*prior, *own],

@@ -30,6 +30,7 @@ from enum import Enum, IntEnum
 from typing import Any, NamedTuple
 
 import redis
+from redis.cluster import RedisCluster
 
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
@@ -239,6 +240,34 @@ return {{outcome, next_turn}}
 """
 )
 
+
+class Take(IntEnum):
+    """TAKE's answer for a waiting turn."""
+
+    HOLDS = 1
+    """It holds the conversation: its history follows."""
+    WAITS = 2
+    """It is queued behind the running turn."""
+    GONE = 3
+    """Neither: the conversation was deleted, or the turn was never admitted."""
+
+
+# KEYS: ConversationKeys; ARGV: the waiting turn. Returns {HOLDS, history...} or
+# {WAITS|GONE, running turn or ''}: the read a queued turn's first step makes.
+TAKE_LUA = (
+    _BIND_KEYS
+    + f"""local turn_id = ARGV[1]
+local running = redis.call('HGET', meta_key, 'running') or ''
+if running == turn_id then
+  local out = {{{Take.HOLDS}}}
+  for _, m in ipairs(redis.call('LRANGE', history_key, 0, -1)) do out[#out + 1] = m end
+  return out
+end
+if redis.call('LPOS', queue_key, turn_id) then return {{{Take.WAITS}, running}} end
+return {{{Take.GONE}, running}}
+"""
+)
+
 # KEYS: ConversationKeys; ARGV: the turn that takes them in. Returns the queued turns whose
 # message may join it, in queue order; nothing unless that turn holds the conversation.
 INJECTABLE_LUA = (
@@ -324,6 +353,22 @@ class Conversations:
         self._injectable = client.register_script(INJECTABLE_LUA)
         self._delete = client.register_script(DELETE_LUA)
         self._note_injected = client.register_script(NOTE_INJECTED_LUA)
+        self._take = client.register_script(TAKE_LUA)
+        self.sharded = isinstance(client, RedisCluster)
+
+    def _with_index(
+        self, script: Any, keys: list[str], args: list[Any], cid: str, now: float
+    ) -> Any:
+        """Run a script and note the conversation's change in the index, in one round trip
+        (two on a Cluster, where the index is on another slot)."""
+        if self.sharded:
+            answer = script(keys=keys, args=args)
+            self.redis.zadd(k.CONVERSATIONS_INDEX, {cid: now})
+            return answer
+        pipe = self.redis.pipeline(transaction=False)
+        script(keys=keys, args=args, client=pipe)
+        pipe.zadd(k.CONVERSATIONS_INDEX, {cid: now})
+        return pipe.execute()[0]
 
     def admit(
         self,
@@ -354,8 +399,8 @@ class Conversations:
             new_bytes,
             max_bytes,
         )
-        keys = ConversationKeys.of(conversation_id)
-        answer = self._admit(keys=list(keys), args=list(args))
+        keys = list(ConversationKeys.of(conversation_id))
+        answer = self._with_index(self._admit, keys, list(args), conversation_id, args.now)
         outcome = Admit(int(answer[0]))
         if outcome is Admit.NOT_FOUND:
             raise ConversationNotFound(conversation_id)
@@ -365,7 +410,6 @@ class Conversations:
                 int(answer[1]),
                 max_bytes,
             )
-        self.redis.zadd(k.CONVERSATIONS_INDEX, {conversation_id: args.now})
         if outcome is Admit.RUN:
             prior = [json.loads(m) for m in answer[2:]]
             return Admitted(outcome, created=bool(int(answer[1])), prior=prior)
@@ -382,10 +426,9 @@ class Conversations:
     def release(self, conversation_id: str, args: ReleaseArgs) -> tuple[Release, str | None]:
         """Commit a turn's exchange and hand the conversation to the next queued turn (its
         id, if any); a turn that did not hold it just leaves the queue."""
-        answer = self._release(keys=list(ConversationKeys.of(conversation_id)), args=args.argv())
+        keys = list(ConversationKeys.of(conversation_id))
+        answer = self._with_index(self._release, keys, args.argv(), conversation_id, args.now)
         outcome = Release(int(answer[0]))
-        if outcome is not Release.LEFT:
-            self.redis.zadd(k.CONVERSATIONS_INDEX, {conversation_id: args.now})
         nxt = _text(answer[1])
         return outcome, nxt or None
 
@@ -398,18 +441,16 @@ class Conversations:
         """Tell a running turn a message waits to join it; False if it has ended."""
         return bool(self._note_injected(keys=[k.turn_key(turn_id)], args=[]))
 
-    def holder(self, conversation_id: str) -> tuple[str | None, list[str]]:
-        """The turn that holds the conversation, and the queue."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hget(k.conversation_meta_key(conversation_id), "running")
-        pipe.lrange(k.conversation_queue_key(conversation_id), 0, -1)
-        running, queue = pipe.execute()
-        return (_text(running) if running else None), [_text(q) for q in queue]
-
-    def history(self, conversation_id: str) -> list[dict[str, Any]]:
-        return [
-            json.loads(m) for m in self.redis.lrange(k.conversation_key(conversation_id), 0, -1)
-        ]
+    def take(
+        self, conversation_id: str, turn_id: str
+    ) -> tuple[Take, list[dict[str, Any]], str | None]:
+        """A waiting turn's look: whether it holds the conversation (with its history), waits
+        (behind the running turn named), or is in it no more."""
+        answer = self._take(keys=list(ConversationKeys.of(conversation_id)), args=[turn_id])
+        outcome = Take(int(answer[0]))
+        if outcome is Take.HOLDS:
+            return outcome, [json.loads(m) for m in answer[1:]], turn_id
+        return outcome, [], _text(answer[1]) or None
 
     def check_access(
         self,
@@ -523,5 +564,6 @@ __all__ = [
     "Multitask",
     "Release",
     "ReleaseArgs",
+    "Take",
     "binding",
 ]
