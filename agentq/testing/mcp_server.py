@@ -5,10 +5,11 @@
 
 Its tools show what agentq does with a server's calls: `slow` reports progress, `stubborn`
 blocks its whole server (it cannot hear a cancel, nor answer a ping), `crash` kills the
-server, `fail` answers `isError`, `add` answers `structuredContent`, `whoami` tells the
-server's pid and environment. With `--pid-file` the server writes its pid there at start,
-with `--log` it notes there when `slow` starts and is cancelled, and with `--http` it
-prints `listening on URL` once it listens.
+server, `fail` answers `isError`, `add` answers `structuredContent`, `grow` adds a tool and
+sends `notifications/tools/list_changed`, `whoami` tells the server's pid and environment.
+With `--pid-file` the server writes its pid there at start, with `--log` it notes there when
+`slow` starts and is cancelled, and with `--http` it prints `listening on URL` once it
+listens.
 """
 
 from __future__ import annotations
@@ -73,6 +74,15 @@ def build(name: str = "agentq-test", log: str | None = None) -> MCPServer:
     @server.tool(description="Fail with a message.")
     def fail(message: str) -> str:
         raise ToolError(message)
+
+    @server.tool(description="Add a tool named `name` (it answers its own name), and say so.")
+    async def grow(name: str, ctx: Context) -> str:
+        def added() -> str:
+            return name
+
+        server.add_tool(added, name=name, description=f"Added by grow: answers {name!r}.")
+        await ctx.request_context.session.send_tool_list_changed()
+        return f"added {name}"
 
     @server.tool(description="This server's pid and environment variable names.")
     def whoami() -> dict[str, Any]:

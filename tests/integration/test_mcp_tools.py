@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -239,6 +240,32 @@ def test_abort_sends_cancelled_and_settles_cancelled(stack: Stack, llm_server) -
     assert [e.fields["status"] for e in finished] == ["cancelled"]
     # The server heard notifications/cancelled: its tool stopped.
     wait_for(lambda: "slow cancelled" in stack.log_file.read_text(), timeout_s=10)
+
+
+def test_a_tool_the_server_adds_is_offered_once_it_says_its_list_changed(
+    stack: Stack, llm_server
+) -> None:
+    name = f"extra_{uuid.uuid4().hex[:6]}"
+    events = run(
+        stack, ScriptedCall(name="t__grow", arguments={"name": name}), llm_server=llm_server
+    )
+    assert results(stack, events)["t__grow"]["status"] == "ok"
+
+    def listed() -> bool:
+        raw = stack.client.store.redis.hget(k.MCP_TOOLS, "t")
+        return name in {t["name"] for t in json.loads(raw)["tools"]}
+
+    # The I/O worker heard notifications/tools/list_changed and shared the new listing.
+    wait_for(listed, timeout_s=10)
+    # Turn workers read it within seconds; the I/O worker runs the new tool's task.
+    deadline = time.monotonic() + 20
+    while True:
+        events = run(stack, ScriptedCall(name=f"t__{name}", arguments={}), llm_server=llm_server)
+        got = results(stack, events)[f"t__{name}"]
+        if got["status"] == "ok" or time.monotonic() > deadline:
+            break
+        assert "unknown tool" in got["content"]["error"], got
+    assert got == {"status": "ok", "content": {"result": name}}
 
 
 def test_a_server_that_ignores_the_hard_limit_is_killed_and_started_again(
