@@ -87,8 +87,9 @@ def test_answer_approves_a_pending_call_from_the_terminal(
     assert f"agentq answer {h.turn_id} {rid} approve|deny" in shown.stdout, shown.stdout
     wrong = agentq_cmd("answer", h.turn_id, "nope", "approve", env=agentq_env)
     assert wrong.returncode == 1 and "Traceback" not in wrong.stderr, wrong.stderr
-    out = agentq_cmd("answer", h.turn_id, rid, "approve", env=agentq_env)
-    assert out.returncode == 0 and f"approved {rid}" in out.stdout, out.stderr
+    # As `agentq turns` shows the turn: its first 12 characters name it.
+    out = agentq_cmd("answer", h.turn_id[:12], rid, "approve", env=agentq_env)
+    assert out.returncode == 0 and f"approved {rid} of {h.turn_id}" in out.stdout, out.stderr
     events = collect(client, h.turn_id)
     finished = [e for e in events if e.type == "tool_finished"]
     assert [e.fields["status"] for e in finished] == ["ok"]
