@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import redis
 from redis.cluster import RedisCluster
@@ -18,6 +18,7 @@ from agentq.constants import (
     shard_of,
     turn_key,
 )
+from agentq.events.lua_args import bind_lua
 from agentq.models import TERMINAL_STATUSES, Event
 
 EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]
@@ -82,32 +83,50 @@ def ended_lua(status: str) -> str:
 # finishing its deltas after an abort, is refused here atomically. Nor to a turn Redis
 # does not hold (it lost it): its seq would make half a turn, which `end_lost_turn` then
 # could not end.
+class TurnEventKeys(NamedTuple):
+    """A turn's keys that publishing to it touches."""
+
+    log_key: str
+    channel: str
+    turn_key: str
+
+
+class PublishArgs(NamedTuple):
+    event: str
+    """The event's body (`event_body`)."""
+    log_opts: str
+    """`EventBus.log_arg()`."""
+
+
 PUBLISH_LUA = (
-    f"""
-local open = redis.call('HMGET', KEYS[3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
+    bind_lua(TurnEventKeys, PublishArgs)
+    + f"""
+local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
 local status, last = open[1], tonumber(open[3]) or 0
 if not status or {ended_lua("status")} then
   return {{0, ''}}
 end
 """
-    + publish_lua("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]", "open[2]", "last")
-    + seq_lua("KEYS[3]", "last")
+    + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
+    + seq_lua("turn_key", "last")
     + "return {last, id}"
 )
 
-# The events of many turns in one call: KEYS are three per turn (as for PUBLISH_LUA), ARGV
+# The events of many turns in one call: KEYS are three per turn (TurnEventKeys), ARGV
 # the `log_arg`, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
 # Returns the positions (from 0) of the turns someone follows (the script reads `watchers`
 # anyway, and the stream worker holds back the deltas of a turn nobody watches live), and
 # those of the turns that are over (-1 - position: nothing of theirs was published).
 PUBLISH_MANY_LUA = (
-    f"""
-local a = 2
+    bind_lua((), ("log_opts",), rest="turns")
+    + f"""
+local a = turns_at
 local followed = {{}}
 for t = 0, #KEYS / 3 - 1 do
+  local log_key, channel, turn_key = KEYS[3 * t + 1], KEYS[3 * t + 2], KEYS[3 * t + 3]
   local n = tonumber(ARGV[a])
-  local open = redis.call('HMGET', KEYS[3 * t + 3], 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
+  local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
   local status, last = open[1], tonumber(open[3]) or 0
   if not status or {ended_lua("status")} then
     followed[#followed + 1] = -1 - t
@@ -116,11 +135,11 @@ for t = 0, #KEYS / 3 - 1 do
     if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end
     for i = 1, n do
 """
-    + publish_lua("KEYS[3 * t + 1]", "KEYS[3 * t + 2]", "ARGV[a + i]", "ARGV[1]", "open[2]", "last")
+    + publish_lua("log_key", "channel", "ARGV[a + i]", "log_opts", "open[2]", "last")
     + """
     end
 """
-    + seq_lua("KEYS[3 * t + 3]", "last")
+    + seq_lua("turn_key", "last")
     + """
     a = a + 1 + n
   end
@@ -129,18 +148,27 @@ return followed
 """
 )
 
+
 # A follower marks the turn it follows (by one, again if it saw a live copy missing) and
 # unmarks it when it stops (by as many); a turn Redis does not hold is not created by it.
 # The count is a hint, never below zero: a mark lost (a failover) and then taken back
 # leaves it short, and a follower left unmarked marks again at its next catch-up. A mark
 # is told to the stream workers (WATCH_CHANNEL), which then stop holding the turn's deltas.
-WATCH_LUA = f"""
-if redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local n = redis.call('HINCRBY', KEYS[1], '{WATCHERS_FIELD}', ARGV[1])
-if n <= 0 then redis.call('HDEL', KEYS[1], '{WATCHERS_FIELD}') end
-if tonumber(ARGV[1]) > 0 then redis.call('PUBLISH', '{WATCH_CHANNEL}', ARGV[2]) end
+class WatchArgs(NamedTuple):
+    by: int
+    """1: a follower more; -1 (or less): fewer."""
+    turn_id: str
+
+
+WATCH_LUA = bind_lua(("turn_key",), WatchArgs) + (
+    f"""
+if redis.call('EXISTS', turn_key) == 0 then return false end
+local n = redis.call('HINCRBY', turn_key, '{WATCHERS_FIELD}', by)
+if n <= 0 then redis.call('HDEL', turn_key, '{WATCHERS_FIELD}') end
+if tonumber(by) > 0 then redis.call('PUBLISH', '{WATCH_CHANNEL}', turn_id) end
 return n
 """
+)
 PUBLISH_MANY_EVENTS = 100
 """Events per PUBLISH_MANY_LUA call: Redis runs a script alone, so a batch of a thousand
 would hold every other client for milliseconds."""
@@ -206,10 +234,9 @@ class EventBus:
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
         """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
-        res = self._publish(
-            keys=[log_key(turn_id), events_channel(turn_id), turn_key(turn_id)],
-            args=[event_body(turn_id, type_, fields), self.log_arg()],
-        )
+        keys = TurnEventKeys(log_key(turn_id), events_channel(turn_id), turn_key(turn_id))
+        args = PublishArgs(event_body(turn_id, type_, fields), self.log_arg())
+        res = self._publish(keys=list(keys), args=list(args))
         if int(res[0]):
             self.counted([(type_, fields)])
         return int(res[0])
@@ -217,7 +244,8 @@ class EventBus:
     def watch(self, turn_id: str, by: int) -> bool:
         """Count a follower of the turn in (`by` 1) or out (-1); False if Redis does not hold
         the turn (yet)."""
-        return self._watch(keys=[turn_key(turn_id)], args=[by, turn_id]) is not None
+        args = WatchArgs(by, turn_id)
+        return self._watch(keys=[turn_key(turn_id)], args=list(args)) is not None
 
     def publish_many(self, batches: Mapping[str, list[str]]) -> set[str]:
         """Publish event bodies (`event_body`) of several turns, each turn's in order, in
@@ -238,7 +266,7 @@ class EventBus:
             for turn_id in turn_ids:
                 bodies = batches[turn_id]
                 ids.append(turn_id)
-                keys += [log_key(turn_id), events_channel(turn_id), turn_key(turn_id)]
+                keys += TurnEventKeys(log_key(turn_id), events_channel(turn_id), turn_key(turn_id))
                 args += [len(bodies), *bodies]
                 if len(args) > PUBLISH_MANY_EVENTS:
                     calls.append((ids, keys, args))

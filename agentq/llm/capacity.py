@@ -34,6 +34,7 @@ import redis
 from pydantic import BaseModel, ConfigDict
 
 from agentq.config import Settings
+from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
 from agentq.llm.headers import RateSignal
 from agentq.llm.limits import ModelLimitsEntry, parse_limits
@@ -203,20 +204,23 @@ class Capacity:
 
     def keys(self, model: str) -> list[str]:
         """The model's Redis keys, in the order the scripts take them."""
-        return [f"{self.prefix}:{{{model}}}:{suffix}" for suffix in lua.KEY_SUFFIXES]
+        return [f"{self.prefix}:{{{model}}}:{suffix}" for suffix in inputs.KEY_SUFFIXES]
 
     def _key(self, model: str, suffix: str) -> str:
         return f"{self.prefix}:{{{model}}}:{suffix}"
 
-    def _run(self, script: Any, model: str, now_ms: int | None, *args: object) -> dict[str, Any]:
-        """Run a deciding script on the model's keys; its JSON answer."""
-        argv = [
+    def _run(
+        self, script: Any, model: str, now_ms: int | None, own: tuple[Any, ...] = ()
+    ) -> dict[str, Any]:
+        """Run a deciding script on the model's keys with its own arguments `own` (its
+        NamedTuple); its JSON answer."""
+        argv = inputs.DecidingArgs(
             self._config_of(model),
             "" if now_ms is None else now_ms,
             model,
             secrets.token_hex(8),
-        ]
-        raw = script(keys=self.keys(model), args=[*argv, *args])
+        )
+        raw = script(keys=self.keys(model), args=[*argv, *own])
         out: dict[str, Any] = json.loads(raw)
         return out
 
@@ -237,7 +241,8 @@ class Capacity:
         tokens = max(int(tokens), 0)
         weight = self.owner_weights.get(owner, 1.0)
         cls = "i" if interactive else "b"
-        out = self._run(self._acquire, model, now_ms, waiter, cls, owner, repr(weight), tokens)
+        own = inputs.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
+        out = self._run(self._acquire, model, now_ms, own)
         wakes = _wakes(out, skip=waiter)
         if "g" in out:
             g = out["g"]
@@ -273,7 +278,8 @@ class Capacity:
             return Wakes()
         model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
-        return Wakes(**_wakes(self._run(self._release, model, now_ms, lease_id, used)))
+        own = inputs.ReleaseArgs(lease_id, used)
+        return Wakes(**_wakes(self._run(self._release, model, now_ms, own)))
 
     def renew(
         self, lease: Grant | str, ttl_ms: int | None = None, *, now_ms: int | None = None
@@ -284,14 +290,17 @@ class Capacity:
             return True
         model = _lease_model(lease_id)
         ttl = self.lease_ttl_ms if ttl_ms is None else ttl_ms
-        args = ["", "" if now_ms is None else now_ms, lease_id, ttl]
-        return bool(self._renew(keys=[self._key(model, "leases")], args=args))
+        args = [
+            *inputs.ClockArgs("", "" if now_ms is None else now_ms),
+            *inputs.RenewArgs(lease_id, ttl),
+        ]
+        return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=args))
 
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> tuple[bool, Wakes]:
         """Take an aborted round out of the queue and give back a grant it did not take:
         (whether anything was withdrawn, whom to wake)."""
         # The model is an argument because it names the keys (and the Cluster slot).
-        out = self._run(self._withdraw, model, now_ms, waiter)
+        out = self._run(self._withdraw, model, now_ms, inputs.WithdrawArgs(waiter))
         return bool(out.get("done")), Wakes(**_wakes(out))
 
     def pause(
@@ -308,14 +317,13 @@ class Capacity:
         if (until_ms is None) == (for_ms is None):
             raise ValueError("give one of until_ms, for_ms")
         field = "m" if deployment is None else f"d:{deployment}"
-        args = [
-            "",
-            "" if now_ms is None else now_ms,
+        own = inputs.PauseArgs(
             field,
             "" if until_ms is None else int(until_ms),
             "" if for_ms is None else max(int(for_ms), 0),
-        ]
-        return int(self._pause(keys=[self._key(model, "paused")], args=args))
+        )
+        args = [*inputs.ClockArgs("", "" if now_ms is None else now_ms), *own]
+        return int(self._pause(keys=[self._key(model, inputs.SUFFIX.PAUSE)], args=args))
 
     def note_remaining(
         self, model: str, deployment: str, signal: RateSignal, *, now_ms: int | None = None
@@ -336,16 +344,10 @@ class Capacity:
     ) -> BreakerVerdict:
         """Count a failure (`5xx`, `stall`, `connection`...) of a deployment, opening its
         breaker for a cool-down after `breaker_failures` in a row or a failed probe."""
-        args = [
-            "",
-            "" if now_ms is None else now_ms,
-            deployment,
-            kind,
-            self.breaker_failures,
-            self.breaker_cooldown_ms,
-        ]
+        own = inputs.BreakerArgs(deployment, kind, self.breaker_failures, self.breaker_cooldown_ms)
+        args = [*inputs.ClockArgs("", "" if now_ms is None else now_ms), *own]
         self._failed.add((model, deployment))
-        state = self._breaker(keys=[self._key(model, "breaker")], args=args)
+        state = self._breaker(keys=[self._key(model, inputs.SUFFIX.BRK)], args=args)
         return "open" if state in ("open", b"open") else "closed"
 
     def report_success(
@@ -366,7 +368,7 @@ class Capacity:
         # replicates) nothing. With the hash gone, rounds of a model without limits go
         # without a lease again.
         fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
-        self.redis.hdel(self._key(model, "breaker"), *fields)
+        self.redis.hdel(self._key(model, inputs.SUFFIX.BRK), *fields)
         return "closed"
 
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:

@@ -1,35 +1,46 @@
 """The Lua scripts behind `agentq.llm.capacity`: every decision about a model's capacity is
 one script, so workers racing for the same slot never both get it.
 
-Every script that decides gets the model's keys in the order of `KEY_SUFFIXES` and
-ARGV = [config JSON, now_ms ('' = Redis TIME), model, nonce, ...its own arguments].
+Every script that decides gets the model's keys (`ModelKeys`, in order) and its
+arguments as `DecidingArgs` then its own (`AcquireArgs`, ...); each opens by binding them
+to names (`agentq.events.lua_args.bind_lua`). The scripts on one key (renew, pause, the
+breaker) take that key and `ClockArgs` then their own.
 """
 
 from __future__ import annotations
 
-KEY_SUFFIXES = (
-    "q:i",  # ZSET waiter -> start tag: interactive rounds waiting
-    "q:b",  # ZSET waiter -> start tag: background rounds waiting
-    "q:meta",  # HASH waiter -> {c: class, o: owner, t: tokens, s: last seen ms}
-    "q:ft:i",  # HASH owner -> finish tag of its last interactive round
-    "q:ft:b",  # HASH owner -> finish tag of its last background round
-    "q:state",  # HASH v:i, v:b (virtual times), ic (interactive grants since background)
-    "gcra",  # HASH r, t, r:<dep>, t:<dep> -> theoretical arrival time ms
-    "leases",  # ZSET lease id -> expiry ms
-    "leases:meta",  # HASH lease id -> {d: deployment, t: tokens, w: waiter, p: probe}
-    "inflight",  # HASH deployment -> leases held
-    "grants",  # HASH waiter -> {l: lease, d: deployment, at: ms, t: tokens, k: taken}
-    "paused",  # HASH m | d:<dep> -> paused until ms
-    "breaker",  # HASH f:<dep> failures, o:<dep> open until, p:<dep> probe until, k:<dep> kind
-    "usage",  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests and tokens used
-    "config",  # STRING the model's limits as the last process configured with them sent them
+from typing import NamedTuple
+
+from agentq.events.lua_args import bind_lua
+from agentq.llm.capacity_args import (
+    AcquireArgs,
+    BreakerArgs,
+    ClockArgs,
+    DecidingArgs,
+    ModelKeys,
+    PauseArgs,
+    ReleaseArgs,
+    RenewArgs,
+    WithdrawArgs,
 )
+
+
+def deciding_lua(args: type[NamedTuple] | None = None) -> str:
+    """The opening of a deciding script whose own arguments are `args`."""
+    own = args._fields if args is not None else ()
+    return bind_lua(ModelKeys, (*DecidingArgs._fields, *own))
+
+
+def one_key_lua(key: str, args: type[NamedTuple]) -> str:
+    """The opening of a script on one of the model's keys (`key`, its ModelKeys name)."""
+    return bind_lua((key,), (*ClockArgs._fields, *args._fields))
+
 
 CONFIG_TTL_S = 86_400
 """The fleet's stored limits of a model outlive the last configured caller this long."""
 
 NOW_LUA = """
-local now = tonumber(ARGV[2])
+local now = tonumber(now_arg)
 if not now then
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -42,25 +53,25 @@ once per round would be a write per round; a stored copy Redis lost is back this
 
 CONFIG_LUA = (
     """
-local cfg = cjson.decode(ARGV[1])
+local cfg = cjson.decode(config)
 -- The limits are the fleet's: a process configured with them stores them, and one that
 -- is not (a tool worker stepping a turn inline, a client aborting) decides by them too.
 if cfg.configured then
-  if cfg.store then redis.call('SET', KEYS[15], ARGV[1], 'EX', """
+  if cfg.store then redis.call('SET', CONFIG, config, 'EX', """
     + str(CONFIG_TTL_S)
     + """) end
 else
-  local stored = redis.call('GET', KEYS[15])
+  local stored = redis.call('GET', CONFIG)
   if stored then cfg = cjson.decode(stored) end
 end
 """
 )
 
 # A round that goes at once, on deployment `dep`, without a lease (`at`: the grant's time,
-# or false: the caller's own clock). ARGV[9] is its tokens.
+# or false: the caller's own clock), for `tokens`.
 AT_ONCE_LUA = """
 local function at_once(dep, at)
-  local g = {l = '', d = dep, at = at, t = tonumber(ARGV[9]), k = 1}
+  local g = {l = '', d = dep, at = at, t = tonumber(tokens), k = 1}
   return cjson.encode({g = g, woken = {}, now = at})
 end
 """
@@ -86,15 +97,15 @@ local function unmetered()
   return true
 end
 local quiet = unmetered()
-  and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13], KEYS[12])
-if quiet == 0 then return at_once(cfg.deps[1].n, tonumber(ARGV[2]) or false) end
+  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE)
+if quiet == 0 then return at_once(cfg.deps[1].n, tonumber(now_arg) or false) end
 """
 
 # After UNMETERED_LUA and the clock: only the pause hash was there; its pauses may be over.
 UNMETERED_PAUSED_LUA = """
-if quiet == 1 and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13]) == 0 then
+if quiet == 1 and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK) == 0 then
   local dep = cfg.deps[1].n
-  local p = redis.call('HMGET', KEYS[12], 'm', 'd:' .. dep)
+  local p = redis.call('HMGET', PAUSE, 'm', 'd:' .. dep)
   if (tonumber(p[1]) or 0) <= now and (tonumber(p[2]) or 0) <= now then
     return at_once(dep, now)
   end
@@ -102,10 +113,6 @@ end
 """
 
 HELPERS_LUA = """
-local QI, QB, QM, FTI, FTB, ST, GCRA = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
-local LEASES, LMETA, INFL, GRANTS = KEYS[8], KEYS[9], KEYS[10], KEYS[11]
-local PAUSE, BRK, USE = KEYS[12], KEYS[13], KEYS[14]
-local MODEL, NONCE = ARGV[3], ARGV[4]
 local DEPS = {}
 for _, d in ipairs(cfg.deps) do DEPS[d.n] = d end
 
@@ -272,7 +279,7 @@ end
 
 -- A lease of deployment `d` for waiter `w` (taken: by the caller itself, now).
 local function grant(w, d, probe, tokens, taken, i)
-  local lid = NONCE .. i .. ':' .. MODEL
+  local lid = nonce .. i .. ':' .. model
   local ttl = cfg.grant_ttl_ms
   if taken then ttl = cfg.lease_ttl_ms end
   redis.call('ZADD', LEASES, now + ttl, lid)
@@ -332,17 +339,17 @@ PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 # limits for either goes at once when nothing else is held: the stored config's key is
 # one more of the keys EXISTS counts, instead of a GET of its own before them.
 UNCONFIGURED_LUA = """
-local mine = cjson.decode(ARGV[1])
+local mine = cjson.decode(config)
 if not mine.configured
-  and redis.call('EXISTS', KEYS[1], KEYS[2], KEYS[8], KEYS[11], KEYS[13], KEYS[12], KEYS[15]) == 0
+  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, CONFIG) == 0
 then
-  return at_once(mine.deps[1].n, tonumber(ARGV[2]) or false)
+  return at_once(mine.deps[1].n, tonumber(now_arg) or false)
 end
 """
 
-# ARGV[5..9]: waiter, class (i|b), owner, owner weight, tokens.
 ACQUIRE_LUA = (
-    AT_ONCE_LUA
+    deciding_lua(AcquireArgs)
+    + AT_ONCE_LUA
     + UNCONFIGURED_LUA
     + CONFIG_LUA
     + UNMETERED_LUA
@@ -350,7 +357,7 @@ ACQUIRE_LUA = (
     + UNMETERED_PAUSED_LUA
     + HELPERS_LUA
     + """
-local w = ARGV[5]
+local w = waiter
 purge()
 local raw = redis.call('HGET', GRANTS, w)
 if raw then
@@ -373,14 +380,14 @@ else
   -- through the queue (joining it and leaving it at once leaves the queue as it was:
   -- an empty class has no finish tags, so its virtual time would not move).
   if redis.call('ZCARD', QI) == 0 and redis.call('ZCARD', QB) == 0 then
-    local d, probe = admit(tonumber(ARGV[9]))
+    local d, probe = admit(tonumber(tokens))
     if d then
-      if ARGV[6] == 'b' then redis.call('HSET', ST, 'ic', 0) end
-      local g = grant(w, d, probe, tonumber(ARGV[9]), true, 1)
+      if class_ == 'b' then redis.call('HSET', ST, 'ic', 0) end
+      local g = grant(w, d, probe, tonumber(tokens), true, 1)
       return cjson.encode({g = g, woken = {}, now = now})
     end
   end
-  enqueue(w, ARGV[6], ARGV[7], tonumber(ARGV[8]), tonumber(ARGV[9]))
+  enqueue(w, class_, owner, tonumber(weight), tonumber(tokens))
 end
 local own, woken, head, ready = pump(w)
 local out = {woken = woken, head = head, ready = ready, now = now}
@@ -389,12 +396,12 @@ return cjson.encode(out)
 """
 )
 
-# ARGV[5..6]: lease id, tokens used ('' = unknown).
 RELEASE_LUA = (
-    PRELUDE_LUA
+    deciding_lua(ReleaseArgs)
+    + PRELUDE_LUA
     + """
-local m = drop_lease(ARGV[5])
-local used = tonumber(ARGV[6])
+local m = drop_lease(lease_id)
+local used = tonumber(used)
 if m and used then
   -- The estimate counted against tpm becomes the real usage: the difference is taken or
   -- given back, so a short answer frees what its max_completion_tokens had reserved.
@@ -410,11 +417,11 @@ return cjson.encode({woken = woken, head = head, ready = ready, now = now, done 
 """
 )
 
-# ARGV[5]: waiter.
 WITHDRAW_LUA = (
-    PRELUDE_LUA
+    deciding_lua(WithdrawArgs)
+    + PRELUDE_LUA
     + """
-local w = ARGV[5]
+local w = waiter
 local done = 0
 local raw = redis.call('HGET', QM, w)
 if raw then
@@ -444,7 +451,8 @@ return cjson.encode({woken = woken, head = head, ready = ready, now = now, done 
 )
 
 SNAPSHOT_LUA = (
-    PRELUDE_LUA
+    deciding_lua()
+    + PRELUDE_LUA
     + """
 local b = math.floor(now / 10000)
 local used = {r = 0, t = 0}
@@ -474,58 +482,60 @@ return cjson.encode({
 """
 )
 
-# KEYS[1]: leases. ARGV[3..4]: lease id, ttl ms. An expired lease not yet purged still
-# holds its slot, so renewing it is safe.
+# RENEW_LUA: an expired lease not yet purged still holds its slot, so renewing it is safe.
 RENEW_LUA = (
-    NOW_LUA
+    one_key_lua("LEASES", RenewArgs)
+    + NOW_LUA
     + """
-if not redis.call('ZSCORE', KEYS[1], ARGV[3]) then return 0 end
-redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[4]), ARGV[3])
+if not redis.call('ZSCORE', LEASES, lease_id) then return 0 end
+redis.call('ZADD', LEASES, 'XX', now + tonumber(ttl_ms), lease_id)
 return 1
 """
 )
 
-# KEYS[1]: paused. ARGV[3..5]: field, until ms or '', for ms or ''. Pauses only lengthen,
-# and the hash expires when its last pause ends: a model nobody paused lately has none,
-# which lets its unmetered rounds go without reading the clock (UNMETERED_LUA).
+# PAUSE_LUA: pauses only lengthen, and the hash expires when its last pause ends: a model
+# nobody paused lately has none, which lets its unmetered rounds go without reading the
+# clock (UNMETERED_LUA).
 PAUSE_LUA = (
-    NOW_LUA
+    one_key_lua("PAUSE", PauseArgs)
+    + NOW_LUA
     + """
-local until_ms = tonumber(ARGV[4]) or (now + tonumber(ARGV[5]))
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[3])) or 0
-if until_ms > cur then
-  redis.call('HSET', KEYS[1], ARGV[3], string.format('%d', until_ms))
+local until_at = tonumber(until_ms) or (now + tonumber(for_ms))
+local cur = tonumber(redis.call('HGET', PAUSE, field)) or 0
+if until_at > cur then
+  redis.call('HSET', PAUSE, field, string.format('%d', until_at))
   -- Relative to the script's now, which tests may set: the hash outlives every pause.
-  local ttl = redis.call('PTTL', KEYS[1])
+  local ttl = redis.call('PTTL', PAUSE)
   if ttl == -1 then
     -- A hash from before pauses expired: its latest pause decides.
     ttl = 0
-    for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+    for _, v in ipairs(redis.call('HVALS', PAUSE)) do
       ttl = math.max(ttl, (tonumber(v) or 0) - now)
     end
   end
-  redis.call('PEXPIRE', KEYS[1], math.max(ttl, until_ms - now) + 1)
-  return until_ms
+  redis.call('PEXPIRE', PAUSE, math.max(ttl, until_at - now) + 1)
+  return until_at
 end
 return cur
 """
 )
 
-# KEYS[1]: breaker. ARGV[3..6]: deployment, kind, failures to open, cool-down ms. A success
-# needs no script: it deletes the deployment's fields (`Capacity.report_success`).
+# BREAKER_LUA: a failure counted. A success needs no script: it deletes the deployment's
+# fields (`Capacity.report_success`).
 BREAKER_LUA = (
-    NOW_LUA
+    one_key_lua("BRK", BreakerArgs)
+    + NOW_LUA
     + """
-local d = ARGV[3]
-local fails = redis.call('HINCRBY', KEYS[1], 'f:' .. d, 1)
-redis.call('HSET', KEYS[1], 'k:' .. d, ARGV[4])
-local o = tonumber(redis.call('HGET', KEYS[1], 'o:' .. d))
+local d = deployment
+local fails = redis.call('HINCRBY', BRK, 'f:' .. d, 1)
+redis.call('HSET', BRK, 'k:' .. d, kind)
+local o = tonumber(redis.call('HGET', BRK, 'o:' .. d))
 -- Failures of requests sent before it opened do not lengthen the cool-down.
 if o and o > now then return 'open' end
-if o or fails >= tonumber(ARGV[5]) then
+if o or fails >= tonumber(failures_to_open) then
   -- Tripped, or the half-open probe failed: every worker skips it for a cool-down.
-  redis.call('HSET', KEYS[1], 'o:' .. d, string.format('%d', now + tonumber(ARGV[6])))
-  redis.call('HDEL', KEYS[1], 'p:' .. d)
+  redis.call('HSET', BRK, 'o:' .. d, string.format('%d', now + tonumber(cooldown_ms)))
+  redis.call('HDEL', BRK, 'p:' .. d)
   return 'open'
 end
 return 'closed'

@@ -1,0 +1,101 @@
+"""The inputs of the capacity scripts (`capacity_lua`): the model's keys, in order, and
+each script's arguments, one NamedTuple each, from which `capacity` builds its lists.
+
+Every script that decides gets the model's keys (`ModelKeys`) and `DecidingArgs` then its
+own (`AcquireArgs`, ...); the scripts on one key (renew, pause, the breaker) get that key
+and `ClockArgs` then their own. Each opens by binding them to names (`bind_lua`).
+Imports nothing of agentq: the import chain through capacity stays short.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ModelKeys(NamedTuple):
+    """A model's keys, in the order every deciding script takes them: each field is the
+    name the scripts bind the key to, its default the key's suffix (after
+    `<prefix>:{<model>}:`)."""
+
+    QI: str = "q:i"  # ZSET waiter -> start tag: interactive rounds waiting
+    QB: str = "q:b"  # ZSET waiter -> start tag: background rounds waiting
+    QM: str = "q:meta"  # HASH waiter -> {c: class, o: owner, t: tokens, s: last seen ms}
+    FTI: str = "q:ft:i"  # HASH owner -> finish tag of its last interactive round
+    FTB: str = "q:ft:b"  # HASH owner -> finish tag of its last background round
+    ST: str = "q:state"  # HASH v:i, v:b (virtual times), ic (interactive grants since bg)
+    GCRA: str = "gcra"  # HASH r, t, r:<dep>, t:<dep> -> theoretical arrival time ms
+    LEASES: str = "leases"  # ZSET lease id -> expiry ms
+    LMETA: str = "leases:meta"  # HASH lease id -> {d: deployment, t: tokens, w: waiter, p}
+    INFL: str = "inflight"  # HASH deployment -> leases held
+    GRANTS: str = "grants"  # HASH waiter -> {l: lease, d: deployment, at, t: tokens, k: taken}
+    PAUSE: str = "paused"  # HASH m | d:<dep> -> paused until ms
+    BRK: str = "breaker"  # HASH f:<dep> failures, o: open until, p: probe until, k: kind
+    USE: str = "usage"  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests, tokens used
+    CONFIG: str = "config"  # STRING the model's limits as a configured process last sent them
+
+
+SUFFIX = ModelKeys()
+"""Each key's suffix by its name (`SUFFIX.LEASES`)."""
+KEY_SUFFIXES = tuple(SUFFIX)
+
+
+class ClockArgs(NamedTuple):
+    """The first arguments of every capacity script."""
+
+    config: str
+    """The model's limits (JSON); "" for the scripts on one key, which need none."""
+    now_arg: str | int
+    """The caller's clock (ms); "": Redis TIME."""
+
+
+class DecidingArgs(NamedTuple):
+    """The arguments of every deciding script, before its own."""
+
+    config: str
+    now_arg: str | int
+    model: str
+    nonce: str
+    """Random: makes the lease ids a script hands out unique."""
+
+
+class AcquireArgs(NamedTuple):
+    waiter: str
+    """Unique per round."""
+    class_: str
+    """"i" (interactive) or "b" (background)."""
+    owner: str
+    weight: str
+    """The owner's weight in the fair queue."""
+    tokens: int
+    """The round's estimated tokens."""
+
+
+class ReleaseArgs(NamedTuple):
+    lease_id: str
+    used: str | int
+    """Tokens the round used ("": unknown)."""
+
+
+class WithdrawArgs(NamedTuple):
+    waiter: str
+
+
+class RenewArgs(NamedTuple):
+    lease_id: str
+    ttl_ms: int
+
+
+class PauseArgs(NamedTuple):
+    field: str
+    """"m" (the model) or "d:<deployment>"."""
+    until_ms: str | int
+    """"": use `for_ms`."""
+    for_ms: str | int
+
+
+class BreakerArgs(NamedTuple):
+    deployment: str
+    kind: str
+    """What failed: 5xx, stall, connection..."""
+    failures_to_open: int
+    cooldown_ms: int
