@@ -11,7 +11,9 @@ timed from its start. `abort` is timed from the start of `agentq abort ID` to th
 no worker, so no process holds it and the command takes the abort step itself, as it does
 for any waiting turn. `dev` is the `ready in X s` that `agentq dev --once` prints, with
 its own embedded Redis and free ports; the demo turn it then runs is not counted.
-A goal is met when the median meets it; the worst run is shown beside it.
+A goal is met when the median meets it; the worst run is shown beside it, and the CPU
+time the command's process used (user + system), which a busy machine changes less than
+the wall clock.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import signal
 import statistics
 import subprocess
@@ -48,26 +51,34 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def time_command(args: list[str], runs: int) -> list[float]:
-    """Wall-clock seconds of `agentq ARGS`, once per run; the first run is a warm-up."""
+def children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's children that have ended."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_command(args: list[str], runs: int) -> tuple[list[float], list[float]]:
+    """Wall-clock and CPU seconds of `agentq ARGS`, once per run; the first is a warm-up."""
     # Nothing answers at this URL: a command that only prints must not need Redis.
     env = clean_env(AGENTQ_REDIS_URL="redis://127.0.0.1:1/0")
-    out = []
+    wall, cpu = [], []
     for i in range(runs + 1):
-        t0 = time.perf_counter()
+        cpu0, t0 = children_cpu_s(), time.perf_counter()
         done = subprocess.run(
             [*agentq_argv(), *args], env=env, capture_output=True, stdin=subprocess.DEVNULL
         )
-        took = time.perf_counter() - t0
+        took, used = time.perf_counter() - t0, children_cpu_s() - cpu0
         if done.returncode != 0:
             raise RuntimeError(f"agentq {' '.join(args)}: exit {done.returncode}: {done.stderr!r}")
         if i:
-            out.append(took)
-    return out
+            wall.append(took)
+            cpu.append(used)
+    return wall, cpu
 
 
-def time_abort(runs: int) -> list[float]:
-    """Seconds from starting `agentq abort ID` to the turn's `turn_aborted` event."""
+def time_abort(runs: int) -> tuple[list[float], list[float]]:
+    """Seconds from starting `agentq abort ID` to the turn's `turn_aborted` event, and the
+    CPU seconds of the command's process."""
     from agentq.fleet import runtime
     from agentq.local.redis_server import RedisServer
 
@@ -80,10 +91,10 @@ def time_abort(runs: int) -> list[float]:
 
         client = Client()
         env = clean_env(AGENTQ_REDIS_URL=server.url)
-        out = []
+        wall, cpu = [], []
         for i in range(runs + 1):
             handle = client.start_turn("wait here", headless=True)
-            t0 = time.time()
+            cpu0, t0 = children_cpu_s(), time.time()
             done = subprocess.run(
                 [*agentq_argv(), "abort", handle.turn_id],
                 env=env,
@@ -91,6 +102,7 @@ def time_abort(runs: int) -> list[float]:
                 text=True,
                 stdin=subprocess.DEVNULL,
             )
+            used = children_cpu_s() - cpu0
             if done.returncode != 0:
                 raise RuntimeError(f"agentq abort: exit {done.returncode}: {done.stderr}")
             aborted = next(
@@ -99,8 +111,9 @@ def time_abort(runs: int) -> list[float]:
                 if ev is not None and ev.type == "turn_aborted"
             )
             if i:
-                out.append(aborted.ts - t0)
-        return out
+                wall.append(aborted.ts - t0)
+                cpu.append(used)
+        return wall, cpu
     finally:
         if saved is None:
             os.environ.pop("AGENTQ_REDIS_URL", None)
@@ -143,13 +156,14 @@ def time_dev(runs: int) -> list[float]:
     return out
 
 
-def summarise(samples: dict[str, list[float]]) -> dict[str, Any]:
+def summarise(samples: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, Any]:
     report: dict[str, Any] = {}
     for name, xs in samples.items():
         median = statistics.median(xs)
         report[name] = {
             "median_s": round(median, 3),
             "max_s": round(max(xs), 3),
+            "cpu_median_s": round(statistics.median(cpu[name]), 3) if name in cpu else None,
             "runs": len(xs),
             "goal_s": GOALS_S[name],
             "met": median <= GOALS_S[name],
@@ -158,7 +172,7 @@ def summarise(samples: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def render(report: dict[str, Any]) -> str:
-    lines = [f"{'command':<22}{'median':>9}{'worst':>9}{'goal':>8}  met"]
+    lines = [f"{'command':<22}{'median':>9}{'worst':>9}{'cpu':>8}{'goal':>8}  met"]
     names = {
         "version": "agentq --version",
         "help": "agentq --help",
@@ -166,9 +180,10 @@ def render(report: dict[str, Any]) -> str:
         "dev_ready": "agentq dev --once",
     }
     for key, r in report.items():
+        cpu = "-" if r["cpu_median_s"] is None else f"{r['cpu_median_s']:.3f}s"
         lines.append(
-            f"{names[key]:<22}{r['median_s']:>8.3f}s{r['max_s']:>8.3f}s{r['goal_s']:>7.2f}s  "
-            f"{'yes' if r['met'] else 'NO'}"
+            f"{names[key]:<22}{r['median_s']:>8.3f}s{r['max_s']:>8.3f}s{cpu:>8}"
+            f"{r['goal_s']:>7.2f}s  {'yes' if r['met'] else 'NO'}"
         )
     return "\n".join(lines)
 
@@ -179,14 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dev", type=int, default=0, metavar="N", help="runs of agentq dev --once")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = p.parse_args(argv)
-    samples = {
-        "version": time_command(["--version"], args.runs),
-        "help": time_command(["--help"], args.runs),
-        "abort": time_abort(args.runs),
-    }
+    samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    samples["version"], cpu["version"] = time_command(["--version"], args.runs)
+    samples["help"], cpu["help"] = time_command(["--help"], args.runs)
+    samples["abort"], cpu["abort"] = time_abort(args.runs)
     if args.dev:
         samples["dev_ready"] = time_dev(args.dev)
-    report = summarise(samples)
+    report = summarise(samples, cpu)
     report["load_1m"] = os.getloadavg()[0]
     table = render({k: v for k, v in report.items() if k != "load_1m"})
     table += f"\n(load average {report['load_1m']:.2f} on {os.cpu_count()} CPUs)"
