@@ -12,7 +12,7 @@ from agentq import constants as k
 from agentq.fleet.broker import revoke
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
-from agentq.telemetry import tracing
+from agentq.orchestrator.settle import settle_call
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -63,12 +63,14 @@ def settle_pending(
         if call.id in settled:
             continue
         mine = result_for(call, dispatched.get(call.id, {}))
-        if store.settle(turn_id, mine, wake=False, tracked=call.id in dispatched):
+        tracked = call.id in dispatched
+        _, won = settle_call(
+            store, turn_id, mine, traceparent=traceparent, tracked=tracked, read_winner=False
+        )
+        if won:
             settled[call.id] = mine
-            if tracing.enabled:
-                tracing.record_settled(traceparent, turn_id, mine)
         else:
-            lost_race = True  # a tool's result came first: it is the one kept
+            lost_race = True  # a tool's result came first: it is the one kept, read below
     if lost_race:
         settled, _ = store.round_view(turn_id, [c.id for c in calls])
     # A password answer is read once by its tool; a round that ends must not leave one.

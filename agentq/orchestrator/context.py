@@ -14,8 +14,8 @@ from agentq.errors import StepLost
 from agentq.models import TurnStatus
 from agentq.state.base import RoundRead
 from agentq.state.steplock import Released
-from agentq.state.turns import Closed
 from agentq.state.turn_state import TurnState
+from agentq.state.turns import Closed
 from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:

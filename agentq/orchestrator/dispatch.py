@@ -16,7 +16,7 @@ from agentq.fleet.broker import publish, queue_size, revoke, task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
 from agentq.orchestrator.plan import CallPlan, batches
-from agentq.telemetry import tracing
+from agentq.orchestrator.settle import settle_in_step
 from agentq.tools.results import lost_result
 from agentq.tools.timing import lost_deadline
 
@@ -257,7 +257,6 @@ def _settle_overdue(
 def _settle_lost(
     ctx: StepContext, p: CallPlan, why: str, start: dict[str, Any] | None
 ) -> ToolResult:
-    ctx.flush()  # its tool_finished after what the step staged
     task_id = task_id_for(ctx.turn_id, p.call.id, 1)
     revoke(ctx.app, task_id, terminate=True, signal="SIGKILL")
     lost = lost_result(
@@ -269,9 +268,5 @@ def _settle_lost(
         started_at=None if start is None else start.get("started_at"),
         worker=None if start is None else start.get("worker"),
     )
-    if ctx.store.settle(ctx.turn_id, lost, wake=False):
-        if tracing.enabled:
-            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, lost)
-        return lost
-    # A real result that landed meanwhile wins: keep the one Redis holds.
-    return ctx.store.result(ctx.turn_id, p.call.id) or lost
+    # A real result that landed meanwhile wins: it is the one kept.
+    return settle_in_step(ctx, lost)[0]

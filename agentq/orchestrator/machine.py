@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.agents import all_agents
 from agentq.errors import ConversationNotFound, HeadlessInteraction
-from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, TurnStatus
+from agentq.models import TERMINAL_STATUSES, ToolCall, TurnStatus
 from agentq.orchestrator import admission, conversation, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
@@ -76,9 +76,9 @@ from agentq.orchestrator.plan import (
     plan_call,
     with_safe_call_ids,
 )
+from agentq.orchestrator.settle import settle_in_step
 from agentq.state.base import RoundRead
 from agentq.state.turn_state import TurnState
-from agentq.telemetry import tracing
 from agentq.tools.results import cancelled_result, denied_result, error_result
 
 if TYPE_CHECKING:
@@ -221,15 +221,6 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
     return plans
 
 
-def _settle(ctx: StepContext, result: ToolResult) -> tuple[ToolResult, bool]:
-    ctx.flush()  # its tool_finished after what the step staged (the turn's start)
-    if ctx.store.settle(ctx.turn_id, result, wake=False, tracked=False):
-        if tracing.enabled:
-            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, result)
-        return result, True
-    return ctx.store.result(ctx.turn_id, result.call_id) or result, False
-
-
 def _tools(
     ctx: StepContext, pending: list[ToolCall]
 ) -> tuple[list[dict[str, Any]] | None, float | None]:
@@ -247,9 +238,9 @@ def _tools(
         if cid in settled:
             continue
         if p.refusal is not None:
-            settled[cid], _ = _settle(ctx, p.refused_result())
+            settled[cid], _ = settle_in_step(ctx, p.refused_result(), tracked=False)
         elif cid in decided.denied:
-            settled[cid], won = _settle(ctx, decided.denied[cid])
+            settled[cid], won = settle_in_step(ctx, decided.denied[cid], tracked=False)
             if won:
                 ctx.publish(
                     "tool_denied",

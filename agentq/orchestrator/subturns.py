@@ -20,6 +20,7 @@ from agentq import constants as k
 from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
+from agentq.orchestrator.settle import settle_in_step
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
@@ -110,8 +111,7 @@ def watch(
             started_at=float(rec["dispatched_at"]),
             task_id=child,
         )
-        won = ctx.store.settle(ctx.turn_id, result, wake=False)
-        settled[p.call.id] = result if won else ctx.store.result(ctx.turn_id, p.call.id) or result
+        settled[p.call.id], _ = settle_in_step(ctx, result)
         abort_child(ctx, child, "timeout")
     return next_at
 
@@ -268,7 +268,4 @@ def _from_child(ctx: StepContext, call: ToolCall, child: str, started_at: float)
         )
         content = str(final.get("content") or "")
     error = str(state.get("error") or state.get("abort_reason") or "")
-    result = _result(ctx, call, child, status, content, error, started_at)
-    if ctx.store.settle(ctx.turn_id, result, wake=False):
-        return result
-    return ctx.store.result(ctx.turn_id, call.id) or result
+    return settle_in_step(ctx, _result(ctx, call, child, status, content, error, started_at))[0]

@@ -1,0 +1,57 @@
+"""A turn's step settles a call itself (refused, denied, lost, timed out, cancelled): one
+path, always traced.
+
+The first result stored for a call wins (`TurnStore.settle`): a step that settles a call a
+worker settled meanwhile keeps the worker's. Every place a step gives a call its result
+goes through here, so that rule and its span are written once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from agentq.models import ToolResult
+from agentq.telemetry import tracing
+
+if TYPE_CHECKING:
+    from agentq.orchestrator.context import StepContext
+    from agentq.state.store import TurnStore
+
+
+def settle_call(
+    store: TurnStore,
+    turn_id: str,
+    result: ToolResult,
+    *,
+    traceparent: object,
+    tracked: bool = True,
+    read_winner: bool = True,
+) -> tuple[ToolResult, bool]:
+    """Settle one of the turn's calls from the turn's own step (no wake: the step goes on):
+    the result the call keeps, and whether it is `result`.
+
+    `tracked=False` for a call never recorded as sent (refused, denied). A result stored
+    first wins: it is read back and returned, unless `read_winner` is False (the caller
+    reads the winners of many calls at once) and `result` comes back with False."""
+    if store.settle(turn_id, result, wake=False, tracked=tracked):
+        if tracing.enabled:
+            tracing.record_settled(traceparent, turn_id, result)
+        return result, True
+    if not read_winner:
+        return result, False
+    return store.result(turn_id, result.call_id) or result, False
+
+
+def settle_in_step(
+    ctx: StepContext, result: ToolResult, *, tracked: bool = True
+) -> tuple[ToolResult, bool]:
+    """`settle_call` for the step `ctx`, after what it staged: its tool_finished follows
+    the events the step meant before it."""
+    ctx.flush()
+    return settle_call(
+        ctx.store,
+        ctx.turn_id,
+        result,
+        traceparent=ctx.state.get("traceparent"),
+        tracked=tracked,
+    )
