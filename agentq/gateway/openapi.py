@@ -116,7 +116,8 @@ OPERATIONS: tuple[Operation, ...] = (
               ), errors=("401", "422")),
     Operation("GET", "/v1/turns/active", "Running turns: id, started, current tools, "
               "call count.", "key", errors=("401",)),
-    Operation("GET", "/v1/agents", "The agents the turn workers run: name, model, tools.",
+    Operation("GET", "/v1/agents", "The agents the turn workers run: name, model, tools, "
+              "description, the JSON schema of a typed output.",
               "key", errors=("401",)),
     Operation("GET", "/v1/turns/{turn_id}", "A turn's state, history and invocation "
               "records.", "turn", parameters=(TURN_ID,), errors=("401", "404")),

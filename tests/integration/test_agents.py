@@ -377,7 +377,14 @@ def test_the_gateway_lists_the_agents_with_their_models_and_tools(
         r = http.get("/v1/agents")
     assert r.status_code == 200, r.text
     agents = {a["name"]: a for a in r.json()["agents"]}
-    assert agents["t_echoer"] == {"name": "t_echoer", "model": "model-echoer", "tools": ["echo"]}
+    assert agents["t_echoer"] == {
+        "name": "t_echoer",
+        "model": "model-echoer",
+        "tools": ["echo"],
+        "description": "",
+        "output_schema": None,
+    }
+    assert agents["t_judge"]["output_schema"]["title"] == "Verdict"
     assert {"t_boss", "lead", "researcher"} <= set(agents)
 
 

@@ -95,6 +95,25 @@ def test_agents_are_tools_and_a_call_is_a_turn_of_the_caller(
         assert theirs.status_code == 404
 
 
+def test_a_typed_agent_declares_its_output_schema_and_answers_structured_content(
+    gateway: BackgroundServer, llm_server: Any
+) -> None:
+    key = script(llm_server, Round(text='{"answer": "yes", "confidence": 0.9}'))
+
+    async def go() -> tuple[Any, Any]:
+        async with Session(gateway.url, ALICE) as session:
+            tools = {t.name: t for t in (await session.list_tools()).tools}
+            # The SDK's client checks the answer against this schema.
+            result = await session.call_tool("t_judge", {"input": f"{key} judge"})
+            return tools["t_judge"], result
+
+    tool, result = asyncio.run(go())
+    assert tool.output_schema is not None
+    assert set(tool.output_schema["properties"]) == {"answer", "confidence"}
+    assert not result.is_error, result
+    assert result.structured_content == {"answer": "yes", "confidence": 0.9}
+
+
 def test_a_cancel_aborts_the_turn(gateway: BackgroundServer, llm_server: Any) -> None:
     key = script(
         llm_server,
