@@ -1,11 +1,13 @@
 """Steps: the short `agentq.turn.step` tasks that advance turns, and the sweeper that wakes
 turns whose deadline came or whose worker died.
 
-Two steps of one turn never act at once: a step holds the turn's lock (SET NX PX with a
-token that fences its writes). A wake that finds the lock taken only marks the turn
-dirty; the holder sees the mark when it releases and steps again. A step that dies
-mid-way leaves its lock to lapse and its wakeup to come due: the next step finishes the
-work, since every write it skipped is still to do and every write it made is recorded.
+Two steps of one turn never act at once: a step holds the turn's lock, a field of its
+state hash (constants.STEP_FIELD: a token that fences its writes, and when it lapses),
+taken and let go by the scripts that read the state anyway (state/steplock.py). A wake
+that finds the lock taken only marks the turn dirty; the holder sees the mark when it
+releases and steps again. A step that dies mid-way leaves its lock to lapse and its
+wakeup to come due: the next step finishes the work, since every write it skipped is
+still to do and every write it made is recorded.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Literal
 
 import redis
 from celery import Celery
@@ -37,12 +39,18 @@ from agentq.telemetry.fleetcounts import fleet_counts
 
 log = logging.getLogger("agentq.turn")
 
+StepOutcome = Literal["busy", "unknown", "lost", "ended", "waiting"]
+"""How a step task ended (its result, and its span's `agentq.step_outcome`): "busy"
+another step holds the turn; "unknown" Redis holds no such turn; "lost" its lock lapsed
+and another step took over; "ended" it ended the turn; "waiting" it let go of the turn,
+which waits for a wake or its next deadline."""
+
 PRUNE_EVERY_S = 60.0
 PRUNE_ROUNDS = 10
 PRUNE_BATCH = 500
 
 
-def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings) -> str:
+def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings) -> StepOutcome:
     """Advance one turn as far as it goes now; "busy" if another step holds it."""
     started = time.perf_counter()
     try:
@@ -65,7 +73,7 @@ def take_step(
     store: TurnStore,
     app: Celery,
     settings: Settings,
-) -> str:
+) -> StepOutcome:
     """`run_step` for a step whose lock and view the write that woke the turn already took."""
     started = time.perf_counter()
     try:
@@ -82,7 +90,7 @@ def _step(
     store: TurnStore,
     app: Celery,
     settings: Settings,
-) -> str:
+) -> StepOutcome:
     if not (tracing.enabled or logs.enabled):
         return _steps(turn_id, view, token, ttl_ms, store, app, settings)
     return _observed_steps(turn_id, view, token, ttl_ms, store, app, settings)
@@ -96,7 +104,7 @@ def _observed_steps(
     store: TurnStore,
     app: Celery,
     settings: Settings,
-) -> str:
+) -> StepOutcome:
     """`_steps` with the turn's id bound for the logs and a step span under the turn's."""
     state = view.state or {}
     bound = log_context.bind(turn_id)
@@ -129,7 +137,7 @@ def _steps(
     store: TurnStore,
     app: Celery,
     settings: Settings,
-) -> str:
+) -> StepOutcome:
     while True:
         if view.state is None:
             store.release_step(turn_id, token, None, ttl_ms)
@@ -315,12 +323,12 @@ def register_step_task(
     }
 
     @app.task(name=k.TASK_STEP, queue=k.QUEUE_TURNS, **options)
-    def step_task(turn_id: str) -> str:
+    def step_task(turn_id: str) -> StepOutcome:
         return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
 
     # A new turn's first step, which sends a model round: a stream worker takes it and
     # streams that round itself, as if it had been delivered (one delivery, not two).
     @app.task(name=k.TASK_LLM_START, queue=k.QUEUE_LLM, **options)
-    def first_step_task(turn_id: str) -> str:
+    def first_step_task(turn_id: str) -> StepOutcome:
         with rounds_here(submit_round):
             return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
