@@ -84,6 +84,8 @@ class McpTools:
         """Told of tools a listing added after start (the I/O worker registers their tasks)."""
         self._looked = 0.0
         self._busy = threading.Lock()
+        self._apply_lock = threading.RLock()
+        self._listing_now: set[str] = set()
 
     # -- listings
 
@@ -108,13 +110,38 @@ class McpTools:
             self._busy.release()
 
     def _bring_up_to_date(self, *, force: bool) -> None:
+        """At start (`force`) a missing or stale listing is made (or awaited) here; later it
+        is made on a thread of its own, so the turn step that reads the registry never
+        waits for a server, and the listing so far serves until the new one is in."""
         shared = self._read()
         for name, server in self.servers.items():
             listing = shared.get(name)
             if listing is None or self._stale(listing):
-                listing = self._list_here(server, listing, wait=force) or listing
+                if force:
+                    listing = self._list_here(server, listing, wait=True) or listing
+                else:
+                    self._list_in_background(server, listing)
             if listing is not None and (force or listing.listed_at > self.applied.get(name, -1)):
                 self.apply(name, listing)
+
+    def _list_in_background(self, server: McpServer, previous: Listing | None) -> None:
+        with self._apply_lock:
+            if server.name in self._listing_now:
+                return
+            self._listing_now.add(server.name)
+
+        def run() -> None:
+            try:
+                listing = self._list_here(server, previous, wait=False)
+                if listing is not None:
+                    self.apply(server.name, listing)
+            except Exception as exc:
+                log.warning("MCP server %s: tools not listed: %s", server.name, explain(exc))
+            finally:
+                with self._apply_lock:
+                    self._listing_now.discard(server.name)
+
+        threading.Thread(target=run, name=f"agentq-mcp-list-{server.name}", daemon=True).start()
 
     def _stale(self, listing: Listing) -> bool:
         age_s = time.time() - listing.listed_at
@@ -190,6 +217,10 @@ class McpTools:
     def apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         """Put the listing's tools (those the allowlist keeps) in the registry, in place of
         the server's earlier ones; returns the tools that were not there before."""
+        with self._apply_lock:
+            return self._apply(name, listing)
+
+    def _apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         self.applied[name] = listing.listed_at
         server = self.servers[name]
         specs: dict[str, McpToolSpec] = {}

@@ -161,3 +161,43 @@ def test_agents_name_the_servers_their_turns_may_use(mcp_tools: McpTools) -> Non
     finally:
         for name in ("mcp_every", "mcp_only_fs", "mcp_one"):
             unregister_agent(name)
+
+
+def test_a_stale_listing_is_made_again_off_the_thread_that_reads_the_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import threading
+    import time
+
+    import fakeredis
+
+    from agentq import constants as k
+    from agentq.mcp import catalog
+
+    redis = fakeredis.FakeRedis()
+    redis.hset(k.MCP_TOOLS, "gh", Listing(time.time() - 1000, [listed("a")]).to_json())
+    release = threading.Event()
+
+    def slow_listing(make: Any, timeout_s: float) -> list[ListedTool]:
+        release.wait(10)
+        return [listed("a"), listed("b")]
+
+    monkeypatch.setattr(catalog, "_run_async", slow_listing)
+    tools = McpTools(parse_servers(servers(gh={"command": ["x"]})), 300.0, lambda: redis)
+    try:
+        began = time.monotonic()
+        tools.refresh()
+        # The stale listing serves at once; the new one is being made on another thread.
+        assert time.monotonic() - began < 1
+        assert "gh__a" in registry.all_tools() and "gh__b" not in registry.all_tools()
+        release.set()
+        deadline = time.monotonic() + 5
+        while "gh__b" not in tools.registered["gh"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        shared = Listing.from_json(redis.hget(k.MCP_TOOLS, "gh"))
+        assert [t.name for t in shared.tools] == ["a", "b"]
+    finally:
+        for names in tools.registered.values():
+            for n in names:
+                registry.unregister(n)
