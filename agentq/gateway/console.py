@@ -12,6 +12,7 @@ admin key (or that token).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import Forbidden, TurnNotFound
+from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
 from agentq.gateway.errors import ApiError, validation_error
 from agentq.gateway.validate import read_json
+from agentq.mcp.catalog import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.timeline import timeline
@@ -120,7 +123,12 @@ class Console:
     async def capacity(self, request: Request) -> Response:
         self.gw.require_admin_read(request)
         snapshots = await run_in_threadpool(self.gw.read_capacity)
-        return JSONResponse(capacity_view(self.gw.capacity, snapshots), headers=NO_STORE)
+        body = capacity_view(self.gw.capacity, snapshots)
+        # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors: admins only.
+        body["mcp_servers"] = await run_in_threadpool(
+            functools.partial(server_health, get_redis(self.gw.client.settings), detail=True)
+        )
+        return JSONResponse(body, headers=NO_STORE)
 
     async def abort(self, request: Request) -> Response:
         principal = self._operator(request)

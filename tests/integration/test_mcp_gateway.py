@@ -25,12 +25,12 @@ from tests.helpers import script
 
 pytestmark = pytest.mark.integration
 
-ALICE, BOB = "alice-key-0123456789", "bob-key-0123456789"
+ALICE, BOB, ADMIN = "alice-key-0123456789", "bob-key-0123456789", "admin-key-0123456789"
 
 
 @pytest.fixture(scope="module")
 def gateway(fleet: Any, agentq_env: dict[str, str]) -> Iterator[BackgroundServer]:
-    settings = load_settings(api_keys=f"alice={ALICE},bob={BOB}")
+    settings = load_settings(api_keys=f"alice={ALICE},bob={BOB}", admin_keys=f"root={ADMIN}")
     with BackgroundServer(create_app(Client(settings))) as server:
         yield server
 
@@ -167,11 +167,16 @@ def test_healthz_shows_mcp_servers_without_their_errors(gateway: BackgroundServe
     redis.hset(k.MCP_HEALTH, "broken", json.dumps(entry))
     try:
         body = httpx.get(gateway.url + "/healthz").json()
+        admin = httpx.get(
+            gateway.url + "/v1/capacity", headers={"Authorization": f"Bearer {ADMIN}"}
+        ).json()
     finally:
         redis.hdel(k.MCP_HEALTH, "broken")
     assert body["ok"] is True
     assert body["mcp"]["broken"] == {"ok": False, "failures": 3, "at": 1.0}
     assert "secret detail" not in json.dumps(body)
+    # The console's panel (admins only) shows the error too.
+    assert admin["mcp_servers"]["broken"]["error"] == "secret detail"
 
 
 def test_mcp_needs_a_key_and_a_session_is_its_maker_s(gateway: BackgroundServer) -> None:

@@ -343,6 +343,24 @@ function capacityItem(m) {
   return li;
 }
 
+// The MCP servers of AGENTQ_MCP_SERVERS, as the I/O workers last found them: a server that
+// keeps failing shows its failures in a row and its last error (admins only, as above).
+function renderMcpServers(servers) {
+  const names = Object.keys(servers).sort();
+  q("#mcp-title").hidden = q("#mcp-servers").hidden = names.length === 0;
+  q("#mcp-servers").replaceChildren(...names.map((name) => {
+    const s = servers[name];
+    const li = el("li", "mcp-server");
+    li.dataset.ok = String(Boolean(s.ok));
+    li.append(el("strong", "", name), el("span", "", s.ok ? " ok" : " failing"));
+    if (!s.ok) {
+      li.append(el("span", "muted", " · " + s.failures + " in a row"));
+      if (s.error) li.append(el("div", "muted", s.error));
+    }
+    return li;
+  }));
+}
+
 // Admin keys only (like /metrics): another key sees a note, not an error, and is not
 // refused again every second (until the page uses another key).
 async function refreshCapacity() {
@@ -371,6 +389,7 @@ async function refreshCapacity() {
   }
   const body = await res.json();
   q("#capacity").replaceChildren(...body.models.map(capacityItem));
+  renderMcpServers(body.mcp_servers || {});
   note.dataset.state = "ok";
   note.textContent = body.models.length ? "" : "No model known yet.";
 }
