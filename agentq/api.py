@@ -80,9 +80,11 @@ class Client:
         from agentq.fleet.runtime import get_app, get_store
 
         self.settings = settings or get_settings()
-        self.store: TurnStore = get_store(self.settings)
+        self._store: TurnStore = get_store(self.settings)
+        """The fleet's store, for agentq's own processes that hold a Client (the gateway,
+        the CLI); not part of the public API."""
         self.app = app or get_app()
-        self.interactions = Interactions(self.store)
+        self.interactions = Interactions(self._store)
         s = self.settings
         self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
         if self.traced:
@@ -151,7 +153,7 @@ class Client:
     ) -> TurnHandle:
         """Queue a turn owned by the key name `owner` (None: no key); see `start_turn`."""
         return start_turn(
-            self.store,
+            self._store,
             self.app,
             self.settings,
             req,
@@ -167,7 +169,7 @@ class Client:
 
     def check_token(self, turn_id: str, token: str | None) -> TurnState:
         """The turn's state if `token` is its token; constant-time comparison."""
-        state = self.store.state(turn_id)
+        state = self._store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
         expected = str(state.get("token_sha256", ""))
@@ -184,7 +186,7 @@ class Client:
         (the `agentq abort` command), which could do anything to the turn anyway.
         """
         if operator:
-            state = self.store.state(turn_id) or TurnState()
+            state = self._store.state(turn_id) or TurnState()
             if not state:
                 raise TurnNotFound(turn_id)
         else:
@@ -195,15 +197,15 @@ class Client:
 
     def _abort(self, turn_id: str, reason: str) -> None:
         # Flag, notice and the children in one round trip: abort latency is user-facing.
-        children = self.store.flag_cancel(turn_id, reason)
+        children = self._store.flag_cancel(turn_id, reason)
         for child in children:
-            if self.store.status(child) not in TERMINAL_STATUSES:
+            if self._store.status(child) not in TERMINAL_STATUSES:
                 self._abort(child, reason)
         # The abort is a step like any other: taken here at once when no step holds the
         # turn, else by the step that holds it, which sees the flag when it releases.
-        if not self.store.wake_here(turn_id):
+        if not self._store.wake_here(turn_id):
             return
-        run_step(turn_id, store=self.store, app=self.app, settings=self.settings)
+        run_step(turn_id, store=self._store, app=self.app, settings=self.settings)
 
     def answer(
         self,
@@ -220,7 +222,7 @@ class Client:
         `operator=True` skips the token, as for `abort` (the `agentq answer` command).
         """
         if operator:
-            if self.store.state(turn_id) is None:
+            if self._store.state(turn_id) is None:
                 raise TurnNotFound(turn_id)
         else:
             self.check_token(turn_id, token)
@@ -233,7 +235,7 @@ class Client:
     # -- reading -----------------------------------------------------------------------
 
     def get(self, turn_id: str) -> TurnView:
-        whole = self.store.snapshot(turn_id)
+        whole = self._store.snapshot(turn_id)
         if whole is None:
             raise TurnNotFound(turn_id)
         state = cast(TurnState, {f: v for f, v in whole.state.items() if f not in _HIDDEN})
@@ -248,7 +250,7 @@ class Client:
         """The typed output of a finished turn whose agent declares an `output_type`: its
         JSON value, or validated as `output_type` (pass the agent's model). None when the
         turn has none (no output type, or it did not finish with an answer)."""
-        state = self.store.state(turn_id)
+        state = self._store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
         value = state.get("output")
@@ -259,14 +261,14 @@ class Client:
     def active(self) -> list[ActiveTurn]:
         """The open turns, oldest first, with the calls each has out."""
         out: list[ActiveTurn] = []
-        for turn_id in self.store.active():
-            state = self.store.state(turn_id)
+        for turn_id in self._store.active():
+            state = self._store.state(turn_id)
             if state is None or state.get("status") in TERMINAL_STATUSES:
                 continue
-            results = self.store.results(turn_id)
+            results = self._store.results(turn_id)
             running: list[RunningCall] = [
                 {"call_id": cid, "tool": d.get("tool")}
-                for cid, d in self.store.dispatches(turn_id).items()
+                for cid, d in self._store.dispatches(turn_id).items()
                 if cid not in results
             ]
             out.append(
@@ -299,7 +301,7 @@ class Client:
         The caller is its owner's key name, or holds its conversation token; `operator`
         (an admin key, a holder of Redis credentials) may read any. Anyone else, and an
         unknown id: ConversationNotFound."""
-        convs = conversations(self.store)
+        convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
         return convs.view(conversation_id).public()
 
@@ -312,7 +314,7 @@ class Client:
         before: float | None = None,
     ) -> list[dict[str, Any]]:
         """The caller's conversations (every one for an operator), most recent first."""
-        return conversations(self.store).listing(
+        return conversations(self._store).listing(
             owner=owner, any_owner=operator, limit=limit, before=before
         )
 
@@ -325,11 +327,11 @@ class Client:
         operator: bool = False,
     ) -> list[str]:
         """Abort the conversation's running and queued turns and remove it; returns them."""
-        convs = conversations(self.store)
+        convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
         turns = convs.delete(conversation_id)
         for turn_id in turns:
-            if self.store.status(turn_id) not in (None, *TERMINAL_STATUSES):
+            if self._store.status(turn_id) not in (None, *TERMINAL_STATUSES):
                 self._abort(turn_id, "user")
         return turns
 
@@ -347,14 +349,14 @@ class Client:
         each with `path`. `after_id` is an event's `cursor` (or a stream id) to resume
         after; None is yielded every `heartbeat_s` of silence.
         """
-        if self.store.state(turn_id) is None:
+        if self._store.state(turn_id) is None:
             raise TurnNotFound(turn_id)
-        return follow(self.store.bus, turn_id, after=after_id, heartbeat_s=heartbeat_s, depth=depth)
+        return follow(self._store.bus, turn_id, after=after_id, heartbeat_s=heartbeat_s, depth=depth)
 
     def wait(self, turn_id: str, timeout_s: float = 300.0) -> Event:
         """Block until the turn ends; return its terminal event."""
         deadline = time.monotonic() + timeout_s
-        for ev in follow(self.store.bus, turn_id, heartbeat_s=1.0):
+        for ev in follow(self._store.bus, turn_id, heartbeat_s=1.0):
             if ev is not None and ev.type in TERMINAL_TYPES:
                 return ev
             if time.monotonic() > deadline:

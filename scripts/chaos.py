@@ -344,12 +344,12 @@ def all_turns(client: Client, roots: list[str]) -> list[str]:
         if tid in seen:
             continue
         seen.append(tid)
-        todo.extend(client.store.children(tid))
+        todo.extend(client._store.children(tid))
     return seen
 
 
 def check_invariants(client: Client, turns: list[str], runs_file: Path) -> list[Check]:
-    store = client.store
+    store = client._store
     ended, one_result, once, gapless, closed = (
         Check("every turn ended"),
         Check("every call has exactly one result"),
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         client = Client()
         turns = all_turns(client, list(tally.turns))
         while time.monotonic() < deadline:
-            if all(client.store.status(t) in ENDED for t in turns):
+            if all(client._store.status(t) in ENDED for t in turns):
                 break
             time.sleep(1.0)
         drained_s = time.monotonic() - (deadline - args.drain_s)

@@ -29,7 +29,7 @@ def resolve_turn_id(client: Client, given: str) -> str:
 
     if len(given) == TURN_ID_LEN:
         return given
-    matches, more = find_turn_ids(client.store.redis, given, limit=MATCHES_SHOWN)
+    matches, more = find_turn_ids(client._store.redis, given, limit=MATCHES_SHOWN)
     if len(matches) == 1 and not more:
         return matches[0]
     if matches:
@@ -41,7 +41,7 @@ def ambiguity_text(client: Client, exc: AmbiguousTurnId) -> str:
     """What the command prints: the matches, newest first, with their status and agent."""
     from agentq.state.listing import TurnLister
 
-    rows = TurnLister(client.store.redis).summaries(exc.matches)
+    rows = TurnLister(client._store.redis).summaries(exc.matches)
     lines = [f"agentq: {exc}; the candidates:"]
     for turn_id in exc.matches:
         row = rows.get(turn_id, {})

@@ -92,7 +92,7 @@ def cmd_turns(
     watch: float | None,
 ) -> int:
     """Print the list once (a table or JSON), or redraw it every `watch` seconds until Ctrl-C."""
-    lister = TurnLister(client.store.redis)
+    lister = TurnLister(client._store.redis)
     try:
         query = TurnQuery.parse(status=status, agent=agent, limit=limit)
     except ValueError as exc:
@@ -198,15 +198,15 @@ def webhook_view(client: Client, turn_id: str) -> dict[str, Any] | None:
     """The turn's webhook delivery and its attempts, if it has one."""
     from agentq.webhooks.deliveries import Deliveries
 
-    return Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s).of_turn(turn_id)
+    return Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s).of_turn(turn_id)
 
 
 def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
-    state = client.store.state(turn_id)
+    state = client._store.state(turn_id)
     if state is None:
         raise TurnNotFound(turn_id)
-    rows = TurnLister(client.store.redis).summaries([turn_id])
-    view = timeline(client.store, turn_id, state)
+    rows = TurnLister(client._store.redis).summaries([turn_id])
+    view = timeline(client._store, turn_id, state)
     summary = rows.get(turn_id, {})
     summary.pop("_state", None)
     view["turn"] = summary

@@ -120,7 +120,7 @@ class Gateway:
         self.keyring = keyring
         settings = client.settings
         self.limits = StartLimits(
-            client.store.redis,
+            client._store.redis,
             rate_per_s=settings.start_rate_per_s,
             burst=settings.start_burst,
             max_active=settings.max_active_turns_per_key,
@@ -132,7 +132,7 @@ class Gateway:
         self.poll_s = poll_s
         self.metrics = GatewayMetrics()
         # Reads only (snapshots); a bad AGENTQ_LLM_LIMITS stops the gateway at start.
-        self.capacity = capacity_for(client.store.redis, settings)
+        self.capacity = capacity_for(client._store.redis, settings)
         # Open streams hold a thread each; their own limiter keeps REST calls answering.
         self.stream_limiter = anyio.CapacityLimiter(max_streams)
         self.body_limit_bytes = client.settings.max_prompt_bytes + BODY_MARGIN_BYTES
@@ -167,7 +167,7 @@ class Gateway:
 
     def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
         """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
-        state = self.client.store.state(turn_id)
+        state = self.client._store.state(turn_id)
         if state is None or not may_access(state, principal, token):
             raise TurnNotFound(turn_id)
         return state
@@ -235,7 +235,7 @@ class Gateway:
 
     async def agents(self, request: Request) -> Response:
         self.require_key(request)
-        agents = await run_in_threadpool(published_agent_details, self.client.store.redis)
+        agents = await run_in_threadpool(published_agent_details, self.client._store.redis)
         return JSONResponse({"agents": agents})
 
     async def active(self, request: Request) -> Response:
@@ -365,7 +365,7 @@ class Gateway:
             # Only the turn's token attaches: a key reading along never aborts on leaving.
             owner = token_matches(state, token) and not state.get("detach")
         else:
-            found = self.client.store.state(turn_id)
+            found = self.client._store.state(turn_id)
             if found is None:
                 raise TurnNotFound(turn_id)
             state = found
@@ -374,8 +374,8 @@ class Gateway:
                 owner = not state.get("detach")
         # Relayed sub-agents are read with the parent's authorization: the follower opens
         # only streams of turns below this one (a cursor naming any other is ignored).
-        after.root = clamp_to_log(self.client.store.redis, turn_id, after.root)
-        bus = self.client.store.bus
+        after.root = clamp_to_log(self.client._store.redis, turn_id, after.root)
+        bus = self.client._store.bus
         if state.get("status") in TERMINAL_STATUSES:
             if not bus.replay(turn_id, after.root, count=1):
                 return None
@@ -405,12 +405,12 @@ class Gateway:
                 # Abandoned on timeout: a hung socket must not hang the health check.
                 ok = bool(
                     await anyio.to_thread.run_sync(
-                        self.client.store.redis.ping, abandon_on_cancel=True
+                        self.client._store.redis.ping, abandon_on_cancel=True
                     )
                 )
                 # MCP servers (AGENTQ_MCP_SERVERS) that keep failing show here, not as 503.
                 mcp = await anyio.to_thread.run_sync(
-                    server_health, self.client.store.redis, abandon_on_cancel=True
+                    server_health, self.client._store.redis, abandon_on_cancel=True
                 )
             except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
@@ -440,11 +440,11 @@ class Gateway:
 
     def read_capacity(self) -> list[dict[str, Any]]:
         """The capacity snapshot of every model the gateway knows (agentq.gateway.capacity)."""
-        return read_snapshots(self.capacity, self.client.settings, self.client.store.redis)
+        return read_snapshots(self.capacity, self.client.settings, self.client._store.redis)
 
     def read_webhooks(self) -> tuple[dict[str, int], int | None]:
         """The fleet's webhook counters and backlog, for /metrics."""
-        d = Deliveries(self.client.store.redis, retention_s=self.client.settings.state_ttl_s)
+        d = Deliveries(self.client._store.redis, retention_s=self.client.settings.state_ttl_s)
         return d.counts(), d.backlog()
 
     async def metrics_page(self, request: Request) -> Response:
@@ -456,7 +456,7 @@ class Gateway:
             try:
                 active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
                 self.metrics.fleet.counts = await anyio.to_thread.run_sync(
-                    read_counts, self.client.store.redis, abandon_on_cancel=True
+                    read_counts, self.client._store.redis, abandon_on_cancel=True
                 )
                 capacity = await anyio.to_thread.run_sync(
                     self.read_capacity, abandon_on_cancel=True

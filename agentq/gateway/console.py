@@ -46,9 +46,9 @@ class Console:
 
     def __init__(self, gw: RouteContext) -> None:
         self.gw = gw
-        self.lister = TurnLister(gw.client.store.redis)
+        self.lister = TurnLister(gw.client._store.redis)
         self.deliveries = Deliveries(
-            gw.client.store.redis, retention_s=gw.client.settings.state_ttl_s
+            gw.client._store.redis, retention_s=gw.client.settings.state_ttl_s
         )
 
     def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
@@ -68,7 +68,7 @@ class Console:
         return principal
 
     def _state(self, turn_id: str, principal: Principal | None) -> TurnState:
-        state = self.gw.client.store.state(turn_id)
+        state = self.gw.client._store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
         if self.gw.keyring.enabled and not may_access(state, principal, None):
@@ -102,7 +102,7 @@ class Console:
             raise TurnNotFound(turn_id)
         summary = rows[turn_id]
         summary.pop("_state", None)
-        view = timeline(self.gw.client.store, turn_id, state)
+        view = timeline(self.gw.client._store, turn_id, state)
         view["turn"] = summary
         view["webhook"] = self.deliveries.of_turn(turn_id)
         return view

@@ -36,7 +36,7 @@ class Jobs:
         self.gw = gw
         client = gw.client
         self._schedules: Schedules | None = None
-        self.deliveries = Deliveries(client.store.redis, retention_s=client.settings.state_ttl_s)
+        self.deliveries = Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s)
 
     @property
     def schedules(self) -> Schedules:
@@ -44,7 +44,7 @@ class Jobs:
         answer with the ConfigError that says why they cannot run there."""
         if self._schedules is None:
             c = self.gw.client
-            self._schedules = Schedules(c.app, c.store.redis, c.settings)
+            self._schedules = Schedules(c.app, c._store.redis, c.settings)
         return self._schedules
 
     def _admin(self, request: Request) -> Principal | None:

@@ -213,7 +213,7 @@ class McpEndpoint:
     async def _list_tools(self, ctx: Any, params: Any) -> Any:
         from mcp.types import ListToolsResult, Tool
 
-        agents = await run_in_threadpool(published_agent_details, self.gw.client.store.redis)
+        agents = await run_in_threadpool(published_agent_details, self.gw.client._store.redis)
         tools = [
             Tool(
                 name=a["name"],
@@ -233,7 +233,7 @@ class McpEndpoint:
         prompt = (params.arguments or {}).get("input")
         if not isinstance(prompt, str) or not prompt.strip():
             return _error('expected {"input": "<the task, a non-empty string>"}')
-        known = await run_in_threadpool(published_agent_details, self.gw.client.store.redis)
+        known = await run_in_threadpool(published_agent_details, self.gw.client._store.redis)
         if params.name not in {a["name"] for a in known}:
             return _error(f"unknown agent {params.name!r}")
         request = getattr(ctx, "request", None)
@@ -283,7 +283,7 @@ class McpEndpoint:
     async def _follow(self, ctx: Any, handle: TurnHandle) -> Event:
         """Relay the turn's events as progress until its terminal event."""
         events: Iterator[Event | None] = follow(
-            self.gw.client.store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S
+            self.gw.client._store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S
         )
         started = time.time()
         sent = 0

@@ -150,4 +150,4 @@ class Rig:
 
     def log_events(self, turn_id: str) -> list[Event]:
         """The whole replay log of a turn."""
-        return self.client.store.bus.replay(turn_id, "0-0", count=100_000)
+        return self.client._store.bus.replay(turn_id, "0-0", count=100_000)

@@ -66,7 +66,7 @@ def _start_turns(rig: Rig) -> list[str]:
 
 
 def _statuses(rig: Rig, ids: list[str]) -> list[str | None]:
-    pipe = rig.client.store.redis.pipeline()
+    pipe = rig.client._store.redis.pipeline()
     for tid in ids:
         pipe.hget(k.turn_key(tid), "status")
     return [None if s is None else json.loads(s) for s in pipe.execute()]
@@ -76,7 +76,7 @@ def _outage_under_load(rig: Rig, outage: Callable[[], None]) -> None:
     ids = _start_turns(rig)
     # Mid-flight: some turns have calls running, others still wait for their first step.
     wait_for(
-        lambda: sum(bool(rig.client.store.results(t)) for t in ids) >= 3,
+        lambda: sum(bool(rig.client._store.results(t)) for t in ids) >= 3,
         60,
         message="the first results",
     )
@@ -107,7 +107,7 @@ def _outage_under_load(rig: Rig, outage: Callable[[], None]) -> None:
 
 def _explain(rig: Rig, ids: list[str]) -> str:
     """What a test failure needs to know of these turns: state, wakeup, last events."""
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     lines = []
     for tid in ids:
         state = {kk.decode(): v.decode()[:200] for kk, v in redis.hgetall(k.turn_key(tid)).items()}
@@ -167,7 +167,7 @@ def test_calls_a_worker_held_unstarted_go_back_when_the_broker_returns(
     broker = redis.Redis.from_url(broker_redis.url)
     # One call runs; the other three left the queue for the worker, which holds them.
     wait_for(
-        lambda: len(rig.client.store.starts(turn_id)) == 1 and broker.llen(k.QUEUE_TOOLS) == 0,
+        lambda: len(rig.client._store.starts(turn_id)) == 1 and broker.llen(k.QUEUE_TOOLS) == 0,
         30,
         message="one call running, three held by the worker",
     )
@@ -201,7 +201,7 @@ def test_turn_started_while_the_broker_is_down_runs_when_it_is_back(
     rabbit.stop(keep_data=True)
     # Starting a turn does not fail: it is stored, and its wakeup is the message not sent.
     handle = rig.client.start_turn(key)
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     wake = redis.zscore(k.WAKEUPS, handle.turn_id)
     assert wake is not None and wake <= time.time() + 2, wake
     assert _statuses(rig, [handle.turn_id]) == ["queued"]

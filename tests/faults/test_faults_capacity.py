@@ -82,7 +82,7 @@ def test_an_abort_takes_a_queued_round_out_at_once(make_rig) -> None:  # type: i
     second = rig.client.start_turn(rig.script(Round(text="never streamed")))
     queued = wait_event(rig.client, second.turn_id, "llm_queued")
     assert queued.fields["position"] == 1
-    cap = capacity_for(rig.client.store.redis, load_settings())
+    cap = capacity_for(rig.client._store.redis, load_settings())
     assert cap.snapshot(MODEL)["queued"]["interactive"] == 1
     asked = time.monotonic()
     rig.client.abort(second.turn_id, second.token)
@@ -173,6 +173,6 @@ def test_a_round_that_waits_past_the_turns_limit_fails_it_clearly(make_rig) -> N
     assert "model capacity" in end.fields["error"]
     queued = _first(events, "llm_queued")
     assert 1.0 <= end.ts - queued.ts < 10
-    cap = capacity_for(rig.client.store.redis, load_settings())
+    cap = capacity_for(rig.client._store.redis, load_settings())
     assert cap.snapshot(MODEL)["queued"]["interactive"] == 0
     assert rig.collect(first.turn_id, timeout_s=30)[-1].type == "turn_finished"

@@ -96,7 +96,7 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
     ] == ["The facts."]
 
     # The listing merges every shard's index, newest first, and pages across them.
-    lister = TurnLister(rig.client.store.redis)
+    lister = TurnLister(rig.client._store.redis)
     everyone = {lead.turn_id, child, *ids}
     page = lister.page(TurnQuery(limit=5))
     seen = [t["turn_id"] for t in page.turns]
@@ -106,7 +106,7 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
     assert set(seen) == everyone and len(seen) == len(everyone)
     created = [rig.client.get(t)["state"]["created_at"] for t in seen]
     assert created == sorted(created, reverse=True)
-    assert rig.client.store.active() == []
+    assert rig.client._store.active() == []
 
     # The gateway on the cluster: a turn over HTTP, its events over SSE (a shard channel),
     # the active list and the fleet's metrics.
@@ -154,7 +154,7 @@ def test_aborts_and_approvals_on_a_cluster(make_rig) -> None:
 
     req = wait_event(rig.client, approved.turn_id, "interaction_requested")
     # The console's list of pending interactions reads every shard's running turns.
-    pending = TurnLister(rig.client.store.redis).pending_interactions()
+    pending = TurnLister(rig.client._store.redis).pending_interactions()
     assert req.fields["request_id"] in {p["request_id"] for p in pending}
     rig.client.answer(approved.turn_id, req.fields["request_id"], approved.token, "approve")
 
@@ -176,7 +176,7 @@ def test_aborts_and_approvals_on_a_cluster(make_rig) -> None:
     assert "interaction_timed_out" in types and types[-1] == "turn_finished", types
     tool_msg = next(m for m in rig.client.get(quick.turn_id)["history"] if m["role"] == "tool")
     assert json.loads(tool_msg["content"])["status"] == "denied"
-    assert rig.client.store.active() == []
+    assert rig.client._store.active() == []
 
 
 def test_a_master_killed_mid_turn_loses_nothing(make_rig, tmp_path: Path) -> None:
@@ -204,7 +204,7 @@ def test_a_master_killed_mid_turn_loses_nothing(make_rig, tmp_path: Path) -> Non
     on_dead = [t for t in ids if before[t] == dead.port]
     assert ids[0] in on_dead and rig.redis_cluster.master_of(k.turn_key(ids[0])) is not dead
 
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
 
     def ended() -> bool:
         return all(json.loads(redis.hget(k.turn_key(t), "status")) == "finished" for t in ids)
@@ -231,7 +231,7 @@ def test_a_master_killed_mid_turn_loses_nothing(make_rig, tmp_path: Path) -> Non
 
 def _explain(rig: Rig, ids: list[str]) -> str:
     """The state, wakeup and last events of the turns that did not finish."""
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     lines = []
     for tid in ids:
         state = {f.decode(): v.decode()[:160] for f, v in redis.hgetall(k.turn_key(tid)).items()}
@@ -264,7 +264,7 @@ def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:
         assert body["type"] == "turn.finished" and body["data"]["turn_id"] == handle.turn_id
         assert body["data"]["output_text"] == "Reported from the cluster."
 
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     schedules = Schedules(get_app(), redis, load_settings())
     schedules.add(ScheduleSpec(name="report", every_s=1, prompt=f"{key} report"))
 

@@ -46,13 +46,13 @@ def timed_turn(http: httpx.Client, client: Client, prompt: str) -> float:
     assert r.status_code == 202, r.text
     tid = r.json()["turn_id"]
     wait_for(
-        lambda: client.store.status(tid) in TERMINAL_STATUSES,
+        lambda: client._store.status(tid) in TERMINAL_STATUSES,
         120,
         0.02,
         message="the victim's turn did not end",
     )
     took = time.monotonic() - t0
-    assert client.store.status(tid) == "finished"
+    assert client._store.status(tid) == "finished"
     return took
 
 
@@ -100,7 +100,7 @@ def test_a_flood_from_one_key_does_not_slow_another_keys_turn(rig: Any) -> None:
     assert codes.count(429) + admitted == FLOOD_STARTS
     assert admitted <= 4 + 2 * flood_wall_s + 1
     assert flooded_s <= 2 * baseline_s, (baseline_s, flooded_s)
-    for tid in client.store.active():
-        if client.store.status(tid) not in TERMINAL_STATUSES:
+    for tid in client._store.active():
+        if client._store.status(tid) not in TERMINAL_STATUSES:
             with contextlib.suppress(TurnNotFound):  # it may end on its own meanwhile
                 client.abort(tid, None, operator=True)

@@ -40,7 +40,7 @@ def test_200_concurrent_turns_all_settle(rig) -> None:
         ),
         Round(text="Done."),
     )
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     t0 = time.monotonic()
     ids = [rig.client.start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
     queued_s = time.monotonic() - t0

@@ -55,7 +55,7 @@ def test_turn_survives_a_restart_of_a_persistent_redis(make_rig, tmp_path: Path)
     assert rig.collect(again.turn_id)[-1].type == "turn_finished"
 
     # Workers consume without kombu's unacked hash: the restart left nothing to hand back.
-    assert rig.client.store.redis.hlen("unacked") == 0
+    assert rig.client._store.redis.hlen("unacked") == 0
     assert starts(count) == 1
     assert [e.seq for e in rig.log_events(tid)] == [e.seq for e in log]
 
@@ -88,7 +88,7 @@ def test_turn_fails_clearly_when_redis_loses_everything(make_rig, tmp_path: Path
         15,
         interval_s=0.1,
     )
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     keys = [kk.decode() for kk in redis.scan_iter(match=k.turn_key(tid) + "*")]
     assert keys and all(redis.ttl(kk) > 0 for kk in keys), {kk: redis.ttl(kk) for kk in keys}
     log = rig.log_events(tid)

@@ -59,7 +59,7 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
     state = client.get(tid)["state"]
     assert state["status"] == "running"
     assert client.interactions.get(tid, rid)[0] == "pending"
-    assert not client.store.cancel_reason(tid)
+    assert not client._store.cancel_reason(tid)
 
     client.abort(tid, handle.token)
     events = rig.collect(tid)
@@ -79,7 +79,7 @@ def test_turn_ids_are_128_random_bits_and_tokens_are_never_stored(rig) -> None:
     assert all(k.events_channel(t) == f"agentq:turn:{{{t}}}:events" for t in ids)
     tokens = [h.token for h in handles]
     assert len(set(tokens)) == len(tokens) and min(len(t) for t in tokens) >= 43
-    stored = dump_redis(client.store.redis)
+    stored = dump_redis(client._store.redis)
     assert not [t for t in tokens[:50] if t in stored]
 
 
@@ -99,7 +99,7 @@ def test_a_password_answer_is_never_stored_or_logged(rig) -> None:
     # The tool did get it: it says so, without echoing it.
     assert turn["history"][2]["content"] == "logged in ada"
 
-    redis = client.store.redis
+    redis = client._store.redis
     places = {
         "event log": "\n".join(e.model_dump_json() for e in rig.log_events(tid)),
         "history": str(turn["history"]),
@@ -123,7 +123,7 @@ def test_a_denied_password_is_not_kept_either(rig) -> None:
     events = rig.collect(handle.turn_id)
     assert events[-1].type == "turn_finished"
     assert [e.fields["status"] for e in events if e.type == "tool_finished"] == ["denied"]
-    assert secret not in dump_redis(client.store.redis)
+    assert secret not in dump_redis(client._store.redis)
 
 
 def _compose(name: str) -> dict[str, Any]:

@@ -87,7 +87,7 @@ def test_a_round_whose_message_was_lost_is_sent_again(make_rig) -> None:
     rig = make_rig()
     rig.start("turns")
     handle = rig.client.start_turn(rig.script(Round(text="Answered after all.")))
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     wait_for(lambda: redis.llen("agentq.llm") == 1, 30, message="the round to be sent")
     assert redis.delete("agentq.llm") == 1
     rig.start("llm")

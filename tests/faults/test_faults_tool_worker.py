@@ -29,7 +29,7 @@ def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(rig, tmp_path: 
     handle = rig.client.start_turn(key)
     started = rig.collect(handle.turn_id, until=lambda e: e.type == "tool_started")[-1]
     wait_for(lambda: starts(count) == 1, 10, message="the tool to start its work")
-    record = rig.client.store.starts(handle.turn_id)[started.fields["call_id"]]
+    record = rig.client._store.starts(handle.turn_id)[started.fields["call_id"]]
     task_id, t_start = record["task_id"], float(record["started_at"])
     old = rig.worker("tools")
     old.kill()  # SIGKILL to the whole process group: parent and pool together
@@ -48,7 +48,7 @@ def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(rig, tmp_path: 
     # The message went with the killed worker: nothing keeps it for a redelivery. A new
     # worker (without mingle it does not learn the turn's revoke from its neighbours)
     # takes the next call from the same queue, and never this one.
-    redis = rig.client.store.redis
+    redis = rig.client._store.redis
     assert redis.hlen("unacked") == 0
     new = rig.start("tools", extra_args=("--without-mingle",))[0]
     after = rig.client.start_turn(
@@ -68,7 +68,7 @@ def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> 
     # A broker can hand out a call that is still running: RabbitMQ requeues a message
     # whose consumer's connection dropped, and kombu puts back what a worker held when
     # its Redis connection closed.
-    store = rig.client.store
+    store = rig.client._store
     tid = "f" * 32
     store.create(tid, {"status": "running"}, [{"role": "user", "content": "x"}])
     first = {"started_at": 1.0, "delivery": "task-1/0"}

@@ -63,7 +63,7 @@ def _check_done(rig, tid: str, counted: tuple[Path, ...]) -> None:  # type: igno
     assert turn["state"]["status"] == "finished"
     # The step that ended the turn lets go of it just after the terminal event.
     wait_for(
-        lambda: rig.client.store.step_holder(tid) is None,
+        lambda: rig.client._store.step_holder(tid) is None,
         10,
         message="the last step released the turn",
     )
@@ -93,7 +93,7 @@ def test_a_step_that_died_holding_the_turn_is_taken_over(rig, tmp_path: Path) ->
     )
     wait_for(lambda: starts(slow) == 1, 10)
     # A step of a worker that died mid-way: its lock stays until it lapses.
-    store = rig.client.store
+    store = rig.client._store
     wait_for(lambda: store.lock_step(tid, "dead-step", int(STEP_LOCK_S * 1000)), 10)
     held_at = time.time()
     assert len(store.results(tid)) < 2, "the slow call settled before the lock was taken"
@@ -116,7 +116,7 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
     rig.start("llm", "turns")  # no tool worker: the calls' messages wait in the broker
     key, fast, slow, later = _three_rounds(rig, tmp_path)
     tid = rig.client.start_turn(key).turn_id
-    store = rig.client.store
+    store = rig.client._store
     queued = [k.QUEUE_TOOLS, *[f"{k.QUEUE_TOOLS}\x06\x16{p}" for p in (3, 6, 9)]]
     wait_for(
         lambda: sum(store.redis.llen(q) for q in queued) == 2,
@@ -176,7 +176,7 @@ def test_an_approval_deadline_fires_after_its_turn_worker_died(rig, tmp_path: Pa
     types = [e.type for e in events]
     assert types[-1] == "turn_finished", types
     assert types.count("interaction_timed_out") == 1 and types.count("tool_denied") == 1
-    denied = rig.client.store.results(tid)
+    denied = rig.client._store.results(tid)
     assert [r.status for r in denied.values()] == ["denied"]
     assert_gapless(rig.log_events(tid))
 
@@ -189,7 +189,7 @@ def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Pa
         Round(tool_calls=calls(("counted_unlimited", {"path": str(tmp_path / "x"), "seconds": 30})))
     )
     handles = [rig.client.start_turn(f"{key} {i}") for i in range(n)]
-    store = rig.client.store
+    store = rig.client._store
     # Held = every turn dispatched its call and waits; no turn worker thread holds any.
     wait_for(
         lambda: (

@@ -34,7 +34,7 @@ def test_a_turn_an_older_layout_left_mid_round_goes_on_from_its_records(make_rig
     key = rig.script(
         Round(tool_calls=calls(("echo", {"text": "x"}))), Round(text="Went on after the upgrade.")
     )
-    store = rig.client.store
+    store = rig.client._store
     turn_id = secrets.token_hex(16)
     call = ToolCall(id="call_old_1", name="echo", arguments='{"text": "x"}')
     now = time.time()

@@ -248,7 +248,7 @@ def test_aborting_the_parent_aborts_the_agent_it_waits_for(
         until=lambda e: int(e.fields["elapsed_ms"]) >= 4000,
     )
     assert not beat.path and beat.fields["tool"] == "ask_waiter"
-    summary = TurnLister(client.store.redis).summaries([parent.turn_id])[parent.turn_id]
+    summary = TurnLister(client._store.redis).summaries([parent.turn_id])[parent.turn_id]
     assert summary["agent"] == "t_boss"
     assert [(c["tool"], c["state"]) for c in summary["current_tools"]] == [
         ("ask_waiter", "running")

@@ -78,7 +78,7 @@ def test_a_bare_tool_worker_beats_and_its_death_settles_the_call_lost(tmp_path: 
             cwd=ROOT,
         )
         assert "agentq tools worker: consuming agentq.tools" in worker.log_text()
-        redis = rig.client.store.redis
+        redis = rig.client._store.redis
         wait_for(lambda: redis.exists(worker_alive_key(hostname)), 10, message="a heartbeat")
 
         count = tmp_path / "count"
@@ -88,7 +88,7 @@ def test_a_bare_tool_worker_beats_and_its_death_settles_the_call_lost(tmp_path: 
         )
         handle = rig.client.start_turn(key)
         wait_for(lambda: starts(count) == 1, 15, message="the unlimited tool to start")
-        record = rig.client.store.starts(handle.turn_id)
+        record = rig.client._store.starts(handle.turn_id)
         assert [r.get("heartbeat") for r in record.values()] == [True], record
         worker.kill()  # the whole process group: nobody is left to report the call
         killed_at = time.time()

@@ -133,7 +133,7 @@ def test_password_prompt_hands_the_secret_over(page, llm_server, client: Client)
     page.locator('#status[data-state="finished"]').wait_for()
     history = client.get(turn_id)["history"]
     assert [m["content"] for m in history if m["role"] == "tool"] == ["logged in bob"]
-    log = [e.model_dump_json() for e in client.store.bus.replay(turn_id)]
+    log = [e.model_dump_json() for e in client._store.bus.replay(turn_id)]
     assert not [line for line in [*log, str(history)] if "hunter2" in line]
 
 

@@ -75,7 +75,7 @@ def test_the_page_asks_for_a_key_and_keeps_it_out_of_the_url(
     # Neither the key nor the turn's token is in the page's address; the key in no URL.
     assert KEY not in page.url and "token" not in page.url
     assert not [u for u in urls if KEY in u]
-    assert KEY not in dump_redis(client.store.redis)
+    assert KEY not in dump_redis(client._store.redis)
     assert not errors, errors
     context.close()
 
@@ -147,6 +147,6 @@ def test_a_cross_origin_page_cannot_drive_a_local_gateway(
     ]
     assert len(posts) >= 3 and all(s == 403 for s in posts), seen
     # Nothing was started, nothing was aborted.
-    assert marker not in dump_redis(client.store.redis)
-    assert client.store.status(victim.turn_id) == "running"
+    assert marker not in dump_redis(client._store.redis)
+    assert client._store.status(victim.turn_id) == "running"
     client.abort(victim.turn_id, victim.token)

@@ -73,7 +73,7 @@ def rig(agentq_env: dict[str, str]) -> Iterator[Rig]:
     open_ = load_settings(llm_limits=limits)
     client = Client(keyed)
     # The fleet's capacity as any llm worker sees it: the same Redis keys as the gateway's.
-    cap = Capacity(client.store.redis, parse_limits(limits), breaker_failures=2)
+    cap = Capacity(client._store.redis, parse_limits(limits), breaker_failures=2)
     with (
         BackgroundServer(create_app(client)) as k_server,
         BackgroundServer(create_app(Client(open_))) as o_server,
@@ -81,7 +81,7 @@ def rig(agentq_env: dict[str, str]) -> Iterator[Rig]:
         httpx.Client(base_url=o_server.url, timeout=10) as o_http,
     ):
         yield Rig(k_http, o_http, cap, keyed)
-    client.store.redis.delete(*cap.keys(MODEL))
+    client._store.redis.delete(*cap.keys(MODEL))
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ ADMIN_KEY = "admin-key-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def store(agentq_env: dict[str, str]) -> TurnStore:
-    return Client().store
+    return Client()._store
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ def test_turns_json_table_and_show(agentq_env: dict[str, str], client: Client) -
 
     env = {**os.environ, **agentq_env, "COLUMNS": "200"}
     agent = f"cli-{uuid.uuid4().hex[:8]}"
-    store = client.store
+    store = client._store
     ids = []
     for i, status in enumerate(["running", "finished"]):
         turn_id = uuid.uuid4().hex
@@ -57,7 +57,7 @@ def test_turns_json_table_and_show(agentq_env: dict[str, str], client: Client) -
 
 
 def _stored_turn(client: Client, turn_id: str, agent: str, *, finished: bool) -> None:
-    store = client.store
+    store = client._store
     store.create(turn_id, {"status": "queued", "created_at": time.time(), "agent": agent}, [])
     store.update(turn_id, status="running", started_at=time.time())
     if finished:
@@ -97,12 +97,12 @@ def test_short_ids_in_the_table_and_prefixes_on_the_command_line(
         assert out.returncode == 2, (args, out.stdout, out.stderr)
         assert "ambiguous" in out.stderr and done in out.stderr and running in out.stderr
         assert out.stderr.index(running) < out.stderr.index(done)
-    assert client.store.status(running) == "running"
+    assert client._store.status(running) == "running"
 
     aborted = agentq(env, "abort", running[:11])
     assert aborted.returncode == 0, aborted.stderr
     assert aborted.stdout.strip() == f"aborted {running}"
-    assert client.store.status(running) == "aborted"
+    assert client._store.status(running) == "aborted"
 
     # A prefix of no turn behaves as an unknown id does: exit 1, named as typed.
     unknown = uuid.uuid4().hex

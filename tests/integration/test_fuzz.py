@@ -251,7 +251,7 @@ def test_fuzz_model_stream_through_real_turns(
     client = Client()
     terminal = client.wait(tid, timeout_s=45)
     assert terminal.type in TERMINAL_TYPES
-    log = client.store.bus.replay(tid)
+    log = client._store.bus.replay(tid)
     ends = [i for i, e in enumerate(log) if e.type in TERMINAL_TYPES]
     assert ends == [len(log) - 1], [e.type for e in log]
     got = http.get(f"/v1/turns/{tid}")

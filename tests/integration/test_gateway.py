@@ -106,7 +106,7 @@ def test_turn_streams_every_event_with_its_stream_id(
     assert [d["seq"] for d in data] == list(range(1, len(data) + 1))
     assert data[0]["type"] == "turn_started" and data[-1]["type"] == "turn_finished"
     assert "llm_delta" in [d["type"] for d in data] and data[-1]["content"] == "All done."
-    assert [e.stream_id for e in client.store.bus.replay(h["turn_id"])] == [m.id for m in msgs]
+    assert [e.stream_id for e in client._store.bus.replay(h["turn_id"])] == [m.id for m in msgs]
 
     turn = http.get(f"/v1/turns/{h['turn_id']}")
     assert turn.status_code == 200 and "token" not in turn.text
@@ -137,7 +137,7 @@ def test_reconnect_with_last_event_id_gets_exactly_the_rest(
     assert seqs == list(range(1, len(seqs) + 1)), seqs  # no gap, no duplicate
     assert rest[-1].event == "turn_finished"
     assert "tool_progress" in [m.event for m in rest]
-    log_ids = [e.stream_id for e in client.store.bus.replay(h["turn_id"])]
+    log_ids = [e.stream_id for e in client._store.bus.replay(h["turn_id"])]
     assert [m.id for m in first + rest] == log_ids
     # EventSource cannot set headers on a fresh connection: ?after= does the same.
     cut = len(first) // 2
@@ -274,19 +274,19 @@ def test_disconnect_leaves_a_detached_turn_running(fleet, llm_server, http, clie
         beat = next(m for m in events if m.comment is not None)
         assert beat.comment == "keep-alive"
         channel = events_channel(h["turn_id"])
-        assert client.store.redis.pubsub_numsub(channel)[0][1] == 1
+        assert client._store.redis.pubsub_numsub(channel)[0][1] == 1
     # The gateway counts a stream closed only after it has handled the disconnect.
     wait_for(lambda: sse_connections(http) == 0, 10, 0.1, message="the stream was not closed")
     # The server-side follow loop stopped too: its subscription to the turn is gone.
     wait_for(
-        lambda: client.store.redis.pubsub_numsub(channel)[0][1] == 0,
+        lambda: client._store.redis.pubsub_numsub(channel)[0][1] == 0,
         10,
         0.1,
         message="the follow loop still subscribes to the turn",
     )
     turn = http.get(f"/v1/turns/{h['turn_id']}").json()
     assert turn["state"]["status"] == "running"
-    assert "turn_aborted" not in [e.type for e in client.store.bus.replay(h["turn_id"])]
+    assert "turn_aborted" not in [e.type for e in client._store.bus.replay(h["turn_id"])]
     assert http.post(f"/v1/turns/{h['turn_id']}/abort", headers=auth(h["token"])).status_code == 200
     assert follow_until(client, h["turn_id"], *TERMINAL).fields["reason"] == "user"
 
@@ -340,7 +340,7 @@ def test_healthz_is_503_when_redis_is_down(agentq_env: dict[str, str]) -> None:
     # A real Client whose Redis is a closed port: the gateway must answer, not hang.
     dead = Client.__new__(Client)
     dead.settings = get_settings()
-    dead.store = TurnStore(
+    dead._store = TurnStore(
         redis.Redis(
             host="127.0.0.1", port=dead_port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
         )

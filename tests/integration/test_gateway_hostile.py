@@ -68,7 +68,7 @@ def test_a_future_last_event_id_waits_for_real_events_and_ends_with_the_turn(
 ) -> None:
     h = hanging_turn(http, llm_server)
     wait_for(
-        lambda: "tool_started" in [e.type for e in client.store.bus.replay(h["turn_id"])],
+        lambda: "tool_started" in [e.type for e in client._store.bus.replay(h["turn_id"])],
         timeout_s=15,
     )
     got: list[str] = []

@@ -281,7 +281,7 @@ def test_access_matrix(
     assert status == expected, (endpoint, caller, status)
     if steering and expected != 200:
         # Refused means untouched: still running, its question still open.
-        assert client.store.status(turn.id) == "running"
+        assert client._store.status(turn.id) == "running"
         assert client.interactions.get(turn.id, turn.request_id)[0] == "pending"
     if turn is not turns["alice"]:
         stop(client, turn.id)
@@ -317,7 +317,7 @@ def test_access_matrix_without_keys(
     status = call(open_gw.url, endpoint, turn, headers, text_body=text_body, host=host)
     assert status == expected, (endpoint, caller, status)
     if steering and expected != 200:
-        assert client.store.status(turn.id) == "running"
+        assert client._store.status(turn.id) == "running"
     if turn is not turns["open"]:
         stop(client, turn.id)
 
@@ -334,7 +334,7 @@ def test_active_lists_only_the_callers_turns(
     assert turns["alice"].id in alice and turns["bob"].id not in alice
     assert turns["bob"].id in bob and turns["alice"].id not in bob
     assert {turns["alice"].id, turns["bob"].id, turns["open"].id} <= admin
-    state = Client().store.state(turns["alice"].id) or {}
+    state = Client()._store.state(turns["alice"].id) or {}
     assert state["owner"] == "alice"  # the key's name, never the key
 
 
@@ -415,11 +415,11 @@ def test_no_key_or_token_is_kept_anywhere(
         "token of the last turn": handle["token"],
     }
     places = {
-        "every Redis key and value": dump_redis(client.store.redis),
+        "every Redis key and value": dump_redis(client._store.redis),
         "events of every turn": "\n".join(
             e.model_dump_json()
             for t in [*turns.values()]
-            for e in client.store.bus.replay(t.id, "0-0", count=10_000)
+            for e in client._store.bus.replay(t.id, "0-0", count=10_000)
         )
         + body,
         "gateway and test logs": "\n".join(gateway_logs.lines),
@@ -437,7 +437,7 @@ def test_no_key_or_token_is_kept_anywhere(
 
 def finish(client: Client, turn_id: str) -> None:
     wait_for(
-        lambda: client.store.status(turn_id) in TERMINAL_STATUSES,
+        lambda: client._store.status(turn_id) in TERMINAL_STATUSES,
         30,
         0.05,
         message=f"turn {turn_id} did not end",
@@ -457,12 +457,12 @@ def test_a_conversation_is_continued_only_by_its_owner(
     )
     assert r.status_code == 202 and "conversation_token" not in r.json()
     finish(client, r.json()["turn_id"])
-    stored = client.store.redis.lrange(k.conversation_key(conv), 0, -1)
+    stored = client._store.redis.lrange(k.conversation_key(conv), 0, -1)
     assert len(stored) == 2
     # Bound to a digest of the owner's name: neither the name nor the key is stored.
-    bound = client.store.redis.get(k.conversation_owner_key(conv))
+    bound = client._store.redis.get(k.conversation_owner_key(conv))
     assert bound == b"owner:" + hashlib.sha256(b"alice").hexdigest().encode()
-    ttl_s = client.store.redis.ttl(k.conversation_owner_key(conv))
+    ttl_s = client._store.redis.ttl(k.conversation_owner_key(conv))
     assert 0 < ttl_s <= keyed_settings().state_ttl_s
 
     stolen = httpx.post(
@@ -472,7 +472,7 @@ def test_a_conversation_is_continued_only_by_its_owner(
     )
     assert stolen.status_code == 404, stolen.text
     assert stolen.json()["error"]["type"] == "ConversationNotFound"
-    assert client.store.redis.lrange(k.conversation_key(conv), 0, -1) == stored
+    assert client._store.redis.lrange(k.conversation_key(conv), 0, -1) == stored
 
     again = script(llm_server, Round(text="It was 4711."))
     for key in (ALICE_KEY, ADMIN_KEY):
@@ -507,7 +507,7 @@ def test_a_conversation_without_keys_needs_its_token(
             json={"prompt": "what was the plan?", "conversation_id": conv, **extra},
         )
         assert refused.status_code == 404, (extra, refused.text)
-    assert conv_token not in dump_redis(client.store.redis)
+    assert conv_token not in dump_redis(client._store.redis)
     ok = httpx.post(
         open_gw.url + "/v1/turns",
         json={
@@ -541,7 +541,7 @@ def test_an_expired_conversation_is_gone_not_inherited(
         json={"prompt": script(llm_server, Round(text="Alice's notes.")), "conversation_id": conv},
     )
     finish(client, r.json()["turn_id"])
-    client.store.redis.delete(k.conversation_owner_key(conv))  # as its TTL would
+    client._store.redis.delete(k.conversation_owner_key(conv))  # as its TTL would
     r = httpx.post(
         keyed.url + "/v1/turns",
         headers=bearer(BOB_KEY),
@@ -660,8 +660,8 @@ def test_running_turns_cap_per_key(fleet: Any, agentq_env: dict[str, str], llm_s
         again = http.post("/v1/turns", json={"prompt": hang, "detach": True})
         assert again.status_code == 202, again.text
         ids.append(again.json()["turn_id"])
-    for tid in client.store.active():
-        if (client.store.state(tid) or {}).get("owner") in ("carol", "bob"):
+    for tid in client._store.active():
+        if (client._store.state(tid) or {}).get("owner") in ("carol", "bob"):
             stop(client, tid)
 
 

@@ -33,8 +33,8 @@ def test_an_unwatched_round_publishes_few_deltas_with_the_whole_text(
     handle = client.start_turn(script(llm_server, STREAM))
     tid = handle.turn_id
     # Polled, not followed: a follower would count itself in `watchers`.
-    wait_for(lambda: client.store.status(tid) == "finished", 30, message="the turn's end")
-    log = client.store.bus.replay(tid)
+    wait_for(lambda: client._store.status(tid) == "finished", 30, message="the turn's end")
+    log = client._store.bus.replay(tid)
     deltas = _deltas(log, 0)
     assert "".join(e.fields["text"] for e in deltas) == TEXT
     assert 1 <= len(deltas) <= 4, [e.ts for e in deltas]
@@ -81,7 +81,7 @@ def test_a_follower_that_comes_mid_round_gets_the_deltas_live_at_once(
     key = script(llm_server, Round(text=TEXT, chunk_size=4, chunk_delay_ms=50))
     tid = client.start_turn(key).turn_id
     wait_for(
-        lambda: any(e.type == "llm_started" for e in client.store.bus.replay(tid)),
+        lambda: any(e.type == "llm_started" for e in client._store.bus.replay(tid)),
         30,
         interval_s=0.01,
         message="the round claimed, unwatched",

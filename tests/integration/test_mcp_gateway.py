@@ -162,7 +162,7 @@ def test_failures_are_is_error_results(gateway: BackgroundServer, llm_server: An
 
 
 def test_healthz_shows_mcp_servers_without_their_errors(gateway: BackgroundServer) -> None:
-    redis = Client().store.redis
+    redis = Client()._store.redis
     entry = {"ok": False, "failures": 3, "error": "secret detail", "worker": "w", "at": 1.0}
     redis.hset(k.MCP_HEALTH, "broken", json.dumps(entry))
     try:

@@ -163,7 +163,7 @@ def server_pid(stack: Stack) -> int:
 
 
 def test_tools_are_listed_as_server__tool_with_schemas(stack: Stack) -> None:
-    shared = stack.client.store.redis.hgetall(k.MCP_TOOLS)
+    shared = stack.client._store.redis.hgetall(k.MCP_TOOLS)
     listings = {
         (key.decode() if isinstance(key, bytes) else key): json.loads(value)
         for key, value in shared.items()
@@ -253,7 +253,7 @@ def test_a_tool_the_server_adds_is_offered_once_it_says_its_list_changed(
     assert results(stack, events)["t__grow"]["status"] == "ok"
 
     def listed() -> bool:
-        raw = stack.client.store.redis.hget(k.MCP_TOOLS, "t")
+        raw = stack.client._store.redis.hget(k.MCP_TOOLS, "t")
         return name in {t["name"] for t in json.loads(raw)["tools"]}
 
     # The I/O worker heard notifications/tools/list_changed and shared the new listing.
@@ -298,7 +298,7 @@ def test_a_server_that_crashes_settles_error_naming_it_and_restarts(
     got = results(stack, events)["t__crash"]
     assert got["status"] == "error"
     assert "MCP server 't'" in got["content"]["error"], got
-    redis = stack.client.store.redis
+    redis = stack.client._store.redis
     wait_for(lambda: server_health(redis)["t"]["ok"] is False, timeout_s=5)
     events = run(
         stack, ScriptedCall(name="t__echo", arguments={"text": "back"}), llm_server=llm_server

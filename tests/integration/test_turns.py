@@ -178,7 +178,7 @@ def test_abort_while_the_model_streams_leaves_nothing_after_the_end(
     client.abort(tid, handle.token)
     events = collect(client, tid)
     assert events[-1].type == "turn_aborted"
-    store = client.store
+    store = client._store
     # The stream worker has let the round go: it stopped renewing its lease, which lapses.
     from agentq.state.base import now_ms
 

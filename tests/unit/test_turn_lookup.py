@@ -94,7 +94,7 @@ class FakeClient:
     """What resolve_turn_id reads of a Client: its store's Redis."""
 
     def __init__(self, r: Any) -> None:
-        self.store = type("Store", (), {"redis": r})()
+        self._store = type("Store", (), {"redis": r})()
 
 
 def test_the_cli_resolves_a_unique_prefix_refuses_an_ambiguous_one_keeps_an_unknown() -> None:
