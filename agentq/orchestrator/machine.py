@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.agents import all_agents
 from agentq.errors import ConversationNotFound, HeadlessInteraction
-from agentq.models import TERMINAL_STATUSES, ToolCall, TurnStatus
+from agentq.models import TERMINAL_STATUSES, AssistantMessage, ToolCall, TurnStatus
 from agentq.orchestrator import admission, conversation, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
@@ -88,115 +88,164 @@ MAX_TRANSITIONS_PER_STEP = 50
 """A bound on one step's work; a turn with more to do wakes itself for another step."""
 
 
+class _GoOn:
+    """What a phase of `advance` answers when the step goes on to its next transition."""
+
+
+GO_ON = _GoOn()
+Phase = float | None | _GoOn
+"""A phase's answer: GO_ON, or what `advance` returns (when to look again; None: no
+deadline, or the turn ended)."""
+
+
 def advance(ctx: StepContext) -> float | None:
     """Take the turn as far as it can go now; return when it must look again (None: no
     deadline, only a wake moves it, or it has ended)."""
-    status = ctx.state.get("status")
-    if status in TERMINAL_STATUSES:
+    if _stopped(ctx):
         return None
+    if ctx.state.get("status") == TurnStatus.QUEUED.value:
+        begun = _begin(ctx)
+        if not isinstance(begun, _GoOn):
+            return begun
+    for _ in range(MAX_TRANSITIONS_PER_STEP):
+        pending = pending_calls(ctx.history)
+        got = _collect_calls(ctx, pending) if pending else _model_round(ctx)
+        if not isinstance(got, _GoOn):
+            return got
+    return ctx.now  # more to do than one step should take: step again at once
+
+
+def _stopped(ctx: StepContext) -> bool:
+    """Whether the turn goes no further in this step: it has ended, it is cancelled (it
+    is aborted now), or this worker does not run its agent (it fails now)."""
+    if ctx.state.get("status") in TERMINAL_STATUSES:
+        return True
     reason = ctx.cancel_reason
     if reason is not None:
         abort_turn(ctx, reason)
-        return None
+        return True
     name = ctx.state.get("agent")
     if name and ctx.agent is None:
         known = ", ".join(sorted(all_agents())) or "none"
         fail(ctx, "unknown_agent", f"this worker runs no agent {name!r} (it runs: {known})")
-        return None
-    if status == TurnStatus.QUEUED.value:
-        if ctx.state.get("conversation_waiting"):
-            try:
-                wait = conversation.take_turn(ctx)
-            except ConversationNotFound as exc:
-                fail(ctx, "conversation_gone", exc.message)
-                return None
-            if wait is not None:
-                return wait
-        started = {
-            "conversation_id": ctx.state.get("conversation_id"),
-            "headless": ctx.headless,
-            "agent": name,
-            "parent_turn_id": ctx.state.get("parent_turn_id"),
-        }
-        # Written with the step's first write (the model round's send, the round's plans),
-        # which comes before anything that acts on it: one write fewer per turn.
-        ctx.stage(
-            events=[("turn_started", started)],
-            status=TurnStatus.RUNNING.value,
-            started_at=ctx.now,
-            phase="model",
-        )
-        # Nothing of a turn's calls is stored before its first step: the calls it came
-        # with (if any) are read as they are, without a round trip.
-        ids = tuple(c.id for c in pending_calls(ctx.history))
-        ctx.round_read = RoundRead.untouched(ids) if ids else None
-    for _ in range(MAX_TRANSITIONS_PER_STEP):
-        history = ctx.history
-        pending = pending_calls(history)
-        if pending:
-            messages, wake_at = _tools(ctx, pending)
-            if messages is None:
-                return wake_at
-            stop = ctx.state.get("stop_after_round")
-            if stop:
-                finish(ctx, str(stop), append=messages)
-                return None
-            # Written with the round's send (or whatever the step writes next).
-            ctx.stage(append=messages, phase="model")
-            continue
-        round_no = int(ctx.state.get("round", 0))
-        if ctx.state.get("inject_seq") and ctx.state.get("llm_round") != round_no:
-            # Before the round is sent: messages sent to join the turn go in it.
-            conversation.take_injected(ctx)
-        outcome = poll_round(ctx, round_no)
-        if isinstance(outcome, float):
-            return outcome
-        message, streamed_s = outcome
-        message = with_safe_call_ids(message, {c.id for c in calls_of(history)}, round_no)
-        start = int(ctx.state.get("history_start", 0))
-        earlier = calls_of(history, start)
-        refused, stop = limit_checks(
-            earlier,
-            list(message.tool_calls),
-            max_calls=ctx.settings.max_calls_per_turn,
-            loop_threshold=ctx.settings.loop_threshold,
-        )
-        kept, too_big = history_form(message, ctx.settings.max_arguments_bytes)
-        refused = {**too_big, **refused}
-        plans = {
-            c.id: plan_call(c, refused.get(c.id), ctx.agent).model_dump_json()
-            for c in message.tool_calls
-        }
-        counts: TurnState = {
-            "round": round_no + 1,
-            "stop_after_round": stop,
-            "call_count": len(earlier) + len(message.tool_calls),
-            "streamed_s": float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
-            "phase": "tools" if message.tool_calls else "model",
-            "round_calls": list(plans) or None,
-            k.LLM_RESULT_FIELD: None,  # in the history from now on
-        }
-        if not message.tool_calls:
-            # An answer without calls: written with what follows it (the end of the turn,
-            # or the retry's message), in that one write.
-            ctx.stage(**counts)
-            checked = check_output(ctx, kept)
-            if checked.retry is not None:
-                retries = int(ctx.state.get("output_retries") or 0) + 1
-                ctx.commit(append=[kept, checked.retry], output_retries=retries)
-                continue
-            if checked.error is not None:
-                ctx.commit(append=[kept])
-                fail(ctx, "invalid_output", checked.error)
-            else:
-                finish(ctx, "stop", append=[kept], output=checked.value)
+        return True
+    return False
+
+
+def _begin(ctx: StepContext) -> Phase:
+    """A queued turn starts (once its conversation lets it): turn_started, staged."""
+    if ctx.state.get("conversation_waiting"):
+        try:
+            wait = conversation.take_turn(ctx)
+        except ConversationNotFound as exc:
+            fail(ctx, "conversation_gone", exc.message)
             return None
-        # The assistant message and its calls' plans are written with the calls' records,
-        # before any call is sent (or with whatever the step writes first).
-        ctx.stage(append=[kept], plans=plans, **counts)
-        # Calls this new are neither sent nor settled: the step goes on without a read.
-        ctx.round_read = RoundRead.planned(plans) if plans else None
-    return ctx.now  # more to do than one step should take: step again at once
+        if wait is not None:
+            return wait
+    started = {
+        "conversation_id": ctx.state.get("conversation_id"),
+        "headless": ctx.headless,
+        "agent": ctx.state.get("agent"),
+        "parent_turn_id": ctx.state.get("parent_turn_id"),
+    }
+    # Written with the step's first write (the model round's send, the round's plans),
+    # which comes before anything that acts on it: one write fewer per turn.
+    ctx.stage(
+        events=[("turn_started", started)],
+        status=TurnStatus.RUNNING.value,
+        started_at=ctx.now,
+        phase="model",
+    )
+    # Nothing of a turn's calls is stored before its first step: the calls it came
+    # with (if any) are read as they are, without a round trip.
+    ids = tuple(c.id for c in pending_calls(ctx.history))
+    ctx.round_read = RoundRead.untouched(ids) if ids else None
+    return GO_ON
+
+
+def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
+    """The round's calls: run them; once all have results, their tool-result messages
+    (and the turn's end, if the round asked to stop after it)."""
+    messages, wake_at = _tools(ctx, pending)
+    if messages is None:
+        return wake_at
+    stop = ctx.state.get("stop_after_round")
+    if stop:
+        finish(ctx, str(stop), append=messages)
+        return None
+    # Written with the round's send (or whatever the step writes next).
+    ctx.stage(append=messages, phase="model")
+    return GO_ON
+
+
+def _model_round(ctx: StepContext) -> Phase:
+    """The turn's model round: send it or look at it; its answer once it has one."""
+    round_no = int(ctx.state.get("round", 0))
+    if ctx.state.get("inject_seq") and ctx.state.get("llm_round") != round_no:
+        # Before the round is sent: messages sent to join the turn go in it.
+        conversation.take_injected(ctx)
+    outcome = poll_round(ctx, round_no)
+    if isinstance(outcome, float):
+        return outcome
+    message, streamed_s = outcome
+    return _answer(ctx, round_no, message, streamed_s)
+
+
+def _answer(ctx: StepContext, round_no: int, message: AssistantMessage, streamed_s: float) -> Phase:
+    """The model's answer: its calls checked and planned, or, without calls, the turn's
+    end (or the output type's retry)."""
+    history = ctx.history
+    message = with_safe_call_ids(message, {c.id for c in calls_of(history)}, round_no)
+    start = int(ctx.state.get("history_start", 0))
+    earlier = calls_of(history, start)
+    refused, stop = limit_checks(
+        earlier,
+        list(message.tool_calls),
+        max_calls=ctx.settings.max_calls_per_turn,
+        loop_threshold=ctx.settings.loop_threshold,
+    )
+    kept, too_big = history_form(message, ctx.settings.max_arguments_bytes)
+    refused = {**too_big, **refused}
+    plans = {
+        c.id: plan_call(c, refused.get(c.id), ctx.agent).model_dump_json()
+        for c in message.tool_calls
+    }
+    counts: TurnState = {
+        "round": round_no + 1,
+        "stop_after_round": stop,
+        "call_count": len(earlier) + len(message.tool_calls),
+        "streamed_s": float(ctx.state.get("streamed_s", 0.0)) + streamed_s,
+        "phase": "tools" if message.tool_calls else "model",
+        "round_calls": list(plans) or None,
+        k.LLM_RESULT_FIELD: None,  # in the history from now on
+    }
+    if not message.tool_calls:
+        return _final_answer(ctx, kept, counts)
+    # The assistant message and its calls' plans are written with the calls' records,
+    # before any call is sent (or with whatever the step writes first).
+    ctx.stage(append=[kept], plans=plans, **counts)
+    # Calls this new are neither sent nor settled: the step goes on without a read.
+    ctx.round_read = RoundRead.planned(plans) if plans else None
+    return GO_ON
+
+
+def _final_answer(ctx: StepContext, kept: dict[str, Any], counts: TurnState) -> Phase:
+    """An answer without calls ends the turn, unless the agent's output type refuses it
+    (sent back once with the errors, then the turn fails)."""
+    # Written with what follows it (the end of the turn, or the retry's message), in that
+    # one write.
+    ctx.stage(**counts)
+    checked = check_output(ctx, kept)
+    if checked.retry is not None:
+        retries = int(ctx.state.get("output_retries") or 0) + 1
+        ctx.commit(append=[kept, checked.retry], output_retries=retries)
+        return GO_ON
+    if checked.error is not None:
+        ctx.commit(append=[kept])
+        fail(ctx, "invalid_output", checked.error)
+    else:
+        finish(ctx, "stop", append=[kept], output=checked.value)
+    return None
 
 
 def _store_plans(ctx: StepContext, plans: list[CallPlan], round_calls: list[str]) -> None:
