@@ -82,7 +82,7 @@ from agentq.gateway.validate import (
     turn_id_of,
 )
 from agentq.llm.capacity import capacity_for
-from agentq.mcp.catalog import server_health
+from agentq.mcp.health import server_health
 from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState

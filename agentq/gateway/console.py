@@ -28,7 +28,7 @@ from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
 from agentq.gateway.errors import ApiError, validation_error
 from agentq.gateway.validate import read_json
-from agentq.mcp.catalog import server_health
+from agentq.mcp.health import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.timeline import timeline

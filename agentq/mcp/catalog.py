@@ -317,19 +317,3 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
 
 def loaded() -> McpTools | None:
     return _tools
-
-
-def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, Any]]:
-    """How each MCP server's last start or call went, fleet-wide: `ok`, the `failures` in a
-    row and when (public: /healthz); with `detail` the error and the worker too (the
-    console, for admins)."""
-    fields = ("ok", "failures", "at", "error", "worker") if detail else ("ok", "failures", "at")
-    out = {}
-    for name, raw in (redis.hgetall(k.MCP_HEALTH) or {}).items():
-        try:
-            entry = json.loads(raw)
-        except ValueError:
-            continue
-        key = name.decode() if isinstance(name, bytes) else str(name)
-        out[key] = {f: entry.get(f) for f in fields}
-    return out

@@ -30,7 +30,7 @@ from agentq.api import Client
 from agentq.fleet import runtime
 from agentq.local.processes import ManagedProcess, start_process, start_worker, wait_for
 from agentq.local.redis_server import RedisServer
-from agentq.mcp.catalog import server_health
+from agentq.mcp.health import server_health
 from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import collect, script, wait_event
