@@ -147,7 +147,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "agentq.constants": ("__version__",),
 }
 """Where each public name lives, for the names `__all__` lists; every name not placed here
-is an exception of `agentq.errors` (tests/unit/test_public_api.py keeps both in step)."""
+is an exception of `agentq.errors` (tests/unit/test_startup.py keeps both in step)."""
 _ALIASES = {"__version__": "VERSION"}
 
 
