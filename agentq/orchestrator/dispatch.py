@@ -171,6 +171,16 @@ def _queue_deadline(ctx: StepContext, dispatched_at: float) -> float:
     return due
 
 
+class _Earliest:
+    """The earliest of the times a step must look at the turn again."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def add(self, t: float) -> None:
+        self.at = t if self.at is None else min(self.at, t)
+
+
 def _settle_overdue(
     ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult]
 ) -> tuple[float | None, dict[str, dict[str, Any]]]:
@@ -180,29 +190,10 @@ def _settle_overdue(
     if not waiting:
         return None, {}
     starts, dispatched = ctx.store.starts_and_dispatches(ctx.turn_id)
-    s = ctx.settings
-    pickup_s = PICKUP_LEASES * s.turn_lease_s
+    pickup_s = PICKUP_LEASES * ctx.settings.turn_lease_s
+    next_at = _Earliest()
+    dead = _dead_workers(ctx, waiting, starts, next_at)
     again: dict[str, dict[str, Any]] = {}
-    # A worker that died whole (no parent left to report the kill) stops its heartbeat:
-    # its calls are lost now, not at their hard limit, or never for tools without one.
-    watched: dict[str, str] = {}
-    next_at: float | None = None
-
-    def look_at(t: float) -> None:
-        nonlocal next_at
-        next_at = t if next_at is None else min(next_at, t)
-
-    for p in waiting:
-        rec = starts.get(p.call.id) or {}
-        if not (rec.get("heartbeat") and rec.get("worker")):
-            continue
-        # A worker's first beat may trail a call it took at once: judge it a beat later.
-        judged_at = float(rec["started_at"]) + WORKER_ALIVE_TTL_S
-        if ctx.now >= judged_at:
-            watched[p.call.id] = str(rec["worker"])
-        else:
-            look_at(judged_at)
-    alive = ctx.store.workers_alive(sorted(set(watched.values())))
     for p in waiting:
         cid = p.call.id
         start = starts.get(cid)
@@ -212,34 +203,81 @@ def _settle_overdue(
             if ctx.now >= sent_at + pickup_s:
                 again[cid] = sent
             else:
-                look_at(sent_at + pickup_s)
-        why: str | None = None
-        if cid in watched and not alive.get(watched[cid], True):
-            why = f"its tool worker {watched[cid]} stopped sending heartbeats"
-        else:
-            due = lost_deadline(
-                dispatched_at=sent_at,
-                started_at=None if start is None else float(start["started_at"]),
-                timeout_s=p.timeout_s,
-                grace_s=s.tool_grace_s,
-                queue_timeout_s=s.tool_queue_timeout_s,
-            )
-            if due is not None and ctx.now < due:
-                look_at(due)
-                continue
-            if due is not None:
-                why = (
-                    "no worker reported a result within its hard limit plus grace"
-                    if start
-                    else "no tool worker picked it up in time"
-                )
+                next_at.add(sent_at + pickup_s)
+        why = dead.get(cid) or _overdue(ctx, p, sent_at, start, next_at)
         if why is None:
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
         settled[cid] = _settle_lost(ctx, p, why, start)
-    # A call whose queue still holds messages may be among them (a backlog): it waits for
-    # its queue allowance instead of a second message. Only a call that cannot be waiting
-    # is sent again.
+    return next_at.at, _not_queued(ctx, waiting, again, next_at)
+
+
+def _dead_workers(
+    ctx: StepContext,
+    waiting: list[CallPlan],
+    starts: dict[str, dict[str, Any]],
+    next_at: _Earliest,
+) -> dict[str, str]:
+    """Why each call whose tool worker stopped beating is lost (call id -> why), in one
+    read of the workers' heartbeats.
+
+    A worker that died whole (no parent left to report the kill) stops its heartbeat: its
+    calls are lost now, not at their hard limit, or never for tools without one."""
+    watched: dict[str, str] = {}
+    for p in waiting:
+        rec = starts.get(p.call.id) or {}
+        if not (rec.get("heartbeat") and rec.get("worker")):
+            continue
+        # A worker's first beat may trail a call it took at once: judge it a beat later.
+        judged_at = float(rec["started_at"]) + WORKER_ALIVE_TTL_S
+        if ctx.now >= judged_at:
+            watched[p.call.id] = str(rec["worker"])
+        else:
+            next_at.add(judged_at)
+    alive = ctx.store.workers_alive(sorted(set(watched.values())))
+    return {
+        cid: f"its tool worker {worker} stopped sending heartbeats"
+        for cid, worker in watched.items()
+        if not alive.get(worker, True)
+    }
+
+
+def _overdue(
+    ctx: StepContext,
+    p: CallPlan,
+    sent_at: float,
+    start: dict[str, Any] | None,
+    next_at: _Earliest,
+) -> str | None:
+    """Why the call is lost if it is past its lost-deadline; else None, its deadline (if
+    it has one) added to `next_at`."""
+    s = ctx.settings
+    due = lost_deadline(
+        dispatched_at=sent_at,
+        started_at=None if start is None else float(start["started_at"]),
+        timeout_s=p.timeout_s,
+        grace_s=s.tool_grace_s,
+        queue_timeout_s=s.tool_queue_timeout_s,
+    )
+    if due is None:
+        return None
+    if ctx.now < due:
+        next_at.add(due)
+        return None
+    if start:
+        return "no worker reported a result within its hard limit plus grace"
+    return "no tool worker picked it up in time"
+
+
+def _not_queued(
+    ctx: StepContext,
+    waiting: list[CallPlan],
+    again: dict[str, dict[str, Any]],
+    next_at: _Earliest,
+) -> dict[str, dict[str, Any]]:
+    """The calls of `again` to send again now. A call whose queue still holds messages
+    may be among them (a backlog): it waits for its queue allowance instead of a second
+    message. Only a call that cannot be waiting is sent again."""
     queues = {p.call.id: p.queue for p in waiting if p.call.id in again}
     waiting_in = {q: queue_size(ctx.app, q) for q in set(queues.values())}
     held = sorted(c for c, q in queues.items() if waiting_in[q])
@@ -250,8 +288,8 @@ def _settle_overdue(
             ctx.turn_id,
             ", ".join(held),
         )
-        look_at(ctx.now + pickup_s)  # looked at again while the backlog lasts
-    return next_at, {c: r for c, r in again.items() if c not in held}
+        next_at.add(ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s)
+    return {c: r for c, r in again.items() if c not in held}
 
 
 def _settle_lost(
