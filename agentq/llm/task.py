@@ -25,7 +25,6 @@ from celery import Celery
 
 from agentq import constants as k
 from agentq.aio.host import LoopHost, Running, get_host
-from agentq.config import Settings
 from agentq.errors import (
     Aborted,
     AgentqError,
@@ -36,7 +35,7 @@ from agentq.events.bus import event_body
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.llm.wakes import wake_granted
-from agentq.models import LlmRoundRequest, LlmRoundResult
+from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
@@ -369,6 +368,134 @@ def _end_round_span(span: Any, result: LlmRoundResult, stats: _RoundStats) -> No
     )
 
 
+@dataclasses.dataclass
+class _Round:
+    """One round's streaming, its events and its result, phase by phase (see `_stream`)."""
+
+    host: LoopHost
+    req: LlmRoundRequest
+    stats: _RoundStats
+    events: _Deltas
+    model: str
+    failover: bool
+    """Other deployments can take the round: a failing one gives it up at once."""
+    t0: float = dataclasses.field(default_factory=time.monotonic)
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def elapsed_ms(self) -> int:
+        return int((time.monotonic() - self.t0) * 1000)
+
+    async def call(
+        self, streams: Streams, history: list[dict[str, Any]], abort: asyncio.Event
+    ) -> tuple[AssistantMessage, float]:
+        """Stream the round from the model: its message and streaming seconds."""
+        from agentq.llm.aclient import astream_round, client_timeout
+
+        req, settings = self.req, self.host.settings
+        # An agent with its own idle limit moves the transport's backstop behind it too.
+        timeout = (
+            None
+            if req.idle_timeout_ms == settings.stream_idle_timeout_ms
+            else client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms)
+        )
+        client, sent_model = streams.client_for(req.turn_id, self.model, req.deployment)
+        if client is None:
+            raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
+        messages = history
+        if req.instructions:
+            messages = [{"role": "system", "content": req.instructions}, *messages]
+        return await astream_round(
+            client,
+            messages,
+            req.tools_json,
+            model=sent_model,
+            idle_timeout_ms=req.idle_timeout_ms,
+            duration_left_s=req.duration_left_s,
+            max_retries=settings.llm_max_retries,
+            timeout=timeout,
+            on_delta=lambda kind, text: self.events.add("llm_delta", kind=kind, text=text),
+            on_retry=self._on_retry,
+            abort=abort,
+            turn_id=req.turn_id,
+            on_first_output=self._on_first_output,
+            busy_is_final=True,
+            on_headers=self.headers.update,
+            failover=self.failover,
+        )
+
+    def _on_retry(self, attempt: int, exc: Exception, delay_s: float) -> None:
+        code = getattr(exc, "code", None)
+        delay_ms = int(delay_s * 1000)
+        self.events.add("llm_retry", attempt=attempt, error=str(exc), code=code, delay_ms=delay_ms)
+
+    def _on_first_output(self) -> None:
+        if self.stats.ttft_ms is None:
+            self.stats.ttft_ms = self.elapsed_ms()
+
+    def answered(self, message: AssistantMessage, streamed_s: float) -> LlmRoundResult:
+        self.events.add(
+            "llm_finished",
+            model=self.model,
+            finish_reason=message.finish_reason,
+            tool_calls=len(message.tool_calls),
+            usage=None if message.usage is None else message.usage.model_dump(),
+            duration_ms=self.elapsed_ms(),
+            ttft_ms=self.stats.ttft_ms,
+        )
+        return LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
+
+    def busy(self, exc: ModelBusy) -> LlmRoundResult:
+        """Not this round's failure: the fleet pauses the model and the turn queues the
+        round again, with none of its retries used."""
+        self.events.add(
+            "llm_finished",
+            error=exc.message,
+            code=exc.code,
+            status=exc.status_code,
+            model=self.model,
+            deployment=self.req.deployment or DEFAULT_DEPLOYMENT,
+            duration_ms=self.elapsed_ms(),
+        )
+        return self._failed(exc.message, exc.code, type(exc).__name__)
+
+    def failed(self, exc: AgentqError) -> LlmRoundResult:
+        code = getattr(exc, "code", "ELLM")
+        fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
+        self.events.add(
+            "llm_finished",
+            error=exc.message,
+            code=code,
+            model=self.model,
+            duration_ms=self.elapsed_ms(),
+            ttft_ms=self.stats.ttft_ms,
+            **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},
+        )
+        # Before the model said anything, another deployment may take the round.
+        failover = self.failover and self.stats.ttft_ms is None and bool(deployment_failure(exc))
+        return self._failed(exc.message, code, type(exc).__name__, failover=failover)
+
+    def aborted(self) -> LlmRoundResult:
+        return LlmRoundResult(
+            ok=False, aborted=True, error="aborted", streamed_s=time.monotonic() - self.t0
+        )
+
+    def crashed(self, exc: Exception) -> LlmRoundResult:
+        log.exception("model round failed")
+        return self._failed(f"{type(exc).__name__}: {exc}", "ELLM", type(exc).__name__)
+
+    def _failed(
+        self, error: str, code: str, error_type: str, *, failover: bool = False
+    ) -> LlmRoundResult:
+        return LlmRoundResult(
+            ok=False,
+            error=error,
+            error_code=code,
+            error_type=error_type,
+            streamed_s=time.monotonic() - self.t0,
+            failover=failover,
+        )
+
+
 async def _stream(
     host: LoopHost,
     streams: Streams,
@@ -378,137 +505,25 @@ async def _stream(
     stats: _RoundStats,
 ) -> tuple[LlmRoundResult, list[tuple[str, dict[str, Any]]]]:
     """The round's result, and its events not published yet (for the write of its end)."""
-    from agentq.llm.aclient import astream_round, client_timeout
-
-    settings: Settings = host.settings
-    # An agent with its own idle limit moves the transport's backstop behind it too.
-    timeout = (
-        None
-        if req.idle_timeout_ms == settings.stream_idle_timeout_ms
-        else client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms)
-    )
+    model = _model(host, req)
     events = _Deltas(host, req.turn_id, req.round_no)
     events.learned(start.followed)
-    messages = start.history
-
-    def on_delta(kind: str, text: str) -> None:
-        events.add("llm_delta", kind=kind, text=text)
-
-    def on_retry(attempt: int, exc: Exception, delay_s: float) -> None:
-        events.add(
-            "llm_retry",
-            attempt=attempt,
-            error=str(exc),
-            code=getattr(exc, "code", None),
-            delay_ms=int(delay_s * 1000),
-        )
-
-    model = _model(host, req)
-    deployment = req.deployment or DEFAULT_DEPLOYMENT
-    t0 = time.monotonic()
-    headers: dict[str, str] = {}
-    busy: ModelBusy | None = None
-    # With other deployments to go to, a failing one gives the round up at once.
     failover = len(streams.capacity.entry(model).routes) > 1
-    failure: AgentqError | None = None
-
-    def on_first_output() -> None:
-        if stats.ttft_ms is None:
-            stats.ttft_ms = int((time.monotonic() - t0) * 1000)
-
+    rnd = _Round(host, req, stats, events, model, failover)
+    refused: AgentqError | None = None
     try:
-        client, sent_model = streams.client_for(req.turn_id, model, req.deployment)
-        if client is None:
-            raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
-        if req.instructions:
-            messages = [{"role": "system", "content": req.instructions}, *messages]
-        message, streamed_s = await astream_round(
-            client,
-            messages,
-            req.tools_json,
-            model=sent_model,
-            idle_timeout_ms=req.idle_timeout_ms,
-            duration_left_s=req.duration_left_s,
-            max_retries=settings.llm_max_retries,
-            timeout=timeout,
-            on_delta=on_delta,
-            on_retry=on_retry,
-            abort=abort,
-            turn_id=req.turn_id,
-            on_first_output=on_first_output,
-            busy_is_final=True,
-            on_headers=headers.update,
-            failover=failover,
-        )
-        result = LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
-        events.add(
-            "llm_finished",
-            model=model,
-            finish_reason=message.finish_reason,
-            tool_calls=len(message.tool_calls),
-            usage=None if message.usage is None else message.usage.model_dump(),
-            duration_ms=int((time.monotonic() - t0) * 1000),
-            ttft_ms=stats.ttft_ms,
-        )
+        result = rnd.answered(*await rnd.call(streams, start.history, abort))
     except ModelBusy as exc:
-        # Not this round's failure: the fleet pauses the model and the turn queues the
-        # round again, with none of its retries used.
-        busy = exc
-        events.add(
-            "llm_finished",
-            error=exc.message,
-            code=exc.code,
-            status=exc.status_code,
-            model=model,
-            deployment=deployment,
-            duration_ms=int((time.monotonic() - t0) * 1000),
-        )
-        result = LlmRoundResult(
-            ok=False,
-            error=exc.message,
-            error_code=exc.code,
-            error_type=type(exc).__name__,
-            streamed_s=time.monotonic() - t0,
-        )
+        refused, result = exc, rnd.busy(exc)
     except Aborted:
-        result = LlmRoundResult(
-            ok=False, aborted=True, error="aborted", streamed_s=time.monotonic() - t0
-        )
+        result = rnd.aborted()
     except AgentqError as exc:
-        failure = exc
-        code = getattr(exc, "code", "ELLM")
-        fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
-        events.add(
-            "llm_finished",
-            error=exc.message,
-            code=code,
-            model=model,
-            duration_ms=int((time.monotonic() - t0) * 1000),
-            ttft_ms=stats.ttft_ms,
-            **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},
-        )
-        result = LlmRoundResult(
-            ok=False,
-            error=exc.message,
-            error_code=code,
-            error_type=type(exc).__name__,
-            streamed_s=time.monotonic() - t0,
-            failover=failover and stats.ttft_ms is None and bool(deployment_failure(exc)),
-        )
+        refused, result = exc, rnd.failed(exc)
     except Exception as exc:
-        log.exception("model round failed")
-        result = LlmRoundResult(
-            ok=False,
-            error=f"{type(exc).__name__}: {exc}",
-            error_code="ELLM",
-            error_type=type(exc).__name__,
-            streamed_s=time.monotonic() - t0,
-        )
+        result = rnd.crashed(exc)
     # Every delta is out, or in the write of the round's end, before the turn hears it.
     last = await events.take()
-    await host.io(
-        settle_capacity, host, streams.capacity, req, model, result, busy or failure, headers
-    )
+    await host.io(settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers)
     return result, last
 
 
