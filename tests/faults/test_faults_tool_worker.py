@@ -11,6 +11,7 @@ import pytest
 
 from agentq.local.processes import wait_for
 from agentq.models import ToolCall, TurnStatus
+from agentq.state.calls import Started
 from agentq.testing.openai_server import Round
 from agentq.tools.results import error_result
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts
@@ -73,14 +74,16 @@ def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> 
     store.create(tid, {"status": "running"}, [{"role": "user", "content": "x"}])
     first = {"started_at": 1.0, "delivery": "task-1/0"}
     event = {"call_id": "c1", "tool": "counted"}
-    # Started (3: the only call in flight, as none is recorded here).
-    assert store.mark_started(tid, "c1", first, event) == 3
-    assert store.mark_started(tid, "c1", {**first, "started_at": 2.0}, event) == 2
+    # Started, alone: the only call in flight, as none is recorded here.
+    assert store.mark_started(tid, "c1", first, event) is Started.STARTED_ALONE
+    again = store.mark_started(tid, "c1", {**first, "started_at": 2.0}, event)
+    assert again is Started.REDELIVERED
     # An explicit retry (Celery's retry count went up) is a new delivery: it may run.
-    assert store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event) == 3
+    retried = store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event)
+    assert retried is Started.STARTED_ALONE
     store.close(tid, TurnStatus.FINISHED, "turn_finished", {})
     # Nothing starts, and nothing settles, in a turn that is over.
-    assert store.mark_started(tid, "c2", {"delivery": "task-2/0"}, event) == -2
+    assert store.mark_started(tid, "c2", {"delivery": "task-2/0"}, event) is Started.TURN_GONE
     assert not store.settle(tid, error_result(ToolCall(id="c1", name="counted"), "too late"))
     assert store.results(tid) == {}
     assert [e.type for e in rig.log_events(tid)] == [
