@@ -12,22 +12,32 @@ import json
 import math
 import secrets
 import time
+from typing import NamedTuple
 
 import redis
 
 from agentq import constants as k
 from agentq.errors import RateLimited
+from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import TERMINAL_STATUSES
 from agentq.state.base import text
 
-# KEYS[1] the bucket; ARGV rate/s, burst. Redis's own clock: gateways may disagree on time.
-# Returns 0 when a start is allowed, else the milliseconds until one is.
-_BUCKET_LUA = """
+
+class BucketArgs(NamedTuple):
+    rate_per_s: float
+    burst: int
+
+
+# _BUCKET_LUA: the caller's start-rate bucket, on Redis's own clock (gateways may disagree
+# on time). Returns 0 when a start is allowed, else the milliseconds until one is.
+_BUCKET_LUA = (
+    bind_lua(("bucket_key",), BucketArgs)
+    + """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
-local rate = tonumber(ARGV[1])
-local burst = tonumber(ARGV[2])
-local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local rate = tonumber(rate_per_s)
+local burst = tonumber(burst)
+local state = redis.call('HMGET', bucket_key, 'tokens', 'at')
 local tokens = tonumber(state[1]) or burst
 local at = tonumber(state[2]) or now
 tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
@@ -37,32 +47,43 @@ if tokens >= 1 then
 else
   wait_ms = math.ceil((1 - tokens) / rate * 1000)
 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 1)
+redis.call('HSET', bucket_key, 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('EXPIRE', bucket_key, math.ceil(burst / rate) + 1)
 return wait_ms
 """
+)
 
-# KEYS[1] the caller's set of turns (turn id or a reservation, scored by time);
-# ARGV max, reservation id, stale-reservation age (s), then the turns found ended.
-# Drops those and stale reservations, then reserves a slot if one is free: 1, else 0.
-# The turns' states are read before, outside the script: on a Cluster they live on other
-# slots than the caller's set.
-_RESERVE_LUA = """
+
+class ReserveArgs(NamedTuple):
+    max_active: int
+    reservation: str
+    stale_s: int
+    """A reservation older than this is dropped (its start never completed)."""
+
+
+# _RESERVE_LUA: the caller's set of turns (turn id or a reservation, scored by time),
+# ARGV after the named ones the turns found ended: drops those and stale reservations,
+# then reserves a slot if one is free: 1, else 0. The turns' states are read before,
+# outside the script: on a Cluster they live on other slots than the caller's set.
+_RESERVE_LUA = (
+    bind_lua(("turns_key",), ReserveArgs, rest="ended")
+    + """
 local now_t = redis.call('TIME')
 local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
-if #ARGV > 3 then redis.call('ZREM', KEYS[1], unpack(ARGV, 4)) end
-local members = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+if #ARGV >= ended_at then redis.call('ZREM', turns_key, unpack(ARGV, ended_at)) end
+local members = redis.call('ZRANGE', turns_key, 0, -1, 'WITHSCORES')
 for i = 1, #members, 2 do
   local m = members[i]
-  if string.sub(m, 1, 2) == 'r:' and tonumber(members[i + 1]) < now - tonumber(ARGV[3]) then
-    redis.call('ZREM', KEYS[1], m)
+  if string.sub(m, 1, 2) == 'r:' and tonumber(members[i + 1]) < now - tonumber(stale_s) then
+    redis.call('ZREM', turns_key, m)
   end
 end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[1]) then return 0 end
-redis.call('ZADD', KEYS[1], now, ARGV[2])
-redis.call('EXPIRE', KEYS[1], 7 * 24 * 3600)
+if redis.call('ZCARD', turns_key) >= tonumber(max_active) then return 0 end
+redis.call('ZADD', turns_key, now, reservation)
+redis.call('EXPIRE', turns_key, 7 * 24 * 3600)
 return 1
 """
+)
 
 RESERVATION_TTL_S = 60
 """A reservation whose start never completed (a crashed gateway) frees its slot after this."""
@@ -90,7 +111,10 @@ class StartLimits:
     def take_start(self, subject: str) -> None:
         """Spend one start from the caller's bucket, or raise RateLimited."""
         wait_ms = int(
-            self._bucket(keys=[k.start_bucket_key(subject)], args=[self.rate_per_s, self.burst])
+            self._bucket(
+                keys=[k.start_bucket_key(subject)],
+                args=list(BucketArgs(self.rate_per_s, self.burst)),
+            )
         )
         if wait_ms > 0:
             raise RateLimited(
@@ -113,7 +137,8 @@ class StartLimits:
                 if raw is None or str(json.loads(raw)) in TERMINAL_STATUSES:
                     ended.append(t)
         ok = self._reserve(
-            keys=[key], args=[self.max_active, reservation, RESERVATION_TTL_S, *ended]
+            keys=[key],
+            args=argv_of(ReserveArgs(self.max_active, reservation, RESERVATION_TTL_S), ended),
         )
         if not ok:
             raise RateLimited(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel
 
 from agentq import constants as k
+from agentq.events.lua_args import bind_lua
 from agentq.state.base import text
 
 if TYPE_CHECKING:
@@ -52,36 +53,70 @@ class AttemptRecord(BaseModel):
     duration_ms: int
 
 
-# Creating a delivery: once per turn (a second ending, a sweep that raced the step: no-op);
-# due a lease from now, since the creator sends the first attempt's message itself.
-CREATE_LUA = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], 'id', ARGV[1], 'turn_id', ARGV[2], 'url', ARGV[3],
-  'status', 'pending', 'attempts', 0, 'created_at', ARGV[4], 'next_at', ARGV[4])
-redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
-redis.call('ZADD', KEYS[3], ARGV[4], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[2])
-redis.call('HINCRBY', KEYS[5], 'deliveries:created', 1)
+class CreateKeys(NamedTuple):
+    delivery_key: str
+    due_key: str
+    index_key: str
+    waiting_key: str
+    counts_key: str
+
+
+class CreateArgs(NamedTuple):
+    delivery_id: str
+    turn_id: str
+    url: str
+    now: float
+    due_at: float
+    """A lease from now: the creator sends the first attempt's message itself."""
+
+
+# CREATE_LUA: creating a delivery: once per turn (a second ending, a sweep that raced the
+# step: no-op); due a lease from now, since the creator sends the first attempt's message
+# itself.
+CREATE_LUA = (
+    bind_lua(CreateKeys, CreateArgs)
+    + """
+if redis.call('EXISTS', delivery_key) == 1 then return 0 end
+redis.call('HSET', delivery_key, 'id', delivery_id, 'turn_id', turn_id, 'url', url,
+  'status', 'pending', 'attempts', 0, 'created_at', now, 'next_at', now)
+redis.call('ZADD', due_key, due_at, delivery_id)
+redis.call('ZADD', index_key, now, delivery_id)
+redis.call('ZREM', waiting_key, turn_id)
+redis.call('HINCRBY', counts_key, 'deliveries:created', 1)
 return 1
 """
+)
 
-# Taking due deliveries: each one's score moves a lease ahead, so two sweepers (or a sweep
-# and the creator) never send the same attempt at once; returns id, attempts pairs.
-CLAIM_LUA = """
-local ids = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, ARGV[3])
+
+class ClaimArgs(NamedTuple):
+    now: float
+    lease_until: float
+    limit: int
+    key_prefix: str
+    """A delivery's key without its id."""
+
+
+# CLAIM_LUA: taking due deliveries: each one's score moves a lease ahead, so two sweepers
+# (or a sweep and the creator) never send the same attempt at once; returns id, attempts
+# pairs.
+CLAIM_LUA = (
+    bind_lua(("due_key",), ClaimArgs)
+    + """
+local ids = redis.call('ZRANGEBYSCORE', due_key, '-inf', now, 'LIMIT', 0, limit)
 local out = {}
 for _, id in ipairs(ids) do
-  redis.call('ZADD', KEYS[1], ARGV[2], id)
-  local attempts = redis.call('HGET', ARGV[4] .. id, 'attempts')
+  redis.call('ZADD', due_key, lease_until, id)
+  local attempts = redis.call('HGET', key_prefix .. id, 'attempts')
   if attempts then
     out[#out + 1] = id
     out[#out + 1] = attempts
   else
-    redis.call('ZREM', KEYS[1], id)
+    redis.call('ZREM', due_key, id)
   end
 end
 return out
 """
+)
 
 
 class Deliveries:
@@ -101,25 +136,22 @@ class Deliveries:
         now), None if it existed."""
         delivery_id = k.webhook_id(turn_id)
         now = time.time()
-        created = self._create(
-            keys=[
-                k.webhook_key(delivery_id),
-                k.WEBHOOKS_DUE,
-                k.WEBHOOKS_INDEX,
-                k.WEBHOOKS_WAITING,
-                k.WEBHOOK_COUNTS,
-            ],
-            args=[delivery_id, turn_id, url, now, now + lease_s],
+        keys = CreateKeys(
+            k.webhook_key(delivery_id),
+            k.WEBHOOKS_DUE,
+            k.WEBHOOKS_INDEX,
+            k.WEBHOOKS_WAITING,
+            k.WEBHOOK_COUNTS,
         )
+        args = CreateArgs(delivery_id, turn_id, url, now, now + lease_s)
+        created = self._create(keys=list(keys), args=list(args))
         return delivery_id if created else None
 
     def claim_due(self, *, lease_s: float, limit: int = 100) -> list[tuple[str, int]]:
         """Due deliveries (id, attempts made), each pushed a lease ahead."""
         now = time.time()
-        raw = self._claim(
-            keys=[k.WEBHOOKS_DUE],
-            args=[now, now + lease_s, limit, k.webhook_key("")],
-        )
+        args = ClaimArgs(now, now + lease_s, limit, k.webhook_key(""))
+        raw = self._claim(keys=[k.WEBHOOKS_DUE], args=list(args))
         return [(text(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
 
     def waiting_due(self, limit: int = 100) -> list[str]:
