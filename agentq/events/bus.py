@@ -112,6 +112,22 @@ end
     + "return {last, id}"
 )
 
+# The same, only while the turn is queued (`turn_queued`): once its first step ran, it said
+# `turn_started`, and a late `turn_queued` after it would tell a follower the opposite.
+PUBLISH_QUEUED_LUA = (
+    bind_lua(TurnEventKeys, PublishArgs)
+    + f"""
+local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
+local status, last = open[1], tonumber(open[3]) or 0
+if status ~= '"queued"' then
+  return {{0, ''}}
+end
+"""
+    + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
+    + seq_lua("turn_key", "last")
+    + "return {last, id}"
+)
+
 # The events of many turns in one call: KEYS are three per turn (TurnEventKeys), ARGV
 # the `log_arg`, then for each turn the number of its events and their bodies. One
 # call instead of one per event: a stream worker publishes thousands of deltas a second.
@@ -217,6 +233,7 @@ class EventBus:
         # How the bodies of counted events begin (`event_body` puts the type first).
         self._counted_prefixes = tuple(f'{{"type":"{t}"' for t in sorted(counted_types))
         self._publish = client.register_script(PUBLISH_LUA)
+        self._publish_queued = client.register_script(PUBLISH_QUEUED_LUA)
         self._publish_many = client.register_script(PUBLISH_MANY_LUA)
         self._watch = client.register_script(WATCH_LUA)
         self.sharded = isinstance(client, RedisCluster)
@@ -234,9 +251,16 @@ class EventBus:
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
         """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
+        return self._publish_with(self._publish, turn_id, type_, fields)
+
+    def publish_while_queued(self, turn_id: str, type_: str, **fields: Any) -> int:
+        """`publish`, only while the turn has not started (0 once its first step ran)."""
+        return self._publish_with(self._publish_queued, turn_id, type_, fields)
+
+    def _publish_with(self, script: Any, turn_id: str, type_: str, fields: dict[str, Any]) -> int:
         keys = TurnEventKeys(log_key(turn_id), events_channel(turn_id), turn_key(turn_id))
         args = PublishArgs(event_body(turn_id, type_, fields), self.log_arg())
-        res = self._publish(keys=list(keys), args=list(args))
+        res = script(keys=list(keys), args=list(args))
         if int(res[0]):
             self.counted([(type_, fields)])
         return int(res[0])

@@ -43,6 +43,10 @@ WAITING_RECHECK_S = 15.0
 """A queued turn looks at its conversation this often; its predecessor's hand-off wakes it
 at once, so this only matters when that hand-off never came."""
 
+STUCK_AFTER_S = 5.0
+"""A turn ended this long ago without handing its conversation on was stopped before it
+could (its process died): worth a warning. Sooner, its own hand-off was under way."""
+
 Aborter = Callable[[str, str], None]
 
 _STORES: dict[int, Conversations] = {}
@@ -83,6 +87,7 @@ def admit(
     may: tuple[str, ...],
     any_owner: bool,
     abort: Aborter | None,
+    again: bool = True,
 ) -> Admitted:
     """Admit a stored turn to its conversation: run it now, queue it, or refuse it
     (ConversationBusy, the turn removed again: nothing of a refused request stays)."""
@@ -97,20 +102,38 @@ def admit(
         may=may,
         any_owner=any_owner,
     )
+    running = admitted.running
+    if admitted.outcome is not Admit.RUN and running and not _alive(store, running):
+        # The turn ahead has ended; its own hand-off is under way, or its process died
+        # before it. Hand off for it now rather than wait (or refuse) behind a turn that
+        # is over: the release script lets exactly one of the two act.
+        if release_for(store, app, conversation_id, running) == turn_id:
+            return Admitted(Admit.RUN, created=admitted.created, step_sent=True)
+        if admitted.outcome is Admit.BUSY and again:
+            return admit(
+                store,
+                app,
+                conversation_id,
+                turn_id,
+                mode,
+                new_bytes=new_bytes,
+                max_bytes=max_bytes,
+                claim=claim,
+                may=may,
+                any_owner=any_owner,
+                abort=abort,
+                again=False,
+            )
+        if admitted.outcome is not Admit.BUSY:
+            return admitted
     if admitted.outcome is Admit.BUSY:
         forget(store, turn_id)
-        raise ConversationBusy(conversation_id, str(admitted.running))
-    if admitted.outcome is Admit.RUN:
-        return admitted
-    running = str(admitted.running)
+        raise ConversationBusy(conversation_id, str(running))
     if admitted.outcome is Admit.INTERRUPTED:
         reason = "rollback" if mode is Multitask.ROLLBACK else "interrupt"
-        _abort(store, app, running, reason, abort)
+        _abort(store, app, str(running), reason, abort)
     elif admitted.outcome is Admit.INJECTED:
-        convs.note_injected(running)
-    if not _alive(store, running):
-        # Its step died between its end and its hand-off: release it now.
-        release_for(store, app, conversation_id, running)
+        convs.note_injected(str(running))
     return admitted
 
 
@@ -221,8 +244,8 @@ def hand_off(
     turn_id: str,
     state: TurnState,
     history: list[dict[str, Any]],
-) -> Release:
-    """After a turn ended: append its exchange, then start the next queued turn."""
+) -> tuple[Release, str | None]:
+    """After a turn ended: append its exchange, then start the next queued turn (its id)."""
     cid = str(state.get("conversation_id"))
     gone = list(state.get("injected_turns") or [])
     args = ReleaseArgs(
@@ -244,25 +267,28 @@ def hand_off(
         _end_injected(store, tid, turn_id)
     if nxt is not None:
         _send(store, app, nxt, model_first=True)
-    return outcome
+    return outcome, nxt
 
 
-def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: str) -> None:
-    """Hand off the conversation of a turn that ended (or vanished) without doing so."""
+def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: str) -> str | None:
+    """Hand off the conversation of a turn that ended (or vanished) without doing so yet;
+    the turn it went to, if this call handed it on."""
     snap = store.snapshot(turn_id)
-    if snap is not None and snap.state.get("status") not in TERMINAL_STATUSES:
-        return
     if snap is not None:
-        # Often its own hand-off is under way: the release script lets one of them act.
-        if hand_off(store, app, turn_id, snap.state, snap.history) is not Release.LEFT:
+        if snap.state.get("status") not in TERMINAL_STATUSES:
+            return None
+        outcome, nxt = hand_off(store, app, turn_id, snap.state, snap.history)
+        ended_at = float(snap.state.get("ended_at") or 0)
+        if outcome is not Release.LEFT and time.time() - ended_at > STUCK_AFTER_S:
             log.warning("turn %s ended without handing its conversation on: done for it", turn_id)
-        return
+        return nxt
     # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
     # can be appended; the conversation goes on without it.
     args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), [], [])
     _, nxt = conversations(store).release(conversation_id, args)
     if nxt is not None:
         _send(store, app, nxt, model_first=True)
+    return nxt
 
 
 __all__ = [

@@ -165,10 +165,13 @@ def _start(
         )
         if admitted.created:
             handle["conversation_token"] = new_token
+        if admitted.step_sent:
+            return _handle(turn_id, token, handle)
         if admitted.outcome is not Admit.RUN:
-            # Its predecessor's hand-off sends its first step (the wakeup is the backstop).
+            # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
+            # perhaps already: said only while the turn has not started.
             fields = {"position": admitted.position, "behind": admitted.behind}
-            store.bus.publish(turn_id, "turn_queued", **fields)
+            store.bus.publish_while_queued(turn_id, "turn_queued", **fields)
             if admitted.outcome is Admit.INJECTED:
                 handle.update(
                     injected=True, message_turn_id=turn_id, events_url_of=admitted.running

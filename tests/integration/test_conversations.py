@@ -14,6 +14,7 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import ConversationBusy, ConversationNotFound, IdempotencyKeyReused
+from agentq.local.processes import wait_for
 from agentq.models import Event, TurnRequest
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_valid_history, calls, collect, script
@@ -254,16 +255,28 @@ def test_the_cli_queues_a_message_and_shows_the_conversation(
 ) -> None:
     key = script(
         llm_server,
-        Round(tool_calls=calls(("sleep", {"seconds": 1.0}))),
-        Round(text="one"),
+        Round(tool_calls=calls(("hang", {"seconds": 60}))),
         Round(text="two"),
+        Round(text="x"),
     )
     conv = conv_id()
     first = client.start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
-    out = agentq_cli(agentq_env, "run", "--conversation", conv, "--idempotency-key", "k1", "two")
-    assert out.returncode == 0, out.stderr
-    assert "queued behind turn" in out.stdout and "two" in out.stdout
+    argv = ["run", "--conversation", conv, "--idempotency-key", "k1", "two"]
+    with subprocess.Popen(
+        [sys.executable, "-m", "agentq", *argv],
+        env={**os.environ, **agentq_env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+    ) as proc:
+        # Queued behind the hanging turn; once that one is aborted, it runs.
+        wait_for(lambda: client.conversation(conv, operator=True)["queued"], 30, 0.05)
+        client.abort(first.turn_id, None, operator=True)
+        stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr
+    assert f"queued behind turn {first.turn_id}" in stdout and "two" in stdout
     # The same key again: the first run's turn, not a third exchange.
     again = agentq_cli(
         agentq_env, "run", "--json", "--conversation", conv, "--idempotency-key", "k1", "two"
