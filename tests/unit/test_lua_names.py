@@ -1,0 +1,70 @@
+"""Every Lua script names its inputs before anything else: a header giving its layout,
+then its KEYS and ARGV bound to names (`agentq.events.lua_args.bind_lua`); past that, no
+script reads an input by a literal position (loops over a variable tail excepted)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from agentq.events import bus
+from agentq.gateway import limits
+from agentq.llm import capacity_lua
+from agentq.state import interactions, layout, listing
+from agentq.state.store import TurnStore
+from agentq.webhooks import deliveries
+
+
+def _store_scripts() -> dict[str, str]:
+    scripts: dict[str, str] = {}
+    for cls in TurnStore.__mro__:
+        for attr, source in vars(cls).get("LUA", {}).items():
+            scripts[f"{cls.__name__}.{attr}"] = source
+    return scripts
+
+
+SCRIPTS = {
+    **_store_scripts(),
+    "interactions._CLOSE_LUA": interactions._CLOSE_LUA,
+    "layout._MERGE_CALLS_LUA": layout._MERGE_CALLS_LUA,
+    "layout._MERGE_HISTORY_LUA": layout._MERGE_HISTORY_LUA,
+    "listing._SUMMARY_LUA": listing._SUMMARY_LUA,
+    "bus.PUBLISH_LUA": bus.PUBLISH_LUA,
+    "bus.PUBLISH_MANY_LUA": bus.PUBLISH_MANY_LUA,
+    "bus.WATCH_LUA": bus.WATCH_LUA,
+    **{
+        f"capacity_lua.{name}": getattr(capacity_lua, name)
+        for name in (
+            "ACQUIRE_LUA",
+            "RELEASE_LUA",
+            "WITHDRAW_LUA",
+            "SNAPSHOT_LUA",
+            "RENEW_LUA",
+            "PAUSE_LUA",
+            "BREAKER_LUA",
+        )
+    },
+    "limits._BUCKET_LUA": limits._BUCKET_LUA,
+    "limits._RESERVE_LUA": limits._RESERVE_LUA,
+    "deliveries.CREATE_LUA": deliveries.CREATE_LUA,
+    "deliveries.CLAIM_LUA": deliveries.CLAIM_LUA,
+}
+
+_BINDING = re.compile(r"^local \w+ = (KEYS|ARGV)\[\d+\]$|^local \w+_at = \d+$")
+_BY_POSITION = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
+
+
+def test_the_store_has_scripts() -> None:
+    assert len(_store_scripts()) >= 14
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_a_script_opens_with_its_layout_and_reads_its_inputs_by_name(name: str) -> None:
+    lines = SCRIPTS[name].splitlines()
+    assert lines[0].startswith("-- KEYS: "), f"{name} does not open with its layout"
+    body = lines[1:]
+    while body and _BINDING.match(body[0]):
+        body = body[1:]
+    by_position = [line for line in body if _BY_POSITION.search(line)]
+    assert not by_position, f"{name} reads inputs by position: {by_position}"
