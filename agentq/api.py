@@ -351,7 +351,9 @@ class Client:
         """
         if self._store.state(turn_id) is None:
             raise TurnNotFound(turn_id)
-        return follow(self._store.bus, turn_id, after=after_id, heartbeat_s=heartbeat_s, depth=depth)
+        return follow(
+            self._store.bus, turn_id, after=after_id, heartbeat_s=heartbeat_s, depth=depth
+        )
 
     def wait(self, turn_id: str, timeout_s: float = 300.0) -> Event:
         """Block until the turn ends; return its terminal event."""
