@@ -169,56 +169,80 @@ def _publish_round(
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
     """The round's message and streaming seconds when it is done, else when to look again
     (sending the round first if it was not sent)."""
-    known = ctx.llm_result
-    if known and known[0] == round_no:
-        raw: str | None = known[1]
-    elif ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD):
-        # Stored before the step read the turn: its view has it.
-        raw = json.dumps(ctx.state[k.LLM_RESULT_FIELD])
-    elif ctx.state.get("llm_round") == round_no:
-        raw = ctx.store.llm_result(ctx.turn_id, round_no)
-    else:
-        # Not recorded as sent: not sent, or its step died between the send and the write
-        # (sent again now, its result read once this send is recorded).
-        raw = None
-    s = ctx.settings
+    raw = _result_of(ctx, round_no)
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
-        same_round = ctx.state.get("llm_failover_round") == round_no
-        failovers = int(ctx.state.get("llm_failovers") or 0) if same_round else 0
-        busy = result.error_code == BUSY_CODE
-        if not busy and not (result.failover and failovers < s.llm_max_retries):
+        if not _goes_again(ctx, round_no, result):
             return _message(ctx, result)
-        # The round goes again: its result is forgotten, and so is its claim (a delivery of
-        # an earlier round still finds it done).
-        fields: TurnState = {
-            "llm_round": None,
-            k.LLM_RESULT_FIELD: None,
-            k.LLM_RESULT_ROUND_FIELD: round_no - 1,
-            k.LLM_TAKEN_FIELD: None,
-        }
-        events: list[tuple[str, dict[str, Any]]] = []
-        if not busy:
-            # Its deployment failed before the model said anything: another one takes it.
-            fields.update({"llm_failovers": failovers + 1, "llm_failover_round": round_no})
-            retry = {
-                "round_no": round_no,
-                "attempt": failovers + 1,
-                "code": result.error_code,
-                "error": f"{result.error} (on deployment {ctx.state.get('llm_deployment')})",
-                "delay_ms": 0,
-                "failover": True,
-            }
-            events.append(("llm_retry", retry))
-        # A busy provider costs no retry: the round waits for capacity again.
-        ctx.llm_result = None
-        ctx.commit(events=events, **fields)
     if ctx.state.get("llm_round") != round_no:
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):
             return grant
         send_round(ctx, round_no, 1, grant=grant)
-        return min(float(ctx.state["llm_deadline"]), ctx.now + s.turn_lease_s)
+        return _next_look(ctx)
+    return _watch_round(ctx, round_no)
+
+
+def _next_look(ctx: StepContext) -> float:
+    """A sent round is looked at again at its deadline, or a turn lease from now."""
+    return min(float(ctx.state["llm_deadline"]), ctx.now + ctx.settings.turn_lease_s)
+
+
+def _result_of(ctx: StepContext, round_no: int) -> str | None:
+    """The round's result (LlmRoundResult JSON) if it has one: as the step began with it,
+    in the step's view, or read (a round recorded as sent)."""
+    known = ctx.llm_result
+    if known and known[0] == round_no:
+        return known[1]
+    if ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD):
+        # Stored before the step read the turn: its view has it.
+        return json.dumps(ctx.state[k.LLM_RESULT_FIELD])
+    if ctx.state.get("llm_round") == round_no:
+        return ctx.store.llm_result(ctx.turn_id, round_no)
+    # Not recorded as sent: not sent, or its step died between the send and the write
+    # (sent again now, its result read once this send is recorded).
+    return None
+
+
+def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool:
+    """Whether the round goes again (a busy provider, or a deployment that failed before
+    the model said anything, with failovers left): its result and claim are forgotten."""
+    same_round = ctx.state.get("llm_failover_round") == round_no
+    failovers = int(ctx.state.get("llm_failovers") or 0) if same_round else 0
+    busy = result.error_code == BUSY_CODE
+    if not busy and not (result.failover and failovers < ctx.settings.llm_max_retries):
+        return False
+    # The round goes again: its result is forgotten, and so is its claim (a delivery of
+    # an earlier round still finds it done).
+    fields: TurnState = {
+        "llm_round": None,
+        k.LLM_RESULT_FIELD: None,
+        k.LLM_RESULT_ROUND_FIELD: round_no - 1,
+        k.LLM_TAKEN_FIELD: None,
+    }
+    events: list[tuple[str, dict[str, Any]]] = []
+    if not busy:
+        # Its deployment failed before the model said anything: another one takes it.
+        fields.update({"llm_failovers": failovers + 1, "llm_failover_round": round_no})
+        retry = {
+            "round_no": round_no,
+            "attempt": failovers + 1,
+            "code": result.error_code,
+            "error": f"{result.error} (on deployment {ctx.state.get('llm_deployment')})",
+            "delay_ms": 0,
+            "failover": True,
+        }
+        events.append(("llm_retry", retry))
+    # A busy provider costs no retry: the round waits for capacity again.
+    ctx.llm_result = None
+    ctx.commit(events=events, **fields)
+    return True
+
+
+def _watch_round(ctx: StepContext, round_no: int) -> float:
+    """A round sent and not done: past its deadline it fails; a stream worker that took it
+    and died, or a send nobody took up, sends it again; else when to look again."""
+    s = ctx.settings
     deadline = float(ctx.state.get("llm_deadline") or 0)
     if ctx.now >= deadline:
         raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
@@ -257,7 +281,7 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             # A delivery that arrives after all finds the result or the claim: not run twice.
             sends = int(ctx.state.get("llm_sends") or 1) + 1
             send_round(ctx, round_no, int(ctx.state.get("llm_attempt", 1)), sends)
-    return min(float(ctx.state["llm_deadline"]), ctx.now + s.turn_lease_s)
+    return _next_look(ctx)
 
 
 def _message(ctx: StepContext, result: LlmRoundResult) -> tuple[AssistantMessage, float]:
