@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 from agentq.fleet import runtime  # noqa: E402
 from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
 from scripts.bench_cluster import bench_cluster  # noqa: E402
+from scripts.bench_conversations import bench_conversations  # noqa: E402
 from scripts.bench_model_capacity import bench_model_capacity  # noqa: E402
 from scripts.bench_report import TURN_WORKER_SIDE, judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
@@ -63,6 +64,10 @@ from scripts.bench_stages import (  # noqa: E402
 )
 
 KEYS = (
+    "conversation_turn_ratio_p50",
+    "conversation_handoff_ms_p50",
+    "conversation_handoff_ms_p99",
+    "conversation_extra_redis_commands",
     "agentq_call_ms_p50",
     "agentq_call_ms_p99",
     "celery_call_ms_p50",
@@ -375,6 +380,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("io", lambda: bench_io(fx, sz)),
             ("capacity", lambda: bench_model_capacity(fx, sz)),
             ("cluster", lambda: bench_cluster(fx, sz)),
+            ("conversations", lambda: bench_conversations(fx, sz)),
         ]
         if not args.no_cost:
             stages.append(("cost_per_call", lambda: cost_per_call(fx)))

@@ -62,6 +62,8 @@ class Sizes:
     capacity_bulk_turns: int = 500
     capacity_interactive_turns: int = 10
     cluster_turns: int = 300
+    conversation_turns: int = 100
+    conversation_handoffs: int = 200
 
 
 QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60, 60, 100, 5, 100)

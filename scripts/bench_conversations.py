@@ -1,0 +1,124 @@
+"""The conversations stage: what one turn at a time per conversation costs.
+
+- A model turn on an idle conversation against the same turn without one, interleaved in
+  blocks: wall time from the start to its end, and the Redis commands clients send for
+  each (MONITOR), per turn.
+- The hand-off: turns queued behind one another on one conversation, from one turn's end
+  (its terminal event) to the next one's `turn_started`, both stamped by the fleet.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from agentq.api import Client
+from agentq.events.bus import TERMINAL_TYPES
+from agentq.fleet import runtime
+from agentq.testing.openai_server import Round, ScriptedCall
+from scripts.bench_stages import BenchRig, Sizes, _r, _ratio, ms_stats, pct
+
+BLOCK = 10
+MONITORED_TURNS = 20
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def _turn_s(client: Client, prompt: str, conversation_id: str | None) -> float:
+    t0 = time.time()
+    handle = client.start_turn(prompt, conversation_id=conversation_id, operator=True)
+    end = client.wait(handle.turn_id, timeout_s=60)
+    if end.type != "turn_finished":
+        raise BenchError(f"turn {handle.turn_id} ended {end.type}: {end.fields}")
+    return end.ts - t0
+
+
+def _client_commands(fx: BenchRig, run: Any) -> int:
+    from scripts.bench import _monitor  # the bench's MONITOR reader (imported late: a cycle)
+
+    assert fx.redis is not None
+    return sum(1 for port, _ in _monitor(fx.redis.url, run) if port != "lua")
+
+
+def bench_conversations(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
+    client = Client()
+    assert fx.llm is not None
+    key = f"bench-conv-{uuid.uuid4().hex[:6]}"
+    fx.llm.set_script(key, [Round(text="ok.")] * 1000)
+    n = sz.conversation_turns
+    plain: list[float] = []
+    conv: list[float] = []
+    conversation = f"{key}-0"
+    for _ in range(3):  # warm up both paths
+        _turn_s(client, key, None)
+        _turn_s(client, key, conversation)
+    sides = [(plain, lambda: _turn_s(client, key, None)), (conv, None)]
+    blocks = 0
+    while len(plain) < n:
+        # A fresh conversation every block, so the history sent does not grow with n.
+        conversation = f"{key}-{blocks}"
+        blocks += 1
+        sides[1] = (conv, lambda c=conversation: _turn_s(client, key, c))
+        for samples, once in sides:
+            assert once is not None
+            samples.extend(once() for _ in range(BLOCK))
+        sides.reverse()
+    out: dict[str, Any] = {
+        **ms_stats("plain_turn_ms", plain),
+        **ms_stats("conversation_turn_ms", conv),
+    }
+    out["conversation_turn_ratio_p50"] = _ratio(
+        out["conversation_turn_ms_p50"], out["plain_turn_ms_p50"]
+    )
+    if fx.redis is not None:
+        m = MONITORED_TURNS
+        plain_cmds = _client_commands(fx, lambda: [_turn_s(client, key, None) for _ in range(m)])
+        fresh = f"{key}-monitored"
+        conv_cmds = _client_commands(fx, lambda: [_turn_s(client, key, fresh) for _ in range(m)])
+        out["plain_turn_redis_commands"] = _r(plain_cmds / m, 1)
+        out["conversation_turn_redis_commands"] = _r(conv_cmds / m, 1)
+        out["conversation_extra_redis_commands"] = _r((conv_cmds - plain_cmds) / m, 1)
+    out.update(_handoffs(client, fx, sz.conversation_handoffs))
+    return out
+
+
+def _handoffs(client: Client, fx: BenchRig, n: int) -> dict[str, Any]:
+    assert fx.llm is not None
+    key = f"bench-handoff-{uuid.uuid4().hex[:6]}"
+    # The first turn naps so the others queue behind it; each of them answers at once.
+    nap = Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 0.5})])
+    fx.llm.set_script(key, [nap, *[Round(text="ok.")] * (n + 2)])
+    conversation = f"{key}-c"
+    handles = [client.start_turn(key, conversation_id=conversation, operator=True)]
+    handles += [
+        client.start_turn(f"next {i}", conversation_id=conversation, operator=True)
+        for i in range(n)
+    ]
+    end = client.wait(handles[-1].turn_id, timeout_s=120 + n)
+    if end.type != "turn_finished":
+        raise BenchError(f"the last queued turn ended {end.type}")
+    gaps: list[float] = []
+    ended_at: float | None = None
+    for h in handles:
+        events = runtime.get_store().bus.replay(h.turn_id)
+        started = next((e.ts for e in events if e.type == "turn_started"), None)
+        terminal = next((e for e in events if e.type in TERMINAL_TYPES), None)
+        if started is None or terminal is None:
+            raise BenchError(f"turn {h.turn_id} did not run to its end")
+        if ended_at is not None:
+            gaps.append(started - ended_at)
+        ended_at = terminal.ts
+    if min(gaps) < 0:
+        raise BenchError("two turns of one conversation overlapped")
+    return {
+        **ms_stats("conversation_handoff_ms", gaps),
+        "conversation_handoffs": len(gaps),
+        "conversation_handoff_ms_max": _r(max(gaps) * 1000),
+        "conversation_handoff_ms_p90": _r(pct([g * 1000 for g in gaps], 90) or 0),
+    }
+
+
+__all__ = ["bench_conversations"]
