@@ -309,3 +309,58 @@ def agentq_cli(env: dict[str, str], *args: str, timeout_s: float = 60):
         timeout=timeout_s,
         stdin=subprocess.DEVNULL,
     )
+
+
+def test_an_aborted_queued_turn_leaves_the_queue_and_its_message_is_not_kept(
+    fleet, llm_server, client: Client
+) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 1.5}))), Round(text="a"))
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_started"))
+    waiting = client.start_turn("never mind this", conversation_id=conv, operator=True)
+    assert client.conversation(conv, operator=True)["queued"] == [waiting.turn_id]
+    client.abort(waiting.turn_id, waiting.token)
+    assert collect(client, waiting.turn_id)[-1].type == "turn_aborted"
+    assert client.conversation(conv, operator=True)["queued"] == []
+    assert collect(client, first.turn_id)[-1].type == "turn_finished"
+    view = client.conversation(conv, operator=True)
+    assert view["status"] == "idle" and user_texts(view["messages"]) == [key]
+
+
+def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
+    fleet, llm_server, client: Client
+) -> None:
+    from agentq.fleet import runtime
+    from agentq.models import TurnStatus
+
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))), Round(text="b"))
+    conv = conv_id()
+    first = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, first.turn_id, until=until_type("tool_started"))
+    behind = client.start_turn("next", conversation_id=conv, operator=True)
+    # The first turn's end is written, as by a step whose process then died before its
+    # hand-off: nothing hands the conversation on.
+    store = runtime.get_store()
+    call_id = client.get(first.turn_id)["history"][-1]["tool_calls"][0]["id"]
+    answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
+    store.close(
+        first.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered]
+    )
+    assert client.conversation(conv, operator=True)["running_turn_id"] == first.turn_id
+    # The queued turn's next look (its wakeup, brought forward) releases it and runs.
+    store.wake_by(behind.turn_id, 0)
+    end = collect(client, behind.turn_id, timeout_s=30)[-1]
+    assert end.type == "turn_finished"
+    view = client.conversation(conv, operator=True)
+    assert view["status"] == "idle" and user_texts(view["messages"]) == [key, "next"]
+    assert_valid_history(view["messages"])
+    # A turn that ended without a hand-off and with nobody queued: the next start finds
+    # it, hands off for it, and runs at once.
+    conv2 = conv_id()
+    lone = client.start_turn(key, conversation_id=conv2, operator=True)
+    collect(client, lone.turn_id, until=until_type("tool_started"))
+    store.close(lone.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"})
+    after = client.start_turn("again", conversation_id=conv2, operator=True)
+    assert not after.queued
+    assert collect(client, after.turn_id)[-1].type == "turn_finished"
