@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -487,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.publisher:
         return publisher_main(args.publisher, args.publish_n, args.publish_interval_ms)
+    # A SIGTERM (a `timeout`, a CI runner's stop) unwinds like Ctrl-C, so `run` stops every
+    # process it started instead of leaving the fleet running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = run(args)
     render(res, to_stderr=args.json)
     if args.json:

@@ -55,17 +55,20 @@ def bench_conversations(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     for _ in range(3):  # warm up both paths
         _turn_s(client, key, None)
         _turn_s(client, key, conversation)
-    sides = [(plain, lambda: _turn_s(client, key, None)), (conv, None)]
     blocks = 0
     while len(plain) < n:
-        # A fresh conversation every block, so the history sent does not grow with n.
+        # A fresh conversation every block, so the history sent does not grow with n; the
+        # side that goes first alternates, so machine noise hits both.
         conversation = f"{key}-{blocks}"
+        sides = [
+            (plain, lambda: _turn_s(client, key, None)),
+            (conv, lambda c=conversation: _turn_s(client, key, c)),
+        ]
+        if blocks % 2:
+            sides.reverse()
         blocks += 1
-        sides[1] = (conv, lambda c=conversation: _turn_s(client, key, c))
         for samples, once in sides:
-            assert once is not None
             samples.extend(once() for _ in range(BLOCK))
-        sides.reverse()
     out: dict[str, Any] = {
         **ms_stats("plain_turn_ms", plain),
         **ms_stats("conversation_turn_ms", conv),

@@ -215,7 +215,9 @@ def take_injected(ctx: StepContext) -> None:
     )
     for tid in ids:
         _end_injected(ctx.store, tid, ctx.turn_id)
-        conversations(ctx.store).release(cid, ReleaseArgs(tid, 0, ctx.store.ttl_s, ctx.now, [], []))
+        conversations(ctx.store).release(
+            cid, ReleaseArgs(tid, 0, ctx.store.ttl_s, ctx.now, cid, [], [])
+        )
 
 
 def _end_injected(store: TurnStore, turn_id: str, into: str) -> None:
@@ -253,6 +255,7 @@ def hand_off(
         base_len=int(state.get("conversation_base_len") or 0),
         ttl_s=store.ttl_s,
         now=time.time(),
+        conversation_id=cid,
         gone=gone,
         messages=[json.dumps(m) for m in exchange_of(state, history)],
     )
@@ -284,7 +287,7 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
         return nxt
     # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
     # can be appended; the conversation goes on without it.
-    args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), [], [])
+    args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), conversation_id, [], [])
     _, nxt = conversations(store).release(conversation_id, args)
     if nxt is not None:
         _send(store, app, nxt, model_first=True)

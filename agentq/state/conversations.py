@@ -97,9 +97,13 @@ class ConversationKeys(NamedTuple):
         )
 
 
+# KEYS: ConversationKeys, and on one Redis (not a Cluster, where it is on another slot)
+# the listing's index, which the writes below note the conversation's change in.
 _BIND_KEYS = """local owner_key, meta_key, history_key = KEYS[1], KEYS[2], KEYS[3]
-local queue_key, inject_key = KEYS[4], KEYS[5]
+local queue_key, inject_key, index_key = KEYS[4], KEYS[5], KEYS[6]
 """
+_KEEP = "for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl) end\n"
+_INDEX = "if index_key then redis.call('ZADD', index_key, now, conversation_id) end\n"
 
 
 class AdmitArgs(NamedTuple):
@@ -116,16 +120,18 @@ class AdmitArgs(NamedTuple):
     now: float
     new_bytes: int
     max_bytes: int
+    conversation_id: str
 
 
 # KEYS: ConversationKeys; ARGV: AdmitArgs. Returns {Admit, ...}: NOT_FOUND; TOO_LARGE, size;
-# RUN, created, history...; BUSY, running; QUEUED|INJECTED|INTERRUPTED, created, running,
+# RUN, created; BUSY, running; QUEUED|INJECTED|INTERRUPTED, created, running,
 # position, behind.
 ADMIT_LUA = (
     _BIND_KEYS
     + f"""local turn_id, claim, may, may_too = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local any_owner, mode, ttl = ARGV[5] == '1', tonumber(ARGV[6]), ARGV[7]
 local now, new_bytes, max_bytes = ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10])
+local conversation_id = ARGV[11]
 local created = 0
 if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl) then
   -- Whatever outlived an expired binding is not this caller's to read.
@@ -137,14 +143,14 @@ else
 end
 local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + new_bytes
 if size > max_bytes then return {{{Admit.TOO_LARGE}, size}} end
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
-local running = redis.call('HGET', meta_key, 'running')
+"""
+    + _KEEP
+    + _INDEX
+    + f"""local running = redis.call('HGET', meta_key, 'running')
 if not running or running == '' then
   redis.call('HSET', meta_key, 'running', turn_id, 'updated_at', now)
   redis.call('EXPIRE', meta_key, ttl)
-  local out = {{{Admit.RUN}, created}}
-  for _, m in ipairs(redis.call('LRANGE', history_key, 0, -1)) do out[#out + 1] = m end
-  return out
+  return {{{Admit.RUN}, created}}
 end
 if mode == {_MODE[Multitask.REJECT]} then return {{{Admit.BUSY}, running}} end
 local answer = {Admit.QUEUED}
@@ -160,13 +166,14 @@ else
   end
 end
 redis.call('HSET', meta_key, 'updated_at', now)
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
-local queue = redis.call('LRANGE', queue_key, 0, -1)
+"""
+    + _KEEP
+    + """local queue = redis.call('LRANGE', queue_key, 0, -1)
 local position, behind = 1, running
 for i, id in ipairs(queue) do
   if id == turn_id then position = i; if i > 1 then behind = queue[i - 1] end; break end
 end
-return {{answer, created, running, position, behind}}
+return {answer, created, running, position, behind}
 """
 )
 
@@ -177,6 +184,7 @@ class ReleaseArgs(NamedTuple):
     """The history's length when the turn read it: an append finds it unchanged."""
     ttl_s: int
     now: float
+    conversation_id: str
     gone: list[str]
     """Queued turns whose message this turn took in (inject): they leave the queue."""
     messages: list[str]
@@ -188,6 +196,7 @@ class ReleaseArgs(NamedTuple):
             self.base_len,
             self.ttl_s,
             self.now,
+            self.conversation_id,
             len(self.gone),
             *self.gone,
             *self.messages,
@@ -198,9 +207,9 @@ class ReleaseArgs(NamedTuple):
 RELEASE_LUA = (
     _BIND_KEYS
     + f"""local turn_id, base_len, ttl, now = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local ngone = tonumber(ARGV[5])
-local first_message = 6 + ngone
-for i = 6, 5 + ngone do
+local conversation_id, ngone = ARGV[5], tonumber(ARGV[6])
+local first_message = 7 + ngone
+for i = 7, 6 + ngone do
   redis.call('LREM', queue_key, 0, ARGV[i])
   redis.call('SREM', inject_key, ARGV[i])
 end
@@ -235,8 +244,10 @@ else
   redis.call('HSET', meta_key, 'updated_at', now)
   next_turn = ''
 end
-for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
-return {{outcome, next_turn}}
+"""
+    + _KEEP
+    + _INDEX
+    + """return {outcome, next_turn}
 """
 )
 
@@ -309,8 +320,6 @@ class Admitted:
 
     outcome: Admit
     created: bool = False
-    prior: list[dict[str, Any]] | None = None
-    """RUN: the history the turn continues."""
     running: str | None = None
     position: int = 0
     behind: str | None = None
@@ -358,19 +367,14 @@ class Conversations:
         self._take = client.register_script(TAKE_LUA)
         self.sharded = isinstance(client, RedisCluster)
 
-    def _with_index(
-        self, script: Any, keys: list[str], args: list[Any], cid: str, now: float
-    ) -> Any:
-        """Run a script and note the conversation's change in the index, in one round trip
-        (two on a Cluster, where the index is on another slot)."""
+    def _keys(self, conversation_id: str) -> list[str]:
+        keys = list(ConversationKeys.of(conversation_id))
+        return keys if self.sharded else [*keys, k.CONVERSATIONS_INDEX]
+
+    def _noted(self, conversation_id: str, now: float) -> None:
+        """On a Cluster, the listing's index is on another slot: noted apart."""
         if self.sharded:
-            answer = script(keys=keys, args=args)
-            self.redis.zadd(k.CONVERSATIONS_INDEX, {cid: now})
-            return answer
-        pipe = self.redis.pipeline(transaction=False)
-        script(keys=keys, args=args, client=pipe)
-        pipe.zadd(k.CONVERSATIONS_INDEX, {cid: now})
-        return pipe.execute()[0]
+            self.redis.zadd(k.CONVERSATIONS_INDEX, {conversation_id: now})
 
     def admit(
         self,
@@ -400,10 +404,12 @@ class Conversations:
             time.time(),
             new_bytes,
             max_bytes,
+            conversation_id,
         )
-        keys = list(ConversationKeys.of(conversation_id))
-        answer = self._with_index(self._admit, keys, list(args), conversation_id, args.now)
+        answer = self._admit(keys=self._keys(conversation_id), args=list(args))
         outcome = Admit(int(answer[0]))
+        if outcome not in (Admit.NOT_FOUND, Admit.TOO_LARGE):
+            self._noted(conversation_id, args.now)
         if outcome is Admit.NOT_FOUND:
             raise ConversationNotFound(conversation_id)
         if outcome is Admit.TOO_LARGE:
@@ -413,8 +419,8 @@ class Conversations:
                 max_bytes,
             )
         if outcome is Admit.RUN:
-            prior = [json.loads(m) for m in answer[2:]]
-            return Admitted(outcome, created=bool(int(answer[1])), prior=prior)
+            # Its history is read at its first step (TAKE), not here.
+            return Admitted(outcome, created=bool(int(answer[1])))
         if outcome is Admit.BUSY:
             return Admitted(outcome, running=_text(answer[1]))
         return Admitted(
@@ -428,9 +434,10 @@ class Conversations:
     def release(self, conversation_id: str, args: ReleaseArgs) -> tuple[Release, str | None]:
         """Commit a turn's exchange and hand the conversation to the next queued turn (its
         id, if any); a turn that did not hold it just leaves the queue."""
-        keys = list(ConversationKeys.of(conversation_id))
-        answer = self._with_index(self._release, keys, args.argv(), conversation_id, args.now)
+        answer = self._release(keys=self._keys(conversation_id), args=args.argv())
         outcome = Release(int(answer[0]))
+        if outcome is not Release.LEFT:
+            self._noted(conversation_id, args.now)
         nxt = _text(answer[1])
         return outcome, nxt or None
 
