@@ -20,7 +20,7 @@ from agentq.errors import BrokerUnavailable, ModelRoundFailed, StreamDurationExc
 from agentq.fleet.broker import publish, task_repr
 from agentq.llm.capacity import Grant
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
-from agentq.orchestrator import admission, subturns
+from agentq.orchestrator import admission, spend, subturns
 from agentq.state.base import now_ms
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import all_tools, schemas_json
@@ -73,42 +73,15 @@ def _queued_s(ctx: StepContext, round_no: int) -> float:
 def send_round(
     ctx: StepContext, round_no: int, attempt: int, sends: int = 1, grant: Grant | None = None
 ) -> None:
+    """Send the round (its `attempt`, its `sends`-th send; `grant`: the capacity it was
+    admitted with just now) as the step's last act, recorded as the step lets go."""
     s = ctx.settings
     streamed_s = float(ctx.state.get("streamed_s", 0.0))
     left_s = s.stream_duration_s - streamed_s
     if left_s <= 0:
         raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
-    agent = ctx.agent
-    offered = list(all_tools().values()) if agent is None else agent.offered_tools()
-    req = LlmRoundRequest(
-        turn_id=ctx.turn_id,
-        round_no=round_no,
-        tools_json=schemas_json(offered),
-        duration_left_s=left_s,
-        idle_timeout_ms=s.stream_idle_timeout_ms,
-        # The model the round was admitted for: its limits and its call are one model's.
-        model=admission.model_of(ctx),
-        instructions="" if agent is None else agent.system_message(),
-        traceparent=ctx.state.get("traceparent"),
-        deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
-        lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
-        tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_estimate") or 0),
-        queued_s=_queued_s(ctx, round_no) if grant else 0.0,
-    )
+    req, tools = _round_request(ctx, round_no, left_s, grant)
     admissions = int(ctx.state.get("llm_admissions") or 0) + (1 if grant else 0)
-    grant_fields: TurnState = (
-        {
-            "llm_admissions": admissions,
-            "llm_deployment": grant.deployment,
-            "llm_lease": grant.lease_id,
-            "llm_estimate": grant.tokens,
-            # The wait's start stays: a round the provider turns away again waits on the
-            # same clock (`llm_queue_timeout_s` bounds the whole wait).
-            "llm_wait_position": None,
-        }
-        if grant
-        else {}
-    )
     deadline = float(ctx.state["llm_deadline"]) if sends > 1 else _round_deadline(ctx, left_s)
     # The send is the step's last act: what it staged (the turn's start, the round's tool
     # results), the send's record and the lock's release are one write, before the message
@@ -117,7 +90,7 @@ def send_round(
     # round recorded as sent that nobody took: the next step sends it again after
     # PICKUP_LEASES (the delivery that comes second finds the round claimed or done).
     sent: TurnState = {
-        **grant_fields,
+        **_grant_fields(grant, admissions),
         "llm_round": round_no,
         "llm_attempt": attempt,
         "llm_sends": sends,
@@ -137,9 +110,51 @@ def send_round(
     if submit is not None:
         submit(req, task_id)
     else:
-        _publish_round(ctx, req, task_id, round_no, len(offered))
+        _publish_round(ctx, req, task_id, round_no, tools)
     if sends == 1 and attempt == 1:
         subturns.report_to_parent(ctx, f"model round {round_no + 1}")
+
+
+def _round_request(
+    ctx: StepContext, round_no: int, left_s: float, grant: Grant | None
+) -> tuple[LlmRoundRequest, int]:
+    """What the stream worker is sent for the round, and how many tools it offers."""
+    s = ctx.settings
+    agent = ctx.agent
+    offered = list(all_tools().values()) if agent is None else agent.offered_tools()
+    req = LlmRoundRequest(
+        turn_id=ctx.turn_id,
+        round_no=round_no,
+        tools_json=schemas_json(offered),
+        duration_left_s=left_s,
+        idle_timeout_ms=s.stream_idle_timeout_ms,
+        # The model the round was admitted for: its limits and its call are one model's.
+        model=admission.model_of(ctx),
+        instructions="" if agent is None else agent.system_message(),
+        traceparent=ctx.state.get("traceparent"),
+        deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
+        lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
+        tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_estimate") or 0),
+        queued_s=_queued_s(ctx, round_no) if grant else 0.0,
+        max_completion_tokens=ctx.state.get("budget_cap"),
+        prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
+    )
+    return req, len(offered)
+
+
+def _grant_fields(grant: Grant | None, admissions: int) -> TurnState:
+    """The state fields a new grant writes (none without one)."""
+    if grant is None:
+        return {}
+    return {
+        "llm_admissions": admissions,
+        "llm_deployment": grant.deployment,
+        "llm_lease": grant.lease_id,
+        "llm_estimate": grant.tokens,
+        # The wait's start stays: a round the provider turns away again waits on the
+        # same clock (`llm_queue_timeout_s` bounds the whole wait).
+        "llm_wait_position": None,
+    }
 
 
 def _publish_round(
@@ -173,8 +188,10 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
         if not _goes_again(ctx, round_no, result):
+            spend.settle_round(ctx, round_no, result)
             return _message(ctx, result)
     if ctx.state.get("llm_round") != round_no:
+        spend.reserve_round(ctx, round_no)
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):
             return grant
