@@ -38,7 +38,7 @@ def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
 
 
 def argv_of(values: Sequence[Any], *tail: Sequence[Any]) -> list[Any]:
-    """A script's ARGV: its named arguments (a NamedTuple), then its variable sections."""
+    """A script's ARGV (or KEYS): its named inputs (a NamedTuple), then its variable sections."""
     out = list(values)
     for section in tail:
         out.extend(section)
