@@ -20,7 +20,7 @@ from agentq.errors import BrokerUnavailable, ModelRoundFailed, StreamDurationExc
 from agentq.fleet.broker import publish, task_repr
 from agentq.llm.capacity import Grant
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
-from agentq.orchestrator import admission, spend, subturns
+from agentq.orchestrator import admission, subturns
 from agentq.state.base import now_ms
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import all_tools, schemas_json
@@ -188,10 +188,8 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
         if not _goes_again(ctx, round_no, result):
-            spend.settle_round(ctx, round_no, result)
             return _message(ctx, result)
     if ctx.state.get("llm_round") != round_no:
-        spend.reserve_round(ctx, round_no)
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):
             return grant
