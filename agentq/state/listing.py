@@ -221,6 +221,9 @@ def summarise(
         "agent": state.get("agent"),
         "owner": state.get("owner"),
         "parent_turn_id": state.get("parent_turn_id"),
+        "conversation_id": state.get("conversation_id"),
+        "conversation_waiting": bool(state.get("conversation_waiting"))
+        and state.get("status") == "queued",
         "round": state.get("round", 0),
         "created_at": state.get("created_at"),
         "started_at": started,

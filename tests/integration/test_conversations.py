@@ -320,6 +320,14 @@ def test_an_aborted_queued_turn_leaves_the_queue_and_its_message_is_not_kept(
     collect(client, first.turn_id, until=until_type("tool_started"))
     waiting = client.start_turn("never mind this", conversation_id=conv, operator=True)
     assert client.conversation(conv, operator=True)["queued"] == [waiting.turn_id]
+    # The console's listing says it waits for its conversation.
+    from agentq.fleet import runtime
+    from agentq.state.listing import TurnLister
+
+    rows = TurnLister(runtime.get_store().redis).summaries([waiting.turn_id, first.turn_id])
+    assert rows[waiting.turn_id]["conversation_waiting"] is True
+    assert rows[waiting.turn_id]["conversation_id"] == conv
+    assert rows[first.turn_id]["conversation_waiting"] is False
     client.abort(waiting.turn_id, waiting.token)
     assert collect(client, waiting.turn_id)[-1].type == "turn_aborted"
     assert client.conversation(conv, operator=True)["queued"] == []

@@ -57,6 +57,13 @@ function turnRow(t) {
     mark.title = waitText(t.model_wait.position, null);
     statusCell.append(mark);
   }
+  if (t.conversation_waiting) {
+    // Queued behind another turn of its conversation (one runs at a time).
+    const mark = el("span", "conv-wait", " · in line");
+    mark.title = "waits for the turn before it in conversation " + t.conversation_id;
+    statusCell.append(mark);
+  }
+  if (t.conversation_id) idCell.title += " · conversation " + t.conversation_id;
   tr.append(
     idCell,
     statusCell,
