@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -278,3 +279,40 @@ def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:
     assert done[-1].type == "turn_finished"
     assert rig.client.get(last.decode())["state"]["schedule"] == "report"
     schedules.remove("report")
+
+
+def test_a_conversation_runs_one_turn_at_a_time_on_a_cluster(make_rig) -> None:
+    rig = _cluster_rig(make_rig)
+    key = rig.script(
+        Round(tool_calls=calls(("echo", {"text": "a"}), ("aio_sleep", {"seconds": 0.5}))),
+        Round(text="first"),
+        Round(tool_calls=calls(("aio_sleep", {"seconds": 2.0}))),
+        Round(text="joined"),
+        Round(text="third"),
+    )
+    conv = f"cluster-{uuid.uuid4().hex[:8]}"
+    c = rig.client
+    first = c.start_turn(key, conversation_id=conv, operator=True)
+    second = c.start_turn("second", conversation_id=conv, operator=True)
+    assert second.queued and second.behind == first.turn_id
+    rig.collect(second.turn_id, until=lambda e: e.type == "tool_started", timeout_s=60)
+    joined = c.start_turn("and this", conversation_id=conv, operator=True, multitask="inject")
+    assert joined.injected and joined.turn_id == second.turn_id
+    third = c.start_turn("third", conversation_id=conv, operator=True)
+    assert rig.collect(third.turn_id, timeout_s=60)[-1].fields["content"] == "third"
+    view = c.conversation(conv, operator=True)
+    assert view["status"] == "idle" and view["queued"] == []
+    users = [m["content"] for m in view["messages"] if m["role"] == "user"]
+    assert users == [key, "second", "and this", "third"]
+    assert_valid_history(view["messages"])
+    # The conversation's keys share one slot; its turns are spread over the shards.
+    named = (
+        k.conversation_key,
+        k.conversation_meta_key,
+        k.conversation_queue_key,
+        k.conversation_inject_key,
+        k.conversation_owner_key,
+    )
+    slots = {key_slot(name(conv).encode()) for name in named}
+    assert len(slots) == 1
+    assert conv in [r["conversation_id"] for r in c.conversations(operator=True)]
