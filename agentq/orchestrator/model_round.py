@@ -136,8 +136,6 @@ def _round_request(
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
         tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_estimate") or 0),
         queued_s=_queued_s(ctx, round_no) if grant else 0.0,
-        max_completion_tokens=ctx.state.get("budget_cap"),
-        prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
     )
     return req, len(offered)
 
