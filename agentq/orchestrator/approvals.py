@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from agentq import constants as k
 from agentq.errors import HeadlessInteraction
-from agentq.models import InteractionRequest, ToolResult
+from agentq.models import InteractionRequest, ToolCall, ToolResult
 from agentq.orchestrator.plan import CallPlan
 from agentq.state.interactions import Interactions, default_timeout_s
 from agentq.tools.results import denied_result
@@ -67,54 +67,77 @@ def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
         if interactions is None:
             interactions = Interactions(ctx.store)
         rid = k.approval_request_id(call.id)
-        found = interactions.get(ctx.turn_id, rid)
-        if found is None:
-            req = _request(ctx, p)
-            interactions.open(ctx.turn_id, req)
-            # `agent` names who asks when the request is relayed into a parent's stream.
-            ctx.publish(
-                "interaction_requested",
-                **req.model_dump(),
-                headless=ctx.headless,
-                agent=ctx.state.get("agent"),
-            )
-            if ctx.headless:
-                if req.default is None:
-                    raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
-                if interactions.expire(ctx.turn_id, rid, state="defaulted"):
-                    ctx.publish(
-                        "interaction_answered", request_id=rid, decision=req.default, by="default"
-                    )
-                found = interactions.get(ctx.turn_id, rid)
-                assert found is not None
-            else:
-                found = ("pending", req)
-        state, req = found
+        state, req = interactions.get(ctx.turn_id, rid) or _ask(ctx, interactions, p, rid)
         if state == "pending":
             deadline = req.created_at + req.timeout_ms / 1000
             if ctx.now < deadline:
                 out.wait_until = min(out.wait_until or deadline, deadline)
                 continue
-            if interactions.expire(ctx.turn_id, rid):
-                ctx.publish(
-                    "interaction_timed_out",
-                    request_id=rid,
-                    call_id=call.id,
-                    timeout_ms=req.timeout_ms,
-                )
-                state = "timed_out"
-            else:  # an answer won the race: its record decides
-                found = interactions.get(ctx.turn_id, rid)
-                assert found is not None
-                state = found[0]
-        if state == "answered":
-            if interactions.decision(ctx.turn_id, rid) != "approve":
-                out.denied[call.id] = denied_result(call, "user")
-            elif req.kind == "password":
-                out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)
-        elif state == "defaulted":
-            if req.default != "approve":
-                out.denied[call.id] = denied_result(call, "policy")
-        else:
-            out.denied[call.id] = denied_result(call, "timeout")
+            state = _time_out(ctx, interactions, call.id, rid, req)
+        _decide(ctx, interactions, out, call, rid, state, req)
     return out
+
+
+def _ask(
+    ctx: StepContext, interactions: Interactions, p: CallPlan, rid: str
+) -> tuple[str, InteractionRequest]:
+    """Open the call's request and tell whoever follows; a headless turn takes its default
+    at once (none declared: HeadlessInteraction)."""
+    req = _request(ctx, p)
+    interactions.open(ctx.turn_id, req)
+    # `agent` names who asks when the request is relayed into a parent's stream.
+    ctx.publish(
+        "interaction_requested",
+        **req.model_dump(),
+        headless=ctx.headless,
+        agent=ctx.state.get("agent"),
+    )
+    if not ctx.headless:
+        return "pending", req
+    if req.default is None:
+        raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
+    if interactions.expire(ctx.turn_id, rid, state="defaulted"):
+        ctx.publish("interaction_answered", request_id=rid, decision=req.default, by="default")
+    found = interactions.get(ctx.turn_id, rid)
+    assert found is not None
+    return found
+
+
+def _time_out(
+    ctx: StepContext, interactions: Interactions, call_id: str, rid: str, req: InteractionRequest
+) -> str:
+    """A pending request past its timeout: timed out, unless an answer won the race (its
+    record decides)."""
+    if interactions.expire(ctx.turn_id, rid):
+        ctx.publish(
+            "interaction_timed_out",
+            request_id=rid,
+            call_id=call_id,
+            timeout_ms=req.timeout_ms,
+        )
+        return "timed_out"
+    found = interactions.get(ctx.turn_id, rid)
+    assert found is not None
+    return found[0]
+
+
+def _decide(
+    ctx: StepContext,
+    interactions: Interactions,
+    out: GateOutcome,
+    call: ToolCall,
+    rid: str,
+    state: str,
+    req: InteractionRequest,
+) -> None:
+    """What a closed request means for its call: run it (with a password's secret), or deny it."""
+    if state == "answered":
+        if interactions.decision(ctx.turn_id, rid) != "approve":
+            out.denied[call.id] = denied_result(call, "user")
+        elif req.kind == "password":
+            out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)
+    elif state == "defaulted":
+        if req.default != "approve":
+            out.denied[call.id] = denied_result(call, "policy")
+    else:
+        out.denied[call.id] = denied_result(call, "timeout")
