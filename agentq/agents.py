@@ -80,6 +80,10 @@ class Agent(BaseModel):
     unset: every server when `tools` is unset too, else none (a `SERVER__TOOL` name in
     `tools` still offers that one tool)."""
     max_calls_per_turn: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, gt=0)
+    """Token budget of this agent's turns (a request may lower it, not raise it)."""
+    max_cost_usd: float | None = Field(None, gt=0, allow_inf_nan=False)
+    """USD budget of this agent's turns (its model needs a price); a request may lower it."""
     stream_idle_timeout_ms: int | None = None
     stream_duration_s: float | None = Field(None, gt=0)
     approval_timeout_s: float | None = Field(None, gt=0)

@@ -27,6 +27,7 @@ from agentq.orchestrator.conversation import conversations
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
 from agentq.state.interactions import Interactions
+from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 
@@ -51,6 +52,9 @@ class TurnView(TypedDict):
     """Its messages, in order (OpenAI chat format)."""
     invocations: list[dict[str, Any]]
     """The records of its settled calls (`InvocationRecord` as JSON)."""
+    spend: dict[str, Any]
+    """Its tokens and cost with its sub-agents' (reservations in flight included), and its
+    limits (docs/spend.md)."""
 
 
 class RunningCall(TypedDict):
@@ -109,8 +113,15 @@ class Client:
         webhook_url: str | None = None,
         multitask: MultitaskMode | None = None,
         idempotency_key: str | None = None,
+        max_tokens: int | None = None,
+        max_cost_usd: float | None = None,
     ) -> TurnHandle:
         """Queue a turn; returns at once with its id and the token that controls it.
+
+        `max_tokens`, `max_cost_usd`: the turn's budget, its sub-agents' spend included (a
+        request may lower its agent's, not raise it); past it the turn ends with
+        `turn_error` code `budget_exceeded`. `max_cost_usd` needs a price for the model
+        (BudgetInvalid); a key over its AGENTQ_KEY_BUDGETS raises BudgetExceeded.
 
         `multitask` (with `conversation_id`): what the message does while another turn of
         the conversation runs: "enqueue" (the default: it runs after it), "reject"
@@ -139,6 +150,8 @@ class Client:
             agent=agent,
             webhook_url=webhook_url,
             multitask=multitask,
+            max_tokens=max_tokens,
+            max_cost_usd=max_cost_usd,
         )
         return self.start(req, operator=operator, idempotency_key=idempotency_key)
 
@@ -244,6 +257,9 @@ class Client:
             "state": state,
             "history": whole.history,
             "invocations": [r.record.model_dump() for r in whole.results.values()],
+            "spend": Spend(self._store.redis, self.settings).turn_totals(
+                whole.state.get("owner"), turn_id
+            ),
         }
 
     def output(self, turn_id: str, output_type: type[M] | None = None) -> M | Any:

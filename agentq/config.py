@@ -2,27 +2,65 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote, urlsplit
 
 from pydantic import (
     AliasChoices,
+    BaseModel,
+    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from agentq import constants as k
 from agentq.errors import ConfigError
 
 SENTINEL_SCHEME = "sentinel://"
 DEFAULT_SENTINEL_PORT = 26379
+
+
+class ModelPrice(BaseModel):
+    """A model's price (AGENTQ_LLM_PRICES): USD per million tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input: float = Field(ge=0, allow_inf_nan=False)
+    output: float = Field(ge=0, allow_inf_nan=False)
+    cached_input: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    """Prompt tokens read from the provider's cache; unset: the `input` price."""
+
+
+class KeyBudget(BaseModel):
+    """A key's budget (AGENTQ_KEY_BUDGETS); periods are UTC days and months."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens_per_day: int | None = Field(default=None, gt=0)
+    usd_per_day: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    usd_per_month: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+def _json_object(v: Any) -> Any:
+    """A JSON setting's text as the object it holds (a dict passes as it is)."""
+    if v is None or v == "":
+        return {}
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(v, dict):
+        raise ValueError("must be a JSON object keyed by name")
+    return v
 
 
 @dataclass(frozen=True)
@@ -150,6 +188,18 @@ class Settings(BaseSettings):
     """Fleet-wide model limits (JSON keyed by model name: `rpm`, `tpm`, `streams`,
     `deployments`, `strategy`), shared by every llm worker through Redis; see
     docs/operations.md. Unset: no limits, but a busy provider's answers still pace the fleet."""
+    llm_prices: Annotated[dict[str, ModelPrice], NoDecode] = Field(default_factory=dict)
+    """Prices of models (JSON keyed by model name: USD per million `input`, `output`,
+    `cached_input` tokens), for the `cost_usd` of usage and the USD budgets; a model without
+    a price counts tokens only. See docs/spend.md."""
+    key_budgets: Annotated[dict[str, KeyBudget], NoDecode] = Field(default_factory=dict)
+    """Budgets of API keys (JSON keyed by key name: `tokens_per_day`, `usd_per_day`,
+    `usd_per_month`; UTC periods). A key without one is unbounded. See docs/spend.md."""
+    budget_completion_tokens: int = Field(4096, ge=16)
+    """The completion a round under a budget may produce at most: reserved before it is
+    sent, and its `max_completion_tokens` (lowered to what the budgets leave)."""
+    usage_retention_days: int = Field(400, gt=0, le=3650)
+    """How long the usage kept per key and day lives (it outlives the turns it counts)."""
     llm_queue_timeout_s: float = Field(600.0, gt=0)
     """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
     llm_owner_weights: dict[str, float] = Field(default_factory=dict)
@@ -333,6 +383,14 @@ class Settings(BaseSettings):
             raise ValueError("must be a finite number of seconds")
         return v
 
+    @field_validator("llm_prices", "key_budgets", mode="before")
+    @classmethod
+    def _json_settings(cls, v: Any) -> Any:
+        return _json_object(v)
+
+    def price_of(self, model: str) -> ModelPrice | None:
+        return self.llm_prices.get(model)
+
     @field_validator("webhook_secret")
     @classmethod
     def _whsec(cls, v: SecretStr | None) -> SecretStr | None:
@@ -451,9 +509,11 @@ def load_settings(**overrides: object) -> Settings:
         err = exc.errors()[0]
         field = str(err["loc"][0]) if err["loc"] else "settings"
         name = field.upper()
-        raise ConfigError(
-            name if name.startswith("AGENTQ_") else f"AGENTQ_{name}", err["msg"]
-        ) from None
+        msg = err["msg"]
+        if field in ("llm_prices", "key_budgets") and len(err["loc"]) > 1:
+            # Which model's or key's entry, and which of its fields.
+            msg = f"{'.'.join(str(p) for p in err['loc'][1:])}: {msg}"
+        raise ConfigError(name if name.startswith("AGENTQ_") else f"AGENTQ_{name}", msg) from None
 
 
 @lru_cache(maxsize=1)

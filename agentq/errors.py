@@ -35,6 +35,8 @@ AgentqError
 ├── ConversationBusy(conversation_id, running_turn_id)   multitask=reject while a turn runs: 409
 ├── IdempotencyKeyReused                       an Idempotency-Key sent again with another body: 422
 ├── WebhookRefused(url, reason)                a webhook target agentq will not deliver to: 422
+├── BudgetExceeded(scope, budget, spent, limit, resets_at)   spent: turn_error, or 429 at a start
+├── BudgetInvalid(detail)                      a turn budget agentq cannot keep (no price): 422
 ├── ScheduleError(schedule)
 │   ├── ScheduleNotFound                       404 / exit 1
 │   └── ScheduleInvalid(detail)                a bad name, interval or cron expression: 422 / exit 2
@@ -348,6 +350,37 @@ class IdempotencyKeyReused(AgentqError):
             "this Idempotency-Key was used for a different request in the last 24 h: "
             "a retry must send the same body; a new request needs a new key"
         )
+
+
+class BudgetExceeded(AgentqError):
+    """A turn's budget, its parent's or its key's is spent: the turn cannot afford its next
+    round (turn_error), or the key may start no turn until `resets_at` (429)."""
+
+    code = "budget_exceeded"
+    status_code = 429
+
+    def __init__(
+        self, scope: str, budget: str, spent: float, limit: float, resets_at: float | None = None
+    ) -> None:
+        whose = {"turn": "the turn's", "parent_turn": "its parent turn's", "key": "the key's"}
+        super().__init__(
+            f"{whose.get(scope, scope)} budget {budget} is spent: {spent:g} of {limit:g}"
+        )
+        self.scope = scope
+        self.budget = budget
+        self.spent = spent
+        self.limit = limit
+        self.resets_at = resets_at
+
+
+class BudgetInvalid(AgentqError):
+    """A turn's budget agentq cannot keep: `max_cost_usd` for a model without a price."""
+
+    code = "budget_invalid"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
 
 
 class WebhookRefused(AgentqError):

@@ -300,9 +300,17 @@ class ToolCall(_Frozen):
 
 
 class Usage(_Frozen):
+    """A model round's tokens, as the provider's usage chunk counted them (or estimated)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those the provider read from its prompt cache."""
+    estimated: bool = False
+    """True: no usage chunk came (a server that omits it); these are the round's estimate."""
+    cost_usd: float | None = None
+    """Priced by AGENTQ_LLM_PRICES; None: the model has no price."""
 
 
 class AssistantMessage(_Frozen):
@@ -422,6 +430,10 @@ class LlmRoundRequest(_Frozen):
     """The capacity grant the stream worker gives back when the round ends."""
     tokens_estimate: int = 0
     """Tokens the grant counted before the request (corrected from the usage after)."""
+    max_completion_tokens: int | None = None
+    """The completion the turn's and its key's budgets leave this round; None: no budget."""
+    prompt_estimate: int = 0
+    """The prompt's estimated tokens, for the usage of a round whose server sends none."""
     queued_s: float = 0.0
     """How long the round waited for model capacity before it was sent."""
 
@@ -469,6 +481,11 @@ class InteractionAnswer(BaseModel):
         return check_text(v)
 
 
+MAX_TURN_TOKENS = 10**10
+"""A turn's `max_tokens` above this is a mistake, refused (422)."""
+MAX_TURN_COST_USD = 1_000_000.0
+"""A turn's `max_cost_usd` above this is a mistake, refused (422)."""
+
 MultitaskMode = Literal["enqueue", "reject", "interrupt", "rollback", "inject"]
 """What a message to a busy conversation does (TurnRequest.multitask)."""
 
@@ -493,6 +510,13 @@ class TurnRequest(BaseModel):
     parent_turn_id: str | None = None
     webhook_url: str | None = Field(default=None, max_length=2048)
     """Gets a signed POST (Standard Webhooks) when the turn ends."""
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_TURN_TOKENS)
+    """The turn's token budget, its sub-agents' spend included (docs/spend.md); at most
+    its agent's own."""
+    max_cost_usd: float | None = Field(
+        default=None, gt=0, le=MAX_TURN_COST_USD, allow_inf_nan=False
+    )
+    """The turn's budget in USD, its sub-agents' included; its model needs a price."""
 
     @field_validator("messages")
     @classmethod

@@ -102,6 +102,7 @@ async def astream_round(
     busy_is_final: bool = False,
     on_headers: Callable[[dict[str, str]], None] | None = None,
     failover: bool = False,
+    max_completion_tokens: int | None = None,
 ) -> tuple[AssistantMessage, float]:
     """Stream one assistant message; returns it and the seconds spent streaming.
 
@@ -136,6 +137,7 @@ async def astream_round(
             turn_id=turn_id,
             on_first_output=on_first_output,
             on_headers=on_headers,
+            max_completion_tokens=max_completion_tokens,
         )
         try:
             message = await run.run(messages, tools)
@@ -178,8 +180,10 @@ class _Attempt:
         turn_id: str,
         on_first_output: Callable[[], None] | None = None,
         on_headers: Callable[[dict[str, str]], None] | None = None,
+        max_completion_tokens: int | None = None,
     ) -> None:
         self.client = client
+        self.max_completion_tokens = max_completion_tokens
         self.on_first_output = on_first_output
         self.on_headers = on_headers
         self.model = model
@@ -238,7 +242,7 @@ class _Attempt:
         try:
             stream = await self.client.post(
                 CHAT_COMPLETIONS_PATH,
-                content=chat_request(self.model, messages, tools),
+                content=chat_request(self.model, messages, tools, self.max_completion_tokens),
                 cast_to=object,
                 stream=True,
                 stream_cls=openai.AsyncStream[object],

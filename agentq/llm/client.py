@@ -271,7 +271,12 @@ class _Attempt:
 CHAT_COMPLETIONS_PATH = "/chat/completions"
 
 
-def chat_request(model: str, messages: list[dict[str, Any]], tools: Tools) -> bytes:
+def chat_request(
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: Tools,
+    max_completion_tokens: int | None = None,
+) -> bytes:
     """The streamed chat-completions request body, encoded.
 
     Sent through the SDK's own `post` (its auth, errors and transport) as its `content`,
@@ -287,6 +292,9 @@ def chat_request(model: str, messages: list[dict[str, Any]], tools: Tools) -> by
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if max_completion_tokens is not None:
+        # What the turn's and its key's budgets leave this round (docs/spend.md).
+        body["max_completion_tokens"] = max_completion_tokens
     text = json.dumps(body, separators=(",", ":"))
     schemas = tools if isinstance(tools, str) else json.dumps(tools, separators=(",", ":"))
     if schemas.strip() not in ("", "[]"):
@@ -425,4 +433,13 @@ def _usage(usage: object, index: int) -> Usage:
         if not isinstance(value, int):
             _bad(index, f"usage '{name}' is not an integer")
         counts[name] = value
-    return Usage(**counts)
+    details = _field(usage, "prompt_tokens_details")
+    cached = (_field(details, "cached_tokens") if details is not None else None) or 0
+    if not isinstance(cached, int):
+        _bad(index, "usage 'prompt_tokens_details.cached_tokens' is not an integer")
+    return Usage(
+        prompt_tokens=counts["prompt_tokens"],
+        completion_tokens=counts["completion_tokens"],
+        total_tokens=counts["total_tokens"],
+        cached_tokens=cached,
+    )

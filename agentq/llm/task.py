@@ -32,10 +32,11 @@ from agentq.errors import (
     ModelBusy,
 )
 from agentq.events.bus import event_body
-from agentq.llm.limits import DEFAULT_DEPLOYMENT
+from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.llm.wakes import wake_granted
-from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
+from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
+from agentq.state.budget import cost_usd
 from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
@@ -423,6 +424,24 @@ class _Round:
             failover=self.failover,
         )
 
+    def _usage(self, message: AssistantMessage) -> Usage:
+        """The round's usage as the server counted it, else estimated (`estimated`: the
+        prompt as the turn estimated it, the completion from its text); priced."""
+        usage = message.usage
+        if usage is None:
+            chars = len(message.content) + len(message.reasoning)
+            chars += sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
+            prompt, completion = self.req.prompt_estimate, math.ceil(chars / CHARS_PER_TOKEN)
+            usage = Usage(
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                total_tokens=prompt + completion,
+                estimated=True,
+            )
+        price = self.host.settings.price_of(self.model)
+        cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        return usage.model_copy(update={"cost_usd": cost})
+
     def _on_retry(self, attempt: int, exc: Exception, delay_s: float) -> None:
         code = getattr(exc, "code", None)
         delay_ms = int(delay_s * 1000)
@@ -433,12 +452,14 @@ class _Round:
             self.stats.ttft_ms = self.elapsed_ms()
 
     def answered(self, message: AssistantMessage, streamed_s: float) -> LlmRoundResult:
+        usage = self._usage(message)
+        message = message.model_copy(update={"usage": usage})
         self.events.add(
             "llm_finished",
             model=self.model,
             finish_reason=message.finish_reason,
             tool_calls=len(message.tool_calls),
-            usage=None if message.usage is None else message.usage.model_dump(),
+            usage=usage.model_dump(exclude_none=True),
             duration_ms=self.elapsed_ms(),
             ttft_ms=self.stats.ttft_ms,
         )

@@ -20,7 +20,7 @@ from agentq.errors import BrokerUnavailable, ModelRoundFailed, StreamDurationExc
 from agentq.fleet.broker import publish, task_repr
 from agentq.llm.capacity import Grant
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
-from agentq.orchestrator import admission, subturns
+from agentq.orchestrator import admission, spend, subturns
 from agentq.state.base import now_ms
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import all_tools, schemas_json
@@ -136,6 +136,8 @@ def _round_request(
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
         tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_estimate") or 0),
         queued_s=_queued_s(ctx, round_no) if grant else 0.0,
+        max_completion_tokens=ctx.state.get("budget_cap"),
+        prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
     )
     return req, len(offered)
 
@@ -186,8 +188,10 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
         if not _goes_again(ctx, round_no, result):
+            spend.settle_round(ctx, round_no, result, admission.model_of(ctx))
             return _message(ctx, result)
     if ctx.state.get("llm_round") != round_no:
+        spend.reserve_round(ctx, round_no, admission.model_of(ctx))
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):
             return grant

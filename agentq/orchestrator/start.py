@@ -9,21 +9,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import secrets
 import time
 from typing import TYPE_CHECKING
 
 from celery import Celery
 
-from agentq.agents import require_known
+from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
-from agentq.errors import BrokerUnavailable, PayloadTooLarge
+from agentq.errors import BrokerUnavailable, BudgetExceeded, BudgetInvalid, PayloadTooLarge
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
+from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
 from agentq.orchestrator.conversation import Aborter
+from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
 from agentq.state.conversations import Admit, Multitask
 from agentq.state.idempotency import check_key, fingerprint, start_once
+from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 from agentq.webhooks.target import check_for_turn
@@ -110,6 +114,7 @@ def _start(
     if webhook_url:
         check_for_turn(webhook_url, settings)
     require_known(store.redis, req.agent)
+    _check_budgets(store, settings, req, owner, size)
     if req.conversation_id and size > settings.max_conversation_bytes:
         raise PayloadTooLarge(
             f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
@@ -130,6 +135,10 @@ def _start(
         "call_count": 0,
         **(extra_state or {}),
     }
+    if req.max_tokens is not None:
+        state["max_tokens"] = req.max_tokens
+    if req.max_cost_usd is not None:
+        state["max_cost_usd"] = req.max_cost_usd
     history = new
     if req.conversation_id:
         # Stored before it is admitted (so the turn holding a conversation always exists),
@@ -187,6 +196,32 @@ def _start(
         log.warning("%s; the turn starts when the broker is back", exc)
         store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
     return _handle(turn_id, token, handle)
+
+
+def _check_budgets(
+    store: TurnStore, settings: Settings, req: TurnRequest, owner: str | None, size: int
+) -> None:
+    """Refuse a `max_cost_usd` agentq cannot keep (a model without a price: BudgetInvalid),
+    and a start from a key over its budget (BudgetExceeded, with when it resets)."""
+    model = settings.llm_model
+    if req.agent:
+        details = {a["name"]: a for a in published_agent_details(store.redis)}
+        model = (details.get(req.agent) or {}).get("model") or model
+    if req.max_cost_usd is not None and settings.price_of(model) is None:
+        raise BudgetInvalid(
+            f"max_cost_usd needs a price for model {model!r}: it has none in "
+            "AGENTQ_LLM_PRICES (max_tokens bounds a turn of any model)"
+        )
+    if (owner or "") not in settings.key_budgets:
+        return
+    now = time.time()
+    # The least first round: the request's messages and a minimal completion.
+    tokens = math.ceil(size / CHARS_PER_TOKEN) + MIN_COMPLETION_TOKENS
+    usd = cost_usd(settings.price_of(model), tokens - MIN_COMPLETION_TOKENS, MIN_COMPLETION_TOKENS)
+    spent = Spend(store.redis, settings).key_refusal(owner, day_of(now), tokens, usd or 0.0)
+    if spent is not None:
+        when = resets_at(spent.name, now)
+        raise BudgetExceeded("key", spent.name, spent.spent, spent.limit, when)
 
 
 def _handle(turn_id: str, token: str, fields: dict[str, object]) -> TurnHandle:

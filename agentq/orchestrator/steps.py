@@ -24,7 +24,13 @@ from celery import Celery
 from agentq import constants as k
 from agentq.agents import all_agents, publish_agents
 from agentq.config import Settings
-from agentq.errors import BrokerUnavailable, HeadlessInteraction, LlmError, StepLost
+from agentq.errors import (
+    BrokerUnavailable,
+    BudgetExceeded,
+    HeadlessInteraction,
+    LlmError,
+    StepLost,
+)
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
@@ -211,6 +217,18 @@ def _advance(ctx: StepContext) -> float | None:
         return advance(ctx)
     except HeadlessInteraction as exc:
         fail_headless(ctx, exc)
+    except BudgetExceeded as exc:
+        # Before a round: every call of the last one has its result, the history is whole.
+        fail(
+            ctx,
+            exc.code,
+            exc.message,
+            scope=exc.scope,
+            budget=exc.budget,
+            spent=exc.spent,
+            limit=exc.limit,
+            resets_at=exc.resets_at,
+        )
     except LlmError as exc:
         fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)
     except (StepLost, BrokerUnavailable, redis.ConnectionError, redis.TimeoutError):

@@ -145,6 +145,8 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
         "parent_turn_id": ctx.turn_id,
         "parent_call_id": p.call.id,
         "parent_tool": p.call.name,
+        # Its rounds count against its parents' budgets too (docs/spend.md).
+        "budget_ancestors": [*(state.get("budget_ancestors") or []), ctx.turn_id],
         "agent": p.subturn_agent,
         "owner": state.get("owner"),
         # The parent's token steers its children too: it answers their approvals.

@@ -122,6 +122,32 @@ class TurnState(TypedDict, total=False):
     llm_failover_round: int
     """The round those failovers are counted for."""
 
+    # -- its spend (docs/spend.md; the totals count its own rounds) ----------------------
+    max_tokens: int | None
+    """The turn's token budget from its request (its agent's may be lower)."""
+    max_cost_usd: float | None
+    """The turn's USD budget from its request (its agent's may be lower)."""
+    budget_ancestors: list[str] | None
+    """A child turn's parents, nearest last: its spend counts against their budgets too."""
+    budget_reservation: str | None
+    """The reservation the round in flight took (settled to its usage when it answers)."""
+    budget_day: str
+    """The UTC day (YYYYMMDD) that reservation counts in."""
+    budget_cap: int | None
+    """The completion tokens that reservation allows the round (its max_completion_tokens)."""
+    budget_prompt: int
+    """That reservation's prompt estimate (tokens)."""
+    spent_prompt_tokens: int
+    """Prompt tokens of the turn's rounds so far."""
+    spent_completion_tokens: int
+    """Completion tokens of the turn's rounds so far."""
+    spent_cached_tokens: int
+    """Of the prompt tokens, those read from the provider's cache."""
+    spent_usd: float
+    """What the turn's rounds cost (priced models only)."""
+    spent_estimated_rounds: int
+    """Rounds charged their estimate (no usage from the server, or the stream broke)."""
+
     # -- its end -------------------------------------------------------------------------
     ended_at: float
     """When the turn ended (epoch seconds)."""

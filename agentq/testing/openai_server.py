@@ -99,6 +99,11 @@ class Round(BaseModel):
     retry_after_s: float | None = None
     """Sent with http_429 as `retry-after-ms` and a rounded-up `Retry-After`."""
     usage: Usage | None = None
+    """The usage the round reports (with `cached_tokens` as `prompt_tokens_details`); unset:
+    counted from the request and the answer at 4 characters a token. Either way the
+    completion is cut to the request's `max_completion_tokens`, as a model stops there."""
+    omit_usage: bool = False
+    """Send no usage chunk even when the request asks for one (a server that omits it)."""
     raw_chunks: list[str] | None = None
     """Sent verbatim as the stream's `data:` lines (then `[DONE]`) instead of the above:
     arbitrary JSON, fragments or garbage, for fuzzing the stream worker."""
@@ -347,15 +352,25 @@ class ScriptedOpenAIServer(Started):
         return await (answer.stream() if body.get("stream") else answer.complete())
 
 
-def _usage(rnd: Round, body: Mapping[str, Any]) -> dict[str, int]:
+def _usage(rnd: Round, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The round's usage as OpenAI reports it."""
+    cached = 0
     if rnd.usage is not None:
-        return rnd.usage.model_dump()
-    prompt = len(json.dumps(body.get("messages", []))) // 4 + 1
-    completion = (
-        len(rnd.text) + len(rnd.reasoning) + sum(len(c.arguments_json()) for c in rnd.tool_calls)
-    ) // 4 + 1
-    total = prompt + completion
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+        prompt, completion = rnd.usage.prompt_tokens, rnd.usage.completion_tokens
+        cached = rnd.usage.cached_tokens
+    else:
+        prompt = len(json.dumps(body.get("messages", []))) // 4 + 1
+        chars = len(rnd.text) + len(rnd.reasoning)
+        completion = (chars + sum(len(c.arguments_json()) for c in rnd.tool_calls)) // 4 + 1
+    cap = body.get("max_completion_tokens")
+    if isinstance(cap, int) and cap >= 0:
+        completion = min(completion, cap)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _pieces(text: str, size: int) -> list[str]:
@@ -474,7 +489,7 @@ class _Answer:
         if sent <= fault_at and await self._fault():
             return False
         options = body.get("stream_options")
-        if isinstance(options, Mapping) and options.get("include_usage"):
+        if isinstance(options, Mapping) and options.get("include_usage") and not rnd.omit_usage:
             await self._event(json.dumps({**base, "choices": [], "usage": _usage(rnd, body)}))
         await self.conn.end_chunked(b"data: [DONE]\n\n")
         return True

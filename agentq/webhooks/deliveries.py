@@ -263,7 +263,9 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
     status = str(state["status"])
     history = store.history(turn_id)
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
-    usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "rounds": 0}
+    counted = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
+    usage: dict[str, Any] = dict.fromkeys(counted, 0)
+    usage["rounds"] = 0
     after = "0-0"
     while True:
         chunk = store.bus.replay(turn_id, after, count=1000)
@@ -272,11 +274,14 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
                 usage["rounds"] += 1
                 used = ev.fields.get("usage")
                 if isinstance(used, dict):
-                    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+                    for name in counted:
                         usage[name] += int(used.get(name) or 0)
         if len(chunk) < 1000:
             break
         after = str(chunk[-1].stream_id)
+    if state.get("spent_usd"):
+        # Its own rounds', as its state totals them (docs/spend.md).
+        usage["cost_usd"] = round(float(state["spent_usd"]), 6)
     ended_at = float(state.get("ended_at") or time.time())
     data: dict[str, Any] = {
         "turn_id": turn_id,

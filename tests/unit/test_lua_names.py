@@ -11,7 +11,7 @@ import pytest
 from agentq.events import bus
 from agentq.gateway import limits
 from agentq.llm import capacity_lua
-from agentq.state import interactions, layout, listing
+from agentq.state import interactions, layout, listing, spend
 from agentq.state.store import TurnStore
 from agentq.webhooks import deliveries
 
@@ -49,6 +49,8 @@ SCRIPTS = {
     "limits._RESERVE_LUA": limits._RESERVE_LUA,
     "deliveries.CREATE_LUA": deliveries.CREATE_LUA,
     "deliveries.CLAIM_LUA": deliveries.CLAIM_LUA,
+    "spend.RESERVE_LUA": spend.RESERVE_LUA,
+    "spend.SETTLE_LUA": spend.SETTLE_LUA,
 }
 
 _BINDING = re.compile(r"^local \w+ = (KEYS|ARGV)\[\d+\]$|^local \w+_at = \d+$")

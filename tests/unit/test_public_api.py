@@ -43,6 +43,8 @@ PUBLIC = [
     "ConversationNotFound",
     "ConversationBusy",
     "IdempotencyKeyReused",
+    "BudgetExceeded",
+    "BudgetInvalid",
     "ToolError",
     "UnknownTool",
     "ToolDefinitionError",

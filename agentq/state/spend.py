@@ -1,0 +1,410 @@
+"""Spend in Redis: what each key spent per UTC day and month, what each turn spent (its
+sub-agents' rounds included), and the reservations that keep every budget from being
+passed, even by many turns of one key at once.
+
+A key's spend lives under one hash tag (``{spend:<key name>}``), its turns' too (a child
+turn has its parent's key), so each script below runs on one slot of a Cluster:
+
+- ``d:<YYYYMMDD>``: a hash per UTC day: ``tokens`` and ``usd`` (reservations included),
+  ``prompt``, ``completion``, ``cached``, ``turns``, and the same per model
+  (``m|<model>|<field>``) and per agent (``a|<agent>|<field>``). Kept
+  `usage_retention_days`, past the turns it counts.
+- ``mo:<YYYYMM>``: ``tokens`` and ``usd`` per UTC month.
+- ``t:<turn id>``: a turn's ``max_tokens`` and ``max_usd``, its ``tokens`` and ``usd``
+  (with its descendants'), and its rounds' reservations ``r:<round>``.
+
+Before a round, RESERVE takes the prompt's estimate plus the completion it may produce
+from the turn's, its parents' and its key's budgets, and caps that completion to what they
+leave; after it, SETTLE replaces the reservation with the round's usage. Both are
+idempotent: a step that runs again finds its reservation taken, or settled.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import redis
+
+from agentq import constants as k
+
+if TYPE_CHECKING:
+    from agentq.config import ModelPrice, Settings
+from agentq.events.lua_args import argv_of, bind_lua
+from agentq.models import Usage
+from agentq.state.budget import (
+    MIN_COMPLETION_TOKENS,
+    Budget,
+    key_budgets,
+    month_of,
+    over,
+    per_token,
+)
+
+SPEND_OWNERS = f"{k.PREFIX}:spend:owners"
+"""The key names that ever spent (the admin's usage reads them all)."""
+
+NO_KEY = "-"
+"""The owner of turns started without a key, in the spend keys."""
+
+NO_LIMIT = -1
+
+
+def _tag(owner: str | None) -> str:
+    return f"{k.PREFIX}:spend:{{{owner or NO_KEY}}}"
+
+
+def day_key(owner: str | None, day: str) -> str:
+    return f"{_tag(owner)}:d:{day}"
+
+
+def month_key(owner: str | None, month: str) -> str:
+    return f"{_tag(owner)}:mo:{month}"
+
+
+def turn_spend_key(owner: str | None, turn_id: str) -> str:
+    return f"{_tag(owner)}:t:{turn_id}"
+
+
+class Reserve(IntEnum):
+    """RESERVE's answer."""
+
+    OK = 1
+    """Reserved (or reserved already): {OK, cap, bounded}."""
+    EXCEEDED = 2
+    """A budget cannot afford the round: {EXCEEDED, scope, budget, spent, limit}."""
+
+
+class Settle(IntEnum):
+    """SETTLE's answer."""
+
+    SETTLED = 1
+    DONE = 2
+    """No such reservation: settled already (a step that ran again)."""
+
+
+class SpendKeys(NamedTuple):
+    """KEYS of RESERVE and SETTLE; the turn's parents' spend keys follow (`parents_at`)."""
+
+    day_key: str
+    month_key: str
+    own_key: str
+
+
+_BIND_PARENTS = "local parents_at = 4\n"
+
+
+class ReserveArgs(NamedTuple):
+    reservation: str
+    prompt_tokens: int
+    want: int
+    """The completion the round would produce unbounded."""
+    priced: int
+    """1: the model has a price (USD budgets count); 0: tokens only."""
+    input_per_token: float
+    output_per_token: float
+    own_max_tokens: float
+    """The turn's limits (NO_LIMIT: none), stored with its spend for its children's rounds."""
+    own_max_usd: float
+    tokens_per_day: float
+    usd_per_day: float
+    usd_per_month: float
+    min_completion: int
+    day_ttl_s: int
+    turn_ttl_s: int
+
+
+RESERVE_LUA = (
+    bind_lua(SpendKeys, ReserveArgs)
+    + _BIND_PARENTS
+    + f"""local field = 'r:' .. reservation
+local held = redis.call('HGET', own_key, field)
+if held then
+  local r = cjson.decode(held)
+  return {{{Reserve.OK}, r[3], r[4]}}
+end
+if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
+if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
+local prompt, cap, wanted = tonumber(prompt_tokens), tonumber(want), tonumber(want)
+local pin, pout = tonumber(input_per_token), tonumber(output_per_token)
+local tight, bounded = nil, 0
+-- The same arithmetic as agentq.state.budget.completion_cap.
+local function consider(scope, name, unit, limit, spent)
+  if not limit or limit < 0 then return end
+  if unit == 'usd' and priced ~= '1' then return end
+  bounded = 1
+  spent = spent or 0
+  local room
+  if unit == 'tokens' then
+    room = limit - spent - prompt
+  else
+    local room_usd = limit - spent - prompt * pin
+    if room_usd < 0 then room = -1
+    elseif pout <= 0 then room = wanted
+    else room = room_usd / pout end
+  end
+  room = math.floor(room)
+  if room < cap then cap = room; tight = {{scope, name, tostring(spent), tostring(limit)}} end
+end
+local day = redis.call('HMGET', day_key, 'tokens', 'usd')
+consider('key', 'tokens_per_day', 'tokens', tonumber(tokens_per_day), tonumber(day[1]))
+consider('key', 'usd_per_day', 'usd', tonumber(usd_per_day), tonumber(day[2]))
+consider('key', 'usd_per_month', 'usd', tonumber(usd_per_month),
+  tonumber(redis.call('HGET', month_key, 'usd')))
+for i = parents_at - 1, #KEYS do
+  local scope = (i == parents_at - 1) and 'turn' or 'parent_turn'
+  local t = redis.call('HMGET', KEYS[i], 'max_tokens', 'max_usd', 'tokens', 'usd')
+  consider(scope, 'max_tokens', 'tokens', tonumber(t[1]), tonumber(t[3]))
+  consider(scope, 'max_cost_usd', 'usd', tonumber(t[2]), tonumber(t[4]))
+end
+if cap < math.min(wanted, tonumber(min_completion)) then
+  if tight[1] == 'key' then
+    -- Starts of the key are refused until the period resets (Spend.key_refusal).
+    local period = (tight[2] == 'usd_per_month') and month_key or day_key
+    redis.call('HSET', period, 'exhausted:' .. tight[2], 1)
+  end
+  return {{{Reserve.EXCEEDED}, tight[1], tight[2], tight[3], tight[4]}}
+end
+local tokens = prompt + cap
+local usd = 0
+if priced == '1' then usd = prompt * pin + cap * pout end
+local function take(key)
+  redis.call('HINCRBY', key, 'tokens', tokens)
+  if usd ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(usd)) end
+end
+take(day_key)
+take(month_key)
+for i = parents_at - 1, #KEYS do take(KEYS[i]); redis.call('EXPIRE', KEYS[i], turn_ttl_s) end
+redis.call('HSET', own_key, field, cjson.encode({{tokens, usd, cap, bounded}}))
+redis.call('EXPIRE', day_key, day_ttl_s)
+redis.call('EXPIRE', month_key, day_ttl_s)
+return {{{Reserve.OK}, cap, bounded}}
+"""
+)
+
+
+class SettleArgs(NamedTuple):
+    reservation: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    usd: float
+    model: str
+    agent: str
+    first: int
+    """1: the turn's first round (it counts as a turn)."""
+
+
+SETTLE_LUA = (
+    bind_lua(SpendKeys, SettleArgs)
+    + _BIND_PARENTS
+    + f"""local field = 'r:' .. reservation
+local held = redis.call('HGET', own_key, field)
+if not held then return {Settle.DONE} end
+local r = cjson.decode(held)
+local p, c, h = tonumber(prompt_tokens), tonumber(completion_tokens), tonumber(cached_tokens)
+local dt, du = p + c - r[1], tonumber(usd) - r[2]
+local function fix(key)
+  redis.call('HINCRBY', key, 'tokens', dt)
+  if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
+end
+fix(day_key)
+fix(month_key)
+for i = parents_at - 1, #KEYS do
+  fix(KEYS[i])
+  redis.call('HINCRBY', KEYS[i], 'prompt', p)
+  redis.call('HINCRBY', KEYS[i], 'completion', c)
+  redis.call('HINCRBY', KEYS[i], 'cached', h)
+end
+for _, g in ipairs({{'', 'm|' .. model .. '|', 'a|' .. agent .. '|'}}) do
+  redis.call('HINCRBY', day_key, g .. 'prompt', p)
+  redis.call('HINCRBY', day_key, g .. 'completion', c)
+  redis.call('HINCRBY', day_key, g .. 'cached', h)
+  if tonumber(usd) ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', usd) end
+  if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
+end
+redis.call('HDEL', own_key, field)
+return {Settle.SETTLED}
+"""
+)
+
+
+@dataclass(frozen=True)
+class Reserved:
+    cap: int
+    """The completion tokens the round may produce."""
+    bounded: bool
+    """A budget applies: the round is sent with `max_completion_tokens` = cap."""
+
+
+def _num(v: Any) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _limit(v: float | None) -> float:
+    return NO_LIMIT if v is None else v
+
+
+class Spend:
+    """Every read and write of spend."""
+
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
+        self.redis = client
+        self.settings = settings
+        self._reserve = client.register_script(RESERVE_LUA)
+        self._settle = client.register_script(SETTLE_LUA)
+
+    def _keys(self, owner: str | None, day: str, turn_id: str, parents: Iterable[str]) -> list[str]:
+        turns = [turn_spend_key(owner, t) for t in (turn_id, *reversed(list(parents)))]
+        own = SpendKeys(day_key(owner, day), month_key(owner, month_of(day)), turns[0])
+        return [*own, *turns[1:]]
+
+    def reserve(
+        self,
+        *,
+        owner: str | None,
+        turn_id: str,
+        parents: list[str],
+        reservation: str,
+        day: str,
+        prompt_tokens: int,
+        want: int,
+        price: ModelPrice | None,
+        max_tokens: int | None,
+        max_usd: float | None,
+    ) -> Reserved | Budget:
+        """Reserve a round against every budget it counts against: the completion it may
+        produce, or the budget that cannot afford it."""
+        s = self.settings
+        kb = s.key_budgets.get(owner or "")
+        args = ReserveArgs(
+            reservation,
+            prompt_tokens,
+            want,
+            int(price is not None),
+            per_token(price.input) if price else 0.0,
+            per_token(price.output) if price else 0.0,
+            _limit(max_tokens),
+            _limit(max_usd),
+            _limit(kb.tokens_per_day if kb else None),
+            _limit(kb.usd_per_day if kb else None),
+            _limit(kb.usd_per_month if kb else None),
+            MIN_COMPLETION_TOKENS,
+            s.usage_retention_days * 86400,
+            s.turn_retention_s,
+        )
+        answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
+        if Reserve(int(answer[0])) is Reserve.OK:
+            return Reserved(int(answer[1]), bool(int(answer[2])))
+        scope, name, spent, limit = (a.decode() if isinstance(a, bytes) else a for a in answer[1:5])
+        unit = "tokens" if "tokens" in name else "usd"
+        return Budget(scope, name, unit, _num(limit), _num(spent))  # type: ignore[arg-type]
+
+    def settle(
+        self,
+        *,
+        owner: str | None,
+        turn_id: str,
+        parents: list[str],
+        reservation: str,
+        day: str,
+        usage: Usage,
+        model: str,
+        agent: str | None,
+        first: bool,
+    ) -> bool:
+        """Replace the round's reservation with its usage; False if it was settled before."""
+        args = SettleArgs(
+            reservation,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            usage.cost_usd or 0.0,
+            model,
+            agent or "",
+            int(first),
+        )
+        answer = self._settle(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
+        if first:
+            self.redis.sadd(SPEND_OWNERS, owner or NO_KEY)
+        return Settle(int(answer)) is Settle.SETTLED
+
+    def key_budgets(self, owner: str | None, day: str) -> list[Budget]:
+        """The key's budgets, with what it spent of each this day and month."""
+        return self._key_budgets(owner, day)[0]
+
+    def _key_budgets(self, owner: str | None, day: str) -> tuple[list[Budget], set[str]]:
+        budget = self.settings.key_budgets.get(owner or "")
+        if budget is None:
+            return [], set()
+        names = ("tokens_per_day", "usd_per_day")
+        day_raw = self.redis.hmget(
+            day_key(owner, day), ["tokens", "usd", *(f"exhausted:{n}" for n in names)]
+        )
+        month_raw = self.redis.hmget(
+            month_key(owner, month_of(day)), ["usd", "exhausted:usd_per_month"]
+        )
+        exhausted = {n for n, v in zip(names, day_raw[2:], strict=True) if v}
+        if month_raw[1]:
+            exhausted.add("usd_per_month")
+        spent = key_budgets(budget, _num(day_raw[0]), _num(day_raw[1]), _num(month_raw[0]))
+        return spent, exhausted
+
+    def key_refusal(self, owner: str | None, day: str, tokens: int, usd: float) -> Budget | None:
+        """The key budget that refuses a start: one that cannot afford the least round
+        (`tokens`, `usd`), or that refused a round of the key's this period."""
+        spent, exhausted = self._key_budgets(owner, day)
+        return next((b for b in spent if b.name in exhausted), None) or over(spent, tokens, usd)
+
+    def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
+        """A turn's spend with its sub-agents' (reservations in flight included in
+        `tokens` and `cost_usd`) and its limits."""
+        raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
+        f = {(a.decode() if isinstance(a, bytes) else a): b for a, b in raw.items()}
+        out: dict[str, Any] = {
+            "prompt_tokens": int(_num(f.get("prompt"))),
+            "completion_tokens": int(_num(f.get("completion"))),
+            "cached_tokens": int(_num(f.get("cached"))),
+            "total_tokens": int(_num(f.get("tokens"))),
+            "cost_usd": round(_num(f.get("usd")), 6),
+        }
+        if "max_tokens" in f:
+            out["max_tokens"] = int(_num(f["max_tokens"]))
+        if "max_usd" in f:
+            out["max_cost_usd"] = _num(f["max_usd"])
+        return out
+
+    def owners(self) -> list[str]:
+        return sorted(
+            (o.decode() if isinstance(o, bytes) else o) for o in self.redis.smembers(SPEND_OWNERS)
+        )
+
+    def days(self, owners: list[str], days: list[str]) -> dict[tuple[str, str], dict[str, str]]:
+        """The per-day hashes of `owners` over `days`, by (owner, day), in one round trip
+        (one a slot on a Cluster)."""
+        pairs = [(o, d) for o in owners for d in days]
+        pipe = self.redis.pipeline(transaction=False)
+        for o, d in pairs:
+            pipe.hgetall(day_key(None if o == NO_KEY else o, d))
+        out: dict[tuple[str, str], dict[str, str]] = {}
+        for pair, raw in zip(pairs, pipe.execute(), strict=True):
+            if raw:
+                out[pair] = {
+                    (a.decode() if isinstance(a, bytes) else a): (
+                        b.decode() if isinstance(b, bytes) else b
+                    )
+                    for a, b in raw.items()
+                }
+        return out
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """A usage as events and webhooks carry it."""
+    out: dict[str, Any] = json.loads(usage.model_dump_json(exclude_none=True))
+    return out

@@ -1,0 +1,136 @@
+"""Spend's pure decisions, without Redis or waiting: prices, the reservation's completion
+cap, period resets, a key's refusal, and the settings that configure them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from agentq.config import KeyBudget, ModelPrice, load_settings
+from agentq.errors import ConfigError
+from agentq.state.budget import (
+    MIN_COMPLETION_TOKENS,
+    Budget,
+    completion_cap,
+    cost_usd,
+    day_of,
+    key_budgets,
+    lower_limit,
+    over,
+    resets_at,
+)
+
+PRICE = ModelPrice(input=2.0, output=8.0, cached_input=0.5)
+
+
+def ts(*args: int) -> float:
+    return dt.datetime(*args, tzinfo=dt.timezone.utc).timestamp()
+
+
+def test_cost_prices_input_cached_and_output_per_million() -> None:
+    assert cost_usd(PRICE, 1000, 100, 400) == pytest.approx((600 * 2 + 400 * 0.5 + 100 * 8) / 1e6)
+    # Without a cached price, cached tokens cost the input price.
+    plain = ModelPrice(input=2.0, output=8.0)
+    assert cost_usd(plain, 1000, 0, 400) == pytest.approx(1000 * 2 / 1e6)
+    assert cost_usd(None, 1000, 100) is None
+    # More cached tokens than prompt tokens (a server's mistake) are not a discount.
+    assert cost_usd(PRICE, 10, 0, 50) == pytest.approx(10 * 0.5 / 1e6)
+
+
+def test_no_budget_leaves_the_round_what_it_wants() -> None:
+    assert completion_cap([], 500, 4096, PRICE).cap == 4096
+
+
+def test_a_token_budget_caps_the_completion_to_what_the_prompt_leaves() -> None:
+    b = Budget("turn", "max_tokens", "tokens", limit=1000, spent=300)
+    got = completion_cap([b], 500, 4096, None)
+    assert got.cap == 200 and got.exceeded is None
+
+
+def test_a_usd_budget_caps_by_the_output_price() -> None:
+    b = Budget("key", "usd_per_day", "usd", limit=0.01, spent=0.0)
+    # 1000 prompt tokens cost $0.002; $0.008 left buys 1000 output tokens at $8/M.
+    assert completion_cap([b], 1000, 4096, PRICE).cap == 1000
+
+
+def test_the_tightest_budget_wins_and_refuses_a_round_it_cannot_afford() -> None:
+    loose = Budget("key", "tokens_per_day", "tokens", limit=10**6, spent=0)
+    tight = Budget("parent_turn", "max_tokens", "tokens", limit=1000, spent=990)
+    got = completion_cap([loose, tight], 5, 4096, None)
+    assert got.cap == 0 and got.exceeded == tight
+    # Exactly the least round passes; one token less does not.
+    edge = Budget("turn", "max_tokens", "tokens", limit=5 + MIN_COMPLETION_TOKENS, spent=0)
+    assert completion_cap([edge], 5, 4096, None).cap == MIN_COMPLETION_TOKENS
+    short = Budget("turn", "max_tokens", "tokens", limit=4 + MIN_COMPLETION_TOKENS, spent=0)
+    assert completion_cap([short], 5, 4096, None).exceeded == short
+
+
+def test_a_usd_budget_of_a_model_without_a_price_counts_nothing() -> None:
+    b = Budget("key", "usd_per_day", "usd", limit=0.0001, spent=1.0)
+    assert completion_cap([b], 500, 4096, None).cap == 4096
+
+
+def test_a_prompt_the_usd_left_cannot_pay_is_refused() -> None:
+    b = Budget("turn", "max_cost_usd", "usd", limit=0.001, spent=0.0)
+    assert completion_cap([b], 1000, 4096, PRICE).exceeded == b
+
+
+def test_periods_reset_at_utc_midnight_and_the_first_of_the_month() -> None:
+    now = ts(2026, 12, 31, 23, 59)
+    assert day_of(now) == "20261231"
+    assert resets_at("tokens_per_day", now) == ts(2027, 1, 1)
+    assert resets_at("usd_per_day", ts(2026, 2, 3, 1)) == ts(2026, 2, 4)
+    assert resets_at("usd_per_month", now) == ts(2027, 1, 1)
+    assert resets_at("usd_per_month", ts(2026, 2, 3)) == ts(2026, 3, 1)
+
+
+def test_a_key_that_cannot_afford_the_least_round_is_over() -> None:
+    budget = KeyBudget(tokens_per_day=1000, usd_per_month=1.0)
+    spent = key_budgets(budget, day_tokens=950, day_usd=0.0, month_usd=0.5)
+    assert [b.name for b in spent] == ["tokens_per_day", "usd_per_month"]
+    assert over(spent, tokens=40) is None
+    assert over(spent, tokens=60) == spent[0]
+    assert over(spent, tokens=0, usd=0.6) == spent[1]
+    assert key_budgets(None, 1, 1, 1) == []
+
+
+def test_a_request_may_lower_its_agents_limit_not_raise_it() -> None:
+    assert lower_limit(None, 100) == 100
+    assert lower_limit(50, 100) == 50
+    assert lower_limit(500, 100) == 100
+    assert lower_limit(500, None) == 500
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"m": {"input": -1, "output": 1}}', "m.input"),
+        ('{"m": {"input": "cheap", "output": 1}}', "m.input"),
+        ('{"m": {"input": 1}}', "m.output"),
+        ('["m"]', "JSON object"),
+    ],
+)
+def test_bad_prices_fail_naming_the_setting(value: str, says: str) -> None:
+    with pytest.raises(ConfigError, match="AGENTQ_LLM_PRICES") as err:
+        load_settings(llm_prices=value)
+    assert says in str(err.value)
+
+
+def test_bad_key_budgets_fail_naming_the_setting() -> None:
+    with pytest.raises(ConfigError, match=r"AGENTQ_KEY_BUDGETS.*ci\.usd_per_day"):
+        load_settings(key_budgets=json.dumps({"ci": {"usd_per_day": -2}}))
+    with pytest.raises(ConfigError, match="AGENTQ_KEY_BUDGETS"):
+        load_settings(key_budgets=json.dumps({"ci": {"dollars": 2}}))
+
+
+def test_prices_and_budgets_load_from_json() -> None:
+    s = load_settings(
+        llm_prices=json.dumps({"m": {"input": 1, "output": 2}}),
+        key_budgets=json.dumps({"ci": {"tokens_per_day": 10}}),
+    )
+    assert s.price_of("m") == ModelPrice(input=1, output=2)
+    assert s.price_of("other") is None
+    assert s.key_budgets["ci"].tokens_per_day == 10
