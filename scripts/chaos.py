@@ -18,6 +18,12 @@ the tools' own run records:
 
     python3 scripts/chaos.py                      # about 9 minutes
     python3 scripts/chaos.py --duration-s 90 --seed 7
+    python3 scripts/chaos.py --redis-outages 20   # Redis away under 30 turns, looped
+
+`--redis-outages N` runs the fault suite's Redis outage (tests/faults/outage.py) N times
+for each fault (a restart and a kill -9 of a Redis with AOF, a 10 s outage;
+AGENTQ_OUTAGE_S changes its length), stopping at the first run that loses a call:
+about 40 s a run, so 20 runs of each take 40 minutes.
 
 Prints a table of faults and invariants; exits 1 on a violation, naming the seed.
 """
@@ -426,6 +432,47 @@ def report(seed: int, duration_s: float, tally: Tally, checks: list[Check], turn
     return ok
 
 
+def redis_outages(runs: int) -> int:
+    """The Redis outage loop: `runs` runs of each fault, a table of what the calls became."""
+    from tests.faults.outage import FAULTS, run_outage
+    from tests.faults.rig import Rig
+
+    rows: list[tuple[str, int, Counter[str], int, int, float]] = []
+    ok = True
+    for fault in FAULTS:
+        rig = Rig("outage", appendonly=True)
+        statuses: Counter[str] = Counter()
+        bad = done = 0
+        slowest = 0.0
+        try:
+            rig.start("tools", "io", "llm", "turns", concurrency={"tools": 8, "io": 4})
+            with tempfile.TemporaryDirectory(prefix="agentq-outage-") as work:
+                for n in range(runs):
+                    run = run_outage(rig, fault, Path(work) / f"run{n}")
+                    say(f"{fault} run {n}: {run.summary()}")
+                    statuses += run.statuses
+                    slowest = max(slowest, run.ended_s)
+                    done += 1
+                    wrong = run.unended or run.duplicates or run.lost_completed or run.ran_twice
+                    if wrong or set(run.statuses) != {"ok"}:
+                        bad += 1
+                        ok = False
+                        break
+        finally:
+            rig.close()
+        rows.append((fault, done, statuses, bad, sum(statuses.values()), slowest))
+        if not ok:
+            break
+    print()
+    print("| fault | runs | calls | ok | lost | failed runs | slowest end after the fault |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for fault, done, st, bad, total, slowest in rows:
+        print(
+            f"| {fault} | {done} | {total} | {st['ok']} | {st['lost']} | {bad} | {slowest:.1f} s |"
+        )
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=540.0, help="how long faults go on")
@@ -434,7 +481,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-interval-s", type=float, default=2.0, help="mean time between faults")
     ap.add_argument("--drain-s", type=float, default=180.0, help="time for turns to end after")
     ap.add_argument("--logs", type=Path, default=ROOT / "artifacts" / "chaos")
+    ap.add_argument(
+        "--redis-outages", type=int, default=0, help="only the Redis outage loop, N runs a fault"
+    )
     args = ap.parse_args(argv)
+    if args.redis_outages:
+        return redis_outages(args.redis_outages)
     started = time.monotonic()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)

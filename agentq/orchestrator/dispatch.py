@@ -235,11 +235,19 @@ def _dead_workers(
         else:
             next_at.add(judged_at)
     alive = ctx.store.workers_alive(sorted(set(watched.values())))
-    return {
+    dead = {
         cid: f"its tool worker {worker} stopped sending heartbeats"
         for cid, worker in watched.items()
         if not alive.get(worker, True)
     }
+    if dead:
+        # Heartbeats lapse while Redis restarts: a worker is judged once Redis has been
+        # up for a heartbeat's lifetime, time enough for a live worker to beat again.
+        up_s = ctx.store.redis_up_s()
+        if up_s is not None and up_s < WORKER_ALIVE_TTL_S:
+            next_at.add(ctx.now + WORKER_ALIVE_TTL_S - up_s)
+            return {}
+    return dead
 
 
 def _overdue(

@@ -139,7 +139,7 @@ class StartKeys(NamedTuple):
 class StartArgs(NamedTuple):
     call_id: str
     start: str
-    """The start record (JSON)."""
+    """The start record (JSON), with its `claim`."""
     event: str
     """The tool_started event body."""
     log_opts: str
@@ -150,7 +150,9 @@ class StartArgs(NamedTuple):
 # START_LUA: a task that starts checks, in the same step that records its start, that its
 # call is not settled yet (a redelivery) and its turn not cancelled. The start record
 # names the delivery (task id and retry count): the broker handing the same delivery out
-# again while it runs (a restored unacked message) must not run the call twice. Its
+# again while it runs (a restored unacked message) must not run the call twice. It also
+# names the claim (random, one per start attempt): redis-py sending the same START again
+# after a reply lost to a Redis restart finds its own claim, and the call runs. Its
 # result and start record are fields of the turn's state: one read for all three.
 START_LUA = (
     bind_lua(StartKeys, StartArgs)
@@ -164,7 +166,14 @@ if more[1] then return {Started.SETTLED:d} end
 if cancelled then return {Started.CANCELLED:d} end
 if more[2] and delivery ~= '' then
   local ok, rec = pcall(cjson.decode, more[2])
-  if ok and rec['delivery'] == delivery then return {Started.REDELIVERED:d} end
+  if ok and rec['delivery'] == delivery then
+    -- The same claim is this start sent again (its answer was lost as Redis went away):
+    -- it is recorded and the call runs. Another claim is the broker's second copy.
+    if rec['claim'] == nil or rec['claim'] ~= cjson.decode(start)['claim'] then
+      return {Started.REDELIVERED:d}
+    end
+    return unsettled <= 1 and {Started.STARTED_ALONE:d} or {Started.STARTED:d}
+  end
 end
 """
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
@@ -343,6 +352,19 @@ class CallRecords(StoreBase):
         for h in hostnames:
             pipe.exists(k.worker_alive_key(h))
         return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
+
+    def redis_up_s(self) -> float | None:
+        """How long Redis has been up (the least of a Cluster's nodes); None if not known.
+
+        Read only when a worker looks dead: heartbeats that lapsed while Redis restarted
+        say nothing about the workers until they had a beat's time to beat again."""
+        try:
+            info = self.redis.info("server")
+        except Exception:
+            return None
+        found = [info] if "uptime_in_seconds" in info else list(info.values())
+        ups = [float(i["uptime_in_seconds"]) for i in found if isinstance(i, dict) and i]
+        return min(ups) if ups else None
 
     def settle(
         self,

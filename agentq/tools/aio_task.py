@@ -30,9 +30,11 @@ from agentq.models import ToolResult, ToolTaskRequest
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
+    HOLD_RETRY_S,
     CallScope,
     call_kwargs,
     check_value,
+    held_writes,
     mark_started,
     ok_result,
     progress_fields,
@@ -58,6 +60,10 @@ end sooner, and Flower is for watching the long ones."""
 def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     """In a Celery thread: hand the call to the loop (waiting while it is full)."""
     host = get_host()
+    # Results wait here for Redis: no new call until they are written (the wait is short
+    # once Redis answers, and bounded by their deadlines when it does not).
+    while held_writes.count and not held_writes.wait_none(HOLD_RETRY_S):
+        pass
     request = task.request
     host.hostname = host.hostname or (getattr(request, "hostname", None) or "")
     task_id = getattr(request, "id", None)
@@ -111,6 +117,7 @@ async def _run_async_call(
     scope.started = time.time()
     why_not = await host.io(mark_started, store, scope, delivery)
     if why_not is not None:
+        log.info("call %s of %s: %s", req.call_id, spec.name, why_not)
         return why_not
     loop = asyncio.get_running_loop()
     aborted = threading.Event()
@@ -241,7 +248,7 @@ async def _run_async_call(
         if done_flag[0]:
             return result.status
         done_flag[0] = True
-    await host.io(store.settle, req.turn_id, scope.finish(result))
+    await host.io(settle, store, scope, result)
     return result.status
 
 
@@ -283,6 +290,8 @@ async def _await(made: Any) -> Any:
 async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
+        if held_writes.count:
+            continue  # Redis is away: a tick would wait in the store's threads before results
         host.fire(host.store.bus.publish, scope.req.turn_id, "tool_progress", **tick_fields(scope))
 
 

@@ -7,15 +7,19 @@ import inspect
 import json
 import logging
 import os
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+import redis
 from pydantic import BaseModel
+from redis.exceptions import ClusterDownError, TryAgainError
 
 from agentq import constants as k
-from agentq.config import Settings
+from agentq.config import Settings, get_settings
 from agentq.errors import AgentqError, ToolMisuse
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
     from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.tools")
+
+T = TypeVar("T")
 
 
 def render(value: Any) -> str:
@@ -80,36 +86,122 @@ class CallScope:
         return result
 
 
+REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
+"""What a write raises when Redis is away (a restart, a failover, an outage): a held write
+tries again. BusyLoadingError (a restart loading its AOF) is a ConnectionError."""
+HOLD_RETRY_S = 0.5
+"""How often a held write asks Redis again, once the client's own retries ran out."""
+HOLD_PAST_DEADLINE_S = 60.0
+"""A held result keeps trying this long past its call's lost-deadline: the turn cannot
+settle the call `lost` while Redis is away either, so when it returns the first writer
+wins, and the worker's retry is the likelier first."""
+HOLD_START_S = 60.0
+"""How long a start record waits for Redis before the delivery is given up (the turn sends
+a call that never started again)."""
+HOLD_NO_LIMIT_S = 600.0
+"""How long the result of a call without a hard limit waits for Redis."""
+
+
+class HeldWrites:
+    """The writes this process holds until Redis answers again (a settle, a start); the
+    I/O worker takes no new call while it holds any (`wait_none`)."""
+
+    def __init__(self) -> None:
+        self._held = 0
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        return self._held
+
+    def hold(self, write: Callable[[], T], until: float, what: str) -> T:
+        """`write()`, tried again every HOLD_RETRY_S while Redis is away, until `until`
+        (time.time()); then its last error is raised."""
+        held = False
+        try:
+            while True:
+                try:
+                    done = write()
+                    if held:
+                        log.info("Redis answered: %s written", what)
+                    return done
+                except REDIS_AWAY as exc:
+                    if time.time() >= until:
+                        log.error("Redis stayed away: %s not written (%s)", what, exc)
+                        raise
+                    if not held:
+                        held = True
+                        with self._cond:
+                            self._held += 1
+                        log.warning("Redis is away: holding %s until it answers (%s)", what, exc)
+                    time.sleep(HOLD_RETRY_S)
+        finally:
+            if held:
+                with self._cond:
+                    self._held -= 1
+                    self._cond.notify_all()
+
+    def wait_none(self, timeout_s: float) -> bool:
+        """Wait until no write is held (at most `timeout_s`); True if none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._held == 0, timeout_s)
+
+
+held_writes = HeldWrites()
+"""This process's held writes."""
+
+
+def settle_deadline(scope: CallScope, grace_s: float) -> float:
+    """Until when a finished call's result waits for Redis: past the turn's lost-deadline
+    (hard limit plus grace) by HOLD_PAST_DEADLINE_S."""
+    timeout_s = scope.req.timeout_s
+    if timeout_s <= 0:
+        return time.time() + HOLD_NO_LIMIT_S
+    return scope.started + timeout_s + grace_s + HOLD_PAST_DEADLINE_S
+
+
 def settle(store: TurnStore, scope: CallScope, result: ToolResult) -> None:
-    """Settle the call with what it returned or raised (its scope's fields added)."""
-    store.settle(scope.req.turn_id, scope.finish(result), alone=scope.alone)
+    """Settle the call with what it returned or raised (its scope's fields added).
+
+    A result computed while Redis is away waits here, and is written when Redis answers
+    again: first writer wins, so a write whose answer was lost and is sent again, or one
+    the turn's `lost` beat, changes nothing."""
+    finished = scope.finish(result)
+    held_writes.hold(
+        lambda: store.settle(scope.req.turn_id, finished, alone=scope.alone),
+        settle_deadline(scope, get_settings().tool_grace_s),
+        f"the result of call {scope.req.call_id} ({scope.req.tool})",
+    )
 
 
 def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | None:
     """Record the start; None when the call should run, else why it does not (for Flower)."""
     req = scope.req
-    claim = store.mark_started(
-        req.turn_id,
-        req.call_id,
-        {
-            "started_at": scope.started,
-            "worker": scope.worker,
-            "pid": scope.pid,
-            "task_id": scope.task_id,
-            "attempt": req.attempt,
-            "delivery": delivery,
-            # Tool and I/O workers beat; a call run elsewhere (eagerly, in a test) does
-            # not, and must not be taken for dead for lack of beats.
-            "heartbeat": current_role() in HEARTBEAT_ROLES,
-        },
-        {
-            "call_id": req.call_id,
-            "tool": req.tool,
-            "worker": scope.worker,
-            "pid": scope.pid,
-            "timeout_s": req.timeout_s,
-            "attempt": req.attempt,
-        },
+    start = {
+        "started_at": scope.started,
+        "worker": scope.worker,
+        "pid": scope.pid,
+        "task_id": scope.task_id,
+        "attempt": req.attempt,
+        "delivery": delivery,
+        # Tool and I/O workers beat; a call run elsewhere (eagerly, in a test) does
+        # not, and must not be taken for dead for lack of beats.
+        "heartbeat": current_role() in HEARTBEAT_ROLES,
+        # This attempt's own: the same START sent again finds it (see START_LUA).
+        "claim": secrets.token_hex(8),
+    }
+    event = {
+        "call_id": req.call_id,
+        "tool": req.tool,
+        "worker": scope.worker,
+        "pid": scope.pid,
+        "timeout_s": req.timeout_s,
+        "attempt": req.attempt,
+    }
+    claim = held_writes.hold(
+        lambda: store.mark_started(req.turn_id, req.call_id, start, event),
+        time.time() + HOLD_START_S,
+        f"the start of call {req.call_id} ({req.tool})",
     )
     scope.alone = claim is Started.STARTED_ALONE
     if claim is Started.SETTLED:
@@ -119,7 +211,7 @@ def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | Non
     if claim is Started.TURN_GONE:
         return "its turn is over or gone: not run"
     if claim is Started.CANCELLED:
-        store.settle(req.turn_id, cancelled_result(scope.call, "user", **scope.common))
+        settle(store, scope, cancelled_result(scope.call, "user", **scope.common))
         return "turn cancelled before start"
     return None
 

@@ -24,6 +24,7 @@ from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
+    REDIS_AWAY,
     CallScope,
     call_kwargs,
     cancel_probe,
@@ -173,7 +174,12 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
         now = time.time()
         meta = progress_fields(scope, message, pct, fields)
-        store.bus.publish(req.turn_id, "tool_progress", **meta)
+        try:
+            store.bus.publish(req.turn_id, "tool_progress", **meta)
+        except REDIS_AWAY:
+            # Progress is advisory: Redis away must not fail the tool that reports it.
+            log.warning("tool_progress not sent: Redis is away", exc_info=True)
+            return
         # Flower shows PROGRESS states; throttled since each is a backend write.
         if now - last_progress[0] >= 0.5:
             last_progress[0] = now

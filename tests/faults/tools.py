@@ -7,6 +7,7 @@ call ran exactly as often as it should.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from agentq.testing.tools import sleep_through
@@ -54,3 +55,26 @@ def counted_unlimited(path: str, seconds: float = 60.0) -> str:
     _count(path)
     sleep_through(seconds)
     return "done"
+
+
+def _done(path: str) -> None:
+    with open(path + ".done", "a") as fh:
+        fh.write(f"{os.getpid()}\n")
+
+
+@tool(timeout_s=30, budget_s=5)
+def counted_through(path: str, seconds: float = 0.0) -> dict[str, object]:
+    """Count a start in `path`, sleep, then count the end in `path`.done."""
+    _count(path)
+    sleep_through(seconds)
+    _done(path)
+    return {"slept_s": seconds, "pid": os.getpid()}
+
+
+@tool(timeout_s=30, budget_s=5)
+async def counted_async(path: str, seconds: float = 0.0) -> dict[str, object]:
+    """Like `counted_through`, waiting on the I/O worker's loop."""
+    _count(path)
+    await asyncio.sleep(seconds)
+    _done(path)
+    return {"slept_s": seconds, "pid": os.getpid()}
