@@ -96,8 +96,9 @@ HOLD_PAST_DEADLINE_S = 60.0
 settle the call `lost` while Redis is away either, so when it returns the first writer
 wins, and the worker's retry is the likelier first."""
 HOLD_START_S = 60.0
-"""How long a start record waits for Redis before the delivery is given up (the turn sends
-a call that never started again)."""
+"""How long a start record waits for Redis, at most half the call's hard limit (which
+counts the wait), before the delivery is given up: the turn sends a call that never
+started again."""
 HOLD_NO_LIMIT_S = 600.0
 """How long the result of a call without a hard limit waits for Redis."""
 
@@ -160,6 +161,11 @@ def settle_deadline(scope: CallScope, grace_s: float) -> float:
     return scope.started + timeout_s + grace_s + HOLD_PAST_DEADLINE_S
 
 
+def start_deadline(timeout_s: float, now: float) -> float:
+    """Until when a start waits for Redis: HOLD_START_S, at most half the hard limit."""
+    return now + (min(HOLD_START_S, timeout_s / 2) if timeout_s > 0 else HOLD_START_S)
+
+
 def settle(store: TurnStore, scope: CallScope, result: ToolResult) -> None:
     """Settle the call with what it returned or raised (its scope's fields added).
 
@@ -200,7 +206,7 @@ def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | Non
     }
     claim = held_writes.hold(
         lambda: store.mark_started(req.turn_id, req.call_id, start, event),
-        time.time() + HOLD_START_S,
+        start_deadline(req.timeout_s, time.time()),
         f"the start of call {req.call_id} ({req.tool})",
     )
     scope.alone = claim is Started.STARTED_ALONE

@@ -15,7 +15,7 @@ import redis
 
 from agentq.models import TurnStatus
 from agentq.state.calls import Started
-from agentq.tools.calls import HeldWrites
+from agentq.tools.calls import HOLD_START_S, HeldWrites, start_deadline
 
 pytestmark = pytest.mark.integration
 
@@ -106,3 +106,11 @@ def test_a_result_sent_again_changes_nothing(client) -> None:  # type: ignore[no
     finished = [e for e in store.bus.replay(tid, "0-0") if e.type == "tool_finished"]
     assert len(finished) == 1
     store.close(tid, TurnStatus.FINISHED, "turn_finished", {})
+
+
+def test_a_start_waits_at_most_half_its_hard_limit() -> None:
+    # The prefork pool counts the wait in the hard limit: a start held longer would have
+    # the call killed before it ran.
+    assert start_deadline(30, 100.0) == 115.0
+    assert start_deadline(600, 100.0) == 100.0 + HOLD_START_S
+    assert start_deadline(0, 100.0) == 100.0 + HOLD_START_S
