@@ -26,8 +26,9 @@ from agentq.models import (
 from agentq.orchestrator.conversation import conversations
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
+from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
-from agentq.state.spend import Spend
+from agentq.state.spend import GROUPS, NO_KEY, Spend, usage_report
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 
@@ -320,6 +321,41 @@ class Client:
         convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
         return convs.view(conversation_id).public()
+
+    def usage(
+        self,
+        *,
+        since: float | None = None,
+        until: float | None = None,
+        key: str | None = None,
+        group_by: str = "model",
+        owner: str | None = None,
+        admin: bool = True,
+    ) -> dict[str, Any]:
+        """Tokens and cost of the UTC days from `since` to `until` (epoch s; default the
+        last 30 days), totals and rows grouped by model, agent or key (docs/spend.md).
+        `owner` (a caller that is not `admin`) sees its own key's only; an admin sees
+        `key`'s, or every key's."""
+        if group_by not in GROUPS:
+            raise ValueError(f"group_by: one of {', '.join(GROUPS)}, not {group_by!r}")
+        now = time.time()
+        until = now if until is None else until
+        since = until - 29 * 86400 if since is None else since
+        if since > until:
+            raise ValueError("since: after until")
+        keep_s = self.settings.usage_retention_days * 86400
+        days = [day_of(t) for t in range(int(max(since, now - keep_s)), int(until) + 1, 86400)]
+        if day_of(until) not in days:
+            days.append(day_of(until))
+        spend = Spend(self._store.redis, self.settings)
+        if not admin:
+            owners = [owner or NO_KEY]
+        elif key is not None:
+            owners = [key]
+        else:
+            owners = spend.owners()
+        report = usage_report(spend.days(owners, days), group_by)
+        return {"since": days[0], "until": days[-1], "group_by": group_by, **report}
 
     def conversations(
         self,

@@ -73,6 +73,7 @@ from agentq.gateway.limits import StartLimits
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
+from agentq.gateway.usage import usage_routes
 from agentq.gateway.validate import (
     clamp_to_log,
     cursor_of,
@@ -529,6 +530,7 @@ def create_app(
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
         Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
         *conversation_routes(client, gw.require_key, keyed=gw.keyring.enabled),
+        *usage_routes(client, gw.require_key),
         *console_routes(gw),
         *job_routes(gw),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),

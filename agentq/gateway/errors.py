@@ -7,6 +7,7 @@ their `status_code`, ...); `ApiError` covers refusals that are only HTTP's busin
 from __future__ import annotations
 
 import logging
+import time
 from http import HTTPStatus
 from typing import Any
 
@@ -19,6 +20,8 @@ from starlette.responses import JSONResponse, Response
 from agentq.errors import (
     AccessError,
     AgentqError,
+    BudgetExceeded,
+    BudgetInvalid,
     ConversationBusy,
     ConversationNotFound,
     IdempotencyKeyReused,
@@ -161,6 +164,30 @@ async def _on_idempotency_reused(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": body}, status_code=422)
 
 
+async def _on_budget_exceeded(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BudgetExceeded)
+    body: dict[str, Any] = {
+        "type": "BudgetExceeded",
+        "code": exc.code,
+        "message": exc.message,
+        "scope": exc.scope,
+        "budget": exc.budget,
+        "spent": exc.spent,
+        "limit": exc.limit,
+        "resets_at": exc.resets_at,
+    }
+    headers = {}
+    if exc.resets_at is not None:
+        headers["Retry-After"] = retry_after_header(max(0.0, exc.resets_at - time.time()))
+    return JSONResponse({"error": body}, status_code=429, headers=headers)
+
+
+async def _on_budget_invalid(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, BudgetInvalid)
+    body = {"type": "BudgetInvalid", "code": exc.code, "message": exc.message}
+    return JSONResponse({"error": body}, status_code=422)
+
+
 async def _on_redis_error(request: Request, exc: Exception) -> Response:
     log.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
     return error_response(503, "RedisUnavailable", f"{type(exc).__name__}: {exc}")
@@ -187,6 +214,8 @@ def exception_handlers() -> dict[Any, Any]:
         ConversationNotFound: _agentq_handler(404),
         ConversationBusy: _on_conversation_busy,
         IdempotencyKeyReused: _on_idempotency_reused,
+        BudgetExceeded: _on_budget_exceeded,
+        BudgetInvalid: _on_budget_invalid,
         InteractionNotFound: _agentq_handler(404),
         InteractionClosed: _agentq_handler(409),
         TokenInvalid: _agentq_handler(403),

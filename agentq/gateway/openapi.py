@@ -105,6 +105,17 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("DELETE", "/v1/conversations/{conversation_id}", "Abort the conversation's "
               "running and queued turns and remove it.", "conversation",
               parameters=(CONVERSATION_ID,), errors=("401", "404")),
+    Operation("GET", "/v1/usage", "Tokens and cost of the UTC days from since to until: "
+              "totals and rows (prompt_tokens, completion_tokens, cached_tokens, "
+              "total_tokens, cost_usd, turns) by model, agent or key; a key sees its own, "
+              "an admin every key's (docs/spend.md).", "key",
+              parameters=(
+                  _query("since", "First UTC day (YYYY-MM-DD) or epoch seconds; default "
+                         "29 days before until."),
+                  _query("until", "Last UTC day (YYYY-MM-DD) or epoch seconds; default now."),
+                  _query("key", "Only this key's usage (an admin; a key may name itself)."),
+                  _query("group_by", "model (default), agent or key."),
+              ), errors=("401", "403", "422")),
     Operation("GET", "/v1/turns", "Recent and running turns, newest first.", "key",
               parameters=(
                   _query("status", "Comma-separated: queued, running, finished, aborted, "

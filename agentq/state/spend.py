@@ -408,3 +408,55 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     """A usage as events and webhooks carry it."""
     out: dict[str, Any] = json.loads(usage.model_dump_json(exclude_none=True))
     return out
+
+
+GROUPS = {"model": "m|", "agent": "a|", "key": ""}
+"""What `/v1/usage` may group by, and the prefix of its fields in a day's hash."""
+
+_COUNTS = {
+    "prompt": "prompt_tokens",
+    "completion": "completion_tokens",
+    "cached": "cached_tokens",
+    "turns": "turns",
+}
+
+
+def _row() -> dict[str, Any]:
+    return {**dict.fromkeys(_COUNTS.values(), 0), "total_tokens": 0, "cost_usd": 0.0}
+
+
+def _add(row: dict[str, Any], field: str, value: str) -> None:
+    if field == "usd":
+        row["cost_usd"] += _num(value)
+    elif field in _COUNTS:
+        row[_COUNTS[field]] += int(_num(value))
+
+
+def _done(row: dict[str, Any]) -> dict[str, Any]:
+    row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
+    row["cost_usd"] = round(row["cost_usd"], 6)
+    return row
+
+
+def usage_report(hashes: dict[tuple[str, str], dict[str, str]], group_by: str) -> dict[str, Any]:
+    """Totals and rows (by model, agent or key) of the per-day hashes `Spend.days` read.
+    Settled rounds only: a reservation in flight is in a budget, not in usage yet."""
+    prefix = GROUPS[group_by]
+    totals = _row()
+    rows: dict[str, dict[str, Any]] = {}
+    for (owner, _day), fields in hashes.items():
+        for name, value in fields.items():
+            if "|" not in name:
+                _add(totals, name, value)
+                if group_by == "key":
+                    _add(rows.setdefault(owner, _row()), name, value)
+            elif prefix and name.startswith(prefix):
+                group, _, field = name[len(prefix) :].rpartition("|")
+                _add(rows.setdefault(group, _row()), field, value)
+    return {
+        "totals": _done(totals),
+        "rows": [
+            {group_by: (None if name in ("", NO_KEY) else name), **_done(row)}
+            for name, row in sorted(rows.items())
+        ],
+    }

@@ -9,12 +9,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 from pydantic import ValidationError
 
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import BudgetExceeded, BudgetInvalid
+from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import ManagedProcess, start_worker
 from agentq.local.redis_server import RedisServer
 from agentq.models import Event, TurnRequest, Usage
@@ -34,7 +36,9 @@ BUDGETS = {
     "k-tight": {"tokens_per_day": 3000},
     "k-crowd": {"tokens_per_day": 60000},
     "k-usd": {"usd_per_day": 0.002},
+    "k-zero": {"tokens_per_day": 1},
 }
+KEYS = {"k-reader": "reader-secret-0123456789", "k-zero": "zero-secret-0123456789"}
 COMPLETION = 64
 """AGENTQ_BUDGET_COMPLETION_TOKENS of this stack: small, so budgets bind in few rounds."""
 
@@ -243,3 +247,101 @@ def test_a_stream_broken_mid_way_is_charged_its_estimate(stack: Client, llm_serv
     assert view["spend"]["total_tokens"] == (
         view["state"].get("spent_prompt_tokens", 0) + COMPLETION
     )
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: Client) -> Iterator[httpx.Client]:
+    settings = load_settings(
+        api_keys=",".join(f"{name}={secret}" for name, secret in KEYS.items()),
+        admin_keys="boss=boss-secret-0123456789",
+        start_burst=1000,
+        start_rate_per_s=100.0,
+    )
+    with (
+        BackgroundServer(create_app(Client(settings))) as server,
+        httpx.Client(base_url=server.url, timeout=30) as http,
+    ):
+        yield http
+
+
+def bearer(secret: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def test_bad_limits_answer_422_over_http(gateway: httpx.Client) -> None:
+    for body in (
+        {"prompt": "x", "max_tokens": -5},
+        {"prompt": "x", "max_tokens": 10**12},
+        {"prompt": "x", "max_cost_usd": -1},
+        {"prompt": "x", "max_cost_usd": "lots"},
+    ):
+        r = gateway.post("/v1/turns", json=body, headers=bearer("boss-secret-0123456789"))
+        assert r.status_code == 422, (body, r.text)
+    # t_sleeper's model has no price: a USD budget could not be kept.
+    r = gateway.post(
+        "/v1/turns",
+        json={"prompt": "x", "agent": "t_sleeper", "max_cost_usd": 1.0},
+        headers=bearer("boss-secret-0123456789"),
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["code"] == "budget_invalid"
+    assert "model-sleeper" in r.json()["error"]["message"]
+
+
+def test_a_start_from_a_key_over_its_budget_answers_429(gateway: httpx.Client) -> None:
+    r = gateway.post(
+        "/v1/turns", json={"prompt": "hello"}, headers=bearer("zero-secret-0123456789")
+    )
+    assert r.status_code == 429, r.text
+    err = r.json()["error"]
+    assert err["code"] == "budget_exceeded" and err["budget"] == "tokens_per_day"
+    assert err["limit"] == 1 and err["resets_at"] > 0
+    assert int(r.headers["Retry-After"]) <= 86400
+
+
+def test_usage_over_http_a_key_sees_its_own_an_admin_all(
+    stack: Client, gateway: httpx.Client, llm_server
+) -> None:
+    key = script(
+        llm_server, Round(text="counted", usage=Usage(prompt_tokens=10, completion_tokens=5))
+    )
+    r = gateway.post(
+        "/v1/turns", json={"prompt": f"{key} go"}, headers=bearer("reader-secret-0123456789")
+    )
+    assert r.status_code == 202, r.text
+    stack.wait(r.json()["turn_id"], timeout_s=60)
+    own = gateway.get(
+        "/v1/usage", params={"group_by": "key"}, headers=bearer("reader-secret-0123456789")
+    )
+    assert own.status_code == 200, own.text
+    body = own.json()
+    assert [row["key"] for row in body["rows"]] == ["k-reader"]
+    assert body["totals"]["turns"] >= 1 and body["totals"]["total_tokens"] > 0
+    assert body["totals"]["total_tokens"] == (
+        body["totals"]["prompt_tokens"] + body["totals"]["completion_tokens"]
+    )
+    other = gateway.get(
+        "/v1/usage", params={"key": "k-tight"}, headers=bearer("reader-secret-0123456789")
+    )
+    assert other.status_code == 403
+    everyone = gateway.get(
+        "/v1/usage", params={"group_by": "key"}, headers=bearer("boss-secret-0123456789")
+    )
+    keys = {row["key"] for row in everyone.json()["rows"]}
+    assert {"k-reader", "k-crowd", "k-tight", None} <= keys
+    by_model = gateway.get(
+        "/v1/usage", params={"group_by": "model"}, headers=bearer("boss-secret-0123456789")
+    )
+    models = {row["model"]: row for row in by_model.json()["rows"]}
+    assert "gpt-4o-mini" in models and models["gpt-4o-mini"]["cost_usd"] > 0
+    for bad in (
+        {"group_by": "day"},
+        {"since": "yesterday"},
+        {"since": "2026-02-02", "until": "2026-02-01"},
+    ):
+        assert (
+            gateway.get(
+                "/v1/usage", params=bad, headers=bearer("boss-secret-0123456789")
+            ).status_code
+            == 422
+        )

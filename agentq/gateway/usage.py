@@ -1,0 +1,83 @@
+"""Spend over HTTP: `GET /v1/usage?since=&until=&key=&group_by=model|agent|key`.
+
+A key sees its own key's usage (naming another key is a 403); an admin key sees every
+key's, or `key`'s. Without keys (loopback only) the caller sees all, as the CLI does.
+`since` and `until` are UTC days (`2026-11-01`) or epoch seconds; see docs/spend.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from agentq.gateway.auth import Principal
+from agentq.gateway.errors import ApiError
+
+if TYPE_CHECKING:
+    from agentq.api import Client
+
+NO_STORE = {"Cache-Control": "no-store"}
+GROUP_BY = ("model", "agent", "key")
+
+
+def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
+    """A `since`/`until` value as epoch seconds: a UTC day (its start, or with `end` its
+    last second) or a number."""
+    if raw is None or raw == "":
+        return None
+    try:
+        day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+        return day.timestamp() + (86399 if end else 0)
+    except ValueError:
+        pass
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ApiError(
+            422, "ValidationError", f"{name}: a UTC day (YYYY-MM-DD) or epoch seconds"
+        ) from None
+    if not 0 <= value <= 1e11:
+        raise ApiError(422, "ValidationError", f"{name}: out of range")
+    return value
+
+
+class UsageRoutes:
+    def __init__(self, client: Client, require_key: Callable[[Request], Principal | None]) -> None:
+        self.client = client
+        self.require_key = require_key
+
+    async def usage(self, request: Request) -> Response:
+        principal = self.require_key(request)
+        q = request.query_params
+        group_by = q.get("group_by") or "model"
+        if group_by not in GROUP_BY:
+            raise ApiError(422, "ValidationError", f"group_by: one of {', '.join(GROUP_BY)}")
+        since = when(q.get("since"), "since")
+        until = when(q.get("until"), "until", end=True)
+        if since is not None and until is not None and since > until:
+            raise ApiError(422, "ValidationError", "since: after until")
+        key = q.get("key") or None
+        admin = principal is None or principal.admin
+        if not admin and key is not None and principal is not None and key != principal.name:
+            raise ApiError(403, "Forbidden", "a key sees its own usage only")
+        owner = principal.name if principal else None
+        report = await run_in_threadpool(
+            lambda: self.client.usage(
+                since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
+            )
+        )
+        return JSONResponse(report, headers=NO_STORE)
+
+
+def usage_routes(client: Client, require_key: Callable[[Request], Principal | None]) -> list[Route]:
+    r = UsageRoutes(client, require_key)
+    return [Route("/v1/usage", r.usage, methods=["GET"])]
+
+
+__all__ = ["usage_routes"]
