@@ -24,11 +24,13 @@ from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
+    HOLD_PAST_DEADLINE_S,
     REDIS_AWAY,
     CallScope,
     call_kwargs,
     cancel_probe,
     check_value,
+    held_writes,
     mark_started,
     ok_result,
     progress_fields,
@@ -274,8 +276,26 @@ def _on_task_failure(
     except Exception:
         log.exception("cannot settle task %s: bad kwargs", task_id)
         return
+    # On a thread: with Redis away the settle waits for it (held_writes), and the pool's
+    # event loop, which runs this handler, must go on meanwhile.
+    threading.Thread(
+        target=_settle_killed,
+        args=(req, task_id, exception),
+        name=f"agentq-settle-{req.call_id}",
+        daemon=True,
+    ).start()
+
+
+def _settle_killed(
+    req: ToolTaskRequest, task_id: str | None, exception: TimeLimitExceeded | WorkerLostError
+) -> None:
     store = get_store()
-    start = json.loads(store.redis.hget(k.turn_key(req.turn_id), k.STARTED + req.call_id) or "{}")
+    until = time.time() + get_settings().tool_grace_s + HOLD_PAST_DEADLINE_S
+    what = f"the end of killed call {req.call_id} ({req.tool})"
+    raw = held_writes.hold(
+        lambda: store.redis.hget(k.turn_key(req.turn_id), k.STARTED + req.call_id), until, what
+    )
+    start = json.loads(raw or "{}")
     common: dict[str, Any] = {
         "task_id": task_id,
         "worker": start.get("worker"),
@@ -291,7 +311,7 @@ def _on_task_failure(
         result = lost_result(
             call, f"its worker process died ({exception})", timeout_s=req.timeout_s, **common
         )
-    won = store.settle(req.turn_id, result)
+    won = held_writes.hold(lambda: store.settle(req.turn_id, result), until, what)
     if won and tracing.enabled:
         # The child that ran the call died with its span: record it from here.
         tracing.record_span(
