@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentq.cli.options import has_option, take_option
 from agentq.constants import RELAY_DEPTH_MAX, VERSION
@@ -173,6 +173,21 @@ def cmd_flower(opts: list[str]) -> int:
     return 0
 
 
+def _positive(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a number of `kind` above 0 (a budget)."""
+
+    def parse(raw: str) -> int | float:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{raw!r}: must be above 0")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
     p.add_argument("--version", action="version", version=f"agentq {VERSION}")
@@ -203,6 +218,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--agent", default=None, help="run the turn as this agent (unknown: exit 2)")
     r.add_argument(
         "--webhook", default=None, metavar="URL", help="POST the turn's end to URL (signed)"
+    )
+    r.add_argument(
+        "--max-tokens",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="the turn's token budget, its sub-agents' included (exit 1 past it)",
+    )
+    r.add_argument(
+        "--max-cost-usd",
+        type=_positive(float),
+        default=None,
+        metavar="USD",
+        help="the turn's budget in USD (its model needs a price in AGENTQ_LLM_PRICES)",
     )
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id", help=TURN_ID_HELP)
@@ -289,8 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--agent", default=None, help="the agent of the demo turn (e.g. lead)")
     from agentq.cli.conversations import add_parser as add_conversations
     from agentq.cli.schedule import add_parsers
+    from agentq.cli.usage import add_parser as add_usage
 
     add_conversations(sub)
+    add_usage(sub)
     add_parsers(sub)
     return p
 
@@ -381,7 +412,13 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
             webhook_url=args.webhook,
             multitask=args.multitask,
             idempotency_key=args.idempotency_key,
+            max_tokens=args.max_tokens,
+            max_cost_usd=args.max_cost_usd,
         )
+    if args.cmd == "usage":
+        from agentq.cli.usage import cmd_usage
+
+        return cmd_usage(client, args)
     if args.cmd == "conversations":
         from agentq.cli.conversations import cmd_conversations
 

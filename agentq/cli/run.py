@@ -101,6 +101,8 @@ def run(
     webhook_url: str | None = None,
     multitask: MultitaskMode | None = None,
     idempotency_key: str | None = None,
+    max_tokens: int | None = None,
+    max_cost_usd: float | None = None,
 ) -> int:
     console = Console(stderr=as_json)
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
@@ -113,6 +115,8 @@ def run(
         webhook_url=webhook_url,
         multitask=multitask,
         idempotency_key=idempotency_key,
+        max_tokens=max_tokens,
+        max_cost_usd=max_cost_usd,
     )
     if handle.injected:
         # The message joins a running turn: follow that turn, whose next round holds it.

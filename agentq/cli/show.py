@@ -201,6 +201,22 @@ def webhook_view(client: Client, turn_id: str) -> dict[str, Any] | None:
     return Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s).of_turn(turn_id)
 
 
+def spend_line(spend: dict[str, Any]) -> str:
+    """A turn's spend, its sub-agents' included, and its limits, on one line."""
+    line = (
+        f"spend: {spend['total_tokens']} tokens ({spend['prompt_tokens']} prompt, "
+        f"{spend['cached_tokens']} cached, {spend['completion_tokens']} completion)"
+    )
+    if spend.get("cost_usd"):
+        line += f", ${spend['cost_usd']:.4f}"
+    limits = []
+    if "max_tokens" in spend:
+        limits.append(f"{spend['max_tokens']} tokens")
+    if "max_cost_usd" in spend:
+        limits.append(f"${spend['max_cost_usd']:g}")
+    return line + (f"; budget {', '.join(limits)}" if limits else "")
+
+
 def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     state = client._store.state(turn_id)
     if state is None:
@@ -211,11 +227,16 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     summary.pop("_state", None)
     view["turn"] = summary
     view["webhook"] = webhook_view(client, turn_id)
+    from agentq.state.spend import Spend
+
+    spend = Spend(client._store.redis, client.settings).turn_totals(state.get("owner"), turn_id)
+    view["spend"] = spend
     if as_json:
         print(json.dumps(view), flush=True)
         return 0
     console = Console()
     console.print(timeline_view(view))
+    console.print(Text(spend_line(spend), style="dim"), soft_wrap=True)
     hook = view["webhook"]
     if hook:
         console.print(

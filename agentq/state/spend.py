@@ -128,6 +128,7 @@ if held then
 end
 if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
 if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
+redis.call('EXPIRE', own_key, turn_ttl_s)
 local prompt, cap, wanted = tonumber(prompt_tokens), tonumber(want), tonumber(want)
 local pin, pout = tonumber(input_per_token), tonumber(output_per_token)
 local tight, bounded = nil, 0

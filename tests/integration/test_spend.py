@@ -4,6 +4,9 @@ and budgets per turn, per parent turn and per key that hold even under concurren
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -345,3 +348,35 @@ def test_usage_over_http_a_key_sees_its_own_an_admin_all(
             ).status_code
             == 422
         )
+
+
+def agentq_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    # The stack's environment is this process's while its fixture holds it.
+    return subprocess.run(
+        [sys.executable, "-m", "agentq", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
+
+
+def test_the_cli_runs_under_a_budget_and_shows_usage(stack: Client, llm_server) -> None:
+    key = script(llm_server, *echo_rounds(30))
+    # The prompt's estimate counts the tools' schemas (about 1,900 tokens here).
+    ran = agentq_cli("run", "--json", "--max-tokens", "2500", f"{key} go")
+    assert ran.returncode == 1, ran.stderr
+    end = json.loads(ran.stdout.splitlines()[-1])
+    assert end["type"] == "turn_error" and end["code"] == "budget_exceeded"
+    shown = agentq_cli("show", end["turn_id"])
+    assert shown.returncode == 0, shown.stderr
+    text = " ".join(shown.stdout.split())
+    assert "spend:" in text and "budget 2500 tokens" in text
+    refused = agentq_cli("run", "--max-tokens", "-3", "x")
+    assert refused.returncode == 2 and "must be above 0" in refused.stderr
+    usage = agentq_cli("usage", "--json", "--group-by", "key")
+    assert usage.returncode == 0, usage.stderr
+    report = json.loads(usage.stdout)
+    assert report["group_by"] == "key" and report["totals"]["total_tokens"] > 0
+    table = agentq_cli("usage")
+    assert table.returncode == 0 and "gpt-4o-mini" in table.stdout

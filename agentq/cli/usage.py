@@ -1,0 +1,69 @@
+"""`agentq usage`: tokens and cost per model, agent or key over UTC days (docs/spend.md)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentq.api import Client
+
+
+def add_parser(sub: Any) -> None:
+    u = sub.add_parser("usage", help="tokens and cost per model, agent or key")
+    u.add_argument("--since", default=None, help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
+    u.add_argument("--until", default=None, help="last UTC day, YYYY-MM-DD (default: today)")
+    u.add_argument("--key", default=None, help="only this key's usage")
+    u.add_argument("--group-by", default="model", choices=("model", "agent", "key"))
+    u.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _day(raw: str | None, *, end: bool = False) -> float | None:
+    if raw is None:
+        return None
+    try:
+        day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+    except ValueError:
+        raise SystemExit(f"agentq usage: {raw!r} is not a UTC day (YYYY-MM-DD)") from None
+    return day.timestamp() + (86399 if end else 0)
+
+
+def _usd(value: Any) -> str:
+    return f"${value:.4f}" if value else "-"
+
+
+def cmd_usage(client: Client, args: argparse.Namespace) -> int:
+    # Imported here: `agentq --help` builds this command's parser, and loads none of them.
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    # The command holds Redis credentials: it reads every key's usage, as an admin.
+    report = client.usage(
+        since=_day(args.since),
+        until=_day(args.until, end=True),
+        key=args.key,
+        group_by=args.group_by,
+    )
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    group = args.group_by
+    table = Table(title=f"usage {report['since']} to {report['until']} (UTC)", box=box.SIMPLE_HEAD)
+    for name in (group, "turns", "prompt", "cached", "completion", "total", "cost"):
+        table.add_column(name, justify="left" if name == group else "right")
+    rows = [*report["rows"], {group: "total", **report["totals"]}]
+    for row in rows:
+        table.add_row(
+            str(row[group] if row[group] is not None else "(none)"),
+            str(row["turns"]),
+            str(row["prompt_tokens"]),
+            str(row["cached_tokens"]),
+            str(row["completion_tokens"]),
+            str(row["total_tokens"]),
+            _usd(row["cost_usd"]),
+        )
+    Console().print(table)
+    return 0
