@@ -434,6 +434,8 @@ class LlmRoundRequest(_Frozen):
     """The completion the turn's and its key's budgets leave this round; None: no budget."""
     prompt_estimate: int = 0
     """The prompt's estimated tokens, for the usage of a round whose server sends none."""
+    key: str | None = None
+    """The name of the API key whose turn this is (its llm_finished says so, for metrics)."""
     queued_s: float = 0.0
     """How long the round waited for model capacity before it was sent."""
 

@@ -8,8 +8,13 @@ What each metric counts, and where it comes from:
   settled call, with or without a duration (denied calls have none).
 - ``agentq_tool_timeouts_total{tool}``: ``tool_finished`` with status ``timeout`` (the
   hard limit killed the call; ``lost`` calls are counted under results only).
-- ``agentq_llm_tokens_total{kind}``: ``usage`` of every ``llm_finished`` event, ``kind``
-  ``prompt`` or ``completion``.
+- ``agentq_llm_tokens_total{model,kind,key}``: ``usage`` of every ``llm_finished`` event,
+  ``kind`` ``prompt``, ``completion`` or ``cached`` (of the prompt), ``key`` the API key's
+  name (``-`` without one); ``sum by (kind)`` is the fleet's.
+- ``agentq_llm_cost_usd_total{model,key}``: ``usage.cost_usd`` of ``llm_finished`` (priced
+  models only, AGENTQ_LLM_PRICES).
+- ``agentq_budget_exceeded_total{scope}``: ``turn_error`` with code ``budget_exceeded``, by
+  whose budget (``turn``, ``parent_turn``, ``key``); docs/spend.md.
 - ``agentq_llm_model_tokens_total{model,kind}``: the same by model (``llm_finished``
   carries its ``model``): ``rate(...[1m]) * 60`` is a model's tokens per minute.
 - ``agentq_llm_rounds_queued_total{model}``: model rounds that had to wait for model

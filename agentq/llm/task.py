@@ -460,6 +460,7 @@ class _Round:
             finish_reason=message.finish_reason,
             tool_calls=len(message.tool_calls),
             usage=usage.model_dump(exclude_none=True),
+            key=self.req.key,
             duration_ms=self.elapsed_ms(),
             ttft_ms=self.stats.ttft_ms,
         )

@@ -138,6 +138,7 @@ def _round_request(
         queued_s=_queued_s(ctx, round_no) if grant else 0.0,
         max_completion_tokens=ctx.state.get("budget_cap"),
         prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
+        key=ctx.state.get("owner"),
     )
     return req, len(offered)
 

@@ -65,7 +65,17 @@ FAMILIES = {
         Family("turn_aborts", "Aborted turns by reason.", ("reason",)),
         Family("turns_ended", "Turns that ended, by outcome.", ("outcome",)),
         Family("watchdog_trips", "Model streams cut by the inactivity watchdog."),
-        Family("llm_tokens", "Model tokens by kind (prompt, completion).", ("kind",)),
+        Family(
+            "llm_tokens",
+            "Model tokens by model, kind (prompt, completion, cached) and API key (- for none).",
+            ("model", "kind", "key"),
+        ),
+        Family("llm_cost_usd", "What model rounds cost (priced models), in USD.", ("model", "key")),
+        Family(
+            "budget_exceeded",
+            "Turns ended by a budget, by whose (turn, parent_turn, key).",
+            ("scope",),
+        ),
         Family(
             "llm_model_tokens",
             "Model tokens by model and kind (prompt, completion).",
@@ -121,6 +131,7 @@ MAX_SERIES = 2000
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
+_BUDGET_SCOPES = frozenset({"turn", "parent_turn", "key"})
 _ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error", "interrupt", "rollback"})
 _TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
 _TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
@@ -166,6 +177,7 @@ class FleetCounts:
         self._tool = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
         self._model = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
         self._deployment = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
+        self._key = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
 
     # -- counting
 
@@ -227,6 +239,9 @@ class FleetCounts:
             self._inc("watchdog_trips")
         if type_ in _TERMINAL:
             self._inc("turns_ended", (_TERMINAL[type_],))
+            if type_ == "turn_error" and f.get("code") == "budget_exceeded":
+                scope = str(f.get("scope"))
+                self._inc("budget_exceeded", (scope if scope in _BUDGET_SCOPES else "other",))
             if type_ == "turn_aborted":
                 reason = str(f.get("reason"))
                 self._inc("turn_aborts", (reason if reason in _ABORT_REASONS else "other",))
@@ -235,11 +250,16 @@ class FleetCounts:
         usage = f.get("usage")
         if isinstance(usage, dict):
             model = self._model_of(f)
-            for kind in ("prompt", "completion"):
+            key = self._key(f.get("key") or "-")
+            for kind in ("prompt", "completion", "cached"):
                 n = usage.get(f"{kind}_tokens")
-                if isinstance(n, int) and n > 0:
-                    self._inc("llm_tokens", (kind,), n)
-                    self._inc("llm_model_tokens", (model, kind), n)
+                if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                    self._inc("llm_tokens", (model, kind, key), n)
+                    if kind != "cached":
+                        self._inc("llm_model_tokens", (model, kind), n)
+            cost = _number(usage.get("cost_usd"))
+            if cost:
+                self._sums[field_of("llm_cost_usd", (model, key))] += cost
         if f.get("code") == ModelBusy.code:
             status = f.get("status")
             code = str(status) if isinstance(status, int) and 100 <= status < 600 else "other"

@@ -350,6 +350,10 @@ def settled_metrics(obs: Obs) -> str:
 
 def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
     before = settled_metrics(obs)
+    # Turns started without a key, of the client's model.
+    of = f'key="-",kind="{{}}",model="{obs.client.settings.llm_model}"'
+    prompt_tokens = "agentq_llm_tokens_total{" + of.format("prompt") + "}"
+    completion_tokens = "agentq_llm_tokens_total{" + of.format("completion") + "}"
     turn_id, _ = run_turn(obs, llm_server)
     spans = wait_for(
         lambda: (
@@ -363,8 +367,8 @@ def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
     base = {
         name: metric(before, name)
         for name in (
-            'agentq_llm_tokens_total{kind="prompt"}',
-            'agentq_llm_tokens_total{kind="completion"}',
+            prompt_tokens,
+            completion_tokens,
             "agentq_llm_ttft_seconds_count",
             "agentq_step_duration_seconds_count",
         )
@@ -373,8 +377,7 @@ def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
     def scraped() -> str | None:
         text = obs.http.get("/metrics").text
         grew = (
-            metric(text, 'agentq_llm_tokens_total{kind="prompt"}')
-            >= base['agentq_llm_tokens_total{kind="prompt"}'] + 2 * USAGE.prompt_tokens
+            metric(text, prompt_tokens) >= base[prompt_tokens] + 2 * USAGE.prompt_tokens
             and metric(text, "agentq_step_duration_seconds_count")
             >= base["agentq_step_duration_seconds_count"] + steps
         )
@@ -382,10 +385,7 @@ def test_metrics_of_real_turns(obs: Obs, llm_server: Any) -> None:
 
     text = wait_for(scraped, 10, 0.1, message="token and step metrics")
     assert isinstance(text, str)
-    assert (
-        metric(text, 'agentq_llm_tokens_total{kind="completion"}')
-        >= base['agentq_llm_tokens_total{kind="completion"}'] + 2 * USAGE.completion_tokens
-    )
+    assert metric(text, completion_tokens) >= base[completion_tokens] + 2 * USAGE.completion_tokens
     assert metric(text, "agentq_llm_ttft_seconds_count") >= (
         base["agentq_llm_ttft_seconds_count"] + 2
     )

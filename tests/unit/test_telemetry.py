@@ -265,8 +265,9 @@ def test_gateway_counts_tokens_and_time_to_first_token() -> None:
     text = _folded(
         event, {**event, "usage": None, "ttft_ms": None, "error": "x", "code": "ETIMEDOUT"}
     )
-    assert 'agentq_llm_tokens_total{kind="prompt"} 11.0' in text
-    assert 'agentq_llm_tokens_total{kind="completion"} 7.0' in text
+    # A worker that predates `model` and `key`: counted under unknown and -.
+    assert 'agentq_llm_tokens_total{key="-",kind="prompt",model="unknown"} 11.0' in text
+    assert 'agentq_llm_tokens_total{key="-",kind="completion",model="unknown"} 7.0' in text
     assert "agentq_llm_ttft_seconds_count 1.0" in text
     assert 'agentq_llm_ttft_seconds_bucket{le="0.25"} 1.0' in text
     assert 'agentq_llm_round_duration_seconds_count{outcome="error"} 1.0' in text
@@ -308,8 +309,9 @@ def test_gateway_counts_capacity_waits_busy_answers_and_tokens_by_model() -> Non
     assert f'{tokens}{{kind="completion",model="gpt-y"}} 7.0' in text
     assert f'{tokens}{{kind="prompt",model="other"}} 11.0' in text
     assert f'{tokens}{{kind="prompt",model="unknown"}} 11.0' in text
-    # The model-less total counts them all; a busy answer has no usage.
-    assert 'agentq_llm_tokens_total{kind="prompt"} 44.0' in text
+    # By model and key too; a busy answer has no usage.
+    assert 'agentq_llm_tokens_total{key="-",kind="prompt",model="gpt-x"} 11.0' in text
+    assert 'agentq_llm_tokens_total{key="-",kind="prompt",model="other"} 11.0' in text
     # No capacity read yet: the gauges have no samples.
     assert "agentq_llm_queued{" not in text and "agentq_llm_paused{" not in text
 
@@ -339,3 +341,26 @@ def test_capacity_gauges_come_from_the_last_snapshots() -> None:
     assert 'agentq_llm_queued{class="background",model="gpt-y"} 0.0' in text
     m.capacity.snapshots = []  # the read failed: no stale numbers
     assert "agentq_llm_queued{" not in m.render().decode()
+
+
+def test_gateway_counts_spend_by_model_and_key_and_budget_ends_by_scope() -> None:
+    usage = {"prompt_tokens": 100, "completion_tokens": 10, "cached_tokens": 40, "cost_usd": 0.25}
+    finished = {"type": "llm_finished", "model": "gpt-x", "usage": usage, "duration_ms": 9}
+    text = _folded(
+        {**finished, "key": "ci"},
+        {**finished, "key": "ci"},
+        {**finished, "key": None},
+        {"type": "turn_error", "code": "budget_exceeded", "scope": "key"},
+        {"type": "turn_error", "code": "budget_exceeded", "scope": "parent_turn"},
+        {"type": "turn_error", "code": "budget_exceeded", "scope": "???"},
+        {"type": "turn_error", "code": "ELLM"},
+    )
+    tokens = "agentq_llm_tokens_total"
+    assert f'{tokens}{{key="ci",kind="prompt",model="gpt-x"}} 200.0' in text
+    assert f'{tokens}{{key="ci",kind="cached",model="gpt-x"}} 80.0' in text
+    assert f'{tokens}{{key="-",kind="completion",model="gpt-x"}} 10.0' in text
+    assert 'agentq_llm_cost_usd_total{key="ci",model="gpt-x"} 0.5' in text
+    assert 'agentq_llm_cost_usd_total{key="-",model="gpt-x"} 0.25' in text
+    assert 'agentq_budget_exceeded_total{scope="key"} 1.0' in text
+    assert 'agentq_budget_exceeded_total{scope="parent_turn"} 1.0' in text
+    assert 'agentq_budget_exceeded_total{scope="other"} 1.0' in text
