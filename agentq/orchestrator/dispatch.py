@@ -209,7 +209,9 @@ def _settle_overdue(
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
         settled[cid] = _settle_lost(ctx, p, why, start)
-    return next_at.at, _not_queued(ctx, waiting, again, next_at)
+    # First: a call held back behind its queue's backlog adds the time to look again.
+    send_again = _not_queued(ctx, waiting, again, next_at)
+    return next_at.at, send_again
 
 
 def _dead_workers(

@@ -126,11 +126,12 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
     first = store.dispatches(tid)
     assert set(first) == {"call_r0_0", "call_r0_1"}
     # While the calls' queue holds messages they may be among them (a backlog): the
-    # pickup's step looks and sends nothing again.
+    # pickup's step looks and sends nothing again, and looks again a pickup later (it
+    # once returned the queue's allowance instead, 300 s, and the turn waited that long).
     wait_for(
-        lambda: "not sent again while it does" in rig.worker("turns").log_text(),
+        lambda: rig.worker("turns").log_text().count("not sent again while it does") >= 2,
         30,
-        message="the pickup's step held the calls back",
+        message="the pickup's step held the calls back, twice",
     )
     assert all(d.get("sends", 1) == 1 for d in store.dispatches(tid).values())
     assert sum(store.redis.llen(q) for q in queued) == 2
