@@ -23,7 +23,7 @@ the tools' own run records:
 `--redis-outages N` runs the fault suite's Redis outage (tests/faults/outage.py) N times
 for each fault (a restart and a kill -9 of a Redis with AOF, a 10 s outage;
 AGENTQ_OUTAGE_S changes its length), stopping at the first run that loses a call:
-about 40 s a run, so 20 runs of each take 40 minutes.
+10 to 20 s a run, so 20 runs of each take about 15 minutes.
 
 Prints a table of faults and invariants; exits 1 on a violation, naming the seed.
 """
