@@ -60,7 +60,7 @@ from agentq import constants as k
 from agentq.agents import all_agents
 from agentq.errors import ConversationNotFound, HeadlessInteraction
 from agentq.models import TERMINAL_STATUSES, AssistantMessage, ToolCall, TurnStatus
-from agentq.orchestrator import admission, conversation, subturns
+from agentq.orchestrator import admission, conversation, spend, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
@@ -346,6 +346,7 @@ def finish(
 def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     """End the turn with turn_error, every call of its round settled first."""
     admission.withdraw(ctx)
+    spend.settle_left(ctx, admission.model_of(ctx))
     headless = code == "headless_interaction"
     msgs = settle_pending(
         ctx.store,
@@ -384,6 +385,7 @@ def fail_headless(ctx: StepContext, exc: HeadlessInteraction) -> None:
 def abort_turn(ctx: StepContext, reason: str) -> None:
     """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
     admission.withdraw(ctx)
+    spend.settle_left(ctx, admission.model_of(ctx))
     revoked = revoke_unsettled(
         ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
     )

@@ -137,3 +137,12 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model:
         "spent_estimated_rounds": int(st.get("spent_estimated_rounds") or 0) + int(usage.estimated),
     }
     ctx.stage(**totals)
+
+
+def settle_left(ctx: StepContext, model: str) -> None:
+    """At the turn's end: a round reserved and not settled (aborted mid-stream, or its turn
+    ended before its result) is charged its reservation, the estimate."""
+    reservation = ctx.state.get("budget_reservation")
+    if reservation is not None:
+        ended = LlmRoundResult(ok=False, error="the turn ended before the round's result")
+        settle_round(ctx, int(reservation), ended, model)

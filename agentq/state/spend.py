@@ -6,7 +6,8 @@ A key's spend lives under one hash tag (``{spend:<key name>}``), its turns' too 
 turn has its parent's key), so each script below runs on one slot of a Cluster:
 
 - ``d:<YYYYMMDD>``: a hash per UTC day: ``tokens`` and ``usd`` (reservations included),
-  ``prompt``, ``completion``, ``cached``, ``turns``, and the same per model
+  settled rounds' ``all|prompt``, ``all|completion``, ``all|cached``, ``all|usd``,
+  ``all|turns``, and the same per model
   (``m|<model>|<field>``) and per agent (``a|<agent>|<field>``). Kept
   `usage_retention_days`, past the turns it counts.
 - ``mo:<YYYYMM>``: ``tokens`` and ``usd`` per UTC month.
@@ -220,7 +221,7 @@ for i = parents_at - 1, #KEYS do
   redis.call('HINCRBY', KEYS[i], 'completion', c)
   redis.call('HINCRBY', KEYS[i], 'cached', h)
 end
-for _, g in ipairs({{'', 'm|' .. model .. '|', 'a|' .. agent .. '|'}}) do
+for _, g in ipairs({{'all|', 'm|' .. model .. '|', 'a|' .. agent .. '|'}}) do
   redis.call('HINCRBY', day_key, g .. 'prompt', p)
   redis.call('HINCRBY', day_key, g .. 'completion', c)
   redis.call('HINCRBY', day_key, g .. 'cached', h)
@@ -411,7 +412,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     return out
 
 
-GROUPS = {"model": "m|", "agent": "a|", "key": ""}
+GROUPS = {"model": "m|", "agent": "a|", "key": "all|"}
 """What `/v1/usage` may group by, and the prefix of its fields in a day's hash."""
 
 _COUNTS = {
@@ -447,11 +448,11 @@ def usage_report(hashes: dict[tuple[str, str], dict[str, str]], group_by: str) -
     rows: dict[str, dict[str, Any]] = {}
     for (owner, _day), fields in hashes.items():
         for name, value in fields.items():
-            if "|" not in name:
-                _add(totals, name, value)
+            if name.startswith("all|"):
+                _add(totals, name[4:], value)
                 if group_by == "key":
-                    _add(rows.setdefault(owner, _row()), name, value)
-            elif prefix and name.startswith(prefix):
+                    _add(rows.setdefault(owner, _row()), name[4:], value)
+            elif group_by != "key" and name.startswith(prefix):
                 group, _, field = name[len(prefix) :].rpartition("|")
                 _add(rows.setdefault(group, _row()), field, value)
     return {

@@ -38,7 +38,7 @@ PRICES = {
 BUDGETS = {
     "k-tight": {"tokens_per_day": 3000},
     "k-crowd": {"tokens_per_day": 60000},
-    "k-usd": {"usd_per_day": 0.002},
+    "k-usd": {"usd_per_day": 0.02},
     "k-zero": {"tokens_per_day": 1},
 }
 KEYS = {"k-reader": "reader-secret-0123456789", "k-zero": "zero-secret-0123456789"}
@@ -203,9 +203,9 @@ def test_twenty_turns_of_one_key_do_not_overspend_its_budget(stack: Client, llm_
     # The prompt estimate (4 characters a token, tools included) is above the usage
     # reported here: what was spent is within the budget (the goal allows 5 % past it).
     assert 60000 * 0.8 <= int(day["tokens"]) <= 60000
-    assert int(day["prompt"]) + int(day["completion"]) == int(day["tokens"])
+    assert int(day["all|prompt"]) + int(day["all|completion"]) == int(day["tokens"])
     # Turns refused at their first round never ran one: the others are counted.
-    assert 1 <= int(day["turns"]) <= 20
+    assert 1 <= int(day["all|turns"]) <= 20
 
 
 def test_a_sub_agent_spends_its_parents_budget(stack: Client, llm_server) -> None:
@@ -380,3 +380,34 @@ def test_the_cli_runs_under_a_budget_and_shows_usage(stack: Client, llm_server) 
     assert report["group_by"] == "key" and report["totals"]["total_tokens"] > 0
     table = agentq_cli("usage")
     assert table.returncode == 0 and "gpt-4o-mini" in table.stdout
+
+
+def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) -> None:
+    used = Usage(prompt_tokens=1000, completion_tokens=50)
+    key = script(llm_server, *echo_rounds(60, usage=used))
+    handle = stack.start(TurnRequest(prompt=f"{key} go"), owner="k-usd")
+    events = collect(stack, handle.turn_id, timeout_s=90)
+    end = events[-1]
+    assert end.type == "turn_error" and end.fields["budget"] == "usd_per_day"
+    assert end.fields["scope"] == "key"
+    rounds = finished_usages(events)
+    assert len(rounds) >= 5
+    assert all(u["cost_usd"] == pytest.approx((1000 * 1.0 + 50 * 4.0) / 1e6) for u in rounds)
+    (spent,) = Spend(stack._store.redis, stack.settings).key_budgets("k-usd", day_of(end.ts))
+    assert spent.spent <= 0.02
+    assert spent.spent == pytest.approx(len(rounds) * (1000 * 1.0 + 50 * 4.0) / 1e6)
+
+
+def test_an_abort_mid_stream_charges_the_rounds_estimate(stack: Client, llm_server) -> None:
+    key = script(llm_server, Round(text="slowly " * 100, chunk_size=4, chunk_delay_ms=100))
+    handle = stack.start_turn(f"{key} go")
+    collect(stack, handle.turn_id, until=lambda ev: ev.type == "llm_delta")
+    stack.abort(handle.turn_id, handle.token)
+    end = stack.wait(handle.turn_id, timeout_s=30)
+    assert end.type == "turn_aborted"
+    view = stack.get(handle.turn_id)
+    state = view["state"]
+    assert state.get("spent_estimated_rounds") == 1
+    assert state.get("spent_completion_tokens") == COMPLETION
+    assert state.get("spent_prompt_tokens", 0) > 0
+    assert view["spend"]["total_tokens"] == state.get("spent_prompt_tokens", 0) + COMPLETION

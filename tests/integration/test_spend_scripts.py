@@ -1,0 +1,175 @@
+"""The budget scripts on a real Redis and on a Redis Cluster: RESERVE caps a round as
+`budget.completion_cap` decides, both scripts are idempotent, settling moves a round's
+reservation to its usage in every budget it counts in, and a turn's and its key's keys
+share one slot."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from agentq.config import ModelPrice, load_settings
+from agentq.fleet.connections import cluster_client
+from agentq.local.cluster import LocalCluster
+from agentq.local.redis_server import RedisServer
+from agentq.models import Usage
+from agentq.state.budget import Budget, completion_cap
+from agentq.state.spend import Reserved, Spend, SpendKeys, day_key, month_key, turn_spend_key
+
+pytestmark = pytest.mark.integration
+
+DAY = "20261127"
+PRICE = ModelPrice(input=2.0, output=8.0)
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[redis.Redis]:
+    with RedisServer() as server:
+        r = redis.Redis.from_url(server.url)
+        yield r
+        r.close()
+
+
+def spend_of(r: redis.Redis, **budgets: dict[str, float]) -> Spend:
+    return Spend(r, load_settings(key_budgets=json.dumps(budgets)))
+
+
+@pytest.mark.parametrize(
+    ("max_tokens", "max_usd", "day_tokens", "prompt", "price"),
+    [
+        (None, None, None, 500, None),
+        (2000, None, None, 500, None),
+        (600, None, None, 590, None),
+        (None, 0.01, None, 1000, PRICE),
+        (None, 0.01, None, 1000, None),
+        (None, None, 1500, 1000, PRICE),
+        (5000, 0.004, 1800, 1200, PRICE),
+        (10, None, None, 500, None),
+    ],
+)
+def test_reserve_caps_a_round_as_the_pure_decision_does(
+    client: redis.Redis,
+    max_tokens: int | None,
+    max_usd: float | None,
+    day_tokens: int | None,
+    prompt: int,
+    price: ModelPrice | None,
+) -> None:
+    owner = f"k-{uuid.uuid4().hex[:8]}"
+    budgets = {owner: {"tokens_per_day": day_tokens}} if day_tokens else {}
+    spend = spend_of(client, **budgets)
+    got = spend.reserve(
+        owner=owner,
+        turn_id="t",
+        parents=[],
+        reservation="0",
+        day=DAY,
+        prompt_tokens=prompt,
+        want=4096,
+        price=price,
+        max_tokens=max_tokens,
+        max_usd=max_usd,
+    )
+    limits = [
+        *([Budget("key", "tokens_per_day", "tokens", day_tokens, 0)] if day_tokens else []),
+        *([Budget("turn", "max_tokens", "tokens", max_tokens, 0)] if max_tokens else []),
+        *([Budget("turn", "max_cost_usd", "usd", max_usd, 0)] if max_usd else []),
+    ]
+    expected = completion_cap(limits, prompt, 4096, price)
+    if expected.exceeded is None:
+        assert isinstance(got, Reserved) and got.cap == expected.cap
+    else:
+        assert isinstance(got, Budget)
+        assert (got.scope, got.name, got.limit) == (
+            expected.exceeded.scope,
+            expected.exceeded.name,
+            expected.exceeded.limit,
+        )
+
+
+def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) -> None:
+    owner = f"k-{uuid.uuid4().hex[:8]}"
+    spend = spend_of(client, **{owner: {"tokens_per_day": 100_000}})
+    args = {"owner": owner, "turn_id": "child", "parents": ["root", "parent"], "day": DAY}
+    for _ in range(2):  # a step that runs again finds its reservation
+        got = spend.reserve(
+            **args,
+            reservation="0",
+            prompt_tokens=100,
+            want=64,
+            price=PRICE,
+            max_tokens=None,
+            max_usd=None,
+        )
+        assert got == Reserved(64, True)
+    keys = [turn_spend_key(owner, t) for t in ("child", "parent", "root")]
+    for key in [day_key(owner, DAY), month_key(owner, DAY[:6]), *keys]:
+        assert int(client.hget(key, "tokens") or 0) == 164, key
+    used = Usage(prompt_tokens=90, completion_tokens=10, cached_tokens=5, cost_usd=0.5)
+    settle = {**args, "reservation": "0", "model": "m", "agent": "a", "first": True}
+    assert spend.settle(**settle, usage=used) is True
+    assert spend.settle(**settle, usage=used) is False
+    for key in [day_key(owner, DAY), *keys]:
+        assert int(client.hget(key, "tokens") or 0) == 100, key
+        assert float(client.hget(key, "usd") or 0) == pytest.approx(0.5), key
+    day = {a.decode(): b.decode() for a, b in client.hgetall(day_key(owner, DAY)).items()}
+    assert day["all|prompt"] == "90" and day["m|m|completion"] == "10"
+    assert day["a|a|cached"] == "5" and day["all|turns"] == "1"
+    assert spend.turn_totals(owner, "root")["total_tokens"] == 100
+    assert owner in spend.owners()
+
+
+def test_a_key_that_refused_a_round_refuses_starts(client: redis.Redis) -> None:
+    owner = f"k-{uuid.uuid4().hex[:8]}"
+    spend = spend_of(client, **{owner: {"tokens_per_day": 1000}})
+    assert spend.key_refusal(owner, DAY, tokens=50, usd=0.0) is None
+    got = spend.reserve(
+        owner=owner,
+        turn_id="t",
+        parents=[],
+        reservation="0",
+        day=DAY,
+        prompt_tokens=990,
+        want=64,
+        price=None,
+        max_tokens=None,
+        max_usd=None,
+    )
+    assert isinstance(got, Budget) and got.name == "tokens_per_day"
+    refusal = spend.key_refusal(owner, DAY, tokens=50, usd=0.0)
+    assert refusal is not None and refusal.name == "tokens_per_day"
+
+
+def test_the_scripts_run_on_a_redis_cluster() -> None:
+    with LocalCluster(masters=3) as cluster:
+        client = cluster_client(cluster.nodes)
+        try:
+            owner = "k-cluster"
+            spend = spend_of(client, **{owner: {"usd_per_day": 1.0}})
+            keys = SpendKeys(
+                day_key(owner, DAY), month_key(owner, DAY[:6]), turn_spend_key(owner, "t")
+            )
+            slots = {client.keyslot(key) for key in [*keys, turn_spend_key(owner, "p")]}
+            assert len(slots) == 1
+            args = {"owner": owner, "turn_id": "t", "parents": ["p"], "day": DAY}
+            got = spend.reserve(
+                **args,
+                reservation="0",
+                prompt_tokens=100,
+                want=64,
+                price=PRICE,
+                max_tokens=None,
+                max_usd=None,
+            )
+            assert got == Reserved(64, True)
+            used = Usage(prompt_tokens=100, completion_tokens=20, cost_usd=0.001)
+            assert spend.settle(
+                **args, reservation="0", usage=used, model="m", agent=None, first=True
+            )
+            assert spend.key_budgets(owner, DAY)[0].spent == pytest.approx(0.001)
+        finally:
+            client.close()
