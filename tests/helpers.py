@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -166,3 +169,17 @@ def exited(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def agentq_cli(
+    env: dict[str, str], *args: str, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """`agentq ARGS` as a user runs it, with `env` over this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "agentq", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+    )

@@ -87,21 +87,24 @@ def admit(
     may: tuple[str, ...],
     any_owner: bool,
     abort: Aborter | None,
-    again: bool = True,
 ) -> Admitted:
     """Admit a stored turn to its conversation: run it now, queue it, or refuse it
     (ConversationBusy, the turn removed again: nothing of a refused request stays)."""
     convs = conversations(store)
-    admitted = convs.admit(
-        conversation_id,
-        turn_id,
-        mode,
-        new_bytes=new_bytes,
-        max_bytes=max_bytes,
-        claim=claim,
-        may=may,
-        any_owner=any_owner,
-    )
+
+    def decide() -> Admitted:
+        return convs.admit(
+            conversation_id,
+            turn_id,
+            mode,
+            new_bytes=new_bytes,
+            max_bytes=max_bytes,
+            claim=claim,
+            may=may,
+            any_owner=any_owner,
+        )
+
+    admitted = decide()
     running = admitted.running
     if admitted.outcome is not Admit.RUN and running and not _alive(store, running):
         # The turn ahead has ended; its own hand-off is under way, or its process died
@@ -109,23 +112,10 @@ def admit(
         # is over: the release script lets exactly one of the two act.
         if release_for(store, app, conversation_id, running) == turn_id:
             return Admitted(Admit.RUN, created=admitted.created, step_sent=True)
-        if admitted.outcome is Admit.BUSY and again:
-            return admit(
-                store,
-                app,
-                conversation_id,
-                turn_id,
-                mode,
-                new_bytes=new_bytes,
-                max_bytes=max_bytes,
-                claim=claim,
-                may=may,
-                any_owner=any_owner,
-                abort=abort,
-                again=False,
-            )
         if admitted.outcome is not Admit.BUSY:
             return admitted
+        admitted = decide()  # refused behind a turn that is over: asked once more
+        running = admitted.running
     if admitted.outcome is Admit.BUSY:
         forget(store, turn_id)
         raise ConversationBusy(conversation_id, str(running))

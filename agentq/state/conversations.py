@@ -35,6 +35,7 @@ from redis.cluster import RedisCluster
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
 from agentq.events.bus import ended_lua
+from agentq.events.lua_args import TurnKey, argv_of, bind_lua
 
 
 class Multitask(str, Enum):
@@ -80,11 +81,11 @@ def binding(kind: str, value: str) -> str:
 
 
 class ConversationKeys(NamedTuple):
-    owner: str
-    meta: str
-    history: str
-    queue: str
-    inject: str
+    owner_key: str
+    meta_key: str
+    history_key: str
+    queue_key: str
+    inject_key: str
 
     @classmethod
     def of(cls, conversation_id: str) -> ConversationKeys:
@@ -97,12 +98,10 @@ class ConversationKeys(NamedTuple):
         )
 
 
-# KEYS: ConversationKeys, and on one Redis (not a Cluster, where it is on another slot)
-# the listing's index, which the writes below note the conversation's change in.
-_BIND_KEYS = """local owner_key, meta_key, history_key = KEYS[1], KEYS[2], KEYS[3]
-local queue_key, inject_key, index_key = KEYS[4], KEYS[5], KEYS[6]
-"""
-_KEEP = "for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl) end\n"
+_SCRIPT_KEYS = (*ConversationKeys._fields, "index_key")
+"""A script's KEYS: the conversation's, and on one Redis (not a Cluster, where it is on
+another slot) the listing's index, which the writes note the conversation's change in."""
+_KEEP = "for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl_s) end\n"
 _INDEX = "if index_key then redis.call('ZADD', index_key, now, conversation_id) end\n"
 
 
@@ -127,29 +126,28 @@ class AdmitArgs(NamedTuple):
 # RUN, created; BUSY, running; QUEUED|INJECTED|INTERRUPTED, created, running,
 # position, behind.
 ADMIT_LUA = (
-    _BIND_KEYS
-    + f"""local turn_id, claim, may, may_too = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local any_owner, mode, ttl = ARGV[5] == '1', tonumber(ARGV[6]), ARGV[7]
-local now, new_bytes, max_bytes = ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10])
-local conversation_id = ARGV[11]
+    bind_lua(_SCRIPT_KEYS, AdmitArgs)
+    + f"""mode = tonumber(mode)
 local created = 0
-if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl) then
+if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl_s) then
   -- Whatever outlived an expired binding is not this caller's to read.
   redis.call('DEL', meta_key, history_key, queue_key, inject_key)
   created = 1
 else
   local bound = redis.call('GET', owner_key)
-  if not any_owner and bound ~= may and bound ~= may_too then return {{{Admit.NOT_FOUND}}} end
+  if any_owner ~= '1' and bound ~= may and bound ~= may_too then
+    return {{{Admit.NOT_FOUND}}}
+  end
 end
-local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + new_bytes
-if size > max_bytes then return {{{Admit.TOO_LARGE}, size}} end
+local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + tonumber(new_bytes)
+if size > tonumber(max_bytes) then return {{{Admit.TOO_LARGE}, size}} end
 """
     + _KEEP
     + _INDEX
     + f"""local running = redis.call('HGET', meta_key, 'running')
 if not running or running == '' then
   redis.call('HSET', meta_key, 'running', turn_id, 'updated_at', now)
-  redis.call('EXPIRE', meta_key, ttl)
+  redis.call('EXPIRE', meta_key, ttl_s)
   return {{{Admit.RUN}, created}}
 end
 if mode == {_MODE[Multitask.REJECT]} then return {{{Admit.BUSY}, running}} end
@@ -191,25 +189,28 @@ class ReleaseArgs(NamedTuple):
     """The turn's exchange, as JSON."""
 
     def argv(self) -> list[Any]:
-        return [
-            self.turn_id,
-            self.base_len,
-            self.ttl_s,
-            self.now,
-            self.conversation_id,
-            len(self.gone),
-            *self.gone,
-            *self.messages,
-        ]
+        named = ReleaseNamed(
+            self.turn_id, self.base_len, self.ttl_s, self.now, self.conversation_id, len(self.gone)
+        )
+        return argv_of(named, self.gone, self.messages)
+
+
+class ReleaseNamed(NamedTuple):
+    """RELEASE's named ARGV; the turns gone (`n_gone` of them), then the messages follow."""
+
+    turn_id: str
+    base_len: int
+    ttl_s: int
+    now: float
+    conversation_id: str
+    n_gone: int
 
 
 # KEYS: ConversationKeys; ARGV: ReleaseArgs.argv(). Returns {Release, next turn id or ''}.
 RELEASE_LUA = (
-    _BIND_KEYS
-    + f"""local turn_id, base_len, ttl, now = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local conversation_id, ngone = ARGV[5], tonumber(ARGV[6])
-local first_message = 7 + ngone
-for i = 7, 6 + ngone do
+    bind_lua(_SCRIPT_KEYS, ReleaseNamed, rest="tail")
+    + f"""local first_message = tail_at + tonumber(n_gone)
+for i = tail_at, first_message - 1 do
   redis.call('LREM', queue_key, 0, ARGV[i])
   redis.call('SREM', inject_key, ARGV[i])
 end
@@ -223,7 +224,7 @@ if redis.call('HGET', meta_key, 'rollback') == turn_id then
   redis.call('HDEL', meta_key, 'rollback')
   outcome = {Release.DROPPED}
 elseif #ARGV >= first_message then
-  if redis.call('LLEN', history_key) ~= base_len then
+  if redis.call('LLEN', history_key) ~= tonumber(base_len) then
     -- Appended all the same: an exchange is never lost, and the count shows the fault.
     redis.call('HINCRBY', meta_key, 'conflicts', 1)
     outcome = {Release.CONFLICT}
@@ -266,9 +267,8 @@ class Take(IntEnum):
 # KEYS: ConversationKeys; ARGV: the waiting turn. Returns {HOLDS, history...} or
 # {WAITS|GONE, running turn or ''}: the read a queued turn's first step makes.
 TAKE_LUA = (
-    _BIND_KEYS
-    + f"""local turn_id = ARGV[1]
-local running = redis.call('HGET', meta_key, 'running') or ''
+    bind_lua(_SCRIPT_KEYS, ("turn_id",))
+    + f"""local running = redis.call('HGET', meta_key, 'running') or ''
 if running == turn_id then
   local out = {{{Take.HOLDS}}}
   for _, m in ipairs(redis.call('LRANGE', history_key, 0, -1)) do out[#out + 1] = m end
@@ -282,8 +282,8 @@ return {{{Take.GONE}, running}}
 # KEYS: ConversationKeys; ARGV: the turn that takes them in. Returns the queued turns whose
 # message may join it, in queue order; nothing unless that turn holds the conversation.
 INJECTABLE_LUA = (
-    _BIND_KEYS
-    + """if redis.call('HGET', meta_key, 'running') ~= ARGV[1] then return {} end
+    bind_lua(_SCRIPT_KEYS, ("turn_id",))
+    + """if redis.call('HGET', meta_key, 'running') ~= turn_id then return {} end
 if redis.call('SCARD', inject_key) == 0 then return {} end
 local out = {}
 for _, id in ipairs(redis.call('LRANGE', queue_key, 0, -1)) do
@@ -295,7 +295,7 @@ return out
 
 # KEYS: ConversationKeys. Removes the conversation; returns its running and queued turns.
 DELETE_LUA = (
-    _BIND_KEYS
+    bind_lua(_SCRIPT_KEYS)
     + """local out = redis.call('LRANGE', queue_key, 0, -1)
 local running = redis.call('HGET', meta_key, 'running')
 if running and running ~= '' then table.insert(out, 1, running) end
@@ -306,12 +306,14 @@ return out
 
 # KEYS: the running turn's state hash. Counts a message sent to join it (`inject_seq`),
 # which its next step sees with its state; nothing for a turn that ended.
-NOTE_INJECTED_LUA = f"""local turn_key = KEYS[1]
-local status = redis.call('HGET', turn_key, 'status')
+NOTE_INJECTED_LUA = (
+    bind_lua(TurnKey)
+    + f"""local status = redis.call('HGET', turn_key, 'status')
 if not status or {ended_lua("status")} then return 0 end
 redis.call('HINCRBY', turn_key, 'inject_seq', 1)
 return 1
 """
+)
 
 
 @dataclass(frozen=True)
@@ -486,9 +488,9 @@ class Conversations:
     def view(self, conversation_id: str) -> ConversationView:
         keys = ConversationKeys.of(conversation_id)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(keys.meta)
-        pipe.lrange(keys.queue, 0, -1)
-        pipe.lrange(keys.history, 0, -1)
+        pipe.hgetall(keys.meta_key)
+        pipe.lrange(keys.queue_key, 0, -1)
+        pipe.lrange(keys.history_key, 0, -1)
         meta_raw, queue, history = pipe.execute()
         meta = {_text(f): _text(v) for f, v in meta_raw.items()}
         return ConversationView(

@@ -19,6 +19,7 @@ from agentq.local.processes import wait_for
 from agentq.models import Event, parse_stream_id
 from agentq.state.listing import TurnLister
 from agentq.testing.openai_server import Round, first_user_text
+from tests.helpers import agentq_cli as agentq
 from tests.helpers import (
     assert_valid_history,
     calls,
@@ -27,7 +28,6 @@ from tests.helpers import (
     script,
     wait_event,
 )
-from tests.integration.test_cli import agentq
 
 pytestmark = pytest.mark.integration
 

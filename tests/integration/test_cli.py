@@ -14,22 +14,10 @@ import pytest
 
 from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
+from tests.helpers import agentq_cli as agentq
 from tests.helpers import calls, script
 
 pytestmark = pytest.mark.integration
-
-
-def agentq(
-    env: dict[str, str], *args: str, timeout_s: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def test_run_json_prints_events_and_exits_0(fleet, llm_server, agentq_env) -> None:

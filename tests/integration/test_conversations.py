@@ -17,7 +17,7 @@ from agentq.errors import ConversationBusy, ConversationNotFound, IdempotencyKey
 from agentq.local.processes import wait_for
 from agentq.models import Event, TurnRequest
 from agentq.testing.openai_server import Round
-from tests.helpers import assert_valid_history, calls, collect, script
+from tests.helpers import agentq_cli, assert_valid_history, calls, collect, script
 
 pytestmark = pytest.mark.integration
 
@@ -298,17 +298,6 @@ def test_the_cli_queues_a_message_and_shows_the_conversation(
     assert missing.returncode == 1 and "unknown or not yours" in missing.stderr
     bad = agentq_cli(agentq_env, "run", "--conversation", conv, "--multitask", "queue", "x")
     assert bad.returncode == 2 and "enqueue" in bad.stderr
-
-
-def agentq_cli(env: dict[str, str], *args: str, timeout_s: float = 60):
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
-    )
 
 
 def test_an_aborted_queued_turn_leaves_the_queue_and_its_message_is_not_kept(

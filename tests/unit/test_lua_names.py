@@ -11,7 +11,7 @@ import pytest
 from agentq.events import bus
 from agentq.gateway import limits
 from agentq.llm import capacity_lua
-from agentq.state import interactions, layout, listing, spend
+from agentq.state import conversations, interactions, layout, listing, spend
 from agentq.state.store import TurnStore
 from agentq.webhooks import deliveries
 
@@ -49,6 +49,17 @@ SCRIPTS = {
     "limits._RESERVE_LUA": limits._RESERVE_LUA,
     "deliveries.CREATE_LUA": deliveries.CREATE_LUA,
     "deliveries.CLAIM_LUA": deliveries.CLAIM_LUA,
+    **{
+        f"conversations.{name}": getattr(conversations, name)
+        for name in (
+            "ADMIT_LUA",
+            "RELEASE_LUA",
+            "TAKE_LUA",
+            "INJECTABLE_LUA",
+            "DELETE_LUA",
+            "NOTE_INJECTED_LUA",
+        )
+    },
     "spend.RESERVE_LUA": spend.RESERVE_LUA,
     "spend.SETTLE_LUA": spend.SETTLE_LUA,
 }
