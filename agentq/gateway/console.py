@@ -31,6 +31,7 @@ from agentq.gateway.validate import read_json
 from agentq.mcp.health import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
 from agentq.state.listing import TurnLister, TurnQuery
+from agentq.state.spend import Spend
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
 from agentq.webhooks.deliveries import Deliveries
@@ -105,6 +106,10 @@ class Console:
         view = timeline(self.gw.client._store, turn_id, state)
         view["turn"] = summary
         view["webhook"] = self.deliveries.of_turn(turn_id)
+        client = self.gw.client
+        view["spend"] = Spend(client._store.redis, client.settings).turn_totals(
+            state.get("owner"), turn_id
+        )
         return view
 
     async def turn_timeline(self, request: Request) -> Response:

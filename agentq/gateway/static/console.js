@@ -276,7 +276,61 @@ async function refreshView() {
   badge.dataset.status = t.status;
   q("#view-abort").disabled = !(t.status === "running" || t.status === "queued");
   showWait(t.model_wait, view);
+  q("#view-spend").textContent = spendText(view.spend);
   renderTimeline(view);
+}
+
+// A turn's spend with its sub-agents' (docs/spend.md), and its budget.
+function spendText(s) {
+  if (!s) return "";
+  let text = "spend: " + fmtCount(s.total_tokens) + " tokens";
+  if (s.cost_usd) text += " · $" + Number(s.cost_usd).toFixed(4);
+  const limits = [];
+  if (s.max_tokens != null) limits.push(fmtCount(s.max_tokens) + " tokens");
+  if (s.max_cost_usd != null) limits.push("$" + s.max_cost_usd);
+  return text + (limits.length ? " · budget " + limits.join(", ") : "");
+}
+
+// Tokens and cost per key and per model over the last day, from /v1/usage (a key sees its
+// own); read every SPEND_POLL_MS, not every second.
+const SPEND_POLL_MS = 10000;
+let spendReadAt = 0;
+
+function spendTable(rows, by) {
+  const table = el("table", "spend");
+  const head = el("tr", "");
+  for (const name of [by, "turns", "tokens", "cost"]) head.append(el("th", "", name));
+  table.append(head);
+  for (const r of rows) {
+    const tr = el("tr", "");
+    tr.append(
+      el("td", "", r[by] == null ? "(none)" : String(r[by])),
+      el("td", "", fmtCount(r.turns)),
+      el("td", "", fmtCount(r.total_tokens)),
+      el("td", "", r.cost_usd ? "$" + Number(r.cost_usd).toFixed(4) : "-"),
+    );
+    table.append(tr);
+  }
+  return table;
+}
+
+async function refreshSpend() {
+  if (Date.now() - spendReadAt < SPEND_POLL_MS) return;
+  spendReadAt = Date.now();
+  const since = String(Math.floor(Date.now() / 1000) - 86400);
+  const note = q("#spend-state");
+  const tables = [];
+  for (const by of ["key", "model"]) {
+    const res = await fetch("/v1/usage?group_by=" + by + "&since=" + since, { headers: keyHeaders() });
+    if (!res.ok) {
+      note.textContent = await errorText(res);
+      return;
+    }
+    const body = await res.json();
+    if (body.rows.length) tables.push(spendTable(body.rows, by));
+  }
+  q("#spend").replaceChildren(...tables);
+  note.textContent = tables.length ? "" : "Nothing spent in the last day.";
 }
 
 // A round of the turn waits for model capacity: where it stands, from the turn's state and
@@ -423,7 +477,9 @@ async function abortOpen() {
 
 async function pollConsole() {
   if (q("#console").hidden) return;
-  await Promise.all([refreshList(), refreshInbox(), refreshView(), refreshCapacity()]);
+  await Promise.all([
+    refreshList(), refreshInbox(), refreshView(), refreshCapacity(), refreshSpend(),
+  ]);
 }
 
 function showTab(name) {
