@@ -134,3 +134,25 @@ def test_prices_and_budgets_load_from_json() -> None:
     assert s.price_of("m") == ModelPrice(input=1, output=2)
     assert s.price_of("other") is None
     assert s.key_budgets["ci"].tokens_per_day == 10
+
+
+def test_a_price_change_between_rounds_prices_the_next_round_anew() -> None:
+    from types import SimpleNamespace
+
+    from agentq.models import AssistantMessage, LlmRoundResult, Usage
+    from agentq.orchestrator.spend import round_usage
+
+    used = Usage(prompt_tokens=1000, completion_tokens=100, total_tokens=1100)
+    result = LlmRoundResult(ok=True, message=AssistantMessage(content="x", usage=used))
+    costs = []
+    for price in ({"input": 1, "output": 2}, {"input": 3, "output": 6}):
+        settings = load_settings(llm_prices=json.dumps({"m": price}), budget_completion_tokens=64)
+        ctx = SimpleNamespace(settings=settings, state={})
+        costs.append(round_usage(ctx, result, "m").cost_usd)  # type: ignore[arg-type]
+    assert costs == [pytest.approx(1200 / 1e6), pytest.approx(3600 / 1e6)]
+    # A round with no usage (a broken stream) is charged its reservation, estimated.
+    broken = LlmRoundResult(ok=False, error="dropped")
+    ctx = SimpleNamespace(settings=settings, state={"budget_prompt": 500, "budget_cap": 40})
+    charged = round_usage(ctx, broken, "m")  # type: ignore[arg-type]
+    assert (charged.prompt_tokens, charged.completion_tokens, charged.estimated) == (500, 40, True)
+    assert charged.cost_usd == pytest.approx((500 * 3 + 40 * 6) / 1e6)
