@@ -20,12 +20,14 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from enum import IntEnum
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
 from agentq import constants as k
 from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInvalid
+from agentq.events.lua_args import bind_lua
 from agentq.fleet.runtime import get_store
 from agentq.mcp.link import ListedTool, ServerLink
 from agentq.mcp.names import tool_name
@@ -41,17 +43,35 @@ SLOT_POLL_S = 0.05
 SLOT_UNLIMITED_S = 3600.0
 """How long a slot of a call without a hard limit is held if its worker dies with it."""
 
-_ACQUIRE = """
-local key = KEYS[1]
-local call_id, now, lapses, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-if redis.call('ZSCORE', key, call_id) or redis.call('ZCARD', key) < limit then
-  redis.call('ZADD', key, lapses, call_id)
-  redis.call('PEXPIRE', key, math.ceil((lapses - now) * 1000) + 1000)
-  return 1
+
+class SlotArgs(NamedTuple):
+    call_id: str
+    now: float
+    lapses: float
+    """When the slot lapses if its call never gives it back (its worker died)."""
+    limit: int
+
+
+class Slot(IntEnum):
+    """ACQUIRE's answer."""
+
+    FULL = 0
+    TAKEN = 1
+
+
+# One of an MCP server's fleet-wide slots (`concurrency: N`) for a call: taken when fewer
+# than `limit` are held (lapsed ones dropped first), or already held by this call.
+ACQUIRE_LUA = (
+    bind_lua(("slots_key",), SlotArgs)
+    + f"""redis.call('ZREMRANGEBYSCORE', slots_key, '-inf', now)
+if redis.call('ZSCORE', slots_key, call_id) or redis.call('ZCARD', slots_key) < tonumber(limit) then
+  redis.call('ZADD', slots_key, lapses, call_id)
+  redis.call('PEXPIRE', slots_key, math.ceil((tonumber(lapses) - tonumber(now)) * 1000) + 1000)
+  return {Slot.TAKEN}
 end
-return 0
+return {Slot.FULL}
 """
+)
 
 
 class McpArguments(BaseModel):
@@ -190,16 +210,19 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
         yield
         return
     redis = get_store().redis
+    acquire = redis.register_script(ACQUIRE_LUA)
     loop = asyncio.get_running_loop()
     key = k.mcp_slots_key(server.name)
     hold_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
     waited = False
     while True:
         now = time.time()
+        args = SlotArgs(ctx.call_id, now, now + hold_s, limit)
         got = await loop.run_in_executor(
-            None, redis.eval, _ACQUIRE, 1, key, ctx.call_id, now, now + hold_s, limit
+            None,
+            lambda: acquire(keys=[key], args=list(args)),  # noqa: B023 - awaited here
         )
-        if int(got):
+        if Slot(int(got)) is Slot.TAKEN:
             break
         if not waited:
             waited = True

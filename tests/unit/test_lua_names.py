@@ -11,6 +11,7 @@ import pytest
 from agentq.events import bus
 from agentq.gateway import limits
 from agentq.llm import capacity_lua
+from agentq.mcp import tools as mcp_tools
 from agentq.state import conversations, interactions, layout, listing, spend
 from agentq.state.store import TurnStore
 from agentq.webhooks import deliveries
@@ -60,6 +61,7 @@ SCRIPTS = {
             "NOTE_INJECTED_LUA",
         )
     },
+    "mcp_tools.ACQUIRE_LUA": mcp_tools.ACQUIRE_LUA,
     "spend.RESERVE_LUA": spend.RESERVE_LUA,
     "spend.SETTLE_LUA": spend.SETTLE_LUA,
 }
