@@ -6,11 +6,10 @@ A key's spend lives under one hash tag (``{spend:<key name>}``), its turns' too 
 turn has its parent's key), so each script below runs on one slot of a Cluster:
 
 - ``d:<YYYYMMDD>``: a hash per UTC day: ``tokens`` and ``usd`` (reservations included),
-  settled rounds' ``all|prompt``, ``all|completion``, ``all|cached``, ``all|usd``,
-  ``all|turns``, and the same per model
-  (``m|<model>|<field>``) and per agent (``a|<agent>|<field>``). Kept
-  `usage_retention_days`, past the turns it counts.
-- ``mo:<YYYYMM>``: ``tokens`` and ``usd`` per UTC month.
+  and settled rounds' ``prompt``, ``completion``, ``cached``, ``usd`` and ``turns`` per
+  model (``m|<model>|<field>``) and per agent (``a|<agent>|<field>``); the key's totals
+  are the sum of its models'. Kept `usage_retention_days`, past the turns it counts.
+- ``mo:<YYYYMM>``: ``usd`` per UTC month.
 - ``t:<turn id>``: a turn's ``max_tokens`` and ``max_usd``, its ``tokens`` and ``usd``
   (with its descendants'), and its rounds' reservations ``r:<round>``.
 
@@ -129,7 +128,6 @@ if held then
 end
 if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
 if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
-redis.call('EXPIRE', own_key, turn_ttl_s)
 local prompt, cap, wanted = tonumber(prompt_tokens), tonumber(want), tonumber(want)
 local pin, pout = tonumber(input_per_token), tonumber(output_per_token)
 local tight, bounded = nil, 0
@@ -154,8 +152,10 @@ end
 local day = redis.call('HMGET', day_key, 'tokens', 'usd')
 consider('key', 'tokens_per_day', 'tokens', tonumber(tokens_per_day), tonumber(day[1]))
 consider('key', 'usd_per_day', 'usd', tonumber(usd_per_day), tonumber(day[2]))
-consider('key', 'usd_per_month', 'usd', tonumber(usd_per_month),
-  tonumber(redis.call('HGET', month_key, 'usd')))
+if tonumber(usd_per_month) >= 0 and priced == '1' then
+  consider('key', 'usd_per_month', 'usd', tonumber(usd_per_month),
+    tonumber(redis.call('HGET', month_key, 'usd')))
+end
 for i = parents_at - 1, #KEYS do
   local scope = (i == parents_at - 1) and 'turn' or 'parent_turn'
   local t = redis.call('HMGET', KEYS[i], 'max_tokens', 'max_usd', 'tokens', 'usd')
@@ -173,16 +173,20 @@ end
 local tokens = prompt + cap
 local usd = 0
 if priced == '1' then usd = prompt * pin + cap * pout end
-local function take(key)
-  redis.call('HINCRBY', key, 'tokens', tokens)
+-- A hash's retention is set when its first count is: HINCRBY answering the increment
+-- itself is the first (or a count back at zero, where setting it again is harmless).
+local function take(key, ttl)
+  if redis.call('HINCRBY', key, 'tokens', tokens) == tokens then redis.call('EXPIRE', key, ttl) end
   if usd ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(usd)) end
 end
-take(day_key)
-take(month_key)
-for i = parents_at - 1, #KEYS do take(KEYS[i]); redis.call('EXPIRE', KEYS[i], turn_ttl_s) end
+take(day_key, day_ttl_s)
+if usd ~= 0 then
+  -- A month counts dollars only (usd_per_month is its one budget).
+  redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(usd))
+  redis.call('EXPIRE', month_key, day_ttl_s)
+end
+for i = parents_at - 1, #KEYS do take(KEYS[i], turn_ttl_s) end
 redis.call('HSET', own_key, field, cjson.encode({{tokens, usd, cap, bounded}}))
-redis.call('EXPIRE', day_key, day_ttl_s)
-redis.call('EXPIRE', month_key, day_ttl_s)
 return {{{Reserve.OK}, cap, bounded}}
 """
 )
@@ -208,24 +212,29 @@ local held = redis.call('HGET', own_key, field)
 if not held then return {Settle.DONE} end
 local r = cjson.decode(held)
 local p, c, h = tonumber(prompt_tokens), tonumber(completion_tokens), tonumber(cached_tokens)
-local dt, du = p + c - r[1], tonumber(usd) - r[2]
+local dt, du, u = p + c - r[1], tonumber(usd) - r[2], tonumber(usd)
+-- Counts that do not change are not written: a round is settled in a dozen commands.
+local function bump(key, name, by)
+  if by ~= 0 then redis.call('HINCRBY', key, name, by) end
+end
 local function fix(key)
-  redis.call('HINCRBY', key, 'tokens', dt)
+  bump(key, 'tokens', dt)
   if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
 end
 fix(day_key)
-fix(month_key)
+if du ~= 0 then redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(du)) end
 for i = parents_at - 1, #KEYS do
   fix(KEYS[i])
-  redis.call('HINCRBY', KEYS[i], 'prompt', p)
-  redis.call('HINCRBY', KEYS[i], 'completion', c)
-  redis.call('HINCRBY', KEYS[i], 'cached', h)
+  bump(KEYS[i], 'prompt', p)
+  bump(KEYS[i], 'completion', c)
+  bump(KEYS[i], 'cached', h)
 end
-for _, g in ipairs({{'all|', 'm|' .. model .. '|', 'a|' .. agent .. '|'}}) do
-  redis.call('HINCRBY', day_key, g .. 'prompt', p)
-  redis.call('HINCRBY', day_key, g .. 'completion', c)
-  redis.call('HINCRBY', day_key, g .. 'cached', h)
-  if tonumber(usd) ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', usd) end
+-- By model and by agent; the key's totals are the sum of its models' (usage_report).
+for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
+  bump(day_key, g .. 'prompt', p)
+  bump(day_key, g .. 'completion', c)
+  bump(day_key, g .. 'cached', h)
+  if u ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', usd) end
   if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
 end
 redis.call('HDEL', own_key, field)
@@ -412,7 +421,7 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     return out
 
 
-GROUPS = {"model": "m|", "agent": "a|", "key": "all|"}
+GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
 """What `/v1/usage` may group by, and the prefix of its fields in a day's hash."""
 
 _COUNTS = {
@@ -448,11 +457,13 @@ def usage_report(hashes: dict[tuple[str, str], dict[str, str]], group_by: str) -
     rows: dict[str, dict[str, Any]] = {}
     for (owner, _day), fields in hashes.items():
         for name, value in fields.items():
-            if name.startswith("all|"):
-                _add(totals, name[4:], value)
+            if name.startswith("m|"):
+                # Every settled round counts under its model: the totals are their sum.
+                field = name.rpartition("|")[2]
+                _add(totals, field, value)
                 if group_by == "key":
-                    _add(rows.setdefault(owner, _row()), name[4:], value)
-            elif group_by != "key" and name.startswith(prefix):
+                    _add(rows.setdefault(owner, _row()), field, value)
+            if group_by != "key" and name.startswith(prefix):
                 group, _, field = name[len(prefix) :].rpartition("|")
                 _add(rows.setdefault(group, _row()), field, value)
     return {

@@ -107,8 +107,11 @@ def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) 
         )
         assert got == Reserved(64, True)
     keys = [turn_spend_key(owner, t) for t in ("child", "parent", "root")]
-    for key in [day_key(owner, DAY), month_key(owner, DAY[:6]), *keys]:
+    for key in [day_key(owner, DAY), *keys]:
         assert int(client.hget(key, "tokens") or 0) == 164, key
+    # A month counts dollars only: its one budget is usd_per_month.
+    assert client.hget(month_key(owner, DAY[:6]), "tokens") is None
+    assert float(client.hget(month_key(owner, DAY[:6]), "usd") or 0) > 0
     used = Usage(prompt_tokens=90, completion_tokens=10, cached_tokens=5, cost_usd=0.5)
     settle = {**args, "reservation": "0", "model": "m", "agent": "a", "first": True}
     assert spend.settle(**settle, usage=used) is True
@@ -117,8 +120,10 @@ def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) 
         assert int(client.hget(key, "tokens") or 0) == 100, key
         assert float(client.hget(key, "usd") or 0) == pytest.approx(0.5), key
     day = {a.decode(): b.decode() for a, b in client.hgetall(day_key(owner, DAY)).items()}
-    assert day["all|prompt"] == "90" and day["m|m|completion"] == "10"
-    assert day["a|a|cached"] == "5" and day["all|turns"] == "1"
+    assert day["m|m|prompt"] == "90" and day["m|m|completion"] == "10"
+    assert day["a|a|cached"] == "5" and day["m|m|turns"] == "1"
+    # The key's totals are its models' sum, not counted a third time.
+    assert not [f for f in day if f.startswith("all|")]
     assert spend.turn_totals(owner, "root")["total_tokens"] == 100
     assert owner in spend.owners()
 
