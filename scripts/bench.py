@@ -69,6 +69,7 @@ KEYS = (
     "conversation_handoff_ms_p50",
     "conversation_handoff_ms_p99",
     "conversation_extra_redis_commands",
+    "budgeted_turn_ratio_p50",
     "agentq_call_ms_p50",
     "agentq_call_ms_p99",
     "celery_call_ms_p50",

@@ -1,4 +1,5 @@
-"""The conversations stage: what one turn at a time per conversation costs.
+"""The conversations stage: what one turn at a time per conversation costs; and beside it,
+what a turn's budget costs (`max_tokens`: its RESERVE checks a limit, caps the round).
 
 - A model turn on an idle conversation against the same turn without one, interleaved in
   blocks: wall time from the start to its end, and the Redis commands clients send for
@@ -27,9 +28,13 @@ class BenchError(RuntimeError):
     pass
 
 
-def _turn_s(client: Client, prompt: str, conversation_id: str | None) -> float:
+def _turn_s(
+    client: Client, prompt: str, conversation_id: str | None, max_tokens: int | None = None
+) -> float:
     t0 = time.time()
-    handle = client.start_turn(prompt, conversation_id=conversation_id, operator=True)
+    handle = client.start_turn(
+        prompt, conversation_id=conversation_id, operator=True, max_tokens=max_tokens
+    )
     end = client.wait(handle.turn_id, timeout_s=60)
     if end.type != "turn_finished":
         raise BenchError(f"turn {handle.turn_id} ended {end.type}: {end.fields}")
@@ -85,6 +90,32 @@ def bench_conversations(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         out["conversation_turn_redis_commands"] = _r(conv_cmds / m, 1)
         out["conversation_extra_redis_commands"] = _r((conv_cmds - plain_cmds) / m, 1)
     out.update(_handoffs(client, fx, sz.conversation_handoffs))
+    out.update(_budgeted(client, key, n))
+    return out
+
+
+def _budgeted(client: Client, key: str, n: int) -> dict[str, Any]:
+    """A turn under a budget (one it never reaches) against the same turn without one."""
+    free: list[float] = []
+    bounded: list[float] = []
+    blocks = 0
+    while len(free) < n:
+        sides = [
+            (free, lambda: _turn_s(client, key, None)),
+            (bounded, lambda: _turn_s(client, key, None, max_tokens=10**9)),
+        ]
+        if blocks % 2:
+            sides.reverse()
+        blocks += 1
+        for samples, once in sides:
+            samples.extend(once() for _ in range(BLOCK))
+    out: dict[str, Any] = {
+        **ms_stats("unbudgeted_turn_ms", free),
+        **ms_stats("budgeted_turn_ms", bounded),
+    }
+    out["budgeted_turn_ratio_p50"] = _ratio(
+        out["budgeted_turn_ms_p50"], out["unbudgeted_turn_ms_p50"]
+    )
     return out
 
 

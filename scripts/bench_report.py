@@ -31,6 +31,7 @@ GOALS: list[tuple[str, str, float, str]] = [
     ("capacity_fair_first_round_s_p99", "<=", 2.0, "≤ 2 s"),
     ("conversation_turn_ratio_p50", "<=", 1.1, "≤ 1.1: no measurable cost on an idle one"),
     ("conversation_handoff_ms_p99", "<=", 50, "≤ 50 ms from one turn's end to the next's start"),
+    ("budgeted_turn_ratio_p50", "<=", 1.1, "≤ 1.1: a budget costs nothing measurable"),
 ]
 
 

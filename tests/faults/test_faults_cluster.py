@@ -316,3 +316,23 @@ def test_a_conversation_runs_one_turn_at_a_time_on_a_cluster(make_rig) -> None:
     slots = {key_slot(name(conv).encode()) for name in named}
     assert len(slots) == 1
     assert conv in [r["conversation_id"] for r in c.conversations(operator=True)]
+
+
+def test_a_turns_budget_holds_on_a_cluster(make_rig) -> None:
+    # A small completion reservation, so the budget binds after a few rounds.
+    rig: Rig = make_rig(cluster=True, AGENTQ_TOOLS=TOOLS, AGENTQ_BUDGET_COMPLETION_TOKENS="64")
+    rig.start("tools", "llm", "turns", "io")
+    rounds = [Round(tool_calls=calls(("echo", {"text": f"r{i}"}))) for i in range(30)]
+    key = rig.script(*rounds, Round(text="done"))
+    handle = rig.client.start_turn(f"{key} go", max_tokens=6000)
+    events = rig.collect(handle.turn_id, timeout_s=60)
+    end = events[-1]
+    assert end.type == "turn_error" and end.fields["code"] == "budget_exceeded"
+    assert end.fields["scope"] == "turn" and end.fields["spent"] <= 6000
+    assert len([e for e in events if e.type == "llm_finished"]) >= 2
+    view = rig.client.get(handle.turn_id)
+    assert_valid_history(view["history"])
+    assert 0 < view["spend"]["total_tokens"] <= 6000
+    # Recorded as usage of the day, across the cluster's shards.
+    totals = rig.client.usage()["totals"]
+    assert totals["prompt_tokens"] > 0 and totals["turns"] >= 1
