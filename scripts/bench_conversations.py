@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from agentq.api import Client
@@ -54,26 +55,16 @@ def bench_conversations(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     key = f"bench-conv-{uuid.uuid4().hex[:6]}"
     fx.llm.set_script(key, [Round(text="ok.")] * 1000)
     n = sz.conversation_turns
-    plain: list[float] = []
-    conv: list[float] = []
-    conversation = f"{key}-0"
+    conversation = f"{key}-warm"
     for _ in range(3):  # warm up both paths
         _turn_s(client, key, None)
         _turn_s(client, key, conversation)
-    blocks = 0
-    while len(plain) < n:
-        # A fresh conversation every block, so the history sent does not grow with n; the
-        # side that goes first alternates, so machine noise hits both.
-        conversation = f"{key}-{blocks}"
-        sides = [
-            (plain, lambda: _turn_s(client, key, None)),
-            (conv, lambda c=conversation: _turn_s(client, key, c)),
-        ]
-        if blocks % 2:
-            sides.reverse()
-        blocks += 1
-        for samples, once in sides:
-            samples.extend(once() for _ in range(BLOCK))
+    # A fresh conversation every block, so the history sent does not grow with n.
+    plain, conv = _interleaved(
+        n,
+        lambda _block: _turn_s(client, key, None),
+        lambda block: _turn_s(client, key, f"{key}-{block}"),
+    )
     out: dict[str, Any] = {
         **ms_stats("plain_turn_ms", plain),
         **ms_stats("conversation_turn_ms", conv),
@@ -94,21 +85,31 @@ def bench_conversations(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     return out
 
 
+def _interleaved(
+    n: int, a: Callable[[int], float], b: Callable[[int], float]
+) -> tuple[list[float], list[float]]:
+    """n samples of each side (`a(block)`, `b(block)`), in blocks of BLOCK, the side that
+    goes first alternating so machine noise hits both."""
+    xs: list[float] = []
+    ys: list[float] = []
+    block = 0
+    while len(xs) < n:
+        sides = [(xs, a), (ys, b)]
+        if block % 2:
+            sides.reverse()
+        for samples, once in sides:
+            samples.extend(once(block) for _ in range(BLOCK))
+        block += 1
+    return xs, ys
+
+
 def _budgeted(client: Client, key: str, n: int) -> dict[str, Any]:
     """A turn under a budget (one it never reaches) against the same turn without one."""
-    free: list[float] = []
-    bounded: list[float] = []
-    blocks = 0
-    while len(free) < n:
-        sides = [
-            (free, lambda: _turn_s(client, key, None)),
-            (bounded, lambda: _turn_s(client, key, None, max_tokens=10**9)),
-        ]
-        if blocks % 2:
-            sides.reverse()
-        blocks += 1
-        for samples, once in sides:
-            samples.extend(once() for _ in range(BLOCK))
+    free, bounded = _interleaved(
+        n,
+        lambda _block: _turn_s(client, key, None),
+        lambda _block: _turn_s(client, key, None, max_tokens=10**9),
+    )
     out: dict[str, Any] = {
         **ms_stats("unbudgeted_turn_ms", free),
         **ms_stats("budgeted_turn_ms", bounded),
