@@ -39,7 +39,7 @@ def _turn_s(
     end = client.wait(handle.turn_id, timeout_s=60)
     if end.type != "turn_finished":
         raise BenchError(f"turn {handle.turn_id} ended {end.type}: {end.fields}")
-    return end.ts - t0
+    return float(end.ts - t0)
 
 
 def _client_commands(fx: BenchRig, run: Any) -> int:
