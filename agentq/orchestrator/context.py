@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack, cast
 
 from celery import Celery
 
@@ -199,6 +199,9 @@ class StepContext:
         if won is not Closed.ENDED_ALREADY:
             self.ended, self.ended_error = status.value, error
             self.history.extend(append or [])
+            # What the end wrote, for what follows it in this step (the conversation's
+            # hand-off reads the abort reason).
+            self.state.update(cast(TurnState, {"status": status.value, **fields}))
             url = self.state.get("webhook_url")
             if url:
                 # After the end is written: a crash in between leaves the turn in

@@ -64,16 +64,6 @@ def claim_of(owner: str | None, new_token: str | None) -> str:
     return binding("owner", owner) if owner else binding("secret", str(new_token))
 
 
-def held_bindings(owner: str | None, token: str | None) -> tuple[str, ...]:
-    """The bindings a caller holds: its key's, and its conversation token's."""
-    held = []
-    if owner:
-        held.append(binding("owner", owner))
-    if token:
-        held.append(binding("secret", token))
-    return tuple(held)
-
-
 def admit(
     store: TurnStore,
     app: Celery,
@@ -206,7 +196,7 @@ def take_injected(ctx: StepContext) -> None:
     for tid in ids:
         _end_injected(ctx.store, tid, ctx.turn_id)
         conversations(ctx.store).release(
-            cid, ReleaseArgs(tid, 0, ctx.store.ttl_s, ctx.now, cid, [], [])
+            cid, ReleaseArgs(tid, 0, ctx.store.ttl_s, ctx.now, cid, False, [], [])
         )
 
 
@@ -246,6 +236,7 @@ def hand_off(
         ttl_s=store.ttl_s,
         now=time.time(),
         conversation_id=cid,
+        rolled_back=state.get("abort_reason") == "rollback",
         gone=gone,
         messages=[json.dumps(m) for m in exchange_of(state, history)],
     )
@@ -277,7 +268,7 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
         return nxt
     # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
     # can be appended; the conversation goes on without it.
-    args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), conversation_id, [], [])
+    args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), conversation_id, False, [], [])
     _, nxt = conversations(store).release(conversation_id, args)
     if nxt is not None:
         _send(store, app, nxt, model_first=True)

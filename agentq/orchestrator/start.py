@@ -25,7 +25,7 @@ from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
 from agentq.orchestrator.conversation import Aborter
 from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
-from agentq.state.conversations import Admit, Multitask
+from agentq.state.conversations import Admit, Multitask, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState
@@ -168,7 +168,7 @@ def _start(
             new_bytes=size,
             max_bytes=settings.max_conversation_bytes,
             claim=conversation.claim_of(owner, new_token),
-            may=conversation.held_bindings(owner, req.conversation_token),
+            may=held_bindings(owner, req.conversation_token),
             any_owner=admin or operator,
             abort=abort,
         )

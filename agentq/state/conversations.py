@@ -80,6 +80,16 @@ def binding(kind: str, value: str) -> str:
     return f"{kind}:{hashlib.sha256(value.encode()).hexdigest()}"
 
 
+def held_bindings(owner: str | None, token: str | None) -> tuple[str, ...]:
+    """The bindings a caller holds: its key's, and its conversation token's."""
+    held = []
+    if owner:
+        held.append(binding("owner", owner))
+    if token:
+        held.append(binding("secret", token))
+    return tuple(held)
+
+
 class ConversationKeys(NamedTuple):
     owner_key: str
     meta_key: str
@@ -183,6 +193,9 @@ class ReleaseArgs(NamedTuple):
     ttl_s: int
     now: float
     conversation_id: str
+    rolled_back: bool
+    """The turn was aborted for a rollback: its exchange is dropped (a turn that ended on
+    its own before the rollback could abort it is kept)."""
     gone: list[str]
     """Queued turns whose message this turn took in (inject): they leave the queue."""
     messages: list[str]
@@ -190,7 +203,13 @@ class ReleaseArgs(NamedTuple):
 
     def argv(self) -> list[Any]:
         named = ReleaseNamed(
-            self.turn_id, self.base_len, self.ttl_s, self.now, self.conversation_id, len(self.gone)
+            self.turn_id,
+            self.base_len,
+            self.ttl_s,
+            self.now,
+            self.conversation_id,
+            int(self.rolled_back),
+            len(self.gone),
         )
         return argv_of(named, self.gone, self.messages)
 
@@ -203,6 +222,7 @@ class ReleaseNamed(NamedTuple):
     ttl_s: int
     now: float
     conversation_id: str
+    rolled_back: int
     n_gone: int
 
 
@@ -220,8 +240,12 @@ if redis.call('HGET', meta_key, 'running') ~= turn_id then
   return {{{Release.LEFT}, ''}}
 end
 local outcome = {Release.COMMITTED}
+local dropped = false
 if redis.call('HGET', meta_key, 'rollback') == turn_id then
   redis.call('HDEL', meta_key, 'rollback')
+  dropped = rolled_back == '1'
+end
+if dropped then
   outcome = {Release.DROPPED}
 elseif #ARGV >= first_message then
   if redis.call('LLEN', history_key) ~= tonumber(base_len) then
@@ -477,12 +501,7 @@ class Conversations:
         if raw is None:
             raise ConversationNotFound(conversation_id)
         bound = _text(raw)
-        held = set()
-        if owner:
-            held.add(binding("owner", owner))
-        if token:
-            held.add(binding("secret", token))
-        if not (any_owner or bound in held):
+        if not (any_owner or bound in held_bindings(owner, token)):
             raise ConversationNotFound(conversation_id)
 
     def view(self, conversation_id: str) -> ConversationView:
@@ -577,4 +596,5 @@ __all__ = [
     "ReleaseArgs",
     "Take",
     "binding",
+    "held_bindings",
 ]
