@@ -86,6 +86,14 @@ def _done(path: Path) -> int:
 def run_outage(rig: Rig, fault: str, where: Path) -> OutageRun:
     """Start TURNS turns, strike `fault` once calls run, and report what they became."""
     where.mkdir(parents=True, exist_ok=True)
+    if fault == "kill -9 with AOF":
+        # Under `appendfsync everysec` a kill -9 may lose the last second of acknowledged
+        # writes (a start record, so a tool may run twice: docs/reliability.md). The
+        # fault checked here is the worker's side of it: the setting that keeps every
+        # acknowledged write, set again after each start (CONFIG SET does not outlive one).
+        conn = rig.redis.client()
+        conn.config_set("appendfsync", "always")
+        conn.close()
     paths: dict[str, tuple[Path, Path]] = {}
     for i in range(TURNS):
         sync, aio = where / f"s{i}", where / f"a{i}"
