@@ -232,7 +232,9 @@ def hand_off(
     gone = list(state.get("injected_turns") or [])
     args = ReleaseArgs(
         turn_id=turn_id,
-        base_len=int(state.get("conversation_base_len") or 0),
+        base_len=-1
+        if state.get("conversation_waiting")
+        else int(state.get("conversation_base_len") or 0),
         ttl_s=store.ttl_s,
         now=time.time(),
         conversation_id=cid,

@@ -189,7 +189,8 @@ return {answer, created, running, position, behind}
 class ReleaseArgs(NamedTuple):
     turn_id: str
     base_len: int
-    """The history's length when the turn read it: an append finds it unchanged."""
+    """The history's length when the turn read it: an append finds it unchanged (-1: the
+    turn ended before it read it, holding the conversation, so none is expected)."""
     ttl_s: int
     now: float
     conversation_id: str
@@ -248,7 +249,7 @@ end
 if dropped then
   outcome = {Release.DROPPED}
 elseif #ARGV >= first_message then
-  if redis.call('LLEN', history_key) ~= tonumber(base_len) then
+  if tonumber(base_len) >= 0 and redis.call('LLEN', history_key) ~= tonumber(base_len) then
     -- Appended all the same: an exchange is never lost, and the count shows the fault.
     redis.call('HINCRBY', meta_key, 'conflicts', 1)
     outcome = {Release.CONFLICT}

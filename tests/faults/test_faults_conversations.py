@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentq import constants as k
 from agentq.events.bus import TERMINAL_TYPES
 from agentq.local.processes import ManagedProcess, start_process, wait_for
 from agentq.local.redis_server import find_free_port
@@ -182,6 +183,9 @@ def test_fifty_messages_into_one_conversation(rig: Rig, gateways: list[str], mod
             mine = [x for x in texts if f" t{t}-" in x]
             assert mine == sorted(mine, key=lambda x: int(x.rsplit("-m", 1)[1])), mine
     assert final["running_turn_id"] is None
+    # No turn's append found the history changed under it (RELEASE counts any that did).
+    meta = rig.client._store.redis.hget(k.conversation_meta_key(conv), "conflicts")
+    assert meta is None, f"{meta} appends found the history changed under them"
 
 
 def test_twelve_retries_through_two_gateways_start_one_turn(rig: Rig, gateways: list[str]) -> None:
