@@ -3,9 +3,8 @@
 A conversation is five keys under one hash tag (``{<conversation id>}``), so each script
 below runs on one slot:
 
-- ``owner``: who may continue it, bound by the first turn that names it: the sha256 of its
-  owner's key name, or, without a key, of a conversation token returned to the creator
-  once. Anyone else gets the answer an unknown conversation gets.
+- ``owner``: who may continue it (sha256 of its owner's key name, or of a conversation
+  token returned to the creator once); to anyone else it is unknown.
 - ``history``: a list of its messages. Turns only ever append to it (RPUSH), each its own
   exchange, at its end; nothing replaces it.
 - ``meta``: a hash: ``running`` (the one turn that holds the conversation), ``rollback``
@@ -16,8 +15,7 @@ below runs on one slot:
 
 A turn is admitted (`admit`) when its conversation is idle, else follows its request's
 `Multitask`; at its end it commits its exchange and hands the conversation to the next
-turn in the queue in one step (`release`). A conversation whose binding expired (the
-retention TTL of turns) is gone: the next turn naming it starts it afresh.
+queued turn in one step (`release`). A conversation whose binding expired is gone.
 """
 
 from __future__ import annotations
