@@ -35,7 +35,7 @@ from agentq.fleet.lifecycle import Started
 from agentq.models import Usage
 from agentq.testing.http_loop import BackgroundHTTPServer
 from agentq.testing.http_wire import ClientGone, Conn, Request, error_body
-from agentq.testing.ratelimit import ProviderLimits
+from agentq.testing.ratelimit import SHAPES, ProviderLimits
 
 Fault = Literal[
     "silent_after_200",
@@ -559,9 +559,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--script", choices=["demo", "none"], default="demo")
     parser.add_argument("--script-file", help='JSON: {"key": [round, ...]}')
     parser.add_argument("--requests-per-s", type=float, help="admit at most this many a second")
-    parser.add_argument(
-        "--tokens-per-s", type=float, help="admit at most this many tokens a second"
-    )
+    parser.add_argument("--tokens-per-s", type=float, help="admit at most this many tokens")
+    parser.add_argument("--limiter", choices=sorted(SHAPES), default="window", help="its shape")
     parser.add_argument("--overloaded-every", type=int, help="answer every Nth request 503")
     args = parser.parse_args(argv)
 
@@ -586,6 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens_per_s=args.tokens_per_s,
         overloaded_every=args.overloaded_every,
     )
+    limits.set_shape(args.limiter)
     with ScriptedOpenAIServer(scripts, host=args.host, port=args.port, limits=limits) as server:
         print(f"listening on {server.url}", flush=True)
         while not stop.wait(0.5):

@@ -35,3 +35,28 @@ def test_tokens_per_second_and_overloaded_answers() -> None:
     assert [busy.check(1.0, 1).status for _ in range(4)] == [200, 529, 200, 529]
     busy.reset()
     assert not busy.refused and not busy.admitted_at
+
+
+def test_a_continuously_refilled_bucket_takes_a_burst_then_one_per_interval() -> None:
+    lim = ProviderLimits(requests_per_s=4, shape="bucket")
+    # A full bucket: four at once, whatever the second they fall in.
+    assert [lim.check(10.9, 1).status for _ in range(5)] == [200, 200, 200, 200, 429]
+    refused = lim.check(10.95, 1)
+    # One request's worth refills in 250 ms; the bucket is full again after 1 s.
+    assert 195 <= int(refused.headers["retry-after-ms"]) <= 205
+    assert refused.headers["x-ratelimit-reset-requests"] in ("950ms", "951ms")
+    assert lim.check(11.0, 1).status == 429  # a new second is no new allowance
+    assert lim.check(11.16, 1).status == 200
+    assert lim.check(11.17, 1).status == 429
+
+
+def test_header_modes_say_what_real_providers_say() -> None:
+    bare = ProviderLimits(requests_per_s=1)
+    bare.set_shape("window_bare")
+    assert bare.check(1.2, 1).headers == {}
+    assert bare.check(1.3, 1).headers == {"retry-after": "1"}
+    quiet = ProviderLimits(requests_per_s=1)
+    quiet.set_shape("bucket_refusals")
+    assert quiet.check(1.2, 1).headers == {}
+    refused = quiet.check(1.3, 1).headers
+    assert refused["x-ratelimit-limit-requests"] == "60" and "retry-after-ms" in refused
