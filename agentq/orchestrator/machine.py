@@ -317,6 +317,8 @@ def finish(
 ) -> None:
     """End the turn with turn_finished; `append` (the round's last tool results) is written
     in the same write; `output` is the agent's typed answer (JSON), stored with the turn."""
+    # A round whose calls were its last (stop_after_round) is settled here.
+    spend.settle_left(ctx, admission.model_of(ctx))
     history = [*ctx.history, *(append or [])]
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     content = final.get("content") or ""

@@ -1,13 +1,15 @@
 """The turn's side of spend: before a round is sent, reserve what it may cost against the
 turn's, its parents' and its key's budgets (the turn fails `budget_exceeded` when they
-cannot afford it); when its result is in, settle the reservation to its usage and add
-that to the turn's totals. See docs/spend.md and `agentq.state.spend`."""
+cannot afford it), settling its last round in the same script; when its result is in,
+add its usage to the turn's totals. One spend script a round: a round no budget bounds
+is settled as it answers, without a reservation; one under a budget is settled by the
+next round's RESERVE, or at the turn's end. See docs/spend.md and `agentq.state.spend`."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -16,7 +18,7 @@ from agentq.errors import BudgetExceeded
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import LlmRoundResult, Usage
 from agentq.state.budget import cost_usd, day_of, lower_limit, resets_at
-from agentq.state.spend import Reserved, Spend
+from agentq.state.spend import Reserved, Settlement, Spend
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import all_tools, schemas_json
 
@@ -55,20 +57,77 @@ def limits_of(ctx: StepContext) -> tuple[int | None, float | None]:
     return (None if max_tokens is None else int(max_tokens)), max_usd
 
 
+def bounded(ctx: StepContext) -> bool:
+    """Whether a budget may bound the turn's rounds: its own limits, its key's, or a
+    parent's (a sub-agent reserves whether its parents have limits or not: it cannot tell
+    without reading them). A round no budget bounds takes no reservation."""
+    max_tokens, max_usd = limits_of(ctx)
+    return (
+        max_tokens is not None
+        or max_usd is not None
+        or bool(ctx.state.get("budget_ancestors"))
+        or (ctx.state.get("owner") or "") in ctx.settings.key_budgets
+    )
+
+
+def _pending(ctx: StepContext) -> Settlement | None:
+    """The turn's last round, answered and not yet settled (its usage staged by
+    `settle_round`), to be settled by the next script."""
+    st = ctx.state
+    used = st.get("budget_usage")
+    reservation = st.get("budget_reservation")
+    if used is None or reservation is None:
+        return None
+    usage = Usage.model_validate({f: v for f, v in used.items() if f not in ("round", "model")})
+    return Settlement(
+        round_no=int(reservation),
+        reserved=bool(st.get("budget_held")),
+        day=str(st.get("budget_day") or day_of(ctx.now)),
+        usage=usage,
+        model=str(used["model"]),
+        agent=st.get("agent"),
+    )
+
+
+_SETTLED: TurnState = {"budget_reservation": None, "budget_usage": None, "budget_held": None}
+"""The state of a turn with no round to settle."""
+
+
+def _args(ctx: StepContext) -> dict[str, Any]:
+    return {
+        "owner": ctx.state.get("owner"),
+        "turn_id": ctx.turn_id,
+        "parents": list(ctx.state.get("budget_ancestors") or []),
+    }
+
+
 def reserve_round(ctx: StepContext, round_no: int, model: str) -> None:
-    """Reserve the round of `model` before it is admitted (once: a step that runs again
-    finds it); raise BudgetExceeded when a budget cannot afford it."""
+    """Reserve the round of `model` before it is admitted, settling the turn's last round
+    in the same script (once: a step that runs again finds it reserved); raise
+    BudgetExceeded when a budget cannot afford it. A round no budget bounds is only
+    recorded as sent: its usage is added once it answers."""
     reservation = str(round_no)
     if ctx.state.get("budget_reservation") == reservation:
         return
     s = ctx.settings
     prompt = _prompt_estimate(ctx)
     day = day_of(ctx.now)
+    pending = _pending(ctx)
+    sent: TurnState = {
+        "budget_reservation": reservation,
+        "budget_day": day,
+        "budget_prompt": prompt,
+        "budget_usage": None,
+    }
+    if not bounded(ctx):
+        if pending is not None:  # the turn's budgets changed (its key's, by a restart)
+            spend_of(ctx).settle(**_args(ctx), settle=pending)
+        sent["budget_held"], sent["budget_cap"] = False, None
+        ctx.stage(**sent)
+        return
     max_tokens, max_usd = limits_of(ctx)
     got = spend_of(ctx).reserve(
-        owner=ctx.state.get("owner"),
-        turn_id=ctx.turn_id,
-        parents=list(ctx.state.get("budget_ancestors") or []),
+        **_args(ctx),
         reservation=reservation,
         day=day,
         prompt_tokens=prompt,
@@ -76,16 +135,15 @@ def reserve_round(ctx: StepContext, round_no: int, model: str) -> None:
         price=s.price_of(model),
         max_tokens=max_tokens,
         max_usd=max_usd,
+        settle=pending,
     )
     if not isinstance(got, Reserved):
+        # The last round was settled all the same: the turn's end finds nothing to settle.
+        ctx.stage(**_SETTLED)
         when = resets_at(got.name, ctx.now) if got.scope == "key" else None
         raise BudgetExceeded(got.scope, got.name, got.spent, got.limit, when)
-    ctx.stage(
-        budget_reservation=reservation,
-        budget_day=day,
-        budget_cap=got.cap if got.bounded else None,
-        budget_prompt=prompt,
-    )
+    sent["budget_held"], sent["budget_cap"] = True, got.cap if got.bounded else None
+    ctx.stage(**sent)
 
 
 def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
@@ -108,27 +166,26 @@ def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
     return usage
 
 
+def _goes_on(ctx: StepContext, result: LlmRoundResult) -> bool:
+    """Whether the turn sends another round after this one, whose RESERVE can settle it:
+    the round asks for tools, none of which starts a sub-agent (a child's rounds count
+    against this turn's budget, so its reservation must be down to its usage first)."""
+    calls = result.message.tool_calls if result.ok and result.message is not None else ()
+    agents = ctx.agent.agent_tools if ctx.agent is not None else {}
+    return bool(calls) and not any(c.name in agents for c in calls)
+
+
 def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model: str) -> None:
-    """Settle the round's reservation to its usage, and stage the turn's new totals (once:
-    the totals move with the reservation's field, which a step that runs again finds gone)."""
+    """Count the answered round: stage the turn's new totals and, as the step writes
+    anyway, the round's usage. Its reservation is settled to that usage by the next
+    round's RESERVE (one script a round), or now when no such round may come, or no
+    reservation was taken. Once: a step that runs again finds the round counted."""
     reservation = str(round_no)
-    if ctx.state.get("budget_reservation") != reservation:
+    st = ctx.state
+    if st.get("budget_reservation") != reservation or st.get("budget_usage") is not None:
         return
     usage = round_usage(ctx, result, model)
-    spend_of(ctx).settle(
-        owner=ctx.state.get("owner"),
-        turn_id=ctx.turn_id,
-        parents=list(ctx.state.get("budget_ancestors") or []),
-        reservation=reservation,
-        day=str(ctx.state.get("budget_day") or day_of(ctx.now)),
-        usage=usage,
-        model=model,
-        agent=ctx.state.get("agent"),
-        first=round_no == 0,
-    )
-    st = ctx.state
     totals: TurnState = {
-        "budget_reservation": None,
         "spent_prompt_tokens": int(st.get("spent_prompt_tokens") or 0) + usage.prompt_tokens,
         "spent_completion_tokens": int(st.get("spent_completion_tokens") or 0)
         + usage.completion_tokens,
@@ -136,13 +193,34 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model:
         "spent_usd": float(st.get("spent_usd") or 0.0) + (usage.cost_usd or 0.0),
         "spent_estimated_rounds": int(st.get("spent_estimated_rounds") or 0) + int(usage.estimated),
     }
+    if st.get("budget_held") and _goes_on(ctx, result):
+        used = {"round": round_no, "model": model, **usage.model_dump(exclude_none=True)}
+        totals["budget_usage"] = used
+        ctx.stage(**totals)
+        return
+    settle = Settlement(
+        round_no=round_no,
+        reserved=bool(st.get("budget_held")),
+        day=str(st.get("budget_day") or day_of(ctx.now)),
+        usage=usage,
+        model=model,
+        agent=st.get("agent"),
+    )
+    spend_of(ctx).settle(**_args(ctx), settle=settle)
+    totals.update(_SETTLED)
     ctx.stage(**totals)
 
 
 def settle_left(ctx: StepContext, model: str) -> None:
-    """At the turn's end: a round reserved and not settled (aborted mid-stream, or its turn
-    ended before its result) is charged its reservation, the estimate."""
-    reservation = ctx.state.get("budget_reservation")
-    if reservation is not None:
-        ended = LlmRoundResult(ok=False, error="the turn ended before the round's result")
-        settle_round(ctx, int(reservation), ended, model)
+    """At the turn's end: its last round's usage, if not settled yet; a round sent and not
+    answered (aborted mid-stream, or its turn ended before its result) is charged its
+    estimate."""
+    if ctx.state.get("budget_reservation") is None:
+        return
+    pending = _pending(ctx)
+    if pending is not None:
+        spend_of(ctx).settle(**_args(ctx), settle=pending)
+        ctx.stage(**_SETTLED)
+        return
+    ended = LlmRoundResult(ok=False, error="the turn ended before the round's result")
+    settle_round(ctx, int(ctx.state["budget_reservation"] or 0), ended, model)

@@ -13,15 +13,18 @@ turn has its parent's key), so each script below runs on one slot of a Cluster:
 - ``t:<turn id>``: a turn's ``max_tokens`` and ``max_usd``, its ``tokens`` and ``usd``
   (with its descendants'), and its rounds' reservations ``r:<round>``.
 
-Before a round, RESERVE takes the prompt's estimate plus the completion it may produce
-from the turn's, its parents' and its key's budgets, and caps that completion to what they
-leave; after it, SETTLE replaces the reservation with the round's usage. Both are
-idempotent: a step that runs again finds its reservation taken, or settled.
+Before a round under a budget, RESERVE takes the prompt's estimate plus the completion it
+may produce from the turn's, its parents' and its key's budgets, and caps that completion
+to what they leave; the same script first settles the turn's last round, replacing its
+reservation with its usage: one script a round. SETTLE settles a round alone: a round no
+budget bounds (no reservation: its usage is added as it answers), and a turn's last round.
+Both are idempotent: a step that runs again finds its round reserved, or settled.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -83,18 +86,41 @@ class Settle(IntEnum):
 
     SETTLED = 1
     DONE = 2
-    """No such reservation: settled already (a step that ran again)."""
+    """No such round to settle: settled already (a step that ran again)."""
 
 
 class SpendKeys(NamedTuple):
-    """KEYS of RESERVE and SETTLE; the turn's parents' spend keys follow (`parents_at`)."""
+    """KEYS of RESERVE and SETTLE; the turn's parents' spend keys follow (`parents_at`).
+    The round settled counts in the day (and month) its reservation was taken in, which
+    the round reserved may not (a turn that runs past midnight, UTC)."""
 
     day_key: str
     month_key: str
+    settle_day_key: str
+    settle_month_key: str
     own_key: str
+    """Last: the loops over the turn and its parents start at it."""
 
 
-_BIND_PARENTS = "local parents_at = 4\n"
+_BIND_PARENTS = f"local parents_at = {len(SpendKeys._fields) + 1}\n"
+
+
+class SettleArgs(NamedTuple):
+    """The round to settle, in both scripts ('' settle_round: none)."""
+
+    settle_round: str
+    reserved: int
+    """1: a reservation was taken for it (RESERVE); 0: none, its usage is added as it is."""
+    used_prompt: int
+    used_completion: int
+    used_cached: int
+    used_usd: float
+    model: str
+    agent: str
+    first: int
+    """1: the turn's first round (it counts as a turn)."""
+    day_ttl_s: int
+    turn_ttl_s: int
 
 
 class ReserveArgs(NamedTuple):
@@ -113,18 +139,80 @@ class ReserveArgs(NamedTuple):
     usd_per_day: float
     usd_per_month: float
     min_completion: int
-    day_ttl_s: int
-    turn_ttl_s: int
 
+
+_SETTLE_FN = f"""-- The round settle_round's reservation (if it took one) becomes its usage, in
+-- every count the reservation was added to; once: a step that runs again finds it settled.
+local function settle()
+  if settle_round == '' then return {Settle.DONE} end
+  local rt, ru = 0, 0
+  if reserved == '1' then
+    local field = 'r:' .. settle_round
+    local held = redis.call('HGET', own_key, field)
+    if not held then return {Settle.DONE} end
+    local r = cjson.decode(held)
+    rt, ru = r[1], r[2]
+    redis.call('HDEL', own_key, field)
+  else
+    local last = tonumber(redis.call('HGET', own_key, 'settled'))
+    if last and last >= tonumber(settle_round) then return {Settle.DONE} end
+    redis.call('HSET', own_key, 'settled', settle_round)
+  end
+  local p, c, h = tonumber(used_prompt), tonumber(used_completion), tonumber(used_cached)
+  local u = tonumber(used_usd)
+  local dt, du = p + c - rt, u - ru
+  -- Counts that do not change are not written: a round is settled in a dozen commands.
+  local function bump(key, name, by)
+    if by ~= 0 then redis.call('HINCRBY', key, name, by) end
+  end
+  -- Without a reservation a count may be a hash's first: it sets the hash's retention
+  -- (HINCRBY answering the increment itself; a count back at zero sets it again, harmless).
+  local function fix(key, ttl)
+    local total = nil
+    if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
+    if reserved ~= '1' and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
+    if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
+  end
+  fix(settle_day_key, day_ttl_s)
+  if du ~= 0 then
+    -- A month counts dollars only (usd_per_month is its one budget).
+    redis.call('HINCRBYFLOAT', settle_month_key, 'usd', tostring(du))
+    if reserved ~= '1' then redis.call('EXPIRE', settle_month_key, day_ttl_s) end
+  end
+  for i = parents_at - 1, #KEYS do
+    fix(KEYS[i], turn_ttl_s)
+    bump(KEYS[i], 'prompt', p)
+    bump(KEYS[i], 'completion', c)
+    bump(KEYS[i], 'cached', h)
+  end
+  -- By model and by agent; the key's totals are the sum of its models' (usage_report).
+  for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
+    bump(settle_day_key, g .. 'prompt', p)
+    bump(settle_day_key, g .. 'completion', c)
+    bump(settle_day_key, g .. 'cached', h)
+    if u ~= 0 then redis.call('HINCRBYFLOAT', settle_day_key, g .. 'usd', used_usd) end
+    if first == '1' then redis.call('HINCRBY', settle_day_key, g .. 'turns', 1) end
+  end
+  return {Settle.SETTLED}
+end
+"""
+
+SETTLE_LUA = bind_lua(SpendKeys, SettleArgs) + _BIND_PARENTS + _SETTLE_FN + "return settle()\n"
+"""A round's usage, settled as its result is read: a round no budget bounds took no
+reservation; one under a budget that ends its turn (or starts sub-agents) has nobody to
+fold it into."""
 
 RESERVE_LUA = (
-    bind_lua(SpendKeys, ReserveArgs)
+    bind_lua(SpendKeys, SettleArgs._fields + ReserveArgs._fields)
     + _BIND_PARENTS
-    + f"""local field = 'r:' .. reservation
+    + _SETTLE_FN
+    + f"""-- The turn's last round is settled first: this round is reserved against its real usage.
+local settled = settle()
+local field = 'r:' .. reservation
 local held = redis.call('HGET', own_key, field)
 if held then
   local r = cjson.decode(held)
-  return {{{Reserve.OK}, r[3], r[4]}}
+  return {{{Reserve.OK}, r[3], r[4], settled}}
 end
 if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
 if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
@@ -168,7 +256,10 @@ if cap < math.min(wanted, tonumber(min_completion)) then
     local period = (tight[2] == 'usd_per_month') and month_key or day_key
     redis.call('HSET', period, 'exhausted:' .. tight[2], 1)
   end
-  return {{{Reserve.EXCEEDED}, tight[1], tight[2], tight[3], tight[4]}}
+  -- A turn refused at its first round has a spend key (its limits) that no count gave
+  -- a retention.
+  if redis.call('TTL', own_key) == -1 then redis.call('EXPIRE', own_key, turn_ttl_s) end
+  return {{{Reserve.EXCEEDED}, tight[1], tight[2], tight[3], tight[4], settled}}
 end
 local tokens = prompt + cap
 local usd = 0
@@ -181,64 +272,12 @@ local function take(key, ttl)
 end
 take(day_key, day_ttl_s)
 if usd ~= 0 then
-  -- A month counts dollars only (usd_per_month is its one budget).
   redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(usd))
   redis.call('EXPIRE', month_key, day_ttl_s)
 end
 for i = parents_at - 1, #KEYS do take(KEYS[i], turn_ttl_s) end
 redis.call('HSET', own_key, field, cjson.encode({{tokens, usd, cap, bounded}}))
-return {{{Reserve.OK}, cap, bounded}}
-"""
-)
-
-
-class SettleArgs(NamedTuple):
-    reservation: str
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    usd: float
-    model: str
-    agent: str
-    first: int
-    """1: the turn's first round (it counts as a turn)."""
-
-
-SETTLE_LUA = (
-    bind_lua(SpendKeys, SettleArgs)
-    + _BIND_PARENTS
-    + f"""local field = 'r:' .. reservation
-local held = redis.call('HGET', own_key, field)
-if not held then return {Settle.DONE} end
-local r = cjson.decode(held)
-local p, c, h = tonumber(prompt_tokens), tonumber(completion_tokens), tonumber(cached_tokens)
-local dt, du, u = p + c - r[1], tonumber(usd) - r[2], tonumber(usd)
--- Counts that do not change are not written: a round is settled in a dozen commands.
-local function bump(key, name, by)
-  if by ~= 0 then redis.call('HINCRBY', key, name, by) end
-end
-local function fix(key)
-  bump(key, 'tokens', dt)
-  if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
-end
-fix(day_key)
-if du ~= 0 then redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(du)) end
-for i = parents_at - 1, #KEYS do
-  fix(KEYS[i])
-  bump(KEYS[i], 'prompt', p)
-  bump(KEYS[i], 'completion', c)
-  bump(KEYS[i], 'cached', h)
-end
--- By model and by agent; the key's totals are the sum of its models' (usage_report).
-for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
-  bump(day_key, g .. 'prompt', p)
-  bump(day_key, g .. 'completion', c)
-  bump(day_key, g .. 'cached', h)
-  if u ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', usd) end
-  if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
-end
-redis.call('HDEL', own_key, field)
-return {Settle.SETTLED}
+return {{{Reserve.OK}, cap, bounded, settled}}
 """
 )
 
@@ -249,6 +288,20 @@ class Reserved:
     """The completion tokens the round may produce."""
     bounded: bool
     """A budget applies: the round is sent with `max_completion_tokens` = cap."""
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """A round to settle: its usage, and where its reservation (if any) counts."""
+
+    round_no: int
+    reserved: bool
+    """A reservation was taken for it (RESERVE); else its usage is added as it is."""
+    day: str
+    """The UTC day its reservation (or its send) counts in."""
+    usage: Usage
+    model: str
+    agent: str | None
 
 
 def _num(v: Any) -> float:
@@ -262,6 +315,11 @@ def _limit(v: float | None) -> float:
     return NO_LIMIT if v is None else v
 
 
+OWNER_NOTED_S = 600.0
+"""How long a process takes a key for noted in SPEND_OWNERS before adding it again (a set
+emptied meanwhile gets it back)."""
+
+
 class Spend:
     """Every read and write of spend."""
 
@@ -270,11 +328,49 @@ class Spend:
         self.settings = settings
         self._reserve = client.register_script(RESERVE_LUA)
         self._settle = client.register_script(SETTLE_LUA)
+        self._noted: dict[str, float] = {}
 
-    def _keys(self, owner: str | None, day: str, turn_id: str, parents: Iterable[str]) -> list[str]:
+    def _keys(
+        self, owner: str | None, day: str, settle_day: str, turn_id: str, parents: Iterable[str]
+    ) -> list[str]:
         turns = [turn_spend_key(owner, t) for t in (turn_id, *reversed(list(parents)))]
-        own = SpendKeys(day_key(owner, day), month_key(owner, month_of(day)), turns[0])
+        own = SpendKeys(
+            day_key(owner, day),
+            month_key(owner, month_of(day)),
+            day_key(owner, settle_day),
+            month_key(owner, month_of(settle_day)),
+            turns[0],
+        )
         return [*own, *turns[1:]]
+
+    def _settle_args(self, settle: Settlement | None) -> SettleArgs:
+        s = self.settings
+        ttls = (s.usage_retention_days * 86400, s.turn_retention_s)
+        if settle is None:
+            return SettleArgs("", 0, 0, 0, 0, 0.0, "", "", 0, *ttls)
+        u = settle.usage
+        return SettleArgs(
+            str(settle.round_no),
+            int(settle.reserved),
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.cached_tokens,
+            u.cost_usd or 0.0,
+            settle.model,
+            settle.agent or "",
+            int(settle.round_no == 0),
+            *ttls,
+        )
+
+    def _note_owner(self, owner: str | None, settle: Settlement | None, answer: Any) -> None:
+        """Name the key among those that spent, at its turns' first round (once in a while
+        per process: the set changes only when a new key spends)."""
+        if settle is None or settle.round_no != 0 or Settle(int(answer)) is not Settle.SETTLED:
+            return
+        name, now = owner or NO_KEY, time.monotonic()
+        if now - self._noted.get(name, -OWNER_NOTED_S) >= OWNER_NOTED_S:
+            self.redis.sadd(SPEND_OWNERS, name)
+            self._noted[name] = now
 
     def reserve(
         self,
@@ -289,9 +385,11 @@ class Spend:
         price: ModelPrice | None,
         max_tokens: int | None,
         max_usd: float | None,
+        settle: Settlement | None = None,
     ) -> Reserved | Budget:
         """Reserve a round against every budget it counts against: the completion it may
-        produce, or the budget that cannot afford it."""
+        produce, or the budget that cannot afford it. `settle`, the turn's last round, is
+        settled first, in the same script (whatever the answer)."""
         s = self.settings
         kb = s.key_budgets.get(owner or "")
         args = ReserveArgs(
@@ -307,10 +405,10 @@ class Spend:
             _limit(kb.usd_per_day if kb else None),
             _limit(kb.usd_per_month if kb else None),
             MIN_COMPLETION_TOKENS,
-            s.usage_retention_days * 86400,
-            s.turn_retention_s,
         )
-        answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
+        keys = self._keys(owner, day, settle.day if settle else day, turn_id, parents)
+        answer = self._reserve(keys=keys, args=argv_of(self._settle_args(settle), args))
+        self._note_owner(owner, settle, answer[-1])
         if Reserve(int(answer[0])) is Reserve.OK:
             return Reserved(int(answer[1]), bool(int(answer[2])))
         scope, name, spent, limit = (a.decode() if isinstance(a, bytes) else a for a in answer[1:5])
@@ -318,32 +416,13 @@ class Spend:
         return Budget(scope, name, unit, _num(limit), _num(spent))  # type: ignore[arg-type]
 
     def settle(
-        self,
-        *,
-        owner: str | None,
-        turn_id: str,
-        parents: list[str],
-        reservation: str,
-        day: str,
-        usage: Usage,
-        model: str,
-        agent: str | None,
-        first: bool,
+        self, *, owner: str | None, turn_id: str, parents: list[str], settle: Settlement
     ) -> bool:
-        """Replace the round's reservation with its usage; False if it was settled before."""
-        args = SettleArgs(
-            reservation,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            usage.cached_tokens,
-            usage.cost_usd or 0.0,
-            model,
-            agent or "",
-            int(first),
-        )
-        answer = self._settle(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
-        if first:
-            self.redis.sadd(SPEND_OWNERS, owner or NO_KEY)
+        """Settle a round to its usage (its reservation replaced, if it took one); False if
+        it was settled before."""
+        keys = self._keys(owner, settle.day, settle.day, turn_id, parents)
+        answer = self._settle(keys=keys, args=argv_of(self._settle_args(settle)))
+        self._note_owner(owner, settle, answer)
         return Settle(int(answer)) is Settle.SETTLED
 
     def key_budgets(self, owner: str | None, day: str) -> list[Budget]:
@@ -375,15 +454,30 @@ class Spend:
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
         """A turn's spend with its sub-agents' (reservations in flight included in
-        `tokens` and `cost_usd`) and its limits."""
+        `tokens` and `cost_usd`) and its limits. Its own last round, answered and not
+        settled yet (its settle joins its next round's RESERVE), counts at its usage."""
+        # Its state first: a round settled between the two reads is found settled.
+        pending = self.redis.hget(k.turn_key(turn_id), "budget_usage")
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
         f = {(a.decode() if isinstance(a, bytes) else a): b for a, b in raw.items()}
+        counts = {n: _num(f.get(n)) for n in ("prompt", "completion", "cached", "tokens", "usd")}
+        used = json.loads(pending) if pending is not None else None
+        if used is not None:
+            held = f.get(f"r:{used['round']}")
+            if held is not None:
+                tokens, usd = json.loads(held)[:2]
+                p, c = used.get("prompt_tokens", 0), used.get("completion_tokens", 0)
+                counts["prompt"] += p
+                counts["completion"] += c
+                counts["cached"] += used.get("cached_tokens", 0)
+                counts["tokens"] += p + c - tokens
+                counts["usd"] += (used.get("cost_usd") or 0.0) - usd
         out: dict[str, Any] = {
-            "prompt_tokens": int(_num(f.get("prompt"))),
-            "completion_tokens": int(_num(f.get("completion"))),
-            "cached_tokens": int(_num(f.get("cached"))),
-            "total_tokens": int(_num(f.get("tokens"))),
-            "cost_usd": round(_num(f.get("usd")), 6),
+            "prompt_tokens": int(counts["prompt"]),
+            "completion_tokens": int(counts["completion"]),
+            "cached_tokens": int(counts["cached"]),
+            "total_tokens": int(counts["tokens"]),
+            "cost_usd": round(counts["usd"], 6),
         }
         if "max_tokens" in f:
             out["max_tokens"] = int(_num(f["max_tokens"]))

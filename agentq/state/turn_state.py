@@ -130,7 +130,12 @@ class TurnState(TypedDict, total=False):
     budget_ancestors: list[str] | None
     """A child turn's parents, nearest last: its spend counts against their budgets too."""
     budget_reservation: str | None
-    """The reservation the round in flight took (settled to its usage when it answers)."""
+    """The round sent and not yet settled in Redis (orchestrator.spend): in flight, or
+    answered with its usage in `budget_usage`."""
+    budget_held: bool | None
+    """That round took a reservation (a budget bounds it); else its usage is added as is."""
+    budget_usage: dict[str, Any] | None
+    """That round's usage (and `round`, `model`), until the next round's RESERVE settles it."""
     budget_day: str
     """The UTC day (YYYYMMDD) that reservation counts in."""
     budget_cap: int | None
