@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
 
-from celery import Celery
 from pydantic import BaseModel
 
 from agentq import constants as k
@@ -33,6 +32,8 @@ from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from agentq.state.store import TurnStore
 
 
@@ -82,13 +83,15 @@ class Client:
     """A handle on agentq from outside the workers: the CLI, the gateway, your code."""
 
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
-        from agentq.fleet.runtime import get_app, get_store
+        from agentq.fleet.runtime import get_store
 
         self.settings = settings or get_settings()
         self._store: TurnStore = get_store(self.settings)
         """The fleet's store, for agentq's own processes that hold a Client (the gateway,
         the CLI); not part of the public API."""
-        self.app = app or get_app()
+        # The Celery app is built on first use: `agentq abort` of a turn no task holds
+        # never needs it, and building it costs that command most of its start-up.
+        self._app = app
         self.interactions = Interactions(self._store)
         s = self.settings
         self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
@@ -98,6 +101,15 @@ class Client:
             tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     # -- starting ------------------------------------------------------------------
+
+    @property
+    def app(self) -> Celery:
+        """The Celery app this client sends tasks with."""
+        if self._app is None:
+            from agentq.fleet.runtime import get_app
+
+            self._app = get_app()
+        return self._app
 
     def start_turn(
         self,
@@ -219,7 +231,11 @@ class Client:
         # turn, else by the step that holds it, which sees the flag when it releases.
         if not self._store.wake_here(turn_id):
             return
-        run_step(turn_id, store=self._store, app=self.app, settings=self.settings)
+        from celery.local import Proxy
+
+        # A proxy, so an abort step with nothing to revoke or send never builds the app.
+        app = cast("Celery", Proxy(lambda: self.app))
+        run_step(turn_id, store=self._store, app=app, settings=self.settings)
 
     def answer(
         self,

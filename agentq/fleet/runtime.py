@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import redis
-from celery import Celery
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
@@ -17,6 +16,9 @@ from agentq.fleet.broker import send_step
 from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, cluster_client, redis_client
 from agentq.state.base import InlineStepper, StepView
 from agentq.state.store import TurnStore
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger("agentq.broker")
 

@@ -6,8 +6,6 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery
-
 from agentq import constants as k
 from agentq.fleet.broker import revoke
 from agentq.models import ToolCall, ToolResult
@@ -15,6 +13,8 @@ from agentq.orchestrator.plan import pending_calls
 from agentq.orchestrator.settle import settle_call
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from agentq.state.store import TurnStore
 
 

@@ -6,8 +6,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
-from celery import Celery
-
 from agentq.agents import Agent
 from agentq.config import Settings
 from agentq.errors import StepLost
@@ -19,6 +17,8 @@ from agentq.state.turns import Closed
 from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from agentq.state.store import TurnStore
 
 

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery
-
 from agentq import constants as k
 from agentq.errors import BrokerUnavailable, ConversationBusy, ConversationNotFound
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
@@ -33,6 +31,8 @@ from agentq.state.conversations import (
 )
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from agentq.orchestrator.context import StepContext
     from agentq.state.store import TurnStore
     from agentq.state.turn_state import TurnState

@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery import Celery
-
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import AgentqError, ScheduleNotFound
@@ -23,6 +21,8 @@ from agentq.orchestrator.start import start_turn
 from agentq.schedules.store import load_spec
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.schedules")

@@ -14,8 +14,6 @@ import secrets
 import time
 from typing import TYPE_CHECKING
 
-from celery import Celery
-
 from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
 from agentq.errors import BrokerUnavailable, BudgetExceeded, BudgetInvalid, PayloadTooLarge
@@ -34,6 +32,8 @@ from agentq.webhooks.target import check_for_turn
 from agentq.webhooks.task import WAITING_RECHECK_S, deliveries
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.api")

@@ -16,10 +16,9 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis
-from celery import Celery
 
 from agentq import constants as k
 from agentq.agents import all_agents, publish_agents
@@ -42,6 +41,9 @@ from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.telemetry.fleetcounts import fleet_counts
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger("agentq.turn")
 

@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery import Celery, Task
-
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.webhooks import backoff, signing
@@ -30,6 +28,8 @@ from agentq.webhooks.deliveries import (
 from agentq.webhooks.post import post
 
 if TYPE_CHECKING:
+    from celery import Celery, Task
+
     from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.webhooks")

@@ -51,18 +51,32 @@ def test_a_command_that_only_prints_loads_no_broker_or_sdk(args: tuple[str, ...]
     assert not heavy, f"agentq {' '.join(args)} imports {heavy}"
 
 
-def test_the_reader_sees_heavy_imports() -> None:
-    # The check above must be able to fail: a command that needs the Client loads Celery.
+def _imports_of(code: str) -> set[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTQ_")}
     out = subprocess.run(
-        [sys.executable, "-X", "importtime", "-c", "import agentq.api"],
+        [sys.executable, "-X", "importtime", "-c", code],
         capture_output=True,
         text=True,
         timeout=60,
         env=env,
     )
-    names = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
-    assert {"celery", "kombu", "redis"} <= names
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()}
+
+
+def test_the_reader_sees_heavy_imports() -> None:
+    # The check above must be able to fail: a worker loads Celery's app and its broker.
+    assert {"celery.app", "kombu", "redis"} <= _imports_of("import agentq.worker")
+
+
+def test_the_client_builds_no_celery_app_until_it_sends() -> None:
+    # `agentq abort` of a turn no task holds takes the abort step itself and sends
+    # nothing: Celery's app and kombu are most of what it would otherwise import.
+    names = _imports_of("import agentq.api, agentq.cli.main")
+    assert "redis" in names
+    assert not names & {"celery.app", "celery.app.base", "kombu"}, sorted(
+        n for n in names if n.startswith(("celery.app", "kombu"))
+    )
 
 
 def _type_checking_names() -> set[str]:
