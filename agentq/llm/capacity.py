@@ -22,6 +22,7 @@ tag `{prefix}:{<model>}:`, so each script touches one Redis Cluster slot.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import secrets
@@ -36,10 +37,17 @@ from pydantic import BaseModel, ConfigDict
 from agentq.config import Settings
 from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
-from agentq.llm.headers import RateSignal
-from agentq.llm.limits import ModelLimitsEntry, parse_limits
+from agentq.llm.headers import BUSY_STATUSES, RateSignal
+from agentq.llm.limits import DEFAULT_DEPLOYMENT, ModelLimitsEntry, parse_limits
 
 BreakerVerdict = Literal["closed", "open"]
+
+LIMITS_RESTORE_S = 30.0
+"""A process tells the fleet the provider's limits again after this long, though unchanged:
+the learned rate outlives the last news of it by `rate_ttl_s`."""
+ANSWERED_S = 1.0
+"""The window of a process's recent successes: its guess of a rate nothing else told."""
+ANSWERED_KEEP = 4096
 
 
 class WakeAt(BaseModel):
@@ -119,6 +127,8 @@ class Capacity:
         breaker_failures: int = 5,
         breaker_cooldown_ms: int = 30_000,
         max_grants_per_call: int = 64,
+        window_guard_ms: int = 30,
+        rate_ttl_s: float = 3600.0,
     ) -> None:
         weights = dict(owner_weights or {})
         if any(not w > 0 for w in weights.values()):
@@ -148,12 +158,18 @@ class Capacity:
             "waiter_ttl_ms": waiter_ttl_ms,
             "bg_every": background_every,
             "max_pump": max_grants_per_call,
+            "guard_ms": window_guard_ms,
+            "rate_ttl_ms": int(rate_ttl_s * 1000),
         }
         self._config: dict[str, str] = {}
         self._stored_at: dict[str, float] = {}
         """When this process last asked the scripts to store a model's config (monotonic s)."""
         self._failed: set[tuple[str, str]] = set()
         """(model, deployment) this process counted a failure of and no success since."""
+        self._answered: dict[str, collections.deque[float]] = {}
+        """When this process's rounds of a model succeeded lately (monotonic s)."""
+        self._told: dict[str, tuple[int, int, float]] = {}
+        """The provider's limits this process last stored for a model, and when."""
         self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
         self._release = redis_client.register_script(lua.RELEASE_LUA)
         self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
@@ -161,6 +177,7 @@ class Capacity:
         self._renew = redis_client.register_script(lua.RENEW_LUA)
         self._pause = redis_client.register_script(lua.PAUSE_LUA)
         self._breaker = redis_client.register_script(lua.BREAKER_LUA)
+        self._note = redis_client.register_script(lua.NOTE_LUA)
 
     def entry(self, model: str) -> ModelLimitsEntry:
         """The model's limits; a model without configured ones has none, but still shares
@@ -339,6 +356,61 @@ class Capacity:
             return None
         return self.pause(model, deployment, for_ms=math.ceil(pause_s * 1000), now_ms=now_ms)
 
+    def note_answer(
+        self,
+        model: str,
+        deployment: str,
+        signal: RateSignal,
+        *,
+        status: int = 200,
+        now_ms: int | None = None,
+    ) -> int | None:
+        """What an answer (`status`, its rate-limit headers as `signal`) says, told to the
+        fleet: the provider's own limits pace a model configured without them; a 429 cuts
+        the admitted rate at once (it climbs back within seconds); a busy answer or an
+        exhausted allowance pauses the deployment, no longer than the provider's next
+        window where pacing spaces the requests. When the pause ends (None: no pause).
+
+        An answer that says nothing new sends nothing to Redis: its limits as stored
+        (again after LIMITS_RESTORE_S), nothing exhausted."""
+        wait_s: float | None = None
+        if status in BUSY_STATUSES:
+            resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
+            wait_s = signal.pause_s or max(resets, default=1.0)
+        else:
+            if signal.remaining_requests is not None and signal.remaining_requests <= 0:
+                wait_s = signal.reset_requests_s or 1.0
+            if signal.remaining_tokens is not None and signal.remaining_tokens <= 0:
+                wait_s = max(wait_s or 0.0, signal.reset_tokens_s or 1.0)
+        limits = (signal.limit_requests or 0, signal.limit_tokens or 0)
+        told = self._told.get(model)
+        fresh = time.monotonic()
+        learn = any(limits) and (
+            told is None or told[:2] != limits or fresh - told[2] >= LIMITS_RESTORE_S
+        )
+        if wait_s is None and not learn:
+            return None
+        if learn:
+            self._told[model] = (*limits, fresh)
+        field = "m" if deployment in ("", DEFAULT_DEPLOYMENT) else f"d:{deployment}"
+        own = inputs.NoteArgs(
+            1 if status == 429 else 0,
+            field,
+            "" if wait_s is None else math.ceil(wait_s * 1000),
+            *limits,
+            self._answered_rpm(model),
+        )
+        out = self._run(self._note, model, now_ms, own)
+        return int(out["until_at"]) or None
+
+    def _answered_rpm(self, model: str) -> int:
+        """Rounds of `model` this process saw succeed in the last ANSWERED_S, a minute's worth."""
+        seen = self._answered.get(model)
+        if not seen:
+            return 0
+        since = time.monotonic() - ANSWERED_S
+        return round(sum(1 for t in seen if t >= since) * 60 / ANSWERED_S)
+
     def report_failure(
         self, model: str, deployment: str, kind: str, *, now_ms: int | None = None
     ) -> BreakerVerdict:
@@ -359,6 +431,8 @@ class Capacity:
         exist when it was admitted; unless this process counted a failure since, there is
         nothing to forget and no command is sent. (Another process's failure in between
         stays counted: the next leased round's success forgets it.)"""
+        seen = self._answered.setdefault(model, collections.deque(maxlen=ANSWERED_KEEP))
+        seen.append(time.monotonic())
         key = (model, deployment)
         if unleased and key not in self._failed:
             return "closed"
@@ -387,6 +461,9 @@ class Capacity:
             "paused_until_ms": int(out["paused_until_ms"]) or None,
             "requests_last_minute": int(out["requests"]),
             "tokens_last_minute": int(out["tokens"]),
+            "admitted_rpm": round(float(out["rate_rpm"]), 1) or None,
+            "learned_rpm": int(out["learned_rpm"]) or None,
+            "learned_tpm": int(out["learned_tpm"]) or None,
             "deployments": {
                 d["name"]: {
                     "breaker": d["state"],

@@ -32,6 +32,8 @@ class ModelKeys(NamedTuple):
     BRK: str = "breaker"  # HASH f:<dep> failures, o: open until, p: probe until, k: kind
     USE: str = "usage"  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests, tokens used
     CONFIG: str = "config"  # STRING the model's limits as a configured process last sent them
+    RATE: str = "rate"  # HASH the admitted rate (AIMD: r, t, ai, d), learned limits (lr, lt),
+    # and the requests admitted in the current second (w, n)
 
 
 SUFFIX = ModelKeys()
@@ -74,6 +76,24 @@ class ReleaseArgs(NamedTuple):
     lease_id: str
     used: str | int
     """Tokens the round used ("": unknown)."""
+
+
+class NoteArgs(NamedTuple):
+    """What one answer of the provider said about its limits (`Capacity.note_answer`)."""
+
+    refused: int
+    """1: a 429 although the fleet paced its requests: the admitted rate comes down."""
+    field: str
+    """What to pause: "m" (the model) or "d:<deployment>"."""
+    wait_ms: str | int
+    """How long the provider asked to wait (retry-after, or the reset of an exhausted
+    allowance); "": no wait."""
+    limit_rpm: int
+    """The provider's own limits from its headers (0: not sent)."""
+    limit_tpm: int
+    hint_rpm: int
+    """Requests a minute this process saw answered lately: the first guess of a rate
+    nothing else told (0: none)."""
 
 
 class WithdrawArgs(NamedTuple):

@@ -18,11 +18,13 @@ from agentq.llm.capacity_args import (
     ClockArgs,
     DecidingArgs,
     ModelKeys,
+    NoteArgs,
     PauseArgs,
     ReleaseArgs,
     RenewArgs,
     WithdrawArgs,
 )
+from agentq.llm.capacity_rate import NOTE_BODY_LUA, RATE_HELPERS_LUA
 
 
 def deciding_lua(args: type[NamedTuple] | None = None) -> str:
@@ -76,7 +78,8 @@ local function at_once(dep, at)
 end
 """
 
-# The round of a model without limits (every unconfigured one) has nothing to count, and
+# The round of a model without limits (every unconfigured one whose provider has not told
+# its rate: a learned rate is in RATE) has nothing to count, and
 # while the fleet holds nothing of the model it has nothing to wait for but a pause: it
 # goes at once, with no lease to release, and the script writes nothing. No queue means
 # no queued waiter; no grant or lease means nothing to purge and no earlier grant of
@@ -97,13 +100,13 @@ local function unmetered()
   return true
 end
 local quiet = unmetered()
-  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE)
+  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, RATE)
 if quiet == 0 then return at_once(cfg.deps[1].n, tonumber(now_arg) or false) end
 """
 
 # After UNMETERED_LUA and the clock: only the pause hash was there; its pauses may be over.
 UNMETERED_PAUSED_LUA = """
-if quiet == 1 and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK) == 0 then
+if quiet == 1 and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, RATE) == 0 then
   local dep = cfg.deps[1].n
   local p = redis.call('HMGET', PAUSE, 'm', 'd:' .. dep)
   if (tonumber(p[1]) or 0) <= now and (tonumber(p[2]) or 0) <= now then
@@ -112,7 +115,8 @@ if quiet == 1 and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK) == 0 then
 end
 """
 
-HELPERS_LUA = """
+HELPERS_LUA = (
+    """
 local DEPS = {}
 for _, d in ipairs(cfg.deps) do DEPS[d.n] = d end
 
@@ -120,6 +124,9 @@ local function num(v) return tonumber(v) or 0 end
 -- %.17g keeps epoch milliseconds and fractional tags exact; tostring would round them.
 local function fmt(x) return string.format('%.17g', x) end
 
+"""
+    + RATE_HELPERS_LUA
+    + """
 -- GCRA: a request passes when the limit's theoretical arrival time runs at most one
 -- burst (less one emission interval) ahead of now; `limit` is per minute.
 local function gcra_ready(field, limit)
@@ -204,7 +211,8 @@ local function model_ready()
   if cfg.streams > 0 and redis.call('ZCARD', LEASES) >= cfg.streams then
     ready = math.max(ready, next_expiry())
   end
-  return math.max(ready, gcra_ready('r', cfg.rpm), gcra_ready('t', cfg.tpm))
+  local rpm = rate_rpm()
+  return math.max(ready, gcra_ready('r', rpm), gcra_ready('t', tpm_limit()), window_ready(rpm))
 end
 
 -- Takes the model's and a deployment's share for one request (the deployment, whether it
@@ -225,8 +233,10 @@ local function admit(tokens)
     end
   end
   if best == nil then return nil, 0, soonest end
-  gcra_add('r', cfg.rpm, 1)
-  gcra_add('t', cfg.tpm, tokens)
+  local rpm = rate_rpm()
+  window_add(rpm, 1)
+  gcra_add('r', rpm, 1)
+  gcra_add('t', tpm_limit(), tokens)
   gcra_add('r:' .. best.n, best.rpm, 1)
   gcra_add('t:' .. best.n, best.tpm, tokens)
   local probe = 0
@@ -332,6 +342,7 @@ local function position(w)
   return rank + 1
 end
 """
+)
 
 PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 
@@ -341,7 +352,7 @@ PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 UNCONFIGURED_LUA = """
 local mine = cjson.decode(config)
 if not mine.configured
-  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, CONFIG) == 0
+  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, CONFIG, RATE) == 0
 then
   return at_once(mine.deps[1].n, tonumber(now_arg) or false)
 end
@@ -406,7 +417,7 @@ if m and used then
   -- The estimate counted against tpm becomes the real usage: the difference is taken or
   -- given back, so a short answer frees what its max_completion_tokens had reserved.
   local delta = used - m.t
-  gcra_add('t', cfg.tpm, delta)
+  gcra_add('t', tpm_limit(), delta)
   local d = DEPS[m.d]
   if d then gcra_add('t:' .. d.n, d.tpm, delta) end
   use(0, delta)
@@ -431,10 +442,15 @@ end
 raw = redis.call('HGET', GRANTS, w)
 if raw and cjson.decode(raw).k == 0 then
   -- A grant nobody took: its request was never sent, so its share of the limits comes back.
-  local m = drop_lease(cjson.decode(raw).l)
+  local g = cjson.decode(raw)
+  local m = drop_lease(g.l)
   if m then
-    gcra_add('r', cfg.rpm, -1)
-    gcra_add('t', cfg.tpm, -m.t)
+    if math.floor(num(g.at) / 1000) == math.floor(now / 1000) then
+      window_now()
+      if rate_state().n > 0 then window_add(rate_rpm(), -1) end
+    end
+    gcra_add('r', rate_rpm(), -1)
+    gcra_add('t', tpm_limit(), -m.t)
     local d = DEPS[m.d]
     if d then
       gcra_add('r:' .. d.n, d.rpm, -1)
@@ -478,9 +494,12 @@ return cjson.encode({
   now = now, interactive = redis.call('ZCARD', QI), background = redis.call('ZCARD', QB),
   streams = redis.call('ZCOUNT', LEASES, '(' .. now, '+inf'), grants = redis.call('HLEN', GRANTS),
   paused_until_ms = paused > now and paused or 0, requests = used.r, tokens = used.t, deps = deps,
+  rate_rpm = rate_rpm(), learned_rpm = rate_state().lr, learned_tpm = rate_state().lt,
 })
 """
 )
+
+NOTE_LUA = deciding_lua(NoteArgs) + PRELUDE_LUA + NOTE_BODY_LUA
 
 # RENEW_LUA: an expired lease not yet purged still holds its slot, so renewing it is safe.
 RENEW_LUA = (

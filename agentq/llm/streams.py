@@ -168,20 +168,18 @@ def settle_capacity(
     headers: dict[str, str],
 ) -> None:
     """Tell the fleet's capacity manager how the round went: a busy provider pauses the
-    model (or the deployment) for every worker until its reset, rate-limit headers pace
-    what follows, failures count towards the deployment's breaker, and the round's grant
-    goes back with its real token usage, waking the rounds it frees capacity for."""
+    model (or the deployment) for every worker and a 429 lowers its admitted rate,
+    rate-limit headers (the provider's own limits, an exhausted allowance) pace what
+    follows, failures count towards the deployment's breaker, and the round's grant goes
+    back with its real token usage, waking the rounds it frees capacity for."""
     deployment = req.deployment or DEFAULT_DEPLOYMENT
-    scope = None if deployment == DEFAULT_DEPLOYMENT else deployment
     busy = failure if isinstance(failure, ModelBusy) else None
     try:
         if busy is not None:
-            signal = parse_rate_headers(busy.headers)
-            resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
-            pause_s = signal.pause_s or max(resets, default=1.0)
-            cap.pause(model, scope, for_ms=int(pause_s * 1000))
+            status = busy.status_code
+            cap.note_answer(model, deployment, parse_rate_headers(busy.headers), status=status)
         elif headers:
-            cap.note_remaining(model, deployment, parse_rate_headers(headers))
+            cap.note_answer(model, deployment, parse_rate_headers(headers))
         if result.ok:
             cap.report_success(model, deployment, unleased=not req.lease_id)
         elif busy is None and failure is not None and deployment_failure(failure):

@@ -44,6 +44,7 @@ SCRIPTS = {
             "RENEW_LUA",
             "PAUSE_LUA",
             "BREAKER_LUA",
+            "NOTE_LUA",
         )
     },
     "limits._BUCKET_LUA": limits._BUCKET_LUA,

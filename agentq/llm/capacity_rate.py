@@ -1,0 +1,168 @@
+"""The admitted rate of a model, in Lua for the capacity scripts (`capacity_lua`): a
+ceiling, not a schedule.
+
+The configured rpm, or without one the provider's own limits read from its headers,
+caps the rate; a 429 despite pacing cuts the rate fleet-wide at once (multiplicative
+decrease) and it climbs back by a fixed amount a second (additive increase); with no
+ceiling known at all, the first 429 starts from a guess and the fleet probes upwards.
+Providers count in wall-clock seconds, so besides pacing (GCRA, in `capacity_lua`) each
+second admits at most a second's worth, and a burst never straddles a boundary.
+
+State, per model, in the `rate` hash (ModelKeys.RATE): r, t, ai (the rate cut to at t,
+and its climb in rpm a second), d (the last cut), lr, lt (the provider's own limits),
+w, n, c, f (the current second, its grants, grants carried into the next, the last
+second that filled up). The hash expires `rate_ttl_ms` after the last news of it.
+"""
+
+from __future__ import annotations
+
+DECREASE = 0.8
+"""A 429 despite pacing multiplies the admitted rate by this, at once, fleet-wide."""
+RECOVER_S = 4.0
+"""...and it climbs back to the ceiling in this many seconds."""
+PROBE = 0.1
+"""Without a ceiling (nothing configured, no headers), it climbs by this share of the rate
+it was cut from each second, until the next 429."""
+
+# RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
+RATE_HELPERS_LUA = """
+-- Tunables default for a config stored by an older version.
+local GUARD_MS = tonumber(cfg.guard_ms) or 30
+local RATE_TTL_MS = tonumber(cfg.rate_ttl_ms) or 3600000
+local RS = nil
+local function rate_state()
+  if RS == nil then
+    local v = redis.call('HMGET', RATE, 'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'c', 'f')
+    RS = {
+      r = tonumber(v[1]), t = num(v[2]), ai = num(v[3]), d = num(v[4]),
+      lr = num(v[5]), lt = num(v[6]), w = num(v[7]), n = num(v[8]), c = num(v[9]), f = num(v[10]),
+    }
+  end
+  return RS
+end
+
+local function ceiling_rpm()
+  if cfg.rpm > 0 then return cfg.rpm end
+  return rate_state().lr
+end
+
+local function tpm_limit()
+  if cfg.tpm > 0 then return cfg.tpm end
+  return rate_state().lt
+end
+
+-- The rpm admitted now (0: no rate known, unpaced).
+local function rate_rpm()
+  local st = rate_state()
+  local c = ceiling_rpm()
+  if not st.r then return c end
+  local r = st.r + st.ai * math.max(now - st.t, 0) / 1000
+  if c > 0 and r > c then r = c end
+  return r
+end
+
+-- Providers count in wall-clock seconds: at most a second's worth is granted in each. A
+-- grant in a second's last GUARD_MS may reach the provider in the next: it counts in
+-- both, so a burst never straddles a boundary into a window that pacing fills too.
+local function window_now()
+  local st = rate_state()
+  local w = math.floor(now / 1000)
+  if st.w ~= w then
+    if st.w == w - 1 then st.n = st.c or 0 else st.n = 0 end
+    -- A second that filled up held rounds back: the next goes on at the pace, no burst.
+    st.smooth = st.f == w - 1
+    st.w, st.c = w, 0
+  end
+  return w
+end
+
+local function window_ready(rpm)
+  if rpm <= 0 then return now end
+  local w = window_now()
+  if rate_state().n >= math.max(math.floor(rpm / 60 + 0.001), 1) then return (w + 1) * 1000 end
+  return now
+end
+
+local function window_add(rpm, k)
+  if rpm <= 0 then return end
+  window_now()
+  local st = rate_state()
+  if st.smooth then
+    local tat = now + math.max(cfg.burst_ms - 60000 / rpm, 0)
+    if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
+    st.smooth = false
+  end
+  st.n = st.n + k
+  if now % 1000 >= 1000 - GUARD_MS then st.c = st.c + k end
+  redis.call('HSET', RATE, 'w', st.w, 'n', st.n, 'c', st.c)
+  if st.n >= math.max(math.floor(rpm / 60 + 0.001), 1) then redis.call('HSET', RATE, 'f', st.w) end
+  if st.n == k then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
+end
+
+"""
+
+# NOTE_BODY_LUA, the end of NOTE_LUA (capacity_lua): what one answer of the provider said.
+# Its own limits (headers) become the ceiling of a model configured without one; a 429
+# although the fleet paced its requests cuts the admitted rate (once a second: the 429s
+# of one overfull window are one signal; with no rate known yet, from what this process
+# saw answered); a wait pauses the model or deployment, only as long as needed where
+# pacing spaces the requests: until the next second (the provider's next window) when
+# that comes sooner than its Retry-After, which whole seconds round up. Pacing resumes
+# from the pause's end with no burst. Returns when the pause ends (0: none).
+NOTE_BODY_LUA = (
+    f"""
+local DECREASE, RECOVER_S, PROBE = {DECREASE!r}, {RECOVER_S!r}, {PROBE!r}
+"""
+    + """
+local st = rate_state()
+local lr, lt = tonumber(limit_rpm) or 0, tonumber(limit_tpm) or 0
+local learned = {}
+if lr > 0 and lr ~= st.lr then learned[#learned + 1] = 'lr'; learned[#learned + 1] = lr end
+if lt > 0 and lt ~= st.lt then learned[#learned + 1] = 'lt'; learned[#learned + 1] = lt end
+if learned[1] then
+  redis.call('HSET', RATE, unpack(learned))
+  if lr > 0 then st.lr = lr end
+  if lt > 0 then st.lt = lt end
+end
+local rpm = rate_rpm()
+if tonumber(refused) == 1 and now - st.d >= 1000 then
+  local guess = rpm
+  if guess <= 0 then
+    guess = tonumber(hint_rpm) or 0
+    window_now()
+    guess = math.max(guess, st.n * 60)
+    guess = math.max(guess, 60)
+  end
+  -- Back to a known ceiling in RECOVER_S; without one, probe upwards by PROBE a second.
+  local ai = ceiling_rpm() * (1 - DECREASE) / RECOVER_S
+  if ai <= 0 then ai = guess * PROBE end
+  rpm = math.max(guess * DECREASE, 1)
+  st.r, st.t, st.d, st.ai = rpm, now, now, ai
+  redis.call('HSET', RATE, 'r', fmt(rpm), 't', now, 'd', now, 'ai', fmt(st.ai))
+end
+local until_at = 0
+local wait = tonumber(wait_ms)
+if wait then
+  until_at = now + wait
+  -- A wait of a second or less is the provider's window: its next one opens on the second.
+  -- A longer wait (a window per minute spent) is meant as said.
+  if rpm > 0 and wait <= 1000 then
+    until_at = math.min(until_at, (math.floor(now / 1000) + 1) * 1000)
+  end
+  local cur = num(redis.call('HGET', PAUSE, field))
+  if until_at > cur then
+    redis.call('HSET', PAUSE, field, string.format('%d', until_at))
+    local ttl = redis.call('PTTL', PAUSE)
+    redis.call('PEXPIRE', PAUSE, math.max(ttl, until_at - now) + 1)
+  else
+    until_at = cur
+  end
+  if rpm > 0 then
+    local tat = until_at + math.max(cfg.burst_ms - 60000 / rpm, 0)
+    if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
+  end
+end
+if learned[1] or tonumber(refused) == 1 then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
+return cjson.encode({until_at = until_at, rpm = rpm})
+"""
+)

@@ -1,0 +1,168 @@
+"""The admitted rate against a real redis-server: configured limits are a ceiling, a 429
+cuts the rate fleet-wide at once and it climbs back, an unconfigured fleet learns the rate
+from the provider's headers or its 429s, and no second grants more than its share.
+
+Time is passed explicitly (`now_ms`); T0 falls on a whole second, as providers' windows do.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from agentq.llm.capacity import Capacity, Grant, Queued
+from agentq.llm.capacity_rate import DECREASE, PROBE, RECOVER_S
+from agentq.llm.headers import RateSignal, parse_rate_headers
+from agentq.llm.limits import parse_limits
+from agentq.local.redis_server import RedisServer
+
+T0 = 1_700_000_000_000
+BARE_429 = parse_rate_headers({"retry-after": "1"})
+
+
+@pytest.fixture()
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+def fleet(r: redis.Redis, spec: dict[str, Any], workers: int = 2) -> list[Capacity]:
+    """`workers` processes' capacity managers of one fleet (one prefix), the same limits."""
+    prefix = f"test:rate:{uuid.uuid4().hex[:8]}"
+    limits = parse_limits(json.dumps(spec))
+    return [Capacity(r, limits, prefix=prefix, burst_s=0.5) for _ in range(workers)]
+
+
+def grab(cap: Capacity, waiter: str, now_ms: int) -> Grant | Queued:
+    return cap.acquire("m", waiter=waiter, owner="o", interactive=True, tokens=1, now_ms=now_ms)
+
+
+def admitted_rpm(cap: Capacity, now_ms: int) -> float | None:
+    rpm: float | None = cap.snapshot("m", now_ms=now_ms)["admitted_rpm"]
+    return rpm
+
+
+def run(cap: Capacity, start_ms: int, seconds: float, every_ms: int = 5) -> list[int]:
+    """Rounds asking all the time (one newcomer every `every_ms`) for `seconds`: when each
+    was granted (ms since `start_ms`)."""
+    at: list[int] = []
+    waiting: list[str] = []
+    for tick in range(int(seconds * 1000 / every_ms)):
+        now = start_ms + tick * every_ms
+        waiting.append(f"w{start_ms}-{tick}")
+        for waiter in list(waiting):
+            got = grab(cap, waiter, now)
+            if isinstance(got, Queued):
+                break  # the head waits: so does everyone behind it
+            waiting.remove(waiter)
+            at.append(now - start_ms)
+    return at
+
+
+def test_a_429_despite_pacing_cuts_the_rate_fleet_wide_and_it_climbs_back(r: redis.Redis) -> None:
+    one, other = fleet(r, {"m": {"rpm": 1200}})
+    assert admitted_rpm(other, T0) == 1200  # the configured limit, nothing cut yet
+    # One worker's round is refused (the provider's window was fuller than pacing knew).
+    one.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 300)
+    cut = 1200 * DECREASE
+    assert admitted_rpm(other, T0 + 300) == pytest.approx(cut)
+    # The other 429s of that overfull window are the same signal: no second cut.
+    other.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 400)
+    assert admitted_rpm(one, T0 + 400) == pytest.approx(cut + 1200 * 0.2 / RECOVER_S * 0.1)
+    # Additive increase, back to the configured ceiling and never past it.
+    climb = 1200 * (1 - DECREASE) / RECOVER_S
+    assert admitted_rpm(one, T0 + 1300) == pytest.approx(cut + climb)
+    assert admitted_rpm(one, T0 + 300 + int(RECOVER_S * 1000)) == pytest.approx(1200)
+    assert admitted_rpm(one, T0 + 60_000) == pytest.approx(1200)
+    # A 429 a second later is news: cut again, from where the rate had climbed to.
+    other.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 1300)
+    assert admitted_rpm(one, T0 + 1300) == pytest.approx((cut + climb) * DECREASE)
+
+
+def test_the_cut_rate_paces_every_worker(r: redis.Redis) -> None:
+    one, other = fleet(r, {"m": {"rpm": 1200}})
+    one.note_answer("m", "default", BARE_429, status=429, now_ms=T0 - 1)
+    # The pause lasted a millisecond (to the next second); the fleet asks at 960 rpm now.
+    at = run(other, T0, 1.0)
+    assert 16 <= len(at) <= 17, at  # 960 rpm: 16 a second, climbing
+    # One every 62.5 ms at first, a little less as the rate climbs (5 ms ticks).
+    assert min(b - a for a, b in itertools.pairwise(at)) >= 55
+
+
+def test_a_429_pauses_to_the_next_second_not_for_a_whole_retry_after(r: redis.Redis) -> None:
+    (cap,) = fleet(r, {"m": {"rpm": 1200}}, workers=1)
+    # retry-after: 1 is whole seconds rounded up; the provider's window opens on the second.
+    assert cap.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 300) == T0 + 1000
+    got = grab(cap, "a", T0 + 301)
+    assert isinstance(got, Queued) and got.next_slot_ms == T0 + 1000
+    assert isinstance(grab(cap, "a", T0 + 1000), Grant)
+    # A wait longer than a second (a per-minute allowance spent) is meant as said.
+    long_wait = parse_rate_headers({"retry-after": "20"})
+    until = cap.note_answer("m", "default", long_wait, status=429, now_ms=T0 + 1500)
+    assert until == T0 + 21_500
+    # An unpaced model (nothing configured, nothing learned) keeps the provider's word.
+    (bare,) = fleet(r, {}, workers=1)
+    overloaded = RateSignal(pause_s=0.5)
+    assert bare.note_answer("m", "default", overloaded, status=503, now_ms=T0) == T0 + 500
+
+
+def test_an_unconfigured_fleet_learns_the_rate_from_headers_on_a_200(r: redis.Redis) -> None:
+    one, other = fleet(r, {})
+    assert grab(one, "before", T0).lease_id == ""  # type: ignore[union-attr]
+    headers = {
+        "x-ratelimit-limit-requests": "1200",
+        "x-ratelimit-remaining-requests": "1199",
+        "x-ratelimit-reset-requests": "50ms",
+        "x-ratelimit-limit-tokens": "600000",
+    }
+    assert one.note_answer("m", "default", parse_rate_headers(headers), now_ms=T0) is None
+    snap = other.snapshot("m", now_ms=T0)
+    assert snap["learned_rpm"] == 1200 and snap["learned_tpm"] == 600_000
+    assert snap["admitted_rpm"] == 1200
+    # Paced now, on the full path: a burst of half a second's worth (10, one a tick),
+    # then one every 50 ms, 20 in the second.
+    at = run(other, T0 + 1000, 1.0)
+    assert at[:10] == list(range(0, 50, 5)) and len(at) == 20, at
+    assert all(b - a >= 50 for a, b in itertools.pairwise(at[10:])), at
+    # The same news again sends nothing to Redis.
+    before = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    one.note_answer("m", "default", parse_rate_headers(headers), now_ms=T0 + 2000)
+    assert r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) == before
+
+
+def test_an_unconfigured_fleet_without_headers_learns_from_its_429s(r: redis.Redis) -> None:
+    (cap,) = fleet(r, {}, workers=1)
+    # This process saw 20 rounds answered in the last second: 1,200 rpm.
+    for _ in range(20):
+        cap.report_success("m", "default", unleased=True)
+    cap.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 200)
+    assert admitted_rpm(cap, T0 + 200) == pytest.approx(1200 * DECREASE)
+    # Probing upwards: with no ceiling known, it climbs past where it was cut from...
+    probed = 1200 * DECREASE + 1200 * PROBE * 3
+    assert admitted_rpm(cap, T0 + 3200) == pytest.approx(probed)
+    assert probed > 1200
+    # ...until the next 429 cuts it again.
+    cap.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 3200)
+    assert admitted_rpm(cap, T0 + 3200) == pytest.approx(probed * DECREASE)
+
+
+def test_no_second_grants_more_than_its_share_and_a_late_burst_counts_in_the_next(
+    r: redis.Redis,
+) -> None:
+    (cap,) = fleet(r, {"m": {"rpm": 600}}, workers=1)  # 10 a second
+    # An idle fleet, then rounds at 985 ms: GCRA has a burst of 5 ready, the second room
+    # for 10; the burst may reach the provider after the boundary, so it counts there too.
+    late = [grab(cap, f"a{i}", T0 + 985) for i in range(7)]
+    assert [isinstance(g, Grant) for g in late] == [True] * 5 + [False] * 2
+    at = run(cap, T0 + 1000, 2.0)
+    per_second = Counter((t + 1000) // 1000 for t in at)
+    # 5 carried in: the next second grants 5 more, then the pace goes on at 10 a second.
+    assert per_second[1] + 5 <= 10 and per_second[2] <= 10, per_second
