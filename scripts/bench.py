@@ -467,6 +467,11 @@ def main(argv: list[str] | None = None) -> int:
         help="turns of the capacity stage's runs at 20 requests/s (300)",
     )
     p.add_argument(
+        "--capacity-shapes",
+        default="",
+        help="the capacity stage's provider shapes, comma-separated (default: all)",
+    )
+    p.add_argument(
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "

@@ -23,11 +23,18 @@ GOALS: list[tuple[str, str, float, str]] = [
     ("io_cpu_vs_raw_sdk", "<=", 1.3, "≤ 1.3 x a raw-SDK asyncio loop"),
     ("redis_commands_ratio", "<=", 2.0, "≤ 2 x plain Celery's"),
     ("cpu_ratio", "<=", 1.5, "≤ 1.5 x plain Celery's (sent as a model turn sends it)"),
-    ("capacity_open_not_finished", "<=", 0, "0: every turn finishes"),
-    ("capacity_open_floor_ratio", "<=", 2.0, "≤ 2 x the floor"),
-    ("capacity_limited_not_finished", "<=", 0, "0: every turn finishes"),
-    ("capacity_limited_floor_ratio", "<=", 1.2, "≤ 1.2 x the floor"),
-    ("capacity_limited_refused_share", "<=", 0.05, "≤ 5% refused"),
+    ("capacity_not_finished", "<=", 0, "0: every turn finishes, every shape"),
+    *[
+        (f"capacity_{shape}_{mode}_{what}", "<=", target, text)
+        for shape in ("window", "window_bare", "bucket", "bucket_refusals")
+        for mode, what, target, text in (
+            ("open", "floor_ratio", 1.3, "≤ 1.3 x the floor, nothing configured"),
+            ("open", "refused_share", 0.15, "≤ 15% refused, nothing configured"),
+            ("limited", "floor_ratio", 1.15, "≤ 1.15 x the floor, the limit configured"),
+            ("limited", "refused_share", 0.03, "≤ 3% refused, the limit configured"),
+        )
+    ],
+    ("capacity_limited_vs_open_worst", "<=", 1.0, "configured never slower than not"),
     ("capacity_fair_first_round_s_p99", "<=", 2.0, "≤ 2 s"),
     ("conversation_turn_ratio_p50", "<=", 1.1, "≤ 1.1: no measurable cost on an idle one"),
     ("conversation_handoff_ms_p99", "<=", 50, "≤ 50 ms from one turn's end to the next's start"),
@@ -187,8 +194,9 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
                     "",
                 )
     for prefix, label in (
-        ("capacity_open", "capacity: nothing configured"),
-        ("capacity_limited", "capacity: the limit configured"),
+        (f"capacity_{shape}_{mode}", f"capacity {shape}: {what}")
+        for shape in res.get("capacity_shapes") or ()
+        for mode, what in (("open", "nothing configured"), ("limited", "the limit configured"))
     ):
         if res.get(f"{prefix}_turns") is not None:
             d.add_row(
