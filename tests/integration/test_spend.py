@@ -24,7 +24,7 @@ from agentq.local.processes import ManagedProcess, start_worker
 from agentq.local.redis_server import RedisServer
 from agentq.models import Event, TurnRequest, Usage
 from agentq.state.budget import day_of
-from agentq.state.spend import Spend, day_key
+from agentq.state.spend import Spend, day_key, turn_spend_key
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_valid_history, calls, collect, script
 from tests.integration.test_mcp_tools import process_env
@@ -40,6 +40,7 @@ BUDGETS = {
     "k-crowd": {"tokens_per_day": 60000},
     "k-usd": {"usd_per_day": 0.02},
     "k-zero": {"tokens_per_day": 1},
+    "k-over": {"tokens_per_day": 200000},
 }
 KEYS = {"k-reader": "reader-secret-0123456789", "k-zero": "zero-secret-0123456789"}
 COMPLETION = 64
@@ -141,6 +142,25 @@ def test_a_turn_stops_at_its_max_tokens_with_a_valid_history(stack: Client, llm_
     assert view["spend"]["total_tokens"] <= 2000
 
 
+def test_a_budgeted_turn_that_stops_after_its_calls_settles_its_last_round(
+    stack: Client, llm_server
+) -> None:
+    # The loop detector stops the turn after its third round's calls: that round's usage,
+    # left for a next round's RESERVE to settle, is settled as the turn finishes.
+    used = Usage(prompt_tokens=1000, completion_tokens=50)
+    same = Round(tool_calls=calls(("echo", {"text": "again"})), usage=used)
+    key = script(llm_server, same, same, same, Round(text="never sent", usage=used))
+    handle = stack.start_turn(f"{key} go", max_tokens=100000)
+    end = stack.wait(handle.turn_id, timeout_s=60)
+    assert end.type == "turn_finished" and end.fields["reason"] == "loop_detected"
+    view = stack.get(handle.turn_id)
+    assert view["spend"]["total_tokens"] == 3 * 1050
+    assert view["spend"]["prompt_tokens"] == 3000
+    assert view["state"].get("budget_reservation") is None
+    held = stack._store.redis.hkeys(turn_spend_key(None, handle.turn_id))
+    assert not [f for f in held if f.startswith(b"r:")]
+
+
 def test_negative_absurd_and_nan_limits_are_refused() -> None:
     for bad in ({"max_tokens": -1}, {"max_tokens": 10**12}, {"max_cost_usd": float("nan")}):
         with pytest.raises(ValidationError):
@@ -210,6 +230,57 @@ def test_twenty_turns_of_one_key_do_not_overspend_its_budget(stack: Client, llm_
     assert total("|prompt") + total("|completion") == int(day["tokens"])
     # Turns refused at their first round never ran one: the others are counted.
     assert 1 <= total("|turns") <= 20
+
+
+def _run_all(stack: Client, handles: list[Any]) -> dict[str, Event]:
+    ends: dict[str, Event] = {}
+
+    def wait(turn_id: str) -> None:
+        ends[turn_id] = stack.wait(turn_id, timeout_s=180)
+
+    threads = [threading.Thread(target=wait, args=(h.turn_id,)) for h in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ends
+
+
+def test_prompts_counted_above_their_estimate_overspend_within_the_bound(
+    stack: Client, llm_server
+) -> None:
+    """docs/spend.md's bound: the key's turns pass its budget by at most one round's prompt
+    underestimate each (the round each has in flight, or answered and unsettled, when the
+    budget runs out); the completion never passes its reservation, the provider stops it."""
+    # The estimate of a first round (the least of any round: the history only grows).
+    probe = stack.start_turn(f"{script(llm_server, Round(text='probe'))} go 0")
+    assert stack.wait(probe.turn_id, timeout_s=60).type == "turn_finished"
+    estimate = int(stack.get(probe.turn_id)["state"]["budget_prompt"])
+    # The provider counts 25 % more than 4 characters a token (code, say): every round's
+    # prompt is underestimated by at most this.
+    counted = estimate * 5 // 4
+    error = counted - estimate
+    first = Round(text="thinking " * 8, chunk_size=4, chunk_delay_ms=100)
+    loop = echo_rounds(40, usage=Usage(prompt_tokens=counted, completion_tokens=50))
+    key = script(
+        llm_server,
+        first.model_copy(update={"tool_calls": loop[0].tool_calls, "usage": loop[0].usage}),
+        *loop,
+    )
+    handles = [stack.start(TurnRequest(prompt=f"{key} go {i}"), owner="k-over") for i in range(20)]
+    ends = _run_all(stack, handles)
+    assert len(ends) == 20
+    assert all(e.fields.get("code") == "budget_exceeded" for e in ends.values())
+    day = day_key("k-over", day_of(next(iter(ends.values())).ts))
+    spent = int(stack._store.redis.hget(day, "tokens") or 0)
+    budget = BUDGETS["k-over"]["tokens_per_day"]
+    overspend = max(0, spent - budget)
+    assert overspend <= 20 * error, (spent, estimate, counted)
+    # At this budget (about 80 rounds) the bound is within the issue's goal of 5 %.
+    assert 20 * error <= 0.05 * budget, (estimate, error)
+    # Every round was settled to what the provider counted: nothing reserved is left.
+    rounds = sum(len(finished_usages(collect(stack, h.turn_id))) for h in handles)
+    assert spent == rounds * (counted + 50)
 
 
 def test_a_sub_agent_spends_its_parents_budget(stack: Client, llm_server) -> None:
