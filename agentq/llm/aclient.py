@@ -14,10 +14,12 @@ import asyncio
 import functools
 import json
 import logging
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+import anyio
 import httpx2
 import openai
 
@@ -39,12 +41,21 @@ from agentq.llm.client import (
 )
 from agentq.llm.headers import parse_retry_after, rate_headers
 from agentq.llm.retry import backoff_s, classify, should_retry
+from agentq.llm.sse import SseLines, chunk_of
 from agentq.models import AssistantMessage
 
 log = logging.getLogger("agentq.llm")
 
 RetryCallback = Callable[[int, Exception, float], None]
 _READ_BACKSTOP_MARGIN_S = 1.0
+_READ_ERRORS = (httpx2.RequestError, ssl.SSLError, anyio.EndOfStream)
+"""What reading a body raises when its connection fails: the SDK's stream calls them a
+connection error (`openai.APIConnectionError`), and so does this one."""
+
+
+def _caused(error: openai.APIError, cause: Exception) -> openai.APIError:
+    error.__cause__ = cause
+    return error
 
 
 def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Timeout:
@@ -253,25 +264,37 @@ class _Attempt:
         if self.on_headers is not None:
             self.on_headers(rate_headers(stream.response.headers))
         async with stream:
+            # The body is read here, not through the SDK's stream (agentq.llm.sse); to
+            # the end, [DONE] included, so the connection goes back to the pool.
             assembler = _Assembler(self.on_delta)
-            chunks = stream.__aiter__()
+            lines = SseLines()
+            body = stream.response.aiter_bytes()
             while True:
                 try:
-                    chunk = await chunks.__anext__()
+                    raw = await body.__anext__()
                 except StopAsyncIteration:
                     break
-                except (openai.APIError, ValueError) as exc:
-                    self._fail(exc)
-                self.chunks += 1
-                self._last = time.monotonic()
-                elapsed_s = self._last - self._started
-                if elapsed_s > self.duration_left_s:
-                    used_s = self.duration_limit_s - self.duration_left_s
-                    raise StreamDurationExceeded(self.duration_limit_s, used_s + elapsed_s)
-                assembler.add(chunk, self.chunks - 1)
-                if self.on_first_output is not None and assembler.has_output:
-                    self.on_first_output()
-                    self.on_first_output = None
+                except httpx2.TimeoutException as exc:
+                    self._fail(_caused(openai.APITimeoutError(stream.response.request), exc))
+                except _READ_ERRORS as exc:
+                    self._fail(
+                        _caused(openai.APIConnectionError(request=stream.response.request), exc)
+                    )
+                for payload in lines.feed(raw):
+                    try:
+                        chunk = chunk_of(payload)
+                    except ValueError as exc:
+                        self._fail(exc)
+                    self.chunks += 1
+                    self._last = time.monotonic()
+                    elapsed_s = self._last - self._started
+                    if elapsed_s > self.duration_left_s:
+                        used_s = self.duration_limit_s - self.duration_left_s
+                        raise StreamDurationExceeded(self.duration_limit_s, used_s + elapsed_s)
+                    assembler.add(chunk, self.chunks - 1)
+                    if self.on_first_output is not None and assembler.has_output:
+                        self.on_first_output()
+                        self.on_first_output = None
                 self._last = time.monotonic()
         return assembler.message()
 
