@@ -81,12 +81,18 @@ def _pending(ctx: StepContext) -> Settlement | None:
     usage = Usage.model_validate({f: v for f, v in used.items() if f not in ("round", "model")})
     return Settlement(
         round_no=int(reservation),
-        reserved=bool(st.get("budget_held")),
+        reserved=_held(st),
         day=str(st.get("budget_day") or day_of(ctx.now)),
         usage=usage,
         model=str(used["model"]),
         agent=st.get("agent"),
     )
+
+
+def _held(st: TurnState) -> bool:
+    """Whether the round in `budget_reservation` took a reservation: unless recorded as
+    not (a round sent by an older version, which reserved every round, did)."""
+    return st.get("budget_held") is not False
 
 
 _SETTLED: TurnState = {"budget_reservation": None, "budget_usage": None, "budget_held": None}
@@ -193,14 +199,14 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model:
         "spent_usd": float(st.get("spent_usd") or 0.0) + (usage.cost_usd or 0.0),
         "spent_estimated_rounds": int(st.get("spent_estimated_rounds") or 0) + int(usage.estimated),
     }
-    if st.get("budget_held") and _goes_on(ctx, result):
+    if _held(st) and _goes_on(ctx, result):
         used = {"round": round_no, "model": model, **usage.model_dump(exclude_none=True)}
         totals["budget_usage"] = used
         ctx.stage(**totals)
         return
     settle = Settlement(
         round_no=round_no,
-        reserved=bool(st.get("budget_held")),
+        reserved=_held(st),
         day=str(st.get("budget_day") or day_of(ctx.now)),
         usage=usage,
         model=model,
