@@ -37,6 +37,7 @@ from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_
 from agentq.llm.wakes import wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
 from agentq.state.budget import cost_usd
+from agentq.state.held import REDIS_AWAY
 from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
@@ -556,9 +557,10 @@ def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
     host = get_host()
     try:
         start = claim_round(host, req)
-    except Exception:
+    except Exception as exc:
         log.exception("round %s of turn %s could not be claimed", req.round_no, req.turn_id)
-        _fail_round(host, req)
+        if not isinstance(exc, REDIS_AWAY):  # else unclaimed: the turn's pickup resends it
+            _fail_round(host, req)
         return
     if start is None:
         return

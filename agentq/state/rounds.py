@@ -14,7 +14,11 @@ from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.events.lua_args import argv_of, bind_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
+from agentq.state.held import held_writes
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
+
+ROUND_HOLD_S = 60.0
+"""How long a model round's result waits for Redis to answer again."""
 
 
 class RoundFinished(IntEnum):
@@ -22,6 +26,9 @@ class RoundFinished(IntEnum):
 
     TURN_GONE = -2
     """The turn is over, or Redis lost it: nothing written."""
+    DONE = 0
+    """The round has its result already (this write, sent again across a Redis restart, or
+    the failure a worker reported after it): nothing written, first writer wins."""
     WOKEN = 1
     """The result stored and the turn woken."""
     STEPPED = 3
@@ -66,6 +73,10 @@ class FinishLlmArgs(NamedTuple):
 # the HSET of its seq), and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
     bind_lua(FinishLlmKeys, FinishLlmArgs, rest="events")
+    + f"""
+local done = tonumber(redis.call('HGET', turn_key, '{k.LLM_RESULT_ROUND_FIELD}')) or -1
+if done >= tonumber(round_no) then return {RoundFinished.DONE:d} end
+"""
     # A round's end always wakes its turn: a writer that steps it reads the state whole.
     + turn_open_lua("turn_key", f"{RoundFinished.TURN_GONE:d}", whole="token ~= ''")
     + """
@@ -232,7 +243,14 @@ class RoundRecords(StoreBase):
             round_no,
         )
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
-        ok = self._finish_llm(keys=list(keys), args=argv_of(args, bodies))
+        # Held while Redis is away (past redis-py's own retries, about 17 s): the answer a
+        # model gave is written when Redis returns, not replaced by "the stream worker
+        # failed" (a 25 s outage ended 7 turns of 30 so).
+        ok = held_writes.hold(
+            lambda: self._finish_llm(keys=list(keys), args=argv_of(args, bodies)),
+            time.time() + ROUND_HOLD_S,
+            f"the result of round {round_no} of turn {turn_id}",
+        )
         woken = ok == RoundFinished.WOKEN
         if woken or isinstance(ok, list):
             self.bus.counted(events or [])

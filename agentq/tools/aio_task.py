@@ -27,14 +27,13 @@ from celery import Task
 
 from agentq.aio.host import LoopHost, Running, get_host
 from agentq.models import ToolResult, ToolTaskRequest
+from agentq.state.held import HOLD_RETRY_S, held_writes
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
-    HOLD_RETRY_S,
     CallScope,
     call_kwargs,
     check_value,
-    held_writes,
     mark_started,
     ok_result,
     progress_fields,

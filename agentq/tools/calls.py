@@ -8,15 +8,12 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis
 from pydantic import BaseModel
-from redis.exceptions import ClusterDownError, TryAgainError
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
@@ -24,6 +21,7 @@ from agentq.errors import AgentqError, ToolMisuse
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
+from agentq.state.held import held_writes
 from agentq.tools.context import Partial
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import cancelled_result, error_result, record_for
@@ -86,11 +84,6 @@ class CallScope:
         return result
 
 
-REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
-"""What a write raises when Redis is away (a restart, a failover, an outage): a held write
-tries again. BusyLoadingError (a restart loading its AOF) is a ConnectionError."""
-HOLD_RETRY_S = 0.5
-"""How often a held write asks Redis again, once the client's own retries ran out."""
 HOLD_PAST_DEADLINE_S = 60.0
 """A held result keeps trying this long past its call's lost-deadline: the turn cannot
 settle the call `lost` while Redis is away either, so when it returns the first writer
@@ -101,55 +94,6 @@ counts the wait), before the delivery is given up: the turn sends a call that ne
 started again."""
 HOLD_NO_LIMIT_S = 600.0
 """How long the result of a call without a hard limit waits for Redis."""
-
-
-class HeldWrites:
-    """The writes this process holds until Redis answers again (a settle, a start); the
-    I/O worker takes no new call while it holds any (`wait_none`)."""
-
-    def __init__(self) -> None:
-        self._held = 0
-        self._cond = threading.Condition()
-
-    @property
-    def count(self) -> int:
-        return self._held
-
-    def hold(self, write: Callable[[], T], until: float, what: str) -> T:
-        """`write()`, tried again every HOLD_RETRY_S while Redis is away, until `until`
-        (time.time()); then its last error is raised."""
-        held = False
-        try:
-            while True:
-                try:
-                    done = write()
-                    if held:
-                        log.info("Redis answered: %s written", what)
-                    return done
-                except REDIS_AWAY as exc:
-                    if time.time() >= until:
-                        log.error("Redis stayed away: %s not written (%s)", what, exc)
-                        raise
-                    if not held:
-                        held = True
-                        with self._cond:
-                            self._held += 1
-                        log.warning("Redis is away: holding %s until it answers (%s)", what, exc)
-                    time.sleep(HOLD_RETRY_S)
-        finally:
-            if held:
-                with self._cond:
-                    self._held -= 1
-                    self._cond.notify_all()
-
-    def wait_none(self, timeout_s: float) -> bool:
-        """Wait until no write is held (at most `timeout_s`); True if none is."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._held == 0, timeout_s)
-
-
-held_writes = HeldWrites()
-"""This process's held writes."""
 
 
 def settle_deadline(scope: CallScope, grace_s: float) -> float:

@@ -21,16 +21,15 @@ from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.fleet.runtime import get_store
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
+from agentq.state.held import REDIS_AWAY, held_writes
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
-    REDIS_AWAY,
     CallScope,
     call_kwargs,
     cancel_probe,
     check_value,
-    held_writes,
     mark_started,
     ok_result,
     progress_fields,
@@ -134,11 +133,8 @@ _ticker = _Ticker()
 
 
 @contextlib.contextmanager
-def _soft_limit_seen() -> Iterator[list[bool]]:
-    """Whether the pool's soft time limit fired during the call, also when the tool caught
-    it: the pool times the limit from when it accepted the job, a little before the call
-    began here, so the call's own clock can read just under the limit when it fires."""
-    fired = [False]
+def _soft_limit_handled(handler: Callable[[Callable[..., Any], int, Any], None]) -> Iterator[None]:
+    """The pool's soft-limit signal goes to `handler(prev, signum, frame)` meanwhile."""
     sig = SIG_SOFT_TIMEOUT
     prev = signal.getsignal(sig) if sig is not None else None
     if (
@@ -146,18 +142,60 @@ def _soft_limit_seen() -> Iterator[list[bool]]:
         or not callable(prev)
         or threading.current_thread() is not threading.main_thread()
     ):
-        yield fired
+        yield
         return
+    signal.signal(sig, lambda signum, frame: handler(prev, signum, frame))
+    try:
+        yield
+    finally:
+        signal.signal(sig, prev)
 
-    def seen(signum: int, frame: Any) -> None:
+
+@contextlib.contextmanager
+def _soft_limit_seen(scope: CallScope) -> Iterator[list[bool]]:
+    """Whether the pool's soft time limit fired during the call, also when the tool caught
+    it: the pool times the limit from when it accepted the job, a little before the call
+    began here, so the call's own clock can read just under the limit when it fires.
+
+    A signal long before the call's own soft limit is not its own: a pool whose event loop
+    stood still (reconnecting to a broker that was away) fires its overdue timers before
+    it reads the results its processes sent meanwhile, so it may signal a process that has
+    since begun another call (a 25 s Redis outage did: `Pool process ... error:
+    SoftTimeLimitExceeded()`)."""
+    fired = [False]
+
+    def seen(prev: Callable[..., Any], signum: int, frame: Any) -> None:
+        soft_s = scope.req.soft_timeout_s or 0.0
+        ran_s = time.time() - scope.started
+        if soft_s <= 0 or ran_s < soft_s / 2:
+            log.warning(
+                "call %s (%s): a soft time limit after %.1f s of its %.1f s, set for an "
+                "earlier call: ignored",
+                scope.req.call_id,
+                scope.req.tool,
+                ran_s,
+                soft_s,
+            )
+            return
         fired[0] = True
         prev(signum, frame)
 
-    signal.signal(sig, seen)
-    try:
+    with _soft_limit_handled(seen):
         yield fired
-    finally:
-        signal.signal(sig, prev)
+
+
+def _ignored_after_the_tool(scope: CallScope) -> contextlib.AbstractContextManager[None]:
+    """The tool has returned: its soft limit, firing while its result is written (held
+    while Redis is away), would otherwise drop that result."""
+
+    def ignore(prev: Callable[..., Any], signum: int, frame: Any) -> None:
+        log.warning(
+            "call %s (%s): its soft time limit fired after it finished: its result is kept",
+            scope.req.call_id,
+            scope.req.tool,
+        )
+
+    return _soft_limit_handled(ignore)
 
 
 def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
@@ -220,7 +258,7 @@ def _run(
     try:
         with (
             _ticker.running(store, scope, settings.progress_interval_s),
-            _soft_limit_seen() as soft,
+            _soft_limit_seen(scope) as soft,
         ):
             kwargs = call_kwargs(spec, req)
             value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
@@ -231,7 +269,8 @@ def _run(
         )
     except Exception as exc:
         result = raised_result(scope, exc)
-    settle(store, scope, result)
+    with _ignored_after_the_tool(scope):
+        settle(store, scope, result)
     return result.status
 
 

@@ -6,6 +6,7 @@ load; these pin down the two rules it relies on, with a real Redis and no waitin
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -15,7 +16,8 @@ import redis
 
 from agentq.models import TurnStatus
 from agentq.state.calls import Started
-from agentq.tools.calls import HOLD_START_S, HeldWrites, start_deadline
+from agentq.state.held import HeldWrites
+from agentq.tools.calls import HOLD_START_S, start_deadline
 
 pytestmark = pytest.mark.integration
 
@@ -114,3 +116,25 @@ def test_a_start_waits_at_most_half_its_hard_limit() -> None:
     assert start_deadline(30, 100.0) == 115.0
     assert start_deadline(600, 100.0) == 100.0 + HOLD_START_S
     assert start_deadline(0, 100.0) == 100.0 + HOLD_START_S
+
+
+def test_a_round_result_sent_again_changes_nothing(client) -> None:  # type: ignore[no-untyped-def]
+    # A held round result whose first write landed, or the failure a stream worker
+    # reports after it, finds the round's result stored: first writer wins.
+    from agentq.models import LlmRoundResult
+
+    store = client._store
+    tid = _turn(store)
+    answer = LlmRoundResult(ok=True, streamed_s=1.5).model_dump_json()
+    events = [("llm_finished", {"round": 0})]
+    store.finish_llm_round(tid, 0, answer, events)
+    store.finish_llm_round(tid, 0, answer, events)
+    failed = LlmRoundResult(ok=False, error="the stream worker failed", error_code="ELLM")
+    store.finish_llm_round(tid, 0, failed.model_dump_json())
+    assert json.loads(store.llm_result(tid, 0) or "{}") == json.loads(answer)
+    finished = [e for e in store.bus.replay(tid, "0-0") if e.type == "llm_finished"]
+    assert len(finished) == 1
+    # The next round is written as before.
+    store.finish_llm_round(tid, 1, answer)
+    assert json.loads(store.llm_result(tid, 1) or "{}") == json.loads(answer)
+    store.close(tid, TurnStatus.FINISHED, "turn_finished", {})

@@ -1,0 +1,73 @@
+"""Writes a process holds while Redis is away: a tool call's settle and start, a model
+round's result. Each is tried again until Redis answers or its deadline passes, so a
+result computed during a restart or an outage is written when Redis returns."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+from redis.exceptions import ClusterDownError, TryAgainError
+
+log = logging.getLogger("agentq.state")
+
+T = TypeVar("T")
+
+REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
+"""What a write raises when Redis is away (a restart, a failover, an outage): a held write
+tries again. BusyLoadingError (a restart loading its AOF) is a ConnectionError."""
+HOLD_RETRY_S = 0.5
+"""How often a held write asks Redis again, once the client's own retries ran out."""
+
+
+class HeldWrites:
+    """The writes this process holds until Redis answers again (a call's settle or start,
+    a round's result); the I/O worker takes no new call while it holds any (`wait_none`)."""
+
+    def __init__(self) -> None:
+        self._held = 0
+        self._cond = threading.Condition()
+
+    @property
+    def count(self) -> int:
+        return self._held
+
+    def hold(self, write: Callable[[], T], until: float, what: str) -> T:
+        """`write()`, tried again every HOLD_RETRY_S while Redis is away, until `until`
+        (time.time()); then its last error is raised."""
+        held = False
+        try:
+            while True:
+                try:
+                    done = write()
+                    if held:
+                        log.info("Redis answered: %s written", what)
+                    return done
+                except REDIS_AWAY as exc:
+                    if time.time() >= until:
+                        log.error("Redis stayed away: %s not written (%s)", what, exc)
+                        raise
+                    if not held:
+                        held = True
+                        with self._cond:
+                            self._held += 1
+                        log.warning("Redis is away: holding %s until it answers (%s)", what, exc)
+                    time.sleep(HOLD_RETRY_S)
+        finally:
+            if held:
+                with self._cond:
+                    self._held -= 1
+                    self._cond.notify_all()
+
+    def wait_none(self, timeout_s: float) -> bool:
+        """Wait until no write is held (at most `timeout_s`); True if none is."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._held == 0, timeout_s)
+
+
+held_writes = HeldWrites()
+"""This process's held writes."""
