@@ -432,45 +432,78 @@ def report(seed: int, duration_s: float, tally: Tally, checks: list[Check], turn
     return ok
 
 
-def redis_outages(runs: int) -> int:
-    """The Redis outage loop: `runs` runs of each fault, a table of what the calls became."""
-    from tests.faults.outage import FAULTS, run_outage
+@dataclass
+class FaultRow:
+    """What one fault's runs in the outage loop came to."""
+
+    runs: int = 0
+    failed: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    running: list[int] = field(default_factory=list)
+    completed_in_outage: int = 0
+    ended_s: list[float] = field(default_factory=list)
+
+    def line(self, fault: str) -> str:
+        st, run_at, ends = self.statuses, self.running or [0], self.ended_s or [0.0]
+        return (
+            f"| {fault} | {self.runs} | {sum(st.values()):,} | {st['ok']:,} | {st['lost']} | "
+            f"{self.failed} | {min(run_at)}-{max(run_at)} | {self.completed_in_outage} | "
+            f"{min(ends):.1f}-{max(ends):.1f} s |"
+        )
+
+
+def redis_outages(runs: int, duration_s: float | None, long_outage: bool) -> int:
+    """The Redis outage loop: the faults in turn in one rig, `runs` runs of each (or until
+    `duration_s` is up), stopping at the first run that loses a call; a table at the end."""
+    from tests.faults.outage import FAULTS, LONG_OUTAGE, run_outage
     from tests.faults.rig import Rig
 
-    rows: list[tuple[str, int, Counter[str], int, int, float]] = []
+    faults = [*FAULTS, *([LONG_OUTAGE] if long_outage else [])]
+    rows = {fault: FaultRow() for fault in faults}
     ok = True
-    for fault in FAULTS:
-        rig = Rig("outage", appendonly=True)
-        statuses: Counter[str] = Counter()
-        bad = done = 0
-        slowest = 0.0
-        try:
-            rig.start("tools", "io", "llm", "turns", concurrency={"tools": 8, "io": 4})
-            with tempfile.TemporaryDirectory(prefix="agentq-outage-") as work:
-                for n in range(runs):
-                    run = run_outage(rig, fault, Path(work) / f"run{n}")
+    t0 = time.monotonic()
+    rig = Rig("outage", appendonly=True)
+    try:
+        rig.start("tools", "io", "llm", "turns", concurrency={"tools": 8, "io": 4})
+        with tempfile.TemporaryDirectory(prefix="agentq-outage-") as work:
+            n = 0
+            while ok and n < runs and (duration_s is None or since(t0) < duration_s):
+                for fault in faults:
+                    run = run_outage(rig, fault, Path(work) / f"run{n}-{faults.index(fault)}")
                     say(f"{fault} run {n}: {run.summary()}")
-                    statuses += run.statuses
-                    slowest = max(slowest, run.ended_s)
-                    done += 1
-                    wrong = run.unended or run.duplicates or run.lost_completed or run.ran_twice
+                    row = rows[fault]
+                    row.runs += 1
+                    row.statuses += run.statuses
+                    row.running.append(run.running_at_fault)
+                    row.completed_in_outage += run.completed_in_outage
+                    row.ended_s.append(run.ended_s)
+                    wrong = (
+                        run.unended
+                        or run.not_finished
+                        or run.duplicates
+                        or run.lost_completed
+                        or run.ran_twice
+                    )
                     if wrong or set(run.statuses) != {"ok"}:
-                        bad += 1
+                        row.failed += 1
                         ok = False
                         break
-        finally:
-            rig.close()
-        rows.append((fault, done, statuses, bad, sum(statuses.values()), slowest))
-        if not ok:
-            break
-    print()
-    print("| fault | runs | calls | ok | lost | failed runs | slowest end after the fault |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for fault, done, st, bad, total, slowest in rows:
-        print(
-            f"| {fault} | {done} | {total} | {st['ok']} | {st['lost']} | {bad} | {slowest:.1f} s |"
-        )
+                n += 1
+    finally:
+        rig.close()
+    print(f"\n{since(t0) / 60:.0f} min")
+    print(
+        "| fault | runs | calls | ok | lost | failed runs | running at the fault "
+        "| completed while Redis was away | turns ended after the fault |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    for fault, row in rows.items():
+        print(row.line(fault))
     return 0 if ok else 1
+
+
+def since(t0: float) -> float:
+    return time.monotonic() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,9 +517,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--redis-outages", type=int, default=0, help="only the Redis outage loop, N runs a fault"
     )
+    ap.add_argument(
+        "--outages-for-s",
+        type=float,
+        default=None,
+        help="the outage loop stops after this long (at the end of a round of the faults)",
+    )
+    ap.add_argument(
+        "--long-outages", action="store_true", help="the outage loop adds a 20 s outage"
+    )
     args = ap.parse_args(argv)
     if args.redis_outages:
-        return redis_outages(args.redis_outages)
+        return redis_outages(args.redis_outages, args.outages_for_s, args.long_outages)
     started = time.monotonic()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     rng = random.Random(seed)

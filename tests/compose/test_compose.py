@@ -9,6 +9,7 @@ every call. The suite prints what it measured.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections import Counter
@@ -24,6 +25,9 @@ pytestmark = [pytest.mark.compose, pytest.mark.timeout(1500)]
 
 LOAD_TURNS = 30
 END_BOUND_S = 240.0
+REPEAT = int(os.environ.get("AGENTQ_COMPOSE_REPEAT", "1"))
+"""Runs of each load case against the one fleet (built and started once): `-k Redis` with
+AGENTQ_COMPOSE_REPEAT=10 runs the Redis restart ten times in a row."""
 
 
 def test_compose_config_is_valid_with_every_override(engine: None) -> None:
@@ -211,7 +215,14 @@ FAULTS: dict[str, Callable[[ComposeFleet], None]] = {
 }
 
 
-@pytest.mark.parametrize("fault", list(FAULTS))
+@pytest.mark.parametrize(
+    "fault",
+    [
+        pytest.param(f, id=f if REPEAT == 1 else f"{f} #{n + 1}")
+        for f in FAULTS
+        for n in range(REPEAT)
+    ],
+)
 def test_turns_under_load_survive(fleet: ComposeFleet, fault: str) -> None:
     ids = fleet.start_turns(LOAD_TURNS, prompt=f"load {fault}")
     # In flight: turns with calls running when the fault strikes.

@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 
 TURNS = 30
 OUTAGE_S = float(os.environ.get("AGENTQ_OUTAGE_S", "10"))
-"""The long outage: twice the workers' heartbeat lifetime. Past 17 s (redis-py's retries
-run out) results wait in the workers' held writes."""
+"""The outage of the loop: twice the workers' heartbeat lifetime."""
+LONG_OUTAGE_S = 20.0
+"""Past redis-py's own retries (about 17 s): results, starts and model rounds wait in
+their workers' held writes (agentq.state.held)."""
 END_BOUND_S = 90.0
 
 
@@ -40,17 +42,25 @@ def _kill9(rig: Rig) -> None:
     rig.redis.start()
 
 
-def _outage(rig: Rig) -> None:
-    rig.redis.halt()
-    # The fault is the time Redis stays away: nothing to wait for but the clock.
-    time.sleep(OUTAGE_S)
-    rig.redis.start()
+def _outage_of(seconds: float) -> Callable[[Rig], None]:
+    def outage(rig: Rig) -> None:
+        rig.redis.halt()
+        # The fault is the time Redis stays away: nothing to wait for but the clock.
+        time.sleep(seconds)
+        rig.redis.start()
+
+    return outage
 
 
 FAULTS: dict[str, Callable[[Rig], None]] = {
     "restart with AOF": _restart,
     "kill -9 with AOF": _kill9,
-    f"{OUTAGE_S:g} s outage": _outage,
+    f"{OUTAGE_S:g} s outage": _outage_of(OUTAGE_S),
+}
+LONG_OUTAGE = f"{LONG_OUTAGE_S:g} s outage"
+ALL_FAULTS: dict[str, Callable[[Rig], None]] = {
+    **FAULTS,
+    LONG_OUTAGE: _outage_of(LONG_OUTAGE_S),
 }
 
 
@@ -66,6 +76,10 @@ class OutageRun:
     lost_completed: list[tuple[str, str, str]] = field(default_factory=list)
     """(turn, tool, error) of calls settled `lost` whose tool had completed."""
     ran_twice: list[str] = field(default_factory=list)
+    turns: Counter[str] = field(default_factory=Counter)
+    """How the turns ended: their statuses."""
+    not_finished: list[tuple[str, str, str]] = field(default_factory=list)
+    """(turn, status, error) of every turn that ended other than `finished`."""
     lost: list[tuple[str, str, str, int, int]] = field(default_factory=list)
     """(turn, tool, error, starts, ends) of every call settled `lost`."""
     ended_s: float = 0.0
@@ -74,8 +88,9 @@ class OutageRun:
         return (
             f"{self.calls} calls {dict(self.statuses)}; {self.running_at_fault} running at the "
             f"fault, {self.completed_in_outage} completed while Redis was away; turns ended "
-            f"{self.ended_s:.1f} s after it; not ended {len(self.unended)}, lost though "
-            f"completed {len(self.lost_completed)}; lost: {self.lost}"
+            f"{self.ended_s:.1f} s after it: {dict(self.turns)}; not ended {len(self.unended)}, "
+            f"lost though completed {len(self.lost_completed)}; lost: {self.lost}; "
+            f"not finished: {self.not_finished}"
         )
 
 
@@ -115,7 +130,7 @@ def run_outage(rig: Rig, fault: str, where: Path) -> OutageRun:
     run.running_at_fault = sum(starts(p) - _done(p) for p in every)
     done_before = sum(_done(p) for p in every)
     t0 = time.monotonic()
-    FAULTS[fault](rig)
+    ALL_FAULTS[fault](rig)
     run.completed_in_outage = sum(_done(p) for p in every) - done_before
 
     def ended(tid: str) -> bool:
@@ -128,6 +143,10 @@ def run_outage(rig: Rig, fault: str, where: Path) -> OutageRun:
     run.ended_s = time.monotonic() - t0
     for tid, (sync, aio) in paths.items():
         turn = rig.client.get(tid)
+        state = turn["state"]
+        run.turns[str(state.get("status"))] += 1
+        if state.get("status") != "finished":
+            run.not_finished.append((tid, str(state.get("status")), str(state.get("error"))))
         ends = [e.fields for e in rig.log_events(tid) if e.type == "tool_finished"]
         finished = Counter(str(f.get("call_id")) for f in ends)
         errors = {str(f.get("call_id")): str(f.get("error")) for f in ends}
