@@ -19,11 +19,14 @@ the tools' own run records:
     python3 scripts/chaos.py                      # about 9 minutes
     python3 scripts/chaos.py --duration-s 90 --seed 7
     python3 scripts/chaos.py --redis-outages 20   # Redis away under 30 turns, looped
+    python3 scripts/chaos.py --redis-outages 999 --outages-for-s 3600 --long-outages
 
 `--redis-outages N` runs the fault suite's Redis outage (tests/faults/outage.py) N times
-for each fault (a restart and a kill -9 of a Redis with AOF, a 10 s outage;
-AGENTQ_OUTAGE_S changes its length), stopping at the first run that loses a call:
-10 to 20 s a run, so 20 runs of each take about 15 minutes.
+for each fault, the faults in turn in one rig (a restart and a kill -9 of a Redis with
+AOF, a 10 s outage, and with `--long-outages` a 20 s one, past redis-py's own retries;
+AGENTQ_OUTAGE_S changes the 10 s), stopping at the first run that loses a call, leaves
+a turn not finished, or when `--outages-for-s` is up: 30 to 60 s a run on a busy 2-core
+machine, so 20 runs of each take 30 to 60 minutes.
 
 Prints a table of faults and invariants; exits 1 on a violation, naming the seed.
 """
