@@ -45,6 +45,7 @@ from agentq.fleet import runtime  # noqa: E402
 from scripts.bench_capacity import bench_held, bench_io  # noqa: E402
 from scripts.bench_cluster import bench_cluster  # noqa: E402
 from scripts.bench_conversations import bench_conversations  # noqa: E402
+from scripts.bench_first_token import bench_first_token  # noqa: E402
 from scripts.bench_model_capacity import bench_model_capacity  # noqa: E402
 from scripts.bench_report import TURN_WORKER_SIDE, judge, merge_runs, render  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
@@ -91,6 +92,13 @@ KEYS = (
     "event_latency_ms_p99",
     "sse_latency_ms_p50",
     "sse_latency_ms_p99",
+    "io_wall_vs_raw_sdk",
+    "first_token_agentq_ms_p50",
+    "first_token_agentq_ms_p99",
+    "first_token_direct_ms_p50",
+    "first_token_direct_ms_p99",
+    "first_token_over_direct_ms_p50",
+    "first_token_over_direct_ms_p99",
     "scale_turns",
     "scale_all_settled",
     "scale_seconds",
@@ -256,6 +264,13 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
     }
 
 
+def with_io_ratios(out: dict[str, Any]) -> dict[str, Any]:
+    """The io stage's wall time against the raw-SDK loop's, beside its CPU ratio."""
+    if out.get("raw_sdk_seconds") and out.get("io_turns_seconds"):
+        out["io_wall_vs_raw_sdk"] = round(out["io_turns_seconds"] / out["raw_sdk_seconds"], 2)
+    return out
+
+
 def profile(fx: BenchRig, out_dir: Path, n: int = 300) -> dict[str, str]:
     """pyinstrument on the dispatcher side; py-spy on the tool worker while it runs."""
     from pyinstrument import Profiler
@@ -379,7 +394,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("events", lambda: bench_events(fx, sz)),
             ("scale", lambda: bench_scale(fx, sz)),
             ("held", lambda: bench_held(fx, sz)),
-            ("io", lambda: bench_io(fx, sz)),
+            ("io", lambda: with_io_ratios(bench_io(fx, sz))),
+            ("first_token", lambda: bench_first_token(fx, sz)),
             ("capacity", lambda: bench_model_capacity(fx, sz)),
             ("cluster", lambda: bench_cluster(fx, sz)),
             ("conversations", lambda: bench_conversations(fx, sz)),
@@ -475,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "
-        "throughput, timeout, abort, watchdog, events, scale, held, io, capacity, cluster, "
+        "throughput, timeout, abort, watchdog, events, scale, held, io, first_token, capacity, "
+        "cluster, conversations, "
         "cost_per_call, "
         "profile",
     )

@@ -43,6 +43,12 @@ class BenchError(RuntimeError):
     """A measurement could not be taken (a call did not settle as expected)."""
 
 
+READY_TIMEOUT_S = 120.0
+"""How long each process of the fleet may take to say it is ready: on the shared 2-core VM,
+with other suites running (1-minute load above 20), five Celery workers starting side by
+side took longer than the default 30 s."""
+
+
 @dataclass(frozen=True)
 class Sizes:
     overhead_calls: int = 300
@@ -64,6 +70,7 @@ class Sizes:
     cluster_turns: int = 300
     conversation_turns: int = 100
     conversation_handoffs: int = 200
+    first_token_samples: int = 200
 
 
 QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60, 60, 100, 5, 100)
@@ -150,14 +157,21 @@ class BenchRig:
             "tools": lambda: fleet.start_worker(
                 "tools",
                 name=host("tools"),
+                ready_timeout_s=READY_TIMEOUT_S,
                 concurrency=a.tool_concurrency,
                 extra_args=("-Q", "agentq.tools"),
             ),
             # A default turn worker: steps are short, a waiting turn holds no thread.
-            "turns": lambda: fleet.start_worker("turns", name=host("turns")),
+            "turns": lambda: fleet.start_worker(
+                "turns", name=host("turns"), ready_timeout_s=READY_TIMEOUT_S
+            ),
             # Default options, as `agentq worker llm` / `agentq worker io` start.
-            "llm": lambda: fleet.start_worker("llm", name=host("llm")),
-            "io": lambda: fleet.start_worker("io", name=host("io")),
+            "llm": lambda: fleet.start_worker(
+                "llm", name=host("llm"), ready_timeout_s=READY_TIMEOUT_S
+            ),
+            "io": lambda: fleet.start_worker(
+                "io", name=host("io"), ready_timeout_s=READY_TIMEOUT_S
+            ),
             "celery": lambda: fleet.start(
                 "celery",
                 [
@@ -180,6 +194,7 @@ class BenchRig:
                 ],
                 cwd=ROOT,
                 ready_pattern=CELERY_READY_PATTERN,
+                ready_timeout_s=READY_TIMEOUT_S,
             ),
         }
         if _gateway_available():
@@ -198,6 +213,7 @@ class BenchRig:
                 ],
                 cwd=ROOT,
                 ready_pattern=r"Uvicorn running on|Application startup complete",
+                ready_timeout_s=READY_TIMEOUT_S,
             )
             self.gateway_url = f"http://127.0.0.1:{port}"
         # Started side by side: each Celery worker takes seconds to boot on 2 cores.

@@ -1,13 +1,17 @@
 """CPU per model stream of the stream worker's OpenAI client, by HTTP transport.
 
     python scripts/bench_stream_client.py [--streams 1000] [--pairs 3]
+    python scripts/bench_stream_client.py --decoders   # agentq.llm.sse against the SDK's
 
 Runs `--streams` concurrent 2-second rounds (20 chunks, as in the bench's io stage) from
 the scripted server, run in a process of its own, through the stream worker's round
 (`agentq.llm.aclient.astream_round`) on the SDK's client with its aiohttp transport (as
 `make_client` builds it) and with its httpx2 one, in alternating pairs, and prints the
-CPU milliseconds per stream. On a loaded 2-core machine both numbers move by a
-tenth from one minute to the next: compare within a pair.
+CPU milliseconds per stream. With `--decoders`, both on aiohttp: the stream worker's
+round, which reads the body itself (`agentq.llm.sse`), against the same round read
+through the SDK's own stream (its SSE decoder, as the stream worker did before). On a
+loaded 2-core machine both numbers move by a tenth from one minute to the next: compare
+within a pair.
 """
 
 from __future__ import annotations
@@ -42,11 +46,30 @@ def _cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
+async def _sdk_round(client: openai.AsyncOpenAI, on_delta: Any) -> None:
+    """The round as the stream worker read it before agentq.llm.sse: through the SDK's
+    stream, its chunks assembled as the worker's own are."""
+    stream = await client.post(
+        aclient.CHAT_COMPLETIONS_PATH,
+        content=aclient.chat_request("m", [{"role": "user", "content": "k"}], []),
+        cast_to=object,
+        stream=True,
+        stream_cls=openai.AsyncStream[object],
+    )
+    async with stream:
+        assembler = aclient._Assembler(on_delta)
+        index = 0
+        async for chunk in stream:
+            assembler.add(chunk, index)
+            index += 1
+        assembler.message()
+
+
 async def _streams(url: str, transport: str, n: int) -> float:
     limits = httpx2.Limits(max_connections=n + 100, max_keepalive_connections=200)
     timeout = httpx2.Timeout(60)
     factory: Any = (
-        openai.DefaultAioHttpClient if transport == "aiohttp" else openai.DefaultAsyncHttpxClient
+        openai.DefaultAsyncHttpxClient if transport == "httpx2" else openai.DefaultAioHttpClient
     )
     clients = [
         openai.AsyncOpenAI(
@@ -63,6 +86,9 @@ async def _streams(url: str, transport: str, n: int) -> float:
     async def one(i: int) -> int:
         # The stream worker's own round: agentq.llm.aclient.astream_round on this client.
         deltas: list[str] = []
+        if transport == "sdk-sse":
+            await _sdk_round(clients[i % CLIENTS], lambda kind, text: deltas.append(text))
+            return len(deltas)
         await aclient.astream_round(
             clients[i % CLIENTS],
             [{"role": "user", "content": "k"}],
@@ -95,7 +121,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument(
+        "--decoders",
+        action="store_true",
+        help="agentq.llm.sse against the SDK's SSE decoder, both on aiohttp",
+    )
     args = p.parse_args()
+    sides = ("aiohttp", "sdk-sse") if args.decoders else ("aiohttp", "httpx2")
     if not 1 <= args.streams <= 5000:
         raise SystemExit("--streams: 1 to 5000")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -112,9 +144,9 @@ def main() -> int:
         url = line.rsplit(" ", 1)[-1].strip()
         if not url.startswith("http"):
             raise SystemExit(f"the scripted server did not start: {line!r}")
-        got: dict[str, list[float]] = {"aiohttp": [], "httpx2": []}
+        got: dict[str, list[float]] = {side: [] for side in sides}
         for pair in range(args.pairs):
-            for transport in ("httpx2", "aiohttp") if pair % 2 else ("aiohttp", "httpx2"):
+            for transport in sides[::-1] if pair % 2 else sides:
                 t0 = time.perf_counter()
                 ms = asyncio.run(_streams(url, transport, args.streams))
                 got[transport].append(ms)
@@ -123,8 +155,8 @@ def main() -> int:
                     f"({time.perf_counter() - t0:.1f} s)",
                     flush=True,
                 )
-        a, h = statistics.median(got["aiohttp"]), statistics.median(got["httpx2"])
-        print(f"median: aiohttp {a:.2f} ms, httpx2 {h:.2f} ms, ratio {a / h:.2f}")
+        a, h = statistics.median(got[sides[0]]), statistics.median(got[sides[1]])
+        print(f"median: {sides[0]} {a:.2f} ms, {sides[1]} {h:.2f} ms, ratio {a / h:.2f}")
     finally:
         server.terminate()
         server.wait(10)
