@@ -1,9 +1,10 @@
 """The turn's side of spend: before a round is sent, reserve what it may cost against the
 turn's, its parents' and its key's budgets (the turn fails `budget_exceeded` when they
 cannot afford it), settling its last round in the same script; when its result is in,
-add its usage to the turn's totals. One spend script a round: a round no budget bounds
-is settled as it answers, without a reservation; one under a budget is settled by the
-next round's RESERVE, or at the turn's end. See docs/spend.md and `agentq.state.spend`."""
+add its usage to the turn's totals. One spend script a round: a round that reserves
+nothing (no budget, or only its turn's own, kept from the turn's state) is settled as it
+answers; a reserved one by the next round's RESERVE, or at the turn's end. See
+docs/spend.md and `agentq.state.spend`."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ from agentq.config import Settings
 from agentq.errors import BudgetExceeded
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import LlmRoundResult, Usage
-from agentq.state.budget import cost_usd, day_of, lower_limit, resets_at
+from agentq.state.budget import (
+    Budget,
+    completion_cap,
+    cost_usd,
+    day_of,
+    lower_limit,
+    resets_at,
+)
 from agentq.state.spend import Reserved, Settlement, Spend
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import all_tools, schemas_json
@@ -57,17 +65,41 @@ def limits_of(ctx: StepContext) -> tuple[int | None, float | None]:
     return (None if max_tokens is None else int(max_tokens)), max_usd
 
 
-def bounded(ctx: StepContext) -> bool:
-    """Whether a budget may bound the turn's rounds: its own limits, its key's, or a
-    parent's (a sub-agent reserves whether its parents have limits or not: it cannot tell
-    without reading them). A round no budget bounds takes no reservation."""
+def reserves(ctx: StepContext) -> bool:
+    """Whether the turn's rounds are reserved in Redis: they count against a budget other
+    rounds spend meanwhile, its key's, a parent's (a sub-agent reserves whether its parents
+    have limits or not: it cannot tell without reading them), or its own when it may start
+    sub-agents. A turn whose one budget is its own, which its rounds alone spend, one at a
+    time, keeps it from its state (`_own_cap`); a round no budget bounds reserves nothing."""
+    agent = ctx.agent
     max_tokens, max_usd = limits_of(ctx)
     return (
-        max_tokens is not None
-        or max_usd is not None
-        or bool(ctx.state.get("budget_ancestors"))
+        bool(ctx.state.get("budget_ancestors"))
         or (ctx.state.get("owner") or "") in ctx.settings.key_budgets
+        or ((max_tokens is not None or max_usd is not None) and bool(agent and agent.agent_tools))
     )
+
+
+def _own_cap(ctx: StepContext, prompt: int, model: str) -> int | None:
+    """The completion a round of a turn bounded by its own limits alone may produce, by the
+    same arithmetic as RESERVE, from the turn's totals (None: no limit counts); raise
+    BudgetExceeded when they cannot afford it."""
+    max_tokens, max_usd = limits_of(ctx)
+    price = ctx.settings.price_of(model)
+    st = ctx.state
+    spent = int(st.get("spent_prompt_tokens") or 0) + int(st.get("spent_completion_tokens") or 0)
+    budgets = []
+    if max_tokens is not None:
+        budgets.append(Budget("turn", "max_tokens", "tokens", max_tokens, spent))
+    if max_usd is not None and price is not None:
+        budgets.append(Budget("turn", "max_cost_usd", "usd", max_usd, st.get("spent_usd") or 0.0))
+    if not budgets:
+        return None
+    decided = completion_cap(budgets, prompt, ctx.settings.budget_completion_tokens, price)
+    if decided.exceeded is not None:
+        b = decided.exceeded
+        raise BudgetExceeded(b.scope, b.name, b.spent, b.limit, None)
+    return decided.cap
 
 
 def _pending(ctx: StepContext) -> Settlement | None:
@@ -125,10 +157,11 @@ def reserve_round(ctx: StepContext, round_no: int, model: str) -> None:
         "budget_prompt": prompt,
         "budget_usage": None,
     }
-    if not bounded(ctx):
+    if not reserves(ctx):
         if pending is not None:  # the turn's budgets changed (its key's, by a restart)
             spend_of(ctx).settle(**_args(ctx), settle=pending)
-        sent["budget_held"], sent["budget_cap"] = False, None
+            ctx.stage(**_SETTLED)
+        sent["budget_held"], sent["budget_cap"] = False, _own_cap(ctx, prompt, model)
         ctx.stage(**sent)
         return
     max_tokens, max_usd = limits_of(ctx)
@@ -204,6 +237,7 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model:
         totals["budget_usage"] = used
         ctx.stage(**totals)
         return
+    max_tokens, max_usd = limits_of(ctx)
     settle = Settlement(
         round_no=round_no,
         reserved=_held(st),
@@ -211,6 +245,8 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model:
         usage=usage,
         model=model,
         agent=st.get("agent"),
+        max_tokens=max_tokens,
+        max_usd=max_usd,
     )
     spend_of(ctx).settle(**_args(ctx), settle=settle)
     totals.update(_SETTLED)

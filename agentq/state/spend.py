@@ -119,6 +119,10 @@ class SettleArgs(NamedTuple):
     agent: str
     first: int
     """1: the turn's first round (it counts as a turn)."""
+    limit_tokens: float
+    """The turn's limits (NO_LIMIT: none), stored with a first round no RESERVE stored them
+    for (a turn that keeps its own budget from its state), for its spend's readers."""
+    limit_usd: float
     day_ttl_s: int
     turn_ttl_s: int
 
@@ -157,6 +161,12 @@ local function settle()
     local last = tonumber(redis.call('HGET', own_key, 'settled'))
     if last and last >= tonumber(settle_round) then return {Settle.DONE} end
     redis.call('HSET', own_key, 'settled', settle_round)
+    if first == '1' and tonumber(limit_tokens) >= 0 then
+      redis.call('HSET', own_key, 'max_tokens', limit_tokens)
+    end
+    if first == '1' and tonumber(limit_usd) >= 0 then
+      redis.call('HSET', own_key, 'max_usd', limit_usd)
+    end
   end
   local p, c, h = tonumber(used_prompt), tonumber(used_completion), tonumber(used_cached)
   local u = tonumber(used_usd)
@@ -302,6 +312,9 @@ class Settlement:
     usage: Usage
     model: str
     agent: str | None
+    max_tokens: int | None = None
+    """The turn's limits, kept with its spend at its first round if no RESERVE kept them."""
+    max_usd: float | None = None
 
 
 def _num(v: Any) -> float:
@@ -347,7 +360,7 @@ class Spend:
         s = self.settings
         ttls = (s.usage_retention_days * 86400, s.turn_retention_s)
         if settle is None:
-            return SettleArgs("", 0, 0, 0, 0, 0.0, "", "", 0, *ttls)
+            return SettleArgs("", 0, 0, 0, 0, 0.0, "", "", 0, NO_LIMIT, NO_LIMIT, *ttls)
         u = settle.usage
         return SettleArgs(
             str(settle.round_no),
@@ -359,6 +372,8 @@ class Spend:
             settle.model,
             settle.agent or "",
             int(settle.round_no == 0),
+            _limit(settle.max_tokens),
+            _limit(settle.max_usd),
             *ttls,
         )
 

@@ -41,6 +41,7 @@ BUDGETS = {
     "k-usd": {"usd_per_day": 0.02},
     "k-zero": {"tokens_per_day": 1},
     "k-over": {"tokens_per_day": 200000},
+    "k-loop": {"tokens_per_day": 1000000},
 }
 KEYS = {"k-reader": "reader-secret-0123456789", "k-zero": "zero-secret-0123456789"}
 COMPLETION = 64
@@ -146,19 +147,22 @@ def test_a_budgeted_turn_that_stops_after_its_calls_settles_its_last_round(
     stack: Client, llm_server
 ) -> None:
     # The loop detector stops the turn after its third round's calls: that round's usage,
-    # left for a next round's RESERVE to settle, is settled as the turn finishes.
+    # left for a next round's RESERVE to settle (a key's budget: its rounds are reserved),
+    # is settled as the turn finishes.
     used = Usage(prompt_tokens=1000, completion_tokens=50)
     same = Round(tool_calls=calls(("echo", {"text": "again"})), usage=used)
     key = script(llm_server, same, same, same, Round(text="never sent", usage=used))
-    handle = stack.start_turn(f"{key} go", max_tokens=100000)
+    handle = stack.start(TurnRequest(prompt=f"{key} go", max_tokens=100000), owner="k-loop")
     end = stack.wait(handle.turn_id, timeout_s=60)
     assert end.type == "turn_finished" and end.fields["reason"] == "loop_detected"
     view = stack.get(handle.turn_id)
     assert view["spend"]["total_tokens"] == 3 * 1050
     assert view["spend"]["prompt_tokens"] == 3000
     assert view["state"].get("budget_reservation") is None
-    held = stack._store.redis.hkeys(turn_spend_key(None, handle.turn_id))
+    held = stack._store.redis.hkeys(turn_spend_key("k-loop", handle.turn_id))
     assert not [f for f in held if f.startswith(b"r:")]
+    day = day_key("k-loop", day_of(end.ts))
+    assert int(stack._store.redis.hget(day, "tokens") or 0) == 3 * 1050
 
 
 def test_negative_absurd_and_nan_limits_are_refused() -> None:

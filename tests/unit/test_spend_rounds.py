@@ -8,8 +8,11 @@ import uuid
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from agentq.agents import Agent
 from agentq.config import load_settings
+from agentq.errors import BudgetExceeded
 from agentq.models import AssistantMessage, LlmRoundResult, ToolCall
 from agentq.orchestrator import spend
 
@@ -29,15 +32,30 @@ def agent(**kw: Any) -> Agent:
     return Agent(name=f"a_{uuid.uuid4().hex[:8]}", **kw)
 
 
-def test_a_round_no_budget_bounds_takes_no_reservation() -> None:
-    assert not spend.bounded(ctx())
-    assert not spend.bounded(ctx(owner="unbudgeted-key"))
-    assert spend.bounded(ctx(max_tokens=100))
-    assert spend.bounded(ctx(max_cost_usd=1.0))
-    assert spend.bounded(ctx(agent(max_tokens=50)))
-    assert spend.bounded(ctx(owner="ci"))
-    # A sub-agent: its parents' budgets are theirs to know.
-    assert spend.bounded(ctx(budget_ancestors=["parent"]))
+def test_a_round_is_reserved_in_redis_when_others_spend_its_budget() -> None:
+    helper = agent(description="helps")
+    assert not spend.reserves(ctx())
+    assert not spend.reserves(ctx(owner="unbudgeted-key"))
+    # The turn's own budget, which only its rounds spend, one at a time: kept in its state.
+    assert not spend.reserves(ctx(max_tokens=100))
+    assert not spend.reserves(ctx(agent(max_tokens=50)))
+    assert not spend.reserves(ctx(agent(tools=[helper.as_tool(name="ask")])))
+    # Spent meanwhile by others: the key's turns, a parent's other children, its own.
+    assert spend.reserves(ctx(owner="ci"))
+    assert spend.reserves(ctx(budget_ancestors=["parent"]))
+    assert spend.reserves(ctx(agent(tools=[helper.as_tool(name="ask")]), max_cost_usd=1.0))
+
+
+def test_a_turns_own_budget_caps_its_round_from_its_totals() -> None:
+    assert spend._own_cap(ctx(), prompt=100, model="m") is None
+    want = SETTINGS.budget_completion_tokens
+    assert spend._own_cap(ctx(max_tokens=10**6), prompt=100, model="m") == want
+    spent = {"spent_prompt_tokens": 600, "spent_completion_tokens": 100}
+    assert spend._own_cap(ctx(max_tokens=1000, **spent), prompt=200, model="m") == 100
+    with pytest.raises(BudgetExceeded) as refused:
+        spend._own_cap(ctx(max_tokens=1000, **spent), prompt=295, model="m")
+    assert (refused.value.scope, refused.value.budget) == ("turn", "max_tokens")
+    assert (refused.value.spent, refused.value.limit) == (700, 1000)
 
 
 def test_a_round_asking_for_tools_is_settled_by_the_next_rounds_reserve() -> None:
