@@ -29,13 +29,19 @@ ANSWER = "The answer starts here, and it goes on for a few more chunks."
 """What the scripted model answers: the first chunk is what is timed."""
 
 
-def _through_agentq(http: Any, key: str) -> float:
+PHASES = ("answered", "turn_started", "llm_started", "llm_delta", "received")
+"""Where a sample's time went, each ms from the POST: its 202, the events' own `ts` (when
+the worker that published them made them), the first delta's arrival here."""
+
+
+def _through_agentq(http: Any, key: str, phases: dict[str, list[float]]) -> float:
     """Seconds from the POST to the first `llm_delta` on the turn's SSE stream; reads on to
     the turn's end, as a page does, so no turn is left to abort on a disconnect."""
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     r = http.post("/v1/turns", json={"prompt": key})
     if r.status_code != 202:
         raise BenchError(f"POST /v1/turns answered {r.status_code}: {r.text[:200]}")
+    at = {"answered": time.time() - wall0}
     handle = r.json()
     headers = {"Authorization": f"Bearer {handle['token']}", "Accept": "text/event-stream"}
     first: float | None = None
@@ -45,13 +51,19 @@ def _through_agentq(http: Any, key: str) -> float:
         for line in resp.iter_lines():
             if not line.startswith("data:"):
                 continue
-            type_ = json.loads(line[5:]).get("type")
+            event = json.loads(line[5:])
+            type_ = event.get("type")
+            if type_ in PHASES and type_ not in at:
+                at[type_] = float(event["ts"]) - wall0
             if type_ == "llm_delta" and first is None:
                 first = time.perf_counter() - t0
+                at["received"] = time.time() - wall0
             if type_ in TERMINAL_TYPES:
                 break
     if first is None:
         raise BenchError(f"turn {handle['turn_id']} ended without an llm_delta")
+    for name, s in at.items():
+        phases.setdefault(name, []).append(s)
     return first
 
 
@@ -79,6 +91,7 @@ def bench_first_token(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         return {"notes": ["first_token: the gateway did not start; not measured"]}
     key = fx.script(Round(text=ANSWER, chunk_size=8))
     sides: dict[str, list[float]] = {"agentq": [], "direct": []}
+    phases: dict[str, list[float]] = {}
     with (
         httpx.Client(base_url=fx.gateway_url, timeout=30) as http,
         openai.OpenAI(base_url=fx.llm.url, api_key="bench", max_retries=0, timeout=30) as sdk,
@@ -88,7 +101,7 @@ def bench_first_token(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         def paced(i: int) -> float:
             time.sleep(max(0.0, last_start[0] + START_INTERVAL_S - time.perf_counter()))
             last_start[0] = time.perf_counter()
-            return _through_agentq(http, f"{key} #{i}")
+            return _through_agentq(http, f"{key} #{i}", phases)
 
         runs = {
             "agentq": paced,
@@ -97,6 +110,7 @@ def bench_first_token(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         for i in range(WARMUP):
             for run in runs.values():
                 run(i)
+        phases.clear()
         order = ["agentq", "direct"]
         i = WARMUP
         while len(sides["agentq"]) < sz.first_token_samples:
@@ -109,6 +123,11 @@ def bench_first_token(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         **ms_stats("first_token_agentq_ms", sides["agentq"]),
         **ms_stats("first_token_direct_ms", sides["direct"]),
         "first_token_samples": len(sides["agentq"]),
+        "first_token_phase_ms_p50": {
+            name: round((pct(phases[name], 50) or 0) * 1000, 1)
+            for name in PHASES
+            if phases.get(name)
+        },
     }
     for q in (50, 99):
         a, d = pct(sides["agentq"], q), pct(sides["direct"], q)
