@@ -20,22 +20,32 @@ DECREASE = 0.8
 """A 429 despite pacing multiplies the admitted rate by this, at once, fleet-wide."""
 RECOVER_S = 4.0
 """...and it climbs back to the ceiling in this many seconds."""
-PROBE = 0.1
-"""Without a ceiling (nothing configured, no headers), it climbs by this share of the rate
-it was cut from each second, until the next 429."""
+PROBE = 0.02
+"""Without a ceiling (nothing configured, no headers) it climbs back to the rate it was
+cut from in RECOVER_S as well, then on past it by this share of that rate each second,
+until the next 429: the provider's limit may have grown."""
+SLOW_START = 1.5
+"""Before a 429 came while paced, the first guess may be far off: the rate grows by this
+factor each second."""
 
 # RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
-RATE_HELPERS_LUA = """
+RATE_HELPERS_LUA = (
+    f"""
+local PROBE, SLOW_START = {PROBE!r}, {SLOW_START!r}
+"""
+    + """
 -- Tunables default for a config stored by an older version.
 local GUARD_MS = tonumber(cfg.guard_ms) or 30
 local RATE_TTL_MS = tonumber(cfg.rate_ttl_ms) or 3600000
 local RS = nil
 local function rate_state()
   if RS == nil then
-    local v = redis.call('HMGET', RATE, 'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'c', 'f')
+    local v = redis.call(
+      'HMGET', RATE, 'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'c', 'f', 'top')
     RS = {
       r = tonumber(v[1]), t = num(v[2]), ai = num(v[3]), d = num(v[4]),
       lr = num(v[5]), lt = num(v[6]), w = num(v[7]), n = num(v[8]), c = num(v[9]), f = num(v[10]),
+      top = num(v[11]),
     }
   end
   return RS
@@ -56,8 +66,13 @@ local function rate_rpm()
   local st = rate_state()
   local c = ceiling_rpm()
   if not st.r then return c end
-  local r = st.r + st.ai * math.max(now - st.t, 0) / 1000
-  if c > 0 and r > c then r = c end
+  local dt = math.max(now - st.t, 0) / 1000
+  if c > 0 then return math.min(st.r + st.ai * dt, c) end
+  if st.top <= 0 then return st.r * SLOW_START ^ math.min(dt, 30) end
+  local r = st.r + st.ai * dt
+  if r > st.top and st.ai > 0 then
+    r = st.top * (1 + PROBE * (dt - (st.top - st.r) / st.ai))
+  end
   return r
 end
 
@@ -100,6 +115,7 @@ local function window_add(rpm, k)
 end
 
 """
+)
 
 # NOTE_BODY_LUA, the end of NOTE_LUA (capacity_lua): what one answer of the provider said.
 # Its own limits (headers) become the ceiling of a model configured without one; a 429
@@ -111,7 +127,7 @@ end
 # from the pause's end with no burst. Returns when the pause ends (0: none).
 NOTE_BODY_LUA = (
     f"""
-local DECREASE, RECOVER_S, PROBE = {DECREASE!r}, {RECOVER_S!r}, {PROBE!r}
+local DECREASE, RECOVER_S = {DECREASE!r}, {RECOVER_S!r}
 """
     + """
 local st = rate_state()
@@ -133,12 +149,15 @@ if tonumber(refused) == 1 and now - st.d >= 1000 then
     guess = math.max(guess, st.n * 60)
     guess = math.max(guess, 60)
   end
-  -- Back to a known ceiling in RECOVER_S; without one, probe upwards by PROBE a second.
-  local ai = ceiling_rpm() * (1 - DECREASE) / RECOVER_S
-  if ai <= 0 then ai = guess * PROBE end
+  -- Back to the ceiling in RECOVER_S; without one, to the rate refused (`top`), unless
+  -- that was only a guess: then the slow start goes on from the cut.
+  local top = ceiling_rpm()
+  if top <= 0 and rpm > 0 then top = guess end
+  if top <= 0 then top = 0 end
   rpm = math.max(guess * DECREASE, 1)
-  st.r, st.t, st.d, st.ai = rpm, now, now, ai
-  redis.call('HSET', RATE, 'r', fmt(rpm), 't', now, 'd', now, 'ai', fmt(st.ai))
+  st.r, st.t, st.d, st.top = rpm, now, now, top
+  st.ai = top * (1 - DECREASE) / RECOVER_S
+  redis.call('HSET', RATE, 'r', fmt(rpm), 't', now, 'd', now, 'ai', fmt(st.ai), 'top', fmt(top))
 end
 local until_at = 0
 local wait = tonumber(wait_ms)

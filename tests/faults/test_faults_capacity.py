@@ -15,6 +15,7 @@ from agentq.llm.capacity import capacity_for
 from agentq.local.processes import wait_for
 from agentq.models import Event, TurnRequest
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
+from agentq.testing.ratelimit import ProviderLimits
 from tests.helpers import calls, wait_event
 
 MODEL = "gpt-4o-mini"
@@ -176,3 +177,42 @@ def test_a_round_that_waits_past_the_turns_limit_fails_it_clearly(make_rig) -> N
     cap = capacity_for(rig.client._store.redis, load_settings())
     assert cap.snapshot(MODEL)["queued"]["interactive"] == 0
     assert rig.collect(first.turn_id, timeout_s=30)[-1].type == "turn_finished"
+
+
+def _share_refused(limits: ProviderLimits) -> float:
+    refused = sum(limits.refused.values())
+    return refused / max(refused + len(limits.admitted_at), 1)
+
+
+def _run_paced_fleet(rig, turns: int = 24) -> list[list[Event]]:  # type: ignore[no-untyped-def]
+    rig.start("tools", "llm", "turns")
+    key = rig.script(Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="all done"))
+    handles = [rig.client.start_turn(key, detach=True) for _ in range(turns)]
+    events = [rig.collect(h.turn_id, timeout_s=120) for h in handles]
+    failed = [ev for ev in events if ev[-1].type != "turn_finished"]
+    assert not failed, [(e.type, e.fields.get("code")) for e in failed[0][-6:]]
+    assert len(rig.llm.limits.admitted_at) == 2 * turns
+    return events
+
+
+def test_a_configured_limit_holds_against_a_provider_that_says_only_retry_after(make_rig) -> None:  # type: ignore[no-untyped-def]
+    # The provider counts whole seconds and says nothing but `retry-after: 1`: the
+    # configured rate paces, and a 429 cuts it rather than pausing the model a second.
+    rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"rpm": 240}}), AGENTQ_TURN_LEASE_S="5")
+    rig.llm.limits.requests_per_s = 4
+    rig.llm.limits.set_shape("window_bare")
+    _run_paced_fleet(rig)
+    assert _share_refused(rig.llm.limits) <= 0.15, rig.llm.limits.refused
+    assert rig.llm.limits.most_in_one_second() <= 8
+
+
+def test_an_unconfigured_fleet_learns_the_rate_from_the_headers_of_its_429s(make_rig) -> None:  # type: ignore[no-untyped-def]
+    # A continuously refilled bucket that sends its limits only with a 429: the first
+    # turns go at once and some are refused; from then on the fleet paces at the limit.
+    rig = make_rig(AGENTQ_TURN_LEASE_S="5")
+    rig.llm.limits.requests_per_s = 4
+    rig.llm.limits.set_shape("bucket_refusals")
+    _run_paced_fleet(rig)
+    cap = capacity_for(rig.client._store.redis, load_settings())
+    assert cap.snapshot(MODEL)["learned_rpm"] == 240
+    assert _share_refused(rig.llm.limits) <= 0.45, rig.llm.limits.refused
