@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery
@@ -31,8 +29,8 @@ from agentq.errors import (
     LlmError,
     ModelBusy,
 )
-from agentq.events.bus import event_body
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
+from agentq.llm.publisher import Deltas
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.llm.wakes import wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
@@ -43,7 +41,7 @@ from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 
 if TYPE_CHECKING:
-    from agentq.state.store import TurnStore
+    pass
 
 log = logging.getLogger("agentq.llm")
 
@@ -54,209 +52,6 @@ def warm() -> None:
     # busy stream worker, each formatted on the loop. A round that fails is logged here.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     get_streams(get_host())
-
-
-Batch = dict[str, list[tuple[str, dict[str, Any]]]]
-"""Events by turn, each turn's in order: (type, fields)."""
-
-
-def _publish(store: TurnStore, batch: Batch) -> set[str]:
-    """In a store thread: publish a batch; return the turns of it someone follows."""
-    return store.bus.publish_many(
-        {
-            turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
-            for turn_id, events in batch.items()
-        }
-    )
-
-
-@dataclasses.dataclass
-class _Seen:
-    """What the last publish of a turn's events found."""
-
-    watched: bool
-    at: float
-    """When its events went out (monotonic s)."""
-
-
-class _Publisher:
-    """One per process: the pending events of every round go out together, in one pipelined
-    round trip, so thousands of streams cost a few store calls a second, not one a chunk.
-
-    After a batch it waits `llm_delta_interval_ms`, and the deltas that come meanwhile join
-    the one before them: a round of a hundred chunks is a few events, each of them four
-    Redis commands, instead of a hundred. A round that ends `take`s its turn's events not
-    yet out, for the write that stores its result.
-
-    A turn nobody followed when its events last went out (`llm_quiet_delta_interval_ms`)
-    keeps its deltas, joining, until that interval has passed since: most rounds are never
-    watched live, and their deltas are about half of what a turn costs Redis. Any other
-    event of the turn takes them along at once, in order. What the round's claim found
-    (`learned`) counts as its first publish; a turn of which nothing is known has its
-    first event go at once.
-    """
-
-    def __init__(self, host: LoopHost, publish: Callable[[Batch], set[str]] | None = None) -> None:
-        self.host = host
-        settings = host.settings
-        self.interval_s = settings.llm_delta_interval_ms / 1000
-        quiet_ms = settings.llm_quiet_delta_interval_ms
-        self.quiet_s = quiet_ms / 1000 if quiet_ms > settings.llm_delta_interval_ms else 0.0
-        """0: no turn's deltas are held."""
-        self.publish = publish or functools.partial(_publish, host.store)
-        self.pending: Batch = {}
-        self.in_flight: set[str] = set()
-        self.seen: dict[str, _Seen] = {}
-        self.pruned_at = time.monotonic()
-        self.flushing: asyncio.Task[None] | None = None
-        self.tick = asyncio.Event()
-        """Set (and replaced) each time a batch has gone out."""
-        self.wake = asyncio.Event()
-        """Wakes the loop from waiting for held deltas alone: an event came that may not
-        wait that long."""
-        self.holding_until: float | None = None
-        """While only held deltas wait: when the first of them is due."""
-
-    def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
-        events = self.pending.setdefault(turn_id, [])
-        if type_ == "llm_delta" and events:
-            # Deltas that arrive while the last batch is still going out (or in the
-            # interval after it, or while held) join the delta before them: a loaded
-            # worker publishes fewer, longer deltas instead of falling behind.
-            last_type, last = events[-1]
-            if (
-                last_type == "llm_delta"
-                and last["round_no"] == fields["round_no"]
-                and last["kind"] == fields["kind"]
-            ):
-                last["text"] += fields["text"]
-                return
-        events.append((type_, fields))
-        if self.flushing is None or self.flushing.done():
-            self.flushing = asyncio.get_running_loop().create_task(self._flush())
-        elif self.holding_until is not None:
-            # Otherwise the loop looks at every turn after the batch it is on: waking it
-            # for each held delta would have it scan thousands of turns a chunk.
-            due = self._due(turn_id, time.monotonic()) if type_ == "llm_delta" else None
-            if due is None or due < self.holding_until:
-                self.wake.set()
-
-    def _due(self, turn_id: str, now: float) -> float | None:
-        """When the turn's deltas may go out, if they are held now; else None."""
-        seen = self.seen.get(turn_id)
-        if seen is None or seen.watched:
-            return None
-        due = seen.at + self.quiet_s
-        return due if due > now else None
-
-    def _take(self, now: float) -> tuple[Batch, float]:
-        """The events to publish now, and when the first held delta is due."""
-        if not self.quiet_s:
-            taken, self.pending = self.pending, {}
-            return taken, math.inf
-        batch: Batch = {}
-        first_due = math.inf
-        for turn_id, events in self.pending.items():
-            due = self._due(turn_id, now)
-            if due is not None and all(type_ == "llm_delta" for type_, _ in events):
-                first_due = min(first_due, due)
-            else:
-                batch[turn_id] = events
-        for turn_id in batch:
-            del self.pending[turn_id]
-        return batch, first_due
-
-    async def _flush(self) -> None:
-        while self.pending:
-            now = time.monotonic()
-            batch, first_due = self._take(now)
-            if not batch:
-                # Only held deltas: nothing to do until the first is due, unless an event
-                # comes that may not wait that long (`add`).
-                self.wake.clear()
-                self.holding_until = first_due
-                try:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), first_due - now)
-                finally:
-                    self.holding_until = None
-                continue
-            self.in_flight = set(batch)
-            try:
-                watched = await self.host.io(self.publish, batch)
-            except Exception:
-                log.warning("llm events not published", exc_info=True)
-            else:
-                if self.quiet_s:
-                    for turn_id in batch:
-                        self.seen[turn_id] = _Seen(turn_id in watched, now)
-                    self._prune(now)
-            self.in_flight = set()
-            tick, self.tick = self.tick, asyncio.Event()
-            tick.set()
-            if self.interval_s > 0:
-                await asyncio.sleep(self.interval_s)
-
-    def _prune(self, now: float) -> None:
-        """Forget turns that published nothing for the quiet interval: for a turn not
-        seen, as for one seen that long ago, nothing is held. A round that ends forgets
-        its turn (`take`); this catches those that never got there."""
-        if now - self.pruned_at >= self.quiet_s:
-            self.pruned_at = now
-            self.seen = {t: s for t, s in self.seen.items() if s.at + self.quiet_s > now}
-
-    def learned(self, turn_id: str, watched: bool) -> None:
-        """What a write of the turn's own found (a round's claim, which publishes its
-        llm_started): as if its events had gone out now, unless something newer is known
-        (a follower came since: `watched`)."""
-        if self.quiet_s and turn_id not in self.seen:
-            self.seen[turn_id] = _Seen(watched, time.monotonic())
-
-    def watched(self, turn_id: str) -> None:
-        """Someone started following the turn: its deltas go live from now (any held go
-        with the next batch)."""
-        if self.quiet_s:
-            self.seen[turn_id] = _Seen(True, time.monotonic())
-            if turn_id in self.pending:
-                self.wake.set()
-
-    async def take(self, turn_id: str) -> list[tuple[str, dict[str, Any]]]:
-        """The turn's events not published yet, held deltas too, once those of it going
-        out have gone: its round is over, and the write of its result carries them. What
-        was learned of the turn goes with them."""
-        while turn_id in self.in_flight:
-            await self.tick.wait()
-        # Its next round (here or elsewhere) learns afresh.
-        self.seen.pop(turn_id, None)
-        taken = self.pending.pop(turn_id, [])
-        if taken:
-            self.wake.set()  # a loop that waits for held deltas alone may wait for none now
-        return taken
-
-
-_publisher: _Publisher | None = None
-
-
-class _Deltas:
-    """A round's events, in order, through the process's publisher."""
-
-    def __init__(self, host: LoopHost, turn_id: str, round_no: int) -> None:
-        global _publisher
-        if _publisher is None:
-            _publisher = _Publisher(host)
-            host.cancels.on_watch = _publisher.watched
-        self.publisher = _publisher
-        self.turn_id = turn_id
-        self.round_no = round_no
-
-    def add(self, type_: str, **fields: Any) -> None:
-        self.publisher.add(self.turn_id, type_, {"round_no": self.round_no, **fields})
-
-    def learned(self, watched: bool) -> None:
-        self.publisher.learned(self.turn_id, watched)
-
-    async def take(self) -> list[tuple[str, dict[str, Any]]]:
-        return await self.publisher.take(self.turn_id)
 
 
 def _started(host: LoopHost, req: LlmRoundRequest) -> dict[str, Any]:
@@ -377,7 +172,7 @@ class _Round:
     host: LoopHost
     req: LlmRoundRequest
     stats: _RoundStats
-    events: _Deltas
+    events: Deltas
     model: str
     failover: bool
     """Other deployments can take the round: a failing one gives it up at once."""
@@ -529,7 +324,7 @@ async def _stream(
 ) -> tuple[LlmRoundResult, list[tuple[str, dict[str, Any]]]]:
     """The round's result, and its events not published yet (for the write of its end)."""
     model = _model(host, req)
-    events = _Deltas(host, req.turn_id, req.round_no)
+    events = Deltas(host, req.turn_id, req.round_no)
     events.learned(start.followed)
     failover = len(streams.capacity.entry(model).routes) > 1
     rnd = _Round(host, req, stats, events, model, failover)

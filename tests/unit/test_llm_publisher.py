@@ -18,7 +18,8 @@ import fakeredis
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.events import bus as bus_module
-from agentq.llm.task import _publish, _Publisher
+from agentq.llm.publisher import Publisher as _Publisher
+from agentq.llm.publisher import publish_batch as _publish
 from agentq.state.store import TurnStore
 
 Batch = dict[str, list[tuple[str, dict[str, Any]]]]
