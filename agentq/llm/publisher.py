@@ -87,6 +87,11 @@ class Publisher:
         wait that long."""
         self.holding_until: float | None = None
         """While only held deltas wait: when the first of them is due."""
+        self.resting: set[str] | None = None
+        """While the loop waits out the interval after a batch: the turns whose interval it
+        is (`_rest`)."""
+        self.urgent = asyncio.Event()
+        """Wakes the loop from the interval: another turn's first event came."""
 
     def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
         events = self.pending.setdefault(turn_id, [])
@@ -105,6 +110,9 @@ class Publisher:
         events.append((type_, fields))
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.get_running_loop().create_task(self._flush())
+        elif self.resting is not None and turn_id not in self.resting and len(events) == 1:
+            if type_ != "llm_delta" or self._due(turn_id, time.monotonic()) is None:
+                self.urgent.set()
         elif self.holding_until is not None:
             # Otherwise the loop looks at every turn after the batch it is on: waking it
             # for each held delta would have it scan thousands of turns a chunk.
@@ -152,21 +160,57 @@ class Publisher:
                 finally:
                     self.holding_until = None
                 continue
-            self.in_flight = set(batch)
-            try:
-                watched = await self.host.io(self.publish, batch)
-            except Exception:
-                log.warning("llm events not published", exc_info=True)
-            else:
-                if self.quiet_s:
-                    for turn_id in batch:
-                        self.seen[turn_id] = _Seen(turn_id in watched, now)
-                    self._prune(now)
-            self.in_flight = set()
-            tick, self.tick = self.tick, asyncio.Event()
-            tick.set()
+            await self._send(batch, now)
             if self.interval_s > 0:
-                await asyncio.sleep(self.interval_s)
+                await self._rest(set(batch))
+
+    async def _send(self, batch: Batch, now: float) -> None:
+        self.in_flight = set(batch)
+        try:
+            watched = await self.host.io(self.publish, batch)
+        except Exception:
+            log.warning("llm events not published", exc_info=True)
+        else:
+            if self.quiet_s:
+                for turn_id in batch:
+                    self.seen[turn_id] = _Seen(turn_id in watched, now)
+                self._prune(now)
+        self.in_flight = set()
+        tick, self.tick = self.tick, asyncio.Event()
+        tick.set()
+
+    async def _rest(self, sent: set[str]) -> None:
+        """Wait out the interval after a batch. It is the interval of that batch's turns:
+        the first event of another turn (a new round's first chunk, mostly) goes at once,
+        in a batch of its own, so no round's first token waits out another round's
+        interval; from then on that turn waits out the rest of this one."""
+        until = time.monotonic() + self.interval_s
+        self.resting = sent
+        try:
+            while (left_s := until - time.monotonic()) > 0:
+                self.urgent.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.urgent.wait(), left_s)
+                now = time.monotonic()
+                batch = self._take_others(sent, now)
+                if batch:
+                    sent.update(batch)
+                    await self._send(batch, now)
+        finally:
+            self.resting = None
+
+    def _take_others(self, sent: set[str], now: float) -> Batch:
+        """The pending events of turns not in `sent` that may go now (none held)."""
+        batch: Batch = {}
+        for turn_id, events in self.pending.items():
+            if turn_id in sent:
+                continue
+            if self._due(turn_id, now) is not None and all(t == "llm_delta" for t, _ in events):
+                continue
+            batch[turn_id] = events
+        for turn_id in batch:
+            del self.pending[turn_id]
+        return batch
 
     def _prune(self, now: float) -> None:
         """Forget turns that published nothing for the quiet interval: for a turn not

@@ -418,3 +418,28 @@ def test_a_follower_that_comes_releases_the_held_deltas() -> None:
         {"t1": [("llm_delta", _delta(0, "text", "ab"))]},
         {"t1": [("llm_delta", _delta(0, "text", "c"))]},
     ]
+
+
+def test_a_new_rounds_first_delta_does_not_wait_out_another_turns_interval() -> None:
+    host = _Host(interval_ms=60_000, slow=False)
+
+    async def main() -> None:
+        pub = host.publisher()
+        pub.add("t1", "llm_delta", _delta(0, "text", "a"))
+        await _until(lambda: len(host.store.batches) == 1)
+        # The loop waits out t1's interval; t2's first chunk goes at once, t1's joins.
+        pub.add("t1", "llm_delta", _delta(0, "text", "b"))
+        pub.add("t2", "llm_delta", _delta(1, "text", "x"))
+        await _until(lambda: len(host.store.batches) == 2)
+        # t2 is in this interval now: its next chunk joins too.
+        pub.add("t2", "llm_delta", _delta(1, "text", "y"))
+        taken.extend(await asyncio.wait_for(pub.take("t1"), 5))
+        taken.extend(await asyncio.wait_for(pub.take("t2"), 5))
+
+    taken: list[tuple[str, dict[str, Any]]] = []
+    asyncio.run(main())
+    assert host.store.batches == [
+        {"t1": [("llm_delta", _delta(0, "text", "a"))]},
+        {"t2": [("llm_delta", _delta(1, "text", "x"))]},
+    ]
+    assert taken == [("llm_delta", _delta(0, "text", "b")), ("llm_delta", _delta(1, "text", "y"))]
