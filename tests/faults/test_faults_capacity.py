@@ -44,6 +44,9 @@ def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  
     # A lapsed stream heartbeat would use one: the rig's 1.5 s lease is tight on a busy box.
     rig = make_rig(AGENTQ_LLM_MAX_RETRIES="0", AGENTQ_TURN_LEASE_S="5")
     rig.llm.limits.requests_per_s = 4
+    # Only `retry-after`: with rate headers on its 200s the fleet would pace from the
+    # first answer, and the provider might never refuse.
+    rig.llm.limits.set_shape("window_bare")
     rig.start("tools", "llm", "turns")
     key = rig.script(Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="all done"))
     handles = [rig.client.start_turn(key, detach=True) for _ in range(16)]
