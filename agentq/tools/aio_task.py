@@ -114,7 +114,7 @@ async def _run_async_call(
     store = host.store
     settings = host.settings
     scope.started = time.time()
-    why_not = await host.io(mark_started, store, scope, delivery)
+    why_not = await host.io(mark_started, store, scope, delivery, within_limit=True)
     if why_not is not None:
         log.info("call %s of %s: %s", req.call_id, spec.name, why_not)
         return why_not

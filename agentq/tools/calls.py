@@ -124,8 +124,15 @@ def settle(store: TurnStore, scope: CallScope, result: ToolResult) -> None:
     )
 
 
-def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | None:
-    """Record the start; None when the call should run, else why it does not (for Flower)."""
+def mark_started(
+    store: TurnStore, scope: CallScope, delivery: str, *, within_limit: bool = False
+) -> str | None:
+    """Record the start; None when the call should run, else why it does not (for Flower).
+
+    `within_limit`: the start waits for Redis up to the call's hard limit (the I/O worker,
+    which counts the limit from `scope.started` itself), not half of it: a start given up
+    may have been written all the same (Redis applied it and went away before it
+    answered), and the call then settled `lost` though it never ran (a 20 s outage did)."""
     req = scope.req
     start = {
         "started_at": scope.started,
@@ -150,7 +157,11 @@ def mark_started(store: TurnStore, scope: CallScope, delivery: str) -> str | Non
     }
     claim = held_writes.hold(
         lambda: store.mark_started(req.turn_id, req.call_id, start, event),
-        start_deadline(req.timeout_s, time.time()),
+        (
+            scope.started + (req.timeout_s if req.timeout_s > 0 else HOLD_START_S)
+            if within_limit
+            else start_deadline(req.timeout_s, time.time())
+        ),
         f"the start of call {req.call_id} ({req.tool})",
     )
     scope.alone = claim is Started.STARTED_ALONE

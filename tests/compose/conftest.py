@@ -8,6 +8,7 @@ and an engine the suite started is stopped.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,10 @@ from tests.compose.fleet import ComposeFleet, since, start_engine, stop_engine
 
 LOGS = Path(__file__).resolve().parents[2] / "artifacts" / "compose-fleet.log"
 """Every container's log of the last compose run."""
+REUSE_IMAGE = os.environ.get("AGENTQ_COMPOSE_REUSE_IMAGE") == "1"
+"""Run the agentq:local image as built before (`docker build -f compose/Dockerfile -t
+agentq:local .`), not built again: with the engine's vfs storage a build takes 20 min
+or more on a busy 2-core machine, and any change to agentq/ starts it over."""
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +41,8 @@ def fleet(engine: None) -> Iterator[ComposeFleet]:
     t0 = time.monotonic()
     try:
         # Built once here: `up --build` builds the one image again for every service.
-        f.build()
+        if not REUSE_IMAGE:
+            f.build()
         built_s = since(t0)
         f.up()
         print(f"\ncompose: image built in {built_s} s, fleet healthy {since(t0)} s after start")
