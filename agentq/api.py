@@ -22,7 +22,7 @@ from agentq.models import (
     TurnHandle,
     TurnRequest,
 )
-from agentq.orchestrator.conversation import conversations
+from agentq.orchestrator.conversation import conversations, release_for
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.steps import run_step
 from agentq.state.budget import day_of
@@ -101,6 +101,12 @@ class Client:
             tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     # -- starting ------------------------------------------------------------------
+
+    def _lazy_app(self) -> Celery:
+        """The app, built only when something is sent with it."""
+        from celery.local import Proxy
+
+        return cast("Celery", Proxy(lambda: self.app))
 
     @property
     def app(self) -> Celery:
@@ -231,11 +237,8 @@ class Client:
         # turn, else by the step that holds it, which sees the flag when it releases.
         if not self._store.wake_here(turn_id):
             return
-        from celery.local import Proxy
-
         # A proxy, so an abort step with nothing to revoke or send never builds the app.
-        app = cast("Celery", Proxy(lambda: self.app))
-        run_step(turn_id, store=self._store, app=app, settings=self.settings)
+        run_step(turn_id, store=self._store, app=self._lazy_app(), settings=self.settings)
 
     def answer(
         self,
@@ -336,7 +339,15 @@ class Client:
         unknown id: ConversationNotFound."""
         convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
-        return convs.view(conversation_id).public()
+        view = convs.view(conversation_id)
+        running = view.running_turn_id
+        if running and self._store.status(running) in TERMINAL_STATUSES:
+            # Its turn wrote its end (and `turn_finished`) before it appends its exchange:
+            # a reader that saw the end is shown the history with it, as the next start
+            # would be, by the same hand-off.
+            release_for(self._store, self._lazy_app(), conversation_id, running)
+            view = convs.view(conversation_id)
+        return view.public()
 
     def usage(
         self,

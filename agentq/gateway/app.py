@@ -492,6 +492,9 @@ def create_app(
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
+    # A server builds its Celery app as it starts, as it did before the CLI made it lazy:
+    # not in a request thread, and not on the first turn's or abort's time.
+    _ = client.app
     logs.install(client.settings.log_format)
     check_key_webhooks(client.settings)
     gw = Gateway(

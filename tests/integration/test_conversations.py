@@ -330,6 +330,7 @@ def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
 ) -> None:
     from agentq.fleet import runtime
     from agentq.models import TurnStatus
+    from agentq.orchestrator.conversation import conversations
 
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))), Round(text="b"))
     conv = conv_id()
@@ -344,7 +345,8 @@ def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
     store.close(
         first.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered]
     )
-    assert client.conversation(conv, operator=True)["running_turn_id"] == first.turn_id
+    # Read from storage: `Client.conversation` would hand off for it (the test below).
+    assert conversations(store).view(conv).running_turn_id == first.turn_id
     # The queued turn's next look (its wakeup, brought forward) releases it and runs.
     store.wake_by(behind.turn_id, 0)
     end = collect(client, behind.turn_id, timeout_s=30)[-1]
@@ -361,3 +363,29 @@ def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
     after = client.start_turn("again", conversation_id=conv2, operator=True)
     assert not after.queued
     assert collect(client, after.turn_id)[-1].type == "turn_finished"
+
+
+def test_reading_a_conversation_whose_turn_ended_shows_its_exchange(
+    fleet, llm_server, client: Client
+) -> None:
+    from agentq.fleet import runtime
+    from agentq.models import TurnStatus
+    from agentq.orchestrator.conversation import conversations
+
+    # A turn's end is written before its exchange is appended: a reader that saw the end
+    # (here the end alone, as if its step stopped between the two) is shown the exchange.
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))), Round(text="b"))
+    conv = conv_id()
+    turn = client.start_turn(key, conversation_id=conv, operator=True)
+    collect(client, turn.turn_id, until=until_type("tool_started"))
+    store = runtime.get_store()
+    call_id = client.get(turn.turn_id)["history"][-1]["tool_calls"][0]["id"]
+    answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
+    store.close(
+        turn.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered]
+    )
+    assert conversations(store).view(conv).running_turn_id == turn.turn_id
+    view = client.conversation(conv, operator=True)
+    assert view["status"] == "idle" and view["running_turn_id"] is None
+    assert user_texts(view["messages"]) == [key]
+    assert_valid_history(view["messages"])

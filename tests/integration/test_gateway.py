@@ -342,6 +342,7 @@ def test_healthz_is_503_when_redis_is_down(agentq_env: dict[str, str]) -> None:
     # A real Client whose Redis is a closed port: the gateway must answer, not hang.
     dead = Client.__new__(Client)
     dead.settings = get_settings()
+    dead._app = None
     dead._store = TurnStore(
         redis.Redis(
             host="127.0.0.1", port=dead_port, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)

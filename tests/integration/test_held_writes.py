@@ -125,6 +125,9 @@ def test_a_round_result_sent_again_changes_nothing(client) -> None:  # type: ign
 
     store = client._store
     tid = _turn(store)
+    # Held by this test, so that no step of a fleet this process runs for other tests
+    # (woken by each write) takes this bare turn and closes it between the writes.
+    assert store.lock_step(tid, "the-test", 120_000)
     answer = LlmRoundResult(ok=True, streamed_s=1.5).model_dump_json()
     events = [("llm_finished", {"round": 0})]
     store.finish_llm_round(tid, 0, answer, events)
