@@ -16,6 +16,7 @@ from agentq.api import Client
 from agentq.errors import ConversationBusy, ConversationNotFound, IdempotencyKeyReused
 from agentq.local.processes import wait_for
 from agentq.models import Event, TurnRequest
+from agentq.state.store import TurnStore
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli, assert_valid_history, calls, collect, script
 
@@ -325,6 +326,16 @@ def test_an_aborted_queued_turn_leaves_the_queue_and_its_message_is_not_kept(
     assert view["status"] == "idle" and user_texts(view["messages"]) == [key]
 
 
+def _end_without_hand_off(client: Client, store: TurnStore, turn_id: str) -> None:
+    """Write a turn's end (its running call answered), as by a step whose process then
+    died before its hand-off: nothing hands the conversation on."""
+    from agentq.models import TurnStatus
+
+    call_id = client.get(turn_id)["history"][-1]["tool_calls"][0]["id"]
+    answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
+    store.close(turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered])
+
+
 def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
     fleet, llm_server, client: Client
 ) -> None:
@@ -337,14 +348,8 @@ def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
     first = client.start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
     behind = client.start_turn("next", conversation_id=conv, operator=True)
-    # The first turn's end is written, as by a step whose process then died before its
-    # hand-off: nothing hands the conversation on.
     store = runtime.get_store()
-    call_id = client.get(first.turn_id)["history"][-1]["tool_calls"][0]["id"]
-    answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
-    store.close(
-        first.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered]
-    )
+    _end_without_hand_off(client, store, first.turn_id)
     # Read from storage: `Client.conversation` would hand off for it (the test below).
     assert conversations(store).view(conv).running_turn_id == first.turn_id
     # The queued turn's next look (its wakeup, brought forward) releases it and runs.
@@ -369,7 +374,6 @@ def test_reading_a_conversation_whose_turn_ended_shows_its_exchange(
     fleet, llm_server, client: Client
 ) -> None:
     from agentq.fleet import runtime
-    from agentq.models import TurnStatus
     from agentq.orchestrator.conversation import conversations
 
     # A turn's end is written before its exchange is appended: a reader that saw the end
@@ -379,11 +383,7 @@ def test_reading_a_conversation_whose_turn_ended_shows_its_exchange(
     turn = client.start_turn(key, conversation_id=conv, operator=True)
     collect(client, turn.turn_id, until=until_type("tool_started"))
     store = runtime.get_store()
-    call_id = client.get(turn.turn_id)["history"][-1]["tool_calls"][0]["id"]
-    answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
-    store.close(
-        turn.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered]
-    )
+    _end_without_hand_off(client, store, turn.turn_id)
     assert conversations(store).view(conv).running_turn_id == turn.turn_id
     view = client.conversation(conv, operator=True)
     assert view["status"] == "idle" and view["running_turn_id"] is None

@@ -210,16 +210,7 @@ def test_twenty_turns_of_one_key_do_not_overspend_its_budget(stack: Client, llm_
         *loop,
     )
     handles = [stack.start(TurnRequest(prompt=f"{key} go {i}"), owner="k-crowd") for i in range(20)]
-    ends: dict[str, Event] = {}
-
-    def wait(turn_id: str) -> None:
-        ends[turn_id] = stack.wait(turn_id, timeout_s=120)
-
-    threads = [threading.Thread(target=wait, args=(h.turn_id,)) for h in handles]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    ends = _run_all(stack, handles, timeout_s=120)
     assert len(ends) == 20
     assert all(e.fields.get("code") == "budget_exceeded" for e in ends.values())
     raw = stack._store.redis.hgetall(day_key("k-crowd", day_of(next(iter(ends.values())).ts)))
@@ -236,11 +227,12 @@ def test_twenty_turns_of_one_key_do_not_overspend_its_budget(stack: Client, llm_
     assert 1 <= total("|turns") <= 20
 
 
-def _run_all(stack: Client, handles: list[Any]) -> dict[str, Event]:
+def _run_all(stack: Client, handles: list[Any], timeout_s: float = 180) -> dict[str, Event]:
+    """Each turn's terminal event, waited for at once (one thread a turn)."""
     ends: dict[str, Event] = {}
 
     def wait(turn_id: str) -> None:
-        ends[turn_id] = stack.wait(turn_id, timeout_s=180)
+        ends[turn_id] = stack.wait(turn_id, timeout_s=timeout_s)
 
     threads = [threading.Thread(target=wait, args=(h.turn_id,)) for h in handles]
     for t in threads:
