@@ -180,19 +180,22 @@ class McpTools:
                 return self._await_listing(server.name, previous) if wait else None
         except Exception:
             pass  # without Redis this process lists for itself
+        # The listing is shared before the lock goes: a process waiting for it takes a
+        # missing lock to mean the listing is there.
         try:
-            tools = _run_async(lambda: _list_once(server), LIST_TIMEOUT_S)
-            listing = Listing(time.time(), tools)
-            log.info("MCP server %s lists %d tools", server.name, len(tools))
-        except Exception as exc:
-            why = explain(exc)
-            log.warning("MCP server %s: tools not listed: %s", server.name, why)
-            listing = Listing(time.time(), previous.tools if previous else [], error=why)
-            self._health(server.name, why)
+            try:
+                tools = _run_async(lambda: _list_once(server), LIST_TIMEOUT_S)
+                listing = Listing(time.time(), tools)
+                log.info("MCP server %s lists %d tools", server.name, len(tools))
+            except Exception as exc:
+                why = explain(exc)
+                log.warning("MCP server %s: tools not listed: %s", server.name, why)
+                listing = Listing(time.time(), previous.tools if previous else [], error=why)
+                self._health(server.name, why)
+            self._write(server.name, listing)
         finally:
             with contextlib.suppress(Exception):
                 self._redis().delete(lock)
-        self._write(server.name, listing)
         return listing
 
     def _await_listing(self, name: str, previous: Listing | None) -> Listing | None:
@@ -204,7 +207,9 @@ class McpTools:
             if listing is not None and listing.listed_at > since:
                 return listing
             if not self._redis().exists(k.mcp_listing_key(name)):
-                return listing
+                # Read again: the listing may have been written since the read above (an I/O
+                # worker that started without a server's tools refused their calls' tasks).
+                return self._read().get(name, listing)
         return None
 
     def _health(self, name: str, error: str) -> None:

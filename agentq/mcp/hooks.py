@@ -1,16 +1,18 @@
 """What an I/O worker does for its MCP servers beyond running calls: the tasks of tools a
-listing adds while it runs, and its sessions stopped (stdio servers with them) when it goes."""
+listing adds while it runs (it reads no registry, so it looks for new listings on a thread
+of its own), and its sessions stopped (stdio servers with them) when it goes."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
 
 from agentq.fleet.roles import current_role
-from agentq.mcp.catalog import loaded
+from agentq.mcp.catalog import POLL_S, McpTools, loaded
 from agentq.tools.registry import ToolSpec
 
 log = logging.getLogger("agentq.mcp")
@@ -20,6 +22,7 @@ STOP_TIMEOUT_S = 15.0
 
 Register = Callable[[dict[str, ToolSpec]], Any]
 _register: Register | None = None
+_stopping = threading.Event()
 
 
 def _register_added_tools(sender: Any = None, **_: Any) -> None:
@@ -39,6 +42,17 @@ def _register_added_tools(sender: Any = None, **_: Any) -> None:
         log.info("MCP tools added: %s", ", ".join(s.name for s in specs))
 
     tools.on_new_tools = added
+    threading.Thread(
+        target=_watch_listings, args=(tools, _stopping), name="agentq-mcp-listings", daemon=True
+    ).start()
+
+
+def _watch_listings(tools: McpTools, stop: threading.Event) -> None:
+    """Apply the listings other processes share (a server's tools listed again past their
+    TTL, or one this worker could not list at start): a call of a tool whose task this
+    worker lacks would be dropped as an unknown task."""
+    while not stop.wait(POLL_S):
+        tools.refresh()
 
 
 def _stop_sessions(**_: Any) -> None:
@@ -47,6 +61,7 @@ def _stop_sessions(**_: Any) -> None:
     tools = loaded()
     if tools is None or current_role() != "io":
         return
+    _stopping.set()
     from agentq.aio import host as aio_host
 
     host = aio_host._host
