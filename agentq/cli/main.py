@@ -56,6 +56,13 @@ def worker_argv(
         argv += ["-n", f"{kind}@%h"]
     if not has_option(opts, "-l", "--loglevel"):
         argv += ["-l", "INFO"]
+    # Mingle (revoked ids from the neighbours, a second's wait at every start and
+    # reconnect) and gossip (each worker consuming every other's events) serve nothing
+    # agentq uses: a call of a turn that was cancelled is refused at its start in Redis,
+    # and liveness is agentq's own heartbeat. Mingle at a reconnect also takes a broker
+    # connection from the pool the publishing threads hold, without waiting: kombu's
+    # LimitExceeded stopped a stream worker so after a Redis restart.
+    argv += [flag for flag in ("--without-mingle", "--without-gossip") if flag not in opts]
     return [*argv, *opts]
 
 

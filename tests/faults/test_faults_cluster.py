@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -45,14 +46,26 @@ def _cluster_rig(make_rig) -> Rig:  # type: ignore[no-untyped-def]
     return rig
 
 
+@pytest.fixture(scope="module")
+def cluster_rig() -> Iterator[Rig]:
+    """The rig of the tests that break nothing, in file order (the listing test, first,
+    counts every turn the cluster holds)."""
+    rig = Rig("cluster", cluster=True, AGENTQ_TOOLS=TOOLS)
+    try:
+        rig.start("tools", "llm", "turns", "io")
+        yield rig
+    finally:
+        rig.close()
+
+
 def _masters(rig: Rig, turn_ids: list[str]) -> Counter[int]:
     """How many of these turns each master holds."""
     assert rig.redis_cluster is not None
     return Counter(rig.redis_cluster.master_of(k.turn_key(t)).port for t in turn_ids)
 
 
-def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
-    rig = _cluster_rig(make_rig)
+def test_turns_subagents_and_the_listing_run_on_a_cluster(cluster_rig: Rig) -> None:
+    rig = cluster_rig
     # The state is sharded: one index of each kind a shard, each on its shard's slot.
     assert k.shard_count() == k.DEFAULT_CLUSTER_SHARDS
     turn_id = "ab12" + "0" * 28
@@ -139,8 +152,8 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(make_rig) -> None:
         )
 
 
-def test_aborts_and_approvals_on_a_cluster(make_rig) -> None:
-    rig = _cluster_rig(make_rig)
+def test_aborts_and_approvals_on_a_cluster(cluster_rig: Rig) -> None:
+    rig = cluster_rig
     # Approved, denied by its timeout, and aborted mid-call: three turns on any masters.
     approve_key = rig.script(
         Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))), Round(text="deleted")
@@ -281,8 +294,8 @@ def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:
     schedules.remove("report")
 
 
-def test_a_conversation_runs_one_turn_at_a_time_on_a_cluster(make_rig) -> None:
-    rig = _cluster_rig(make_rig)
+def test_a_conversation_runs_one_turn_at_a_time_on_a_cluster(cluster_rig: Rig) -> None:
+    rig = cluster_rig
     key = rig.script(
         Round(tool_calls=calls(("echo", {"text": "a"}), ("aio_sleep", {"seconds": 0.5}))),
         Round(text="first"),

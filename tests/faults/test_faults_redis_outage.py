@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,10 +29,16 @@ pytestmark = [pytest.mark.faults, pytest.mark.integration]
 RUNS = int(os.environ.get("AGENTQ_OUTAGE_RUNS", "3"))
 
 
-def _rig(make_rig: Callable[..., Rig]) -> Rig:
-    rig = make_rig(appendonly=True)
-    rig.start("tools", "io", "llm", "turns", concurrency={"tools": 8, "io": 4})
-    return rig
+@pytest.fixture(scope="module")
+def outage_rig() -> Iterator[Rig]:
+    """One rig for every fault: each run leaves Redis up again and every turn ended (the
+    runs of a fault already share it)."""
+    rig = Rig("redis_outage", appendonly=True)
+    try:
+        rig.start("tools", "io", "llm", "turns", concurrency={"tools": 8, "io": 4})
+        yield rig
+    finally:
+        rig.close()
 
 
 def _check(rig: Rig, run: OutageRun) -> None:
@@ -48,9 +54,9 @@ def _check(rig: Rig, run: OutageRun) -> None:
 @pytest.mark.timeout(120 + 60 * RUNS)
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_no_completed_call_is_lost_when_redis_goes_away(
-    make_rig: Callable[..., Rig], tmp_path: Path, fault: str
+    outage_rig: Rig, tmp_path: Path, fault: str
 ) -> None:
-    rig = _rig(make_rig)
+    rig = outage_rig
     runs: list[OutageRun] = []
     for n in range(RUNS):
         run = run_outage(rig, fault, tmp_path / f"run{n}")
@@ -63,9 +69,9 @@ def test_no_completed_call_is_lost_when_redis_goes_away(
 
 @pytest.mark.timeout(150)
 def test_nothing_is_lost_in_an_outage_past_redis_pys_retries(
-    make_rig: Callable[..., Rig], tmp_path: Path
+    outage_rig: Rig, tmp_path: Path
 ) -> None:
-    rig = _rig(make_rig)
+    rig = outage_rig
     run = run_outage(rig, LONG_OUTAGE, tmp_path)
     print(f"\n{LONG_OUTAGE}: {run.summary()}")
     _check(rig, run)

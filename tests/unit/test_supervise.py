@@ -86,3 +86,12 @@ def test_the_last_value_given_is_the_one_celery_takes() -> None:
     assert take_option(["-l", "INFO", "--pool"], "-P", "--pool") == ("", ["-l", "INFO"])
     assert take_option(["-l", "INFO"], "-P", "--pool") == (None, ["-l", "INFO"])
     assert not has_option(["--pooling", "x", "-l"], "-P", "--pool")
+
+
+def test_workers_go_without_mingle_and_gossip_once() -> None:
+    """Neither serves agentq, and mingle at a reconnect could stop a worker (kombu's
+    LimitExceeded on a held broker pool); given again on the command line, once."""
+    argv = worker_argv("llm", [], ["agentq.tools"])
+    assert argv.count("--without-mingle") == 1 and argv.count("--without-gossip") == 1
+    argv = worker_argv("tools", ["--without-mingle"], ["agentq.tools"])
+    assert argv.count("--without-mingle") == 1 and argv.count("--without-gossip") == 1
