@@ -47,9 +47,11 @@ def stuck(seconds: float = 60) -> str:
     return "woke up"
 
 
-@tool(timeout_s=60, budget_s=1)
+@tool(timeout_s=50, budget_s=1)
 def hang(seconds: float = 60) -> dict[str, object]:
-    """Block for a long time in one call; only killing the process stops it."""
+    """Block for a long time in one call; only killing the process stops it (its hard limit
+    comes before its 60 s: one that ended at the very moment of its kill once left the
+    session's tool worker taking no more tasks)."""
     sleep_through(seconds)
     return {"woke": True, "pid": os.getpid()}
 
