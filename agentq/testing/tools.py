@@ -47,11 +47,12 @@ def stuck(seconds: float = 60) -> str:
     return "woke up"
 
 
+# The hard limit comes before the 60 s sleep ends: a call that ended at the very moment of
+# its kill once left the session's tool worker taking no more tasks. (Not in the docstring:
+# that is the description every test turn offers the model, and budget tests count it.)
 @tool(timeout_s=50, budget_s=1)
 def hang(seconds: float = 60) -> dict[str, object]:
-    """Block for a long time in one call; only killing the process stops it (its hard limit
-    comes before its 60 s: one that ended at the very moment of its kill once left the
-    session's tool worker taking no more tasks)."""
+    """Block for a long time in one call; only killing the process stops it."""
     sleep_through(seconds)
     return {"woke": True, "pid": os.getpid()}
 
