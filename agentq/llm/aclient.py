@@ -72,19 +72,28 @@ def _warn_no_aiohttp() -> None:
     log.warning("aiohttp is not installed: model streams use the slower httpx2 transport")
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context per process, as each client would make it (SSL_CERT_FILE honoured):
+    loading the CA bundle costs tens of CPU ms, and a stream worker makes a client per
+    128 streams of its capacity, which made every start load it eight times."""
+    return httpx2.create_ssl_context(verify=True, trust_env=True)
+
+
 def make_client(
     *, base_url: str, api_key: str | None, max_connections: int, timeout: httpx2.Timeout
 ) -> openai.AsyncOpenAI:
     limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=200)
+    tls = _tls_context()
     http: httpx2.AsyncClient
     try:
         # The SDK's aiohttp transport (the `openai[aiohttp]` extra): a thousand rounds at
         # once cost 2.7 CPU ms each on it and 4.8 on httpx2, whose HTTP/1.1 parser and
         # connection pool are pure Python (scripts/bench_stream_client.py).
-        http = openai.DefaultAioHttpClient(timeout=timeout, limits=limits)
+        http = openai.DefaultAioHttpClient(timeout=timeout, limits=limits, verify=tls)
     except RuntimeError:
         _warn_no_aiohttp()
-        http = openai.DefaultAsyncHttpxClient(timeout=timeout, limits=limits)
+        http = openai.DefaultAsyncHttpxClient(timeout=timeout, limits=limits, verify=tls)
     return openai.AsyncOpenAI(
         base_url=base_url,
         api_key=api_key or "unused",

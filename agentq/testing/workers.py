@@ -23,6 +23,11 @@ def worker_env(
         "AGENTQ_STREAM_IDLE_TIMEOUT_MS": "3000",
         "AGENTQ_LLM_MAX_RETRIES": "2",
         "AGENTQ_APPROVAL_TIMEOUT_S": "120",
+        # One event loop per stream worker, as `agentq dev` runs it: a test streams tens of
+        # rounds, not thousands, and a process a CPU (with their supervisor) cost every
+        # start 7 CPU-s instead of 3. `--processes N` still overrides it where a test
+        # needs a supervised stream worker.
+        "AGENTQ_LLM_PROCESSES": "1",
         "PYTHONUNBUFFERED": "1",
     }
     if llm_url:
