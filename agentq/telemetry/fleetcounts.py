@@ -174,6 +174,8 @@ class FleetCounts:
         self._ints: Counter[str] = Counter()
         self._sums: defaultdict[str, float] = defaultdict(float)
         self._pid = 0
+        self._client: Any = None
+        """Where the flusher adds the counts: the Redis of the newest count."""
         self._tool = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
         self._model = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
         self._deployment = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
@@ -280,24 +282,28 @@ class FleetCounts:
     # -- flushing
 
     def _started(self, client: Any, flush_s: float) -> None:
+        # The newest count's Redis: a process that moved to another one (a test process
+        # going from fleet to fleet, a CLI given another URL) must not keep adding its
+        # counts to the first, where no gateway of the new one reads them.
+        self._client = client
         if self._pid == os.getpid():
             return
         # A forked child starts with its parent's counts, which the parent flushes itself.
         self._pid = os.getpid()
         self._ints, self._sums = Counter(), defaultdict(float)
         thread = threading.Thread(
-            target=self._run, args=(client, flush_s), name="agentq-fleet-counts", daemon=True
+            target=self._run, args=(flush_s,), name="agentq-fleet-counts", daemon=True
         )
         thread.start()
         # A short-lived process (a CLI abort that runs the abort step itself) ends before
         # its first flush; a prefork child exits without atexit and flushes on Celery's
         # worker_process_shutdown instead (agentq.worker).
-        atexit.register(self._flush_at_exit, client)
+        atexit.register(self._flush_at_exit)
 
-    def _flush_at_exit(self, client: Any) -> None:
+    def _flush_at_exit(self) -> None:
         # Bounded: with Redis gone, the client's retries would hold the exit for seconds.
         if self._pid == os.getpid() and (self._ints or self._sums):
-            last = threading.Thread(target=self._flush_quietly, args=(client,), daemon=True)
+            last = threading.Thread(target=self._flush_quietly, args=(self._client,), daemon=True)
             last.start()
             last.join(EXIT_FLUSH_S)
 
@@ -305,11 +311,11 @@ class FleetCounts:
         with contextlib.suppress(Exception):
             self.flush(client)
 
-    def _run(self, client: Any, flush_s: float) -> None:
+    def _run(self, flush_s: float) -> None:
         pid = os.getpid()
         while self._pid == pid:
             time.sleep(flush_s)
-            self.flush(client)
+            self.flush(self._client)
 
     def stop(self) -> None:
         """Stop the flusher thread (after its current sleep); counts stay until `flush`."""

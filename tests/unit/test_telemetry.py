@@ -230,6 +230,22 @@ def test_the_flusher_thread_adds_counts_by_itself() -> None:
     assert 'agentq_turns_ended_total{outcome="finished"} 1.0' in _rendered(got)
 
 
+def test_counts_go_to_the_redis_of_the_newest_count() -> None:
+    # A process that moved to another Redis (a test process from fleet to fleet) adds
+    # its counts where that Redis's gateways read them, not to the first one it used.
+    first, second = fakeredis.FakeRedis(), fakeredis.FakeRedis()
+    counts = FleetCounts()
+    counts.events([("turn_finished", {"reason": "stop"})], first, flush_s=0.05)
+    try:
+        wait_for(lambda: read_counts(first), 5, 0.02, message="the first Redis's counts")
+        counts.events([("turn_aborted", {"reason": "user"})], second, flush_s=0.05)
+        got = wait_for(lambda: read_counts(second), 5, 0.02, message="the second's counts")
+    finally:
+        counts.stop()
+    assert 'agentq_turn_aborts_total{reason="user"} 1.0' in _rendered(got)
+    assert "agentq_turn_aborts_total{" not in _rendered(read_counts(first))
+
+
 def test_a_process_that_exits_before_its_first_flush_flushes_at_exit(redis_server: Any) -> None:
     # A CLI that aborts a turn runs the abort step and exits well within a flush interval.
     tool = f"exit_probe_{uuid.uuid4().hex[:8]}"
