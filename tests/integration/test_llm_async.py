@@ -146,5 +146,7 @@ def test_a_thousand_streams_on_one_loop(server: ScriptedOpenAIServer) -> None:
     errors = [o[1] for o in outs if o[1] is not None]
     assert not errors, errors[:3]
     assert all(o[0].content == text for o in outs)
-    # Each stream takes ~1.5 s alone; all 1000 at once, on one loop, well under 1000 x that.
-    assert took < 30, took
+    # Each stream takes ~1.5 s alone, so one after another they would take 1,500 s. All
+    # 1000 at once on one loop take 8-20 s, but the scripted server shares this process's
+    # CPU, and on 2 cores beside another test process's fleet one run took 35 s.
+    assert took < 90, took
