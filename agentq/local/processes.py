@@ -35,6 +35,7 @@ from typing import Protocol, TypeVar
 import psutil
 
 from agentq.fleet.lifecycle import Started
+from agentq.local.forkserver import ForkedChild, ForkServer, forkable
 
 __all__ = [
     "CELERY_READY_PATTERN",
@@ -45,6 +46,7 @@ __all__ = [
     "kill_all",
     "start_process",
     "start_worker",
+    "use_fork_server",
     "wait_for",
 ]
 
@@ -107,6 +109,25 @@ def kill_all() -> None:
 atexit.register(kill_all)
 
 
+_fork_server: ForkServer | None = None
+
+
+def use_fork_server(enabled: bool = True) -> None:
+    """Start agentq commands (``python -m agentq ...``) as forks of a pre-imported Python.
+
+    For the tests: a worker's start then costs a fork instead of its imports. Off by
+    default, and off in every process a fork starts.
+    """
+    global _fork_server
+    if enabled and _fork_server is None:
+        _fork_server = ForkServer()
+        _register(_fork_server)
+    elif not enabled and _fork_server is not None:
+        _fork_server.stop()
+        _unregister(_fork_server)
+        _fork_server = None
+
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -165,7 +186,7 @@ class ManagedProcess(Started):
 
     def __init__(
         self,
-        popen: subprocess.Popen[bytes],
+        popen: subprocess.Popen[bytes] | ForkedChild,
         *,
         argv: Sequence[str],
         log_path: Path,
@@ -358,18 +379,24 @@ def start_process(
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
 
+    popen: subprocess.Popen[bytes] | ForkedChild
     try:
-        with open(log_path, "ab", buffering=0) as log:
-            popen = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=_build_env(env, inherit_env),
-                cwd=cwd,
-                start_new_session=True,
-                close_fds=True,
+        if _fork_server is not None and forkable(argv):
+            popen = _fork_server.spawn(
+                argv, env=_build_env(env, inherit_env), log_path=log_path, cwd=cwd
             )
+        else:
+            with open(log_path, "ab", buffering=0) as log:
+                popen = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=_build_env(env, inherit_env),
+                    cwd=cwd,
+                    start_new_session=True,
+                    close_fds=True,
+                )
     except OSError:
         if owns_log:
             shutil.rmtree(log_path.parent, ignore_errors=True)
