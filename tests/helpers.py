@@ -175,11 +175,8 @@ def agentq_cli(
     env: dict[str, str], *args: str, timeout_s: float = 60
 ) -> subprocess.CompletedProcess[str]:
     """`agentq ARGS` as a user runs it, with `env` over this process's environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        stdin=subprocess.DEVNULL,
+    from agentq.local.processes import run_process
+
+    return run_process(
+        [sys.executable, "-m", "agentq", *args], env={**os.environ, **env}, timeout_s=timeout_s
     )

@@ -120,13 +120,21 @@ class ForkedChild:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    """Running, not a zombie: an orphan's zombie waits for whoever adopted it."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    except OSError:
+        return True
+    return state not in ("Z", "X")
 
 
 class ForkServer:
@@ -165,15 +173,24 @@ class ForkServer:
         *,
         env: Mapping[str, str],
         log_path: Path,
+        stderr_path: Path | None = None,
         cwd: str | Path | None = None,
     ) -> ForkedChild:
-        """Fork ``argv`` (``python -m MODULE ARGS``, see :func:`forkable`); the child runs."""
+        """Fork ``argv`` (``python -m MODULE ARGS``, see :func:`forkable`); the child runs.
+
+        Its stdout goes to ``log_path``, its stderr there too or to ``stderr_path``; both
+        files exist when this returns. Its stdin is ``/dev/null``.
+        """
+        paths = [Path(p).resolve() for p in (log_path, stderr_path or log_path)]
+        for path in paths:
+            path.touch()
         request = {
             "module": argv[2],
             "args": list(argv[3:]),
             "env": dict(env),
             "cwd": str(Path(cwd or os.getcwd()).resolve()),
-            "log_path": str(Path(log_path).resolve()),
+            "stdout": str(paths[0]),
+            "stderr": str(paths[1]),
         }
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(self._started())
@@ -281,13 +298,13 @@ def _read_request(conn: socket.socket) -> dict[str, object]:
 def _become(request: dict[str, object]) -> None:
     """In the child: the session, output, environment and paths of ``python -m MODULE``."""
     os.setsid()
-    log = os.open(str(request["log_path"]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
     os.close(null)
+    for fd, key in ((1, "stdout"), (2, "stderr")):
+        out = os.open(str(request[key]), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(out, fd)
+        os.close(out)
     env = request["env"]
     assert isinstance(env, dict)
     os.environ.clear()

@@ -44,6 +44,7 @@ __all__ = [
     "ProcessStartError",
     "WaitTimeout",
     "kill_all",
+    "run_process",
     "start_process",
     "start_worker",
     "use_fork_server",
@@ -427,6 +428,39 @@ def start_process(
                 tail,
             )
         time.sleep(_POLL_S)
+
+
+def run_process(
+    argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout_s: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` to its end, its output captured, as ``subprocess.run`` does.
+
+    ``env`` is the whole environment (``os.environ`` when ``None``); stdin is
+    ``/dev/null``. With the fork server on, an agentq command runs as its fork.
+    """
+    argv = [str(a) for a in argv]
+    full_env = dict(os.environ if env is None else env)
+    if _fork_server is None or not forkable(argv):
+        return subprocess.run(
+            argv,
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
+    with tempfile.TemporaryDirectory(prefix="agentq-run-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        child = _fork_server.spawn(argv, env=full_env, log_path=out, stderr_path=err)
+        try:
+            rc = child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            raise
+        read = {"encoding": "utf-8", "errors": "replace"}
+        return subprocess.CompletedProcess(argv, rc, out.read_text(**read), err.read_text(**read))
 
 
 def start_worker(

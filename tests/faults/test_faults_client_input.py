@@ -5,7 +5,6 @@ error, and nothing else breaks. The HTTP variants live in tests/integration/test
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ from agentq.errors import (
     ToolDefinitionError,
     TurnNotFound,
 )
+from agentq.local.processes import run_process
 from agentq.models import InteractionAnswer, TurnRequest
 from agentq.testing.openai_server import Round
 from agentq.tools.registry import tool, unregister
@@ -133,13 +133,10 @@ def test_bad_settings_and_tool_declarations_name_what_is_wrong(monkeypatch) -> N
 def _agentq(*args: str, timeout_s: float = 60, **env: str) -> tuple[int, str, float]:
     """Run the agentq command; its exit code, its output, and how long it took."""
     t0 = time.monotonic()
-    out = subprocess.run(
+    out = run_process(
         [sys.executable, "-m", "agentq", *args],
         env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
+        timeout_s=timeout_s,
     )
     return out.returncode, out.stdout + out.stderr, time.monotonic() - t0
 

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from agentq.local.processes import wait_for
+from agentq.local.processes import run_process, wait_for
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli as agentq
 from tests.helpers import calls, script
@@ -125,23 +125,13 @@ def test_tool_worker_refuses_a_pool_that_cannot_enforce_hard_limits(agentq_env) 
 
 
 def test_worker_entry_points_take_celery_options(agentq_env) -> None:
-    import subprocess as sp
-
     for kind in ("turns", "llm", "tools", "io"):
-        out = sp.run(
-            [sys.executable, "-m", f"workers.{kind}", "--help"],
-            env={**os.environ, **agentq_env},
-            capture_output=True,
-            text=True,
-            timeout=60,
+        out = run_process(
+            [sys.executable, "-m", f"workers.{kind}", "--help"], env={**os.environ, **agentq_env}
         )
         assert out.returncode == 0, out.stderr
         assert "--concurrency" in out.stdout  # Celery's own worker options
-    bad = sp.run(
-        [sys.executable, "-m", "workers.tools", "-P", "solo"],
-        env={**os.environ, **agentq_env},
-        capture_output=True,
-        text=True,
-        timeout=60,
+    bad = run_process(
+        [sys.executable, "-m", "workers.tools", "-P", "solo"], env={**os.environ, **agentq_env}
     )
     assert bad.returncode == 2 and "prefork" in bad.stderr

@@ -11,6 +11,7 @@ import pytest
 
 import agentq
 from agentq.api import Client
+from agentq.local.processes import run_process
 from agentq.testing.openai_server import Round
 from tests.helpers import calls, collect, script, wait_event
 
@@ -41,13 +42,8 @@ HELP_SHOWS = {
 
 def agentq_cmd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("AGENTQ_")}
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        env={**base, **(env or NOTHING)},
-        capture_output=True,
-        text=True,
-        timeout=90,
-        stdin=subprocess.DEVNULL,
+    return run_process(
+        [sys.executable, "-m", "agentq", *args], env={**base, **(env or NOTHING)}, timeout_s=90
     )
 
 

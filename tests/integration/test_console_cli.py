@@ -11,19 +11,14 @@ import uuid
 import pytest
 
 from agentq.api import Client
+from agentq.local.processes import run_process
 from agentq.models import TurnStatus
 
 pytestmark = pytest.mark.integration
 
 
 def agentq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_process([sys.executable, "-m", "agentq", *args], env=env)
 
 
 def test_turns_json_table_and_show(agentq_env: dict[str, str], client: Client) -> None:

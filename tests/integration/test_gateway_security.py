@@ -30,7 +30,7 @@ from agentq.api import Client
 from agentq.config import Settings, load_settings
 from agentq.errors import TurnNotFound
 from agentq.gateway import BackgroundServer, create_app
-from agentq.local.processes import wait_for
+from agentq.local.processes import run_process, wait_for
 from agentq.models import TERMINAL_STATUSES
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import dump_redis, script
@@ -669,13 +669,7 @@ def test_running_turns_cap_per_key(fleet: Any, agentq_env: dict[str, str], llm_s
 
 
 def _serve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", "serve", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_process([sys.executable, "-m", "agentq", "serve", *args], env=env)
 
 
 def test_serve_refuses_a_public_address_without_keys(agentq_env: dict[str, str]) -> None:

@@ -23,7 +23,7 @@ from agentq.api import Client
 from agentq.config import load_settings
 from agentq.fleet.runtime import get_app, get_store
 from agentq.gateway import BackgroundServer, create_app
-from agentq.local.processes import ManagedProcess, start_process, wait_for
+from agentq.local.processes import ManagedProcess, run_process, start_process, wait_for
 from agentq.orchestrator.scheduled import run_tick, tick_turn_id
 from agentq.schedules.spec import ScheduleSpec
 from agentq.schedules.store import Schedules
@@ -189,13 +189,7 @@ def test_a_tick_is_skipped_while_the_last_turn_runs(
 
 
 def agentq_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_process([sys.executable, "-m", "agentq", *args], env=env)
 
 
 def test_schedule_commands(agentq_env: dict[str, str], schedules: Schedules) -> None:

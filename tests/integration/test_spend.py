@@ -4,7 +4,6 @@ and budgets per turn, per parent turn and per key that hold even under concurren
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import BudgetExceeded, BudgetInvalid
 from agentq.gateway import BackgroundServer, create_app
-from agentq.local.processes import ManagedProcess, start_worker
+from agentq.local.processes import ManagedProcess, run_process, start_worker
 from agentq.local.redis_server import RedisServer
 from agentq.models import Event, TurnRequest, Usage
 from agentq.state.budget import day_of
@@ -428,13 +427,7 @@ def test_usage_over_http_a_key_sees_its_own_an_admin_all(
 
 def agentq_cli(*args: str) -> subprocess.CompletedProcess[str]:
     # The stack's environment is this process's while its fixture holds it.
-    return subprocess.run(
-        [sys.executable, "-m", "agentq", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ.copy(),
-    )
+    return run_process([sys.executable, "-m", "agentq", *args], timeout_s=120)
 
 
 def test_the_cli_runs_under_a_budget_and_shows_usage(stack: Client, llm_server) -> None:

@@ -4,8 +4,6 @@ last line, through the session's real workers."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -16,7 +14,7 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.local.fleet import LocalFleet
-from agentq.local.processes import ManagedProcess
+from agentq.local.processes import ManagedProcess, run_process
 from agentq.models import Usage
 from agentq.testing.openai_server import Round
 from agentq.testing.webhooks import WebhookReceiver, new_secret, webhook_env
@@ -69,12 +67,9 @@ def test_agentq_run_exits_1_with_a_line_naming_the_budget(
     fleet, llm_server, agentq_env: dict[str, str]
 ) -> None:
     key = spending_rounds(llm_server)
-    ran = subprocess.run(
+    ran = run_process(
         [sys.executable, "-m", "agentq", "run", "--max-tokens", str(BUDGET), f"{key} go"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=os.environ.copy(),
+        timeout_s=120,
     )
     assert ran.returncode == 1, (ran.stdout, ran.stderr)
     out = " ".join((ran.stdout + ran.stderr).split())
