@@ -7,9 +7,11 @@ import time
 
 import pytest
 
+from agentq.constants import PICKUP_LEASES
 from agentq.local.processes import wait_for
+from agentq.state.base import START_BACKSTOP_S
 from agentq.testing.openai_server import Round
-from tests.helpers import assert_gapless
+from tests.helpers import assert_gapless, calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -82,19 +84,49 @@ def test_killed_stream_worker_out_of_retries_fails_the_turn_clearly(make_rig) ->
 
 
 def test_a_round_whose_message_was_lost_is_sent_again(make_rig) -> None:
-    # No stream worker yet: the round's message waits in the queue, where the test drops
-    # it, as a failover drops what the old master took.
+    # The second round is sent while no stream worker runs: its message waits in the
+    # queue, where the test drops it, as a failover drops what the old master took.
     rig = make_rig()
-    rig.start("turns")
-    handle = rig.client.start_turn(rig.script(Round(text="Answered after all.")))
+    rig.start("tools", "llm", "turns")
+    key = rig.script(
+        Round(tool_calls=calls(("sleep", {"seconds": 1}))), Round(text="Answered after all.")
+    )
+    tid = rig.client.start_turn(key).turn_id
+    rig.collect(tid, until=lambda e: e.type == "tool_started")
+    rig.worker("llm").stop()
     redis = rig.client._store.redis
-    wait_for(lambda: redis.llen("agentq.llm") == 1, 30, message="the round to be sent")
+    wait_for(
+        lambda: (
+            redis.llen("agentq.llm") == 1 and rig.client.get(tid)["state"].get("llm_round") == 1
+        ),
+        30,
+        message="the second round to be sent",
+    )
     assert redis.delete("agentq.llm") == 1
-    rig.start("llm")
     t0 = time.monotonic()
-    events = rig.collect(handle.turn_id, timeout_s=40)
+    rig.start("llm")
+    events = rig.collect(tid, timeout_s=40)
     assert events[-1].type == "turn_finished", [e.type for e in events]
     assert events[-1].fields["content"] == "Answered after all."
     # Sent again after 4 leases (1.5 s each here), not at the round's deadline (minutes).
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 5 * PICKUP_LEASES * LEASE_S
+    assert rig.client.get(tid)["state"]["llm_sends"] == 2
+    assert_gapless(events)
+
+
+def test_a_new_turns_lost_first_step_is_swept_up(make_rig) -> None:
+    # A new turn's first step goes to the stream workers' queue; none runs yet, and the
+    # test drops the message: the wakeup stored with the turn starts it after all.
+    rig = make_rig()
+    rig.start("turns")
+    handle = rig.client.start_turn(rig.script(Round(text="Started after all.")))
+    redis = rig.client._store.redis
+    wait_for(lambda: redis.llen("agentq.llm") == 1, 30, message="the first step to be sent")
+    assert redis.delete("agentq.llm") == 1
+    t0 = time.monotonic()
+    rig.start("llm")
+    events = rig.collect(handle.turn_id, timeout_s=START_BACKSTOP_S + 30)
+    assert events[-1].type == "turn_finished", [e.type for e in events]
+    assert events[-1].fields["content"] == "Started after all."
+    assert time.monotonic() - t0 < START_BACKSTOP_S + 20
     assert_gapless(events)
