@@ -27,11 +27,16 @@ until the next 429: the provider's limit may have grown."""
 SLOW_START = 1.5
 """Before a 429 came while paced, the first guess may be far off: the rate grows by this
 factor each second."""
+SMOOTH_CREDIT_MS = 250
+"""A second paced from its first grant (the one before it filled up) starts with this
+much credit: rounds are admitted when a release or the sweeper wakes the queue, up to a
+quarter second late, and a second paced with none lost what came late for good (20, then
+15, then 20 a second against a provider of 20)."""
 
 # RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
 RATE_HELPERS_LUA = (
     f"""
-local PROBE, SLOW_START = {PROBE!r}, {SLOW_START!r}
+local PROBE, SLOW_START, SMOOTH_CREDIT_MS = {PROBE!r}, {SLOW_START!r}, {SMOOTH_CREDIT_MS!r}
 """
     + """
 -- Tunables default for a config stored by an older version.
@@ -103,7 +108,7 @@ local function window_add(rpm, k)
   window_now()
   local st = rate_state()
   if st.smooth then
-    local tat = now + math.max(cfg.burst_ms - 60000 / rpm, 0)
+    local tat = now + math.max(cfg.burst_ms - 60000 / rpm - SMOOTH_CREDIT_MS, 0)
     if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
     st.smooth = false
   end
