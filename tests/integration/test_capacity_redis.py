@@ -20,6 +20,7 @@ import redis
 from redis.crc import key_slot
 
 from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt, Wakes
+from agentq.llm.capacity_rate import SMOOTH_CREDIT_MS
 from agentq.llm.headers import RateSignal, parse_rate_headers
 from agentq.llm.limits import parse_limits
 from agentq.local.redis_server import RedisServer
@@ -93,11 +94,14 @@ def test_gcra_paces_1200_rpm_to_a_one_second_burst_then_one_every_50_ms(r: redis
     times = [t - T0 for t in at.values()]
     assert times.count(0) == 20  # the burst: one second's worth, not 1,200
     # Providers count in wall-clock seconds: the burst filled the first, so the pace
-    # resumes as the next opens (without a second burst), 20 in each.
+    # resumes as the next opens, 20 in each: no second burst, only the paced second's
+    # credit (a quarter second's worth) at its start, then one every 50 ms.
     assert Counter(t // 1000 for t in times) == {0: 20, 1: 20, 2: 20}
-    steady = sorted(t for t in times if t > 0)
-    assert steady[0] == 1000
-    assert all(b - a >= 50 for a, b in itertools.pairwise(steady))
+    credit = 1 + SMOOTH_CREDIT_MS // 50
+    for second in (1000, 2000):
+        paced = sorted(t for t in times if second <= t < second + 1000)
+        assert paced[:credit] == [second] * credit
+        assert [b - a for a, b in itertools.pairwise(paced[credit - 1 :])] == [50] * (20 - credit)
     assert max_in_window(times, 1000) <= 20
     # One owner's rounds are served in arrival order.
     assert sorted(at, key=lambda w: (at[w], w)) == arrivals[: len(at)]

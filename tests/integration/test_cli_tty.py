@@ -22,8 +22,13 @@ pytestmark = [
 
 
 def _screen(session: str) -> str:
+    # Each test's session has a tmux server of its own (`-L`): a test's new session never
+    # meets the server the test before it is shutting down with its last session.
     out = subprocess.run(
-        ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=False
+        ["tmux", "-L", session, "capture-pane", "-p", "-t", session],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     return out.stdout
 
@@ -40,7 +45,7 @@ def test_interactive_approval_prompt_counts_down_and_approves(
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in agentq_env.items())
     cmd = f"env {env} {sys.executable} -m agentq run {shlex.quote(key)}; echo EXIT=$?; sleep 60"
     subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
+        ["tmux", "-L", session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
         check=True,
         cwd=os.getcwd(),
     )
@@ -54,14 +59,16 @@ def test_interactive_approval_prompt_counts_down_and_approves(
         # The prompt counts down: the seconds shown change while nobody answers.
         shown = [line for line in first.splitlines() if "left, silence denies" in line][-1]
         wait_for(lambda: shown not in _screen(session), 5, message="the countdown ticks")
-        subprocess.run(["tmux", "send-keys", "-t", session, "y", "Enter"], check=True)
+        subprocess.run(
+            ["tmux", "-L", session, "send-keys", "-t", session, "y", "Enter"], check=True
+        )
         done = wait_for(
             lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
         )
         assert "EXIT=0" in done, done
         assert "delete_file" in done and "ok" in done
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+        subprocess.run(["tmux", "-L", session, "kill-session", "-t", session], check=False)
 
 
 def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
@@ -84,7 +91,7 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         " echo EXIT=$?; sleep 60"
     )
     subprocess.run(
-        ["tmux", "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
+        ["tmux", "-L", session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
         check=True,
         cwd=os.getcwd(),
     )
@@ -96,7 +103,9 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         )
         # The request comes from the child turn, relayed into the parent's stream.
         assert "[t_asker] Allow delete_file" in first, first
-        subprocess.run(["tmux", "send-keys", "-t", session, "y", "Enter"], check=True)
+        subprocess.run(
+            ["tmux", "-L", session, "send-keys", "-t", session, "y", "Enter"], check=True
+        )
         done = wait_for(
             lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
         )
@@ -108,4 +117,4 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         assert "└ delete_file" in lines[call + 1] and " ok" in lines[call + 1], done
         assert "Lead saw it done." in done
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+        subprocess.run(["tmux", "-L", session, "kill-session", "-t", session], check=False)
