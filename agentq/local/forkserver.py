@@ -29,6 +29,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import psutil
+
 __all__ = ["FORKABLE_MODULES", "ForkServer", "ForkedChild", "forkable"]
 
 FORKABLE_MODULES = ("agentq", "workers.turns", "workers.llm", "workers.tools", "workers.io")
@@ -121,20 +123,10 @@ class ForkedChild:
 
 def _pid_alive(pid: int) -> bool:
     """Running, not a zombie: an orphan's zombie waits for whoever adopted it."""
-    if not os.path.isdir("/proc"):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    except OSError:
-        return True
-    return state not in ("Z", "X")
 
 
 class ForkServer:

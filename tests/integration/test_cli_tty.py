@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 import subprocess
@@ -21,16 +20,17 @@ pytestmark = [
 ]
 
 
-def _screen(session: str) -> str:
+def _tmux(session: str, *args: str, check: bool = True) -> str:
     # Each test's session has a tmux server of its own (`-L`): a test's new session never
     # meets the server the test before it is shutting down with its last session.
     out = subprocess.run(
-        ["tmux", "-L", session, "capture-pane", "-p", "-t", session],
-        capture_output=True,
-        text=True,
-        check=False,
+        ["tmux", "-L", session, *args], capture_output=True, text=True, check=check
     )
     return out.stdout
+
+
+def _screen(session: str) -> str:
+    return _tmux(session, "capture-pane", "-p", "-t", session, check=False)
 
 
 def test_interactive_approval_prompt_counts_down_and_approves(
@@ -44,11 +44,7 @@ def test_interactive_approval_prompt_counts_down_and_approves(
     session = f"agentq-{uuid.uuid4().hex[:8]}"
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in agentq_env.items())
     cmd = f"env {env} {sys.executable} -m agentq run {shlex.quote(key)}; echo EXIT=$?; sleep 60"
-    subprocess.run(
-        ["tmux", "-L", session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
-        check=True,
-        cwd=os.getcwd(),
-    )
+    _tmux(session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd)
     try:
         first = wait_for(
             lambda: "left, silence denies" in _screen(session) and _screen(session),
@@ -59,16 +55,14 @@ def test_interactive_approval_prompt_counts_down_and_approves(
         # The prompt counts down: the seconds shown change while nobody answers.
         shown = [line for line in first.splitlines() if "left, silence denies" in line][-1]
         wait_for(lambda: shown not in _screen(session), 5, message="the countdown ticks")
-        subprocess.run(
-            ["tmux", "-L", session, "send-keys", "-t", session, "y", "Enter"], check=True
-        )
+        _tmux(session, "send-keys", "-t", session, "y", "Enter")
         done = wait_for(
             lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
         )
         assert "EXIT=0" in done, done
         assert "delete_file" in done and "ok" in done
     finally:
-        subprocess.run(["tmux", "-L", session, "kill-session", "-t", session], check=False)
+        _tmux(session, "kill-session", "-t", session, check=False)
 
 
 def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
@@ -90,11 +84,7 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         f"env {env} {sys.executable} -m agentq run --agent t_boss {shlex.quote(key)};"
         " echo EXIT=$?; sleep 60"
     )
-    subprocess.run(
-        ["tmux", "-L", session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd],
-        check=True,
-        cwd=os.getcwd(),
-    )
+    _tmux(session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd)
     try:
         first = wait_for(
             lambda: "left, silence denies" in _screen(session) and _screen(session),
@@ -103,9 +93,7 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         )
         # The request comes from the child turn, relayed into the parent's stream.
         assert "[t_asker] Allow delete_file" in first, first
-        subprocess.run(
-            ["tmux", "-L", session, "send-keys", "-t", session, "y", "Enter"], check=True
-        )
+        _tmux(session, "send-keys", "-t", session, "y", "Enter")
         done = wait_for(
             lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
         )
@@ -117,4 +105,4 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         assert "└ delete_file" in lines[call + 1] and " ok" in lines[call + 1], done
         assert "Lead saw it done." in done
     finally:
-        subprocess.run(["tmux", "-L", session, "kill-session", "-t", session], check=False)
+        _tmux(session, "kill-session", "-t", session, check=False)

@@ -18,6 +18,9 @@ from agentq.local.processes import run_process, wait_for
 from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.testing.workers import worker_env
 
+# Real worker processes against the session's Redis, as in test_redis_server.
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture()
 def server() -> Iterator[ForkServer]:
