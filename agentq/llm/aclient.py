@@ -11,17 +11,20 @@ cancel channel sets) and always wins over the silence limit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import anyio
 import httpx2
 import openai
+from openai._models import FinalRequestOptions
 
 from agentq.errors import (
     Aborted,
@@ -47,7 +50,6 @@ from agentq.models import AssistantMessage
 log = logging.getLogger("agentq.llm")
 
 RetryCallback = Callable[[int, Exception, float], None]
-_READ_BACKSTOP_MARGIN_S = 1.0
 _READ_ERRORS = (httpx2.RequestError, ssl.SSLError, anyio.EndOfStream)
 """What reading a body raises when its connection fails: the SDK's stream calls them a
 connection error (`openai.APIConnectionError`), and so does this one."""
@@ -59,11 +61,40 @@ def _caused(error: openai.APIError, cause: Exception) -> openai.APIError:
 
 
 def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Timeout:
-    """The transport's read timeout is only a backstop behind the watchdog."""
-    read_s = request_timeout_s
-    if idle_timeout_ms > 0:
-        read_s = max(read_s, idle_timeout_ms / 1000.0 + _READ_BACKSTOP_MARGIN_S)
-    return httpx2.Timeout(request_timeout_s, read=read_s)
+    """No read timeout while the watchdog is on: it owns silence, before the answer's
+    headers as after them, and on the aiohttp transport a read timeout is a timer
+    cancelled and set again for every chunk of every stream (a tenth of a busy stream
+    worker's CPU). With the watchdog off the request timeout bounds each read."""
+    return httpx2.Timeout(
+        request_timeout_s, read=None if idle_timeout_ms > 0 else request_timeout_s
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Endpoint:
+    """A client's chat-completions request as the SDK builds it: URL, auth and headers."""
+
+    url: httpx2.URL
+    headers: list[tuple[str, str]]
+    timeout: dict[str, float | None]
+
+
+_endpoints: weakref.WeakKeyDictionary[openai.AsyncOpenAI, _Endpoint] = weakref.WeakKeyDictionary()
+
+
+async def _endpoint(client: openai.AsyncOpenAI) -> _Endpoint:
+    """Built once per client by the SDK, and sent by its HTTP client per round: the SDK's
+    per-request building (options copied and validated, headers merged, the URL parsed
+    again) cost a busy stream worker another tenth of its CPU. agentq's clients carry a
+    static key (`make_client`), so the request is the same every round."""
+    found = _endpoints.get(client)
+    if found is None:
+        options = FinalRequestOptions.construct(method="post", url=CHAT_COMPLETIONS_PATH)
+        built = client._build_request(await client._prepare_options(options))
+        headers = [(k, v) for k, v in built.headers.multi_items() if k != "content-length"]
+        found = _Endpoint(built.url, headers, dict(built.extensions["timeout"]))
+        _endpoints[client] = found
+    return found
 
 
 @functools.cache
@@ -259,36 +290,45 @@ class _Attempt:
             self.elapsed_s = time.monotonic() - self._started
 
     async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
+        endpoint = await _endpoint(self.client)
+        request = httpx2.Request(
+            "POST",
+            endpoint.url,
+            headers=endpoint.headers,
+            content=chat_request(self.model, messages, tools, self.max_completion_tokens),
+            extensions={
+                "timeout": endpoint.timeout if self.timeout is None else self.timeout.as_dict()
+            },
+        )
         try:
-            stream = await self.client.post(
-                CHAT_COMPLETIONS_PATH,
-                content=chat_request(self.model, messages, tools, self.max_completion_tokens),
-                cast_to=object,
-                stream=True,
-                stream_cls=openai.AsyncStream[object],
-                options={} if self.timeout is None else {"timeout": self.timeout},
-            )
-        except openai.APIError as exc:
-            self._fail(exc)
-        if self.on_headers is not None:
-            self.on_headers(rate_headers(stream.response.headers))
-        async with stream:
-            # The body is read here, not through the SDK's stream (agentq.llm.sse); to
-            # the end, [DONE] included, so the connection goes back to the pool.
+            response = await self.client._client.send(request, stream=True)
+        except httpx2.TimeoutException as exc:
+            self._fail(_caused(openai.APITimeoutError(request), exc))
+        except Exception as exc:  # as the SDK's own request: any failure to send
+            self._fail(_caused(openai.APIConnectionError(request=request), exc))
+        try:
+            if response.status_code >= 400:
+                try:
+                    await response.aread()
+                except _READ_ERRORS as exc:
+                    self._fail(_caused(openai.APIConnectionError(request=request), exc))
+                self._fail(self.client._make_status_error_from_response(response))
+            if self.on_headers is not None:
+                self.on_headers(rate_headers(response.headers))
+            # The body is read here, not through the SDK's stream (agentq.llm.sse); to the
+            # end, [DONE] included, so the connection goes back to the pool.
             assembler = _Assembler(self.on_delta)
             lines = SseLines()
-            body = stream.response.aiter_bytes()
+            body = response.aiter_bytes()
             while True:
                 try:
                     raw = await body.__anext__()
                 except StopAsyncIteration:
                     break
                 except httpx2.TimeoutException as exc:
-                    self._fail(_caused(openai.APITimeoutError(stream.response.request), exc))
+                    self._fail(_caused(openai.APITimeoutError(request), exc))
                 except _READ_ERRORS as exc:
-                    self._fail(
-                        _caused(openai.APIConnectionError(request=stream.response.request), exc)
-                    )
+                    self._fail(_caused(openai.APIConnectionError(request=request), exc))
                 for payload in lines.feed(raw):
                     try:
                         chunk = chunk_of(payload)
@@ -305,6 +345,8 @@ class _Attempt:
                         self.on_first_output()
                         self.on_first_output = None
                 self._last = time.monotonic()
+        finally:
+            await response.aclose()
         return assembler.message()
 
     def _fail(self, exc: Exception) -> NoReturn:

@@ -189,7 +189,7 @@ class _Round:
         from agentq.llm.aclient import astream_round, client_timeout
 
         req, settings = self.req, self.host.settings
-        # An agent with its own idle limit moves the transport's backstop behind it too.
+        # An agent with its own idle limit (or none) has its own read timeout (`client_timeout`).
         timeout = (
             None
             if req.idle_timeout_ms == settings.stream_idle_timeout_ms

@@ -216,8 +216,12 @@ class ScriptedOpenAIServer(Started):
         port: int = 0,
         model: str = "scripted",
         limits: ProviderLimits | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.limits = limits or ProviderLimits()
+        self.api_key = api_key
+        """When set, a completion request without `Authorization: Bearer <api_key>` is
+        refused with OpenAI's 401."""
         """The provider's rate limits and overloaded answers (off unless set)."""
         self.scripts: dict[str, list[Round]] = {k: list(v) for k, v in (scripts or {}).items()}
         self.requests: list[dict[str, Any]] = []
@@ -329,6 +333,10 @@ class ScriptedOpenAIServer(Started):
             return await _error(conn, 405, "method_not_allowed", f"{request.method} not served")
         if route != "/v1/chat/completions":
             return await _error(conn, 404, "not_found", f"no route POST {request.target}")
+        if self.api_key is not None:
+            if request.headers.get("authorization") != f"Bearer {self.api_key}":
+                msg = "Incorrect API key provided"
+                return await _error(conn, 401, "invalid_api_key", msg)
         try:
             body = json.loads(request.body or b"null")
         except ValueError as exc:

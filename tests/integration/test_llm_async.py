@@ -8,7 +8,13 @@ from typing import Any
 
 import pytest
 
-from agentq.errors import Aborted, StreamIdleTimeout
+from agentq.errors import (
+    Aborted,
+    ModelBusy,
+    ModelConnectionError,
+    ModelHTTPError,
+    StreamIdleTimeout,
+)
 from agentq.llm.aclient import astream_round, client_timeout, make_client
 from agentq.models import AssistantMessage
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
@@ -30,11 +36,14 @@ async def _round(
     max_retries: int = 2,
     client: Any = None,
     idle_ms: int = IDLE_MS,
+    busy_is_final: bool = False,
+    api_key: str | None = None,
+    base_url: str | None = None,
 ) -> tuple[AssistantMessage | None, BaseException | None, list[int], list[str]]:
     own = client is None
     client = client or make_client(
-        base_url=server.url,
-        api_key=None,
+        base_url=base_url or server.url,
+        api_key=api_key,
         max_connections=50,
         timeout=client_timeout(10, IDLE_MS),
     )
@@ -54,6 +63,7 @@ async def _round(
             on_retry=lambda attempt, exc, delay: retries.append(attempt),
             abort=abort or asyncio.Event(),
             turn_id="t",
+            busy_is_final=busy_is_final,
         )
         return message, None, retries, deltas
     except Exception as exc:
@@ -68,6 +78,44 @@ def test_streams_a_message(server: ScriptedOpenAIServer) -> None:
     message, error, _retries, deltas = asyncio.run(_round(server, "a-ok"))
     assert error is None and message is not None
     assert message.content == "hello there world" and "".join(deltas) == message.content
+
+
+def test_the_request_carries_the_clients_key() -> None:
+    with ScriptedOpenAIServer({"a-key": [Round(text="let in")]}, api_key="sk-right") as keyed:
+        message, error, _, _ = asyncio.run(_round(keyed, "a-key", api_key="sk-right"))
+        assert error is None and message is not None and message.content == "let in"
+        _, refused, retries, _ = asyncio.run(_round(keyed, "a-key", api_key="sk-wrong"))
+    assert isinstance(refused, ModelHTTPError) and refused.status_code == 401
+    assert "Incorrect API key provided" in refused.message and not refused.retryable
+    assert retries == []
+
+
+def test_a_server_error_is_retried_then_streams(server: ScriptedOpenAIServer) -> None:
+    server.set_script("a-500", [Round(text="second time", fault="http_500", fault_times=1)])
+    message, error, retries, _ = asyncio.run(_round(server, "a-500"))
+    assert error is None and message is not None and message.content == "second time"
+    assert retries == [1]
+
+
+def test_a_refusal_is_busy_with_its_retry_after(server: ScriptedOpenAIServer) -> None:
+    server.set_script("a-429", [Round(text="x", fault="http_429", retry_after_s=2)])
+    _, error, retries, _ = asyncio.run(_round(server, "a-429", busy_is_final=True))
+    assert isinstance(error, ModelBusy) and error.status_code == 429
+    assert error.retry_after_s == 2 and "rate limit" in error.message and retries == []
+
+
+def test_an_unreachable_server_is_a_connection_error(server: ScriptedOpenAIServer) -> None:
+    with ScriptedOpenAIServer() as gone:
+        url = gone.url
+    _, error, retries, _ = asyncio.run(_round(server, "a-gone", base_url=url, max_retries=1))
+    assert isinstance(error, ModelConnectionError) and retries == [1]
+
+
+def test_the_watchdog_owns_silence_and_no_read_timeout_backs_it() -> None:
+    # Each chunk on the aiohttp transport re-arms a read timer otherwise (a tenth of a
+    # busy stream worker's CPU); with the watchdog off, the request timeout bounds reads.
+    assert client_timeout(30, 10_000).read is None
+    assert client_timeout(30, 0).read == 30 and client_timeout(30, 0).connect == 30
 
 
 def test_zero_chunk_stall_retries_then_times_out(server: ScriptedOpenAIServer) -> None:
