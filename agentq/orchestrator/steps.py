@@ -54,6 +54,8 @@ and another step took over; "ended" it ended the turn; "waiting" it let go of th
 which waits for a wake or its next deadline."""
 
 PRUNE_EVERY_S = 60.0
+MIN_SWEEP_WAIT_S = 0.02
+"""The shortest wait between two sweeps: wakeups due closer together go in one pass."""
 PRUNE_ROUNDS = 10
 PRUNE_BATCH = 500
 
@@ -318,10 +320,22 @@ class Sweeper:
                 break
         return dropped
 
+    def until_next_s(self, now: float) -> float:
+        """How long to wait before the next pass: the interval, or less when a wakeup
+        comes due sooner (a queued model round's slot, mostly: its turn asks for it at
+        that moment, not up to an interval late, when the slot may have passed unused)."""
+        due = self.store.next_wakeup_at(now)
+        if due is None:
+            return self.interval_s
+        return min(self.interval_s, max(due - now, MIN_SWEEP_WAIT_S))
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        wait_s = self.interval_s
+        while not self._stop.wait(wait_s):
+            wait_s = self.interval_s
             try:
                 self.sweep()
+                wait_s = self.until_next_s(time.time())
             except Exception:
                 log.warning("wakeup sweep failed", exc_info=True)
 

@@ -478,6 +478,16 @@ class StepRecords(StoreBase):
         )
         return [text(t) for raw in got for t in raw]
 
+    def next_wakeup_at(self, now: float) -> float | None:
+        """When the soonest wakeup after `now` comes due (None: none), in one round trip."""
+        got = each_shard(
+            self.redis,
+            lambda p, s: p.zrangebyscore(
+                k.wakeups_key(s), f"({now!r}", "+inf", start=0, num=1, withscores=True
+            ),
+        )
+        return min((float(score) for rows in got for _, score in rows), default=None)
+
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
         return bool(

@@ -333,10 +333,9 @@ class ScriptedOpenAIServer(Started):
             return await _error(conn, 405, "method_not_allowed", f"{request.method} not served")
         if route != "/v1/chat/completions":
             return await _error(conn, 404, "not_found", f"no route POST {request.target}")
-        if self.api_key is not None:
-            if request.headers.get("authorization") != f"Bearer {self.api_key}":
-                msg = "Incorrect API key provided"
-                return await _error(conn, 401, "invalid_api_key", msg)
+        key = self.api_key
+        if key is not None and request.headers.get("authorization") != f"Bearer {key}":
+            return await _error(conn, 401, "invalid_api_key", "Incorrect API key provided")
         try:
             body = json.loads(request.body or b"null")
         except ValueError as exc:

@@ -29,3 +29,24 @@ def test_the_sweeper_drops_index_entries_of_expired_turns_and_keeps_live_ones() 
     assert sweeper.prune_index(now) == len(expired)
     left = {m.decode() for m in r.zrange(k.TURNS_INDEX, 0, -1)}
     assert left == {*live, "recent"}
+
+
+def test_the_sweeper_waits_only_until_the_next_wakeup_comes_due() -> None:
+    # A queued model round's turn asks for its slot at that moment, not up to a sweep
+    # interval late: a configured fleet lost a fifth of the provider's slots every other
+    # second to that lateness.
+    from agentq.config import Settings
+    from agentq.orchestrator.steps import MIN_SWEEP_WAIT_S, Sweeper
+
+    r = fakeredis.FakeRedis()
+    store = TurnStore(r)
+    sweeper = Sweeper(store, None, Settings(sweep_interval_s=0.25))  # type: ignore[arg-type]
+    now = 1_000_000.0
+    assert sweeper.until_next_s(now) == 0.25  # nothing waits
+    r.zadd(k.WAKEUPS, {"open": float("inf"), "later": now + 5})
+    assert sweeper.until_next_s(now) == 0.25
+    r.zadd(k.WAKEUPS, {"soon": now + 0.1, "due": now - 1})  # `due`: this pass's, not the next
+    assert abs(sweeper.until_next_s(now) - 0.1) < 1e-6
+    assert store.next_wakeup_at(now) == now + 0.1
+    r.zadd(k.WAKEUPS, {"at-once": now + 0.001})
+    assert sweeper.until_next_s(now) == MIN_SWEEP_WAIT_S
