@@ -207,9 +207,9 @@ class Settings(BaseSettings):
     llm_burst_s: float = Field(0.5, ge=0)
     """How far ahead of its steady pace a model's requests may run (GCRA's burst): providers
     count per-minute limits in one-second windows, so a second's worth at once overflows
-    the first window; less than the turn sweeper's wake-up delay (0.25 s) loses the slots
-    that pass while the next round is woken. 0.5 s at 1,200 rpm: 10 at once, then one every
-    50 ms."""
+    the first window; too little loses the slots that pass while the next round is woken
+    (a step away: the sweeper wakes a queued round's turn when its slot comes). 0.5 s at
+    1,200 rpm: 10 at once, then one every 50 ms."""
     llm_lease_ttl_s: float = Field(60.0, gt=0)
     """A stream slot (`streams`) whose llm worker stopped renewing it comes back after this."""
     llm_breaker_failures: int = Field(5, ge=1)
@@ -222,7 +222,8 @@ class Settings(BaseSettings):
     llm_max_retries: int = Field(2, ge=0, le=10)
     """Retries of a model round on a zero-chunk stall, 429 or 5xx."""
     llm_request_timeout_s: float = Field(60.0, gt=0)
-    """Transport timeout of the HTTP request; with the watchdog on, at least idle limit + 1 s."""
+    """Transport timeout of the HTTP request (connect, write, pool); each read too where the
+    watchdog is off (`stream_idle_timeout_ms` 0); with it on, the watchdog owns silence."""
 
     tools: str = ""
     """Comma-separated modules imported for their @tool definitions."""
@@ -282,7 +283,9 @@ class Settings(BaseSettings):
     step_lock_s: float = Field(10.0, gt=0)
     """Longest a step may hold its turn; a step that died mid-way is taken over after this."""
     sweep_interval_s: float = Field(0.25, gt=0)
-    """How often each turn worker sweeps for due deadlines and dead workers."""
+    """How often each turn worker sweeps for due deadlines and dead workers, at the least: a
+    deadline due sooner (a queued model round's slot) has its sweep then, 20 ms apart at
+    most often."""
     health_file: str | None = None
     """A file a worker touches every few seconds while it is connected to the broker and
     consuming: a container's healthcheck reads its age (the compose image sets it)."""

@@ -129,10 +129,24 @@ local function fmt(x) return string.format('%.17g', x) end
     + """
 -- GCRA: a request passes when the limit's theoretical arrival time runs at most one
 -- burst (less one emission interval) ahead of now; `limit` is per minute.
+-- The arrival time may not lag behind now (no credit saved up), except in the second
+-- after a start from idle (a second or more unused, `i:<field>` when it started): the
+-- provider's last second is clear, so its bucket (or its window) holds a second's worth,
+-- which a fleet that knows no limit sends at once; that second starts a second's worth
+-- behind. The window cap still grants at most a second's share in one wall-clock second.
+local function gcra_floor(field, stored)
+  local extra = math.max(1000 - cfg.burst_ms, 0)
+  if stored < now - 1000 then return now - extra, true end
+  local idle_at = num(redis.call('HGET', GCRA, 'i:' .. field))
+  if now - idle_at < 1000 then return idle_at - extra, false end
+  return now, false
+end
+
 local function gcra_ready(field, limit)
   if limit <= 0 then return now end
   local t = 60000 / limit
-  local tat = math.max(num(redis.call('HGET', GCRA, field)), now)
+  local stored = num(redis.call('HGET', GCRA, field))
+  local tat = math.max(stored, (gcra_floor(field, stored)))
   return tat - math.max(cfg.burst_ms - t, 0)
 end
 
@@ -140,7 +154,9 @@ local function gcra_add(field, limit, cost)
   if limit <= 0 or cost == 0 then return end
   local tat = num(redis.call('HGET', GCRA, field))
   if cost > 0 then
-    tat = math.max(tat, now)
+    local floor, idle = gcra_floor(field, tat)
+    if idle then redis.call('HSET', GCRA, 'i:' .. field, now) end
+    tat = math.max(tat, floor)
   elseif tat == 0 then
     return
   end

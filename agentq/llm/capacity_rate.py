@@ -29,9 +29,10 @@ SLOW_START = 1.5
 factor each second."""
 SMOOTH_CREDIT_MS = 250
 """A second paced from its first grant (the one before it filled up) starts with this
-much credit: rounds are admitted when a release or the sweeper wakes the queue, up to a
-quarter second late, and a second paced with none lost what came late for good (20, then
-15, then 20 a second against a provider of 20)."""
+much credit: rounds are admitted when a release or a queued round's wakeup comes round,
+some milliseconds late (a quarter second before the sweeper waited only until the next
+wakeup), and a second paced with none lost what came late for good (20, then 15, then 20
+a second against a provider of 20)."""
 
 # RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
 RATE_HELPERS_LUA = (

@@ -127,11 +127,13 @@ def test_an_unconfigured_fleet_learns_the_rate_from_headers_on_a_200(r: redis.Re
     snap = other.snapshot("m", now_ms=T0)
     assert snap["learned_rpm"] == 1200 and snap["learned_tpm"] == 600_000
     assert snap["admitted_rpm"] == 1200
-    # Paced now, on the full path: a burst of half a second's worth (10, one a tick),
-    # then one every 50 ms, 20 in the second.
-    at = run(other, T0 + 1000, 1.0)
-    assert at[:10] == list(range(0, 50, 5)) and len(at) == 20, at
-    assert all(b - a >= 50 for a, b in itertools.pairwise(at[10:])), at
+    # Paced now, on the full path. The limit was idle, so the provider's second is clear:
+    # a second's worth at once (one a tick), as a fleet that knew no limit would send...
+    at = run(other, T0 + 1000, 2.0)
+    assert [t for t in at if t < 1000] == list(range(0, 100, 5)), at
+    # ...then the next second at the pace: a quarter second's credit, then one every 50 ms.
+    paced = [t for t in at if 1000 <= t < 2000]
+    assert len(paced) == 20 and all(b - a >= 50 for a, b in itertools.pairwise(paced[6:])), at
     # The same news again sends nothing to Redis.
     before = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     one.note_answer("m", "default", parse_rate_headers(headers), now_ms=T0 + 2000)
@@ -161,11 +163,12 @@ def test_no_second_grants_more_than_its_share_and_a_late_burst_counts_in_the_nex
     r: redis.Redis,
 ) -> None:
     (cap,) = fleet(r, {"m": {"rpm": 600}}, workers=1)  # 10 a second
-    # An idle fleet, then rounds at 985 ms: GCRA has a burst of 5 ready, the second room
-    # for 10; the burst may reach the provider after the boundary, so it counts there too.
-    late = [grab(cap, f"a{i}", T0 + 985) for i in range(7)]
-    assert [isinstance(g, Grant) for g in late] == [True] * 5 + [False] * 2
+    # An idle fleet, then rounds at 985 ms: GCRA has a second's worth ready (10), and so
+    # has the second; the burst may reach the provider after the boundary, so it counts
+    # there too.
+    late = [grab(cap, f"a{i}", T0 + 985) for i in range(12)]
+    assert [isinstance(g, Grant) for g in late] == [True] * 10 + [False] * 2
     at = run(cap, T0 + 1000, 2.0)
     per_second = Counter((t + 1000) // 1000 for t in at)
-    # 5 carried in: the next second grants 5 more, then the pace goes on at 10 a second.
-    assert per_second[1] + 5 <= 10 and per_second[2] <= 10, per_second
+    # 10 carried in: the next second grants none more, then the pace goes on at 10 a second.
+    assert per_second[1] == 0 and per_second[2] <= 10, per_second
