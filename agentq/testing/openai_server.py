@@ -99,9 +99,8 @@ class Round(BaseModel):
     retry_after_s: float | None = None
     """Sent with http_429 as `retry-after-ms` and a rounded-up `Retry-After`."""
     usage: Usage | None = None
-    """The usage the round reports (with `cached_tokens` as `prompt_tokens_details`); unset:
-    counted from the request and the answer at 4 characters a token. Either way the
-    completion is cut to the request's `max_completion_tokens`, as a model stops there."""
+    """The usage reported (`cached_tokens` as `prompt_tokens_details`); unset: counted at 4
+    characters a token. The completion stops at the request's `max_completion_tokens`."""
     omit_usage: bool = False
     """Send no usage chunk even when the request asks for one (a server that omits it)."""
     raw_chunks: list[str] | None = None
@@ -109,8 +108,7 @@ class Round(BaseModel):
     arbitrary JSON, fragments or garbage, for fuzzing the stream worker."""
 
     def chunk_count(self) -> int:
-        """The data chunks the round streams (a usage chunk aside): it lasts
-        `(chunk_count() - 1) * chunk_delay_ms`."""
+        """Its data chunks (a usage chunk aside): it lasts (count - 1) * `chunk_delay_ms`."""
         if self.raw_chunks is not None:
             return len(self.raw_chunks)
         return sum(1 for _ in _deltas(_Plan(self, 0, None, "")))
@@ -201,11 +199,10 @@ class _Plan:
 class ScriptedOpenAIServer(Started):
     """An OpenAI-compatible server on 127.0.0.1 answering from `scripts`.
 
-    A script is chosen by the longest key the first user message starts with, else by
-    a `system:<prefix>` key the system message (an agent's instructions) starts with,
-    else by a `model:<name>` key naming the request's model, else "default"; past the
-    end of its script a conversation gets the text "done.". Keys by instructions or model
-    script an agent's rounds whatever prompt another agent gives it.
+    A script is chosen by the longest key the first user message starts with, else by a
+    `system:<prefix>` key the system message (an agent's instructions) starts with, else by
+    a `model:<name>` key naming the request's model, else "default"; past its end a
+    conversation gets "done.". Keys by instructions or model script an agent's rounds.
     """
 
     def __init__(
@@ -219,10 +216,9 @@ class ScriptedOpenAIServer(Started):
         api_key: str | None = None,
     ) -> None:
         self.limits = limits or ProviderLimits()
-        self.api_key = api_key
-        """When set, a completion request without `Authorization: Bearer <api_key>` is
-        refused with OpenAI's 401."""
         """The provider's rate limits and overloaded answers (off unless set)."""
+        self.api_key = api_key
+        """When set, a request without `Authorization: Bearer <api_key>` gets OpenAI's 401."""
         self.scripts: dict[str, list[Round]] = {k: list(v) for k, v in (scripts or {}).items()}
         self.requests: list[dict[str, Any]] = []
         self.model = model
