@@ -135,6 +135,8 @@ local function fmt(x) return string.format('%.17g', x) end
 -- which a fleet that knows no limit sends at once; that second starts a second's worth
 -- behind. The window cap still grants at most a second's share in one wall-clock second.
 local function gcra_floor(field, stored)
+  -- Paced (the arrival time ahead of now): no floor matters, and nothing more is read.
+  if stored >= now then return now, false end
   local extra = math.max(1000 - cfg.burst_ms, 0)
   if stored < now - 1000 then return now - extra, true end
   local idle_at = num(redis.call('HGET', GCRA, 'i:' .. field))
