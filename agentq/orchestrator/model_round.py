@@ -106,13 +106,16 @@ def send_round(
         + (f".{sends}" if sends > 1 else "")
         + (f".a{admissions}" if admissions > 1 else "")
     )
+    if sends == 1 and attempt == 1:
+        # Before the round goes: a round streamed here (`submit`) can end, and its turn
+        # with it, while this thread still runs, and the parent's call would settle
+        # before the progress it shows.
+        subturns.report_to_parent(ctx, f"model round {round_no + 1}")
     submit: RoundSubmitter | None = getattr(_here, "submit", None)
     if submit is not None:
         submit(req, task_id)
     else:
         _publish_round(ctx, req, task_id, round_no, tools)
-    if sends == 1 and attempt == 1:
-        subturns.report_to_parent(ctx, f"model round {round_no + 1}")
 
 
 def _round_request(
