@@ -12,7 +12,8 @@ import typing as _typing
 
 if _typing.TYPE_CHECKING:
     from agentq.agents import Agent, AgentTool
-    from agentq.api import Client
+    from agentq.api import Client, Turn
+    from agentq.client.aio import AsyncClient, AsyncTurn
     from agentq.config import Settings, get_settings, load_settings
     from agentq.constants import VERSION as __version__
     from agentq.errors import (
@@ -20,6 +21,7 @@ if _typing.TYPE_CHECKING:
         AgentDefinitionError,
         AgentError,
         AgentqError,
+        AnswerInvalid,
         BudgetExceeded,
         BudgetInvalid,
         ConfigError,
@@ -36,6 +38,8 @@ if _typing.TYPE_CHECKING:
         ModelCapacityTimeout,
         ModelConnectionError,
         ModelHTTPError,
+        ModelIncomplete,
+        ModelResponseFailed,
         PayloadTooLarge,
         StreamDurationExceeded,
         StreamIdleTimeout,
@@ -44,15 +48,19 @@ if _typing.TYPE_CHECKING:
         ToolDefinitionError,
         ToolError,
         ToolTimeout,
+        TurnAborted,
         TurnError,
+        TurnFailed,
         TurnNotFound,
+        TurnTimeout,
         UnknownAgent,
         UnknownTool,
+        WaitpointRefused,
         WebhookRefused,
     )
+    from agentq.events.types import Event
     from agentq.models import (
         AssistantMessage,
-        Event,
         InteractionAnswer,
         InteractionRequest,
         InvocationRecord,
@@ -62,7 +70,8 @@ if _typing.TYPE_CHECKING:
         TurnHandle,
         TurnRequest,
     )
-    from agentq.tools.context import Partial, ToolContext
+    from agentq.state.results import TurnResult, TurnUsage
+    from agentq.tools.context import Partial, ToolContext, Waitpoint
     from agentq.tools.policy import ToolPolicy
     from agentq.tools.registry import ToolSpec, tool
 
@@ -73,11 +82,17 @@ __all__ = [
     "ToolPolicy",
     "ToolSpec",
     "Partial",
+    "Waitpoint",
     # declaring agents
     "Agent",
     "AgentTool",
     # running turns
     "Client",
+    "AsyncClient",
+    "AsyncTurn",
+    "Turn",
+    "TurnResult",
+    "TurnUsage",
     "Settings",
     "get_settings",
     "load_settings",
@@ -117,28 +132,36 @@ __all__ = [
     "ModelBusy",
     "ModelCapacityTimeout",
     "ModelConnectionError",
+    "ModelResponseFailed",
+    "ModelIncomplete",
     "MalformedStreamChunk",
     "Aborted",
     "TurnError",
+    "TurnFailed",
+    "TurnAborted",
+    "TurnTimeout",
     "TurnNotFound",
     "TokenInvalid",
     "InteractionError",
     "InteractionNotFound",
     "InteractionClosed",
+    "AnswerInvalid",
     "HeadlessInteraction",
+    "WaitpointRefused",
     "__version__",
 ]
 
 _SOURCES: dict[str, tuple[str, ...]] = {
     "agentq.tools.registry": ("tool", "ToolSpec"),
-    "agentq.tools.context": ("ToolContext", "Partial"),
+    "agentq.tools.context": ("ToolContext", "Partial", "Waitpoint"),
     "agentq.tools.policy": ("ToolPolicy",),
     "agentq.agents": ("Agent", "AgentTool"),
-    "agentq.api": ("Client",),
+    "agentq.api": ("Client", "Turn"),
+    "agentq.client.aio": ("AsyncClient", "AsyncTurn"),
+    "agentq.state.results": ("TurnResult", "TurnUsage"),
     "agentq.config": ("Settings", "get_settings", "load_settings"),
     "agentq.models": (
         "AssistantMessage",
-        "Event",
         "InteractionAnswer",
         "InteractionRequest",
         "InvocationRecord",
@@ -148,6 +171,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "TurnHandle",
         "TurnRequest",
     ),
+    "agentq.events.types": ("Event",),
     "agentq.constants": ("__version__",),
 }
 """Where each public name lives, for the names `__all__` lists; every name not placed here

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import AgentDefinitionError, ConfigError, UnknownAgent
+from agentq.tools import ask_user
 from agentq.tools.policy import Approval
 from agentq.tools.registry import all_tools
 
@@ -72,13 +73,13 @@ class Agent(BaseModel):
     """The model name sent to the server; unset: AGENTQ_LLM_MODEL."""
     description: str = ""
     """What the agent does: the description its `as_tool()` gives other models by default."""
-    tools: tuple[str | AgentTool, ...] | None = None
+    tools: tuple[str | AgentTool, ...] = ()
     """The tools its model is offered and may call: names, @tool functions, or other
-    agents' `as_tool()`; unset: every @tool tool loaded (no agent tools)."""
-    mcp_servers: tuple[str, ...] | None = None
-    """MCP servers (AGENTQ_MCP_SERVERS) whose tools its model is offered, besides `tools`;
-    unset: every server when `tools` is unset too, else none (a `SERVER__TOOL` name in
-    `tools` still offers that one tool)."""
+    agents' `as_tool()`; none unless listed, so what an agent may do is read where it is
+    defined, never grown by a module loaded elsewhere in the fleet."""
+    mcp_servers: tuple[str, ...] = ()
+    """MCP servers (AGENTQ_MCP_SERVERS) whose tools its model is offered, besides `tools`
+    (a `SERVER__TOOL` name in `tools` offers that one tool)."""
     max_calls_per_turn: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, gt=0)
     """Token budget of this agent's turns (a request may lower it, not raise it)."""
@@ -92,6 +93,9 @@ class Agent(BaseModel):
     """Per-tool approval for this agent (`{"delete_file": "ask"}`), over the tool's own."""
     approval_default: Literal["approve", "deny"] | None = None
     """What a headless turn of this agent does with an `ask` whose tool declares no default."""
+    ask_user: bool = False
+    """Offer the model `ask_user` (agentq.tools.ask_user): a typed question for the user,
+    asked as an `input` interaction, its checked answer the call's result."""
     output_type: type[BaseModel] | None = None
     """A pydantic model the final answer must be (as JSON): validated, sent back to the
     model once when invalid, stored with the turn as `output`, and an agent call's result."""
@@ -99,8 +103,6 @@ class Agent(BaseModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _tool_names(cls, v: Any) -> Any:
-        if v is None:
-            return None
         if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
             raise ValueError("must be a list of tools (names, @tool functions or as_tool())")
         out: list[Any] = []
@@ -123,6 +125,12 @@ class Agent(BaseModel):
             err = exc.errors()[0]
             field = ".".join(str(p) for p in err["loc"]) or "agent"
             raise AgentDefinitionError(str(data.get("name", "?")), field, err["msg"]) from None
+        same = _AGENTS.get(self.name)
+        if same is not None and same != self:
+            # One name, two definitions: which one a turn runs would depend on import order.
+            raise AgentDefinitionError(
+                self.name, "name", "another Agent already has this name (names are fleet-wide)"
+            )
         _AGENTS[self.name] = self
 
     def system_message(self) -> str:
@@ -133,6 +141,14 @@ class Agent(BaseModel):
         schema = json.dumps(self.output_type.model_json_schema(), separators=(",", ":"))
         ask = f"Answer with only one JSON object that matches this JSON schema: {schema}"
         return f"{self.instructions}\n\n{ask}" if self.instructions else ask
+
+    def output_format(self) -> dict[str, Any] | None:
+        """The Responses API's `text.format` for an `output_type`, else None."""
+        if self.output_type is None:
+            return None
+        from agentq.llm.responses import output_format
+
+        return output_format(self.output_type.__name__, self.output_type.model_json_schema())
 
     def as_tool(
         self, *, timeout_s: float = 300.0, description: str | None = None, name: str | None = None
@@ -151,26 +167,24 @@ class Agent(BaseModel):
 
     @property
     def agent_tools(self) -> dict[str, AgentTool]:
-        return {t.name: t for t in self.tools or () if isinstance(t, AgentTool)}
+        return {t.name: t for t in self.tools if isinstance(t, AgentTool)}
 
     def tool_names(self) -> list[str]:
         """The names of every tool this agent may call."""
         tools = all_tools()
-        if self.tools is None and self.mcp_servers is None:
-            return sorted(tools)
-        if self.tools is None:
-            names = sorted(n for n, s in tools.items() if not s.mcp_server)
-        else:
-            names = [t if isinstance(t, str) else t.name for t in self.tools]
-        servers = set(self.mcp_servers or ())
+        names = [t if isinstance(t, str) else t.name for t in self.tools]
+        servers = set(self.mcp_servers)
         named = set(names)
-        return names + sorted(
-            n for n, s in tools.items() if s.mcp_server in servers and n not in named
+        asks = [ask_user.NAME] if self.ask_user and ask_user.NAME not in named else []
+        return (
+            names
+            + sorted(n for n, s in tools.items() if s.mcp_server in servers and n not in named)
+            + asks
         )
 
     def offered_tools(self) -> list[ToolSpec | AgentTool]:
         """What the model is offered (tools, and agents as tools), in the agent's order."""
-        tools = all_tools()
+        tools = {**all_tools(), **({ask_user.NAME: ask_user.SPEC} if self.ask_user else {})}
         agent_tools = self.agent_tools
         return [
             agent_tools[n] if n in agent_tools else tools[n]
@@ -193,13 +207,6 @@ class Agent(BaseModel):
         return base.model_copy(update=update) if update else base
 
 
-def get_agent(name: str) -> Agent:
-    try:
-        return _AGENTS[name]
-    except KeyError:
-        raise UnknownAgent(name, list(_AGENTS)) from None
-
-
 def all_agents() -> dict[str, Agent]:
     return dict(_AGENTS)
 
@@ -217,7 +224,7 @@ def check_agents(mcp_servers: str | None = None) -> None:
     except (ValueError, TypeError):
         servers = set()
     for agent in _AGENTS.values():
-        unknown_servers = sorted(set(agent.mcp_servers or ()) - servers)
+        unknown_servers = sorted(set(agent.mcp_servers) - servers)
         if unknown_servers:
             raise AgentDefinitionError(
                 agent.name,
@@ -243,7 +250,7 @@ def check_agents(mcp_servers: str | None = None) -> None:
             # is down; it is offered once listed.
             if n.split("__", 1)[0] in servers and "__" in n:
                 continue
-            if n not in tools and n not in agent.agent_tools:
+            if n not in tools and n not in agent.agent_tools and n != ask_user.NAME:
                 known = ", ".join(sorted(tools)) or "none"
                 raise AgentDefinitionError(
                     agent.name, "tools", f"unknown tool {n!r} (known: {known})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
@@ -11,29 +12,35 @@ from pydantic import BaseModel
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
-from agentq.errors import TokenInvalid, TurnNotFound
-from agentq.events.bus import SEQ_FIELD, TERMINAL_TYPES, WATCHERS_FIELD
+from agentq.errors import TokenInvalid, TurnNotFound, TurnTimeout
+from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD
 from agentq.events.follow import follow
+from agentq.events.types import Event
+from agentq.llm.reasoning import public_history
 from agentq.models import (
     TERMINAL_STATUSES,
-    Event,
     InteractionAnswer,
     MultitaskMode,
     TurnHandle,
     TurnRequest,
 )
-from agentq.orchestrator.conversation import conversations, release_for
+from agentq.orchestrator.conversation import conversations, shown
+from agentq.orchestrator.replay import Bulk, ForkEdit, ForkRequest, RetryRequest, start_replay
 from agentq.orchestrator.start import hash_token, start_turn
-from agentq.orchestrator.steps import run_step
 from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
+from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import GROUPS, NO_KEY, Spend, usage_report
 from agentq.state.turn_state import TurnState
+from agentq.state.waitpoints import CompletesWaitpoints
 from agentq.telemetry import tracing
+
+log = logging.getLogger("agentq.client")
 
 if TYPE_CHECKING:
     from celery import Celery
 
+    from agentq.agents import Agent
     from agentq.state.store import TurnStore
 
 
@@ -44,19 +51,97 @@ _HIDDEN = frozenset({"token_sha256", WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_F
 bookkeeping."""
 
 
-class TurnView(TypedDict):
-    """A turn as `Client.get` reads it."""
+def agent_name(agent: Agent | str | None) -> str | None:
+    """The name a turn request carries for `agent`."""
+    if agent is None or isinstance(agent, str):
+        return agent
+    return agent.name
 
-    turn_id: str
-    state: TurnState
-    """Its state, bookkeeping and the token's hash left out."""
-    history: list[dict[str, Any]]
-    """Its messages, in order (OpenAI chat format)."""
-    invocations: list[dict[str, Any]]
-    """The records of its settled calls (`InvocationRecord` as JSON)."""
-    spend: dict[str, Any]
-    """Its tokens and cost with its sub-agents' (reservations in flight included), and its
-    limits (docs/spend.md)."""
+
+def output_type_of(agent: Agent | str | None) -> type[BaseModel] | None:
+    """The model a turn's output is validated as: the agent's `output_type`, found by name
+    among the agents this process defined when only a name is given."""
+    if agent is None:
+        return None
+    if isinstance(agent, str):
+        from agentq.agents import all_agents
+
+        found = all_agents().get(agent)
+        return None if found is None else found.output_type
+    return agent.output_type
+
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long `Turn.result()` and `Client.run` wait for a turn's end unless told."""
+
+
+class _Started:
+    """What a start answered, as `Turn` and `AsyncTurn` show it."""
+
+    def __init__(self, handle: TurnHandle, output_type: type[BaseModel] | None) -> None:
+        self.handle = handle
+        """What the start answered (its conversation token, queue position, ...)."""
+        self._output_type = output_type
+
+    @property
+    def turn_id(self) -> str:
+        return self.handle.turn_id
+
+    @property
+    def token(self) -> str:
+        """The turn's capability: whoever holds it may read, abort and answer it."""
+        return self.handle.token
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.turn_id!r})"
+
+
+class Turn(_Started):
+    """A running (or ended) turn: `.turn_id`, `.token`, `.events()`, `.result()`,
+    `.abort()`, `.answer()`."""
+
+    def __init__(
+        self, client: Client, handle: TurnHandle, output_type: type[BaseModel] | None = None
+    ) -> None:
+        super().__init__(handle, output_type)
+        self._client = client
+
+    def events(self, *, depth: int = 1, after_id: str = "0-0") -> Iterator[Event]:
+        """Its events from the start (or after `after_id`), then live, up to its own end.
+
+        The events of the sub-agents it calls are relayed `depth` levels down (0: none),
+        each with `path`; `ev.ends_turn` is true only for the turn's own last event."""
+        for ev in self._client.events(self.turn_id, after_id=after_id, depth=depth):
+            if ev is not None:
+                yield ev
+
+    def wait(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
+        """Block until the turn ends; its terminal event (TurnTimeout past `timeout_s`)."""
+        return self._client.wait(self.turn_id, timeout_s)
+
+    def result(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> TurnResult:
+        """Block until the turn ends: its result, or TurnFailed, TurnAborted,
+        HeadlessInteraction; TurnTimeout (a TimeoutError) past `timeout_s`."""
+        terminal = self.wait(timeout_s)
+        return settle(self.turn_id, terminal, self._client.get(self.turn_id), self._output_type)
+
+    def abort(self) -> None:
+        """Abort it and its sub-agents; TurnNotFound once it has ended."""
+        self._client.abort(self.turn_id, self.token)
+
+    def answer(
+        self,
+        request_id: str,
+        decision: str = "approve",
+        value: str | None = None,
+        *,
+        turn_id: str | None = None,
+    ) -> None:
+        """Answer its interaction `request_id` ("approve" or "deny"; `value` for a password).
+
+        A relayed sub-agent's request is answered on its own turn: pass the event's
+        `turn_id` (the turn's token holds for its sub-agents too)."""
+        self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
 
 
 class RunningCall(TypedDict):
@@ -79,7 +164,7 @@ class ActiveTurn(TypedDict):
     call_count: int
 
 
-class Client:
+class Client(CompletesWaitpoints, Bulk):
     """A handle on agentq from outside the workers: the CLI, the gateway, your code."""
 
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
@@ -96,8 +181,8 @@ class Client:
         s = self.settings
         self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
         if self.traced:
-            # The workers record a turn's spans; this process records those of the abort
-            # steps it runs (the turn's own span, when such a step ends it).
+            # The workers record a turn's spans; this process gives each turn it starts
+            # its trace.
             tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     # -- starting ------------------------------------------------------------------
@@ -117,30 +202,30 @@ class Client:
             self._app = get_app()
         return self._app
 
-    def start_turn(
+    def start(
         self,
+        agent: Agent | str | None,
         prompt: str | None = None,
         *,
         messages: list[dict[str, Any]] | None = None,
         conversation_id: str | None = None,
         conversation_token: str | None = None,
+        multitask: MultitaskMode | None = None,
         headless: bool = False,
         detach: bool = False,
-        parent_turn_id: str | None = None,
-        operator: bool = False,
-        agent: str | None = None,
         webhook_url: str | None = None,
-        multitask: MultitaskMode | None = None,
         idempotency_key: str | None = None,
         max_tokens: int | None = None,
         max_cost_usd: float | None = None,
-    ) -> TurnHandle:
-        """Queue a turn; returns at once with its id and the token that controls it.
+    ) -> Turn:
+        """Start a turn of `agent` (an Agent, its name, or None: the default model with
+        every tool) and return at once with its `Turn`.
 
-        `max_tokens`, `max_cost_usd`: the turn's budget, its sub-agents' spend included (a
-        request may lower its agent's, not raise it); past it the turn ends with
-        `turn_error` code `budget_exceeded`. `max_cost_usd` needs a price for the model
-        (BudgetInvalid); a key over its AGENTQ_KEY_BUDGETS raises BudgetExceeded.
+        `prompt` and/or `messages` (OpenAI chat format) start it. `max_tokens`,
+        `max_cost_usd`: the turn's budget, its sub-agents' spend included (a request may
+        lower its agent's, not raise it); past it the turn ends with `turn_error` code
+        `budget_exceeded`. `max_cost_usd` needs a price for the model (BudgetInvalid); a
+        key over its AGENTQ_KEY_BUDGETS raises BudgetExceeded.
 
         `multitask` (with `conversation_id`): what the message does while another turn of
         the conversation runs: "enqueue" (the default: it runs after it), "reject"
@@ -149,32 +234,54 @@ class Client:
         `idempotency_key`: a second call with the same key (within 24 h) starts nothing
         and returns the first call's turn; with other arguments, IdempotencyKeyReused.
 
-        `agent` names the Agent the turn runs as; one no turn worker runs raises
-        UnknownAgent (with the known ones).
-
-        `webhook_url` gets a signed POST when the turn ends (see docs/webhooks.md); a URL
+        An agent no turn worker runs raises UnknownAgent (with the known ones).
+        `webhook_url` gets a signed POST when the turn ends (docs/webhooks.md); a URL
         that can never be delivered to raises WebhookRefused.
-
-        `operator=True` may continue any conversation: for tools that hold Redis
-        credentials (`agentq run --conversation`), which could read it anyway.
         """
-        req = TurnRequest(
-            prompt=prompt,
+        handle = self._start_turn(
+            prompt,
             messages=messages,
             conversation_id=conversation_id,
             conversation_token=conversation_token,
+            multitask=multitask,
             headless=headless,
             detach=detach,
-            parent_turn_id=parent_turn_id,
-            agent=agent,
             webhook_url=webhook_url,
-            multitask=multitask,
+            idempotency_key=idempotency_key,
             max_tokens=max_tokens,
             max_cost_usd=max_cost_usd,
+            agent=agent_name(agent),
         )
-        return self.start(req, operator=operator, idempotency_key=idempotency_key)
+        return Turn(self, handle, output_type_of(agent))
 
-    def start(
+    def run(
+        self,
+        agent: Agent | str | None,
+        prompt: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **options: Any,
+    ) -> TurnResult:
+        """Start a turn (`start`'s options) and block until it ends: its result, or
+        TurnFailed, TurnAborted, HeadlessInteraction; TurnTimeout past `timeout_s` (the
+        turn keeps running: abort it with the error's `turn_id` if it should not)."""
+        return self.start(agent, prompt, **options).result(timeout_s)
+
+    def _start_turn(
+        self,
+        prompt: str | None = None,
+        *,
+        operator: bool = False,
+        idempotency_key: str | None = None,
+        **fields: Any,
+    ) -> TurnHandle:
+        """`start` for agentq's own commands: `fields` are TurnRequest's, and
+        `operator=True` may continue any conversation (for tools that hold Redis
+        credentials, which could read it anyway)."""
+        req = TurnRequest(prompt=prompt, **fields)
+        return self._start_request(req, operator=operator, idempotency_key=idempotency_key)
+
+    def _start_request(
         self,
         req: TurnRequest,
         *,
@@ -183,7 +290,7 @@ class Client:
         operator: bool = False,
         idempotency_key: str | None = None,
     ) -> TurnHandle:
-        """Queue a turn owned by the key name `owner` (None: no key); see `start_turn`."""
+        """Queue a turn owned by the key name `owner` (None: no key): the gateway's way in."""
         return start_turn(
             self._store,
             self.app,
@@ -196,6 +303,57 @@ class Client:
             idempotency_key=idempotency_key,
             abort=self._abort,
         )
+
+    def retry(
+        self,
+        turn_id: str,
+        *,
+        token: str | None = None,
+        rerun_lost: bool = False,
+        agent: Agent | str | None = None,
+        model: str | None = None,
+        max_tokens: int | None = None,
+        max_cost_usd: float | None = None,
+    ) -> Turn:
+        """A new turn (`retry_of`) going on where a turn that ended error or aborted stopped,
+        its settled calls and rounds reused, its spend counted (docs/retry.md)."""
+        req = RetryRequest(
+            rerun_lost=rerun_lost,
+            agent=agent_name(agent),
+            model=model,
+            max_tokens=max_tokens,
+            max_cost_usd=max_cost_usd,
+        )
+        return Turn(self, self._replay(turn_id, req, token), output_type_of(agent))
+
+    def fork(
+        self,
+        turn_id: str,
+        at_round: int,
+        *,
+        token: str | None = None,
+        edit: ForkEdit | dict[str, Any] | None = None,
+        agent: Agent | str | None = None,
+        max_tokens: int | None = None,
+        max_cost_usd: float | None = None,
+    ) -> Turn:
+        """A new turn (`fork_of`) from the history before round `at_round` (1-based)."""
+        req = ForkRequest(
+            at_round=at_round,
+            edit=ForkEdit.model_validate(edit) if isinstance(edit, dict) else edit,
+            agent=agent_name(agent),
+            max_tokens=max_tokens,
+            max_cost_usd=max_cost_usd,
+        )
+        return Turn(self, self._replay(turn_id, req, token), output_type_of(agent))
+
+    def _replay(
+        self, turn_id: str, req: RetryRequest | ForkRequest, token: str | None = None
+    ) -> TurnHandle:
+        """Start a retry or fork: the gateway's way in, once it checked the caller."""
+        if token is not None:
+            self.check_token(turn_id, token)
+        return start_replay(self._store, self.app, self.settings, turn_id, req, traced=self.traced)
 
     # -- control ---------------------------------------------------------------------
 
@@ -228,17 +386,16 @@ class Client:
         self._abort(turn_id, reason)
 
     def _abort(self, turn_id: str, reason: str) -> None:
-        # Flag, notice and the children in one round trip: abort latency is user-facing.
-        children = self._store.flag_cancel(turn_id, reason)
+        # Flag, wake, notice and the children in one round trip: abort latency is
+        # user-facing. The abort is a step like any other, taken by a turn worker (a step
+        # that holds the turn sees the flag when it releases); this process only sends it,
+        # and should it die first, the turn's wakeup does.
+        woken, children = self._store.flag_cancel(turn_id, reason)
         for child in children:
             if self._store.status(child) not in TERMINAL_STATUSES:
                 self._abort(child, reason)
-        # The abort is a step like any other: taken here at once when no step holds the
-        # turn, else by the step that holds it, which sees the flag when it releases.
-        if not self._store.wake_here(turn_id):
-            return
-        # A proxy, so an abort step with nothing to revoke or send never builds the app.
-        run_step(turn_id, store=self._store, app=self._lazy_app(), settings=self.settings)
+        if woken:
+            self._store.send_step(turn_id)
 
     def answer(
         self,
@@ -275,24 +432,12 @@ class Client:
         return {
             "turn_id": turn_id,
             "state": state,
-            "history": whole.history,
+            "history": public_history(whole.history),
             "invocations": [r.record.model_dump() for r in whole.results.values()],
             "spend": Spend(self._store.redis, self.settings).turn_totals(
                 whole.state.get("owner"), turn_id
             ),
         }
-
-    def output(self, turn_id: str, output_type: type[M] | None = None) -> M | Any:
-        """The typed output of a finished turn whose agent declares an `output_type`: its
-        JSON value, or validated as `output_type` (pass the agent's model). None when the
-        turn has none (no output type, or it did not finish with an answer)."""
-        state = self._store.state(turn_id)
-        if state is None:
-            raise TurnNotFound(turn_id)
-        value = state.get("output")
-        if value is None or output_type is None:
-            return value
-        return output_type.model_validate(value)
 
     def active(self) -> list[ActiveTurn]:
         """The open turns, oldest first, with the calls each has out."""
@@ -339,15 +484,9 @@ class Client:
         unknown id: ConversationNotFound."""
         convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
-        view = convs.view(conversation_id)
-        running = view.running_turn_id
-        if running and self._store.status(running) in TERMINAL_STATUSES:
-            # Its turn wrote its end (and `turn_finished`) before it appends its exchange:
-            # a reader that saw the end is shown the history with it, as the next start
-            # would be, by the same hand-off.
-            release_for(self._store, self._lazy_app(), conversation_id, running)
-            view = convs.view(conversation_id)
-        return view.public()
+        view = shown(self._store, convs.view(conversation_id)).public()
+        view["messages"] = public_history(view["messages"])
+        return view
 
     def usage(
         self,
@@ -434,12 +573,22 @@ class Client:
             self._store.bus, turn_id, after=after_id, heartbeat_s=heartbeat_s, depth=depth
         )
 
-    def wait(self, turn_id: str, timeout_s: float = 300.0) -> Event:
-        """Block until the turn ends; return its terminal event."""
+    def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
+        """Block until the turn ends; return its terminal event (TurnTimeout, a
+        TimeoutError, past `timeout_s`). While the fleet has no live worker the turn
+        needs, a warning (logger `agentq.client`) says what to start."""
+        from agentq.fleet.presence import Watch, advice
+
         deadline = time.monotonic() + timeout_s
-        for ev in follow(self._store.bus, turn_id, heartbeat_s=1.0):
-            if ev is not None and ev.type in TERMINAL_TYPES:
-                return ev
-            if time.monotonic() > deadline:
-                break
-        raise TimeoutError(f"turn {turn_id} did not end within {timeout_s}s")
+        beat_s = min(1.0, max(timeout_s, 0.01))
+        watch = Watch(turn_id, None, self._store.redis, log.warning)
+        watch.start()
+        try:
+            for ev in follow(self._store.bus, turn_id, heartbeat_s=beat_s, depth=0):
+                if ev is not None and ev.ends_turn:
+                    return ev
+                if time.monotonic() > deadline:
+                    break
+        finally:
+            watch.done.set()
+        raise TurnTimeout(turn_id, timeout_s, advice(watch.said) if watch.said else "")

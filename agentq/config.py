@@ -186,8 +186,13 @@ class Settings(BaseSettings):
     """Model name sent to the server."""
     llm_limits: str | None = None
     """Fleet-wide model limits (JSON keyed by model name: `rpm`, `tpm`, `streams`,
-    `deployments`, `strategy`), shared by every llm worker through Redis; see
-    docs/operations.md. Unset: no limits, but a busy provider's answers still pace the fleet."""
+    `deployments`, `strategy`, and `api` to choose a model's API), shared by every llm
+    worker through Redis; see docs/operations.md. Unset: no limits, but a busy provider's
+    answers still pace the fleet."""
+    llm_api: Literal["chat", "responses", "auto"] = "auto"
+    """The model API: Chat Completions, the Responses API, or `auto`: Chat Completions
+    until the server answers a 400 naming /v1/responses, then the Responses API for that
+    model, fleet-wide. A model's `api` in AGENTQ_LLM_LIMITS wins; see docs/models.md."""
     llm_prices: Annotated[dict[str, ModelPrice], NoDecode] = Field(default_factory=dict)
     """Prices of models (JSON keyed by model name: USD per million `input`, `output`,
     `cached_input` tokens), for the `cost_usd` of usage and the USD budgets; a model without
@@ -321,6 +326,17 @@ class Settings(BaseSettings):
     approval_timeout_s: float = Field(120.0, gt=0)
     password_timeout_s: float = Field(120.0, gt=0)
     confirm_timeout_s: float = Field(60.0, gt=0)
+    input_timeout_s: float = Field(300.0, gt=0)
+    """How long a question for the user (`input`, `ask_user`) waits for its answer."""
+
+    waitpoint_max_timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
+    """The longest `timeout_s` a tool's Waitpoint may ask for; a longer one settles `error`."""
+    waitpoint_secret: SecretStr | None = None
+    """Key of the HMAC that makes a waitpoint's token; unset: a random key kept in Redis,
+    made once for the fleet."""
+    public_url: str = ""
+    """Where outside systems reach the gateway (`https://agentq.example.com`): the prefix of
+    a waitpoint's `callback_url` (a path alone when unset)."""
 
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(8000, ge=0, le=65535)

@@ -43,9 +43,6 @@ QUEUE_IO = "agentq.io"
 
 TASK_STEP = "agentq.turn.step"
 TASK_LLM_ROUND = "agentq.llm.round"
-TASK_LLM_START = "agentq.llm.start"
-"""A new turn's first step when that step sends a model round: a stream worker takes it and
-streams the round itself (agentq.orchestrator.steps)."""
 TOOL_TASK_PREFIX = "agentq.tool."
 
 CANCEL_CHANNEL = f"{PREFIX}:control:cancel"
@@ -65,6 +62,18 @@ WAKEUPS = f"{PREFIX}:turns:wakeups"
 its next step (its earliest deadline; +inf: none, only a wake moves it). Every turn worker
 sweeps it, so a deadline fires even when the worker that set it died; its members are the
 open turns of `agentq turns` and /v1/turns/active (one entry a turn, not two)."""
+
+PRESENCE = f"{PREFIX}:fleet:presence"
+"""Hash: worker hostname -> JSON {role, queues, pid, at}, renewed by every worker every
+WORKER_HEARTBEAT_S (agentq.fleet.presence)."""
+
+KILLS = f"{PREFIX}:kills"
+"""Sorted set: an aborted turn's SIGKILL escalation (JSON: the task ids, the workers running
+them), scored by when it is due; the turn workers' sweepers send it, so it fires whichever
+process aborted the turn and however soon that process exits."""
+
+KILL_COMMAND = "agentq_kill"
+"""The remote control command that sends a due order of `KILLS` (agentq.tools.kill)."""
 
 WORKERS = f"{PREFIX}:workers"
 """Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""
@@ -207,7 +216,10 @@ SETTLED = "r:"
 PLANNED = "p:"
 """A call's CallPlan JSON, written once, before the call is sent: a step that collects
 the round reads a call's plan, dispatch record and result with the state."""
-CALL_RECORDS = (DISPATCHED, STARTED, SETTLED, PLANNED)
+WAITING = "w:"
+"""A call's open waitpoint (its id, deadline, data), written when its tool returned a
+Waitpoint: the call holds no worker, and its completion, timeout or abort settles it."""
+CALL_RECORDS = (DISPATCHED, STARTED, SETTLED, PLANNED, WAITING)
 
 # A turn's history is fields of its state hash too, a message a field (this prefix and
 # its index from 0; OpenAI chat format, JSON), with their count: a step reads its history
@@ -327,7 +339,7 @@ RECYCLE_EXIT_CODE = 75
 `agentq worker io|llm` starts a fresh process in its place."""
 
 WORKER_HEARTBEAT_S = 1.0
-"""How often a tool worker's main process says it is alive."""
+"""How often a worker's main process says it is alive."""
 WORKER_ALIVE_TTL_S = 5.0
 """A tool worker silent this long is dead: its running calls settle as lost."""
 

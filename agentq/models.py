@@ -8,7 +8,6 @@ when the turn is started, with a message naming the field, never accepted and fa
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from enum import Enum
@@ -252,28 +251,8 @@ class TurnStatus(str, Enum):
 
 
 TERMINAL_STATUSES: frozenset[str] = frozenset(s.value for s in TurnStatus if s.terminal)
-InteractionKind = Literal["approval", "password", "confirm", "device_code"]
+InteractionKind = Literal["approval", "password", "confirm", "device_code", "input"]
 AbortReason = Literal["user", "disconnect", "timeout", "error", "interrupt", "rollback"]
-
-EVENT_TYPES = (
-    "turn_started",
-    "llm_started",
-    "llm_delta",
-    "llm_queued",
-    "llm_retry",
-    "llm_finished",
-    "tool_started",
-    "tool_progress",
-    "tool_finished",
-    "interaction_requested",
-    "interaction_answered",
-    "interaction_timed_out",
-    "tool_denied",
-    "subturn_started",
-    "turn_aborted",
-    "turn_finished",
-    "turn_error",
-)
 
 
 def now_s() -> float:
@@ -307,6 +286,8 @@ class Usage(_Frozen):
     total_tokens: int = 0
     cached_tokens: int = 0
     """Of `prompt_tokens`, those the provider read from its prompt cache."""
+    reasoning_tokens: int = 0
+    """Of `completion_tokens`, those spent reasoning."""
     estimated: bool = False
     """True: no usage chunk came (a server that omits it); these are the round's estimate."""
     cost_usd: float | None = None
@@ -319,6 +300,7 @@ class AssistantMessage(_Frozen):
     tool_calls: tuple[ToolCall, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    reasoning_items: tuple[dict[str, Any], ...] = ()
 
     def to_openai(self) -> dict[str, Any]:
         msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
@@ -347,6 +329,8 @@ class InvocationRecord(BaseModel):
     soft_limited: bool = False
     partial: bool = False
     attempt: int = 1
+    waitpoint_id: str | None = None
+    """Set when the call's tool ended its run with a Waitpoint (its completion or timeout)."""
 
 
 class ToolResult(BaseModel):
@@ -438,6 +422,8 @@ class LlmRoundRequest(_Frozen):
     """The name of the API key whose turn this is (its llm_finished says so, for metrics)."""
     queued_s: float = 0.0
     """How long the round waited for model capacity before it was sent."""
+    output_format: dict[str, Any] | None = None
+    """The Responses API's `text.format` of the agent's typed answer (its `output_type`)."""
 
     @field_validator("tools_json")
     @classmethod
@@ -469,6 +455,10 @@ class InteractionRequest(_Frozen):
     default: Literal["approve", "deny"] | None = None
     """Declared non-interactive default, used by headless turns."""
     created_at: float = Field(default_factory=now_s)
+    answer_schema: dict[str, Any] | None = None
+    """`input`: the JSON Schema an answer's value must meet (checked before it is taken)."""
+    default_answer: Any = None
+    """`input`: the answer a headless turn takes (`default` is then "approve")."""
 
 
 class InteractionAnswer(BaseModel):
@@ -558,35 +548,12 @@ class TurnHandle(_Frozen):
     """True (multitask inject): `turn_id` is the running turn the message joins at its next
     model round; `message_turn_id` is the turn that runs it if that turn has none."""
     message_turn_id: str | None = None
-
-
-class Event(BaseModel):
-    """One event of a turn; type-specific fields ride along as extras."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    turn_id: str
-    seq: int = 0
-    ts: float = Field(default_factory=now_s)
-    stream_id: str | None = None
-    cursor: str | None = Field(default=None, exclude=True)
-    """Where a reader resumes right after this event (`Last-Event-ID`): its stream id, or
-    with sub-agents relayed, the positions in every stream followed (`events.follow`)."""
-
-    @property
-    def fields(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
-
-    @property
-    def path(self) -> list[str]:
-        """For a sub-agent's event relayed into a parent's stream: the turn ids from the
-        parent's direct child down to the turn that emitted it; [] for the turn's own."""
-        return list((self.model_extra or {}).get("path") or [])
-
-    @classmethod
-    def parse(cls, raw: str | bytes, stream_id: str | None = None) -> Event:
-        data = json.loads(raw)
-        if stream_id is not None:
-            data["stream_id"] = stream_id
-        return cls.model_validate(data)
+    conversation_id: str | None = None
+    """A retry's or fork's of a conversation's turn: the conversation it goes on in."""
+    branched: bool | None = None
+    """A retry's or fork's of a conversation's turn: True when `conversation_id` is a new
+    conversation (a branch), False for a retry that goes on in its source's conversation,
+    replacing the source's exchange there."""
+    missing_workers: list[str] | None = None
+    """Set by the gateway when no live worker of a kind every turn needs (`turns`, `llm`)
+    answers: the turn waits until one starts (`agentq worker KIND`)."""

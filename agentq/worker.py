@@ -5,8 +5,10 @@ Each worker's role comes from the queues it consumes (agentq.fleet.roles), decid
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -21,25 +23,28 @@ from celery.signals import (
 from agentq.agents import load_tool_modules
 from agentq.config import get_settings
 from agentq.constants import QUEUE_WEBHOOKS
-from agentq.errors import ConfigError
+from agentq.errors import ConfigError, MissingExtra
 from agentq.fleet import health
 from agentq.fleet.app import create_app
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
-from agentq.llm.task import register_llm_task, submit_round
+from agentq.llm.task import register_llm_task
 from agentq.mcp import hooks as mcp_hooks
 from agentq.mcp.catalog import load_mcp
 from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import register_step_task
 from agentq.telemetry import logs, tracing
+from agentq.tools import kill  # noqa: F401 - registers the agentq_kill control command
 from agentq.tools.registry import all_tools
 from agentq.tools.task import queues_of, register_tool_tasks
 from agentq.webhooks.task import register_webhook_task
 
 log = logging.getLogger("agentq.worker")
 
+LEAVE_TIMEOUT_S = 2.0
+"""Longest a stopping worker waits to take itself out of the fleet's presence."""
 BROKER_POOL = {"turns": 4, "llm": 2, "io": 2}
 """Broker connections a worker process keeps for publishing (Celery's default is ten, each
 two Redis connections): the steps these workers take publish from a few threads."""
@@ -54,6 +59,8 @@ if not settings.task_received_logs:
     logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
 load_tool_modules(settings.tool_modules)
 # The tools of AGENTQ_MCP_SERVERS join the registry before its tasks are registered.
+if settings.mcp_servers:
+    MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
 load_mcp(settings, lambda: get_store().redis)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
 parse_limits(settings.llm_limits)
@@ -67,7 +74,7 @@ app = create_app(settings)
 set_app(app)
 if settings.health_file:
     health.install(app, settings.health_file)
-register_step_task(app, get_store, get_settings, submit_round)
+register_step_task(app, get_store, get_settings)
 register_llm_task(app)
 register_webhook_task(app, get_store, get_settings)
 register_schedule_task(app, get_store, get_settings)
@@ -101,21 +108,13 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         # started), long before kombu's visibility timeout (an hour) would restore it; a
         # webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown, a
         # requeueing reject (an idempotent tool's dead child) and a broken connection
-        # (`fleet.broker.patch_redis_transport`) still put messages back.
+        # (`fleet.kombu_redis`) still put messages back.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,
             "ack_emulation": False,
         }
     # Here, not at import: the role names the service, and a prefork pool forks after this.
     tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
-
-
-@worker_init.connect
-def _upgrade_layout(**_: Any) -> None:
-    """Before the first task: turns an older version stored are moved to this layout."""
-    from agentq.state.layout import upgrade_layout
-
-    upgrade_layout(get_store().redis)
 
 
 @worker_ready.connect
@@ -139,38 +138,63 @@ def _freeze_before_fork(**_: Any) -> None:
 
 @worker_ready.connect
 def _start_heartbeat(sender: Any = None, **_: Any) -> None:
-    """A tool worker says it is alive, so a turn can settle the calls of a dead one
-    without waiting for their hard limit (or forever, for tools without one)."""
+    """Every worker says it is alive and what it consumes (agentq.fleet.presence), so a
+    turn started in a fleet without one is told what to start; a tool worker also beats for
+    its calls, so a turn settles the calls of a dead one without waiting for their hard
+    limit (or forever, for tools without one)."""
     kind = current_role()
-    if kind not in HEARTBEAT_ROLES:
+    if kind is None:
         return
     if kind == "io":
         from agentq.aio.host import get_host
 
         # The loop is up before the first task, and blame names this worker.
         get_host().hostname = str(getattr(sender, "hostname", ""))
-    import threading
-
-    from agentq.constants import WORKER_ALIVE_TTL_S, WORKER_HEARTBEAT_S, WORKERS, worker_alive_key
+    from agentq.constants import (
+        PRESENCE,
+        WORKER_ALIVE_TTL_S,
+        WORKER_HEARTBEAT_S,
+        WORKERS,
+        worker_alive_key,
+    )
+    from agentq.fleet.presence import entry
 
     hostname = str(getattr(sender, "hostname", ""))
     key = worker_alive_key(hostname)
     redis = get_store().redis
+    consumed = list(sender.app.amqp.queues.consume_from) if sender is not None else []
 
     def beat() -> None:
-        while True:
+        while not _stopping.is_set():
             try:
                 pipe = redis.pipeline(transaction=False)
-                pipe.set(key, os.getpid(), px=int(WORKER_ALIVE_TTL_S * 1000))
-                # The sweepers find a worker that stopped beating here, and wake the
-                # turns of its calls at once.
-                pipe.zadd(WORKERS, {hostname: time.time()})
+                pipe.hset(PRESENCE, hostname, entry(kind, consumed))
+                if kind in HEARTBEAT_ROLES:
+                    pipe.set(key, os.getpid(), px=int(WORKER_ALIVE_TTL_S * 1000))
+                    # The sweepers find a worker that stopped beating here, and wake the
+                    # turns of its calls at once.
+                    pipe.zadd(WORKERS, {hostname: time.time()})
                 pipe.execute()
             except Exception:
                 log.warning("worker heartbeat failed", exc_info=True)
-            time.sleep(WORKER_HEARTBEAT_S)
+            _stopping.wait(WORKER_HEARTBEAT_S)
+        with contextlib.suppress(Exception):
+            redis.hdel(PRESENCE, hostname)
 
-    threading.Thread(target=beat, name="agentq-heartbeat", daemon=True).start()
+    _beating.append(threading.Thread(target=beat, name="agentq-heartbeat", daemon=True))
+    _beating[-1].start()
+
+
+_stopping = threading.Event()
+_beating: list[threading.Thread] = []
+
+
+@worker_shutdown.connect
+def _leave(**_: Any) -> None:
+    """A worker that stops cleanly is gone from the fleet's presence at once."""
+    _stopping.set()
+    for thread in _beating:
+        thread.join(LEAVE_TIMEOUT_S)
 
 
 @worker_shutdown.connect

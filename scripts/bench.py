@@ -28,7 +28,6 @@ import platform
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -48,6 +47,7 @@ from scripts.bench_conversations import bench_conversations  # noqa: E402
 from scripts.bench_first_token import bench_first_token  # noqa: E402
 from scripts.bench_model_capacity import bench_model_capacity  # noqa: E402
 from scripts.bench_report import TURN_WORKER_SIDE, judge, merge_runs, render  # noqa: E402
+from scripts.bench_shapes import bench_shapes  # noqa: E402
 from scripts.bench_stages import (  # noqa: E402
     QUICK,
     BenchRig,
@@ -63,7 +63,9 @@ from scripts.bench_stages import (  # noqa: E402
     bench_watchdog,
     celery_once,
     publisher_main,
+    redis_monitor,
 )
+from scripts.bench_waitpoints import bench_waitpoints  # noqa: E402
 
 KEYS = (
     "conversation_turn_ratio_p50",
@@ -88,17 +90,28 @@ KEYS = (
     "timeout_overshoot_ms_p99",
     "watchdog_overshoot_ms_p50",
     "watchdog_overshoot_ms_p99",
+    "watchdog_keepalive_overshoot_ms_p50",
+    "watchdog_keepalive_overshoot_ms_p99",
     "event_latency_ms_p50",
     "event_latency_ms_p99",
     "sse_latency_ms_p50",
     "sse_latency_ms_p99",
     "io_wall_vs_raw_sdk",
+    "shapes_worst_cpu_ratio",
+    "shapes_worst_wall_ratio",
     "first_token_agentq_ms_p50",
     "first_token_agentq_ms_p99",
     "first_token_direct_ms_p50",
     "first_token_direct_ms_p99",
     "first_token_over_direct_ms_p50",
     "first_token_over_direct_ms_p99",
+    "waitpoint_calls_waiting_at_once",
+    "waitpoint_turn_worker_kb_per_call",
+    "waitpoint_redis_bytes_per_call",
+    "waitpoint_complete_ms_p50",
+    "waitpoint_complete_ms_p99",
+    "waitpoint_back_to_back_ms_p50",
+    "waitpoint_back_to_back_ms_p99",
     "scale_turns",
     "scale_all_settled",
     "scale_seconds",
@@ -137,36 +150,6 @@ def _redis_ports(kinds: dict[int, str], redis_port: int) -> dict[str, str]:
                 if conn.raddr and conn.raddr.port == redis_port:
                     ports[str(conn.laddr.port)] = kind
     return ports
-
-
-def _monitor(url: str, run: Callable[[], None]) -> list[tuple[str, str]]:
-    """(client port or "lua", command) of everything Redis executed while `run` ran."""
-    import redis as redis_py
-
-    seen: list[tuple[str, str]] = []
-    stop = threading.Event()
-
-    def listen(mon: Any) -> None:
-        with contextlib.suppress(Exception):
-            while not stop.is_set():
-                cmd = mon.next_command()
-                seen.append(
-                    (
-                        str(cmd.get("client_port") or "lua"),
-                        str(cmd.get("command", "")).split(" ")[0].upper(),
-                    )
-                )
-
-    with redis_py.Redis.from_url(url).monitor() as mon:  # type: ignore[no-untyped-call]
-        t = threading.Thread(target=listen, args=(mon,), daemon=True)
-        t.start()
-        time.sleep(0.2)
-        seen.clear()
-        run()
-        stop.set()
-        redis_py.Redis.from_url(url).ping()  # wakes the listener so it sees `stop`
-        t.join(5)
-    return list(seen)
 
 
 def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
@@ -208,7 +191,7 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
             for _ in range(n):
                 once()
 
-        seen = _monitor(url, calls_of)
+        seen = redis_monitor(url, calls_of)
         kinds = _process_kinds(fx)
         ports = _redis_ports(kinds, port)
         by_kind: dict[str, Counter[str]] = {}
@@ -377,6 +360,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sz = Sizes(**{**sz.__dict__, "capacity_turns": args.capacity_turns})
     if args.old_path_turns:
         sz = Sizes(**{**sz.__dict__, "old_path_turns": args.old_path_turns})
+    if args.waitpoint_calls:
+        sz = Sizes(**{**sz.__dict__, "waitpoint_calls": args.waitpoint_calls})
     started = time.perf_counter()
     fx = BenchRig(args)
     res: dict[str, Any] = {"quick": args.quick, "runs": args.runs}
@@ -385,6 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fx.start()
         notes += fx.notes
         res["machine"] = machine(fx)
+        res["llm_api"] = args.llm_api
         stages: list[tuple[str, Callable[[], dict[str, Any]]]] = [
             ("overhead", lambda: bench_overhead(fx, sz)),
             ("throughput", lambda: bench_throughput(fx, sz)),
@@ -395,10 +381,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             ("scale", lambda: bench_scale(fx, sz)),
             ("held", lambda: bench_held(fx, sz)),
             ("io", lambda: with_io_ratios(bench_io(fx, sz))),
+            ("shapes", lambda: bench_shapes(fx, sz)),
             ("first_token", lambda: bench_first_token(fx, sz)),
             ("capacity", lambda: bench_model_capacity(fx, sz)),
             ("cluster", lambda: bench_cluster(fx, sz)),
             ("conversations", lambda: bench_conversations(fx, sz)),
+            ("waitpoints", lambda: bench_waitpoints(fx, sz)),
         ]
         if not args.no_cost:
             stages.append(("cost_per_call", lambda: cost_per_call(fx)))
@@ -471,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--scale-turns", type=int, default=0, help="turns of the scale stage")
     p.add_argument("--io-turns", type=int, default=0, help="turns of the io stage (1000)")
     p.add_argument(
+        "--waitpoint-calls", type=int, default=0, help="calls of the waitpoints stage (10000)"
+    )
+    p.add_argument(
         "--old-path-turns",
         type=int,
         default=0,
@@ -491,8 +482,9 @@ def main(argv: list[str] | None = None) -> int:
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "
-        "throughput, timeout, abort, watchdog, events, scale, held, io, first_token, capacity, "
-        "cluster, conversations, "
+        "throughput, timeout, abort, watchdog, events, scale, held, io, shapes, first_token, "
+        "capacity, "
+        "cluster, conversations, waitpoints, "
         "cost_per_call, "
         "profile",
     )
@@ -503,6 +495,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--profile", metavar="DIR", default="", help="also profile the hot path of a call into DIR"
+    )
+    p.add_argument(
+        "--llm-api",
+        choices=["chat", "responses"],
+        default="chat",
+        help="the model API the workers call (AGENTQ_LLM_API): run io and first_token on each",
     )
     p.add_argument("--log-dir", default="", help="keep the workers' logs here")
     p.add_argument("--publisher", help=argparse.SUPPRESS)

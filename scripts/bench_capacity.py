@@ -80,7 +80,7 @@ def bench_held(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         clients_before = int(store.redis.info("clients")["connected_clients"])
         fleet_before, _ = held_clients()
         t0 = time.perf_counter()
-        handles = [client.start_turn(f"{key} #{i}") for i in range(n)]
+        handles = [client._start_turn(f"{key} #{i}") for i in range(n)]
         peak_clients = clients_before
         peak_fleet, peak_by_kind = fleet_before, {}
         held = 0
@@ -162,16 +162,27 @@ def _cpu_s_by_kind(fx: BenchRig) -> dict[str, float]:
     return dict(out)
 
 
-def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, Any]:
-    """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2."""
+def bench_turns_with(
+    fx: BenchRig,
+    n: int,
+    tool: str,
+    prefix: str,
+    *,
+    key: str | None = None,
+    floor_s: float = IO_WAIT_S + 2 * IO_STREAM_S,
+) -> dict[str, Any]:
+    """n real turns at once: round 1 -> one `tool` call of IO_WAIT_S -> round 2 (or the
+    script `key`, whose turns call `tool` and last at least `floor_s`)."""
     from agentq import constants as k
     from agentq.api import Client
 
     client = Client()
     store = runtime.get_store()
-    key = fx.script(
-        _stream_round([ScriptedCall(name=tool, arguments={"seconds": IO_WAIT_S})]), _stream_round()
-    )
+    if key is None:
+        key = fx.script(
+            _stream_round([ScriptedCall(name=tool, arguments={"seconds": IO_WAIT_S})]),
+            _stream_round(),
+        )
     # This process is also the model server: the requests of earlier stages, which it
     # records for tests and the bench never reads, would weigh on its collector here.
     if fx.llm is not None:
@@ -187,7 +198,7 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
     commands_before = redis_commands(store.redis)
     since = time.time()
     t0 = time.perf_counter()
-    ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
+    ids = [client._start_turn(f"{key} #{i}").turn_id for i in range(n)]
     # The watcher shares the fleet's two cores: it counts this stage's turns still open
     # (the open turns: one ZCARD), and the memory of every process
     # (psutil walks /proc) once a second. Reading a thousand statuses five times a second
@@ -206,11 +217,10 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
     # them): the turns', the idle workers' and this watcher's (about 20 a second).
     commands = redis_commands(store.redis) - commands_before
     statuses = turn_statuses(store, ids)
-    cpu = {
-        kind: round(v - cpu_before.get(kind, 0.0), 1)
-        for kind, v in _cpu_s_by_kind(fx).items()
-        if v - cpu_before.get(kind, 0.0) >= 0.05
-    }
+    # To the hundredth: a --quick shape's fleet spends about 1 CPU-s, where tenths of each
+    # process, summed, moved its ratio by up to a fifth.
+    spent = {kind: v - cpu_before.get(kind, 0.0) for kind, v in _cpu_s_by_kind(fx).items()}
+    cpu = {kind: round(v, 2) for kind, v in spent.items() if v >= 0.005}
     counts = Counter(str(s) for s in statuses)
     phases = _phase_ms(store, ids, since)
     return {
@@ -218,14 +228,14 @@ def bench_turns_with(fx: BenchRig, n: int, tool: str, prefix: str) -> dict[str, 
         f"{prefix}_all_settled": counts.get("finished") == n,
         f"{prefix}_seconds": round(took, 2),
         f"{prefix}_statuses": dict(counts),
-        f"{prefix}_floor_seconds": IO_WAIT_S + 2 * IO_STREAM_S,
+        f"{prefix}_floor_seconds": floor_s,
         f"{prefix}_peak_rss_mb": peak,
         f"{prefix}_idle_rss_mb": before,
         f"{prefix}_fleet": "+".join(kinds),
         f"{prefix}_peak_rss_mb_all_processes": peak_all,
         f"{prefix}_cpu_s_by_process": cpu,
-        f"{prefix}_cpu_s_total": round(sum(cpu.values()), 1),
-        f"{prefix}_fleet_cpu_s": round(sum(cpu.get(k_, 0.0) for k_ in kinds), 1),
+        f"{prefix}_cpu_s_total": round(sum(spent.values()), 2),
+        f"{prefix}_fleet_cpu_s": round(sum(spent.get(k_, 0.0) for k_ in kinds), 2),
         f"{prefix}_redis_commands_per_turn": round(commands / n, 1),
         f"{prefix}_phase_ms": phases,
     }

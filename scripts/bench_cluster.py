@@ -57,7 +57,7 @@ def _run_turns(fx: BenchRig, n: int, servers: list[redis.Redis], prefix: str) ->
     key = fx.script(*_turn_rounds())
     cpu0, cmd0 = _usage(servers)
     t0 = time.perf_counter()
-    ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(n)]
+    ids = [client._start_turn(f"{key} #{i}").turn_id for i in range(n)]
     statuses: list[Any] = []
     while time.perf_counter() - t0 < 120 + n * 0.1:
         statuses = turn_statuses(store, ids)

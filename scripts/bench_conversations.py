@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 from agentq.api import Client
-from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.types import TERMINAL_TYPES
 from agentq.fleet import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
-from scripts.bench_stages import BenchRig, Sizes, _r, _ratio, ms_stats, pct
+from scripts.bench_stages import BenchRig, Sizes, _r, _ratio, ms_stats, pct, redis_monitor
 
 BLOCK = 10
 MONITORED_TURNS = 20
@@ -33,7 +33,7 @@ def _turn_s(
     client: Client, prompt: str, conversation_id: str | None, max_tokens: int | None = None
 ) -> float:
     t0 = time.time()
-    handle = client.start_turn(
+    handle = client._start_turn(
         prompt, conversation_id=conversation_id, operator=True, max_tokens=max_tokens
     )
     end = client.wait(handle.turn_id, timeout_s=60)
@@ -43,10 +43,9 @@ def _turn_s(
 
 
 def _client_commands(fx: BenchRig, run: Any) -> int:
-    from scripts.bench import _monitor  # the bench's MONITOR reader (imported late: a cycle)
 
     assert fx.redis is not None
-    return sum(1 for port, _ in _monitor(fx.redis.url, run) if port != "lua")
+    return sum(1 for port, _ in redis_monitor(fx.redis.url, run) if port != "lua")
 
 
 def bench_conversations(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
@@ -127,9 +126,9 @@ def _handoffs(client: Client, fx: BenchRig, n: int) -> dict[str, Any]:
     nap = Round(tool_calls=[ScriptedCall(name="sleep", arguments={"seconds": 0.5})])
     fx.llm.set_script(key, [nap, *[Round(text="ok.")] * (n + 2)])
     conversation = f"{key}-c"
-    handles = [client.start_turn(key, conversation_id=conversation, operator=True)]
+    handles = [client._start_turn(key, conversation_id=conversation, operator=True)]
     handles += [
-        client.start_turn(f"next {i}", conversation_id=conversation, operator=True)
+        client._start_turn(f"next {i}", conversation_id=conversation, operator=True)
         for i in range(n)
     ]
     end = client.wait(handles[-1].turn_id, timeout_s=120 + n)

@@ -1,11 +1,11 @@
-"""The README's benchmark figures, from one place: docs/benchmarks.json.
+"""The benchmark figures of docs/benchmarks.md, from one place: docs/benchmarks.json.
 
     python scripts/bench_figures.py --report RUN.json --when "2026-11-28, 3 runs"
         # a bench run's values (`scripts/bench.py --json > RUN.json`) into the file,
-        # for every figure the run measured; then the README's table again
-    python scripts/bench_figures.py            # the README's table from the file
+        # for every figure the run measured; then the table of docs/benchmarks.md again
+    python scripts/bench_figures.py            # the table of docs/benchmarks.md from the file
 
-tests/unit/test_bench_figures.py fails if the README's table is not the file's, or if the
+tests/unit/test_bench_figures.py fails if that table is not the file's, or if the
 file names a metric the bench does not report.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "benchmarks.json"
-README = ROOT / "README.md"
+README = ROOT / "docs" / "benchmarks.md"
 BEGIN = "<!-- figures: docs/benchmarks.json, written by scripts/bench_figures.py -->"
 END = "<!-- /figures -->"
 RANGE = "\u2013"

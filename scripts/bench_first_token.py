@@ -14,7 +14,7 @@ import json
 import time
 from typing import Any
 
-from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.types import TERMINAL_TYPES
 from agentq.testing.openai_server import Round
 from scripts.bench_stages import BenchError, BenchRig, Sizes, ms_stats, pct
 

@@ -1,6 +1,6 @@
 """The model capacity stage of the benchmark (`capacity`): turns against a scripted
 provider that admits 20 requests a second and answers 429 past that, in each of the
-limiter shapes real providers have (`agentq.testing.ratelimit.SHAPES`: fixed wall-clock
+limiter shapes real providers have (`tests.rigs.ratelimit.SHAPES`: fixed wall-clock
 windows or a continuously refilled bucket; rate-limit headers on every answer, only on
 429s, or a bare `retry-after: 1`).
 
@@ -29,11 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agentq.errors import TurnNotFound
-from agentq.events.bus import TERMINAL_TYPES as TERMINAL
+from agentq.events.types import TERMINAL_TYPES as TERMINAL
 from agentq.fleet import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.ratelimit import SHAPES as PROVIDER_SHAPES
 from scripts.bench_stages import BenchRig, Sizes, pct, turn_statuses
+from tests.rigs.ratelimit import SHAPES as PROVIDER_SHAPES
 
 RPS = 20
 """The scripted provider's limit, in whole-second windows."""
@@ -89,8 +89,8 @@ METRICS = (
 def _prepare(fx: BenchRig, shape: str = "window") -> None:
     assert fx.llm is not None
     fx.llm.reset()
-    fx.llm.limits.requests_per_s = RPS
-    fx.llm.limits.set_shape(shape)
+    fx.limits.requests_per_s = RPS
+    fx.limits.set_shape(shape)
     _clear_capacity(runtime.get_store())
     gc.collect()
 
@@ -212,7 +212,7 @@ def _run_turns(
     floor = n * ROUNDS / RPS
     budget_s = 30 + 4 * floor
     since = time.time()
-    handles = [client.start_turn(f"{key} #{i}", detach=True) for i in range(n)]
+    handles = [client._start_turn(f"{key} #{i}", detach=True) for i in range(n)]
     started_s = time.time() - since
     ids = [h.turn_id for h in handles]
     # The turns still open, as the io stage counts them: one ZCARD of the open
@@ -223,7 +223,7 @@ def _run_turns(
             break
     ended = sum(1 for s in turn_statuses(store, ids) if s in ENDED)
     not_ended = _abort_all(client, store, handles) if ended < n else 0
-    lim = fx.llm.limits
+    lim = fx.limits
     admitted, refused = len(lim.admitted_at), sum(lim.refused.values())
     counts = Counter(str(s) for s in turn_statuses(store, ids))
     types: Counter[str] = Counter()
@@ -318,7 +318,7 @@ def _fairness(fx: BenchRig, sz: Sizes, model: str, limits: str) -> dict[str, Any
         t0 = time.time()
         for i in range(nb):
             req = TurnRequest(prompt=f"{key} bulk #{i}", detach=True)
-            bulk.append(client.start(req, owner="bulk"))
+            bulk.append(client._start_request(req, owner="bulk"))
         out["fair_bulk_start_all_seconds"] = round(time.time() - t0, 2)
         # Her turns come once the backlog queues: the last bulk turn waits for its round.
         deadline = time.monotonic() + 60
@@ -330,11 +330,13 @@ def _fairness(fx: BenchRig, sz: Sizes, model: str, limits: str) -> dict[str, Any
             notes.append("capacity fair: the last bulk turn did not queue within 60 s")
         snap = cap.snapshot(model)
         out["fair_bulk_queued_at_start"] = snap["queued"]["background"]
-        out["fair_bulk_rounds_admitted_before"] = len(fx.llm.limits.admitted_at)
+        out["fair_bulk_rounds_admitted_before"] = len(fx.limits.admitted_at)
         asked: list[float] = []
         for i in range(ni):
             asked.append(time.time())
-            mine.append(client.start(TurnRequest(prompt=f"{key} alice #{i}"), owner="alice"))
+            mine.append(
+                client._start_request(TurnRequest(prompt=f"{key} alice #{i}"), owner="alice")
+            )
         ids = [h.turn_id for h in mine]
         deadline = time.monotonic() + 60
         logs = _logs(store, ids)
@@ -394,13 +396,13 @@ def _fairness(fx: BenchRig, sz: Sizes, model: str, limits: str) -> dict[str, Any
             )
     finally:
         bulk_ended = sum(1 for s in turn_statuses(store, [h.turn_id for h in bulk]) if s in ENDED)
-        out["fair_requests_refused_before_abort"] = sum(fx.llm.limits.refused.values())
-        out["fair_requests_admitted_before_abort"] = len(fx.llm.limits.admitted_at)
+        out["fair_requests_refused_before_abort"] = sum(fx.limits.refused.values())
+        out["fair_requests_admitted_before_abort"] = len(fx.limits.admitted_at)
         left = _abort_all(client, store, bulk + mine)
         out["fair_bulk_finished_before_abort"] = bulk_ended
         out["fair_not_ended_after_abort"] = left
-        out["fair_requests_refused"] = sum(fx.llm.limits.refused.values())
-        out["fair_requests_admitted"] = len(fx.llm.limits.admitted_at)
+        out["fair_requests_refused"] = sum(fx.limits.refused.values())
+        out["fair_requests_admitted"] = len(fx.limits.admitted_at)
     out["notes"] = notes
     return out
 
@@ -460,8 +462,8 @@ def bench_model_capacity(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         except Exception as exc:  # the fleet's restart: the open runs' figures stand
             notes.append(f"capacity limited: failed: {type(exc).__name__}: {exc}"[:2000])
     finally:
-        fx.llm.limits.requests_per_s = None
-        fx.llm.limits.set_shape("window")
+        fx.limits.requests_per_s = None
+        fx.limits.set_shape("window")
         _clear_capacity(runtime.get_store())
     slower: list[float] = []
     not_finished = 0

@@ -18,12 +18,13 @@ import json
 import resource
 import sys
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 
-async def one_turn(client: Any, model: str, prompt: str) -> bool:
+async def one_turn(client: Any, model: str, prompt: str, pool: Executor | None = None) -> bool:
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
-    for _ in range(4):  # rounds: the script has two; a bound keeps a broken one finite
+    for _ in range(MAX_ROUNDS):
         text: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         stream = await client.chat.completions.create(model=model, messages=messages, stream=True)
@@ -57,10 +58,16 @@ async def one_turn(client: Any, model: str, prompt: str) -> bool:
         )
         for c in calls.values():
             seconds = float(json.loads(c["arguments"] or "{}").get("seconds", 0))
-            await asyncio.sleep(seconds)  # the aio_sleep tool
+            if pool is None:
+                await asyncio.sleep(seconds)  # the aio_sleep tool
+            else:
+                await asyncio.get_running_loop().run_in_executor(pool, time.sleep, seconds)
             messages.append({"role": "tool", "tool_call_id": c["id"], "content": "null"})
     return False
 
+
+MAX_ROUNDS = 12
+"""A bound on a turn's rounds, which keeps a broken script finite."""
 
 TURNS_PER_CLIENT = 50
 """Turns sharing one SDK client: httpx's pool looks at each of its connections for every
@@ -69,7 +76,9 @@ request, so one pool of a thousand made the reference loop spend most of its CPU
 loop would do."""
 
 
-async def run(base_url: str, model: str, key: str, turns: int) -> dict[str, Any]:
+async def run(
+    base_url: str, model: str, key: str, turns: int, sync_tool_threads: int = 0
+) -> dict[str, Any]:
     import httpx
     from openai import AsyncOpenAI
 
@@ -83,11 +92,18 @@ async def run(base_url: str, model: str, key: str, turns: int) -> dict[str, Any]
         )
         for _ in range(-(-turns // TURNS_PER_CLIENT))
     ]
+    # A sync tool (the `sleep` tool) runs on threads, as many as the fleet's tool processes.
+    pool = ThreadPoolExecutor(sync_tool_threads) if sync_tool_threads else None
     t0 = time.perf_counter()
     done = await asyncio.gather(
-        *(one_turn(clients[i // TURNS_PER_CLIENT], model, f"{key} #{i}") for i in range(turns)),
+        *(
+            one_turn(clients[i // TURNS_PER_CLIENT], model, f"{key} #{i}", pool)
+            for i in range(turns)
+        ),
         return_exceptions=True,
     )
+    if pool is not None:
+        pool.shutdown()
     took = time.perf_counter() - t0
     for client in clients:
         await client.close()
@@ -105,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="gpt-4o-mini")
     p.add_argument("--prompt-key", required=True)
     p.add_argument("--turns", type=int, default=1000)
+    p.add_argument("--sync-tool-threads", type=int, default=0, help="the tool is sync: threads")
     args = p.parse_args(argv)
     import httpx  # noqa: F401  (imported before the clock starts, as the fleet's are)
     import openai  # noqa: F401
 
     before = resource.getrusage(resource.RUSAGE_SELF)
-    out = asyncio.run(run(args.base_url, args.model, args.prompt_key, args.turns))
+    out = asyncio.run(
+        run(args.base_url, args.model, args.prompt_key, args.turns, args.sync_tool_threads)
+    )
     after = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2)
     print(json.dumps(out))

@@ -13,6 +13,7 @@ GOALS: list[tuple[str, str, float, str]] = [
     ("abort_to_event_ms_p99", "<", 100, "< 100 ms"),
     ("timeout_overshoot_ms_p99", "<", 100, "< 100 ms"),
     ("watchdog_overshoot_ms_p99", "<", 50, "< 50 ms"),
+    ("watchdog_keepalive_overshoot_ms_p99", "<", 50, "< 50 ms"),
     ("event_latency_ms_p50", "<", 2, "< 2 ms"),
     ("held_redis_clients_peak", "<=", 100, "≤ 100, whatever N"),
     ("held_turn_worker_kb_per_turn", "<=", 20, "≤ 20 KB"),
@@ -22,6 +23,8 @@ GOALS: list[tuple[str, str, float, str]] = [
     ("io_turns_redis_commands_per_turn", "<=", 120, "≤ 120 Redis commands"),
     ("io_cpu_vs_raw_sdk", "<=", 1.0, "≤ 1.0 x a raw-SDK asyncio loop's CPU"),
     ("io_wall_vs_raw_sdk", "<=", 0.8, "≤ 0.8 x the raw-SDK loop's wall time"),
+    ("shapes_worst_cpu_ratio", "<=", 1.0, "every workload shape ≤ 1.0 x the raw loop's CPU"),
+    ("shapes_worst_wall_ratio", "<=", 0.8, "every workload shape ≤ 0.8 x its wall time"),
     ("first_token_over_direct_ms_p50", "<=", 20, "≤ +20 ms over the SDK direct, p50"),
     ("first_token_over_direct_ms_p99", "<=", 60, "≤ +60 ms over the SDK direct, p99"),
     ("redis_commands_ratio", "<=", 2.0, "≤ 2 x plain Celery's"),
@@ -144,6 +147,7 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
         ("abort → tool process gone ms", "abort_to_process_gone_ms"),
         ("timeout overshoot ms (1 s limit)", "timeout_overshoot_ms"),
         ("watchdog overshoot ms (500 ms idle)", "watchdog_overshoot_ms"),
+        ("watchdog overshoot ms, keep-alives only", "watchdog_keepalive_overshoot_ms"),
         ("event latency ms (publish → subscriber)", "event_latency_ms"),
         ("SSE latency ms (publish → SSE client)", "sse_latency_ms"),
     ):
@@ -300,5 +304,20 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
                 str(res.get("redis_commands_ratio_turn_worker")),
             )
     con.print(d)
+    if res.get("shapes"):
+        sh = Table(title="io on workload shapes: the fleet (+ Redis) against a raw-SDK loop")
+        for col in ("shape", "turns", "floor s", "fleet s", "raw s", "CPU ratio", "wall ratio"):
+            sh.add_column(col)
+        for i, r in enumerate(res["shapes"]):
+            sh.add_row(
+                r["shape"],
+                str(r["turns"]),
+                str(r["floor_s"]),
+                str(r["fleet_s"]),
+                str(r["raw_s"]),
+                spread(res, f"shape_{i}_cpu_ratio"),
+                spread(res, f"shape_{i}_wall_ratio"),
+            )
+        con.print(sh)
     for note in res.get("notes", []):
         con.print(f"[yellow]note:[/] {note}")

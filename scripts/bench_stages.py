@@ -25,15 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentq.events.bus import TERMINAL_TYPES
 from agentq.events.follow import follow
+from agentq.events.types import TERMINAL_TYPES
 from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet, memory_mb
 from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_process
 from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import ToolCall, ToolResult, TurnStatus
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
-from agentq.testing.rounds import run_round, start_round
+from tests.rigs.ratelimit import ProviderLimits
+from tests.rigs.rounds import run_round, start_round
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = Path(__file__).resolve().parent / "bench.py"
@@ -71,9 +72,31 @@ class Sizes:
     conversation_turns: int = 100
     conversation_handoffs: int = 200
     first_token_samples: int = 200
+    shape_turns: int = 300
+    waitpoint_calls: int = 10_000
 
 
-QUICK = Sizes(300, 20, 25, 300, 3, 10, 5, 10, 300, 50, 200, 200, 60, 60, 100, 5, 100)
+QUICK = Sizes(
+    300,
+    20,
+    25,
+    300,
+    3,
+    10,
+    5,
+    10,
+    300,
+    50,
+    200,
+    200,
+    60,
+    60,
+    100,
+    5,
+    100,
+    shape_turns=100,
+    waitpoint_calls=200,
+)
 
 
 def turn_statuses(store: Any, turn_ids: list[str]) -> list[Any]:
@@ -121,6 +144,8 @@ class BenchRig:
         self.run_id = uuid.uuid4().hex[:6]
         self.redis: RedisServer | None = None
         self.llm: ScriptedOpenAIServer | None = None
+        self.limits = ProviderLimits()
+        """The model server's rate limits (off until a stage sets them)."""
         self.local: LocalFleet | None = None
         self.env: dict[str, str] = {}
         self.gateway_url: str | None = None
@@ -133,17 +158,19 @@ class BenchRig:
         else:
             self.redis = RedisServer().start()
             url = self.redis.url
-        self.llm = ScriptedOpenAIServer().start()
+        self.llm = ScriptedOpenAIServer(rate_limit=self.limits).start()
         self.env = {
             "AGENTQ_REDIS_URL": url,
-            "AGENTQ_TOOLS": "agentq.testing.tools",
+            "AGENTQ_TOOLS": "agentq.testing.tools,tests.waitpoint_tools",
             "AGENTQ_LLM_BASE_URL": self.llm.url,
+            "AGENTQ_LLM_API": getattr(a, "llm_api", "chat"),
             "PYTHONPATH": str(ROOT),
             "PYTHONUNBUFFERED": "1",
         }
         os.environ.update(self.env)
         runtime.reset()
         import agentq.testing.tools  # noqa: F401  (the dispatcher validates against the registry)
+        import tests.waitpoint_tools  # noqa: F401
 
         logs = Path(a.log_dir) if a.log_dir else None
         conc = str(a.tool_concurrency)
@@ -457,7 +484,7 @@ def bench_abort(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     to_event: list[float] = []
     to_gone: list[float] = []
     for i in range(sz.aborts):
-        handle = client.start_turn(f"{key} abort {i}")
+        handle = client._start_turn(f"{key} abort {i}")
         events = client.events(handle.turn_id, heartbeat_s=0.5)
         deadline = time.monotonic() + 30
         pid = None
@@ -499,43 +526,93 @@ def bench_abort(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     }
 
 
+def redis_monitor(url: str, run: Callable[[], None]) -> list[tuple[str, str]]:
+    """(client port or "lua", command) of everything Redis executed while `run` ran."""
+    import redis as redis_py
+
+    seen: list[tuple[str, str]] = []
+    stop = threading.Event()
+
+    def listen(mon: Any) -> None:
+        with contextlib.suppress(Exception):
+            while not stop.is_set():
+                cmd = mon.next_command()
+                seen.append(
+                    (
+                        str(cmd.get("client_port") or "lua"),
+                        str(cmd.get("command", "")).split(" ")[0].upper(),
+                    )
+                )
+
+    with redis_py.Redis.from_url(url).monitor() as mon:  # type: ignore[no-untyped-call]
+        t = threading.Thread(target=listen, args=(mon,), daemon=True)
+        t.start()
+        time.sleep(0.2)
+        seen.clear()
+        run()
+        stop.set()
+        redis_py.Redis.from_url(url).ping()  # wakes the listener so it sees `stop`
+        t.join(5)
+    return list(seen)
+
+
 def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
+    """How late the stream worker's watchdog cuts a silent stream past its 500 ms limit, on
+    the path the stream worker runs (`astream_round`): a stream gone silent after a chunk,
+    and one that sends only SSE keep-alive comments after it (which must not count)."""
+    import asyncio
+
     from agentq.errors import StreamIdleTimeout
-    from agentq.llm.client import stream_round
+    from agentq.llm.aclient import astream_round, client_timeout, make_client
 
     assert fx.llm is not None
-    key = fx.script(Round(text="hello", fault="silent_after_chunks", fault_after_chunks=1))
-    over: list[float] = []
-    for i in range(sz.watchdogs):
-        last = [0.0]
+    llm = fx.llm
+    out: dict[str, Any] = {}
+    for label, fault in (("", "silent_after_chunks"), ("keepalive_", "keepalive_only")):
+        key = fx.script(Round(text="hello", fault=fault, fault_after_chunks=1))
 
-        def on_delta(kind: str, text: str, last: list[float] = last) -> None:
-            last[0] = time.monotonic()
-
-        try:
-            stream_round(
-                [{"role": "user", "content": f"{key} {i}"}],
-                [],
-                base_url=fx.llm.url,
-                api_key=None,
-                model="scripted",
-                idle_timeout_ms=500,
-                duration_left_s=30,
-                max_retries=0,
-                request_timeout_s=5,
-                on_delta=on_delta,
-                on_retry=lambda *_: None,
-                cancelled=lambda: False,
-                turn_id="bench",
+        async def overshoots(key: str = key) -> list[float]:
+            client = make_client(
+                base_url=llm.url, api_key=None, max_connections=8, timeout=client_timeout(5, 500)
             )
-        except StreamIdleTimeout:
-            failed = time.monotonic()
-        else:
-            raise BenchError("the silent stream did not time out")
-        if not last[0]:
-            raise BenchError("no chunk arrived before the silence")
-        over.append(failed - (last[0] + 0.5))
-    return {**ms_stats("watchdog_overshoot_ms", over), "watchdog_samples": len(over)}
+            over: list[float] = []
+            try:
+                for i in range(sz.watchdogs):
+                    last = [0.0]
+
+                    def on_delta(kind: str, text: str, last: list[float] = last) -> None:
+                        last[0] = time.monotonic()
+
+                    try:
+                        await astream_round(
+                            client,
+                            [{"role": "user", "content": f"{key} {i}"}],
+                            [],
+                            model="scripted",
+                            idle_timeout_ms=500,
+                            duration_left_s=30,
+                            max_retries=0,
+                            timeout=None,
+                            on_delta=on_delta,
+                            on_retry=lambda *_: None,
+                            abort=asyncio.Event(),
+                            turn_id="bench",
+                        )
+                    except StreamIdleTimeout:
+                        failed = time.monotonic()
+                    else:
+                        raise BenchError("the silent stream did not time out")
+                    if not last[0]:
+                        raise BenchError("no chunk arrived before the silence")
+                    over.append(failed - (last[0] + 0.5))
+            finally:
+                await client.close()
+            return over
+
+        over = asyncio.run(overshoots())
+        out.update(ms_stats(f"watchdog_{label}overshoot_ms", over))
+        out[f"watchdog_{label}samples"] = len(over)
+    return out
 
 
 def publisher_main(turn_id: str, n: int, interval_ms: float) -> int:
@@ -666,7 +743,7 @@ def bench_scale(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     before = fx.memory_mb()
     pss_before = fx.memory_mb("pss")
     t0 = time.perf_counter()
-    ids = [client.start_turn(f"{key} #{i}").turn_id for i in range(sz.scale_turns)]
+    ids = [client._start_turn(f"{key} #{i}").turn_id for i in range(sz.scale_turns)]
     peak: dict[str, float] = {}
     pss_peak: dict[str, float] = {}
     polls = 0

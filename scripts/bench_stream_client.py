@@ -57,7 +57,7 @@ async def _sdk_round(client: openai.AsyncOpenAI, on_delta: Any) -> None:
         stream_cls=openai.AsyncStream[object],
     )
     async with stream:
-        assembler = aclient._Assembler(on_delta)
+        assembler = aclient.ChatAssembler(on_delta)
         index = 0
         async for chunk in stream:
             assembler.add(chunk, index)

@@ -54,18 +54,17 @@ sys.path.insert(0, str(ROOT))
 
 from agentq.api import Client  # noqa: E402
 from agentq.constants import interaction_key  # noqa: E402
-from agentq.events.bus import TERMINAL_TYPES  # noqa: E402
+from agentq.events.types import TERMINAL_TYPES, Event  # noqa: E402
 from agentq.fleet import runtime  # noqa: E402
 from agentq.local.fleet import LocalFleet  # noqa: E402
 from agentq.local.processes import ManagedProcess  # noqa: E402
 from agentq.local.redis_server import RedisServer  # noqa: E402
-from agentq.models import Event  # noqa: E402
-from agentq.testing.chaos_tools import RUNS_FILE  # noqa: E402
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer  # noqa: E402
-from agentq.testing.sentinel import SentinelCluster  # noqa: E402
-from agentq.testing.workers import worker_env  # noqa: E402
+from tests.rigs.chaos_tools import RUNS_FILE  # noqa: E402
+from tests.rigs.sentinel import SentinelCluster  # noqa: E402
+from tests.rigs.workers import worker_env  # noqa: E402
 
-TOOLS = "agentq.testing.tools,agentq.testing.chaos_tools"
+TOOLS = "agentq.testing.tools,tests.rigs.chaos_tools"
 FLEET = {"tools": 2, "io": 1, "llm": 1, "turns": 2}
 CONCURRENCY: dict[str, int | None] = {"tools": 3, "io": None, "llm": 8, "turns": 16}
 FAULT_WEIGHTS = {
@@ -308,7 +307,7 @@ class Driver(threading.Thread):
             )
             sub = ScriptedCall(name="chaos_subagent", arguments={"prompt": child})
             rounds = [Round(tool_calls=[sub]), done]
-        handle = self.client.start_turn(self.script(*rounds))
+        handle = self.client._start_turn(self.script(*rounds))
         with self.tally.lock:
             self.tally.turns.append(handle.turn_id)
             self.tally.scenarios[scenario] += 1

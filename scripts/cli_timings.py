@@ -110,7 +110,7 @@ def time_abort(runs: int) -> tuple[list[float], list[float]]:
         env = clean_env(AGENTQ_REDIS_URL=server.url)
         wall, cpu = [], []
         for i in range(runs + 1):
-            handle = client.start_turn("wait here", headless=True)
+            handle = client._start_turn("wait here", headless=True)
             cpu0, t0 = children_cpu_s(), time.time()
             done = subprocess.run(
                 [*agentq_argv(), "abort", handle.turn_id],

@@ -47,9 +47,18 @@ def closure(roots: list[str]) -> dict[str, str]:
     return pins
 
 
+IMAGE_EXTRAS = ("gateway", "flower", "mcp", "otel")
+"""The extras compose/Dockerfile installs by default (its AGENTQ_EXTRAS)."""
+
+
 def render() -> str:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = closure(list(deps))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    roots = list(project["dependencies"])
+    for extra in IMAGE_EXTRAS:
+        roots += [
+            r for r in project["optional-dependencies"][extra] if Requirement(r).name != "agentq"
+        ]
+    pins = closure(roots)
     return HEADER + "".join(f"{n}=={v}\n" for n, v in sorted(pins.items()))
 
 

@@ -51,3 +51,10 @@ top = Agent(
     instructions="You are t_top.",
     tools=[middle.as_tool(name="ask_middle", timeout_s=60)],
 )
+watched = Agent(
+    name="t_watched",
+    instructions="You are t_watched.",
+    tools=[echo],
+    stream_idle_timeout_ms=1000,
+    stream_duration_s=4,
+)

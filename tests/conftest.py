@@ -12,15 +12,19 @@ import pytest
 
 from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet
-from agentq.local.processes import ManagedProcess, kill_all, use_fork_server
+from agentq.local.processes import ManagedProcess, kill_all, use_spawner
 from agentq.local.redis_server import RedisServer
-from agentq.testing.workers import worker_env
+from tests.rigs.forkserver import ForkServer
+from tests.rigs.workers import worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
 
 
-TEST_TOOLS = "agentq.testing.tools,agentq.testing.agents,tests.agents_under_test"
+BASE_TOOLS = "agentq.testing.tools,agentq.testing.agents,tests.agents_under_test"
+"""The tools of a fleet whose budgets are sized by a round's prompt (every tool offered
+counts in it)."""
+TEST_TOOLS = f"{BASE_TOOLS},tests.waitpoint_tools"
 
 
 def base_env(redis_url: str, llm_url: str | None = None, **extra: str) -> dict[str, str]:
@@ -52,6 +56,7 @@ def agentq_env(redis_server: RedisServer, llm_server: object) -> Iterator[dict[s
     os.environ.update(env)
     runtime.reset()
     import agentq.testing.tools  # noqa: F401 - the dispatcher validates against the registry
+    import tests.waitpoint_tools  # noqa: F401
 
     yield env
     for k, v in saved.items():
@@ -112,8 +117,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Workers, gateways and CLI commands started by PID are forks of one pre-imported
     # Python: a start costs 0.2 CPU-s instead of 1.6-3.3, and the suite starts hundreds.
-    use_fork_server()
+    use_spawner(ForkServer())
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     kill_all()
+    use_spawner(None)

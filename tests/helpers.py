@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from agentq.api import Client
-from agentq.events.bus import TERMINAL_TYPES
-from agentq.models import Event
+from agentq.events.types import TERMINAL_TYPES, Event
 from agentq.testing.openai_server import Round, ScriptedCall
 
 
@@ -180,3 +180,28 @@ def agentq_cli(
     return run_process(
         [sys.executable, "-m", "agentq", *args], env={**os.environ, **env}, timeout_s=timeout_s
     )
+
+
+def busy_factor() -> float:
+    """How many times more work than cores the machine has now (1 when it has spare): a
+    timing bound of a test that shares the machine with a four-process suite scales by it."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+@contextlib.contextmanager
+def process_env(env: dict[str, str]) -> Iterator[None]:
+    """Point this process (its Client) at `env`, then restore the session's settings."""
+    from agentq.fleet import runtime
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    runtime.reset()
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        runtime.reset()

@@ -1,6 +1,6 @@
-"""Worker entry points, one per process kind (see `agentq worker KIND`).
+"""Worker entry points of a checkout, one per process kind (see `agentq worker KIND`).
 
-Deployments that start processes by module path (systemd units, Procfiles, container
-commands) can run `python -m workers.turns`, `python -m workers.llm` and
-`python -m workers.tools`; every Celery worker option passes through.
+Not installed with agentq: an installed fleet runs `agentq worker KIND` or
+`python -m agentq worker KIND`. In a checkout, process managers can run
+`python -m workers.turns|llm|tools|io`; every Celery worker option passes through.
 """

@@ -39,6 +39,8 @@ STUCK_GRACE_S = 0.5
 """A stall this long past a call's hard deadline recycles the process."""
 IDLE_PULSE_S = 0.5
 """How often the pulse and the watchdog look while the loop holds nothing submitted."""
+STOP_WAIT_S = 2.0
+"""How long a stopped loop waits for what it cancelled to finish before it closes."""
 
 BlockedHook = Callable[["asyncio.Task[Any] | None", float], None]
 StuckHook = Callable[["asyncio.Task[Any] | None", float, str], None]
@@ -99,7 +101,10 @@ class EventLoopThread:
         asyncio.set_event_loop(self.loop)
         self.loop.create_task(self._pulse(), name=f"{self.name}-pulse")
         self.loop.call_soon(self._started.set)
-        self.loop.run_forever()
+        try:
+            self.loop.run_forever()
+        finally:
+            _close(self.loop)
 
     # -- submitting
 
@@ -168,7 +173,7 @@ class EventLoopThread:
 
     async def _pulse(self) -> None:
         self._wake = wake = asyncio.Event()
-        while True:
+        while not self._stopping.is_set():
             before = time.monotonic()
             if self._held or self._deadlines:
                 planned_s = self._period_s = PULSE_S
@@ -216,30 +221,26 @@ class EventLoopThread:
                 return
 
 
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel what is left and close, as asyncio.run does.
+
+    A pending task left to the garbage collector logs from its finalizer, and on CPython
+    3.11 a finalizer that runs inside ast.parse corrupts the parser's recursion count
+    (SystemError: AST constructor recursion depth mismatch) in whatever parses next.
+    """
+    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        # Bounded: on 3.11 asyncio.wait_for can swallow a cancel that meets its result.
+        loop.run_until_complete(asyncio.wait(pending, timeout=STOP_WAIT_S))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
+
+
 def _current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
     """The task holding `loop` right now, read from another thread (racy, good enough)."""
     try:
         return asyncio.current_task(loop)
     except RuntimeError:
         return None
-
-
-_lock = threading.Lock()
-_loop: EventLoopThread | None = None
-
-
-def get_loop(**options: Any) -> EventLoopThread:
-    """This process's loop, started on first use (`options` apply to that first use)."""
-    global _loop
-    with _lock:
-        if _loop is None:
-            _loop = EventLoopThread(**options).start()
-        return _loop
-
-
-def reset_loop() -> None:
-    global _loop
-    with _lock:
-        if _loop is not None:
-            _loop.stop()
-        _loop = None

@@ -40,6 +40,7 @@ from agentq.local.processes import (
     CELERY_READY_PATTERN,
     ManagedProcess,
     ProcessStartError,
+    last_error,
 )
 from agentq.local.redis_server import RedisServer, ensure_redis, find_free_port, port_is_free
 
@@ -121,7 +122,7 @@ def wait_ready(
             elif proc.poll() is not None:
                 raise ProcessStartError(
                     f"{name} (pid {proc.pid}) exited with code {proc.returncode} while "
-                    f"starting; its log: {proc.log_path}",
+                    f"starting{_because(proc)}; its log: {proc.log_path}",
                     proc.log_tail(),
                 )
         if pending and time.monotonic() >= deadline:
@@ -132,6 +133,11 @@ def wait_ready(
             )
         if pending:
             time.sleep(_POLL_S)
+
+
+def _because(proc: ManagedProcess) -> str:
+    why = last_error(proc.log_text())
+    return f" ({why})" if why else ""
 
 
 def _port(preferred: int, env_name: str, what: str) -> int:
@@ -199,6 +205,34 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
         _port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway") if opts.gateway else 0
     )
     flower_port = _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower") if opts.flower else 0
+    started = _environment(fleet, opts, settings)
+    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
+    if not settings.llm_base_url:
+        checks["model"] = _start_demo_model(fleet, started)
+    for kind in ("turns", "llm", "tools", "io"):
+        argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
+        if kind == "tools":
+            argv += ["--concurrency", str(TOOL_CONCURRENCY)]
+        if kind == "llm" and not settings.llm_processes:
+            # One event loop holds the streams of a machine's worth of turns; a process a
+            # CPU would start two more Pythons beside the rest of the fleet for nothing.
+            argv += ["--processes", "1"]
+        proc = fleet.start(f"worker-{kind}", argv, env=started.env)
+        checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
+    if opts.beat:
+        # A beat already running elsewhere holds the lock: this one waits for its turn.
+        beat = fleet.start("beat", _python("agentq", "beat"), env=started.env)
+        checks["beat"] = (beat, _in_log(beat, r"beat: Starting"))
+    if opts.gateway:
+        checks["gateway"] = _start_gateway(fleet, started, settings.gateway_host, gateway_port)
+    if opts.flower:
+        checks["Flower"] = _start_flower(fleet, started, settings, flower_port)
+    wait_ready(checks)
+    return started
+
+
+def _environment(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Started:
+    """The Redis the fleet uses (embedded if none answers) and the environment it starts with."""
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
     if separate_broker:
         _check_broker(settings.broker, settings.redis_sentinel_master)
@@ -230,59 +264,47 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
 
         secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
         started.webhook_secret = env["AGENTQ_WEBHOOK_SECRET"] = secret
-
-    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
-    if not settings.llm_base_url:
-        say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
-        # Its port is picked here, so the workers start beside it rather than after it.
-        model_port = find_free_port()
-        model = fleet.start(
-            "model",
-            _python("agentq.testing.openai_server", "--port", str(model_port), "--script", "demo"),
-            env=env,
-        )
-        checks["model"] = (model, _in_log(model, r"listening on \S+"))
-        started.model_url = f"http://127.0.0.1:{model_port}/v1"
-        env["AGENTQ_LLM_BASE_URL"] = started.model_url
-
-    for kind in ("turns", "llm", "tools", "io"):
-        argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
-        if kind == "tools":
-            argv += ["--concurrency", str(TOOL_CONCURRENCY)]
-        if kind == "llm" and not settings.llm_processes:
-            # One event loop holds the streams of a machine's worth of turns; a process a
-            # CPU would start two more Pythons beside the rest of the fleet for nothing.
-            argv += ["--processes", "1"]
-        proc = fleet.start(f"worker-{kind}", argv, env=env)
-        checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
-    if opts.beat:
-        # A beat already running elsewhere holds the lock: this one waits for its turn.
-        beat = fleet.start("beat", _python("agentq", "beat"), env=env)
-        checks["beat"] = (beat, _in_log(beat, r"beat: Starting"))
-    if opts.gateway:
-        host = settings.gateway_host
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        started.gateway_url = f"http://{shown}:{gateway_port}"
-        gw = fleet.start(
-            "gateway",
-            _python("agentq", "serve", "--host", host, "--port", str(gateway_port)),
-            env=env,
-        )
-        health = f"{started.gateway_url}/healthz"
-        in_log = _in_log(gw, r"Uvicorn running on")
-        checks["gateway"] = (gw, lambda: in_log() or _http_status(health) == 200)
-    if opts.flower:
-        started.flower_url = f"http://127.0.0.1:{flower_port}"
-        flower_env = {**env, "AGENTQ_FLOWER_PORT": str(flower_port)}
-        started.flower_auth = generated_flower_auth(settings, os.environ)
-        if started.flower_auth:
-            flower_env["AGENTQ_FLOWER_BASIC_AUTH"] = started.flower_auth
-        fl = fleet.start("flower", _python("agentq", "flower"), env=flower_env)
-        # /healthcheck answers without credentials once Flower serves HTTP.
-        probe = f"{started.flower_url}/healthcheck"
-        checks["Flower"] = (fl, lambda: _http_status(probe) == 200)
-    wait_ready(checks)
     return started
+
+
+Check = tuple[ManagedProcess, Callable[[], bool]]
+
+
+def _start_demo_model(fleet: LocalFleet, started: Started) -> Check:
+    say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
+    # Its port is picked here, so the workers start beside it rather than after it.
+    model_port = find_free_port()
+    model = fleet.start(
+        "model",
+        _python("agentq.testing.openai_server", "--port", str(model_port), "--script", "demo"),
+        env=started.env,
+    )
+    started.model_url = f"http://127.0.0.1:{model_port}/v1"
+    started.env["AGENTQ_LLM_BASE_URL"] = started.model_url
+    return model, _in_log(model, r"listening on \S+")
+
+
+def _start_gateway(fleet: LocalFleet, started: Started, host: str, port: int) -> Check:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    started.gateway_url = f"http://{shown}:{port}"
+    gw = fleet.start(
+        "gateway", _python("agentq", "serve", "--host", host, "--port", str(port)), env=started.env
+    )
+    health = f"{started.gateway_url}/healthz"
+    in_log = _in_log(gw, r"Uvicorn running on")
+    return gw, lambda: in_log() or _http_status(health) == 200
+
+
+def _start_flower(fleet: LocalFleet, started: Started, settings: Settings, port: int) -> Check:
+    started.flower_url = f"http://127.0.0.1:{port}"
+    flower_env = {**started.env, "AGENTQ_FLOWER_PORT": str(port)}
+    started.flower_auth = generated_flower_auth(settings, os.environ)
+    if started.flower_auth:
+        flower_env["AGENTQ_FLOWER_BASIC_AUTH"] = started.flower_auth
+    fl = fleet.start("flower", _python("agentq", "flower"), env=flower_env)
+    # /healthcheck answers without credentials once Flower serves HTTP.
+    probe = f"{started.flower_url}/healthcheck"
+    return fl, lambda: _http_status(probe) == 200
 
 
 def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: float) -> str:
@@ -318,7 +340,6 @@ def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: flo
 
 
 def _print_events(events: Iterator[Any]) -> None:
-    from agentq.events.bus import TERMINAL_TYPES
 
     for ev in events:
         if ev is None:
@@ -327,7 +348,7 @@ def _print_events(events: Iterator[Any]) -> None:
         # A sub-agent's events, relayed, are indented under the call that started them.
         indent = "  " * len(ev.path)
         print(f"  {indent}{ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
-        if ev.type in TERMINAL_TYPES and not ev.path:
+        if ev.ends_turn:
             return
 
 
@@ -347,7 +368,8 @@ def _watch(fleet: LocalFleet) -> int:
             name, rc = dead
             proc = fleet.procs.get(name)
             tail = proc.log_tail() if proc else ""
-            say(f"{name} exited with code {rc}; stopping everything\n{tail}")
+            why = _because(proc) if proc else ""
+            say(f"{name} exited with code {rc}{why}; stopping everything\n{tail}")
             return 1
         time.sleep(0.5)
 
@@ -407,7 +429,7 @@ def main(args: argparse.Namespace | None = None) -> int:
                     return code
                 if opts.demo:
                     client = Client()
-                    handle = client.start_turn(opts.prompt, headless=True, agent=opts.agent)
+                    handle = client._start_turn(opts.prompt, headless=True, agent=opts.agent)
                     say(f"demo turn {handle.turn_id}:")
                     _print_events(client.events(handle.turn_id, heartbeat_s=1.0))
                 say("running; Ctrl-C stops everything")

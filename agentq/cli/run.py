@@ -19,9 +19,10 @@ from rich.live import Live
 from agentq.api import Client
 from agentq.cli.render import TurnView
 from agentq.constants import RELAY_DEPTH_MAX
-from agentq.errors import AgentqError
-from agentq.events.bus import TERMINAL_TYPES
-from agentq.models import Event, MultitaskMode
+from agentq.errors import AgentqError, AnswerInvalid
+from agentq.events.types import Event
+from agentq.fleet import presence
+from agentq.models import MultitaskMode, TurnHandle
 
 EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130
 
@@ -62,6 +63,9 @@ class _Answerer:
                         f"{who}{f.get('prompt')} password ({secs}s): "
                     )
                     decision = "approve" if value else "deny"
+                elif f.get("kind") == "input":
+                    self._question(turn_id, rid, f"{who}{f.get('prompt')}", f, deadline)
+                    return
                 else:
                     line = countdown_input(f"{who}{f.get('prompt')} [y/N]", deadline)
                     if line is None:
@@ -72,6 +76,26 @@ class _Answerer:
                 self.client.answer(turn_id, rid, self.token, decision, value)
             except (EOFError, AgentqError):
                 pass
+
+    def _question(
+        self, turn_id: str, rid: str, prompt: str, f: dict[str, Any], deadline: float
+    ) -> None:
+        """Ask until an answer fits the question's schema (the line is JSON, or plain text;
+        an empty line declines) or time runs out."""
+        schema = f.get("answer_schema")
+        hint = f" {json.dumps(schema)}" if schema else ""
+        while True:
+            value = countdown_input(f"{prompt}{hint}", deadline)
+            if value is None:
+                print("\nno answer in time", flush=True)
+                return
+            value = value.strip()
+            decision = "approve" if value else "deny"
+            try:
+                self.client.answer(turn_id, rid, self.token, decision, value)
+                return
+            except AnswerInvalid as exc:
+                print(exc.message, flush=True)
 
 
 def countdown_input(prompt: str, deadline: float) -> str | None:
@@ -90,6 +114,61 @@ def countdown_input(prompt: str, deadline: float) -> str | None:
             return line
 
 
+def _say_admission(console: Console, handle: TurnHandle) -> None:
+    """A line on how a turn of a conversation was admitted, when it does not run at once."""
+    if handle.injected:
+        # The message joins a running turn: follow that turn, whose next round holds it.
+        console.print(
+            f"[dim]joined running turn {handle.turn_id} (if it has no further round, the "
+            f"message runs as turn {handle.message_turn_id})[/]"
+        )
+    elif handle.queued:
+        console.print(
+            f"[dim]queued behind turn {handle.behind} (position {handle.position}); it starts "
+            "when the conversation's turns before it have ended[/]"
+        )
+
+
+def _follow_json(client: Client, turn_id: str, asker: _Answerer | None) -> int:
+    """Every event as a JSON line on stdout; the exit code of the turn's end."""
+    code = EXIT_FAILED
+    for ev in client.events(turn_id, depth=RELAY_DEPTH_MAX):
+        if ev is None:
+            continue
+        sys.stdout.write(ev.model_dump_json() + "\n")
+        sys.stdout.flush()
+        if ev.type == "interaction_requested" and asker is not None:
+            asker.ask(ev)
+        if ev.ends_turn:
+            code = exit_code_for(ev)
+    return code
+
+
+def _follow_live(client: Client, turn_id: str, asker: _Answerer | None, console: Console) -> int:
+    """The turn's live view, then its summary; the exit code of its end."""
+    code = EXIT_FAILED
+    view = TurnView(turn_id)
+    console.print(f"[dim]turn {turn_id}[/dim]")
+    asked = False
+    with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
+        # Every level of sub-agents: an approval they ask for is answered here.
+        for ev in client.events(turn_id, heartbeat_s=0.25, depth=RELAY_DEPTH_MAX):
+            if ev is not None:
+                view.apply(ev)
+                if ev.type == "interaction_requested" and asker is not None:
+                    live.stop()
+                    asked = True
+                    asker.ask(ev)
+                if ev.ends_turn:
+                    code = exit_code_for(ev)
+            live.update(view.render())
+    if asked:
+        # The live view stopped for a prompt: show how the turn ended below the answer.
+        console.print(view.render())
+    console.print(view.summary(), style="bold")
+    return code
+
+
 def run(
     client: Client,
     prompt: str,
@@ -106,7 +185,7 @@ def run(
 ) -> int:
     console = Console(stderr=as_json)
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
-    handle = client.start_turn(
+    handle = client._start_turn(
         prompt,
         headless=headless,
         conversation_id=conversation_id,
@@ -118,17 +197,7 @@ def run(
         max_tokens=max_tokens,
         max_cost_usd=max_cost_usd,
     )
-    if handle.injected:
-        # The message joins a running turn: follow that turn, whose next round holds it.
-        console.print(
-            f"[dim]joined running turn {handle.turn_id} (if it has no further round, the "
-            f"message runs as turn {handle.message_turn_id})[/]"
-        )
-    elif handle.queued:
-        console.print(
-            f"[dim]queued behind turn {handle.behind} (position {handle.position}); it starts "
-            "when the conversation's turns before it have ended[/]"
-        )
+    _say_admission(console, handle)
     aborts = {"n": 0}
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -142,48 +211,22 @@ def run(
             )
 
     previous = signal.signal(signal.SIGINT, on_sigint)
+    # A fleet with no live worker for the turn: a line on stderr says what to start.
+    watch = presence.Watch(
+        handle.turn_id,
+        lambda: presence.waiting_on(client._store, handle.turn_id),
+        client._store.redis,
+        lambda line: print(f"agentq: {line}", file=sys.stderr, flush=True),
+    ).start()
     answerer = _Answerer(client, handle.turn_id, handle.token, console)
-    interactive = not headless and sys.stdin.isatty()
-    view = TurnView(handle.turn_id)
-    code = EXIT_FAILED
+    # Prompted only where someone can answer: a terminal, and not a headless run.
+    asker = answerer if not headless and sys.stdin.isatty() else None
     try:
         if as_json:
-            for ev in client.events(handle.turn_id, depth=RELAY_DEPTH_MAX):
-                if ev is None:
-                    continue
-                sys.stdout.write(ev.model_dump_json() + "\n")
-                sys.stdout.flush()
-                if ev.type == "interaction_requested" and interactive:
-                    answerer.ask(ev)
-                if ev.type in TERMINAL_TYPES and not ev.path:
-                    code = exit_code_for(ev)
-            return code
-        console.print(f"[dim]turn {handle.turn_id}[/dim]")
-        with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
-            # Every level of sub-agents: an approval they ask for is answered here.
-            events = client.events(handle.turn_id, heartbeat_s=0.25, depth=RELAY_DEPTH_MAX)
-            asked = False
-            for ev in events:
-                if ev is not None:
-                    view.apply(ev)
-                    if ev.type == "interaction_requested" and interactive:
-                        live.stop()
-                        asked = True
-                        answerer.ask(ev)
-                        time.sleep(0)
-                    if ev.type in TERMINAL_TYPES and not ev.path:
-                        code = exit_code_for(ev)
-                live.update(view.render())
-        if asked:
-            # The live view stopped for a prompt: show how the turn ended below the answer.
-            console.print(view.render())
-        console.print(view.summary(), style="bold")
-        return code
+            return _follow_json(client, handle.turn_id, asker)
+        return _follow_live(client, handle.turn_id, asker, console)
     except KeyboardInterrupt:
         return EXIT_ABORTED
     finally:
+        watch.done.set()
         signal.signal(signal.SIGINT, previous)
-
-
-def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))

@@ -17,8 +17,10 @@ from agentq.api import Client
 from agentq.cli.ids import short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.errors import TurnNotFound
+from agentq.orchestrator.replay import replay_source
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.timeline import timeline
+from agentq.state.waitpoints import waitpoints
 
 TURN_STYLE = {
     "queued": "dim",
@@ -231,11 +233,17 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
 
     spend = Spend(client._store.redis, client.settings).turn_totals(state.get("owner"), turn_id)
     view["spend"] = spend
+    view["waitpoints"] = waitpoints(client._store).listing(turn_id)
+    view["source"] = replay_source(state)
     if as_json:
         print(json.dumps(view), flush=True)
         return 0
     console = Console()
     console.print(timeline_view(view))
+    source = view["source"]
+    if source:
+        line = f"{source['kind']} of {source['turn_id']}, from round {source['from_round']}"
+        console.print(Text(line + f"  (agentq show {source['turn_id']})", style="cyan"))
     console.print(Text(spend_line(spend), style="dim"), soft_wrap=True)
     hook = view["webhook"]
     if hook:
@@ -249,13 +257,23 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
         for a in hook["tries"]:
             outcome = a["error"] or a["status_code"]
             console.print(Text(f"  #{a['n']} {outcome} in {a['duration_ms']} ms", style="dim"))
+    for w in view["waitpoints"]:
+        console.print(
+            Text(
+                f"waiting: {w['tool']} on {w['id']}, open {w['age_s']:.0f}s, "
+                f"{w['left_s']:.0f}s of {w['timeout_s']:g}s left",
+                style="yellow",
+            ),
+            soft_wrap=True,
+        )
     for p in summary.get("pending_interactions", []):
         left_s = max(0.0, float(p["expires_at"]) - time.time())
         console.print(
             Text(f"? {p.get('prompt') or p.get('kind')}  ({left_s:.0f}s left)", style="yellow")
         )
         # Unwrapped, so it can be copied as one command.
-        answer = f"  agentq answer {turn_id} {p.get('request_id')} approve|deny"
+        how = "approve --value ANSWER|deny" if p.get("kind") == "input" else "approve|deny"
+        answer = f"  agentq answer {turn_id} {p.get('request_id')} {how}"
         console.print(Text(answer, style="dim"), soft_wrap=True)
     return 0
 

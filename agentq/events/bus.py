@@ -19,7 +19,8 @@ from agentq.constants import (
     turn_key,
 )
 from agentq.events.lua_args import bind_lua
-from agentq.models import TERMINAL_STATUSES, Event
+from agentq.events.types import Event
+from agentq.models import TERMINAL_STATUSES
 
 EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]
 """Counts published events (type, fields) in the fleet's metrics."""
@@ -188,8 +189,6 @@ return n
 PUBLISH_MANY_EVENTS = 100
 """Events per PUBLISH_MANY_LUA call: Redis runs a script alone, so a batch of a thousand
 would hold every other client for milliseconds."""
-
-TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
 
 
 def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:

@@ -27,8 +27,9 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from agentq.constants import RELAY_DEPTH_MAX, events_channel, turn_key
-from agentq.events.bus import TERMINAL_TYPES, EventBus
-from agentq.models import Event, is_turn_id, parse_stream_id
+from agentq.events.bus import EventBus
+from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
+from agentq.models import is_turn_id, parse_stream_id
 
 log = logging.getLogger("agentq.events")
 
@@ -166,10 +167,12 @@ class TreeFollower:
         for t in gone:
             del self.streams[t]
         channels = [events_channel(t) for t in gone]
+        # Any: redis-py 8 left these two untyped.
+        pubsub: Any = self.pubsub
         if self.bus.sharded:
-            self.pubsub.sunsubscribe(*channels)
+            pubsub.sunsubscribe(*channels)
         else:
-            self.pubsub.unsubscribe(*channels)
+            pubsub.unsubscribe(*channels)
         self._unmark(gone)
 
     def cursor(self) -> Cursor:
@@ -187,10 +190,10 @@ class TreeFollower:
         stream.last_seq = ev.seq
         stream.last_id = ev.stream_id or stream.last_id
         if stream.path:
-            ev = Event.model_validate({**ev.model_dump(), "path": list(stream.path)})
-        child = ev.fields.get("child_turn_id")
+            ev = ev.model_copy(update={"path": list(stream.path)})
+        child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
         if (
-            ev.type == "subturn_started"
+            child is not None
             and len(stream.path) < self.depth
             and isinstance(child, str)
             and is_turn_id(child)

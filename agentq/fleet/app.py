@@ -9,8 +9,8 @@ from kombu import Queue  # type: ignore[attr-defined]
 
 from agentq.config import Settings
 from agentq.constants import QUEUE_IO, QUEUE_LLM, QUEUE_TOOLS, QUEUE_TURNS, QUEUE_WEBHOOKS
-from agentq.fleet.broker import patch_redis_transport
 from agentq.fleet.connections import transport_options
+from agentq.fleet.kombu_redis import patch_redis_transport
 
 
 def create_app(settings: Settings) -> Celery:

@@ -27,7 +27,6 @@ from redis.sentinel import Sentinel, SentinelManagedConnection
 from agentq.config import is_sentinel, parse_cluster_nodes, parse_sentinel_url
 from agentq.errors import REDIS_ERRORS, ConfigError
 
-SENTINEL_MASTER_SETTING = "AGENTQ_REDIS_SENTINEL_MASTER"
 REDIS_MAX_CONNECTIONS = 10_000
 """Redis's own default `maxclients`."""
 REDIS_RETRIES = 20

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,8 @@ from agentq.errors import (
     Unauthorized,
 )
 from agentq.events.follow import Cursor, follow
+from agentq.events.types import Event
+from agentq.fleet.presence import Presence, workers_view
 from agentq.gateway.auth import (
     Keyring,
     Principal,
@@ -72,6 +74,7 @@ from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from agentq.gateway.replay import replay_routes
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.usage import usage_routes
 from agentq.gateway.validate import (
@@ -82,9 +85,10 @@ from agentq.gateway.validate import (
     request_id_of,
     turn_id_of,
 )
+from agentq.gateway.waitpoints import waitpoint_routes
 from agentq.llm.capacity import capacity_for
 from agentq.mcp.health import server_health
-from agentq.models import TERMINAL_STATUSES, Event, InteractionAnswer, TurnRequest
+from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import logs
@@ -138,6 +142,7 @@ class Gateway:
         self.stream_limiter = anyio.CapacityLimiter(max_streams)
         self.body_limit_bytes = client.settings.max_prompt_bytes + BODY_MARGIN_BYTES
         self.closing = threading.Event()
+        self.presence = Presence(client._store.redis)
 
     def begin_shutdown(self) -> None:
         """End open SSE streams cleanly (within `poll_s`) instead of being cancelled."""
@@ -146,8 +151,6 @@ class Gateway:
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         yield
-
-    # -- turns ---------------------------------------------------------------------
 
     # -- who is calling ------------------------------------------------------------------
 
@@ -193,34 +196,48 @@ class Gateway:
                 check_key(idempotency_key)
             except ValueError as exc:
                 raise ApiError(422, "ValidationError", str(exc)) from None
-        handle = await run_in_threadpool(
-            self._start_limited, req, principal, request, idempotency_key
-        )
+        host = request.client.host if request.client else ""
+        handle = await run_in_threadpool(self.start_limited, req, principal, host, idempotency_key)
+        # A turn in a fleet without the workers every turn needs waits, and is told so.
+        missing = await run_in_threadpool(self.presence.missing_kinds)
+        if missing:
+            handle = handle.model_copy(update={"missing_workers": missing})
         return JSONResponse(
             handle.model_dump(exclude_none=True),
             status_code=202,
             headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
         )
 
-    def _start_limited(
+    def start_limited(
         self,
         req: TurnRequest,
         principal: Principal | None,
-        request: Request,
-        idempotency_key: str | None,
-    ) -> Any:
-        client_host = request.client.host if request.client else "unknown"
-        subject = principal.name if principal else f"addr:{client_host}"
-        self.limits.take_start(subject)
-        reservation = self.limits.reserve(subject)
-        turn_id = None
-        try:
-            handle = self.client.start(
+        host: str,
+        idempotency_key: str | None = None,
+    ) -> TurnHandle:
+        """Start a turn under the caller's start limits (POST /v1/turns, the MCP endpoint)."""
+        return self.limited(
+            principal,
+            host,
+            lambda: self.client._start_request(
                 req,
                 owner=principal.name if principal else None,
                 admin=bool(principal and principal.admin),
                 idempotency_key=idempotency_key,
-            )
+            ),
+        )
+
+    def limited(
+        self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
+    ) -> TurnHandle:
+        """`start()` a turn (a request's, a retry's, a fork's) within the caller's start
+        rate and running-turn cap."""
+        subject = principal.name if principal else f"addr:{host or 'unknown'}"
+        self.limits.take_start(subject)
+        reservation = self.limits.reserve(subject)
+        turn_id = None
+        try:
+            handle = start()
             turn_id = handle.turn_id
             return handle
         finally:
@@ -400,6 +417,7 @@ class Gateway:
     async def healthz(self, request: Request) -> Response:
         ok = False
         mcp: dict[str, dict[str, Any]] = {}
+        live: dict[str, list[str]] = {}
         error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
@@ -413,10 +431,12 @@ class Gateway:
                 mcp = await anyio.to_thread.run_sync(
                     server_health, self.client._store.redis, abandon_on_cancel=True
                 )
+                # Not a 503: the gateway serves (turns wait for their workers) without them.
+                live = await anyio.to_thread.run_sync(self.presence.live, abandon_on_cancel=True)
             except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
         if ok:
-            body: dict[str, Any] = {"ok": True, "redis": "ok"}
+            body: dict[str, Any] = {"ok": True, "redis": "ok", **workers_view(live)}
             if mcp:
                 body["mcp"] = mcp
             return JSONResponse(body)
@@ -536,6 +556,8 @@ def create_app(
         *usage_routes(client, gw.require_key),
         *console_routes(gw),
         *job_routes(gw),
+        *waitpoint_routes(gw),
+        *replay_routes(gw),
         Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
     ]
     # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.

@@ -2,7 +2,8 @@
 panel) and the scrape-time capacity gauges of /metrics.
 
 The models shown are those the gateway knows: configured in `AGENTQ_LLM_LIMITS`,
-`AGENTQ_LLM_MODEL`, and the models of the agents the turn workers publish. Each is one
+`AGENTQ_LLM_MODEL`, the models of the agents the turn workers publish, and those whose API
+`auto` learned. Each is one
 `Capacity.snapshot` (a read-only script on the model's keys). Only names and numbers go
 out: a deployment's `base_url`, provider model name and `api_key` never do.
 """
@@ -15,6 +16,7 @@ import redis
 
 from agentq.agents import published_agent_details
 from agentq.config import Settings
+from agentq.llm.apis import api_view, read_learned
 from agentq.llm.capacity import Capacity
 from agentq.llm.limits import ModelLimitsEntry
 
@@ -31,8 +33,14 @@ def known_models(cap: Capacity, settings: Settings, client: redis.Redis) -> list
 
 
 def read_snapshots(cap: Capacity, settings: Settings, client: redis.Redis) -> list[dict[str, Any]]:
-    """`Capacity.snapshot` of every known model, by name."""
-    return [cap.snapshot(model) for model in known_models(cap, settings, client)]
+    """`Capacity.snapshot` of every known model, by name, with the API it is called with
+    (`api`: its setting, the API in use, and what `auto` learned, agentq.llm.apis)."""
+    learned = read_learned(client)
+    models = set(known_models(cap, settings, client))
+    return [
+        {**cap.snapshot(model), "api": api_view(model, settings, cap.limits, learned)}
+        for model in sorted(models | {m for m in learned if "{" not in m and "}" not in m})
+    ]
 
 
 def _limits(limits: Any) -> dict[str, Any]:

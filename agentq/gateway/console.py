@@ -1,5 +1,6 @@
 """The operator console's endpoints: the list of turns, one turn's timeline, the approvals inbox,
-the fleet's model capacity, and abort and answer on behalf of an operator.
+the fleet's model capacity, and abort, answer, retry and fork on behalf of an operator (its
+bulk retry, `POST /v1/console/turns/retry`, is `gateway.replay`'s).
 
 Who sees what follows agentq.gateway.auth: with keys configured, an API key lists and
 steers its own turns and an admin key every turn; without keys the gateway serves
@@ -12,7 +13,6 @@ admin key (or that token).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -28,12 +28,15 @@ from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
 from agentq.gateway.errors import ApiError, validation_error
 from agentq.gateway.validate import read_json
-from agentq.mcp.health import server_health
+from agentq.mcp.health import server_health, servers_view
+from agentq.mcp.servers import parse_servers
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
+from agentq.orchestrator.replay import ForkRequest, RetryRequest, replay_source
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.spend import Spend
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
+from agentq.state.waitpoints import waitpoints
 from agentq.webhooks.deliveries import Deliveries
 
 if TYPE_CHECKING:
@@ -106,7 +109,9 @@ class Console:
         view = timeline(self.gw.client._store, turn_id, state)
         view["turn"] = summary
         view["webhook"] = self.deliveries.of_turn(turn_id)
+        view["source"] = replay_source(state)
         client = self.gw.client
+        view["waitpoints"] = waitpoints(client._store).listing(turn_id)
         view["spend"] = Spend(client._store.redis, client.settings).turn_totals(
             state.get("owner"), turn_id
         )
@@ -129,11 +134,28 @@ class Console:
         self.gw.require_admin_read(request)
         snapshots = await run_in_threadpool(self.gw.read_capacity)
         body = capacity_view(self.gw.capacity, snapshots)
-        # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors: admins only.
-        body["mcp_servers"] = await run_in_threadpool(
-            functools.partial(server_health, get_redis(self.gw.client.settings), detail=True)
-        )
+        # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors, and the tools their
+        # listings hold that are refused: admins only.
+        body["mcp_servers"] = await run_in_threadpool(self._mcp_panel)
         return JSONResponse(body, headers=NO_STORE)
+
+    def _mcp_panel(self) -> dict[str, dict[str, Any]]:
+        settings = self.gw.client.settings
+        redis = get_redis(settings)
+        panel = server_health(redis, detail=True)
+        for server in servers_view(redis, parse_servers(settings.mcp_servers)):
+            if server["refused"]:
+                entry = panel.setdefault(server["name"], {"ok": True, "failures": 0})
+                entry["refused"] = server["refused"]
+        return panel
+
+    async def mcp_servers(self, request: Request) -> Response:
+        self.gw.require_admin_read(request)
+        settings = self.gw.client.settings
+        view = await run_in_threadpool(
+            servers_view, get_redis(settings), parse_servers(settings.mcp_servers)
+        )
+        return JSONResponse({"servers": view}, headers=NO_STORE)
 
     async def abort(self, request: Request) -> Response:
         principal = self._operator(request)
@@ -147,6 +169,24 @@ class Console:
 
         await run_in_threadpool(run)
         return JSONResponse({"ok": True, "turn_id": turn_id})
+
+    async def replay(self, request: Request) -> Response:
+        """Retry or fork (the path's last part) a turn from the console, as an operator."""
+        principal = self._operator(request)
+        turn_id = request.path_params["turn_id"]
+        retry = request.url.path.endswith("/retry")
+        await run_in_threadpool(self._state, turn_id, principal)  # not theirs: 404 first
+        data = await read_json(request, self.gw.body_limit_bytes)
+        try:
+            req = RetryRequest.model_validate(data) if retry else ForkRequest.model_validate(data)
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        host = request.client.host if request.client else ""
+
+        handle = await run_in_threadpool(
+            self.gw.limited, principal, host, lambda: self.gw.client._replay(turn_id, req)
+        )
+        return JSONResponse(handle.model_dump(exclude_none=True), status_code=202)
 
     async def answer(self, request: Request) -> Response:
         principal = self._operator(request)
@@ -175,8 +215,11 @@ def console_routes(gw: RouteContext) -> list[Route]:
         Route("/v1/turns", c.list_turns, methods=["GET"]),
         Route("/v1/interactions", c.inbox, methods=["GET"]),
         Route("/v1/capacity", c.capacity, methods=["GET"]),
+        Route("/v1/mcp/servers", c.mcp_servers, methods=["GET"]),
         Route("/v1/turns/{turn_id}/timeline", c.turn_timeline, methods=["GET"]),
         Route("/v1/console/turns/{turn_id}/abort", c.abort, methods=["POST"]),
+        Route("/v1/console/turns/{turn_id}/retry", c.replay, methods=["POST"]),
+        Route("/v1/console/turns/{turn_id}/fork", c.replay, methods=["POST"]),
         Route("/v1/console/turns/{turn_id}/interactions/{request_id}", c.answer, methods=["POST"]),
     ]
 

@@ -6,6 +6,7 @@ this type, so neither `console` nor `jobs` imports the module that imports them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -14,6 +15,8 @@ if TYPE_CHECKING:
     from agentq.api import Client
     from agentq.gateway.auth import Keyring, Principal
     from agentq.llm.capacity import Capacity
+    from agentq.models import TurnHandle
+    from agentq.state.turn_state import TurnState
 
 
 class RouteContext(Protocol):
@@ -26,6 +29,21 @@ class RouteContext(Protocol):
 
     def require_key(self, request: Request) -> Principal | None:
         """The caller's key; with keys configured, a call without a valid one is refused."""
+        ...
+
+    def caller(self, request: Request) -> tuple[Principal | None, str | None]:
+        """The key holder (if the bearer is a key) and the bearer itself (maybe a turn token)."""
+        ...
+
+    def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
+        """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
+        ...
+
+    def limited(
+        self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
+    ) -> TurnHandle:
+        """`start()` a turn within the caller's start rate and running-turn cap (`host`:
+        the client's address, the subject of a caller without a key)."""
         ...
 
     def require_admin_read(self, request: Request) -> None:

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from agentq.errors import (
     AccessError,
     AgentqError,
+    AnswerInvalid,
     BudgetExceeded,
     BudgetInvalid,
     ConversationBusy,
@@ -29,12 +30,14 @@ from agentq.errors import (
     InteractionNotFound,
     PayloadTooLarge,
     RateLimited,
+    ReplayRefused,
     ScheduleInvalid,
     ScheduleNotFound,
     TokenInvalid,
     TurnNotFound,
     Unauthorized,
     UnknownAgent,
+    WaitpointRefused,
     WebhookRefused,
 )
 from agentq.gateway.limits import retry_after_header
@@ -188,6 +191,16 @@ async def _on_budget_invalid(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": body}, status_code=422)
 
 
+async def _on_replay_refused(request: Request, exc: Exception) -> Response:
+    """A retry or fork refused: its code, and the source's status or the field at fault."""
+    assert isinstance(exc, ReplayRefused)
+    body: dict[str, Any] = {"type": type(exc).__name__, "code": exc.code, "message": exc.message}
+    for name in ("status", "field"):
+        if hasattr(exc, name):
+            body[name] = getattr(exc, name)
+    return JSONResponse({"error": body}, status_code=exc.status_code)
+
+
 async def _on_redis_error(request: Request, exc: Exception) -> Response:
     log.warning("%s %s: Redis: %s", request.method, request.url.path, exc)
     return error_response(503, "RedisUnavailable", f"{type(exc).__name__}: {exc}")
@@ -198,6 +211,18 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     return error_response(
         exc.status_code, _status_name(exc.status_code), exc.detail, headers=dict(exc.headers or {})
     )
+
+
+async def _on_waitpoint_refused(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, WaitpointRefused)
+    body: dict[str, Any] = {
+        "type": "WaitpointRefused",
+        "message": exc.message,
+        "waitpoint_id": exc.waitpoint_id,
+    }
+    if exc.first is not None:
+        body["first"] = exc.first
+    return JSONResponse({"error": body}, status_code=exc.status_code)
 
 
 async def _on_crash(request: Request, exc: Exception) -> Response:
@@ -211,6 +236,7 @@ def exception_handlers() -> dict[Any, Any]:
         HTTPException: _on_http_error,
         AccessError: _on_access_error,
         TurnNotFound: _agentq_handler(404),
+        ReplayRefused: _on_replay_refused,
         ConversationNotFound: _agentq_handler(404),
         ConversationBusy: _on_conversation_busy,
         IdempotencyKeyReused: _on_idempotency_reused,
@@ -218,7 +244,9 @@ def exception_handlers() -> dict[Any, Any]:
         BudgetInvalid: _on_budget_invalid,
         InteractionNotFound: _agentq_handler(404),
         InteractionClosed: _agentq_handler(409),
+        AnswerInvalid: _agentq_handler(422),
         TokenInvalid: _agentq_handler(403),
+        WaitpointRefused: _on_waitpoint_refused,
         PayloadTooLarge: _agentq_handler(413),
         UnknownAgent: _on_unknown_agent,
         WebhookRefused: _agentq_handler(422),

@@ -30,18 +30,17 @@ from starlette.types import Message, Receive, Scope, Send
 from agentq.agents import published_agent_details
 from agentq.constants import VERSION
 from agentq.errors import AgentqError, TurnNotFound, Unauthorized
-from agentq.events.bus import TERMINAL_TYPES
 from agentq.events.follow import follow
+from agentq.events.types import Event
 from agentq.gateway.auth import Principal
 from agentq.gateway.errors import ApiError, bearer
-from agentq.models import Event, TurnHandle, TurnRequest
+from agentq.models import TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
     from agentq.api import Client
     from agentq.gateway.auth import Keyring
-    from agentq.gateway.limits import StartLimits
 
 log = logging.getLogger("agentq.gateway")
 
@@ -65,9 +64,12 @@ class GatewayParts(Protocol):
 
     client: Client
     keyring: Keyring
-    limits: StartLimits
 
     def require_key(self, request: Request) -> Principal | None: ...
+
+    def start_limited(
+        self, req: TurnRequest, principal: Principal | None, host: str
+    ) -> TurnHandle: ...
 
 
 def progress_message(ev: Event, started: float) -> str | None:
@@ -240,7 +242,7 @@ class McpEndpoint:
         host = request.client.host if isinstance(request, Request) and request.client else ""
         req = TurnRequest(prompt=prompt, agent=params.name, headless=True, detach=True)
         try:
-            handle = await run_in_threadpool(self._start, req, principal, host)
+            handle = await run_in_threadpool(self.gw.start_limited, req, principal, host)
         except AgentqError as exc:
             return _error(exc.message)
         try:
@@ -254,24 +256,6 @@ class McpEndpoint:
         # Where the caller can read the whole turn (GET /v1/turns/{id}, its events).
         result.meta = {TURN_META_KEY: handle.turn_id}
         return result
-
-    def _start(self, req: TurnRequest, principal: Principal | None, host: str) -> TurnHandle:
-        """As POST /v1/turns starts one: the caller's start limits and ownership."""
-        limits = self.gw.limits
-        subject = principal.name if principal else f"addr:{host or 'unknown'}"
-        limits.take_start(subject)
-        reservation = limits.reserve(subject)
-        turn_id = None
-        try:
-            handle = self.gw.client.start(
-                req,
-                owner=principal.name if principal else None,
-                admin=bool(principal and principal.admin),
-            )
-            turn_id = handle.turn_id
-            return handle
-        finally:
-            limits.started(subject, reservation, turn_id)
 
     def _abort(self, handle: TurnHandle) -> None:
         try:
@@ -294,7 +278,7 @@ class McpEndpoint:
                     raise RuntimeError(f"the events of turn {handle.turn_id} ended early")
                 if not isinstance(ev, Event):
                     continue
-                if ev.type in TERMINAL_TYPES and not ev.path:
+                if ev.ends_turn:
                     return ev
                 if ev.type == "turn_started":
                     started = ev.ts

@@ -8,6 +8,9 @@ What each metric counts, and where it comes from:
   settled call, with or without a duration (denied calls have none).
 - ``agentq_tool_timeouts_total{tool}``: ``tool_finished`` with status ``timeout`` (the
   hard limit killed the call; ``lost`` calls are counted under results only).
+- ``agentq_waitpoints_opened_total{tool}``: ``tool_waiting`` events (a tool returned a
+  Waitpoint); ``agentq_waitpoints_settled_total{tool,status}``: ``tool_finished`` of those
+  calls (``ok``/``error`` completed, ``timeout``, ``cancelled``); open = opened - settled.
 - ``agentq_llm_tokens_total{model,kind,key}``: ``usage`` of every ``llm_finished`` event,
   ``kind`` ``prompt``, ``completion`` or ``cached`` (of the prompt), ``key`` the API key's
   name (``-`` without one); ``sum by (kind)`` is the fleet's.
@@ -245,10 +248,15 @@ class CapacityGauges:
                 "1 while the model is paused fleet-wide (a provider said it was busy).",
                 labels=["model"],
             ),
+            GaugeMetricFamily(
+                "agentq_llm_api",
+                "1 for the API the model is called with (chat or responses), by its setting.",
+                labels=["model", "api", "setting"],
+            ),
         ]
 
     def collect(self) -> list[GaugeMetricFamily]:
-        queued, streams, paused = families = self._families()
+        queued, streams, paused, api = families = self._families()
         for snap in self.snapshots:
             model = str(snap["model"])
             for cls in ("interactive", "background"):
@@ -256,4 +264,6 @@ class CapacityGauges:
             streams.add_metric([model], snap["streams_in_use"])
             until = snap.get("paused_until_ms")
             paused.add_metric([model], 1 if until and until > snap["now_ms"] else 0)
+            if "api" in snap:
+                api.add_metric([model, snap["api"]["in_use"], snap["api"]["setting"]], 1)
         return families

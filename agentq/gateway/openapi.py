@@ -16,8 +16,11 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from agentq.models import InteractionAnswer, TurnHandle, TurnRequest
+from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest
 
-Auth = Literal["public", "key", "turn", "owner", "conversation", "operator", "admin", "admin_key"]
+Auth = Literal[
+    "public", "key", "turn", "owner", "conversation", "operator", "admin", "admin_key", "capability"
+]
 AUTH_RULES: dict[Auth, str] = {
     "public": "No credential.",
     "key": "With keys configured: an API or admin key; lists show the caller's own turns "
@@ -34,6 +37,23 @@ AUTH_RULES: dict[Auth, str] = {
     "admin": "An admin key or AGENTQ_METRICS_TOKEN; another key gets 403.",
     "admin_key": "With keys configured: an admin key; another key gets 403. Without keys: "
     "anyone (the gateway serves loopback only).",
+    "capability": "No key: the token of the callback URL (`?token=`, or Authorization: "
+    "Bearer) is the credential, for this one waitpoint; a wrong token or none gets 404, as "
+    "an unknown waitpoint.",
+}
+WAITPOINT_ID = {
+    "name": "waitpoint_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "`wp_<turn id>_<call id>`, from the call's tool_waiting event.",
+}
+WAITPOINT_TOKEN = {
+    "name": "token",
+    "in": "query",
+    "required": True,
+    "schema": {"type": "string"},
+    "description": "The waitpoint's capability, from its callback_url.",
 }
 NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
 TURN_ID = {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}
@@ -82,14 +102,17 @@ OPERATIONS: tuple[Operation, ...] = (
               media_type="text/plain",
               parameters=({"name": "path", "in": "path", "required": True,
                            "schema": {"type": "string"}},)),
-    Operation("GET", "/healthz", "Liveness, and whether Redis answers.", "public",
+    Operation("GET", "/healthz", "Liveness, and whether Redis answers; `workers`: the "
+              "live workers per queue of agentq's own, `missing_workers`: the kinds every "
+              "turn needs that no live worker is (turns wait for them: still 200).", "public",
               errors=("503",)),
     Operation("GET", "/openapi.json", "This document.", "public"),
     Operation("GET", "/metrics", "Prometheus metrics.", "admin", media_type="text/plain",
               errors=("401", "403")),
     Operation("POST", "/v1/turns", "Start a turn; with conversation_id, one turn of the "
               "conversation runs at a time and multitask says what this message does while "
-              "another runs (docs/conversations.md).", "key", ok="202", request=TurnRequest,
+              "another runs (docs/conversations.md); `missing_workers` names the kinds of worker "
+              "no live one is (the turn waits for them).", "key", ok="202", request=TurnRequest,
               response=TurnHandle, parameters=(IDEMPOTENCY_KEY,),
               errors=("401", "404", "409", "413", "415", "422", "429")),
     Operation("GET", "/v1/conversations", "The caller's conversations (every one for an "
@@ -150,19 +173,65 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=("401", "404")),
     Operation("POST", "/v1/turns/{turn_id}/abort", "Abort a running turn and its "
               "sub-agents.", "turn", parameters=(TURN_ID,), errors=("401", "404")),
+    Operation("POST", "/v1/turns/retry", "Retry in bulk: each of the caller's turns (every "
+              "owner's for an admin) that ended `status` in the last `since_s` seconds, "
+              "of `agent`, once (a turn retried by a bulk retry already is answered with its "
+              "retry), at most `rate_per_s` a second; `dry_run` starts nothing. Without keys: "
+              "from this machine only. docs/retry.md.", "key", request=BulkRetryRequest,
+              errors=("401", "403", "422")),
+    Operation("POST", "/v1/turns/{turn_id}/retry", "Retry a turn that ended error or "
+              "aborted: a new turn (retry_of) that reuses its settled calls and answered "
+              "rounds and goes on from its first unsettled step, with its agent, owner, "
+              "webhook and budgets (its spend counts). A conversation's last turn is retried in "
+              "its conversation, the retry's exchange replacing the source's; any other "
+              "conversation turn's retry starts a new conversation (`conversation_id`, "
+              "`branched`). docs/retry.md.", "turn", ok="202",
+              request=RetryRequest, response=TurnHandle, parameters=(TURN_ID,),
+              errors=("401", "403", "404", "409", "410", "422")),
+    Operation("POST", "/v1/turns/{turn_id}/fork", "Fork a turn: a new turn (fork_of) from "
+              "its history before round at_round (1-based), optionally edited (the last user "
+              "message, the instructions, the model, one settled call's result); a turn of a "
+              "conversation forks into a new conversation. docs/retry.md.", "turn", ok="202",
+              request=ForkRequest, response=TurnHandle, parameters=(TURN_ID,),
+              errors=("401", "403", "404", "410", "422")),
     Operation("POST", "/v1/turns/{turn_id}/interactions/{request_id}", "Answer an "
-              "interaction (approval, password, confirm).", "turn",
+              "interaction (approval, password, confirm, input: `value` is the answer, checked "
+              "against its answer_schema, 422 AnswerInvalid when it does not fit).", "turn",
               request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
               errors=("401", "404", "409", "422")),
+    Operation("POST", "/v1/waitpoints/{waitpoint_id}", "Complete a tool's waitpoint: the "
+              "body (any JSON) is the call's result, settled ok; `{\"error\": \"...\"}` "
+              "settles it error (docs/waitpoints.md). 409: completed already, `first` holds "
+              "that completion; 410: timed out, or its call cancelled or its turn over.",
+              "capability", parameters=(WAITPOINT_ID, WAITPOINT_TOKEN),
+              errors=("404", "409", "410", "413", "415", "422")),
     Operation("GET", "/v1/interactions", "Every pending interaction of the running turns, "
               "the soonest to expire first (the console's inbox).", "key", errors=("401",)),
     Operation("GET", "/v1/capacity", "The fleet's model capacity per model (the console's "
               "panel): rounds queued by class, streams in use, pauses, requests and tokens "
-              "in the last minute, deployments with their breakers, configured limits.",
+              "in the last minute, deployments with their breakers, configured limits, and the "
+              "model API in use (`api`: setting, in_use, what auto learned).",
               "admin", errors=("401", "403", "503")),
+    Operation("GET", "/v1/mcp/servers", "Every MCP server of AGENTQ_MCP_SERVERS (and any a "
+              "worker listed): where it is, its last listing's error, its tools by the name "
+              "the model sees (`name`) and on the server (`tool`), the tools refused and why "
+              "(a bad name or schema, listed twice, a name another tool maps to), and how its "
+              "last start or call went (`health`).", "admin", errors=("401", "403", "503")),
     Operation("POST", "/v1/console/turns/{turn_id}/abort", "Abort a turn from the "
               "console, as an operator.", "operator", parameters=(TURN_ID,),
               errors=("401", "403", "404")),
+    Operation("POST", "/v1/console/turns/{turn_id}/retry", "Retry a turn from the console, "
+              "as an operator (as POST /v1/turns/{turn_id}/retry).", "operator", ok="202",
+              request=RetryRequest, response=TurnHandle, parameters=(TURN_ID,),
+              errors=("401", "403", "404", "409", "410", "422")),
+    Operation("POST", "/v1/console/turns/retry", "Retry in bulk from the console (as "
+              "POST /v1/turns/retry): a key retries its own turns, an admin every owner's; "
+              "without keys, from this machine only.", "key", request=BulkRetryRequest,
+              errors=("401", "403", "422")),
+    Operation("POST", "/v1/console/turns/{turn_id}/fork", "Fork a turn from the console, "
+              "as an operator (as POST /v1/turns/{turn_id}/fork).", "operator", ok="202",
+              request=ForkRequest, response=TurnHandle, parameters=(TURN_ID,),
+              errors=("401", "403", "404", "410", "422")),
     Operation("POST", "/v1/console/turns/{turn_id}/interactions/{request_id}", "Answer an "
               "interaction from the console, as an operator.", "operator",
               request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
@@ -192,10 +261,14 @@ _ERROR_TEXT = {
     "403": "Not allowed: see x-agentq-auth.",
     "404": "Unknown, finished (abort) or not the caller's.",
     "409": "Answered or timed out already; or (code conversation_busy, multitask reject) "
-    "another turn of the conversation runs: running_turn_id names it.",
+    "another turn of the conversation runs: running_turn_id names it; or (code "
+    "not_retryable) the turn to retry still runs or finished: `status` says which.",
+    "410": "(code source_gone) the turn's conversation was deleted, its history with it; "
+    "or the waitpoint timed out, or its call was cancelled or its turn ended.",
     "413": "The body is too large.",
     "415": "The body is not application/json.",
-    "422": "The request does not validate.",
+    "422": "The request does not validate (the message starts with the field; code "
+    "fork_invalid: a round out of range or an edit the history refuses, `field`).",
     "429": "Too many starts or running turns for this caller; see Retry-After.",
     "503": "Redis does not answer.",
 }
@@ -217,7 +290,7 @@ def _operation(op: Operation) -> dict[str, Any]:
         "operationId": _operation_id(op),
         "x-agentq-auth": op.auth,
         "description": AUTH_RULES[op.auth],
-        "security": [] if op.auth == "public" else [{"bearer": []}],
+        "security": [] if op.auth in ("public", "capability") else [{"bearer": []}],
         "responses": {
             op.ok: {"description": "OK", "content": {op.media_type: ok_content}},
             **{
@@ -244,7 +317,14 @@ def _operation(op: Operation) -> dict[str, Any]:
 @cache
 def openapi_document(version: str) -> dict[str, Any]:
     """The whole document (the same for every caller: it describes, it grants nothing)."""
-    models: list[type[BaseModel]] = [TurnRequest, InteractionAnswer, TurnHandle]
+    models: list[type[BaseModel]] = [
+        TurnRequest,
+        InteractionAnswer,
+        TurnHandle,
+        RetryRequest,
+        ForkRequest,
+        BulkRetryRequest,
+    ]
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
@@ -262,7 +342,7 @@ def openapi_document(version: str) -> dict[str, Any]:
                     "code": {
                         "type": "string",
                         "description": "A stable code where one applies: conversation_busy, "
-                        "idempotency_key_reused.",
+                        "idempotency_key_reused, not_retryable, source_gone, fork_invalid.",
                     },
                 },
             }
@@ -277,7 +357,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             "title": "agentq gateway",
             "version": version,
             "description": "LLM agent turns on a Celery fleet: start turns, follow their "
-            "events, abort them, answer their interactions. Errors are "
+            "events, abort, retry and fork them, answer their interactions. Errors are "
             '`{"error": {"type", "message"}}`. Who may call what: each operation\'s '
             "`x-agentq-auth` and description. Without AGENTQ_API_KEYS/AGENTQ_ADMIN_KEYS the "
             "gateway serves loopback only and needs no key.",

@@ -25,8 +25,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from agentq.errors import REDIS_ERRORS
-from agentq.events.bus import TERMINAL_TYPES
-from agentq.models import Event
+from agentq.events.types import Event
 
 log = logging.getLogger("agentq.gateway.sse")
 
@@ -126,7 +125,7 @@ async def event_source(
             if on_event is not None:
                 on_event(item)
             # A sub-agent's relayed end is not the turn's.
-            terminal = item.type in TERMINAL_TYPES and not item.path
+            terminal = item.ends_turn
             if terminal:
                 state.terminal_seen = True
             yield format_event(item)

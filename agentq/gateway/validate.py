@@ -108,8 +108,8 @@ def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     return data
 
 
-async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
+async def read_json_value(request: Request, limit_bytes: int) -> Any:
+    """The body as any JSON value, refusing (413) before reading more than `limit_bytes`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise PayloadTooLarge("request body", int(declared), limit_bytes)
@@ -118,7 +118,12 @@ async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
         body += chunk
         if len(body) > limit_bytes:
             raise PayloadTooLarge("request body", len(body), limit_bytes)
-    data = loads_strict(bytes(body))
+    return loads_strict(bytes(body))
+
+
+async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
+    """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
+    data = await read_json_value(request, limit_bytes)
     if not isinstance(data, dict):
         raise ApiError(422, "ValidationError", "body: must be a JSON object")
     return data
@@ -131,6 +136,7 @@ __all__ = [
     "depth_of",
     "loads_strict",
     "read_json",
+    "read_json_value",
     "request_id_of",
     "turn_id_of",
 ]

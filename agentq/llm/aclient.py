@@ -1,7 +1,7 @@
-"""One model round on the event loop: the async twin of `agentq.llm.client.stream_round`.
+"""One model round on the event loop, as the stream worker runs it.
 
-The same rules (`agentq.llm.retry`), the same inactivity watchdog semantics, the same
-stream-duration budget; one shared AsyncOpenAI client per process, so a stream worker
+The retry rules of `agentq.llm.retry`, the inactivity watchdog and the stream-duration
+budget; one shared AsyncOpenAI client per process, so a stream worker
 holds thousands of streams with one loop and one connection pool. The watchdog is
 not a thread here: the attempt's reading task is cancelled on silence or abort, which
 closes that response's connection. An abort arrives as `abort` (an asyncio.Event the
@@ -11,20 +11,17 @@ cancel channel sets) and always wins over the silence limit.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import logging
 import ssl
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import anyio
 import httpx2
 import openai
-from openai._models import FinalRequestOptions
 
 from agentq.errors import (
     Aborted,
@@ -34,15 +31,22 @@ from agentq.errors import (
     StreamDurationExceeded,
     StreamIdleTimeout,
 )
+from agentq.llm import sdk
 from agentq.llm.client import (
     CHAT_COMPLETIONS_PATH,
+    ChatAssembler,
     DeltaCallback,
     Tools,
-    _Assembler,
     api_error_to_llm,
     chat_request,
 )
 from agentq.llm.headers import parse_retry_after, rate_headers
+from agentq.llm.responses import (
+    RESPONSES_PATH,
+    ModelApi,
+    ResponsesAssembler,
+    responses_request,
+)
 from agentq.llm.retry import backoff_s, classify, should_retry
 from agentq.llm.sse import SseLines, chunk_of
 from agentq.models import AssistantMessage
@@ -50,6 +54,7 @@ from agentq.models import AssistantMessage
 log = logging.getLogger("agentq.llm")
 
 RetryCallback = Callable[[int, Exception, float], None]
+"""(attempt that failed, its error, delay before the retry in seconds)."""
 _READ_ERRORS = (httpx2.RequestError, ssl.SSLError, anyio.EndOfStream)
 """What reading a body raises when its connection fails: the SDK's stream calls them a
 connection error (`openai.APIConnectionError`), and so does this one."""
@@ -70,33 +75,6 @@ def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Tim
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Endpoint:
-    """A client's chat-completions request as the SDK builds it: URL, auth and headers."""
-
-    url: httpx2.URL
-    headers: list[tuple[str, str]]
-    timeout: dict[str, float | None]
-
-
-_endpoints: weakref.WeakKeyDictionary[openai.AsyncOpenAI, _Endpoint] = weakref.WeakKeyDictionary()
-
-
-async def _endpoint(client: openai.AsyncOpenAI) -> _Endpoint:
-    """Built once per client by the SDK, and sent by its HTTP client per round: the SDK's
-    per-request building (options copied and validated, headers merged, the URL parsed
-    again) cost a busy stream worker another tenth of its CPU. agentq's clients carry a
-    static key (`make_client`), so the request is the same every round."""
-    found = _endpoints.get(client)
-    if found is None:
-        options = FinalRequestOptions.construct(method="post", url=CHAT_COMPLETIONS_PATH)
-        built = client._build_request(await client._prepare_options(options))
-        headers = [(k, v) for k, v in built.headers.multi_items() if k != "content-length"]
-        found = _Endpoint(built.url, headers, dict(built.extensions["timeout"]))
-        _endpoints[client] = found
-    return found
-
-
 @functools.cache
 def _warn_no_aiohttp() -> None:
     """Once per process: a stream worker builds several clients."""
@@ -114,6 +92,7 @@ def _tls_context() -> ssl.SSLContext:
 def make_client(
     *, base_url: str, api_key: str | None, max_connections: int, timeout: httpx2.Timeout
 ) -> openai.AsyncOpenAI:
+    sdk.checked()
     limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=200)
     tls = _tls_context()
     http: httpx2.AsyncClient
@@ -154,18 +133,22 @@ async def astream_round(
     on_headers: Callable[[dict[str, str]], None] | None = None,
     failover: bool = False,
     max_completion_tokens: int | None = None,
+    api: ModelApi = "chat",
+    output_format: dict[str, Any] | None = None,
 ) -> tuple[AssistantMessage, float]:
     """Stream one assistant message; returns it and the seconds spent streaming.
 
-    `on_first_output` is called once per attempt, when the first chunk with text, reasoning
-    or a tool call arrives (time to first token). `on_headers` gets the rate-limit headers
-    of the answer that streams. With `busy_is_final`, a busy answer (429, 503, 529) ends
-    the round with `ModelBusy` at once: the fleet's capacity manager waits, not this stream.
+    `on_first_output` is called once per attempt, at its first text, reasoning or tool
+    call (time to first token); `on_headers` gets the streaming answer's rate-limit headers.
+    With `busy_is_final`, a busy answer (429, 503, 529) ends the round with `ModelBusy` at
+    once: the fleet's capacity manager waits, not this stream.
     With `failover` (the model has other deployments), a failure that a retry here would
     send to the same deployment again (a server error, a refused connection, a stall before
     any chunk) ends the round at once too, so the next attempt goes to a healthy one.
-
-    Raises what `stream_round` raises, under the same rules.
+    `api` chooses Chat Completions or the Responses API (`output_format`: a typed answer's
+    `text.format`), read through the same attempt: one watchdog, budget and retry rule.
+    Raises an `LlmError` (`StreamIdleTimeout`, `StreamDurationExceeded`, `ModelHTTPError`,
+    ...) after the retries `agentq.llm.retry` allows, or `Aborted`.
     """
     limit_s = duration_limit_s if duration_limit_s is not None else duration_left_s
     streamed_s = 0.0
@@ -189,6 +172,8 @@ async def astream_round(
             on_first_output=on_first_output,
             on_headers=on_headers,
             max_completion_tokens=max_completion_tokens,
+            api=api,
+            output_format=output_format,
         )
         try:
             message = await run.run(messages, tools)
@@ -199,13 +184,7 @@ async def astream_round(
             return message, streamed_s + run.elapsed_s
         if abort.is_set():
             raise Aborted(turn_id) from error
-        if busy_is_final and isinstance(error, ModelBusy):
-            raise error
-        if failover and run.chunks == 0 and classify(error) in ("http_retryable", "idle_timeout"):
-            raise error
-        if not should_retry(
-            error, chunks_received=run.chunks, attempt=attempt, max_retries=max_retries
-        ):
+        if _final(error, run.said, attempt, max_retries, busy_is_final, failover):
             raise error
         delay_s = backoff_s(attempt, run.retry_after_s)
         on_retry(attempt, error, delay_s)
@@ -214,6 +193,17 @@ async def astream_round(
         except asyncio.TimeoutError:
             continue
         raise Aborted(turn_id)
+
+
+def _final(
+    error: LlmError, said: int, attempt: int, max_retries: int, busy_is_final: bool, failover: bool
+) -> bool:
+    """Whether a failed attempt ends the round here rather than being tried again."""
+    if busy_is_final and isinstance(error, ModelBusy):
+        return True
+    if failover and said == 0 and classify(error) in ("http_retryable", "idle_timeout"):
+        return True
+    return not should_retry(error, chunks_received=said, attempt=attempt, max_retries=max_retries)
 
 
 class _Attempt:
@@ -232,8 +222,13 @@ class _Attempt:
         on_first_output: Callable[[], None] | None = None,
         on_headers: Callable[[dict[str, str]], None] | None = None,
         max_completion_tokens: int | None = None,
+        api: ModelApi = "chat",
+        output_format: dict[str, Any] | None = None,
     ) -> None:
         self.client = client
+        self.api = api
+        self.output_format = output_format
+        self.assembler: ChatAssembler | ResponsesAssembler | None = None
         self.max_completion_tokens = max_completion_tokens
         self.on_first_output = on_first_output
         self.on_headers = on_headers
@@ -252,36 +247,63 @@ class _Attempt:
         self._started = time.monotonic()
         self._last = self._started
 
+    @property
+    def said(self) -> int:
+        """Chunks whose deltas a retry would publish twice: every chat chunk, the Responses
+        events that carried output (its lifecycle events before them say nothing)."""
+        if isinstance(self.assembler, ResponsesAssembler):
+            return self.assembler.output_events
+        return self.chunks
+
+    def _request(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[str, bytes]:
+        """The path and body of the attempt's request."""
+        if self.api == "responses":
+            body = responses_request(
+                self.model, messages, tools, self.max_completion_tokens, self.output_format
+            )
+            return RESPONSES_PATH, body
+        body = chat_request(self.model, messages, tools, self.max_completion_tokens)
+        return CHAT_COMPLETIONS_PATH, body
+
     async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         self._started = self._last = time.monotonic()
+        # The duration budget is this clock's too: a stream that sends nothing parsable
+        # (keep-alive comments) must not outlive it.
+        ends_at = self._started + self.duration_left_s
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._stream(messages, tools))
         aborted = loop.create_task(self.abort.wait())
         trip: str | None = None
         try:
             while True:
-                wait_s = (
-                    None
-                    if self.idle_s is None
-                    else max(0.0, self._last + self.idle_s - time.monotonic())
-                )
+                due = ends_at if self.idle_s is None else min(ends_at, self._last + self.idle_s)
                 done, _ = await asyncio.wait(
-                    {reader, aborted}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED
+                    {reader, aborted},
+                    timeout=max(0.0, due - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 if reader in done:
                     break
+                now = time.monotonic()
                 if aborted in done:
                     trip = "abort"
-                elif self.idle_s is not None and time.monotonic() - self._last >= self.idle_s:
-                    # Abort wins: look at the flag again at the moment the limit fires.
-                    trip = "abort" if self.abort.is_set() else "idle"
+                elif self.idle_s is not None and now - self._last >= self.idle_s:
+                    trip = "idle"
+                elif now >= ends_at:
+                    trip = "duration"
                 if trip is not None:
-                    lifetime_ms = int((time.monotonic() - self._started) * 1000)
+                    lifetime_ms = int((now - self._started) * 1000)
                     reader.cancel()
                     await asyncio.gather(reader, return_exceptions=True)
+                    # Abort wins: look at the flag again at the moment a limit fires.
                     if trip == "abort" or self.abort.is_set():
                         raise Aborted(self.turn_id)
-                    raise StreamIdleTimeout(self.idle_timeout_ms, self.chunks, lifetime_ms)
+                    if trip == "duration":
+                        used_s = self.duration_limit_s - self.duration_left_s
+                        raise StreamDurationExceeded(
+                            self.duration_limit_s, used_s + now - self._started
+                        )
+                    raise StreamIdleTimeout(self.idle_timeout_ms, self.said, lifetime_ms)
             return reader.result()
         finally:
             aborted.cancel()
@@ -290,18 +312,19 @@ class _Attempt:
             self.elapsed_s = time.monotonic() - self._started
 
     async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
-        endpoint = await _endpoint(self.client)
+        path, content = self._request(messages, tools)
+        endpoint = await sdk.endpoint(self.client, path)
         request = httpx2.Request(
             "POST",
             endpoint.url,
             headers=endpoint.headers,
-            content=chat_request(self.model, messages, tools, self.max_completion_tokens),
+            content=content,
             extensions={
                 "timeout": endpoint.timeout if self.timeout is None else self.timeout.as_dict()
             },
         )
         try:
-            response = await self.client._client.send(request, stream=True)
+            response = await sdk.send(self.client, request)
         except httpx2.TimeoutException as exc:
             self._fail(_caused(openai.APITimeoutError(request), exc))
         except Exception as exc:  # as the SDK's own request: any failure to send
@@ -312,12 +335,16 @@ class _Attempt:
                     await response.aread()
                 except _READ_ERRORS as exc:
                     self._fail(_caused(openai.APIConnectionError(request=request), exc))
-                self._fail(self.client._make_status_error_from_response(response))
+                self._fail(sdk.status_error(self.client, response))
             if self.on_headers is not None:
                 self.on_headers(rate_headers(response.headers))
             # The body is read here, not through the SDK's stream (agentq.llm.sse); to the
             # end, [DONE] included, so the connection goes back to the pool.
-            assembler = _Assembler(self.on_delta)
+            assembler = self.assembler = (
+                ResponsesAssembler(self.on_delta)
+                if self.api == "responses"
+                else ChatAssembler(self.on_delta)
+            )
             lines = SseLines()
             body = response.aiter_bytes()
             while True:
@@ -334,17 +361,14 @@ class _Attempt:
                         chunk = chunk_of(payload)
                     except ValueError as exc:
                         self._fail(exc)
+                    # Only a parsed event is activity: comments, blank lines and partial
+                    # lines never reach here, so keep-alives cannot hold the watchdog off.
                     self.chunks += 1
                     self._last = time.monotonic()
-                    elapsed_s = self._last - self._started
-                    if elapsed_s > self.duration_left_s:
-                        used_s = self.duration_limit_s - self.duration_left_s
-                        raise StreamDurationExceeded(self.duration_limit_s, used_s + elapsed_s)
                     assembler.add(chunk, self.chunks - 1)
                     if self.on_first_output is not None and assembler.has_output:
                         self.on_first_output()
                         self.on_first_output = None
-                self._last = time.monotonic()
         finally:
             await response.aclose()
         return assembler.message()

@@ -40,9 +40,8 @@ RATE_HELPERS_LUA = (
 local PROBE, SLOW_START, SMOOTH_CREDIT_MS = {PROBE!r}, {SLOW_START!r}, {SMOOTH_CREDIT_MS!r}
 """
     + """
--- Tunables default for a config stored by an older version.
-local GUARD_MS = tonumber(cfg.guard_ms) or 30
-local RATE_TTL_MS = tonumber(cfg.rate_ttl_ms) or 3600000
+local GUARD_MS = cfg.guard_ms
+local RATE_TTL_MS = cfg.rate_ttl_ms
 local RS = nil
 local function rate_state()
   if RS == nil then

@@ -1,129 +1,32 @@
-"""One model round: stream a chat completion from an OpenAI-compatible server.
-
-Synchronous on purpose: it runs inside a Celery threads-pool task. Each attempt gets
-its own HTTP client, so the watchdog can cut exactly that attempt's sockets, and
-every response, client and helper thread is closed before the attempt returns.
-"""
+"""The Chat Completions wire format: the request body, a stream's chunks assembled into
+one assistant message, and the SDK's errors as agentq's (`agentq.llm.aclient` streams)."""
 
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import httpx2
 import openai
 import pydantic
 
 from agentq.errors import (
-    Aborted,
-    LlmError,
     MalformedStreamChunk,
     ModelBusy,
     ModelConnectionError,
     ModelHTTPError,
-    StreamDurationExceeded,
 )
 from agentq.llm.headers import BUSY_STATUSES, parse_retry_after, rate_headers
-from agentq.llm.retry import backoff_s, retryable_status, should_retry
-from agentq.llm.transport import SocketTracker, tracked_http_client
-from agentq.llm.watchdog import POLL_S, StreamWatchdog
+from agentq.llm.retry import retryable_status
 from agentq.models import AssistantMessage, ToolCall, Usage
 
 DeltaCallback = Callable[[str, str], None]
 """(kind, text): kind is "text" or "reasoning"."""
-RetryCallback = Callable[[int, Exception, float], None]
-"""(attempt that failed, its error, delay before the retry in seconds)."""
 
 Tools = list[dict[str, Any]] | str
 """Tool schemas: a list, or the JSON array text of one (the stream worker's form)."""
-
-
-# The transport's own read timeout is only a backstop behind the watchdog, so it
-# must never fire first.
-_READ_BACKSTOP_MARGIN_S = 1.0
-
-
-def stream_round(
-    messages: list[dict[str, Any]],
-    tools: Tools,
-    *,
-    base_url: str,
-    api_key: str | None,
-    model: str,
-    idle_timeout_ms: int,
-    duration_left_s: float,
-    max_retries: int,
-    request_timeout_s: float,
-    on_delta: DeltaCallback,
-    on_retry: RetryCallback,
-    cancelled: Callable[[], bool],
-    turn_id: str = "",
-    duration_limit_s: float | None = None,
-) -> tuple[AssistantMessage, float]:
-    """Stream one assistant message; returns it and the seconds spent streaming.
-
-    Retries follow `agentq.llm.retry`; `on_retry` is called before each backoff
-    sleep, which `cancelled()` interrupts. Each attempt may stream for at most
-    `duration_left_s` (checked between chunks); `duration_limit_s`, the configured
-    stream_duration_s, only makes the error report the whole budget. The seconds
-    returned include failed attempts but not backoff sleeps.
-
-    Raises Aborted, StreamIdleTimeout, StreamDurationExceeded, ModelHTTPError
-    (status 0 when the server could not be reached) or MalformedStreamChunk.
-    """
-    limit_s = duration_limit_s if duration_limit_s is not None else duration_left_s
-    streamed_s = 0.0
-    attempt = 0
-    while True:
-        attempt += 1
-        if cancelled():
-            raise Aborted(turn_id)
-        if duration_left_s <= 0:
-            raise StreamDurationExceeded(limit_s, limit_s - duration_left_s)
-        run = _Attempt(
-            base_url=base_url,
-            api_key=api_key,
-            model=model,
-            idle_timeout_ms=idle_timeout_ms,
-            request_timeout_s=request_timeout_s,
-            duration_left_s=duration_left_s,
-            duration_limit_s=limit_s,
-            on_delta=on_delta,
-            cancelled=cancelled,
-            turn_id=turn_id,
-        )
-        try:
-            message = run.run(messages, tools)
-        except LlmError as exc:
-            streamed_s += run.elapsed_s
-            error = exc
-        else:
-            return message, streamed_s + run.elapsed_s
-        if cancelled():
-            raise Aborted(turn_id) from error
-        retry = should_retry(
-            error, chunks_received=run.chunks_received, attempt=attempt, max_retries=max_retries
-        )
-        if not retry:
-            raise error
-        delay_s = backoff_s(attempt, run.retry_after_s)
-        on_retry(attempt, error, delay_s)
-        _sleep(delay_s, cancelled, turn_id)
-
-
-def _sleep(delay_s: float, cancelled: Callable[[], bool], turn_id: str) -> None:
-    deadline = time.monotonic() + delay_s
-    while True:
-        if cancelled():
-            raise Aborted(turn_id)
-        left_s = deadline - time.monotonic()
-        if left_s <= 0:
-            return
-        time.sleep(min(POLL_S, left_s))
 
 
 def api_error_to_llm(exc: openai.APIError) -> ModelHTTPError:
@@ -145,127 +48,6 @@ def api_error_to_llm(exc: openai.APIError) -> ModelHTTPError:
         return ModelConnectionError(detail)
     # An error event inside a 200 stream.
     return ModelHTTPError(200, f"error in the stream: {exc.message}", False)
-
-
-class _Attempt:
-    """One request; records what the retry decision needs."""
-
-    def __init__(
-        self,
-        *,
-        base_url: str,
-        api_key: str | None,
-        model: str,
-        idle_timeout_ms: int,
-        request_timeout_s: float,
-        duration_left_s: float,
-        duration_limit_s: float,
-        on_delta: DeltaCallback,
-        cancelled: Callable[[], bool],
-        turn_id: str,
-    ) -> None:
-        self.base_url = base_url
-        self.api_key = api_key
-        self.model = model
-        self.idle_timeout_ms = idle_timeout_ms
-        self.request_timeout_s = request_timeout_s
-        self.duration_left_s = duration_left_s
-        self.duration_limit_s = duration_limit_s
-        self.on_delta = on_delta
-        self.cancelled = cancelled
-        self.turn_id = turn_id
-        self.chunks_received = 0
-        self.retry_after_s: float | None = None
-        self.elapsed_s = 0.0
-        self._started = time.monotonic()
-
-    def _timeout(self) -> httpx2.Timeout:
-        read_s = self.request_timeout_s
-        if self.idle_timeout_ms > 0:
-            read_s = max(read_s, self.idle_timeout_ms / 1000.0 + _READ_BACKSTOP_MARGIN_S)
-        return httpx2.Timeout(self.request_timeout_s, read=read_s)
-
-    def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
-        tracker = SocketTracker()
-        watchdog = StreamWatchdog(
-            idle_timeout_ms=self.idle_timeout_ms,
-            cancelled=self.cancelled,
-            interrupt=tracker.shutdown_all,
-            turn_id=self.turn_id,
-        )
-        self._started = time.monotonic()
-        try:
-            with (
-                tracked_http_client(tracker, self._timeout()) as http,
-                openai.OpenAI(
-                    base_url=self.base_url,
-                    api_key=self.api_key or "unused",
-                    max_retries=0,
-                    timeout=self._timeout(),
-                    http_client=http,
-                ) as client,
-                watchdog,
-            ):
-                message = self._stream(client, tracker, watchdog, messages, tools)
-            # The helper thread is joined now, so a trip at the very end is seen.
-            watchdog.raise_if_tripped()
-            return message
-        finally:
-            self.elapsed_s = time.monotonic() - self._started
-            self.chunks_received = watchdog.chunks_received
-
-    def _stream(
-        self,
-        client: openai.OpenAI,
-        tracker: SocketTracker,
-        watchdog: StreamWatchdog,
-        messages: list[dict[str, Any]],
-        tools: Tools,
-    ) -> AssistantMessage:
-        try:
-            stream = client.post(
-                CHAT_COMPLETIONS_PATH,
-                content=chat_request(self.model, messages, tools),
-                cast_to=object,
-                stream=True,
-                stream_cls=openai.Stream[object],
-            )
-        except openai.APIError as exc:
-            self._fail(watchdog, exc)
-        with stream:
-            tracker.add_response(stream.response)
-            assembler = _Assembler(self.on_delta)
-            while True:
-                try:
-                    chunk = next(stream)
-                except StopIteration:
-                    break
-                except (openai.APIError, ValueError) as exc:
-                    self._fail(watchdog, exc)
-                watchdog.chunk()
-                watchdog.raise_if_tripped()
-                self._check_duration()
-                assembler.add(chunk, watchdog.chunks_received - 1)
-                watchdog.touch()
-        return assembler.message()
-
-    def _check_duration(self) -> None:
-        elapsed_s = time.monotonic() - self._started
-        if elapsed_s > self.duration_left_s:
-            used_s = self.duration_limit_s - self.duration_left_s
-            raise StreamDurationExceeded(self.duration_limit_s, used_s + elapsed_s)
-
-    def _fail(self, watchdog: StreamWatchdog, exc: Exception) -> NoReturn:
-        """Raise the error behind `exc`: a watchdog trip explains a cut connection."""
-        tripped = watchdog.error()
-        if tripped is not None:
-            raise tripped from None
-        if isinstance(exc, openai.APIError):
-            if isinstance(exc, openai.APIStatusError):
-                self.retry_after_s = parse_retry_after(exc.response.headers)
-            raise api_error_to_llm(exc) from exc
-        problem = "not valid JSON" if isinstance(exc, json.JSONDecodeError) else "undecodable"
-        raise MalformedStreamChunk(watchdog.chunks_received, f"{problem}: {exc}") from exc
 
 
 CHAT_COMPLETIONS_PATH = "/chat/completions"
@@ -316,7 +98,7 @@ class _PartialCall:
     arguments: list[str] = field(default_factory=list)
 
 
-class _Assembler:
+class ChatAssembler:
     """Builds the assistant message from chunk deltas, checking their shape."""
 
     def __init__(self, on_delta: DeltaCallback) -> None:
@@ -437,9 +219,14 @@ def _usage(usage: object, index: int) -> Usage:
     cached = (_field(details, "cached_tokens") if details is not None else None) or 0
     if not isinstance(cached, int):
         _bad(index, "usage 'prompt_tokens_details.cached_tokens' is not an integer")
+    output = _field(usage, "completion_tokens_details")
+    reasoning = (_field(output, "reasoning_tokens") if output is not None else None) or 0
+    if not isinstance(reasoning, int):
+        _bad(index, "usage 'completion_tokens_details.reasoning_tokens' is not an integer")
     return Usage(
         prompt_tokens=counts["prompt_tokens"],
         completion_tokens=counts["completion_tokens"],
         total_tokens=counts["total_tokens"],
         cached_tokens=cached,
+        reasoning_tokens=reasoning,
     )

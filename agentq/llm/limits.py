@@ -59,6 +59,8 @@ class ModelLimitsEntry(_Limits):
 
     deployments: tuple[DeploymentLimits, ...] = ()
     strategy: Literal["ordered", "least_loaded"] = "ordered"
+    api: Literal["chat", "responses", "auto"] | None = None
+    """The model's API (docs/models.md); None: AGENTQ_LLM_API."""
 
     @model_validator(mode="after")
     def _check(self) -> ModelLimitsEntry:
@@ -66,8 +68,8 @@ class ModelLimitsEntry(_Limits):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"deployment names must be unique, repeated: {', '.join(dupes)}")
-        if not self.deployments and not (self.rpm or self.tpm or self.streams):
-            raise ValueError("sets none of rpm, tpm, streams, deployments")
+        if not self.deployments and not (self.rpm or self.tpm or self.streams or self.api):
+            raise ValueError("sets none of rpm, tpm, streams, deployments, api")
         return self
 
     @property

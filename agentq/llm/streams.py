@@ -22,6 +22,7 @@ from agentq.errors import (
     ModelHTTPError,
     StreamIdleTimeout,
 )
+from agentq.llm.apis import ApiChoice
 from agentq.llm.capacity import Capacity, Wakes, capacity_for
 from agentq.llm.headers import parse_rate_headers
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
@@ -68,6 +69,8 @@ class Streams:
                 for _ in range(max(1, -(-s.io_capacity // STREAMS_PER_CLIENT)))
             ]
         self.capacity: Capacity = capacity_for(host.store.redis, s)
+        self.apis = ApiChoice(host.store.redis)
+        """What `auto` learned of each model's API (agentq.llm.apis)."""
         self.deployed: dict[str, list[openai.AsyncOpenAI]] = {}
         """Clients of configured deployments with their own endpoint or key, made on first use."""
         self.leases: dict[tuple[str, int], str] = {}

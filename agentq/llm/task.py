@@ -28,9 +28,13 @@ from agentq.errors import (
     AgentqError,
     LlmError,
     ModelBusy,
+    ModelHTTPError,
 )
+from agentq.llm.apis import configured, names_responses
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
 from agentq.llm.publisher import Deltas
+from agentq.llm.reasoning import without_reasoning
+from agentq.llm.responses import RESPONSES_PATH, ModelApi
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.llm.wakes import wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
@@ -201,24 +205,53 @@ class _Round:
         messages = history
         if req.instructions:
             messages = [{"role": "system", "content": req.instructions}, *messages]
-        return await astream_round(
-            client,
-            messages,
-            req.tools_json,
-            model=sent_model,
-            idle_timeout_ms=req.idle_timeout_ms,
-            duration_left_s=req.duration_left_s,
-            max_retries=settings.llm_max_retries,
-            timeout=timeout,
-            on_delta=lambda kind, text: self.events.add("llm_delta", kind=kind, text=text),
-            on_retry=self._on_retry,
-            abort=abort,
-            turn_id=req.turn_id,
-            on_first_output=self._on_first_output,
-            busy_is_final=True,
-            on_headers=self.headers.update,
-            failover=self.failover,
-        )
+        setting = configured(self.model, settings, streams.capacity.limits)
+        if setting == "auto" and streams.apis.stale():
+            await self.host.io(streams.apis.refresh)
+        api = streams.apis.api_for(self.model, setting)
+
+        async def send(api: ModelApi) -> tuple[AssistantMessage, float]:
+            return await astream_round(
+                client,
+                messages if api == "responses" else without_reasoning(messages),
+                req.tools_json,
+                model=sent_model,
+                idle_timeout_ms=req.idle_timeout_ms,
+                duration_left_s=req.duration_left_s,
+                max_retries=settings.llm_max_retries,
+                timeout=timeout,
+                on_delta=lambda kind, text: self.events.add("llm_delta", kind=kind, text=text),
+                on_retry=self._on_retry,
+                abort=abort,
+                turn_id=req.turn_id,
+                on_first_output=self._on_first_output,
+                busy_is_final=True,
+                on_headers=self.headers.update,
+                failover=self.failover,
+                max_completion_tokens=req.max_completion_tokens,
+                api=api,
+                output_format=req.output_format,
+            )
+
+        try:
+            return await send(api)
+        except ModelHTTPError as exc:
+            if not (setting == "auto" and api == "chat" and names_responses(exc)):
+                raise
+            if streams.apis.kept_on_chat(self.model):
+                raise
+            refused = exc
+        # The server wants the Responses API: the model moves there fleet-wide, and this
+        # round goes again at once (it said nothing on chat: the user sees one round).
+        await self.host.io(streams.apis.learn, self.model, "responses", refused.message)
+        try:
+            return await send("responses")
+        except ModelHTTPError as exc:
+            if exc.status_code != 404:
+                raise
+            reason = f"{RESPONSES_PATH} answered 404 ({exc.message}); {refused.message}"
+            await self.host.io(streams.apis.learn, self.model, "chat", reason)
+            raise refused from exc
 
     def _usage(self, message: AssistantMessage) -> Usage:
         """The round's usage as the server counted it, else estimated (`estimated`: the

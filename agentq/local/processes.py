@@ -35,19 +35,20 @@ from typing import Protocol, TypeVar
 import psutil
 
 from agentq.fleet.lifecycle import Started
-from agentq.local.forkserver import ForkedChild, ForkServer, forkable
 
 __all__ = [
     "CELERY_READY_PATTERN",
+    "Child",
     "JSON_READY_PATTERN",
     "ManagedProcess",
     "ProcessStartError",
+    "Spawner",
     "WaitTimeout",
     "kill_all",
     "run_process",
     "start_process",
     "start_worker",
-    "use_fork_server",
+    "use_spawner",
     "wait_for",
 ]
 
@@ -68,6 +69,16 @@ class ProcessStartError(RuntimeError):
         text = message if not log_tail else f"{message}\n--- log tail ---\n{log_tail}"
         super().__init__(text)
         self.log_tail = log_tail
+
+
+_ERROR_LINE = re.compile(r"^\s*((?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit|Interrupt)\b.*)$", re.M)
+
+
+def last_error(log_text: str) -> str:
+    """The last line of a log that names an exception (`SyntaxError: expected '('`): why a
+    process died, in one line; empty when none does."""
+    found = _ERROR_LINE.findall(log_text)
+    return found[-1].strip()[:300] if found else ""
 
 
 class WaitTimeout(AssertionError, TimeoutError):
@@ -110,23 +121,47 @@ def kill_all() -> None:
 atexit.register(kill_all)
 
 
-_fork_server: ForkServer | None = None
+class Child(Protocol):
+    """What a started process tells, as ``subprocess.Popen`` does."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
-def use_fork_server(enabled: bool = True) -> None:
-    """Start agentq commands (``python -m agentq ...``) as forks of a pre-imported Python.
+class Spawner(Protocol):
+    """Starts some commands another way than ``subprocess.Popen`` (the suite's fork server)."""
 
-    For the tests: a worker's start then costs a fork instead of its imports. Off by
-    default, and off in every process a fork starts.
-    """
-    global _fork_server
-    if enabled and _fork_server is None:
-        _fork_server = ForkServer()
-        _register(_fork_server)
-    elif not enabled and _fork_server is not None:
-        _fork_server.stop()
-        _unregister(_fork_server)
-        _fork_server = None
+    def accepts(self, argv: Sequence[str]) -> bool: ...
+
+    def spawn(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        log_path: Path,
+        stderr_path: Path | None = None,
+        cwd: str | Path | None = None,
+    ) -> Child: ...
+
+    def stop(self) -> None: ...
+
+
+_spawner: Spawner | None = None
+
+
+def use_spawner(spawner: Spawner | None) -> None:
+    """Start the commands ``spawner`` accepts with it (``None``: all with ``Popen``)."""
+    global _spawner
+    old, _spawner = _spawner, spawner
+    if old is not None and old is not spawner:
+        old.stop()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -187,7 +222,7 @@ class ManagedProcess(Started):
 
     def __init__(
         self,
-        popen: subprocess.Popen[bytes] | ForkedChild,
+        popen: Child,
         *,
         argv: Sequence[str],
         log_path: Path,
@@ -380,10 +415,10 @@ def start_process(
         log_path = Path(log_path)
         log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    popen: subprocess.Popen[bytes] | ForkedChild
+    popen: Child
     try:
-        if _fork_server is not None and forkable(argv):
-            popen = _fork_server.spawn(
+        if _spawner is not None and _spawner.accepts(argv):
+            popen = _spawner.spawn(
                 argv, env=_build_env(env, inherit_env), log_path=log_path, cwd=cwd
             )
         else:
@@ -436,11 +471,11 @@ def run_process(
     """Run ``argv`` to its end, its output captured, as ``subprocess.run`` does.
 
     ``env`` is the whole environment (``os.environ`` when ``None``); stdin is
-    ``/dev/null``. With the fork server on, an agentq command runs as its fork.
+    ``/dev/null``. A command the spawner accepts (:func:`use_spawner`) runs through it.
     """
     argv = [str(a) for a in argv]
     full_env = dict(os.environ if env is None else env)
-    if _fork_server is None or not forkable(argv):
+    if _spawner is None or not _spawner.accepts(argv):
         return subprocess.run(
             argv,
             env=full_env,
@@ -451,7 +486,7 @@ def run_process(
         )
     with tempfile.TemporaryDirectory(prefix="agentq-run-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = _fork_server.spawn(argv, env=full_env, log_path=out, stderr_path=err)
+        child = _spawner.spawn(argv, env=full_env, log_path=out, stderr_path=err)
         try:
             rc = child.wait(timeout_s)
         except subprocess.TimeoutExpired:

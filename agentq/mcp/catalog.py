@@ -19,15 +19,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import McpServerUnavailable
-from agentq.mcp.link import ListedTool, ServerLink, explain
+from agentq.mcp.link import ServerLink, explain
+from agentq.mcp.listing import ListedTool, Listing, plan, printable
 from agentq.mcp.servers import McpServer, parse_servers
-from agentq.mcp.tools import McpToolSpec, make_spec
+from agentq.mcp.tools import make_spec
 from agentq.tools import registry
 from agentq.tools.registry import ToolSpec
 
@@ -43,31 +43,6 @@ RETRY_FAILED_S = 30.0
 """A server that could not be listed is tried again after this (or its TTL, if shorter)."""
 
 
-@dataclass
-class Listing:
-    listed_at: float
-    tools: list[ListedTool] = field(default_factory=list)
-    error: str = ""
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "listed_at": self.listed_at,
-                "tools": [t.to_json() for t in self.tools],
-                "error": self.error,
-            }
-        )
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Listing:
-        data = json.loads(raw)
-        return cls(
-            listed_at=float(data["listed_at"]),
-            tools=[ListedTool(**t) for t in data.get("tools") or []],
-            error=str(data.get("error") or ""),
-        )
-
-
 class McpTools:
     """This process's MCP servers: their sessions (used by the I/O worker) and listings."""
 
@@ -79,6 +54,8 @@ class McpTools:
         self._redis = redis
         self.links = {name: ServerLink(s, self._list_changed) for name, s in servers.items()}
         self.applied: dict[str, float] = {}
+        self.listings: dict[str, Listing] = {}
+        self._told: set[str] = set()
         self.registered: dict[str, set[str]] = {name: set() for name in servers}
         self.on_new_tools: Callable[[list[ToolSpec]], None] | None = None
         """Told of tools a listing added after start (the I/O worker registers their tasks)."""
@@ -114,15 +91,32 @@ class McpTools:
         is made on a thread of its own, so the turn step that reads the registry never
         waits for a server, and the listing so far serves until the new one is in."""
         shared = self._read()
-        for name, server in self.servers.items():
+        stale = {
+            n: shared.get(n) for n in self.servers if n not in shared or self._stale(shared[n])
+        }
+        if force and stale:
+            # All at once: a server slow to start (or never answering) delays the others'
+            # listings, and the worker's start, by its own start timeout only.
+            with concurrent.futures.ThreadPoolExecutor(len(stale)) as pool:
+                made = {
+                    n: pool.submit(self._list_here, self.servers[n], old, wait=True)
+                    for n, old in stale.items()
+                }
+                for n, fut in made.items():
+                    shared_now = fut.result() or stale[n]
+                    if shared_now is not None:
+                        shared[n] = shared_now
+        elif stale:
+            for n, old in stale.items():
+                self._list_in_background(self.servers[n], old)
+        for name in self.servers:
             listing = shared.get(name)
-            if listing is None or self._stale(listing):
-                if force:
-                    listing = self._list_here(server, listing, wait=True) or listing
-                else:
-                    self._list_in_background(server, listing)
             if listing is not None and (force or listing.listed_at > self.applied.get(name, -1)):
-                self.apply(name, listing)
+                try:
+                    self.apply(name, listing)
+                except Exception as exc:
+                    # Whatever a listing holds, it costs its server's tools, not the worker.
+                    log.warning("MCP server %s: tools not taken: %s", name, explain(exc))
 
     def _list_in_background(self, server: McpServer, previous: Listing | None) -> None:
         with self._apply_lock:
@@ -185,7 +179,7 @@ class McpTools:
         try:
             try:
                 tools = _run_async(lambda: _list_once(server), LIST_TIMEOUT_S)
-                listing = Listing(time.time(), tools)
+                listing = Listing.screened(time.time(), tools)
                 log.info("MCP server %s lists %d tools", server.name, len(tools))
             except Exception as exc:
                 why = explain(exc)
@@ -227,29 +221,49 @@ class McpTools:
 
     def _apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         self.applied[name] = listing.listed_at
-        server = self.servers[name]
-        specs: dict[str, McpToolSpec] = {}
-        others = {
-            n: s for n, s in registry.all_tools().items() if getattr(s, "mcp_server", "") != name
-        }
-        for tool in listing.tools:
-            if server.tools is not None and tool.name not in server.tools:
-                continue
-            spec = make_spec(server, tool, self.links)
-            if spec.name in others:
-                log.warning("MCP tool %s of %s hides nothing: the name is taken", tool.name, name)
-                continue
-            specs[spec.name] = spec
-        before = self.registered[name]
-        for gone in before - set(specs):
-            registry.unregister(gone)
-        for spec in specs.values():
-            registry.register(spec)
-        self.registered[name] = set(specs)
-        added: list[ToolSpec] = [s for n, s in specs.items() if n not in before]
+        self.listings[name] = listing
+        for refused in listing.refused:
+            self._tell(name, refused.tool, refused.why)
+        made = plan(self.servers, self.listings)
+        for server, refusals in made.collisions.items():
+            for refused in refusals:
+                self._tell(server, refused.tool, refused.why)
+        own = {n for n, s in registry.all_tools().items() if not getattr(s, "mcp_server", "")}
+        wanted: dict[str, dict[str, ListedTool]] = {s: {} for s in self.servers}
+        for model_name, (server, tool) in made.offered.items():
+            if model_name in own:
+                self._tell(server, printable(tool.name), f"{model_name} names a tool of this fleet")
+            else:
+                wanted[server][model_name] = tool
+        added: list[ToolSpec] = []
+        for server, tools in wanted.items():
+            before = self.registered[server]
+            for gone in before - set(tools):
+                registry.unregister(gone)
+            # Only the listed server's tools are made again; another's change only when a
+            # shared name appears or goes.
+            fresh = tools if server == name else {n: t for n, t in tools.items() if n not in before}
+            for model_name, tool in fresh.items():
+                try:
+                    spec = make_spec(self.servers[server], tool, self.links)
+                except Exception as exc:
+                    self._tell(server, printable(tool.name), f"not made: {explain(exc)}")
+                    tools.pop(model_name)
+                    continue
+                registry.register(spec)
+                if model_name not in before:
+                    added.append(spec)
+            self.registered[server] = set(tools)
         if added and self.on_new_tools is not None:
             self.on_new_tools(added)
         return added
+
+    def _tell(self, server: str, tool: str, why: str) -> None:
+        """Log a refused tool once in this process's life, not at every listing applied."""
+        line = f"MCP server {server}: tool {tool} is not offered: {why}"
+        if line not in self._told:
+            self._told.add(line)
+            log.warning("%s", line)
 
     def _list_changed(self, name: str) -> None:
         """On the loop: the server said its tools changed; list them on its session now."""
@@ -261,7 +275,7 @@ class McpTools:
         except McpServerUnavailable as exc:
             log.warning("%s", exc.message)
             return
-        listing = Listing(time.time(), tools)
+        listing = Listing.screened(time.time(), tools)
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._write, name, listing)
         await loop.run_in_executor(None, self.apply, name, listing)

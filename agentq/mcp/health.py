@@ -1,6 +1,6 @@
 """How each MCP server last went, fleet-wide: the I/O workers write it (`agentq:mcp:health`),
-the gateway reads it for /healthz and the console. Kept apart from the catalog so the
-gateway reads it without importing the worker side."""
+the gateway reads it for /healthz, the console and `GET /v1/mcp/servers`. Kept apart from
+the catalog so the gateway reads it without importing the worker side."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 from agentq import constants as k
+from agentq.mcp.listing import Listing, plan
+from agentq.mcp.servers import McpServer
 
 
 def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, Any]]:
@@ -23,4 +25,41 @@ def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, An
             continue
         key = name.decode() if isinstance(name, bytes) else str(name)
         out[key] = {f: entry.get(f) for f in fields}
+    return out
+
+
+def servers_view(redis: Any, servers: dict[str, McpServer]) -> list[dict[str, Any]]:
+    """Every MCP server the fleet knows (configured here, or listed by a worker): where it
+    is, its last listing's error, the tools it offers by model name, the tools refused and
+    why, and how its last start or call went."""
+    listings: dict[str, Listing] = {}
+    for name, raw in (redis.hgetall(k.MCP_TOOLS) or {}).items():
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        try:
+            listings[key] = Listing.from_json(raw)
+        except (ValueError, KeyError, TypeError):
+            continue
+    health = server_health(redis, detail=True)
+    made = plan(servers, listings)
+    offered: dict[str, list[dict[str, str]]] = {}
+    for model_name, (owner, tool) in sorted(made.offered.items()):
+        offered.setdefault(owner, []).append({"name": model_name, "tool": tool.name})
+    out = []
+    for name in sorted(set(servers) | set(listings)):
+        server = servers.get(name)
+        listing = listings.get(name)
+        refused = [*(listing.refused if listing else []), *made.collisions.get(name, [])]
+        out.append(
+            {
+                "name": name,
+                "transport": server.transport if server else None,
+                "where": server.describe() if server else None,
+                "configured": server is not None,
+                "listed_at": listing.listed_at if listing else None,
+                "error": listing.error if listing else None,
+                "tools": offered.get(name, []),
+                "refused": [{"tool": r.tool, "why": r.why} for r in refused],
+                "health": health.get(name),
+            }
+        )
     return out

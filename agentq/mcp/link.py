@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentq import constants as k
 from agentq.errors import McpServerUnavailable, McpToolFailed
 from agentq.mcp.child import ENV_KEYS
+from agentq.mcp.elicit import Caller, on_elicit
+from agentq.mcp.listing import ListedTool, cut_description, printable
 from agentq.mcp.servers import McpServer
 
 log = logging.getLogger("agentq.mcp")
@@ -33,29 +35,12 @@ BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
 STOP_TIMEOUT_S = 10.0
 """Longest wait for a session to close (the SDK closes stdin, waits, then kills the tree)."""
 
+EXPLAIN_CHARS = 500
+MAX_TOOLS = 2000
+"""A server listing more tools than this is refused: every model request would carry them
+all, and a listing whose pages never end stops here."""
+
 ProgressFn = Callable[[float, "float | None", "str | None"], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class ListedTool:
-    """One tool as the server lists it: what a process needs to offer and check calls."""
-
-    name: str
-    description: str
-    input_schema: dict[str, Any]
-    output_schema: dict[str, Any] | None = None
-    read_only: bool | None = None
-    destructive: bool | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "description": self.description,
-            "input_schema": self.input_schema,
-            "output_schema": self.output_schema,
-            "read_only": self.read_only,
-            "destructive": self.destructive,
-        }
 
 
 def backoff_s(failures: int) -> float:
@@ -76,6 +61,11 @@ def explain(exc: BaseException) -> str:
     """One line for an exception, an anyio group's first leaf included."""
     exc = _leaf(exc)
     text = str(exc) or type(exc).__name__
+    # pydantic's errors take several lines, one a link: a log line and a listing take one.
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    text = " ".join(ln for ln in lines if not ln.startswith("For further information"))
+    if len(text) > EXPLAIN_CHARS:
+        text = text[:EXPLAIN_CHARS] + "..."
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
 
 
@@ -115,6 +105,9 @@ class ServerLink:
         self.starts = 0
         self.reported_ok: bool | None = None
         """What /healthz was last told of this server by this process."""
+        self.callers: dict[int, Caller] = {}
+        """The calls in flight on the session (agentq.mcp.elicit)."""
+        self._caller_ids = itertools.count()
 
     @property
     def name(self) -> str:
@@ -160,6 +153,7 @@ class ServerLink:
             session = await asyncio.wait_for(asyncio.shield(ready), self.server.start_timeout_s)
         except asyncio.TimeoutError:
             stop.set()
+            ready.cancel()
             owner.cancel()
             raise McpServerUnavailable(
                 self.name,
@@ -190,6 +184,7 @@ class ServerLink:
                         read,
                         write,
                         message_handler=self._on_message,
+                        elicitation_callback=self._on_elicit,
                         client_info=Implementation(name="agentq", version=k.VERSION),
                     )
                 )
@@ -293,19 +288,37 @@ class ServerLink:
 
                     page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor))
                 out.extend(_listed(t) for t in page.tools)
-                cursor = page.next_cursor
-                if not cursor:
+                if len(out) > MAX_TOOLS:
+                    raise ValueError(f"it lists more than {MAX_TOOLS} tools")
+                if not page.next_cursor:
                     return out
+                if page.next_cursor == cursor:
+                    again = printable(page.next_cursor)
+                    raise ValueError(f"its listing does not end (cursor {again} again)")
+                cursor = page.next_cursor
         except Exception as exc:
             if _is_disconnect(exc):
                 self._failed(f"its connection closed while listing tools: {explain(exc)}")
                 self._begin_stop("disconnected")
             raise McpServerUnavailable(self.name, f"tools/list failed: {explain(exc)}") from None
 
-    async def call(self, tool: str, arguments: dict[str, Any], on_progress: ProgressFn) -> Any:
+    async def _on_elicit(self, context: Any, params: Any) -> Any:
+        return await on_elicit(self.name, self.callers, params)
+
+    async def call(
+        self,
+        tool: str,
+        arguments: dict[str, Any],
+        on_progress: ProgressFn,
+        caller: Caller | None = None,
+    ) -> Any:
         """Call a tool; McpServerUnavailable when the server died or cannot be reached,
-        McpToolFailed when it answered with a protocol error."""
+        McpToolFailed when it answered with a protocol error. `caller`: whose turn a
+        question the server asks meanwhile goes to (agentq.mcp.elicit)."""
         session = await self.session()
+        slot = next(self._caller_ids)
+        if caller is not None:
+            self.callers[slot] = caller
         try:
             result = await session.call_tool(tool, arguments, progress_callback=on_progress)
         except asyncio.CancelledError:
@@ -322,6 +335,8 @@ class ServerLink:
                 ) from None
             self.failures = 0
             raise McpToolFailed(self.name, tool, explain(exc)) from None
+        finally:
+            self.callers.pop(slot, None)
         self.failures = 0
         return result
 
@@ -362,7 +377,7 @@ def _listed(tool: Any) -> ListedTool:
     ann = tool.annotations
     return ListedTool(
         name=tool.name,
-        description=tool.description or tool.title or "",
+        description=cut_description(tool.description or tool.title or ""),
         input_schema=dict(tool.input_schema or {"type": "object"}),
         output_schema=dict(tool.output_schema) if tool.output_schema else None,
         read_only=ann.read_only_hint if ann is not None else None,

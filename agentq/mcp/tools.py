@@ -20,16 +20,17 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from enum import IntEnum
-from typing import Any, NamedTuple
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
 from agentq import constants as k
 from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInvalid
-from agentq.events.lua_args import bind_lua
 from agentq.fleet.runtime import get_store
-from agentq.mcp.link import ListedTool, ServerLink
+from agentq.limits.semaphore import LeasedSemaphore
+from agentq.mcp.elicit import Caller
+from agentq.mcp.link import ServerLink
+from agentq.mcp.listing import ListedTool
 from agentq.mcp.names import tool_name
 from agentq.mcp.servers import McpServer
 from agentq.tools.context import ToolContext
@@ -42,36 +43,6 @@ SLOT_POLL_S = 0.05
 """How often a call waiting for a fleet-wide slot of its server looks again."""
 SLOT_UNLIMITED_S = 3600.0
 """How long a slot of a call without a hard limit is held if its worker dies with it."""
-
-
-class SlotArgs(NamedTuple):
-    call_id: str
-    now: float
-    lapses: float
-    """When the slot lapses if its call never gives it back (its worker died)."""
-    limit: int
-
-
-class Slot(IntEnum):
-    """ACQUIRE's answer."""
-
-    FULL = 0
-    TAKEN = 1
-
-
-# One of an MCP server's fleet-wide slots (`concurrency: N`) for a call: taken when fewer
-# than `limit` are held (lapsed ones dropped first), or already held by this call.
-ACQUIRE_LUA = (
-    bind_lua(("slots_key",), SlotArgs)
-    + f"""redis.call('ZREMRANGEBYSCORE', slots_key, '-inf', now)
-if redis.call('ZSCORE', slots_key, call_id) or redis.call('ZCARD', slots_key) < tonumber(limit) then
-  redis.call('ZADD', slots_key, lapses, call_id)
-  redis.call('PEXPIRE', slots_key, math.ceil((tonumber(lapses) - tonumber(now)) * 1000) + 1000)
-  return {Slot.TAKEN}
-end
-return {Slot.FULL}
-"""
-)
 
 
 class McpArguments(BaseModel):
@@ -110,15 +81,9 @@ def approval_of(server: McpServer, listed: ListedTool) -> Approval:
 def make_spec(server: McpServer, listed: ListedTool, links: dict[str, ServerLink]) -> McpToolSpec:
     from jsonschema.validators import validator_for
 
+    # The listing refused schemas that are not JSON Schema (agentq.mcp.listing).
     schema = listed.input_schema or {"type": "object"}
     cls = validator_for(schema)
-    try:
-        cls.check_schema(schema)
-    except Exception:
-        # A broken schema checks nothing rather than refusing every call; the server decides.
-        log.warning("MCP tool %s of %s: its input schema is invalid", listed.name, server.name)
-        schema = {"type": "object"}
-        cls = validator_for(schema)
     approval = approval_of(server, listed)
     policy = ToolPolicy.model_validate(
         {
@@ -141,7 +106,6 @@ def make_spec(server: McpServer, listed: ListedTool, links: dict[str, ServerLink
         return await call_tool(link, remote, ctx, arguments)
 
     name = tool_name(server.name, remote)
-    call.__name__ = name
     return McpToolSpec(
         name=name,
         fn=call,
@@ -169,7 +133,8 @@ async def call_tool(
 
     async with _slot(link.server, ctx):
         try:
-            result = await link.call(remote, arguments, on_progress)
+            caller = Caller(get_store(), ctx.turn_id, ctx.call_id, ctx.tool, ctx.deadline)
+            result = await link.call(remote, arguments, on_progress, caller)
         except McpServerUnavailable as exc:
             _report(link, ok=False, error=exc.detail)
             raise
@@ -209,21 +174,13 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     if limit is None:
         yield
         return
-    redis = get_store().redis
-    acquire = redis.register_script(ACQUIRE_LUA)
-    loop = asyncio.get_running_loop()
+    slots = LeasedSemaphore(get_store().redis, limit)
     key = k.mcp_slots_key(server.name)
-    hold_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
+    loop = asyncio.get_running_loop()
+    # Leased past the call's hard limit: a worker that dies with the call frees it then.
+    lease_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
     waited = False
-    while True:
-        now = time.time()
-        args = SlotArgs(ctx.call_id, now, now + hold_s, limit)
-        got = await loop.run_in_executor(
-            None,
-            lambda: acquire(keys=[key], args=list(args)),  # noqa: B023 - awaited here
-        )
-        if Slot(int(got)) is Slot.TAKEN:
-            break
+    while not await loop.run_in_executor(None, slots.acquire, key, ctx.call_id, lease_s):
         if not waited:
             waited = True
             ctx.progress(f"waiting for one of {limit} slots of MCP server {server.name}")
@@ -231,7 +188,9 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        loop.run_in_executor(None, redis.zrem, key, ctx.call_id)
+        # Awaited: the slot is free when the call is over. Shielded: a second cancel of
+        # the call stops the wait, never the release.
+        await asyncio.shield(loop.run_in_executor(None, slots.release, key, ctx.call_id))
 
 
 def _report(link: ServerLink, *, ok: bool, error: str) -> None:

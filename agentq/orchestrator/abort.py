@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import threading
+import json
+import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from agentq import constants as k
-from agentq.fleet.broker import revoke
+from agentq.fleet.broker import broadcast, revoke
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
 from agentq.orchestrator.settle import settle_call
 
 if TYPE_CHECKING:
+    import redis
     from celery import Celery
 
     from agentq.state.store import TurnStore
@@ -25,24 +27,45 @@ def revoke_unsettled(
 
     Only the workers running them are told: a task that has not started yet never
     runs, since its start sees the turn's cancel flag. Agent calls have no task: their
-    child turns are aborted instead.
+    child turns are aborted instead. The SIGKILL is a durable order in Redis that the turn
+    workers' sweepers send when it comes due (`send_due_kills`), so a tool that ignores
+    SIGTERM dies even when the process that aborted (`agentq abort`) has long exited.
     """
     running = store.running_tasks(turn_id)
     if not running:
         return []
     ids = list(running)
+    workers = [start.get("worker") for start in running.values()]
     # A start record without a worker name (never expected) falls back to a broadcast.
-    destination = sorted({str(w) for w in running.values()}) if all(running.values()) else None
-
-    def send(signal: str) -> None:
-        revoke(app, ids, terminate=True, signal=signal, destination=destination)
-
-    send("SIGTERM")
-    if kill_grace_s >= 0:
-        timer = threading.Timer(kill_grace_s, send, args=("SIGKILL",))
-        timer.daemon = True
-        timer.start()
+    destination = sorted({str(w) for w in workers}) if all(workers) else None
+    revoke(app, ids, terminate=True, signal="SIGTERM", destination=destination)
+    # Celery forgets a task once it has terminated it, so a second revoke with SIGKILL
+    # would find nothing: the escalation names the pool processes themselves.
+    targets = [[tid, start.get("pid")] for tid, start in running.items() if start.get("pid")]
+    if targets:
+        order = json.dumps({"targets": targets, "to": destination}, separators=(",", ":"))
+        store.redis.zadd(k.KILLS, {order: time.time() + kill_grace_s})
     return ids
+
+
+def send_due_kills(r: redis.Redis, app: Celery, now: float) -> int:
+    """Send every escalation due by `now` to the workers running its tasks
+    (`agentq.tools.kill`); each order is sent by the one sweeper whose ZREM takes it.
+    Returns how many orders were sent."""
+    sent = 0
+    for raw in cast("list[bytes]", r.zrangebyscore(k.KILLS, "-inf", now)):
+        if not r.zrem(k.KILLS, raw):
+            continue  # another sweeper took it
+        order = json.loads(raw)
+        broadcast(app, k.KILL_COMMAND, {"targets": order["targets"]}, destination=order["to"])
+        sent += 1
+    return sent
+
+
+def next_kill_at(r: redis.Redis) -> float | None:
+    """When the soonest escalation comes due (None: none)."""
+    first = r.zrange(k.KILLS, 0, 0, withscores=True)
+    return float(first[0][1]) if first else None
 
 
 def settle_pending(
@@ -51,12 +74,14 @@ def settle_pending(
     history: list[dict[str, Any]],
     result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
     traceparent: object = None,
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Settle each unanswered call (unless a result won already); return the round's tool
-    messages, so the history stays valid however the turn ends."""
+    messages, so the history stays valid however the turn ends, and the ids of the calls
+    settled here (the ones a retry runs again)."""
     calls = pending_calls(history)
     if not calls:
-        return []
+        return [], []
+    ours: list[str] = []
     settled, dispatched = store.round_view(turn_id, [c.id for c in calls])
     lost_race = False
     for call in calls:
@@ -69,10 +94,11 @@ def settle_pending(
         )
         if won:
             settled[call.id] = mine
+            ours.append(call.id)
         else:
             lost_race = True  # a tool's result came first: it is the one kept, read below
     if lost_race:
         settled, _ = store.round_view(turn_id, [c.id for c in calls])
     # A password answer is read once by its tool; a round that ends must not leave one.
     store.redis.delete(*[k.secret_key(turn_id, f"{c.id}.approval") for c in calls])
-    return [settled[c.id].to_openai() for c in calls]
+    return [settled[c.id].to_openai() for c in calls], ours

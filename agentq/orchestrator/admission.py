@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 
 
 def model_of(ctx: StepContext) -> str:
+    """The turn's own model (a retry's or fork's), else its agent's, else the settings'."""
     agent = ctx.agent
-    return (agent.model if agent is not None else None) or ctx.settings.llm_model
+    own = ctx.state.get("model")
+    return own or (agent.model if agent is not None else None) or ctx.settings.llm_model
 
 
 def capacity(ctx: StepContext) -> Capacity:

@@ -9,6 +9,7 @@ decides the same.
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ from agentq.errors import HeadlessInteraction
 from agentq.models import InteractionRequest, ToolCall, ToolResult
 from agentq.orchestrator.plan import CallPlan
 from agentq.state.interactions import Interactions, default_timeout_s
-from agentq.tools.results import denied_result
+from agentq.tools.results import denied_result, record_for
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -30,6 +31,8 @@ class GateOutcome:
     """call id -> Redis key of a password answer, handed to the tool by reference."""
     wait_until: float | None = None
     """The earliest timeout of a request still pending; None when every call is decided."""
+    answered: dict[str, ToolResult] = field(default_factory=dict)
+    """Calls the user answered themselves (`input`): the answer is the result."""
 
 
 def _prompt(p: CallPlan) -> str:
@@ -42,6 +45,20 @@ def _prompt(p: CallPlan) -> str:
 def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
     timeout_s = p.approval_timeout_s or default_timeout_s(p.approval_kind, ctx.settings)
     assert timeout_s is not None  # checked when the tool was declared
+    if p.approval_kind == "input":
+        # A question: its prompt, schema and headless answer are the call's arguments.
+        default_answer = p.arguments.get("default")
+        return InteractionRequest(
+            request_id=k.approval_request_id(p.call.id),
+            kind="input",
+            call_id=p.call.id,
+            tool=p.call.name,
+            prompt=str(p.arguments.get("question") or ""),
+            timeout_ms=int(timeout_s * 1000),
+            default=None if default_answer is None else "approve",
+            answer_schema=p.arguments.get("answer_schema"),
+            default_answer=default_answer,
+        )
     return InteractionRequest(
         request_id=k.approval_request_id(p.call.id),
         kind=p.approval_kind,
@@ -53,8 +70,22 @@ def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
     )
 
 
-def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
-    """Decide what can be decided now about the calls that need a decision."""
+def _answer(ctx: StepContext, call: ToolCall, rid: str, req: InteractionRequest) -> ToolResult:
+    """An answered or defaulted question's result: the answer, as JSON."""
+    raw = ctx.store.redis.get(k.secret_key(ctx.turn_id, rid))
+    content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="ok",
+        content=content,
+        record=record_for(call, "ok", started_at=req.created_at),
+    )
+
+
+def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) -> GateOutcome:
+    """Decide what can be decided now about the calls that need a decision; a call in
+    `settled` is not asked about, though a request it already has runs its course."""
     out = GateOutcome()
     interactions: Interactions | None = None  # most steps ask nobody: no scripts to load
     for p in plans:
@@ -67,7 +98,12 @@ def gate(ctx: StepContext, plans: list[CallPlan]) -> GateOutcome:
         if interactions is None:
             interactions = Interactions(ctx.store)
         rid = k.approval_request_id(call.id)
-        state, req = interactions.get(ctx.turn_id, rid) or _ask(ctx, interactions, p, rid)
+        found = interactions.get(ctx.turn_id, rid)
+        if found is None:
+            if call.id in settled:
+                continue
+            found = _ask(ctx, interactions, p, rid)
+        state, req = found
         if state == "pending":
             deadline = req.created_at + req.timeout_ms / 1000
             if ctx.now < deadline:
@@ -130,8 +166,15 @@ def _decide(
     state: str,
     req: InteractionRequest,
 ) -> None:
-    """What a closed request means for its call: run it (with a password's secret), or deny it."""
-    if state == "answered":
+    """What a closed request means for its call: run it (with a password's secret), take
+    the user's answer as its result (`input`), or deny it."""
+    if req.kind == "input" and state in ("answered", "defaulted"):
+        # Defaulted only when it declares an answer (a headless turn without one fails).
+        if state == "defaulted" or interactions.decision(ctx.turn_id, rid) == "approve":
+            out.answered[call.id] = _answer(ctx, call, rid, req)
+        else:
+            out.denied[call.id] = denied_result(call, "user")  # declined to answer
+    elif state == "answered":
         if interactions.decision(ctx.turn_id, rid) != "approve":
             out.denied[call.id] = denied_result(call, "user")
         elif req.kind == "password":

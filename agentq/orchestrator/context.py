@@ -192,6 +192,7 @@ class StepContext:
             event_fields,
             token=self.token,
             append=[*staged_append, *(append or [])],
+            hands_off=bool(self.state.get("conversation_id")),
             **fields,
         )
         if won is Closed.LOST:

@@ -2,13 +2,17 @@
 step, messages that join it at a round, its exchange appended at its end.
 
 One turn of a conversation runs at a time, fleet-wide (`state.conversations`). A turn is
-stored first and admitted second, so the turn that holds a conversation always exists: a
-holder whose state is gone or ended (its step died between its end and its hand-off) is
-released on its behalf by whichever turn waits behind it, at that turn's next look.
+stored first and admitted second, so the turn that holds a conversation always exists. A
+turn's end and its hand-off are two writes (their keys are in different cluster slots):
+the end leaves the turn's wakeup due at a backstop, which the hand-off takes away, so a
+step that died in between is followed by one that hands off for it; a turn queued behind
+it does so sooner, at its next look. Readers are shown the hand-off's outcome (`shown`)
+and write nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -16,13 +20,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.errors import BrokerUnavailable, ConversationBusy, ConversationNotFound
+from agentq.errors import (
+    BrokerUnavailable,
+    ConversationBusy,
+    ConversationNotFound,
+    ReplayRefused,
+)
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.state.conversations import (
     Admit,
     Admitted,
     Conversations,
+    ConversationView,
+    InPlace,
     Multitask,
     Release,
     ReleaseArgs,
@@ -117,6 +128,39 @@ def admit(
     return admitted
 
 
+class ConversationMovedOn(ReplayRefused):
+    """A retry was to go on in its source's conversation, but the source is no longer that
+    conversation's last turn, or another turn holds or waits for it: the retry branches
+    instead, so this never reaches a caller."""
+
+    code = "conversation_moved_on"
+    status_code = 409
+
+    def __init__(self, turn_id: str, conversation_id: str) -> None:
+        super().__init__(turn_id, f"turn {turn_id} is no longer the last of {conversation_id}")
+        self.conversation_id = conversation_id
+
+
+def admit_in_place(
+    store: TurnStore, app: Celery, conversation_id: str, turn_id: str, source_id: str
+) -> bool:
+    """Let a stored retry hold its source's conversation to replace the source's exchange
+    (True), if the source is still the conversation's last turn and no other turn holds or
+    waits for it; decided in one script, so no turn gets in between."""
+    convs = conversations(store)
+    for _ in range(2):
+        outcome, running = convs.admit_in_place(conversation_id, turn_id, source_id)
+        if outcome is InPlace.RUN:
+            return True
+        if outcome is InPlace.GONE or running is None or _alive(store, running):
+            return False
+        # The turn that holds it has ended (the source itself, say, its hand-off under
+        # way): hand off for it, then look once more.
+        if release_for(store, app, conversation_id, running) is not None:
+            return False
+    return False
+
+
 def forget(store: TurnStore, turn_id: str) -> None:
     """Remove a turn stored for a request that was then refused."""
     pipe = store.redis.pipeline(transaction=False)
@@ -130,18 +174,17 @@ def _abort(store: TurnStore, app: Celery, turn_id: str, reason: str, abort: Abor
     if abort is not None:
         abort(turn_id, reason)
         return
-    store.flag_cancel(turn_id, reason)
-    if store.wake_here(turn_id):
-        _send(store, app, turn_id, model_first=False)
+    if store.flag_cancel(turn_id, reason)[0]:
+        _send(store, app, turn_id)
 
 
 def _alive(store: TurnStore, turn_id: str) -> bool:
     return store.status(turn_id) not in (None, *TERMINAL_STATUSES)
 
 
-def _send(store: TurnStore, app: Celery, turn_id: str, *, model_first: bool) -> None:
+def _send(store: TurnStore, app: Celery, turn_id: str) -> None:
     try:
-        send_step(app, turn_id, model_first=model_first)
+        send_step(app, turn_id)
     except BrokerUnavailable as exc:
         log.warning("%s; turn %s starts when the broker is back", exc, turn_id)
         store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
@@ -165,7 +208,9 @@ def take_turn(ctx: StepContext) -> float | None:
     own = list(state.get("pending_messages") or [])
     ctx.stage(
         append=[*prior, *own],
-        history_start=len(prior),
+        # A branch (a retry or fork in a new conversation) brings its source's earlier
+        # messages among its own: its exchange starts where its source's did.
+        history_start=len(prior) + int(state.get("history_start") or 0),
         conversation_base_len=len(prior),
         conversation_waiting=False,
         pending_messages=None,
@@ -215,9 +260,15 @@ def _end_injected(store: TurnStore, turn_id: str, into: str) -> None:
 def exchange_of(state: TurnState, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What a turn adds to its conversation: its own messages and what followed them."""
     if state.get("conversation_waiting"):
-        # Ended before it read the history (aborted as it was handed the conversation).
-        return list(state.get("pending_messages") or [])
-    return history[int(state.get("history_start") or 0) :]
+        # Ended before it read the history (aborted as it was handed the conversation). A
+        # retry in place adds nothing then: the exchange it was to replace stays.
+        if state.get("conversation_replaces"):
+            return []
+        # Its history holds only what its end wrote: the results of the calls its pending
+        # messages left open (a retry's branch), settled by the abort.
+        return [*(state.get("pending_messages") or []), *history]
+    base = state.get("conversation_base_len")
+    return history[int(base if base is not None else state.get("history_start") or 0) :]
 
 
 def hand_off(
@@ -252,8 +303,37 @@ def hand_off(
     for tid in gone:
         _end_injected(store, tid, turn_id)
     if nxt is not None:
-        _send(store, app, nxt, model_first=True)
+        _send(store, app, nxt)
+    # Handed on: the backstop its end left in the wakeups goes (due, it finds nothing to do).
+    store.redis.zrem(k.turn_wakeups_key(turn_id), turn_id)
     return outcome, nxt
+
+
+def shown(store: TurnStore, view: ConversationView) -> ConversationView:
+    """The conversation as a reader should see it: once its running turn's end is written
+    (and `turn_finished` sent), as that turn's hand-off leaves it, though the hand-off, a
+    second write, may not be done yet. A read writes nothing."""
+    running = view.running_turn_id
+    # Its status first: the whole state is read only for a turn that has ended.
+    if not running or store.status(running) not in TERMINAL_STATUSES:
+        return view
+    snap = store.snapshot(running)
+    if snap is None:
+        return view
+    state = snap.state
+    kept = [] if state.get("abort_reason") == "rollback" else exchange_of(state, snap.history)
+    before = view.messages
+    if kept and state.get("conversation_replaces"):
+        # A retry in place: its exchange replaces its source's, the history's tail.
+        before = before[: int(state.get("conversation_base_len") or 0)]
+    gone = set(state.get("injected_turns") or [])
+    queue = [t for t in view.queued if t not in gone and t != running]
+    return dataclasses.replace(
+        view,
+        running_turn_id=queue[0] if queue else None,
+        queued=queue[1:],
+        messages=[*before, *kept],
+    )
 
 
 def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: str) -> str | None:
@@ -273,17 +353,20 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
     args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), conversation_id, False, [], [])
     _, nxt = conversations(store).release(conversation_id, args)
     if nxt is not None:
-        _send(store, app, nxt, model_first=True)
+        _send(store, app, nxt)
     return nxt
 
 
 __all__ = [
     "WAITING_RECHECK_S",
+    "ConversationMovedOn",
     "admit",
+    "admit_in_place",
     "conversations",
     "exchange_of",
     "hand_off",
     "release_for",
+    "shown",
     "take_injected",
     "take_turn",
 ]

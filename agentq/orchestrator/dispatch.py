@@ -17,7 +17,7 @@ from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
 from agentq.orchestrator.plan import CallPlan, batches
 from agentq.orchestrator.settle import settle_in_step
-from agentq.tools.results import lost_result
+from agentq.tools.results import lost_result, waitpoint_timeout
 from agentq.tools.timing import lost_deadline
 
 if TYPE_CHECKING:
@@ -84,6 +84,9 @@ def send(
     }
     ctx.dispatched.update(records)
     ctx.new_calls += sum(1 for r in records.values() if int(r.get("sends", 1)) == 1)
+    # Reported before the calls go: a call that settles at once takes the step that sends
+    # the next round, whose own report must come after this one on the parent's stream.
+    subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
     ctx.release(next_at)
     sent: set[str] = set()
     try:
@@ -111,7 +114,6 @@ def send(
         if ctx.relock():
             ctx.store.unrecord(ctx.turn_id, unsent)
         raise
-    subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
 
 
 def advance_calls(
@@ -189,9 +191,17 @@ def _settle_overdue(
     PICKUP_LEASES: their step may have died before it sent them)."""
     if not waiting:
         return None, {}
-    starts, dispatched = ctx.store.starts_and_dispatches(ctx.turn_id)
+    starts, dispatched, waits = ctx.store.call_progress(ctx.turn_id)
     pickup_s = PICKUP_LEASES * ctx.settings.turn_lease_s
     next_at = _Earliest()
+    # A call waiting on its waitpoint holds no worker: only its deadline settles it here.
+    for p in [p for p in waiting if p.call.id in waits]:
+        wp = waits[p.call.id]
+        if ctx.now * 1000 >= wp["deadline_ms"]:
+            settled[p.call.id] = settle_in_step(ctx, waitpoint_timeout(p.call, wp))[0]
+        else:
+            next_at.add(wp["deadline_ms"] / 1000)
+    waiting = [p for p in waiting if p.call.id not in waits]
     dead = _dead_workers(ctx, waiting, starts, next_at)
     again: dict[str, dict[str, Any]] = {}
     for p in waiting:

@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.agents import all_agents
-from agentq.errors import ConversationNotFound, HeadlessInteraction
+from agentq.errors import AgentqError, ConversationNotFound, HeadlessInteraction
 from agentq.models import TERMINAL_STATUSES, AssistantMessage, ToolCall, TurnStatus
 from agentq.orchestrator import admission, conversation, spend, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
@@ -79,7 +79,8 @@ from agentq.orchestrator.plan import (
 from agentq.orchestrator.settle import settle_in_step
 from agentq.state.base import RoundRead
 from agentq.state.turn_state import TurnState
-from agentq.tools.results import cancelled_result, denied_result, error_result
+from agentq.tools.registry import get_tool
+from agentq.tools.results import cancelled_result, denied_result, error_result, lost_result
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -142,12 +143,15 @@ def _begin(ctx: StepContext) -> Phase:
             return None
         if wait is not None:
             return wait
-    started = {
+    started: dict[str, object] = {
         "conversation_id": ctx.state.get("conversation_id"),
         "headless": ctx.headless,
         "agent": ctx.state.get("agent"),
         "parent_turn_id": ctx.state.get("parent_turn_id"),
     }
+    for name in ("retry_of", "fork_of", "from_round"):
+        if ctx.state.get(name):
+            started[name] = ctx.state.get(name)
     # Written with the step's first write (the model round's send, the round's plans),
     # which comes before anything that acts on it: one write fewer per turn.
     ctx.stage(
@@ -156,11 +160,38 @@ def _begin(ctx: StepContext) -> Phase:
         started_at=ctx.now,
         phase="model",
     )
+    if ctx.state.get("retry_of"):
+        # A retry's round came with its settled calls (read with the view, as its
+        # `round_calls` names them); the ones the source lost are decided now.
+        _settle_replay_lost(ctx)
+        return GO_ON
     # Nothing of a turn's calls is stored before its first step: the calls it came
     # with (if any) are read as they are, without a round trip.
     ids = tuple(c.id for c in pending_calls(ctx.history))
     ctx.round_read = RoundRead.untouched(ids) if ids else None
     return GO_ON
+
+
+def _settle_replay_lost(ctx: StepContext) -> None:
+    """A retry's calls that ran in its source without a result: an idempotent tool's (or
+    every one, with `rerun_lost`) run again; any other settles lost again, unrun."""
+    lost = set(ctx.state.get("replay_lost") or [])
+    if not lost or ctx.state.get("rerun_lost"):
+        return
+    source = ctx.state.get("retry_of")
+    for call in pending_calls(ctx.history):
+        if call.id not in lost or _idempotent(call.name):
+            continue
+        why = f"it ran in turn {source}, which ended before its result came"
+        settle_in_step(ctx, lost_result(call, why), tracked=False)
+        ctx.round_read = None  # read again: this result is not in the view's
+
+
+def _idempotent(name: str) -> bool:
+    try:
+        return get_tool(name).policy.idempotent
+    except AgentqError:  # an agent called as a tool, or a tool no longer loaded
+        return False
 
 
 def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
@@ -281,13 +312,17 @@ def _tools(
         ctx.turn_id, ids, read=ctx.take_round_read()
     )
     plans = _plans(ctx, pending, raw_plans)
-    decided = gate(ctx, plans)
+    # A call with its result is never asked about (a retry's reused calls among them); a
+    # request of one still open is closed all the same, at its timeout.
+    decided = gate(ctx, plans, settled)
     for p in plans:
         cid = p.call.id
         if cid in settled:
             continue
         if p.refusal is not None:
             settled[cid], _ = settle_in_step(ctx, p.refused_result(), tracked=False)
+        elif cid in decided.answered:
+            settled[cid], _ = settle_in_step(ctx, decided.answered[cid], tracked=False)
         elif cid in decided.denied:
             settled[cid], won = settle_in_step(ctx, decided.denied[cid], tracked=False)
             if won:
@@ -345,15 +380,24 @@ def finish(
     )
 
 
+def _own_messages(ctx: StepContext) -> list[dict[str, Any]]:
+    """The messages whose open calls the turn's end settles: its history, or, for a turn
+    that never read its conversation, the messages it holds aside (a retry's branch may
+    leave calls open there)."""
+    if ctx.state.get("conversation_waiting"):
+        return list(ctx.state.get("pending_messages") or [])
+    return ctx.history
+
+
 def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     """End the turn with turn_error, every call of its round settled first."""
     admission.withdraw(ctx)
     spend.settle_left(ctx, admission.model_of(ctx))
     headless = code == "headless_interaction"
-    msgs = settle_pending(
+    msgs, ours = settle_pending(
         ctx.store,
         ctx.turn_id,
-        ctx.history,
+        _own_messages(ctx),
         lambda call, _: (
             denied_result(call, "policy")
             if headless
@@ -370,6 +414,7 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
         append=msgs,
         error=message,
         error_code=code,
+        end_settled=ours or None,
     )
 
 
@@ -391,10 +436,10 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
     revoked = revoke_unsettled(
         ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
     )
-    msgs = settle_pending(
+    msgs, ours = settle_pending(
         ctx.store,
         ctx.turn_id,
-        ctx.history,
+        _own_messages(ctx),
         lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
         ctx.state.get("traceparent"),
     )
@@ -406,4 +451,5 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
         settle_parent=subturns.parent_settlement(ctx, "aborted", error=reason),
         append=msgs,
         abort_reason=reason,
+        end_settled=ours or None,
     )

@@ -9,10 +9,7 @@ provider refused as busy goes back to admission.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -38,25 +35,6 @@ def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
         + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
         + 30
     )
-
-
-RoundSubmitter = Callable[[LlmRoundRequest, str], None]
-"""Claims a round and hands it to this process's event loop (a stream worker's
-`agentq.llm.task.submit_round`), given the round and its task id."""
-
-_here = threading.local()
-
-
-@contextlib.contextmanager
-def rounds_here(submit: RoundSubmitter) -> Iterator[None]:
-    """Within it, a round this thread's step sends goes to `submit` (a stream worker's
-    thread: the round is claimed and streamed here, as a delivered one is) instead of
-    through the broker to a stream worker."""
-    _here.submit = submit
-    try:
-        yield
-    finally:
-        _here.submit = None
 
 
 BUSY_CODE = "EBUSY"
@@ -107,15 +85,8 @@ def send_round(
         + (f".a{admissions}" if admissions > 1 else "")
     )
     if sends == 1 and attempt == 1:
-        # Before the round goes: a round streamed here (`submit`) can end, and its turn
-        # with it, while this thread still runs, and the parent's call would settle
-        # before the progress it shows.
         subturns.report_to_parent(ctx, f"model round {round_no + 1}")
-    submit: RoundSubmitter | None = getattr(_here, "submit", None)
-    if submit is not None:
-        submit(req, task_id)
-    else:
-        _publish_round(ctx, req, task_id, round_no, tools)
+    _publish_round(ctx, req, task_id, round_no, tools)
 
 
 def _round_request(
@@ -133,7 +104,8 @@ def _round_request(
         idle_timeout_ms=s.stream_idle_timeout_ms,
         # The model the round was admitted for: its limits and its call are one model's.
         model=admission.model_of(ctx),
-        instructions="" if agent is None else agent.system_message(),
+        instructions=ctx.state.get("instructions")
+        or ("" if agent is None else agent.system_message()),
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
@@ -142,6 +114,7 @@ def _round_request(
         max_completion_tokens=ctx.state.get("budget_cap"),
         prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
         key=ctx.state.get("owner"),
+        output_format=None if agent is None else agent.output_format(),
     )
     return req, len(offered)
 

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import AgentqError, ToolArgumentsInvalid
+from agentq.llm.reasoning import REASONING_ITEMS
 from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult, is_call_id
+from agentq.tools import ask_user
 from agentq.tools.registry import get_tool, parse_arguments
 from agentq.tools.results import error_result
 from agentq.tools.timing import Limits, effective_limits, split_meta
@@ -67,7 +69,8 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
         if call.name in agent.agent_tools:
             return _plan_subturn(call, agent.agent_tools[call.name], agent)
     try:
-        spec = get_tool(call.name)
+        asks = agent is not None and agent.ask_user and call.name == ask_user.NAME
+        spec = ask_user.SPEC if asks else get_tool(call.name)
         raw = parse_arguments(call.name, call.arguments)
         args, hint_s, problem = split_meta(raw)
         if problem:
@@ -76,6 +79,9 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
     except AgentqError as exc:
         return CallPlan(call=call, refusal=exc.message)
     pol = spec.policy
+    if asks:
+        # A question is always asked, whatever the agent says: no worker runs `ask_user`.
+        agent = None
     limits = effective_limits(
         timeout_s=pol.timeout_s,
         soft_timeout_s=pol.soft_timeout_s,
@@ -83,6 +89,7 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
         max_timeout_s=pol.max_timeout_s,
         hint_s=hint_s,
     )
+    approval = pol.approval if agent is None else agent.approval.get(call.name, pol.approval)
     return CallPlan(
         call=call,
         task_name=spec.task_name,
@@ -92,7 +99,7 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
         timeout_s=limits.timeout_s,
         soft_timeout_s=limits.soft_timeout_s,
         budget_s=limits.budget_s,
-        approval=pol.approval if agent is None else agent.approval.get(call.name, pol.approval),
+        approval=approval,
         approval_kind=pol.approval_kind,
         approval_timeout_s=pol.approval_timeout_s,
         approval_default=pol.approval_default or (agent.approval_default if agent else None),
@@ -179,12 +186,15 @@ def limit_checks(
 def history_form(
     msg: AssistantMessage, max_arguments_bytes: int
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The assistant message as kept in history, and the calls refused for their size.
+    """The assistant message as kept in history (with its Responses reasoning items), and
+    the calls refused for their size.
 
     Oversized arguments are replaced: the call is refused anyway, and keeping megabytes
     of arguments would send them back to the model with every later round.
     """
     out = msg.to_openai()
+    if msg.reasoning_items:
+        out[REASONING_ITEMS] = list(msg.reasoning_items)
     refused: dict[str, str] = {}
     for call, kept in zip(msg.tool_calls, out.get("tool_calls") or [], strict=True):
         why = oversize_refusal(call, max_arguments_bytes)

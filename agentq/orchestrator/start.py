@@ -12,6 +12,7 @@ import logging
 import math
 import secrets
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from agentq.agents import published_agent_details, require_known
@@ -114,12 +115,94 @@ def _start(
     if webhook_url:
         check_for_turn(webhook_url, settings)
     require_known(store.redis, req.agent)
-    _check_budgets(store, settings, req, owner, size)
+    check_budgets(store, settings, req, owner, size)
     if req.conversation_id and size > settings.max_conversation_bytes:
         raise PayloadTooLarge(
             f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
         )
     token = secrets.token_urlsafe(32)
+    state, history = _new_state(req, new, owner, token, extra_state)
+    if webhook_url:
+        state["webhook_url"] = webhook_url
+    return launch(
+        store,
+        app,
+        settings,
+        req,
+        Launch(turn_id, token, state, history, size),
+        owner=owner,
+        any_owner=admin or operator,
+        traced=traced,
+        abort=abort,
+    )
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A new turn as it is stored: its id, its token, its state and history, and the size
+    of what it brings to its conversation."""
+
+    turn_id: str
+    token: str
+    state: TurnState
+    history: list[dict[str, object]]
+    size: int
+    records: dict[str, str] = field(default_factory=dict)
+    """Call records it starts with (a retry's or fork's settled calls), by field."""
+
+
+def launch(
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+    req: TurnRequest,
+    new: Launch,
+    *,
+    owner: str | None,
+    any_owner: bool,
+    traced: bool,
+    abort: Aborter | None,
+    in_place_of: str | None = None,
+) -> TurnHandle:
+    """Store a checked turn (one write), admit it to `req.conversation_id` if any, send its
+    first step: every turn's start, a request's, a retry's or a fork's. `in_place_of`: a
+    retry that replaces that turn's exchange in the conversation, or, if that turn is no
+    longer the conversation's last, is removed again (ConversationMovedOn)."""
+    turn_id, token, state = new.turn_id, new.token, new.state
+    if state.get("webhook_url"):
+        # Before the turn exists: whatever happens to the step that ends it, a sweep
+        # finds the turn here and queues its delivery.
+        deliveries(store, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
+    if traced:
+        state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
+    store.create(turn_id, state, new.history, new.records)
+    handle: dict[str, object] = {}
+    if req.conversation_id and in_place_of:
+        cid = req.conversation_id
+        if not conversation.admit_in_place(store, app, cid, turn_id, in_place_of):
+            conversation.forget(store, turn_id)
+            raise conversation.ConversationMovedOn(in_place_of, cid)
+    elif req.conversation_id:
+        handle, done = _admit(store, app, settings, req, turn_id, new.size, owner, any_owner, abort)
+        if done:
+            return _handle(turn_id, token, handle)
+    try:
+        send_step(app, turn_id)
+    except BrokerUnavailable as exc:
+        # The turn is stored: a turn worker's sweep starts it once the broker is back.
+        log.warning("%s; the turn starts when the broker is back", exc)
+        store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
+    return _handle(turn_id, token, handle)
+
+
+def _new_state(
+    req: TurnRequest,
+    new: list[dict[str, object]],
+    owner: str | None,
+    token: str,
+    extra_state: TurnState | None,
+) -> tuple[TurnState, list[dict[str, object]]]:
+    """A new turn's state and history."""
     state: TurnState = {
         "status": "queued",
         "created_at": time.time(),
@@ -148,57 +231,55 @@ def _start(
         if req.multitask:
             state["multitask"] = req.multitask
         history = []
-    if webhook_url:
-        state["webhook_url"] = webhook_url
-        # Before the turn exists: whatever happens to the step that ends it, a sweep
-        # finds the turn here and queues its delivery.
-        deliveries(store, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
-    if traced:
-        state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
-    store.create(turn_id, state, history)
+    return state, history
+
+
+def _admit(
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+    req: TurnRequest,
+    turn_id: str,
+    size: int,
+    owner: str | None,
+    any_owner: bool,
+    abort: Aborter | None,
+) -> tuple[dict[str, object], bool]:
+    """Admit a stored turn to its conversation: the handle's fields, and whether the caller
+    is done (its first step sent already, or it waits behind another turn)."""
+    assert req.conversation_id is not None
     handle: dict[str, object] = {}
-    if req.conversation_id:
-        new_token = None if owner else secrets.token_urlsafe(32)
-        admitted = conversation.admit(
-            store,
-            app,
-            req.conversation_id,
-            turn_id,
-            Multitask(req.multitask or "enqueue"),
-            new_bytes=size,
-            max_bytes=settings.max_conversation_bytes,
-            claim=conversation.claim_of(owner, new_token),
-            may=held_bindings(owner, req.conversation_token),
-            any_owner=admin or operator,
-            abort=abort,
-        )
-        if admitted.created:
-            handle["conversation_token"] = new_token
-        if admitted.step_sent:
-            return _handle(turn_id, token, handle)
-        if admitted.outcome is not Admit.RUN:
-            # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
-            # perhaps already: said only while the turn has not started.
-            fields = {"position": admitted.position, "behind": admitted.behind}
-            store.bus.publish_while_queued(turn_id, "turn_queued", **fields)
-            if admitted.outcome is Admit.INJECTED:
-                handle.update(
-                    injected=True, message_turn_id=turn_id, events_url_of=admitted.running
-                )
-            handle.update(queued=True, **fields)
-            return _handle(turn_id, token, handle)
-    try:
-        # Every call in the messages has its result (check_messages): the first step
-        # sends a model round, so a stream worker takes it.
-        send_step(app, turn_id, model_first=True)
-    except BrokerUnavailable as exc:
-        # The turn is stored: a turn worker's sweep starts it once the broker is back.
-        log.warning("%s; the turn starts when the broker is back", exc)
-        store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
-    return _handle(turn_id, token, handle)
+    new_token = None if owner else secrets.token_urlsafe(32)
+    admitted = conversation.admit(
+        store,
+        app,
+        req.conversation_id,
+        turn_id,
+        Multitask(req.multitask or "enqueue"),
+        new_bytes=size,
+        max_bytes=settings.max_conversation_bytes,
+        claim=conversation.claim_of(owner, new_token),
+        may=held_bindings(owner, req.conversation_token),
+        any_owner=any_owner,
+        abort=abort,
+    )
+    if admitted.created:
+        handle["conversation_token"] = new_token
+    if admitted.step_sent:
+        return handle, True
+    if admitted.outcome is not Admit.RUN:
+        # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
+        # perhaps already: said only while the turn has not started.
+        fields = {"position": admitted.position, "behind": admitted.behind}
+        store.bus.publish_while_queued(turn_id, "turn_queued", **fields)
+        if admitted.outcome is Admit.INJECTED:
+            handle.update(injected=True, message_turn_id=turn_id, events_url_of=admitted.running)
+        handle.update(queued=True, **fields)
+        return handle, True
+    return handle, False
 
 
-def _check_budgets(
+def check_budgets(
     store: TurnStore, settings: Settings, req: TurnRequest, owner: str | None, size: int
 ) -> None:
     """Refuse a `max_cost_usd` agentq cannot keep (a model without a price: BudgetInvalid),

@@ -31,10 +31,11 @@ from agentq.errors import (
     StepLost,
 )
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
+from agentq.models import TERMINAL_STATUSES
+from agentq.orchestrator.abort import next_kill_at, send_due_kills
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
 from agentq.orchestrator.machine import advance, fail, fail_headless
-from agentq.orchestrator.model_round import RoundSubmitter, rounds_here
 from agentq.state.base import StepView, text
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
@@ -62,16 +63,12 @@ PRUNE_BATCH = 500
 
 def run_step(turn_id: str, *, store: TurnStore, app: Celery, settings: Settings) -> StepOutcome:
     """Advance one turn as far as it goes now; "busy" if another step holds it."""
-    started = time.perf_counter()
-    try:
-        token = secrets.token_hex(8)
-        ttl_ms = int(settings.step_lock_s * 1000)
-        view = store.begin_step(turn_id, token, ttl_ms)
-        if view is None:
-            return "busy"
-        return _step(turn_id, view, token, ttl_ms, store, app, settings)
-    finally:
-        fleet_counts.step(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
+    token = secrets.token_hex(8)
+    ttl_ms = int(settings.step_lock_s * 1000)
+    view = store.begin_step(turn_id, token, ttl_ms)
+    if view is None:
+        return "busy"
+    return take_step(turn_id, view, token, ttl_ms, store=store, app=app, settings=settings)
 
 
 def take_step(
@@ -84,7 +81,7 @@ def take_step(
     app: Celery,
     settings: Settings,
 ) -> StepOutcome:
-    """`run_step` for a step whose lock and view the write that woke the turn already took."""
+    """`run_step` for a step whose lock and view are taken (by the write that woke it)."""
     started = time.perf_counter()
     try:
         return _step(turn_id, view, token, ttl_ms, store, app, settings)
@@ -184,6 +181,10 @@ def _steps(
                 # by an ended turn, which the turn queued behind it releases.
                 hand_off(store, app, turn_id, ctx.state, ctx.history)
             return "ended"  # the write that ended the turn let go of the lock
+        if ctx.state.get("status") in TERMINAL_STATUSES and ctx.state.get("conversation_id"):
+            # Woken by the backstop its end left: the step that ended it died before it
+            # handed its conversation on (done already, this changes nothing).
+            hand_off(store, app, turn_id, ctx.state, ctx.history)
         if ctx.released is None:  # else it let go before its last act
             try:
                 ctx.release(next_at)
@@ -285,6 +286,7 @@ class Sweeper:
                     break
                 woke += 1
         r = self.store.redis
+        send_due_kills(r, self.app, now)
         for raw in r.zrangebyscore(k.WORKERS, "-inf", now - k.WORKER_ALIVE_TTL_S):
             host = text(raw)
             if not r.zrem(k.WORKERS, host):
@@ -324,7 +326,14 @@ class Sweeper:
         """How long to wait before the next pass: the interval, or less when a wakeup
         comes due sooner (a queued model round's slot, mostly: its turn asks for it at
         that moment, not up to an interval late, when the slot may have passed unused)."""
-        due = self.store.next_wakeup_at(now)
+        due = min(
+            (
+                t
+                for t in (self.store.next_wakeup_at(now), next_kill_at(self.store.redis))
+                if t is not None
+            ),
+            default=None,
+        )
         if due is None:
             return self.interval_s
         return min(self.interval_s, max(due - now, MIN_SWEEP_WAIT_S))
@@ -340,11 +349,8 @@ class Sweeper:
                 log.warning("wakeup sweep failed", exc_info=True)
 
 
-def register_step_task(
-    app: Celery, store_of: Any, settings_of: Any, submit_round: RoundSubmitter
-) -> None:
-    """The step tasks: `agentq.turn.step` for turn workers, and `agentq.llm.start` for
-    stream workers, whose rounds go to `submit_round` (agentq.llm.task)."""
+def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:
+    """The step task, `agentq.turn.step`, which turn workers take."""
 
     # A step that fails on Redis is sent again by Celery; its wakeup is the backstop.
     options: dict[str, Any] = {
@@ -359,10 +365,3 @@ def register_step_task(
     @app.task(name=k.TASK_STEP, queue=k.QUEUE_TURNS, **options)
     def step_task(turn_id: str) -> StepOutcome:
         return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
-
-    # A new turn's first step, which sends a model round: a stream worker takes it and
-    # streams that round itself, as if it had been delivered (one delivery, not two).
-    @app.task(name=k.TASK_LLM_START, queue=k.QUEUE_LLM, **options)
-    def first_step_task(turn_id: str) -> StepOutcome:
-        with rounds_here(submit_round):
-            return run_step(turn_id, store=store_of(), app=app, settings=settings_of())

@@ -171,7 +171,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
     try:
-        send_step(ctx.app, child, model_first=True)
+        send_step(ctx.app, child)
     except BrokerUnavailable as exc:
         log.warning("%s; the child's wakeup sends it later", exc)
 
@@ -202,8 +202,8 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
 
 def abort_child(ctx: StepContext, child: str, reason: str) -> None:
     """Flag a child turn cancelled and wake it: its own step aborts it (and its children)."""
-    ctx.store.flag_cancel(child, reason)
-    ctx.store.wake(child)
+    if ctx.store.flag_cancel(child, reason)[0]:
+        ctx.store.send_step(child)
 
 
 def abort_children(ctx: StepContext, reason: str) -> None:

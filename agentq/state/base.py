@@ -225,6 +225,7 @@ def finished(result: ToolResult) -> dict[str, Any]:
         "error": result.error,
         "reason": result.reason,
         "truncated_bytes": result.truncated_bytes,
+        **({"waitpoint_id": rec.waitpoint_id} if rec.waitpoint_id else {}),
     }
 
 
@@ -336,7 +337,8 @@ class StoreBase:
                 self.wait_timeout_ms,
             )
 
-    def _send_step(self, turn_id: str) -> None:
+    def send_step(self, turn_id: str) -> None:
+        """Send the step of a turn a write woke (its wakeup in Redis is the backstop)."""
         if self.waker is not None:
             self.waker(turn_id)
 
@@ -365,7 +367,7 @@ class StoreBase:
                 self.stepper.run(turn_id, token, lock_ms, view)
             return int(code)
         if wake and not token:
-            self._send_step(turn_id)
+            self.send_step(turn_id)
         return int(answer)
 
     def end_lost_turn(self, turn_id: str) -> bool:

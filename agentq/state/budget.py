@@ -1,12 +1,11 @@
-"""Spend's pure decisions: what a round's tokens cost, how much completion the budgets
-left allow a round (the reservation's arithmetic, which `spend.RESERVE_LUA` does the same
-way in Lua, atomically), when a key's period ends, and whether a key is over its budget.
-Nothing here reads a clock or Redis: tests call it with numbers."""
+"""Spend's pure decisions: what a round's tokens cost, when a key's period ends, and
+whether a key is over its budget. (How much completion the budgets left allow a round is
+decided in one place, atomically: `spend.RESERVE_LUA`.) Nothing here reads a clock or
+Redis: tests call it with numbers."""
 
 from __future__ import annotations
 
 import datetime as dt
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -35,15 +34,6 @@ class Budget:
     spent: float
 
 
-@dataclass(frozen=True)
-class Cap:
-    """A reservation's decision: the completion the round may produce, or the budget that
-    refuses it (`cap` 0)."""
-
-    cap: int
-    exceeded: Budget | None = None
-
-
 def per_token(usd_per_million: float) -> float:
     return usd_per_million / TOKENS_PER_MILLION
 
@@ -59,31 +49,6 @@ def cost_usd(
     cached_price = price.input if price.cached_input is None else price.cached_input
     usd = (prompt - cached) * price.input + cached * cached_price + completion * price.output
     return usd / TOKENS_PER_MILLION
-
-
-def completion_cap(
-    budgets: list[Budget], prompt_tokens: int, want: int, price: ModelPrice | None
-) -> Cap:
-    """The completion tokens a round may produce: `want`, lowered to what each budget has
-    left once the prompt is paid for. A USD budget of a model without a price is not
-    counted (its tokens are). Below MIN_COMPLETION_TOKENS (or `want`, if less) the round is
-    refused, by the budget that left the least."""
-    cap, tightest = want, None
-    for b in budgets:
-        if b.unit == "tokens":
-            room = b.limit - b.spent - prompt_tokens
-        elif price is None:
-            continue
-        else:
-            room_usd = b.limit - b.spent - prompt_tokens * per_token(price.input)
-            out = per_token(price.output)
-            room = -1 if room_usd < 0 else (want if out <= 0 else room_usd / out)
-        room = math.floor(room)
-        if room < cap:
-            cap, tightest = room, b
-    if cap < min(want, MIN_COMPLETION_TOKENS):
-        return Cap(0, tightest)
-    return Cap(cap)
 
 
 def day_of(now: float) -> str:

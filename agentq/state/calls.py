@@ -39,6 +39,11 @@ class Settled(IntEnum):
     READY = 3
     """Stored, and it completed the batch in flight: the turn is woken (or its step was
     taken here, when the answer came with the step's view)."""
+    NOT_WAITING = -3
+    """A waitpoint's completion for a call that has no open waitpoint: nothing written."""
+    EXPIRED = -4
+    """A waitpoint's completion past its deadline: nothing written (the turn's step
+    settles the call `timeout`)."""
 
 
 class Started(IntEnum):
@@ -85,6 +90,8 @@ class SettleArgs(NamedTuple):
     """"1": the call was recorded as sent, so it counts in the batch in flight."""
     alone: str
     """"1": the call was its batch's only one when it started."""
+    waitpoint: str
+    """"1": a waitpoint's completion: stored only while the call's waitpoint is open."""
 
 
 # SETTLE_LUA: store the result under its call id (first writer wins), wake the turn and
@@ -98,10 +105,16 @@ SETTLE_LUA = (
         "turn_key",
         f"{Settled.TURN_GONE:d}",
         whole="alone == '1' and token ~= ''",
-        extra=(f"'{k.SETTLED}' .. call_id",),
+        extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"),
     )
     + f"""
 if more[1] then return {Settled.LOST:d} end
+if waitpoint == '1' then
+  if not more[2] then return {Settled.NOT_WAITING:d} end
+  if tonumber(now_ms) >= tonumber(cjson.decode(more[2])['deadline_ms']) then
+    return {Settled.EXPIRED:d}
+  end
+end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
 -- call recorded as sent (every call a worker settles, since calls are recorded before
@@ -290,17 +303,26 @@ class CallRecords(StoreBase):
         self, turn_id: str
     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         """`starts` and `dispatches`, from one read of the turn."""
-        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0])
-        return _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
+        starts, dispatched, _ = self.call_progress(turn_id)
+        return starts, dispatched
 
-    def running_tasks(self, turn_id: str) -> dict[str, str | None]:
-        """Task id -> worker of each call that started and has no result yet, in one read."""
-        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.SETTLED[0])
-        done = set(call_fields(raw, k.SETTLED))
+    def call_progress(
+        self, turn_id: str
+    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+        """The starts, dispatch records and open waitpoints of the turn's calls, from one read."""
+        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.WAITING[0])
+        return _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED), _decoded(raw, k.WAITING)
+
+    def running_tasks(self, turn_id: str) -> dict[str, dict[str, Any]]:
+        """Task id -> start record (`worker`, `pid`) of each call that started and has no
+        result yet, in one read."""
+        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.SETTLED[0] + k.WAITING[0])
+        # A waiting call's task has ended: nothing of it runs to stop.
+        done = set(call_fields(raw, k.SETTLED)) | set(call_fields(raw, k.WAITING))
         starts, records = _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
         # Agent calls have no task: their child turns are aborted instead.
         return {
-            d["task_id"]: starts[cid].get("worker")
+            d["task_id"]: starts[cid]
             for cid, d in records.items()
             if cid not in done and cid in starts and d.get("task_id")
         }
@@ -383,6 +405,21 @@ class CallRecords(StoreBase):
         (`mark_started` answered 3), so this settle most likely takes the turn's step and
         reads its whole state at once; a wrong guess costs a larger read, nothing else.
         """
+        code = self.settle_code(turn_id, result, wake=wake, tracked=tracked, alone=alone)
+        return code in (Settled.WON, Settled.READY)
+
+    def settle_code(
+        self,
+        turn_id: str,
+        result: ToolResult,
+        *,
+        wake: bool = True,
+        tracked: bool = True,
+        alone: bool = False,
+        waitpoint: bool = False,
+    ) -> Settled:
+        """`settle`, answering what it found; `waitpoint`: a waitpoint's completion, stored
+        only while the call's waitpoint is open (else NOT_WAITING or EXPIRED)."""
         result_json = result.model_dump_json()
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
@@ -405,16 +442,16 @@ class CallRecords(StoreBase):
             lock_ms,
             "1" if tracked else "0",
             "1" if alone else "0",
+            "1" if waitpoint else "0",
         )
         answer = self._durable(self._settle, keys=list(keys), args=list(args))
         ready = answer == Settled.READY
         got = Settled(self._woke(turn_id, answer, token, lock_ms, wake=ready and wake))
         if got is Settled.TURN_GONE:
             self.end_lost_turn(turn_id)
-        won = got in (Settled.WON, Settled.READY)
-        if won:
+        if got in (Settled.WON, Settled.READY):
             self.bus.counted([("tool_finished", event)])
-        return won
+        return got
 
     def result(self, turn_id: str, call_id: str) -> ToolResult | None:
         raw = self.redis.hget(k.turn_key(turn_id), k.SETTLED + call_id)

@@ -5,17 +5,20 @@ below runs on one slot:
 
 - ``owner``: who may continue it (sha256 of its owner's key name, or of a conversation
   token returned to the creator once); to anyone else it is unknown.
-- ``history``: a list of its messages. Turns only ever append to it (RPUSH), each its own
-  exchange, at its end; nothing replaces it.
+- ``history``: a list of its messages. Turns append to it (RPUSH), each its own exchange,
+  at its end; only a retry of the last turn replaces that turn's exchange with its own
+  (`admit_in_place`).
 - ``meta``: a hash: ``running`` (the one turn that holds the conversation), ``rollback``
   (a running turn whose exchange is to be dropped), ``bytes``, ``updated_at``,
-  ``conflicts`` (appends that found the history changed under them: never expected).
+  ``conflicts`` (appends that found the history changed under them: never expected), and
+  where the last turn's exchange lies (`agentq.state.conversation_lua`).
 - ``queue``: the turns waiting for it, in the order they run.
 - ``inject``: the queued turns whose message may join the running turn instead.
 
 A turn is admitted (`admit`) when its conversation is idle, else follows its request's
 `Multitask`; at its end it commits its exchange and hands the conversation to the next
-queued turn in one step (`release`). A conversation whose binding expired is gone.
+queued turn in one step (`release`). A conversation whose binding expired is gone. The
+scripts are in `agentq.state.conversation_lua`.
 """
 
 from __future__ import annotations
@@ -24,54 +27,32 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from enum import Enum, IntEnum
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 from redis.cluster import RedisCluster
 
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
-from agentq.events.bus import ended_lua
-from agentq.events.lua_args import TurnKey, argv_of, bind_lua
-
-
-class Multitask(str, Enum):
-    """What a message to a conversation whose turn still runs does."""
-
-    ENQUEUE = "enqueue"
-    REJECT = "reject"
-    INTERRUPT = "interrupt"
-    ROLLBACK = "rollback"
-    INJECT = "inject"
-
-
-class Admit(IntEnum):
-    """ADMIT's answer."""
-
-    NOT_FOUND = 0
-    TOO_LARGE = 1
-    RUN = 2
-    BUSY = 3
-    QUEUED = 4
-    INJECTED = 5
-    INTERRUPTED = 6
-
-
-class Release(IntEnum):
-    """RELEASE's answer: what became of the turn's exchange."""
-
-    LEFT = 0
-    """The turn did not hold the conversation: it left the queue (aborted while queued, or
-    its message joined the running turn), or the conversation is gone."""
-    COMMITTED = 1
-    DROPPED = 2
-    """Rolled back: its exchange is not kept."""
-    CONFLICT = 3
-    """Appended, but the history had changed since the turn read it (never expected)."""
-
-
-_MODE = {m: i for i, m in enumerate(Multitask)}
+from agentq.state.conversation_lua import (
+    ADMIT_LUA,
+    DELETE_LUA,
+    IN_PLACE_LUA,
+    INJECTABLE_LUA,
+    MODES,
+    NOTE_INJECTED_LUA,
+    RELEASE_LUA,
+    TAKE_LUA,
+    Admit,
+    AdmitArgs,
+    ConversationKeys,
+    InPlace,
+    InPlaceArgs,
+    Multitask,
+    Release,
+    ReleaseArgs,
+    Take,
+)
 
 
 def binding(kind: str, value: str) -> str:
@@ -86,257 +67,6 @@ def held_bindings(owner: str | None, token: str | None) -> tuple[str, ...]:
     if token:
         held.append(binding("secret", token))
     return tuple(held)
-
-
-class ConversationKeys(NamedTuple):
-    owner_key: str
-    meta_key: str
-    history_key: str
-    queue_key: str
-    inject_key: str
-
-    @classmethod
-    def of(cls, conversation_id: str) -> ConversationKeys:
-        return cls(
-            k.conversation_owner_key(conversation_id),
-            k.conversation_meta_key(conversation_id),
-            k.conversation_key(conversation_id),
-            k.conversation_queue_key(conversation_id),
-            k.conversation_inject_key(conversation_id),
-        )
-
-
-_SCRIPT_KEYS = (*ConversationKeys._fields, "index_key")
-"""A script's KEYS: the conversation's, and on one Redis (not a Cluster, where it is on
-another slot) the listing's index, which the writes note the conversation's change in."""
-_KEEP = "for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl_s) end\n"
-_INDEX = "if index_key then redis.call('ZADD', index_key, now, conversation_id) end\n"
-
-
-class AdmitArgs(NamedTuple):
-    turn_id: str
-    claim: str
-    """The binding a conversation created now gets."""
-    may: str
-    """A binding the caller holds ('' for none)."""
-    may_too: str
-    any_owner: int
-    """1: an admin or operator, who may continue any conversation."""
-    mode: int
-    ttl_s: int
-    now: float
-    new_bytes: int
-    max_bytes: int
-    conversation_id: str
-
-
-# KEYS: ConversationKeys; ARGV: AdmitArgs. Returns {Admit, ...}: NOT_FOUND; TOO_LARGE, size;
-# RUN, created; BUSY, running; QUEUED|INJECTED|INTERRUPTED, created, running,
-# position, behind.
-ADMIT_LUA = (
-    bind_lua(_SCRIPT_KEYS, AdmitArgs)
-    + f"""mode = tonumber(mode)
-local created = 0
-if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl_s) then
-  -- Whatever outlived an expired binding is not this caller's to read.
-  redis.call('DEL', meta_key, history_key, queue_key, inject_key)
-  created = 1
-else
-  local bound = redis.call('GET', owner_key)
-  if any_owner ~= '1' and bound ~= may and bound ~= may_too then
-    return {{{Admit.NOT_FOUND}}}
-  end
-end
-local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + tonumber(new_bytes)
-if size > tonumber(max_bytes) then return {{{Admit.TOO_LARGE}, size}} end
-"""
-    + _KEEP
-    + _INDEX
-    + f"""local running = redis.call('HGET', meta_key, 'running')
-if not running or running == '' then
-  redis.call('HSET', meta_key, 'running', turn_id, 'updated_at', now)
-  redis.call('EXPIRE', meta_key, ttl_s)
-  return {{{Admit.RUN}, created}}
-end
-if mode == {_MODE[Multitask.REJECT]} then return {{{Admit.BUSY}, running}} end
-local answer = {Admit.QUEUED}
-if mode == {_MODE[Multitask.INTERRUPT]} or mode == {_MODE[Multitask.ROLLBACK]} then
-  redis.call('LPUSH', queue_key, turn_id)
-  if mode == {_MODE[Multitask.ROLLBACK]} then redis.call('HSET', meta_key, 'rollback', running) end
-  answer = {Admit.INTERRUPTED}
-else
-  redis.call('RPUSH', queue_key, turn_id)
-  if mode == {_MODE[Multitask.INJECT]} then
-    redis.call('SADD', inject_key, turn_id)
-    answer = {Admit.INJECTED}
-  end
-end
-redis.call('HSET', meta_key, 'updated_at', now)
-"""
-    + _KEEP
-    + """local queue = redis.call('LRANGE', queue_key, 0, -1)
-local position, behind = 1, running
-for i, id in ipairs(queue) do
-  if id == turn_id then position = i; if i > 1 then behind = queue[i - 1] end; break end
-end
-return {answer, created, running, position, behind}
-"""
-)
-
-
-class ReleaseArgs(NamedTuple):
-    turn_id: str
-    base_len: int
-    """The history's length when the turn read it: an append finds it unchanged (-1: the
-    turn ended before it read it, holding the conversation, so none is expected)."""
-    ttl_s: int
-    now: float
-    conversation_id: str
-    rolled_back: bool
-    """The turn was aborted for a rollback: its exchange is dropped (a turn that ended on
-    its own before the rollback could abort it is kept)."""
-    gone: list[str]
-    """Queued turns whose message this turn took in (inject): they leave the queue."""
-    messages: list[str]
-    """The turn's exchange, as JSON."""
-
-    def argv(self) -> list[Any]:
-        named = ReleaseNamed(
-            self.turn_id,
-            self.base_len,
-            self.ttl_s,
-            self.now,
-            self.conversation_id,
-            int(self.rolled_back),
-            len(self.gone),
-        )
-        return argv_of(named, self.gone, self.messages)
-
-
-class ReleaseNamed(NamedTuple):
-    """RELEASE's named ARGV; the turns gone (`n_gone` of them), then the messages follow."""
-
-    turn_id: str
-    base_len: int
-    ttl_s: int
-    now: float
-    conversation_id: str
-    rolled_back: int
-    n_gone: int
-
-
-# KEYS: ConversationKeys; ARGV: ReleaseArgs.argv(). Returns {Release, next turn id or ''}.
-RELEASE_LUA = (
-    bind_lua(_SCRIPT_KEYS, ReleaseNamed, rest="tail")
-    + f"""local first_message = tail_at + tonumber(n_gone)
-for i = tail_at, first_message - 1 do
-  redis.call('LREM', queue_key, 0, ARGV[i])
-  redis.call('SREM', inject_key, ARGV[i])
-end
-if redis.call('HGET', meta_key, 'running') ~= turn_id then
-  redis.call('LREM', queue_key, 0, turn_id)
-  redis.call('SREM', inject_key, turn_id)
-  return {{{Release.LEFT}, ''}}
-end
-local outcome = {Release.COMMITTED}
-local dropped = false
-if redis.call('HGET', meta_key, 'rollback') == turn_id then
-  redis.call('HDEL', meta_key, 'rollback')
-  dropped = rolled_back == '1'
-end
-if dropped then
-  outcome = {Release.DROPPED}
-elseif #ARGV >= first_message then
-  if tonumber(base_len) >= 0 and redis.call('LLEN', history_key) ~= tonumber(base_len) then
-    -- Appended all the same: an exchange is never lost, and the count shows the fault.
-    redis.call('HINCRBY', meta_key, 'conflicts', 1)
-    outcome = {Release.CONFLICT}
-  end
-  local size = 0
-  for i = first_message, #ARGV do
-    redis.call('RPUSH', history_key, ARGV[i])
-    size = size + #ARGV[i]
-  end
-  redis.call('HINCRBY', meta_key, 'bytes', size)
-end
-local next_turn = redis.call('LPOP', queue_key)
-if next_turn then
-  redis.call('SREM', inject_key, next_turn)
-  redis.call('HSET', meta_key, 'running', next_turn, 'updated_at', now)
-else
-  redis.call('HDEL', meta_key, 'running')
-  redis.call('HSET', meta_key, 'updated_at', now)
-  next_turn = ''
-end
-"""
-    + _KEEP
-    + _INDEX
-    + """return {outcome, next_turn}
-"""
-)
-
-
-class Take(IntEnum):
-    """TAKE's answer for a waiting turn."""
-
-    HOLDS = 1
-    """It holds the conversation: its history follows."""
-    WAITS = 2
-    """It is queued behind the running turn."""
-    GONE = 3
-    """Neither: the conversation was deleted, or the turn was never admitted."""
-
-
-# KEYS: ConversationKeys; ARGV: the waiting turn. Returns {HOLDS, history...} or
-# {WAITS|GONE, running turn or ''}: the read a queued turn's first step makes.
-TAKE_LUA = (
-    bind_lua(_SCRIPT_KEYS, ("turn_id",))
-    + f"""local running = redis.call('HGET', meta_key, 'running') or ''
-if running == turn_id then
-  local out = {{{Take.HOLDS}}}
-  for _, m in ipairs(redis.call('LRANGE', history_key, 0, -1)) do out[#out + 1] = m end
-  return out
-end
-if redis.call('LPOS', queue_key, turn_id) then return {{{Take.WAITS}, running}} end
-return {{{Take.GONE}, running}}
-"""
-)
-
-# KEYS: ConversationKeys; ARGV: the turn that takes them in. Returns the queued turns whose
-# message may join it, in queue order; nothing unless that turn holds the conversation.
-INJECTABLE_LUA = (
-    bind_lua(_SCRIPT_KEYS, ("turn_id",))
-    + """if redis.call('HGET', meta_key, 'running') ~= turn_id then return {} end
-if redis.call('SCARD', inject_key) == 0 then return {} end
-local out = {}
-for _, id in ipairs(redis.call('LRANGE', queue_key, 0, -1)) do
-  if redis.call('SISMEMBER', inject_key, id) == 1 then out[#out + 1] = id end
-end
-return out
-"""
-)
-
-# KEYS: ConversationKeys. Removes the conversation; returns its running and queued turns.
-DELETE_LUA = (
-    bind_lua(_SCRIPT_KEYS)
-    + """local out = redis.call('LRANGE', queue_key, 0, -1)
-local running = redis.call('HGET', meta_key, 'running')
-if running and running ~= '' then table.insert(out, 1, running) end
-redis.call('DEL', owner_key, meta_key, history_key, queue_key, inject_key)
-return out
-"""
-)
-
-# KEYS: the running turn's state hash. Counts a message sent to join it (`inject_seq`),
-# which its next step sees with its state; nothing for a turn that ended.
-NOTE_INJECTED_LUA = (
-    bind_lua(TurnKey)
-    + f"""local status = redis.call('HGET', turn_key, 'status')
-if not status or {ended_lua("status")} then return 0 end
-redis.call('HINCRBY', turn_key, 'inject_seq', 1)
-return 1
-"""
-)
 
 
 @dataclass(frozen=True)
@@ -390,6 +120,7 @@ class Conversations:
         self._delete = client.register_script(DELETE_LUA)
         self._note_injected = client.register_script(NOTE_INJECTED_LUA)
         self._take = client.register_script(TAKE_LUA)
+        self._in_place = client.register_script(IN_PLACE_LUA)
         self.sharded = isinstance(client, RedisCluster)
 
     def _keys(self, conversation_id: str) -> list[str]:
@@ -424,7 +155,7 @@ class Conversations:
             held[0],
             held[1],
             int(any_owner),
-            _MODE[mode],
+            MODES[mode],
             self.ttl_s,
             time.time(),
             new_bytes,
@@ -455,6 +186,19 @@ class Conversations:
             position=int(answer[3]),
             behind=_text(answer[4]),
         )
+
+    def admit_in_place(
+        self, conversation_id: str, turn_id: str, source_id: str
+    ) -> tuple[InPlace, str | None]:
+        """Let a stored retry hold the conversation to replace `source_id`'s exchange, if that
+        is the conversation's last turn and no other turn holds or waits for it (the running
+        turn, if one does)."""
+        args = InPlaceArgs(turn_id, source_id, self.ttl_s, time.time(), conversation_id)
+        answer = self._in_place(keys=self._keys(conversation_id), args=list(args))
+        outcome = InPlace(int(answer[0]))
+        if outcome is InPlace.RUN:
+            self._noted(conversation_id, args.now)
+        return outcome, _text(answer[1]) or None
 
     def release(self, conversation_id: str, args: ReleaseArgs) -> tuple[Release, str | None]:
         """Commit a turn's exchange and hand the conversation to the next queued turn (its
@@ -590,6 +334,7 @@ __all__ = [
     "ConversationKeys",
     "ConversationView",
     "Conversations",
+    "InPlace",
     "Multitask",
     "Release",
     "ReleaseArgs",

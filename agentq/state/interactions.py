@@ -1,13 +1,15 @@
-"""Interaction requests (approvals, passwords, confirms): finite, answered once, deny by default."""
+"""Interaction requests (approvals, passwords, confirms, questions for the user): finite,
+answered once, deny by default."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentq import constants as k
 from agentq.config import Settings
-from agentq.errors import InteractionClosed, InteractionNotFound
+from agentq.errors import AnswerInvalid, InteractionClosed, InteractionNotFound, MissingExtra
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
@@ -75,7 +77,31 @@ def default_timeout_s(kind: InteractionKind, settings: Settings) -> float | None
         "password": settings.password_timeout_s,
         "confirm": settings.confirm_timeout_s,
         "device_code": None,
+        "input": settings.input_timeout_s,
     }[kind]
+
+
+def checked_answer(turn_id: str, req: InteractionRequest, value: str | None) -> str:
+    """An `input` answer as JSON text, once its value (JSON, or else plain text) meets the
+    request's schema (AnswerInvalid otherwise)."""
+    raw = value or ""
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = raw  # free text needs no quotes
+    if req.answer_schema is not None:
+        try:
+            import jsonschema
+        except ImportError:
+            raise MissingExtra("mcp", "jsonschema", "checking an input answer") from None
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(req.answer_schema).iter_errors(answer)
+        )
+        if error is not None:
+            where = "/".join(str(p) for p in error.absolute_path) or "answer"
+            why = f"the answer does not fit its schema: {where}: {error.message}"
+            raise AnswerInvalid(turn_id, req.request_id, why)
+    return json.dumps(answer, ensure_ascii=False)
 
 
 class Interactions:
@@ -110,6 +136,9 @@ class Interactions:
         # call never runs, so its password would otherwise sit in Redis until expiry.
         approved = answer.decision == "approve"
         secret = answer.value if (req.kind == "password" and approved and answer.value) else ""
+        if req.kind == "input" and approved:
+            # Refused before anything is written: the question stays open.
+            secret = checked_answer(turn_id, req, answer.value)
         event = event_body(
             turn_id,
             "interaction_answered",
@@ -130,7 +159,7 @@ class Interactions:
             raise InteractionNotFound(turn_id, request_id)
         if outcome != "ok":
             raise InteractionClosed(turn_id, request_id, outcome)
-        self.store._send_step(turn_id)
+        self.store.send_step(turn_id)
 
     def expire(self, turn_id: str, request_id: str, state: str = "timed_out") -> bool:
         """Close a pending request without an answer; False if an answer won the race."""

@@ -235,7 +235,7 @@ def summarise(
         "pending_interactions": pending,
         "model_wait": model_wait(state),
         "error": state.get("error"),
-        "abort_reason": state.get("abort_reason") or state.get("reason"),
+        "abort_reason": state.get("abort_reason"),
     }
 
 

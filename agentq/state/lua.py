@@ -149,7 +149,7 @@ end
 
 
 MANY_CHUNK = 1000
-"""Arguments per command of `many_lua`: Lua's unpack refuses a few thousand at once."""
+"""Values per HSET of `hset_table_lua`: Lua's unpack refuses a few thousand at once."""
 
 
 _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
@@ -162,20 +162,6 @@ def hset_table_lua(key: str, table: str) -> str:
     return f"""
 for i = 1, #{table}, {MANY_CHUNK} do
   redis.call('HSET', {key}, unpack({table}, i, math.min(i + {MANY_CHUNK - 1}, #{table})))
-end
-"""
-
-
-def many_lua(command: str, key: str, first: str, last: str) -> str:
-    """Lua that runs `command key ARGV[first..last]` as few commands as it can (one for up
-    to MANY_CHUNK arguments; none for none): Redis counts and runs every call, so a write
-    of ten fields is one command, not ten. `MANY_CHUNK` is even, so pairs stay whole."""
-    return f"""
-do
-  local last = {last}
-  for i = {first}, last, {MANY_CHUNK} do
-    redis.call('{command}', {key}, unpack(ARGV, i, math.min(i + {MANY_CHUNK - 1}, last)))
-  end
 end
 """
 

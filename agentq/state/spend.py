@@ -11,19 +11,19 @@ turn has its parent's key), so each script below runs on one slot of a Cluster:
   are the sum of its models'. Kept `usage_retention_days`, past the turns it counts.
 - ``mo:<YYYYMM>``: ``usd`` per UTC month.
 - ``t:<turn id>``: a turn's ``max_tokens`` and ``max_usd``, its ``tokens`` and ``usd``
-  (with its descendants'), and its rounds' reservations ``r:<round>``.
+  (with its descendants', reservations included), its settled ``prompt``, ``completion``
+  and ``cached``, its rounds' reservations ``r:<round>`` and the last round ``settled``.
 
 Before a round under a budget, RESERVE takes the prompt's estimate plus the completion it
 may produce from the turn's, its parents' and its key's budgets, and caps that completion
-to what they leave; the same script first settles the turn's last round, replacing its
-reservation with its usage: one script a round. SETTLE settles a round alone: a round no
-budget bounds (no reservation: its usage is added as it answers), and a turn's last round.
-Both are idempotent: a step that runs again finds its round reserved, or settled.
+to what they leave: the one place that arithmetic is done. As every round answers, SETTLE
+replaces its reservation (if it took one) with its usage. Both are keyed by the turn and
+the round's number, and idempotent: a step that runs again finds its round reserved, or
+settled.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -86,18 +86,16 @@ class Settle(IntEnum):
 
     SETTLED = 1
     DONE = 2
-    """No such round to settle: settled already (a step that ran again)."""
+    """Settled already (a step that ran again)."""
 
 
 class SpendKeys(NamedTuple):
     """KEYS of RESERVE and SETTLE; the turn's parents' spend keys follow (`parents_at`).
-    The round settled counts in the day (and month) its reservation was taken in, which
-    the round reserved may not (a turn that runs past midnight, UTC)."""
+    A round is settled in the day (and month) it was reserved in, which may not be the
+    day it answers in (a turn that runs past midnight, UTC)."""
 
     day_key: str
     month_key: str
-    settle_day_key: str
-    settle_month_key: str
     own_key: str
     """Last: the loops over the turn and its parents start at it."""
 
@@ -106,11 +104,7 @@ _BIND_PARENTS = f"local parents_at = {len(SpendKeys._fields) + 1}\n"
 
 
 class SettleArgs(NamedTuple):
-    """The round to settle, in both scripts ('' settle_round: none)."""
-
     settle_round: str
-    reserved: int
-    """1: a reservation was taken for it (RESERVE); 0: none, its usage is added as it is."""
     used_prompt: int
     used_completion: int
     used_cached: int
@@ -119,10 +113,6 @@ class SettleArgs(NamedTuple):
     agent: str
     first: int
     """1: the turn's first round (it counts as a turn)."""
-    limit_tokens: float
-    """The turn's limits (NO_LIMIT: none), stored with a first round no RESERVE stored them
-    for (a turn that keeps its own budget from its state), for its spend's readers."""
-    limit_usd: float
     day_ttl_s: int
     turn_ttl_s: int
 
@@ -137,99 +127,92 @@ class ReserveArgs(NamedTuple):
     input_per_token: float
     output_per_token: float
     own_max_tokens: float
-    """The turn's limits (NO_LIMIT: none), stored with its spend for its children's rounds."""
+    """The turn's limits (NO_LIMIT: none), stored with its spend for its children's rounds
+    and its readers."""
     own_max_usd: float
     tokens_per_day: float
     usd_per_day: float
     usd_per_month: float
     min_completion: int
+    day_ttl_s: int
+    turn_ttl_s: int
 
 
-_SETTLE_FN = f"""-- The round settle_round's reservation (if it took one) becomes its usage, in
--- every count the reservation was added to; once: a step that runs again finds it settled.
-local function settle()
-  if settle_round == '' then return {Settle.DONE} end
-  local rt, ru = 0, 0
-  if reserved == '1' then
-    local field = 'r:' .. settle_round
-    local held = redis.call('HGET', own_key, field)
-    if not held then return {Settle.DONE} end
-    local r = cjson.decode(held)
-    rt, ru = r[1], r[2]
-    redis.call('HDEL', own_key, field)
-  else
-    local last = tonumber(redis.call('HGET', own_key, 'settled'))
-    if last and last >= tonumber(settle_round) then return {Settle.DONE} end
-    redis.call('HSET', own_key, 'settled', settle_round)
-    if first == '1' and tonumber(limit_tokens) >= 0 then
-      redis.call('HSET', own_key, 'max_tokens', limit_tokens)
-    end
-    if first == '1' and tonumber(limit_usd) >= 0 then
-      redis.call('HSET', own_key, 'max_usd', limit_usd)
-    end
-  end
-  local p, c, h = tonumber(used_prompt), tonumber(used_completion), tonumber(used_cached)
-  local u = tonumber(used_usd)
-  local dt, du = p + c - rt, u - ru
-  -- Counts that do not change are not written: a round is settled in a dozen commands.
-  local function bump(key, name, by)
-    if by ~= 0 then redis.call('HINCRBY', key, name, by) end
-  end
-  -- Without a reservation a count may be a hash's first: it sets the hash's retention
-  -- (HINCRBY answering the increment itself; a count back at zero sets it again, harmless).
-  local function fix(key, ttl)
-    local total = nil
-    if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
-    if reserved ~= '1' and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
-    if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
-  end
-  fix(settle_day_key, day_ttl_s)
-  if du ~= 0 then
-    -- A month counts dollars only (usd_per_month is its one budget).
-    redis.call('HINCRBYFLOAT', settle_month_key, 'usd', tostring(du))
-    if reserved ~= '1' then redis.call('EXPIRE', settle_month_key, day_ttl_s) end
-  end
-  for i = parents_at - 1, #KEYS do
-    fix(KEYS[i], turn_ttl_s)
-    bump(KEYS[i], 'prompt', p)
-    bump(KEYS[i], 'completion', c)
-    bump(KEYS[i], 'cached', h)
-  end
-  -- By model and by agent; the key's totals are the sum of its models' (usage_report).
-  for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
-    bump(settle_day_key, g .. 'prompt', p)
-    bump(settle_day_key, g .. 'completion', c)
-    bump(settle_day_key, g .. 'cached', h)
-    if u ~= 0 then redis.call('HINCRBYFLOAT', settle_day_key, g .. 'usd', used_usd) end
-    if first == '1' then redis.call('HINCRBY', settle_day_key, g .. 'turns', 1) end
-  end
-  return {Settle.SETTLED}
+SETTLE_LUA = (
+    bind_lua(SpendKeys, SettleArgs)
+    + _BIND_PARENTS
+    + f"""-- The round's reservation (if it took one) becomes its usage, in every count the
+-- reservation was added to; once: rounds are settled in order, a step that runs again
+-- finds its round settled.
+local field = 'r:' .. settle_round
+local got = redis.call('HMGET', own_key, 'settled', field)
+local last = tonumber(got[1])
+if last and last >= tonumber(settle_round) then return {Settle.DONE} end
+redis.call('HSET', own_key, 'settled', settle_round)
+local reserved = got[2] ~= false
+local rt, ru = 0, 0
+if reserved then
+  local r = cjson.decode(got[2])
+  rt, ru = r[1], r[2]
+  redis.call('HDEL', own_key, field)
 end
+local p, c, h = tonumber(used_prompt), tonumber(used_completion), tonumber(used_cached)
+local u = tonumber(used_usd)
+local dt, du = p + c - rt, u - ru
+-- Counts that do not change are not written: a round is settled in a dozen commands.
+local function bump(key, name, by)
+  if by ~= 0 then redis.call('HINCRBY', key, name, by) end
+end
+-- Without a reservation a count may be a hash's first: it sets the hash's retention
+-- (HINCRBY answering the increment itself; a count back at zero sets it again, harmless).
+local function fix(key, ttl)
+  local total = nil
+  if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
+  if not reserved and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
+  if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
+end
+fix(day_key, day_ttl_s)
+if du ~= 0 then
+  -- A month counts dollars only (usd_per_month is its one budget).
+  redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(du))
+  if not reserved then redis.call('EXPIRE', month_key, day_ttl_s) end
+end
+for i = parents_at - 1, #KEYS do
+  fix(KEYS[i], turn_ttl_s)
+  bump(KEYS[i], 'prompt', p)
+  bump(KEYS[i], 'completion', c)
+  bump(KEYS[i], 'cached', h)
+end
+-- By model and by agent; the key's totals are the sum of its models' (usage_report).
+for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
+  bump(day_key, g .. 'prompt', p)
+  bump(day_key, g .. 'completion', c)
+  bump(day_key, g .. 'cached', h)
+  if u ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', used_usd) end
+  if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
+end
+return {Settle.SETTLED}
 """
-
-SETTLE_LUA = bind_lua(SpendKeys, SettleArgs) + _BIND_PARENTS + _SETTLE_FN + "return settle()\n"
-"""A round's usage, settled as its result is read: a round no budget bounds took no
-reservation; one under a budget that ends its turn (or starts sub-agents) has nobody to
-fold it into."""
+)
+"""A round's usage, settled as its result is read (or at its turn's end, unanswered)."""
 
 RESERVE_LUA = (
-    bind_lua(SpendKeys, SettleArgs._fields + ReserveArgs._fields)
+    bind_lua(SpendKeys, ReserveArgs)
     + _BIND_PARENTS
-    + _SETTLE_FN
-    + f"""-- The turn's last round is settled first: this round is reserved against its real usage.
-local settled = settle()
-local field = 'r:' .. reservation
+    + f"""local field = 'r:' .. reservation
 local held = redis.call('HGET', own_key, field)
 if held then
   local r = cjson.decode(held)
-  return {{{Reserve.OK}, r[3], r[4], settled}}
+  return {{{Reserve.OK}, r[3], r[4]}}
 end
 if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
 if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
 local prompt, cap, wanted = tonumber(prompt_tokens), tonumber(want), tonumber(want)
 local pin, pout = tonumber(input_per_token), tonumber(output_per_token)
 local tight, bounded = nil, 0
--- The same arithmetic as agentq.state.budget.completion_cap.
+-- The completion the round may produce: what it wants, lowered to what each budget has
+-- left once the prompt is paid for. A USD budget of a model without a price is not
+-- counted (its tokens are).
 local function consider(scope, name, unit, limit, spent)
   if not limit or limit < 0 then return end
   if unit == 'usd' and priced ~= '1' then return end
@@ -260,6 +243,8 @@ for i = parents_at - 1, #KEYS do
   consider(scope, 'max_tokens', 'tokens', tonumber(t[1]), tonumber(t[3]))
   consider(scope, 'max_cost_usd', 'usd', tonumber(t[2]), tonumber(t[4]))
 end
+-- Below min_completion (or what it wants, if less) the round is refused, by the budget
+-- that left the least.
 if cap < math.min(wanted, tonumber(min_completion)) then
   if tight[1] == 'key' then
     -- Starts of the key are refused until the period resets (Spend.key_refusal).
@@ -269,7 +254,7 @@ if cap < math.min(wanted, tonumber(min_completion)) then
   -- A turn refused at its first round has a spend key (its limits) that no count gave
   -- a retention.
   if redis.call('TTL', own_key) == -1 then redis.call('EXPIRE', own_key, turn_ttl_s) end
-  return {{{Reserve.EXCEEDED}, tight[1], tight[2], tight[3], tight[4], settled}}
+  return {{{Reserve.EXCEEDED}, tight[1], tight[2], tight[3], tight[4]}}
 end
 local tokens = prompt + cap
 local usd = 0
@@ -287,9 +272,10 @@ if usd ~= 0 then
 end
 for i = parents_at - 1, #KEYS do take(KEYS[i], turn_ttl_s) end
 redis.call('HSET', own_key, field, cjson.encode({{tokens, usd, cap, bounded}}))
-return {{{Reserve.OK}, cap, bounded, settled}}
+return {{{Reserve.OK}, cap, bounded}}
 """
 )
+"""A round's reservation, before it is sent."""
 
 
 @dataclass(frozen=True)
@@ -302,19 +288,13 @@ class Reserved:
 
 @dataclass(frozen=True)
 class Settlement:
-    """A round to settle: its usage, and where its reservation (if any) counts."""
+    """A round to settle: its usage, and the day its reservation (or its send) counts in."""
 
     round_no: int
-    reserved: bool
-    """A reservation was taken for it (RESERVE); else its usage is added as it is."""
     day: str
-    """The UTC day its reservation (or its send) counts in."""
     usage: Usage
     model: str
     agent: str | None
-    max_tokens: int | None = None
-    """The turn's limits, kept with its spend at its first round if no RESERVE kept them."""
-    max_usd: float | None = None
 
 
 def _num(v: Any) -> float:
@@ -343,45 +323,17 @@ class Spend:
         self._settle = client.register_script(SETTLE_LUA)
         self._noted: dict[str, float] = {}
 
-    def _keys(
-        self, owner: str | None, day: str, settle_day: str, turn_id: str, parents: Iterable[str]
-    ) -> list[str]:
+    def _keys(self, owner: str | None, day: str, turn_id: str, parents: Iterable[str]) -> list[str]:
         turns = [turn_spend_key(owner, t) for t in (turn_id, *reversed(list(parents)))]
-        own = SpendKeys(
-            day_key(owner, day),
-            month_key(owner, month_of(day)),
-            day_key(owner, settle_day),
-            month_key(owner, month_of(settle_day)),
-            turns[0],
-        )
+        own = SpendKeys(day_key(owner, day), month_key(owner, month_of(day)), turns[0])
         return [*own, *turns[1:]]
 
-    def _settle_args(self, settle: Settlement | None) -> SettleArgs:
-        s = self.settings
-        ttls = (s.usage_retention_days * 86400, s.turn_retention_s)
-        if settle is None:
-            return SettleArgs("", 0, 0, 0, 0, 0.0, "", "", 0, NO_LIMIT, NO_LIMIT, *ttls)
-        u = settle.usage
-        return SettleArgs(
-            str(settle.round_no),
-            int(settle.reserved),
-            u.prompt_tokens,
-            u.completion_tokens,
-            u.cached_tokens,
-            u.cost_usd or 0.0,
-            settle.model,
-            settle.agent or "",
-            int(settle.round_no == 0),
-            _limit(settle.max_tokens),
-            _limit(settle.max_usd),
-            *ttls,
-        )
+    def _ttls(self) -> tuple[int, int]:
+        return self.settings.usage_retention_days * 86400, self.settings.turn_retention_s
 
-    def _note_owner(self, owner: str | None, settle: Settlement | None, answer: Any) -> None:
+    def _note_owner(self, owner: str | None) -> None:
         """Name the key among those that spent, at its turns' first round (once in a while
         per process: the set changes only when a new key spends)."""
-        if settle is None or settle.round_no != 0 or Settle(int(answer)) is not Settle.SETTLED:
-            return
         name, now = owner or NO_KEY, time.monotonic()
         if now - self._noted.get(name, -OWNER_NOTED_S) >= OWNER_NOTED_S:
             self.redis.sadd(SPEND_OWNERS, name)
@@ -400,13 +352,10 @@ class Spend:
         price: ModelPrice | None,
         max_tokens: int | None,
         max_usd: float | None,
-        settle: Settlement | None = None,
     ) -> Reserved | Budget:
         """Reserve a round against every budget it counts against: the completion it may
-        produce, or the budget that cannot afford it. `settle`, the turn's last round, is
-        settled first, in the same script (whatever the answer)."""
-        s = self.settings
-        kb = s.key_budgets.get(owner or "")
+        produce, or the budget that cannot afford it."""
+        kb = self.settings.key_budgets.get(owner or "")
         args = ReserveArgs(
             reservation,
             prompt_tokens,
@@ -420,10 +369,9 @@ class Spend:
             _limit(kb.usd_per_day if kb else None),
             _limit(kb.usd_per_month if kb else None),
             MIN_COMPLETION_TOKENS,
+            *self._ttls(),
         )
-        keys = self._keys(owner, day, settle.day if settle else day, turn_id, parents)
-        answer = self._reserve(keys=keys, args=argv_of(self._settle_args(settle), args))
-        self._note_owner(owner, settle, answer[-1])
+        answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
         if Reserve(int(answer[0])) is Reserve.OK:
             return Reserved(int(answer[1]), bool(int(answer[2])))
         scope, name, spent, limit = (a.decode() if isinstance(a, bytes) else a for a in answer[1:5])
@@ -435,10 +383,42 @@ class Spend:
     ) -> bool:
         """Settle a round to its usage (its reservation replaced, if it took one); False if
         it was settled before."""
-        keys = self._keys(owner, settle.day, settle.day, turn_id, parents)
-        answer = self._settle(keys=keys, args=argv_of(self._settle_args(settle)))
-        self._note_owner(owner, settle, answer)
-        return Settle(int(answer)) is Settle.SETTLED
+        u = settle.usage
+        args = SettleArgs(
+            str(settle.round_no),
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.cached_tokens,
+            u.cost_usd or 0.0,
+            settle.model,
+            settle.agent or "",
+            int(settle.round_no == 0),
+            *self._ttls(),
+        )
+        keys = self._keys(owner, settle.day, turn_id, parents)
+        answer = self._settle(keys=keys, args=argv_of(args))
+        done = Settle(int(answer)) is Settle.SETTLED
+        if done and settle.round_no == 0:
+            self._note_owner(owner)
+        return done
+
+    def carry(self, owner: str | None, turn_id: str, usage: Usage) -> None:
+        """Start a new turn's spend at what it carries (a retry: its source's), which its
+        own budgets count, as RESERVE reads them, and its readers show."""
+        key = turn_spend_key(owner, turn_id)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(
+            key,
+            mapping={
+                "prompt": usage.prompt_tokens,
+                "completion": usage.completion_tokens,
+                "cached": usage.cached_tokens,
+                "tokens": usage.prompt_tokens + usage.completion_tokens,
+                "usd": usage.cost_usd or 0.0,
+            },
+        )
+        pipe.expire(key, self.settings.turn_retention_s)
+        pipe.execute()
 
     def key_budgets(self, owner: str | None, day: str) -> list[Budget]:
         """The key's budgets, with what it spent of each this day and month."""
@@ -469,24 +449,10 @@ class Spend:
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
         """A turn's spend with its sub-agents' (reservations in flight included in
-        `tokens` and `cost_usd`) and its limits. Its own last round, answered and not
-        settled yet (its settle joins its next round's RESERVE), counts at its usage."""
-        # Its state first: a round settled between the two reads is found settled.
-        pending = self.redis.hget(k.turn_key(turn_id), "budget_usage")
+        `tokens` and `cost_usd`) and its limits."""
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
         f = {(a.decode() if isinstance(a, bytes) else a): b for a, b in raw.items()}
         counts = {n: _num(f.get(n)) for n in ("prompt", "completion", "cached", "tokens", "usd")}
-        used = json.loads(pending) if pending is not None else None
-        if used is not None:
-            held = f.get(f"r:{used['round']}")
-            if held is not None:
-                tokens, usd = json.loads(held)[:2]
-                p, c = used.get("prompt_tokens", 0), used.get("completion_tokens", 0)
-                counts["prompt"] += p
-                counts["completion"] += c
-                counts["cached"] += used.get("cached_tokens", 0)
-                counts["tokens"] += p + c - tokens
-                counts["usd"] += (used.get("cost_usd") or 0.0) - usd
         out: dict[str, Any] = {
             "prompt_tokens": int(counts["prompt"]),
             "completion_tokens": int(counts["completion"]),
@@ -522,12 +488,6 @@ class Spend:
                     for a, b in raw.items()
                 }
         return out
-
-
-def usage_json(usage: Usage) -> dict[str, Any]:
-    """A usage as events and webhooks carry it."""
-    out: dict[str, Any] = json.loads(usage.model_dump_json(exclude_none=True))
-    return out
 
 
 GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}

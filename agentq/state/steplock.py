@@ -453,7 +453,7 @@ class StepRecords(StoreBase):
         """Wake an open turn: mark it and send it a step; False if it has ended."""
         ok = self.wake_here(turn_id)
         if ok:
-            self._send_step(turn_id)
+            self.send_step(turn_id)
         return ok
 
     def wake_here(self, turn_id: str) -> bool:

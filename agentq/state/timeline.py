@@ -11,7 +11,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentq.events.bus import EventBus
-from agentq.models import TERMINAL_STATUSES, Event
+from agentq.events.types import Event
+from agentq.models import TERMINAL_STATUSES
 from agentq.state.turn_state import TurnState
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import Any, TypedDict
 
 class TurnState(TypedDict, total=False):
     """A turn's state fields, as `TurnStore.state` returns them; every field may be absent
-    (an older turn, a field not written yet, one written None)."""
+    (a field not written yet, one written None)."""
 
     # -- what the turn is, written when it is stored --------------------------------------
     status: str
@@ -40,6 +40,9 @@ class TurnState(TypedDict, total=False):
     conversation_base_len: int
     """The conversation history's length when the turn read it: its exchange is appended
     after exactly that many messages."""
+    conversation_replaces: str
+    """A retry in place: the turn (its source, the conversation's last) whose exchange in the
+    conversation its own replaces."""
     multitask: str | None
     """What the turn's request asked for when its conversation was busy."""
     inject_seq: int
@@ -70,6 +73,21 @@ class TurnState(TypedDict, total=False):
     """The span id of the caller that started the traced turn."""
     schedule: str
     """The schedule whose tick started the turn."""
+    retry_of: str
+    """The turn this one retries (orchestrator.replay): its history, settled calls reused."""
+    fork_of: str
+    """The turn this one forks: its history before `from_round`, perhaps edited."""
+    from_round: int
+    """A retry's or fork's first round of its own (1-based, as `agentq show` counts)."""
+    replay_lost: list[str] | None
+    """A retry's calls of its first round that ran in the source without a result: its
+    first step runs them again (idempotent tools, `rerun_lost`) or settles them lost."""
+    rerun_lost: bool
+    """The retry's request asked to run every such call again."""
+    model: str | None
+    """The model of its rounds, instead of its agent's (a retry's or fork's override)."""
+    instructions: str | None
+    """The system message of its rounds, instead of its agent's (a fork's edit)."""
 
     # -- how far it went -----------------------------------------------------------------
     started_at: float
@@ -130,18 +148,13 @@ class TurnState(TypedDict, total=False):
     budget_ancestors: list[str] | None
     """A child turn's parents, nearest last: its spend counts against their budgets too."""
     budget_reservation: str | None
-    """The round sent and not yet settled in Redis (orchestrator.spend): in flight, or
-    answered with its usage in `budget_usage`."""
-    budget_held: bool | None
-    """That round took a reservation (a budget bounds it); else its usage is added as is."""
-    budget_usage: dict[str, Any] | None
-    """That round's usage (and `round`, `model`), until the next round's RESERVE settles it."""
+    """The round sent and not yet settled in Redis (orchestrator.spend)."""
     budget_day: str
-    """The UTC day (YYYYMMDD) that reservation counts in."""
+    """The UTC day (YYYYMMDD) that round counts in."""
     budget_cap: int | None
-    """The completion tokens that reservation allows the round (its max_completion_tokens)."""
+    """The completion tokens its reservation allows it (its max_completion_tokens)."""
     budget_prompt: int
-    """That reservation's prompt estimate (tokens)."""
+    """Its prompt estimate (tokens)."""
     spent_prompt_tokens: int
     """Prompt tokens of the turn's rounds so far."""
     spent_completion_tokens: int
@@ -168,8 +181,8 @@ class TurnState(TypedDict, total=False):
     """The error's code (unknown_agent, invalid_output, ELLM, state_lost, ...)."""
     abort_reason: str
     """Why it was aborted (the cancel reason)."""
-    reason: str
-    """An older spelling of `abort_reason`, still read."""
+    end_settled: list[str] | None
+    """The calls its end settled (cancelled, or not run): a retry runs them again."""
 
     # -- the machinery's bookkeeping (constants.BOOKKEEPING_FIELDS, the event bus) -------
     step: str

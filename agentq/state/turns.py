@@ -81,6 +81,8 @@ class CloseArgs(NamedTuple):
     token: str
     """The step's lock token ("": not fenced)."""
     n_messages: int
+    hands_off: str
+    """"1": the turn hands its conversation on after this write (its wakeup stays)."""
 
 
 # CLOSE_LUA: ending a turn: its status, its terminal event and the retention TTL of its
@@ -103,7 +105,13 @@ local fields_at = messages_at + n
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
     + hset_seq_lua("turn_key", "fields_at", "#ARGV", messages=("messages_at", "fields_at - 1"))
     + f"""
-redis.call('ZREM', wakeups_key, turn_id)
+if hands_off == '1' then
+  -- Its conversation is handed on after this write: the wakeup stays, due at the backstop,
+  -- should the process die in between (the hand-off takes it away).
+  redis.call('ZADD', wakeups_key, wake_at, turn_id)
+else
+  redis.call('ZREM', wakeups_key, turn_id)
+end
 if kids then redis.call('DEL', children_key) end
 for i = {len(CloseKeys._fields) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
 if parent_id == '' then return {Closed.ENDED:d} end
@@ -150,6 +158,7 @@ class FlagCancelKeys(NamedTuple):
     cancel_key: str
     children_key: str
     turn_key: str
+    wakeups_key: str
 
 
 class FlagCancelArgs(NamedTuple):
@@ -159,21 +168,36 @@ class FlagCancelArgs(NamedTuple):
     turn_id: str
     reason_json: str
     """The reason as JSON, for the turn's state."""
+    wake_at: float
+    """When a sweeper steps the turn should the abort's step message never be sent."""
 
 
 # FLAG_CANCEL_LUA: the cancel flag, the children: the reason goes in the turn's state
-# too, where the scripts read it with the state; not into a turn Redis does not hold. A
-# script, not a pipeline: a Cluster pipeline takes no PUBLISH (a script's reaches every
-# node's subscribers).
+# too, where the scripts read it with the state; not into a turn Redis does not hold. An
+# open turn is woken in the same write (its wakeup due by `wake_at`), so an abort whose
+# sender dies before it sends the step is still taken. A script, not a pipeline: a
+# Cluster pipeline takes no PUBLISH (a script's reaches every node's subscribers).
+# Returns {woken (1: the turn is open), children...}.
 FLAG_CANCEL_LUA = (
     bind_lua(FlagCancelKeys, FlagCancelArgs)
     + f"""
 redis.call('SET', cancel_key, reason, 'NX', 'EX', ttl_s)
-if redis.call('EXISTS', turn_key) == 1 then
+local status = redis.call('HGET', turn_key, 'status')
+local woken = 0
+if status then
   redis.call('HSETNX', turn_key, '{k.CANCEL_FIELD}', reason_json)
+  if not ("""
+    + ended_lua("status")
+    + """) then
+"""
+    + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at")
+    + """    woken = 1
+  end
 end
 redis.call('PUBLISH', cancel_channel, turn_id)
-return redis.call('SMEMBERS', children_key)
+local out = {woken}
+for _, c in ipairs(redis.call('SMEMBERS', children_key)) do out[#out + 1] = c end
+return out
 """
 )
 
@@ -204,22 +228,43 @@ class TurnRecords(StoreBase):
     _close: Script
     _flag_cancel: Script
 
-    def flag_cancel(self, turn_id: str, reason: str) -> list[str]:
-        """Flag the turn cancelled (the first reason stays), tell the event loops that hold
-        its calls, and return its children, in one round trip."""
-        keys = FlagCancelKeys(k.cancel_key(turn_id), k.children_key(turn_id), k.turn_key(turn_id))
-        args = FlagCancelArgs(reason, self.ttl_s, k.CANCEL_CHANNEL, turn_id, json.dumps(reason))
-        children = self._flag_cancel(keys=list(keys), args=list(args))
-        return [text(c) for c in children]
+    def flag_cancel(self, turn_id: str, reason: str) -> tuple[bool, list[str]]:
+        """Flag the turn cancelled (the first reason stays) and wake it (its backstop
+        wakeup), tell the event loops that hold its calls, in one round trip; whether it
+        was open (its step is then for the caller to send) and its children."""
+        keys = FlagCancelKeys(
+            k.cancel_key(turn_id),
+            k.children_key(turn_id),
+            k.turn_key(turn_id),
+            k.turn_wakeups_key(turn_id),
+        )
+        args = FlagCancelArgs(
+            reason,
+            self.ttl_s,
+            k.CANCEL_CHANNEL,
+            turn_id,
+            json.dumps(reason),
+            time.time() + WAKE_BACKSTOP_S,
+        )
+        woken, *children = self._flag_cancel(keys=list(keys), args=list(args))
+        return bool(int(woken)), [text(c) for c in children]
 
-    def create(self, turn_id: str, state: TurnState, history: list[dict[str, Any]]) -> None:
+    def create(
+        self,
+        turn_id: str,
+        state: TurnState,
+        history: list[dict[str, Any]],
+        records: dict[str, str] | None = None,
+    ) -> None:
         """Store a new turn, woken: if the message of its first step is lost (a failover
-        took it with the old master, its sender died), the wakeup sweep starts it."""
+        took it with the old master, its sender died), the wakeup sweep starts it.
+        `records`: call records it starts with (a retry's settled calls), by field."""
 
         fields = {f: json.dumps(v) for f, v in state.items()}
         # Its history is fields of its state (constants.MESSAGE): written whole, so
         # sending it again (see _durable_write) is harmless.
         fields.update(message_fields(history))
+        fields.update(records or {})
 
         def build(pipe: Any) -> None:
             pipe.hset(k.turn_key(turn_id), mapping=fields)
@@ -278,6 +323,7 @@ class TurnRecords(StoreBase):
         settle_parent: tuple[str, ToolResult] | None = None,
         token: str = "",
         append: list[dict[str, Any]] | None = None,
+        hands_off: bool = False,
         **fields: Any,
     ) -> Closed:
         """End the turn (status, terminal event, retention TTL) atomically, unless it had
@@ -285,7 +331,8 @@ class TurnRecords(StoreBase):
 
         `settle_parent` (parent turn id, result) settles the parent's call that started
         this turn in the same step, and wakes the parent; `append` adds history messages
-        first, in the same write.
+        first, in the same write; `hands_off`: its conversation's hand-off follows, and
+        the turn's wakeup stays as its backstop.
         """
         messages = [json.dumps(m) for m in append or []]
         flat: list[Any] = []
@@ -317,6 +364,7 @@ class TurnRecords(StoreBase):
             time.time() + WAKE_BACKSTOP_S,
             token,
             len(messages),
+            "1" if hands_off else "0",
         )
         won = Closed(
             int(
@@ -333,7 +381,7 @@ class TurnRecords(StoreBase):
                 counted.append(("tool_finished", finished(result)))
             self.bus.counted(counted)
         if won is Closed.PARENT_WOKEN:
-            self._send_step(parent)
+            self.send_step(parent)
         return won
 
     def history(self, turn_id: str) -> list[dict[str, Any]]:

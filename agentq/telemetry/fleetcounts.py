@@ -56,6 +56,13 @@ FAMILIES = {
     for f in (
         Family("tool_results", "Settled tool calls.", ("tool", "status")),
         Family("tool_timeouts", "Tool calls stopped by their hard limit.", ("tool",)),
+        Family("waitpoints_opened", "Calls whose tool ended its run with a Waitpoint.", ("tool",)),
+        Family(
+            "waitpoints_settled",
+            "Waitpoints settled, by status: ok or error (completed), timeout, cancelled; "
+            "open = opened - settled.",
+            ("tool", "status"),
+        ),
         Family(
             "tool_duration_seconds",
             "Duration of settled tool calls.",
@@ -109,6 +116,7 @@ FAMILIES = {
 COUNTED_TYPES = frozenset(
     {
         "tool_finished",
+        "tool_waiting",
         "llm_finished",
         "llm_queued",
         "llm_started",
@@ -225,8 +233,12 @@ class FleetCounts:
             duration_ms = _number(f.get("duration_ms"))
             if duration_ms is not None:
                 self._observe("tool_duration_seconds", (tool, status), duration_ms / 1000)
-            if status == "timeout":
+            if f.get("waitpoint_id"):
+                self._inc("waitpoints_settled", (tool, status))
+            elif status == "timeout":
                 self._inc("tool_timeouts", (tool,))
+        elif type_ == "tool_waiting":
+            self._inc("waitpoints_opened", (self._tool(f.get("tool")),))
         elif type_ == "llm_finished":
             self._llm_finished(f)
         elif type_ == "llm_queued":

@@ -366,15 +366,6 @@ def call_attributes(req: Any, task_id: str | None) -> dict[str, Any]:
     }
 
 
-def result_attributes(result: Any) -> dict[str, Any]:
-    rec = result.record
-    return {
-        "agentq.duration_ms": rec.duration_ms,
-        "agentq.worker": rec.worker,
-        "agentq.overran": rec.overran,
-    }
-
-
 __all__ = [
     "CALL_SPAN_PREFIX",
     "SPAN_ROUND",

@@ -30,6 +30,13 @@ lead = Agent(
     tools=[echo, researcher.as_tool(timeout_s=60)],
 )
 
+asker = Agent(
+    name="asker",
+    instructions="You ask the user what you need to know (ask_user), then answer.",
+    tools=[echo],
+    ask_user=True,
+)
+
 
 def demo_scripts() -> dict[str, list[dict[str, Any]]]:
     """The scripted model's rounds for these agents, keyed by their instructions, in the

@@ -31,6 +31,10 @@ class Sum(BaseModel):
     total: float
 
 
+class Size(BaseModel):
+    size: str
+
+
 def build(name: str = "agentq-test", log: str | None = None) -> MCPServer:
     server = MCPServer(name, log_level="WARNING")
 
@@ -66,6 +70,11 @@ def build(name: str = "agentq-test", log: str | None = None) -> MCPServer:
     async def stubborn(seconds: float) -> str:
         time.sleep(seconds)
         return "done"
+
+    @server.tool(description="Ask the user which size to ship (MCP elicitation), and say it.")
+    async def pick_size(ctx: Context) -> str:
+        got = await ctx.elicit("Which size should ship?", Size)
+        return f"ship {got.data.size}" if got.action == "accept" else f"no size: {got.action}"
 
     @server.tool(description="Exit the server process at once.")
     def crash() -> str:

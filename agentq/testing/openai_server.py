@@ -6,9 +6,10 @@ model is configured.
 
 The round to answer is chosen from the request alone (the number of assistant
 messages already in `messages`), and the script from the first user message, so
-any number of concurrent conversations can share one server. It serves them from one
-asyncio loop in one thread (`agentq.testing.http_loop`) over keep-alive connections, so a
-thousand slow streams cost sockets, not threads.
+any number of concurrent conversations can share one server. It serves them with uvicorn
+on one asyncio loop in one thread (`agentq.testing.serving`) over keep-alive connections,
+so a thousand slow streams cost sockets, not threads; it needs the `local` extra (or the
+`gateway` one, which has uvicorn and starlette too).
 
     python -m agentq.testing.openai_server --port 0 --script demo
 """
@@ -24,33 +25,56 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal, NoReturn
-
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from typing import Any, NoReturn, Protocol
 
 from agentq.fleet.lifecycle import Started
-from agentq.models import Usage
-from agentq.testing.http_loop import BackgroundHTTPServer
-from agentq.testing.http_wire import ClientGone, Conn, Request, error_body
-from agentq.testing.ratelimit import SHAPES, ProviderLimits
+from agentq.testing.responses_answer import (
+    RESPONSES_ROUTE,
+    ResponsesAnswer,
+    chat_tools_refusal,
+    hold,
+    input_messages,
+    input_problem,
+    usage_of,
+)
+from agentq.testing.scripts import (
+    DEFAULT_KEY,
+    SCRIPTS,
+    Fault,
+    Plan,
+    Round,
+    Script,
+    ScriptedCall,
+    demo_rounds,
+    first_user_text,
+    pieces,
+    round_index,
+    script_key,
+    system_text,
+    usage_counts,
+)
+from agentq.testing.serving import ClientGone, Conn, Request, ThreadedServer, error_body
 
-Fault = Literal[
-    "silent_after_200",
-    "silent_after_chunks",
-    "keepalive_only",
-    "http_500",
-    "http_429",
-    "http_400",
-    "malformed",
-    "disconnect",
+__all__ = [
+    "DEFAULT_KEY",
+    "Fault",
+    "RateLimit",
+    "Round",
+    "Script",
+    "ScriptedCall",
+    "ScriptedOpenAIServer",
+    "demo_rounds",
+    "first_user_text",
+    "main",
+    "round_index",
+    "script_key",
+    "system_text",
+    "Verdict",
 ]
 
-DEFAULT_KEY = "default"
-_KEEPALIVE_S = 0.05
-"""Between the SSE comments of a `keepalive_only` hold."""
 _JSON = {"Content-Type": "application/json"}
 _SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _HTTP_FAULTS: dict[str, tuple[int, str, str]] = {
@@ -60,140 +84,27 @@ _HTTP_FAULTS: dict[str, tuple[int, str, str]] = {
 }
 
 
-class ScriptedCall(BaseModel):
-    """One tool call the scripted model makes."""
+@dataclass(frozen=True)
+class Verdict:
+    """A rate limit's answer to one request: 200 admits it, with `headers` on the answer;
+    another status refuses it, OpenAI's error of `kind` with `message`."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    arguments: dict[str, Any] | str = Field(default_factory=dict)
-    """A dict is sent as JSON; a str is sent verbatim, so tests can send invalid JSON."""
-    id: str | None = None
-
-    def arguments_json(self) -> str:
-        if isinstance(self.arguments, str):
-            return self.arguments
-        return json.dumps(self.arguments)
+    status: int = 200
+    headers: Mapping[str, str] = field(default_factory=dict)
+    kind: str = ""
+    message: str = ""
 
 
-class Round(BaseModel):
-    """What the scripted model answers to one request of a conversation."""
+class RateLimit(Protocol):
+    """A provider's limits, which a test supplies: asked about every model request."""
 
-    model_config = ConfigDict(extra="forbid")
+    def check(self, now_s: float, tokens: int) -> Verdict:
+        """The verdict on a request of about `tokens` tokens arriving at `now_s` (epoch)."""
+        ...
 
-    text: str = ""
-    reasoning: str = ""
-    """Streamed as `delta.reasoning_content` before the text."""
-    tool_calls: list[ScriptedCall] = Field(default_factory=list)
-    chunk_size: int = Field(default=8, ge=1)
-    """Characters per text, reasoning or arguments delta."""
-    chunk_delay_ms: int = Field(default=0, ge=0)
-    """The pace of the stream: chunk i goes out i * chunk_delay_ms after the first."""
-    fault: Fault | None = None
-    fault_after_chunks: int = Field(default=0, ge=0)
-    """For the mid-stream faults: how many data chunks go out before the fault."""
-    fault_times: int = -1
-    """Apply the fault on the first N attempts of this round, then answer normally; -1: always."""
-    fault_message: str | None = None
-    """Error text of an HTTP fault; a default names the fault."""
-    retry_after_s: float | None = None
-    """Sent with http_429 as `retry-after-ms` and a rounded-up `Retry-After`."""
-    usage: Usage | None = None
-    """The usage reported (`cached_tokens` as `prompt_tokens_details`); unset: counted at 4
-    characters a token. The completion stops at the request's `max_completion_tokens`."""
-    omit_usage: bool = False
-    """Send no usage chunk even when the request asks for one (a server that omits it)."""
-    raw_chunks: list[str] | None = None
-    """Sent verbatim as the stream's `data:` lines (then `[DONE]`) instead of the above:
-    arbitrary JSON, fragments or garbage, for fuzzing the stream worker."""
-
-    def chunk_count(self) -> int:
-        """Its data chunks (a usage chunk aside): it lasts (count - 1) * `chunk_delay_ms`."""
-        if self.raw_chunks is not None:
-            return len(self.raw_chunks)
-        return sum(1 for _ in _deltas(_Plan(self, 0, None, "")))
-
-
-Script = list[Round]
-"""Round i answers the request that already holds i assistant messages."""
-
-_SCRIPTS = TypeAdapter(dict[str, Script])
-
-
-def demo_rounds() -> Script:
-    """The `agentq dev` script: two parallel tool calls, then a short summary."""
-    return [
-        Round(
-            reasoning="The user wants a demo: call echo and sleep at the same time.",
-            text="Running two tools in parallel.",
-            tool_calls=[
-                ScriptedCall(name="echo", arguments={"text": "hello"}),
-                ScriptedCall(name="sleep", arguments={"seconds": 2}),
-            ],
-            chunk_size=6,
-            chunk_delay_ms=20,
-        ),
-        Round(
-            text="Both tools finished: echo returned 'hello' and sleep waited 2 seconds.",
-            chunk_size=6,
-            chunk_delay_ms=20,
-        ),
-    ]
-
-
-def first_user_text(messages: Sequence[Any]) -> str:
-    """The text of the first user message; content parts are joined."""
-    for msg in messages:
-        if isinstance(msg, Mapping) and msg.get("role") == "user":
-            content = msg.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-            return ""
-    return ""
-
-
-def system_text(messages: Sequence[Any]) -> str:
-    """The text of the first system message (an agent's instructions), or ""."""
-    for msg in messages:
-        if isinstance(msg, Mapping) and msg.get("role") == "system":
-            content = msg.get("content")
-            return content if isinstance(content, str) else ""
-    return ""
-
-
-def script_key(scripts: Mapping[str, Any], user: str, system: str, model: str) -> str:
-    """Which script answers: the longest key the first user message starts with, else
-    `system:<prefix>` of the instructions, else `model:<name>`, else "default"."""
-    plain = [
-        k
-        for k in scripts
-        if k != DEFAULT_KEY and not k.startswith(("system:", "model:")) and user.startswith(k)
-    ]
-    if plain:
-        return max(plain, key=len)
-    by_system = [
-        k for k in scripts if k.startswith("system:") and system and system.startswith(k[7:])
-    ]
-    if by_system:
-        return max(by_system, key=len)
-    if f"model:{model}" in scripts:
-        return f"model:{model}"
-    return DEFAULT_KEY
-
-
-def round_index(messages: Sequence[Any]) -> int:
-    """Which round a request asks for: the assistant messages it already holds."""
-    return sum(1 for m in messages if isinstance(m, Mapping) and m.get("role") == "assistant")
-
-
-@dataclass
-class _Plan:
-    round: Round
-    index: int
-    fault: Fault | None
-    model: str
+    def reset(self) -> None:
+        """Forget what was counted (ScriptedOpenAIServer.reset)."""
+        ...
 
 
 class ScriptedOpenAIServer(Started):
@@ -212,11 +123,21 @@ class ScriptedOpenAIServer(Started):
         host: str = "127.0.0.1",
         port: int = 0,
         model: str = "scripted",
-        limits: ProviderLimits | None = None,
+        rate_limit: RateLimit | None = None,
         api_key: str | None = None,
+        refuse_chat_tools: bool = False,
+        responses_api: bool = True,
+        close_connections: bool = False,
     ) -> None:
-        self.limits = limits or ProviderLimits()
-        """The provider's rate limits and overloaded answers (off unless set)."""
+        self.refuse_chat_tools = refuse_chat_tools
+        """Play a reasoning model that refuses function tools on Chat Completions (400)."""
+        self.responses_api = responses_api
+        """Serve `POST /v1/responses`; False: 404, as an older compatible server."""
+        self.rate_limit = rate_limit
+        """The provider's rate limits and overloaded answers (None: every request admitted)."""
+        self.close_connections = close_connections
+        """Close the connection after every answer (`Connection: close`), as some proxies
+        do; `Round.close_connection` does it for one round."""
         self.api_key = api_key
         """When set, a request without `Authorization: Bearer <api_key>` gets OpenAI's 401."""
         self.scripts: dict[str, list[Round]] = {k: list(v) for k, v in (scripts or {}).items()}
@@ -228,7 +149,7 @@ class ScriptedOpenAIServer(Started):
         self._attempts: dict[tuple[str, int, str], int] = {}
         self._open_streams = 0
         self._closed_by_client = 0
-        self._http: BackgroundHTTPServer | None = None
+        self._http: ThreadedServer | None = None
 
     @property
     def url(self) -> str:
@@ -264,12 +185,13 @@ class ScriptedOpenAIServer(Started):
             self.requests.clear()
             self._attempts.clear()
             self._closed_by_client = 0
-        self.limits.reset()
+        if self.rate_limit is not None:
+            self.rate_limit.reset()
 
     def start(self) -> ScriptedOpenAIServer:
         if self._http is not None:
             return self
-        http = BackgroundHTTPServer(
+        http = ThreadedServer(
             self._answer, host=self._host, port=self._port, name="scripted-openai-server"
         )
         http.start()
@@ -294,9 +216,7 @@ class ScriptedOpenAIServer(Started):
         with self._lock:
             self._closed_by_client += 1
 
-    def _plan(self, body: Mapping[str, Any]) -> _Plan:
-        messages = body.get("messages")
-        messages = messages if isinstance(messages, list) else []
+    def _plan(self, messages: list[Any], body: Mapping[str, Any]) -> Plan:
         user = first_user_text(messages)
         index = round_index(messages)
         with self._lock:
@@ -308,96 +228,113 @@ class ScriptedOpenAIServer(Started):
             self._attempts[counter] = attempt
         applies = rnd.fault is not None and (rnd.fault_times < 0 or attempt <= rnd.fault_times)
         model = body.get("model")
-        return _Plan(rnd, index, rnd.fault if applies else None, str(model or self.model))
+        return Plan(rnd, index, rnd.fault if applies else None, str(model or self.model))
 
-    async def _answer(self, conn: Conn, request: Request) -> bool:
-        """Answer one request on the server's loop; False when the connection is spent."""
+    async def _answer(self, conn: Conn, request: Request) -> None:
+        """Answer one request on the server's loop."""
+        conn.close = self.close_connections
         try:
-            return await self._route(conn, request)
+            await self._route(conn, request)
         except ClientGone:
             self._client_gone()
-            return False
 
-    async def _route(self, conn: Conn, request: Request) -> bool:
-        route = request.path.rstrip("/")
-        if request.method == "GET":
+    async def _route(self, conn: Conn, request: Request) -> None:
+        path, method = request.scope["path"], request.method
+        route = path.rstrip("/")
+        if method == "GET":
             if route == "/v1/models":
                 data = [{"id": self.model, "object": "model", "created": 0, "owned_by": "agentq"}]
                 return await _json(conn, 200, {"object": "list", "data": data})
-            return await _error(conn, 404, "not_found", f"no route GET {request.target}")
-        if request.method != "POST":
-            return await _error(conn, 405, "method_not_allowed", f"{request.method} not served")
-        if route != "/v1/chat/completions":
-            return await _error(conn, 404, "not_found", f"no route POST {request.target}")
+            return await _error(conn, 404, "not_found", f"no route GET {path}")
+        if method != "POST":
+            return await _error(conn, 405, "method_not_allowed", f"{method} not served")
+        chat = route == "/v1/chat/completions"
+        if not chat and (route != RESPONSES_ROUTE or not self.responses_api):
+            return await _error(conn, 404, "not_found", f"no route POST {path}")
         key = self.api_key
         if key is not None and request.headers.get("authorization") != f"Bearer {key}":
             return await _error(conn, 401, "invalid_api_key", "Incorrect API key provided")
         try:
-            body = json.loads(request.body or b"null")
+            body = json.loads(await request.body() or b"null")
         except ValueError as exc:
             msg = f"request body is not JSON: {exc}"
             return await _error(conn, 400, "invalid_request_error", msg)
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return await _error(conn, 400, "invalid_request_error", "'messages' must be a list")
+        if not isinstance(body, dict):
+            return await _error(conn, 400, "invalid_request_error", "the body must be an object")
+        problem = _chat_problem(body) if chat else input_problem(body)
+        if problem is not None:
+            return await _error(conn, 400, "invalid_request_error", problem)
         self._record(body)
-        plan = self._plan(body)
-        usage = _usage(plan.round, body)
-        verdict = self.limits.check(time.time(), usage["total_tokens"])
-        if verdict.status != 200:
-            return await _error(
-                conn, verdict.status, verdict.kind, verdict.message, headers=verdict.headers
-            )
+        if chat and body.get("tools") and self.refuse_chat_tools:
+            refusal = chat_tools_refusal(str(body.get("model") or self.model))
+            return await _error(conn, 400, "invalid_request_error", refusal)
+        plan = self._plan(body["messages"] if chat else input_messages(body), body)
+        conn.close = conn.close or plan.round.close_connection
+        headers: Mapping[str, str] = {}
+        if self.rate_limit is not None:
+            usage = _usage(plan.round, body) if chat else usage_of(plan.round, body)
+            verdict = self.rate_limit.check(time.time(), usage["total_tokens"])
+            if verdict.status != 200:
+                status, kind, message = verdict.status, verdict.kind, verdict.message
+                return await _error(conn, status, kind, message, headers=verdict.headers)
+            headers = verdict.headers
         if plan.fault in _HTTP_FAULTS:
             status, kind, message = _HTTP_FAULTS[plan.fault]
             rnd = plan.round
             return await _error(conn, status, kind, rnd.fault_message or message, rnd.retry_after_s)
-        answer = _Answer(self, conn, plan, body, verdict.headers)
-        return await (answer.stream() if body.get("stream") else answer.complete())
+        answer = (
+            _Answer(conn, plan, body, headers)
+            if chat
+            else ResponsesAnswer(conn, plan, body, headers)
+        )
+        if not body.get("stream"):
+            return await answer.complete()
+        # Counted before the headers go out, so a client holding the response sees it.
+        self._count_stream(+1)
+        try:
+            await answer.stream()
+        finally:
+            self._count_stream(-1)
+
+
+def _chat_problem(body: Mapping[str, Any]) -> str | None:
+    """Why a chat request is malformed, or None."""
+    return None if isinstance(body.get("messages"), list) else "'messages' must be a list"
 
 
 def _usage(rnd: Round, body: Mapping[str, Any]) -> dict[str, Any]:
-    """The round's usage as OpenAI reports it."""
-    cached = 0
-    if rnd.usage is not None:
-        prompt, completion = rnd.usage.prompt_tokens, rnd.usage.completion_tokens
-        cached = rnd.usage.cached_tokens
-    else:
-        prompt = len(json.dumps(body.get("messages", []))) // 4 + 1
-        chars = len(rnd.text) + len(rnd.reasoning)
-        completion = (chars + sum(len(c.arguments_json()) for c in rnd.tool_calls)) // 4 + 1
+    """The round's usage as Chat Completions reports it."""
+    prompt_chars = len(json.dumps(body.get("messages", [])))
     cap = body.get("max_completion_tokens")
-    if isinstance(cap, int) and cap >= 0:
-        completion = min(completion, cap)
+    prompt, completion, cached, reasoning = usage_counts(rnd, prompt_chars, cap)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        "completion_tokens_details": {"reasoning_tokens": reasoning},
     }
 
 
-def _pieces(text: str, size: int) -> list[str]:
-    return [text[i : i + size] for i in range(0, len(text), size)]
-
-
-def _call(plan: _Plan, position: int, call: ScriptedCall, arguments: str) -> dict[str, Any]:
+def _call(plan: Plan, position: int, call: ScriptedCall, arguments: str) -> dict[str, Any]:
     call_id = call.id or f"call_r{plan.index}_{position}"
     function = {"name": call.name, "arguments": arguments}
     return {"id": call_id, "type": "function", "function": function}
 
 
-def _deltas(plan: _Plan) -> Iterator[tuple[dict[str, Any], str | None]]:
+def _deltas(plan: Plan) -> Iterator[tuple[dict[str, Any], str | None]]:
     """(delta, finish_reason) of every choice chunk, in the order OpenAI sends them."""
     rnd = plan.round
-    for piece in _pieces(rnd.reasoning, rnd.chunk_size):
+    for piece in pieces(rnd.reasoning, rnd.chunk_size):
         yield {"reasoning_content": piece}, None
-    for piece in _pieces(rnd.text, rnd.chunk_size):
+    for piece in pieces(rnd.text, rnd.chunk_size):
         yield {"content": piece}, None
     for position, call in enumerate(rnd.tool_calls):
         yield {"tool_calls": [{"index": position, **_call(plan, position, call, "")}]}, None
-        for piece in _pieces(call.arguments_json(), rnd.chunk_size):
+        for piece in pieces(call.arguments_json(), rnd.chunk_size):
             yield {"tool_calls": [{"index": position, "function": {"arguments": piece}}]}, None
-    yield {}, "tool_calls" if rnd.tool_calls else "stop"
+    finish = "length" if plan.fault == "incomplete" else "stop"
+    yield {}, "tool_calls" if rnd.tool_calls else finish
 
 
 class _Answer:
@@ -405,29 +342,25 @@ class _Answer:
 
     def __init__(
         self,
-        owner: ScriptedOpenAIServer,
         conn: Conn,
-        plan: _Plan,
+        plan: Plan,
         body: Any,
         headers: Mapping[str, str] | None = None,
     ) -> None:
-        self.owner = owner
         self.conn = conn
         self.plan = plan
         self.body: Mapping[str, Any] = body
         self.headers = dict(headers or {})
         """The rate-limit headers of the answer."""
 
-    async def complete(self) -> bool:
+    async def complete(self) -> None:
         plan, rnd = self.plan, self.plan.round
         if plan.fault in ("silent_after_200", "silent_after_chunks", "keepalive_only"):
             await self._hold(keepalive=False)
         if plan.fault == "disconnect":
-            self.conn.cut()
-            return False
+            return await self.conn.cut()
         if plan.fault == "malformed":
-            await self.conn.respond(200, b"{not json", _JSON)
-            return True
+            return await self.conn.respond(200, b"{not json", _JSON)
         message: dict[str, Any] = {"role": "assistant", "content": rnd.text or None}
         if rnd.reasoning:
             message["reasoning_content"] = rnd.reasoning
@@ -446,17 +379,9 @@ class _Answer:
         }
         return await _json(self.conn, 200, completion, self.headers)
 
-    async def stream(self) -> bool:
-        """Stream the round; False when a fault left the body unfinished."""
-        # Counted before the headers go out, so a client holding the response sees it.
-        self.owner._count_stream(+1)
-        try:
-            await self.conn.start_chunked(200, {**_SSE, **self.headers})
-            return await self._stream_body()
-        finally:
-            self.owner._count_stream(-1)
-
-    async def _stream_body(self) -> bool:
+    async def stream(self) -> None:
+        """Stream the round, or as much of it as its fault lets through."""
+        await self.conn.start_chunked(200, {**_SSE, **self.headers})
         plan, rnd, body = self.plan, self.plan.round, self.body
         base = {
             "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
@@ -467,8 +392,7 @@ class _Answer:
         if rnd.raw_chunks is not None:
             for raw in rnd.raw_chunks:
                 await self._event(raw)
-            await self.conn.end_chunked(b"data: [DONE]\n\n")
-            return True
+            return await self.conn.end_chunked(b"data: [DONE]\n\n")
         # The chunk's fixed fields encoded once: a thousand streams made the server's JSON
         # encoding the bench's busiest code. The bytes are json.dumps({**base, "choices": ...}).
         head = json.dumps(base)[:-1] + ', "choices": ['
@@ -479,7 +403,7 @@ class _Answer:
         sent = 0
         for delta, finish in _deltas(plan):
             if sent == fault_at and await self._fault():
-                return False
+                return
             if sent and delay_s:
                 # On a fixed schedule, as a model makes tokens at its own pace: a chunk this
                 # busy server sends late does not push back the ones after it.
@@ -490,12 +414,11 @@ class _Answer:
             await self._event(f"{head}{json.dumps(choice)}]}}")
             sent += 1
         if sent <= fault_at and await self._fault():
-            return False
+            return
         options = body.get("stream_options")
         if isinstance(options, Mapping) and options.get("include_usage") and not rnd.omit_usage:
             await self._event(json.dumps({**base, "choices": [], "usage": _usage(rnd, body)}))
         await self.conn.end_chunked(b"data: [DONE]\n\n")
-        return True
 
     async def _fault(self) -> bool:
         """Play a mid-stream fault; True when the stream must end here."""
@@ -506,30 +429,29 @@ class _Answer:
             await self._hold(keepalive=True)
         if fault == "disconnect":
             # No terminating chunk: the client sees the body cut short.
-            self.conn.cut()
+            await self.conn.cut()
             return True
         if fault == "malformed":
             await self._event("{not json")
             self.plan.fault = None
+        if fault == "failed":
+            message = self.plan.round.fault_message or "scripted fault: the model failed"
+            await self._event(json.dumps({"error": {"message": message, "type": "server_error"}}))
+            await self.conn.end_chunked(b"data: [DONE]\n\n")
+            return True
         return False
 
     async def _event(self, data: str) -> None:
         await self.conn.send_chunk(f"data: {data}\n\n".encode())
 
     async def _hold(self, *, keepalive: bool) -> NoReturn:
-        """Send no data (SSE comments at most) until the client leaves; stop() cancels us."""
-        while True:
-            if keepalive:
-                await self.conn.send_chunk(b": keep-alive\n\n")
-            if await self.conn.wait_gone(_KEEPALIVE_S if keepalive else None):
-                raise ClientGone
+        await hold(self.conn, keepalive=keepalive)
 
 
 async def _json(
     conn: Conn, status: int, payload: object, headers: Mapping[str, str] | None = None
-) -> bool:
+) -> None:
     await conn.respond(status, json.dumps(payload).encode(), {**_JSON, **(headers or {})})
-    return True
 
 
 async def _error(
@@ -539,17 +461,16 @@ async def _error(
     message: str,
     retry_after_s: float | None = None,
     headers: Mapping[str, str] | None = None,
-) -> bool:
+) -> None:
     headers = {**_JSON, **(headers or {})}
     if retry_after_s is not None:
         headers["retry-after-ms"] = str(int(retry_after_s * 1000))
         headers["Retry-After"] = str(max(1, int(-(-retry_after_s // 1))))
     await conn.respond(status, error_body(kind, message), headers)
-    return True
 
 
 def _load_script_file(path: str) -> dict[str, Script]:
-    return _SCRIPTS.validate_json(Path(path).read_bytes())
+    return SCRIPTS.validate_json(Path(path).read_bytes())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -561,10 +482,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--script", choices=["demo", "none"], default="demo")
     parser.add_argument("--script-file", help='JSON: {"key": [round, ...]}')
-    parser.add_argument("--requests-per-s", type=float, help="admit at most this many a second")
-    parser.add_argument("--tokens-per-s", type=float, help="admit at most this many tokens")
-    parser.add_argument("--limiter", choices=sorted(SHAPES), default="window", help="its shape")
-    parser.add_argument("--overloaded-every", type=int, help="answer every Nth request 503")
+    parser.add_argument(
+        "--close-connections",
+        action="store_true",
+        help="close the connection after every answer, as some proxies do",
+    )
     args = parser.parse_args(argv)
 
     scripts: dict[str, list[Round]] = {}
@@ -572,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         scripts[DEFAULT_KEY] = demo_rounds()
         from agentq.testing.agents import demo_scripts
 
-        scripts.update(_SCRIPTS.validate_python(demo_scripts()))
+        scripts.update(SCRIPTS.validate_python(demo_scripts()))
     if args.script_file:
         scripts.update(_load_script_file(args.script_file))
 
@@ -583,13 +505,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    limits = ProviderLimits(
-        requests_per_s=args.requests_per_s,
-        tokens_per_s=args.tokens_per_s,
-        overloaded_every=args.overloaded_every,
+    server = ScriptedOpenAIServer(
+        scripts, host=args.host, port=args.port, close_connections=args.close_connections
     )
-    limits.set_shape(args.limiter)
-    with ScriptedOpenAIServer(scripts, host=args.host, port=args.port, limits=limits) as server:
+    with server:
         print(f"listening on {server.url}", flush=True)
         while not stop.wait(0.5):
             pass

@@ -177,4 +177,4 @@ def held(ctx: ToolContext, seconds: float = 600) -> str:
 
 
 # The async tools register with these: one AGENTQ_TOOLS module serves both tool workers.
-from agentq.testing import aio_tools as _aio_tools  # noqa: E402, F401
+import agentq.testing.aio_tools as _aio_tools  # noqa: E402, F401

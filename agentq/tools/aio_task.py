@@ -32,17 +32,17 @@ from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     CallScope,
+    Waiting,
     call_kwargs,
     check_value,
     mark_started,
     ok_result,
     progress_fields,
     raised_result,
-    secret_reader,
     settle,
     tick_fields,
+    tool_context,
 )
-from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import cancelled_result, lost_result, timeout_result
 
@@ -111,144 +111,143 @@ async def _run_async_call(
     host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any = None
 ) -> str:
     req = scope.req
-    store = host.store
-    settings = host.settings
     scope.started = time.time()
-    why_not = await host.io(mark_started, store, scope, delivery, within_limit=True)
+    why_not = await host.io(mark_started, host.store, scope, delivery, within_limit=True)
     if why_not is not None:
         log.info("call %s of %s: %s", req.call_id, spec.name, why_not)
         return why_not
-    loop = asyncio.get_running_loop()
-    aborted = threading.Event()
-    abort_wait = asyncio.Event()
-    soft_fired = [False]
-    last_flower = [time.monotonic()]
-
-    def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        meta = progress_fields(scope, message, pct, fields)
-        host.fire(store.bus.publish, req.turn_id, "tool_progress", **meta)
-        now = time.monotonic()
-        if backend is not None and scope.task_id and now - last_flower[0] >= FLOWER_PROGRESS_S:
-            last_flower[0] = now
-            host.fire(backend.store_result, scope.task_id, meta, "PROGRESS")
-
-    ctx = ToolContext(
-        turn_id=req.turn_id,
-        call_id=req.call_id,
-        tool=req.tool,
-        started_at=scope.started,
-        timeout_s=req.timeout_s,
-        soft_timeout_s=req.soft_timeout_s,
-        is_cancelled=aborted.is_set,
-        on_progress=on_progress,
-        read_secret=secret_reader(store, req),
-        attempt=req.attempt,
-    )
-    name = f"{spec.task_name}:{req.call_id}"
+    call = _AsyncCall(host, spec, scope, backend)
     try:
-        kwargs = call_kwargs(spec, req)
+        inner = call.start(call_kwargs(spec, req))
     except Exception as exc:
-        await host.io(settle, store, scope, raised_result(scope, exc))
+        await host.io(settle, host.store, scope, raised_result(scope, exc))
         return "error"
+    result = await call.wait(inner)
+    if call.claim():  # else the worker's recycling settled it first
+        await host.io(settle, host.store, scope, result)
+    return result.status
 
-    def on_abort() -> None:
-        aborted.set()
-        ctx._cancelled = True
-        abort_wait.set()
 
-    inner: asyncio.Future[Any]
-    if spec.kind == "thread":
-        fn = (
-            functools.partial(spec.fn, ctx, **kwargs)
-            if spec.wants_ctx
-            else functools.partial(spec.fn, **kwargs)
-        )
-        inner = loop.run_in_executor(host.threads, fn)
-    else:
-        try:
-            made = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
-        except Exception as exc:
-            await host.io(settle, store, scope, raised_result(scope, exc))
-            return "error"
-        inner = loop.create_task(_await(made), name=name)
-    settled = threading.Lock()
-    done_flag = [False]
+class _AsyncCall:
+    """One call on the loop: its ToolContext, its limits, and one settle however it ends
+    (the tool's own end, its hard limit, an abort, or the worker recycling it)."""
 
-    def settle_sync(result: ToolResult) -> bool:
-        with settled:
-            if done_flag[0]:
-                return False
-            done_flag[0] = True
-        settle(store, scope, result)
-        return True
+    def __init__(self, host: LoopHost, spec: ToolSpec, scope: CallScope, backend: Any) -> None:
+        self.host, self.spec, self.scope, self.backend = host, spec, scope, backend
+        req = self.req = scope.req
+        self.name = f"{spec.task_name}:{req.call_id}"
+        self.aborted = threading.Event()
+        self.abort_wait = asyncio.Event()
+        self.soft_fired = False
+        self._flower_at = time.monotonic()
+        self._settled = threading.Lock()
+        self._claimed = False
+        self.ctx = tool_context(host.store, scope, self.aborted.is_set, self._progress)
 
-    def on_recycle(why: str, blocked: bool) -> None:
+    def _progress(self, message: str, pct: float | None, fields: dict[str, Any]) -> None:
+        meta = progress_fields(self.scope, message, pct, fields)
+        self.host.fire(self.host.store.bus.publish, self.req.turn_id, "tool_progress", **meta)
+        now = time.monotonic()
+        task_id = self.scope.task_id
+        if self.backend is not None and task_id and now - self._flower_at >= FLOWER_PROGRESS_S:
+            self._flower_at = now
+            self.host.fire(self.backend.store_result, task_id, meta, "PROGRESS")
+
+    def _abort(self) -> None:
+        self.aborted.set()
+        self.ctx._cancelled = True
+        self.abort_wait.set()
+
+    def claim(self) -> bool:
+        """Whether the asker settles the call: the first to ask does, nobody after it."""
+        with self._settled:
+            claimed, self._claimed = self._claimed, True
+        return not claimed
+
+    def _recycled(self, why: str, blocked: bool) -> None:
+        scope, req = self.scope, self.req
         if blocked:
-            settle_sync(
-                timeout_result(
-                    scope.call,
-                    req.timeout_s,
-                    killed=True,
-                    what=f"Tool {req.tool!r}: {why}.",
-                    **scope.without_timeout,
-                )
+            what = f"Tool {req.tool!r}: {why}."
+            result = timeout_result(
+                scope.call, req.timeout_s, killed=True, what=what, **scope.without_timeout
             )
         else:
-            settle_sync(lost_result(scope.call, why, **scope.common))
+            result = lost_result(scope.call, why, **scope.common)
+        if self.claim():
+            settle(self.host.store, scope, result)
 
-    host.running[name] = Running(req.turn_id, f"call {req.call_id} of tool {req.tool}", on_recycle)
-    remove_cancel = host.cancels.add(req.turn_id, on_abort)
-    ticker = loop.create_task(_tick(host, scope, settings.progress_interval_s))
-    soft_timer = None
-    if req.soft_timeout_s and spec.kind == "async":
+    def start(self, kwargs: dict[str, Any]) -> asyncio.Future[Any]:
+        """The tool's run: a task on the loop, or a thread of the pool (`thread=True`)."""
+        spec = self.spec
+        args = (self.ctx,) if spec.wants_ctx else ()
+        loop = asyncio.get_running_loop()
+        if spec.kind == "thread":
+            return loop.run_in_executor(
+                self.host.threads, functools.partial(spec.fn, *args, **kwargs)
+            )
+        return loop.create_task(_await(spec.fn(*args, **kwargs)), name=self.name)
 
-        def soft() -> None:
-            if not inner.done():
-                soft_fired[0] = True
-                inner.cancel(SOFT_LIMIT_MESSAGE)
+    def _soft(self, inner: asyncio.Future[Any]) -> None:
+        if not inner.done():
+            self.soft_fired = True
+            inner.cancel(SOFT_LIMIT_MESSAGE)
 
-        soft_timer = loop.call_later(max(0.0, req.soft_timeout_s - _elapsed(scope)), soft)
-    hard_left = max(0.0, req.timeout_s - _elapsed(scope)) if req.timeout_s > 0 else None
-    if hard_left is not None:
-        host.loop.watch(name, time.monotonic() + hard_left)
-    waiter = loop.create_task(abort_wait.wait())
-    try:
-        done, _ = await asyncio.wait(
-            {inner, waiter}, timeout=hard_left, return_when=asyncio.FIRST_COMPLETED
+    async def wait(self, inner: asyncio.Future[Any]) -> ToolResult | Waiting:
+        """Until the tool ends, its hard limit or an abort: the call's result."""
+        host, scope, req = self.host, self.scope, self.req
+        loop = asyncio.get_running_loop()
+        host.running[self.name] = Running(
+            req.turn_id, f"call {req.call_id} of tool {req.tool}", self._recycled
         )
-    finally:
-        host.loop.unwatch(name)
-        remove_cancel()
-        ticker.cancel()
-        waiter.cancel()
-        if soft_timer is not None:
-            soft_timer.cancel()
-    if inner in done:
-        result = _outcome(spec, scope, inner, soft_fired[0], aborted.is_set(), host)
-    elif waiter in done:
-        inner.cancel()
-        result = cancelled_result(scope.call, "user", **scope.common)
-    else:
-        inner.cancel()
-        what = (
-            f"Tool {req.tool!r} was cancelled at its hard time limit of {req.timeout_s:g}s; "
-            "it is not running any more."
-            if spec.kind == "async"
-            else f"Tool {req.tool!r} did not finish within its hard time limit of "
-            f"{req.timeout_s:g}s; its thread was abandoned and may still be running."
-        )
-        result = timeout_result(
-            scope.call, req.timeout_s, killed=True, what=what, **scope.without_timeout
-        )
-    if not inner.done():
-        inner.add_done_callback(_forget)
-    host.running.pop(name, None)
-    with settled:
-        if done_flag[0]:
-            return result.status
-        done_flag[0] = True
-    await host.io(settle, store, scope, result)
-    return result.status
+        remove_cancel = host.cancels.add(req.turn_id, self._abort)
+        ticker = loop.create_task(_tick(host, scope, host.settings.progress_interval_s))
+        soft_timer = None
+        if req.soft_timeout_s and self.spec.kind == "async":
+            soft_left = max(0.0, req.soft_timeout_s - _elapsed(scope))
+            soft_timer = loop.call_later(soft_left, self._soft, inner)
+        hard_left = max(0.0, req.timeout_s - _elapsed(scope)) if req.timeout_s > 0 else None
+        if hard_left is not None:
+            host.loop.watch(self.name, time.monotonic() + hard_left)
+        waiter = loop.create_task(self.abort_wait.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {inner, waiter}, timeout=hard_left, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            host.loop.unwatch(self.name)
+            remove_cancel()
+            ticker.cancel()
+            waiter.cancel()
+            if soft_timer is not None:
+                soft_timer.cancel()
+        result: ToolResult | Waiting
+        if inner in done:
+            aborted = self.aborted.is_set()
+            result = _outcome(self.spec, scope, inner, self.soft_fired, aborted, host)
+        elif waiter in done:
+            inner.cancel()
+            result = cancelled_result(scope.call, "user", **scope.common)
+        else:
+            inner.cancel()
+            result = _at_hard_limit(self.spec, scope)
+        if not inner.done():
+            inner.add_done_callback(_forget)
+        host.running.pop(self.name, None)
+        return result
+
+
+def _at_hard_limit(spec: ToolSpec, scope: CallScope) -> ToolResult:
+    req = scope.req
+    what = (
+        f"Tool {req.tool!r} was cancelled at its hard time limit of {req.timeout_s:g}s; "
+        "it is not running any more."
+        if spec.kind == "async"
+        else f"Tool {req.tool!r} did not finish within its hard time limit of "
+        f"{req.timeout_s:g}s; its thread was abandoned and may still be running."
+    )
+    return timeout_result(
+        scope.call, req.timeout_s, killed=True, what=what, **scope.without_timeout
+    )
 
 
 def _outcome(
@@ -258,7 +257,7 @@ def _outcome(
     soft_fired: bool,
     aborted: bool,
     host: LoopHost,
-) -> ToolResult:
+) -> ToolResult | Waiting:
     req = scope.req
     if inner.cancelled():
         if aborted:

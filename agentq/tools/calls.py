@@ -22,10 +22,12 @@ from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
 from agentq.state.held import held_writes
-from agentq.tools.context import Partial
+from agentq.state.waitpoints import Opened, waitpoints
+from agentq.tools.context import Partial, ToolContext, Waitpoint
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import cancelled_result, error_result, record_for
 from agentq.tools.timing import overran, truncate_text
+from agentq.webhooks.task import queue_waiting
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -110,12 +112,94 @@ def start_deadline(timeout_s: float, now: float) -> float:
     return now + (min(HOLD_START_S, timeout_s / 2) if timeout_s > 0 else HOLD_START_S)
 
 
-def settle(store: TurnStore, scope: CallScope, result: ToolResult) -> None:
-    """Settle the call with what it returned or raised (its scope's fields added).
+@dataclass(frozen=True)
+class Waiting:
+    """What a call's run ended with when its tool returned a Waitpoint: not a result, a
+    wait that `settle` records (its completion, timeout or abort settles the call)."""
+
+    waitpoint: Waitpoint
+    status: str = "waiting"
+
+
+def waiting(scope: CallScope, wp: Waitpoint, settings: Settings) -> Waiting:
+    """The call's wait, once its Waitpoint is checked (ToolMisuse: not a finite timeout,
+    or over the ceiling)."""
+    timeout_s = wp.timeout_s
+    ceiling_s = settings.waitpoint_max_timeout_s
+    if not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+        raise ToolMisuse(
+            scope.req.tool,
+            f"it returned a Waitpoint with timeout_s={timeout_s!r}; a waitpoint needs a "
+            f"finite timeout_s in seconds, > 0 and at most {ceiling_s:g} "
+            "(AGENTQ_WAITPOINT_MAX_TIMEOUT_S)",
+        )
+    if timeout_s > ceiling_s:
+        raise ToolMisuse(
+            scope.req.tool,
+            f"it returned a Waitpoint with timeout_s={timeout_s:g}, over the ceiling of "
+            f"{ceiling_s:g} s (AGENTQ_WAITPOINT_MAX_TIMEOUT_S)",
+        )
+    try:
+        json.dumps({"data": wp.data, "key": wp.idempotency_key, "tags": list(wp.tags)})
+    except (TypeError, ValueError) as exc:
+        raise ToolMisuse(
+            scope.req.tool, f"its Waitpoint's data, idempotency_key and tags must be JSON ({exc})"
+        ) from None
+    return Waiting(wp)
+
+
+def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
+    """Record the call's waitpoint and publish tool_waiting; the call's process is free
+    once this returns. Held while Redis is away, as a result is."""
+    req, wp = scope.req, wait.waitpoint
+    wp_id, _, url = waitpoints(store).waitpoint_address(req.turn_id, req.call_id)
+    now = time.time()
+    record = {
+        "id": wp_id,
+        "tool": req.tool,
+        "opened_at": now,
+        "started_at": scope.started,
+        "deadline_ms": int((now + wp.timeout_s) * 1000),
+        "timeout_s": wp.timeout_s,
+        "task_id": scope.task_id,
+        "worker": scope.worker,
+        "data": wp.data,
+        "idempotency_key": wp.idempotency_key,
+        "tags": list(wp.tags),
+    }
+    event = {
+        "call_id": req.call_id,
+        "tool": req.tool,
+        "waitpoint_id": wp_id,
+        "timeout_s": wp.timeout_s,
+        "callback_url": url,
+        "data": wp.data,
+        "idempotency_key": wp.idempotency_key,
+        "tags": list(wp.tags),
+    }
+    opened = held_writes.hold(
+        lambda: waitpoints(store).open_waitpoint(req.turn_id, req.call_id, record, event),
+        settle_deadline(scope, get_settings().tool_grace_s),
+        f"the waitpoint of call {req.call_id} ({req.tool})",
+    )
+    if opened is Opened.OPENED:
+        try:
+            queue_waiting(store, get_settings(), req.turn_id, event)
+        except Exception:
+            # The wait is recorded and published: its webhook is a courtesy on top.
+            log.warning("turn.waiting webhook of call %s not queued", req.call_id, exc_info=True)
+
+
+def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> None:
+    """Settle the call with what it returned or raised (its scope's fields added), or open
+    its waitpoint.
 
     A result computed while Redis is away waits here, and is written when Redis answers
     again: first writer wins, so a write whose answer was lost and is sent again, or one
     the turn's `lost` beat, changes nothing."""
+    if isinstance(result, Waiting):
+        open_wait(store, scope, result)
+        return
     finished = scope.finish(result)
     held_writes.hold(
         lambda: store.settle(scope.req.turn_id, finished, alone=scope.alone),
@@ -177,18 +261,35 @@ def mark_started(
     return None
 
 
-def secret_reader(store: TurnStore, req: ToolTaskRequest) -> Callable[[], str | None]:
+def tool_context(
+    store: TurnStore,
+    scope: CallScope,
+    is_cancelled: Callable[[], bool] | None,
+    on_progress: Callable[[str, float | None, dict[str, Any]], None],
+) -> ToolContext:
+    """The call's ToolContext, in a prefork child or on the I/O worker's loop;
+    `is_cancelled` None: the turn's cancel key is asked."""
+    req = scope.req
+
     def read_secret() -> str | None:
         if not req.secret_ref:
             return None
         raw = store.redis.getdel(req.secret_ref)
         return None if raw is None else raw.decode()  # type: ignore[union-attr]
 
-    return read_secret
-
-
-def cancel_probe(store: TurnStore, turn_id: str) -> Callable[[], bool]:
-    return lambda: bool(store.redis.exists(k.cancel_key(turn_id)))
+    return ToolContext(
+        turn_id=req.turn_id,
+        call_id=req.call_id,
+        tool=req.tool,
+        started_at=scope.started,
+        timeout_s=req.timeout_s,
+        soft_timeout_s=req.soft_timeout_s,
+        is_cancelled=is_cancelled or (lambda: bool(store.redis.exists(k.cancel_key(req.turn_id)))),
+        on_progress=on_progress,
+        read_secret=read_secret,
+        attempt=req.attempt,
+        waitpoint=lambda: waitpoints(store).waitpoint_address(req.turn_id, req.call_id),
+    )
 
 
 def progress_fields(
@@ -248,7 +349,9 @@ def check_value(spec: ToolSpec, value: Any) -> Any:
 
 def ok_result(
     scope: CallScope, value: Any, settings: Settings, *, soft_fired: bool = False
-) -> ToolResult:
+) -> ToolResult | Waiting:
+    if isinstance(value, Waitpoint):
+        return waiting(scope, value, settings)
     finished = time.time()
     req = scope.req
     partial = isinstance(value, Partial)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 
 class ToolContext:
@@ -25,6 +26,7 @@ class ToolContext:
         on_progress: Callable[[str, float | None, dict[str, Any]], None] | None = None,
         read_secret: Callable[[], str | None] | None = None,
         attempt: int = 1,
+        waitpoint: Callable[[], tuple[str, str, str]] | None = None,
     ) -> None:
         self.turn_id = turn_id
         self.call_id = call_id
@@ -36,6 +38,7 @@ class ToolContext:
         self._is_cancelled = is_cancelled
         self._on_progress = on_progress
         self._read_secret = read_secret
+        self._waitpoint = waitpoint
         self._cancel_checked_at = 0.0
         self._cancelled = False
 
@@ -75,6 +78,44 @@ class ToolContext:
     def secret(self) -> str | None:
         """The password answered for this call, readable once; never stored anywhere else."""
         return self._read_secret() if self._read_secret is not None else None
+
+    def waitpoint(self) -> WaitpointAddress:
+        """The id, token and callback URL of the waitpoint this call opens if it returns a
+        `Waitpoint`: known before it returns, so the tool can hand them to the system that
+        will complete it (the same for every run of the call)."""
+        if self._waitpoint is None:
+            raise RuntimeError("this call runs outside a tool worker: it has no waitpoint")
+        waitpoint_id, token, url = self._waitpoint()
+        return WaitpointAddress(waitpoint_id, token, url)
+
+
+class WaitpointAddress(NamedTuple):
+    """Where a call's waitpoint is completed: `POST callback_url` with the result's JSON."""
+
+    id: str
+    token: str
+    """The capability: whoever holds it may complete the waitpoint, and nobody else."""
+    callback_url: str
+    """`{AGENTQ_PUBLIC_URL}/v1/waitpoints/{id}?token={token}`."""
+
+
+@dataclass(frozen=True)
+class Waitpoint:
+    """Return `Waitpoint(timeout_s=..., data=...)` to end the call's run with a wait.
+
+    The worker process or I/O slot is released at once; the call stays open, holding
+    nothing, until its waitpoint is completed (`POST` to its callback URL, which
+    `ctx.waitpoint()` gives before the tool returns, `Client.complete_waitpoint`, `agentq
+    waitpoint complete`): the completion's JSON is the call's result. Past `timeout_s`
+    (required, finite, at most AGENTQ_WAITPOINT_MAX_TIMEOUT_S) the call settles `timeout`.
+    `data` is published with `tool_waiting` (what the waiter is told); `idempotency_key`
+    and `tags` are kept with it for whoever lists or routes waits.
+    """
+
+    timeout_s: float
+    data: Any = None
+    idempotency_key: str | None = None
+    tags: tuple[str, ...] = field(default_factory=tuple)
 
 
 class Partial:

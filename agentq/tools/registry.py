@@ -13,8 +13,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from agentq.config import get_settings
 from agentq.constants import TOOL_TASK_PREFIX
 from agentq.errors import ToolArgumentsInvalid, ToolDefinitionError, UnknownTool
+from agentq.models import InteractionKind
 from agentq.tools.context import ToolContext
-from agentq.tools.policy import ResolvedPolicy, ToolPolicy
+from agentq.tools.policy import Approval, Concurrency, ResolvedPolicy, ToolPolicy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,7 +145,19 @@ def tool(
     *,
     name: str | None = None,
     description: str | None = None,
-    **policy: Any,
+    timeout_s: float | None = None,
+    soft_timeout_s: float | None = None,
+    budget_s: float | None = None,
+    max_timeout_s: float | None = None,
+    concurrency: Concurrency = "parallel",
+    approval: Approval = "auto",
+    approval_kind: InteractionKind = "approval",
+    approval_timeout_s: float | None = None,
+    approval_default: Literal["approve", "deny"] | None = None,
+    queue: str | None = None,
+    thread: bool = False,
+    idempotent: bool = False,
+    max_retries: int = 1,
 ) -> Callable[[F], F]: ...
 
 
@@ -154,42 +167,76 @@ def tool(
     *,
     name: str | None = None,
     description: str | None = None,
-    **policy: Any,
+    timeout_s: float | None = None,
+    soft_timeout_s: float | None = None,
+    budget_s: float | None = None,
+    max_timeout_s: float | None = None,
+    concurrency: Concurrency = "parallel",
+    approval: Approval = "auto",
+    approval_kind: InteractionKind = "approval",
+    approval_timeout_s: float | None = None,
+    approval_default: Literal["approve", "deny"] | None = None,
+    queue: str | None = None,
+    thread: bool = False,
+    idempotent: bool = False,
+    max_retries: int = 1,
 ) -> Any:
-    """Declare a tool; keyword arguments are its ToolPolicy (timeout_s, budget_s, ...)."""
+    """Declare a tool; the keyword arguments after `description` are its ToolPolicy
+    (see agentq.tools.policy for what each does)."""
+    policy: dict[str, Any] = {
+        "timeout_s": timeout_s,
+        "soft_timeout_s": soft_timeout_s,
+        "budget_s": budget_s,
+        "max_timeout_s": max_timeout_s,
+        "concurrency": concurrency,
+        "approval": approval,
+        "approval_kind": approval_kind,
+        "approval_timeout_s": approval_timeout_s,
+        "approval_default": approval_default,
+        "queue": queue,
+        "thread": thread,
+        "idempotent": idempotent,
+        "max_retries": max_retries,
+    }
 
     def register(f: F) -> F:
-        tool_name = name or f.__name__
-        try:
-            pol = ToolPolicy(**policy)
-        except ValidationError as exc:
-            raise ToolDefinitionError(tool_name, _describe(exc)) from None
-        except TypeError as exc:
-            raise ToolDefinitionError(tool_name, str(exc)) from None
-        kind = _kind(tool_name, f, pol)
-        model, wants_ctx = _args_model(tool_name, f)
-        schema = model.model_json_schema()
-        schema.pop("title", None)
-        for prop in schema.get("properties", {}).values():
-            prop.pop("title", None)
-        doc = description or inspect.getdoc(f) or ""
-        spec = ToolSpec(
-            name=tool_name,
-            fn=f,
-            description=doc.strip(),
-            declared=pol,
-            args_model=model,
-            wants_ctx=wants_ctx,
-            schema=schema,
-            kind=kind,
-        )
-        _REGISTRY[tool_name] = spec
+        spec = spec_of(f, name or f.__name__, description, policy)
+        _REGISTRY[spec.name] = spec
         f.agentq_tool = spec  # type: ignore[attr-defined]
         return f
 
     if fn is not None:
         return register(fn)
     return register
+
+
+def spec_of(
+    f: Callable[..., Any], tool_name: str, description: str | None, policy: dict[str, Any]
+) -> ToolSpec:
+    """The ToolSpec of `f` under `policy` (ToolPolicy's fields), registered nowhere."""
+    try:
+        pol = ToolPolicy.model_validate(policy)
+    except ValidationError as exc:
+        raise ToolDefinitionError(tool_name, _describe(exc)) from None
+    except TypeError as exc:
+        raise ToolDefinitionError(tool_name, str(exc)) from None
+    kind = _kind(tool_name, f, pol)
+    model, wants_ctx = _args_model(tool_name, f)
+    schema = model.model_json_schema()
+    schema.pop("title", None)
+    for prop in schema.get("properties", {}).values():
+        prop.pop("title", None)
+    doc = description or inspect.getdoc(f) or ""
+    return ToolSpec(
+        name=tool_name,
+        fn=f,
+        description=doc.strip(),
+        declared=pol,
+        args_model=model,
+        wants_ctx=wants_ctx,
+        schema=schema,
+        kind=kind,
+    )
 
 
 _refreshers: list[Callable[[], None]] = []

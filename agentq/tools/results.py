@@ -90,6 +90,31 @@ def timeout_result(
     )
 
 
+def waitpoint_timeout(call: ToolCall, waitpoint: dict[str, Any]) -> ToolResult:
+    """A waitpoint nobody completed by its deadline (`waitpoint`: its record)."""
+    timeout_s = float(waitpoint["timeout_s"])
+    what = (
+        f"Tool {call.name!r} waited {timeout_s:g}s for waitpoint {waitpoint['id']} and "
+        "nobody completed it; it is closed now."
+    )
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="timeout",
+        content=json.dumps({"status": "timeout", "error": what}),
+        error=what,
+        record=record_for(
+            call,
+            "timeout",
+            timeout_s=timeout_s,
+            task_id=waitpoint.get("task_id"),
+            worker=waitpoint.get("worker"),
+            started_at=waitpoint.get("started_at"),
+            waitpoint_id=waitpoint["id"],
+        ),
+    )
+
+
 def cancelled_result(call: ToolCall, reason: str = "user", **record: Any) -> ToolResult:
     msg = f"Tool {call.name!r} was cancelled because the turn was aborted ({reason})."
     return ToolResult(

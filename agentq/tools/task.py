@@ -27,16 +27,16 @@ from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
     CallScope,
+    Waiting,
     call_kwargs,
-    cancel_probe,
     check_value,
     mark_started,
     ok_result,
     progress_fields,
     raised_result,
-    secret_reader,
     settle,
     tick_fields,
+    tool_context,
 )
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
@@ -229,18 +229,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             except Exception:
                 log.debug("progress not sent to Flower", exc_info=True)
 
-    ctx = ToolContext(
-        turn_id=req.turn_id,
-        call_id=req.call_id,
-        tool=req.tool,
-        started_at=scope.started,
-        timeout_s=req.timeout_s,
-        soft_timeout_s=req.soft_timeout_s,
-        is_cancelled=cancel_probe(store, req.turn_id),
-        on_progress=on_progress,
-        read_secret=secret_reader(store, req),
-        attempt=req.attempt,
-    )
+    ctx = tool_context(store, scope, None, on_progress)
     if tracing.enabled or logs.enabled:
         return _observed(task_id, req, lambda: _run(spec, req, scope, ctx, store, settings))
     return _run(spec, req, scope, ctx, store, settings)
@@ -254,7 +243,7 @@ def _run(
     store: TurnStore,
     settings: Settings,
 ) -> str:
-    result: ToolResult
+    result: ToolResult | Waiting
     try:
         with (
             _ticker.running(store, scope, settings.progress_interval_s),
@@ -387,7 +376,9 @@ def register_tool_tasks(app: Celery, specs: dict[str, ToolSpec] | None = None) -
                     return submit_call(self, s, req)
                 return run_call(self, s, req)
 
-            run.__name__ = f"tool_{s.name}"
+            # Celery execs a `def` of this name: a tool's own name (an MCP server's may hold
+            # `-` or `.`) must not become Python source.
+            run.__name__ = run.__qualname__ = "run_tool"
             run.__doc__ = s.description
             return run
 

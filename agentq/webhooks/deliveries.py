@@ -68,6 +68,9 @@ class CreateArgs(NamedTuple):
     now: float
     due_at: float
     """A lease from now: the creator sends the first attempt's message itself."""
+    body: str
+    """The body, fixed now (an event's delivery); "": the first attempt builds it (the
+    turn's end), and the turn leaves the waiting set."""
 
 
 # CREATE_LUA: creating a delivery: once per turn (a second ending, a sweep that raced the
@@ -81,7 +84,11 @@ redis.call('HSET', delivery_key, 'id', delivery_id, 'turn_id', turn_id, 'url', u
   'status', 'pending', 'attempts', 0, 'created_at', now, 'next_at', now)
 redis.call('ZADD', due_key, due_at, delivery_id)
 redis.call('ZADD', index_key, now, delivery_id)
-redis.call('ZREM', waiting_key, turn_id)
+if body ~= '' then
+  redis.call('HSET', delivery_key, 'body', body)
+else
+  redis.call('ZREM', waiting_key, turn_id)
+end
 redis.call('HINCRBY', counts_key, 'deliveries:created', 1)
 return 1
 """
@@ -131,10 +138,18 @@ class Deliveries:
         ends it dies before it does (called before the turn is stored)."""
         self.redis.zadd(k.WEBHOOKS_WAITING, {turn_id: check_at})
 
-    def create(self, turn_id: str, url: str, *, lease_s: float) -> str | None:
+    def create(
+        self,
+        turn_id: str,
+        url: str,
+        *,
+        lease_s: float,
+        event: tuple[str, bytes] | None = None,
+    ) -> str | None:
         """Queue the turn's delivery; its id if this call created it (send its first attempt
-        now), None if it existed."""
-        delivery_id = k.webhook_id(turn_id)
+        now), None if it existed. `event`: (id, body) of a delivery of an event of the
+        running turn instead (its body fixed now), due after `lease_s`."""
+        delivery_id = k.webhook_id(turn_id) if event is None else event[0]
         now = time.time()
         keys = CreateKeys(
             k.webhook_key(delivery_id),
@@ -143,7 +158,8 @@ class Deliveries:
             k.WEBHOOKS_WAITING,
             k.WEBHOOK_COUNTS,
         )
-        args = CreateArgs(delivery_id, turn_id, url, now, now + lease_s)
+        body = "" if event is None else event[1].decode()
+        args = CreateArgs(delivery_id, turn_id, url, now, now + lease_s, body)
         created = self._create(keys=list(keys), args=list(args))
         return delivery_id if created else None
 
@@ -263,7 +279,13 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
     status = str(state["status"])
     history = store.history(turn_id)
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
-    counted = ("prompt_tokens", "completion_tokens", "total_tokens", "cached_tokens")
+    counted = (
+        "prompt_tokens",
+        "completion_tokens",
+        "total_tokens",
+        "cached_tokens",
+        "reasoning_tokens",
+    )
     usage: dict[str, Any] = dict.fromkeys(counted, 0)
     usage["rounds"] = 0
     after = "0-0"

@@ -8,12 +8,14 @@ held in a worker's memory and dies with it.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.config import Settings
@@ -67,6 +69,27 @@ def queue_delivery(
         # The turn has ended already, whatever the broker says: the delivery is due in
         # Redis, and a sweep sends it once its lease is over.
         log.warning("webhook %s not sent now (%s); a sweep sends it", created, exc)
+
+
+def queue_waiting(
+    store: TurnStore, settings: Settings, turn_id: str, event: dict[str, Any]
+) -> str | None:
+    """Queue a `turn.waiting` delivery for a turn with a webhook whose call started waiting
+    on a waitpoint (`event`: its tool_waiting fields); a webhook sweep sends it. Its id, or
+    None (no webhook, or queued already)."""
+    raw = store.redis.hget(k.turn_key(turn_id), "webhook_url")
+    if not raw:
+        return None
+    url = str(json.loads(raw))
+    payload = {
+        "type": "turn.waiting",
+        "timestamp": datetime.now(timezone.utc).isoformat(),
+        "data": {"turn_id": turn_id, **event},
+    }
+    delivery_id = f"{k.webhook_id(turn_id)}_{event['call_id']}"
+    return deliveries(store, settings).create(
+        turn_id, url, lease_s=0.0, event=(delivery_id, encode(payload))
+    )
 
 
 def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_before: int) -> str:

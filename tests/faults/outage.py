@@ -123,7 +123,7 @@ def run_outage(rig: Rig, fault: str, where: Path) -> OutageRun:
             ),
             Round(text="Both calls came back."),
         )
-        paths[rig.client.start_turn(key).turn_id] = (sync, aio)
+        paths[rig.client._start_turn(key).turn_id] = (sync, aio)
     every = [p for pair in paths.values() for p in pair]
     wait_for(lambda: sum(starts(p) for p in every) >= TURNS // 2, 60, message="calls to start")
     run = OutageRun()

@@ -14,21 +14,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentq.api import Client
-from agentq.events.bus import TERMINAL_TYPES
+from agentq.events.types import TERMINAL_TYPES, Event
 from agentq.fleet import runtime
 from agentq.local.cluster import LocalCluster
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess
 from agentq.local.redis_server import RedisServer
-from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
-from agentq.testing.sentinel import SentinelCluster
-from agentq.testing.workers import worker_env
 from tests.helpers import collect, script
+from tests.rigs.ratelimit import ProviderLimits
+from tests.rigs.sentinel import SentinelCluster
+from tests.rigs.workers import worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 LOGS = ROOT / "artifacts" / "faults"
-FAULT_TOOLS = "agentq.testing.tools,tests.faults.tools"
+FAULT_TOOLS = "agentq.testing.tools,tests.faults.tools,tests.waitpoint_tools"
 DEFAULT_CONCURRENCY = {"tools": 4, "llm": 8, "turns": 32}
 
 
@@ -60,7 +60,9 @@ class Rig:
         self.cluster = SentinelCluster(appendonly=appendonly).start() if sentinel else None
         self.redis = self.cluster.servers[0] if self.cluster else RedisServer(appendonly=appendonly)
         self.redis.start()
-        self.llm = ScriptedOpenAIServer().start()
+        self.limits = ProviderLimits()
+        """The model server's rate limits (off until a test sets them)."""
+        self.llm = ScriptedOpenAIServer(rate_limit=self.limits).start()
         if self.cluster is not None:
             env = {"AGENTQ_REDIS_SENTINEL_MASTER": self.cluster.master_name, **env}
         redis_url = self.cluster.url if self.cluster else self.redis.url

@@ -22,9 +22,9 @@ from agentq.fleet.health import HEALTH_EVERY_S
 from agentq.local.processes import wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.testing.openai_server import Round
-from agentq.testing.rabbitmq import RabbitServer, find_rabbitmq_server
 from tests.faults.rig import Rig
 from tests.helpers import assert_valid_history, calls
+from tests.rigs.rabbitmq import RabbitServer, find_rabbitmq_server
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -62,7 +62,7 @@ def _start_turns(rig: Rig) -> list[str]:
         Round(tool_calls=calls(("sleep", {"seconds": 0.5}))),
         Round(text="Done after the outage."),
     )
-    return [rig.client.start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
+    return [rig.client._start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
 
 
 def _statuses(rig: Rig, ids: list[str]) -> list[str | None]:
@@ -163,7 +163,7 @@ def test_calls_a_worker_held_unstarted_go_back_when_the_broker_returns(
         Round(tool_calls=calls(*[("sleep", {"seconds": 2 + i / 100}) for i in range(4)])),
         Round(text="All four ran."),
     )
-    turn_id = rig.client.start_turn(key).turn_id
+    turn_id = rig.client._start_turn(key).turn_id
     broker = redis.Redis.from_url(broker_redis.url)
     # One call runs; the other three left the queue for the worker, which holds them.
     wait_for(
@@ -200,7 +200,7 @@ def test_turn_started_while_the_broker_is_down_runs_when_it_is_back(
     )
     rabbit.stop(keep_data=True)
     # Starting a turn does not fail: it is stored, and its wakeup is the message not sent.
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     redis = rig.client._store.redis
     wake = redis.zscore(k.WAKEUPS, handle.turn_id)
     assert wake is not None and wake <= time.time() + 2, wake

@@ -11,12 +11,13 @@ import time
 import pytest
 
 from agentq.config import load_settings
+from agentq.events.types import Event
 from agentq.llm.capacity import capacity_for
 from agentq.local.processes import wait_for
-from agentq.models import Event, TurnRequest
+from agentq.models import TurnRequest
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
-from agentq.testing.ratelimit import ProviderLimits
 from tests.helpers import calls, wait_event
+from tests.rigs.ratelimit import ProviderLimits
 
 MODEL = "gpt-4o-mini"
 """The model the workers ask for (AGENTQ_LLM_MODEL's default); the scripted server answers any."""
@@ -34,7 +35,7 @@ def _one_stream_held(make_rig, until: str = "llm_started", **env: str):  # type:
     rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"streams": 1}}), **env)
     rig.start("llm", "turns")
     slow = rig.script(Round(text="slowly " * 40, chunk_size=7, chunk_delay_ms=100))
-    first = rig.client.start_turn(slow)
+    first = rig.client._start_turn(slow)
     wait_event(rig.client, first.turn_id, until)
     return rig, first
 
@@ -43,17 +44,17 @@ def test_a_busy_provider_fails_no_turn_and_uses_up_no_retry(make_rig) -> None:  
     # No limit is configured, and no retry is allowed: 429s must still cost nothing.
     # A lapsed stream heartbeat would use one: the rig's 1.5 s lease is tight on a busy box.
     rig = make_rig(AGENTQ_LLM_MAX_RETRIES="0", AGENTQ_TURN_LEASE_S="5")
-    rig.llm.limits.requests_per_s = 4
+    rig.limits.requests_per_s = 4
     # Only `retry-after`: with rate headers on its 200s the fleet would pace from the
     # first answer, and the provider might never refuse.
-    rig.llm.limits.set_shape("window_bare")
+    rig.limits.set_shape("window_bare")
     rig.start("tools", "llm", "turns")
     key = rig.script(Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="all done"))
-    handles = [rig.client.start_turn(key, detach=True) for _ in range(16)]
+    handles = [rig.client._start_turn(key, detach=True) for _ in range(16)]
     events = {h.turn_id: rig.collect(h.turn_id, timeout_s=120) for h in handles}
     failed = [ev for ev in events.values() if ev[-1].type != "turn_finished"]
     assert not failed, [(e.type, e.fields.get("code")) for e in failed[0][-6:]]
-    limits = rig.llm.limits
+    limits = rig.limits
     assert limits.refused[429] > 0, "the provider never refused: the test proves nothing"
     # The provider counts in whole-second windows: 4 at the end of one and 4 at the start
     # of the next are 8 within one second, and allowed.
@@ -69,10 +70,10 @@ def test_a_configured_limit_holds_for_every_worker(make_rig) -> None:  # type: i
     rig.start("llm", "llm", "turns", "turns")
     key = rig.script(Round(text="paced"))
     started = time.monotonic()
-    handles = [rig.client.start_turn(key) for _ in range(16)]
+    handles = [rig.client._start_turn(key) for _ in range(16)]
     for h in handles:
         assert rig.collect(h.turn_id, timeout_s=60)[-1].type == "turn_finished"
-    limits = rig.llm.limits
+    limits = rig.limits
     # 240 rpm is 4 a second: a one-second burst of 4, then one every 250 ms, so at most 7
     # grants in any second; arrival at the server may bunch them by a few milliseconds.
     assert limits.most_in_one_second() <= 8
@@ -83,7 +84,7 @@ def test_a_configured_limit_holds_for_every_worker(make_rig) -> None:  # type: i
 
 def test_an_abort_takes_a_queued_round_out_at_once(make_rig) -> None:  # type: ignore[no-untyped-def]
     rig, first = _one_stream_held(make_rig)
-    second = rig.client.start_turn(rig.script(Round(text="never streamed")))
+    second = rig.client._start_turn(rig.script(Round(text="never streamed")))
     queued = wait_event(rig.client, second.turn_id, "llm_queued")
     assert queued.fields["position"] == 1
     cap = capacity_for(rig.client._store.redis, load_settings())
@@ -102,9 +103,12 @@ def test_a_person_at_a_screen_goes_before_another_keys_backlog(make_rig) -> None
     rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"rpm": 120}}))
     rig.start("llm", "turns")
     key = rig.script(Round(text="hello"))
-    bulk = [rig.client.start(TurnRequest(prompt=key, detach=True), owner="bulk") for _ in range(10)]
+    bulk = [
+        rig.client._start_request(TurnRequest(prompt=key, detach=True), owner="bulk")
+        for _ in range(10)
+    ]
     wait_event(rig.client, bulk[-1].turn_id, "llm_queued")
-    alice = rig.client.start(TurnRequest(prompt=key), owner="alice")
+    alice = rig.client._start_request(TurnRequest(prompt=key), owner="alice")
     mine = rig.collect(alice.turn_id, timeout_s=60)
     assert mine[-1].type == "turn_finished"
     theirs = [rig.collect(h.turn_id, timeout_s=60) for h in bulk]
@@ -124,7 +128,7 @@ def test_a_dead_workers_stream_slot_comes_back(make_rig) -> None:  # type: ignor
     rig.client.abort(first.turn_id, first.token)
     assert rig.collect(first.turn_id, timeout_s=20)[-1].type == "turn_aborted"
     rig.start("llm")
-    second = rig.client.start_turn(rig.script(Round(text="my turn")))
+    second = rig.client._start_turn(rig.script(Round(text="my turn")))
     events = rig.collect(second.turn_id, timeout_s=60)
     assert events[-1].type == "turn_finished"
     assert events[-1].fields["content"] == "my turn"
@@ -150,14 +154,14 @@ def test_a_failing_deployment_is_skipped_for_the_next_one(make_rig) -> None:  # 
         rig.start("llm", "turns")
         key = rig.script(Round(text="unused"))
         healthy.set_script(key, [Round(text="from the second deployment")])
-        first = rig.client.start_turn(key)
+        first = rig.client._start_turn(key)
         events = rig.collect(first.turn_id, timeout_s=60)
         assert events[-1].type == "turn_finished"
         assert events[-1].fields["content"] == "from the second deployment"
         failover = [e for e in events if e.type == "llm_retry" and e.fields.get("failover")]
         assert len(failover) == 1 and "first" in failover[0].fields["error"]
         # The breaker is open now: the next turn goes straight to the second deployment.
-        second = rig.client.start_turn(key)
+        second = rig.client._start_turn(key)
         again = rig.collect(second.turn_id, timeout_s=60)
         assert again[-1].type == "turn_finished"
         assert not [e for e in again if e.type == "llm_retry"]
@@ -169,7 +173,7 @@ def test_a_failing_deployment_is_skipped_for_the_next_one(make_rig) -> None:  # 
 
 def test_a_round_that_waits_past_the_turns_limit_fails_it_clearly(make_rig) -> None:  # type: ignore[no-untyped-def]
     rig, first = _one_stream_held(make_rig, AGENTQ_LLM_QUEUE_TIMEOUT_S="1")
-    second = rig.client.start_turn(rig.script(Round(text="too late")))
+    second = rig.client._start_turn(rig.script(Round(text="too late")))
     events = rig.collect(second.turn_id, timeout_s=30)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["code"] == "ECAPACITY", end.fields
@@ -190,11 +194,11 @@ def _share_refused(limits: ProviderLimits) -> float:
 def _run_paced_fleet(rig, turns: int = 24) -> list[list[Event]]:  # type: ignore[no-untyped-def]
     rig.start("tools", "llm", "turns")
     key = rig.script(Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="all done"))
-    handles = [rig.client.start_turn(key, detach=True) for _ in range(turns)]
+    handles = [rig.client._start_turn(key, detach=True) for _ in range(turns)]
     events = [rig.collect(h.turn_id, timeout_s=120) for h in handles]
     failed = [ev for ev in events if ev[-1].type != "turn_finished"]
     assert not failed, [(e.type, e.fields.get("code")) for e in failed[0][-6:]]
-    assert len(rig.llm.limits.admitted_at) == 2 * turns
+    assert len(rig.limits.admitted_at) == 2 * turns
     return events
 
 
@@ -202,20 +206,20 @@ def test_a_configured_limit_holds_against_a_provider_that_says_only_retry_after(
     # The provider counts whole seconds and says nothing but `retry-after: 1`: the
     # configured rate paces, and a 429 cuts it rather than pausing the model a second.
     rig = make_rig(AGENTQ_LLM_LIMITS=json.dumps({MODEL: {"rpm": 240}}), AGENTQ_TURN_LEASE_S="5")
-    rig.llm.limits.requests_per_s = 4
-    rig.llm.limits.set_shape("window_bare")
+    rig.limits.requests_per_s = 4
+    rig.limits.set_shape("window_bare")
     _run_paced_fleet(rig)
-    assert _share_refused(rig.llm.limits) <= 0.15, rig.llm.limits.refused
-    assert rig.llm.limits.most_in_one_second() <= 8
+    assert _share_refused(rig.limits) <= 0.15, rig.limits.refused
+    assert rig.limits.most_in_one_second() <= 8
 
 
 def test_an_unconfigured_fleet_learns_the_rate_from_the_headers_of_its_429s(make_rig) -> None:  # type: ignore[no-untyped-def]
     # A continuously refilled bucket that sends its limits only with a 429: the first
     # turns go at once and some are refused; from then on the fleet paces at the limit.
     rig = make_rig(AGENTQ_TURN_LEASE_S="5")
-    rig.llm.limits.requests_per_s = 4
-    rig.llm.limits.set_shape("bucket_refusals")
+    rig.limits.requests_per_s = 4
+    rig.limits.set_shape("bucket_refusals")
     _run_paced_fleet(rig)
     cap = capacity_for(rig.client._store.redis, load_settings())
     assert cap.snapshot(MODEL)["learned_rpm"] == 240
-    assert _share_refused(rig.llm.limits) <= 0.45, rig.llm.limits.refused
+    assert _share_refused(rig.limits) <= 0.45, rig.limits.refused

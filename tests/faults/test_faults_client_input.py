@@ -56,13 +56,13 @@ def test_malformed_turn_requests_are_refused(fields: dict, phrase: str) -> None:
 def test_client_errors_are_specific_and_the_turn_is_unharmed(rig) -> None:
     client = rig.client
     with pytest.raises(ValueError, match="needs a prompt or messages"):
-        client.start_turn()
+        client._start_turn()
     limit = client.settings.max_prompt_bytes
     with pytest.raises(PayloadTooLarge) as too_big:
-        client.start_turn("x" * (limit + 1))
+        client._start_turn("x" * (limit + 1))
     assert too_big.value.limit_bytes == limit and too_big.value.size_bytes > limit
     with pytest.raises(PayloadTooLarge):
-        client.start_turn(messages=[{"role": "user", "content": "y" * limit}])
+        client._start_turn(messages=[{"role": "user", "content": "y" * limit}])
     for call in (
         lambda: client.abort(UNKNOWN, "token"),
         lambda: client.answer(UNKNOWN, "r", "token", "approve"),
@@ -74,7 +74,7 @@ def test_client_errors_are_specific_and_the_turn_is_unharmed(rig) -> None:
 
     # A turn that waits for an approval with a half-second timeout.
     key = rig.script(Round(tool_calls=calls(("ask_quick", {"note": "n"}))), Round(text="ok"))
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     tid = handle.turn_id
     asked = rig.collect(tid, until=lambda e: e.type == "interaction_requested")[-1]
     rid = asked.fields["request_id"]

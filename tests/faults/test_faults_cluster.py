@@ -29,9 +29,9 @@ from agentq.schedules.store import Schedules
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import iter_sse
-from agentq.testing.webhooks import WebhookReceiver, new_secret, webhook_env
 from tests.faults.rig import FAULT_TOOLS, Rig
 from tests.helpers import assert_gapless, assert_valid_history, calls, starts, wait_event
+from tests.rigs.webhooks import WebhookReceiver, new_secret, webhook_env
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -74,11 +74,11 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(cluster_rig: Rig) -> N
         Round(tool_calls=calls(("echo", {"text": "a"}), ("aio_sleep", {"seconds": 0.2}))),
         Round(text="Done on the cluster."),
     )
-    ids = [rig.client.start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
+    ids = [rig.client._start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
     # Turn ids are random: a dozen miss one of three masters 2 % of the time. A few more
     # until every master holds one, so the spread is always shown.
     while len(_masters(rig, ids)) < 3 and len(ids) < 4 * TURNS:
-        ids.append(rig.client.start_turn(f"{key} #{len(ids)}").turn_id)
+        ids.append(rig.client._start_turn(f"{key} #{len(ids)}").turn_id)
     child_key = rig.script(
         Round(tool_calls=calls(("echo", {"text": "from the researcher"}))),
         Round(text="The facts."),
@@ -87,7 +87,7 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(cluster_rig: Rig) -> N
         Round(tool_calls=calls(("researcher", {"prompt": f"{child_key} look it up"}))),
         Round(text="The lead's answer."),
     )
-    lead = rig.client.start_turn(lead_key, agent="lead")
+    lead = rig.client._start_turn(lead_key, agent="lead")
     for tid in ids:
         events = rig.collect(tid, timeout_s=60)
         assert events[-1].type == "turn_finished", [e.type for e in events]
@@ -162,9 +162,9 @@ def test_aborts_and_approvals_on_a_cluster(cluster_rig: Rig) -> None:
         Round(tool_calls=calls(("ask_quick", {"note": "a"}))), Round(text="it was denied")
     )
     hang_key = rig.script(Round(tool_calls=calls(("hang", {"seconds": 60}))))
-    approved = rig.client.start_turn(approve_key)
-    quick = rig.client.start_turn(quick_key)
-    hung = rig.client.start_turn(hang_key)
+    approved = rig.client._start_turn(approve_key)
+    quick = rig.client._start_turn(quick_key)
+    hung = rig.client._start_turn(hang_key)
 
     req = wait_event(rig.client, approved.turn_id, "interaction_requested")
     # The console's list of pending interactions reads every shard's running turns.
@@ -207,7 +207,7 @@ def test_a_master_killed_mid_turn_loses_nothing(make_rig, tmp_path: Path) -> Non
         Round(tool_calls=calls(("counted", {"path": str(counts[1]), "seconds": 0.5}))),
         Round(text="Finished across the failover."),
     )
-    handles = [rig.client.start_turn(f"{key} #{i}") for i in range(TURNS)]
+    handles = [rig.client._start_turn(f"{key} #{i}") for i in range(TURNS)]
     ids = [h.turn_id for h in handles]
     follower, seen = rig.follow(ids[0], timeout_s=120)
     wait_for(lambda: starts(counts[0]) == TURNS, 60, message="every turn's slow call to start")
@@ -271,7 +271,7 @@ def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:
     )
     key = rig.script(Round(text="Reported from the cluster."))
     with WebhookReceiver([500, 200]) as rx:
-        handle = rig.client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        handle = rig.client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         first, second = rx.wait(2)
         body = Webhook(SECRET).verify(second.body, second.headers)
         assert first.headers["webhook-id"] == second.headers["webhook-id"]
@@ -305,13 +305,13 @@ def test_a_conversation_runs_one_turn_at_a_time_on_a_cluster(cluster_rig: Rig) -
     )
     conv = f"cluster-{uuid.uuid4().hex[:8]}"
     c = rig.client
-    first = c.start_turn(key, conversation_id=conv, operator=True)
-    second = c.start_turn("second", conversation_id=conv, operator=True)
+    first = c._start_turn(key, conversation_id=conv, operator=True)
+    second = c._start_turn("second", conversation_id=conv, operator=True)
     assert second.queued and second.behind == first.turn_id
     rig.collect(second.turn_id, until=lambda e: e.type == "tool_started", timeout_s=60)
-    joined = c.start_turn("and this", conversation_id=conv, operator=True, multitask="inject")
+    joined = c._start_turn("and this", conversation_id=conv, operator=True, multitask="inject")
     assert joined.injected and joined.turn_id == second.turn_id
-    third = c.start_turn("third", conversation_id=conv, operator=True)
+    third = c._start_turn("third", conversation_id=conv, operator=True)
     assert rig.collect(third.turn_id, timeout_s=60)[-1].fields["content"] == "third"
     view = c.conversation(conv, operator=True)
     assert view["status"] == "idle" and view["queued"] == []
@@ -337,7 +337,7 @@ def test_a_turns_budget_holds_on_a_cluster(make_rig) -> None:
     rig.start("tools", "llm", "turns", "io")
     rounds = [Round(tool_calls=calls(("echo", {"text": f"r{i}"}))) for i in range(30)]
     key = rig.script(*rounds, Round(text="done"))
-    handle = rig.client.start_turn(f"{key} go", max_tokens=6000)
+    handle = rig.client._start_turn(f"{key} go", max_tokens=6000)
     events = rig.collect(handle.turn_id, timeout_s=60)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["code"] == "budget_exceeded"

@@ -24,7 +24,7 @@ from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.models import TERMINAL_STATUSES
 from agentq.testing.openai_server import Round
-from tests.helpers import calls
+from tests.helpers import busy_factor, calls
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -99,7 +99,9 @@ def test_a_flood_from_one_key_does_not_slow_another_keys_turn(rig: Any) -> None:
     )
     assert codes.count(429) + admitted == FLOOD_STARTS
     assert admitted <= 4 + 2 * flood_wall_s + 1
-    assert flooded_s <= 2 * baseline_s, (baseline_s, flooded_s)
+    # Alone: 1.3-1.4x. Beside a four-process suite run the machine's load swings between
+    # the two timings, so the bound grows with it.
+    assert flooded_s <= 2 * baseline_s * busy_factor(), (baseline_s, flooded_s, busy_factor())
     for tid in client._store.active():
         if client._store.status(tid) not in TERMINAL_STATUSES:
             with contextlib.suppress(TurnNotFound):  # it may end on its own meanwhile

@@ -42,7 +42,7 @@ def test_200_concurrent_turns_all_settle(rig) -> None:
     )
     redis = rig.client._store.redis
     t0 = time.monotonic()
-    ids = [rig.client.start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
+    ids = [rig.client._start_turn(f"{key} #{i}").turn_id for i in range(TURNS)]
     queued_s = time.monotonic() - t0
     peak: dict[str, float] = {}
     statuses: list[str | None] = []

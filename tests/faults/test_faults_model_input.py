@@ -34,7 +34,7 @@ def _results(rig, turn_id: str) -> dict[str, dict]:  # type: ignore[no-untyped-d
 
 
 def _turn_works(rig) -> None:  # type: ignore[no-untyped-def]
-    handle = rig.client.start_turn(
+    handle = rig.client._start_turn(
         rig.script(Round(tool_calls=calls(("echo", {"text": "still here"}))), Round(text="ok"))
     )
     assert rig.collect(handle.turn_id)[-1].type == "turn_finished"
@@ -46,7 +46,7 @@ def test_each_bad_call_gets_its_own_error_and_the_turn_goes_on(rig) -> None:
         Round(tool_calls=[c for c, _ in BAD_CALLS] + [good]),
         Round(text="Handled every error."),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     events = rig.collect(handle.turn_id)
     assert events[-1].type == "turn_finished", events[-1]
     assert events[-1].fields["content"] == "Handled every error."
@@ -70,7 +70,7 @@ def test_five_megabyte_arguments_are_refused_by_size(rig) -> None:
         Round(tool_calls=calls(("echo", {"text": huge})), chunk_size=1 << 20),
         Round(text="Too big, noted."),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     events = rig.collect(handle.turn_id, timeout_s=60)
     assert events[-1].type == "turn_finished", events[-1]
     (result,) = _results(rig, handle.turn_id).values()
@@ -85,7 +85,7 @@ def test_five_megabyte_arguments_are_refused_by_size(rig) -> None:
 def test_a_hundred_calls_in_one_round_stop_at_the_call_limit(rig) -> None:
     many = calls(*[("echo", {"text": f"n{i}"}) for i in range(100)])
     key = rig.script(Round(tool_calls=many, chunk_size=4096), Round(text="unreachable"))
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     events = rig.collect(handle.turn_id, timeout_s=60)
     assert events[-1].type == "turn_finished", events[-1]
     assert events[-1].fields["reason"] == "max_calls_per_turn"
@@ -102,7 +102,7 @@ def test_a_hundred_calls_in_one_round_stop_at_the_call_limit(rig) -> None:
 def test_the_same_call_looping_is_stopped(rig) -> None:
     same = calls(("echo", {"text": "again"}))
     key = rig.script(*[Round(tool_calls=same) for _ in range(6)])
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     events = rig.collect(handle.turn_id)
     assert events[-1].type == "turn_finished"
     assert events[-1].fields["reason"] == "loop_detected"
@@ -115,7 +115,7 @@ def test_a_malformed_stream_chunk_fails_the_turn_clearly(rig) -> None:
     key = rig.script(
         Round(text="This text is cut by a broken chunk.", fault="malformed", fault_after_chunks=2)
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     events = rig.collect(handle.turn_id)
     assert events[-1].type == "turn_error", events[-1]
     assert events[-1].fields["code"] == "EBADCHUNK"
@@ -144,7 +144,7 @@ def test_call_ids_the_model_garbles_or_reuses_are_replaced_consistently(rig) -> 
         Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "p"}, id="call_0")]),
         Round(text="done"),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     tid = handle.turn_id
 
     def requested() -> str | None:

@@ -25,7 +25,7 @@ def _turn_mid_tool(rig, count: Path) -> str:  # type: ignore[no-untyped-def]
         Round(tool_calls=calls(("counted", {"path": str(count), "seconds": 3}))),
         Round(text="Finished after the restart."),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     rig.collect(handle.turn_id, until=lambda e: e.type == "tool_started")
     wait_for(lambda: starts(count) == 1, 10, message="the tool to start")
     return handle.turn_id
@@ -51,7 +51,7 @@ def test_turn_survives_a_restart_of_a_persistent_redis(make_rig, tmp_path: Path)
     log = rig.log_events(tid)
     assert [e.seq for e in log] == [e.seq for e in seen]
     assert_valid_history(rig.client.get(tid)["history"])
-    again = rig.client.start_turn(rig.script(Round(tool_calls=calls(("echo", {"text": "x"})))))
+    again = rig.client._start_turn(rig.script(Round(tool_calls=calls(("echo", {"text": "x"})))))
     assert rig.collect(again.turn_id)[-1].type == "turn_finished"
 
     # Workers consume without kombu's unacked hash: the restart left nothing to hand back.
@@ -96,5 +96,5 @@ def test_turn_fails_clearly_when_redis_loses_everything(make_rig, tmp_path: Path
     # The late result recreated nothing of the turn: no call of it is recorded.
     assert not [f for f in redis.hkeys(k.turn_key(tid)) if f.decode()[:2] in k.CALL_RECORDS]
     assert starts(count) == 1
-    again = rig.client.start_turn(rig.script(Round(tool_calls=calls(("echo", {"text": "x"})))))
+    again = rig.client._start_turn(rig.script(Round(tool_calls=calls(("echo", {"text": "x"})))))
     assert rig.collect(again.turn_id)[-1].type == "turn_finished"

@@ -40,7 +40,7 @@ def test_a_rolling_deploy_hands_turns_over_at_once(make_rig, tmp_path: Path) -> 
         Round(tool_calls=calls(("echo", {"text": "after the deploy"}))),
         Round(text="Finished across the deploy."),
     )
-    handles = [rig.client.start_turn(key) for _ in range(3)]
+    handles = [rig.client._start_turn(key) for _ in range(3)]
     wait_for(lambda: starts(count) == 3, 30, message="the calls to start")
     old = list(rig.workers)
 
@@ -75,7 +75,7 @@ def test_a_second_sigterm_does_not_cut_a_warm_shutdown_short(make_rig, tmp_path:
         Round(tool_calls=calls(("counted", {"path": str(count), "seconds": 3}))),
         Round(text="Done despite two signals."),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     wait_for(lambda: starts(count) == 1, 30, message="the call to start")
     tools = rig.worker("tools")
     os.kill(tools.pid, signal.SIGTERM)

@@ -44,8 +44,8 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
     monkeypatch.setattr(agentq.api.hmac, "compare_digest", spy)
     client = rig.client
     key = rig.script(Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))))
-    handle = client.start_turn(key)
-    other = client.start_turn(rig.script(Round(text="another turn")))
+    handle = client._start_turn(key)
+    other = client._start_turn(rig.script(Round(text="another turn")))
     tid = handle.turn_id
     asked = rig.collect(tid, until=lambda e: e.type == "interaction_requested")[-1]
     rid = asked.fields["request_id"]
@@ -69,7 +69,7 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
 
 def test_turn_ids_are_128_random_bits_and_tokens_are_never_stored(rig) -> None:
     client = Client(app=_NoBroker())
-    handles = [client.start_turn(f"id check {i}") for i in range(300)]
+    handles = [client._start_turn(f"id check {i}") for i in range(300)]
     ids = [h.turn_id for h in handles]
     assert all(re.fullmatch(r"[0-9a-f]{32}", t) for t in ids)
     assert len(set(ids)) == len(ids)
@@ -87,7 +87,7 @@ def test_a_password_answer_is_never_stored_or_logged(rig) -> None:
     secret = f"pw-{uuid.uuid4().hex}"
     client = rig.client
     key = rig.script(Round(tool_calls=calls(("login", {"user": "ada"}))), Round(text="In."))
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     tid = handle.turn_id
     asked = rig.collect(tid, until=lambda e: e.type == "interaction_requested")[-1]
     assert asked.fields["kind"] == "password"
@@ -117,7 +117,7 @@ def test_a_denied_password_is_not_kept_either(rig) -> None:
     secret = f"pw-{uuid.uuid4().hex}"
     client = rig.client
     key = rig.script(Round(tool_calls=calls(("login", {"user": "bob"}))), Round(text="No."))
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     asked = rig.collect(handle.turn_id, until=lambda e: e.type == "interaction_requested")[-1]
     client.answer(handle.turn_id, asked.fields["request_id"], handle.token, "deny", secret)
     events = rig.collect(handle.turn_id)

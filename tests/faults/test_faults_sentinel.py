@@ -39,7 +39,7 @@ def test_turns_finish_across_sentinel_failovers(make_rig, tmp_path: Path) -> Non
         Round(tool_calls=calls(("counted", {"path": str(counts[2]), "seconds": 0.5}))),
         Round(text="Finished across failovers."),
     )
-    handles = [rig.client.start_turn(key) for _ in range(3)]
+    handles = [rig.client._start_turn(key) for _ in range(3)]
     follower, seen = rig.follow(handles[0].turn_id, timeout_s=90)
     wait_for(lambda: starts(counts[0]) == 3, 30, message="the slow calls to start")
 

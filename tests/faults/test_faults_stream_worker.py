@@ -23,7 +23,7 @@ TEXT = "The quick brown fox jumps over the lazy dog, twice over. " * 2
 def _kill_mid_stream(rig) -> tuple[str, float]:  # type: ignore[no-untyped-def]
     """Start a slowly streamed turn, SIGKILL the stream worker after three deltas."""
     key = rig.script(Round(text=TEXT, chunk_size=4, chunk_delay_ms=150), Round(text="unused"))
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     deltas = 0
 
     def streaming(e) -> bool:  # type: ignore[no-untyped-def]
@@ -40,8 +40,9 @@ def _kill_mid_stream(rig) -> tuple[str, float]:  # type: ignore[no-untyped-def]
     return tid, killed_at
 
 
-def test_killed_stream_worker_round_is_sent_again(make_rig) -> None:
-    rig = make_rig()
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_killed_stream_worker_round_is_sent_again(make_rig, api: str) -> None:
+    rig = make_rig(AGENTQ_LLM_API=api)
     rig.start("tools", "llm", "turns")
     tid, killed_at = _kill_mid_stream(rig)
     # The turn notices the lapsed heartbeat on its own and queues the round again.
@@ -64,9 +65,10 @@ def test_killed_stream_worker_round_is_sent_again(make_rig) -> None:
     assert_gapless(events)
     history = rig.client.get(tid)["history"]
     assert [m["role"] for m in history] == ["user", "assistant"]
+    assert {"input" in body for body in rig.llm.requests} == {api == "responses"}
     wait_for(lambda: rig.llm.open_streams == 0, 5, message="every stream to close")
     # The new worker serves the next turn as usual.
-    again = rig.client.start_turn(rig.script(Round(text="fine")))
+    again = rig.client._start_turn(rig.script(Round(text="fine")))
     assert rig.collect(again.turn_id)[-1].type == "turn_finished"
 
 
@@ -91,7 +93,7 @@ def test_a_round_whose_message_was_lost_is_sent_again(make_rig) -> None:
     key = rig.script(
         Round(tool_calls=calls(("sleep", {"seconds": 1}))), Round(text="Answered after all.")
     )
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     rig.collect(tid, until=lambda e: e.type == "tool_started")
     rig.worker("llm").stop()
     redis = rig.client._store.redis
@@ -115,15 +117,15 @@ def test_a_round_whose_message_was_lost_is_sent_again(make_rig) -> None:
 
 
 def test_a_new_turns_lost_first_step_is_swept_up(make_rig) -> None:
-    # A new turn's first step goes to the stream workers' queue; none runs yet, and the
-    # test drops the message: the wakeup stored with the turn starts it after all.
+    # No worker runs yet, and the test drops the new turn's first step from the turn
+    # workers' queue: the wakeup stored with the turn starts it after all.
     rig = make_rig()
-    rig.start("turns")
-    handle = rig.client.start_turn(rig.script(Round(text="Started after all.")))
+    handle = rig.client._start_turn(rig.script(Round(text="Started after all.")))
     redis = rig.client._store.redis
-    wait_for(lambda: redis.llen("agentq.llm") == 1, 30, message="the first step to be sent")
-    assert redis.delete("agentq.llm") == 1
+    wait_for(lambda: redis.llen("agentq.turns") == 1, 30, message="the first step to be sent")
+    assert redis.delete("agentq.turns") == 1
     t0 = time.monotonic()
+    rig.start("turns")
     rig.start("llm")
     events = rig.collect(handle.turn_id, timeout_s=START_BACKSTOP_S + 30)
     assert events[-1].type == "turn_finished", [e.type for e in events]

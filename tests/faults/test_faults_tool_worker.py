@@ -27,7 +27,7 @@ def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(rig, tmp_path: 
         Round(tool_calls=calls(("counted_short", {"path": str(count), "seconds": 30}))),
         Round(text="Went on without it."),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     started = rig.collect(handle.turn_id, until=lambda e: e.type == "tool_started")[-1]
     wait_for(lambda: starts(count) == 1, 10, message="the tool to start its work")
     record = rig.client._store.starts(handle.turn_id)[started.fields["call_id"]]
@@ -52,7 +52,7 @@ def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(rig, tmp_path: 
     redis = rig.client._store.redis
     assert redis.hlen("unacked") == 0
     new = rig.start("tools", extra_args=("--without-mingle",))[0]
-    after = rig.client.start_turn(
+    after = rig.client._start_turn(
         rig.script(Round(tool_calls=calls(("counted", {"path": str(tmp_path / "next")}))))
     )
     assert rig.collect(after.turn_id)[-1].type == "turn_finished"
@@ -107,7 +107,7 @@ def test_dead_worker_of_an_unlimited_tool_is_noticed_by_its_heartbeat(rig, tmp_p
         ),
         Round(text="Went on without it."),
     )
-    handle = rig.client.start_turn(key)
+    handle = rig.client._start_turn(key)
     rig.collect(handle.turn_id, until=lambda e: e.type == "tool_finished")
     wait_for(lambda: starts(count) == 1, 10, message="the unlimited tool to start")
     rig.worker("tools").kill()  # parent and pool together: nobody reports the kill

@@ -17,7 +17,7 @@ from agentq import constants as k
 from agentq.local.processes import wait_for
 from agentq.orchestrator.steps import send_step
 from agentq.testing.openai_server import Round
-from tests.helpers import assert_gapless, assert_valid_history, calls, starts
+from tests.helpers import assert_gapless, assert_valid_history, busy_factor, calls, starts
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -71,7 +71,7 @@ def _check_done(rig, tid: str, counted: tuple[Path, ...]) -> None:  # type: igno
 
 def test_every_turn_worker_killed_while_the_turn_waits_loses_nothing(rig, tmp_path: Path) -> None:
     key, fast, slow, later = _three_rounds(rig, tmp_path)
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     rig.collect(
         tid, until=lambda e: e.type == "tool_started" and e.fields["call_id"] == "call_r0_1"
     )
@@ -87,7 +87,7 @@ def test_every_turn_worker_killed_while_the_turn_waits_loses_nothing(rig, tmp_pa
 
 def test_a_step_that_died_holding_the_turn_is_taken_over(rig, tmp_path: Path) -> None:
     key, fast, slow, later = _three_rounds(rig, tmp_path)
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     rig.collect(
         tid, until=lambda e: e.type == "tool_started" and e.fields["call_id"] == "call_r0_1"
     )
@@ -115,7 +115,7 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
     rig = make_rig(AGENTQ_TURN_LEASE_S="1")  # the pickup after 4 s
     rig.start("llm", "turns")  # no tool worker: the calls' messages wait in the broker
     key, fast, slow, later = _three_rounds(rig, tmp_path)
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     store = rig.client._store
     queued = [k.QUEUE_TOOLS, *[f"{k.QUEUE_TOOLS}\x06\x16{p}" for p in (3, 6, 9)]]
     wait_for(
@@ -153,7 +153,7 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
 
 def test_a_step_delivered_many_times_acts_once(rig, tmp_path: Path) -> None:
     key, fast, slow, later = _three_rounds(rig, tmp_path)
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     app = rig.client.app
     # Duplicates of every step message, before, while and after the calls run.
     for _ in range(3):
@@ -168,7 +168,7 @@ def test_an_approval_deadline_fires_after_its_turn_worker_died(rig, tmp_path: Pa
         Round(tool_calls=calls(("ask_quick", {"note": "n"}))),
         Round(text="All done."),
     )
-    tid = rig.client.start_turn(key).turn_id
+    tid = rig.client._start_turn(key).turn_id
     rig.collect(tid, until=lambda e: e.type == "interaction_requested")
     rig.worker("turns").kill()  # the deadline (0.5 s) is in Redis, not in that process
     time.sleep(1.0)
@@ -182,6 +182,7 @@ def test_an_approval_deadline_fires_after_its_turn_worker_died(rig, tmp_path: Pa
     assert_gapless(rig.log_events(tid))
 
 
+@pytest.mark.timeout(900)
 def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Path) -> None:
     """Every turn waits on one slow call (a tool worker has 4 processes); one turn worker
     holds them all, with its few threads, and an abort of all ends them quickly."""
@@ -189,7 +190,7 @@ def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Pa
     key = rig.script(
         Round(tool_calls=calls(("counted_unlimited", {"path": str(tmp_path / "x"), "seconds": 30})))
     )
-    handles = [rig.client.start_turn(f"{key} {i}") for i in range(n)]
+    handles = [rig.client._start_turn(f"{key} {i}") for i in range(n)]
     store = rig.client._store
     # Held = every turn dispatched its call and waits; no turn worker thread holds any.
     wait_for(
@@ -197,7 +198,8 @@ def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Pa
             store.redis.zcard(k.WAKEUPS) == n
             and all(store.state(h.turn_id).get("phase") == "tools" for h in handles[-10:])
         ),
-        90,
+        # 17 s alone on the 2-core VM; beside a full four-process suite run, over 200.
+        90 * busy_factor(),
         message="all turns waiting on their call",
     )
     wait_for(

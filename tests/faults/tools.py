@@ -78,3 +78,14 @@ async def counted_async(path: str, seconds: float = 0.0) -> dict[str, object]:
     await asyncio.sleep(seconds)
     _done(path)
     return {"slept_s": seconds, "pid": os.getpid()}
+
+
+@tool(timeout_s=60, budget_s=5)
+def stubborn(path: str, seconds: float = 50.0) -> str:
+    """Ignore SIGTERM, count a start in `path`, then block: only SIGKILL stops it."""
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _count(path)
+    sleep_through(seconds)
+    return "outlived"

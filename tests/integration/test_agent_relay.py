@@ -12,8 +12,8 @@ import pytest
 
 from agentq.api import Client
 from agentq.config import load_settings
+from agentq.events.types import Event
 from agentq.gateway import BackgroundServer, create_app
-from agentq.models import Event
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import SSEMessage, iter_sse
 from tests.helpers import calls, collect, script, wait_event
@@ -64,7 +64,7 @@ def test_a_childs_approval_is_answered_from_the_parents_stream(
     fleet, llm_server, client: Client
 ) -> None:
     key, _ = asking_parent(llm_server)
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     asked = wait_event(client, parent.turn_id, "interaction_requested")
     child = asked.turn_id
     assert asked.path == [child] and child != parent.turn_id
@@ -83,7 +83,7 @@ def test_a_childs_unanswered_approval_is_denied_on_its_timeout(
     fleet, llm_server, client: Client
 ) -> None:
     key, _ = asking_parent(llm_server, tool="ask_quick")  # a 1 s approval timeout
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     events = collect(client, parent.turn_id)
     assert events[-1].type == "turn_finished", events[-1]
     from_child = [e for e in events if e.path]
@@ -192,7 +192,7 @@ def test_relayed_events_keep_type_and_carry_the_emitters_path(
         Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
         Round(text="done"),
     )
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     events: list[Event] = collect(client, parent.turn_id)
     child = next(e.turn_id for e in events if e.path)
     assert {tuple(e.path) for e in events if e.path} == {(child,)}

@@ -14,9 +14,10 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import UnknownAgent
+from agentq.events.types import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
-from agentq.models import Event, parse_stream_id
+from agentq.models import parse_stream_id
 from agentq.state.listing import TurnLister
 from agentq.testing.openai_server import Round, first_user_text
 from tests.helpers import agentq_cli as agentq
@@ -63,7 +64,7 @@ def test_two_agents_get_their_own_model_instructions_and_tools(
     for agent, tool in (("t_echoer", "echo"), ("t_sleeper", "sleep")):
         args = {"text": "hi"} if tool == "echo" else {"seconds": 0.1}
         key = script(llm_server, Round(tool_calls=calls((tool, args))), Round(text="ok"))
-        runs[agent] = (key, client.start_turn(key, agent=agent))
+        runs[agent] = (key, client._start_turn(key, agent=agent))
     for agent, (key, handle) in runs.items():
         events = collect(client, handle.turn_id)
         assert events[0].type == "turn_started" and events[0].fields["agent"] == agent
@@ -87,7 +88,7 @@ def test_a_turn_without_an_agent_keeps_every_tool_and_no_system_message(
     fleet, llm_server, client: Client
 ) -> None:
     key = script(llm_server, Round(text="plain"))
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     events = collect(client, handle.turn_id)
     assert events[0].fields["agent"] is None and events[-1].type == "turn_finished"
     (sent,) = requests_for(llm_server, key)
@@ -103,7 +104,7 @@ def test_a_call_outside_the_agents_tools_settles_error_and_never_runs(
         Round(tool_calls=calls(("sleep", {"seconds": 0.1}), ("echo", {"text": "in"}))),
         Round(text="ok"),
     )
-    handle = client.start_turn(key, agent="t_echoer")
+    handle = client._start_turn(key, agent="t_echoer")
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_finished"
     assert [e.fields["tool"] for e in events if e.type == "tool_started"] == ["echo"]
@@ -116,7 +117,7 @@ def test_a_call_outside_the_agents_tools_settles_error_and_never_runs(
 def test_an_agents_own_limits_apply_to_its_turns(fleet, llm_server, client: Client) -> None:
     four = calls(*[("sleep", {"seconds": 0.05 * (i + 1)}) for i in range(4)])
     key = script(llm_server, Round(tool_calls=four), Round(text="stopped"))
-    handle = client.start_turn(key, agent="t_sleeper")  # max_calls_per_turn=3
+    handle = client._start_turn(key, agent="t_sleeper")  # max_calls_per_turn=3
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_finished"
     assert events[-1].fields["reason"] == "max_calls_per_turn"
@@ -136,7 +137,7 @@ def test_an_agent_called_as_a_tool_answers_through_its_child_turn(
         Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} what is it?"}))),
         Round(text="The echoer said 42."),
     )
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     relayed = collect(client, parent.turn_id)
     events = own(relayed)
     assert events[-1].type == "turn_finished", events[-1]
@@ -194,7 +195,7 @@ def test_an_agent_past_its_limit_settles_timeout_and_its_turn_is_aborted(
         Round(text="It timed out."),
     )
     t0 = time.monotonic()
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     events = own(collect(client, parent.turn_id))
     took_s = time.monotonic() - t0
     assert events[-1].type == "turn_finished", events[-1]
@@ -222,7 +223,7 @@ def test_aborting_the_parent_aborts_the_agent_it_waits_for(
         llm_server,
         Round(tool_calls=calls(("ask_waiter", {"prompt": f"{child_key} wait"}))),
     )
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     child: str | None = None
     for ev in client.events(parent.turn_id, heartbeat_s=0.5):
         if ev is not None and ev.type == "subturn_started":
@@ -288,7 +289,7 @@ def test_agents_nest_two_levels_deep(fleet, llm_server, client: Client) -> None:
         Round(tool_calls=calls(("ask_middle", {"prompt": f"{middle_key} go"}))),
         Round(text="top is done"),
     )
-    top = client.start_turn(key, agent="t_top")
+    top = client._start_turn(key, agent="t_top")
     events = collect(client, top.turn_id)
     assert events[-1].type == "turn_finished" and events[-1].fields["content"] == "top is done"
     middle = child_of(events)
@@ -318,7 +319,7 @@ def test_a_failed_child_settles_the_call_as_error(fleet, llm_server, client: Cli
         Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} fail"}))),
         Round(text="The child failed."),
     )
-    parent = client.start_turn(key, agent="t_boss")
+    parent = client._start_turn(key, agent="t_boss")
     events = own(collect(client, parent.turn_id))
     assert events[-1].type == "turn_finished"
     (finished,) = [e for e in events if e.type == "tool_finished"]
@@ -329,7 +330,7 @@ def test_a_failed_child_settles_the_call_as_error(fleet, llm_server, client: Cli
 def test_listings_show_the_agent(fleet, llm_server, client: Client, agentq_env) -> None:
     # Held by a hanging tool until the abort below: listed as running however slow the CLI.
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
-    handle = client.start_turn(key, agent="t_sleeper")
+    handle = client._start_turn(key, agent="t_sleeper")
     wait_for(
         lambda: any(
             t["turn_id"] == handle.turn_id and t["agent"] == "t_sleeper" and t["current_tools"]
@@ -396,13 +397,13 @@ def test_unknown_agent_from_the_cli_exits_2(fleet, agentq_env) -> None:
 
 def test_unknown_agent_from_python_raises_with_the_known_ones(fleet, client: Client) -> None:
     with pytest.raises(UnknownAgent) as info:
-        client.start_turn("hello", agent="nobody")
+        client._start_turn("hello", agent="nobody")
     assert info.value.agent == "nobody"
     assert "t_boss" in info.value.known
 
 
 def test_agentq_dev_once_runs_the_demo_agents() -> None:
-    """The README's agents example: the lead asks the researcher, as a child turn."""
+    """The demo agents (agentq.testing.agents): the lead asks the researcher, as a child turn."""
     rc, out = run_dev_once("--no-flower", "--agent", "lead", name="agentq-dev-agents")
     assert rc == 0, out
     assert "Asking the researcher." in out

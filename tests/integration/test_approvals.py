@@ -22,7 +22,7 @@ def test_approved_call_runs(fleet, llm_server, client: Client) -> None:
         Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))),
         Round(text="deleted"),
     )
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     req = wait_event(client, h.turn_id, "interaction_requested")
     assert req.fields["kind"] == "approval" and req.fields["timeout_ms"] == 120_000
     assert "delete_file" in req.fields["prompt"]
@@ -43,7 +43,7 @@ def test_user_denial_is_typed(fleet, llm_server, client: Client) -> None:
         Round(tool_calls=calls(("delete_file", {"path": "/etc"}))),
         Round(text="ok, not deleting"),
     )
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     req = wait_event(client, h.turn_id, "interaction_requested")
     client.answer(h.turn_id, req.fields["request_id"], h.token, "deny")
     collect(client, h.turn_id)
@@ -63,7 +63,7 @@ def test_ignored_approval_is_denied_on_timeout_and_late_answer_refused(
         Round(tool_calls=calls(("ask_quick", {"path": "a"}))),
         Round(text="it was denied"),
     )
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     t0 = time.monotonic()
     events = collect(client, h.turn_id)
     took = time.monotonic() - t0
@@ -95,7 +95,7 @@ def test_headless_without_default_fails_at_once(fleet, llm_server, client: Clien
         llm_server,
         Round(tool_calls=calls(("delete_file", {"path": "x"}), ("echo", {"text": "never"}))),
     )
-    h = client.start_turn(key, headless=True)
+    h = client._start_turn(key, headless=True)
     t0 = time.monotonic()
     events = collect(client, h.turn_id)
     assert time.monotonic() - t0 < 10  # the 120 s approval timeout never elapses
@@ -112,7 +112,7 @@ def test_headless_uses_the_declared_default(fleet, llm_server, client: Client) -
         Round(tool_calls=calls(("rm_rf", {"path": "/"}), ("forbidden", {}))),
         Round(text="denied, as declared"),
     )
-    h = client.start_turn(key, headless=True)
+    h = client._start_turn(key, headless=True)
     events = collect(client, h.turn_id)
     assert events[-1].type == "turn_finished"
     answered = next(e for e in events if e.type == "interaction_answered")
@@ -126,7 +126,7 @@ def test_password_answer_never_stored(fleet, llm_server, client: Client, redis_s
     key = script(
         llm_server, Round(tool_calls=calls(("login", {"user": "alice"}))), Round(text="logged in")
     )
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     req = wait_event(client, h.turn_id, "interaction_requested")
     assert req.fields["kind"] == "password"
     client.answer(h.turn_id, req.fields["request_id"], h.token, "approve", secret)

@@ -86,7 +86,7 @@ def test_a_bare_tool_worker_beats_and_its_death_settles_the_call_lost(tmp_path: 
             Round(tool_calls=calls(("counted_unlimited", {"path": str(count)}))),
             Round(text="Went on without it."),
         )
-        handle = rig.client.start_turn(key)
+        handle = rig.client._start_turn(key)
         wait_for(lambda: starts(count) == 1, 15, message="the unlimited tool to start")
         record = rig.client._store.starts(handle.turn_id)
         assert [r.get("heartbeat") for r in record.values()] == [True], record

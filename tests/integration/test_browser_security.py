@@ -116,7 +116,7 @@ def test_a_cross_origin_page_cannot_drive_a_local_gateway(
     hang = script(
         llm_server, Round(tool_calls=[ScriptedCall(name="hang", arguments={"seconds": 60})])
     )
-    victim = client.start_turn(hang, detach=True)
+    victim = client._start_turn(hang, detach=True)
     html = EVIL_PAGE.format(gw=open_gateway.url, marker=marker, victim=victim.turn_id)
 
     async def evil(request: Request) -> HTMLResponse:

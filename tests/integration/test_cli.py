@@ -94,7 +94,7 @@ def test_events_turns_and_operator_abort(fleet, llm_server, agentq_env) -> None:
     from agentq.api import Client
 
     client = Client()
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     wait_for(
         lambda: any(t["turn_id"] == h.turn_id and t["current_tools"] for t in client.active()),
         20,

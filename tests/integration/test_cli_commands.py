@@ -27,6 +27,7 @@ HELP_SHOWS = {
     ("show",): ["turn_id", "--json"],
     ("answer",): ["{approve,deny}", "--value", "--token"],
     ("events",): ["--after"],
+    ("waitpoint", "complete"): ["waitpoint_id", "--token", "--json", "--error"],
     ("serve",): ["--insecure-no-auth", "--port"],
     ("dev",): ["--no-flower", "--once"],
     ("worker",): ["turns", "tools", "io", "llm", "--concurrency"],
@@ -76,7 +77,7 @@ def test_answer_approves_a_pending_call_from_the_terminal(
         Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))),
         Round(text="Done."),
     )
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     req = wait_event(client, h.turn_id, "interaction_requested")
     rid = str(req.fields["request_id"])
     shown = agentq_cmd("show", h.turn_id, env=agentq_env)

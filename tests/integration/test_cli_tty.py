@@ -106,3 +106,27 @@ def test_a_sub_agents_approval_is_asked_and_answered_in_the_terminal(
         assert "Lead saw it done." in done
     finally:
         _tmux(session, "kill-session", "-t", session, check=False)
+
+
+def test_a_question_for_the_user_is_asked_until_the_answer_fits(
+    fleet, llm_server, agentq_env
+) -> None:
+    ask = {"question": "Which size?", "answer_schema": {"enum": ["S", "M"]}}
+    key = script(llm_server, Round(tool_calls=calls(("ask_user", ask))), Round(text="Noted."))
+    session = f"agentq-{uuid.uuid4().hex[:8]}"
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in agentq_env.items())
+    run = f"{sys.executable} -m agentq run --agent asker {shlex.quote(key)}"
+    cmd = f"env {env} {run}; echo EXIT=$?; sleep 60"
+    _tmux(session, "new-session", "-d", "-s", session, "-x", "160", "-y", "40", cmd)
+    try:
+        wait_for(lambda: "Which size?" in _screen(session), 30, message="the question")
+        _tmux(session, "send-keys", "-t", session, "XL", "Enter")
+        wait_for(lambda: "does not fit its schema" in _screen(session), 15, message="the refusal")
+        _tmux(session, "send-keys", "-t", session, '"M"', "Enter")
+        done = wait_for(
+            lambda: "EXIT=" in _screen(session) and _screen(session), 30, message="agentq run exits"
+        )
+        assert "EXIT=0" in done, done
+        assert "ask_user" in done and "ok" in done
+    finally:
+        _tmux(session, "kill-session", "-t", session, check=False)

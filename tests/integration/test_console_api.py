@@ -9,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from starlette.testclient import TestClient
 
 from agentq import constants as k
 from agentq.api import Client
@@ -271,3 +272,13 @@ def test_a_turn_waiting_for_model_capacity_says_so(
     store.close(turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"})
     row = open_gateway.get("/v1/turns", params={"agent": agent}).json()["turns"][0]
     assert row["status"] == "aborted" and row["model_wait"] is None
+
+
+def test_bulk_retry_without_keys_is_for_this_machine_only(agentq_env: dict[str, str]) -> None:
+    app = create_app(Client())
+    body = {"agent": f"none-{uuid.uuid4().hex[:8]}", "dry_run": True}
+    remote = TestClient(app, base_url="http://127.0.0.1", client=("10.0.0.5", 50000))
+    r = remote.post("/v1/console/turns/retry", json=body)
+    assert r.status_code == 403 and "this machine" in r.json()["error"]["message"]
+    local = TestClient(app, base_url="http://127.0.0.1", client=("127.0.0.1", 50000))
+    assert local.post("/v1/console/turns/retry", json=body).json() == {"dry_run": True, "turns": []}

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from agentq.api import Client
+from agentq.constants import idempotency_key
 from agentq.gateway import BackgroundServer, create_app
+from agentq.orchestrator.replay import BULK_CALLER
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import script, wait_event
 from tests.integration.chromium import ARTIFACTS
@@ -58,7 +60,7 @@ def test_list_updates_and_approving_from_the_inbox(
         Round(tool_calls=[ScriptedCall(name="delete_file", arguments={"path": "/tmp/x"})]),
         Round(text="Deleted."),
     )
-    turn_id = client.start_turn(key, detach=True).turn_id
+    turn_id = client._start_turn(key, detach=True).turn_id
     # The list picks the new turn up without a reload, running, with its pending approval.
     row(page, turn_id).and_(page.locator('[data-status="running"]')).wait_for()
     row(page, turn_id).locator("td.pending", has_text="1").wait_for()
@@ -90,7 +92,7 @@ def test_timeline_of_a_timed_out_and_a_cancelled_call_and_abort(
             ]
         ),
     )
-    turn_id = client.start_turn(key, detach=True).turn_id
+    turn_id = client._start_turn(key, detach=True).turn_id
     wait_event(client, turn_id, "tool_finished", tool="stuck", status="timeout")
     row(page, turn_id).wait_for()
     row(page, turn_id).focus()
@@ -148,3 +150,103 @@ def test_model_capacity_panel(page: Any, client: Client) -> None:
     assert "queued interactive" in text and "streams" in text and "tokens/min" in text
     item.locator('.cap-dep[data-deployment="default"]').wait_for()
     assert page.locator('#capacity-state[data-state="ok"]').count() == 1
+
+
+def test_a_retry_links_its_source(page: Any, llm_server: Any, client: Client) -> None:
+    key = script(llm_server, Round(text="Again.", fault="http_400", fault_times=1))
+    source = client._start_turn(key, detach=True).turn_id
+    wait_event(client, source, "turn_error")
+    retry = client.retry(source).turn_id
+    wait_event(client, retry, "turn_finished")
+    row(page, retry).wait_for()
+    row(page, retry).click()
+    link = page.locator(f'#view-source a[data-turn-id="{source}"]')
+    link.wait_for()
+    assert page.locator("#view-source").inner_text() == f"retry of {source[:12]} from round 1"
+    assert page.locator("#view-retry").is_disabled()  # it finished
+    link.click()
+    page.locator("#view-title", has_text=f"turn {source[:12]}").wait_for()
+    page.locator('#view-status[data-status="error"]').wait_for()
+    assert page.locator("#view-source").inner_text() == ""
+    # Retry from the console: the new turn opens, linked to its source.
+    before = client.get(source)
+    page.click("#view-retry")
+    page.locator("#view-source", has_text=f"retry of {source[:12]}").wait_for()
+    page.locator('#view-status[data-status="finished"]').wait_for()
+    # Fork at round 1 from the source's timeline.
+    page.locator(f'#view-source a[data-turn-id="{source}"]').click()
+    page.locator('#view-status[data-status="error"]').wait_for()
+    page.locator('#timeline .tl-row[data-kind="round"] button.fork').first.click()
+    page.locator("#view-source", has_text=f"fork of {source[:12]} from round 1").wait_for()
+    after = client.get(source)
+    assert (after["state"], after["history"]) == (before["state"], before["history"])
+
+
+def test_a_question_for_the_user_is_answered_from_the_inbox(
+    page: Any, llm_server: Any, client: Client
+) -> None:
+    ask = {"question": "Which size?", "answer_schema": {"enum": ["S", "M"]}}
+    key = script(
+        llm_server,
+        Round(tool_calls=[ScriptedCall(name="ask_user", arguments=ask)]),
+        Round(text="Noted."),
+    )
+    turn_id = client._start_turn(key, agent="asker", detach=True).turn_id
+    item = page.locator(f'#inbox li[data-turn-id="{turn_id}"]')
+    item.wait_for()
+    assert "Which size?" in item.inner_text()
+    item.locator("input.answer").fill("XL")
+    item.locator("button.approve").click()
+    # Refused (422): the question stays open and says why.
+    item.locator(".answer-error", has_text="does not fit").wait_for()
+    # The browser logs that 422 as a failed load: expected here, not a fault of the page.
+    page.errors[:] = [e for e in page.errors if "status of 422" not in e]
+    item.locator("input.answer").fill('"M"')
+    item.locator("button.approve").click()
+    item.and_(page.locator(".approved")).wait_for()
+    row(page, turn_id).and_(page.locator('[data-status="finished"]')).wait_for()
+    history = client.get(turn_id)["history"]
+    assert [m["content"] for m in history if m["role"] == "tool"] == ['"M"']
+
+
+def test_bulk_retry_from_the_turns_list(page: Any, llm_server: Any, client: Client) -> None:
+    keys = [
+        script(llm_server, Round(text=f"bulk again {n}", fault="http_400", fault_times=1))
+        for n in range(2)
+    ]
+    sources = [client._start_turn(key, agent="t_waiter", detach=True).turn_id for key in keys]
+    for source in sources:
+        wait_event(client, source, "turn_error")
+    page.click("#bulk summary")
+    page.select_option("#b-status", "error")
+    page.fill("#b-agent", "t_waiter")
+    page.fill("#b-since", "soon")
+    page.click("#b-dry")
+    page.locator("#bulk-state", has_text="a duration such as").wait_for()
+    page.fill("#b-since", "2m")
+    page.click("#b-dry")
+
+    def outcome(source: str, what: str) -> Any:
+        return page.locator(f'#bulk-outcomes li[data-source="{source}"][data-outcome="{what}"]')
+
+    for source in sources:
+        outcome(source, "would_start").wait_for()
+    assert not any(client._store.redis.exists(idempotency_key(BULK_CALLER, s)) for s in sources)
+    page.click("#b-go")
+    retries = {}
+    for source in sources:
+        item = outcome(source, "started")
+        item.wait_for()
+        retries[source] = item.locator("a").nth(1).get_attribute("data-turn-id")
+        assert client.get(retries[source])["state"]["retry_of"] == source
+    page.locator("#bulk-state", has_text="retried now").wait_for()
+    first = retries[sources[0]]
+    outcome(sources[0], "started").locator("a").nth(1).click()
+    page.locator("#view-title", has_text=f"turn {first[:12]}").wait_for()
+    page.locator('#view-status[data-status="finished"]').wait_for()
+    # Again: nothing starts twice; each says which turn retried it.
+    page.click("#b-go")
+    for source in sources:
+        item = outcome(source, "retried_already")
+        item.wait_for()
+        assert item.locator("a").nth(1).get_attribute("data-turn-id") == retries[source]

@@ -60,7 +60,7 @@ def _stored_turn(client: Client, turn_id: str, agent: str, *, finished: bool) ->
 
 
 def test_short_ids_in_the_table_and_prefixes_on_the_command_line(
-    agentq_env: dict[str, str], client: Client
+    fleet: object, agentq_env: dict[str, str], client: Client
 ) -> None:
     import os
 

@@ -12,10 +12,12 @@ import uuid
 
 import pytest
 
+from agentq import constants as k
 from agentq.api import Client
 from agentq.errors import ConversationBusy, ConversationNotFound, IdempotencyKeyReused
+from agentq.events.types import Event
 from agentq.local.processes import wait_for
-from agentq.models import Event, TurnRequest
+from agentq.models import TurnRequest
 from agentq.state.store import TurnStore
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli, assert_valid_history, calls, collect, script
@@ -48,9 +50,9 @@ def test_a_second_message_waits_for_the_first_and_both_are_kept(
         Round(text="second answer"),
     )
     conv = conv_id()
-    first = client.start_turn(f"{key} one", conversation_id=conv, operator=True)
+    first = client._start_turn(f"{key} one", conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
-    second = client.start_turn("two", conversation_id=conv, operator=True)
+    second = client._start_turn("two", conversation_id=conv, operator=True)
     assert second.queued is True and second.position == 1 and second.behind == first.turn_id
     assert client.conversation(conv, operator=True)["status"] == "busy"
     events = collect(client, second.turn_id)
@@ -76,7 +78,7 @@ def test_a_second_message_waits_for_the_first_and_both_are_kept(
     ]
     assert_valid_history(history)
     # The third turn is sent the whole conversation.
-    third = client.start_turn("three", conversation_id=conv, operator=True)
+    third = client._start_turn("three", conversation_id=conv, operator=True)
     collect(client, third.turn_id)
     assert user_texts(client.get(third.turn_id)["history"]) == [f"{key} one", "two", "three"]
 
@@ -84,10 +86,10 @@ def test_a_second_message_waits_for_the_first_and_both_are_kept(
 def test_reject_answers_busy_and_stores_nothing(fleet, llm_server, client: Client) -> None:
     key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 1.0}))), Round(text="ok"))
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
     with pytest.raises(ConversationBusy) as err:
-        client.start_turn("again", conversation_id=conv, operator=True, multitask="reject")
+        client._start_turn("again", conversation_id=conv, operator=True, multitask="reject")
     assert err.value.running_turn_id == first.turn_id
     assert err.value.code == "conversation_busy"
     assert client.conversation(conv, operator=True)["queued"] == []
@@ -104,9 +106,9 @@ def test_interrupt_aborts_the_running_turn_and_keeps_what_it_settled(
         Round(text="after interrupt"),
     )
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_finished", tool="echo"))
-    second = client.start_turn(
+    second = client._start_turn(
         "stop that", conversation_id=conv, operator=True, multitask="interrupt"
     )
     aborted = collect(client, first.turn_id)[-1]
@@ -127,13 +129,13 @@ def test_rollback_drops_the_running_turns_exchange(fleet, llm_server, client: Cl
         Round(text="rolled"),
     )
     conv = conv_id()
-    collect(client, client.start_turn(key, conversation_id=conv, operator=True).turn_id)
-    doomed = client.start_turn("do the slow thing", conversation_id=conv, operator=True)
+    collect(client, client._start_turn(key, conversation_id=conv, operator=True).turn_id)
+    doomed = client._start_turn("do the slow thing", conversation_id=conv, operator=True)
     collect(client, doomed.turn_id, until=until_type("tool_started"))
     # The scripted model counts assistant messages: without the rolled back exchange the
     # next request is its round 1 again, so script that round's answer for the new turn.
     llm_server.set_script(key, [Round(text="first"), Round(text="rolled")])
-    newer = client.start_turn(
+    newer = client._start_turn(
         "never mind", conversation_id=conv, operator=True, multitask="rollback"
     )
     assert collect(client, doomed.turn_id)[-1].fields["reason"] == "rollback"
@@ -150,9 +152,9 @@ def test_inject_joins_the_running_turn_at_its_next_round(fleet, llm_server, clie
         Round(text="saw both"),
     )
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
-    joined = client.start_turn(
+    joined = client._start_turn(
         "also check X", conversation_id=conv, operator=True, multitask="inject"
     )
     assert joined.injected is True and joined.turn_id == first.turn_id
@@ -179,9 +181,9 @@ def test_an_inject_the_turn_cannot_take_runs_as_the_next_turn(
     # One slow round and no tool calls: no later round for the message to join.
     key = script(llm_server, Round(text="a slow only answer " * 4, chunk_delay_ms=80, chunk_size=4))
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("llm_delta"))
-    joined = client.start_turn(
+    joined = client._start_turn(
         "late addition", conversation_id=conv, operator=True, multitask="inject"
     )
     assert joined.injected is True
@@ -202,7 +204,7 @@ def test_idempotent_starts_return_the_first_turn(fleet, llm_server, client: Clie
 
     def start() -> None:
         try:
-            handles.append(client.start_turn(key, idempotency_key=ikey))
+            handles.append(client._start_turn(key, idempotency_key=ikey))
         except BaseException as exc:
             errors.append(exc)
 
@@ -214,21 +216,21 @@ def test_idempotent_starts_return_the_first_turn(fleet, llm_server, client: Clie
     assert not errors
     assert len({(h.turn_id, h.token) for h in handles}) == 1 and len(handles) == 12
     collect(client, handles[0].turn_id)
-    assert client.start_turn(key, idempotency_key=ikey).turn_id == handles[0].turn_id
+    assert client._start_turn(key, idempotency_key=ikey).turn_id == handles[0].turn_id
     with pytest.raises(IdempotencyKeyReused):
-        client.start_turn(key + " different", idempotency_key=ikey)
+        client._start_turn(key + " different", idempotency_key=ikey)
     with pytest.raises(ValueError, match="Idempotency-Key"):
-        client.start_turn(key, idempotency_key="")
+        client._start_turn(key, idempotency_key="")
     with pytest.raises(ValueError, match="255"):
-        client.start_turn(key, idempotency_key="k" * 256)
+        client._start_turn(key, idempotency_key="k" * 256)
 
 
 def test_delete_aborts_its_turns_and_removes_it(fleet, llm_server, client: Client) -> None:
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
     conv = conv_id()
-    running = client.start_turn(key, conversation_id=conv, operator=True)
+    running = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, running.turn_id, until=until_type("tool_started"))
-    queued = client.start_turn("later", conversation_id=conv, operator=True)
+    queued = client._start_turn("later", conversation_id=conv, operator=True)
     listed = [c["conversation_id"] for c in client.conversations(operator=True, limit=200)]
     assert conv in listed
     removed = client.delete_conversation(conv, operator=True)
@@ -242,7 +244,7 @@ def test_delete_aborts_its_turns_and_removes_it(fleet, llm_server, client: Clien
 def test_another_owners_conversation_is_not_found(fleet, llm_server, client: Client) -> None:
     conv = conv_id()
     req = TurnRequest(prompt=script(llm_server, Round(text="mine")), conversation_id=conv)
-    handle = client.start(req, owner="alice")
+    handle = client._start_request(req, owner="alice")
     collect(client, handle.turn_id)
     with pytest.raises(ConversationNotFound):
         client.conversation(conv, owner="bob")
@@ -261,7 +263,7 @@ def test_the_cli_queues_a_message_and_shows_the_conversation(
         Round(text="x"),
     )
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
     argv = ["run", "--conversation", conv, "--idempotency-key", "k1", "two"]
     with subprocess.Popen(
@@ -306,9 +308,9 @@ def test_an_aborted_queued_turn_leaves_the_queue_and_its_message_is_not_kept(
 ) -> None:
     key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 1.5}))), Round(text="a"))
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
-    waiting = client.start_turn("never mind this", conversation_id=conv, operator=True)
+    waiting = client._start_turn("never mind this", conversation_id=conv, operator=True)
     assert client.conversation(conv, operator=True)["queued"] == [waiting.turn_id]
     # The console's listing says it waits for its conversation.
     from agentq.fleet import runtime
@@ -333,7 +335,14 @@ def _end_without_hand_off(client: Client, store: TurnStore, turn_id: str) -> Non
 
     call_id = client.get(turn_id)["history"][-1]["tool_calls"][0]["id"]
     answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
-    store.close(turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"}, append=[answered])
+    store.close(
+        turn_id,
+        TurnStatus.ABORTED,
+        "turn_aborted",
+        {"reason": "user"},
+        append=[answered],
+        hands_off=True,
+    )
 
 
 def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
@@ -345,12 +354,12 @@ def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
 
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))), Round(text="b"))
     conv = conv_id()
-    first = client.start_turn(key, conversation_id=conv, operator=True)
+    first = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, first.turn_id, until=until_type("tool_started"))
-    behind = client.start_turn("next", conversation_id=conv, operator=True)
+    behind = client._start_turn("next", conversation_id=conv, operator=True)
     store = runtime.get_store()
     _end_without_hand_off(client, store, first.turn_id)
-    # Read from storage: `Client.conversation` would hand off for it (the test below).
+    # Read from storage: `Client.conversation` shows it as handed off (the test below).
     assert conversations(store).view(conv).running_turn_id == first.turn_id
     # The queued turn's next look (its wakeup, brought forward) releases it and runs.
     store.wake_by(behind.turn_id, 0)
@@ -362,10 +371,10 @@ def test_a_turn_that_ended_without_handing_off_does_not_strand_the_one_behind(
     # A turn that ended without a hand-off and with nobody queued: the next start finds
     # it, hands off for it, and runs at once.
     conv2 = conv_id()
-    lone = client.start_turn(key, conversation_id=conv2, operator=True)
+    lone = client._start_turn(key, conversation_id=conv2, operator=True)
     collect(client, lone.turn_id, until=until_type("tool_started"))
     store.close(lone.turn_id, TurnStatus.ABORTED, "turn_aborted", {"reason": "user"})
-    after = client.start_turn("again", conversation_id=conv2, operator=True)
+    after = client._start_turn("again", conversation_id=conv2, operator=True)
     assert not after.queued
     assert collect(client, after.turn_id)[-1].type == "turn_finished"
 
@@ -380,7 +389,7 @@ def test_reading_a_conversation_whose_turn_ended_shows_its_exchange(
     # (here the end alone, as if its step stopped between the two) is shown the exchange.
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))), Round(text="b"))
     conv = conv_id()
-    turn = client.start_turn(key, conversation_id=conv, operator=True)
+    turn = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, turn.turn_id, until=until_type("tool_started"))
     store = runtime.get_store()
     _end_without_hand_off(client, store, turn.turn_id)
@@ -389,3 +398,20 @@ def test_reading_a_conversation_whose_turn_ended_shows_its_exchange(
     assert view["status"] == "idle" and view["running_turn_id"] is None
     assert user_texts(view["messages"]) == [key]
     assert_valid_history(view["messages"])
+    # The read wrote nothing: the conversation is still held by the ended turn ...
+    stored = conversations(store).view(conv)
+    assert stored.running_turn_id == turn.turn_id and stored.messages == []
+    # ... until the wakeup its end left comes due (nobody reads, nobody starts a turn):
+    # its step hands the conversation on, and takes the wakeup away.
+    handed = wait_for(
+        lambda: (v := conversations(store).view(conv)).running_turn_id is None and v,
+        30,
+        message="the ended turn's backstop wakeup never handed its conversation on",
+    )
+    assert user_texts(handed.messages) == [key]
+    # The hand-off takes the wakeup away just after its release script: waited for too.
+    wait_for(
+        lambda: store.redis.zscore(k.turn_wakeups_key(turn.turn_id), turn.turn_id) is None,
+        30,
+        message="the hand-off left the ended turn's backstop wakeup behind",
+    )

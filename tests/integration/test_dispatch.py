@@ -12,8 +12,8 @@ import pytest
 from agentq.fleet.runtime import get_store
 from agentq.local.processes import wait_for
 from agentq.models import ToolCall
-from agentq.testing.rounds import run_round
 from tests.helpers import exited
+from tests.rigs.rounds import run_round
 
 pytestmark = pytest.mark.integration
 

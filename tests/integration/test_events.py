@@ -138,7 +138,7 @@ def test_progress_events_while_a_tool_runs_and_in_flower(fleet, llm_server, clie
     from tests.helpers import calls, script
 
     key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 3}))), Round(text="ok"))
-    h = client.start_turn(key)
+    h = client._start_turn(key)
     seen_progress_state = []
     events = []
     for ev in client.events(h.turn_id, heartbeat_s=0.2):

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from agentq.api import Client
+from agentq.events.types import Event
 from agentq.fleet import runtime
 from agentq.fleet.connections import probe
 from agentq.local.processes import (
@@ -31,32 +32,15 @@ from agentq.local.processes import (
     wait_for,
 )
 from agentq.local.redis_server import RedisServer
-from agentq.models import Event, ToolCall
+from agentq.models import ToolCall
 from agentq.testing.openai_server import Round, ScriptedCall
-from agentq.testing.rounds import start_round, wait_round
-from tests.helpers import collect, run_dev_once, script
+from tests.helpers import collect, process_env, run_dev_once, script
+from tests.rigs.rounds import start_round, wait_round
 
 pytestmark = pytest.mark.integration
 
 AMQP_URL = os.environ.get("AGENTQ_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
 RABBITMQ_START_TIMEOUT_S = 60
-
-
-@contextlib.contextmanager
-def process_env(env: dict[str, str]) -> Iterator[None]:
-    """Point this process (the Client) at `env`, then restore the session's settings."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    runtime.reset()
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        runtime.reset()
 
 
 @contextlib.contextmanager
@@ -113,7 +97,7 @@ def test_one_round_spreads_over_two_tool_workers(agentq_env, llm_server) -> None
             ScriptedCall(name="sleep", arguments={"seconds": 0.5 + i / 100}) for i in range(6)
         ]
         key = script(llm_server, Round(text="Six at once.", tool_calls=sleeps), Round(text="Done."))
-        handle = client.start_turn(f"{key} go")
+        handle = client._start_turn(f"{key} go")
         events = collect(client, handle.turn_id, timeout_s=60)
         assert events[-1].type == "turn_finished", events[-1]
         finished = [e for e in events if e.type == "tool_finished"]
@@ -153,19 +137,14 @@ def test_a_stream_worker_of_two_processes_streams_on_both(agentq_env, llm_server
                 # Sixteen rounds of a second each at once: more than one process prefetches.
                 slow = Round(text="x" * 20, chunk_size=2, chunk_delay_ms=100)
                 keys = [script(llm_server, slow) for _ in range(16)]
-                handles = [client.start_turn(f"{key} go") for key in keys]
+                handles = [client._start_turn(f"{key} go") for key in keys]
                 for h in handles:
                     events = collect(client, h.turn_id, timeout_s=60)
                     assert events[-1].type == "turn_finished", events[-1]
                     assert events[-1].fields["content"] == "x" * 20
                 stats = client.app.control.inspect(timeout=5).stats() or {}
-            # A turn's first round comes with its first step (agentq.llm.start) and
-            # streams where that step ran; later rounds come as agentq.llm.round.
             served = {
-                node.split("@", 1)[0]: sum(
-                    s.get("total", {}).get(name, 0)
-                    for name in ("agentq.llm.round", "agentq.llm.start")
-                )
+                node.split("@", 1)[0]: s.get("total", {}).get("agentq.llm.round", 0)
                 for node, s in stats.items()
                 if node.startswith(f"llm-{tag}-")
             }
@@ -249,32 +228,6 @@ def _task_totals(client: Client, prefix: str) -> dict[str, int]:
     return out
 
 
-def test_a_new_turns_first_round_streams_where_its_first_step_ran(agentq_env, llm_server) -> None:
-    """A turn that starts with a model round needs one delivery before it streams: its
-    first step goes to a stream worker (`agentq.llm.start`), which streams the round that
-    step sends itself instead of sending it through the broker. No turn worker runs: the
-    stream worker also takes the step that ends the turn, inline."""
-    with RedisServer() as redis_server:
-        url = redis_server.url
-        env = {**agentq_env, "AGENTQ_REDIS_URL": url, "AGENTQ_BROKER_URL": url}
-        tag = uuid.uuid4().hex[:6]
-        # No turn worker yet: the turn can only start on the stream worker.
-        llm = start_worker("llm", env=env, hostname=f"llm-{tag}@%h")
-        try:
-            with process_env(env):
-                client = Client()
-                handle = client.start_turn(f"{script(llm_server, Round(text='first'))} go")
-                events = collect(client, handle.turn_id, timeout_s=60)
-                assert events[0].type == "turn_started", events
-                assert events[-1].type == "turn_finished", events[-1]
-                assert events[-1].fields["content"] == "first"
-                totals = _task_totals(client, f"llm-{tag}")
-                assert totals.get("agentq.llm.start") == 1, totals
-                assert "agentq.llm.round" not in totals, totals
-        finally:
-            llm.stop()
-
-
 def test_a_round_the_caller_sends_needs_no_turn_worker(agentq_env) -> None:
     """The bench's `cost_per_call` sends its call as a model turn sends its calls: the
     process that learned of them takes the step (`start_round(step_here=True)`). A tool
@@ -313,7 +266,7 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
             ),
             Round(text="Done over AMQP."),
         )
-        handle = client.start_turn(f"{key} go")
+        handle = client._start_turn(f"{key} go")
         events = collect(client, handle.turn_id, timeout_s=60)
         assert events[-1].type == "turn_finished", events[-1]
         assert events[-1].fields["content"] == "Done over AMQP."
@@ -326,7 +279,7 @@ def test_rabbitmq_broker_runs_and_aborts_turns(agentq_env, llm_server, amqp_brok
         key = script(
             llm_server, Round(tool_calls=[ScriptedCall(name="hang", arguments={"seconds": 60})])
         )
-        handle = client.start_turn(f"{key} hang")
+        handle = client._start_turn(f"{key} hang")
         started: list[Event] = []
         for ev in client.events(handle.turn_id, heartbeat_s=0.5):
             if ev is not None and ev.type == "tool_started":

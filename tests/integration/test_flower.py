@@ -125,7 +125,7 @@ def test_tool_task_shows_in_flower_by_tool_name(
                 Round(text="ok"),
             ],
         )
-        handle = client.start_turn(f"{key} go")
+        handle = client._start_turn(f"{key} go")
         assert client.wait(handle.turn_id, timeout_s=60).type == "turn_finished"
         (record,) = client.get(handle.turn_id)["invocations"]
         found["record"] = record

@@ -234,10 +234,10 @@ def test_invalid_messages_are_refused_up_front(
     err = error_of(http.post("/v1/turns", json={"messages": messages}), 422)
     assert err["message"].startswith("messages:") and phrase in err["message"], err
     with pytest.raises(ValidationError, match=phrase):
-        client.start_turn(messages=messages)
+        client._start_turn(messages=messages)
     # A request built without validation is checked again by Client.start.
     with pytest.raises(ValueError, match=phrase):
-        client.start(TurnRequest.model_construct(messages=messages, prompt=None))
+        client._start_request(TurnRequest.model_construct(messages=messages, prompt=None))
 
 
 def test_a_valid_chat_history_runs(http: httpx.Client, llm_server: Any, client: Client) -> None:
@@ -253,9 +253,9 @@ def test_a_valid_chat_history_runs(http: httpx.Client, llm_server: Any, client: 
     assert r.status_code == 202, r.text
     assert client.wait(r.json()["turn_id"], timeout_s=30).type == "turn_finished"
     with pytest.raises(ValidationError, match="lone surrogate"):
-        client.start_turn("a\ud800c")
+        client._start_turn("a\ud800c")
     with pytest.raises(ValueError, match="lone surrogate"):
-        client.start(TurnRequest.model_construct(prompt="a\ud800c", messages=None))
+        client._start_request(TurnRequest.model_construct(prompt="a\ud800c", messages=None))
 
 
 # -- 4. credentials in log lines ---------------------------------------------------------

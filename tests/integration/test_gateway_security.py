@@ -57,6 +57,7 @@ ENDPOINTS = [
     "GET /v1/turns/{id}",
     "GET /v1/turns/{id}/events",
     "POST /v1/turns/{id}/abort",
+    "POST /v1/turns/{id}/retry",
     "POST /v1/turns/{id}/interactions/{rid}",
     "GET /metrics",
     "GET /healthz",
@@ -99,6 +100,7 @@ EXPECTED: dict[str, dict[str, int]] = {
     "GET /v1/turns/{id}":                    row(401, 404, 404, 404, 200, 200, 200, 401),
     "GET /v1/turns/{id}/events":             row(401, 404, 404, 404, 200, 200, 200, 401),
     "POST /v1/turns/{id}/abort":             row(401, 404, 404, 404, 200, 200, 200, 403),
+    "POST /v1/turns/{id}/retry":             row(401, 404, 404, 404, 409, 409, 409, 403),
     "POST /v1/turns/{id}/interactions/{rid}": row(401, 404, 404, 404, 200, 200, 200, 403),
     "GET /metrics":                          row(401, 401, 403, 401, 403, 401, 200, 401),
     "GET /healthz":                          row(*[200] * 8),
@@ -112,6 +114,7 @@ EXPECTED_OPEN: dict[str, dict[str, int]] = {
     "GET /v1/turns/{id}":                    orow(200, 200, 200, 200, 403),
     "GET /v1/turns/{id}/events":             orow(200, 200, 403, 200, 403),
     "POST /v1/turns/{id}/abort":             orow(401, 200, 403, 403, 403),
+    "POST /v1/turns/{id}/retry":             orow(401, 409, 403, 403, 403),
     "POST /v1/turns/{id}/interactions/{rid}": orow(401, 200, 403, 403, 403),
     "GET /metrics":                          orow(200, 200, 200, 200, 403),
     "GET /healthz":                          orow(*[200] * 5),
@@ -522,12 +525,12 @@ def test_a_conversation_without_keys_needs_its_token(
         1
     ] == "A secret plan."
     # An operator holding Redis credentials (agentq run --conversation) may continue it.
-    h = client.start_turn(
+    h = client._start_turn(
         script(llm_server, Round(text="Sure.")), conversation_id=conv, operator=True
     )
     finish(client, h.turn_id)
     with pytest.raises(Exception, match="unknown or not yours"):
-        client.start_turn("no", conversation_id=conv)
+        client._start_turn("no", conversation_id=conv)
 
 
 def test_an_expired_conversation_is_gone_not_inherited(

@@ -14,8 +14,8 @@ from agentq import constants as k
 from agentq.fleet.runtime import get_app, get_store
 from agentq.local.processes import wait_for
 from agentq.models import ToolCall, ToolTaskRequest
-from agentq.testing.rounds import run_round
 from agentq.tools.registry import get_tool
+from tests.rigs.rounds import run_round
 
 pytestmark = pytest.mark.integration
 

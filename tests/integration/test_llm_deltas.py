@@ -10,8 +10,8 @@ import time
 import pytest
 
 from agentq.api import Client
+from agentq.events.types import Event
 from agentq.local.processes import wait_for
-from agentq.models import Event
 from agentq.testing.openai_server import Round
 from tests.helpers import calls, script
 
@@ -30,7 +30,7 @@ def test_an_unwatched_round_publishes_few_deltas_with_the_whole_text(
     fleet, llm_server, client: Client
 ) -> None:
     assert STREAM.chunk_count() > 100
-    handle = client.start_turn(script(llm_server, STREAM))
+    handle = client._start_turn(script(llm_server, STREAM))
     tid = handle.turn_id
     # Polled, not followed: a follower would count itself in `watchers`.
     wait_for(lambda: client._store.status(tid) == "finished", 30, message="the turn's end")
@@ -56,7 +56,7 @@ def test_a_watched_round_gets_deltas_at_the_normal_interval(
     # The approval holds the turn until the follower is surely counted in: the streamed
     # round's first publish finds it watched.
     key = script(llm_server, Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))), STREAM)
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     events: list[Event] = []
     for ev in client.events(handle.turn_id, heartbeat_s=0.5):
         if ev is None:
@@ -79,7 +79,7 @@ def test_a_follower_that_comes_mid_round_gets_the_deltas_live_at_once(
 ) -> None:
     # Six seconds of stream: held, its deltas would go 2 s after the claim, then 4 s.
     key = script(llm_server, Round(text=TEXT, chunk_size=4, chunk_delay_ms=50))
-    tid = client.start_turn(key).turn_id
+    tid = client._start_turn(key).turn_id
     wait_for(
         lambda: any(e.type == "llm_started" for e in client._store.bus.replay(tid)),
         30,

@@ -8,7 +8,6 @@ server, cannot take its tasks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -27,13 +26,13 @@ import pytest
 
 from agentq import constants as k
 from agentq.api import Client
-from agentq.fleet import runtime
+from agentq.errors import AnswerInvalid
+from agentq.events.types import Event
 from agentq.local.processes import ManagedProcess, start_process, start_worker, wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.mcp.health import server_health
-from agentq.models import Event
 from agentq.testing.openai_server import Round, ScriptedCall
-from tests.helpers import collect, script, wait_event
+from tests.helpers import collect, process_env, script, wait_event
 
 pytestmark = pytest.mark.integration
 
@@ -48,22 +47,6 @@ class Stack:
     pid_file: Path
     log_file: Path
     redis_url: str
-
-
-@contextlib.contextmanager
-def process_env(env: dict[str, str]) -> Iterator[None]:
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    runtime.reset()
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        runtime.reset()
 
 
 def _servers(pid_file: Path, log_file: Path, http_url: str) -> dict[str, Any]:
@@ -138,7 +121,7 @@ def stack(agentq_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
 
 def run(stack: Stack, *calls: ScriptedCall, llm_server: Any, timeout_s: float = 60) -> list[Event]:
     key = script(llm_server, Round(tool_calls=list(calls)), Round(text="Done."))
-    handle = stack.client.start_turn(f"{key} go")
+    handle = stack.client._start_turn(f"{key} go")
     return collect(stack.client, handle.turn_id, timeout_s=timeout_s)
 
 
@@ -232,7 +215,7 @@ def test_abort_sends_cancelled_and_settles_cancelled(stack: Stack, llm_server) -
         Round(tool_calls=[ScriptedCall(name="t__slow", arguments={"seconds": 40, "steps": 40})]),
         Round(text="Done."),
     )
-    handle = stack.client.start_turn(f"{key} go")
+    handle = stack.client._start_turn(f"{key} go")
     wait_event(stack.client, handle.turn_id, "tool_progress", tool="t__slow", source="tool")
     stack.client.abort(handle.turn_id, handle.token)
     events = collect(stack.client, handle.turn_id, timeout_s=30)
@@ -316,6 +299,36 @@ def test_a_numeric_concurrency_runs_one_call_at_a_time_fleet_wide(stack: Stack, 
     )
     finished = sorted(e.ts for e in events if e.type == "tool_finished")
     assert len(finished) == 2 and finished[1] - finished[0] >= 0.9, finished
+
+
+def test_a_server_question_during_a_call_is_asked_on_the_turn(stack: Stack, llm_server) -> None:
+    """MCP elicitation: the server's `elicitation/create` becomes an `input` question on
+    the call's turn, checked against the requested schema; the answer, or a decline,
+    goes back to the server."""
+    for answer, decision, said in (
+        ('{"size": "M"}', "approve", "ship M"),
+        (None, "deny", "no size: decline"),
+    ):
+        key = script(
+            llm_server,
+            Round(tool_calls=[ScriptedCall(name="t__pick_size", arguments={})]),
+            Round(text="Done."),
+        )
+        h = stack.client._start_turn(f"{key} go")
+        asked = wait_event(stack.client, h.turn_id, "interaction_requested")
+        assert (
+            asked.fields["kind"] == "input" and asked.fields["prompt"] == "Which size should ship?"
+        )
+        assert asked.fields["answer_schema"]["required"] == ["size"]
+        rid = str(asked.fields["request_id"])
+        if answer is not None:
+            with pytest.raises(AnswerInvalid):
+                stack.client.answer(h.turn_id, rid, h.token, "approve", '{"colour": "red"}')
+        stack.client.answer(h.turn_id, rid, h.token, decision, answer)
+        events = collect(stack.client, h.turn_id, timeout_s=60)
+        assert events[-1].type == "turn_finished"
+        got = results(stack, events)["t__pick_size"]
+        assert got == {"status": "ok", "content": {"result": said}}
 
 
 def test_no_server_outlives_its_io_worker_killed_outright(stack: Stack, llm_server) -> None:

@@ -108,7 +108,7 @@ def run_turn(obs: Obs, llm_server: Any) -> tuple[str, dict[str, Any]]:
             Round(text="Done.", usage=USAGE),
         ],
     )
-    handle = obs.client.start_turn(f"{key} go")
+    handle = obs.client._start_turn(f"{key} go")
     for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
         if ev is not None and ev.type in ("turn_finished", "turn_error", "turn_aborted"):
             assert ev.type == "turn_finished", ev
@@ -178,7 +178,7 @@ def test_a_call_the_turn_refuses_has_its_span_too(obs: Obs, llm_server: Any) -> 
         key,
         [Round(tool_calls=[ScriptedCall(name="no_such_tool", arguments={})]), Round(text="ok")],
     )
-    handle = obs.client.start_turn(f"{key} go")
+    handle = obs.client._start_turn(f"{key} go")
     obs.client.wait(handle.turn_id, timeout_s=30)
 
     def refused() -> dict[str, Any] | None:
@@ -198,7 +198,7 @@ def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Obs, llm_server: Any)
     llm_server.set_script(
         key, [Round(tool_calls=[ScriptedCall(name="stuck", arguments={})]), Round(text="ok")]
     )
-    handle = obs.client.start_turn(f"{key} go")
+    handle = obs.client._start_turn(f"{key} go")
     obs.client.wait(handle.turn_id, timeout_s=30)
 
     def killed() -> list[dict[str, Any]] | None:
@@ -223,7 +223,7 @@ def test_an_aborted_turn_has_its_span_and_one_per_call(obs: Obs, llm_server: Any
         ScriptedCall(name="aio_sleep", arguments={"seconds": 60}),
     ]
     llm_server.set_script(key, [Round(tool_calls=calls), Round(text="never")])
-    handle = obs.client.start_turn(f"{key} go")
+    handle = obs.client._start_turn(f"{key} go")
     started: set[str] = set()
     for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
         if ev is not None and ev.type == "tool_started":
@@ -269,18 +269,15 @@ def test_json_log_line_per_step(obs: Obs, llm_server: Any) -> None:
 
     steps = wait_for(step_spans, 15, 0.1, message="the turn's step spans")
     assert isinstance(steps, list)
-    # Steps run as Celery tasks: the first (it sends a model round) on the stream worker,
-    # later ones on a turn worker; the rest inline where a result landed (no task).
-    task_of = {
-        "agentq-turns": ("turns", "agentq.turn.step"),
-        "agentq-llm": ("llm", "agentq.llm.start"),
-    }
+    # Steps run as Celery tasks on a turn worker; the rest inline where a result landed
+    # (no task).
+    task_of = {"agentq-turns": ("turns", "agentq.turn.step")}
     task_steps = {
         (s["service"], s["attributes"][tracing.ATTR_TASK_ID])
         for s in steps
         if s["service"] in task_of and s["attributes"].get(tracing.ATTR_TASK_ID)
     }
-    assert "agentq-llm" in {svc for svc, _ in task_steps}, steps
+    assert "agentq-turns" in {svc for svc, _ in task_steps}, steps
 
     def logged() -> bool:
         for svc, task_id in task_steps:
@@ -416,7 +413,7 @@ def test_capacity_metrics_of_a_round_the_provider_refused_once(obs: Obs, llm_ser
     key = f"obs-{uuid.uuid4().hex[:10]}"
     busy_once = Round(text="Done.", usage=USAGE, fault="http_429", fault_times=1, retry_after_s=2.5)
     llm_server.set_script(key, [busy_once])
-    handle = obs.client.start_turn(f"{key} go")
+    handle = obs.client._start_turn(f"{key} go")
     events = []
     for ev in obs.client.events(handle.turn_id, heartbeat_s=0.5):
         if ev is None:

@@ -28,6 +28,7 @@ PARAMS = {
     "path": "app.js",
     "name": "no-such-schedule",
     "conversation_id": "no-such-conversation",
+    "waitpoint_id": "wp_" + "0" * 32 + "_call1",
 }
 BODIES: dict[str, Any] = {
     # Refused by validation, so the check starts no turn.
@@ -35,6 +36,7 @@ BODIES: dict[str, Any] = {
     "post /v1/turns/{turn_id}/interactions/{request_id}": {"decision": "approve"},
     "post /v1/console/turns/{turn_id}/interactions/{request_id}": {"decision": "approve"},
     "post /v1/schedules": {"name": "x", "prompt": "no timing"},
+    "post /v1/waitpoints/{waitpoint_id}": {"result": 1},
 }
 
 
@@ -119,6 +121,11 @@ def test_each_operation_answers_by_its_documented_auth_rule(
             assert op["security"] == []
             assert anonymous.status_code == 200, (where, anonymous.status_code)
             continue
+        if rule == "capability":
+            # No key opens it, nor does a key: only the waitpoint's token, here unknown.
+            assert op["security"] == []
+            assert anonymous.status_code == with_key.status_code == 404, where
+            continue
         assert op["security"] == [{"bearer": []}], where
         assert anonymous.status_code == 401, (where, anonymous.status_code)
         if rule == "key":
@@ -145,4 +152,5 @@ def test_each_operation_answers_by_its_documented_auth_rule(
         "operator",
         "admin",
         "admin_key",
+        "capability",
     }

@@ -1,6 +1,6 @@
-"""The declared dependencies tell the truth: agentq installed with the lowest version of each
-that pyproject.toml allows runs every worker kind, streams a model round, and needs no
-extra for any of it.
+"""The declared dependencies tell the truth: agentq with the extras of its processes
+(EXTRAS), installed with the lowest version of each dependency that pyproject.toml allows,
+runs every worker kind and streams a model round, and needs the `local` extra for none of it.
 
 The venv is cached under ~/.cache/agentq-tests, keyed by the lowest pins and the Python
 version: the first run downloads (about a minute), later runs only reinstall agentq.
@@ -27,13 +27,22 @@ ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "agentq-tests"
 KINDS = ("turns", "llm", "tools", "io")
 NO_REDIS = "redis://127.0.0.1:1/0"
+EXTRAS = ("gateway", "flower", "mcp")
+
+
+def requirements() -> list[str]:
+    """The runtime dependencies and those of EXTRAS (not agentq's own `agentq[...]`)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"])
+    for extra in EXTRAS:
+        lines += project["optional-dependencies"][extra]
+    return [line for line in lines if Requirement(line).name != "agentq"]
 
 
 def lowest_pins() -> dict[str, str]:
-    """`name -> version` for every runtime dependency, at the lower bound it declares."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    """`name -> version` for every dependency of `requirements()`, at its lower bound."""
     pins: dict[str, str] = {}
-    for line in project["dependencies"]:
+    for line in requirements():
         req = Requirement(line)
         lows = [s.version for s in req.specifier if s.operator in (">=", "==", "~=")]
         assert lows, f"{line!r} declares no lower bound"
@@ -63,7 +72,7 @@ def lowest_venv() -> Path:
     pins = lowest_pins()
     text = "".join(f"{n}=={v}\n" for n, v in sorted(pins.items()))
     # The requirements themselves too: an extra added to a pin changes what is installed.
-    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = requirements()
     key = hashlib.sha256(f"{sys.version}\n{text}\n{declared}".encode()).hexdigest()[:16]
     venv = CACHE / f"lowest-{key}"
     py = venv / "bin" / "python"
@@ -75,7 +84,8 @@ def lowest_venv() -> Path:
         shutil.rmtree(venv, ignore_errors=True)
         run([sys.executable, "-m", "venv", str(venv)])
         # The full resolution, from pyproject's own ranges, held at their lower bounds.
-        run([str(py), "-m", "pip", "install", "-q", "-c", str(constraints), str(ROOT)], env=env)
+        target = f"{ROOT}[{','.join(EXTRAS)}]"
+        run([str(py), "-m", "pip", "install", "-q", "-c", str(constraints), target], env=env)
         (venv / ".complete").write_text(text)
     else:
         run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(ROOT)])
@@ -107,15 +117,21 @@ def test_the_lowest_declared_versions_install_and_run_every_worker_kind(lowest_v
         out = run([str(lowest_venv / "bin" / "agentq"), "worker", kind, "--help"], env=demo)
         assert "--concurrency" in out, out  # Celery's worker options, from the real app
     probe = (
-        "import agentq, agentq.celery, agentq.gateway.app, agentq.llm.aclient\n"
-        "from agentq.llm.client import stream_round\n"
+        "import asyncio, agentq, agentq.celery, agentq.gateway.app, httpx2\n"
+        "from agentq.llm.aclient import astream_round, client_timeout, make_client\n"
         "from agentq.testing.openai_server import Round, ScriptedOpenAIServer\n"
         "server = ScriptedOpenAIServer().start()\n"
         "server.set_script('hi', [Round(text='hello from the lowest pins')])\n"
-        "msg, _ = stream_round([{'role': 'user', 'content': 'hi'}], [], base_url=server.url,\n"
-        "    api_key=None, model='m', idle_timeout_ms=5000, duration_left_s=20, max_retries=0,\n"
-        "    request_timeout_s=10, on_delta=lambda k, t: None, on_retry=lambda *a: None,\n"
-        "    cancelled=lambda: False)\n"
+        "async def one():\n"
+        "    c = make_client(base_url=server.url, api_key=None, max_connections=8,\n"
+        "        timeout=client_timeout(10, 5000))\n"
+        "    msg, _ = await astream_round(c, [{'role': 'user', 'content': 'hi'}], [],\n"
+        "        model='m', idle_timeout_ms=5000, duration_left_s=20, max_retries=0,\n"
+        "        timeout=None, on_delta=lambda k, t: None, on_retry=lambda *a: None,\n"
+        "        abort=asyncio.Event())\n"
+        "    await c.close()\n"
+        "    return msg\n"
+        "msg = asyncio.run(one())\n"
         "server.stop()\n"
         "print('content:', msg.content)\n"
         "import httpx2, openai\n"

@@ -15,9 +15,9 @@ from agentq import constants as k
 from agentq.events import follow as follow_mod
 from agentq.events.bus import EventBus
 from agentq.events.follow import Cursor, follow
+from agentq.events.types import Event
 from agentq.fleet.runtime import get_store
 from agentq.local.processes import wait_for
-from agentq.models import Event
 
 pytestmark = pytest.mark.integration
 

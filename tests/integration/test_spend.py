@@ -18,15 +18,16 @@ from pydantic import ValidationError
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import BudgetExceeded, BudgetInvalid
+from agentq.events.types import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import ManagedProcess, run_process, start_worker
 from agentq.local.redis_server import RedisServer
-from agentq.models import Event, TurnRequest, Usage
+from agentq.models import TurnRequest, Usage
 from agentq.state.budget import day_of
 from agentq.state.spend import Spend, day_key, turn_spend_key
 from agentq.testing.openai_server import Round
-from tests.helpers import assert_valid_history, calls, collect, script
-from tests.integration.test_mcp_tools import process_env
+from tests.conftest import BASE_TOOLS
+from tests.helpers import assert_valid_history, calls, collect, process_env, script
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +56,8 @@ def stack(agentq_env: dict[str, str]) -> Iterator[Client]:
             **agentq_env,
             "AGENTQ_REDIS_URL": redis_server.url,
             "AGENTQ_BROKER_URL": redis_server.url,
+            # The budgets below are sized by a round's prompt, which counts every tool offered.
+            "AGENTQ_TOOLS": BASE_TOOLS,
             "AGENTQ_LLM_PRICES": json.dumps(PRICES),
             "AGENTQ_KEY_BUDGETS": json.dumps(BUDGETS),
             "AGENTQ_BUDGET_COMPLETION_TOKENS": str(COMPLETION),
@@ -95,7 +98,7 @@ def finished_usages(events: list[Event]) -> list[dict[str, Any]]:
 def test_usage_comes_from_the_usage_chunk_priced_and_totalled(stack: Client, llm_server) -> None:
     used = Usage(prompt_tokens=1000, completion_tokens=100, total_tokens=1100, cached_tokens=400)
     key = script(llm_server, *echo_rounds(1, usage=used))
-    handle = stack.start_turn(f"{key} go")
+    handle = stack._start_turn(f"{key} go")
     events = collect(stack, handle.turn_id)
     assert events[-1].type == "turn_finished"
     usages = finished_usages(events)
@@ -118,7 +121,7 @@ def test_usage_comes_from_the_usage_chunk_priced_and_totalled(stack: Client, llm
 
 def test_a_server_that_omits_usage_is_charged_the_estimate(stack: Client, llm_server) -> None:
     key = script(llm_server, Round(text="an answer without a usage chunk", omit_usage=True))
-    handle = stack.start_turn(f"{key} go")
+    handle = stack._start_turn(f"{key} go")
     events = collect(stack, handle.turn_id)
     assert events[-1].type == "turn_finished"
     (usage,) = finished_usages(events)
@@ -129,7 +132,7 @@ def test_a_server_that_omits_usage_is_charged_the_estimate(stack: Client, llm_se
 
 def test_a_turn_stops_at_its_max_tokens_with_a_valid_history(stack: Client, llm_server) -> None:
     key = script(llm_server, *echo_rounds(30))
-    handle = stack.start_turn(f"{key} go", max_tokens=2000)
+    handle = stack._start_turn(f"{key} go", max_tokens=2000)
     events = collect(stack, handle.turn_id, timeout_s=60)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["code"] == "budget_exceeded"
@@ -145,13 +148,14 @@ def test_a_turn_stops_at_its_max_tokens_with_a_valid_history(stack: Client, llm_
 def test_a_budgeted_turn_that_stops_after_its_calls_settles_its_last_round(
     stack: Client, llm_server
 ) -> None:
-    # The loop detector stops the turn after its third round's calls: that round's usage,
-    # left for a next round's RESERVE to settle (a key's budget: its rounds are reserved),
-    # is settled as the turn finishes.
+    # The loop detector stops the turn after its third round's calls: every round, its
+    # last too, is settled to its usage, with no reservation left.
     used = Usage(prompt_tokens=1000, completion_tokens=50)
     same = Round(tool_calls=calls(("echo", {"text": "again"})), usage=used)
     key = script(llm_server, same, same, same, Round(text="never sent", usage=used))
-    handle = stack.start(TurnRequest(prompt=f"{key} go", max_tokens=100000), owner="k-loop")
+    handle = stack._start_request(
+        TurnRequest(prompt=f"{key} go", max_tokens=100000), owner="k-loop"
+    )
     end = stack.wait(handle.turn_id, timeout_s=60)
     assert end.type == "turn_finished" and end.fields["reason"] == "loop_detected"
     view = stack.get(handle.turn_id)
@@ -173,14 +177,14 @@ def test_negative_absurd_and_nan_limits_are_refused() -> None:
 def test_max_cost_usd_needs_a_priced_model(stack: Client, llm_server) -> None:
     unpriced = Client(load_settings(llm_model="no-price-model"))
     with pytest.raises(BudgetInvalid, match="no-price-model"):
-        unpriced.start_turn("x", max_cost_usd=1.0)
+        unpriced._start_turn("x", max_cost_usd=1.0)
 
 
 def test_a_key_over_its_budget_ends_its_turns_and_may_not_start_more(
     stack: Client, llm_server
 ) -> None:
     key = script(llm_server, *echo_rounds(60))
-    handle = stack.start(TurnRequest(prompt=f"{key} go"), owner="k-tight")
+    handle = stack._start_request(TurnRequest(prompt=f"{key} go"), owner="k-tight")
     events = collect(stack, handle.turn_id, timeout_s=90)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["code"] == "budget_exceeded"
@@ -192,7 +196,7 @@ def test_a_key_over_its_budget_ends_its_turns_and_may_not_start_more(
     # Whatever it left is less than a round: the next start is refused, with its reset.
     with pytest.raises(BudgetExceeded) as refused:
         for _ in range(50):
-            other = stack.start(TurnRequest(prompt=f"{key} go"), owner="k-tight")
+            other = stack._start_request(TurnRequest(prompt=f"{key} go"), owner="k-tight")
             collect(stack, other.turn_id, timeout_s=60)
     assert refused.value.scope == "key" and refused.value.resets_at is not None
 
@@ -208,7 +212,10 @@ def test_twenty_turns_of_one_key_do_not_overspend_its_budget(stack: Client, llm_
         first.model_copy(update={"tool_calls": loop[0].tool_calls, "usage": loop[0].usage}),
         *loop,
     )
-    handles = [stack.start(TurnRequest(prompt=f"{key} go {i}"), owner="k-crowd") for i in range(20)]
+    handles = [
+        stack._start_request(TurnRequest(prompt=f"{key} go {i}"), owner="k-crowd")
+        for i in range(20)
+    ]
     ends = _run_all(stack, handles, timeout_s=120)
     assert len(ends) == 20
     assert all(e.fields.get("code") == "budget_exceeded" for e in ends.values())
@@ -248,7 +255,7 @@ def test_prompts_counted_above_their_estimate_overspend_within_the_bound(
     underestimate each (the round each has in flight, or answered and unsettled, when the
     budget runs out); the completion never passes its reservation, the provider stops it."""
     # The estimate of a first round (the least of any round: the history only grows).
-    probe = stack.start_turn(f"{script(llm_server, Round(text='probe'))} go 0")
+    probe = stack._start_turn(f"{script(llm_server, Round(text='probe'))} go 0")
     assert stack.wait(probe.turn_id, timeout_s=60).type == "turn_finished"
     estimate = int(stack.get(probe.turn_id)["state"]["budget_prompt"])
     # The provider counts 25 % more than 4 characters a token (code, say): every round's
@@ -262,7 +269,9 @@ def test_prompts_counted_above_their_estimate_overspend_within_the_bound(
         first.model_copy(update={"tool_calls": loop[0].tool_calls, "usage": loop[0].usage}),
         *loop,
     )
-    handles = [stack.start(TurnRequest(prompt=f"{key} go {i}"), owner="k-over") for i in range(20)]
+    handles = [
+        stack._start_request(TurnRequest(prompt=f"{key} go {i}"), owner="k-over") for i in range(20)
+    ]
     ends = _run_all(stack, handles)
     assert len(ends) == 20
     assert all(e.fields.get("code") == "budget_exceeded" for e in ends.values())
@@ -285,7 +294,7 @@ def test_a_sub_agent_spends_its_parents_budget(stack: Client, llm_server) -> Non
         Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
         Round(text="done"),
     )
-    handle = stack.start_turn(key, agent="t_boss", max_tokens=3000)
+    handle = stack._start_turn(key, agent="t_boss", max_tokens=3000)
     events = collect(stack, handle.turn_id, timeout_s=90, depth=1)
     child_end = next(e for e in events if e.path and e.type == "turn_error")
     assert child_end.fields["code"] == "budget_exceeded"
@@ -310,7 +319,7 @@ def test_a_stream_broken_mid_way_is_charged_its_estimate(stack: Client, llm_serv
         llm_server,
         Round(text="a long answer " * 20, chunk_size=5, fault="disconnect", fault_after_chunks=3),
     )
-    handle = stack.start_turn(f"{key} go", max_tokens=100000)
+    handle = stack._start_turn(f"{key} go", max_tokens=100000)
     end = stack.wait(handle.turn_id, timeout_s=60)
     assert end.type == "turn_error"
     view = stack.get(handle.turn_id)
@@ -454,7 +463,7 @@ def test_the_cli_runs_under_a_budget_and_shows_usage(stack: Client, llm_server) 
 def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) -> None:
     used = Usage(prompt_tokens=1000, completion_tokens=50)
     key = script(llm_server, *echo_rounds(60, usage=used))
-    handle = stack.start(TurnRequest(prompt=f"{key} go"), owner="k-usd")
+    handle = stack._start_request(TurnRequest(prompt=f"{key} go"), owner="k-usd")
     events = collect(stack, handle.turn_id, timeout_s=90)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["budget"] == "usd_per_day"
@@ -469,7 +478,7 @@ def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) ->
 
 def test_an_abort_mid_stream_charges_the_rounds_estimate(stack: Client, llm_server) -> None:
     key = script(llm_server, Round(text="slowly " * 100, chunk_size=4, chunk_delay_ms=100))
-    handle = stack.start_turn(f"{key} go")
+    handle = stack._start_turn(f"{key} go")
     collect(stack, handle.turn_id, until=lambda ev: ev.type == "llm_delta")
     stack.abort(handle.turn_id, handle.token)
     end = stack.wait(handle.turn_id, timeout_s=30)

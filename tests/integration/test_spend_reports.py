@@ -17,8 +17,8 @@ from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, run_process
 from agentq.models import Usage
 from agentq.testing.openai_server import Round
-from agentq.testing.webhooks import WebhookReceiver, new_secret, webhook_env
 from tests.helpers import calls, script
+from tests.rigs.webhooks import WebhookReceiver, new_secret, webhook_env
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_a_webhook_reports_a_turn_ended_by_its_budget(
     )
     key = spending_rounds(llm_server)
     with WebhookReceiver([200]) as rx:
-        handle = client.start_turn(f"{key} go", webhook_url=rx.url, detach=True, max_tokens=BUDGET)
+        handle = client._start_turn(f"{key} go", webhook_url=rx.url, detach=True, max_tokens=BUDGET)
         (got,) = rx.wait(1)
     body = Webhook(SECRET).verify(got.body, got.headers)
     assert body["type"] == "turn.failed"

@@ -1,13 +1,14 @@
-"""The budget scripts on a real Redis and on a Redis Cluster: RESERVE caps a round as
-`budget.completion_cap` decides, both scripts are idempotent, settling moves a round's
-reservation to its usage in every budget it counts in, and a turn's and its key's keys
-share one slot."""
+"""The budget scripts on a real Redis and on a Redis Cluster: RESERVE caps a round by
+what its budgets leave (the one place that is decided), both scripts are idempotent,
+settling moves a round's reservation to its usage in every budget it counts in, and a
+turn's and its key's keys share one slot."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -17,7 +18,7 @@ from agentq.fleet.connections import cluster_client
 from agentq.local.cluster import LocalCluster
 from agentq.local.redis_server import RedisServer
 from agentq.models import Usage
-from agentq.state.budget import Budget, completion_cap
+from agentq.state.budget import MIN_COMPLETION_TOKENS, Budget
 from agentq.state.spend import (
     Reserved,
     Settlement,
@@ -46,57 +47,83 @@ def spend_of(r: redis.Redis, **budgets: dict[str, float]) -> Spend:
     return Spend(r, load_settings(key_budgets=json.dumps(budgets)))
 
 
-@pytest.mark.parametrize(
-    ("max_tokens", "max_usd", "day_tokens", "prompt", "price"),
-    [
-        (None, None, None, 500, None),
-        (2000, None, None, 500, None),
-        (600, None, None, 590, None),
-        (None, 0.01, None, 1000, PRICE),
-        (None, 0.01, None, 1000, None),
-        (None, None, 1500, 1000, PRICE),
-        (5000, 0.004, 1800, 1200, PRICE),
-        (10, None, None, 500, None),
-    ],
-)
-def test_reserve_caps_a_round_as_the_pure_decision_does(
-    client: redis.Redis,
-    max_tokens: int | None,
-    max_usd: float | None,
-    day_tokens: int | None,
-    prompt: int,
-    price: ModelPrice | None,
-) -> None:
+class Case(NamedTuple):
+    prompt: int
+    expected: int | tuple[str, str]
+    """The cap (bounded unless 4096, what the round wants), or the budget refusing it."""
+    max_tokens: int | None = None
+    max_usd: float | None = None
+    key: dict[str, float] = {}
+    price: ModelPrice | None = None
+    spent: dict[str, float] = {}
+    """What the turn (tokens, usd) and its key this day (day_tokens, day_usd) spent."""
+    parent_max_tokens: int | None = None
+    parent_spent: int = 0
+
+
+CASES = {
+    "no budget leaves what the round wants": Case(500, 4096, price=PRICE),
+    "a token budget leaves what the prompt does not take": Case(
+        500, 200, max_tokens=1000, spent={"tokens": 300}
+    ),
+    "an ample token budget": Case(500, 1500, max_tokens=2000),
+    "a usd budget caps by the output price": Case(1000, 1000, max_usd=0.01, price=PRICE),
+    "a key's usd budget too": Case(1000, 1000, key={"usd_per_day": 0.01}, price=PRICE),
+    "a key's tokens per day": Case(1000, 500, key={"tokens_per_day": 1500}, price=PRICE),
+    "the tightest of several": Case(
+        1200, 200, max_tokens=5000, max_usd=0.004, key={"tokens_per_day": 1800}, price=PRICE
+    ),
+    "a usd budget of a model without a price counts nothing": Case(
+        500, 4096, key={"usd_per_day": 0.0001}, spent={"day_usd": 1.0}
+    ),
+    "a turn usd budget of a model without a price too": Case(1000, 4096, max_usd=0.01),
+    "exactly the least round passes": Case(5, MIN_COMPLETION_TOKENS, max_tokens=5 + 16),
+    "one token less does not": Case(5, ("turn", "max_tokens"), max_tokens=4 + 16),
+    "a prompt the budget cannot take": Case(590, ("turn", "max_tokens"), max_tokens=600),
+    "a prompt past the budget": Case(500, ("turn", "max_tokens"), max_tokens=10),
+    "a prompt the usd left cannot pay": Case(
+        1000, ("turn", "max_cost_usd"), max_usd=0.001, price=PRICE
+    ),
+    "the tightest refuses, a parent's": Case(
+        5,
+        ("parent_turn", "max_tokens"),
+        key={"tokens_per_day": 10**6},
+        parent_max_tokens=1000,
+        parent_spent=990,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES.values(), ids=list(CASES))
+def test_reserve_caps_a_round_by_what_its_budgets_leave(client: redis.Redis, case: Case) -> None:
     owner = f"k-{uuid.uuid4().hex[:8]}"
-    budgets = {owner: {"tokens_per_day": day_tokens}} if day_tokens else {}
-    spend = spend_of(client, **budgets)
+    spend = spend_of(client, **({owner: case.key} if case.key else {}))
+    own, day = turn_spend_key(owner, "t"), day_key(owner, DAY)
+    for field, value in case.spent.items():
+        key, name = (day, field[4:]) if field.startswith("day_") else (own, field)
+        client.hset(key, name, value)
+    parents = []
+    if case.parent_max_tokens is not None:
+        parents = ["p"]
+        parent = turn_spend_key(owner, "p")
+        client.hset(parent, mapping={"max_tokens": case.parent_max_tokens})
+        client.hset(parent, "tokens", case.parent_spent)
     got = spend.reserve(
         owner=owner,
         turn_id="t",
-        parents=[],
+        parents=parents,
         reservation="0",
         day=DAY,
-        prompt_tokens=prompt,
+        prompt_tokens=case.prompt,
         want=4096,
-        price=price,
-        max_tokens=max_tokens,
-        max_usd=max_usd,
+        price=case.price,
+        max_tokens=case.max_tokens,
+        max_usd=case.max_usd,
     )
-    limits = [
-        *([Budget("key", "tokens_per_day", "tokens", day_tokens, 0)] if day_tokens else []),
-        *([Budget("turn", "max_tokens", "tokens", max_tokens, 0)] if max_tokens else []),
-        *([Budget("turn", "max_cost_usd", "usd", max_usd, 0)] if max_usd else []),
-    ]
-    expected = completion_cap(limits, prompt, 4096, price)
-    if expected.exceeded is None:
-        assert isinstance(got, Reserved) and got.cap == expected.cap
+    if isinstance(case.expected, int):
+        assert got == Reserved(case.expected, case.expected != 4096)
     else:
-        assert isinstance(got, Budget)
-        assert (got.scope, got.name, got.limit) == (
-            expected.exceeded.scope,
-            expected.exceeded.name,
-            expected.exceeded.limit,
-        )
+        assert isinstance(got, Budget) and (got.scope, got.name) == case.expected
 
 
 def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) -> None:
@@ -122,7 +149,7 @@ def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) 
     assert client.hget(month_key(owner, DAY[:6]), "tokens") is None
     assert float(client.hget(month_key(owner, DAY[:6]), "usd") or 0) > 0
     used = Usage(prompt_tokens=90, completion_tokens=10, cached_tokens=5, cost_usd=0.5)
-    settle = Settlement(0, True, DAY, used, "m", "a")
+    settle = Settlement(0, DAY, used, "m", "a")
     assert spend.settle(**turn, settle=settle) is True
     assert spend.settle(**turn, settle=settle) is False
     for key in [day_key(owner, DAY), *keys]:
@@ -165,37 +192,24 @@ def test_the_scripts_run_on_a_redis_cluster() -> None:
             owner = "k-cluster"
             spend = spend_of(client, **{owner: {"usd_per_day": 1.0}})
             month = month_key(owner, DAY[:6])
-            keys = SpendKeys(
-                day_key(owner, DAY), month, day_key(owner, DAY), month, turn_spend_key(owner, "t")
-            )
+            keys = SpendKeys(day_key(owner, DAY), month, turn_spend_key(owner, "t"))
             slots = {client.keyslot(key) for key in [*keys, turn_spend_key(owner, "p")]}
             assert len(slots) == 1
             turn = {"owner": owner, "turn_id": "t", "parents": ["p"]}
-            args = {**turn, "day": DAY}
-            got = spend.reserve(
-                **args,
-                reservation="0",
-                prompt_tokens=100,
-                want=64,
-                price=PRICE,
-                max_tokens=None,
-                max_usd=None,
-            )
-            assert got == Reserved(64, True)
             used = Usage(prompt_tokens=100, completion_tokens=20, cost_usd=0.001)
-            # The next round's RESERVE settles this one (one script a round).
-            got = spend.reserve(
-                **args,
-                reservation="1",
-                prompt_tokens=150,
-                want=64,
-                price=PRICE,
-                max_tokens=None,
-                max_usd=None,
-                settle=Settlement(0, True, DAY, used, "m", None),
-            )
-            assert got == Reserved(64, True)
-            assert spend.settle(**turn, settle=Settlement(1, True, DAY, used, "m", None))
+            for round_no in (0, 1):
+                got = spend.reserve(
+                    **turn,
+                    reservation=str(round_no),
+                    day=DAY,
+                    prompt_tokens=100,
+                    want=64,
+                    price=PRICE,
+                    max_tokens=None,
+                    max_usd=None,
+                )
+                assert got == Reserved(64, True)
+                assert spend.settle(**turn, settle=Settlement(round_no, DAY, used, "m", None))
             assert spend.key_budgets(owner, DAY)[0].spent == pytest.approx(0.002)
         finally:
             client.close()
@@ -207,17 +221,19 @@ def _reserve(spend: Spend, turn: dict[str, object], round_no: int, **kw: object)
     return spend.reserve(**turn, reservation=str(round_no), **args)  # type: ignore[arg-type]
 
 
-def test_reserve_settles_the_last_round_before_it_reserves(client: redis.Redis) -> None:
+def test_a_round_is_reserved_against_the_last_ones_usage(client: redis.Redis) -> None:
     owner = f"k-{uuid.uuid4().hex[:8]}"
     spend = spend_of(client)
     turn = {"owner": owner, "turn_id": "t", "parents": ["p"]}
     assert _reserve(spend, turn, 0, prompt_tokens=100, max_tokens=1000) == Reserved(500, True)
     own, parent = turn_spend_key(owner, "t"), turn_spend_key(owner, "p")
     assert int(client.hget(own, "tokens") or 0) == 600
-    used = Settlement(0, True, DAY, Usage(prompt_tokens=100, completion_tokens=50), "m", "a")
-    for _ in range(2):  # a step that runs again: settled once, reserved once
+    used = Settlement(0, DAY, Usage(prompt_tokens=100, completion_tokens=50), "m", "a")
+    assert spend.settle(**turn, settle=used)
+    assert spend.turn_totals(owner, "t")["total_tokens"] == 150
+    for _ in range(2):  # a step that runs again: reserved once
         # Against the real 150 spent, not the 600 reserved: 1000 - 150 - 200 leaves 650.
-        got = _reserve(spend, turn, 1, prompt_tokens=200, max_tokens=1000, settle=used)
+        got = _reserve(spend, turn, 1, prompt_tokens=200, max_tokens=1000)
         assert got == Reserved(500, True)
         for key in (own, parent, day_key(owner, DAY)):
             assert int(client.hget(key, "tokens") or 0) == 150 + 700, key
@@ -225,9 +241,11 @@ def test_reserve_settles_the_last_round_before_it_reserves(client: redis.Redis) 
     day = {a.decode(): b.decode() for a, b in client.hgetall(day_key(owner, DAY)).items()}
     assert day["m|m|completion"] == "50" and day["a|a|turns"] == "1"
     assert owner in spend.owners()
-    # A round refused: the last one is settled all the same.
-    used = Settlement(1, True, DAY, Usage(prompt_tokens=200, completion_tokens=100), "m", "a")
-    refused = _reserve(spend, turn, 2, prompt_tokens=900, max_tokens=1000, settle=used)
+    used = Settlement(1, DAY, Usage(prompt_tokens=200, completion_tokens=100), "m", "a")
+    assert spend.settle(**turn, settle=used)
+    # An earlier round settled again (a stale step) is found settled.
+    assert not spend.settle(**turn, settle=Settlement(0, DAY, Usage(), "m", "a"))
+    refused = _reserve(spend, turn, 2, prompt_tokens=900, max_tokens=1000)
     assert isinstance(refused, Budget) and refused.name == "max_tokens"
     assert refused.spent == 450
     assert int(client.hget(own, "tokens") or 0) == 450
@@ -242,7 +260,7 @@ def test_a_round_without_a_reservation_is_settled_once_with_its_retention(
     turn = {"owner": owner, "turn_id": "free", "parents": []}
     used = Usage(prompt_tokens=30, completion_tokens=7, cached_tokens=3, cost_usd=0.25)
     for round_no in (0, 1):
-        settle = Settlement(round_no, False, DAY, used, "m", None)
+        settle = Settlement(round_no, DAY, used, "m", None)
         assert spend.settle(**turn, settle=settle) is True
         assert spend.settle(**turn, settle=settle) is False
     own = turn_spend_key(owner, "free")
@@ -265,34 +283,10 @@ def test_a_round_reserved_before_midnight_is_settled_in_its_day(client: redis.Re
     spend = spend_of(client, **{owner: {"tokens_per_day": 10_000}})
     turn = {"owner": owner, "turn_id": "late", "parents": []}
     assert _reserve(spend, turn, 0, prompt_tokens=100, max_tokens=None) == Reserved(500, True)
-    used = Settlement(0, True, DAY, Usage(prompt_tokens=100, completion_tokens=20), "m", None)
+    used = Settlement(0, DAY, Usage(prompt_tokens=100, completion_tokens=20), "m", None)
+    assert spend.settle(**turn, settle=used)
     after = "20261128"
-    got = _reserve(spend, turn, 1, day=after, prompt_tokens=100, max_tokens=None, settle=used)
+    got = _reserve(spend, turn, 1, day=after, prompt_tokens=100, max_tokens=None)
     assert got == Reserved(500, True)
     assert int(client.hget(day_key(owner, DAY), "tokens") or 0) == 120
     assert int(client.hget(day_key(owner, after), "tokens") or 0) == 600
-
-
-def test_a_turns_spend_counts_its_answered_round_at_its_usage(client: redis.Redis) -> None:
-    """Between a round's answer and the next round's RESERVE, the turn's spend shows the
-    round's usage (kept in the turn's state) and not its reservation."""
-    from agentq import constants as k
-
-    owner = f"k-{uuid.uuid4().hex[:8]}"
-    spend = spend_of(client)
-    turn_id = f"t-{uuid.uuid4().hex[:8]}"
-    turn = {"owner": owner, "turn_id": turn_id, "parents": []}
-    assert _reserve(spend, turn, 0, prompt_tokens=100, max_tokens=5000) == Reserved(500, True)
-    assert spend.turn_totals(owner, turn_id)["total_tokens"] == 600
-    used = {"round": 0, "model": "m", "prompt_tokens": 90, "completion_tokens": 10}
-    client.hset(k.turn_key(turn_id), "budget_usage", json.dumps(used))
-    try:
-        totals = spend.turn_totals(owner, turn_id)
-        assert (totals["prompt_tokens"], totals["completion_tokens"]) == (90, 10)
-        assert totals["total_tokens"] == 100 and totals["max_tokens"] == 5000
-        # Once settled (the state still naming it), it is not counted twice.
-        settle = Settlement(0, True, DAY, Usage(prompt_tokens=90, completion_tokens=10), "m", None)
-        assert spend.settle(**turn, settle=settle)
-        assert spend.turn_totals(owner, turn_id)["total_tokens"] == 100
-    finally:
-        client.delete(k.turn_key(turn_id))

@@ -10,8 +10,8 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import TurnNotFound
+from agentq.events.types import Event
 from agentq.local.processes import wait_for
-from agentq.models import Event
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_valid_history, calls, collect, script
 
@@ -26,7 +26,7 @@ def test_turn_runs_tools_and_answers(fleet, llm_server, client: Client) -> None:
         ),
         Round(text="All done."),
     )
-    handle = client.start_turn(f"{key} please")
+    handle = client._start_turn(f"{key} please")
     events = collect(client, handle.turn_id)
     types = [e.type for e in events]
     assert types[0] == "turn_started" and types[-1] == "turn_finished"
@@ -51,7 +51,7 @@ def test_abort_kills_the_stuck_tool_and_keeps_the_sibling(
     key = script(
         llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}), ("echo", {"text": "fast"})))
     )
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     tid = handle.turn_id
     seen: dict[str, Event] = {}
     for ev in client.events(tid, heartbeat_s=0.5):
@@ -98,7 +98,7 @@ def test_killed_tool_process_settles_lost_and_turn_goes_on(
         Round(tool_calls=calls(("die", {"seconds": 0.1}), ("echo", {"text": "ok"}))),
         Round(text="Recovered."),
     )
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_finished"
     statuses = {e.fields["tool"]: e.fields["status"] for e in events if e.type == "tool_finished"}
@@ -113,7 +113,7 @@ def test_idempotent_tool_is_retried_after_its_process_died(
     key = script(
         llm_server, Round(tool_calls=calls(("die_once", {"marker": str(marker)}))), Round(text="ok")
     )
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     events = collect(client, handle.turn_id)
     finished = [e for e in events if e.type == "tool_finished"]
     assert [e.fields["status"] for e in finished] == ["ok"]
@@ -127,7 +127,7 @@ def test_loop_detector_and_call_limit_end_the_turn_cleanly(
 ) -> None:
     same = calls(("echo", {"text": "again"}))
     key = script(llm_server, *[Round(tool_calls=same) for _ in range(5)])
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_finished", events[-1].fields
     assert events[-1].fields["reason"] == "loop_detected"
@@ -138,7 +138,7 @@ def test_loop_detector_and_call_limit_end_the_turn_cleanly(
 
 def test_model_failure_is_a_turn_error_with_a_code(fleet, llm_server, client: Client) -> None:
     key = script(llm_server, Round(fault="http_400", fault_message="model says no"))
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     events = collect(client, handle.turn_id)
     assert events[-1].type == "turn_error"
     assert "model says no" in events[-1].fields["error"]
@@ -146,8 +146,8 @@ def test_model_failure_is_a_turn_error_with_a_code(fleet, llm_server, client: Cl
 
 def test_aborting_a_parent_aborts_its_sub_agents(fleet, llm_server, client: Client) -> None:
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
-    parent = client.start_turn(key)
-    child = client.start_turn(key, parent_turn_id=parent.turn_id)
+    parent = client._start_turn(key)
+    child = client._start_turn(key, parent_turn_id=parent.turn_id)
     for h in (parent, child):
         wait_for(
             lambda h=h: any(
@@ -163,6 +163,24 @@ def test_aborting_a_parent_aborts_its_sub_agents(fleet, llm_server, client: Clie
         assert_valid_history(client.get(h.turn_id)["history"])
 
 
+def test_an_abort_whose_sender_died_before_its_step_is_taken(
+    fleet, llm_server, client: Client
+) -> None:
+    """The abort's one write (flag, reason, wakeup) is durable on its own: a sender that
+    died before it sent the step (as `flag_cancel` alone leaves it) is followed by the
+    sweeper, which takes the abort step at the wakeup."""
+    from agentq.fleet import runtime
+
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
+    handle = client._start_turn(key)
+    collect(client, handle.turn_id, until=lambda e: e.type == "tool_started")
+    woken, _ = runtime.get_store().flag_cancel(handle.turn_id, "user")  # no step sent
+    assert woken
+    events = collect(client, handle.turn_id, timeout_s=30)
+    assert events[-1].type == "turn_aborted" and events[-1].fields["reason"] == "user"
+    assert_valid_history(client.get(handle.turn_id)["history"])
+
+
 def test_abort_while_the_model_streams_leaves_nothing_after_the_end(
     fleet, llm_server, client: Client
 ) -> None:
@@ -170,7 +188,7 @@ def test_abort_while_the_model_streams_leaves_nothing_after_the_end(
     from agentq import constants as k
 
     key = script(llm_server, Round(text="x" * 400, chunk_size=2, chunk_delay_ms=50))
-    handle = client.start_turn(key)
+    handle = client._start_turn(key)
     tid = handle.turn_id
     for ev in client.events(tid, heartbeat_s=0.5):
         if ev is not None and ev.type == "llm_delta":

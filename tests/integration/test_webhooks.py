@@ -25,9 +25,9 @@ from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
 from agentq.models import Usage
 from agentq.testing.openai_server import Round
-from agentq.testing.webhooks import Received, WebhookReceiver, new_secret, webhook_env
 from agentq.webhooks.deliveries import Deliveries
 from tests.helpers import calls, follow_until, script
+from tests.rigs.webhooks import Received, WebhookReceiver, new_secret, webhook_env
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +76,7 @@ def test_finished_turn_posts_one_signed_webhook(
     used = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
     key = script(llm_server, Round(text="The answer is 42.", usage=used))
     with WebhookReceiver([200]) as rx:
-        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         (got,) = rx.wait(1)
         body = verified(got)
         assert got.headers["webhook-id"] == k.webhook_id(handle.turn_id)
@@ -103,6 +103,28 @@ def test_finished_turn_posts_one_signed_webhook(
         assert get_store().redis.zscore(k.WEBHOOKS_WAITING, handle.turn_id) is None
 
 
+def test_a_call_that_starts_waiting_posts_turn_waiting(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("await_callback", {"timeout_s": 60}))),
+        Round(text="it came"),
+    )
+    with WebhookReceiver([200, 200]) as rx:
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        (got,) = rx.wait(1)
+        body = verified(got)
+        assert body["type"] == "turn.waiting"
+        data = body["data"]
+        assert data["turn_id"] == handle.turn_id and data["tool"] == "await_callback"
+        assert got.headers["webhook-id"] == f"{k.webhook_id(handle.turn_id)}_{data['call_id']}"
+        token = data["callback_url"].split("token=", 1)[1]
+        hook_client.complete_waitpoint(data["waitpoint_id"], token, {"ok": 1})
+        ended = verified(rx.wait(2)[1])
+        assert ended["type"] == "turn.finished"
+
+
 def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
     fleet, webhook_worker, llm_server, hook_client: Client
 ) -> None:
@@ -110,7 +132,7 @@ def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
     when it started, and the sweep queues its delivery once it finds it ended."""
     key = script(llm_server, Round(text="ok"))
     with WebhookReceiver([200]) as rx:
-        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         rx.wait(1)
         delivery_id = k.webhook_id(handle.turn_id)
         wait_for(lambda: (d := deliveries().get(delivery_id)) and d.status == "delivered", 10)
@@ -129,7 +151,7 @@ def test_failures_are_retried_with_backoff_under_one_id(
 ) -> None:
     key = script(llm_server, Round(text="ok"))
     with WebhookReceiver([500, 503, 200]) as rx:
-        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         got = rx.wait(3)
         for r in got:
             verified(r)
@@ -158,7 +180,7 @@ def test_failures_are_retried_with_backoff_under_one_id(
 def test_410_stops_the_delivery(fleet, webhook_worker, llm_server, hook_client: Client) -> None:
     key = script(llm_server, Round(text="ok"))
     with WebhookReceiver([410, 200]) as rx:
-        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         d = wait_for(
             lambda: (
                 (x := deliveries().get(k.webhook_id(handle.turn_id))) and x.status == "gone" and x
@@ -174,7 +196,7 @@ def test_aborted_turn_posts_turn_aborted(
 ) -> None:
     key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 30}))))
     with WebhookReceiver([200]) as rx:
-        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url)
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url)
         follow_until(hook_client, handle.turn_id, "tool_started")
         hook_client.abort(handle.turn_id, handle.token)
         body = verified(rx.wait(1)[0])
@@ -189,7 +211,7 @@ def test_retries_survive_a_worker_restart(
     new worker's sweep sends it under the same id."""
     key = script(llm_server, Round(text="ok"))
     with WebhookReceiver([500]) as rx:
-        handle = hook_client.start_turn(f"{key} go", webhook_url=rx.url, detach=True)
+        handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
         rx.wait(1)
         # The first attempt is recorded (due again later) before the worker dies.
         delivery_id = k.webhook_id(handle.turn_id)
@@ -226,14 +248,14 @@ def test_undeliverable_url_is_refused_at_start(
     client = Client(load_settings(webhook_secret=SECRET))
     before = get_store().redis.zcard(k.TURNS_INDEX)
     with pytest.raises(WebhookRefused, match=reason):
-        client.start_turn("hi", webhook_url=url)
+        client._start_turn("hi", webhook_url=url)
     assert get_store().redis.zcard(k.TURNS_INDEX) == before
 
 
 def test_no_secret_no_webhook(agentq_env: dict[str, str]) -> None:
     client = Client(load_settings(webhook_secret=None))
     with pytest.raises(WebhookRefused, match="AGENTQ_WEBHOOK_SECRET"):
-        client.start_turn("hi", webhook_url="https://example.com/hook")
+        client._start_turn("hi", webhook_url="https://example.com/hook")
 
 
 ALICE_KEY = "alice-" + base64.b64encode(os.urandom(12)).decode()

@@ -37,12 +37,21 @@ def only_new_agents() -> Iterator[None]:
         unregister_agent(name)
 
 
-def test_tools_are_names_and_default_to_every_tool() -> None:
+def test_tools_are_names_and_none_unless_listed() -> None:
     a = Agent(name="u_a", tools=[demo.echo, "sleep"])
     assert a.tool_names() == ["echo", "sleep"]
     assert [t.openai_schema()["function"]["name"] for t in a.offered_tools()] == ["echo", "sleep"]
-    everything = Agent(name="u_all")
-    assert {"echo", "sleep", "hang"} <= set(everything.tool_names())
+    bare = Agent(name="u_none")
+    assert bare.tool_names() == [] and bare.offered_tools() == []
+
+
+def test_two_agents_of_one_name_are_refused_and_the_same_one_twice_is_not() -> None:
+    first = Agent(name="u_twice", instructions="One.", tools=[demo.echo])
+    assert Agent(name="u_twice", instructions="One.", tools=["echo"]) == first
+    with pytest.raises(AgentDefinitionError) as caught:
+        Agent(name="u_twice", instructions="Two.")
+    assert caught.value.field == "name" and "u_twice" in caught.value.message
+    assert all_agents()["u_twice"] == first
 
 
 @pytest.mark.parametrize(

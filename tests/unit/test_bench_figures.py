@@ -1,5 +1,6 @@
-"""The README's benchmark figures come from one place (docs/benchmarks.json), and each is
-one the bench reports: a figure cannot drift from the file, nor name a stage that is gone."""
+"""The benchmark figures of docs/benchmarks.md come from one place (docs/benchmarks.json),
+and each is one the bench reports: a figure cannot drift from the file, nor name a stage
+that is gone."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def _figures() -> dict:
 
 
 def test_the_readme_table_is_the_figures_file() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "benchmarks.md").read_text()
     assert figures_script.readme_section(readme) == figures_script.readme_table(_figures()), (
-        "README.md's benchmark table differs from docs/benchmarks.json: "
+        "docs/benchmarks.md's benchmark table differs from docs/benchmarks.json: "
         "run python scripts/bench_figures.py"
     )
 

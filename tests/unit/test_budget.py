@@ -1,5 +1,6 @@
-"""Spend's pure decisions, without Redis or waiting: prices, the reservation's completion
-cap, period resets, a key's refusal, and the settings that configure them."""
+"""Spend's pure decisions, without Redis or waiting: prices, period resets, a key's
+refusal, and the settings that configure them. (The reservation's completion cap is
+decided by RESERVE alone: tests/integration/test_spend_scripts.py.)"""
 
 from __future__ import annotations
 
@@ -11,9 +12,6 @@ import pytest
 from agentq.config import KeyBudget, ModelPrice, load_settings
 from agentq.errors import ConfigError
 from agentq.state.budget import (
-    MIN_COMPLETION_TOKENS,
-    Budget,
-    completion_cap,
     cost_usd,
     day_of,
     key_budgets,
@@ -37,44 +35,6 @@ def test_cost_prices_input_cached_and_output_per_million() -> None:
     assert cost_usd(None, 1000, 100) is None
     # More cached tokens than prompt tokens (a server's mistake) are not a discount.
     assert cost_usd(PRICE, 10, 0, 50) == pytest.approx(10 * 0.5 / 1e6)
-
-
-def test_no_budget_leaves_the_round_what_it_wants() -> None:
-    assert completion_cap([], 500, 4096, PRICE).cap == 4096
-
-
-def test_a_token_budget_caps_the_completion_to_what_the_prompt_leaves() -> None:
-    b = Budget("turn", "max_tokens", "tokens", limit=1000, spent=300)
-    got = completion_cap([b], 500, 4096, None)
-    assert got.cap == 200 and got.exceeded is None
-
-
-def test_a_usd_budget_caps_by_the_output_price() -> None:
-    b = Budget("key", "usd_per_day", "usd", limit=0.01, spent=0.0)
-    # 1000 prompt tokens cost $0.002; $0.008 left buys 1000 output tokens at $8/M.
-    assert completion_cap([b], 1000, 4096, PRICE).cap == 1000
-
-
-def test_the_tightest_budget_wins_and_refuses_a_round_it_cannot_afford() -> None:
-    loose = Budget("key", "tokens_per_day", "tokens", limit=10**6, spent=0)
-    tight = Budget("parent_turn", "max_tokens", "tokens", limit=1000, spent=990)
-    got = completion_cap([loose, tight], 5, 4096, None)
-    assert got.cap == 0 and got.exceeded == tight
-    # Exactly the least round passes; one token less does not.
-    edge = Budget("turn", "max_tokens", "tokens", limit=5 + MIN_COMPLETION_TOKENS, spent=0)
-    assert completion_cap([edge], 5, 4096, None).cap == MIN_COMPLETION_TOKENS
-    short = Budget("turn", "max_tokens", "tokens", limit=4 + MIN_COMPLETION_TOKENS, spent=0)
-    assert completion_cap([short], 5, 4096, None).exceeded == short
-
-
-def test_a_usd_budget_of_a_model_without_a_price_counts_nothing() -> None:
-    b = Budget("key", "usd_per_day", "usd", limit=0.0001, spent=1.0)
-    assert completion_cap([b], 500, 4096, None).cap == 4096
-
-
-def test_a_prompt_the_usd_left_cannot_pay_is_refused() -> None:
-    b = Budget("turn", "max_cost_usd", "usd", limit=0.001, spent=0.0)
-    assert completion_cap([b], 1000, 4096, PRICE).exceeded == b
 
 
 def test_periods_reset_at_utc_midnight_and_the_first_of_the_month() -> None:

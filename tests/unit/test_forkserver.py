@@ -13,10 +13,10 @@ import psutil
 import pytest
 
 from agentq.local import processes
-from agentq.local.forkserver import ForkServer, forkable
 from agentq.local.processes import run_process, wait_for
 from agentq.local.redis_server import RedisServer, find_free_port
-from agentq.testing.workers import worker_env
+from tests.rigs.forkserver import ForkServer, forkable
+from tests.rigs.workers import worker_env
 
 # Real worker processes against the session's Redis, as in test_redis_server.
 pytestmark = pytest.mark.integration
@@ -119,7 +119,7 @@ def test_children_outlive_a_stopped_server_and_their_end_is_still_seen(
 def test_run_process_captures_stdout_and_stderr_apart_and_kills_at_its_timeout(
     redis_server: RedisServer,
 ) -> None:
-    assert processes._fork_server is not None  # the suite's conftest turns it on
+    assert isinstance(processes._spawner, ForkServer)  # the suite's conftest turns it on
     ok = run_process([sys.executable, "-m", "agentq", "--version"], env=_env())
     assert ok.returncode == 0 and "agentq" in ok.stdout and ok.stderr == ""
     bad = run_process([sys.executable, "-m", "agentq", "no-such-command"], env=_env())

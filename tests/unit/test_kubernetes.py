@@ -686,6 +686,25 @@ def test_the_commands_are_agentqs(target: str) -> None:
             parser.parse_args(c["command"][1:])
 
 
+def _repository(image: str) -> str:
+    """`registry.example.com/agentq-worker:0.1.0` -> `agentq-worker`."""
+    return image.rsplit(":", 1)[0].rsplit("/", 1)[-1]
+
+
+def test_each_process_runs_an_image_with_its_extras(target: str) -> None:
+    # compose/Dockerfile's AGENTQ_EXTRAS: the gateway and Flower need theirs, the workers
+    # and the beat none of them (docs/kubernetes.md builds both images).
+    wanted = {"serve": "agentq", "flower": "agentq", "worker": "agentq-worker"}
+    wanted["beat"] = "agentq-worker"
+    seen = set()
+    for _, c in agentq_containers(render(target)):
+        assert _repository(c["image"]) == wanted[c["command"][1]], (c["command"], c["image"])
+        seen.add(c["command"][1])
+    assert seen == set(wanted)
+    doc = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "--build-arg AGENTQ_EXTRAS=mcp,otel -t agentq-worker:local" in doc
+
+
 def test_one_beat_and_never_two(target: str) -> None:
     docs = render(target)
     beats = [dep for dep, c in agentq_containers(docs) if c["command"][1:] == ["beat"]]
@@ -774,6 +793,8 @@ def test_the_demo_runs_its_dependencies_in_the_cluster() -> None:
     assert env["AGENTQ_TOOLS"] == "agentq.testing.tools"
     model = named(docs, "Deployment", "model")["spec"]["template"]["spec"]["containers"][0]
     assert model["command"][:3] == ["python", "-m", "agentq.testing.openai_server"]
+    # The scripted model server runs on uvicorn, which the gateway's image has.
+    assert _repository(model["image"]) == "agentq"
     prometheus = named(
         docs,
         "ConfigMap",

@@ -23,6 +23,7 @@ RANKS: dict[str, int] = {
     "telemetry": 2,
     "events": 3,
     "state": 4,
+    "limits": 4,
     "fleet": 5,
     "aio": 6,
     "webhooks": 6,
@@ -36,6 +37,7 @@ RANKS: dict[str, int] = {
     "worker": 10,
     "celery": 11,
     "gateway": 11,
+    "client": 11,
     "local": 11,
     "cli": 12,
     "testing": 12,
@@ -46,6 +48,7 @@ RANKS: dict[str, int] = {
 
 MAX_LAYERS = 12
 MAX_LINES = 600
+MAX_FUNCTION_LINES = 80
 MAX_TOP_LEVEL = 8
 
 
@@ -128,7 +131,7 @@ import agentq.errors
 if TYPE_CHECKING:
     from agentq.api import Client
 else:
-    from agentq.models import Event
+    from agentq.models import TurnRequest
 
 def f():
     from agentq.config import Settings
@@ -221,3 +224,14 @@ def test_modules_are_small_and_the_top_level_is_the_public_surface() -> None:
     assert not long, long
     top = sorted(p.stem for p in PKG.glob("*.py") if p.stem not in ("__init__", "__main__"))
     assert len(top) <= MAX_TOP_LEVEL, top
+
+
+def test_functions_are_short() -> None:
+    long = {
+        f"{m}.{node.name}": length
+        for m, p in MODULES.items()
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (length := (node.end_lineno or 0) - node.lineno + 1) > MAX_FUNCTION_LINES
+    }
+    assert not long, long

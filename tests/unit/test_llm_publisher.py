@@ -177,7 +177,10 @@ def test_an_unwatched_turns_deltas_wait_out_the_quiet_interval() -> None:
     assert [_types(evs) for evs, _ in quiet][:2] == [["llm_started"], ["llm_delta"]]
     rest = [e for evs, _ in quiet[2:] for e in evs] + taken
     assert _types(rest) in (["llm_delta", "llm_finished"], ["llm_finished"])
-    assert quiet[1][1] - quiet[0][1] >= quiet_s * 0.98  # two clocks read a moment apart
+    # Well over the 20 ms interval; not all of quiet_s, as the store's clock is read when the
+    # batch lands, and the first landed some ms after the publisher's clock began (on a
+    # loaded machine, 488 ms of 500 apart).
+    assert quiet[1][1] - quiet[0][1] >= quiet_s * 0.8
     text = "".join(f["text"] for evs, _ in quiet for t, f in evs if t == "llm_delta")
     text += "".join(f["text"] for t, f in taken if t == "llm_delta")
     assert text == "".join(f"q{i} " for i in range(60))

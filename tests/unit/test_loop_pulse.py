@@ -61,3 +61,24 @@ def test_a_stall_right_after_an_idle_spell_is_reported_at_its_own_length() -> No
         assert 0.1 <= seen[0] <= 0.4 + 0.15, seen
     finally:
         loop.stop()
+
+
+def test_stop_cancels_what_the_loop_holds_and_closes_it() -> None:
+    loop = EventLoopThread(name="t-stop").start()
+    running = threading.Event()
+    cancelled = threading.Event()
+
+    async def forever() -> None:
+        try:
+            running.set()
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    loop.submit(forever)
+    assert running.wait(5)
+    loop.stop()
+    # Nothing is left for the garbage collector to finalize (see aio.loop._close).
+    assert cancelled.is_set()
+    assert loop.loop.is_closed()

@@ -9,10 +9,9 @@ import re
 import pytest
 
 from agentq.events import bus
-from agentq.gateway import limits
+from agentq.limits import bucket, semaphore
 from agentq.llm import capacity_lua
-from agentq.mcp import tools as mcp_tools
-from agentq.state import conversations, interactions, layout, listing, spend
+from agentq.state import conversation_lua, interactions, listing, spend
 from agentq.state.store import TurnStore
 from agentq.webhooks import deliveries
 
@@ -28,8 +27,6 @@ def _store_scripts() -> dict[str, str]:
 SCRIPTS = {
     **_store_scripts(),
     "interactions._CLOSE_LUA": interactions._CLOSE_LUA,
-    "layout._MERGE_CALLS_LUA": layout._MERGE_CALLS_LUA,
-    "layout._MERGE_HISTORY_LUA": layout._MERGE_HISTORY_LUA,
     "listing._SUMMARY_LUA": listing._SUMMARY_LUA,
     "bus.PUBLISH_LUA": bus.PUBLISH_LUA,
     "bus.PUBLISH_MANY_LUA": bus.PUBLISH_MANY_LUA,
@@ -47,14 +44,15 @@ SCRIPTS = {
             "NOTE_LUA",
         )
     },
-    "limits._BUCKET_LUA": limits._BUCKET_LUA,
-    "limits._RESERVE_LUA": limits._RESERVE_LUA,
+    "bucket.TAKE_LUA": bucket.TAKE_LUA,
+    "semaphore.ACQUIRE_LUA": semaphore.ACQUIRE_LUA,
     "deliveries.CREATE_LUA": deliveries.CREATE_LUA,
     "deliveries.CLAIM_LUA": deliveries.CLAIM_LUA,
     **{
-        f"conversations.{name}": getattr(conversations, name)
+        f"conversation_lua.{name}": getattr(conversation_lua, name)
         for name in (
             "ADMIT_LUA",
+            "IN_PLACE_LUA",
             "RELEASE_LUA",
             "TAKE_LUA",
             "INJECTABLE_LUA",
@@ -62,7 +60,6 @@ SCRIPTS = {
             "NOTE_INJECTED_LUA",
         )
     },
-    "mcp_tools.ACQUIRE_LUA": mcp_tools.ACQUIRE_LUA,
     "spend.RESERVE_LUA": spend.RESERVE_LUA,
     "spend.SETTLE_LUA": spend.SETTLE_LUA,
 }

@@ -11,9 +11,10 @@ from mcp.types import EmbeddedResource, ImageContent, TextContent, TextResourceC
 
 from agentq.agents import Agent, check_agents, unregister_agent
 from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvalid
-from agentq.mcp.catalog import Listing, McpTools
-from agentq.mcp.link import BACKOFF_S, ListedTool, backoff_s
-from agentq.mcp.names import MAX_NAME, tool_name
+from agentq.mcp.catalog import McpTools
+from agentq.mcp.link import BACKOFF_S, backoff_s
+from agentq.mcp.listing import ListedTool, Listing, Refused, plan
+from agentq.mcp.names import FUNCTION_NAME, MAX_NAME, mapped_names, tool_name
 from agentq.mcp.servers import parse_servers
 from agentq.mcp.tools import approval_of, content_text, make_spec
 from agentq.tools import registry
@@ -23,11 +24,33 @@ def servers(**spec: Any) -> str:
     return json.dumps(spec)
 
 
-def test_names_are_server__tool_safe_and_at_most_64() -> None:
+def test_a_name_that_is_a_function_name_is_kept_hyphens_too() -> None:
     assert tool_name("github", "create_issue") == "github__create_issue"
-    assert tool_name("fs", "read.file/v2") == "fs__read_file_v2"
+    assert tool_name("everything", "get-annotated-message") == "everything__get-annotated-message"
+
+
+def test_any_other_name_becomes_a_function_name_ending_in_a_hash_of_it() -> None:
+    dotted = tool_name("fs", "read.file/v2")
+    assert dotted.startswith("fs__read_file_v2_") and len(dotted) == len("fs__read_file_v2_") + 8
+    # The name that `_` makes of a dotted one is taken by neither.
+    assert tool_name("fs", "read_file_v2") == "fs__read_file_v2" != dotted
     a, b = tool_name("s", "x" * 80), tool_name("s", "x" * 79 + "y")
     assert len(a) == len(b) == MAX_NAME and a != b
+    for tool in ["", " ", "é", "a b", "\n", "\ud800", "x" * 5000, "名前", "a.b.c", "tool()"]:
+        name = tool_name("srv", tool)
+        assert FUNCTION_NAME.match(name), (tool, name)
+        assert tool_name("srv", tool) == name
+
+
+def test_the_mapping_reverses_and_refuses_names_two_tools_share() -> None:
+    tools = [("a", "x.y"), ("a", "x_y"), ("b", "get-sum"), ("a", "b__c"), ("a__b", "c")]
+    unique, shared = mapped_names(tools)
+    assert unique == {
+        tool_name("a", "x.y"): ("a", "x.y"),
+        "a__x_y": ("a", "x_y"),
+        "b__get-sum": ("b", "get-sum"),
+    }
+    assert shared == {"a__b__c": [("a", "b__c"), ("a__b", "c")]}
 
 
 def test_a_bad_setting_names_the_setting_and_the_server() -> None:
@@ -89,9 +112,9 @@ def test_a_spec_checks_arguments_by_schema_and_carries_the_policy() -> None:
     server = parse_servers(
         servers(s={"command": ["x"], "timeout_s": 7, "budget_s": 2, "concurrency": "exclusive"})
     )["s"]
-    spec = make_spec(server, listed("count.things"), {})
-    assert spec.name == "s__count_things" and spec.remote == "count.things"
-    assert spec.task_name == "agentq.tool.s__count_things" and spec.kind == "async"
+    spec = make_spec(server, listed("count-things"), {})
+    assert spec.name == "s__count-things" and spec.remote == "count-things"
+    assert spec.task_name == "agentq.tool.s__count-things" and spec.kind == "async"
     assert spec.openai_schema()["function"]["parameters"]["required"] == ["n"]
     pol = spec.policy
     assert (pol.timeout_s, pol.budget_s, pol.concurrency, pol.queue) == (
@@ -147,7 +170,7 @@ def test_a_listing_replaces_the_server_s_tools_within_its_allowlist(mcp_tools: M
 def test_agents_name_the_servers_their_turns_may_use(mcp_tools: McpTools) -> None:
     mcp_tools.apply("gh", Listing(1.0, [listed("a")]))
     mcp_tools.apply("fs", Listing(1.0, [listed("read")]))
-    every = Agent(name="mcp_every")
+    every = Agent(name="mcp_every", mcp_servers=["gh", "fs"])
     only_fs = Agent(name="mcp_only_fs", tools=[], mcp_servers=["fs"])
     one = Agent(name="mcp_one", tools=["gh__a"])
     try:
@@ -293,3 +316,79 @@ def test_an_io_worker_takes_up_a_listing_another_process_shares(
         for names in tools.registered.values():
             for n in names:
                 registry.unregister(n)
+
+
+def test_a_listing_refuses_each_bad_tool_with_its_reason_and_keeps_the_rest() -> None:
+    good = listed("fine")
+    bad = [
+        listed(""),
+        listed("x" * 300),
+        ListedTool("not_schema", "d", {"type": 5}),
+        ListedTool("a_string", "d", {"type": "string"}),
+        ListedTool("huge", "d", {"type": "object", "description": "x" * 70_000}),
+        listed("twice"),
+        listed("twice"),
+    ]
+    listing = Listing.screened(1.0, [good, *bad])
+    assert [t.name for t in listing.tools] == ["fine"]
+    why = {r.tool: r.why for r in listing.refused}
+    assert why[""] == "it has no name"
+    assert "300 characters long" in why["x" * 80 + "... (300 characters)"]
+    assert "not JSON Schema" in why["not_schema"]
+    assert "of type string, not object" in why["a_string"]
+    assert "bytes long" in why["huge"]
+    assert why["twice"] == "listed 2 times" and len(listing.refused) == 6
+    assert Listing.from_json(listing.to_json()) == listing
+
+
+def test_a_huge_description_is_cut_saying_so() -> None:
+    from agentq.mcp.listing import MAX_DESCRIPTION, cut_description
+
+    cut = cut_description("d" * 10_000_000)
+    assert len(cut) < MAX_DESCRIPTION + 60 and cut.endswith("[cut: 9995904 characters more]")
+
+
+def test_tools_of_two_servers_that_share_a_model_name_are_both_refused(
+    mcp_tools: McpTools, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Names made with a hash do not collide; a server name holding `__` can: the tool
+    x__y of gh and the tool y of gh__x are both gh__x__y."""
+    cfg = parse_servers(servers(gh={"command": ["x"]}, gh__x={"command": ["y"]}))
+    tools = McpTools(cfg, 300.0, lambda: None)
+    try:
+        tools.apply("gh", Listing(1.0, [listed("x__y"), listed("ok")]))
+        assert "gh__x__y" in registry.all_tools()
+        with caplog.at_level("WARNING", logger="agentq.mcp"):
+            tools.apply("gh__x", Listing(1.0, [listed("y"), listed("z")]))
+            tools.apply("gh__x", Listing(2.0, [listed("y"), listed("z")]))
+        names = set(registry.all_tools())
+        assert "gh__x__y" not in names and {"gh__ok", "gh__x__z"} <= names
+        lines = [r.getMessage() for r in caplog.records if "gh__x__y" in r.getMessage()]
+        assert len(lines) == 2, lines  # one per tool, once each
+        assert "is also the name of gh__x/y" in " ".join(lines)
+        made = plan(cfg, tools.listings)
+        assert made.collisions["gh"] == [
+            Refused("x__y", "its name gh__x__y is also the name of gh__x/y")
+        ]
+        # The other goes: the name is free again, and the first server's tool is back.
+        tools.apply("gh__x", Listing(3.0, [listed("z")]))
+        assert "gh__x__y" in registry.all_tools()
+    finally:
+        for names in tools.registered.values():
+            for n in names:
+                registry.unregister(n)
+
+
+def test_a_celery_task_is_made_for_any_tool_name_a_server_gives() -> None:
+    from celery import Celery
+
+    from agentq.tools.task import register_tool_tasks
+
+    server = parse_servers(servers(everything={"command": ["x"]}))["everything"]
+    names = ["get-annotated-message", "a.b", "tool()", "déjà vu", "class", "x" * 200]
+    specs = {s.name: s for s in (make_spec(server, listed(n), {}) for n in names)}
+    app = Celery("names", set_as_current=False)
+    register_tool_tasks(app, specs)
+    for spec in specs.values():
+        assert app.tasks[spec.task_name].name == spec.task_name
+    assert "agentq.tool.everything__get-annotated-message" in app.tasks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agentq.llm.headers import parse_rate_headers
-from agentq.testing.ratelimit import ProviderLimits
+from tests.rigs.ratelimit import ProviderLimits
 
 
 def test_requests_per_second_refuse_past_the_window_with_openai_headers() -> None:

@@ -4,7 +4,7 @@
 
 const EVENT_TYPES = [
   "turn_started", "turn_resumed", "llm_started", "llm_queued", "llm_delta", "llm_retry", "llm_finished",
-  "tool_started", "tool_progress", "tool_finished", "interaction_requested",
+  "tool_started", "tool_progress", "tool_finished", "tool_waiting", "interaction_requested",
   "interaction_answered", "interaction_timed_out", "tool_denied", "subturn_started", "turn_aborted",
   "turn_finished", "turn_error", "turn_queued", "message_injected",
 ];
@@ -114,6 +114,24 @@ class ToolChip {
     if (typeof pct === "number" && isFinite(pct)) this.node.dataset.pct = String(pct);
   }
 
+  // A call waiting on its waitpoint: a button that completes it with JSON typed here, as
+  // the system it waits for would POST to its callback URL.
+  waitpoint(callbackUrl) {
+    if (this.finishedS !== null || !callbackUrl) return;
+    const button = el("button", "complete", "Complete…");
+    button.type = "button";
+    button.addEventListener("click", async () => {
+      const text = window.prompt("The call's result, as JSON", "{}");
+      if (text === null) return;
+      const res = await fetch(callbackUrl, {
+        method: "POST", headers: { "Content-Type": "application/json" }, body: text,
+      });
+      if (!res.ok) $(".progress", this.node).textContent = await errorText(res);
+    });
+    this.node.append(button);
+    this.completeButton = button;
+  }
+
   start(atLocal) {
     if (this.finishedS !== null) return;
     this.startedAt = atLocal;
@@ -143,8 +161,44 @@ class ToolChip {
     this.node.dataset.status = status;
     $(".status", this.node).textContent = status;
     $(".progress", this.node).textContent = "";
+    if (this.completeButton) this.completeButton.remove();
     if (detail) this.node.title = detail;
   }
+}
+
+// The form of a question for the user (`input`), from its JSON Schema: a choice for an
+// enum, a field per property for an object, else one line of text. `value()` is the
+// answer as the API takes it (JSON text; plain text for a free-text question).
+function answerForm(schema) {
+  const node = el("span", "answer-form");
+  const error = el("span", "answer-error");
+  const field = (sub, name) => {
+    let input;
+    if (sub && Array.isArray(sub.enum)) {
+      input = el("select", "choice");
+      for (const v of sub.enum) input.append(el("option", null, String(v)));
+    } else {
+      input = el("input", "text");
+      input.placeholder = name || (sub && sub.description) || "answer";
+    }
+    node.append(input);
+    return () => {
+      if (sub && Array.isArray(sub.enum)) return sub.enum[input.selectedIndex];
+      if (sub && (sub.type === "number" || sub.type === "integer")) return Number(input.value);
+      if (sub && sub.type === "boolean") return input.value === "true";
+      return input.value;
+    };
+  };
+  if (schema && schema.type === "object" && schema.properties) {
+    const reads = Object.entries(schema.properties).map(([n, sub]) => [n, field(sub, n)]);
+    node.append(error);
+    const value = () => JSON.stringify(Object.fromEntries(reads.map(([n, r]) => [n, r()])));
+    return { node, error, value };
+  }
+  const read = field(schema, null);
+  node.append(error);
+  const free = !schema || (schema.type === "string" && !Array.isArray(schema.enum));
+  return { node, error, value: () => (free ? read() : JSON.stringify(read())) };
 }
 
 class Ask {
@@ -164,15 +218,19 @@ class Ask {
     head.append(el("span", "prompt", ev.prompt), this.countdown);
     this.node.append(head);
     const row = el("div", "ask-actions");
-    if (ev.kind === "password") {
+    if (ev.kind === "input") {
+      this.form = answerForm(ev.answer_schema);
+      row.append(this.form.node);
+    } else if (ev.kind === "password") {
       this.input = el("input", "secret");
       this.input.type = "password";
       this.input.autocomplete = "current-password";
       this.input.placeholder = "password";
       row.append(this.input);
     }
-    const approve = el("button", "approve", ev.kind === "password" ? "Submit" : "Approve");
-    const deny = el("button", "deny", "Deny");
+    const approve = el("button", "approve",
+      ev.kind === "password" || ev.kind === "input" ? "Submit" : "Approve");
+    const deny = el("button", "deny", ev.kind === "input" ? "Decline" : "Deny");
     approve.type = deny.type = "button";
     approve.addEventListener("click", () => this.answer("approve"));
     deny.addEventListener("click", () => this.answer("deny"));
@@ -193,11 +251,18 @@ class Ask {
     this.buttons.forEach((b) => { b.disabled = true; });
     const body = { decision };
     if (this.input && decision === "approve") body.value = this.input.value;
+    if (this.form && decision === "approve") body.value = this.form.value();
     const url = `/v1/turns/${this.turnId}/interactions/${encodeURIComponent(this.requestId)}`;
     const res = await fetch(url, {
       method: "POST", headers: authHeaders(this.turn.token), body: JSON.stringify(body),
     });
     if (this.input) this.input.value = "";
+    if (res.status === 422 && this.form) {
+      // The answer does not fit the question's schema: the question stays open.
+      this.form.error.textContent = await errorText(res);
+      this.buttons.forEach((b) => { b.disabled = false; });
+      return;
+    }
     if (!res.ok) this.close("closed", await errorText(res));
   }
 
@@ -317,6 +382,12 @@ class TurnView {
           chip.start(performance.now() - ev.elapsed_ms);
         }
         if (ev.source === "tool" || ev.source === "agent") chip.progress(ev.message, ev.pct);
+        return true;
+      }
+      case "tool_waiting": {
+        const chip = this.chip(ev, scope);
+        chip.progress(`waiting on ${ev.waitpoint_id} (${ev.timeout_s}s)`);
+        chip.waitpoint(ev.callback_url);
         return true;
       }
       case "tool_finished":

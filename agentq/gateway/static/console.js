@@ -117,15 +117,29 @@ function inboxItem(p) {
   const countdown = el("span", "countdown");
   countdown.dataset.expiresAt = String(p.expires_at);
   li.append(head, el("div", "prompt", p.prompt), countdown);
-  const approve = el("button", "approve", "Approve");
-  const deny = el("button", "deny", "Deny");
+  // A question for the user (`input`): its answer, JSON or plain text, typed here.
+  const value = p.kind === "input" ? el("input", "answer") : null;
+  const refused = el("span", "answer-error");
+  if (value) {
+    value.placeholder = p.answer_schema ? JSON.stringify(p.answer_schema) : "answer";
+    li.append(value, refused);
+  }
+  const approve = el("button", "approve", value ? "Answer" : "Approve");
+  const deny = el("button", "deny", value ? "Decline" : "Deny");
   approve.type = deny.type = "button";
   const answer = async (decision) => {
     approve.disabled = deny.disabled = true;
+    const body = value && decision === "approve" ? { decision, value: value.value } : { decision };
     const res = await fetch(
       `/v1/console/turns/${encodeURIComponent(p.turn_id)}/interactions/${encodeURIComponent(p.request_id)}`,
-      { method: "POST", headers: keyHeaders(), body: JSON.stringify({ decision }) },
+      { method: "POST", headers: keyHeaders(), body: JSON.stringify(body) },
     );
+    if (res.status === 422 && value) {
+      // It does not fit the question's schema: the question stays open.
+      refused.textContent = await errorText(res);
+      approve.disabled = deny.disabled = false;
+      return;
+    }
     li.classList.add(res.ok ? decision === "approve" ? "approved" : "denied" : "failed");
     li.querySelector(".countdown").textContent = res.ok ? decision + "d" : await errorText(res);
   };
@@ -219,6 +233,11 @@ function renderTimeline(view) {
     if (r.code) notes.push(r.code);
     if (r.queued_ms) notes.push("waited " + fmtSeconds(r.queued_ms / 1000) + " for model capacity");
     detail.append(el("span", "st st-" + r.status, r.status), el("span", "muted", " " + notes.join(" · ")));
+    const fork = el("button", "fork", "fork here");
+    fork.type = "button";
+    fork.title = "a new turn from the history before round " + r.round;
+    fork.addEventListener("click", () => replayOpen("fork", { at_round: r.round }).catch(() => {}));
+    detail.append(fork);
     const row = timelineRow("model round " + r.round, "round st-" + r.status, r.started_at, stop, t0, span, [], detail);
     row.dataset.kind = "round";
     row.dataset.status = r.status;
@@ -238,6 +257,7 @@ function renderTimeline(view) {
     if (c.overran) row.classList.add("overran");
     rows.push(row);
   }
+  for (const w of view.waitpoints || []) rows.push(waitpointRow(w));
   if (view.webhook) rows.push(webhookRow(view.webhook));
   q("#timeline").replaceChildren(...rows);
   q("#eventlog").replaceChildren(...view.events.map((e) => {
@@ -250,6 +270,17 @@ function renderTimeline(view) {
     li.append(el("span", "muted", clock(e.ts) + " #" + e.seq + " "), el("strong", null, e.type), el("span", null, " " + bits.join(" ")));
     return li;
   }));
+}
+
+// A call waiting on its waitpoint: how long it has waited, and how long it may still.
+function waitpointRow(w) {
+  const row = el("div", "tl-waitpoint");
+  row.dataset.kind = "waitpoint";
+  row.dataset.callId = w.call_id;
+  row.append(el("strong", null, "waiting "), el("span", null, w.tool + " on " + w.id),
+    el("span", "muted", " · open " + fmtSeconds(w.age_s) + " · " + fmtSeconds(w.left_s) +
+      " of " + fmtSeconds(w.timeout_s) + " left"));
+  return row;
 }
 
 // The turn's webhook delivery: its status, and each attempt's answer.
@@ -275,9 +306,29 @@ async function refreshView() {
   badge.className = "badge st-" + t.status;
   badge.dataset.status = t.status;
   q("#view-abort").disabled = !(t.status === "running" || t.status === "queued");
+  q("#view-retry").disabled = !(t.status === "error" || t.status === "aborted");
   showWait(t.model_wait, view);
   q("#view-spend").textContent = spendText(view.spend);
+  showSource(view.source);
   renderTimeline(view);
+}
+
+// A retry's or fork's source turn (docs/retry.md), a link that opens it.
+function showSource(source) {
+  const p = q("#view-source");
+  if (!source) {
+    p.replaceChildren();
+    return;
+  }
+  const a = el("a", "source-link", source.turn_id.slice(0, 12));
+  a.href = "#";
+  a.dataset.turnId = source.turn_id;
+  a.addEventListener("click", (ev) => {
+    ev.preventDefault();
+    openTurn(source.turn_id);
+  });
+  p.replaceChildren(el("span", null, source.kind + " of "), a,
+    el("span", null, " from round " + source.from_round));
 }
 
 // A turn's spend with its sub-agents' (docs/spend.md), and its budget.
@@ -418,6 +469,11 @@ function renderMcpServers(servers) {
       li.append(el("span", "muted", " · " + s.failures + " in a row"));
       if (s.error) li.append(el("div", "muted", s.error));
     }
+    // Tools of its listing that are not offered (a bad name or schema, a shared name).
+    if (s.refused && s.refused.length) {
+      const why = s.refused.map((r) => (r.tool || "(no name)") + ": " + r.why).join("; ");
+      li.append(el("div", "muted", s.refused.length + " tool(s) refused · " + why));
+    }
     return li;
   }));
 }
@@ -465,6 +521,19 @@ function openTurn(id) {
   refreshView().catch((err) => { q("#view-status").textContent = String(err.message || err); });
 }
 
+// Retry the open turn, or fork it at a round (docs/retry.md); the new turn opens.
+async function replayOpen(what, body) {
+  const id = consoleState.open;
+  if (!id) return;
+  const res = await fetch("/v1/console/turns/" + encodeURIComponent(id) + "/" + what,
+    { method: "POST", headers: keyHeaders(), body: JSON.stringify(body) });
+  if (!res.ok) {
+    q("#view-status").textContent = await errorText(res);
+    return;
+  }
+  openTurn((await res.json()).turn_id);
+}
+
 async function abortOpen() {
   const id = consoleState.open;
   if (!id) return;
@@ -504,6 +573,7 @@ document.addEventListener("DOMContentLoaded", () => {
   q("#f-agent").addEventListener("input", () => refreshList().catch(() => {}));
   q("#more").addEventListener("click", () => loadOlder().catch(() => {}));
   q("#view-abort").addEventListener("click", () => abortOpen().catch(() => {}));
+  q("#view-retry").addEventListener("click", () => replayOpen("retry", {}).catch(() => {}));
   q("#view-close").addEventListener("click", () => {
     consoleState.open = null;
     q("#turn-view").hidden = true;

@@ -50,3 +50,30 @@ def test_the_sweeper_waits_only_until_the_next_wakeup_comes_due() -> None:
     assert store.next_wakeup_at(now) == now + 0.1
     r.zadd(k.WAKEUPS, {"at-once": now + 0.001})
     assert sweeper.until_next_s(now) == MIN_SWEEP_WAIT_S
+
+
+def test_an_abort_escalation_is_sent_once_when_due_and_the_sweeper_wakes_for_it() -> None:
+    from agentq.config import Settings
+    from agentq.orchestrator.abort import send_due_kills
+    from agentq.orchestrator.steps import Sweeper
+
+    sent: list[tuple[str, dict[str, object], object]] = []
+
+    class Control:
+        def broadcast(self, command: str, arguments: dict[str, object], destination: object):
+            sent.append((command, arguments, destination))
+
+    class App:
+        control = Control()
+
+    r = fakeredis.FakeRedis()
+    now = 1_000_000.0
+    order = '{"targets":[["t1",42]],"to":["tools@h"]}'
+    r.zadd(k.KILLS, {order: now + 0.5})
+    sweeper = Sweeper(TurnStore(r), App(), Settings(sweep_interval_s=0.25))  # type: ignore[arg-type]
+    assert abs(sweeper.until_next_s(now + 0.4) - 0.1) < 1e-6
+    assert send_due_kills(r, App(), now) == 0  # not due yet  # type: ignore[arg-type]
+    # Two sweepers at the due time: one sends it.
+    assert send_due_kills(r, App(), now + 0.5) + send_due_kills(r, App(), now + 0.5) == 1  # type: ignore[arg-type]
+    assert sent == [("agentq_kill", {"targets": [["t1", 42]]}, ["tools@h"])]
+    assert r.zcard(k.KILLS) == 0

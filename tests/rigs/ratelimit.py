@@ -1,5 +1,6 @@
-"""A provider's limits for the scripted server: requests and tokens per second, and
-overloaded answers, in the shapes real providers have.
+"""A provider's limits for the scripted server (its `rate_limit` hook): requests and tokens
+per second, and overloaded answers, in the shapes real providers have. The bench's capacity
+stage and the fault suite's capacity tests run against each shape.
 
 Providers differ, and a fleet cannot know which it talks to:
 
@@ -26,6 +27,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agentq.testing.openai_server import Verdict
+
 LimiterShape = Literal["window", "bucket"]
 HeaderMode = Literal["all", "refusals", "retry_after"]
 
@@ -36,16 +39,6 @@ SHAPES: dict[str, tuple[LimiterShape, HeaderMode]] = {
     "bucket_refusals": ("bucket", "refusals"),
 }
 """The named shapes the bench's capacity stage runs against: (limiter, headers)."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Admit (200) or refuse (429, 503, 529) one request, with the headers to send."""
-
-    status: int
-    headers: dict[str, str]
-    kind: str = ""
-    message: str = ""
 
 
 def _reset(ms: int) -> str:
@@ -63,7 +56,10 @@ class _Allowance:
 
 @dataclass
 class ProviderLimits:
-    """Limits of the scripted provider; None turns one off."""
+    """Limits of the scripted provider; None turns one off.
+
+    ScriptedOpenAIServer(rate_limit=ProviderLimits(requests_per_s=4))
+    """
 
     requests_per_s: float | None = None
     tokens_per_s: float | None = None

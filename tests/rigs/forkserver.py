@@ -1,5 +1,7 @@
 """A Python with agentq's imports done that forks ``python -m agentq ...`` commands.
 
+The test suite's spawner (:func:`agentq.local.processes.use_spawner`), not installed.
+
 Starting a worker costs 1.6-3.3 CPU-s on a 2-core VM, nearly all of it importing Celery,
 the OpenAI SDK and agentq, and the test suite starts a few hundred. The fork server
 imports those once; each command is then a fork of it that leads its own session, writes
@@ -148,7 +150,7 @@ class ForkServer:
                 listener.listen(64)
                 env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "agentq.local.forkserver", str(listener.fileno())],
+                    [sys.executable, "-m", "tests.rigs.forkserver", str(listener.fileno())],
                     stdin=subprocess.PIPE,
                     stdout=subprocess.DEVNULL,
                     env={**env, "PYTHONUNBUFFERED": "1"},
@@ -158,6 +160,9 @@ class ForkServer:
                 )
                 listener.close()
             return self._path
+
+    def accepts(self, argv: Sequence[str]) -> bool:
+        return forkable(argv)
 
     def spawn(
         self,
@@ -213,9 +218,6 @@ class ForkServer:
             os.unlink(self._path)
         with contextlib.suppress(OSError):
             self._dir.rmdir()
-
-    def _kill_at_exit(self) -> None:
-        self.stop()
 
 
 # --------------------------------------------------------------------------- the server

@@ -74,7 +74,7 @@ def chaos_subagent(ctx: ToolContext, prompt: str, wait_s: float = 45.0) -> dict[
 
     _record(ctx, "once")
     client = Client()
-    handle = client.start_turn(prompt, parent_turn_id=ctx.turn_id, headless=True)
+    handle = client._start_turn(prompt, parent_turn_id=ctx.turn_id, headless=True)
     deadline = time.monotonic() + wait_s
     for ev in client.events(handle.turn_id, heartbeat_s=1.0, depth=0):
         if ev is not None and ev.type in ("turn_finished", "turn_aborted", "turn_error"):

@@ -1,0 +1,164 @@
+"""`agentq retry ID` and `agentq fork ID --at-round N`: a new turn from a turn's history
+(docs/retry.md). The command holds Redis credentials, so it may retry any turn, as
+`agentq abort` may abort any."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import TYPE_CHECKING, Any
+
+from agentq.cli.ids import TURN_ID_HELP
+
+if TYPE_CHECKING:
+    from agentq.api import Client, Turn
+
+
+def add_parsers(sub: Any) -> None:
+    r = sub.add_parser(
+        "retry",
+        help="retry a turn that ended error or aborted, paying once; or many: --status, --since",
+    )
+    r.add_argument("turn_id", nargs="?", default=None, help=TURN_ID_HELP)
+    r.add_argument(
+        "--status",
+        default=None,
+        choices=("error", "aborted", "error,aborted"),
+        help="retry every turn that ended so (each once), newest first",
+    )
+    r.add_argument(
+        "--since",
+        default=None,
+        metavar="AGE",
+        help="with --status: turns created in the last AGE (30m, 1h, 2d; default 1h)",
+    )
+    r.add_argument("--limit", type=int, default=100, help="with --status: at most this many")
+    r.add_argument("--rate", type=float, default=10.0, help="with --status: starts a second")
+    r.add_argument("--dry-run", action="store_true", help="with --status: say, start nothing")
+    r.add_argument(
+        "--rerun-lost",
+        action="store_true",
+        help="run again the calls that ran without a result, even of non-idempotent tools",
+    )
+    r.add_argument("--model", default=None, help="the model of its rounds from now on")
+    _common(r)
+    f = sub.add_parser("fork", help="a new turn from a turn's history before one round")
+    f.add_argument("turn_id", help=TURN_ID_HELP)
+    f.add_argument("--at-round", type=int, required=True, metavar="N", help="1-based round")
+    f.add_argument("--message", default=None, help="replace the last user message")
+    f.add_argument("--instructions", default=None, help="replace the agent's instructions")
+    f.add_argument("--model", default=None, help="another model for its rounds")
+    f.add_argument(
+        "--tool-result",
+        nargs=2,
+        metavar=("CALL_ID", "CONTENT"),
+        default=None,
+        help="replace one settled call's result (what-if)",
+    )
+    _common(f)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", default=None, help="run it as this agent instead")
+    p.add_argument("--max-tokens", type=int, default=None, help="its token budget")
+    p.add_argument("--max-cost-usd", type=float, default=None, help="its USD budget")
+    p.add_argument("--json", action="store_true", help="print the new turn's handle as JSON")
+
+
+def cmd_replay(client: Client, args: argparse.Namespace) -> int:
+    from agentq.errors import ForkInvalid
+
+    if args.cmd == "retry" and (args.turn_id is None) == (args.status is None):
+        print("agentq retry: give a turn id, or --status (and --since) for many", file=sys.stderr)
+        return 2
+    if args.cmd == "retry" and args.status is not None:
+        return _bulk(client, args)
+    budgets = {"max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}
+    try:
+        if args.cmd == "retry":
+            turn = client.retry(
+                args.turn_id,
+                rerun_lost=args.rerun_lost,
+                agent=args.agent,
+                model=args.model,
+                **budgets,
+            )
+        else:
+            turn = client.fork(
+                args.turn_id, args.at_round, edit=_edit(args), agent=args.agent, **budgets
+            )
+    except ForkInvalid as exc:
+        print(f"agentq {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+    return _said(turn, args)
+
+
+AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+UNITS_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _bulk(client: Client, args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from agentq.orchestrator.replay import BulkOutcome
+
+    age = AGE.match(args.since or "1h")
+    if age is None:
+        print(f"agentq retry: --since {args.since!r}: a number with s, m, h or d", file=sys.stderr)
+        return 2
+
+    def said(o: BulkOutcome) -> None:
+        if args.json:
+            print(o.model_dump_json(exclude_none=True), flush=True)
+        else:
+            print(f"{o.source}  {o.outcome.replace('_', ' ')}  {o.turn_id or o.error or ''}")
+
+    try:
+        done = client.retry_many(
+            status=args.status,
+            agent=args.agent,
+            since_s=float(age.group(1)) * UNITS_S[age.group(2)],
+            limit=args.limit,
+            rate_per_s=args.rate,
+            dry_run=args.dry_run,
+            said=said,
+        )
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        print(f"agentq retry: {err['loc'][0]}: {err['msg']}", file=sys.stderr)
+        return 2
+    if not args.json:
+        started = sum(o.outcome == "started" for o in done)
+        print(f"{len(done)} turn(s) matched, {started} retried now", file=sys.stderr)
+    return 0
+
+
+def _edit(args: argparse.Namespace) -> dict[str, Any] | None:
+    edit: dict[str, Any] = {
+        name: getattr(args, name)
+        for name in ("message", "instructions", "model")
+        if getattr(args, name) is not None
+    }
+    if args.tool_result:
+        edit["tool_result"] = {"call_id": args.tool_result[0], "content": args.tool_result[1]}
+    return edit or None
+
+
+def _said(turn: Turn, args: argparse.Namespace) -> int:
+    handle = turn.handle.model_dump(exclude_none=True)
+    if args.json:
+        print(json.dumps(handle), flush=True)
+        return 0
+    what = "retry" if args.cmd == "retry" else f"fork at round {args.at_round}"
+    print(f"{turn.turn_id}  ({what} of {args.turn_id})")
+    if handle.get("branched"):
+        print(f"in the new conversation {handle['conversation_id']}")
+    elif handle.get("conversation_id"):
+        print(f"in its conversation {handle['conversation_id']}, replacing its exchange")
+    print(f"follow it: agentq events {turn.turn_id}", file=sys.stderr)
+    return 0
+
+
+__all__ = ["add_parsers", "cmd_replay"]

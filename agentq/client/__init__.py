@@ -1,0 +1,1 @@
+"""Clients built on the Python API (`agentq.api`): the asyncio client (`aio`)."""

@@ -1,0 +1,252 @@
+"""The asyncio client: `Client`'s run, start, events, result, abort and answer as
+coroutines and async iterators, for a FastAPI or aiohttp service.
+
+Waiting, the long part of a turn, never holds a thread: events are read from the turn's
+log with XREAD BLOCK on `redis.asyncio` (the turn's stream and those of the sub-agents it
+relays, in one command). Starting, aborting and the final read are a few short Redis
+round trips and a Celery send, which have no asyncio form: they run on the client's
+two threads, so they never block the loop, and a burst of starts competes with the loop
+for the GIL from two threads, not from a pool's dozens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import redis.asyncio as aredis
+
+from agentq.api import DEFAULT_TIMEOUT_S, _Started, output_type_of
+from agentq.config import Settings, get_settings, parse_sentinel_url
+from agentq.constants import log_key, turn_key
+from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
+from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
+from agentq.state.results import TurnResult, TurnView, settle
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from pydantic import BaseModel
+
+    from agentq.agents import Agent
+    from agentq.api import Client
+    from agentq.models import ToolResult, TurnHandle
+
+R = TypeVar("R")
+
+READ_COUNT = 500
+"""Events one XREAD answers at most."""
+SYNC_THREADS = 2
+"""Threads that run the client's few blocking calls (starts, aborts, final reads)."""
+MAX_CONNECTIONS = 4096
+"""Redis connections of one AsyncClient: each turn being waited for or followed holds one
+(its XREAD BLOCK) while it waits."""
+
+
+def _redis_for(settings: Settings) -> aredis.Redis:
+    if settings.redis_cluster_nodes:
+        raise ConfigError(
+            "AGENTQ_REDIS_CLUSTER_NODES", "the asyncio client does not follow a Redis Cluster yet"
+        )
+    url = settings.redis_url
+    if url.startswith("sentinel://"):
+        parsed = parse_sentinel_url(url)
+        sentinel = aredis.Sentinel(  # type: ignore[no-untyped-call]
+            parsed.sentinels,
+            db=parsed.db,
+            username=parsed.username,
+            password=parsed.password,
+            max_connections=MAX_CONNECTIONS,
+        )
+        master: aredis.Redis = sentinel.master_for(settings.redis_sentinel_master or "")
+        return master
+    return aredis.Redis.from_url(url, max_connections=MAX_CONNECTIONS)
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class AsyncClient:
+    """`Client` for asyncio code: `async with AsyncClient() as client: await client.run(...)`."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        from agentq.api import Client
+
+        self.settings = settings or get_settings()
+        self._redis = _redis_for(self.settings)
+        self._client: Client = Client(self.settings)
+        """Starts, aborts, answers and reads, run on `_threads`."""
+        self._threads = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="agentq-aclient")
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()
+        self._threads.shutdown(wait=False)
+
+    async def _call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
+
+    async def start(
+        self, agent: Agent | str | None, prompt: str | None = None, **options: Any
+    ) -> AsyncTurn:
+        """`Client.start`: start a turn and return at once with its handle."""
+        turn = await self._call(self._client.start, agent, prompt, **options)
+        return AsyncTurn(self, turn.handle, output_type_of(agent))
+
+    async def retry(self, turn_id: str, **options: Any) -> AsyncTurn:
+        """`Client.retry`: a new turn that goes on from where `turn_id` failed."""
+        turn = await self._call(self._client.retry, turn_id, **options)
+        return AsyncTurn(self, turn.handle, output_type_of(options.get("agent")))
+
+    async def fork(self, turn_id: str, at_round: int, **options: Any) -> AsyncTurn:
+        """`Client.fork`: a new turn from the history of `turn_id` before `at_round`."""
+        turn = await self._call(self._client.fork, turn_id, at_round, **options)
+        return AsyncTurn(self, turn.handle, output_type_of(options.get("agent")))
+
+    async def run(
+        self,
+        agent: Agent | str | None,
+        prompt: str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        **options: Any,
+    ) -> TurnResult:
+        """`Client.run`: start a turn and wait for its result (or its typed error)."""
+        turn = await self.start(agent, prompt, **options)
+        return await turn.result(timeout_s)
+
+    async def events(
+        self,
+        turn_id: str,
+        *,
+        after_id: str = "0-0",
+        depth: int = 1,
+        heartbeat_s: float | None = None,
+    ) -> AsyncIterator[Event | None]:
+        """The turn's events, its log first, then live, up to its own end; its sub-agents'
+        relayed `depth` levels down (with `path`). None every `heartbeat_s` of silence."""
+        block_ms = int((heartbeat_s or 5.0) * 1000)
+        streams: dict[str, tuple[str, tuple[str, ...]]] = {log_key(turn_id): (after_id, ())}
+        checked = False
+        while True:
+            reply: Any = await self._redis.xread(
+                {key: last for key, (last, _) in streams.items()},
+                count=READ_COUNT,
+                block=max(block_ms, 1),
+            )
+            if not reply:
+                if not checked and not await self._redis.exists(turn_key(turn_id)):
+                    raise TurnNotFound(turn_id)
+                checked = True
+                if heartbeat_s is not None:
+                    yield None
+                continue
+            for raw_key, entries in reply:
+                key = _text(raw_key)
+                last, path = streams[key]
+                ended = False
+                for raw_id, fields in entries:
+                    last = _text(raw_id)
+                    ev = Event.parse(fields[b"e"], stream_id=last)
+                    if path:
+                        ev = ev.model_copy(update={"path": list(path)})
+                    yield ev
+                    child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
+                    if child and len(path) < depth:
+                        streams[log_key(child)] = ("0-0", (*path, child))
+                    if ev.type in TERMINAL_TYPES:
+                        if not path:
+                            return
+                        ended = True
+                        break
+                if ended:
+                    del streams[key]
+                else:
+                    streams[key] = (last, path)
+
+    async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
+        """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        beat_s = min(1.0, max(timeout_s, 0.01))
+        async for ev in self.events(turn_id, depth=0, heartbeat_s=beat_s):
+            if ev is not None and ev.ends_turn:
+                return ev
+            if time.monotonic() > deadline:
+                break
+        raise TurnTimeout(turn_id, timeout_s)
+
+    async def get(self, turn_id: str) -> TurnView:
+        """`Client.get`: its state, history, invocation records and spend."""
+        return await self._call(self._client.get, turn_id)
+
+    async def abort(self, turn_id: str, token: str | None) -> None:
+        await self._call(self._client.abort, turn_id, token)
+
+    async def answer(
+        self,
+        turn_id: str,
+        request_id: str,
+        token: str | None,
+        decision: str,
+        value: str | None = None,
+    ) -> None:
+        await self._call(self._client.answer, turn_id, request_id, token, decision, value)
+
+    async def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
+        """`Client.complete_waitpoint`."""
+        return await self._call(self._client.complete_waitpoint, waitpoint_id, token, result)
+
+
+class AsyncTurn(_Started):
+    """`Turn` for asyncio code: `async for ev in turn.events()`, `await turn.result()`."""
+
+    def __init__(
+        self, client: AsyncClient, handle: TurnHandle, output_type: type[BaseModel] | None
+    ) -> None:
+        super().__init__(handle, output_type)
+        self._client = client
+
+    async def events(self, *, depth: int = 1, after_id: str = "0-0") -> AsyncIterator[Event]:
+        """Its events up to its own end (`ev.ends_turn`), sub-agents' relayed `depth` down."""
+        async for ev in self._client.events(self.turn_id, after_id=after_id, depth=depth):
+            if ev is not None:
+                yield ev
+
+    async def result(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> TurnResult:
+        """Its result once it ends, or TurnFailed, TurnAborted, HeadlessInteraction;
+        TurnTimeout past `timeout_s`."""
+        terminal = await self._client.wait(self.turn_id, timeout_s)
+        view = await self._client.get(self.turn_id)
+        return settle(self.turn_id, terminal, view, self._output_type)
+
+    async def abort(self) -> None:
+        await self._client.abort(self.turn_id, self.token)
+
+    async def answer(
+        self,
+        request_id: str,
+        decision: str = "approve",
+        value: str | None = None,
+        *,
+        turn_id: str | None = None,
+    ) -> None:
+        await self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
+
+
+__all__ = ["AsyncClient", "AsyncTurn"]

@@ -1,0 +1,167 @@
+"""The one module that reaches into kombu's private Redis channel, and why.
+
+kombu offers no transport option or public hook for three things agentq's fleet needs
+from its Redis broker, so this module wraps private members of
+`kombu.transport.redis.Channel` (the `REACHED` table), once per process:
+
+- a channel whose connection was closed under it (a broker restart with tasks unacked,
+  a Sentinel failover) raises a connection error instead of AttributeError, so Celery
+  reconnects instead of exiting (`_connparams`);
+- one redis client per connection pool instead of one built for every publish, half a
+  millisecond each on the hot path (`_create_client`);
+- the messages a worker held when its broker went away wait in the process and go back to
+  their queues through the first channel that consumes again (`_restore`, `_lookup`, `_put`).
+
+`check_channel` compares the installed kombu with `REACHED` before anything is wrapped,
+and `tests/unit/test_kombu_redis.py` runs it on every test run: a kombu that renamed or
+re-signed one of them fails loudly there and at a worker's start, never silently.
+pyproject.toml bounds kombu below the next minor version for the same reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from typing import Any
+
+from agentq.errors import IncompatibleDependency
+
+log = logging.getLogger("agentq.broker")
+
+REACHED: dict[str, tuple[str, ...]] = {
+    "_connparams": ("self", "asynchronous"),
+    "_create_client": ("self", "asynchronous"),
+    "_restore": ("self", "message", "leftmost"),
+    "_lookup": ("self", "exchange", "routing_key"),
+    "_put": ("self", "queue", "message"),
+    "basic_consume": ("self", "queue"),
+}
+"""The members of kombu's redis Channel that agentq calls or wraps, and the leading
+parameters it passes them."""
+READ = ("ack_emulation", "pool")
+"""The Channel attributes the wrappers read."""
+
+_unrestored: list[tuple[dict[str, Any], str, str]] = []
+"""Messages this process could not put back on its broker (payload, exchange, routing
+key), for the next channel that consumes from it."""
+_unrestored_lock = threading.Lock()
+
+
+def check_channel(channel: Any) -> None:
+    """Raise IncompatibleDependency unless `channel` has every member of REACHED, taking
+    the parameters agentq passes."""
+    import kombu
+
+    for name, params in REACHED.items():
+        member = getattr(channel, name, None)
+        if member is None:
+            raise IncompatibleDependency("kombu", kombu.__version__, f"Channel.{name} is gone")
+        got = tuple(inspect.signature(member).parameters)[: len(params)]
+        if got != params:
+            raise IncompatibleDependency(
+                "kombu", kombu.__version__, f"Channel.{name}{got} is not {name}{params}"
+            )
+    for name in READ:
+        if not hasattr(channel, name):
+            raise IncompatibleDependency("kombu", kombu.__version__, f"Channel.{name} is gone")
+
+
+def patch_redis_transport() -> None:
+    """Apply agentq's changes to kombu's Redis channel once per process."""
+    import redis
+    from kombu.transport import redis as kombu_redis
+
+    channel = kombu_redis.Channel
+    if getattr(channel, "agentq_patched", False):
+        return
+    check_channel(channel)
+
+    # Keep a worker alive when its Redis broker restarts while tasks are unacked: Celery
+    # 5.7 / kombu 5.7 close the lost connection's transport before its channel; the
+    # channel then tries to restore its unacked messages through the closed transport and
+    # raises AttributeError, which Celery treats as unrecoverable and exits. A connection
+    # error instead lets Celery reconnect as it does for any broker loss. A publish on a
+    # channel closed under it (a Sentinel failover) has no connection at all: the same.
+    connparams = channel._connparams
+
+    def _connparams(self: Any, asynchronous: bool = False) -> Any:
+        if self.connection is None or self.connection.client is None:
+            raise redis.exceptions.ConnectionError("the broker connection is closed")
+        return connparams(self, asynchronous)  # type: ignore[no-untyped-call]
+
+    # kombu builds a new redis.Redis around the channel's pool for every publish (half a
+    # millisecond of response-callback tables each time): one per pool does, since a
+    # redis.Redis is safe to share between threads.
+    create_client = channel._create_client
+
+    def _create_client(self: Any, asynchronous: bool = False) -> Any:
+        if asynchronous:
+            return create_client(self, asynchronous=True)  # type: ignore[no-untyped-call]
+        pool = self.pool
+        cached = self.__dict__.get("_agentq_client")
+        if cached is None or cached[0] is not pool:
+            cached = (pool, create_client(self))  # type: ignore[no-untyped-call]
+            self.__dict__["_agentq_client"] = cached
+        return cached[1]
+
+    # Give back what a worker held when its broker connection broke. Celery drops the
+    # requests it had received and not started (`Consumer.on_close`), and kombu puts every
+    # unacknowledged message back as the channel closes: through a broker that is away by
+    # then. With kombu's unacked hash (off in agentq's workers: `agentq.worker`) its
+    # visibility timeout would restore them an hour later; here they wait in the process
+    # and go back to their queues through the first channel that consumes again. One
+    # that ran (or runs) already is refused by its call's start claim, a step by the
+    # turn's lock, a model round by its claim: none runs twice.
+    restore = channel._restore
+    lost = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+
+    def _restore(self: Any, message: Any, leftmost: bool = False) -> Any:
+        try:
+            return restore(self, message, leftmost)  # type: ignore[no-untyped-call]
+        except lost:
+            if self.ack_emulation:
+                raise
+            payload = message.serializable()
+            payload["redelivered"] = True
+            info = message.delivery_info
+            with _unrestored_lock:
+                _unrestored.append((payload, info["exchange"], info["routing_key"]))
+            log.warning(
+                "the broker is away: message %s kept to put back on %r when it returns",
+                message.properties.get("correlation_id"),
+                info["routing_key"],
+            )
+            return None
+
+    basic_consume = channel.basic_consume
+
+    def _basic_consume(self: Any, queue: str, *args: Any, **kwargs: Any) -> Any:
+        answer = basic_consume(self, queue, *args, **kwargs)  # type: ignore[no-untyped-call]
+        if _unrestored:
+            _give_back(self)
+        return answer
+
+    channel._connparams = _connparams  # type: ignore[method-assign]
+    channel._create_client = _create_client  # type: ignore[method-assign]
+    channel._restore = _restore  # type: ignore[method-assign]
+    channel.basic_consume = _basic_consume  # type: ignore[method-assign]
+    channel.agentq_patched = True  # type: ignore[attr-defined]
+
+
+def _give_back(channel: Any) -> None:
+    """Put the messages kept by `_restore` back on their queues through `channel`; those
+    it cannot wait for the next channel."""
+    with _unrestored_lock:
+        kept = list(_unrestored)
+        _unrestored.clear()
+    for i, (payload, exchange, routing_key) in enumerate(kept):
+        try:
+            for queue in channel._lookup(exchange, routing_key):
+                channel._put(queue, payload)
+        except Exception as exc:
+            with _unrestored_lock:
+                _unrestored.extend(kept[i:])
+            log.warning("%d messages not put back yet: %s", len(kept) - i, exc)
+            return
+    log.info("put %d messages back on the broker after its connection returned", len(kept))

@@ -1,0 +1,399 @@
+"""The Responses API (`POST /v1/responses`): a round's request built from the turn's
+history, and its stream of typed events read into the same assistant message a chat
+stream makes.
+
+Stateless: every request goes with `store: false` and asks for the reasoning items'
+`encrypted_content`, and the history (agentq's durable record) is sent whole each round;
+`previous_response_id` is never used, so servers that keep no responses serve it too.
+The reasoning items a round returns are kept on its assistant message in history
+(`agentq.models.REASONING_ITEMS`) and sent again before the item that followed them;
+Chat Completions never sees them (`without_reasoning`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn
+
+from agentq.errors import MalformedStreamChunk, ModelIncomplete, ModelResponseFailed
+from agentq.llm.client import DeltaCallback, Tools
+from agentq.llm.reasoning import REASONING_ITEMS
+from agentq.models import AssistantMessage, ToolCall, Usage
+
+log = logging.getLogger("agentq.llm")
+
+ModelApi = Literal["chat", "responses"]
+RESPONSES_PATH = "/responses"
+
+UNKNOWN_EVENTS: collections.Counter[str] = collections.Counter()
+"""Event types this process read and ignored, by type (new ones a provider added)."""
+
+_REASONING_FIELDS = ("type", "id", "summary", "encrypted_content")
+"""What a reasoning item keeps in history: enough to send it back, nothing else."""
+
+
+def _content(content: Any, assistant: bool) -> Any:
+    """A chat message's content as a Responses input message's."""
+    if not isinstance(content, list):
+        return content or ""
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text":
+            parts.append({"type": "output_text" if assistant else "input_text", **_text(part)})
+        elif kind == "image_url":
+            image = part.get("image_url") or {}
+            url = image.get("url") if isinstance(image, Mapping) else image
+            parts.append({"type": "input_image", "image_url": url, "detail": "auto"})
+        else:
+            parts.append(part)
+    return parts
+
+
+def _text(part: Mapping[str, Any]) -> dict[str, Any]:
+    return {"text": part.get("text", "")}
+
+
+def input_items(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(instructions, input): the first system message is the instructions; an assistant
+    message becomes its reasoning items, its text and its function calls, in that order
+    (a reasoning item must come right before the item that followed it)."""
+    instructions: str | None = None
+    items: list[dict[str, Any]] = []
+    for msg in messages:
+        role = msg.get("role")
+        if role == "system" and instructions is None and isinstance(msg.get("content"), str):
+            instructions = msg["content"]
+        elif role == "assistant":
+            calls = msg.get("tool_calls") or []
+            text = msg.get("content")
+            if text or calls:
+                items.extend(msg.get(REASONING_ITEMS) or ())
+            if text:
+                items.append({"role": "assistant", "content": _content(text, True)})
+            for call in calls:
+                function = call.get("function") or {}
+                items.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call.get("id"),
+                        "name": function.get("name"),
+                        "arguments": function.get("arguments") or "{}",
+                    }
+                )
+        elif role == "tool":
+            output = msg.get("content")
+            items.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": msg.get("tool_call_id"),
+                    "output": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
+        elif role in ("user", "system", "developer"):
+            items.append({"role": role, "content": _content(msg.get("content"), False)})
+    return instructions, items
+
+
+@functools.lru_cache(maxsize=256)
+def response_tools(tools_json: str) -> list[dict[str, Any]]:
+    """Chat tool schemas as Responses function tools; cached by their text, which a turn
+    encodes once per tool set."""
+    out = []
+    for tool in json.loads(tools_json or "[]"):
+        function = tool.get("function") or {}
+        converted = {"type": "function", "name": function.get("name")}
+        if function.get("description"):
+            converted["description"] = function["description"]
+        converted["parameters"] = function.get("parameters") or {"type": "object"}
+        converted["strict"] = bool(function.get("strict", False))
+        out.append(converted)
+    return out
+
+
+def responses_request(
+    model: str,
+    messages: list[dict[str, Any]],
+    tools: Tools,
+    max_output_tokens: int | None = None,
+    output_format: dict[str, Any] | None = None,
+) -> bytes:
+    """The streamed Responses request body, encoded."""
+    instructions, items = input_items(messages)
+    body: dict[str, Any] = {
+        "model": model,
+        "input": items,
+        "stream": True,
+        "store": False,
+        "include": ["reasoning.encrypted_content"],
+    }
+    if instructions is not None:
+        body["instructions"] = instructions
+    schemas = response_tools(tools if isinstance(tools, str) else json.dumps(tools))
+    if schemas:
+        body["tools"] = schemas
+    if max_output_tokens is not None:
+        body["max_output_tokens"] = max_output_tokens
+    if output_format is not None:
+        body["text"] = {"format": output_format}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def output_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """`text.format` for a typed final answer (an agent's `output_type`)."""
+    safe = "".join(c if c.isalnum() or c in "_-" else "_" for c in name)[:64] or "output"
+    return {"type": "json_schema", "name": safe, "schema": schema, "strict": False}
+
+
+@dataclass
+class _Call:
+    item_id: str = ""
+    call_id: str = ""
+    name: str = ""
+    arguments: list[str] = field(default_factory=list)
+    done: str | None = None
+
+
+class ResponsesAssembler:
+    """Builds the assistant message from a Responses stream's events, checking their
+    shape. The same interface as the chat stream's assembler (`add`, `has_output`,
+    `message`), so the attempt reading the stream (its watchdog, its duration budget,
+    its retries) is one for both APIs."""
+
+    def __init__(self, on_delta: DeltaCallback) -> None:
+        self._on_delta = on_delta
+        self._text: list[str] = []
+        self._reasoning: list[str] = []
+        self._reasoning_items: list[dict[str, Any]] = []
+        self._texts_seen: set[int] = set()
+        self._calls: dict[int, _Call] = {}
+        self._usage: Usage | None = None
+        self._ended = False
+        self._last_index = -1
+        self.output_events = 0
+        """Events that carried output: a retry after one would show it twice."""
+
+    def add(self, event: object, index: int) -> None:
+        self._last_index = index
+        if not isinstance(event, dict):
+            _bad(index, "event is not an object")
+        kind = event.get("type")
+        if not isinstance(kind, str):
+            _bad(index, "event has no string 'type'")
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            if UNKNOWN_EVENTS[kind] == 0:
+                log.info("ignoring Responses stream events of an unknown type: %s", kind)
+            UNKNOWN_EVENTS[kind] += 1
+            return
+        handler(self, event, index)
+
+    def _text_delta(self, event: dict[str, Any], index: int) -> None:
+        delta = _str(event, "delta", index)
+        if delta:
+            self._texts_seen.add(_int(event, "output_index", index))
+            self.output_events += 1
+            self._text.append(delta)
+            self._on_delta("text", delta)
+
+    def _reasoning_delta(self, event: dict[str, Any], index: int) -> None:
+        delta = _str(event, "delta", index)
+        if delta:
+            self.output_events += 1
+            self._reasoning.append(delta)
+            self._on_delta("reasoning", delta)
+
+    def _item_added(self, event: dict[str, Any], index: int) -> None:
+        item = _item(event, index)
+        if item.get("type") == "function_call":
+            call = self._calls.setdefault(_int(event, "output_index", index), _Call())
+            call.item_id = str(item.get("id") or "")
+            call.call_id = _str(item, "call_id", index) or call.call_id
+            call.name = _str(item, "name", index) or call.name
+            self.output_events += 1
+
+    def _arguments_delta(self, event: dict[str, Any], index: int) -> None:
+        call = self._calls.get(_int(event, "output_index", index))
+        if call is None:
+            _bad(index, "function_call_arguments.delta for no function_call item")
+        delta = _str(event, "delta", index)
+        if delta:
+            self.output_events += 1
+            call.arguments.append(delta)
+
+    def _arguments_done(self, event: dict[str, Any], index: int) -> None:
+        call = self._calls.get(_int(event, "output_index", index))
+        if call is None:
+            _bad(index, "function_call_arguments.done for no function_call item")
+        call.done = _str(event, "arguments", index)
+
+    def _item_done(self, event: dict[str, Any], index: int) -> None:
+        item = _item(event, index)
+        at = _int(event, "output_index", index)
+        kind = item.get("type")
+        if kind == "reasoning":
+            self._reasoning_items.append({k: item[k] for k in _REASONING_FIELDS if k in item})
+        elif kind == "function_call":
+            call = self._calls.setdefault(at, _Call())
+            call.call_id = _str(item, "call_id", index) or call.call_id
+            call.name = _str(item, "name", index) or call.name
+            call.done = _str(item, "arguments", index) or call.done
+        elif kind == "message" and at not in self._texts_seen:
+            # A server that sends a message's text only whole, with no deltas.
+            for part in item.get("content") or ():
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str) and text:
+                    self.output_events += 1
+                    self._text.append(text)
+                    self._on_delta("text", text)
+
+    def _completed(self, event: dict[str, Any], index: int) -> None:
+        response = _response(event, index)
+        usage = response.get("usage")
+        if usage is not None:
+            self._usage = _usage(usage, index)
+        self._ended = True
+
+    def _incomplete(self, event: dict[str, Any], index: int) -> NoReturn:
+        details = _response(event, index).get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        raise ModelIncomplete(str(reason or "no reason given"))
+
+    def _failed(self, event: dict[str, Any], index: int) -> NoReturn:
+        error = _response(event, index).get("error")
+        error = error if isinstance(error, dict) else {}
+        raise ModelResponseFailed(
+            str(error.get("code") or "unknown"), str(error.get("message") or "response.failed")
+        )
+
+    def _error(self, event: dict[str, Any], index: int) -> NoReturn:
+        raise ModelResponseFailed(
+            str(event.get("code") or "unknown"), str(event.get("message") or "an error event")
+        )
+
+    @property
+    def has_output(self) -> bool:
+        """Whether the model said anything yet: text, reasoning or a tool call."""
+        return bool(self._text or self._reasoning or self._calls)
+
+    def message(self) -> AssistantMessage:
+        if not self._ended:
+            _bad(self._last_index, "the stream ended without response.completed")
+        calls: list[ToolCall] = []
+        for position in sorted(self._calls):
+            call = self._calls[position]
+            if not call.name:
+                _bad(self._last_index, f"function call at output {position} has no name")
+            arguments = call.done if call.done is not None else "".join(call.arguments)
+            calls.append(
+                ToolCall(
+                    id=call.call_id or f"call_{uuid.uuid4().hex[:24]}",
+                    name=call.name,
+                    arguments=arguments or "{}",
+                )
+            )
+        return AssistantMessage(
+            content="".join(self._text),
+            reasoning="".join(self._reasoning),
+            tool_calls=tuple(calls),
+            finish_reason="tool_calls" if calls else "stop",
+            usage=self._usage,
+            reasoning_items=tuple(self._reasoning_items),
+        )
+
+
+def _say_nothing(assembler: ResponsesAssembler, event: dict[str, Any], index: int) -> None:
+    """An event that says nothing the message needs (its text came in the deltas)."""
+
+
+_Handler = Callable[[ResponsesAssembler, dict[str, Any], int], None]
+_HANDLERS: dict[str, _Handler] = {
+    "response.output_text.delta": ResponsesAssembler._text_delta,
+    "response.reasoning_summary_text.delta": ResponsesAssembler._reasoning_delta,
+    "response.reasoning_text.delta": ResponsesAssembler._reasoning_delta,
+    "response.output_item.added": ResponsesAssembler._item_added,
+    "response.function_call_arguments.delta": ResponsesAssembler._arguments_delta,
+    "response.function_call_arguments.done": ResponsesAssembler._arguments_done,
+    "response.output_item.done": ResponsesAssembler._item_done,
+    "response.completed": ResponsesAssembler._completed,
+    "response.incomplete": ResponsesAssembler._incomplete,
+    "response.failed": ResponsesAssembler._failed,
+    "error": ResponsesAssembler._error,
+}
+for _known in (
+    "response.created",
+    "response.in_progress",
+    "response.queued",
+    "response.content_part.added",
+    "response.content_part.done",
+    "response.output_text.done",
+    "response.reasoning_summary_part.added",
+    "response.reasoning_summary_part.done",
+    "response.reasoning_summary_text.done",
+    "response.reasoning_text.done",
+    "response.output_text.annotation.added",
+    "response.refusal.delta",
+    "response.refusal.done",
+):
+    _HANDLERS[_known] = _say_nothing
+
+
+def _bad(index: int, detail: str) -> NoReturn:
+    raise MalformedStreamChunk(index, detail)
+
+
+def _str(obj: Mapping[str, Any], name: str, index: int) -> str | None:
+    value = obj.get(name)
+    if value is not None and not isinstance(value, str):
+        _bad(index, f"'{name}' is not a string")
+    return value
+
+
+def _int(obj: Mapping[str, Any], name: str, index: int) -> int:
+    value = obj.get(name)
+    if not isinstance(value, int):
+        _bad(index, f"'{name}' is not an integer")
+    return value
+
+
+def _item(event: Mapping[str, Any], index: int) -> dict[str, Any]:
+    item = event.get("item")
+    if not isinstance(item, dict):
+        _bad(index, "'item' is not an object")
+    return item
+
+
+def _response(event: Mapping[str, Any], index: int) -> dict[str, Any]:
+    response = event.get("response")
+    if not isinstance(response, dict):
+        _bad(index, "'response' is not an object")
+    return response
+
+
+def _count(obj: object, name: str, index: int) -> int:
+    value = obj.get(name) if isinstance(obj, dict) else None
+    if value is None:
+        return 0
+    if not isinstance(value, int):
+        _bad(index, f"usage '{name}' is not an integer")
+    return value
+
+
+def _usage(usage: object, index: int) -> Usage:
+    if not isinstance(usage, dict):
+        _bad(index, "'usage' is not an object")
+    prompt = _count(usage, "input_tokens", index)
+    completion = _count(usage, "output_tokens", index)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=_count(usage, "total_tokens", index) or prompt + completion,
+        cached_tokens=_count(usage.get("input_tokens_details"), "cached_tokens", index),
+        reasoning_tokens=_count(usage.get("output_tokens_details"), "reasoning_tokens", index),
+    )

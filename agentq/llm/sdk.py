@@ -1,0 +1,101 @@
+"""The one module that reaches into the openai SDK's private members, and why.
+
+The stream worker sends each round through the SDK's own HTTP client and turns its error
+answers into the SDK's typed errors, as `AsyncOpenAI.post` does, but it builds the request
+once per client and path instead of once per round: the SDK's per-request building
+(options copied and validated, headers merged, the URL parsed again) was a tenth of a busy
+stream worker's CPU, and the SDK has no public way to build a request without sending it
+or to send a prepared one. The members used are in `REACHED`; `check_sdk` compares the
+installed SDK with it when a stream worker makes its first client, and
+`tests/unit/test_openai_sdk.py` runs it on every test run, so an SDK that renamed or
+re-signed one of them fails loudly, never silently. pyproject.toml bounds openai below its
+next major version for the same reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import weakref
+from typing import Any
+
+import httpx2
+import openai
+
+from agentq.errors import IncompatibleDependency
+
+REACHED: dict[str, tuple[str, ...]] = {
+    "_prepare_options": ("self", "options"),
+    "_build_request": ("self", "options"),
+    "_make_status_error_from_response": ("self", "response"),
+}
+"""The private methods of `openai.AsyncOpenAI` agentq calls, and the leading parameters it
+passes them; besides, `_client` (its HTTP client) and `openai._models.FinalRequestOptions`."""
+
+
+def check_sdk(client_class: type[Any] = openai.AsyncOpenAI) -> None:
+    """Raise IncompatibleDependency unless the SDK has every member agentq reaches."""
+    version = openai.__version__
+    try:
+        from openai._models import FinalRequestOptions
+    except ImportError:
+        raise IncompatibleDependency(
+            "openai", version, "openai._models.FinalRequestOptions is gone"
+        ) from None
+    if not callable(getattr(FinalRequestOptions, "construct", None)):
+        raise IncompatibleDependency("openai", version, "FinalRequestOptions.construct is gone")
+    for name, params in REACHED.items():
+        member = getattr(client_class, name, None)
+        if member is None:
+            raise IncompatibleDependency("openai", version, f"AsyncOpenAI.{name} is gone")
+        got = tuple(inspect.signature(member).parameters)[: len(params)]
+        if got != params:
+            raise IncompatibleDependency(
+                "openai", version, f"AsyncOpenAI.{name}{got} is not {name}{params}"
+            )
+
+
+@functools.cache
+def checked() -> None:
+    """`check_sdk`, once per process."""
+    check_sdk()
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """A client's request to one path as the SDK builds it: URL, auth and headers."""
+
+    url: httpx2.URL
+    headers: list[tuple[str, str]]
+    timeout: dict[str, float | None]
+
+
+_endpoints: weakref.WeakKeyDictionary[openai.AsyncOpenAI, dict[str, Endpoint]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def endpoint(client: openai.AsyncOpenAI, path: str) -> Endpoint:
+    """The POST to `path` as the SDK builds it, built once per client (agentq's clients carry
+    a static key, so the request is the same every round)."""
+    from openai._models import FinalRequestOptions
+
+    paths = _endpoints.setdefault(client, {})
+    found = paths.get(path)
+    if found is None:
+        options = FinalRequestOptions.construct(method="post", url=path)
+        built = client._build_request(await client._prepare_options(options))
+        headers = [(k, v) for k, v in built.headers.multi_items() if k != "content-length"]
+        found = paths[path] = Endpoint(built.url, headers, dict(built.extensions["timeout"]))
+    return found
+
+
+async def send(client: openai.AsyncOpenAI, request: httpx2.Request) -> httpx2.Response:
+    """Send a built request through the client's own HTTP client, streaming its body."""
+    return await client._client.send(request, stream=True)
+
+
+def status_error(client: openai.AsyncOpenAI, response: httpx2.Response) -> openai.APIStatusError:
+    """The SDK's typed error for an error answer whose body has been read."""
+    return client._make_status_error_from_response(response)

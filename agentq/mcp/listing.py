@@ -1,0 +1,180 @@
+"""What a server's `tools/list` yields to agentq, and what it refuses.
+
+A server may send anything: a tool without a name, one listed twice, an input schema that
+is not JSON Schema, a description of megabytes. Each such tool is refused here, with the
+reason, and costs only itself; a listing the SDK itself cannot read costs only its server.
+The listing (kept tools and refusals) is what the fleet shares in Redis; which model name
+each kept tool gets, and which names two tools would share, follows from all the servers'
+listings together (`plan`), the same in every process and in the gateway's
+`GET /v1/mcp/servers`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from agentq.mcp.names import mapped_names
+from agentq.mcp.servers import McpServer
+
+MAX_REMOTE_NAME = 256
+"""The longest tool name taken (MCP suggests 128)."""
+MAX_DESCRIPTION = 4096
+"""The longest description kept; a longer one is cut, with a marker saying so."""
+MAX_SCHEMA_BYTES = 64 * 1024
+"""The largest input schema taken (as JSON): every request of a turn carries it."""
+
+
+@dataclass(frozen=True)
+class ListedTool:
+    """One tool as the server lists it: what a process needs to offer and check calls."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+    output_schema: dict[str, Any] | None = None
+    read_only: bool | None = None
+    destructive: bool | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A tool of a listing that is not offered, and why."""
+
+    tool: str
+    why: str
+
+
+@dataclass
+class Listing:
+    listed_at: float
+    tools: list[ListedTool] = field(default_factory=list)
+    error: str = ""
+    refused: list[Refused] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "listed_at": self.listed_at,
+                "tools": [t.to_json() for t in self.tools],
+                "error": self.error,
+                "refused": [asdict(r) for r in self.refused],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, raw: Any) -> Listing:
+        data = json.loads(raw)
+        return cls(
+            listed_at=float(data["listed_at"]),
+            tools=[ListedTool(**t) for t in data.get("tools") or []],
+            error=str(data.get("error") or ""),
+            refused=[Refused(**r) for r in data.get("refused") or []],
+        )
+
+    @classmethod
+    def screened(cls, listed_at: float, tools: list[ListedTool]) -> Listing:
+        """A listing of the tools that pass `problem`, the others refused with the reason;
+        a name listed more than once is refused every time."""
+        counts: dict[str, int] = {}
+        for t in tools:
+            counts[t.name] = counts.get(t.name, 0) + 1
+        kept: list[ListedTool] = []
+        refused: list[Refused] = []
+        for t in tools:
+            why = problem(t) or (f"listed {counts[t.name]} times" if counts[t.name] > 1 else None)
+            if why is None:
+                kept.append(t)
+            elif Refused(printable(t.name), why) not in refused:
+                refused.append(Refused(printable(t.name), why))
+        return cls(listed_at, kept, refused=refused)
+
+
+def problem(tool: ListedTool) -> str | None:
+    """Why a listed tool cannot be offered, or None."""
+    if not tool.name:
+        return "it has no name"
+    if len(tool.name) > MAX_REMOTE_NAME:
+        return f"its name is {len(tool.name)} characters long (at most {MAX_REMOTE_NAME})"
+    return schema_problem(tool.input_schema)
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why an input schema cannot be the parameters of a function the model calls, or None."""
+    from jsonschema.validators import validator_for
+
+    if not isinstance(schema, dict):
+        return "its input schema is not a JSON object"
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError) as exc:
+        return f"its input schema is not JSON: {exc}"
+    if size > MAX_SCHEMA_BYTES:
+        return f"its input schema is {size} bytes long (at most {MAX_SCHEMA_BYTES})"
+    try:
+        validator_for(schema).check_schema(schema)
+    except Exception as exc:
+        message = getattr(exc, "message", None) or str(exc)
+        return f"its input schema is not JSON Schema: {printable(message, 200)}"
+    if schema.get("type", "object") != "object":
+        return f"its input schema is of type {printable(str(schema.get('type')), 40)}, not object"
+    return None
+
+
+def cut_description(text: str) -> str:
+    if len(text) <= MAX_DESCRIPTION:
+        return text
+    return f"{text[:MAX_DESCRIPTION]}... [cut: {len(text) - MAX_DESCRIPTION} characters more]"
+
+
+def printable(text: str, limit: int = 80) -> str:
+    """A server's string as a log line may show it: one line, bounded."""
+    flat = text.encode("unicode_escape").decode("ascii")
+    return flat if len(flat) <= limit else f"{flat[:limit]}... ({len(text)} characters)"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The MCP tools of the fleet by model name, and the tools refused for a shared name."""
+
+    offered: dict[str, tuple[str, ListedTool]]
+    """Model name -> (server, tool)."""
+    collisions: dict[str, list[Refused]]
+    """Server -> its tools refused because another tool maps to the same model name."""
+
+
+def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
+    """Which tool each model name is: every listed tool the allowlists keep, except the
+    names two tools would share, refused for both (and all) of them."""
+    kept: dict[tuple[str, str], ListedTool] = {}
+    for name, listing in listings.items():
+        # A server this process was not told of (the gateway's view of a worker's listing)
+        # has no allowlist here.
+        allowed = servers[name].tools if name in servers else None
+        for listed in listing.tools:
+            if allowed is None or listed.name in allowed:
+                kept[(name, listed.name)] = listed
+    unique, shared = mapped_names(kept)
+    collisions: dict[str, list[Refused]] = {}
+    for model_name, owners in shared.items():
+        for owner, tool in owners:
+            others = ", ".join(f"{s}/{printable(t)}" for s, t in owners if (s, t) != (owner, tool))
+            why = f"its name {model_name} is also the name of {others}"
+            collisions.setdefault(owner, []).append(Refused(printable(tool), why))
+    offered = {n: (s, kept[(s, t)]) for n, (s, t) in unique.items()}
+    return Plan(offered, collisions)
+
+
+__all__ = [
+    "ListedTool",
+    "Listing",
+    "Plan",
+    "Refused",
+    "cut_description",
+    "plan",
+    "problem",
+]

@@ -1,0 +1,596 @@
+"""Retry and fork: a new turn built from a turn's durable history; the source never changes.
+
+A retry (`retry_of`) takes a turn that ended `error` or `aborted` up to its last settled
+step: every settled call's result and every answered model round are reused, so its
+first step sends the failed round again, or runs only the calls of its last round that
+have no result (a call that ran without one settles `lost` again, unless its tool is
+idempotent or the request says `rerun_lost`). A fork (`fork_of`) takes the history before
+one round, perhaps edited, and goes on live from there. Both read the source once (one
+HGETALL) and store the new turn in one write: O(history), once.
+
+In a conversation, a retry of the conversation's last turn goes on in that conversation,
+its exchange replacing the source's (`state.conversation_lua`'s IN_PLACE, decided as the
+retry takes the conversation); any other retry, and every fork, starts a branch: a new
+conversation holding the source's earlier messages, the source's left as it is.
+
+Bulk retry (`agentq retry --status error --since 1h`, `POST /v1/turns/retry`, the console)
+retries every turn a filter names at a capped rate, each source under an idempotency
+record of its own (`state.idempotency`, the caller `bulk-retry`, the key its id): a second
+bulk retry over the same turns, or two at once, starts nothing for a turn retried already
+and says which turn retried it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentq import constants as k
+from agentq.agents import require_known
+from agentq.errors import (
+    AgentqError,
+    ForkInvalid,
+    NotRetryable,
+    PayloadTooLarge,
+    SourceGone,
+    TurnNotFound,
+)
+from agentq.models import (
+    MAX_TURN_COST_USD,
+    MAX_TURN_TOKENS,
+    ToolResult,
+    TurnHandle,
+    TurnRequest,
+)
+from agentq.orchestrator import spend
+from agentq.orchestrator.conversation import Aborter, ConversationMovedOn
+from agentq.orchestrator.plan import calls_of
+from agentq.orchestrator.start import Launch, check_budgets, hash_token, launch
+from agentq.state.base import call_fields, history_of, text
+from agentq.state.idempotency import fingerprint, start_once
+from agentq.state.listing import MAX_LIMIT, TurnLister, TurnQuery
+from agentq.state.turn_state import TurnState
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from agentq.config import Settings
+    from agentq.state.store import TurnStore
+
+RETRYABLE = ("error", "aborted")
+
+KEPT_FIELDS = ("headless", "detach", "agent", "owner", "webhook_url", "max_tokens", "max_cost_usd")
+"""What a retry or fork keeps of its source as it is (overrides aside)."""
+SPENT_FIELDS = (
+    "spent_prompt_tokens",
+    "spent_completion_tokens",
+    "spent_cached_tokens",
+    "spent_usd",
+    "spent_estimated_rounds",
+)
+"""A retry's spend so far: its source's, so that a retry never resets a budget."""
+
+_MODEL = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/@-]+$")
+
+
+class _Overrides(BaseModel):
+    """What a retry or fork may change of its source."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    agent: str | None = Field(default=None, max_length=64)
+    max_tokens: int | None = Field(default=None, gt=0, le=MAX_TURN_TOKENS)
+    max_cost_usd: float | None = Field(
+        default=None, gt=0, le=MAX_TURN_COST_USD, allow_inf_nan=False
+    )
+
+
+class RetryRequest(_Overrides):
+    """`POST /v1/turns/{id}/retry`: all optional."""
+
+    rerun_lost: bool = False
+    """Run again the calls that ran without a result, even of tools not `idempotent`."""
+    model: str | None = _MODEL
+
+
+class ToolResultEdit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    call_id: str = Field(min_length=1, max_length=128)
+    content: str
+    """What the model reads as that call's result from then on (what-if)."""
+
+
+class ForkEdit(BaseModel):
+    """A fork's changes to the history it starts from; each optional."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    message: str | None = Field(default=None, min_length=1)
+    """Replaces the last user message before the round."""
+    instructions: str | None = Field(default=None, min_length=1)
+    """Replaces the agent's instructions (the system message) for the fork's rounds."""
+    model: str | None = _MODEL
+    tool_result: ToolResultEdit | None = None
+    """Replaces one settled call's result."""
+
+
+class ForkRequest(_Overrides):
+    """`POST /v1/turns/{id}/fork`."""
+
+    at_round: int = Field(ge=1)
+    """The first round the fork plays again (1-based, as `agentq show` counts): its history
+    is the source's before that round."""
+    edit: ForkEdit | None = None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A turn as one read found it: what a retry or fork is built from."""
+
+    turn_id: str
+    state: TurnState
+    history: list[dict[str, Any]]
+    results: dict[str, str]
+    """Settled results (ToolResult JSON) by call id."""
+    started: frozenset[str]
+    """Calls a worker started (their start record)."""
+
+    def rounds(self) -> list[int]:
+        """The index in the history of each of its own rounds' answers."""
+        start = int(self.state.get("history_start") or 0)
+        own = range(start, len(self.history))
+        return [i for i in own if self.history[i]["role"] == "assistant"]
+
+
+def read_source(store: TurnStore, turn_id: str) -> Source:
+    """The source turn, from one read of its state hash; TurnNotFound if Redis has none,
+    SourceGone if its conversation was deleted."""
+    raw = store.redis.hgetall(k.turn_key(turn_id))
+    if not raw:
+        raise TurnNotFound(turn_id)
+    fields = {text(f): v for f, v in raw.items()}
+    state = cast(TurnState, {f: json.loads(v) for f, v in fields.items() if not k.is_record(f)})
+    cid = state.get("conversation_id")
+    if cid and not store.redis.exists(k.conversation_owner_key(cid)):
+        raise SourceGone(turn_id, f"its conversation {cid} was deleted, and its history with it")
+    history = history_of(raw) or list(state.get("pending_messages") or [])
+    return Source(
+        turn_id=turn_id,
+        state=state,
+        history=history,
+        results={c: text(v) for c, v in call_fields(raw, k.SETTLED).items()},
+        started=frozenset(call_fields(raw, k.STARTED)),
+    )
+
+
+def _base_state(src: Source, over: _Overrides, token: str) -> TurnState:
+    """What a retry and a fork start with: the source's kept fields, the request's
+    overrides, a new token."""
+    st = src.state
+    state: TurnState = {
+        "status": "queued",
+        "created_at": time.time(),
+        "token_sha256": hash_token(token),
+        "history_start": int(st.get("history_start") or 0),
+    }
+    for name in KEPT_FIELDS:
+        if st.get(name) is not None:
+            state[name] = st[name]  # type: ignore[literal-required]
+    for name in ("agent", "max_tokens", "max_cost_usd"):
+        value = getattr(over, name)
+        if value is not None:
+            state[name] = value  # type: ignore[literal-required]
+    return state
+
+
+def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
+    """A retry of `src`: its history up to its last settled step, its settled calls."""
+    st = src.state
+    status = str(st.get("status"))
+    if status not in RETRYABLE:
+        raise NotRetryable(src.turn_id, status)
+    history = src.history
+    ended = set(st.get("end_settled") or [])
+    rounds = src.rounds()
+    last = rounds[-1] if rounds else -1
+    calls = calls_of([history[last]]) if rounds else []
+    open_ids = [c.id for c in calls if _unsettled(src, c.id, ended)]
+    state = _base_state(src, req, token)
+    for name in SPENT_FIELDS:
+        if st.get(name) is not None:
+            state[name] = st[name]  # type: ignore[literal-required]
+    state.update(
+        {
+            "retry_of": src.turn_id,
+            "round": int(st.get("round") or 0),
+            "call_count": int(st.get("call_count") or 0),
+            "output_retries": int(st.get("output_retries") or 0),
+        }
+    )
+    if req.model or st.get("model"):
+        state["model"] = req.model or st.get("model")
+    reused = dict(src.results)
+    if open_ids:
+        # The round goes on: its tool messages go (all of them, so the round's results
+        # are written again in the model's call order), its settled results stay.
+        history = history[: last + 1]
+        for cid in open_ids:
+            reused.pop(cid, None)
+        state.update(
+            {
+                "from_round": len(rounds),
+                "round_calls": [c.id for c in calls],
+                "phase": "tools",
+                "replay_lost": [c for c in open_ids if c in src.started or _lost(src, c)] or None,
+            }
+        )
+        if req.rerun_lost:
+            state["rerun_lost"] = True
+        if st.get("stop_after_round"):
+            state["stop_after_round"] = st.get("stop_after_round")
+    else:
+        state["from_round"] = len(rounds) + 1
+    records = {k.SETTLED + c: r for c, r in reused.items()}
+    return Launch("", token, state, history, _size(history), records)
+
+
+def _unsettled(src: Source, call_id: str, ended: set[str]) -> bool:
+    """A call of the source's last round without a result of its own: settled by the turn's
+    end (cancelled, not run), or lost with its worker."""
+    return call_id in ended or call_id not in src.results or _lost(src, call_id)
+
+
+def _lost(src: Source, call_id: str) -> bool:
+    raw = src.results.get(call_id)
+    return raw is not None and json.loads(raw).get("status") == "lost"
+
+
+def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
+    """A fork of `src` at `req.at_round`: the history before it, edited."""
+    history = src.history
+    rounds = src.rounds()
+    top = len(rounds) + (1 if _settled_to_the_end(src, rounds) else 0)
+    n = req.at_round
+    if n > top:
+        raise ForkInvalid(
+            src.turn_id,
+            "at_round",
+            f"must be 1..{top} (turn {src.turn_id} answered {len(rounds)} round(s))",
+        )
+    history = [dict(m) for m in history[: rounds[n - 1] if n <= len(rounds) else len(history)]]
+    ids = {c.id for c in calls_of(history)}
+    results = {c: r for c, r in src.results.items() if c in ids}
+    edit = req.edit or ForkEdit()
+    if edit.message is not None:
+        _replace_message(src, history, edit.message, n)
+    if edit.tool_result is not None:
+        results[edit.tool_result.call_id] = _replace_result(src, history, results, edit, n)
+    state = _base_state(src, req, token)
+    start = int(state.get("history_start") or 0)
+    state.update(
+        {
+            "fork_of": src.turn_id,
+            "from_round": n,
+            "round": n - 1,
+            "call_count": len(calls_of(history, start)),
+        }
+    )
+    model = edit.model or src.state.get("model")
+    if model:
+        state["model"] = model
+    instructions = edit.instructions or src.state.get("instructions")
+    if instructions:
+        state["instructions"] = instructions
+    records = {k.SETTLED + c: r for c, r in results.items()}
+    return Launch("", token, state, history, _size(history), records)
+
+
+def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
+    """Whether a round may follow the source's last: its last answer asked for calls, and
+    each has a result of its own (or it answered no round at all)."""
+    if not rounds:
+        return True
+    calls = calls_of([src.history[rounds[-1]]])
+    ended = set(src.state.get("end_settled") or [])
+    answered = {m.get("tool_call_id") for m in src.history[rounds[-1] :] if m["role"] == "tool"}
+    return bool(calls) and all(c.id in answered and not _unsettled(src, c.id, ended) for c in calls)
+
+
+def _replace_message(src: Source, history: list[dict[str, Any]], message: str, n: int) -> None:
+    for i in range(len(history) - 1, -1, -1):
+        if history[i]["role"] == "user":
+            history[i] = {"role": "user", "content": message}
+            return
+    raise ForkInvalid(src.turn_id, "edit.message", f"no user message before round {n}")
+
+
+def _replace_result(
+    src: Source, history: list[dict[str, Any]], results: dict[str, str], edit: ForkEdit, n: int
+) -> str:
+    """The edited call's result (its record kept, `content` replaced); its tool message too."""
+    assert edit.tool_result is not None
+    cid, content = edit.tool_result.call_id, edit.tool_result.content
+    at = [i for i, m in enumerate(history) if m["role"] == "tool" and m["tool_call_id"] == cid]
+    if not at or cid not in results:
+        raise ForkInvalid(
+            src.turn_id, "edit.tool_result.call_id", f"no settled call {cid} before round {n}"
+        )
+    history[at[0]] = {**history[at[0]], "content": content}
+    result = ToolResult.model_validate_json(results[cid])
+    return result.model_copy(update={"content": content}).model_dump_json()
+
+
+def _size(history: list[dict[str, Any]]) -> int:
+    return len(json.dumps(history).encode())
+
+
+def replay_source(state: TurnState) -> dict[str, Any] | None:
+    """The turn a retry or fork was made from (`agentq show`, the console): its id, which
+    of the two it is, and the round it went on from."""
+    for kind in ("retry", "fork"):
+        source = state.get(f"{kind}_of")
+        if source:
+            return {"kind": kind, "turn_id": source, "from_round": state.get("from_round")}
+    return None
+
+
+def start_replay(
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+    source_id: str,
+    req: RetryRequest | ForkRequest,
+    *,
+    traced: bool = False,
+    abort: Aborter | None = None,
+    turn_id: str | None = None,
+) -> TurnHandle:
+    """Start a retry (RetryRequest) or fork (ForkRequest) of `source_id`: read it once,
+    store the new turn in one write, send its first step. The caller checked that it may
+    (the source's owner, its token, or an admin)."""
+    src = read_source(store, source_id)
+    edit = req.edit if isinstance(req, ForkRequest) else None
+    if edit is not None and edit.message is not None:
+        size = len(edit.message.encode())
+        if size > settings.max_prompt_bytes:
+            raise PayloadTooLarge("edit.message", size, settings.max_prompt_bytes)
+    token = secrets.token_urlsafe(32)
+    if isinstance(req, RetryRequest):
+        new = retry_launch(src, req, token)
+    else:
+        new = fork_launch(src, req, token)
+    if req.agent:
+        require_known(store.redis, req.agent)
+    st = new.state
+    # As for any start: a key over its budget starts nothing (429), nor a USD budget for
+    # a model without a price; the first round sends the whole history.
+    budgets = TurnRequest(agent=st.get("agent"), max_cost_usd=st.get("max_cost_usd"))
+    check_budgets(store, settings, budgets, st.get("owner"), new.size)
+    turn_id = turn_id or secrets.token_hex(16)
+    new = Launch(turn_id, token, new.state, new.history, new.size, new.records)
+    if isinstance(req, RetryRequest):
+        spend.carry_spent(store.redis, settings, turn_id, new.state)
+
+    def go(conversation: TurnRequest, launched: Launch, in_place_of: str | None) -> TurnHandle:
+        owner = launched.state.get("owner")
+        return launch(
+            store,
+            app,
+            settings,
+            conversation,
+            launched,
+            owner=owner,
+            any_owner=True,
+            traced=traced,
+            abort=abort,
+            in_place_of=in_place_of,
+        )
+
+    cid = src.state.get("conversation_id")
+    if not cid:
+        return go(TurnRequest(), new, None)
+    if isinstance(req, RetryRequest):
+        try:
+            handle = go(TurnRequest(conversation_id=cid), _in_place(src, new), src.turn_id)
+            return handle.model_copy(update={"conversation_id": cid, "branched": False})
+        except ConversationMovedOn:
+            pass  # another turn followed the source, or holds or waits: a branch then
+    # A branch: the new conversation holds the source's earlier messages, the one the
+    # source belongs to is left as it is.
+    branch = f"{cid[:100]}.b{secrets.token_hex(6)}"
+    state: TurnState = {
+        **new.state,
+        "conversation_id": branch,
+        "conversation_waiting": True,
+        "pending_messages": new.history,
+    }
+    branched = Launch(turn_id, token, state, [], new.size, new.records)
+    handle = go(TurnRequest(conversation_id=branch), branched, None)
+    return handle.model_copy(update={"conversation_id": branch, "branched": True})
+
+
+def _in_place(src: Source, new: Launch) -> Launch:
+    """A retry that goes on in its source's conversation: its own messages (the source's
+    from where the source read the conversation's history) aside until its first step
+    reads the history before the source's exchange, which its exchange replaces."""
+    st = src.state
+    base = 0 if st.get("conversation_waiting") else int(st.get("conversation_base_len") or 0)
+    state: TurnState = {
+        **new.state,
+        "conversation_id": st.get("conversation_id"),
+        "conversation_waiting": True,
+        "pending_messages": new.history[base:],
+        "history_start": int(new.state.get("history_start") or 0) - base,
+        "conversation_replaces": src.turn_id,
+    }
+    return Launch(new.turn_id, new.token, state, [], new.size, new.records)
+
+
+BULK_CALLER = "bulk-retry"
+"""The idempotency records' caller: one record per source turn, whoever asks."""
+
+
+class BulkRetryRequest(BaseModel):
+    """`POST /v1/turns/retry`: which turns to retry, and how fast."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: Literal["error", "aborted", "error,aborted"] = "error"
+    agent: str | None = Field(default=None, max_length=64)
+    since_s: float = Field(default=3600.0, gt=0, le=30 * 86400)
+    """Turns created in the last this many seconds."""
+    limit: int = Field(default=100, ge=1, le=1000)
+    rate_per_s: float = Field(default=10.0, gt=0, le=1000)
+    """At most this many retries started a second."""
+    dry_run: bool = False
+    rerun_lost: bool = False
+
+
+class BulkOutcome(BaseModel):
+    """What the bulk retry did with one source turn."""
+
+    source: str
+    outcome: Literal["started", "retried_already", "would_start", "refused"]
+    turn_id: str | None = None
+    """The retry (started now, or the one that retried it already)."""
+    error: str | None = None
+
+
+def _sources(
+    lister: TurnLister, req: BulkRetryRequest, visible: Callable[[dict[str, Any]], bool] | None
+) -> Iterator[str]:
+    """The matching turns, newest first: not sub-agents (their parent is retried instead)."""
+    since = time.time() - req.since_s
+    query = TurnQuery.parse(status=req.status, agent=req.agent, limit=MAX_LIMIT)
+    seen = 0
+    while True:
+        page = lister.page(query, visible)
+        for row in page.turns:
+            if float(row.get("created_at") or 0) < since:
+                return
+            if row.get("parent_turn_id"):
+                continue
+            yield str(row["turn_id"])
+            seen += 1
+            if seen >= req.limit:
+                return
+        if page.next_before is None:
+            return
+        query = replace(query, before=page.next_before)
+
+
+Starter = Callable[[Callable[[], TurnHandle]], TurnHandle]
+"""Runs one start under the caller's limits (the gateway's `limited`)."""
+
+
+def bulk_retry(
+    store: TurnStore,
+    app: Celery,
+    settings: Settings,
+    req: BulkRetryRequest,
+    *,
+    visible: Callable[[dict[str, Any]], bool] | None = None,
+    traced: bool = False,
+    said: Callable[[BulkOutcome], None] | None = None,
+    limited: Starter | None = None,
+) -> list[BulkOutcome]:
+    """Retry each matching turn once, at most `req.rate_per_s` a second; `visible` keeps
+    a caller to its own turns; `said` hears each outcome as it happens; `limited` runs
+    each start (under the caller's limits: one refused is said `refused`)."""
+    out: list[BulkOutcome] = []
+    gap_s = 1.0 / req.rate_per_s
+    next_at = time.monotonic()
+    one = RetryRequest(rerun_lost=req.rerun_lost)
+    body = fingerprint(one.model_dump())
+
+    def start(source: str, new_id: str) -> TurnHandle:
+        def go() -> TurnHandle:
+            return start_replay(store, app, settings, source, one, traced=traced, turn_id=new_id)
+
+        return go() if limited is None else limited(go)
+
+    for source in _sources(TurnLister(store.redis), req, visible):
+        done = _retried(store, source)
+        if done is not None or req.dry_run:
+            if done is None:
+                outcome = BulkOutcome(source=source, outcome="would_start")
+            else:
+                outcome = BulkOutcome(source=source, outcome="retried_already", turn_id=done)
+        else:
+            time.sleep(max(0.0, next_at - time.monotonic()))  # the rate cap
+            next_at = time.monotonic() + gap_s
+            outcome = _retry_once(store, source, body, start)
+        out.append(outcome)
+        if said is not None:
+            said(outcome)
+    return out
+
+
+class Bulk:
+    """`Client.retry_many` (agentq.api.Client is one of these)."""
+
+    _store: TurnStore
+    settings: Settings
+    traced: bool
+
+    def _lazy_app(self) -> Celery:
+        raise NotImplementedError
+
+    def retry_many(
+        self, *, said: Callable[[BulkOutcome], None] | None = None, **filters: Any
+    ) -> list[BulkOutcome]:
+        """Retry once each turn that matches `filters` (BulkRetryRequest's fields: status,
+        agent, since_s, limit, rate_per_s, dry_run, rerun_lost), at most `rate_per_s` a
+        second; a turn retried before (by anyone) is said `retried_already`, never again."""
+        req = BulkRetryRequest(**filters)
+        app = self._lazy_app()
+        return bulk_retry(self._store, app, self.settings, req, traced=self.traced, said=said)
+
+
+def _retried(store: TurnStore, source: str) -> str | None:
+    """The turn a bulk retry started for `source`, if one did."""
+    raw = store.redis.get(k.idempotency_key(BULK_CALLER, source))
+    return None if raw is None else str(json.loads(raw)["turn_id"])
+
+
+def _retry_once(
+    store: TurnStore, source: str, body: str, start: Callable[[str, str], TurnHandle]
+) -> BulkOutcome:
+    """Retry `source` under its idempotency record: started now, or by whoever came first."""
+    new_id = secrets.token_hex(16)
+    try:
+        handle = start_once(
+            store.redis, BULK_CALLER, source, body, new_id, lambda: start(source, new_id)
+        )
+    except AgentqError as exc:
+        return BulkOutcome(source=source, outcome="refused", error=exc.message)
+    fresh = handle.turn_id == new_id
+    return BulkOutcome(
+        source=source, outcome="started" if fresh else "retried_already", turn_id=handle.turn_id
+    )
+
+
+__all__ = [
+    "BULK_CALLER",
+    "Bulk",
+    "BulkOutcome",
+    "BulkRetryRequest",
+    "ForkEdit",
+    "ForkRequest",
+    "RetryRequest",
+    "Source",
+    "ToolResultEdit",
+    "bulk_retry",
+    "fork_launch",
+    "read_source",
+    "replay_source",
+    "retry_launch",
+    "start_replay",
+]

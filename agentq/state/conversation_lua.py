@@ -1,0 +1,403 @@
+"""The Lua scripts behind `agentq.state.conversations`, with their argument layouts and
+answers: every decision about a conversation (who holds it, who waits, what its history
+becomes) is one script, so turns racing for a conversation never both get it.
+
+Each script gets the conversation's keys (`ConversationKeys`, in order, then on one Redis
+the listing's index) and opens by binding its inputs to names
+(`agentq.events.lua_args.bind_lua`). The meta hash's fields the scripts share: `running`,
+`rollback`, `bytes`, `updated_at`, `conflicts`; `last_turn`, `last_base`, `last_end` (the
+last turn that held the conversation, and where its exchange lies in the history:
+`[last_base, last_end)`, empty for an exchange dropped); `replacing` (a retry that holds the
+conversation to replace the last turn's exchange with its own: `IN_PLACE_LUA`).
+"""
+
+from __future__ import annotations
+
+from enum import Enum, IntEnum
+from typing import Any, NamedTuple
+
+from agentq import constants as k
+from agentq.events.bus import ended_lua
+from agentq.events.lua_args import TurnKey, argv_of, bind_lua
+
+
+class Multitask(str, Enum):
+    """What a message to a conversation whose turn still runs does."""
+
+    ENQUEUE = "enqueue"
+    REJECT = "reject"
+    INTERRUPT = "interrupt"
+    ROLLBACK = "rollback"
+    INJECT = "inject"
+
+
+class Admit(IntEnum):
+    """ADMIT's answer."""
+
+    NOT_FOUND = 0
+    TOO_LARGE = 1
+    RUN = 2
+    BUSY = 3
+    QUEUED = 4
+    INJECTED = 5
+    INTERRUPTED = 6
+
+
+class Release(IntEnum):
+    """RELEASE's answer: what became of the turn's exchange."""
+
+    LEFT = 0
+    """The turn did not hold the conversation: it left the queue (aborted while queued, or
+    its message joined the running turn), or the conversation is gone."""
+    COMMITTED = 1
+    DROPPED = 2
+    """Rolled back: its exchange is not kept."""
+    CONFLICT = 3
+    """Appended, but the history had changed since the turn read it (never expected)."""
+
+
+MODES = {m: i for i, m in enumerate(Multitask)}
+
+
+class ConversationKeys(NamedTuple):
+    owner_key: str
+    meta_key: str
+    history_key: str
+    queue_key: str
+    inject_key: str
+
+    @classmethod
+    def of(cls, conversation_id: str) -> ConversationKeys:
+        return cls(
+            k.conversation_owner_key(conversation_id),
+            k.conversation_meta_key(conversation_id),
+            k.conversation_key(conversation_id),
+            k.conversation_queue_key(conversation_id),
+            k.conversation_inject_key(conversation_id),
+        )
+
+
+_SCRIPT_KEYS = (*ConversationKeys._fields, "index_key")
+"""A script's KEYS: the conversation's, and on one Redis (not a Cluster, where it is on
+another slot) the listing's index, which the writes note the conversation's change in."""
+_KEEP = "for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl_s) end\n"
+_INDEX = "if index_key then redis.call('ZADD', index_key, now, conversation_id) end\n"
+
+
+class AdmitArgs(NamedTuple):
+    turn_id: str
+    claim: str
+    """The binding a conversation created now gets."""
+    may: str
+    """A binding the caller holds ('' for none)."""
+    may_too: str
+    any_owner: int
+    """1: an admin or operator, who may continue any conversation."""
+    mode: int
+    ttl_s: int
+    now: float
+    new_bytes: int
+    max_bytes: int
+    conversation_id: str
+
+
+# KEYS: ConversationKeys; ARGV: AdmitArgs. Returns {Admit, ...}: NOT_FOUND; TOO_LARGE, size;
+# RUN, created; BUSY, running; QUEUED|INJECTED|INTERRUPTED, created, running,
+# position, behind.
+ADMIT_LUA = (
+    bind_lua(_SCRIPT_KEYS, AdmitArgs)
+    + f"""mode = tonumber(mode)
+local created = 0
+if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl_s) then
+  -- Whatever outlived an expired binding is not this caller's to read.
+  redis.call('DEL', meta_key, history_key, queue_key, inject_key)
+  created = 1
+else
+  local bound = redis.call('GET', owner_key)
+  if any_owner ~= '1' and bound ~= may and bound ~= may_too then
+    return {{{Admit.NOT_FOUND}}}
+  end
+end
+local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + tonumber(new_bytes)
+if size > tonumber(max_bytes) then return {{{Admit.TOO_LARGE}, size}} end
+"""
+    + _KEEP
+    + _INDEX
+    + f"""local running = redis.call('HGET', meta_key, 'running')
+if not running or running == '' then
+  redis.call('HSET', meta_key, 'running', turn_id, 'updated_at', now)
+  redis.call('EXPIRE', meta_key, ttl_s)
+  return {{{Admit.RUN}, created}}
+end
+if mode == {MODES[Multitask.REJECT]} then return {{{Admit.BUSY}, running}} end
+local answer = {Admit.QUEUED}
+if mode == {MODES[Multitask.INTERRUPT]} or mode == {MODES[Multitask.ROLLBACK]} then
+  redis.call('LPUSH', queue_key, turn_id)
+  if mode == {MODES[Multitask.ROLLBACK]} then redis.call('HSET', meta_key, 'rollback', running) end
+  answer = {Admit.INTERRUPTED}
+else
+  redis.call('RPUSH', queue_key, turn_id)
+  if mode == {MODES[Multitask.INJECT]} then
+    redis.call('SADD', inject_key, turn_id)
+    answer = {Admit.INJECTED}
+  end
+end
+redis.call('HSET', meta_key, 'updated_at', now)
+"""
+    + _KEEP
+    + """local queue = redis.call('LRANGE', queue_key, 0, -1)
+local position, behind = 1, running
+for i, id in ipairs(queue) do
+  if id == turn_id then position = i; if i > 1 then behind = queue[i - 1] end; break end
+end
+return {answer, created, running, position, behind}
+"""
+)
+
+
+class ReleaseArgs(NamedTuple):
+    turn_id: str
+    base_len: int
+    """The history's length when the turn read it: an append finds it unchanged (-1: the
+    turn ended before it read it, holding the conversation, so none is expected)."""
+    ttl_s: int
+    now: float
+    conversation_id: str
+    rolled_back: bool
+    """The turn was aborted for a rollback: its exchange is dropped (a turn that ended on
+    its own before the rollback could abort it is kept)."""
+    gone: list[str]
+    """Queued turns whose message this turn took in (inject): they leave the queue."""
+    messages: list[str]
+    """The turn's exchange, as JSON."""
+
+    def argv(self) -> list[Any]:
+        named = ReleaseNamed(
+            self.turn_id,
+            self.base_len,
+            self.ttl_s,
+            self.now,
+            self.conversation_id,
+            int(self.rolled_back),
+            len(self.gone),
+        )
+        return argv_of(named, self.gone, self.messages)
+
+
+class ReleaseNamed(NamedTuple):
+    """RELEASE's named ARGV; the turns gone (`n_gone` of them), then the messages follow."""
+
+    turn_id: str
+    base_len: int
+    ttl_s: int
+    now: float
+    conversation_id: str
+    rolled_back: int
+    n_gone: int
+
+
+# KEYS: ConversationKeys; ARGV: ReleaseArgs.argv(). Returns {Release, next turn id or ''}.
+RELEASE_LUA = (
+    bind_lua(_SCRIPT_KEYS, ReleaseNamed, rest="tail")
+    + f"""local first_message = tail_at + tonumber(n_gone)
+for i = tail_at, first_message - 1 do
+  redis.call('LREM', queue_key, 0, ARGV[i])
+  redis.call('SREM', inject_key, ARGV[i])
+end
+if redis.call('HGET', meta_key, 'running') ~= turn_id then
+  redis.call('LREM', queue_key, 0, turn_id)
+  redis.call('SREM', inject_key, turn_id)
+  return {{{Release.LEFT}, ''}}
+end
+local outcome = {Release.COMMITTED}
+local dropped = false
+if redis.call('HGET', meta_key, 'rollback') == turn_id then
+  redis.call('HDEL', meta_key, 'rollback')
+  dropped = rolled_back == '1'
+end
+local length = redis.call('LLEN', history_key)
+local base = length
+local replacing = redis.call('HGET', meta_key, 'replacing') == turn_id
+if replacing then
+  -- A retry in place: its exchange takes the slot of the exchange it replaces.
+  redis.call('HDEL', meta_key, 'replacing')
+  base = tonumber(redis.call('HGET', meta_key, 'last_base'))
+end
+if dropped then
+  outcome = {Release.DROPPED}
+elseif #ARGV >= first_message then
+  local expected = tonumber(base_len)
+  if replacing then expected = tonumber(redis.call('HGET', meta_key, 'last_end')) end
+  if expected >= 0 and length ~= expected then
+    -- Appended all the same: an exchange is never lost, and the count shows the fault.
+    redis.call('HINCRBY', meta_key, 'conflicts', 1)
+    outcome = {Release.CONFLICT}
+    base = length
+  elseif replacing then
+    local cut = 0
+    for _, m in ipairs(redis.call('LRANGE', history_key, base, -1)) do cut = cut + #m end
+    if base == 0 then
+      redis.call('DEL', history_key)
+    else
+      redis.call('LTRIM', history_key, 0, base - 1)
+    end
+    redis.call('HINCRBY', meta_key, 'bytes', -cut)
+  end
+  local size = 0
+  for i = first_message, #ARGV do
+    redis.call('RPUSH', history_key, ARGV[i])
+    size = size + #ARGV[i]
+  end
+  redis.call('HINCRBY', meta_key, 'bytes', size)
+end
+local last_end = redis.call('LLEN', history_key)
+redis.call('HSET', meta_key, 'last_turn', turn_id, 'last_base', base, 'last_end', last_end)
+local next_turn = redis.call('LPOP', queue_key)
+if next_turn then
+  redis.call('SREM', inject_key, next_turn)
+  redis.call('HSET', meta_key, 'running', next_turn, 'updated_at', now)
+else
+  redis.call('HDEL', meta_key, 'running')
+  redis.call('HSET', meta_key, 'updated_at', now)
+  next_turn = ''
+end
+"""
+    + _KEEP
+    + _INDEX
+    + """return {outcome, next_turn}
+"""
+)
+
+
+class Take(IntEnum):
+    """TAKE's answer for a waiting turn."""
+
+    HOLDS = 1
+    """It holds the conversation: its history follows."""
+    WAITS = 2
+    """It is queued behind the running turn."""
+    GONE = 3
+    """Neither: the conversation was deleted, or the turn was never admitted."""
+
+
+# KEYS: ConversationKeys; ARGV: the waiting turn. Returns {HOLDS, history...} or
+# {WAITS|GONE, running turn or ''}: the read a queued turn's first step makes.
+TAKE_LUA = (
+    bind_lua(_SCRIPT_KEYS, ("turn_id",))
+    + f"""local running = redis.call('HGET', meta_key, 'running') or ''
+if running == turn_id then
+  local out = {{{Take.HOLDS}}}
+  local upto = -1
+  if redis.call('HGET', meta_key, 'replacing') == turn_id then
+    -- A retry in place reads the history before the exchange it replaces.
+    upto = tonumber(redis.call('HGET', meta_key, 'last_base')) - 1
+    if upto < 0 then return out end
+  end
+  for _, m in ipairs(redis.call('LRANGE', history_key, 0, upto)) do out[#out + 1] = m end
+  return out
+end
+if redis.call('LPOS', queue_key, turn_id) then return {{{Take.WAITS}, running}} end
+return {{{Take.GONE}, running}}
+"""
+)
+
+
+class InPlace(IntEnum):
+    """IN_PLACE's answer for a retry of a conversation's turn."""
+
+    RUN = 1
+    """It holds the conversation, to replace its source's exchange."""
+    MOVED_ON = 2
+    """The source is not the conversation's last turn, or another turn holds or waits."""
+    GONE = 3
+    """The conversation was deleted (or expired)."""
+
+
+class InPlaceArgs(NamedTuple):
+    turn_id: str
+    source_id: str
+    """The turn whose exchange the retry replaces."""
+    ttl_s: int
+    now: float
+    conversation_id: str
+
+
+# KEYS: ConversationKeys; ARGV: InPlaceArgs. Returns {InPlace, running turn or ''}. The
+# retry was authorized on its source, so no binding is checked; no cap either: it replaces
+# an exchange the conversation holds, as big as its own before it goes on.
+IN_PLACE_LUA = (
+    bind_lua(_SCRIPT_KEYS, InPlaceArgs)
+    + f"""if redis.call('EXISTS', owner_key) == 0 then return {{{InPlace.GONE}, ''}} end
+local running = redis.call('HGET', meta_key, 'running') or ''
+if running ~= '' then return {{{InPlace.MOVED_ON}, running}} end
+if redis.call('LLEN', queue_key) > 0 then return {{{InPlace.MOVED_ON}, ''}} end
+local last_end = tonumber(redis.call('HGET', meta_key, 'last_end') or -1)
+if redis.call('HGET', meta_key, 'last_turn') ~= source_id
+    or redis.call('LLEN', history_key) ~= last_end then
+  return {{{InPlace.MOVED_ON}, ''}}
+end
+redis.call('HSET', meta_key, 'running', turn_id, 'replacing', turn_id, 'updated_at', now)
+"""
+    + _KEEP
+    + _INDEX
+    + f"""return {{{InPlace.RUN}, ''}}
+"""
+)
+
+# KEYS: ConversationKeys; ARGV: the turn that takes them in. Returns the queued turns whose
+# message may join it, in queue order; nothing unless that turn holds the conversation.
+INJECTABLE_LUA = (
+    bind_lua(_SCRIPT_KEYS, ("turn_id",))
+    + """if redis.call('HGET', meta_key, 'running') ~= turn_id then return {} end
+if redis.call('SCARD', inject_key) == 0 then return {} end
+local out = {}
+for _, id in ipairs(redis.call('LRANGE', queue_key, 0, -1)) do
+  if redis.call('SISMEMBER', inject_key, id) == 1 then out[#out + 1] = id end
+end
+return out
+"""
+)
+
+# KEYS: ConversationKeys. Removes the conversation; returns its running and queued turns.
+DELETE_LUA = (
+    bind_lua(_SCRIPT_KEYS)
+    + """local out = redis.call('LRANGE', queue_key, 0, -1)
+local running = redis.call('HGET', meta_key, 'running')
+if running and running ~= '' then table.insert(out, 1, running) end
+redis.call('DEL', owner_key, meta_key, history_key, queue_key, inject_key)
+return out
+"""
+)
+
+# KEYS: the running turn's state hash. Counts a message sent to join it (`inject_seq`),
+# which its next step sees with its state; nothing for a turn that ended.
+NOTE_INJECTED_LUA = (
+    bind_lua(TurnKey)
+    + f"""local status = redis.call('HGET', turn_key, 'status')
+if not status or {ended_lua("status")} then return 0 end
+redis.call('HINCRBY', turn_key, 'inject_seq', 1)
+return 1
+"""
+)
+
+
+__all__ = [
+    "ADMIT_LUA",
+    "DELETE_LUA",
+    "INJECTABLE_LUA",
+    "IN_PLACE_LUA",
+    "MODES",
+    "NOTE_INJECTED_LUA",
+    "RELEASE_LUA",
+    "TAKE_LUA",
+    "Admit",
+    "AdmitArgs",
+    "ConversationKeys",
+    "InPlace",
+    "InPlaceArgs",
+    "Multitask",
+    "Release",
+    "ReleaseArgs",
+    "ReleaseNamed",
+    "Take",
+]

@@ -1,0 +1,311 @@
+"""Waitpoints: a call whose tool ended its run with a wait, open in its turn's state (a
+`w:` record beside its other records) until a completion, its deadline or an abort
+settles it.
+
+A waitpoint's id names its turn and call (`wp_<turn id>_<call id>`), so finding it is
+one read of the turn; its token is an HMAC of the id under the fleet's waitpoint key, so
+a tool knows it before it returns, every run of a call gets the same one, and nothing
+stores it. A completion is the call's settle (SETTLE_LUA, first result wins), told to
+store only while the waitpoint is open: exactly once, atomically with the turn's wake.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from agentq import constants as k
+from agentq.config import Settings, get_settings
+from agentq.errors import (
+    PayloadTooLarge,
+    WaitpointRefused,
+)
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
+from agentq.events.lua_args import bind_lua
+from agentq.models import TURN_ID, InvocationRecord, ToolResult, is_call_id
+from agentq.state.base import call_fields
+from agentq.state.calls import Settled, records_of
+from agentq.state.lua import turn_open_lua, wake_lua
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
+
+PREFIX = "wp_"
+KEY_FIELD = f"{k.PREFIX}:waitpoints:key"
+"""The fleet's waitpoint HMAC key when AGENTQ_WAITPOINT_SECRET is unset (made once, SET NX)."""
+COMPLETED_STATUSES = ("ok", "error")
+"""What a completion settles a call as; any other status of a waiting call closed it."""
+
+
+def waitpoint_id(turn_id: str, call_id: str) -> str:
+    return f"{PREFIX}{turn_id}_{call_id}"
+
+
+def parse_waitpoint_id(value: str) -> tuple[str, str] | None:
+    """The turn id and call id a waitpoint id names; None for anything else."""
+    if not value.startswith(PREFIX):
+        return None
+    rest = value[len(PREFIX) :]
+    turn_id, sep, call_id = rest[:32], rest[32:33], rest[33:]
+    if sep != "_" or not TURN_ID.fullmatch(turn_id) or not is_call_id(call_id):
+        return None
+    return turn_id, call_id
+
+
+def token_for(key: bytes, wp_id: str) -> str:
+    digest = hmac.new(key, wp_id.encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def completion_of(value: Any) -> tuple[str, str, str | None]:
+    """What a completion's body means: (status, content the model reads, error)."""
+    if isinstance(value, dict) and set(value) == {"error"}:
+        error = value["error"] if isinstance(value["error"], str) else json.dumps(value["error"])
+        return "error", error, error
+    content = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return "ok", content, None
+
+
+def not_found(wp_id: str) -> WaitpointRefused:
+    return WaitpointRefused(wp_id, 404, "no such waitpoint (or not with this token)")
+
+
+class Opened(IntEnum):
+    """What `open_waitpoint` found (OPEN_LUA answers it)."""
+
+    TURN_GONE = -2
+    """The turn is over, or Redis lost it: nothing written."""
+    SETTLED = 0
+    """The call has its result already (an abort came first): nothing written."""
+    OPENED = 1
+    """Recorded, and tool_waiting published."""
+    OPEN_ALREADY = 2
+    """An earlier run of the call opened it (a redelivery): the first is kept."""
+
+
+class OpenKeys(NamedTuple):
+    turn_key: str
+    log_key: str
+    channel: str
+    wakeups_key: str
+
+
+class OpenArgs(NamedTuple):
+    call_id: str
+    record: str
+    """The waitpoint's record (JSON, with `deadline_ms`)."""
+    event: str
+    """The tool_waiting event body."""
+    log_opts: str
+    turn_id: str
+    deadline: float
+    """Epoch seconds: the turn's wakeup comes by then, to settle the call `timeout`."""
+
+
+# OPEN_LUA: a call's waitpoint, recorded once (a redelivered run keeps the first) unless
+# the call settled meanwhile; tool_waiting published; the turn woken by the deadline (LT:
+# an earlier wakeup stays) and marked, so a step that read the turn before this write
+# steps again and sees the waitpoint's deadline.
+OPEN_LUA = (
+    bind_lua(OpenKeys, OpenArgs)
+    + turn_open_lua(
+        "turn_key",
+        f"{Opened.TURN_GONE:d}",
+        extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"),
+    )
+    + f"""
+if more[1] then return {Opened.SETTLED:d} end
+if more[2] then return {Opened.OPEN_ALREADY:d} end
+"""
+    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
+    + f"redis.call('HSET', turn_key, '{k.WAITING}' .. call_id, record, '{SEQ_FIELD}', seq)\n"
+    + wake_lua("turn_key", "wakeups_key", "turn_id", "deadline")
+    + f"return {Opened.OPENED:d}\n"
+)
+
+
+_KEYS: dict[int, bytes] = {}
+"""The HMAC key of this process, per Redis client (read once)."""
+
+
+class Waitpoints:
+    """Opening a call's waitpoint, completing it, and the open ones of a turn."""
+
+    def __init__(self, store: TurnStore) -> None:
+        self.store = store
+        self._open = store.redis.register_script(OPEN_LUA)
+
+    def waitpoint_key(self) -> bytes:
+        """The HMAC key of waitpoint tokens: AGENTQ_WAITPOINT_SECRET, else the fleet's key
+        in Redis (made once, SET NX)."""
+        r = self.store.redis
+        if id(r) not in _KEYS:
+            secret = get_settings().waitpoint_secret
+            if secret is not None:
+                _KEYS[id(r)] = secret.get_secret_value().encode()
+            else:
+                r.set(KEY_FIELD, secrets.token_hex(32), nx=True)
+                raw = r.get(KEY_FIELD)
+                _KEYS[id(r)] = raw if isinstance(raw, bytes) else str(raw).encode()
+        return _KEYS[id(r)]
+
+    def waitpoint_address(self, turn_id: str, call_id: str) -> tuple[str, str, str]:
+        """(id, token, callback URL) of the call's waitpoint."""
+        wp_id = waitpoint_id(turn_id, call_id)
+        token = token_for(self.waitpoint_key(), wp_id)
+        base = get_settings().public_url.rstrip("/")
+        url = f"{base}/v1/waitpoints/{wp_id}?token={token}"
+        return wp_id, token, url
+
+    def open_waitpoint(
+        self, turn_id: str, call_id: str, record: dict[str, Any], event: dict[str, Any]
+    ) -> Opened:
+        """Record the call's waitpoint (`record` with `deadline_ms`) and publish tool_waiting."""
+        keys = OpenKeys(
+            k.turn_key(turn_id),
+            k.log_key(turn_id),
+            k.events_channel(turn_id),
+            k.turn_wakeups_key(turn_id),
+        )
+        args = OpenArgs(
+            call_id,
+            json.dumps(record, default=str),
+            event_body(turn_id, "tool_waiting", event),
+            self.store.bus.log_arg(),
+            turn_id,
+            record["deadline_ms"] / 1000,
+        )
+        store = self.store
+        opened = Opened(int(store._durable(self._open, keys=list(keys), args=list(args))))
+        if opened is Opened.OPENED:
+            store.bus.counted([("tool_waiting", event)])
+        return opened
+
+    def open_waitpoints(self, turn_id: str) -> dict[str, dict[str, Any]]:
+        """The turn's waitpoints still open, by call id (their records)."""
+        raw = records_of(self.store.redis, [turn_id], k.WAITING[0] + k.SETTLED[0])[0]
+        done = set(call_fields(raw, k.SETTLED))
+        return {c: json.loads(v) for c, v in call_fields(raw, k.WAITING).items() if c not in done}
+
+    def listing(self, turn_id: str) -> list[dict[str, Any]]:
+        """The turn's open waitpoints, oldest first, with their age and time left (for
+        `agentq show` and the console)."""
+        now = time.time()
+        rows = [
+            {
+                "id": w["id"],
+                "call_id": call_id,
+                "tool": w.get("tool"),
+                "timeout_s": w["timeout_s"],
+                "age_s": round(now - float(w["opened_at"]), 3),
+                "left_s": round(max(0.0, w["deadline_ms"] / 1000 - now), 3),
+                "data": w.get("data"),
+                "tags": w.get("tags") or [],
+            }
+            for call_id, w in self.open_waitpoints(turn_id).items()
+        ]
+        return sorted(rows, key=lambda r: -r["age_s"])
+
+    def complete_waitpoint(
+        self, wp_id: str, token: str, value: Any, *, max_bytes: int
+    ) -> ToolResult:
+        """Settle the waitpoint's call with `value` (`{"error": ...}`: `error`) and wake its
+        turn; the result stored. Raises WaitpointRefused: 404 (unknown id, wrong token:
+        one answer, no oracle), 409 (completed: `first`), 410 (timed
+        out, its call cancelled or its turn over), PayloadTooLarge."""
+        ids = parse_waitpoint_id(wp_id)
+        expected = token_for(self.waitpoint_key(), wp_id) if ids else ""
+        if ids is None or not hmac.compare_digest(expected.encode(), token.encode()):
+            raise not_found(wp_id)
+        turn_id, call_id = ids
+        raw_wp = self.store.redis.hget(k.turn_key(turn_id), k.WAITING + call_id)
+        if raw_wp is None:
+            raise not_found(wp_id)
+        opened = json.loads(raw_wp)
+        status, content, error = completion_of(value)
+        size = len(content.encode())
+        if size > max_bytes:
+            raise PayloadTooLarge("waitpoint result", size, max_bytes)
+        now = time.time()
+        started = float(opened.get("started_at") or opened["opened_at"])
+        result = ToolResult(
+            call_id=call_id,
+            tool=str(opened.get("tool") or ""),
+            status=status,  # type: ignore[arg-type]
+            content=content,
+            error=error,
+            record=InvocationRecord(
+                call_id=call_id,
+                tool=str(opened.get("tool") or ""),
+                status=status,  # type: ignore[arg-type]
+                task_id=opened.get("task_id"),
+                worker=opened.get("worker"),
+                started_at=started,
+                finished_at=now,
+                duration_ms=int((now - started) * 1000),
+                timeout_s=opened.get("timeout_s"),
+                waitpoint_id=wp_id,
+            ),
+        )
+        code = self.store.settle_code(turn_id, result, waitpoint=True)
+        if code in (Settled.WON, Settled.READY):
+            return result
+        if code is Settled.NOT_WAITING:
+            raise not_found(wp_id)
+        if code is Settled.EXPIRED:
+            raise WaitpointRefused(wp_id, 410, "timed out")
+        first = self.store.result(turn_id, call_id)
+        if first is None:
+            raise WaitpointRefused(wp_id, 410, "its turn ended")  # before the call settled
+        if first.record.waitpoint_id == wp_id and first.status in COMPLETED_STATUSES:
+            done = {"status": first.status, "content": first.content}
+            raise WaitpointRefused(wp_id, 409, "completed already", done)
+        raise WaitpointRefused(wp_id, 410, f"closed: its call settled {first.status}")
+
+
+class CompletesWaitpoints:
+    """`Client.complete_waitpoint` (agentq.api.Client is one of these)."""
+
+    _store: TurnStore
+    settings: Settings
+
+    def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
+        """Complete a waitpoint (what a tool's `Waitpoint` waits for) with `result`, the
+        JSON the model reads as the call's result (`{"error": "..."}`: the call settles
+        `error`); the call's settled result. The token is the waitpoint's capability (its
+        callback URL's `token`). Raises WaitpointRefused: 404 (unknown, or a wrong token),
+        409 (completed already: `first`), 410 (timed out, cancelled, its turn over);
+        PayloadTooLarge."""
+        return waitpoints(self._store).complete_waitpoint(
+            waitpoint_id, token, result, max_bytes=self.settings.max_result_bytes
+        )
+
+
+_BY_STORE: dict[int, Waitpoints] = {}
+
+
+def waitpoints(store: TurnStore) -> Waitpoints:
+    """The store's Waitpoints, made once per store (its script registered once)."""
+    found = _BY_STORE.get(id(store))
+    if found is None or found.store is not store:
+        found = _BY_STORE[id(store)] = Waitpoints(store)
+    return found
+
+
+__all__ = [
+    "CompletesWaitpoints",
+    "Opened",
+    "Waitpoints",
+    "waitpoints",
+    "completion_of",
+    "not_found",
+    "parse_waitpoint_id",
+    "token_for",
+    "waitpoint_id",
+]

@@ -1,0 +1,89 @@
+"""`AsyncClient` through real workers: the sync client's surface as coroutines, and 200
+turns from one event loop at once without blocking it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from agentq import AsyncClient, AsyncTurn, TurnAborted, TurnFailed, TurnTimeout
+from agentq.events import ToolStarted, TurnFinished
+from agentq.testing.openai_server import Round
+from tests.agents_under_test import Verdict
+from tests.helpers import calls, script
+
+pytestmark = pytest.mark.integration
+
+
+def test_two_hundred_turns_from_one_loop_never_block_it(fleet, llm_server, agentq_env) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="done"))
+
+    async def main() -> tuple[list[str], list[float]]:
+        lags: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            # How late the loop runs a 10 ms timer: a blocked loop shows as a long lag.
+            while not stop.is_set():
+                t0 = time.monotonic()
+                await asyncio.sleep(0.01)
+                lags.append(time.monotonic() - t0 - 0.01)
+
+        async with AsyncClient() as client:
+            tick = asyncio.create_task(ticker())
+            results = await asyncio.gather(
+                *(client.run(None, f"{key} #{i}", timeout_s=120) for i in range(200))
+            )
+            stop.set()
+            await tick
+        return [r.text for r in results], sorted(lags)
+
+    texts, lags = asyncio.run(main())
+    assert texts == ["done"] * 200
+    # A loop blocked on one wait would be late by a turn's whole duration, turn after turn;
+    # on a 2-core machine the fleet's processes alone delay a timer by some 100 ms, and by
+    # seconds when the machine runs other work too.
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    assert lags[len(lags) // 2] < 0.05 * busy, (lags[len(lags) // 2], busy)
+    assert lags[-1] < 1.0 * busy, (lags[-1], busy)
+
+
+def test_an_async_turn_streams_typed_events_aborts_and_raises(fleet, llm_server) -> None:
+    key = script(llm_server, Round(tool_calls=calls(("sleep", {"seconds": 30}))))
+
+    async def main() -> None:
+        async with AsyncClient() as client:
+            turn = await client.start(None, key)
+            assert isinstance(turn, AsyncTurn) and turn.token
+            with pytest.raises(TurnTimeout):
+                await turn.result(timeout_s=0.2)
+            types = []
+            async for ev in turn.events():
+                types.append(ev.type)
+                if isinstance(ev, ToolStarted):
+                    await turn.abort()
+            assert types[0] == "turn_started" and types[-1] == "turn_aborted"
+            with pytest.raises(TurnAborted):
+                await turn.result(timeout_s=10)
+
+    asyncio.run(main())
+
+
+def test_async_run_types_the_output_and_fails_typed(fleet, llm_server) -> None:
+    good = script(llm_server, Round(text='{"answer": "no", "confidence": 1}'))
+    bad = script(llm_server, Round(text="?"), Round(text="??"))
+
+    async def main() -> None:
+        async with AsyncClient() as client:
+            result = await client.run("t_judge", good, timeout_s=30)
+            assert result.output == Verdict(answer="no", confidence=1)
+            with pytest.raises(TurnFailed) as err:
+                await client.run("t_judge", bad, timeout_s=30)
+            assert err.value.error_code == "invalid_output"
+            events = [ev async for ev in (await client.start(None, good)).events()]
+            assert isinstance(events[-1], TurnFinished) and events[-1].ends_turn
+
+    asyncio.run(main())

@@ -1,0 +1,1 @@
+"""The project's own fault and bench rigs: Sentinel, RabbitMQ, chaos tools, the fork server."""
