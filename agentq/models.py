@@ -352,14 +352,6 @@ class ToolResult(BaseModel):
     def to_openai(self) -> dict[str, Any]:
         return {"role": "tool", "tool_call_id": self.call_id, "content": self.content}
 
-    def to_anthropic_block(self) -> dict[str, Any]:
-        return {
-            "type": "tool_result",
-            "tool_use_id": self.call_id,
-            "content": self.content,
-            "is_error": self.status != "ok",
-        }
-
 
 class ToolResultMessage(BaseModel):
     """All settled results of one round, in the model's call order."""
@@ -368,9 +360,6 @@ class ToolResultMessage(BaseModel):
 
     def to_openai(self) -> list[dict[str, Any]]:
         return [r.to_openai() for r in self.results]
-
-    def to_anthropic(self) -> dict[str, Any]:
-        return {"role": "user", "content": [r.to_anthropic_block() for r in self.results]}
 
 
 class ToolTaskRequest(_Frozen):

@@ -153,11 +153,3 @@ def lost_result(call: ToolCall, why: str, **record: Any) -> ToolResult:
         error=msg,
         record=record_for(call, "lost", **record),
     )
-
-
-def order_results(calls: list[ToolCall], settled: dict[str, ToolResult]) -> list[ToolResult]:
-    """One result per call, in the model's call order; a call missing here is a bug."""
-    missing = [c.id for c in calls if c.id not in settled]
-    if missing:
-        raise ValueError(f"calls without a settled result: {missing}")
-    return [settled[c.id] for c in calls]
