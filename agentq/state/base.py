@@ -276,13 +276,27 @@ class StoreBase:
             for attr, source in vars(cls).get("LUA", {}).items():
                 setattr(self, attr, client.register_script(source))
 
-    def _durable(self, script: Any, keys: list[Any], args: list[Any], *, again: bool = True) -> Any:
+    def _durable(
+        self,
+        script: Any,
+        keys: list[Any],
+        args: list[Any],
+        *,
+        again: bool = True,
+        claim: bool = False,
+    ) -> Any:
         """Run a script whose write a failover must not lose (see `_durable_write`)."""
         if not self.replicas_acked:
             return script(keys=keys, args=args)
-        return self._durable_write(lambda p: script(keys=keys, args=args, client=p), again)[0]
 
-    def _durable_write(self, build: Callable[[Any], None], again: bool = True) -> list[Any]:
+        def build(pipe: Any) -> None:
+            script(keys=keys, args=args, client=pipe)
+
+        return self._durable_write(build, again, claim=claim)[0]
+
+    def _durable_write(
+        self, build: Callable[[Any], None], again: bool = True, *, claim: bool = False
+    ) -> list[Any]:
         """Send the commands `build` puts in a pipeline, then WAIT for `replicas_acked`
         replicas on the same connection; the answers of the first run, WAIT's cut off.
 
@@ -290,20 +304,25 @@ class StoreBase:
         idempotent writes (`again`) are sent again, with backoff, until replicas
         acknowledge them: after a failover the client has moved to the new master and
         the write lands there.
+
+        A `claim` (a call's start) answers with its last run instead: its first may be
+        lost with the old master, and on the new one the broker's second copy of the
+        delivery may have claimed the call in between. The script tells its own earlier
+        run by the claim's id, so the last run's answer is right either way.
         """
-        first: list[Any] = []
+        answer: list[Any] = []
         acked = 0
         for attempt in range(DURABLE_ATTEMPTS if again else 1):
             if attempt:
                 time.sleep(min(0.1 * 2**attempt, 1.0))
                 self._follow_master()
             *res, acked = self._pipelined(build, wait=True)
-            if attempt == 0:
-                first = res
+            if attempt == 0 or claim:
+                answer = res
             if not self.replicas_acked or int(acked) >= self.replicas_acked:
-                return first
+                return answer
         self._under_acked(int(acked))
-        return first
+        return answer
 
     def _pipelined(self, build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
         """Run the commands `build` puts in a pipeline (with a WAIT last, `wait`), built

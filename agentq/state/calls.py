@@ -339,7 +339,8 @@ class CallRecords(StoreBase):
             self.bus.log_arg(),
             str(start.get("delivery") or ""),
         )
-        return Started(int(self._durable(self._start, keys=list(keys), args=list(args))))
+        answer = self._durable(self._start, keys=list(keys), args=list(args), claim=True)
+        return Started(int(answer))
 
     def turns_running_on(self, worker: str, batch: int = 500) -> list[str]:
         """The open turns with a call whose start record names `worker` and asks to be

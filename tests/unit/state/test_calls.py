@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from typing import Any
+
 from agentq import constants as k
 from agentq.models import ToolCall, TurnStatus
 from agentq.state.calls import Started
@@ -85,3 +89,56 @@ def test_a_turns_call_records_are_fields_of_its_state_that_state_reads_leave_out
     assert view is not None and view.state is not None
     assert not [f for f in view.state if k.is_record(f)]
     assert store.results("t1")["c1"].error == "one" and store.starts("t1")["c1"]["pid"] == 1
+
+
+def _failover_on_first_run(store: TurnStore, lost: Callable[[], None]) -> list[int]:
+    """Replicas acknowledge no run but the retries: the first run's master is demoted
+    (`lost` does to the state what the failover did). Returns the WAIT counts given."""
+    store.replicas_acked = 1
+    real = store._pipelined
+    given: list[int] = []
+
+    def pipelined(build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
+        answers = real(build)
+        if not given:
+            lost()
+        given.append(1 if given else 0)
+        return [*answers, given[-1]]
+
+    store._pipelined = pipelined  # type: ignore[method-assign]
+    return given
+
+
+START = {"started_at": 1.0, "worker": "w1", "pid": 1, "task_id": "x", "attempt": 1}
+STARTED_EVENT = {"call_id": "c1", "tool": "echo"}
+
+
+def test_a_start_lost_in_a_failover_yields_to_the_copy_that_claimed_the_new_master(
+    store: TurnStore,
+) -> None:
+    """The chaos soak's case: a delivery's start lands on a master that is demoted before
+    a replica copies it, and the broker's second copy of the delivery claims the call on
+    the new master before the first start is sent again. The first delivery must not run
+    the call as well (its first answer said it could)."""
+    store.record_dispatch("t1", {"c1": {"task_id": "x"}})
+    theirs = {**START, "worker": "w2", "delivery": "x.1", "claim": "theirs"}
+
+    def lost() -> None:
+        store.redis.hset(k.turn_key("t1"), k.STARTED + "c1", json.dumps(theirs))
+
+    given = _failover_on_first_run(store, lost)
+    mine = {**START, "delivery": "x.1", "claim": "mine"}
+    assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.REDELIVERED
+    assert given == [0, 1]
+    assert store.starts("t1")["c1"]["claim"] == "theirs"
+
+
+def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(store: TurnStore) -> None:
+    """The same, but the first run survived (the replica only acknowledged late): the run
+    sent again finds its own claim, and the call runs once."""
+    store.record_dispatch("t1", {"c1": {"task_id": "x"}})
+    given = _failover_on_first_run(store, lambda: None)
+    mine = {**START, "delivery": "x.1", "claim": "mine"}
+    assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.STARTED_ALONE
+    assert given == [0, 1]
+    assert store.starts("t1")["c1"]["claim"] == "mine"
