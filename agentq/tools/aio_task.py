@@ -32,6 +32,7 @@ from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     CallScope,
+    FlowerProgress,
     Waiting,
     call_kwargs,
     check_value,
@@ -50,10 +51,6 @@ log = logging.getLogger("agentq.tools")
 
 SOFT_LIMIT_MESSAGE = "agentq: soft time limit"
 """The message of the CancelledError an async tool sees at its soft limit."""
-FLOWER_PROGRESS_S = 0.5
-"""A call's progress reaches Flower (a PROGRESS state in the result backend, five Redis
-commands) at most this often, and only once the call has run this long: most async calls
-end sooner, and Flower is for watching the long ones."""
 
 
 def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
@@ -139,7 +136,7 @@ class _AsyncCall:
         self.aborted = threading.Event()
         self.abort_wait = asyncio.Event()
         self.soft_fired = False
-        self._flower_at = time.monotonic()
+        self.flower = FlowerProgress(backend, scope.task_id)
         self._settled = threading.Lock()
         self._claimed = False
         self.ctx = tool_context(host.store, scope, self.aborted.is_set, self._progress)
@@ -147,11 +144,8 @@ class _AsyncCall:
     def _progress(self, message: str, pct: float | None, fields: dict[str, Any]) -> None:
         meta = progress_fields(self.scope, message, pct, fields)
         self.host.fire(self.host.store.bus.publish, self.req.turn_id, "tool_progress", **meta)
-        now = time.monotonic()
-        task_id = self.scope.task_id
-        if self.backend is not None and task_id and now - self._flower_at >= FLOWER_PROGRESS_S:
-            self._flower_at = now
-            self.host.fire(self.backend.store_result, task_id, meta, "PROGRESS")
+        if self.flower.due():
+            self.host.fire(self.flower.write, meta)
 
     def _abort(self) -> None:
         self.aborted.set()

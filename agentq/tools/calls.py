@@ -292,6 +292,35 @@ def tool_context(
     )
 
 
+FLOWER_PROGRESS_S = 0.5
+"""A call's progress reaches Flower (a PROGRESS state in the result backend) at most this
+often, and only once the call has run this long: most calls end sooner, and Flower is for
+watching the long ones."""
+
+
+class FlowerProgress:
+    """When a call's progress report also goes to Flower, on either kind of tool worker."""
+
+    def __init__(self, backend: Any, task_id: str | None) -> None:
+        self.backend = backend if task_id else None
+        self.task_id = task_id or ""
+        self._at = time.monotonic()
+
+    def due(self) -> bool:
+        if self.backend is None:
+            return False
+        now = time.monotonic()
+        if now - self._at < FLOWER_PROGRESS_S:
+            return False
+        self._at = now
+        return True
+
+    def write(self, meta: dict[str, Any]) -> None:
+        """The PROGRESS state (a result-backend write): only when `due()` said so."""
+        if self.backend is not None:
+            self.backend.store_result(self.task_id, meta, "PROGRESS")
+
+
 def progress_fields(
     scope: CallScope, message: str, pct: float | None, fields: dict[str, Any]
 ) -> dict[str, Any]:

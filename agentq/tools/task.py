@@ -27,6 +27,7 @@ from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
     CallScope,
+    FlowerProgress,
     Waiting,
     call_kwargs,
     check_value,
@@ -209,10 +210,9 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     why_not = mark_started(store, scope, f"{task_id}/{getattr(task.request, 'retries', 0) or 0}")
     if why_not is not None:
         return why_not
-    last_progress = [0.0]
+    flower = FlowerProgress(task.backend, task_id)
 
     def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        now = time.time()
         meta = progress_fields(scope, message, pct, fields)
         try:
             store.bus.publish(req.turn_id, "tool_progress", **meta)
@@ -220,12 +220,9 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             # Progress is advisory: Redis away must not fail the tool that reports it.
             log.warning("tool_progress not sent: Redis is away", exc_info=True)
             return
-        # Flower shows PROGRESS states; throttled since each is a backend write.
-        if now - last_progress[0] >= 0.5:
-            last_progress[0] = now
+        if flower.due():
             try:
-                task.send_event("task-progress", **meta)
-                task.update_state(state="PROGRESS", meta=meta)
+                flower.write(meta)
             except Exception:
                 log.debug("progress not sent to Flower", exc_info=True)
 
