@@ -14,9 +14,7 @@ import os
 import secrets
 import sys
 import time
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,8 @@ from agentq.api import Client
 from agentq.config import load_settings
 from agentq.events.types import Event
 from agentq.gateway import BackgroundServer, create_app
-from agentq.local.processes import ManagedProcess, start_worker, wait_for
+from agentq.local.fleet import LocalFleet
+from agentq.local.processes import ManagedProcess, wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.mcp.names import tool_name
 from agentq.testing.openai_server import Round, ScriptedCall
@@ -76,7 +75,6 @@ def stack(agentq_env: dict[str, str]) -> Iterator[Stack]:
         everything: list[str] | None = everything_argv()
     except pytest.skip.Exception:
         everything = None
-    procs: dict[str, ManagedProcess] = {}
     with RedisServer() as redis_server:
         env = {
             **agentq_env,
@@ -84,24 +82,14 @@ def stack(agentq_env: dict[str, str]) -> Iterator[Stack]:
             "AGENTQ_BROKER_URL": redis_server.url,
             "AGENTQ_MCP_SERVERS": json.dumps(_servers(everything)),
         }
-        tag = uuid.uuid4().hex[:6]
+        fleet = LocalFleet(env, name="mcpub")
         # Every kind: each registers a task per tool, and a hyphen once stopped them all.
-        kinds = {"turns": 4, "llm": 4, "io": None, "tools": 1}
+        kinds = ["turns", "llm", "io", "tools"]
         try:
-            with ThreadPoolExecutor(len(kinds)) as pool:
-                futures = {
-                    kind: pool.submit(
-                        start_worker,
-                        kind,
-                        env=env,
-                        hostname=f"mcpub-{kind}-{tag}@%h",
-                        concurrency=conc,
-                        ready_timeout_s=90,
-                    )
-                    for kind, conc in kinds.items()
-                }
-                for kind, fut in futures.items():
-                    procs[kind] = fut.result()
+            started = fleet.start_workers(
+                kinds, concurrency={"turns": 4, "llm": 4, "tools": 1}, ready_timeout_s=90
+            )
+            procs = dict(zip(kinds, started, strict=True))
             with process_env(env):
                 client = Client(load_settings(admin_keys=f"ops={ADMIN_KEY}"))
                 with (
@@ -110,8 +98,7 @@ def stack(agentq_env: dict[str, str]) -> Iterator[Stack]:
                 ):
                     yield Stack(Client(), procs, http, everything is not None)
         finally:
-            for proc in procs.values():
-                proc.stop()
+            fleet.stop()
 
 
 def run(stack: Stack, *calls: ScriptedCall, llm_server: Any, timeout_s: float = 60) -> list[Event]:

@@ -16,7 +16,6 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,8 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.errors import AnswerInvalid
 from agentq.events.types import Event
-from agentq.local.processes import ManagedProcess, start_process, start_worker, wait_for
+from agentq.local.fleet import LocalFleet
+from agentq.local.processes import ManagedProcess, start_process, wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.mcp.health import server_health
 from agentq.testing.openai_server import Round, ScriptedCall
@@ -95,28 +95,18 @@ def stack(agentq_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) 
             "AGENTQ_MCP_SERVERS": json.dumps(_servers(pid_file, log_file, found.group(1))),
             "MCP_TEST_TOKEN": TOKEN,
         }
-        tag = uuid.uuid4().hex[:6]
-        kinds = {"turns": 8, "llm": 4, "io": None}
+        fleet = LocalFleet(env, name="mcp")
+        kinds = ["turns", "llm", "io"]
         try:
-            with ThreadPoolExecutor(len(kinds)) as pool:
-                futures = {
-                    kind: pool.submit(
-                        start_worker,
-                        kind,
-                        env=env,
-                        hostname=f"mcp-{kind}-{tag}@%h",
-                        concurrency=conc,
-                        ready_timeout_s=90,
-                    )
-                    for kind, conc in kinds.items()
-                }
-                for kind, fut in futures.items():
-                    procs[kind] = fut.result()
+            started = fleet.start_workers(
+                kinds, concurrency={"turns": 8, "llm": 4}, ready_timeout_s=90
+            )
+            procs.update(zip(kinds, started, strict=True))
             with process_env(env):
                 yield Stack(Client(), procs, pid_file, log_file, redis_server.url)
         finally:
-            for proc in procs.values():
-                proc.stop()
+            fleet.stop()
+            http.stop()
 
 
 def run(stack: Stack, *calls: ScriptedCall, llm_server: Any, timeout_s: float = 60) -> list[Event]:
