@@ -130,7 +130,7 @@ class _AsyncCall:
     (the tool's own end, its hard limit, an abort, or the worker recycling it)."""
 
     def __init__(self, host: LoopHost, spec: ToolSpec, scope: CallScope, backend: Any) -> None:
-        self.host, self.spec, self.scope, self.backend = host, spec, scope, backend
+        self.host, self.spec, self.scope = host, spec, scope
         req = self.req = scope.req
         self.name = f"{spec.task_name}:{req.call_id}"
         self.aborted = threading.Event()
