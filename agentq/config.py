@@ -209,12 +209,10 @@ class Settings(BaseSettings):
     """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
     llm_owner_weights: dict[str, float] = Field(default_factory=dict)
     """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
-    llm_burst_s: float = Field(0.5, ge=0)
-    """How far ahead of its steady pace a model's requests may run (GCRA's burst): providers
-    count per-minute limits in one-second windows, so a second's worth at once overflows
-    the first window; too little loses the slots that pass while the next round is woken
-    (a step away: the sweeper wakes a queued round's turn when its slot comes). 0.5 s at
-    1,200 rpm: 10 at once, then one every 50 ms."""
+    llm_burst_s: float = Field(1.0, ge=0)
+    """How far ahead of its steady pace a model's requests may run (GCRA's burst): a
+    provider's bucket (or window) holds a second's worth, which an idle fleet may send at
+    once; every wall-clock second still grants at most a second's worth."""
     llm_lease_ttl_s: float = Field(60.0, gt=0)
     """A stream slot (`streams`) whose llm worker stopped renewing it comes back after this."""
     llm_breaker_failures: int = Field(5, ge=1)

@@ -48,6 +48,10 @@ the learned rate outlives the last news of it by `rate_ttl_s`."""
 ANSWERED_S = 1.0
 """The window of a process's recent successes: its guess of a rate nothing else told."""
 ANSWERED_KEEP = 4096
+RESERVE_AHEAD_MS = 200
+"""A waiting round is given its slot once the slot is due this soon, and the head of the
+queue asks that much before its slot: a late wake (by less) loses nothing of the pace,
+and the fair queue still orders whoever waits longer."""
 
 
 class WakeAt(BaseModel):
@@ -67,6 +71,9 @@ class Wakes(BaseModel):
     woken: tuple[str, ...] = ()
     """Other waiters granted by this call: wake their turns now (each takes its grant
     on its next `acquire`)."""
+    later: tuple[WakeAt, ...] = ()
+    """Other waiters given a slot that comes due soon: wake each turn at its slot (its
+    grant is held for it until then, and some time after)."""
     wake_next: WakeAt | None = None
     """The waiter now at the head of the queue (not the caller) and when the next slot
     opens: wake its turn then and it takes that slot, however stale its own estimate."""
@@ -99,6 +106,8 @@ class Queued(Wakes):
     retry_at_ms: int
     """When this waiter's turn should call `acquire` again: the next slot at the head of
     the queue, its estimated turn further back, at most `waiter_ttl_ms` / 3 away."""
+    held: bool = False
+    """The slot at `next_slot_ms` is this waiter's, held for it: not an estimate."""
 
 
 def pacing_interval_ms(entry: ModelLimitsEntry, tokens: int) -> float:
@@ -127,7 +136,7 @@ class Capacity:
         breaker_failures: int = 5,
         breaker_cooldown_ms: int = 30_000,
         max_grants_per_call: int = 64,
-        window_guard_ms: int = 30,
+        reserve_ahead_ms: int = RESERVE_AHEAD_MS,
         rate_ttl_s: float = 3600.0,
     ) -> None:
         weights = dict(owner_weights or {})
@@ -149,6 +158,7 @@ class Capacity:
         """A taken lease not renewed (`renew`) or released this long is freed: its worker died."""
         self.waiter_ttl_ms = waiter_ttl_ms
         """A queued round whose turn has not called `acquire` this long is dropped."""
+        self.reserve_ahead_ms = reserve_ahead_ms
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_ms = breaker_cooldown_ms
         self._tunables = {
@@ -158,7 +168,7 @@ class Capacity:
             "waiter_ttl_ms": waiter_ttl_ms,
             "bg_every": background_every,
             "max_pump": max_grants_per_call,
-            "guard_ms": window_guard_ms,
+            "reserve_ms": reserve_ahead_ms,
             "rate_ttl_ms": int(rate_ttl_s * 1000),
         }
         self._config: dict[str, str] = {}
@@ -260,7 +270,7 @@ class Capacity:
         cls = "i" if interactive else "b"
         own = inputs.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
         out = self._run(self._acquire, model, now_ms, own)
-        wakes = _wakes(out, skip=waiter)
+        wakes = _wakes(out, self.reserve_ahead_ms, skip=waiter)
         if "g" in out:
             g = out["g"]
             return Grant(
@@ -273,11 +283,23 @@ class Capacity:
                 **wakes,
             )
         now = int(out["now"])
+        if "mine" in out:
+            # A slot of its own, held for it: nothing to estimate.
+            slot = max(math.ceil(out["mine"]), now)
+            return Queued(
+                position=1,
+                wait_ms=slot - now,
+                next_slot_ms=slot,
+                retry_at_ms=slot,
+                held=True,
+                **wakes,
+            )
         next_slot = max(math.ceil(out.get("ready") or now), now)
         position = int(out["pos"])
         ahead_ms = (position - 1) * pacing_interval_ms(self.entry(model), tokens)
         wait_ms = int(next_slot - now + ahead_ms)
         at_ms = next_slot if position <= 1 else now + wait_ms
+        at_ms = max(at_ms - self.reserve_ahead_ms, now)
         return Queued(
             position=position,
             wait_ms=wait_ms,
@@ -296,7 +318,7 @@ class Capacity:
         model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
         own = inputs.ReleaseArgs(lease_id, used)
-        return Wakes(**_wakes(self._run(self._release, model, now_ms, own)))
+        return Wakes(**_wakes(self._run(self._release, model, now_ms, own), self.reserve_ahead_ms))
 
     def renew(
         self, lease: Grant | str, ttl_ms: int | None = None, *, now_ms: int | None = None
@@ -318,7 +340,7 @@ class Capacity:
         (whether anything was withdrawn, whom to wake)."""
         # The model is an argument because it names the keys (and the Cluster slot).
         out = self._run(self._withdraw, model, now_ms, inputs.WithdrawArgs(waiter))
-        return bool(out.get("done")), Wakes(**_wakes(out))
+        return bool(out.get("done")), Wakes(**_wakes(out, self.reserve_ahead_ms))
 
     def pause(
         self,
@@ -483,13 +505,19 @@ def _list(value: Any) -> list[Any]:
     return list(value) if isinstance(value, list) else []
 
 
-def _wakes(out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
-    """The `Wakes` fields of a script's answer."""
+def _wakes(out: dict[str, Any], ahead_ms: int, *, skip: str = "") -> dict[str, Any]:
+    """The `Wakes` fields of a script's answer; the head asks `ahead_ms` before its slot."""
     head = out.get("head")
     wake_next = None
     if head and head != skip:
-        wake_next = WakeAt(waiter=head, at_ms=max(math.ceil(out.get("ready") or 0), 0))
-    return {"woken": tuple(_list(out.get("woken"))), "wake_next": wake_next}
+        ready = max(math.ceil(out.get("ready") or 0), 0)
+        wake_next = WakeAt(waiter=head, at_ms=max(ready - ahead_ms, int(out["now"])))
+    later = tuple(
+        WakeAt(waiter=x["w"], at_ms=math.ceil(x["at"]))
+        for x in _list(out.get("later"))
+        if x["w"] != skip
+    )
+    return {"woken": tuple(_list(out.get("woken"))), "later": later, "wake_next": wake_next}
 
 
 def _lease_model(lease_id: str) -> str:

@@ -23,7 +23,7 @@ class ModelKeys(NamedTuple):
     FTI: str = "q:ft:i"  # HASH owner -> finish tag of its last interactive round
     FTB: str = "q:ft:b"  # HASH owner -> finish tag of its last background round
     ST: str = "q:state"  # HASH v:i, v:b (virtual times), ic (interactive grants since bg)
-    GCRA: str = "gcra"  # HASH r, t, r:<dep>, t:<dep> -> arrival time ms; i:<that> idle start ms
+    GCRA: str = "gcra"  # HASH r, t, r:<dep>, t:<dep> -> arrival time ms
     LEASES: str = "leases"  # ZSET lease id -> expiry ms
     LMETA: str = "leases:meta"  # HASH lease id -> {d: deployment, t: tokens, w: waiter, p}
     INFL: str = "inflight"  # HASH deployment -> leases held

@@ -128,37 +128,20 @@ local function fmt(x) return string.format('%.17g', x) end
     + RATE_HELPERS_LUA
     + """
 -- GCRA: a request passes when the limit's theoretical arrival time runs at most one
--- burst (less one emission interval) ahead of now; `limit` is per minute.
--- The arrival time may not lag behind now (no credit saved up), except in the second
--- after a start from idle (a second or more unused, `i:<field>` when it started): the
--- provider's last second is clear, so its bucket (or its window) holds a second's worth,
--- which a fleet that knows no limit sends at once; that second starts a second's worth
--- behind. The window cap still grants at most a second's share in one wall-clock second.
-local function gcra_floor(field, stored)
-  -- Paced (the arrival time ahead of now): no floor matters, and nothing more is read.
-  if stored >= now then return now, false end
-  local extra = math.max(1000 - cfg.burst_ms, 0)
-  if stored < now - 1000 then return now - extra, true end
-  local idle_at = num(redis.call('HGET', GCRA, 'i:' .. field))
-  if now - idle_at < 1000 then return idle_at - extra, false end
-  return now, false
-end
-
+-- burst (less one emission interval) ahead of now; `limit` is per minute. The arrival time
+-- never lags behind now (no credit saved up) and moves on from each request's slot, which
+-- a round that waits is given when it is queued (`pump`): a late wake loses nothing.
 local function gcra_ready(field, limit)
   if limit <= 0 then return now end
-  local t = 60000 / limit
-  local stored = num(redis.call('HGET', GCRA, field))
-  local tat = math.max(stored, (gcra_floor(field, stored)))
-  return tat - math.max(cfg.burst_ms - t, 0)
+  local tat = math.max(num(redis.call('HGET', GCRA, field)), now)
+  return tat - math.max(cfg.burst_ms - 60000 / limit, 0)
 end
 
 local function gcra_add(field, limit, cost)
   if limit <= 0 or cost == 0 then return end
   local tat = num(redis.call('HGET', GCRA, field))
   if cost > 0 then
-    local floor, idle = gcra_floor(field, tat)
-    if idle then redis.call('HSET', GCRA, 'i:' .. field, now) end
-    tat = math.max(tat, floor)
+    tat = math.max(tat, now)
   elseif tat == 0 then
     return
   end
@@ -318,12 +301,17 @@ local function grant(w, d, probe, tokens, taken, i)
   return g
 end
 
--- Grants the head waiters as long as capacity allows; `me` takes its grant at once.
+-- Grants the head waiters as long as capacity allows, now or at a slot due within
+-- `reserve_ms`: a waiter given a slot holds it however late its turn wakes, and pacing
+-- goes on from the slot. `me` takes a grant due now at once. Returns the caller's grant,
+-- the waiters granted now, those given a later slot ({w, at}), and the head left waiting
+-- with when its slot may open.
 local function pump(me)
-  local woken, own = {}, nil
+  local woken, later, own = {}, {}, nil
+  local real_now = now
   for i = 1, cfg.max_pump do
     local cls = pick_class()
-    if not cls then return own, woken, nil, nil end
+    if not cls then return own, woken, later, nil, nil end
     local head = redis.call('ZRANGE', queue_of(cls), 0, 0, 'WITHSCORES')
     local w, tag = head[1], tonumber(head[2])
     local raw = redis.call('HGET', QM, w)
@@ -333,22 +321,38 @@ local function pump(me)
       unqueue(w, cls, nil)
     else
       local d, probe, ready = admit(m.t)
-      if not d then return own, woken, w, ready end
+      if not d and ready <= now + cfg.reserve_ms then
+        -- Decided as at the slot: everything admit reads is as it will be then, but for
+        -- releases and pauses to come, which only make room or hold the grant's request.
+        now = ready
+        d, probe, ready = admit(m.t)
+      end
+      if not d then
+        now = real_now
+        return own, woken, later, w, ready
+      end
       unqueue(w, cls, tag)
       if cls == 'b' then
         redis.call('HSET', ST, 'ic', 0)
       elseif redis.call('ZCARD', QB) > 0 then
         redis.call('HINCRBY', ST, 'ic', 1)
       end
-      local taken = w == me
+      local taken = w == me and now == real_now
       local g = grant(w, d, probe, m.t, taken, i)
-      if taken then own = g else woken[#woken + 1] = w end
+      if now > real_now then
+        later[#later + 1] = {w = w, at = now}
+      elseif taken then
+        own = g
+      else
+        woken[#woken + 1] = w
+      end
+      now = real_now
     end
   end
   -- This call granted its share; whoever is at the head may go on at once.
   local cls = pick_class()
-  if not cls then return own, woken, nil, nil end
-  return own, woken, redis.call('ZRANGE', queue_of(cls), 0, 0)[1], now
+  if not cls then return own, woken, later, nil, nil end
+  return own, woken, later, redis.call('ZRANGE', queue_of(cls), 0, 0)[1], now
 end
 
 local function position(w)
@@ -390,8 +394,10 @@ local w = waiter
 purge()
 local raw = redis.call('HGET', GRANTS, w)
 if raw then
-  -- Taking a grant (or asking again for one taken) gives its lease a full term.
   local g = cjson.decode(raw)
+  -- A slot given ahead of its time: the turn asks again then.
+  if g.at > now then return cjson.encode({mine = g.at, woken = {}, now = now}) end
+  -- Taking a grant (or asking again for one taken) gives its lease a full term.
   redis.call('ZADD', LEASES, 'XX', now + cfg.lease_ttl_ms, g.l)
   if g.k == 0 then
     g.k = 1
@@ -418,9 +424,14 @@ else
   end
   enqueue(w, class_, owner, tonumber(weight), tonumber(tokens))
 end
-local own, woken, head, ready = pump(w)
-local out = {woken = woken, head = head, ready = ready, now = now}
-if own then out.g = own else out.pos = position(w) end
+local own, woken, later, head, ready = pump(w)
+local out = {woken = woken, later = later, head = head, ready = ready, now = now}
+if own then
+  out.g = own
+else
+  local g = redis.call('HGET', GRANTS, w)
+  if g then out.mine = cjson.decode(g).at else out.pos = position(w) end
+end
 return cjson.encode(out)
 """
 )
@@ -441,8 +452,10 @@ if m and used then
   use(0, delta)
 end
 purge()
-local own, woken, head, ready = pump('')
-return cjson.encode({woken = woken, head = head, ready = ready, now = now, done = m and 1 or 0})
+local own, woken, later, head, ready = pump('')
+return cjson.encode({
+  woken = woken, later = later, head = head, ready = ready, now = now, done = m and 1 or 0,
+})
 """
 )
 
@@ -463,9 +476,9 @@ if raw and cjson.decode(raw).k == 0 then
   local g = cjson.decode(raw)
   local m = drop_lease(g.l)
   if m then
-    if math.floor(num(g.at) / 1000) == math.floor(now / 1000) then
-      window_now()
-      if rate_state().n > 0 then window_add(rate_rpm(), -1) end
+    window_now()
+    if math.floor(num(g.at) / 1000) == rate_state().w and rate_state().n > 0 then
+      window_add(rate_rpm(), -1)
     end
     gcra_add('r', rate_rpm(), -1)
     gcra_add('t', tpm_limit(), -m.t)
@@ -479,8 +492,10 @@ if raw and cjson.decode(raw).k == 0 then
   done = 1
 end
 purge()
-local own, woken, head, ready = pump('')
-return cjson.encode({woken = woken, head = head, ready = ready, now = now, done = done})
+local own, woken, later, head, ready = pump('')
+return cjson.encode({
+  woken = woken, later = later, head = head, ready = ready, now = now, done = done,
+})
 """
 )
 

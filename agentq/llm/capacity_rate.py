@@ -6,12 +6,12 @@ caps the rate; a 429 despite pacing cuts the rate fleet-wide at once (multiplica
 decrease) and it climbs back by a fixed amount a second (additive increase); with no
 ceiling known at all, the first 429 starts from a guess and the fleet probes upwards.
 Providers count in wall-clock seconds, so besides pacing (GCRA, in `capacity_lua`) each
-second admits at most a second's worth, and a burst never straddles a boundary.
+second admits at most a second's worth.
 
 State, per model, in the `rate` hash (ModelKeys.RATE): r, t, ai (the rate cut to at t,
 and its climb in rpm a second), d (the last cut), lr, lt (the provider's own limits),
-w, n, c, f (the current second, its grants, grants carried into the next, the last
-second that filled up). The hash expires `rate_ttl_ms` after the last news of it.
+w, n, f (the latest second a slot was granted in, its grants, the last second that
+filled up). The hash expires `rate_ttl_ms` after the last news of it.
 """
 
 from __future__ import annotations
@@ -27,30 +27,22 @@ until the next 429: the provider's limit may have grown."""
 SLOW_START = 1.5
 """Before a 429 came while paced, the first guess may be far off: the rate grows by this
 factor each second."""
-SMOOTH_CREDIT_MS = 250
-"""A second paced from its first grant (the one before it filled up) starts with this
-much credit: rounds are admitted when a release or a queued round's wakeup comes round,
-some milliseconds late (a quarter second before the sweeper waited only until the next
-wakeup), and a second paced with none lost what came late for good (20, then 15, then 20
-a second against a provider of 20)."""
-
 # RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
 RATE_HELPERS_LUA = (
     f"""
-local PROBE, SLOW_START, SMOOTH_CREDIT_MS = {PROBE!r}, {SLOW_START!r}, {SMOOTH_CREDIT_MS!r}
+local PROBE, SLOW_START = {PROBE!r}, {SLOW_START!r}
 """
     + """
-local GUARD_MS = cfg.guard_ms
 local RATE_TTL_MS = cfg.rate_ttl_ms
 local RS = nil
 local function rate_state()
   if RS == nil then
     local v = redis.call(
-      'HMGET', RATE, 'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'c', 'f', 'top')
+      'HMGET', RATE, 'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'f', 'top')
     RS = {
       r = tonumber(v[1]), t = num(v[2]), ai = num(v[3]), d = num(v[4]),
-      lr = num(v[5]), lt = num(v[6]), w = num(v[7]), n = num(v[8]), c = num(v[9]), f = num(v[10]),
-      top = num(v[11]),
+      lr = num(v[5]), lt = num(v[6]), w = num(v[7]), n = num(v[8]), f = num(v[9]),
+      top = num(v[10]),
     }
   end
   return RS
@@ -81,17 +73,16 @@ local function rate_rpm()
   return r
 end
 
--- Providers count in wall-clock seconds: at most a second's worth is granted in each. A
--- grant in a second's last GUARD_MS may reach the provider in the next: it counts in
--- both, so a burst never straddles a boundary into a window that pacing fills too.
+-- Providers count in wall-clock seconds: at most a second's worth is granted in each,
+-- counted in the second of the grant's slot. Slots never go back in time, so neither does
+-- the second counted (a slot reserved in the next second holds back this one's rest).
 local function window_now()
   local st = rate_state()
-  local w = math.floor(now / 1000)
+  local w = math.max(math.floor(now / 1000), st.w)
   if st.w ~= w then
-    if st.w == w - 1 then st.n = st.c or 0 else st.n = 0 end
     -- A second that filled up held rounds back: the next goes on at the pace, no burst.
     st.smooth = st.f == w - 1
-    st.w, st.c = w, 0
+    st.w, st.n = w, 0
   end
   return w
 end
@@ -100,7 +91,7 @@ local function window_ready(rpm)
   if rpm <= 0 then return now end
   local w = window_now()
   if rate_state().n >= math.max(math.floor(rpm / 60 + 0.001), 1) then return (w + 1) * 1000 end
-  return now
+  return math.max(now, w * 1000)
 end
 
 local function window_add(rpm, k)
@@ -108,13 +99,12 @@ local function window_add(rpm, k)
   window_now()
   local st = rate_state()
   if st.smooth then
-    local tat = now + math.max(cfg.burst_ms - 60000 / rpm - SMOOTH_CREDIT_MS, 0)
+    local tat = now + math.max(cfg.burst_ms - 60000 / rpm, 0)
     if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
     st.smooth = false
   end
   st.n = st.n + k
-  if now % 1000 >= 1000 - GUARD_MS then st.c = st.c + k end
-  redis.call('HSET', RATE, 'w', st.w, 'n', st.n, 'c', st.c)
+  redis.call('HSET', RATE, 'w', st.w, 'n', st.n)
   if st.n >= math.max(math.floor(rpm / 60 + 0.001), 1) then redis.call('HSET', RATE, 'f', st.w) end
   if st.n == k then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
 end

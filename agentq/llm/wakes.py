@@ -21,12 +21,12 @@ def turn_of(waiter: str) -> str:
 
 
 def wake_granted(store: TurnStore, wakes: Wakes) -> None:
-    """Wake the turns whose rounds were just granted, and set the wakeup of the turn now
-    at the head of the queue to when its slot opens (earlier wakeups stay)."""
+    """Wake the turns whose rounds were just granted, and set the wakeups of those given a
+    later slot, and of the turn now at the head of the queue, to when their slots open
+    (earlier wakeups stay)."""
     for waiter in wakes.woken:
         store.wake(turn_of(waiter))
-    if wakes.wake_next is not None:
-        turn_id = turn_of(wakes.wake_next.waiter)
-        store.redis.zadd(
-            k.turn_wakeups_key(turn_id), {turn_id: wakes.wake_next.at_ms / 1000}, xx=True, lt=True
-        )
+    due = [*wakes.later, *([wakes.wake_next] if wakes.wake_next is not None else [])]
+    for at in due:
+        turn_id = turn_of(at.waiter)
+        store.redis.zadd(k.turn_wakeups_key(turn_id), {turn_id: at.at_ms / 1000}, xx=True, lt=True)

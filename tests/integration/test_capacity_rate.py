@@ -1,6 +1,7 @@
 """The admitted rate against a real redis-server: configured limits are a ceiling, a 429
 cuts the rate fleet-wide at once and it climbs back, an unconfigured fleet learns the rate
-from the provider's headers or its 429s, and no second grants more than its share.
+from the provider's headers or its 429s, and no wall-clock second grants more than its
+share.
 
 Time is passed explicitly (`now_ms`); T0 falls on a whole second, as providers' windows do.
 """
@@ -38,11 +39,16 @@ def fleet(r: redis.Redis, spec: dict[str, Any], workers: int = 2) -> list[Capaci
     """`workers` processes' capacity managers of one fleet (one prefix), the same limits."""
     prefix = f"test:rate:{uuid.uuid4().hex[:8]}"
     limits = parse_limits(json.dumps(spec))
-    return [Capacity(r, limits, prefix=prefix, burst_s=0.5) for _ in range(workers)]
+    return [Capacity(r, limits, prefix=prefix) for _ in range(workers)]
 
 
 def grab(cap: Capacity, waiter: str, now_ms: int) -> Grant | Queued:
     return cap.acquire("m", waiter=waiter, owner="o", interactive=True, tokens=1, now_ms=now_ms)
+
+
+def queued(res: Grant | Queued) -> Queued:
+    assert isinstance(res, Queued), res
+    return res
 
 
 def admitted_rpm(cap: Capacity, now_ms: int) -> float | None:
@@ -131,9 +137,9 @@ def test_an_unconfigured_fleet_learns_the_rate_from_headers_on_a_200(r: redis.Re
     # a second's worth at once (one a tick), as a fleet that knew no limit would send...
     at = run(other, T0 + 1000, 2.0)
     assert [t for t in at if t < 1000] == list(range(0, 100, 5)), at
-    # ...then the next second at the pace: a quarter second's credit, then one every 50 ms.
+    # ...then the next second at the pace, one every 50 ms from its start.
     paced = [t for t in at if 1000 <= t < 2000]
-    assert len(paced) == 20 and all(b - a >= 50 for a, b in itertools.pairwise(paced[6:])), at
+    assert paced == list(range(1000, 2000, 50)), at
     # The same news again sends nothing to Redis.
     before = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
     one.note_answer("m", "default", parse_rate_headers(headers), now_ms=T0 + 2000)
@@ -159,16 +165,15 @@ def test_an_unconfigured_fleet_without_headers_learns_from_its_429s(r: redis.Red
     assert admitted_rpm(cap, back + 5000) == pytest.approx(refused_at * (1 + PROBE * 5))
 
 
-def test_no_second_grants_more_than_its_share_and_a_late_burst_counts_in_the_next(
-    r: redis.Redis,
-) -> None:
+def test_no_second_grants_more_than_its_share(r: redis.Redis) -> None:
     (cap,) = fleet(r, {"m": {"rpm": 600}}, workers=1)  # 10 a second
     # An idle fleet, then rounds at 985 ms: GCRA has a second's worth ready (10), and so
-    # has the second; the burst may reach the provider after the boundary, so it counts
-    # there too.
+    # has the second; the next second's share goes at the pace, not in a second burst.
     late = [grab(cap, f"a{i}", T0 + 985) for i in range(12)]
     assert [isinstance(g, Grant) for g in late] == [True] * 10 + [False] * 2
+    # The two left over wait for the pace: one interval after the burst, and the next.
+    assert [queued(g).next_slot_ms - T0 for g in late[10:]] == [1085, 1185]
     at = run(cap, T0 + 1000, 2.0)
     per_second = Counter((t + 1000) // 1000 for t in at)
-    # 10 carried in: the next second grants none more, then the pace goes on at 10 a second.
-    assert per_second[1] == 0 and per_second[2] <= 10, per_second
+    assert per_second[1] == 10 - 2 and per_second[2] == 10, per_second
+    assert all(b - a >= 100 for a, b in itertools.pairwise([85, 185, *sorted(at)])), at

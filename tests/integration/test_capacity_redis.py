@@ -6,7 +6,6 @@ Time is passed explicitly (`now_ms`) except in the concurrency test, which uses 
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
 import time
@@ -20,7 +19,6 @@ import redis
 from redis.crc import key_slot
 
 from agentq.llm.capacity import Capacity, Grant, Queued, WakeAt, Wakes
-from agentq.llm.capacity_rate import SMOOTH_CREDIT_MS
 from agentq.llm.headers import RateSignal, parse_rate_headers
 from agentq.llm.limits import parse_limits
 from agentq.local.redis_server import RedisServer
@@ -89,22 +87,38 @@ def test_gcra_paces_1200_rpm_to_a_one_second_burst_then_one_every_50_ms(r: redis
         res = grab(cap, waiter, now)
         if isinstance(res, Grant):
             at[waiter] = now
+        elif res.held:
+            at[waiter] = res.next_slot_ms
         for other in res.woken:
             at[other] = now
-    times = [t - T0 for t in at.values()]
+        for slot in res.later:
+            at[slot.waiter] = slot.at_ms  # a slot of its own, held for it
+    times = sorted(t - T0 for t in at.values() if t < T0 + 3000)
     assert times.count(0) == 20  # the burst: one second's worth, not 1,200
     # Providers count in wall-clock seconds: the burst filled the first, so the pace
-    # resumes as the next opens, 20 in each: no second burst, only the paced second's
-    # credit (a quarter second's worth) at its start, then one every 50 ms.
+    # resumes as the next opens, 20 in each: no second burst, one every 50 ms from the
+    # second's start, on the slots given ahead however late anyone asks.
     assert Counter(t // 1000 for t in times) == {0: 20, 1: 20, 2: 20}
-    credit = 1 + SMOOTH_CREDIT_MS // 50
     for second in (1000, 2000):
-        paced = sorted(t for t in times if second <= t < second + 1000)
-        assert paced[:credit] == [second] * credit
-        assert [b - a for a, b in itertools.pairwise(paced[credit - 1 :])] == [50] * (20 - credit)
+        paced = [t for t in times if second <= t < second + 1000]
+        assert paced == list(range(second, second + 1000, 50))
     assert max_in_window(times, 1000) <= 20
     # One owner's rounds are served in arrival order.
     assert sorted(at, key=lambda w: (at[w], w)) == arrivals[: len(at)]
+
+
+def test_a_slot_given_ahead_is_held_however_late_its_turn_asks(r: redis.Redis) -> None:
+    cap = make(r, {"m": {"rpm": 600}}, burst_s=0)  # one every 100 ms
+    granted(grab(cap, "a", T0))
+    b = queued(grab(cap, "b", T0 + 10))
+    assert (b.held, b.next_slot_ms, b.retry_at_ms) == (True, T0 + 100, T0 + 100)
+    # Asked early, the slot stays where it was; asked late, it is still b's...
+    assert queued(grab(cap, "b", T0 + 50)).retry_at_ms == T0 + 100
+    late = granted(grab(cap, "b", T0 + 180))
+    assert late.granted_at_ms == T0 + 100
+    # ...and the pace went on from the slot, not from the late ask: c's slot is at 200.
+    c = grab(cap, "c", T0 + 181)
+    assert queued(c).next_slot_ms == T0 + 200
 
 
 def test_tokens_are_estimated_up_front_and_corrected_from_real_usage(r: redis.Redis) -> None:
@@ -157,7 +171,8 @@ def test_interactive_goes_first_and_a_big_backlog_does_not_delay_another_owner(
     for i in range(1, 501):
         assert queued(grab(cap, f"A:{i:03d}", T0 + 1, owner="A")).position == i
     b = queued(grab(cap, "B:chat", T0 + 500, owner="B", interactive=True))
-    assert b.position == 1 and b.next_slot_ms == T0 + 1000 and b.retry_at_ms == T0 + 1000
+    # The head asks a little before its slot, to be given it on time.
+    assert b.position == 1 and b.next_slot_ms == T0 + 1000 and b.retry_at_ms == T0 + 800
     assert queued(grab(cap, "A:001", T0 + 600, owner="A")).position == 2
     # The next slot, whoever takes the step: B's round is granted in it.
     res = queued(grab(cap, "A:001", T0 + 1000, owner="A"))
@@ -337,9 +352,14 @@ def test_the_head_of_the_queue_is_named_with_the_time_of_its_slot(r: redis.Redis
     cap = make(r, {"m": {"rpm": 60}})
     a = granted(grab(cap, "a", T0))
     assert queued(grab(cap, "b", T0)).wake_next is None  # b is the head itself
-    assert queued(grab(cap, "c", T0)).wake_next == WakeAt(waiter="b", at_ms=T0 + 1000)
+    # Woken a little before its slot, to be given it on time.
+    assert queued(grab(cap, "c", T0)).wake_next == WakeAt(waiter="b", at_ms=T0 + 800)
     wakes = cap.release(a, now_ms=T0 + 1000)
-    assert wakes.woken == ("b",) and wakes.wake_next == WakeAt(waiter="c", at_ms=T0 + 2000)
+    assert wakes.woken == ("b",) and wakes.wake_next == WakeAt(waiter="c", at_ms=T0 + 1800)
+    # c asks then, and holds its slot: the slot is c's, however late c takes it.
+    held = queued(grab(cap, "c", T0 + 1800))
+    assert held.held and held.retry_at_ms == T0 + 2000
+    assert granted(grab(cap, "c", T0 + 2150)).granted_at_ms == T0 + 2000
 
 
 def test_acquire_is_idempotent_per_waiter(r: redis.Redis) -> None:
@@ -356,7 +376,7 @@ def test_a_waiter_whose_turn_stopped_asking_is_dropped(r: redis.Redis) -> None:
     cap = make(r, {"m": {"rpm": 60}}, waiter_ttl_ms=30_000)
     granted(grab(cap, "a", T0))
     ghost = queued(grab(cap, "ghost", T0))
-    assert ghost.retry_at_ms == T0 + 1000
+    assert ghost.retry_at_ms == T0 + 800
     late = queued(grab(cap, "late", T0 + 1))
     assert late.retry_at_ms <= T0 + 1 + 10_000  # a live waiter asks at least every ttl/3
     res = granted(grab(cap, "late", T0 + 30_001))  # ghost never asked again
