@@ -93,11 +93,6 @@ def mcp_slots_key(server: str) -> str:
     return f"{PREFIX}:mcp:{server}:slots"
 
 
-def mcp_listing_key(server: str) -> str:
-    """The lock of the one process listing an MCP server's tools."""
-    return f"{PREFIX}:mcp:{server}:listing"
-
-
 FLEET_COUNTS = f"{PREFIX}:metrics:fleet"
 """Hash: the fleet's counters and histograms (agentq.telemetry.fleetcounts), added to by
 every process that publishes turn events or runs steps; /metrics reads it."""

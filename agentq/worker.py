@@ -32,6 +32,7 @@ from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task
 from agentq.mcp import hooks as mcp_hooks
 from agentq.mcp.catalog import load_mcp
+from agentq.mcp.servers import parse_servers
 from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import register_step_task
@@ -79,7 +80,9 @@ register_llm_task(app)
 register_webhook_task(app, get_store, get_settings)
 register_schedule_task(app, get_store, get_settings)
 tool_queues = register_tool_tasks(app)
-io_queues = [*queues_of(all_tools(), io=True), QUEUE_WEBHOOKS]
+# An MCP server's queue is known from its setting before the I/O worker lists its tools.
+mcp_queues = [s.queue for s in parse_servers(settings.mcp_servers).values() if s.queue]
+io_queues = sorted({*queues_of(all_tools(), io=True), *mcp_queues, QUEUE_WEBHOOKS})
 
 
 @worker_init.connect

@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.pid_file:
         with open(args.pid_file, "w") as f:
             f.write(str(os.getpid()))
+    if args.log:
+        with open(args.log, "a") as f:
+            f.write(f"{os.getpid()} started\n")
     server = build(log=args.log)
     if args.http is not None:
         _http(server, args.http, args.token)

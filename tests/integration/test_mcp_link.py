@@ -1,6 +1,6 @@
 """One MCP server's session (agentq.mcp.link) against real servers, without a fleet: the
-backoff of a server that cannot start, and an HTTP session made again after its server
-ignored a cancel."""
+backoff of a server that cannot start, an HTTP session made again after its server
+ignored a cancel, and an I/O worker's listings (agentq.mcp.catalog) made on its sessions."""
 
 from __future__ import annotations
 
@@ -13,11 +13,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
+from agentq import constants as k
 from agentq.errors import McpServerUnavailable
 from agentq.local.processes import ManagedProcess, start_process
+from agentq.local.redis_server import RedisServer
+from agentq.mcp import catalog
+from agentq.mcp.catalog import McpTools
 from agentq.mcp.link import ServerLink
+from agentq.mcp.listing import Listing
 from agentq.mcp.servers import McpServer, parse_servers
+from agentq.tools import registry
 
 pytestmark = pytest.mark.integration
 
@@ -113,3 +120,58 @@ def test_an_http_session_is_made_again_after_its_server_ignored_a_cancel(
     assert asyncio.run(go()) == "two"
     assert link.starts == 2
     assert "MCP server s ignored a cancel (ping: no answer within 0.5 s)" in caplog.text
+
+
+def test_an_io_worker_lists_on_its_sessions_and_again_when_a_listing_is_due(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = tmp_path / "t.log"
+    spec = {
+        "t": {
+            "command": [sys.executable, "-m", "agentq.testing.mcp_server", "--log", str(log)],
+            "env": {"PYTHONPATH": str(ROOT)},
+        },
+        "gone": {"command": [sys.executable, "-c", "import sys; sys.exit(3)"]},
+    }
+    client = redis.Redis.from_url(redis_server.url)
+    monkeypatch.setattr(catalog, "RETRY_FAILED_S", 0.5)
+    tools = McpTools(parse_servers(json.dumps(spec)), 3.0, lambda: client)
+
+    def shared(name: str) -> Listing:
+        return Listing.from_json(client.hget(k.MCP_TOOLS, name))
+
+    async def changed(name: str, since: Listing) -> Listing:
+        deadline = time.monotonic() + 15
+        while shared(name).listed_at == since.listed_at:
+            assert time.monotonic() < deadline, f"{name} not listed again"
+            await asyncio.sleep(0.05)
+        return shared(name)
+
+    async def go() -> tuple[Listing, Listing, Listing, Listing]:
+        await tools.list_all()
+        first, failed = shared("t"), shared("gone")
+        keeper = asyncio.create_task(tools.keep_listed())
+        try:
+            failed_again = await changed("gone", failed)
+            again = await changed("t", first)
+        finally:
+            keeper.cancel()
+            await tools.close()
+        return first, failed, again, failed_again
+
+    try:
+        first, failed, again, failed_again = asyncio.run(go())
+        assert "echo" in {t.name for t in first.tools} and not first.error
+        assert "t__echo" in registry.all_tools()
+        assert failed.error and failed.tools == []
+        # Listed again on the same session: the server started once.
+        assert again.listed_at > first.listed_at and not again.error
+        starts = [ln for ln in log.read_text().splitlines() if ln.endswith("started")]
+        assert len(starts) == 1, starts
+        # A server that could not be listed is tried again sooner than the TTL.
+        assert failed_again.listed_at < first.listed_at + 3.0 <= again.listed_at
+    finally:
+        for names in tools.registered.values():
+            for n in names:
+                registry.unregister(n)
+        client.close()

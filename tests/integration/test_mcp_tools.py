@@ -149,6 +149,12 @@ def test_tools_are_listed_as_server__tool_with_schemas(stack: Stack) -> None:
     assert add["input_schema"]["required"] == ["a", "b"]
     assert {t["name"] for t in listings["time"]["tools"]} >= {"get_current_time"}
     assert all(not entry["error"] for entry in listings.values()), listings
+    # Listed by the I/O worker alone, on the session it holds for the calls: the server
+    # started once, under it; turn and stream workers only read the listing.
+    starts = [line for line in stack.log_file.read_text().splitlines() if line.endswith("started")]
+    assert len(starts) == 1, starts
+    ancestors = {p.pid for p in psutil.Process(int(starts[0].split()[0])).parents()}
+    assert stack.procs["io"].pid in ancestors
 
 
 def test_calls_run_with_progress_results_and_schema_checks(stack: Stack, llm_server) -> None:

@@ -186,10 +186,11 @@ def test_agents_name_the_servers_their_turns_may_use(mcp_tools: McpTools) -> Non
             unregister_agent(name)
 
 
-def test_a_stale_listing_is_made_again_off_the_thread_that_reads_the_registry(
+def test_a_process_that_holds_no_sessions_only_reads_the_shared_listings(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import threading
+    """Turn and stream workers never list a server: they take what the I/O workers share,
+    at every registry read while a server has none, then every POLL_S."""
     import time
 
     import fakeredis
@@ -198,121 +199,27 @@ def test_a_stale_listing_is_made_again_off_the_thread_that_reads_the_registry(
     from agentq.mcp import catalog
 
     redis = fakeredis.FakeRedis()
-    redis.hset(k.MCP_TOOLS, "gh", Listing(time.time() - 1000, [listed("a")]).to_json())
-    release = threading.Event()
-
-    def slow_listing(make: Any, timeout_s: float) -> list[ListedTool]:
-        release.wait(10)
-        return [listed("a"), listed("b")]
-
-    monkeypatch.setattr(catalog, "_run_async", slow_listing)
-    tools = McpTools(parse_servers(servers(gh={"command": ["x"]})), 300.0, lambda: redis)
+    # A server that could never start: a process that tried to list it would say so.
+    tools = McpTools(parse_servers(servers(gh={"command": ["/nonexistent"]})), 1.0, lambda: redis)
+    monkeypatch.setattr(catalog, "POLL_S", 3600.0)
     try:
-        began = time.monotonic()
+        tools.load()
+        assert tools.registered["gh"] == set() and redis.hget(k.MCP_TOOLS, "gh") is None
+        redis.hset(k.MCP_TOOLS, "gh", Listing(time.time(), [listed("a")]).to_json())
+        tools.refresh()  # gh had none: looked for at once
+        assert tools.registered["gh"] == {"gh__a"}
+        redis.hset(k.MCP_TOOLS, "gh", Listing(time.time() + 1, [listed("b")]).to_json())
+        tools.refresh()  # gh has one: not before POLL_S
+        assert tools.registered["gh"] == {"gh__a"}
+        monkeypatch.setattr(catalog, "POLL_S", 0.0)
         tools.refresh()
-        # The stale listing serves at once; the new one is being made on another thread.
-        assert time.monotonic() - began < 1
-        assert "gh__a" in registry.all_tools() and "gh__b" not in registry.all_tools()
-        release.set()
-        deadline = time.monotonic() + 5
-        while "gh__b" not in tools.registered["gh"]:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        shared = Listing.from_json(redis.hget(k.MCP_TOOLS, "gh"))
-        assert [t.name for t in shared.tools] == ["a", "b"]
+        assert tools.registered["gh"] == {"gh__b"}
+        # Past its TTL the listing still serves: listing again is the I/O workers' work.
+        time.sleep(1.1)
+        tools.refresh()
+        assert tools.registered["gh"] == {"gh__b"}
+        assert Listing.from_json(redis.hget(k.MCP_TOOLS, "gh")).tools[0].name == "b"
     finally:
-        for names in tools.registered.values():
-            for n in names:
-                registry.unregister(n)
-
-
-def test_a_listing_written_as_its_lock_goes_is_not_missed_by_a_waiting_process() -> None:
-    """A process that starts while another lists a server waits for that listing: the
-    listing is shared before the lock goes, and a waiter that finds the lock gone reads
-    again (an I/O worker that missed it refused every call of the server's tools)."""
-    import time
-
-    import fakeredis
-
-    from agentq import constants as k
-
-    redis = fakeredis.FakeRedis()
-    redis.set(k.mcp_listing_key("gh"), "1")
-    listing = Listing(time.time(), [listed("a")])
-
-    class Interleaved:
-        """The lister finishes between the waiter's read and its look at the lock."""
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(redis, name)
-
-        def exists(self, key: str) -> int:
-            if redis.get(k.mcp_listing_key("gh")) is not None:
-                redis.hset(k.MCP_TOOLS, "gh", listing.to_json())
-                redis.delete(k.mcp_listing_key("gh"))
-            return int(redis.exists(key))
-
-    tools = McpTools(parse_servers(servers(gh={"command": ["x"]})), 300.0, Interleaved)
-    got = tools._await_listing("gh", None)
-    assert got is not None and [t.name for t in got.tools] == ["a"]
-
-
-def test_the_lister_shares_its_listing_before_it_lets_the_lock_go(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import fakeredis
-
-    from agentq import constants as k
-    from agentq.mcp import catalog
-
-    redis = fakeredis.FakeRedis()
-    seen: list[bool] = []
-    real_delete = redis.delete
-
-    def delete(*keys: Any) -> Any:
-        if k.mcp_listing_key("gh") in keys:
-            seen.append(redis.hget(k.MCP_TOOLS, "gh") is not None)
-        return real_delete(*keys)
-
-    monkeypatch.setattr(redis, "delete", delete)
-    monkeypatch.setattr(catalog, "_run_async", lambda make, timeout_s: [listed("a")])
-    tools = McpTools(parse_servers(servers(gh={"command": ["x"]})), 300.0, lambda: redis)
-    listing = tools._list_here(tools.servers["gh"], None, wait=True)
-    assert listing is not None and seen == [True]
-
-
-def test_an_io_worker_takes_up_a_listing_another_process_shares(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The I/O worker reads no registry: a thread of its own applies newer shared listings,
-    and the tools they add get their tasks."""
-    import threading
-    import time
-
-    import fakeredis
-
-    from agentq import constants as k
-    from agentq.mcp import catalog, hooks
-
-    redis = fakeredis.FakeRedis()
-    tools = McpTools(parse_servers(servers(gh={"command": ["x"]})), 300.0, lambda: redis)
-    tools.apply("gh", Listing(time.time(), [listed("a")]))
-    monkeypatch.setattr(catalog, "POLL_S", 0.05)
-    monkeypatch.setattr(hooks, "POLL_S", 0.05)
-    added: list[str] = []
-    tools.on_new_tools = lambda specs: added.extend(s.name for s in specs)
-    stop = threading.Event()
-    newer = Listing(time.time() + 1, [listed("a"), listed("b")])
-    try:
-        threading.Thread(target=hooks._watch_listings, args=(tools, stop), daemon=True).start()
-        redis.hset(k.MCP_TOOLS, "gh", newer.to_json())
-        deadline = time.monotonic() + 5
-        while "gh__b" not in added:
-            assert time.monotonic() < deadline, added
-            time.sleep(0.01)
-        assert "gh__b" in registry.all_tools()
-    finally:
-        stop.set()
         for names in tools.registered.values():
             for n in names:
                 registry.unregister(n)
