@@ -185,7 +185,6 @@ class Capacity:
         self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
         self._snapshot = redis_client.register_script(lua.SNAPSHOT_LUA)
         self._renew = redis_client.register_script(lua.RENEW_LUA)
-        self._pause = redis_client.register_script(lua.PAUSE_LUA)
         self._breaker = redis_client.register_script(lua.BREAKER_LUA)
         self._note = redis_client.register_script(lua.NOTE_LUA)
 
@@ -341,42 +340,6 @@ class Capacity:
         # The model is an argument because it names the keys (and the Cluster slot).
         out = self._run(self._withdraw, model, now_ms, inputs.WithdrawArgs(waiter))
         return bool(out.get("done")), Wakes(**_wakes(out, self.reserve_ahead_ms))
-
-    def pause(
-        self,
-        model: str,
-        deployment: str | None = None,
-        *,
-        until_ms: int | None = None,
-        for_ms: int | None = None,
-        now_ms: int | None = None,
-    ) -> int:
-        """Hold a model (or one deployment) fleet-wide, e.g. after a 429, until `until_ms` or
-        for `for_ms` on Redis's clock, and return when the (only lengthened) pause ends."""
-        if (until_ms is None) == (for_ms is None):
-            raise ValueError("give one of until_ms, for_ms")
-        field = "m" if deployment is None else f"d:{deployment}"
-        own = inputs.PauseArgs(
-            field,
-            "" if until_ms is None else int(until_ms),
-            "" if for_ms is None else max(int(for_ms), 0),
-        )
-        args = [*inputs.ClockArgs("", "" if now_ms is None else now_ms), *own]
-        return int(self._pause(keys=[self._key(model, inputs.SUFFIX.PAUSE)], args=args))
-
-    def note_remaining(
-        self, model: str, deployment: str, signal: RateSignal, *, now_ms: int | None = None
-    ) -> int | None:
-        """Pause the deployment after a Retry-After or an exhausted allowance until its
-        reset, and return when the pause ends (None: no pause needed)."""
-        pause_s = signal.pause_s
-        if signal.remaining_requests is not None and signal.remaining_requests <= 0:
-            pause_s = max(pause_s or 0.0, signal.reset_requests_s or 1.0)
-        if signal.remaining_tokens is not None and signal.remaining_tokens <= 0:
-            pause_s = max(pause_s or 0.0, signal.reset_tokens_s or 1.0)
-        if not pause_s:
-            return None
-        return self.pause(model, deployment, for_ms=math.ceil(pause_s * 1000), now_ms=now_ms)
 
     def note_answer(
         self,

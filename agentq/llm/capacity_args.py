@@ -2,7 +2,7 @@
 each script's arguments, one NamedTuple each, from which `capacity` builds its lists.
 
 Every script that decides gets the model's keys (`ModelKeys`) and `DecidingArgs` then its
-own (`AcquireArgs`, ...); the scripts on one key (renew, pause, the breaker) get that key
+own (`AcquireArgs`, ...); the scripts on one key (renew, the breaker) get that key
 and `ClockArgs` then their own. Each opens by binding them to names (`bind_lua`).
 Imports nothing of agentq: the import chain through capacity stays short.
 """
@@ -103,14 +103,6 @@ class WithdrawArgs(NamedTuple):
 class RenewArgs(NamedTuple):
     lease_id: str
     ttl_ms: int
-
-
-class PauseArgs(NamedTuple):
-    field: str
-    """"m" (the model) or "d:<deployment>"."""
-    until_ms: str | int
-    """"": use `for_ms`."""
-    for_ms: str | int
 
 
 class BreakerArgs(NamedTuple):

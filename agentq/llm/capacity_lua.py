@@ -3,7 +3,7 @@ one script, so workers racing for the same slot never both get it.
 
 Every script that decides gets the model's keys (`ModelKeys`, in order) and its
 arguments as `DecidingArgs` then its own (`AcquireArgs`, ...); each opens by binding them
-to names (`agentq.events.lua_args.bind_lua`). The scripts on one key (renew, pause, the
+to names (`agentq.events.lua_args.bind_lua`). The scripts on one key (renew, the
 breaker) take that key and `ClockArgs` then their own.
 """
 
@@ -19,7 +19,6 @@ from agentq.llm.capacity_args import (
     DecidingArgs,
     ModelKeys,
     NoteArgs,
-    PauseArgs,
     ReleaseArgs,
     RenewArgs,
     WithdrawArgs,
@@ -542,33 +541,6 @@ RENEW_LUA = (
 if not redis.call('ZSCORE', LEASES, lease_id) then return 0 end
 redis.call('ZADD', LEASES, 'XX', now + tonumber(ttl_ms), lease_id)
 return 1
-"""
-)
-
-# PAUSE_LUA: pauses only lengthen, and the hash expires when its last pause ends: a model
-# nobody paused lately has none, which lets its unmetered rounds go without reading the
-# clock (UNMETERED_LUA).
-PAUSE_LUA = (
-    one_key_lua("PAUSE", PauseArgs)
-    + NOW_LUA
-    + """
-local until_at = tonumber(until_ms) or (now + tonumber(for_ms))
-local cur = tonumber(redis.call('HGET', PAUSE, field)) or 0
-if until_at > cur then
-  redis.call('HSET', PAUSE, field, string.format('%d', until_at))
-  -- Relative to the script's now, which tests may set: the hash outlives every pause.
-  local ttl = redis.call('PTTL', PAUSE)
-  if ttl == -1 then
-    -- A hash from before pauses expired: its latest pause decides.
-    ttl = 0
-    for _, v in ipairs(redis.call('HVALS', PAUSE)) do
-      ttl = math.max(ttl, (tonumber(v) or 0) - now)
-    end
-  end
-  redis.call('PEXPIRE', PAUSE, math.max(ttl, until_at - now) + 1)
-  return until_at
-end
-return cur
 """
 )
 

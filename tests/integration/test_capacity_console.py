@@ -19,6 +19,7 @@ from agentq.api import Client
 from agentq.config import Settings, load_settings
 from agentq.gateway import BackgroundServer, create_app
 from agentq.llm.capacity import Capacity, Grant, Queued
+from agentq.llm.headers import RateSignal
 from agentq.llm.limits import parse_limits
 
 pytestmark = pytest.mark.integration
@@ -97,7 +98,7 @@ def busy_model(rig: Rig) -> Grant:
     assert isinstance(grant, Grant) and grant.deployment == "east"
     assert isinstance(ask("t2:0", True), Queued)
     assert isinstance(ask("t3:0", False), Queued)
-    cap.pause(MODEL, for_ms=60_000)
+    cap.note_answer(MODEL, "default", RateSignal(pause_s=60.0), status=503)
     for _ in range(2):
         cap.report_failure(MODEL, "west", "5xx")
     return grant

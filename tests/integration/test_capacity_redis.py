@@ -64,6 +64,14 @@ def queued(res: Grant | Queued) -> Queued:
     return res
 
 
+def busy(
+    cap: Capacity, model: str, for_ms: int, now_ms: int | None = None, deployment: str = "default"
+) -> int | None:
+    """A busy answer (503) asking the fleet to wait `for_ms`: the model (or deployment) pauses."""
+    signal = RateSignal(pause_s=for_ms / 1000)
+    return cap.note_answer(model, deployment, signal, status=503, now_ms=now_ms)
+
+
 def max_in_window(times: list[int], window_ms: int) -> int:
     """The most events in any half-open window [t, t + window_ms)."""
     times = sorted(times)
@@ -189,8 +197,9 @@ def test_interactive_goes_first_and_a_big_backlog_does_not_delay_another_owner(
 
 
 def test_owners_take_turns_by_weight_and_each_keeps_its_order(r: redis.Redis) -> None:
-    cap = make(r, {"m": {"rpm": 6000}}, owner_weights={"heavy": 2})
-    cap.pause("m", until_ms=T0 + 1000, now_ms=T0)  # everyone queues, then one call serves all
+    # Unpaced: everyone queues behind a pause, then one call serves all.
+    cap = make(r, {"m": {"streams": 100}}, owner_weights={"heavy": 2})
+    busy(cap, "m", 1000, now_ms=T0)
     for i in range(1, 5):
         queued(grab(cap, f"heavy:{i}", T0 + i, owner="heavy"))
     for i in range(1, 5):
@@ -214,8 +223,8 @@ def test_owners_take_turns_by_weight_and_each_keeps_its_order(r: redis.Redis) ->
 
 
 def test_class_weights_let_background_through_while_interactive_waits(r: redis.Redis) -> None:
-    cap = make(r, {"m": {"rpm": 6000}}, background_every=3)
-    cap.pause("m", until_ms=T0 + 1000, now_ms=T0)
+    cap = make(r, {"m": {"streams": 100}}, background_every=3)
+    busy(cap, "m", 1000, now_ms=T0)
     for i in range(1, 7):
         queued(grab(cap, f"i:{i}", T0 + i, interactive=True))
         queued(grab(cap, f"b:{i}", T0 + i))
@@ -264,18 +273,18 @@ def test_a_429_pauses_the_deployment_for_the_whole_fleet(r: redis.Redis) -> None
     cap = make(r, {"m": {"rpm": 600}})
     other_worker = Capacity(r, cap.limits, prefix=cap.prefix)
     signal = parse_rate_headers({"retry-after": "5"})
-    assert cap.note_remaining("m", "default", signal, now_ms=T0) == T0 + 5000
+    assert cap.note_answer("m", "default", signal, status=429, now_ms=T0) == T0 + 5000
     res = queued(grab(other_worker, "a", T0 + 10))
     assert res.next_slot_ms == T0 + 5000
-    assert cap.pause("m", "default", until_ms=T0 + 2000, now_ms=T0) == T0 + 5000  # only lengthens
-    assert cap.snapshot("m", now_ms=T0)["deployments"]["default"]["paused_until_ms"] == T0 + 5000
+    assert busy(cap, "m", 2000, now_ms=T0) == T0 + 5000  # only lengthens
+    assert cap.snapshot("m", now_ms=T0)["paused_until_ms"] == T0 + 5000
     assert granted(grab(other_worker, "a", T0 + 5000)).granted_at_ms == T0 + 5000
     # An exhausted allowance pauses until its reset; a healthy one does not pause.
     empty = RateSignal(remaining_requests=0, reset_requests_s=2.0, remaining_tokens=500)
-    assert cap.note_remaining("m", "default", empty, now_ms=T0 + 6000) == T0 + 8000
-    assert cap.note_remaining("m", "default", RateSignal(remaining_requests=3)) is None
-    # A model-wide pause holds every deployment.
-    assert cap.pause("m", for_ms=1000, now_ms=T0 + 9000) == T0 + 10_000
+    assert cap.note_answer("m", "default", empty, now_ms=T0 + 6000) == T0 + 8000
+    assert cap.note_answer("m", "default", RateSignal(remaining_requests=3)) is None
+    # A busy answer of the model's own endpoint pauses the model: every deployment.
+    assert busy(cap, "m", 1000, now_ms=T0 + 9000) == T0 + 10_000
     assert queued(grab(cap, "b", T0 + 9001)).next_slot_ms == T0 + 10_000
     assert cap.snapshot("m", now_ms=T0 + 9001)["paused_until_ms"] == T0 + 10_000
 
@@ -391,7 +400,7 @@ def test_models_without_limits_are_unmetered_but_learn_pauses(r: redis.Redis) ->
     assert {g.lease_id for g in grants} == {""}  # nothing held them: nothing to release
     assert not cap.snapshot("other", now_ms=T0)["configured"]
     # A busy answer pauses the unconfigured model for every worker: newcomers queue.
-    cap.pause("other", for_ms=1000, now_ms=T0)
+    busy(cap, "other", 1000, now_ms=T0)
     q = queued(grab(cap, "late", T0 + 10, model="other"))
     assert q.position == 1 and q.next_slot_ms == T0 + 1000
     late = granted(grab(cap, "late", T0 + 1000, model="other"))
@@ -439,7 +448,7 @@ def test_a_pause_is_forgotten_when_it_ends_and_rounds_go_without_the_clock_again
         granted(cap.acquire("m", waiter="a", owner="o", interactive=True, tokens=1)).lease_id == ""
     )
     assert _time_calls(r) == before  # nothing held, nothing paused: no clock read
-    cap.pause("m", for_ms=300)
+    busy(cap, "m", 300)
     paused_key = f"{cap.prefix}:{{m}}:paused"
     assert 0 < int(r.pttl(paused_key)) <= 301
     assert isinstance(cap.acquire("m", waiter="b", owner="o", interactive=True, tokens=1), Queued)
@@ -451,8 +460,8 @@ def test_a_pause_is_forgotten_when_it_ends_and_rounds_go_without_the_clock_again
     assert not r.exists(paused_key)
     # A longer pause of a deployment keeps the hash while it lasts; a shorter one later does
     # not cut it short.
-    cap.pause("m", "eu", for_ms=5000)
-    cap.pause("m", for_ms=100)
+    busy(cap, "m", 5000, deployment="eu")
+    busy(cap, "m", 100)
     assert int(r.pttl(paused_key)) > 4000
     r.delete(paused_key)
     for_clock = _time_calls(r)
@@ -488,7 +497,7 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     cap = make(r, {}, breaker_failures=2, breaker_cooldown_ms=1000)
     # A queued round granted by another's call takes that grant when it asks again, though
     # the queue is empty by then: an outstanding grant keeps every round on the full path.
-    cap.pause("m", for_ms=500, now_ms=T0)
+    busy(cap, "m", 500, now_ms=T0)
     queued(grab(cap, "a", T0 + 1))
     queued(grab(cap, "b", T0 + 2))
     b = granted(grab(cap, "b", T0 + 500))
@@ -499,8 +508,8 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     cap.release(a, now_ms=T0 + 502)
     cap.release(b, now_ms=T0 + 502)
     assert granted(grab(cap, "c", T0 + 503)).lease_id == ""  # the pause has ended
-    # A deployment's pause (a provider's exhausted allowance) holds its rounds too.
-    cap.note_remaining("m", "default", RateSignal(remaining_requests=0), now_ms=T0 + 600)
+    # A provider's exhausted allowance holds its rounds too.
+    cap.note_answer("m", "default", RateSignal(remaining_requests=0), now_ms=T0 + 600)
     assert queued(grab(cap, "d", T0 + 601)).next_slot_ms == T0 + 1600
     d = granted(grab(cap, "d", T0 + 1600))
     assert d.lease_id
@@ -591,8 +600,8 @@ def test_a_round_of_a_model_without_limits_costs_a_handful_of_commands() -> None
 def test_a_models_keys_share_one_cluster_slot(r: redis.Redis) -> None:
     cap = make(r, two("least_loaded"), breaker_failures=1)
     g = granted(grab(cap, "a", T0))
-    cap.pause("m", for_ms=10, now_ms=T0)
-    cap.pause("m", "b", for_ms=10, now_ms=T0)
+    busy(cap, "m", 10, now_ms=T0)
+    busy(cap, "m", 10, now_ms=T0, deployment="b")
     queued(grab(cap, "b", T0, interactive=True))
     cap.report_failure("m", "a", "5xx", now_ms=T0)
     cap.release(g, tokens_used=5, now_ms=T0)

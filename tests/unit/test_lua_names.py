@@ -39,7 +39,6 @@ SCRIPTS = {
             "WITHDRAW_LUA",
             "SNAPSHOT_LUA",
             "RENEW_LUA",
-            "PAUSE_LUA",
             "BREAKER_LUA",
             "NOTE_LUA",
         )
