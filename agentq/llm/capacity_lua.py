@@ -78,16 +78,15 @@ end
 """
 
 # The round of a model without limits (every unconfigured one whose provider has not told
-# its rate: a learned rate is in RATE) has nothing to count, and
-# while the fleet holds nothing of the model it has nothing to wait for but a pause: it
-# goes at once, with no lease to release, and the script writes nothing. No queue means
-# no queued waiter; no grant or lease means nothing to purge and no earlier grant of
-# this waiter to hand back; no breaker hash means every breaker is closed; no pause hash
-# (it expires when its last pause ends) means no pause, so the script needs no clock
-# either (`at` is the caller's, or false: the caller's own). A pause hash present is
-# read against the clock. Anything held takes the full decision below. A background
-# round going this way leaves the count of interactive grants as it was: that count
-# only matters while both classes wait.
+# its rate: a learned rate is in RATE) has nothing to count, and while the fleet holds
+# nothing of the model it has nothing to wait for but a pause: it goes at once, with no
+# lease to release, and the script writes nothing. No queue means no queued waiter; no
+# grant or lease means nothing to purge and no earlier grant of this waiter to hand back;
+# no breaker hash means every breaker is closed; no pause hash (it expires when its last
+# pause ends) means no pause, so the script needs no clock either (`at` is the caller's,
+# or false: the caller's own). Anything held, a pause included, takes the full decision
+# below. A background round going this way leaves the count of interactive grants as it
+# was: that count only matters while both classes wait.
 UNMETERED_LUA = """
 local function unmetered()
   if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return false end
@@ -98,19 +97,8 @@ local function unmetered()
   end
   return true
 end
-local quiet = unmetered()
-  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, RATE)
-if quiet == 0 then return at_once(cfg.deps[1].n, tonumber(now_arg) or false) end
-"""
-
-# After UNMETERED_LUA and the clock: only the pause hash was there; its pauses may be over.
-UNMETERED_PAUSED_LUA = """
-if quiet == 1 and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, RATE) == 0 then
-  local dep = cfg.deps[1].n
-  local p = redis.call('HMGET', PAUSE, 'm', 'd:' .. dep)
-  if (tonumber(p[1]) or 0) <= now and (tonumber(p[2]) or 0) <= now then
-    return at_once(dep, now)
-  end
+if unmetered() and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, RATE) == 0 then
+  return at_once(cfg.deps[1].n, tonumber(now_arg) or false)
 end
 """
 
@@ -386,7 +374,6 @@ ACQUIRE_LUA = (
     + CONFIG_LUA
     + UNMETERED_LUA
     + NOW_LUA
-    + UNMETERED_PAUSED_LUA
     + HELPERS_LUA
     + """
 local w = waiter

@@ -413,6 +413,8 @@ def test_models_without_limits_are_unmetered_but_learn_pauses(r: redis.Redis) ->
     assert after.lease_id
     cap.release(late, now_ms=T0 + 1002)
     cap.release(after, now_ms=T0 + 1002)
+    # The pause hash expires as its pause ends, on Redis's clock (this test's is its own).
+    r.delete(f"{cap.prefix}:{{other}}:paused")
     assert granted(grab(cap, "last", T0 + 1003, model="other")).lease_id == ""
 
 
@@ -507,7 +509,9 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     assert cap.snapshot("m", now_ms=T0 + 501)["streams_in_use"] == 2
     cap.release(a, now_ms=T0 + 502)
     cap.release(b, now_ms=T0 + 502)
-    assert granted(grab(cap, "c", T0 + 503)).lease_id == ""  # the pause has ended
+    # The pause has ended: its hash expires then, on Redis's clock (this test's is its own).
+    r.delete(f"{cap.prefix}:{{m}}:paused")
+    assert granted(grab(cap, "c", T0 + 503)).lease_id == ""
     # A provider's exhausted allowance holds its rounds too.
     cap.note_answer("m", "default", RateSignal(remaining_requests=0), now_ms=T0 + 600)
     assert queued(grab(cap, "d", T0 + 601)).next_slot_ms == T0 + 1600
@@ -529,6 +533,7 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     assert g.lease_id and g.woken == ()
     cap.release(probe, now_ms=T0 + 3005)
     cap.release(g, now_ms=T0 + 3005)
+    r.delete(f"{cap.prefix}:{{m}}:paused")  # the allowance's pause ended (Redis's clock)
     assert granted(grab(cap, "h", T0 + 3006)).lease_id == ""
     # What is left holds nothing: ended pauses, virtual times, the minute's usage.
     assert cap_keys(r, cap) <= {"paused", "q:state", "usage"}  # pauses expire
