@@ -144,7 +144,12 @@ class McpTools:
             listing = Listing(time.time(), previous.tools if previous else [], error=why)
             await loop.run_in_executor(None, self._health, name, why)
         await loop.run_in_executor(None, self._write, name, listing)
-        await loop.run_in_executor(None, self.apply, name, listing)
+        try:
+            await loop.run_in_executor(None, self.apply, name, listing)
+        except Exception as exc:
+            # Whatever a listing holds, it costs its server's tools, not the worker (nor
+            # the task that keeps the listings: `apply` records the listing first).
+            log.warning("MCP server %s: tools not taken: %s", name, explain(exc))
 
     def _write(self, name: str, listing: Listing) -> None:
         try:
