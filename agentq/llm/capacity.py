@@ -8,7 +8,7 @@ grants the waiters at the head of the queue and is told whose turns to wake.
 
     cap = Capacity(redis_client, parse_limits(os.environ["AGENTQ_LLM_LIMITS"]))
     got = cap.acquire("gpt-4.1", waiter=f"{turn_id}:{round_no}", owner=key_name,
-                      interactive=True, tokens=estimate_tokens(chars, max_tokens))
+                      interactive=True, tokens=estimate_tokens(prompt_tokens, max_tokens))
     for waiter in got.woken: ...                  # wake those turns now
     if isinstance(got, Queued): ...               # wake this turn at got.retry_at_ms
     else: ...; cap.release(got, tokens_used=usage.total_tokens)

@@ -14,7 +14,6 @@ which is the configured `AGENTQ_LLM_BASE_URL`.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -118,17 +117,17 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def estimate_tokens(prompt_chars: int, max_completion_tokens: int | None) -> int:
-    """Tokens a request may use, counted against `tpm` before it is sent: the prompt at
-    CHARS_PER_TOKEN characters a token, plus the completion allowance.
+def estimate_tokens(prompt_tokens: int, max_completion_tokens: int | None) -> int:
+    """Tokens a request may use, counted against `tpm` before it is sent: its prompt's
+    estimate (`prompt_tokens`: CHARS_PER_TOKEN characters a token of the history, the
+    instructions and the tools' schemas) plus the completion allowance.
 
     The completion counts at its maximum (DEFAULT_COMPLETION_TOKENS when unset), as
     providers count it against their own limit. `release` corrects the account from the
     response's real usage. No tokenizer: tiktoken is not a dependency, and it downloads
     its encoding files on first use, which a worker offline cannot do.
     """
-    prompt = math.ceil(max(prompt_chars, 0) / CHARS_PER_TOKEN)
     completion = max_completion_tokens
     if completion is None:
         completion = DEFAULT_COMPLETION_TOKENS
-    return max(prompt + max(completion, 0), 1)
+    return max(max(prompt_tokens, 0) + max(completion, 0), 1)

@@ -11,7 +11,6 @@ the turn's retries; only `llm_queue_timeout_s` bounds how long a round waits.
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING, Any
 
 from agentq.errors import ModelCapacityTimeout
@@ -42,13 +41,15 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
     waiting = ctx.state.get("llm_wait_round") == round_no
     since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
     cap = capacity(ctx)
-    chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
+    # The round's prompt as spend estimated it when it recorded the round (`reserve_round`),
+    # and the completion its request will allow.
+    tokens = estimate_tokens(int(ctx.state.get("budget_prompt") or 0), ctx.state.get("budget_cap"))
     got = cap.acquire(
         model,
         waiter=waiter,
         owner=str(ctx.state.get("owner") or ""),
         interactive=ctx.interactive,
-        tokens=estimate_tokens(chars, None),
+        tokens=tokens,
     )
     wake_granted(ctx.store, got)
     if isinstance(got, Grant):

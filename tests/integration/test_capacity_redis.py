@@ -605,8 +605,9 @@ def test_a_round_of_a_model_without_limits_costs_a_handful_of_commands() -> None
 def test_a_models_keys_share_one_cluster_slot(r: redis.Redis) -> None:
     cap = make(r, two("least_loaded"), breaker_failures=1)
     g = granted(grab(cap, "a", T0))
-    busy(cap, "m", 10, now_ms=T0)
-    busy(cap, "m", 10, now_ms=T0, deployment="b")
+    # Long enough to outlast the test on a busy machine: a pause's hash expires with it.
+    busy(cap, "m", 10_000, now_ms=T0)
+    busy(cap, "m", 10_000, now_ms=T0, deployment="b")
     queued(grab(cap, "b", T0, interactive=True))
     cap.report_failure("m", "a", "5xx", now_ms=T0)
     cap.release(g, tokens_used=5, now_ms=T0)

@@ -160,11 +160,10 @@ def test_the_signal_is_frozen() -> None:
         RateSignal().pause_s = 3  # type: ignore[misc]
 
 
-def test_estimate_is_chars_over_four_plus_the_completion_allowance() -> None:
-    assert estimate_tokens(4000, 500) == 1500
-    assert estimate_tokens(1, 0) == 1  # a partial token counts whole
-    assert estimate_tokens(4001, None) == 1001 + DEFAULT_COMPLETION_TOKENS
-    assert estimate_tokens(0, 0) == 1
+def test_estimate_is_the_prompt_plus_the_completion_allowance() -> None:
+    assert estimate_tokens(1000, 500) == 1500
+    assert estimate_tokens(1001, None) == 1001 + DEFAULT_COMPLETION_TOKENS
+    assert estimate_tokens(0, 0) == 1  # a request counts at least one token
     assert estimate_tokens(-5, -5) == 1
 
 
