@@ -253,9 +253,11 @@ def _outcome(
     host: LoopHost,
 ) -> ToolResult | Waiting:
     req = scope.req
+    if aborted:
+        # Cancelled, or it saw its turn's abort and returned: cancelled, as the abort step
+        # settles it, whichever of the two settles first.
+        return cancelled_result(scope.call, "user", **scope.common)
     if inner.cancelled():
-        if aborted:
-            return cancelled_result(scope.call, "user", **scope.common)
         if soft_fired:
             return timeout_result(
                 scope.call, req.timeout_s, killed=False, soft=True, **scope.without_timeout

@@ -41,7 +41,7 @@ from agentq.tools.calls import (
 )
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
-from agentq.tools.results import lost_result, timeout_result
+from agentq.tools.results import cancelled_result, lost_result, timeout_result
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -248,7 +248,12 @@ def _run(
         ):
             kwargs = call_kwargs(spec, req)
             value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
-            result = ok_result(scope, check_value(spec, value), settings, soft_fired=soft[0])
+            if ctx._cancelled:
+                # It saw its turn's abort and returned: cancelled, as the abort step settles
+                # it, whichever of the two settles first.
+                result = cancelled_result(scope.call, "user", **scope.common)
+            else:
+                result = ok_result(scope, check_value(spec, value), settings, soft_fired=soft[0])
     except SoftTimeLimitExceeded:
         result = timeout_result(
             scope.call, req.timeout_s, killed=False, soft=True, **scope.without_timeout
