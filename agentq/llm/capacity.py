@@ -269,7 +269,7 @@ class Capacity:
         cls = "i" if interactive else "b"
         own = inputs.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
         out = self._run(self._acquire, model, now_ms, own)
-        wakes = _wakes(out, self.reserve_ahead_ms, skip=waiter)
+        wakes = self._wakes(out, skip=waiter)
         if "g" in out:
             g = out["g"]
             return Grant(
@@ -317,7 +317,7 @@ class Capacity:
         model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
         own = inputs.ReleaseArgs(lease_id, used)
-        return Wakes(**_wakes(self._run(self._release, model, now_ms, own), self.reserve_ahead_ms))
+        return Wakes(**self._wakes(self._run(self._release, model, now_ms, own)))
 
     def renew(
         self, lease: Grant | str, ttl_ms: int | None = None, *, now_ms: int | None = None
@@ -339,7 +339,7 @@ class Capacity:
         (whether anything was withdrawn, whom to wake)."""
         # The model is an argument because it names the keys (and the Cluster slot).
         out = self._run(self._withdraw, model, now_ms, inputs.WithdrawArgs(waiter))
-        return bool(out.get("done")), Wakes(**_wakes(out, self.reserve_ahead_ms))
+        return bool(out.get("done")), Wakes(**self._wakes(out))
 
     def note_answer(
         self,
@@ -430,6 +430,22 @@ class Capacity:
         self.redis.hdel(self._key(model, inputs.SUFFIX.BRK), *fields)
         return "closed"
 
+    def _wakes(self, out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
+        """The `Wakes` fields of a script's answer; the head asks `reserve_ahead_ms` before
+        its slot, to be given it then."""
+        head = out.get("head")
+        wake_next = None
+        if head and head != skip:
+            ready = max(math.ceil(out.get("ready") or 0), 0)
+            at_ms = max(ready - self.reserve_ahead_ms, int(out["now"]))
+            wake_next = WakeAt(waiter=head, at_ms=at_ms)
+        later = tuple(
+            WakeAt(waiter=x["w"], at_ms=math.ceil(x["at"]))
+            for x in _list(out.get("later"))
+            if x["w"] != skip
+        )
+        return {"woken": tuple(_list(out.get("woken"))), "later": later, "wake_next": wake_next}
+
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
         """The model's capacity state now, for metrics and the console."""
         out = self._run(self._snapshot, model, now_ms)
@@ -466,21 +482,6 @@ class Capacity:
 def _list(value: Any) -> list[Any]:
     """A JSON array from Lua's cjson, which writes an empty one as {}."""
     return list(value) if isinstance(value, list) else []
-
-
-def _wakes(out: dict[str, Any], ahead_ms: int, *, skip: str = "") -> dict[str, Any]:
-    """The `Wakes` fields of a script's answer; the head asks `ahead_ms` before its slot."""
-    head = out.get("head")
-    wake_next = None
-    if head and head != skip:
-        ready = max(math.ceil(out.get("ready") or 0), 0)
-        wake_next = WakeAt(waiter=head, at_ms=max(ready - ahead_ms, int(out["now"])))
-    later = tuple(
-        WakeAt(waiter=x["w"], at_ms=math.ceil(x["at"]))
-        for x in _list(out.get("later"))
-        if x["w"] != skip
-    )
-    return {"woken": tuple(_list(out.get("woken"))), "later": later, "wake_next": wake_next}
 
 
 def _lease_model(lease_id: str) -> str:

@@ -412,12 +412,11 @@ else
 end
 local own, woken, later, head, ready = pump(w)
 local out = {woken = woken, later = later, head = head, ready = ready, now = now}
-if own then
-  out.g = own
-else
-  local g = redis.call('HGET', GRANTS, w)
-  if g then out.mine = cjson.decode(g).at else out.pos = position(w) end
+if own then out.g = own end
+for _, x in ipairs(later) do
+  if x.w == w then out.mine = x.at end
 end
+if not own and not out.mine then out.pos = position(w) end
 return cjson.encode(out)
 """
 )

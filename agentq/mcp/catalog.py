@@ -116,11 +116,11 @@ class McpTools:
     async def keep_listed(self) -> None:
         """List each server again when its listing's TTL has passed, until cancelled."""
         while True:
+            soonest = min(self._due_at(name) for name in self.servers)
+            await asyncio.sleep(max(soonest - time.time(), 1.0))
+            # Due as of now: a server listed meanwhile (`tools/list_changed`) is not.
             now = time.time()
-            due = {name: self._due_at(name) for name in self.servers}
-            await asyncio.sleep(max(min(due.values()) - now, 1.0))
-            now = time.time()
-            await asyncio.gather(*(self._list(n) for n, at in due.items() if at <= now))
+            await asyncio.gather(*(self._list(n) for n in self.servers if self._due_at(n) <= now))
 
     def _due_at(self, name: str) -> float:
         listing = self.listings.get(name)
