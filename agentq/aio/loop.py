@@ -5,23 +5,22 @@ and hand each task's coroutine to this loop (`submit`); a submitting thread bloc
 while the loop already holds `capacity` coroutines, so the broker keeps what the
 process cannot take.
 
-A coroutine that makes a blocking call stalls every other one on the loop. A pulse
-on the loop records when it last ran; a watchdog thread sees the silence, names the
-task that holds the loop (`on_blocked`, once per stall), and when the stall outlasts
-the earliest hard deadline registered with `watch` (a call that can no longer be
-cancelled in time) it calls `on_stuck`, which recycles the process.
-
-While the loop holds no submitted coroutine both slow down (IDLE_PULSE_S): at 50 Hz an
-idle loop cost its process 2.4% of a core, on every stream and I/O worker of a fleet. The
-first submit wakes the pulse.
+A coroutine that makes a blocking call stalls every other one on the loop. The loop's
+selector notes when the loop last came out of waiting for I/O; a watchdog thread sees
+an iteration that has run too long, names the task that holds the loop (`on_blocked`,
+once per stall), and when the stall outlasts the earliest hard deadline registered with
+`watch` (a call that can no longer be cancelled in time) it calls `on_stuck`, which
+recycles the process. Nothing runs on the loop for it: a pulse coroutine at 50 Hz cost
+each stream and I/O worker process 1% of a core while it held anything, as much as
+many of its streams.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
+import selectors
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -31,19 +30,33 @@ log = logging.getLogger("agentq.aio")
 
 T = TypeVar("T")
 
-PULSE_S = 0.02
-"""How often the loop proves it runs."""
-WATCH_S = 0.02
-"""How often the watchdog thread looks."""
+WATCH_S = 0.05
+"""How often the watchdog thread looks while the loop holds a coroutine or a deadline."""
+IDLE_WATCH_S = 0.5
+"""How often it looks while the loop holds nothing (a submit wakes it at once)."""
 STUCK_GRACE_S = 0.5
 """A stall this long past a call's hard deadline recycles the process."""
-IDLE_PULSE_S = 0.5
-"""How often the pulse and the watchdog look while the loop holds nothing submitted."""
 STOP_WAIT_S = 2.0
 """How long a stopped loop waits for what it cancelled to finish before it closes."""
 
 BlockedHook = Callable[["asyncio.Task[Any] | None", float], None]
 StuckHook = Callable[["asyncio.Task[Any] | None", float, str], None]
+
+
+class _WatchedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
+    """The loop's selector; `busy_since` is when the loop last stopped waiting for I/O
+    (None while it waits): how long the running iteration has held the loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy_since: float | None = time.monotonic()
+
+    def select(self, timeout: float | None = None) -> list[tuple[Any, int]]:
+        self.busy_since = None
+        try:
+            return super().select(timeout)  # type: ignore[no-any-return]
+        finally:
+            self.busy_since = time.monotonic()
 
 
 class EventLoopThread:
@@ -63,7 +76,8 @@ class EventLoopThread:
         self.lag_warn_s = lag_warn_s
         self.on_blocked = on_blocked
         self.on_stuck = on_stuck
-        self.loop = asyncio.new_event_loop()
+        self._selector = _WatchedSelector()
+        self.loop = asyncio.SelectorEventLoop(self._selector)
         self._slots = threading.BoundedSemaphore(capacity)
         self._held = 0
         self._held_lock = threading.Lock()
@@ -71,12 +85,8 @@ class EventLoopThread:
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._started = threading.Event()
         self._stopping = threading.Event()
-        self.beat = time.monotonic()
-        self._period_s = PULSE_S
-        """The pulse's current sleep: a beat this old is no stall."""
-        self._wake: asyncio.Event | None = None
-        self.max_lag_ms = 0.0
-        self.stalls = 0
+        self._nudge = threading.Event()
+        """Wakes the watchdog from an idle wait: the first submit, or stop."""
         self._deadlines: dict[str, float] = {}
         self._deadlines_lock = threading.Lock()
 
@@ -91,6 +101,7 @@ class EventLoopThread:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
+        self._nudge.set()
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout_s)
@@ -99,7 +110,6 @@ class EventLoopThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.create_task(self._pulse(), name=f"{self.name}-pulse")
         self.loop.call_soon(self._started.set)
         try:
             self.loop.run_forever()
@@ -125,12 +135,8 @@ class EventLoopThread:
         with self._held_lock:
             self._held += 1
             woke = self._held == 1
-        if woke and self._period_s != PULSE_S:
-            # Counted from now, as if the pulse had just run: the coroutine may block the
-            # loop before the pulse wakes.
-            self.beat = time.monotonic()
-            self._period_s = PULSE_S
-            self.loop.call_soon_threadsafe(self._wake_pulse)
+        if woke:
+            self._nudge.set()
         try:
             fut = asyncio.run_coroutine_threadsafe(coro_fn(), self.loop)
         except BaseException:
@@ -165,47 +171,28 @@ class EventLoopThread:
         with self._deadlines_lock:
             self._deadlines.pop(key, None)
 
-    # -- lag
-
-    def _wake_pulse(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
-    async def _pulse(self) -> None:
-        self._wake = wake = asyncio.Event()
-        while not self._stopping.is_set():
-            before = time.monotonic()
-            if self._held or self._deadlines:
-                planned_s = self._period_s = PULSE_S
-                await asyncio.sleep(PULSE_S)
-            else:
-                planned_s = self._period_s = IDLE_PULSE_S
-                wake.clear()
-                # A submit that came before the line above saw a busy pulse and woke none.
-                if not self._held:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(wake.wait(), IDLE_PULSE_S)
-            now = time.monotonic()
-            self.beat = now
-            lag_ms = (now - before - planned_s) * 1000
-            if lag_ms > self.max_lag_ms:
-                self.max_lag_ms = lag_ms
-            if lag_ms >= self.lag_warn_s * 1000:
-                log.warning("%s: the event loop was blocked for %.0f ms", self.name, lag_ms)
+    # -- stalls
 
     def _watch(self) -> None:
-        reported_for = 0.0
-        while not self._stopping.wait(WATCH_S if self._period_s == PULSE_S else IDLE_PULSE_S):
-            beat = self.beat
+        reported_for: float | None = None
+        while not self._stopping.is_set():
+            self._nudge.wait(WATCH_S if self._held or self._deadlines else IDLE_WATCH_S)
+            self._nudge.clear()
+            since = self._selector.busy_since
+            if since is None:
+                continue
             now = time.monotonic()
-            stalled_s = now - beat
-            if stalled_s - (self._period_s - PULSE_S) < self.lag_warn_s:
+            stalled_s = now - since
+            if stalled_s < self.lag_warn_s:
                 continue
             task = _current_task(self.loop)
-            if reported_for != beat:
-                reported_for = beat
-                self.stalls += 1
-                if self.on_blocked is not None:
+            if reported_for != since:
+                reported_for = since
+                if self.on_blocked is None:
+                    log.warning(
+                        "%s: the event loop is blocked (%.0f ms)", self.name, stalled_s * 1e3
+                    )
+                else:
                     try:
                         self.on_blocked(task, stalled_s)
                     except Exception:
