@@ -1,5 +1,6 @@
 """The admitted rate of a model, in Lua for the capacity scripts (`capacity_lua`): a
-ceiling, not a schedule.
+ceiling, not a schedule. The adaptation is pure functions (`RATE_LUA`); the helpers around
+them read and write the model's state in Redis.
 
 The configured rpm, or without one the provider's own limits read from its headers,
 caps the rate; a 429 despite pacing cuts the rate fleet-wide at once (multiplicative
@@ -27,11 +28,54 @@ until the next 429: the provider's limit may have grown."""
 SLOW_START = 1.5
 """Before a 429 came while paced, the first guess may be far off: the rate grows by this
 factor each second."""
-# RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
-RATE_HELPERS_LUA = (
+# RATE_LUA: the adaptation itself, pure functions of the rate state (no Redis call), so
+# that each deciding script evaluates it atomically with its grant and the unit tests run
+# it alone (tests/unit/test_rate_adaptation.py, under Lua 5.1 as Redis has it).
+RATE_LUA = (
     f"""
+local DECREASE, RECOVER_S = {DECREASE!r}, {RECOVER_S!r}
 local PROBE, SLOW_START = {PROBE!r}, {SLOW_START!r}
 """
+    + """
+-- The configured rpm, else the provider's own limit learned from its headers (0: none).
+local function ceiling_of(cfg_rpm, st)
+  if cfg_rpm > 0 then return cfg_rpm end
+  return st.lr
+end
+
+-- The rpm admitted at `now` (0: no rate known, unpaced). After a cut to `r` at `t` the
+-- rate climbs by `ai` a second back to the ceiling; without one, back to the rate refused
+-- (`top`) and on past it by PROBE a second, or by SLOW_START a second while `top` is
+-- unknown.
+local function admitted_rpm(st, ceiling, now)
+  if not st.r then return ceiling end
+  local dt = math.max(now - st.t, 0) / 1000
+  if ceiling > 0 then return math.min(st.r + st.ai * dt, ceiling) end
+  if st.top <= 0 then return st.r * SLOW_START ^ math.min(dt, 30) end
+  local r = st.r + st.ai * dt
+  if r > st.top and st.ai > 0 then
+    r = st.top * (1 + PROBE * (dt - (st.top - st.r) / st.ai))
+  end
+  return r
+end
+
+-- A 429 despite pacing, when `rpm` was admitted (0: none known; then the fleet's own pace,
+-- `seen_rpm`, is the guess): the rate it is cut to, its climb a second, and where the climb
+-- ends (the ceiling; without one the rate refused, unless that was only a guess: 0, and
+-- the slow start goes on from the cut).
+local function cut(rpm, ceiling, seen_rpm)
+  local guess = rpm
+  if guess <= 0 then guess = math.max(seen_rpm, 60) end
+  local top = ceiling
+  if top <= 0 and rpm > 0 then top = guess end
+  return math.max(guess * DECREASE, 1), top * (1 - DECREASE) / RECOVER_S, top
+end
+"""
+)
+
+# RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
+RATE_HELPERS_LUA = (
+    RATE_LUA
     + """
 local RATE_TTL_MS = cfg.rate_ttl_ms
 local RS = nil
@@ -49,8 +93,7 @@ local function rate_state()
 end
 
 local function ceiling_rpm()
-  if cfg.rpm > 0 then return cfg.rpm end
-  return rate_state().lr
+  return ceiling_of(cfg.rpm, rate_state())
 end
 
 local function tpm_limit()
@@ -60,17 +103,7 @@ end
 
 -- The rpm admitted now (0: no rate known, unpaced).
 local function rate_rpm()
-  local st = rate_state()
-  local c = ceiling_rpm()
-  if not st.r then return c end
-  local dt = math.max(now - st.t, 0) / 1000
-  if c > 0 then return math.min(st.r + st.ai * dt, c) end
-  if st.top <= 0 then return st.r * SLOW_START ^ math.min(dt, 30) end
-  local r = st.r + st.ai * dt
-  if r > st.top and st.ai > 0 then
-    r = st.top * (1 + PROBE * (dt - (st.top - st.r) / st.ai))
-  end
-  return r
+  return admitted_rpm(rate_state(), ceiling_rpm(), now)
 end
 
 -- Providers count in wall-clock seconds: at most a second's worth is granted in each,
@@ -120,11 +153,7 @@ end
 # pacing spaces the requests: until the next second (the provider's next window) when
 # that comes sooner than its Retry-After, which whole seconds round up. Pacing resumes
 # from the pause's end with no burst. Returns when the pause ends (0: none).
-NOTE_BODY_LUA = (
-    f"""
-local DECREASE, RECOVER_S = {DECREASE!r}, {RECOVER_S!r}
-"""
-    + """
+NOTE_BODY_LUA = """
 local st = rate_state()
 local lr, lt = tonumber(limit_rpm) or 0, tonumber(limit_tpm) or 0
 local learned = {}
@@ -137,22 +166,14 @@ if learned[1] then
 end
 local rpm = rate_rpm()
 if tonumber(refused) == 1 and now - st.d >= 1000 then
-  local guess = rpm
-  if guess <= 0 then
-    guess = tonumber(hint_rpm) or 0
+  local seen_rpm = 0
+  if rpm <= 0 then
     window_now()
-    guess = math.max(guess, st.n * 60)
-    guess = math.max(guess, 60)
+    seen_rpm = math.max(tonumber(hint_rpm) or 0, st.n * 60)
   end
-  -- Back to the ceiling in RECOVER_S; without one, to the rate refused (`top`), unless
-  -- that was only a guess: then the slow start goes on from the cut.
-  local top = ceiling_rpm()
-  if top <= 0 and rpm > 0 then top = guess end
-  if top <= 0 then top = 0 end
-  rpm = math.max(guess * DECREASE, 1)
-  st.r, st.t, st.d, st.top = rpm, now, now, top
-  st.ai = top * (1 - DECREASE) / RECOVER_S
-  redis.call('HSET', RATE, 'r', fmt(rpm), 't', now, 'd', now, 'ai', fmt(st.ai), 'top', fmt(top))
+  st.r, st.ai, st.top = cut(rpm, ceiling_rpm(), seen_rpm)
+  st.t, st.d, rpm = now, now, st.r
+  redis.call('HSET', RATE, 'r', fmt(rpm), 't', now, 'd', now, 'ai', fmt(st.ai), 'top', fmt(st.top))
 end
 local until_at = 0
 local wait = tonumber(wait_ms)
@@ -179,4 +200,3 @@ end
 if learned[1] or tonumber(refused) == 1 then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
 return cjson.encode({until_at = until_at, rpm = rpm})
 """
-)
