@@ -34,9 +34,12 @@ PHASES = ("answered", "turn_started", "llm_started", "llm_delta", "received")
 the worker that published them made them), the first delta's arrival here."""
 
 
-def _through_agentq(http: Any, key: str, phases: dict[str, list[float]]) -> float:
+def _through_agentq(
+    http: Any, key: str, phases: dict[str, list[float]], *, whole: bool = True
+) -> float:
     """Seconds from the POST to the first `llm_delta` on the turn's SSE stream; reads on to
-    the turn's end, as a page does, so no turn is left to abort on a disconnect."""
+    the turn's end, as a page does, so no turn is left to abort on a disconnect (not
+    `whole`: aborts the turn at its first delta instead, for answers that take seconds)."""
     t0, wall0 = time.perf_counter(), time.time()
     r = http.post("/v1/turns", json={"prompt": key})
     if r.status_code != 202:
@@ -58,6 +61,9 @@ def _through_agentq(http: Any, key: str, phases: dict[str, list[float]]) -> floa
             if type_ == "llm_delta" and first is None:
                 first = time.perf_counter() - t0
                 at["received"] = time.time() - wall0
+                if not whole:
+                    http.post(f"/v1/turns/{handle['turn_id']}/abort", headers=headers)
+                    break
             if type_ in TERMINAL_TYPES:
                 break
     if first is None:
@@ -67,8 +73,9 @@ def _through_agentq(http: Any, key: str, phases: dict[str, list[float]]) -> floa
     return first
 
 
-def _direct(client: Any, key: str) -> float:
-    """Seconds from the SDK's request to its first chunk with text."""
+def _direct(client: Any, key: str, *, whole: bool = True) -> float:
+    """Seconds from the SDK's request to its first chunk with text (reading on to the
+    stream's end unless not `whole`)."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model="bench", messages=[{"role": "user", "content": key}], stream=True
@@ -78,18 +85,40 @@ def _direct(client: Any, key: str) -> float:
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - t0
+                if not whole:
+                    break
     if first is None:
         raise BenchError("the direct stream had no text")
     return first
 
 
 def bench_first_token(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
-    import httpx
-    import openai
-
     if not fx.gateway_url or fx.llm is None:
         return {"notes": ["first_token: the gateway did not start; not measured"]}
     key = fx.script(Round(text=ANSWER, chunk_size=8))
+    sides, phases = first_tokens(fx, key, sz.first_token_samples, WARMUP)
+    out: dict[str, Any] = {
+        **ms_stats("first_token_agentq_ms", sides["agentq"]),
+        **ms_stats("first_token_direct_ms", sides["direct"]),
+        "first_token_samples": len(sides["agentq"]),
+        "first_token_phase_ms_p50": {
+            name: round((pct(phases[name], 50) or 0) * 1000, 1)
+            for name in PHASES
+            if phases.get(name)
+        },
+    }
+    return {**out, **over_direct(sides, "first_token")}
+
+
+def first_tokens(
+    fx: BenchRig, key: str, samples: int, warmup: int, *, whole: bool = True
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """`samples` first tokens of the script `key` on each side (s), in alternating blocks,
+    after `warmup` unmeasured ones; and where agentq's time went."""
+    import httpx
+    import openai
+
+    assert fx.gateway_url and fx.llm is not None
     sides: dict[str, list[float]] = {"agentq": [], "direct": []}
     phases: dict[str, list[float]] = {}
     with (
@@ -101,36 +130,32 @@ def bench_first_token(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         def paced(i: int) -> float:
             time.sleep(max(0.0, last_start[0] + START_INTERVAL_S - time.perf_counter()))
             last_start[0] = time.perf_counter()
-            return _through_agentq(http, f"{key} #{i}", phases)
+            return _through_agentq(http, f"{key} #{i}", phases, whole=whole)
 
         runs = {
             "agentq": paced,
-            "direct": lambda i: _direct(sdk, f"{key} #{i}"),
+            "direct": lambda i: _direct(sdk, f"{key} #{i}", whole=whole),
         }
-        for i in range(WARMUP):
+        for i in range(warmup):
             for run in runs.values():
                 run(i)
         phases.clear()
         order = ["agentq", "direct"]
-        i = WARMUP
-        while len(sides["agentq"]) < sz.first_token_samples:
+        i = warmup
+        while len(sides["agentq"]) < samples:
             for side in order:
                 for _ in range(BLOCK):
                     sides[side].append(runs[side](i))
                     i += 1
             order.reverse()
-    out: dict[str, Any] = {
-        **ms_stats("first_token_agentq_ms", sides["agentq"]),
-        **ms_stats("first_token_direct_ms", sides["direct"]),
-        "first_token_samples": len(sides["agentq"]),
-        "first_token_phase_ms_p50": {
-            name: round((pct(phases[name], 50) or 0) * 1000, 1)
-            for name in PHASES
-            if phases.get(name)
-        },
-    }
+    return sides, phases
+
+
+def over_direct(sides: dict[str, list[float]], prefix: str) -> dict[str, float]:
+    """How much later agentq's first token came than the SDK's, ms, p50 and p99."""
+    out: dict[str, float] = {}
     for q in (50, 99):
         a, d = pct(sides["agentq"], q), pct(sides["direct"], q)
         if a is not None and d is not None:
-            out[f"first_token_over_direct_ms_p{q}"] = round((a - d) * 1000, 1)
+            out[f"{prefix}_over_direct_ms_p{q}"] = round((a - d) * 1000, 1)
     return out

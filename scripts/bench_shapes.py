@@ -15,13 +15,15 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentq.testing.openai_server import Round, ScriptedCall
 from scripts.bench_capacity import bench_turns_with
-from scripts.bench_stages import BenchRig, Sizes
+from scripts.bench_first_token import first_tokens, over_direct
+from scripts.bench_stages import BenchRig, Sizes, pct
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,10 @@ class Shape:
 
         call = ScriptedCall(name=self.tool, arguments={"seconds": self.tool_s})
         return [one([call]) for _ in range(self.rounds - 1)] + [one([])]
+
+    def first_round(self) -> tuple[int, int, bool]:
+        """What decides the shape's first token: its stream's words, pace and connection."""
+        return self.words, self.word_ms, self.close
 
     def floor_s(self) -> float:
         stream_s = self.words * self.word_ms / 1000
@@ -150,14 +156,70 @@ def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                 "fleet_cpu_s_by_process": fleet["f_cpu_s_by_process"],
             }
         )
+    _first_tokens(fx, sz, rows)
     cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"] is not None]
     wall = [r["wall_ratio"] for r in rows if r["wall_ratio"] is not None]
     # Flat keys too: a stage run several times reports each number's median.
-    flat = {f"shape_{i}_{m}": r[m] for i, r in enumerate(rows) for m in ("cpu_ratio", "wall_ratio")}
+    flat = {f"shape_{i}_{m}": r.get(m) for i, r in enumerate(rows) for m in SHAPE_FIGURES}
     return {
         **flat,
         "shapes": rows,
         "shapes_worst_cpu_ratio": max(cpu) if cpu else None,
         "shapes_worst_wall_ratio": max(wall) if wall else None,
+        **{f"shapes_worst_{m}": _worst(rows, m) for m in SHAPE_FIGURES[2:]},
         "notes": notes,
     }
+
+
+SHAPE_FIGURES = (
+    "cpu_ratio",
+    "wall_ratio",
+    "first_token_over_direct_ms_p50",
+    "first_token_over_direct_ms_p99",
+)
+"""Each shape's figures, reported flat (`shape_<i>_<figure>`) for the medians of runs."""
+
+
+def _first_tokens(fx: BenchRig, sz: Sizes, rows: list[dict[str, Any]]) -> None:
+    """Each shape's first token, as the `first_token` stage measures it (`POST /v1/turns`
+    to the first `llm_delta` on SSE, against the SDK direct), on the shape's first stream:
+    turns one at a time, each aborted at its first delta. Shapes whose first streams are
+    alike share one measurement."""
+    from agentq import constants as k
+    from agentq.fleet import runtime
+
+    if not fx.gateway_url:
+        return
+    measured: dict[tuple[int, int, bool], dict[str, Any]] = {}
+    for shape, row in zip(SHAPES, rows, strict=False):
+        first = shape.first_round()
+        if first not in measured:
+            words, word_ms, close = first
+            key = fx.script(
+                Round(
+                    text="word " * words,
+                    chunk_size=5,
+                    chunk_delay_ms=word_ms,
+                    close_connection=close,
+                )
+            )
+            sides, _ = first_tokens(fx, key, sz.shape_first_token_samples, 3, whole=False)
+            measured[first] = {
+                **{
+                    f"{side}_first_token_ms_p{q}": round((pct(xs, q) or 0) * 1000, 1)
+                    for side, xs in sides.items()
+                    for q in (50, 99)
+                },
+                **over_direct(sides, "first_token"),
+            }
+            # The aborted turns end before the next shape's CPU is counted.
+            store = runtime.get_store()
+            deadline = time.monotonic() + 60
+            while store.redis.zcard(k.WAKEUPS) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        row.update(measured[first])
+
+
+def _worst(rows: list[dict[str, Any]], figure: str) -> float | None:
+    xs = [r[figure] for r in rows if r.get(figure) is not None]
+    return max(xs) if xs else None

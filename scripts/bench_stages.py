@@ -73,6 +73,7 @@ class Sizes:
     conversation_handoffs: int = 200
     first_token_samples: int = 200
     shape_turns: int = 300
+    shape_first_token_samples: int = 60
     waitpoint_calls: int = 10_000
 
 
@@ -95,6 +96,7 @@ QUICK = Sizes(
     5,
     100,
     shape_turns=100,
+    shape_first_token_samples=20,
     waitpoint_calls=200,
 )
 
