@@ -233,7 +233,6 @@ __all__ = ["CHAT_ROLES", "check_messages", "check_text", "lone_surrogate_at"]
 
 
 ToolStatus = Literal["ok", "error", "timeout", "cancelled", "denied", "lost"]
-TOOL_STATUSES: tuple[ToolStatus, ...] = ("ok", "error", "timeout", "cancelled", "denied", "lost")
 
 
 class TurnStatus(str, Enum):

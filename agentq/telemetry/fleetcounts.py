@@ -22,12 +22,13 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 import redis
 
 from agentq.constants import FLEET_COUNTS
 from agentq.errors import REDIS_ERRORS, ModelBusy
+from agentq.models import AbortReason, ToolStatus
 
 log = logging.getLogger("agentq.telemetry")
 
@@ -140,9 +141,9 @@ MAX_SERIES = 2000
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _BUDGET_SCOPES = frozenset({"turn", "parent_turn", "key"})
-_ABORT_REASONS = frozenset({"user", "disconnect", "timeout", "error", "interrupt", "rollback"})
+_ABORT_REASONS = frozenset(get_args(AbortReason))
 _TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
-_TOOL_STATUSES = frozenset({"ok", "error", "timeout", "cancelled", "denied", "lost"})
+_TOOL_STATUSES = frozenset(get_args(ToolStatus))
 
 
 class _Labels:
