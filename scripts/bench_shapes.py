@@ -42,20 +42,21 @@ class Shape:
     tool: str = "aio_sleep"
     tool_s: float = 2.0
 
+    def stream(self, calls: list[ScriptedCall]) -> Round:
+        """One round of the shape, calling `calls` after its words."""
+        return Round(
+            text="word " * self.words,
+            chunk_size=5,
+            chunk_delay_ms=self.word_ms,
+            close_connection=self.close,
+            tool_calls=calls,
+        )
+
     def script(self) -> list[Round]:
-        def one(calls: list[ScriptedCall]) -> Round:
-            return Round(
-                text="word " * self.words,
-                chunk_size=5,
-                chunk_delay_ms=self.word_ms,
-                close_connection=self.close,
-                tool_calls=calls,
-            )
-
         call = ScriptedCall(name=self.tool, arguments={"seconds": self.tool_s})
-        return [one([call]) for _ in range(self.rounds - 1)] + [one([])]
+        return [self.stream([call]) for _ in range(self.rounds - 1)] + [self.stream([])]
 
-    def first_round(self) -> tuple[int, int, bool]:
+    def first_stream(self) -> tuple[int, int, bool]:
         """What decides the shape's first token: its stream's words, pace and connection."""
         return self.words, self.word_ms, self.close
 
@@ -157,16 +158,12 @@ def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
             }
         )
     _first_tokens(fx, sz, rows)
-    cpu = [r["cpu_ratio"] for r in rows if r["cpu_ratio"] is not None]
-    wall = [r["wall_ratio"] for r in rows if r["wall_ratio"] is not None]
     # Flat keys too: a stage run several times reports each number's median.
     flat = {f"shape_{i}_{m}": r.get(m) for i, r in enumerate(rows) for m in SHAPE_FIGURES}
     return {
         **flat,
         "shapes": rows,
-        "shapes_worst_cpu_ratio": max(cpu) if cpu else None,
-        "shapes_worst_wall_ratio": max(wall) if wall else None,
-        **{f"shapes_worst_{m}": _worst(rows, m) for m in SHAPE_FIGURES[2:]},
+        **{f"shapes_worst_{m}": _worst(rows, m) for m in SHAPE_FIGURES},
         "notes": notes,
     }
 
@@ -191,18 +188,10 @@ def _first_tokens(fx: BenchRig, sz: Sizes, rows: list[dict[str, Any]]) -> None:
     if not fx.gateway_url:
         return
     measured: dict[tuple[int, int, bool], dict[str, Any]] = {}
-    for shape, row in zip(SHAPES, rows, strict=False):
-        first = shape.first_round()
+    for shape, row in zip(SHAPES, rows, strict=True):
+        first = shape.first_stream()
         if first not in measured:
-            words, word_ms, close = first
-            key = fx.script(
-                Round(
-                    text="word " * words,
-                    chunk_size=5,
-                    chunk_delay_ms=word_ms,
-                    close_connection=close,
-                )
-            )
+            key = fx.script(shape.stream([]))
             sides, _ = first_tokens(fx, key, sz.shape_first_token_samples, 3, whole=False)
             measured[first] = {
                 **{
@@ -212,12 +201,12 @@ def _first_tokens(fx: BenchRig, sz: Sizes, rows: list[dict[str, Any]]) -> None:
                 },
                 **over_direct(sides, "first_token"),
             }
-            # The aborted turns end before the next shape's CPU is counted.
-            store = runtime.get_store()
-            deadline = time.monotonic() + 60
-            while store.redis.zcard(k.WAKEUPS) and time.monotonic() < deadline:
-                time.sleep(0.05)
         row.update(measured[first])
+    # The aborted turns end before the next stage starts.
+    store = runtime.get_store()
+    deadline = time.monotonic() + 60
+    while store.redis.zcard(k.WAKEUPS) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _worst(rows: list[dict[str, Any]], figure: str) -> float | None:
