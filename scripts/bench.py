@@ -481,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         help="the capacity stage's provider shapes, comma-separated (default: all)",
     )
     p.add_argument(
+        "--shapes",
+        default="",
+        help="the shapes stage's shapes, comma-separated indices from 0 (default: all seven)",
+    )
+    p.add_argument(
         "--only",
         default="",
         help="comma-separated stages to run: overhead, "

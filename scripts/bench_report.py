@@ -321,7 +321,8 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
         cols = ("shape", "turns", "floor s", "fleet s", "raw s", "CPU ratio", "wall ratio")
         for col in (*cols, "first token over the SDK direct, ms p50 / p99"):
             sh.add_column(col)
-        for i, r in enumerate(res["shapes"]):
+        for r in res["shapes"]:
+            i = r.get("index")
             sh.add_row(
                 r["shape"],
                 str(r["turns"]),

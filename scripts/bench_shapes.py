@@ -42,6 +42,11 @@ class Shape:
     tool: str = "aio_sleep"
     tool_s: float = 2.0
 
+    @property
+    def sync(self) -> bool:
+        """The tool runs on the prefork tool worker (the raw loop: in a thread)."""
+        return not self.tool.startswith("aio")
+
     def stream(self, calls: list[ScriptedCall]) -> Round:
         """One round of the shape, calling `calls` after its words."""
         return Round(
@@ -74,7 +79,9 @@ SHAPES = (
     Shape("burst: 60 words at once", words=60, word_ms=0),
     Shape("one round, no tool", rounds=1),
     Shape("five rounds", rounds=5, words=8, tool_s=0.5),
-    Shape("sync tool on the prefork worker", tool="sleep"),
+    # `stamp` is a bare `time.sleep`, as the raw loop's thread runs: the same tool body on
+    # both sides (the `sleep` tool also reports progress twice a second).
+    Shape("sync tool on the prefork worker", tool="stamp"),
 )
 
 
@@ -84,7 +91,7 @@ def raw_loop(fx: BenchRig, key: str, n: int, shape: Shape) -> dict[str, Any]:
     script = Path(__file__).resolve().parent / "bench_raw_sdk.py"
     cmd = [sys.executable, str(script), "--base-url", fx.llm.url, "--prompt-key", key]
     cmd += ["--turns", str(n)]
-    if shape.tool == "sleep":
+    if shape.sync:
         # A sync tool in the raw loop: a thread pool as wide as the fleet's tool processes.
         cmd += ["--sync-tool-threads", str(fx.args.tool_concurrency)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
@@ -123,14 +130,25 @@ def spied(fx: BenchRig, tag: str, kinds: tuple[str, ...]) -> Any:
                 spy.wait()
 
 
+def _chosen(fx: BenchRig) -> tuple[Shape, ...]:
+    """The shapes this run measures (`--shapes`: indices into SHAPES, default all)."""
+    chosen = getattr(fx.args, "shapes", "")
+    if not chosen:
+        return SHAPES
+    picked = [int(i) for i in chosen.split(",") if i.strip()]
+    if any(not 0 <= i < len(SHAPES) for i in picked):
+        raise ValueError(f"--shapes takes indices 0..{len(SHAPES) - 1}, not {chosen!r}")
+    return tuple(SHAPES[i] for i in picked)
+
+
 def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     """Each shape on the fleet, then on the raw loop: CPU (fleet + Redis) and wall ratios."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     n = sz.shape_turns
-    for shape in SHAPES:
+    for shape in _chosen(fx):
         key = fx.script(*shape.script())
-        kinds = ("turns", "llm", "io" if shape.tool.startswith("aio") else "tools")
+        kinds = ("turns", "llm", "tools" if shape.sync else "io")
         with spied(fx, f"shape{len(rows)}", kinds):
             fleet = bench_turns_with(fx, n, shape.tool, "f", key=key, floor_s=shape.floor_s())
         raw = raw_loop(fx, key, n, shape)
@@ -142,6 +160,7 @@ def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         rows.append(
             {
                 "shape": shape.name,
+                "index": SHAPES.index(shape),
                 "turns": n,
                 "floor_s": round(shape.floor_s(), 2),
                 "fleet_s": fleet["f_seconds"],
@@ -159,7 +178,7 @@ def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
         )
     _first_tokens(fx, sz, rows)
     # Flat keys too: a stage run several times reports each number's median.
-    flat = {f"shape_{i}_{m}": r.get(m) for i, r in enumerate(rows) for m in SHAPE_FIGURES}
+    flat = {f"shape_{r['index']}_{m}": r.get(m) for r in rows for m in SHAPE_FIGURES}
     return {
         **flat,
         "shapes": rows,
@@ -188,7 +207,8 @@ def _first_tokens(fx: BenchRig, sz: Sizes, rows: list[dict[str, Any]]) -> None:
     if not fx.gateway_url:
         return
     measured: dict[tuple[int, int, bool], dict[str, Any]] = {}
-    for shape, row in zip(SHAPES, rows, strict=True):
+    for row in rows:
+        shape = SHAPES[row["index"]]
         first = shape.first_stream()
         if first not in measured:
             key = fx.script(shape.stream([]))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.fleet.broker import broadcast, revoke
@@ -28,7 +28,7 @@ def revoke_unsettled(
     Only the workers running them are told: a task that has not started yet never
     runs, since its start sees the turn's cancel flag. Agent calls have no task: their
     child turns are aborted instead. The SIGKILL is a durable order in Redis that the turn
-    workers' sweepers send when it comes due (`send_due_kills`), so a tool that ignores
+    workers' sweepers send when it comes due (`send_kills`), so a tool that ignores
     SIGTERM dies even when the process that aborted (`agentq abort`) has long exited.
     """
     running = store.running_tasks(turn_id)
@@ -48,24 +48,17 @@ def revoke_unsettled(
     return ids
 
 
-def send_due_kills(r: redis.Redis, app: Celery, now: float) -> int:
-    """Send every escalation due by `now` to the workers running its tasks
-    (`agentq.tools.kill`); each order is sent by the one sweeper whose ZREM takes it.
-    Returns how many orders were sent."""
+def send_kills(r: redis.Redis, app: Celery, due: list[bytes]) -> int:
+    """Send these due escalations to the workers running their tasks (`agentq.tools.kill`);
+    each order is sent by the one sweeper whose ZREM takes it. Returns how many were sent."""
     sent = 0
-    for raw in cast("list[bytes]", r.zrangebyscore(k.KILLS, "-inf", now)):
+    for raw in due:
         if not r.zrem(k.KILLS, raw):
             continue  # another sweeper took it
         order = json.loads(raw)
         broadcast(app, k.KILL_COMMAND, {"targets": order["targets"]}, destination=order["to"])
         sent += 1
     return sent
-
-
-def next_kill_at(r: redis.Redis) -> float | None:
-    """When the soonest escalation comes due (None: none)."""
-    first = r.zrange(k.KILLS, 0, 0, withscores=True)
-    return float(first[0][1]) if first else None
 
 
 def settle_pending(

@@ -16,7 +16,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import redis
 
@@ -32,7 +32,7 @@ from agentq.errors import (
 )
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TERMINAL_STATUSES
-from agentq.orchestrator.abort import next_kill_at, send_due_kills
+from agentq.orchestrator.abort import send_kills
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
 from agentq.orchestrator.machine import advance, fail, fail_headless
@@ -55,6 +55,8 @@ and another step took over; "ended" it ended the turn; "waiting" it let go of th
 which waits for a wake or its next deadline."""
 
 PRUNE_EVERY_S = 60.0
+DUE_PER_PASS = 500
+"""Due wakeups a pass takes of each shard; a pass that took that many sweeps again at once."""
 MIN_SWEEP_WAIT_S = 0.02
 """The shortest wait between two sweeps: wakeups due closer together go in one pass."""
 PRUNE_ROUNDS = 10
@@ -271,11 +273,34 @@ class Sweeper:
     def stop(self) -> None:
         self._stop.set()
 
-    def sweep(self, now: float | None = None) -> int:
-        """One pass; returns how many turns it woke."""
+    def look(self, now: float) -> Look:
+        """What a pass at `now` has to do, in one round trip."""
+        pipe = self.store.redis.pipeline(transaction=False)
+        shards = k.shards()
+        for shard in shards:
+            key = k.wakeups_key(shard)
+            pipe.zrangebyscore(key, "-inf", now, start=0, num=DUE_PER_PASS)
+            pipe.zrangebyscore(key, f"({now!r}", "+inf", start=0, num=1, withscores=True)
+        pipe.zrangebyscore(k.KILLS, "-inf", now)
+        pipe.zrangebyscore(k.KILLS, f"({now!r}", "+inf", start=0, num=1, withscores=True)
+        pipe.zrangebyscore(k.WORKERS, "-inf", now - k.WORKER_ALIVE_TTL_S)
+        *per_shard, kills, next_kill, dead = pipe.execute()
+        due = per_shard[0::2]
+        soonest = [float(score) for rows in (*per_shard[1::2], next_kill) for _, score in rows]
+        if any(len(rows) >= DUE_PER_PASS for rows in due):
+            soonest.append(now)  # the rest of a shard's backlog: sweep again at once
+        return Look(
+            wakeups=[text(t) for rows in due for t in rows],
+            kills=list(kills),
+            dead=[text(w) for w in dead],
+            next_at=min(soonest, default=None),
+        )
+
+    def sweep(self, now: float | None = None) -> Look:
+        """One pass; returns what it found (`next_at`: when the next pass is due)."""
         now = time.time() if now is None else now
-        woke = 0
-        for turn_id in self.store.due_wakeups(now):
+        look = self.look(now)
+        for turn_id in look.wakeups:
             if self.store.claim_wakeup(turn_id, now, self.retry_s):
                 try:
                     send_step(self.app, turn_id)
@@ -284,20 +309,17 @@ class Sweeper:
                     self.store.wake_by(turn_id, now + BROKER_RETRY_S)
                     log.warning("wakeup sweep paused: %s", exc)
                     break
-                woke += 1
         r = self.store.redis
-        send_due_kills(r, self.app, now)
-        for raw in r.zrangebyscore(k.WORKERS, "-inf", now - k.WORKER_ALIVE_TTL_S):
-            host = text(raw)
-            if not r.zrem(k.WORKERS, host):
-                continue  # another sweeper took it
-            woke += self._wake_calls_of(host)
+        send_kills(r, self.app, look.kills)
+        for host in look.dead:
+            if r.zrem(k.WORKERS, host):  # else another sweeper took it
+                self._wake_calls_of(host)
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY_S
             self.prune_index(now)
             # Kept fresh, so agents no worker runs any more drop out of the known ones.
             publish_agents(r, now)
-        return woke
+        return look
 
     def _wake_calls_of(self, host: str) -> int:
         """Wake the turns of a dead worker's calls (their steps settle the running ones as
@@ -322,31 +344,34 @@ class Sweeper:
                 break
         return dropped
 
-    def until_next_s(self, now: float) -> float:
+    def until_next_s(self, now: float, next_at: float | None) -> float:
         """How long to wait before the next pass: the interval, or less when a wakeup
         comes due sooner (a queued model round's slot, mostly: its turn asks for it at
         that moment, not up to an interval late, when the slot may have passed unused)."""
-        due = min(
-            (
-                t
-                for t in (self.store.next_wakeup_at(now), next_kill_at(self.store.redis))
-                if t is not None
-            ),
-            default=None,
-        )
-        if due is None:
+        if next_at is None:
             return self.interval_s
-        return min(self.interval_s, max(due - now, MIN_SWEEP_WAIT_S))
+        return min(self.interval_s, max(next_at - now, MIN_SWEEP_WAIT_S))
 
     def _run(self) -> None:
         wait_s = self.interval_s
         while not self._stop.wait(wait_s):
             wait_s = self.interval_s
             try:
-                self.sweep()
-                wait_s = self.until_next_s(time.time())
+                wait_s = self.until_next_s(time.time(), self.sweep().next_at)
             except Exception:
                 log.warning("wakeup sweep failed", exc_info=True)
+
+
+class Look(NamedTuple):
+    """What one sweep found due, and when the next is."""
+
+    wakeups: list[str]
+    kills: list[bytes]
+    """Kill escalations (`KILLS` members)."""
+    dead: list[str]
+    """Workers that stopped beating."""
+    next_at: float | None
+    """The soonest wakeup or escalation not yet due (None: nothing waits)."""
 
 
 def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:

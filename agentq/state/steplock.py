@@ -20,11 +20,9 @@ from agentq.state.base import (
     StepView,
     StoreBase,
     dispatch_args,
-    each_shard,
     now_ms,
     plan_args,
     step_view,
-    text,
 )
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
@@ -469,24 +467,6 @@ class StepRecords(StoreBase):
         """Bring a pending wakeup forward to `at` (its step could not be sent): none is added
         for a turn that has none, since that turn has ended."""
         self.redis.zadd(k.turn_wakeups_key(turn_id), {turn_id: at}, xx=True, lt=True)
-
-    def due_wakeups(self, now: float, limit: int = 500) -> list[str]:
-        """Turns whose wakeup is due, up to `limit` of each shard, in one round trip."""
-        got = each_shard(
-            self.redis,
-            lambda p, s: p.zrangebyscore(k.wakeups_key(s), "-inf", now, start=0, num=limit),
-        )
-        return [text(t) for raw in got for t in raw]
-
-    def next_wakeup_at(self, now: float) -> float | None:
-        """When the soonest wakeup after `now` comes due (None: none), in one round trip."""
-        got = each_shard(
-            self.redis,
-            lambda p, s: p.zrangebyscore(
-                k.wakeups_key(s), f"({now!r}", "+inf", start=0, num=1, withscores=True
-            ),
-        )
-        return min((float(score) for rows in got for _, score in rows), default=None)
 
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""

@@ -24,6 +24,7 @@ from agentq.events.follow import follow
 from agentq.fleet.connections import cluster_client
 from agentq.local.cluster import LocalCluster
 from agentq.local.processes import wait_for
+from agentq.orchestrator.steps import Sweeper
 
 pytestmark = pytest.mark.integration
 
@@ -185,7 +186,10 @@ def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: Local
         assert len({key_slot(key.encode()) for key in keys}) == 1
         store.create(turn_id, {"status": "queued", "created_at": time.time()}, [])
         assert store.active() == [turn_id]
-        assert turn_id in store.due_wakeups(time.time() + 60)
+        # One sweep's look reads every shard's wakeups, the kills and the workers, on
+        # three masters, in one pipeline.
+        look = Sweeper(store, None, Settings()).look(time.time() + 60)  # type: ignore[arg-type]
+        assert turn_id in look.wakeups and look.kills == [] and look.next_at is None
     finally:
         runtime.reset()
     # WAIT counts one connection's writes; a Cluster client spreads them over many.

@@ -15,6 +15,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.models import TurnStatus
+from agentq.orchestrator.steps import Sweeper
 from agentq.orchestrator.subturns import child_turn_id
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.store import TurnStore
@@ -69,7 +70,8 @@ def test_sweeps_active_turns_and_the_listing_merge_every_shard(shards: int) -> N
     for i, turn_id in enumerate(ids):
         store.create(turn_id, {"status": "running", "created_at": now - 100 + i}, [])
     assert store.active() == ids  # oldest first, whatever their shard
-    assert set(store.due_wakeups(now + 60)) == set(ids)
+    look = Sweeper(store, None, Settings()).look(now + 60)  # type: ignore[arg-type]
+    assert set(look.wakeups) == set(ids)
     store.close(ids[0], TurnStatus.FINISHED, "turn_finished", {})
     assert ids[0] not in store.active()
 

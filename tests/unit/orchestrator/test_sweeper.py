@@ -42,19 +42,38 @@ def test_the_sweeper_waits_only_until_the_next_wakeup_comes_due() -> None:
     store = TurnStore(r)
     sweeper = Sweeper(store, None, Settings(sweep_interval_s=0.25))  # type: ignore[arg-type]
     now = 1_000_000.0
-    assert sweeper.until_next_s(now) == 0.25  # nothing waits
+
+    def wait_s() -> float:
+        return sweeper.until_next_s(now, sweeper.look(now).next_at)
+
+    assert wait_s() == 0.25  # nothing waits
     r.zadd(k.WAKEUPS, {"open": float("inf"), "later": now + 5})
-    assert sweeper.until_next_s(now) == 0.25
+    assert wait_s() == 0.25
     r.zadd(k.WAKEUPS, {"soon": now + 0.1, "due": now - 1})  # `due`: this pass's, not the next
-    assert abs(sweeper.until_next_s(now) - 0.1) < 1e-6
-    assert store.next_wakeup_at(now) == now + 0.1
+    assert abs(wait_s() - 0.1) < 1e-6
+    assert sweeper.look(now).wakeups == ["due"]
     r.zadd(k.WAKEUPS, {"at-once": now + 0.001})
-    assert sweeper.until_next_s(now) == MIN_SWEEP_WAIT_S
+    assert wait_s() == MIN_SWEEP_WAIT_S
+
+
+def test_a_pass_that_took_a_full_batch_of_due_wakeups_sweeps_again_at_once() -> None:
+    from agentq.config import Settings
+    from agentq.orchestrator.steps import DUE_PER_PASS, MIN_SWEEP_WAIT_S, Sweeper
+
+    r = fakeredis.FakeRedis()
+    sweeper = Sweeper(TurnStore(r), None, Settings(sweep_interval_s=0.25))  # type: ignore[arg-type]
+    now = 1_000_000.0
+    r.zadd(k.WAKEUPS, {f"t{i}": now - 1 for i in range(DUE_PER_PASS + 1)})
+    look = sweeper.look(now)
+    assert len(look.wakeups) == DUE_PER_PASS
+    assert sweeper.until_next_s(now, look.next_at) == MIN_SWEEP_WAIT_S
+    r.zrem(k.WAKEUPS, "t0", "t1")
+    assert sweeper.until_next_s(now, sweeper.look(now).next_at) == 0.25
 
 
 def test_an_abort_escalation_is_sent_once_when_due_and_the_sweeper_wakes_for_it() -> None:
     from agentq.config import Settings
-    from agentq.orchestrator.abort import send_due_kills
+    from agentq.orchestrator.abort import send_kills
     from agentq.orchestrator.steps import Sweeper
 
     sent: list[tuple[str, dict[str, object], object]] = []
@@ -71,9 +90,11 @@ def test_an_abort_escalation_is_sent_once_when_due_and_the_sweeper_wakes_for_it(
     order = '{"targets":[["t1",42]],"to":["tools@h"]}'
     r.zadd(k.KILLS, {order: now + 0.5})
     sweeper = Sweeper(TurnStore(r), App(), Settings(sweep_interval_s=0.25))  # type: ignore[arg-type]
-    assert abs(sweeper.until_next_s(now + 0.4) - 0.1) < 1e-6
-    assert send_due_kills(r, App(), now) == 0  # not due yet  # type: ignore[arg-type]
-    # Two sweepers at the due time: one sends it.
-    assert send_due_kills(r, App(), now + 0.5) + send_due_kills(r, App(), now + 0.5) == 1  # type: ignore[arg-type]
+    look = sweeper.look(now + 0.4)
+    assert look.kills == [] and abs(sweeper.until_next_s(now + 0.4, look.next_at) - 0.1) < 1e-6
+    assert sweeper.look(now + 0.5).kills == [order.encode()]
+    # Two sweepers that both found it due: one sends it.
+    due = sweeper.look(now + 0.5).kills
+    assert send_kills(r, App(), due) + send_kills(r, App(), due) == 1  # type: ignore[arg-type]
     assert sent == [("agentq_kill", {"targets": [["t1", 42]]}, ["tools@h"])]
     assert r.zcard(k.KILLS) == 0

@@ -6,7 +6,9 @@ import json
 import time
 
 from agentq import constants as k
+from agentq.config import Settings
 from agentq.models import ToolCall, TurnStatus
+from agentq.orchestrator.steps import Sweeper
 from agentq.state.calls import Started
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
@@ -20,7 +22,8 @@ def test_a_turn_without_a_deadline_stays_among_the_open_ones(store: TurnStore) -
     assert store.lock_step("t1", "a", 5000)
     assert store.release_step("t1", "a", None, 5000) == Released.RELEASED
     assert store.redis.zscore(k.WAKEUPS, "t1") == float("inf")
-    assert store.active() == ["t1"] and store.due_wakeups(time.time() + 3600) == []
+    assert store.active() == ["t1"]
+    assert _sweeper(store).look(time.time() + 3600).wakeups == []
 
 
 def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnStore) -> None:
@@ -51,8 +54,8 @@ def test_a_step_whose_lock_lapsed_cannot_write(store: TurnStore) -> None:
 
 def test_a_due_wakeup_is_claimed_by_one_sweeper(store: TurnStore) -> None:
     store.redis.zadd(k.WAKEUPS, {"t1": 100.0})
-    assert store.due_wakeups(99.0) == []
-    assert store.due_wakeups(100.0) == ["t1"]
+    assert _sweeper(store).look(99.0).wakeups == []
+    assert _sweeper(store).look(100.0).wakeups == ["t1"]
     assert store.claim_wakeup("t1", 100.0, 15) is True
     assert store.claim_wakeup("t1", 100.0, 15) is False  # pushed to 115: its retry
     assert store.redis.zscore(k.WAKEUPS, "t1") == 115.0
@@ -148,3 +151,7 @@ def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lo
     assert store.lock_step("t1", "a", 5000) is True
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == Closed.ENDED
     assert store.step_holder("t1") is None
+
+
+def _sweeper(store: TurnStore) -> Sweeper:
+    return Sweeper(store, None, Settings())  # type: ignore[arg-type]
