@@ -212,8 +212,9 @@ def _first_tokens(fx: BenchRig, sz: Sizes, rows: list[dict[str, Any]]) -> None:
         first = shape.first_stream()
         if first not in measured:
             key = fx.script(shape.stream([]))
-            sides, _ = first_tokens(fx, key, sz.shape_first_token_samples, 3, whole=False)
+            sides, phases = first_tokens(fx, key, sz.shape_first_token_samples, 3, whole=False)
             measured[first] = {
+                "agentq_slowest_first_token_phases_ms": _slowest(sides["agentq"], phases),
                 **{
                     f"{side}_first_token_ms_p{q}": round((pct(xs, q) or 0) * 1000, 1)
                     for side, xs in sides.items()
@@ -227,6 +228,12 @@ def _first_tokens(fx: BenchRig, sz: Sizes, rows: list[dict[str, Any]]) -> None:
     deadline = time.monotonic() + 60
     while store.redis.zcard(k.WAKEUPS) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def _slowest(samples: list[float], phases: dict[str, list[float]]) -> dict[str, float]:
+    """Where agentq's slowest first token's time went: each phase's ms from its POST."""
+    i = max(range(len(samples)), key=samples.__getitem__)
+    return {name: round(xs[i] * 1000, 1) for name, xs in phases.items() if len(xs) == len(samples)}
 
 
 def _worst(rows: list[dict[str, Any]], figure: str) -> float | None:

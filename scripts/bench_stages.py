@@ -160,7 +160,7 @@ class BenchRig:
         else:
             self.redis = RedisServer().start()
             url = self.redis.url
-        self.llm = ScriptedOpenAIServer(rate_limit=self.limits).start()
+        self.llm = ScriptedOpenAIServer(rate_limit=self.limits, keep_requests=False).start()
         self.env = {
             "AGENTQ_REDIS_URL": url,
             "AGENTQ_TOOLS": "agentq.testing.tools,tests.waitpoint_tools",

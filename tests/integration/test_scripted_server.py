@@ -271,3 +271,15 @@ def test_a_server_that_closes_every_connection_serves_the_sdk() -> None:
 
         assert asyncio.run(streams()) == ["hello there"] * 3
         assert srv.connections_accepted == 5
+
+
+def test_a_server_told_to_keep_no_request_bodies_keeps_none() -> None:
+    # The command line's server (agentq dev, the bench): nothing can read them there.
+    with ScriptedOpenAIServer({"quick": [Round(text="hi")]}, keep_requests=False) as srv:
+        with httpx.Client(base_url=srv.url, timeout=5) as client:
+            text, _ = _stream_text(client, "quick")
+        assert text.rstrip().endswith("[DONE]") and srv.requests == []
+    with ScriptedOpenAIServer({"quick": [Round(text="hi")]}) as srv:
+        with httpx.Client(base_url=srv.url, timeout=5) as client:
+            _stream_text(client, "quick")
+        assert [m["content"] for m in srv.requests[0]["messages"]] == ["quick"]
