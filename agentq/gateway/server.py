@@ -81,8 +81,10 @@ class BackgroundServer(Started):
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.port: int = self._sock.getsockname()[1]
+        # The graceful shutdown `agentq serve` has: an open SSE stream ends at its next poll
+        # (up to a second), and a shorter grace cut streams a loaded machine had not ended.
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
         )
         self.server = GatewayServer(config)
         self._thread = threading.Thread(
