@@ -132,8 +132,7 @@ class ScriptedOpenAIServer(Started):
     ) -> None:
         self.keep_requests = keep_requests
         """Keep each request's body in `requests`, for a test to read. The command line's
-        server keeps none: nothing can read them there, and a long bench's thousands made
-        the server's garbage collections pause its streams for 100 ms now and then."""
+        server keeps none: nothing can read them there, and they would only grow."""
         self.refuse_chat_tools = refuse_chat_tools
         """Play a reasoning model that refuses function tools on Chat Completions (400)."""
         self.responses_api = responses_api
