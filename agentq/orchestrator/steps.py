@@ -321,12 +321,13 @@ class Sweeper:
             publish_agents(r, now)
         return look
 
-    def _wake_calls_of(self, host: str) -> int:
+    def _wake_calls_of(self, host: str) -> None:
         """Wake the turns of a dead worker's calls (their steps settle the running ones as
-        lost); how many were woken."""
+        lost)."""
         turns = self.store.turns_running_on(host)
         log.warning("worker %s stopped beating; waking the %d turns of its calls", host, len(turns))
-        return sum(int(self.store.wake(t)) for t in turns)
+        for turn_id in turns:
+            self.store.wake(turn_id)
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""
