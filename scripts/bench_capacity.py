@@ -148,7 +148,7 @@ def _fleet_mb(fx: BenchRig, kinds: tuple[str, ...]) -> float:
     return round(sum(mem.get(k_, 0.0) for k_ in kinds), 1)
 
 
-def _cpu_s_by_kind(fx: BenchRig) -> dict[str, float]:
+def cpu_s_by_kind(fx: BenchRig) -> dict[str, float]:
     """CPU seconds used so far by each process kind (pool children included); "bench" is
     this process, which also serves the scripted model."""
     pids: dict[int, str] = {os.getpid(): "bench"}
@@ -194,7 +194,7 @@ def bench_turns_with(
     before = _fleet_mb(fx, kinds)
     peak_all = _fleet_mb(fx, everything)
     peak = before
-    cpu_before = _cpu_s_by_kind(fx)
+    cpu_before = cpu_s_by_kind(fx)
     commands_before = redis_commands(store.redis)
     since = time.time()
     t0 = time.perf_counter()
@@ -219,7 +219,7 @@ def bench_turns_with(
     statuses = turn_statuses(store, ids)
     # To the hundredth: a --quick shape's fleet spends about 1 CPU-s, where tenths of each
     # process, summed, moved its ratio by up to a fifth.
-    spent = {kind: v - cpu_before.get(kind, 0.0) for kind, v in _cpu_s_by_kind(fx).items()}
+    spent = {kind: v - cpu_before.get(kind, 0.0) for kind, v in cpu_s_by_kind(fx).items()}
     cpu = {kind: round(v, 2) for kind, v in spent.items() if v >= 0.005}
     counts = Counter(str(s) for s in statuses)
     phases = _phase_ms(store, ids, since)

@@ -22,6 +22,42 @@ from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any
 
 
+def add_chunk(chunk: Any, text: list[str], calls: dict[int, dict[str, Any]]) -> None:
+    """Fold one streamed chunk into the round's text and tool calls."""
+    if not chunk.choices:
+        return
+    delta = chunk.choices[0].delta
+    if delta.content:
+        text.append(delta.content)
+    for tc in delta.tool_calls or []:
+        call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+        call["id"] = tc.id or call["id"]
+        if tc.function is not None:
+            call["name"] += tc.function.name or ""
+            call["arguments"] += tc.function.arguments or ""
+
+
+def assistant_message(text: list[str], calls: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The round's answer as the next request's history has it."""
+    return {
+        "role": "assistant",
+        "content": "".join(text) or None,
+        "tool_calls": [
+            {
+                "id": c["id"],
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for c in calls.values()
+        ],
+    }
+
+
+def tool_seconds(call: dict[str, Any]) -> float:
+    """How long the shapes' tools (`aio_sleep`, `stamp`) wait."""
+    return float(json.loads(call["arguments"] or "{}").get("seconds", 0))
+
+
 async def one_turn(client: Any, model: str, prompt: str, pool: Executor | None = None) -> bool:
     messages: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
     for _ in range(MAX_ROUNDS):
@@ -29,39 +65,15 @@ async def one_turn(client: Any, model: str, prompt: str, pool: Executor | None =
         calls: dict[int, dict[str, Any]] = {}
         stream = await client.chat.completions.create(model=model, messages=messages, stream=True)
         async for chunk in stream:
-            if not chunk.choices:
-                continue
-            delta = chunk.choices[0].delta
-            if delta.content:
-                text.append(delta.content)
-            for tc in delta.tool_calls or []:
-                call = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
-                call["id"] = tc.id or call["id"]
-                if tc.function is not None:
-                    call["name"] += tc.function.name or ""
-                    call["arguments"] += tc.function.arguments or ""
+            add_chunk(chunk, text, calls)
         if not calls:
             return True
-        messages.append(
-            {
-                "role": "assistant",
-                "content": "".join(text) or None,
-                "tool_calls": [
-                    {
-                        "id": c["id"],
-                        "type": "function",
-                        "function": {"name": c["name"], "arguments": c["arguments"]},
-                    }
-                    for c in calls.values()
-                ],
-            }
-        )
+        messages.append(assistant_message(text, calls))
         for c in calls.values():
-            seconds = float(json.loads(c["arguments"] or "{}").get("seconds", 0))
             if pool is None:
-                await asyncio.sleep(seconds)  # the aio_sleep tool
+                await asyncio.sleep(tool_seconds(c))  # the aio_sleep tool
             else:
-                await asyncio.get_running_loop().run_in_executor(pool, time.sleep, seconds)
+                await asyncio.get_running_loop().run_in_executor(pool, time.sleep, tool_seconds(c))
             messages.append({"role": "tool", "tool_call_id": c["id"], "content": "null"})
     return False
 

@@ -317,8 +317,12 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
             )
     con.print(d)
     if res.get("shapes"):
-        sh = Table(title="io on workload shapes: the fleet (+ Redis) against a raw-SDK loop")
-        cols = ("shape", "turns", "floor s", "fleet s", "raw s", "CPU ratio", "wall ratio")
+        sh = Table(
+            title="io on workload shapes: the fleet (+ Redis) and plain Celery tasks (+ Redis) "
+            "against a raw-SDK loop"
+        )
+        cols = ("shape", "turns", "floor s", "fleet s", "Celery s", "raw s", "CPU ratio")
+        cols += ("wall ratio", "Celery's CPU ratio", "fleet CPU / Celery's")
         for col in (*cols, "first token over the SDK direct, ms p50 / p99"):
             sh.add_column(col)
         for r in res["shapes"]:
@@ -328,9 +332,12 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
                 str(r["turns"]),
                 str(r["floor_s"]),
                 str(r["fleet_s"]),
+                str(r.get("celery_s")),
                 str(r["raw_s"]),
                 spread(res, f"shape_{i}_cpu_ratio"),
                 spread(res, f"shape_{i}_wall_ratio"),
+                spread(res, f"shape_{i}_celery_cpu_ratio"),
+                spread(res, f"shape_{i}_cpu_vs_celery"),
                 f"{spread(res, f'shape_{i}_first_token_over_direct_ms_p50')} / "
                 f"{spread(res, f'shape_{i}_first_token_over_direct_ms_p99')}",
             )

@@ -1,11 +1,15 @@
-"""The io stage on several workload shapes (`shapes`): each shape's turns on the fleet and
-the same turns as a raw-SDK asyncio loop, one after the other in one run, with the ratios of
-their CPU and wall time.
+"""The io stage on several workload shapes (`shapes`): each shape's turns on the fleet, as
+plain Celery tasks and as a raw-SDK asyncio loop, one after the other in one run, with the
+ratios of their CPU and wall time.
 
 The io stage's own shape (keep-alive connections, 80 characters over 2 s, one async tool)
 is one of many a fleet meets: a server that closes the connection after each stream,
 answers long or short, streamed a word at a time or in one burst, one round or several,
 tools sync or async. An improvement measured on one shape only may not carry to another.
+
+The plain Celery turn (`scripts.bench_celery_app.turn_round`) is the floor of any design that
+hands each round and each tool call to Celery: where it costs more than the raw loop, the
+fleet's ratio to it says how much of the difference is agentq's own.
 """
 
 from __future__ import annotations
@@ -16,14 +20,20 @@ import os
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentq.fleet import runtime
+from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess
 from agentq.testing.openai_server import Round, ScriptedCall
-from scripts.bench_capacity import bench_turns_with
+from scripts.bench_capacity import bench_turns_with, cpu_s_by_kind
 from scripts.bench_first_token import first_tokens, over_direct
-from scripts.bench_stages import BenchRig, Sizes, pct
+from scripts.bench_raw_sdk import TURNS_PER_CLIENT
+from scripts.bench_stages import READY_TIMEOUT_S, ROOT, BenchRig, Sizes, pct
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,83 @@ def raw_loop(fx: BenchRig, key: str, n: int, shape: Shape) -> dict[str, Any]:
     return res
 
 
+PLAIN_ROUNDS = "celery rounds"
+PLAIN_SYNC_TOOLS = "celery sync tools"
+
+
+@contextlib.contextmanager
+def plain_celery_workers(fx: BenchRig, n: int, sync: bool) -> Iterator[None]:
+    """The plain Celery turn's workers, for the stage only: a thread pool as wide as the
+    turns at once for the rounds (and the async-shaped tools), and, for a sync tool, a
+    prefork pool as wide as agentq's tool worker."""
+    from scripts.bench_celery_app import ROUNDS, SYNC_TOOLS
+
+    assert fx.local is not None
+    local = fx.local
+
+    clients = {"BENCH_PLAIN_CLIENTS": str(-(-n // TURNS_PER_CLIENT))}
+
+    def worker(kind: str, pool: str, concurrency: int, queue: str) -> ManagedProcess:
+        argv = [sys.executable, "-m", "celery", "-A", "scripts.bench_celery_app", "worker"]
+        argv += ["-P", pool, "-c", str(concurrency), "-Q", queue, "--loglevel", "INFO"]
+        argv += ["--hostname", f"bench-{kind.replace(' ', '-')}-{fx.run_id}@%h"]
+        return local.start(
+            kind,
+            argv,
+            env=clients if pool == "threads" else None,
+            cwd=ROOT,
+            ready_pattern=CELERY_READY_PATTERN,
+            ready_timeout_s=READY_TIMEOUT_S,
+        )
+
+    wanted = [(PLAIN_ROUNDS, "threads", n, ROUNDS)]
+    if sync:
+        wanted.append((PLAIN_SYNC_TOOLS, "prefork", fx.args.tool_concurrency, SYNC_TOOLS))
+    with ThreadPoolExecutor(len(wanted)) as pool:
+        futures = [pool.submit(worker, *w) for w in wanted]
+    try:
+        for f in futures:
+            f.result()
+        yield
+    finally:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+                local.retire(f.result())
+
+
+def plain_celery(fx: BenchRig, key: str, n: int, shape: Shape) -> dict[str, Any]:
+    """The shape's turns as plain Celery tasks: seconds, and CPU of its workers + Redis."""
+    from scripts.bench_celery_app import ROUNDS, SYNC_TOOLS, turn_round
+
+    r = runtime.get_redis()
+    done_key = f"bench:plain:{uuid.uuid4().hex}"
+    kinds = (PLAIN_ROUNDS, "redis", *((PLAIN_SYNC_TOOLS,) if shape.sync else ()))
+    tool_queue = SYNC_TOOLS if shape.sync else ROUNDS
+    before = cpu_s_by_kind(fx)
+    t0 = time.perf_counter()
+    for i in range(n):
+        turn_round.apply_async(
+            ([{"role": "user", "content": f"{key} #{i}"}], done_key, tool_queue), queue=ROUNDS
+        )
+    finished = 0
+    while time.perf_counter() - t0 < 300:
+        finished = int(r.get(done_key) or 0)
+        if finished >= n:
+            break
+        time.sleep(0.05)
+    took = time.perf_counter() - t0
+    after = cpu_s_by_kind(fx)
+    r.delete(done_key)
+    spent = {kind: round(after.get(kind, 0.0) - before.get(kind, 0.0), 2) for kind in kinds}
+    return {
+        "finished": finished,
+        "seconds": round(took, 2),
+        "cpu_s": round(sum(spent.values()), 2),
+        "cpu_s_by_process": spent,
+    }
+
+
 @contextlib.contextmanager
 def spied(fx: BenchRig, tag: str, kinds: tuple[str, ...]) -> Any:
     """py-spy on each of `kinds` (pool children too) while the block runs, when the bench
@@ -146,36 +233,10 @@ def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     n = sz.shape_turns
-    for shape in _chosen(fx):
-        key = fx.script(*shape.script())
-        kinds = ("turns", "llm", "tools" if shape.sync else "io")
-        with spied(fx, f"shape{len(rows)}", kinds):
-            fleet = bench_turns_with(fx, n, shape.tool, "f", key=key, floor_s=shape.floor_s())
-        raw = raw_loop(fx, key, n, shape)
-        if not fleet["f_all_settled"] or raw["finished"] != n:
-            notes.append(
-                f"shapes: {shape.name}: fleet {fleet['f_statuses']}, raw loop "
-                f"{raw['finished']}/{n} ({raw.get('errors')})"
-            )
-        rows.append(
-            {
-                "shape": shape.name,
-                "index": SHAPES.index(shape),
-                "turns": n,
-                "floor_s": round(shape.floor_s(), 2),
-                "fleet_s": fleet["f_seconds"],
-                "raw_s": raw["seconds"],
-                "fleet_cpu_s": fleet["f_fleet_cpu_s"],
-                "raw_cpu_s": raw["cpu_s"],
-                "cpu_ratio": round(fleet["f_fleet_cpu_s"] / raw["cpu_s"], 2)
-                if raw["cpu_s"]
-                else None,
-                "wall_ratio": round(fleet["f_seconds"] / raw["seconds"], 2)
-                if raw["seconds"]
-                else None,
-                "fleet_cpu_s_by_process": fleet["f_cpu_s_by_process"],
-            }
-        )
+    shapes = _chosen(fx)
+    with plain_celery_workers(fx, n, any(s.sync for s in shapes)):
+        for shape in shapes:
+            rows.append(_one_shape(fx, n, shape, notes))
     _first_tokens(fx, sz, rows)
     # Flat keys too: a stage run several times reports each number's median.
     flat = {f"shape_{r['index']}_{m}": r.get(m) for r in rows for m in SHAPE_FIGURES}
@@ -187,9 +248,52 @@ def bench_shapes(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     }
 
 
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 2) if b else None
+
+
+def _one_shape(fx: BenchRig, n: int, shape: Shape, notes: list[str]) -> dict[str, Any]:
+    """One shape on the fleet, as plain Celery tasks and on the raw loop, in that order."""
+    key = fx.script(*shape.script())
+    kinds = ("turns", "llm", "tools" if shape.sync else "io")
+    with spied(fx, f"shape{SHAPES.index(shape)}", kinds):
+        fleet = bench_turns_with(fx, n, shape.tool, "f", key=key, floor_s=shape.floor_s())
+    plain_kinds = (PLAIN_ROUNDS, *((PLAIN_SYNC_TOOLS,) if shape.sync else ()))
+    with spied(fx, f"shape{SHAPES.index(shape)}-plain", plain_kinds):
+        plain = plain_celery(fx, key, n, shape)
+    raw = raw_loop(fx, key, n, shape)
+    if not fleet["f_all_settled"] or raw["finished"] != n or plain["finished"] != n:
+        notes.append(
+            f"shapes: {shape.name}: fleet {fleet['f_statuses']}, plain Celery "
+            f"{plain['finished']}/{n}, raw loop {raw['finished']}/{n} ({raw.get('errors')})"
+        )
+    return {
+        "shape": shape.name,
+        "index": SHAPES.index(shape),
+        "turns": n,
+        "floor_s": round(shape.floor_s(), 2),
+        "fleet_s": fleet["f_seconds"],
+        "celery_s": plain["seconds"],
+        "raw_s": raw["seconds"],
+        "fleet_cpu_s": fleet["f_fleet_cpu_s"],
+        "celery_cpu_s": plain["cpu_s"],
+        "raw_cpu_s": raw["cpu_s"],
+        "cpu_ratio": _ratio(fleet["f_fleet_cpu_s"], raw["cpu_s"]),
+        "wall_ratio": _ratio(fleet["f_seconds"], raw["seconds"]),
+        "celery_cpu_ratio": _ratio(plain["cpu_s"], raw["cpu_s"]),
+        "celery_wall_ratio": _ratio(plain["seconds"], raw["seconds"]),
+        "cpu_vs_celery": _ratio(fleet["f_fleet_cpu_s"], plain["cpu_s"]),
+        "fleet_cpu_s_by_process": fleet["f_cpu_s_by_process"],
+        "celery_cpu_s_by_process": plain["cpu_s_by_process"],
+    }
+
+
 SHAPE_FIGURES = (
     "cpu_ratio",
     "wall_ratio",
+    "celery_cpu_ratio",
+    "celery_wall_ratio",
+    "cpu_vs_celery",
     "first_token_over_direct_ms_p50",
     "first_token_over_direct_ms_p99",
 )
