@@ -99,6 +99,8 @@ KEYS = (
     "io_wall_vs_raw_sdk",
     "shapes_worst_cpu_ratio",
     "shapes_worst_wall_ratio",
+    "shapes_worst_celery_cpu_ratio",
+    "shapes_worst_cpu_vs_celery",
     "shapes_worst_first_token_over_direct_ms_p50",
     "shapes_worst_first_token_over_direct_ms_p99",
     "first_token_agentq_ms_p50",

@@ -32,6 +32,7 @@ from scripts.bench_raw_sdk import (
     add_chunk,
     assistant_message,
     tool_seconds,
+    warm_up,
 )
 
 QUEUE = "bench.noop"
@@ -92,6 +93,7 @@ def _warm(**_: Any) -> None:
         )
         client.chat.completions  # noqa: B018  (the SDK loads its resources on first use)
         _clients.append(client)
+    warm_up()
 
 
 def _client() -> Any:
