@@ -243,6 +243,7 @@ class ScriptedOpenAIServer(Started):
             await self._route(conn, request)
         except ClientGone:
             self._client_gone()
+            raise
 
     async def _route(self, conn: Conn, request: Request) -> None:
         path, method = request.scope["path"], request.method

@@ -55,6 +55,9 @@ def error_body(kind: str, message: str) -> bytes:
 
 Message = dict[str, Any]
 
+GONE_WAIT_S = 1.0
+"""How long an answer whose client went away waits for uvicorn to see the close."""
+
 
 class Conn:
     """One request's response, as the code answering it plays it: whole, or as chunks."""
@@ -262,7 +265,9 @@ class ThreadedServer:
             if not self._stopping:
                 raise
         except ClientGone:
-            pass
+            # The transport may close before uvicorn has run its connection_lost: returning
+            # first, with the body unfinished, is an app error to it, as in `Conn.cut`.
+            await conn.wait_gone(GONE_WAIT_S)
         except Exception:
             log.exception("%s: %s %s failed", self._name, request.method, request.url.path)
             if not conn.responded:

@@ -283,3 +283,31 @@ def test_a_server_told_to_keep_no_request_bodies_keeps_none() -> None:
         with httpx.Client(base_url=srv.url, timeout=5) as client:
             _stream_text(client, "quick")
         assert [m["content"] for m in srv.requests[0]["messages"]] == ["quick"]
+
+
+def test_a_client_that_leaves_mid_burst_is_no_app_error(caplog: pytest.LogCaptureFixture) -> None:
+    """A client that reads one chunk of a burst and closes (as a turn aborted at its first
+    delta does) is counted as gone, and uvicorn sees an answer that ended with its client,
+    not an app that returned with its response unfinished."""
+    burst = Round(text="word " * 4000, chunk_delay_ms=0)
+    caplog.set_level("INFO", logger="uvicorn.error")
+    with ScriptedOpenAIServer({"burst": [burst]}) as srv:
+
+        async def leave_early() -> None:
+            messages = [{"role": "user", "content": "burst"}]
+            body = {"model": "m", "stream": True, "messages": messages}
+            async with httpx.AsyncClient() as client:
+                url = f"{srv.url}/chat/completions"
+                async with client.stream("POST", url, json=body) as response:
+                    async for line in response.aiter_lines():
+                        if "content" in line:
+                            break
+
+        async def main() -> None:
+            for _ in range(10):
+                await leave_early()
+
+        asyncio.run(main())
+        wait_until(lambda: srv.closed_by_client == 10, what="ten clients counted as gone")
+    unfinished = [r for r in caplog.records if "without completing response" in r.getMessage()]
+    assert not unfinished, [r.getMessage() for r in unfinished]
