@@ -115,6 +115,11 @@ PLAIN_ROUNDS = "celery rounds"
 PLAIN_SYNC_TOOLS = "celery sync tools"
 
 
+def plain_kinds(shape: Shape) -> tuple[str, ...]:
+    """The plain Celery turn's worker kinds a shape runs on."""
+    return (PLAIN_ROUNDS, *((PLAIN_SYNC_TOOLS,) if shape.sync else ()))
+
+
 @contextlib.contextmanager
 def plain_celery_workers(fx: BenchRig, n: int, sync: bool) -> Iterator[None]:
     """The plain Celery turn's workers, for the stage only: a thread pool as wide as the
@@ -162,7 +167,7 @@ def plain_celery(fx: BenchRig, key: str, n: int, shape: Shape) -> dict[str, Any]
 
     r = runtime.get_redis()
     done_key = f"bench:plain:{uuid.uuid4().hex}"
-    kinds = (PLAIN_ROUNDS, "redis", *((PLAIN_SYNC_TOOLS,) if shape.sync else ()))
+    kinds = (*plain_kinds(shape), "redis")
     tool_queue = SYNC_TOOLS if shape.sync else ROUNDS
     before = cpu_s_by_kind(fx)
     t0 = time.perf_counter()
@@ -255,11 +260,11 @@ def _ratio(a: float, b: float) -> float | None:
 def _one_shape(fx: BenchRig, n: int, shape: Shape, notes: list[str]) -> dict[str, Any]:
     """One shape on the fleet, as plain Celery tasks and on the raw loop, in that order."""
     key = fx.script(*shape.script())
+    index = SHAPES.index(shape)
     kinds = ("turns", "llm", "tools" if shape.sync else "io")
-    with spied(fx, f"shape{SHAPES.index(shape)}", kinds):
+    with spied(fx, f"shape{index}", kinds):
         fleet = bench_turns_with(fx, n, shape.tool, "f", key=key, floor_s=shape.floor_s())
-    plain_kinds = (PLAIN_ROUNDS, *((PLAIN_SYNC_TOOLS,) if shape.sync else ()))
-    with spied(fx, f"shape{SHAPES.index(shape)}-plain", plain_kinds):
+    with spied(fx, f"shape{index}-plain", plain_kinds(shape)):
         plain = plain_celery(fx, key, n, shape)
     raw = raw_loop(fx, key, n, shape)
     if not fleet["f_all_settled"] or raw["finished"] != n or plain["finished"] != n:
@@ -269,7 +274,7 @@ def _one_shape(fx: BenchRig, n: int, shape: Shape, notes: list[str]) -> dict[str
         )
     return {
         "shape": shape.name,
-        "index": SHAPES.index(shape),
+        "index": index,
         "turns": n,
         "floor_s": round(shape.floor_s(), 2),
         "fleet_s": fleet["f_seconds"],
