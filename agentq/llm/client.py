@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 import openai
-import pydantic
 
 from agentq.errors import (
     MalformedStreamChunk,
@@ -85,39 +84,77 @@ def chat_request(
 
 
 def _field(obj: object, name: str) -> Any:
-    """A chunk's field, whether the chunk is a dict (raw JSON) or an SDK object."""
-    if isinstance(obj, dict):
-        return obj.get(name)
-    return getattr(obj, name, None)
+    """A field of a chunk's JSON object; None when it has none or is no object."""
+    return obj.get(name) if isinstance(obj, dict) else None
 
 
 @dataclass
-class _PartialCall:
+class PartialCall:
     id: str = ""
     name: str = ""
     arguments: list[str] = field(default_factory=list)
+    done: str | None = None
+    """Its whole arguments, when the stream sent them so (Responses), else the deltas'."""
 
 
-class ChatAssembler:
-    """Builds the assistant message from chunk deltas, checking their shape."""
+class Assembler:
+    """What both APIs' assemblers share: the text, reasoning and tool calls a stream's
+    deltas build, published as they come, and the message they make."""
 
     def __init__(self, on_delta: DeltaCallback) -> None:
         self._on_delta = on_delta
         self._text: list[str] = []
         self._reasoning: list[str] = []
-        self._calls: dict[int, _PartialCall] = {}
-        self._finish_reason: str | None = None
+        self._calls: dict[int, PartialCall] = {}
         self._usage: Usage | None = None
         self._last_index = -1
+
+    def _say(self, kind: str, text: str) -> None:
+        (self._text if kind == "text" else self._reasoning).append(text)
+        self._on_delta(kind, text)
+
+    @property
+    def has_output(self) -> bool:
+        """Whether the model said anything yet: text, reasoning or a tool call."""
+        return bool(self._text or self._reasoning or self._calls)
+
+    def _message(self, finish_reason: str | None, **extra: Any) -> AssistantMessage:
+        calls: list[ToolCall] = []
+        for position in sorted(self._calls):
+            call = self._calls[position]
+            if not call.name:
+                bad(self._last_index, f"tool call at {position} has no name")
+            arguments = "".join(call.arguments) if call.done is None else call.done
+            calls.append(
+                ToolCall(
+                    id=call.id or f"call_{uuid.uuid4().hex[:24]}",
+                    name=call.name,
+                    arguments=arguments or "{}",
+                )
+            )
+        return AssistantMessage(
+            content="".join(self._text),
+            reasoning="".join(self._reasoning),
+            tool_calls=tuple(calls),
+            finish_reason=finish_reason,
+            usage=self._usage,
+            **extra,
+        )
+
+
+class ChatAssembler(Assembler):
+    """Builds the assistant message from chunk deltas, checking their shape."""
+
+    _finish_reason: str | None = None
 
     def add(self, chunk: object, index: int) -> None:
         self._last_index = index
         choices = _field(chunk, "choices")
         usage = _field(chunk, "usage")
         if choices is None and usage is None:
-            _bad(index, "chunk has neither 'choices' nor 'usage'")
+            bad(index, "chunk has neither 'choices' nor 'usage'")
         if choices is not None and not isinstance(choices, list):
-            _bad(index, "'choices' is not a list")
+            bad(index, "'choices' is not a list")
         if usage is not None:
             self._usage = _usage(usage, index)
         for choice in choices or ():
@@ -126,107 +163,74 @@ class ChatAssembler:
                 self._add_choice(choice, index)
 
     def _add_choice(self, choice: object, index: int) -> None:
-        finish = _opt_str(choice, "finish_reason", index)
+        finish = opt_str(choice, "finish_reason", index)
         if finish is not None:
             self._finish_reason = finish
         delta = _field(choice, "delta")
         if delta is None:
             return
-        if not isinstance(delta, (dict, pydantic.BaseModel)):
-            _bad(index, "'delta' is not an object")
-        reasoning = _opt_str(delta, "reasoning_content", index) or _opt_str(
-            delta, "reasoning", index
-        )
+        if not isinstance(delta, dict):
+            bad(index, "'delta' is not an object")
+        reasoning = opt_str(delta, "reasoning_content", index) or opt_str(delta, "reasoning", index)
         if reasoning:
-            self._reasoning.append(reasoning)
-            self._on_delta("reasoning", reasoning)
-        text = _opt_str(delta, "content", index)
+            self._say("reasoning", reasoning)
+        text = opt_str(delta, "content", index)
         if text:
-            self._text.append(text)
-            self._on_delta("text", text)
-        calls = _field(delta, "tool_calls")
+            self._say("text", text)
+        calls = delta.get("tool_calls")
         if calls is None:
             return
         if not isinstance(calls, list):
-            _bad(index, "'tool_calls' is not a list")
+            bad(index, "'tool_calls' is not a list")
         for call in calls:
             self._add_call(call, index)
 
     def _add_call(self, call: object, index: int) -> None:
         position = _field(call, "index")
         if not isinstance(position, int):
-            _bad(index, "tool call delta without an integer 'index'")
-        partial = self._calls.setdefault(position, _PartialCall())
-        call_id = _opt_str(call, "id", index)
-        if call_id and not partial.id:
-            partial.id = call_id
+            bad(index, "tool call delta without an integer 'index'")
+        partial = self._calls.setdefault(position, PartialCall())
+        call_id = opt_str(call, "id", index)
+        partial.id = partial.id or call_id or ""
         function = _field(call, "function")
         if function is None:
             return
-        name = _opt_str(function, "name", index)
-        if name and not partial.name:
-            partial.name = name
-        arguments = _opt_str(function, "arguments", index)
+        name = opt_str(function, "name", index)
+        partial.name = partial.name or name or ""
+        arguments = opt_str(function, "arguments", index)
         if arguments:
             partial.arguments.append(arguments)
 
-    @property
-    def has_output(self) -> bool:
-        """Whether the model said anything yet: text, reasoning or a tool call."""
-        return bool(self._text or self._reasoning or self._calls)
-
     def message(self) -> AssistantMessage:
-        calls: list[ToolCall] = []
-        for position in sorted(self._calls):
-            partial = self._calls[position]
-            if not partial.name:
-                _bad(self._last_index, f"tool call at index {position} has no function name")
-            calls.append(
-                ToolCall(
-                    id=partial.id or f"call_{uuid.uuid4().hex[:24]}",
-                    name=partial.name,
-                    arguments="".join(partial.arguments) or "{}",
-                )
-            )
-        return AssistantMessage(
-            content="".join(self._text),
-            reasoning="".join(self._reasoning),
-            tool_calls=tuple(calls),
-            finish_reason=self._finish_reason,
-            usage=self._usage,
-        )
+        return self._message(self._finish_reason)
 
 
-def _bad(index: int, detail: str) -> NoReturn:
+def bad(index: int, detail: str) -> NoReturn:
     raise MalformedStreamChunk(index, detail)
 
 
-def _opt_str(obj: object, name: str, index: int) -> str | None:
+def opt_str(obj: object, name: str, index: int) -> str | None:
     value = _field(obj, name)
     if value is not None and not isinstance(value, str):
-        _bad(index, f"'{name}' is not a string")
+        bad(index, f"'{name}' is not a string")
+    return value
+
+
+def token_count(usage: object, name: str, index: int) -> int:
+    """A count of a usage object (0 when absent)."""
+    value = _field(usage, name) or 0
+    if not isinstance(value, int):
+        bad(index, f"usage '{name}' is not an integer")
     return value
 
 
 def _usage(usage: object, index: int) -> Usage:
-    counts: dict[str, int] = {}
-    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
-        value = _field(usage, name) or 0
-        if not isinstance(value, int):
-            _bad(index, f"usage '{name}' is not an integer")
-        counts[name] = value
-    details = _field(usage, "prompt_tokens_details")
-    cached = (_field(details, "cached_tokens") if details is not None else None) or 0
-    if not isinstance(cached, int):
-        _bad(index, "usage 'prompt_tokens_details.cached_tokens' is not an integer")
-    output = _field(usage, "completion_tokens_details")
-    reasoning = (_field(output, "reasoning_tokens") if output is not None else None) or 0
-    if not isinstance(reasoning, int):
-        _bad(index, "usage 'completion_tokens_details.reasoning_tokens' is not an integer")
     return Usage(
-        prompt_tokens=counts["prompt_tokens"],
-        completion_tokens=counts["completion_tokens"],
-        total_tokens=counts["total_tokens"],
-        cached_tokens=cached,
-        reasoning_tokens=reasoning,
+        prompt_tokens=token_count(usage, "prompt_tokens", index),
+        completion_tokens=token_count(usage, "completion_tokens", index),
+        total_tokens=token_count(usage, "total_tokens", index),
+        cached_tokens=token_count(_field(usage, "prompt_tokens_details"), "cached_tokens", index),
+        reasoning_tokens=token_count(
+            _field(usage, "completion_tokens_details"), "reasoning_tokens", index
+        ),
     )

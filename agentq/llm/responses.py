@@ -16,15 +16,21 @@ import collections
 import functools
 import json
 import logging
-import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn
 
-from agentq.errors import MalformedStreamChunk, ModelIncomplete, ModelResponseFailed
-from agentq.llm.client import DeltaCallback, Tools
+from agentq.errors import ModelIncomplete, ModelResponseFailed
+from agentq.llm.client import (
+    Assembler,
+    DeltaCallback,
+    PartialCall,
+    Tools,
+    bad,
+    opt_str,
+    token_count,
+)
 from agentq.llm.reasoning import REASONING_ITEMS
-from agentq.models import AssistantMessage, ToolCall, Usage
+from agentq.models import AssistantMessage, Usage
 
 log = logging.getLogger("agentq.llm")
 
@@ -151,41 +157,27 @@ def output_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "name": safe, "schema": schema, "strict": False}
 
 
-@dataclass
-class _Call:
-    item_id: str = ""
-    call_id: str = ""
-    name: str = ""
-    arguments: list[str] = field(default_factory=list)
-    done: str | None = None
-
-
-class ResponsesAssembler:
+class ResponsesAssembler(Assembler):
     """Builds the assistant message from a Responses stream's events, checking their
     shape. The same interface as the chat stream's assembler (`add`, `has_output`,
     `message`), so the attempt reading the stream (its watchdog, its duration budget,
     its retries) is one for both APIs."""
 
     def __init__(self, on_delta: DeltaCallback) -> None:
-        self._on_delta = on_delta
-        self._text: list[str] = []
-        self._reasoning: list[str] = []
+        super().__init__(on_delta)
         self._reasoning_items: list[dict[str, Any]] = []
         self._texts_seen: set[int] = set()
-        self._calls: dict[int, _Call] = {}
-        self._usage: Usage | None = None
         self._ended = False
-        self._last_index = -1
         self.output_events = 0
         """Events that carried output: a retry after one would show it twice."""
 
     def add(self, event: object, index: int) -> None:
         self._last_index = index
         if not isinstance(event, dict):
-            _bad(index, "event is not an object")
+            bad(index, "event is not an object")
         kind = event.get("type")
         if not isinstance(kind, str):
-            _bad(index, "event has no string 'type'")
+            bad(index, "event has no string 'type'")
         handler = _HANDLERS.get(kind)
         if handler is None:
             if UNKNOWN_EVENTS[kind] == 0:
@@ -194,44 +186,47 @@ class ResponsesAssembler:
             return
         handler(self, event, index)
 
+    def _said(self, kind: str, text: str | None) -> None:
+        if text:
+            self.output_events += 1
+            self._say(kind, text)
+
     def _text_delta(self, event: dict[str, Any], index: int) -> None:
-        delta = _str(event, "delta", index)
+        delta = opt_str(event, "delta", index)
         if delta:
             self._texts_seen.add(_int(event, "output_index", index))
-            self.output_events += 1
-            self._text.append(delta)
-            self._on_delta("text", delta)
+        self._said("text", delta)
 
     def _reasoning_delta(self, event: dict[str, Any], index: int) -> None:
-        delta = _str(event, "delta", index)
-        if delta:
-            self.output_events += 1
-            self._reasoning.append(delta)
-            self._on_delta("reasoning", delta)
+        self._said("reasoning", opt_str(event, "delta", index))
+
+    def _function_call(self, item: dict[str, Any], at: int, index: int) -> PartialCall:
+        call = self._calls.setdefault(at, PartialCall())
+        call.id = opt_str(item, "call_id", index) or call.id
+        call.name = opt_str(item, "name", index) or call.name
+        return call
 
     def _item_added(self, event: dict[str, Any], index: int) -> None:
         item = _item(event, index)
         if item.get("type") == "function_call":
-            call = self._calls.setdefault(_int(event, "output_index", index), _Call())
-            call.item_id = str(item.get("id") or "")
-            call.call_id = _str(item, "call_id", index) or call.call_id
-            call.name = _str(item, "name", index) or call.name
+            self._function_call(item, _int(event, "output_index", index), index)
             self.output_events += 1
 
     def _arguments_delta(self, event: dict[str, Any], index: int) -> None:
-        call = self._calls.get(_int(event, "output_index", index))
-        if call is None:
-            _bad(index, "function_call_arguments.delta for no function_call item")
-        delta = _str(event, "delta", index)
+        call = self._call_of(event, index)
+        delta = opt_str(event, "delta", index)
         if delta:
             self.output_events += 1
             call.arguments.append(delta)
 
     def _arguments_done(self, event: dict[str, Any], index: int) -> None:
+        self._call_of(event, index).done = opt_str(event, "arguments", index)
+
+    def _call_of(self, event: dict[str, Any], index: int) -> PartialCall:
         call = self._calls.get(_int(event, "output_index", index))
         if call is None:
-            _bad(index, "function_call_arguments.done for no function_call item")
-        call.done = _str(event, "arguments", index)
+            bad(index, f"{event['type']} for no function_call item")
+        return call
 
     def _item_done(self, event: dict[str, Any], index: int) -> None:
         item = _item(event, index)
@@ -240,18 +235,13 @@ class ResponsesAssembler:
         if kind == "reasoning":
             self._reasoning_items.append({k: item[k] for k in _REASONING_FIELDS if k in item})
         elif kind == "function_call":
-            call = self._calls.setdefault(at, _Call())
-            call.call_id = _str(item, "call_id", index) or call.call_id
-            call.name = _str(item, "name", index) or call.name
-            call.done = _str(item, "arguments", index) or call.done
+            call = self._function_call(item, at, index)
+            call.done = opt_str(item, "arguments", index) or call.done
         elif kind == "message" and at not in self._texts_seen:
             # A server that sends a message's text only whole, with no deltas.
             for part in item.get("content") or ():
                 text = part.get("text") if isinstance(part, dict) else None
-                if isinstance(text, str) and text:
-                    self.output_events += 1
-                    self._text.append(text)
-                    self._on_delta("text", text)
+                self._said("text", text if isinstance(text, str) else None)
 
     def _completed(self, event: dict[str, Any], index: int) -> None:
         response = _response(event, index)
@@ -277,33 +267,11 @@ class ResponsesAssembler:
             str(event.get("code") or "unknown"), str(event.get("message") or "an error event")
         )
 
-    @property
-    def has_output(self) -> bool:
-        """Whether the model said anything yet: text, reasoning or a tool call."""
-        return bool(self._text or self._reasoning or self._calls)
-
     def message(self) -> AssistantMessage:
         if not self._ended:
-            _bad(self._last_index, "the stream ended without response.completed")
-        calls: list[ToolCall] = []
-        for position in sorted(self._calls):
-            call = self._calls[position]
-            if not call.name:
-                _bad(self._last_index, f"function call at output {position} has no name")
-            arguments = call.done if call.done is not None else "".join(call.arguments)
-            calls.append(
-                ToolCall(
-                    id=call.call_id or f"call_{uuid.uuid4().hex[:24]}",
-                    name=call.name,
-                    arguments=arguments or "{}",
-                )
-            )
-        return AssistantMessage(
-            content="".join(self._text),
-            reasoning="".join(self._reasoning),
-            tool_calls=tuple(calls),
-            finish_reason="tool_calls" if calls else "stop",
-            usage=self._usage,
+            bad(self._last_index, "the stream ended without response.completed")
+        return self._message(
+            "tool_calls" if self._calls else "stop",
             reasoning_items=tuple(self._reasoning_items),
         )
 
@@ -344,56 +312,36 @@ for _known in (
     _HANDLERS[_known] = _say_nothing
 
 
-def _bad(index: int, detail: str) -> NoReturn:
-    raise MalformedStreamChunk(index, detail)
-
-
-def _str(obj: Mapping[str, Any], name: str, index: int) -> str | None:
-    value = obj.get(name)
-    if value is not None and not isinstance(value, str):
-        _bad(index, f"'{name}' is not a string")
-    return value
-
-
 def _int(obj: Mapping[str, Any], name: str, index: int) -> int:
     value = obj.get(name)
     if not isinstance(value, int):
-        _bad(index, f"'{name}' is not an integer")
+        bad(index, f"'{name}' is not an integer")
     return value
 
 
 def _item(event: Mapping[str, Any], index: int) -> dict[str, Any]:
     item = event.get("item")
     if not isinstance(item, dict):
-        _bad(index, "'item' is not an object")
+        bad(index, "'item' is not an object")
     return item
 
 
 def _response(event: Mapping[str, Any], index: int) -> dict[str, Any]:
     response = event.get("response")
     if not isinstance(response, dict):
-        _bad(index, "'response' is not an object")
+        bad(index, "'response' is not an object")
     return response
-
-
-def _count(obj: object, name: str, index: int) -> int:
-    value = obj.get(name) if isinstance(obj, dict) else None
-    if value is None:
-        return 0
-    if not isinstance(value, int):
-        _bad(index, f"usage '{name}' is not an integer")
-    return value
 
 
 def _usage(usage: object, index: int) -> Usage:
     if not isinstance(usage, dict):
-        _bad(index, "'usage' is not an object")
-    prompt = _count(usage, "input_tokens", index)
-    completion = _count(usage, "output_tokens", index)
+        bad(index, "'usage' is not an object")
+    prompt = token_count(usage, "input_tokens", index)
+    completion = token_count(usage, "output_tokens", index)
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
-        total_tokens=_count(usage, "total_tokens", index) or prompt + completion,
-        cached_tokens=_count(usage.get("input_tokens_details"), "cached_tokens", index),
-        reasoning_tokens=_count(usage.get("output_tokens_details"), "reasoning_tokens", index),
+        total_tokens=token_count(usage, "total_tokens", index) or prompt + completion,
+        cached_tokens=token_count(usage.get("input_tokens_details"), "cached_tokens", index),
+        reasoning_tokens=token_count(usage.get("output_tokens_details"), "reasoning_tokens", index),
     )
