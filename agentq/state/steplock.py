@@ -204,32 +204,31 @@ class LockArgs(NamedTuple):
     """The caller's clock, on which the lock's lifetime runs."""
 
 
-# BEGIN_LUA: a step begins: take the lock (free, or lapsed), clear the dirty mark, and
-# read what the step needs (state with its cancel reason, history, round) in one round
-# trip. A turn Redis does not hold is read as such, and nothing is written to it.
-BEGIN_LUA = (
-    bind_lua(TurnKey, LockArgs)
-    + f"""
-local st = redis.call('HGETALL', turn_key)
-if #st == 0 then return {{{{}}, {{}}, {{}}}} end
-local held = false
-for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
-if not {lock_free_lua("held", "now_ms")} then return false end
-local lock = {lock_value_lua("token", "now_ms", "lock_ms")}
-redis.call('HSET', turn_key, '{_STEP}', lock, '{_DIRTY}', 0)
-return {view_lua("st")}
-"""
-)
+class BeginArgs(NamedTuple):
+    token: str
+    lock_ms: int
+    now_ms: int
+    again: str
+    """"1": the step goes round again (woken while it ran) and keeps the lock it holds."""
 
-# REREAD_LUA: a step that goes round again (woken while it ran) reads afresh, lock kept.
-REREAD_LUA = (
-    bind_lua(TurnKey, LockArgs)
+
+# BEGIN_LUA: a step begins: take the lock (free, or lapsed; or keep it, `again`), clear the
+# dirty mark, and read what the step needs (state with its cancel reason, history, round)
+# in one round trip. A turn Redis does not hold is read as such, and nothing is written to it.
+BEGIN_LUA = (
+    bind_lua(TurnKey, BeginArgs)
     + f"""
 local st = redis.call('HGETALL', turn_key)
 local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
-if not {lock_mine_lua("held", "token")} then return false end
-redis.call('HSET', turn_key, '{_DIRTY}', 0)
+if again ~= '1' then
+  if #st == 0 then return {{{{}}, {{}}, {{}}}} end
+  if not {lock_free_lua("held", "now_ms")} then return false end
+  held = {lock_value_lua("token", "now_ms", "lock_ms")}
+elseif not {lock_mine_lua("held", "token")} then
+  return false
+end
+redis.call('HSET', turn_key, '{_STEP}', held, '{_DIRTY}', 0)
 return {view_lua("st")}
 """
 )
@@ -341,7 +340,6 @@ class StepRecords(StoreBase):
         "_wake": WAKE_ONLY_LUA,
         "_commit": COMMIT_LUA,
         "_begin": BEGIN_LUA,
-        "_reread": REREAD_LUA,
         "_release": RELEASE_LUA,
         "_claim": CLAIM_LUA,
         "_lock": LOCK_LUA,
@@ -349,7 +347,6 @@ class StepRecords(StoreBase):
     _wake: Script
     _commit: Script
     _begin: Script
-    _reread: Script
     _release: Script
     _claim: Script
     _lock: Script
@@ -359,22 +356,14 @@ class StepRecords(StoreBase):
         keys, args = TurnKey(k.turn_key(turn_id)), LockArgs(token, ttl_ms, now_ms())
         return bool(self._lock(keys=list(keys), args=list(args)))
 
-    def step_holder(self, turn_id: str) -> str | None:
-        """The token of the step that holds the turn's lock now, if any."""
-        raw = self.redis.hget(k.turn_key(turn_id), k.STEP_FIELD)
-        token, _, until = str(json.loads(raw) if raw else "").rpartition(":")
-        return token if token and until.isdigit() and int(until) > now_ms() else None
-
     def begin_step(
         self, turn_id: str, token: str, ttl_ms: int, *, again: bool = False
     ) -> StepView | None:
         """Lock the turn for a step (or keep the lock, `again`) and read it, in one round
         trip; None if another step holds it (or, `again`, this step lost it)."""
-        script = self._reread if again else self._begin
-        raw = script(keys=[k.turn_key(turn_id)], args=list(LockArgs(token, ttl_ms, now_ms())))
-        if not raw:
-            return None
-        return step_view(*raw)
+        args = BeginArgs(token, ttl_ms, now_ms(), "1" if again else "0")
+        raw = self._begin(keys=[k.turn_key(turn_id)], args=list(args))
+        return step_view(*raw) if raw else None
 
     def commit(
         self,
@@ -449,19 +438,12 @@ class StepRecords(StoreBase):
 
     def wake(self, turn_id: str) -> bool:
         """Wake an open turn: mark it and send it a step; False if it has ended."""
-        ok = self.wake_here(turn_id)
+        keys = WakeKeys(k.turn_key(turn_id), k.turn_wakeups_key(turn_id))
+        args = WakeArgs(turn_id, time.time() + WAKE_BACKSTOP_S)
+        ok = bool(self._wake(keys=list(keys), args=list(args)))
         if ok:
             self.send_step(turn_id)
         return ok
-
-    def wake_here(self, turn_id: str) -> bool:
-        """Mark an open turn woken, for a caller that steps it itself; False if it has ended."""
-        return bool(
-            self._wake(
-                keys=list(WakeKeys(k.turn_key(turn_id), k.turn_wakeups_key(turn_id))),
-                args=list(WakeArgs(turn_id, time.time() + WAKE_BACKSTOP_S)),
-            )
-        )
 
     def wake_by(self, turn_id: str, at: float) -> None:
         """Bring a pending wakeup forward to `at` (its step could not be sent): none is added
@@ -481,30 +463,24 @@ class StepRecords(StoreBase):
         self, turn_id: str, call_ids: list[str]
     ) -> tuple[dict[str, ToolResult], dict[str, dict[str, Any]]]:
         """Settled results and dispatch records of these calls, in one round trip."""
-        _, settled, dispatched = self.round_plans_view(turn_id, call_ids, plans=False)
-        return settled, dispatched
+        return self.round_plans_view(turn_id, call_ids)[1:]
 
     def round_plans_view(
-        self,
-        turn_id: str,
-        call_ids: list[str],
-        *,
-        plans: bool = True,
-        read: RoundRead | None = None,
+        self, turn_id: str, call_ids: list[str], *, read: RoundRead | None = None
     ) -> tuple[list[bytes | None], dict[str, ToolResult], dict[str, dict[str, Any]]]:
         """The stored plans (raw, in order), settled results and dispatch records of these
         calls: from `read` when it is of these calls, else in one round trip."""
         if not call_ids:
             return [], {}, {}
         if read is not None and list(read.ids) == call_ids:
-            results, calls, raw_plans = read.results, read.calls, [read.plans]
+            results, calls, plans = read.results, read.calls, read.plans
         else:
-            kinds = (k.SETTLED, k.DISPATCHED, k.PLANNED) if plans else (k.SETTLED, k.DISPATCHED)
             n = len(call_ids)
+            kinds = (k.SETTLED, k.DISPATCHED, k.PLANNED)
             got = self.redis.hmget(k.turn_key(turn_id), [p + c for p in kinds for c in call_ids])
-            results, calls, raw_plans = got[:n], got[n : 2 * n], [got[2 * n :]]
+            results, calls, plans = got[:n], got[n : 2 * n], got[2 * n :]
         return (
-            raw_plans[0] if plans else [],
+            plans,
             {
                 c: ToolResult.model_validate_json(r)
                 for c, r in zip(call_ids, results, strict=True)

@@ -18,6 +18,7 @@ from agentq.local.processes import wait_for
 from agentq.orchestrator.steps import send_step
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_gapless, assert_valid_history, busy_factor, calls, starts
+from tests.unit.state.support import holder
 
 pytestmark = [pytest.mark.faults, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -63,7 +64,7 @@ def _check_done(rig, tid: str, counted: tuple[Path, ...]) -> None:  # type: igno
     assert turn["state"]["status"] == "finished"
     # The step that ended the turn lets go of it just after the terminal event.
     wait_for(
-        lambda: rig.client._store.step_holder(tid) is None,
+        lambda: holder(rig.client._store, tid) is None,
         10,
         message="the last step released the turn",
     )

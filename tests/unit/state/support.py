@@ -39,6 +39,13 @@ def lock(store: TurnStore, turn_id: str, token: str, *, lapsed: bool = False) ->
     store.redis.hset(k.turn_key(turn_id), k.STEP_FIELD, json.dumps(f"{token}:{until}"))
 
 
+def holder(store: TurnStore, turn_id: str) -> str | None:
+    """The token of the step that holds the turn's lock now, if any."""
+    raw = store.redis.hget(k.turn_key(turn_id), k.STEP_FIELD)
+    token, _, until = str(json.loads(raw) if raw else "").rpartition(":")
+    return token if token and until.isdigit() and int(until) > time.time() * 1000 else None
+
+
 class Capture:
     """An inline stepper that keeps the views it is handed."""
 

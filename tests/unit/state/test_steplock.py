@@ -14,7 +14,7 @@ from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
 from agentq.state.turns import Closed
 from agentq.tools.results import error_result
-from tests.unit.state.support import CALL, Capture, lock, unsettled
+from tests.unit.state.support import CALL, Capture, holder, lock, unsettled
 
 
 def test_a_turn_without_a_deadline_stays_among_the_open_ones(store: TurnStore) -> None:
@@ -32,7 +32,7 @@ def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnSt
     assert view is not None and view.state is not None and view.state["status"] == "running"
     assert view.cancel_reason == "user" and view.history == [{"role": "user", "content": "x"}]
     assert store.begin_step("t1", "b", 5000) is None
-    store.wake_here("t1")  # woken while "a" steps
+    store.wake("t1")  # woken while "a" steps
     assert store.release_step("t1", "a", None, 5000) == Released.WOKEN  # keep the lock: step again
     assert store.begin_step("t1", "b", 5000, again=True) is None  # not b's lock
     assert store.begin_step("t1", "a", 5000, again=True) is not None
@@ -82,7 +82,7 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     assert store.settle("t1", error_result(c2, "two"))
     (taken,) = capture.views
     assert taken.round is not None and all(taken.round.results)
-    assert store.step_holder("t1") is not None
+    assert holder(store, "t1") is not None
     # A read of other calls is not used: the step reads them itself.
     _, settled, _ = store.round_plans_view("t1", ["c2"], read=taken.round)
     assert settled["c2"].error == "two"
@@ -102,7 +102,7 @@ def test_a_lone_calls_settle_hands_its_step_the_view_a_fresh_read_gives(store: T
     # Its settle reads the state whole before it writes, and lays its writes over it.
     assert store.settle("t1", error_result(CALL, "one"), alone=True)
     (taken,) = capture.views
-    token = store.step_holder("t1")
+    token = holder(store, "t1")
     assert token is not None
     fresh = store.begin_step("t1", token, 5000, again=True)
     assert fresh is not None and taken.state is not None
@@ -130,7 +130,7 @@ def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lo
     )
     assert store.dispatches("t1") == {}  # not b's lock: nothing written
     assert store.redis.hget(k.turn_key("t1"), k.PLANNED + "c1") is None
-    store.wake_here("t1")  # woken while "a" steps: the lock is kept, the records written
+    store.wake("t1")  # woken while "a" steps: the lock is kept, the records written
     assert (
         store.release_step("t1", "a", None, 5000, sent, plans=plans, new_calls=2) == Released.WOKEN
     )
@@ -150,7 +150,7 @@ def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lo
     # Ending the turn lets go of the lock in the same write.
     assert store.lock_step("t1", "a", 5000) is True
     assert store.close("t1", TurnStatus.FINISHED, "turn_finished", {}, token="a") == Closed.ENDED
-    assert store.step_holder("t1") is None
+    assert holder(store, "t1") is None
 
 
 def _sweeper(store: TurnStore) -> Sweeper:
