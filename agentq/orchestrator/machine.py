@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.agents import all_agents
-from agentq.errors import AgentqError, ConversationNotFound, HeadlessInteraction
+from agentq.errors import AgentqError, ConversationNotFound
 from agentq.models import TERMINAL_STATUSES, AssistantMessage, ToolCall, TurnStatus
 from agentq.orchestrator import admission, conversation, spend, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
@@ -279,14 +279,6 @@ def _final_answer(ctx: StepContext, kept: dict[str, Any], counts: TurnState) -> 
     return None
 
 
-def _store_plans(ctx: StepContext, plans: list[CallPlan], round_calls: list[str]) -> None:
-    """Store the plans and name the round's calls for the next step's read, with the
-    step's next write (nothing of the round runs before it)."""
-    stored = {p.call.id: p.model_dump_json() for p in plans}
-    if stored:
-        ctx.stage(plans=stored, round_calls=round_calls)
-
-
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
     """The round's plans from their stored form; calls that came with the prompt (no plan
     yet) are planned now."""
@@ -297,7 +289,11 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
         else plan_call(c, oversize_refusal(c, limit), ctx.agent)
         for c, r in zip(calls, raw, strict=True)
     ]
-    _store_plans(ctx, [p for p, r in zip(plans, raw, strict=True) if not r], [c.id for c in calls])
+    # Stored, and the round's calls named for the next step's read, with the step's next
+    # write (nothing of the round runs before it).
+    new = {p.call.id: p.model_dump_json() for p, r in zip(plans, raw, strict=True) if not r}
+    if new:
+        ctx.stage(plans=new, round_calls=[c.id for c in calls])
     return plans
 
 
@@ -415,17 +411,6 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
         error=message,
         error_code=code,
         end_settled=ours or None,
-    )
-
-
-def fail_headless(ctx: StepContext, exc: HeadlessInteraction) -> None:
-    fail(
-        ctx,
-        "headless_interaction",
-        exc.message,
-        request_id=exc.request_id,
-        kind=exc.kind,
-        exit_code=4,
     )
 
 

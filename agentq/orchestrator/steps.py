@@ -35,7 +35,7 @@ from agentq.models import TERMINAL_STATUSES
 from agentq.orchestrator.abort import send_kills
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
-from agentq.orchestrator.machine import advance, fail, fail_headless
+from agentq.orchestrator.machine import advance, fail
 from agentq.state.base import StepView, text
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
@@ -85,24 +85,11 @@ def take_step(
 ) -> StepOutcome:
     """`run_step` for a step whose lock and view are taken (by the write that woke it)."""
     started = time.perf_counter()
+    steps = _observed_steps if tracing.enabled or logs.enabled else _steps
     try:
-        return _step(turn_id, view, token, ttl_ms, store, app, settings)
+        return steps(turn_id, view, token, ttl_ms, store, app, settings)
     finally:
         fleet_counts.step(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
-
-
-def _step(
-    turn_id: str,
-    view: StepView,
-    token: str,
-    ttl_ms: int,
-    store: TurnStore,
-    app: Celery,
-    settings: Settings,
-) -> StepOutcome:
-    if not (tracing.enabled or logs.enabled):
-        return _steps(turn_id, view, token, ttl_ms, store, app, settings)
-    return _observed_steps(turn_id, view, token, ttl_ms, store, app, settings)
 
 
 def _observed_steps(
@@ -223,7 +210,14 @@ def _advance(ctx: StepContext) -> float | None:
     try:
         return advance(ctx)
     except HeadlessInteraction as exc:
-        fail_headless(ctx, exc)
+        fail(
+            ctx,
+            "headless_interaction",
+            exc.message,
+            request_id=exc.request_id,
+            kind=exc.kind,
+            exit_code=4,
+        )
     except BudgetExceeded as exc:
         # Before a round: every call of the last one has its result, the history is whole.
         fail(
