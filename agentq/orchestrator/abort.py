@@ -76,22 +76,16 @@ def settle_pending(
         return [], []
     ours: list[str] = []
     settled, dispatched = store.round_view(turn_id, [c.id for c in calls])
-    lost_race = False
     for call in calls:
         if call.id in settled:
             continue
         mine = result_for(call, dispatched.get(call.id, {}))
-        tracked = call.id in dispatched
-        _, won = settle_call(
-            store, turn_id, mine, traceparent=traceparent, tracked=tracked, read_winner=False
+        # A tool's result that came first is the one kept.
+        settled[call.id], won = settle_call(
+            store, turn_id, mine, traceparent=traceparent, tracked=call.id in dispatched
         )
         if won:
-            settled[call.id] = mine
             ours.append(call.id)
-        else:
-            lost_race = True  # a tool's result came first: it is the one kept, read below
-    if lost_race:
-        settled, _ = store.round_view(turn_id, [c.id for c in calls])
     # A password answer is read once by its tool; a round that ends must not leave one.
     store.redis.delete(*[k.secret_key(turn_id, f"{c.id}.approval") for c in calls])
     return [settled[c.id].to_openai() for c in calls], ours

@@ -25,20 +25,16 @@ def settle_call(
     *,
     traceparent: object,
     tracked: bool = True,
-    read_winner: bool = True,
 ) -> tuple[ToolResult, bool]:
     """Settle one of the turn's calls from the turn's own step (no wake: the step goes on):
     the result the call keeps, and whether it is `result`.
 
     `tracked=False` for a call never recorded as sent (refused, denied). A result stored
-    first wins: it is read back and returned, unless `read_winner` is False (the caller
-    reads the winners of many calls at once) and `result` comes back with False."""
+    first wins: it is read back and returned."""
     if store.settle(turn_id, result, wake=False, tracked=tracked):
         if tracing.enabled:
             tracing.record_settled(traceparent, turn_id, result)
         return result, True
-    if not read_winner:
-        return result, False
     return store.result(turn_id, result.call_id) or result, False
 
 
