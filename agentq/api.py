@@ -5,8 +5,8 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, cast
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from pydantic import BaseModel
 
@@ -24,8 +24,8 @@ from agentq.models import (
     TurnHandle,
     TurnRequest,
 )
+from agentq.orchestrator import replay
 from agentq.orchestrator.conversation import conversations, shown
-from agentq.orchestrator.replay import Bulk, ForkEdit, ForkRequest, RetryRequest, start_replay
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
@@ -43,8 +43,6 @@ if TYPE_CHECKING:
     from agentq.agents import Agent
     from agentq.state.store import TurnStore
 
-
-M = TypeVar("M", bound=BaseModel)
 
 _HIDDEN = frozenset({"token_sha256", WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_FIELDS})
 """State fields a client's view leaves out: the token's hash, the bus's and the rounds'
@@ -164,7 +162,7 @@ class ActiveTurn(TypedDict):
     call_count: int
 
 
-class Client(CompletesWaitpoints, Bulk):
+class Client(CompletesWaitpoints):
     """A handle on agentq from outside the workers: the CLI, the gateway, your code."""
 
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
@@ -186,12 +184,6 @@ class Client(CompletesWaitpoints, Bulk):
             tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     # -- starting ------------------------------------------------------------------
-
-    def _lazy_app(self) -> Celery:
-        """The app, built only when something is sent with it."""
-        from celery.local import Proxy
-
-        return cast("Celery", Proxy(lambda: self.app))
 
     @property
     def app(self) -> Celery:
@@ -317,7 +309,7 @@ class Client(CompletesWaitpoints, Bulk):
     ) -> Turn:
         """A new turn (`retry_of`) going on where a turn that ended error or aborted stopped,
         its settled calls and rounds reused, its spend counted (docs/retry.md)."""
-        req = RetryRequest(
+        req = replay.RetryRequest(
             rerun_lost=rerun_lost,
             agent=agent_name(agent),
             model=model,
@@ -332,15 +324,15 @@ class Client(CompletesWaitpoints, Bulk):
         at_round: int,
         *,
         token: str | None = None,
-        edit: ForkEdit | dict[str, Any] | None = None,
+        edit: replay.ForkEdit | dict[str, Any] | None = None,
         agent: Agent | str | None = None,
         max_tokens: int | None = None,
         max_cost_usd: float | None = None,
     ) -> Turn:
         """A new turn (`fork_of`) from the history before round `at_round` (1-based)."""
-        req = ForkRequest(
+        req = replay.ForkRequest(
             at_round=at_round,
-            edit=ForkEdit.model_validate(edit) if isinstance(edit, dict) else edit,
+            edit=replay.ForkEdit.model_validate(edit) if isinstance(edit, dict) else edit,
             agent=agent_name(agent),
             max_tokens=max_tokens,
             max_cost_usd=max_cost_usd,
@@ -348,12 +340,29 @@ class Client(CompletesWaitpoints, Bulk):
         return Turn(self, self._replay(turn_id, req, token), output_type_of(agent))
 
     def _replay(
-        self, turn_id: str, req: RetryRequest | ForkRequest, token: str | None = None
+        self, turn_id: str, req: replay.RetryRequest | replay.ForkRequest, token: str | None = None
     ) -> TurnHandle:
         """Start a retry or fork: the gateway's way in, once it checked the caller."""
         if token is not None:
             self.check_token(turn_id, token)
-        return start_replay(self._store, self.app, self.settings, turn_id, req, traced=self.traced)
+        return replay.start_replay(
+            self._store, self.app, self.settings, turn_id, req, traced=self.traced
+        )
+
+    def retry_many(
+        self, *, said: Callable[[replay.BulkOutcome], None] | None = None, **filters: Any
+    ) -> list[replay.BulkOutcome]:
+        """Retry once each turn that matches `filters` (BulkRetryRequest's fields: status,
+        agent, since_s, limit, rate_per_s, dry_run, rerun_lost), at most `rate_per_s` a
+        second; a turn retried before (by anyone) is said `retried_already`, never again."""
+        from celery.local import Proxy
+
+        req = replay.BulkRetryRequest(**filters)
+        # The app is built only once a retry is sent with it (a dry run sends none).
+        app = cast("Celery", Proxy(lambda: self.app))
+        return replay.bulk_retry(
+            self._store, app, self.settings, req, traced=self.traced, said=said
+        )
 
     # -- control ---------------------------------------------------------------------
 
@@ -375,13 +384,8 @@ class Client(CompletesWaitpoints, Bulk):
         `operator=True` skips the token: for tools that already hold Redis credentials
         (the `agentq abort` command), which could do anything to the turn anyway.
         """
-        if operator:
-            state = self._store.state(turn_id) or TurnState()
-            if not state:
-                raise TurnNotFound(turn_id)
-        else:
-            state = self.check_token(turn_id, token)
-        if state.get("status") in TERMINAL_STATUSES:
+        state = self._store.state(turn_id) if operator else self.check_token(turn_id, token)
+        if not state or state.get("status") in TERMINAL_STATUSES:
             raise TurnNotFound(turn_id)
         self._abort(turn_id, reason)
 

@@ -533,27 +533,6 @@ def bulk_retry(
     return out
 
 
-class Bulk:
-    """`Client.retry_many` (agentq.api.Client is one of these)."""
-
-    _store: TurnStore
-    settings: Settings
-    traced: bool
-
-    def _lazy_app(self) -> Celery:
-        raise NotImplementedError
-
-    def retry_many(
-        self, *, said: Callable[[BulkOutcome], None] | None = None, **filters: Any
-    ) -> list[BulkOutcome]:
-        """Retry once each turn that matches `filters` (BulkRetryRequest's fields: status,
-        agent, since_s, limit, rate_per_s, dry_run, rerun_lost), at most `rate_per_s` a
-        second; a turn retried before (by anyone) is said `retried_already`, never again."""
-        req = BulkRetryRequest(**filters)
-        app = self._lazy_app()
-        return bulk_retry(self._store, app, self.settings, req, traced=self.traced, said=said)
-
-
 def _retried(store: TurnStore, source: str) -> str | None:
     """The turn a bulk retry started for `source`, if one did."""
     raw = store.redis.get(k.idempotency_key(BULK_CALLER, source))
@@ -579,7 +558,6 @@ def _retry_once(
 
 __all__ = [
     "BULK_CALLER",
-    "Bulk",
     "BulkOutcome",
     "BulkRetryRequest",
     "ForkEdit",
