@@ -13,7 +13,15 @@ import time
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 # The shapes of the ids that travel in URLs and messages: checked at the edge, before any
 # Redis key is built from them.
@@ -51,15 +59,6 @@ def parse_stream_id(value: str) -> tuple[int, int] | None:
     return ms, seq
 
 
-__all__ = [
-    "MAX_CALL_ID_CHARS",
-    "is_call_id",
-    "is_request_id",
-    "is_turn_id",
-    "parse_stream_id",
-]
-
-
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_NAME_CHARS = 64
 _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
@@ -87,12 +86,6 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
         elif isinstance(item, (list, tuple)):
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(item))
     return None
-
-
-def _text(v: Any) -> Any:
-    if isinstance(v, str) and _LONE_SURROGATE.search(v):
-        raise ValueError("text must be valid Unicode (a lone surrogate is not)")
-    return v
 
 
 class _Strict(BaseModel):
@@ -223,13 +216,13 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def check_text(value: str | None) -> str | None:
+def _check_text(value: str | None) -> str | None:
     if value is not None and _LONE_SURROGATE.search(value):
         raise ValueError("text must be valid Unicode (a lone surrogate is not)")
     return value
 
 
-__all__ = ["CHAT_ROLES", "check_messages", "check_text", "lone_surrogate_at"]
+_Text = Annotated[str | None, AfterValidator(_check_text)]
 
 
 ToolStatus = Literal["ok", "error", "timeout", "cancelled", "denied", "lost"]
@@ -244,18 +237,12 @@ class TurnStatus(str, Enum):
     ABORTED = "aborted"
     ERROR = "error"
 
-    @property
-    def terminal(self) -> bool:
-        return self in (TurnStatus.FINISHED, TurnStatus.ABORTED, TurnStatus.ERROR)
 
-
-TERMINAL_STATUSES: frozenset[str] = frozenset(s.value for s in TurnStatus if s.terminal)
+TERMINAL_STATUSES = frozenset(
+    s.value for s in (TurnStatus.FINISHED, TurnStatus.ABORTED, TurnStatus.ERROR)
+)
 InteractionKind = Literal["approval", "password", "confirm", "device_code", "input"]
 AbortReason = Literal["user", "disconnect", "timeout", "error", "interrupt", "rollback"]
-
-
-def now_s() -> float:
-    return time.time()
 
 
 class _Frozen(BaseModel):
@@ -442,7 +429,7 @@ class InteractionRequest(_Frozen):
     timeout_ms: int = Field(gt=0)
     default: Literal["approve", "deny"] | None = None
     """Declared non-interactive default, used by headless turns."""
-    created_at: float = Field(default_factory=now_s)
+    created_at: float = Field(default_factory=time.time)
     answer_schema: dict[str, Any] | None = None
     """`input`: the JSON Schema an answer's value must meet (checked before it is taken)."""
     default_answer: Any = None
@@ -453,12 +440,7 @@ class InteractionAnswer(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     decision: Literal["approve", "deny"]
-    value: str | None = Field(default=None, max_length=4096)
-
-    @field_validator("value")
-    @classmethod
-    def _unicode(cls, v: str | None) -> str | None:
-        return check_text(v)
+    value: _Text = Field(default=None, max_length=4096)
 
 
 MAX_TURN_TOKENS = 10**10
@@ -475,10 +457,10 @@ class TurnRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = None
+    prompt: _Text = None
     messages: list[dict[str, Any]] | None = None
     conversation_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
-    conversation_token: str | None = Field(default=None, max_length=128)
+    conversation_token: _Text = Field(default=None, max_length=128)
     """Continues a conversation created without a key: the token its first turn returned."""
     multitask: MultitaskMode | None = None
     """With `conversation_id`: what this message does when another turn of the conversation
@@ -503,11 +485,6 @@ class TurnRequest(BaseModel):
     def _chat_messages(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         """Refused here rather than by the model server, mid-turn, much later."""
         return None if v is None else check_messages(v)
-
-    @field_validator("prompt", "conversation_token")
-    @classmethod
-    def _unicode(cls, v: str | None) -> str | None:
-        return check_text(v)
 
     @model_validator(mode="after")
     def _multitask_needs_conversation(self) -> TurnRequest:
