@@ -28,24 +28,24 @@ from celery import Task
 from agentq.aio.host import LoopHost, Running, get_host
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import HOLD_RETRY_S, held_writes
-from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     CallScope,
     FlowerProgress,
     Waiting,
     call_kwargs,
-    check_value,
     mark_started,
+    observed,
     ok_result,
     progress_fields,
     raised_result,
     settle,
+    task_scope,
     tick_fields,
     tool_context,
 )
 from agentq.tools.registry import ToolSpec
-from agentq.tools.results import cancelled_result, lost_result, timeout_result
+from agentq.tools.results import lost_result
 
 log = logging.getLogger("agentq.tools")
 
@@ -60,13 +60,8 @@ def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     # once Redis answers, and bounded by their deadlines when it does not).
     while held_writes.count and not held_writes.wait_none(HOLD_RETRY_S):
         pass
-    request = task.request
-    host.hostname = host.hostname or (getattr(request, "hostname", None) or "")
-    task_id = getattr(request, "id", None)
-    scope = CallScope(
-        req=req, worker=getattr(request, "hostname", None) or "local", task_id=task_id
-    )
-    delivery = f"{task_id}/{getattr(request, 'retries', 0) or 0}"
+    host.hostname = host.hostname or (getattr(task.request, "hostname", None) or "")
+    scope, delivery = task_scope(task.request, req)
     host.loop.submit(lambda: _guarded(host, spec, scope, delivery, task.backend))
     return "handed to the event loop"
 
@@ -87,21 +82,13 @@ async def run_async_call(
     if not (tracing.enabled or logs.enabled):
         return await _run_async_call(host, spec, scope, delivery, backend)
     # Bound in this call's own asyncio task: the other calls on the loop keep theirs.
-    req = scope.req
-    bound = log_context.bind(req.turn_id, req.call_id, scope.task_id)
-    span = tracing.start_span(
-        tracing.CALL_SPAN_PREFIX + req.tool,
-        req.traceparent,
-        tracing.call_attributes(req, scope.task_id),
-    )
     status = "error"
-    try:
-        with tracing.active(span):
+    with observed(scope) as span:
+        try:
             status = await _run_async_call(host, spec, scope, delivery, backend)
-        return status
-    finally:
-        log_context.unbind(bound)
-        tracing.end_span(span, status)
+            return status
+        finally:
+            tracing.end_span(span, status)
 
 
 async def _run_async_call(
@@ -161,10 +148,7 @@ class _AsyncCall:
     def _recycled(self, why: str, blocked: bool) -> None:
         scope, req = self.scope, self.req
         if blocked:
-            what = f"Tool {req.tool!r}: {why}."
-            result = timeout_result(
-                scope.call, req.timeout_s, killed=True, what=what, **scope.without_timeout
-            )
+            result = scope.timeout(killed=True, what=f"Tool {req.tool!r}: {why}.")
         else:
             result = lost_result(scope.call, why, **scope.common)
         if self.claim():
@@ -220,7 +204,7 @@ class _AsyncCall:
             result = _outcome(self.spec, scope, inner, self.soft_fired, aborted, host)
         elif waiter in done:
             inner.cancel()
-            result = cancelled_result(scope.call, "user", **scope.common)
+            result = scope.cancelled()
         else:
             inner.cancel()
             result = _at_hard_limit(self.spec, scope)
@@ -239,9 +223,7 @@ def _at_hard_limit(spec: ToolSpec, scope: CallScope) -> ToolResult:
         else f"Tool {req.tool!r} did not finish within its hard time limit of "
         f"{req.timeout_s:g}s; its thread was abandoned and may still be running."
     )
-    return timeout_result(
-        scope.call, req.timeout_s, killed=True, what=what, **scope.without_timeout
-    )
+    return scope.timeout(killed=True, what=what)
 
 
 def _outcome(
@@ -252,24 +234,19 @@ def _outcome(
     aborted: bool,
     host: LoopHost,
 ) -> ToolResult | Waiting:
-    req = scope.req
     if aborted:
         # Cancelled, or it saw its turn's abort and returned: cancelled, as the abort step
         # settles it, whichever of the two settles first.
-        return cancelled_result(scope.call, "user", **scope.common)
+        return scope.cancelled()
     if inner.cancelled():
         if soft_fired:
-            return timeout_result(
-                scope.call, req.timeout_s, killed=False, soft=True, **scope.without_timeout
-            )
+            return scope.timeout(killed=False, soft=True)
         return raised_result(scope, RuntimeError("the tool's coroutine was cancelled"))
     exc = inner.exception()
     if exc is not None:
         return raised_result(scope, exc)
     try:
-        return ok_result(
-            scope, check_value(spec, inner.result()), host.settings, soft_fired=soft_fired
-        )
+        return ok_result(scope, spec, inner.result(), host.settings, soft_fired=soft_fired)
     except Exception as err:
         return raised_result(scope, err)
 

@@ -3,15 +3,16 @@ and how what the tool returned or raised becomes a ToolResult."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
@@ -23,9 +24,11 @@ from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
 from agentq.state.held import held_writes
 from agentq.state.waitpoints import Opened, waitpoints
+from agentq.telemetry import context as log_context
+from agentq.telemetry import tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
 from agentq.tools.registry import ToolSpec
-from agentq.tools.results import cancelled_result, error_result, record_for
+from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
 from agentq.tools.timing import overran, truncate_text
 from agentq.webhooks.task import queue_waiting
 
@@ -33,8 +36,6 @@ if TYPE_CHECKING:
     from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.tools")
-
-T = TypeVar("T")
 
 
 def render(value: Any) -> str:
@@ -73,9 +74,14 @@ class CallScope:
             "started_at": self.started,
         }
 
-    @property
-    def without_timeout(self) -> dict[str, Any]:
-        return {k_: v for k_, v in self.common.items() if k_ != "timeout_s"}
+    def cancelled(self) -> ToolResult:
+        return cancelled_result(self.call, "user", **self.common)
+
+    def timeout(self, *, killed: bool, soft: bool = False, what: str | None = None) -> ToolResult:
+        record = {k_: v for k_, v in self.common.items() if k_ != "timeout_s"}
+        return timeout_result(
+            self.call, self.req.timeout_s, killed=killed, soft=soft, what=what, **record
+        )
 
     def elapsed_ms(self) -> int:
         return int((time.time() - self.started) * 1000)
@@ -84,6 +90,31 @@ class CallScope:
         if result.status != "ok":
             result.record.overran = overran(time.time() - self.started, self.req.budget_s)
         return result
+
+
+def task_scope(request: Any, req: ToolTaskRequest) -> tuple[CallScope, str]:
+    """The call's scope and its delivery (`task_id/retries`) from its Celery task's request."""
+    task_id = getattr(request, "id", None)
+    scope = CallScope(req, getattr(request, "hostname", None) or "local", task_id)
+    return scope, f"{task_id}/{getattr(request, 'retries', 0) or 0}"
+
+
+@contextlib.contextmanager
+def observed(scope: CallScope) -> Iterator[Any]:
+    """The call's ids bound for the logs and its span current (tools' own spans nest under
+    it) meanwhile; yields the span, which the caller ends."""
+    req = scope.req
+    bound = log_context.bind(req.turn_id, req.call_id, scope.task_id)
+    span = tracing.start_span(
+        tracing.CALL_SPAN_PREFIX + req.tool,
+        req.traceparent,
+        tracing.call_attributes(req, scope.task_id),
+    )
+    try:
+        with tracing.active(span):
+            yield span
+    finally:
+        log_context.unbind(bound)
 
 
 HOLD_PAST_DEADLINE_S = 60.0
@@ -256,7 +287,7 @@ def mark_started(
     if claim is Started.TURN_GONE:
         return "its turn is over or gone: not run"
     if claim is Started.CANCELLED:
-        settle(store, scope, cancelled_result(scope.call, "user", **scope.common))
+        settle(store, scope, scope.cancelled())
         return "turn cancelled before start"
     return None
 
@@ -377,8 +408,10 @@ def check_value(spec: ToolSpec, value: Any) -> Any:
 
 
 def ok_result(
-    scope: CallScope, value: Any, settings: Settings, *, soft_fired: bool = False
+    scope: CallScope, spec: ToolSpec, value: Any, settings: Settings, *, soft_fired: bool
 ) -> ToolResult | Waiting:
+    """What the tool returned, once `check_value` lets it through."""
+    value = check_value(spec, value)
     if isinstance(value, Waitpoint):
         return waiting(scope, value, settings)
     finished = time.time()

@@ -22,7 +22,6 @@ from agentq.config import Settings, get_settings
 from agentq.fleet.runtime import get_store
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.held import REDIS_AWAY, held_writes
-from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
@@ -30,18 +29,19 @@ from agentq.tools.calls import (
     FlowerProgress,
     Waiting,
     call_kwargs,
-    check_value,
     mark_started,
+    observed,
     ok_result,
     progress_fields,
     raised_result,
     settle,
+    task_scope,
     tick_fields,
     tool_context,
 )
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
-from agentq.tools.results import cancelled_result, lost_result, timeout_result
+from agentq.tools.results import lost_result, timeout_result
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -63,10 +63,6 @@ class ToolTask(Task):  # type: ignore[misc]
     default_retry_delay = 0
 
 
-def _call(req: ToolTaskRequest) -> ToolCall:
-    return ToolCall(id=req.call_id, name=req.tool, arguments="")
-
-
 class _Ticker:
     """One thread per process publishing the running call's `tool_progress` every
     progress_interval_s, late by a quarter interval (and TICK_POLL_S) at most: a prefork
@@ -81,7 +77,8 @@ class _Ticker:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def running(self, store: TurnStore, scope: CallScope, interval_s: float) -> _Ticking:
+    @contextlib.contextmanager
+    def running(self, store: TurnStore, scope: CallScope, interval_s: float) -> Iterator[None]:
         if self._thread is None or not self._thread.is_alive():
             with self._lock:
                 if self._thread is None or not self._thread.is_alive():
@@ -91,12 +88,12 @@ class _Ticker:
                     )
                     self._thread.start()
         self._current = (store, scope, interval_s)
-        return _Ticking(self, scope)
-
-    def stop(self, scope: CallScope) -> None:
-        current = self._current
-        if current is not None and current[1] is scope:
-            self._current = None
+        try:
+            yield
+        finally:
+            current = self._current
+            if current is not None and current[1] is scope:
+                self._current = None
 
     def _run(self) -> None:
         ticked: tuple[CallScope, float] | None = None
@@ -116,18 +113,6 @@ class _Ticker:
                 store.bus.publish(scope.req.turn_id, "tool_progress", **tick_fields(scope))
             except Exception:
                 log.debug("progress tick not sent", exc_info=True)
-
-
-class _Ticking:
-    def __init__(self, ticker: _Ticker, scope: CallScope) -> None:
-        self._ticker = ticker
-        self._scope = scope
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        self._ticker.stop(self._scope)
 
 
 _ticker = _Ticker()
@@ -203,14 +188,11 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     """Run one call and settle its result; the return value is only for Flower."""
     store = get_store()
     settings = get_settings()
-    task_id = getattr(task.request, "id", None)
-    scope = CallScope(
-        req=req, worker=getattr(task.request, "hostname", None) or "local", task_id=task_id
-    )
-    why_not = mark_started(store, scope, f"{task_id}/{getattr(task.request, 'retries', 0) or 0}")
+    scope, delivery = task_scope(task.request, req)
+    why_not = mark_started(store, scope, delivery)
     if why_not is not None:
         return why_not
-    flower = FlowerProgress(task.backend, task_id)
+    flower = FlowerProgress(task.backend, scope.task_id)
 
     def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
         meta = progress_fields(scope, message, pct, fields)
@@ -227,9 +209,18 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
                 log.debug("progress not sent to Flower", exc_info=True)
 
     ctx = tool_context(store, scope, None, on_progress)
-    if tracing.enabled or logs.enabled:
-        return _observed(task_id, req, lambda: _run(spec, req, scope, ctx, store, settings))
-    return _run(spec, req, scope, ctx, store, settings)
+    if not (tracing.enabled or logs.enabled):
+        return _run(spec, req, scope, ctx, store, settings)
+    with observed(scope) as span:
+        try:
+            status = _run(spec, req, scope, ctx, store, settings)
+        except Exception as exc:
+            tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
+            raise
+    # Anything else (the hard limit's SIGTERM, a revoke) leaves the span open, unexported:
+    # whoever settles the call (the worker's parent, the abort) records it.
+    tracing.end_span(span, status)
+    return status
 
 
 def _run(
@@ -251,41 +242,16 @@ def _run(
             if ctx._cancelled:
                 # It saw its turn's abort and returned: cancelled, as the abort step settles
                 # it, whichever of the two settles first.
-                result = cancelled_result(scope.call, "user", **scope.common)
+                result = scope.cancelled()
             else:
-                result = ok_result(scope, check_value(spec, value), settings, soft_fired=soft[0])
+                result = ok_result(scope, spec, value, settings, soft_fired=soft[0])
     except SoftTimeLimitExceeded:
-        result = timeout_result(
-            scope.call, req.timeout_s, killed=False, soft=True, **scope.without_timeout
-        )
+        result = scope.timeout(killed=False, soft=True)
     except Exception as exc:
         result = raised_result(scope, exc)
     with _ignored_after_the_tool(scope):
         settle(store, scope, result)
     return result.status
-
-
-def _observed(task_id: str | None, req: ToolTaskRequest, run: Callable[[], str]) -> str:
-    """`run` with the call's ids bound for the logs and its span current (tools' own spans
-    nest under it)."""
-    bound = log_context.bind(req.turn_id, req.call_id, task_id)
-    span = tracing.start_span(
-        tracing.CALL_SPAN_PREFIX + req.tool,
-        req.traceparent,
-        tracing.call_attributes(req, task_id),
-    )
-    try:
-        with tracing.active(span):
-            status = run()
-    except Exception as exc:
-        tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
-        raise
-    # Anything else (the hard limit's SIGTERM, a revoke) leaves the span open, unexported:
-    # whoever settles the call (the worker's parent, the abort) records it.
-    finally:
-        log_context.unbind(bound)
-    tracing.end_span(span, status)
-    return status
 
 
 def _on_task_failure(
@@ -334,7 +300,7 @@ def _settle_killed(
         "budget_s": req.budget_s,
         "started_at": start.get("started_at"),
     }
-    call = _call(req)
+    call = ToolCall(id=req.call_id, name=req.tool, arguments="")
     if isinstance(exception, TimeLimitExceeded):
         result = timeout_result(call, req.timeout_s, killed=True, **common)
     else:
