@@ -167,37 +167,14 @@ def tool(
     *,
     name: str | None = None,
     description: str | None = None,
-    timeout_s: float | None = None,
-    soft_timeout_s: float | None = None,
-    budget_s: float | None = None,
-    max_timeout_s: float | None = None,
-    concurrency: Concurrency = "parallel",
-    approval: Approval = "auto",
-    approval_kind: InteractionKind = "approval",
-    approval_timeout_s: float | None = None,
-    approval_default: Literal["approve", "deny"] | None = None,
-    queue: str | None = None,
-    thread: bool = False,
-    idempotent: bool = False,
-    max_retries: int = 1,
+    **policy: Any,
 ) -> Any:
     """Declare a tool; the keyword arguments after `description` are its ToolPolicy
     (see agentq.tools.policy for what each does)."""
-    policy: dict[str, Any] = {
-        "timeout_s": timeout_s,
-        "soft_timeout_s": soft_timeout_s,
-        "budget_s": budget_s,
-        "max_timeout_s": max_timeout_s,
-        "concurrency": concurrency,
-        "approval": approval,
-        "approval_kind": approval_kind,
-        "approval_timeout_s": approval_timeout_s,
-        "approval_default": approval_default,
-        "queue": queue,
-        "thread": thread,
-        "idempotent": idempotent,
-        "max_retries": max_retries,
-    }
+    unknown = sorted(set(policy) - set(ToolPolicy.model_fields))
+    if unknown:
+        # As a signature would refuse it: a misspelt knob is a mistake in the code.
+        raise TypeError(f"tool() got unexpected keyword arguments: {', '.join(unknown)}")
 
     def register(f: F) -> F:
         spec = spec_of(f, name or f.__name__, description, policy)
