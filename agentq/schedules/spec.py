@@ -78,8 +78,6 @@ def build_spec(data: dict[str, Any]) -> ScheduleSpec:
     name = str(data.get("name") or "")
     try:
         return ScheduleSpec.model_validate(data)
-    except ScheduleInvalid:
-        raise
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "schedule"

@@ -3,7 +3,6 @@ celery-redbeat entry that `agentq beat` fires."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from datetime import datetime, timezone
@@ -28,8 +27,12 @@ class Schedules:
         self.app = configure(app, settings)
         self.redis = redis
 
-    def _entry(self, spec: ScheduleSpec) -> RedBeatSchedulerEntry:
-        return RedBeatSchedulerEntry(
+    def add(self, spec: ScheduleSpec) -> ScheduleSpec:
+        """Store a new schedule; its first tick is one period (or the next cron time) away."""
+        spec = spec.model_copy(update={"created_at": time.time()})
+        if not self.redis.hsetnx(k.SCHEDULES, spec.name, spec.model_dump_json()):
+            raise ScheduleInvalid(spec.name, "exists already; remove it first")
+        entry = RedBeatSchedulerEntry(
             spec.name,
             k.TASK_SCHEDULE_TICK,
             spec.celery_schedule(),
@@ -37,29 +40,19 @@ class Schedules:
             options={"queue": k.QUEUE_TURNS},
             app=self.app,
         )
-
-    def add(self, spec: ScheduleSpec) -> ScheduleSpec:
-        """Store a new schedule; its first tick is one period (or the next cron time) away."""
-        spec = spec.model_copy(update={"created_at": time.time()})
-        if not self.redis.hsetnx(k.SCHEDULES, spec.name, spec.model_dump_json()):
-            raise ScheduleInvalid(spec.name, "exists already; remove it first")
-        entry = self._entry(spec)
         # From now, not from year 1: celery would find a never-run entry due at once.
         entry.last_run_at = datetime.now(timezone.utc)
         entry.save()
         return spec
-
-    def get(self, name: str) -> ScheduleSpec:
-        return load_spec(self.redis, name)
 
     def remove(self, name: str) -> None:
         if not self.redis.hdel(k.SCHEDULES, name):
             raise ScheduleNotFound(name)
         # The beat's entry through celery-redbeat's own client: on a Cluster it lives on
         # the plain Redis, not beside the spec.
-        key = RedBeatSchedulerEntry.generate_key(self.app, name)
-        with contextlib.suppress(KeyError):
-            RedBeatSchedulerEntry.from_key(key, app=self.app).delete()
+        entry = self._beat_entry(name)
+        if entry is not None:
+            entry.delete()
         self.redis.delete(k.schedule_state_key(name))
 
     def list(self) -> list[dict[str, Any]]:
@@ -71,27 +64,28 @@ class Schedules:
                 text(f): text(v)
                 for f, v in self.redis.hgetall(k.schedule_state_key(text(name))).items()
             }
-            item: dict[str, Any] = json.loads(spec.model_dump_json())
-            item["when"] = spec.when
-            item["fired"] = int(runs.get("fired", 0))
-            item["skipped"] = int(runs.get("skipped", 0))
-            item["last_turn_id"] = runs.get("last_turn_id")
-            item["last_fired_at"] = (
-                float(runs["last_fired_at"]) if "last_fired_at" in runs else None
+            last_fired_at = runs.get("last_fired_at")
+            entry = self._beat_entry(spec.name)
+            out.append(
+                {
+                    **json.loads(spec.model_dump_json()),
+                    "when": spec.when,
+                    "fired": int(runs.get("fired", 0)),
+                    "skipped": int(runs.get("skipped", 0)),
+                    "last_turn_id": runs.get("last_turn_id"),
+                    "last_fired_at": None if last_fired_at is None else float(last_fired_at),
+                    "last_error": runs.get("last_error"),
+                    "next_at": None if entry is None else float(entry.due_at.timestamp()),
+                }
             )
-            item["last_error"] = runs.get("last_error")
-            item["next_at"] = self._next_at(spec.name)
-            out.append(item)
         return out
 
-    def _next_at(self, name: str) -> float | None:
+    def _beat_entry(self, name: str) -> RedBeatSchedulerEntry | None:
+        key = RedBeatSchedulerEntry.generate_key(self.app, name)
         try:
-            entry = RedBeatSchedulerEntry.from_key(
-                RedBeatSchedulerEntry.generate_key(self.app, name), app=self.app
-            )
+            return RedBeatSchedulerEntry.from_key(key, app=self.app)
         except KeyError:
             return None
-        return float(entry.due_at.timestamp())
 
 
 def load_spec(redis: redis.Redis, name: str) -> ScheduleSpec:
