@@ -137,7 +137,7 @@ def waiting_on(store: TurnStore, turn_id: str) -> list[str] | None:
     state = store.state(turn_id) or {}
     if state.get("status") in TERMINAL_STATUSES:
         return None
-    starts, dispatched = store.starts_and_dispatches(turn_id)
+    starts, dispatched, _ = store.call_progress(turn_id)
     unstarted = {cid: d.get("queue") for cid, d in dispatched.items() if cid not in starts}
     if unstarted:
         # A call settled without a start (refused, aborted) waits for nothing.

@@ -290,21 +290,8 @@ class CallRecords(StoreBase):
     def _records(self, turn_id: str, kinds: str) -> dict[Any, Any]:
         return records_of(self.redis, [turn_id], kinds)[0]
 
-    def _calls(self, turn_id: str, prefix: str) -> dict[str, Any]:
-        return call_fields(self._records(turn_id, prefix[0]), prefix)
-
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        return self.starts_and_dispatches(turn_id)[1]
-
-    def starts(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        return self.starts_and_dispatches(turn_id)[0]
-
-    def starts_and_dispatches(
-        self, turn_id: str
-    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
-        """`starts` and `dispatches`, from one read of the turn."""
-        starts, dispatched, _ = self.call_progress(turn_id)
-        return starts, dispatched
+        return self.call_progress(turn_id)[1]
 
     def call_progress(
         self, turn_id: str
@@ -459,5 +446,5 @@ class CallRecords(StoreBase):
         return None if raw is None else ToolResult.model_validate_json(raw)
 
     def results(self, turn_id: str) -> dict[str, ToolResult]:
-        settled = self._calls(turn_id, k.SETTLED)
+        settled = call_fields(self._records(turn_id, k.SETTLED[0]), k.SETTLED)
         return {c: ToolResult.model_validate_json(v) for c, v in settled.items()}

@@ -143,7 +143,7 @@ def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]
     ended_at = state.get("ended_at")
     results = {c: r.model_dump() for c, r in store.results(turn_id).items()}
     rounds_of = call_rounds(store.history(turn_id), int(state.get("history_start") or 0))
-    starts, dispatched = store.starts_and_dispatches(turn_id)
+    starts, dispatched, _ = store.call_progress(turn_id)
     bars = calls(dispatched, starts, results, rounds_of)
     if state.get("status") in TERMINAL_STATUSES:
         # A call the turn ended with and that never settled (it should not happen) ends here.

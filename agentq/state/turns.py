@@ -115,21 +115,10 @@ end
 if kids then redis.call('DEL', children_key) end
 for i = {len(CloseKeys._fields) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
 if parent_id == '' then return {Closed.ENDED:d} end
-local popen = redis.call('HMGET', parent_key, 'status', '"""
-    + WATCHERS_FIELD
-    + """', '"""
-    + SEQ_FIELD
-    + """', '"""
-    + k.UNSETTLED_FIELD
-    + """', '"""
-    + k.SETTLED
-    + """' .. parent_call_id)
+local popen = redis.call('HMGET', parent_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
+  '{k.UNSETTLED_FIELD}', '{k.SETTLED}' .. parent_call_id)
 local pstatus, pwatched, pseq = popen[1], popen[2], tonumber(popen[3]) or 0
-if not pstatus or """
-    + ended_lua("pstatus")
-    + f""" then
-  return {Closed.ENDED:d}
-end
+if not pstatus or {ended_lua("pstatus")} then return {Closed.ENDED:d} end
 if popen[5] then return {Closed.ENDED:d} end
 -- The parent recorded its call before it started this turn: the call is in its batch.
 local left = math.max((tonumber(popen[4]) or 0) - 1, 0)
@@ -387,10 +376,6 @@ class TurnRecords(StoreBase):
     def history(self, turn_id: str) -> list[dict[str, Any]]:
         """The turn's messages, in order ([] if Redis has no such turn)."""
         return history_of(self.redis.hgetall(k.turn_key(turn_id)))
-
-    def cancel_reason(self, turn_id: str) -> str | None:
-        v = self.redis.get(k.cancel_key(turn_id))
-        return None if v is None else text(v)  # type: ignore[union-attr]
 
     def children(self, turn_id: str) -> list[str]:
         return [text(c) for c in self.redis.smembers(k.children_key(turn_id))]

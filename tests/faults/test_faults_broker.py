@@ -167,7 +167,10 @@ def test_calls_a_worker_held_unstarted_go_back_when_the_broker_returns(
     broker = redis.Redis.from_url(broker_redis.url)
     # One call runs; the other three left the queue for the worker, which holds them.
     wait_for(
-        lambda: len(rig.client._store.starts(turn_id)) == 1 and broker.llen(k.QUEUE_TOOLS) == 0,
+        lambda: (
+            len(rig.client._store.call_progress(turn_id)[0]) == 1
+            and broker.llen(k.QUEUE_TOOLS) == 0
+        ),
         30,
         message="one call running, three held by the worker",
     )

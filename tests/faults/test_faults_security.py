@@ -59,7 +59,7 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
     state = client.get(tid)["state"]
     assert state["status"] == "running"
     assert client.interactions.get(tid, rid)[0] == "pending"
-    assert not client._store.cancel_reason(tid)
+    assert client._store.redis.get(k.cancel_key(tid)) is None
 
     client.abort(tid, handle.token)
     events = rig.collect(tid)

@@ -30,7 +30,7 @@ def test_dead_tool_worker_call_settles_lost_and_is_not_run_again(rig, tmp_path: 
     handle = rig.client._start_turn(key)
     started = rig.collect(handle.turn_id, until=lambda e: e.type == "tool_started")[-1]
     wait_for(lambda: starts(count) == 1, 10, message="the tool to start its work")
-    record = rig.client._store.starts(handle.turn_id)[started.fields["call_id"]]
+    record = rig.client._store.call_progress(handle.turn_id)[0][started.fields["call_id"]]
     task_id, t_start = record["task_id"], float(record["started_at"])
     old = rig.worker("tools")
     old.kill()  # SIGKILL to the whole process group: parent and pool together

@@ -88,7 +88,7 @@ def test_a_bare_tool_worker_beats_and_its_death_settles_the_call_lost(tmp_path: 
         )
         handle = rig.client._start_turn(key)
         wait_for(lambda: starts(count) == 1, 15, message="the unlimited tool to start")
-        record = rig.client._store.starts(handle.turn_id)
+        record = rig.client._store.call_progress(handle.turn_id)[0]
         assert [r.get("heartbeat") for r in record.values()] == [True], record
         worker.kill()  # the whole process group: nobody is left to report the call
         killed_at = time.time()

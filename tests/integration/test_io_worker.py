@@ -51,7 +51,7 @@ def test_async_tool_ok_with_progress_from_tool_and_worker(io_worker, turn_worker
     assert all(e.fields["state"] == "running" for e in by_worker)
     elapsed = [e.fields["elapsed_ms"] for e in by_worker]
     assert elapsed == sorted(elapsed) and elapsed[-1] >= 1900
-    start = get_store().starts(turn_id)[c.id]
+    start = get_store().call_progress(turn_id)[0][c.id]
     assert start["heartbeat"] is True and start["worker"].startswith("io-")
     assert {"pid", "started_at", "task_id", "attempt", "delivery"} <= set(start)
 
@@ -148,7 +148,7 @@ def test_abort_cancels_within_50_ms(io_worker) -> None:
         budget_s=1,
     )
     get_app().send_task(spec.task_name, kwargs=req.model_dump(), queue=spec.policy.queue)
-    wait_for(lambda: c.id in get_store().starts(turn_id), 10, message="call started")
+    wait_for(lambda: c.id in get_store().call_progress(turn_id)[0], 10, message="call started")
     time.sleep(0.2)
     store = get_store()
     t0 = time.time()

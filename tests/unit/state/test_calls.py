@@ -88,7 +88,9 @@ def test_a_turns_call_records_are_fields_of_its_state_that_state_reads_leave_out
     view = store.begin_step("t1", "s", 5000)
     assert view is not None and view.state is not None
     assert not [f for f in view.state if k.is_record(f)]
-    assert store.results("t1")["c1"].error == "one" and store.starts("t1")["c1"]["pid"] == 1
+    assert (
+        store.results("t1")["c1"].error == "one" and store.call_progress("t1")[0]["c1"]["pid"] == 1
+    )
 
 
 def _failover_on_first_run(store: TurnStore, lost: Callable[[], None]) -> list[int]:
@@ -130,7 +132,7 @@ def test_a_start_lost_in_a_failover_yields_to_the_copy_that_claimed_the_new_mast
     mine = {**START, "delivery": "x.1", "claim": "mine"}
     assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.REDELIVERED
     assert given == [0, 1]
-    assert store.starts("t1")["c1"]["claim"] == "theirs"
+    assert store.call_progress("t1")[0]["c1"]["claim"] == "theirs"
 
 
 def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(store: TurnStore) -> None:
@@ -141,4 +143,4 @@ def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(store: TurnStore) 
     mine = {**START, "delivery": "x.1", "claim": "mine"}
     assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.STARTED_ALONE
     assert given == [0, 1]
-    assert store.starts("t1")["c1"]["claim"] == "mine"
+    assert store.call_progress("t1")[0]["c1"]["claim"] == "mine"
