@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -43,6 +44,7 @@ from agentq.errors import (
 from agentq.gateway.limits import retry_after_header
 
 log = logging.getLogger("agentq.gateway")
+Handler = Callable[[Request, Exception], Awaitable[Response]]
 
 
 class ApiError(Exception):
@@ -125,80 +127,30 @@ async def _on_api_error(request: Request, exc: Exception) -> Response:
     )
 
 
-async def _on_access_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, AccessError)
-    headers: dict[str, str] = {}
+def _headers(exc: AgentqError) -> dict[str, str]:
     if isinstance(exc, Unauthorized):
-        headers["WWW-Authenticate"] = "Bearer"
+        return {"WWW-Authenticate": "Bearer"}
     if isinstance(exc, RateLimited):
-        headers["Retry-After"] = retry_after_header(exc.retry_after_s)
-    return error_response(exc.status_code, type(exc).__name__, exc.message, headers=headers)
+        return {"Retry-After": retry_after_header(exc.retry_after_s)}
+    if isinstance(exc, BudgetExceeded) and exc.resets_at is not None:
+        return {"Retry-After": retry_after_header(max(0.0, exc.resets_at - time.time()))}
+    return {}
 
 
-def _agentq_handler(status_code: int) -> Any:
+def _agentq_handler(status_code: int | None, *fields: str, **renamed: str) -> Handler:
+    """Answers `status_code` (None: the error's own) with the error's type, message and
+    each of `fields` it has that is not None (`renamed`: name in the body = attribute)."""
+
     async def handler(request: Request, exc: Exception) -> Response:
-        message = exc.message if isinstance(exc, AgentqError) else str(exc)
-        return error_response(status_code, type(exc).__name__, message)
+        assert isinstance(exc, AgentqError)
+        body: dict[str, Any] = {"type": type(exc).__name__, "message": exc.message}
+        for name, attr in [*zip(fields, fields, strict=True), *renamed.items()]:
+            if getattr(exc, attr, None) is not None:
+                body[name] = getattr(exc, attr)
+        status = getattr(exc, "status_code", 400) if status_code is None else status_code
+        return JSONResponse({"error": body}, status_code=status, headers=_headers(exc))
 
     return handler
-
-
-async def _on_unknown_agent(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, UnknownAgent)
-    body = {"type": "UnknownAgent", "message": exc.message, "known_agents": exc.known}
-    return JSONResponse({"error": body}, status_code=422)
-
-
-async def _on_conversation_busy(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ConversationBusy)
-    body = {
-        "type": "ConversationBusy",
-        "code": exc.code,
-        "message": exc.message,
-        "conversation_id": exc.conversation_id,
-        "running_turn_id": exc.running_turn_id,
-    }
-    return JSONResponse({"error": body}, status_code=409)
-
-
-async def _on_idempotency_reused(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, IdempotencyKeyReused)
-    body = {"type": "IdempotencyKeyReused", "code": exc.code, "message": exc.message}
-    return JSONResponse({"error": body}, status_code=422)
-
-
-async def _on_budget_exceeded(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, BudgetExceeded)
-    body: dict[str, Any] = {
-        "type": "BudgetExceeded",
-        "code": exc.code,
-        "message": exc.message,
-        "scope": exc.scope,
-        "budget": exc.budget,
-        "spent": exc.spent,
-        "limit": exc.limit,
-        "resets_at": exc.resets_at,
-    }
-    headers = {}
-    if exc.resets_at is not None:
-        headers["Retry-After"] = retry_after_header(max(0.0, exc.resets_at - time.time()))
-    return JSONResponse({"error": body}, status_code=429, headers=headers)
-
-
-async def _on_budget_invalid(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, BudgetInvalid)
-    body = {"type": "BudgetInvalid", "code": exc.code, "message": exc.message}
-    return JSONResponse({"error": body}, status_code=422)
-
-
-async def _on_replay_refused(request: Request, exc: Exception) -> Response:
-    """A retry or fork refused: its code, and the source's status or the field at fault."""
-    assert isinstance(exc, ReplayRefused)
-    body: dict[str, Any] = {"type": type(exc).__name__, "code": exc.code, "message": exc.message}
-    for name in ("status", "field"):
-        if hasattr(exc, name):
-            body[name] = getattr(exc, name)
-    return JSONResponse({"error": body}, status_code=exc.status_code)
 
 
 async def _on_redis_error(request: Request, exc: Exception) -> Response:
@@ -213,42 +165,32 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     )
 
 
-async def _on_waitpoint_refused(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, WaitpointRefused)
-    body: dict[str, Any] = {
-        "type": "WaitpointRefused",
-        "message": exc.message,
-        "waitpoint_id": exc.waitpoint_id,
-    }
-    if exc.first is not None:
-        body["first"] = exc.first
-    return JSONResponse({"error": body}, status_code=exc.status_code)
-
-
 async def _on_crash(request: Request, exc: Exception) -> Response:
     return error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
 
 
-def exception_handlers() -> dict[Any, Any]:
+def exception_handlers() -> dict[Any, Handler]:
     """Starlette's `exception_handlers` for the gateway."""
     return {
         ApiError: _on_api_error,
         HTTPException: _on_http_error,
-        AccessError: _on_access_error,
+        AccessError: _agentq_handler(None),
         TurnNotFound: _agentq_handler(404),
-        ReplayRefused: _on_replay_refused,
+        ReplayRefused: _agentq_handler(None, "code", "status", "field"),
         ConversationNotFound: _agentq_handler(404),
-        ConversationBusy: _on_conversation_busy,
-        IdempotencyKeyReused: _on_idempotency_reused,
-        BudgetExceeded: _on_budget_exceeded,
-        BudgetInvalid: _on_budget_invalid,
+        ConversationBusy: _agentq_handler(409, "code", "conversation_id", "running_turn_id"),
+        IdempotencyKeyReused: _agentq_handler(422, "code"),
+        BudgetExceeded: _agentq_handler(
+            None, "code", "scope", "budget", "spent", "limit", "resets_at"
+        ),
+        BudgetInvalid: _agentq_handler(422, "code"),
         InteractionNotFound: _agentq_handler(404),
         InteractionClosed: _agentq_handler(409),
         AnswerInvalid: _agentq_handler(422),
         TokenInvalid: _agentq_handler(403),
-        WaitpointRefused: _on_waitpoint_refused,
+        WaitpointRefused: _agentq_handler(None, "waitpoint_id", "first"),
         PayloadTooLarge: _agentq_handler(413),
-        UnknownAgent: _on_unknown_agent,
+        UnknownAgent: _agentq_handler(422, known_agents="known"),
         WebhookRefused: _agentq_handler(422),
         ScheduleNotFound: _agentq_handler(404),
         ScheduleInvalid: _agentq_handler(422),

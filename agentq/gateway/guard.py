@@ -14,14 +14,13 @@ a DNS-rebinding page cannot read a loopback gateway either; bound to every addre
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentq.errors import AccessError, Forbidden, UnsupportedMediaType
 from agentq.gateway.auth import is_loopback
+from agentq.gateway.errors import error_response
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -87,10 +86,10 @@ class RequestGuard:
         if scope["type"] == "http":
             refused = self.refusal(scope)
             if refused is not None:
-                body: dict[str, Any] = {
-                    "error": {"type": type(refused).__name__, "message": refused.message}
-                }
-                await JSONResponse(body, status_code=refused.status_code)(scope, receive, send)
+                answer = error_response(
+                    refused.status_code, type(refused).__name__, refused.message
+                )
+                await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
