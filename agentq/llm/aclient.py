@@ -11,6 +11,7 @@ cancel channel sets) and always wins over the silence limit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -151,6 +152,23 @@ async def astream_round(
     ...) after the retries `agentq.llm.retry` allows, or `Aborted`.
     """
     limit_s = duration_limit_s if duration_limit_s is not None else duration_left_s
+    # Every attempt is sent alike: each is a fresh copy of this one, never run itself.
+    first = _Attempt(
+        client=client,
+        model=model,
+        idle_timeout_ms=idle_timeout_ms,
+        duration_left_s=duration_left_s,
+        duration_limit_s=limit_s,
+        timeout=timeout,
+        on_delta=on_delta,
+        abort=abort,
+        turn_id=turn_id,
+        on_first_output=on_first_output,
+        on_headers=on_headers,
+        max_completion_tokens=max_completion_tokens,
+        api=api,
+        output_format=output_format,
+    )
     streamed_s = 0.0
     attempt = 0
     while True:
@@ -159,22 +177,7 @@ async def astream_round(
             raise Aborted(turn_id)
         if duration_left_s <= 0:
             raise StreamDurationExceeded(limit_s, limit_s - duration_left_s)
-        run = _Attempt(
-            client=client,
-            model=model,
-            idle_timeout_ms=idle_timeout_ms,
-            duration_left_s=duration_left_s,
-            duration_limit_s=limit_s,
-            timeout=timeout,
-            on_delta=on_delta,
-            abort=abort,
-            turn_id=turn_id,
-            on_first_output=on_first_output,
-            on_headers=on_headers,
-            max_completion_tokens=max_completion_tokens,
-            api=api,
-            output_format=output_format,
-        )
+        run = dataclasses.replace(first)
         try:
             message = await run.run(messages, tools)
         except LlmError as exc:
@@ -206,46 +209,28 @@ def _final(
     return not should_retry(error, chunks_received=said, attempt=attempt, max_retries=max_retries)
 
 
+@dataclasses.dataclass
 class _Attempt:
-    def __init__(
-        self,
-        *,
-        client: openai.AsyncOpenAI,
-        model: str,
-        idle_timeout_ms: int,
-        duration_left_s: float,
-        duration_limit_s: float,
-        timeout: httpx2.Timeout | None,
-        on_delta: DeltaCallback,
-        abort: asyncio.Event,
-        turn_id: str,
-        on_first_output: Callable[[], None] | None = None,
-        on_headers: Callable[[dict[str, str]], None] | None = None,
-        max_completion_tokens: int | None = None,
-        api: ModelApi = "chat",
-        output_format: dict[str, Any] | None = None,
-    ) -> None:
-        self.client = client
-        self.api = api
-        self.output_format = output_format
-        self.assembler: ChatAssembler | ResponsesAssembler | None = None
-        self.max_completion_tokens = max_completion_tokens
-        self.on_first_output = on_first_output
-        self.on_headers = on_headers
-        self.model = model
-        self.idle_timeout_ms = idle_timeout_ms
-        self.idle_s = idle_timeout_ms / 1000.0 if idle_timeout_ms > 0 else None
-        self.duration_left_s = duration_left_s
-        self.duration_limit_s = duration_limit_s
-        self.timeout = timeout
-        self.on_delta = on_delta
-        self.abort = abort
-        self.turn_id = turn_id
-        self.chunks = 0
-        self.retry_after_s: float | None = None
-        self.elapsed_s = 0.0
-        self._started = time.monotonic()
-        self._last = self._started
+    client: openai.AsyncOpenAI
+    model: str
+    idle_timeout_ms: int
+    duration_left_s: float
+    duration_limit_s: float
+    timeout: httpx2.Timeout | None
+    on_delta: DeltaCallback
+    abort: asyncio.Event
+    turn_id: str
+    on_first_output: Callable[[], None] | None
+    on_headers: Callable[[dict[str, str]], None] | None
+    max_completion_tokens: int | None
+    api: ModelApi
+    output_format: dict[str, Any] | None
+    assembler: ChatAssembler | ResponsesAssembler | None = None
+    chunks: int = 0
+    retry_after_s: float | None = None
+    elapsed_s: float = 0.0
+    _started: float = 0.0
+    _last: float = 0.0
 
     @property
     def said(self) -> int:
@@ -267,6 +252,7 @@ class _Attempt:
 
     async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         self._started = self._last = time.monotonic()
+        idle_s = self.idle_timeout_ms / 1000 if self.idle_timeout_ms > 0 else None
         # The duration budget is this clock's too: a stream that sends nothing parsable
         # (keep-alive comments) must not outlive it.
         ends_at = self._started + self.duration_left_s
@@ -276,7 +262,7 @@ class _Attempt:
         trip: str | None = None
         try:
             while True:
-                due = ends_at if self.idle_s is None else min(ends_at, self._last + self.idle_s)
+                due = ends_at if idle_s is None else min(ends_at, self._last + idle_s)
                 done, _ = await asyncio.wait(
                     {reader, aborted},
                     timeout=max(0.0, due - time.monotonic()),
@@ -287,7 +273,7 @@ class _Attempt:
                 now = time.monotonic()
                 if aborted in done:
                     trip = "abort"
-                elif self.idle_s is not None and now - self._last >= self.idle_s:
+                elif idle_s is not None and now - self._last >= idle_s:
                     trip = "idle"
                 elif now >= ends_at:
                     trip = "duration"
