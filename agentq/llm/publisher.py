@@ -15,7 +15,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from agentq.events.bus import event_body
@@ -128,14 +128,17 @@ class Publisher:
         due = seen.at + self.quiet_s
         return due if due > now else None
 
-    def _take(self, now: float) -> tuple[Batch, float]:
-        """The events to publish now, and when the first held delta is due."""
-        if not self.quiet_s:
+    def _take(self, now: float, skip: Collection[str] = ()) -> tuple[Batch, float]:
+        """The events to publish now (none of the turns in `skip`), and when the first held
+        delta is due."""
+        if not self.quiet_s and not skip:
             taken, self.pending = self.pending, {}
             return taken, math.inf
         batch: Batch = {}
         first_due = math.inf
         for turn_id, events in self.pending.items():
+            if turn_id in skip:
+                continue
             due = self._due(turn_id, now)
             if due is not None and all(type_ == "llm_delta" for type_, _ in events):
                 first_due = min(first_due, due)
@@ -192,25 +195,12 @@ class Publisher:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.urgent.wait(), left_s)
                 now = time.monotonic()
-                batch = self._take_others(sent, now)
+                batch, _ = self._take(now, sent)
                 if batch:
                     sent.update(batch)
                     await self._send(batch, now)
         finally:
             self.resting = None
-
-    def _take_others(self, sent: set[str], now: float) -> Batch:
-        """The pending events of turns not in `sent` that may go now (none held)."""
-        batch: Batch = {}
-        for turn_id, events in self.pending.items():
-            if turn_id in sent:
-                continue
-            if self._due(turn_id, now) is not None and all(t == "llm_delta" for t, _ in events):
-                continue
-            batch[turn_id] = events
-        for turn_id in batch:
-            del self.pending[turn_id]
-        return batch
 
     def _prune(self, now: float) -> None:
         """Forget turns that published nothing for the quiet interval: for a turn not
