@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import ended_lua
-from agentq.events.lua_args import TurnKey, argv_of, bind_lua
+from agentq.events.lua_args import TurnKey, bind_lua
 
 
 class Multitask(str, Enum):
@@ -172,33 +172,14 @@ class ReleaseArgs(NamedTuple):
     """The turn's exchange, as JSON."""
 
     def argv(self) -> list[Any]:
-        named = ReleaseNamed(
-            self.turn_id,
-            self.base_len,
-            self.ttl_s,
-            self.now,
-            self.conversation_id,
-            int(self.rolled_back),
-            len(self.gone),
-        )
-        return argv_of(named, self.gone, self.messages)
-
-
-class ReleaseNamed(NamedTuple):
-    """RELEASE's named ARGV; the turns gone (`n_gone` of them), then the messages follow."""
-
-    turn_id: str
-    base_len: int
-    ttl_s: int
-    now: float
-    conversation_id: str
-    rolled_back: int
-    n_gone: int
+        """RELEASE's ARGV: the first six fields (`rolled_back` as 0 or 1), how many turns are
+        gone (`n_gone`), then those turns, then the messages."""
+        return [*self[:5], int(self.rolled_back), len(self.gone), *self.gone, *self.messages]
 
 
 # KEYS: ConversationKeys; ARGV: ReleaseArgs.argv(). Returns {Release, next turn id or ''}.
 RELEASE_LUA = (
-    bind_lua(_SCRIPT_KEYS, ReleaseNamed, rest="tail")
+    bind_lua(_SCRIPT_KEYS, (*ReleaseArgs._fields[:6], "n_gone"), rest="tail")
     + f"""local first_message = tail_at + tonumber(n_gone)
 for i = tail_at, first_message - 1 do
   redis.call('LREM', queue_key, 0, ARGV[i])
@@ -398,6 +379,5 @@ __all__ = [
     "Multitask",
     "Release",
     "ReleaseArgs",
-    "ReleaseNamed",
     "Take",
 ]

@@ -34,6 +34,7 @@ from redis.cluster import RedisCluster
 
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
+from agentq.state.base import text
 from agentq.state.conversation_lua import (
     ADMIT_LUA,
     DELETE_LUA,
@@ -91,7 +92,6 @@ class ConversationView:
     queued: list[str]
     messages: list[dict[str, Any]]
     updated_at: float | None
-    conflicts: int
 
     def public(self) -> dict[str, Any]:
         return {
@@ -102,10 +102,6 @@ class ConversationView:
             "messages": self.messages,
             "updated_at": self.updated_at,
         }
-
-
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class Conversations:
@@ -178,13 +174,13 @@ class Conversations:
             # Its history is read at its first step (TAKE), not here.
             return Admitted(outcome, created=bool(int(answer[1])))
         if outcome is Admit.BUSY:
-            return Admitted(outcome, running=_text(answer[1]))
+            return Admitted(outcome, running=text(answer[1]))
         return Admitted(
             outcome,
             created=bool(int(answer[1])),
-            running=_text(answer[2]),
+            running=text(answer[2]),
             position=int(answer[3]),
-            behind=_text(answer[4]),
+            behind=text(answer[4]),
         )
 
     def admit_in_place(
@@ -198,7 +194,7 @@ class Conversations:
         outcome = InPlace(int(answer[0]))
         if outcome is InPlace.RUN:
             self._noted(conversation_id, args.now)
-        return outcome, _text(answer[1]) or None
+        return outcome, text(answer[1]) or None
 
     def release(self, conversation_id: str, args: ReleaseArgs) -> tuple[Release, str | None]:
         """Commit a turn's exchange and hand the conversation to the next queued turn (its
@@ -207,13 +203,12 @@ class Conversations:
         outcome = Release(int(answer[0]))
         if outcome is not Release.LEFT:
             self._noted(conversation_id, args.now)
-        nxt = _text(answer[1])
-        return outcome, nxt or None
+        return outcome, text(answer[1]) or None
 
     def injectable(self, conversation_id: str, turn_id: str) -> list[str]:
         """Queued turns whose message may join `turn_id`'s next round, in arrival order."""
         ids = self._injectable(keys=list(ConversationKeys.of(conversation_id)), args=[turn_id])
-        return [_text(i) for i in ids]
+        return [text(i) for i in ids]
 
     def note_injected(self, turn_id: str) -> bool:
         """Tell a running turn a message waits to join it; False if it has ended."""
@@ -228,7 +223,7 @@ class Conversations:
         outcome = Take(int(answer[0]))
         if outcome is Take.HOLDS:
             return outcome, [json.loads(m) for m in answer[1:]], turn_id
-        return outcome, [], _text(answer[1]) or None
+        return outcome, [], text(answer[1]) or None
 
     def check_access(
         self,
@@ -243,7 +238,7 @@ class Conversations:
         raw = self.redis.get(k.conversation_owner_key(conversation_id))
         if raw is None:
             raise ConversationNotFound(conversation_id)
-        bound = _text(raw)
+        bound = text(raw)
         if not (any_owner or bound in held_bindings(owner, token)):
             raise ConversationNotFound(conversation_id)
 
@@ -254,14 +249,13 @@ class Conversations:
         pipe.lrange(keys.queue_key, 0, -1)
         pipe.lrange(keys.history_key, 0, -1)
         meta_raw, queue, history = pipe.execute()
-        meta = {_text(f): _text(v) for f, v in meta_raw.items()}
+        meta = {text(f): text(v) for f, v in meta_raw.items()}
         return ConversationView(
             conversation_id=conversation_id,
             running_turn_id=meta.get("running") or None,
-            queued=[_text(q) for q in queue],
+            queued=[text(q) for q in queue],
             messages=[json.loads(m) for m in history],
             updated_at=float(meta["updated_at"]) if meta.get("updated_at") else None,
-            conflicts=int(meta.get("conflicts") or 0),
         )
 
     def listing(
@@ -287,7 +281,7 @@ class Conversations:
             start += len(page)
             pipe = self.redis.pipeline(transaction=False)
             for cid, _score in page:
-                c = _text(cid)
+                c = text(cid)
                 pipe.get(k.conversation_owner_key(c))
                 pipe.hgetall(k.conversation_meta_key(c))
                 pipe.llen(k.conversation_key(c))
@@ -296,13 +290,13 @@ class Conversations:
             gone = []
             for i, (cid, score) in enumerate(page):
                 bound, meta_raw, n_messages, n_queued = got[4 * i : 4 * i + 4]
-                c = _text(cid)
+                c = text(cid)
                 if bound is None:
                     gone.append(c)
                     continue
-                if not any_owner and _text(bound) != wanted:
+                if not any_owner and text(bound) != wanted:
                     continue
-                meta = {_text(f): _text(v) for f, v in meta_raw.items()}
+                meta = {text(f): text(v) for f, v in meta_raw.items()}
                 rows.append(
                     {
                         "conversation_id": c,
@@ -325,7 +319,7 @@ class Conversations:
         """Remove the conversation; its running and queued turns, for the caller to abort."""
         ids = self._delete(keys=list(ConversationKeys.of(conversation_id)), args=[])
         self.redis.zrem(k.CONVERSATIONS_INDEX, conversation_id)
-        return [_text(i) for i in ids]
+        return [text(i) for i in ids]
 
 
 __all__ = [

@@ -54,62 +54,52 @@ class SummaryArgs(NamedTuple):
 # is escaped).
 _SUMMARY_LUA = (
     bind_lua(SummaryKeys, SummaryArgs, rest="turns")
-    + """
-local out = {}
+    + f"""
+local out = {{}}
 for i = turns_at, #ARGV, 2 do
   local id, base = ARGV[i], ARGV[i + 1]
   local all = redis.call('HGETALL', base)
   if #all == 0 then
-    out[#out + 1] = {id, false}
+    out[#out + 1] = {{id, false}}
   else
-    local counts = {}
-    local st, settled, started, sent, planned = {}, {}, {}, {}, {}
+    local counts = {{}}
+    local st, settled, started, sent, planned = {{}}, {{}}, {{}}, {{}}, {{}}
     -- The calls' records (counted here) and the history are fields of the state: not sent back.
     for j = 1, #all, 2 do
       local kind, call = string.sub(all[j], 1, 2), string.sub(all[j], 3)
-      if kind == '"""
-    + k.SETTLED
-    + """' then
+      if kind == '{k.SETTLED}' then
         local s = string.match(all[j + 1], '"status":"(%a+)"') or 'unknown'
         counts[s] = (counts[s] or 0) + 1
         settled[call] = true
-      elseif kind == '"""
-    + k.STARTED
-    + """' then
+      elseif kind == '{k.STARTED}' then
         started[call] = true
-      elseif kind == '"""
-    + k.DISPATCHED
-    + """' then
-        sent[#sent + 1] = {call, all[j + 1]}
-      elseif kind == '"""
-    + k.PLANNED
-    + """' then
+      elseif kind == '{k.DISPATCHED}' then
+        sent[#sent + 1] = {{call, all[j + 1]}}
+      elseif kind == '{k.PLANNED}' then
         planned[#planned + 1] = call
-      elseif kind == '"""
-    + k.MESSAGE
-    + """' then
+      elseif kind == '{k.MESSAGE}' then
         -- The history: not the listing's.
       else
         st[#st + 1] = all[j]
         st[#st + 1] = all[j + 1]
       end
     end
-    local open = {}
+    local open = {{}}
     for _, d in ipairs(sent) do
       if not settled[d[1]] then
         local state = started[d[1]] and 'running' or 'queued'
         counts[state] = (counts[state] or 0) + 1
         local tool = string.match(d[2], '"tool":%s*"([^"]*)"') or '?'
-        open[#open + 1] = {d[1], tool, state}
+        open[#open + 1] = {{d[1], tool, state}}
       end
     end
-    local pending = {}
+    local pending = {{}}
     for j = 1, #planned do
       local ik = base .. ':interaction:' .. planned[j] .. approval_suffix
       local v = redis.call('HMGET', ik, 'state', 'request')
       if v[1] == 'pending' and v[2] then pending[#pending + 1] = v[2] end
     end
-    out[#out + 1] = {id, st, counts, open, pending}
+    out[#out + 1] = {{id, st, counts, open, pending}}
   end
 end
 return cjson.encode(out)
@@ -337,11 +327,7 @@ class TurnLister:
         return sum(int(n) for n in got)
 
     def page(
-        self,
-        query: TurnQuery,
-        visible: Callable[[dict[str, Any]], bool] | None = None,
-        *,
-        scan_max: int = SCAN_MAX,
+        self, query: TurnQuery, visible: Callable[[dict[str, Any]], bool] | None = None
     ) -> TurnPage:
         """Newest first from `query.before`, filtered, at most `query.limit` turns."""
         self.prune()
@@ -350,7 +336,7 @@ class TurnLister:
         page = TurnPage()
         scanned = 0
         last_score: float | None = None
-        while scanned < scan_max:
+        while scanned < SCAN_MAX:
             rows = self._newest(top, SCAN_BATCH)
             if not rows:
                 return page

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from agentq.config import ModelPrice, Settings
 from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import Usage
+from agentq.state.base import text
 from agentq.state.budget import (
     MIN_COMPLETION_TOKENS,
     Budget,
@@ -374,7 +375,7 @@ class Spend:
         answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
         if Reserve(int(answer[0])) is Reserve.OK:
             return Reserved(int(answer[1]), bool(int(answer[2])))
-        scope, name, spent, limit = (a.decode() if isinstance(a, bytes) else a for a in answer[1:5])
+        scope, name, spent, limit = (text(a) for a in answer[1:5])
         unit = "tokens" if "tokens" in name else "usd"
         return Budget(scope, name, unit, _num(limit), _num(spent))  # type: ignore[arg-type]
 
@@ -420,11 +421,9 @@ class Spend:
         pipe.expire(key, self.settings.turn_retention_s)
         pipe.execute()
 
-    def key_budgets(self, owner: str | None, day: str) -> list[Budget]:
-        """The key's budgets, with what it spent of each this day and month."""
-        return self._key_budgets(owner, day)[0]
-
-    def _key_budgets(self, owner: str | None, day: str) -> tuple[list[Budget], set[str]]:
+    def key_budgets(self, owner: str | None, day: str) -> tuple[list[Budget], set[str]]:
+        """The key's budgets, with what it spent of each this day and month, and those that
+        refused a round of the key's this period."""
         budget = self.settings.key_budgets.get(owner or "")
         if budget is None:
             return [], set()
@@ -444,14 +443,14 @@ class Spend:
     def key_refusal(self, owner: str | None, day: str, tokens: int, usd: float) -> Budget | None:
         """The key budget that refuses a start: one that cannot afford the least round
         (`tokens`, `usd`), or that refused a round of the key's this period."""
-        spent, exhausted = self._key_budgets(owner, day)
+        spent, exhausted = self.key_budgets(owner, day)
         return next((b for b in spent if b.name in exhausted), None) or over(spent, tokens, usd)
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
         """A turn's spend with its sub-agents' (reservations in flight included in
         `tokens` and `cost_usd`) and its limits."""
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
-        f = {(a.decode() if isinstance(a, bytes) else a): b for a, b in raw.items()}
+        f = {text(a): b for a, b in raw.items()}
         counts = {n: _num(f.get(n)) for n in ("prompt", "completion", "cached", "tokens", "usd")}
         out: dict[str, Any] = {
             "prompt_tokens": int(counts["prompt"]),
@@ -467,9 +466,7 @@ class Spend:
         return out
 
     def owners(self) -> list[str]:
-        return sorted(
-            (o.decode() if isinstance(o, bytes) else o) for o in self.redis.smembers(SPEND_OWNERS)
-        )
+        return sorted(text(o) for o in self.redis.smembers(SPEND_OWNERS))
 
     def days(self, owners: list[str], days: list[str]) -> dict[tuple[str, str], dict[str, str]]:
         """The per-day hashes of `owners` over `days`, by (owner, day), in one round trip
@@ -481,12 +478,7 @@ class Spend:
         out: dict[tuple[str, str], dict[str, str]] = {}
         for pair, raw in zip(pairs, pipe.execute(), strict=True):
             if raw:
-                out[pair] = {
-                    (a.decode() if isinstance(a, bytes) else a): (
-                        b.decode() if isinstance(b, bytes) else b
-                    )
-                    for a, b in raw.items()
-                }
+                out[pair] = {text(a): text(b) for a, b in raw.items()}
         return out
 
 

@@ -191,7 +191,7 @@ def test_a_key_over_its_budget_ends_its_turns_and_may_not_start_more(
     assert end.fields["scope"] == "key" and end.fields["budget"] == "tokens_per_day"
     assert end.fields["resets_at"] > events[0].ts
     assert_valid_history(stack.get(handle.turn_id)["history"])
-    spent = Spend(stack._store.redis, stack.settings).key_budgets("k-tight", day_of(end.ts))
+    spent = Spend(stack._store.redis, stack.settings).key_budgets("k-tight", day_of(end.ts))[0]
     assert spent[0].spent <= 3000
     # Whatever it left is less than a round: the next start is refused, with its reset.
     with pytest.raises(BudgetExceeded) as refused:
@@ -471,7 +471,7 @@ def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) ->
     rounds = finished_usages(events)
     assert len(rounds) >= 5
     assert all(u["cost_usd"] == pytest.approx((1000 * 1.0 + 50 * 4.0) / 1e6) for u in rounds)
-    (spent,) = Spend(stack._store.redis, stack.settings).key_budgets("k-usd", day_of(end.ts))
+    (spent,) = Spend(stack._store.redis, stack.settings).key_budgets("k-usd", day_of(end.ts))[0]
     assert spent.spent <= 0.02
     assert spent.spent == pytest.approx(len(rounds) * (1000 * 1.0 + 50 * 4.0) / 1e6)
 

@@ -210,7 +210,7 @@ def test_the_scripts_run_on_a_redis_cluster() -> None:
                 )
                 assert got == Reserved(64, True)
                 assert spend.settle(**turn, settle=Settlement(round_no, DAY, used, "m", None))
-            assert spend.key_budgets(owner, DAY)[0].spent == pytest.approx(0.002)
+            assert spend.key_budgets(owner, DAY)[0][0].spent == pytest.approx(0.002)
         finally:
             client.close()
 
