@@ -175,14 +175,16 @@ def _abort(store: TurnStore, app: Celery, turn_id: str, reason: str, abort: Abor
         abort(turn_id, reason)
         return
     if store.flag_cancel(turn_id, reason)[0]:
-        _send(store, app, turn_id)
+        send_step_or_wake(store, app, turn_id)
 
 
 def _alive(store: TurnStore, turn_id: str) -> bool:
     return store.status(turn_id) not in (None, *TERMINAL_STATUSES)
 
 
-def _send(store: TurnStore, app: Celery, turn_id: str) -> None:
+def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> None:
+    """Send a stored turn's step; with the broker away, a turn worker's sweep sends it
+    once the broker is back."""
     try:
         send_step(app, turn_id)
     except BrokerUnavailable as exc:
@@ -303,7 +305,7 @@ def hand_off(
     for tid in gone:
         _end_injected(store, tid, turn_id)
     if nxt is not None:
-        _send(store, app, nxt)
+        send_step_or_wake(store, app, nxt)
     # Handed on: the backstop its end left in the wakeups goes (due, it finds nothing to do).
     store.redis.zrem(k.turn_wakeups_key(turn_id), turn_id)
     return outcome, nxt
@@ -353,7 +355,7 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
     args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), conversation_id, False, [], [])
     _, nxt = conversations(store).release(conversation_id, args)
     if nxt is not None:
-        _send(store, app, nxt)
+        send_step_or_wake(store, app, nxt)
     return nxt
 
 
@@ -366,6 +368,7 @@ __all__ = [
     "exchange_of",
     "hand_off",
     "release_for",
+    "send_step_or_wake",
     "shown",
     "take_injected",
     "take_turn",

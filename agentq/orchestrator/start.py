@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import math
 import secrets
 import time
@@ -17,8 +16,7 @@ from typing import TYPE_CHECKING
 
 from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
-from agentq.errors import BrokerUnavailable, BudgetExceeded, BudgetInvalid, PayloadTooLarge
-from agentq.fleet.broker import BROKER_RETRY_S, send_step
+from agentq.errors import BudgetExceeded, BudgetInvalid, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
@@ -36,8 +34,6 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from agentq.state.store import TurnStore
-
-log = logging.getLogger("agentq.api")
 
 
 def hash_token(token: str) -> str:
@@ -59,82 +55,53 @@ def start_turn(
     idempotency_key: str | None = None,
     abort: Aborter | None = None,
 ) -> TurnHandle:
-    """Queue a turn owned by the key name `owner` (None: no key); see `Client.start_turn`.
+    """Queue a turn owned by the key name `owner` (None: no key); see `Client.start`.
 
     `turn_id` (default: a new random one) and `extra_state` (fields stored with the turn's
     state) are for starters other than a client: a schedule's tick. `abort(turn_id,
     reason)` aborts the turn a multitask interrupt or rollback replaces.
     """
     # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
-    turn_id = turn_id or secrets.token_hex(16)
+    new_id = turn_id or secrets.token_hex(16)
 
     def start() -> TurnHandle:
-        return _start(
+        new = req.initial_messages()
+        if not new:
+            raise ValueError("a turn needs a prompt or messages")
+        # Again here: a TurnRequest built with model_construct() skipped its validators.
+        check_messages(new)
+        size = len(json.dumps(new).encode())
+        if size > settings.max_prompt_bytes:
+            raise PayloadTooLarge("prompt", size, settings.max_prompt_bytes)
+        webhook_url = req.webhook_url or settings.webhook_urls.get(owner or "")
+        if webhook_url:
+            check_for_turn(webhook_url, settings)
+        require_known(store.redis, req.agent)
+        check_budgets(store, settings, req, owner, size)
+        if req.conversation_id and size > settings.max_conversation_bytes:
+            raise PayloadTooLarge(
+                f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
+            )
+        token = secrets.token_urlsafe(32)
+        state, history = _new_state(req, new, owner, token, extra_state)
+        if webhook_url:
+            state["webhook_url"] = webhook_url
+        return launch(
             store,
             app,
             settings,
             req,
-            turn_id=str(turn_id),
+            Launch(new_id, token, state, history, size),
             owner=owner,
-            admin=admin,
-            operator=operator,
+            any_owner=admin or operator,
             traced=traced,
-            extra_state=extra_state,
             abort=abort,
         )
 
     if idempotency_key is None:
         return start()
     body = fingerprint(req.model_dump(mode="json", exclude_none=True))
-    return start_once(store.redis, owner or "", check_key(idempotency_key), body, turn_id, start)
-
-
-def _start(
-    store: TurnStore,
-    app: Celery,
-    settings: Settings,
-    req: TurnRequest,
-    *,
-    turn_id: str,
-    owner: str | None,
-    admin: bool,
-    operator: bool,
-    traced: bool,
-    extra_state: TurnState | None,
-    abort: Aborter | None,
-) -> TurnHandle:
-    new = req.initial_messages()
-    if not new:
-        raise ValueError("a turn needs a prompt or messages")
-    # Again here: a TurnRequest built with model_construct() skipped its validators.
-    check_messages(new)
-    size = len(json.dumps(new).encode())
-    if size > settings.max_prompt_bytes:
-        raise PayloadTooLarge("prompt", size, settings.max_prompt_bytes)
-    webhook_url = req.webhook_url or settings.webhook_urls.get(owner or "")
-    if webhook_url:
-        check_for_turn(webhook_url, settings)
-    require_known(store.redis, req.agent)
-    check_budgets(store, settings, req, owner, size)
-    if req.conversation_id and size > settings.max_conversation_bytes:
-        raise PayloadTooLarge(
-            f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
-        )
-    token = secrets.token_urlsafe(32)
-    state, history = _new_state(req, new, owner, token, extra_state)
-    if webhook_url:
-        state["webhook_url"] = webhook_url
-    return launch(
-        store,
-        app,
-        settings,
-        req,
-        Launch(turn_id, token, state, history, size),
-        owner=owner,
-        any_owner=admin or operator,
-        traced=traced,
-        abort=abort,
-    )
+    return start_once(store.redis, owner or "", check_key(idempotency_key), body, new_id, start)
 
 
 @dataclass(frozen=True)
@@ -186,12 +153,7 @@ def launch(
         handle, done = _admit(store, app, settings, req, turn_id, new.size, owner, any_owner, abort)
         if done:
             return _handle(turn_id, token, handle)
-    try:
-        send_step(app, turn_id)
-    except BrokerUnavailable as exc:
-        # The turn is stored: a turn worker's sweep starts it once the broker is back.
-        log.warning("%s; the turn starts when the broker is back", exc)
-        store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
+    conversation.send_step_or_wake(store, app, turn_id)
     return _handle(turn_id, token, handle)
 
 
