@@ -12,7 +12,6 @@ while a server has none yet), so a server's change reaches the turn workers with
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -21,8 +20,9 @@ from typing import Any
 
 from agentq import constants as k
 from agentq.config import Settings
+from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink, explain
-from agentq.mcp.listing import ListedTool, Listing, plan, printable
+from agentq.mcp.listing import ListedTool, Listing, plan, printable, read_listings
 from agentq.mcp.servers import McpServer, parse_servers
 from agentq.mcp.tools import make_spec
 from agentq.tools import registry
@@ -93,18 +93,10 @@ class McpTools:
 
     def _read(self) -> dict[str, Listing]:
         try:
-            raw = self._redis().hgetall(k.MCP_TOOLS)
+            return read_listings(self._redis())
         except Exception as exc:
             log.warning("MCP listings not read from Redis: %s", explain(exc))
             return {}
-        out = {}
-        for name, value in raw.items():
-            key = name.decode() if isinstance(name, bytes) else str(name)
-            try:
-                out[key] = Listing.from_json(value)
-            except (ValueError, KeyError, TypeError):
-                continue
-        return out
 
     # -- listing, on an I/O worker's loop
 
@@ -158,9 +150,8 @@ class McpTools:
             log.warning("MCP listing of %s not shared: %s", name, explain(exc))
 
     def _health(self, name: str, error: str) -> None:
-        entry = {"ok": False, "failures": 1, "error": error, "worker": "", "at": time.time()}
         try:
-            self._redis().hset(k.MCP_HEALTH, name, json.dumps(entry))
+            record_health(self._redis(), name, False, 1, error, "")
         except Exception:
             log.debug("MCP health not recorded", exc_info=True)
 

@@ -5,11 +5,18 @@ the catalog so the gateway reads it without importing the worker side."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from agentq import constants as k
-from agentq.mcp.listing import Listing, plan
+from agentq.mcp.listing import plan, read_listings
 from agentq.mcp.servers import McpServer
+
+
+def record_health(redis: Any, name: str, ok: bool, failures: int, error: str, worker: str) -> None:
+    """How server `name`'s last start or call went (`error` never holds its headers)."""
+    entry = {"ok": ok, "failures": failures, "error": error, "worker": worker, "at": time.time()}
+    redis.hset(k.MCP_HEALTH, name, json.dumps(entry))
 
 
 def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, Any]]:
@@ -32,13 +39,7 @@ def servers_view(redis: Any, servers: dict[str, McpServer]) -> list[dict[str, An
     """Every MCP server the fleet knows (configured here, or listed by a worker): where it
     is, its last listing's error, the tools it offers by model name, the tools refused and
     why, and how its last start or call went."""
-    listings: dict[str, Listing] = {}
-    for name, raw in (redis.hgetall(k.MCP_TOOLS) or {}).items():
-        key = name.decode() if isinstance(name, bytes) else str(name)
-        try:
-            listings[key] = Listing.from_json(raw)
-        except (ValueError, KeyError, TypeError):
-            continue
+    listings = read_listings(redis)
     health = server_health(redis, detail=True)
     made = plan(servers, listings)
     offered: dict[str, list[dict[str, str]]] = {}

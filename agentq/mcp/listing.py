@@ -15,6 +15,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agentq import constants as k
 from agentq.mcp.names import mapped_names
 from agentq.mcp.servers import McpServer
 
@@ -92,6 +93,17 @@ class Listing:
             elif Refused(printable(t.name), why) not in refused:
                 refused.append(Refused(printable(t.name), why))
         return cls(listed_at, kept, refused=refused)
+
+
+def read_listings(redis: Any) -> dict[str, Listing]:
+    """The listings the fleet shares in Redis (`agentq:mcp:tools`), those that parse."""
+    out = {}
+    for name, raw in (redis.hgetall(k.MCP_TOOLS) or {}).items():
+        try:
+            out[name.decode() if isinstance(name, bytes) else str(name)] = Listing.from_json(raw)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def problem(tool: ListedTool) -> str | None:
@@ -177,4 +189,5 @@ __all__ = [
     "cut_description",
     "plan",
     "problem",
+    "read_listings",
 ]

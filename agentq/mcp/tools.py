@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import socket
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +27,7 @@ from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInva
 from agentq.fleet.runtime import get_store
 from agentq.limits.semaphore import LeasedSemaphore
 from agentq.mcp.elicit import Caller
+from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink
 from agentq.mcp.listing import ListedTool
 from agentq.mcp.names import tool_name
@@ -195,17 +194,11 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
 
 def _report(link: ServerLink, *, ok: bool, error: str) -> None:
     """How the server's last start went, for /healthz and the console (never its headers)."""
+    worker = f"{socket.gethostname()}:{os.getpid()}"
     try:
-        entry = {
-            "ok": ok,
-            "failures": link.failures,
-            "error": error,
-            "worker": f"{socket.gethostname()}:{os.getpid()}",
-            "at": time.time(),
-        }
         redis = get_store().redis
         asyncio.get_running_loop().run_in_executor(
-            None, redis.hset, k.MCP_HEALTH, link.name, json.dumps(entry)
+            None, record_health, redis, link.name, ok, link.failures, error, worker
         )
         link.reported_ok = ok
     except Exception:
