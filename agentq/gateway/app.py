@@ -21,14 +21,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.to_thread
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -67,14 +65,14 @@ from agentq.gateway.errors import (
     bearer,
     exception_handlers,
     require_token,
-    validation_error,
+    validated,
 )
 from agentq.gateway.guard import RequestGuard
 from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from agentq.gateway.replay import replay_routes
+from agentq.gateway.replay import accepted, replay_routes
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.usage import usage_routes
 from agentq.gateway.validate import (
@@ -148,10 +146,6 @@ class Gateway:
         """End open SSE streams cleanly (within `poll_s`) instead of being cancelled."""
         self.closing.set()
 
-    @asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        yield
-
     # -- who is calling ------------------------------------------------------------------
 
     def caller(self, request: Request) -> tuple[Principal | None, str | None]:
@@ -184,10 +178,7 @@ class Gateway:
         if "parent_turn_id" in data:
             # Only a running turn may start sub-agents; over HTTP it would graft onto any turn.
             raise ApiError(422, "ValidationError", "parent_turn_id: not accepted over HTTP")
-        try:
-            req = TurnRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        req = validated(TurnRequest, data)
         if not req.initial_messages():
             raise ApiError(422, "ValidationError", "prompt: a turn needs a prompt or messages")
         idempotency_key = request.headers.get("idempotency-key")
@@ -202,11 +193,7 @@ class Gateway:
         missing = await run_in_threadpool(self.presence.missing_kinds)
         if missing:
             handle = handle.model_copy(update={"missing_workers": missing})
-        return JSONResponse(
-            handle.model_dump(exclude_none=True),
-            status_code=202,
-            headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
-        )
+        return accepted(handle)
 
     def start_limited(
         self,
@@ -283,11 +270,7 @@ class Gateway:
         turn_id = turn_id_of(request.path_params["turn_id"])
         request_id = request_id_of(request.path_params["request_id"])
         token, by_key = await self._steer_access(request, turn_id)
-        data = await read_json(request, self.body_limit_bytes)
-        try:
-            ans = InteractionAnswer.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
         if by_key:
             await run_in_threadpool(self.client.interactions.answer, turn_id, request_id, ans)
         else:
@@ -306,10 +289,10 @@ class Gateway:
             return self.heartbeat_s
         try:
             value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError(raw)
         except ValueError:
             raise ApiError(422, "ValidationError", "heartbeat: must be seconds") from None
-        if not math.isfinite(value):
-            raise ApiError(422, "ValidationError", "heartbeat: must be seconds")
         return min(max(value, 0.05), 60.0)
 
     async def events(self, request: Request) -> Response:
@@ -552,8 +535,8 @@ def create_app(
         Route("/v1/turns/{turn_id}/events", gw.events, methods=["GET"]),
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
         Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
-        *conversation_routes(client, gw.require_key, keyed=gw.keyring.enabled),
-        *usage_routes(client, gw.require_key),
+        *conversation_routes(gw),
+        *usage_routes(gw),
         *console_routes(gw),
         *job_routes(gw),
         *waitpoint_routes(gw),
@@ -568,7 +551,7 @@ def create_app(
         routes=routes,
         middleware=middleware,
         exception_handlers=handlers,
-        lifespan=mcp.lifespan(gw.lifespan),
+        lifespan=mcp.lifespan,
     )
     app.state.gateway = gw
     return app

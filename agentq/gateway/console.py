@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,12 +25,13 @@ from agentq.errors import Forbidden, TurnNotFound
 from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
-from agentq.gateway.errors import ApiError, validation_error
+from agentq.gateway.errors import ApiError, validated
+from agentq.gateway.replay import replay
 from agentq.gateway.validate import read_json
 from agentq.mcp.health import server_health, servers_view
 from agentq.mcp.servers import parse_servers
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
-from agentq.orchestrator.replay import ForkRequest, RetryRequest, replay_source
+from agentq.orchestrator.replay import replay_source
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.spend import Spend
 from agentq.state.timeline import timeline
@@ -174,29 +174,14 @@ class Console:
         """Retry or fork (the path's last part) a turn from the console, as an operator."""
         principal = self._operator(request)
         turn_id = request.path_params["turn_id"]
-        retry = request.url.path.endswith("/retry")
         await run_in_threadpool(self._state, turn_id, principal)  # not theirs: 404 first
-        data = await read_json(request, self.gw.body_limit_bytes)
-        try:
-            req = RetryRequest.model_validate(data) if retry else ForkRequest.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-        host = request.client.host if request.client else ""
-
-        handle = await run_in_threadpool(
-            self.gw.limited, principal, host, lambda: self.gw.client._replay(turn_id, req)
-        )
-        return JSONResponse(handle.model_dump(exclude_none=True), status_code=202)
+        return await replay(self.gw, request, turn_id, principal)
 
     async def answer(self, request: Request) -> Response:
         principal = self._operator(request)
         turn_id = request.path_params["turn_id"]
         request_id = request.path_params["request_id"]
-        data = await read_json(request, self.gw.body_limit_bytes)
-        try:
-            ans = InteractionAnswer.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
+        ans = validated(InteractionAnswer, await read_json(request, self.gw.body_limit_bytes))
 
         def run() -> None:
             self._state(turn_id, principal)

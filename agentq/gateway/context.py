@@ -1,7 +1,7 @@
-"""What the console's and the jobs' routes use of the gateway, as a type.
+"""What the gateway's route modules (console, jobs, replay, /mcp, ...) use of it, as a type.
 
 `agentq.gateway.app.Gateway` mounts those routes and is one of these; the routes take it as
-this type, so neither `console` nor `jobs` imports the module that imports them.
+this type, so none of them imports the module that imports them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from agentq.api import Client
     from agentq.gateway.auth import Keyring, Principal
     from agentq.llm.capacity import Capacity
-    from agentq.models import TurnHandle
+    from agentq.models import TurnHandle, TurnRequest
     from agentq.state.turn_state import TurnState
 
 
@@ -37,6 +37,10 @@ class RouteContext(Protocol):
 
     def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
         """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
+        ...
+
+    def start_limited(self, req: TurnRequest, principal: Principal | None, host: str) -> TurnHandle:
+        """Start a turn under the caller's start limits."""
         ...
 
     def limited(

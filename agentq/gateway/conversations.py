@@ -8,7 +8,6 @@ Anyone else gets the 404 an unknown conversation gets.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -17,11 +16,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import ConversationNotFound
-from agentq.gateway.auth import Principal
 from agentq.gateway.errors import ApiError, bearer
 
 if TYPE_CHECKING:
-    from agentq.api import Client
+    from agentq.gateway.context import RouteContext
 
 NO_STORE = {"Cache-Control": "no-store"}
 MAX_LISTED = 200
@@ -49,18 +47,15 @@ def _number(request: Request, name: str, default: float | None, *, low: float, h
 
 
 class ConversationRoutes:
-    def __init__(
-        self, client: Client, require_key: Callable[[Request], Principal | None], keyed: bool
-    ) -> None:
-        self.client = client
-        self.require_key = require_key
-        self.keyed = keyed
+    def __init__(self, gw: RouteContext) -> None:
+        self.gw = gw
+        self.client = gw.client
 
     def _who(self, request: Request) -> dict[str, Any]:
-        principal = self.require_key(request)
+        principal = self.gw.require_key(request)
         if principal is not None:
             return {"owner": principal.name, "operator": principal.admin}
-        if self.keyed:  # require_key refused a missing or unknown key already
+        if self.gw.keyring.enabled:  # require_key refused a missing or unknown key already
             raise ConversationNotFound("")
         return {"token": bearer(request)}
 
@@ -79,7 +74,7 @@ class ConversationRoutes:
         )
 
     async def listing(self, request: Request) -> Response:
-        principal = self.require_key(request)
+        principal = self.gw.require_key(request)
         limit = int(_number(request, "limit", 50, low=1, high=MAX_LISTED))
         before = _number(request, "before", None, low=0, high=1e12)
         owner = principal.name if principal else None
@@ -93,10 +88,8 @@ class ConversationRoutes:
         return JSONResponse({"conversations": rows}, headers=NO_STORE)
 
 
-def conversation_routes(
-    client: Client, require_key: Callable[[Request], Principal | None], *, keyed: bool
-) -> list[Route]:
-    r = ConversationRoutes(client, require_key, keyed)
+def conversation_routes(gw: RouteContext) -> list[Route]:
+    r = ConversationRoutes(gw)
     return [
         Route("/v1/conversations", r.listing, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}", r.get, methods=["GET"]),

@@ -10,10 +10,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -44,6 +44,7 @@ from agentq.errors import (
 from agentq.gateway.limits import retry_after_header
 
 log = logging.getLogger("agentq.gateway")
+M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request, Exception], Awaitable[Response]]
 
 
@@ -81,14 +82,18 @@ def error_response(
     return JSONResponse({"error": body}, status_code=status_code, headers=headers)
 
 
-def validation_error(exc: ValidationError) -> ApiError:
-    """422 whose message names the first bad field, with every problem in `detail`."""
-    detail = [
-        {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
-        for e in exc.errors()
-    ]
+def validated(model: type[M], data: Any) -> M:
+    """`data` as `model`, else 422 whose message names the first bad field, with every
+    problem in `detail`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        detail = [
+            {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
+            for e in exc.errors()
+        ]
     first = detail[0] if detail else {"field": "body", "message": "invalid"}
-    return ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
+    raise ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
 
 
 def bearer(request: Request, *, allow_query: bool = False) -> str | None:
@@ -206,5 +211,5 @@ __all__ = [
     "error_response",
     "exception_handlers",
     "require_token",
-    "validation_error",
+    "validated",
 ]

@@ -16,9 +16,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -39,8 +39,7 @@ from agentq.models import TurnHandle, TurnRequest
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from agentq.api import Client
-    from agentq.gateway.auth import Keyring
+    from agentq.gateway.context import RouteContext
 
 log = logging.getLogger("agentq.gateway")
 
@@ -57,19 +56,6 @@ FOLLOW_HEARTBEAT_S = 1.0
 _END = object()
 MAX_SESSIONS = 10_000
 """Sessions whose owner is remembered; the oldest is forgotten past this."""
-
-
-class GatewayParts(Protocol):
-    """What /mcp uses of the gateway (agentq.gateway.app.Gateway)."""
-
-    client: Client
-    keyring: Keyring
-
-    def require_key(self, request: Request) -> Principal | None: ...
-
-    def start_limited(
-        self, req: TurnRequest, principal: Principal | None, host: str
-    ) -> TurnHandle: ...
 
 
 def progress_message(ev: Event, started: float) -> str | None:
@@ -141,7 +127,7 @@ def _error(message: str) -> Any:
 class McpEndpoint:
     """The `/mcp` route: an ASGI app in front of the SDK's session manager."""
 
-    def __init__(self, gw: GatewayParts) -> None:
+    def __init__(self, gw: RouteContext) -> None:
         from mcp.server.lowlevel import Server
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.server.transport_security import TransportSecuritySettings
@@ -164,17 +150,11 @@ class McpEndpoint:
     def routes(self) -> list[Route]:
         return [Route(PATH, endpoint=self, methods=["GET", "POST", "DELETE"])]
 
-    def lifespan(
-        self, inner: Callable[[Starlette], AbstractAsyncContextManager[None]]
-    ) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
-        """The app's lifespan with the session manager running inside it."""
-
-        @asynccontextmanager
-        async def both(app: Starlette) -> AsyncIterator[None]:
-            async with self.manager.run(), inner(app):
-                yield
-
-        return both
+    @asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """The app's lifespan: the session manager runs while the app does."""
+        async with self.manager.run():
+            yield
 
     # -- HTTP: who may use which session
 

@@ -7,9 +7,8 @@ owner's; without keys: from this machine, as the console's other buttons)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -17,12 +16,42 @@ from starlette.routing import Route
 
 from agentq.errors import Forbidden
 from agentq.gateway.auth import Principal, is_loopback, may_list
-from agentq.gateway.errors import require_token, validation_error
+from agentq.gateway.errors import require_token, validated
 from agentq.gateway.validate import read_json, turn_id_of
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
+    from agentq.models import TurnHandle
+
+
+def accepted(handle: TurnHandle) -> Response:
+    """202 for a turn started (a request's, a retry's, a fork's), with where to read it."""
+    return JSONResponse(
+        handle.model_dump(exclude_none=True),
+        status_code=202,
+        headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
+    )
+
+
+async def _body(gw: RouteContext, request: Request) -> Any:
+    """The JSON body; none at all is `{}` (a retry needs no field)."""
+    empty = request.headers.get("content-length") == "0"
+    return {} if empty else await read_json(request, gw.body_limit_bytes)
+
+
+async def replay(
+    gw: RouteContext, request: Request, turn_id: str, principal: Principal | None
+) -> Response:
+    """Retry or fork (the path's last part) `turn_id` for a caller who may steer it."""
+    data = await _body(gw, request)
+    retry = request.url.path.endswith("/retry")
+    req = validated(RetryRequest, data) if retry else validated(ForkRequest, data)
+    host = request.client.host if request.client else ""
+    handle = await run_in_threadpool(
+        gw.limited, principal, host, lambda: gw.client._replay(turn_id, req)
+    )
+    return accepted(handle)
 
 
 class Replays:
@@ -39,37 +68,17 @@ class Replays:
         await run_in_threadpool(self.gw.authorize, turn_id, principal, presented)
         return turn_id, principal
 
-    async def _body(self, request: Request, model: type[BaseModel]) -> BaseModel:
-        empty = request.headers.get("content-length") == "0"
-        data = {} if empty else await read_json(request, self.gw.body_limit_bytes)
-        try:
-            return model.model_validate(data)
-        except ValidationError as exc:
-            raise validation_error(exc) from None
-
-    async def _start(self, request: Request, model: type[BaseModel]) -> Response:
-        turn_id, principal = await self._source(request)
-        req = await self._body(request, model)
-        assert isinstance(req, (RetryRequest, ForkRequest))
-        host = request.client.host if request.client else ""
-        handle = await run_in_threadpool(
-            self.gw.limited, principal, host, lambda: self.gw.client._replay(turn_id, req)
-        )
-        return JSONResponse(
-            handle.model_dump(exclude_none=True),
-            status_code=202,
-            headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
-        )
+    async def replay(self, request: Request) -> Response:
+        return await replay(self.gw, request, *await self._source(request))
 
     async def retry_many(self, request: Request) -> Response:
         principal = self.gw.require_key(request)
-        if principal is None and not is_loopback(request.client.host if request.client else ""):
+        host = request.client.host if request.client else ""
+        if principal is None and not is_loopback(host):
             raise Forbidden("without keys, turns are retried in bulk from this machine only")
-        req = await self._body(request, BulkRetryRequest)
-        assert isinstance(req, BulkRetryRequest)
+        req = validated(BulkRetryRequest, await _body(self.gw, request))
         c = self.gw.client
         visible = None if principal is None else (lambda st: may_list(st, principal))
-        host = request.client.host if request.client else ""
         done = await run_in_threadpool(
             lambda: bulk_retry(
                 c._store,
@@ -86,12 +95,6 @@ class Replays:
             headers={"Cache-Control": "no-store"},
         )
 
-    async def retry(self, request: Request) -> Response:
-        return await self._start(request, RetryRequest)
-
-    async def fork(self, request: Request) -> Response:
-        return await self._start(request, ForkRequest)
-
 
 def replay_routes(gw: RouteContext) -> list[Route]:
     r = Replays(gw)
@@ -100,9 +103,9 @@ def replay_routes(gw: RouteContext) -> list[Route]:
         # The console's bulk control: the same bulk retry under the same rules, beside the
         # console's other buttons (`gateway.console`).
         Route("/v1/console/turns/retry", r.retry_many, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/retry", r.retry, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/fork", r.fork, methods=["POST"]),
+        Route("/v1/turns/{turn_id}/retry", r.replay, methods=["POST"]),
+        Route("/v1/turns/{turn_id}/fork", r.replay, methods=["POST"]),
     ]
 
 
-__all__ = ["Replays", "replay_routes"]
+__all__ = ["Replays", "accepted", "replay", "replay_routes"]

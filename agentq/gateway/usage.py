@@ -8,7 +8,6 @@ key's, or `key`'s. Without keys (loopback only) the caller sees all, as the CLI 
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
@@ -16,11 +15,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.gateway.auth import Principal
 from agentq.gateway.errors import ApiError
 
 if TYPE_CHECKING:
-    from agentq.api import Client
+    from agentq.gateway.context import RouteContext
 
 NO_STORE = {"Cache-Control": "no-store"}
 GROUP_BY = ("model", "agent", "key")
@@ -48,9 +46,9 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
 
 
 class UsageRoutes:
-    def __init__(self, client: Client, require_key: Callable[[Request], Principal | None]) -> None:
-        self.client = client
-        self.require_key = require_key
+    def __init__(self, gw: RouteContext) -> None:
+        self.client = gw.client
+        self.require_key = gw.require_key
 
     async def usage(self, request: Request) -> Response:
         principal = self.require_key(request)
@@ -75,8 +73,8 @@ class UsageRoutes:
         return JSONResponse(report, headers=NO_STORE)
 
 
-def usage_routes(client: Client, require_key: Callable[[Request], Principal | None]) -> list[Route]:
-    r = UsageRoutes(client, require_key)
+def usage_routes(gw: RouteContext) -> list[Route]:
+    r = UsageRoutes(gw)
     return [Route("/v1/usage", r.usage, methods=["GET"])]
 
 
