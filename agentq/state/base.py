@@ -145,13 +145,12 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
     )
 
 
-def message_fields(messages: list[dict[str, Any]], first: int = 0) -> dict[str, str]:
-    """History messages as fields of a turn's state hash, from index `first`, with the
-    history's new length (nothing for none)."""
+def message_fields(messages: list[dict[str, Any]]) -> dict[str, str]:
+    """A new turn's history as fields of its state hash, with its length (nothing for none)."""
     if not messages:
         return {}
-    fields = {f"{k.MESSAGE}{first + i}": json.dumps(m) for i, m in enumerate(messages)}
-    fields[k.HISTORY_LEN_FIELD] = str(first + len(messages))
+    fields = {f"{k.MESSAGE}{i}": json.dumps(m) for i, m in enumerate(messages)}
+    fields[k.HISTORY_LEN_FIELD] = str(len(messages))
     return fields
 
 
@@ -227,10 +226,6 @@ def finished(result: ToolResult) -> dict[str, Any]:
         "truncated_bytes": result.truncated_bytes,
         **({"waitpoint_id": rec.waitpoint_id} if rec.waitpoint_id else {}),
     }
-
-
-def loads(v: bytes | str | None) -> Any:
-    return None if v is None else json.loads(v)
 
 
 class StoreBase:

@@ -134,10 +134,8 @@ local ready = not is_tracked or unsettled == 0
         "token",
         "lock_ms",
         "now_ms",
-        fields=f"'{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, "
-        f"'{k.UNSETTLED_FIELD}', unsettled",
-        whole=True,
-        stepped=Settled.READY,
+        f"'{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
+        Settled.READY,
     )
     + f"return {Settled.READY:d}"
 )

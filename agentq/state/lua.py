@@ -110,33 +110,16 @@ LOCK_FREE_VALUE = '""'
 """The step lock's value once let go (JSON, as every state field)."""
 
 
-def hset_seq_lua(
-    turn: str, first: str, last: str, seq: str = "seq", messages: tuple[str, str] | None = None
-) -> str:
-    """Lua that writes the field/value pairs ARGV[first..last] (a few: one command's
-    arguments), the history messages ARGV[messages] (`append_lua`) and the turn's seq in
-    as few HSETs as it can (one, unless the messages are many)."""
-    append = append_lua("f", *messages) if messages else ""
-    return f"""
-do
-  local f = {{unpack(ARGV, {first}, {last})}}
-  f[#f + 1] = '{SEQ_FIELD}'
-  f[#f + 1] = {seq}
-{append}{hset_table_lua(turn, "f")}end
-"""
-
-
-def append_lua(w: str, first: str, last: str, src: str = "ARGV") -> str:
-    """Lua that adds the history messages `src`[first..last] (a Lua array; the script's
-    arguments unless said) to the field/value table `w` as the turn's next messages
-    (after `hlen`, as `turn_open_lua` or a fence read it), and their new count: the HSET
-    that writes `w` appends them to the history."""
+def append_lua(w: str, first: str, last: str) -> str:
+    """Lua that adds the history messages ARGV[first..last] to the field/value table `w` as
+    the turn's next messages (after `hlen`, as `turn_open_lua` or a fence read it), and
+    their new count: the HSET that writes `w` appends them to the history."""
     return f"""
 do
   local next_m = hlen
   for i = {first}, {last} do
     {w}[#{w} + 1] = '{MESSAGE}' .. string.format('%d', next_m)
-    {w}[#{w} + 1] = {src}[i]
+    {w}[#{w} + 1] = ARGV[i]
     next_m = next_m + 1
   end
   if next_m > hlen then
@@ -228,9 +211,8 @@ def wake_or_step_lua(
     token: str,
     ttl_ms: str,
     now_ms: str,
-    fields: str = "",
-    whole: bool = False,
-    stepped: int = 3,
+    fields: str,
+    stepped: int,
 ) -> str:
     """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
     for a caller that steps the woken turn itself (`token` set) when the lock (`held`, as
@@ -242,17 +224,18 @@ def wake_or_step_lua(
     A step taken here needs no dirty mark (it reads now), only its wakeup, should its
     process die in it. A mark some other wake left stays: that step runs once more.
 
-    `stepped` is what the script answers, first, with the view of a step it took.
-
-    `whole`: the script read the state with `turn_open_lua(..., whole=...)`; when that
-    read the whole state (`whole_st`), the step's view is it with this HSET's fields
-    laid over, instead of a second read.
+    `stepped` is what the script answers, first, with the view of a step it took. The
+    script read the state with `turn_open_lua(..., whole=...)`: when that read the whole
+    state (`whole_st`), the step's view is it with this HSET's fields laid over, instead
+    of a second read.
     """
     wakeups, turn_id, at = wake
-    more = f", {fields}" if fields else ""
-    state = "local st = redis.call('HGETALL', " + turn + ")"
-    if whole:
-        state = f"""local st = whole_st
+    return f"""
+if {token} ~= '' and {lock_free_lua("held", now_ms)} then
+  local w = {{'{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}, {fields}}}
+  redis.call('HSET', {turn}, unpack(w))
+  redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
+  local st = whole_st
   if st then
     for i = 1, #w, 2 do
       local v = w[i + 1]
@@ -268,13 +251,7 @@ def wake_or_step_lua(
     end
   else
     st = redis.call('HGETALL', {turn})
-  end"""
-    return f"""
-if {token} ~= '' and {lock_free_lua("held", now_ms)} then
-  local w = {{'{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}{more}}}
-  redis.call('HSET', {turn}, unpack(w))
-  redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
-  {state}
+  end
   return {{{stepped:d}, unpack({view_lua("st")})}}
 end
 """ + wake_lua(turn, wakeups, turn_id, at, fields)

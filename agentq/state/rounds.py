@@ -92,10 +92,9 @@ end
         "token",
         "lock_ms",
         "now_ms",
-        fields=f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', result, "
+        f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', result, "
         f"'{k.LLM_RESULT_ROUND_FIELD}', round_no, '{k.LLM_ALIVE_FIELD}', 'null'",
-        whole=True,
-        stepped=RoundFinished.STEPPED,
+        RoundFinished.STEPPED,
     )
     + f"return {RoundFinished.WOKEN:d}"
 )

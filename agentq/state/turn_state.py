@@ -209,7 +209,3 @@ class TurnState(TypedDict, total=False):
     """events.bus.WATCHERS_FIELD: how many followers want the live copies."""
     seq: int
     """events.bus.SEQ_FIELD: the seq of the turn's last event."""
-
-
-TURN_STATE_FIELDS = frozenset(TurnState.__annotations__)
-"""Every field a turn's state may hold (a test checks the names in constants match)."""

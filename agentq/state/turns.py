@@ -28,11 +28,17 @@ from agentq.state.base import (
     call_fields,
     finished,
     history_of,
-    loads,
     message_fields,
     text,
 )
-from agentq.state.lua import LOCK_FREE_VALUE, hset_seq_lua, lock_mine_lua, turn_open_lua, wake_lua
+from agentq.state.lua import (
+    LOCK_FREE_VALUE,
+    append_lua,
+    hset_table_lua,
+    lock_mine_lua,
+    turn_open_lua,
+    wake_lua,
+)
 from agentq.state.turn_state import TurnState
 
 
@@ -103,7 +109,13 @@ local n = tonumber(n_messages)
 local fields_at = messages_at + n
 """
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + hset_seq_lua("turn_key", "fields_at", "#ARGV", messages=("messages_at", "fields_at - 1"))
+    + f"""
+local w = {{unpack(ARGV, fields_at, #ARGV)}}
+w[#w + 1] = '{SEQ_FIELD}'
+w[#w + 1] = seq
+"""
+    + append_lua("w", "messages_at", "fields_at - 1")
+    + hset_table_lua("turn_key", "w")
     + f"""
 if hands_off == '1' then
   -- Its conversation is handed on after this write: the wakeup stays, due at the backstop,
@@ -296,7 +308,8 @@ class TurnRecords(StoreBase):
         self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
 
     def status(self, turn_id: str) -> str | None:
-        return loads(self.redis.hget(k.turn_key(turn_id), "status"))  # type: ignore[no-any-return]
+        raw = self.redis.hget(k.turn_key(turn_id), "status")
+        return None if raw is None else json.loads(raw)  # type: ignore[no-any-return]
 
     def active(self) -> list[str]:
         """The running turns, oldest first."""

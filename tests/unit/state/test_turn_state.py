@@ -9,12 +9,12 @@ import inspect
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD
 from agentq.state import turn_state
-from agentq.state.turn_state import TURN_STATE_FIELDS
+from agentq.state.turn_state import TurnState
 
 
 def test_the_machinerys_fields_are_fields_of_the_state() -> None:
     named = {*k.BOOKKEEPING_FIELDS, k.CANCEL_FIELD, k.CHILDREN_FIELD, WATCHERS_FIELD, SEQ_FIELD}
-    assert named <= TURN_STATE_FIELDS, named - TURN_STATE_FIELDS
+    assert named <= TurnState.__annotations__.keys(), named - TurnState.__annotations__.keys()
 
 
 def test_every_field_says_what_it_holds() -> None:
