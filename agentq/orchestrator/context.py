@@ -99,10 +99,6 @@ class StepContext:
         if self.staged[0] or self.staged[1] or self.staged_append or self.staged_plans:
             self.commit()
 
-    def _take_append(self) -> list[dict[str, Any]]:
-        taken, self.staged_append = self.staged_append, []
-        return taken
-
     def _lock_ms(self) -> int:
         return self.lock_ms or int(self.settings.step_lock_s * 1000)
 
@@ -184,7 +180,7 @@ class StepContext:
             # Staged fields alone are written with the end: one write instead of two.
             fields = {**self.staged[0], **fields}
             self.staged = ({}, [])
-        staged_append = self._take_append()
+        staged_append, self.staged_append = self.staged_append, []
         won = self.store.close(
             self.turn_id,
             status,

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.errors import BrokerUnavailable
-from agentq.fleet.broker import send_step
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
+from agentq.orchestrator.conversation import send_step_or_wake
 from agentq.orchestrator.settle import settle_in_step
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
@@ -29,9 +27,6 @@ from agentq.tools.timing import truncate_text
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
     from agentq.orchestrator.plan import CallPlan
-
-log = logging.getLogger("agentq.turn")
-
 
 BEAT_SHARE = 0.9
 """An agent call's heartbeat comes every this share of `progress_interval_s`: the step
@@ -170,10 +165,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     fields = {"call_id": p.call.id, "tool": p.call.name, "agent": p.subturn_agent}
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
-    try:
-        send_step(ctx.app, child)
-    except BrokerUnavailable as exc:
-        log.warning("%s; the child's wakeup sends it later", exc)
+    send_step_or_wake(ctx.store, ctx.app, child)
 
 
 def report_to_parent(ctx: StepContext, message: str) -> None:
