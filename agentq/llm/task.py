@@ -17,7 +17,7 @@ import json
 import logging
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import Celery
 
@@ -43,9 +43,6 @@ from agentq.state.held import REDIS_AWAY
 from agentq.state.rounds import LlmRoundStart
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("agentq.llm")
 
@@ -110,7 +107,6 @@ async def run_round(
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
     remove_cancel = host.cancels.add(req.turn_id, abort.set)
-    stats = _RoundStats()
     observed = tracing.enabled or logs.enabled
     if observed:
         bound = log_context.bind(req.turn_id, None, task_id)
@@ -128,7 +124,7 @@ async def run_round(
         if start.cancelled:
             abort.set()
         with tracing.active(span) if observed else contextlib.nullcontext():
-            result, last = await _stream(host, streams, req, start, abort, stats)
+            result, last, ttft_ms = await _stream(host, streams, req, start, abort)
     finally:
         remove_cancel()
         streams.release(key)
@@ -137,25 +133,19 @@ async def run_round(
             log_context.unbind(bound)
     if observed:
         # Before the result is stored: storing it may run the turn's next step here.
-        _end_round_span(span, result, stats)
+        _end_round_span(span, result, ttft_ms)
     await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last)
     return result
 
 
-@dataclasses.dataclass
-class _RoundStats:
-    ttft_ms: int | None = None
-    """From the round's start (retries included) to its first text, reasoning or tool call."""
-
-
-def _end_round_span(span: Any, result: LlmRoundResult, stats: _RoundStats) -> None:
+def _end_round_span(span: Any, result: LlmRoundResult, ttft_ms: int | None) -> None:
     usage = result.message.usage if result.message is not None else None
     status = "ok" if result.ok else "aborted" if result.aborted else "error"
     tracing.end_span(
         span,
         status,
         {
-            tracing.ATTR_TTFT_MS: stats.ttft_ms,
+            tracing.ATTR_TTFT_MS: ttft_ms,
             tracing.ATTR_INPUT_TOKENS: usage.prompt_tokens if usage else None,
             tracing.ATTR_OUTPUT_TOKENS: usage.completion_tokens if usage else None,
             "agentq.error_code": result.error_code,
@@ -175,13 +165,14 @@ class _Round:
 
     host: LoopHost
     req: LlmRoundRequest
-    stats: _RoundStats
     events: Deltas
     model: str
     failover: bool
     """Other deployments can take the round: a failing one gives it up at once."""
     t0: float = dataclasses.field(default_factory=time.monotonic)
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    ttft_ms: int | None = None
+    """From the round's start (retries included) to its first text, reasoning or tool call."""
 
     def elapsed_ms(self) -> int:
         return int((time.monotonic() - self.t0) * 1000)
@@ -277,8 +268,8 @@ class _Round:
         self.events.add("llm_retry", attempt=attempt, error=str(exc), code=code, delay_ms=delay_ms)
 
     def _on_first_output(self) -> None:
-        if self.stats.ttft_ms is None:
-            self.stats.ttft_ms = self.elapsed_ms()
+        if self.ttft_ms is None:
+            self.ttft_ms = self.elapsed_ms()
 
     def answered(self, message: AssistantMessage, streamed_s: float) -> LlmRoundResult:
         usage = self._usage(message)
@@ -291,7 +282,7 @@ class _Round:
             usage=usage.model_dump(exclude_none=True),
             key=self.req.key,
             duration_ms=self.elapsed_ms(),
-            ttft_ms=self.stats.ttft_ms,
+            ttft_ms=self.ttft_ms,
         )
         return LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
 
@@ -318,11 +309,11 @@ class _Round:
             code=code,
             model=self.model,
             duration_ms=self.elapsed_ms(),
-            ttft_ms=self.stats.ttft_ms,
+            ttft_ms=self.ttft_ms,
             **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},
         )
         # Before the model said anything, another deployment may take the round.
-        failover = self.failover and self.stats.ttft_ms is None and bool(deployment_failure(exc))
+        failover = self.failover and self.ttft_ms is None and bool(deployment_failure(exc))
         return self._failed(exc.message, code, type(exc).__name__, failover=failover)
 
     def aborted(self) -> LlmRoundResult:
@@ -353,14 +344,14 @@ async def _stream(
     req: LlmRoundRequest,
     start: LlmRoundStart,
     abort: asyncio.Event,
-    stats: _RoundStats,
-) -> tuple[LlmRoundResult, list[tuple[str, dict[str, Any]]]]:
-    """The round's result, and its events not published yet (for the write of its end)."""
+) -> tuple[LlmRoundResult, list[tuple[str, dict[str, Any]]], int | None]:
+    """The round's result, its events not published yet (for the write of its end), and
+    its time to first output."""
     model = _model(host, req)
     events = Deltas(host, req.turn_id, req.round_no)
     events.learned(start.followed)
     failover = len(streams.capacity.entry(model).routes) > 1
-    rnd = _Round(host, req, stats, events, model, failover)
+    rnd = _Round(host, req, events, model, failover)
     refused: AgentqError | None = None
     try:
         result = rnd.answered(*await rnd.call(streams, start.history, abort))
@@ -375,7 +366,7 @@ async def _stream(
     # Every delta is out, or in the write of the round's end, before the turn hears it.
     last = await events.take()
     await host.io(settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers)
-    return result, last
+    return result, last, rnd.ttft_ms
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
