@@ -31,6 +31,7 @@ from agentq.models import LlmRoundRequest, LlmRoundResult
 
 if TYPE_CHECKING:
     import openai
+    from pydantic import SecretStr
 
 log = logging.getLogger("agentq.llm")
 
@@ -43,8 +44,6 @@ class Streams:
     """Per process: the shared model client and the rounds streaming now."""
 
     def __init__(self, host: LoopHost) -> None:
-        from agentq.llm.aclient import client_timeout, make_client
-
         s = host.settings
         self.host = host
         self.worker = f"{socket.gethostname()}:{os.getpid()}"
@@ -53,21 +52,11 @@ class Streams:
         """Rounds to keep claimed, counted: a redelivered round may run twice here."""
         self._alive_lock = threading.Lock()
         """Celery's threads claim, the loop releases, the renewer reads."""
-        self.clients: list[openai.AsyncOpenAI] = []
-        if s.llm_base_url:
-            # Several clients, each with its own connection pool: httpx2's pool (the
-            # fallback transport) scans all of its connections on every request and every
-            # response end, which with thousands of streams in one pool cost more than the
-            # streams themselves.
-            self.clients = [
-                make_client(
-                    base_url=s.llm_base_url,
-                    api_key=s.llm_api_key.get_secret_value() if s.llm_api_key else None,
-                    max_connections=s.io_capacity + 100,
-                    timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
-                )
-                for _ in range(max(1, -(-s.io_capacity // STREAMS_PER_CLIENT)))
-            ]
+        # Several clients, each with its own connection pool: httpx2's pool (the fallback
+        # transport) scans all of its connections on every request and every response end,
+        # which with thousands of streams in one pool cost more than the streams themselves.
+        n = max(1, -(-s.io_capacity // STREAMS_PER_CLIENT))
+        self.clients = self._clients(s.llm_base_url, s.llm_api_key, n) if s.llm_base_url else []
         self.capacity: Capacity = capacity_for(host.store.redis, s)
         self.apis = ApiChoice(host.store.redis)
         """What `auto` learned of each model's API (agentq.llm.apis)."""
@@ -95,22 +84,27 @@ class Streams:
         if dep is not None and (dep.base_url or dep.api_key):
             pool = self.deployed.get(dep.name) or []
             if not pool:
-                from agentq.llm.aclient import client_timeout, make_client
-
                 s = self.host.settings
-                key = dep.api_key or s.llm_api_key
-                pool = self.deployed[dep.name] = [
-                    make_client(
-                        base_url=dep.base_url or s.llm_base_url or "",
-                        api_key=key.get_secret_value() if key else None,
-                        max_connections=s.io_capacity + 100,
-                        timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
-                    )
-                ]
+                url, key = dep.base_url or s.llm_base_url or "", dep.api_key or s.llm_api_key
+                pool = self.deployed[dep.name] = self._clients(url, key, 1)
         if not pool:
             return None, model
         client = pool[zlib.crc32(turn_id.encode()) % len(pool)]
         return client, (dep.model if dep is not None and dep.model else model)
+
+    def _clients(self, base_url: str, key: SecretStr | None, n: int) -> list[openai.AsyncOpenAI]:
+        from agentq.llm.aclient import client_timeout, make_client
+
+        s = self.host.settings
+        return [
+            make_client(
+                base_url=base_url,
+                api_key=key.get_secret_value() if key else None,
+                max_connections=s.io_capacity + 100,
+                timeout=client_timeout(s.llm_request_timeout_s, s.stream_idle_timeout_ms),
+            )
+            for _ in range(n)
+        ]
 
     def hold(self, key: tuple[str, int]) -> None:
         with self._alive_lock:
