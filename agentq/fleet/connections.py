@@ -134,24 +134,29 @@ def redis_client(
     }
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **options)
+    client: redis.Redis = _master(Sentinel, url, master_name, **options)
+    return client
+
+
+def _master(sentinel_cls: Any, url: str, master_name: str | None, **options: Any) -> Any:
+    """A client of the master `master_name` that the sentinels of `url` name now; a
+    sentinel is asked with the client's timeouts, or 2 s."""
     if not master_name:
         raise ConfigError(
             "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
         )
     parsed = parse_sentinel_url(url)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = sentinel_cls(
         parsed.sentinels,
         sentinel_kwargs={
-            "socket_timeout": kwargs.get("socket_timeout") or 2.0,
-            "socket_connect_timeout": kwargs.get("socket_connect_timeout") or 2.0,
+            name: options.get(name) or 2.0 for name in ("socket_timeout", "socket_connect_timeout")
         },
         db=parsed.db,
         username=parsed.username,
         password=parsed.password,
         **options,
     )
-    client: redis.Redis = sentinel.master_for(master_name)  # type: ignore[no-untyped-call]
-    return client
+    return sentinel.master_for(master_name)
 
 
 CLUSTER_REINITIALIZE_STEPS = 1
@@ -222,21 +227,9 @@ def async_redis_client(url: str, master_name: str | None = None) -> aioredis.Red
     retry = AsyncRetry(_backoff(), REDIS_RETRIES)
     if not is_sentinel(url):
         return aioredis.Redis.from_url(url, retry=retry, retry_on_error=RETRY_ON)
-    if not master_name:
-        raise ConfigError(
-            "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
-        )
-    parsed = parse_sentinel_url(url)
-    sentinel = AsyncSentinel(  # type: ignore[no-untyped-call]
-        parsed.sentinels,
-        sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
-        db=parsed.db,
-        username=parsed.username,
-        password=parsed.password,
-        retry=retry,
-        retry_on_error=RETRY_ON,
+    client: aioredis.Redis = _master(
+        AsyncSentinel, url, master_name, retry=retry, retry_on_error=RETRY_ON
     )
-    client: aioredis.Redis = sentinel.master_for(master_name)
     return client
 
 

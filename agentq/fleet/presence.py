@@ -33,13 +33,6 @@ CACHE_S = 1.0
 """How long a gateway reuses what it read (a busy gateway reads once a second at most)."""
 TURN_QUEUES = (k.QUEUE_TURNS, k.QUEUE_LLM)
 """What every turn needs: a turn worker for its steps, a stream worker for its rounds."""
-START = {
-    k.QUEUE_TURNS: "agentq worker turns",
-    k.QUEUE_LLM: "agentq worker llm",
-    k.QUEUE_TOOLS: "agentq worker tools",
-    k.QUEUE_IO: "agentq worker io",
-    k.QUEUE_WEBHOOKS: "agentq worker io",
-}
 KIND = {
     k.QUEUE_TURNS: "turns",
     k.QUEUE_LLM: "llm",
@@ -47,6 +40,7 @@ KIND = {
     k.QUEUE_IO: "io",
     k.QUEUE_WEBHOOKS: "io",
 }
+START = {q: f"agentq worker {kind}" for q, kind in KIND.items()}
 
 
 def entry(role: str, queues: Iterable[str]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import redis
 
@@ -34,25 +34,17 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
         if _redis is None:
             s = settings or get_settings()
             k.set_shard_count(s.shard_count)
-            if s.redis_cluster_nodes:
-                # The store sends a Cluster only one-slot scripts and transactions and
-                # the commands both clients share (see agentq.constants on shards).
-                _redis = cast(
-                    redis.Redis,
-                    cluster_client(
-                        s.redis_cluster_nodes,
-                        socket_keepalive=True,
-                        health_check_interval=30,
-                        max_connections=REDIS_MAX_CONNECTIONS,
-                    ),
-                )
-                return _redis
-            _redis = redis_client(
-                s.redis_url,
-                s.redis_sentinel_master,
-                socket_keepalive=True,
-                health_check_interval=30,
-                max_connections=REDIS_MAX_CONNECTIONS,
+            options: dict[str, Any] = {
+                "socket_keepalive": True,
+                "health_check_interval": 30,
+                "max_connections": REDIS_MAX_CONNECTIONS,
+            }
+            # The store sends a Cluster only one-slot scripts and transactions and the
+            # commands both clients share (see agentq.constants on shards).
+            _redis = (
+                cast(redis.Redis, cluster_client(s.redis_cluster_nodes, **options))
+                if s.redis_cluster_nodes
+                else redis_client(s.redis_url, s.redis_sentinel_master, **options)
             )
         return _redis
 
