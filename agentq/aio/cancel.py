@@ -52,7 +52,6 @@ class CancelWatch:
         self._tasks: list[asyncio.Task[None]] = []
         self._recent: dict[str, None] = {}
         """Aborted turns that had no callback yet, oldest first."""
-        self.subscribed = asyncio.Event()
         self.on_watch: Callable[[str], None] | None = None
         """Run (on the loop) with a turn's id when someone starts following it."""
 
@@ -110,7 +109,6 @@ class CancelWatch:
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(k.CANCEL_CHANNEL, k.WATCH_CHANNEL)
-                self.subscribed.set()
                 delay_s = 0.1
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
@@ -124,7 +122,6 @@ class CancelWatch:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                self.subscribed.clear()
                 log.warning("cancel channel lost (%s); resubscribing in %.1f s", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 5.0)

@@ -74,7 +74,7 @@ class LoopHost:
             cluster_nodes=settings.redis_cluster_nodes,
         )
         self.loop.start()
-        self.loop.call(self.cancels.start)
+        self.loop.loop.call_soon_threadsafe(self.cancels.start)
 
     async def io(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run a blocking store call off the loop."""

@@ -150,14 +150,6 @@ class EventLoopThread:
             self._held -= 1
         self._slots.release()
 
-    def call(self, fn: Callable[[], T], timeout_s: float = 5.0) -> T:
-        """Run a plain function on the loop thread and return its result."""
-
-        async def run() -> T:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout_s)
-
     # -- deadlines the watchdog enforces
 
     def watch(self, key: str, hard_deadline_mono: float | None) -> None:
