@@ -25,11 +25,10 @@ from agentq.config import Settings, get_settings, parse_sentinel_url
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
+from agentq.state.base import text
 from agentq.state.results import TurnResult, TurnView, settle
 
 if TYPE_CHECKING:
-    from types import TracebackType
-
     from pydantic import BaseModel
 
     from agentq.agents import Agent
@@ -67,10 +66,6 @@ def _redis_for(settings: Settings) -> aredis.Redis:
     return aredis.Redis.from_url(url, max_connections=MAX_CONNECTIONS)
 
 
-def _text(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
-
-
 class AsyncClient:
     """`Client` for asyncio code: `async with AsyncClient() as client: await client.run(...)`."""
 
@@ -86,12 +81,7 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -158,11 +148,11 @@ class AsyncClient:
                     yield None
                 continue
             for raw_key, entries in reply:
-                key = _text(raw_key)
+                key = text(raw_key)
                 last, path = streams[key]
                 ended = False
                 for raw_id, fields in entries:
-                    last = _text(raw_id)
+                    last = text(raw_id)
                     ev = Event.parse(fields[b"e"], stream_id=last)
                     if path:
                         ev = ev.model_copy(update={"path": list(path)})
