@@ -49,20 +49,6 @@ class KeyBudget(BaseModel):
     usd_per_month: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
-def _json_object(v: Any) -> Any:
-    """A JSON setting's text as the object it holds (a dict passes as it is)."""
-    if v is None or v == "":
-        return {}
-    if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"not valid JSON: {exc}") from None
-    if not isinstance(v, dict):
-        raise ValueError("must be a JSON object keyed by name")
-    return v
-
-
 @dataclass(frozen=True)
 class SentinelUrl:
     """The parts of a `sentinel://` URL list."""
@@ -230,11 +216,11 @@ class Settings(BaseSettings):
 
     tools: str = ""
     """Comma-separated modules imported for their @tool definitions."""
-    tool_timeout_s: float = Field(120.0, ge=0)
+    tool_timeout_s: float = Field(120.0, ge=0, allow_inf_nan=False)
     """Default hard limit of a tool; 0 means no limit."""
-    tool_budget_s: float = Field(10.0, ge=0)
+    tool_budget_s: float = Field(10.0, ge=0, allow_inf_nan=False)
     """Default advisory budget of a tool."""
-    tool_grace_s: float = Field(5.0, ge=0)
+    tool_grace_s: float = Field(5.0, ge=0, allow_inf_nan=False)
     """After a call's hard limit, how long the turn waits before settling it as lost."""
     tool_queue_timeout_s: float = Field(300.0, gt=0)
     """How long a call may wait in the queue for a free worker before it is settled as lost."""
@@ -393,17 +379,20 @@ class Settings(BaseSettings):
     """How long a listing of an MCP server's tools is used before it is listed again
     (a server's `notifications/tools/list_changed` lists it at once)."""
 
-    @field_validator("tool_timeout_s", "tool_budget_s", "tool_grace_s")
-    @classmethod
-    def _finite(cls, v: float) -> float:
-        if v != v or v in (float("inf"), float("-inf")):
-            raise ValueError("must be a finite number of seconds")
-        return v
-
     @field_validator("llm_prices", "key_budgets", mode="before")
     @classmethod
-    def _json_settings(cls, v: Any) -> Any:
-        return _json_object(v)
+    def _json_object(cls, v: Any) -> Any:
+        """A JSON setting's text as the object it holds (a dict passes as it is)."""
+        if v is None or v == "":
+            return {}
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not valid JSON: {exc}") from None
+        if not isinstance(v, dict):
+            raise ValueError("must be a JSON object keyed by name")
+        return v
 
     def price_of(self, model: str) -> ModelPrice | None:
         return self.llm_prices.get(model)
@@ -492,7 +481,7 @@ class Settings(BaseSettings):
             return self.redis_min_replicas_acked
         if self.redis_cluster_nodes:
             return 0
-        return 1 if self.redis_url.startswith("sentinel://") else 0
+        return 1 if is_sentinel(self.redis_url) else 0
 
     @model_validator(mode="after")
     def _api_key_fallback(self) -> Settings:
