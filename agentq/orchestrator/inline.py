@@ -17,9 +17,9 @@ from agentq.state.base import StepView
 log = logging.getLogger("agentq.turn")
 
 
-def step_inline(enabled: bool = True) -> None:
+def step_inline() -> None:
     """Take a woken turn's step in this process instead of sending it to a turn worker."""
-    runtime.set_inline_steps(_InlineSteps() if enabled else None)
+    runtime.set_inline_steps(_InlineSteps())
 
 
 def _failed(turn_id: str) -> None:

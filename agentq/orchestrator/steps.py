@@ -257,15 +257,9 @@ class Sweeper:
         self.retry_s = settings.step_lock_s + 5.0
         self.retention_s = settings.turn_retention_s
         self._next_prune = 0.0
-        self._stop = threading.Event()
 
-    def start(self) -> threading.Thread:
-        t = threading.Thread(target=self._run, name="agentq-sweeper", daemon=True)
-        t.start()
-        return t
-
-    def stop(self) -> None:
-        self._stop.set()
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="agentq-sweeper", daemon=True).start()
 
     def look(self, now: float) -> Look:
         """What a pass at `now` has to do, in one round trip."""
@@ -349,7 +343,8 @@ class Sweeper:
 
     def _run(self) -> None:
         wait_s = self.interval_s
-        while not self._stop.wait(wait_s):
+        while True:
+            time.sleep(wait_s)
             wait_s = self.interval_s
             try:
                 wait_s = self.until_next_s(time.time(), self.sweep().next_at)
