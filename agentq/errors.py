@@ -14,8 +14,7 @@ AgentqError
 │   ├── UnknownTool
 │   ├── ToolDefinitionError                    a bad @tool declaration
 │   ├── ToolArgumentsInvalid(detail)           the model's arguments failed validation
-│   ├── ToolMisuse(detail)                     a tool returned what no tool may (a coroutine)
-│   └── ToolTimeout(timeout_s)
+│   └── ToolMisuse(detail)                     a tool returned what no tool may (a coroutine)
 ├── McpError(server)
 │   ├── McpServerUnavailable(detail)           cannot be started or reached, or died mid-call
 │   └── McpToolFailed(tool, detail)            the server answered the call with isError
@@ -193,12 +192,6 @@ class ToolMisuse(ToolError):
     def __init__(self, tool: str, detail: str) -> None:
         super().__init__(tool, f"tool {tool!r} is misdeclared: {detail}")
         self.detail = detail
-
-
-class ToolTimeout(ToolError):
-    def __init__(self, tool: str, timeout_s: float) -> None:
-        super().__init__(tool, f"tool {tool!r} did not finish within {timeout_s:g}s")
-        self.timeout_s = timeout_s
 
 
 class McpError(AgentqError):

@@ -55,7 +55,6 @@ PUBLIC = [
     "UnknownTool",
     "ToolDefinitionError",
     "ToolArgumentsInvalid",
-    "ToolTimeout",
     "AgentError",
     "UnknownAgent",
     "AgentDefinitionError",
