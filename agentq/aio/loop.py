@@ -79,7 +79,8 @@ class EventLoopThread:
         self._selector = _WatchedSelector()
         self.loop = asyncio.SelectorEventLoop(self._selector)
         self._slots = threading.BoundedSemaphore(capacity)
-        self._held = 0
+        self.held = 0
+        """Coroutines submitted and not finished."""
         self._held_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
@@ -118,11 +119,6 @@ class EventLoopThread:
 
     # -- submitting
 
-    @property
-    def held(self) -> int:
-        """Coroutines submitted and not finished."""
-        return self._held
-
     def submit(
         self, coro_fn: Callable[[], Coroutine[Any, Any, T]], *, timeout_s: float | None = None
     ) -> concurrent.futures.Future[T]:
@@ -133,8 +129,8 @@ class EventLoopThread:
         if not self._slots.acquire(timeout=timeout_s):
             raise TimeoutError(f"{self.name} holds {self.capacity} coroutines: no slot free")
         with self._held_lock:
-            self._held += 1
-            woke = self._held == 1
+            self.held += 1
+            woke = self.held == 1
         if woke:
             self._nudge.set()
         try:
@@ -147,15 +143,13 @@ class EventLoopThread:
 
     def _release(self) -> None:
         with self._held_lock:
-            self._held -= 1
+            self.held -= 1
         self._slots.release()
 
     # -- deadlines the watchdog enforces
 
-    def watch(self, key: str, hard_deadline_mono: float | None) -> None:
+    def watch(self, key: str, hard_deadline_mono: float) -> None:
         """Register a hard deadline (time.monotonic()); the loop must reach it unblocked."""
-        if hard_deadline_mono is None:
-            return
         with self._deadlines_lock:
             self._deadlines[key] = hard_deadline_mono
 
@@ -168,7 +162,7 @@ class EventLoopThread:
     def _watch(self) -> None:
         reported_for: float | None = None
         while not self._stopping.is_set():
-            self._nudge.wait(WATCH_S if self._held or self._deadlines else IDLE_WATCH_S)
+            self._nudge.wait(WATCH_S if self.held or self._deadlines else IDLE_WATCH_S)
             self._nudge.clear()
             since = self._selector.busy_since
             if since is None:
