@@ -1,9 +1,8 @@
 """Prometheus metrics of the gateway, in a registry of their own (no process/GC collectors).
 
-What each metric counts, and where it comes from:
+The tokens, cost, budget, model round, capacity, step, tool duration and webhook metrics
+are listed in docs/operations.md; the others count:
 
-- ``agentq_tool_duration_seconds{tool,status}`` histogram: ``duration_ms`` of every
-  ``tool_finished`` event that carries one.
 - ``agentq_tool_results_total{tool,status}``: every ``tool_finished`` event, i.e. every
   settled call, with or without a duration (denied calls have none).
 - ``agentq_tool_timeouts_total{tool}``: ``tool_finished`` with status ``timeout`` (the
@@ -11,32 +10,6 @@ What each metric counts, and where it comes from:
 - ``agentq_waitpoints_opened_total{tool}``: ``tool_waiting`` events (a tool returned a
   Waitpoint); ``agentq_waitpoints_settled_total{tool,status}``: ``tool_finished`` of those
   calls (``ok``/``error`` completed, ``timeout``, ``cancelled``); open = opened - settled.
-- ``agentq_llm_tokens_total{model,kind,key}``: ``usage`` of every ``llm_finished`` event,
-  ``kind`` ``prompt``, ``completion`` or ``cached`` (of the prompt), ``key`` the API key's
-  name (``-`` without one); ``sum by (kind)`` is the fleet's.
-- ``agentq_llm_cost_usd_total{model,key}``: ``usage.cost_usd`` of ``llm_finished`` (priced
-  models only, AGENTQ_LLM_PRICES).
-- ``agentq_budget_exceeded_total{scope}``: ``turn_error`` with code ``budget_exceeded``, by
-  whose budget (``turn``, ``parent_turn``, ``key``); docs/spend.md.
-- ``agentq_llm_model_tokens_total{model,kind}``: the same by model (``llm_finished``
-  carries its ``model``): ``rate(...[1m]) * 60`` is a model's tokens per minute.
-- ``agentq_llm_rounds_queued_total{model}``: model rounds that had to wait for model
-  capacity: the ``llm_queued`` event that starts a wait (``first``); the ones published
-  as the round moves up the queue are not counted again. A round the provider refused
-  as busy that waits again counts again.
-- ``agentq_llm_queue_wait_seconds{model}`` histogram: ``queued_ms`` of ``llm_started``,
-  how long a round that waited for capacity waited (rounds sent at once are not in it).
-- ``agentq_llm_busy_total{model,deployment,status}``: a provider's busy answers (HTTP
-  429, 503, 529): ``llm_finished`` with code ``EBUSY``.
-- ``agentq_llm_ttft_seconds`` histogram: ``ttft_ms`` of ``llm_finished`` (from the round's
-  start, retries included, to its first text, reasoning or tool call).
-- ``agentq_llm_round_duration_seconds{outcome}`` histogram: ``duration_ms`` of
-  ``llm_finished`` (``ok`` or ``error``).
-- ``agentq_step_duration_seconds`` histogram: every turn step of the fleet.
-- ``agentq_webhook_attempts_total{outcome}`` (``ok``, ``http_500``, ``timed_out``,
-  ``refused``, ``unreachable`` ...), ``agentq_webhook_deliveries_total{status}``
-  (``created``, ``delivered``, ``gone``, ``failed``), ``agentq_webhook_backlog`` (deliveries
-  still to be accepted): fleet-wide, read from Redis at scrape time.
 - ``agentq_turn_aborts_total{reason}``: ``turn_aborted`` events by reason (user,
   disconnect, timeout, error).
 - ``agentq_turns_ended_total{outcome}``: terminal events (finished, aborted, error).
@@ -51,17 +24,9 @@ What each metric counts, and where it comes from:
 - ``agentq_running_tool_calls`` gauge: dispatched calls of active turns without a result
   yet, read at scrape time too.
 - ``agentq_redis_up`` gauge: 1 if the scrape-time read of Redis worked, else 0.
-- ``agentq_llm_queued{model,class}``, ``agentq_llm_streams_in_use{model}`` and
-  ``agentq_llm_paused{model}`` (1 while the model is paused fleet-wide, e.g. after a 429)
-  gauges: the capacity manager's state of every model the gateway knows (configured in
-  ``AGENTQ_LLM_LIMITS``, ``AGENTQ_LLM_MODEL``, the published agents' models), read from
-  Redis at scrape time (``class`` ``interactive`` or ``background``).
 
-The event-derived metrics and the step durations are the fleet's: each process counts
-the events its writes published and the steps it ran, and adds them to one Redis hash
-every ``AGENTQ_METRICS_FLUSH_S`` (agentq.telemetry.fleetcounts); /metrics reads the hash
-at scrape time. Every gateway replica shows the same totals, and events published while no
-gateway ran are counted too; a process that dies loses what it counted since its last flush.
+The event-derived metrics and the step durations are the fleet's, read at scrape time from
+the hash every process adds its counts to (agentq.telemetry.fleetcounts).
 """
 
 from __future__ import annotations
@@ -140,9 +105,6 @@ class FleetMetrics:
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
 
-    def describe(self) -> list[Metric]:
-        return [self._family(f) for f in FAMILIES.values()]
-
     @staticmethod
     def _family(f: Family) -> Metric:
         name = f"agentq_{f.name}"
@@ -196,12 +158,8 @@ class WebhookMetrics:
         self.counts: dict[str, int] = {}
         self.backlog: int | None = None
 
-    def describe(self) -> list[Metric]:
-        return self._families()
-
-    @staticmethod
-    def _families() -> list[Metric]:
-        return [
+    def collect(self) -> list[Metric]:
+        attempts, deliveries, backlog = families = [
             CounterMetricFamily(
                 "agentq_webhook_attempts", "Webhook attempts by outcome.", labels=["outcome"]
             ),
@@ -210,9 +168,6 @@ class WebhookMetrics:
             ),
             GaugeMetricFamily("agentq_webhook_backlog", "Webhook deliveries not yet accepted."),
         ]
-
-    def collect(self) -> list[Metric]:
-        attempts, deliveries, backlog = families = self._families()
         for name, n in sorted(self.counts.items()):
             kind, _, label = name.partition(":")
             target = attempts if kind == "attempts" else deliveries
@@ -229,12 +184,8 @@ class CapacityGauges:
     def __init__(self) -> None:
         self.snapshots: list[dict[str, Any]] = []
 
-    def describe(self) -> list[GaugeMetricFamily]:
-        return self._families()
-
-    @staticmethod
-    def _families() -> list[GaugeMetricFamily]:
-        return [
+    def collect(self) -> list[GaugeMetricFamily]:
+        queued, streams, paused, api = families = [
             GaugeMetricFamily(
                 "agentq_llm_queued",
                 "Model rounds waiting for model capacity, by class.",
@@ -254,9 +205,6 @@ class CapacityGauges:
                 labels=["model", "api", "setting"],
             ),
         ]
-
-    def collect(self) -> list[GaugeMetricFamily]:
-        queued, streams, paused, api = families = self._families()
         for snap in self.snapshots:
             model = str(snap["model"])
             for cls in ("interactive", "background"):

@@ -32,7 +32,6 @@ from agentq.models import AbortReason, ToolStatus
 
 log = logging.getLogger("agentq.telemetry")
 
-INF = float("inf")
 TTFT_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60)
 ROUND_BUCKETS_S = (0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 60, 120)
 DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
