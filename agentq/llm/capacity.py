@@ -230,7 +230,7 @@ class Capacity:
 
     def keys(self, model: str) -> list[str]:
         """The model's Redis keys, in the order the scripts take them."""
-        return [f"{self.prefix}:{{{model}}}:{suffix}" for suffix in inputs.KEY_SUFFIXES]
+        return [self._key(model, suffix) for suffix in inputs.KEY_SUFFIXES]
 
     def _key(self, model: str, suffix: str) -> str:
         return f"{self.prefix}:{{{model}}}:{suffix}"
@@ -241,10 +241,7 @@ class Capacity:
         """Run a deciding script on the model's keys with its own arguments `own` (its
         NamedTuple); its JSON answer."""
         argv = inputs.DecidingArgs(
-            self._config_of(model),
-            "" if now_ms is None else now_ms,
-            model,
-            secrets.token_hex(8),
+            self._config_of(model), "" if now_ms is None else now_ms, model, secrets.token_hex(8)
         )
         raw = script(keys=self.keys(model), args=[*argv, *own])
         out: dict[str, Any] = json.loads(raw)
@@ -328,11 +325,8 @@ class Capacity:
             return True
         model = _lease_model(lease_id)
         ttl = self.lease_ttl_ms if ttl_ms is None else ttl_ms
-        args = [
-            *inputs.ClockArgs("", "" if now_ms is None else now_ms),
-            *inputs.RenewArgs(lease_id, ttl),
-        ]
-        return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=args))
+        args = inputs.RenewArgs("" if now_ms is None else now_ms, lease_id, ttl)
+        return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=list(args)))
 
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> tuple[bool, Wakes]:
         """Take an aborted round out of the queue and give back a grant it did not take:
@@ -401,10 +395,15 @@ class Capacity:
     ) -> BreakerVerdict:
         """Count a failure (`5xx`, `stall`, `connection`...) of a deployment, opening its
         breaker for a cool-down after `breaker_failures` in a row or a failed probe."""
-        own = inputs.BreakerArgs(deployment, kind, self.breaker_failures, self.breaker_cooldown_ms)
-        args = [*inputs.ClockArgs("", "" if now_ms is None else now_ms), *own]
+        args = inputs.BreakerArgs(
+            "" if now_ms is None else now_ms,
+            deployment,
+            kind,
+            self.breaker_failures,
+            self.breaker_cooldown_ms,
+        )
         self._failed.add((model, deployment))
-        state = self._breaker(keys=[self._key(model, inputs.SUFFIX.BRK)], args=args)
+        state = self._breaker(keys=[self._key(model, inputs.SUFFIX.BRK)], args=list(args))
         return "open" if state in ("open", b"open") else "closed"
 
     def report_success(

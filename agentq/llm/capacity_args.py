@@ -2,8 +2,8 @@
 each script's arguments, one NamedTuple each, from which `capacity` builds its lists.
 
 Every script that decides gets the model's keys (`ModelKeys`) and `DecidingArgs` then its
-own (`AcquireArgs`, ...); the scripts on one key (renew, the breaker) get that key
-and `ClockArgs` then their own. Each opens by binding them to names (`bind_lua`).
+own (`AcquireArgs`, ...); the scripts on one key (renew, the breaker) get that key and
+their own, the caller's clock first. Each opens by binding them to names (`bind_lua`).
 Imports nothing of agentq: the import chain through capacity stays short.
 """
 
@@ -41,20 +41,13 @@ SUFFIX = ModelKeys()
 KEY_SUFFIXES = tuple(SUFFIX)
 
 
-class ClockArgs(NamedTuple):
-    """The first arguments of every capacity script."""
-
-    config: str
-    """The model's limits (JSON); "" for the scripts on one key, which need none."""
-    now_arg: str | int
-    """The caller's clock (ms); "": Redis TIME."""
-
-
 class DecidingArgs(NamedTuple):
     """The arguments of every deciding script, before its own."""
 
     config: str
+    """The model's limits (JSON)."""
     now_arg: str | int
+    """The caller's clock (ms); "": Redis TIME."""
     model: str
     nonce: str
     """Random: makes the lease ids a script hands out unique."""
@@ -101,11 +94,13 @@ class WithdrawArgs(NamedTuple):
 
 
 class RenewArgs(NamedTuple):
+    now_arg: str | int
     lease_id: str
     ttl_ms: int
 
 
 class BreakerArgs(NamedTuple):
+    now_arg: str | int
     deployment: str
     kind: str
     """What failed: 5xx, stall, connection..."""

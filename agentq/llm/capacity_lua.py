@@ -4,7 +4,7 @@ one script, so workers racing for the same slot never both get it.
 Every script that decides gets the model's keys (`ModelKeys`, in order) and its
 arguments as `DecidingArgs` then its own (`AcquireArgs`, ...); each opens by binding them
 to names (`agentq.events.lua_args.bind_lua`). The scripts on one key (renew, the
-breaker) take that key and `ClockArgs` then their own.
+breaker) take that key and their own arguments.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from agentq.events.lua_args import bind_lua
 from agentq.llm.capacity_args import (
     AcquireArgs,
     BreakerArgs,
-    ClockArgs,
     DecidingArgs,
     ModelKeys,
     NoteArgs,
@@ -34,7 +33,7 @@ def deciding_lua(args: type[NamedTuple] | None = None) -> str:
 
 def one_key_lua(key: str, args: type[NamedTuple]) -> str:
     """The opening of a script on one of the model's keys (`key`, its ModelKeys name)."""
-    return bind_lua((key,), (*ClockArgs._fields, *args._fields))
+    return bind_lua((key,), args._fields)
 
 
 CONFIG_TTL_S = 86_400
@@ -149,6 +148,19 @@ local function use(requests, tokens)
   if tokens ~= 0 then redis.call('HINCRBY', USE, 't:' .. b, tokens) end
 end
 
+-- Counts a request's share against the model's limits and deployment `d`'s (nil: none
+-- known), or gives it back (negative).
+local function charge(d, requests, tokens)
+  -- rate_rpm() may read the rate hash: a release, which counts no request, does not.
+  if requests ~= 0 then gcra_add('r', rate_rpm(), requests) end
+  gcra_add('t', tpm_limit(), tokens)
+  if d then
+    gcra_add('r:' .. d.n, d.rpm, requests)
+    gcra_add('t:' .. d.n, d.tpm, tokens)
+  end
+  use(requests, tokens)
+end
+
 local function next_expiry()
   local first = redis.call('ZRANGE', LEASES, 0, 0, 'WITHSCORES')
   if first[1] then return math.max(tonumber(first[2]), now + 1) end
@@ -221,19 +233,14 @@ local function admit(tokens)
     end
   end
   if best == nil then return nil, 0, soonest end
-  local rpm = rate_rpm()
-  window_add(rpm, 1)
-  gcra_add('r', rpm, 1)
-  gcra_add('t', tpm_limit(), tokens)
-  gcra_add('r:' .. best.n, best.rpm, 1)
-  gcra_add('t:' .. best.n, best.tpm, tokens)
+  window_add(rate_rpm(), 1)
+  charge(best, 1, tokens)
   local probe = 0
   if best_state == 'half_open' then
     -- One request probes a deployment whose cool-down ended; the rest wait for its verdict.
     redis.call('HSET', BRK, 'p:' .. best.n, now + cfg.lease_ttl_ms)
     probe = 1
   end
-  use(1, tokens)
   return best, probe, now
 end
 
@@ -350,6 +357,15 @@ local function position(w)
   if cls == 'b' then rank = rank + redis.call('ZCARD', QI) end
   return rank + 1
 end
+
+-- The end of a script that may have freed capacity: grant whom it lets go, say whom to wake.
+local function freed(done)
+  purge()
+  local _, woken, later, head, ready = pump('')
+  return cjson.encode({
+    woken = woken, later = later, head = head, ready = ready, now = now, done = done,
+  })
+end
 """
 )
 
@@ -430,17 +446,9 @@ local used = tonumber(used)
 if m and used then
   -- The estimate counted against tpm becomes the real usage: the difference is taken or
   -- given back, so a short answer frees what its max_completion_tokens had reserved.
-  local delta = used - m.t
-  gcra_add('t', tpm_limit(), delta)
-  local d = DEPS[m.d]
-  if d then gcra_add('t:' .. d.n, d.tpm, delta) end
-  use(0, delta)
+  charge(DEPS[m.d], 0, used - m.t)
 end
-purge()
-local own, woken, later, head, ready = pump('')
-return cjson.encode({
-  woken = woken, later = later, head = head, ready = ready, now = now, done = m and 1 or 0,
-})
+return freed(m and 1 or 0)
 """
 )
 
@@ -465,22 +473,11 @@ if raw and cjson.decode(raw).k == 0 then
     if math.floor(num(g.at) / 1000) == rate_state().w and rate_state().n > 0 then
       window_add(rate_rpm(), -1)
     end
-    gcra_add('r', rate_rpm(), -1)
-    gcra_add('t', tpm_limit(), -m.t)
-    local d = DEPS[m.d]
-    if d then
-      gcra_add('r:' .. d.n, d.rpm, -1)
-      gcra_add('t:' .. d.n, d.tpm, -m.t)
-    end
-    use(-1, -m.t)
+    charge(DEPS[m.d], -1, -m.t)
   end
   done = 1
 end
-purge()
-local own, woken, later, head, ready = pump('')
-return cjson.encode({
-  woken = woken, later = later, head = head, ready = ready, now = now, done = done,
-})
+return freed(done)
 """
 )
 
