@@ -25,6 +25,7 @@ from agentq.models import (
     TurnRequest,
 )
 from agentq.orchestrator import replay
+from agentq.orchestrator.abort import request_abort
 from agentq.orchestrator.conversation import conversations, shown
 from agentq.orchestrator.start import hash_token, start_turn
 from agentq.state.budget import day_of
@@ -293,7 +294,6 @@ class Client(CompletesWaitpoints):
             operator=operator,
             traced=self.traced,
             idempotency_key=idempotency_key,
-            abort=self._abort,
         )
 
     def retry(
@@ -387,19 +387,7 @@ class Client(CompletesWaitpoints):
         state = self._store.state(turn_id) if operator else self.check_token(turn_id, token)
         if not state or state.get("status") in TERMINAL_STATUSES:
             raise TurnNotFound(turn_id)
-        self._abort(turn_id, reason)
-
-    def _abort(self, turn_id: str, reason: str) -> None:
-        # Flag, wake, notice and the children in one round trip: abort latency is
-        # user-facing. The abort is a step like any other, taken by a turn worker (a step
-        # that holds the turn sees the flag when it releases); this process only sends it,
-        # and should it die first, the turn's wakeup does.
-        woken, children = self._store.flag_cancel(turn_id, reason)
-        for child in children:
-            if self._store.status(child) not in TERMINAL_STATUSES:
-                self._abort(child, reason)
-        if woken:
-            self._store.send_step(turn_id)
+        request_abort(self._store, turn_id, reason)
 
     def answer(
         self,
@@ -554,7 +542,7 @@ class Client(CompletesWaitpoints):
         turns = convs.delete(conversation_id)
         for turn_id in turns:
             if self._store.status(turn_id) not in (None, *TERMINAL_STATUSES):
-                self._abort(turn_id, "user")
+                request_abort(self._store, turn_id, "user")
         return turns
 
     def events(

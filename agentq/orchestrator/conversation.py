@@ -16,7 +16,6 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -28,6 +27,7 @@ from agentq.errors import (
 )
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TERMINAL_STATUSES, TurnStatus
+from agentq.orchestrator.abort import request_abort
 from agentq.state.conversations import (
     Admit,
     Admitted,
@@ -58,8 +58,6 @@ STUCK_AFTER_S = 5.0
 """A turn ended this long ago without handing its conversation on was stopped before it
 could (its process died): worth a warning. Sooner, its own hand-off was under way."""
 
-Aborter = Callable[[str, str], None]
-
 _STORES: dict[int, Conversations] = {}
 
 
@@ -87,7 +85,6 @@ def admit(
     claim: str,
     may: tuple[str, ...],
     any_owner: bool,
-    abort: Aborter | None,
 ) -> Admitted:
     """Admit a stored turn to its conversation: run it now, queue it, or refuse it
     (ConversationBusy, the turn removed again: nothing of a refused request stays)."""
@@ -122,7 +119,7 @@ def admit(
         raise ConversationBusy(conversation_id, str(running))
     if admitted.outcome is Admit.INTERRUPTED:
         reason = "rollback" if mode is Multitask.ROLLBACK else "interrupt"
-        _abort(store, app, str(running), reason, abort)
+        request_abort(store, str(running), reason)
     elif admitted.outcome is Admit.INJECTED:
         convs.note_injected(str(running))
     return admitted
@@ -168,14 +165,6 @@ def forget(store: TurnStore, turn_id: str) -> None:
     pipe.zrem(k.turn_index_key(turn_id), turn_id)
     pipe.zrem(k.turn_wakeups_key(turn_id), turn_id)
     pipe.execute()
-
-
-def _abort(store: TurnStore, app: Celery, turn_id: str, reason: str, abort: Aborter | None) -> None:
-    if abort is not None:
-        abort(turn_id, reason)
-        return
-    if store.flag_cancel(turn_id, reason)[0]:
-        send_step_or_wake(store, app, turn_id)
 
 
 def _alive(store: TurnStore, turn_id: str) -> bool:

@@ -49,7 +49,7 @@ from agentq.models import (
     TurnRequest,
 )
 from agentq.orchestrator import spend
-from agentq.orchestrator.conversation import Aborter, ConversationMovedOn
+from agentq.orchestrator.conversation import ConversationMovedOn
 from agentq.orchestrator.plan import calls_of
 from agentq.orchestrator.start import Launch, check_budgets, hash_token, launch
 from agentq.state.base import call_fields, history_of, text
@@ -349,7 +349,6 @@ def start_replay(
     req: RetryRequest | ForkRequest,
     *,
     traced: bool = False,
-    abort: Aborter | None = None,
     turn_id: str | None = None,
 ) -> TurnHandle:
     """Start a retry (RetryRequest) or fork (ForkRequest) of `source_id`: read it once,
@@ -379,17 +378,15 @@ def start_replay(
         spend.carry_spent(store.redis, settings, turn_id, new.state)
 
     def go(conversation: TurnRequest, launched: Launch, in_place_of: str | None) -> TurnHandle:
-        owner = launched.state.get("owner")
         return launch(
             store,
             app,
             settings,
             conversation,
             launched,
-            owner=owner,
+            owner=launched.state.get("owner"),
             any_owner=True,
             traced=traced,
-            abort=abort,
             in_place_of=in_place_of,
         )
 

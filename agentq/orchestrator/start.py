@@ -20,7 +20,6 @@ from agentq.errors import BudgetExceeded, BudgetInvalid, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
-from agentq.orchestrator.conversation import Aborter
 from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
 from agentq.state.conversations import Admit, Multitask, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
@@ -53,13 +52,11 @@ def start_turn(
     turn_id: str | None = None,
     extra_state: TurnState | None = None,
     idempotency_key: str | None = None,
-    abort: Aborter | None = None,
 ) -> TurnHandle:
     """Queue a turn owned by the key name `owner` (None: no key); see `Client.start`.
 
     `turn_id` (default: a new random one) and `extra_state` (fields stored with the turn's
-    state) are for starters other than a client: a schedule's tick. `abort(turn_id,
-    reason)` aborts the turn a multitask interrupt or rollback replaces.
+    state) are for starters other than a client: a schedule's tick.
     """
     # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
     new_id = turn_id or secrets.token_hex(16)
@@ -95,7 +92,6 @@ def start_turn(
             owner=owner,
             any_owner=admin or operator,
             traced=traced,
-            abort=abort,
         )
 
     if idempotency_key is None:
@@ -128,7 +124,6 @@ def launch(
     owner: str | None,
     any_owner: bool,
     traced: bool,
-    abort: Aborter | None,
     in_place_of: str | None = None,
 ) -> TurnHandle:
     """Store a checked turn (one write), admit it to `req.conversation_id` if any, send its
@@ -150,7 +145,7 @@ def launch(
             conversation.forget(store, turn_id)
             raise conversation.ConversationMovedOn(in_place_of, cid)
     elif req.conversation_id:
-        handle, done = _admit(store, app, settings, req, turn_id, new.size, owner, any_owner, abort)
+        handle, done = _admit(store, app, settings, req, turn_id, new.size, owner, any_owner)
         if done:
             return _handle(turn_id, token, handle)
     conversation.send_step_or_wake(store, app, turn_id)
@@ -205,7 +200,6 @@ def _admit(
     size: int,
     owner: str | None,
     any_owner: bool,
-    abort: Aborter | None,
 ) -> tuple[dict[str, object], bool]:
     """Admit a stored turn to its conversation: the handle's fields, and whether the caller
     is done (its first step sent already, or it waits behind another turn)."""
@@ -223,7 +217,6 @@ def _admit(
         claim=conversation.claim_of(owner, new_token),
         may=held_bindings(owner, req.conversation_token),
         any_owner=any_owner,
-        abort=abort,
     )
     if admitted.created:
         handle["conversation_token"] = new_token
