@@ -314,9 +314,18 @@ class StoreBase:
             *res, acked = self._pipelined(build, wait=True)
             if attempt == 0 or claim:
                 answer = res
-            if not self.replicas_acked or int(acked) >= self.replicas_acked:
+            if int(acked) >= self.replicas_acked:
                 return answer
-        self._under_acked(int(acked))
+        now = time.monotonic()
+        if now - self._wait_warned_at > WAIT_WARN_EVERY_S:
+            self._wait_warned_at = now
+            log.warning(
+                "%d of %d replicas acknowledged a settling write within %d ms: a failover "
+                "now could lose it",
+                int(acked),
+                self.replicas_acked,
+                self.wait_timeout_ms,
+            )
         return answer
 
     def _pipelined(self, build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
@@ -338,18 +347,6 @@ class StoreBase:
             # No sentinel answers: the write is retried as it is.
             with contextlib.suppress(redis.RedisError):
                 refresh()
-
-    def _under_acked(self, acked: int) -> None:
-        now = time.monotonic()
-        if now - self._wait_warned_at > WAIT_WARN_EVERY_S:
-            self._wait_warned_at = now
-            log.warning(
-                "%d of %d replicas acknowledged a settling write within %d ms: a failover "
-                "now could lose it",
-                acked,
-                self.replicas_acked,
-                self.wait_timeout_ms,
-            )
 
     def send_step(self, turn_id: str) -> None:
         """Send the step of a turn a write woke (its wakeup in Redis is the backstop)."""

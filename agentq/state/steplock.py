@@ -49,6 +49,8 @@ class Released(IntEnum):
     step reads again and goes on."""
     RELEASED = 1
     """Written, the lock let go, the turn's next deadline left for the sweepers."""
+    KEPT = 2
+    """Written by `commit`, which keeps the lock."""
 
 
 class WakeKeys(NamedTuple):
@@ -73,9 +75,9 @@ WAKE_ONLY_LUA = (
 
 
 class StepWrite(NamedTuple):
-    """What a step's fenced write carries (COMMIT_LUA and RELEASE_LUA alike): the sections
-    of its ARGV after the named arguments, in this order, their sizes among the named
-    arguments (`counts`, the last four of each script's arguments)."""
+    """What a step's fenced write (RELEASE_LUA) carries: the sections of its ARGV after the
+    named arguments, in this order, their sizes among the named arguments (`counts`, the
+    script's last four)."""
 
     fields: list[str]
     """State field/value pairs, flat (values JSON)."""
@@ -114,86 +116,6 @@ class StepWrite(NamedTuple):
 
     def __bool__(self) -> bool:
         return any(self.counts())
-
-
-# Where the sections of a StepWrite start in ARGV, from its counts (the scripts' last four
-# named arguments) and `sections_at` (where the named arguments end): `records_at` is
-# what follows them (RELEASE_LUA's dispatch records).
-_SECTIONS_LUA = """
-local nf, nm = tonumber(n_fields), tonumber(n_messages)
-local np, ne = tonumber(n_plans), tonumber(n_events)
-local fields_at = sections_at
-local messages_at = fields_at + 2 * nf
-local plans_at = messages_at + nm
-local events_at = plans_at + 2 * np
-local records_at = events_at + ne
-"""
-
-
-# What a fenced write reads first: the step lock, whether the token still holds it (else
-# `refused` is returned), and `watchers`, `seq`, `dirty` and `hlen` for what it writes next.
-def _fence_lua(refused: int) -> str:
-    return f"""
-local open = redis.call('HMGET', turn_key, '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
-  '{_DIRTY}', '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
-if not {lock_mine_lua("open[1]", "token")} then return {refused:d} end
-local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
-local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
-"""
-
-
-# What a fenced write writes of its StepWrite: the state fields and call plans go in the
-# table `w`, the events are published (and the turn's new seq goes in `w` too), the
-# messages are appended to `w` last (`append_lua`); the script writes `w` in one HSET.
-_WRITE_LUA = (
-    _SECTIONS_LUA
-    + """
-local w = {}
-for i = fields_at, messages_at - 1 do w[#w + 1] = ARGV[i] end
-for i = plans_at, events_at - 1 do w[#w + 1] = ARGV[i] end
-if ne > 0 then
-  for i = events_at, records_at - 1 do
-"""
-    + publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watchers")
-    + f"""
-  end
-  w[#w + 1] = '{SEQ_FIELD}'
-  w[#w + 1] = seq
-end
-"""
-)
-
-
-class CommitKeys(NamedTuple):
-    turn_key: str
-    log_key: str
-    channel: str
-    """The turn's events channel."""
-
-
-class CommitArgs(NamedTuple):
-    token: str
-    """The step's lock token: the fence."""
-    log_opts: str
-    """`EventBus.log_arg()` ("" without events)."""
-    n_fields: int
-    n_messages: int
-    n_plans: int
-    n_events: int
-
-
-# COMMIT_LUA: the step's writes are fenced by its lock token: a step whose lock lapsed (a
-# paused process) cannot overwrite what the step that took over wrote. With them, in the
-# same write: the plans of calls just asked for, and the events the change means, so that
-# an event is never seen without its state nor a step's state without its event.
-COMMIT_LUA = (
-    bind_lua(CommitKeys, CommitArgs, rest="sections")
-    + _fence_lua(0)
-    + _WRITE_LUA
-    + append_lua("w", "messages_at", "plans_at - 1")
-    + hset_table_lua("turn_key", "w")
-    + "return 1\n"
-)
 
 
 class LockArgs(NamedTuple):
@@ -243,47 +165,81 @@ class ReleaseKeys(NamedTuple):
 
 class ReleaseArgs(NamedTuple):
     token: str
+    """The step's lock token: the fence."""
     turn_id: str
     next_at: str
     """The turn's next deadline (epoch seconds; "": none, only a wake moves it)."""
     lock_ms: int
     """A lock kept (the turn was woken meanwhile) is kept this long."""
     log_opts: str
+    """`EventBus.log_arg()` ("" without events)."""
     now_ms: int
     new_calls: int
     """How many of the dispatch records are of calls sent for the first time."""
+    keep: str
+    """"1": a commit: the write alone, the lock and the turn's wakeup left as they are."""
     n_fields: int
     n_messages: int
     n_plans: int
     n_events: int
 
 
-# RELEASE_LUA: releasing the step lock, with what the step staged (a StepWrite) and,
+# RELEASE_LUA: a step's writes are fenced by its lock token: a step whose lock lapsed (a
+# paused process) cannot overwrite what the step that took over wrote. With them, in the
+# same write: the plans of calls just asked for, and the events the change means, so that
+# an event is never seen without its state nor a step's state without its event. Its
+# sections (a StepWrite) go in the table `w`, written in one HSET, the messages last.
+#
+# Unless it `keep`s the lock (a commit), it lets go of it with what the step staged and,
 # after it, the dispatch records of the calls it is about to send: a step's sends are its
 # last act, after this write, so a call's start and result always find its record, and
 # its events follow the turn's. `new_calls` of the records are of calls sent for the
-# first time, which the batch in flight gains. If the turn was woken meanwhile, keep the
-# lock (for a full term) and step again; else let go of it and leave the turn's next
-# deadline for the sweepers.
+# first time, which the batch in flight gains. If the turn was woken meanwhile, it keeps
+# the lock (for a full term) and steps again; else it lets go of it and leaves the turn's
+# next deadline for the sweepers.
 RELEASE_LUA = (
     bind_lua(ReleaseKeys, ReleaseArgs, rest="sections")
-    + _fence_lua(Released.LOST)
-    + _WRITE_LUA
     + f"""
-for i = records_at, #ARGV do w[#w + 1] = ARGV[i] end
-local counted = tonumber(new_calls)
-if counted > 0 then
-  w[#w + 1] = '{k.UNSETTLED_FIELD}'
-  w[#w + 1] = unsettled + counted
+local open = redis.call('HMGET', turn_key, '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
+  '{_DIRTY}', '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
+if not {lock_mine_lua("open[1]", "token")} then return {Released.LOST:d} end
+local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
+local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
+local nf, nm = tonumber(n_fields), tonumber(n_messages)
+local np, ne = tonumber(n_plans), tonumber(n_events)
+local messages_at = sections_at + 2 * nf
+local plans_at = messages_at + nm
+local events_at = plans_at + 2 * np
+local records_at = events_at + ne
+local w = {{}}
+for i = sections_at, messages_at - 1 do w[#w + 1] = ARGV[i] end
+for i = plans_at, events_at - 1 do w[#w + 1] = ARGV[i] end
+if ne > 0 then
+  for i = events_at, records_at - 1 do
+"""
+    + publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watchers")
+    + f"""
+  end
+  w[#w + 1] = '{SEQ_FIELD}'
+  w[#w + 1] = seq
 end
-w[#w + 1] = '{_STEP}'
-w[#w + 1] = dirty and {lock_value_lua("token", "now_ms", "lock_ms")} or '{LOCK_FREE_VALUE}'
+if keep ~= '1' then
+  for i = records_at, #ARGV do w[#w + 1] = ARGV[i] end
+  local counted = tonumber(new_calls)
+  if counted > 0 then
+    w[#w + 1] = '{k.UNSETTLED_FIELD}'
+    w[#w + 1] = unsettled + counted
+  end
+  w[#w + 1] = '{_STEP}'
+  w[#w + 1] = dirty and {lock_value_lua("token", "now_ms", "lock_ms")} or '{LOCK_FREE_VALUE}'
+end
 """
     + append_lua("w", "messages_at", "plans_at - 1")
     + hset_table_lua("turn_key", "w")
-    + f"\nif dirty then return {Released.WOKEN:d} end\nif "
-    + ended_lua("status")
-    + f""" then
+    + f"""
+if keep == '1' then return {Released.KEPT:d} end
+if dirty then return {Released.WOKEN:d} end
+if {ended_lua("status")} then
   -- A step of a turn that had ended (a late delivery): it is not among the open ones.
   redis.call('ZREM', wakeups_key, turn_id)
 else
@@ -338,14 +294,12 @@ class StepRecords(StoreBase):
 
     LUA: ClassVar[dict[str, str]] = {
         "_wake": WAKE_ONLY_LUA,
-        "_commit": COMMIT_LUA,
         "_begin": BEGIN_LUA,
         "_release": RELEASE_LUA,
         "_claim": CLAIM_LUA,
         "_lock": LOCK_LUA,
     }
     _wake: Script
-    _commit: Script
     _begin: Script
     _release: Script
     _claim: Script
@@ -376,17 +330,21 @@ class StepRecords(StoreBase):
         events: list[tuple[str, dict[str, Any]]] | None = None,
     ) -> bool:
         """Write state fields, append history messages, store call plans (call id -> plan
-        JSON) and publish events, in one write, if this step still holds the lock."""
-        write = StepWrite.of(turn_id, fields, append, plans, events)
-        named = CommitArgs(token, self.bus.log_arg() if write.events else "", *write.counts())
-        keys = CommitKeys(k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id))
-        # Not run again: a second run would append the messages twice.
-        ok = self._durable(
-            self._commit, keys=list(keys), args=argv_of(named, write.sections()), again=False
+        JSON) and publish events, in one write, if this step still holds the lock (kept)."""
+        return (
+            self.release_step(
+                turn_id,
+                token,
+                None,
+                0,
+                fields=fields,
+                events=events,
+                append=append,
+                plans=plans,
+                keep=True,
+            )
+            is Released.KEPT
         )
-        if ok:
-            self.bus.counted(events or [])
-        return bool(ok)
 
     def release_step(
         self,
@@ -401,11 +359,12 @@ class StepRecords(StoreBase):
         append: list[dict[str, Any]] | None = None,
         plans: dict[str, str] | None = None,
         new_calls: int = 0,
+        keep: bool = False,
     ) -> Released:
-        """Let go of the step's lock, appending history messages, writing state `fields`
-        and call `plans`, publishing `events` (what the step staged) and recording the
-        calls it is about to send (`dispatched`; `new_calls` of them sent for the first
-        time) while it still holds it (see `Released`)."""
+        """Let go of the step's lock (unless `keep`), appending history messages, writing
+        state `fields` and call `plans`, publishing `events` (what the step staged) and
+        recording the calls it is about to send (`dispatched`; `new_calls` of them sent for
+        the first time) while it still holds it (see `Released`)."""
         write = StepWrite.of(turn_id, fields, append, plans, events)
         named = ReleaseArgs(
             token,
@@ -415,6 +374,7 @@ class StepRecords(StoreBase):
             self.bus.log_arg() if write.events else "",
             now_ms(),
             new_calls,
+            "1" if keep else "0",
             *write.counts(),
         )
         args = argv_of(named, write.sections(), dispatch_args(dispatched or {}))
@@ -428,9 +388,9 @@ class StepRecords(StoreBase):
         )
         if not (dispatched or write):
             return Released(int(self._release(keys=keys, args=args)))
-        # Not sent again: a second run finds the lock gone (and would publish twice).
-        # Records a failover loses are of calls a later step sends again, which their
-        # start claims run once.
+        # Not sent again: a second run finds the lock gone, or appends the messages twice
+        # (and would publish twice). Records a failover loses are of calls a later step
+        # sends again, which their start claims run once.
         released = Released(int(self._durable(self._release, keys=keys, args=args, again=False)))
         if released is not Released.LOST:
             self.bus.counted(events or [])

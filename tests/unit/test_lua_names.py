@@ -68,7 +68,7 @@ _BY_POSITION = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
 
 
 def test_the_store_has_scripts() -> None:
-    assert len(_store_scripts()) >= 14
+    assert len(_store_scripts()) >= 12
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
