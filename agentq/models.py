@@ -387,8 +387,6 @@ class LlmRoundRequest(_Frozen):
     """The deployment of `model` the fleet's capacity manager granted; None: the default."""
     lease_id: str | None = None
     """The capacity grant the stream worker gives back when the round ends."""
-    tokens_estimate: int = 0
-    """Tokens the grant counted before the request (corrected from the usage after)."""
     max_completion_tokens: int | None = None
     """The completion the turn's and its key's budgets leave this round; None: no budget."""
     prompt_estimate: int = 0

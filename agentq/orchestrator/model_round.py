@@ -109,7 +109,6 @@ def _round_request(
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
-        tokens_estimate=grant.tokens if grant else int(ctx.state.get("llm_estimate") or 0),
         queued_s=_queued_s(ctx, round_no) if grant else 0.0,
         max_completion_tokens=ctx.state.get("budget_cap"),
         prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
@@ -127,7 +126,6 @@ def _grant_fields(grant: Grant | None, admissions: int) -> TurnState:
         "llm_admissions": admissions,
         "llm_deployment": grant.deployment,
         "llm_lease": grant.lease_id,
-        "llm_estimate": grant.tokens,
         # The wait's start stays: a round the provider turns away again waits on the
         # same clock (`llm_queue_timeout_s` bounds the whole wait).
         "llm_wait_position": None,

@@ -127,8 +127,6 @@ class TurnState(TypedDict, total=False):
     """The deployment the round was admitted to."""
     llm_lease: str
     """The capacity lease of the round's grant."""
-    llm_estimate: int
-    """The tokens the round's grant reserved."""
     llm_wait_round: int
     """The round waiting for model capacity (or that waited last)."""
     llm_wait_since: float
