@@ -99,35 +99,28 @@ class PublishArgs(NamedTuple):
     """`EventBus.log_arg()`."""
 
 
-PUBLISH_LUA = (
-    bind_lua(TurnEventKeys, PublishArgs)
-    + f"""
+def _publish_one_lua(refused: str) -> str:
+    """A script that publishes one event unless `refused` (a Lua condition on the turn's
+    `status`) holds: then it answers seq 0 and publishes nothing."""
+    return (
+        bind_lua(TurnEventKeys, PublishArgs)
+        + f"""
 local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
 local status, last = open[1], tonumber(open[3]) or 0
-if not status or {ended_lua("status")} then
+if {refused} then
   return {{0, ''}}
 end
 """
-    + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
-    + seq_lua("turn_key", "last")
-    + "return {last, id}"
-)
+        + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
+        + seq_lua("turn_key", "last")
+        + "return {last, id}"
+    )
 
-# The same, only while the turn is queued (`turn_queued`): once its first step ran, it said
+
+PUBLISH_LUA = _publish_one_lua(f"not status or {ended_lua('status')}")
+# Only while the turn is queued (`turn_queued`): once its first step ran, it said
 # `turn_started`, and a late `turn_queued` after it would tell a follower the opposite.
-PUBLISH_QUEUED_LUA = (
-    bind_lua(TurnEventKeys, PublishArgs)
-    + f"""
-local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
-local status, last = open[1], tonumber(open[3]) or 0
-if status ~= '"queued"' then
-  return {{0, ''}}
-end
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
-    + seq_lua("turn_key", "last")
-    + "return {last, id}"
-)
+PUBLISH_QUEUED_LUA = _publish_one_lua("status ~= '\"queued\"'")
 
 # The events of many turns in one call: KEYS are three per turn (TurnEventKeys), ARGV
 # the `log_arg`, then for each turn the number of its events and their bodies. One

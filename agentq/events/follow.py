@@ -84,15 +84,7 @@ class _Stream:
 class TreeFollower:
     """One follow of a turn and, `depth` levels down, of the sub-agents it starts."""
 
-    def __init__(
-        self,
-        bus: EventBus,
-        root: str,
-        *,
-        after: Cursor,
-        depth: int,
-        stop_at_terminal: bool,
-    ) -> None:
+    def __init__(self, bus: EventBus, root: str, *, after: Cursor, depth: int) -> None:
         self.redis: redis.Redis = bus.redis  # type: ignore[assignment]
         self.bus = bus
         self.replay = bus.replay
@@ -101,7 +93,6 @@ class TreeFollower:
         publishes its live copies only while someone does."""
         self.root = root
         self.depth = max(0, min(depth, RELAY_DEPTH_MAX))
-        self.stop_at_terminal = stop_at_terminal
         self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
         self.done = False
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
@@ -204,7 +195,7 @@ class TreeFollower:
             self._close(stream.turn_id)
         ev.cursor = self.cursor().encode()
         yield ev
-        if ended and not stream.path and self.stop_at_terminal:
+        if ended and not stream.path:
             self.done = True
 
     def catch_up(self, streams: list[_Stream] | None = None) -> Iterator[Event]:
@@ -311,7 +302,6 @@ def follow(
     after: Cursor | str = "0-0",
     depth: int = 0,
     idle_timeout_s: float | None = None,
-    stop_at_terminal: bool = True,
     heartbeat_s: float | None = None,
     live: bool = True,
 ) -> Iterator[Event | None]:
@@ -324,7 +314,7 @@ def follow(
     gone client. Each event's `cursor` resumes right after it.
     """
     cursor = Cursor.parse(after) if isinstance(after, str) else after
-    tree = TreeFollower(bus, turn_id, after=cursor, depth=depth, stop_at_terminal=stop_at_terminal)
+    tree = TreeFollower(bus, turn_id, after=cursor, depth=depth)
     try:
         yield from tree.catch_up()
         if not live:

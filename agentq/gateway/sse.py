@@ -45,7 +45,6 @@ class StreamState:
     """What the response learned, for the disconnect decision after it ends."""
 
     terminal_seen: bool = False
-    messages: int = 0
 
 
 _DONE = object()
@@ -121,7 +120,6 @@ async def event_source(
                 continue
             assert isinstance(item, Event)
             last_write = time.monotonic()
-            state.messages += 1
             if on_event is not None:
                 on_event(item)
             # A sub-agent's relayed end is not the turn's.
