@@ -396,10 +396,7 @@ def turn_keys(turn_id: str) -> list[str]:
     """Every per-turn key that outlives the turn: each gets the retention TTL when the turn
     ends. The cancel flag is written with that TTL already; the children set, read only
     to abort a running turn, is deleted instead."""
-    return [
-        turn_key(turn_id),
-        log_key(turn_id),
-    ]
+    return [turn_key(turn_id), log_key(turn_id)]
 
 
 CHILDREN_FIELD: Final = "has_children"
