@@ -48,7 +48,7 @@ from agentq.llm.responses import (
     ResponsesAssembler,
     responses_request,
 )
-from agentq.llm.retry import backoff_s, classify, should_retry
+from agentq.llm.retry import backoff_s, retryable, should_retry
 from agentq.llm.sse import SseLines, chunk_of
 from agentq.models import AssistantMessage
 
@@ -204,7 +204,7 @@ def _final(
     """Whether a failed attempt ends the round here rather than being tried again."""
     if busy_is_final and isinstance(error, ModelBusy):
         return True
-    if failover and said == 0 and classify(error) in ("http_retryable", "idle_timeout"):
+    if failover and said == 0 and retryable(error):
         return True
     return not should_retry(error, chunks_received=said, attempt=attempt, max_retries=max_retries)
 

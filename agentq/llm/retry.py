@@ -15,23 +15,11 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Literal
 
-from agentq.errors import (
-    Aborted,
-    MalformedStreamChunk,
-    ModelHTTPError,
-    StreamDurationExceeded,
-    StreamIdleTimeout,
-)
-
-FailureKind = Literal[
-    "abort", "idle_timeout", "http_retryable", "http_fatal", "malformed", "duration", "other"
-]
+from agentq.errors import ModelHTTPError, StreamIdleTimeout
 
 BASE_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 30.0
-_RETRYABLE: frozenset[FailureKind] = frozenset({"idle_timeout", "http_retryable"})
 
 
 def retryable_status(status_code: int) -> bool:
@@ -39,27 +27,17 @@ def retryable_status(status_code: int) -> bool:
     return status_code == 429 or status_code >= 500
 
 
-def classify(exc: BaseException) -> FailureKind:
-    if isinstance(exc, Aborted):
-        return "abort"
-    if isinstance(exc, StreamIdleTimeout):
-        return "idle_timeout"
-    if isinstance(exc, ModelHTTPError):
-        return "http_retryable" if exc.retryable else "http_fatal"
-    if isinstance(exc, MalformedStreamChunk):
-        return "malformed"
-    if isinstance(exc, StreamDurationExceeded):
-        return "duration"
-    return "other"
+def retryable(exc: BaseException) -> bool:
+    """A failure another attempt may not meet: a stall, a retryable status, a dropped
+    connection (an abort, a malformed chunk, an exhausted duration never are)."""
+    return isinstance(exc, StreamIdleTimeout) or (isinstance(exc, ModelHTTPError) and exc.retryable)
 
 
 def should_retry(
     exc: BaseException, *, chunks_received: int, attempt: int, max_retries: int
 ) -> bool:
     """Whether to try again after attempt number `attempt` (1-based) failed with `exc`."""
-    if attempt > max_retries or chunks_received > 0:
-        return False
-    return classify(exc) in _RETRYABLE
+    return attempt <= max_retries and chunks_received == 0 and retryable(exc)
 
 
 JITTER = 0.25
@@ -84,6 +62,3 @@ def backoff_s(
     # Capping the exponent first keeps a huge attempt number from overflowing the float.
     delay_s = min(BASE_BACKOFF_S * 2.0 ** min(exponent, 32), MAX_BACKOFF_S)
     return delay_s * (1.0 - JITTER * rand())
-
-
-# END

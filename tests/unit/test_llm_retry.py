@@ -17,7 +17,7 @@ from agentq.llm.retry import (
     BASE_BACKOFF_S,
     MAX_BACKOFF_S,
     backoff_s,
-    classify,
+    retryable,
     retryable_status,
     should_retry,
 )
@@ -32,22 +32,22 @@ def http(status: int) -> ModelHTTPError:
 
 
 @pytest.mark.parametrize(
-    ("exc", "kind"),
+    ("exc", "again"),
     [
-        (Aborted("t1"), "abort"),
-        (idle(), "idle_timeout"),
-        (http(500), "http_retryable"),
-        (http(429), "http_retryable"),
-        (ModelHTTPError(0, "connection refused", True), "http_retryable"),
-        (http(400), "http_fatal"),
-        (MalformedStreamChunk(3, "not valid JSON"), "malformed"),
-        (StreamDurationExceeded(60, 61), "duration"),
-        (AgentqError("something else"), "other"),
-        (RuntimeError("bug"), "other"),
+        (Aborted("t1"), False),
+        (idle(), True),
+        (http(500), True),
+        (http(429), True),
+        (ModelHTTPError(0, "connection refused", True), True),
+        (http(400), False),
+        (MalformedStreamChunk(3, "not valid JSON"), False),
+        (StreamDurationExceeded(60, 61), False),
+        (AgentqError("something else"), False),
+        (RuntimeError("bug"), False),
     ],
 )
-def test_classify(exc: BaseException, kind: str) -> None:
-    assert classify(exc) == kind
+def test_retryable(exc: BaseException, again: bool) -> None:
+    assert retryable(exc) is again
 
 
 def test_idle_timeout_code_is_etimedout() -> None:
