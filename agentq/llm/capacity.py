@@ -44,7 +44,7 @@ BreakerVerdict = Literal["closed", "open"]
 
 LIMITS_RESTORE_S = 30.0
 """A process tells the fleet the provider's limits again after this long, though unchanged:
-the learned rate outlives the last news of it by `rate_ttl_s`."""
+the learned rate outlives the last news of it by an hour (`rate_ttl_ms`)."""
 ANSWERED_S = 1.0
 """The window of a process's recent successes: its guess of a rate nothing else told."""
 ANSWERED_KEEP = 4096
@@ -135,19 +135,14 @@ class Capacity:
         waiter_ttl_ms: int = 300_000,
         breaker_failures: int = 5,
         breaker_cooldown_ms: int = 30_000,
-        max_grants_per_call: int = 64,
-        reserve_ahead_ms: int = RESERVE_AHEAD_MS,
-        rate_ttl_s: float = 3600.0,
     ) -> None:
         weights = dict(owner_weights or {})
         if any(not w > 0 for w in weights.values()):
             raise ValueError("owner weights must be > 0")
         if min(lease_ttl_ms, grant_ttl_ms, waiter_ttl_ms, breaker_cooldown_ms) <= 0:
             raise ValueError("ttls and the breaker cool-down must be > 0 ms")
-        if breaker_failures < 1 or max_grants_per_call < 1 or background_every < 0:
-            raise ValueError(
-                "breaker_failures and max_grants_per_call must be >= 1, background_every >= 0"
-            )
+        if breaker_failures < 1 or background_every < 0:
+            raise ValueError("breaker_failures must be >= 1, background_every >= 0")
         self.redis = redis_client
         self.limits = dict(limits)
         self._configured = frozenset(self.limits)
@@ -158,7 +153,6 @@ class Capacity:
         """A taken lease not renewed (`renew`) or released this long is freed: its worker died."""
         self.waiter_ttl_ms = waiter_ttl_ms
         """A queued round whose turn has not called `acquire` this long is dropped."""
-        self.reserve_ahead_ms = reserve_ahead_ms
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_ms = breaker_cooldown_ms
         self._tunables = {
@@ -167,9 +161,9 @@ class Capacity:
             "grant_ttl_ms": grant_ttl_ms,
             "waiter_ttl_ms": waiter_ttl_ms,
             "bg_every": background_every,
-            "max_pump": max_grants_per_call,
-            "reserve_ms": reserve_ahead_ms,
-            "rate_ttl_ms": int(rate_ttl_s * 1000),
+            "max_pump": 64,  # grants one call makes at most, however many are due
+            "reserve_ms": RESERVE_AHEAD_MS,
+            "rate_ttl_ms": 3_600_000,  # the learned rate outlives its last news an hour
         }
         self._config: dict[str, str] = {}
         self._stored_at: dict[str, float] = {}
@@ -295,7 +289,7 @@ class Capacity:
         ahead_ms = (position - 1) * pacing_interval_ms(self.entry(model), tokens)
         wait_ms = int(next_slot - now + ahead_ms)
         at_ms = next_slot if position <= 1 else now + wait_ms
-        at_ms = max(at_ms - self.reserve_ahead_ms, now)
+        at_ms = max(at_ms - RESERVE_AHEAD_MS, now)
         return Queued(
             position=position,
             wait_ms=wait_ms,
@@ -430,13 +424,13 @@ class Capacity:
         return "closed"
 
     def _wakes(self, out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
-        """The `Wakes` fields of a script's answer; the head asks `reserve_ahead_ms` before
+        """The `Wakes` fields of a script's answer; the head asks RESERVE_AHEAD_MS before
         its slot, to be given it then."""
         head = out.get("head")
         wake_next = None
         if head and head != skip:
             ready = max(math.ceil(out.get("ready") or 0), 0)
-            at_ms = max(ready - self.reserve_ahead_ms, int(out["now"]))
+            at_ms = max(ready - RESERVE_AHEAD_MS, int(out["now"]))
             wake_next = WakeAt(waiter=head, at_ms=at_ms)
         later = tuple(
             WakeAt(waiter=x["w"], at_ms=math.ceil(x["at"]))
