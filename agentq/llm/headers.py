@@ -6,6 +6,7 @@ Pure: no I/O; the time is passed in where a date needs anchoring.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import math
 import re
@@ -30,31 +31,13 @@ def rate_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 def parse_retry_after(headers: Mapping[str, str], *, now_s: float | None = None) -> float | None:
-    """Seconds the server asked us to wait, from `retry-after-ms` or `Retry-After`.
-
-    `Retry-After` may be seconds or an HTTP date; `now_s` (epoch seconds) anchors the date.
-    Header names are matched case-insensitively.
-    """
+    """Seconds the server asked us to wait, from `retry-after-ms` or `Retry-After` (seconds
+    or an HTTP date, which `now_s`, epoch seconds, anchors); header names in any case."""
     lowered = {k.lower(): v for k, v in headers.items()}
-    raw_ms = lowered.get("retry-after-ms")
-    if raw_ms is not None:
-        try:
-            return max(float(raw_ms) / 1000.0, 0.0)
-        except ValueError:
-            pass
+    with contextlib.suppress(ValueError):
+        return max(float(lowered.get("retry-after-ms", "")) / 1000.0, 0.0)
     raw = lowered.get("retry-after")
-    if raw is None:
-        return None
-    try:
-        return max(float(raw), 0.0)
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(raw)
-    except (TypeError, ValueError):
-        return None
-    now = time.time() if now_s is None else now_s
-    return max(when.timestamp() - now, 0.0)
+    return None if raw is None else _until_s(raw, time.time() if now_s is None else now_s)
 
 
 class RateSignal(BaseModel):
