@@ -173,16 +173,6 @@ def _queue_deadline(ctx: StepContext, dispatched_at: float) -> float:
     return due
 
 
-class _Earliest:
-    """The earliest of the times a step must look at the turn again."""
-
-    def __init__(self) -> None:
-        self.at: float | None = None
-
-    def add(self, t: float) -> None:
-        self.at = t if self.at is None else min(self.at, t)
-
-
 def _settle_overdue(
     ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult]
 ) -> tuple[float | None, dict[str, dict[str, Any]]]:
@@ -193,16 +183,17 @@ def _settle_overdue(
         return None, {}
     starts, dispatched, waits = ctx.store.call_progress(ctx.turn_id)
     pickup_s = PICKUP_LEASES * ctx.settings.turn_lease_s
-    next_at = _Earliest()
+    # The times the step must look at the turn again; the earliest counts.
+    looks: list[float] = []
     # A call waiting on its waitpoint holds no worker: only its deadline settles it here.
     for p in [p for p in waiting if p.call.id in waits]:
         wp = waits[p.call.id]
         if ctx.now * 1000 >= wp["deadline_ms"]:
             settled[p.call.id] = settle_in_step(ctx, waitpoint_timeout(p.call, wp))[0]
         else:
-            next_at.add(wp["deadline_ms"] / 1000)
+            looks.append(wp["deadline_ms"] / 1000)
     waiting = [p for p in waiting if p.call.id not in waits]
-    dead = _dead_workers(ctx, waiting, starts, next_at)
+    dead = _dead_workers(ctx, waiting, starts, looks)
     again: dict[str, dict[str, Any]] = {}
     for p in waiting:
         cid = p.call.id
@@ -213,22 +204,22 @@ def _settle_overdue(
             if ctx.now >= sent_at + pickup_s:
                 again[cid] = sent
             else:
-                next_at.add(sent_at + pickup_s)
-        why = dead.get(cid) or _overdue(ctx, p, sent_at, start, next_at)
+                looks.append(sent_at + pickup_s)
+        why = dead.get(cid) or _overdue(ctx, p, sent_at, start, looks)
         if why is None:
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
         settled[cid] = _settle_lost(ctx, p, why, start)
     # First: a call held back behind its queue's backlog adds the time to look again.
-    send_again = _not_queued(ctx, waiting, again, next_at)
-    return next_at.at, send_again
+    send_again = _not_queued(ctx, waiting, again, looks)
+    return min(looks, default=None), send_again
 
 
 def _dead_workers(
     ctx: StepContext,
     waiting: list[CallPlan],
     starts: dict[str, dict[str, Any]],
-    next_at: _Earliest,
+    looks: list[float],
 ) -> dict[str, str]:
     """Why each call whose tool worker stopped beating is lost (call id -> why), in one
     read of the workers' heartbeats.
@@ -245,7 +236,7 @@ def _dead_workers(
         if ctx.now >= judged_at:
             watched[p.call.id] = str(rec["worker"])
         else:
-            next_at.add(judged_at)
+            looks.append(judged_at)
     alive = ctx.store.workers_alive(sorted(set(watched.values())))
     dead = {
         cid: f"its tool worker {worker} stopped sending heartbeats"
@@ -257,7 +248,7 @@ def _dead_workers(
         # up for a heartbeat's lifetime, time enough for a live worker to beat again.
         up_s = ctx.store.redis_up_s()
         if up_s is not None and up_s < WORKER_ALIVE_TTL_S:
-            next_at.add(ctx.now + WORKER_ALIVE_TTL_S - up_s)
+            looks.append(ctx.now + WORKER_ALIVE_TTL_S - up_s)
             return {}
     return dead
 
@@ -267,10 +258,10 @@ def _overdue(
     p: CallPlan,
     sent_at: float,
     start: dict[str, Any] | None,
-    next_at: _Earliest,
+    looks: list[float],
 ) -> str | None:
     """Why the call is lost if it is past its lost-deadline; else None, its deadline (if
-    it has one) added to `next_at`."""
+    it has one) added to `looks`."""
     s = ctx.settings
     due = lost_deadline(
         dispatched_at=sent_at,
@@ -282,7 +273,7 @@ def _overdue(
     if due is None:
         return None
     if ctx.now < due:
-        next_at.add(due)
+        looks.append(due)
         return None
     if start:
         return "no worker reported a result within its hard limit plus grace"
@@ -293,7 +284,7 @@ def _not_queued(
     ctx: StepContext,
     waiting: list[CallPlan],
     again: dict[str, dict[str, Any]],
-    next_at: _Earliest,
+    looks: list[float],
 ) -> dict[str, dict[str, Any]]:
     """The calls of `again` to send again now. A call whose queue still holds messages
     may be among them (a backlog): it waits for its queue allowance instead of a second
@@ -308,7 +299,7 @@ def _not_queued(
             ctx.turn_id,
             ", ".join(held),
         )
-        next_at.add(ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s)
+        looks.append(ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s)
     return {c: r for c, r in again.items() if c not in held}
 
 

@@ -73,7 +73,7 @@ def watch(
         # At most one heartbeat per call per beat_s, however many steps look.
         pipe.set(k.agent_beat_key(ctx.turn_id, p.call.id), 1, nx=True, px=int(beat_s * 900))
     replies = pipe.execute()
-    next_at: float | None = None
+    looks: list[float] = []
     for i, p in enumerate(waiting):
         (raw, progress), beat = replies[2 * i], replies[2 * i + 1]
         rec = dispatched[p.call.id]
@@ -89,13 +89,12 @@ def watch(
         elif beat:
             _beat(ctx, p, rec, json.loads(progress) if progress else "starting")
         # The next heartbeat: a parent holds no process, so its step is woken for it.
-        beat_at = ctx.now + beat_s
-        next_at = beat_at if next_at is None else min(next_at, beat_at)
+        looks.append(ctx.now + beat_s)
         if p.timeout_s <= 0:
             continue
         due = float(rec["dispatched_at"]) + p.timeout_s
         if ctx.now < due:
-            next_at = min(next_at, due)
+            looks.append(due)
             continue
         result = timeout_result(
             p.call,
@@ -108,7 +107,7 @@ def watch(
         )
         settled[p.call.id], _ = settle_in_step(ctx, result)
         abort_child(ctx, child, "timeout")
-    return next_at
+    return min(looks, default=None)
 
 
 def _beat(ctx: StepContext, p: CallPlan, rec: dict[str, Any], message: str) -> None:
