@@ -52,7 +52,8 @@ def _content(content: Any, assistant: bool) -> Any:
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text":
-            parts.append({"type": "output_text" if assistant else "input_text", **_text(part)})
+            kind = "output_text" if assistant else "input_text"
+            parts.append({"type": kind, "text": part.get("text", "")})
         elif kind == "image_url":
             image = part.get("image_url") or {}
             url = image.get("url") if isinstance(image, Mapping) else image
@@ -60,10 +61,6 @@ def _content(content: Any, assistant: bool) -> Any:
         else:
             parts.append(part)
     return parts
-
-
-def _text(part: Mapping[str, Any]) -> dict[str, Any]:
-    return {"text": part.get("text", "")}
 
 
 def input_items(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
