@@ -288,13 +288,9 @@ def publish_agents(client: redis.Redis, now: float | None = None) -> int:
     return len(agents)
 
 
-def published_agents(client: redis.Redis, now: float | None = None) -> list[str]:
-    """The agents some turn worker published lately."""
-    return [a["name"] for a in published_agent_details(client, now)]
-
-
 def published_agent_details(client: redis.Redis, now: float | None = None) -> list[dict[str, Any]]:
-    """The agents some turn worker published lately, by name: name, model, tools."""
+    """The agents some turn worker published lately (before `now`), by name: name, model,
+    tools."""
     now = time.time() if now is None else now
     out = []
     for name, raw in client.hgetall(k.AGENTS).items():
@@ -320,7 +316,7 @@ def require_known(client: redis.Redis, agent: str | None) -> None:
     """Refuse a turn that names an agent no turn worker runs (UnknownAgent)."""
     if agent is None:
         return
-    known = published_agents(client)
+    known = [a["name"] for a in published_agent_details(client)]
     if agent not in known:
         raise UnknownAgent(agent, known)
 

@@ -16,7 +16,7 @@ from agentq.agents import (
     all_agents,
     check_agents,
     publish_agents,
-    published_agents,
+    published_agent_details,
     require_known,
     unregister_agent,
 )
@@ -159,8 +159,8 @@ def test_known_agents_are_the_ones_published_lately() -> None:
     r = fakeredis.FakeRedis()
     Agent(name="u_pub")
     assert publish_agents(r, now=1000.0) >= 1
-    assert "u_pub" in published_agents(r, now=1100.0)
-    assert published_agents(r, now=1000.0 + 601) == []
+    assert "u_pub" in [a["name"] for a in published_agent_details(r, now=1100.0)]
+    assert published_agent_details(r, now=1000.0 + 601) == []
     publish_agents(r)
     require_known(r, "u_pub")
     require_known(r, None)
@@ -169,7 +169,7 @@ def test_known_agents_are_the_ones_published_lately() -> None:
     assert info.value.agent == "nobody" and "u_pub" in info.value.known
     assert "known agents: " in info.value.message
     r.hset(k.AGENTS, "broken", "not json")
-    assert "broken" not in published_agents(r)
+    assert "broken" not in [a["name"] for a in published_agent_details(r)]
 
 
 def test_scripts_are_chosen_by_prompt_then_instructions_then_model() -> None:
