@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from typing import TYPE_CHECKING, Any
 
-from agentq.cli.ids import short_id
+from agentq.cli.ids import clock, short_id
 
 if TYPE_CHECKING:
     from agentq.api import Client
@@ -23,12 +22,6 @@ def add_parser(sub: Any) -> None:
     c.add_argument("conversation_id", nargs="?", default=None, help=CONVERSATION_ID_HELP)
     c.add_argument("--limit", type=int, default=20, help="at most this many (list)")
     c.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _clock(ts: Any) -> str:
-    if not isinstance(ts, (int, float)):
-        return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 
 
 def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
@@ -62,7 +55,7 @@ def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
             f"[bold]{view['conversation_id']}[/]  {view['status']}"
             + (f", running {short_id(running)}" if running else "")
             + (f", {len(view['queued'])} queued" if view["queued"] else "")
-            + f", updated {_clock(view['updated_at'])}"
+            + f", updated {clock(view['updated_at'])}"
         )
         for m in view["messages"]:
             role = m.get("role", "?")
@@ -86,7 +79,7 @@ def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
             short_id(r["running_turn_id"]) if r["running_turn_id"] else "-",
             str(r["queued"]),
             str(r["messages"]),
-            _clock(r["updated_at"]),
+            clock(r["updated_at"]),
         )
     console.print(table)
     return 0

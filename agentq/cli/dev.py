@@ -59,31 +59,6 @@ class _Stop(Exception):
     """SIGTERM or SIGHUP: stop everything, like Ctrl-C."""
 
 
-@dataclass
-class DevOptions:
-    flower: bool = True
-    gateway: bool = True
-    beat: bool = True
-    demo: bool = False
-    once: bool = False
-    prompt: str = DEMO_PROMPT
-    agent: str | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace | None) -> DevOptions:
-        if args is None:
-            return cls()
-        return cls(
-            flower=not getattr(args, "no_flower", False),
-            gateway=not getattr(args, "no_gateway", False),
-            beat=not getattr(args, "no_beat", False),
-            demo=bool(getattr(args, "demo", False)),
-            once=bool(getattr(args, "once", False)),
-            prompt=getattr(args, "prompt", None) or DEMO_PROMPT,
-            agent=getattr(args, "agent", None),
-        )
-
-
 def say(message: str) -> None:
     # A closed terminal or pipe must not keep the finally blocks from stopping everything.
     with contextlib.suppress(OSError):
@@ -199,12 +174,14 @@ def generated_flower_auth(settings: Settings, environ: Mapping[str, str]) -> str
     return f"agentq:{secrets.token_urlsafe(12)}"
 
 
-def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Started:
+def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
     # Ports first: a taken port the user asked for fails before anything starts.
     gateway_port = (
-        _port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway") if opts.gateway else 0
+        0 if opts.no_gateway else _port(settings.gateway_port, "AGENTQ_GATEWAY_PORT", "the gateway")
     )
-    flower_port = _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower") if opts.flower else 0
+    flower_port = (
+        0 if opts.no_flower else _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower")
+    )
     started = _environment(fleet, opts, settings)
     checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
     if not settings.llm_base_url:
@@ -219,19 +196,19 @@ def start_all(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Starte
             argv += ["--processes", "1"]
         proc = fleet.start(f"worker-{kind}", argv, env=started.env)
         checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
-    if opts.beat:
+    if not opts.no_beat:
         # A beat already running elsewhere holds the lock: this one waits for its turn.
         beat = fleet.start("beat", _python("agentq", "beat"), env=started.env)
         checks["beat"] = (beat, _in_log(beat, r"beat: Starting"))
-    if opts.gateway:
+    if not opts.no_gateway:
         checks["gateway"] = _start_gateway(fleet, started, settings.gateway_host, gateway_port)
-    if opts.flower:
+    if not opts.no_flower:
         checks["Flower"] = _start_flower(fleet, started, settings, flower_port)
     wait_ready(checks)
     return started
 
 
-def _environment(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Started:
+def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
     """The Redis the fleet uses (embedded if none answers) and the environment it starts with."""
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
     if separate_broker:
@@ -254,7 +231,7 @@ def _environment(fleet: LocalFleet, opts: DevOptions, settings: Settings) -> Sta
     if not settings.tools:
         say(f"AGENTQ_TOOLS unset: loading the demo tools from {DEMO_TOOLS}")
         env["AGENTQ_TOOLS"] = DEMO_TOOLS
-    if opts.flower and "AGENTQ_TASK_EVENTS" not in os.environ:
+    if not opts.no_flower and "AGENTQ_TASK_EVENTS" not in os.environ:
         # Flower runs here: task events from the first task on, not after its 5 s timer.
         env["AGENTQ_TASK_EVENTS"] = "true"
     started = Started(env=env, redis_url=url)
@@ -379,41 +356,37 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 
 @contextlib.contextmanager
-def _signals_stop() -> Iterator[None]:
-    saved = {s: signal.signal(s, _raise_stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+def _signals(handler: Any, *signums: signal.Signals) -> Iterator[None]:
+    """`handler` for these signals meanwhile."""
+    saved = {s: signal.signal(s, handler) for s in signums}
     try:
         yield
     finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+        for s, previous in saved.items():
+            signal.signal(s, previous)
 
 
 def _stop_quietly(fleet: LocalFleet) -> None:
     """Stop everything; signals wait until it is done, so no child is left behind."""
-    saved = {
-        s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    }
-    try:
+    with _signals(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         n = len(fleet.procs) + (fleet.redis is not None)
         t0 = time.monotonic()
         fleet.stop()
         if n:
             what = "process" if n == 1 else "processes"
             say(f"stopped {n} {what} in {time.monotonic() - t0:.1f} s")
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
 
 
-def main(args: argparse.Namespace | None = None) -> int:
-    opts = DevOptions.from_args(args)
+def main(opts: argparse.Namespace) -> int:
+    """`opts`: the flags of `agentq dev`."""
+    prompt = opts.prompt or DEMO_PROMPT
     settings = get_settings()
     log_dir = Path(tempfile.mkdtemp(prefix="agentq-dev-"))
     fleet = LocalFleet({}, log_dir=log_dir, stop_timeout_s=STOP_TIMEOUT_S)
     code = 1
     t0 = time.monotonic()
     try:
-        with _signals_stop():
+        with _signals(_raise_stop, signal.SIGTERM, signal.SIGHUP):
             try:
                 started = start_all(fleet, opts, settings)
                 say(summary(started, fleet, settings, time.monotonic() - t0))
@@ -423,13 +396,11 @@ def main(args: argparse.Namespace | None = None) -> int:
                 if opts.once:
                     from agentq.cli.run import run
 
-                    code = run(
-                        Client(), opts.prompt, as_json=False, headless=True, agent=opts.agent
-                    )
+                    code = run(Client(), prompt, as_json=False, headless=True, agent=opts.agent)
                     return code
                 if opts.demo:
                     client = Client()
-                    handle = client._start_turn(opts.prompt, headless=True, agent=opts.agent)
+                    handle = client._start_turn(prompt, headless=True, agent=opts.agent)
                     say(f"demo turn {handle.turn_id}:")
                     _print_events(client.events(handle.turn_id, heartbeat_s=1.0))
                 say("running; Ctrl-C stops everything")

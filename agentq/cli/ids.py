@@ -4,7 +4,7 @@ show them, and any unambiguous prefix on the command line. `--json` keeps full i
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentq.api import Client
@@ -18,6 +18,11 @@ MATCHES_SHOWN = 10
 
 def short_id(turn_id: str) -> str:
     return turn_id[:SHORT_ID_LEN]
+
+
+def clock(ts: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
+    """A timestamp in local time, or `-` when there is none."""
+    return time.strftime(fmt, time.localtime(ts)) if isinstance(ts, (int, float)) else "-"
 
 
 def resolve_turn_id(client: Client, given: str) -> str:
@@ -46,12 +51,7 @@ def ambiguity_text(client: Client, exc: AmbiguousTurnId) -> str:
     lines = [f"agentq: {exc}; the candidates:"]
     for turn_id in exc.matches:
         row = rows.get(turn_id, {})
-        created = row.get("created_at")
-        when = (
-            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(created))
-            if isinstance(created, (int, float))
-            else "-"
-        )
+        when = clock(row.get("created_at"))
         lines.append(
             f"  {turn_id}  {row.get('status') or '-':<9} {when}  {row.get('agent') or '-'}"
         )
@@ -60,4 +60,4 @@ def ambiguity_text(client: Client, exc: AmbiguousTurnId) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["SHORT_ID_LEN", "ambiguity_text", "resolve_turn_id", "short_id"]
+__all__ = ["SHORT_ID_LEN", "ambiguity_text", "clock", "resolve_turn_id", "short_id"]

@@ -131,15 +131,6 @@ def _is_help(opts: list[str]) -> bool:
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 
 
-def _opt_value(opts: list[str], *names: str) -> str | None:
-    """The value of a tornado-style ``--name=value`` option (Flower takes no other form)."""
-    for o in opts:
-        for n in names:
-            if o.startswith(n + "="):
-                return o.split("=", 1)[1]
-    return None
-
-
 def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str]) -> list[str]:
     """Flower's command line: agentq's port and basic auth, bound to loopback by default.
 
@@ -153,7 +144,7 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
         "AGENTQ_FLOWER_PORT" in environ or "FLOWER_PORT" not in environ
     ):
         argv.append(f"--port={settings.flower_port}")
-    address = _opt_value(opts, "--address") or environ.get("FLOWER_ADDRESS") or "127.0.0.1"
+    address = take_option(opts, "--address")[0] or environ.get("FLOWER_ADDRESS") or "127.0.0.1"
     if not has_option(opts, "--address"):
         argv.append(f"--address={address}")
     if settings.flower_basic_auth and not has_option(opts, "--basic_auth", "--basic-auth"):
@@ -505,14 +496,7 @@ def _client_command(client: Client, args: argparse.Namespace) -> int:
     if args.cmd == "turns":
         from agentq.cli.show import cmd_turns
 
-        return cmd_turns(
-            client,
-            status=args.status,
-            agent=args.agent,
-            limit=args.limit,
-            as_json=args.json,
-            watch=args.watch,
-        )
+        return cmd_turns(client, args)
     if args.cmd == "show":
         from agentq.cli.show import cmd_show
 

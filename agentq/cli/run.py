@@ -22,7 +22,7 @@ from agentq.constants import RELAY_DEPTH_MAX
 from agentq.errors import AgentqError, AnswerInvalid
 from agentq.events.types import Event
 from agentq.fleet import presence
-from agentq.models import MultitaskMode, TurnHandle
+from agentq.models import TurnHandle
 
 EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130
 
@@ -169,34 +169,11 @@ def _follow_live(client: Client, turn_id: str, asker: _Answerer | None, console:
     return code
 
 
-def run(
-    client: Client,
-    prompt: str,
-    *,
-    as_json: bool,
-    headless: bool,
-    conversation_id: str | None = None,
-    agent: str | None = None,
-    webhook_url: str | None = None,
-    multitask: MultitaskMode | None = None,
-    idempotency_key: str | None = None,
-    max_tokens: int | None = None,
-    max_cost_usd: float | None = None,
-) -> int:
+def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: Any) -> int:
+    """`turn`: the fields of its TurnRequest (conversation_id, agent, ...), idempotency_key."""
     console = Console(stderr=as_json)
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
-    handle = client._start_turn(
-        prompt,
-        headless=headless,
-        conversation_id=conversation_id,
-        operator=True,
-        agent=agent,
-        webhook_url=webhook_url,
-        multitask=multitask,
-        idempotency_key=idempotency_key,
-        max_tokens=max_tokens,
-        max_cost_usd=max_cost_usd,
-    )
+    handle = client._start_turn(prompt, headless=headless, operator=True, **turn)
     _say_admission(console, handle)
     aborts = {"n": 0}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -14,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from agentq.api import Client
-from agentq.cli.ids import short_id
+from agentq.cli.ids import clock, short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.errors import TurnNotFound
 from agentq.orchestrator.replay import replay_source
@@ -32,12 +33,6 @@ TURN_STYLE = {
 BAR_WIDTH = 60
 WIDE_COLUMNS = 100
 """A terminal at least this wide shows `agentq turns`' `ended` column too."""
-
-
-def _clock(ts: Any) -> str:
-    return (
-        "-" if not isinstance(ts, (int, float)) else time.strftime("%H:%M:%S", time.localtime(ts))
-    )
 
 
 def _counts(calls: dict[str, int]) -> Text:
@@ -72,8 +67,8 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
             "turn": short_id(t["turn_id"]),
             "status": Text(str(t["status"]), style=TURN_STYLE.get(str(t["status"]), "")),
             "agent": t.get("agent") or "-",
-            "started": _clock(t.get("started_at")),
-            "ended": _clock(t.get("ended_at")),
+            "started": clock(t.get("started_at"), "%H:%M:%S"),
+            "ended": clock(t.get("ended_at"), "%H:%M:%S"),
             "took": "-" if t.get("duration_s") is None else fmt_s(float(t["duration_s"])),
             "calls": _counts(t["calls"]),
             "pending": (
@@ -84,27 +79,19 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
     return table
 
 
-def cmd_turns(
-    client: Client,
-    *,
-    status: str | None,
-    agent: str | None,
-    limit: int,
-    as_json: bool,
-    watch: float | None,
-) -> int:
-    """Print the list once (a table or JSON), or redraw it every `watch` seconds until Ctrl-C."""
+def cmd_turns(client: Client, args: argparse.Namespace) -> int:
+    """Print the list once (a table or JSON), or redraw it every `--watch` seconds until Ctrl-C."""
     lister = TurnLister(client._store.redis)
     try:
-        query = TurnQuery.parse(status=status, agent=agent, limit=limit)
+        query = TurnQuery.parse(status=args.status, agent=args.agent, limit=args.limit)
     except ValueError as exc:
         print(f"agentq turns: {exc}", file=sys.stderr)
         return 2
-    if as_json:
+    if args.json:
         print(json.dumps(lister.page(query).to_json()), flush=True)
         return 0
     console = Console()
-    if watch is None:
+    if args.watch is None:
         console.print(turns_table(lister.page(query).turns, console.width))
         return 0
     try:
@@ -114,7 +101,7 @@ def cmd_turns(
             auto_refresh=False,
         ) as live:
             while True:
-                time.sleep(watch)
+                time.sleep(args.watch)
                 live.update(turns_table(lister.page(query).turns, console.width), refresh=True)
     except KeyboardInterrupt:
         return 0
