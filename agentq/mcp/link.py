@@ -276,17 +276,15 @@ class ServerLink:
     # -- what calls use
 
     async def list_tools(self) -> list[ListedTool]:
+        from mcp.types import PaginatedRequestParams
+
         session = await self.session()
         out: list[ListedTool] = []
         cursor: str | None = None
         try:
             while True:
-                if cursor is None:
-                    page = await session.list_tools()
-                else:
-                    from mcp.types import PaginatedRequestParams
-
-                    page = await session.list_tools(params=PaginatedRequestParams(cursor=cursor))
+                params = None if cursor is None else PaginatedRequestParams(cursor=cursor)
+                page = await session.list_tools(params=params)
                 out.extend(_listed(t) for t in page.tools)
                 if len(out) > MAX_TOOLS:
                     raise ValueError(f"it lists more than {MAX_TOOLS} tools")

@@ -69,30 +69,25 @@ def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
 async def _guarded(
     host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any
 ) -> None:
+    """The call, its ids bound for the logs and its span current while those are on."""
     try:
-        await run_async_call(host, spec, scope, delivery, backend)
+        if not (tracing.enabled or logs.enabled):
+            await _run_async_call(host, spec, scope, delivery, backend)
+            return
+        # Bound in this call's own asyncio task: the other calls on the loop keep theirs.
+        status = "error"
+        with observed(scope) as span:
+            try:
+                status = await _run_async_call(host, spec, scope, delivery, backend)
+            finally:
+                tracing.end_span(span, status)
     except BaseException:
         log.exception("call %s of %s failed outside the tool", scope.req.call_id, spec.name)
         raise
 
 
-async def run_async_call(
-    host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any = None
-) -> str:
-    if not (tracing.enabled or logs.enabled):
-        return await _run_async_call(host, spec, scope, delivery, backend)
-    # Bound in this call's own asyncio task: the other calls on the loop keep theirs.
-    status = "error"
-    with observed(scope) as span:
-        try:
-            status = await _run_async_call(host, spec, scope, delivery, backend)
-            return status
-        finally:
-            tracing.end_span(span, status)
-
-
 async def _run_async_call(
-    host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any = None
+    host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any
 ) -> str:
     req = scope.req
     scope.started = time.time()
