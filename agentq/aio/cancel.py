@@ -20,13 +20,12 @@ from agentq.fleet.connections import (
     async_node_client,
     async_redis_client,
 )
+from agentq.state.base import text
 
 log = logging.getLogger("agentq.aio")
 
 POLL_S = 1.0
 """The fallback poll of the cancel keys."""
-_WATCH_CHANNEL_NAMES = (k.WATCH_CHANNEL, k.WATCH_CHANNEL.encode())
-"""The watch channel's name as a subscription reports it (bytes, or str when decoded)."""
 RECENT_TURNS = 10_000
 """Aborts that found no callback, remembered for one registered just after (a round is
 claimed off the loop and registers when the loop takes it up): the newest this many."""
@@ -113,9 +112,8 @@ class CancelWatch:
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    data = msg["data"]
-                    turn_id = data.decode() if isinstance(data, bytes) else str(data)
-                    if msg["channel"] not in _WATCH_CHANNEL_NAMES:
+                    turn_id = text(msg["data"])
+                    if text(msg["channel"]) != k.WATCH_CHANNEL:
                         self.fire(turn_id)
                     elif self.on_watch is not None:
                         self.on_watch(turn_id)
