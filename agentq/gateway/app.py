@@ -322,9 +322,6 @@ class Gateway:
         events, owner = opened
         state = StreamState()
 
-        def on_event(ev: Event) -> None:
-            self.metrics.streamed(ev.type)
-
         async def on_disconnect() -> None:
             if not owner or state.terminal_seen:
                 return
@@ -344,7 +341,7 @@ class Gateway:
             state,
             keep_alive_s=keep_alive_s,
             limiter=self.stream_limiter,
-            on_event=on_event,
+            on_event=self.metrics.streamed,
             closing=self.closing,
         )
         return EventStreamResponse(

@@ -47,6 +47,7 @@ from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES, Family
 
 if TYPE_CHECKING:
     from agentq.api import ActiveTurn
+    from agentq.events.types import Event
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -77,8 +78,8 @@ class GatewayMetrics:
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
 
-    def streamed(self, type_: str) -> None:
-        self.events_streamed.labels(type=type_ if len(type_) <= 40 else "other").inc()
+    def streamed(self, ev: Event) -> None:
+        self.events_streamed.labels(type=ev.type if len(ev.type) <= 40 else "other").inc()
 
     def refresh_active(self, active: list[ActiveTurn]) -> None:
         """Set the scrape-time gauges from `Client.active()`."""

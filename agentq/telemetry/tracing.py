@@ -199,12 +199,6 @@ def shutdown() -> None:
     enabled = False
 
 
-def flush() -> None:
-    if _provider is not None:
-        with contextlib.suppress(Exception):
-            _provider.force_flush()
-
-
 class _PresetIds:
     """Random ids, except for the turn's span, whose ids were drawn when the turn began."""
 

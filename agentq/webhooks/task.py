@@ -111,25 +111,13 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         if body is None:
             payload = turn_payload(store, d.turn_id)
             if payload is None:
-                dels.record(
-                    d,
-                    AttemptRecord(
-                        n=d.attempts,
-                        at=time.time(),
-                        status_code=None,
-                        error="the turn is gone",
-                        duration_ms=0,
-                    ),
-                    "failed",
-                    None,
-                )
-                return "failed"
+                return _unsent(dels, d, "the turn is gone", backoff.Outcome("failed", None), n=0)
             body = dels.set_body(delivery_id, encode(payload))
         secret = settings.webhook_secret
         if secret is None:
-            return _retry_later(
-                dels, d, "AGENTQ_WEBHOOK_SECRET is not set on this worker", settings
-            )
+            error = "AGENTQ_WEBHOOK_SECRET is not set on this worker"
+            log.error("webhook %s: %s", d.id, error)
+            return _unsent(dels, d, error, _outcome(None, d, settings))
         now = time.time()
         headers = signing.headers(secret.get_secret_value(), delivery_id, int(now), body)
         result = post(
@@ -179,17 +167,13 @@ def _outcome(
     )
 
 
-def _retry_later(dels: Deliveries, d: Delivery, error: str, settings: Settings) -> str:
-    """Count a failed attempt that never reached the network (this worker cannot sign)."""
-    n = d.attempts + 1
-    out = _outcome(None, d, settings)
-    log.error("webhook %s: %s", d.id, error)
-    dels.record(
-        d,
-        AttemptRecord(n=n, at=time.time(), status_code=None, error=error, duration_ms=0),
-        out.status,
-        out.next_at,
+def _unsent(dels: Deliveries, d: Delivery, error: str, out: backoff.Outcome, n: int = 1) -> str:
+    """Record an attempt that never reached the network (`n`: attempts it counts as) and
+    its outcome."""
+    record = AttemptRecord(
+        n=d.attempts + n, at=time.time(), status_code=None, error=error, duration_ms=0
     )
+    dels.record(d, record, out.status, out.next_at)
     return out.status
 
 
