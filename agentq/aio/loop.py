@@ -174,11 +174,7 @@ class EventLoopThread:
             task = _current_task(self.loop)
             if reported_for != since:
                 reported_for = since
-                if self.on_blocked is None:
-                    log.warning(
-                        "%s: the event loop is blocked (%.0f ms)", self.name, stalled_s * 1e3
-                    )
-                else:
+                if self.on_blocked is not None:
                     try:
                         self.on_blocked(task, stalled_s)
                     except Exception:
