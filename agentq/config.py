@@ -151,10 +151,8 @@ class Settings(BaseSettings):
     redis_sentinel_master: str | None = None
     """The master's name when `redis_url` or `broker_url` is `sentinel://h1:26379;...`."""
     redis_cluster_nodes: str | None = None
-    """`host:port,...` of a Redis Cluster (Redis >= 7) for turn state and events. `redis_url`
-    then names a plain Redis (or Sentinel) for the rest: the broker unless `broker_url`
-    says otherwise (kombu does not speak Cluster), Celery's results and the beat's
-    schedule. See docs/operations.md, 'One Redis or a Cluster'."""
+    """`host:port,...` of a Redis Cluster for turn state and events; `redis_url` then names a
+    plain Redis for the broker (kombu does not speak Cluster), results and the beat."""
     redis_shards: int | None = Field(None, ge=1, le=1024)
     """How many shards turn state is split into (agentq.constants.shard_count): unset, 16 on
     a Cluster and 1 otherwise. Every process of a fleet must use the same value."""
@@ -171,10 +169,8 @@ class Settings(BaseSettings):
     llm_model: str = "gpt-4o-mini"
     """Model name sent to the server."""
     llm_limits: str | None = None
-    """Fleet-wide model limits (JSON keyed by model name: `rpm`, `tpm`, `streams`,
-    `deployments`, `strategy`, and `api` to choose a model's API), shared by every llm
-    worker through Redis; see docs/operations.md. Unset: no limits, but a busy provider's
-    answers still pace the fleet."""
+    """Fleet-wide model limits (JSON keyed by model name; docs/capacity.md). Unset: no
+    limits, but a busy provider's answers still pace the fleet."""
     llm_api: Literal["chat", "responses", "auto"] = "auto"
     """The model API: Chat Completions, the Responses API, or `auto`: Chat Completions
     until the server answers a 400 naming /v1/responses, then the Responses API for that
@@ -196,9 +192,7 @@ class Settings(BaseSettings):
     llm_owner_weights: dict[str, float] = Field(default_factory=dict)
     """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
     llm_burst_s: float = Field(1.0, ge=0)
-    """How far ahead of its steady pace a model's requests may run (GCRA's burst): a
-    provider's bucket (or window) holds a second's worth, which an idle fleet may send at
-    once; every wall-clock second still grants at most a second's worth."""
+    """How far ahead of its steady pace a model's requests may run (GCRA's burst)."""
     llm_lease_ttl_s: float = Field(60.0, gt=0)
     """A stream slot (`streams`) whose llm worker stopped renewing it comes back after this."""
     llm_breaker_failures: int = Field(5, ge=1)
@@ -243,12 +237,8 @@ class Settings(BaseSettings):
     holding the text that came meanwhile (the first chunk goes at once); 0: every chunk.
     That is for a turn someone follows live; see `llm_quiet_delta_interval_ms`."""
     llm_quiet_delta_interval_ms: int = Field(2000, ge=0)
-    """For a turn nobody followed when its events last went out (or its round was claimed):
-    its `llm_delta` events wait, joining, until this long after that (any other event of
-    the turn, or the round's end, takes them along at once). A follower that starts
-    watching mid-round is told to the stream worker (`agentq:control:watch`), which sends
-    them at once and every `llm_delta_interval_ms` from then on.
-    0 (or not above `llm_delta_interval_ms`): every turn as if followed."""
+    """`llm_delta_interval_ms` for a turn nobody followed at its last publish, until a
+    follower comes (`constants.WATCH_CHANNEL`); 0 (or not above it): as if followed."""
 
     stream_idle_timeout_ms: int = 120_000
     """Longest silence between two model chunks; <= 0 disables the watchdog."""
