@@ -27,6 +27,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -373,7 +374,7 @@ def start_replay(
     budgets = TurnRequest(agent=st.get("agent"), max_cost_usd=st.get("max_cost_usd"))
     check_budgets(store, settings, budgets, st.get("owner"), new.size)
     turn_id = turn_id or secrets.token_hex(16)
-    new = Launch(turn_id, token, new.state, new.history, new.size, new.records)
+    new = replace(new, turn_id=turn_id)
     if isinstance(req, RetryRequest):
         spend.carry_spent(store.redis, settings, turn_id, new.state)
 
@@ -408,7 +409,7 @@ def start_replay(
         "conversation_waiting": True,
         "pending_messages": new.history,
     }
-    branched = Launch(turn_id, token, state, [], new.size, new.records)
+    branched = replace(new, state=state, history=[])
     handle = go(TurnRequest(conversation_id=branch), branched, None)
     return handle.model_copy(update={"conversation_id": branch, "branched": True})
 
@@ -427,7 +428,7 @@ def _in_place(src: Source, new: Launch) -> Launch:
         "history_start": int(new.state.get("history_start") or 0) - base,
         "conversation_replaces": src.turn_id,
     }
-    return Launch(new.turn_id, new.token, state, [], new.size, new.records)
+    return replace(new, state=state, history=[])
 
 
 BULK_CALLER = "bulk-retry"
@@ -508,18 +509,15 @@ def bulk_retry(
     body = fingerprint(one.model_dump())
 
     def start(source: str, new_id: str) -> TurnHandle:
-        def go() -> TurnHandle:
-            return start_replay(store, app, settings, source, one, traced=traced, turn_id=new_id)
-
+        go = partial(start_replay, store, app, settings, source, one, traced=traced, turn_id=new_id)
         return go() if limited is None else limited(go)
 
     for source in _sources(TurnLister(store.redis), req, visible):
         done = _retried(store, source)
-        if done is not None or req.dry_run:
-            if done is None:
-                outcome = BulkOutcome(source=source, outcome="would_start")
-            else:
-                outcome = BulkOutcome(source=source, outcome="retried_already", turn_id=done)
+        if done is not None:
+            outcome = BulkOutcome(source=source, outcome="retried_already", turn_id=done)
+        elif req.dry_run:
+            outcome = BulkOutcome(source=source, outcome="would_start")
         else:
             time.sleep(max(0.0, next_at - time.monotonic()))  # the rate cap
             next_at = time.monotonic() + gap_s
