@@ -49,10 +49,27 @@ STATE_LOST_MESSAGE = (
 )
 
 
-class StateLostKeys(NamedTuple):
+class TurnKeys(NamedTuple):
+    """KEYS of a script that writes a turn's state, publishes its events or wakes it: all
+    in the slot of the turn's shard."""
+
     turn_key: str
     log_key: str
     channel: str
+    """The turn's events channel."""
+    wakeups_key: str
+    """The sorted set of wakeups of the turn's shard."""
+
+    @classmethod
+    def of(cls, turn_id: str) -> list[str]:
+        return list(
+            cls(
+                k.turn_key(turn_id),
+                k.log_key(turn_id),
+                k.events_channel(turn_id),
+                k.turn_wakeups_key(turn_id),
+            )
+        )
 
 
 class StateLostArgs(NamedTuple):
@@ -68,7 +85,7 @@ class StateLostArgs(NamedTuple):
 # persistence): the turn cannot go on, so it ends here with a clear error, once, and its
 # record expires.
 STATE_LOST_LUA = (
-    bind_lua(StateLostKeys, StateLostArgs)
+    bind_lua(TurnKeys, StateLostArgs)
     + """
 if redis.call('EXISTS', turn_key) == 1 then return 0 end
 local seq = 0
@@ -384,23 +401,9 @@ class StoreBase:
     def end_lost_turn(self, turn_id: str) -> bool:
         """End a turn whose state Redis lost with turn_error `state_lost`; False if it exists."""
         fields = {"code": "state_lost", "error": STATE_LOST_MESSAGE}
-        ended = bool(
-            self._state_lost(
-                keys=list(
-                    StateLostKeys(
-                        k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id)
-                    )
-                ),
-                args=list(
-                    StateLostArgs(
-                        json.dumps(STATE_LOST_MESSAGE),
-                        event_body(turn_id, "turn_error", fields),
-                        self.bus.log_arg(),
-                        self.ttl_s,
-                    )
-                ),
-            )
-        )
+        body = event_body(turn_id, "turn_error", fields)
+        args = StateLostArgs(json.dumps(STATE_LOST_MESSAGE), body, self.bus.log_arg(), self.ttl_s)
+        ended = bool(self._state_lost(keys=TurnKeys.of(turn_id), args=list(args)))
         if ended:
             self.bus.counted([("turn_error", fields)])
         return ended

@@ -16,6 +16,7 @@ from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
     StoreBase,
+    TurnKeys,
     active_turns,
     call_fields,
     dispatch_args,
@@ -64,13 +65,6 @@ class Started(IntEnum):
     likely take the turn's step (see `settle`'s `alone`)."""
 
 
-class SettleKeys(NamedTuple):
-    turn_key: str
-    log_key: str
-    channel: str
-    wakeups_key: str
-
-
 class SettleArgs(NamedTuple):
     call_id: str
     result: str
@@ -98,7 +92,7 @@ class SettleArgs(NamedTuple):
 # publish tool_finished, in one atomic step: exactly one result per call, whoever
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
-    bind_lua(SettleKeys, SettleArgs)
+    bind_lua(TurnKeys, SettleArgs)
     # A call alone in its batch is the last: its settle takes the step, so the state is
     # read whole at once (see `wake_or_step_lua`).
     + turn_open_lua(
@@ -141,12 +135,6 @@ local ready = not is_tracked or unsettled == 0
 )
 
 
-class StartKeys(NamedTuple):
-    turn_key: str
-    log_key: str
-    channel: str
-
-
 class StartArgs(NamedTuple):
     call_id: str
     start: str
@@ -166,7 +154,7 @@ class StartArgs(NamedTuple):
 # after a reply lost to a Redis restart finds its own claim, and the call runs. Its
 # result and start record are fields of the turn's state: one read for all three.
 START_LUA = (
-    bind_lua(StartKeys, StartArgs)
+    bind_lua(TurnKeys, StartArgs)
     + turn_open_lua(
         "turn_key",
         f"more[1] and {Started.SETTLED:d} or {Started.TURN_GONE:d}",
@@ -316,7 +304,6 @@ class CallRecords(StoreBase):
         self, turn_id: str, call_id: str, start: dict[str, Any], event: dict[str, Any]
     ) -> Started:
         """Record a task's start, unless the call must not run (see `Started`)."""
-        keys = StartKeys(k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id))
         args = StartArgs(
             call_id,
             json.dumps(start),
@@ -324,7 +311,7 @@ class CallRecords(StoreBase):
             self.bus.log_arg(),
             str(start.get("delivery") or ""),
         )
-        answer = self._durable(self._start, keys=list(keys), args=list(args), claim=True)
+        answer = self._durable(self._start, keys=TurnKeys.of(turn_id), args=list(args), claim=True)
         return Started(int(answer))
 
     def turns_running_on(self, worker: str, batch: int = 500) -> list[str]:
@@ -409,12 +396,6 @@ class CallRecords(StoreBase):
         result_json = result.model_dump_json()
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
-        keys = SettleKeys(
-            k.turn_key(turn_id),
-            k.log_key(turn_id),
-            k.events_channel(turn_id),
-            k.turn_wakeups_key(turn_id),
-        )
         args = SettleArgs(
             result.call_id,
             result_json,
@@ -430,7 +411,7 @@ class CallRecords(StoreBase):
             "1" if alone else "0",
             "1" if waitpoint else "0",
         )
-        answer = self._durable(self._settle, keys=list(keys), args=list(args))
+        answer = self._durable(self._settle, keys=TurnKeys.of(turn_id), args=list(args))
         ready = answer == Settled.READY
         got = Settled(self._woke(turn_id, answer, token, lock_ms, wake=ready and wake))
         if got is Settled.TURN_GONE:

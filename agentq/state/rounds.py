@@ -13,7 +13,7 @@ from redis.commands.core import Script
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.events.lua_args import argv_of, bind_lua
-from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, now_ms, text
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms, text
 from agentq.state.held import held_writes
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
 
@@ -48,13 +48,6 @@ class RoundBegun(IntEnum):
     """Another delivery holds the round's lease."""
 
 
-class FinishLlmKeys(NamedTuple):
-    wakeups_key: str
-    turn_key: str
-    log_key: str
-    channel: str
-
-
 class FinishLlmArgs(NamedTuple):
     turn_id: str
     wake_at: float
@@ -72,7 +65,7 @@ class FinishLlmArgs(NamedTuple):
 # llm_finished: ARGV after the named ones), its result (fields of the turn's state, in
 # the HSET of its seq), and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
-    bind_lua(FinishLlmKeys, FinishLlmArgs, rest="events")
+    bind_lua(TurnKeys, FinishLlmArgs, rest="events")
     + f"""
 local done = tonumber(redis.call('HGET', turn_key, '{k.LLM_RESULT_ROUND_FIELD}')) or -1
 if done >= tonumber(round_no) then return {RoundFinished.DONE:d} end
@@ -100,12 +93,6 @@ end
 )
 
 
-class BeginLlmKeys(NamedTuple):
-    turn_key: str
-    log_key: str
-    channel: str
-
-
 class BeginLlmArgs(NamedTuple):
     lease: str
     """The lease the worker takes (`constants.llm_alive_value`)."""
@@ -123,7 +110,7 @@ class BeginLlmArgs(NamedTuple):
 # to a thread on a stream worker that holds thousands of rounds). It answers whether
 # anyone follows the turn, which decides how often its deltas go out.
 BEGIN_LLM_LUA = (
-    bind_lua(BeginLlmKeys, BeginLlmArgs)
+    bind_lua(TurnKeys, BeginLlmArgs)
     + f"""
 local st = redis.call('HGETALL', turn_key)
 local at = {{}}
@@ -191,7 +178,6 @@ class RoundRecords(StoreBase):
         """Claim a model round for this stream worker, publish its llm_started (`started`:
         the event's fields) and read its history, in one step."""
         now = now_ms()
-        keys = BeginLlmKeys(k.turn_key(turn_id), k.log_key(turn_id), k.events_channel(turn_id))
         args = BeginLlmArgs(
             k.llm_alive_value(round_no, now + lease_ms, worker),
             now,
@@ -199,7 +185,7 @@ class RoundRecords(StoreBase):
             self.bus.log_arg(),
             round_no,
         )
-        res = self._begin_llm(keys=list(keys), args=list(args))
+        res = self._begin_llm(keys=TurnKeys.of(turn_id), args=list(args))
         outcome = RoundBegun(int(res[0]))
         if outcome is RoundBegun.DONE:
             return LlmRoundStart(done=True)
@@ -225,12 +211,6 @@ class RoundRecords(StoreBase):
         """Publish the round's last `events`, store its result (LlmRoundResult JSON) and
         wake its turn, in one write."""
         token, lock_ms = self._inline_lock()
-        keys = FinishLlmKeys(
-            k.turn_wakeups_key(turn_id),
-            k.turn_key(turn_id),
-            k.log_key(turn_id),
-            k.events_channel(turn_id),
-        )
         args = FinishLlmArgs(
             turn_id,
             time.time() + WAKE_BACKSTOP_S,
@@ -246,7 +226,7 @@ class RoundRecords(StoreBase):
         # model gave is written when Redis returns, not replaced by "the stream worker
         # failed" (a 25 s outage ended 7 turns of 30 so).
         ok = held_writes.hold(
-            lambda: self._finish_llm(keys=list(keys), args=argv_of(args, bodies)),
+            lambda: self._finish_llm(keys=TurnKeys.of(turn_id), args=argv_of(args, bodies)),
             time.time() + ROUND_HOLD_S,
             f"the result of round {round_no} of turn {turn_id}",
         )

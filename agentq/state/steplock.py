@@ -19,6 +19,7 @@ from agentq.state.base import (
     RoundRead,
     StepView,
     StoreBase,
+    TurnKeys,
     dispatch_args,
     now_ms,
     plan_args,
@@ -53,12 +54,6 @@ class Released(IntEnum):
     """Written by `commit`, which keeps the lock."""
 
 
-class WakeKeys(NamedTuple):
-    turn_key: str
-    wakeups_key: str
-    """The sorted set of wakeups of the turn's shard."""
-
-
 class WakeArgs(NamedTuple):
     turn_id: str
     wake_at: float
@@ -67,7 +62,7 @@ class WakeArgs(NamedTuple):
 
 # WAKE_ONLY_LUA: a woken turn: whoever wakes it (a model round, an answer) in one step.
 WAKE_ONLY_LUA = (
-    bind_lua(WakeKeys, WakeArgs)
+    bind_lua(TurnKeys, WakeArgs)
     + turn_open_lua("turn_key", "0")
     + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at")
     + "return 1"
@@ -156,13 +151,6 @@ return {view_lua("st")}
 )
 
 
-class ReleaseKeys(NamedTuple):
-    turn_key: str
-    wakeups_key: str
-    log_key: str
-    channel: str
-
-
 class ReleaseArgs(NamedTuple):
     token: str
     """The step's lock token: the fence."""
@@ -198,7 +186,7 @@ class ReleaseArgs(NamedTuple):
 # the lock (for a full term) and steps again; else it lets go of it and leaves the turn's
 # next deadline for the sweepers.
 RELEASE_LUA = (
-    bind_lua(ReleaseKeys, ReleaseArgs, rest="sections")
+    bind_lua(TurnKeys, ReleaseArgs, rest="sections")
     + f"""
 local open = redis.call('HMGET', turn_key, '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
   '{_DIRTY}', '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
@@ -251,11 +239,6 @@ return {Released.RELEASED:d}
 )
 
 
-class ClaimKeys(NamedTuple):
-    wakeups_key: str
-    turn_key: str
-
-
 class ClaimArgs(NamedTuple):
     turn_id: str
     now: float
@@ -267,7 +250,7 @@ class ClaimArgs(NamedTuple):
 # never runs): several sweepers, one claim. The turn is marked woken, should a step hold
 # it now.
 CLAIM_LUA = (
-    bind_lua(ClaimKeys, ClaimArgs)
+    bind_lua(TurnKeys, ClaimArgs)
     + f"""
 local cur = redis.call('ZSCORE', wakeups_key, turn_id)
 if (not cur) or tonumber(cur) > tonumber(now) then return 0 end
@@ -378,14 +361,7 @@ class StepRecords(StoreBase):
             *write.counts(),
         )
         args = argv_of(named, write.sections(), dispatch_args(dispatched or {}))
-        keys = list(
-            ReleaseKeys(
-                k.turn_key(turn_id),
-                k.turn_wakeups_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-            )
-        )
+        keys = TurnKeys.of(turn_id)
         if not (dispatched or write):
             return Released(int(self._release(keys=keys, args=args)))
         # Not sent again: a second run finds the lock gone, or appends the messages twice
@@ -398,9 +374,8 @@ class StepRecords(StoreBase):
 
     def wake(self, turn_id: str) -> bool:
         """Wake an open turn: mark it and send it a step; False if it has ended."""
-        keys = WakeKeys(k.turn_key(turn_id), k.turn_wakeups_key(turn_id))
         args = WakeArgs(turn_id, time.time() + WAKE_BACKSTOP_S)
-        ok = bool(self._wake(keys=list(keys), args=list(args)))
+        ok = bool(self._wake(keys=TurnKeys.of(turn_id), args=list(args)))
         if ok:
             self.send_step(turn_id)
         return ok
@@ -414,7 +389,7 @@ class StepRecords(StoreBase):
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
         return bool(
             self._claim(
-                keys=list(ClaimKeys(k.turn_wakeups_key(turn_id), k.turn_key(turn_id))),
+                keys=TurnKeys.of(turn_id),
                 args=list(ClaimArgs(turn_id, now, now + retry_s)),
             )
         )

@@ -29,7 +29,7 @@ from agentq.errors import (
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
 from agentq.models import TURN_ID, InvocationRecord, ToolResult, is_call_id
-from agentq.state.base import call_fields
+from agentq.state.base import TurnKeys, call_fields
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
 
@@ -89,13 +89,6 @@ class Opened(IntEnum):
     """An earlier run of the call opened it (a redelivery): the first is kept."""
 
 
-class OpenKeys(NamedTuple):
-    turn_key: str
-    log_key: str
-    channel: str
-    wakeups_key: str
-
-
 class OpenArgs(NamedTuple):
     call_id: str
     record: str
@@ -113,7 +106,7 @@ class OpenArgs(NamedTuple):
 # an earlier wakeup stays) and marked, so a step that read the turn before this write
 # steps again and sees the waitpoint's deadline.
 OPEN_LUA = (
-    bind_lua(OpenKeys, OpenArgs)
+    bind_lua(TurnKeys, OpenArgs)
     + turn_open_lua(
         "turn_key",
         f"{Opened.TURN_GONE:d}",
@@ -167,12 +160,6 @@ class Waitpoints:
         self, turn_id: str, call_id: str, record: dict[str, Any], event: dict[str, Any]
     ) -> Opened:
         """Record the call's waitpoint (`record` with `deadline_ms`) and publish tool_waiting."""
-        keys = OpenKeys(
-            k.turn_key(turn_id),
-            k.log_key(turn_id),
-            k.events_channel(turn_id),
-            k.turn_wakeups_key(turn_id),
-        )
         args = OpenArgs(
             call_id,
             json.dumps(record, default=str),
@@ -182,7 +169,7 @@ class Waitpoints:
             record["deadline_ms"] / 1000,
         )
         store = self.store
-        opened = Opened(int(store._durable(self._open, keys=list(keys), args=list(args))))
+        opened = Opened(int(store._durable(self._open, keys=TurnKeys.of(turn_id), args=list(args))))
         if opened is Opened.OPENED:
             store.bus.counted([("tool_waiting", event)])
         return opened
