@@ -23,7 +23,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -95,11 +95,14 @@ from agentq.telemetry.fleetcounts import read_counts
 from agentq.webhooks.deliveries import Deliveries
 
 log = logging.getLogger("agentq.gateway")
+T = TypeVar("T")
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 BODY_MARGIN_BYTES = 64 * 1024
 """Room for JSON escaping and the other fields above `max_prompt_bytes`."""
 HEALTH_TIMEOUT_S = 2.0
+MAX_STREAMS = 1000
+"""Open SSE streams the gateway serves at once (each holds a thread while it waits)."""
 # The page loads only its own script and style: no inline code, nothing from elsewhere.
 PAGE_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -107,21 +110,20 @@ PAGE_CSP = (
 )
 
 
+async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread that a timeout abandons: a hung socket must not hang the
+    health check or a scrape."""
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
 class Gateway:
     """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter."""
 
-    def __init__(
-        self,
-        client: Client,
-        *,
-        heartbeat_s: float,
-        poll_s: float,
-        max_streams: int,
-        keyring: Keyring,
-    ) -> None:
+    def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
         self.client = client
-        self.keyring = keyring
         settings = client.settings
+        # Bad keys in the settings raise ConfigError naming the variable.
+        self.keyring = Keyring.from_settings(settings)
         self.limits = StartLimits(
             client._store.redis,
             rate_per_s=settings.start_rate_per_s,
@@ -137,8 +139,8 @@ class Gateway:
         # Reads only (snapshots); a bad AGENTQ_LLM_LIMITS stops the gateway at start.
         self.capacity = capacity_for(client._store.redis, settings)
         # Open streams hold a thread each; their own limiter keeps REST calls answering.
-        self.stream_limiter = anyio.CapacityLimiter(max_streams)
-        self.body_limit_bytes = client.settings.max_prompt_bytes + BODY_MARGIN_BYTES
+        self.stream_limiter = anyio.CapacityLimiter(MAX_STREAMS)
+        self.body_limit_bytes = settings.max_prompt_bytes + BODY_MARGIN_BYTES
         self.closing = threading.Event()
         self.presence = Presence(client._store.redis)
 
@@ -401,18 +403,11 @@ class Gateway:
         error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                # Abandoned on timeout: a hung socket must not hang the health check.
-                ok = bool(
-                    await anyio.to_thread.run_sync(
-                        self.client._store.redis.ping, abandon_on_cancel=True
-                    )
-                )
+                ok = bool(await _abandonable(self.client._store.redis.ping))
                 # MCP servers (AGENTQ_MCP_SERVERS) that keep failing show here, not as 503.
-                mcp = await anyio.to_thread.run_sync(
-                    server_health, self.client._store.redis, abandon_on_cancel=True
-                )
+                mcp = await _abandonable(server_health, self.client._store.redis)
                 # Not a 503: the gateway serves (turns wait for their workers) without them.
-                live = await anyio.to_thread.run_sync(self.presence.live, abandon_on_cancel=True)
+                live = await _abandonable(self.presence.live)
             except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
         if ok:
@@ -455,14 +450,12 @@ class Gateway:
         hooks: tuple[dict[str, int], int | None] = ({}, None)
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                active = await anyio.to_thread.run_sync(self.client.active, abandon_on_cancel=True)
-                self.metrics.fleet.counts = await anyio.to_thread.run_sync(
-                    read_counts, self.client._store.redis, abandon_on_cancel=True
+                active = await _abandonable(self.client.active)
+                self.metrics.fleet.counts = await _abandonable(
+                    read_counts, self.client._store.redis
                 )
-                capacity = await anyio.to_thread.run_sync(
-                    self.read_capacity, abandon_on_cancel=True
-                )
-                hooks = await anyio.to_thread.run_sync(self.read_webhooks, abandon_on_cancel=True)
+                capacity = await _abandonable(self.read_capacity)
+                hooks = await _abandonable(self.read_webhooks)
             except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
         self.metrics.capacity.snapshots = capacity
@@ -479,7 +472,6 @@ def create_app(
     *,
     heartbeat_s: float = 15.0,
     poll_s: float = 1.0,
-    max_streams: int = 1000,
     bind_host: str = "127.0.0.1",
 ) -> Starlette:
     """The gateway app.
@@ -497,13 +489,7 @@ def create_app(
     _ = client.app
     logs.install(client.settings.log_format)
     check_key_webhooks(client.settings)
-    gw = Gateway(
-        client,
-        heartbeat_s=heartbeat_s,
-        poll_s=poll_s,
-        max_streams=max_streams,
-        keyring=Keyring.from_settings(client.settings),
-    )
+    gw = Gateway(client, heartbeat_s=heartbeat_s, poll_s=poll_s)
     origins = client.settings.cors_origin_list
     middleware = [Middleware(RequestGuard, bind_host=bind_host, cors_origins=origins)]
     if origins:
