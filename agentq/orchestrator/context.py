@@ -205,10 +205,6 @@ class StepContext:
                 # WEBHOOKS_WAITING, where the webhook sweep finds it ended.
                 queue_delivery(self.store, self.app, self.settings, self.turn_id, url)
 
-    def take_round_read(self) -> RoundRead | None:
-        read, self.round_read = self.round_read, None
-        return read
-
     def publish(self, type_: str, **fields: Any) -> int:
         self.flush()  # events in the order the step meant them
         return self.store.bus.publish(self.turn_id, type_, **fields)

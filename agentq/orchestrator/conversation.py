@@ -38,7 +38,6 @@ from agentq.state.conversations import (
     Release,
     ReleaseArgs,
     Take,
-    binding,
 )
 
 if TYPE_CHECKING:
@@ -67,10 +66,6 @@ def conversations(store: TurnStore) -> Conversations:
     if found is None or found.redis is not store.redis:
         found = _STORES[id(store.redis)] = Conversations(store.redis, ttl_s=store.ttl_s)
     return found
-
-
-def claim_of(owner: str | None, new_token: str | None) -> str:
-    return binding("owner", owner) if owner else binding("secret", str(new_token))
 
 
 def admit(

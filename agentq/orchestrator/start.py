@@ -21,7 +21,7 @@ from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
 from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
-from agentq.state.conversations import Admit, Multitask, held_bindings
+from agentq.state.conversations import Admit, Multitask, binding, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState
@@ -214,7 +214,7 @@ def _admit(
         Multitask(req.multitask or "enqueue"),
         new_bytes=size,
         max_bytes=settings.max_conversation_bytes,
-        claim=conversation.claim_of(owner, new_token),
+        claim=binding("owner", owner) if owner else binding("secret", str(new_token)),
         may=held_bindings(owner, req.conversation_token),
         any_owner=any_owner,
     )
