@@ -106,9 +106,12 @@ class Streams:
             for _ in range(n)
         ]
 
-    def hold(self, key: tuple[str, int]) -> None:
+    def hold(self, key: tuple[str, int], lease_id: str | None) -> None:
+        """Keep the round claimed, and its capacity lease (if any) alive, until `release`."""
         with self._alive_lock:
             self.alive[key] += 1
+            if lease_id:
+                self.leases[key] = lease_id
 
     def release(self, key: tuple[str, int]) -> None:
         with self._alive_lock:
@@ -116,11 +119,6 @@ class Streams:
             if self.alive[key] <= 0:
                 del self.alive[key]
                 self.leases.pop(key, None)
-
-    def hold_lease(self, key: tuple[str, int], lease_id: str | None) -> None:
-        if lease_id:
-            with self._alive_lock:
-                self.leases[key] = lease_id
 
     def _renew(self) -> None:
         every_s = self.host.settings.turn_lease_s / 3

@@ -71,7 +71,6 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     """In a Celery thread: claim the round and read its history; None when it is not
     this delivery's to stream (done, gone, or streaming elsewhere)."""
     streams = get_streams(host)
-    key = (req.turn_id, req.round_no)
     start = host.store.begin_llm_round(
         req.turn_id, req.round_no, streams.worker, streams.lease_ms, _started(host, req)
     )
@@ -81,8 +80,7 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
         # Not before it: the renewer would write this worker's lease for a round it has
         # not claimed yet, and the claim would find it held "elsewhere" and refuse it,
         # leaving the round to the turn's pickup, four leases later.
-        streams.hold(key)
-        streams.hold_lease(key, req.lease_id)
+        streams.hold((req.turn_id, req.round_no), req.lease_id)
         return start
     if (start.gone or start.done) and req.lease_id:
         # Nobody will stream this round: its capacity grant goes back to the queue.
