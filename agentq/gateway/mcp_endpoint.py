@@ -32,7 +32,6 @@ from agentq.constants import VERSION
 from agentq.errors import AgentqError, TurnNotFound, Unauthorized
 from agentq.events.follow import follow
 from agentq.events.types import Event
-from agentq.gateway.auth import Principal
 from agentq.gateway.errors import ApiError, bearer
 from agentq.models import TurnHandle, TurnRequest
 
@@ -103,19 +102,14 @@ def result_of(terminal: Event) -> Any:
     f = terminal.fields
     if terminal.type == "turn_finished":
         output = f.get("output")
-        text = str(f.get("content") or "")
-        if output is not None:
-            text = text or json.dumps(output)
-            return CallToolResult(
-                content=[TextContent(type="text", text=text)], structured_content=output
-            )
-        return CallToolResult(content=[TextContent(type="text", text=text)])
+        text = str(f.get("content") or "") or ("" if output is None else json.dumps(output))
+        return CallToolResult(
+            content=[TextContent(type="text", text=text)], structured_content=output
+        )
     if terminal.type == "turn_error":
         code = f.get("code") or "error"
-        message = f"turn {terminal.turn_id} failed ({code}): {f.get('error') or 'no detail'}"
-    else:
-        message = f"turn {terminal.turn_id} was aborted ({f.get('reason') or 'user'})"
-    return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)
+        return _error(f"turn {terminal.turn_id} failed ({code}): {f.get('error') or 'no detail'}")
+    return _error(f"turn {terminal.turn_id} was aborted ({f.get('reason') or 'user'})")
 
 
 def _error(message: str) -> Any:
@@ -184,12 +178,6 @@ class McpEndpoint:
             del self.owners[next(iter(self.owners))]
         self.owners[session_id] = owner
 
-    def _principal(self, ctx: Any) -> Principal | None:
-        request = getattr(ctx, "request", None)
-        if not isinstance(request, Request):
-            return None
-        return self.gw.keyring.identify(bearer(request))
-
     # -- MCP: the agents as tools
 
     async def _list_tools(self, ctx: Any, params: Any) -> Any:
@@ -209,7 +197,9 @@ class McpEndpoint:
         return ListToolsResult(tools=tools)
 
     async def _call_tool(self, ctx: Any, params: Any) -> Any:
-        principal = self._principal(ctx)
+        request = getattr(ctx, "request", None)
+        request = request if isinstance(request, Request) else None
+        principal = None if request is None else self.gw.keyring.identify(bearer(request))
         if self.gw.keyring.enabled and principal is None:
             raise Unauthorized("this call needs a key: Authorization: Bearer <key>")
         prompt = (params.arguments or {}).get("input")
@@ -218,8 +208,7 @@ class McpEndpoint:
         known = await run_in_threadpool(published_agent_details, self.gw.client._store.redis)
         if params.name not in {a["name"] for a in known}:
             return _error(f"unknown agent {params.name!r}")
-        request = getattr(ctx, "request", None)
-        host = request.client.host if isinstance(request, Request) and request.client else ""
+        host = request.client.host if request is not None and request.client else ""
         req = TurnRequest(prompt=prompt, agent=params.name, headless=True, detach=True)
         try:
             handle = await run_in_threadpool(self.gw.start_limited, req, principal, host)
