@@ -36,16 +36,23 @@ def record_for(
     )
 
 
-def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
-    """A call that could not run or raised: the model reads what went wrong."""
+def _result(
+    call: ToolCall, status: ToolStatus, shown: dict[str, Any], record: dict[str, Any], **fields: Any
+) -> ToolResult:
+    """A result of `status`; its content, what the model reads, is `shown` after the status."""
     return ToolResult(
         call_id=call.id,
         tool=call.name,
-        status="error",
-        content=json.dumps({"status": "error", "error": message}),
-        error=message,
-        record=record_for(call, "error", **record),
+        status=status,
+        content=json.dumps({"status": status, **shown}),
+        record=record_for(call, status, **record),
+        **fields,
     )
+
+
+def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
+    """A call that could not run or raised: the model reads what went wrong."""
+    return _result(call, "error", {"error": message}, record, error=message)
 
 
 def timeout_result(
@@ -80,14 +87,8 @@ def timeout_result(
         '"_meta": {"timeout_s": N} in the arguments to ask for more time '
         "(up to the tool's ceiling)."
     )
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="timeout",
-        content=json.dumps({"status": "timeout", "error": what, "advice": advice}),
-        error=what,
-        record=record_for(call, "timeout", timeout_s=timeout_s, soft_limited=soft, **record),
-    )
+    record = {"timeout_s": timeout_s, "soft_limited": soft, **record}
+    return _result(call, "timeout", {"error": what, "advice": advice}, record, error=what)
 
 
 def waitpoint_timeout(call: ToolCall, waitpoint: dict[str, Any]) -> ToolResult:
@@ -97,46 +98,27 @@ def waitpoint_timeout(call: ToolCall, waitpoint: dict[str, Any]) -> ToolResult:
         f"Tool {call.name!r} waited {timeout_s:g}s for waitpoint {waitpoint['id']} and "
         "nobody completed it; it is closed now."
     )
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="timeout",
-        content=json.dumps({"status": "timeout", "error": what}),
-        error=what,
-        record=record_for(
-            call,
-            "timeout",
-            timeout_s=timeout_s,
-            task_id=waitpoint.get("task_id"),
-            worker=waitpoint.get("worker"),
-            started_at=waitpoint.get("started_at"),
-            waitpoint_id=waitpoint["id"],
-        ),
-    )
+    record = {
+        "timeout_s": timeout_s,
+        "task_id": waitpoint.get("task_id"),
+        "worker": waitpoint.get("worker"),
+        "started_at": waitpoint.get("started_at"),
+        "waitpoint_id": waitpoint["id"],
+    }
+    return _result(call, "timeout", {"error": what}, record, error=what)
 
 
 def cancelled_result(call: ToolCall, reason: str = "user", **record: Any) -> ToolResult:
     msg = f"Tool {call.name!r} was cancelled because the turn was aborted ({reason})."
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="cancelled",
-        content=json.dumps({"status": "cancelled", "reason": reason, "error": msg}),
-        error=msg,
-        reason=reason,
-        record=record_for(call, "cancelled", **record),
+    return _result(
+        call, "cancelled", {"reason": reason, "error": msg}, record, error=msg, reason=reason
     )
 
 
 def denied_result(call: ToolCall, reason: str, **record: Any) -> ToolResult:
     """The typed result of the approval gate; `reason` is timeout, user or policy."""
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="denied",
-        content=json.dumps({"status": "denied", "decider": "mode_gate", "reason": reason}),
-        reason=reason,
-        record=record_for(call, "denied", **record),
+    return _result(
+        call, "denied", {"decider": "mode_gate", "reason": reason}, record, reason=reason
     )
 
 
@@ -145,11 +127,4 @@ def lost_result(call: ToolCall, why: str, **record: Any) -> ToolResult:
         f"Tool {call.name!r} was lost: {why}. It is unknown whether it had any effect; "
         "check before running it again."
     )
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="lost",
-        content=json.dumps({"status": "lost", "error": msg}),
-        error=msg,
-        record=record_for(call, "lost", **record),
-    )
+    return _result(call, "lost", {"error": msg}, record, error=msg)

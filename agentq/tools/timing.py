@@ -62,9 +62,7 @@ def split_meta(arguments: dict[str, Any]) -> tuple[dict[str, Any], float | None,
     raw = meta.get("timeout_s")
     if raw is None:
         return args, None, None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw):
-        return args, None, "_meta.timeout_s must be a positive number of seconds"
-    if raw <= 0:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 < raw < math.inf:
         return args, None, "_meta.timeout_s must be a positive number of seconds"
     return args, float(raw), None
 
