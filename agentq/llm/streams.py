@@ -23,7 +23,7 @@ from agentq.errors import (
     StreamIdleTimeout,
 )
 from agentq.llm.apis import ApiChoice
-from agentq.llm.capacity import Capacity, Wakes, capacity_for
+from agentq.llm.capacity import Capacity, capacity_for
 from agentq.llm.headers import parse_rate_headers
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
 from agentq.llm.wakes import wake_granted
@@ -177,15 +177,14 @@ def settle_capacity(
             cap.note_answer(model, deployment, parse_rate_headers(headers))
         if result.ok:
             cap.report_success(model, deployment, unleased=not req.lease_id)
-        elif busy is None and failure is not None and deployment_failure(failure):
-            cap.report_failure(model, deployment, deployment_failure(failure))
+        elif busy is None and failure is not None and (kind := deployment_failure(failure)):
+            cap.report_failure(model, deployment, kind)
         used = None
         if result.message is not None and result.message.usage is not None:
             used = result.message.usage.total_tokens
         elif busy is not None:
             used = 0
-        wakes = cap.release(req.lease_id, tokens_used=used) if req.lease_id else Wakes()
-        wake_granted(host.store, wakes)
+        wake_granted(host.store, cap.release(req.lease_id or "", tokens_used=used))
     except Exception:
         # The lease lapses by itself and the turn goes on: capacity is bookkeeping here.
         log.warning("capacity bookkeeping of a round failed", exc_info=True)
