@@ -315,7 +315,7 @@ def _tools(
         if cid in settled:
             continue
         if p.refusal is not None:
-            settled[cid], _ = settle_in_step(ctx, p.refused_result(), tracked=False)
+            settled[cid], _ = settle_in_step(ctx, error_result(p.call, p.refusal), tracked=False)
         elif cid in decided.answered:
             settled[cid], _ = settle_in_step(ctx, decided.answered[cid], tracked=False)
         elif cid in decided.denied:

@@ -14,10 +14,9 @@ from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.llm.reasoning import REASONING_ITEMS
-from agentq.models import AssistantMessage, InteractionKind, ToolCall, ToolResult, is_call_id
+from agentq.models import AssistantMessage, InteractionKind, ToolCall, is_call_id
 from agentq.tools import ask_user
 from agentq.tools.registry import get_tool, parse_arguments
-from agentq.tools.results import error_result
 from agentq.tools.timing import Limits, effective_limits, split_meta
 
 if TYPE_CHECKING:
@@ -48,10 +47,6 @@ class CallPlan(BaseModel):
     @property
     def limits(self) -> Limits:
         return Limits(self.timeout_s, self.soft_timeout_s, self.budget_s)
-
-    def refused_result(self) -> ToolResult:
-        assert self.refusal is not None
-        return error_result(self.call, self.refusal)
 
 
 def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = None) -> CallPlan:
