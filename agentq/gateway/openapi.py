@@ -8,7 +8,7 @@ list against the app's real route table and each operation's auth rule against t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
@@ -41,28 +41,28 @@ AUTH_RULES: dict[Auth, str] = {
     "Bearer) is the credential, for this one waitpoint; a wrong token or none gets 404, as "
     "an unknown waitpoint.",
 }
-WAITPOINT_ID = {
-    "name": "waitpoint_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-    "description": "`wp_<turn id>_<call id>`, from the call's tool_waiting event.",
+
+
+def _query(name: str, description: str, type_: str = "string") -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": {"type": type_}} | {
+        "description": description
+    }
+
+
+def _path(name: str, description: str | None = None) -> dict[str, Any]:
+    param = {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+    return param if description is None else param | {"description": description}
+
+
+WAITPOINT_ID = _path(
+    "waitpoint_id", "`wp_<turn id>_<call id>`, from the call's tool_waiting event."
+)
+WAITPOINT_TOKEN = _query("token", "The waitpoint's capability, from its callback_url.") | {
+    "required": True
 }
-WAITPOINT_TOKEN = {
-    "name": "token",
-    "in": "query",
-    "required": True,
-    "schema": {"type": "string"},
-    "description": "The waitpoint's capability, from its callback_url.",
-}
-NAME = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}
-TURN_ID = {"name": "turn_id", "in": "path", "required": True, "schema": {"type": "string"}}
-CONVERSATION_ID = {
-    "name": "conversation_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-}
+NAME, TURN_ID, CONVERSATION_ID, REQUEST_ID = map(
+    _path, ("name", "turn_id", "conversation_id", "request_id")
+)
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
     "in": "header",
@@ -72,13 +72,6 @@ IDEMPOTENCY_KEY = {
     "request's turn (the same body) instead of starting another; another body: 422, code "
     "idempotency_key_reused.",
 }
-REQUEST_ID = {"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"}}
-
-
-def _query(name: str, description: str, type_: str = "string") -> dict[str, Any]:
-    return {"name": name, "in": "query", "required": False, "schema": {"type": type_}} | {
-        "description": description
-    }
 
 
 @dataclass(frozen=True)
@@ -92,16 +85,14 @@ class Operation:
     response: type[BaseModel] | None = None
     media_type: str = "application/json"
     parameters: tuple[dict[str, Any], ...] = ()
-    errors: tuple[str, ...] = field(default=())
+    errors: tuple[str, ...] = ()
 
 
 OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/", "The web page: chat, live tool chips, Cancel, approvals.", "public",
               media_type="text/html"),
     Operation("GET", "/static/{path}", "The page's script and style.", "public",
-              media_type="text/plain",
-              parameters=({"name": "path", "in": "path", "required": True,
-                           "schema": {"type": "string"}},)),
+              media_type="text/plain", parameters=(_path("path"),)),
     Operation("GET", "/healthz", "Liveness, and whether Redis answers; `workers`: the "
               "live workers per queue of agentq's own, `missing_workers`: the kinds every "
               "turn needs that no live worker is (turns wait for them: still 200).", "public",
