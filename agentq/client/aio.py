@@ -150,7 +150,6 @@ class AsyncClient:
             for raw_key, entries in reply:
                 key = text(raw_key)
                 last, path = streams[key]
-                ended = False
                 for raw_id, fields in entries:
                     last = text(raw_id)
                     ev = Event.parse(fields[b"e"], stream_id=last)
@@ -163,10 +162,8 @@ class AsyncClient:
                     if ev.type in TERMINAL_TYPES:
                         if not path:
                             return
-                        ended = True
+                        del streams[key]
                         break
-                if ended:
-                    del streams[key]
                 else:
                     streams[key] = (last, path)
 

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from agentq import AsyncClient, AsyncTurn, TurnAborted, TurnFailed, TurnTimeout
-from agentq.events import ToolStarted, TurnFinished
+from agentq.events import Event, ToolStarted, TurnFinished
 from agentq.testing.openai_server import Round
 from tests.agents_under_test import Verdict
-from tests.helpers import calls, script
+from tests.helpers import calls, collect, script
 
 pytestmark = pytest.mark.integration
 
@@ -87,3 +87,26 @@ def test_async_run_types_the_output_and_fails_typed(fleet, llm_server) -> None:
             assert isinstance(events[-1], TurnFinished) and events[-1].ends_turn
 
     asyncio.run(main())
+
+
+def test_async_events_relay_a_child_turn_with_its_path(fleet, llm_server, client) -> None:
+    child_key = script(llm_server, Round(text="child"))
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
+        Round(text="done"),
+    )
+    parent = client._start_turn(key, agent="t_boss")
+
+    async def main() -> list[Event]:
+        async with AsyncClient() as aclient:
+            return [ev async for ev in aclient.events(parent.turn_id) if ev is not None]
+
+    events = asyncio.run(main())
+    child = next(e.turn_id for e in events if e.path)
+    assert {tuple(e.path) for e in events if e.path} == {(child,)}
+    assert [e.type for e in events if e.path] == [e.type for e in collect(client, child, depth=0)]
+    assert [e.type for e in events if not e.path] == [
+        e.type for e in collect(client, parent.turn_id, depth=0)
+    ]
+    assert events[-1].type == "turn_finished" and not events[-1].path
