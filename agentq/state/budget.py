@@ -77,14 +77,12 @@ def key_budgets(
     """A key's limits with what it spent of each this period."""
     if budget is None:
         return []
-    out: list[Budget] = []
-    if budget.tokens_per_day is not None:
-        out.append(Budget("key", "tokens_per_day", "tokens", budget.tokens_per_day, day_tokens))
-    if budget.usd_per_day is not None:
-        out.append(Budget("key", "usd_per_day", "usd", budget.usd_per_day, day_usd))
-    if budget.usd_per_month is not None:
-        out.append(Budget("key", "usd_per_month", "usd", budget.usd_per_month, month_usd))
-    return out
+    spent = {"tokens_per_day": day_tokens, "usd_per_day": day_usd, "usd_per_month": month_usd}
+    return [
+        Budget("key", name, "tokens" if name == "tokens_per_day" else "usd", limit, used)
+        for name, used in spent.items()
+        if (limit := getattr(budget, name)) is not None
+    ]
 
 
 def over(budgets: list[Budget], tokens: int = 0, usd: float = 0.0) -> Budget | None:

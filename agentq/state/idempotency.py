@@ -45,12 +45,9 @@ def fingerprint(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _pad(key: str, size: int) -> bytes:
-    return hashlib.shake_256(b"agentq.idempotency\0" + key.encode()).digest(size)
-
-
 def _xor(key: str, raw: bytes) -> bytes:
-    return bytes(a ^ b for a, b in zip(raw, _pad(key, len(raw)), strict=True))
+    pad = hashlib.shake_256(b"agentq.idempotency\0" + key.encode()).digest(len(raw))
+    return bytes(a ^ b for a, b in zip(raw, pad, strict=True))
 
 
 def _seal(key: str, secret: str) -> str:

@@ -13,20 +13,11 @@ from agentq.errors import AnswerInvalid, InteractionClosed, InteractionNotFound,
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.state.base import WAKE_BACKSTOP_S, text
+from agentq.state.base import WAKE_BACKSTOP_S, TurnKeys, text
 from agentq.state.lua import turn_open_lua, wake_lua
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
-
-
-class CloseKeys(NamedTuple):
-    interaction_key: str
-    secret_key: str
-    log_key: str
-    channel: str
-    turn_key: str
-    wakeups_key: str
 
 
 class CloseArgs(NamedTuple):
@@ -47,7 +38,7 @@ class CloseArgs(NamedTuple):
 # timeout can race and exactly one wins; the loser gets the state that won (409 to a
 # client). An answer publishes interaction_answered and wakes the turn in the same step.
 _CLOSE_LUA = (
-    bind_lua(CloseKeys, CloseArgs)
+    bind_lua((*TurnKeys._fields, "interaction_key", "secret_key"), CloseArgs)
     + """
 local state = redis.call('HGET', interaction_key, 'state')
 if not state then return 'missing' end
@@ -175,14 +166,11 @@ class Interactions:
         secret_ttl_s: int,
         event: str,
     ) -> Any:
-        keys = CloseKeys(
+        keys = [
+            *TurnKeys.of(turn_id),
             k.interaction_key(turn_id, request_id),
             k.secret_key(turn_id, request_id),
-            k.log_key(turn_id),
-            k.events_channel(turn_id),
-            k.turn_key(turn_id),
-            k.turn_wakeups_key(turn_id),
-        )
+        ]
         args = CloseArgs(
             state,
             decision,
@@ -193,4 +181,4 @@ class Interactions:
             turn_id,
             time.time() + WAKE_BACKSTOP_S,
         )
-        return self._close(keys=list(keys), args=list(args))
+        return self._close(keys=keys, args=list(args))

@@ -24,6 +24,7 @@ from agentq.state.base import (
     START_BACKSTOP_S,
     WAKE_BACKSTOP_S,
     StoreBase,
+    TurnKeys,
     active_turns,
     call_fields,
     finished,
@@ -57,16 +58,9 @@ class Closed(IntEnum):
     """Ended here and its parent's call settled; other calls of that batch are still out."""
 
 
-class CloseKeys(NamedTuple):
-    turn_key: str
-    wakeups_key: str
-    log_key: str
-    channel: str
-    parent_key: str
-    """The parent's state hash (the turn's own, as a placeholder, without a parent)."""
-    parent_log_key: str
-    parent_channel: str
-    children_key: str
+_CLOSE_KEYS = (*TurnKeys._fields, "children_key", "parent_key", "parent_log_key", "parent_channel")
+"""CLOSE's KEYS: the turn's, its children's set, and its parent's state hash, log and
+channel (the turn's own, as placeholders, without a parent)."""
 
 
 class CloseArgs(NamedTuple):
@@ -100,7 +94,7 @@ class CloseArgs(NamedTuple):
 # one write, which lets go of the lock too. KEYS after the named ones get the TTL; ARGV
 # after the named ones: the messages, then the state's field/value pairs.
 CLOSE_LUA = (
-    bind_lua(CloseKeys, CloseArgs, rest="messages")
+    bind_lua(_CLOSE_KEYS, CloseArgs, rest="messages")
     + turn_open_lua("turn_key", f"{Closed.ENDED_ALREADY:d}")
     + "if token ~= '' and not "
     + lock_mine_lua("held", "token")
@@ -125,7 +119,7 @@ else
   redis.call('ZREM', wakeups_key, turn_id)
 end
 if kids then redis.call('DEL', children_key) end
-for i = {len(CloseKeys._fields) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
+for i = {len(_CLOSE_KEYS) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
 if parent_id == '' then return {Closed.ENDED:d} end
 local popen = redis.call('HMGET', parent_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
   '{k.UNSETTLED_FIELD}', '{k.SETTLED}' .. parent_call_id)
@@ -155,13 +149,6 @@ do
 )
 
 
-class FlagCancelKeys(NamedTuple):
-    cancel_key: str
-    children_key: str
-    turn_key: str
-    wakeups_key: str
-
-
 class FlagCancelArgs(NamedTuple):
     reason: str
     ttl_s: int
@@ -180,7 +167,7 @@ class FlagCancelArgs(NamedTuple):
 # Cluster pipeline takes no PUBLISH (a script's reaches every node's subscribers).
 # Returns {woken (1: the turn is open), children...}.
 FLAG_CANCEL_LUA = (
-    bind_lua(FlagCancelKeys, FlagCancelArgs)
+    bind_lua((*TurnKeys._fields, "cancel_key", "children_key"), FlagCancelArgs)
     + f"""
 redis.call('SET', cancel_key, reason, 'NX', 'EX', ttl_s)
 local status = redis.call('HGET', turn_key, 'status')
@@ -233,12 +220,7 @@ class TurnRecords(StoreBase):
         """Flag the turn cancelled (the first reason stays) and wake it (its backstop
         wakeup), tell the event loops that hold its calls, in one round trip; whether it
         was open (its step is then for the caller to send) and its children."""
-        keys = FlagCancelKeys(
-            k.cancel_key(turn_id),
-            k.children_key(turn_id),
-            k.turn_key(turn_id),
-            k.turn_wakeups_key(turn_id),
-        )
+        keys = [*TurnKeys.of(turn_id), k.cancel_key(turn_id), k.children_key(turn_id)]
         args = FlagCancelArgs(
             reason,
             self.ttl_s,
@@ -247,7 +229,7 @@ class TurnRecords(StoreBase):
             json.dumps(reason),
             time.time() + WAKE_BACKSTOP_S,
         )
-        woken, *children = self._flag_cancel(keys=list(keys), args=list(args))
+        woken, *children = self._flag_cancel(keys=keys, args=list(args))
         return bool(int(woken)), [text(c) for c in children]
 
     def create(
@@ -344,16 +326,14 @@ class TurnRecords(StoreBase):
             flat += [k.STEP_FIELD, LOCK_FREE_VALUE]  # the end lets go of the step's lock
         parent, result = settle_parent or ("", None)
         pid = parent or turn_id  # placeholders the script leaves alone without a parent
-        keys = CloseKeys(
-            k.turn_key(turn_id),
-            k.turn_wakeups_key(turn_id),
-            k.log_key(turn_id),
-            k.events_channel(turn_id),
+        keys = [
+            *TurnKeys.of(turn_id),
+            k.children_key(turn_id),
             k.turn_key(pid),
             k.log_key(pid),
             k.events_channel(pid),
-            k.children_key(turn_id),
-        )
+            *k.turn_keys(turn_id),
+        ]
         args = CloseArgs(
             turn_id,
             self.ttl_s,
@@ -372,7 +352,7 @@ class TurnRecords(StoreBase):
             int(
                 self._durable(
                     self._close,
-                    keys=argv_of(keys, k.turn_keys(turn_id)),
+                    keys=keys,
                     args=argv_of(args, messages, flat),
                 )
             )
