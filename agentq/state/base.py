@@ -196,11 +196,6 @@ def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
     return [x for c, r in records.items() for x in (k.DISPATCHED + c, json.dumps(r))]
 
 
-def plan_args(plans: Mapping[str, str]) -> list[str]:
-    """Call plans (call id -> CallPlan JSON) as the (field, plan) pairs of the state hash."""
-    return [x for c, p in plans.items() for x in (k.PLANNED + c, p)]
-
-
 def each_shard(client: Any, command: Callable[[Any, int], Any]) -> list[Any]:
     """The answers of `command(pipe, shard)` for every shard of the state, in one round
     trip (agentq.constants: one shard on one Redis, several on a Cluster)."""

@@ -150,11 +150,11 @@ return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, hist, followed}}
 @dataclass(frozen=True)
 class LlmRoundStart:
     """What a stream worker found when it took a round: a result already stored, a turn
-    that is over, another delivery streaming it, or the round claimed with its history."""
+    that is over, the round claimed with its history, or (none of these) another delivery
+    streaming it."""
 
     done: bool = False
     gone: bool = False
-    elsewhere: bool = False
     claimed: bool = False
     cancelled: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -187,12 +187,8 @@ class RoundRecords(StoreBase):
         )
         res = self._begin_llm(keys=TurnKeys.of(turn_id), args=list(args))
         outcome = RoundBegun(int(res[0]))
-        if outcome is RoundBegun.DONE:
-            return LlmRoundStart(done=True)
-        if outcome is RoundBegun.GONE:
-            return LlmRoundStart(gone=True)
-        if outcome is RoundBegun.ELSEWHERE:
-            return LlmRoundStart(elsewhere=True)
+        if outcome is not RoundBegun.CLAIMED:
+            return LlmRoundStart(done=outcome is RoundBegun.DONE, gone=outcome is RoundBegun.GONE)
         self.bus.counted([("llm_started", started)])
         return LlmRoundStart(
             claimed=True,

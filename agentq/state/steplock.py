@@ -22,7 +22,6 @@ from agentq.state.base import (
     TurnKeys,
     dispatch_args,
     now_ms,
-    plan_args,
     step_view,
 )
 from agentq.state.lua import (
@@ -79,7 +78,7 @@ class StepWrite(NamedTuple):
     messages: list[str]
     """History messages (JSON) appended after the turn's last."""
     plans: list[str]
-    """Call id/CallPlan JSON pairs, flat (`plan_args`)."""
+    """Call plan field/CallPlan JSON pairs, flat."""
     events: list[str]
     """Event bodies published, in order."""
 
@@ -98,7 +97,7 @@ class StepWrite(NamedTuple):
         return cls(
             flat,
             [json.dumps(m) for m in append or []],
-            plan_args(plans or {}),
+            [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)],
             [event_body(turn_id, t, f) for t, f in events or []],
         )
 
