@@ -117,16 +117,12 @@ class TurnView:
             if f.get("child_turn_id"):
                 self.tools[cid].child_turn_id = str(f["child_turn_id"])
         elif ev.type == "tool_progress" and f.get("source") in ("tool", "agent"):
-            cid = str(f["call_id"])
-            line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
-            line.progress = progress_text(f.get("message"), f.get("pct"))
+            self._line(ev).progress = progress_text(f.get("message"), f.get("pct"))
         elif ev.type == "tool_waiting":
-            cid = str(f["call_id"])
-            line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
+            line = self._line(ev)
             line.progress = f"waiting on {f.get('waitpoint_id')} ({f.get('timeout_s')}s)"
         elif ev.type == "tool_finished":
-            cid = str(f["call_id"])
-            line = self.tools.setdefault(cid, ToolLine(cid, str(f.get("tool")), ev.ts))
+            line = self._line(ev)
             line.finished = ev.ts
             line.status = str(f.get("status"))
             if f.get("duration_ms") is not None:
@@ -144,6 +140,11 @@ class TurnView:
             self.detail = str(f.get("reason") or f.get("error") or "")
             if ev.type == "turn_finished" and f.get("content") and not self.text:
                 self.text = str(f["content"])
+
+    def _line(self, ev: Event) -> ToolLine:
+        """The line of the call `ev` is about, made if its `tool_started` was missed."""
+        cid = str(ev.fields["call_id"])
+        return self.tools.setdefault(cid, ToolLine(cid, str(ev.fields.get("tool")), ev.ts))
 
     def render(self) -> RenderableType:
         now = time.time()

@@ -16,10 +16,6 @@ HEALTHY_WITHIN_S = 30
 """The compose healthchecks' bound on the file's age: several missed touches."""
 
 
-def touch(path: str) -> None:
-    Path(path).touch()
-
-
 class HealthFile(bootsteps.StartStopStep):  # type: ignore[misc]
     """Touches `path` every HEALTH_EVERY_S while the consumer runs; a lost broker stops the
     consumer, and so the touches, until it is connected again."""
@@ -32,8 +28,9 @@ class HealthFile(bootsteps.StartStopStep):  # type: ignore[misc]
         self.tref: Any = None
 
     def start(self, parent: Any) -> None:
-        touch(self.path)
-        self.tref = parent.timer.call_repeatedly(HEALTH_EVERY_S, touch, (self.path,))
+        touch = Path(self.path).touch
+        touch()
+        self.tref = parent.timer.call_repeatedly(HEALTH_EVERY_S, touch)
 
     def stop(self, parent: Any) -> None:
         if self.tref is not None:

@@ -210,10 +210,10 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
 
     ctx = tool_context(store, scope, None, on_progress)
     if not (tracing.enabled or logs.enabled):
-        return _run(spec, req, scope, ctx, store, settings)
+        return _run(spec, scope, ctx, store, settings)
     with observed(scope) as span:
         try:
-            status = _run(spec, req, scope, ctx, store, settings)
+            status = _run(spec, scope, ctx, store, settings)
         except Exception as exc:
             tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
             raise
@@ -224,12 +224,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
 
 
 def _run(
-    spec: ToolSpec,
-    req: ToolTaskRequest,
-    scope: CallScope,
-    ctx: ToolContext,
-    store: TurnStore,
-    settings: Settings,
+    spec: ToolSpec, scope: CallScope, ctx: ToolContext, store: TurnStore, settings: Settings
 ) -> str:
     result: ToolResult | Waiting
     try:
@@ -237,7 +232,7 @@ def _run(
             _ticker.running(store, scope, settings.progress_interval_s),
             _soft_limit_seen(scope) as soft,
         ):
-            kwargs = call_kwargs(spec, req)
+            kwargs = call_kwargs(spec, scope.req)
             value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
             if ctx._cancelled:
                 # It saw its turn's abort and returned: cancelled, as the abort step settles
