@@ -29,17 +29,19 @@ if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
 
 
-_spends: dict[tuple[int, int], tuple[redis.Redis, Settings, Spend]] = {}
-"""One Spend (its scripts registered once) per store client and settings of the process."""
+_spends: dict[int, tuple[redis.Redis, Spend]] = {}
+"""One Spend (its scripts registered once) per store client of the process. Not one per
+settings: a step's settings are a new copy for an agent with overrides, none of which
+Spend reads (retention, key budgets), and a Spend per copy would be kept forever."""
 
 
 def spend_of(ctx: StepContext) -> Spend:
-    client, settings = ctx.store.redis, ctx.settings
-    held = _spends.get((id(client), id(settings)))
+    client = ctx.store.redis
+    held = _spends.get(id(client))
     if held is None:
-        # The client and settings are held with it, so their ids are not reused meanwhile.
-        held = _spends[(id(client), id(settings))] = (client, settings, Spend(client, settings))
-    return held[2]
+        # The client is held with it, so its id is not reused meanwhile.
+        held = _spends[id(client)] = (client, Spend(client, ctx.settings))
+    return held[1]
 
 
 def _prompt_estimate(ctx: StepContext) -> int:
