@@ -326,11 +326,8 @@ class _Attempt:
                 self.on_headers(rate_headers(response.headers))
             # The body is read here, not through the SDK's stream (agentq.llm.sse); to the
             # end, [DONE] included, so the connection goes back to the pool.
-            assembler = self.assembler = (
-                ResponsesAssembler(self.on_delta)
-                if self.api == "responses"
-                else ChatAssembler(self.on_delta)
-            )
+            kind = ResponsesAssembler if self.api == "responses" else ChatAssembler
+            assembler = self.assembler = kind(self.on_delta)
             lines = SseLines()
             body = response.aiter_bytes()
             while True:
