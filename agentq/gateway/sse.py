@@ -92,8 +92,8 @@ async def event_source(
     *,
     keep_alive_s: float,
     limiter: anyio.CapacityLimiter,
-    on_event: Callable[[Event], None] | None = None,
-    closing: threading.Event | None = None,
+    on_event: Callable[[Event], None],
+    closing: threading.Event,
 ) -> AsyncGenerator[bytes, None]:
     """SSE bytes from a blocking event iterator that yields None when it is quiet.
 
@@ -111,7 +111,7 @@ async def event_source(
                 # End the response; the client reconnects with its last id and loses nothing.
                 log.warning("event stream lost Redis: %s", exc)
                 return
-            if item is _DONE or (closing is not None and closing.is_set()):
+            if item is _DONE or closing.is_set():
                 return
             if item is None:
                 if time.monotonic() - last_write >= keep_alive_s:
@@ -120,14 +120,11 @@ async def event_source(
                 continue
             assert isinstance(item, Event)
             last_write = time.monotonic()
-            if on_event is not None:
-                on_event(item)
+            on_event(item)
             # A sub-agent's relayed end is not the turn's.
-            terminal = item.ends_turn
-            if terminal:
-                state.terminal_seen = True
+            state.terminal_seen = item.ends_turn
             yield format_event(item)
-            if terminal:
+            if state.terminal_seen:
                 return
     finally:
         # Closing unsubscribes (socket I/O): off the loop, and done even when cancelled.
@@ -144,23 +141,17 @@ class EventStreamResponse(Response):
         self,
         content: AsyncGenerator[bytes, None],
         *,
-        on_disconnect: Callable[[], Awaitable[None]] | None = None,
-        on_close: Callable[[], None] | None = None,
-        headers: dict[str, str] | None = None,
+        on_disconnect: Callable[[], Awaitable[None]],
+        on_close: Callable[[], None],
     ) -> None:
         self.content = content
         self.on_disconnect = on_disconnect
         self.on_close = on_close
         self.status_code = 200
         self.background = None
-        self.init_headers(
-            {
-                "Cache-Control": "no-cache, no-store",
-                # nginx buffers responses unless told not to; SSE must reach the client now.
-                "X-Accel-Buffering": "no",
-                **(headers or {}),
-            }
-        )
+        # nginx buffers responses unless told not to (X-Accel-Buffering); SSE must reach
+        # the client now.
+        self.init_headers({"Cache-Control": "no-cache, no-store", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         disconnected = False
@@ -204,10 +195,9 @@ class EventStreamResponse(Response):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(stream, tg.cancel_scope)
                 tg.start_soon(listen, tg.cancel_scope)
-            if disconnected and self.on_disconnect is not None:
+            if disconnected:
                 with anyio.CancelScope(shield=True):
                     await self.on_disconnect()
         finally:
             # Last, so "closed" means the disconnect was handled too (tests wait on it).
-            if self.on_close is not None:
-                self.on_close()
+            self.on_close()
