@@ -158,7 +158,7 @@ class Publisher:
                 self.wake.clear()
                 self.holding_until = first_due
                 try:
-                    with contextlib.suppress(TimeoutError):
+                    with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self.wake.wait(), first_due - now)
                 finally:
                     self.holding_until = None
@@ -192,7 +192,7 @@ class Publisher:
         try:
             while (left_s := until - time.monotonic()) > 0:
                 self.urgent.clear()
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.urgent.wait(), left_s)
                 now = time.monotonic()
                 batch, _ = self._take(now, sent)
