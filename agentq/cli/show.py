@@ -183,13 +183,6 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
     return Group(head, table, legend)
 
 
-def webhook_view(client: Client, turn_id: str) -> dict[str, Any] | None:
-    """The turn's webhook delivery and its attempts, if it has one."""
-    from agentq.webhooks.deliveries import Deliveries
-
-    return Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s).of_turn(turn_id)
-
-
 def spend_line(spend: dict[str, Any]) -> str:
     """A turn's spend, its sub-agents' included, and its limits, on one line."""
     line = (
@@ -215,8 +208,11 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     summary = rows.get(turn_id, {})
     summary.pop("_state", None)
     view["turn"] = summary
-    view["webhook"] = webhook_view(client, turn_id)
     from agentq.state.spend import Spend
+    from agentq.webhooks.deliveries import Deliveries
+
+    deliveries = Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s)
+    view["webhook"] = deliveries.of_turn(turn_id)
 
     spend = Spend(client._store.redis, client.settings).turn_totals(state.get("owner"), turn_id)
     view["spend"] = spend

@@ -30,10 +30,6 @@ def _day(raw: str | None, *, end: bool = False) -> float | None:
     return day.timestamp() + (86399 if end else 0)
 
 
-def _usd(value: Any) -> str:
-    return f"${value:.4f}" if value else "-"
-
-
 def cmd_usage(client: Client, args: argparse.Namespace) -> int:
     # Imported here: `agentq --help` builds this command's parser, and loads none of them.
     from rich import box
@@ -63,7 +59,7 @@ def cmd_usage(client: Client, args: argparse.Namespace) -> int:
             str(row["cached_tokens"]),
             str(row["completion_tokens"]),
             str(row["total_tokens"]),
-            _usd(row["cost_usd"]),
+            f"${row['cost_usd']:.4f}" if row["cost_usd"] else "-",
         )
     Console().print(table)
     return 0
