@@ -76,12 +76,9 @@ class ModelLimitsEntry(_Limits):
         """The deployments to choose from: the configured ones, or the implicit default."""
         return self.deployments or (DeploymentLimits(name=DEFAULT_DEPLOYMENT),)
 
-    def deployment(self, name: str) -> DeploymentLimits:
-        """The deployment called `name` (KeyError if there is none)."""
-        for d in self.routes:
-            if d.name == name:
-                return d
-        raise KeyError(name)
+    def deployment(self, name: str) -> DeploymentLimits | None:
+        """The deployment called `name`, if there is one."""
+        return next((d for d in self.routes if d.name == name), None)
 
 
 def parse_limits(raw: str | None) -> dict[str, ModelLimitsEntry]:

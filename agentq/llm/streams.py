@@ -5,7 +5,6 @@ how a round's end is told to the fleet's capacity manager."""
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import socket
@@ -78,8 +77,7 @@ class Streams:
         entry = self.capacity.limits.get(model)
         dep = None
         if entry is not None and deployment and deployment != DEFAULT_DEPLOYMENT:
-            with contextlib.suppress(KeyError):
-                dep = entry.deployment(deployment)
+            dep = entry.deployment(deployment)
         pool = self.clients
         if dep is not None and (dep.base_url or dep.api_key):
             pool = self.deployed.get(dep.name) or []

@@ -19,7 +19,8 @@ def test_the_documented_example_parses() -> None:
     assert entry.strategy == "ordered"
     # No deployments: one implicit deployment, the configured base URL.
     assert [d.name for d in entry.routes] == ["default"]
-    assert entry.deployment("default").base_url is None
+    default = entry.deployment("default")
+    assert default is not None and default.base_url is None
 
 
 def test_unset_or_blank_means_no_limits() -> None:
@@ -36,12 +37,11 @@ def test_deployments_keep_their_order_and_hide_their_keys() -> None:
     assert entry.strategy == "least_loaded"
     assert [d.name for d in entry.routes] == ["east", "west"]
     east = entry.deployment("east")
-    assert east.model == "gpt-41-east" and east.streams == 50
+    assert east is not None and east.model == "gpt-41-east" and east.streams == 50
     assert east.api_key is not None and east.api_key.get_secret_value() == "sk-east-secret"
     assert "sk-east-secret" not in repr(entry) and "sk-east-secret" not in str(entry)
     assert "sk-east-secret" not in entry.model_dump_json()
-    with pytest.raises(KeyError):
-        entry.deployment("north")
+    assert entry.deployment("north") is None
 
 
 @pytest.mark.parametrize(
