@@ -259,18 +259,14 @@ class CallRecords(StoreBase):
         gets its earlier count of sends back. For the step that holds the turn."""
         if not records:
             return
+        key, pipe = k.turn_key(turn_id), self.redis.pipeline(transaction=False)
         new = [k.DISPATCHED + c for c, r in records.items() if int(r.get("sends", 1)) == 1]
-        earlier = {
-            k.DISPATCHED + c: json.dumps({**r, "sends": int(r["sends"]) - 1})
-            for c, r in records.items()
-            if int(r.get("sends", 1)) > 1
-        }
-        pipe = self.redis.pipeline(transaction=False)
         if new:
-            pipe.hdel(k.turn_key(turn_id), *new)
-            pipe.hincrby(k.turn_key(turn_id), k.UNSETTLED_FIELD, -len(new))
-        for field, record in earlier.items():
-            pipe.hset(k.turn_key(turn_id), field, record)
+            pipe.hdel(key, *new)
+            pipe.hincrby(key, k.UNSETTLED_FIELD, -len(new))
+        for c, r in records.items():
+            if int(r.get("sends", 1)) > 1:
+                pipe.hset(key, k.DISPATCHED + c, json.dumps({**r, "sends": int(r["sends"]) - 1}))
         pipe.execute()
 
     def _records(self, turn_id: str, kinds: str) -> dict[Any, Any]:

@@ -110,10 +110,15 @@ LOCK_FREE_VALUE = '""'
 """The step lock's value once let go (JSON, as every state field)."""
 
 
-def append_lua(w: str, first: str, last: str) -> str:
+MANY_CHUNK = 1000
+"""Values per HSET of `write_lua`: Lua's unpack refuses a few thousand at once."""
+
+
+def write_lua(turn: str, w: str, first: str, last: str) -> str:
     """Lua that adds the history messages ARGV[first..last] to the field/value table `w` as
-    the turn's next messages (after `hlen`, as `turn_open_lua` or a fence read it), and
-    their new count: the HSET that writes `w` appends them to the history."""
+    the turn's next messages (after `hlen`, as `turn_open_lua` or a fence read it), with
+    their new count, and writes `w` to the hash `turn` in as few HSETs as it can (one for
+    up to MANY_CHUNK values)."""
     return f"""
 do
   local next_m = hlen
@@ -125,28 +130,16 @@ do
   if next_m > hlen then
     {w}[#{w} + 1] = '{HISTORY_LEN_FIELD}'
     {w}[#{w} + 1] = next_m
-    hlen = next_m
   end
 end
+for i = 1, #{w}, {MANY_CHUNK} do
+  redis.call('HSET', {turn}, unpack({w}, i, math.min(i + {MANY_CHUNK - 1}, #{w})))
+end
 """
-
-
-MANY_CHUNK = 1000
-"""Values per HSET of `hset_table_lua`: Lua's unpack refuses a few thousand at once."""
 
 
 _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 """A Lua condition on `p`, a state field's first two characters: the field is a call's record."""
-
-
-def hset_table_lua(key: str, table: str) -> str:
-    """Lua that writes the field/value pairs of the Lua array `table` to the hash `key` in
-    as few HSETs as it can (one for up to MANY_CHUNK values; none for none)."""
-    return f"""
-for i = 1, #{table}, {MANY_CHUNK} do
-  redis.call('HSET', {key}, unpack({table}, i, math.min(i + {MANY_CHUNK - 1}, #{table})))
-end
-"""
 
 
 def wake_lua(turn: str, wakeups: str, turn_id: str, at: str, fields: str = "") -> str:

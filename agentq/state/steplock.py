@@ -26,14 +26,13 @@ from agentq.state.base import (
 )
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
-    append_lua,
-    hset_table_lua,
     lock_free_lua,
     lock_mine_lua,
     lock_value_lua,
     turn_open_lua,
     view_lua,
     wake_lua,
+    write_lua,
 )
 
 _STEP, _DIRTY = k.STEP_FIELD, k.DIRTY_FIELD
@@ -221,8 +220,7 @@ if keep ~= '1' then
   w[#w + 1] = dirty and {lock_value_lua("token", "now_ms", "lock_ms")} or '{LOCK_FREE_VALUE}'
 end
 """
-    + append_lua("w", "messages_at", "plans_at - 1")
-    + hset_table_lua("turn_key", "w")
+    + write_lua("turn_key", "w", "messages_at", "plans_at - 1")
     + f"""
 if keep == '1' then return {Released.KEPT:d} end
 if dirty then return {Released.WOKEN:d} end

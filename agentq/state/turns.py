@@ -34,11 +34,10 @@ from agentq.state.base import (
 )
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
-    append_lua,
-    hset_table_lua,
     lock_mine_lua,
     turn_open_lua,
     wake_lua,
+    write_lua,
 )
 from agentq.state.turn_state import TurnState
 
@@ -108,8 +107,7 @@ local w = {{unpack(ARGV, fields_at, #ARGV)}}
 w[#w + 1] = '{SEQ_FIELD}'
 w[#w + 1] = seq
 """
-    + append_lua("w", "messages_at", "fields_at - 1")
-    + hset_table_lua("turn_key", "w")
+    + write_lua("turn_key", "w", "messages_at", "fields_at - 1")
     + f"""
 if hands_off == '1' then
   -- Its conversation is handed on after this write: the wakeup stays, due at the backstop,
