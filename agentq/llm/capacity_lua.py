@@ -31,11 +31,6 @@ def deciding_lua(args: type[NamedTuple] | None = None) -> str:
     return bind_lua(ModelKeys, (*DecidingArgs._fields, *own))
 
 
-def one_key_lua(key: str, args: type[NamedTuple]) -> str:
-    """The opening of a script on one of the model's keys (`key`, its ModelKeys name)."""
-    return bind_lua((key,), args._fields)
-
-
 CONFIG_TTL_S = 86_400
 """The fleet's stored limits of a model outlive the last configured caller this long."""
 
@@ -518,7 +513,7 @@ NOTE_LUA = deciding_lua(NoteArgs) + PRELUDE_LUA + NOTE_BODY_LUA
 
 # RENEW_LUA: an expired lease not yet purged still holds its slot, so renewing it is safe.
 RENEW_LUA = (
-    one_key_lua("LEASES", RenewArgs)
+    bind_lua(("LEASES",), RenewArgs._fields)
     + NOW_LUA
     + """
 if not redis.call('ZSCORE', LEASES, lease_id) then return 0 end
@@ -530,7 +525,7 @@ return 1
 # BREAKER_LUA: a failure counted. A success needs no script: it deletes the deployment's
 # fields (`Capacity.report_success`).
 BREAKER_LUA = (
-    one_key_lua("BRK", BreakerArgs)
+    bind_lua(("BRK",), BreakerArgs._fields)
     + NOW_LUA
     + """
 local d = deployment
