@@ -20,9 +20,9 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from agentq import constants as k
 from agentq.agents import load_tool_modules
 from agentq.config import get_settings
-from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError, MissingExtra
 from agentq.fleet import health
 from agentq.fleet.app import create_app
@@ -82,7 +82,7 @@ register_schedule_task(app, get_store, get_settings)
 tool_queues = register_tool_tasks(app)
 # An MCP server's queue is known from its setting before the I/O worker lists its tools.
 mcp_queues = [s.queue for s in parse_servers(settings.mcp_servers).values() if s.queue]
-io_queues = sorted({*queues_of(all_tools(), io=True), *mcp_queues, QUEUE_WEBHOOKS})
+io_queues = sorted({*queues_of(all_tools(), io=True), *mcp_queues, k.QUEUE_WEBHOOKS})
 
 
 @worker_init.connect
@@ -153,17 +153,10 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
 
         # The loop is up before the first task, and blame names this worker.
         get_host().hostname = str(getattr(sender, "hostname", ""))
-    from agentq.constants import (
-        PRESENCE,
-        WORKER_ALIVE_TTL_S,
-        WORKER_HEARTBEAT_S,
-        WORKERS,
-        worker_alive_key,
-    )
     from agentq.fleet.presence import entry
 
     hostname = str(getattr(sender, "hostname", ""))
-    key = worker_alive_key(hostname)
+    key = k.worker_alive_key(hostname)
     redis = get_store().redis
     consumed = list(sender.app.amqp.queues.consume_from) if sender is not None else []
 
@@ -171,18 +164,18 @@ def _start_heartbeat(sender: Any = None, **_: Any) -> None:
         while not _stopping.is_set():
             try:
                 pipe = redis.pipeline(transaction=False)
-                pipe.hset(PRESENCE, hostname, entry(kind, consumed))
+                pipe.hset(k.PRESENCE, hostname, entry(kind, consumed))
                 if kind in HEARTBEAT_ROLES:
-                    pipe.set(key, os.getpid(), px=int(WORKER_ALIVE_TTL_S * 1000))
+                    pipe.set(key, os.getpid(), px=int(k.WORKER_ALIVE_TTL_S * 1000))
                     # The sweepers find a worker that stopped beating here, and wake the
                     # turns of its calls at once.
-                    pipe.zadd(WORKERS, {hostname: time.time()})
+                    pipe.zadd(k.WORKERS, {hostname: time.time()})
                 pipe.execute()
             except Exception:
                 log.warning("worker heartbeat failed", exc_info=True)
-            _stopping.wait(WORKER_HEARTBEAT_S)
+            _stopping.wait(k.WORKER_HEARTBEAT_S)
         with contextlib.suppress(Exception):
-            redis.hdel(PRESENCE, hostname)
+            redis.hdel(k.PRESENCE, hostname)
 
     _beating.append(threading.Thread(target=beat, name="agentq-heartbeat", daemon=True))
     _beating[-1].start()
@@ -250,7 +243,7 @@ def _start_sweeper(**_: Any) -> None:
 def _start_webhook_sweeper(sender: Any = None, **_: Any) -> None:
     """Whoever delivers webhooks sends their due retries (and a lost message again)."""
     consumed = sender.app.amqp.queues.consume_from if sender is not None else {}
-    if QUEUE_WEBHOOKS not in consumed:
+    if k.QUEUE_WEBHOOKS not in consumed:
         return
     from agentq.webhooks.task import WebhookSweeper
 
