@@ -143,6 +143,7 @@ class Gateway:
         self.body_limit_bytes = settings.max_prompt_bytes + BODY_MARGIN_BYTES
         self.closing = threading.Event()
         self.presence = Presence(client._store.redis)
+        self.deliveries = Deliveries(client._store.redis, retention_s=settings.state_ttl_s)
 
     def begin_shutdown(self) -> None:
         """End open SSE streams cleanly (within `poll_s`) instead of being cancelled."""
@@ -440,8 +441,7 @@ class Gateway:
 
     def read_webhooks(self) -> tuple[dict[str, int], int | None]:
         """The fleet's webhook counters and backlog, for /metrics."""
-        d = Deliveries(self.client._store.redis, retention_s=self.client.settings.state_ttl_s)
-        return d.counts(), d.backlog()
+        return self.deliveries.counts(), self.deliveries.backlog()
 
     async def metrics_page(self, request: Request) -> Response:
         self.require_admin_read(request)

@@ -37,7 +37,6 @@ from agentq.state.spend import Spend
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
 from agentq.state.waitpoints import waitpoints
-from agentq.webhooks.deliveries import Deliveries
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
@@ -51,9 +50,6 @@ class Console:
     def __init__(self, gw: RouteContext) -> None:
         self.gw = gw
         self.lister = TurnLister(gw.client._store.redis)
-        self.deliveries = Deliveries(
-            gw.client._store.redis, retention_s=gw.client.settings.state_ttl_s
-        )
 
     def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
         """Which turns the caller may list; None: every turn (no keys, loopback only)."""
@@ -108,7 +104,7 @@ class Console:
         summary.pop("_state", None)
         view = timeline(self.gw.client._store, turn_id, state)
         view["turn"] = summary
-        view["webhook"] = self.deliveries.of_turn(turn_id)
+        view["webhook"] = self.gw.deliveries.of_turn(turn_id)
         view["source"] = replay_source(state)
         client = self.gw.client
         view["waitpoints"] = waitpoints(client._store).listing(turn_id)

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from agentq.llm.capacity import Capacity
     from agentq.models import TurnHandle, TurnRequest
     from agentq.state.turn_state import TurnState
+    from agentq.webhooks.deliveries import Deliveries
 
 
 class RouteContext(Protocol):
@@ -25,6 +26,7 @@ class RouteContext(Protocol):
     client: Client
     keyring: Keyring
     capacity: Capacity
+    deliveries: Deliveries
     body_limit_bytes: int
 
     def require_key(self, request: Request) -> Principal | None:

@@ -8,6 +8,7 @@ the console (admin keys; an API key sees its own turns' deliveries through their
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -21,7 +22,6 @@ from agentq.gateway.auth import Principal
 from agentq.gateway.validate import read_json
 from agentq.schedules.spec import build_spec, parse_every
 from agentq.schedules.store import Schedules
-from agentq.webhooks.deliveries import Deliveries
 from agentq.webhooks.target import check_for_turn
 
 if TYPE_CHECKING:
@@ -34,18 +34,13 @@ MAX_LISTED = 200
 class Jobs:
     def __init__(self, gw: RouteContext) -> None:
         self.gw = gw
-        client = gw.client
-        self._schedules: Schedules | None = None
-        self.deliveries = Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s)
 
-    @property
+    @cached_property
     def schedules(self) -> Schedules:
         """Made on first use: behind Sentinel the gateway serves all else, and schedules
         answer with the ConfigError that says why they cannot run there."""
-        if self._schedules is None:
-            c = self.gw.client
-            self._schedules = Schedules(c.app, c._store.redis, c.settings)
-        return self._schedules
+        c = self.gw.client
+        return Schedules(c.app, c._store.redis, c.settings)
 
     def _admin(self, request: Request) -> Principal | None:
         principal = self.gw.require_key(request)
@@ -89,7 +84,7 @@ class Jobs:
             limit = min(MAX_LISTED, max(1, int(request.query_params.get("limit", "50"))))
         except ValueError:
             limit = 50
-        rows = await run_in_threadpool(self.deliveries.recent, limit)
+        rows = await run_in_threadpool(self.gw.deliveries.recent, limit)
         return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 
 
