@@ -130,7 +130,6 @@ async def astream_round(
     turn_id: str = "",
     duration_limit_s: float | None = None,
     on_first_output: Callable[[], None] | None = None,
-    busy_is_final: bool = False,
     on_headers: Callable[[dict[str, str]], None] | None = None,
     failover: bool = False,
     max_completion_tokens: int | None = None,
@@ -141,8 +140,8 @@ async def astream_round(
 
     `on_first_output` is called once per attempt, at its first text, reasoning or tool
     call (time to first token); `on_headers` gets the streaming answer's rate-limit headers.
-    With `busy_is_final`, a busy answer (429, 503, 529) ends the round with `ModelBusy` at
-    once: the fleet's capacity manager waits, not this stream.
+    A busy answer (429, 503, 529) ends the round with `ModelBusy` at once: the fleet's
+    capacity manager waits, not this stream.
     With `failover` (the model has other deployments), a failure that a retry here would
     send to the same deployment again (a server error, a refused connection, a stall before
     any chunk) ends the round at once too, so the next attempt goes to a healthy one.
@@ -187,7 +186,7 @@ async def astream_round(
             return message, streamed_s + run.elapsed_s
         if abort.is_set():
             raise Aborted(turn_id) from error
-        if _final(error, run.said, attempt, max_retries, busy_is_final, failover):
+        if _final(error, run.said, attempt, max_retries, failover):
             raise error
         delay_s = backoff_s(attempt, run.retry_after_s)
         on_retry(attempt, error, delay_s)
@@ -198,11 +197,9 @@ async def astream_round(
         raise Aborted(turn_id)
 
 
-def _final(
-    error: LlmError, said: int, attempt: int, max_retries: int, busy_is_final: bool, failover: bool
-) -> bool:
+def _final(error: LlmError, said: int, attempt: int, max_retries: int, failover: bool) -> bool:
     """Whether a failed attempt ends the round here rather than being tried again."""
-    if busy_is_final and isinstance(error, ModelBusy):
+    if isinstance(error, ModelBusy):
         return True
     if failover and said == 0 and retryable(error):
         return True

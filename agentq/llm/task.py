@@ -214,7 +214,6 @@ class _Round:
                 abort=abort,
                 turn_id=req.turn_id,
                 on_first_output=self._on_first_output,
-                busy_is_final=True,
                 on_headers=self.headers.update,
                 failover=self.failover,
                 max_completion_tokens=req.max_completion_tokens,

@@ -48,7 +48,6 @@ async def _round(
     max_retries: int = 2,
     client: Any = None,
     idle_ms: int = IDLE_MS,
-    busy_is_final: bool = False,
     api_key: str | None = None,
     base_url: str | None = None,
 ) -> tuple[AssistantMessage | None, BaseException | None, list[int], list[str]]:
@@ -75,7 +74,6 @@ async def _round(
             on_retry=lambda attempt, exc, delay: retries.append(attempt),
             abort=abort or asyncio.Event(),
             turn_id="t",
-            busy_is_final=busy_is_final,
             api=API[0],
         )
         return message, None, retries, deltas
@@ -112,7 +110,7 @@ def test_a_server_error_is_retried_then_streams(server: ScriptedOpenAIServer) ->
 
 def test_a_refusal_is_busy_with_its_retry_after(server: ScriptedOpenAIServer) -> None:
     server.set_script("a-429", [Round(text="x", fault="http_429", retry_after_s=2)])
-    _, error, retries, _ = asyncio.run(_round(server, "a-429", busy_is_final=True))
+    _, error, retries, _ = asyncio.run(_round(server, "a-429"))
     assert isinstance(error, ModelBusy) and error.status_code == 429
     assert error.retry_after_s == 2 and "rate limit" in error.message and retries == []
 

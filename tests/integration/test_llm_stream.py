@@ -356,14 +356,14 @@ def test_server_error_then_success_is_retried(server: ScriptedOpenAIServer) -> N
     assert len(requests_for(server, "http-500")) == 2
 
 
-def test_rate_limit_honours_retry_after(server: ScriptedOpenAIServer) -> None:
-    rnd = Round(text="after the wait", fault="http_429", fault_times=1, retry_after_s=0.6)
-    server.set_script("http-429", [rnd])
-    out = run(server, "http-429")
+def test_a_retry_honours_retry_after(server: ScriptedOpenAIServer) -> None:
+    rnd = Round(text="after the wait", fault="http_500", fault_times=1, retry_after_s=0.6)
+    server.set_script("http-500-wait", [rnd])
+    out = run(server, "http-500-wait")
     assert out.error is None
     assert out.message is not None and out.message.content == "after the wait"
     [(_, exc, delay_s)] = out.retries
-    assert isinstance(exc, ModelHTTPError) and exc.status_code == 429
+    assert isinstance(exc, ModelHTTPError) and exc.status_code == 500
     assert delay_s == pytest.approx(0.6)
     assert out.elapsed_s >= 0.55
 
