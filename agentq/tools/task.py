@@ -20,7 +20,7 @@ from celery.signals import task_failure
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.fleet.runtime import get_store
-from agentq.models import ToolCall, ToolResult, ToolTaskRequest
+from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import REDIS_AWAY, held_writes
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
@@ -41,7 +41,7 @@ from agentq.tools.calls import (
 )
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
-from agentq.tools.results import lost_result, timeout_result
+from agentq.tools.results import lost_result
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -287,21 +287,12 @@ def _settle_killed(
         lambda: store.redis.hget(k.turn_key(req.turn_id), k.STARTED + req.call_id), until, what
     )
     start = json.loads(raw or "{}")
-    common: dict[str, Any] = {
-        "task_id": task_id,
-        "worker": start.get("worker"),
-        "pid": start.get("pid"),
-        "attempt": req.attempt,
-        "budget_s": req.budget_s,
-        "started_at": start.get("started_at"),
-    }
-    call = ToolCall(id=req.call_id, name=req.tool, arguments="")
+    # The fields of the start record, each None when it was never written.
+    scope = CallScope(req, start.get("worker"), task_id, start.get("started_at"), start.get("pid"))
     if isinstance(exception, TimeLimitExceeded):
-        result = timeout_result(call, req.timeout_s, killed=True, **common)
+        result = scope.timeout(killed=True)
     else:
-        result = lost_result(
-            call, f"its worker process died ({exception})", timeout_s=req.timeout_s, **common
-        )
+        result = lost_result(scope.call, f"its worker process died ({exception})", **scope.common)
     won = held_writes.hold(lambda: store.settle(req.turn_id, result), until, what)
     if won and tracing.enabled:
         # The child that ran the call died with its span: record it from here.
