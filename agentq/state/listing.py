@@ -112,10 +112,6 @@ def _as_list(v: Any) -> list[Any]:
     return v if isinstance(v, list) else []
 
 
-def _as_dict(v: Any) -> dict[str, Any]:
-    return v if isinstance(v, dict) else {}
-
-
 def _loads(raw: str) -> Any:
     try:
         return json.loads(raw)
@@ -276,7 +272,7 @@ class TurnLister:
             out[turn_id] = summarise(
                 turn_id,
                 state,
-                _as_dict(row[2]),
+                row[2] if isinstance(row[2], dict) else {},
                 _as_list(row[3]),
                 [p for p in pending if isinstance(p, dict)],
                 now,

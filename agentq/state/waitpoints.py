@@ -202,10 +202,8 @@ class Waitpoints:
     def complete_waitpoint(
         self, wp_id: str, token: str, value: Any, *, max_bytes: int
     ) -> ToolResult:
-        """Settle the waitpoint's call with `value` (`{"error": ...}`: `error`) and wake its
-        turn; the result stored. Raises WaitpointRefused: 404 (unknown id, wrong token:
-        one answer, no oracle), 409 (completed: `first`), 410 (timed
-        out, its call cancelled or its turn over), PayloadTooLarge."""
+        """`Client.complete_waitpoint`, a result up to `max_bytes`; a wrong token gets the
+        unknown id's 404: one answer, no oracle."""
         ids = parse_waitpoint_id(wp_id)
         expected = token_for(self.waitpoint_key(), wp_id) if ids else ""
         if ids is None or not hmac.compare_digest(expected.encode(), token.encode()):
