@@ -300,20 +300,15 @@ class Gateway:
 
     async def events(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
-        principal = None
-        if self.keyring.enabled:
-            # A key only in the header: a URL (?token=) ends up in logs and history.
-            principal = self.keyring.identify(bearer(request))
+        # A key only in the header: a URL (?token=) ends up in logs and history.
+        principal = self.keyring.identify(bearer(request))
         token = bearer(request, allow_query=True)
         if self.keyring.enabled and token is None:
             raise Unauthorized("this stream needs a key or the turn's token")
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
-        after = cursor_of(
-            (
-                request.headers.get("last-event-id") or request.query_params.get("after") or "0-0"
-            ).strip()
-        )
-        depth = depth_of(request.query_params.get("depth"))
+        q = request.query_params
+        after = cursor_of(request.headers.get("last-event-id") or q.get("after") or "0-0")
+        depth = depth_of(q.get("depth"))
         keep_alive_s = self._keep_alive_s(request)
         poll_s = min(self.poll_s, keep_alive_s)
         opened = await run_in_threadpool(

@@ -42,21 +42,21 @@ def request_id_of(value: str) -> str:
     return value
 
 
-def cursor_of(value: str, field: str = "Last-Event-ID") -> Cursor:
+def cursor_of(value: str) -> Cursor:
     """Where a reader resumes (an SSE id this gateway sent: a stream id, maybe with the
     positions of relayed sub-agent streams), else 422."""
     try:
         return Cursor.parse(value)
     except ValueError as exc:
         raise ApiError(
-            422, "ValidationError", f"{field}: {exc} (an SSE id as the stream sent it)"
+            422, "ValidationError", f"Last-Event-ID: {exc} (an SSE id as the stream sent it)"
         ) from None
 
 
-def depth_of(raw: str | None, default: int = 1) -> int:
-    """How many levels of sub-agents to relay (`?depth=`), else 422."""
+def depth_of(raw: str | None) -> int:
+    """How many levels of sub-agents to relay (`?depth=`, default 1), else 422."""
     if raw is None:
-        return default
+        return 1
     if not raw.isdigit() or int(raw) > RELAY_DEPTH_MAX:
         raise ApiError(
             422, "ValidationError", f"depth: must be an integer from 0 to {RELAY_DEPTH_MAX}"
@@ -88,14 +88,15 @@ def _raise_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def loads_strict(body: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, no lone surrogates, nested at most `max_depth`."""
-    depth = deepest = 0
+def loads_strict(body: bytes) -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity, no lone surrogates, nested at most MAX_JSON_DEPTH."""
+    depth = 0
     for bracket in _BRACKET.finditer(_STRING.sub(b'""', body)):
         depth += 1 if bracket.group() in (b"[", b"{") else -1
-        deepest = max(deepest, depth)
-        if deepest > max_depth:
-            raise ApiError(422, "ValidationError", f"body: nested deeper than {max_depth} levels")
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(
+                422, "ValidationError", f"body: nested deeper than {MAX_JSON_DEPTH} levels"
+            )
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_raise_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
