@@ -41,12 +41,10 @@ def api_error_to_llm(exc: openai.APIError) -> ModelHTTPError:
                 exc.status_code, message, parse_retry_after(headers), rate_headers(headers)
             )
         return ModelHTTPError(exc.status_code, message, retryable_status(exc.status_code))
-    if isinstance(exc, openai.APIConnectionError):
-        cause = exc.__cause__
-        detail = f"{exc.message} ({type(cause).__name__}: {cause})" if cause else exc.message
-        return ModelConnectionError(detail)
-    # An error event inside a 200 stream.
-    return ModelHTTPError(200, f"error in the stream: {exc.message}", False)
+    # A connection that failed or timed out: the only other errors the attempt passes here.
+    cause = exc.__cause__
+    detail = f"{exc.message} ({type(cause).__name__}: {cause})" if cause else exc.message
+    return ModelConnectionError(detail)
 
 
 CHAT_COMPLETIONS_PATH = "/chat/completions"
