@@ -34,10 +34,6 @@ _COMMON = ("type", "turn_id", "seq", "ts", "stream_id", "cursor")
 _ALWAYS_DUMPED = frozenset(("type", "turn_id", "seq", "ts", "stream_id"))
 
 
-def _now_s() -> float:
-    return time.time()
-
-
 class Event(BaseModel):
     """One event of a turn: `type`, `turn_id`, `seq`, `ts`, and the fields of its type."""
 
@@ -46,7 +42,7 @@ class Event(BaseModel):
     type: str
     turn_id: str
     seq: int = 0
-    ts: float = Field(default_factory=_now_s)
+    ts: float = Field(default_factory=time.time)
     stream_id: str | None = None
     cursor: str | None = Field(default=None, exclude=True)
     """Where a reader resumes right after this event (`Last-Event-ID`): its stream id, or
