@@ -168,7 +168,7 @@ def _begin(ctx: StepContext) -> Phase:
     # Nothing of a turn's calls is stored before its first step: the calls it came
     # with (if any) are read as they are, without a round trip.
     ids = tuple(c.id for c in pending_calls(ctx.history))
-    ctx.round_read = RoundRead.untouched(ids) if ids else None
+    ctx.round_read = RoundRead.unsent(ids) if ids else None
     return GO_ON
 
 
@@ -256,7 +256,7 @@ def _answer(ctx: StepContext, round_no: int, message: AssistantMessage, streamed
     # before any call is sent (or with whatever the step writes first).
     ctx.stage(append=[kept], plans=plans, **counts)
     # Calls this new are neither sent nor settled: the step goes on without a read.
-    ctx.round_read = RoundRead.planned(plans) if plans else None
+    ctx.round_read = RoundRead.unsent(tuple(plans), list(plans.values())) if plans else None
     return GO_ON
 
 

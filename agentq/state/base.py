@@ -112,16 +112,10 @@ class RoundRead:
     plans: list[Any]
 
     @classmethod
-    def untouched(cls, ids: tuple[str, ...]) -> RoundRead:
-        """Calls of which nothing is stored: not planned, sent or settled."""
+    def unsent(cls, ids: tuple[str, ...], plans: list[Any] | None = None) -> RoundRead:
+        """Calls neither sent nor settled, planned (`plans`) or not even that."""
         none: list[Any] = [None] * len(ids)
-        return cls(ids, none, list(none), list(none))
-
-    @classmethod
-    def planned(cls, plans: dict[str, str]) -> RoundRead:
-        """A round just planned: nothing sent or settled yet."""
-        none: list[Any] = [None] * len(plans)
-        return cls(tuple(plans), none, list(none), list(plans.values()))
+        return cls(ids, none, list(none), plans or list(none))
 
 
 @dataclass
