@@ -85,11 +85,7 @@ class McpTools:
         for name in self.servers:
             listing = shared.get(name)
             if listing is not None and (force or listing.listed_at > self.applied.get(name, -1)):
-                try:
-                    self.apply(name, listing)
-                except Exception as exc:
-                    # Whatever a listing holds, it costs its server's tools, not the worker.
-                    log.warning("MCP server %s: tools not taken: %s", name, explain(exc))
+                self.apply(name, listing)
 
     def _read(self) -> dict[str, Listing]:
         try:
@@ -136,12 +132,7 @@ class McpTools:
             listing = Listing(time.time(), previous.tools if previous else [], error=why)
             await loop.run_in_executor(None, self._health, name, why)
         await loop.run_in_executor(None, self._write, name, listing)
-        try:
-            await loop.run_in_executor(None, self.apply, name, listing)
-        except Exception as exc:
-            # Whatever a listing holds, it costs its server's tools, not the worker (nor
-            # the task that keeps the listings: `apply` records the listing first).
-            log.warning("MCP server %s: tools not taken: %s", name, explain(exc))
+        await loop.run_in_executor(None, self.apply, name, listing)
 
     def _write(self, name: str, listing: Listing) -> None:
         try:
@@ -157,9 +148,15 @@ class McpTools:
 
     def apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         """Put the listing's tools (those the allowlist keeps) in the registry, in place of
-        the server's earlier ones; returns the tools that were not there before."""
-        with self._apply_lock:
-            return self._apply(name, listing)
+        the server's earlier ones; returns the tools that were not there before. Whatever a
+        listing holds costs its server's tools, never the worker nor the task that keeps the
+        listings (the listing is recorded before anything can fail)."""
+        try:
+            with self._apply_lock:
+                return self._apply(name, listing)
+        except Exception as exc:
+            log.warning("MCP server %s: tools not taken: %s", name, explain(exc))
+            return []
 
     def _apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         self.applied[name] = listing.listed_at
