@@ -128,7 +128,6 @@ async def astream_round(
     on_retry: RetryCallback,
     abort: asyncio.Event,
     turn_id: str = "",
-    duration_limit_s: float | None = None,
     on_first_output: Callable[[], None] | None = None,
     on_headers: Callable[[dict[str, str]], None] | None = None,
     failover: bool = False,
@@ -150,14 +149,12 @@ async def astream_round(
     Raises an `LlmError` (`StreamIdleTimeout`, `StreamDurationExceeded`, `ModelHTTPError`,
     ...) after the retries `agentq.llm.retry` allows, or `Aborted`.
     """
-    limit_s = duration_limit_s if duration_limit_s is not None else duration_left_s
     # Every attempt is sent alike: each is a fresh copy of this one, never run itself.
     first = _Attempt(
         client=client,
         model=model,
         idle_timeout_ms=idle_timeout_ms,
         duration_left_s=duration_left_s,
-        duration_limit_s=limit_s,
         timeout=timeout,
         on_delta=on_delta,
         abort=abort,
@@ -175,7 +172,7 @@ async def astream_round(
         if abort.is_set():
             raise Aborted(turn_id)
         if duration_left_s <= 0:
-            raise StreamDurationExceeded(limit_s, limit_s - duration_left_s)
+            raise StreamDurationExceeded(duration_left_s, 0.0)
         run = dataclasses.replace(first)
         try:
             message = await run.run(messages, tools)
@@ -212,7 +209,6 @@ class _Attempt:
     model: str
     idle_timeout_ms: int
     duration_left_s: float
-    duration_limit_s: float
     timeout: httpx2.Timeout | None
     on_delta: DeltaCallback
     abort: asyncio.Event
@@ -282,10 +278,7 @@ class _Attempt:
                     if trip == "abort" or self.abort.is_set():
                         raise Aborted(self.turn_id)
                     if trip == "duration":
-                        used_s = self.duration_limit_s - self.duration_left_s
-                        raise StreamDurationExceeded(
-                            self.duration_limit_s, used_s + now - self._started
-                        )
+                        raise StreamDurationExceeded(self.duration_left_s, now - self._started)
                     raise StreamIdleTimeout(self.idle_timeout_ms, self.said, lifetime_ms)
             return reader.result()
         finally:
