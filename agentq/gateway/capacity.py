@@ -21,25 +21,20 @@ from agentq.llm.capacity import Capacity
 from agentq.llm.limits import ModelLimitsEntry
 
 
-def known_models(cap: Capacity, settings: Settings, client: redis.Redis) -> list[str]:
-    """Configured models (and any this process has met), the default one, the agents' ones."""
-    models = set(cap.limits)
-    models.add(settings.llm_model)
-    for agent in published_agent_details(client):
-        if isinstance(agent.get("model"), str):
-            models.add(agent["model"])
-    # A brace would end the model's Redis Cluster hash tag early (as parse_limits refuses).
-    return sorted(m for m in models if m.strip() and "{" not in m and "}" not in m)
-
-
 def read_snapshots(cap: Capacity, settings: Settings, client: redis.Redis) -> list[dict[str, Any]]:
-    """`Capacity.snapshot` of every known model, by name, with the API it is called with
-    (`api`: its setting, the API in use, and what `auto` learned, agentq.llm.apis)."""
+    """`Capacity.snapshot` of every known model (configured ones and any this process has
+    met, the default one, the agents' ones, those whose API `auto` learned), by name, with
+    the API it is called with (`api`: its setting, the API in use, and what `auto` learned,
+    agentq.llm.apis)."""
     learned = read_learned(client)
-    models = set(known_models(cap, settings, client))
+    agents = [
+        a["model"] for a in published_agent_details(client) if isinstance(a.get("model"), str)
+    ]
+    models = {*cap.limits, settings.llm_model, *agents, *learned}
+    # A brace would end the model's Redis Cluster hash tag early (as parse_limits refuses).
     return [
         {**cap.snapshot(model), "api": api_view(model, settings, cap.limits, learned)}
-        for model in sorted(models | {m for m in learned if "{" not in m and "}" not in m})
+        for model in sorted(m for m in models if m.strip() and "{" not in m and "}" not in m)
     ]
 
 
@@ -66,4 +61,4 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
     return {"now_ms": now_ms, "models": models}
 
 
-__all__ = ["capacity_view", "known_models", "read_snapshots"]
+__all__ = ["capacity_view", "read_snapshots"]
