@@ -310,16 +310,13 @@ class Capacity:
         own = inputs.ReleaseArgs(lease_id, used)
         return Wakes(**self._wakes(self._run(self._release, model, now_ms, own)))
 
-    def renew(
-        self, lease: Grant | str, ttl_ms: int | None = None, *, now_ms: int | None = None
-    ) -> bool:
-        """Keep a lease for `ttl_ms` more (default `lease_ttl_ms`); False if it was lost."""
+    def renew(self, lease: Grant | str, *, now_ms: int | None = None) -> bool:
+        """Keep a lease for `lease_ttl_ms` more; False if it was lost."""
         lease_id = lease.lease_id if isinstance(lease, Grant) else lease
         if not lease_id:
             return True
         model = _lease_model(lease_id)
-        ttl = self.lease_ttl_ms if ttl_ms is None else ttl_ms
-        args = inputs.RenewArgs("" if now_ms is None else now_ms, lease_id, ttl)
+        args = inputs.RenewArgs("" if now_ms is None else now_ms, lease_id, self.lease_ttl_ms)
         return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=list(args)))
 
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> tuple[bool, Wakes]:
