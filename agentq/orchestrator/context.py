@@ -153,9 +153,18 @@ class StepContext:
         events = [*staged_events, *(events or [])]
         messages = [*self.staged_append, *(append or [])]
         plans = {**self.staged_plans, **(plans or {})}
-        if not self.store.commit(
-            self.turn_id, self.token, fields, messages, plans=plans, events=events
-        ):
+        kept = self.store.release_step(
+            self.turn_id,
+            self.token,
+            None,
+            0,
+            fields=fields,
+            events=events,
+            append=messages,
+            plans=plans,
+            keep=True,
+        )
+        if kept is not Released.KEPT:
             raise StepLost(self.turn_id)
         self.staged, self.staged_append, self.staged_plans = ({}, []), [], {}
         self.state.update(fields)

@@ -49,7 +49,7 @@ class Released(IntEnum):
     RELEASED = 1
     """Written, the lock let go, the turn's next deadline left for the sweepers."""
     KEPT = 2
-    """Written by `commit`, which keeps the lock."""
+    """Written, the lock kept (`keep`: a commit of what the step decided so far)."""
 
 
 class WakeArgs(NamedTuple):
@@ -298,33 +298,6 @@ class StepRecords(StoreBase):
         args = BeginArgs(token, ttl_ms, now_ms(), "1" if again else "0")
         raw = self._begin(keys=[k.turn_key(turn_id)], args=list(args))
         return step_view(*raw) if raw else None
-
-    def commit(
-        self,
-        turn_id: str,
-        token: str,
-        fields: Mapping[str, Any],
-        append: list[dict[str, Any]] | None = None,
-        *,
-        plans: dict[str, str] | None = None,
-        events: list[tuple[str, dict[str, Any]]] | None = None,
-    ) -> bool:
-        """Write state fields, append history messages, store call plans (call id -> plan
-        JSON) and publish events, in one write, if this step still holds the lock (kept)."""
-        return (
-            self.release_step(
-                turn_id,
-                token,
-                None,
-                0,
-                fields=fields,
-                events=events,
-                append=append,
-                plans=plans,
-                keep=True,
-            )
-            is Released.KEPT
-        )
 
     def release_step(
         self,

@@ -43,10 +43,13 @@ def test_one_step_at_a_time_and_a_wake_makes_the_holder_step_again(store: TurnSt
 
 def test_a_step_whose_lock_lapsed_cannot_write(store: TurnStore) -> None:
     assert store.lock_step("t1", "a", 5000) is True
-    assert store.commit("t1", "a", {"round": 1}, [{"role": "assistant", "content": "x"}])
+    append = [{"role": "assistant", "content": "x"}]
+    kept = store.release_step("t1", "a", None, 0, fields={"round": 1}, append=append, keep=True)
+    assert kept is Released.KEPT
     lock(store, "t1", "a", lapsed=True)
     assert store.lock_step("t1", "b", 5000) is True
-    assert store.commit("t1", "a", {"round": 9}) is False
+    lost = store.release_step("t1", "a", None, 0, fields={"round": 9}, keep=True)
+    assert lost is Released.LOST
     assert store.release_step("t1", "a", None, 5000) == Released.LOST
     assert store.state("t1")["round"] == 1  # type: ignore[index]
     assert len(store.history("t1")) == 2
