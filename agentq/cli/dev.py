@@ -142,12 +142,6 @@ def _redis_for(settings: Settings) -> tuple[str, RedisServer | None]:
     return settings.redis_url, None
 
 
-def _check_broker(url: str, master_name: str | None = None) -> None:
-    problem = probe(url, master_name)
-    if problem is not None:
-        raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {redact(url)}: {problem}")
-
-
 @dataclass
 class Started:
     """What the summary prints and what the in-process client needs."""
@@ -211,8 +205,10 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
 def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
     """The Redis the fleet uses (embedded if none answers) and the environment it starts with."""
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
-    if separate_broker:
-        _check_broker(settings.broker, settings.redis_sentinel_master)
+    problem = probe(settings.broker, settings.redis_sentinel_master) if separate_broker else None
+    if problem is not None:
+        where = redact(settings.broker)
+        raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {where}: {problem}")
     env: dict[str, str] = {}
     url, embedded = _redis_for(settings)
     fleet.redis = embedded
@@ -237,7 +233,6 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
     started = Started(env=env, redis_url=url)
     if settings.webhook_secret is None:
         import base64
-        import secrets
 
         secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
         started.webhook_secret = env["AGENTQ_WEBHOOK_SECRET"] = secret
