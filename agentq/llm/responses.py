@@ -204,7 +204,7 @@ class ResponsesAssembler(Assembler):
         return call
 
     def _item_added(self, event: dict[str, Any], index: int) -> None:
-        item = _item(event, index)
+        item = _object(event, "item", index)
         if item.get("type") == "function_call":
             self._function_call(item, _int(event, "output_index", index), index)
             self.output_events += 1
@@ -226,7 +226,7 @@ class ResponsesAssembler(Assembler):
         return call
 
     def _item_done(self, event: dict[str, Any], index: int) -> None:
-        item = _item(event, index)
+        item = _object(event, "item", index)
         at = _int(event, "output_index", index)
         kind = item.get("type")
         if kind == "reasoning":
@@ -241,19 +241,19 @@ class ResponsesAssembler(Assembler):
                 self._said("text", text if isinstance(text, str) else None)
 
     def _completed(self, event: dict[str, Any], index: int) -> None:
-        response = _response(event, index)
+        response = _object(event, "response", index)
         usage = response.get("usage")
         if usage is not None:
             self._usage = _usage(usage, index)
         self._ended = True
 
     def _incomplete(self, event: dict[str, Any], index: int) -> NoReturn:
-        details = _response(event, index).get("incomplete_details")
+        details = _object(event, "response", index).get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         raise ModelIncomplete(str(reason or "no reason given"))
 
     def _failed(self, event: dict[str, Any], index: int) -> NoReturn:
-        error = _response(event, index).get("error")
+        error = _object(event, "response", index).get("error")
         error = error if isinstance(error, dict) else {}
         raise ModelResponseFailed(
             str(error.get("code") or "unknown"), str(error.get("message") or "response.failed")
@@ -316,18 +316,11 @@ def _int(obj: Mapping[str, Any], name: str, index: int) -> int:
     return value
 
 
-def _item(event: Mapping[str, Any], index: int) -> dict[str, Any]:
-    item = event.get("item")
-    if not isinstance(item, dict):
-        bad(index, "'item' is not an object")
-    return item
-
-
-def _response(event: Mapping[str, Any], index: int) -> dict[str, Any]:
-    response = event.get("response")
-    if not isinstance(response, dict):
-        bad(index, "'response' is not an object")
-    return response
+def _object(event: Mapping[str, Any], name: str, index: int) -> dict[str, Any]:
+    value = event.get(name)
+    if not isinstance(value, dict):
+        bad(index, f"'{name}' is not an object")
+    return value
 
 
 def _usage(usage: object, index: int) -> Usage:
