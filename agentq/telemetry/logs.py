@@ -52,18 +52,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def _loggers() -> list[logging.Logger]:
-    found = [logging.getLogger()]
-    for obj in list(logging.Logger.manager.loggerDict.values()):
-        if isinstance(obj, logging.Logger):
-            found.append(obj)
-    return found
-
-
 def apply(loggers: list[logging.Logger] | None = None) -> None:
     """Give every handler of these loggers (default: all loggers) the JSON formatter."""
+    if loggers is None:
+        known = list(logging.Logger.manager.loggerDict.values())
+        loggers = [logging.getLogger(), *(x for x in known if isinstance(x, logging.Logger))]
     formatter = JsonFormatter()
-    for logger in _loggers() if loggers is None else loggers:
+    for logger in loggers:
         for handler in logger.handlers:
             handler.setFormatter(formatter)
 

@@ -15,7 +15,6 @@ class Attempt:
     """The answer's status; None when there was none (refused, unreachable, timed out)."""
     error: str | None
     duration_ms: int
-    address: str | None = None
 
 
 def post(
@@ -59,10 +58,10 @@ def post(
         ):
             code = response.status_code
     except httpx.TimeoutException:
-        return Attempt(None, f"timed out after {timeout_s:g}s", took_ms(), address)
+        return Attempt(None, f"timed out after {timeout_s:g}s", took_ms())
     except httpx.HTTPError as exc:
-        return Attempt(None, f"{type(exc).__name__}: {exc}"[:300], took_ms(), address)
+        return Attempt(None, f"{type(exc).__name__}: {exc}"[:300], took_ms())
     error = None
     if not 200 <= code < 300:
         error = f"HTTP {code}" + (" (redirects are not followed)" if 300 <= code < 400 else "")
-    return Attempt(code, error, took_ms(), address)
+    return Attempt(code, error, took_ms())
