@@ -176,12 +176,12 @@ class ResponsesAssembler(Assembler):
         if not isinstance(kind, str):
             bad(index, "event has no string 'type'")
         handler = _HANDLERS.get(kind)
-        if handler is None:
+        if handler is not None:
+            handler(self, event, index)
+        elif kind not in _SAY_NOTHING:
             if UNKNOWN_EVENTS[kind] == 0:
                 log.info("ignoring Responses stream events of an unknown type: %s", kind)
             UNKNOWN_EVENTS[kind] += 1
-            return
-        handler(self, event, index)
 
     def _said(self, kind: str, text: str | None) -> None:
         if text:
@@ -273,10 +273,6 @@ class ResponsesAssembler(Assembler):
         )
 
 
-def _say_nothing(assembler: ResponsesAssembler, event: dict[str, Any], index: int) -> None:
-    """An event that says nothing the message needs (its text came in the deltas)."""
-
-
 _Handler = Callable[[ResponsesAssembler, dict[str, Any], int], None]
 _HANDLERS: dict[str, _Handler] = {
     "response.output_text.delta": ResponsesAssembler._text_delta,
@@ -291,22 +287,24 @@ _HANDLERS: dict[str, _Handler] = {
     "response.failed": ResponsesAssembler._failed,
     "error": ResponsesAssembler._error,
 }
-for _known in (
-    "response.created",
-    "response.in_progress",
-    "response.queued",
-    "response.content_part.added",
-    "response.content_part.done",
-    "response.output_text.done",
-    "response.reasoning_summary_part.added",
-    "response.reasoning_summary_part.done",
-    "response.reasoning_summary_text.done",
-    "response.reasoning_text.done",
-    "response.output_text.annotation.added",
-    "response.refusal.delta",
-    "response.refusal.done",
-):
-    _HANDLERS[_known] = _say_nothing
+_SAY_NOTHING = frozenset(
+    {
+        "response.created",
+        "response.in_progress",
+        "response.queued",
+        "response.content_part.added",
+        "response.content_part.done",
+        "response.output_text.done",
+        "response.reasoning_summary_part.added",
+        "response.reasoning_summary_part.done",
+        "response.reasoning_summary_text.done",
+        "response.reasoning_text.done",
+        "response.output_text.annotation.added",
+        "response.refusal.delta",
+        "response.refusal.done",
+    }
+)
+"""Events that say nothing the message needs (their text came in the deltas)."""
 
 
 def _int(obj: Mapping[str, Any], name: str, index: int) -> int:
