@@ -156,15 +156,6 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
     )
 
 
-def message_fields(messages: list[dict[str, Any]]) -> dict[str, str]:
-    """A new turn's history as fields of its state hash, with its length (nothing for none)."""
-    if not messages:
-        return {}
-    fields = {f"{k.MESSAGE}{i}": json.dumps(m) for i, m in enumerate(messages)}
-    fields[k.HISTORY_LEN_FIELD] = str(len(messages))
-    return fields
-
-
 def call_fields(raw: Mapping[Any, Any], prefix: str) -> dict[str, Any]:
     """The records of one kind (`prefix`) in a turn's state hash as read, by call id."""
     out: dict[str, Any] = {}

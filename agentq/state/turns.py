@@ -29,7 +29,6 @@ from agentq.state.base import (
     call_fields,
     finished,
     history_of,
-    message_fields,
     text,
 )
 from agentq.state.lua import (
@@ -244,7 +243,9 @@ class TurnRecords(StoreBase):
         fields = {f: json.dumps(v) for f, v in state.items()}
         # Its history is fields of its state (constants.MESSAGE): written whole, so
         # sending it again (see _durable_write) is harmless.
-        fields.update(message_fields(history))
+        fields.update({f"{k.MESSAGE}{i}": json.dumps(m) for i, m in enumerate(history)})
+        if history:
+            fields[k.HISTORY_LEN_FIELD] = str(len(history))
         fields.update(records or {})
 
         def build(pipe: Any) -> None:
