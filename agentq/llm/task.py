@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -411,6 +410,5 @@ def register_llm_task(app: Celery) -> None:
     @app.task(
         name=k.TASK_LLM_ROUND, bind=True, acks_late=True, ignore_result=True, queue=k.QUEUE_LLM
     )
-    def llm_round_task(self: Any, **kwargs: object) -> str:
+    def llm_round_task(self: Any, **kwargs: object) -> None:
         submit_round(LlmRoundRequest.model_validate(kwargs), getattr(self.request, "id", None))
-        return json.dumps({"round": "handed to the event loop"})
