@@ -117,21 +117,15 @@ class LockArgs(NamedTuple):
     """The lock's lifetime."""
     now_ms: int
     """The caller's clock, on which the lock's lifetime runs."""
-
-
-class BeginArgs(NamedTuple):
-    token: str
-    lock_ms: int
-    now_ms: int
-    again: str
-    """"1": the step goes round again (woken while it ran) and keeps the lock it holds."""
+    again: str = "0"
+    """BEGIN_LUA: "1": the step goes round again (woken while it ran) and keeps its lock."""
 
 
 # BEGIN_LUA: a step begins: take the lock (free, or lapsed; or keep it, `again`), clear the
 # dirty mark, and read what the step needs (state with its cancel reason, history, round)
 # in one round trip. A turn Redis does not hold is read as such, and nothing is written to it.
 BEGIN_LUA = (
-    bind_lua(TurnKey, BeginArgs)
+    bind_lua(TurnKey, LockArgs)
     + f"""
 local st = redis.call('HGETALL', turn_key)
 local held = false
@@ -295,7 +289,7 @@ class StepRecords(StoreBase):
     ) -> StepView | None:
         """Lock the turn for a step (or keep the lock, `again`) and read it, in one round
         trip; None if another step holds it (or, `again`, this step lost it)."""
-        args = BeginArgs(token, ttl_ms, now_ms(), "1" if again else "0")
+        args = LockArgs(token, ttl_ms, now_ms(), "1" if again else "0")
         raw = self._begin(keys=[k.turn_key(turn_id)], args=list(args))
         return step_view(*raw) if raw else None
 
