@@ -50,8 +50,7 @@ class Running:
 
 class LoopHost:
     def __init__(self) -> None:
-        settings = get_settings()
-        self.settings = settings
+        self.settings = settings = get_settings()
         self.store: TurnStore = get_store()
         self.pool = concurrent.futures.ThreadPoolExecutor(
             STORE_THREADS, thread_name_prefix="agentq-store"
@@ -62,7 +61,6 @@ class LoopHost:
         self.running: dict[str, Running] = {}
         self.hostname = ""
         self.loop = EventLoopThread(
-            name="agentq-loop",
             capacity=settings.io_capacity,
             lag_warn_s=settings.loop_lag_warn_ms / 1000,
             on_blocked=self._on_blocked,
