@@ -45,13 +45,9 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
     return value
 
 
-class UsageRoutes:
-    def __init__(self, gw: RouteContext) -> None:
-        self.client = gw.client
-        self.require_key = gw.require_key
-
-    async def usage(self, request: Request) -> Response:
-        principal = self.require_key(request)
+def usage_routes(gw: RouteContext) -> list[Route]:
+    async def usage(request: Request) -> Response:
+        principal = gw.require_key(request)
         q = request.query_params
         group_by = q.get("group_by") or "model"
         if group_by not in GROUP_BY:
@@ -66,16 +62,13 @@ class UsageRoutes:
             raise ApiError(403, "Forbidden", "a key sees its own usage only")
         owner = principal.name if principal else None
         report = await run_in_threadpool(
-            lambda: self.client.usage(
+            lambda: gw.client.usage(
                 since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
             )
         )
         return JSONResponse(report, headers=NO_STORE)
 
-
-def usage_routes(gw: RouteContext) -> list[Route]:
-    r = UsageRoutes(gw)
-    return [Route("/v1/usage", r.usage, methods=["GET"])]
+    return [Route("/v1/usage", usage, methods=["GET"])]
 
 
 __all__ = ["usage_routes"]
