@@ -397,9 +397,7 @@ class Capacity:
         state = self._breaker(keys=[self._key(model, inputs.SUFFIX.BRK)], args=list(args))
         return "open" if state in ("open", b"open") else "closed"
 
-    def report_success(
-        self, model: str, deployment: str, *, unleased: bool = False, now_ms: int | None = None
-    ) -> BreakerVerdict:
+    def report_success(self, model: str, deployment: str, *, unleased: bool = False) -> None:
         """A request to the deployment worked: its breaker closes.
 
         `unleased`: the round went without a lease, so the model's breaker hash did not
@@ -410,15 +408,13 @@ class Capacity:
         seen.append(time.monotonic())
         key = (model, deployment)
         if unleased and key not in self._failed:
-            return "closed"
+            return
         self._failed.discard(key)
-        # One command, no script or clock (`now_ms` is for symmetry): forgetting the
-        # failures decides nothing, and deleting fields that are not there writes (and
-        # replicates) nothing. With the hash gone, rounds of a model without limits go
-        # without a lease again.
+        # One command, no script or clock: forgetting the failures decides nothing, and
+        # deleting fields that are not there writes (and replicates) nothing. With the hash
+        # gone, rounds of a model without limits go without a lease again.
         fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
         self.redis.hdel(self._key(model, inputs.SUFFIX.BRK), *fields)
-        return "closed"
 
     def _wakes(self, out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
         """The `Wakes` fields of a script's answer; the head asks RESERVE_AHEAD_MS before
