@@ -283,25 +283,25 @@ class Conversations:
             for cid, _score in page:
                 c = text(cid)
                 pipe.get(k.conversation_owner_key(c))
-                pipe.hgetall(k.conversation_meta_key(c))
+                pipe.hget(k.conversation_meta_key(c), "running")
                 pipe.llen(k.conversation_key(c))
                 pipe.llen(k.conversation_queue_key(c))
             got = pipe.execute()
             gone = []
             for i, (cid, score) in enumerate(page):
-                bound, meta_raw, n_messages, n_queued = got[4 * i : 4 * i + 4]
+                bound, running, n_messages, n_queued = got[4 * i : 4 * i + 4]
                 c = text(cid)
                 if bound is None:
                     gone.append(c)
                     continue
                 if not any_owner and text(bound) != wanted:
                     continue
-                meta = {text(f): text(v) for f, v in meta_raw.items()}
+                running = text(running or "") or None
                 rows.append(
                     {
                         "conversation_id": c,
-                        "status": "busy" if meta.get("running") else "idle",
-                        "running_turn_id": meta.get("running") or None,
+                        "status": "busy" if running else "idle",
+                        "running_turn_id": running,
                         "queued": int(n_queued),
                         "messages": int(n_messages),
                         "updated_at": score,

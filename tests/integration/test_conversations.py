@@ -231,8 +231,9 @@ def test_delete_aborts_its_turns_and_removes_it(fleet, llm_server, client: Clien
     running = client._start_turn(key, conversation_id=conv, operator=True)
     collect(client, running.turn_id, until=until_type("tool_started"))
     queued = client._start_turn("later", conversation_id=conv, operator=True)
-    listed = [c["conversation_id"] for c in client.conversations(operator=True, limit=200)]
-    assert conv in listed
+    listed = {c["conversation_id"]: c for c in client.conversations(operator=True, limit=200)}
+    assert listed[conv]["status"] == "busy" and listed[conv]["running_turn_id"] == running.turn_id
+    assert listed[conv]["queued"] == 1
     removed = client.delete_conversation(conv, operator=True)
     assert removed == [running.turn_id, queued.turn_id]
     assert collect(client, running.turn_id)[-1].type == "turn_aborted"
