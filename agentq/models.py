@@ -368,6 +368,10 @@ class ToolTaskRequest(_Frozen):
 class LlmRoundRequest(_Frozen):
     """The kwargs of an `agentq.llm.round` task."""
 
+    # A rolling deploy runs two versions side by side: a field an older turn worker still
+    # sends (tokens_estimate, dropped) must not fail the round on a newer stream worker.
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
     turn_id: str
     round_no: int
     tools_json: str = "[]"

@@ -187,3 +187,18 @@ def test_a_rounds_tool_schemas_are_encoded_once_per_tool_set_and_sent_unparsed()
     finally:
         unregister("t_schema_a")
         unregister("t_schema_b")
+
+
+def test_a_round_request_from_an_older_turn_worker_is_taken() -> None:
+    # During a rolling deploy an older turn worker may still send a field this version
+    # dropped; the round must run, not fail validation on the newer stream worker.
+    req = LlmRoundRequest.model_validate(
+        {
+            "turn_id": "t",
+            "round_no": 1,
+            "duration_left_s": 1,
+            "idle_timeout_ms": 1,
+            "tokens_estimate": 7,
+        }
+    )
+    assert req.round_no == 1 and not hasattr(req, "tokens_estimate")
