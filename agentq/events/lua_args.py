@@ -15,11 +15,6 @@ class TurnKey(NamedTuple):
     turn_key: str
 
 
-def names_of(layout: Any) -> tuple[str, ...]:
-    """The names of a script's inputs, in order: a NamedTuple class's fields, or names."""
-    return tuple(getattr(layout, "_fields", layout))
-
-
 def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
     """Lua that opens a script: a one-line header giving its argument layout, then each of
     its KEYS and ARGV bound to a name (`local turn_key = KEYS[1]`), in the order of `keys`
@@ -27,7 +22,8 @@ def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
     so a script reads its inputs by name and no offset is written twice. `rest` names
     what follows the named ARGV (a variable tail), bound to its first index,
     `<rest>_at`."""
-    key_names, arg_names = names_of(keys), names_of(args)
+    # A NamedTuple class's fields, or names.
+    key_names, arg_names = (tuple(getattr(x, "_fields", x)) for x in (keys, args))
     tail = f", {rest}..." if rest else ""
     lines = [f"-- KEYS: {', '.join(key_names) or '-'}; ARGV: {', '.join(arg_names) or '-'}{tail}"]
     lines += [f"local {n} = KEYS[{i}]" for i, n in enumerate(key_names, 1)]

@@ -142,7 +142,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
             "webhook %s attempt %d to %s: %s -> %s",
             delivery_id,
             n,
-            redacted_url(d.url),
+            d.url.split("?", 1)[0],  # no query, which may carry a token
             result.error or result.status_code,
             out.status,
         )
@@ -231,8 +231,3 @@ class WebhookSweeper:
 
     def stop(self) -> None:
         self._stop.set()
-
-
-def redacted_url(url: str) -> str:
-    """For logs: scheme, host and path, no query (which may carry a token)."""
-    return url.split("?", 1)[0]
