@@ -29,36 +29,26 @@ class RouteContext(Protocol):
     deliveries: Deliveries
     body_limit_bytes: int
 
-    def require_key(self, request: Request) -> Principal | None:
-        """The caller's key; with keys configured, a call without a valid one is refused."""
-        ...
+    # Documented where the gateway defines them (agentq.gateway.app.Gateway).
+    def require_key(self, request: Request) -> Principal | None: ...
 
-    def caller(self, request: Request) -> tuple[Principal | None, str | None]:
-        """The key holder (if the bearer is a key) and the bearer itself (maybe a turn token)."""
-        ...
+    def caller(self, request: Request) -> tuple[Principal | None, str | None]: ...
 
-    def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
-        """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
-        ...
+    def authorize(
+        self, turn_id: str, principal: Principal | None, token: str | None
+    ) -> TurnState: ...
 
-    def start_limited(self, req: TurnRequest, principal: Principal | None, host: str) -> TurnHandle:
-        """Start a turn under the caller's start limits."""
-        ...
+    def start_limited(
+        self, req: TurnRequest, principal: Principal | None, host: str
+    ) -> TurnHandle: ...
 
     def limited(
         self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
-    ) -> TurnHandle:
-        """`start()` a turn within the caller's start rate and running-turn cap (`host`:
-        the client's address, the subject of a caller without a key)."""
-        ...
+    ) -> TurnHandle: ...
 
-    def require_admin_read(self, request: Request) -> None:
-        """Refuses a caller who may not read fleet-wide numbers."""
-        ...
+    def require_admin_read(self, request: Request) -> None: ...
 
-    def read_capacity(self) -> list[dict[str, Any]]:
-        """The capacity snapshot of every model the gateway knows."""
-        ...
+    def read_capacity(self) -> list[dict[str, Any]]: ...
 
 
 __all__ = ["RouteContext"]
