@@ -158,21 +158,13 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
 
 def call_fields(raw: Mapping[Any, Any], prefix: str) -> dict[str, Any]:
     """The records of one kind (`prefix`) in a turn's state hash as read, by call id."""
-    out: dict[str, Any] = {}
-    for f, v in raw.items():
-        name = text(f)
-        if name.startswith(prefix):
-            out[name[len(prefix) :]] = v
-    return out
+    fields = ((text(f), v) for f, v in raw.items())
+    return {f[len(prefix) :]: v for f, v in fields if f.startswith(prefix)}
 
 
 def history_of(raw: Mapping[Any, Any]) -> list[dict[str, Any]]:
     """A turn's messages, in order, out of its state hash as HGETALL read it."""
-    found = {}
-    for f, v in raw.items():
-        name = text(f)
-        if name.startswith(k.MESSAGE):
-            found[int(name[len(k.MESSAGE) :])] = v
+    found = {int(i): v for i, v in call_fields(raw, k.MESSAGE).items()}
     return [json.loads(found[i]) for i in sorted(found)]
 
 
