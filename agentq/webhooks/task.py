@@ -194,7 +194,6 @@ class WebhookSweeper:
         self.app = app
         self.settings = settings
         self.deliveries = deliveries(store, settings)
-        self._stop = threading.Event()
 
     def sweep(self) -> int:
         """One pass; returns how many attempts it sent."""
@@ -218,16 +217,12 @@ class WebhookSweeper:
         return sent
 
     def run(self) -> None:
-        while not self._stop.wait(self.settings.webhook_sweep_interval_s):
+        while True:
+            time.sleep(self.settings.webhook_sweep_interval_s)
             try:
                 self.sweep()
             except Exception:
                 log.warning("webhook sweep failed", exc_info=True)
 
-    def start(self) -> threading.Thread:
-        t = threading.Thread(target=self.run, name="agentq-webhook-sweeper", daemon=True)
-        t.start()
-        return t
-
-    def stop(self) -> None:
-        self._stop.set()
+    def start(self) -> None:
+        threading.Thread(target=self.run, name="agentq-webhook-sweeper", daemon=True).start()
