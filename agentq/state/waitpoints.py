@@ -18,6 +18,7 @@ import json
 import secrets
 import time
 from enum import IntEnum
+from functools import cache
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentq import constants as k
@@ -272,15 +273,10 @@ class CompletesWaitpoints:
         )
 
 
-_BY_STORE: dict[int, Waitpoints] = {}
-
-
+@cache
 def waitpoints(store: TurnStore) -> Waitpoints:
     """The store's Waitpoints, made once per store (its script registered once)."""
-    found = _BY_STORE.get(id(store))
-    if found is None or found.store is not store:
-        found = _BY_STORE[id(store)] = Waitpoints(store)
-    return found
+    return Waitpoints(store)
 
 
 __all__ = [
