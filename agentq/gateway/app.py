@@ -3,12 +3,8 @@
 Every Redis call (the Client's methods, the event follow loop) runs in a worker thread,
 never on the event loop. Errors are JSON: ``{"error": {"type": ..., "message": ...}}``.
 
-Who may do what (agentq.gateway.auth): with keys configured, every call but /healthz and
-the page needs `Authorization: Bearer` with an API key, an admin key or, for one turn's
-own endpoints, that turn's token; a turn someone may not see answers 404, like an
-unknown one. Without keys (loopback only), turns are readable by anyone who reaches the
-gateway and steered with their token. Starts are limited per caller (agentq.gateway.limits)
-and cross-site requests refused (agentq.gateway.guard).
+Who may do what is agentq.gateway.auth's; starts are limited per caller
+(agentq.gateway.limits) and cross-site requests refused (agentq.gateway.guard).
 
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)

@@ -80,14 +80,6 @@ def redact_record(record: logging.LogRecord) -> logging.LogRecord:
     return record
 
 
-class RedactCredentials(logging.Filter):
-    """The same rule as a filter, for handlers a record factory does not reach."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        redact_record(record)
-        return True
-
-
 def install() -> None:
     """Redact every log record this process makes from now on; calling it again is harmless."""
     global _installed
@@ -102,4 +94,4 @@ def install() -> None:
     _installed = True
 
 
-__all__ = ["MASK", "RedactCredentials", "install", "redact", "redact_record"]
+__all__ = ["MASK", "install", "redact", "redact_record"]
