@@ -52,7 +52,6 @@ OK_STATUSES = frozenset({"ok", "finished", "waiting", "ended", "busy", "unknown"
 """Statuses that are not failures of the span's work (denied or cancelled are errors)."""
 
 _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
-_FALSE = ("0", "false", "no", "off")
 
 _tracer: Any = None
 _provider: Any = None
