@@ -18,7 +18,7 @@ import json
 import secrets
 import time
 from enum import IntEnum
-from functools import cache
+from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from agentq import constants as k
@@ -30,7 +30,7 @@ from agentq.errors import (
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
 from agentq.models import TURN_ID, InvocationRecord, ToolResult, is_call_id
-from agentq.state.base import TurnKeys, call_fields
+from agentq.state.base import TurnKeys, call_fields, text
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
 
@@ -124,10 +124,6 @@ if more[2] then return {Opened.OPEN_ALREADY:d} end
 )
 
 
-_KEYS: dict[int, bytes] = {}
-"""The HMAC key of this process, per Redis client (read once)."""
-
-
 class Waitpoints:
     """Opening a call's waitpoint, completing it, and the open ones of a turn."""
 
@@ -135,24 +131,20 @@ class Waitpoints:
         self.store = store
         self._open = store.redis.register_script(OPEN_LUA)
 
+    @cached_property
     def waitpoint_key(self) -> bytes:
         """The HMAC key of waitpoint tokens: AGENTQ_WAITPOINT_SECRET, else the fleet's key
-        in Redis (made once, SET NX)."""
-        r = self.store.redis
-        if id(r) not in _KEYS:
-            secret = get_settings().waitpoint_secret
-            if secret is not None:
-                _KEYS[id(r)] = secret.get_secret_value().encode()
-            else:
-                r.set(KEY_FIELD, secrets.token_hex(32), nx=True)
-                raw = r.get(KEY_FIELD)
-                _KEYS[id(r)] = raw if isinstance(raw, bytes) else str(raw).encode()
-        return _KEYS[id(r)]
+        in Redis (made once, SET NX), read once."""
+        secret = get_settings().waitpoint_secret
+        if secret is not None:
+            return secret.get_secret_value().encode()
+        self.store.redis.set(KEY_FIELD, secrets.token_hex(32), nx=True)
+        return text(self.store.redis.get(KEY_FIELD)).encode()
 
     def waitpoint_address(self, turn_id: str, call_id: str) -> tuple[str, str, str]:
         """(id, token, callback URL) of the call's waitpoint."""
         wp_id = waitpoint_id(turn_id, call_id)
-        token = token_for(self.waitpoint_key(), wp_id)
+        token = token_for(self.waitpoint_key, wp_id)
         base = get_settings().public_url.rstrip("/")
         url = f"{base}/v1/waitpoints/{wp_id}?token={token}"
         return wp_id, token, url
@@ -206,7 +198,7 @@ class Waitpoints:
         """`Client.complete_waitpoint`, a result up to `max_bytes`; a wrong token gets the
         unknown id's 404: one answer, no oracle."""
         ids = parse_waitpoint_id(wp_id)
-        expected = token_for(self.waitpoint_key(), wp_id) if ids else ""
+        expected = token_for(self.waitpoint_key, wp_id) if ids else ""
         if ids is None or not hmac.compare_digest(expected.encode(), token.encode()):
             raise not_found(wp_id)
         turn_id, call_id = ids
