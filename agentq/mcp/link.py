@@ -178,7 +178,9 @@ class ServerLink:
 
         try:
             async with contextlib.AsyncExitStack() as stack:
-                read, write = await stack.enter_async_context(self._transport())
+                stdio = self.server.command is not None
+                transport = self._stdio() if stdio else self._http()
+                read, write = await stack.enter_async_context(transport)
                 session = await stack.enter_async_context(
                     ClientSession(
                         read,
@@ -200,11 +202,6 @@ class ServerLink:
                 ready.set_exception(RuntimeError(explain(exc)))
             else:
                 log.info("MCP server %s: session ended: %s", self.name, explain(exc))
-
-    def _transport(self) -> contextlib.AbstractAsyncContextManager[Any]:
-        if self.server.command is not None:
-            return self._stdio()
-        return self._http()
 
     @contextlib.asynccontextmanager
     async def _stdio(self) -> AsyncIterator[Any]:
