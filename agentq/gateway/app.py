@@ -60,6 +60,7 @@ from agentq.gateway.errors import (
     ApiError,
     bearer,
     exception_handlers,
+    invalid,
     require_token,
     validated,
 )
@@ -176,16 +177,16 @@ class Gateway:
         data = await read_json(request, self.body_limit_bytes)
         if "parent_turn_id" in data:
             # Only a running turn may start sub-agents; over HTTP it would graft onto any turn.
-            raise ApiError(422, "ValidationError", "parent_turn_id: not accepted over HTTP")
+            raise invalid("parent_turn_id: not accepted over HTTP")
         req = validated(TurnRequest, data)
         if not req.initial_messages():
-            raise ApiError(422, "ValidationError", "prompt: a turn needs a prompt or messages")
+            raise invalid("prompt: a turn needs a prompt or messages")
         idempotency_key = request.headers.get("idempotency-key")
         if idempotency_key is not None:
             try:
                 check_key(idempotency_key)
             except ValueError as exc:
-                raise ApiError(422, "ValidationError", str(exc)) from None
+                raise invalid(str(exc)) from None
         host = request.client.host if request.client else ""
         handle = await run_in_threadpool(self.start_limited, req, principal, host, idempotency_key)
         # A turn in a fleet without the workers every turn needs waits, and is told so.
@@ -291,7 +292,7 @@ class Gateway:
             if not math.isfinite(value):
                 raise ValueError(raw)
         except ValueError:
-            raise ApiError(422, "ValidationError", "heartbeat: must be seconds") from None
+            raise invalid("heartbeat: must be seconds") from None
         return min(max(value, 0.05), 60.0)
 
     async def events(self, request: Request) -> Response:

@@ -25,7 +25,7 @@ from agentq.errors import Forbidden, TurnNotFound
 from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
-from agentq.gateway.errors import ApiError, validated
+from agentq.gateway.errors import invalid, validated
 from agentq.gateway.replay import replay
 from agentq.gateway.validate import read_json
 from agentq.mcp.health import server_health, servers_view
@@ -86,7 +86,7 @@ class Console:
                 before=q.get("before"),
             )
         except ValueError as exc:
-            raise ApiError(422, "ValidationError", str(exc)) from None
+            raise invalid(str(exc)) from None
         page = await run_in_threadpool(self.lister.page, query, visible)
         return JSONResponse(page.to_json(), headers=NO_STORE)
 

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import ConversationNotFound
-from agentq.gateway.errors import ApiError, bearer
+from agentq.gateway.errors import bearer, invalid
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
@@ -40,9 +40,9 @@ def _number(request: Request, name: str, default: float | None, *, low: float, h
     try:
         value = float(raw)
     except ValueError:
-        raise ApiError(422, "ValidationError", f"{name}: not a number: {raw!r}") from None
+        raise invalid(f"{name}: not a number: {raw!r}") from None
     if not low <= value <= high:
-        raise ApiError(422, "ValidationError", f"{name}: must be between {low:g} and {high:g}")
+        raise invalid(f"{name}: must be between {low:g} and {high:g}")
     return value
 
 

@@ -82,6 +82,11 @@ def error_response(
     return JSONResponse({"error": body}, status_code=status_code, headers=headers)
 
 
+def invalid(message: str) -> ApiError:
+    """422 ValidationError: `message` starts with the field at fault."""
+    return ApiError(422, "ValidationError", message)
+
+
 def validated(model: type[M], data: Any) -> M:
     """`data` as `model`, else 422 whose message names the first bad field, with every
     problem in `detail`."""
@@ -210,6 +215,7 @@ __all__ = [
     "bearer",
     "error_response",
     "exception_handlers",
+    "invalid",
     "require_token",
     "validated",
 ]

@@ -32,7 +32,7 @@ from agentq.constants import VERSION
 from agentq.errors import AgentqError, TurnNotFound, Unauthorized
 from agentq.events.follow import follow
 from agentq.events.types import Event
-from agentq.gateway.errors import ApiError, bearer
+from agentq.gateway.errors import bearer, invalid
 from agentq.models import TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
@@ -83,16 +83,12 @@ def check_transport(method: str, headers: Any, session_id: str | None) -> None:
     take: a POST that is not JSON or cannot take the answer, a GET or DELETE outside one."""
     if method == "POST":
         if "application/json" not in headers.get("content-type", ""):
-            raise ApiError(422, "ValidationError", "Content-Type: application/json required")
+            raise invalid("Content-Type: application/json required")
         accept = headers.get("accept", "")
         if not ("application/json" in accept and "text/event-stream" in accept):
-            raise ApiError(
-                422, "ValidationError", "Accept: application/json, text/event-stream required"
-            )
+            raise invalid("Accept: application/json, text/event-stream required")
     elif session_id is None:
-        raise ApiError(
-            422, "ValidationError", "Mcp-Session-Id required: POST an initialize request first"
-        )
+        raise invalid("Mcp-Session-Id required: POST an initialize request first")
 
 
 def result_of(terminal: Event) -> Any:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.gateway.errors import ApiError
+from agentq.gateway.errors import ApiError, invalid
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
@@ -37,11 +37,9 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
     try:
         value = float(raw)
     except ValueError:
-        raise ApiError(
-            422, "ValidationError", f"{name}: a UTC day (YYYY-MM-DD) or epoch seconds"
-        ) from None
+        raise invalid(f"{name}: a UTC day (YYYY-MM-DD) or epoch seconds") from None
     if not 0 <= value <= 1e11:
-        raise ApiError(422, "ValidationError", f"{name}: out of range")
+        raise invalid(f"{name}: out of range")
     return value
 
 
@@ -51,11 +49,11 @@ def usage_routes(gw: RouteContext) -> list[Route]:
         q = request.query_params
         group_by = q.get("group_by") or "model"
         if group_by not in GROUP_BY:
-            raise ApiError(422, "ValidationError", f"group_by: one of {', '.join(GROUP_BY)}")
+            raise invalid(f"group_by: one of {', '.join(GROUP_BY)}")
         since = when(q.get("since"), "since")
         until = when(q.get("until"), "until", end=True)
         if since is not None and until is not None and since > until:
-            raise ApiError(422, "ValidationError", "since: after until")
+            raise invalid("since: after until")
         key = q.get("key") or None
         admin = principal is None or principal.admin
         if not admin and key is not None and principal is not None and key != principal.name:

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from agentq.constants import RELAY_DEPTH_MAX, log_key
 from agentq.errors import PayloadTooLarge
 from agentq.events.follow import Cursor
-from agentq.gateway.errors import ApiError
+from agentq.gateway.errors import ApiError, invalid
 from agentq.models import is_request_id, is_turn_id, lone_surrogate_at, parse_stream_id
 
 MAX_JSON_DEPTH = 32
@@ -48,9 +48,7 @@ def cursor_of(value: str) -> Cursor:
     try:
         return Cursor.parse(value)
     except ValueError as exc:
-        raise ApiError(
-            422, "ValidationError", f"Last-Event-ID: {exc} (an SSE id as the stream sent it)"
-        ) from None
+        raise invalid(f"Last-Event-ID: {exc} (an SSE id as the stream sent it)") from None
 
 
 def depth_of(raw: str | None) -> int:
@@ -58,9 +56,7 @@ def depth_of(raw: str | None) -> int:
     if raw is None:
         return 1
     if not raw.isdigit() or int(raw) > RELAY_DEPTH_MAX:
-        raise ApiError(
-            422, "ValidationError", f"depth: must be an integer from 0 to {RELAY_DEPTH_MAX}"
-        )
+        raise invalid(f"depth: must be an integer from 0 to {RELAY_DEPTH_MAX}")
     return int(raw)
 
 
@@ -94,9 +90,7 @@ def loads_strict(body: bytes) -> Any:
     for bracket in _BRACKET.finditer(_STRING.sub(b'""', body)):
         depth += 1 if bracket.group() in (b"[", b"{") else -1
         if depth > MAX_JSON_DEPTH:
-            raise ApiError(
-                422, "ValidationError", f"body: nested deeper than {MAX_JSON_DEPTH} levels"
-            )
+            raise invalid(f"body: nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         data = json.loads(body.decode("utf-8"), parse_constant=_raise_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -126,7 +120,7 @@ async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
     """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
     data = await read_json_value(request, limit_bytes)
     if not isinstance(data, dict):
-        raise ApiError(422, "ValidationError", "body: must be a JSON object")
+        raise invalid("body: must be a JSON object")
     return data
 
 
