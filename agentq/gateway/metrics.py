@@ -43,7 +43,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES, Family
+from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES
 
 if TYPE_CHECKING:
     from agentq.api import ActiveTurn
@@ -106,13 +106,6 @@ class FleetMetrics:
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
 
-    @staticmethod
-    def _family(f: Family) -> Metric:
-        name = f"agentq_{f.name}"
-        if f.buckets is None:
-            return CounterMetricFamily(name, f.help, labels=list(f.labels))
-        return HistogramMetricFamily(name, f.help, labels=list(f.labels))
-
     def collect(self) -> list[Metric]:
         series: dict[str, dict[tuple[str, ...], dict[str, float]]] = {}
         for field, value in self.counts.items():
@@ -132,7 +125,8 @@ class FleetMetrics:
             parts[part] = parts.get(part, 0.0) + value
         out: list[Metric] = []
         for f in FAMILIES.values():
-            family = self._family(f)
+            kind = CounterMetricFamily if f.buckets is None else HistogramMetricFamily
+            family: Metric = kind(f"agentq_{f.name}", f.help, labels=list(f.labels))
             samples = series.get(f.name, {})
             if not samples and not f.labels:
                 samples = {(): {}}
