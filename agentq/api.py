@@ -25,9 +25,9 @@ from agentq.models import (
     TurnRequest,
 )
 from agentq.orchestrator import replay
-from agentq.orchestrator.abort import request_abort
 from agentq.orchestrator.conversation import conversations, shown
 from agentq.orchestrator.start import hash_token, start_turn
+from agentq.orchestrator.wake import request_abort
 from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
 from agentq.state.results import TurnResult, TurnView, settle

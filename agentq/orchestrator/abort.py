@@ -1,5 +1,4 @@
-"""Ending a round early: ask a turn to abort, revoke its unfinished tasks and give every call
-a result."""
+"""Ending a round early: revoke a turn's unfinished tasks and give every call a result."""
 
 from __future__ import annotations
 
@@ -10,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.fleet.broker import broadcast, revoke
-from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
+from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
 from agentq.orchestrator.settle import settle_call
 
@@ -19,21 +18,6 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from agentq.state.store import TurnStore
-
-
-def request_abort(store: TurnStore, turn_id: str, reason: str) -> None:
-    """Abort a turn (and its running children) from outside its steps.
-
-    Flag, wake, notice and the children in one round trip: abort latency is user-facing.
-    The abort is a step like any other, taken by a turn worker (a step that holds the turn
-    sees the flag when it releases); the caller only sends it, and should it die first,
-    the turn's wakeup does."""
-    woken, children = store.flag_cancel(turn_id, reason)
-    for child in children:
-        if store.status(child) not in TERMINAL_STATUSES:
-            request_abort(store, child, reason)
-    if woken:
-        store.send_step(turn_id)
 
 
 def revoke_unsettled(

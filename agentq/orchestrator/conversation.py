@@ -20,14 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.errors import (
-    BrokerUnavailable,
     ConversationBusy,
     ConversationNotFound,
     ReplayRefused,
 )
-from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.orchestrator.abort import request_abort
+from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.conversations import (
     Admit,
     Admitted,
@@ -164,16 +162,6 @@ def forget(store: TurnStore, turn_id: str) -> None:
 
 def _alive(store: TurnStore, turn_id: str) -> bool:
     return store.status(turn_id) not in (None, *TERMINAL_STATUSES)
-
-
-def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> None:
-    """Send a stored turn's step; with the broker away, a turn worker's sweep sends it
-    once the broker is back."""
-    try:
-        send_step(app, turn_id)
-    except BrokerUnavailable as exc:
-        log.warning("%s; turn %s starts when the broker is back", exc, turn_id)
-        store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
 
 
 def take_turn(ctx: StepContext) -> float | None:
@@ -352,7 +340,6 @@ __all__ = [
     "exchange_of",
     "hand_off",
     "release_for",
-    "send_step_or_wake",
     "shown",
     "take_injected",
     "take_turn",

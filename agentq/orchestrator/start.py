@@ -20,6 +20,7 @@ from agentq.errors import BudgetExceeded, BudgetInvalid, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
+from agentq.orchestrator.wake import send_step_or_wake
 from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
 from agentq.state.conversations import Admit, Multitask, binding, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
@@ -148,7 +149,7 @@ def launch(
         handle, done = _admit(store, app, settings, req, turn_id, new.size, owner, any_owner)
         if done:
             return _handle(turn_id, token, handle)
-    conversation.send_step_or_wake(store, app, turn_id)
+    send_step_or_wake(store, app, turn_id)
     return _handle(turn_id, token, handle)
 
 

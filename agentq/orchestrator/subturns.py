@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
-from agentq.orchestrator.conversation import send_step_or_wake
 from agentq.orchestrator.settle import settle_in_step
+from agentq.orchestrator.wake import send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result

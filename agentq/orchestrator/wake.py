@@ -1,0 +1,43 @@
+"""Waking a turn from outside its steps: send its step, or ask it to abort."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from agentq.errors import BrokerUnavailable
+from agentq.fleet.broker import BROKER_RETRY_S, send_step
+from agentq.models import TERMINAL_STATUSES
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+    from agentq.state.store import TurnStore
+
+log = logging.getLogger("agentq.turn")
+
+
+def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> None:
+    """Send a stored turn's step; with the broker away, a turn worker's sweep sends it
+    once the broker is back."""
+    try:
+        send_step(app, turn_id)
+    except BrokerUnavailable as exc:
+        log.warning("%s; turn %s starts when the broker is back", exc, turn_id)
+        store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
+
+
+def request_abort(store: TurnStore, turn_id: str, reason: str) -> None:
+    """Abort a turn (and its running children) from outside its steps.
+
+    Flag, wake, notice and the children in one round trip: abort latency is user-facing.
+    The abort is a step like any other, taken by a turn worker (a step that holds the turn
+    sees the flag when it releases); the caller only sends it, and should it die first,
+    the turn's wakeup does."""
+    woken, children = store.flag_cancel(turn_id, reason)
+    for child in children:
+        if store.status(child) not in TERMINAL_STATUSES:
+            request_abort(store, child, reason)
+    if woken:
+        store.send_step(turn_id)
