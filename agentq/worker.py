@@ -75,10 +75,10 @@ app = create_app(settings)
 set_app(app)
 if settings.health_file:
     health.install(app, settings.health_file)
-register_step_task(app, get_store, get_settings)
+register_step_task(app)
 register_llm_task(app)
 register_webhook_task(app, get_store, get_settings)
-register_schedule_task(app, get_store, get_settings)
+register_schedule_task(app)
 tool_queues = register_tool_tasks(app)
 # An MCP server's queue is known from its setting before the I/O worker lists its tools.
 mcp_queues = [s.queue for s in parse_servers(settings.mcp_servers).values() if s.queue]

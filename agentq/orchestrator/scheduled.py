@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from agentq import constants as k
-from agentq.config import Settings
+from agentq.config import Settings, get_settings
 from agentq.errors import AgentqError, ScheduleNotFound
+from agentq.fleet import runtime
 from agentq.models import TERMINAL_STATUSES, TurnRequest
 from agentq.orchestrator.start import start_turn
 from agentq.schedules.store import load_spec
@@ -83,9 +83,7 @@ def run_tick(store: TurnStore, app: Celery, settings: Settings, name: str, tick:
     return "started"
 
 
-def register_schedule_task(
-    app: Celery, get_store: Callable[[], TurnStore], get_settings: Callable[[], Settings]
-) -> None:
+def register_schedule_task(app: Celery) -> None:
     @app.task(name=k.TASK_SCHEDULE_TICK, acks_late=True, ignore_result=True)
     def scheduled(name: str, tick: str = "first") -> str:
-        return run_tick(get_store(), app, get_settings(), name, tick)
+        return run_tick(runtime.get_store(), app, get_settings(), name, tick)

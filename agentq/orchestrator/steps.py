@@ -22,7 +22,7 @@ import redis
 
 from agentq import constants as k
 from agentq.agents import all_agents, publish_agents
-from agentq.config import Settings
+from agentq.config import Settings, get_settings
 from agentq.errors import (
     BrokerUnavailable,
     BudgetExceeded,
@@ -30,6 +30,7 @@ from agentq.errors import (
     LlmError,
     StepLost,
 )
+from agentq.fleet import runtime
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TERMINAL_STATUSES
 from agentq.orchestrator.abort import send_kills
@@ -364,7 +365,7 @@ class Look(NamedTuple):
     """The soonest wakeup or escalation not yet due (None: nothing waits)."""
 
 
-def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:
+def register_step_task(app: Celery) -> None:
     """The step task, `agentq.turn.step`, which turn workers take."""
 
     # A step that fails on Redis is sent again by Celery; its wakeup is the backstop.
@@ -379,4 +380,4 @@ def register_step_task(app: Celery, store_of: Any, settings_of: Any) -> None:
 
     @app.task(name=k.TASK_STEP, queue=k.QUEUE_TURNS, **options)
     def step_task(turn_id: str) -> StepOutcome:
-        return run_step(turn_id, store=store_of(), app=app, settings=settings_of())
+        return run_step(turn_id, store=runtime.get_store(), app=app, settings=get_settings())
