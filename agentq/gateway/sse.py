@@ -1,13 +1,10 @@
 """Server-sent events: a turn's log-then-live events as an ASGI response that notices disconnects.
 
-Each SSE message is ``id: <cursor>``, ``event: <type>``, ``data: <event JSON>``; the
-cursor is the Redis stream id, followed by the positions of the sub-agent streams being
-relayed while any is open (`events.follow.Cursor`), so a reconnecting EventSource sends it
-back as ``Last-Event-ID`` and the follow replays exactly what came after it, in every
-stream. Blocking Redis reads run in worker threads (with
-their own capacity limiter, so many open streams cannot starve the REST handlers); the
-follow loop wakes at least every `poll_s`, which is when a gone client is noticed and
-the loop stopped.
+Each SSE message is ``id: <cursor>`` (`events.follow.Cursor`, which a reconnecting
+EventSource sends back as ``Last-Event-ID``), ``event: <type>``, ``data: <event JSON>``.
+Blocking Redis reads run in worker threads with their own capacity limiter, so many open
+streams cannot starve the REST handlers; the follow loop wakes at least every `poll_s`,
+which is when a gone client is noticed and the loop stopped.
 """
 
 from __future__ import annotations
