@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
 from agentq.orchestrator.settle import settle_in_step
-from agentq.orchestrator.wake import send_step_or_wake
+from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
@@ -106,7 +106,7 @@ def watch(
             task_id=child,
         )
         settled[p.call.id], _ = settle_in_step(ctx, result)
-        abort_child(ctx, child, "timeout")
+        request_abort(ctx.store, child, "timeout")
     return min(looks, default=None)
 
 
@@ -191,12 +191,6 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
     )
 
 
-def abort_child(ctx: StepContext, child: str, reason: str) -> None:
-    """Flag a child turn cancelled and wake it: its own step aborts it (and its children)."""
-    if ctx.store.flag_cancel(child, reason)[0]:
-        ctx.store.send_step(child)
-
-
 def abort_children(ctx: StepContext, reason: str) -> None:
     """Abort every child of an ending turn that is still running."""
     children = ctx.store.children(ctx.turn_id)
@@ -207,7 +201,7 @@ def abort_children(ctx: StepContext, reason: str) -> None:
         pipe.hget(k.turn_key(c), "status")
     for c, raw in zip(children, pipe.execute(), strict=True):
         if raw is not None and json.loads(raw) not in TERMINAL_STATUSES:
-            abort_child(ctx, c, reason)
+            request_abort(ctx.store, c, reason)
 
 
 def parent_settlement(
