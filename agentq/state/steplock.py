@@ -90,11 +90,8 @@ class StepWrite(NamedTuple):
         plans: dict[str, str] | None,
         events: list[tuple[str, dict[str, Any]]] | None,
     ) -> StepWrite:
-        flat: list[str] = []
-        for f, v in (fields or {}).items():
-            flat += [f, json.dumps(v)]
         return cls(
-            flat,
+            [x for f, v in (fields or {}).items() for x in (f, json.dumps(v))],
             [json.dumps(m) for m in append or []],
             [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)],
             [event_body(turn_id, t, f) for t, f in events or []],

@@ -97,8 +97,7 @@ CLOSE_LUA = (
     + "if token ~= '' and not "
     + lock_mine_lua("held", "token")
     + f""" then return {Closed.LOST:d} end
-local n = tonumber(n_messages)
-local fields_at = messages_at + n
+local fields_at = messages_at + tonumber(n_messages)
 """
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
     + f"""
@@ -318,9 +317,8 @@ class TurnRecords(StoreBase):
         the turn's wakeup stays as its backstop.
         """
         messages = [json.dumps(m) for m in append or []]
-        flat: list[Any] = []
-        for f, v in {"status": status.value, "ended_at": time.time(), **fields}.items():
-            flat += [f, json.dumps(v)]
+        ended = {"status": status.value, "ended_at": time.time(), **fields}
+        flat = [x for f, v in ended.items() for x in (f, json.dumps(v))]
         if token:
             flat += [k.STEP_FIELD, LOCK_FREE_VALUE]  # the end lets go of the step's lock
         parent, result = settle_parent or ("", None)
