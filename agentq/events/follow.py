@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -304,7 +304,7 @@ def follow(
     idle_timeout_s: float | None = None,
     heartbeat_s: float | None = None,
     live: bool = True,
-) -> Iterator[Event | None]:
+) -> Generator[Event | None, None, None]:
     """Yield every event after `after` exactly once: the logs first, then (`live`) live.
 
     Subscribes before reading a log so nothing published in between is lost, and drops

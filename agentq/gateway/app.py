@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -351,7 +351,7 @@ class Gateway:
         after: Cursor,
         depth: int,
         poll_s: float,
-    ) -> tuple[Iterator[Event | None], bool] | None:
+    ) -> tuple[Generator[Event | None, None, None], bool] | None:
         owner = False
         if self.keyring.enabled:
             state = self.authorize(turn_id, principal, token)

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -231,9 +231,7 @@ class McpEndpoint:
 
     async def _follow(self, ctx: Any, handle: TurnHandle) -> Event:
         """Relay the turn's events as progress until its terminal event."""
-        events: Iterator[Event | None] = follow(
-            self.gw.client._store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S
-        )
+        events = follow(self.gw.client._store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S)
         started = time.time()
         sent = 0
         try:
@@ -252,9 +250,7 @@ class McpEndpoint:
                     sent += 1
                     await ctx.session.report_progress(sent, None, message)
         finally:
-            close = getattr(events, "close", None)
-            if callable(close):
-                # On a thread: a follow still waiting in Redis must not hold the loop. One
-                # still running in an abandoned thread cannot be closed; it ends by itself.
-                with anyio.CancelScope(shield=True), contextlib.suppress(ValueError):
-                    await anyio.to_thread.run_sync(close)
+            # On a thread: a follow still waiting in Redis must not hold the loop. One
+            # still running in an abandoned thread cannot be closed; it ends by itself.
+            with anyio.CancelScope(shield=True), contextlib.suppress(ValueError):
+                await anyio.to_thread.run_sync(events.close)

@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 
 import anyio
@@ -55,7 +55,7 @@ class BlockingEvents:
     returns, since a generator cannot be closed while another thread runs it.
     """
 
-    def __init__(self, events: Iterator[Event | None]) -> None:
+    def __init__(self, events: Generator[Event | None, None, None]) -> None:
         self._events = events
         self._lock = threading.Lock()
         self._close_requested = False
@@ -66,25 +66,20 @@ class BlockingEvents:
                 return _DONE
             item = next(self._events, _DONE)
             if self._close_requested:
-                self._close_now()
+                self._events.close()
             return item
 
     def close(self) -> None:
         self._close_requested = True
         if self._lock.acquire(blocking=False):
             try:
-                self._close_now()
+                self._events.close()
             finally:
                 self._lock.release()
 
-    def _close_now(self) -> None:
-        close = getattr(self._events, "close", None)
-        if close is not None:
-            close()
-
 
 async def event_source(
-    events: Iterator[Event | None],
+    events: Generator[Event | None, None, None],
     state: StreamState,
     *,
     keep_alive_s: float,
