@@ -42,7 +42,7 @@ def turn_open_lua(
     It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
     publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
     `unsettled` (UNSETTLED_FIELD), `kids` (CHILDREN_FIELD), `hlen` (the history's
-    length, which `append_lua` appends after) and `more`, the values of the
+    length, which `write_lua` appends after) and `more`, the values of the
     fields whose names the Lua expressions `extra` give (a call's records), read in the
     same command. When the Lua condition `whole` holds, the whole state is read instead
     (HGETALL) and left in `whole_st`, with `whole_at` (field -> its index there): a write
