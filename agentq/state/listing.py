@@ -302,19 +302,6 @@ class TurnLister:
         rows.sort(key=lambda r: r[1], reverse=True)
         return rows[:num]
 
-    def _oldest(self, batch: int, older_than: float | None, start: int) -> list[str]:
-        """The oldest index entries over every shard: the `batch` oldest, or from position
-        `start` those created before `older_than`."""
-        top = "+inf" if older_than is None else f"({older_than!r}"
-        got = each_shard(
-            self.redis,
-            lambda p, s: p.zrangebyscore(
-                k.index_key(s), "-inf", top, start=0, num=start + batch, withscores=True
-            ),
-        )
-        rows = sorted((float(sc), text(m)) for found in got for m, sc in found)
-        return [m for _, m in rows[start : start + batch]]
-
     def count_older(self, older_than: float) -> int:
         """How many index entries were created before `older_than`."""
         got = each_shard(
@@ -344,9 +331,7 @@ class TurnLister:
                 if row is None:
                     continue
                 state = row.pop("_state")
-                if visible is not None and not visible(state):
-                    continue
-                if not query.matches(row):
+                if (visible is not None and not visible(state)) or not query.matches(row):
                     continue
                 page.turns.append(row)
                 if len(page.turns) >= query.limit:
@@ -366,7 +351,15 @@ class TurnLister:
         Looks at the `batch` oldest entries, or, with `older_than`, at up to `batch`
         entries created before it from position `start` (past live turns already seen).
         """
-        oldest = self._oldest(batch, older_than, 0 if older_than is None else start)
+        top, start = ("+inf", 0) if older_than is None else (f"({older_than!r}", start)
+        got = each_shard(
+            self.redis,
+            lambda p, s: p.zrangebyscore(
+                k.index_key(s), "-inf", top, start=0, num=start + batch, withscores=True
+            ),
+        )
+        rows = sorted((float(sc), text(m)) for found in got for m, sc in found)
+        oldest = [m for _, m in rows[start : start + batch]]
         if not oldest:
             return 0
         pipe = self.redis.pipeline(transaction=False)
