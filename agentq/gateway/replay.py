@@ -54,30 +54,23 @@ async def replay(
     return accepted(handle)
 
 
-class Replays:
-    def __init__(self, gw: RouteContext) -> None:
-        self.gw = gw
-
-    async def _source(self, request: Request) -> tuple[str, Principal | None]:
-        """The source's id, once the caller is known to may steer it, and the caller's key."""
+def replay_routes(gw: RouteContext) -> list[Route]:
+    async def retry_or_fork(request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
-        if not self.gw.keyring.enabled:
-            await run_in_threadpool(self.gw.client.check_token, turn_id, require_token(request))
-            return turn_id, None
-        principal, presented = self.gw.caller(request)
-        await run_in_threadpool(self.gw.authorize, turn_id, principal, presented)
-        return turn_id, principal
+        if not gw.keyring.enabled:
+            await run_in_threadpool(gw.client.check_token, turn_id, require_token(request))
+            return await replay(gw, request, turn_id, None)
+        principal, presented = gw.caller(request)
+        await run_in_threadpool(gw.authorize, turn_id, principal, presented)
+        return await replay(gw, request, turn_id, principal)
 
-    async def replay(self, request: Request) -> Response:
-        return await replay(self.gw, request, *await self._source(request))
-
-    async def retry_many(self, request: Request) -> Response:
-        principal = self.gw.require_key(request)
+    async def retry_many(request: Request) -> Response:
+        principal = gw.require_key(request)
         host = request.client.host if request.client else ""
         if principal is None and not is_loopback(host):
             raise Forbidden("without keys, turns are retried in bulk from this machine only")
-        req = validated(BulkRetryRequest, await _body(self.gw, request))
-        c = self.gw.client
+        req = validated(BulkRetryRequest, await _body(gw, request))
+        c = gw.client
         visible = None if principal is None else (lambda st: may_list(st, principal))
         done = await run_in_threadpool(
             lambda: bulk_retry(
@@ -87,7 +80,7 @@ class Replays:
                 req,
                 visible=visible,
                 traced=c.traced,
-                limited=lambda start: self.gw.limited(principal, host, start),
+                limited=lambda start: gw.limited(principal, host, start),
             )
         )
         return JSONResponse(
@@ -95,17 +88,14 @@ class Replays:
             headers={"Cache-Control": "no-store"},
         )
 
-
-def replay_routes(gw: RouteContext) -> list[Route]:
-    r = Replays(gw)
     return [
-        Route("/v1/turns/retry", r.retry_many, methods=["POST"]),
+        Route("/v1/turns/retry", retry_many, methods=["POST"]),
         # The console's bulk control: the same bulk retry under the same rules, beside the
         # console's other buttons (`gateway.console`).
-        Route("/v1/console/turns/retry", r.retry_many, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/retry", r.replay, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/fork", r.replay, methods=["POST"]),
+        Route("/v1/console/turns/retry", retry_many, methods=["POST"]),
+        Route("/v1/turns/{turn_id}/retry", retry_or_fork, methods=["POST"]),
+        Route("/v1/turns/{turn_id}/fork", retry_or_fork, methods=["POST"]),
     ]
 
 
-__all__ = ["Replays", "accepted", "replay", "replay_routes"]
+__all__ = ["accepted", "replay", "replay_routes"]
