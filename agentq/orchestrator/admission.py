@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from agentq.errors import ModelCapacityTimeout
-from agentq.llm.capacity import Capacity, Grant, capacity_for
+from agentq.llm.capacity import Grant, capacity_for
 from agentq.llm.limits import estimate_tokens
 from agentq.llm.wakes import waiter_of, wake_granted
 from agentq.state.turn_state import TurnState
@@ -30,17 +30,13 @@ def model_of(ctx: StepContext) -> str:
     return own or (agent.model if agent is not None else None) or ctx.settings.llm_model
 
 
-def capacity(ctx: StepContext) -> Capacity:
-    return capacity_for(ctx.store.redis, ctx.settings)
-
-
 def admit(ctx: StepContext, round_no: int) -> Grant | float:
     """The round's grant, or when its turn should ask again (the round waits, queued)."""
     model = model_of(ctx)
     waiter = waiter_of(ctx.turn_id, round_no)
     waiting = ctx.state.get("llm_wait_round") == round_no
     since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
-    cap = capacity(ctx)
+    cap = capacity_for(ctx.store.redis, ctx.settings)
     # The round's prompt as spend estimated it when it recorded the round (`reserve_round`),
     # and the completion its request will allow.
     tokens = estimate_tokens(int(ctx.state.get("budget_prompt") or 0), ctx.state.get("budget_cap"))
@@ -84,5 +80,6 @@ def withdraw(ctx: StepContext) -> None:
     # A round that was sent is the stream worker's to give back: nothing waits here.
     if round_no is None or ctx.state.get("llm_round") == round_no:
         return
-    _, wakes = capacity(ctx).withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no)))
+    cap = capacity_for(ctx.store.redis, ctx.settings)
+    _, wakes = cap.withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no)))
     wake_granted(ctx.store, wakes)
