@@ -46,54 +46,47 @@ def _number(request: Request, name: str, default: float | None, *, low: float, h
     return value
 
 
-class ConversationRoutes:
-    def __init__(self, gw: RouteContext) -> None:
-        self.gw = gw
-        self.client = gw.client
+def conversation_routes(gw: RouteContext) -> list[Route]:
+    client = gw.client
 
-    def _who(self, request: Request) -> dict[str, Any]:
-        principal = self.gw.require_key(request)
-        if principal is not None:
-            return {"owner": principal.name, "operator": principal.admin}
-        if self.gw.keyring.enabled:  # require_key refused a missing or unknown key already
-            raise ConversationNotFound("")
-        return {"token": bearer(request)}
-
-    async def get(self, request: Request) -> Response:
+    def target(request: Request) -> tuple[str, dict[str, Any]]:
+        """The path's conversation, and who asks (as the Client's keyword arguments)."""
         cid = conversation_id_of(request.path_params["conversation_id"])
-        who = self._who(request)
-        view = await run_in_threadpool(lambda: self.client.conversation(cid, **who))
+        principal = gw.require_key(request)
+        if principal is not None:
+            return cid, {"owner": principal.name, "operator": principal.admin}
+        if gw.keyring.enabled:  # require_key refused a missing or unknown key already
+            raise ConversationNotFound("")
+        return cid, {"token": bearer(request)}
+
+    async def get(request: Request) -> Response:
+        cid, who = target(request)
+        view = await run_in_threadpool(lambda: client.conversation(cid, **who))
         return JSONResponse(view, headers=NO_STORE)
 
-    async def delete(self, request: Request) -> Response:
-        cid = conversation_id_of(request.path_params["conversation_id"])
-        who = self._who(request)
-        aborted = await run_in_threadpool(lambda: self.client.delete_conversation(cid, **who))
+    async def delete(request: Request) -> Response:
+        cid, who = target(request)
+        aborted = await run_in_threadpool(lambda: client.delete_conversation(cid, **who))
         return JSONResponse(
             {"ok": True, "conversation_id": cid, "aborted_turns": aborted}, headers=NO_STORE
         )
 
-    async def listing(self, request: Request) -> Response:
-        principal = self.gw.require_key(request)
+    async def listing(request: Request) -> Response:
+        principal = gw.require_key(request)
         limit = int(_number(request, "limit", 50, low=1, high=MAX_LISTED))
         before = _number(request, "before", None, low=0, high=1e12)
         owner = principal.name if principal else None
         # Without keys (loopback only) the caller may list every conversation, as the CLI.
         operator = principal.admin if principal else True
         rows = await run_in_threadpool(
-            lambda: self.client.conversations(
-                owner=owner, operator=operator, limit=limit, before=before
-            )
+            lambda: client.conversations(owner=owner, operator=operator, limit=limit, before=before)
         )
         return JSONResponse({"conversations": rows}, headers=NO_STORE)
 
-
-def conversation_routes(gw: RouteContext) -> list[Route]:
-    r = ConversationRoutes(gw)
     return [
-        Route("/v1/conversations", r.listing, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", r.get, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", r.delete, methods=["DELETE"]),
+        Route("/v1/conversations", listing, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
+        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
     ]
 
 
