@@ -48,8 +48,8 @@ class StepContext:
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     ended_error: str | None = None
-    lock_ms: int = 0
-    """The step lock's lifetime, as the step took it (0: `settings.step_lock_s`)."""
+    lock_ms: int = field(kw_only=True)
+    """The step lock's lifetime, as the step took it."""
 
     @property
     def headless(self) -> bool:
@@ -99,9 +99,6 @@ class StepContext:
         if self.staged[0] or self.staged[1] or self.staged_append or self.staged_plans:
             self.commit()
 
-    def _lock_ms(self) -> int:
-        return self.lock_ms or int(self.settings.step_lock_s * 1000)
-
     def release(self, next_at: float | None) -> Released:
         """Let go of the step's lock, with what it staged and the calls it is about to send,
         and leave the turn's next deadline (`next_at`) for the sweepers: RELEASED, or WOKEN
@@ -113,7 +110,7 @@ class StepContext:
             self.turn_id,
             self.token,
             next_at,
-            self._lock_ms(),
+            self.lock_ms,
             self.dispatched,
             fields=fields,
             events=events,
@@ -132,7 +129,7 @@ class StepContext:
         """Take the lock again after `release` let go of it (the step's last act failed):
         False if another step holds it now, which goes on from what was written."""
         if self.released is Released.RELEASED and not self.store.lock_step(
-            self.turn_id, self.token, self._lock_ms()
+            self.turn_id, self.token, self.lock_ms
         ):
             return False
         self.released = None

@@ -175,7 +175,8 @@ def test_a_step_decides_from_the_request_records(agentq_env) -> None:
     store.create(turn_id, {"status": "running"}, [{"role": "user", "content": "x"}])
     # This test is the step: hold the turn's lock so no turn worker steps it meanwhile.
     assert store.lock_step(turn_id, "test", 600_000)
-    ctx = StepContext(turn_id, store, get_app(), get_settings(), "test", store.state(turn_id) or {})
+    state = store.state(turn_id) or {}
+    ctx = StepContext(turn_id, store, get_app(), get_settings(), "test", state, lock_ms=600_000)
     approve = ToolCall(id="a1", name="delete_file", arguments='{"path": "p"}')
     deny = ToolCall(id="d1", name="delete_file", arguments='{"path": "q"}')
     inter = Interactions(store)
