@@ -8,7 +8,7 @@ the console (admin keys; an API key sees its own turns' deliveries through their
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -31,31 +31,28 @@ NO_STORE = {"Cache-Control": "no-store"}
 MAX_LISTED = 200
 
 
-class Jobs:
-    def __init__(self, gw: RouteContext) -> None:
-        self.gw = gw
-
-    @cached_property
-    def schedules(self) -> Schedules:
+def job_routes(gw: RouteContext) -> list[Route]:
+    @cache
+    def schedules() -> Schedules:
         """Made on first use: behind Sentinel the gateway serves all else, and schedules
         answer with the ConfigError that says why they cannot run there."""
-        c = self.gw.client
+        c = gw.client
         return Schedules(c.app, c._store.redis, c.settings)
 
-    def _admin(self, request: Request) -> Principal | None:
-        principal = self.gw.require_key(request)
+    def admin(request: Request) -> Principal | None:
+        principal = gw.require_key(request)
         if principal is not None and not principal.admin:
             raise Forbidden(f"{request.url.path} needs an admin key")
         return principal
 
-    async def list_schedules(self, request: Request) -> Response:
-        self._admin(request)
-        rows = await run_in_threadpool(self.schedules.list)
+    async def list_schedules(request: Request) -> Response:
+        admin(request)
+        rows = await run_in_threadpool(schedules().list)
         return JSONResponse({"schedules": rows}, headers=NO_STORE)
 
-    async def add_schedule(self, request: Request) -> Response:
-        principal = self._admin(request)
-        data: dict[str, Any] = await read_json(request, self.gw.body_limit_bytes)
+    async def add_schedule(request: Request) -> Response:
+        principal = admin(request)
+        data: dict[str, Any] = await read_json(request, gw.body_limit_bytes)
         name = str(data.get("name") or "")
         every = data.pop("every", None)
         if every is not None:
@@ -64,37 +61,34 @@ class Jobs:
         data.pop("created_at", None)
         spec = build_spec(data)
         if spec.webhook_url:
-            check_for_turn(spec.webhook_url, self.gw.client.settings)
-        spec = await run_in_threadpool(self.schedules.add, spec)
+            check_for_turn(spec.webhook_url, gw.client.settings)
+        spec = await run_in_threadpool(schedules().add, spec)
         return JSONResponse(
             {**spec.model_dump(), "when": spec.when},
             status_code=201,
             headers={"Location": f"/v1/schedules/{spec.name}", **NO_STORE},
         )
 
-    async def remove_schedule(self, request: Request) -> Response:
-        self._admin(request)
+    async def remove_schedule(request: Request) -> Response:
+        admin(request)
         name = request.path_params["name"]
-        await run_in_threadpool(self.schedules.remove, name)
+        await run_in_threadpool(schedules().remove, name)
         return JSONResponse({"ok": True, "name": name})
 
-    async def list_webhooks(self, request: Request) -> Response:
-        self.gw.require_admin_read(request)
+    async def list_webhooks(request: Request) -> Response:
+        gw.require_admin_read(request)
         try:
             limit = min(MAX_LISTED, max(1, int(request.query_params.get("limit", "50"))))
         except ValueError:
             limit = 50
-        rows = await run_in_threadpool(self.gw.deliveries.recent, limit)
+        rows = await run_in_threadpool(gw.deliveries.recent, limit)
         return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 
-
-def job_routes(gw: RouteContext) -> list[Route]:
-    j = Jobs(gw)
     return [
-        Route("/v1/schedules", j.list_schedules, methods=["GET"]),
-        Route("/v1/schedules", j.add_schedule, methods=["POST"]),
-        Route("/v1/schedules/{name}", j.remove_schedule, methods=["DELETE"]),
-        Route("/v1/webhooks", j.list_webhooks, methods=["GET"]),
+        Route("/v1/schedules", list_schedules, methods=["GET"]),
+        Route("/v1/schedules", add_schedule, methods=["POST"]),
+        Route("/v1/schedules/{name}", remove_schedule, methods=["DELETE"]),
+        Route("/v1/webhooks", list_webhooks, methods=["GET"]),
     ]
 
 
@@ -107,4 +101,4 @@ def check_key_webhooks(settings: Settings) -> None:
             raise ConfigError("AGENTQ_WEBHOOK_URLS", f"{name}: {exc.message}") from None
 
 
-__all__ = ["Jobs", "check_key_webhooks", "job_routes"]
+__all__ = ["check_key_webhooks", "job_routes"]
