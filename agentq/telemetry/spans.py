@@ -50,9 +50,6 @@ class JsonLinesSpanExporter(SpanExporter):  # type: ignore[misc]
             os.close(fd)
         return SpanExportResult.SUCCESS
 
-    def shutdown(self) -> None:
-        return None
-
 
 def read_spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The spans written to `path` so far (none if it does not exist yet)."""
