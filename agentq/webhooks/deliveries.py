@@ -279,15 +279,8 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
     status = str(state["status"])
     history = store.history(turn_id)
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
-    counted = (
-        "prompt_tokens",
-        "completion_tokens",
-        "total_tokens",
-        "cached_tokens",
-        "reasoning_tokens",
-    )
-    usage: dict[str, Any] = dict.fromkeys(counted, 0)
-    usage["rounds"] = 0
+    counted = [f"{k}_tokens" for k in ("prompt", "completion", "total", "cached", "reasoning")]
+    usage: dict[str, Any] = dict.fromkeys([*counted, "rounds"], 0)
     after = "0-0"
     while True:
         chunk = store.bus.replay(turn_id, after, count=1000)
