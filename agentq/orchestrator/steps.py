@@ -301,22 +301,19 @@ class Sweeper:
         r = self.store.redis
         send_kills(r, self.app, look.kills)
         for host in look.dead:
-            if r.zrem(k.WORKERS, host):  # else another sweeper took it
-                self._wake_calls_of(host)
+            if not r.zrem(k.WORKERS, host):
+                continue  # another sweeper took it
+            # Their steps settle the dead worker's running calls as lost.
+            turns = self.store.turns_running_on(host)
+            log.warning("worker %s stopped beating; waking %d turns of its calls", host, len(turns))
+            for turn_id in turns:
+                self.store.wake(turn_id)
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_EVERY_S
             self.prune_index(now)
             # Kept fresh, so agents no worker runs any more drop out of the known ones.
             publish_agents(r, now)
         return look
-
-    def _wake_calls_of(self, host: str) -> None:
-        """Wake the turns of a dead worker's calls (their steps settle the running ones as
-        lost)."""
-        turns = self.store.turns_running_on(host)
-        log.warning("worker %s stopped beating; waking the %d turns of its calls", host, len(turns))
-        for turn_id in turns:
-            self.store.wake(turn_id)
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""
