@@ -451,14 +451,10 @@ class Spend:
         `tokens` and `cost_usd`) and its limits."""
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
         f = {text(a): b for a, b in raw.items()}
-        counts = {n: _num(f.get(n)) for n in ("prompt", "completion", "cached", "tokens", "usd")}
-        out: dict[str, Any] = {
-            "prompt_tokens": int(counts["prompt"]),
-            "completion_tokens": int(counts["completion"]),
-            "cached_tokens": int(counts["cached"]),
-            "total_tokens": int(counts["tokens"]),
-            "cost_usd": round(counts["usd"], 6),
-        }
+        counts = {"prompt": "prompt_tokens", "completion": "completion_tokens"}
+        counts |= {"cached": "cached_tokens", "tokens": "total_tokens"}
+        out: dict[str, Any] = {name: int(_num(f.get(n))) for n, name in counts.items()}
+        out["cost_usd"] = round(_num(f.get("usd")), 6)
         if "max_tokens" in f:
             out["max_tokens"] = int(_num(f["max_tokens"]))
         if "max_usd" in f:
