@@ -123,9 +123,6 @@ class ConversationMovedOn(ReplayRefused):
     conversation's last turn, or another turn holds or waits for it: the retry branches
     instead, so this never reaches a caller."""
 
-    code = "conversation_moved_on"
-    status_code = 409
-
     def __init__(self, turn_id: str, conversation_id: str) -> None:
         super().__init__(turn_id, f"turn {turn_id} is no longer the last of {conversation_id}")
         self.conversation_id = conversation_id
