@@ -480,11 +480,6 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def state_ttl_s(self) -> int:
-        """The retention TTL of a finished turn's keys (`turn_retention_s`, its old name)."""
-        return self.turn_retention_s
-
-    @property
     def broker(self) -> str:
         return self.broker_url or self.redis_url
 

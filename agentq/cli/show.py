@@ -211,7 +211,7 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     from agentq.state.spend import Spend
     from agentq.webhooks.deliveries import Deliveries
 
-    deliveries = Deliveries(client._store.redis, retention_s=client.settings.state_ttl_s)
+    deliveries = Deliveries(client._store.redis, retention_s=client.settings.turn_retention_s)
     view["webhook"] = deliveries.of_turn(turn_id)
 
     spend = Spend(client._store.redis, client.settings).turn_totals(state.get("owner"), turn_id)

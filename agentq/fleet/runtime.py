@@ -58,7 +58,7 @@ def get_store(settings: Settings | None = None) -> TurnStore:
             _store = TurnStore(
                 client,
                 log_maxlen=s.event_log_maxlen,
-                ttl_s=s.state_ttl_s,
+                ttl_s=s.turn_retention_s,
                 waker=_send_step,
                 stepper=_Stepper(),
                 replicas_acked=s.replicas_acked,

@@ -140,7 +140,7 @@ class Gateway:
         self.body_limit_bytes = settings.max_prompt_bytes + BODY_MARGIN_BYTES
         self.closing = threading.Event()
         self.presence = Presence(client._store.redis)
-        self.deliveries = Deliveries(client._store.redis, retention_s=settings.state_ttl_s)
+        self.deliveries = Deliveries(client._store.redis, retention_s=settings.turn_retention_s)
 
     def begin_shutdown(self) -> None:
         """End open SSE streams cleanly (within `poll_s`) instead of being cancelled."""

@@ -48,7 +48,7 @@ def lease_s(settings: Settings) -> float:
 
 
 def deliveries(store: TurnStore, settings: Settings) -> Deliveries:
-    return Deliveries(store.redis, retention_s=settings.state_ttl_s)
+    return Deliveries(store.redis, retention_s=settings.turn_retention_s)
 
 
 def send_attempt(app: Celery, delivery_id: str, attempts: int) -> None:

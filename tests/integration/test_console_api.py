@@ -231,11 +231,11 @@ def test_finished_turns_expire_with_all_their_keys_and_leave_the_index(
 def test_retention_setting_and_its_old_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AGENTQ_TURN_RETENTION_S", raising=False)
     monkeypatch.delenv("AGENTQ_STATE_TTL_S", raising=False)
-    assert load_settings().state_ttl_s == 7 * 24 * 3600
+    assert load_settings().turn_retention_s == 7 * 24 * 3600
     monkeypatch.setenv("AGENTQ_STATE_TTL_S", "60")
     assert load_settings().turn_retention_s == 60
     monkeypatch.setenv("AGENTQ_TURN_RETENTION_S", "120")
-    assert load_settings().state_ttl_s == 120
+    assert load_settings().turn_retention_s == 120
     monkeypatch.setenv("AGENTQ_TURN_RETENTION_S", "soon")
     with pytest.raises(Exception, match="AGENTQ_TURN_RETENTION_S"):
         load_settings()

@@ -466,7 +466,7 @@ def test_a_conversation_is_continued_only_by_its_owner(
     bound = client._store.redis.get(k.conversation_owner_key(conv))
     assert bound == b"owner:" + hashlib.sha256(b"alice").hexdigest().encode()
     ttl_s = client._store.redis.ttl(k.conversation_owner_key(conv))
-    assert 0 < ttl_s <= keyed_settings().state_ttl_s
+    assert 0 < ttl_s <= keyed_settings().turn_retention_s
 
     stolen = httpx.post(
         keyed.url + "/v1/turns",
