@@ -18,13 +18,12 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis.asyncio as aredis
-
 from agentq.api import DEFAULT_TIMEOUT_S, _Started, output_type_of
-from agentq.config import Settings, get_settings, parse_sentinel_url
+from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
+from agentq.fleet.connections import async_redis_client
 from agentq.state.base import text
 from agentq.state.results import TurnResult, TurnView, settle
 
@@ -46,26 +45,6 @@ MAX_CONNECTIONS = 4096
 (its XREAD BLOCK) while it waits."""
 
 
-def _redis_for(settings: Settings) -> aredis.Redis:
-    if settings.redis_cluster_nodes:
-        raise ConfigError(
-            "AGENTQ_REDIS_CLUSTER_NODES", "the asyncio client does not follow a Redis Cluster yet"
-        )
-    url = settings.redis_url
-    if url.startswith("sentinel://"):
-        parsed = parse_sentinel_url(url)
-        sentinel = aredis.Sentinel(  # type: ignore[no-untyped-call]
-            parsed.sentinels,
-            db=parsed.db,
-            username=parsed.username,
-            password=parsed.password,
-            max_connections=MAX_CONNECTIONS,
-        )
-        master: aredis.Redis = sentinel.master_for(settings.redis_sentinel_master or "")
-        return master
-    return aredis.Redis.from_url(url, max_connections=MAX_CONNECTIONS)
-
-
 class AsyncClient:
     """`Client` for asyncio code: `async with AsyncClient() as client: await client.run(...)`."""
 
@@ -73,7 +52,16 @@ class AsyncClient:
         from agentq.api import Client
 
         self.settings = settings or get_settings()
-        self._redis = _redis_for(self.settings)
+        if self.settings.redis_cluster_nodes:
+            raise ConfigError(
+                "AGENTQ_REDIS_CLUSTER_NODES",
+                "the asyncio client does not follow a Redis Cluster yet",
+            )
+        self._redis = async_redis_client(
+            self.settings.redis_url,
+            self.settings.redis_sentinel_master,
+            max_connections=MAX_CONNECTIONS,
+        )
         self._client: Client = Client(self.settings)
         """Starts, aborts, answers and reads, run on `_threads`."""
         self._threads = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="agentq-aclient")

@@ -222,14 +222,12 @@ def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
     return aioredis.Redis(host=host, port=port)
 
 
-def async_redis_client(url: str, master_name: str | None = None) -> aioredis.Redis:
+def async_redis_client(url: str, master_name: str | None = None, **kwargs: Any) -> aioredis.Redis:
     """The asyncio twin of `redis_client`, with the same retries."""
-    retry = AsyncRetry(_backoff(), REDIS_RETRIES)
+    options = {"retry": AsyncRetry(_backoff(), REDIS_RETRIES), "retry_on_error": RETRY_ON, **kwargs}
     if not is_sentinel(url):
-        return aioredis.Redis.from_url(url, retry=retry, retry_on_error=RETRY_ON)
-    client: aioredis.Redis = _master(
-        AsyncSentinel, url, master_name, retry=retry, retry_on_error=RETRY_ON
-    )
+        return aioredis.Redis.from_url(url, **options)
+    client: aioredis.Redis = _master(AsyncSentinel, url, master_name, **options)
     return client
 
 
