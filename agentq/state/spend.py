@@ -101,7 +101,26 @@ class SpendKeys(NamedTuple):
     """Last: the loops over the turn and its parents start at it."""
 
 
-_BIND_PARENTS = f"local parents_at = {len(SpendKeys._fields) + 1}\n"
+_ADD_LUA = f"""local parents_at = {len(SpendKeys._fields) + 1}
+-- Adds to the day's, the month's (dollars only: usd_per_month is its one budget), the
+-- turn's and its parents' counts; counts that do not change are not written. `fresh`: a
+-- count may be a hash's first, which sets its retention (HINCRBY answering the increment
+-- itself; a count back at zero sets it again, harmless).
+local function add(key, ttl, dt, du, fresh)
+  local total = nil
+  if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
+  if fresh and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
+  if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
+end
+local function add_all(dt, du, fresh)
+  add(day_key, day_ttl_s, dt, du, fresh)
+  if du ~= 0 then
+    redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(du))
+    if fresh then redis.call('EXPIRE', month_key, day_ttl_s) end
+  end
+  for i = parents_at - 1, #KEYS do add(KEYS[i], turn_ttl_s, dt, du, fresh) end
+end
+"""
 
 
 class SettleArgs(NamedTuple):
@@ -141,7 +160,7 @@ class ReserveArgs(NamedTuple):
 
 SETTLE_LUA = (
     bind_lua(SpendKeys, SettleArgs)
-    + _BIND_PARENTS
+    + _ADD_LUA
     + f"""-- The round's reservation (if it took one) becomes its usage, in every count the
 -- reservation was added to; once: rounds are settled in order, a step that runs again
 -- finds its round settled.
@@ -159,36 +178,18 @@ if reserved then
 end
 local p, c, h = tonumber(used_prompt), tonumber(used_completion), tonumber(used_cached)
 local u = tonumber(used_usd)
-local dt, du = p + c - rt, u - ru
--- Counts that do not change are not written: a round is settled in a dozen commands.
-local function bump(key, name, by)
-  if by ~= 0 then redis.call('HINCRBY', key, name, by) end
+-- Without a reservation a count may be a hash's first.
+add_all(p + c - rt, u - ru, not reserved)
+local function counts(key, g)
+  local by = {{p, c, h}}
+  for i, name in ipairs({{'prompt', 'completion', 'cached'}}) do
+    if by[i] ~= 0 then redis.call('HINCRBY', key, g .. name, by[i]) end
+  end
 end
--- Without a reservation a count may be a hash's first: it sets the hash's retention
--- (HINCRBY answering the increment itself; a count back at zero sets it again, harmless).
-local function fix(key, ttl)
-  local total = nil
-  if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
-  if not reserved and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
-  if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
-end
-fix(day_key, day_ttl_s)
-if du ~= 0 then
-  -- A month counts dollars only (usd_per_month is its one budget).
-  redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(du))
-  if not reserved then redis.call('EXPIRE', month_key, day_ttl_s) end
-end
-for i = parents_at - 1, #KEYS do
-  fix(KEYS[i], turn_ttl_s)
-  bump(KEYS[i], 'prompt', p)
-  bump(KEYS[i], 'completion', c)
-  bump(KEYS[i], 'cached', h)
-end
+for i = parents_at - 1, #KEYS do counts(KEYS[i], '') end
 -- By model and by agent; the key's totals are the sum of its models' (usage_report).
 for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
-  bump(day_key, g .. 'prompt', p)
-  bump(day_key, g .. 'completion', c)
-  bump(day_key, g .. 'cached', h)
+  counts(day_key, g)
   if u ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', used_usd) end
   if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
 end
@@ -199,7 +200,7 @@ return {Settle.SETTLED}
 
 RESERVE_LUA = (
     bind_lua(SpendKeys, ReserveArgs)
-    + _BIND_PARENTS
+    + _ADD_LUA
     + f"""local field = 'r:' .. reservation
 local held = redis.call('HGET', own_key, field)
 if held then
@@ -260,18 +261,7 @@ end
 local tokens = prompt + cap
 local usd = 0
 if priced == '1' then usd = prompt * pin + cap * pout end
--- A hash's retention is set when its first count is: HINCRBY answering the increment
--- itself is the first (or a count back at zero, where setting it again is harmless).
-local function take(key, ttl)
-  if redis.call('HINCRBY', key, 'tokens', tokens) == tokens then redis.call('EXPIRE', key, ttl) end
-  if usd ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(usd)) end
-end
-take(day_key, day_ttl_s)
-if usd ~= 0 then
-  redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(usd))
-  redis.call('EXPIRE', month_key, day_ttl_s)
-end
-for i = parents_at - 1, #KEYS do take(KEYS[i], turn_ttl_s) end
+add_all(tokens, usd, true)
 redis.call('HSET', own_key, field, cjson.encode({{tokens, usd, cap, bounded}}))
 return {{{Reserve.OK}, cap, bounded}}
 """
