@@ -11,7 +11,7 @@ grants the waiters at the head of the queue and is told whose turns to wake.
                       interactive=True, tokens=estimate_tokens(prompt_tokens, max_tokens))
     for waiter in got.woken: ...                  # wake those turns now
     if isinstance(got, Queued): ...               # wake this turn at got.retry_at_ms
-    else: ...; cap.release(got, tokens_used=usage.total_tokens)
+    else: ...; cap.release(got.lease_id, tokens_used=usage.total_tokens)
 
 Queue order: interactive rounds before background ones (or one background grant in
 `background_every` while both wait); within a class, owners take turns by start-time
@@ -299,10 +299,9 @@ class Capacity:
         )
 
     def release(
-        self, lease: Grant | str, *, tokens_used: int | None = None, now_ms: int | None = None
+        self, lease_id: str, *, tokens_used: int | None = None, now_ms: int | None = None
     ) -> Wakes:
         """Free a lease's stream slot, correct tpm from the real usage, and grant waiters."""
-        lease_id = lease.lease_id if isinstance(lease, Grant) else lease
         if not lease_id:
             return Wakes()
         model = _lease_model(lease_id)
@@ -310,9 +309,8 @@ class Capacity:
         own = inputs.ReleaseArgs(lease_id, used)
         return Wakes(**self._wakes(self._run(self._release, model, now_ms, own)))
 
-    def renew(self, lease: Grant | str, *, now_ms: int | None = None) -> bool:
+    def renew(self, lease_id: str, *, now_ms: int | None = None) -> bool:
         """Keep a lease for `lease_ttl_ms` more; False if it was lost."""
-        lease_id = lease.lease_id if isinstance(lease, Grant) else lease
         if not lease_id:
             return True
         model = _lease_model(lease_id)

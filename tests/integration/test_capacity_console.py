@@ -169,6 +169,6 @@ def test_metrics_gauges_read_the_capacity_at_scrape_time(rig: Rig, busy_model: G
         assert secret not in text, secret
 
     # The round that held the stream is done: the gauges follow at the next scrape.
-    rig.cap.release(busy_model, tokens_used=10)
+    rig.cap.release(busy_model.lease_id, tokens_used=10)
     text = rig.keyed.get("/metrics", headers=auth(METRICS_TOKEN)).text
     assert gauge("agentq_llm_streams_in_use", model=MODEL) == 0

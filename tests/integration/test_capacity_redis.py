@@ -135,12 +135,12 @@ def test_tokens_are_estimated_up_front_and_corrected_from_real_usage(r: redis.Re
     b = queued(grab(cap, "b", T0, tokens=100))
     assert b.next_slot_ms == T0 + 10_000 - 990
     # a used 100 of the 1,000 it reserved: 900 tokens (9 s) come back, b goes at once.
-    wakes = cap.release(a, tokens_used=100, now_ms=T0 + 10)
+    wakes = cap.release(a.lease_id, tokens_used=100, now_ms=T0 + 10)
     assert wakes.woken == ("b",)
     b_grant = granted(grab(cap, "b", T0 + 10))
     assert b_grant.tokens == 100
     # b used 3,000, not 100: the 2,900 more push the next request 29 s further out.
-    cap.release(b_grant, tokens_used=3000, now_ms=T0 + 20)
+    cap.release(b_grant.lease_id, tokens_used=3000, now_ms=T0 + 20)
     c = queued(grab(cap, "c", T0 + 20, tokens=10))
     assert c.next_slot_ms == T0 + 2000 + 29_000 - 990
     snap = cap.snapshot("m", now_ms=T0 + 20)
@@ -156,18 +156,20 @@ def test_stream_slots_are_leases_and_a_dead_workers_lease_comes_back(r: redis.Re
     assert c.position == 1 and c.next_slot_ms == T0 + 10_000  # backstop: a lease's expiry
     assert cap.snapshot("m", now_ms=T0)["streams_in_use"] == 2
     # a's worker releases: the slot goes to the head of the queue, whose turn must be woken.
-    assert cap.release(a, now_ms=T0 + 100).woken == ("c",)
+    assert cap.release(a.lease_id, now_ms=T0 + 100).woken == ("c",)
     c_grant = granted(grab(cap, "c", T0 + 200))
     assert c_grant.granted_at_ms == T0 + 100
     # c's worker renews its lease; b's worker died and never does.
-    assert cap.renew(c_grant, now_ms=T0 + 9_000)
+    assert cap.renew(c_grant.lease_id, now_ms=T0 + 9_000)
     d = queued(grab(cap, "d", T0 + 9_500))
     assert d.next_slot_ms == T0 + 10_000
     got = granted(grab(cap, "d", T0 + 10_001))
     assert got.lease_id not in (b.lease_id, c_grant.lease_id)
-    assert not cap.renew(b, now_ms=T0 + 10_002)  # b's worker learns its slot is gone
+    assert not cap.renew(b.lease_id, now_ms=T0 + 10_002)  # b's worker learns its slot is gone
     assert cap.snapshot("m", now_ms=T0 + 10_002)["streams_in_use"] == 2  # c and d
-    assert cap.release(b, now_ms=T0 + 10_003).woken == ()  # a late release frees nothing twice
+    assert (
+        cap.release(b.lease_id, now_ms=T0 + 10_003).woken == ()
+    )  # a late release frees nothing twice
     assert cap.snapshot("m", now_ms=T0 + 10_003)["streams_in_use"] == 2
 
 
@@ -266,7 +268,7 @@ def test_withdraw_leaves_the_queue_and_gives_back_an_untaken_grant(r: redis.Redi
     # A grant already taken is the stream worker's to release, not withdraw's.
     d = granted(grab(cap, "d", T0 + 1003))
     assert cap.withdraw("m", "d", now_ms=T0 + 1004)[0] is False
-    assert cap.renew(d, now_ms=T0 + 1005)
+    assert cap.renew(d.lease_id, now_ms=T0 + 1005)
 
 
 def test_a_429_pauses_the_deployment_for_the_whole_fleet(r: redis.Redis) -> None:
@@ -312,7 +314,7 @@ def test_breaker_opens_after_n_failures_then_half_opens_with_one_probe(r: redis.
     assert cap.snapshot("m", now_ms=T0 + 10_002)["deployments"]["a"]["breaker"] == "probing"
     # The probe fails: open again for a whole cool-down.
     assert cap.report_failure("m", "a", "5xx", now_ms=T0 + 10_003) == "open"
-    cap.release(probe, now_ms=T0 + 10_004)
+    cap.release(probe.lease_id, now_ms=T0 + 10_004)
     assert granted(grab(cap, "x5", T0 + 19_000)).deployment == "b"
     probe = granted(grab(cap, "x6", T0 + 20_003))
     assert probe.deployment == "a"
@@ -363,7 +365,7 @@ def test_the_head_of_the_queue_is_named_with_the_time_of_its_slot(r: redis.Redis
     assert queued(grab(cap, "b", T0)).wake_next is None  # b is the head itself
     # Woken a little before its slot, to be given it on time.
     assert queued(grab(cap, "c", T0)).wake_next == WakeAt(waiter="b", at_ms=T0 + 800)
-    wakes = cap.release(a, now_ms=T0 + 1000)
+    wakes = cap.release(a.lease_id, now_ms=T0 + 1000)
     assert wakes.woken == ("b",) and wakes.wake_next == WakeAt(waiter="c", at_ms=T0 + 1800)
     # c asks then, and holds its slot: the slot is c's, however late c takes it.
     held = queued(grab(cap, "c", T0 + 1800))
@@ -377,7 +379,7 @@ def test_acquire_is_idempotent_per_waiter(r: redis.Redis) -> None:
     again = granted(grab(cap, "w", T0 + 5))
     assert again.lease_id == first.lease_id and again.granted_at_ms == T0
     assert cap.snapshot("m", now_ms=T0 + 5)["streams_in_use"] == 1
-    cap.release(first, now_ms=T0 + 6)
+    cap.release(first.lease_id, now_ms=T0 + 6)
     assert granted(grab(cap, "w", T0 + 7)).lease_id != first.lease_id  # a new round
 
 
@@ -406,13 +408,13 @@ def test_models_without_limits_are_unmetered_but_learn_pauses(r: redis.Redis) ->
     late = granted(grab(cap, "late", T0 + 1000, model="other"))
     assert late.lease_id
     for g in grants:
-        cap.release(g, now_ms=T0 + 1000)
+        cap.release(g.lease_id, now_ms=T0 + 1000)
     assert cap.snapshot("other", now_ms=T0 + 1000)["streams_in_use"] <= 1
     # Its lease still out, the next round takes one too; once it is back, none again.
     after = granted(grab(cap, "after", T0 + 1001, model="other"))
     assert after.lease_id
-    cap.release(late, now_ms=T0 + 1002)
-    cap.release(after, now_ms=T0 + 1002)
+    cap.release(late.lease_id, now_ms=T0 + 1002)
+    cap.release(after.lease_id, now_ms=T0 + 1002)
     # The pause hash expires as its pause ends, on Redis's clock (this test's is its own).
     r.delete(f"{cap.prefix}:{{other}}:paused")
     assert granted(grab(cap, "last", T0 + 1003, model="other")).lease_id == ""
@@ -429,7 +431,7 @@ def test_a_model_without_limits_that_nothing_holds_writes_nothing(r: redis.Redis
         assert (g.model, g.deployment, g.lease_id, g.tokens) == ("free", "default", "", 700)
         assert g.granted_at_ms > T0 and g.woken == () and g.wake_next is None
         # No lease, grant, queue or usage: renewing and releasing have nothing to do.
-        assert cap.renew(g) and cap.release(g, tokens_used=9) == Wakes()
+        assert cap.renew(g.lease_id) and cap.release(g.lease_id, tokens_used=9) == Wakes()
         cap.report_success("free", "default")
         assert cap.withdraw("free", "w") == (False, Wakes())
         snap = cap.snapshot("free")
@@ -507,8 +509,8 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     a = granted(grab(cap, "a", T0 + 501))
     assert a.lease_id and a.granted_at_ms == T0 + 500
     assert cap.snapshot("m", now_ms=T0 + 501)["streams_in_use"] == 2
-    cap.release(a, now_ms=T0 + 502)
-    cap.release(b, now_ms=T0 + 502)
+    cap.release(a.lease_id, now_ms=T0 + 502)
+    cap.release(b.lease_id, now_ms=T0 + 502)
     # The pause has ended: its hash expires then, on Redis's clock (this test's is its own).
     r.delete(f"{cap.prefix}:{{m}}:paused")
     assert granted(grab(cap, "c", T0 + 503)).lease_id == ""
@@ -517,22 +519,22 @@ def test_a_model_without_limits_waits_while_the_fleet_holds_it(r: redis.Redis) -
     assert queued(grab(cap, "d", T0 + 601)).next_slot_ms == T0 + 1600
     d = granted(grab(cap, "d", T0 + 1600))
     assert d.lease_id
-    cap.release(d, now_ms=T0 + 1601)
+    cap.release(d.lease_id, now_ms=T0 + 1601)
     # A failure on record: rounds take leases (a probe must hold one) until a success.
     cap.report_failure("m", "default", "5xx", now_ms=T0 + 2000)
     e = granted(grab(cap, "e", T0 + 2001))
     assert e.lease_id
     assert cap.report_failure("m", "default", "5xx", now_ms=T0 + 2002) == "open"
     assert queued(grab(cap, "f", T0 + 2003)).next_slot_ms == T0 + 3002
-    cap.release(e, now_ms=T0 + 2004)
+    cap.release(e.lease_id, now_ms=T0 + 2004)
     probe = granted(grab(cap, "f", T0 + 3002))
     assert probe.lease_id
     assert queued(grab(cap, "g", T0 + 3003)).next_slot_ms > T0 + 3003  # one probe at a time
     cap.report_success("m", "default")
     g = granted(grab(cap, "g", T0 + 3004))
     assert g.lease_id and g.woken == ()
-    cap.release(probe, now_ms=T0 + 3005)
-    cap.release(g, now_ms=T0 + 3005)
+    cap.release(probe.lease_id, now_ms=T0 + 3005)
+    cap.release(g.lease_id, now_ms=T0 + 3005)
     r.delete(f"{cap.prefix}:{{m}}:paused")  # the allowance's pause ended (Redis's clock)
     assert granted(grab(cap, "h", T0 + 3006)).lease_id == ""
     # What is left holds nothing: ended pauses, virtual times, the minute's usage.
@@ -585,7 +587,7 @@ def test_a_round_of_a_model_without_limits_costs_a_handful_of_commands() -> None
         def round_of(cap: Capacity, model: str, waiter: str) -> None:
             g = granted(cap.acquire(model, waiter=waiter, owner="o", interactive=True, tokens=9))
             cap.report_success(model, g.deployment)
-            cap.release(g, tokens_used=5)
+            cap.release(g.lease_id, tokens_used=5)
 
         for cap in (limited, bare):
             round_of(cap, "m", "warm")  # loads the scripts
@@ -610,7 +612,7 @@ def test_a_models_keys_share_one_cluster_slot(r: redis.Redis) -> None:
     busy(cap, "m", 10_000, now_ms=T0, deployment="b")
     queued(grab(cap, "b", T0, interactive=True))
     cap.report_failure("m", "a", "5xx", now_ms=T0)
-    cap.release(g, tokens_used=5, now_ms=T0)
+    cap.release(g.lease_id, tokens_used=5, now_ms=T0)
     keys = [k.decode() for k in r.scan_iter(match=f"{cap.prefix}:*")]
     assert len(keys) >= 6
     assert all(k.startswith(f"{cap.prefix}:{{m}}:") for k in keys)
@@ -655,7 +657,7 @@ def test_many_threads_sharing_one_limit_never_exceed_it(r: redis.Redis) -> None:
                 time.sleep(0.002)  # the stream itself
                 with lock:
                     holding -= 1
-                wake(cap.release(res, tokens_used=1).woken)
+                wake(cap.release(res.lease_id, tokens_used=1).woken)
         except BaseException as exc:  # the main thread reports it
             errors.append(exc)
 
