@@ -69,7 +69,7 @@ from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from agentq.gateway.replay import accepted, replay_routes
+from agentq.gateway.replay import accepted, replay, replay_routes
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.usage import usage_routes
 from agentq.gateway.validate import (
@@ -229,6 +229,11 @@ class Gateway:
             return handle
         finally:
             self.limits.started(subject, reservation, turn_id)
+
+    async def replay(self, request: Request, turn_id: str, principal: Principal | None) -> Response:
+        """Retry or fork `turn_id` (agentq.gateway.replay) for a caller who may steer it; the
+        console calls it here: importing that module would add a layer to its imports."""
+        return await replay(self, request, turn_id, principal)
 
     async def get_turn(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])

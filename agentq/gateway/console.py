@@ -26,7 +26,6 @@ from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
 from agentq.gateway.errors import invalid, validated
-from agentq.gateway.replay import replay
 from agentq.gateway.validate import read_json
 from agentq.mcp.health import server_health, servers_view
 from agentq.mcp.servers import parse_servers
@@ -171,7 +170,7 @@ class Console:
         principal = self._operator(request)
         turn_id = request.path_params["turn_id"]
         await run_in_threadpool(self._state, turn_id, principal)  # not theirs: 404 first
-        return await replay(self.gw, request, turn_id, principal)
+        return await self.gw.replay(request, turn_id, principal)
 
     async def answer(self, request: Request) -> Response:
         principal = self._operator(request)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from starlette.requests import Request
+    from starlette.responses import Response
 
     from agentq.api import Client
     from agentq.gateway.auth import Keyring, Principal
@@ -45,6 +46,10 @@ class RouteContext(Protocol):
     def limited(
         self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
     ) -> TurnHandle: ...
+
+    async def replay(
+        self, request: Request, turn_id: str, principal: Principal | None
+    ) -> Response: ...
 
     def require_admin_read(self, request: Request) -> None: ...
 
