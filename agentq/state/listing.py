@@ -27,6 +27,7 @@ from agentq import constants as k
 from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.state.base import active_turns, each_shard, text
+from agentq.state.lookup import live
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
@@ -362,10 +363,8 @@ class TurnLister:
         oldest = [m for _, m in rows[start : start + batch]]
         if not oldest:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
-        for turn_id in oldest:
-            pipe.exists(k.turn_key(turn_id))
-        gone = [t for t, alive in zip(oldest, pipe.execute(), strict=True) if not alive]
+        alive = set(live(self.redis, oldest))
+        gone = [t for t in oldest if t not in alive]
         self._drop(gone)
         return len(gone)
 

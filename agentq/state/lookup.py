@@ -45,8 +45,8 @@ def find_turn_ids(
                 k.index_key(shard), cursor, match=prefix + "*", count=SCAN_COUNT
             )
             scanned += SCAN_COUNT
-            fresh = [(text(m), float(sc)) for m, sc in rows if text(m) not in found]
-            found.update(_alive(client, fresh))
+            fresh = {text(m): float(sc) for m, sc in rows if text(m) not in found}
+            found.update({t: fresh[t] for t in live(client, list(fresh))})
             if len(found) > limit:
                 return _newest(found, limit), True
             if int(cursor) == 0:
@@ -56,13 +56,14 @@ def find_turn_ids(
     return _newest(found, limit), False
 
 
-def _alive(client: Any, rows: list[tuple[str, float]]) -> list[tuple[str, float]]:
-    if not rows:
+def live(client: Any, turn_ids: list[str]) -> list[str]:
+    """The turns of `turn_ids` whose state Redis still holds, in one round trip."""
+    if not turn_ids:
         return []
     pipe = client.pipeline(transaction=False)
-    for turn_id, _ in rows:
+    for turn_id in turn_ids:
         pipe.exists(k.turn_key(turn_id))
-    return [row for row, alive in zip(rows, pipe.execute(), strict=True) if alive]
+    return [t for t, alive in zip(turn_ids, pipe.execute(), strict=True) if alive]
 
 
 def _newest(found: dict[str, float], limit: int) -> list[str]:
