@@ -83,6 +83,3 @@ def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
         )
     console.print(table)
     return 0
-
-
-__all__ = ["add_parser", "cmd_conversations"]

@@ -58,6 +58,3 @@ def ambiguity_text(client: Client, exc: AmbiguousTurnId) -> str:
     if exc.more:
         lines.append("  ... and more: type more of the id")
     return "\n".join(lines)
-
-
-__all__ = ["SHORT_ID_LEN", "ambiguity_text", "clock", "resolve_turn_id", "short_id"]

@@ -159,6 +159,3 @@ def _said(turn: Turn, args: argparse.Namespace) -> int:
         print(f"in its conversation {handle['conversation_id']}, replacing its exchange")
     print(f"follow it: agentq events {turn.turn_id}", file=sys.stderr)
     return 0
-
-
-__all__ = ["add_parsers", "cmd_replay"]

@@ -259,6 +259,3 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
         answer = f"  agentq answer {turn_id} {p.get('request_id')} {how}"
         console.print(Text(answer, style="dim"), soft_wrap=True)
     return 0
-
-
-__all__ = ["bar", "cmd_show", "cmd_turns", "timeline_view", "turns_table"]

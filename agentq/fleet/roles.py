@@ -78,13 +78,3 @@ def set_role(role: Role | None) -> None:
 def current_role() -> Role | None:
     """This process's worker role; None outside a worker (a client, the gateway, a test)."""
     return _role
-
-
-__all__ = [
-    "HEARTBEAT_ROLES",
-    "Role",
-    "current_role",
-    "pool_problem",
-    "role_of",
-    "set_role",
-]

@@ -116,6 +116,3 @@ async def on_elicit(server: str, callers: dict[int, Caller], params: Any) -> Any
     if action == "accept" and isinstance(content, dict):
         return types.ElicitResult(action="accept", content=content)
     return types.ElicitResult(action="cancel" if action == "cancel" else "decline")
-
-
-__all__ = ["Caller", "ask", "on_elicit", "request_for"]

@@ -179,15 +179,3 @@ def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
             collisions.setdefault(owner, []).append(Refused(printable(tool), why))
     offered = {n: (s, kept[(s, t)]) for n, (s, t) in unique.items()}
     return Plan(offered, collisions)
-
-
-__all__ = [
-    "ListedTool",
-    "Listing",
-    "Plan",
-    "Refused",
-    "cut_description",
-    "plan",
-    "problem",
-    "read_listings",
-]
