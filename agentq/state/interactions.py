@@ -135,16 +135,9 @@ class Interactions:
             "interaction_answered",
             {"request_id": request_id, "decision": answer.decision, "by": "user"},
         )
-        outcome = text(
-            self._run_close(
-                turn_id,
-                request_id,
-                "answered",
-                answer.decision,
-                secret,
-                max(1, int(req.timeout_ms / 1000) + 600),
-                event,
-            )
+        ttl_s = max(1, int(req.timeout_ms / 1000) + 600)
+        outcome = self._run_close(
+            turn_id, request_id, "answered", answer.decision, secret, ttl_s, event
         )
         if outcome == "missing":
             raise InteractionNotFound(turn_id, request_id)
@@ -154,31 +147,15 @@ class Interactions:
 
     def expire(self, turn_id: str, request_id: str, state: str = "timed_out") -> bool:
         """Close a pending request without an answer; False if an answer won the race."""
-        return text(self._run_close(turn_id, request_id, state, "deny", "", 1, "")) == "ok"
+        return self._run_close(turn_id, request_id, state, "deny", "", 1, "") == "ok"
 
-    def _run_close(
-        self,
-        turn_id: str,
-        request_id: str,
-        state: str,
-        decision: str,
-        secret: str,
-        secret_ttl_s: int,
-        event: str,
-    ) -> Any:
+    def _run_close(self, turn_id: str, request_id: str, *close: Any) -> str:
+        """_CLOSE_LUA, given the first five of its CloseArgs (`close`)."""
         keys = [
             *TurnKeys.of(turn_id),
             k.interaction_key(turn_id, request_id),
             k.secret_key(turn_id, request_id),
         ]
-        args = CloseArgs(
-            state,
-            decision,
-            secret,
-            secret_ttl_s,
-            event,
-            self.store.bus.log_arg(),
-            turn_id,
-            time.time() + WAKE_BACKSTOP_S,
-        )
-        return self._close(keys=keys, args=list(args))
+        log_opts, wake_at = self.store.bus.log_arg(), time.time() + WAKE_BACKSTOP_S
+        args = CloseArgs._make((*close, log_opts, turn_id, wake_at))
+        return text(self._close(keys=keys, args=list(args)))
