@@ -29,6 +29,7 @@ from agentq.errors import (
     LlmError,
     MalformedStreamChunk,
     ModelBusy,
+    ModelConnectionError,
     StreamDurationExceeded,
     StreamIdleTimeout,
 )
@@ -61,9 +62,10 @@ _READ_ERRORS = (httpx2.RequestError, ssl.SSLError, anyio.EndOfStream)
 connection error (`openai.APIConnectionError`), and so does this one."""
 
 
-def _caused(error: openai.APIError, cause: Exception) -> openai.APIError:
-    error.__cause__ = cause
-    return error
+def _lost(exc: Exception) -> NoReturn:
+    """A request that could not be sent or read, in the SDK's words for it."""
+    what = "Request timed out." if isinstance(exc, httpx2.TimeoutException) else "Connection error."
+    raise ModelConnectionError(f"{what} ({type(exc).__name__}: {exc})") from exc
 
 
 def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Timeout:
@@ -301,17 +303,17 @@ class _Attempt:
         )
         try:
             response = await sdk.send(self.client, request)
-        except httpx2.TimeoutException as exc:
-            self._fail(_caused(openai.APITimeoutError(request), exc))
         except Exception as exc:  # as the SDK's own request: any failure to send
-            self._fail(_caused(openai.APIConnectionError(request=request), exc))
+            _lost(exc)
         try:
             if response.status_code >= 400:
                 try:
                     await response.aread()
                 except _READ_ERRORS as exc:
-                    self._fail(_caused(openai.APIConnectionError(request=request), exc))
-                self._fail(sdk.status_error(self.client, response))
+                    _lost(exc)
+                self.retry_after_s = parse_retry_after(response.headers)
+                error = sdk.status_error(self.client, response)
+                raise api_error_to_llm(error) from error
             if self.on_headers is not None:
                 self.on_headers(rate_headers(response.headers))
             # The body is read here, not through the SDK's stream (agentq.llm.sse); to the
@@ -325,15 +327,15 @@ class _Attempt:
                     raw = await body.__anext__()
                 except StopAsyncIteration:
                     break
-                except httpx2.TimeoutException as exc:
-                    self._fail(_caused(openai.APITimeoutError(request), exc))
                 except _READ_ERRORS as exc:
-                    self._fail(_caused(openai.APIConnectionError(request=request), exc))
+                    _lost(exc)
                 for payload in lines.feed(raw):
                     try:
                         chunk = chunk_of(payload)
+                    except json.JSONDecodeError as exc:  # orjson's is one too
+                        raise MalformedStreamChunk(self.chunks, f"not valid JSON: {exc}") from exc
                     except ValueError as exc:
-                        self._fail(exc)
+                        raise MalformedStreamChunk(self.chunks, f"undecodable: {exc}") from exc
                     # Only a parsed event is activity: comments, blank lines and partial
                     # lines never reach here, so keep-alives cannot hold the watchdog off.
                     self.chunks += 1
@@ -345,11 +347,3 @@ class _Attempt:
         finally:
             await response.aclose()
         return assembler.message()
-
-    def _fail(self, exc: Exception) -> NoReturn:
-        if isinstance(exc, openai.APIError):
-            if isinstance(exc, openai.APIStatusError):
-                self.retry_after_s = parse_retry_after(exc.response.headers)
-            raise api_error_to_llm(exc) from exc
-        problem = "not valid JSON" if isinstance(exc, json.JSONDecodeError) else "undecodable"
-        raise MalformedStreamChunk(self.chunks, f"{problem}: {exc}") from exc

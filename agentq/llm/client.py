@@ -14,7 +14,6 @@ import openai
 from agentq.errors import (
     MalformedStreamChunk,
     ModelBusy,
-    ModelConnectionError,
     ModelHTTPError,
 )
 from agentq.llm.headers import BUSY_STATUSES, parse_retry_after, rate_headers
@@ -28,23 +27,18 @@ Tools = list[dict[str, Any]] | str
 """Tool schemas: a list, or the JSON array text of one (the stream worker's form)."""
 
 
-def api_error_to_llm(exc: openai.APIError) -> ModelHTTPError:
-    """The agentq error for an SDK error, with the server's own message."""
-    if isinstance(exc, openai.APIStatusError):
-        body = exc.body
-        message = exc.message
-        if isinstance(body, dict) and isinstance(body.get("message"), str):
-            message = body["message"]
-        if exc.status_code in BUSY_STATUSES:
-            headers = exc.response.headers
-            return ModelBusy(
-                exc.status_code, message, parse_retry_after(headers), rate_headers(headers)
-            )
-        return ModelHTTPError(exc.status_code, message, retryable_status(exc.status_code))
-    # A connection that failed or timed out: the only other errors the attempt passes here.
-    cause = exc.__cause__
-    detail = f"{exc.message} ({type(cause).__name__}: {cause})" if cause else exc.message
-    return ModelConnectionError(detail)
+def api_error_to_llm(exc: openai.APIStatusError) -> ModelHTTPError:
+    """The agentq error for an error answer, with the server's own message."""
+    body = exc.body
+    message = exc.message
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        message = body["message"]
+    if exc.status_code in BUSY_STATUSES:
+        headers = exc.response.headers
+        return ModelBusy(
+            exc.status_code, message, parse_retry_after(headers), rate_headers(headers)
+        )
+    return ModelHTTPError(exc.status_code, message, retryable_status(exc.status_code))
 
 
 CHAT_COMPLETIONS_PATH = "/chat/completions"
