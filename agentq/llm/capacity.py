@@ -136,18 +136,12 @@ class Capacity:
         breaker_failures: int = 5,
         breaker_cooldown_ms: int = 30_000,
     ) -> None:
-        weights = dict(owner_weights or {})
-        if any(not w > 0 for w in weights.values()):
-            raise ValueError("owner weights must be > 0")
-        if min(lease_ttl_ms, grant_ttl_ms, waiter_ttl_ms, breaker_cooldown_ms) <= 0:
-            raise ValueError("ttls and the breaker cool-down must be > 0 ms")
-        if breaker_failures < 1 or background_every < 0:
-            raise ValueError("breaker_failures must be >= 1, background_every >= 0")
+        # The settings' own checks (capacity_for) keep the weights, ttls and counts in range.
         self.redis = redis_client
         self.limits = dict(limits)
         self._configured = frozenset(self.limits)
         self.prefix = prefix
-        self.owner_weights = weights
+        self.owner_weights = dict(owner_weights or {})
         """Fair-share weight by owner (default 1): weight 2 is served twice as often."""
         self.lease_ttl_ms = lease_ttl_ms
         """A taken lease not renewed (`renew`) or released this long is freed: its worker died."""
