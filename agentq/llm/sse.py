@@ -13,23 +13,14 @@ error inside a 200 stream).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
 from typing import Any
 
 from agentq.errors import ModelHTTPError
 
-
-def _json_loads() -> Callable[[bytes], Any]:
-    try:
-        import orjson
-    except ImportError:  # pragma: no cover - orjson is optional
-        return json.loads
-    return orjson.loads
-
-
-loads = _json_loads()
-"""Parses a payload; raises a ValueError (json.JSONDecodeError for bad JSON) on one."""
+try:  # either raises a json.JSONDecodeError for bad JSON, a ValueError for bad UTF-8
+    from orjson import loads
+except ImportError:  # pragma: no cover - orjson is optional
+    from json import loads  # type: ignore[assignment]
 
 DONE = b"[DONE]"
 
