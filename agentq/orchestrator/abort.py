@@ -75,7 +75,7 @@ def settle_pending(
     if not calls:
         return [], []
     ours: list[str] = []
-    settled, dispatched = store.round_view(turn_id, [c.id for c in calls])
+    _, settled, dispatched = store.round_view(turn_id, [c.id for c in calls])
     for call in calls:
         if call.id in settled:
             continue

@@ -305,7 +305,7 @@ def _tools(
     ids = [c.id for c in pending]
     # One read for the whole round: a result that lands after it wakes the turn again.
     read, ctx.round_read = ctx.round_read, None  # used once
-    raw_plans, settled, dispatched = ctx.store.round_plans_view(ctx.turn_id, ids, read=read)
+    raw_plans, settled, dispatched = ctx.store.round_view(ctx.turn_id, ids, read=read)
     plans = _plans(ctx, pending, raw_plans)
     # A call with its result is never asked about (a retry's reused calls among them); a
     # request of one still open is closed all the same, at its timeout.

@@ -356,12 +356,6 @@ class StepRecords(StoreBase):
         )
 
     def round_view(
-        self, turn_id: str, call_ids: list[str]
-    ) -> tuple[dict[str, ToolResult], dict[str, dict[str, Any]]]:
-        """Settled results and dispatch records of these calls, in one round trip."""
-        return self.round_plans_view(turn_id, call_ids)[1:]
-
-    def round_plans_view(
         self, turn_id: str, call_ids: list[str], *, read: RoundRead | None = None
     ) -> tuple[list[bytes | None], dict[str, ToolResult], dict[str, dict[str, Any]]]:
         """The stored plans (raw, in order), settled results and dispatch records of these

@@ -75,7 +75,7 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     view = store.begin_step("t1", "s", 5000)
     assert view is not None and view.round is not None
     assert view.round.ids == ("c1", "c2") and view.round.plans == [b"plan-1", b"plan-2"]
-    plans, settled, sent = store.round_plans_view("t1", ["c1", "c2"], read=view.round)
+    plans, settled, sent = store.round_view("t1", ["c1", "c2"], read=view.round)
     assert plans == [b"plan-1", b"plan-2"] and list(settled) == ["c1"]
     assert sent == {"c1": {"task_id": "a"}, "c2": {"task_id": "b"}}
     assert store.release_step("t1", "s", None, 5000) == Released.RELEASED
@@ -87,7 +87,7 @@ def test_a_step_reads_its_rounds_calls_with_its_view(store: TurnStore) -> None:
     assert taken.round is not None and all(taken.round.results)
     assert holder(store, "t1") is not None
     # A read of other calls is not used: the step reads them itself.
-    _, settled, _ = store.round_plans_view("t1", ["c2"], read=taken.round)
+    _, settled, _ = store.round_view("t1", ["c2"], read=taken.round)
     assert settled["c2"].error == "two"
 
 
