@@ -185,6 +185,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
     req, wp = scope.req, wait.waitpoint
     wp_id, _, url = waitpoints(store).waitpoint_address(req.turn_id, req.call_id)
     now = time.time()
+    given = {"data": wp.data, "idempotency_key": wp.idempotency_key, "tags": list(wp.tags)}
     record = {
         "id": wp_id,
         "tool": req.tool,
@@ -194,9 +195,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
         "timeout_s": wp.timeout_s,
         "task_id": scope.task_id,
         "worker": scope.worker,
-        "data": wp.data,
-        "idempotency_key": wp.idempotency_key,
-        "tags": list(wp.tags),
+        **given,
     }
     event = {
         "call_id": req.call_id,
@@ -204,9 +203,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
         "waitpoint_id": wp_id,
         "timeout_s": wp.timeout_s,
         "callback_url": url,
-        "data": wp.data,
-        "idempotency_key": wp.idempotency_key,
-        "tags": list(wp.tags),
+        **given,
     }
     opened = held_writes.hold(
         lambda: waitpoints(store).open_waitpoint(req.turn_id, req.call_id, record, event),
