@@ -25,6 +25,8 @@ from agentq import constants as k
 from agentq.errors import ConfigError
 
 SENTINEL_SCHEME = "sentinel://"
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", SENTINEL_SCHEME)
+"""The URLs of a Redis (AGENTQ_REDIS_URL); a broker URL of another scheme is kombu's (AMQP)."""
 DEFAULT_SENTINEL_PORT = 26379
 
 
@@ -405,7 +407,7 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
-        if not v.startswith(("redis://", "rediss://", "unix://", "sentinel://")):
+        if not v.startswith(REDIS_SCHEMES):
             raise ValueError("must be a redis://, rediss://, unix:// or sentinel:// URL")
         return v
 

@@ -24,7 +24,7 @@ from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from agentq.config import is_sentinel, parse_cluster_nodes, parse_sentinel_url
+from agentq.config import REDIS_SCHEMES, is_sentinel, parse_cluster_nodes, parse_sentinel_url
 from agentq.errors import REDIS_ERRORS, ConfigError
 
 REDIS_MAX_CONNECTIONS = 10_000
@@ -239,10 +239,6 @@ def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
         "master_name": master_name,
         "sentinel_kwargs": {"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
     }
-
-
-REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "sentinel://")
-"""URLs `probe` checks with redis-py; any other is a kombu broker (AMQP, ...)."""
 
 
 def _probe_broker(url: str, timeout_s: float) -> str | None:
