@@ -272,26 +272,25 @@ class Client(CompletesWaitpoints):
         `operator=True` may continue any conversation (for tools that hold Redis
         credentials, which could read it anyway)."""
         req = TurnRequest(prompt=prompt, **fields)
-        return self._start_request(req, operator=operator, idempotency_key=idempotency_key)
+        return self._start_request(req, any_owner=operator, idempotency_key=idempotency_key)
 
     def _start_request(
         self,
         req: TurnRequest,
         *,
         owner: str | None = None,
-        admin: bool = False,
-        operator: bool = False,
+        any_owner: bool = False,
         idempotency_key: str | None = None,
     ) -> TurnHandle:
-        """Queue a turn owned by the key name `owner` (None: no key): the gateway's way in."""
+        """Queue a turn owned by the key name `owner` (None: no key): the gateway's way in
+        (`any_owner`: an admin key's)."""
         return start_turn(
             self._store,
             self.app,
             self.settings,
             req,
             owner=owner,
-            admin=admin,
-            operator=operator,
+            any_owner=any_owner,
             traced=self.traced,
             idempotency_key=idempotency_key,
         )

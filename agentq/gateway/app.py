@@ -209,7 +209,7 @@ class Gateway:
             lambda: self.client._start_request(
                 req,
                 owner=principal.name if principal else None,
-                admin=bool(principal and principal.admin),
+                any_owner=bool(principal and principal.admin),
                 idempotency_key=idempotency_key,
             ),
         )

@@ -378,25 +378,13 @@ def start_replay(
     if isinstance(req, RetryRequest):
         spend.carry_spent(store.redis, settings, turn_id, new.state)
 
-    def go(conversation: TurnRequest, launched: Launch, in_place_of: str | None) -> TurnHandle:
-        return launch(
-            store,
-            app,
-            settings,
-            conversation,
-            launched,
-            owner=launched.state.get("owner"),
-            any_owner=True,
-            traced=traced,
-            in_place_of=in_place_of,
-        )
-
+    go = partial(launch, store, app, settings, any_owner=True, traced=traced)
     cid = src.state.get("conversation_id")
     if not cid:
-        return go(TurnRequest(), new, None)
+        return go(new)
     if isinstance(req, RetryRequest):
         try:
-            handle = go(TurnRequest(conversation_id=cid), _in_place(src, new), src.turn_id)
+            handle = go(_in_place(src, new), in_place_of=src.turn_id)
             return handle.model_copy(update={"conversation_id": cid, "branched": False})
         except ConversationMovedOn:
             pass  # another turn followed the source, or holds or waits: a branch then
@@ -409,8 +397,7 @@ def start_replay(
         "conversation_waiting": True,
         "pending_messages": new.history,
     }
-    branched = replace(new, state=state, history=[])
-    handle = go(TurnRequest(conversation_id=branch), branched, None)
+    handle = go(replace(new, state=state, history=[]))
     return handle.model_copy(update={"conversation_id": branch, "branched": True})
 
 

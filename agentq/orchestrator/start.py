@@ -47,14 +47,14 @@ def start_turn(
     req: TurnRequest,
     *,
     owner: str | None = None,
-    admin: bool = False,
-    operator: bool = False,
+    any_owner: bool = False,
     traced: bool = False,
     turn_id: str | None = None,
     extra_state: TurnState | None = None,
     idempotency_key: str | None = None,
 ) -> TurnHandle:
     """Queue a turn owned by the key name `owner` (None: no key); see `Client.start`.
+    `any_owner`: the caller may continue any conversation (an admin key, an operator).
 
     `turn_id` (default: a new random one) and `extra_state` (fields stored with the turn's
     state) are for starters other than a client: a schedule's tick.
@@ -84,15 +84,15 @@ def start_turn(
         state, history = _new_state(req, new, owner, token, extra_state)
         if webhook_url:
             state["webhook_url"] = webhook_url
+        new_turn = Launch(new_id, token, state, history, size)
         return launch(
             store,
             app,
             settings,
-            req,
-            Launch(new_id, token, state, history, size),
-            owner=owner,
-            any_owner=admin or operator,
+            new_turn,
+            any_owner=any_owner,
             traced=traced,
+            conversation_token=req.conversation_token,
         )
 
     if idempotency_key is None:
@@ -119,19 +119,19 @@ def launch(
     store: TurnStore,
     app: Celery,
     settings: Settings,
-    req: TurnRequest,
     new: Launch,
     *,
-    owner: str | None,
     any_owner: bool,
     traced: bool,
+    conversation_token: str | None = None,
     in_place_of: str | None = None,
 ) -> TurnHandle:
-    """Store a checked turn (one write), admit it to `req.conversation_id` if any, send its
-    first step: every turn's start, a request's, a retry's or a fork's. `in_place_of`: a
-    retry that replaces that turn's exchange in the conversation, or, if that turn is no
-    longer the conversation's last, is removed again (ConversationMovedOn)."""
+    """Store a checked turn (one write), admit it to the conversation its state names if
+    any, send its first step: every turn's start, a request's, a retry's or a fork's.
+    `in_place_of`: a retry that replaces that turn's exchange in the conversation, or, if
+    that turn is no longer the conversation's last, is removed again (ConversationMovedOn)."""
     turn_id, token, state = new.turn_id, new.token, new.state
+    cid = state.get("conversation_id")
     if state.get("webhook_url"):
         # Before the turn exists: whatever happens to the step that ends it, a sweep
         # finds the turn here and queues its delivery.
@@ -140,13 +140,12 @@ def launch(
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, new.history, new.records)
     handle: dict[str, object] = {}
-    if req.conversation_id and in_place_of:
-        cid = req.conversation_id
+    if cid and in_place_of:
         if not conversation.admit_in_place(store, app, cid, turn_id, in_place_of):
             conversation.forget(store, turn_id)
             raise conversation.ConversationMovedOn(in_place_of, cid)
-    elif req.conversation_id:
-        handle, done = _admit(store, app, settings, req, turn_id, new.size, owner, any_owner)
+    elif cid:
+        handle, done = _admit(store, app, settings, new, cid, any_owner, conversation_token)
         if done:
             return _handle(turn_id, token, handle)
     send_step_or_wake(store, app, turn_id)
@@ -196,27 +195,26 @@ def _admit(
     store: TurnStore,
     app: Celery,
     settings: Settings,
-    req: TurnRequest,
-    turn_id: str,
-    size: int,
-    owner: str | None,
+    new: Launch,
+    cid: str,
     any_owner: bool,
+    conversation_token: str | None,
 ) -> tuple[dict[str, object], bool]:
-    """Admit a stored turn to its conversation: the handle's fields, and whether the caller
-    is done (its first step sent already, or it waits behind another turn)."""
-    assert req.conversation_id is not None
+    """Admit a stored turn to its conversation `cid`: the handle's fields, and whether the
+    caller is done (its first step sent already, or it waits behind another turn)."""
+    turn_id, owner = new.turn_id, new.state.get("owner")
     handle: dict[str, object] = {}
     new_token = None if owner else secrets.token_urlsafe(32)
     admitted = conversation.admit(
         store,
         app,
-        req.conversation_id,
+        cid,
         turn_id,
-        Multitask(req.multitask or "enqueue"),
-        new_bytes=size,
+        Multitask(new.state.get("multitask") or "enqueue"),
+        new_bytes=new.size,
         max_bytes=settings.max_conversation_bytes,
         claim=binding("owner", owner) if owner else binding("secret", str(new_token)),
-        may=held_bindings(owner, req.conversation_token),
+        may=held_bindings(owner, conversation_token),
         any_owner=any_owner,
     )
     if admitted.created:
