@@ -165,19 +165,6 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     return argv + opts
 
 
-def cmd_flower(opts: list[str]) -> int:
-    from agentq.config import get_settings
-    from agentq.errors import MissingExtra
-
-    MissingExtra.check("flower", "agentq flower")
-
-    argv = flower_argv(get_settings(), opts, os.environ)
-    from agentq.worker import app
-
-    app.start(argv=argv)
-    return 0
-
-
 def _positive(kind: type[int] | type[float]) -> Any:
     """An argparse type: a number of `kind` above 0 (a budget)."""
 
@@ -428,13 +415,16 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
     if args.cmd == "worker":
         return cmd_worker(args.kind, rest)
     if args.cmd == "flower":
+        MissingExtra.check("flower", "agentq flower")
         if _is_help(rest):
             from agentq.cli.helptext import flower_help
 
-            MissingExtra.check("flower", "agentq flower")
             print(flower_help(), end="")
             return 0
-        return cmd_flower(rest)
+        from agentq.worker import app
+
+        app.start(argv=flower_argv(get_settings(), rest, os.environ))
+        return 0
     if args.cmd == "serve":
         MissingExtra.check("gateway", "agentq serve")
         from agentq.gateway.server import serve
