@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, NamedTuple
 
 import redis
@@ -325,6 +325,16 @@ class EventBus:
         start = "(" + after_id if after_id not in ("0", "0-0", "-") else "-"
         entries: list[Any] = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)  # type: ignore[assignment]
         return [Event.parse(fields[b"e"], stream_id=_s(eid)) for eid, fields in entries]
+
+    def log(self, turn_id: str, page: int = 1000) -> Iterator[Event]:
+        """Every event in the turn's log, read `page` at a time."""
+        after = "0-0"
+        while True:
+            chunk = self.replay(turn_id, after, count=page)
+            yield from chunk
+            if len(chunk) < page:
+                return
+            after = str(chunk[-1].stream_id)
 
 
 def _s(v: bytes | str) -> str:

@@ -87,7 +87,6 @@ class TreeFollower:
     def __init__(self, bus: EventBus, root: str, *, after: Cursor, depth: int) -> None:
         self.redis: redis.Redis = bus.redis  # type: ignore[assignment]
         self.bus = bus
-        self.replay = bus.replay
         self.marks: dict[str, int] = {}
         """How often this follower counted itself in each open stream's `watchers`: a turn
         publishes its live copies only while someone does."""
@@ -206,7 +205,7 @@ class TreeFollower:
         order = {t: i for i, t in enumerate(self.streams)}
 
         def load(s: _Stream) -> None:
-            batch = self.replay(s.turn_id, s.last_id, PAGE)
+            batch = self.bus.replay(s.turn_id, s.last_id, PAGE)
             pending[s.turn_id] = deque(batch)
             if len(batch) >= PAGE:
                 full.add(s.turn_id)

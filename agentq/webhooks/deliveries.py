@@ -281,19 +281,13 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
     final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     counted = [f"{k}_tokens" for k in ("prompt", "completion", "total", "cached", "reasoning")]
     usage: dict[str, Any] = dict.fromkeys([*counted, "rounds"], 0)
-    after = "0-0"
-    while True:
-        chunk = store.bus.replay(turn_id, after, count=1000)
-        for ev in chunk:
-            if ev.type == "llm_finished":
-                usage["rounds"] += 1
-                used = ev.fields.get("usage")
-                if isinstance(used, dict):
-                    for name in counted:
-                        usage[name] += int(used.get(name) or 0)
-        if len(chunk) < 1000:
-            break
-        after = str(chunk[-1].stream_id)
+    for ev in store.bus.log(turn_id):
+        if ev.type == "llm_finished":
+            usage["rounds"] += 1
+            used = ev.fields.get("usage")
+            if isinstance(used, dict):
+                for name in counted:
+                    usage[name] += int(used.get(name) or 0)
     if state.get("spent_usd"):
         # Its own rounds', as its state totals them (docs/spend.md).
         usage["cost_usd"] = round(float(state["spent_usd"]), 6)
