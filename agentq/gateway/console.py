@@ -25,6 +25,7 @@ from agentq.errors import Forbidden, TurnNotFound
 from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view
+from agentq.gateway.context import NO_STORE
 from agentq.gateway.errors import invalid, validated
 from agentq.gateway.validate import read_json
 from agentq.mcp.health import server_health, servers_view
@@ -39,8 +40,6 @@ from agentq.state.waitpoints import waitpoints
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
-
-NO_STORE = {"Cache-Control": "no-store"}
 
 
 class Console:

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from agentq.state.turn_state import TurnState
     from agentq.webhooks.deliveries import Deliveries
 
+NO_STORE = {"Cache-Control": "no-store"}
+"""The header of an answer that holds a caller's own data."""
+
 
 class RouteContext(Protocol):
     """The shared Client, the caller checks, the body limit and model capacity."""
@@ -56,4 +59,4 @@ class RouteContext(Protocol):
     def read_capacity(self) -> list[dict[str, Any]]: ...
 
 
-__all__ = ["RouteContext"]
+__all__ = ["NO_STORE", "RouteContext"]

@@ -16,12 +16,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import ConversationNotFound
+from agentq.gateway.context import NO_STORE
 from agentq.gateway.errors import bearer, invalid
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
 
-NO_STORE = {"Cache-Control": "no-store"}
 MAX_LISTED = 200
 _CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 

@@ -19,6 +19,7 @@ from starlette.routing import Route
 from agentq.config import Settings
 from agentq.errors import ConfigError, Forbidden, WebhookRefused
 from agentq.gateway.auth import Principal
+from agentq.gateway.context import NO_STORE
 from agentq.gateway.validate import read_json
 from agentq.schedules.spec import build_spec, parse_every
 from agentq.schedules.store import Schedules
@@ -27,7 +28,6 @@ from agentq.webhooks.target import check_for_turn
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
 
-NO_STORE = {"Cache-Control": "no-store"}
 MAX_LISTED = 200
 
 

@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from agentq.errors import Forbidden
 from agentq.gateway.auth import Principal, is_loopback, may_list
+from agentq.gateway.context import NO_STORE
 from agentq.gateway.errors import require_token, validated
 from agentq.gateway.validate import read_json, turn_id_of
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
@@ -30,7 +31,7 @@ def accepted(handle: TurnHandle) -> Response:
     return JSONResponse(
         handle.model_dump(exclude_none=True),
         status_code=202,
-        headers={"Location": f"/v1/turns/{handle.turn_id}", "Cache-Control": "no-store"},
+        headers={"Location": f"/v1/turns/{handle.turn_id}", **NO_STORE},
     )
 
 
@@ -85,7 +86,7 @@ def replay_routes(gw: RouteContext) -> list[Route]:
         )
         return JSONResponse(
             {"dry_run": req.dry_run, "turns": [d.model_dump(exclude_none=True) for d in done]},
-            headers={"Cache-Control": "no-store"},
+            headers=NO_STORE,
         )
 
     return [

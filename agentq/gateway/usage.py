@@ -15,12 +15,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentq.gateway.context import NO_STORE
 from agentq.gateway.errors import ApiError, invalid
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
 
-NO_STORE = {"Cache-Control": "no-store"}
 GROUP_BY = ("model", "agent", "key")
 
 
