@@ -565,7 +565,7 @@ def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     import asyncio
 
     from agentq.errors import StreamIdleTimeout
-    from agentq.llm.aclient import astream_round, client_timeout, make_client
+    from agentq.llm.aclient import Attempt, astream_round, client_timeout, make_client
 
     assert fx.llm is not None
     llm = fx.llm
@@ -586,10 +586,8 @@ def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                         last[0] = time.monotonic()
 
                     try:
-                        await astream_round(
-                            client,
-                            [{"role": "user", "content": f"{key} {i}"}],
-                            [],
+                        attempt = Attempt(
+                            client=client,
                             model="scripted",
                             idle_timeout_ms=500,
                             duration_left_s=30,
@@ -600,6 +598,8 @@ def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                             abort=asyncio.Event(),
                             turn_id="bench",
                         )
+                        prompt = [{"role": "user", "content": f"{key} {i}"}]
+                        await astream_round(attempt, prompt, [])
                     except StreamIdleTimeout:
                         failed = time.monotonic()
                     else:

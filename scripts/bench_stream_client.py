@@ -89,10 +89,8 @@ async def _streams(url: str, transport: str, n: int) -> float:
         if transport == "sdk-sse":
             await _sdk_round(clients[i % CLIENTS], lambda kind, text: deltas.append(text))
             return len(deltas)
-        await aclient.astream_round(
-            clients[i % CLIENTS],
-            [{"role": "user", "content": "k"}],
-            [],
+        attempt = aclient.Attempt(
+            client=clients[i % CLIENTS],
             model="m",
             idle_timeout_ms=30_000,
             duration_left_s=60,
@@ -102,6 +100,7 @@ async def _streams(url: str, transport: str, n: int) -> float:
             on_retry=lambda *_: None,
             abort=never,
         )
+        await aclient.astream_round(attempt, [{"role": "user", "content": "k"}], [])
         return len(deltas)
 
     try:

@@ -117,64 +117,30 @@ def make_client(
 
 
 async def astream_round(
-    client: openai.AsyncOpenAI,
-    messages: list[dict[str, Any]],
-    tools: Tools,
-    *,
-    model: str,
-    idle_timeout_ms: int,
-    duration_left_s: float,
-    max_retries: int,
-    timeout: httpx2.Timeout | None,
-    on_delta: DeltaCallback,
-    on_retry: RetryCallback,
-    abort: asyncio.Event,
-    turn_id: str = "",
-    on_first_output: Callable[[], None] | None = None,
-    on_headers: Callable[[dict[str, str]], None] | None = None,
-    failover: bool = False,
-    max_completion_tokens: int | None = None,
-    api: ModelApi = "chat",
-    output_format: dict[str, Any] | None = None,
+    first: Attempt, messages: list[dict[str, Any]], tools: Tools
 ) -> tuple[AssistantMessage, float]:
-    """Stream one assistant message; returns it and the seconds spent streaming.
+    """Stream one assistant message, each attempt a fresh copy of `first` (never run
+    itself); returns it and the seconds spent streaming.
 
-    `on_first_output` is called once per attempt, at its first text, reasoning or tool
-    call (time to first token); `on_headers` gets the streaming answer's rate-limit headers.
     A busy answer (429, 503, 529) ends the round with `ModelBusy` at once: the fleet's
     capacity manager waits, not this stream.
     With `failover` (the model has other deployments), a failure that a retry here would
     send to the same deployment again (a server error, a refused connection, a stall before
     any chunk) ends the round at once too, so the next attempt goes to a healthy one.
-    `api` chooses Chat Completions or the Responses API (`output_format`: a typed answer's
-    `text.format`), read through the same attempt: one watchdog, budget and retry rule.
+    `api` chooses Chat Completions or the Responses API, read through the same attempt:
+    one watchdog, budget and retry rule.
     Raises an `LlmError` (`StreamIdleTimeout`, `StreamDurationExceeded`, `ModelHTTPError`,
     ...) after the retries `agentq.llm.retry` allows, or `Aborted`.
     """
-    # Every attempt is sent alike: each is a fresh copy of this one, never run itself.
-    first = _Attempt(
-        client=client,
-        model=model,
-        idle_timeout_ms=idle_timeout_ms,
-        duration_left_s=duration_left_s,
-        timeout=timeout,
-        on_delta=on_delta,
-        abort=abort,
-        turn_id=turn_id,
-        on_first_output=on_first_output,
-        on_headers=on_headers,
-        max_completion_tokens=max_completion_tokens,
-        api=api,
-        output_format=output_format,
-    )
+    abort, turn_id = first.abort, first.turn_id
     streamed_s = 0.0
     attempt = 0
     while True:
         attempt += 1
         if abort.is_set():
             raise Aborted(turn_id)
-        if duration_left_s <= 0:
-            raise StreamDurationExceeded(duration_left_s, 0.0)
+        if first.duration_left_s <= 0:
+            raise StreamDurationExceeded(first.duration_left_s, 0.0)
         run = dataclasses.replace(first)
         try:
             message = await run.run(messages, tools)
@@ -185,10 +151,10 @@ async def astream_round(
             return message, streamed_s + run.elapsed_s
         if abort.is_set():
             raise Aborted(turn_id) from error
-        if _final(error, run.said, attempt, max_retries, failover):
+        if _final(error, run.said, attempt, first.max_retries, first.failover):
             raise error
         delay_s = backoff_s(attempt, run.retry_after_s)
-        on_retry(attempt, error, delay_s)
+        first.on_retry(attempt, error, delay_s)
         try:
             await asyncio.wait_for(abort.wait(), delay_s)
         except asyncio.TimeoutError:
@@ -206,20 +172,28 @@ def _final(error: LlmError, said: int, attempt: int, max_retries: int, failover:
 
 
 @dataclasses.dataclass
-class _Attempt:
+class Attempt:
+    """How a round is sent (`astream_round`), and what one attempt of it found."""
+
     client: openai.AsyncOpenAI
     model: str
     idle_timeout_ms: int
     duration_left_s: float
+    max_retries: int
     timeout: httpx2.Timeout | None
     on_delta: DeltaCallback
+    on_retry: RetryCallback
     abort: asyncio.Event
-    turn_id: str
-    on_first_output: Callable[[], None] | None
-    on_headers: Callable[[dict[str, str]], None] | None
-    max_completion_tokens: int | None
-    api: ModelApi
-    output_format: dict[str, Any] | None
+    turn_id: str = ""
+    on_first_output: Callable[[], None] | None = None
+    """Called once per attempt, at its first text, reasoning or tool call (time to first token)."""
+    on_headers: Callable[[dict[str, str]], None] | None = None
+    """Gets the streaming answer's rate-limit headers."""
+    failover: bool = False
+    max_completion_tokens: int | None = None
+    api: ModelApi = "chat"
+    output_format: dict[str, Any] | None = None
+    """A typed answer's `text.format` (Responses API)."""
     assembler: ChatAssembler | ResponsesAssembler | None = None
     chunks: int = 0
     retry_after_s: float | None = None

@@ -178,7 +178,7 @@ class _Round:
         self, streams: Streams, history: list[dict[str, Any]], abort: asyncio.Event
     ) -> tuple[AssistantMessage, float]:
         """Stream the round from the model: its message and streaming seconds."""
-        from agentq.llm.aclient import astream_round, client_timeout
+        from agentq.llm.aclient import Attempt, astream_round, client_timeout
 
         req, settings = self.req, self.host.settings
         # An agent with its own idle limit (or none) has its own read timeout (`client_timeout`).
@@ -199,10 +199,8 @@ class _Round:
         api = streams.apis.api_for(self.model, setting)
 
         async def send(api: ModelApi) -> tuple[AssistantMessage, float]:
-            return await astream_round(
-                client,
-                messages if api == "responses" else without_reasoning(messages),
-                req.tools_json,
+            attempt = Attempt(
+                client=client,
                 model=sent_model,
                 idle_timeout_ms=req.idle_timeout_ms,
                 duration_left_s=req.duration_left_s,
@@ -219,6 +217,8 @@ class _Round:
                 api=api,
                 output_format=req.output_format,
             )
+            sent = messages if api == "responses" else without_reasoning(messages)
+            return await astream_round(attempt, sent, req.tools_json)
 
         try:
             return await send(api)

@@ -16,7 +16,7 @@ from agentq.errors import (
     ModelConnectionError,
     ModelHTTPError,
 )
-from agentq.llm.aclient import astream_round, client_timeout, make_client
+from agentq.llm.aclient import Attempt, astream_round, client_timeout, make_client
 from agentq.llm.responses import ModelApi
 from agentq.models import AssistantMessage
 from agentq.testing.openai_server import Round, ScriptedOpenAIServer
@@ -61,10 +61,8 @@ async def _round(
     retries: list[int] = []
     deltas: list[str] = []
     try:
-        message, _ = await astream_round(
-            client,
-            [{"role": "user", "content": prompt}],
-            [],
+        first = Attempt(
+            client=client,
             model="scripted",
             idle_timeout_ms=idle_ms,
             duration_left_s=30,
@@ -76,6 +74,7 @@ async def _round(
             turn_id="t",
             api=API[0],
         )
+        message, _ = await astream_round(first, [{"role": "user", "content": prompt}], [])
         return message, None, retries, deltas
     except Exception as exc:
         return None, exc, retries, deltas

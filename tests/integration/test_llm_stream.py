@@ -31,7 +31,7 @@ from agentq.errors import (
     StreamDurationExceeded,
     StreamIdleTimeout,
 )
-from agentq.llm.aclient import astream_round, client_timeout, make_client
+from agentq.llm.aclient import Attempt, astream_round, client_timeout, make_client
 from agentq.models import AssistantMessage, Usage
 from agentq.testing.openai_server import (
     Round,
@@ -137,15 +137,16 @@ def run(
 
         watcher = asyncio.create_task(watch())
         try:
-            out.message, out.streamed_s = await astream_round(
-                client,
-                messages or [{"role": "user", "content": prompt}],
-                tools or [],
+            attempt = Attempt(
+                client=client,
                 timeout=None,
                 on_delta=lambda kind, text: out.deltas.append((kind, text)),
                 on_retry=_on_retry,
                 abort=abort,
                 **kwargs,
+            )
+            out.message, out.streamed_s = await astream_round(
+                attempt, messages or [{"role": "user", "content": prompt}], tools or []
             )
         except Exception as exc:
             out.error = exc
