@@ -50,20 +50,15 @@ def _xor(key: str, raw: bytes) -> bytes:
     return bytes(a ^ b for a, b in zip(raw, pad, strict=True))
 
 
-def _seal(key: str, secret: str) -> str:
-    return base64.b64encode(_xor(key, secret.encode())).decode()
-
-
-def _open(key: str, sealed: str) -> str:
-    return _xor(key, base64.b64decode(sealed)).decode()
-
-
-def _handle_of(key: str, record: dict[str, Any]) -> TurnHandle:
-    handle = dict(record["handle"])
+def _sealed(key: str, handle: dict[str, Any], seal: bool) -> dict[str, Any]:
+    """The handle with its tokens sealed (`seal`) or opened again."""
+    out = dict(handle)
     for field in ("token", "conversation_token"):
-        if handle.get(field):
-            handle[field] = _open(key, handle[field])
-    return TurnHandle.model_validate(handle)
+        if out.get(field):
+            raw = out[field].encode() if seal else base64.b64decode(out[field])
+            done = _xor(key, raw)
+            out[field] = base64.b64encode(done).decode() if seal else done.decode()
+    return out
 
 
 def start_once(
@@ -89,7 +84,7 @@ def start_once(
         if record["body"] != body:
             raise IdempotencyKeyReused()
         if record["state"] == "done":
-            return _handle_of(key, record)
+            return TurnHandle.model_validate(_sealed(key, record["handle"], False))
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"the first request with this Idempotency-Key is still starting its turn "
@@ -101,10 +96,7 @@ def start_once(
     except BaseException:
         client.delete(record_key)
         raise
-    stored = handle.model_dump(exclude_none=True)
-    for field in ("token", "conversation_token"):
-        if stored.get(field):
-            stored[field] = _seal(key, stored[field])
+    stored = _sealed(key, handle.model_dump(exclude_none=True), True)
     done = {"body": body, "turn_id": handle.turn_id, "state": "done", "handle": stored}
     client.set(record_key, json.dumps(done), xx=True, keepttl=True)
     return handle
