@@ -439,11 +439,15 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
         from agentq.cli.dev import main as dev_main
 
         return dev_main(args)
-    from agentq.cli.schedule import cmd_beat, cmd_schedule
-
     require_reachable(get_settings(), broker=args.cmd == "beat")
     if args.cmd == "beat":
-        return cmd_beat(get_settings())
+        from agentq.fleet.runtime import get_app
+        from agentq.schedules.beat import run_beat
+
+        run_beat(get_app(), get_settings())
+        return 0
+    from agentq.cli.schedule import cmd_schedule
+
     return cmd_schedule(args, get_settings())
 
 

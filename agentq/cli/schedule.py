@@ -34,14 +34,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     rm.add_argument("name")
 
 
-def cmd_beat(settings: Settings) -> int:
-    from agentq.fleet.runtime import get_app
-    from agentq.schedules.beat import run_beat
-
-    run_beat(get_app(), settings)
-    return 0
-
-
 def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
     from rich.console import Console
     from rich.table import Table

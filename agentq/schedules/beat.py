@@ -55,11 +55,11 @@ class Scheduler(RedBeatScheduler):  # type: ignore[misc]
         return super().apply_async(entry, producer, advance, **kwargs)
 
 
-def run_beat(app: Celery, settings: Settings, loglevel: str = "INFO") -> None:
+def run_beat(app: Celery, settings: Settings) -> None:
     """Run the beat in this process until a signal stops it."""
     configure(app, settings)
     app.Beat(
         scheduler=f"{Scheduler.__module__}:{Scheduler.__name__}",
         max_interval=settings.beat_max_interval_s,
-        loglevel=loglevel,
+        loglevel="INFO",
     ).run()
