@@ -11,12 +11,13 @@ from agentq import constants as k
 from agentq.fleet.broker import broadcast, revoke
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
-from agentq.orchestrator.settle import settle_call
+from agentq.orchestrator.settle import settle_in_step
 
 if TYPE_CHECKING:
     import redis
     from celery import Celery
 
+    from agentq.orchestrator.context import StepContext
     from agentq.state.store import TurnStore
 
 
@@ -62,11 +63,9 @@ def send_kills(r: redis.Redis, app: Celery, due: list[bytes]) -> int:
 
 
 def settle_pending(
-    store: TurnStore,
-    turn_id: str,
+    ctx: StepContext,
     history: list[dict[str, Any]],
     result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
-    traceparent: object = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Settle each unanswered call (unless a result won already); return the round's tool
     messages, so the history stays valid however the turn ends, and the ids of the calls
@@ -75,17 +74,15 @@ def settle_pending(
     if not calls:
         return [], []
     ours: list[str] = []
-    _, settled, dispatched = store.round_view(turn_id, [c.id for c in calls])
+    _, settled, dispatched = ctx.store.round_view(ctx.turn_id, [c.id for c in calls])
     for call in calls:
         if call.id in settled:
             continue
         mine = result_for(call, dispatched.get(call.id, {}))
         # A tool's result that came first is the one kept.
-        settled[call.id], won = settle_call(
-            store, turn_id, mine, traceparent=traceparent, tracked=call.id in dispatched
-        )
+        settled[call.id], won = settle_in_step(ctx, mine, tracked=call.id in dispatched)
         if won:
             ours.append(call.id)
     # A password answer is read once by its tool; a round that ends must not leave one.
-    store.redis.delete(*[k.secret_key(turn_id, f"{c.id}.approval") for c in calls])
+    ctx.store.redis.delete(*[k.secret_key(ctx.turn_id, f"{c.id}.approval") for c in calls])
     return [settled[c.id].to_openai() for c in calls], ours

@@ -390,15 +390,13 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     spend.settle_left(ctx, admission.model_of(ctx))
     headless = code == "headless_interaction"
     msgs, ours = settle_pending(
-        ctx.store,
-        ctx.turn_id,
+        ctx,
         _own_messages(ctx),
         lambda call, _: (
             denied_result(call, "policy")
             if headless
             else error_result(call, f"not run: the turn failed ({message})")
         ),
-        ctx.state.get("traceparent"),
     )
     subturns.abort_children(ctx, "error")
     ctx.close(
@@ -421,11 +419,9 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
         ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
     )
     msgs, ours = settle_pending(
-        ctx.store,
-        ctx.turn_id,
+        ctx,
         _own_messages(ctx),
         lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
-        ctx.state.get("traceparent"),
     )
     subturns.abort_children(ctx, reason)
     ctx.close(

@@ -15,39 +15,20 @@ from agentq.telemetry import tracing
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
-    from agentq.state.store import TurnStore
-
-
-def settle_call(
-    store: TurnStore,
-    turn_id: str,
-    result: ToolResult,
-    *,
-    traceparent: object,
-    tracked: bool = True,
-) -> tuple[ToolResult, bool]:
-    """Settle one of the turn's calls from the turn's own step (no wake: the step goes on):
-    the result the call keeps, and whether it is `result`.
-
-    `tracked=False` for a call never recorded as sent (refused, denied). A result stored
-    first wins: it is read back and returned."""
-    if store.settle(turn_id, result, wake=False, tracked=tracked):
-        if tracing.enabled:
-            tracing.record_settled(traceparent, turn_id, result)
-        return result, True
-    return store.result(turn_id, result.call_id) or result, False
 
 
 def settle_in_step(
     ctx: StepContext, result: ToolResult, *, tracked: bool = True
 ) -> tuple[ToolResult, bool]:
-    """`settle_call` for the step `ctx`, after what it staged: its tool_finished follows
-    the events the step meant before it."""
+    """Settle one of the turn's calls from its own step (no wake: the step goes on), after
+    what the step staged, so its tool_finished follows the events the step meant before
+    it: the result the call keeps, and whether it is `result`.
+
+    `tracked=False` for a call never recorded as sent (refused, denied). A result stored
+    first wins: it is read back and returned."""
     ctx.flush()
-    return settle_call(
-        ctx.store,
-        ctx.turn_id,
-        result,
-        traceparent=ctx.state.get("traceparent"),
-        tracked=tracked,
-    )
+    if ctx.store.settle(ctx.turn_id, result, wake=False, tracked=tracked):
+        if tracing.enabled:
+            tracing.record_settled(ctx.state.get("traceparent"), ctx.turn_id, result)
+        return result, True
+    return ctx.store.result(ctx.turn_id, result.call_id) or result, False
