@@ -148,7 +148,7 @@ class ChatAssembler(Assembler):
         if choices is not None and not isinstance(choices, list):
             bad(index, "'choices' is not a list")
         if usage is not None:
-            self._usage = _usage(usage, index)
+            self._usage = usage_of(usage, index, "prompt", "completion")
         for choice in choices or ():
             # Only one choice is ever requested; others would belong to n > 1.
             if (_field(choice, "index") or 0) == 0:
@@ -216,13 +216,19 @@ def token_count(usage: object, name: str, index: int) -> int:
     return value
 
 
-def _usage(usage: object, index: int) -> Usage:
+def usage_of(usage: object, index: int, prompt: str, completion: str) -> Usage:
+    """A usage object's counts: `<prompt>_tokens`, `<completion>_tokens` and their details
+    (chat names them prompt and completion, the Responses API input and output)."""
+    if not isinstance(usage, dict):
+        bad(index, "'usage' is not an object")
+    asked = token_count(usage, f"{prompt}_tokens", index)
+    said = token_count(usage, f"{completion}_tokens", index)
     return Usage(
-        prompt_tokens=token_count(usage, "prompt_tokens", index),
-        completion_tokens=token_count(usage, "completion_tokens", index),
-        total_tokens=token_count(usage, "total_tokens", index),
-        cached_tokens=token_count(_field(usage, "prompt_tokens_details"), "cached_tokens", index),
+        prompt_tokens=asked,
+        completion_tokens=said,
+        total_tokens=token_count(usage, "total_tokens", index) or asked + said,
+        cached_tokens=token_count(usage.get(f"{prompt}_tokens_details"), "cached_tokens", index),
         reasoning_tokens=token_count(
-            _field(usage, "completion_tokens_details"), "reasoning_tokens", index
+            usage.get(f"{completion}_tokens_details"), "reasoning_tokens", index
         ),
     )

@@ -27,10 +27,10 @@ from agentq.llm.client import (
     Tools,
     bad,
     opt_str,
-    token_count,
+    usage_of,
 )
 from agentq.llm.reasoning import REASONING_ITEMS
-from agentq.models import AssistantMessage, Usage
+from agentq.models import AssistantMessage
 
 log = logging.getLogger("agentq.llm")
 
@@ -244,7 +244,7 @@ class ResponsesAssembler(Assembler):
         response = _object(event, "response", index)
         usage = response.get("usage")
         if usage is not None:
-            self._usage = _usage(usage, index)
+            self._usage = usage_of(usage, index, "input", "output")
         self._ended = True
 
     def _incomplete(self, event: dict[str, Any], index: int) -> NoReturn:
@@ -319,17 +319,3 @@ def _object(event: Mapping[str, Any], name: str, index: int) -> dict[str, Any]:
     if not isinstance(value, dict):
         bad(index, f"'{name}' is not an object")
     return value
-
-
-def _usage(usage: object, index: int) -> Usage:
-    if not isinstance(usage, dict):
-        bad(index, "'usage' is not an object")
-    prompt = token_count(usage, "input_tokens", index)
-    completion = token_count(usage, "output_tokens", index)
-    return Usage(
-        prompt_tokens=prompt,
-        completion_tokens=completion,
-        total_tokens=token_count(usage, "total_tokens", index) or prompt + completion,
-        cached_tokens=token_count(usage.get("input_tokens_details"), "cached_tokens", index),
-        reasoning_tokens=token_count(usage.get("output_tokens_details"), "reasoning_tokens", index),
-    )
