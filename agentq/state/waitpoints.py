@@ -29,10 +29,11 @@ from agentq.errors import (
 )
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
-from agentq.models import TURN_ID, InvocationRecord, ToolResult, is_call_id
+from agentq.models import TURN_ID, ToolCall, ToolResult, ToolStatus, is_call_id
 from agentq.state.base import TurnKeys, call_fields, text
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
+from agentq.tools.results import record_for
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -64,7 +65,7 @@ def token_for(key: bytes, wp_id: str) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
-def completion_of(value: Any) -> tuple[str, str, str | None]:
+def completion_of(value: Any) -> tuple[ToolStatus, str, str | None]:
     """What a completion's body means: (status, content the model reads, error)."""
     if isinstance(value, dict) and set(value) == {"error"}:
         error = value["error"] if isinstance(value["error"], str) else json.dumps(value["error"])
@@ -210,26 +211,23 @@ class Waitpoints:
         size = len(content.encode())
         if size > max_bytes:
             raise PayloadTooLarge("waitpoint result", size, max_bytes)
-        now = time.time()
-        started = float(opened.get("started_at") or opened["opened_at"])
+        call = ToolCall(id=call_id, name=str(opened.get("tool") or ""))
+        record = record_for(
+            call,
+            status,
+            task_id=opened.get("task_id"),
+            worker=opened.get("worker"),
+            started_at=float(opened.get("started_at") or opened["opened_at"]),
+            timeout_s=opened.get("timeout_s"),
+            waitpoint_id=wp_id,
+        )
         result = ToolResult(
             call_id=call_id,
-            tool=str(opened.get("tool") or ""),
-            status=status,  # type: ignore[arg-type]
+            tool=call.name,
+            status=record.status,
             content=content,
             error=error,
-            record=InvocationRecord(
-                call_id=call_id,
-                tool=str(opened.get("tool") or ""),
-                status=status,  # type: ignore[arg-type]
-                task_id=opened.get("task_id"),
-                worker=opened.get("worker"),
-                started_at=started,
-                finished_at=now,
-                duration_ms=int((now - started) * 1000),
-                timeout_s=opened.get("timeout_s"),
-                waitpoint_id=wp_id,
-            ),
+            record=record,
         )
         code = self.store.settle_code(turn_id, result, waitpoint=True)
         if code in (Settled.WON, Settled.READY):
