@@ -127,13 +127,18 @@ local function window_ready(rpm)
   return math.max(now, w * 1000)
 end
 
+-- Requests at `rpm` go on from `at` at the pace, with no burst before it.
+local function pace_from(at, rpm)
+  local tat = at + math.max(cfg.burst_ms - 60000 / rpm, 0)
+  if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
+end
+
 local function window_add(rpm, k)
   if rpm <= 0 then return end
   window_now()
   local st = rate_state()
   if st.smooth then
-    local tat = now + math.max(cfg.burst_ms - 60000 / rpm, 0)
-    if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
+    pace_from(now, rpm)
     st.smooth = false
   end
   st.n = st.n + k
@@ -192,10 +197,7 @@ if wait then
   else
     until_at = cur
   end
-  if rpm > 0 then
-    local tat = until_at + math.max(cfg.burst_ms - 60000 / rpm, 0)
-    if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
-  end
+  if rpm > 0 then pace_from(until_at, rpm) end
 end
 if learned[1] or tonumber(refused) == 1 then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
 return cjson.encode({until_at = until_at, rpm = rpm})
