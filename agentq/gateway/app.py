@@ -436,10 +436,6 @@ class Gateway:
         """The capacity snapshot of every model the gateway knows (agentq.gateway.capacity)."""
         return read_snapshots(self.capacity, self.client.settings, self.client._store.redis)
 
-    def read_webhooks(self) -> tuple[dict[str, int], int | None]:
-        """The fleet's webhook counters and backlog, for /metrics."""
-        return self.deliveries.counts(), self.deliveries.backlog()
-
     async def metrics_page(self, request: Request) -> Response:
         self.require_admin_read(request)
         active = None
@@ -452,7 +448,9 @@ class Gateway:
                     read_counts, self.client._store.redis
                 )
                 capacity = await _abandonable(self.read_capacity)
-                hooks = await _abandonable(self.read_webhooks)
+                hooks = await _abandonable(
+                    lambda: (self.deliveries.counts(), self.deliveries.backlog())
+                )
             except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
         self.metrics.capacity.snapshots = capacity

@@ -16,6 +16,7 @@ from agentq.telemetry import logs
 
 GRACEFUL_SHUTDOWN_S = 5
 """SSE streams end within a second of shutdown; past this, shutdown cancels what is left."""
+START_TIMEOUT_S = 10.0
 
 
 class GatewayServer(uvicorn.Server):
@@ -59,27 +60,17 @@ def serve(
 
 
 class BackgroundServer(Started):
-    """A real uvicorn server on a thread, bound before start so its port is known.
+    """A real uvicorn server on a thread, on a loopback port bound before start.
 
     with BackgroundServer(create_app()) as server:
         httpx.get(server.url + "/healthz")
     """
 
-    def __init__(
-        self,
-        app: Starlette,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        start_timeout_s: float = 10.0,
-    ) -> None:
-        self.app = app
-        self.host = host
-        self.start_timeout_s = start_timeout_s
+    def __init__(self, app: Starlette) -> None:
         # proto=IPPROTO_TCP, or asyncio skips TCP_NODELAY on accepted sockets (+40 ms a reply).
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock.bind(("127.0.0.1", 0))
         self.port: int = self._sock.getsockname()[1]
         # The graceful shutdown `agentq serve` has: an open SSE stream ends at its next poll
         # (up to a second), and a shorter grace cut streams a loaded machine had not ended.
@@ -96,17 +87,17 @@ class BackgroundServer(Started):
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> BackgroundServer:
         self._thread.start()
-        deadline = time.monotonic() + self.start_timeout_s
+        deadline = time.monotonic() + START_TIMEOUT_S
         while not self.server.started:
             if not self._thread.is_alive():
                 raise RuntimeError("the gateway server thread exited during startup")
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"the gateway did not start within {self.start_timeout_s}s")
+                raise RuntimeError(f"the gateway did not start within {START_TIMEOUT_S:g}s")
             time.sleep(0.02)
         return self
 
