@@ -105,25 +105,31 @@ class StepContext:
         meanwhile (the lock kept: the step reads again and goes on). At the step's end, or
         before its last act (a model round's message, a batch of calls), after which the
         step ends without another write."""
+        self.released = self._write(next_at)
+        return self.released
+
+    def _write(self, next_at: float | None, *, keep: bool = False) -> Released:
+        """Write what was staged (and the calls to send), fenced by the step's lock; let go
+        of it unless `keep`. StepLost if another step holds it."""
         fields, events = self.staged
-        released = self.store.release_step(
+        got = self.store.release_step(
             self.turn_id,
             self.token,
             next_at,
-            self.lock_ms,
+            0 if keep else self.lock_ms,
             self.dispatched,
             fields=fields,
             events=events,
             append=self.staged_append,
             plans=self.staged_plans,
             new_calls=self.new_calls,
+            keep=keep,
         )
-        if released is Released.LOST:
+        if got is Released.LOST or (keep and got is not Released.KEPT):
             raise StepLost(self.turn_id)
         self.staged, self.staged_append, self.dispatched = ({}, []), [], {}
         self.staged_plans, self.new_calls = {}, 0
-        self.released = released
-        return released
+        return got
 
     def relock(self) -> bool:
         """Take the lock again after `release` let go of it (the step's last act failed):
@@ -145,27 +151,8 @@ class StepContext:
     ) -> None:
         """Record state fields (and history messages, call plans, the events the change
         means) atomically, fenced by the step's lock, after whatever was staged."""
-        staged_fields, staged_events = self.staged
-        fields = {**staged_fields, **fields}
-        events = [*staged_events, *(events or [])]
-        messages = [*self.staged_append, *(append or [])]
-        plans = {**self.staged_plans, **(plans or {})}
-        kept = self.store.release_step(
-            self.turn_id,
-            self.token,
-            None,
-            0,
-            fields=fields,
-            events=events,
-            append=messages,
-            plans=plans,
-            keep=True,
-        )
-        if kept is not Released.KEPT:
-            raise StepLost(self.turn_id)
-        self.staged, self.staged_append, self.staged_plans = ({}, []), [], {}
-        self.state.update(fields)
-        self.history.extend(append or [])
+        self.stage(events, append, plans, **fields)
+        self._write(None, keep=True)
 
     def close(
         self,
