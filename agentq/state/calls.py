@@ -11,7 +11,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import TurnKey, argv_of, bind_lua
+from agentq.events.lua_args import TurnKey, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -247,11 +247,7 @@ class CallRecords(StoreBase):
         settle wakes the turn."""
         if not records:
             return
-        self._durable(
-            self._record_dispatch,
-            keys=list(TurnKey(k.turn_key(turn_id))),
-            args=argv_of((), dispatch_args(records)),
-        )
+        self._durable(self._record_dispatch, [k.turn_key(turn_id)], dispatch_args(records))
 
     def unrecord(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
         """Take back the records of calls a step recorded but could not send (the broker

@@ -348,12 +348,8 @@ class StepRecords(StoreBase):
 
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""
-        return bool(
-            self._claim(
-                keys=TurnKeys.of(turn_id),
-                args=list(ClaimArgs(turn_id, now, now + retry_s)),
-            )
-        )
+        args = ClaimArgs(turn_id, now, now + retry_s)
+        return bool(self._claim(keys=TurnKeys.of(turn_id), args=list(args)))
 
     def round_view(
         self, turn_id: str, call_ids: list[str], *, read: RoundRead | None = None

@@ -345,15 +345,7 @@ class TurnRecords(StoreBase):
             len(messages),
             "1" if hands_off else "0",
         )
-        won = Closed(
-            int(
-                self._durable(
-                    self._close,
-                    keys=keys,
-                    args=argv_of(args, messages, flat),
-                )
-            )
-        )
+        won = Closed(int(self._durable(self._close, keys, argv_of(args, messages, flat))))
         if won >= Closed.ENDED:
             counted = [(event, event_fields)]
             if won is not Closed.ENDED and result is not None:
