@@ -8,6 +8,7 @@ id), start records (worker, pid, start) and settled results. Nothing is recorded
 from __future__ import annotations
 
 import time
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from agentq.events.bus import EventBus
@@ -28,15 +29,7 @@ _DROP_FIELDS = frozenset({"text", "arguments", "content", "usage"})
 
 
 def _log(bus: EventBus, turn_id: str) -> list[Event]:
-    out: list[Event] = []
-    after = "0-0"
-    while len(out) < MAX_LOG_EVENTS:
-        chunk = bus.replay(turn_id, after, count=1000)
-        out += [e for e in chunk if e.type != "llm_delta"]
-        if len(chunk) < 1000:
-            break
-        after = str(chunk[-1].stream_id)
-    return out
+    return list(islice((e for e in bus.log(turn_id) if e.type != "llm_delta"), MAX_LOG_EVENTS))
 
 
 def model_rounds(events: list[Event], ended_at: float | None) -> list[dict[str, Any]]:
