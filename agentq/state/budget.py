@@ -96,8 +96,4 @@ def over(budgets: list[Budget], tokens: int = 0, usd: float = 0.0) -> Budget | N
 
 def lower_limit(requested: float | None, default: float | None) -> float | None:
     """A turn's limit: its request's, which may lower its agent's default but not raise it."""
-    if requested is None:
-        return default
-    if default is None:
-        return requested
-    return min(requested, default)
+    return min((v for v in (requested, default) if v is not None), default=None)
