@@ -87,7 +87,11 @@ def watch(
             )
             continue
         elif beat:
-            _beat(ctx, p, rec, json.loads(progress) if progress else "starting")
+            # The call's heartbeat: its child's last phase.
+            message = json.loads(progress) if progress else "starting"
+            since = float(rec["dispatched_at"])
+            fields = _progress(ctx, p.call.id, p.call.name, p.subturn_agent, child, message, since)
+            ctx.publish("tool_progress", **fields)
         # The next heartbeat: a parent holds no process, so its step is woken for it.
         looks.append(ctx.now + beat_s)
         if p.timeout_s <= 0:
@@ -110,19 +114,20 @@ def watch(
     return min(looks, default=None)
 
 
-def _beat(ctx: StepContext, p: CallPlan, rec: dict[str, Any], message: str) -> None:
-    """The heartbeat `tool_progress` of a running agent call: its child's last phase."""
-    ctx.publish(
-        "tool_progress",
-        call_id=p.call.id,
-        tool=p.call.name,
-        message=message,
-        pct=None,
-        elapsed_ms=int(max(0.0, ctx.now - float(rec["dispatched_at"])) * 1000),
-        source="agent",
-        agent=p.subturn_agent,
-        child_turn_id=rec["child_turn_id"],
-    )
+def _progress(
+    ctx: StepContext, call_id: str, tool: Any, agent: Any, child: str, message: str, since: float
+) -> dict[str, Any]:
+    """A `tool_progress` of an agent call (its child's phase), running since `since`."""
+    return {
+        "call_id": call_id,
+        "tool": tool,
+        "message": message,
+        "pct": None,
+        "elapsed_ms": int(max(0.0, ctx.now - since) * 1000),
+        "source": "agent",
+        "agent": agent,
+        "child_turn_id": child,
+    }
 
 
 def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
@@ -174,21 +179,12 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
     parent, call_id = state.get("parent_turn_id"), state.get("parent_call_id")
     if not parent or not call_id:
         return
-    created_at = float(state.get("created_at") or ctx.now)
     # Kept for the parent's heartbeats while this phase lasts.
     ctx.store.update(ctx.turn_id, progress=message)
-    ctx.store.bus.publish(
-        str(parent),
-        "tool_progress",
-        call_id=call_id,
-        tool=state.get("parent_tool"),
-        message=message,
-        pct=None,
-        elapsed_ms=int(max(0.0, ctx.now - created_at) * 1000),
-        source="agent",
-        agent=state.get("agent"),
-        child_turn_id=ctx.turn_id,
-    )
+    tool, agent = state.get("parent_tool"), state.get("agent")
+    since = float(state.get("created_at") or ctx.now)
+    fields = _progress(ctx, call_id, tool, agent, ctx.turn_id, message, since)
+    ctx.store.bus.publish(str(parent), "tool_progress", **fields)
 
 
 def abort_children(ctx: StepContext, reason: str) -> None:
