@@ -160,8 +160,6 @@ class Conversations:
         )
         answer = self._admit(keys=self._keys(conversation_id), args=list(args))
         outcome = Admit(int(answer[0]))
-        if outcome not in (Admit.NOT_FOUND, Admit.TOO_LARGE):
-            self._noted(conversation_id, args.now)
         if outcome is Admit.NOT_FOUND:
             raise ConversationNotFound(conversation_id)
         if outcome is Admit.TOO_LARGE:
@@ -170,6 +168,7 @@ class Conversations:
                 int(answer[1]),
                 max_bytes,
             )
+        self._noted(conversation_id, args.now)
         if outcome is Admit.RUN:
             # Its history is read at its first step (TAKE), not here.
             return Admitted(outcome, created=bool(int(answer[1])))
@@ -236,10 +235,7 @@ class Conversations:
         """Raise ConversationNotFound unless the conversation exists and the caller may use
         it: its owner's key, its token, or an admin or operator."""
         raw = self.redis.get(k.conversation_owner_key(conversation_id))
-        if raw is None:
-            raise ConversationNotFound(conversation_id)
-        bound = text(raw)
-        if not (any_owner or bound in held_bindings(owner, token)):
+        if raw is None or not (any_owner or text(raw) in held_bindings(owner, token)):
             raise ConversationNotFound(conversation_id)
 
     def view(self, conversation_id: str) -> ConversationView:
