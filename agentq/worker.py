@@ -245,9 +245,9 @@ def _start_webhook_sweeper(sender: Any = None, **_: Any) -> None:
     consumed = sender.app.amqp.queues.consume_from if sender is not None else {}
     if k.QUEUE_WEBHOOKS not in consumed:
         return
-    from agentq.webhooks.task import WebhookSweeper
+    from agentq.webhooks.task import start_sweeper
 
-    WebhookSweeper(get_store(), app, settings).start()
+    start_sweeper(get_store(), app, settings)
 
 
 @worker_ready.connect

@@ -21,6 +21,7 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.webhooks import backoff, signing
 from agentq.webhooks.deliveries import (
+    EVENT_TYPES,
     AttemptRecord,
     Deliveries,
     Delivery,
@@ -185,44 +186,30 @@ def register_webhook_task(
         return attempt(get_store(), get_settings(), delivery_id, attempts_before)
 
 
-class WebhookSweeper:
-    """Sends the due attempts and queues the deliveries of turns whose ending step died;
-    runs in every worker that consumes the webhook queue."""
+def start_sweeper(store: TurnStore, app: Celery, settings: Settings) -> None:
+    """Send the due attempts and queue the deliveries of turns whose ending step died, every
+    `webhook_sweep_interval_s`, on a daemon thread of every worker that consumes the webhook
+    queue."""
+    dels = deliveries(store, settings)
 
-    def __init__(self, store: TurnStore, app: Celery, settings: Settings) -> None:
-        self.store = store
-        self.app = app
-        self.settings = settings
-        self.deliveries = deliveries(store, settings)
-
-    def sweep(self) -> int:
-        """One pass; returns how many attempts it sent."""
-        sent = 0
-        for delivery_id, attempts in self.deliveries.claim_due(lease_s=lease_s(self.settings)):
-            send_attempt(self.app, delivery_id, attempts)
-            sent += 1
-        for turn_id in self.deliveries.waiting_due():
-            state = self.store.state(turn_id)
+    def sweep() -> None:
+        for delivery_id, attempts in dels.claim_due(lease_s=lease_s(settings)):
+            send_attempt(app, delivery_id, attempts)
+        for turn_id in dels.waiting_due():
+            state = store.state(turn_id)
             if state is None:
-                self.store.redis.zrem(k.WEBHOOKS_WAITING, turn_id)
-            elif state.get("status") in ("finished", "error", "aborted") and state.get(
-                "webhook_url"
-            ):
-                queue_delivery(self.store, self.app, self.settings, turn_id, state["webhook_url"])
-                sent += 1
+                store.redis.zrem(k.WEBHOOKS_WAITING, turn_id)
+            elif state.get("status") in EVENT_TYPES and state.get("webhook_url"):
+                queue_delivery(store, app, settings, turn_id, state["webhook_url"])
             else:
-                self.store.redis.zadd(
-                    k.WEBHOOKS_WAITING, {turn_id: time.time() + WAITING_RECHECK_S}
-                )
-        return sent
+                store.redis.zadd(k.WEBHOOKS_WAITING, {turn_id: time.time() + WAITING_RECHECK_S})
 
-    def run(self) -> None:
+    def run() -> None:
         while True:
-            time.sleep(self.settings.webhook_sweep_interval_s)
+            time.sleep(settings.webhook_sweep_interval_s)
             try:
-                self.sweep()
+                sweep()
             except Exception:
                 log.warning("webhook sweep failed", exc_info=True)
 
-    def start(self) -> None:
-        threading.Thread(target=self.run, name="agentq-webhook-sweeper", daemon=True).start()
+    threading.Thread(target=run, name="agentq-webhook-sweeper", daemon=True).start()
