@@ -182,12 +182,7 @@ class TreeFollower:
         if stream.path:
             ev = ev.model_copy(update={"path": list(stream.path)})
         child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
-        if (
-            child is not None
-            and len(stream.path) < self.depth
-            and isinstance(child, str)
-            and is_turn_id(child)
-        ):
+        if isinstance(child, str) and len(stream.path) < self.depth and is_turn_id(child):
             self._open(child, (*stream.path, child))
         ended = ev.type in TERMINAL_TYPES
         if ended and stream.path:

@@ -35,7 +35,4 @@ def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
 
 def argv_of(values: Sequence[Any], *tail: Sequence[Any]) -> list[Any]:
     """A script's ARGV (or KEYS): its named inputs (a NamedTuple), then its variable sections."""
-    out = list(values)
-    for section in tail:
-        out.extend(section)
-    return out
+    return [*values, *(v for section in tail for v in section)]

@@ -67,9 +67,7 @@ class Console:
 
     def _state(self, turn_id: str, principal: Principal | None) -> TurnState:
         state = self.gw.client._store.state(turn_id)
-        if state is None:
-            raise TurnNotFound(turn_id)
-        if self.gw.keyring.enabled and not may_access(state, principal, None):
+        if state is None or (self.gw.keyring.enabled and not may_access(state, principal, None)):
             raise TurnNotFound(turn_id)
         return state
 
