@@ -101,12 +101,6 @@ class StepWrite(NamedTuple):
         """n_fields, n_messages, n_plans, n_events."""
         return len(self.fields) // 2, len(self.messages), len(self.plans) // 2, len(self.events)
 
-    def sections(self) -> list[str]:
-        return [*self.fields, *self.messages, *self.plans, *self.events]
-
-    def __bool__(self) -> bool:
-        return any(self.counts())
-
 
 class LockArgs(NamedTuple):
     token: str
@@ -321,9 +315,9 @@ class StepRecords(StoreBase):
             "1" if keep else "0",
             *write.counts(),
         )
-        args = argv_of(named, write.sections(), dispatch_args(dispatched or {}))
+        args = argv_of(named, *write, dispatch_args(dispatched or {}))
         keys = TurnKeys.of(turn_id)
-        if not (dispatched or write):
+        if not (dispatched or any(write)):
             return Released(int(self._release(keys=keys, args=args)))
         # Not sent again: a second run finds the lock gone, or appends the messages twice
         # (and would publish twice). Records a failover loses are of calls a later step
