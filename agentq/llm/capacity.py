@@ -311,12 +311,11 @@ class Capacity:
         args = inputs.RenewArgs("" if now_ms is None else now_ms, lease_id, self.lease_ttl_ms)
         return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=list(args)))
 
-    def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> tuple[bool, Wakes]:
-        """Take an aborted round out of the queue and give back a grant it did not take:
-        (whether anything was withdrawn, whom to wake)."""
+    def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> Wakes:
+        """Take an aborted round out of the queue and give back a grant it did not take."""
         # The model is an argument because it names the keys (and the Cluster slot).
         out = self._run(self._withdraw, model, now_ms, inputs.WithdrawArgs(waiter))
-        return bool(out.get("done")), Wakes(**self._wakes(out))
+        return Wakes(**self._wakes(out))
 
     def note_answer(
         self,

@@ -354,12 +354,10 @@ local function position(w)
 end
 
 -- The end of a script that may have freed capacity: grant whom it lets go, say whom to wake.
-local function freed(done)
+local function freed()
   purge()
   local _, woken, later, head, ready = pump('')
-  return cjson.encode({
-    woken = woken, later = later, head = head, ready = ready, now = now, done = done,
-  })
+  return cjson.encode({woken = woken, later = later, head = head, ready = ready, now = now})
 end
 """
 )
@@ -443,7 +441,7 @@ if m and used then
   -- given back, so a short answer frees what its max_completion_tokens had reserved.
   charge(DEPS[m.d], 0, used - m.t)
 end
-return freed(m and 1 or 0)
+return freed()
 """
 )
 
@@ -452,12 +450,8 @@ WITHDRAW_LUA = (
     + PRELUDE_LUA
     + """
 local w = waiter
-local done = 0
 local raw = redis.call('HGET', QM, w)
-if raw then
-  unqueue(w, cjson.decode(raw).c, nil)
-  done = 1
-end
+if raw then unqueue(w, cjson.decode(raw).c, nil) end
 raw = redis.call('HGET', GRANTS, w)
 if raw and cjson.decode(raw).k == 0 then
   -- A grant nobody took: its request was never sent, so its share of the limits comes back.
@@ -470,9 +464,8 @@ if raw and cjson.decode(raw).k == 0 then
     end
     charge(DEPS[m.d], -1, -m.t)
   end
-  done = 1
 end
-return freed(done)
+return freed()
 """
 )
 

@@ -53,8 +53,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
     waited_s = ctx.now - since
     limit_s = ctx.settings.llm_queue_timeout_s
     if waited_s >= limit_s:
-        _, wakes = cap.withdraw(model, waiter)
-        wake_granted(ctx.store, wakes)
+        wake_granted(ctx.store, cap.withdraw(model, waiter))
         raise ModelCapacityTimeout(model, waited_s)
     fields: TurnState = {"llm_wait_round": round_no, "llm_wait_since": since}
     events: list[tuple[str, dict[str, Any]]] = []
@@ -81,5 +80,4 @@ def withdraw(ctx: StepContext) -> None:
     if round_no is None or ctx.state.get("llm_round") == round_no:
         return
     cap = capacity_for(ctx.store.redis, ctx.settings)
-    _, wakes = cap.withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no)))
-    wake_granted(ctx.store, wakes)
+    wake_granted(ctx.store, cap.withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no))))

@@ -254,20 +254,19 @@ def test_withdraw_leaves_the_queue_and_gives_back_an_untaken_grant(r: redis.Redi
     queued(grab(cap, "c", T0))
     queued(grab(cap, "d", T0))
     assert queued(grab(cap, "d", T0 + 1)).position == 3
-    done, _ = cap.withdraw("m", "c", now_ms=T0 + 2)
-    assert done
+    cap.withdraw("m", "c", now_ms=T0 + 2)
     assert queued(grab(cap, "d", T0 + 3)).position == 2
-    assert cap.withdraw("m", "c", now_ms=T0 + 4)[0] is False
+    cap.withdraw("m", "c", now_ms=T0 + 4)  # again: nothing to take out
+    assert queued(grab(cap, "d", T0 + 5)).position == 2
     # b is granted by d's call but its turn is aborted before it takes the grant: the
     # request was never sent, so the slot comes back and d takes it in the same call.
     assert queued(grab(cap, "d", T0 + 1000)).woken == ("b",)
-    done, wakes = cap.withdraw("m", "b", now_ms=T0 + 1001)
-    assert done and wakes.woken == ("d",)
+    assert cap.withdraw("m", "b", now_ms=T0 + 1001).woken == ("d",)
     assert cap.snapshot("m", now_ms=T0 + 1001)["requests_last_minute"] == 2  # a and d
     assert queued(grab(cap, "b", T0 + 1002)).position == 1  # b asks again: a new round
     # A grant already taken is the stream worker's to release, not withdraw's.
     d = granted(grab(cap, "d", T0 + 1003))
-    assert cap.withdraw("m", "d", now_ms=T0 + 1004)[0] is False
+    cap.withdraw("m", "d", now_ms=T0 + 1004)
     assert cap.renew(d.lease_id, now_ms=T0 + 1005)
 
 
@@ -433,7 +432,7 @@ def test_a_model_without_limits_that_nothing_holds_writes_nothing(r: redis.Redis
         # No lease, grant, queue or usage: renewing and releasing have nothing to do.
         assert cap.renew(g.lease_id) and cap.release(g.lease_id, tokens_used=9) == Wakes()
         cap.report_success("free", "default")
-        assert cap.withdraw("free", "w") == (False, Wakes())
+        assert cap.withdraw("free", "w") == Wakes()
         snap = cap.snapshot("free")
         assert snap["streams_in_use"] == 0 and snap["grants_outstanding"] == 0
         assert cap_keys(r, cap) == set()
