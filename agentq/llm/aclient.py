@@ -95,7 +95,7 @@ def _tls_context() -> ssl.SSLContext:
 def make_client(
     *, base_url: str, api_key: str | None, max_connections: int, timeout: httpx2.Timeout
 ) -> openai.AsyncOpenAI:
-    sdk.checked()
+    sdk.check_sdk()
     limits = httpx2.Limits(max_connections=max_connections, max_keepalive_connections=200)
     tls = _tls_context()
     http: httpx2.AsyncClient

@@ -34,6 +34,7 @@ REACHED: dict[str, tuple[str, ...]] = {
 passes them; besides, `_client` (its HTTP client) and `openai._models.FinalRequestOptions`."""
 
 
+@functools.cache  # once per process (and class): a stream worker makes several clients
 def check_sdk(client_class: type[Any] = openai.AsyncOpenAI) -> None:
     """Raise IncompatibleDependency unless the SDK has every member agentq reaches."""
     version = openai.__version__
@@ -54,12 +55,6 @@ def check_sdk(client_class: type[Any] = openai.AsyncOpenAI) -> None:
             raise IncompatibleDependency(
                 "openai", version, f"AsyncOpenAI.{name}{got} is not {name}{params}"
             )
-
-
-@functools.cache
-def checked() -> None:
-    """`check_sdk`, once per process."""
-    check_sdk()
 
 
 @dataclasses.dataclass(frozen=True)
