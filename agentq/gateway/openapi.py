@@ -49,20 +49,17 @@ def _query(name: str, description: str, type_: str = "string") -> dict[str, Any]
     }
 
 
-def _path(name: str, description: str | None = None) -> dict[str, Any]:
+_PATH_TEXT = {"waitpoint_id": "`wp_<turn id>_<call id>`, from the call's tool_waiting event."}
+
+
+def _path(name: str) -> dict[str, Any]:
     param = {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-    return param if description is None else param | {"description": description}
+    return param | ({"description": _PATH_TEXT[name]} if name in _PATH_TEXT else {})
 
 
-WAITPOINT_ID = _path(
-    "waitpoint_id", "`wp_<turn id>_<call id>`, from the call's tool_waiting event."
-)
 WAITPOINT_TOKEN = _query("token", "The waitpoint's capability, from its callback_url.") | {
     "required": True
 }
-NAME, TURN_ID, CONVERSATION_ID, REQUEST_ID = map(
-    _path, ("name", "turn_id", "conversation_id", "request_id")
-)
 IDEMPOTENCY_KEY = {
     "name": "Idempotency-Key",
     "in": "header",
@@ -92,7 +89,7 @@ OPERATIONS: tuple[Operation, ...] = (
     Operation("GET", "/", "The web page: chat, live tool chips, Cancel, approvals.", "public",
               media_type="text/html"),
     Operation("GET", "/static/{path}", "The page's script and style.", "public",
-              media_type="text/plain", parameters=(_path("path"),)),
+              media_type="text/plain"),
     Operation("GET", "/healthz", "Liveness, and whether Redis answers; `workers`: the "
               "live workers per queue of agentq's own, `missing_workers`: the kinds every "
               "turn needs that no live worker is (turns wait for them: still 200).", "public",
@@ -115,10 +112,9 @@ OPERATIONS: tuple[Operation, ...] = (
               ), errors=("401", "422")),
     Operation("GET", "/v1/conversations/{conversation_id}", "A conversation: status "
               "(idle, busy), running_turn_id, queued turn ids, messages, updated_at.",
-              "conversation", parameters=(CONVERSATION_ID,), errors=("401", "404")),
+              "conversation", errors=("401", "404")),
     Operation("DELETE", "/v1/conversations/{conversation_id}", "Abort the conversation's "
-              "running and queued turns and remove it.", "conversation",
-              parameters=(CONVERSATION_ID,), errors=("401", "404")),
+              "running and queued turns and remove it.", "conversation", errors=("401", "404")),
     Operation("GET", "/v1/usage", "Tokens and cost of the UTC days from since to until: "
               "totals and rows (prompt_tokens, completion_tokens, cached_tokens, "
               "total_tokens, cost_usd, turns) by model, agent or key; a key sees its own, "
@@ -145,12 +141,11 @@ OPERATIONS: tuple[Operation, ...] = (
               "description, the JSON schema of a typed output.",
               "key", errors=("401",)),
     Operation("GET", "/v1/turns/{turn_id}", "A turn's state, history and invocation "
-              "records.", "turn", parameters=(TURN_ID,), errors=("401", "404")),
+              "records.", "turn", errors=("401", "404")),
     Operation("GET", "/v1/turns/{turn_id}/events", "The turn's events as Server-Sent "
               "Events, from the start (or after Last-Event-ID), then live.", "turn",
               media_type="text/event-stream",
               parameters=(
-                  TURN_ID,
                   _query("token", "The turn's token, for EventSource, which cannot set "
                          "headers."),
                   _query("heartbeat", "Seconds between keep-alive comments.", "number"),
@@ -160,10 +155,9 @@ OPERATIONS: tuple[Operation, ...] = (
                    "schema": {"type": "string"}},
               ), errors=("401", "404")),
     Operation("GET", "/v1/turns/{turn_id}/timeline", "A turn's model rounds and calls "
-              "on a time line (the console).", "owner", parameters=(TURN_ID,),
-              errors=("401", "404")),
+              "on a time line (the console).", "owner", errors=("401", "404")),
     Operation("POST", "/v1/turns/{turn_id}/abort", "Abort a running turn and its "
-              "sub-agents.", "turn", parameters=(TURN_ID,), errors=("401", "404")),
+              "sub-agents.", "turn", errors=("401", "404")),
     Operation("POST", "/v1/turns/retry", "Retry in bulk: each of the caller's turns (every "
               "owner's for an admin) that ended `status` in the last `since_s` seconds, "
               "of `agent`, once (a turn retried by a bulk retry already is answered with its "
@@ -177,24 +171,23 @@ OPERATIONS: tuple[Operation, ...] = (
               "its conversation, the retry's exchange replacing the source's; any other "
               "conversation turn's retry starts a new conversation (`conversation_id`, "
               "`branched`). docs/retry.md.", "turn", ok="202",
-              request=RetryRequest, response=TurnHandle, parameters=(TURN_ID,),
+              request=RetryRequest, response=TurnHandle,
               errors=("401", "403", "404", "409", "410", "422")),
     Operation("POST", "/v1/turns/{turn_id}/fork", "Fork a turn: a new turn (fork_of) from "
               "its history before round at_round (1-based), optionally edited (the last user "
               "message, the instructions, the model, one settled call's result); a turn of a "
               "conversation forks into a new conversation. docs/retry.md.", "turn", ok="202",
-              request=ForkRequest, response=TurnHandle, parameters=(TURN_ID,),
+              request=ForkRequest, response=TurnHandle,
               errors=("401", "403", "404", "410", "422")),
     Operation("POST", "/v1/turns/{turn_id}/interactions/{request_id}", "Answer an "
               "interaction (approval, password, confirm, input: `value` is the answer, checked "
               "against its answer_schema, 422 AnswerInvalid when it does not fit).", "turn",
-              request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
-              errors=("401", "404", "409", "422")),
+              request=InteractionAnswer, errors=("401", "404", "409", "422")),
     Operation("POST", "/v1/waitpoints/{waitpoint_id}", "Complete a tool's waitpoint: the "
               "body (any JSON) is the call's result, settled ok; `{\"error\": \"...\"}` "
               "settles it error (docs/waitpoints.md). 409: completed already, `first` holds "
               "that completion; 410: timed out, or its call cancelled or its turn over.",
-              "capability", parameters=(WAITPOINT_ID, WAITPOINT_TOKEN),
+              "capability", parameters=(WAITPOINT_TOKEN,),
               errors=("404", "409", "410", "413", "415", "422")),
     Operation("GET", "/v1/interactions", "Every pending interaction of the running turns, "
               "the soonest to expire first (the console's inbox).", "key", errors=("401",)),
@@ -209,11 +202,10 @@ OPERATIONS: tuple[Operation, ...] = (
               "(a bad name or schema, listed twice, a name another tool maps to), and how its "
               "last start or call went (`health`).", "admin", errors=("401", "403", "503")),
     Operation("POST", "/v1/console/turns/{turn_id}/abort", "Abort a turn from the "
-              "console, as an operator.", "operator", parameters=(TURN_ID,),
-              errors=("401", "403", "404")),
+              "console, as an operator.", "operator", errors=("401", "403", "404")),
     Operation("POST", "/v1/console/turns/{turn_id}/retry", "Retry a turn from the console, "
               "as an operator (as POST /v1/turns/{turn_id}/retry).", "operator", ok="202",
-              request=RetryRequest, response=TurnHandle, parameters=(TURN_ID,),
+              request=RetryRequest, response=TurnHandle,
               errors=("401", "403", "404", "409", "410", "422")),
     Operation("POST", "/v1/console/turns/retry", "Retry in bulk from the console (as "
               "POST /v1/turns/retry): a key retries its own turns, an admin every owner's; "
@@ -221,19 +213,18 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=("401", "403", "422")),
     Operation("POST", "/v1/console/turns/{turn_id}/fork", "Fork a turn from the console, "
               "as an operator (as POST /v1/turns/{turn_id}/fork).", "operator", ok="202",
-              request=ForkRequest, response=TurnHandle, parameters=(TURN_ID,),
+              request=ForkRequest, response=TurnHandle,
               errors=("401", "403", "404", "410", "422")),
     Operation("POST", "/v1/console/turns/{turn_id}/interactions/{request_id}", "Answer an "
               "interaction from the console, as an operator.", "operator",
-              request=InteractionAnswer, parameters=(TURN_ID, REQUEST_ID),
-              errors=("401", "403", "404", "409", "422")),
+              request=InteractionAnswer, errors=("401", "403", "404", "409", "422")),
     Operation("GET", "/v1/schedules", "Every schedule, its last turn and its next tick.",
               "admin_key", errors=("401", "403")),
     Operation("POST", "/v1/schedules", "Add a schedule: name, every (30s, 5m) or cron "
               "(5 fields, UTC), prompt, agent?, webhook_url?, overlap?.", "admin_key",
               ok="201", errors=("401", "403", "422")),
     Operation("DELETE", "/v1/schedules/{name}", "Remove a schedule.", "admin_key",
-              parameters=(NAME,), errors=("401", "403", "404")),
+              errors=("401", "403", "404")),
     Operation("GET", "/v1/webhooks", "Recent webhook deliveries: status, attempts, next "
               "attempt.", "admin", parameters=(_query("limit", "At most this many.",
                                                        "integer"),),
@@ -295,8 +286,10 @@ def _operation(op: Operation) -> dict[str, Any]:
             },
         },
     }
-    if op.parameters:
-        out["parameters"] = list(op.parameters)
+    # The path's own parameters first, in the path's order, then the operation's.
+    parameters = [*map(_path, re.findall(r"{(\w+)}", op.path)), *op.parameters]
+    if parameters:
+        out["parameters"] = parameters
     if op.request is not None:
         out["requestBody"] = {
             "required": True,
