@@ -25,6 +25,7 @@ settled.
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import IntEnum
@@ -479,20 +480,10 @@ _COUNTS = {
 }
 
 
-def _row() -> dict[str, Any]:
-    return {**dict.fromkeys(_COUNTS.values(), 0), "total_tokens": 0, "cost_usd": 0.0}
-
-
-def _add(row: dict[str, Any], field: str, value: str) -> None:
-    if field == "usd":
-        row["cost_usd"] += _num(value)
-    elif field in _COUNTS:
-        row[_COUNTS[field]] += int(_num(value))
-
-
-def _done(row: dict[str, Any]) -> dict[str, Any]:
+def _row(sums: defaultdict[str, float]) -> dict[str, Any]:
+    row: dict[str, Any] = {name: int(sums[f]) for f, name in _COUNTS.items()}
     row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
-    row["cost_usd"] = round(row["cost_usd"], 6)
+    row["cost_usd"] = round(sums["usd"], 6)
     return row
 
 
@@ -500,23 +491,23 @@ def usage_report(hashes: dict[tuple[str, str], dict[str, str]], group_by: str) -
     """Totals and rows (by model, agent or key) of the per-day hashes `Spend.days` read.
     Settled rounds only: a reservation in flight is in a budget, not in usage yet."""
     prefix = GROUPS[group_by]
-    totals = _row()
-    rows: dict[str, dict[str, Any]] = {}
+    totals: defaultdict[str, float] = defaultdict(float)
+    rows: defaultdict[str, defaultdict[str, float]] = defaultdict(lambda: defaultdict(float))
     for (owner, _day), fields in hashes.items():
         for name, value in fields.items():
             if name.startswith("m|"):
                 # Every settled round counts under its model: the totals are their sum.
                 field = name.rpartition("|")[2]
-                _add(totals, field, value)
+                totals[field] += _num(value)
                 if group_by == "key":
-                    _add(rows.setdefault(owner, _row()), field, value)
+                    rows[owner][field] += _num(value)
             if group_by != "key" and name.startswith(prefix):
                 group, _, field = name[len(prefix) :].rpartition("|")
-                _add(rows.setdefault(group, _row()), field, value)
+                rows[group][field] += _num(value)
     return {
-        "totals": _done(totals),
+        "totals": _row(totals),
         "rows": [
-            {group_by: (None if name in ("", NO_KEY) else name), **_done(row)}
+            {group_by: (None if name in ("", NO_KEY) else name), **_row(row)}
             for name, row in sorted(rows.items())
         ],
     }
