@@ -1,11 +1,5 @@
-"""The Lua scripts behind `agentq.llm.capacity`: every decision about a model's capacity is
-one script, so workers racing for the same slot never both get it.
-
-Every script that decides gets the model's keys (`ModelKeys`, in order) and its
-arguments as `DecidingArgs` then its own (`AcquireArgs`, ...); each opens by binding them
-to names (`agentq.events.lua_args.bind_lua`). The scripts on one key (renew, the
-breaker) take that key and their own arguments.
-"""
+"""The Lua scripts behind `agentq.llm.capacity`, one per decision, so workers racing for
+the same slot never both get it; their inputs are laid out in `capacity_args`."""
 
 from __future__ import annotations
 
