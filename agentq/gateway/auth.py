@@ -130,9 +130,7 @@ def secret_matches(presented: str | None, expected: str) -> bool:
     """Constant-time equality of a presented secret and a configured one, via digests."""
     if not presented:
         return False
-    return hmac.compare_digest(
-        hashlib.sha256(presented.encode()).digest(), hashlib.sha256(expected.encode()).digest()
-    )
+    return hmac.compare_digest(sha256_hex(presented), sha256_hex(expected))
 
 
 def token_matches(state: TurnState, token: str | None) -> bool:
