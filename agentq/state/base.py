@@ -62,14 +62,8 @@ class TurnKeys(NamedTuple):
 
     @classmethod
     def of(cls, turn_id: str) -> list[str]:
-        return list(
-            cls(
-                k.turn_key(turn_id),
-                k.log_key(turn_id),
-                k.events_channel(turn_id),
-                k.turn_wakeups_key(turn_id),
-            )
-        )
+        keys = (k.turn_key, k.log_key, k.events_channel, k.turn_wakeups_key)
+        return list(cls._make(key(turn_id) for key in keys))
 
 
 class StateLostArgs(NamedTuple):
