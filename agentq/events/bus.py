@@ -69,9 +69,8 @@ end
 """
 
 
-def seq_lua(turn: str, seq: str = "seq") -> str:
-    """Lua that writes a turn's seq (the Lua local `seq`) back after publishing with it."""
-    return f"redis.call('HSET', {turn}, '{SEQ_FIELD}', {seq})\n"
+# The publish scripts write the seq they counted up (`last`) back to the turn's hash.
+_WRITE_SEQ = f"redis.call('HSET', turn_key, '{SEQ_FIELD}', last)\n"
 
 
 def ended_lua(status: str) -> str:
@@ -112,7 +111,7 @@ if {refused} then
 end
 """
         + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
-        + seq_lua("turn_key", "last")
+        + _WRITE_SEQ
         + "return {last, id}"
     )
 
@@ -149,7 +148,7 @@ for t = 0, #KEYS / 3 - 1 do
     + """
     end
 """
-    + seq_lua("turn_key", "last")
+    + _WRITE_SEQ
     + """
     a = a + 1 + n
   end
