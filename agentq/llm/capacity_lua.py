@@ -447,9 +447,9 @@ local w = waiter
 local raw = redis.call('HGET', QM, w)
 if raw then unqueue(w, cjson.decode(raw).c, nil) end
 raw = redis.call('HGET', GRANTS, w)
-if raw and cjson.decode(raw).k == 0 then
+local g = raw and cjson.decode(raw)
+if g and g.k == 0 then
   -- A grant nobody took: its request was never sent, so its share of the limits comes back.
-  local g = cjson.decode(raw)
   local m = drop_lease(g.l)
   if m then
     window_now()
