@@ -123,11 +123,6 @@ local ready = not is_tracked or unsettled == 0
     + f"    '{k.UNSETTLED_FIELD}', unsettled)\n"
     + f"  return ready and {Settled.READY:d} or {Settled.WON:d}\nend\n"
     + wake_or_step_lua(
-        ("wakeups_key", "turn_id", "wake_at"),
-        "turn_key",
-        "token",
-        "lock_ms",
-        "now_ms",
         f"'{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
         Settled.READY,
     )

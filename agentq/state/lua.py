@@ -198,21 +198,14 @@ def view_lua(st: str) -> str:
   end)()"""
 
 
-def wake_or_step_lua(
-    wake: tuple[str, str, str],
-    turn: str,
-    token: str,
-    ttl_ms: str,
-    now_ms: str,
-    fields: str,
-    stepped: int,
-) -> str:
-    """Lua that wakes the turn (`wake`: wakeups, turn id, at, as `wake_lua` takes them) or,
-    for a caller that steps the woken turn itself (`token` set) when the lock (`held`, as
-    TURN_OPEN_LUA read it) is free, takes the step lock and returns what the step reads,
-    as the begin script would: one round trip fewer between the last result of a batch
-    and the step that collects it. Either way the field/value pairs `fields` are written
-    in the same HSET.
+def wake_or_step_lua(fields: str, stepped: int) -> str:
+    """Lua that wakes the turn or, for a caller that steps the woken turn itself (`token`
+    set) when the lock (`held`, as TURN_OPEN_LUA read it) is free, takes the step lock
+    (for `lock_ms` from `now_ms`) and returns what the step reads, as the begin script
+    would: one round trip fewer between the last result of a batch and the step that
+    collects it. Either way the field/value pairs `fields` are written in the same HSET.
+    It reads the names its scripts bind: TurnKeys' and the ARGV `turn_id`, `wake_at`,
+    `token`, `lock_ms` and `now_ms`.
 
     A step taken here needs no dirty mark (it reads now), only its wakeup, should its
     process die in it. A mark some other wake left stays: that step runs once more.
@@ -222,12 +215,11 @@ def wake_or_step_lua(
     state (`whole_st`), the step's view is it with this HSET's fields laid over, instead
     of a second read.
     """
-    wakeups, turn_id, at = wake
     return f"""
-if {token} ~= '' and {lock_free_lua("held", now_ms)} then
-  local w = {{'{STEP_FIELD}', {lock_value_lua(token, now_ms, ttl_ms)}, {fields}}}
-  redis.call('HSET', {turn}, unpack(w))
-  redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
+if token ~= '' and {lock_free_lua("held", "now_ms")} then
+  local w = {{'{STEP_FIELD}', {lock_value_lua("token", "now_ms", "lock_ms")}, {fields}}}
+  redis.call('HSET', turn_key, unpack(w))
+  redis.call('ZADD', wakeups_key, 'LT', wake_at, turn_id)
   local st = whole_st
   if st then
     for i = 1, #w, 2 do
@@ -243,8 +235,8 @@ if {token} ~= '' and {lock_free_lua("held", now_ms)} then
       end
     end
   else
-    st = redis.call('HGETALL', {turn})
+    st = redis.call('HGETALL', turn_key)
   end
   return {{{stepped:d}, unpack({view_lua("st")})}}
 end
-""" + wake_lua(turn, wakeups, turn_id, at, fields)
+""" + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at", fields)

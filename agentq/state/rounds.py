@@ -80,11 +80,6 @@ for i = events_at, #ARGV do
 end
 """
     + wake_or_step_lua(
-        ("wakeups_key", "turn_id", "wake_at"),
-        "turn_key",
-        "token",
-        "lock_ms",
-        "now_ms",
         f"'{SEQ_FIELD}', seq, '{k.LLM_RESULT_FIELD}', result, "
         f"'{k.LLM_RESULT_ROUND_FIELD}', round_no, '{k.LLM_ALIVE_FIELD}', 'null'",
         RoundFinished.STEPPED,
