@@ -96,7 +96,6 @@ SETTLE_LUA = (
     # A call alone in its batch is the last: its settle takes the step, so the state is
     # read whole at once (see `wake_or_step_lua`).
     + turn_open_lua(
-        "turn_key",
         f"{Settled.TURN_GONE:d}",
         whole="alone == '1' and token ~= ''",
         extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"),
@@ -151,7 +150,6 @@ class StartArgs(NamedTuple):
 START_LUA = (
     bind_lua(TurnKeys, StartArgs)
     + turn_open_lua(
-        "turn_key",
         f"more[1] and {Started.SETTLED:d} or {Started.TURN_GONE:d}",
         extra=(f"'{k.SETTLED}' .. call_id", f"'{k.STARTED}' .. call_id"),
     )

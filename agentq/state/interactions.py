@@ -44,7 +44,7 @@ local state = redis.call('HGET', interaction_key, 'state')
 if not state then return 'missing' end
 if state ~= 'pending' then return state end
 """
-    + turn_open_lua("turn_key", "'closed'")
+    + turn_open_lua("'closed'")
     + """
 redis.call('HSET', interaction_key, 'state', new_state, 'decision', decision)
 if secret ~= '' then

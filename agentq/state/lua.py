@@ -32,12 +32,10 @@ _OPEN = (
 _OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
 
-def turn_open_lua(
-    turn: str, ended: str, whole: str | None = None, extra: tuple[str, ...] = ()
-) -> str:
-    """Lua that reads what every write to a turn checks first, and answers `ended` for a
-    turn that is over (or whose state Redis lost): nothing is written after its terminal
-    event, and nothing recreates half of a vanished turn.
+def turn_open_lua(ended: str, whole: str | None = None, extra: tuple[str, ...] = ()) -> str:
+    """Lua that reads what every write to a turn (`turn_key`) checks first, and answers
+    `ended` for a turn that is over (or whose state Redis lost): nothing is written after
+    its terminal event, and nothing recreates half of a vanished turn.
 
     It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
     publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
@@ -50,12 +48,12 @@ def turn_open_lua(
     without reading the state a second time.
     """
     names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
-    read = f"local open = redis.call('HMGET', {turn}, {names})\n"
+    read = f"local open = redis.call('HMGET', turn_key, {names})\n"
     if whole is not None:
         read = f"""
 local whole_st, whole_at, open = false, {{}}, nil
 if {whole} then
-  whole_st = redis.call('HGETALL', {turn})
+  whole_st = redis.call('HGETALL', turn_key)
   for i = 1, #whole_st, 2 do whole_at[whole_st[i]] = i end
   open = {{}}
   for i, name in ipairs({{{names}}}) do
@@ -63,7 +61,7 @@ if {whole} then
     open[i] = j and whole_st[j + 1] or false
   end
 else
-  open = redis.call('HMGET', {turn}, {names})
+  open = redis.call('HMGET', turn_key, {names})
 end
 """
     return (

@@ -71,7 +71,7 @@ local done = tonumber(redis.call('HGET', turn_key, '{k.LLM_RESULT_ROUND_FIELD}')
 if done >= tonumber(round_no) then return {RoundFinished.DONE:d} end
 """
     # A round's end always wakes its turn: a writer that steps it reads the state whole.
-    + turn_open_lua("turn_key", f"{RoundFinished.TURN_GONE:d}", whole="token ~= ''")
+    + turn_open_lua(f"{RoundFinished.TURN_GONE:d}", whole="token ~= ''")
     + """
 for i = events_at, #ARGV do
 """

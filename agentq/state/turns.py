@@ -93,7 +93,7 @@ class CloseArgs(NamedTuple):
 # after the named ones: the messages, then the state's field/value pairs.
 CLOSE_LUA = (
     bind_lua(_CLOSE_KEYS, CloseArgs, rest="messages")
-    + turn_open_lua("turn_key", f"{Closed.ENDED_ALREADY:d}")
+    + turn_open_lua(f"{Closed.ENDED_ALREADY:d}")
     + "if token ~= '' and not "
     + lock_mine_lua("held", "token")
     + f""" then return {Closed.LOST:d} end

@@ -110,7 +110,6 @@ class OpenArgs(NamedTuple):
 OPEN_LUA = (
     bind_lua(TurnKeys, OpenArgs)
     + turn_open_lua(
-        "turn_key",
         f"{Opened.TURN_GONE:d}",
         extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"),
     )
