@@ -14,6 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -131,14 +132,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         )
         n = d.attempts + 1
         out = _outcome(result.status_code, d, settings, jitter=random.random())
-        record = AttemptRecord(
-            n=n,
-            at=now,
-            status_code=result.status_code,
-            error=result.error,
-            duration_ms=result.duration_ms,
-        )
-        dels.record(d, record, out.status, out.next_at)
+        dels.record(d, AttemptRecord(n=n, at=now, **asdict(result)), out.status, out.next_at)
         log.info(
             "webhook %s attempt %d to %s: %s -> %s",
             delivery_id,
