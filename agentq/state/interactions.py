@@ -53,7 +53,7 @@ end
 if event ~= '' then
 """
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at", f"'{SEQ_FIELD}', seq")
+    + wake_lua(f"'{SEQ_FIELD}', seq")
     + """
 end
 return 'ok'

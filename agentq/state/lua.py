@@ -140,14 +140,17 @@ _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 """A Lua condition on `p`, a state field's first two characters: the field is a call's record."""
 
 
-def wake_lua(turn: str, wakeups: str, turn_id: str, at: str, fields: str = "") -> str:
+def wake_lua(
+    fields: str = "", turn: str = "turn_key", turn_id: str = "turn_id", at: str = "wake_at"
+) -> str:
     """Lua that marks a turn as woken (its DIRTY_FIELD, in one HSET with the field/value
     pairs `fields`, a Lua argument list) and makes sure a sweeper steps it by `at` (an
-    earlier wakeup stays: LT, Redis >= 6.2). The turn must exist (TURN_OPEN_LUA)."""
+    earlier wakeup stays: LT, Redis >= 6.2), in its shard's `wakeups_key`. The turn must
+    exist (TURN_OPEN_LUA)."""
     more = f", {fields}" if fields else ""
     return f"""
 redis.call('HSET', {turn}, '{DIRTY_FIELD}', 1{more})
-redis.call('ZADD', {wakeups}, 'LT', {at}, {turn_id})
+redis.call('ZADD', wakeups_key, 'LT', {at}, {turn_id})
 """
 
 
@@ -237,4 +240,4 @@ if token ~= '' and {lock_free_lua("held", "now_ms")} then
   end
   return {{{stepped:d}, unpack({view_lua("st")})}}
 end
-""" + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at", fields)
+""" + wake_lua(fields)

@@ -59,12 +59,7 @@ class WakeArgs(NamedTuple):
 
 
 # WAKE_ONLY_LUA: a woken turn: whoever wakes it (a model round, an answer) in one step.
-WAKE_ONLY_LUA = (
-    bind_lua(TurnKeys, WakeArgs)
-    + turn_open_lua("0")
-    + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at")
-    + "return 1"
-)
+WAKE_ONLY_LUA = bind_lua(TurnKeys, WakeArgs) + turn_open_lua("0") + wake_lua() + "return 1"
 
 
 class StepWrite(NamedTuple):

@@ -134,12 +134,10 @@ do
     + f"    '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
     + f"  return {Closed.PARENT_WAITS:d}\nend\n"
     + wake_lua(
-        "parent_key",
-        "wakeups_key",
-        "parent_id",
-        "wake_at",
         f"'{k.SETTLED}' .. parent_call_id, parent_result, '{SEQ_FIELD}', pseq, "
         f"'{k.UNSETTLED_FIELD}', left",
+        "parent_key",
+        "parent_id",
     )
     + f"return {Closed.PARENT_WOKEN:d}\n"
 )
@@ -174,7 +172,7 @@ if status then
     + ended_lua("status")
     + """) then
 """
-    + wake_lua("turn_key", "wakeups_key", "turn_id", "wake_at")
+    + wake_lua()
     + """    woken = 1
   end
 end

@@ -119,7 +119,7 @@ if more[2] then return {Opened.OPEN_ALREADY:d} end
 """
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
     + f"redis.call('HSET', turn_key, '{k.WAITING}' .. call_id, record, '{SEQ_FIELD}', seq)\n"
-    + wake_lua("turn_key", "wakeups_key", "turn_id", "deadline")
+    + wake_lua(at="deadline")
     + f"return {Opened.OPENED:d}\n"
 )
 
