@@ -84,24 +84,21 @@ end
 # is on the callers' clocks (ARGV), as the wakeups' are: a caller whose clock runs ahead
 # may take a lock early, and the fence (the token) still keeps the step it took over
 # from writing anything.
-def lock_free_lua(held: str, now_ms: str) -> str:
-    """A Lua condition: the step lock as read (`held`; false, "" or lapsed) is free at `now_ms`."""
-    return (
-        f"(not {held} or (tonumber(string.match({held}, ':(%d+)\"$')) or 0) <= tonumber({now_ms}))"
-    )
+def lock_free_lua(held: str) -> str:
+    """A Lua condition: the step lock as read (`held`; false, "" or lapsed) is free at the
+    ARGV `now_ms`."""
+    return f"(not {held} or (tonumber(string.match({held}, ':(%d+)\"$')) or 0) <= tonumber(now_ms))"
 
 
-def lock_mine_lua(held: str, token: str) -> str:
-    """A Lua condition: the step lock as read (`held`) is the one `token` took."""
-    return f"({held} and string.match({held}, '^\"(.*):%d+\"$') == {token})"
+def lock_mine_lua(held: str) -> str:
+    """A Lua condition: the step lock as read (`held`) is the one the ARGV `token` took."""
+    return f"({held} and string.match({held}, '^\"(.*):%d+\"$') == token)"
 
 
-def lock_value_lua(token: str, now_ms: str, ttl_ms: str) -> str:
-    """A Lua expression: the step lock's value for `token`, held `ttl_ms` from `now_ms`."""
-    return (
-        f"""('"' .. {token} .. ':'"""
-        f""" .. string.format('%d', tonumber({now_ms}) + tonumber({ttl_ms})) .. '"')"""
-    )
+LOCK_VALUE_LUA = (
+    """('"' .. token .. ':' .. string.format('%d', tonumber(now_ms) + tonumber(lock_ms)) .. '"')"""
+)
+"""A Lua expression: the step lock's value for the ARGV `token`, held `lock_ms` from `now_ms`."""
 
 
 LOCK_FREE_VALUE = '""'
@@ -217,8 +214,8 @@ def wake_or_step_lua(fields: str, stepped: int) -> str:
     of a second read.
     """
     return f"""
-if token ~= '' and {lock_free_lua("held", "now_ms")} then
-  local w = {{'{STEP_FIELD}', {lock_value_lua("token", "now_ms", "lock_ms")}, {fields}}}
+if token ~= '' and {lock_free_lua("held")} then
+  local w = {{'{STEP_FIELD}', {LOCK_VALUE_LUA}, {fields}}}
   redis.call('HSET', turn_key, unpack(w))
   redis.call('ZADD', wakeups_key, 'LT', wake_at, turn_id)
   local st = whole_st

@@ -26,9 +26,9 @@ from agentq.state.base import (
 )
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
+    LOCK_VALUE_LUA,
     lock_free_lua,
     lock_mine_lua,
-    lock_value_lua,
     turn_open_lua,
     view_lua,
     wake_lua,
@@ -118,9 +118,9 @@ local held = false
 for i = 1, #st, 2 do if st[i] == '{_STEP}' then held = st[i + 1] end end
 if again ~= '1' then
   if #st == 0 then return {{{{}}, {{}}, {{}}}} end
-  if not {lock_free_lua("held", "now_ms")} then return false end
-  held = {lock_value_lua("token", "now_ms", "lock_ms")}
-elseif not {lock_mine_lua("held", "token")} then
+  if not {lock_free_lua("held")} then return false end
+  held = {LOCK_VALUE_LUA}
+elseif not {lock_mine_lua("held")} then
   return false
 end
 redis.call('HSET', turn_key, '{_STEP}', held, '{_DIRTY}', 0)
@@ -168,7 +168,7 @@ RELEASE_LUA = (
     + f"""
 local open = redis.call('HMGET', turn_key, '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
   '{_DIRTY}', '{k.UNSETTLED_FIELD}', 'status', '{k.HISTORY_LEN_FIELD}')
-if not {lock_mine_lua("open[1]", "token")} then return {Released.LOST:d} end
+if not {lock_mine_lua("open[1]")} then return {Released.LOST:d} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
 local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
 local nf, nm = tonumber(n_fields), tonumber(n_messages)
@@ -197,7 +197,7 @@ if keep ~= '1' then
     w[#w + 1] = unsettled + counted
   end
   w[#w + 1] = '{_STEP}'
-  w[#w + 1] = dirty and {lock_value_lua("token", "now_ms", "lock_ms")} or '{LOCK_FREE_VALUE}'
+  w[#w + 1] = dirty and {LOCK_VALUE_LUA} or '{LOCK_FREE_VALUE}'
 end
 """
     + write_lua("turn_key", "w", "messages_at", "plans_at - 1")
@@ -242,8 +242,8 @@ LOCK_LUA = (
     bind_lua(TurnKey, LockArgs)
     + f"""
 local h = redis.call('HMGET', turn_key, 'status', '{_STEP}')
-if not h[1] or not {lock_free_lua("h[2]", "now_ms")} then return 0 end
-redis.call('HSET', turn_key, '{_STEP}', {lock_value_lua("token", "now_ms", "lock_ms")})
+if not h[1] or not {lock_free_lua("h[2]")} then return 0 end
+redis.call('HSET', turn_key, '{_STEP}', {LOCK_VALUE_LUA})
 return 1
 """
 )

@@ -95,7 +95,7 @@ CLOSE_LUA = (
     bind_lua(_CLOSE_KEYS, CloseArgs, rest="messages")
     + turn_open_lua(f"{Closed.ENDED_ALREADY:d}")
     + "if token ~= '' and not "
-    + lock_mine_lua("held", "token")
+    + lock_mine_lua("held")
     + f""" then return {Closed.LOST:d} end
 local fields_at = messages_at + tonumber(n_messages)
 """
