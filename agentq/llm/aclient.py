@@ -26,6 +26,7 @@ import openai
 
 from agentq.errors import (
     Aborted,
+    AgentqError,
     LlmError,
     MalformedStreamChunk,
     ModelBusy,
@@ -228,7 +229,6 @@ class Attempt:
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._stream(messages, tools))
         aborted = loop.create_task(self.abort.wait())
-        trip: str | None = None
         try:
             while True:
                 due = ends_at if idle_s is None else min(ends_at, self._last + idle_s)
@@ -238,25 +238,23 @@ class Attempt:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if reader in done:
-                    break
+                    return reader.result()
                 now = time.monotonic()
+                lifetime_s = now - self._started
                 if aborted in done:
-                    trip = "abort"
+                    error: AgentqError = Aborted(self.turn_id)
                 elif idle_s is not None and now - self._last >= idle_s:
-                    trip = "idle"
+                    error = StreamIdleTimeout(
+                        self.idle_timeout_ms, self.said, int(lifetime_s * 1000)
+                    )
                 elif now >= ends_at:
-                    trip = "duration"
-                if trip is not None:
-                    lifetime_ms = int((now - self._started) * 1000)
-                    reader.cancel()
-                    await asyncio.gather(reader, return_exceptions=True)
-                    # Abort wins: look at the flag again at the moment a limit fires.
-                    if trip == "abort" or self.abort.is_set():
-                        raise Aborted(self.turn_id)
-                    if trip == "duration":
-                        raise StreamDurationExceeded(self.duration_left_s, now - self._started)
-                    raise StreamIdleTimeout(self.idle_timeout_ms, self.said, lifetime_ms)
-            return reader.result()
+                    error = StreamDurationExceeded(self.duration_left_s, lifetime_s)
+                else:
+                    continue
+                reader.cancel()
+                await asyncio.gather(reader, return_exceptions=True)
+                # Abort wins: look at the flag again at the moment a limit fires.
+                raise Aborted(self.turn_id) if self.abort.is_set() else error
         finally:
             aborted.cancel()
             if not reader.done():
