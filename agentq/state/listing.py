@@ -19,12 +19,12 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import redis
 
 from agentq import constants as k
-from agentq.events.lua_args import argv_of, bind_lua
+from agentq.events.lua_args import bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.state.base import active_turns, each_shard, text
 from agentq.state.lookup import live
@@ -39,22 +39,13 @@ PRUNE_BATCH = 50
 TURN_STATUSES = frozenset(s.value for s in TurnStatus)
 
 
-class SummaryKeys(NamedTuple):
-    index_key: str
-    """The shard's index: it only routes the call to the shard's slot."""
-
-
-class SummaryArgs(NamedTuple):
-    approval_suffix: str
-    """What follows a call id in the id of its approval request."""
-
-
-# _SUMMARY_LUA: the summaries of a shard's turns (ARGV after the named ones: turn id,
-# state key, for each). Results are matched, not decoded: the first "status" of a
-# ToolResult's JSON is its own (call_id and tool come before it, and a quote inside them
-# is escaped).
+# _SUMMARY_LUA: the summaries of a shard's turns (ARGV after approval_suffix, what follows
+# a call id in the id of its approval request: turn id, state key, for each; the shard's
+# index only routes the call to its slot). Results are matched, not decoded: the first
+# "status" of a ToolResult's JSON is its own (call_id and tool come before it, and a
+# quote inside them is escaped).
 _SUMMARY_LUA = (
-    bind_lua(SummaryKeys, SummaryArgs, rest="turns")
+    bind_lua(("index_key",), ("approval_suffix",), rest="turns")
     + f"""
 local out = {{}}
 for i = turns_at, #ARGV, 2 do
@@ -257,9 +248,8 @@ class TurnLister:
         raw: list[Any] = []
         for shard, ids in by_shard.items():
             turns = [a for t in ids for a in (t, k.turn_key(t))]
-            args = argv_of(SummaryArgs(k.approval_request_id("")), turns)
-            keys = list(SummaryKeys(k.index_key(shard)))
-            raw += json.loads(text(self._summary(keys=keys, args=args)))
+            args = [k.approval_request_id(""), *turns]
+            raw += json.loads(text(self._summary(keys=[k.index_key(shard)], args=args)))
         out: dict[str, dict[str, Any]] = {}
         gone: list[str] = []
         for row in raw:
