@@ -402,11 +402,9 @@ class Client(CompletesWaitpoints):
 
         `operator=True` skips the token, as for `abort` (the `agentq answer` command).
         """
-        if operator:
-            if self._store.state(turn_id) is None:
-                raise TurnNotFound(turn_id)
-        else:
-            self.check_token(turn_id, token)
+        state = self._store.state(turn_id) if operator else self.check_token(turn_id, token)
+        if state is None:
+            raise TurnNotFound(turn_id)
         self.interactions.answer(
             turn_id,
             request_id,

@@ -120,12 +120,6 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
 
 
-@worker_ready.connect
-def _announce_role(sender: Any = None, **_: Any) -> None:
-    consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
-    log.info("agentq %s worker: consuming %s", current_role(), ", ".join(consumed))
-
-
 @worker_init.connect
 def _freeze_before_fork(**_: Any) -> None:
     """Move everything imported so far out of the collector's sight before the prefork
@@ -219,45 +213,35 @@ def _inline_steps_in_tool_children(**_: Any) -> None:
 
 
 @worker_ready.connect
-def _inline_steps_in_loop_workers(**_: Any) -> None:
-    """The I/O and stream workers settle from threads beside their loop: they take the
-    next step themselves too (the tool worker's parent, which settles hard kills, does not)."""
-    if current_role() in ("io", "llm"):
+def _ready(sender: Any = None, **_: Any) -> None:
+    """What a worker of each role starts once it is ready."""
+    role = current_role()
+    consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
+    log.info("agentq %s worker: consuming %s", role, ", ".join(consumed))
+    if role in ("io", "llm"):
+        # They settle from threads beside their loop: they take the next step themselves
+        # too (the tool worker's parent, which settles hard kills, does not).
         step_inline()
-
-
-@worker_ready.connect
-def _start_sweeper(**_: Any) -> None:
-    if current_role() != "turns":
-        return
-    from agentq.agents import publish_agents
-    from agentq.orchestrator.steps import Sweeper
-
-    # Before Celery logs "ready.": a client that waits for it finds the agents known.
-    publish_agents(get_store().redis)
-    Sweeper(get_store(), app, settings).start()
-    log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
-
-
-@worker_ready.connect
-def _start_webhook_sweeper(sender: Any = None, **_: Any) -> None:
-    """Whoever delivers webhooks sends their due retries (and a lost message again)."""
-    consumed = sender.app.amqp.queues.consume_from if sender is not None else {}
-    if k.QUEUE_WEBHOOKS not in consumed:
-        return
-    from agentq.webhooks.task import start_sweeper
-
-    start_sweeper(get_store(), app, settings)
-
-
-@worker_ready.connect
-def _warm_stream_worker(**_: Any) -> None:
-    """Import the OpenAI SDK and build the model client before the first round: done on
-    the event loop, the import (seconds on a busy machine) stalled every stream."""
-    if current_role() == "llm":
+    if role == "llm":
+        # The OpenAI SDK imported and the model client built before the first round: done
+        # on the event loop, the import (seconds on a busy machine) stalled every stream.
         from agentq.llm.task import warm
 
         warm()
+    if role == "turns":
+        from agentq.agents import publish_agents
+        from agentq.orchestrator.steps import Sweeper
+
+        # Before Celery logs "ready.": a client that waits for it finds the agents known.
+        publish_agents(get_store().redis)
+        Sweeper(get_store(), app, settings).start()
+        interval_s = settings.sweep_interval_s
+        log.info("agentq turn worker ready: sweeping deadlines every %.2fs", interval_s)
+    if k.QUEUE_WEBHOOKS in consumed:
+        # Whoever delivers webhooks sends their due retries (and a lost message again).
+        from agentq.webhooks.task import start_sweeper
+
+        start_sweeper(get_store(), app, settings)
 
 
 @worker_process_shutdown.connect
