@@ -4,7 +4,7 @@ Every turn is in its shard's index (agentq.state.listing) from its creation, so 
 looked up there. Four hex digits or more name the turn's shard (`constants.shard_of`), so
 only that shard's index is read; Redis matches the prefix as it scans (ZSCAN MATCH), so only
 matching ids cross the network. The scan stops once it has `limit` live turns, and reads at
-most `scan_max` index entries, so a lookup is a bounded number of round trips whatever the
+most SCAN_MAX index entries, so a lookup is a bounded number of round trips whatever the
 index holds. An index entry whose turn has expired is not a match.
 """
 
@@ -24,12 +24,10 @@ SCAN_MAX = 200_000
 _PREFIX = re.compile(r"[0-9a-f]{1,32}")
 
 
-def find_turn_ids(
-    client: Any, prefix: str, *, limit: int = 10, scan_max: int = SCAN_MAX
-) -> tuple[list[str], bool]:
+def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[str], bool]:
     """The stored turns whose id starts with `prefix` (hex, any case), newest first, at most
     `limit` of them, and whether the lookup stopped before it knew them all (more matches,
-    or `scan_max` entries read). Something that cannot begin a turn id matches nothing."""
+    or SCAN_MAX entries read). Something that cannot begin a turn id matches nothing."""
     prefix = prefix.lower()
     if not _PREFIX.fullmatch(prefix):
         return [], False
@@ -51,7 +49,7 @@ def find_turn_ids(
                 return _newest(found, limit), True
             if int(cursor) == 0:
                 break
-            if scanned >= scan_max:
+            if scanned >= SCAN_MAX:
                 return _newest(found, limit), True
     return _newest(found, limit), False
 

@@ -16,6 +16,7 @@ from agentq import constants as k
 from agentq.cli.ids import resolve_turn_id, short_id
 from agentq.cli.show import turns_table
 from agentq.errors import AmbiguousTurnId
+from agentq.state import lookup
 from agentq.state.lookup import SCAN_COUNT, find_turn_ids
 
 
@@ -77,7 +78,7 @@ def test_four_hex_digits_read_one_shard_and_fewer_read_them_all(four_shards: Non
     assert sorted(r.scanned) == sorted(k.index_key(s) for s in range(4))
 
 
-def test_the_scan_stops_at_the_limit_and_at_scan_max() -> None:
+def test_the_scan_stops_at_the_limit_and_at_scan_max(monkeypatch: pytest.MonkeyPatch) -> None:
     r = Counting(fakeredis.FakeRedis())
     # Enough entries that the index is a skiplist, read SCAN_COUNT at a time.
     for i in range(3 * SCAN_COUNT):
@@ -86,7 +87,8 @@ def test_the_scan_stops_at_the_limit_and_at_scan_max() -> None:
     assert len(found) == 3 and more
     assert len(r.scanned) == 1
     r.scanned.clear()
-    found, more = find_turn_ids(r, "abffffffff", limit=3, scan_max=SCAN_COUNT)
+    monkeypatch.setattr(lookup, "SCAN_MAX", SCAN_COUNT)
+    found, more = find_turn_ids(r, "abffffffff", limit=3)
     assert more and len(r.scanned) == 1
 
 
