@@ -29,11 +29,10 @@ from agentq.errors import (
 )
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
-from agentq.models import TURN_ID, ToolCall, ToolResult, ToolStatus, is_call_id
+from agentq.models import TURN_ID, InvocationRecord, ToolResult, ToolStatus, is_call_id
 from agentq.state.base import TurnKeys, call_fields, text
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
-from agentq.tools.results import record_for
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -210,23 +209,22 @@ class Waitpoints:
         size = len(content.encode())
         if size > max_bytes:
             raise PayloadTooLarge("waitpoint result", size, max_bytes)
-        call = ToolCall(id=call_id, name=str(opened.get("tool") or ""))
-        record = record_for(
-            call,
-            status,
+        now, tool = time.time(), str(opened.get("tool") or "")
+        started = float(opened.get("started_at") or opened["opened_at"])
+        record = InvocationRecord(
+            call_id=call_id,
+            tool=tool,
+            status=status,
             task_id=opened.get("task_id"),
             worker=opened.get("worker"),
-            started_at=float(opened.get("started_at") or opened["opened_at"]),
+            started_at=started,
+            finished_at=now,
+            duration_ms=int((now - started) * 1000),
             timeout_s=opened.get("timeout_s"),
             waitpoint_id=wp_id,
         )
         result = ToolResult(
-            call_id=call_id,
-            tool=call.name,
-            status=record.status,
-            content=content,
-            error=error,
-            record=record,
+            call_id=call_id, tool=tool, status=status, content=content, error=error, record=record
         )
         code = self.store.settle_code(turn_id, result, waitpoint=True)
         if code in (Settled.WON, Settled.READY):
