@@ -29,12 +29,8 @@ class HeldWrites:
     a round's result); the I/O worker takes no new call while it holds any (`wait_none`)."""
 
     def __init__(self) -> None:
-        self._held = 0
+        self.count = 0
         self._cond = threading.Condition()
-
-    @property
-    def count(self) -> int:
-        return self._held
 
     def hold(self, write: Callable[[], T], until: float, what: str) -> T:
         """`write()`, tried again every HOLD_RETRY_S while Redis is away, until `until`
@@ -54,19 +50,19 @@ class HeldWrites:
                     if not held:
                         held = True
                         with self._cond:
-                            self._held += 1
+                            self.count += 1
                         log.warning("Redis is away: holding %s until it answers (%s)", what, exc)
                     time.sleep(HOLD_RETRY_S)
         finally:
             if held:
                 with self._cond:
-                    self._held -= 1
+                    self.count -= 1
                     self._cond.notify_all()
 
     def wait_none(self, timeout_s: float) -> bool:
         """Wait until no write is held (at most `timeout_s`); True if none is."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._held == 0, timeout_s)
+            return self._cond.wait_for(lambda: self.count == 0, timeout_s)
 
 
 held_writes = HeldWrites()
