@@ -150,27 +150,13 @@ def advance_calls(
             out = [*fresh, *(p for p in tools if p.call.id in again)]
             if fresh:
                 # Recorded before they are sent: a step that dies in between leaves them
-                # to the pickup, the first wake after PICKUP_LEASES.
-                s = ctx.settings
-                due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
-                due += [_queue_deadline(ctx, ctx.now)]
+                # to the pickup, the first wake after PICKUP_LEASES. Not started by their
+                # queue allowance, they are lost (`_overdue` adds that deadline).
+                due += [ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s]
+                _overdue(ctx, fresh[0], ctx.now, None, due)
             send(ctx, out, _records(ctx, out, again), secrets, min(due))
         return min(due) if due else None
     return None
-
-
-def _queue_deadline(ctx: StepContext, dispatched_at: float) -> float:
-    """When a call sent at `dispatched_at` that never started settles as lost."""
-    s = ctx.settings
-    due = lost_deadline(
-        dispatched_at=dispatched_at,
-        started_at=None,
-        timeout_s=0,
-        grace_s=s.tool_grace_s,
-        queue_timeout_s=s.tool_queue_timeout_s,
-    )
-    assert due is not None  # a call not started always has its queue allowance
-    return due
 
 
 def _settle_overdue(
