@@ -171,9 +171,9 @@ def read_source(store: TurnStore, turn_id: str) -> Source:
     )
 
 
-def _base_state(src: Source, over: _Overrides, token: str) -> TurnState:
+def _base_state(src: Source, over: _Overrides, token: str, model: str | None) -> TurnState:
     """What a retry and a fork start with: the source's kept fields, the request's
-    overrides, a new token."""
+    overrides (`model`, else the source's own), a new token."""
     st = src.state
     state: TurnState = {
         "status": "queued",
@@ -188,7 +188,17 @@ def _base_state(src: Source, over: _Overrides, token: str) -> TurnState:
         value = getattr(over, name)
         if value is not None:
             state[name] = value  # type: ignore[literal-required]
+    if model or st.get("model"):
+        state["model"] = model or st.get("model")
     return state
+
+
+def _launch(
+    token: str, state: TurnState, history: list[dict[str, Any]], results: dict[str, str]
+) -> Launch:
+    """The new turn, with the records of its settled calls (`results`)."""
+    records = {k.SETTLED + c: r for c, r in results.items()}
+    return Launch("", token, state, history, len(json.dumps(history).encode()), records)
 
 
 def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
@@ -203,7 +213,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     last = rounds[-1] if rounds else -1
     calls = calls_of([history[last]]) if rounds else []
     open_ids = [c.id for c in calls if _unsettled(src, c.id, ended)]
-    state = _base_state(src, req, token)
+    state = _base_state(src, req, token, req.model)
     for name in SPENT_FIELDS:
         if st.get(name) is not None:
             state[name] = st[name]  # type: ignore[literal-required]
@@ -215,8 +225,6 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
             "output_retries": int(st.get("output_retries") or 0),
         }
     )
-    if req.model or st.get("model"):
-        state["model"] = req.model or st.get("model")
     reused = dict(src.results)
     if open_ids:
         # The round goes on: its tool messages go (all of them, so the round's results
@@ -238,8 +246,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
             state["stop_after_round"] = st.get("stop_after_round")
     else:
         state["from_round"] = len(rounds) + 1
-    records = {k.SETTLED + c: r for c, r in reused.items()}
-    return Launch("", token, state, history, _size(history), records)
+    return _launch(token, state, history, reused)
 
 
 def _unsettled(src: Source, call_id: str, ended: set[str]) -> bool:
@@ -273,7 +280,7 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
         _replace_message(src, history, edit.message, n)
     if edit.tool_result is not None:
         results[edit.tool_result.call_id] = _replace_result(src, history, results, edit, n)
-    state = _base_state(src, req, token)
+    state = _base_state(src, req, token, edit.model)
     start = int(state.get("history_start") or 0)
     state.update(
         {
@@ -283,14 +290,10 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
             "call_count": len(calls_of(history, start)),
         }
     )
-    model = edit.model or src.state.get("model")
-    if model:
-        state["model"] = model
     instructions = edit.instructions or src.state.get("instructions")
     if instructions:
         state["instructions"] = instructions
-    records = {k.SETTLED + c: r for c, r in results.items()}
-    return Launch("", token, state, history, _size(history), records)
+    return _launch(token, state, history, results)
 
 
 def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
@@ -326,10 +329,6 @@ def _replace_result(
     history[at[0]] = {**history[at[0]], "content": content}
     result = ToolResult.model_validate_json(results[cid])
     return result.model_copy(update={"content": content}).model_dump_json()
-
-
-def _size(history: list[dict[str, Any]]) -> int:
-    return len(json.dumps(history).encode())
 
 
 def replay_source(state: TurnState) -> dict[str, Any] | None:
