@@ -86,44 +86,33 @@ def take_step(
 ) -> StepOutcome:
     """`run_step` for a step whose lock and view are taken (by the write that woke it)."""
     started = time.perf_counter()
-    steps = _observed_steps if tracing.enabled or logs.enabled else _steps
     try:
-        return steps(turn_id, view, token, ttl_ms, store, app, settings)
+        if not (tracing.enabled or logs.enabled):
+            return _steps(turn_id, view, token, ttl_ms, store, app, settings)
+        # The turn's id bound for the logs, and a step span under the turn's.
+        state = view.state or {}
+        bound = log_context.bind(turn_id)
+        span = tracing.start_span(
+            tracing.SPAN_STEP,
+            state.get("traceparent"),
+            {
+                tracing.ATTR_TURN_ID: turn_id,
+                tracing.ATTR_AGENT: state.get("agent"),
+                tracing.ATTR_TASK_ID: log_context.celery_task()[0],
+            },
+        )
+        try:
+            with tracing.active(span):
+                outcome = _steps(turn_id, view, token, ttl_ms, store, app, settings)
+        except BaseException as exc:
+            tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
+            raise
+        finally:
+            log_context.unbind(bound)
+        tracing.end_span(span, None, {"agentq.step_outcome": outcome})
+        return outcome
     finally:
         fleet_counts.step(time.perf_counter() - started, store.redis, settings.metrics_flush_s)
-
-
-def _observed_steps(
-    turn_id: str,
-    view: StepView,
-    token: str,
-    ttl_ms: int,
-    store: TurnStore,
-    app: Celery,
-    settings: Settings,
-) -> StepOutcome:
-    """`_steps` with the turn's id bound for the logs and a step span under the turn's."""
-    state = view.state or {}
-    bound = log_context.bind(turn_id)
-    span = tracing.start_span(
-        tracing.SPAN_STEP,
-        state.get("traceparent"),
-        {
-            tracing.ATTR_TURN_ID: turn_id,
-            tracing.ATTR_AGENT: state.get("agent"),
-            tracing.ATTR_TASK_ID: log_context.celery_task()[0],
-        },
-    )
-    try:
-        with tracing.active(span):
-            outcome = _steps(turn_id, view, token, ttl_ms, store, app, settings)
-    except BaseException as exc:
-        tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
-        raise
-    finally:
-        log_context.unbind(bound)
-    tracing.end_span(span, None, {"agentq.step_outcome": outcome})
-    return outcome
 
 
 def _steps(
