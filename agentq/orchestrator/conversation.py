@@ -16,14 +16,11 @@ import dataclasses
 import json
 import logging
 import time
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.errors import (
-    ConversationBusy,
-    ConversationNotFound,
-    ReplayRefused,
-)
+from agentq.errors import AgentqError, ConversationBusy, ConversationNotFound
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.conversations import (
@@ -82,19 +79,17 @@ def admit(
     """Admit a stored turn to its conversation: run it now, queue it, or refuse it
     (ConversationBusy, the turn removed again: nothing of a refused request stays)."""
     convs = conversations(store)
-
-    def decide() -> Admitted:
-        return convs.admit(
-            conversation_id,
-            turn_id,
-            mode,
-            new_bytes=new_bytes,
-            max_bytes=max_bytes,
-            claim=claim,
-            may=may,
-            any_owner=any_owner,
-        )
-
+    decide = partial(
+        convs.admit,
+        conversation_id,
+        turn_id,
+        mode,
+        new_bytes=new_bytes,
+        max_bytes=max_bytes,
+        claim=claim,
+        may=may,
+        any_owner=any_owner,
+    )
     admitted = decide()
     running = admitted.running
     if admitted.outcome is not Admit.RUN and running and not _alive(store, running):
@@ -118,14 +113,10 @@ def admit(
     return admitted
 
 
-class ConversationMovedOn(ReplayRefused):
+class ConversationMovedOn(AgentqError):
     """A retry was to go on in its source's conversation, but the source is no longer that
     conversation's last turn, or another turn holds or waits for it: the retry branches
-    instead, so this never reaches a caller."""
-
-    def __init__(self, turn_id: str, conversation_id: str) -> None:
-        super().__init__(turn_id, f"turn {turn_id} is no longer the last of {conversation_id}")
-        self.conversation_id = conversation_id
+    instead (`start_replay` catches it), so this never reaches a caller."""
 
 
 def admit_in_place(

@@ -143,7 +143,9 @@ def launch(
     if cid and in_place_of:
         if not conversation.admit_in_place(store, app, cid, turn_id, in_place_of):
             conversation.forget(store, turn_id)
-            raise conversation.ConversationMovedOn(in_place_of, cid)
+            raise conversation.ConversationMovedOn(
+                f"turn {in_place_of} is no longer the last of {cid}"
+            )
     elif cid:
         handle, done = _admit(store, app, settings, new, cid, any_owner, conversation_token)
         if done:
