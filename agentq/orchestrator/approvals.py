@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.errors import HeadlessInteraction
@@ -35,38 +35,32 @@ class GateOutcome:
     """Calls the user answered themselves (`input`): the answer is the result."""
 
 
-def _prompt(p: CallPlan) -> str:
-    args = json.dumps(p.arguments, ensure_ascii=False)
-    if len(args) > 500:
-        args = args[:500] + "..."
-    return f"Allow {p.call.name}({args})?"
-
-
 def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
     timeout_s = p.approval_timeout_s or default_timeout_s(p.approval_kind, ctx.settings)
     assert timeout_s is not None  # checked when the tool was declared
+    asked: dict[str, Any] = {
+        "request_id": k.approval_request_id(p.call.id),
+        "call_id": p.call.id,
+        "tool": p.call.name,
+        "timeout_ms": int(timeout_s * 1000),
+    }
     if p.approval_kind == "input":
         # A question: its prompt, schema and headless answer are the call's arguments.
         default_answer = p.arguments.get("default")
         return InteractionRequest(
-            request_id=k.approval_request_id(p.call.id),
+            **asked,
             kind="input",
-            call_id=p.call.id,
-            tool=p.call.name,
             prompt=str(p.arguments.get("question") or ""),
-            timeout_ms=int(timeout_s * 1000),
             default=None if default_answer is None else "approve",
             answer_schema=p.arguments.get("answer_schema"),
             default_answer=default_answer,
         )
+    args = json.dumps(p.arguments, ensure_ascii=False)
+    if len(args) > 500:
+        args = args[:500] + "..."
+    prompt = f"Allow {p.call.name}({args})?"
     return InteractionRequest(
-        request_id=k.approval_request_id(p.call.id),
-        kind=p.approval_kind,
-        call_id=p.call.id,
-        tool=p.call.name,
-        prompt=_prompt(p),
-        timeout_ms=int(timeout_s * 1000),
-        default=p.approval_default,
+        **asked, kind=p.approval_kind, prompt=prompt, default=p.approval_default
     )
 
 
