@@ -68,7 +68,6 @@ def send_round(
     # round recorded as sent that nobody took: the next step sends it again after
     # PICKUP_LEASES (the delivery that comes second finds the round claimed or done).
     sent: TurnState = {
-        **_grant_fields(grant, admissions),
         "llm_round": round_no,
         "llm_attempt": attempt,
         "llm_sends": sends,
@@ -76,6 +75,17 @@ def send_round(
         # Sent again unpicked: the round keeps the deadline of its attempt.
         "llm_deadline": deadline,
     }
+    if grant is not None:
+        # The wait's start stays: a round the provider turns away again waits on the same
+        # clock (`llm_queue_timeout_s` bounds the whole wait).
+        sent.update(
+            {
+                "llm_admissions": admissions,
+                "llm_deployment": grant.deployment,
+                "llm_lease": grant.lease_id,
+                "llm_wait_position": None,
+            }
+        )
     ctx.stage(**sent)
     ctx.release(min(deadline, ctx.now + s.turn_lease_s))
     # A round the provider refused as busy is sent again under a new id.
@@ -116,20 +126,6 @@ def _round_request(
         output_format=None if agent is None else agent.output_format(),
     )
     return req, len(offered)
-
-
-def _grant_fields(grant: Grant | None, admissions: int) -> TurnState:
-    """The state fields a new grant writes (none without one)."""
-    if grant is None:
-        return {}
-    return {
-        "llm_admissions": admissions,
-        "llm_deployment": grant.deployment,
-        "llm_lease": grant.lease_id,
-        # The wait's start stays: a round the provider turns away again waits on the
-        # same clock (`llm_queue_timeout_s` bounds the whole wait).
-        "llm_wait_position": None,
-    }
 
 
 def _publish_round(
