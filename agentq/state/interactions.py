@@ -39,22 +39,17 @@ class CloseArgs(NamedTuple):
 # client). An answer publishes interaction_answered and wakes the turn in the same step.
 _CLOSE_LUA = (
     bind_lua((*TurnKeys._fields, "interaction_key", "secret_key"), CloseArgs)
-    + """
+    + f"""
 local state = redis.call('HGET', interaction_key, 'state')
 if not state then return 'missing' end
 if state ~= 'pending' then return state end
-"""
-    + turn_open_lua("'closed'")
-    + """
+{turn_open_lua("'closed'")}
 redis.call('HSET', interaction_key, 'state', new_state, 'decision', decision)
 if secret ~= '' then
   redis.call('SET', secret_key, secret, 'EX', secret_ttl_s)
 end
 if event ~= '' then
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + wake_lua(f"'{SEQ_FIELD}', seq")
-    + """
+{publish_lua("log_key", "channel", "event", "log_opts", "watched")}{wake_lua(f"'{SEQ_FIELD}', seq")}
 end
 return 'ok'
 """

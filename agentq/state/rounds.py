@@ -72,11 +72,9 @@ if done >= tonumber(round_no) then return {RoundFinished.DONE:d} end
 """
     # A round's end always wakes its turn: a writer that steps it reads the state whole.
     + turn_open_lua(f"{RoundFinished.TURN_GONE:d}", whole="token ~= ''")
-    + """
+    + f"""
 for i = events_at, #ARGV do
-"""
-    + publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watched")
-    + """
+{publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watched")}
 end
 """
     + wake_or_step_lua(

@@ -94,9 +94,7 @@ class CloseArgs(NamedTuple):
 CLOSE_LUA = (
     bind_lua(_CLOSE_KEYS, CloseArgs, rest="messages")
     + turn_open_lua(f"{Closed.ENDED_ALREADY:d}")
-    + "if token ~= '' and not "
-    + lock_mine_lua("held")
-    + f""" then return {Closed.LOST:d} end
+    + f"""if token ~= '' and not {lock_mine_lua("held")} then return {Closed.LOST:d} end
 local fields_at = messages_at + tonumber(n_messages)
 """
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
@@ -168,16 +166,12 @@ local status = redis.call('HGET', turn_key, 'status')
 local woken = 0
 if status then
   redis.call('HSETNX', turn_key, '{k.CANCEL_FIELD}', reason_json)
-  if not ("""
-    + ended_lua("status")
-    + """) then
-"""
-    + wake_lua()
-    + """    woken = 1
+  if not ({ended_lua("status")}) then
+{wake_lua()}    woken = 1
   end
 end
 redis.call('PUBLISH', cancel_channel, turn_id)
-local out = {woken}
+local out = {{woken}}
 for _, c in ipairs(redis.call('SMEMBERS', children_key)) do out[#out + 1] = c end
 return out
 """
