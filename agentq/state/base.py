@@ -80,12 +80,10 @@ class StateLostArgs(NamedTuple):
 # record expires.
 STATE_LOST_LUA = (
     bind_lua(TurnKeys, StateLostArgs)
-    + """
+    + f"""
 if redis.call('EXISTS', turn_key) == 1 then return 0 end
 local seq = 0
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "1")
-    + f"""
+{publish_lua("log_key", "channel", "event", "log_opts", "1")}
 redis.call('HSET', turn_key, 'status', '"error"', 'error_code', '"state_lost"', 'error', error,
   '{SEQ_FIELD}', seq)
 redis.call('EXPIRE', turn_key, ttl_s)

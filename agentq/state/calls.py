@@ -167,9 +167,7 @@ if more[2] and delivery ~= '' then
     return unsettled <= 1 and {Started.STARTED_ALONE:d} or {Started.STARTED:d}
   end
 end
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + f"""
+{publish_lua("log_key", "channel", "event", "log_opts", "watched")}
 redis.call('HSET', turn_key, '{k.STARTED}' .. call_id, start, '{SEQ_FIELD}', seq)
 """
     # Alone in the batch in flight (which counts it: recorded before sent), its settle
