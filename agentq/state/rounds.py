@@ -123,9 +123,7 @@ if alive then
     return {{{RoundBegun.ELSEWHERE:d}}}
   end
 end
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + f"""
+{publish_lua("log_key", "channel", "event", "log_opts", "watched")}
 redis.call('HSET', turn_key, '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', round_no,
   '{k.LLM_ALIVE_FIELD}', lease)
 local followed = watched and tonumber(watched) > 0 and 1 or 0

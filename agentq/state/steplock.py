@@ -182,9 +182,7 @@ for i = sections_at, messages_at - 1 do w[#w + 1] = ARGV[i] end
 for i = plans_at, events_at - 1 do w[#w + 1] = ARGV[i] end
 if ne > 0 then
   for i = events_at, records_at - 1 do
-"""
-    + publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watchers")
-    + f"""
+{publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watchers")}
   end
   w[#w + 1] = '{SEQ_FIELD}'
   w[#w + 1] = seq
@@ -199,9 +197,7 @@ if keep ~= '1' then
   w[#w + 1] = '{_STEP}'
   w[#w + 1] = dirty and {LOCK_VALUE_LUA} or '{LOCK_FREE_VALUE}'
 end
-"""
-    + write_lua("turn_key", "w", "messages_at", "plans_at - 1")
-    + f"""
+{write_lua("turn_key", "w", "messages_at", "plans_at - 1")}
 if keep == '1' then return {Released.KEPT:d} end
 if dirty then return {Released.WOKEN:d} end
 if {ended_lua("status")} then

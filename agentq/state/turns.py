@@ -96,15 +96,11 @@ CLOSE_LUA = (
     + turn_open_lua(f"{Closed.ENDED_ALREADY:d}")
     + f"""if token ~= '' and not {lock_mine_lua("held")} then return {Closed.LOST:d} end
 local fields_at = messages_at + tonumber(n_messages)
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + f"""
+{publish_lua("log_key", "channel", "event", "log_opts", "watched")}
 local w = {{unpack(ARGV, fields_at, #ARGV)}}
 w[#w + 1] = '{SEQ_FIELD}'
 w[#w + 1] = seq
-"""
-    + write_lua("turn_key", "w", "messages_at", "fields_at - 1")
-    + f"""
+{write_lua("turn_key", "w", "messages_at", "fields_at - 1")}
 if hands_off == '1' then
   -- Its conversation is handed on after this write: the wakeup stays, due at the backstop,
   -- should the process die in between (the hand-off takes it away).
