@@ -221,9 +221,8 @@ def _admit(
     )
     if admitted.created:
         handle["conversation_token"] = new_token
-    if admitted.step_sent:
-        return handle, True
-    if admitted.outcome is not Admit.RUN:
+    queued = admitted.outcome is not Admit.RUN
+    if queued:
         # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
         # perhaps already: said only while the turn has not started.
         fields = {"position": admitted.position, "behind": admitted.behind}
@@ -231,8 +230,7 @@ def _admit(
         if admitted.outcome is Admit.INJECTED:
             handle.update(injected=True, message_turn_id=turn_id, events_url_of=admitted.running)
         handle.update(queued=True, **fields)
-        return handle, True
-    return handle, False
+    return handle, queued or admitted.step_sent
 
 
 def check_budgets(
