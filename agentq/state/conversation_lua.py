@@ -120,10 +120,7 @@ else
 end
 local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + tonumber(new_bytes)
 if size > tonumber(max_bytes) then return {{{Admit.TOO_LARGE}, size}} end
-"""
-    + _KEEP
-    + _INDEX
-    + f"""local running = redis.call('HGET', meta_key, 'running')
+{_KEEP}{_INDEX}local running = redis.call('HGET', meta_key, 'running')
 if not running or running == '' then
   redis.call('HSET', meta_key, 'running', turn_id, 'updated_at', now)
   redis.call('EXPIRE', meta_key, ttl_s)
@@ -143,14 +140,12 @@ else
   end
 end
 redis.call('HSET', meta_key, 'updated_at', now)
-"""
-    + _KEEP
-    + """local queue = redis.call('LRANGE', queue_key, 0, -1)
+{_KEEP}local queue = redis.call('LRANGE', queue_key, 0, -1)
 local position, behind = 1, running
 for i, id in ipairs(queue) do
   if id == turn_id then position = i; if i > 1 then behind = queue[i - 1] end; break end
 end
-return {answer, created, running, position, behind}
+return {{answer, created, running, position, behind}}
 """
 )
 
@@ -242,10 +237,7 @@ else
   redis.call('HSET', meta_key, 'updated_at', now)
   next_turn = ''
 end
-"""
-    + _KEEP
-    + _INDEX
-    + """return {outcome, next_turn}
+{_KEEP}{_INDEX}return {{outcome, next_turn}}
 """
 )
 
@@ -318,10 +310,7 @@ if redis.call('HGET', meta_key, 'last_turn') ~= source_id
   return {{{InPlace.MOVED_ON}, ''}}
 end
 redis.call('HSET', meta_key, 'running', turn_id, 'replacing', turn_id, 'updated_at', now)
-"""
-    + _KEEP
-    + _INDEX
-    + f"""return {{{InPlace.RUN}, ''}}
+{_KEEP}{_INDEX}return {{{InPlace.RUN}, ''}}
 """
 )
 
