@@ -57,7 +57,6 @@ from agentq.gateway.capacity import read_snapshots
 from agentq.gateway.console import console_routes
 from agentq.gateway.conversations import conversation_routes
 from agentq.gateway.errors import (
-    ApiError,
     bearer,
     exception_handlers,
     invalid,
@@ -533,6 +532,3 @@ def create_app(
     )
     app.state.gateway = gw
     return app
-
-
-__all__ = ["ApiError", "Gateway", "create_app"]

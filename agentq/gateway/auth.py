@@ -176,17 +176,3 @@ def check_bind(host: str, keyring: Keyring, *, insecure_no_auth: bool) -> None:
         f"reaches it could read and start turns. Set {KEY_VARIABLES} (name=key,...), "
         "bind to 127.0.0.1, or pass --insecure-no-auth",
     )
-
-
-__all__ = [
-    "Keyring",
-    "Principal",
-    "check_bind",
-    "is_loopback",
-    "may_access",
-    "may_list",
-    "parse_keys",
-    "secret_matches",
-    "sha256_hex",
-    "token_matches",
-]

@@ -59,6 +59,3 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
         models.append({**snap, "limits": limits, "deployments": deployments})
     now_ms = max((int(s["now_ms"]) for s in snapshots), default=None)
     return {"now_ms": now_ms, "models": models}
-
-
-__all__ = ["capacity_view", "read_snapshots"]

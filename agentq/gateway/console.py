@@ -199,6 +199,3 @@ def console_routes(gw: RouteContext) -> list[Route]:
         Route("/v1/console/turns/{turn_id}/fork", c.replay, methods=["POST"]),
         Route("/v1/console/turns/{turn_id}/interactions/{request_id}", c.answer, methods=["POST"]),
     ]
-
-
-__all__ = ["Console", "console_routes"]

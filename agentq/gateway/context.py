@@ -57,6 +57,3 @@ class RouteContext(Protocol):
     def require_admin_read(self, request: Request) -> None: ...
 
     def read_capacity(self) -> list[dict[str, Any]]: ...
-
-
-__all__ = ["NO_STORE", "RouteContext"]

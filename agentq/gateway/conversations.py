@@ -88,6 +88,3 @@ def conversation_routes(gw: RouteContext) -> list[Route]:
         Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
         Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
     ]
-
-
-__all__ = ["conversation_routes"]

@@ -208,14 +208,3 @@ def exception_handlers() -> dict[Any, Handler]:
         redis.RedisError: _on_redis_error,
         Exception: _on_crash,
     }
-
-
-__all__ = [
-    "ApiError",
-    "bearer",
-    "error_response",
-    "exception_handlers",
-    "invalid",
-    "require_token",
-    "validated",
-]

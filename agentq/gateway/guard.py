@@ -92,6 +92,3 @@ class RequestGuard:
                 await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-__all__ = ["RequestGuard", "host_name", "is_json"]

@@ -99,6 +99,3 @@ def check_key_webhooks(settings: Settings) -> None:
             check_for_turn(url, settings)
         except WebhookRefused as exc:
             raise ConfigError("AGENTQ_WEBHOOK_URLS", f"{name}: {exc.message}") from None
-
-
-__all__ = ["check_key_webhooks", "job_routes"]

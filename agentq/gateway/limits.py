@@ -92,6 +92,3 @@ class StartLimits:
 def retry_after_header(retry_after_s: float) -> str:
     """Retry-After takes whole seconds; round up so a client that obeys it is let in."""
     return str(max(1, math.ceil(retry_after_s)))
-
-
-__all__ = ["StartLimits", "retry_after_header"]

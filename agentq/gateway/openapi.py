@@ -358,6 +358,3 @@ def openapi_document(version: str) -> dict[str, Any]:
             },
         },
     }
-
-
-__all__ = ["AUTH_RULES", "OPERATIONS", "Operation", "openapi_document"]

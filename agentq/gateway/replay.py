@@ -97,6 +97,3 @@ def replay_routes(gw: RouteContext) -> list[Route]:
         Route("/v1/turns/{turn_id}/retry", retry_or_fork, methods=["POST"]),
         Route("/v1/turns/{turn_id}/fork", retry_or_fork, methods=["POST"]),
     ]
-
-
-__all__ = ["accepted", "replay", "replay_routes"]

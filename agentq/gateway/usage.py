@@ -67,6 +67,3 @@ def usage_routes(gw: RouteContext) -> list[Route]:
         return JSONResponse(report, headers=NO_STORE)
 
     return [Route("/v1/usage", usage, methods=["GET"])]
-
-
-__all__ = ["usage_routes"]

@@ -122,16 +122,3 @@ async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise invalid("body: must be a JSON object")
     return data
-
-
-__all__ = [
-    "MAX_JSON_DEPTH",
-    "clamp_to_log",
-    "cursor_of",
-    "depth_of",
-    "loads_strict",
-    "read_json",
-    "read_json_value",
-    "request_id_of",
-    "turn_id_of",
-]

@@ -48,6 +48,3 @@ def waitpoint_routes(gw: RouteContext) -> list[Route]:
         )
 
     return [Route("/v1/waitpoints/{waitpoint_id}", complete, methods=["POST"])]
-
-
-__all__ = ["waitpoint_routes"]

@@ -46,6 +46,3 @@ def unbind(token: Token[LogContext]) -> None:
 
 def current() -> LogContext:
     return _current.get()
-
-
-__all__ = ["LogContext", "bind", "celery_task", "current", "unbind"]

@@ -364,13 +364,3 @@ def read_counts(client: redis.Redis) -> dict[str, float]:
     """The fleet's counts as the hash holds them (field -> value)."""
     raw = client.hgetall(FLEET_COUNTS)
     return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in raw.items()}
-
-
-__all__ = [
-    "FAMILIES",
-    "Family",
-    "FleetCounts",
-    "field_of",
-    "fleet_counts",
-    "read_counts",
-]

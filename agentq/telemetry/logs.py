@@ -121,6 +121,3 @@ def _bind_task_ids() -> None:
 
     task_prerun.connect(prerun, weak=False, dispatch_uid="agentq.logs.prerun")
     task_postrun.connect(postrun, weak=False, dispatch_uid="agentq.logs.postrun")
-
-
-__all__ = ["JsonFormatter", "apply", "connect_celery_signals", "enabled", "install"]

@@ -92,6 +92,3 @@ def install() -> None:
 
     logging.setLogRecordFactory(factory)
     _installed = True
-
-
-__all__ = ["MASK", "install", "redact", "redact_record"]

@@ -57,6 +57,3 @@ def read_spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-__all__ = ["JsonLinesSpanExporter", "read_spans", "span_record"]

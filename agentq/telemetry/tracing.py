@@ -357,22 +357,3 @@ def call_attributes(req: Any, task_id: str | None) -> dict[str, Any]:
         ATTR_TASK_ID: task_id,
         "agentq.attempt": req.attempt,
     }
-
-
-__all__ = [
-    "CALL_SPAN_PREFIX",
-    "SPAN_ROUND",
-    "SPAN_STEP",
-    "SPAN_TURN",
-    "active",
-    "end_span",
-    "end_turn",
-    "enabled",
-    "new_turn_trace",
-    "parse",
-    "record_span",
-    "setup",
-    "shutdown",
-    "start_span",
-    "wanted",
-]
