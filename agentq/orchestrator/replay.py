@@ -499,42 +499,34 @@ def bulk_retry(
         return go() if limited is None else limited(go)
 
     for source in _sources(TurnLister(store.redis), req, visible):
-        done = _retried(store, source)
+        # Under the source's idempotency record: started now, or by whoever came first.
+        done = store.redis.get(k.idempotency_key(BULK_CALLER, source))
         if done is not None:
-            outcome = BulkOutcome(source=source, outcome="retried_already", turn_id=done)
+            turn_id = str(json.loads(done)["turn_id"])
+            outcome = BulkOutcome(source=source, outcome="retried_already", turn_id=turn_id)
         elif req.dry_run:
             outcome = BulkOutcome(source=source, outcome="would_start")
         else:
             time.sleep(max(0.0, next_at - time.monotonic()))  # the rate cap
             next_at = time.monotonic() + gap_s
-            outcome = _retry_once(store, source, body, start)
+            new_id = secrets.token_hex(16)
+            try:
+                handle = start_once(
+                    store.redis, BULK_CALLER, source, body, new_id, partial(start, source, new_id)
+                )
+            except AgentqError as exc:
+                outcome = BulkOutcome(source=source, outcome="refused", error=exc.message)
+            else:
+                fresh = handle.turn_id == new_id
+                outcome = BulkOutcome(
+                    source=source,
+                    outcome="started" if fresh else "retried_already",
+                    turn_id=handle.turn_id,
+                )
         out.append(outcome)
         if said is not None:
             said(outcome)
     return out
-
-
-def _retried(store: TurnStore, source: str) -> str | None:
-    """The turn a bulk retry started for `source`, if one did."""
-    raw = store.redis.get(k.idempotency_key(BULK_CALLER, source))
-    return None if raw is None else str(json.loads(raw)["turn_id"])
-
-
-def _retry_once(
-    store: TurnStore, source: str, body: str, start: Callable[[str, str], TurnHandle]
-) -> BulkOutcome:
-    """Retry `source` under its idempotency record: started now, or by whoever came first."""
-    new_id = secrets.token_hex(16)
-    try:
-        handle = start_once(
-            store.redis, BULK_CALLER, source, body, new_id, lambda: start(source, new_id)
-        )
-    except AgentqError as exc:
-        return BulkOutcome(source=source, outcome="refused", error=exc.message)
-    fresh = handle.turn_id == new_id
-    return BulkOutcome(
-        source=source, outcome="started" if fresh else "retried_already", turn_id=handle.turn_id
-    )
 
 
 __all__ = [
