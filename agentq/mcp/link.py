@@ -161,7 +161,8 @@ class ServerLink:
                 f"{self.server.start_timeout_s:g} s",
             ) from None
         except Exception as exc:
-            await _settle(owner)
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(owner, STOP_TIMEOUT_S)
             raise McpServerUnavailable(
                 self.name, f"cannot start {self.server.describe()}: {explain(exc)}"
             ) from None
@@ -211,7 +212,7 @@ class ServerLink:
         env = dict(self.server.env)
         env[ENV_KEYS] = ",".join(self.server.env)
         # The launcher is agentq's own module: found where this process found agentq.
-        env["PYTHONPATH"] = _agentq_path()
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
         params = StdioServerParameters(
             command=sys.executable,
             args=["-m", "agentq.mcp.child", *self.server.command],
@@ -378,12 +379,3 @@ def _listed(tool: Any) -> ListedTool:
         read_only=ann.read_only_hint if ann is not None else None,
         destructive=ann.destructive_hint if ann is not None else None,
     )
-
-
-def _agentq_path() -> str:
-    return str(Path(__file__).resolve().parents[2])
-
-
-async def _settle(task: asyncio.Task[Any]) -> None:
-    with contextlib.suppress(BaseException):
-        await asyncio.wait_for(task, STOP_TIMEOUT_S)
