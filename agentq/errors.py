@@ -98,8 +98,7 @@ class MissingExtra(AgentqError):
         super().__init__(
             f"{needed_by} needs {module}, which is not installed: pip install 'agentq[{extra}]'"
         )
-        self.extra = extra
-        self.module = module
+        self.extra, self.module = extra, module
 
     @classmethod
     def check(cls, extra: str, needed_by: str) -> None:
@@ -157,8 +156,7 @@ class RateLimited(AccessError):
 
     def __init__(self, retry_after_s: float, limit: str) -> None:
         super().__init__(f"{limit}; retry after {retry_after_s:.1f}s")
-        self.retry_after_s = retry_after_s
-        self.limit = limit
+        self.retry_after_s, self.limit = retry_after_s, limit
 
 
 class ToolError(AgentqError):
@@ -211,8 +209,7 @@ class McpServerUnavailable(McpError):
 class McpToolFailed(McpError):
     def __init__(self, server: str, tool: str, detail: str) -> None:
         super().__init__(server, f"MCP tool {tool!r} of server {server!r} failed: {detail}")
-        self.tool = tool
-        self.detail = detail
+        self.tool, self.detail = tool, detail
 
 
 class AgentError(AgentqError):
@@ -231,8 +228,7 @@ class UnknownAgent(AgentError):
 class AgentDefinitionError(AgentError):
     def __init__(self, agent: str, field: str, detail: str) -> None:
         super().__init__(agent, f"agent {agent!r} is badly defined: {field}: {detail}")
-        self.field = field
-        self.detail = detail
+        self.field, self.detail = field, detail
 
 
 class LlmError(AgentqError):
@@ -461,8 +457,7 @@ class WaitpointRefused(AgentqError):
 class Aborted(AgentqError):
     def __init__(self, turn_id: str, reason: str = "user") -> None:
         super().__init__(f"turn {turn_id} was aborted ({reason})")
-        self.turn_id = turn_id
-        self.reason = reason
+        self.turn_id, self.reason = turn_id, reason
 
 
 class TurnError(AgentqError):
@@ -483,8 +478,7 @@ class AmbiguousTurnId(TurnError):
     def __init__(self, turn_id: str, matches: list[str], *, more: bool = False) -> None:
         n = f"more than {len(matches)}" if more else str(len(matches))
         super().__init__(turn_id, f"turn id prefix {turn_id} is ambiguous: it names {n} turns")
-        self.matches = matches
-        self.more = more
+        self.matches, self.more = matches, more
 
 
 class TokenInvalid(TurnError):
@@ -500,8 +494,7 @@ class StepLost(TurnError):
 class TurnFailed(TurnError):
     def __init__(self, turn_id: str, error_code: str, error: str) -> None:
         super().__init__(turn_id, f"turn {turn_id} failed ({error_code}): {error}")
-        self.error_code = error_code
-        self.error = error
+        self.error_code, self.error = error_code, error
 
 
 class TurnAborted(TurnError):
