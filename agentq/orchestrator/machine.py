@@ -194,21 +194,6 @@ def _idempotent(name: str) -> bool:
         return False
 
 
-def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
-    """The round's calls: run them; once all have results, their tool-result messages
-    (and the turn's end, if the round asked to stop after it)."""
-    messages, wake_at = _tools(ctx, pending)
-    if messages is None:
-        return wake_at
-    stop = ctx.state.get("stop_after_round")
-    if stop:
-        finish(ctx, str(stop), append=messages)
-        return None
-    # Written with the round's send (or whatever the step writes next).
-    ctx.stage(append=messages, phase="model")
-    return GO_ON
-
-
 def _model_round(ctx: StepContext) -> Phase:
     """The turn's model round: send it or look at it; its answer once it has one."""
     round_no = int(ctx.state.get("round", 0))
@@ -297,11 +282,9 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
     return plans
 
 
-def _tools(
-    ctx: StepContext, pending: list[ToolCall]
-) -> tuple[list[dict[str, Any]] | None, float | None]:
-    """Gate and run the round's calls: once every call has its result, the round's
-    tool-result messages (for the caller to write); else None and when to look again."""
+def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
+    """The round's calls, gated and run; once all have results, their tool-result messages
+    (and the turn's end, if the round asked to stop after it)."""
     ids = [c.id for c in pending]
     # One read for the whole round: a result that lands after it wakes the turn again.
     read, ctx.round_read = ctx.round_read, None  # used once
@@ -329,14 +312,21 @@ def _tools(
                 )
     if decided.wait_until is not None:
         # No call of a round runs before every call of it is decided.
-        return None, decided.wait_until
+        return decided.wait_until
     runnable = [p for p in plans if p.call.id not in settled]
     wake_at = advance_calls(ctx, runnable, settled, dispatched, decided.secrets)
     if any(cid not in settled for cid in ids):
-        return None, wake_at
+        return wake_at
     if decided.secrets:
         ctx.store.redis.delete(*decided.secrets.values())
-    return [settled[cid].to_openai() for cid in ids], None
+    messages = [settled[cid].to_openai() for cid in ids]
+    stop = ctx.state.get("stop_after_round")
+    if stop:
+        finish(ctx, str(stop), append=messages)
+        return None
+    # Written with the round's send (or whatever the step writes next).
+    ctx.stage(append=messages, phase="model")
+    return GO_ON
 
 
 def finish(
