@@ -50,6 +50,3 @@ class TokenBucket:
         """Take a token from `key`'s bucket: 0.0, or the seconds until one is there."""
         args = BucketArgs(self.rate_per_s, self.burst)
         return int(self._take(keys=[key], args=list(args))) / 1000
-
-
-__all__ = ["TAKE_LUA", "TokenBucket"]

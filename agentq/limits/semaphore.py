@@ -67,6 +67,3 @@ class LeasedSemaphore:
         return [
             h.decode() if isinstance(h, bytes) else str(h) for h in self.redis.zrange(key, 0, -1)
         ]
-
-
-__all__ = ["ACQUIRE_LUA", "FOREVER", "LeasedSemaphore"]

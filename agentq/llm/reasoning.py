@@ -11,8 +11,6 @@ from typing import Any
 REASONING_ITEMS = "reasoning_items"
 """The key of an assistant message in history that holds its Responses reasoning items."""
 
-__all__ = ["REASONING_ITEMS", "public_history", "without_reasoning"]
-
 
 def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as Chat Completions takes it: the Responses reasoning items dropped."""
