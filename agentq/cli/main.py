@@ -355,12 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"agentq: configuration error: {exc}", file=sys.stderr)
         return 2
-    except (UnknownAgent, MissingExtra, ScheduleInvalid) as exc:
-        print(f"agentq: {exc}", file=sys.stderr)
-        return 2
     except AgentqError as exc:
         print(f"agentq: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, (UnknownAgent, MissingExtra, ScheduleInvalid)) else 1
 
 
 # Options whose values are opaque secrets: a URL-safe token may begin with "-", which

@@ -81,7 +81,6 @@ class TurnView:
     outcome: str | None = None
     detail: str = ""
     started: float = field(default_factory=time.time)
-    retries: int = 0
     round_start: int = 0
     waiting: str = ""
     """Set while a model round waits for model capacity (`llm_queued`)."""
@@ -106,11 +105,9 @@ class TurnView:
             self.round_start = len(self.text)
         elif ev.type == "llm_delta" and f.get("kind") == "text":
             self.text += str(f.get("text", ""))
-        elif ev.type == "llm_retry":
-            self.retries += 1
-            if f.get("restart"):
-                # The round starts over on another stream worker: drop the dead attempt's text.
-                self.text = self.text[: self.round_start]
+        elif ev.type == "llm_retry" and f.get("restart"):
+            # The round starts over on another stream worker: drop the dead attempt's text.
+            self.text = self.text[: self.round_start]
         elif ev.type == "tool_started":
             cid = str(f["call_id"])
             self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)

@@ -137,13 +137,10 @@ class Gateway:
         # Open streams hold a thread each; their own limiter keeps REST calls answering.
         self.stream_limiter = anyio.CapacityLimiter(MAX_STREAMS)
         self.body_limit_bytes = settings.max_prompt_bytes + BODY_MARGIN_BYTES
+        # Set at shutdown: open SSE streams end at their next poll instead of being cancelled.
         self.closing = threading.Event()
         self.presence = Presence(client._store.redis)
         self.deliveries = Deliveries(client._store.redis, retention_s=settings.turn_retention_s)
-
-    def begin_shutdown(self) -> None:
-        """End open SSE streams cleanly (within `poll_s`) instead of being cancelled."""
-        self.closing.set()
 
     # -- who is calling ------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ class GatewayServer(uvicorn.Server):
         app = self.config.app
         gateway = getattr(getattr(app, "state", None), "gateway", None)
         if gateway is not None:
-            gateway.begin_shutdown()
+            gateway.closing.set()
         await super().shutdown(sockets)
 
 
