@@ -35,16 +35,14 @@ class JsonFormatter(logging.Formatter):
         }
         ctx = current()
         task_id, task_name = celery_task()
-        if ctx.turn_id is not None:
-            out["turn_id"] = ctx.turn_id
-        if ctx.call_id is not None:
-            out["call_id"] = ctx.call_id
         # The bound id wins: on an event loop the Celery task that handed a call over is gone.
-        task_id = ctx.task_id or task_id
-        if task_id is not None:
-            out["task_id"] = task_id
-        if task_name is not None:
-            out["task_name"] = task_name
+        ids = {
+            "turn_id": ctx.turn_id,
+            "call_id": ctx.call_id,
+            "task_id": ctx.task_id or task_id,
+            "task_name": task_name,
+        }
+        out.update({k: v for k, v in ids.items() if v is not None})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         if record.stack_info:
@@ -89,12 +87,9 @@ def connect_celery_signals(log_format: str) -> None:
 
     after_setup_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json")
     after_setup_task_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json.task")
-    _bind_task_ids()
 
-
-def _bind_task_ids() -> None:
-    """Bind a task's turn (and call) from its arguments for the whole of its run, so
-    Celery's own lines about it (`... succeeded in 0.002s`) carry them too."""
+    # A task's turn (and call), bound from its arguments for the whole of its run, so
+    # Celery's own lines about it (`... succeeded in 0.002s`) carry them too.
     from celery.signals import task_postrun, task_prerun
 
     from agentq.telemetry.context import bind, unbind
