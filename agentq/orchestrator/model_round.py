@@ -26,26 +26,8 @@ if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
 
 
-def _round_deadline(ctx: StepContext, duration_left_s: float) -> float:
-    s = ctx.settings
-    idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
-    return (
-        ctx.now
-        + duration_left_s
-        + (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
-        + 30
-    )
-
-
 BUSY_CODE = "EBUSY"
 """The round's result code when the provider answered busy (ModelBusy)."""
-
-
-def _queued_s(ctx: StepContext, round_no: int) -> float:
-    """How long this round has waited for model capacity so far (0: it never waited)."""
-    if ctx.state.get("llm_wait_round") != round_no:
-        return 0.0
-    return max(0.0, ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now))
 
 
 def send_round(
@@ -60,7 +42,12 @@ def send_round(
         raise StreamDurationExceeded(s.stream_duration_s, streamed_s)
     req, tools = _round_request(ctx, round_no, left_s, grant)
     admissions = int(ctx.state.get("llm_admissions") or 0) + (1 if grant else 0)
-    deadline = float(ctx.state["llm_deadline"]) if sends > 1 else _round_deadline(ctx, left_s)
+    if sends > 1:  # sent again unpicked: the round keeps the deadline of its attempt
+        deadline = float(ctx.state["llm_deadline"])
+    else:
+        idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
+        tries_s = (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
+        deadline = ctx.now + left_s + tries_s + 30
     # The send is the step's last act: what it staged (the turn's start, the round's tool
     # results), the send's record and the lock's release are one write, before the message
     # goes out, so the stream worker reads the history this round answers and publishes
@@ -72,7 +59,6 @@ def send_round(
         "llm_attempt": attempt,
         "llm_sends": sends,
         "llm_sent_at": ctx.now,
-        # Sent again unpicked: the round keeps the deadline of its attempt.
         "llm_deadline": deadline,
     }
     if grant is not None:
@@ -119,7 +105,10 @@ def _round_request(
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
-        queued_s=_queued_s(ctx, round_no) if grant else 0.0,
+        # How long this round has waited for model capacity so far.
+        queued_s=max(0.0, ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now))
+        if grant and ctx.state.get("llm_wait_round") == round_no
+        else 0.0,
         max_completion_tokens=ctx.state.get("budget_cap"),
         prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
         key=ctx.state.get("owner"),
