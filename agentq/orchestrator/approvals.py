@@ -103,7 +103,19 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
             if ctx.now < deadline:
                 out.wait_until = min(out.wait_until or deadline, deadline)
                 continue
-            state = _time_out(ctx, interactions, call.id, rid, req)
+            # Past its timeout: timed out, unless an answer won the race (its record decides).
+            if interactions.expire(ctx.turn_id, rid):
+                ctx.publish(
+                    "interaction_timed_out",
+                    request_id=rid,
+                    call_id=call.id,
+                    timeout_ms=req.timeout_ms,
+                )
+                state = "timed_out"
+            else:
+                found = interactions.get(ctx.turn_id, rid)
+                assert found is not None
+                state = found[0]
         _decide(ctx, interactions, out, call, rid, state, req)
     return out
 
@@ -131,24 +143,6 @@ def _ask(
     found = interactions.get(ctx.turn_id, rid)
     assert found is not None
     return found
-
-
-def _time_out(
-    ctx: StepContext, interactions: Interactions, call_id: str, rid: str, req: InteractionRequest
-) -> str:
-    """A pending request past its timeout: timed out, unless an answer won the race (its
-    record decides)."""
-    if interactions.expire(ctx.turn_id, rid):
-        ctx.publish(
-            "interaction_timed_out",
-            request_id=rid,
-            call_id=call_id,
-            timeout_ms=req.timeout_ms,
-        )
-        return "timed_out"
-    found = interactions.get(ctx.turn_id, rid)
-    assert found is not None
-    return found[0]
 
 
 def _decide(
