@@ -181,15 +181,10 @@ def _base_state(src: Source, over: _Overrides, token: str, model: str | None) ->
         "token_sha256": hash_token(token),
         "history_start": int(st.get("history_start") or 0),
     }
-    for name in KEPT_FIELDS:
-        if st.get(name) is not None:
-            state[name] = st[name]  # type: ignore[literal-required]
-    for name in ("agent", "max_tokens", "max_cost_usd"):
-        value = getattr(over, name)
-        if value is not None:
-            state[name] = value  # type: ignore[literal-required]
-    if model or st.get("model"):
-        state["model"] = model or st.get("model")
+    overrides = over.model_dump(include=set(_Overrides.model_fields), exclude_none=True)
+    kept = {f: st.get(f) for f in KEPT_FIELDS} | overrides
+    kept["model"] = model or st.get("model") or None
+    state.update(cast(TurnState, {f: v for f, v in kept.items() if v is not None}))
     return state
 
 
