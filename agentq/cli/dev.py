@@ -42,7 +42,7 @@ from agentq.local.processes import (
     ProcessStartError,
     last_error,
 )
-from agentq.local.redis_server import RedisServer, ensure_redis, find_free_port, port_is_free
+from agentq.local.redis_server import ensure_redis, find_free_port, port_is_free
 
 DEMO_PROMPT = "Say hello: call echo with 'hello' and sleep for 2 seconds, both at once."
 DEMO_TOOLS = "agentq.testing.tools,agentq.testing.agents"
@@ -129,19 +129,6 @@ def _port(preferred: int, env_name: str, what: str) -> int:
     return port
 
 
-def _redis_for(settings: Settings) -> tuple[str, RedisServer | None]:
-    """The Redis to use: a Sentinel's master as it is, else `ensure_redis`."""
-    if not is_sentinel(settings.redis_url):
-        return ensure_redis(settings.redis_url)
-    problem = probe(settings.redis_url, settings.redis_sentinel_master)
-    if problem is not None:
-        raise ConfigError(
-            "AGENTQ_REDIS_URL",
-            f"no master answers behind {redact(settings.redis_url)}: {problem}",
-        )
-    return settings.redis_url, None
-
-
 @dataclass
 class Started:
     """What the summary prints and what the in-process client needs."""
@@ -210,7 +197,12 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
         where = redact(settings.broker)
         raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {where}: {problem}")
     env: dict[str, str] = {}
-    url, embedded = _redis_for(settings)
+    # A Sentinel's master is used as it is; anything else, `ensure_redis`.
+    url, embedded = settings.redis_url, None
+    if not is_sentinel(url):
+        url, embedded = ensure_redis(url)
+    elif (problem := probe(url, settings.redis_sentinel_master)) is not None:
+        raise ConfigError("AGENTQ_REDIS_URL", f"no master answers behind {redact(url)}: {problem}")
     fleet.redis = embedded
     if embedded is None:
         say(f"Redis: using the one answering at {redact(url)}")
@@ -312,7 +304,6 @@ def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: flo
 
 
 def _print_events(events: Iterator[Any]) -> None:
-
     for ev in events:
         if ev is None:
             continue
@@ -322,14 +313,6 @@ def _print_events(events: Iterator[Any]) -> None:
         print(f"  {indent}{ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
         if ev.ends_turn:
             return
-
-
-def _use_env(env: dict[str, str]) -> None:
-    """Point this process (its Client) at what was started."""
-    from agentq.fleet import runtime
-
-    os.environ.update(env)
-    runtime.reset()
 
 
 def _watch(fleet: LocalFleet) -> int:
@@ -385,7 +368,11 @@ def main(opts: argparse.Namespace) -> int:
             try:
                 started = start_all(fleet, opts, settings)
                 say(summary(started, fleet, settings, time.monotonic() - t0))
-                _use_env(started.env)
+                from agentq.fleet import runtime
+
+                # This process's Client uses what was started.
+                os.environ.update(started.env)
+                runtime.reset()
                 from agentq.api import Client
 
                 if opts.once:
