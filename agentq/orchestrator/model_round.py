@@ -82,7 +82,24 @@ def send_round(
     )
     if sends == 1 and attempt == 1:
         subturns.report_to_parent(ctx, f"model round {round_no + 1}")
-    _publish_round(ctx, req, task_id, round_no, tools)
+    try:
+        publish(
+            ctx.app,
+            k.TASK_LLM_ROUND,
+            what=f"model round {round_no} of turn {ctx.turn_id}",
+            kwargs=req.model_dump(),
+            task_id=task_id,
+            queue=k.QUEUE_LLM,
+            argsrepr="()",
+            kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=tools),
+            ignore_result=True,
+        )
+    except BrokerUnavailable:
+        # Not picked up for long already: the step after the outage sends it at once. A
+        # step that took the turn meanwhile waits for the pickup instead.
+        if ctx.relock():
+            ctx.stage(llm_sent_at=0.0)
+        raise
 
 
 def _round_request(
@@ -115,30 +132,6 @@ def _round_request(
         output_format=None if agent is None else agent.output_format(),
     )
     return req, len(offered)
-
-
-def _publish_round(
-    ctx: StepContext, req: LlmRoundRequest, task_id: str, round_no: int, tools: int
-) -> None:
-    """Send the round to the stream workers through the broker."""
-    try:
-        publish(
-            ctx.app,
-            k.TASK_LLM_ROUND,
-            what=f"model round {round_no} of turn {ctx.turn_id}",
-            kwargs=req.model_dump(),
-            task_id=task_id,
-            queue=k.QUEUE_LLM,
-            argsrepr="()",
-            kwargsrepr=task_repr(turn_id=ctx.turn_id, round_no=round_no, tools=tools),
-            ignore_result=True,
-        )
-    except BrokerUnavailable:
-        # Not picked up for long already: the step after the outage sends it at once. A
-        # step that took the turn meanwhile waits for the pickup instead.
-        if ctx.relock():
-            ctx.stage(llm_sent_at=0.0)
-        raise
 
 
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
