@@ -118,19 +118,14 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         }
     # Here, not at import: the role names the service, and a prefork pool forks after this.
     tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
+    if role == "tools":
+        # Everything imported so far out of the collector's sight before the prefork pool
+        # forks: a collection in a child would otherwise write to (and so copy) every page
+        # of objects it shares with the parent.
+        import gc
 
-
-@worker_init.connect
-def _freeze_before_fork(**_: Any) -> None:
-    """Move everything imported so far out of the collector's sight before the prefork
-    pool forks: a collection in a child would otherwise write to (and so copy) every
-    page of objects it shares with the parent."""
-    if current_role() != "tools":
-        return
-    import gc
-
-    gc.collect()
-    gc.freeze()
+        gc.collect()
+        gc.freeze()
 
 
 @worker_ready.connect
