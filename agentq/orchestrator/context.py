@@ -112,23 +112,27 @@ class StepContext:
         """Write what was staged (and the calls to send), fenced by the step's lock; let go
         of it unless `keep`. StepLost if another step holds it."""
         fields, events = self.staged
+        # The calls to send are recorded only as the lock goes (the release script skips
+        # them on a keep): a commit leaves them for the release.
+        dispatched, new_calls = ({}, 0) if keep else (self.dispatched, self.new_calls)
         got = self.store.release_step(
             self.turn_id,
             self.token,
             next_at,
             0 if keep else self.lock_ms,
-            self.dispatched,
+            dispatched,
             fields=fields,
             events=events,
             append=self.staged_append,
             plans=self.staged_plans,
-            new_calls=self.new_calls,
+            new_calls=new_calls,
             keep=keep,
         )
         if got is Released.LOST or (keep and got is not Released.KEPT):
             raise StepLost(self.turn_id)
-        self.staged, self.staged_append, self.dispatched = ({}, []), [], {}
-        self.staged_plans, self.new_calls = {}, 0
+        self.staged, self.staged_append, self.staged_plans = ({}, []), [], {}
+        if not keep:
+            self.dispatched, self.new_calls = {}, 0
         return got
 
     def relock(self) -> bool:
