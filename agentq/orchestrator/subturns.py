@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
 from agentq.orchestrator.settle import settle_in_step
-from agentq.orchestrator.wake import request_abort, send_step_or_wake
+from agentq.orchestrator.wake import abort_child, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
@@ -110,7 +110,7 @@ def watch(
             task_id=child,
         )
         settled[p.call.id], _ = settle_in_step(ctx, result)
-        request_abort(ctx.store, child, "timeout")
+        abort_child(ctx.store, child, "timeout")
     return min(looks, default=None)
 
 
@@ -197,7 +197,7 @@ def abort_children(ctx: StepContext, reason: str) -> None:
         pipe.hget(k.turn_key(c), "status")
     for c, raw in zip(children, pipe.execute(), strict=True):
         if raw is not None and json.loads(raw) not in TERMINAL_STATUSES:
-            request_abort(ctx.store, c, reason)
+            abort_child(ctx.store, c, reason)
 
 
 def parent_settlement(

@@ -41,3 +41,10 @@ def request_abort(store: TurnStore, turn_id: str, reason: str) -> None:
             request_abort(store, child, reason)
     if woken:
         store.send_step(turn_id)
+
+
+def abort_child(store: TurnStore, child: str, reason: str) -> None:
+    """Flag a child turn cancelled and wake it, from its parent's step: the child's own
+    abort step aborts its children, so the parent's step need not walk the tree."""
+    if store.flag_cancel(child, reason)[0]:
+        store.send_step(child)
