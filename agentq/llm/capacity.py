@@ -136,7 +136,14 @@ class Capacity:
         breaker_failures: int = 5,
         breaker_cooldown_ms: int = 30_000,
     ) -> None:
-        # The settings' own checks (capacity_for) keep the weights, ttls and counts in range.
+        # Checked here, not only in Settings: benches, tests and users build it directly,
+        # and a ttl of 0 ms (a lease ttl in seconds rounded down) would free every lease.
+        if any(not w > 0 for w in (owner_weights or {}).values()):
+            raise ValueError("owner weights must be > 0")
+        if min(lease_ttl_ms, grant_ttl_ms, waiter_ttl_ms, breaker_cooldown_ms) <= 0:
+            raise ValueError("ttls and the breaker cool-down must be > 0 ms")
+        if breaker_failures < 1 or background_every < 0:
+            raise ValueError("breaker_failures must be >= 1 and background_every >= 0")
         self.redis = redis_client
         self.limits = dict(limits)
         self._configured = frozenset(self.limits)

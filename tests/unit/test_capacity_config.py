@@ -7,7 +7,7 @@ import email.utils
 import pytest
 
 from agentq.errors import ConfigError
-from agentq.llm.capacity import pacing_interval_ms
+from agentq.llm.capacity import Capacity, pacing_interval_ms
 from agentq.llm.headers import RateSignal, parse_duration_s, parse_rate_headers
 from agentq.llm.limits import DEFAULT_COMPLETION_TOKENS, estimate_tokens, parse_limits
 
@@ -177,3 +177,21 @@ def test_pacing_interval_is_the_binding_limit() -> None:
     assert pacing_interval_ms(split, 1) == pytest.approx(60_000 / 180)
     streams_only = parse_limits('{"m": {"streams": 3}}')["m"]
     assert pacing_interval_ms(streams_only, 1000) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lease_ttl_ms": 0}, "ttls"),
+        ({"waiter_ttl_ms": -1}, "ttls"),
+        ({"owner_weights": {"a": 0.0}}, "weights"),
+        ({"breaker_failures": 0}, "breaker_failures"),
+    ],
+)
+def test_a_capacity_built_directly_refuses_values_out_of_range(
+    kwargs: dict[str, object], match: str
+) -> None:
+    import redis
+
+    with pytest.raises(ValueError, match=match):
+        Capacity(redis.Redis(), {}, **kwargs)  # type: ignore[arg-type]
