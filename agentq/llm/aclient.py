@@ -195,12 +195,16 @@ class Attempt:
     api: ModelApi = "chat"
     output_format: dict[str, Any] | None = None
     """A typed answer's `text.format` (Responses API)."""
-    assembler: ChatAssembler | ResponsesAssembler | None = None
-    chunks: int = 0
-    retry_after_s: float | None = None
-    elapsed_s: float = 0.0
-    _started: float = 0.0
-    _last: float = 0.0
+    # What one attempt found: not arguments, so each copy (`dataclasses.replace`) starts
+    # from nothing.
+    assembler: ChatAssembler | ResponsesAssembler | None = dataclasses.field(
+        default=None, init=False
+    )
+    chunks: int = dataclasses.field(default=0, init=False)
+    retry_after_s: float | None = dataclasses.field(default=None, init=False)
+    elapsed_s: float = dataclasses.field(default=0.0, init=False)
+    _started: float = dataclasses.field(default=0.0, init=False)
+    _last: float = dataclasses.field(default=0.0, init=False)
 
     @property
     def said(self) -> int:
