@@ -259,15 +259,18 @@ class ThreadedServer:
         conn = Conn(receive, send, transport)
         request = Request(scope, receive)
         try:
-            await self._handler(conn, request)
+            try:
+                await self._handler(conn, request)
+            except ClientGone:
+                # The transport may close before uvicorn has run its connection_lost:
+                # returning first, with the body unfinished, is an app error to it, as in
+                # `Conn.cut`.
+                await conn.wait_gone(GONE_WAIT_S)
         except asyncio.CancelledError:
-            # stop() cancels us; ending normally keeps uvicorn from logging an app error.
+            # stop() cancels us (in the handler or that wait); ending normally keeps
+            # uvicorn from logging an app error.
             if not self._stopping:
                 raise
-        except ClientGone:
-            # The transport may close before uvicorn has run its connection_lost: returning
-            # first, with the body unfinished, is an app error to it, as in `Conn.cut`.
-            await conn.wait_gone(GONE_WAIT_S)
         except Exception:
             log.exception("%s: %s %s failed", self._name, request.method, request.url.path)
             if not conn.responded:
