@@ -167,9 +167,8 @@ def test_stream_slots_are_leases_and_a_dead_workers_lease_comes_back(r: redis.Re
     assert got.lease_id not in (b.lease_id, c_grant.lease_id)
     assert not cap.renew(b.lease_id, now_ms=T0 + 10_002)  # b's worker learns its slot is gone
     assert cap.snapshot("m", now_ms=T0 + 10_002)["streams_in_use"] == 2  # c and d
-    assert (
-        cap.release(b.lease_id, now_ms=T0 + 10_003).woken == ()
-    )  # a late release frees nothing twice
+    # A late release frees nothing twice.
+    assert cap.release(b.lease_id, now_ms=T0 + 10_003).woken == ()
     assert cap.snapshot("m", now_ms=T0 + 10_003)["streams_in_use"] == 2
 
 
