@@ -24,6 +24,17 @@ def script(llm_server: Any, *rounds: Round) -> str:
     return key
 
 
+def script_asking_echoer(llm_server: Any, *child_rounds: Round) -> str:
+    """A parent's rounds that ask the `ask_echoer` sub-agent once (its child answering with
+    `child_rounds`), then end with "done"."""
+    child_key = script(llm_server, *child_rounds)
+    return script(
+        llm_server,
+        Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
+        Round(text="done"),
+    )
+
+
 def calls(*specs: tuple[str, Any]) -> list[ScriptedCall]:
     """Scripted tool calls from (name, arguments) pairs."""
     return [ScriptedCall(name=n, arguments=a) for n, a in specs]

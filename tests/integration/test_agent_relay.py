@@ -16,7 +16,7 @@ from agentq.events.types import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import SSEMessage, iter_sse
-from tests.helpers import calls, collect, script, wait_event
+from tests.helpers import calls, collect, script, script_asking_echoer, wait_event
 
 pytestmark = pytest.mark.integration
 
@@ -96,13 +96,8 @@ def test_a_childs_unanswered_approval_is_denied_on_its_timeout(
 def test_sse_relays_one_level_by_default_and_resumes_every_stream(
     keyed: BackgroundServer, llm_server: Any, client: Client
 ) -> None:
-    child_key = script(
+    key = script_asking_echoer(
         llm_server, Round(tool_calls=calls(("echo", {"text": "hi"}))), Round(text="42")
-    )
-    key = script(
-        llm_server,
-        Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
-        Round(text="done"),
     )
     with httpx.Client(base_url=keyed.url, timeout=30) as http:
         r = http.post("/v1/turns", json={"prompt": key, "agent": "t_boss"}, headers=auth(ALICE_KEY))
@@ -186,12 +181,7 @@ def test_relayed_events_keep_type_and_carry_the_emitters_path(
     fleet, llm_server, client: Client
 ) -> None:
     """The cursor of each event resumes the Python API's follow exactly after it."""
-    child_key = script(llm_server, Round(text="child"))
-    key = script(
-        llm_server,
-        Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
-        Round(text="done"),
-    )
+    key = script_asking_echoer(llm_server, Round(text="child"))
     parent = client._start_turn(key, agent="t_boss")
     events: list[Event] = collect(client, parent.turn_id)
     child = next(e.turn_id for e in events if e.path)

@@ -13,7 +13,7 @@ from agentq import AsyncClient, AsyncTurn, TurnAborted, TurnFailed, TurnTimeout
 from agentq.events import Event, ToolStarted, TurnFinished
 from agentq.testing.openai_server import Round
 from tests.agents_under_test import Verdict
-from tests.helpers import calls, collect, script
+from tests.helpers import calls, collect, script, script_asking_echoer
 
 pytestmark = pytest.mark.integration
 
@@ -90,12 +90,7 @@ def test_async_run_types_the_output_and_fails_typed(fleet, llm_server) -> None:
 
 
 def test_async_events_relay_a_child_turn_with_its_path(fleet, llm_server, client) -> None:
-    child_key = script(llm_server, Round(text="child"))
-    key = script(
-        llm_server,
-        Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
-        Round(text="done"),
-    )
+    key = script_asking_echoer(llm_server, Round(text="child"))
     parent = client._start_turn(key, agent="t_boss")
 
     async def main() -> list[Event]:

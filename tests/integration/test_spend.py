@@ -27,7 +27,14 @@ from agentq.state.budget import day_of
 from agentq.state.spend import Spend, day_key, turn_spend_key
 from agentq.testing.openai_server import Round
 from tests.conftest import BASE_TOOLS
-from tests.helpers import assert_valid_history, calls, collect, process_env, script
+from tests.helpers import (
+    assert_valid_history,
+    calls,
+    collect,
+    process_env,
+    script,
+    script_asking_echoer,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -288,12 +295,7 @@ def test_prompts_counted_above_their_estimate_overspend_within_the_bound(
 
 
 def test_a_sub_agent_spends_its_parents_budget(stack: Client, llm_server) -> None:
-    child_key = script(llm_server, *echo_rounds(40))
-    key = script(
-        llm_server,
-        Round(tool_calls=calls(("ask_echoer", {"prompt": f"{child_key} go"}))),
-        Round(text="done"),
-    )
+    key = script_asking_echoer(llm_server, *echo_rounds(40))
     handle = stack._start_turn(key, agent="t_boss", max_tokens=3000)
     events = collect(stack, handle.turn_id, timeout_s=90, depth=1)
     child_end = next(e for e in events if e.path and e.type == "turn_error")
