@@ -1,10 +1,42 @@
-"""A token bucket: `burst` at once, refilled at `rate_per_s`, one per key."""
+"""Pacing by GCRA (a token bucket kept as one arrival time): `GCRA_LUA` for scripts that
+pace several limits at once (model capacity), `TokenBucket` for one rate and burst a key."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 from agentq.events.lua_args import bind_lua
+from agentq.limits import REDIS_NOW_MS_LUA
+
+# GCRA_LUA: each limit is one field of a hash: its theoretical arrival time (ms). A limit
+# lets one request through every `interval_ms` and runs at most `burst_ms` ahead of that
+# pace; the arrival time never lags behind `at`, so an idle limit saves up no credit.
+GCRA_LUA = """
+-- When a request may pass.
+local function gcra_ready(key, field, interval_ms, burst_ms, at)
+  local tat = math.max(tonumber(redis.call('HGET', key, field)) or 0, at)
+  return tat - math.max(burst_ms - interval_ms, 0)
+end
+
+-- Counts `cost` requests (negative: gives them back) from `at`.
+local function gcra_add(key, field, interval_ms, cost, at)
+  local tat = tonumber(redis.call('HGET', key, field)) or 0
+  if cost > 0 then
+    tat = math.max(tat, at)
+  elseif tat == 0 then
+    return
+  end
+  redis.call('HSET', key, field, string.format('%.17g', tat + cost * interval_ms))
+end
+
+-- No burst before `at`: requests go on from there at the pace.
+local function gcra_defer(key, field, interval_ms, burst_ms, at)
+  local tat = at + math.max(burst_ms - interval_ms, 0)
+  if tat > (tonumber(redis.call('HGET', key, field)) or 0) then
+    redis.call('HSET', key, field, string.format('%.17g', tat))
+  end
+end
+"""
 
 
 class BucketArgs(NamedTuple):
@@ -12,34 +44,28 @@ class BucketArgs(NamedTuple):
     burst: int
 
 
-# TAKE_LUA: one token from the bucket, on Redis's own clock. Returns 0 when one was taken,
-# else the milliseconds until one is.
+# TAKE_LUA: one request paced on `bucket_key`. Returns 0 when it may go, else the
+# milliseconds until one may.
 TAKE_LUA = (
     bind_lua(("bucket_key",), BucketArgs)
+    + REDIS_NOW_MS_LUA
+    + GCRA_LUA
     + """
-local now_t = redis.call('TIME')
-local now = tonumber(now_t[1]) + tonumber(now_t[2]) / 1000000
-local rate = tonumber(rate_per_s)
-local burst = tonumber(burst)
-local state = redis.call('HMGET', bucket_key, 'tokens', 'at')
-local tokens = tonumber(state[1]) or burst
-local at = tonumber(state[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
-local wait_ms = 0
-if tokens >= 1 then
-  tokens = tokens - 1
-else
-  wait_ms = math.ceil((1 - tokens) / rate * 1000)
-end
-redis.call('HSET', bucket_key, 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('EXPIRE', bucket_key, math.ceil(burst / rate) + 1)
-return wait_ms
+local now = redis_now_ms()
+local interval = 1000 / tonumber(rate_per_s)
+local burst_ms = tonumber(burst) * interval
+local ready = gcra_ready(bucket_key, 'tat', interval, burst_ms, now)
+if ready > now then return math.ceil(ready - now) end
+gcra_add(bucket_key, 'tat', interval, 1, now)
+redis.call('PEXPIRE', bucket_key, math.ceil(burst_ms) + 1000)
+return 0
 """
 )
 
 
 class TokenBucket:
-    """Buckets of one rate and burst, one per key."""
+    """Buckets of one rate and burst, one per key: `burst` requests at once, then
+    `rate_per_s`."""
 
     def __init__(self, client: Any, *, rate_per_s: float, burst: int) -> None:
         self.rate_per_s = rate_per_s

@@ -1,21 +1,59 @@
-"""A leased semaphore: at most `limit` holders at once, fleet-wide; each holds a place
-until it gives it back or its lease lapses, so a holder whose process died frees its place
-at its lease's end without anyone's help."""
+"""Leases on places: at most `limit` holders at once, fleet-wide; each holds a place until
+it gives it back or its lease lapses, so a holder whose process died frees its place at
+its lease's end without anyone's help. `LEASES_LUA` for scripts that keep more per lease
+(model capacity), `LeasedSemaphore` for places alone."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 from agentq.events.lua_args import argv_of, bind_lua
+from agentq.limits import REDIS_NOW_MS_LUA
 
 FOREVER = "+inf"
 """A lease that never lapses: the place is given back, or dropped as `ended`, only."""
 
+# LEASES_LUA: a set of leases is a sorted set of holders by the ms their lease ends.
+LEASES_LUA = """
+-- Drops the leases lapsed by `at`: all at once, or (with `undo`, for a script that keeps
+-- state per lease) a hundred at most, each handed to `undo` after it is dropped.
+local function leases_lapse(key, at, undo)
+  if not undo then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', at)
+    return
+  end
+  local gone = redis.call('ZRANGEBYSCORE', key, '-inf', at, 'LIMIT', 0, 100)
+  if gone[1] then redis.call('ZREM', key, unpack(gone)) end
+  for _, holder in ipairs(gone) do undo(holder) end
+end
+
+-- Whether `limit` places are held (0: no limit).
+local function leases_full(key, limit)
+  return limit > 0 and redis.call('ZCARD', key) >= limit
+end
+
+-- When the soonest lease ends (not before `at` + 1).
+local function leases_next_end(key, at)
+  local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+  if first[1] then return math.max(tonumber(first[2]), at + 1) end
+  return at + 1
+end
+
+-- Gives `holder` a lease to `until_at` ('+inf': until given back); `renew`: only if it
+-- holds one (false when it holds none).
+local function lease_hold(key, holder, until_at, renew)
+  if renew and not redis.call('ZSCORE', key, holder) then return false end
+  redis.call('ZADD', key, until_at, holder)
+  return true
+end
+"""
+
 
 class AcquireArgs(NamedTuple):
     holder: str
-    lease_s: str
-    """Seconds the place is held from now (FOREVER: until given back)."""
+    lease_ms: str
+    """Milliseconds the place is held from now (FOREVER: until given back)."""
     limit: int
 
 
@@ -25,26 +63,27 @@ class AcquireArgs(NamedTuple):
 # longest lease (a week at most, for places held FOREVER).
 ACQUIRE_LUA = (
     bind_lua(("key",), AcquireArgs, rest="ended")
+    + REDIS_NOW_MS_LUA
+    + LEASES_LUA
     + """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local now = redis_now_ms()
 if #ARGV >= ended_at then redis.call('ZREM', key, unpack(ARGV, ended_at)) end
-redis.call('ZREMRANGEBYSCORE', key, '-inf', '(' .. now)
-if not redis.call('ZSCORE', key, holder) and redis.call('ZCARD', key) >= tonumber(limit) then
+leases_lapse(key, now - 1)
+if not redis.call('ZSCORE', key, holder) and leases_full(key, tonumber(limit)) then
   return 0
 end
-local until_at = lease_s == '+inf' and '+inf' or tostring(now + tonumber(lease_s))
-redis.call('ZADD', key, until_at, holder)
-local ttl_s = 7 * 24 * 3600
-if lease_s ~= '+inf' then ttl_s = math.min(ttl_s, math.ceil(tonumber(lease_s)) + 1) end
-if redis.call('TTL', key) < ttl_s then redis.call('EXPIRE', key, ttl_s) end
+local forever = lease_ms == '+inf'
+lease_hold(key, holder, forever and '+inf' or now + tonumber(lease_ms))
+local ttl_ms = 7 * 24 * 3600 * 1000
+if not forever then ttl_ms = math.min(ttl_ms, tonumber(lease_ms) + 1000) end
+if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
 return 1
 """
 )
 
 
 class LeasedSemaphore:
-    """Semaphores of `limit` places, one per key (a sorted set of holders by lease end)."""
+    """Semaphores of `limit` places, one per key."""
 
     def __init__(self, client: Any, limit: int) -> None:
         self.redis = client
@@ -56,7 +95,8 @@ class LeasedSemaphore:
     ) -> bool:
         """Take (or renew) `holder`'s place in `key`'s semaphore for `lease_s` seconds,
         after dropping the `ended` holders; False when all places are held."""
-        args = AcquireArgs(holder, str(lease_s), self.limit)
+        lease_ms = FOREVER if lease_s == FOREVER else str(math.ceil(float(lease_s) * 1000))
+        args = AcquireArgs(holder, lease_ms, self.limit)
         return bool(self._acquire(keys=[key], args=argv_of(args, ended or [])))
 
     def release(self, key: str, holder: str) -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from agentq.events.lua_args import bind_lua
+from agentq.limits import REDIS_NOW_MS_LUA
+from agentq.limits.bucket import GCRA_LUA
+from agentq.limits.semaphore import LEASES_LUA
 from agentq.llm.capacity_args import (
     AcquireArgs,
     BreakerArgs,
@@ -28,13 +31,13 @@ def deciding_lua(args: type[NamedTuple] | None = None) -> str:
 CONFIG_TTL_S = 86_400
 """The fleet's stored limits of a model outlive the last configured caller this long."""
 
-NOW_LUA = """
-local now = tonumber(now_arg)
-if not now then
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+# The caller's clock is a test's: production passes "" and runs on Redis's (`agentq.limits`).
+NOW_LUA = (
+    REDIS_NOW_MS_LUA
+    + """
+local now = tonumber(now_arg) or redis_now_ms()
 """
+)
 
 CONFIG_STORE_S = 30.0
 """A configured process stores its limits again after this long (`store` in its config):
@@ -100,27 +103,22 @@ local function num(v) return tonumber(v) or 0 end
 local function fmt(x) return string.format('%.17g', x) end
 
 """
+    + GCRA_LUA
+    + LEASES_LUA
     + RATE_HELPERS_LUA
     + """
--- GCRA: a request passes when the limit's theoretical arrival time runs at most one
--- burst (less one emission interval) ahead of now; `limit` is per minute. The arrival time
--- never lags behind now (no credit saved up) and moves on from each request's slot, which
--- a round that waits is given when it is queued (`pump`): a late wake loses nothing.
-local function gcra_ready(field, limit)
+-- Every limit of the model and its deployments is paced by GCRA (`agentq.limits`), one
+-- field of GCRA each, `limit` per minute (0: none). Pacing moves on from each request's
+-- slot, which a round that waits is given when it is queued (`pump`): a late wake loses
+-- nothing.
+local function paced(field, limit)
   if limit <= 0 then return now end
-  local tat = math.max(num(redis.call('HGET', GCRA, field)), now)
-  return tat - math.max(cfg.burst_ms - 60000 / limit, 0)
+  return gcra_ready(GCRA, field, 60000 / limit, cfg.burst_ms, now)
 end
 
-local function gcra_add(field, limit, cost)
+local function pace_add(field, limit, cost)
   if limit <= 0 or cost == 0 then return end
-  local tat = num(redis.call('HGET', GCRA, field))
-  if cost > 0 then
-    tat = math.max(tat, now)
-  elseif tat == 0 then
-    return
-  end
-  redis.call('HSET', GCRA, field, fmt(tat + cost * 60000 / limit))
+  gcra_add(GCRA, field, 60000 / limit, cost, now)
 end
 
 -- Requests and tokens per 10 s bucket; the last six buckets are the last minute.
@@ -141,24 +139,18 @@ end
 -- known), or gives it back (negative).
 local function charge(d, requests, tokens)
   -- rate_rpm() may read the rate hash: a release, which counts no request, does not.
-  if requests ~= 0 then gcra_add('r', rate_rpm(), requests) end
-  gcra_add('t', tpm_limit(), tokens)
+  if requests ~= 0 then pace_add('r', rate_rpm(), requests) end
+  pace_add('t', tpm_limit(), tokens)
   if d then
-    gcra_add('r:' .. d.n, d.rpm, requests)
-    gcra_add('t:' .. d.n, d.tpm, tokens)
+    pace_add('r:' .. d.n, d.rpm, requests)
+    pace_add('t:' .. d.n, d.tpm, tokens)
   end
   use(requests, tokens)
 end
 
-local function next_expiry()
-  local first = redis.call('ZRANGE', LEASES, 0, 0, 'WITHSCORES')
-  if first[1] then return math.max(tonumber(first[2]), now + 1) end
-  return now + 1
-end
-
-local function drop_lease(lid)
+-- What a lease held besides its place, given back once its place is gone.
+local function undo_lease(lid)
   local raw = redis.call('HGET', LMETA, lid)
-  redis.call('ZREM', LEASES, lid)
   if not raw then return nil end
   redis.call('HDEL', LMETA, lid)
   local m = cjson.decode(raw)
@@ -170,11 +162,14 @@ local function drop_lease(lid)
   return m
 end
 
+local function drop_lease(lid)
+  redis.call('ZREM', LEASES, lid)
+  return undo_lease(lid)
+end
+
 -- Leases past their expiry belong to dead workers (or grants nobody took): free them.
 local function purge()
-  for _, lid in ipairs(redis.call('ZRANGEBYSCORE', LEASES, '-inf', now, 'LIMIT', 0, 100)) do
-    drop_lease(lid)
-  end
+  leases_lapse(LEASES, now, undo_lease)
 end
 
 local function breaker(dep)
@@ -190,18 +185,16 @@ local function dep_ready(d)
   local state, ready = breaker(d.n)
   ready = math.max(ready, num(redis.call('HGET', PAUSE, 'd:' .. d.n)))
   if d.streams > 0 and num(redis.call('HGET', INFL, d.n)) >= d.streams then
-    ready = math.max(ready, next_expiry())
+    ready = math.max(ready, leases_next_end(LEASES, now))
   end
-  return math.max(ready, gcra_ready('r:' .. d.n, d.rpm), gcra_ready('t:' .. d.n, d.tpm)), state
+  return math.max(ready, paced('r:' .. d.n, d.rpm), paced('t:' .. d.n, d.tpm)), state
 end
 
 local function model_ready()
   local ready = math.max(now, num(redis.call('HGET', PAUSE, 'm')))
-  if cfg.streams > 0 and redis.call('ZCARD', LEASES) >= cfg.streams then
-    ready = math.max(ready, next_expiry())
-  end
+  if leases_full(LEASES, cfg.streams) then ready = math.max(ready, leases_next_end(LEASES, now)) end
   local rpm = rate_rpm()
-  return math.max(ready, gcra_ready('r', rpm), gcra_ready('t', tpm_limit()), window_ready(rpm))
+  return math.max(ready, paced('r', rpm), paced('t', tpm_limit()), window_ready(rpm))
 end
 
 -- Takes the model's and a deployment's share for one request (the deployment, whether it
@@ -276,7 +269,7 @@ local function grant(w, d, probe, tokens, taken, i)
   local lid = nonce .. i .. ':' .. model
   local ttl = cfg.grant_ttl_ms
   if taken then ttl = cfg.lease_ttl_ms end
-  redis.call('ZADD', LEASES, now + ttl, lid)
+  lease_hold(LEASES, lid, now + ttl)
   redis.call('HSET', LMETA, lid, cjson.encode({d = d.n, t = tokens, w = w, p = probe}))
   redis.call('HINCRBY', INFL, d.n, 1)
   local g = {l = lid, d = d.n, at = now, t = tokens, k = taken and 1 or 0}
@@ -387,7 +380,7 @@ if raw then
   -- A slot given ahead of its time: the turn asks again then.
   if g.at > now then return cjson.encode({mine = g.at, woken = {}, now = now}) end
   -- Taking a grant (or asking again for one taken) gives its lease a full term.
-  redis.call('ZADD', LEASES, 'XX', now + cfg.lease_ttl_ms, g.l)
+  lease_hold(LEASES, g.l, now + cfg.lease_ttl_ms, true)
   if g.k == 0 then
     g.k = 1
     redis.call('HSET', GRANTS, w, cjson.encode(g))
@@ -502,10 +495,9 @@ NOTE_LUA = deciding_lua(NoteArgs) + PRELUDE_LUA + NOTE_BODY_LUA
 RENEW_LUA = (
     bind_lua(("LEASES",), RenewArgs._fields)
     + NOW_LUA
+    + LEASES_LUA
     + """
-if not redis.call('ZSCORE', LEASES, lease_id) then return 0 end
-redis.call('ZADD', LEASES, 'XX', now + tonumber(ttl_ms), lease_id)
-return 1
+return lease_hold(LEASES, lease_id, now + tonumber(ttl_ms), true) and 1 or 0
 """
 )
 

@@ -6,7 +6,7 @@ The configured rpm, or without one the provider's own limits read from its heade
 caps the rate; a 429 despite pacing cuts the rate fleet-wide at once (multiplicative
 decrease) and it climbs back by a fixed amount a second (additive increase); with no
 ceiling known at all, the first 429 starts from a guess and the fleet probes upwards.
-Providers count in wall-clock seconds, so besides pacing (GCRA, in `capacity_lua`) each
+Providers count in wall-clock seconds, so besides pacing (GCRA, `agentq.limits`) each
 second admits at most a second's worth.
 
 State, per model, in the `rate` hash (ModelKeys.RATE): r, t, ai (the rate cut to at t,
@@ -129,8 +129,7 @@ end
 
 -- Requests at `rpm` go on from `at` at the pace, with no burst before it.
 local function pace_from(at, rpm)
-  local tat = at + math.max(cfg.burst_ms - 60000 / rpm, 0)
-  if tat > num(redis.call('HGET', GCRA, 'r')) then redis.call('HSET', GCRA, 'r', fmt(tat)) end
+  gcra_defer(GCRA, 'r', 60000 / rpm, cfg.burst_ms, at)
 end
 
 local function window_add(rpm, k)
