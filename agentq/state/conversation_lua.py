@@ -349,24 +349,3 @@ redis.call('HINCRBY', turn_key, 'inject_seq', 1)
 return 1
 """
 )
-
-
-__all__ = [
-    "ADMIT_LUA",
-    "DELETE_LUA",
-    "INJECTABLE_LUA",
-    "IN_PLACE_LUA",
-    "MODES",
-    "NOTE_INJECTED_LUA",
-    "RELEASE_LUA",
-    "TAKE_LUA",
-    "Admit",
-    "AdmitArgs",
-    "ConversationKeys",
-    "InPlace",
-    "InPlaceArgs",
-    "Multitask",
-    "Release",
-    "ReleaseArgs",
-    "Take",
-]

@@ -100,6 +100,3 @@ def start_once(
     done = {"body": body, "turn_id": handle.turn_id, "state": "done", "handle": stored}
     client.set(record_key, json.dumps(done), xx=True, keepttl=True)
     return handle
-
-
-__all__ = ["MAX_KEY_BYTES", "check_key", "fingerprint", "start_once"]

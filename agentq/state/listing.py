@@ -377,6 +377,3 @@ class TurnLister:
                     out.append(p)
         out.sort(key=lambda p: float(p["expires_at"]))
         return out
-
-
-__all__ = ["TurnLister", "TurnPage", "TurnQuery", "summarise"]

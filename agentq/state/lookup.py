@@ -66,6 +66,3 @@ def live(client: Any, turn_ids: list[str]) -> list[str]:
 
 def _newest(found: dict[str, float], limit: int) -> list[str]:
     return sorted(found, key=lambda t: found[t], reverse=True)[:limit]
-
-
-__all__ = ["SCAN_MAX", "find_turn_ids"]

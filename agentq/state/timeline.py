@@ -154,6 +154,3 @@ def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]
         "calls": bars,
         "events": [log_line(e) for e in shown],
     }
-
-
-__all__ = ["call_rounds", "calls", "model_rounds", "timeline"]

@@ -264,16 +264,3 @@ class CompletesWaitpoints:
 def waitpoints(store: TurnStore) -> Waitpoints:
     """The store's Waitpoints, made once per store (its script registered once)."""
     return Waitpoints(store)
-
-
-__all__ = [
-    "CompletesWaitpoints",
-    "Opened",
-    "Waitpoints",
-    "waitpoints",
-    "completion_of",
-    "not_found",
-    "parse_waitpoint_id",
-    "token_for",
-    "waitpoint_id",
-]
