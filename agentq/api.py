@@ -30,11 +30,14 @@ from agentq.orchestrator.start import hash_token, start_turn
 from agentq.orchestrator.wake import request_abort
 from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
+from agentq.state.listing import TurnLister
 from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import GROUPS, NO_KEY, Spend, usage_report
+from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
-from agentq.state.waitpoints import CompletesWaitpoints
+from agentq.state.waitpoints import CompletesWaitpoints, waitpoints
 from agentq.telemetry import tracing
+from agentq.webhooks.deliveries import Deliveries
 
 log = logging.getLogger("agentq.client")
 
@@ -52,9 +55,7 @@ bookkeeping."""
 
 def agent_name(agent: Agent | str | None) -> str | None:
     """The name a turn request carries for `agent`."""
-    if agent is None or isinstance(agent, str):
-        return agent
-    return agent.name
+    return agent if agent is None or isinstance(agent, str) else agent.name
 
 
 def output_type_of(agent: Agent | str | None) -> type[BaseModel] | None:
@@ -426,6 +427,22 @@ class Client(CompletesWaitpoints):
             "spend": Spend(self._store.redis, self.settings).turn_totals(
                 whole.state.get("owner"), turn_id
             ),
+        }
+
+    def _timeline(self, turn_id: str, state: TurnState) -> dict[str, Any]:
+        """What `agentq show` and the console show of a turn the caller may read."""
+        summary = TurnLister(self._store.redis).summaries([turn_id]).get(turn_id)
+        if summary is None:
+            raise TurnNotFound(turn_id)
+        summary.pop("_state", None)
+        r, s = self._store.redis, self.settings
+        return {
+            **timeline(self._store, turn_id, state),
+            "turn": summary,
+            "webhook": Deliveries(r, retention_s=s.turn_retention_s).of_turn(turn_id),
+            "source": replay.replay_source(state),
+            "waitpoints": waitpoints(self._store).listing(turn_id),
+            "spend": Spend(r, s).turn_totals(state.get("owner"), turn_id),
         }
 
     def active(self) -> list[ActiveTurn]:

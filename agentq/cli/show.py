@@ -18,10 +18,7 @@ from agentq.api import Client
 from agentq.cli.ids import clock, short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.errors import TurnNotFound
-from agentq.orchestrator.replay import replay_source
 from agentq.state.listing import TurnLister, TurnQuery
-from agentq.state.timeline import timeline
-from agentq.state.waitpoints import waitpoints
 
 TURN_STYLE = {
     "queued": "dim",
@@ -203,21 +200,7 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     state = client._store.state(turn_id)
     if state is None:
         raise TurnNotFound(turn_id)
-    rows = TurnLister(client._store.redis).summaries([turn_id])
-    view = timeline(client._store, turn_id, state)
-    summary = rows.get(turn_id, {})
-    summary.pop("_state", None)
-    view["turn"] = summary
-    from agentq.state.spend import Spend
-    from agentq.webhooks.deliveries import Deliveries
-
-    deliveries = Deliveries(client._store.redis, retention_s=client.settings.turn_retention_s)
-    view["webhook"] = deliveries.of_turn(turn_id)
-
-    spend = Spend(client._store.redis, client.settings).turn_totals(state.get("owner"), turn_id)
-    view["spend"] = spend
-    view["waitpoints"] = waitpoints(client._store).listing(turn_id)
-    view["source"] = replay_source(state)
+    view = client._timeline(turn_id, state)
     if as_json:
         print(json.dumps(view), flush=True)
         return 0
@@ -227,7 +210,7 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
     if source:
         line = f"{source['kind']} of {source['turn_id']}, from round {source['from_round']}"
         console.print(Text(line + f"  (agentq show {source['turn_id']})", style="cyan"))
-    console.print(Text(spend_line(spend), style="dim"), soft_wrap=True)
+    console.print(Text(spend_line(view["spend"]), style="dim"), soft_wrap=True)
     hook = view["webhook"]
     if hook:
         console.print(
@@ -249,7 +232,7 @@ def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
             ),
             soft_wrap=True,
         )
-    for p in summary.get("pending_interactions", []):
+    for p in view["turn"].get("pending_interactions", []):
         left_s = max(0.0, float(p["expires_at"]) - time.time())
         console.print(
             Text(f"? {p.get('prompt') or p.get('kind')}  ({left_s:.0f}s left)", style="yellow")

@@ -31,12 +31,8 @@ from agentq.gateway.validate import read_json
 from agentq.mcp.health import server_health, servers_view
 from agentq.mcp.servers import parse_servers
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer
-from agentq.orchestrator.replay import replay_source
 from agentq.state.listing import TurnLister, TurnQuery
-from agentq.state.spend import Spend
-from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
-from agentq.state.waitpoints import waitpoints
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
@@ -91,28 +87,13 @@ class Console:
         pending = await run_in_threadpool(self.lister.pending_interactions, visible)
         return JSONResponse({"interactions": pending}, headers=NO_STORE)
 
-    def _turn_view(self, turn_id: str, principal: Principal | None) -> dict[str, Any]:
-        state = self._state(turn_id, principal)
-        rows = self.lister.summaries([turn_id])
-        if turn_id not in rows:
-            raise TurnNotFound(turn_id)
-        summary = rows[turn_id]
-        summary.pop("_state", None)
-        view = timeline(self.gw.client._store, turn_id, state)
-        view["turn"] = summary
-        view["webhook"] = self.gw.deliveries.of_turn(turn_id)
-        view["source"] = replay_source(state)
-        client = self.gw.client
-        view["waitpoints"] = waitpoints(client._store).listing(turn_id)
-        view["spend"] = Spend(client._store.redis, client.settings).turn_totals(
-            state.get("owner"), turn_id
-        )
-        return view
-
     async def turn_timeline(self, request: Request) -> Response:
         principal = self.gw.require_key(request)
         turn_id = request.path_params["turn_id"]
-        view = await run_in_threadpool(self._turn_view, turn_id, principal)
+        client = self.gw.client
+        view = await run_in_threadpool(
+            lambda: client._timeline(turn_id, self._state(turn_id, principal))
+        )
         view["flower_url"] = self.flower_url(request)
         return JSONResponse(view, headers=NO_STORE)
 
