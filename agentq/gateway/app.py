@@ -440,7 +440,7 @@ class Gateway:
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 active = await _abandonable(self.client.active)
-                self.metrics.fleet.counts = await _abandonable(
+                self.metrics.scraped.counts = await _abandonable(
                     read_counts, self.client._store.redis
                 )
                 capacity = await _abandonable(self.read_capacity)
@@ -449,8 +449,9 @@ class Gateway:
                 )
             except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
-        self.metrics.capacity.snapshots = capacity
-        self.metrics.webhooks.counts, self.metrics.webhooks.backlog = hooks
+        scraped = self.metrics.scraped
+        scraped.snapshots = capacity
+        scraped.webhook_counts, scraped.webhook_backlog = hooks
         if active is None:
             self.metrics.redis_up.set(0)
         else:

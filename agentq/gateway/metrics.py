@@ -69,12 +69,8 @@ class GatewayMetrics:
         self.redis_up = Gauge(
             "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r
         )
-        self.fleet = FleetMetrics()
-        r.register(self.fleet)
-        self.capacity = CapacityGauges()
-        r.register(self.capacity)
-        self.webhooks = WebhookMetrics()
-        r.register(self.webhooks)
+        self.scraped = Scraped()
+        r.register(self.scraped)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
 
@@ -99,114 +95,114 @@ class GatewayMetrics:
         return generate_latest(self.registry)
 
 
-class FleetMetrics:
-    """The fleet's event counters and histograms (agentq.telemetry.fleetcounts), from the
-    hash as last read at scrape time; each family shows at least its unlabelled samples."""
+class Scraped:
+    """What /metrics last read from Redis, as metric families: the fleet's counts, the
+    model capacity snapshots and the webhook counters (none of a read that failed: a stale
+    queue length would mislead)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
-
-    def collect(self) -> list[Metric]:
-        series: dict[str, dict[tuple[str, ...], dict[str, float]]] = {}
-        for field, value in self.counts.items():
-            name, _, rest = field.partition("|")
-            raw_labels, _, part = rest.rpartition("|")
-            f = FAMILIES.get(name)
-            try:
-                labels = tuple(str(v) for v in json.loads(raw_labels))
-            except ValueError:
-                continue
-            if f is None or len(labels) != len(f.labels):
-                continue  # a field of another version's families
-            of = series.setdefault(name, {})
-            if labels not in of and len(of) >= MAX_SERIES:
-                labels = ("other",) * len(labels)
-            parts = of.setdefault(labels, {})
-            parts[part] = parts.get(part, 0.0) + value
-        out: list[Metric] = []
-        for f in FAMILIES.values():
-            kind = CounterMetricFamily if f.buckets is None else HistogramMetricFamily
-            family: Metric = kind(f"agentq_{f.name}", f.help, labels=list(f.labels))
-            samples = series.get(f.name, {})
-            if not samples and not f.labels:
-                samples = {(): {}}
-            for labels, parts in sorted(samples.items()):
-                if f.buckets is None:
-                    family.add_metric(list(labels), parts.get("", 0.0))  # type: ignore[attr-defined]
-                    continue
-                cumulative = 0.0
-                buckets: list[tuple[str, float]] = []
-                for i, le in enumerate((*f.buckets, float("inf"))):
-                    cumulative += parts.get(str(i), 0.0)
-                    buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
-                family.add_metric(  # type: ignore[attr-defined]
-                    list(labels), buckets=buckets, sum_value=parts.get("sum", 0.0)
-                )
-            out.append(family)
-        return out
-
-
-class WebhookMetrics:
-    """The webhook counters of the fleet, as last read from Redis (none if the read failed)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, int] = {}
-        self.backlog: int | None = None
-
-    def collect(self) -> list[Metric]:
-        attempts, deliveries, backlog = families = [
-            CounterMetricFamily(
-                "agentq_webhook_attempts", "Webhook attempts by outcome.", labels=["outcome"]
-            ),
-            CounterMetricFamily(
-                "agentq_webhook_deliveries", "Webhook deliveries by status.", labels=["status"]
-            ),
-            GaugeMetricFamily("agentq_webhook_backlog", "Webhook deliveries not yet accepted."),
-        ]
-        for name, n in sorted(self.counts.items()):
-            kind, _, label = name.partition(":")
-            target = attempts if kind == "attempts" else deliveries
-            target.add_metric([label], n)  # type: ignore[attr-defined]
-        if self.backlog is not None:
-            backlog.add_metric([], self.backlog)  # type: ignore[attr-defined]
-        return families
-
-
-class CapacityGauges:
-    """The capacity gauges from the models' `Capacity.snapshot`s, as last read from Redis
-    (none when the last read failed: a stale queue length would mislead)."""
-
-    def __init__(self) -> None:
         self.snapshots: list[dict[str, Any]] = []
+        self.webhook_counts: dict[str, int] = {}
+        self.webhook_backlog: int | None = None
 
-    def collect(self) -> list[GaugeMetricFamily]:
-        queued, streams, paused, api = families = [
-            GaugeMetricFamily(
-                "agentq_llm_queued",
-                "Model rounds waiting for model capacity, by class.",
-                labels=["model", "class"],
-            ),
-            GaugeMetricFamily(
-                "agentq_llm_streams_in_use", "Model streams open now.", labels=["model"]
-            ),
-            GaugeMetricFamily(
-                "agentq_llm_paused",
-                "1 while the model is paused fleet-wide (a provider said it was busy).",
-                labels=["model"],
-            ),
-            GaugeMetricFamily(
-                "agentq_llm_api",
-                "1 for the API the model is called with (chat or responses), by its setting.",
-                labels=["model", "api", "setting"],
-            ),
+    def collect(self) -> list[Metric]:
+        return [
+            *fleet_families(self.counts),
+            *capacity_families(self.snapshots),
+            *webhook_families(self.webhook_counts, self.webhook_backlog),
         ]
-        for snap in self.snapshots:
-            model = str(snap["model"])
-            for cls in ("interactive", "background"):
-                queued.add_metric([model, cls], snap["queued"][cls])
-            streams.add_metric([model], snap["streams_in_use"])
-            until = snap.get("paused_until_ms")
-            paused.add_metric([model], 1 if until and until > snap["now_ms"] else 0)
-            if "api" in snap:
-                api.add_metric([model, snap["api"]["in_use"], snap["api"]["setting"]], 1)
-        return families
+
+
+def fleet_families(counts: dict[str, float]) -> list[Metric]:
+    """The fleet's event counters and histograms (agentq.telemetry.fleetcounts) from the
+    hash; each family shows at least its unlabelled samples."""
+    series: dict[str, dict[tuple[str, ...], dict[str, float]]] = {}
+    for field, value in counts.items():
+        name, _, rest = field.partition("|")
+        raw_labels, _, part = rest.rpartition("|")
+        f = FAMILIES.get(name)
+        try:
+            labels = tuple(str(v) for v in json.loads(raw_labels))
+        except ValueError:
+            continue
+        if f is None or len(labels) != len(f.labels):
+            continue  # a field of another version's families
+        of = series.setdefault(name, {})
+        if labels not in of and len(of) >= MAX_SERIES:
+            labels = ("other",) * len(labels)
+        parts = of.setdefault(labels, {})
+        parts[part] = parts.get(part, 0.0) + value
+    out: list[Metric] = []
+    for f in FAMILIES.values():
+        kind = CounterMetricFamily if f.buckets is None else HistogramMetricFamily
+        family: Metric = kind(f"agentq_{f.name}", f.help, labels=list(f.labels))
+        samples = series.get(f.name, {})
+        if not samples and not f.labels:
+            samples = {(): {}}
+        for labels, parts in sorted(samples.items()):
+            if f.buckets is None:
+                family.add_metric(list(labels), parts.get("", 0.0))  # type: ignore[attr-defined]
+                continue
+            cumulative = 0.0
+            buckets: list[tuple[str, float]] = []
+            for i, le in enumerate((*f.buckets, float("inf"))):
+                cumulative += parts.get(str(i), 0.0)
+                buckets.append(("+Inf" if le == float("inf") else repr(float(le)), cumulative))
+            family.add_metric(  # type: ignore[attr-defined]
+                list(labels), buckets=buckets, sum_value=parts.get("sum", 0.0)
+            )
+        out.append(family)
+    return out
+
+
+def webhook_families(counts: dict[str, int], backlog_n: int | None) -> list[Metric]:
+    """The fleet's webhook counters, and its backlog unless the read failed."""
+    attempts, deliveries, backlog = families = [
+        CounterMetricFamily(
+            "agentq_webhook_attempts", "Webhook attempts by outcome.", labels=["outcome"]
+        ),
+        CounterMetricFamily(
+            "agentq_webhook_deliveries", "Webhook deliveries by status.", labels=["status"]
+        ),
+        GaugeMetricFamily("agentq_webhook_backlog", "Webhook deliveries not yet accepted."),
+    ]
+    for name, n in sorted(counts.items()):
+        kind, _, label = name.partition(":")
+        target = attempts if kind == "attempts" else deliveries
+        target.add_metric([label], n)  # type: ignore[attr-defined]
+    if backlog_n is not None:
+        backlog.add_metric([], backlog_n)  # type: ignore[attr-defined]
+    return families
+
+
+def capacity_families(snapshots: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
+    """The capacity gauges from the models' `Capacity.snapshot`s."""
+    queued, streams, paused, api = families = [
+        GaugeMetricFamily(
+            "agentq_llm_queued",
+            "Model rounds waiting for model capacity, by class.",
+            labels=["model", "class"],
+        ),
+        GaugeMetricFamily("agentq_llm_streams_in_use", "Model streams open now.", labels=["model"]),
+        GaugeMetricFamily(
+            "agentq_llm_paused",
+            "1 while the model is paused fleet-wide (a provider said it was busy).",
+            labels=["model"],
+        ),
+        GaugeMetricFamily(
+            "agentq_llm_api",
+            "1 for the API the model is called with (chat or responses), by its setting.",
+            labels=["model", "api", "setting"],
+        ),
+    ]
+    for snap in snapshots:
+        model = str(snap["model"])
+        for cls in ("interactive", "background"):
+            queued.add_metric([model, cls], snap["queued"][cls])
+        streams.add_metric([model], snap["streams_in_use"])
+        until = snap.get("paused_until_ms")
+        paused.add_metric([model], 1 if until and until > snap["now_ms"] else 0)
+        if "api" in snap:
+            api.add_metric([model, snap["api"]["in_use"], snap["api"]["setting"]], 1)
+    return families
