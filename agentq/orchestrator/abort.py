@@ -11,7 +11,6 @@ from agentq import constants as k
 from agentq.fleet.broker import broadcast, revoke
 from agentq.models import ToolCall, ToolResult
 from agentq.orchestrator.plan import pending_calls
-from agentq.orchestrator.settle import settle_in_step
 
 if TYPE_CHECKING:
     import redis
@@ -80,7 +79,7 @@ def settle_pending(
             continue
         mine = result_for(call, dispatched.get(call.id, {}))
         # A tool's result that came first is the one kept.
-        settled[call.id], won = settle_in_step(ctx, mine, tracked=call.id in dispatched)
+        settled[call.id], won = ctx.settle(mine, tracked=call.id in dispatched)
         if won:
             ours.append(call.id)
     # A password answer is read once by its tool; a round that ends must not leave one.

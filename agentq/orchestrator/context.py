@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any, Unpack, cast
 from agentq.agents import Agent
 from agentq.config import Settings
 from agentq.errors import StepLost
-from agentq.models import TurnStatus
+from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import RoundRead
 from agentq.state.steplock import Released
 from agentq.state.turn_state import TurnState
 from agentq.state.turns import Closed
+from agentq.telemetry import tracing
 from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
@@ -201,6 +202,20 @@ class StepContext:
                 # After the end is written: a crash in between leaves the turn in
                 # WEBHOOKS_WAITING, where the webhook sweep finds it ended.
                 queue_delivery(self.store, self.app, self.settings, self.turn_id, url)
+
+    def settle(self, result: ToolResult, *, tracked: bool = True) -> tuple[ToolResult, bool]:
+        """Settle one of the turn's calls from this step (refused, denied, lost, timed out,
+        cancelled): every such result goes this one way, always traced. No wake (the step
+        goes on), and after what the step staged, so its tool_finished follows the events
+        the step meant before it. The first result stored wins (`TurnStore.settle`):
+        returns the result the call keeps, and whether it is `result`. `tracked=False` for
+        a call never recorded as sent (refused, denied)."""
+        self.flush()
+        if self.store.settle(self.turn_id, result, wake=False, tracked=tracked):
+            if tracing.enabled:
+                tracing.record_settled(self.state.get("traceparent"), self.turn_id, result)
+            return result, True
+        return self.store.result(self.turn_id, result.call_id) or result, False
 
     def publish(self, type_: str, **fields: Any) -> int:
         self.flush()  # events in the order the step meant them

@@ -16,7 +16,6 @@ from agentq.fleet.broker import publish, queue_size, revoke, task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
 from agentq.orchestrator.plan import CallPlan, batches
-from agentq.orchestrator.settle import settle_in_step
 from agentq.tools.results import lost_result, waitpoint_timeout
 from agentq.tools.timing import lost_deadline
 
@@ -175,7 +174,7 @@ def _settle_overdue(
     for p in [p for p in waiting if p.call.id in waits]:
         wp = waits[p.call.id]
         if ctx.now * 1000 >= wp["deadline_ms"]:
-            settled[p.call.id] = settle_in_step(ctx, waitpoint_timeout(p.call, wp))[0]
+            settled[p.call.id] = ctx.settle(waitpoint_timeout(p.call, wp))[0]
         else:
             looks.append(wp["deadline_ms"] / 1000)
     waiting = [p for p in waiting if p.call.id not in waits]
@@ -304,4 +303,4 @@ def _settle_lost(
         worker=None if start is None else start.get("worker"),
     )
     # A real result that landed meanwhile wins: it is the one kept.
-    return settle_in_step(ctx, lost)[0]
+    return ctx.settle(lost)[0]

@@ -76,7 +76,6 @@ from agentq.orchestrator.plan import (
     plan_call,
     with_safe_call_ids,
 )
-from agentq.orchestrator.settle import settle_in_step
 from agentq.state.base import RoundRead
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import get_tool
@@ -183,7 +182,7 @@ def _settle_replay_lost(ctx: StepContext) -> None:
         if call.id not in lost or _idempotent(call.name):
             continue
         why = f"it ran in turn {source}, which ended before its result came"
-        settle_in_step(ctx, lost_result(call, why), tracked=False)
+        ctx.settle(lost_result(call, why), tracked=False)
         ctx.round_read = None  # read again: this result is not in the view's
 
 
@@ -298,11 +297,11 @@ def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
         if cid in settled:
             continue
         if p.refusal is not None:
-            settled[cid], _ = settle_in_step(ctx, error_result(p.call, p.refusal), tracked=False)
+            settled[cid], _ = ctx.settle(error_result(p.call, p.refusal), tracked=False)
         elif cid in decided.answered:
-            settled[cid], _ = settle_in_step(ctx, decided.answered[cid], tracked=False)
+            settled[cid], _ = ctx.settle(decided.answered[cid], tracked=False)
         elif cid in decided.denied:
-            settled[cid], won = settle_in_step(ctx, decided.denied[cid], tracked=False)
+            settled[cid], won = ctx.settle(decided.denied[cid], tracked=False)
             if won:
                 ctx.publish(
                     "tool_denied",

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
-from agentq.orchestrator.settle import settle_in_step
 from agentq.orchestrator.wake import abort_child, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
@@ -109,7 +108,7 @@ def watch(
             started_at=float(rec["dispatched_at"]),
             task_id=child,
         )
-        settled[p.call.id], _ = settle_in_step(ctx, result)
+        settled[p.call.id], _ = ctx.settle(result)
         abort_child(ctx.store, child, "timeout")
     return min(looks, default=None)
 
@@ -251,4 +250,4 @@ def _from_child(ctx: StepContext, call: ToolCall, child: str, started_at: float)
         )
         content = str(final.get("content") or "")
     error = str(state.get("error") or state.get("abort_reason") or "")
-    return settle_in_step(ctx, _result(ctx, call, child, status, content, error, started_at))[0]
+    return ctx.settle(_result(ctx, call, child, status, content, error, started_at))[0]
