@@ -339,8 +339,7 @@ def finish(
     # A round whose calls were its last (stop_after_round) is settled here.
     spend.settle_left(ctx, admission.model_of(ctx))
     history = [*ctx.history, *(append or [])]
-    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
-    content = final.get("content") or ""
+    content = subturns.final_content(history)
     typed = {} if output is None else {"output": output}
     ctx.close(
         TurnStatus.FINISHED,

@@ -171,6 +171,12 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     send_step_or_wake(ctx.store, ctx.app, child)
 
 
+def final_content(history: list[dict[str, Any]]) -> str:
+    """The content of the last assistant message: what a turn answered ("" if nothing)."""
+    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
+    return str(final.get("content") or "")
+
+
 def report_to_parent(ctx: StepContext, message: str) -> None:
     """A child turn's step, shown on its parent's stream as `tool_progress` of the call that
     started it (a parent waiting on an agent sees it work, as it sees a tool's progress)."""
@@ -242,12 +248,6 @@ def _from_child(ctx: StepContext, call: ToolCall, child: str, started_at: float)
     """The backstop: a child that ended without settling the call (it never should)."""
     state = ctx.store.state(child) or {}
     status = str(state.get("status"))
-    content = ""
-    if status == "finished":
-        history = ctx.store.history(child)
-        final: dict[str, Any] = next(
-            (m for m in reversed(history) if m.get("role") == "assistant"), {}
-        )
-        content = str(final.get("content") or "")
+    content = final_content(ctx.store.history(child)) if status == "finished" else ""
     error = str(state.get("error") or state.get("abort_reason") or "")
     return ctx.settle(_result(ctx, call, child, status, content, error, started_at))[0]
