@@ -6,13 +6,7 @@ with a script may use it."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
-
-
-class TurnKey(NamedTuple):
-    """KEYS of a script that touches the turn's state hash alone."""
-
-    turn_key: str
+from typing import Any
 
 
 def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:

@@ -11,7 +11,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import TurnKey, bind_lua
+from agentq.events.lua_args import bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -179,7 +179,7 @@ redis.call('HSET', turn_key, '{k.STARTED}' .. call_id, start, '{SEQ_FIELD}', seq
 # call's child turn, recorded before the child is started): the new ones join the batch
 # in flight. Not into a turn Redis does not hold: that would make half a turn.
 RECORD_DISPATCH_LUA = (
-    bind_lua(TurnKey, (), rest="records")
+    bind_lua(("turn_key",), (), rest="records")
     + f"""
 if redis.call('EXISTS', turn_key) == 0 then return 0 end
 local counted = redis.call('HSET', turn_key, unpack(ARGV, records_at))

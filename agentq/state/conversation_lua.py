@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import ended_lua
-from agentq.events.lua_args import TurnKey, bind_lua
+from agentq.events.lua_args import bind_lua
 
 
 class Multitask(str, Enum):
@@ -342,7 +342,7 @@ return out
 # KEYS: the running turn's state hash. Counts a message sent to join it (`inject_seq`),
 # which its next step sees with its state; nothing for a turn that ended.
 NOTE_INJECTED_LUA = (
-    bind_lua(TurnKey)
+    bind_lua(("turn_key",))
     + f"""local status = redis.call('HGET', turn_key, 'status')
 if not status or {ended_lua("status")} then return 0 end
 redis.call('HINCRBY', turn_key, 'inject_seq', 1)

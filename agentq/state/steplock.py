@@ -12,7 +12,7 @@ from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
-from agentq.events.lua_args import TurnKey, argv_of, bind_lua
+from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -111,7 +111,7 @@ class LockArgs(NamedTuple):
 # dirty mark, and read what the step needs (state with its cancel reason, history, round)
 # in one round trip. A turn Redis does not hold is read as such, and nothing is written to it.
 BEGIN_LUA = (
-    bind_lua(TurnKey, LockArgs)
+    bind_lua(("turn_key",), LockArgs)
     + f"""
 local st = redis.call('HGETALL', turn_key)
 local held = false
@@ -233,9 +233,10 @@ return 1
 """
 )
 
-# LOCK_LUA: taking the step lock alone (a caller that holds a turn still, such as a test).
+# LOCK_LUA: taking the step lock alone, without the step's read (a step taking back the
+# lock its release let go of, as tests do).
 LOCK_LUA = (
-    bind_lua(TurnKey, LockArgs)
+    bind_lua(("turn_key",), LockArgs)
     + f"""
 local h = redis.call('HMGET', turn_key, 'status', '{_STEP}')
 if not h[1] or not {lock_free_lua("h[2]")} then return 0 end
@@ -263,8 +264,8 @@ class StepRecords(StoreBase):
 
     def lock_step(self, turn_id: str, token: str, ttl_ms: int) -> bool:
         """Take a turn's step lock (free or lapsed) for `ttl_ms`; False if held or no turn."""
-        keys, args = TurnKey(k.turn_key(turn_id)), LockArgs(token, ttl_ms, now_ms())
-        return bool(self._lock(keys=list(keys), args=list(args)))
+        args = LockArgs(token, ttl_ms, now_ms())
+        return bool(self._lock(keys=[k.turn_key(turn_id)], args=list(args)))
 
     def begin_step(
         self, turn_id: str, token: str, ttl_ms: int, *, again: bool = False
