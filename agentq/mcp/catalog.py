@@ -75,24 +75,20 @@ class McpTools:
         try:
             self._looked = time.monotonic()
             self._take(force=False)
-        except Exception as exc:
-            log.warning("MCP listings not refreshed: %s", explain(exc))
         finally:
             self._busy.release()
 
     def _take(self, *, force: bool) -> None:
-        shared = self._read()
+        """Apply the shared listings (newer ones only, unless `force`); never raises."""
+        try:
+            shared = read_listings(self._redis())
+        except Exception as exc:
+            log.warning("MCP listings not read from Redis: %s", explain(exc))
+            return
         for name in self.servers:
             listing = shared.get(name)
             if listing is not None and (force or listing.listed_at > self.applied.get(name, -1)):
                 self.apply(name, listing)
-
-    def _read(self) -> dict[str, Listing]:
-        try:
-            return read_listings(self._redis())
-        except Exception as exc:
-            log.warning("MCP listings not read from Redis: %s", explain(exc))
-            return {}
 
     # -- listing, on an I/O worker's loop
 

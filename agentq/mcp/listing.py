@@ -38,9 +38,6 @@ class ListedTool:
     read_only: bool | None = None
     destructive: bool | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True)
 class Refused:
@@ -58,14 +55,7 @@ class Listing:
     refused: list[Refused] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "listed_at": self.listed_at,
-                "tools": [t.to_json() for t in self.tools],
-                "error": self.error,
-                "refused": [asdict(r) for r in self.refused],
-            }
-        )
+        return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: Any) -> Listing:
@@ -107,18 +97,15 @@ def read_listings(redis: Any) -> dict[str, Listing]:
 
 
 def problem(tool: ListedTool) -> str | None:
-    """Why a listed tool cannot be offered, or None."""
+    """Why a listed tool cannot be offered (its input schema must be able to be the
+    parameters of a function the model calls), or None."""
+    from jsonschema.validators import validator_for
+
     if not tool.name:
         return "it has no name"
     if len(tool.name) > MAX_REMOTE_NAME:
         return f"its name is {len(tool.name)} characters long (at most {MAX_REMOTE_NAME})"
-    return schema_problem(tool.input_schema)
-
-
-def schema_problem(schema: Any) -> str | None:
-    """Why an input schema cannot be the parameters of a function the model calls, or None."""
-    from jsonschema.validators import validator_for
-
+    schema: Any = tool.input_schema
     if not isinstance(schema, dict):
         return "its input schema is not a JSON object"
     try:
