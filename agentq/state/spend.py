@@ -300,6 +300,9 @@ def _limit(v: float | None) -> float:
     return NO_LIMIT if v is None else v
 
 
+_TOKENS = {"prompt": "prompt_tokens", "completion": "completion_tokens", "cached": "cached_tokens"}
+"""A spend hash's token fields, and the `Usage` fields (and report names) they count."""
+
 OWNER_NOTED_S = 600.0
 """How long a process takes a key for noted in SPEND_OWNERS before adding it again (a set
 emptied meanwhile gets it back)."""
@@ -402,9 +405,7 @@ class Spend:
         pipe.hset(
             key,
             mapping={
-                "prompt": usage.prompt_tokens,
-                "completion": usage.completion_tokens,
-                "cached": usage.cached_tokens,
+                **{f: getattr(usage, name) for f, name in _TOKENS.items()},
                 "tokens": usage.prompt_tokens + usage.completion_tokens,
                 "usd": usage.cost_usd or 0.0,
             },
@@ -442,8 +443,7 @@ class Spend:
         `tokens` and `cost_usd`) and its limits."""
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
         f = {text(a): b for a, b in raw.items()}
-        counts = {"prompt": "prompt_tokens", "completion": "completion_tokens"}
-        counts |= {"cached": "cached_tokens", "tokens": "total_tokens"}
+        counts = {**_TOKENS, "tokens": "total_tokens"}
         out: dict[str, Any] = {name: int(_num(f.get(n))) for n, name in counts.items()}
         out["cost_usd"] = round(_num(f.get("usd")), 6)
         if "max_tokens" in f:
@@ -472,12 +472,7 @@ class Spend:
 GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
 """What `/v1/usage` may group by, and the prefix of its fields in a day's hash."""
 
-_COUNTS = {
-    "prompt": "prompt_tokens",
-    "completion": "completion_tokens",
-    "cached": "cached_tokens",
-    "turns": "turns",
-}
+_COUNTS = {**_TOKENS, "turns": "turns"}
 
 
 def _row(sums: defaultdict[str, float]) -> dict[str, Any]:
