@@ -98,12 +98,17 @@ def workers_view(live: dict[str, list[str]]) -> dict[str, Any]:
     kinds a turn needs that none serves (`missing_workers`, empty when all is well)."""
     return {
         "workers": {q: len(live.get(q, ())) for q in START},
-        "missing_workers": kinds(q for q in TURN_QUEUES if q not in live),
+        "missing_workers": missing_kinds(live),
     }
 
 
+def missing_kinds(live: dict[str, list[str]]) -> list[str]:
+    """The worker kinds every turn needs that no live worker serves."""
+    return kinds(q for q in TURN_QUEUES if q not in live)
+
+
 class Presence:
-    """`missing` for a process that asks often (the gateway): one read per CACHE_S."""
+    """`live_queues` for a process that asks often (the gateway): one read per CACHE_S."""
 
     def __init__(self, redis: Any) -> None:
         self._redis = redis
@@ -117,10 +122,6 @@ class Presence:
                 self._live = live_queues(self._redis)
                 self._read_at = time.monotonic()
             return self._live
-
-    def missing_kinds(self, needed: Iterable[str] = TURN_QUEUES) -> list[str]:
-        live = self.live()
-        return kinds(q for q in needed if q not in live)
 
 
 def waiting_on(store: TurnStore, turn_id: str) -> list[str] | None:

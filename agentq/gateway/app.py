@@ -44,7 +44,7 @@ from agentq.errors import (
 )
 from agentq.events.follow import Cursor, follow
 from agentq.events.types import Event
-from agentq.fleet.presence import Presence, workers_view
+from agentq.fleet.presence import Presence, missing_kinds, workers_view
 from agentq.gateway.auth import (
     Keyring,
     Principal,
@@ -186,7 +186,7 @@ class Gateway:
         host = request.client.host if request.client else ""
         handle = await run_in_threadpool(self.start_limited, req, principal, host, idempotency_key)
         # A turn in a fleet without the workers every turn needs waits, and is told so.
-        missing = await run_in_threadpool(self.presence.missing_kinds)
+        missing = missing_kinds(await run_in_threadpool(self.presence.live))
         if missing:
             handle = handle.model_copy(update={"missing_workers": missing})
         return accepted(handle)
@@ -272,12 +272,11 @@ class Gateway:
         request_id = request_id_of(request.path_params["request_id"])
         token, by_key = await self._steer_access(request, turn_id)
         ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
-        if by_key:
-            await run_in_threadpool(self.client.interactions.answer, turn_id, request_id, ans)
-        else:
-            await run_in_threadpool(
-                self.client.answer, turn_id, request_id, token, ans.decision, ans.value
+        await run_in_threadpool(
+            lambda: self.client.answer(
+                turn_id, request_id, token, ans.decision, ans.value, operator=by_key
             )
+        )
         return JSONResponse(
             {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
         )
