@@ -11,13 +11,14 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel
 
 from agentq import constants as k
 from agentq.events.lua_args import bind_lua
 from agentq.state.base import text
+from agentq.webhooks.backoff import Status
 
 if TYPE_CHECKING:
     import redis
@@ -36,7 +37,7 @@ class Delivery(BaseModel):
     id: str
     turn_id: str
     url: str
-    status: Literal["pending", "delivered", "gone", "failed"] = "pending"
+    status: Status = "pending"
     attempts: int = 0
     created_at: float
     next_at: float | None = None
@@ -74,8 +75,7 @@ class CreateArgs(NamedTuple):
 
 
 # CREATE_LUA: creating a delivery: once per turn (a second ending, a sweep that raced the
-# step: no-op); due a lease from now, since the creator sends the first attempt's message
-# itself.
+# step: no-op).
 CREATE_LUA = (
     bind_lua(CreateKeys, CreateArgs)
     + """
@@ -204,7 +204,7 @@ class Deliveries:
         self,
         delivery: Delivery,
         attempt: AttemptRecord,
-        status: str,
+        status: Status,
         next_at: float | None,
     ) -> None:
         """The attempt, its outcome, and the next attempt's time (or the end), in one write."""
