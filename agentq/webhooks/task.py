@@ -32,7 +32,7 @@ from agentq.webhooks.deliveries import (
 from agentq.webhooks.post import post
 
 if TYPE_CHECKING:
-    from celery import Celery, Task
+    from celery import Celery
 
     from agentq.state.store import TurnStore
 
@@ -175,8 +175,8 @@ def _unsent(dels: Deliveries, d: Delivery, error: str, out: backoff.Outcome, n: 
 def register_webhook_task(
     app: Celery, get_store: Callable[[], TurnStore], get_settings: Callable[[], Settings]
 ) -> None:
-    @app.task(name=k.TASK_WEBHOOK_DELIVER, bind=True, acks_late=True, ignore_result=True)
-    def deliver(self: Task, delivery_id: str, attempts_before: int) -> str:
+    @app.task(name=k.TASK_WEBHOOK_DELIVER, acks_late=True, ignore_result=True)
+    def deliver(delivery_id: str, attempts_before: int) -> str:
         return attempt(get_store(), get_settings(), delivery_id, attempts_before)
 
 
