@@ -19,6 +19,7 @@ from agentq.fleet import runtime
 from agentq.models import TERMINAL_STATUSES, TurnRequest
 from agentq.orchestrator.start import start_turn
 from agentq.schedules.store import load_spec
+from agentq.state.base import text
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -48,7 +49,7 @@ def run_tick(store: TurnStore, app: Celery, settings: Settings, name: str, tick:
     runs = k.schedule_state_key(name)
     last = redis.hget(runs, "last_turn_id")
     if last is not None and not spec.overlap:
-        status = store.status(last.decode() if isinstance(last, bytes) else str(last))
+        status = store.status(text(last))
         if status is not None and status not in TERMINAL_STATUSES:
             redis.hincrby(runs, "skipped", 1)
             log.info("schedule %s: tick %s skipped, turn %s still runs", name, tick, last)
