@@ -30,8 +30,8 @@ from pydantic import (
 TERMINAL_TYPES = frozenset({"turn_finished", "turn_aborted", "turn_error"})
 """The types that end a turn: nothing of the turn is published after one of them."""
 
-_COMMON = ("type", "turn_id", "seq", "ts", "stream_id", "cursor")
-_ALWAYS_DUMPED = frozenset(("type", "turn_id", "seq", "ts", "stream_id"))
+_COMMON = frozenset(("type", "turn_id", "seq", "ts", "stream_id"))
+"""The fields every event has, always written out; `Event.fields` are the others."""
 
 
 class Event(BaseModel):
@@ -67,7 +67,7 @@ class Event(BaseModel):
         written out as null, so what a reader re-sends (SSE, `--json`) is what was sent."""
         data: dict[str, Any] = handler(self)
         sent = self.model_fields_set
-        return {k: v for k, v in data.items() if k in _ALWAYS_DUMPED or k in sent}
+        return {k: v for k, v in data.items() if k in _COMMON or k in sent}
 
     @property
     def fields(self) -> dict[str, Any]:
