@@ -143,8 +143,7 @@ class TreeFollower:
     def remark(self, turn_id: str) -> None:
         """Count in again where the count may be gone (a failover lost it, or the turn did
         not exist yet): its events came by the log, not live."""
-        if turn_id in self.streams:
-            self.marks[turn_id] = self.marks.get(turn_id, 0) + int(self.bus.watch(turn_id, 1))
+        self.marks[turn_id] = self.marks.get(turn_id, 0) + int(self.bus.watch(turn_id, 1))
 
     def _open(self, turn_id: str, path: tuple[str, ...], after: str = "0-0") -> None:
         if turn_id not in self.streams:
