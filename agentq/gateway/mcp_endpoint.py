@@ -12,7 +12,6 @@ it answer 404, as its turns do everywhere else.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import time
@@ -33,6 +32,7 @@ from agentq.errors import AgentqError, TurnNotFound, Unauthorized
 from agentq.events.follow import follow
 from agentq.events.types import Event
 from agentq.gateway.errors import bearer, invalid
+from agentq.gateway.sse import BlockingEvents
 from agentq.models import TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
@@ -52,7 +52,6 @@ TURN_META_KEY = "io.agentq/turn_id"
 """The `_meta` key of a call's result that names its turn."""
 FOLLOW_HEARTBEAT_S = 1.0
 """How often the follow loop wakes without events, so a cancel is seen within it."""
-_END = object()
 MAX_SESSIONS = 10_000
 """Sessions whose owner is remembered; the oldest is forgotten past this."""
 
@@ -231,16 +230,18 @@ class McpEndpoint:
 
     async def _follow(self, ctx: Any, handle: TurnHandle) -> Event:
         """Relay the turn's events as progress until its terminal event."""
-        events = follow(self.gw.client._store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S)
+        bus = self.gw.client._store.bus
+        events = BlockingEvents(follow(bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S))
         started = time.time()
         sent = 0
         try:
             while True:
-                ev = await anyio.to_thread.run_sync(next, events, _END, abandon_on_cancel=True)
-                if ev is _END:
-                    raise RuntimeError(f"the events of turn {handle.turn_id} ended early")
-                if not isinstance(ev, Event):
+                # Abandoned when cancelled: a follow still waiting in Redis must not hold the loop.
+                ev = await anyio.to_thread.run_sync(events.step, abandon_on_cancel=True)
+                if ev is None:
                     continue
+                if not isinstance(ev, Event):
+                    raise RuntimeError(f"the events of turn {handle.turn_id} ended early")
                 if ev.ends_turn:
                     return ev
                 if ev.type == "turn_started":
@@ -250,7 +251,6 @@ class McpEndpoint:
                     sent += 1
                     await ctx.session.report_progress(sent, None, message)
         finally:
-            # On a thread: a follow still waiting in Redis must not hold the loop. One
-            # still running in an abandoned thread cannot be closed; it ends by itself.
-            with anyio.CancelScope(shield=True), contextlib.suppress(ValueError):
+            # A step still running in an abandoned thread closes the follow as it returns.
+            with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(events.close)
