@@ -479,27 +479,18 @@ _fleet_lock = threading.Lock()
 
 def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
     """This process's capacity manager for `settings` on `redis_client` (one per pair)."""
-    key = (
-        id(redis_client),
-        settings.llm_limits or "",
-        json.dumps(settings.llm_owner_weights, sort_keys=True),
-        settings.llm_background_every,
-        settings.llm_lease_ttl_s,
-        settings.llm_burst_s,
-        settings.llm_breaker_failures,
-        settings.llm_breaker_cooldown_s,
-    )
+    options: dict[str, Any] = {
+        "owner_weights": settings.llm_owner_weights,
+        "background_every": settings.llm_background_every,
+        "lease_ttl_ms": int(settings.llm_lease_ttl_s * 1000),
+        "burst_s": settings.llm_burst_s,
+        "breaker_failures": settings.llm_breaker_failures,
+        "breaker_cooldown_ms": int(settings.llm_breaker_cooldown_s * 1000),
+    }
+    key = (id(redis_client), settings.llm_limits or "", json.dumps(options, sort_keys=True))
     with _fleet_lock:
         cap = _fleet.get(key)
         if cap is None:
-            cap = _fleet[key] = Capacity(
-                redis_client,
-                parse_limits(settings.llm_limits),
-                owner_weights=settings.llm_owner_weights,
-                background_every=settings.llm_background_every,
-                lease_ttl_ms=int(settings.llm_lease_ttl_s * 1000),
-                burst_s=settings.llm_burst_s,
-                breaker_failures=settings.llm_breaker_failures,
-                breaker_cooldown_ms=int(settings.llm_breaker_cooldown_s * 1000),
-            )
+            limits = parse_limits(settings.llm_limits)
+            cap = _fleet[key] = Capacity(redis_client, limits, **options)
         return cap
