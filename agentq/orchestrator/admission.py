@@ -23,16 +23,9 @@ if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
 
 
-def model_of(ctx: StepContext) -> str:
-    """The turn's own model (a retry's or fork's), else its agent's, else the settings'."""
-    agent = ctx.agent
-    own = ctx.state.get("model")
-    return own or (agent.model if agent is not None else None) or ctx.settings.llm_model
-
-
 def admit(ctx: StepContext, round_no: int) -> Grant | float:
     """The round's grant, or when its turn should ask again (the round waits, queued)."""
-    model = model_of(ctx)
+    model = ctx.model
     waiter = waiter_of(ctx.turn_id, round_no)
     waiting = ctx.state.get("llm_wait_round") == round_no
     since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
@@ -80,4 +73,4 @@ def withdraw(ctx: StepContext) -> None:
     if round_no is None or ctx.state.get("llm_round") == round_no:
         return
     cap = capacity_for(ctx.store.redis, ctx.settings)
-    wake_granted(ctx.store, cap.withdraw(model_of(ctx), waiter_of(ctx.turn_id, int(round_no))))
+    wake_granted(ctx.store, cap.withdraw(ctx.model, waiter_of(ctx.turn_id, int(round_no))))

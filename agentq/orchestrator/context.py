@@ -57,6 +57,12 @@ class StepContext:
         return bool(self.state.get("headless"))
 
     @property
+    def model(self) -> str:
+        """The turn's own model (a retry's or fork's), else its agent's, else the settings'."""
+        agent_model = self.agent.model if self.agent is not None else None
+        return self.state.get("model") or agent_model or self.settings.llm_model
+
+    @property
     def interactive(self) -> bool:
         """A person follows the turn (it is neither detached nor headless, or it is the
         child of a turn a person follows): its model rounds are served first."""

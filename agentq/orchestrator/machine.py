@@ -337,7 +337,7 @@ def finish(
     """End the turn with turn_finished; `append` (the round's last tool results) is written
     in the same write; `output` is the agent's typed answer (JSON), stored with the turn."""
     # A round whose calls were its last (stop_after_round) is settled here.
-    spend.settle_left(ctx, admission.model_of(ctx))
+    spend.settle_left(ctx)
     history = [*ctx.history, *(append or [])]
     content = subturns.final_content(history)
     typed = {} if output is None else {"output": output}
@@ -375,7 +375,7 @@ def _own_messages(ctx: StepContext) -> list[dict[str, Any]]:
 def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     """End the turn with turn_error, every call of its round settled first."""
     admission.withdraw(ctx)
-    spend.settle_left(ctx, admission.model_of(ctx))
+    spend.settle_left(ctx)
     headless = code == "headless_interaction"
     msgs, ours = settle_pending(
         ctx,
@@ -402,7 +402,7 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
 def abort_turn(ctx: StepContext, reason: str) -> None:
     """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
     admission.withdraw(ctx)
-    spend.settle_left(ctx, admission.model_of(ctx))
+    spend.settle_left(ctx)
     revoked = revoke_unsettled(
         ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
     )

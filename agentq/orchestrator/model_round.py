@@ -116,7 +116,7 @@ def _round_request(
         duration_left_s=left_s,
         idle_timeout_ms=s.stream_idle_timeout_ms,
         # The model the round was admitted for: its limits and its call are one model's.
-        model=admission.model_of(ctx),
+        model=ctx.model,
         instructions=ctx.state.get("instructions")
         or ("" if agent is None else agent.system_message()),
         traceparent=ctx.state.get("traceparent"),
@@ -141,10 +141,10 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
     if raw is not None:
         result = LlmRoundResult.model_validate_json(raw)
         if not _goes_again(ctx, round_no, result):
-            spend.settle_round(ctx, round_no, result, admission.model_of(ctx))
+            spend.settle_round(ctx, round_no, result)
             return _message(ctx, result)
     if ctx.state.get("llm_round") != round_no:
-        spend.reserve_round(ctx, round_no, admission.model_of(ctx))
+        spend.reserve_round(ctx, round_no)
         grant = admission.admit(ctx, round_no)
         if not isinstance(grant, Grant):
             return grant

@@ -96,10 +96,9 @@ def _args(ctx: StepContext) -> dict[str, Any]:
     }
 
 
-def reserve_round(ctx: StepContext, round_no: int, model: str) -> None:
-    """Record the round of `model` as sent and, under a budget, reserve it first (once: a
-    step that runs again finds it reserved); raise BudgetExceeded when a budget cannot
-    afford it."""
+def reserve_round(ctx: StepContext, round_no: int) -> None:
+    """Record the round as sent and, under a budget, reserve it first (once: a step that
+    runs again finds it reserved); raise BudgetExceeded when a budget cannot afford it."""
     reservation = str(round_no)
     if ctx.state.get("budget_reservation") == reservation:
         return
@@ -112,7 +111,7 @@ def reserve_round(ctx: StepContext, round_no: int, model: str) -> None:
             day=day,
             prompt_tokens=prompt,
             want=ctx.settings.budget_completion_tokens,
-            price=ctx.settings.price_of(model),
+            price=ctx.settings.price_of(ctx.model),
             max_tokens=max_tokens,
             max_usd=max_usd,
         )
@@ -143,16 +142,16 @@ def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
     return usage
 
 
-def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model: str) -> None:
+def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult) -> None:
     """Settle the answered round in Redis (its reservation, if any, replaced by its usage)
     and stage the turn's new totals. Once: a step that runs again finds the round settled
     (in its state, or in Redis, and then stages the same totals its state lost)."""
     st = ctx.state
     if st.get("budget_reservation") != str(round_no):
         return
-    usage = round_usage(ctx, result, model)
+    usage = round_usage(ctx, result, ctx.model)
     day = str(st.get("budget_day") or day_of(ctx.now))
-    settle = Settlement(round_no, day, usage, model, st.get("agent"))
+    settle = Settlement(round_no, day, usage, ctx.model, st.get("agent"))
     spend_of(ctx).settle(**_args(ctx), settle=settle)
     ctx.stage(
         budget_reservation=None,
@@ -165,10 +164,10 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult, model:
     )
 
 
-def settle_left(ctx: StepContext, model: str) -> None:
+def settle_left(ctx: StepContext) -> None:
     """At the turn's end: a round sent and not answered (aborted mid-stream, or its turn
     ended before its result) is settled at its estimate."""
     reservation = ctx.state.get("budget_reservation")
     if reservation is not None:
         ended = LlmRoundResult(ok=False, error="the turn ended before the round's result")
-        settle_round(ctx, int(reservation), ended, model)
+        settle_round(ctx, int(reservation), ended)
