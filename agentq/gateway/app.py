@@ -427,10 +427,6 @@ class Gateway:
         if not principal.admin:
             raise Forbidden(f"{path} needs an admin key")
 
-    def read_capacity(self) -> list[dict[str, Any]]:
-        """The capacity snapshot of every model the gateway knows (agentq.gateway.capacity)."""
-        return read_snapshots(self.capacity, self.client.settings, self.client._store.redis)
-
     async def metrics_page(self, request: Request) -> Response:
         self.require_admin_read(request)
         active = None
@@ -442,7 +438,7 @@ class Gateway:
                 self.metrics.scraped.counts = await _abandonable(
                     read_counts, self.client._store.redis
                 )
-                capacity = await _abandonable(self.read_capacity)
+                capacity = await _abandonable(read_snapshots, self.capacity, self.client.settings)
                 hooks = await _abandonable(
                     lambda: (self.deliveries.counts(), self.deliveries.backlog())
                 )

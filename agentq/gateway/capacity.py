@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-
 from agentq.agents import published_agent_details
 from agentq.config import Settings
 from agentq.llm.apis import api_view, read_learned
@@ -21,14 +19,14 @@ from agentq.llm.capacity import Capacity
 from agentq.llm.limits import ModelLimitsEntry
 
 
-def read_snapshots(cap: Capacity, settings: Settings, client: redis.Redis) -> list[dict[str, Any]]:
+def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
     """`Capacity.snapshot` of every known model (configured ones and any this process has
     met, the default one, the agents' ones, those whose API `auto` learned), by name, with
     the API it is called with (`api`: its setting, the API in use, and what `auto` learned,
     agentq.llm.apis)."""
-    learned = read_learned(client)
+    learned = read_learned(cap.redis)
     agents = [
-        a["model"] for a in published_agent_details(client) if isinstance(a.get("model"), str)
+        a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)
     ]
     models = {*cap.limits, settings.llm_model, *agents, *learned}
     # A brace would end the model's Redis Cluster hash tag early (as parse_limits refuses).

@@ -24,7 +24,7 @@ from starlette.routing import Route
 from agentq.errors import Forbidden, TurnNotFound
 from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
-from agentq.gateway.capacity import capacity_view
+from agentq.gateway.capacity import capacity_view, read_snapshots
 from agentq.gateway.context import NO_STORE
 from agentq.gateway.errors import invalid, validated
 from agentq.gateway.validate import read_json
@@ -105,7 +105,9 @@ class Console:
 
     async def capacity(self, request: Request) -> Response:
         self.gw.require_admin_read(request)
-        snapshots = await run_in_threadpool(self.gw.read_capacity)
+        snapshots = await run_in_threadpool(
+            read_snapshots, self.gw.capacity, self.gw.client.settings
+        )
         body = capacity_view(self.gw.capacity, snapshots)
         # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors, and the tools their
         # listings hold that are refused: admins only.

@@ -7,7 +7,7 @@ this type, so none of them imports the module that imports them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -55,5 +55,3 @@ class RouteContext(Protocol):
     ) -> Response: ...
 
     def require_admin_read(self, request: Request) -> None: ...
-
-    def read_capacity(self) -> list[dict[str, Any]]: ...
