@@ -31,8 +31,6 @@ def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[st
     prefix = prefix.lower()
     if not _PREFIX.fullmatch(prefix):
         return [], False
-    if len(prefix) == TURN_ID_LEN:
-        return ([prefix] if client.exists(k.turn_key(prefix)) else []), False
     shards = [k.shard_of(prefix)] if len(prefix) >= 4 else list(k.shards())
     found: dict[str, float] = {}
     scanned = 0
