@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Unpack, cast
 
-from agentq.agents import Agent
+from agentq.agents import Agent, AgentTool
 from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import ToolResult, TurnStatus
@@ -15,6 +15,7 @@ from agentq.state.steplock import Released
 from agentq.state.turn_state import TurnState
 from agentq.state.turns import Closed
 from agentq.telemetry import tracing
+from agentq.tools.registry import ToolSpec, all_tools
 from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
@@ -61,6 +62,10 @@ class StepContext:
         """The turn's own model (a retry's or fork's), else its agent's, else the settings'."""
         agent_model = self.agent.model if self.agent is not None else None
         return self.state.get("model") or agent_model or self.settings.llm_model
+
+    def offered_tools(self) -> list[ToolSpec | AgentTool]:
+        """What the turn's model rounds are offered: its agent's tools, else every tool."""
+        return list(all_tools().values()) if self.agent is None else self.agent.offered_tools()
 
     @property
     def interactive(self) -> bool:

@@ -20,7 +20,7 @@ from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import admission, spend, subturns
 from agentq.state.base import now_ms
 from agentq.state.turn_state import TurnState
-from agentq.tools.registry import all_tools, schemas_json
+from agentq.tools.registry import schemas_json
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -108,7 +108,7 @@ def _round_request(
     """What the stream worker is sent for the round, and how many tools it offers."""
     s = ctx.settings
     agent = ctx.agent
-    offered = list(all_tools().values()) if agent is None else agent.offered_tools()
+    offered = ctx.offered_tools()
     req = LlmRoundRequest(
         turn_id=ctx.turn_id,
         round_no=round_no,

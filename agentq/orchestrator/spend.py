@@ -23,7 +23,7 @@ from agentq.state.budget import (
 )
 from agentq.state.spend import Reserved, Settlement, Spend
 from agentq.state.turn_state import TurnState
-from agentq.tools.registry import all_tools, schemas_json
+from agentq.tools.registry import schemas_json
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -48,9 +48,8 @@ def _prompt_estimate(ctx: StepContext) -> int:
     """The round's prompt in tokens, estimated as the capacity manager does: its history,
     the agent's instructions and the tools' schemas."""
     agent = ctx.agent
-    offered = list(all_tools().values()) if agent is None else agent.offered_tools()
     chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
-    chars += len(schemas_json(offered)) + (len(agent.system_message()) if agent else 0)
+    chars += len(schemas_json(ctx.offered_tools())) + (len(agent.system_message()) if agent else 0)
     return math.ceil(chars / CHARS_PER_TOKEN)
 
 
