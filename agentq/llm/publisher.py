@@ -2,8 +2,8 @@
 
 One `Publisher` per process sends the pending events of all its rounds in one pipelined
 round trip, joining a round's deltas between batches (`llm_delta_interval_ms`) and holding
-those of a turn nobody follows (`llm_quiet_delta_interval_ms`); a round's `Deltas` adds to
-it and takes what is left for the write of the round's end.
+those of a turn nobody follows (`llm_quiet_delta_interval_ms`); a round adds to it and
+takes what is left for the write of its end.
 """
 
 from __future__ import annotations
@@ -242,23 +242,10 @@ class Publisher:
 _publisher: Publisher | None = None
 
 
-class Deltas:
-    """A round's events, in order, through the process's publisher."""
-
-    def __init__(self, host: LoopHost, turn_id: str, round_no: int) -> None:
-        global _publisher
-        if _publisher is None:
-            _publisher = Publisher(host)
-            host.cancels.on_watch = _publisher.watched
-        self.publisher = _publisher
-        self.turn_id = turn_id
-        self.round_no = round_no
-
-    def add(self, type_: str, **fields: Any) -> None:
-        self.publisher.add(self.turn_id, type_, {"round_no": self.round_no, **fields})
-
-    def learned(self, watched: bool) -> None:
-        self.publisher.learned(self.turn_id, watched)
-
-    async def take(self) -> list[tuple[str, dict[str, Any]]]:
-        return await self.publisher.take(self.turn_id)
+def publisher_of(host: LoopHost) -> Publisher:
+    """This process's publisher, made at its first round."""
+    global _publisher
+    if _publisher is None:
+        _publisher = Publisher(host)
+        host.cancels.on_watch = _publisher.watched
+    return _publisher

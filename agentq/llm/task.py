@@ -31,7 +31,7 @@ from agentq.errors import (
 )
 from agentq.llm.apis import configured, names_responses
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
-from agentq.llm.publisher import Deltas
+from agentq.llm.publisher import Publisher, publisher_of
 from agentq.llm.reasoning import without_reasoning
 from agentq.llm.responses import RESPONSES_PATH, ModelApi
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
@@ -162,7 +162,7 @@ class _Round:
 
     host: LoopHost
     req: LlmRoundRequest
-    events: Deltas
+    publisher: Publisher
     model: str
     failover: bool
     """Other deployments can take the round: a failing one gives it up at once."""
@@ -170,6 +170,9 @@ class _Round:
     headers: dict[str, str] = dataclasses.field(default_factory=dict)
     ttft_ms: int | None = None
     """From the round's start (retries included) to its first text, reasoning or tool call."""
+
+    def emit(self, type_: str, **fields: Any) -> None:
+        self.publisher.add(self.req.turn_id, type_, {"round_no": self.req.round_no, **fields})
 
     def elapsed_ms(self) -> int:
         return int((time.monotonic() - self.t0) * 1000)
@@ -206,7 +209,7 @@ class _Round:
                 duration_left_s=req.duration_left_s,
                 max_retries=settings.llm_max_retries,
                 timeout=timeout,
-                on_delta=lambda kind, text: self.events.add("llm_delta", kind=kind, text=text),
+                on_delta=lambda kind, text: self.emit("llm_delta", kind=kind, text=text),
                 on_retry=self._on_retry,
                 abort=abort,
                 turn_id=req.turn_id,
@@ -261,7 +264,7 @@ class _Round:
     def _on_retry(self, attempt: int, exc: Exception, delay_s: float) -> None:
         code = getattr(exc, "code", None)
         delay_ms = int(delay_s * 1000)
-        self.events.add("llm_retry", attempt=attempt, error=str(exc), code=code, delay_ms=delay_ms)
+        self.emit("llm_retry", attempt=attempt, error=str(exc), code=code, delay_ms=delay_ms)
 
     def _on_first_output(self) -> None:
         if self.ttft_ms is None:
@@ -270,7 +273,7 @@ class _Round:
     def answered(self, message: AssistantMessage, streamed_s: float) -> LlmRoundResult:
         usage = self._usage(message)
         message = message.model_copy(update={"usage": usage})
-        self.events.add(
+        self.emit(
             "llm_finished",
             model=self.model,
             finish_reason=message.finish_reason,
@@ -285,7 +288,7 @@ class _Round:
     def busy(self, exc: ModelBusy) -> LlmRoundResult:
         """Not this round's failure: the fleet pauses the model and the turn queues the
         round again, with none of its retries used."""
-        self.events.add(
+        self.emit(
             "llm_finished",
             error=exc.message,
             code=exc.code,
@@ -299,7 +302,7 @@ class _Round:
     def failed(self, exc: AgentqError) -> LlmRoundResult:
         code = getattr(exc, "code", "ELLM")
         fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
-        self.events.add(
+        self.emit(
             "llm_finished",
             error=exc.message,
             code=code,
@@ -344,10 +347,10 @@ async def _stream(
     """The round's result, its events not published yet (for the write of its end), and
     its time to first output."""
     model = _model(host, req)
-    events = Deltas(host, req.turn_id, req.round_no)
-    events.learned(start.followed)
+    publisher = publisher_of(host)
+    publisher.learned(req.turn_id, start.followed)
     failover = len(streams.capacity.entry(model).routes) > 1
-    rnd = _Round(host, req, events, model, failover)
+    rnd = _Round(host, req, publisher, model, failover)
     refused: AgentqError | None = None
     try:
         result = rnd.answered(*await rnd.call(streams, start.history, abort))
@@ -360,7 +363,7 @@ async def _stream(
     except Exception as exc:
         result = rnd.crashed(exc)
     # Every delta is out, or in the write of the round's end, before the turn hears it.
-    last = await events.take()
+    last = await publisher.take(req.turn_id)
     await host.io(settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers)
     return result, last, rnd.ttft_ms
 
