@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.dispatch")
 
 
-def task_id_for(turn_id: str, call_id: str, attempt: int) -> str:
-    return f"{turn_id}.{call_id}.{attempt}"
+def task_id_for(turn_id: str, call_id: str) -> str:
+    """A call's task id, the same for each send of it: its start claim runs it once."""
+    return f"{turn_id}.{call_id}.1"
 
 
 def _records(
@@ -40,7 +41,7 @@ def _records(
         if p.call.id in earlier
         else {
             "tool": p.call.name,
-            "task_id": task_id_for(ctx.turn_id, p.call.id, 1),
+            "task_id": task_id_for(ctx.turn_id, p.call.id),
             "dispatched_at": now,
             "timeout_s": p.timeout_s,
             "soft_timeout_s": p.soft_timeout_s,
@@ -291,7 +292,7 @@ def _not_queued(
 def _settle_lost(
     ctx: StepContext, p: CallPlan, why: str, start: dict[str, Any] | None
 ) -> ToolResult:
-    task_id = task_id_for(ctx.turn_id, p.call.id, 1)
+    task_id = task_id_for(ctx.turn_id, p.call.id)
     revoke(ctx.app, task_id, terminate=True, signal="SIGKILL")
     lost = lost_result(
         p.call,
