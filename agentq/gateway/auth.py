@@ -23,6 +23,7 @@ from pydantic import SecretStr
 
 from agentq.config import Settings
 from agentq.errors import ConfigError
+from agentq.orchestrator.start import hash_token
 from agentq.state.turn_state import TurnState
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
@@ -31,10 +32,6 @@ MIN_KEY_CHARS = 16
 """A shorter key is a typo or a guessable password: refused at start."""
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 KEY_VARIABLES = "AGENTQ_API_KEYS or AGENTQ_ADMIN_KEYS"
-
-
-def sha256_hex(value: str) -> str:
-    return hashlib.sha256(value.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -130,7 +127,7 @@ def secret_matches(presented: str | None, expected: str) -> bool:
     """Constant-time equality of a presented secret and a configured one, via digests."""
     if not presented:
         return False
-    return hmac.compare_digest(sha256_hex(presented), sha256_hex(expected))
+    return hmac.compare_digest(hash_token(presented), hash_token(expected))
 
 
 def token_matches(state: TurnState, token: str | None) -> bool:
@@ -138,7 +135,7 @@ def token_matches(state: TurnState, token: str | None) -> bool:
     if not token:
         return False
     expected = str(state.get("token_sha256", ""))
-    return hmac.compare_digest(sha256_hex(token), expected) and bool(expected)
+    return hmac.compare_digest(hash_token(token), expected) and bool(expected)
 
 
 def may_access(state: TurnState, principal: Principal | None, token: str | None) -> bool:

@@ -16,11 +16,11 @@ from agentq.gateway.auth import (
     may_access,
     may_list,
     parse_keys,
-    sha256_hex,
     token_matches,
 )
 from agentq.gateway.guard import RequestGuard, host_name, is_json
 from agentq.gateway.limits import retry_after_header
+from agentq.orchestrator.start import hash_token
 
 A = "a" * 20
 B = "b" * 20
@@ -77,7 +77,7 @@ def test_settings_keep_keys_secret_and_check_cors_origins() -> None:
 
 def test_access_rule() -> None:
     token = "t" * 43
-    state = {"owner": "alice", "token_sha256": sha256_hex(token)}
+    state = {"owner": "alice", "token_sha256": hash_token(token)}
     assert token_matches(state, token) and not token_matches(state, token + "x")
     assert not token_matches({"owner": "alice"}, "")
     assert may_access(state, None, token)
