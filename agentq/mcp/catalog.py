@@ -180,7 +180,7 @@ class McpTools:
             fresh = tools if server == name else {n: t for n, t in tools.items() if n not in before}
             for model_name, tool in fresh.items():
                 try:
-                    spec = make_spec(self.servers[server], tool, self.links)
+                    spec = make_spec(self.links[server], tool)
                 except Exception as exc:
                     self._tell(server, printable(tool.name), f"not made: {explain(exc)}")
                     tools.pop(model_name)

@@ -77,8 +77,10 @@ def approval_of(server: McpServer, listed: ListedTool) -> Approval:
     return "auto" if server.trust_annotations and listed.read_only is True else "ask"
 
 
-def make_spec(server: McpServer, listed: ListedTool, links: dict[str, ServerLink]) -> McpToolSpec:
+def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
     from jsonschema.validators import validator_for
+
+    server = link.server
 
     # The listing refused schemas that are not JSON Schema (agentq.mcp.listing).
     schema = listed.input_schema or {"type": "object"}
@@ -99,9 +101,6 @@ def make_spec(server: McpServer, listed: ListedTool, links: dict[str, ServerLink
     remote = listed.name
 
     async def call(ctx: ToolContext, /, **arguments: Any) -> Any:
-        link = links.get(server.name)
-        if link is None:
-            raise McpServerUnavailable(server.name, "not configured in this worker")
         return await call_tool(link, remote, ctx, arguments)
 
     name = tool_name(server.name, remote)

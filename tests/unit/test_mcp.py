@@ -12,7 +12,7 @@ from mcp.types import EmbeddedResource, ImageContent, TextContent, TextResourceC
 from agentq.agents import Agent, check_agents, unregister_agent
 from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvalid
 from agentq.mcp.catalog import McpTools
-from agentq.mcp.link import BACKOFF_S, backoff_s
+from agentq.mcp.link import BACKOFF_S, ServerLink, backoff_s
 from agentq.mcp.listing import ListedTool, Listing, Refused, plan
 from agentq.mcp.names import FUNCTION_NAME, MAX_NAME, mapped_names, tool_name
 from agentq.mcp.servers import parse_servers
@@ -112,7 +112,7 @@ def test_a_spec_checks_arguments_by_schema_and_carries_the_policy() -> None:
     server = parse_servers(
         servers(s={"command": ["x"], "timeout_s": 7, "budget_s": 2, "concurrency": "exclusive"})
     )["s"]
-    spec = make_spec(server, listed("count-things"), {})
+    spec = make_spec(ServerLink(server), listed("count-things"))
     assert spec.name == "s__count-things" and spec.remote == "count-things"
     assert spec.task_name == "agentq.tool.s__count-things" and spec.kind == "async"
     assert spec.openai_schema()["function"]["parameters"]["required"] == ["n"]
@@ -293,7 +293,7 @@ def test_a_celery_task_is_made_for_any_tool_name_a_server_gives() -> None:
 
     server = parse_servers(servers(everything={"command": ["x"]}))["everything"]
     names = ["get-annotated-message", "a.b", "tool()", "déjà vu", "class", "x" * 200]
-    specs = {s.name: s for s in (make_spec(server, listed(n), {}) for n in names)}
+    specs = {s.name: s for s in (make_spec(ServerLink(server), listed(n)) for n in names)}
     app = Celery("names", set_as_current=False)
     register_tool_tasks(app, specs)
     for spec in specs.values():
