@@ -22,7 +22,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import Forbidden, TurnNotFound
-from agentq.fleet.runtime import get_redis
 from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
 from agentq.gateway.capacity import capacity_view, read_snapshots
 from agentq.gateway.context import NO_STORE
@@ -43,7 +42,8 @@ class Console:
 
     def __init__(self, gw: RouteContext) -> None:
         self.gw = gw
-        self.lister = TurnLister(gw.client._store.redis)
+        self.redis = gw.client._store.redis
+        self.lister = TurnLister(self.redis)
 
     def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
         """Which turns the caller may list; None: every turn (no keys, loopback only)."""
@@ -114,11 +114,13 @@ class Console:
         body["mcp_servers"] = await run_in_threadpool(self._mcp_panel)
         return JSONResponse(body, headers=NO_STORE)
 
+    def _servers(self) -> list[dict[str, Any]]:
+        """What /v1/mcp/servers lists: AGENTQ_MCP_SERVERS, each with its tools' listing."""
+        return servers_view(self.redis, parse_servers(self.gw.client.settings.mcp_servers))
+
     def _mcp_panel(self) -> dict[str, dict[str, Any]]:
-        settings = self.gw.client.settings
-        redis = get_redis(settings)
-        panel = server_health(redis, detail=True)
-        for server in servers_view(redis, parse_servers(settings.mcp_servers)):
+        panel = server_health(self.redis, detail=True)
+        for server in self._servers():
             if server["refused"]:
                 entry = panel.setdefault(server["name"], {"ok": True, "failures": 0})
                 entry["refused"] = server["refused"]
@@ -126,10 +128,7 @@ class Console:
 
     async def mcp_servers(self, request: Request) -> Response:
         self.gw.require_admin_read(request)
-        settings = self.gw.client.settings
-        view = await run_in_threadpool(
-            servers_view, get_redis(settings), parse_servers(settings.mcp_servers)
-        )
+        view = await run_in_threadpool(self._servers)
         return JSONResponse({"servers": view}, headers=NO_STORE)
 
     async def abort(self, request: Request) -> Response:
