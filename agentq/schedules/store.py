@@ -3,7 +3,6 @@ celery-redbeat entry that `agentq beat` fires."""
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -68,7 +67,7 @@ class Schedules:
             entry = self._beat_entry(spec.name)
             out.append(
                 {
-                    **json.loads(spec.model_dump_json()),
+                    **spec.model_dump(mode="json"),
                     "when": spec.when,
                     "fired": int(runs.get("fired", 0)),
                     "skipped": int(runs.get("skipped", 0)),
