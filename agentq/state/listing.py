@@ -37,6 +37,8 @@ SCAN_MAX = 5000
 cursor: a rare filter never makes one request read the whole index."""
 PRUNE_BATCH = 50
 TURN_STATUSES = frozenset(s.value for s in TurnStatus)
+Visible = Callable[[dict[str, Any]], bool]
+"""Whether the asker may see a turn, given its state (the gateway's rule)."""
 
 
 # _SUMMARY_LUA: the summaries of a shard's turns (ARGV after approval_suffix, what follows
@@ -237,8 +239,11 @@ class TurnLister:
         self.redis = client
         self._summary = client.register_script(_SUMMARY_LUA)
 
-    def summaries(self, turn_ids: list[str], now: float | None = None) -> dict[str, dict[str, Any]]:
-        """Summaries of these turns (vanished ones omitted and dropped from the index)."""
+    def summaries(
+        self, turn_ids: list[str], now: float | None = None, visible: Visible | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Summaries of these turns whose state is `visible` (vanished ones omitted and
+        dropped from the index)."""
         if not turn_ids:
             return {}
         now = time.time() if now is None else now
@@ -259,6 +264,8 @@ class TurnLister:
                 continue
             flat = _as_list(row[1])
             state = {flat[i]: _loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+            if visible is not None and not visible(state):
+                continue
             pending = [_loads(p) for p in _as_list(row[4])]
             out[turn_id] = summarise(
                 turn_id,
@@ -268,7 +275,6 @@ class TurnLister:
                 [p for p in pending if isinstance(p, dict)],
                 now,
             )
-            out[turn_id]["_state"] = state
         self._drop(gone)
         return out
 
@@ -300,9 +306,7 @@ class TurnLister:
         )
         return sum(int(n) for n in got)
 
-    def page(
-        self, query: TurnQuery, visible: Callable[[dict[str, Any]], bool] | None = None
-    ) -> TurnPage:
+    def page(self, query: TurnQuery, visible: Visible | None = None) -> TurnPage:
         """Newest first from `query.before`, filtered, at most `query.limit` turns."""
         self.prune()
         now = time.time()
@@ -314,15 +318,12 @@ class TurnLister:
             rows = self._newest(top, SCAN_BATCH)
             if not rows:
                 return page
-            found = self.summaries([m for m, _ in rows], now)
+            found = self.summaries([m for m, _ in rows], now, visible)
             for member, score in rows:
                 scanned += 1
                 last_score = score
                 row = found.get(member)
-                if row is None:
-                    continue
-                state = row.pop("_state")
-                if (visible is not None and not visible(state)) or not query.matches(row):
+                if row is None or not query.matches(row):
                     continue
                 page.turns.append(row)
                 if len(page.turns) >= query.limit:
@@ -358,22 +359,17 @@ class TurnLister:
         self._drop(gone)
         return len(gone)
 
-    def pending_interactions(
-        self, visible: Callable[[dict[str, Any]], bool] | None = None
-    ) -> list[dict[str, Any]]:
+    def pending_interactions(self, visible: Visible | None = None) -> list[dict[str, Any]]:
         """Every pending interaction of the running turns, the soonest to expire first."""
         ids = active_turns(self.redis)
         out: list[dict[str, Any]] = []
         for i in range(0, len(ids), SCAN_BATCH):
-            for row in self.summaries(ids[i : i + SCAN_BATCH]).values():
-                state = row.pop("_state")
-                if visible is not None and not visible(state):
-                    continue
+            for row in self.summaries(ids[i : i + SCAN_BATCH], visible=visible).values():
                 for p in row["pending_interactions"]:
                     p["agent"] = row["agent"]
                     p["owner"] = row["owner"]
                     # A sub-agent's request: the console shows whose agent call asked.
-                    p["parent_turn_id"] = state.get("parent_turn_id")
+                    p["parent_turn_id"] = row["parent_turn_id"]
                     out.append(p)
         out.sort(key=lambda p: float(p["expires_at"]))
         return out
