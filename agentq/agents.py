@@ -290,7 +290,7 @@ def publish_agents(client: redis.Redis, now: float | None = None) -> int:
 
 def published_agent_details(client: redis.Redis, now: float | None = None) -> list[dict[str, Any]]:
     """The agents some turn worker published lately (before `now`), by name: name, model,
-    tools."""
+    tools, description, output schema."""
     now = time.time() if now is None else now
     out = []
     for name, raw in client.hgetall(k.AGENTS).items():
@@ -300,15 +300,8 @@ def published_agent_details(client: redis.Redis, now: float | None = None) -> li
         except (ValueError, KeyError, TypeError):
             continue
         if now - seen <= PUBLISHED_FRESH_S:
-            out.append(
-                {
-                    "name": name.decode() if isinstance(name, bytes) else str(name),
-                    "model": rec.get("model"),
-                    "tools": rec.get("tools") or [],
-                    "description": rec.get("description") or "",
-                    "output_schema": rec.get("output_schema"),
-                }
-            )
+            del rec["seen_at"]
+            out.append({"name": name.decode() if isinstance(name, bytes) else str(name), **rec})
     return sorted(out, key=lambda a: str(a["name"]))
 
 
