@@ -317,18 +317,3 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
     if nxt is not None:
         send_step_or_wake(store, app, nxt)
     return nxt
-
-
-__all__ = [
-    "WAITING_RECHECK_S",
-    "ConversationMovedOn",
-    "admit",
-    "admit_in_place",
-    "conversations",
-    "exchange_of",
-    "hand_off",
-    "release_for",
-    "shown",
-    "take_injected",
-    "take_turn",
-]

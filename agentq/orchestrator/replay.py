@@ -522,21 +522,3 @@ def bulk_retry(
         if said is not None:
             said(outcome)
     return out
-
-
-__all__ = [
-    "BULK_CALLER",
-    "BulkOutcome",
-    "BulkRetryRequest",
-    "ForkEdit",
-    "ForkRequest",
-    "RetryRequest",
-    "Source",
-    "ToolResultEdit",
-    "bulk_retry",
-    "fork_launch",
-    "read_source",
-    "replay_source",
-    "retry_launch",
-    "start_replay",
-]
