@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import HeadlessInteraction, TurnAborted, TurnFailed
-from agentq.events.types import Event, TurnAbortedEvent, TurnErrorEvent, TurnFinished
+from agentq.events.types import Event, TurnFinished
 from agentq.state.turn_state import TurnState
 
 
@@ -67,7 +67,7 @@ def settle(
 ) -> TurnResult:
     """The result of a turn that ended with `terminal`; raises for one that did not finish."""
     state = view["state"]
-    if isinstance(terminal, TurnErrorEvent) or terminal.type == "turn_error":
+    if terminal.type == "turn_error":
         fields = terminal.fields
         code = str(fields.get("code") or state.get("error_code") or "error")
         error = str(fields.get("error") or state.get("error") or "")
@@ -76,7 +76,7 @@ def settle(
                 turn_id, str(fields.get("request_id") or ""), str(fields.get("kind") or "")
             )
         raise TurnFailed(turn_id, code, error)
-    if isinstance(terminal, TurnAbortedEvent) or terminal.type == "turn_aborted":
+    if terminal.type == "turn_aborted":
         raise TurnAborted(turn_id, str(terminal.fields.get("reason") or "user"))
     value = state.get("output")
     if value is not None and output_type is not None:
