@@ -140,9 +140,11 @@ async def astream_round(
         attempt += 1
         if abort.is_set():
             raise Aborted(turn_id)
-        if first.duration_left_s <= 0:
-            raise StreamDurationExceeded(first.duration_left_s, 0.0)
-        run = dataclasses.replace(first)
+        # The round's retries share its duration budget: each gets what the last left.
+        left_s = first.duration_left_s - streamed_s
+        if left_s <= 0:
+            raise StreamDurationExceeded(first.duration_left_s, streamed_s)
+        run = dataclasses.replace(first, duration_left_s=left_s)
         try:
             message = await run.run(messages, tools)
         except LlmError as exc:

@@ -15,6 +15,8 @@ from agentq.errors import (
     ModelBusy,
     ModelConnectionError,
     ModelHTTPError,
+    StreamDurationExceeded,
+    StreamIdleTimeout,
 )
 from agentq.llm.aclient import Attempt, astream_round, client_timeout, make_client
 from agentq.llm.responses import ModelApi
@@ -50,6 +52,7 @@ async def _round(
     idle_ms: int = IDLE_MS,
     api_key: str | None = None,
     base_url: str | None = None,
+    duration_s: float = 30,
 ) -> tuple[AssistantMessage | None, BaseException | None, list[int], list[str]]:
     own = client is None
     client = client or make_client(
@@ -65,7 +68,7 @@ async def _round(
             client=client,
             model="scripted",
             idle_timeout_ms=idle_ms,
-            duration_left_s=30,
+            duration_left_s=duration_s,
             max_retries=max_retries,
             timeout=None,
             on_delta=lambda kind, text: deltas.append(text),
@@ -159,6 +162,15 @@ def test_abort_wins_when_the_silence_limit_fires_too(server: ScriptedOpenAIServe
         return error
 
     assert isinstance(asyncio.run(go()), Aborted)
+
+
+def test_the_retries_of_a_round_share_its_duration_budget(server: ScriptedOpenAIServer) -> None:
+    # Every attempt is silent: each stall is retried until the round's second is spent,
+    # where each retry given the whole second again would stall six times.
+    server.set_script("a-budget", [Round(text="x", fault="silent_after_200")])
+    _, error, retries, _ = asyncio.run(_round(server, "a-budget", max_retries=5, duration_s=1.0))
+    assert isinstance(error, StreamDurationExceeded), error
+    assert not isinstance(error, StreamIdleTimeout) and 1 <= len(retries) <= 3, retries
 
 
 def test_a_thousand_streams_on_one_loop(server: ScriptedOpenAIServer, api: ModelApi) -> None:
