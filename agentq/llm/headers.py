@@ -22,11 +22,12 @@ lacks capacity, the request itself is fine."""
 
 
 def rate_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The provider's rate-limit headers only (`retry-after*`, `x-ratelimit-*`), lowercased."""
+    """The provider's rate-limit headers only (`retry-after*`, `x-ratelimit-*`,
+    `anthropic-ratelimit-*`), lowercased."""
     return {
         name.lower(): value
         for name, value in headers.items()
-        if name.lower().startswith(("retry-after", "x-ratelimit-"))
+        if name.lower().startswith(("retry-after", "x-ratelimit-", "anthropic-ratelimit-"))
     }
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from agentq.errors import ConfigError
 from agentq.llm.capacity import Capacity, pacing_interval_ms
-from agentq.llm.headers import RateSignal, parse_duration_s, parse_rate_headers
+from agentq.llm.headers import RateSignal, parse_duration_s, parse_rate_headers, rate_headers
 from agentq.llm.limits import DEFAULT_COMPLETION_TOKENS, estimate_tokens, parse_limits
 
 
@@ -135,16 +135,19 @@ def test_retry_after_in_its_three_forms() -> None:
 
 def test_anthropic_headers_with_rfc3339_resets() -> None:
     now_s = 1_700_000_000.0  # 2023-11-14T22:13:20Z
-    signal = parse_rate_headers(
+    # Through rate_headers, as every answer's headers reach capacity.
+    kept = rate_headers(
         {
-            "anthropic-ratelimit-requests-limit": "50",
+            "Content-Type": "text/event-stream",
+            "Anthropic-Ratelimit-Requests-Limit": "50",
             "anthropic-ratelimit-requests-remaining": "3",
             "anthropic-ratelimit-requests-reset": "2023-11-14T22:13:32Z",
             "anthropic-ratelimit-tokens-remaining": "0",
             "anthropic-ratelimit-tokens-reset": "2023-11-14T22:14:20+00:00",
-        },
-        now_s=now_s,
+        }
     )
+    assert "content-type" not in kept
+    signal = parse_rate_headers(kept, now_s=now_s)
     assert signal.limit_requests == 50 and signal.remaining_requests == 3
     assert signal.reset_requests_s == pytest.approx(12.0)
     assert signal.remaining_tokens == 0 and signal.reset_tokens_s == pytest.approx(60.0)
