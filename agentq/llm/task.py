@@ -114,7 +114,7 @@ async def run_round(
                 tracing.ATTR_TURN_ID: req.turn_id,
                 tracing.ATTR_ROUND: req.round_no,
                 tracing.ATTR_TASK_ID: task_id,
-                "gen_ai.request.model": host.settings.llm_model,
+                "gen_ai.request.model": _model(host, req),
             },
         )
     try:
