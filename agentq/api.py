@@ -434,7 +434,6 @@ class Client(CompletesWaitpoints):
         summary = TurnLister(self._store.redis).summaries([turn_id]).get(turn_id)
         if summary is None:
             raise TurnNotFound(turn_id)
-        summary.pop("_state", None)
         r, s = self._store.redis, self.settings
         return {
             **timeline(self._store, turn_id, state),

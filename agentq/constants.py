@@ -79,7 +79,8 @@ WORKERS = f"{PREFIX}:workers"
 """Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""
 
 AGENTS = f"{PREFIX}:agents"
-"""Hash: agent name -> JSON {model, tools, seen_at}, published by turn workers."""
+"""Hash: agent name -> JSON {model, tools, seen_at, description, output_schema}, published
+by turn workers."""
 
 MCP_TOOLS = f"{PREFIX}:mcp:tools"
 """Hash: MCP server name -> JSON {listed_at, tools}, the fleet's shared listing (agentq.mcp)."""
