@@ -26,13 +26,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class GateOutcome:
-    denied: dict[str, ToolResult] = field(default_factory=dict)
+    results: dict[str, ToolResult] = field(default_factory=dict)
+    """call id -> the result the gate gave the call: denied, or (`input`) the user's answer."""
     secrets: dict[str, str] = field(default_factory=dict)
     """call id -> Redis key of a password answer, handed to the tool by reference."""
     wait_until: float | None = None
     """The earliest timeout of a request still pending; None when every call is decided."""
-    answered: dict[str, ToolResult] = field(default_factory=dict)
-    """Calls the user answered themselves (`input`): the answer is the result."""
 
 
 def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
@@ -87,7 +86,7 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
         if p.refusal is not None or p.approval == "auto":
             continue
         if p.approval == "deny":
-            out.denied[call.id] = denied_result(call, "policy")
+            out.results[call.id] = denied_result(call, "policy")
             continue
         if interactions is None:
             interactions = Interactions(ctx.store)
@@ -159,16 +158,16 @@ def _decide(
     if req.kind == "input" and state in ("answered", "defaulted"):
         # Defaulted only when it declares an answer (a headless turn without one fails).
         if state == "defaulted" or interactions.decision(ctx.turn_id, rid) == "approve":
-            out.answered[call.id] = _answer(ctx, call, rid, req)
+            out.results[call.id] = _answer(ctx, call, rid, req)
         else:
-            out.denied[call.id] = denied_result(call, "user")  # declined to answer
+            out.results[call.id] = denied_result(call, "user")  # declined to answer
     elif state == "answered":
         if interactions.decision(ctx.turn_id, rid) != "approve":
-            out.denied[call.id] = denied_result(call, "user")
+            out.results[call.id] = denied_result(call, "user")
         elif req.kind == "password":
             out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)
     elif state == "defaulted":
         if req.default != "approve":
-            out.denied[call.id] = denied_result(call, "policy")
+            out.results[call.id] = denied_result(call, "policy")
     else:
-        out.denied[call.id] = denied_result(call, "timeout")
+        out.results[call.id] = denied_result(call, "timeout")

@@ -298,17 +298,11 @@ def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
             continue
         if p.refusal is not None:
             settled[cid], _ = ctx.settle(error_result(p.call, p.refusal), tracked=False)
-        elif cid in decided.answered:
-            settled[cid], _ = ctx.settle(decided.answered[cid], tracked=False)
-        elif cid in decided.denied:
-            settled[cid], won = ctx.settle(decided.denied[cid], tracked=False)
-            if won:
-                ctx.publish(
-                    "tool_denied",
-                    call_id=cid,
-                    tool=p.call.name,
-                    reason=decided.denied[cid].reason,
-                )
+        elif cid in decided.results:
+            result = decided.results[cid]
+            settled[cid], won = ctx.settle(result, tracked=False)
+            if won and result.status == "denied":
+                ctx.publish("tool_denied", call_id=cid, tool=p.call.name, reason=result.reason)
     if decided.wait_until is not None:
         # No call of a round runs before every call of it is decided.
         return decided.wait_until

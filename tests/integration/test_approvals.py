@@ -197,6 +197,7 @@ def test_a_step_decides_from_the_request_records(agentq_env) -> None:
     out = gate(ctx, [plan_call(approve), plan_call(deny)])
     assert time.monotonic() - t0 < 2  # decided from the records, no 120 s wait
     assert out.wait_until is None
-    assert list(out.denied) == ["d1"] and out.denied["d1"].reason == "user"
+    assert list(out.results) == ["d1"]
+    assert out.results["d1"].status == "denied" and out.results["d1"].reason == "user"
     # Nothing was asked twice.
     assert not [e for e in store.bus.replay(turn_id) if e.type == "interaction_requested"]
