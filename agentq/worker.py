@@ -128,26 +128,20 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         gc.freeze()
 
 
-@worker_ready.connect
-def _start_heartbeat(sender: Any = None, **_: Any) -> None:
+def _start_heartbeat(hostname: str, kind: str, consumed: list[str]) -> None:
     """Every worker says it is alive and what it consumes (agentq.fleet.presence), so a
     turn started in a fleet without one is told what to start; a tool worker also beats for
     its calls, so a turn settles the calls of a dead one without waiting for their hard
     limit (or forever, for tools without one)."""
-    kind = current_role()
-    if kind is None:
-        return
     if kind == "io":
         from agentq.aio.host import get_host
 
         # The loop is up before the first task, and blame names this worker.
-        get_host().hostname = str(getattr(sender, "hostname", ""))
+        get_host().hostname = hostname
     from agentq.fleet.presence import entry
 
-    hostname = str(getattr(sender, "hostname", ""))
     key = k.worker_alive_key(hostname)
     redis = get_store().redis
-    consumed = list(sender.app.amqp.queues.consume_from) if sender is not None else []
 
     def beat() -> None:
         while not _stopping.is_set():
@@ -212,6 +206,8 @@ def _ready(sender: Any = None, **_: Any) -> None:
     """What a worker of each role starts once it is ready."""
     role = current_role()
     consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
+    if role is not None:
+        _start_heartbeat(str(getattr(sender, "hostname", "")), role, consumed)
     log.info("agentq %s worker: consuming %s", role, ", ".join(consumed))
     if role in ("io", "llm"):
         # They settle from threads beside their loop: they take the next step themselves
