@@ -66,10 +66,7 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
     try:
         asks = agent is not None and agent.ask_user and call.name == ask_user.NAME
         spec = ask_user.SPEC if asks else get_tool(call.name)
-        raw = parse_arguments(call.name, call.arguments)
-        args, hint_s, problem = split_meta(raw)
-        if problem:
-            raise ToolArgumentsInvalid(call.name, problem)
+        args, hint_s = _arguments(call)
         validated = spec.validate(args)
     except AgentqError as exc:
         return CallPlan(call=call, refusal=exc.message)
@@ -101,13 +98,18 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
     )
 
 
+def _arguments(call: ToolCall) -> tuple[dict[str, Any], float | None]:
+    """The call's arguments without `_meta`, and its `_meta.timeout_s` hint."""
+    args, hint_s, problem = split_meta(parse_arguments(call.name, call.arguments))
+    if problem:
+        raise ToolArgumentsInvalid(call.name, problem)
+    return args, hint_s
+
+
 def _plan_subturn(call: ToolCall, tool: AgentTool, agent: Agent) -> CallPlan:
     try:
-        raw = parse_arguments(call.name, call.arguments)
-        args, hint_s, problem = split_meta(raw)
+        args, hint_s = _arguments(call)
         prompt = args.get("prompt")
-        if problem:
-            raise ToolArgumentsInvalid(call.name, problem)
         if set(args) != {"prompt"} or not isinstance(prompt, str) or not prompt.strip():
             raise ToolArgumentsInvalid(call.name, 'expected {"prompt": "<a non-empty string>"}')
     except AgentqError as exc:
