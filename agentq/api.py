@@ -185,8 +185,6 @@ class Client(CompletesWaitpoints):
             # its trace.
             tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
-    # -- starting ------------------------------------------------------------------
-
     @property
     def app(self) -> Celery:
         """The Celery app this client sends tasks with."""
@@ -364,8 +362,6 @@ class Client(CompletesWaitpoints):
             self._store, app, self.settings, req, traced=self.traced, said=said
         )
 
-    # -- control ---------------------------------------------------------------------
-
     def check_token(self, turn_id: str, token: str | None) -> TurnState:
         """The turn's state if `token` is its token; constant-time comparison."""
         state = self._store.state(turn_id)
@@ -411,8 +407,6 @@ class Client(CompletesWaitpoints):
             request_id,
             InteractionAnswer.model_validate({"decision": decision, "value": value}),
         )
-
-    # -- reading -----------------------------------------------------------------------
 
     def get(self, turn_id: str) -> TurnView:
         whole = self._store.snapshot(turn_id)
@@ -471,8 +465,6 @@ class Client(CompletesWaitpoints):
                 }
             )
         return sorted(out, key=lambda t: float(t["created_at"] or 0))
-
-    # -- conversations -------------------------------------------------------------------
 
     def conversation(
         self,

@@ -91,8 +91,6 @@ class EventLoopThread:
         self._deadlines: dict[str, float] = {}
         self._deadlines_lock = threading.Lock()
 
-    # -- lifecycle
-
     def start(self) -> EventLoopThread:
         if not self._thread.is_alive():
             self._thread.start()
@@ -116,8 +114,6 @@ class EventLoopThread:
             self.loop.run_forever()
         finally:
             _close(self.loop)
-
-    # -- submitting
 
     def submit(
         self, coro_fn: Callable[[], Coroutine[Any, Any, T]], *, timeout_s: float | None = None
@@ -146,8 +142,6 @@ class EventLoopThread:
             self.held -= 1
         self._slots.release()
 
-    # -- deadlines the watchdog enforces
-
     def watch(self, key: str, hard_deadline_mono: float) -> None:
         """Register a hard deadline (time.monotonic()); the loop must reach it unblocked."""
         with self._deadlines_lock:
@@ -156,8 +150,6 @@ class EventLoopThread:
     def unwatch(self, key: str) -> None:
         with self._deadlines_lock:
             self._deadlines.pop(key, None)
-
-    # -- stalls
 
     def _watch(self) -> None:
         reported_for: float | None = None

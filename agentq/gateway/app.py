@@ -142,8 +142,6 @@ class Gateway:
         self.presence = Presence(client._store.redis)
         self.deliveries = Deliveries(client._store.redis, retention_s=settings.turn_retention_s)
 
-    # -- who is calling ------------------------------------------------------------------
-
     def caller(self, request: Request) -> tuple[Principal | None, str | None]:
         """The key holder (if the bearer is a key) and the bearer itself (maybe a turn token)."""
         presented = bearer(request)
@@ -165,8 +163,6 @@ class Gateway:
         if state is None or not may_access(state, principal, token):
             raise TurnNotFound(turn_id)
         return state
-
-    # -- turns ---------------------------------------------------------------------
 
     async def start_turn(self, request: Request) -> Response:
         principal = self.require_key(request)
@@ -281,8 +277,6 @@ class Gateway:
             {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
         )
 
-    # -- events ----------------------------------------------------------------------
-
     def _keep_alive_s(self, request: Request) -> float:
         raw = request.query_params.get("heartbeat")
         if raw is None:
@@ -375,8 +369,6 @@ class Gateway:
             return follow(bus, turn_id, after=after, depth=depth, live=False), False
         events = follow(bus, turn_id, after=after, depth=depth, heartbeat_s=poll_s)
         return events, owner
-
-    # -- page, health, metrics ---------------------------------------------------------
 
     async def index(self, request: Request) -> Response:
         return FileResponse(
@@ -471,8 +463,8 @@ def create_app(
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
-    # A server builds its Celery app as it starts, as it did before the CLI made it lazy:
-    # not in a request thread, and not on the first turn's or abort's time.
+    # A server builds its Celery app as it starts: not in a request thread, and not on the
+    # first turn's or abort's time.
     _ = client.app
     logs.install(client.settings.log_format)
     check_key_webhooks(client.settings)

@@ -145,8 +145,6 @@ class McpEndpoint:
         async with self.manager.run():
             yield
 
-    # -- HTTP: who may use which session
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
         principal = self.gw.require_key(request)
@@ -172,8 +170,6 @@ class McpEndpoint:
         if len(self.owners) >= MAX_SESSIONS:
             del self.owners[next(iter(self.owners))]
         self.owners[session_id] = owner
-
-    # -- MCP: the agents as tools
 
     async def _list_tools(self, ctx: Any, params: Any) -> Any:
         from mcp.types import ListToolsResult, Tool

@@ -189,8 +189,6 @@ class FleetCounts:
         self._deployment = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
         self._key = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
 
-    # -- counting
-
     def _inc(self, family: str, labels: tuple[str, ...] = (), by: int = 1) -> None:
         self._ints[field_of(family, labels)] += by
 
@@ -290,8 +288,6 @@ class FleetCounts:
         """The counts not yet added to Redis, as the hash holds them."""
         with self._lock:
             return {**self._ints, **self._sums}
-
-    # -- flushing
 
     def _started(self, client: Any, flush_s: float) -> None:
         # The newest count's Redis: a process that moved to another one (a test process
