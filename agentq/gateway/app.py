@@ -346,19 +346,18 @@ class Gateway:
         depth: int,
         poll_s: float,
     ) -> tuple[Generator[Event | None, None, None], bool] | None:
-        owner = False
         if self.keyring.enabled:
             state = self.authorize(turn_id, principal, token)
             # Only the turn's token attaches: a key reading along never aborts on leaving.
             owner = token_matches(state, token) and not state.get("detach")
+        elif token is not None:
+            state = self.client.check_token(turn_id, token)
+            owner = not state.get("detach")
         else:
             found = self.client._store.state(turn_id)
             if found is None:
                 raise TurnNotFound(turn_id)
-            state = found
-            if token is not None:
-                self.client.check_token(turn_id, token)
-                owner = not state.get("detach")
+            state, owner = found, False
         # Relayed sub-agents are read with the parent's authorization: the follower opens
         # only streams of turns below this one (a cursor naming any other is ignored).
         after.root = clamp_to_log(self.client._store.redis, turn_id, after.root)
