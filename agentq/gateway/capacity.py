@@ -20,10 +20,8 @@ from agentq.llm.limits import ModelLimitsEntry
 
 
 def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
-    """`Capacity.snapshot` of every known model (configured ones and any this process has
-    met, the default one, the agents' ones, those whose API `auto` learned), by name, with
-    the API it is called with (`api`: its setting, the API in use, and what `auto` learned,
-    agentq.llm.apis)."""
+    """`Capacity.snapshot` of every model the gateway knows (above), by name, each with the
+    API it is called with (`api`: its setting, the one in use, what `auto` learned)."""
     learned = read_learned(cap.redis)
     agents = [
         a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)
