@@ -16,7 +16,7 @@ import dataclasses
 import json
 import logging
 import time
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -52,15 +52,11 @@ STUCK_AFTER_S = 5.0
 """A turn ended this long ago without handing its conversation on was stopped before it
 could (its process died): worth a warning. Sooner, its own hand-off was under way."""
 
-_STORES: dict[int, Conversations] = {}
 
-
+@cache
 def conversations(store: TurnStore) -> Conversations:
-    """The conversations of the store's Redis (one per client: its scripts are loaded once)."""
-    found = _STORES.get(id(store.redis))
-    if found is None or found.redis is not store.redis:
-        found = _STORES[id(store.redis)] = Conversations(store.redis, ttl_s=store.ttl_s)
-    return found
+    """The store's Conversations, made once per store (its scripts registered once)."""
+    return Conversations(store.redis, ttl_s=store.ttl_s)
 
 
 def admit(
