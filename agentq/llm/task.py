@@ -39,7 +39,7 @@ from agentq.llm.wakes import wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
 from agentq.state.budget import cost_usd
 from agentq.state.held import REDIS_AWAY
-from agentq.state.rounds import LlmRoundStart
+from agentq.state.rounds import LlmRoundStart, RoundBegun
 from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 
@@ -73,7 +73,7 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     start = host.store.begin_llm_round(
         req.turn_id, req.round_no, streams.worker, streams.lease_ms, _started(host, req)
     )
-    if start.claimed:
+    if start.outcome is RoundBegun.CLAIMED:
         # Renewed from the moment of the claim: a busy loop may start this round later
         # than the lease, and a lapsed claim would have the turn send the round again.
         # Not before it: the renewer would write this worker's lease for a round it has
@@ -81,13 +81,13 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
         # leaving the round to the turn's pickup, four leases later.
         streams.hold((req.turn_id, req.round_no), req.lease_id)
         return start
-    if (start.gone or start.done) and req.lease_id:
+    if start.outcome in (RoundBegun.GONE, RoundBegun.DONE) and req.lease_id:
         # Nobody will stream this round: its capacity grant goes back to the queue.
         wake_granted(host.store, streams.capacity.release(req.lease_id))
-    if start.gone:
+    if start.outcome is RoundBegun.GONE:
         # A late or redelivered round of a turn that ended (or that Redis lost).
         log.info("round %s of turn %s: the turn is over or gone", req.round_no, req.turn_id)
-    elif not start.done:
+    elif start.outcome is RoundBegun.ELSEWHERE:
         # The broker handed this round out again while another delivery streams it.
         log.warning("round %s of turn %s is streaming elsewhere", req.round_no, req.turn_id)
     return None

@@ -140,13 +140,9 @@ return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, hist, followed}}
 
 @dataclass(frozen=True)
 class LlmRoundStart:
-    """What a stream worker found when it took a round: a result already stored, a turn
-    that is over, the round claimed with its history, or (none of these) another delivery
-    streaming it."""
+    """What a stream worker found when it took a round, and the claimed round's history."""
 
-    done: bool = False
-    gone: bool = False
-    claimed: bool = False
+    outcome: RoundBegun
     cancelled: bool = False
     history: list[dict[str, Any]] = field(default_factory=list)
     followed: bool = False
@@ -179,10 +175,10 @@ class RoundRecords(StoreBase):
         res = self._begin_llm(keys=TurnKeys.of(turn_id), args=list(args))
         outcome = RoundBegun(int(res[0]))
         if outcome is not RoundBegun.CLAIMED:
-            return LlmRoundStart(done=outcome is RoundBegun.DONE, gone=outcome is RoundBegun.GONE)
+            return LlmRoundStart(outcome)
         self.bus.counted([("llm_started", started)])
         return LlmRoundStart(
-            claimed=True,
+            outcome,
             cancelled=bool(res[1]),
             history=[json.loads(m) for m in res[2]],
             followed=bool(res[3]),

@@ -15,6 +15,7 @@ from agentq.llm import streams as streams_module
 from agentq.llm.streams import Streams
 from agentq.llm.task import claim_round
 from agentq.models import LlmRoundRequest
+from agentq.state.rounds import RoundBegun
 from agentq.state.store import TurnStore
 
 
@@ -57,7 +58,7 @@ def test_a_renewal_just_before_a_rounds_claim_does_not_refuse_it(
     monkeypatch.setattr(host.store, "begin_llm_round", renewer_first)
     req = LlmRoundRequest(turn_id="t1", round_no=0, duration_left_s=60, idle_timeout_ms=1000)
     start = claim_round(host, req)  # type: ignore[arg-type]
-    assert start is not None and start.claimed
+    assert start is not None and start.outcome is RoundBegun.CLAIMED
     streams = streams_module._streams
     assert streams is not None and streams.alive[("t1", 0)] == 1  # renewed from now on
     lease = host.store.redis.hget(k.turn_key("t1"), k.LLM_ALIVE_FIELD)
