@@ -386,9 +386,6 @@ class Settings(BaseSettings):
             raise ValueError("must be a JSON object keyed by name")
         return v
 
-    def price_of(self, model: str) -> ModelPrice | None:
-        return self.llm_prices.get(model)
-
     @field_validator("webhook_secret")
     @classmethod
     def _whsec(cls, v: SecretStr | None) -> SecretStr | None:

@@ -257,7 +257,7 @@ class _Round:
                 total_tokens=prompt + completion,
                 estimated=True,
             )
-        price = self.host.settings.price_of(self.model)
+        price = self.host.settings.llm_prices.get(self.model)
         cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
         return usage.model_copy(update={"cost_usd": cost})
 

@@ -110,7 +110,7 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
             day=day,
             prompt_tokens=prompt,
             want=ctx.settings.budget_completion_tokens,
-            price=ctx.settings.price_of(ctx.model),
+            price=ctx.settings.llm_prices.get(ctx.model),
             max_tokens=max_tokens,
             max_usd=max_usd,
         )
@@ -124,7 +124,7 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
 def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
     """What the round is charged: its usage (priced here if the stream worker did not), or,
     without one (a broken or aborted stream), its reservation's estimate."""
-    price = ctx.settings.price_of(model)
+    price = ctx.settings.llm_prices.get(model)
     usage = result.message.usage if result.message is not None else None
     if usage is None:
         prompt = int(ctx.state.get("budget_prompt") or 0)

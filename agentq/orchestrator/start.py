@@ -242,7 +242,8 @@ def check_budgets(
     if req.agent:
         details = {a["name"]: a for a in published_agent_details(store.redis)}
         model = (details.get(req.agent) or {}).get("model") or model
-    if req.max_cost_usd is not None and settings.price_of(model) is None:
+    price = settings.llm_prices.get(model)
+    if req.max_cost_usd is not None and price is None:
         raise BudgetInvalid(
             f"max_cost_usd needs a price for model {model!r}: it has none in "
             "AGENTQ_LLM_PRICES (max_tokens bounds a turn of any model)"
@@ -252,7 +253,7 @@ def check_budgets(
     now = time.time()
     # The least first round: the request's messages and a minimal completion.
     tokens = math.ceil(size / CHARS_PER_TOKEN) + MIN_COMPLETION_TOKENS
-    usd = cost_usd(settings.price_of(model), tokens - MIN_COMPLETION_TOKENS, MIN_COMPLETION_TOKENS)
+    usd = cost_usd(price, tokens - MIN_COMPLETION_TOKENS, MIN_COMPLETION_TOKENS)
     spent = Spend(store.redis, settings).key_refusal(owner, day_of(now), tokens, usd or 0.0)
     if spent is not None:
         when = resets_at(spent.name, now)

@@ -91,8 +91,8 @@ def test_prices_and_budgets_load_from_json() -> None:
         llm_prices=json.dumps({"m": {"input": 1, "output": 2}}),
         key_budgets=json.dumps({"ci": {"tokens_per_day": 10}}),
     )
-    assert s.price_of("m") == ModelPrice(input=1, output=2)
-    assert s.price_of("other") is None
+    assert s.llm_prices.get("m") == ModelPrice(input=1, output=2)
+    assert s.llm_prices.get("other") is None
     assert s.key_budgets["ci"].tokens_per_day == 10
 
 
