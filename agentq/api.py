@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +25,7 @@ from agentq.models import (
 )
 from agentq.orchestrator import replay
 from agentq.orchestrator.conversation import conversations, shown
-from agentq.orchestrator.start import hash_token, start_turn
+from agentq.orchestrator.start import start_turn, token_matches
 from agentq.orchestrator.wake import request_abort
 from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
@@ -363,12 +362,11 @@ class Client(CompletesWaitpoints):
         )
 
     def check_token(self, turn_id: str, token: str | None) -> TurnState:
-        """The turn's state if `token` is its token; constant-time comparison."""
+        """The turn's state if `token` is its token (`token_matches`)."""
         state = self._store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
-        expected = str(state.get("token_sha256", ""))
-        if not token or not hmac.compare_digest(hash_token(token), expected):
+        if not token_matches(state, token):
             raise TokenInvalid(turn_id)
         return state
 

@@ -51,7 +51,6 @@ from agentq.gateway.auth import (
     may_access,
     may_list,
     secret_matches,
-    token_matches,
 )
 from agentq.gateway.capacity import read_snapshots
 from agentq.gateway.console import console_routes
@@ -83,6 +82,7 @@ from agentq.gateway.waitpoints import waitpoint_routes
 from agentq.llm.capacity import capacity_for
 from agentq.mcp.health import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
+from agentq.orchestrator.start import token_matches
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import logs

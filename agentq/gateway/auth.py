@@ -23,7 +23,7 @@ from pydantic import SecretStr
 
 from agentq.config import Settings
 from agentq.errors import ConfigError
-from agentq.orchestrator.start import hash_token
+from agentq.orchestrator.start import hash_token, token_matches
 from agentq.state.turn_state import TurnState
 
 _NAME = re.compile(r"^[A-Za-z0-9_.@-]{1,64}$")
@@ -128,14 +128,6 @@ def secret_matches(presented: str | None, expected: str) -> bool:
     if not presented:
         return False
     return hmac.compare_digest(hash_token(presented), hash_token(expected))
-
-
-def token_matches(state: TurnState, token: str | None) -> bool:
-    """`token` is the turn's own token (its sha256 is on the state)."""
-    if not token:
-        return False
-    expected = str(state.get("token_sha256", ""))
-    return hmac.compare_digest(hash_token(token), expected) and bool(expected)
 
 
 def may_access(state: TurnState, principal: Principal | None, token: str | None) -> bool:

@@ -7,6 +7,7 @@ schedules start turns here.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import secrets
@@ -38,6 +39,13 @@ if TYPE_CHECKING:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(state: TurnState, token: str | None) -> bool:
+    """`token` is the turn's own token (its sha256 is on the state); constant-time."""
+    if not token:
+        return False
+    return hmac.compare_digest(hash_token(token), str(state.get("token_sha256", "")))
 
 
 def start_turn(

@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import yaml
 
-import agentq.api
 from agentq import constants as k
 from agentq.api import Client
 from agentq.cli.main import flower_argv
@@ -41,7 +40,7 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
         compared.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(agentq.api.hmac, "compare_digest", spy)
+    monkeypatch.setattr(hmac, "compare_digest", spy)
     client = rig.client
     key = rig.script(Round(tool_calls=calls(("delete_file", {"path": "/tmp/x"}))))
     handle = client._start_turn(key)
