@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import redis
 from redis.commands.core import Script
@@ -209,13 +209,25 @@ def finished(result: ToolResult) -> dict[str, Any]:
     }
 
 
+class LuaScript:
+    """A script its class names once, registered on the instance's `redis` at first use."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Script:
+        script: Script = obj.redis.register_script(self.source)
+        obj.__dict__[self.name] = script  # later reads find it on the instance
+        return script
+
+
 class StoreBase:
     """The client and the writes every part of the store makes."""
 
-    LUA: ClassVar[dict[str, str]] = {
-        "_state_lost": STATE_LOST_LUA,
-    }
-    _state_lost: Script
+    _state_lost = LuaScript(STATE_LOST_LUA)
 
     def __init__(
         self,
@@ -247,10 +259,6 @@ class StoreBase:
         """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
         self.stepper = stepper
         """Takes the step of a turn this process woke, when this process steps turns itself."""
-        # Each part of the store names the scripts it runs; all are loaded here once.
-        for cls in reversed(type(self).__mro__):
-            for attr, source in vars(cls).get("LUA", {}).items():
-                setattr(self, attr, client.register_script(source))
 
     def _durable(
         self,

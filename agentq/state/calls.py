@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import time
 from enum import IntEnum
-from typing import Any, ClassVar, NamedTuple
-
-from redis.commands.core import Script
+from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
@@ -15,6 +13,7 @@ from agentq.events.lua_args import bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
+    LuaScript,
     StoreBase,
     TurnKeys,
     active_turns,
@@ -224,14 +223,9 @@ def _decoded(raw: dict[Any, Any], prefix: str) -> dict[str, dict[str, Any]]:
 class CallRecords(StoreBase):
     """Dispatch records, start records and settled results, by call id."""
 
-    LUA: ClassVar[dict[str, str]] = {
-        "_settle": SETTLE_LUA,
-        "_start": START_LUA,
-        "_record_dispatch": RECORD_DISPATCH_LUA,
-    }
-    _settle: Script
-    _start: Script
-    _record_dispatch: Script
+    _settle = LuaScript(SETTLE_LUA)
+    _start = LuaScript(START_LUA)
+    _record_dispatch = LuaScript(RECORD_DISPATCH_LUA)
 
     def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
         """Record calls as sent, and those not settled yet as the batch in flight whose last

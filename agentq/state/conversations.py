@@ -34,7 +34,7 @@ from redis.cluster import RedisCluster
 
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
-from agentq.state.base import text
+from agentq.state.base import LuaScript, text
 from agentq.state.conversation_lua import (
     ADMIT_LUA,
     DELETE_LUA,
@@ -107,16 +107,17 @@ class ConversationView:
 class Conversations:
     """Every read and write of conversations."""
 
+    _admit = LuaScript(ADMIT_LUA)
+    _release = LuaScript(RELEASE_LUA)
+    _injectable = LuaScript(INJECTABLE_LUA)
+    _delete = LuaScript(DELETE_LUA)
+    _note_injected = LuaScript(NOTE_INJECTED_LUA)
+    _take = LuaScript(TAKE_LUA)
+    _in_place = LuaScript(IN_PLACE_LUA)
+
     def __init__(self, client: redis.Redis, *, ttl_s: int) -> None:
         self.redis = client
         self.ttl_s = ttl_s
-        self._admit = client.register_script(ADMIT_LUA)
-        self._release = client.register_script(RELEASE_LUA)
-        self._injectable = client.register_script(INJECTABLE_LUA)
-        self._delete = client.register_script(DELETE_LUA)
-        self._note_injected = client.register_script(NOTE_INJECTED_LUA)
-        self._take = client.register_script(TAKE_LUA)
-        self._in_place = client.register_script(IN_PLACE_LUA)
         self.sharded = isinstance(client, RedisCluster)
 
     def _keys(self, conversation_id: str) -> list[str]:

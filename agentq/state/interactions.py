@@ -13,7 +13,7 @@ from agentq.errors import AnswerInvalid, InteractionClosed, InteractionNotFound,
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.state.base import WAKE_BACKSTOP_S, TurnKeys, text
+from agentq.state.base import WAKE_BACKSTOP_S, LuaScript, TurnKeys, text
 from agentq.state.lua import turn_open_lua, wake_lua
 
 if TYPE_CHECKING:
@@ -91,25 +91,26 @@ def checked_answer(turn_id: str, req: InteractionRequest, value: str | None) -> 
 
 
 class Interactions:
+    _close = LuaScript(_CLOSE_LUA)
+
     def __init__(self, store: TurnStore) -> None:
-        self.store = store
-        self._close = store.redis.register_script(_CLOSE_LUA)
+        self.store, self.redis = store, store.redis
 
     def open(self, turn_id: str, req: InteractionRequest) -> None:
         key = k.interaction_key(turn_id, req.request_id)
-        pipe = self.store.redis.pipeline()
+        pipe = self.redis.pipeline()
         pipe.hset(key, mapping={"state": "pending", "request": req.model_dump_json()})
         pipe.expire(key, self.store.ttl_s)
         pipe.execute()
 
     def get(self, turn_id: str, request_id: str) -> tuple[str, InteractionRequest] | None:
-        raw = self.store.redis.hmget(k.interaction_key(turn_id, request_id), "state", "request")
+        raw = self.redis.hmget(k.interaction_key(turn_id, request_id), "state", "request")
         if raw[0] is None or raw[1] is None:
             return None
         return text(raw[0]), InteractionRequest.model_validate_json(raw[1])
 
     def decision(self, turn_id: str, request_id: str) -> str | None:
-        raw = self.store.redis.hget(k.interaction_key(turn_id, request_id), "decision")
+        raw = self.redis.hget(k.interaction_key(turn_id, request_id), "decision")
         return None if raw is None else text(raw)
 
     def answer(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:

@@ -26,7 +26,7 @@ import redis
 from agentq import constants as k
 from agentq.events.lua_args import bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.state.base import active_turns, each_shard, text
+from agentq.state.base import LuaScript, active_turns, each_shard, text
 from agentq.state.lookup import live
 
 MAX_LIMIT = 200
@@ -235,9 +235,10 @@ def model_wait(state: dict[str, Any]) -> dict[str, Any] | None:
 class TurnLister:
     """Reads pages of turn summaries; `visible` filters by who asks (the gateway's rule)."""
 
+    _summary = LuaScript(_SUMMARY_LUA)
+
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._summary = client.register_script(_SUMMARY_LUA)
 
     def summaries(
         self, turn_ids: list[str], now: float | None = None, visible: Visible | None = None

@@ -6,14 +6,12 @@ import json
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar, NamedTuple
-
-from redis.commands.core import Script
+from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
 from agentq.events.lua_args import argv_of, bind_lua
-from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms, text
+from agentq.state.base import WAKE_BACKSTOP_S, LuaScript, StoreBase, TurnKeys, now_ms, text
 from agentq.state.held import held_writes
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
 
@@ -152,12 +150,8 @@ class LlmRoundStart:
 class RoundRecords(StoreBase):
     """A round's claim by a stream worker, its liveness lease and its stored result."""
 
-    LUA: ClassVar[dict[str, str]] = {
-        "_finish_llm": FINISH_LLM_LUA,
-        "_begin_llm": BEGIN_LLM_LUA,
-    }
-    _finish_llm: Script
-    _begin_llm: Script
+    _finish_llm = LuaScript(FINISH_LLM_LUA)
+    _begin_llm = LuaScript(BEGIN_LLM_LUA)
 
     def begin_llm_round(
         self, turn_id: str, round_no: int, worker: str, lease_ms: int, started: dict[str, Any]

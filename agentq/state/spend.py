@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from agentq.config import ModelPrice, Settings
 from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import Usage
-from agentq.state.base import text
+from agentq.state.base import LuaScript, text
 from agentq.state.budget import (
     MIN_COMPLETION_TOKENS,
     Budget,
@@ -311,11 +311,12 @@ emptied meanwhile gets it back)."""
 class Spend:
     """Every read and write of spend."""
 
+    _reserve = LuaScript(RESERVE_LUA)
+    _settle = LuaScript(SETTLE_LUA)
+
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis = client
         self.settings = settings
-        self._reserve = client.register_script(RESERVE_LUA)
-        self._settle = client.register_script(SETTLE_LUA)
         self._noted: dict[str, float] = {}
 
     def _keys(self, owner: str | None, day: str, turn_id: str, parents: Iterable[str]) -> list[str]:

@@ -6,9 +6,7 @@ import json
 import time
 from collections.abc import Mapping
 from enum import IntEnum
-from typing import Any, ClassVar, NamedTuple
-
-from redis.commands.core import Script
+from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
@@ -16,6 +14,7 @@ from agentq.events.lua_args import argv_of, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
+    LuaScript,
     RoundRead,
     StepView,
     StoreBase,
@@ -249,18 +248,11 @@ return 1
 class StepRecords(StoreBase):
     """The step lock, the commit fenced by it, the round a step collects, and wakeups."""
 
-    LUA: ClassVar[dict[str, str]] = {
-        "_wake": WAKE_ONLY_LUA,
-        "_begin": BEGIN_LUA,
-        "_release": RELEASE_LUA,
-        "_claim": CLAIM_LUA,
-        "_lock": LOCK_LUA,
-    }
-    _wake: Script
-    _begin: Script
-    _release: Script
-    _claim: Script
-    _lock: Script
+    _wake = LuaScript(WAKE_ONLY_LUA)
+    _begin = LuaScript(BEGIN_LUA)
+    _release = LuaScript(RELEASE_LUA)
+    _claim = LuaScript(CLAIM_LUA)
+    _lock = LuaScript(LOCK_LUA)
 
     def lock_step(self, turn_id: str, token: str, ttl_ms: int) -> bool:
         """Take a turn's step lock (free or lapsed) for `ttl_ms`; False if held or no turn."""

@@ -6,9 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, ClassVar, NamedTuple, cast
-
-from redis.commands.core import Script
+from typing import Any, NamedTuple, cast
 
 from agentq import constants as k
 from agentq.events.bus import (
@@ -23,6 +21,7 @@ from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
     START_BACKSTOP_S,
     WAKE_BACKSTOP_S,
+    LuaScript,
     StoreBase,
     TurnKeys,
     active_turns,
@@ -193,12 +192,8 @@ def _state_of(raw: dict[Any, Any]) -> TurnState:
 class TurnRecords(StoreBase):
     """A turn's state hash, history and children; `close` ends it once."""
 
-    LUA: ClassVar[dict[str, str]] = {
-        "_close": CLOSE_LUA,
-        "_flag_cancel": FLAG_CANCEL_LUA,
-    }
-    _close: Script
-    _flag_cancel: Script
+    _close = LuaScript(CLOSE_LUA)
+    _flag_cancel = LuaScript(FLAG_CANCEL_LUA)
 
     def flag_cancel(self, turn_id: str, reason: str) -> tuple[bool, list[str]]:
         """Flag the turn cancelled (the first reason stays) and wake it (its backstop

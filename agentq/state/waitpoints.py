@@ -30,7 +30,7 @@ from agentq.errors import (
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import bind_lua
 from agentq.models import TURN_ID, InvocationRecord, ToolResult, ToolStatus, is_call_id
-from agentq.state.base import TurnKeys, call_fields, text
+from agentq.state.base import LuaScript, TurnKeys, call_fields, text
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
 
@@ -126,9 +126,10 @@ if more[2] then return {Opened.OPEN_ALREADY:d} end
 class Waitpoints:
     """Opening a call's waitpoint, completing it, and the open ones of a turn."""
 
+    _open = LuaScript(OPEN_LUA)
+
     def __init__(self, store: TurnStore) -> None:
-        self.store = store
-        self._open = store.redis.register_script(OPEN_LUA)
+        self.store, self.redis = store, store.redis
 
     @cached_property
     def waitpoint_key(self) -> bytes:
@@ -137,8 +138,8 @@ class Waitpoints:
         secret = get_settings().waitpoint_secret
         if secret is not None:
             return secret.get_secret_value().encode()
-        self.store.redis.set(KEY_FIELD, secrets.token_hex(32), nx=True)
-        return text(self.store.redis.get(KEY_FIELD)).encode()
+        self.redis.set(KEY_FIELD, secrets.token_hex(32), nx=True)
+        return text(self.redis.get(KEY_FIELD)).encode()
 
     def waitpoint_address(self, turn_id: str, call_id: str) -> tuple[str, str, str]:
         """(id, token, callback URL) of the call's waitpoint."""
@@ -168,7 +169,7 @@ class Waitpoints:
 
     def open_waitpoints(self, turn_id: str) -> dict[str, dict[str, Any]]:
         """The turn's waitpoints still open, by call id (their records)."""
-        raw = records_of(self.store.redis, [turn_id], k.WAITING[0] + k.SETTLED[0])[0]
+        raw = records_of(self.redis, [turn_id], k.WAITING[0] + k.SETTLED[0])[0]
         done = set(call_fields(raw, k.SETTLED))
         return {c: json.loads(v) for c, v in call_fields(raw, k.WAITING).items() if c not in done}
 
@@ -201,7 +202,7 @@ class Waitpoints:
         if ids is None or not hmac.compare_digest(expected.encode(), token.encode()):
             raise not_found(wp_id)
         turn_id, call_id = ids
-        raw_wp = self.store.redis.hget(k.turn_key(turn_id), k.WAITING + call_id)
+        raw_wp = self.redis.hget(k.turn_key(turn_id), k.WAITING + call_id)
         if raw_wp is None:
             raise not_found(wp_id)
         opened = json.loads(raw_wp)

@@ -12,6 +12,7 @@ from agentq.events import bus
 from agentq.limits import bucket, semaphore
 from agentq.llm import capacity_lua
 from agentq.state import conversation_lua, interactions, listing, spend
+from agentq.state.base import LuaScript
 from agentq.state.store import TurnStore
 from agentq.webhooks import deliveries
 
@@ -19,8 +20,9 @@ from agentq.webhooks import deliveries
 def _store_scripts() -> dict[str, str]:
     scripts: dict[str, str] = {}
     for cls in TurnStore.__mro__:
-        for attr, source in vars(cls).get("LUA", {}).items():
-            scripts[f"{cls.__name__}.{attr}"] = source
+        for attr, script in vars(cls).items():
+            if isinstance(script, LuaScript):
+                scripts[f"{cls.__name__}.{attr}"] = script.source
     return scripts
 
 
