@@ -54,9 +54,18 @@ TAKE_LUA = (
 local now = redis_now_ms()
 local interval = 1000 / tonumber(rate_per_s)
 local burst_ms = tonumber(burst) * interval
+-- A bucket spent under other settings (another gateway's, or before a change) owes the
+-- tokens it owed there, at most an empty bucket here: not the other rate's time.
+local st = redis.call('HMGET', bucket_key, 'tat', 'iv')
+local tat, iv = tonumber(st[1]), tonumber(st[2])
+if tat and iv and iv ~= interval and tat > now then
+  local owed_ms = math.min((tat - now) / iv * interval, burst_ms)
+  redis.call('HSET', bucket_key, 'tat', string.format('%.17g', now + owed_ms))
+end
 local ready = gcra_ready(bucket_key, 'tat', interval, burst_ms, now)
 if ready > now then return math.ceil(ready - now) end
 gcra_add(bucket_key, 'tat', interval, 1, now)
+redis.call('HSET', bucket_key, 'iv', string.format('%.17g', interval))
 redis.call('PEXPIRE', bucket_key, math.ceil(burst_ms) + 1000)
 return 0
 """

@@ -46,3 +46,16 @@ def test_a_bucket_gives_its_burst_then_says_how_long_to_wait() -> None:
     wait_s = bucket.take("k")
     assert 0 < wait_s <= 0.5
     assert bucket.take("other") == 0.0  # one bucket per key
+
+
+def test_a_bucket_spent_under_other_settings_owes_tokens_not_their_time() -> None:
+    r = fakeredis.FakeRedis()
+    slow = TokenBucket(r, rate_per_s=0.2, burst=2)
+    assert [slow.take("k") for _ in range(2)] == [0.0, 0.0]
+    assert slow.take("k") > 4  # the next token is 5 s away at this rate
+    # Two tokens owed: a gateway with a burst of 50 has 48 left, not ten seconds to wait.
+    fast = TokenBucket(r, rate_per_s=10.0, burst=50)
+    assert [fast.take("k") for _ in range(48)] == [0.0] * 48
+    assert 0 < fast.take("k") <= 0.1
+    # Spent here, at most an empty bucket is owed back at the slow rate: one token's wait.
+    assert 4 < slow.take("k") <= 5
