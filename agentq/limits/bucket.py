@@ -65,7 +65,7 @@ end
 local ready = gcra_ready(bucket_key, 'tat', interval, burst_ms, now)
 if ready > now then return math.ceil(ready - now) end
 gcra_add(bucket_key, 'tat', interval, 1, now)
-redis.call('HSET', bucket_key, 'iv', string.format('%.17g', interval))
+if iv ~= interval then redis.call('HSET', bucket_key, 'iv', string.format('%.17g', interval)) end
 redis.call('PEXPIRE', bucket_key, math.ceil(burst_ms) + 1000)
 return 0
 """
