@@ -31,7 +31,7 @@ from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
 from agentq.state.listing import TurnLister
 from agentq.state.results import TurnResult, TurnView, settle
-from agentq.state.spend import GROUPS, NO_KEY, Spend, usage_report
+from agentq.state.spend import NO_KEY, Spend, usage_report, usage_window
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
 from agentq.state.waitpoints import CompletesWaitpoints, waitpoints
@@ -497,13 +497,8 @@ class Client(CompletesWaitpoints):
         last 30 days), totals and rows grouped by model, agent or key (docs/spend.md).
         `owner` (a caller that is not `admin`) sees its own key's only; an admin sees
         `key`'s, or every key's."""
-        if group_by not in GROUPS:
-            raise ValueError(f"group_by: one of {', '.join(GROUPS)}, not {group_by!r}")
         now = time.time()
-        until = now if until is None else until
-        since = until - 29 * 86400 if since is None else since
-        if since > until:
-            raise ValueError("since: after until")
+        since, until = usage_window(group_by, since, until, now)
         keep_s = self.settings.usage_retention_days * 86400
         days = [day_of(t) for t in range(int(max(since, now - keep_s)), int(until) + 1, 86400)]
         if day_of(until) not in days:

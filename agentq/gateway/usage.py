@@ -8,6 +8,7 @@ key's, or `key`'s. Without keys (loopback only) the caller sees all, as the CLI 
 from __future__ import annotations
 
 import datetime as dt
+import time
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
@@ -17,6 +18,7 @@ from starlette.routing import Route
 
 from agentq.gateway.context import NO_STORE
 from agentq.gateway.errors import ApiError, invalid
+from agentq.state.spend import usage_window
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
@@ -54,13 +56,14 @@ def usage_routes(gw: RouteContext) -> list[Route]:
             raise ApiError(403, "Forbidden", "a key sees its own usage only")
         owner = principal.name if principal else None
         try:
-            report = await run_in_threadpool(
-                lambda: gw.client.usage(
-                    since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
-                )
-            )
-        except ValueError as exc:  # Client.usage's checks of group_by, since and until
+            since, until = usage_window(group_by, since, until, time.time())
+        except ValueError as exc:
             raise invalid(str(exc)) from None
+        report = await run_in_threadpool(
+            lambda: gw.client.usage(
+                since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
+            )
+        )
         return JSONResponse(report, headers=NO_STORE)
 
     return [Route("/v1/usage", usage, methods=["GET"])]

@@ -473,6 +473,21 @@ class Spend:
 GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
 """What `/v1/usage` may group by, and the prefix of its fields in a day's hash."""
 
+
+def usage_window(
+    group_by: str, since: float | None, until: float | None, now: float
+) -> tuple[float, float]:
+    """A usage query's window (epoch s; by default the 30 days to `now`), or ValueError
+    naming what is wrong with the query."""
+    if group_by not in GROUPS:
+        raise ValueError(f"group_by: one of {', '.join(GROUPS)}, not {group_by!r}")
+    until = now if until is None else until
+    since = until - 29 * 86400 if since is None else since
+    if since > until:
+        raise ValueError("since: after until")
+    return since, until
+
+
 _COUNTS = {**_TOKENS, "turns": "turns"}
 
 
