@@ -300,8 +300,16 @@ def published_agent_details(client: redis.Redis, now: float | None = None) -> li
         except (ValueError, KeyError, TypeError):
             continue
         if now - seen <= PUBLISHED_FRESH_S:
-            del rec["seen_at"]
-            out.append({"name": name.decode() if isinstance(name, bytes) else str(name), **rec})
+            # The same fields whatever the worker's version wrote: /v1/agents sends them on.
+            out.append(
+                {
+                    "name": name.decode() if isinstance(name, bytes) else str(name),
+                    "model": rec.get("model"),
+                    "tools": rec.get("tools") or [],
+                    "description": rec.get("description") or "",
+                    "output_schema": rec.get("output_schema"),
+                }
+            )
     return sorted(out, key=lambda a: str(a["name"]))
 
 
