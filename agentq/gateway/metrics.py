@@ -96,9 +96,9 @@ class GatewayMetrics:
 
 
 class Scraped:
-    """What /metrics last read from Redis, as metric families: the fleet's counts, the
-    model capacity snapshots and the webhook counters (none of a read that failed: a stale
-    queue length would mislead)."""
+    """What /metrics last read from Redis, as metric families: the fleet's counts (kept
+    from the last read that got them: counters only grow), the model capacity snapshots and
+    the webhook counters (none of a read that failed: a stale queue length would mislead)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, float] = {}
