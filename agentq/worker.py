@@ -10,6 +10,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery.signals import (
@@ -203,36 +204,56 @@ def _inline_steps_in_tool_children(**_: Any) -> None:
 
 @worker_ready.connect
 def _ready(sender: Any = None, **_: Any) -> None:
-    """What a worker of each role starts once it is ready."""
+    """What a worker of each role starts once it is ready; a part that fails is logged and
+    the rest still start, as Celery does for separate receivers (a heartbeat that cannot
+    reach Redis must not leave a turn worker without its sweeper)."""
     role = current_role()
     consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
+    parts: list[Callable[[], None]] = []
     if role is not None:
-        _start_heartbeat(str(getattr(sender, "hostname", "")), role, consumed)
+        hostname = str(getattr(sender, "hostname", ""))
+        parts.append(lambda: _start_heartbeat(hostname, role, consumed))
     log.info("agentq %s worker: consuming %s", role, ", ".join(consumed))
     if role in ("io", "llm"):
         # They settle from threads beside their loop: they take the next step themselves
         # too (the tool worker's parent, which settles hard kills, does not).
-        step_inline()
+        parts.append(step_inline)
     if role == "llm":
-        # The OpenAI SDK imported and the model client built before the first round: done
-        # on the event loop, the import (seconds on a busy machine) stalled every stream.
-        from agentq.llm.task import warm
-
-        warm()
+        parts.append(_warm_stream_worker)
     if role == "turns":
-        from agentq.agents import publish_agents
-        from agentq.orchestrator.steps import Sweeper
-
-        # Before Celery logs "ready.": a client that waits for it finds the agents known.
-        publish_agents(get_store().redis)
-        Sweeper(get_store(), app, settings).start()
-        interval_s = settings.sweep_interval_s
-        log.info("agentq turn worker ready: sweeping deadlines every %.2fs", interval_s)
+        parts.append(_start_turn_worker)
     if k.QUEUE_WEBHOOKS in consumed:
-        # Whoever delivers webhooks sends their due retries (and a lost message again).
-        from agentq.webhooks.task import start_sweeper
+        parts.append(_start_webhook_sweeper)
+    for part in parts:
+        try:
+            part()
+        except Exception:
+            log.exception("agentq %s worker: a part of its start failed", role)
 
-        start_sweeper(get_store(), app, settings)
+
+def _warm_stream_worker() -> None:
+    """The OpenAI SDK imported and the model client built before the first round: done on
+    the event loop, the import (seconds on a busy machine) stalled every stream."""
+    from agentq.llm.task import warm
+
+    warm()
+
+
+def _start_turn_worker() -> None:
+    from agentq.agents import publish_agents
+    from agentq.orchestrator.steps import Sweeper
+
+    # Before Celery logs "ready.": a client that waits for it finds the agents known.
+    publish_agents(get_store().redis)
+    Sweeper(get_store(), app, settings).start()
+    log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
+
+
+def _start_webhook_sweeper() -> None:
+    """Whoever delivers webhooks sends their due retries (and a lost message again)."""
+    from agentq.webhooks.task import start_sweeper
+
+    start_sweeper(get_store(), app, settings)
 
 
 @worker_process_shutdown.connect
