@@ -151,9 +151,11 @@ def advance_calls(
             if fresh:
                 # Recorded before they are sent: a step that dies in between leaves them
                 # to the pickup, the first wake after PICKUP_LEASES. Not started by their
-                # queue allowance, they are lost (`_overdue` adds that deadline).
-                due += [ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s]
-                _overdue(ctx, fresh[0], ctx.now, None, due)
+                # queue allowance, they are lost: the step looks again then (`lost_deadline`
+                # of a call not started).
+                s = ctx.settings
+                due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
+                due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]
             send(ctx, out, _records(ctx, out, again), secrets, min(due))
         return min(due) if due else None
     return None
