@@ -524,3 +524,9 @@ class TurnHandle(_Frozen):
     missing_workers: list[str] | None = None
     """Set by the gateway when no live worker of a kind every turn needs (`turns`, `llm`)
     answers: the turn waits until one starts (`agentq worker KIND`)."""
+
+
+def final_content(history: list[dict[str, Any]]) -> str:
+    """The content of the last assistant message: what a turn answered ("" if nothing)."""
+    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
+    return str(final.get("content") or "")

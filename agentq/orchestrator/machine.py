@@ -59,7 +59,13 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.agents import all_agents
 from agentq.errors import AgentqError, ConversationNotFound
-from agentq.models import TERMINAL_STATUSES, AssistantMessage, ToolCall, TurnStatus
+from agentq.models import (
+    TERMINAL_STATUSES,
+    AssistantMessage,
+    ToolCall,
+    TurnStatus,
+    final_content,
+)
 from agentq.orchestrator import admission, conversation, spend, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
@@ -333,7 +339,7 @@ def finish(
     # A round whose calls were its last (stop_after_round) is settled here.
     spend.settle_left(ctx)
     history = [*ctx.history, *(append or [])]
-    content = subturns.final_content(history)
+    content = final_content(history)
     typed = {} if output is None else {"output": output}
     ctx.close(
         TurnStatus.FINISHED,

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
+from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, final_content
 from agentq.orchestrator.wake import abort_child, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
@@ -169,12 +169,6 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     ctx.publish("subturn_started", **fields, child_turn_id=child)
     ctx.publish("tool_started", **fields, child_turn_id=child, timeout_s=p.timeout_s)
     send_step_or_wake(ctx.store, ctx.app, child)
-
-
-def final_content(history: list[dict[str, Any]]) -> str:
-    """The content of the last assistant message: what a turn answered ("" if nothing)."""
-    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
-    return str(final.get("content") or "")
 
 
 def report_to_parent(ctx: StepContext, message: str) -> None:

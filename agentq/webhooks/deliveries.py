@@ -17,6 +17,7 @@ from pydantic import BaseModel
 
 from agentq import constants as k
 from agentq.events.lua_args import bind_lua
+from agentq.models import final_content
 from agentq.state.base import text
 from agentq.webhooks.backoff import Status
 
@@ -278,7 +279,6 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
         return None
     status = str(state["status"])
     history = store.history(turn_id)
-    final: dict[str, Any] = next((m for m in reversed(history) if m.get("role") == "assistant"), {})
     counted = [f"{k}_tokens" for k in ("prompt", "completion", "total", "cached", "reasoning")]
     usage: dict[str, Any] = dict.fromkeys([*counted, "rounds"], 0)
     for ev in store.bus.log(turn_id):
@@ -296,7 +296,7 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
         "turn_id": turn_id,
         "status": status,
         "agent": state.get("agent"),
-        "output_text": final.get("content") or "",
+        "output_text": final_content(history),
         "usage": usage,
         "created_at": state.get("created_at"),
         "started_at": state.get("started_at"),
