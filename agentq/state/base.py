@@ -18,7 +18,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast, overload
 
 import redis
 from redis.commands.core import Script
@@ -218,7 +218,13 @@ class LuaScript:
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
-    def __get__(self, obj: Any, owner: type | None = None) -> Script:
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> LuaScript: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> Script: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> Script | LuaScript:
+        if obj is None:  # read on the class (mock.patch.object, inspect)
+            return self
         script: Script = obj.redis.register_script(self.source)
         obj.__dict__[self.name] = script  # later reads find it on the instance
         return script

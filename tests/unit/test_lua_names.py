@@ -71,6 +71,8 @@ _BY_POSITION = re.compile(r"\b(KEYS|ARGV)\[\d+\]")
 
 def test_the_store_has_scripts() -> None:
     assert len(_store_scripts()) >= 12
+    # Read on the class (mock.patch.object, inspect), a script is its LuaScript.
+    assert isinstance(TurnStore._settle, LuaScript)
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
