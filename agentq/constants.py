@@ -53,6 +53,10 @@ WATCH_CHANNEL = f"{PREFIX}:control:watch"
 stream worker that holds back an unwatched turn's deltas (`AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS`)
 sends them live from then on."""
 
+SLOTS_CHANNEL = f"{PREFIX}:control:slots"
+"""Pub/sub channel carrying a semaphore's key each time a place of it is given back, for
+calls on an event loop waiting for one (an MCP server's `concurrency`)."""
+
 TURNS_INDEX = f"{PREFIX}:turns:index"
 """Sorted set: every turn (running or kept) scored by created_at, for the operator console;
 entries whose turn expired are pruned when listed."""

@@ -4,7 +4,8 @@ An abort sets the turn's cancel key and publishes the turn id on CANCEL_CHANNEL.
 loop subscribes to the channel and runs the callbacks registered for that turn; a
 slow poll of the cancel keys of the turns it holds catches a message missed while the
 subscription was reconnecting. The same subscription hears WATCH_CHANNEL, where a
-follower's first mark of a turn is told, for whoever holds back that turn's events.
+follower's first mark of a turn is told, for whoever holds back that turn's events, and
+SLOTS_CHANNEL, where a semaphore's place given back wakes the calls waiting for one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ claimed off the loop and registers when the loop takes it up): the newest this m
 class CancelWatch:
     """Turn id -> callbacks run (on the loop) once that turn is aborted."""
 
+    current: CancelWatch | None = None
+    """The watch started on this process's loop (its `LoopHost`'s)."""
+
     def __init__(
         self,
         redis_url: str,
@@ -53,9 +57,11 @@ class CancelWatch:
         """Aborted turns that had no callback yet, oldest first."""
         self.on_watch: Callable[[str], None] | None = None
         """Run (on the loop) with a turn's id when someone starts following it."""
+        self._freed: dict[str, set[asyncio.Future[None]]] = {}
 
     def start(self) -> None:
         """On the loop: subscribe and poll until the loop stops."""
+        CancelWatch.current = self
         self._tasks = [
             asyncio.get_running_loop().create_task(self._listen(), name="agentq-cancel-listen"),
             asyncio.get_running_loop().create_task(self._poll(), name="agentq-cancel-poll"),
@@ -90,6 +96,20 @@ class CancelWatch:
                 log.exception("cancel callback of turn %s failed", turn_id)
         return len(handlers)
 
+    def on_freed(self, key: str) -> asyncio.Future[None]:
+        """On the loop: a future done when a place of the semaphore `key` is given back;
+        taken before the caller's try, so a place freed during the try still wakes it."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._freed.setdefault(key, set())
+        waiters.add(fut)
+        fut.add_done_callback(waiters.discard)
+        return fut
+
+    def _wake(self, key: str) -> None:
+        for fut in self._freed.pop(key, set()):
+            if not fut.done():
+                fut.set_result(None)
+
     def _remember(self, turn_id: str) -> None:
         self._recent.pop(turn_id, None)
         self._recent[turn_id] = None
@@ -107,16 +127,18 @@ class CancelWatch:
                 client = async_redis_client(self._url, self._master)
             pubsub = client.pubsub(ignore_subscribe_messages=True)
             try:
-                await pubsub.subscribe(k.CANCEL_CHANNEL, k.WATCH_CHANNEL)
+                await pubsub.subscribe(k.CANCEL_CHANNEL, k.WATCH_CHANNEL, k.SLOTS_CHANNEL)
                 delay_s = 0.1
                 async for msg in pubsub.listen():
                     if msg.get("type") != "message":
                         continue
-                    turn_id = text(msg["data"])
-                    if text(msg["channel"]) != k.WATCH_CHANNEL:
-                        self.fire(turn_id)
+                    channel, said = text(msg["channel"]), text(msg["data"])
+                    if channel == k.CANCEL_CHANNEL:
+                        self.fire(said)
+                    elif channel == k.SLOTS_CHANNEL:
+                        self._wake(said)
                     elif self.on_watch is not None:
-                        self.on_watch(turn_id)
+                        self.on_watch(said)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

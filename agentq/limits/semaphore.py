@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
+from agentq.constants import SLOTS_CHANNEL
 from agentq.events.lua_args import argv_of, bind_lua
 from agentq.limits import REDIS_NOW_MS_LUA
 
@@ -59,8 +60,9 @@ class AcquireArgs(NamedTuple):
 
 # ACQUIRE_LUA: drops the places of the holders ARGV names after the named arguments (their
 # owners know they are over) and the lapsed ones, then gives `holder` a place (or renews
-# the one it has) if fewer than `limit` are held: 1, else 0. The key lives as long as its
-# longest lease (a week at most, for places held FOREVER).
+# the one it has) if fewer than `limit` are held: 0, else the ms until the soonest lease
+# lapses. The key lives as long as its longest lease (a week at most, for places held
+# FOREVER).
 ACQUIRE_LUA = (
     bind_lua(("key",), AcquireArgs, rest="ended")
     + REDIS_NOW_MS_LUA
@@ -70,14 +72,14 @@ local now = redis_now_ms()
 if #ARGV >= ended_at then redis.call('ZREM', key, unpack(ARGV, ended_at)) end
 leases_lapse(key, now - 1)
 if not redis.call('ZSCORE', key, holder) and leases_full(key, tonumber(limit)) then
-  return 0
+  return math.min(leases_next_end(key, now) - now, 86400000)  -- a day for FOREVER
 end
 local forever = lease_ms == '+inf'
 lease_hold(key, holder, forever and '+inf' or now + tonumber(lease_ms))
 local ttl_ms = 7 * 24 * 3600 * 1000
 if not forever then ttl_ms = math.min(ttl_ms, tonumber(lease_ms) + 1000) end
 if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
-return 1
+return 0
 """
 )
 
@@ -95,12 +97,20 @@ class LeasedSemaphore:
     ) -> bool:
         """Take (or renew) `holder`'s place in `key`'s semaphore for `lease_s` seconds,
         after dropping the `ended` holders; False when all places are held."""
+        return self.acquire_or_wait_ms(key, holder, lease_s, ended) == 0
+
+    def acquire_or_wait_ms(
+        self, key: str, holder: str, lease_s: float | str, ended: list[str] | None = None
+    ) -> int:
+        """`acquire`, answering 0 for a place, else the ms until the soonest lease lapses."""
         lease_ms = FOREVER if lease_s == FOREVER else str(math.ceil(float(lease_s) * 1000))
         args = AcquireArgs(holder, lease_ms, self.limit)
-        return bool(self._acquire(keys=[key], args=argv_of(args, ended or [])))
+        return int(self._acquire(keys=[key], args=argv_of(args, ended or [])))
 
-    def release(self, key: str, holder: str) -> None:
-        self.redis.zrem(key, holder)
+    def release(self, key: str, holder: str, *, wake: bool = False) -> None:
+        """Give `holder`'s place back; `wake`: tell the waiters on SLOTS_CHANNEL."""
+        if self.redis.zrem(key, holder) and wake:
+            self.redis.publish(SLOTS_CHANNEL, key)
 
     def holders(self, key: str) -> list[str]:
         """Every holder with a place, lapsed ones included until the next acquire."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import socket
@@ -23,6 +24,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from agentq import constants as k
+from agentq.aio import cancel
 from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInvalid
 from agentq.fleet.runtime import get_store
 from agentq.limits.semaphore import LeasedSemaphore
@@ -38,8 +40,6 @@ from agentq.tools.registry import ToolSpec
 
 log = logging.getLogger("agentq.mcp")
 
-SLOT_POLL_S = 0.05
-"""How often a call waiting for a fleet-wide slot of its server looks again."""
 SLOT_UNLIMITED_S = 3600.0
 """How long a slot of a call without a hard limit is held if its worker dies with it."""
 
@@ -172,23 +172,36 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     if limit is None:
         yield
         return
+    watch = cancel.CancelWatch.current
+    assert watch is not None, "an MCP call runs on an I/O worker's loop"
     slots = LeasedSemaphore(get_store().redis, limit)
-    key = k.mcp_slots_key(server.name)
     loop = asyncio.get_running_loop()
+    key = k.mcp_slots_key(server.name)
     # Leased past the call's hard limit: a worker that dies with the call frees it then.
     lease_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
     waited = False
-    while not await loop.run_in_executor(None, slots.acquire, key, ctx.call_id, lease_s):
+    while True:
+        # Woken by a place given back (SLOTS_CHANNEL), by the soonest lease's end (its
+        # holder died), or after POLL_S should the message be missed, as an abort is.
+        freed = watch.on_freed(key)
+        wait_ms = await loop.run_in_executor(
+            None, slots.acquire_or_wait_ms, key, ctx.call_id, lease_s
+        )
+        if not wait_ms:
+            freed.cancel()
+            break
         if not waited:
             waited = True
             ctx.progress(f"waiting for one of {limit} slots of MCP server {server.name}")
-        await asyncio.sleep(SLOT_POLL_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(freed, min(wait_ms / 1000, cancel.POLL_S))
     try:
         yield
     finally:
         # Awaited: the slot is free when the call is over. Shielded: a second cancel of
         # the call stops the wait, never the release.
-        await asyncio.shield(loop.run_in_executor(None, slots.release, key, ctx.call_id))
+        release = functools.partial(slots.release, key, ctx.call_id, wake=True)
+        await asyncio.shield(loop.run_in_executor(None, release))
 
 
 def _report(link: ServerLink, *, ok: bool, error: str) -> None:
