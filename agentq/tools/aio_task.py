@@ -30,6 +30,7 @@ from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import HOLD_RETRY_S, held_writes
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
+    TICK,
     CallScope,
     FlowerProgress,
     Waiting,
@@ -41,7 +42,6 @@ from agentq.tools.calls import (
     raised_result,
     settle,
     task_scope,
-    tick_fields,
     tool_context,
 )
 from agentq.tools.registry import ToolSpec
@@ -115,22 +115,22 @@ class _AsyncCall:
         self.host, self.spec, self.scope = host, spec, scope
         req = self.req = scope.req
         self.name = f"{spec.task_name}:{req.call_id}"
-        self.aborted = threading.Event()
         self.abort_wait = asyncio.Event()
         self.soft_fired = False
         self.flower = FlowerProgress(backend, scope.task_id)
         self._settled = threading.Lock()
         self._claimed = False
-        self.ctx = tool_context(host.store, scope, self.aborted.is_set, self._progress)
+        self.ctx = tool_context(host.store, scope, self._progress, watched=True)
 
     def _progress(self, message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        meta = progress_fields(self.scope, message, pct, fields)
+        meta = progress_fields(
+            self.scope, {"message": message, "pct": pct, "source": "tool", **fields}
+        )
         self.host.fire(self.host.store.bus.publish, self.req.turn_id, "tool_progress", **meta)
         if self.flower.due():
             self.host.fire(self.flower.write, meta)
 
     def _abort(self) -> None:
-        self.aborted.set()
         self.ctx._cancelled = True
         self.abort_wait.set()
 
@@ -176,9 +176,11 @@ class _AsyncCall:
         ticker = loop.create_task(_tick(host, scope, host.settings.progress_interval_s))
         soft_timer = None
         if req.soft_timeout_s and self.spec.kind == "async":
-            soft_left = max(0.0, req.soft_timeout_s - _elapsed(scope))
+            soft_left = max(0.0, req.soft_timeout_s - (time.time() - scope.started))
             soft_timer = loop.call_later(soft_left, self._soft, inner)
-        hard_left = max(0.0, req.timeout_s - _elapsed(scope)) if req.timeout_s > 0 else None
+        hard_left = None
+        if req.timeout_s > 0:
+            hard_left = max(0.0, req.timeout_s - (time.time() - scope.started))
         if hard_left is not None:
             host.loop.watch(self.name, time.monotonic() + hard_left)
         waiter = loop.create_task(self.abort_wait.wait())
@@ -195,30 +197,24 @@ class _AsyncCall:
                 soft_timer.cancel()
         result: ToolResult | Waiting
         if inner in done:
-            aborted = self.aborted.is_set()
-            result = _outcome(self.spec, scope, inner, self.soft_fired, aborted, host)
+            result = _outcome(self.spec, scope, inner, self.soft_fired, self.ctx._cancelled, host)
         elif waiter in done:
             inner.cancel()
             result = scope.cancelled()
         else:
             inner.cancel()
-            result = _at_hard_limit(self.spec, scope)
+            result = scope.timeout(
+                killed=True,
+                what=f"Tool {req.tool!r} was cancelled at its hard time limit of "
+                f"{req.timeout_s:g}s; it is not running any more."
+                if self.spec.kind == "async"
+                else f"Tool {req.tool!r} did not finish within its hard time limit of "
+                f"{req.timeout_s:g}s; its thread was abandoned and may still be running.",
+            )
         if not inner.done():
             inner.add_done_callback(_forget)
         host.running.pop(self.name, None)
         return result
-
-
-def _at_hard_limit(spec: ToolSpec, scope: CallScope) -> ToolResult:
-    req = scope.req
-    what = (
-        f"Tool {req.tool!r} was cancelled at its hard time limit of {req.timeout_s:g}s; "
-        "it is not running any more."
-        if spec.kind == "async"
-        else f"Tool {req.tool!r} did not finish within its hard time limit of "
-        f"{req.timeout_s:g}s; its thread was abandoned and may still be running."
-    )
-    return scope.timeout(killed=True, what=what)
 
 
 def _outcome(
@@ -258,11 +254,12 @@ async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         if held_writes.count:
             continue  # Redis is away: a tick would wait in the store's threads before results
-        host.fire(host.store.bus.publish, scope.req.turn_id, "tool_progress", **tick_fields(scope))
-
-
-def _elapsed(scope: CallScope) -> float:
-    return time.time() - scope.started
+        host.fire(
+            host.store.bus.publish,
+            scope.req.turn_id,
+            "tool_progress",
+            **progress_fields(scope, TICK),
+        )
 
 
 def _forget(fut: asyncio.Future[Any]) -> None:

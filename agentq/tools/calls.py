@@ -83,14 +83,6 @@ class CallScope:
             self.call, self.req.timeout_s, killed=killed, soft=soft, what=what, **record
         )
 
-    def elapsed_ms(self) -> int:
-        return int((time.time() - self.started) * 1000)
-
-    def finish(self, result: ToolResult) -> ToolResult:
-        if result.status != "ok":
-            result.record.overran = overran(time.time() - self.started, self.req.budget_s)
-        return result
-
 
 def task_scope(request: Any, req: ToolTaskRequest) -> tuple[CallScope, str]:
     """The call's scope and its delivery (`task_id/retries`) from its Celery task's request."""
@@ -228,9 +220,10 @@ def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> 
     if isinstance(result, Waiting):
         open_wait(store, scope, result)
         return
-    finished = scope.finish(result)
+    if result.status != "ok":
+        result.record.overran = overran(time.time() - scope.started, scope.req.budget_s)
     held_writes.hold(
-        lambda: store.settle(scope.req.turn_id, finished, alone=scope.alone),
+        lambda: store.settle(scope.req.turn_id, result, alone=scope.alone),
         settle_deadline(scope, get_settings().tool_grace_s),
         f"the result of call {scope.req.call_id} ({scope.req.tool})",
     )
@@ -277,27 +270,32 @@ def mark_started(
         f"the start of call {req.call_id} ({req.tool})",
     )
     scope.alone = claim is Started.STARTED_ALONE
-    if claim is Started.SETTLED:
-        return "already settled: not run again"
-    if claim is Started.REDELIVERED:
-        return "delivered again while its first delivery ran: not run again"
-    if claim is Started.TURN_GONE:
-        return "its turn is over or gone: not run"
     if claim is Started.CANCELLED:
         settle(store, scope, scope.cancelled())
-        return "turn cancelled before start"
-    return None
+    return _NOT_RUN.get(claim)
+
+
+_NOT_RUN = {
+    Started.SETTLED: "already settled: not run again",
+    Started.REDELIVERED: "delivered again while its first delivery ran: not run again",
+    Started.TURN_GONE: "its turn is over or gone: not run",
+    Started.CANCELLED: "turn cancelled before start",
+}
 
 
 def tool_context(
     store: TurnStore,
     scope: CallScope,
-    is_cancelled: Callable[[], bool] | None,
     on_progress: Callable[[str, float | None, dict[str, Any]], None],
+    *,
+    watched: bool = False,
 ) -> ToolContext:
-    """The call's ToolContext, in a prefork child or on the I/O worker's loop;
-    `is_cancelled` None: the turn's cancel key is asked."""
+    """The call's ToolContext; `watched`: the I/O worker's cancel channel sets its
+    `_cancelled`, else the turn's cancel key is asked."""
     req = scope.req
+
+    def cancelled() -> bool:
+        return bool(store.redis.exists(k.cancel_key(req.turn_id)))
 
     def read_secret() -> str | None:
         if not req.secret_ref:
@@ -312,7 +310,7 @@ def tool_context(
         started_at=scope.started,
         timeout_s=req.timeout_s,
         soft_timeout_s=req.soft_timeout_s,
-        is_cancelled=is_cancelled or (lambda: bool(store.redis.exists(k.cancel_key(req.turn_id)))),
+        is_cancelled=None if watched else cancelled,
         on_progress=on_progress,
         read_secret=read_secret,
         attempt=req.attempt,
@@ -330,7 +328,7 @@ class FlowerProgress:
     """When a call's progress report also goes to Flower, on either kind of tool worker."""
 
     def __init__(self, backend: Any, task_id: str | None) -> None:
-        self.backend = backend if task_id else None
+        self.backend: Any = backend if task_id else None
         self.task_id = task_id or ""
         self._at = time.monotonic()
 
@@ -345,33 +343,22 @@ class FlowerProgress:
 
     def write(self, meta: dict[str, Any]) -> None:
         """The PROGRESS state (a result-backend write): only when `due()` said so."""
-        if self.backend is not None:
-            self.backend.store_result(self.task_id, meta, "PROGRESS")
+        self.backend.store_result(self.task_id, meta, "PROGRESS")
 
 
-def progress_fields(
-    scope: CallScope, message: str, pct: float | None, fields: dict[str, Any]
-) -> dict[str, Any]:
+def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:
+    """A running call's `tool_progress`: its ids and time so far, then `fields`."""
+    elapsed_ms = int((time.time() - scope.started) * 1000)
     return {
         "call_id": scope.req.call_id,
         "tool": scope.req.tool,
-        "message": message,
-        "pct": pct,
-        "elapsed_ms": scope.elapsed_ms(),
-        "source": "tool",
+        "elapsed_ms": elapsed_ms,
         **fields,
     }
 
 
-def tick_fields(scope: CallScope) -> dict[str, Any]:
-    """The worker's periodic `tool_progress` for a running call."""
-    return {
-        "call_id": scope.req.call_id,
-        "tool": scope.req.tool,
-        "elapsed_ms": scope.elapsed_ms(),
-        "state": "running",
-        "source": "worker",
-    }
+TICK = {"state": "running", "source": "worker"}
+"""The worker's periodic `tool_progress` of a running call."""
 
 
 def call_kwargs(spec: ToolSpec, req: ToolTaskRequest) -> dict[str, Any]:

@@ -8,7 +8,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
@@ -25,6 +26,7 @@ from agentq.state.held import REDIS_AWAY, held_writes
 from agentq.telemetry import logs, tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
+    TICK,
     CallScope,
     FlowerProgress,
     Waiting,
@@ -36,7 +38,6 @@ from agentq.tools.calls import (
     raised_result,
     settle,
     task_scope,
-    tick_fields,
     tool_context,
 )
 from agentq.tools.context import ToolContext
@@ -64,13 +65,9 @@ class ToolTask(Task):  # type: ignore[misc]
 
 
 class _Ticker:
-    """One thread per process publishing the running call's `tool_progress` every
-    progress_interval_s, late by a quarter interval (and TICK_POLL_S) at most: a prefork
-    child runs one call at a time.
-
-    A call's start and end only set an attribute: starting a thread per call, or waking
-    one at each start and end, cost more than a short call itself.
-    """
+    """One thread per process publishing the running call's `tool_progress` (a prefork child
+    runs one call at a time); a call's start and end only set an attribute, as starting or
+    waking a thread per call cost more than a short call itself."""
 
     def __init__(self) -> None:
         self._current: tuple[TurnStore, CallScope, float] | None = None
@@ -79,14 +76,11 @@ class _Ticker:
 
     @contextlib.contextmanager
     def running(self, store: TurnStore, scope: CallScope, interval_s: float) -> Iterator[None]:
-        if self._thread is None or not self._thread.is_alive():
-            with self._lock:
-                if self._thread is None or not self._thread.is_alive():
-                    # Started lazily, after the fork: a thread does not survive into a child.
-                    self._thread = threading.Thread(
-                        target=self._run, name="agentq-tick", daemon=True
-                    )
-                    self._thread.start()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                # Started lazily, after the fork: a thread does not survive into a child.
+                self._thread = threading.Thread(target=self._run, name="agentq-tick", daemon=True)
+                self._thread.start()
         self._current = (store, scope, interval_s)
         try:
             yield
@@ -110,7 +104,9 @@ class _Ticker:
                 continue
             ticked = (scope, time.time())
             try:
-                store.bus.publish(scope.req.turn_id, "tool_progress", **tick_fields(scope))
+                store.bus.publish(
+                    scope.req.turn_id, "tool_progress", **progress_fields(scope, TICK)
+                )
             except Exception:
                 log.debug("progress tick not sent", exc_info=True)
 
@@ -118,9 +114,24 @@ class _Ticker:
 _ticker = _Ticker()
 
 
+@dataclass
+class _SoftLimit:
+    fired: bool = False
+    done: bool = False
+    """The tool has returned: a signal now would drop its result, held while Redis is away."""
+
+
 @contextlib.contextmanager
-def _soft_limit_handled(handler: Callable[[Callable[..., Any], int, Any], None]) -> Iterator[None]:
-    """The pool's soft-limit signal goes to `handler(prev, signum, frame)` meanwhile."""
+def _soft_limit(scope: CallScope) -> Iterator[_SoftLimit]:
+    """Whether the pool's soft time limit fired during the call, also when the tool caught
+    it: the pool times the limit from when it accepted the job, a little before the call
+    began here, so the call's own clock can read just under the limit when it fires.
+
+    A signal before half the call's own soft limit is not its own: a pool whose event loop
+    stood still (reconnecting to a broker that was away) fires its overdue timers before
+    it reads the results its processes sent meanwhile, so it may signal a process that has
+    since begun another call (a 25 s Redis outage did)."""
+    soft = _SoftLimit()
     sig = SIG_SOFT_TIMEOUT
     prev = signal.getsignal(sig) if sig is not None else None
     if (
@@ -128,60 +139,35 @@ def _soft_limit_handled(handler: Callable[[Callable[..., Any], int, Any], None])
         or not callable(prev)
         or threading.current_thread() is not threading.main_thread()
     ):
-        yield
+        yield soft
         return
-    signal.signal(sig, lambda signum, frame: handler(prev, signum, frame))
-    try:
-        yield
-    finally:
-        signal.signal(sig, prev)
 
-
-@contextlib.contextmanager
-def _soft_limit_seen(scope: CallScope) -> Iterator[list[bool]]:
-    """Whether the pool's soft time limit fired during the call, also when the tool caught
-    it: the pool times the limit from when it accepted the job, a little before the call
-    began here, so the call's own clock can read just under the limit when it fires.
-
-    A signal long before the call's own soft limit is not its own: a pool whose event loop
-    stood still (reconnecting to a broker that was away) fires its overdue timers before
-    it reads the results its processes sent meanwhile, so it may signal a process that has
-    since begun another call (a 25 s Redis outage did: `Pool process ... error:
-    SoftTimeLimitExceeded()`)."""
-    fired = [False]
-
-    def seen(prev: Callable[..., Any], signum: int, frame: Any) -> None:
-        soft_s = scope.req.soft_timeout_s or 0.0
+    def seen(signum: int, frame: Any) -> None:
+        req = scope.req
+        soft_s = req.soft_timeout_s or 0.0
         ran_s = time.time() - scope.started
-        if soft_s <= 0 or ran_s < soft_s / 2:
+        if soft.done:
+            log.warning(
+                "call %s (%s): soft limit after it finished: ignored", req.call_id, req.tool
+            )
+        elif soft_s <= 0 or ran_s < soft_s / 2:
             log.warning(
                 "call %s (%s): a soft time limit after %.1f s of its %.1f s, set for an "
                 "earlier call: ignored",
-                scope.req.call_id,
-                scope.req.tool,
+                req.call_id,
+                req.tool,
                 ran_s,
                 soft_s,
             )
-            return
-        fired[0] = True
-        prev(signum, frame)
+        else:
+            soft.fired = True
+            prev(signum, frame)
 
-    with _soft_limit_handled(seen):
-        yield fired
-
-
-def _ignored_after_the_tool(scope: CallScope) -> contextlib.AbstractContextManager[None]:
-    """The tool has returned: its soft limit, firing while its result is written (held
-    while Redis is away), would otherwise drop that result."""
-
-    def ignore(prev: Callable[..., Any], signum: int, frame: Any) -> None:
-        log.warning(
-            "call %s (%s): its soft time limit fired after it finished: its result is kept",
-            scope.req.call_id,
-            scope.req.tool,
-        )
-
-    return _soft_limit_handled(ignore)
+    signal.signal(sig, seen)
+    try:
+        yield soft
+    finally:
+        signal.signal(sig, prev)
 
 
 def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
@@ -195,7 +181,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     flower = FlowerProgress(task.backend, scope.task_id)
 
     def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        meta = progress_fields(scope, message, pct, fields)
+        meta = progress_fields(scope, {"message": message, "pct": pct, "source": "tool", **fields})
         try:
             store.bus.publish(req.turn_id, "tool_progress", **meta)
         except REDIS_AWAY:
@@ -208,7 +194,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             except Exception:
                 log.debug("progress not sent to Flower", exc_info=True)
 
-    ctx = tool_context(store, scope, None, on_progress)
+    ctx = tool_context(store, scope, on_progress)
     if not (tracing.enabled or logs.enabled):
         return _run(spec, scope, ctx, store, settings)
     with observed(scope) as span:
@@ -227,24 +213,22 @@ def _run(
     spec: ToolSpec, scope: CallScope, ctx: ToolContext, store: TurnStore, settings: Settings
 ) -> str:
     result: ToolResult | Waiting
-    try:
-        with (
-            _ticker.running(store, scope, settings.progress_interval_s),
-            _soft_limit_seen(scope) as soft,
-        ):
-            kwargs = call_kwargs(spec, scope.req)
-            value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
-            if ctx._cancelled:
-                # It saw its turn's abort and returned: cancelled, as the abort step settles
-                # it, whichever of the two settles first.
-                result = scope.cancelled()
-            else:
-                result = ok_result(scope, spec, value, settings, soft_fired=soft[0])
-    except SoftTimeLimitExceeded:
-        result = scope.timeout(killed=False, soft=True)
-    except Exception as exc:
-        result = raised_result(scope, exc)
-    with _ignored_after_the_tool(scope):
+    with _soft_limit(scope) as soft:
+        try:
+            with _ticker.running(store, scope, settings.progress_interval_s):
+                kwargs = call_kwargs(spec, scope.req)
+                value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
+                if ctx._cancelled:
+                    # It saw its turn's abort and returned: cancelled, as the abort step
+                    # settles it, whichever of the two settles first.
+                    result = scope.cancelled()
+                else:
+                    result = ok_result(scope, spec, value, settings, soft_fired=soft.fired)
+        except SoftTimeLimitExceeded:
+            result = scope.timeout(killed=False, soft=True)
+        except Exception as exc:
+            result = raised_result(scope, exc)
+        soft.done = True
         settle(store, scope, result)
     return result.status
 

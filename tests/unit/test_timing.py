@@ -102,23 +102,24 @@ def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
     from billiard.pool import SIG_SOFT_TIMEOUT, soft_timeout_sighandler
     from celery.exceptions import SoftTimeLimitExceeded
 
-    from agentq.tools.task import _ignored_after_the_tool, _soft_limit_seen
+    from agentq.tools.task import _soft_limit
 
     before = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
     try:
-        with _soft_limit_seen(_scope(8.9)) as quiet:
+        with _soft_limit(_scope(8.9)) as quiet:
             pass
-        assert quiet == [False]
-        with _soft_limit_seen(_scope(8.9)) as soft, pytest.raises(SoftTimeLimitExceeded):
+        assert not quiet.fired
+        with _soft_limit(_scope(8.9)) as soft, pytest.raises(SoftTimeLimitExceeded):
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)  # its handler runs before this returns
-        assert soft == [True]
+        assert soft.fired
         assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler  # restored
         # A limit the pool fired late, for the call this process ran before: not this one's.
-        with _soft_limit_seen(_scope(0.1)) as stale:
+        with _soft_limit(_scope(0.1)) as stale:
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)
-        assert stale == [False]
+        assert not stale.fired
         # Once the tool returned, its result is written whatever the limit says.
-        with _ignored_after_the_tool(_scope(9.5)):
+        with _soft_limit(_scope(9.5)) as after:
+            after.done = True
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)
         assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler
     finally:
