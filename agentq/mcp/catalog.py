@@ -48,7 +48,6 @@ class McpTools:
         self.ttl_s = ttl_s
         self._redis = redis
         self.links = {name: ServerLink(s, self._list_changed) for name, s in servers.items()}
-        self.applied: dict[str, float] = {}
         self.listings: dict[str, Listing] = {}
         self._told: set[str] = set()
         self.registered: dict[str, set[str]] = {name: set() for name in servers}
@@ -69,7 +68,7 @@ class McpTools:
     def refresh(self) -> None:
         """Before a registry read: newer shared listings, every POLL_S at most (at every
         read while a server has none)."""
-        due = time.monotonic() - self._looked >= POLL_S or len(self.applied) < len(self.servers)
+        due = time.monotonic() - self._looked >= POLL_S or len(self.listings) < len(self.servers)
         if not due or _in_event_loop() or not self._busy.acquire(blocking=False):
             return
         try:
@@ -86,8 +85,10 @@ class McpTools:
             log.warning("MCP listings not read from Redis: %s", explain(exc))
             return
         for name in self.servers:
-            listing = shared.get(name)
-            if listing is not None and (force or listing.listed_at > self.applied.get(name, -1)):
+            listing, applied = shared.get(name), self.listings.get(name)
+            if listing is not None and (
+                force or applied is None or listing.listed_at > applied.listed_at
+            ):
                 self.apply(name, listing)
 
     # -- listing, on an I/O worker's loop
@@ -126,21 +127,18 @@ class McpTools:
             log.warning("MCP server %s: tools not listed: %s", name, why)
             previous = self.listings.get(name)
             listing = Listing(time.time(), previous.tools if previous else [], error=why)
-            await loop.run_in_executor(None, self._health, name, why)
-        await loop.run_in_executor(None, self._write, name, listing)
-        await loop.run_in_executor(None, self.apply, name, listing)
+        await loop.run_in_executor(None, self._share, name, listing)
 
-    def _write(self, name: str, listing: Listing) -> None:
+    def _share(self, name: str, listing: Listing) -> None:
+        """Write the listing (and a failed one's error, as the server's health), then take it."""
         try:
-            self._redis().hset(k.MCP_TOOLS, name, listing.to_json())
+            redis = self._redis()
+            redis.hset(k.MCP_TOOLS, name, listing.to_json())
+            if listing.error:
+                record_health(redis, name, False, 1, listing.error, "")
         except Exception as exc:
             log.warning("MCP listing of %s not shared: %s", name, explain(exc))
-
-    def _health(self, name: str, error: str) -> None:
-        try:
-            record_health(self._redis(), name, False, 1, error, "")
-        except Exception:
-            log.debug("MCP health not recorded", exc_info=True)
+        self.apply(name, listing)
 
     def apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         """Put the listing's tools (those the allowlist keeps) in the registry, in place of
@@ -155,7 +153,6 @@ class McpTools:
             return []
 
     def _apply(self, name: str, listing: Listing) -> list[ToolSpec]:
-        self.applied[name] = listing.listed_at
         self.listings[name] = listing
         for refused in listing.refused:
             self._tell(name, refused.tool, refused.why)

@@ -17,7 +17,7 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +180,7 @@ class ServerLink:
         try:
             async with contextlib.AsyncExitStack() as stack:
                 stdio = self.server.command is not None
-                transport = self._stdio() if stdio else self._http()
+                transport = self._stdio() if stdio else await self._http(stack)
                 read, write = await stack.enter_async_context(transport)
                 session = await stack.enter_async_context(
                     ClientSession(
@@ -204,8 +204,7 @@ class ServerLink:
             else:
                 log.info("MCP server %s: session ended: %s", self.name, explain(exc))
 
-    @contextlib.asynccontextmanager
-    async def _stdio(self) -> AsyncIterator[Any]:
+    def _stdio(self) -> Any:
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
         assert self.server.command is not None
@@ -220,21 +219,17 @@ class ServerLink:
             cwd=self.server.cwd,
         )
         # The process's real stderr: Celery puts a logging proxy, which has no fd, in sys.stderr.
-        async with stdio_client(params, errlog=sys.__stderr__ or sys.stderr) as streams:
-            yield streams
+        return stdio_client(params, errlog=sys.__stderr__ or sys.stderr)
 
-    @contextlib.asynccontextmanager
-    async def _http(self) -> AsyncIterator[Any]:
+    async def _http(self, stack: contextlib.AsyncExitStack) -> Any:
         import httpx2
         from mcp.client.streamable_http import streamable_http_client
 
         assert self.server.url is not None
         timeout = httpx2.Timeout(30.0, read=None)
-        async with (
-            httpx2.AsyncClient(headers=self.server.resolved_headers(), timeout=timeout) as http,
-            streamable_http_client(self.server.url, http_client=http) as streams,
-        ):
-            yield streams
+        headers = self.server.resolved_headers()
+        http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers, timeout=timeout))
+        return streamable_http_client(self.server.url, http_client=http)
 
     async def _on_message(self, message: Any) -> None:
         method = getattr(getattr(message, "root", message), "method", None)
