@@ -46,18 +46,6 @@ class Caller:
     """Epoch seconds of the call's hard limit; None: none."""
 
 
-def request_for(caller: Caller, message: str, schema: Any, timeout_s: float) -> InteractionRequest:
-    return InteractionRequest(
-        request_id=f"{caller.call_id}.e{next(_seq)}.approval",
-        kind="input",
-        call_id=caller.call_id,
-        tool=caller.tool,
-        prompt=message,
-        timeout_ms=max(1, int(timeout_s * 1000)),
-        answer_schema=schema if isinstance(schema, dict) else None,
-    )
-
-
 def ask(caller: Caller, message: str, schema: Any) -> tuple[str, Any]:
     """Ask the question on the caller's turn and wait for it (blocking: run it in a
     thread); (`accept`, content), (`decline`, None) or (`cancel`, None)."""
@@ -68,7 +56,15 @@ def ask(caller: Caller, message: str, schema: Any) -> tuple[str, Any]:
     left_s = None if caller.deadline is None else caller.deadline - time.time()
     timeout_s = get_settings().input_timeout_s
     timeout_s = timeout_s if left_s is None else max(0.001, min(timeout_s, left_s - 1))
-    req = request_for(caller, message, schema, timeout_s)
+    req = InteractionRequest(
+        request_id=f"{caller.call_id}.e{next(_seq)}.approval",
+        kind="input",
+        call_id=caller.call_id,
+        tool=caller.tool,
+        prompt=message,
+        timeout_ms=max(1, int(timeout_s * 1000)),
+        answer_schema=schema if isinstance(schema, dict) else None,
+    )
     interactions = Interactions(store)
     interactions.open(caller.turn_id, req)
     fields = req.model_dump()

@@ -118,9 +118,9 @@ class Waitpoint:
     tags: tuple[str, ...] = field(default_factory=tuple)
 
 
+@dataclass
 class Partial:
     """Return `Partial(value)` to mark a result incomplete (e.g. cut short by the soft limit)."""
 
-    def __init__(self, value: Any, note: str = "") -> None:
-        self.value = value
-        self.note = note
+    value: Any
+    note: str = ""

@@ -18,8 +18,6 @@ from agentq.models import InteractionKind
 
 Concurrency = Literal["parallel", "exclusive"]
 Approval = Literal["auto", "ask", "deny"]
-NO_LIMIT = 0.0
-"""The one encoding of "no limit" for every time limit of a tool."""
 
 
 class ToolPolicy(BaseModel):
@@ -64,7 +62,7 @@ class ToolPolicy(BaseModel):
         if (
             self.max_timeout_s is not None
             and self.timeout_s
-            and 0 < self.max_timeout_s < (self.timeout_s)
+            and 0 < self.max_timeout_s < self.timeout_s
         ):
             raise ValueError("max_timeout_s must not be below timeout_s")
         if (

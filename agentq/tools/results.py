@@ -65,19 +65,17 @@ def timeout_result(
     **record: Any,
 ) -> ToolResult:
     """`what` replaces the standard explanation (e.g. for a cancelled coroutine)."""
-    if what is not None:
-        pass
-    elif soft:
+    if what is None and soft:
         what = (
             f"Tool {call.name!r} hit its soft time limit and gave up without a result "
             f"(hard limit {timeout_s:g}s)."
         )
-    elif killed:
+    elif what is None and killed:
         what = (
             f"Tool {call.name!r} was stopped at its hard time limit of {timeout_s:g}s; "
             "its process was killed, so it is not running any more."
         )
-    else:
+    elif what is None:
         what = (
             f"Tool {call.name!r} did not answer within {timeout_s:g}s; "
             "it may still be running in the background."
