@@ -126,14 +126,15 @@ class McpTools:
             why = explain(exc)
             log.warning("MCP server %s: tools not listed: %s", name, why)
             previous = self.listings.get(name)
-            listing = Listing(time.time(), previous.tools if previous else [], error=why)
+            tools = previous.tools if previous else []
+            listing = Listing(listed_at=time.time(), tools=tools, error=why)
         await loop.run_in_executor(None, self._share, name, listing)
 
     def _share(self, name: str, listing: Listing) -> None:
         """Write the listing (and a failed one's error, as the server's health), then take it."""
         try:
             redis = self._redis()
-            redis.hset(k.MCP_TOOLS, name, listing.to_json())
+            redis.hset(k.MCP_TOOLS, name, listing.model_dump_json())
             if listing.error:
                 record_health(redis, name, False, 1, listing.error, "")
         except Exception as exc:

@@ -12,8 +12,10 @@ listings together (`plan`), the same in every process and in the gateway's
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentq import constants as k
 from agentq.mcp.names import mapped_names
@@ -27,9 +29,10 @@ MAX_SCHEMA_BYTES = 64 * 1024
 """The largest input schema taken (as JSON): every request of a turn carries it."""
 
 
-@dataclass(frozen=True)
-class ListedTool:
+class ListedTool(BaseModel):
     """One tool as the server lists it: what a process needs to offer and check calls."""
+
+    model_config = ConfigDict(frozen=True)
 
     name: str
     description: str
@@ -39,33 +42,22 @@ class ListedTool:
     destructive: bool | None = None
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(BaseModel):
     """A tool of a listing that is not offered, and why."""
+
+    model_config = ConfigDict(frozen=True)
 
     tool: str
     why: str
 
 
-@dataclass
-class Listing:
+class Listing(BaseModel):
+    """What a server listed, as the fleet shares it in Redis (its JSON)."""
+
     listed_at: float
-    tools: list[ListedTool] = field(default_factory=list)
+    tools: list[ListedTool] = []
     error: str = ""
-    refused: list[Refused] = field(default_factory=list)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, raw: Any) -> Listing:
-        data = json.loads(raw)
-        return cls(
-            listed_at=float(data["listed_at"]),
-            tools=[ListedTool(**t) for t in data.get("tools") or []],
-            error=str(data.get("error") or ""),
-            refused=[Refused(**r) for r in data.get("refused") or []],
-        )
+    refused: list[Refused] = []
 
     @classmethod
     def screened(cls, listed_at: float, tools: list[ListedTool]) -> Listing:
@@ -80,9 +72,9 @@ class Listing:
             why = problem(t) or (f"listed {counts[t.name]} times" if counts[t.name] > 1 else None)
             if why is None:
                 kept.append(t)
-            elif Refused(printable(t.name), why) not in refused:
-                refused.append(Refused(printable(t.name), why))
-        return cls(listed_at, kept, refused=refused)
+            elif Refused(tool=printable(t.name), why=why) not in refused:
+                refused.append(Refused(tool=printable(t.name), why=why))
+        return cls(listed_at=listed_at, tools=kept, refused=refused)
 
 
 def read_listings(redis: Any) -> dict[str, Listing]:
@@ -90,8 +82,9 @@ def read_listings(redis: Any) -> dict[str, Listing]:
     out = {}
     for name, raw in (redis.hgetall(k.MCP_TOOLS) or {}).items():
         try:
-            out[name.decode() if isinstance(name, bytes) else str(name)] = Listing.from_json(raw)
-        except (ValueError, KeyError, TypeError):
+            key = name.decode() if isinstance(name, bytes) else str(name)
+            out[key] = Listing.model_validate_json(raw)
+        except ValidationError:
             continue
     return out
 
@@ -163,6 +156,6 @@ def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
         for owner, tool in owners:
             others = ", ".join(f"{s}/{printable(t)}" for s, t in owners if (s, t) != (owner, tool))
             why = f"its name {model_name} is also the name of {others}"
-            collisions.setdefault(owner, []).append(Refused(printable(tool), why))
+            collisions.setdefault(owner, []).append(Refused(tool=printable(tool), why=why))
     offered = {n: (s, kept[(s, t)]) for n, (s, t) in unique.items()}
     return Plan(offered, collisions)

@@ -138,7 +138,7 @@ def test_an_io_worker_lists_on_its_sessions_and_again_when_a_listing_is_due(
     tools = McpTools(parse_servers(json.dumps(spec)), 3.0, lambda: client)
 
     def shared(name: str) -> Listing:
-        return Listing.from_json(client.hget(k.MCP_TOOLS, name))
+        return Listing.model_validate_json(client.hget(k.MCP_TOOLS, name))
 
     async def changed(name: str, since: Listing) -> Listing:
         deadline = time.monotonic() + 15

@@ -160,16 +160,18 @@ def mcp_tools() -> Iterator[McpTools]:
 
 
 def test_a_listing_replaces_the_server_s_tools_within_its_allowlist(mcp_tools: McpTools) -> None:
-    added = mcp_tools.apply("gh", Listing(1.0, [listed("a"), listed("b"), listed("c")]))
+    added = mcp_tools.apply(
+        "gh", Listing(listed_at=1.0, tools=[listed("a"), listed("b"), listed("c")])
+    )
     assert sorted(s.name for s in added) == ["gh__a", "gh__b"]
     assert "gh__c" not in registry.all_tools()
-    added = mcp_tools.apply("gh", Listing(2.0, [listed("b")]))
+    added = mcp_tools.apply("gh", Listing(listed_at=2.0, tools=[listed("b")]))
     assert added == [] and "gh__a" not in registry.all_tools() and "gh__b" in registry.all_tools()
 
 
 def test_agents_name_the_servers_their_turns_may_use(mcp_tools: McpTools) -> None:
-    mcp_tools.apply("gh", Listing(1.0, [listed("a")]))
-    mcp_tools.apply("fs", Listing(1.0, [listed("read")]))
+    mcp_tools.apply("gh", Listing(listed_at=1.0, tools=[listed("a")]))
+    mcp_tools.apply("fs", Listing(listed_at=1.0, tools=[listed("read")]))
     every = Agent(name="mcp_every", mcp_servers=["gh", "fs"])
     only_fs = Agent(name="mcp_only_fs", tools=[], mcp_servers=["fs"])
     one = Agent(name="mcp_one", tools=["gh__a"])
@@ -205,10 +207,16 @@ def test_a_process_that_holds_no_sessions_only_reads_the_shared_listings(
     try:
         tools.load()
         assert tools.registered["gh"] == set() and redis.hget(k.MCP_TOOLS, "gh") is None
-        redis.hset(k.MCP_TOOLS, "gh", Listing(time.time(), [listed("a")]).to_json())
+        redis.hset(
+            k.MCP_TOOLS, "gh", Listing(listed_at=time.time(), tools=[listed("a")]).model_dump_json()
+        )
         tools.refresh()  # gh had none: looked for at once
         assert tools.registered["gh"] == {"gh__a"}
-        redis.hset(k.MCP_TOOLS, "gh", Listing(time.time() + 1, [listed("b")]).to_json())
+        redis.hset(
+            k.MCP_TOOLS,
+            "gh",
+            Listing(listed_at=time.time() + 1, tools=[listed("b")]).model_dump_json(),
+        )
         tools.refresh()  # gh has one: not before POLL_S
         assert tools.registered["gh"] == {"gh__a"}
         monkeypatch.setattr(catalog, "POLL_S", 0.0)
@@ -218,7 +226,7 @@ def test_a_process_that_holds_no_sessions_only_reads_the_shared_listings(
         time.sleep(1.1)
         tools.refresh()
         assert tools.registered["gh"] == {"gh__b"}
-        assert Listing.from_json(redis.hget(k.MCP_TOOLS, "gh")).tools[0].name == "b"
+        assert Listing.model_validate_json(redis.hget(k.MCP_TOOLS, "gh")).tools[0].name == "b"
     finally:
         for names in tools.registered.values():
             for n in names:
@@ -230,9 +238,13 @@ def test_a_listing_refuses_each_bad_tool_with_its_reason_and_keeps_the_rest() ->
     bad = [
         listed(""),
         listed("x" * 300),
-        ListedTool("not_schema", "d", {"type": 5}),
-        ListedTool("a_string", "d", {"type": "string"}),
-        ListedTool("huge", "d", {"type": "object", "description": "x" * 70_000}),
+        ListedTool(name="not_schema", description="d", input_schema={"type": 5}),
+        ListedTool(name="a_string", description="d", input_schema={"type": "string"}),
+        ListedTool(
+            name="huge",
+            description="d",
+            input_schema={"type": "object", "description": "x" * 70_000},
+        ),
         listed("twice"),
         listed("twice"),
     ]
@@ -245,7 +257,7 @@ def test_a_listing_refuses_each_bad_tool_with_its_reason_and_keeps_the_rest() ->
     assert "of type string, not object" in why["a_string"]
     assert "bytes long" in why["huge"]
     assert why["twice"] == "listed 2 times" and len(listing.refused) == 6
-    assert Listing.from_json(listing.to_json()) == listing
+    assert Listing.model_validate_json(listing.model_dump_json()) == listing
 
 
 def test_a_huge_description_is_cut_saying_so() -> None:
@@ -263,11 +275,11 @@ def test_tools_of_two_servers_that_share_a_model_name_are_both_refused(
     cfg = parse_servers(servers(gh={"command": ["x"]}, gh__x={"command": ["y"]}))
     tools = McpTools(cfg, 300.0, lambda: None)
     try:
-        tools.apply("gh", Listing(1.0, [listed("x__y"), listed("ok")]))
+        tools.apply("gh", Listing(listed_at=1.0, tools=[listed("x__y"), listed("ok")]))
         assert "gh__x__y" in registry.all_tools()
         with caplog.at_level("WARNING", logger="agentq.mcp"):
-            tools.apply("gh__x", Listing(1.0, [listed("y"), listed("z")]))
-            tools.apply("gh__x", Listing(2.0, [listed("y"), listed("z")]))
+            tools.apply("gh__x", Listing(listed_at=1.0, tools=[listed("y"), listed("z")]))
+            tools.apply("gh__x", Listing(listed_at=2.0, tools=[listed("y"), listed("z")]))
         names = set(registry.all_tools())
         assert "gh__x__y" not in names and {"gh__ok", "gh__x__z"} <= names
         lines = [r.getMessage() for r in caplog.records if "gh__x__y" in r.getMessage()]
@@ -275,10 +287,10 @@ def test_tools_of_two_servers_that_share_a_model_name_are_both_refused(
         assert "is also the name of gh__x/y" in " ".join(lines)
         made = plan(cfg, tools.listings)
         assert made.collisions["gh"] == [
-            Refused("x__y", "its name gh__x__y is also the name of gh__x/y")
+            Refused(tool="x__y", why="its name gh__x__y is also the name of gh__x/y")
         ]
         # The other goes: the name is free again, and the first server's tool is back.
-        tools.apply("gh__x", Listing(3.0, [listed("z")]))
+        tools.apply("gh__x", Listing(listed_at=3.0, tools=[listed("z")]))
         assert "gh__x__y" in registry.all_tools()
     finally:
         for names in tools.registered.values():
