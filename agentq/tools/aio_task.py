@@ -28,7 +28,7 @@ from celery import Task
 from agentq.aio.host import LoopHost, Running, get_host
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import HOLD_RETRY_S, held_writes
-from agentq.telemetry import logs, tracing
+from agentq.telemetry import tracing
 from agentq.tools.calls import (
     TICK,
     CallScope,
@@ -69,12 +69,9 @@ def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
 async def _guarded(
     host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any
 ) -> None:
-    """The call, its ids bound for the logs and its span current while those are on."""
+    """The call, its ids bound for the logs and its span current in its own asyncio task
+    (the other calls on the loop keep theirs)."""
     try:
-        if not (tracing.enabled or logs.enabled):
-            await _run_async_call(host, spec, scope, delivery, backend)
-            return
-        # Bound in this call's own asyncio task: the other calls on the loop keep theirs.
         status = "error"
         with observed(scope) as span:
             try:

@@ -23,7 +23,7 @@ from agentq.config import Settings, get_settings
 from agentq.fleet.runtime import get_store
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import REDIS_AWAY, held_writes
-from agentq.telemetry import logs, tracing
+from agentq.telemetry import tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
     TICK,
@@ -195,8 +195,6 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
                 log.debug("progress not sent to Flower", exc_info=True)
 
     ctx = tool_context(store, scope, on_progress)
-    if not (tracing.enabled or logs.enabled):
-        return _run(spec, scope, ctx, store, settings)
     with observed(scope) as span:
         try:
             status = _run(spec, scope, ctx, store, settings)

@@ -205,7 +205,7 @@ def test_a_process_that_holds_no_sessions_only_reads_the_shared_listings(
     tools = McpTools(parse_servers(servers(gh={"command": ["/nonexistent"]})), 1.0, lambda: redis)
     monkeypatch.setattr(catalog, "POLL_S", 3600.0)
     try:
-        tools.load()
+        tools.refresh()
         assert tools.registered["gh"] == set() and redis.hget(k.MCP_TOOLS, "gh") is None
         redis.hset(
             k.MCP_TOOLS, "gh", Listing(listed_at=time.time(), tools=[listed("a")]).model_dump_json()
