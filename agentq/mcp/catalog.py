@@ -59,37 +59,25 @@ class McpTools:
 
     # -- the shared listings, read
 
-    def load(self) -> None:
-        """At start: the listings the fleet shares."""
-        with self._busy:
-            self._looked = time.monotonic()
-            self._take(force=True)
-
     def refresh(self) -> None:
-        """Before a registry read: newer shared listings, every POLL_S at most (at every
-        read while a server has none)."""
+        """At start, and before a registry read: newer shared listings, every POLL_S at most
+        (at every read while a server has none)."""
         due = time.monotonic() - self._looked >= POLL_S or len(self.listings) < len(self.servers)
         if not due or _in_event_loop() or not self._busy.acquire(blocking=False):
             return
         try:
             self._looked = time.monotonic()
-            self._take(force=False)
-        finally:
-            self._busy.release()
-
-    def _take(self, *, force: bool) -> None:
-        """Apply the shared listings (newer ones only, unless `force`); never raises."""
-        try:
             shared = read_listings(self._redis())
+            for name in self.servers:
+                listing, applied = shared.get(name), self.listings.get(name)
+                if listing is not None and (
+                    applied is None or listing.listed_at > applied.listed_at
+                ):
+                    self.apply(name, listing)
         except Exception as exc:
             log.warning("MCP listings not read from Redis: %s", explain(exc))
-            return
-        for name in self.servers:
-            listing, applied = shared.get(name), self.listings.get(name)
-            if listing is not None and (
-                force or applied is None or listing.listed_at > applied.listed_at
-            ):
-                self.apply(name, listing)
+        finally:
+            self._busy.release()
 
     # -- listing, on an I/O worker's loop
 
@@ -232,7 +220,7 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
         if not servers:
             return None
         tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
-        tools.load()
+        tools.refresh()
         registry.add_refresher(tools.refresh)
         _tools = tools
         return tools
