@@ -178,7 +178,6 @@ class _AsyncCall:
         hard_left = None
         if req.timeout_s > 0:
             hard_left = max(0.0, req.timeout_s - (time.time() - scope.started))
-        if hard_left is not None:
             host.loop.watch(self.name, time.monotonic() + hard_left)
         waiter = loop.create_task(self.abort_wait.wait())
         try:
@@ -194,7 +193,7 @@ class _AsyncCall:
                 soft_timer.cancel()
         result: ToolResult | Waiting
         if inner in done:
-            result = _outcome(self.spec, scope, inner, self.soft_fired, self.ctx._cancelled, host)
+            result = self._outcome(inner)
         elif waiter in done:
             inner.cancel()
             result = scope.cancelled()
@@ -213,30 +212,26 @@ class _AsyncCall:
         host.running.pop(self.name, None)
         return result
 
-
-def _outcome(
-    spec: ToolSpec,
-    scope: CallScope,
-    inner: asyncio.Future[Any],
-    soft_fired: bool,
-    aborted: bool,
-    host: LoopHost,
-) -> ToolResult | Waiting:
-    if aborted:
-        # Cancelled, or it saw its turn's abort and returned: cancelled, as the abort step
-        # settles it, whichever of the two settles first.
-        return scope.cancelled()
-    if inner.cancelled():
-        if soft_fired:
-            return scope.timeout(killed=False, soft=True)
-        return raised_result(scope, RuntimeError("the tool's coroutine was cancelled"))
-    exc = inner.exception()
-    if exc is not None:
-        return raised_result(scope, exc)
-    try:
-        return ok_result(scope, spec, inner.result(), host.settings, soft_fired=soft_fired)
-    except Exception as err:
-        return raised_result(scope, err)
+    def _outcome(self, inner: asyncio.Future[Any]) -> ToolResult | Waiting:
+        scope = self.scope
+        if self.ctx._cancelled:
+            # Cancelled, or it saw its turn's abort and returned: cancelled, as the abort
+            # step settles it, whichever of the two settles first.
+            return scope.cancelled()
+        if inner.cancelled():
+            if self.soft_fired:
+                return scope.timeout(killed=False, soft=True)
+            return raised_result(scope, RuntimeError("the tool's coroutine was cancelled"))
+        exc = inner.exception()
+        if exc is not None:
+            return raised_result(scope, exc)
+        try:
+            value = inner.result()
+            return ok_result(
+                scope, self.spec, value, self.host.settings, soft_fired=self.soft_fired
+            )
+        except Exception as err:
+            return raised_result(scope, err)
 
 
 async def _await(made: Any) -> Any:
