@@ -31,8 +31,7 @@ from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task
-from agentq.mcp import hooks as mcp_hooks
-from agentq.mcp.catalog import load_mcp
+from agentq.mcp.catalog import connect_mcp, load_mcp
 from agentq.mcp.servers import parse_servers
 from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.scheduled import register_schedule_task
@@ -271,4 +270,4 @@ def _flush_telemetry(**_: Any) -> None:
 
 
 # After _drain_loop: the calls on the loop end before their MCP sessions stop.
-mcp_hooks.connect(lambda specs: register_tool_tasks(app, specs))
+connect_mcp(lambda specs: register_tool_tasks(app, specs))
