@@ -32,7 +32,6 @@ from agentq.telemetry import tracing
 from agentq.tools.calls import (
     TICK,
     CallScope,
-    FlowerProgress,
     Waiting,
     call_kwargs,
     mark_started,
@@ -114,18 +113,9 @@ class _AsyncCall:
         self.name = f"{spec.task_name}:{req.call_id}"
         self.abort_wait = asyncio.Event()
         self.soft_fired = False
-        self.flower = FlowerProgress(backend, scope.task_id)
         self._settled = threading.Lock()
         self._claimed = False
-        self.ctx = tool_context(host.store, scope, self._progress, watched=True)
-
-    def _progress(self, message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        meta = progress_fields(
-            self.scope, {"message": message, "pct": pct, "source": "tool", **fields}
-        )
-        self.host.fire(self.host.store.bus.publish, self.req.turn_id, "tool_progress", **meta)
-        if self.flower.due():
-            self.host.fire(self.flower.write, meta)
+        self.ctx = tool_context(host.store, scope, backend, host.fire, watched=True)
 
     def _abort(self) -> None:
         self.ctx._cancelled = True

@@ -283,15 +283,14 @@ _NOT_RUN = {
 }
 
 
+Send = Callable[..., "bool | None"]
+
+
 def tool_context(
-    store: TurnStore,
-    scope: CallScope,
-    on_progress: Callable[[str, float | None, dict[str, Any]], None],
-    *,
-    watched: bool = False,
+    store: TurnStore, scope: CallScope, backend: Any, send: Send, *, watched: bool = False
 ) -> ToolContext:
-    """The call's ToolContext; `watched`: the I/O worker's cancel channel sets its
-    `_cancelled`, else the turn's cancel key is asked."""
+    """The call's ToolContext, its progress sent by `send` (see Progress); `watched`: the
+    I/O worker's cancel channel sets its `_cancelled`, else the turn's cancel key is asked."""
     req = scope.req
 
     def cancelled() -> bool:
@@ -311,7 +310,7 @@ def tool_context(
         timeout_s=req.timeout_s,
         soft_timeout_s=req.soft_timeout_s,
         is_cancelled=None if watched else cancelled,
-        on_progress=on_progress,
+        on_progress=Progress(store, scope, backend, send),
         read_secret=read_secret,
         attempt=req.attempt,
         waitpoint=lambda: waitpoints(store).waitpoint_address(req.turn_id, req.call_id),
@@ -324,26 +323,27 @@ often, and only once the call has run this long: most calls end sooner, and Flow
 watching the long ones."""
 
 
-class FlowerProgress:
-    """When a call's progress report also goes to Flower, on either kind of tool worker."""
+class Progress:
+    """A call's `ctx.progress` on either kind of tool worker: a `tool_progress` event, and a
+    PROGRESS state in Flower (a result-backend write). `send(fn, *args, **kwargs)` makes a
+    write the worker's way, False when it could not."""
 
-    def __init__(self, backend: Any, task_id: str | None) -> None:
-        self.backend: Any = backend if task_id else None
-        self.task_id = task_id or ""
+    def __init__(self, store: TurnStore, scope: CallScope, backend: Any, send: Send) -> None:
+        self.store, self.scope, self.send = store, scope, send
+        self.backend: Any = backend if scope.task_id else None
         self._at = time.monotonic()
 
-    def due(self) -> bool:
-        if self.backend is None:
-            return False
+    def __call__(self, message: str, pct: float | None, fields: dict[str, Any]) -> None:
+        meta = progress_fields(
+            self.scope, {"message": message, "pct": pct, "source": "tool", **fields}
+        )
+        req = self.scope.req
+        if self.send(self.store.bus.publish, req.turn_id, "tool_progress", **meta) is False:
+            return
         now = time.monotonic()
-        if now - self._at < FLOWER_PROGRESS_S:
-            return False
-        self._at = now
-        return True
-
-    def write(self, meta: dict[str, Any]) -> None:
-        """The PROGRESS state (a result-backend write): only when `due()` said so."""
-        self.backend.store_result(self.task_id, meta, "PROGRESS")
+        if self.backend is not None and now - self._at >= FLOWER_PROGRESS_S:
+            self._at = now
+            self.send(self.backend.store_result, self.scope.task_id, meta, "PROGRESS")
 
 
 def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +28,6 @@ from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
     TICK,
     CallScope,
-    FlowerProgress,
     Waiting,
     call_kwargs,
     mark_started,
@@ -178,23 +177,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     why_not = mark_started(store, scope, delivery)
     if why_not is not None:
         return why_not
-    flower = FlowerProgress(task.backend, scope.task_id)
-
-    def on_progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        meta = progress_fields(scope, {"message": message, "pct": pct, "source": "tool", **fields})
-        try:
-            store.bus.publish(req.turn_id, "tool_progress", **meta)
-        except REDIS_AWAY:
-            # Progress is advisory: Redis away must not fail the tool that reports it.
-            log.warning("tool_progress not sent: Redis is away", exc_info=True)
-            return
-        if flower.due():
-            try:
-                flower.write(meta)
-            except Exception:
-                log.debug("progress not sent to Flower", exc_info=True)
-
-    ctx = tool_context(store, scope, on_progress)
+    ctx = tool_context(store, scope, task.backend, _sent)
     with observed(scope) as span:
         try:
             status = _run(spec, scope, ctx, store, settings)
@@ -205,6 +188,19 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     # whoever settles the call (the worker's parent, the abort) records it.
     tracing.end_span(span, status)
     return status
+
+
+def _sent(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> bool:
+    """A progress write: advisory, so a failed one never fails the tool that reports it."""
+    try:
+        fn(*args, **kwargs)
+    except REDIS_AWAY:
+        log.warning("progress not sent: Redis is away", exc_info=True)
+        return False
+    except Exception:
+        log.debug("progress not sent", exc_info=True)
+        return False
+    return True
 
 
 def _run(
