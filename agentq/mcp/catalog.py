@@ -64,8 +64,6 @@ class McpTools:
         self._busy = threading.Lock()
         self._apply_lock = threading.RLock()
 
-    # -- the shared listings, read
-
     def refresh(self) -> None:
         """At start, and before a registry read: newer shared listings, every POLL_S at most
         (at every read while a server has none)."""
@@ -85,8 +83,6 @@ class McpTools:
             log.warning("MCP listings not read from Redis: %s", explain(exc))
         finally:
             self._busy.release()
-
-    # -- listing, on an I/O worker's loop
 
     async def list_all(self) -> None:
         """List every server on its session (at an I/O worker's start), all at once: a
@@ -196,8 +192,6 @@ class McpTools:
     def _list_changed(self, name: str) -> None:
         """On the loop: the server said its tools changed; list them on its session now."""
         asyncio.get_running_loop().create_task(self._list(name), name=f"agentq-mcp-{name}-list")
-
-    # -- the sessions
 
     async def close(self) -> None:
         """On the loop: stop every session (the worker is going)."""

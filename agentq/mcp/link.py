@@ -101,7 +101,7 @@ class ServerLink:
         self._owner: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()
         self.starts = 0
         self.reported_ok: bool | None = None
         """What /healthz was last told of this server by this process."""
@@ -113,12 +113,8 @@ class ServerLink:
     def name(self) -> str:
         return self.server.name
 
-    # -- the session
-
     async def session(self) -> Any:
         """The live session, started (or made again) when there is none."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         if self._checking is not None:
             # A call just cancelled: the next one waits to learn whether the server is stuck.
             await asyncio.shield(self._checking)
@@ -265,8 +261,6 @@ class ServerLink:
         self._begin_stop(why)
         if self._stopping is not None:
             await asyncio.shield(self._stopping)
-
-    # -- what calls use
 
     async def list_tools(self) -> list[ListedTool]:
         from mcp.types import PaginatedRequestParams
