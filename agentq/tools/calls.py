@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import json
 import logging
+import math
 import os
 import secrets
 import time
@@ -145,22 +146,17 @@ class Waiting:
 
 
 def waiting(scope: CallScope, wp: Waitpoint, settings: Settings) -> Waiting:
-    """The call's wait, once its Waitpoint is checked (ToolMisuse: not a finite timeout,
-    or over the ceiling)."""
+    """The call's wait, once its Waitpoint is checked (ToolMisuse: not a finite timeout
+    within the ceiling, or data that is not JSON)."""
     timeout_s = wp.timeout_s
     ceiling_s = settings.waitpoint_max_timeout_s
-    if not isinstance(timeout_s, int | float) or not 0 < timeout_s < float("inf"):
+    finite = isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
+    if not finite or timeout_s > ceiling_s:
         raise ToolMisuse(
             scope.req.tool,
             f"it returned a Waitpoint with timeout_s={timeout_s!r}; a waitpoint needs a "
             f"finite timeout_s in seconds, > 0 and at most {ceiling_s:g} "
             "(AGENTQ_WAITPOINT_MAX_TIMEOUT_S)",
-        )
-    if timeout_s > ceiling_s:
-        raise ToolMisuse(
-            scope.req.tool,
-            f"it returned a Waitpoint with timeout_s={timeout_s:g}, over the ceiling of "
-            f"{ceiling_s:g} s (AGENTQ_WAITPOINT_MAX_TIMEOUT_S)",
         )
     try:
         json.dumps({"data": wp.data, "key": wp.idempotency_key, "tags": list(wp.tags)})
