@@ -195,8 +195,6 @@ def spec_of(
         pol = ToolPolicy.model_validate(policy)
     except ValidationError as exc:
         raise ToolDefinitionError(tool_name, _describe(exc)) from None
-    except TypeError as exc:
-        raise ToolDefinitionError(tool_name, str(exc)) from None
     kind = _kind(tool_name, f, pol)
     model, wants_ctx = _args_model(tool_name, f)
     schema = model.model_json_schema()
