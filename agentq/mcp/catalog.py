@@ -1,14 +1,6 @@
 """The configured MCP servers' tools in this process's registry, and the listings the
-fleet shares through Redis.
-
-I/O workers list the servers, on the sessions they hold for the calls: at start (their
-start waits for it), again when a server says `notifications/tools/list_changed`, and when
-a listing's TTL (AGENTQ_MCP_TOOLS_TTL_S) has passed; each writes what it listed to Redis
-(`agentq:mcp:tools`), gives the tools a later listing adds their tasks, and stops its
-sessions (stdio servers with them) when it goes. Every other process only reads: its
-registry takes the shared listings at start, and newer ones before a registry read, every
-few seconds (at every read while a server has none yet), so a server's change reaches the
-turn workers within seconds.
+fleet shares through Redis: I/O workers list the servers on their sessions and write the
+listings, every other process only reads them (docs/mcp.md, "Listings").
 """
 
 from __future__ import annotations

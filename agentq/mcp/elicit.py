@@ -1,12 +1,6 @@
-"""MCP elicitation: a server's `elicitation/create` during a call becomes a question for
-the user (an `input` interaction on the call's turn), and its answer goes back.
-
-A server's session is shared by the calls of its worker process, and an elicitation names
-no call: it is asked on the turn of the one call the session has in flight. With none, or
-several, it is declined (the server hears `decline`), as it is on a headless turn. An
-answer is `accept` with its content (checked against the requested schema); a declined
-question `decline`; no answer by the question's timeout (at most the call's time left)
-`cancel`.
+"""MCP elicitation: a server's `elicitation/create` during a call becomes an `input`
+question on the turn of the one call its session has in flight (an elicitation names no
+call), and the answer goes back; docs/mcp.md says what the server hears in each case.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """One MCP server's session in a worker process, shared by the server's calls.
 
 The session lives in an owner task on the process's event loop (the SDK's transports are
-anyio task groups, entered and left by one task); calls from other tasks send on it. It is
-started at first use and made again when it died, with a backoff while it keeps dying, so
-a broken server is not restarted in a tight loop. After a call is cancelled (abort, hard
-limit) the server must answer a ping within `cancel_grace_s`: one that does not (it is
-stuck in the cancelled work) is stopped, a stdio server's process killed, and the next call
-starts it again.
+anyio task groups, entered and left by one task); calls from other tasks send on it. Its
+restarts' backoff and the ping after a cancel are in docs/mcp.md ("A call").
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""What a server's `tools/list` yields to agentq, and what it refuses.
-
-A server may send anything: a tool without a name, one listed twice, an input schema that
-is not JSON Schema, a description of megabytes. Each such tool is refused here, with the
-reason, and costs only itself; a listing the SDK itself cannot read costs only its server.
-The listing (kept tools and refusals) is what the fleet shares in Redis; which model name
-each kept tool gets, and which names two tools would share, follows from all the servers'
-listings together (`plan`), the same in every process and in the gateway's
-`GET /v1/mcp/servers`.
+"""What a server's `tools/list` yields to agentq, and what it refuses: each bad tool costs
+only itself (docs/mcp.md, "Bad listings"). Which model name each kept tool gets follows
+from all the servers' listings together (`plan`), the same in every process and in the
+gateway's `GET /v1/mcp/servers`.
 """
 
 from __future__ import annotations

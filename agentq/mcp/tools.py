@@ -1,12 +1,6 @@
 """An MCP server's tool as an agentq tool: its spec (checked by the tool's JSON schema) and
-its call, an `async def` tool on `agentq worker io` like any other.
-
-So the call inherits the I/O worker's governance: soft and hard limits, `tool_progress`
-ticks, an abort that cancels it (the SDK sends `notifications/cancelled` for a request its
-caller stopped waiting for), exactly one settled result. What is MCP's own: the server's
-`notifications/progress` become `tool_progress`, `isError` raises McpToolFailed (the call
-settles `error` with the server's text), `structuredContent` is the result where given
-(the SDK checks it against the tool's `outputSchema`), else the text content.
+its call, an `async def` tool on `agentq worker io` like any other, so it inherits that
+worker's limits, ticks, abort and one settled result (docs/mcp.md, "A call").
 """
 
 from __future__ import annotations

@@ -3,15 +3,8 @@
 The Celery task (a thread of the `threads` pool) only hands the call to the loop and
 returns, so one process holds thousands of calls with a handful of threads; the
 message is acknowledged at hand-off. If the process dies, its heartbeat stops and the
-turn settles its calls as `lost` (an idempotent tool may be sent again).
-
-Limits, as for sync tools: at the soft limit the tool's coroutine is cancelled with
-SOFT_LIMIT_MESSAGE (`ctx.soft_limited` is true); catching `asyncio.CancelledError`
-and returning `Partial(...)` keeps what it has, otherwise the call settles `timeout`.
-At the hard limit it is cancelled and settles `timeout` at once; an abort (the cancel
-channel) cancels it and settles `cancelled`. A sync tool declared `thread=True` runs
-on a thread: its soft limit only sets `ctx.soft_limited`, and at its hard limit the
-call settles `timeout` while the thread, which cannot be stopped, is abandoned.
+turn settles its calls as `lost` (an idempotent tool may be sent again). What the soft
+and hard limits and an abort do to a coroutine or a `thread=True` tool is in docs/tools.md.
 """
 
 from __future__ import annotations
