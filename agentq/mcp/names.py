@@ -1,13 +1,7 @@
-"""How an MCP server's tool is named to the model: `SERVER__TOOL`, made a valid function name.
-
-The OpenAI API takes function names matching `^[a-zA-Z0-9_-]{1,64}$`; MCP allows more (`.`,
-any length, and servers send what they like). A name that fits is kept as it is (hyphens
-too); any other has its other characters replaced by `_`, is cut to fit, and ends in `_`
-and 8 hex digits of a hash of the original, so two names that differ stay two names. The
-mapping is a pure function, the same in every process, and `mapped_names` reverses it
-(model name to server and tool) with the collisions, the names two tools would share,
-found and refused. Task names (`agentq.tool.<name>`) take the mapped name, which only has
-characters that are safe there; no Python identifier is ever made from it.
+"""How an MCP server's tool is named to the model: `SERVER__TOOL`, made a valid function name
+(the mapping and its collisions: docs/mcp.md, "What the model sees"). A pure function, the
+same in every process; task names (`agentq.tool.<name>`) take the mapped name, which only
+has characters safe there, and no Python identifier is ever made from it.
 """
 
 from __future__ import annotations

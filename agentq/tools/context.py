@@ -101,16 +101,9 @@ class WaitpointAddress(NamedTuple):
 
 @dataclass(frozen=True)
 class Waitpoint:
-    """Return `Waitpoint(timeout_s=..., data=...)` to end the call's run with a wait.
-
-    The worker process or I/O slot is released at once; the call stays open, holding
-    nothing, until its waitpoint is completed (`POST` to its callback URL, which
-    `ctx.waitpoint()` gives before the tool returns, `Client.complete_waitpoint`, `agentq
-    waitpoint complete`): the completion's JSON is the call's result. Past `timeout_s`
-    (required, finite, at most AGENTQ_WAITPOINT_MAX_TIMEOUT_S) the call settles `timeout`.
-    `data` is published with `tool_waiting` (what the waiter is told); `idempotency_key`
-    and `tags` are kept with it for whoever lists or routes waits.
-    """
+    """Return `Waitpoint(timeout_s=..., data=...)` to end the call's run with a wait: the
+    call stays open, holding no worker, until its waitpoint is completed or `timeout_s`
+    passes (docs/waitpoints.md)."""
 
     timeout_s: float
     data: Any = None
