@@ -100,7 +100,6 @@ class McpTools:
     async def _list(self, name: str) -> None:
         """List one server, share the listing and take it; a failure keeps the tools it
         listed last, with the error, and is tried again after RETRY_FAILED_S."""
-        loop = asyncio.get_running_loop()
         try:
             tools = await asyncio.wait_for(self.links[name].list_tools(), LIST_TIMEOUT_S)
             listing = Listing.screened(time.time(), tools)
@@ -111,7 +110,7 @@ class McpTools:
             previous = self.listings.get(name)
             tools = previous.tools if previous else []
             listing = Listing(listed_at=time.time(), tools=tools, error=why)
-        await loop.run_in_executor(None, self._share, name, listing)
+        await asyncio.get_running_loop().run_in_executor(None, self._share, name, listing)
 
     def _share(self, name: str, listing: Listing) -> None:
         """Write the listing (and a failed one's error, as the server's health), then take it."""
@@ -144,7 +143,7 @@ class McpTools:
         for server, refusals in made.collisions.items():
             for refused in refusals:
                 self._tell(server, refused.tool, refused.why)
-        own = {n for n, s in registry.all_tools().items() if not getattr(s, "mcp_server", "")}
+        own = {n for n, s in registry.all_tools().items() if not s.mcp_server}
         wanted: dict[str, dict[str, ListedTool]] = {s: {} for s in self.servers}
         for model_name, (server, tool) in made.offered.items():
             if model_name in own:
