@@ -67,33 +67,12 @@ async def _guarded(
         status = "error"
         with observed(scope) as span:
             try:
-                status = await _run_async_call(host, spec, scope, delivery, backend)
+                status = await _AsyncCall(host, spec, scope, backend).run(delivery)
             finally:
                 tracing.end_span(span, status)
     except BaseException:
         log.exception("call %s of %s failed outside the tool", scope.req.call_id, spec.name)
         raise
-
-
-async def _run_async_call(
-    host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any
-) -> str:
-    req = scope.req
-    scope.started = time.time()
-    why_not = await host.io(mark_started, host.store, scope, delivery, within_limit=True)
-    if why_not is not None:
-        log.info("call %s of %s: %s", req.call_id, spec.name, why_not)
-        return why_not
-    call = _AsyncCall(host, spec, scope, backend)
-    try:
-        inner = call.start(call_kwargs(spec, req))
-    except Exception as exc:
-        await host.io(settle, host.store, scope, raised_result(scope, exc))
-        return "error"
-    result = await call.wait(inner)
-    if call.claim():  # else the worker's recycling settled it first
-        await host.io(settle, host.store, scope, result)
-    return result.status
 
 
 class _AsyncCall:
@@ -102,6 +81,7 @@ class _AsyncCall:
 
     def __init__(self, host: LoopHost, spec: ToolSpec, scope: CallScope, backend: Any) -> None:
         self.host, self.spec, self.scope = host, spec, scope
+        scope.started = time.time()
         req = self.req = scope.req
         self.name = f"{spec.task_name}:{req.call_id}"
         self.abort_wait = asyncio.Event()
@@ -109,6 +89,22 @@ class _AsyncCall:
         self._settled = threading.Lock()
         self._claimed = False
         self.ctx = tool_context(host.store, scope, backend, host.fire, watched=True)
+
+    async def run(self, delivery: str) -> str:
+        host, scope = self.host, self.scope
+        why_not = await host.io(mark_started, host.store, scope, delivery, within_limit=True)
+        if why_not is not None:
+            log.info("call %s of %s: %s", self.req.call_id, self.spec.name, why_not)
+            return why_not
+        try:
+            inner = self.start(call_kwargs(self.spec, self.req))
+        except Exception as exc:
+            await host.io(settle, host.store, scope, raised_result(scope, exc))
+            return "error"
+        result = await self.wait(inner)
+        if self.claim():  # else the worker's recycling settled it first
+            await host.io(settle, host.store, scope, result)
+        return result.status
 
     def _abort(self) -> None:
         self.ctx._cancelled = True
