@@ -39,14 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.tools")
 
 
-def render(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, BaseModel):
-        return value.model_dump_json()
-    return json.dumps(value, default=str, ensure_ascii=False)
-
-
 @dataclass
 class CallScope:
     """What every result of one call carries, fixed when the call starts."""
@@ -397,12 +389,16 @@ def ok_result(
     finished = time.time()
     req = scope.req
     partial = isinstance(value, Partial)
-    if isinstance(value, Partial):
+    if partial:
         value = value.value
     soft = soft_fired or (
         bool(req.soft_timeout_s) and finished - scope.started >= (req.soft_timeout_s or 0)
     )
-    text, cut = truncate_text(render(value), settings.max_result_bytes)
+    if isinstance(value, BaseModel):
+        value = value.model_dump_json()
+    elif not isinstance(value, str):
+        value = json.dumps(value, default=str, ensure_ascii=False)
+    text, cut = truncate_text(value, settings.max_result_bytes)
     return ToolResult(
         call_id=req.call_id,
         tool=req.tool,
