@@ -187,10 +187,7 @@ class ServerLink:
                 if not ready.done():
                     ready.set_result(session)
                 await stop.wait()
-        except asyncio.CancelledError:
-            if not ready.done():
-                ready.set_exception(RuntimeError("start cancelled"))
-        except BaseException as exc:
+        except BaseException as exc:  # a cancel too: the task ends with the session
             if not ready.done():
                 ready.set_exception(RuntimeError(explain(exc)))
             else:
