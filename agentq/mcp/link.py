@@ -357,7 +357,6 @@ def _listed(tool: Any) -> ListedTool:
         name=tool.name,
         description=cut_description(tool.description or tool.title or ""),
         input_schema=dict(tool.input_schema or {"type": "object"}),
-        output_schema=dict(tool.output_schema) if tool.output_schema else None,
         read_only=ann.read_only_hint if ann is not None else None,
         destructive=ann.destructive_hint if ann is not None else None,
     )

@@ -32,7 +32,6 @@ class ListedTool(BaseModel):
     name: str
     description: str
     input_schema: dict[str, Any]
-    output_schema: dict[str, Any] | None = None
     read_only: bool | None = None
     destructive: bool | None = None
 

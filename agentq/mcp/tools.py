@@ -50,7 +50,6 @@ class McpToolSpec(ToolSpec):
 
     remote: str = ""
     """The tool's own name on its server."""
-    output_schema: dict[str, Any] | None = None
     _validator: Any = field(default=None, compare=False, repr=False)
 
     def validate(self, arguments: dict[str, Any]) -> BaseModel:
@@ -78,7 +77,6 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
 
     # The listing refused schemas that are not JSON Schema (agentq.mcp.listing).
     schema = listed.input_schema or {"type": "object"}
-    cls = validator_for(schema)
     approval = approval_of(server, listed)
     policy = ToolPolicy.model_validate(
         {
@@ -97,9 +95,8 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
     async def call(ctx: ToolContext, /, **arguments: Any) -> Any:
         return await call_tool(link, remote, ctx, arguments)
 
-    name = tool_name(server.name, remote)
     return McpToolSpec(
-        name=name,
+        name=tool_name(server.name, remote),
         fn=call,
         description=listed.description or f"{remote} (MCP server {server.name})",
         declared=policy,
@@ -109,8 +106,7 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
         kind="async",
         mcp_server=server.name,
         remote=remote,
-        output_schema=listed.output_schema,
-        _validator=cls(schema),
+        _validator=validator_for(schema)(schema),
     )
 
 
