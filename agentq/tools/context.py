@@ -85,8 +85,7 @@ class ToolContext:
         will complete it (the same for every run of the call)."""
         if self._waitpoint is None:
             raise RuntimeError("this call runs outside a tool worker: it has no waitpoint")
-        waitpoint_id, token, url = self._waitpoint()
-        return WaitpointAddress(waitpoint_id, token, url)
+        return WaitpointAddress(*self._waitpoint())
 
 
 class WaitpointAddress(NamedTuple):
