@@ -1,11 +1,7 @@
 """The policy a tool runs under: a small frozen model, checked when the tool is declared.
-
-A field left unset (None) takes its default where the tool is loaded: `timeout_s` and
-`budget_s` from the settings (`AGENTQ_TOOL_TIMEOUT_S`, `AGENTQ_TOOL_BUDGET_S`), `queue`
-from the tool's kind (`agentq.tools` for sync tools, `agentq.io` for async tools and
-sync tools that run on a thread). "No limit" is `0` everywhere: in the policy, the
-settings, the per-call limits and the task request.
-"""
+A field left unset (None) takes its default where the tool is loaded (`resolved`); "no
+limit" is `0` everywhere: in the policy, the settings, the per-call limits and the task
+request."""
 
 from __future__ import annotations
 
