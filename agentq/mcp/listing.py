@@ -92,9 +92,7 @@ def problem(tool: ListedTool) -> str | None:
         return "it has no name"
     if len(tool.name) > MAX_REMOTE_NAME:
         return f"its name is {len(tool.name)} characters long (at most {MAX_REMOTE_NAME})"
-    schema: Any = tool.input_schema
-    if not isinstance(schema, dict):
-        return "its input schema is not a JSON object"
+    schema = tool.input_schema
     try:
         size = len(json.dumps(schema))
     except (TypeError, ValueError) as exc:
