@@ -68,14 +68,18 @@ RETRYABLE = ("error", "aborted")
 
 KEPT_FIELDS = ("headless", "detach", "agent", "owner", "webhook_url", "max_tokens", "max_cost_usd")
 """What a retry or fork keeps of its source as it is (overrides aside)."""
-SPENT_FIELDS = (
+CARRIED_FIELDS = (
+    "round",
+    "call_count",
+    "output_retries",
     "spent_prompt_tokens",
     "spent_completion_tokens",
     "spent_cached_tokens",
     "spent_usd",
     "spent_estimated_rounds",
 )
-"""A retry's spend so far: its source's, so that a retry never resets a budget."""
+"""What a retry goes on counting from its source: its spend too, so that a retry never
+resets a budget."""
 
 _MODEL = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/@-]+$")
 
@@ -209,17 +213,9 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     calls = calls_of([history[last]]) if rounds else []
     open_ids = [c.id for c in calls if _unsettled(src, c.id, ended)]
     state = _base_state(src, req, token, req.model)
-    for name in SPENT_FIELDS:
-        if st.get(name) is not None:
-            state[name] = st[name]  # type: ignore[literal-required]
-    state.update(
-        {
-            "retry_of": src.turn_id,
-            "round": int(st.get("round") or 0),
-            "call_count": int(st.get("call_count") or 0),
-            "output_retries": int(st.get("output_retries") or 0),
-        }
-    )
+    carried = {f: st.get(f) for f in CARRIED_FIELDS}
+    state.update(cast(TurnState, {f: v for f, v in carried.items() if v is not None}))
+    state["retry_of"] = src.turn_id
     reused = dict(src.results)
     if open_ids:
         # The round goes on: its tool messages go (all of them, so the round's results
@@ -233,12 +229,11 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
                 "round_calls": [c.id for c in calls],
                 "phase": "tools",
                 "replay_lost": [c for c in open_ids if c in src.started or _lost(src, c)] or None,
+                "stop_after_round": st.get("stop_after_round"),
             }
         )
         if req.rerun_lost:
             state["rerun_lost"] = True
-        if st.get("stop_after_round"):
-            state["stop_after_round"] = st.get("stop_after_round")
     else:
         state["from_round"] = len(rounds) + 1
     return _launch(token, state, history, reused)
