@@ -33,9 +33,8 @@ from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task
 from agentq.mcp.catalog import connect_mcp, load_mcp
 from agentq.mcp.servers import parse_servers
-from agentq.orchestrator.inline import step_inline
 from agentq.orchestrator.scheduled import register_schedule_task
-from agentq.orchestrator.steps import register_step_task
+from agentq.orchestrator.steps import register_step_task, step_inline
 from agentq.telemetry import logs, tracing
 from agentq.tools import kill  # noqa: F401 - registers the agentq_kill control command
 from agentq.tools.registry import all_tools

@@ -1,5 +1,5 @@
 """Process-wide singletons: settings, Redis client, store, Celery app, and how a woken turn's
-step is taken (sent to a turn worker, or taken here by agentq.orchestrator.inline)."""
+step is taken (sent to a turn worker, or taken here by agentq.orchestrator.steps.step_inline)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def get_store(settings: Settings | None = None) -> TurnStore:
 
 
 class InlineSteps(InlineStepper, Protocol):
-    """Takes woken turns' steps in this process (agentq.orchestrator.inline)."""
+    """Takes woken turns' steps in this process (agentq.orchestrator.steps.step_inline)."""
 
     def wake(self, turn_id: str) -> None:
         """Take the step of a turn a write just woke, or send it when that fails."""

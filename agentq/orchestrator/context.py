@@ -43,10 +43,7 @@ class StepContext:
     llm_result: tuple[int, str] | None = None
     """(round, result JSON) of a model round, when the step began with it in hand."""
     dispatched: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Dispatch records of the calls this step sends, written when it lets go of its lock,
-    just before the sends (`dispatch.send`)."""
-    new_calls: int = 0
-    """How many of `dispatched` are sent for the first time (not sent again)."""
+    """Dispatch records of the calls this step sends, written as it lets go of its lock."""
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     ended_error: str | None = None
@@ -95,10 +92,8 @@ class StepContext:
         **fields: Unpack[TurnState],
     ) -> None:
         """Record state fields (and their events, history messages and call plans) with the
-        step's next write, not now: the step sees them at once, Redis with whatever it writes next
-        (`commit`, `close`, a `publish`, `release` or the end of the step, `flush`). For a
-        change nothing outside the step acts on before then, such as a turn's start: one
-        write instead of two."""
+        step's next write: for a change nothing outside the step acts on before then, such
+        as a turn's start, one write instead of two."""
         self.state.update(fields)
         self.staged[0].update(fields)
         self.staged[1].extend(events or [])
@@ -113,10 +108,8 @@ class StepContext:
 
     def release(self, next_at: float | None) -> Released:
         """Let go of the step's lock, with what it staged and the calls it is about to send,
-        and leave the turn's next deadline (`next_at`) for the sweepers: RELEASED, or WOKEN
-        meanwhile (the lock kept: the step reads again and goes on). At the step's end, or
-        before its last act (a model round's message, a batch of calls), after which the
-        step ends without another write."""
+        leaving the turn's next deadline (`next_at`) for the sweepers: RELEASED, or WOKEN
+        meanwhile (the lock kept: the step reads again and goes on)."""
         self.released = self._write(next_at)
         return self.released
 
@@ -126,7 +119,8 @@ class StepContext:
         fields, events = self.staged
         # The calls to send are recorded only as the lock goes (the release script skips
         # them on a keep): a commit leaves them for the release.
-        dispatched, new_calls = ({}, 0) if keep else (self.dispatched, self.new_calls)
+        dispatched = {} if keep else self.dispatched
+        new_calls = sum(1 for r in dispatched.values() if int(r.get("sends", 1)) == 1)
         got = self.store.release_step(
             self.turn_id,
             self.token,
@@ -144,7 +138,7 @@ class StepContext:
             raise StepLost(self.turn_id)
         self.staged, self.staged_append, self.staged_plans = ({}, []), [], {}
         if not keep:
-            self.dispatched, self.new_calls = {}, 0
+            self.dispatched = {}
         return got
 
     def relock(self) -> bool:
@@ -215,12 +209,10 @@ class StepContext:
                 queue_delivery(self.store, self.app, self.settings, self.turn_id, url)
 
     def settle(self, result: ToolResult, *, tracked: bool = True) -> tuple[ToolResult, bool]:
-        """Settle one of the turn's calls from this step (refused, denied, lost, timed out,
-        cancelled): every such result goes this one way, always traced. No wake (the step
-        goes on), and after what the step staged, so its tool_finished follows the events
-        the step meant before it. The first result stored wins (`TurnStore.settle`):
-        returns the result the call keeps, and whether it is `result`. `tracked=False` for
-        a call never recorded as sent (refused, denied)."""
+        """Settle one of the turn's calls from this step, the one way a step does (traced,
+        no wake, after what it staged so its tool_finished follows them): the result the
+        call keeps, as the first stored wins, and whether it is `result`. `tracked=False`
+        for a call never recorded as sent (refused, denied)."""
         self.flush()
         if self.store.settle(self.turn_id, result, wake=False, tracked=tracked):
             if tracing.enabled:

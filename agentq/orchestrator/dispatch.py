@@ -83,7 +83,6 @@ def send(
         for p in plans
     }
     ctx.dispatched.update(records)
-    ctx.new_calls += sum(1 for r in records.values() if int(r.get("sends", 1)) == 1)
     # Reported before the calls go: a call that settles at once takes the step that sends
     # the next round, whose own report must come after this one on the parent's stream.
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))

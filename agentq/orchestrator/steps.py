@@ -1,5 +1,6 @@
-"""Steps: the short `agentq.turn.step` tasks that advance turns, and the sweeper that wakes
-turns whose deadline came or whose worker died.
+"""Steps: the short `agentq.turn.step` tasks that advance turns (taken inline by the process
+that woke the turn, or by a turn worker), and the sweeper that wakes turns whose deadline
+came or whose worker died.
 
 Two steps of one turn never act at once: a step holds the turn's lock, a field of its
 state hash (constants.STEP_FIELD: a token that fences its writes, and when it lapses),
@@ -16,6 +17,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import redis
@@ -351,19 +353,49 @@ class Look(NamedTuple):
     """The soonest wakeup or escalation not yet due (None: nothing waits)."""
 
 
+def step_inline() -> None:
+    """Take woken turns' steps in this process instead of sending them to a turn worker:
+    for processes that settle calls or finish model rounds and whose own work may wait a
+    few milliseconds (not a prefork parent); the step after a batch's last result then
+    costs no broker round trip."""
+    runtime.set_inline_steps(_InlineSteps())
+
+
+class _InlineSteps:
+    def wake(self, turn_id: str) -> None:
+        _step_here(run_step, turn_id)
+
+    def lock_ms(self) -> int | None:
+        return int(get_settings().step_lock_s * 1000)
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        _step_here(take_step, turn_id, view, token, lock_ms)
+
+
+def _step_here(step: Callable[..., object], turn_id: str, *args: Any) -> None:
+    try:
+        store, app = runtime.get_store(), runtime.get_app()
+        step(turn_id, *args, store=store, app=app, settings=get_settings())
+    except Exception:
+        # The fact is recorded and the turn marked: a turn worker takes the step (once the
+        # failed step's lock, if it held one, lapses; the wakeup sweep is the backstop).
+        log.warning("turn %s: inline step failed; sending it", turn_id, exc_info=True)
+        runtime.send_woken_step(turn_id)
+
+
 def register_step_task(app: Celery) -> None:
     """The step task, `agentq.turn.step`, which turn workers take."""
 
     # A step that fails on Redis is sent again by Celery; its wakeup is the backstop.
-    options: dict[str, Any] = {
-        "acks_late": True,
-        "ignore_result": True,
-        "autoretry_for": (redis.ConnectionError, redis.TimeoutError),
-        "retry_backoff": 1,
-        "retry_backoff_max": 30,
-        "max_retries": 20,
-    }
-
-    @app.task(name=k.TASK_STEP, queue=k.QUEUE_TURNS, **options)
+    @app.task(
+        name=k.TASK_STEP,
+        queue=k.QUEUE_TURNS,
+        acks_late=True,
+        ignore_result=True,
+        autoretry_for=(redis.ConnectionError, redis.TimeoutError),
+        retry_backoff=1,
+        retry_backoff_max=30,
+        max_retries=20,
+    )
     def step_task(turn_id: str) -> StepOutcome:
         return run_step(turn_id, store=runtime.get_store(), app=app, settings=get_settings())

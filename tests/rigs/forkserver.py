@@ -52,7 +52,6 @@ PRELOAD = (
     "agentq.llm.aclient",
     "agentq.llm.task",
     "agentq.mcp.catalog",
-    "agentq.orchestrator.inline",
     "agentq.orchestrator.scheduled",
     "agentq.orchestrator.steps",
     "agentq.tools.task",
