@@ -154,18 +154,15 @@ def _steps(
             # What was not sent is recorded as not sent; the wakeup tries again.
             log.warning("turn %s: %s; trying again in %g s", turn_id, exc, BROKER_RETRY_S)
             next_at = time.time() + BROKER_RETRY_S
-        if ctx.ended is not None:
-            if tracing.enabled:
-                _end_turn_span(ctx)
-            if ctx.state.get("conversation_id"):
-                # After the end is written: a crash in between leaves the conversation held
-                # by an ended turn, which the turn queued behind it releases.
-                hand_off(store, app, turn_id, ctx.state, ctx.history)
-            return "ended"  # the write that ended the turn let go of the lock
+        if ctx.ended is not None and tracing.enabled:
+            _end_turn_span(ctx)
         if ctx.state.get("status") in TERMINAL_STATUSES and ctx.state.get("conversation_id"):
-            # Woken by the backstop its end left: the step that ended it died before it
-            # handed its conversation on (done already, this changes nothing).
+            # After the end is written, by this step or by one that died before it handed
+            # the conversation on (whose end left the backstop that woke this one; handed
+            # on already, this changes nothing).
             hand_off(store, app, turn_id, ctx.state, ctx.history)
+        if ctx.ended is not None:
+            return "ended"  # the write that ended the turn let go of the lock
         if ctx.released is None:  # else it let go before its last act
             try:
                 ctx.release(next_at)
