@@ -64,9 +64,8 @@ def watch(
     child aborted), and return the earliest limit still ahead."""
     if not waiting:
         return None
-    r = ctx.store.redis
     beat_s = ctx.settings.progress_interval_s * BEAT_SHARE
-    pipe = r.pipeline(transaction=False)
+    pipe = ctx.store.redis.pipeline(transaction=False)
     for p in waiting:
         pipe.hmget(k.turn_key(dispatched[p.call.id]["child_turn_id"]), ["status", "progress"])
         # At most one heartbeat per call per beat_s, however many steps look.
@@ -76,26 +75,25 @@ def watch(
     for i, p in enumerate(waiting):
         (raw, progress), beat = replies[2 * i], replies[2 * i + 1]
         rec = dispatched[p.call.id]
-        child = str(rec["child_turn_id"])
+        child, since = str(rec["child_turn_id"]), float(rec["dispatched_at"])
         if raw is None:
             _start_child(ctx, p, child)
         elif json.loads(raw) in TERMINAL_STATUSES:
             # Its ending settles this call; a result Redis already holds wins over ours.
             settled[p.call.id] = ctx.store.result(ctx.turn_id, p.call.id) or _from_child(
-                ctx, p.call, child, float(rec["dispatched_at"])
+                ctx, p.call, child, since
             )
             continue
         elif beat:
             # The call's heartbeat: its child's last phase.
             message = json.loads(progress) if progress else "starting"
-            since = float(rec["dispatched_at"])
             fields = _progress(ctx, p.call.id, p.call.name, p.subturn_agent, child, message, since)
             ctx.publish("tool_progress", **fields)
         # The next heartbeat: a parent holds no process, so its step is woken for it.
         looks.append(ctx.now + beat_s)
         if p.timeout_s <= 0:
             continue
-        due = float(rec["dispatched_at"]) + p.timeout_s
+        due = since + p.timeout_s
         if ctx.now < due:
             looks.append(due)
             continue
@@ -105,7 +103,7 @@ def watch(
             killed=True,
             what=f"Agent {p.subturn_agent!r} did not answer within {p.timeout_s:g}s; "
             "its turn was aborted.",
-            started_at=float(rec["dispatched_at"]),
+            started_at=since,
             task_id=child,
         )
         settled[p.call.id], _ = ctx.settle(result)
