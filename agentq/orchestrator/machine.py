@@ -54,7 +54,11 @@ Ending a turn aborts its children still running.
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from agentq import constants as k
 from agentq.agents import all_agents
@@ -66,12 +70,10 @@ from agentq.models import (
     TurnStatus,
     final_content,
 )
-from agentq.orchestrator import admission, conversation, spend, subturns
+from agentq.orchestrator import conversation, model_round, spend, subturns
 from agentq.orchestrator.abort import revoke_unsettled, settle_pending
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
-from agentq.orchestrator.model_round import poll_round
-from agentq.orchestrator.outputs import check_output
 from agentq.orchestrator.plan import (
     CallPlan,
     calls_of,
@@ -205,7 +207,7 @@ def _model_round(ctx: StepContext) -> Phase:
     if ctx.state.get("inject_seq") and ctx.state.get("llm_round") != round_no:
         # Before the round is sent: messages sent to join the turn go in it.
         conversation.take_injected(ctx)
-    outcome = poll_round(ctx, round_no)
+    outcome = model_round.poll_round(ctx, round_no)
     if isinstance(outcome, float):
         return outcome
     message, streamed_s = outcome
@@ -267,6 +269,54 @@ def _final_answer(ctx: StepContext, kept: dict[str, Any], counts: TurnState) -> 
     else:
         finish(ctx, "stop", append=[kept], output=checked.value)
     return None
+
+
+OUTPUT_RETRIES = 1
+"""How many times an invalid final answer goes back to the model."""
+ERRORS_SHOWN = 10
+"""Validation errors quoted to the model and in the turn's error, at most."""
+_FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n```$", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the final answer is: a typed value (JSON), a request to answer again, or an
+    error; all None for an agent without an output type."""
+
+    value: Any = None
+    retry: dict[str, Any] | None = None
+    error: str | None = None
+
+
+def check_output(ctx: StepContext, message: dict[str, Any]) -> Checked:
+    """An agent that declares `output_type` has its final answer checked: a JSON object the
+    type validates, stored with the turn (`output`) as JSON, carried by `turn_finished` and
+    the result of the agent call that started the turn. An answer that is not goes back to
+    the model once with the errors as a user message; a second one fails the turn."""
+    agent = ctx.agent
+    if agent is None or agent.output_type is None:
+        return Checked()
+    name = agent.output_type.__name__
+    content = str(message.get("content") or "").strip()
+    # Models often fence JSON as a code block: the fence is not part of the answer.
+    fenced = _FENCE.match(content)
+    try:
+        value = agent.output_type.model_validate_json(fenced.group(1) if fenced else content)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'answer'}: {e['msg']}"
+            for e in exc.errors()[:ERRORS_SHOWN]
+        )
+        if int(ctx.state.get("output_retries") or 0) >= OUTPUT_RETRIES:
+            return Checked(error=f"the final answer is not a valid {name}: {problems}")
+        return Checked(
+            retry={
+                "role": "user",
+                "content": f"Your answer is not a valid {name}: {problems}. Answer again "
+                "with only one JSON object that matches the schema.",
+            }
+        )
+    return Checked(value=value.model_dump(mode="json"))
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
@@ -374,7 +424,7 @@ def _own_messages(ctx: StepContext) -> list[dict[str, Any]]:
 
 def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     """End the turn with turn_error, every call of its round settled first."""
-    admission.withdraw(ctx)
+    model_round.withdraw(ctx)
     spend.settle_left(ctx)
     headless = code == "headless_interaction"
     msgs, ours = settle_pending(
@@ -401,7 +451,7 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
 
 def abort_turn(ctx: StepContext, reason: str) -> None:
     """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
-    admission.withdraw(ctx)
+    model_round.withdraw(ctx)
     spend.settle_left(ctx)
     revoked = revoke_unsettled(
         ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s

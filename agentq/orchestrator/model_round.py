@@ -1,10 +1,18 @@
-"""The turn's side of a model round: send it to a stream worker, notice when none answers.
+"""The turn's side of a model round: admitted by the fleet's capacity manager, sent to a
+stream worker, sent again when none answers.
 
-A round is sent once the fleet's capacity manager admits it (agentq.orchestrator.admission).
+A round is sent once the capacity manager grants it a slot. A round that must wait is held
+state like every other wait of the turn: the turn records that it waits, publishes
+`llm_queued`, and its step ends with a wakeup at the time the capacity manager named (the
+next slot for the head of the queue, later for those behind). Whoever frees or finds
+capacity grants the rounds at the head of the queue and wakes their turns; nothing polls,
+and no thread or connection is held while a round waits. Only `llm_queue_timeout_s` bounds
+how long a round waits.
+
 The stream worker holds a lease on the round while it streams and stores the round's result
-when done (which wakes the turn). A step that finds neither the result nor the
-lease of a worker that had taken the round sends the round again; a round the
-provider refused as busy goes back to admission.
+when done (which wakes the turn). A step that finds neither the result nor the lease of a
+worker that had taken the round sends the round again; a round the provider refused as busy
+(429, 503, 529) goes back to admission without using up one of the turn's retries.
 """
 
 from __future__ import annotations
@@ -13,11 +21,18 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.errors import BrokerUnavailable, ModelRoundFailed, StreamDurationExceeded
+from agentq.errors import (
+    BrokerUnavailable,
+    ModelCapacityTimeout,
+    ModelRoundFailed,
+    StreamDurationExceeded,
+)
 from agentq.fleet.broker import publish, task_repr
-from agentq.llm.capacity import Grant
+from agentq.llm.capacity import Grant, capacity_for
+from agentq.llm.limits import estimate_tokens
+from agentq.llm.wakes import waiter_of, wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
-from agentq.orchestrator import admission, spend, subturns
+from agentq.orchestrator import spend, subturns
 from agentq.state.base import now_ms
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import schemas_json
@@ -145,12 +160,65 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             return _message(ctx, result)
     if ctx.state.get("llm_round") != round_no:
         spend.reserve_round(ctx, round_no)
-        grant = admission.admit(ctx, round_no)
+        grant = admit(ctx, round_no)
         if not isinstance(grant, Grant):
             return grant
         send_round(ctx, round_no, 1, grant=grant)
         return _next_look(ctx)
     return _watch_round(ctx, round_no)
+
+
+def admit(ctx: StepContext, round_no: int) -> Grant | float:
+    """The round's grant, or when its turn should ask again (the round waits, queued)."""
+    model = ctx.model
+    waiter = waiter_of(ctx.turn_id, round_no)
+    waiting = ctx.state.get("llm_wait_round") == round_no
+    since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
+    cap = capacity_for(ctx.store.redis, ctx.settings)
+    # The round's prompt as spend estimated it when it recorded the round (`reserve_round`),
+    # and the completion its request will allow.
+    tokens = estimate_tokens(int(ctx.state.get("budget_prompt") or 0), ctx.state.get("budget_cap"))
+    got = cap.acquire(
+        model,
+        waiter=waiter,
+        owner=str(ctx.state.get("owner") or ""),
+        interactive=ctx.interactive,
+        tokens=tokens,
+    )
+    wake_granted(ctx.store, got)
+    if isinstance(got, Grant):
+        return got
+    waited_s = ctx.now - since
+    limit_s = ctx.settings.llm_queue_timeout_s
+    if waited_s >= limit_s:
+        wake_granted(ctx.store, cap.withdraw(model, waiter))
+        raise ModelCapacityTimeout(model, waited_s)
+    fields: TurnState = {"llm_wait_round": round_no, "llm_wait_since": since}
+    events: list[tuple[str, dict[str, Any]]] = []
+    if not waiting or ctx.state.get("llm_wait_position") != got.position:
+        # `first`: this wait starts here (the metrics count rounds that had to wait by it);
+        # later ones only say the round moved up the queue.
+        queued = {
+            "round_no": round_no,
+            "model": model,
+            "position": got.position,
+            "wait_s": round(got.wait_ms / 1000, 1),
+            "first": not waiting,
+        }
+        events.append(("llm_queued", queued))
+        fields["llm_wait_position"] = got.position
+    ctx.commit(events=events, **fields)
+    return min(got.retry_at_ms / 1000, since + limit_s)
+
+
+def withdraw(ctx: StepContext) -> None:
+    """An ending turn's round leaves the queue at once (a grant it had not used goes back)."""
+    round_no = ctx.state.get("llm_wait_round")
+    # A round that was sent is the stream worker's to give back: nothing waits here.
+    if round_no is None or ctx.state.get("llm_round") == round_no:
+        return
+    cap = capacity_for(ctx.store.redis, ctx.settings)
+    wake_granted(ctx.store, cap.withdraw(ctx.model, waiter_of(ctx.turn_id, int(round_no))))
 
 
 def _next_look(ctx: StepContext) -> float:
