@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
+from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -269,7 +270,7 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
     if edit.message is not None:
         _replace_message(src, history, edit.message, n)
     if edit.tool_result is not None:
-        results[edit.tool_result.call_id] = _replace_result(src, history, results, edit, n)
+        _replace_result(src, history, results, edit.tool_result, n)
     state = _base_state(src, req, token, edit.model)
     start = int(state.get("history_start") or 0)
     state.update(
@@ -306,11 +307,10 @@ def _replace_message(src: Source, history: list[dict[str, Any]], message: str, n
 
 
 def _replace_result(
-    src: Source, history: list[dict[str, Any]], results: dict[str, str], edit: ForkEdit, n: int
-) -> str:
-    """The edited call's result (its record kept, `content` replaced); its tool message too."""
-    assert edit.tool_result is not None
-    cid, content = edit.tool_result.call_id, edit.tool_result.content
+    src: Source, history: list[dict[str, Any]], results: dict[str, str], new: ToolResultEdit, n: int
+) -> None:
+    """Replace a settled call's result (its record kept) and its tool message."""
+    cid, content = new.call_id, new.content
     at = [i for i, m in enumerate(history) if m["role"] == "tool" and m["tool_call_id"] == cid]
     if not at or cid not in results:
         raise ForkInvalid(
@@ -318,7 +318,7 @@ def _replace_result(
         )
     history[at[0]] = {**history[at[0]], "content": content}
     result = ToolResult.model_validate_json(results[cid])
-    return result.model_copy(update={"content": content}).model_dump_json()
+    results[cid] = result.model_copy(update={"content": content}).model_dump_json()
 
 
 def replay_source(state: TurnState) -> dict[str, Any] | None:
@@ -443,7 +443,6 @@ def _sources(
     """The matching turns, newest first: not sub-agents (their parent is retried instead)."""
     since = time.time() - req.since_s
     query = TurnQuery.parse(status=req.status, agent=req.agent, limit=MAX_LIMIT)
-    seen = 0
     while True:
         page = lister.page(query, visible)
         for row in page.turns:
@@ -452,9 +451,6 @@ def _sources(
             if row.get("parent_turn_id"):
                 continue
             yield str(row["turn_id"])
-            seen += 1
-            if seen >= req.limit:
-                return
         if page.next_before is None:
             return
         query = replace(query, before=page.next_before)
@@ -488,7 +484,7 @@ def bulk_retry(
         go = partial(start_replay, store, app, settings, source, one, traced=traced, turn_id=new_id)
         return go() if limited is None else limited(go)
 
-    for source in _sources(TurnLister(store.redis), req, visible):
+    for source in islice(_sources(TurnLister(store.redis), req, visible), req.limit):
         # Under the source's idempotency record: started now, or by whoever came first.
         done = store.redis.get(k.idempotency_key(BULK_CALLER, source))
         if done is not None:
