@@ -298,18 +298,14 @@ def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: st
     """Hand off the conversation of a turn that ended (or vanished) without doing so yet;
     the turn it went to, if this call handed it on."""
     snap = store.snapshot(turn_id)
-    if snap is not None:
-        if snap.state.get("status") not in TERMINAL_STATUSES:
-            return None
-        outcome, nxt = hand_off(store, app, turn_id, snap.state, snap.history)
-        ended_at = float(snap.state.get("ended_at") or 0)
-        if outcome is not Release.LEFT and time.time() - ended_at > STUCK_AFTER_S:
-            log.warning("turn %s ended without handing its conversation on: done for it", turn_id)
-        return nxt
-    # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
-    # can be appended; the conversation goes on without it.
-    args = ReleaseArgs(turn_id, 0, store.ttl_s, time.time(), conversation_id, False, [], [])
-    _, nxt = conversations(store).release(conversation_id, args)
-    if nxt is not None:
-        send_step_or_wake(store, app, nxt)
+    if snap is None:
+        # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
+        # can be appended; the conversation goes on without it.
+        return hand_off(store, app, turn_id, {"conversation_id": conversation_id}, [])[1]
+    if snap.state.get("status") not in TERMINAL_STATUSES:
+        return None
+    outcome, nxt = hand_off(store, app, turn_id, snap.state, snap.history)
+    ended_at = float(snap.state.get("ended_at") or 0)
+    if outcome is not Release.LEFT and time.time() - ended_at > STUCK_AFTER_S:
+        log.warning("turn %s ended without handing its conversation on: done for it", turn_id)
     return nxt
