@@ -135,16 +135,15 @@ def advance_calls(
         tools = [p for p in waiting if not p.subturn_agent]
         agents = [p for p in waiting if p.subturn_agent]
         fresh = [p for p in tools if p.call.id not in dispatched]
+        # The times the step must look at the turn again; the earliest counts.
         due: list[float] = []
         if agents:
             ctx.flush()  # the turn's own events come before its children's
-            new_agents = [p for p in agents if p.call.id not in dispatched]
-            dispatched = {**dispatched, **subturns.record(ctx, new_agents)}
-            at = subturns.watch(ctx, agents, settled, dispatched)
-            due += [] if at is None else [at]
+            new = subturns.record(ctx, [p for p in agents if p.call.id not in dispatched])
+            dispatched = {**dispatched, **new}
+            subturns.watch(ctx, agents, settled, dispatched, due)
         earlier = [p for p in tools if p.call.id in dispatched]
-        at, again = _settle_overdue(ctx, earlier, settled)
-        due += [] if at is None else [at]
+        again = _settle_overdue(ctx, earlier, settled, due)
         if fresh or again:
             out = [*fresh, *(p for p in tools if p.call.id in again)]
             if fresh:
@@ -156,22 +155,20 @@ def advance_calls(
                 due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
                 due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]
             send(ctx, out, _records(ctx, out, again), secrets, min(due))
-        return min(due) if due else None
+        return min(due, default=None)
     return None
 
 
 def _settle_overdue(
-    ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult]
-) -> tuple[float | None, dict[str, dict[str, Any]]]:
-    """Settle the calls sent earlier that nobody will settle; return when to look again,
-    and the calls to send again with their records (recorded, not started after
-    PICKUP_LEASES: their step may have died before it sent them)."""
+    ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult], looks: list[float]
+) -> dict[str, dict[str, Any]]:
+    """Settle the calls sent earlier that nobody will settle, add when to look again to
+    `looks`; return the calls to send again with their records (recorded, not started
+    after PICKUP_LEASES: their step may have died before it sent them)."""
     if not waiting:
-        return None, {}
+        return {}
     starts, dispatched, waits = ctx.store.call_progress(ctx.turn_id)
     pickup_s = PICKUP_LEASES * ctx.settings.turn_lease_s
-    # The times the step must look at the turn again; the earliest counts.
-    looks: list[float] = []
     # A call waiting on its waitpoint holds no worker: only its deadline settles it here.
     for p in [p for p in waiting if p.call.id in waits]:
         wp = waits[p.call.id]
@@ -197,9 +194,7 @@ def _settle_overdue(
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
         settled[cid] = _settle_lost(ctx, p, why, start)
-    # First: a call held back behind its queue's backlog adds the time to look again.
-    send_again = _not_queued(ctx, waiting, again, looks)
-    return min(looks, default=None), send_again
+    return _not_queued(ctx, waiting, again, looks)
 
 
 def _dead_workers(

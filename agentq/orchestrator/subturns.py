@@ -59,11 +59,12 @@ def watch(
     waiting: list[CallPlan],
     settled: dict[str, ToolResult],
     dispatched: dict[str, dict[str, Any]],
-) -> float | None:
+    looks: list[float],
+) -> None:
     """Start the children not started yet, settle the calls past their hard limit (the
-    child aborted), and return the earliest limit still ahead."""
+    child aborted), and add to `looks` when to look again (a limit, a heartbeat)."""
     if not waiting:
-        return None
+        return
     beat_s = ctx.settings.progress_interval_s * BEAT_SHARE
     pipe = ctx.store.redis.pipeline(transaction=False)
     for p in waiting:
@@ -71,7 +72,6 @@ def watch(
         # At most one heartbeat per call per beat_s, however many steps look.
         pipe.set(k.agent_beat_key(ctx.turn_id, p.call.id), 1, nx=True, px=int(beat_s * 900))
     replies = pipe.execute()
-    looks: list[float] = []
     for i, p in enumerate(waiting):
         (raw, progress), beat = replies[2 * i], replies[2 * i + 1]
         rec = dispatched[p.call.id]
@@ -108,7 +108,6 @@ def watch(
         )
         settled[p.call.id], _ = ctx.settle(result)
         abort_child(ctx.store, child, "timeout")
-    return min(looks, default=None)
 
 
 def _progress(
