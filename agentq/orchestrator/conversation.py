@@ -117,22 +117,24 @@ class ConversationMovedOn(AgentqError):
 
 def admit_in_place(
     store: TurnStore, app: Celery, conversation_id: str, turn_id: str, source_id: str
-) -> bool:
-    """Let a stored retry hold its source's conversation to replace the source's exchange
-    (True), if the source is still the conversation's last turn and no other turn holds or
-    waits for it; decided in one script, so no turn gets in between."""
+) -> None:
+    """Let a stored retry hold its source's conversation to replace the source's exchange,
+    if the source is still the conversation's last turn and no other turn holds or waits
+    for it (decided in one script, so no turn gets in between); else remove the retry
+    again (ConversationMovedOn)."""
     convs = conversations(store)
     for _ in range(2):
         outcome, running = convs.admit_in_place(conversation_id, turn_id, source_id)
         if outcome is InPlace.RUN:
-            return True
+            return
         if outcome is InPlace.GONE or running is None or _alive(store, running):
-            return False
+            break
         # The turn that holds it has ended (the source itself, say, its hand-off under
         # way): hand off for it, then look once more.
         if release_for(store, app, conversation_id, running) is not None:
-            return False
-    return False
+            break
+    forget(store, turn_id)
+    raise ConversationMovedOn(f"turn {source_id} is no longer the last of {conversation_id}")
 
 
 def forget(store: TurnStore, turn_id: str) -> None:

@@ -148,18 +148,20 @@ def launch(
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, new.history, new.records)
     handle: dict[str, object] = {}
+    done = False
     if cid and in_place_of:
-        if not conversation.admit_in_place(store, app, cid, turn_id, in_place_of):
-            conversation.forget(store, turn_id)
-            raise conversation.ConversationMovedOn(
-                f"turn {in_place_of} is no longer the last of {cid}"
-            )
+        conversation.admit_in_place(store, app, cid, turn_id, in_place_of)
     elif cid:
         handle, done = _admit(store, app, settings, new, cid, any_owner, conversation_token)
-        if done:
-            return _handle(turn_id, token, handle)
-    send_step_or_wake(store, app, turn_id)
-    return _handle(turn_id, token, handle)
+    if not done:
+        send_step_or_wake(store, app, turn_id)
+    shown = str(handle.pop("events_url_of", None) or turn_id)
+    return TurnHandle(
+        turn_id=shown,
+        token=token,
+        events_url=f"/v1/turns/{shown}/events",
+        **handle,  # type: ignore[arg-type]
+    )
 
 
 def _new_state(
@@ -266,13 +268,3 @@ def check_budgets(
     if spent is not None:
         when = resets_at(spent.name, now)
         raise BudgetExceeded("key", spent.name, spent.spent, spent.limit, when)
-
-
-def _handle(turn_id: str, token: str, fields: dict[str, object]) -> TurnHandle:
-    shown = str(fields.pop("events_url_of", None) or turn_id)
-    return TurnHandle(
-        turn_id=shown,
-        token=token,
-        events_url=f"/v1/turns/{shown}/events",
-        **fields,  # type: ignore[arg-type]
-    )
