@@ -122,12 +122,9 @@ def advance_calls(
     dispatched: dict[str, dict[str, Any]],
     secrets: dict[str, str],
 ) -> float | None:
-    """Send the first batch that is not settled yet and settle its overdue calls.
-
-    Returns when the turn must look again, or None when it waits only for results (each
-    wakes it); every call of `plans` is in `settled` when the batches are all done. A
-    step that sends calls has let go of the turn when this returns.
-    """
+    """Send the first batch that is not settled yet and settle its overdue calls; when the
+    turn must look again (None: only results wake it). A step that sends calls has let go
+    of the turn when this returns."""
     for batch in batches(plans):
         waiting = [p for p in batch if p.call.id not in settled]
         if not waiting:
@@ -204,10 +201,8 @@ def _dead_workers(
     looks: list[float],
 ) -> dict[str, str]:
     """Why each call whose tool worker stopped beating is lost (call id -> why), in one
-    read of the workers' heartbeats.
-
-    A worker that died whole (no parent left to report the kill) stops its heartbeat: its
-    calls are lost now, not at their hard limit, or never for tools without one."""
+    read: a worker that died whole (no parent left to report the kill) loses its calls
+    now, not at their hard limit, or never for tools without one."""
     watched: dict[str, str] = {}
     for p in waiting:
         rec = starts.get(p.call.id) or {}

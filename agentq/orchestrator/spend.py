@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
 
 
-_spends: dict[int, tuple[redis.Redis, Spend]] = {}
+_spends: weakref.WeakKeyDictionary[redis.Redis, Spend] = weakref.WeakKeyDictionary()
 """One Spend (its scripts registered once) per store client of the process. Not one per
 settings: a step's settings are a new copy for an agent with overrides, none of which
 Spend reads (retention, key budgets), and a Spend per copy would be kept forever."""
@@ -37,11 +38,9 @@ Spend reads (retention, key budgets), and a Spend per copy would be kept forever
 
 def spend_of(ctx: StepContext) -> Spend:
     client = ctx.store.redis
-    held = _spends.get(id(client))
-    if held is None:
-        # The client is held with it, so its id is not reused meanwhile.
-        held = _spends[id(client)] = (client, Spend(client, ctx.settings))
-    return held[1]
+    if client not in _spends:
+        _spends[client] = Spend(client, ctx.settings)
+    return _spends[client]
 
 
 def _prompt_estimate(ctx: StepContext) -> int:

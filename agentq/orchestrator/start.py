@@ -63,10 +63,7 @@ def start_turn(
 ) -> TurnHandle:
     """Queue a turn owned by the key name `owner` (None: no key); see `Client.start`.
     `any_owner`: the caller may continue any conversation (an admin key, an operator).
-
-    `turn_id` (default: a new random one) and `extra_state` (fields stored with the turn's
-    state) are for starters other than a client: a schedule's tick.
-    """
+    `turn_id` and `extra_state` (fields stored with its state) are for a schedule's tick."""
     # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
     new_id = turn_id or secrets.token_hex(16)
 

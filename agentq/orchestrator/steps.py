@@ -253,8 +253,7 @@ class Sweeper:
     def look(self, now: float) -> Look:
         """What a pass at `now` has to do, in one round trip."""
         pipe = self.store.redis.pipeline(transaction=False)
-        shards = k.shards()
-        for shard in shards:
+        for shard in k.shards():
             key = k.wakeups_key(shard)
             pipe.zrangebyscore(key, "-inf", now, start=0, num=DUE_PER_PASS)
             pipe.zrangebyscore(key, f"({now!r}", "+inf", start=0, num=1, withscores=True)
