@@ -1,18 +1,13 @@
 """The turn's side of a model round: admitted by the fleet's capacity manager, sent to a
 stream worker, sent again when none answers.
 
-A round is sent once the capacity manager grants it a slot. A round that must wait is held
-state like every other wait of the turn: the turn records that it waits, publishes
-`llm_queued`, and its step ends with a wakeup at the time the capacity manager named (the
-next slot for the head of the queue, later for those behind). Whoever frees or finds
-capacity grants the rounds at the head of the queue and wakes their turns; nothing polls,
-and no thread or connection is held while a round waits. Only `llm_queue_timeout_s` bounds
-how long a round waits.
-
-The stream worker holds a lease on the round while it streams and stores the round's result
-when done (which wakes the turn). A step that finds neither the result nor the lease of a
-worker that had taken the round sends the round again; a round the provider refused as busy
-(429, 503, 529) goes back to admission without using up one of the turn's retries.
+A round that must wait for capacity is held state like every other wait: the turn records
+that it waits, publishes `llm_queued`, and its step ends with a wakeup at the time the
+capacity manager named; whoever frees capacity grants the head of the queue and wakes its
+turn, so nothing polls and only `llm_queue_timeout_s` bounds the wait. The stream worker
+holds a lease on the round while it streams and stores its result (which wakes the turn); a
+step that finds neither result nor lease sends the round again. A round the provider
+refused as busy (429, 503, 529) goes back to admission without using up a retry.
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
-"""Retry and fork: a new turn built from a turn's durable history; the source never changes.
+"""Retry and fork: a new turn built from a turn's durable history, read once (one HGETALL)
+and stored in one write; the source never changes (docs/retry.md).
 
-A retry (`retry_of`) takes a turn that ended `error` or `aborted` up to its last settled
-step: every settled call's result and every answered model round are reused, so its
-first step sends the failed round again, or runs only the calls of its last round that
-have no result (a call that ran without one settles `lost` again, unless its tool is
-idempotent or the request says `rerun_lost`). A fork (`fork_of`) takes the history before
-one round, perhaps edited, and goes on live from there. Both read the source once (one
-HGETALL) and store the new turn in one write: O(history), once.
-
-In a conversation, a retry of the conversation's last turn goes on in that conversation,
-its exchange replacing the source's (`state.conversation_lua`'s IN_PLACE, decided as the
-retry takes the conversation); any other retry, and every fork, starts a branch: a new
-conversation holding the source's earlier messages, the source's left as it is.
-
-Bulk retry (`agentq retry --status error --since 1h`, `POST /v1/turns/retry`, the console)
-retries every turn a filter names at a capped rate, each source under an idempotency
-record of its own (`state.idempotency`, the caller `bulk-retry`, the key its id): a second
-bulk retry over the same turns, or two at once, starts nothing for a turn retried already
-and says which turn retried it.
+A retry of a turn that ended `error` or `aborted` reuses every settled call and answered
+round; a fork goes on live from before one round, perhaps edited. In a conversation, a
+retry of its last turn replaces that turn's exchange in place (`state.conversation_lua`'s
+IN_PLACE); any other retry, and every fork, starts a branch. Bulk retry retries every turn
+a filter names at a capped rate, each source under an idempotency record of its own, so a
+second bulk retry, or two at once, starts nothing for a turn retried already.
 """
 
 from __future__ import annotations
