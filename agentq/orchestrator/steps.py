@@ -40,6 +40,7 @@ from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
 from agentq.orchestrator.machine import advance, fail
 from agentq.state.base import StepView, text
+from agentq.state.listing import TurnLister
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
 from agentq.telemetry import context as log_context
@@ -304,8 +305,6 @@ class Sweeper:
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""
-        from agentq.state.listing import TurnLister
-
         lister = TurnLister(self.store.redis)
         dropped = kept = 0
         for _ in range(PRUNE_ROUNDS):
