@@ -1,23 +1,14 @@
 """Fleet-wide model capacity in Redis: pacing, stream slots, a fair queue, pauses, breakers.
 
-Every llm worker shares a model's limits (`agentq.llm.limits`) through Redis, and each
-decision is one Lua script (`capacity_lua`), so workers racing for one slot never both
-get it. Waiting holds nothing: a round that cannot have capacity now is queued in Redis
-and `acquire` says when its turn should ask again; whoever frees or finds capacity
-grants the waiters at the head of the queue and is told whose turns to wake.
+Each decision is one Lua script (`capacity_lua`), so workers racing for one slot never
+both get it. Waiting holds nothing: a round that cannot go now is queued in Redis and
+`acquire` says when its turn should ask again; whoever frees or finds capacity grants the
+head of the queue and is told whose turns to wake.
 
-    cap = Capacity(redis_client, parse_limits(os.environ["AGENTQ_LLM_LIMITS"]))
-    got = cap.acquire("gpt-4.1", waiter=f"{turn_id}:{round_no}", owner=key_name,
-                      interactive=True, tokens=estimate_tokens(prompt_tokens, max_tokens))
-    for waiter in got.woken: ...                  # wake those turns now
-    if isinstance(got, Queued): ...               # wake this turn at got.retry_at_ms
-    else: ...; cap.release(got.lease_id, tokens_used=usage.total_tokens)
-
-Queue order: interactive rounds before background ones (or one background grant in
-`background_every` while both wait); within a class, owners take turns by start-time
-fair queuing with per-owner weights (default 1); an owner's own rounds stay in order.
-A newcomer never passes anyone already waiting. All of a model's keys share the hash
-tag `{prefix}:{<model>}:`, so each script touches one Redis Cluster slot.
+Queue order: interactive rounds first (one background grant in `background_every` while
+both wait); within a class, owners take turns by start-time fair queuing with per-owner
+weights, an owner's own rounds stay in order, and a newcomer never passes anyone waiting.
+A model's keys share the hash tag `{prefix}:{<model>}:`: one Redis Cluster slot.
 """
 
 from __future__ import annotations
@@ -29,29 +20,31 @@ import secrets
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis
 from pydantic import BaseModel, ConfigDict
 
+from agentq import constants as k
 from agentq.config import Settings
 from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
 from agentq.llm.headers import BUSY_STATUSES, RateSignal
 from agentq.llm.limits import DEFAULT_DEPLOYMENT, ModelLimitsEntry, parse_limits
 
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
+
 BreakerVerdict = Literal["closed", "open"]
 
 LIMITS_RESTORE_S = 30.0
-"""A process tells the fleet the provider's limits again after this long, though unchanged:
-the learned rate outlives the last news of it by an hour (`rate_ttl_ms`)."""
+"""Unchanged provider limits are told again after this long: the learned rate expires."""
 ANSWERED_S = 1.0
 """The window of a process's recent successes: its guess of a rate nothing else told."""
 ANSWERED_KEEP = 4096
 RESERVE_AHEAD_MS = 200
-"""A waiting round is given its slot once the slot is due this soon, and the head of the
-queue asks that much before its slot: a late wake (by less) loses nothing of the pace,
-and the fair queue still orders whoever waits longer."""
+"""A waiting round is given its slot once it is due this soon, so a wake late by less
+loses nothing of the pace."""
 
 
 class WakeAt(BaseModel):
@@ -69,14 +62,12 @@ class Wakes(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     woken: tuple[str, ...] = ()
-    """Other waiters granted by this call: wake their turns now (each takes its grant
-    on its next `acquire`)."""
+    """Other waiters granted by this call: wake their turns now."""
     later: tuple[WakeAt, ...] = ()
-    """Other waiters given a slot that comes due soon: wake each turn at its slot (its
-    grant is held for it until then, and some time after)."""
+    """Other waiters given a slot that comes due soon, held for them: wake each then."""
     wake_next: WakeAt | None = None
-    """The waiter now at the head of the queue (not the caller) and when the next slot
-    opens: wake its turn then and it takes that slot, however stale its own estimate."""
+    """The waiter now at the head of the queue (not the caller), woken when the next slot
+    opens, however stale its own estimate."""
 
 
 class Grant(Wakes):
@@ -85,8 +76,7 @@ class Grant(Wakes):
     model: str
     deployment: str
     lease_id: str
-    """Empty for a model without limits that nothing held (no queue, grant, lease, pause
-    or breaker failure of it): nothing to renew or release."""
+    """Empty for a model without limits that nothing held: nothing to renew or release."""
     granted_at_ms: int
     tokens: int
     """The estimate counted against tpm; `release` corrects it from the real usage."""
@@ -101,13 +91,12 @@ class Queued(Wakes):
     """Estimated wait: until the next slot, plus one pacing interval per round ahead."""
     next_slot_ms: int
     """When capacity opens next for whoever is at the head of the queue."""
-    # Only the head asks at the next slot: a queue of thousands asking at every slot would
-    # wake thousands of turns per slot. The cap keeps a live waiter from looking dead.
     retry_at_ms: int
-    """When this waiter's turn should call `acquire` again: the next slot at the head of
-    the queue, its estimated turn further back, at most `waiter_ttl_ms` / 3 away."""
+    """When to call `acquire` again: the next slot for the head, the estimated turn further
+    back (a queue of thousands asking at every slot would wake thousands of turns per slot),
+    at most `waiter_ttl_ms` / 3 away so a live waiter never looks dead."""
     held: bool = False
-    """The slot at `next_slot_ms` is this waiter's, held for it: not an estimate."""
+    """The slot at `next_slot_ms` is held for this waiter: not an estimate."""
 
 
 def pacing_interval_ms(entry: ModelLimitsEntry, tokens: int) -> float:
@@ -136,8 +125,7 @@ class Capacity:
         breaker_failures: int = 5,
         breaker_cooldown_ms: int = 30_000,
     ) -> None:
-        # Checked here, not only in Settings: benches, tests and users build it directly,
-        # and a ttl of 0 ms (a lease ttl in seconds rounded down) would free every lease.
+        # Not only Settings': a ttl of 0 ms (seconds rounded down) would free every lease.
         if any(not w > 0 for w in (owner_weights or {}).values()):
             raise ValueError("owner weights must be > 0")
         if min(lease_ttl_ms, grant_ttl_ms, waiter_ttl_ms, breaker_cooldown_ms) <= 0:
@@ -149,9 +137,8 @@ class Capacity:
         self._configured = frozenset(self.limits)
         self.prefix = prefix
         self.owner_weights = dict(owner_weights or {})
-        """Fair-share weight by owner (default 1): weight 2 is served twice as often."""
         self.lease_ttl_ms = lease_ttl_ms
-        """A taken lease not renewed (`renew`) or released this long is freed: its worker died."""
+        """A lease not renewed or released this long is freed: its worker died."""
         self.waiter_ttl_ms = waiter_ttl_ms
         """A queued round whose turn has not called `acquire` this long is dropped."""
         self.breaker_failures = breaker_failures
@@ -168,11 +155,9 @@ class Capacity:
         }
         self._config: dict[str, str] = {}
         self._stored_at: dict[str, float] = {}
-        """When this process last asked the scripts to store a model's config (monotonic s)."""
         self._failed: set[tuple[str, str]] = set()
         """(model, deployment) this process counted a failure of and no success since."""
         self._answered: dict[str, collections.deque[float]] = {}
-        """When this process's rounds of a model succeeded lately (monotonic s)."""
         self._told: dict[str, tuple[int, int, float]] = {}
         """The provider's limits this process last stored for a model, and when."""
         self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
@@ -184,16 +169,16 @@ class Capacity:
         self._note = redis_client.register_script(lua.NOTE_LUA)
 
     def entry(self, model: str) -> ModelLimitsEntry:
-        """The model's limits; a model without configured ones has none, but still shares
-        the fleet's queue and every pause a busy provider causes: learned, not configured."""
+        """The model's limits (none for an unconfigured one, which still shares the queue
+        and pauses)."""
         entry = self.limits.get(model)
         if entry is None:
             entry = self.limits[model] = ModelLimitsEntry.model_construct()
         return entry
 
     def _config_of(self, model: str) -> str:
-        """The model's config as the scripts take it; a configured process's asks them to
-        store it (`store`) once every CONFIG_STORE_S."""
+        """The model's config as the scripts take it, asking them to store it once every
+        CONFIG_STORE_S when configured."""
         config = self._config.get(model)
         if config is None:
             entry = self.entry(model)
@@ -233,8 +218,7 @@ class Capacity:
     def _run(
         self, script: Any, model: str, now_ms: int | None, own: tuple[Any, ...] = ()
     ) -> dict[str, Any]:
-        """Run a deciding script on the model's keys with its own arguments `own` (its
-        NamedTuple); its JSON answer."""
+        """A deciding script's JSON answer, run on the model's keys with its own arguments."""
         argv = inputs.DecidingArgs(
             self._config_of(model), "" if now_ms is None else now_ms, model, secrets.token_hex(8)
         )
@@ -333,14 +317,8 @@ class Capacity:
         status: int = 200,
         now_ms: int | None = None,
     ) -> int | None:
-        """What an answer (`status`, its rate-limit headers as `signal`) says, told to the
-        fleet: the provider's own limits pace a model configured without them; a 429 cuts
-        the admitted rate at once (it climbs back within seconds); a busy answer or an
-        exhausted allowance pauses the deployment, no longer than the provider's next
-        window where pacing spaces the requests. When the pause ends (None: no pause).
-
-        An answer that says nothing new sends nothing to Redis: its limits as stored
-        (again after LIMITS_RESTORE_S), nothing exhausted."""
+        """Tell the fleet what an answer says (NOTE_BODY_LUA); when the pause it caused ends
+        (None: none). An answer that says nothing new sends nothing to Redis."""
         wait_s: float | None = None
         if status in BUSY_STATUSES:
             resets = [s for s in (signal.reset_requests_s, signal.reset_tokens_s) if s]
@@ -382,8 +360,7 @@ class Capacity:
     def report_failure(
         self, model: str, deployment: str, kind: str, *, now_ms: int | None = None
     ) -> BreakerVerdict:
-        """Count a failure (`5xx`, `stall`, `connection`...) of a deployment, opening its
-        breaker for a cool-down after `breaker_failures` in a row or a failed probe."""
+        """Count a failure (`5xx`, `stall`, `connection`...) of a deployment (BREAKER_LUA)."""
         args = inputs.BreakerArgs(
             "" if now_ms is None else now_ms,
             deployment,
@@ -396,27 +373,21 @@ class Capacity:
         return "open" if state in ("open", b"open") else "closed"
 
     def report_success(self, model: str, deployment: str, *, unleased: bool = False) -> None:
-        """A request to the deployment worked: its breaker closes.
-
-        `unleased`: the round went without a lease, so the model's breaker hash did not
-        exist when it was admitted; unless this process counted a failure since, there is
-        nothing to forget and no command is sent. (Another process's failure in between
-        stays counted: the next leased round's success forgets it.)"""
+        """A request to the deployment worked: its breaker closes. An `unleased` round found
+        no breaker hash, so unless this process counted a failure since no command is sent
+        (another's stays counted until the next leased success)."""
         seen = self._answered.setdefault(model, collections.deque(maxlen=ANSWERED_KEEP))
         seen.append(time.monotonic())
         key = (model, deployment)
         if unleased and key not in self._failed:
             return
         self._failed.discard(key)
-        # One command, no script or clock: forgetting the failures decides nothing, and
-        # deleting fields that are not there writes (and replicates) nothing. With the hash
-        # gone, rounds of a model without limits go without a lease again.
+        # No script: forgetting decides nothing, and deleting absent fields writes nothing.
         fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
         self.redis.hdel(self._key(model, inputs.SUFFIX.BRK), *fields)
 
     def _wakes(self, out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
-        """The `Wakes` fields of a script's answer; the head asks RESERVE_AHEAD_MS before
-        its slot, to be given it then."""
+        """The `Wakes` fields of a script's answer."""
         head = out.get("head")
         wake_next = None
         if head and head != skip:
@@ -494,3 +465,19 @@ def capacity_for(redis_client: redis.Redis, settings: Settings) -> Capacity:
             limits = parse_limits(settings.llm_limits)
             cap = _fleet[key] = Capacity(redis_client, limits, **options)
         return cap
+
+
+def waiter_of(turn_id: str, round_no: int) -> str:
+    """The capacity queue's id of a turn's model round."""
+    return f"{turn_id}:{round_no}"
+
+
+def wake_granted(store: TurnStore, wakes: Wakes) -> None:
+    """Wake the turns whose rounds were just granted, and set the wakeups of those given a
+    later slot, and of the new head of the queue, to their slots (earlier wakeups stay)."""
+    for waiter in wakes.woken:
+        store.wake(waiter.rsplit(":", 1)[0])
+    due = [*wakes.later, *([wakes.wake_next] if wakes.wake_next is not None else [])]
+    for at in due:
+        turn_id = at.waiter.rsplit(":", 1)[0]
+        store.redis.zadd(k.turn_wakeups_key(turn_id), {turn_id: at.at_ms / 1000}, xx=True, lt=True)

@@ -22,10 +22,9 @@ from agentq.errors import (
     StreamIdleTimeout,
 )
 from agentq.llm.apis import ApiChoice
-from agentq.llm.capacity import Capacity, capacity_for
+from agentq.llm.capacity import Capacity, capacity_for, wake_granted
 from agentq.llm.headers import parse_rate_headers
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
-from agentq.llm.wakes import wake_granted
 from agentq.models import LlmRoundRequest, LlmRoundResult
 
 if TYPE_CHECKING:

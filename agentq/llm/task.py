@@ -30,12 +30,12 @@ from agentq.errors import (
     ModelHTTPError,
 )
 from agentq.llm.apis import configured, names_responses
+from agentq.llm.capacity import wake_granted
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
 from agentq.llm.publisher import Publisher, publisher_of
 from agentq.llm.reasoning import without_reasoning
 from agentq.llm.responses import RESPONSES_PATH, ModelApi
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
-from agentq.llm.wakes import wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
 from agentq.state.budget import cost_usd
 from agentq.state.held import REDIS_AWAY

@@ -23,9 +23,8 @@ from agentq.errors import (
     StreamDurationExceeded,
 )
 from agentq.fleet.broker import publish, task_repr
-from agentq.llm.capacity import Grant, capacity_for
+from agentq.llm.capacity import Grant, capacity_for, waiter_of, wake_granted
 from agentq.llm.limits import estimate_tokens
-from agentq.llm.wakes import waiter_of, wake_granted
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult
 from agentq.orchestrator import spend, subturns
 from agentq.state.base import now_ms
