@@ -1,11 +1,9 @@
-"""One model round on the event loop, as the stream worker runs it.
+"""One model round on the event loop, as the stream worker runs it: retries
+(`agentq.llm.retry`), the inactivity watchdog and the stream-duration budget.
 
-The retry rules of `agentq.llm.retry`, the inactivity watchdog and the stream-duration
-budget; one shared AsyncOpenAI client per process, so a stream worker
-holds thousands of streams with one loop and one connection pool. The watchdog is
-not a thread here: the attempt's reading task is cancelled on silence or abort, which
-closes that response's connection. An abort arrives as `abort` (an asyncio.Event the
-cancel channel sets) and always wins over the silence limit.
+The watchdog is no thread: the attempt's reading task is cancelled on silence or abort,
+which closes that response's connection. An abort (`abort`, set by the cancel channel)
+always wins over the silence limit.
 """
 
 from __future__ import annotations
@@ -59,8 +57,7 @@ log = logging.getLogger("agentq.llm")
 RetryCallback = Callable[[int, Exception, float], None]
 """(attempt that failed, its error, delay before the retry in seconds)."""
 _READ_ERRORS = (httpx2.RequestError, ssl.SSLError, anyio.EndOfStream)
-"""What reading a body raises when its connection fails: the SDK's stream calls them a
-connection error (`openai.APIConnectionError`), and so does this one."""
+"""What reading a body raises when its connection fails (the SDK's APIConnectionError)."""
 
 
 def _lost(exc: Exception) -> NoReturn:
@@ -70,10 +67,8 @@ def _lost(exc: Exception) -> NoReturn:
 
 
 def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Timeout:
-    """No read timeout while the watchdog is on: it owns silence, before the answer's
-    headers as after them, and on the aiohttp transport a read timeout is a timer
-    cancelled and set again for every chunk of every stream (a tenth of a busy stream
-    worker's CPU). With the watchdog off the request timeout bounds each read."""
+    """No read timeout while the watchdog owns silence: on aiohttp a read timeout is a timer
+    reset for every chunk (a tenth of a busy stream worker's CPU)."""
     return httpx2.Timeout(
         request_timeout_s, read=None if idle_timeout_ms > 0 else request_timeout_s
     )
@@ -87,9 +82,8 @@ def _warn_no_aiohttp() -> None:
 
 @functools.cache
 def _tls_context() -> ssl.SSLContext:
-    """One TLS context per process, as each client would make it (SSL_CERT_FILE honoured):
-    loading the CA bundle costs tens of CPU ms, and a stream worker makes a client per
-    128 streams of its capacity, which made every start load it eight times."""
+    """One TLS context per process (SSL_CERT_FILE honoured): loading the CA bundle costs
+    tens of CPU ms, and a stream worker makes a client per 128 streams."""
     return httpx2.create_ssl_context(verify=True, trust_env=True)
 
 
@@ -101,9 +95,8 @@ def make_client(
     tls = _tls_context()
     http: httpx2.AsyncClient
     try:
-        # The SDK's aiohttp transport (the `openai[aiohttp]` extra): a thousand rounds at
-        # once cost 2.7 CPU ms each on it and 4.8 on httpx2, whose HTTP/1.1 parser and
-        # connection pool are pure Python (scripts/bench_stream_client.py).
+        # `openai[aiohttp]`: a thousand rounds at once cost 2.7 CPU ms each on it and 4.8
+        # on httpx2's pure-Python parser and pool (scripts/bench_stream_client.py).
         http = openai.DefaultAioHttpClient(timeout=timeout, limits=limits, verify=tls)
     except RuntimeError:
         _warn_no_aiohttp()
@@ -120,19 +113,9 @@ def make_client(
 async def astream_round(
     first: Attempt, messages: list[dict[str, Any]], tools: Tools
 ) -> tuple[AssistantMessage, float]:
-    """Stream one assistant message, each attempt a fresh copy of `first` (never run
-    itself); returns it and the seconds spent streaming.
-
-    A busy answer (429, 503, 529) ends the round with `ModelBusy` at once: the fleet's
-    capacity manager waits, not this stream.
-    With `failover` (the model has other deployments), a failure that a retry here would
-    send to the same deployment again (a server error, a refused connection, a stall before
-    any chunk) ends the round at once too, so the next attempt goes to a healthy one.
-    `api` chooses Chat Completions or the Responses API, read through the same attempt:
-    one watchdog, budget and retry rule.
-    Raises an `LlmError` (`StreamIdleTimeout`, `StreamDurationExceeded`, `ModelHTTPError`,
-    ...) after the retries `agentq.llm.retry` allows, or `Aborted`.
-    """
+    """Stream one assistant message, each attempt a fresh copy of `first`; returns it and
+    the seconds spent streaming, or raises an `LlmError` once no retry is allowed, or
+    `Aborted`."""
     abort, turn_id = first.abort, first.turn_id
     streamed_s = 0.0
     attempt = 0
@@ -166,7 +149,9 @@ async def astream_round(
 
 
 def _final(error: LlmError, said: int, attempt: int, max_retries: int, failover: bool) -> bool:
-    """Whether a failed attempt ends the round here rather than being tried again."""
+    """Whether a failed attempt ends the round: a busy answer (the fleet's capacity waits,
+    not this stream), or with `failover` a failure a retry would send to the same
+    deployment again."""
     if isinstance(error, ModelBusy):
         return True
     if failover and said == 0 and retryable(error):
@@ -210,27 +195,15 @@ class Attempt:
 
     @property
     def said(self) -> int:
-        """Chunks whose deltas a retry would publish twice: every chat chunk, the Responses
-        events that carried output (its lifecycle events before them say nothing)."""
+        """Chunks whose deltas a retry would publish twice."""
         if isinstance(self.assembler, ResponsesAssembler):
             return self.assembler.output_events
         return self.chunks
 
-    def _request(self, messages: list[dict[str, Any]], tools: Tools) -> tuple[str, bytes]:
-        """The path and body of the attempt's request."""
-        if self.api == "responses":
-            body = responses_request(
-                self.model, messages, tools, self.max_completion_tokens, self.output_format
-            )
-            return RESPONSES_PATH, body
-        body = chat_request(self.model, messages, tools, self.max_completion_tokens)
-        return CHAT_COMPLETIONS_PATH, body
-
     async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         self._started = self._last = time.monotonic()
         idle_s = self.idle_timeout_ms / 1000 if self.idle_timeout_ms > 0 else None
-        # The duration budget is this clock's too: a stream that sends nothing parsable
-        # (keep-alive comments) must not outlive it.
+        # The budget is this clock's too: keep-alive comments must not outlive it.
         ends_at = self._started + self.duration_left_s
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._stream(messages, tools))
@@ -268,7 +241,14 @@ class Attempt:
             self.elapsed_s = time.monotonic() - self._started
 
     async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
-        path, content = self._request(messages, tools)
+        if self.api == "responses":
+            path = RESPONSES_PATH
+            content = responses_request(
+                self.model, messages, tools, self.max_completion_tokens, self.output_format
+            )
+        else:
+            path = CHAT_COMPLETIONS_PATH
+            content = chat_request(self.model, messages, tools, self.max_completion_tokens)
         endpoint = await sdk.endpoint(self.client, path)
         request = httpx2.Request(
             "POST",
@@ -294,8 +274,7 @@ class Attempt:
                 raise api_error_to_llm(error) from error
             if self.on_headers is not None:
                 self.on_headers(rate_headers(response.headers))
-            # The body is read here, not through the SDK's stream (agentq.llm.sse); to the
-            # end, [DONE] included, so the connection goes back to the pool.
+            # Read to the end, [DONE] included, so the connection goes back to the pool.
             kind = ResponsesAssembler if self.api == "responses" else ChatAssembler
             assembler = self.assembler = kind(self.on_delta)
             lines = SseLines()

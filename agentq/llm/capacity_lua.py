@@ -46,8 +46,7 @@ once per round would be a write per round; a stored copy Redis lost is back this
 CONFIG_LUA = (
     """
 local cfg = cjson.decode(config)
--- The limits are the fleet's: a process configured with them stores them, and one that
--- is not (a tool worker stepping a turn inline, a client aborting) decides by them too.
+-- A process configured with the limits stores them; one that is not decides by them too.
 if cfg.configured then
   if cfg.store then redis.call('SET', CONFIG, config, 'EX', """
     + str(CONFIG_TTL_S)
@@ -68,16 +67,10 @@ local function at_once(dep, at)
 end
 """
 
-# The round of a model without limits (every unconfigured one whose provider has not told
-# its rate: a learned rate is in RATE) has nothing to count, and while the fleet holds
-# nothing of the model it has nothing to wait for but a pause: it goes at once, with no
-# lease to release, and the script writes nothing. No queue means no queued waiter; no
-# grant or lease means nothing to purge and no earlier grant of this waiter to hand back;
-# no breaker hash means every breaker is closed; no pause hash (it expires when its last
-# pause ends) means no pause, so the script needs no clock either (`at` is the caller's,
-# or false: the caller's own). Anything held, a pause included, takes the full decision
-# below. A background round going this way leaves the count of interactive grants as it
-# was: that count only matters while both classes wait.
+# A model without limits (nor a learned rate, in RATE) while the fleet holds nothing of it
+# (no queue, grant, lease, breaker or pause hash, which expires with its last pause) has
+# nothing to count or wait for: the round goes at once, with no lease, no write and no
+# clock. Anything held takes the full decision below.
 UNMETERED_LUA = """
 local function unmetered()
   if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return false end
@@ -107,10 +100,7 @@ local function fmt(x) return string.format('%.17g', x) end
     + LEASES_LUA
     + RATE_HELPERS_LUA
     + """
--- Every limit of the model and its deployments is paced by GCRA (`agentq.limits`), one
--- field of GCRA each, `limit` per minute (0: none). Pacing moves on from each request's
--- slot, which a round that waits is given when it is queued (`pump`): a late wake loses
--- nothing.
+-- Every limit of the model and its deployments is a GCRA field, `limit` per minute (0: none).
 local function paced(field, limit)
   if limit <= 0 then return now end
   return gcra_ready(GCRA, field, 60000 / limit, cfg.burst_ms, now)
@@ -277,11 +267,9 @@ local function grant(w, d, probe, tokens, taken, i)
   return g
 end
 
--- Grants the head waiters as long as capacity allows, now or at a slot due within
--- `reserve_ms`: a waiter given a slot holds it however late its turn wakes, and pacing
--- goes on from the slot. `me` takes a grant due now at once. Returns the caller's grant,
--- the waiters granted now, those given a later slot ({w, at}), and the head left waiting
--- with when its slot may open.
+-- Grants the head waiters while capacity allows, now or at a slot due within `reserve_ms`
+-- (held however late its turn wakes). Returns the caller's (`me`) grant, the waiters
+-- granted now, those given a later slot ({w, at}), and the head left waiting and its slot.
 local function pump(me)
   local woken, later, own = {}, {}, nil
   local real_now = now
@@ -298,8 +286,7 @@ local function pump(me)
     else
       local d, probe, ready = admit(m.t)
       if not d and ready <= now + cfg.reserve_ms then
-        -- Decided as at the slot: everything admit reads is as it will be then, but for
-        -- releases and pauses to come, which only make room or hold the grant's request.
+        -- Decided as at the slot: by then only releases (more room) and pauses differ.
         now = ready
         d, probe, ready = admit(m.t)
       end
@@ -351,9 +338,8 @@ end
 
 PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 
-# An unconfigured caller (no limits of its own: unmetered) of a model the fleet stored no
-# limits for either goes at once when nothing else is held: the stored config's key is
-# one more of the keys EXISTS counts, instead of a GET of its own before them.
+# The same for an unconfigured caller of a model the fleet stored no limits for: CONFIG is
+# one more key EXISTS counts, instead of a GET of its own.
 UNCONFIGURED_LUA = """
 local mine = cjson.decode(config)
 if not mine.configured

@@ -1,18 +1,16 @@
 """The admitted rate of a model, in Lua for the capacity scripts (`capacity_lua`): a
-ceiling, not a schedule. The adaptation is pure functions (`RATE_LUA`); the helpers around
-them read and write the model's state in Redis.
+ceiling, not a schedule.
 
-The configured rpm, or without one the provider's own limits read from its headers,
-caps the rate; a 429 despite pacing cuts the rate fleet-wide at once (multiplicative
-decrease) and it climbs back by a fixed amount a second (additive increase); with no
-ceiling known at all, the first 429 starts from a guess and the fleet probes upwards.
-Providers count in wall-clock seconds, so besides pacing (GCRA, `agentq.limits`) each
-second admits at most a second's worth.
+The configured rpm, else the provider's own limits from its headers, caps the rate; a 429
+despite pacing cuts it fleet-wide at once and it climbs back by a fixed amount a second
+(AIMD); with no ceiling known, the first 429 starts from a guess and the fleet probes
+upwards. Providers count in wall-clock seconds, so besides pacing each second admits at
+most a second's worth.
 
-State, per model, in the `rate` hash (ModelKeys.RATE): r, t, ai (the rate cut to at t,
-and its climb in rpm a second), d (the last cut), lr, lt (the provider's own limits),
-w, n, f (the latest second a slot was granted in, its grants, the last second that
-filled up). The hash expires `rate_ttl_ms` after the last news of it.
+State, per model, in the `rate` hash: r, t, ai (the rate cut to at t, its climb a
+second), d (the last cut), top (the rate refused), lr, lt (the provider's limits), w, n,
+f (the latest second granted in, its grants, the last second that filled up). It expires
+`rate_ttl_ms` after the last news of it.
 """
 
 from __future__ import annotations
@@ -22,15 +20,12 @@ DECREASE = 0.8
 RECOVER_S = 4.0
 """...and it climbs back to the ceiling in this many seconds."""
 PROBE = 0.02
-"""Without a ceiling (nothing configured, no headers) it climbs back to the rate it was
-cut from in RECOVER_S as well, then on past it by this share of that rate each second,
+"""Without a ceiling it climbs past the rate it was cut from by this share of it a second,
 until the next 429: the provider's limit may have grown."""
 SLOW_START = 1.5
-"""Before a 429 came while paced, the first guess may be far off: the rate grows by this
-factor each second."""
-# RATE_LUA: the adaptation itself, pure functions of the rate state (no Redis call), so
-# that each deciding script evaluates it atomically with its grant and the unit tests run
-# it alone (tests/unit/test_rate_adaptation.py, under Lua 5.1 as Redis has it).
+"""Before a 429 came while paced, the guessed rate grows by this factor each second."""
+# RATE_LUA: the adaptation as pure functions of the rate state (no Redis call), which the
+# unit tests run alone (tests/unit/test_rate_adaptation.py).
 RATE_LUA = (
     f"""
 local DECREASE, RECOVER_S = {DECREASE!r}, {RECOVER_S!r}
@@ -43,10 +38,9 @@ local function ceiling_of(cfg_rpm, st)
   return st.lr
 end
 
--- The rpm admitted at `now` (0: no rate known, unpaced). After a cut to `r` at `t` the
--- rate climbs by `ai` a second back to the ceiling; without one, back to the rate refused
--- (`top`) and on past it by PROBE a second, or by SLOW_START a second while `top` is
--- unknown.
+-- The rpm admitted at `now` (0: unpaced). After a cut to `r` at `t` it climbs by `ai` a
+-- second to the ceiling; without one, to the rate refused (`top`) and on by PROBE, or by
+-- SLOW_START while `top` is unknown.
 local function admitted_rpm(st, ceiling, now)
   if not st.r then return ceiling end
   local dt = math.max(now - st.t, 0) / 1000
@@ -59,10 +53,9 @@ local function admitted_rpm(st, ceiling, now)
   return r
 end
 
--- A 429 despite pacing, when `rpm` was admitted (0: none known; then the fleet's own pace,
--- `seen_rpm`, is the guess): the rate it is cut to, its climb a second, and where the climb
--- ends (the ceiling; without one the rate refused, unless that was only a guess: 0, and
--- the slow start goes on from the cut).
+-- A 429 despite pacing at `rpm` (0: none known, `seen_rpm` is the guess): the rate cut
+-- to, its climb a second, and where the climb ends (the ceiling, else the rate refused;
+-- 0 when that was a guess, and slow start goes on).
 local function cut(rpm, ceiling, seen_rpm)
   local guess = rpm
   if guess <= 0 then guess = math.max(seen_rpm, 60) end
@@ -106,9 +99,8 @@ local function rate_rpm()
   return admitted_rpm(rate_state(), ceiling_rpm(), now)
 end
 
--- Providers count in wall-clock seconds: at most a second's worth is granted in each,
--- counted in the second of the grant's slot. Slots never go back in time, so neither does
--- the second counted (a slot reserved in the next second holds back this one's rest).
+-- At most a second's worth is granted in each wall-clock second, counted in the second of
+-- the grant's slot, which never goes back (a slot in the next second holds this one's rest).
 local function window_now()
   local st = rate_state()
   local w = math.max(math.floor(now / 1000), st.w)
@@ -149,14 +141,12 @@ end
 """
 )
 
-# NOTE_BODY_LUA, the end of NOTE_LUA (capacity_lua): what one answer of the provider said.
-# Its own limits (headers) become the ceiling of a model configured without one; a 429
-# although the fleet paced its requests cuts the admitted rate (once a second: the 429s
-# of one overfull window are one signal; with no rate known yet, from what this process
-# saw answered); a wait pauses the model or deployment, only as long as needed where
-# pacing spaces the requests: until the next second (the provider's next window) when
-# that comes sooner than its Retry-After, which whole seconds round up. Pacing resumes
-# from the pause's end with no burst. Returns when the pause ends (0: none).
+# NOTE_BODY_LUA, the end of NOTE_LUA: what one answer of the provider said. Its limits
+# become the ceiling of a model configured without one; a 429 despite pacing cuts the rate
+# (once a second: one overfull window's 429s are one signal); a wait pauses the model or
+# deployment, where pacing spaces requests only until the next second when that is sooner
+# than Retry-After (whole seconds round up); pacing resumes from the pause's end with no
+# burst. Returns when the pause ends (0: none).
 NOTE_BODY_LUA = """
 local st = rate_state()
 local lr, lt = tonumber(limit_rpm) or 0, tonumber(limit_tpm) or 0

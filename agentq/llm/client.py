@@ -50,15 +50,9 @@ def chat_request(
     tools: Tools,
     max_completion_tokens: int | None = None,
 ) -> bytes:
-    """The streamed chat-completions request body, encoded.
-
-    Sent through the SDK's own `post` (its auth, errors and transport) as its `content`,
-    which it sends as it is: the turn's history and the tool schemas are JSON already, and the
-    per-request transform of `chat.completions.create` cost a busy stream worker a fifth
-    of its CPU. A stream worker gets the schemas as the text the turn encoded once per
-    tool set and splices them in unparsed. Chunks come back as plain dicts for the same
-    reason (the SDK's model construction cost as much).
-    """
+    """The streamed chat-completions request body, encoded: `chat.completions.create`'s
+    per-request transform cost a busy stream worker a fifth of its CPU, so the schemas are
+    spliced in as the text the turn encoded once per tool set."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -90,8 +84,7 @@ class PartialCall:
 
 
 class Assembler:
-    """What both APIs' assemblers share: the text, reasoning and tool calls a stream's
-    deltas build, published as they come, and the message they make."""
+    """What both APIs' assemblers share: the deltas, published as they come, and the message."""
 
     def __init__(self, on_delta: DeltaCallback) -> None:
         self._on_delta = on_delta
