@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import redis
 from pydantic import BaseModel, ConfigDict
 
-from agentq import constants as k
 from agentq.config import Settings
 from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
@@ -402,36 +401,9 @@ class Capacity:
         return {"woken": tuple(_list(out.get("woken"))), "later": later, "wake_next": wake_next}
 
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
-        """The model's capacity state now, for metrics and the console."""
+        """The model's capacity state now (SNAPSHOT_LUA's layout), for metrics and the console."""
         out = self._run(self._snapshot, model, now_ms)
-        return {
-            "model": model,
-            "configured": model in self._configured,
-            "now_ms": int(out["now"]),
-            "queued": {
-                "interactive": int(out["interactive"]),
-                "background": int(out["background"]),
-            },
-            "streams_in_use": int(out["streams"]),
-            "grants_outstanding": int(out["grants"]),
-            "paused_until_ms": int(out["paused_until_ms"]) or None,
-            "requests_last_minute": int(out["requests"]),
-            "tokens_last_minute": int(out["tokens"]),
-            "admitted_rpm": round(float(out["rate_rpm"]), 1) or None,
-            "learned_rpm": int(out["learned_rpm"]) or None,
-            "learned_tpm": int(out["learned_tpm"]) or None,
-            "deployments": {
-                d["name"]: {
-                    "breaker": d["state"],
-                    "failures": int(d["failures"]),
-                    "open_until_ms": int(d["open_until_ms"]) or None,
-                    "last_failure": d["last_failure"] or None,
-                    "streams_in_use": int(d["streams"]),
-                    "paused_until_ms": int(d["paused_until_ms"]) or None,
-                }
-                for d in _list(out["deps"])
-            },
-        }
+        return {"model": model, "configured": model in self._configured, **out}
 
 
 def _list(value: Any) -> list[Any]:
@@ -477,7 +449,5 @@ def wake_granted(store: TurnStore, wakes: Wakes) -> None:
     later slot, and of the new head of the queue, to their slots (earlier wakeups stay)."""
     for waiter in wakes.woken:
         store.wake(waiter.rsplit(":", 1)[0])
-    due = [*wakes.later, *([wakes.wake_next] if wakes.wake_next is not None else [])]
-    for at in due:
-        turn_id = at.waiter.rsplit(":", 1)[0]
-        store.redis.zadd(k.turn_wakeups_key(turn_id), {turn_id: at.at_ms / 1000}, xx=True, lt=True)
+    for at in [*wakes.later, *([wakes.wake_next] if wakes.wake_next is not None else [])]:
+        store.wake_by(at.waiter.rsplit(":", 1)[0], at.at_ms / 1000)

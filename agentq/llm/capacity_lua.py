@@ -453,24 +453,30 @@ for i = 1, #flat, 2 do
   local kind, fb = string.sub(flat[i], 1, 1), tonumber(string.sub(flat[i], 3))
   if fb and fb >= b - 5 and fb <= b then used[kind] = used[kind] + tonumber(flat[i + 1]) end
 end
+-- The snapshot as `Capacity.snapshot` answers it: a time or count of 0 is null.
+local function some(x) if x > 0 then return x end return cjson.null end
+local function pause_of(field)
+  local paused = num(redis.call('HGET', PAUSE, field))
+  return some(paused > now and paused or 0)
+end
 local deps = {}
 for _, d in ipairs(cfg.deps) do
-  local state = breaker(d.n)
-  local paused = num(redis.call('HGET', PAUSE, 'd:' .. d.n))
-  deps[#deps + 1] = {
-    name = d.n, state = state, streams = num(redis.call('HGET', INFL, d.n)),
+  deps[d.n] = {
+    breaker = breaker(d.n), streams_in_use = num(redis.call('HGET', INFL, d.n)),
     failures = num(redis.call('HGET', BRK, 'f:' .. d.n)),
-    open_until_ms = num(redis.call('HGET', BRK, 'o:' .. d.n)),
-    last_failure = redis.call('HGET', BRK, 'k:' .. d.n) or '',
-    paused_until_ms = paused > now and paused or 0,
+    open_until_ms = some(num(redis.call('HGET', BRK, 'o:' .. d.n))),
+    last_failure = redis.call('HGET', BRK, 'k:' .. d.n) or cjson.null,
+    paused_until_ms = pause_of('d:' .. d.n),
   }
 end
-local paused = num(redis.call('HGET', PAUSE, 'm'))
 return cjson.encode({
-  now = now, interactive = redis.call('ZCARD', QI), background = redis.call('ZCARD', QB),
-  streams = redis.call('ZCOUNT', LEASES, '(' .. now, '+inf'), grants = redis.call('HLEN', GRANTS),
-  paused_until_ms = paused > now and paused or 0, requests = used.r, tokens = used.t, deps = deps,
-  rate_rpm = rate_rpm(), learned_rpm = rate_state().lr, learned_tpm = rate_state().lt,
+  now_ms = math.floor(now),
+  queued = {interactive = redis.call('ZCARD', QI), background = redis.call('ZCARD', QB)},
+  streams_in_use = redis.call('ZCOUNT', LEASES, '(' .. now, '+inf'),
+  grants_outstanding = redis.call('HLEN', GRANTS), paused_until_ms = pause_of('m'),
+  requests_last_minute = used.r, tokens_last_minute = used.t,
+  admitted_rpm = some(math.floor(rate_rpm() * 10 + 0.5) / 10),
+  learned_rpm = some(rate_state().lr), learned_tpm = some(rate_state().lt), deployments = deps,
 })
 """
 )
