@@ -1,7 +1,4 @@
-"""Model capacity limits (`AGENTQ_LLM_LIMITS`) and token estimates.
-
-Pure: no I/O. `agentq.llm.capacity` enforces these limits fleet-wide in Redis; what a
-provider's answers say about its own limits is read by `agentq.llm.headers`.
+"""Model capacity limits (`AGENTQ_LLM_LIMITS`) and token estimates; pure.
 
     AGENTQ_LLM_LIMITS='{"gpt-4.1": {"rpm": 500, "tpm": 300000, "streams": 200}}'
 
@@ -115,14 +112,9 @@ def _describe(exc: ValidationError) -> str:
 
 
 def estimate_tokens(prompt_tokens: int, max_completion_tokens: int | None) -> int:
-    """Tokens a request may use, counted against `tpm` before it is sent: its prompt's
-    estimate (`prompt_tokens`: CHARS_PER_TOKEN characters a token of the history, the
-    instructions and the tools' schemas) plus the completion allowance.
-
-    The completion counts at its maximum (DEFAULT_COMPLETION_TOKENS when unset), as
-    providers count it against their own limit. `release` corrects the account from the
-    response's real usage. No tokenizer: tiktoken is not a dependency, and it downloads
-    its encoding files on first use, which a worker offline cannot do.
+    """Tokens a request may use, counted against `tpm` before it is sent: the prompt's
+    estimate plus the completion at its maximum, as providers count it. No tokenizer:
+    tiktoken downloads its encoding files on first use, which a worker offline cannot do.
     """
     completion = max_completion_tokens
     if completion is None:

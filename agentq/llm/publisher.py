@@ -1,10 +1,4 @@
-"""The stream worker's events: every round's deltas and ends, published together.
-
-One `Publisher` per process sends the pending events of all its rounds in one pipelined
-round trip, joining a round's deltas between batches (`llm_delta_interval_ms`) and holding
-those of a turn nobody follows (`llm_quiet_delta_interval_ms`); a round adds to it and
-takes what is left for the write of its end.
-"""
+"""The stream worker's events: every round's deltas and ends, published together."""
 
 from __future__ import annotations
 
@@ -32,7 +26,7 @@ Batch = dict[str, list[tuple[str, dict[str, Any]]]]
 
 
 def publish_batch(store: TurnStore, batch: Batch) -> set[str]:
-    """In a store thread: publish a batch; return the turns of it someone follows."""
+    """In a store thread: publish a batch; the turns of it someone follows."""
     return store.bus.publish_many(
         {
             turn_id: [event_body(turn_id, type_, fields) for type_, fields in events]
@@ -43,28 +37,21 @@ def publish_batch(store: TurnStore, batch: Batch) -> set[str]:
 
 @dataclasses.dataclass
 class _Seen:
-    """What the last publish of a turn's events found."""
+    """What the last publish of a turn's events found, and when (monotonic s)."""
 
     watched: bool
     at: float
-    """When its events went out (monotonic s)."""
 
 
 class Publisher:
-    """One per process: the pending events of every round go out together, in one pipelined
-    round trip, so thousands of streams cost a few store calls a second, not one a chunk.
+    """One per process: the pending events of every round go out in one pipelined round
+    trip, so thousands of streams cost a few store calls a second, not one a chunk.
 
-    After a batch it waits `llm_delta_interval_ms`, and the deltas that come meanwhile join
-    the one before them: a round of a hundred chunks is a few events, each of them four
-    Redis commands, instead of a hundred. A round that ends `take`s its turn's events not
-    yet out, for the write that stores its result.
-
-    A turn nobody followed when its events last went out (`llm_quiet_delta_interval_ms`)
-    keeps its deltas, joining, until that interval has passed since: most rounds are never
-    watched live, and their deltas are about half of what a turn costs Redis. Any other
-    event of the turn takes them along at once, in order. What the round's claim found
-    (`learned`) counts as its first publish; a turn of which nothing is known has its
-    first event go at once.
+    After a batch it waits `llm_delta_interval_ms`, and deltas that come meanwhile join the
+    one before them. A turn nobody followed when its events last went out keeps its deltas
+    for `llm_quiet_delta_interval_ms` (most rounds are never watched live, and their deltas
+    are about half of what a turn costs Redis); any other event of the turn takes them
+    along at once. A round that ends `take`s its turn's events for the write of its result.
     """
 
     def __init__(self, host: LoopHost, publish: Callable[[Batch], set[str]] | None = None) -> None:
@@ -73,7 +60,6 @@ class Publisher:
         self.interval_s = settings.llm_delta_interval_ms / 1000
         quiet_ms = settings.llm_quiet_delta_interval_ms
         self.quiet_s = quiet_ms / 1000 if quiet_ms > settings.llm_delta_interval_ms else 0.0
-        """0: no turn's deltas are held."""
         self.publish = publish or functools.partial(publish_batch, host.store)
         self.pending: Batch = {}
         self.in_flight: set[str] = set()
@@ -83,22 +69,18 @@ class Publisher:
         self.tick = asyncio.Event()
         """Set (and replaced) each time a batch has gone out."""
         self.wake = asyncio.Event()
-        """Wakes the loop from waiting for held deltas alone: an event came that may not
-        wait that long."""
+        """Wakes the loop from waiting for held deltas alone."""
         self.holding_until: float | None = None
         """While only held deltas wait: when the first of them is due."""
         self.resting: set[str] | None = None
-        """While the loop waits out the interval after a batch: the turns whose interval it
-        is (`_rest`)."""
+        """The turns whose interval after a batch the loop waits out (`_rest`)."""
         self.urgent = asyncio.Event()
         """Wakes the loop from the interval: another turn's first event came."""
 
     def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
         events = self.pending.setdefault(turn_id, [])
         if type_ == "llm_delta" and events:
-            # Deltas that arrive while the last batch is still going out (or in the
-            # interval after it, or while held) join the delta before them: a loaded
-            # worker publishes fewer, longer deltas instead of falling behind.
+            # A loaded worker publishes fewer, longer deltas instead of falling behind.
             last_type, last = events[-1]
             if (
                 last_type == "llm_delta"
@@ -183,10 +165,8 @@ class Publisher:
         tick.set()
 
     async def _rest(self, sent: set[str]) -> None:
-        """Wait out the interval after a batch. It is the interval of that batch's turns:
-        the first event of another turn (a new round's first chunk, mostly) goes at once,
-        in a batch of its own, so no round's first token waits out another round's
-        interval; from then on that turn waits out the rest of this one."""
+        """Wait out the interval after a batch, that batch's turns': another turn's first
+        event goes at once, so no round's first token waits out another round's interval."""
         until = time.monotonic() + self.interval_s
         self.resting = sent
         try:
@@ -203,32 +183,28 @@ class Publisher:
             self.resting = None
 
     def _prune(self, now: float) -> None:
-        """Forget turns that published nothing for the quiet interval: for a turn not
-        seen, as for one seen that long ago, nothing is held. A round that ends forgets
-        its turn (`take`); this catches those that never got there."""
+        """Forget turns that published nothing for the quiet interval (nothing is held for
+        them either way): those whose round never reached `take`."""
         if now - self.pruned_at >= self.quiet_s:
             self.pruned_at = now
             self.seen = {t: s for t, s in self.seen.items() if s.at + self.quiet_s > now}
 
     def learned(self, turn_id: str, watched: bool) -> None:
-        """What a write of the turn's own found (a round's claim, which publishes its
-        llm_started): as if its events had gone out now, unless something newer is known
-        (a follower came since: `watched`)."""
+        """What the round's claim found, as if its events had gone out now, unless a
+        follower came since."""
         if self.quiet_s and turn_id not in self.seen:
             self.seen[turn_id] = _Seen(watched, time.monotonic())
 
     def watched(self, turn_id: str) -> None:
-        """Someone started following the turn: its deltas go live from now (any held go
-        with the next batch)."""
+        """Someone started following the turn: its deltas go live from now."""
         if self.quiet_s:
             self.seen[turn_id] = _Seen(True, time.monotonic())
             if turn_id in self.pending:
                 self.wake.set()
 
     async def take(self, turn_id: str) -> list[tuple[str, dict[str, Any]]]:
-        """The turn's events not published yet, held deltas too, once those of it going
-        out have gone: its round is over, and the write of its result carries them. What
-        was learned of the turn goes with them."""
+        """The turn's events not published yet, once those going out have gone, for the
+        write of its round's result; what was learned of the turn is forgotten."""
         while turn_id in self.in_flight:
             await self.tick.wait()
         # Its next round (here or elsewhere) learns afresh.

@@ -155,10 +155,7 @@ def output_format(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 class ResponsesAssembler(Assembler):
-    """Builds the assistant message from a Responses stream's events, checking their
-    shape. The same interface as the chat stream's assembler (`add`, `has_output`,
-    `message`), so the attempt reading the stream (its watchdog, its duration budget,
-    its retries) is one for both APIs."""
+    """Builds the assistant message from a Responses stream's events, checking their shape."""
 
     def __init__(self, on_delta: DeltaCallback) -> None:
         super().__init__(on_delta)

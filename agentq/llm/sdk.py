@@ -1,15 +1,10 @@
 """The one module that reaches into the openai SDK's private members, and why.
 
-The stream worker sends each round through the SDK's own HTTP client and turns its error
-answers into the SDK's typed errors, as `AsyncOpenAI.post` does, but it builds the request
-once per client and path instead of once per round: the SDK's per-request building
-(options copied and validated, headers merged, the URL parsed again) was a tenth of a busy
-stream worker's CPU, and the SDK has no public way to build a request without sending it
-or to send a prepared one. The members used are in `REACHED`; `check_sdk` compares the
-installed SDK with it when a stream worker makes its first client, and
-`tests/unit/test_openai_sdk.py` runs it on every test run, so an SDK that renamed or
-re-signed one of them fails loudly, never silently. pyproject.toml bounds openai below its
-next major version for the same reason.
+The stream worker builds each request once per client and path, not once per round: the
+SDK's per-request building was a tenth of a busy stream worker's CPU, and it has no public
+way to build a request without sending it. The members used are in `REACHED`; `check_sdk`
+compares the installed SDK with it at a stream worker's first client and in
+`tests/unit/test_openai_sdk.py`, so an SDK that renamed or re-signed one fails loudly.
 """
 
 from __future__ import annotations

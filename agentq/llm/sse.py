@@ -1,14 +1,10 @@
-"""A chat-completions stream's chunks, decoded once from the response's bytes.
+"""A stream's events, decoded once from the response's bytes.
 
-The SDK's own stream decodes each line to text, builds a `ServerSentEvent` for it, parses
-its JSON and hands the result through three generators; with thousands of chunks a second
-that was a sixth of a busy stream worker's CPU. Here the bytes are split into lines and
-the `data:` payloads parsed as bytes, by orjson where it is installed. The request, its
-errors and its transport stay the SDK's (`openai.AsyncOpenAI.post`): only the reading of
-a 200 answer's body is done here, by the rules of the SSE format (CR, LF or CRLF line
-ends, several `data:` lines joined, comments skipped, an event only at a blank line) and
-of the SDK (`[DONE]` ends the stream; an event whose JSON holds `error` is the server's
-error inside a 200 stream).
+The SDK's own stream (a `ServerSentEvent` per line through three generators) cost a sixth
+of a busy stream worker's CPU; here the `data:` payloads are parsed as bytes, by orjson
+where installed, by the SSE rules (CR, LF or CRLF line ends, several `data:` lines
+joined, comments skipped, an event only at a blank line) and the SDK's (`[DONE]` ends the
+stream; JSON holding `error` is the server's error inside a 200 stream).
 """
 
 from __future__ import annotations

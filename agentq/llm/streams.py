@@ -1,6 +1,6 @@
-"""The stream worker's process-wide state: its model clients (one set per deployment),
-the rounds it streams and their claims and capacity leases, kept alive by one thread, and
-how a round's end is told to the fleet's capacity manager."""
+"""The stream worker's process-wide state: its model clients, the rounds it streams with
+their claims and capacity leases (kept alive by one thread), and a round's end told to
+capacity."""
 
 from __future__ import annotations
 
@@ -49,7 +49,6 @@ class Streams:
         self.alive: collections.Counter[tuple[str, int]] = collections.Counter()
         """Rounds to keep claimed, counted: a redelivered round may run twice here."""
         self._alive_lock = threading.Lock()
-        """Celery's threads claim, the loop releases, the renewer reads."""
         # Several clients, each with its own connection pool: httpx2's pool (the fallback
         # transport) scans all of its connections on every request and every response end,
         # which with thousands of streams in one pool cost more than the streams themselves.
@@ -57,11 +56,9 @@ class Streams:
         self.clients = self._clients(s.llm_base_url, s.llm_api_key, n) if s.llm_base_url else []
         self.capacity: Capacity = capacity_for(host.store.redis, s)
         self.apis = ApiChoice(host.store.redis)
-        """What `auto` learned of each model's API (agentq.llm.apis)."""
         self.deployed: dict[str, list[openai.AsyncOpenAI]] = {}
         """Clients of configured deployments with their own endpoint or key, made on first use."""
         self.leases: dict[tuple[str, int], str] = {}
-        """Capacity leases of the rounds streaming here, renewed with their claims."""
         self._leases_renewed = time.monotonic()
         # Its own thread, not the loop's store pool: with thousands of rounds streaming,
         # a renewal queued behind their store calls lapsed and every round was sent again.
@@ -159,11 +156,8 @@ def settle_capacity(
     failure: AgentqError | None,
     headers: dict[str, str],
 ) -> None:
-    """Tell the fleet's capacity manager how the round went: a busy provider pauses the
-    model (or the deployment) for every worker and a 429 lowers its admitted rate,
-    rate-limit headers (the provider's own limits, an exhausted allowance) pace what
-    follows, failures count towards the deployment's breaker, and the round's grant goes
-    back with its real token usage, waking the rounds it frees capacity for."""
+    """Tell the fleet's capacity how the round went: its answer's headers and status, a
+    failure against the deployment's breaker, and its grant back with its real usage."""
     deployment = req.deployment or DEFAULT_DEPLOYMENT
     busy = failure if isinstance(failure, ModelBusy) else None
     try:

@@ -1,11 +1,9 @@
-"""The stream worker's task: one model round, streamed on the event loop, watched, and
-handed back to the turn.
+"""The stream worker's task: one model round, streamed on the event loop and handed back
+to the turn.
 
-The Celery task (a thread of the `threads` pool) claims the round, hands it to the
-process's loop and returns, so one process streams thousands of rounds. While a round
-streams its key `agentq:turn:{<id>}:llm:<round>:alive` is renewed, for all rounds at once,
-by one thread of its own; if the process dies the keys lapse and the turn sends those
-rounds again.
+The Celery task (a thread of the `threads` pool) claims the round, hands it to the loop and
+returns, so one process streams thousands of rounds. Their claims are renewed together by
+one thread (`Streams`); if the process dies they lapse and the turn sends the rounds again.
 """
 
 from __future__ import annotations
@@ -48,18 +46,9 @@ log = logging.getLogger("agentq.llm")
 
 def warm() -> None:
     """At worker start, off the loop: the SDK import and the shared client."""
-    # The SDK's HTTP client logs every request at INFO: thousands of lines a minute on a
-    # busy stream worker, each formatted on the loop. A round that fails is logged here.
+    # The SDK's HTTP client logs every request at INFO, each formatted on the loop.
     logging.getLogger("httpx2").setLevel(logging.WARNING)
     get_streams(get_host())
-
-
-def _started(host: LoopHost, req: LlmRoundRequest) -> dict[str, Any]:
-    """The fields of the round's llm_started, which its claim publishes."""
-    started: dict[str, Any] = {"round_no": req.round_no, "model": _model(host, req)}
-    if req.queued_s:
-        started["queued_ms"] = int(req.queued_s * 1000)
-    return started
 
 
 def _model(host: LoopHost, req: LlmRoundRequest) -> str:
@@ -70,15 +59,15 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
     """In a Celery thread: claim the round and read its history; None when it is not
     this delivery's to stream (done, gone, or streaming elsewhere)."""
     streams = get_streams(host)
+    started: dict[str, Any] = {"round_no": req.round_no, "model": _model(host, req)}
+    if req.queued_s:
+        started["queued_ms"] = int(req.queued_s * 1000)
     start = host.store.begin_llm_round(
-        req.turn_id, req.round_no, streams.worker, streams.lease_ms, _started(host, req)
+        req.turn_id, req.round_no, streams.worker, streams.lease_ms, started
     )
     if start.outcome is RoundBegun.CLAIMED:
-        # Renewed from the moment of the claim: a busy loop may start this round later
-        # than the lease, and a lapsed claim would have the turn send the round again.
-        # Not before it: the renewer would write this worker's lease for a round it has
-        # not claimed yet, and the claim would find it held "elsewhere" and refuse it,
-        # leaving the round to the turn's pickup, four leases later.
+        # Renewed from the claim, not before it: a renewal of a round not yet claimed would
+        # make the claim find it held "elsewhere"; not later: a busy loop may start it late.
         streams.hold((req.turn_id, req.round_no), req.lease_id)
         return start
     if start.outcome in (RoundBegun.GONE, RoundBegun.DONE) and req.lease_id:
@@ -158,7 +147,7 @@ def _end_round_span(span: Any, result: LlmRoundResult, ttft_ms: int | None) -> N
 
 @dataclasses.dataclass
 class _Round:
-    """One round's streaming, its events and its result, phase by phase (see `_stream`)."""
+    """One round's streaming, its events and its result (see `_stream`)."""
 
     host: LoopHost
     req: LlmRoundRequest
@@ -232,7 +221,7 @@ class _Round:
                 raise
             refused = exc
         # The server wants the Responses API: the model moves there fleet-wide, and this
-        # round goes again at once (it said nothing on chat: the user sees one round).
+        # round, which said nothing on chat, goes again at once.
         await self.host.io(streams.apis.learn, self.model, "responses", refused.message)
         try:
             return await send("responses")
@@ -244,8 +233,7 @@ class _Round:
             raise refused from exc
 
     def _usage(self, message: AssistantMessage) -> Usage:
-        """The round's usage as the server counted it, else estimated (`estimated`: the
-        prompt as the turn estimated it, the completion from its text); priced."""
+        """The round's usage as the server counted it, else estimated; priced."""
         usage = message.usage
         if usage is None:
             chars = len(message.content) + len(message.reasoning)
@@ -286,8 +274,7 @@ class _Round:
         return LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
 
     def busy(self, exc: ModelBusy) -> LlmRoundResult:
-        """Not this round's failure: the fleet pauses the model and the turn queues the
-        round again, with none of its retries used."""
+        """Not this round's failure: the turn queues it again, with no retry used."""
         self.emit(
             "llm_finished",
             error=exc.message,
@@ -369,9 +356,8 @@ async def _stream(
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
-    """In a Celery thread: claim the round, then hand it to the loop (waiting while the
-    loop is full). The claim is a blocking Redis call, which this thread can afford and
-    the loop, holding thousands of streams, cannot."""
+    """In a Celery thread: claim the round (a blocking Redis call the loop cannot afford),
+    then hand it to the loop, waiting while the loop is full."""
     host = get_host()
     try:
         start = claim_round(host, req)
