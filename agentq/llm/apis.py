@@ -85,7 +85,7 @@ class ApiChoice:
 
     def __init__(self, client: redis.Redis) -> None:
         self._client = client
-        self._learned: dict[str, dict[str, Any]] = {}
+        self._learned: dict[str, ModelApi] = {}
         self._read_at = float("-inf")
 
     def stale(self) -> bool:
@@ -93,19 +93,15 @@ class ApiChoice:
 
     def refresh(self) -> None:
         """Blocking: call it off the loop."""
-        self._learned = read_learned(self._client)
+        self._learned = {model: v["api"] for model, v in read_learned(self._client).items()}
         self._read_at = time.monotonic()
 
     def api_for(self, model: str, setting: Setting) -> ModelApi:
-        if setting != "auto":
-            return setting
-        found = self._learned.get(model)
-        return "responses" if found is not None and found.get("api") == "responses" else "chat"
+        return self._learned.get(model, "chat") if setting == "auto" else setting
 
     def kept_on_chat(self, model: str) -> bool:
         """`auto` found no Responses API on the model's server: it stays on chat."""
-        found = self._learned.get(model)
-        return found is not None and found.get("api") == "chat"
+        return self._learned.get(model) == "chat"
 
     def learn(self, model: str, api: ModelApi, reason: str) -> bool:
         """Blocking: record what `auto` learned of the model, fleet-wide; True when this
@@ -113,7 +109,7 @@ class ApiChoice:
         value = {"api": api, "reason": reason[:500], "at": time.time()}
         previous = self._client.hget(API_KEY, model)
         self._client.hset(API_KEY, model, json.dumps(value))
-        self._learned[model] = value
+        self._learned[model] = api
         changed = previous is None or json.loads(previous).get("api") != api
         if changed and api == "responses":
             log.warning("model %s moves to the Responses API fleet-wide: %s", model, reason)

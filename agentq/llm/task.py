@@ -86,9 +86,8 @@ async def run_round(
     host: LoopHost, req: LlmRoundRequest, start: LlmRoundStart, task_id: str | None = None
 ) -> LlmRoundResult:
     """On the loop: stream a round `claim_round` claimed, and store its result."""
-    store = host.store
     streams = get_streams(host)
-    key = (req.turn_id, req.round_no)
+    model = _model(host, req)
     name = f"{k.TASK_LLM_ROUND}:{req.turn_id}:{req.round_no}"
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
@@ -103,24 +102,44 @@ async def run_round(
                 tracing.ATTR_TURN_ID: req.turn_id,
                 tracing.ATTR_ROUND: req.round_no,
                 tracing.ATTR_TASK_ID: task_id,
-                "gen_ai.request.model": _model(host, req),
+                "gen_ai.request.model": model,
             },
         )
+    refused: AgentqError | None = None
     try:
         if start.cancelled:
             abort.set()
+        publisher = publisher_of(host)
+        publisher.learned(req.turn_id, start.followed)
+        rnd = _Round(host, req, publisher, model, len(streams.capacity.entry(model).routes) > 1)
         with tracing.active(span) if observed else contextlib.nullcontext():
-            result, last, ttft_ms = await _stream(host, streams, req, start, abort)
+            try:
+                result = rnd.answered(*await rnd.call(streams, start.history, abort))
+            except ModelBusy as exc:
+                refused, result = exc, rnd.busy(exc)
+            except Aborted:
+                result = rnd.aborted()
+            except AgentqError as exc:
+                refused, result = exc, rnd.failed(exc)
+            except Exception as exc:
+                result = rnd.crashed(exc)
+            # Every delta is out, or in the write of the round's end, before the turn hears it.
+            last = await publisher.take(req.turn_id)
+            await host.io(
+                settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers
+            )
     finally:
         remove_cancel()
-        streams.release(key)
+        streams.release((req.turn_id, req.round_no))
         host.running.pop(name, None)
         if observed:
             log_context.unbind(bound)
     if observed:
         # Before the result is stored: storing it may run the turn's next step here.
-        _end_round_span(span, result, ttft_ms)
-    await host.io(store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last)
+        _end_round_span(span, result, rnd.ttft_ms)
+    await host.io(
+        host.store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last
+    )
     return result
 
 
@@ -322,37 +341,6 @@ class _Round:
             streamed_s=time.monotonic() - self.t0,
             failover=failover,
         )
-
-
-async def _stream(
-    host: LoopHost,
-    streams: Streams,
-    req: LlmRoundRequest,
-    start: LlmRoundStart,
-    abort: asyncio.Event,
-) -> tuple[LlmRoundResult, list[tuple[str, dict[str, Any]]], int | None]:
-    """The round's result, its events not published yet (for the write of its end), and
-    its time to first output."""
-    model = _model(host, req)
-    publisher = publisher_of(host)
-    publisher.learned(req.turn_id, start.followed)
-    failover = len(streams.capacity.entry(model).routes) > 1
-    rnd = _Round(host, req, publisher, model, failover)
-    refused: AgentqError | None = None
-    try:
-        result = rnd.answered(*await rnd.call(streams, start.history, abort))
-    except ModelBusy as exc:
-        refused, result = exc, rnd.busy(exc)
-    except Aborted:
-        result = rnd.aborted()
-    except AgentqError as exc:
-        refused, result = exc, rnd.failed(exc)
-    except Exception as exc:
-        result = rnd.crashed(exc)
-    # Every delta is out, or in the write of the round's end, before the turn hears it.
-    last = await publisher.take(req.turn_id)
-    await host.io(settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers)
-    return result, last, rnd.ttft_ms
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
