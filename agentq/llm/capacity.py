@@ -209,7 +209,7 @@ class Capacity:
 
     def keys(self, model: str) -> list[str]:
         """The model's Redis keys, in the order the scripts take them."""
-        return [self._key(model, suffix) for suffix in inputs.KEY_SUFFIXES]
+        return [self._key(model, suffix) for suffix in inputs.SUFFIX]
 
     def _key(self, model: str, suffix: str) -> str:
         return f"{self.prefix}:{{{model}}}:{suffix}"

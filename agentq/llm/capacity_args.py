@@ -1,10 +1,6 @@
-"""The inputs of the capacity scripts (`capacity_lua`): the model's keys, in order, and
-each script's arguments, one NamedTuple each, from which `capacity` builds its lists.
-
-Every script that decides gets the model's keys (`ModelKeys`) and `DecidingArgs` then its
-own (`AcquireArgs`, ...); the scripts on one key (renew, the breaker) get that key and
-their own, the caller's clock first. Each opens by binding them to names (`bind_lua`).
-Imports nothing of agentq: the import chain through capacity stays short.
+"""The inputs of the capacity scripts (`capacity_lua`), one NamedTuple each: every deciding
+script gets the model's keys (`ModelKeys`), `DecidingArgs`, then its own (`AcquireArgs`,
+...); the scripts on one key (renew, the breaker) get that key and their own.
 """
 
 from __future__ import annotations
@@ -13,9 +9,8 @@ from typing import NamedTuple
 
 
 class ModelKeys(NamedTuple):
-    """A model's keys, in the order every deciding script takes them: each field is the
-    name the scripts bind the key to, its default the key's suffix (after
-    `<prefix>:{<model>}:`)."""
+    """A model's keys in the scripts' order: the name they bind, the suffix after
+    `<prefix>:{<model>}:`."""
 
     QI: str = "q:i"  # ZSET waiter -> start tag: interactive rounds waiting
     QB: str = "q:b"  # ZSET waiter -> start tag: background rounds waiting
@@ -38,7 +33,6 @@ class ModelKeys(NamedTuple):
 
 SUFFIX = ModelKeys()
 """Each key's suffix by its name (`SUFFIX.LEASES`)."""
-KEY_SUFFIXES = tuple(SUFFIX)
 
 
 class DecidingArgs(NamedTuple):
@@ -79,14 +73,12 @@ class NoteArgs(NamedTuple):
     field: str
     """What to pause: "m" (the model) or "d:<deployment>"."""
     wait_ms: str | int
-    """How long the provider asked to wait (retry-after, or the reset of an exhausted
-    allowance); "": no wait."""
+    """How long the provider asked to wait ("": no wait)."""
     limit_rpm: int
     """The provider's own limits from its headers (0: not sent)."""
     limit_tpm: int
     hint_rpm: int
-    """Requests a minute this process saw answered lately: the first guess of a rate
-    nothing else told (0: none)."""
+    """Requests a minute this process saw answered lately: the guess when nothing told."""
 
 
 class WithdrawArgs(NamedTuple):

@@ -50,12 +50,9 @@ def backoff_s(
     *,
     rand: Callable[[], float] = random.random,
 ) -> float:
-    """Delay before the retry that follows failed attempt `attempt` (1-based).
-
-    The server's Retry-After wins when it sent one; both are capped at MAX_BACKOFF_S.
-    Without it, the exponential delay is cut by up to a quarter at random (`rand()` in
-    [0, 1)), as the OpenAI SDK does, so streams that failed together do not retry together.
-    """
+    """Delay before the retry that follows failed attempt `attempt` (1-based): the server's
+    Retry-After, else an exponential delay cut by up to JITTER at random, so streams that
+    failed together do not retry together; both capped at MAX_BACKOFF_S."""
     if retry_after_s is not None:
         return min(max(retry_after_s, 0.0), MAX_BACKOFF_S)
     exponent = max(attempt, 1) - 1

@@ -166,7 +166,7 @@ def _end_round_span(span: Any, result: LlmRoundResult, ttft_ms: int | None) -> N
 
 @dataclasses.dataclass
 class _Round:
-    """One round's streaming, its events and its result (see `_stream`)."""
+    """One round's streaming, its events and its result (see `run_round`)."""
 
     host: LoopHost
     req: LlmRoundRequest
