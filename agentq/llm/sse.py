@@ -1,22 +1,19 @@
 """A stream's events, decoded once from the response's bytes.
 
 The SDK's own stream (a `ServerSentEvent` per line through three generators) cost a sixth
-of a busy stream worker's CPU; here the `data:` payloads are parsed as bytes, by orjson
-where installed, by the SSE rules (CR, LF or CRLF line ends, several `data:` lines
-joined, comments skipped, an event only at a blank line) and the SDK's (`[DONE]` ends the
-stream; JSON holding `error` is the server's error inside a 200 stream).
+of a busy stream worker's CPU; here orjson parses the `data:` payloads as bytes, by the SSE
+rules (CR, LF or CRLF line ends, several `data:` lines joined, comments skipped, an event
+only at a blank line) and the SDK's (`[DONE]` ends the stream; JSON holding `error` is the
+server's error inside a 200 stream).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from agentq.errors import ModelHTTPError
+from orjson import loads  # a json.JSONDecodeError for bad JSON, a ValueError for bad UTF-8
 
-try:  # either raises a json.JSONDecodeError for bad JSON, a ValueError for bad UTF-8
-    from orjson import loads
-except ImportError:  # pragma: no cover - orjson is optional
-    from json import loads  # type: ignore[assignment]
+from agentq.errors import ModelHTTPError
 
 DONE = b"[DONE]"
 
