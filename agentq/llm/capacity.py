@@ -373,7 +373,7 @@ class Capacity:
 
     def report_success(self, model: str, deployment: str, *, unleased: bool = False) -> None:
         """A request to the deployment worked: its breaker closes. An `unleased` round found
-        no breaker hash, so unless this process counted a failure since no command is sent
+        no breaker hash, so, unless this process counted a failure since, no command is sent
         (another's stays counted until the next leased success)."""
         seen = self._answered.setdefault(model, collections.deque(maxlen=ANSWERED_KEEP))
         seen.append(time.monotonic())

@@ -70,7 +70,8 @@ end
 # A model without limits (nor a learned rate, in RATE) while the fleet holds nothing of it
 # (no queue, grant, lease, breaker or pause hash, which expires with its last pause) has
 # nothing to count or wait for: the round goes at once, with no lease, no write and no
-# clock. Anything held takes the full decision below.
+# clock. Anything held takes the full decision below. A background round going so leaves
+# the count of interactive grants alone: it matters only while both classes wait.
 UNMETERED_LUA = """
 local function unmetered()
   if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return false end
