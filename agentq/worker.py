@@ -22,7 +22,7 @@ from celery.signals import (
 )
 
 from agentq import constants as k
-from agentq.agents import load_tool_modules
+from agentq.agents import load_tool_modules, publish_agents
 from agentq.config import get_settings
 from agentq.errors import ConfigError, MissingExtra
 from agentq.fleet import health
@@ -30,16 +30,16 @@ from agentq.fleet.app import create_app
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
-from agentq.llm.task import register_llm_task
+from agentq.llm.task import register_llm_task, warm
 from agentq.mcp.catalog import connect_mcp, load_mcp
 from agentq.mcp.servers import parse_servers
 from agentq.orchestrator.scheduled import register_schedule_task
-from agentq.orchestrator.steps import register_step_task, step_inline
+from agentq.orchestrator.steps import Sweeper, register_step_task, step_inline
 from agentq.telemetry import logs, tracing
 from agentq.tools import kill  # noqa: F401 - registers the agentq_kill control command
 from agentq.tools.registry import all_tools
 from agentq.tools.task import queues_of, register_tool_tasks
-from agentq.webhooks.task import register_webhook_task
+from agentq.webhooks.task import register_webhook_task, start_sweeper
 
 log = logging.getLogger("agentq.worker")
 
@@ -101,16 +101,11 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     if role in BROKER_POOL:
         sender.app.conf.broker_pool_limit = BROKER_POOL[role]
     if settings.broker.startswith(("redis", "sentinel")):
-        # kombu's unacked hash (eight Redis commands a message, on the consumer's own
-        # thread) guards nothing agentq does not guard already, and sooner: a round is
-        # handed to the loop the moment it arrives and the turn sends again a round no
-        # stream worker claimed (PICKUP_LEASES); a step message lost with its worker is
-        # swept up from the turn's wakeup (`agentq:turns:wakeups`); a call whose worker
-        # died settles `lost` (its heartbeat, or `tool_queue_timeout_s` for one never
-        # started), long before kombu's visibility timeout (an hour) would restore it; a
-        # webhook delivery is swept up from `agentq:{webhooks}:due`. A warm shutdown, a
-        # requeueing reject (an idempotent tool's dead child) and a broken connection
-        # (`fleet.kombu_redis`) still put messages back.
+        # kombu's unacked hash costs eight Redis commands a message and guards nothing
+        # agentq does not guard sooner, from Redis: an unclaimed round (PICKUP_LEASES), a
+        # lost step (the wakeups), a dead worker's call (its heartbeat) and a webhook (its
+        # due set) are sent again long before kombu's hour-long visibility timeout. A warm
+        # shutdown, a requeueing reject and a broken connection still put messages back.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,
             "ack_emulation": False,
@@ -217,11 +212,14 @@ def _ready(sender: Any = None, **_: Any) -> None:
         # too (the tool worker's parent, which settles hard kills, does not).
         parts.append(step_inline)
     if role == "llm":
-        parts.append(_warm_stream_worker)
+        # Imported and built on the event loop, the OpenAI client (seconds on a busy
+        # machine) would stall every stream.
+        parts.append(warm)
     if role == "turns":
         parts.append(_start_turn_worker)
     if k.QUEUE_WEBHOOKS in consumed:
-        parts.append(_start_webhook_sweeper)
+        # Whoever delivers webhooks sends their due retries (and a lost message again).
+        parts.append(lambda: start_sweeper(get_store(), app, settings))
     for part in parts:
         try:
             part()
@@ -229,29 +227,11 @@ def _ready(sender: Any = None, **_: Any) -> None:
             log.exception("agentq %s worker: a part of its start failed", role)
 
 
-def _warm_stream_worker() -> None:
-    """The OpenAI SDK imported and the model client built before the first round: done on
-    the event loop, the import (seconds on a busy machine) stalled every stream."""
-    from agentq.llm.task import warm
-
-    warm()
-
-
 def _start_turn_worker() -> None:
-    from agentq.agents import publish_agents
-    from agentq.orchestrator.steps import Sweeper
-
     # Before Celery logs "ready.": a client that waits for it finds the agents known.
     publish_agents(get_store().redis)
     Sweeper(get_store(), app, settings).start()
     log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
-
-
-def _start_webhook_sweeper() -> None:
-    """Whoever delivers webhooks sends their due retries (and a lost message again)."""
-    from agentq.webhooks.task import start_sweeper
-
-    start_sweeper(get_store(), app, settings)
 
 
 @worker_process_shutdown.connect
