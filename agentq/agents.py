@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import json
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 import redis
@@ -224,42 +225,39 @@ def check_agents(mcp_servers: str | None = None) -> None:
     except (ValueError, TypeError):
         servers = set()
     for agent in _AGENTS.values():
-        unknown_servers = sorted(set(agent.mcp_servers) - servers)
-        if unknown_servers:
-            raise AgentDefinitionError(
-                agent.name,
-                "mcp_servers",
-                f"not in AGENTQ_MCP_SERVERS: {', '.join(unknown_servers)} "
-                f"(configured: {', '.join(sorted(servers)) or 'none'})",
-            )
-        names = agent.tool_names()
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise AgentDefinitionError(agent.name, "tools", f"named twice: {', '.join(dup)}")
-        for t in agent.agent_tools.values():
-            if t.agent not in _AGENTS:
-                raise AgentDefinitionError(
-                    agent.name, "tools", f"as_tool of unknown agent {t.agent!r}"
-                )
-            if t.name in tools:
-                raise AgentDefinitionError(
-                    agent.name, "tools", f"agent tool {t.name!r} has the name of a @tool tool"
-                )
-        for n in names:
-            # A configured MCP server's tool (`SERVER__TOOL`) may be missing while its server
-            # is down; it is offered once listed.
-            if n.split("__", 1)[0] in servers and "__" in n:
-                continue
-            if n not in tools and n not in agent.agent_tools and n != ask_user.NAME:
-                known = ", ".join(sorted(tools)) or "none"
-                raise AgentDefinitionError(
-                    agent.name, "tools", f"unknown tool {n!r} (known: {known})"
-                )
-        for n in agent.approval:
-            if n not in names:
-                raise AgentDefinitionError(
-                    agent.name, "approval", f"{n!r} is not one of the agent's tools"
-                )
+        for field, detail in _problems(agent, tools, servers):
+            raise AgentDefinitionError(agent.name, field, detail)
+
+
+def _problems(
+    agent: Agent, tools: dict[str, ToolSpec], servers: set[str]
+) -> Iterator[tuple[str, str]]:
+    unknown_servers = sorted(set(agent.mcp_servers) - servers)
+    if unknown_servers:
+        yield (
+            "mcp_servers",
+            f"not in AGENTQ_MCP_SERVERS: {', '.join(unknown_servers)} "
+            f"(configured: {', '.join(sorted(servers)) or 'none'})",
+        )
+    names = agent.tool_names()
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        yield "tools", f"named twice: {', '.join(dup)}"
+    for t in agent.agent_tools.values():
+        if t.agent not in _AGENTS:
+            yield "tools", f"as_tool of unknown agent {t.agent!r}"
+        if t.name in tools:
+            yield "tools", f"agent tool {t.name!r} has the name of a @tool tool"
+    for n in names:
+        # A configured MCP server's tool (`SERVER__TOOL`) may be missing while its server
+        # is down; it is offered once listed.
+        if n.split("__", 1)[0] in servers and "__" in n:
+            continue
+        if n not in tools and n not in agent.agent_tools and n != ask_user.NAME:
+            yield "tools", f"unknown tool {n!r} (known: {', '.join(sorted(tools)) or 'none'})"
+    for n in agent.approval:
+        if n not in names:
+            yield "approval", f"{n!r} is not one of the agent's tools"
 
 
 def publish_agents(client: redis.Redis, now: float | None = None) -> int:
@@ -275,7 +273,6 @@ def publish_agents(client: redis.Redis, now: float | None = None) -> int:
                         "model": a.model,
                         "tools": a.tool_names(),
                         "seen_at": now,
-                        # What the gateway's /mcp tells MCP clients about the agent.
                         "description": a.description,
                         "output_schema": a.output_type.model_json_schema()
                         if a.output_type is not None
