@@ -185,16 +185,12 @@ class ToolArgumentsInvalid(ToolError):
 
 
 class ToolMisuse(ToolError):
-    """A tool ran but its shape is wrong, e.g. a sync def that returned a coroutine."""
-
     def __init__(self, tool: str, detail: str) -> None:
         super().__init__(tool, f"tool {tool!r} is misdeclared: {detail}")
         self.detail = detail
 
 
 class McpError(AgentqError):
-    """Something about one MCP server (AGENTQ_MCP_SERVERS), named in the message."""
-
     def __init__(self, server: str, message: str) -> None:
         super().__init__(message)
         self.server = server
@@ -232,8 +228,6 @@ class AgentDefinitionError(AgentError):
 
 
 class LlmError(AgentqError):
-    """A model round failed."""
-
     code: str = "ELLM"
 
 
@@ -268,8 +262,6 @@ class ModelHTTPError(LlmError):
 
 
 class ModelConnectionError(ModelHTTPError):
-    """The model server could not be reached or dropped the connection; retryable."""
-
     code = "ECONNECTION"
 
     def __init__(self, detail: str) -> None:
@@ -278,11 +270,8 @@ class ModelConnectionError(ModelHTTPError):
 
 
 class ModelBusy(ModelHTTPError):
-    """The provider refused for lack of capacity (429, or 503/529 overloaded).
-
-    The fleet's capacity manager pauses the model for every worker and queues the round
-    again; it never uses up one of the turn's retries.
-    """
+    """The fleet's capacity manager pauses the model and queues the round again: it never
+    uses up one of the turn's retries."""
 
     code = "EBUSY"
 
@@ -300,8 +289,7 @@ class ModelBusy(ModelHTTPError):
 
 
 class ModelResponseFailed(ModelHTTPError):
-    """The model failed inside a 200 Responses stream (`response.failed`, or an `error`
-    event); retried, as a 5xx is, when the provider calls it a server error."""
+    """Retried, as a 5xx is, when the provider calls it a server error."""
 
     def __init__(self, error_code: str, message: str) -> None:
         super().__init__(200, f"error in the stream: {message} ({error_code})", False)
@@ -310,8 +298,6 @@ class ModelResponseFailed(ModelHTTPError):
 
 
 class ModelIncomplete(LlmError):
-    """The Responses API ended the answer unfinished (`response.incomplete`)."""
-
     code = "EINCOMPLETE"
 
     def __init__(self, reason: str) -> None:
@@ -320,8 +306,6 @@ class ModelIncomplete(LlmError):
 
 
 class ModelCapacityTimeout(LlmError):
-    """A round waited for model capacity until the turn's own limit ran out."""
-
     code = "ECAPACITY"
 
     def __init__(self, model: str, waited_s: float) -> None:
@@ -365,8 +349,6 @@ class ConversationNotFound(AgentqError):
 
 
 class ConversationBusy(AgentqError):
-    """A turn with `multitask="reject"` found another turn of its conversation running."""
-
     code = "conversation_busy"
 
     def __init__(self, conversation_id: str, running_turn_id: str) -> None:
@@ -378,8 +360,6 @@ class ConversationBusy(AgentqError):
 
 
 class IdempotencyKeyReused(AgentqError):
-    """An Idempotency-Key this caller used within its retention for a different request."""
-
     code = "idempotency_key_reused"
 
     def __init__(self) -> None:
@@ -390,9 +370,6 @@ class IdempotencyKeyReused(AgentqError):
 
 
 class BudgetExceeded(AgentqError):
-    """A turn's budget, its parent's or its key's is spent: the turn cannot afford its next
-    round (turn_error), or the key may start no turn until `resets_at` (429)."""
-
     code = "budget_exceeded"
     status_code = 429
 
@@ -408,8 +385,6 @@ class BudgetExceeded(AgentqError):
 
 
 class BudgetInvalid(AgentqError):
-    """A turn's budget agentq cannot keep: `max_cost_usd` for a model without a price."""
-
     code = "budget_invalid"
 
     def __init__(self, detail: str) -> None:
@@ -504,8 +479,6 @@ class TurnAborted(TurnError):
 
 
 class TurnTimeout(TurnError, TimeoutError):
-    """Also a TimeoutError: code that waits with a deadline catches it as one."""
-
     def __init__(self, turn_id: str, timeout_s: float, advice: str = "") -> None:
         why = f": {advice}" if advice else ""
         super().__init__(turn_id, f"turn {turn_id} did not end within {timeout_s}s{why}")
@@ -515,8 +488,6 @@ class TurnTimeout(TurnError, TimeoutError):
 
 
 class ReplayRefused(TurnError):
-    """A retry or fork of `turn_id` (the source) that agentq will not start."""
-
     code = "replay_refused"
     status_code = 400
 
@@ -570,7 +541,7 @@ class InteractionClosed(InteractionError):
 
 
 class AnswerInvalid(InteractionError):
-    """An `input` answer its JSON Schema refuses (422): the question stays open."""
+    """The question stays open."""
 
 
 class HeadlessInteraction(InteractionError):
