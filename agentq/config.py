@@ -146,7 +146,7 @@ def webhook_key_bytes(secret: str) -> bytes:
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AGENTQ_", extra="ignore", frozen=True)
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Events, state and results.")
+    redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis for events, state, results, and (by default) the broker."""
     broker_url: str | None = None
     """Celery broker; defaults to `redis_url`. `amqp://` works too."""
@@ -428,7 +428,7 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _cluster_nodes(self) -> Settings:
+    def _redis_topology(self) -> Settings:
         if self.redis_cluster_nodes:
             parse_cluster_nodes(self.redis_cluster_nodes)
             if self.redis_min_replicas_acked:
@@ -439,10 +439,6 @@ class Settings(BaseSettings):
                     "a Redis Cluster takes no WAIT in this version; leave it unset "
                     "(see docs/operations.md, 'One Redis or a Cluster')",
                 )
-        return self
-
-    @model_validator(mode="after")
-    def _sentinel_master(self) -> Settings:
         for setting, url in (
             ("AGENTQ_REDIS_URL", self.redis_url),
             ("AGENTQ_BROKER_URL", self.broker_url),
@@ -500,8 +496,8 @@ def load_settings(**overrides: object) -> Settings:
         field = str(err["loc"][0]) if err["loc"] else "settings"
         name = field.upper()
         msg = err["msg"]
-        if field in ("llm_prices", "key_budgets") and len(err["loc"]) > 1:
-            # Which model's or key's entry, and which of its fields.
+        if len(err["loc"]) > 1:
+            # Which entry of a JSON setting (a model's price, a key's budget), which field.
             msg = f"{'.'.join(str(p) for p in err['loc'][1:])}: {msg}"
         raise ConfigError(name if name.startswith("AGENTQ_") else f"AGENTQ_{name}", msg) from None
 
