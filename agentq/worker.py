@@ -202,7 +202,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
     reach Redis must not leave a turn worker without its sweeper)."""
     role = current_role()
     consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
-    parts: list[Callable[[], None]] = []
+    parts: list[Callable[[], object]] = []
     if role is not None:
         hostname = str(getattr(sender, "hostname", ""))
         parts.append(lambda: _start_heartbeat(hostname, role, consumed))
@@ -216,7 +216,9 @@ def _ready(sender: Any = None, **_: Any) -> None:
         # machine) would stall every stream.
         parts.append(warm)
     if role == "turns":
-        parts.append(_start_turn_worker)
+        # Before Celery logs "ready.": a client that waits for it finds the agents known.
+        parts.append(lambda: publish_agents(get_store().redis))
+        parts.append(lambda: Sweeper(get_store(), app, settings).start())
     if k.QUEUE_WEBHOOKS in consumed:
         # Whoever delivers webhooks sends their due retries (and a lost message again).
         parts.append(lambda: start_sweeper(get_store(), app, settings))
@@ -225,13 +227,6 @@ def _ready(sender: Any = None, **_: Any) -> None:
             part()
         except Exception:
             log.exception("agentq %s worker: a part of its start failed", role)
-
-
-def _start_turn_worker() -> None:
-    # Before Celery logs "ready.": a client that waits for it finds the agents known.
-    publish_agents(get_store().redis)
-    Sweeper(get_store(), app, settings).start()
-    log.info("agentq turn worker ready: sweeping deadlines every %.2fs", settings.sweep_interval_s)
 
 
 @worker_process_shutdown.connect
