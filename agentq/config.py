@@ -236,8 +236,7 @@ class Settings(BaseSettings):
 
     llm_delta_interval_ms: int = Field(250, ge=0)
     """A stream worker publishes a round's `llm_delta` events at most this often, each
-    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk.
-    That is for a turn someone follows live; see `llm_quiet_delta_interval_ms`."""
+    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk."""
     llm_quiet_delta_interval_ms: int = Field(2000, ge=0)
     """`llm_delta_interval_ms` for a turn nobody followed at its last publish, until a
     follower comes (`constants.WATCH_CHANNEL`); 0 (or not above it): as if followed."""
@@ -265,8 +264,7 @@ class Settings(BaseSettings):
     """Longest a step may hold its turn; a step that died mid-way is taken over after this."""
     sweep_interval_s: float = Field(0.25, gt=0)
     """How often each turn worker sweeps for due deadlines and dead workers, at the least: a
-    deadline due sooner (a queued model round's slot) has its sweep then, 20 ms apart at
-    most often."""
+    deadline due sooner has its sweep then, 20 ms apart at most often."""
     health_file: str | None = None
     """A file a worker touches every few seconds while it is connected to the broker and
     consuming: a container's healthcheck reads its age (the compose image sets it)."""

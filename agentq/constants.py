@@ -49,9 +49,8 @@ CANCEL_CHANNEL = f"{PREFIX}:control:cancel"
 """Pub/sub channel carrying the id of every turn aborted, for workers that cancel in-process
 (the I/O and stream workers' event loops), within milliseconds of the abort."""
 WATCH_CHANNEL = f"{PREFIX}:control:watch"
-"""Pub/sub channel carrying a turn id each time a follower starts following that turn: a
-stream worker that holds back an unwatched turn's deltas (`AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS`)
-sends them live from then on."""
+"""Pub/sub channel carrying a turn id each time a follower starts following that turn, so
+stream workers send its deltas live (`AGENTQ_LLM_QUIET_DELTA_INTERVAL_MS`)."""
 
 SLOTS_CHANNEL = f"{PREFIX}:control:slots"
 """Pub/sub channel carrying a semaphore's key each time a place of it is given back, for
@@ -62,10 +61,9 @@ TURNS_INDEX = f"{PREFIX}:turns:index"
 entries whose turn expired are pruned when listed."""
 
 WAKEUPS = f"{PREFIX}:turns:wakeups"
-"""Sorted set of every open turn (queued, running, waiting), scored by when it must take
-its next step (its earliest deadline; +inf: none, only a wake moves it). Every turn worker
-sweeps it, so a deadline fires even when the worker that set it died; its members are the
-open turns of `agentq turns` and /v1/turns/active (one entry a turn, not two)."""
+"""Sorted set of every open turn, scored by its earliest deadline (+inf: none). Every turn
+worker sweeps it, so a deadline fires even when the worker that set it died; it is also
+the list of open turns (`agentq turns`, /v1/turns/active)."""
 
 PRESENCE = f"{PREFIX}:fleet:presence"
 """Hash: worker hostname -> JSON {role, queues, pid, at}, renewed by every worker every
@@ -173,7 +171,6 @@ def index_key(shard: int) -> str:
 
 
 def turn_wakeups_key(turn_id: str) -> str:
-    """The wakeups of the turn's shard."""
     return wakeups_key(shard_of(turn_id))
 
 
@@ -191,7 +188,6 @@ def turn_tag(turn_id: str) -> str:
 
 
 def turn_key(turn_id: str) -> str:
-    """Hash of the turn's state."""
     return f"{PREFIX}:turn:{turn_tag(turn_id)}"
 
 
@@ -214,8 +210,7 @@ STARTED = "s:"
 SETTLED = "r:"
 """A call's settled ToolResult JSON; the first writer wins (a later settle writes nothing)."""
 PLANNED = "p:"
-"""A call's CallPlan JSON, written once, before the call is sent: a step that collects
-the round reads a call's plan, dispatch record and result with the state."""
+"""A call's CallPlan JSON, written once, before the call is sent."""
 WAITING = "w:"
 """A call's open waitpoint (its id, deadline, data), written when its tool returned a
 Waitpoint: the call holds no worker, and its completion, timeout or abort settles it."""
@@ -249,8 +244,7 @@ def agent_beat_key(turn_id: str, call_id: str) -> str:
 
 STEP_FIELD: Final = "step"
 """Field of the turn's state hash: the step lock, `"<token>:<until ms>"` (JSON), held by the
-one step advancing the turn until then; its token fences the step's writes. Beside the
-state it guards, every script reads it with the state it reads anyway."""
+one step advancing the turn until then; its token fences the step's writes."""
 
 DIRTY_FIELD: Final = "dirty"
 """Field of the turn's state hash: 1 once whatever wakes the turn has; a step that finds it
@@ -306,7 +300,7 @@ the step lock); written with the claim, cleared with the result."""
 
 
 def llm_alive(value: object, round_no: int, now_ms: int) -> bool:
-    """Whether a stream worker's lease (LLM_ALIVE_FIELD, as read) holds `round_no` at `now_ms`."""
+    """Whether a stream worker's lease (as read) holds `round_no` at `now_ms`."""
     raw = value.decode() if isinstance(value, bytes) else value
     if not isinstance(raw, str) or not raw.startswith('"'):
         return False
@@ -316,7 +310,6 @@ def llm_alive(value: object, round_no: int, now_ms: int) -> bool:
 
 
 def llm_alive_value(round_no: int, until_ms: int, worker: str) -> str:
-    """LLM_ALIVE_FIELD's value for a lease of `worker` on `round_no` until `until_ms`."""
     return json.dumps(f"{round_no}:{until_ms}:{worker}")
 
 
@@ -398,9 +391,8 @@ def start_bucket_key(subject: str) -> str:
 
 
 def turn_keys(turn_id: str) -> list[str]:
-    """Every per-turn key that outlives the turn: each gets the retention TTL when the turn
-    ends. The cancel flag is written with that TTL already; the children set, read only
-    to abort a running turn, is deleted instead."""
+    """The per-turn keys that get the retention TTL when the turn ends (the cancel flag has
+    it already; the children set is deleted)."""
     return [turn_key(turn_id), log_key(turn_id)]
 
 
@@ -410,7 +402,6 @@ then does its end delete `children_key` (a command fewer for every other turn)."
 
 
 def approval_request_id(call_id: str) -> str:
-    """The id of the approval request that gates a call."""
     return f"{call_id}.approval"
 
 

@@ -375,14 +375,12 @@ class LlmRoundRequest(_Frozen):
     turn_id: str
     round_no: int
     tools_json: str = "[]"
-    """The tools' schemas: the JSON array sent to the model, encoded once per tool set by
-    the turn and spliced into the request by the stream worker, never parsed between
-    (dozens of small objects cost kombu a Python hook each, and every hop an encoding)."""
+    """The tools' schemas as the JSON array sent to the model, never parsed on the way:
+    dozens of small objects cost kombu a Python hook each, and every hop an encoding."""
     duration_left_s: float
     idle_timeout_ms: int
     model: str | None = None
-    """The model the turn admitted the round for (its agent's, else the turn worker's
-    AGENTQ_LLM_MODEL); None: the stream worker's AGENTQ_LLM_MODEL."""
+    """The model the turn admitted the round for; None: the stream worker's AGENTQ_LLM_MODEL."""
     instructions: str = ""
     """The agent's instructions, sent as the system message before the history."""
     traceparent: str | None = None
@@ -485,7 +483,6 @@ class TurnRequest(BaseModel):
     @field_validator("messages")
     @classmethod
     def _chat_messages(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        """Refused here rather than by the model server, mid-turn, much later."""
         return None if v is None else check_messages(v)
 
     @model_validator(mode="after")
@@ -519,8 +516,7 @@ class TurnHandle(_Frozen):
     """A retry's or fork's of a conversation's turn: the conversation it goes on in."""
     branched: bool | None = None
     """A retry's or fork's of a conversation's turn: True when `conversation_id` is a new
-    conversation (a branch), False for a retry that goes on in its source's conversation,
-    replacing the source's exchange there."""
+    conversation (a branch), False for a retry that replaces its source's exchange there."""
     missing_workers: list[str] | None = None
     """Set by the gateway when no live worker of a kind every turn needs (`turns`, `llm`)
     answers: the turn waits until one starts (`agentq worker KIND`)."""
