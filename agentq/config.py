@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Annotated, Any, Literal
@@ -166,7 +165,10 @@ class Settings(BaseSettings):
 
     llm_base_url: str | None = None
     """OpenAI-compatible server; unset means the scripted demo model under `agentq dev`."""
-    llm_api_key: SecretStr | None = None
+    llm_api_key: SecretStr | None = Field(
+        None,
+        validation_alias=AliasChoices("AGENTQ_LLM_API_KEY", "OPENAI_API_KEY", "llm_api_key"),
+    )
     """Falls back to OPENAI_API_KEY; `get_secret_value()` reads it, a repr shows ***."""
     llm_model: str = "gpt-4o-mini"
     """Model name sent to the server."""
@@ -462,15 +464,7 @@ class Settings(BaseSettings):
         """`redis_min_replicas_acked`, or its default for the kind of Redis URL."""
         if self.redis_min_replicas_acked is not None:
             return self.redis_min_replicas_acked
-        if self.redis_cluster_nodes:
-            return 0
-        return 1 if is_sentinel(self.redis_url) else 0
-
-    @model_validator(mode="after")
-    def _api_key_fallback(self) -> Settings:
-        if self.llm_api_key is None and os.environ.get("OPENAI_API_KEY"):
-            object.__setattr__(self, "llm_api_key", SecretStr(os.environ["OPENAI_API_KEY"]))
-        return self
+        return int(is_sentinel(self.redis_url) and not self.redis_cluster_nodes)
 
     @property
     def broker(self) -> str:

@@ -179,8 +179,6 @@ def turn_index_key(turn_id: str) -> str:
 
 
 def turn_tag(turn_id: str) -> str:
-    """The part of a turn's key names that carries its hash tag: `{<turn id>}` on one
-    shard, `{<shard tag>}<turn id>` on several."""
     n = shard_count()
     if n == 1:
         return "{" + turn_id + "}"
