@@ -34,6 +34,14 @@ NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 PUBLISHED_FRESH_S = 600.0
 """An agent a turn worker published longer ago than this is no longer known."""
 
+SETTINGS_FIELDS = {
+    "max_calls_per_turn",
+    "stream_idle_timeout_ms",
+    "stream_duration_s",
+    "approval_timeout_s",
+}
+"""The fields of an Agent that override the settings of its turns."""
+
 _AGENTS: dict[str, Agent] = {}
 
 
@@ -195,16 +203,7 @@ class Agent(BaseModel):
 
     def settings_for(self, base: Settings) -> Settings:
         """The settings a turn of this agent runs under: the base with its overrides."""
-        update: dict[str, Any] = {
-            f: getattr(self, f)
-            for f in (
-                "max_calls_per_turn",
-                "stream_idle_timeout_ms",
-                "stream_duration_s",
-                "approval_timeout_s",
-            )
-            if getattr(self, f) is not None
-        }
+        update = self.model_dump(include=SETTINGS_FIELDS, exclude_none=True)
         return base.model_copy(update=update) if update else base
 
 
