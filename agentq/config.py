@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 from pydantic import (
@@ -50,8 +49,7 @@ class KeyBudget(BaseModel):
     usd_per_month: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
-@dataclass(frozen=True)
-class SentinelUrl:
+class SentinelUrl(NamedTuple):
     """The parts of a `sentinel://` URL list."""
 
     sentinels: list[tuple[str, int]]
