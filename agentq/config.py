@@ -191,7 +191,7 @@ class Settings(BaseSettings):
     """How long the usage kept per key and day lives (it outlives the turns it counts)."""
     llm_queue_timeout_s: float = Field(600.0, gt=0)
     """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
-    llm_owner_weights: dict[str, float] = Field(default_factory=dict)
+    llm_owner_weights: Annotated[dict[str, float], NoDecode] = Field(default_factory=dict)
     """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
     llm_burst_s: float = Field(1.0, ge=0)
     """How far ahead of its steady pace a model's requests may run (GCRA's burst)."""
@@ -341,7 +341,7 @@ class Settings(BaseSettings):
     webhook_secret: SecretStr | None = None
     """Signs webhooks (Standard Webhooks): `whsec_` + base64 of 24 to 64 random bytes. Unset:
     a turn with a webhook is refused."""
-    webhook_urls: dict[str, str] = Field(default_factory=dict)
+    webhook_urls: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     """Default webhook URL of a key's turns, by key name (JSON: `{"ci": "https://..."}`);
     a turn's own `webhook_url` wins."""
     webhook_allow_private: bool = False
@@ -369,7 +369,9 @@ class Settings(BaseSettings):
     """How long a listing of an MCP server's tools is used before it is listed again
     (a server's `notifications/tools/list_changed` lists it at once)."""
 
-    @field_validator("llm_prices", "key_budgets", mode="before")
+    @field_validator(
+        "llm_prices", "key_budgets", "llm_owner_weights", "webhook_urls", mode="before"
+    )
     @classmethod
     def _json_object(cls, v: Any) -> Any:
         """A JSON setting's text as the object it holds (a dict passes as it is)."""
