@@ -35,19 +35,14 @@ from starlette.staticfiles import StaticFiles
 from agentq.agents import published_agent_details
 from agentq.api import Client
 from agentq.constants import VERSION
-from agentq.errors import (
-    REDIS_ERRORS,
-    AgentqError,
-    Forbidden,
-    TurnNotFound,
-    Unauthorized,
-)
+from agentq.errors import REDIS_ERRORS, AgentqError, Forbidden, TurnNotFound, Unauthorized
 from agentq.events.follow import Cursor, follow
 from agentq.events.types import Event
 from agentq.fleet.presence import Presence, missing_kinds, workers_view
 from agentq.gateway.auth import (
     Keyring,
     Principal,
+    is_loopback,
     may_access,
     may_list,
     secret_matches,
@@ -67,11 +62,12 @@ from agentq.gateway.jobs import check_key_webhooks, job_routes
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from agentq.gateway.replay import accepted, replay, replay_routes
+from agentq.gateway.replay import accepted, replay_routes
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.usage import usage_routes
 from agentq.gateway.validate import (
     clamp_to_log,
+    client_host,
     cursor_of,
     depth_of,
     read_json,
@@ -158,11 +154,41 @@ class Gateway:
         return principal
 
     def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
-        """The turn's state if the caller may read and steer it; anyone else: TurnNotFound."""
+        """The turn's state if the caller may read and steer it (anyone may without keys);
+        anyone else: TurnNotFound."""
         state = self.client._store.state(turn_id)
-        if state is None or not may_access(state, principal, token):
+        if state is None or (self.keyring.enabled and not may_access(state, principal, token)):
             raise TurnNotFound(turn_id)
         return state
+
+    def require_operator(self, request: Request) -> Principal | None:
+        """The caller's key; without keys, only a client on this machine (the console's
+        steering, bulk retry): a gateway started with `--insecure-no-auth` stays read-only
+        to the network."""
+        principal = self.require_key(request)
+        if principal is None and not is_loopback(client_host(request)):
+            raise Forbidden(f"without keys, {request.url.path} answers this machine only")
+        return principal
+
+    async def steerer(
+        self, request: Request, turn_id: str
+    ) -> tuple[Principal | None, str | None, bool]:
+        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, the turn's
+        token if they showed it, and whether they steer as an operator (by key, or from the
+        console, which takes no token)."""
+        if request.url.path.startswith("/v1/console/"):
+            principal = self.require_operator(request)
+            await run_in_threadpool(self.authorize, turn_id, principal, None)
+            return principal, None, True
+        if not self.keyring.enabled:
+            token = require_token(request)
+            await run_in_threadpool(self.client.check_token, turn_id, token)
+            return None, token, False
+        principal, presented = self.caller(request)
+        state = await run_in_threadpool(self.authorize, turn_id, principal, presented)
+        if token_matches(state, presented):
+            return principal, presented, False
+        return principal, None, True
 
     async def start_turn(self, request: Request) -> Response:
         principal = self.require_key(request)
@@ -179,8 +205,9 @@ class Gateway:
                 check_key(idempotency_key)
             except ValueError as exc:
                 raise invalid(str(exc)) from None
-        host = request.client.host if request.client else ""
-        handle = await run_in_threadpool(self.start_limited, req, principal, host, idempotency_key)
+        handle = await run_in_threadpool(
+            self.start_limited, req, principal, client_host(request), idempotency_key
+        )
         # A turn in a fleet without the workers every turn needs waits, and is told so.
         missing = missing_kinds(await run_in_threadpool(self.presence.live))
         if missing:
@@ -222,11 +249,6 @@ class Gateway:
         finally:
             self.limits.started(subject, reservation, turn_id)
 
-    async def replay(self, request: Request, turn_id: str, principal: Principal | None) -> Response:
-        """Retry or fork `turn_id` (agentq.gateway.replay) for a caller who may steer it; the
-        console calls it here: importing that module would add a layer to its imports."""
-        return await replay(self, request, turn_id, principal)
-
     async def get_turn(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
         if self.keyring.enabled:
@@ -247,30 +269,20 @@ class Gateway:
             turns = [t for t in turns if may_list(t, principal)]
         return JSONResponse({"turns": turns})
 
-    async def _steer_access(self, request: Request, turn_id: str) -> tuple[str | None, bool]:
-        """(the turn's token if the caller showed it, whether a key authorized the caller)."""
-        if not self.keyring.enabled:
-            return require_token(request), False
-        principal, presented = self.caller(request)
-        state = await run_in_threadpool(self.authorize, turn_id, principal, presented)
-        if token_matches(state, presented):
-            return presented, False
-        return None, True
-
     async def abort(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
-        token, by_key = await self._steer_access(request, turn_id)
-        await run_in_threadpool(self.client.abort, turn_id, token, "user", operator=by_key)
+        _, token, operator = await self.steerer(request, turn_id)
+        await run_in_threadpool(self.client.abort, turn_id, token, "user", operator=operator)
         return JSONResponse({"ok": True, "turn_id": turn_id})
 
     async def answer(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
         request_id = request_id_of(request.path_params["request_id"])
-        token, by_key = await self._steer_access(request, turn_id)
+        _, token, operator = await self.steerer(request, turn_id)
         ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
         await run_in_threadpool(
             lambda: self.client.answer(
-                turn_id, request_id, token, ans.decision, ans.value, operator=by_key
+                turn_id, request_id, token, ans.decision, ans.value, operator=operator
             )
         )
         return JSONResponse(
@@ -346,18 +358,12 @@ class Gateway:
         depth: int,
         poll_s: float,
     ) -> tuple[Generator[Event | None, None, None], bool] | None:
-        if self.keyring.enabled:
-            state = self.authorize(turn_id, principal, token)
-            # Only the turn's token attaches: a key reading along never aborts on leaving.
-            owner = token_matches(state, token) and not state.get("detach")
-        elif token is not None:
+        if token is not None and not self.keyring.enabled:
             state = self.client.check_token(turn_id, token)
-            owner = not state.get("detach")
         else:
-            found = self.client._store.state(turn_id)
-            if found is None:
-                raise TurnNotFound(turn_id)
-            state, owner = found, False
+            state = self.authorize(turn_id, principal, token)
+        # Only the turn's token attaches: a key reading along never aborts on leaving.
+        owner = token_matches(state, token) and not state.get("detach")
         # Relayed sub-agents are read with the parent's authorization: the follower opens
         # only streams of turns below this one (a cursor naming any other is ignored).
         after.root = clamp_to_log(self.client._store.redis, turn_id, after.root)
@@ -495,7 +501,9 @@ def create_app(
         Route("/v1/turns/{turn_id}", gw.get_turn, methods=["GET"]),
         Route("/v1/turns/{turn_id}/events", gw.events, methods=["GET"]),
         Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
+        Route("/v1/console/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
         Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
+        Route("/v1/console/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
         *conversation_routes(gw),
         *usage_routes(gw),
         *console_routes(gw),

@@ -1,14 +1,10 @@
-"""The operator console's endpoints: the list of turns, one turn's timeline, the approvals inbox,
-the fleet's model capacity, and abort, answer, retry and fork on behalf of an operator (its
-bulk retry, `POST /v1/console/turns/retry`, is `gateway.replay`'s).
+"""The operator console's reads: the list of turns, one turn's timeline, the approvals inbox,
+the fleet's model capacity and MCP servers (its steering, `/v1/console/turns/...`, is the
+gateway's own abort, answer, retry and fork, as an operator: `Gateway.steerer`).
 
-Who sees what follows agentq.gateway.auth: with keys configured, an API key lists and
-steers its own turns and an admin key every turn; without keys the gateway serves
-loopback only, and the console's steering endpoints also refuse a client that is not
-on this machine (a gateway started with `--insecure-no-auth` stays read-only to the
-network: turns are then steered with their token, as before). The model capacity is
-fleet-wide, like /metrics: with keys configured (or `AGENTQ_METRICS_TOKEN`), it needs an
-admin key (or that token).
+With keys configured, an API key lists its own turns and an admin key every turn. The
+model capacity is fleet-wide, like /metrics: with keys configured (or
+`AGENTQ_METRICS_TOKEN`), it needs an admin key (or that token).
 """
 
 from __future__ import annotations
@@ -21,17 +17,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.errors import Forbidden, TurnNotFound
-from agentq.gateway.auth import Principal, is_loopback, may_access, may_list
+from agentq.gateway.auth import may_list
 from agentq.gateway.capacity import capacity_view, read_snapshots
 from agentq.gateway.context import NO_STORE
-from agentq.gateway.errors import invalid, validated
-from agentq.gateway.validate import read_json
+from agentq.gateway.errors import invalid
 from agentq.mcp.health import server_health, servers_view
 from agentq.mcp.servers import parse_servers
-from agentq.models import InteractionAnswer
 from agentq.state.listing import TurnLister, TurnQuery
-from agentq.state.turn_state import TurnState
 
 if TYPE_CHECKING:
     from agentq.gateway.context import RouteContext
@@ -51,21 +43,6 @@ class Console:
         if principal is None:
             return None
         return lambda state: may_list(state, principal)
-
-    def _operator(self, request: Request) -> Principal | None:
-        """The key steering from the console; without keys, only a client on this machine."""
-        principal = self.gw.require_key(request)
-        if principal is None:
-            host = request.client.host if request.client else ""
-            if not is_loopback(host):
-                raise Forbidden("without keys, the console steers turns from this machine only")
-        return principal
-
-    def _state(self, turn_id: str, principal: Principal | None) -> TurnState:
-        state = self.gw.client._store.state(turn_id)
-        if state is None or (self.gw.keyring.enabled and not may_access(state, principal, None)):
-            raise TurnNotFound(turn_id)
-        return state
 
     async def list_turns(self, request: Request) -> Response:
         visible = self._viewer(request)
@@ -92,7 +69,7 @@ class Console:
         turn_id = request.path_params["turn_id"]
         client = self.gw.client
         view = await run_in_threadpool(
-            lambda: client._timeline(turn_id, self._state(turn_id, principal))
+            lambda: client._timeline(turn_id, self.gw.authorize(turn_id, principal, None))
         )
         view["flower_url"] = self.flower_url(request)
         return JSONResponse(view, headers=NO_STORE)
@@ -131,39 +108,6 @@ class Console:
         view = await run_in_threadpool(self._servers)
         return JSONResponse({"servers": view}, headers=NO_STORE)
 
-    async def abort(self, request: Request) -> Response:
-        principal = self._operator(request)
-        turn_id = request.path_params["turn_id"]
-
-        def run() -> None:
-            self._state(turn_id, principal)  # not theirs: 404; ended: Client.abort's 404
-            self.gw.client.abort(turn_id, None, "user", operator=True)
-
-        await run_in_threadpool(run)
-        return JSONResponse({"ok": True, "turn_id": turn_id})
-
-    async def replay(self, request: Request) -> Response:
-        """Retry or fork (the path's last part) a turn from the console, as an operator."""
-        principal = self._operator(request)
-        turn_id = request.path_params["turn_id"]
-        await run_in_threadpool(self._state, turn_id, principal)  # not theirs: 404 first
-        return await self.gw.replay(request, turn_id, principal)
-
-    async def answer(self, request: Request) -> Response:
-        principal = self._operator(request)
-        turn_id = request.path_params["turn_id"]
-        request_id = request.path_params["request_id"]
-        ans = validated(InteractionAnswer, await read_json(request, self.gw.body_limit_bytes))
-
-        def run() -> None:
-            self._state(turn_id, principal)
-            self.gw.client.interactions.answer(turn_id, request_id, ans)
-
-        await run_in_threadpool(run)
-        return JSONResponse(
-            {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
-        )
-
 
 def console_routes(gw: RouteContext) -> list[Route]:
     """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
@@ -174,8 +118,4 @@ def console_routes(gw: RouteContext) -> list[Route]:
         Route("/v1/capacity", c.capacity, methods=["GET"]),
         Route("/v1/mcp/servers", c.mcp_servers, methods=["GET"]),
         Route("/v1/turns/{turn_id}/timeline", c.turn_timeline, methods=["GET"]),
-        Route("/v1/console/turns/{turn_id}/abort", c.abort, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/retry", c.replay, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/fork", c.replay, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/interactions/{request_id}", c.answer, methods=["POST"]),
     ]

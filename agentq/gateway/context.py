@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from starlette.requests import Request
-    from starlette.responses import Response
 
     from agentq.api import Client
     from agentq.gateway.auth import Keyring, Principal
@@ -36,8 +35,6 @@ class RouteContext(Protocol):
     # Documented where the gateway defines them (agentq.gateway.app.Gateway).
     def require_key(self, request: Request) -> Principal | None: ...
 
-    def caller(self, request: Request) -> tuple[Principal | None, str | None]: ...
-
     def authorize(
         self, turn_id: str, principal: Principal | None, token: str | None
     ) -> TurnState: ...
@@ -50,8 +47,10 @@ class RouteContext(Protocol):
         self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
     ) -> TurnHandle: ...
 
-    async def replay(
-        self, request: Request, turn_id: str, principal: Principal | None
-    ) -> Response: ...
+    def require_operator(self, request: Request) -> Principal | None: ...
+
+    async def steerer(
+        self, request: Request, turn_id: str
+    ) -> tuple[Principal | None, str | None, bool]: ...
 
     def require_admin_read(self, request: Request) -> None: ...

@@ -25,6 +25,10 @@ _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 
+def client_host(request: Request) -> str:
+    return request.client.host if request.client else ""
+
+
 def turn_id_of(value: str) -> str:
     if not is_turn_id(value):
         raise ApiError(404, "TurnNotFound", "no such turn: a turn id is 32 lowercase hex digits")
