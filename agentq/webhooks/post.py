@@ -2,19 +2,8 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
-
 from agentq.errors import WebhookRefused
 from agentq.webhooks.target import check_url, resolve
-
-
-@dataclass(frozen=True)
-class Attempt:
-    status_code: int | None
-    """The answer's status; None when there was none (refused, unreachable, timed out)."""
-    error: str | None
-    duration_ms: int
 
 
 def post(
@@ -25,23 +14,19 @@ def post(
     timeout_s: float,
     allow_http: bool,
     allow_private: bool,
-) -> Attempt:
-    """POST `body` once. Redirects are not followed (a 3xx is a failed attempt): following
-    one would post the signed body to a place nobody checked. The answer's body is never read."""
+) -> tuple[int | None, str | None]:
+    """POST `body` once: the answer's status (None: no answer) and what went wrong. Redirects
+    are not followed (a 3xx is a failed attempt): following one would post the signed body
+    to a place nobody checked. The answer's body is never read."""
     # Imported here: every process that can end a turn imports this module, `agentq abort`
     # among them, and only a delivery needs an HTTP client.
     import httpx
-
-    started = time.monotonic()
-
-    def took_ms() -> int:
-        return int((time.monotonic() - started) * 1000)
 
     try:
         target = check_url(url, allow_http=allow_http, allow_private=allow_private)
         address = resolve(target, allow_private=allow_private)[0]
     except WebhookRefused as exc:
-        return Attempt(None, f"refused: {exc.reason}", took_ms())
+        return None, f"refused: {exc.reason}"
     try:
         # trust_env=False: no proxy from the environment, which would resolve the name again.
         with (
@@ -58,10 +43,9 @@ def post(
         ):
             code = response.status_code
     except httpx.TimeoutException:
-        return Attempt(None, f"timed out after {timeout_s:g}s", took_ms())
+        return None, f"timed out after {timeout_s:g}s"
     except httpx.HTTPError as exc:
-        return Attempt(None, f"{type(exc).__name__}: {exc}"[:300], took_ms())
-    error = None
-    if not 200 <= code < 300:
-        error = f"HTTP {code}" + (" (redirects are not followed)" if 300 <= code < 400 else "")
-    return Attempt(code, error, took_ms())
+        return None, f"{type(exc).__name__}: {exc}"[:300]
+    if 200 <= code < 300:
+        return code, None
+    return code, f"HTTP {code}" + (" (redirects are not followed)" if 300 <= code < 400 else "")

@@ -14,7 +14,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -109,38 +108,43 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         if d.attempts != attempts_before:
             # A message sent again after a lapsed lease, for an attempt made already.
             return "stale"
+        n, now = d.attempts + 1, time.time()
+        # An attempt that never reaches the network answers nothing and takes no time.
+        code, error, took_ms = None, None, 0
         body = dels.body(delivery_id)
-        if body is None:
-            payload = turn_payload(store, d.turn_id)
-            if payload is None:
-                return _unsent(dels, d, "the turn is gone", backoff.Outcome("failed", None), n=0)
+        if body is None and (payload := turn_payload(store, d.turn_id)) is not None:
             body = dels.set_body(delivery_id, encode(payload))
         secret = settings.webhook_secret
-        if secret is None:
+        if body is None:
+            # Counted as no attempt: nothing was built, and nothing will be.
+            n, error = d.attempts, "the turn is gone"
+            out = backoff.Outcome("failed", None)
+        elif secret is None:
             error = "AGENTQ_WEBHOOK_SECRET is not set on this worker"
             log.error("webhook %s: %s", d.id, error)
-            return _unsent(dels, d, error, _outcome(None, d, settings))
-        now = time.time()
-        headers = signing.headers(secret.get_secret_value(), delivery_id, int(now), body)
-        result = post(
-            d.url,
-            body,
-            headers,
-            timeout_s=settings.webhook_timeout_s,
-            allow_http=settings.webhook_allow_http,
-            allow_private=settings.webhook_allow_private,
-        )
-        n = d.attempts + 1
-        out = _outcome(result.status_code, d, settings, jitter=random.random())
-        dels.record(d, AttemptRecord(n=n, at=now, **asdict(result)), out.status, out.next_at)
-        log.info(
-            "webhook %s attempt %d to %s: %s -> %s",
-            delivery_id,
-            n,
-            d.url.split("?", 1)[0],  # no query, which may carry a token
-            result.error or result.status_code,
-            out.status,
-        )
+            out = _outcome(None, d, settings)
+        else:
+            started = time.monotonic()
+            code, error = post(
+                d.url,
+                body,
+                signing.headers(secret.get_secret_value(), delivery_id, int(now), body),
+                timeout_s=settings.webhook_timeout_s,
+                allow_http=settings.webhook_allow_http,
+                allow_private=settings.webhook_allow_private,
+            )
+            took_ms = int((time.monotonic() - started) * 1000)
+            out = _outcome(code, d, settings, jitter=random.random())
+            log.info(
+                "webhook %s attempt %d to %s: %s -> %s",
+                delivery_id,
+                n,
+                d.url.split("?", 1)[0],  # no query, which may carry a token
+                error or code,
+                out.status,
+            )
+        record = AttemptRecord(n=n, at=now, status_code=code, error=error, duration_ms=took_ms)
+        dels.record(d, record, out.status, out.next_at)
         return out.status
     finally:
         redis.delete(lock)
@@ -160,16 +164,6 @@ def _outcome(
         max_age_s=settings.webhook_max_age_s,
         **jitter,
     )
-
-
-def _unsent(dels: Deliveries, d: Delivery, error: str, out: backoff.Outcome, n: int = 1) -> str:
-    """Record an attempt that never reached the network (`n`: attempts it counts as) and
-    its outcome."""
-    record = AttemptRecord(
-        n=d.attempts + n, at=time.time(), status_code=None, error=error, duration_ms=0
-    )
-    dels.record(d, record, out.status, out.next_at)
-    return out.status
 
 
 def register_webhook_task(
