@@ -58,14 +58,12 @@ class ApiError(Exception):
         message: str,
         *,
         detail: list[dict[str, Any]] | None = None,
-        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.type = type_
         self.message = message
         self.detail = detail
-        self.headers = headers
 
 
 def error_response(
@@ -114,27 +112,13 @@ def bearer(request: Request, *, allow_query: bool = False) -> str | None:
 def require_token(request: Request) -> str:
     token = bearer(request)
     if token is None:
-        raise ApiError(
-            401,
-            "Unauthorized",
-            "this call needs the turn's token: Authorization: Bearer <token>",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+        raise Unauthorized("this call needs the turn's token: Authorization: Bearer <token>")
     return token
-
-
-def _status_name(status_code: int) -> str:
-    try:
-        return HTTPStatus(status_code).phrase.replace(" ", "").replace("-", "")
-    except ValueError:
-        return "HTTPError"
 
 
 async def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(
-        exc.status_code, exc.type, exc.message, detail=exc.detail, headers=exc.headers
-    )
+    return error_response(exc.status_code, exc.type, exc.message, detail=exc.detail)
 
 
 def _headers(exc: AgentqError) -> dict[str, str]:
@@ -170,9 +154,11 @@ async def _on_redis_error(request: Request, exc: Exception) -> Response:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    return error_response(
-        exc.status_code, _status_name(exc.status_code), exc.detail, headers=dict(exc.headers or {})
-    )
+    try:
+        name = HTTPStatus(exc.status_code).phrase.replace(" ", "").replace("-", "")
+    except ValueError:
+        name = "HTTPError"
+    return error_response(exc.status_code, name, exc.detail, headers=dict(exc.headers or {}))
 
 
 async def _on_crash(request: Request, exc: Exception) -> Response:

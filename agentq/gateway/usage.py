@@ -16,8 +16,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from agentq.errors import Forbidden
 from agentq.gateway.context import NO_STORE
-from agentq.gateway.errors import ApiError, invalid
+from agentq.gateway.errors import invalid
 from agentq.state.spend import usage_window
 
 if TYPE_CHECKING:
@@ -53,7 +54,7 @@ def usage_routes(gw: RouteContext) -> list[Route]:
         key = q.get("key") or None
         admin = principal is None or principal.admin
         if not admin and key is not None and principal is not None and key != principal.name:
-            raise ApiError(403, "Forbidden", "a key sees its own usage only")
+            raise Forbidden("a key sees its own usage only")
         owner = principal.name if principal else None
         try:
             since, until = usage_window(group_by, since, until, time.time())
