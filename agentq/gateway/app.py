@@ -236,18 +236,10 @@ class Gateway:
     def limited(
         self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
     ) -> TurnHandle:
-        """`start()` a turn (a request's, a retry's, a fork's) within the caller's start
-        rate and running-turn cap."""
-        subject = principal.name if principal else f"addr:{host or 'unknown'}"
-        self.limits.take_start(subject)
-        reservation = self.limits.reserve(subject)
-        turn_id = None
-        try:
-            handle = start()
-            turn_id = handle.turn_id
-            return handle
-        finally:
-            self.limits.started(subject, reservation, turn_id)
+        """`start()` a turn (a request's, a retry's, a fork's) within the caller's limits."""
+        return self.limits.start(
+            principal.name if principal else f"addr:{host or 'unknown'}", start
+        )
 
     async def get_turn(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])

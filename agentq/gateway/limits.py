@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+from collections.abc import Callable
 
 import redis
 
@@ -19,7 +20,7 @@ from agentq import constants as k
 from agentq.errors import RateLimited
 from agentq.limits.bucket import TokenBucket
 from agentq.limits.semaphore import FOREVER, LeasedSemaphore
-from agentq.models import TERMINAL_STATUSES
+from agentq.models import TERMINAL_STATUSES, TurnHandle
 
 RESERVATION_TTL_S = 60
 """A reservation whose start never completed (a crashed gateway) frees its slot after this."""
@@ -45,8 +46,12 @@ class StartLimits:
         self._bucket = TokenBucket(client, rate_per_s=rate_per_s, burst=burst)
         self._running = LeasedSemaphore(client, max_active)
 
-    def take_start(self, subject: str) -> None:
-        """Spend one start from the caller's bucket, or raise RateLimited."""
+    def start(self, subject: str, start: Callable[[], TurnHandle]) -> TurnHandle:
+        """`start()` a turn within `subject`'s start rate and running-turn cap, else
+        RateLimited. A place is held for the start in progress (leased: a gateway that dies
+        mid-start frees it), then passes to the turn until it is found ended. The caller's
+        turns that ended give theirs back first (their states are read here: on a Cluster
+        they live on other slots than the caller's set)."""
         wait_s = self._bucket.take(k.start_bucket_key(subject))
         if wait_s > 0:
             raise RateLimited(
@@ -54,39 +59,30 @@ class StartLimits:
                 f"too many turn starts: at most {self.burst} at once and "
                 f"{self.rate_per_s:g} per second",
             )
-
-    def reserve(self, subject: str) -> str:
-        """Hold a running-turn place for a start in progress (leased: a gateway that dies
-        mid-start frees it); RateLimited if none is free. The caller's turns that ended
-        give theirs back first (their states are read here: on a Cluster they live on
-        other slots than the caller's set)."""
         reservation = f"r:{secrets.token_hex(8)}"
         key = k.owner_turns_key(subject)
         turns = [m for m in self._running.holders(key) if not m.startswith("r:")]
-        ended: list[str] = []
-        if turns:
-            pipe = self.redis.pipeline(transaction=False)
-            for t in turns:
-                pipe.hget(k.turn_key(t), "status")
-            for t, raw in zip(turns, pipe.execute(), strict=True):
-                if raw is None or str(json.loads(raw)) in TERMINAL_STATUSES:
-                    ended.append(t)
+        pipe = self.redis.pipeline(transaction=False)
+        for t in turns:
+            pipe.hget(k.turn_key(t), "status")
+        ended = [
+            t
+            for t, raw in zip(turns, pipe.execute() if turns else [], strict=True)
+            if raw is None or str(json.loads(raw)) in TERMINAL_STATUSES
+        ]
         if not self._running.acquire(key, reservation, RESERVATION_TTL_S, ended):
             raise RateLimited(
                 ACTIVE_RETRY_AFTER_S,
                 f"too many running turns: at most {self.max_active} per key at once",
             )
-        return reservation
-
-    def started(self, subject: str, reservation: str, turn_id: str | None) -> None:
-        """Turn the reservation into the started turn's place, held until the turn is
-        found ended (or give it back: `turn_id` None)."""
-        key = k.owner_turns_key(subject)
-        if turn_id is None:
+        try:
+            handle = start()
+        except BaseException:
             self._running.release(key, reservation)
-        else:
-            # The reservation's place passes to the turn in one script: it always fits.
-            self._running.acquire(key, turn_id, FOREVER, [reservation])
+            raise
+        # The reservation's place passes to the turn in one script: it always fits.
+        self._running.acquire(key, handle.turn_id, FOREVER, [reservation])
+        return handle
 
 
 def retry_after_header(retry_after_s: float) -> str:
