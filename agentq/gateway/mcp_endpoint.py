@@ -12,15 +12,16 @@ it answer 404, as its turns do everywhere else.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import anyio.to_thread
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.routing import Route
@@ -32,7 +33,7 @@ from agentq.errors import AgentqError, TurnNotFound, Unauthorized
 from agentq.events.follow import follow
 from agentq.events.types import Event
 from agentq.gateway.errors import bearer, invalid
-from agentq.gateway.sse import BlockingEvents
+from agentq.gateway.sse import stepped
 from agentq.models import TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
@@ -56,25 +57,29 @@ MAX_SESSIONS = 10_000
 """Sessions whose owner is remembered; the oldest is forgotten past this."""
 
 
+PROGRESS = {
+    "turn_started": "turn {turn_id} started",
+    "turn_queued": "queued behind another turn",
+    "llm_started": "thinking (model round {round})",
+    "tool_started": "calling {tool}",
+    "tool_progress": "{tool}: {message}",
+    "tool_finished": "{tool}: {status}",
+    "interaction_requested": "waiting for an answer ({kind})",
+}
+"""What an MCP client is told of each turn event worth a notification."""
+
+
 def progress_message(ev: Event, started: float) -> str | None:
     """What an MCP client is told of one turn event; None: not worth a notification."""
     f = ev.fields
-    elapsed = f"[{max(0.0, ev.ts - started):.1f} s]"
-    if ev.type == "turn_started":
-        return f"{elapsed} turn {ev.turn_id} started"
-    if ev.type == "turn_queued":
-        return f"{elapsed} queued behind another turn"
-    if ev.type == "llm_started":
-        return f"{elapsed} thinking (model round {f.get('round', '?')})"
-    if ev.type == "tool_started":
-        return f"{elapsed} calling {f.get('tool')}"
-    if ev.type == "tool_progress" and f.get("source") == "tool" and f.get("message"):
-        return f"{elapsed} {f.get('tool')}: {f.get('message')}"
-    if ev.type == "tool_finished":
-        return f"{elapsed} {f.get('tool')}: {f.get('status')}"
-    if ev.type == "interaction_requested":
-        return f"{elapsed} waiting for an answer ({f.get('kind', 'approval')})"
-    return None
+    template = PROGRESS.get(ev.type)
+    if ev.type == "tool_progress" and not (f.get("source") == "tool" and f.get("message")):
+        return None  # a sub-agent's relayed progress, or one without words
+    if template is None:
+        return None
+    words = defaultdict(lambda: None, {"round": "?", "kind": "approval", **f})
+    words["turn_id"] = ev.turn_id
+    return f"[{max(0.0, ev.ts - started):.1f} s] " + template.format_map(words)
 
 
 def check_transport(method: str, headers: Any, session_id: str | None) -> None:
@@ -209,35 +214,26 @@ class McpEndpoint:
             terminal = await self._follow(ctx, handle)
         except BaseException:
             # The client cancelled the request (notifications/cancelled) or went away.
-            with anyio.CancelScope(shield=True):
-                await run_in_threadpool(self._abort, handle)
+            with anyio.CancelScope(shield=True), contextlib.suppress(TurnNotFound):
+                await run_in_threadpool(self.gw.client.abort, handle.turn_id, handle.token)
+                log.info("mcp: turn %s aborted: its call was cancelled", handle.turn_id)
             raise
         result = result_of(terminal)
         # Where the caller can read the whole turn (GET /v1/turns/{id}, its events).
         result.meta = {TURN_META_KEY: handle.turn_id}
         return result
 
-    def _abort(self, handle: TurnHandle) -> None:
-        try:
-            self.gw.client.abort(handle.turn_id, handle.token)
-            log.info("mcp: turn %s aborted: its call was cancelled", handle.turn_id)
-        except TurnNotFound:
-            pass  # it ended first
-
     async def _follow(self, ctx: Any, handle: TurnHandle) -> Event:
         """Relay the turn's events as progress until its terminal event."""
-        bus = self.gw.client._store.bus
-        events = BlockingEvents(follow(bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S))
+        events = follow(self.gw.client._store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S)
         started = time.time()
         sent = 0
-        try:
-            while True:
-                # Abandoned when cancelled: a follow still waiting in Redis must not hold the loop.
-                ev = await anyio.to_thread.run_sync(events.step, abandon_on_cancel=True)
+        # Abandoned when cancelled: a follow still waiting in Redis must not hold the loop
+        # (a step still running in an abandoned thread closes the follow as it returns).
+        async with aclosing(stepped(events, abandon_on_cancel=True)) as items:
+            async for ev in items:
                 if ev is None:
                     continue
-                if not isinstance(ev, Event):
-                    raise RuntimeError(f"the events of turn {handle.turn_id} ended early")
                 if ev.ends_turn:
                     return ev
                 if ev.type == "turn_started":
@@ -246,7 +242,4 @@ class McpEndpoint:
                 if message is not None and not ev.path:
                     sent += 1
                     await ctx.session.report_progress(sent, None, message)
-        finally:
-            # A step still running in an abandoned thread closes the follow as it returns.
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(events.close)
+        raise RuntimeError(f"the events of turn {handle.turn_id} ended early")

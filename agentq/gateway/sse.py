@@ -14,7 +14,9 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -78,6 +80,21 @@ class BlockingEvents:
                 self._lock.release()
 
 
+async def stepped(
+    events: Generator[Event | None, None, None], **run: Any
+) -> AsyncGenerator[Event | None, None]:
+    """The items of a blocking event iterator, each stepped on a worker thread (`run`:
+    `anyio.to_thread.run_sync`'s options); closed off the loop when the generator is, even
+    when cancelled (closing unsubscribes: socket I/O)."""
+    source = BlockingEvents(events)
+    try:
+        while (item := await anyio.to_thread.run_sync(source.step, **run)) is not _DONE:
+            yield item  # type: ignore[misc]
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(source.close, limiter=run.get("limiter"))
+
+
 async def event_source(
     events: Generator[Event | None, None, None],
     state: StreamState,
@@ -92,36 +109,28 @@ async def event_source(
     Ends early, without a terminal event, once `closing` is set (server shutdown): the
     client reconnects with its last id, to this server's successor or another replica.
     """
-    source = BlockingEvents(events)
     yield f"retry: {RETRY_MS}\n\n".encode()
     last_write = time.monotonic()
     try:
-        while True:
-            try:
-                item = await anyio.to_thread.run_sync(source.step, limiter=limiter)
-            except REDIS_ERRORS as exc:
-                # End the response; the client reconnects with its last id and loses nothing.
-                log.warning("event stream lost Redis: %s", exc)
-                return
-            if item is _DONE or closing.is_set():
-                return
-            if item is None:
-                if time.monotonic() - last_write >= keep_alive_s:
-                    last_write = time.monotonic()
-                    yield KEEP_ALIVE
-                continue
-            assert isinstance(item, Event)
-            last_write = time.monotonic()
-            on_event(item)
-            # A sub-agent's relayed end is not the turn's.
-            state.terminal_seen = item.ends_turn
-            yield format_event(item)
-            if state.terminal_seen:
-                return
-    finally:
-        # Closing unsubscribes (socket I/O): off the loop, and done even when cancelled.
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(source.close, limiter=limiter)
+        async with aclosing(stepped(events, limiter=limiter)) as items:
+            async for item in items:
+                if closing.is_set():
+                    return
+                if item is None:
+                    if time.monotonic() - last_write >= keep_alive_s:
+                        last_write = time.monotonic()
+                        yield KEEP_ALIVE
+                    continue
+                last_write = time.monotonic()
+                on_event(item)
+                # A sub-agent's relayed end is not the turn's.
+                state.terminal_seen = item.ends_turn
+                yield format_event(item)
+                if state.terminal_seen:
+                    return
+    except REDIS_ERRORS as exc:
+        # End the response; the client reconnects with its last id and loses nothing.
+        log.warning("event stream lost Redis: %s", exc)
 
 
 class EventStreamResponse(Response):
