@@ -260,16 +260,13 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def _operation_id(op: Operation) -> str:
-    """`post_v1_turns_turn_id_abort`: unique per method and path."""
-    return re.sub(r"[^a-z0-9]+", "_", f"{op.method} {op.path}".lower()).strip("_") or "page"
-
-
 def _operation(op: Operation) -> dict[str, Any]:
     ok_content: dict[str, Any] = {"schema": _ref(op.response)} if op.response else {}
+    # `post_v1_turns_turn_id_abort`: unique per method and path.
+    operation_id = re.sub(r"[^a-z0-9]+", "_", f"{op.method} {op.path}".lower()).strip("_")
     out: dict[str, Any] = {
         "summary": op.summary,
-        "operationId": _operation_id(op),
+        "operationId": operation_id or "page",
         "x-agentq-auth": op.auth,
         "description": AUTH_RULES[op.auth],
         "security": [] if op.auth in ("public", "capability") else [{"bearer": []}],
@@ -301,14 +298,7 @@ def _operation(op: Operation) -> dict[str, Any]:
 @cache
 def openapi_document(version: str) -> dict[str, Any]:
     """The whole document (the same for every caller: it describes, it grants nothing)."""
-    models: list[type[BaseModel]] = [
-        TurnRequest,
-        InteractionAnswer,
-        TurnHandle,
-        RetryRequest,
-        ForkRequest,
-        BulkRetryRequest,
-    ]
+    models = dict.fromkeys(m for op in OPERATIONS for m in (op.request, op.response) if m)
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
