@@ -116,12 +116,7 @@ class Gateway:
         settings = client.settings
         # Bad keys in the settings raise ConfigError naming the variable.
         self.keyring = Keyring.from_settings(settings)
-        self.limits = StartLimits(
-            client._store.redis,
-            rate_per_s=settings.start_rate_per_s,
-            burst=settings.start_burst,
-            max_active=settings.max_active_turns_per_key,
-        )
+        self.limits = StartLimits(client._store.redis, settings)
         self.metrics_token = (
             settings.metrics_token.get_secret_value() if settings.metrics_token else None
         )

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import redis
 
 from agentq import constants as k
+from agentq.config import Settings
 from agentq.errors import RateLimited
 from agentq.limits.bucket import TokenBucket
 from agentq.limits.semaphore import FOREVER, LeasedSemaphore
@@ -31,20 +32,13 @@ class StartLimits:
     """The two limits on starting turns, for one gateway: a token bucket and a leased
     semaphore per caller (`agentq.limits`)."""
 
-    def __init__(
-        self,
-        client: redis.Redis,
-        *,
-        rate_per_s: float,
-        burst: int,
-        max_active: int,
-    ) -> None:
+    def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis = client
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self.max_active = max_active
-        self._bucket = TokenBucket(client, rate_per_s=rate_per_s, burst=burst)
-        self._running = LeasedSemaphore(client, max_active)
+        self.settings = settings
+        self._bucket = TokenBucket(
+            client, rate_per_s=settings.start_rate_per_s, burst=settings.start_burst
+        )
+        self._running = LeasedSemaphore(client, settings.max_active_turns_per_key)
 
     def start(self, subject: str, start: Callable[[], TurnHandle]) -> TurnHandle:
         """`start()` a turn within `subject`'s start rate and running-turn cap, else
@@ -56,8 +50,8 @@ class StartLimits:
         if wait_s > 0:
             raise RateLimited(
                 wait_s,
-                f"too many turn starts: at most {self.burst} at once and "
-                f"{self.rate_per_s:g} per second",
+                f"too many turn starts: at most {self.settings.start_burst} at once and "
+                f"{self.settings.start_rate_per_s:g} per second",
             )
         reservation = f"r:{secrets.token_hex(8)}"
         key = k.owner_turns_key(subject)
@@ -73,7 +67,8 @@ class StartLimits:
         if not self._running.acquire(key, reservation, RESERVATION_TTL_S, ended):
             raise RateLimited(
                 ACTIVE_RETRY_AFTER_S,
-                f"too many running turns: at most {self.max_active} per key at once",
+                f"too many running turns: at most {self.settings.max_active_turns_per_key} "
+                "per key at once",
             )
         try:
             handle = start()
