@@ -42,15 +42,10 @@ class Principal:
     admin: bool = False
 
 
-@dataclass(frozen=True)
-class _Entry:
-    principal: Principal
-    digest: bytes
-
-
-def parse_keys(raw: str, *, setting: str, admin: bool = False) -> list[_Entry]:
-    """`name=key,name=sha256:<hex>` into entries; ConfigError naming `setting` if malformed."""
-    entries: list[_Entry] = []
+def parse_keys(raw: str, *, setting: str, admin: bool = False) -> list[tuple[Principal, bytes]]:
+    """`name=key,name=sha256:<hex>` into (principal, sha256 of the key); ConfigError naming
+    `setting` if malformed."""
+    entries: list[tuple[Principal, bytes]] = []
     for i, item in enumerate(part.strip() for part in raw.split(",")):
         if not item:
             continue
@@ -74,24 +69,21 @@ def parse_keys(raw: str, *, setting: str, admin: bool = False) -> list[_Entry]:
                     setting, f"{where} ({name}): a key needs at least {MIN_KEY_CHARS} characters"
                 )
             digest = hashlib.sha256(key.encode()).digest()
-        entries.append(_Entry(Principal(name, admin), digest))
+        entries.append((Principal(name, admin), digest))
     return entries
 
 
 class Keyring:
     """The configured keys, as digests; `identify` tells which principal holds a key."""
 
-    def __init__(self, entries: list[_Entry]) -> None:
+    def __init__(self, entries: list[tuple[Principal, bytes]]) -> None:
         names: dict[str, bool] = {}
-        for e in entries:
-            if names.get(e.principal.name, e.principal.admin) != e.principal.admin:
+        for p, _ in entries:
+            if names.setdefault(p.name, p.admin) != p.admin:
                 raise ConfigError(
-                    "AGENTQ_ADMIN_KEYS",
-                    f"{e.principal.name!r} is both an API key name and an admin key name",
+                    "AGENTQ_ADMIN_KEYS", f"{p.name!r} is both an API key name and an admin key name"
                 )
-            names[e.principal.name] = e.principal.admin
-        digests = [e.digest for e in entries]
-        if len(set(digests)) != len(digests):
+        if len({digest for _, digest in entries}) != len(entries):
             raise ConfigError("AGENTQ_API_KEYS", "the same key is listed twice")
         self._entries = entries
 
@@ -113,9 +105,9 @@ class Keyring:
             return None
         digest = hashlib.sha256(presented.encode()).digest()
         found: Principal | None = None
-        for e in self._entries:
-            if hmac.compare_digest(digest, e.digest):
-                found = e.principal
+        for principal, known in self._entries:
+            if hmac.compare_digest(digest, known):
+                found = principal
         return found
 
 
