@@ -1,9 +1,30 @@
-"""One attempt: post a signed body to a checked address, keep only the answer's status."""
+"""One attempt: sign a body (Standard Webhooks), post it to a checked address, keep only the
+answer's status."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+
+from agentq.config import webhook_key_bytes
 from agentq.errors import WebhookRefused
 from agentq.webhooks.target import check_url, resolve
+
+
+def signed_headers(secret: str, msg_id: str, timestamp_s: int, body: bytes) -> dict[str, str]:
+    """The headers of one attempt: the id stays the same on every retry, the timestamp and
+    so the signature (`v1,<base64 of HMAC-SHA256 over "id.timestamp.body">`) are those of
+    the attempt."""
+    signed = f"{msg_id}.{timestamp_s}.".encode() + body
+    mac = hmac.new(webhook_key_bytes(secret), signed, hashlib.sha256).digest()
+    return {
+        "content-type": "application/json",
+        "user-agent": "agentq-webhooks",
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp_s),
+        "webhook-signature": "v1," + base64.b64encode(mac).decode(),
+    }
 
 
 def post(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.config import Settings
-from agentq.webhooks import backoff, signing
+from agentq.webhooks import backoff
 from agentq.webhooks.deliveries import (
     EVENT_TYPES,
     AttemptRecord,
@@ -28,7 +28,7 @@ from agentq.webhooks.deliveries import (
     encode,
     turn_payload,
 )
-from agentq.webhooks.post import post
+from agentq.webhooks.post import post, signed_headers
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -128,7 +128,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
             code, error = post(
                 d.url,
                 body,
-                signing.headers(secret.get_secret_value(), delivery_id, int(now), body),
+                signed_headers(secret.get_secret_value(), delivery_id, int(now), body),
                 timeout_s=settings.webhook_timeout_s,
                 allow_http=settings.webhook_allow_http,
                 allow_private=settings.webhook_allow_private,

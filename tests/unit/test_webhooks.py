@@ -15,8 +15,8 @@ from agentq.config import load_settings
 from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.roles import role_of
-from agentq.webhooks import signing
 from agentq.webhooks.backoff import JITTER, outcome, retry_delay_s
+from agentq.webhooks.post import signed_headers
 from agentq.webhooks.target import check_url, resolve
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
@@ -45,7 +45,7 @@ def test_outcome_of_an_answer() -> None:
 
 def test_signature_verifies_with_the_reference_implementation() -> None:
     body = b'{"type":"turn.finished","data":{"turn_id":"x"}}'
-    headers = signing.headers(SECRET, "msg_1", 1_700_000_000, body)
+    headers = signed_headers(SECRET, "msg_1", 1_700_000_000, body)
     wh = Webhook(SECRET)
     # The reference's verify refuses a timestamp this old: compare with its own signature.
     expected = wh.sign("msg_1", datetime.fromtimestamp(1_700_000_000, timezone.utc), body.decode())
