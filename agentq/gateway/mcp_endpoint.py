@@ -34,6 +34,7 @@ from agentq.events.follow import follow
 from agentq.events.types import Event
 from agentq.gateway.errors import bearer, invalid
 from agentq.gateway.sse import stepped
+from agentq.gateway.validate import client_host
 from agentq.models import TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
@@ -163,18 +164,14 @@ class McpEndpoint:
         async def remember_owner(message: Message) -> None:
             if message["type"] == "http.response.start":
                 for name, value in message.get("headers") or []:
-                    if name.lower() == b"mcp-session-id":
-                        self._own(value.decode("latin-1"), owner)
+                    session = value.decode("latin-1")
+                    if name.lower() == b"mcp-session-id" and session not in self.owners:
+                        if len(self.owners) >= MAX_SESSIONS:
+                            del self.owners[next(iter(self.owners))]
+                        self.owners[session] = owner
             await send(message)
 
         await self.manager.asgi_app(scope, receive, remember_owner)
-
-    def _own(self, session_id: str, owner: str | None) -> None:
-        if session_id in self.owners:
-            return
-        if len(self.owners) >= MAX_SESSIONS:
-            del self.owners[next(iter(self.owners))]
-        self.owners[session_id] = owner
 
     async def _list_tools(self, ctx: Any, params: Any) -> Any:
         from mcp.types import ListToolsResult, Tool
@@ -201,12 +198,10 @@ class McpEndpoint:
         prompt = (params.arguments or {}).get("input")
         if not isinstance(prompt, str) or not prompt.strip():
             return _error('expected {"input": "<the task, a non-empty string>"}')
-        known = await run_in_threadpool(published_agent_details, self.gw.client._store.redis)
-        if params.name not in {a["name"] for a in known}:
-            return _error(f"unknown agent {params.name!r}")
-        host = request.client.host if request is not None and request.client else ""
+        host = "" if request is None else client_host(request)
         req = TurnRequest(prompt=prompt, agent=params.name, headless=True, detach=True)
         try:
+            # An agent no turn worker publishes is refused here too (UnknownAgent).
             handle = await run_in_threadpool(self.gw.start_limited, req, principal, host)
         except AgentqError as exc:
             return _error(exc.message)
