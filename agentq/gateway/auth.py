@@ -31,7 +31,6 @@ _HEX_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
 MIN_KEY_CHARS = 16
 """A shorter key is a typo or a guessable password: refused at start."""
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
-KEY_VARIABLES = "AGENTQ_API_KEYS or AGENTQ_ADMIN_KEYS"
 
 
 @dataclass(frozen=True)
@@ -154,6 +153,6 @@ def check_bind(host: str, keyring: Keyring, *, insecure_no_auth: bool) -> None:
     raise ConfigError(
         "AGENTQ_API_KEYS",
         f"the gateway would listen on {host or 'every address'} with no key: anyone who "
-        f"reaches it could read and start turns. Set {KEY_VARIABLES} (name=key,...), "
-        "bind to 127.0.0.1, or pass --insecure-no-auth",
+        "reaches it could read and start turns. Set AGENTQ_API_KEYS or AGENTQ_ADMIN_KEYS "
+        "(name=key,...), bind to 127.0.0.1, or pass --insecure-no-auth",
     )

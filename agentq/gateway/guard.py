@@ -53,17 +53,14 @@ class RequestGuard:
             host_name(o.split("://", 1)[1]) for o in self.cors_origins
         }
 
-    def host_allowed(self, host: str) -> bool:
-        name = host_name(host)
-        return self.any_host or is_loopback(name) or name in self.hosts
-
     def refusal(self, scope: Scope) -> AccessError | None:
         """Why the request must not reach the app, or None."""
         headers = Headers(scope=scope)
         if scope["path"] in OPEN_PATHS:
             return None
         host = headers.get("host", "")
-        if not self.host_allowed(host):
+        name = host_name(host)
+        if not (self.any_host or is_loopback(name) or name in self.hosts):
             return Forbidden(f"Host {host!r} does not name this gateway")
         if scope["method"] not in MUTATING:
             return None

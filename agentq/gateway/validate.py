@@ -88,8 +88,17 @@ def _raise_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def loads_strict(body: bytes) -> Any:
-    """Strict JSON: UTF-8, no NaN/Infinity, no lone surrogates, nested at most MAX_JSON_DEPTH."""
+async def read_json_value(request: Request, limit_bytes: int) -> Any:
+    """The body as any JSON value, refusing (413) before reading more than `limit_bytes`;
+    strict: UTF-8, no NaN/Infinity, no lone surrogates, nested at most MAX_JSON_DEPTH."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
+        raise PayloadTooLarge("request body", int(declared), limit_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit_bytes:
+            raise PayloadTooLarge("request body", len(body), limit_bytes)
     depth = 0
     for bracket in _BRACKET.finditer(_STRING.sub(b'""', body)):
         depth += 1 if bracket.group() in (b"[", b"{") else -1
@@ -105,19 +114,6 @@ def loads_strict(body: bytes) -> Any:
             422, "MalformedJSON", f"{bad}: text must be valid Unicode (a lone surrogate is not)"
         )
     return data
-
-
-async def read_json_value(request: Request, limit_bytes: int) -> Any:
-    """The body as any JSON value, refusing (413) before reading more than `limit_bytes`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
-        raise PayloadTooLarge("request body", int(declared), limit_bytes)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit_bytes:
-            raise PayloadTooLarge("request body", len(body), limit_bytes)
-    return loads_strict(bytes(body))
 
 
 async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
