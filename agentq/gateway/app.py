@@ -3,9 +3,6 @@
 Every Redis call (the Client's methods, the event follow loop) runs in a worker thread,
 never on the event loop. Errors are JSON: ``{"error": {"type": ..., "message": ...}}``.
 
-Who may do what is agentq.gateway.auth's; starts are limited per caller
-(agentq.gateway.limits) and cross-site requests refused (agentq.gateway.guard).
-
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)
 owns it: if that client goes away before the turn's terminal event, the turn is
@@ -114,7 +111,6 @@ class Gateway:
     def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
         self.client = client
         settings = client.settings
-        # Bad keys in the settings raise ConfigError naming the variable.
         self.keyring = Keyring.from_settings(settings)
         self.limits = StartLimits(client._store.redis, settings)
         self.metrics_token = (

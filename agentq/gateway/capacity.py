@@ -3,9 +3,9 @@ panel) and the scrape-time capacity gauges of /metrics.
 
 The models shown are those the gateway knows: configured in `AGENTQ_LLM_LIMITS`,
 `AGENTQ_LLM_MODEL`, the models of the agents the turn workers publish, and those whose API
-`auto` learned. Each is one
-`Capacity.snapshot` (a read-only script on the model's keys). Only names and numbers go
-out: a deployment's `base_url`, provider model name and `api_key` never do.
+`auto` learned. Each is one `Capacity.snapshot` (a read-only script on the model's keys).
+Only names and numbers go out: a deployment's `base_url`, provider model name and `api_key`
+never do.
 """
 
 from __future__ import annotations
