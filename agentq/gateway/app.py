@@ -44,14 +44,12 @@ from agentq.gateway.auth import (
     may_list,
     secret_matches,
 )
-from agentq.gateway.capacity import read_snapshots
-from agentq.gateway.console import console_routes
+from agentq.gateway.console import console_routes, read_snapshots
 from agentq.gateway.conversations import conversation_routes
 from agentq.gateway.errors import (
     bearer,
     exception_handlers,
     invalid,
-    require_token,
     validated,
 )
 from agentq.gateway.guard import RequestGuard
@@ -172,7 +170,11 @@ class Gateway:
             await run_in_threadpool(self.authorize, turn_id, principal, None)
             return principal, None, True
         if not self.keyring.enabled:
-            token = require_token(request)
+            token = bearer(request)
+            if token is None:
+                raise Unauthorized(
+                    "this call needs the turn's token: Authorization: Bearer <token>"
+                )
             await run_in_threadpool(self.client.check_token, turn_id, token)
             return None, token, False
         principal, presented = self.caller(request)

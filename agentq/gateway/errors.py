@@ -49,34 +49,19 @@ Handler = Callable[[Request, Exception], Awaitable[Response]]
 
 
 class ApiError(Exception):
-    """An HTTP-level refusal that is not one of agentq's own errors."""
+    """An HTTP-level refusal that is not one of agentq's own errors (`extra`: more fields of
+    its body, as `detail`)."""
 
-    def __init__(
-        self,
-        status_code: int,
-        type_: str,
-        message: str,
-        *,
-        detail: list[dict[str, Any]] | None = None,
-    ) -> None:
+    def __init__(self, status_code: int, type_: str, message: str, **extra: Any) -> None:
         super().__init__(message)
         self.status_code = status_code
-        self.type = type_
-        self.message = message
-        self.detail = detail
+        self.body = {"type": type_, "message": message, **extra}
 
 
 def error_response(
-    status_code: int,
-    type_: str,
-    message: str,
-    *,
-    detail: list[dict[str, Any]] | None = None,
-    headers: dict[str, str] | None = None,
+    status_code: int, type_: str, message: str, headers: dict[str, str] | None = None
 ) -> JSONResponse:
-    body: dict[str, Any] = {"type": type_, "message": message}
-    if detail is not None:
-        body["detail"] = detail
+    body = {"type": type_, "message": message}
     return JSONResponse({"error": body}, status_code=status_code, headers=headers)
 
 
@@ -109,16 +94,9 @@ def bearer(request: Request, *, allow_query: bool = False) -> str | None:
     return None
 
 
-def require_token(request: Request) -> str:
-    token = bearer(request)
-    if token is None:
-        raise Unauthorized("this call needs the turn's token: Authorization: Bearer <token>")
-    return token
-
-
 async def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status_code, exc.type, exc.message, detail=exc.detail)
+    return JSONResponse({"error": exc.body}, status_code=exc.status_code)
 
 
 def _headers(exc: AgentqError) -> dict[str, str]:
@@ -158,7 +136,7 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
         name = HTTPStatus(exc.status_code).phrase.replace(" ", "").replace("-", "")
     except ValueError:
         name = "HTTPError"
-    return error_response(exc.status_code, name, exc.detail, headers=dict(exc.headers or {}))
+    return error_response(exc.status_code, name, exc.detail, dict(exc.headers or {}))
 
 
 async def _on_crash(request: Request, exc: Exception) -> Response:
