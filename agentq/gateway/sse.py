@@ -49,50 +49,42 @@ class StreamState:
 _DONE = object()
 
 
-class BlockingEvents:
-    """A blocking event iterator stepped from worker threads, closable from any thread.
-
-    A step may outlive the coroutine that awaited it (the server cancels hard at
-    shutdown); closing then only asks, and the step closes the iterator when it
-    returns, since a generator cannot be closed while another thread runs it.
-    """
-
-    def __init__(self, events: Generator[Event | None, None, None]) -> None:
-        self._events = events
-        self._lock = threading.Lock()
-        self._close_requested = False
-
-    def step(self) -> object:
-        with self._lock:
-            if self._close_requested:
-                return _DONE
-            item = next(self._events, _DONE)
-            if self._close_requested:
-                self._events.close()
-            return item
-
-    def close(self) -> None:
-        self._close_requested = True
-        if self._lock.acquire(blocking=False):
-            try:
-                self._events.close()
-            finally:
-                self._lock.release()
-
-
 async def stepped(
     events: Generator[Event | None, None, None], **run: Any
 ) -> AsyncGenerator[Event | None, None]:
     """The items of a blocking event iterator, each stepped on a worker thread (`run`:
     `anyio.to_thread.run_sync`'s options); closed off the loop when the generator is, even
-    when cancelled (closing unsubscribes: socket I/O)."""
-    source = BlockingEvents(events)
+    when cancelled (closing unsubscribes: socket I/O).
+
+    A step may outlive the coroutine that awaited it (the server cancels hard at shutdown;
+    a cancelled MCP call abandons it); closing then only asks, and the step closes the
+    iterator when it returns, since a generator cannot be closed while another thread runs
+    it.
+    """
+    lock = threading.Lock()
+    closed = threading.Event()
+
+    def step() -> object:
+        with lock:
+            item = _DONE if closed.is_set() else next(events, _DONE)
+            if closed.is_set():
+                events.close()
+            return item
+
+    def close() -> None:
+        closed.set()
+        if lock.acquire(blocking=False):
+            try:
+                events.close()
+            finally:
+                lock.release()
+
     try:
-        while (item := await anyio.to_thread.run_sync(source.step, **run)) is not _DONE:
+        while (item := await anyio.to_thread.run_sync(step, **run)) is not _DONE:
             yield item  # type: ignore[misc]
     finally:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(source.close, limiter=run.get("limiter"))
+            await anyio.to_thread.run_sync(close, limiter=run.get("limiter"))
 
 
 async def event_source(
