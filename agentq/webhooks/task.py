@@ -24,7 +24,6 @@ from agentq.webhooks.deliveries import (
     EVENT_TYPES,
     AttemptRecord,
     Deliveries,
-    Delivery,
     encode,
     turn_payload,
 )
@@ -110,7 +109,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
             return "stale"
         n, now = d.attempts + 1, time.time()
         # An attempt that never reaches the network answers nothing and takes no time.
-        code, error, took_ms = None, None, 0
+        code, error, took_ms, jitter = None, None, 0, 0.0
         body = dels.body(delivery_id)
         if body is None and (payload := turn_payload(store, d.turn_id)) is not None:
             body = dels.set_body(delivery_id, encode(payload))
@@ -118,11 +117,9 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         if body is None:
             # Counted as no attempt: nothing was built, and nothing will be.
             n, error = d.attempts, "the turn is gone"
-            out = backoff.Outcome("failed", None)
         elif secret is None:
             error = "AGENTQ_WEBHOOK_SECRET is not set on this worker"
             log.error("webhook %s: %s", d.id, error)
-            out = _outcome(None, d, settings)
         else:
             started = time.monotonic()
             code, error = post(
@@ -134,36 +131,27 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
                 allow_private=settings.webhook_allow_private,
             )
             took_ms = int((time.monotonic() - started) * 1000)
-            out = _outcome(code, d, settings, jitter=random.random())
-            log.info(
-                "webhook %s attempt %d to %s: %s -> %s",
-                delivery_id,
-                n,
-                d.url.split("?", 1)[0],  # no query, which may carry a token
-                error or code,
-                out.status,
+            jitter = random.random()
+        out = backoff.Outcome("failed", None)
+        if body is not None:
+            out = backoff.outcome(
+                code,
+                attempts=d.attempts + 1,
+                created_at=d.created_at,
+                now=time.time(),
+                base_s=settings.webhook_retry_base_s,
+                max_s=settings.webhook_retry_max_s,
+                max_age_s=settings.webhook_max_age_s,
+                jitter=jitter,
             )
         record = AttemptRecord(n=n, at=now, status_code=code, error=error, duration_ms=took_ms)
         dels.record(d, record, out.status, out.next_at)
+        # No query in the log: it may carry a token.
+        url = d.url.split("?", 1)[0]
+        log.info("webhook %s attempt %d to %s: %s -> %s", d.id, n, url, error or code, out.status)
         return out.status
     finally:
         redis.delete(lock)
-
-
-def _outcome(
-    status_code: int | None, d: Delivery, settings: Settings, **jitter: float
-) -> backoff.Outcome:
-    """What the attempt that got `status_code` (None: no answer) means for the delivery."""
-    return backoff.outcome(
-        status_code,
-        attempts=d.attempts + 1,
-        created_at=d.created_at,
-        now=time.time(),
-        base_s=settings.webhook_retry_base_s,
-        max_s=settings.webhook_retry_max_s,
-        max_age_s=settings.webhook_max_age_s,
-        **jitter,
-    )
 
 
 def register_webhook_task(
