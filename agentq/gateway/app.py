@@ -47,8 +47,8 @@ from agentq.gateway.auth import (
 from agentq.gateway.console import console_routes, read_snapshots
 from agentq.gateway.conversations import conversation_routes
 from agentq.gateway.errors import (
+    EXCEPTION_HANDLERS,
     bearer,
-    exception_handlers,
     invalid,
     validated,
 )
@@ -499,12 +499,11 @@ def create_app(
     ]
     # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.
     mcp = McpEndpoint(gw)
-    routes.extend(mcp.routes())
-    handlers = exception_handlers()
+    routes.append(Route("/mcp", mcp, methods=["GET", "POST", "DELETE"]))
     app = Starlette(
         routes=routes,
         middleware=middleware,
-        exception_handlers=handlers,
+        exception_handlers=EXCEPTION_HANDLERS,
         lifespan=mcp.lifespan,
     )
     app.state.gateway = gw

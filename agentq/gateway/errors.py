@@ -143,32 +143,28 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
     return error_response(500, "InternalError", f"{type(exc).__name__}: {exc}")
 
 
-def exception_handlers() -> dict[Any, Handler]:
-    """Starlette's `exception_handlers` for the gateway."""
-    return {
-        ApiError: _on_api_error,
-        HTTPException: _on_http_error,
-        AccessError: _agentq_handler(None),
-        TurnNotFound: _agentq_handler(404),
-        ReplayRefused: _agentq_handler(None, "code", "status", "field"),
-        ConversationNotFound: _agentq_handler(404),
-        ConversationBusy: _agentq_handler(409, "code", "conversation_id", "running_turn_id"),
-        IdempotencyKeyReused: _agentq_handler(422, "code"),
-        BudgetExceeded: _agentq_handler(
-            None, "code", "scope", "budget", "spent", "limit", "resets_at"
-        ),
-        BudgetInvalid: _agentq_handler(422, "code"),
-        InteractionNotFound: _agentq_handler(404),
-        InteractionClosed: _agentq_handler(409),
-        AnswerInvalid: _agentq_handler(422),
-        TokenInvalid: _agentq_handler(403),
-        WaitpointRefused: _agentq_handler(None, "waitpoint_id", "first"),
-        PayloadTooLarge: _agentq_handler(413),
-        UnknownAgent: _agentq_handler(422, known_agents="known"),
-        WebhookRefused: _agentq_handler(422),
-        ScheduleNotFound: _agentq_handler(404),
-        ScheduleInvalid: _agentq_handler(422),
-        AgentqError: _agentq_handler(400),
-        redis.RedisError: _on_redis_error,
-        Exception: _on_crash,
-    }
+EXCEPTION_HANDLERS: dict[Any, Handler] = {
+    ApiError: _on_api_error,
+    HTTPException: _on_http_error,
+    AccessError: _agentq_handler(None),
+    TurnNotFound: _agentq_handler(404),
+    ReplayRefused: _agentq_handler(None, "code", "status", "field"),
+    ConversationNotFound: _agentq_handler(404),
+    ConversationBusy: _agentq_handler(409, "code", "conversation_id", "running_turn_id"),
+    IdempotencyKeyReused: _agentq_handler(422, "code"),
+    BudgetExceeded: _agentq_handler(None, "code", "scope", "budget", "spent", "limit", "resets_at"),
+    BudgetInvalid: _agentq_handler(422, "code"),
+    InteractionNotFound: _agentq_handler(404),
+    InteractionClosed: _agentq_handler(409),
+    AnswerInvalid: _agentq_handler(422),
+    TokenInvalid: _agentq_handler(403),
+    WaitpointRefused: _agentq_handler(None, "waitpoint_id", "first"),
+    PayloadTooLarge: _agentq_handler(413),
+    UnknownAgent: _agentq_handler(422, known_agents="known"),
+    WebhookRefused: _agentq_handler(422),
+    ScheduleNotFound: _agentq_handler(404),
+    ScheduleInvalid: _agentq_handler(422),
+    AgentqError: _agentq_handler(400),
+    redis.RedisError: _on_redis_error,
+    Exception: _on_crash,
+}

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from agentq.agents import published_agent_details
@@ -44,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentq.gateway")
 
-PATH = "/mcp"
 INPUT_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {"input": {"type": "string", "description": "The task for the agent."}},
@@ -141,9 +139,6 @@ class McpEndpoint:
             security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         )
         self.owners: dict[str, str | None] = {}
-
-    def routes(self) -> list[Route]:
-        return [Route(PATH, endpoint=self, methods=["GET", "POST", "DELETE"])]
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
