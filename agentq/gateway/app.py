@@ -417,18 +417,15 @@ class Gateway:
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
                 active = await _abandonable(self.client.active)
-                self.metrics.scraped.counts = await _abandonable(
-                    read_counts, self.client._store.redis
-                )
+                self.metrics.counts = await _abandonable(read_counts, self.client._store.redis)
                 capacity = await _abandonable(read_snapshots, self.capacity, self.client.settings)
                 hooks = await _abandonable(
                     lambda: (self.deliveries.counts(), self.deliveries.backlog())
                 )
             except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
-        scraped = self.metrics.scraped
-        scraped.snapshots = capacity
-        scraped.webhook_counts, scraped.webhook_backlog = hooks
+        self.metrics.snapshots = capacity
+        self.metrics.webhook_counts, self.metrics.webhook_backlog = hooks
         if active is None:
             self.metrics.redis_up.set(0)
         else:

@@ -53,6 +53,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class GatewayMetrics:
+    """The gateway's own metrics, and what /metrics last read from Redis (`collect`, as
+    metric families): the fleet's counts (kept from the last read that got them: counters
+    only grow), the model capacity snapshots and the webhook counters (none of a read that
+    failed: a stale queue length would mislead)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -69,8 +74,11 @@ class GatewayMetrics:
         self.redis_up = Gauge(
             "agentq_redis_up", "Whether the scrape-time Redis read worked.", registry=r
         )
-        self.scraped = Scraped()
-        r.register(self.scraped)
+        self.counts: dict[str, float] = {}
+        self.snapshots: list[dict[str, Any]] = []
+        self.webhook_counts: dict[str, int] = {}
+        self.webhook_backlog: int | None = None
+        r.register(self)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
 
@@ -93,18 +101,6 @@ class GatewayMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-class Scraped:
-    """What /metrics last read from Redis, as metric families: the fleet's counts (kept
-    from the last read that got them: counters only grow), the model capacity snapshots and
-    the webhook counters (none of a read that failed: a stale queue length would mislead)."""
-
-    def __init__(self) -> None:
-        self.counts: dict[str, float] = {}
-        self.snapshots: list[dict[str, Any]] = []
-        self.webhook_counts: dict[str, int] = {}
-        self.webhook_backlog: int | None = None
 
     def collect(self) -> list[Metric]:
         return [

@@ -24,7 +24,7 @@ def exported_names() -> set[str]:
     ]
     fc.fold([(str(e["type"]), e) for e in events])
     m = GatewayMetrics()
-    m.scraped.counts = fc.pending()
+    m.counts = fc.pending()
     m.refresh_active([])
     return {
         re.split(r"[{ ]", line, maxsplit=1)[0]

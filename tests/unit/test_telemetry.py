@@ -182,7 +182,7 @@ def test_json_log_line_keeps_a_traceback_on_one_line() -> None:
 
 def _rendered(counts: dict[str, float]) -> str:
     m = GatewayMetrics()
-    m.scraped.counts = counts
+    m.counts = counts
     return m.render().decode()
 
 
@@ -344,7 +344,7 @@ def test_capacity_gauges_come_from_the_last_snapshots() -> None:
             "paused_until_ms": paused_until_ms,
         }
 
-    m.scraped.snapshots = [
+    m.snapshots = [
         snap("gpt-x", paused_until_ms=1_005_000, i=2, b=5),
         snap("gpt-y", paused_until_ms=None, i=0, b=0),
     ]
@@ -355,7 +355,7 @@ def test_capacity_gauges_come_from_the_last_snapshots() -> None:
     assert 'agentq_llm_paused{model="gpt-x"} 1.0' in text
     assert 'agentq_llm_paused{model="gpt-y"} 0.0' in text
     assert 'agentq_llm_queued{class="background",model="gpt-y"} 0.0' in text
-    m.scraped.snapshots = []  # the read failed: no stale numbers
+    m.snapshots = []  # the read failed: no stale numbers
     assert "agentq_llm_queued{" not in m.render().decode()
 
 
