@@ -1,13 +1,9 @@
 """`/mcp`: the fleet's agents served to MCP clients (Streamable HTTP, the `mcp` SDK).
 
-Each agent a turn worker publishes is a tool (`input`: the prompt; an agent with a typed
-output declares it as `outputSchema`). A call starts a turn owned by the caller's key
-(Bearer, the gateway's rules: without keys, loopback only), sends the turn's events as
-progress notifications (the phase, tool names, the elapsed time), and returns the final
-answer (its typed output as `structuredContent`). A cancel aborts the turn; a turn that
-ends in `turn_error` (`budget_exceeded`, a model timeout, anything else) or is aborted
-answers `isError`. A session belongs to the key that made it: another key's requests on
-it answer 404, as its turns do everywhere else.
+Each agent a turn worker publishes is a tool, each call a turn owned by the caller's key,
+relayed as progress; a session belongs to the key that made it. What a client sees (tools,
+progress lines, results, cancels, failures as `isError`) is docs/mcp.md's "agentq as an
+MCP server".
 """
 
 from __future__ import annotations
