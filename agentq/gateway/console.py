@@ -21,12 +21,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.agents import published_agent_details
-from agentq.config import Settings
 from agentq.gateway.auth import may_list
-from agentq.gateway.context import NO_STORE
-from agentq.gateway.errors import invalid
-from agentq.llm.apis import api_view, read_learned
+from agentq.gateway.errors import NO_STORE, invalid
+from agentq.gateway.metrics import read_snapshots
 from agentq.llm.capacity import Capacity
 from agentq.llm.limits import ModelLimitsEntry
 from agentq.mcp.health import server_health, servers_view
@@ -34,22 +31,7 @@ from agentq.mcp.servers import parse_servers
 from agentq.state.listing import TurnLister, TurnQuery
 
 if TYPE_CHECKING:
-    from agentq.gateway.context import RouteContext
-
-
-def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
-    """`Capacity.snapshot` of every model the gateway knows (above), by name, each with the
-    API it is called with (`api`: its setting, the one in use, what `auto` learned)."""
-    learned = read_learned(cap.redis)
-    agents = [
-        a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)
-    ]
-    models = {*cap.limits, settings.llm_model, *agents, *learned}
-    # A brace would end the model's Redis Cluster hash tag early (as parse_limits refuses).
-    return [
-        {**cap.snapshot(model), "api": api_view(model, settings, cap.limits, learned)}
-        for model in sorted(m for m in models if m.strip() and "{" not in m and "}" not in m)
-    ]
+    from agentq.gateway.endpoints import Gateway
 
 
 def _limits(limits: Any) -> dict[str, Any]:
@@ -78,7 +60,7 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
 class Console:
     """The console's handlers, on the gateway's Client and keyring."""
 
-    def __init__(self, gw: RouteContext) -> None:
+    def __init__(self, gw: Gateway) -> None:
         self.gw = gw
         self.redis = gw.client._store.redis
         self.lister = TurnLister(self.redis)
@@ -155,7 +137,7 @@ class Console:
         return JSONResponse({"servers": view}, headers=NO_STORE)
 
 
-def console_routes(gw: RouteContext) -> list[Route]:
+def console_routes(gw: Gateway) -> list[Route]:
     """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
     c = Console(gw)
     return [

@@ -16,11 +16,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import ConversationNotFound
-from agentq.gateway.context import NO_STORE
-from agentq.gateway.errors import bearer, invalid
+from agentq.gateway.errors import NO_STORE, bearer, invalid
 
 if TYPE_CHECKING:
-    from agentq.gateway.context import RouteContext
+    from agentq.gateway.endpoints import Gateway
 
 MAX_LISTED = 200
 _CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -46,7 +45,7 @@ def _number(request: Request, name: str, default: float | None, *, low: float, h
     return value
 
 
-def conversation_routes(gw: RouteContext) -> list[Route]:
+def conversation_routes(gw: Gateway) -> list[Route]:
     client = gw.client
 
     def target(request: Request) -> tuple[str, dict[str, Any]]:

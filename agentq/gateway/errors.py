@@ -1,4 +1,5 @@
-"""HTTP errors of the gateway: every refusal is JSON, `{"error": {"type", "message"}}`.
+"""How the gateway answers: every refusal is JSON, `{"error": {"type", "message"}}`; a
+started turn is a 202 naming where to read it (`accepted`).
 
 agentq's own exceptions map to a status here (TurnNotFound 404, AccessError subclasses
 their `status_code`, ...); `ApiError` covers refusals that are only HTTP's business.
@@ -10,7 +11,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 from pydantic import BaseModel, ValidationError
@@ -43,9 +44,23 @@ from agentq.errors import (
 )
 from agentq.gateway.limits import retry_after_header
 
+if TYPE_CHECKING:
+    from agentq.models import TurnHandle
+
 log = logging.getLogger("agentq.gateway")
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request, Exception], Awaitable[Response]]
+NO_STORE = {"Cache-Control": "no-store"}
+"""The header of an answer that holds a caller's own data."""
+
+
+def accepted(handle: TurnHandle) -> Response:
+    """202 for a turn started (a request's, a retry's, a fork's), with where to read it."""
+    return JSONResponse(
+        handle.model_dump(exclude_none=True),
+        status_code=202,
+        headers={"Location": f"/v1/turns/{handle.turn_id}", **NO_STORE},
+    )
 
 
 class ApiError(Exception):

@@ -19,19 +19,19 @@ from starlette.routing import Route
 from agentq.config import Settings
 from agentq.errors import ConfigError, Forbidden, WebhookRefused
 from agentq.gateway.auth import Principal
-from agentq.gateway.context import NO_STORE
+from agentq.gateway.errors import NO_STORE
 from agentq.gateway.validate import read_json
 from agentq.schedules.spec import build_spec, parse_every
 from agentq.schedules.store import Schedules
 from agentq.webhooks.target import check_for_turn
 
 if TYPE_CHECKING:
-    from agentq.gateway.context import RouteContext
+    from agentq.gateway.endpoints import Gateway
 
 MAX_LISTED = 200
 
 
-def job_routes(gw: RouteContext) -> list[Route]:
+def job_routes(gw: Gateway) -> list[Route]:
     @cache
     def schedules() -> Schedules:
         """Made on first use: behind Sentinel the gateway serves all else, and schedules

@@ -35,7 +35,7 @@ from agentq.models import TurnHandle, TurnRequest
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-    from agentq.gateway.context import RouteContext
+    from agentq.gateway.endpoints import Gateway
 
 log = logging.getLogger("agentq.gateway")
 
@@ -116,7 +116,7 @@ def _error(message: str) -> Any:
 class McpEndpoint:
     """The `/mcp` route: an ASGI app in front of the SDK's session manager."""
 
-    def __init__(self, gw: RouteContext) -> None:
+    def __init__(self, gw: Gateway) -> None:
         from mcp.server.lowlevel import Server
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
         from mcp.server.transport_security import TransportSecuritySettings

@@ -43,11 +43,15 @@ from prometheus_client.core import (
     Metric,
 )
 
+from agentq.agents import published_agent_details
+from agentq.config import Settings
+from agentq.llm.apis import api_view, read_learned
 from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES
 
 if TYPE_CHECKING:
     from agentq.api import ActiveTurn
     from agentq.events.types import Event
+    from agentq.llm.capacity import Capacity
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -202,3 +206,19 @@ def capacity_families(snapshots: list[dict[str, Any]]) -> list[GaugeMetricFamily
         if "api" in snap:
             api.add_metric([model, snap["api"]["in_use"], snap["api"]["setting"]], 1)
     return families
+
+
+def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
+    """`Capacity.snapshot` of every model the gateway knows (gateway.console says which),
+    by name, each with the API it is called with (`api`: its setting, the one in use, what
+    `auto` learned): the capacity gauges here, and the console's panel."""
+    learned = read_learned(cap.redis)
+    agents = [
+        a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)
+    ]
+    models = {*cap.limits, settings.llm_model, *agents, *learned}
+    # A brace would end the model's Redis Cluster hash tag early (as parse_limits refuses).
+    return [
+        {**cap.snapshot(model), "api": api_view(model, settings, cap.limits, learned)}
+        for model in sorted(m for m in models if m.strip() and "{" not in m and "}" not in m)
+    ]

@@ -14,7 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
+from agentq.constants import VERSION
 from agentq.models import InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest
 
@@ -348,3 +351,7 @@ def openapi_document(version: str) -> dict[str, Any]:
             },
         },
     }
+
+
+async def openapi_page(request: Request) -> Response:
+    return JSONResponse(openapi_document(VERSION))

@@ -15,26 +15,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.gateway.auth import may_list
-from agentq.gateway.context import NO_STORE
-from agentq.gateway.errors import validated
+from agentq.gateway.errors import NO_STORE, accepted, validated
 from agentq.gateway.validate import client_host, read_json, turn_id_of
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
 
 if TYPE_CHECKING:
-    from agentq.gateway.context import RouteContext
-    from agentq.models import TurnHandle
+    from agentq.gateway.endpoints import Gateway
 
 
-def accepted(handle: TurnHandle) -> Response:
-    """202 for a turn started (a request's, a retry's, a fork's), with where to read it."""
-    return JSONResponse(
-        handle.model_dump(exclude_none=True),
-        status_code=202,
-        headers={"Location": f"/v1/turns/{handle.turn_id}", **NO_STORE},
-    )
-
-
-def replay_routes(gw: RouteContext) -> list[Route]:
+def replay_routes(gw: Gateway) -> list[Route]:
     async def body(request: Request) -> Any:
         """The JSON body; none at all is `{}` (a retry needs no field)."""
         empty = request.headers.get("content-length") == "0"

@@ -17,12 +17,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.errors import Forbidden
-from agentq.gateway.context import NO_STORE
-from agentq.gateway.errors import invalid
+from agentq.gateway.errors import NO_STORE, invalid
 from agentq.state.spend import usage_window
 
 if TYPE_CHECKING:
-    from agentq.gateway.context import RouteContext
+    from agentq.gateway.endpoints import Gateway
 
 
 def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
@@ -44,7 +43,7 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
     return value
 
 
-def usage_routes(gw: RouteContext) -> list[Route]:
+def usage_routes(gw: Gateway) -> list[Route]:
     async def usage(request: Request) -> Response:
         principal = gw.require_key(request)
         q = request.query_params

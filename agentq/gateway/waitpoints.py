@@ -19,13 +19,13 @@ from agentq.gateway.validate import read_json_value
 from agentq.state.waitpoints import not_found, parse_waitpoint_id
 
 if TYPE_CHECKING:
-    from agentq.gateway.context import RouteContext
+    from agentq.gateway.endpoints import Gateway
 
 BODY_MARGIN_BYTES = 4096
 """Room for JSON escaping above `max_result_bytes`; the result's own size is checked after."""
 
 
-def waitpoint_routes(gw: RouteContext) -> list[Route]:
+def waitpoint_routes(gw: Gateway) -> list[Route]:
     client = gw.client
     limit_bytes = client.settings.max_result_bytes + BODY_MARGIN_BYTES
 

@@ -1,0 +1,413 @@
+"""The gateway's endpoints: REST for turns, SSE for their events, the web page, health and
+metrics, on one Client (`agentq.gateway.app` mounts them with the other route modules, which
+take this `Gateway` as their context).
+
+Every Redis call (the Client's methods, the event follow loop) runs in a worker thread,
+never on the event loop. Errors are JSON: ``{"error": {"type": ..., "message": ...}}``.
+
+An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
+since EventSource cannot set headers) on a turn started attached (``detach: false``)
+owns it: if that client goes away before the turn's terminal event, the turn is
+aborted with reason ``disconnect``. Without a token, the stream is read-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Generator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+
+from agentq.agents import published_agent_details
+from agentq.errors import REDIS_ERRORS, AgentqError, Forbidden, TurnNotFound, Unauthorized
+from agentq.events.follow import Cursor, follow
+from agentq.events.types import Event
+from agentq.fleet.presence import Presence, missing_kinds, workers_view
+from agentq.gateway.auth import (
+    Keyring,
+    Principal,
+    is_loopback,
+    may_access,
+    may_list,
+    secret_matches,
+)
+from agentq.gateway.errors import accepted, bearer, invalid, validated
+from agentq.gateway.limits import StartLimits
+from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, read_snapshots
+from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
+from agentq.gateway.validate import (
+    clamp_to_log,
+    client_host,
+    cursor_of,
+    depth_of,
+    read_json,
+    request_id_of,
+    turn_id_of,
+)
+from agentq.llm.capacity import capacity_for
+from agentq.mcp.health import server_health
+from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
+from agentq.orchestrator.start import token_matches
+from agentq.state.idempotency import check_key
+from agentq.state.turn_state import TurnState
+from agentq.telemetry.fleetcounts import read_counts
+from agentq.webhooks.deliveries import Deliveries
+
+if TYPE_CHECKING:
+    from agentq.api import Client
+
+log = logging.getLogger("agentq.gateway")
+T = TypeVar("T")
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+BODY_MARGIN_BYTES = 64 * 1024
+"""Room for JSON escaping and the other fields above `max_prompt_bytes`."""
+HEALTH_TIMEOUT_S = 2.0
+MAX_STREAMS = 1000
+"""Open SSE streams the gateway serves at once (each holds a thread while it waits)."""
+# The page loads only its own script and style: no inline code, nothing from elsewhere.
+PAGE_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+
+
+async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread that a timeout abandons: a hung socket must not hang the
+    health check or a scrape."""
+    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+class Gateway:
+    """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter;
+    the route modules take it as their context (the caller checks, the body limit, model
+    capacity)."""
+
+    def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
+        self.client = client
+        settings = client.settings
+        self.keyring = Keyring.from_settings(settings)
+        self.limits = StartLimits(client._store.redis, settings)
+        self.metrics_token = (
+            settings.metrics_token.get_secret_value() if settings.metrics_token else None
+        )
+        self.heartbeat_s = heartbeat_s
+        self.poll_s = poll_s
+        self.metrics = GatewayMetrics()
+        # Reads only (snapshots); a bad AGENTQ_LLM_LIMITS stops the gateway at start.
+        self.capacity = capacity_for(client._store.redis, settings)
+        # Open streams hold a thread each; their own limiter keeps REST calls answering.
+        self.stream_limiter = anyio.CapacityLimiter(MAX_STREAMS)
+        self.body_limit_bytes = settings.max_prompt_bytes + BODY_MARGIN_BYTES
+        # Set at shutdown: open SSE streams end at their next poll instead of being cancelled.
+        self.closing = threading.Event()
+        self.presence = Presence(client._store.redis)
+        self.deliveries = Deliveries(client._store.redis, retention_s=settings.turn_retention_s)
+
+    def caller(self, request: Request) -> tuple[Principal | None, str | None]:
+        """The key holder (if the bearer is a key) and the bearer itself (maybe a turn token)."""
+        presented = bearer(request)
+        principal = self.keyring.identify(presented)
+        if self.keyring.enabled and presented is None:
+            raise Unauthorized("this call needs a key: Authorization: Bearer <key>")
+        return principal, presented
+
+    def require_key(self, request: Request) -> Principal | None:
+        """The caller's key; with keys configured, a call without a valid one is refused."""
+        principal, _ = self.caller(request)
+        if self.keyring.enabled and principal is None:
+            raise Unauthorized("unknown key")
+        return principal
+
+    def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
+        """The turn's state if the caller may read and steer it (anyone may without keys);
+        anyone else: TurnNotFound."""
+        state = self.client._store.state(turn_id)
+        if state is None or (self.keyring.enabled and not may_access(state, principal, token)):
+            raise TurnNotFound(turn_id)
+        return state
+
+    def require_operator(self, request: Request) -> Principal | None:
+        """The caller's key; without keys, only a client on this machine (the console's
+        steering, bulk retry): a gateway started with `--insecure-no-auth` stays read-only
+        to the network."""
+        principal = self.require_key(request)
+        if principal is None and not is_loopback(client_host(request)):
+            raise Forbidden(f"without keys, {request.url.path} answers this machine only")
+        return principal
+
+    async def steerer(
+        self, request: Request, turn_id: str
+    ) -> tuple[Principal | None, str | None, bool]:
+        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, the turn's
+        token if they showed it, and whether they steer as an operator (by key, or from the
+        console, which takes no token)."""
+        if request.url.path.startswith("/v1/console/"):
+            principal = self.require_operator(request)
+            await run_in_threadpool(self.authorize, turn_id, principal, None)
+            return principal, None, True
+        if not self.keyring.enabled:
+            token = bearer(request)
+            if token is None:
+                raise Unauthorized(
+                    "this call needs the turn's token: Authorization: Bearer <token>"
+                )
+            await run_in_threadpool(self.client.check_token, turn_id, token)
+            return None, token, False
+        principal, presented = self.caller(request)
+        state = await run_in_threadpool(self.authorize, turn_id, principal, presented)
+        if token_matches(state, presented):
+            return principal, presented, False
+        return principal, None, True
+
+    async def start_turn(self, request: Request) -> Response:
+        principal = self.require_key(request)
+        data = await read_json(request, self.body_limit_bytes)
+        if "parent_turn_id" in data:
+            # Only a running turn may start sub-agents; over HTTP it would graft onto any turn.
+            raise invalid("parent_turn_id: not accepted over HTTP")
+        req = validated(TurnRequest, data)
+        if not req.initial_messages():
+            raise invalid("prompt: a turn needs a prompt or messages")
+        idempotency_key = request.headers.get("idempotency-key")
+        if idempotency_key is not None:
+            try:
+                check_key(idempotency_key)
+            except ValueError as exc:
+                raise invalid(str(exc)) from None
+        handle = await run_in_threadpool(
+            self.start_limited, req, principal, client_host(request), idempotency_key
+        )
+        # A turn in a fleet without the workers every turn needs waits, and is told so.
+        missing = missing_kinds(await run_in_threadpool(self.presence.live))
+        if missing:
+            handle = handle.model_copy(update={"missing_workers": missing})
+        return accepted(handle)
+
+    def start_limited(
+        self,
+        req: TurnRequest,
+        principal: Principal | None,
+        host: str,
+        idempotency_key: str | None = None,
+    ) -> TurnHandle:
+        """Start a turn under the caller's start limits (POST /v1/turns, the MCP endpoint)."""
+        return self.limited(
+            principal,
+            host,
+            lambda: self.client._start_request(
+                req,
+                owner=principal.name if principal else None,
+                any_owner=bool(principal and principal.admin),
+                idempotency_key=idempotency_key,
+            ),
+        )
+
+    def limited(
+        self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
+    ) -> TurnHandle:
+        """`start()` a turn (a request's, a retry's, a fork's) within the caller's limits."""
+        return self.limits.start(
+            principal.name if principal else f"addr:{host or 'unknown'}", start
+        )
+
+    async def get_turn(self, request: Request) -> Response:
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        if self.keyring.enabled:
+            principal, token = self.caller(request)
+            await run_in_threadpool(self.authorize, turn_id, principal, token)
+        turn = await run_in_threadpool(self.client.get, turn_id)
+        return JSONResponse(turn)
+
+    async def agents(self, request: Request) -> Response:
+        self.require_key(request)
+        agents = await run_in_threadpool(published_agent_details, self.client._store.redis)
+        return JSONResponse({"agents": agents})
+
+    async def active(self, request: Request) -> Response:
+        principal = self.require_key(request)
+        turns = await run_in_threadpool(self.client.active)
+        if principal is not None:
+            turns = [t for t in turns if may_list(t, principal)]
+        return JSONResponse({"turns": turns})
+
+    async def abort(self, request: Request) -> Response:
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        _, token, operator = await self.steerer(request, turn_id)
+        await run_in_threadpool(self.client.abort, turn_id, token, "user", operator=operator)
+        return JSONResponse({"ok": True, "turn_id": turn_id})
+
+    async def answer(self, request: Request) -> Response:
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        request_id = request_id_of(request.path_params["request_id"])
+        _, token, operator = await self.steerer(request, turn_id)
+        ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
+        await run_in_threadpool(
+            lambda: self.client.answer(
+                turn_id, request_id, token, ans.decision, ans.value, operator=operator
+            )
+        )
+        return JSONResponse(
+            {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
+        )
+
+    def _keep_alive_s(self, request: Request) -> float:
+        raw = request.query_params.get("heartbeat")
+        if raw is None:
+            return self.heartbeat_s
+        try:
+            value = float(raw)
+            if not math.isfinite(value):
+                raise ValueError(raw)
+        except ValueError:
+            raise invalid("heartbeat: must be seconds") from None
+        return min(max(value, 0.05), 60.0)
+
+    async def events(self, request: Request) -> Response:
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        # A key only in the header: a URL (?token=) ends up in logs and history.
+        principal = self.keyring.identify(bearer(request))
+        token = bearer(request, allow_query=True)
+        if self.keyring.enabled and token is None:
+            raise Unauthorized("this stream needs a key or the turn's token")
+        # The header wins: EventSource resends it on every reconnect, the URL never changes.
+        q = request.query_params
+        after = cursor_of(request.headers.get("last-event-id") or q.get("after") or "0-0")
+        depth = depth_of(q.get("depth"))
+        keep_alive_s = self._keep_alive_s(request)
+        poll_s = min(self.poll_s, keep_alive_s)
+        opened = await run_in_threadpool(
+            self._open_events, turn_id, principal, token, after, depth, poll_s
+        )
+        if opened is None:
+            # The turn ended and the client has its last event: 204 stops EventSource retrying.
+            return Response(status_code=204)
+        events, owner = opened
+        state = StreamState()
+
+        async def on_disconnect() -> None:
+            if not owner or state.terminal_seen:
+                return
+            log.info("turn %s: its attached client disconnected; aborting", turn_id)
+            try:
+                await run_in_threadpool(self.client.abort, turn_id, token, "disconnect")
+            except TurnNotFound:
+                pass  # it ended in the meantime
+            except AgentqError as exc:
+                log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
+            except REDIS_ERRORS as exc:
+                log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
+
+        self.metrics.sse_connections.inc()
+        body = event_source(
+            events,
+            state,
+            keep_alive_s=keep_alive_s,
+            limiter=self.stream_limiter,
+            on_event=self.metrics.streamed,
+            closing=self.closing,
+        )
+        return EventStreamResponse(
+            body, on_disconnect=on_disconnect, on_close=self.metrics.sse_connections.dec
+        )
+
+    def _open_events(
+        self,
+        turn_id: str,
+        principal: Principal | None,
+        token: str | None,
+        after: Cursor,
+        depth: int,
+        poll_s: float,
+    ) -> tuple[Generator[Event | None, None, None], bool] | None:
+        if token is not None and not self.keyring.enabled:
+            state = self.client.check_token(turn_id, token)
+        else:
+            state = self.authorize(turn_id, principal, token)
+        # Only the turn's token attaches: a key reading along never aborts on leaving.
+        owner = token_matches(state, token) and not state.get("detach")
+        # Relayed sub-agents are read with the parent's authorization: the follower opens
+        # only streams of turns below this one (a cursor naming any other is ignored).
+        after.root = clamp_to_log(self.client._store.redis, turn_id, after.root)
+        bus = self.client._store.bus
+        if state.get("status") in TERMINAL_STATUSES:
+            if not bus.replay(turn_id, after.root, count=1):
+                return None
+            return follow(bus, turn_id, after=after, depth=depth, live=False), False
+        events = follow(bus, turn_id, after=after, depth=depth, heartbeat_s=poll_s)
+        return events, owner
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(
+            STATIC_DIR / "index.html",
+            headers={"Content-Security-Policy": PAGE_CSP, "Cache-Control": "no-cache"},
+        )
+
+    async def healthz(self, request: Request) -> Response:
+        ok = False
+        mcp: dict[str, dict[str, Any]] = {}
+        live: dict[str, list[str]] = {}
+        error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
+        with anyio.move_on_after(HEALTH_TIMEOUT_S):
+            try:
+                ok = bool(await _abandonable(self.client._store.redis.ping))
+                # MCP servers (AGENTQ_MCP_SERVERS) that keep failing show here, not as 503.
+                mcp = await _abandonable(server_health, self.client._store.redis)
+                # Not a 503: the gateway serves (turns wait for their workers) without them.
+                live = await _abandonable(self.presence.live)
+            except REDIS_ERRORS as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        if ok:
+            body: dict[str, Any] = {"ok": True, "redis": "ok", **workers_view(live)}
+            if mcp:
+                body["mcp"] = mcp
+            return JSONResponse(body)
+        return JSONResponse(
+            {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
+        )
+
+    def require_admin_read(self, request: Request) -> None:
+        """The fleet-wide numbers (/metrics, /v1/capacity): an admin key or the metrics
+        token when either is configured (a key that is not an admin's: 403)."""
+        if not self.keyring.enabled and self.metrics_token is None:
+            return
+        presented = bearer(request)
+        if self.metrics_token is not None and secret_matches(presented, self.metrics_token):
+            return
+        principal = self.keyring.identify(presented)
+        path = request.url.path
+        if principal is None:
+            raise Unauthorized(f"{path} needs an admin key or AGENTQ_METRICS_TOKEN")
+        if not principal.admin:
+            raise Forbidden(f"{path} needs an admin key")
+
+    async def metrics_page(self, request: Request) -> Response:
+        self.require_admin_read(request)
+        active = None
+        capacity: list[dict[str, Any]] = []
+        hooks: tuple[dict[str, int], int | None] = ({}, None)
+        with anyio.move_on_after(HEALTH_TIMEOUT_S):
+            try:
+                active = await _abandonable(self.client.active)
+                self.metrics.counts = await _abandonable(read_counts, self.client._store.redis)
+                capacity = await _abandonable(read_snapshots, self.capacity, self.client.settings)
+                hooks = await _abandonable(
+                    lambda: (self.deliveries.counts(), self.deliveries.backlog())
+                )
+            except REDIS_ERRORS as exc:
+                log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
+        self.metrics.snapshots = capacity
+        self.metrics.webhook_counts, self.metrics.webhook_backlog = hooks
+        if active is None:
+            self.metrics.redis_up.set(0)
+        else:
+            self.metrics.refresh_active(active)
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
