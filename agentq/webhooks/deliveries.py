@@ -13,7 +13,7 @@ import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from agentq import constants as k
 from agentq.events.lua_args import bind_lua
@@ -45,6 +45,8 @@ class Delivery(BaseModel):
     last_status_code: int | None = None
     last_error: str | None = None
     ended_at: float | None = None
+    body: str | None = Field(default=None, exclude=True)
+    """What every attempt sends (fixed by the first, or when an event's delivery is made)."""
 
 
 class AttemptRecord(BaseModel):
@@ -181,12 +183,7 @@ class Deliveries:
         raw = {text(f): text(v) for f, v in self.redis.hgetall(k.webhook_key(delivery_id)).items()}
         if not raw:
             return None
-        raw.pop("body", None)
         return Delivery.model_validate({f: v for f, v in raw.items() if v != ""})
-
-    def body(self, delivery_id: str) -> bytes | None:
-        value = self.redis.hget(k.webhook_key(delivery_id), "body")
-        return None if value is None else bytes(value)  # type: ignore[arg-type]
 
     def set_body(self, delivery_id: str, body: bytes) -> bytes:
         """Fix the body the first attempt built; every retry sends the same bytes."""

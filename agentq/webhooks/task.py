@@ -110,7 +110,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
         n, now = d.attempts + 1, time.time()
         # An attempt that never reaches the network answers nothing and takes no time.
         code, error, took_ms, jitter = None, None, 0, 0.0
-        body = dels.body(delivery_id)
+        body = None if d.body is None else d.body.encode()
         if body is None and (payload := turn_payload(store, d.turn_id)) is not None:
             body = dels.set_body(delivery_id, encode(payload))
         secret = settings.webhook_secret
