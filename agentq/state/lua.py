@@ -37,15 +37,10 @@ def turn_open_lua(ended: str, whole: str | None = None, extra: tuple[str, ...] =
     `ended` for a turn that is over (or whose state Redis lost): nothing is written after
     its terminal event, and nothing recreates half of a vanished turn.
 
-    It leaves `watched` (the turn's followers) and `seq` (its last event's) for the
-    publish fragment, `cancelled`, `held` (the step lock as stored, see `lock_free_lua`),
-    `unsettled` (UNSETTLED_FIELD), `kids` (CHILDREN_FIELD), `hlen` (the history's
-    length, which `write_lua` appends after) and `more`, the values of the
-    fields whose names the Lua expressions `extra` give (a call's records), read in the
-    same command. When the Lua condition `whole` holds, the whole state is read instead
-    (HGETALL) and left in `whole_st`, with `whole_at` (field -> its index there): a write
-    that is about to take the turn's step (`wake_or_step_lua`) then has the step's view
-    without reading the state a second time.
+    It binds the `_OPEN` fields (`watched`, `seq`, `cancelled`, `held`, `unsettled`, `kids`,
+    `hlen`) and `more`, the fields the Lua expressions `extra` name. When the Lua condition
+    `whole` holds it reads the whole state instead (`whole_st`, `whole_at`: field -> index),
+    so a write that takes the step (`wake_or_step_lua`) does not read it twice.
     """
     names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
     read = f"local open = redis.call('HMGET', turn_key, {names})\n"
@@ -110,10 +105,9 @@ MANY_CHUNK = 1000
 
 
 def write_lua(turn: str, w: str, first: str, last: str) -> str:
-    """Lua that adds the history messages ARGV[first..last] to the field/value table `w` as
-    the turn's next messages (after `hlen`, as `turn_open_lua` or a fence read it), with
-    their new count, and writes `w` to the hash `turn` in as few HSETs as it can (one for
-    up to MANY_CHUNK values)."""
+    """Lua that adds the history messages ARGV[first..last] to the field/value table `w`
+    after the turn's `hlen` messages, with their new count, and HSETs `w` to `turn` in
+    MANY_CHUNK pieces."""
     return f"""
 do
   local next_m = hlen
@@ -140,10 +134,9 @@ _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 def wake_lua(
     fields: str = "", turn: str = "turn_key", turn_id: str = "turn_id", at: str = "wake_at"
 ) -> str:
-    """Lua that marks a turn as woken (its DIRTY_FIELD, in one HSET with the field/value
-    pairs `fields`, a Lua argument list) and makes sure a sweeper steps it by `at` (an
-    earlier wakeup stays: LT, Redis >= 6.2), in its shard's `wakeups_key`. The turn must
-    exist (TURN_OPEN_LUA)."""
+    """Lua that marks an existing turn woken (DIRTY_FIELD, in one HSET with the Lua
+    field/value list `fields`) and has a sweeper step it by `at` (LT: an earlier wakeup
+    stays)."""
     more = f", {fields}" if fields else ""
     return f"""
 redis.call('HSET', {turn}, '{DIRTY_FIELD}', 1{more})
@@ -152,15 +145,10 @@ redis.call('ZADD', wakeups_key, 'LT', {at}, {turn_id})
 
 
 def view_lua(st: str) -> str:
-    """A Lua table expression: what a step reads: the state `st` as HGETALL gave it
-    (without its records; its cancel reason among it), its history (the messages'
-    fields, in order), and the round.
-
-    `round` holds the settled results, dispatch records and plans of the calls the
-    state's `round_calls` names, picked out of `st` (the calls' records are fields of
-    the state), so the step that collects a round needs no read of its own; the dispatch
-    records only while a call is unsettled (all None else), {} without a round.
-    """
+    """A Lua table expression: what a step reads out of the state `st` as HGETALL gave it:
+    the state without its records, the history in order, and the round (the settled
+    results, dispatch records and plans of the `round_calls`), so collecting a round
+    needs no read of its own."""
     return f"""(function()
     local state, rec, rc, hist = {{}}, {{}}, nil, {{}}
     for i = 1, #{st}, 2 do
@@ -197,22 +185,12 @@ def view_lua(st: str) -> str:
 
 
 def wake_or_step_lua(fields: str, stepped: int) -> str:
-    """Lua that wakes the turn or, for a caller that steps the woken turn itself (`token`
-    set) when the lock (`held`, as TURN_OPEN_LUA read it) is free, takes the step lock
-    (for `lock_ms` from `now_ms`) and returns what the step reads, as the begin script
-    would: one round trip fewer between the last result of a batch and the step that
-    collects it. Either way the field/value pairs `fields` are written in the same HSET.
-    It reads the names its scripts bind: TurnKeys' and the ARGV `turn_id`, `wake_at`,
-    `token`, `lock_ms` and `now_ms`.
-
-    A step taken here needs no dirty mark (it reads now), only its wakeup, should its
-    process die in it. A mark some other wake left stays: that step runs once more.
-
-    `stepped` is what the script answers, first, with the view of a step it took. The
-    script read the state with `turn_open_lua(..., whole=...)`: when that read the whole
-    state (`whole_st`), the step's view is it with this HSET's fields laid over, instead
-    of a second read.
-    """
+    """Lua that writes `fields` and wakes the turn or, for a caller that steps it itself
+    (`token` set) while the lock is free, takes the lock and answers `stepped` with the
+    step's view, as BEGIN would: one round trip fewer between a batch's last result and
+    the step that collects it. Such a step needs no dirty mark, only its wakeup, should
+    its process die in it; the view is `whole_st` with these fields laid over when
+    `turn_open_lua` read it whole."""
     return f"""
 if token ~= '' and {lock_free_lua("held")} then
   local w = {{'{STEP_FIELD}', {LOCK_VALUE_LUA}, {fields}}}
