@@ -242,12 +242,9 @@ class TurnRecords(StoreBase):
                 pipe.sadd(k.children_key(parent), turn_id)
                 pipe.hset(k.turn_key(parent), k.CHILDREN_FIELD, "1")
 
-        if self.replicas_acked:
-            self._durable_write(build)
-        else:
-            # Not MULTI/EXEC: nothing steps the turn before its step is sent, after this
-            # returns, and a reader meanwhile sees a turn just queued either way.
-            self._pipelined(build)
+        # Not MULTI/EXEC: nothing steps the turn before its step is sent, after this
+        # returns, and a reader meanwhile sees a turn just queued either way.
+        self._durable_write(build)
 
     def state(self, turn_id: str) -> TurnState | None:
         """The turn's state fields (its records left out), None if Redis has none."""
