@@ -141,11 +141,10 @@ class StartArgs(NamedTuple):
 
 # START_LUA: a task that starts checks, in the same step that records its start, that its
 # call is not settled yet (a redelivery) and its turn not cancelled. The start record
-# names the delivery (task id and retry count): the broker handing the same delivery out
-# again while it runs (a restored unacked message) must not run the call twice. It also
-# names the claim (random, one per start attempt): redis-py sending the same START again
-# after a reply lost to a Redis restart finds its own claim, and the call runs. Its
-# result and start record are fields of the turn's state: one read for all three.
+# names the delivery (task id and retry count), so the broker handing the same delivery
+# out again while it runs (a restored unacked message) does not run the call twice, and
+# the claim (random, one per attempt), so redis-py sending the same START again after a
+# reply lost to a Redis restart finds its own claim and runs the call.
 START_LUA = (
     bind_lua(TurnKeys, StartArgs)
     + turn_open_lua(
@@ -196,9 +195,9 @@ call reads all of its records."""
 
 
 def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
-    """The fields of each turn's state hash that are its calls' records of these kinds
-    (prefix letters, as "sd" for `s:` and `d:`), in one round trip for all (another for a
-    turn too large for one scan): matched in Redis, so a turn's history stays there."""
+    """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`), in
+    one round trip (more for a turn too large for one scan), matched in Redis so a turn's
+    history stays there."""
     pattern = f"[{kinds}]:*"
     pipe = client.pipeline(transaction=False)
     for turn_id in turn_ids:
@@ -293,12 +292,8 @@ class CallRecords(StoreBase):
 
     def turns_running_on(self, worker: str, batch: int = 500) -> list[str]:
         """The open turns with a call whose start record names `worker` and asks to be
-        watched by its heartbeat (`heartbeat`), settled or not.
-
-        Read only when a worker stops beating, from every open turn's start records, a
-        batch of turns a round trip: a call's start and result then need no entry in a
-        per-worker index, two writes a call for an event that rarely comes.
-        """
+        watched by its `heartbeat`, settled or not: read from every open turn's starts only
+        when a worker stops beating, so no call pays two writes to a per-worker index."""
         needle = json.dumps(worker)
         ids = active_turns(self.redis)
         found: list[str] = []
@@ -350,10 +345,9 @@ class CallRecords(StoreBase):
         """Store a call's result unless one is stored already; True if this one won.
 
         `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
-        for a call the turn never recorded as sent (refused, denied): it was never in the
-        batch in flight. `alone`: the call was the batch's only one when it started
-        (`mark_started` answered 3), so this settle most likely takes the turn's step and
-        reads its whole state at once; a wrong guess costs a larger read, nothing else.
+        for a call never recorded as sent (refused, denied). `alone` (`STARTED_ALONE`): this
+        settle most likely takes the turn's step, so it reads the whole state at once; a
+        wrong guess costs a larger read, nothing else.
         """
         code = self.settle_code(turn_id, result, wake=wake, tracked=tracked, alone=alone)
         return code in (Settled.WON, Settled.READY)
@@ -370,12 +364,11 @@ class CallRecords(StoreBase):
     ) -> Settled:
         """`settle`, answering what it found; `waitpoint`: a waitpoint's completion, stored
         only while the call's waitpoint is open (else NOT_WAITING or EXPIRED)."""
-        result_json = result.model_dump_json()
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
         args = SettleArgs(
             result.call_id,
-            result_json,
+            result.model_dump_json(),
             event_body(turn_id, "tool_finished", event),
             self.bus.log_arg(),
             now_ms(),

@@ -62,9 +62,8 @@ WAKE_ONLY_LUA = bind_lua(TurnKeys, WakeArgs) + turn_open_lua("0") + wake_lua() +
 
 
 class StepWrite(NamedTuple):
-    """What a step's fenced write (RELEASE_LUA) carries: the sections of its ARGV after the
-    named arguments, in this order, their sizes among the named arguments (`counts`, the
-    script's last four)."""
+    """The sections of RELEASE_LUA's ARGV after its named arguments, in this order; their
+    sizes are its last four (`counts`)."""
 
     fields: list[str]
     """State field/value pairs, flat (values JSON)."""
@@ -150,18 +149,14 @@ class ReleaseArgs(NamedTuple):
 
 
 # RELEASE_LUA: a step's writes are fenced by its lock token: a step whose lock lapsed (a
-# paused process) cannot overwrite what the step that took over wrote. With them, in the
-# same write: the plans of calls just asked for, and the events the change means, so that
-# an event is never seen without its state nor a step's state without its event. Its
-# sections (a StepWrite) go in the table `w`, written in one HSET, the messages last.
+# paused process) cannot overwrite what the step that took over wrote. Its plans and
+# events go in the same write, so an event is never seen without its state nor a state
+# without its event.
 #
-# Unless it `keep`s the lock (a commit), it lets go of it with what the step staged and,
-# after it, the dispatch records of the calls it is about to send: a step's sends are its
-# last act, after this write, so a call's start and result always find its record, and
-# its events follow the turn's. `new_calls` of the records are of calls sent for the
-# first time, which the batch in flight gains. If the turn was woken meanwhile, it keeps
-# the lock (for a full term) and steps again; else it lets go of it and leaves the turn's
-# next deadline for the sweepers.
+# Unless it `keep`s the lock (a commit), it lets go of it and writes the dispatch records
+# of the calls it is about to send: its sends are its last act, so a call's start and
+# result always find its record. If the turn was woken meanwhile, it keeps the lock (a
+# full term) and steps again; else the turn's next deadline is left for the sweepers.
 RELEASE_LUA = (
     bind_lua(TurnKeys, ReleaseArgs, rest="sections")
     + f"""
@@ -232,8 +227,8 @@ return 1
 """
 )
 
-# LOCK_LUA: taking the step lock alone, without the step's read (a step taking back the
-# lock its release let go of, as tests do).
+# LOCK_LUA: taking the step lock alone, without the step's read or clearing its dirty
+# mark (a step taking back the lock its release let go of).
 LOCK_LUA = (
     bind_lua(("turn_key",), LockArgs)
     + f"""
@@ -283,10 +278,9 @@ class StepRecords(StoreBase):
         new_calls: int = 0,
         keep: bool = False,
     ) -> Released:
-        """Let go of the step's lock (unless `keep`), appending history messages, writing
-        state `fields` and call `plans`, publishing `events` (what the step staged) and
-        recording the calls it is about to send (`dispatched`; `new_calls` of them sent for
-        the first time) while it still holds it (see `Released`)."""
+        """Write what the step staged and record the calls it is about to send
+        (`dispatched`, `new_calls` of them new), fenced by its lock, then let go of the lock
+        unless `keep` (see `Released`)."""
         write = StepWrite.of(turn_id, fields, append, plans, events)
         named = ReleaseArgs(
             token,

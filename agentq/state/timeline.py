@@ -11,7 +11,6 @@ import time
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from agentq.events.bus import EventBus
 from agentq.events.types import Event
 from agentq.models import TERMINAL_STATUSES
 from agentq.state.turn_state import TurnState
@@ -26,10 +25,6 @@ LOG_TAIL = 300
 QUIET_TYPES = frozenset({"llm_delta", "tool_progress"})
 # Fields that carry text the log line does not need (the model's output, arguments).
 _DROP_FIELDS = frozenset({"text", "arguments", "content", "usage"})
-
-
-def _log(bus: EventBus, turn_id: str) -> list[Event]:
-    return list(islice((e for e in bus.log(turn_id) if e.type != "llm_delta"), MAX_LOG_EVENTS))
 
 
 def model_rounds(events: list[Event], ended_at: float | None) -> list[dict[str, Any]]:
@@ -132,7 +127,8 @@ def log_line(ev: Event) -> dict[str, Any]:
 def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]:
     """The turn's rounds, calls and recent events; `state` is its state hash, read already."""
     now = time.time()
-    events = _log(store.bus, turn_id)
+    log = (e for e in store.bus.log(turn_id) if e.type != "llm_delta")
+    events = list(islice(log, MAX_LOG_EVENTS))
     ended_at = state.get("ended_at")
     results = {c: r.model_dump() for c, r in store.results(turn_id).items()}
     rounds_of = call_rounds(store.history(turn_id), int(state.get("history_start") or 0))

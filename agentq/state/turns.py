@@ -84,12 +84,10 @@ class CloseArgs(NamedTuple):
 
 # CLOSE_LUA: ending a turn: its status, its terminal event and the retention TTL of its
 # keys in one atomic step; exactly one ending wins, and nothing is published after it. A
-# child turn started by an agent-as-tool call settles that call in its parent in the same
-# step (first result wins, as in SETTLE_LUA), and wakes the parent if the batch is
-# complete. A step ends the turn fenced by its lock, with the history messages it has not
-# committed yet (the round's last tool results): the turn's last words and its end are
-# one write, which lets go of the lock too. KEYS after the named ones get the TTL; ARGV
-# after the named ones: the messages, then the state's field/value pairs.
+# child turn settles its parent's call in the same step (first result wins, as in
+# SETTLE_LUA) and wakes the parent if the batch is complete. A step ends the turn fenced
+# by its lock, with the messages it has not committed yet: its last words and its end are
+# one write. KEYS after the named ones get the TTL; ARGV: the messages, then the fields.
 CLOSE_LUA = (
     bind_lua(_CLOSE_KEYS, CloseArgs, rest="messages")
     + turn_open_lua(f"{Closed.ENDED_ALREADY:d}")
@@ -147,12 +145,10 @@ class FlagCancelArgs(NamedTuple):
     """When a sweeper steps the turn should the abort's step message never be sent."""
 
 
-# FLAG_CANCEL_LUA: the cancel flag, the children: the reason goes in the turn's state
-# too, where the scripts read it with the state; not into a turn Redis does not hold. An
-# open turn is woken in the same write (its wakeup due by `wake_at`), so an abort whose
-# sender dies before it sends the step is still taken. A script, not a pipeline: a
-# Cluster pipeline takes no PUBLISH (a script's reaches every node's subscribers).
-# Returns {woken (1: the turn is open), children...}.
+# FLAG_CANCEL_LUA: the cancel flag, also in the turn's state (if Redis holds it), where
+# the scripts read it. An open turn is woken in the same write, so an abort whose sender
+# dies before it sends the step is still taken. A script, not a pipeline: a Cluster
+# pipeline takes no PUBLISH. Returns {woken (1: the turn is open), children...}.
 FLAG_CANCEL_LUA = (
     bind_lua((*TurnKeys._fields, "cancel_key", "children_key"), FlagCancelArgs)
     + f"""
@@ -221,7 +217,6 @@ class TurnRecords(StoreBase):
         """Store a new turn, woken: if the message of its first step is lost (a failover
         took it with the old master, its sender died), the wakeup sweep starts it.
         `records`: call records it starts with (a retry's settled calls), by field."""
-
         fields = {f: json.dumps(v) for f, v in state.items()}
         # Its history is fields of its state (constants.MESSAGE): written whole, so
         # sending it again (see _durable_write) is harmless.
@@ -291,10 +286,9 @@ class TurnRecords(StoreBase):
         """End the turn (status, terminal event, retention TTL) atomically, unless it had
         ended or `token` no longer holds the step lock (see `Closed`).
 
-        `settle_parent` (parent turn id, result) settles the parent's call that started
-        this turn in the same step, and wakes the parent; `append` adds history messages
-        first, in the same write; `hands_off`: its conversation's hand-off follows, and
-        the turn's wakeup stays as its backstop.
+        `settle_parent` (parent turn id, result) settles the parent's call in the same step;
+        `append` adds history messages first; `hands_off`: its conversation's hand-off
+        follows, and the turn's wakeup stays as its backstop.
         """
         messages = [json.dumps(m) for m in append or []]
         ended = {"status": status.value, "ended_at": time.time(), **fields}
