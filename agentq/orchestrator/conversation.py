@@ -23,17 +23,8 @@ from agentq import constants as k
 from agentq.errors import AgentqError, ConversationBusy, ConversationNotFound
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.orchestrator.wake import request_abort, send_step_or_wake
-from agentq.state.conversations import (
-    Admit,
-    Admitted,
-    Conversations,
-    ConversationView,
-    InPlace,
-    Multitask,
-    Release,
-    ReleaseArgs,
-    Take,
-)
+from agentq.state.conversation_lua import Admit, InPlace, Multitask, Release, ReleaseArgs, Take
+from agentq.state.conversations import Admitted, Conversations, ConversationView
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -23,7 +23,8 @@ from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
 from agentq.orchestrator.wake import send_step_or_wake
 from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
-from agentq.state.conversations import Admit, Multitask, binding, held_bindings
+from agentq.state.conversation_lua import Admit, Multitask
+from agentq.state.conversations import binding, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState

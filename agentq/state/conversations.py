@@ -317,19 +317,3 @@ class Conversations:
         ids = self._delete(keys=list(ConversationKeys.of(conversation_id)), args=[])
         self.redis.zrem(k.CONVERSATIONS_INDEX, conversation_id)
         return [text(i) for i in ids]
-
-
-__all__ = [
-    "Admit",
-    "Admitted",
-    "ConversationKeys",
-    "ConversationView",
-    "Conversations",
-    "InPlace",
-    "Multitask",
-    "Release",
-    "ReleaseArgs",
-    "Take",
-    "binding",
-    "held_bindings",
-]

@@ -11,17 +11,8 @@ from typing import Any
 import fakeredis
 
 from agentq import constants as k
-from agentq.state.conversations import (
-    Admit,
-    Admitted,
-    Conversations,
-    InPlace,
-    Multitask,
-    Release,
-    ReleaseArgs,
-    Take,
-    binding,
-)
+from agentq.state.conversation_lua import Admit, InPlace, Multitask, Release, ReleaseArgs, Take
+from agentq.state.conversations import Admitted, Conversations, binding
 
 CID = "c-1"
 OWNER = binding("owner", "alice")
