@@ -2,13 +2,11 @@
 answers: every decision about a conversation (who holds it, who waits, what its history
 becomes) is one script, so turns racing for a conversation never both get it.
 
-Each script gets the conversation's keys (`ConversationKeys`, in order, then on one Redis
-the listing's index) and opens by binding its inputs to names
-(`agentq.events.lua_args.bind_lua`). The meta hash's fields the scripts share: `running`,
-`rollback`, `bytes`, `updated_at`, `conflicts`; `last_turn`, `last_base`, `last_end` (the
-last turn that held the conversation, and where its exchange lies in the history:
-`[last_base, last_end)`, empty for an exchange dropped); `replacing` (a retry that holds the
-conversation to replace the last turn's exchange with its own: `IN_PLACE_LUA`).
+Each script gets the conversation's keys (`ConversationKeys`, then on one Redis the
+listing's index). Besides the meta fields `agentq.state.conversations` lists, the scripts
+keep `last_turn`, `last_base`, `last_end` (the last turn that held the conversation, and
+its exchange's place in the history, `[last_base, last_end)`) and `replacing` (a retry
+that holds the conversation to replace that exchange: `IN_PLACE_LUA`).
 """
 
 from __future__ import annotations
@@ -78,8 +76,7 @@ class ConversationKeys(NamedTuple):
 
 
 _SCRIPT_KEYS = (*ConversationKeys._fields, "index_key")
-"""A script's KEYS: the conversation's, and on one Redis (not a Cluster, where it is on
-another slot) the listing's index, which the writes note the conversation's change in."""
+"""The listing's index is on another slot of a Cluster: there the writes note it apart."""
 _KEEP = "for i = 1, 5 do redis.call('EXPIRE', KEYS[i], ttl_s) end\n"
 _INDEX = "if index_key then redis.call('ZADD', index_key, now, conversation_id) end\n"
 

@@ -10,8 +10,7 @@ below runs on one slot:
   (`admit_in_place`).
 - ``meta``: a hash: ``running`` (the one turn that holds the conversation), ``rollback``
   (a running turn whose exchange is to be dropped), ``bytes``, ``updated_at``,
-  ``conflicts`` (appends that found the history changed under them: never expected), and
-  where the last turn's exchange lies (`agentq.state.conversation_lua`).
+  ``conflicts`` (appends that found the history changed under them: never expected).
 - ``queue``: the turns waiting for it, in the order they run.
 - ``inject``: the queued turns whose message may join the running turn instead.
 

@@ -95,11 +95,10 @@ class BeginLlmArgs(NamedTuple):
     round_no: int
 
 
-# BEGIN_LLM_LUA: a stream worker takes a model round: unless it has a result, its turn is
-# over or another delivery holds its lease (LLM_ALIVE_FIELD), claim it, publish
-# llm_started, and read what the round needs, in one step (each round trip is a handoff
-# to a thread on a stream worker that holds thousands of rounds). It answers whether
-# anyone follows the turn, which decides how often its deltas go out.
+# BEGIN_LLM_LUA: a stream worker claims a model round (unless it has a result, its turn is
+# over or another delivery holds its lease), publishes llm_started and reads the history
+# in one step: each round trip is a handoff to a thread on a worker that holds thousands
+# of rounds. Whether anyone follows the turn decides how often its deltas go out.
 BEGIN_LLM_LUA = (
     bind_lua(TurnKeys, BeginLlmArgs)
     + f"""
