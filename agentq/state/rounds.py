@@ -9,7 +9,7 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 from agentq import constants as k
-from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
+from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import argv_of, bind_lua
 from agentq.state.base import WAKE_BACKSTOP_S, LuaScript, StoreBase, TurnKeys, now_ms, text
 from agentq.state.held import held_writes
@@ -95,27 +95,22 @@ class BeginLlmArgs(NamedTuple):
     round_no: int
 
 
-# BEGIN_LLM_LUA: a stream worker claims a model round (unless it has a result, its turn is
-# over or another delivery holds its lease), publishes llm_started and reads the history
+# BEGIN_LLM_LUA: a stream worker claims a model round (unless its turn is over, it has a
+# result or another delivery holds its lease), publishes llm_started and reads the history
 # in one step: each round trip is a handoff to a thread on a worker that holds thousands
 # of rounds. Whether anyone follows the turn decides how often its deltas go out.
 BEGIN_LLM_LUA = (
     bind_lua(TurnKeys, BeginLlmArgs)
+    + turn_open_lua(
+        f"{{{RoundBegun.GONE:d}}}",
+        whole="true",
+        extra=(f"'{k.LLM_RESULT_ROUND_FIELD}'", f"'{k.LLM_ALIVE_FIELD}'"),
+    )
     + f"""
-local st = redis.call('HGETALL', turn_key)
-local at = {{}}
-for i = 1, #st, 2 do at[st[i]] = i + 1 end
-local function get(f) return at[f] and st[at[f]] or false end
-local status, watched, cancelled = get('status'), get('{WATCHERS_FIELD}'), get('{k.CANCEL_FIELD}')
-local seq = tonumber(get('{SEQ_FIELD}')) or 0
 local round = tonumber(round_no)
-if (tonumber(get('{k.LLM_RESULT_ROUND_FIELD}')) or -1) >= round then
-  return {{{RoundBegun.DONE:d}}}
-end
-if not status or {ended_lua("status")} then return {{{RoundBegun.GONE:d}}} end
-local alive = get('{k.LLM_ALIVE_FIELD}')
-if alive then
-  local r, u = string.match(alive, '^"(%-?%d+):(%d+):')
+if (tonumber(more[1]) or -1) >= round then return {{{RoundBegun.DONE:d}}} end
+if more[2] then
+  local r, u = string.match(more[2], '^"(%-?%d+):(%d+):')
   if tonumber(r) == round and tonumber(u) > tonumber(now_ms) then
     return {{{RoundBegun.ELSEWHERE:d}}}
   end
@@ -125,9 +120,9 @@ redis.call('HSET', turn_key, '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', round_no
   '{k.LLM_ALIVE_FIELD}', lease)
 local followed = watched and tonumber(watched) > 0 and 1 or 0
 local hist = {{}}
-for i = 1, #st, 2 do
-  if string.sub(st[i], 1, 2) == '{k.MESSAGE}' then
-    hist[tonumber(string.sub(st[i], 3)) + 1] = st[i + 1]
+for i = 1, #whole_st, 2 do
+  if string.sub(whole_st[i], 1, 2) == '{k.MESSAGE}' then
+    hist[tonumber(string.sub(whole_st[i], 3)) + 1] = whole_st[i + 1]
   end
 end
 return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, hist, followed}}
