@@ -56,9 +56,8 @@ class TurnKeys(NamedTuple):
     turn_key: str
     log_key: str
     channel: str
-    """The turn's events channel."""
     wakeups_key: str
-    """The sorted set of wakeups of the turn's shard."""
+    """The wakeups of the turn's shard."""
 
     @classmethod
     def of(cls, turn_id: str) -> list[str]:

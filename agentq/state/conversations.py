@@ -303,8 +303,6 @@ class Conversations:
                         "updated_at": score,
                     }
                 )
-                if len(rows) >= limit:
-                    break
             if gone:
                 self.redis.zrem(k.CONVERSATIONS_INDEX, *gone)
             if len(rows) >= limit:
