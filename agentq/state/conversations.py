@@ -274,7 +274,6 @@ class Conversations:
             )
             if not page:
                 break
-            start += len(page)
             pipe = self.redis.pipeline(transaction=False)
             for cid, _score in page:
                 c = text(cid)
@@ -305,6 +304,8 @@ class Conversations:
                 )
             if gone:
                 self.redis.zrem(k.CONVERSATIONS_INDEX, *gone)
+            # The entries pruned here are out of the index: the next page starts that much sooner.
+            start += len(page) - len(gone)
             if len(rows) >= limit:
                 break
         return rows[:limit]

@@ -165,3 +165,19 @@ def test_a_turn_that_held_it_but_never_read_is_replaced_in_place() -> None:
     assert take(c, "r") == [msg("a1")]
     release(c, "r", 1, ["w1", "r1"])
     assert history(c) == ["a1", "w1", "r1"]
+
+
+def test_a_listing_past_expired_conversations_skips_none_that_live() -> None:
+    c = convs()
+    r = c.redis
+    for i in range(6):  # newest first: three expired, then three live
+        cid = f"c-{i}"
+        r.zadd(k.CONVERSATIONS_INDEX, {cid: 100.0 - i})
+        if i >= 3:
+            r.set(k.conversation_owner_key(cid), OWNER)
+    # A page of limit * 2 = 2 entries: the first two pages meet the expired ones.
+    rows = c.listing(owner="alice", any_owner=False, limit=1)
+    assert [row["conversation_id"] for row in rows] == ["c-3"]
+    rows = c.listing(owner="alice", any_owner=False, limit=3)
+    assert [row["conversation_id"] for row in rows] == ["c-3", "c-4", "c-5"]
+    assert r.zcard(k.CONVERSATIONS_INDEX) == 3  # the expired ones were pruned
