@@ -2,10 +2,8 @@
 
 Every turn is in ``agentq:turns:index`` (a sorted set scored by ``created_at``) from its
 creation. A finished turn's keys expire after the retention TTL (`turn_retention_s`); the
-index entry of a turn whose state is gone is removed the next time a listing meets it,
-each listing also checks a few of the oldest entries, and the turn workers' sweeper
-drops the entries of expired turns every minute, so the index does not grow with turns
-nobody lists.
+turn workers' sweeper drops the entries of expired turns every minute (`prune`), so the
+index does not grow with turns nobody lists, and a listing drops those it meets.
 
 Each shard of the state (agentq.constants.shard_count) has its own index; a listing
 merges them. One Lua call a shard summarises a page of turns inside Redis (state, call
@@ -35,7 +33,6 @@ SCAN_BATCH = 100
 SCAN_MAX = 5000
 """A filtered listing reads at most this many index entries per page, then hands back a
 cursor: a rare filter never makes one request read the whole index."""
-PRUNE_BATCH = 50
 TURN_STATUSES = frozenset(s.value for s in TurnStatus)
 Visible = Callable[[dict[str, Any]], bool]
 """Whether the asker may see a turn, given its state (the gateway's rule)."""
@@ -185,6 +182,14 @@ def summarise(
 ) -> dict[str, Any]:
     """One row of the list, from the turn's state and what the summary script found."""
     started = state.get("started_at")
+    # The model round the turn holds waiting for model capacity, with its place in the queue.
+    wait = None
+    if state.get("llm_wait_round") is not None and state.get("status") not in TERMINAL_STATUSES:
+        wait = {
+            "round": state["llm_wait_round"],
+            "since": state.get("llm_wait_since"),
+            "position": state.get("llm_wait_position"),
+        }
     ended = state.get("ended_at")
     duration_s = None
     if isinstance(started, (int, float)):
@@ -213,22 +218,9 @@ def summarise(
         "calls": {s: int(n) for s, n in sorted(counts.items())},
         "current_tools": [{"call_id": c, "tool": t, "state": s} for c, t, s in open_calls],
         "pending_interactions": pending,
-        "model_wait": model_wait(state),
+        "model_wait": wait,
         "error": state.get("error"),
         "abort_reason": state.get("abort_reason"),
-    }
-
-
-def model_wait(state: dict[str, Any]) -> dict[str, Any] | None:
-    """The model round the turn holds waiting for model capacity (agentq.orchestrator.
-    admission): its round, since when, its last known place in the queue; else None."""
-    round_no = state.get("llm_wait_round")
-    if round_no is None or state.get("status") in TERMINAL_STATUSES:
-        return None
-    return {
-        "round": round_no,
-        "since": state.get("llm_wait_since"),
-        "position": state.get("llm_wait_position"),
     }
 
 
@@ -245,8 +237,6 @@ class TurnLister:
     ) -> dict[str, dict[str, Any]]:
         """Summaries of these turns whose state is `visible` (vanished ones omitted and
         dropped from the index)."""
-        if not turn_ids:
-            return {}
         now = time.time() if now is None else now
         by_shard: dict[int, list[str]] = {}
         for t in turn_ids:
@@ -267,15 +257,8 @@ class TurnLister:
             state = {flat[i]: _loads(flat[i + 1]) for i in range(0, len(flat), 2)}
             if visible is not None and not visible(state):
                 continue
-            pending = [_loads(p) for p in _as_list(row[4])]
-            out[turn_id] = summarise(
-                turn_id,
-                state,
-                row[2] if isinstance(row[2], dict) else {},
-                _as_list(row[3]),
-                [p for p in pending if isinstance(p, dict)],
-                now,
-            )
+            pending = [json.loads(p) for p in _as_list(row[4])]
+            out[turn_id] = summarise(turn_id, state, row[2] or {}, _as_list(row[3]), pending, now)
         self._drop(gone)
         return out
 
@@ -309,7 +292,6 @@ class TurnLister:
 
     def page(self, query: TurnQuery, visible: Visible | None = None) -> TurnPage:
         """Newest first from `query.before`, filtered, at most `query.limit` turns."""
-        self.prune()
         now = time.time()
         top = "+inf" if query.before is None else f"({query.before!r}"
         page = TurnPage()
@@ -336,15 +318,10 @@ class TurnLister:
         page.next_before = last_score
         return page
 
-    def prune(
-        self, batch: int = PRUNE_BATCH, older_than: float | None = None, start: int = 0
-    ) -> int:
-        """Drop index entries whose turn has expired; how many were dropped.
-
-        Looks at the `batch` oldest entries, or, with `older_than`, at up to `batch`
-        entries created before it from position `start` (past live turns already seen).
-        """
-        top, start = ("+inf", 0) if older_than is None else (f"({older_than!r}", start)
+    def prune(self, older_than: float, start: int, batch: int) -> int:
+        """Drop the index entries of expired turns among `batch` created before `older_than`,
+        from position `start` (past the live ones already seen); how many were dropped."""
+        top = f"({older_than!r}"
         got = each_shard(
             self.redis,
             lambda p, s: p.zrangebyscore(
