@@ -17,7 +17,6 @@ import hmac
 import json
 import secrets
 import time
-from enum import IntEnum
 from functools import cache, cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -77,19 +76,6 @@ def not_found(wp_id: str) -> WaitpointRefused:
     return WaitpointRefused(wp_id, 404, "no such waitpoint (or not with this token)")
 
 
-class Opened(IntEnum):
-    """What `open_waitpoint` found (OPEN_LUA answers it)."""
-
-    TURN_GONE = -2
-    """The turn is over, or Redis lost it: nothing written."""
-    SETTLED = 0
-    """The call has its result already (an abort came first): nothing written."""
-    OPENED = 1
-    """Recorded, and tool_waiting published."""
-    OPEN_ALREADY = 2
-    """An earlier run of the call opened it (a redelivery): the first is kept."""
-
-
 class OpenArgs(NamedTuple):
     call_id: str
     record: str
@@ -103,23 +89,18 @@ class OpenArgs(NamedTuple):
 
 
 # OPEN_LUA: a call's waitpoint, recorded once (a redelivered run keeps the first) unless
-# the call settled meanwhile; tool_waiting published; the turn woken by the deadline (LT:
-# an earlier wakeup stays) and marked, so a step that read the turn before this write
-# steps again and sees the waitpoint's deadline.
+# the call settled meanwhile (an abort came first) or its turn is over: 1 if it wrote,
+# 0 if not. tool_waiting published; the turn woken by the deadline (LT: an earlier
+# wakeup stays) and marked, so a step that read the turn before this write steps again
+# and sees the waitpoint's deadline.
 OPEN_LUA = (
     bind_lua(TurnKeys, OpenArgs)
-    + turn_open_lua(
-        f"{Opened.TURN_GONE:d}",
-        extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"),
-    )
-    + f"""
-if more[1] then return {Opened.SETTLED:d} end
-if more[2] then return {Opened.OPEN_ALREADY:d} end
-"""
+    + turn_open_lua("0", extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"))
+    + "if more[1] or more[2] then return 0 end\n"
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
     + f"redis.call('HSET', turn_key, '{k.WAITING}' .. call_id, record, '{SEQ_FIELD}', seq)\n"
     + wake_lua(at="deadline")
-    + f"return {Opened.OPENED:d}\n"
+    + "return 1\n"
 )
 
 
@@ -151,8 +132,9 @@ class Waitpoints:
 
     def open_waitpoint(
         self, turn_id: str, call_id: str, record: dict[str, Any], event: dict[str, Any]
-    ) -> Opened:
-        """Record the call's waitpoint (`record` with `deadline_ms`) and publish tool_waiting."""
+    ) -> bool:
+        """Record the call's waitpoint (`record` with `deadline_ms`) and publish tool_waiting;
+        False if it was not (see OPEN_LUA)."""
         args = OpenArgs(
             call_id,
             json.dumps(record, default=str),
@@ -161,10 +143,10 @@ class Waitpoints:
             turn_id,
             record["deadline_ms"] / 1000,
         )
-        store = self.store
-        opened = Opened(int(store._durable(self._open, keys=TurnKeys.of(turn_id), args=list(args))))
-        if opened is Opened.OPENED:
-            store.bus.counted([("tool_waiting", event)])
+        keys = TurnKeys.of(turn_id)
+        opened = bool(int(self.store._durable(self._open, keys=keys, args=list(args))))
+        if opened:
+            self.store.bus.counted([("tool_waiting", event)])
         return opened
 
     def open_waitpoints(self, turn_id: str) -> dict[str, dict[str, Any]]:

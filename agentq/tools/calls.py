@@ -24,7 +24,7 @@ from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
 from agentq.state.held import held_writes
-from agentq.state.waitpoints import Opened, waitpoints
+from agentq.state.waitpoints import waitpoints
 from agentq.telemetry import context as log_context
 from agentq.telemetry import tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
@@ -190,7 +190,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
         settle_deadline(scope, get_settings().tool_grace_s),
         f"the waitpoint of call {req.call_id} ({req.tool})",
     )
-    if opened is Opened.OPENED:
+    if opened:
         try:
             queue_waiting(store, get_settings(), req.turn_id, event)
         except Exception:
