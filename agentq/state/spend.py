@@ -14,12 +14,9 @@ turn has its parent's key), so each script below runs on one slot of a Cluster:
   (with its descendants', reservations included), its settled ``prompt``, ``completion``
   and ``cached``, its rounds' reservations ``r:<round>`` and the last round ``settled``.
 
-Before a round under a budget, RESERVE takes the prompt's estimate plus the completion it
-may produce from the turn's, its parents' and its key's budgets, and caps that completion
-to what they leave: the one place that arithmetic is done. As every round answers, SETTLE
-replaces its reservation (if it took one) with its usage. Both are keyed by the turn and
-the round's number, and idempotent: a step that runs again finds its round reserved, or
-settled.
+RESERVE (before a round under a budget: the one place its completion is capped) and
+SETTLE (as every round answers) are keyed by the turn and the round's number, and
+idempotent: a step that runs again finds its round reserved, or settled (docs/spend.md).
 """
 
 from __future__ import annotations
@@ -81,14 +78,6 @@ class Reserve(IntEnum):
     """Reserved (or reserved already): {OK, cap, bounded}."""
     EXCEEDED = 2
     """A budget cannot afford the round: {EXCEEDED, scope, budget, spent, limit}."""
-
-
-class Settle(IntEnum):
-    """SETTLE's answer."""
-
-    SETTLED = 1
-    DONE = 2
-    """Settled already (a step that ran again)."""
 
 
 class SpendKeys(NamedTuple):
@@ -162,13 +151,13 @@ class ReserveArgs(NamedTuple):
 SETTLE_LUA = (
     bind_lua(SpendKeys, SettleArgs)
     + _ADD_LUA
-    + f"""-- The round's reservation (if it took one) becomes its usage, in every count the
+    + """-- The round's reservation (if it took one) becomes its usage, in every count the
 -- reservation was added to; once: rounds are settled in order, a step that runs again
--- finds its round settled.
+-- finds its round settled (0).
 local field = 'r:' .. settle_round
 local got = redis.call('HMGET', own_key, 'settled', field)
 local last = tonumber(got[1])
-if last and last >= tonumber(settle_round) then return {Settle.DONE} end
+if last and last >= tonumber(settle_round) then return 0 end
 redis.call('HSET', own_key, 'settled', settle_round)
 local reserved = got[2] ~= false
 local rt, ru = 0, 0
@@ -182,19 +171,19 @@ local u = tonumber(used_usd)
 -- Without a reservation a count may be a hash's first.
 add_all(p + c - rt, u - ru, not reserved)
 local function counts(key, g)
-  local by = {{p, c, h}}
-  for i, name in ipairs({{'prompt', 'completion', 'cached'}}) do
+  local by = {p, c, h}
+  for i, name in ipairs({'prompt', 'completion', 'cached'}) do
     if by[i] ~= 0 then redis.call('HINCRBY', key, g .. name, by[i]) end
   end
 end
 for i = parents_at - 1, #KEYS do counts(KEYS[i], '') end
 -- By model and by agent; the key's totals are the sum of its models' (usage_report).
-for _, g in ipairs({{'m|' .. model .. '|', 'a|' .. agent .. '|'}}) do
+for _, g in ipairs({'m|' .. model .. '|', 'a|' .. agent .. '|'}) do
   counts(day_key, g)
   if u ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', used_usd) end
   if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
 end
-return {Settle.SETTLED}
+return 1
 """
 )
 """A round's usage, settled as its result is read (or at its turn's end, unanswered)."""
@@ -393,7 +382,7 @@ class Spend:
         )
         keys = self._keys(owner, settle.day, turn_id, parents)
         answer = self._settle(keys=keys, args=argv_of(args))
-        done = Settle(int(answer)) is Settle.SETTLED
+        done = int(answer) == 1
         if done and settle.round_no == 0:
             self._note_owner(owner)
         return done
