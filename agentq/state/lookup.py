@@ -43,11 +43,9 @@ def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[st
             scanned += SCAN_COUNT
             fresh = {text(m): float(sc) for m, sc in rows if text(m) not in found}
             found.update({t: fresh[t] for t in live(client, list(fresh))})
-            if len(found) > limit:
-                return _newest(found, limit), True
-            if int(cursor) == 0:
+            if int(cursor) == 0 and len(found) <= limit:
                 break
-            if scanned >= SCAN_MAX:
+            if len(found) > limit or scanned >= SCAN_MAX:
                 return _newest(found, limit), True
     return _newest(found, limit), False
 
