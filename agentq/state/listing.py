@@ -14,6 +14,7 @@ round trips and no result content crosses the network.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,17 +149,15 @@ class TurnQuery:
                 cursor = float(before)  # type: ignore[arg-type]
             except ValueError:
                 raise ValueError("before: must be a created_at timestamp (seconds)") from None
-            if cursor != cursor or cursor in (float("inf"), float("-inf")):
+            if not math.isfinite(cursor):
                 raise ValueError("before: must be a finite timestamp")
         return cls(status=wanted, agent=agent or None, limit=n, before=cursor)
 
     def matches(self, summary: dict[str, Any]) -> bool:
         status = summary.get("status")
-        if self.status:
-            groups = {str(status)}
-            groups.add("ended" if status in TERMINAL_STATUSES else "active")
-            if not groups & self.status:
-                return False
+        groups = {str(status), "ended" if status in TERMINAL_STATUSES else "active"}
+        if self.status and not groups & self.status:
+            return False
         return self.agent is None or summary.get("agent") == self.agent
 
 

@@ -1,11 +1,9 @@
 """Turn ids by prefix: a person types `agentq show 3f2a9c01b7e4`, not 32 hex digits.
 
-Every turn is in its shard's index (agentq.state.listing) from its creation, so a prefix is
-looked up there. Four hex digits or more name the turn's shard (`constants.shard_of`), so
-only that shard's index is read; Redis matches the prefix as it scans (ZSCAN MATCH), so only
-matching ids cross the network. The scan stops once it has `limit` live turns, and reads at
-most SCAN_MAX index entries, so a lookup is a bounded number of round trips whatever the
-index holds. An index entry whose turn has expired is not a match.
+A prefix is looked up in the turns' index (agentq.state.listing): four hex digits or more
+name its shard, Redis matches the prefix as it scans (ZSCAN MATCH), and a lookup stops at
+`limit` live turns or SCAN_MAX entries read, so it is a bounded number of round trips
+whatever the index holds. An index entry whose turn has expired is not a match.
 """
 
 from __future__ import annotations
