@@ -78,11 +78,6 @@ def ended_lua(status: str) -> str:
     return " or ".join(f"{status} == '\"{s}\"'" for s in sorted(TERMINAL_STATUSES))
 
 
-# Nothing is published after a turn's terminal event (the terminal event itself is
-# published by the script that ends the turn): a late writer, such as a stream worker
-# finishing its deltas after an abort, is refused here atomically. Nor to a turn Redis
-# does not hold (it lost it): its seq would make half a turn, which `end_lost_turn` then
-# could not end.
 class TurnEventKeys(NamedTuple):
     """A turn's keys that publishing to it touches."""
 
@@ -91,45 +86,17 @@ class TurnEventKeys(NamedTuple):
     turn_key: str
 
 
-class PublishArgs(NamedTuple):
-    event: str
-    """The event's body (`event_body`)."""
-    log_opts: str
-    """`EventBus.log_arg()`."""
+def _publish_many_lua(refused: str) -> str:
+    """The events of many turns in one call: KEYS are three per turn (TurnEventKeys), ARGV
+    the `log_arg`, then for each turn the number of its events and their bodies. Nothing
+    of a turn is published while `refused` (a Lua condition on its `status`) holds.
 
-
-def _publish_one_lua(refused: str) -> str:
-    """A script that publishes one event unless `refused` (a Lua condition on the turn's
-    `status`) holds: then it answers seq 0 and publishes nothing."""
+    Returns the positions (from 0) of the turns someone follows (the stream worker holds
+    back the deltas of a turn nobody watches live), and those of the refused turns (-1 -
+    position)."""
     return (
-        bind_lua(TurnEventKeys, PublishArgs)
+        bind_lua((), ("log_opts",), rest="turns")
         + f"""
-local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
-local status, last = open[1], tonumber(open[3]) or 0
-if {refused} then
-  return {{0, ''}}
-end
-"""
-        + publish_lua("log_key", "channel", "event", "log_opts", "open[2]", "last")
-        + _WRITE_SEQ
-        + "return {last, id}"
-    )
-
-
-PUBLISH_LUA = _publish_one_lua(f"not status or {ended_lua('status')}")
-# Only while the turn is queued (`turn_queued`): once its first step ran, it said
-# `turn_started`, and a late `turn_queued` after it would tell a follower the opposite.
-PUBLISH_QUEUED_LUA = _publish_one_lua("status ~= '\"queued\"'")
-
-# The events of many turns in one call: KEYS are three per turn (TurnEventKeys), ARGV
-# the `log_arg`, then for each turn the number of its events and their bodies. One
-# call instead of one per event: a stream worker publishes thousands of deltas a second.
-# Returns the positions (from 0) of the turns someone follows (the script reads `watchers`
-# anyway, and the stream worker holds back the deltas of a turn nobody watches live), and
-# those of the turns that are over (-1 - position: nothing of theirs was published).
-PUBLISH_MANY_LUA = (
-    bind_lua((), ("log_opts",), rest="turns")
-    + f"""
 local a = turns_at
 local followed = {{}}
 for t = 0, #KEYS / 3 - 1 do
@@ -137,25 +104,36 @@ for t = 0, #KEYS / 3 - 1 do
   local n = tonumber(ARGV[a])
   local open = redis.call('HMGET', turn_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}')
   local status, last = open[1], tonumber(open[3]) or 0
-  if not status or {ended_lua("status")} then
+  if {refused} then
     followed[#followed + 1] = -1 - t
     a = a + 1 + n
   else
     if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end
     for i = 1, n do
 """
-    + publish_lua("log_key", "channel", "ARGV[a + i]", "log_opts", "open[2]", "last")
-    + """
+        + publish_lua("log_key", "channel", "ARGV[a + i]", "log_opts", "open[2]", "last")
+        + """
     end
 """
-    + _WRITE_SEQ
-    + """
+        + _WRITE_SEQ
+        + """
     a = a + 1 + n
   end
 end
 return followed
 """
-)
+    )
+
+
+# Nothing is published after a turn's terminal event (the terminal event itself is
+# published by the script that ends the turn): a late writer, such as a stream worker
+# finishing its deltas after an abort, is refused here atomically. Nor to a turn Redis
+# does not hold (it lost it): its seq would make half a turn, which `end_lost_turn` then
+# could not end.
+PUBLISH_MANY_LUA = _publish_many_lua(f"not status or {ended_lua('status')}")
+# Only while the turn is queued (`turn_queued`): once its first step ran, it said
+# `turn_started`, and a late `turn_queued` after it would tell a follower the opposite.
+PUBLISH_QUEUED_LUA = _publish_many_lua("status ~= '\"queued\"'")
 
 
 # A follower marks the turn it follows (by one, again if it saw a live copy missing) and
@@ -223,7 +201,6 @@ class EventBus:
         self._count = count
         # How the bodies of counted events begin (`event_body` puts the type first).
         self._counted_prefixes = tuple(f'{{"type":"{t}"' for t in sorted(counted_types))
-        self._publish = client.register_script(PUBLISH_LUA)
         self._publish_queued = client.register_script(PUBLISH_QUEUED_LUA)
         self._publish_many = client.register_script(PUBLISH_MANY_LUA)
         self._watch = client.register_script(WATCH_LUA)
@@ -240,21 +217,15 @@ class EventBus:
         if self._count is not None and events:
             self._count(events)
 
-    def publish(self, turn_id: str, type_: str, **fields: Any) -> int:
-        """Publish one event; return its seq, 0 if the turn has ended (nothing published)."""
-        return self._publish_with(self._publish, turn_id, type_, fields)
+    def publish(self, turn_id: str, type_: str, **fields: Any) -> bool:
+        """Publish one event; False if the turn has ended (nothing published)."""
+        over = self._send(self._publish_many, {turn_id: [event_body(turn_id, type_, fields)]})[1]
+        return not over
 
-    def publish_while_queued(self, turn_id: str, type_: str, **fields: Any) -> int:
-        """`publish`, only while the turn has not started (0 once its first step ran)."""
-        return self._publish_with(self._publish_queued, turn_id, type_, fields)
-
-    def _publish_with(self, script: Any, turn_id: str, type_: str, fields: dict[str, Any]) -> int:
-        keys = TurnEventKeys(log_key(turn_id), events_channel(turn_id), turn_key(turn_id))
-        args = PublishArgs(event_body(turn_id, type_, fields), self.log_arg())
-        res = script(keys=list(keys), args=list(args))
-        if int(res[0]):
-            self.counted([(type_, fields)])
-        return int(res[0])
+    def publish_while_queued(self, turn_id: str, type_: str, **fields: Any) -> bool:
+        """`publish`, only while the turn has not started (False once its first step ran)."""
+        over = self._send(self._publish_queued, {turn_id: [event_body(turn_id, type_, fields)]})[1]
+        return not over
 
     def watch(self, turn_id: str, by: int) -> bool:
         """Count a follower of the turn in (`by` 1) or out (-1); False if Redis does not hold
@@ -263,11 +234,14 @@ class EventBus:
         return self._watch(keys=[turn_key(turn_id)], args=list(args)) is not None
 
     def publish_many(self, batches: Mapping[str, list[str]]) -> set[str]:
-        """Publish event bodies (`event_body`) of several turns, each turn's in order, in
-        calls of about PUBLISH_MANY_EVENTS events, pipelined when there are several. On a
-        Cluster each call holds the turns of one shard only: a script runs on one slot.
+        """Publish event bodies (`event_body`) of several turns, each turn's in order; the
+        turns someone followed (`watchers` > 0) as their events went out."""
+        return self._send(self._publish_many, batches)[0]
 
-        Returns the turns someone followed (`watchers` > 0) as their events went out."""
+    def _send(self, script: Any, batches: Mapping[str, list[str]]) -> tuple[set[str], set[str]]:
+        """Run a publish script on `batches` in calls of about PUBLISH_MANY_EVENTS events,
+        pipelined when there are several; on a Cluster each call holds the turns of one
+        shard only (a script runs on one slot). The turns followed, and those refused."""
         opts = self.log_arg()
         by_shard: dict[int, list[str]] = {}
         for turn_id, bodies in batches.items():
@@ -289,17 +263,17 @@ class EventBus:
             if keys:
                 calls.append((ids, keys, args))
         if not calls:
-            return set()
+            return set(), set()
         if len(calls) == 1 or self.sharded:
             # One script call: a pipeline would ask SCRIPT EXISTS first, every time. On a
             # Cluster one call after the other: redis-py's cluster pipeline refuses
             # scripts (it lost every batch that spanned shards).
-            replies = [self._publish_many(keys=keys, args=args) for _, keys, args in calls]
+            replies = [script(keys=keys, args=args) for _, keys, args in calls]
         else:
 
             def build(pipe: Any) -> None:
                 for _, keys, args in calls:
-                    self._publish_many(keys=keys, args=args, client=pipe)
+                    script(keys=keys, args=args, client=pipe)
 
             replies = run_pipeline(self.redis, build)
         followed: set[str] = set()
@@ -317,7 +291,7 @@ class EventBus:
                 for event in (json.loads(body),)
             ]
         )
-        return followed
+        return followed, over
 
     def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
         """Events in the log strictly after `after_id`."""

@@ -30,7 +30,7 @@ SCRIPTS = {
     **_store_scripts(),
     "interactions._CLOSE_LUA": interactions._CLOSE_LUA,
     "listing._SUMMARY_LUA": listing._SUMMARY_LUA,
-    "bus.PUBLISH_LUA": bus.PUBLISH_LUA,
+    "bus.PUBLISH_QUEUED_LUA": bus.PUBLISH_QUEUED_LUA,
     "bus.PUBLISH_MANY_LUA": bus.PUBLISH_MANY_LUA,
     "bus.WATCH_LUA": bus.WATCH_LUA,
     **{
