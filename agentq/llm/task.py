@@ -38,7 +38,6 @@ from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usa
 from agentq.state.budget import cost_usd
 from agentq.state.held import REDIS_AWAY
 from agentq.state.rounds import LlmRoundStart, RoundBegun
-from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 
 log = logging.getLogger("agentq.llm")
@@ -94,7 +93,7 @@ async def run_round(
     remove_cancel = host.cancels.add(req.turn_id, abort.set)
     observed = tracing.enabled or logs.enabled
     if observed:
-        bound = log_context.bind(req.turn_id, None, task_id)
+        bound = logs.bind(req.turn_id, None, task_id)
         span = tracing.start_span(
             tracing.SPAN_ROUND,
             req.traceparent,
@@ -133,7 +132,7 @@ async def run_round(
         streams.release((req.turn_id, req.round_no))
         host.running.pop(name, None)
         if observed:
-            log_context.unbind(bound)
+            logs.unbind(bound)
     if observed:
         # Before the result is stored: storing it may run the turn's next step here.
         _end_round_span(span, result, rnd.ttft_ms)

@@ -43,7 +43,6 @@ from agentq.state.base import StepView, text
 from agentq.state.listing import TurnLister
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
-from agentq.telemetry import context as log_context
 from agentq.telemetry import logs, tracing
 from agentq.telemetry.fleetcounts import fleet_counts
 
@@ -94,14 +93,14 @@ def take_step(
             return _steps(turn_id, view, token, ttl_ms, store, app, settings)
         # The turn's id bound for the logs, and a step span under the turn's.
         state = view.state or {}
-        bound = log_context.bind(turn_id)
+        bound = logs.bind(turn_id)
         span = tracing.start_span(
             tracing.SPAN_STEP,
             state.get("traceparent"),
             {
                 tracing.ATTR_TURN_ID: turn_id,
                 tracing.ATTR_AGENT: state.get("agent"),
-                tracing.ATTR_TASK_ID: log_context.celery_task()[0],
+                tracing.ATTR_TASK_ID: logs.celery_task()[0],
             },
         )
         try:
@@ -111,7 +110,7 @@ def take_step(
             tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
             raise
         finally:
-            log_context.unbind(bound)
+            logs.unbind(bound)
         tracing.end_span(span, None, {"agentq.step_outcome": outcome})
         return outcome
     finally:

@@ -4,7 +4,9 @@ Celery task a line is about.
 Workers switch it on from Celery's logging signals (so `celery -A agentq.worker worker`
 gets it too), the gateway from its app factory. Each line carries `ts`, `level`,
 `logger`, `message`, `pid`, and, where known, `turn_id`, `call_id`, `task_id` and
-`task_name`; a traceback goes in `exc`.
+`task_name`; a traceback goes in `exc`. The step, the tool task and the model round bind
+their ids (`bind`) only while JSON logs or tracing are on, so the hot path pays nothing
+otherwise.
 """
 
 from __future__ import annotations
@@ -12,13 +14,46 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import sys
 import time
-from typing import Any
-
-from agentq.telemetry.context import celery_task, current
+from contextvars import ContextVar, Token
+from typing import Any, NamedTuple
 
 enabled = False
 """True once JSON logs are on in this process: the step, call and round bind their ids."""
+
+
+class LogContext(NamedTuple):
+    turn_id: str | None = None
+    call_id: str | None = None
+    task_id: str | None = None
+
+
+_EMPTY = LogContext()
+_current: ContextVar[LogContext] = ContextVar("agentq_log_context", default=_EMPTY)
+
+
+def celery_task() -> tuple[str | None, str | None]:
+    """The id and name of the Celery task this thread runs, found as Celery's TaskFormatter
+    finds them (without importing Celery into a process that has none)."""
+    state = sys.modules.get("celery._state")
+    if state is None:
+        return None, None
+    task = state.get_current_task()
+    if task is None or task.request is None:
+        return None, None
+    return getattr(task.request, "id", None), getattr(task, "name", None)
+
+
+def bind(
+    turn_id: str | None, call_id: str | None = None, task_id: str | None = None
+) -> Token[LogContext]:
+    """Make the ids current (in this thread, or this asyncio task); undo with `unbind`."""
+    return _current.set(LogContext(turn_id, call_id, task_id))
+
+
+def unbind(token: Token[LogContext]) -> None:
+    _current.reset(token)
 
 
 class JsonFormatter(logging.Formatter):
@@ -33,7 +68,7 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
             "pid": record.process,
         }
-        ctx = current()
+        ctx = _current.get()
         task_id, task_name = celery_task()
         # The bound id wins: on an event loop the Celery task that handed a call over is gone.
         ids = {
@@ -91,8 +126,6 @@ def connect_celery_signals(log_format: str) -> None:
     # A task's turn (and call), bound from its arguments for the whole of its run, so
     # Celery's own lines about it (`... succeeded in 0.002s`) carry them too.
     from celery.signals import task_postrun, task_prerun
-
-    from agentq.telemetry.context import bind, unbind
 
     tokens: dict[str, Any] = {}
 

@@ -25,8 +25,7 @@ from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
 from agentq.state.held import held_writes
 from agentq.state.waitpoints import waitpoints
-from agentq.telemetry import context as log_context
-from agentq.telemetry import tracing
+from agentq.telemetry import logs, tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
@@ -89,7 +88,7 @@ def observed(scope: CallScope) -> Iterator[Any]:
     """The call's ids bound for the logs and its span current (tools' own spans nest under
     it) meanwhile; yields the span, which the caller ends."""
     req = scope.req
-    bound = log_context.bind(req.turn_id, req.call_id, scope.task_id)
+    bound = logs.bind(req.turn_id, req.call_id, scope.task_id)
     span = tracing.start_span(
         tracing.CALL_SPAN_PREFIX + req.tool,
         req.traceparent,
@@ -99,7 +98,7 @@ def observed(scope: CallScope) -> Iterator[Any]:
         with tracing.active(span):
             yield span
     finally:
-        log_context.unbind(bound)
+        logs.unbind(bound)
 
 
 HOLD_PAST_DEADLINE_S = 60.0

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from agentq.gateway.metrics import GatewayMetrics
 from agentq.local.processes import wait_for
-from agentq.telemetry import context, logs, tracing
+from agentq.telemetry import logs, tracing
 from agentq.telemetry.fleetcounts import FleetCounts, field_of, read_counts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,11 +156,11 @@ def test_agentq_runs_without_opentelemetry(tmp_path: Path) -> None:
 
 def test_json_log_line_carries_the_bound_ids() -> None:
     record = logging.LogRecord("agentq.turn", logging.WARNING, __file__, 1, "x %s", ("y",), None)
-    token = context.bind("turn1", "call1", "task1")
+    token = logs.bind("turn1", "call1", "task1")
     try:
         line = logs.JsonFormatter().format(record)
     finally:
-        context.unbind(token)
+        logs.unbind(token)
     out = json.loads(line)
     assert out["message"] == "x y" and out["level"] == "WARNING"
     assert (out["turn_id"], out["call_id"], out["task_id"]) == ("turn1", "call1", "task1")
