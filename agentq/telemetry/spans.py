@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
@@ -49,11 +48,3 @@ class JsonLinesSpanExporter(SpanExporter):  # type: ignore[misc]
         finally:
             os.close(fd)
         return SpanExportResult.SUCCESS
-
-
-def read_spans(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The spans written to `path` so far (none if it does not exist yet)."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]

@@ -104,12 +104,9 @@ def new_turn_trace() -> tuple[str, str | None]:
         if sc.is_valid:
             trace_id = sc.trace_id
             caller = format_traceparent(sc.trace_id, sc.span_id)
-    while not trace_id:
-        trace_id = secrets.randbits(128)
-    span_id = 0
-    while not span_id:
-        span_id = secrets.randbits(64)
-    return format_traceparent(trace_id, span_id), caller
+    # An all-zero id is invalid (W3C).
+    trace_id = trace_id or secrets.randbits(128) or 1
+    return format_traceparent(trace_id, secrets.randbits(64) or 1), caller
 
 
 def setup(

@@ -28,7 +28,6 @@ from agentq.local.processes import JSON_READY_PATTERN, ManagedProcess, start_pro
 from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import Usage
 from agentq.telemetry import tracing
-from agentq.telemetry.spans import read_spans
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.conftest import base_env
 
@@ -37,6 +36,14 @@ pytestmark = pytest.mark.integration
 OBS_DB = 7
 FLUSH_S = 0.2
 """The fleet's AGENTQ_METRICS_FLUSH_S."""
+
+
+def read_spans(path: str | Path) -> list[dict[str, Any]]:
+    """The spans the workers' exporter (`agentq.telemetry.spans`) wrote to `path` so far."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 USAGE = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
 
 
