@@ -11,6 +11,7 @@ reconnect and nothing more.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -18,7 +19,7 @@ import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
@@ -109,12 +110,6 @@ def _backoff() -> ExponentialBackoff:
     return ExponentialBackoff(cap=1.0, base=0.05)
 
 
-def _sync_retry(retries: int) -> Retry:
-    if retries <= 0:
-        return Retry(NoBackoff(), 0)
-    return Retry(_backoff(), retries)
-
-
 def redis_client(
     url: str,
     master_name: str | None = None,
@@ -128,7 +123,7 @@ def redis_client(
     failing a turn at once; `retries=0` is for probes that must answer quickly.
     """
     options: dict[str, Any] = {
-        "retry": _sync_retry(retries),
+        "retry": Retry(_backoff(), max(retries, 0)),
         "retry_on_error": RETRY_ON if retries > 0 else [],
         **kwargs,
     }
@@ -164,9 +159,6 @@ CLUSTER_REINITIALIZE_STEPS = 1
 command goes to the promoted replica, not again to the lost master."""
 
 
-CLUSTER_RETRY_ON = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
-
-
 class BackoffCluster(RedisCluster):
     """A RedisCluster whose commands outlast a failover.
 
@@ -178,7 +170,9 @@ class BackoffCluster(RedisCluster):
 
     def __init__(self, *args: Any, retries: int = REDIS_RETRIES, **kwargs: Any) -> None:
         # Set first: the base class sends commands while it starts.
-        self._backoff = Retry(_backoff(), retries, supported_errors=CLUSTER_RETRY_ON)
+        self._backoff = Retry(
+            _backoff(), retries, supported_errors=(*RETRY_ON, ClusterDownError, TryAgainError)
+        )
         super().__init__(*args, **kwargs)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
@@ -198,7 +192,7 @@ def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -
     return BackoffCluster(
         startup_nodes=startup,
         retries=retries,
-        retry=_sync_retry(retries),
+        retry=Retry(_backoff(), max(retries, 0)),
         reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
         **kwargs,
     )
@@ -253,20 +247,9 @@ def _probe_broker(url: str, timeout_s: float) -> str | None:
 
 
 def probe_cluster(nodes: str, timeout_s: float = 3.0) -> str | None:
-    """None when the Redis Cluster that `nodes` name some of answers; else why not."""
-    try:
-        client = cluster_client(
-            nodes, retries=0, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        )
-    except REDIS_ERRORS as exc:
-        return str(exc) or type(exc).__name__
-    try:
-        client.ping()
-    except (*REDIS_ERRORS, OSError) as exc:  # type: ignore[misc]
-        return str(exc) or type(exc).__name__
-    finally:
-        client.close()
-    return None
+    """None when the Redis Cluster that `nodes` name some of answers; else why not (as `probe`)."""
+    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
+    return _ping(lambda: cluster_client(nodes, retries=0, **timeouts))
 
 
 def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> str | None:
@@ -277,22 +260,22 @@ def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> s
     """
     if not url.startswith(REDIS_SCHEMES):
         return _probe_broker(url, timeout_s)
+    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
+    return _ping(lambda: redis_client(url, master_name, retries=0, **timeouts))
+
+
+def _ping(connect: Callable[[], Any]) -> str | None:
+    client = None
     try:
-        client = redis_client(
-            url,
-            master_name,
-            retries=0,
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-        )
+        client = connect()
+        client.ping()
     except ValueError as exc:
         return f"bad URL: {exc}"
-    try:
-        client.ping()
     except (redis.AuthenticationError, redis.ResponseError) as exc:
         return f"refused: {exc}"
-    except (redis.RedisError, OSError) as exc:
+    except (*REDIS_ERRORS, OSError) as exc:  # type: ignore[misc]
         return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return None
