@@ -26,18 +26,14 @@ EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]
 """Counts published events (type, fields) in the fleet's metrics."""
 
 # Appends to the log and publishes with the same seq, atomically: a subscriber that
-# reads the log after subscribing can dedupe by seq and never misses an event. The seq
-# is a field of the turn's state hash (`SEQ_FIELD`), which the scripts read with its
-# status anyway, and write back with whatever else they write to it.
-# ARGV[1] is the event JSON without seq; the script splices seq (and, for the live
-# copy, the stream id) in as text so no JSON is parsed inside Redis.
+# reads the log after subscribing can dedupe by seq and never misses an event. The seq is
+# a field of the turn's state hash, read with its status and written back with it, and is
+# spliced into the body as text, so no JSON is parsed inside Redis.
 #
 # The live copy goes out only while someone follows the turn (its `watchers` field, kept by
-# `follow`): most events are written once, to the log, and a PUBLISH to nobody is a
-# command Redis runs all the same. A follower marks the turn before it subscribes and
-# reads the log after, so what was published before the mark is in what it reads. The
-# fleet's metrics count events in the processes that publish them (FleetCounts), not
-# from copies on a channel.
+# `follow`): a PUBLISH to nobody is a command Redis runs all the same. A follower marks the
+# turn before it subscribes and reads the log after, so what was published before the mark
+# is in what it reads.
 
 WATCHERS_FIELD: Final = "watchers"
 """Field of the turn's state hash: how many followers want the live copies."""
@@ -50,11 +46,9 @@ def publish_lua(
 ) -> str:
     """The Lua that publishes one event, for embedding in larger atomic scripts.
 
-    `opts` is a `log_arg` (the log's maxlen, then `s` on a Redis Cluster: the turn's channel
-    is a shard channel, SPUBLISH, in its slot); `watched` a Lua value, the turn's
-    `watchers` field as read (false: none). `seq` names a Lua local holding the turn's last
-    seq (its SEQ_FIELD as read, 0 for none): the fragment counts it up, and the script
-    writes it back to the turn's hash.
+    `opts` is a `log_arg`; `watched` a Lua value, the turn's `watchers` field as read
+    (false: none); `seq` a Lua local holding the turn's last seq (0 for none), which the
+    fragment counts up and the script writes back to the turn's hash.
     """
     return f"""
 {seq} = {seq} + 1
@@ -209,7 +203,8 @@ class EventBus:
         its messages stay on the turn's shard instead of crossing the whole cluster."""
 
     def log_arg(self) -> str:
-        """The publish scripts' options: the log's maxlen, `s` on a Cluster."""
+        """The publish scripts' options: the log's maxlen, then `s` on a Cluster (the turn's
+        channel is a shard channel there, SPUBLISH, in its slot)."""
         return f"{self.log_maxlen}s" if self.sharded else str(self.log_maxlen)
 
     def counted(self, events: list[tuple[str, dict[str, Any]]]) -> None:
