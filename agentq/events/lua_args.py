@@ -10,13 +10,10 @@ from typing import Any
 
 
 def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
-    """Lua that opens a script: a one-line header giving its argument layout, then each of
-    its KEYS and ARGV bound to a name (`local turn_key = KEYS[1]`), in the order of `keys`
-    and `args` (the NamedTuple classes, or names, that the Python builds the lists from),
-    so a script reads its inputs by name and no offset is written twice. `rest` names
-    what follows the named ARGV (a variable tail), bound to its first index,
-    `<rest>_at`."""
-    # A NamedTuple class's fields, or names.
+    """Lua that opens a script: a header giving its argument layout, then its KEYS and ARGV
+    bound to names (`local turn_key = KEYS[1]`) in the order of `keys` and `args` (NamedTuple
+    classes, or names). `rest` names a variable tail after them: `<rest>_at` is its first
+    index."""
     key_names, arg_names = (tuple(getattr(x, "_fields", x)) for x in (keys, args))
     tail = f", {rest}..." if rest else ""
     lines = [f"-- KEYS: {', '.join(key_names) or '-'}; ARGV: {', '.join(arg_names) or '-'}{tail}"]

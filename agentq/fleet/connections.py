@@ -36,12 +36,9 @@ enough for a restart or a Sentinel failover (a few seconds with default timeouts
 
 
 class NoReplicasError(redis.ConnectionError):
-    """`NOREPLICAS`: the master has fewer good replicas than its `min-replicas-to-write`.
-
-    Behind Sentinel that is a master whose replica was just promoted: the write must go
-    to the new master, so it is retried like a lost connection (a new connection asks
-    the sentinels for the master) instead of failing the caller.
-    """
+    """`NOREPLICAS`: the master has fewer good replicas than its `min-replicas-to-write`;
+    behind Sentinel, one whose replica was just promoted, so the write is retried on the
+    new master like a lost connection."""
 
 
 class MasterChangedError(redis.ConnectionError):
@@ -183,11 +180,8 @@ class BackoffCluster(RedisCluster):
 
 
 def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -> RedisCluster:
-    """A client for the Redis Cluster whose nodes `nodes` (`host:port,...`) name some of.
-
-    It follows MOVED and ASK answers and, when a master fails, retries (with the same
-    backoff as `redis_client`) until the cluster has promoted its replica.
-    """
+    """A client (a BackoffCluster) for the Redis Cluster whose nodes `nodes` (`host:port,...`)
+    name some of."""
     startup = [ClusterNode(host, port) for host, port in parse_cluster_nodes(nodes)]  # type: ignore[no-untyped-call]
     return BackoffCluster(
         startup_nodes=startup,

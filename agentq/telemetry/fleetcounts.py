@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import bisect
-import contextlib
 import json
 import logging
 import os
@@ -311,13 +310,9 @@ class FleetCounts:
     def _flush_at_exit(self) -> None:
         # Bounded: with Redis gone, the client's retries would hold the exit for seconds.
         if self._pid == os.getpid() and (self._ints or self._sums):
-            last = threading.Thread(target=self._flush_quietly, args=(self._client,), daemon=True)
+            last = threading.Thread(target=self.flush, args=(self._client,), daemon=True)
             last.start()
             last.join(EXIT_FLUSH_S)
-
-    def _flush_quietly(self, client: Any) -> None:
-        with contextlib.suppress(Exception):
-            self.flush(client)
 
     def _run(self, flush_s: float) -> None:
         pid = os.getpid()
