@@ -182,31 +182,32 @@ class LlmFinished(Event):
     code: str | None = None
 
 
-class ToolStarted(Event):
-    type: Literal["tool_started"] = "tool_started"
+class _CallEvent(Event):
+    """The fields every event of one tool call has."""
+
     call_id: str | None = None
     tool: str | None = None
+
+
+class ToolStarted(_CallEvent):
+    type: Literal["tool_started"] = "tool_started"
     timeout_s: int | float | None = None
     child_turn_id: str | None = None
     """Set for an agent called as a tool: the child turn that runs it."""
 
 
-class ToolProgress(Event):
+class ToolProgress(_CallEvent):
     type: Literal["tool_progress"] = "tool_progress"
-    call_id: str | None = None
-    tool: str | None = None
     elapsed_ms: int | float | None = None
     source: str | None = None
     """"worker" (the periodic tick), "tool" (`ctx.progress`) or "agent" (a sub-agent)."""
     message: str | None = None
 
 
-class ToolFinished(Event):
+class ToolFinished(_CallEvent):
     """A call settled, with one of ok, error, timeout, cancelled, denied, lost."""
 
     type: Literal["tool_finished"] = "tool_finished"
-    call_id: str | None = None
-    tool: str | None = None
     status: str | None = None
     duration_ms: int | float | None = None
     overran: bool | None = None
@@ -219,13 +220,11 @@ class ToolFinished(Event):
     """Set for a call that waited on a waitpoint (completed, timed out or cancelled)."""
 
 
-class ToolWaiting(Event):
+class ToolWaiting(_CallEvent):
     """The call's tool ended its run with a Waitpoint: the call waits, holding nothing,
     for a completion at `callback_url` (or its timeout)."""
 
     type: Literal["tool_waiting"] = "tool_waiting"
-    call_id: str | None = None
-    tool: str | None = None
     waitpoint_id: str | None = None
     timeout_s: int | float | None = None
     callback_url: str | None = None
@@ -235,10 +234,8 @@ class ToolWaiting(Event):
     tags: list[str] | None = None
 
 
-class ToolDenied(Event):
+class ToolDenied(_CallEvent):
     type: Literal["tool_denied"] = "tool_denied"
-    call_id: str | None = None
-    tool: str | None = None
     reason: str | None = None
 
 

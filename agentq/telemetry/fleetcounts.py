@@ -27,7 +27,7 @@ import redis
 
 from agentq.constants import FLEET_COUNTS
 from agentq.errors import REDIS_ERRORS, ModelBusy
-from agentq.models import AbortReason, ToolStatus
+from agentq.models import TERMINAL_STATUSES, AbortReason, ToolStatus
 
 log = logging.getLogger("agentq.telemetry")
 
@@ -112,19 +112,16 @@ FAMILIES = {
     )
 }
 
-COUNTED_TYPES = frozenset(
-    {
-        "tool_finished",
-        "tool_waiting",
-        "llm_finished",
-        "llm_queued",
-        "llm_started",
-        "llm_retry",
-        "turn_finished",
-        "turn_aborted",
-        "turn_error",
-    }
-)
+_TERMINAL = {f"turn_{s}": s for s in TERMINAL_STATUSES}
+"""A turn's terminal event types, and the outcome each counts as."""
+COUNTED_TYPES = frozenset(_TERMINAL) | {
+    "tool_finished",
+    "tool_waiting",
+    "llm_finished",
+    "llm_queued",
+    "llm_started",
+    "llm_retry",
+}
 """The event types any count is taken from."""
 
 EXIT_FLUSH_S = 2.0
@@ -140,7 +137,6 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_.:/@+-]{1,128}$")
 _BUDGET_SCOPES = frozenset({"turn", "parent_turn", "key"})
 _ABORT_REASONS = frozenset(get_args(AbortReason))
-_TERMINAL = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "error"}
 _TOOL_STATUSES = frozenset(get_args(ToolStatus))
 
 
