@@ -2,15 +2,10 @@
 
 kombu offers no transport option or public hook for three things agentq's fleet needs
 from its Redis broker, so this module wraps private members of
-`kombu.transport.redis.Channel` (the `REACHED` table), once per process:
-
-- a channel whose connection was closed under it (a broker restart with tasks unacked,
-  a Sentinel failover) raises a connection error instead of AttributeError, so Celery
-  reconnects instead of exiting (`_connparams`);
-- one redis client per connection pool instead of one built for every publish, half a
-  millisecond each on the hot path (`_create_client`);
-- the messages a worker held when its broker went away wait in the process and go back to
-  their queues through the first channel that consumes again (`_restore`, `_lookup`, `_put`).
+`kombu.transport.redis.Channel` (the `REACHED` table), once per process: a channel closed
+under it raises a connection error Celery recovers from (`_connparams`), one redis client
+serves a connection pool (`_create_client`), and the messages a worker held when its
+broker went away go back to their queues when it returns (`_restore`, `basic_consume`).
 
 `check_channel` compares the installed kombu with `REACHED` before anything is wrapped,
 and `tests/unit/test_kombu_redis.py` runs it on every test run: a kombu that renamed or

@@ -128,25 +128,26 @@ def setup(
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        processor: Any
+        if exporter is not None:
+            processor = SimpleSpanProcessor(exporter)
+        elif spans_file:
+            from agentq.telemetry.spans import JsonLinesSpanExporter
+
+            # Written as each span ends: a prefork child may be killed at any time.
+            processor = SimpleSpanProcessor(JsonLinesSpanExporter(spans_file))
+        else:
+            processor = BatchSpanProcessor(_standard_exporter())
     except ImportError:
         log.warning(
-            "tracing is configured but OpenTelemetry is not installed: agentq runs "
-            "untraced (pip install 'agentq[otel]')"
+            "tracing is configured but OpenTelemetry or its OTLP exporter is not installed: "
+            "agentq runs untraced (pip install 'agentq[otel]')"
         )
         return False
-    processor: Any
-    if exporter is not None:
-        processor = SimpleSpanProcessor(exporter)
-    elif spans_file:
-        from agentq.telemetry.spans import JsonLinesSpanExporter
-
-        # Written as each span ends: a prefork child may be killed at any time.
-        processor = SimpleSpanProcessor(JsonLinesSpanExporter(spans_file))
-    else:
-        made = _standard_exporter()
-        if made is None:
-            return False
-        processor = BatchSpanProcessor(made)
+    except ValueError as exc:
+        log.warning("%s: agentq runs untraced", exc)
+        return False
     attributes = (
         {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": f"agentq-{service}"}
     )
@@ -168,20 +169,9 @@ def _standard_exporter() -> Any:
 
         return ConsoleSpanExporter()
     if kind not in ("otlp", ""):
-        log.warning(
-            "OTEL_TRACES_EXPORTER=%s is not supported by agentq (otlp, console): "
-            "agentq runs untraced",
-            kind,
-        )
-        return None
-    try:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    except ImportError:
-        log.warning(
-            "tracing is configured but the OTLP exporter is not installed: agentq "
-            "runs untraced (pip install 'agentq[otel]')"
-        )
-        return None
+        raise ValueError(f"OTEL_TRACES_EXPORTER={kind} is not supported by agentq (otlp, console)")
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
     return OTLPSpanExporter()
 
 
