@@ -192,7 +192,7 @@ class EventBus:
     ) -> None:
         self.redis = client
         self.log_maxlen = log_maxlen
-        self._count = count
+        self.counted: EventCount = count or (lambda events: None)
         # How the bodies of counted events begin (`event_body` puts the type first).
         self._counted_prefixes = tuple(f'{{"type":"{t}"' for t in sorted(counted_types))
         self._publish_queued = client.register_script(PUBLISH_QUEUED_LUA)
@@ -206,11 +206,6 @@ class EventBus:
         """The publish scripts' options: the log's maxlen, then `s` on a Cluster (the turn's
         channel is a shard channel there, SPUBLISH, in its slot)."""
         return f"{self.log_maxlen}s" if self.sharded else str(self.log_maxlen)
-
-    def counted(self, events: list[tuple[str, dict[str, Any]]]) -> None:
-        """Count published events (type, fields) in the fleet's metrics, if this bus does."""
-        if self._count is not None and events:
-            self._count(events)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> bool:
         """Publish one event; False if the turn has ended (nothing published)."""
