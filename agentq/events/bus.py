@@ -203,8 +203,7 @@ class EventBus:
         its messages stay on the turn's shard instead of crossing the whole cluster."""
 
     def log_arg(self) -> str:
-        """The publish scripts' options: the log's maxlen, then `s` on a Cluster (the turn's
-        channel is a shard channel there, SPUBLISH, in its slot)."""
+        """The publish scripts' options: the log's maxlen, then `s` on a Cluster (SPUBLISH)."""
         return f"{self.log_maxlen}s" if self.sharded else str(self.log_maxlen)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> bool:

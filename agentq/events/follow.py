@@ -43,11 +43,8 @@ CURSOR_CHILDREN_MAX = 64
 
 @dataclass
 class Cursor:
-    """Where a reader of a turn stands: the root's stream id and each open child's.
-
-    Encoded `<root id>` alone while no child stream is open (a plain stream id, as
-    before relaying), else `<root id>,<child turn id>=<its stream id>,...`.
-    """
+    """Where a reader of a turn stands: the root's stream id and each open child's, encoded
+    `<root id>[,<child turn id>=<its stream id>]...`."""
 
     root: str = "0-0"
     children: dict[str, str] = field(default_factory=dict)

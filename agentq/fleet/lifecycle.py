@@ -7,10 +7,8 @@ from typing import Self
 
 
 class Started:
-    """`with thing:` starts it and stops it, however the block ends.
-
-    Subclasses define `start()` (returning themselves) and `stop()`.
-    """
+    """`with thing:` starts it and stops it, however the block ends; subclasses define
+    `start()` and `stop()`."""
 
     def start(self) -> object:
         raise NotImplementedError

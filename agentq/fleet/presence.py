@@ -143,10 +143,9 @@ def waiting_on(store: TurnStore, turn_id: str) -> list[str] | None:
 
 class Watch:
     """While a turn waits, says (`say`) which queue it needs has no live worker and what to
-    start for it, and says again when that changes; stops when the turn ends. It only
-    speaks: the turn keeps waiting, and goes on as soon as the worker starts. `needs` says
-    which queues the turn needs now (`waiting_on`; None: it ended); without it the watch
-    looks only for the workers every turn needs (one read a second), and its owner ends it."""
+    start for it, again when that changes; it only speaks, the turn goes on once the worker
+    starts. `needs` gives the queues the turn needs now (`waiting_on`; None: it ended);
+    without it the watch looks for the workers every turn needs, and its owner ends it."""
 
     def __init__(
         self,
