@@ -12,7 +12,7 @@ reconnect and nothing more.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -126,8 +126,7 @@ def redis_client(
     }
     if not is_sentinel(url):
         return redis.Redis.from_url(url, **options)
-    client: redis.Redis = _master(Sentinel, url, master_name, **options)
-    return client
+    return cast(redis.Redis, _master(Sentinel, url, master_name, **options))
 
 
 def _master(sentinel_cls: Any, url: str, master_name: str | None, **options: Any) -> Any:
@@ -215,8 +214,7 @@ def async_redis_client(url: str, master_name: str | None = None, **kwargs: Any) 
     options = {"retry": AsyncRetry(_backoff(), REDIS_RETRIES), "retry_on_error": RETRY_ON, **kwargs}
     if not is_sentinel(url):
         return aioredis.Redis.from_url(url, **options)
-    client: aioredis.Redis = _master(AsyncSentinel, url, master_name, **options)
-    return client
+    return cast(aioredis.Redis, _master(AsyncSentinel, url, master_name, **options))
 
 
 def transport_options(url: str, master_name: str | None) -> dict[str, Any]:

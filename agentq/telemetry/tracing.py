@@ -9,10 +9,8 @@ process records its own spans under that parent. The turn's own span is recorded
 by the step that ends the turn, with the ids drawn at the start and the turn's
 `created_at` as its start, so the tree is whole whichever processes took part.
 
-Off unless configured (`AGENTQ_OTEL=1`, `OTEL_EXPORTER_OTLP_ENDPOINT`,
-`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or `OTEL_TRACES_EXPORTER` other than `none`; `AGENTQ_OTEL=0`
-wins). Without the `agentq[otel]` extra, agentq runs untraced and says why once. When
-off, the hot path pays one test of `enabled`.
+Off unless configured (`wanted`); without the `agentq[otel]` extra, agentq runs untraced
+and says why once.
 """
 
 from __future__ import annotations
@@ -59,7 +57,8 @@ _ids: Any = None
 
 
 def wanted(otel: bool | None = None, environ: Mapping[str, str] | None = None) -> bool:
-    """Whether tracing is configured: `otel` (AGENTQ_OTEL) if set, else the OTEL_* variables."""
+    """Whether tracing is configured: `otel` (AGENTQ_OTEL) if set, else the OTEL_* variables
+    (an OTLP endpoint, or `OTEL_TRACES_EXPORTER` other than `none`)."""
     env = os.environ if environ is None else environ
     if otel is not None:
         return otel
