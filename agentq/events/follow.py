@@ -291,7 +291,6 @@ def follow(
     *,
     after: Cursor | str = "0-0",
     depth: int = 0,
-    idle_timeout_s: float | None = None,
     heartbeat_s: float | None = None,
     live: bool = True,
 ) -> Generator[Event | None, None, None]:
@@ -309,17 +308,14 @@ def follow(
         yield from tree.catch_up()
         if not live:
             return
-        silent_since = beat_at = caught_up_at = time.monotonic()
+        beat_at = caught_up_at = time.monotonic()
         while not tree.done:
             wait_s = 1.0 if heartbeat_s is None else min(1.0, heartbeat_s)
             msg = tree.message(wait_s)
             now = time.monotonic()
             if msg is not None:
-                silent_since = now
                 yield from tree.live(Event.parse(msg["data"]))
                 continue
-            if idle_timeout_s is not None and now - silent_since > idle_timeout_s:
-                return
             if heartbeat_s is not None and now - beat_at >= heartbeat_s:
                 beat_at = now
                 yield None
@@ -331,7 +327,6 @@ def follow(
                 tree.resubscribed = False
                 came: set[str] = set()
                 for ev in tree.catch_up():
-                    silent_since = now
                     came.add(ev.turn_id)
                     yield ev
                 for t in list(tree.streams):
