@@ -250,7 +250,6 @@ def end_span(
     span: Any,
     status: str | None,
     attributes: Mapping[str, Any] | None = None,
-    end_s: float | None = None,
     error: str | None = None,
 ) -> None:
     if span is None:
@@ -264,7 +263,7 @@ def end_span(
         span.set_attribute(ATTR_STATUS, status)
         if status not in OK_STATUSES:
             span.set_status(Status(StatusCode.ERROR, error or status))
-    span.end(end_time=_ns(end_s))
+    span.end()
 
 
 @contextlib.contextmanager
@@ -285,13 +284,12 @@ def record_span(
     attributes: Mapping[str, Any],
     *,
     start_s: float | None,
-    end_s: float | None,
     status: str | None,
     error: str | None = None,
 ) -> None:
     """A span whose work already happened (a call settled by someone else than its worker)."""
     span = start_span(name, traceparent, attributes, start_s)
-    end_span(span, status, end_s=end_s, error=error)
+    end_span(span, status, error=error)
 
 
 def end_turn(
@@ -329,7 +327,6 @@ def record_settled(traceparent: object, turn_id: str, result: Any) -> None:
             "agentq.settled_by": "turn",
         },
         start_s=rec.started_at,
-        end_s=None,
         status=result.status,
         error=result.error or result.reason,
     )

@@ -279,7 +279,6 @@ def _settle_killed(
             req.traceparent,
             tracing.call_attributes(req, task_id),
             start_s=start.get("started_at"),
-            end_s=None,
             status=result.status,
             error=result.error,
         )
