@@ -48,9 +48,9 @@ def entry(role: str, queues: Iterable[str]) -> str:
     return json.dumps({"role": role, "queues": sorted(queues), "pid": os.getpid(), "at": at})
 
 
-def live_queues(redis: Any, now: float | None = None) -> dict[str, list[str]]:
+def live_queues(redis: Any) -> dict[str, list[str]]:
     """Queue -> the hostnames of the live workers that consume it."""
-    now = time.time() if now is None else now
+    now = time.time()
     out: dict[str, list[str]] = {}
     stale = []
     for raw_host, raw in (redis.hgetall(k.PRESENCE) or {}).items():
