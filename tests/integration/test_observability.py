@@ -44,6 +44,8 @@ def read_spans(path: str | Path) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+
 USAGE = Usage(prompt_tokens=11, completion_tokens=7, total_tokens=18)
 
 
