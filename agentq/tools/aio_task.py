@@ -29,7 +29,7 @@ from agentq.tools.calls import (
     call_kwargs,
     mark_started,
     observed,
-    ok_result,
+    outcome,
     progress_fields,
     raised_result,
     settle,
@@ -170,47 +170,36 @@ class _AsyncCall:
             waiter.cancel()
             if soft_timer is not None:
                 soft_timer.cancel()
-        result: ToolResult | Waiting
+        value: Any = None
+        raised: BaseException | None = None
         if inner in done:
-            result = self._outcome(inner)
-        elif waiter in done:
-            inner.cancel()
-            result = scope.cancelled()
+            try:
+                value = inner.result()
+            except (Exception, asyncio.CancelledError) as exc:  # the soft limit's among them
+                raised = exc
         else:
             inner.cancel()
-            result = scope.timeout(
-                killed=True,
-                what=f"Tool {req.tool!r} was cancelled at its hard time limit of "
+            inner.add_done_callback(_forget)
+        host.running.pop(self.name, None)
+        hard_limit = None
+        if not done:
+            hard_limit = (
+                f"Tool {req.tool!r} was cancelled at its hard time limit of "
                 f"{req.timeout_s:g}s; it is not running any more."
                 if self.spec.kind == "async"
                 else f"Tool {req.tool!r} did not finish within its hard time limit of "
-                f"{req.timeout_s:g}s; its thread was abandoned and may still be running.",
+                f"{req.timeout_s:g}s; its thread was abandoned and may still be running."
             )
-        if not inner.done():
-            inner.add_done_callback(_forget)
-        host.running.pop(self.name, None)
-        return result
-
-    def _outcome(self, inner: asyncio.Future[Any]) -> ToolResult | Waiting:
-        scope = self.scope
-        if self.ctx._cancelled:
-            # Cancelled, or it saw its turn's abort and returned: cancelled, as the abort
-            # step settles it, whichever of the two settles first.
-            return scope.cancelled()
-        if inner.cancelled():
-            if self.soft_fired:
-                return scope.timeout(killed=False, soft=True)
-            return raised_result(scope, RuntimeError("the tool's coroutine was cancelled"))
-        exc = inner.exception()
-        if exc is not None:
-            return raised_result(scope, exc)
-        try:
-            value = inner.result()
-            return ok_result(
-                scope, self.spec, value, self.host.settings, soft_fired=self.soft_fired
-            )
-        except Exception as err:
-            return raised_result(scope, err)
+        return outcome(
+            scope,
+            self.spec,
+            host.settings,
+            aborted=self.ctx._cancelled,
+            hard_limit=hard_limit,
+            soft_fired=self.soft_fired,
+            raised=raised,
+            value=value,
+        )
 
 
 async def _await(made: Any) -> Any:

@@ -1,5 +1,5 @@
 """One tool call's life as both tool workers share it: its start record, its ToolContext,
-and how what the tool returned or raised becomes a ToolResult."""
+and how the way it ended becomes a ToolResult (`outcome`)."""
 
 from __future__ import annotations
 
@@ -422,3 +422,34 @@ def raised_result(scope: CallScope, exc: BaseException) -> ToolResult:
     return error_result(
         scope.call, f"{scope.req.tool} raised {type(exc).__name__}: {exc}", **scope.common
     )
+
+
+def outcome(
+    scope: CallScope,
+    spec: ToolSpec,
+    settings: Settings,
+    *,
+    aborted: bool = False,
+    hard_limit: str | None = None,
+    soft_fired: bool = False,
+    raised: BaseException | None = None,
+    value: Any = None,
+) -> ToolResult | Waiting:
+    """The call's result on either tool worker, by one precedence: an abort (the tool saw
+    it), the hard limit (`hard_limit` says what it did), the soft limit (it fired and the
+    tool raised), what the tool raised, what it returned.
+
+    An abort wins as it does for the abort step, which settles the call `cancelled`:
+    whichever of the two settles first, the call's status is the same."""
+    if aborted:
+        return scope.cancelled()
+    if hard_limit is not None:
+        return scope.timeout(killed=True, what=hard_limit)
+    if raised is not None and soft_fired:
+        return scope.timeout(killed=False, soft=True)
+    if raised is None:
+        try:
+            return ok_result(scope, spec, value, settings, soft_fired=soft_fired)
+        except Exception as exc:  # a value no tool may return (ToolMisuse)
+            raised = exc
+    return raised_result(scope, raised)

@@ -15,26 +15,24 @@ from typing import TYPE_CHECKING, Any
 from billiard.exceptions import WorkerLostError
 from billiard.pool import SIG_SOFT_TIMEOUT
 from celery import Celery, Task
-from celery.exceptions import SoftTimeLimitExceeded, TimeLimitExceeded
+from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.fleet.runtime import get_store
-from agentq.models import ToolResult, ToolTaskRequest
+from agentq.models import ToolTaskRequest
 from agentq.state.held import REDIS_AWAY, held_writes
 from agentq.telemetry import tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
     TICK,
     CallScope,
-    Waiting,
     call_kwargs,
     mark_started,
     observed,
-    ok_result,
+    outcome,
     progress_fields,
-    raised_result,
     settle,
     task_scope,
     tool_context,
@@ -206,23 +204,25 @@ def _sent(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> bool:
 def _run(
     spec: ToolSpec, scope: CallScope, ctx: ToolContext, store: TurnStore, settings: Settings
 ) -> str:
-    result: ToolResult | Waiting
+    value: Any = None
+    raised: Exception | None = None
     with _soft_limit(scope) as soft:
         try:
             with _ticker.running(store, scope, settings.progress_interval_s):
                 kwargs = call_kwargs(spec, scope.req)
                 value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
-                if ctx._cancelled:
-                    # It saw its turn's abort and returned: cancelled, as the abort step
-                    # settles it, whichever of the two settles first.
-                    result = scope.cancelled()
-                else:
-                    result = ok_result(scope, spec, value, settings, soft_fired=soft.fired)
-        except SoftTimeLimitExceeded:
-            result = scope.timeout(killed=False, soft=True)
-        except Exception as exc:
-            result = raised_result(scope, exc)
+        except Exception as exc:  # the soft limit's SoftTimeLimitExceeded among them
+            raised = exc
         soft.done = True
+        result = outcome(
+            scope,
+            spec,
+            settings,
+            aborted=ctx._cancelled,
+            soft_fired=soft.fired,
+            raised=raised,
+            value=value,
+        )
         settle(store, scope, result)
     return result.status
 

@@ -169,6 +169,32 @@ def test_abort_cancels_within_50_ms(io_worker) -> None:
     assert res.status == "cancelled"
 
 
+@pytest.mark.parametrize("name", ["raise_on_abort", "aio_raise_on_abort"])
+def test_a_tool_that_saw_the_abort_and_raised_settles_cancelled(
+    tool_worker, io_worker, name: str
+) -> None:
+    """The abort wins over the tool's error on both workers: the tool's own settle, with no
+    abort step to settle first, gives the status the abort step gives."""
+    turn_id = _turn()
+    spec = get_tool(name)
+    req = ToolTaskRequest(
+        turn_id=turn_id,
+        call_id=f"c_{name}",
+        tool=name,
+        arguments={},
+        timeout_s=spec.policy.timeout_s,
+        soft_timeout_s=None,
+        budget_s=1,
+    )
+    get_app().send_task(spec.task_name, kwargs=req.model_dump(), queue=spec.policy.queue)
+    store = get_store()
+    wait_for(lambda: req.call_id in store.call_progress(turn_id)[0], 10, message="started")
+    store.redis.set(k.cancel_key(turn_id), "user")
+    store.redis.publish(k.CANCEL_CHANNEL, turn_id)
+    res = wait_for(lambda: store.result(turn_id, req.call_id), 10, message="settled")
+    assert res.status == "cancelled", res
+
+
 def test_sync_tool_on_a_thread_and_its_abandoned_timeout(io_worker, turn_worker) -> None:
     fast, slow = call("thread_sleep", seconds=0.2), call("thread_sleep", seconds=3)
     t0 = time.time()
