@@ -23,17 +23,15 @@ from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import HOLD_RETRY_S, held_writes
 from agentq.telemetry import tracing
 from agentq.tools.calls import (
-    TICK,
     CallScope,
     Waiting,
     call_kwargs,
     mark_started,
     observed,
     outcome,
-    progress_fields,
-    raised_result,
     settle,
     task_scope,
+    tick,
     tool_context,
 )
 from agentq.tools.registry import ToolSpec
@@ -86,8 +84,8 @@ class _AsyncCall:
         self.name = f"{spec.task_name}:{req.call_id}"
         self.abort_wait = asyncio.Event()
         self.soft_fired = False
-        self._settled = threading.Lock()
-        self._claimed = False
+        self._settling = threading.Lock()
+        """Taken, never released, by whoever settles the call: the first to try, alone."""
         self.ctx = tool_context(host.store, scope, backend, host.fire, watched=True)
 
     async def run(self, delivery: str) -> str:
@@ -99,10 +97,10 @@ class _AsyncCall:
         try:
             inner = self.start(call_kwargs(self.spec, self.req))
         except Exception as exc:
-            await host.io(settle, host.store, scope, raised_result(scope, exc))
-            return "error"
-        result = await self.wait(inner)
-        if self.claim():  # else the worker's recycling settled it first
+            result = outcome(scope, self.spec, host.settings, raised=exc)
+        else:
+            result = await self.wait(inner)
+        if self._settling.acquire(blocking=False):  # else the worker's recycling settled it
             await host.io(settle, host.store, scope, result)
         return result.status
 
@@ -110,19 +108,13 @@ class _AsyncCall:
         self.ctx._cancelled = True
         self.abort_wait.set()
 
-    def claim(self) -> bool:
-        """Whether the asker settles the call: the first to ask does, nobody after it."""
-        with self._settled:
-            claimed, self._claimed = self._claimed, True
-        return not claimed
-
     def _recycled(self, why: str, blocked: bool) -> None:
         scope, req = self.scope, self.req
         if blocked:
             result = scope.timeout(killed=True, what=f"Tool {req.tool!r}: {why}.")
         else:
             result = lost_result(scope.call, why, **scope.common)
-        if self.claim():
+        if self._settling.acquire(blocking=False):
             settle(self.host.store, scope, result)
 
     def start(self, kwargs: dict[str, Any]) -> asyncio.Future[Any]:
@@ -214,12 +206,7 @@ async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         if held_writes.count:
             continue  # Redis is away: a tick would wait in the store's threads before results
-        host.fire(
-            host.store.bus.publish,
-            scope.req.turn_id,
-            "tool_progress",
-            **progress_fields(scope, TICK),
-        )
+        host.fire(tick, host.store, scope)
 
 
 def _forget(fut: asyncio.Future[Any]) -> None:

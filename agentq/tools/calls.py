@@ -344,8 +344,10 @@ def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-TICK = {"state": "running", "source": "worker"}
-"""The worker's periodic `tool_progress` of a running call."""
+def tick(store: TurnStore, scope: CallScope) -> None:
+    """The worker's periodic `tool_progress` of a running call."""
+    fields = progress_fields(scope, {"state": "running", "source": "worker"})
+    store.bus.publish(scope.req.turn_id, "tool_progress", **fields)
 
 
 def call_kwargs(spec: ToolSpec, req: ToolTaskRequest) -> dict[str, Any]:
@@ -416,14 +418,6 @@ def ok_result(
     )
 
 
-def raised_result(scope: CallScope, exc: BaseException) -> ToolResult:
-    if isinstance(exc, AgentqError):
-        return error_result(scope.call, exc.message, **scope.common)
-    return error_result(
-        scope.call, f"{scope.req.tool} raised {type(exc).__name__}: {exc}", **scope.common
-    )
-
-
 def outcome(
     scope: CallScope,
     spec: ToolSpec,
@@ -452,4 +446,7 @@ def outcome(
             return ok_result(scope, spec, value, settings, soft_fired=soft_fired)
         except Exception as exc:  # a value no tool may return (ToolMisuse)
             raised = exc
-    return raised_result(scope, raised)
+    if isinstance(raised, AgentqError):
+        return error_result(scope.call, raised.message, **scope.common)
+    what = f"{scope.req.tool} raised {type(raised).__name__}: {raised}"
+    return error_result(scope.call, what, **scope.common)

@@ -26,15 +26,14 @@ from agentq.state.held import REDIS_AWAY, held_writes
 from agentq.telemetry import tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
-    TICK,
     CallScope,
     call_kwargs,
     mark_started,
     observed,
     outcome,
-    progress_fields,
     settle,
     task_scope,
+    tick,
     tool_context,
 )
 from agentq.tools.context import ToolContext
@@ -101,9 +100,7 @@ class _Ticker:
                 continue
             ticked = (scope, time.time())
             try:
-                store.bus.publish(
-                    scope.req.turn_id, "tool_progress", **progress_fields(scope, TICK)
-                )
+                tick(store, scope)
             except Exception:
                 log.debug("progress tick not sent", exc_info=True)
 
