@@ -39,9 +39,6 @@ from agentq.tools.results import lost_result
 
 log = logging.getLogger("agentq.tools")
 
-SOFT_LIMIT_MESSAGE = "agentq: soft time limit"
-"""The message of the CancelledError an async tool sees at its soft limit."""
-
 
 def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     """In a Celery thread: hand the call to the loop (waiting while it is full)."""
@@ -131,7 +128,7 @@ class _AsyncCall:
     def _soft(self, inner: asyncio.Future[Any]) -> None:
         if not inner.done():
             self.soft_fired = True
-            inner.cancel(SOFT_LIMIT_MESSAGE)
+            inner.cancel("agentq: soft time limit")  # what the tool's CancelledError says
 
     async def wait(self, inner: asyncio.Future[Any]) -> ToolResult | Waiting:
         """Until the tool ends, its hard limit or an abort: the call's result."""
