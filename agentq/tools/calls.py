@@ -429,12 +429,9 @@ def outcome(
     raised: BaseException | None = None,
     value: Any = None,
 ) -> ToolResult | Waiting:
-    """The call's result on either tool worker, by one precedence: an abort (the tool saw
-    it), the hard limit (`hard_limit` says what it did), the soft limit (it fired and the
-    tool raised), what the tool raised, what it returned.
-
-    An abort wins as it does for the abort step, which settles the call `cancelled`:
-    whichever of the two settles first, the call's status is the same."""
+    """The call's result on either tool worker, by one precedence: an abort the tool saw
+    (the status the abort step gives it, whichever settles first), the hard limit
+    (`hard_limit`: what it did), the soft limit once the tool raised, its error, its value."""
     if aborted:
         return scope.cancelled()
     if hard_limit is not None:
