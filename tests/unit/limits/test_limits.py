@@ -21,7 +21,7 @@ def test_a_semaphore_holds_limit_places_and_a_holder_renews_its_own() -> None:
 
 def test_a_lapsed_lease_frees_its_place_and_an_ended_holder_is_dropped() -> None:
     sem = LeasedSemaphore(fakeredis.FakeRedis(), 1)
-    assert sem.acquire("s", "dies", 0.05)
+    assert sem.acquire("s", "dies", 2)  # long enough to outlast a loaded machine's next call
     assert not sem.acquire("s", "next", 60)
     wait_for(lambda: sem.acquire("s", "next", 60), 5, message="the lapsed lease never freed")
     sem2 = LeasedSemaphore(fakeredis.FakeRedis(), 1)
@@ -50,12 +50,13 @@ def test_a_bucket_gives_its_burst_then_says_how_long_to_wait() -> None:
 
 def test_a_bucket_spent_under_other_settings_owes_tokens_not_their_time() -> None:
     r = fakeredis.FakeRedis()
-    slow = TokenBucket(r, rate_per_s=0.2, burst=2)
+    # Rates slow enough that a loaded machine's seconds between two takes change nothing.
+    slow = TokenBucket(r, rate_per_s=0.01, burst=2)
     assert [slow.take("k") for _ in range(2)] == [0.0, 0.0]
-    assert slow.take("k") > 4  # the next token is 5 s away at this rate
-    # Two tokens owed: a gateway with a burst of 50 has 48 left, not ten seconds to wait.
-    fast = TokenBucket(r, rate_per_s=10.0, burst=50)
+    assert slow.take("k") > 90  # the next token is 100 s away at this rate
+    # Two tokens owed: a gateway with a burst of 50 has 48 left, not 200 s to wait.
+    fast = TokenBucket(r, rate_per_s=0.2, burst=50)
     assert [fast.take("k") for _ in range(48)] == [0.0] * 48
-    assert 0 < fast.take("k") <= 0.1
+    assert 0 < fast.take("k") <= 5
     # Spent here, at most an empty bucket is owed back at the slow rate: one token's wait.
-    assert 4 < slow.take("k") <= 5
+    assert 90 < slow.take("k") <= 100
