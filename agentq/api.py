@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel
 
@@ -29,7 +29,7 @@ from agentq.orchestrator.start import start_turn, token_matches
 from agentq.orchestrator.wake import request_abort
 from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
-from agentq.state.listing import TurnLister
+from agentq.state.listing import SCAN_BATCH, TurnLister
 from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import NO_KEY, Spend, usage_report, usage_window
 from agentq.state.timeline import timeline
@@ -77,7 +77,10 @@ DEFAULT_TIMEOUT_S = 300.0
 class _Started:
     """What a start answered, as `Turn` and `AsyncTurn` show it."""
 
-    def __init__(self, handle: TurnHandle, output_type: type[BaseModel] | None) -> None:
+    def __init__(
+        self, client: Any, handle: TurnHandle, output_type: type[BaseModel] | None = None
+    ) -> None:
+        self._client = client
         self.handle = handle
         """What the start answered (its conversation token, queue position, ...)."""
         self._output_type = output_type
@@ -99,11 +102,7 @@ class Turn(_Started):
     """A running (or ended) turn: `.turn_id`, `.token`, `.events()`, `.result()`,
     `.abort()`, `.answer()`."""
 
-    def __init__(
-        self, client: Client, handle: TurnHandle, output_type: type[BaseModel] | None = None
-    ) -> None:
-        super().__init__(handle, output_type)
-        self._client = client
+    _client: Client
 
     def events(self, *, depth: int = 1, after_id: str = "0-0") -> Iterator[Event]:
         """Its events from the start (or after `after_id`), then live, up to its own end.
@@ -141,26 +140,6 @@ class Turn(_Started):
         A relayed sub-agent's request is answered on its own turn: pass the event's
         `turn_id` (the turn's token holds for its sub-agents too)."""
         self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
-
-
-class RunningCall(TypedDict):
-    call_id: str
-    tool: str | None
-
-
-class ActiveTurn(TypedDict):
-    """An open turn as `Client.active` lists it."""
-
-    turn_id: str
-    owner: str | None
-    agent: str | None
-    parent_turn_id: str | None
-    status: str | None
-    created_at: float | None
-    started_at: float | None
-    current_tools: list[RunningCall]
-    """Its calls sent and not settled."""
-    call_count: int
 
 
 class Client(CompletesWaitpoints):
@@ -210,24 +189,12 @@ class Client(CompletesWaitpoints):
         max_cost_usd: float | None = None,
     ) -> Turn:
         """Start a turn of `agent` (an Agent, its name, or None: the default model with
-        every tool) and return at once with its `Turn`.
+        every tool) and return at once with its `Turn` (options: docs/python-api.md).
 
-        `prompt` and/or `messages` (OpenAI chat format) start it. `max_tokens`,
-        `max_cost_usd`: the turn's budget, its sub-agents' spend included (a request may
-        lower its agent's, not raise it); past it the turn ends with `turn_error` code
-        `budget_exceeded`. `max_cost_usd` needs a price for the model (BudgetInvalid); a
-        key over its AGENTQ_KEY_BUDGETS raises BudgetExceeded.
-
-        `multitask` (with `conversation_id`): what the message does while another turn of
-        the conversation runs: "enqueue" (the default: it runs after it), "reject"
-        (ConversationBusy), "interrupt", "rollback" or "inject" (docs/conversations.md).
-
-        `idempotency_key`: a second call with the same key (within 24 h) starts nothing
-        and returns the first call's turn; with other arguments, IdempotencyKeyReused.
-
-        An agent no turn worker runs raises UnknownAgent (with the known ones).
-        `webhook_url` gets a signed POST when the turn ends (docs/webhooks.md); a URL
-        that can never be delivered to raises WebhookRefused.
+        A budget counts the sub-agents' spend and may lower the agent's, not raise it; a
+        second start with the same `idempotency_key` within 24 h returns the first's turn.
+        Raises UnknownAgent, BudgetInvalid, BudgetExceeded, ConversationBusy,
+        IdempotencyKeyReused or WebhookRefused before any turn exists.
         """
         handle = self._start_turn(
             prompt,
@@ -361,25 +328,22 @@ class Client(CompletesWaitpoints):
             self._store, app, self.settings, req, traced=self.traced, said=said
         )
 
-    def check_token(self, turn_id: str, token: str | None) -> TurnState:
-        """The turn's state if `token` is its token (`token_matches`)."""
+    def check_token(self, turn_id: str, token: str | None, *, operator: bool = False) -> TurnState:
+        """The turn's state if `token` is its token (`token_matches`). An `operator` needs
+        none: a tool that holds Redis credentials could do anything to the turn anyway."""
         state = self._store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
-        if not token_matches(state, token):
+        if not operator and not token_matches(state, token):
             raise TokenInvalid(turn_id)
         return state
 
     def abort(
         self, turn_id: str, token: str | None, reason: str = "user", *, operator: bool = False
     ) -> None:
-        """Abort a running turn and its sub-agents; unknown or finished turns raise TurnNotFound.
-
-        `operator=True` skips the token: for tools that already hold Redis credentials
-        (the `agentq abort` command), which could do anything to the turn anyway.
-        """
-        state = self._store.state(turn_id) if operator else self.check_token(turn_id, token)
-        if not state or state.get("status") in TERMINAL_STATUSES:
+        """Abort a running turn and its sub-agents; unknown or finished turns raise TurnNotFound."""
+        state = self.check_token(turn_id, token, operator=operator)
+        if state.get("status") in TERMINAL_STATUSES:
             raise TurnNotFound(turn_id)
         request_abort(self._store, turn_id, reason)
 
@@ -393,13 +357,8 @@ class Client(CompletesWaitpoints):
         *,
         operator: bool = False,
     ) -> None:
-        """Answer an interaction; raises if unknown (404) or closed already (409).
-
-        `operator=True` skips the token, as for `abort` (the `agentq answer` command).
-        """
-        state = self._store.state(turn_id) if operator else self.check_token(turn_id, token)
-        if state is None:
-            raise TurnNotFound(turn_id)
+        """Answer an interaction; raises if unknown (404) or closed already (409)."""
+        self.check_token(turn_id, token, operator=operator)
         self.interactions.answer(
             turn_id,
             request_id,
@@ -436,33 +395,18 @@ class Client(CompletesWaitpoints):
             "spend": Spend(r, s).turn_totals(state.get("owner"), turn_id),
         }
 
-    def active(self) -> list[ActiveTurn]:
-        """The open turns, oldest first, with the calls each has out."""
-        out: list[ActiveTurn] = []
-        for turn_id in self._store.active():
-            state = self._store.state(turn_id)
-            if state is None or state.get("status") in TERMINAL_STATUSES:
-                continue
-            results = self._store.results(turn_id)
-            running: list[RunningCall] = [
-                {"call_id": cid, "tool": d.get("tool")}
-                for cid, d in self._store.dispatches(turn_id).items()
-                if cid not in results
-            ]
-            out.append(
-                {
-                    "turn_id": turn_id,
-                    "owner": state.get("owner"),
-                    "agent": state.get("agent"),
-                    "parent_turn_id": state.get("parent_turn_id"),
-                    "status": state.get("status"),
-                    "created_at": state.get("created_at"),
-                    "started_at": state.get("started_at"),
-                    "current_tools": running,
-                    "call_count": state.get("call_count", 0),
-                }
-            )
-        return sorted(out, key=lambda t: float(t["created_at"] or 0))
+    def active(self) -> list[dict[str, Any]]:
+        """The open turns, oldest first, as `agentq turns` lists them (`current_tools`: the
+        calls each has out), summarised a page at a time so no script holds Redis long."""
+        ids = self._store.active()
+        lister = TurnLister(self._store.redis)
+        rows = [
+            row
+            for at in range(0, len(ids), SCAN_BATCH)
+            for row in lister.summaries(ids[at : at + SCAN_BATCH]).values()
+            if row["status"] not in TERMINAL_STATUSES
+        ]
+        return sorted(rows, key=lambda t: float(t["created_at"] or 0))
 
     def conversation(
         self,

@@ -17,7 +17,6 @@ from rich.text import Text
 from agentq.api import Client
 from agentq.cli.ids import clock, short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
-from agentq.errors import TurnNotFound
 from agentq.state.listing import TurnLister, TurnQuery
 
 TURN_STYLE = {
@@ -197,10 +196,7 @@ def spend_line(spend: dict[str, Any]) -> str:
 
 
 def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
-    state = client._store.state(turn_id)
-    if state is None:
-        raise TurnNotFound(turn_id)
-    view = client._timeline(turn_id, state)
+    view = client._timeline(turn_id, client.check_token(turn_id, None, operator=True))
     if as_json:
         print(json.dumps(view), flush=True)
         return 0

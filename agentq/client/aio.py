@@ -1,12 +1,9 @@
-"""The asyncio client: `Client`'s run, start, events, result, abort and answer as
-coroutines and async iterators, for a FastAPI or aiohttp service.
+"""The asyncio client: `Client` as coroutines and async iterators.
 
-Waiting, the long part of a turn, never holds a thread: events are read from the turn's
-log with XREAD BLOCK on `redis.asyncio` (the turn's stream and those of the sub-agents it
-relays, in one command). Starting, aborting and the final read are a few short Redis
-round trips and a Celery send, which have no asyncio form: they run on the client's
-two threads, so they never block the loop, and a burst of starts competes with the loop
-for the GIL from two threads, not from a pool's dozens.
+Waiting never holds a thread: XREAD BLOCK on `redis.asyncio` reads the turn's log and its
+relayed sub-agents' in one command. Starts, aborts and final reads have no asyncio form and
+run on two threads, so a burst of starts competes with the loop for the GIL from two
+threads, not from a pool's dozens.
 """
 
 from __future__ import annotations
@@ -18,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentq.api import DEFAULT_TIMEOUT_S, _Started, output_type_of
+from agentq.api import DEFAULT_TIMEOUT_S, _Started
 from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
@@ -28,11 +25,9 @@ from agentq.state.base import text
 from agentq.state.results import TurnResult, TurnView, settle
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
-
     from agentq.agents import Agent
-    from agentq.api import Client
-    from agentq.models import ToolResult, TurnHandle
+    from agentq.api import Client, Turn
+    from agentq.models import ToolResult
 
 R = TypeVar("R")
 
@@ -84,18 +79,18 @@ class AsyncClient:
         self, agent: Agent | str | None, prompt: str | None = None, **options: Any
     ) -> AsyncTurn:
         """`Client.start`: start a turn and return at once with its handle."""
-        turn = await self._call(self._client.start, agent, prompt, **options)
-        return AsyncTurn(self, turn.handle, output_type_of(agent))
+        return self._held(await self._call(self._client.start, agent, prompt, **options))
 
     async def retry(self, turn_id: str, **options: Any) -> AsyncTurn:
         """`Client.retry`: a new turn that goes on from where `turn_id` failed."""
-        turn = await self._call(self._client.retry, turn_id, **options)
-        return AsyncTurn(self, turn.handle, output_type_of(options.get("agent")))
+        return self._held(await self._call(self._client.retry, turn_id, **options))
 
     async def fork(self, turn_id: str, at_round: int, **options: Any) -> AsyncTurn:
         """`Client.fork`: a new turn from the history of `turn_id` before `at_round`."""
-        turn = await self._call(self._client.fork, turn_id, at_round, **options)
-        return AsyncTurn(self, turn.handle, output_type_of(options.get("agent")))
+        return self._held(await self._call(self._client.fork, turn_id, at_round, **options))
+
+    def _held(self, turn: Turn) -> AsyncTurn:
+        return AsyncTurn(self, turn.handle, turn._output_type)
 
     async def run(
         self,
@@ -191,11 +186,7 @@ class AsyncClient:
 class AsyncTurn(_Started):
     """`Turn` for asyncio code: `async for ev in turn.events()`, `await turn.result()`."""
 
-    def __init__(
-        self, client: AsyncClient, handle: TurnHandle, output_type: type[BaseModel] | None
-    ) -> None:
-        super().__init__(handle, output_type)
-        self._client = client
+    _client: AsyncClient
 
     async def events(self, *, depth: int = 1, after_id: str = "0-0") -> AsyncIterator[Event]:
         """Its events up to its own end (`ev.ends_turn`), sub-agents' relayed `depth` down."""

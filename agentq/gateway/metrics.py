@@ -49,7 +49,6 @@ from agentq.llm.apis import api_view, read_learned
 from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES
 
 if TYPE_CHECKING:
-    from agentq.api import ActiveTurn
     from agentq.events.types import Event
     from agentq.llm.capacity import Capacity
 
@@ -89,7 +88,7 @@ class GatewayMetrics:
     def streamed(self, ev: Event) -> None:
         self.events_streamed.labels(type=ev.type if len(ev.type) <= 40 else "other").inc()
 
-    def refresh_active(self, active: list[ActiveTurn]) -> None:
+    def refresh_active(self, active: list[dict[str, Any]]) -> None:
         """Set the scrape-time gauges from `Client.active()`."""
         by_status = {"queued": 0, "running": 0}
         running = 0
