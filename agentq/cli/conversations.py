@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
         "conversations", help="list conversations, show one, or delete one and its turns"
     )
     c.add_argument("action", nargs="?", choices=("list", "show", "delete"), default="list")
-    c.add_argument("conversation_id", nargs="?", default=None, help=CONVERSATION_ID_HELP)
+    c.add_argument("conversation_id", nargs="?", help=CONVERSATION_ID_HELP)
     c.add_argument("--limit", type=int, default=20, help="at most this many (list)")
     c.add_argument("--json", action="store_true", help="print JSON")
 

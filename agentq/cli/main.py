@@ -210,10 +210,9 @@ def _add_run(sub: Any) -> None:
         action="store_true",
         help="no interactor: interactions use their declared default or fail (exit 4)",
     )
-    r.add_argument("--conversation", default=None, help="continue this conversation id")
+    r.add_argument("--conversation", dest="conversation_id", help="continue this conversation id")
     r.add_argument(
         "--multitask",
-        default=None,
         choices=("enqueue", "reject", "interrupt", "rollback", "inject"),
         help="with --conversation, when another of its turns runs: wait for it (enqueue, "
         "the default), refuse (reject), abort it (interrupt), drop it (rollback), or join it "
@@ -221,25 +220,22 @@ def _add_run(sub: Any) -> None:
     )
     r.add_argument(
         "--idempotency-key",
-        default=None,
         metavar="KEY",
         help="run again with the same KEY within 24 h: follow the first run's turn instead",
     )
-    r.add_argument("--agent", default=None, help="run the turn as this agent (unknown: exit 2)")
+    r.add_argument("--agent", help="run the turn as this agent (unknown: exit 2)")
     r.add_argument(
-        "--webhook", default=None, metavar="URL", help="POST the turn's end to URL (signed)"
+        "--webhook", dest="webhook_url", metavar="URL", help="POST the turn's end to URL (signed)"
     )
     r.add_argument(
         "--max-tokens",
         type=_positive(int),
-        default=None,
         metavar="N",
         help="the turn's token budget, its sub-agents' included (exit 1 past it)",
     )
     r.add_argument(
         "--max-cost-usd",
         type=_positive(float),
-        default=None,
         metavar="USD",
         help="the turn's budget in USD (its model needs a price in AGENTQ_LLM_PRICES)",
     )
@@ -255,8 +251,8 @@ def _add_turn_commands(sub: Any) -> None:
         help="the turn's token (or AGENTQ_TURN_TOKEN)",
     )
     t = sub.add_parser("turns", help="list recent and running turns, newest first")
-    t.add_argument("--status", default=None, help="e.g. running, finished, active, ended")
-    t.add_argument("--agent", default=None, help="only turns of this agent")
+    t.add_argument("--status", help="e.g. running, finished, active, ended")
+    t.add_argument("--agent", help="only turns of this agent")
     t.add_argument("--limit", type=int, default=50)
     t.add_argument("--json", action="store_true", help="one JSON document, for machines")
     t.add_argument(
@@ -264,7 +260,6 @@ def _add_turn_commands(sub: Any) -> None:
         nargs="?",
         type=float,
         const=1.0,
-        default=None,
         metavar="SECONDS",
         help="redraw every SECONDS (1 by default) until Ctrl-C",
     )
@@ -277,7 +272,6 @@ def _add_turn_commands(sub: Any) -> None:
     an.add_argument("decision", choices=["approve", "deny"])
     an.add_argument(
         "--value",
-        default=None,
         help="the answer's value; `-` reads it from the terminal without echo (a password)",
     )
     an.add_argument(
@@ -308,8 +302,8 @@ def _add_process_commands(sub: Any) -> None:
     w.add_argument("kind", choices=sorted(WORKER_KINDS))
     sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app", add_help=False)
     sv = sub.add_parser("serve", help="the HTTP gateway and web page")
-    sv.add_argument("--host", default=None)
-    sv.add_argument("--port", type=int, default=None)
+    sv.add_argument("--host")
+    sv.add_argument("--port", type=int)
     sv.add_argument(
         "--insecure-no-auth",
         action="store_true",
@@ -332,8 +326,8 @@ def _add_process_commands(sub: Any) -> None:
         action="store_true",
         help="start, run one demo turn live, stop everything; exit with its code",
     )
-    d.add_argument("--prompt", default=None, help="the prompt of the demo turn")
-    d.add_argument("--agent", default=None, help="the agent of the demo turn (e.g. lead)")
+    d.add_argument("--prompt", help="the prompt of the demo turn")
+    d.add_argument("--agent", help="the agent of the demo turn (e.g. lead)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -450,56 +444,31 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
 
 def _client_command(client: Client, args: argparse.Namespace) -> int:
     """A command that runs a turn, or reads or steers turns, through a `Client`."""
+    cmd: Callable[[Client, argparse.Namespace], int]
     if args.cmd == "run":
-        from agentq.cli.run import run
+        from agentq.cli.run import cmd_run as cmd
+    elif args.cmd == "usage":
+        from agentq.cli.usage import cmd_usage as cmd
+    elif args.cmd == "conversations":
+        from agentq.cli.conversations import cmd_conversations as cmd
+    elif args.cmd == "waitpoint":
+        from agentq.cli.waitpoints import cmd_waitpoint as cmd
+    elif args.cmd in ("retry", "fork"):
+        from agentq.cli.replay import cmd_replay as cmd
+    elif args.cmd == "turns":
+        from agentq.cli.show import cmd_turns as cmd
+    elif args.cmd == "show":
+        from agentq.cli.show import cmd_show as cmd
+    else:
+        cmd = {"abort": _cmd_abort, "answer": _cmd_answer, "events": _cmd_events}[args.cmd]
+    return cmd(client, args)
 
-        return run(
-            client,
-            args.prompt,
-            as_json=args.json,
-            headless=args.headless,
-            conversation_id=args.conversation,
-            agent=args.agent,
-            webhook_url=args.webhook,
-            multitask=args.multitask,
-            idempotency_key=args.idempotency_key,
-            max_tokens=args.max_tokens,
-            max_cost_usd=args.max_cost_usd,
-        )
-    if args.cmd == "usage":
-        from agentq.cli.usage import cmd_usage
 
-        return cmd_usage(client, args)
-    if args.cmd == "conversations":
-        from agentq.cli.conversations import cmd_conversations
-
-        return cmd_conversations(client, args)
-    if args.cmd == "waitpoint":
-        from agentq.cli.waitpoints import cmd_waitpoint
-
-        return cmd_waitpoint(client, args)
-    if args.cmd == "abort":
-        return _cmd_abort(client, args)
-    if args.cmd in ("retry", "fork"):
-        from agentq.cli.replay import cmd_replay
-
-        return cmd_replay(client, args)
-    if args.cmd == "turns":
-        from agentq.cli.show import cmd_turns
-
-        return cmd_turns(client, args)
-    if args.cmd == "show":
-        from agentq.cli.show import cmd_show
-
-        return cmd_show(client, args.turn_id, as_json=args.json)
-    if args.cmd == "answer":
-        return _cmd_answer(client, args)
-    if args.cmd == "events":
-        for ev in client.events(args.turn_id, after_id=args.after, depth=args.depth):
-            if ev is not None:
-                print(ev.model_dump_json(), flush=True)
-        return 0
-    return 2
+def _cmd_events(client: Client, args: argparse.Namespace) -> int:
+    for ev in client.events(args.turn_id, after_id=args.after, depth=args.depth):
+        if ev is not None:
+            print(ev.model_dump_json(), flush=True)
+    return 0
 
 
 ABORT_WAIT_S = 10.0
@@ -512,13 +481,12 @@ def _cmd_abort(client: Client, args: argparse.Namespace) -> int:
     client.abort(args.turn_id, args.token, operator=args.token is None)
     try:
         client.wait(args.turn_id, timeout_s=ABORT_WAIT_S)
+        print(f"aborted {args.turn_id}")
     except TimeoutError as exc:
         print(
             f"agentq: abort of {args.turn_id} is recorded; the turn has not ended yet ({exc})",
             file=sys.stderr,
         )
-        return 0
-    print(f"aborted {args.turn_id}")
     return 0
 
 

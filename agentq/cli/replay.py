@@ -21,16 +21,14 @@ def add_parsers(sub: Any) -> None:
         "retry",
         help="retry a turn that ended error or aborted, paying once; or many: --status, --since",
     )
-    r.add_argument("turn_id", nargs="?", default=None, help=TURN_ID_HELP)
+    r.add_argument("turn_id", nargs="?", help=TURN_ID_HELP)
     r.add_argument(
         "--status",
-        default=None,
         choices=("error", "aborted", "error,aborted"),
         help="retry every turn that ended so (each once), newest first",
     )
     r.add_argument(
         "--since",
-        default=None,
         metavar="AGE",
         help="with --status: turns created in the last AGE (30m, 1h, 2d; default 1h)",
     )
@@ -42,28 +40,27 @@ def add_parsers(sub: Any) -> None:
         action="store_true",
         help="run again the calls that ran without a result, even of non-idempotent tools",
     )
-    r.add_argument("--model", default=None, help="the model of its rounds from now on")
+    r.add_argument("--model", help="the model of its rounds from now on")
     _common(r)
     f = sub.add_parser("fork", help="a new turn from a turn's history before one round")
     f.add_argument("turn_id", help=TURN_ID_HELP)
     f.add_argument("--at-round", type=int, required=True, metavar="N", help="1-based round")
-    f.add_argument("--message", default=None, help="replace the last user message")
-    f.add_argument("--instructions", default=None, help="replace the agent's instructions")
-    f.add_argument("--model", default=None, help="another model for its rounds")
+    f.add_argument("--message", help="replace the last user message")
+    f.add_argument("--instructions", help="replace the agent's instructions")
+    f.add_argument("--model", help="another model for its rounds")
     f.add_argument(
         "--tool-result",
         nargs=2,
         metavar=("CALL_ID", "CONTENT"),
-        default=None,
         help="replace one settled call's result (what-if)",
     )
     _common(f)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--agent", default=None, help="run it as this agent instead")
-    p.add_argument("--max-tokens", type=int, default=None, help="its token budget")
-    p.add_argument("--max-cost-usd", type=float, default=None, help="its USD budget")
+    p.add_argument("--agent", help="run it as this agent instead")
+    p.add_argument("--max-tokens", type=int, help="its token budget")
+    p.add_argument("--max-cost-usd", type=float, help="its USD budget")
     p.add_argument("--json", action="store_true", help="print the new turn's handle as JSON")
 
 

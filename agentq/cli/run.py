@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import getpass
 import json
@@ -167,6 +168,12 @@ def _follow_live(client: Client, turn_id: str, asker: _Answerer | None, console:
         console.print(view.render())
     console.print(view.summary(), style="bold")
     return code
+
+
+def cmd_run(client: Client, args: argparse.Namespace) -> int:
+    """Every option of `agentq run` but these is a field of its turn's request."""
+    turn = {k: v for k, v in vars(args).items() if k not in ("cmd", "prompt", "json", "headless")}
+    return run(client, args.prompt, as_json=args.json, headless=args.headless, **turn)
 
 
 def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: Any) -> int:

@@ -18,10 +18,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     a = ss.add_parser("add", help="run PROMPT as a turn every period or at cron times (UTC)")
     a.add_argument("name")
     when = a.add_mutually_exclusive_group(required=True)
-    when.add_argument("--every", default=None, help="a period: 30s, 5m, 2h, 1d")
-    when.add_argument("--cron", default=None, help='five fields, in UTC: "0 7 * * *"')
-    a.add_argument("--agent", default=None, help="run the turns as this agent")
-    a.add_argument("--webhook", default=None, help="POST each turn's end to this URL")
+    when.add_argument("--every", help="a period: 30s, 5m, 2h, 1d")
+    when.add_argument("--cron", help='five fields, in UTC: "0 7 * * *"')
+    a.add_argument("--agent", help="run the turns as this agent")
+    a.add_argument("--webhook", help="POST each turn's end to this URL")
     a.add_argument(
         "--overlap",
         action="store_true",

@@ -195,9 +195,10 @@ def spend_line(spend: dict[str, Any]) -> str:
     return line + (f"; budget {', '.join(limits)}" if limits else "")
 
 
-def cmd_show(client: Client, turn_id: str, *, as_json: bool) -> int:
+def cmd_show(client: Client, args: argparse.Namespace) -> int:
+    turn_id = args.turn_id
     view = client._timeline(turn_id, client.check_token(turn_id, None, operator=True))
-    if as_json:
+    if args.json:
         print(json.dumps(view), flush=True)
         return 0
     console = Console()

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 
 def add_parser(sub: Any) -> None:
     u = sub.add_parser("usage", help="tokens and cost per model, agent or key")
-    u.add_argument("--since", default=None, help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
-    u.add_argument("--until", default=None, help="last UTC day, YYYY-MM-DD (default: today)")
-    u.add_argument("--key", default=None, help="only this key's usage")
+    u.add_argument("--since", help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
+    u.add_argument("--until", help="last UTC day, YYYY-MM-DD (default: today)")
+    u.add_argument("--key", help="only this key's usage")
     u.add_argument("--group-by", default="model", choices=("model", "agent", "key"))
     u.add_argument("--json", action="store_true", help="print JSON")
 

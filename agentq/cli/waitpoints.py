@@ -25,7 +25,7 @@ def add_parser(sub: Any) -> None:
     )
     what = c.add_mutually_exclusive_group(required=True)
     what.add_argument("--json", dest="value", help="the result, as JSON (`-`: read stdin)")
-    what.add_argument("--error", default=None, help="settle the call `error` with this message")
+    what.add_argument("--error", help="settle the call `error` with this message")
 
 
 def cmd_waitpoint(client: Client, args: argparse.Namespace) -> int:

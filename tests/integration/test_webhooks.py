@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from argparse import Namespace
 from collections.abc import Iterator
 from typing import Any
 
@@ -170,7 +171,7 @@ def test_failures_are_retried_with_backoff_under_one_id(
         )
         assert [a.status_code for a in deliveries().attempts(d.id)] == [500, 503, 200]
         # `agentq show` has the delivery and each attempt.
-        assert cmd_show(hook_client, handle.turn_id, as_json=True) == 0
+        assert cmd_show(hook_client, Namespace(turn_id=handle.turn_id, json=True)) == 0
         shown = json.loads(capsys.readouterr().out)["webhook"]
         assert shown["status"] == "delivered" and shown["attempts"] == 3
         assert [t["error"] for t in shown["tries"]] == ["HTTP 500", "HTTP 503", None]
