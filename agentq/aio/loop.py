@@ -1,18 +1,14 @@
 """One asyncio loop on a background thread, with backpressure and a blocked-loop watchdog.
 
-Celery has no asyncio pool, so the I/O and stream workers run Celery's `threads` pool
-and hand each task's coroutine to this loop (`submit`); a submitting thread blocks
-while the loop already holds `capacity` coroutines, so the broker keeps what the
-process cannot take.
+Celery has no asyncio pool: the I/O and stream workers run its `threads` pool and
+`submit` each task's coroutine here, blocking while the loop holds `capacity` of them,
+so the broker keeps what the process cannot take.
 
-A coroutine that makes a blocking call stalls every other one on the loop. The loop's
-selector notes when the loop last came out of waiting for I/O; a watchdog thread sees
-an iteration that has run too long, names the task that holds the loop (`on_blocked`,
-once per stall), and when the stall outlasts the earliest hard deadline registered with
-`watch` (a call that can no longer be cancelled in time) it calls `on_stuck`, which
-recycles the process. Nothing runs on the loop for it: a pulse coroutine at 50 Hz cost
-each stream and I/O worker process 1% of a core while it held anything, as much as
-many of its streams.
+The selector notes when the loop last stopped waiting for I/O. A watchdog thread that
+sees an iteration run too long names the task holding the loop (`on_blocked`, once per
+stall), and past the earliest hard deadline registered with `watch` calls `on_stuck`,
+which recycles the process. Nothing runs on the loop for it: a 50 Hz pulse coroutine
+cost each worker process 1% of a core, as much as many of its streams.
 """
 
 from __future__ import annotations

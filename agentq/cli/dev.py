@@ -1,14 +1,9 @@
 """`agentq dev`: the whole fleet on one machine, and all of it stopped again by PID.
 
-Starts, in this order: Redis (an embedded ``redis-server`` when none answers at
-``AGENTQ_REDIS_URL``), the scripted demo model (when ``AGENTQ_LLM_BASE_URL`` is unset),
-then side by side the turn, stream, tool and I/O tool workers, the gateway and Flower. Every
-process runs in its own process group with its output in a log file; Ctrl-C, SIGTERM,
-the death of any process or a failed start stops all of them.
-
-    agentq dev                 # runs until Ctrl-C
-    agentq dev --once          # start, run one demo turn live, stop; exit with its code
-    agentq dev --once --agent lead   # the same, as the demo agent that calls another
+Redis (embedded when none answers at AGENTQ_REDIS_URL) and the scripted demo model (when
+AGENTQ_LLM_BASE_URL is unset) first, then side by side the workers, the beat, the gateway
+and Flower, each in its own process group logging to a file. Ctrl-C, SIGTERM, the death
+of any process or a failed start stops all of them.
 """
 
 from __future__ import annotations
@@ -26,7 +21,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -84,9 +79,10 @@ def _in_log(proc: ManagedProcess, pattern: str) -> Callable[[], bool]:
     return lambda: bool(regex.search(proc.log_text()))
 
 
-def wait_ready(
-    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]], timeout_s: float = READY_TIMEOUT_S
-) -> None:
+Check = tuple[ManagedProcess, Callable[[], bool]]
+
+
+def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> None:
     """Wait until every check passes; ProcessStartError when a process exits or time runs out."""
     pending = dict(checks)
     deadline = time.monotonic() + timeout_s
@@ -145,16 +141,6 @@ class Started:
     printed at start for the receiver to check signatures with."""
 
 
-def generated_flower_auth(settings: Settings, environ: Mapping[str, str]) -> str | None:
-    """`agentq:<random>` for Flower when no credentials are configured, else None.
-
-    Flower can revoke and kill tasks: even on loopback, not for any local process.
-    """
-    if settings.flower_basic_auth or environ.get("FLOWER_BASIC_AUTH") or environ.get("FLOWER_AUTH"):
-        return None
-    return f"agentq:{secrets.token_urlsafe(12)}"
-
-
 def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
     # Ports first: a taken port the user asked for fails before anything starts.
     gateway_port = (
@@ -164,7 +150,7 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
         0 if opts.no_flower else _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower")
     )
     started = _environment(fleet, opts, settings)
-    checks: dict[str, tuple[ManagedProcess, Callable[[], bool]]] = {}
+    checks: dict[str, Check] = {}
     if not settings.llm_base_url:
         checks["model"] = _start_demo_model(fleet, started)
     for kind in ("turns", "llm", "tools", "io"):
@@ -231,9 +217,6 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
     return started
 
 
-Check = tuple[ManagedProcess, Callable[[], bool]]
-
-
 def _start_demo_model(fleet: LocalFleet, started: Started) -> Check:
     say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
     # Its port is picked here, so the workers start beside it rather than after it.
@@ -262,8 +245,10 @@ def _start_gateway(fleet: LocalFleet, started: Started, host: str, port: int) ->
 def _start_flower(fleet: LocalFleet, started: Started, settings: Settings, port: int) -> Check:
     started.flower_url = f"http://127.0.0.1:{port}"
     flower_env = {**started.env, "AGENTQ_FLOWER_PORT": str(port)}
-    started.flower_auth = generated_flower_auth(settings, os.environ)
-    if started.flower_auth:
+    env = os.environ
+    # Flower can revoke and kill tasks: even on loopback, not for any local process.
+    if not (settings.flower_basic_auth or env.get("FLOWER_BASIC_AUTH") or env.get("FLOWER_AUTH")):
+        started.flower_auth = f"agentq:{secrets.token_urlsafe(12)}"
         flower_env["AGENTQ_FLOWER_BASIC_AUTH"] = started.flower_auth
     fl = fleet.start("flower", _python("agentq", "flower"), env=flower_env)
     # /healthcheck answers without credentials once Flower serves HTTP.

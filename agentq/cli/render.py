@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,15 +22,6 @@ STATUS_STYLE = {
     "cancelled": "yellow",
     "denied": "yellow",
 }
-
-
-def duration_style(elapsed_s: float) -> str:
-    """Green under 10 s, yellow to 30 s, red beyond: the same bands as the web page."""
-    if elapsed_s < 10:
-        return "green"
-    if elapsed_s < 30:
-        return "yellow"
-    return "red"
 
 
 def fmt_s(seconds: float) -> str:
@@ -60,16 +52,6 @@ class ToolLine:
     sub: TurnView | None = None
 
 
-def capacity_text(position: Any, wait_s: Any) -> str:
-    """What a round waiting for model capacity shows: its place and the estimated wait."""
-    bits = []
-    if isinstance(position, int):
-        bits.append(f"position {position}")
-    if isinstance(wait_s, (int, float)):
-        bits.append(f"about {fmt_s(float(wait_s))}")
-    return "waiting for model capacity" + (f" ({', '.join(bits)})" if bits else "")
-
-
 @dataclass
 class TurnView:
     """Folds events into what the screen shows."""
@@ -97,7 +79,11 @@ class TurnView:
             return
         f = ev.fields
         if ev.type == "llm_queued":
-            self.waiting = capacity_text(f.get("position"), f.get("wait_s"))
+            # Its place and the estimated wait, each when known.
+            bits = [f"position {f['position']}"] if isinstance(f.get("position"), int) else []
+            if isinstance(f.get("wait_s"), (int, float)):
+                bits.append(f"about {fmt_s(float(f['wait_s']))}")
+            self.waiting = "waiting for model capacity" + (f" ({', '.join(bits)})" if bits else "")
         elif ev.type == "llm_started":
             self.waiting = ""
             if self.text and not self.text.endswith("\n"):
@@ -166,6 +152,8 @@ class TurnView:
         """A row per tool; a sub-agent's tools nested under the agent call's row."""
         for line in self.tools.values():
             elapsed = (line.finished or now) - line.started
+            # The web page's bands: green under 10 s, yellow to 30 s, red beyond.
+            band = "green" if elapsed < 10 else "yellow" if elapsed < 30 else "red"
             head: RenderableType = (
                 line.spinner
                 if line.status is None
@@ -174,7 +162,7 @@ class TurnView:
             table.add_row(
                 head,
                 Text(("  " * level + "└ " if level else "") + line.tool, style="bold"),
-                Text(fmt_s(elapsed), style=duration_style(elapsed)),
+                Text(fmt_s(elapsed), style=band),
                 Text(line.status or "running", style=STATUS_STYLE.get(line.status or "", "cyan")),
                 Text((line.detail if line.status else line.progress)[:80], style="dim"),
             )
@@ -190,9 +178,7 @@ class TurnView:
         return out
 
     def summary(self) -> str:
-        counts: dict[str, int] = {}
-        for line in self.tools.values():
-            counts[line.status or "running"] = counts.get(line.status or "running", 0) + 1
+        counts = Counter(line.status or "running" for line in self.tools.values())
         tools = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tools"
         took = fmt_s(time.time() - self.started)
         outcome = {

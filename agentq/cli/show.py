@@ -115,20 +115,6 @@ def bar(
     return max(0, min(a, width - 1)), max(1, min(b, width) - max(0, min(a, width - 1)))
 
 
-def _limit_marks(c: dict[str, Any], t0: float, span: float, width: int) -> dict[int, str]:
-    marks: dict[int, str] = {}
-    start = c.get("started_at")
-    if start is None:
-        return marks
-    for key, ch in (("budget_s", "b"), ("soft_timeout_s", "s"), ("timeout_s", "H")):
-        v = c.get(key)
-        if isinstance(v, (int, float)) and v > 0:
-            pos = int((start + v - t0) / span * width)
-            if 0 <= pos < width:
-                marks[pos] = ch
-    return marks
-
-
 def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableType:
     turn = view["turn"]
     t0 = float(view.get("started_at") or view.get("created_at") or view["now"])
@@ -139,12 +125,8 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
     head.append(str(turn["status"]), style=TURN_STYLE.get(str(turn["status"]), ""))
     head.append(f"  agent {turn.get('agent') or '-'}  {fmt_s(span)}")
     table = Table(box=None, show_header=True, pad_edge=False)
-    table.add_column("what", no_wrap=True)
-    table.add_column("status", no_wrap=True)
-    table.add_column(f"0 … {fmt_s(span)}", no_wrap=True)
-    table.add_column("took", justify="right", no_wrap=True)
-    table.add_column("limits b/s/H", no_wrap=True)
-    table.add_column("worker", no_wrap=True)
+    for col in ("what", "status", f"0 … {fmt_s(span)}", "took", "limits b/s/H", "worker"):
+        table.add_column(col, justify="right" if col == "took" else "left", no_wrap=True)
     for r in view["rounds"]:
         off, n = bar(r["started_at"], r["finished_at"], t0, span, width)
         line = Text(" " * off) + Text("█" * n, style="blue")
@@ -154,25 +136,25 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
         style = STATUS_STYLE.get(c["status"], "cyan")
         stop = c["finished_at"] if c["finished_at"] is not None else view["now"]
         off, n = bar(c["started_at"], stop, t0, span, width)
-        cells = [" "] * width
-        for i in range(off, min(off + n, width)):
-            cells[i] = "█"
-        for pos, ch in _limit_marks(c, t0, span, width).items():
-            cells[pos] = ch
+        cells = [" "] * off + ["█"] * n + [" "] * (width - off - n)
+        limits = []
+        for key, mark in (("budget_s", "b"), ("soft_timeout_s", "s"), ("timeout_s", "H")):
+            v = c.get(key)
+            limits.append("-" if v is None else f"{v:g}")
+            if c["started_at"] is not None and isinstance(v, (int, float)) and v > 0:
+                pos = int((c["started_at"] + v - t0) / span * width)
+                if 0 <= pos < width:
+                    cells[pos] = mark
         line = Text("".join(cells), style=style)
         took = "-" if c["duration_ms"] is None else fmt_s(c["duration_ms"] / 1000)
         flags = " overran" if c["overran"] else ""
-        limits = "/".join(
-            "-" if c.get(key) is None else f"{c[key]:g}"
-            for key in ("budget_s", "soft_timeout_s", "timeout_s")
-        )
         worker = f"{c['worker'] or '-'} pid {c['pid'] or '-'}"
         table.add_row(
             f"{c['tool']} r{c['round'] or '?'}",
             Text(c["status"] + flags, style=style),
             line,
             took,
-            limits,
+            "/".join(limits),
             worker,
         )
     legend = Text("b budget  s soft limit  H hard limit", style="dim")
