@@ -19,7 +19,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,14 +63,12 @@ def _python(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
 
 
-def _http_status(url: str, timeout_s: float = 1.0) -> int | None:
+def _http_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-    except (OSError, ValueError):
-        return None
+        with urllib.request.urlopen(url, timeout=1.0) as resp:
+            return bool(resp.status == 200)
+    except (OSError, ValueError):  # an HTTPError too
+        return False
 
 
 def _in_log(proc: ManagedProcess, pattern: str) -> Callable[[], bool]:
@@ -86,7 +83,7 @@ def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> 
     """Wait until every check passes; ProcessStartError when a process exits or time runs out."""
     pending = dict(checks)
     deadline = time.monotonic() + timeout_s
-    while pending:
+    while True:
         for name, (proc, ready) in list(pending.items()):
             if ready():
                 del pending[name]
@@ -96,14 +93,15 @@ def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> 
                     f"starting{_because(proc)}; its log: {proc.log_path}",
                     proc.log_tail(),
                 )
-        if pending and time.monotonic() >= deadline:
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
             name, (proc, _) = next(iter(pending.items()))
             raise ProcessStartError(
                 f"{', '.join(pending)} not ready within {timeout_s:g} s; log: {proc.log_path}",
                 proc.log_tail(),
             )
-        if pending:
-            time.sleep(_POLL_S)
+        time.sleep(_POLL_S)
 
 
 def _because(proc: ManagedProcess) -> str:
@@ -239,7 +237,7 @@ def _start_gateway(fleet: LocalFleet, started: Started, host: str, port: int) ->
     )
     health = f"{started.gateway_url}/healthz"
     in_log = _in_log(gw, r"Uvicorn running on")
-    return gw, lambda: in_log() or _http_status(health) == 200
+    return gw, lambda: in_log() or _http_ok(health)
 
 
 def _start_flower(fleet: LocalFleet, started: Started, settings: Settings, port: int) -> Check:
@@ -253,7 +251,7 @@ def _start_flower(fleet: LocalFleet, started: Started, settings: Settings, port:
     fl = fleet.start("flower", _python("agentq", "flower"), env=flower_env)
     # /healthcheck answers without credentials once Flower serves HTTP.
     probe = f"{started.flower_url}/healthcheck"
-    return fl, lambda: _http_status(probe) == 200
+    return fl, lambda: _http_ok(probe)
 
 
 def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: float) -> str:

@@ -41,8 +41,8 @@ def exit_code_for(ev: Event) -> int:
 class _Answerer:
     """Asks the person at the terminal, one request at a time, in a background thread."""
 
-    def __init__(self, client: Client, turn_id: str, token: str, console: Console) -> None:
-        self.client, self.turn_id, self.token, self.console = client, turn_id, token, console
+    def __init__(self, client: Client, turn_id: str, token: str) -> None:
+        self.client, self.turn_id, self.token = client, turn_id, token
         self._busy = threading.Lock()
 
     def ask(self, ev: Event) -> None:
@@ -202,9 +202,10 @@ def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: A
         client._store.redis,
         lambda line: print(f"agentq: {line}", file=sys.stderr, flush=True),
     ).start()
-    answerer = _Answerer(client, handle.turn_id, handle.token, console)
     # Prompted only where someone can answer: a terminal, and not a headless run.
-    asker = answerer if not headless and sys.stdin.isatty() else None
+    asker = None
+    if not headless and sys.stdin.isatty():
+        asker = _Answerer(client, handle.turn_id, handle.token)
     try:
         if as_json:
             return _follow_json(client, handle.turn_id, asker)

@@ -91,14 +91,10 @@ def cmd_turns(client: Client, args: argparse.Namespace) -> int:
         console.print(turns_table(lister.page(query).turns, console.width))
         return 0
     try:
-        with Live(
-            turns_table(lister.page(query).turns, console.width),
-            console=console,
-            auto_refresh=False,
-        ) as live:
+        with Live(console=console, auto_refresh=False) as live:
             while True:
-                time.sleep(args.watch)
                 live.update(turns_table(lister.page(query).turns, console.width), refresh=True)
+                time.sleep(args.watch)
     except KeyboardInterrupt:
         return 0
 
