@@ -105,10 +105,8 @@ class Turn(_Started):
     _client: Client
 
     def events(self, *, depth: int = 1, after_id: str = "0-0") -> Iterator[Event]:
-        """Its events from the start (or after `after_id`), then live, up to its own end.
-
-        The events of the sub-agents it calls are relayed `depth` levels down (0: none),
-        each with `path`; `ev.ends_turn` is true only for the turn's own last event."""
+        """Its events from the start (or after `after_id`), then live, up to its own end
+        (`ev.ends_turn`); its sub-agents' are relayed `depth` levels down, with `path`."""
         for ev in self._client.events(self.turn_id, after_id=after_id, depth=depth):
             if ev is not None:
                 yield ev
@@ -416,10 +414,8 @@ class Client(CompletesWaitpoints):
         token: str | None = None,
         operator: bool = False,
     ) -> dict[str, Any]:
-        """A conversation: idle or busy, its running and queued turns, its messages.
-
-        The caller is its owner's key name, or holds its conversation token; `operator`
-        (an admin key, a holder of Redis credentials) may read any. Anyone else, and an
+        """A conversation: idle or busy, its running and queued turns, its messages. Its
+        owner, the holder of its token or an `operator` may read it; anyone else, and an
         unknown id: ConversationNotFound."""
         convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
@@ -495,12 +491,8 @@ class Client(CompletesWaitpoints):
         heartbeat_s: float | None = None,
         depth: int = 1,
     ) -> Iterator[Event | None]:
-        """The turn's events, the log first, then live, up to its terminal event.
-
-        The events of the sub-agents it calls are relayed `depth` levels down (0: none),
-        each with `path`. `after_id` is an event's `cursor` (or a stream id) to resume
-        after; None is yielded every `heartbeat_s` of silence.
-        """
+        """The turn's events after `after_id` (an event's `cursor`), then live, up to its
+        end; its sub-agents' relayed `depth` levels down. None every `heartbeat_s` of silence."""
         if self._store.state(turn_id) is None:
             raise TurnNotFound(turn_id)
         return follow(

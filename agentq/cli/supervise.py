@@ -1,11 +1,6 @@
-"""Event-loop workers as several processes under one command: `agentq worker llm` and
-`agentq worker io` run N Celery workers, one event loop each, and start a fresh one when
-a worker recycles itself.
-
-One loop is one core: a stream worker's rounds cost CPU per SSE chunk, and a thousand
-streams at once keep a single Python process busy. Each process holds its own loop,
-Redis connections and Celery consumer, so Flower shows them as `llm-1@host`,
-`llm-2@host`, ... (one process keeps the plain name).
+"""`agentq worker llm|io`: N Celery workers under one command, one event loop each, and a
+fresh one started when a worker recycles itself. One loop is one core (a thousand streams
+keep a Python process busy); Flower shows them as `llm-1@host`, `llm-2@host`, ...
 """
 
 from __future__ import annotations

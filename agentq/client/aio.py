@@ -179,7 +179,6 @@ class AsyncClient:
         await self._call(self._client.answer, turn_id, request_id, token, decision, value)
 
     async def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
-        """`Client.complete_waitpoint`."""
         return await self._call(self._client.complete_waitpoint, waitpoint_id, token, result)
 
 
