@@ -254,18 +254,14 @@ def _start_flower(fleet: LocalFleet, started: Started, settings: Settings, port:
     return fl, lambda: _http_ok(probe)
 
 
-def summary(started: Started, fleet: LocalFleet, settings: Settings, took_s: float) -> str:
+def summary(started: Started, fleet: LocalFleet, took_s: float) -> str:
     lines = [f"ready in {took_s:.1f} s"]
     if started.gateway_url:
         lines.append(f"  web page  {started.gateway_url}/")
     if started.flower_url:
-        auth = (
-            f"basic auth, user {started.flower_auth.partition(':')[0]} password "
-            f"{started.flower_auth.partition(':')[2]}"
-            if started.flower_auth
-            else "basic auth from AGENTQ_FLOWER_BASIC_AUTH"
-        )
-        lines.append(f"  Flower    {started.flower_url}/  ({auth})")
+        user, _, password = (started.flower_auth or "").partition(":")
+        auth = f", user {user} password {password}" if user else " from AGENTQ_FLOWER_BASIC_AUTH"
+        lines.append(f"  Flower    {started.flower_url}/  (basic auth{auth})")
     if started.webhook_secret:
         lines.append(f"  webhooks  signed with {started.webhook_secret} (generated)")
     where = "embedded, stops with agentq dev" if fleet.redis else "already running"
@@ -350,7 +346,7 @@ def main(opts: argparse.Namespace) -> int:
         with _signals(_raise_stop, signal.SIGTERM, signal.SIGHUP):
             try:
                 started = start_all(fleet, opts, settings)
-                say(summary(started, fleet, settings, time.monotonic() - t0))
+                say(summary(started, fleet, time.monotonic() - t0))
                 from agentq.fleet import runtime
 
                 # This process's Client uses what was started.

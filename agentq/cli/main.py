@@ -354,13 +354,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if isinstance(exc, (UnknownAgent, MissingExtra, ScheduleInvalid)) else 1
 
 
-# Options whose values are opaque secrets: a URL-safe token may begin with "-", which
-# argparse would read as an option ("expected one argument") if it came as its own word.
-_OPAQUE = ("--token",)
-
-
 def _glued(argv: list[str]) -> list[str]:
-    """`--token -x` as `--token=-x`, so a token that begins with "-" reads as a value."""
+    """`--token -x` as `--token=-x`: a URL-safe token may begin with "-", which argparse
+    would read as an option ("expected one argument") if it came as its own word."""
     out: list[str] = []
     words = iter(argv)
     for word in words:
@@ -369,7 +365,7 @@ def _glued(argv: list[str]) -> list[str]:
             out.extend(words)
             break
         out.append(word)
-        if word in _OPAQUE:
+        if word == "--token":
             value = next(words, None)
             if value is not None:
                 out[-1] = f"{word}={value}"

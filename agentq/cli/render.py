@@ -96,9 +96,8 @@ class TurnView:
             self.text = self.text[: self.round_start]
         elif ev.type == "tool_started":
             cid = str(f["call_id"])
-            self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts)
-            if f.get("child_turn_id"):
-                self.tools[cid].child_turn_id = str(f["child_turn_id"])
+            sub_turn = f.get("child_turn_id") or None
+            self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts, child_turn_id=sub_turn)
         elif ev.type == "tool_progress" and f.get("source") in ("tool", "agent"):
             self._line(ev).progress = progress_text(f.get("message"), f.get("pct"))
         elif ev.type == "tool_waiting":
