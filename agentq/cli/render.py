@@ -15,6 +15,10 @@ from rich.text import Text
 from agentq.events.types import Event
 
 STATUS_STYLE = {
+    "queued": "dim",
+    "running": "cyan",
+    "finished": "green",
+    "aborted": "yellow",
     "ok": "green",
     "error": "red",
     "timeout": "red",
@@ -22,6 +26,7 @@ STATUS_STYLE = {
     "cancelled": "yellow",
     "denied": "yellow",
 }
+"""How the terminal colours a status, a turn's or a call's."""
 
 
 def fmt_s(seconds: float) -> str:

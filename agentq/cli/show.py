@@ -19,13 +19,6 @@ from agentq.cli.ids import clock, short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.state.listing import TurnLister, TurnQuery
 
-TURN_STYLE = {
-    "queued": "dim",
-    "running": "cyan",
-    "finished": "green",
-    "aborted": "yellow",
-    "error": "red",
-}
 BAR_WIDTH = 60
 WIDE_COLUMNS = 100
 """A terminal at least this wide shows `agentq turns`' `ended` column too."""
@@ -61,7 +54,7 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
         pending = len(t["pending_interactions"])
         cells: dict[str, RenderableType] = {
             "turn": short_id(t["turn_id"]),
-            "status": Text(str(t["status"]), style=TURN_STYLE.get(str(t["status"]), "")),
+            "status": Text(str(t["status"]), style=STATUS_STYLE.get(str(t["status"]), "")),
             "agent": t.get("agent") or "-",
             "started": clock(t.get("started_at"), "%H:%M:%S"),
             "ended": clock(t.get("ended_at"), "%H:%M:%S"),
@@ -118,7 +111,7 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
     span = max(end - t0, 0.001)
     head = Text()
     head.append(f"turn {view['turn_id']}  ", style="bold")
-    head.append(str(turn["status"]), style=TURN_STYLE.get(str(turn["status"]), ""))
+    head.append(str(turn["status"]), style=STATUS_STYLE.get(str(turn["status"]), ""))
     head.append(f"  agent {turn.get('agent') or '-'}  {fmt_s(span)}")
     table = Table(box=None, show_header=True, pad_edge=False)
     for col in ("what", "status", f"0 … {fmt_s(span)}", "took", "limits b/s/H", "worker"):
