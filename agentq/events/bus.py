@@ -18,7 +18,7 @@ from agentq.constants import (
     shard_of,
     turn_key,
 )
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.events.types import Event
 from agentq.models import TERMINAL_STATUSES
 
@@ -182,6 +182,10 @@ def run_pipeline(client: Any, build: Callable[[Any], None]) -> list[Any]:
 
 
 class EventBus:
+    _publish_queued = LuaScript(PUBLISH_QUEUED_LUA)
+    _publish_many = LuaScript(PUBLISH_MANY_LUA)
+    _watch = LuaScript(WATCH_LUA)
+
     def __init__(
         self,
         client: redis.Redis | RedisCluster,
@@ -195,9 +199,6 @@ class EventBus:
         self.counted: EventCount = count or (lambda events: None)
         # How the bodies of counted events begin (`event_body` puts the type first).
         self._counted_prefixes = tuple(f'{{"type":"{t}"' for t in sorted(counted_types))
-        self._publish_queued = client.register_script(PUBLISH_QUEUED_LUA)
-        self._publish_many = client.register_script(PUBLISH_MANY_LUA)
-        self._watch = client.register_script(WATCH_LUA)
         self.sharded = isinstance(client, RedisCluster)
         """On a Redis Cluster a turn's channel is a shard channel (SPUBLISH/SSUBSCRIBE):
         its messages stay on the turn's shard instead of crossing the whole cluster."""

@@ -1,12 +1,14 @@
 """How a Lua script's inputs are named: each script opens by binding its KEYS and ARGV
 to names, in the order of the NamedTuples the Python builds its lists from, so an
-argument's position is written in one place. Imports nothing of agentq: every module
-with a script may use it."""
+argument's position is written in one place; and how a class names its scripts
+(`LuaScript`). Imports nothing of agentq: every module with a script may use it."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
+
+from redis.commands.core import Script
 
 
 def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
@@ -27,3 +29,24 @@ def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
 def argv_of(values: Sequence[Any], *tail: Sequence[Any]) -> list[Any]:
     """A script's ARGV (or KEYS): its named inputs (a NamedTuple), then its variable sections."""
     return [*values, *(v for section in tail for v in section)]
+
+
+class LuaScript:
+    """A script its class names once, registered on the instance's `redis` at first use."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> LuaScript: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> Script: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> Script | LuaScript:
+        if obj is None:  # read on the class (mock.patch.object, inspect)
+            return self
+        script: Script = obj.redis.register_script(self.source)
+        obj.__dict__[self.name] = script  # later reads find it on the instance
+        return script

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.limits import REDIS_NOW_MS_LUA
 
 # GCRA_LUA: each limit is one field of a hash: its theoretical arrival time (ms). A limit
@@ -76,10 +76,12 @@ class TokenBucket:
     """Buckets of one rate and burst, one per key: `burst` requests at once, then
     `rate_per_s`."""
 
+    _take = LuaScript(TAKE_LUA)
+
     def __init__(self, client: Any, *, rate_per_s: float, burst: int) -> None:
+        self.redis = client
         self.rate_per_s = rate_per_s
         self.burst = burst
-        self._take = client.register_script(TAKE_LUA)
 
     def take(self, key: str) -> float:
         """Take a token from `key`'s bucket: 0.0, or the seconds until one is there."""

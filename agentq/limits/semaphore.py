@@ -9,7 +9,7 @@ import math
 from typing import Any, NamedTuple
 
 from agentq.constants import SLOTS_CHANNEL
-from agentq.events.lua_args import argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.limits import REDIS_NOW_MS_LUA
 
 FOREVER = "+inf"
@@ -87,10 +87,11 @@ return 0
 class LeasedSemaphore:
     """Semaphores of `limit` places, one per key."""
 
+    _acquire = LuaScript(ACQUIRE_LUA)
+
     def __init__(self, client: Any, limit: int) -> None:
         self.redis = client
         self.limit = limit
-        self._acquire = client.register_script(ACQUIRE_LUA)
 
     def acquire(
         self, key: str, holder: str, lease_s: float | str, ended: list[str] | None = None

@@ -26,6 +26,7 @@ import redis
 from pydantic import BaseModel, ConfigDict
 
 from agentq.config import Settings
+from agentq.events.lua_args import LuaScript
 from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
 from agentq.llm.headers import BUSY_STATUSES, RateSignal
@@ -109,6 +110,14 @@ def pacing_interval_ms(entry: ModelLimitsEntry, tokens: int) -> float:
 class Capacity:
     """Fleet-wide limits of the models in `limits`; other models pass unmetered."""
 
+    _acquire = LuaScript(lua.ACQUIRE_LUA)
+    _release = LuaScript(lua.RELEASE_LUA)
+    _withdraw = LuaScript(lua.WITHDRAW_LUA)
+    _snapshot = LuaScript(lua.SNAPSHOT_LUA)
+    _renew = LuaScript(lua.RENEW_LUA)
+    _breaker = LuaScript(lua.BREAKER_LUA)
+    _note = LuaScript(lua.NOTE_LUA)
+
     def __init__(
         self,
         redis_client: redis.Redis,
@@ -159,13 +168,6 @@ class Capacity:
         self._answered: dict[str, collections.deque[float]] = {}
         self._told: dict[str, tuple[int, int, float]] = {}
         """The provider's limits this process last stored for a model, and when."""
-        self._acquire = redis_client.register_script(lua.ACQUIRE_LUA)
-        self._release = redis_client.register_script(lua.RELEASE_LUA)
-        self._withdraw = redis_client.register_script(lua.WITHDRAW_LUA)
-        self._snapshot = redis_client.register_script(lua.SNAPSHOT_LUA)
-        self._renew = redis_client.register_script(lua.RENEW_LUA)
-        self._breaker = redis_client.register_script(lua.BREAKER_LUA)
-        self._note = redis_client.register_script(lua.NOTE_LUA)
 
     def entry(self, model: str) -> ModelLimitsEntry:
         """The model's limits (none for an unconfigured one, which still shares the queue

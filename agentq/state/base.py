@@ -18,14 +18,13 @@ import secrets
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, cast, overload
+from typing import Any, NamedTuple, Protocol, cast
 
 import redis
-from redis.commands.core import Script
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, EventBus, event_body, publish_lua, run_pipeline
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import ToolResult
 from agentq.state.turn_state import TurnState
 from agentq.telemetry.fleetcounts import COUNTED_TYPES, fleet_counts
@@ -206,27 +205,6 @@ def finished(result: ToolResult) -> dict[str, Any]:
         "truncated_bytes": result.truncated_bytes,
         **({"waitpoint_id": rec.waitpoint_id} if rec.waitpoint_id else {}),
     }
-
-
-class LuaScript:
-    """A script its class names once, registered on the instance's `redis` at first use."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> LuaScript: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> Script: ...
-    def __get__(self, obj: Any, owner: type | None = None) -> Script | LuaScript:
-        if obj is None:  # read on the class (mock.patch.object, inspect)
-            return self
-        script: Script = obj.redis.register_script(self.source)
-        obj.__dict__[self.name] = script  # later reads find it on the instance
-        return script
 
 
 class StoreBase:

@@ -9,11 +9,10 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
-    LuaScript,
     StoreBase,
     TurnKeys,
     active_turns,

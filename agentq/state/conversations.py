@@ -33,7 +33,8 @@ from redis.cluster import RedisCluster
 
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
-from agentq.state.base import LuaScript, text
+from agentq.events.lua_args import LuaScript
+from agentq.state.base import text
 from agentq.state.conversation_lua import (
     ADMIT_LUA,
     DELETE_LUA,

@@ -11,9 +11,9 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.errors import AnswerInvalid, InteractionClosed, InteractionNotFound, MissingExtra
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.state.base import WAKE_BACKSTOP_S, LuaScript, TurnKeys, text
+from agentq.state.base import WAKE_BACKSTOP_S, TurnKeys, text
 from agentq.state.lua import turn_open_lua, wake_lua
 
 if TYPE_CHECKING:

@@ -23,9 +23,9 @@ from typing import Any
 import redis
 
 from agentq import constants as k
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.state.base import LuaScript, active_turns, each_shard, text
+from agentq.state.base import active_turns, each_shard, text
 from agentq.state.lookup import live
 
 MAX_LIMIT = 200

@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import argv_of, bind_lua
-from agentq.state.base import WAKE_BACKSTOP_S, LuaScript, StoreBase, TurnKeys, now_ms, text
+from agentq.events.lua_args import LuaScript, argv_of, bind_lua
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms, text
 from agentq.state.held import held_writes
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
 

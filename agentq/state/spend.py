@@ -34,9 +34,9 @@ from agentq import constants as k
 
 if TYPE_CHECKING:
     from agentq.config import ModelPrice, Settings
-from agentq.events.lua_args import argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import Usage
-from agentq.state.base import LuaScript, text
+from agentq.state.base import text
 from agentq.state.budget import (
     MIN_COMPLETION_TOKENS,
     Budget,

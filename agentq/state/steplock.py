@@ -10,11 +10,10 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
-from agentq.events.lua_args import argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
-    LuaScript,
     RoundRead,
     StepView,
     StoreBase,

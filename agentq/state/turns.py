@@ -16,12 +16,11 @@ from agentq.events.bus import (
     event_body,
     publish_lua,
 )
-from agentq.events.lua_args import argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
     START_BACKSTOP_S,
     WAKE_BACKSTOP_S,
-    LuaScript,
     StoreBase,
     TurnKeys,
     active_turns,

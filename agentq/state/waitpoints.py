@@ -27,9 +27,9 @@ from agentq.errors import (
     WaitpointRefused,
 )
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import TURN_ID, InvocationRecord, ToolResult, ToolStatus, is_call_id
-from agentq.state.base import LuaScript, TurnKeys, call_fields, text
+from agentq.state.base import TurnKeys, call_fields, text
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pydantic import BaseModel, Field
 
 from agentq import constants as k
-from agentq.events.lua_args import bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import final_content
 from agentq.state.base import text
 from agentq.webhooks.backoff import Status
@@ -130,11 +130,12 @@ return out
 
 
 class Deliveries:
+    _create = LuaScript(CREATE_LUA)
+    _claim = LuaScript(CLAIM_LUA)
+
     def __init__(self, redis: redis.Redis, *, retention_s: int) -> None:
         self.redis = redis
         self.retention_s = retention_s
-        self._create = redis.register_script(CREATE_LUA)
-        self._claim = redis.register_script(CLAIM_LUA)
 
     def wait_for(self, turn_id: str, check_at: float) -> None:
         """Note a turn with a webhook, so a sweep queues its delivery even if the step that

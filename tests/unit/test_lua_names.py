@@ -5,16 +5,21 @@ script reads an input by a literal position (loops over a variable tail excepted
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
 from agentq.events import bus
+from agentq.events.lua_args import LuaScript
 from agentq.limits import bucket, semaphore
+from agentq.limits.bucket import TokenBucket
+from agentq.limits.semaphore import LeasedSemaphore
 from agentq.llm import capacity_lua
+from agentq.llm.capacity import Capacity
 from agentq.state import conversation_lua, interactions, listing, spend
-from agentq.state.base import LuaScript
 from agentq.state.store import TurnStore
 from agentq.webhooks import deliveries
+from agentq.webhooks.deliveries import Deliveries
 
 
 def _store_scripts() -> dict[str, str]:
@@ -73,6 +78,19 @@ def test_the_store_has_scripts() -> None:
     assert len(_store_scripts()) >= 12
     # Read on the class (mock.patch.object, inspect), a script is its LuaScript.
     assert isinstance(TurnStore._settle, LuaScript)
+
+
+@pytest.mark.parametrize("cls", [bus.EventBus, LeasedSemaphore, TokenBucket, Capacity, Deliveries])
+def test_a_class_names_its_scripts_as_the_store_does(cls: type) -> None:
+    scripts = [s.source for s in vars(cls).values() if isinstance(s, LuaScript)]
+    assert scripts
+    assert all(source in SCRIPTS.values() for source in scripts)
+
+
+def test_scripts_are_registered_one_way() -> None:
+    pkg = Path(bus.__file__).resolve().parents[1]
+    users = {p.name for p in pkg.rglob("*.py") if "register_script(" in p.read_text()}
+    assert users == {"lua_args.py"}
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
