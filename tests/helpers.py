@@ -216,3 +216,20 @@ def process_env(env: dict[str, str]) -> Iterator[None]:
             else:
                 os.environ[k] = v
         runtime.reset()
+
+
+def call_scope(ran_s: float = 1.0, soft_timeout_s: float = 9.0) -> Any:
+    """The scope of a call of a tool `slow` (hard limit 10 s) that has run `ran_s`."""
+    from agentq.models import ToolTaskRequest
+    from agentq.tools.calls import CallScope
+
+    req = ToolTaskRequest(
+        turn_id="t",
+        call_id="c",
+        tool="slow",
+        arguments={},
+        timeout_s=10.0,
+        soft_timeout_s=soft_timeout_s,
+        budget_s=5.0,
+    )
+    return CallScope(req=req, worker="w", task_id="x", started=time.time() - ran_s)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from celery.exceptions import SoftTimeLimitExceeded
 
 from agentq.config import Settings
-from agentq.models import ToolTaskRequest
-from agentq.tools.calls import CallScope, outcome
+from agentq.tools.calls import outcome
 from agentq.tools.registry import spec_of
+from tests.helpers import call_scope
 
 HARD = "Tool 'slow' was cancelled at its hard time limit of 10s; it is not running any more."
 
@@ -26,17 +25,7 @@ SPEC = spec_of(slow, "slow", None, {})
 
 
 def _outcome(**how: Any) -> Any:
-    req = ToolTaskRequest(
-        turn_id="t",
-        call_id="c",
-        tool="slow",
-        arguments={},
-        timeout_s=10.0,
-        soft_timeout_s=9.0,
-        budget_s=5.0,
-    )
-    scope = CallScope(req=req, worker="w", task_id="x", started=time.time() - 1)
-    return outcome(scope, SPEC, Settings(), **how)
+    return outcome(call_scope(), SPEC, Settings(), **how)
 
 
 def test_an_abort_the_tool_saw_wins_over_everything() -> None:

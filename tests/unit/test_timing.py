@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from agentq.tools.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
+from tests.helpers import call_scope
 
 
 def limits(
@@ -75,24 +76,6 @@ def test_truncate_marks_how_much_was_cut() -> None:
     assert truncate_text("short", 500) == ("short", 0)
 
 
-def _scope(ran_s: float, soft_timeout_s: float = 9.0):  # type: ignore[no-untyped-def]
-    import time
-
-    from agentq.models import ToolTaskRequest
-    from agentq.tools.calls import CallScope
-
-    req = ToolTaskRequest(
-        turn_id="t",
-        call_id="c",
-        tool="slow",
-        arguments={},
-        timeout_s=10.0,
-        soft_timeout_s=soft_timeout_s,
-        budget_s=5.0,
-    )
-    return CallScope(req=req, worker="w", task_id="x", started=time.time() - ran_s)
-
-
 def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
     # As in a prefork child: billiard's handler raises on the soft limit's signal, the
     # tool catches it and returns early, before its own clock reaches the limit.
@@ -106,19 +89,19 @@ def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
 
     before = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
     try:
-        with _soft_limit(_scope(8.9)) as quiet:
+        with _soft_limit(call_scope(8.9)) as quiet:
             pass
         assert not quiet.fired
-        with _soft_limit(_scope(8.9)) as soft, pytest.raises(SoftTimeLimitExceeded):
+        with _soft_limit(call_scope(8.9)) as soft, pytest.raises(SoftTimeLimitExceeded):
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)  # its handler runs before this returns
         assert soft.fired
         assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler  # restored
         # A limit the pool fired late, for the call this process ran before: not this one's.
-        with _soft_limit(_scope(0.1)) as stale:
+        with _soft_limit(call_scope(0.1)) as stale:
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)
         assert not stale.fired
         # Once the tool returned, its result is written whatever the limit says.
-        with _soft_limit(_scope(9.5)) as after:
+        with _soft_limit(call_scope(9.5)) as after:
             after.done = True
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)
         assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler
