@@ -304,17 +304,8 @@ class Sweeper:
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""
-        lister = TurnLister(self.store.redis)
-        dropped = kept = 0
-        for _ in range(PRUNE_ROUNDS):
-            # Entries still alive stay in place: the next batch starts past them.
-            n = lister.prune(batch=PRUNE_BATCH, older_than=now - self.retention_s, start=kept)
-            dropped += n
-            seen = lister.count_older(now - self.retention_s)
-            kept = min(kept + PRUNE_BATCH - n, seen)
-            if kept >= seen:
-                break
-        return dropped
+        older_than = now - self.retention_s
+        return TurnLister(self.store.redis).prune(older_than, PRUNE_BATCH, PRUNE_ROUNDS)
 
     def until_next_s(self, now: float, next_at: float | None) -> float:
         """How long to wait before the next pass: the interval, or less when a wakeup

@@ -282,13 +282,6 @@ class TurnLister:
         rows.sort(key=lambda r: r[1], reverse=True)
         return rows[:num]
 
-    def count_older(self, older_than: float) -> int:
-        """How many index entries were created before `older_than`."""
-        got = each_shard(
-            self.redis, lambda p, s: p.zcount(k.index_key(s), "-inf", f"({older_than!r}")
-        )
-        return sum(int(n) for n in got)
-
     def page(self, query: TurnQuery, visible: Visible | None = None) -> TurnPage:
         """Newest first from `query.before`, filtered, at most `query.limit` turns."""
         now = time.time()
@@ -317,24 +310,35 @@ class TurnLister:
         page.next_before = last_score
         return page
 
-    def prune(self, older_than: float, start: int, batch: int) -> int:
-        """Drop the index entries of expired turns among `batch` created before `older_than`,
-        from position `start` (past the live ones already seen); how many were dropped."""
-        top = f"({older_than!r}"
-        got = each_shard(
-            self.redis,
-            lambda p, s: p.zrangebyscore(
-                k.index_key(s), "-inf", top, start=0, num=start + batch, withscores=True
-            ),
-        )
-        rows = sorted((float(sc), text(m)) for found in got for m, sc in found)
-        oldest = [m for _, m in rows[start : start + batch]]
-        if not oldest:
-            return 0
-        alive = set(live(self.redis, oldest))
-        gone = [t for t in oldest if t not in alive]
-        self._drop(gone)
-        return len(gone)
+    def prune(self, older_than: float, batch: int, rounds: int) -> int:
+        """Drop the index entries of expired turns created before `older_than`, oldest first,
+        reading at most `rounds` pages of `batch`; how many were dropped."""
+        top, low, tied, dropped = f"({older_than!r}", -math.inf, set[str](), 0
+
+        def from_low(low: float, num: int) -> list[Any]:
+            return each_shard(
+                self.redis,
+                lambda p, s: p.zrangebyscore(
+                    k.index_key(s), repr(low), top, start=0, num=num, withscores=True
+                ),
+            )
+
+        for _ in range(rounds):
+            # A page starts at the last one's score, past its live entries of that score:
+            # entries sharing a score are never skipped.
+            got = from_low(low, batch + len(tied))
+            rows = sorted((float(sc), text(m)) for found in got for m, sc in found)
+            page = [(sc, m) for sc, m in rows if m not in tied][:batch]
+            if not page:
+                break
+            ids = [m for _, m in page]
+            alive = set(live(self.redis, ids))
+            self._drop([t for t in ids if t not in alive])
+            dropped += len(ids) - len(alive)
+            if page[-1][0] > low:
+                low, tied = page[-1][0], set()
+            tied |= {m for sc, m in page if sc == low and m in alive}
+        return dropped
 
     def pending_interactions(self, visible: Visible | None = None) -> list[dict[str, Any]]:
         """Every pending interaction of the running turns, the soonest to expire first."""

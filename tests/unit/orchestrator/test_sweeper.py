@@ -31,6 +31,22 @@ def test_the_sweeper_drops_index_entries_of_expired_turns_and_keeps_live_ones() 
     assert left == {*live, "recent"}
 
 
+def test_pruning_pages_past_live_entries_that_share_one_score() -> None:
+    from agentq.config import Settings
+    from agentq.orchestrator.steps import PRUNE_BATCH, Sweeper
+
+    r = fakeredis.FakeRedis()
+    now = 1_000_000.0
+    old = now - 7200
+    live = [f"a{i:04}" for i in range(PRUNE_BATCH + 3)]  # sorted before the expired ones
+    r.zadd(k.TURNS_INDEX, {t: old for t in [*live, "b1", "b2"]})
+    for t in live:
+        r.hset(k.turn_key(t), "status", "running")
+    sweeper = Sweeper(TurnStore(r), None, Settings(turn_retention_s=3600))  # type: ignore[arg-type]
+    assert sweeper.prune_index(now) == 2
+    assert r.zcard(k.TURNS_INDEX) == len(live)
+
+
 def test_the_sweeper_waits_only_until_the_next_wakeup_comes_due() -> None:
     # A queued model round's turn asks for its slot at that moment, not up to a sweep
     # interval late: a configured fleet lost a fifth of the provider's slots every other
