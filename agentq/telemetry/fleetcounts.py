@@ -279,11 +279,6 @@ class FleetCounts:
             outcome = "error" if f.get("error") else "ok"
             self._observe("llm_round_duration_seconds", (outcome,), duration_ms / 1000)
 
-    def pending(self) -> dict[str, float]:
-        """The counts not yet added to Redis, as the hash holds them."""
-        with self._lock:
-            return {**self._ints, **self._sums}
-
     def _started(self, client: Any, flush_s: float) -> None:
         # The newest count's Redis: a process that moved to another one (a test process
         # going from fleet to fleet, a CLI given another URL) must not keep adding its

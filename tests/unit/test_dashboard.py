@@ -7,10 +7,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import fakeredis
 import yaml
 
 from agentq.gateway.metrics import GatewayMetrics
-from agentq.telemetry.fleetcounts import FleetCounts
+from agentq.telemetry.fleetcounts import FleetCounts, read_counts
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 
@@ -24,7 +25,9 @@ def exported_names() -> set[str]:
     ]
     fc.fold([(str(e["type"]), e) for e in events])
     m = GatewayMetrics()
-    m.counts = fc.pending()
+    r = fakeredis.FakeRedis()
+    fc.flush(r)
+    m.counts = read_counts(r)
     m.refresh_active([])
     return {
         re.split(r"[{ ]", line, maxsplit=1)[0]

@@ -190,7 +190,9 @@ def _folded(*events: dict[str, Any]) -> str:
     """/metrics of a fleet whose processes published these events (as published)."""
     fc = FleetCounts()
     fc.fold([(str(e["type"]), e) for e in events])
-    return _rendered(fc.pending())
+    r = fakeredis.FakeRedis()
+    fc.flush(r)
+    return _rendered(read_counts(r))
 
 
 def test_step_durations_add_up_across_processes() -> None:
@@ -265,7 +267,8 @@ def test_events_of_other_types_and_unknown_fields_count_nothing() -> None:
     counts = FleetCounts()
     # Deltas and progress are never counted, and start no flusher.
     counts.events([("llm_delta", {"text": "x"}), ("tool_progress", {})], r, flush_s=0.05)
-    assert counts.pending() == {}
+    counts.flush(r)
+    assert read_counts(r) == {}
     # A hash field of another version (or garbage) is left out of /metrics, not a failure.
     text = _rendered({"no_such|[]|": 3.0, "tool_results|not json|": 1.0, "turns_ended|[]|": 1.0})
     assert "no_such" not in text and "agentq_turns_ended_total 1.0" not in text

@@ -15,7 +15,7 @@ def test_the_writes_that_publish_counted_events_count_them_once(
     store: TurnStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from agentq.state import base
-    from agentq.telemetry.fleetcounts import FleetCounts, field_of
+    from agentq.telemetry.fleetcounts import FleetCounts, field_of, read_counts
 
     counts = FleetCounts()
     monkeypatch.setattr(base, "fleet_counts", counts)
@@ -33,7 +33,8 @@ def test_the_writes_that_publish_counted_events_count_them_once(
         # Refused after the end: nothing published, nothing counted.
         assert store.bus.publish("t1", "turn_error", code="x") == 0
         publish_many(store, {"t1": [("llm_retry", {"code": "ETIMEDOUT"})]})
-        got = counts.pending()
+        counts.flush(store.redis)
+        got = read_counts(store.redis)
     finally:
         counts.stop()
     assert got.pop(field_of("llm_rounds_queued", ("m",))) == 1
