@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
-from agentq.errors import AgentDefinitionError, ConfigError, UnknownAgent
+from agentq.errors import AgentDefinitionError, ConfigError, UnknownAgent, field_errors
 from agentq.tools import ask_user
 from agentq.tools.policy import Approval
 from agentq.tools.registry import all_tools
@@ -131,9 +131,8 @@ class Agent(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            field = ".".join(str(p) for p in err["loc"]) or "agent"
-            raise AgentDefinitionError(str(data.get("name", "?")), field, err["msg"]) from None
+            field, msg = field_errors(exc, "agent")[0]
+            raise AgentDefinitionError(str(data.get("name", "?")), field, msg) from None
         same = _AGENTS.get(self.name)
         if same is not None and same != self:
             # One name, two definitions: which one a turn runs would depend on import order.
@@ -171,8 +170,8 @@ class Agent(BaseModel):
                 timeout_s=timeout_s,
             )
         except ValidationError as exc:
-            err = exc.errors()[0]
-            raise AgentDefinitionError(self.name, f"as_tool.{err['loc'][0]}", err["msg"]) from None
+            field, msg = field_errors(exc)[0]
+            raise AgentDefinitionError(self.name, f"as_tool.{field}", msg) from None
 
     @property
     def agent_tools(self) -> dict[str, AgentTool]:

@@ -20,7 +20,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from agentq import constants as k
-from agentq.errors import ConfigError
+from agentq.errors import ConfigError, field_errors
 
 SENTINEL_SCHEME = "sentinel://"
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", SENTINEL_SCHEME)
@@ -484,13 +484,12 @@ def load_settings(**overrides: object) -> Settings:
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = str(err["loc"][0]) if err["loc"] else "settings"
+        path, msg = field_errors(exc, "settings")[0]
+        field, _, entry = path.partition(".")
         name = field.upper()
-        msg = err["msg"]
-        if len(err["loc"]) > 1:
+        if entry:
             # Which entry of a JSON setting (a model's price, a key's budget), which field.
-            msg = f"{'.'.join(str(p) for p in err['loc'][1:])}: {msg}"
+            msg = f"{entry}: {msg}"
         raise ConfigError(name if name.startswith("AGENTQ_") else f"AGENTQ_{name}", msg) from None
 
 

@@ -65,12 +65,28 @@ AgentqError
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import redis
 from redis.exceptions import RedisClusterException
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
 """What a Redis command may raise: a Cluster client's own errors (no slot map, no node
 reachable) are not RedisErrors."""
+
+
+def field_errors(exc: ValidationError, top: str = "") -> list[tuple[str, str]]:
+    """pydantic's errors as (dotted field path, message); `top` names an error of the whole."""
+    return [(".".join(str(p) for p in e["loc"]) or top, e["msg"]) for e in exc.errors()]
+
+
+def describe_invalid(exc: ValidationError, top: str = "", limit: int | None = 1) -> str:
+    """The first `limit` of pydantic's errors as `path: message; ...`."""
+    errors = field_errors(exc, top)[:limit]
+    return "; ".join(f"{where}: {msg}" if where else msg for where, msg in errors)
 
 
 class AgentqError(Exception):

@@ -99,6 +99,7 @@ UNITS_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 def _bulk(client: Client, args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from agentq.errors import describe_invalid
     from agentq.orchestrator.replay import BulkOutcome
 
     age = AGE.match(args.since or "1h")
@@ -123,8 +124,7 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
             said=said,
         )
     except ValidationError as exc:
-        err = exc.errors()[0]
-        print(f"agentq retry: {err['loc'][0]}: {err['msg']}", file=sys.stderr)
+        print(f"agentq retry: {describe_invalid(exc)}", file=sys.stderr)
         return 2
     if not args.json:
         started = sum(o.outcome == "started" for o in done)

@@ -41,6 +41,7 @@ from agentq.errors import (
     UnknownAgent,
     WaitpointRefused,
     WebhookRefused,
+    field_errors,
 )
 from agentq.gateway.limits import retry_after_header
 
@@ -91,10 +92,7 @@ def validated(model: type[M], data: Any) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        detail = [
-            {"field": ".".join(str(p) for p in e["loc"]) or "body", "message": e["msg"]}
-            for e in exc.errors()
-        ]
+        detail = [{"field": f, "message": m} for f, m in field_errors(exc, "body")]
     first = detail[0] if detail else {"field": "body", "message": "invalid"}
     raise ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from agentq.errors import ConfigError
+from agentq.errors import ConfigError, describe_invalid
 
 SETTING = "AGENTQ_LLM_LIMITS"
 DEFAULT_DEPLOYMENT = "default"
@@ -98,17 +98,8 @@ def parse_limits(raw: str | None) -> dict[str, ModelLimitsEntry]:
         try:
             out[model] = ModelLimitsEntry.model_validate(spec)
         except ValidationError as exc:
-            raise ConfigError(SETTING, f"{model}: {_describe(exc)}") from None
+            raise ConfigError(SETTING, f"{model}: {describe_invalid(exc, limit=None)}") from None
     return out
-
-
-def _describe(exc: ValidationError) -> str:
-    """pydantic's errors as `deployments.0.rpm: Input should be greater than 0; ...`."""
-    parts = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
-    return "; ".join(parts)
 
 
 def estimate_tokens(prompt_tokens: int, max_completion_tokens: int | None) -> int:

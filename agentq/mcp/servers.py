@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from agentq.errors import ConfigError
+from agentq.errors import ConfigError, describe_invalid
 
 SETTING = "AGENTQ_MCP_SERVERS"
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,32}$"
@@ -125,9 +125,8 @@ def parse_servers(raw: str | None) -> dict[str, McpServer]:
         try:
             out[name] = McpServer(name=name, **spec)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"]) or "server"
-            raise ConfigError(SETTING, f"server {name!r}: {where}: {err['msg']}") from None
+            why = describe_invalid(exc, "server")
+            raise ConfigError(SETTING, f"server {name!r}: {why}") from None
         except TypeError as exc:
             raise ConfigError(SETTING, f"server {name!r}: {exc}") from None
     return out

@@ -8,7 +8,7 @@ from typing import Any
 from celery.schedules import crontab, schedule
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentq.errors import ScheduleInvalid
+from agentq.errors import ScheduleInvalid, describe_invalid
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MIN_EVERY_S = 1.0
@@ -79,6 +79,4 @@ def build_spec(data: dict[str, Any]) -> ScheduleSpec:
     try:
         return ScheduleSpec.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "schedule"
-        raise ScheduleInvalid(name, f"{where}: {err['msg']}") from None
+        raise ScheduleInvalid(name, describe_invalid(exc, "schedule")) from None

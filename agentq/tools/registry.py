@@ -12,7 +12,12 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from agentq.config import get_settings
 from agentq.constants import TOOL_TASK_PREFIX
-from agentq.errors import ToolArgumentsInvalid, ToolDefinitionError, UnknownTool
+from agentq.errors import (
+    ToolArgumentsInvalid,
+    ToolDefinitionError,
+    UnknownTool,
+    describe_invalid,
+)
 from agentq.models import InteractionKind
 from agentq.tools.context import ToolContext
 from agentq.tools.policy import Approval, Concurrency, ResolvedPolicy, ToolPolicy
@@ -71,15 +76,9 @@ class ToolSpec:
         try:
             return self.args_model.model_validate(arguments)
         except ValidationError as exc:
-            raise ToolArgumentsInvalid(self.name, _describe(exc)) from None
-
-
-def _describe(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:10]:
-        loc = ".".join(str(p) for p in err["loc"]) or "(arguments)"
-        parts.append(f"{loc}: {err['msg']}")
-    return "; ".join(parts)
+            raise ToolArgumentsInvalid(
+                self.name, describe_invalid(exc, "(arguments)", 10)
+            ) from None
 
 
 def _args_model(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], bool]:
@@ -194,7 +193,7 @@ def spec_of(
     try:
         pol = ToolPolicy.model_validate(policy)
     except ValidationError as exc:
-        raise ToolDefinitionError(tool_name, _describe(exc)) from None
+        raise ToolDefinitionError(tool_name, describe_invalid(exc, "(arguments)", 10)) from None
     kind = _kind(tool_name, f, pol)
     model, wants_ctx = _args_model(tool_name, f)
     schema = model.model_json_schema()
