@@ -225,35 +225,26 @@ class Client(CompletesWaitpoints):
 
     def _start_turn(
         self,
-        prompt: str | None = None,
+        prompt: str | TurnRequest | None = None,
         *,
+        owner: str | None = None,
         operator: bool = False,
         idempotency_key: str | None = None,
         **fields: Any,
     ) -> TurnHandle:
-        """`start` for agentq's own commands: `fields` are TurnRequest's, and
-        `operator=True` may continue any conversation (for tools that hold Redis
-        credentials, which could read it anyway)."""
-        req = TurnRequest(prompt=prompt, **fields)
-        return self._start_request(req, any_owner=operator, idempotency_key=idempotency_key)
-
-    def _start_request(
-        self,
-        req: TurnRequest,
-        *,
-        owner: str | None = None,
-        any_owner: bool = False,
-        idempotency_key: str | None = None,
-    ) -> TurnHandle:
-        """Queue a turn owned by the key name `owner` (None: no key): the gateway's way in
-        (`any_owner`: an admin key's)."""
+        """`start` for agentq's own commands and the gateway: a TurnRequest, or a prompt and
+        its `fields`, owned by the key name `owner` (None: no key). `operator=True` may
+        continue any conversation: an admin key, or a tool that holds Redis credentials and
+        could read it anyway."""
+        if not isinstance(prompt, TurnRequest):
+            prompt = TurnRequest(prompt=prompt, **fields)
         return start_turn(
             self._store,
             self.app,
             self.settings,
-            req,
+            prompt,
             owner=owner,
-            any_owner=any_owner,
+            any_owner=operator,
             traced=self.traced,
             idempotency_key=idempotency_key,
         )

@@ -318,7 +318,7 @@ def _fairness(fx: BenchRig, sz: Sizes, model: str, limits: str) -> dict[str, Any
         t0 = time.time()
         for i in range(nb):
             req = TurnRequest(prompt=f"{key} bulk #{i}", detach=True)
-            bulk.append(client._start_request(req, owner="bulk"))
+            bulk.append(client._start_turn(req, owner="bulk"))
         out["fair_bulk_start_all_seconds"] = round(time.time() - t0, 2)
         # Her turns come once the backlog queues: the last bulk turn waits for its round.
         deadline = time.monotonic() + 60
@@ -334,9 +334,7 @@ def _fairness(fx: BenchRig, sz: Sizes, model: str, limits: str) -> dict[str, Any
         asked: list[float] = []
         for i in range(ni):
             asked.append(time.time())
-            mine.append(
-                client._start_request(TurnRequest(prompt=f"{key} alice #{i}"), owner="alice")
-            )
+            mine.append(client._start_turn(TurnRequest(prompt=f"{key} alice #{i}"), owner="alice"))
         ids = [h.turn_id for h in mine]
         deadline = time.monotonic() + 60
         logs = _logs(store, ids)

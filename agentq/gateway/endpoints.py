@@ -203,10 +203,10 @@ class Gateway:
         return self.limited(
             principal,
             host,
-            lambda: self.client._start_request(
+            lambda: self.client._start_turn(
                 req,
                 owner=principal.name if principal else None,
-                any_owner=bool(principal and principal.admin),
+                operator=bool(principal and principal.admin),
                 idempotency_key=idempotency_key,
             ),
         )

@@ -26,7 +26,7 @@ from typing import Any
 from agentq.api import Client
 from agentq.errors import AgentqError
 from agentq.events.types import Event
-from agentq.models import TurnHandle
+from agentq.models import TurnHandle, TurnRequest
 from agentq.testing.openai_server import DEFAULT_KEY, Round, ScriptedCall, ScriptedOpenAIServer
 
 __all__ = ["FleetClient", "ScriptedModel", "call", "local_fleet", "reply"]
@@ -78,7 +78,7 @@ class FleetClient(Client):
         super().__init__()
         self.started: list[str] = []
 
-    def _start_turn(self, prompt: str | None = None, **options: Any) -> TurnHandle:
+    def _start_turn(self, prompt: str | TurnRequest | None = None, **options: Any) -> TurnHandle:
         handle = super()._start_turn(prompt, **options)
         self.started.append(handle.turn_id)
         return handle

@@ -104,11 +104,11 @@ def test_a_person_at_a_screen_goes_before_another_keys_backlog(make_rig) -> None
     rig.start("llm", "turns")
     key = rig.script(Round(text="hello"))
     bulk = [
-        rig.client._start_request(TurnRequest(prompt=key, detach=True), owner="bulk")
+        rig.client._start_turn(TurnRequest(prompt=key, detach=True), owner="bulk")
         for _ in range(10)
     ]
     wait_event(rig.client, bulk[-1].turn_id, "llm_queued")
-    alice = rig.client._start_request(TurnRequest(prompt=key), owner="alice")
+    alice = rig.client._start_turn(TurnRequest(prompt=key), owner="alice")
     mine = rig.collect(alice.turn_id, timeout_s=60)
     assert mine[-1].type == "turn_finished"
     theirs = [rig.collect(h.turn_id, timeout_s=60) for h in bulk]

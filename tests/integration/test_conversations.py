@@ -245,7 +245,7 @@ def test_delete_aborts_its_turns_and_removes_it(fleet, llm_server, client: Clien
 def test_another_owners_conversation_is_not_found(fleet, llm_server, client: Client) -> None:
     conv = conv_id()
     req = TurnRequest(prompt=script(llm_server, Round(text="mine")), conversation_id=conv)
-    handle = client._start_request(req, owner="alice")
+    handle = client._start_turn(req, owner="alice")
     collect(client, handle.turn_id)
     with pytest.raises(ConversationNotFound):
         client.conversation(conv, owner="bob")

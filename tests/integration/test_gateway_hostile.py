@@ -237,7 +237,7 @@ def test_invalid_messages_are_refused_up_front(
         client._start_turn(messages=messages)
     # A request built without validation is checked again by Client.start.
     with pytest.raises(ValueError, match=phrase):
-        client._start_request(TurnRequest.model_construct(messages=messages, prompt=None))
+        client._start_turn(TurnRequest.model_construct(messages=messages, prompt=None))
 
 
 def test_a_valid_chat_history_runs(http: httpx.Client, llm_server: Any, client: Client) -> None:
@@ -255,7 +255,7 @@ def test_a_valid_chat_history_runs(http: httpx.Client, llm_server: Any, client: 
     with pytest.raises(ValidationError, match="lone surrogate"):
         client._start_turn("a\ud800c")
     with pytest.raises(ValueError, match="lone surrogate"):
-        client._start_request(TurnRequest.model_construct(prompt="a\ud800c", messages=None))
+        client._start_turn(TurnRequest.model_construct(prompt="a\ud800c", messages=None))
 
 
 # -- 4. credentials in log lines ---------------------------------------------------------

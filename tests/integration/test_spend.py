@@ -160,9 +160,7 @@ def test_a_budgeted_turn_that_stops_after_its_calls_settles_its_last_round(
     used = Usage(prompt_tokens=1000, completion_tokens=50)
     same = Round(tool_calls=calls(("echo", {"text": "again"})), usage=used)
     key = script(llm_server, same, same, same, Round(text="never sent", usage=used))
-    handle = stack._start_request(
-        TurnRequest(prompt=f"{key} go", max_tokens=100000), owner="k-loop"
-    )
+    handle = stack._start_turn(TurnRequest(prompt=f"{key} go", max_tokens=100000), owner="k-loop")
     end = stack.wait(handle.turn_id, timeout_s=60)
     assert end.type == "turn_finished" and end.fields["reason"] == "loop_detected"
     view = stack.get(handle.turn_id)
@@ -191,7 +189,7 @@ def test_a_key_over_its_budget_ends_its_turns_and_may_not_start_more(
     stack: Client, llm_server
 ) -> None:
     key = script(llm_server, *echo_rounds(60))
-    handle = stack._start_request(TurnRequest(prompt=f"{key} go"), owner="k-tight")
+    handle = stack._start_turn(TurnRequest(prompt=f"{key} go"), owner="k-tight")
     events = collect(stack, handle.turn_id, timeout_s=90)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["code"] == "budget_exceeded"
@@ -203,7 +201,7 @@ def test_a_key_over_its_budget_ends_its_turns_and_may_not_start_more(
     # Whatever it left is less than a round: the next start is refused, with its reset.
     with pytest.raises(BudgetExceeded) as refused:
         for _ in range(50):
-            other = stack._start_request(TurnRequest(prompt=f"{key} go"), owner="k-tight")
+            other = stack._start_turn(TurnRequest(prompt=f"{key} go"), owner="k-tight")
             collect(stack, other.turn_id, timeout_s=60)
     assert refused.value.scope == "key" and refused.value.resets_at is not None
 
@@ -220,8 +218,7 @@ def test_twenty_turns_of_one_key_do_not_overspend_its_budget(stack: Client, llm_
         *loop,
     )
     handles = [
-        stack._start_request(TurnRequest(prompt=f"{key} go {i}"), owner="k-crowd")
-        for i in range(20)
+        stack._start_turn(TurnRequest(prompt=f"{key} go {i}"), owner="k-crowd") for i in range(20)
     ]
     ends = _run_all(stack, handles, timeout_s=120)
     assert len(ends) == 20
@@ -277,7 +274,7 @@ def test_prompts_counted_above_their_estimate_overspend_within_the_bound(
         *loop,
     )
     handles = [
-        stack._start_request(TurnRequest(prompt=f"{key} go {i}"), owner="k-over") for i in range(20)
+        stack._start_turn(TurnRequest(prompt=f"{key} go {i}"), owner="k-over") for i in range(20)
     ]
     ends = _run_all(stack, handles)
     assert len(ends) == 20
@@ -465,7 +462,7 @@ def test_the_cli_runs_under_a_budget_and_shows_usage(stack: Client, llm_server) 
 def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) -> None:
     used = Usage(prompt_tokens=1000, completion_tokens=50)
     key = script(llm_server, *echo_rounds(60, usage=used))
-    handle = stack._start_request(TurnRequest(prompt=f"{key} go"), owner="k-usd")
+    handle = stack._start_turn(TurnRequest(prompt=f"{key} go"), owner="k-usd")
     events = collect(stack, handle.turn_id, timeout_s=90)
     end = events[-1]
     assert end.type == "turn_error" and end.fields["budget"] == "usd_per_day"
