@@ -24,7 +24,7 @@ from celery.signals import (
 from agentq import constants as k
 from agentq.agents import load_tool_modules, publish_agents
 from agentq.config import get_settings
-from agentq.errors import ConfigError, MissingExtra
+from agentq.errors import ConfigError
 from agentq.fleet import health
 from agentq.fleet.app import create_app
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
@@ -59,8 +59,6 @@ if not settings.task_received_logs:
     logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
 load_tool_modules(settings.tool_modules)
 # The tools of AGENTQ_MCP_SERVERS join the registry before its tasks are registered.
-if settings.mcp_servers:
-    MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
 load_mcp(settings, lambda: get_store().redis)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
 parse_limits(settings.llm_limits)

@@ -17,6 +17,7 @@ from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from agentq import constants as k
 from agentq.config import Settings
+from agentq.errors import MissingExtra
 from agentq.fleet.roles import current_role
 from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink, explain
@@ -211,6 +212,7 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
             return _tools
         if not servers:
             return None
+        MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
         tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
         tools.refresh()
         registry.add_refresher(tools.refresh)
