@@ -67,7 +67,7 @@ class Console:
 
     def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
         """Which turns the caller may list; None: every turn (no keys, loopback only)."""
-        principal = self.gw.require_key(request)
+        principal = self.gw.require(request, "key")
         if principal is None:
             return None
         return lambda state: may_list(state, principal)
@@ -93,7 +93,7 @@ class Console:
         return JSONResponse({"interactions": pending}, headers=NO_STORE)
 
     async def turn_timeline(self, request: Request) -> Response:
-        principal = self.gw.require_key(request)
+        principal = self.gw.require(request, "key")
         turn_id = request.path_params["turn_id"]
         client = self.gw.client
         view = await run_in_threadpool(
@@ -109,7 +109,7 @@ class Console:
         return f"{request.url.scheme}://{request.url.hostname}:{settings.flower_port}"
 
     async def capacity(self, request: Request) -> Response:
-        self.gw.require_admin_read(request)
+        self.gw.require(request, "admin")
         snapshots = await run_in_threadpool(
             read_snapshots, self.gw.capacity, self.gw.client.settings
         )
@@ -132,7 +132,7 @@ class Console:
         return panel
 
     async def mcp_servers(self, request: Request) -> Response:
-        self.gw.require_admin_read(request)
+        self.gw.require(request, "admin")
         view = await run_in_threadpool(self._servers)
         return JSONResponse({"servers": view}, headers=NO_STORE)
 

@@ -51,10 +51,10 @@ def conversation_routes(gw: Gateway) -> list[Route]:
     def target(request: Request) -> tuple[str, dict[str, Any]]:
         """The path's conversation, and who asks (as the Client's keyword arguments)."""
         cid = conversation_id_of(request.path_params["conversation_id"])
-        principal = gw.require_key(request)
+        principal = gw.require(request, "key")
         if principal is not None:
             return cid, {"owner": principal.name, "operator": principal.admin}
-        if gw.keyring.enabled:  # require_key refused a missing or unknown key already
+        if gw.keyring.enabled:  # require refused a missing or unknown key already
             raise ConversationNotFound("")
         return cid, {"token": bearer(request)}
 
@@ -71,7 +71,7 @@ def conversation_routes(gw: Gateway) -> list[Route]:
         )
 
     async def listing(request: Request) -> Response:
-        principal = gw.require_key(request)
+        principal = gw.require(request, "key")
         limit = int(_number(request, "limit", 50, low=1, high=MAX_LISTED))
         before = _number(request, "before", None, low=0, high=1e12)
         owner = principal.name if principal else None

@@ -18,7 +18,7 @@ import math
 import threading
 from collections.abc import Callable, Generator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentq.gateway")
 T = TypeVar("T")
+Rule = Literal["key", "operator", "admin", "admin_key"]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 BODY_MARGIN_BYTES = 64 * 1024
@@ -120,11 +121,29 @@ class Gateway:
             raise Unauthorized("this call needs a key: Authorization: Bearer <key>")
         return principal, presented
 
-    def require_key(self, request: Request) -> Principal | None:
-        """The caller's key; with keys configured, a call without a valid one is refused."""
-        principal, _ = self.caller(request)
-        if self.keyring.enabled and principal is None:
-            raise Unauthorized("unknown key")
+    def require(self, request: Request, rule: Rule) -> Principal | None:
+        """The caller's key if `rule` (as openapi.AUTH_RULES words it) admits the call;
+        Unauthorized or Forbidden if not.
+        Without keys, "operator" answers this machine only: a gateway started with
+        `--insecure-no-auth` stays read-only to the network."""
+        path = request.url.path
+        if rule == "admin":
+            presented = bearer(request)
+            if not self.keyring.enabled and self.metrics_token is None:
+                return None
+            if self.metrics_token is not None and secret_matches(presented, self.metrics_token):
+                return None
+            principal = self.keyring.identify(presented)
+            if principal is None:
+                raise Unauthorized(f"{path} needs an admin key or AGENTQ_METRICS_TOKEN")
+        else:
+            principal, _ = self.caller(request)
+            if self.keyring.enabled and principal is None:
+                raise Unauthorized("unknown key")
+        if rule in ("admin", "admin_key") and principal is not None and not principal.admin:
+            raise Forbidden(f"{path} needs an admin key")
+        if rule == "operator" and principal is None and not is_loopback(client_host(request)):
+            raise Forbidden(f"without keys, {path} answers this machine only")
         return principal
 
     def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
@@ -135,15 +154,6 @@ class Gateway:
             raise TurnNotFound(turn_id)
         return state
 
-    def require_operator(self, request: Request) -> Principal | None:
-        """The caller's key; without keys, only a client on this machine (the console's
-        steering, bulk retry): a gateway started with `--insecure-no-auth` stays read-only
-        to the network."""
-        principal = self.require_key(request)
-        if principal is None and not is_loopback(client_host(request)):
-            raise Forbidden(f"without keys, {request.url.path} answers this machine only")
-        return principal
-
     async def steerer(
         self, request: Request, turn_id: str
     ) -> tuple[Principal | None, str | None, bool]:
@@ -151,7 +161,7 @@ class Gateway:
         token if they showed it, and whether they steer as an operator (by key, or from the
         console, which takes no token)."""
         if request.url.path.startswith("/v1/console/"):
-            principal = self.require_operator(request)
+            principal = self.require(request, "operator")
             await run_in_threadpool(self.authorize, turn_id, principal, None)
             return principal, None, True
         if not self.keyring.enabled:
@@ -169,7 +179,7 @@ class Gateway:
         return principal, None, True
 
     async def start_turn(self, request: Request) -> Response:
-        principal = self.require_key(request)
+        principal = self.require(request, "key")
         data = await read_json(request, self.body_limit_bytes)
         if "parent_turn_id" in data:
             # Only a running turn may start sub-agents; over HTTP it would graft onto any turn.
@@ -228,12 +238,12 @@ class Gateway:
         return JSONResponse(turn)
 
     async def agents(self, request: Request) -> Response:
-        self.require_key(request)
+        self.require(request, "key")
         agents = await run_in_threadpool(published_agent_details, self.client._store.redis)
         return JSONResponse({"agents": agents})
 
     async def active(self, request: Request) -> Response:
-        principal = self.require_key(request)
+        principal = self.require(request, "key")
         turns = await run_in_threadpool(self.client.active)
         if principal is not None:
             turns = [t for t in turns if may_list(t, principal)]
@@ -374,23 +384,8 @@ class Gateway:
             {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
         )
 
-    def require_admin_read(self, request: Request) -> None:
-        """The fleet-wide numbers (/metrics, /v1/capacity): an admin key or the metrics
-        token when either is configured (a key that is not an admin's: 403)."""
-        if not self.keyring.enabled and self.metrics_token is None:
-            return
-        presented = bearer(request)
-        if self.metrics_token is not None and secret_matches(presented, self.metrics_token):
-            return
-        principal = self.keyring.identify(presented)
-        path = request.url.path
-        if principal is None:
-            raise Unauthorized(f"{path} needs an admin key or AGENTQ_METRICS_TOKEN")
-        if not principal.admin:
-            raise Forbidden(f"{path} needs an admin key")
-
     async def metrics_page(self, request: Request) -> Response:
-        self.require_admin_read(request)
+        self.require(request, "admin")
         active = None
         capacity: list[dict[str, Any]] = []
         hooks: tuple[dict[str, int], int | None] = ({}, None)

@@ -17,8 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentq.config import Settings
-from agentq.errors import ConfigError, Forbidden, WebhookRefused
-from agentq.gateway.auth import Principal
+from agentq.errors import ConfigError, WebhookRefused
 from agentq.gateway.errors import NO_STORE
 from agentq.gateway.validate import read_json
 from agentq.schedules.spec import build_spec, parse_every
@@ -39,19 +38,13 @@ def job_routes(gw: Gateway) -> list[Route]:
         c = gw.client
         return Schedules(c.app, c._store.redis, c.settings)
 
-    def admin(request: Request) -> Principal | None:
-        principal = gw.require_key(request)
-        if principal is not None and not principal.admin:
-            raise Forbidden(f"{request.url.path} needs an admin key")
-        return principal
-
     async def list_schedules(request: Request) -> Response:
-        admin(request)
+        gw.require(request, "admin_key")
         rows = await run_in_threadpool(schedules().list)
         return JSONResponse({"schedules": rows}, headers=NO_STORE)
 
     async def add_schedule(request: Request) -> Response:
-        principal = admin(request)
+        principal = gw.require(request, "admin_key")
         data: dict[str, Any] = await read_json(request, gw.body_limit_bytes)
         name = str(data.get("name") or "")
         every = data.pop("every", None)
@@ -70,13 +63,13 @@ def job_routes(gw: Gateway) -> list[Route]:
         )
 
     async def remove_schedule(request: Request) -> Response:
-        admin(request)
+        gw.require(request, "admin_key")
         name = request.path_params["name"]
         await run_in_threadpool(schedules().remove, name)
         return JSONResponse({"ok": True, "name": name})
 
     async def list_webhooks(request: Request) -> Response:
-        gw.require_admin_read(request)
+        gw.require(request, "admin")
         try:
             limit = min(MAX_LISTED, max(1, int(request.query_params.get("limit", "50"))))
         except ValueError:

@@ -144,7 +144,7 @@ class McpEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive)
-        principal = self.gw.require_key(request)
+        principal = self.gw.require(request, "key")
         owner = principal.name if principal is not None else None
         session_id = request.headers.get("mcp-session-id")
         check_transport(request.method, request.headers, session_id)

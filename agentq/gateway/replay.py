@@ -41,7 +41,7 @@ def replay_routes(gw: Gateway) -> list[Route]:
         return accepted(handle)
 
     async def retry_many(request: Request) -> Response:
-        principal = gw.require_operator(request)
+        principal = gw.require(request, "operator")
         host = client_host(request)
         req = validated(BulkRetryRequest, await body(request))
         c = gw.client

@@ -45,7 +45,7 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
 
 def usage_routes(gw: Gateway) -> list[Route]:
     async def usage(request: Request) -> Response:
-        principal = gw.require_key(request)
+        principal = gw.require(request, "key")
         q = request.query_params
         group_by = q.get("group_by") or "model"
         since = when(q.get("since"), "since")
