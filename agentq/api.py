@@ -378,7 +378,7 @@ class Client(CompletesWaitpoints):
         return {
             **timeline(self._store, turn_id, state),
             "turn": summary,
-            "webhook": Deliveries(r, retention_s=s.turn_retention_s).of_turn(turn_id),
+            "webhook": Deliveries(r, s).of_turn(turn_id),
             "source": replay.replay_source(state),
             "waitpoints": waitpoints(self._store).listing(turn_id),
             "spend": Spend(r, s).turn_totals(state.get("owner"), turn_id),

@@ -111,7 +111,7 @@ class Gateway:
         # Set at shutdown: open SSE streams end at their next poll instead of being cancelled.
         self.closing = threading.Event()
         self.presence = Presence(client._store.redis)
-        self.deliveries = Deliveries(client._store.redis, retention_s=settings.turn_retention_s)
+        self.deliveries = Deliveries(client._store.redis, settings)
 
     def caller(self, request: Request) -> tuple[Principal | None, str | None]:
         """The key holder (if the bearer is a key) and the bearer itself (maybe a turn token)."""

@@ -29,8 +29,9 @@ from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
+from agentq.webhooks.deliveries import Deliveries
 from agentq.webhooks.target import check_for_turn
-from agentq.webhooks.task import WAITING_RECHECK_S, deliveries
+from agentq.webhooks.task import WAITING_RECHECK_S
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -141,7 +142,7 @@ def launch(
     if state.get("webhook_url"):
         # Before the turn exists: whatever happens to the step that ends it, a sweep
         # finds the turn here and queues its delivery.
-        deliveries(store, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
+        Deliveries(store.redis, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, new.history, new.records)

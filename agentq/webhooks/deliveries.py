@@ -24,6 +24,7 @@ from agentq.webhooks.backoff import Status
 if TYPE_CHECKING:
     import redis
 
+    from agentq.config import Settings
     from agentq.state.store import TurnStore
 
 EVENT_TYPES = {"finished": "turn.finished", "error": "turn.failed", "aborted": "turn.aborted"}
@@ -133,9 +134,9 @@ class Deliveries:
     _create = LuaScript(CREATE_LUA)
     _claim = LuaScript(CLAIM_LUA)
 
-    def __init__(self, redis: redis.Redis, *, retention_s: int) -> None:
+    def __init__(self, redis: redis.Redis, settings: Settings) -> None:
         self.redis = redis
-        self.retention_s = retention_s
+        self.retention_s = settings.turn_retention_s
 
     def wait_for(self, turn_id: str, check_at: float) -> None:
         """Note a turn with a webhook, so a sweep queues its delivery even if the step that

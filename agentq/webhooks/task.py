@@ -47,10 +47,6 @@ def lease_s(settings: Settings) -> float:
     return 2 * settings.webhook_timeout_s + 5.0
 
 
-def deliveries(store: TurnStore, settings: Settings) -> Deliveries:
-    return Deliveries(store.redis, retention_s=settings.turn_retention_s)
-
-
 def send_attempt(app: Celery, delivery_id: str, attempts: int) -> None:
     """Send the message of the delivery's next attempt (the attempt after `attempts`)."""
     app.send_task(k.TASK_WEBHOOK_DELIVER, args=[delivery_id, attempts], queue=k.QUEUE_WEBHOOKS)
@@ -60,7 +56,7 @@ def queue_delivery(
     store: TurnStore, app: Celery, settings: Settings, turn_id: str, url: str
 ) -> None:
     """Queue the ended turn's delivery and send its first attempt (a second call: no-op)."""
-    created = deliveries(store, settings).create(turn_id, url, lease_s=lease_s(settings))
+    created = Deliveries(store.redis, settings).create(turn_id, url, lease_s=lease_s(settings))
     if not created:
         return
     try:
@@ -87,7 +83,7 @@ def queue_waiting(
         "data": {"turn_id": turn_id, **event},
     }
     delivery_id = f"{k.webhook_id(turn_id)}_{event['call_id']}"
-    return deliveries(store, settings).create(
+    return Deliveries(store.redis, settings).create(
         turn_id, url, lease_s=0.0, event=(delivery_id, encode(payload))
     )
 
@@ -100,7 +96,7 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
     if not redis.set(lock, "1", nx=True, px=int(lease_s(settings) * 1000)):
         return "busy"
     try:
-        dels = deliveries(store, settings)
+        dels = Deliveries(store.redis, settings)
         d = dels.get(delivery_id)
         if d is None or d.status != "pending":
             return "done"
@@ -166,7 +162,7 @@ def start_sweeper(store: TurnStore, app: Celery, settings: Settings) -> None:
     """Send the due attempts and queue the deliveries of turns whose ending step died, every
     `webhook_sweep_interval_s`, on a daemon thread of every worker that consumes the webhook
     queue."""
-    dels = deliveries(store, settings)
+    dels = Deliveries(store.redis, settings)
 
     def sweep() -> None:
         for delivery_id, attempts in dels.claim_due(lease_s=lease_s(settings)):

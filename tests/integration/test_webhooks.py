@@ -63,7 +63,7 @@ def hook_client(agentq_env: dict[str, str]) -> Client:
 
 
 def deliveries() -> Deliveries:
-    return Deliveries(get_store().redis, retention_s=3600)
+    return Deliveries(get_store().redis, load_settings(turn_retention_s=3600))
 
 
 def verified(r: Received) -> dict[str, Any]:
