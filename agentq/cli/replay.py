@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -92,18 +91,15 @@ def cmd_replay(client: Client, args: argparse.Namespace) -> int:
     return _said(turn, args)
 
 
-AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
-UNITS_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def _bulk(client: Client, args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from agentq.errors import describe_invalid
     from agentq.orchestrator.replay import BulkOutcome
+    from agentq.schedules.spec import to_seconds
 
-    age = AGE.match(args.since or "1h")
-    if age is None:
+    since_s = to_seconds(args.since or "1h")
+    if since_s is None:
         print(f"agentq retry: --since {args.since!r}: a number with s, m, h or d", file=sys.stderr)
         return 2
 
@@ -117,7 +113,7 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
         done = client.retry_many(
             status=args.status,
             agent=args.agent,
-            since_s=float(age.group(1)) * UNITS_S[age.group(2)],
+            since_s=since_s,
             limit=args.limit,
             rate_per_s=args.rate,
             dry_run=args.dry_run,

@@ -13,7 +13,7 @@ from agentq.errors import ScheduleInvalid, describe_invalid
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 MIN_EVERY_S = 1.0
 _UNITS_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_EVERY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 
 
 class ScheduleSpec(BaseModel):
@@ -62,12 +62,17 @@ def cron_schedule(expr: str, name: str = "") -> crontab:
         raise ScheduleInvalid(name, f"--cron {expr!r}: {exc}") from None
 
 
+def to_seconds(text: str) -> float | None:
+    """`30s`, `5m`, `2h`, `1d`, `90` (seconds) -> seconds; None if it is not a duration."""
+    m = _DURATION.match(text)
+    return float(m.group(1)) * _UNITS_S[m.group(2) or "s"] if m else None
+
+
 def parse_every(text: str, name: str = "") -> float:
-    """`30s`, `5m`, `2h`, `1d`, `90` (seconds) -> seconds; at least MIN_EVERY_S."""
-    m = _EVERY.match(text)
-    if not m:
+    """A schedule's period in seconds: at least MIN_EVERY_S."""
+    seconds = to_seconds(text)
+    if seconds is None:
         raise ScheduleInvalid(name, f"--every {text!r}: a number with s, m, h or d (e.g. 30s)")
-    seconds = float(m.group(1)) * _UNITS_S[m.group(2) or "s"]
     if seconds < MIN_EVERY_S:
         raise ScheduleInvalid(name, f"--every {text!r}: at least {MIN_EVERY_S:g}s")
     return seconds
