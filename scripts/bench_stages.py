@@ -653,7 +653,7 @@ def bench_events(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
             into.append((time.monotonic_ns() - int(data["sent_ns"])) / 1e9)
 
     def follow_bus() -> None:
-        for ev in follow(store.bus, turn_id, idle_timeout_s=30):
+        for ev in follow(store.bus, turn_id):
             if ev is None:
                 continue
             if ev.type == "bench_warm":
