@@ -169,14 +169,22 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     key = k.mcp_slots_key(server.name)
     # Leased past the call's hard limit: a worker that dies with the call frees it then.
     lease_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
+    release = functools.partial(slots.release, key, ctx.call_id, wake=True)
     waited = False
     while True:
         # Woken by a place given back (SLOTS_CHANNEL), by the soonest lease's end (its
         # holder died), or after POLL_S should the message be missed, as an abort is.
         freed = watch.on_freed(key)
-        wait_ms = await loop.run_in_executor(
-            None, slots.acquire_or_wait_ms, key, ctx.call_id, lease_s
-        )
+        trying = loop.run_in_executor(None, slots.acquire_or_wait_ms, key, ctx.call_id, lease_s)
+        try:
+            wait_ms = await asyncio.shield(trying)
+        except asyncio.CancelledError:
+            # Cancelled mid-try: the try may still take a place, given back before the cancel
+            # goes on (else it is held to its lease's end, past the call's hard limit).
+            freed.cancel()
+            if await asyncio.shield(trying) == 0:
+                await asyncio.shield(loop.run_in_executor(None, release))
+            raise
         if not wait_ms:
             freed.cancel()
             break
@@ -190,7 +198,6 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     finally:
         # Awaited: the slot is free when the call is over. Shielded: a second cancel of
         # the call stops the wait, never the release.
-        release = functools.partial(slots.release, key, ctx.call_id, wake=True)
         await asyncio.shield(loop.run_in_executor(None, release))
 
 
