@@ -204,7 +204,12 @@ def cost_per_call(fx: BenchRig, n: int = 100) -> dict[str, Any]:
             by_kind.setdefault(kind, Counter())[name] += 1
         calls = 2 * n  # the CPU windows: 4 reps of n // 2
         # Only the processes on the call's path: the other workers idle alike for all.
-        path = ("caller", "redis-server", f"{worker[side]} worker", f"{worker[side]} pool")
+        path: tuple[str, ...] = (
+            "caller",
+            "redis-server",
+            f"{worker[side]} worker",
+            f"{worker[side]} pool",
+        )
         if side != "celery":
             path += ("turns worker",)  # its sweeps; on the other side, its step as well
         cpu_ms = {k_: round(cpu[side][k_] * 1000 / calls, 3) for k_ in path}

@@ -74,12 +74,12 @@ _redis_client: Any = None
 
 
 @worker_init.connect  # type: ignore[untyped-decorator]
-def _warm(**_: Any) -> None:
+def _warm(**_kw: Any) -> None:
     """The rounds worker's SDK clients, made and warmed before any turn (a long-running
     worker's are): a client per TURNS_PER_CLIENT threads, as the raw loop shares them."""
     if os.environ.get("BENCH_PLAIN_CLIENTS") is None:
         return
-    import httpx
+    import httpx2
     from openai import OpenAI
 
     for _ in range(int(os.environ["BENCH_PLAIN_CLIENTS"])):
@@ -87,8 +87,8 @@ def _warm(**_: Any) -> None:
             base_url=os.environ["AGENTQ_LLM_BASE_URL"],
             api_key="bench",
             max_retries=0,
-            http_client=httpx.Client(
-                limits=httpx.Limits(max_connections=TURNS_PER_CLIENT), timeout=120
+            http_client=httpx2.Client(
+                limits=httpx2.Limits(max_connections=TURNS_PER_CLIENT), timeout=120
             ),
         )
         client.chat.completions  # noqa: B018  (the SDK loads its resources on first use)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from agentq.events.types import TERMINAL_TYPES
@@ -132,7 +133,7 @@ def first_tokens(
             last_start[0] = time.perf_counter()
             return _through_agentq(http, f"{key} #{i}", phases, whole=whole)
 
-        runs = {
+        runs: dict[str, Callable[[int], float]] = {
             "agentq": paced,
             "direct": lambda i: _direct(sdk, f"{key} #{i}", whole=whole),
         }

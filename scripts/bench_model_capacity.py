@@ -20,6 +20,7 @@ Each turn is two rounds: one `echo` call, then text. The floor is rounds / 20 s.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import time
@@ -447,14 +448,14 @@ def bench_model_capacity(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
 
     try:
         for shape in shapes:
-            sub(f"{shape} open", lambda s=shape: _run_turns(fx, n, f"{s}_open", None, s))
+            sub(f"{shape} open", functools.partial(_run_turns, fx, n, f"{shape}_open", None, shape))
         limits = _limits_json(model)
         try:
             with _workers_with(fx, {"AGENTQ_LLM_LIMITS": limits}):
                 for shape in shapes:
                     sub(
                         f"{shape} limited",
-                        lambda s=shape: _run_turns(fx, n, f"{s}_limited", limits, s),
+                        functools.partial(_run_turns, fx, n, f"{shape}_limited", limits, shape),
                     )
                 sub("fair", lambda: _fairness(fx, sz, model, limits))
         except Exception as exc:  # the fleet's restart: the open runs' figures stand

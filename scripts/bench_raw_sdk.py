@@ -82,7 +82,7 @@ MAX_ROUNDS = 12
 """A bound on a turn's rounds, which keeps a broken script finite."""
 
 TURNS_PER_CLIENT = 50
-"""Turns sharing one SDK client: httpx's pool looks at each of its connections for every
+"""Turns sharing one SDK client: httpx2's pool looks at each of its connections for every
 request, so one pool of a thousand made the reference loop spend most of its CPU there
 (1,000 turns: 72 s with one client on the test VM); a client per 50 turns is what a tuned
 loop would do."""
@@ -91,16 +91,16 @@ loop would do."""
 async def run(
     base_url: str, model: str, key: str, turns: int, sync_tool_threads: int = 0
 ) -> dict[str, Any]:
-    import httpx
+    import httpx2
     from openai import AsyncOpenAI
 
-    limits = httpx.Limits(max_connections=TURNS_PER_CLIENT)
+    limits = httpx2.Limits(max_connections=TURNS_PER_CLIENT)
     clients = [
         AsyncOpenAI(
             base_url=base_url,
             api_key="bench",
             max_retries=0,
-            http_client=httpx.AsyncClient(limits=limits, timeout=120),
+            http_client=httpx2.AsyncClient(limits=limits, timeout=120),
         )
         for _ in range(-(-turns // TURNS_PER_CLIENT))
     ]

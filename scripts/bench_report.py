@@ -321,8 +321,8 @@ def render(res: dict[str, Any], to_stderr: bool) -> None:
             title="io on workload shapes: the fleet (+ Redis) and plain Celery tasks (+ Redis) "
             "against a raw-SDK loop"
         )
-        cols = ("shape", "turns", "floor s", "fleet s", "Celery s", "raw s", "CPU ratio")
-        cols += ("wall ratio", "Celery's CPU ratio", "fleet CPU / Celery's")
+        cols: tuple[str, ...] = ("shape", "turns", "floor s", "fleet s", "Celery s", "raw s")
+        cols += ("CPU ratio", "wall ratio", "Celery's CPU ratio", "fleet CPU / Celery's")
         for col in (*cols, "first token over the SDK direct, ms p50 / p99"):
             sh.add_column(col)
         for r in res["shapes"]:

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +33,7 @@ from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_p
 from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import ToolCall, ToolResult, TurnStatus
 from agentq.testing.openai_server import Round, ScriptedCall, ScriptedOpenAIServer
+from agentq.testing.scripts import Fault
 from tests.rigs.ratelimit import ProviderLimits
 from tests.rigs.rounds import run_round, start_round
 
@@ -111,7 +112,7 @@ def turn_statuses(store: Any, turn_ids: list[str]) -> list[Any]:
     return [None if s is None else json.loads(s) for s in pipe.execute()]
 
 
-def pct(xs: list[float], q: float) -> float | None:
+def pct(xs: Sequence[float], q: float) -> float | None:
     """The q-th percentile, linearly interpolated; None for no samples."""
     s = sorted(xs)
     if not s:
@@ -570,7 +571,11 @@ def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
     assert fx.llm is not None
     llm = fx.llm
     out: dict[str, Any] = {}
-    for label, fault in (("", "silent_after_chunks"), ("keepalive_", "keepalive_only")):
+    faults: tuple[tuple[str, Fault], ...] = (
+        ("", "silent_after_chunks"),
+        ("keepalive_", "keepalive_only"),
+    )
+    for label, fault in faults:
         key = fx.script(Round(text="hello", fault=fault, fault_after_chunks=1))
 
         async def overshoots(key: str = key) -> list[float]:

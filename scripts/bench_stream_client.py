@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agentq.llm import aclient  # noqa: E402
+from agentq.llm import client as chat  # noqa: E402
 
 ROUND = {"text": "x" * 80, "chunk_size": 4, "chunk_delay_ms": 100}
 CLIENTS = 8
@@ -49,15 +50,15 @@ def _cpu_s() -> float:
 async def _sdk_round(client: openai.AsyncOpenAI, on_delta: Any) -> None:
     """The round as the stream worker read it before agentq.llm.sse: through the SDK's
     stream, its chunks assembled as the worker's own are."""
-    stream = await client.post(
-        aclient.CHAT_COMPLETIONS_PATH,
-        content=aclient.chat_request("m", [{"role": "user", "content": "k"}], []),
+    stream: openai.AsyncStream[object] = await client.post(  # type: ignore[assignment]
+        chat.CHAT_COMPLETIONS_PATH,
+        content=chat.chat_request("m", [{"role": "user", "content": "k"}], []),
         cast_to=object,
         stream=True,
         stream_cls=openai.AsyncStream[object],
     )
     async with stream:
-        assembler = aclient.ChatAssembler(on_delta)
+        assembler = chat.ChatAssembler(on_delta)
         index = 0
         async for chunk in stream:
             assembler.add(chunk, index)

@@ -11,6 +11,7 @@ import argparse
 import importlib.metadata as md
 import sys
 from pathlib import Path
+from typing import cast
 
 import tomllib
 from packaging.markers import default_environment
@@ -27,7 +28,7 @@ HEADER = (
 
 def closure(roots: list[str]) -> dict[str, str]:
     """Installed name -> version of `roots` and everything they require, extras included."""
-    env = default_environment()
+    env = cast("dict[str, str]", default_environment())
     pins: dict[str, str] = {}
     seen: set[tuple[str, str]] = set()
     todo = [Requirement(r) for r in roots]

@@ -58,8 +58,11 @@ def _one_call(store: TurnStore) -> tuple[str, dict[str, int]]:
     process drive it; the commands each write costs (scripts' commands included)."""
     r = store.redis
     turn_id, call = secrets.token_hex(16), ToolCall(id="c_1", name="noop")
-    state = {"status": "queued", "created_at": time.time(), "round": 1, "call_count": 1}
-    history = [{"role": "user", "content": "go"}, {"role": "assistant", "content": None}]
+    state: Any = {"status": "queued", "created_at": time.time(), "round": 1, "call_count": 1}
+    history: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None},
+    ]
     cost: dict[str, int] = {}
     cost["create"] = _cost(r, lambda: store.create(turn_id, state, history))
     views: list[StepView | None] = []
