@@ -8,7 +8,7 @@ list against the app's real route table and each operation's auth rule against t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any, Literal
 
@@ -204,23 +204,6 @@ OPERATIONS: tuple[Operation, ...] = (
               "the model sees (`name`) and on the server (`tool`), the tools refused and why "
               "(a bad name or schema, listed twice, a name another tool maps to), and how its "
               "last start or call went (`health`).", "admin", errors=("401", "403", "503")),
-    Operation("POST", "/v1/console/turns/{turn_id}/abort", "Abort a turn from the "
-              "console, as an operator.", "operator", errors=("401", "403", "404")),
-    Operation("POST", "/v1/console/turns/{turn_id}/retry", "Retry a turn from the console, "
-              "as an operator (as POST /v1/turns/{turn_id}/retry).", "operator", ok="202",
-              request=RetryRequest, response=TurnHandle,
-              errors=("401", "403", "404", "409", "410", "422")),
-    Operation("POST", "/v1/console/turns/retry", "Retry in bulk from the console (as "
-              "POST /v1/turns/retry): a key retries its own turns, an admin every owner's; "
-              "without keys, from this machine only.", "key", request=BulkRetryRequest,
-              errors=("401", "403", "422")),
-    Operation("POST", "/v1/console/turns/{turn_id}/fork", "Fork a turn from the console, "
-              "as an operator (as POST /v1/turns/{turn_id}/fork).", "operator", ok="202",
-              request=ForkRequest, response=TurnHandle,
-              errors=("401", "403", "404", "410", "422")),
-    Operation("POST", "/v1/console/turns/{turn_id}/interactions/{request_id}", "Answer an "
-              "interaction from the console, as an operator.", "operator",
-              request=InteractionAnswer, errors=("401", "403", "404", "409", "422")),
     Operation("GET", "/v1/schedules", "Every schedule, its last turn and its next tick.",
               "admin_key", errors=("401", "403")),
     Operation("POST", "/v1/schedules", "Add a schedule: name, every (30s, 5m) or cron "
@@ -239,6 +222,15 @@ OPERATIONS: tuple[Operation, ...] = (
               "key", media_type="text/event-stream", errors=("401", "404", "422")),
     Operation("DELETE", "/mcp", "MCP: end a session (Mcp-Session-Id).", "key",
               errors=("401", "404", "422")),
+)  # fmt: skip
+# The console's buttons (abort, answer, retry, fork, bulk retry) are the steering of a turn
+# with the same bodies, as an operator (no token).
+OPERATIONS += tuple(
+    replace(op, path=op.path.replace("/v1/", "/v1/console/"),
+            summary=f"From the console, as an operator: {op.summary}",
+            auth="operator" if op.auth == "turn" else op.auth,
+            errors=tuple(sorted({*op.errors, "403"})))
+    for op in OPERATIONS if op.method == "POST" and op.path.startswith("/v1/turns/")
 )  # fmt: skip
 
 _ERROR_TEXT = {
