@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from pydantic import SecretStr
@@ -123,16 +123,17 @@ def secret_matches(presented: str | None, expected: str) -> bool:
 
 def may_access(state: TurnState, principal: Principal | None, token: str | None) -> bool:
     """Read and steer (abort, answer) rights on one turn: the same three holders for both."""
-    if token_matches(state, token):
-        return True
-    if principal is None:
-        return False
-    return principal.admin or (state.get("owner") is not None and state["owner"] == principal.name)
+    return token_matches(state, token) or (principal is not None and may_list(state, principal))
 
 
 def may_list(state: Mapping[str, object], principal: Principal) -> bool:
     """A turn appears in the caller's `/v1/turns/active`: theirs, or all for an admin."""
     return principal.admin or state.get("owner") == principal.name
+
+
+def visible_to(principal: Principal | None) -> Callable[[Mapping[str, object]], bool] | None:
+    """Which turns `principal` may list; None: every turn (no keys, loopback only)."""
+    return None if principal is None else (lambda state: may_list(state, principal))
 
 
 def is_loopback(host: str) -> bool:

@@ -13,7 +13,6 @@ out: a deployment's `base_url`, provider model name and `api_key` never do.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -21,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.gateway.auth import may_list
+from agentq.gateway.auth import visible_to
 from agentq.gateway.errors import NO_STORE, invalid
 from agentq.gateway.metrics import read_snapshots
 from agentq.llm.capacity import Capacity
@@ -65,15 +64,8 @@ class Console:
         self.redis = gw.client._store.redis
         self.lister = TurnLister(self.redis)
 
-    def _viewer(self, request: Request) -> Callable[[dict[str, Any]], bool] | None:
-        """Which turns the caller may list; None: every turn (no keys, loopback only)."""
-        principal = self.gw.require(request, "key")
-        if principal is None:
-            return None
-        return lambda state: may_list(state, principal)
-
     async def list_turns(self, request: Request) -> Response:
-        visible = self._viewer(request)
+        visible = visible_to(self.gw.require(request, "key"))
         q = request.query_params
         try:
             query = TurnQuery.parse(
@@ -88,7 +80,7 @@ class Console:
         return JSONResponse(page.to_json(), headers=NO_STORE)
 
     async def inbox(self, request: Request) -> Response:
-        visible = self._viewer(request)
+        visible = visible_to(self.gw.require(request, "key"))
         pending = await run_in_threadpool(self.lister.pending_interactions, visible)
         return JSONResponse({"interactions": pending}, headers=NO_STORE)
 

@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agentq.gateway.auth import may_list
+from agentq.gateway.auth import visible_to
 from agentq.gateway.errors import NO_STORE, accepted, validated
 from agentq.gateway.validate import client_host, read_json, turn_id_of
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
@@ -45,14 +45,13 @@ def replay_routes(gw: Gateway) -> list[Route]:
         host = client_host(request)
         req = validated(BulkRetryRequest, await body(request))
         c = gw.client
-        visible = None if principal is None else (lambda st: may_list(st, principal))
         done = await run_in_threadpool(
             lambda: bulk_retry(
                 c._store,
                 c.app,
                 c.settings,
                 req,
-                visible=visible,
+                visible=visible_to(principal),
                 traced=c.traced,
                 limited=lambda start: gw.limited(principal, host, start),
             )
