@@ -8,7 +8,6 @@ key's, or `key`'s. Without keys (loopback only) the caller sees all, as the CLI 
 from __future__ import annotations
 
 import datetime as dt
-import time
 from typing import TYPE_CHECKING
 
 from starlette.concurrency import run_in_threadpool
@@ -18,7 +17,6 @@ from starlette.routing import Route
 
 from agentq.errors import Forbidden
 from agentq.gateway.errors import NO_STORE, invalid
-from agentq.state.spend import usage_window
 
 if TYPE_CHECKING:
     from agentq.gateway.endpoints import Gateway
@@ -56,14 +54,13 @@ def usage_routes(gw: Gateway) -> list[Route]:
             raise Forbidden("a key sees its own usage only")
         owner = principal.name if principal else None
         try:
-            since, until = usage_window(group_by, since, until, time.time())
+            report = await run_in_threadpool(
+                lambda: gw.client.usage(
+                    since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
+                )
+            )
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        report = await run_in_threadpool(
-            lambda: gw.client.usage(
-                since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
-            )
-        )
         return JSONResponse(report, headers=NO_STORE)
 
     return [Route("/v1/usage", usage, methods=["GET"])]
