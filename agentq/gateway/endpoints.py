@@ -311,9 +311,7 @@ class Gateway:
                 await run_in_threadpool(self.client.abort, turn_id, token, "disconnect")
             except TurnNotFound:
                 pass  # it ended in the meantime
-            except AgentqError as exc:
-                log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
-            except REDIS_ERRORS as exc:
+            except (AgentqError, *REDIS_ERRORS) as exc:  # type: ignore[misc]
                 log.warning("turn %s: abort on disconnect failed: %s", turn_id, exc)
 
         self.metrics.sse_connections.inc()
