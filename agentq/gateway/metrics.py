@@ -1,32 +1,8 @@
 """Prometheus metrics of the gateway, in a registry of their own (no process/GC collectors).
 
-The tokens, cost, budget, model round, capacity, step, tool duration and webhook metrics
-are listed in docs/operations.md; the others count:
-
-- ``agentq_tool_results_total{tool,status}``: every ``tool_finished`` event, i.e. every
-  settled call, with or without a duration (denied calls have none).
-- ``agentq_tool_timeouts_total{tool}``: ``tool_finished`` with status ``timeout`` (the
-  hard limit killed the call; ``lost`` calls are counted under results only).
-- ``agentq_waitpoints_opened_total{tool}``: ``tool_waiting`` events (a tool returned a
-  Waitpoint); ``agentq_waitpoints_settled_total{tool,status}``: ``tool_finished`` of those
-  calls (``ok``/``error`` completed, ``timeout``, ``cancelled``); open = opened - settled.
-- ``agentq_turn_aborts_total{reason}``: ``turn_aborted`` events by reason (user,
-  disconnect, timeout, error).
-- ``agentq_turns_ended_total{outcome}``: terminal events (finished, aborted, error).
-- ``agentq_watchdog_trips_total``: model streams cut by the inactivity watchdog, seen
-  as an ``llm_retry`` or a failed ``llm_finished`` with code ``ETIMEDOUT`` (each trip
-  ends in exactly one of the two).
-- ``agentq_events_streamed_total{type}``: SSE messages this gateway wrote (one per
-  client per event).
-- ``agentq_sse_connections`` gauge: SSE responses open now.
-- ``agentq_active_turns{status}`` gauge: turns in Redis' active set (queued, running),
-  read from ``Client.active()`` when /metrics is scraped.
-- ``agentq_running_tool_calls`` gauge: dispatched calls of active turns without a result
-  yet, read at scrape time too.
-- ``agentq_redis_up`` gauge: 1 if the scrape-time read of Redis worked, else 0.
-
-The event-derived metrics and the step durations are the fleet's, read at scrape time from
-the hash every process adds its counts to (agentq.telemetry.fleetcounts).
+Every metric is listed in docs/operations.md. The event-derived metrics and the step
+durations are the fleet's, read at scrape time from the hash every process adds its counts
+to (agentq.telemetry.fleetcounts).
 """
 
 from __future__ import annotations
