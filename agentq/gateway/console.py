@@ -56,86 +56,67 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
     return {"now_ms": now_ms, "models": models}
 
 
-class Console:
-    """The console's handlers, on the gateway's Client and keyring."""
+def console_routes(gw: Gateway) -> list[Route]:
+    """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
+    redis = gw.client._store.redis
+    settings = gw.client.settings
+    lister = TurnLister(redis)
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.redis = gw.client._store.redis
-        self.lister = TurnLister(self.redis)
-
-    async def list_turns(self, request: Request) -> Response:
-        visible = visible_to(self.gw.require(request, "key"))
+    async def list_turns(request: Request) -> Response:
+        visible = visible_to(gw.require(request, "key"))
         q = request.query_params
         try:
-            query = TurnQuery.parse(
-                status=q.get("status"),
-                agent=q.get("agent"),
-                limit=q.get("limit"),
-                before=q.get("before"),
-            )
+            query = TurnQuery.parse(**{f: q.get(f) for f in ("status", "agent", "limit", "before")})
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        page = await run_in_threadpool(self.lister.page, query, visible)
+        page = await run_in_threadpool(lister.page, query, visible)
         return JSONResponse(page.to_json(), headers=NO_STORE)
 
-    async def inbox(self, request: Request) -> Response:
-        visible = visible_to(self.gw.require(request, "key"))
-        pending = await run_in_threadpool(self.lister.pending_interactions, visible)
+    async def inbox(request: Request) -> Response:
+        visible = visible_to(gw.require(request, "key"))
+        pending = await run_in_threadpool(lister.pending_interactions, visible)
         return JSONResponse({"interactions": pending}, headers=NO_STORE)
 
-    async def turn_timeline(self, request: Request) -> Response:
-        principal = self.gw.require(request, "key")
+    async def turn_timeline(request: Request) -> Response:
+        principal = gw.require(request, "key")
         turn_id = request.path_params["turn_id"]
-        client = self.gw.client
         view = await run_in_threadpool(
-            lambda: client._timeline(turn_id, self.gw.authorize(turn_id, principal, None))
+            lambda: gw.client._timeline(turn_id, gw.authorize(turn_id, principal, None))
         )
-        view["flower_url"] = self.flower_url(request)
+        default = f"{request.url.scheme}://{request.url.hostname}:{settings.flower_port}"
+        view["flower_url"] = (settings.flower_url or default).rstrip("/")
         return JSONResponse(view, headers=NO_STORE)
 
-    def flower_url(self, request: Request) -> str:
-        settings = self.gw.client.settings
-        if settings.flower_url:
-            return settings.flower_url.rstrip("/")
-        return f"{request.url.scheme}://{request.url.hostname}:{settings.flower_port}"
-
-    async def capacity(self, request: Request) -> Response:
-        self.gw.require(request, "admin")
-        snapshots = await run_in_threadpool(
-            read_snapshots, self.gw.capacity, self.gw.client.settings
-        )
-        body = capacity_view(self.gw.capacity, snapshots)
+    async def capacity(request: Request) -> Response:
+        gw.require(request, "admin")
+        snapshots = await run_in_threadpool(read_snapshots, gw.capacity, settings)
+        body = capacity_view(gw.capacity, snapshots)
         # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors, and the tools their
         # listings hold that are refused: admins only.
-        body["mcp_servers"] = await run_in_threadpool(self._mcp_panel)
+        body["mcp_servers"] = await run_in_threadpool(mcp_panel)
         return JSONResponse(body, headers=NO_STORE)
 
-    def _servers(self) -> list[dict[str, Any]]:
+    def servers() -> list[dict[str, Any]]:
         """What /v1/mcp/servers lists: AGENTQ_MCP_SERVERS, each with its tools' listing."""
-        return servers_view(self.redis, parse_servers(self.gw.client.settings.mcp_servers))
+        return servers_view(redis, parse_servers(settings.mcp_servers))
 
-    def _mcp_panel(self) -> dict[str, dict[str, Any]]:
-        panel = server_health(self.redis, detail=True)
-        for server in self._servers():
+    def mcp_panel() -> dict[str, dict[str, Any]]:
+        panel = server_health(redis, detail=True)
+        for server in servers():
             if server["refused"]:
                 entry = panel.setdefault(server["name"], {"ok": True, "failures": 0})
                 entry["refused"] = server["refused"]
         return panel
 
-    async def mcp_servers(self, request: Request) -> Response:
-        self.gw.require(request, "admin")
-        view = await run_in_threadpool(self._servers)
+    async def mcp_servers(request: Request) -> Response:
+        gw.require(request, "admin")
+        view = await run_in_threadpool(servers)
         return JSONResponse({"servers": view}, headers=NO_STORE)
 
-
-def console_routes(gw: Gateway) -> list[Route]:
-    """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
-    c = Console(gw)
     return [
-        Route("/v1/turns", c.list_turns, methods=["GET"]),
-        Route("/v1/interactions", c.inbox, methods=["GET"]),
-        Route("/v1/capacity", c.capacity, methods=["GET"]),
-        Route("/v1/mcp/servers", c.mcp_servers, methods=["GET"]),
-        Route("/v1/turns/{turn_id}/timeline", c.turn_timeline, methods=["GET"]),
+        Route("/v1/turns", list_turns, methods=["GET"]),
+        Route("/v1/interactions", inbox, methods=["GET"]),
+        Route("/v1/capacity", capacity, methods=["GET"]),
+        Route("/v1/mcp/servers", mcp_servers, methods=["GET"]),
+        Route("/v1/turns/{turn_id}/timeline", turn_timeline, methods=["GET"]),
     ]
