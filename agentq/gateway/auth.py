@@ -89,8 +89,8 @@ class Keyring:
     @classmethod
     def from_settings(cls, settings: Settings) -> Keyring:
         return cls(
-            parse_keys(_reveal(settings.api_keys), setting="AGENTQ_API_KEYS")
-            + parse_keys(_reveal(settings.admin_keys), setting="AGENTQ_ADMIN_KEYS", admin=True)
+            parse_keys(reveal(settings.api_keys), setting="AGENTQ_API_KEYS")
+            + parse_keys(reveal(settings.admin_keys), setting="AGENTQ_ADMIN_KEYS", admin=True)
         )
 
     @property
@@ -110,13 +110,13 @@ class Keyring:
         return found
 
 
-def _reveal(secret: SecretStr | None) -> str:
+def reveal(secret: SecretStr | None) -> str:
     return secret.get_secret_value() if secret is not None else ""
 
 
-def secret_matches(presented: str | None, expected: str) -> bool:
+def secret_matches(presented: str | None, expected: str | None) -> bool:
     """Constant-time equality of a presented secret and a configured one, via digests."""
-    if not presented:
+    if not presented or not expected:
         return False
     return hmac.compare_digest(hash_token(presented), hash_token(expected))
 

@@ -37,6 +37,7 @@ from agentq.gateway.auth import (
     is_loopback,
     may_access,
     may_list,
+    reveal,
     secret_matches,
 )
 from agentq.gateway.errors import accepted, bearer, invalid, validated
@@ -97,9 +98,7 @@ class Gateway:
         settings = client.settings
         self.keyring = Keyring.from_settings(settings)
         self.limits = StartLimits(client._store.redis, settings)
-        self.metrics_token = (
-            settings.metrics_token.get_secret_value() if settings.metrics_token else None
-        )
+        self.metrics_token = reveal(settings.metrics_token) or None
         self.heartbeat_s = heartbeat_s
         self.poll_s = poll_s
         self.metrics = GatewayMetrics()
@@ -129,9 +128,8 @@ class Gateway:
         path = request.url.path
         if rule == "admin":
             presented = bearer(request)
-            if not self.keyring.enabled and self.metrics_token is None:
-                return None
-            if self.metrics_token is not None and secret_matches(presented, self.metrics_token):
+            unguarded = not self.keyring.enabled and self.metrics_token is None
+            if unguarded or secret_matches(presented, self.metrics_token):
                 return None
             principal = self.keyring.identify(presented)
             if principal is None:
