@@ -32,13 +32,10 @@ def create_app(
     poll_s: float = 1.0,
     bind_host: str = "127.0.0.1",
 ) -> Starlette:
-    """The gateway app.
-
-    `heartbeat_s` is how often an idle SSE stream gets a keep-alive comment (a request
-    may ask for another with ``?heartbeat=``); `poll_s` bounds how long a client's
-    disconnect can go unnoticed; `bind_host` is the address it listens on, which the Host
-    check accepts. Bad keys in the settings raise ConfigError naming the variable.
-    """
+    """The gateway app: `heartbeat_s` between an idle SSE stream's keep-alives (unless a
+    request asks ``?heartbeat=``); `poll_s` bounds how long a client's disconnect goes
+    unnoticed; `bind_host`, the address it listens on, is a Host the guard accepts. Bad
+    keys in the settings raise ConfigError naming the variable."""
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
@@ -49,20 +46,19 @@ def create_app(
     check_key_webhooks(client.settings)
     gw = Gateway(client, heartbeat_s=heartbeat_s, poll_s=poll_s)
     origins = client.settings.cors_origin_list
-    middleware = [Middleware(RequestGuard, bind_host=bind_host, cors_origins=origins)]
-    if origins:
-        # Outermost, so a preflight is answered before the guard sees it.
-        middleware.insert(
-            0,
-            Middleware(
-                CORSMiddleware,
-                allow_origins=origins,
-                allow_methods=["GET", "POST", "DELETE"],
-                allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
-                expose_headers=["Location", "Retry-After"],
-                max_age=600,
-            ),
-        )
+    cors = Middleware(
+        CORSMiddleware,
+        allow_origins=origins,
+        allow_methods=["GET", "POST", "DELETE"],
+        allow_headers=["Authorization", "Content-Type", "Last-Event-ID"],
+        expose_headers=["Location", "Retry-After"],
+        max_age=600,
+    )
+    # CORS outermost, so a preflight is answered before the guard sees it.
+    middleware = [
+        *([cors] if origins else []),
+        Middleware(RequestGuard, bind_host=bind_host, cors_origins=origins),
+    ]
     routes = [
         Route("/", gw.index, methods=["GET"]),
         Route("/healthz", gw.healthz, methods=["GET"]),
