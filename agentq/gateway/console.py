@@ -1,14 +1,10 @@
-"""The operator console's reads: the list of turns, one turn's timeline, the approvals inbox,
-the fleet's model capacity and MCP servers (its steering, `/v1/console/turns/...`, is the
-gateway's own abort, answer, retry and fork, as an operator: `Gateway.steerer`).
+"""The operator console's reads: turns, one turn's timeline, the approvals inbox, the fleet's
+model capacity and MCP servers (its steering is the gateway's own, as an operator:
+`Gateway.steerer`).
 
-With keys configured, an API key lists its own turns and an admin key every turn. The
-model capacity is fleet-wide, like /metrics (which shows it as gauges): with keys configured
-(or `AGENTQ_METRICS_TOKEN`), it needs an admin key (or that token). The models shown are
-those the gateway knows: configured in `AGENTQ_LLM_LIMITS`, `AGENTQ_LLM_MODEL`, the models
-of the agents the turn workers publish, and those whose API `auto` learned, each one
-`Capacity.snapshot` (a read-only script on the model's keys). Only names and numbers go
-out: a deployment's `base_url`, provider model name and `api_key` never do.
+Model capacity is fleet-wide, like /metrics, so it needs an admin key (or
+`AGENTQ_METRICS_TOKEN`); only names and numbers go out: a deployment's `base_url`, provider
+model name and `api_key` never do.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Conversations over HTTP: `GET /v1/conversations`, `GET|DELETE /v1/conversations/{id}`.
-
-The same holders as for turns: the key that created the conversation or an admin key;
-without keys, the conversation token its first turn returned (`Authorization: Bearer`).
-Anyone else gets the 404 an unknown conversation gets.
-"""
+"""Conversations over HTTP: `GET /v1/conversations`, `GET|DELETE /v1/conversations/{id}`,
+for the holders openapi.AUTH_RULES["conversation"] names (anyone else: 404, as unknown)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Background jobs on the HTTP API: schedules (admin keys) and webhook deliveries.
-
-`GET|POST /v1/schedules`, `DELETE /v1/schedules/{name}`: like `agentq schedule`, for
-admin keys (without keys, the gateway serves loopback only, and so anyone on this
-machine, as the CLI does). `GET /v1/webhooks`: the recent deliveries and their state, for
-the console (admin keys; an API key sees its own turns' deliveries through their timeline).
-"""
+"""Background jobs on the HTTP API: schedules, as `agentq schedule` (`GET|POST /v1/schedules`,
+`DELETE /v1/schedules/{name}`), and the recent webhook deliveries (`GET /v1/webhooks`); an
+API key sees its own turns' deliveries through their timeline instead."""
 
 from __future__ import annotations
 

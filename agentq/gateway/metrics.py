@@ -184,9 +184,9 @@ def capacity_families(snapshots: list[dict[str, Any]]) -> list[GaugeMetricFamily
 
 
 def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
-    """`Capacity.snapshot` of every model the gateway knows (gateway.console says which),
-    by name, each with the API it is called with (`api`: its setting, the one in use, what
-    `auto` learned): the capacity gauges here, and the console's panel."""
+    """`Capacity.snapshot` (a read-only script) of every model the gateway knows, by name,
+    each with the API it is called with (`api`: its setting, the one in use, what `auto`
+    learned): the capacity gauges here, and the console's panel."""
     learned = read_learned(cap.redis)
     agents = [
         a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)

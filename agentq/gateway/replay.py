@@ -1,9 +1,6 @@
-"""`POST /v1/turns/{id}/retry` and `POST /v1/turns/{id}/fork`: a new turn from a turn's
-history (agentq.orchestrator.replay), for whoever may steer the source (`Gateway.steerer`;
-the console's `/v1/console/turns/{id}/retry|fork` as an operator); anyone else gets 404.
-`POST /v1/turns/retry` (and the console's `POST /v1/console/turns/retry`): the caller's
-turns that a filter names, each retried once (an admin's: every owner's; without keys: from
-this machine, as the console's other buttons)."""
+"""Retry and fork over HTTP: a new turn from a turn's history (agentq.orchestrator.replay),
+for whoever may steer the source (`Gateway.steerer`), and the bulk retry of the caller's
+turns that a filter names (without keys: from this machine only)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Spend over HTTP: `GET /v1/usage?since=&until=&key=&group_by=model|agent|key`.
-
-A key sees its own key's usage (naming another key is a 403); an admin key sees every
-key's, or `key`'s. Without keys (loopback only) the caller sees all, as the CLI does.
-`since` and `until` are UTC days (`2026-11-01`) or epoch seconds; see docs/spend.md.
-"""
+"""Spend over HTTP: `GET /v1/usage?since=&until=&key=&group_by=model|agent|key`
+(docs/spend.md); without keys (loopback only) the caller sees every key's, as the CLI does."""
 
 from __future__ import annotations
 
