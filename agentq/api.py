@@ -99,8 +99,7 @@ class _Started:
 
 
 class Turn(_Started):
-    """A running (or ended) turn: `.turn_id`, `.token`, `.events()`, `.result()`,
-    `.abort()`, `.answer()`."""
+    """A running (or ended) turn, as `Client.start` returns it."""
 
     _client: Client
 

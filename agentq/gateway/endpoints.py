@@ -1,9 +1,6 @@
 """The gateway's endpoints: REST for turns, SSE for their events, the web page, health and
-metrics, on one Client (`agentq.gateway.app` mounts them with the other route modules, which
-take this `Gateway` as their context).
-
-Every Redis call (the Client's methods, the event follow loop) runs in a worker thread,
-never on the event loop. Errors are JSON: ``{"error": {"type": ..., "message": ...}}``.
+metrics. Every Redis call (the Client's methods, the event follow loop) runs in a worker
+thread, never on the event loop.
 
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)
