@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +20,10 @@ from agentq.api import DEFAULT_TIMEOUT_S, _Started
 from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
+from agentq.events.follow import Cursor
 from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.fleet.connections import async_redis_client
+from agentq.models import parse_stream_id
 from agentq.state.base import text
 from agentq.state.results import TurnResult, TurnView, settle
 
@@ -113,9 +116,16 @@ class AsyncClient:
         heartbeat_s: float | None = None,
     ) -> AsyncIterator[Event | None]:
         """The turn's events, its log first, then live, up to its own end; its sub-agents'
-        relayed `depth` levels down (with `path`). None every `heartbeat_s` of silence."""
+        relayed `depth` levels down (with `path`). None every `heartbeat_s` of silence.
+        `after_id` is an event's `cursor` (or a stream id): the events after it."""
         block_ms = int((heartbeat_s or 5.0) * 1000)
-        streams: dict[str, tuple[str, tuple[str, ...]]] = {log_key(turn_id): (after_id, ())}
+        after = Cursor.parse(after_id)
+        # A stream's key -> its last id read and its path (the turn ids below the root).
+        streams: dict[str, tuple[str, tuple[str, ...]]] = {log_key(turn_id): (after.root, ())}
+        for named, pos in after.children.items():
+            path = await self._path_of(turn_id, named, depth)
+            if path:
+                streams[log_key(named)] = (pos, path)
         checked = False
         while True:
             reply: Any = await self._redis.xread(
@@ -130,25 +140,45 @@ class AsyncClient:
                 if heartbeat_s is not None:
                     yield None
                 continue
-            for raw_key, entries in reply:
-                key = text(raw_key)
-                last, path = streams[key]
-                for raw_id, fields in entries:
-                    last = text(raw_id)
-                    ev = Event.parse(fields[b"e"], stream_id=last)
-                    if path:
-                        ev = ev.model_copy(update={"path": list(path)})
-                    yield ev
-                    child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
-                    if child and len(path) < depth:
-                        streams[log_key(child)] = ("0-0", (*path, child))
-                    if ev.type in TERMINAL_TYPES:
-                        if not path:
-                            return
-                        del streams[key]
-                        break
-                else:
-                    streams[key] = (last, path)
+            # Merged by stream id, as the sync follower does: a resumed child's events fall
+            # between the parent's around them (one reply may hold both ends).
+            merged = sorted(
+                ((text(i), text(k), f) for k, entries in reply for i, f in entries),
+                key=lambda entry: parse_stream_id(entry[0]) or (0, 0),
+            )
+            for stream_id, key, fields in merged:
+                if key not in streams:  # a child that ended earlier in this reply
+                    continue
+                path = streams[key][1]
+                streams[key] = (stream_id, path)
+                ev = Event.parse(fields[b"e"], stream_id=stream_id)
+                if path:
+                    ev = ev.model_copy(update={"path": list(path)})
+                child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
+                if child and len(path) < depth:
+                    streams.setdefault(log_key(child), ("0-0", (*path, child)))
+                ended = ev.type in TERMINAL_TYPES
+                if ended and path:
+                    streams = {k: v for k, v in streams.items() if path[-1] not in v[1]}
+                children = {p[-1]: last for last, p in streams.values() if p}
+                ev.cursor = Cursor(streams[log_key(turn_id)][0], children).encode()
+                yield ev
+                if ended and not path:
+                    return
+
+    async def _path_of(self, root: str, turn_id: str, depth: int) -> tuple[str, ...]:
+        """The path from `root` down to a descendant a cursor names; () if it is not one
+        within `depth` (a cursor never opens another turn's stream)."""
+        path = [turn_id]
+        while len(path) <= depth:
+            raw = await self._redis.hget(turn_key(path[-1]), "parent_turn_id")
+            parent = json.loads(raw) if raw else None
+            if parent == root:
+                return tuple(reversed(path))
+            if not isinstance(parent, str):
+                break
+            path.append(parent)
+        return ()
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""

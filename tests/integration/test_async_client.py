@@ -105,3 +105,27 @@ def test_async_events_relay_a_child_turn_with_its_path(fleet, llm_server, client
         e.type for e in collect(client, parent.turn_id, depth=0)
     ]
     assert events[-1].type == "turn_finished" and not events[-1].path
+
+
+def test_async_events_carry_a_cursor_that_resumes_either_client(fleet, llm_server, client) -> None:
+    # The cursor names the child's stream while it is open: a resume from the middle of the
+    # child's events reads the rest of both streams, from the async and the sync client alike.
+    key = script_asking_echoer(llm_server, Round(text="child"))
+    parent = client._start_turn(key, agent="t_boss")
+
+    async def read(after_id: str = "0-0") -> list[Event]:
+        async with AsyncClient() as aclient:
+            got = aclient.events(parent.turn_id, after_id=after_id)
+            return [ev async for ev in got if ev is not None]
+
+    events = asyncio.run(read())
+    assert all(e.cursor for e in events)
+    mid = next(i for i, e in enumerate(events) if e.path and e.type == "llm_started")
+    cursor = events[mid].cursor or ""
+    assert f",{events[mid].turn_id}=" in cursor, cursor
+    sync_rest = [e for e in client.events(parent.turn_id, after_id=cursor) if e is not None]
+    for side, rest in (("async", asyncio.run(read(cursor))), ("sync", sync_rest)):
+        for turn_id in {e.turn_id for e in events}:
+            assert [(e.type, e.seq) for e in rest if e.turn_id == turn_id] == [
+                (e.type, e.seq) for e in events[mid + 1 :] if e.turn_id == turn_id
+            ], (side, turn_id == parent.turn_id, [(e.type, e.path) for e in rest])
