@@ -194,12 +194,6 @@ class Deliveries:
         pipe.hget(k.webhook_key(delivery_id), "body")
         return bytes(pipe.execute()[1])
 
-    def attempts(self, delivery_id: str) -> list[AttemptRecord]:
-        return [
-            AttemptRecord.model_validate_json(a)
-            for a in self.redis.lrange(k.webhook_attempts_key(delivery_id), 0, -1)
-        ]
-
     def record(
         self,
         delivery: Delivery,
@@ -249,7 +243,8 @@ class Deliveries:
         d = self.get(k.webhook_id(turn_id))
         if d is None:
             return None
-        return {**d.model_dump(), "tries": [a.model_dump() for a in self.attempts(d.id)]}
+        tries = self.redis.lrange(k.webhook_attempts_key(d.id), 0, -1)
+        return {**d.model_dump(), "tries": [json.loads(a) for a in tries]}
 
     def counts(self) -> dict[str, int]:
         return {text(f): int(v) for f, v in self.redis.hgetall(k.WEBHOOK_COUNTS).items()}

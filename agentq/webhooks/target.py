@@ -86,11 +86,12 @@ def check_url(url: str, *, allow_http: bool, allow_private: bool) -> Target:
     if not allow_private:
         if host == "localhost" or host.endswith(".localhost"):
             raise WebhookRefused(url, f"{host} is a loopback name{_PRIVATE_HINT}")
-        literal = _literal(host)
-        if literal is not None:
-            problem = address_problem(literal)
-            if problem:
-                raise WebhookRefused(url, f"{host} is {problem}{_PRIVATE_HINT}")
+        try:
+            problem = address_problem(ipaddress.ip_address(host))
+        except ValueError:  # a name: its addresses are checked at each attempt
+            problem = None
+        if problem:
+            raise WebhookRefused(url, f"{host} is {problem}{_PRIVATE_HINT}")
     path = parts.path or "/"
     if parts.query:
         path += "?" + parts.query
@@ -106,13 +107,6 @@ def check_url(url: str, *, allow_http: bool, allow_private: bool) -> Target:
 _PRIVATE_HINT = " (allowed with AGENTQ_WEBHOOK_ALLOW_PRIVATE=true)"
 
 
-def _literal(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
 def resolve(target: Target, *, allow_private: bool) -> list[str]:
     """The addresses of the target's host, every one of them allowed; WebhookRefused if
     the name does not resolve or any address is refused."""
@@ -120,11 +114,8 @@ def resolve(target: Target, *, allow_private: bool) -> list[str]:
         infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
         raise WebhookRefused(target.url, f"{target.host} does not resolve ({exc})") from None
-    addresses: list[str] = []
-    for info in infos:
-        address = str(info[4][0]).split("%", 1)[0]
-        if address not in addresses:
-            addresses.append(address)
+    # Without a scope id (`fe80::1%eth0`), each once, in the resolver's order.
+    addresses = list(dict.fromkeys(str(info[4][0]).split("%", 1)[0] for info in infos))
     if not allow_private:
         for address in addresses:
             problem = address_problem(ipaddress.ip_address(address))

@@ -99,7 +99,7 @@ def test_finished_turn_posts_one_signed_webhook(
             10,
         )
         assert d.status == "delivered" and d.attempts == 1
-        assert [a.status_code for a in deliveries().attempts(d.id)] == [200]
+        assert [a["status_code"] for a in deliveries().of_turn(d.turn_id)["tries"]] == [200]
         assert SECRET not in json.dumps(hook_client.get(handle.turn_id))
         assert get_store().redis.zscore(k.WEBHOOKS_WAITING, handle.turn_id) is None
 
@@ -169,7 +169,8 @@ def test_failures_are_retried_with_backoff_under_one_id(
             ),
             10,
         )
-        assert [a.status_code for a in deliveries().attempts(d.id)] == [500, 503, 200]
+        tries = deliveries().of_turn(d.turn_id)["tries"]
+        assert [a["status_code"] for a in tries] == [500, 503, 200]
         # `agentq show` has the delivery and each attempt.
         assert cmd_show(hook_client, Namespace(turn_id=handle.turn_id, json=True)) == 0
         shown = json.loads(capsys.readouterr().out)["webhook"]
