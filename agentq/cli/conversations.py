@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 CONVERSATION_ID_HELP = "a conversation id (as given with --conversation)"
 
 
-def add_parser(sub: Any) -> None:
+def add_parsers(sub: Any) -> None:
     c = sub.add_parser(
         "conversations", help="list conversations, show one, or delete one and its turns"
     )

@@ -314,7 +314,6 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
 
 @contextlib.contextmanager
 def _signals(handler: Any, *signums: signal.Signals) -> Iterator[None]:
-    """`handler` for these signals meanwhile."""
     saved = {s: signal.signal(s, handler) for s in signums}
     try:
         yield
@@ -335,7 +334,6 @@ def _stop_quietly(fleet: LocalFleet) -> None:
 
 
 def main(opts: argparse.Namespace) -> int:
-    """`opts`: the flags of `agentq dev`."""
     prompt = opts.prompt or DEMO_PROMPT
     settings = get_settings()
     log_dir = Path(tempfile.mkdtemp(prefix="agentq-dev-"))

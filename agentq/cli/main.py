@@ -6,6 +6,7 @@ neither Celery nor redis (tests/unit/test_startup.py), and `agentq abort` not th
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -166,7 +167,7 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
 
 
 def _positive(kind: type[int] | type[float]) -> Any:
-    """An argparse type: a number of `kind` above 0 (a budget)."""
+    """An argparse type: a finite number of `kind` above 0 (a budget)."""
 
     def parse(raw: str) -> int | float:
         try:
@@ -187,17 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_turn_commands(sub)
     _add_process_commands(sub)
-    from agentq.cli.conversations import add_parser as add_conversations
-    from agentq.cli.replay import add_parsers as add_replays
-    from agentq.cli.schedule import add_parsers
-    from agentq.cli.usage import add_parser as add_usage
-    from agentq.cli.waitpoints import add_parser as add_waitpoint
-
-    add_conversations(sub)
-    add_replays(sub)
-    add_usage(sub)
-    add_waitpoint(sub)
-    add_parsers(sub)
+    for module in ("conversations", "replay", "usage", "waitpoints", "schedule"):
+        importlib.import_module(f"agentq.cli.{module}").add_parsers(sub)
     return p
 
 
@@ -242,7 +234,6 @@ def _add_run(sub: Any) -> None:
 
 
 def _add_turn_commands(sub: Any) -> None:
-    """Commands on one turn, or the list of them."""
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id", help=TURN_ID_HELP)
     a.add_argument(
@@ -295,7 +286,6 @@ def _add_turn_commands(sub: Any) -> None:
 
 
 def _add_process_commands(sub: Any) -> None:
-    """The processes of a fleet: workers, Flower, the gateway, everything at once."""
     # No -h of their own: `agentq worker tools --help` shows Celery's worker options,
     # `agentq flower --help` Flower's.
     w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
@@ -395,7 +385,6 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
-    """A command that runs a process of the fleet (or edits its schedules)."""
     from agentq.config import get_settings
     from agentq.errors import MissingExtra
 
@@ -439,7 +428,6 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _client_command(client: Client, args: argparse.Namespace) -> int:
-    """A command that runs a turn, or reads or steers turns, through a `Client`."""
     cmd: Callable[[Client, argparse.Namespace], int]
     if args.cmd == "run":
         from agentq.cli.run import cmd_run as cmd

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from agentq.api import Client
 
 
-def add_parser(sub: Any) -> None:
+def add_parsers(sub: Any) -> None:
     u = sub.add_parser("usage", help="tokens and cost per model, agent or key")
     u.add_argument("--since", help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
     u.add_argument("--until", help="last UTC day, YYYY-MM-DD (default: today)")

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from agentq.api import Client
 
 
-def add_parser(sub: Any) -> None:
+def add_parsers(sub: Any) -> None:
     w = sub.add_parser("waitpoint", help="complete a tool's waitpoint")
     wsub = w.add_subparsers(dest="waitpoint_cmd", required=True)
     c = wsub.add_parser("complete", help="complete a waitpoint: its call settles with VALUE")
