@@ -215,8 +215,7 @@ class Deliveries:
         pipe.hset(key, mapping=fields)
         pipe.rpush(attempts_key, attempt.model_dump_json())
         pipe.ltrim(attempts_key, -MAX_ATTEMPTS_KEPT, -1)
-        outcome = "ok" if status == "delivered" else (attempt.error or "error").split(":")[0]
-        pipe.hincrby(k.WEBHOOK_COUNTS, f"attempts:{_label(outcome)}", 1)
+        pipe.hincrby(k.WEBHOOK_COUNTS, f"attempts:{_label(status, attempt.error)}", 1)
         if next_at is None:
             pipe.hset(key, "ended_at", time.time())
             pipe.zrem(k.WEBHOOKS_DUE, delivery.id)
@@ -254,15 +253,16 @@ class Deliveries:
         return int(self.redis.zcard(k.WEBHOOKS_DUE))
 
 
-def _label(outcome: str) -> str:
-    """A small set of metric labels from an attempt's error: ok, HTTP 500, timed out ..."""
-    word = outcome.lower()
+def _label(status: Status, error: str | None) -> str:
+    """An attempt's metric label: ok, http_500, refused, timed_out or unreachable."""
+    word = "ok" if status == "delivered" else (error or "").lower()
     if word.startswith("http "):
-        return word.replace(" ", "_")
-    for known in ("refused", "timed out"):
+        # The code alone: a 3xx's error goes on to say that redirects are not followed.
+        return "http_" + word.split()[1]
+    for known in ("ok", "refused", "timed out"):
         if word.startswith(known):
             return known.replace(" ", "_")
-    return "unreachable" if word != "ok" else "ok"
+    return "unreachable"
 
 
 def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.roles import role_of
 from agentq.webhooks.backoff import JITTER, outcome, retry_delay_s
+from agentq.webhooks.deliveries import _label
 from agentq.webhooks.post import signed_headers
 from agentq.webhooks.target import check_url, resolve
 
@@ -115,3 +116,13 @@ def test_the_webhook_queue_belongs_to_the_io_role() -> None:
     assert role_of(["agentq.io", QUEUE_WEBHOOKS], [], ["agentq.io"]) == "io"
     with pytest.raises(ConfigError, match="of 2"):
         role_of(["agentq.turns", QUEUE_WEBHOOKS], [], [])
+
+
+def test_attempt_metric_labels_are_the_documented_few() -> None:
+    # A 3xx's error says more than its code ("redirects are not followed"); its label does not.
+    assert _label("pending", "HTTP 301 (redirects are not followed)") == "http_301"
+    assert _label("gone", "HTTP 410") == "http_410"
+    assert _label("delivered", None) == "ok"
+    assert _label("pending", "timed out after 5s") == "timed_out"
+    assert _label("pending", "refused: 10.0.0.1 is a private address") == "refused"
+    assert _label("pending", "ConnectError: [Errno 111]") == "unreachable"
