@@ -71,20 +71,12 @@ def cmd_replay(client: Client, args: argparse.Namespace) -> int:
         return 2
     if args.cmd == "retry" and args.status is not None:
         return _bulk(client, args)
-    budgets = {"max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}
+    given = {"agent": args.agent, "max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}
     try:
         if args.cmd == "retry":
-            turn = client.retry(
-                args.turn_id,
-                rerun_lost=args.rerun_lost,
-                agent=args.agent,
-                model=args.model,
-                **budgets,
-            )
+            turn = client.retry(args.turn_id, rerun_lost=args.rerun_lost, model=args.model, **given)
         else:
-            turn = client.fork(
-                args.turn_id, args.at_round, edit=_edit(args), agent=args.agent, **budgets
-            )
+            turn = client.fork(args.turn_id, args.at_round, edit=_edit(args), **given)
     except ForkInvalid as exc:
         print(f"agentq {args.cmd}: {exc}", file=sys.stderr)
         return 2
