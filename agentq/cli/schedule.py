@@ -21,7 +21,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     when.add_argument("--every", help="a period: 30s, 5m, 2h, 1d")
     when.add_argument("--cron", help='five fields, in UTC: "0 7 * * *"')
     a.add_argument("--agent", help="run the turns as this agent")
-    a.add_argument("--webhook", help="POST each turn's end to this URL")
+    a.add_argument(
+        "--webhook", dest="webhook_url", metavar="URL", help="POST each turn's end to this URL"
+    )
     a.add_argument(
         "--overlap",
         action="store_true",
@@ -45,17 +47,10 @@ def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
 
     schedules = Schedules(get_app(), get_redis(settings), settings)
     if args.schedule_cmd == "add":
-        spec = build_spec(
-            {
-                "name": args.name,
-                "every_s": parse_every(args.every, args.name) if args.every else None,
-                "cron": args.cron,
-                "prompt": args.prompt,
-                "agent": args.agent,
-                "webhook_url": args.webhook,
-                "overlap": args.overlap,
-            }
-        )
+        # Every option but --every is a field of the spec as it is given.
+        data = {f: getattr(args, f) for f in ("name", "cron", "prompt", "agent", "webhook_url")}
+        every_s = parse_every(args.every, args.name) if args.every else None
+        spec = build_spec({**data, "every_s": every_s, "overlap": args.overlap})
         if spec.webhook_url:
             from agentq.webhooks.target import check_for_turn
 
