@@ -180,7 +180,6 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
     if problem is not None:
         where = redact(settings.broker)
         raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {where}: {problem}")
-    env: dict[str, str] = {}
     # A Sentinel's master is used as it is; anything else, `ensure_redis`.
     url, embedded = settings.redis_url, None
     if not is_sentinel(url):
@@ -195,7 +194,7 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
             f"no Redis answered at {redact(settings.redis_url)}: started an embedded "
             f"redis-server (pid {embedded.pid}) at {redact(url)}; it stops with agentq dev"
         )
-    env["AGENTQ_REDIS_URL"] = url
+    env = {"AGENTQ_REDIS_URL": url}
     if separate_broker:
         say(f"broker: {redact(settings.broker)} (Redis kept for events and state)")
     elif settings.broker_url:

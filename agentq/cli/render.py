@@ -106,8 +106,7 @@ class TurnView:
         elif ev.type == "tool_progress" and f.get("source") in ("tool", "agent"):
             self._line(ev).progress = progress_text(f.get("message"), f.get("pct"))
         elif ev.type == "tool_waiting":
-            line = self._line(ev)
-            line.progress = f"waiting on {f.get('waitpoint_id')} ({f.get('timeout_s')}s)"
+            self._line(ev).progress = f"waiting on {f.get('waitpoint_id')} ({f.get('timeout_s')}s)"
         elif ev.type == "tool_finished":
             line = self._line(ev)
             line.finished = ev.ts

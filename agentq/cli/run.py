@@ -53,30 +53,25 @@ class _Answerer:
         # A sub-agent's request, relayed, is answered on its own turn: the turn's token
         # opens its sub-agents too.
         turn_id = ev.turn_id if ev.path else self.turn_id
-        who = f"[{f['agent']}] " if ev.path and f.get("agent") else ""
-        with self._busy:
-            rid = str(f["request_id"])
-            deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
-            try:
-                if f.get("kind") == "password":
-                    secs = max(0, int(deadline - time.time()))
-                    value: str | None = getpass.getpass(
-                        f"{who}{f.get('prompt')} password ({secs}s): "
-                    )
-                    decision = "approve" if value else "deny"
-                elif f.get("kind") == "input":
-                    self._question(turn_id, rid, f"{who}{f.get('prompt')}", f, deadline)
+        prompt = (f"[{f['agent']}] " if ev.path and f.get("agent") else "") + str(f.get("prompt"))
+        rid = str(f["request_id"])
+        deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
+        with self._busy, contextlib.suppress(EOFError, AgentqError):
+            if f.get("kind") == "password":
+                secs = max(0, int(deadline - time.time()))
+                value: str | None = getpass.getpass(f"{prompt} password ({secs}s): ")
+                decision = "approve" if value else "deny"
+            elif f.get("kind") == "input":
+                self._question(turn_id, rid, prompt, f, deadline)
+                return
+            else:
+                line = countdown_input(f"{prompt} [y/N]", deadline)
+                if line is None:
+                    print("\nno answer in time: denied", flush=True)
                     return
-                else:
-                    line = countdown_input(f"{who}{f.get('prompt')} [y/N]", deadline)
-                    if line is None:
-                        print("\nno answer in time: denied", flush=True)
-                        return
-                    decision = "approve" if line.strip().lower() in ("y", "yes") else "deny"
-                    value = None
-                self.client.answer(turn_id, rid, self.token, decision, value)
-            except (EOFError, AgentqError):
-                pass
+                decision = "approve" if line.strip().lower() in ("y", "yes") else "deny"
+                value = None
+            self.client.answer(turn_id, rid, self.token, decision, value)
 
     def _question(
         self, turn_id: str, rid: str, prompt: str, f: dict[str, Any], deadline: float

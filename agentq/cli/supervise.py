@@ -84,8 +84,7 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
         [sys.executable, "-m", "agentq", "worker", kind, *child_opts(kind, opts, i, processes)]
         for i in range(processes)
     ]
-    running: dict[int, int] = {}
-    """pid -> index of its argv."""
+    running: dict[int, int] = {}  # pid -> index of its argv
     stopping = False
 
     def start(i: int) -> None:
