@@ -50,16 +50,10 @@ def cmd_usage(client: Client, args: argparse.Namespace) -> int:
     table = Table(title=f"usage {report['since']} to {report['until']} (UTC)", box=box.SIMPLE_HEAD)
     for name in (group, "turns", "prompt", "cached", "completion", "total", "cost"):
         table.add_column(name, justify="left" if name == group else "right")
-    rows = [*report["rows"], {group: "total", **report["totals"]}]
-    for row in rows:
-        table.add_row(
-            str(row[group] if row[group] is not None else "(none)"),
-            str(row["turns"]),
-            str(row["prompt_tokens"]),
-            str(row["cached_tokens"]),
-            str(row["completion_tokens"]),
-            str(row["total_tokens"]),
-            f"${row['cost_usd']:.4f}" if row["cost_usd"] else "-",
-        )
+    counts = ("turns", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens")
+    for row in [*report["rows"], {group: "total", **report["totals"]}]:
+        name = "(none)" if row[group] is None else str(row[group])
+        cost = f"${row['cost_usd']:.4f}" if row["cost_usd"] else "-"
+        table.add_row(name, *(str(row[c]) for c in counts), cost)
     Console().print(table)
     return 0
