@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 SHORT_ID_LEN = 12
 TURN_ID_HELP = "the turn's id, or any prefix of it that names one turn (as `agentq turns` shows it)"
 MATCHES_SHOWN = 10
-"""The matches an ambiguous prefix lists."""
 
 
 def short_id(turn_id: str) -> str:

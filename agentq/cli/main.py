@@ -351,8 +351,7 @@ def _glued(argv: list[str]) -> list[str]:
     words = iter(argv)
     for word in words:
         if word == "--":
-            out.append(word)
-            out.extend(words)
+            out += [word, *words]
             break
         out.append(word)
         if word == "--token":
