@@ -55,8 +55,8 @@ class _Answerer:
         turn_id = ev.turn_id if ev.path else self.turn_id
         prompt = (f"[{f['agent']}] " if ev.path and f.get("agent") else "") + str(f.get("prompt"))
         rid = str(f["request_id"])
-        deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
         with self._busy, contextlib.suppress(EOFError, AgentqError):
+            deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
             if f.get("kind") == "password":
                 secs = max(0, int(deadline - time.time()))
                 value: str | None = getpass.getpass(f"{prompt} password ({secs}s): ")
