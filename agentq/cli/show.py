@@ -25,11 +25,9 @@ WIDE_COLUMNS = 100
 
 
 def _counts(calls: dict[str, int]) -> Text:
-    out = Text()
-    for status, n in calls.items():
-        if out:
-            out.append(" ")
-        out.append(f"{status} {n}", style=STATUS_STYLE.get(status, "cyan"))
+    out = Text(" ").join(
+        Text(f"{s} {n}", style=STATUS_STYLE.get(s, "cyan")) for s, n in calls.items()
+    )
     return out or Text("-", style="dim")
 
 
@@ -60,9 +58,7 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
             "ended": clock(t.get("ended_at"), "%H:%M:%S"),
             "took": "-" if t.get("duration_s") is None else fmt_s(float(t["duration_s"])),
             "calls": _counts(t["calls"]),
-            "pending": (
-                Text(str(pending), style="bold yellow") if pending else Text("0", style="dim")
-            ),
+            "pending": Text(str(pending), style="bold yellow" if pending else "dim"),
         }
         table.add_row(*(cells[c] for c in columns))
     return table
