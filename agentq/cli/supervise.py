@@ -40,10 +40,7 @@ def take_processes(opts: Sequence[str], setting: int) -> tuple[list[str], int | 
     value, rest = take_option(opts, PROCESSES_OPTION)
     if value is None:
         return rest, setting or None
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
+    n = int(value) if value.isdigit() else 0
     if not 1 <= n <= 64:
         raise ConfigError(PROCESSES_OPTION, f"must be a whole number from 1 to 64, not {value!r}")
     return rest, n
