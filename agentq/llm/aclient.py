@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import ssl
 import time
@@ -26,8 +25,6 @@ from agentq.errors import (
     Aborted,
     AgentqError,
     LlmError,
-    MalformedStreamChunk,
-    ModelBusy,
     ModelConnectionError,
     StreamDurationExceeded,
     StreamIdleTimeout,
@@ -48,7 +45,7 @@ from agentq.llm.responses import (
     ResponsesAssembler,
     responses_request,
 )
-from agentq.llm.retry import backoff_s, retryable, should_retry
+from agentq.llm.retry import backoff_s, should_retry
 from agentq.llm.sse import SseLines, chunk_of
 from agentq.models import AssistantMessage
 
@@ -137,7 +134,13 @@ async def astream_round(
             return message, streamed_s + run.elapsed_s
         if abort.is_set():
             raise Aborted(turn_id) from error
-        if _final(error, run.said, attempt, first.max_retries, first.failover):
+        if not should_retry(
+            error,
+            chunks_received=run.said,
+            attempt=attempt,
+            max_retries=first.max_retries,
+            failover=first.failover,
+        ):
             raise error
         delay_s = backoff_s(attempt, run.retry_after_s)
         first.on_retry(attempt, error, delay_s)
@@ -146,17 +149,6 @@ async def astream_round(
         except asyncio.TimeoutError:
             continue
         raise Aborted(turn_id)
-
-
-def _final(error: LlmError, said: int, attempt: int, max_retries: int, failover: bool) -> bool:
-    """Whether a failed attempt ends the round: a busy answer (the fleet's capacity waits,
-    not this stream), or with `failover` a failure a retry would send to the same
-    deployment again."""
-    if isinstance(error, ModelBusy):
-        return True
-    if failover and said == 0 and retryable(error):
-        return True
-    return not should_retry(error, chunks_received=said, attempt=attempt, max_retries=max_retries)
 
 
 @dataclasses.dataclass
@@ -265,10 +257,7 @@ class Attempt:
             _lost(exc)
         try:
             if response.status_code >= 400:
-                try:
-                    await response.aread()
-                except _READ_ERRORS as exc:
-                    _lost(exc)
+                await response.aread()
                 self.retry_after_s = parse_retry_after(response.headers)
                 error = sdk.status_error(self.client, response)
                 raise api_error_to_llm(error) from error
@@ -278,21 +267,9 @@ class Attempt:
             kind = ResponsesAssembler if self.api == "responses" else ChatAssembler
             assembler = self.assembler = kind(self.on_delta)
             lines = SseLines()
-            body = response.aiter_bytes()
-            while True:
-                try:
-                    raw = await body.__anext__()
-                except StopAsyncIteration:
-                    break
-                except _READ_ERRORS as exc:
-                    _lost(exc)
+            async for raw in response.aiter_bytes():
                 for payload in lines.feed(raw):
-                    try:
-                        chunk = chunk_of(payload)
-                    except json.JSONDecodeError as exc:  # orjson's is one too
-                        raise MalformedStreamChunk(self.chunks, f"not valid JSON: {exc}") from exc
-                    except ValueError as exc:
-                        raise MalformedStreamChunk(self.chunks, f"undecodable: {exc}") from exc
+                    chunk = chunk_of(payload, self.chunks)
                     # Only a parsed event is activity: comments, blank lines and partial
                     # lines never reach here, so keep-alives cannot hold the watchdog off.
                     self.chunks += 1
@@ -301,6 +278,8 @@ class Attempt:
                     if self.on_first_output is not None and assembler.has_output:
                         self.on_first_output()
                         self.on_first_output = None
+        except _READ_ERRORS as exc:  # nothing but reading the body raises these
+            _lost(exc)
         finally:
             await response.aclose()
         return assembler.message()

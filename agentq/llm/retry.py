@@ -8,7 +8,9 @@ The rules (design.md, "Time limits"):
 - HTTP 429 and 5xx, and a dropped connection, retry with backoff; other 4xx never;
 - a malformed chunk or an exhausted stream_duration_s never retries;
 - nothing retries once a chunk has arrived: its deltas are already published, and
-  replaying a generation half-way would show them twice.
+  replaying a generation half-way would show them twice;
+- a busy answer never retries here (the fleet's capacity waits, not this stream), nor,
+  with `failover`, a failure a retry would send to the same deployment again.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from agentq.errors import ModelHTTPError, StreamIdleTimeout
+from agentq.errors import ModelBusy, ModelHTTPError, StreamIdleTimeout
 
 BASE_BACKOFF_S = 0.2
 MAX_BACKOFF_S = 30.0
@@ -34,10 +36,17 @@ def retryable(exc: BaseException) -> bool:
 
 
 def should_retry(
-    exc: BaseException, *, chunks_received: int, attempt: int, max_retries: int
+    exc: BaseException,
+    *,
+    chunks_received: int,
+    attempt: int,
+    max_retries: int,
+    failover: bool = False,
 ) -> bool:
     """Whether to try again after attempt number `attempt` (1-based) failed with `exc`."""
-    return attempt <= max_retries and chunks_received == 0 and retryable(exc)
+    if isinstance(exc, ModelBusy) or failover or chunks_received:
+        return False
+    return attempt <= max_retries and retryable(exc)
 
 
 JITTER = 0.25

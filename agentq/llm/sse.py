@@ -9,11 +9,12 @@ server's error inside a 200 stream).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from orjson import loads  # a json.JSONDecodeError for bad JSON, a ValueError for bad UTF-8
+from orjson import loads  # a json.JSONDecodeError for bad JSON and bad UTF-8 alike
 
-from agentq.errors import ModelHTTPError
+from agentq.errors import MalformedStreamChunk, ModelHTTPError
 
 DONE = b"[DONE]"
 
@@ -59,10 +60,13 @@ class SseLines:
         # an error comes as JSON with `error`, whatever its event is called.
 
 
-def chunk_of(payload: bytes) -> Any:
-    """The chunk a payload holds; raises ModelHTTPError (status 200) for an error event,
-    ValueError for one that is not JSON or not UTF-8."""
-    data = loads(payload)
+def chunk_of(payload: bytes, index: int) -> Any:
+    """The chunk a payload holds (the `index`th); raises ModelHTTPError (status 200) for an
+    error event, MalformedStreamChunk for one that is not JSON (or not UTF-8)."""
+    try:
+        data = loads(payload)
+    except json.JSONDecodeError as exc:
+        raise MalformedStreamChunk(index, f"not valid JSON: {exc}") from exc
     if isinstance(data, dict) and data.get("error"):
         error = data["error"]
         message = error.get("message") if isinstance(error, dict) else None

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agentq.errors import ModelHTTPError
+from agentq.errors import MalformedStreamChunk, ModelHTTPError
 from agentq.llm.sse import SseLines, chunk_of
 
 
@@ -45,13 +45,13 @@ def test_an_event_without_its_blank_line_is_not_one() -> None:
 
 
 def test_chunks_parse_and_errors_in_the_stream_are_the_servers() -> None:
-    assert chunk_of(b'{"choices":[]}') == {"choices": []}
+    assert chunk_of(b'{"choices":[]}', 0) == {"choices": []}
     with pytest.raises(ModelHTTPError, match="error in the stream: overloaded") as err:
-        chunk_of(json.dumps({"error": {"message": "overloaded"}}).encode())
+        chunk_of(json.dumps({"error": {"message": "overloaded"}}).encode(), 0)
     assert err.value.status_code == 200 and not err.value.retryable
     with pytest.raises(ModelHTTPError, match="An error occurred during streaming"):
-        chunk_of(b'{"error": "x"}')
-    with pytest.raises(json.JSONDecodeError):
-        chunk_of(b'{"choices": [')
-    with pytest.raises(ValueError):
-        chunk_of(b'{"t": "\xff"}')
+        chunk_of(b'{"error": "x"}', 0)
+    with pytest.raises(MalformedStreamChunk, match="chunk #3: not valid JSON"):
+        chunk_of(b'{"choices": [', 3)
+    with pytest.raises(MalformedStreamChunk, match=r"chunk #3: not valid JSON.*UTF-8"):
+        chunk_of(b'{"t": "\xff"}', 3)
