@@ -30,7 +30,7 @@ from agentq.events.lua_args import LuaScript
 from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
 from agentq.llm.headers import BUSY_STATUSES, RateSignal
-from agentq.llm.limits import DEFAULT_DEPLOYMENT, ModelLimitsEntry, parse_limits
+from agentq.llm.limits import DEFAULT_DEPLOYMENT, DeploymentLimits, ModelLimitsEntry, parse_limits
 
 if TYPE_CHECKING:
     from agentq.state.store import TurnStore
@@ -185,20 +185,10 @@ class Capacity:
             entry = self.entry(model)
             config = self._config[model] = json.dumps(
                 {
-                    "rpm": entry.rpm or 0,
-                    "tpm": entry.tpm or 0,
-                    "streams": entry.streams or 0,
+                    **_counts(entry),
                     "strategy": entry.strategy,
                     "configured": model in self._configured,
-                    "deps": [
-                        {
-                            "n": d.name,
-                            "rpm": d.rpm or 0,
-                            "tpm": d.tpm or 0,
-                            "streams": d.streams or 0,
-                        }
-                        for d in entry.routes
-                    ],
+                    "deps": [{"n": d.name, **_counts(d)} for d in entry.routes],
                     **self._tunables,
                 }
             )
@@ -221,7 +211,7 @@ class Capacity:
     ) -> dict[str, Any]:
         """A deciding script's JSON answer, run on the model's keys with its own arguments."""
         argv = inputs.DecidingArgs(
-            self._config_of(model), "" if now_ms is None else now_ms, model, secrets.token_hex(8)
+            self._config_of(model), _clock(now_ms), model, secrets.token_hex(8)
         )
         raw = script(keys=self.keys(model), args=[*argv, *own])
         out: dict[str, Any] = json.loads(raw)
@@ -300,7 +290,7 @@ class Capacity:
         if not lease_id:
             return True
         model = _lease_model(lease_id)
-        args = inputs.RenewArgs("" if now_ms is None else now_ms, lease_id, self.lease_ttl_ms)
+        args = inputs.RenewArgs(_clock(now_ms), lease_id, self.lease_ttl_ms)
         return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=list(args)))
 
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> Wakes:
@@ -363,11 +353,7 @@ class Capacity:
     ) -> BreakerVerdict:
         """Count a failure (`5xx`, `stall`, `connection`...) of a deployment (BREAKER_LUA)."""
         args = inputs.BreakerArgs(
-            "" if now_ms is None else now_ms,
-            deployment,
-            kind,
-            self.breaker_failures,
-            self.breaker_cooldown_ms,
+            _clock(now_ms), deployment, kind, self.breaker_failures, self.breaker_cooldown_ms
         )
         self._failed.add((model, deployment))
         state = self._breaker(keys=[self._key(model, inputs.SUFFIX.BRK)], args=list(args))
@@ -406,6 +392,16 @@ class Capacity:
         """The model's capacity state now (SNAPSHOT_LUA's layout), for metrics and the console."""
         out = self._run(self._snapshot, model, now_ms)
         return {"model": model, "configured": model in self._configured, **out}
+
+
+def _counts(limits: DeploymentLimits | ModelLimitsEntry) -> dict[str, int]:
+    """A model's or deployment's limits as the scripts take them (0: none)."""
+    return {"rpm": limits.rpm or 0, "tpm": limits.tpm or 0, "streams": limits.streams or 0}
+
+
+def _clock(now_ms: int | None) -> str | int:
+    """The `now_arg` of a script: the caller's clock, or "" for Redis TIME."""
+    return "" if now_ms is None else now_ms
 
 
 def _list(value: Any) -> list[Any]:
