@@ -91,19 +91,17 @@ async def run_round(
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
     remove_cancel = host.cancels.add(req.turn_id, abort.set)
-    observed = tracing.enabled or logs.enabled
-    if observed:
-        bound = logs.bind(req.turn_id, None, task_id)
-        span = tracing.start_span(
-            tracing.SPAN_ROUND,
-            req.traceparent,
-            {
-                tracing.ATTR_TURN_ID: req.turn_id,
-                tracing.ATTR_ROUND: req.round_no,
-                tracing.ATTR_TASK_ID: task_id,
-                "gen_ai.request.model": model,
-            },
-        )
+    bound = logs.bind(req.turn_id, None, task_id)
+    span = tracing.start_span(
+        tracing.SPAN_ROUND,
+        req.traceparent,
+        {
+            tracing.ATTR_TURN_ID: req.turn_id,
+            tracing.ATTR_ROUND: req.round_no,
+            tracing.ATTR_TASK_ID: task_id,
+            "gen_ai.request.model": model,
+        },
+    )
     refused: AgentqError | None = None
     try:
         if start.cancelled:
@@ -111,7 +109,7 @@ async def run_round(
         publisher = publisher_of(host)
         publisher.learned(req.turn_id, start.followed)
         rnd = _Round(host, req, publisher, model, len(streams.capacity.entry(model).routes) > 1)
-        with tracing.active(span) if observed else contextlib.nullcontext():
+        with tracing.active(span):
             try:
                 result = rnd.answered(*await rnd.call(streams, start.history, abort))
             except ModelBusy as exc:
@@ -131,11 +129,9 @@ async def run_round(
         remove_cancel()
         streams.release((req.turn_id, req.round_no))
         host.running.pop(name, None)
-        if observed:
-            logs.unbind(bound)
-    if observed:
-        # Before the result is stored: storing it may run the turn's next step here.
-        _end_round_span(span, result, rnd.ttft_ms)
+        logs.unbind(bound)
+    # Before the result is stored: storing it may run the turn's next step here.
+    _end_round_span(span, result, rnd.ttft_ms)
     await host.io(
         host.store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last
     )
@@ -233,9 +229,8 @@ class _Round:
         try:
             return await send(api)
         except ModelHTTPError as exc:
-            if not (setting == "auto" and api == "chat" and names_responses(exc)):
-                raise
-            if streams.apis.kept_on_chat(self.model):
+            moves = setting == "auto" and api == "chat" and names_responses(exc)
+            if not moves or streams.apis.kept_on_chat(self.model):
                 raise
             refused = exc
         # The server wants the Responses API: the model moves there fleet-wide, and this
