@@ -70,10 +70,9 @@ class Streams:
     ) -> tuple[openai.AsyncOpenAI | None, str]:
         """The client of this turn's rounds on `deployment` (None: no model server
         configured), and the model name that deployment knows the model by."""
-        entry = self.capacity.limits.get(model)
         dep = None
-        if entry is not None and deployment and deployment != DEFAULT_DEPLOYMENT:
-            dep = entry.deployment(deployment)
+        if deployment and deployment != DEFAULT_DEPLOYMENT:
+            dep = self.capacity.entry(model).deployment(deployment)
         pool = self.clients
         if dep is not None and (dep.base_url or dep.api_key):
             pool = self.deployed.get(dep.name) or []
