@@ -14,8 +14,6 @@ REASONING_ITEMS = "reasoning_items"
 
 def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as Chat Completions takes it: the Responses reasoning items dropped."""
-    if not any(REASONING_ITEMS in m for m in messages):
-        return messages
     return [
         {k: v for k, v in m.items() if k != REASONING_ITEMS} if REASONING_ITEMS in m else m
         for m in messages
@@ -25,8 +23,6 @@ def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def public_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The history as a client reads it: reasoning items keep their summaries, never
     their `encrypted_content` (the provider's sealed reasoning, for agentq to send back)."""
-    if not any(REASONING_ITEMS in m for m in messages):
-        return messages
     return [
         {
             **m,
