@@ -32,6 +32,7 @@ from agentq.errors import (
 from agentq.llm import sdk
 from agentq.llm.client import (
     CHAT_COMPLETIONS_PATH,
+    Assembler,
     ChatAssembler,
     DeltaCallback,
     Tools,
@@ -176,9 +177,7 @@ class Attempt:
     """A typed answer's `text.format` (Responses API)."""
     # What one attempt found: not arguments, so each copy (`dataclasses.replace`) starts
     # from nothing.
-    assembler: ChatAssembler | ResponsesAssembler | None = dataclasses.field(
-        default=None, init=False
-    )
+    assembler: Assembler | None = dataclasses.field(default=None, init=False)
     chunks: int = dataclasses.field(default=0, init=False)
     retry_after_s: float | None = dataclasses.field(default=None, init=False)
     elapsed_s: float = dataclasses.field(default=0.0, init=False)
