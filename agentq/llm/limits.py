@@ -107,7 +107,6 @@ def estimate_tokens(prompt_tokens: int, max_completion_tokens: int | None) -> in
     estimate plus the completion at its maximum, as providers count it. No tokenizer:
     tiktoken downloads its encoding files on first use, which a worker offline cannot do.
     """
-    completion = max_completion_tokens
-    if completion is None:
-        completion = DEFAULT_COMPLETION_TOKENS
-    return max(max(prompt_tokens, 0) + max(completion, 0), 1)
+    if max_completion_tokens is None:
+        max_completion_tokens = DEFAULT_COMPLETION_TOKENS
+    return max(max(prompt_tokens, 0) + max(max_completion_tokens, 0), 1)
