@@ -213,15 +213,3 @@ class Publisher:
         if taken:
             self.wake.set()  # a loop that waits for held deltas alone may wait for none now
         return taken
-
-
-_publisher: Publisher | None = None
-
-
-def publisher_of(host: LoopHost) -> Publisher:
-    """This process's publisher, made at its first round."""
-    global _publisher
-    if _publisher is None:
-        _publisher = Publisher(host)
-        host.cancels.on_watch = _publisher.watched
-    return _publisher

@@ -25,6 +25,7 @@ from agentq.llm.apis import ApiChoice
 from agentq.llm.capacity import Capacity, capacity_for, wake_granted
 from agentq.llm.headers import parse_rate_headers
 from agentq.llm.limits import DEFAULT_DEPLOYMENT
+from agentq.llm.publisher import Publisher
 from agentq.models import LlmRoundRequest, LlmRoundResult
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ STREAMS_PER_CLIENT = 128
 
 
 class Streams:
-    """Per process: the shared model client and the rounds streaming now."""
+    """Per process: the shared model clients, the events publisher and the rounds streaming now."""
 
     def __init__(self, host: LoopHost) -> None:
         s = host.settings
@@ -56,6 +57,8 @@ class Streams:
         self.clients = self._clients(s.llm_base_url, s.llm_api_key, n) if s.llm_base_url else []
         self.capacity: Capacity = capacity_for(host.store.redis, s)
         self.apis = ApiChoice(host.store.redis)
+        self.publisher = Publisher(host)
+        host.cancels.on_watch = self.publisher.watched
         self.deployed: dict[str, list[openai.AsyncOpenAI]] = {}
         """Clients of configured deployments with their own endpoint or key, made on first use."""
         self.leases: dict[tuple[str, int], str] = {}

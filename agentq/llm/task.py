@@ -30,7 +30,7 @@ from agentq.errors import (
 from agentq.llm.apis import configured, names_responses
 from agentq.llm.capacity import wake_granted
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
-from agentq.llm.publisher import Publisher, publisher_of
+from agentq.llm.publisher import Publisher
 from agentq.llm.reasoning import without_reasoning
 from agentq.llm.responses import RESPONSES_PATH, ModelApi
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
@@ -106,7 +106,7 @@ async def run_round(
     try:
         if start.cancelled:
             abort.set()
-        publisher = publisher_of(host)
+        publisher = streams.publisher
         publisher.learned(req.turn_id, start.followed)
         rnd = _Round(host, req, publisher, model, len(streams.capacity.entry(model).routes) > 1)
         with tracing.active(span):

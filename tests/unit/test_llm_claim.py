@@ -4,6 +4,7 @@ delivery when it is this one's to stream."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import fakeredis
@@ -23,6 +24,7 @@ class _Host:
     def __init__(self) -> None:
         self.store = TurnStore(fakeredis.FakeRedis())
         self.settings = Settings()
+        self.cancels = SimpleNamespace(on_watch=None)
 
 
 @pytest.fixture()
