@@ -27,8 +27,7 @@ class ModelKeys(NamedTuple):
     BRK: str = "breaker"  # HASH f:<dep> failures, o: open until, p: probe until, k: kind
     USE: str = "usage"  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests, tokens used
     CONFIG: str = "config"  # STRING the model's limits as a configured process last sent them
-    RATE: str = "rate"  # HASH the admitted rate (AIMD: r, t, ai, d), learned limits (lr, lt),
-    # and the requests admitted in the current second (w, n)
+    RATE: str = "rate"  # HASH the admitted rate and learned limits (see capacity_rate)
 
 
 SUFFIX = ModelKeys()

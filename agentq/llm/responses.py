@@ -5,9 +5,7 @@ stream makes.
 Stateless: every request goes with `store: false` and asks for the reasoning items'
 `encrypted_content`, and the history (agentq's durable record) is sent whole each round;
 `previous_response_id` is never used, so servers that keep no responses serve it too.
-The reasoning items a round returns are kept on its assistant message in history
-(`agentq.llm.reasoning.REASONING_ITEMS`) and sent again before the item that followed them;
-Chat Completions never sees them (`without_reasoning`).
+The reasoning items a round returns are kept in history (`agentq.llm.reasoning`).
 """
 
 from __future__ import annotations

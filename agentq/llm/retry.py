@@ -30,8 +30,7 @@ def retryable_status(status_code: int) -> bool:
 
 
 def retryable(exc: BaseException) -> bool:
-    """A failure another attempt may not meet: a stall, a retryable status, a dropped
-    connection (an abort, a malformed chunk, an exhausted duration never are)."""
+    """A failure another attempt may not meet: a stall, a retryable status, a dropped connection."""
     return isinstance(exc, StreamIdleTimeout) or (isinstance(exc, ModelHTTPError) and exc.retryable)
 
 
