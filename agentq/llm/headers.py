@@ -36,7 +36,9 @@ def parse_retry_after(headers: Mapping[str, str], *, now_s: float | None = None)
     or an HTTP date, which `now_s`, epoch seconds, anchors); header names in any case."""
     lowered = {k.lower(): v for k, v in headers.items()}
     with contextlib.suppress(ValueError):
-        return max(float(lowered.get("retry-after-ms", "")) / 1000.0, 0.0)
+        ms = float(lowered.get("retry-after-ms", ""))
+        if math.isfinite(ms):  # a NaN pause would reach the event loop's timer heap
+            return max(ms / 1000.0, 0.0)
     raw = lowered.get("retry-after")
     return None if raw is None else _until_s(raw, time.time() if now_s is None else now_s)
 

@@ -148,6 +148,11 @@ def test_parse_retry_after_prefers_milliseconds() -> None:
     assert parse_retry_after({"retry-after-ms": "1500", "Retry-After": "2"}) == 1.5
 
 
+def test_parse_retry_after_skips_milliseconds_that_are_no_number() -> None:
+    assert parse_retry_after({"retry-after-ms": "nan", "Retry-After": "2"}) == 2.0
+    assert parse_retry_after({"retry-after-ms": "inf"}) is None
+
+
 def test_parse_retry_after_seconds_and_case() -> None:
     assert parse_retry_after({"Retry-After": "3"}) == 3.0
     assert parse_retry_after({"RETRY-AFTER": "0.25"}) == 0.25
