@@ -1,12 +1,6 @@
-"""Which API a model is called with: Chat Completions or the Responses API.
-
-Configured per model (`api` in AGENTQ_LLM_LIMITS) or for all (AGENTQ_LLM_API). Under
-`auto` a model starts on Chat Completions and moves to the Responses API, fleet-wide,
-when its server refuses a round with a 400 that names `/v1/responses` (reasoning models
-refuse function tools on chat completions so); a server that then answers 404 to
-`/v1/responses` (an older compatible server) keeps the model on chat, said once. What was
-learned is one Redis hash, `agentq:llm:api` (model -> JSON `{api, reason, at}`), read by
-every stream worker (cached a few seconds) and shown by `GET /v1/capacity` and /metrics.
+"""Which API a model is called with, Chat Completions or the Responses API, and what
+`auto` learned of it, fleet-wide, from a 400 that names `/v1/responses` or a 404 there
+(docs/models.md): one Redis hash, `API_KEY`, read by every stream worker.
 """
 
 from __future__ import annotations

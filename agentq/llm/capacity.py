@@ -5,10 +5,8 @@ both get it. Waiting holds nothing: a round that cannot go now is queued in Redi
 `acquire` says when its turn should ask again; whoever frees or finds capacity grants the
 head of the queue and is told whose turns to wake.
 
-Queue order: interactive rounds first (one background grant in `background_every` while
-both wait); within a class, owners take turns by start-time fair queuing with per-owner
-weights, an owner's own rounds stay in order, and a newcomer never passes anyone waiting.
-A model's keys share the hash tag `{prefix}:{<model>}:`: one Redis Cluster slot.
+The queue's order is docs/capacity.md's. A model's keys share the hash tag
+`{prefix}:{<model>}:`: one Redis Cluster slot.
 """
 
 from __future__ import annotations
