@@ -1,11 +1,5 @@
 """The admitted rate of a model, in Lua for the capacity scripts (`capacity_lua`): a
-ceiling, not a schedule.
-
-The configured rpm, else the provider's own limits from its headers, caps the rate; a 429
-despite pacing cuts it fleet-wide at once and it climbs back by a fixed amount a second
-(AIMD); with no ceiling known, the first 429 starts from a guess and the fleet probes
-upwards. Providers count in wall-clock seconds, so besides pacing each second admits at
-most a second's worth.
+ceiling, not a schedule, cut by a 429 and climbing back (docs/capacity.md).
 
 State, per model, in the `rate` hash: r, t, ai (the rate cut to at t, its climb a
 second), d (the last cut), top (the rate refused), lr, lt (the provider's limits), w, n,

@@ -1,11 +1,6 @@
-"""Model capacity limits (`AGENTQ_LLM_LIMITS`) and token estimates; pure.
-
-    AGENTQ_LLM_LIMITS='{"gpt-4.1": {"rpm": 500, "tpm": 300000, "streams": 200}}'
-
-An entry may split its traffic over `deployments` (endpoints or accounts of the same
-model), each with its own limits, chosen `ordered` (the first healthy one with capacity)
-or `least_loaded`. An entry without deployments has one implicit deployment, `default`,
-which is the configured `AGENTQ_LLM_BASE_URL`.
+"""Model capacity limits (`AGENTQ_LLM_LIMITS`, docs/capacity.md) and token estimates; pure.
+An entry without `deployments` has one implicit deployment, `default`: the configured
+`AGENTQ_LLM_BASE_URL`.
 """
 
 from __future__ import annotations
