@@ -15,7 +15,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NoReturn, TypeVar
 
 from agentq.errors import ModelIncomplete, ModelResponseFailed
 from agentq.llm.client import (
@@ -33,6 +33,7 @@ from agentq.models import AssistantMessage
 log = logging.getLogger("agentq.llm")
 
 ModelApi = Literal["chat", "responses"]
+_T = TypeVar("_T")
 RESPONSES_PATH = "/responses"
 
 UNKNOWN_EVENTS: collections.Counter[str] = collections.Counter()
@@ -186,7 +187,7 @@ class ResponsesAssembler(Assembler):
     def _text_delta(self, event: dict[str, Any], index: int) -> None:
         delta = opt_str(event, "delta", index)
         if delta:
-            self._texts_seen.add(_int(event, "output_index", index))
+            self._texts_seen.add(_must(event, "output_index", index, int))
         self._said("text", delta)
 
     def _reasoning_delta(self, event: dict[str, Any], index: int) -> None:
@@ -199,9 +200,9 @@ class ResponsesAssembler(Assembler):
         return call
 
     def _item_added(self, event: dict[str, Any], index: int) -> None:
-        item = _object(event, "item", index)
+        item = _must(event, "item", index, dict)
         if item.get("type") == "function_call":
-            self._function_call(item, _int(event, "output_index", index), index)
+            self._function_call(item, _must(event, "output_index", index, int), index)
             self.output_events += 1
 
     def _arguments_delta(self, event: dict[str, Any], index: int) -> None:
@@ -215,14 +216,14 @@ class ResponsesAssembler(Assembler):
         self._call_of(event, index).done = opt_str(event, "arguments", index)
 
     def _call_of(self, event: dict[str, Any], index: int) -> PartialCall:
-        call = self._calls.get(_int(event, "output_index", index))
+        call = self._calls.get(_must(event, "output_index", index, int))
         if call is None:
             bad(index, f"{event['type']} for no function_call item")
         return call
 
     def _item_done(self, event: dict[str, Any], index: int) -> None:
-        item = _object(event, "item", index)
-        at = _int(event, "output_index", index)
+        item = _must(event, "item", index, dict)
+        at = _must(event, "output_index", index, int)
         kind = item.get("type")
         if kind == "reasoning":
             self._reasoning_items.append({k: item[k] for k in _REASONING_FIELDS if k in item})
@@ -236,19 +237,19 @@ class ResponsesAssembler(Assembler):
                 self._said("text", text if isinstance(text, str) else None)
 
     def _completed(self, event: dict[str, Any], index: int) -> None:
-        response = _object(event, "response", index)
+        response = _must(event, "response", index, dict)
         usage = response.get("usage")
         if usage is not None:
             self._usage = usage_of(usage, index, "input", "output")
         self._ended = True
 
     def _incomplete(self, event: dict[str, Any], index: int) -> NoReturn:
-        details = _object(event, "response", index).get("incomplete_details")
+        details = _must(event, "response", index, dict).get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         raise ModelIncomplete(str(reason or "no reason given"))
 
     def _failed(self, event: dict[str, Any], index: int) -> NoReturn:
-        error = _object(event, "response", index).get("error")
+        error = _must(event, "response", index, dict).get("error")
         error = error if isinstance(error, dict) else {}
         raise ModelResponseFailed(
             str(error.get("code") or "unknown"), str(error.get("message") or "response.failed")
@@ -302,15 +303,9 @@ _SAY_NOTHING = frozenset(
 """Events that say nothing the message needs (their text came in the deltas)."""
 
 
-def _int(obj: Mapping[str, Any], name: str, index: int) -> int:
+def _must(obj: Mapping[str, Any], name: str, index: int, kind: type[_T]) -> _T:
+    """A field the event must have, of type `kind` (int or dict)."""
     value = obj.get(name)
-    if not isinstance(value, int):
-        bad(index, f"'{name}' is not an integer")
-    return value
-
-
-def _object(event: Mapping[str, Any], name: str, index: int) -> dict[str, Any]:
-    value = event.get(name)
-    if not isinstance(value, dict):
-        bad(index, f"'{name}' is not an object")
+    if not isinstance(value, kind):
+        bad(index, f"'{name}' is not {'an integer' if kind is int else 'an object'}")
     return value
