@@ -43,20 +43,16 @@ CONFIG_STORE_S = 30.0
 """A configured process stores its limits again after this long (`store` in its config):
 once per round would be a write per round; a stored copy Redis lost is back this soon."""
 
-CONFIG_LUA = (
-    """
+CONFIG_LUA = f"""
 local cfg = cjson.decode(config)
 -- A process configured with the limits stores them; one that is not decides by them too.
 if cfg.configured then
-  if cfg.store then redis.call('SET', CONFIG, config, 'EX', """
-    + str(CONFIG_TTL_S)
-    + """) end
+  if cfg.store then redis.call('SET', CONFIG, config, 'EX', {CONFIG_TTL_S}) end
 else
   local stored = redis.call('GET', CONFIG)
   if stored then cfg = cjson.decode(stored) end
 end
 """
-)
 
 # A round that goes at once, on deployment `dep`, without a lease (`at`: the grant's time,
 # or false: the caller's own clock), for `tokens`.

@@ -20,12 +20,10 @@ SLOW_START = 1.5
 """Before a 429 came while paced, the guessed rate grows by this factor each second."""
 # RATE_LUA: the adaptation as pure functions of the rate state (no Redis call), which the
 # unit tests run alone (tests/unit/test_rate_adaptation.py).
-RATE_LUA = (
-    f"""
+RATE_LUA = f"""
 local DECREASE, RECOVER_S = {DECREASE!r}, {RECOVER_S!r}
 local PROBE, SLOW_START = {PROBE!r}, {SLOW_START!r}
-"""
-    + """
+
 -- The configured rpm, else the provider's own limit learned from its headers (0: none).
 local function ceiling_of(cfg_rpm, st)
   if cfg_rpm > 0 then return cfg_rpm end
@@ -58,7 +56,6 @@ local function cut(rpm, ceiling, seen_rpm)
   return math.max(guess * DECREASE, 1), top * (1 - DECREASE) / RECOVER_S, top
 end
 """
-)
 
 # RATE_HELPERS_LUA: part of every deciding script's helpers, after num() and fmt().
 RATE_HELPERS_LUA = (
