@@ -227,8 +227,7 @@ class Attempt:
                 raise Aborted(self.turn_id) if self.abort.is_set() else error
         finally:
             aborted.cancel()
-            if not reader.done():
-                reader.cancel()
+            reader.cancel()  # a no-op once it is done
             self.elapsed_s = time.monotonic() - self._started
 
     async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
