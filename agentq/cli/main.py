@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from agentq.cli.ids import TURN_ID_HELP
-from agentq.cli.options import has_option, take_option
+from agentq.cli.options import has_option, positive, take_option
 from agentq.constants import RELAY_DEPTH_MAX, VERSION
 
 if TYPE_CHECKING:
@@ -166,21 +166,6 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     return argv + opts
 
 
-def _positive(kind: type[int] | type[float]) -> Any:
-    """An argparse type: a finite number of `kind` above 0 (a budget)."""
-
-    def parse(raw: str) -> int | float:
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{raw!r}: must be above 0")
-        return value
-
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
     p.add_argument("--version", action="version", version=f"agentq {VERSION}")
@@ -221,13 +206,13 @@ def _add_run(sub: Any) -> None:
     )
     r.add_argument(
         "--max-tokens",
-        type=_positive(int),
+        type=positive(int),
         metavar="N",
         help="the turn's token budget, its sub-agents' included (exit 1 past it)",
     )
     r.add_argument(
         "--max-cost-usd",
-        type=_positive(float),
+        type=positive(float),
         metavar="USD",
         help="the turn's budget in USD (its model needs a price in AGENTQ_LLM_PRICES)",
     )

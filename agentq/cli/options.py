@@ -1,9 +1,12 @@
-"""Celery worker options that agentq reads, or takes out, before the rest goes to Celery,
-in each form Celery accepts: `-n X`, `-nX`, `--hostname X`, `--hostname=X`."""
+"""Options of agentq's commands: a budget's argparse type, and the Celery worker options
+agentq reads, or takes out, before the rest goes to Celery, in each form Celery accepts:
+`-n X`, `-nX`, `--hostname X`, `--hostname=X`."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
+from typing import Any
 
 
 def _inline_value(opt: str, names: Sequence[str]) -> str | None:
@@ -36,3 +39,18 @@ def take_option(opts: Sequence[str], *names: str) -> tuple[str | None, list[str]
         else:
             rest.append(o)
     return value, rest
+
+
+def positive(kind: type[int] | type[float]) -> Any:
+    """An argparse type: a finite number of `kind` above 0 (a budget)."""
+
+    def parse(raw: str) -> int | float:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{raw!r}: must be above 0")
+        return value
+
+    return parse

@@ -10,6 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from agentq.cli.ids import TURN_ID_HELP
+from agentq.cli.options import positive
 
 if TYPE_CHECKING:
     from agentq.api import Client, Turn
@@ -31,8 +32,12 @@ def add_parsers(sub: Any) -> None:
         metavar="AGE",
         help="with --status: turns created in the last AGE (30m, 1h, 2d; default 1h)",
     )
-    r.add_argument("--limit", type=int, default=100, help="with --status: at most this many")
-    r.add_argument("--rate", type=float, default=10.0, help="with --status: starts a second")
+    r.add_argument(
+        "--limit", type=positive(int), default=100, help="with --status: at most this many"
+    )
+    r.add_argument(
+        "--rate", type=positive(float), default=10.0, help="with --status: starts a second"
+    )
     r.add_argument("--dry-run", action="store_true", help="with --status: say, start nothing")
     r.add_argument(
         "--rerun-lost",
@@ -58,8 +63,8 @@ def add_parsers(sub: Any) -> None:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", help="run it as this agent instead")
-    p.add_argument("--max-tokens", type=int, help="its token budget")
-    p.add_argument("--max-cost-usd", type=float, help="its USD budget")
+    p.add_argument("--max-tokens", type=positive(int), help="its token budget")
+    p.add_argument("--max-cost-usd", type=positive(float), help="its USD budget")
     p.add_argument("--json", action="store_true", help="print the new turn's handle as JSON")
 
 

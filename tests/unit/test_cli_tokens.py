@@ -23,3 +23,22 @@ def test_a_token_that_begins_with_a_dash_is_read_as_the_value(argv: list[str]) -
 def test_words_after_a_double_dash_are_left_alone() -> None:
     assert _glued(["run", "--", "--token", "-x"]) == ["run", "--", "--token", "-x"]
     assert _glued(["abort", "t", "--token"]) == ["abort", "t", "--token"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "--max-tokens", "0", "x"],
+        ["retry", "0123abcd", "--max-tokens", "0"],
+        ["fork", "0123abcd", "--at-round", "1", "--max-cost-usd", "-1"],
+        ["retry", "--status", "error", "--rate", "0"],
+        ["retry", "--status", "error", "--limit", "-5"],
+    ],
+)
+def test_every_command_refuses_a_budget_or_pace_not_above_zero(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The same argparse type for run, retry and fork: refused before any Redis is asked.
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    assert exited.value.code == 2 and "must be above 0" in capsys.readouterr().err
