@@ -261,26 +261,14 @@ def _problems(
 def publish_agents(client: redis.Redis, now: float | None = None) -> int:
     """Tell the gateway and the CLI which agents this worker runs; returns how many."""
     now = time.time() if now is None else now
-    agents = all_agents()
-    if agents:
-        client.hset(
-            k.AGENTS,
-            mapping={
-                a.name: json.dumps(
-                    {
-                        "model": a.model,
-                        "tools": a.tool_names(),
-                        "seen_at": now,
-                        "description": a.description,
-                        "output_schema": a.output_type.model_json_schema()
-                        if a.output_type is not None
-                        else None,
-                    }
-                )
-                for a in agents.values()
-            },
-        )
-    return len(agents)
+    records: dict[Any, str] = {}
+    for a in _AGENTS.values():
+        schema = a.output_type.model_json_schema() if a.output_type is not None else None
+        rec = {"model": a.model, "tools": a.tool_names(), "description": a.description}
+        records[a.name] = json.dumps({**rec, "output_schema": schema, "seen_at": now})
+    if records:
+        client.hset(k.AGENTS, mapping=records)
+    return len(records)
 
 
 def published_agent_details(client: redis.Redis, now: float | None = None) -> list[dict[str, Any]]:
@@ -291,20 +279,11 @@ def published_agent_details(client: redis.Redis, now: float | None = None) -> li
     for name, raw in client.hgetall(k.AGENTS).items():
         try:
             rec = json.loads(raw)
-            seen = float(rec["seen_at"])
-        except (ValueError, KeyError, TypeError):
+            seen = float(rec.pop("seen_at"))
+        except (ValueError, KeyError, TypeError, AttributeError):
             continue
         if now - seen <= PUBLISHED_FRESH_S:
-            # The same fields whatever the worker's version wrote: /v1/agents sends them on.
-            out.append(
-                {
-                    "name": name.decode() if isinstance(name, bytes) else str(name),
-                    "model": rec.get("model"),
-                    "tools": rec.get("tools") or [],
-                    "description": rec.get("description") or "",
-                    "output_schema": rec.get("output_schema"),
-                }
-            )
+            out.append({"name": name.decode() if isinstance(name, bytes) else str(name), **rec})
     return sorted(out, key=lambda a: str(a["name"]))
 
 
