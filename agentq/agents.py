@@ -179,26 +179,20 @@ class Agent(BaseModel):
 
     def tool_names(self) -> list[str]:
         """The names of every tool this agent may call."""
-        tools = all_tools()
         names = [t if isinstance(t, str) else t.name for t in self.tools]
         servers = set(self.mcp_servers)
-        named = set(names)
-        asks = [ask_user.NAME] if self.ask_user and ask_user.NAME not in named else []
-        return (
-            names
-            + sorted(n for n, s in tools.items() if s.mcp_server in servers and n not in named)
-            + asks
+        names += sorted(
+            n for n, s in all_tools().items() if s.mcp_server in servers and n not in names
         )
+        if self.ask_user and ask_user.NAME not in names:
+            names.append(ask_user.NAME)
+        return names
 
     def offered_tools(self) -> list[ToolSpec | AgentTool]:
         """What the model is offered (tools, and agents as tools), in the agent's order."""
-        tools = {**all_tools(), **({ask_user.NAME: ask_user.SPEC} if self.ask_user else {})}
-        agent_tools = self.agent_tools
-        return [
-            agent_tools[n] if n in agent_tools else tools[n]
-            for n in self.tool_names()
-            if n in agent_tools or n in tools
-        ]
+        asks = {ask_user.NAME: ask_user.SPEC} if self.ask_user else {}
+        tools: dict[str, ToolSpec | AgentTool] = {**all_tools(), **asks, **self.agent_tools}
+        return [tools[n] for n in self.tool_names() if n in tools]
 
     def settings_for(self, base: Settings) -> Settings:
         """The settings a turn of this agent runs under: the base with its overrides."""
