@@ -132,9 +132,7 @@ def shard_of(turn_id: str) -> int:
     try:
         return int(turn_id[:4], 16) % n
     except ValueError:  # not a turn id: names no stored turn, any shard will do
-        from redis.crc import key_slot
-
-        return key_slot(turn_id.encode()) % n
+        return 0
 
 
 @lru_cache(maxsize=1024)
