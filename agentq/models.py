@@ -33,23 +33,9 @@ STREAM_ID_PART_MAX = 2**64 - 1
 _STREAM_ID = re.compile(r"(\d{1,20})(?:-(\d{1,20}))?")
 
 
-def is_turn_id(value: str) -> bool:
-    return TURN_ID.fullmatch(value) is not None
-
-
-def is_call_id(value: str) -> bool:
-    return CALL_ID.fullmatch(value) is not None
-
-
-def is_request_id(value: str) -> bool:
-    return REQUEST_ID.fullmatch(value) is not None
-
-
 def parse_stream_id(value: str) -> tuple[int, int] | None:
-    """(ms, seq) of a Redis stream id ("1-0", or "0"); None if it is not one Redis accepts.
-
-    Both parts are unsigned 64-bit integers: a larger one makes XRANGE fail.
-    """
+    """(ms, seq) of a Redis stream id ("1-0", or "0"); None if it is not one Redis accepts
+    (both parts are unsigned 64-bit integers: a larger one makes XRANGE fail)."""
     found = _STREAM_ID.fullmatch(value)
     if found is None:
         return None
@@ -131,7 +117,7 @@ class ToolCallMessage(_Strict):
     @field_validator("id")
     @classmethod
     def _id(cls, v: str) -> str:
-        if not is_call_id(v):
+        if not CALL_ID.fullmatch(v):
             raise ValueError("a call id is letters, digits and _ . : - only")
         return v
 

@@ -29,7 +29,7 @@ from redis.exceptions import RedisClusterException
 from agentq.constants import RELAY_DEPTH_MAX, events_channel, turn_key
 from agentq.events.bus import EventBus
 from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
-from agentq.models import is_turn_id, parse_stream_id
+from agentq.models import TURN_ID, parse_stream_id
 
 log = logging.getLogger("agentq.events")
 
@@ -63,7 +63,7 @@ class Cursor:
         children: dict[str, str] = {}
         for part in rest:
             tid, _, pos = part.partition("=")
-            if not is_turn_id(tid) or parse_stream_id(pos) is None:
+            if not TURN_ID.fullmatch(tid) or parse_stream_id(pos) is None:
                 raise ValueError("a relayed stream's position is <turn id>=<stream id>")
             children[tid] = _norm(pos)
         return cls(_norm(head), children)
@@ -178,7 +178,7 @@ class TreeFollower:
         if stream.path:
             ev = ev.model_copy(update={"path": list(stream.path)})
         child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
-        if isinstance(child, str) and len(stream.path) < self.depth and is_turn_id(child):
+        if isinstance(child, str) and len(stream.path) < self.depth and TURN_ID.fullmatch(child):
             self._open(child, (*stream.path, child))
         ended = ev.type in TERMINAL_TYPES
         if ended and stream.path:

@@ -17,7 +17,7 @@ from agentq.constants import RELAY_DEPTH_MAX, log_key
 from agentq.errors import PayloadTooLarge
 from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError, invalid
-from agentq.models import is_request_id, is_turn_id, lone_surrogate_at, parse_stream_id
+from agentq.models import REQUEST_ID, TURN_ID, lone_surrogate_at, parse_stream_id
 
 MAX_JSON_DEPTH = 32
 """Deeper than any valid request (a message part is 5 levels down); json would recurse."""
@@ -30,13 +30,13 @@ def client_host(request: Request) -> str:
 
 
 def turn_id_of(value: str) -> str:
-    if not is_turn_id(value):
+    if not TURN_ID.fullmatch(value):
         raise ApiError(404, "TurnNotFound", "no such turn: a turn id is 32 lowercase hex digits")
     return value
 
 
 def request_id_of(value: str) -> str:
-    if not is_request_id(value):
+    if not REQUEST_ID.fullmatch(value):
         raise ApiError(
             404,
             "InteractionNotFound",

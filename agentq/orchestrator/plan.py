@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.llm.reasoning import REASONING_ITEMS
-from agentq.models import AssistantMessage, InteractionKind, ToolCall, is_call_id
+from agentq.models import CALL_ID, AssistantMessage, InteractionKind, ToolCall
 from agentq.tools import ask_user
 from agentq.tools.registry import get_tool, parse_arguments
 from agentq.tools.timing import Limits, effective_limits, split_meta
@@ -230,7 +230,7 @@ def with_safe_call_ids(
     calls: list[ToolCall] = []
     for i, call in enumerate(message.tool_calls):
         new_id = call.id
-        if not is_call_id(new_id) or new_id in seen:
+        if not CALL_ID.fullmatch(new_id) or new_id in seen:
             new_id = f"aq_r{round_no}_{i}"
             while new_id in seen:
                 new_id += "_"

@@ -28,7 +28,7 @@ from agentq.errors import (
 )
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, bind_lua
-from agentq.models import TURN_ID, InvocationRecord, ToolResult, ToolStatus, is_call_id
+from agentq.models import CALL_ID, TURN_ID, InvocationRecord, ToolResult, ToolStatus
 from agentq.state.base import TurnKeys, call_fields, text
 from agentq.state.calls import Settled, records_of
 from agentq.state.lua import turn_open_lua, wake_lua
@@ -53,7 +53,7 @@ def parse_waitpoint_id(value: str) -> tuple[str, str] | None:
         return None
     rest = value[len(PREFIX) :]
     turn_id, sep, call_id = rest[:32], rest[32:33], rest[33:]
-    if sep != "_" or not TURN_ID.fullmatch(turn_id) or not is_call_id(call_id):
+    if sep != "_" or not TURN_ID.fullmatch(turn_id) or not CALL_ID.fullmatch(call_id):
         return None
     return turn_id, call_id
 

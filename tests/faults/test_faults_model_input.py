@@ -131,7 +131,7 @@ def test_call_ids_the_model_garbles_or_reuses_are_replaced_consistently(rig) -> 
     fresh id in the history and in their result, so each call settles on its own and an
     approval can be answered by its request id."""
     from agentq.local.processes import wait_for
-    from agentq.models import is_call_id, is_request_id
+    from agentq.models import CALL_ID, REQUEST_ID
 
     key = rig.script(
         Round(
@@ -155,7 +155,7 @@ def test_call_ids_the_model_garbles_or_reuses_are_replaced_consistently(rig) -> 
 
     wait_for(lambda: requested() is not None, 30, message="approval requested")
     request_id = requested()
-    assert request_id is not None and is_request_id(request_id), request_id
+    assert request_id is not None and REQUEST_ID.fullmatch(request_id), request_id
     rig.client.answer(tid, request_id, handle.token, "approve")
     events = rig.collect(tid)
     assert events[-1].type == "turn_finished", events[-1]
@@ -163,7 +163,7 @@ def test_call_ids_the_model_garbles_or_reuses_are_replaced_consistently(rig) -> 
     history = rig.client.get(tid)["history"]
     assert_valid_history(history)
     ids = [c["id"] for m in history if m["role"] == "assistant" for c in m.get("tool_calls") or []]
-    assert len(ids) == 4 and len(set(ids)) == 4 and all(is_call_id(i) for i in ids), ids
+    assert len(ids) == 4 and len(set(ids)) == 4 and all(CALL_ID.fullmatch(i) for i in ids), ids
     assert ids[0] == "call_0"  # a good id is kept
     tool_msgs = [m for m in history if m["role"] == "tool"]
     assert [m["tool_call_id"] for m in tool_msgs] == ids
