@@ -12,6 +12,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PositiveFloat,
     SecretStr,
     ValidationError,
     field_validator,
@@ -191,7 +192,7 @@ class Settings(BaseSettings):
     """How long the usage kept per key and day lives (it outlives the turns it counts)."""
     llm_queue_timeout_s: float = Field(600.0, gt=0)
     """How long a model round may wait for model capacity before its turn fails (ECAPACITY)."""
-    llm_owner_weights: Annotated[dict[str, float], NoDecode] = Field(default_factory=dict)
+    llm_owner_weights: Annotated[dict[str, PositiveFloat], NoDecode] = Field(default_factory=dict)
     """Fair-share weights of API keys (by key name) in the model capacity queue; default 1."""
     llm_burst_s: float = Field(1.0, ge=0)
     """How far ahead of its steady pace a model's requests may run (GCRA's burst)."""
@@ -393,14 +394,6 @@ class Settings(BaseSettings):
             webhook_key_bytes(v.get_secret_value())
         return v
 
-    @field_validator("llm_owner_weights")
-    @classmethod
-    def _positive_weights(cls, v: dict[str, float]) -> dict[str, float]:
-        bad = sorted(name for name, w in v.items() if not w > 0)
-        if bad:
-            raise ValueError(f"weights must be > 0: {', '.join(bad)}")
-        return v
-
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str) -> str:
@@ -487,9 +480,7 @@ def load_settings(**overrides: object) -> Settings:
         path, msg = field_errors(exc, "settings")[0]
         field, _, entry = path.partition(".")
         name = field.upper()
-        if entry:
-            # Which entry of a JSON setting (a model's price, a key's budget), which field.
-            msg = f"{entry}: {msg}"
+        msg = f"{entry}: {msg}" if entry else msg
         raise ConfigError(name if name.startswith("AGENTQ_") else f"AGENTQ_{name}", msg) from None
 
 
