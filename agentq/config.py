@@ -94,10 +94,9 @@ def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelU
     return SentinelUrl(sentinels=sentinels, db=db, username=username, password=password)
 
 
-def parse_cluster_nodes(
-    nodes: str, setting: str = "AGENTQ_REDIS_CLUSTER_NODES"
-) -> list[tuple[str, int]]:
+def parse_cluster_nodes(nodes: str) -> list[tuple[str, int]]:
     """`h1:7000,h2:7001` -> [(h1, 7000), (h2, 7001)]: the nodes a Cluster client starts from."""
+    setting = "AGENTQ_REDIS_CLUSTER_NODES"
     out: list[tuple[str, int]] = []
     for part in (p.strip() for p in nodes.split(",")):
         if not part:

@@ -292,15 +292,11 @@ class ModelBusy(ModelHTTPError):
     code = "EBUSY"
 
     def __init__(
-        self,
-        status_code: int,
-        message: str,
-        retry_after_s: float | None = None,
-        headers: dict[str, str] | None = None,
+        self, status_code: int, message: str, retry_after_s: float | None, headers: dict[str, str]
     ) -> None:
         super().__init__(status_code, message, retryable=True)
         self.retry_after_s = retry_after_s
-        self.headers = headers or {}
+        self.headers = headers
         """The provider's rate-limit headers (`retry-after*`, `x-ratelimit-*`) only."""
 
 
