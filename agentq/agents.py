@@ -290,13 +290,11 @@ def require_known(client: redis.Redis, agent: str | None) -> None:
         raise UnknownAgent(agent, known)
 
 
-def load_tool_modules(modules: list[str]) -> list[str]:
-    """Import the modules named in AGENTQ_TOOLS (tools and agents), check the agents, and
-    return the tool names now known."""
+def load_tool_modules(modules: list[str]) -> None:
+    """Import the modules named in AGENTQ_TOOLS (tools and agents), then check the agents."""
     for mod in modules:
         try:
             importlib.import_module(mod)
         except ImportError as exc:
             raise ConfigError("AGENTQ_TOOLS", f"cannot import {mod!r}: {exc}") from None
     check_agents(get_settings().mcp_servers)
-    return sorted(all_tools())
