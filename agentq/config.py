@@ -66,10 +66,9 @@ def is_sentinel(url: str) -> bool:
 def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelUrl:
     """`sentinel://[:pw@]h1:26379;sentinel://h2:26379/0` -> sentinels, db, credentials of the
     master (taken from the first part, as Celery does)."""
+    chunks = [c.strip() for c in url.split(";")]
     sentinels: list[tuple[str, int]] = []
-    db = 0
-    username = password = None
-    for i, chunk in enumerate(c.strip() for c in url.split(";")):
+    for chunk in chunks:
         if not chunk.startswith(SENTINEL_SCHEME):
             raise ConfigError(
                 setting,
@@ -83,15 +82,12 @@ def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelU
         if not parts.hostname:
             raise ConfigError(setting, f"no host in {redact(chunk)!r}")
         sentinels.append((parts.hostname, port))
-        if i == 0:
-            path = parts.path.strip("/")
-            if path:
-                if not path.isdigit():
-                    raise ConfigError(setting, f"the database must be a number, not {path!r}")
-                db = int(path)
-            username = unquote(parts.username) if parts.username else None
-            password = unquote(parts.password) if parts.password else None
-    return SentinelUrl(sentinels=sentinels, db=db, username=username, password=password)
+    first = urlsplit(chunks[0])
+    db = first.path.strip("/")
+    if db and not db.isdigit():
+        raise ConfigError(setting, f"the database must be a number, not {db!r}")
+    username, password = (unquote(c) if c else None for c in (first.username, first.password))
+    return SentinelUrl(sentinels=sentinels, db=int(db or 0), username=username, password=password)
 
 
 def parse_cluster_nodes(nodes: str) -> list[tuple[str, int]]:
