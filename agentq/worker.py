@@ -6,6 +6,7 @@ Each worker's role comes from the queues it consumes (agentq.fleet.roles), decid
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import threading
@@ -27,6 +28,7 @@ from agentq.config import get_settings
 from agentq.errors import ConfigError
 from agentq.fleet import health
 from agentq.fleet.app import create_app
+from agentq.fleet.presence import entry
 from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
@@ -36,6 +38,7 @@ from agentq.mcp.servers import parse_servers
 from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import Sweeper, register_step_task, step_inline
 from agentq.telemetry import logs, tracing
+from agentq.telemetry.fleetcounts import fleet_counts
 from agentq.tools import kill  # noqa: F401 - registers the agentq_kill control command
 from agentq.tools.registry import all_tools
 from agentq.tools.task import queues_of, register_tool_tasks
@@ -114,8 +117,6 @@ def _take_role(sender: Any = None, **_: Any) -> None:
         # Everything imported so far out of the collector's sight before the prefork pool
         # forks: a collection in a child would otherwise write to (and so copy) every page
         # of objects it shares with the parent.
-        import gc
-
         gc.collect()
         gc.freeze()
 
@@ -130,8 +131,6 @@ def _start_heartbeat(hostname: str, kind: str, consumed: list[str]) -> None:
 
         # The loop is up before the first task, and blame names this worker.
         get_host().hostname = hostname
-    from agentq.fleet.presence import entry
-
     key = k.worker_alive_key(hostname)
     redis = get_store().redis
 
@@ -232,8 +231,6 @@ def _ready(sender: Any = None, **_: Any) -> None:
 def _flush_telemetry(**_: Any) -> None:
     """Export the spans still buffered, and the fleet counts not yet in Redis, before the
     process goes (a prefork child exits without running atexit hooks)."""
-    from agentq.telemetry.fleetcounts import fleet_counts
-
     tracing.shutdown()
     try:
         fleet_counts.flush(get_store().redis)
