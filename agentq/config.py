@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from functools import lru_cache
 from typing import Annotated, Any, Literal, NamedTuple
@@ -122,9 +124,6 @@ WEBHOOK_SECRET_PREFIX = "whsec_"
 def webhook_key_bytes(secret: str) -> bytes:
     """The HMAC key of a Standard Webhooks secret (`whsec_` + base64); ValueError, never
     showing the secret, for anything else."""
-    import base64
-    import binascii
-
     if not secret.startswith(WEBHOOK_SECRET_PREFIX):
         raise ValueError("must start with whsec_ (then the base64 of the key)")
     try:

@@ -65,6 +65,7 @@ AgentqError
 
 from __future__ import annotations
 
+import importlib.util
 from typing import TYPE_CHECKING
 
 import redis
@@ -119,8 +120,6 @@ class MissingExtra(AgentqError):
     @classmethod
     def check(cls, extra: str, needed_by: str) -> None:
         """Raise for the first module of `extra` (EXTRAS) that is not installed."""
-        import importlib.util
-
         for module in EXTRAS[extra]:
             if importlib.util.find_spec(module) is None:
                 raise cls(extra, module, needed_by)
