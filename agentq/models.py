@@ -74,8 +74,12 @@ def lone_surrogate_at(value: Any, path: str = "") -> str | None:
     return None
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Strict(_Closed):
+    model_config = ConfigDict(strict=True)
 
 
 class TextPart(_Strict):
@@ -231,8 +235,8 @@ InteractionKind = Literal["approval", "password", "confirm", "device_code", "inp
 AbortReason = Literal["user", "disconnect", "timeout", "error", "interrupt", "rollback"]
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _Frozen(_Closed):
+    model_config = ConfigDict(frozen=True)
 
 
 class ToolCall(_Frozen):
@@ -281,10 +285,8 @@ class AssistantMessage(_Frozen):
         return msg
 
 
-class InvocationRecord(BaseModel):
+class InvocationRecord(_Closed):
     """What happened to one call, kept with the turn for audit and metrics."""
-
-    model_config = ConfigDict(extra="forbid")
 
     call_id: str
     tool: str
@@ -305,10 +307,8 @@ class InvocationRecord(BaseModel):
     """Set when the call's tool ended its run with a Waitpoint (its completion or timeout)."""
 
 
-class ToolResult(BaseModel):
+class ToolResult(_Closed):
     """The settled result of one call: exactly one per call id."""
-
-    model_config = ConfigDict(extra="forbid")
 
     call_id: str
     tool: str
@@ -422,9 +422,7 @@ class InteractionRequest(_Frozen):
     """`input`: the answer a headless turn takes (`default` is then "approve")."""
 
 
-class InteractionAnswer(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class InteractionAnswer(_Closed):
     decision: Literal["approve", "deny"]
     value: _Text = Field(default=None, max_length=4096)
 
@@ -438,10 +436,8 @@ MultitaskMode = Literal["enqueue", "reject", "interrupt", "rollback", "inject"]
 """What a message to a busy conversation does (TurnRequest.multitask)."""
 
 
-class TurnRequest(BaseModel):
+class TurnRequest(_Closed):
     """What a client sends to start a turn."""
-
-    model_config = ConfigDict(extra="forbid")
 
     prompt: _Text = None
     messages: list[dict[str, Any]] | None = None
