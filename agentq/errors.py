@@ -181,10 +181,10 @@ class ToolError(AgentqError):
 
 
 class UnknownTool(ToolError):
-    def __init__(self, tool: str, known: list[str] | None = None) -> None:
+    def __init__(self, tool: str, known: list[str]) -> None:
         hint = f"; available tools: {', '.join(sorted(known))}" if known else ""
         super().__init__(tool, f"unknown tool {tool!r}{hint}")
-        self.known = sorted(known or [])
+        self.known = sorted(known)
 
 
 class ToolDefinitionError(ToolError):

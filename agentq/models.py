@@ -51,13 +51,13 @@ _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 _FUNCTION_NAME = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_NAME_CHARS}}}")
 
 
-def lone_surrogate_at(value: Any, path: str = "") -> str | None:
+def lone_surrogate_at(value: Any) -> str | None:
     """The path of the first string (key or value) holding a lone surrogate, else None.
 
     JSON's ``"\\ud800"`` decodes to one; it cannot be encoded as UTF-8, so it breaks
     every later write of the text (Redis, the model request, the HTTP answer).
     """
-    stack: list[tuple[Any, str]] = [(value, path)]
+    stack: list[tuple[Any, str]] = [(value, "")]
     while stack:
         item, where = stack.pop()
         if isinstance(item, str):
