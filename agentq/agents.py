@@ -245,7 +245,11 @@ def _problems(
         # is down; it is offered once listed.
         if n.split("__", 1)[0] in servers and "__" in n:
             continue
-        if n not in tools and n not in agent.agent_tools and n != ask_user.NAME:
+        if n == ask_user.NAME:
+            # Listed without the flag, it was accepted and offered to nobody.
+            if not agent.ask_user:
+                yield "tools", f"{n!r} is offered with ask_user=True, not by its name in tools"
+        elif n not in tools and n not in agent.agent_tools:
             yield "tools", f"unknown tool {n!r} (known: {', '.join(sorted(tools)) or 'none'})"
     for n in agent.approval:
         if n not in names:

@@ -109,6 +109,16 @@ def test_the_loaded_set_is_checked_whole() -> None:
     unregister_agent("u_helper")
     with pytest.raises(AgentDefinitionError, match="as_tool of unknown agent 'u_helper'"):
         check_agents()
+    unregister_agent("u_lead")
+    # ask_user named in tools without the flag was accepted and offered to nobody.
+    Agent(name="u_asks", tools=["echo", "ask_user"])
+    with pytest.raises(AgentDefinitionError, match="offered with ask_user=True"):
+        check_agents()
+    unregister_agent("u_asks")
+    Agent(name="u_asks", tools=["echo", "ask_user"], ask_user=True)
+    check_agents()
+    assert [t.name for t in all_agents()["u_asks"].offered_tools()] == ["echo", "ask_user"]
+    unregister_agent("u_asks")
 
 
 def test_as_tool_is_offered_with_a_prompt_argument() -> None:
