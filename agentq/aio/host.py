@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentq import constants as k
@@ -46,6 +46,8 @@ class Running:
     """e.g. "call c_1 of tool fetch" or "model round 2"."""
     on_recycle: Callable[[str, bool], None] | None = None
     """Settle it synchronously (from the watchdog thread): (why, it_blocked_the_loop)."""
+    ids: dict[str, str] = field(default_factory=dict)
+    """A call's `tool` and `call_id`, told with its blocking."""
 
 
 class LoopHost:
@@ -109,7 +111,7 @@ class LoopHost:
                     source="worker",
                     message=f"{culprit} is blocking the event loop of {where}",
                     blocked_ms=int(stalled_s * 1000),
-                    **_call_fields(name),
+                    **run.ids,
                 )
 
     def _on_stuck(self, task: asyncio.Task[Any] | None, stalled_s: float, why: str) -> None:
@@ -137,14 +139,6 @@ class LoopHost:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(k.RECYCLE_EXIT_CODE)
-
-
-def _call_fields(task_name: str) -> dict[str, str]:
-    """`agentq.tool.<name>:<call id>` task names carry the call."""
-    if task_name.startswith(k.TOOL_TASK_PREFIX) and ":" in task_name:
-        tool, _, call_id = task_name[len(k.TOOL_TASK_PREFIX) :].partition(":")
-        return {"tool": tool, "call_id": call_id}
-    return {}
 
 
 def _log_failure(fut: concurrent.futures.Future[Any]) -> None:

@@ -67,8 +67,6 @@ class EventLoopThread:
         on_blocked: BlockedHook | None = None,
         on_stuck: StuckHook | None = None,
     ) -> None:
-        self.name = name
-        self.capacity = capacity
         self.lag_warn_s = lag_warn_s
         self.on_blocked = on_blocked
         self.on_stuck = on_stuck
@@ -111,15 +109,9 @@ class EventLoopThread:
         finally:
             _close(self.loop)
 
-    def submit(
-        self, coro_fn: Callable[[], Coroutine[Any, Any, T]], *, timeout_s: float | None = None
-    ) -> concurrent.futures.Future[T]:
-        """Run `coro_fn()` on the loop; blocks while the loop is at capacity.
-
-        TimeoutError when no slot frees within `timeout_s`.
-        """
-        if not self._slots.acquire(timeout=timeout_s):
-            raise TimeoutError(f"{self.name} holds {self.capacity} coroutines: no slot free")
+    def submit(self, coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+        """Run `coro_fn()` on the loop; blocks while the loop is at capacity."""
+        self._slots.acquire()
         with self._held_lock:
             self.held += 1
             woke = self.held == 1
@@ -159,7 +151,7 @@ class EventLoopThread:
             stalled_s = now - since
             if stalled_s < self.lag_warn_s:
                 continue
-            task = _current_task(self.loop)
+            task = asyncio.current_task(self.loop)  # read from another thread: racy, enough
             if reported_for != since:
                 reported_for = since
                 if self.on_blocked is not None:
@@ -193,11 +185,3 @@ def _close(loop: asyncio.AbstractEventLoop) -> None:
         loop.run_until_complete(asyncio.wait(pending, timeout=STOP_WAIT_S))
     loop.run_until_complete(loop.shutdown_asyncgens())
     loop.close()
-
-
-def _current_task(loop: asyncio.AbstractEventLoop) -> asyncio.Task[Any] | None:
-    """The task holding `loop` right now, read from another thread (racy, good enough)."""
-    try:
-        return asyncio.current_task(loop)
-    except RuntimeError:
-        return None

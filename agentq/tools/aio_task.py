@@ -135,7 +135,10 @@ class _AsyncCall:
         host, scope, req = self.host, self.scope, self.req
         loop = asyncio.get_running_loop()
         host.running[self.name] = Running(
-            req.turn_id, f"call {req.call_id} of tool {req.tool}", self._recycled
+            req.turn_id,
+            f"call {req.call_id} of tool {req.tool}",
+            self._recycled,
+            {"tool": req.tool, "call_id": req.call_id},
         )
         remove_cancel = host.cancels.add(req.turn_id, self._abort)
         ticker = loop.create_task(_tick(host, scope, host.settings.progress_interval_s))
