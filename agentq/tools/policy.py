@@ -46,20 +46,12 @@ class ToolPolicy(BaseModel):
 
     @model_validator(mode="after")
     def _coherent(self) -> ToolPolicy:
-        if (
-            self.timeout_s
-            and self.soft_timeout_s is not None
-            and self.soft_timeout_s >= self.timeout_s
-        ):
+        if self.timeout_s and (self.soft_timeout_s or 0) >= self.timeout_s:
             raise ValueError(
                 f"soft_timeout_s ({self.soft_timeout_s:g}) must be below "
                 f"timeout_s ({self.timeout_s:g})"
             )
-        if (
-            self.max_timeout_s is not None
-            and self.timeout_s
-            and 0 < self.max_timeout_s < self.timeout_s
-        ):
+        if self.timeout_s and 0 < (self.max_timeout_s or 0) < self.timeout_s:
             raise ValueError("max_timeout_s must not be below timeout_s")
         if (
             self.approval == "ask"

@@ -49,17 +49,6 @@ TICK_POLL_S = 0.5
 """How often the progress ticker looks at the running call."""
 
 
-class ToolTask(Task):  # type: ignore[misc]
-    """Base of every `agentq.tool.<name>` task."""
-
-    acks_late = True
-    ignore_result = True
-    typing = False
-    reject_on_worker_lost = False
-    # An idempotent call whose process died is re-run at once, not after Celery's 180 s.
-    default_retry_delay = 0
-
-
 class _Ticker:
     """One thread per process publishing the running call's `tool_progress` (a prefork child
     runs one call at a time); a call's start and end only set an attribute, as starting or
@@ -314,7 +303,10 @@ def register_tool_tasks(app: Celery, specs: dict[str, ToolSpec] | None = None) -
         app.task(
             name=spec.task_name,
             bind=True,
-            base=ToolTask,
+            ignore_result=True,
+            typing=False,
+            # An idempotent call whose process died is re-run at once, not after Celery's 180 s.
+            default_retry_delay=0,
             queue=policy.queue,
             # Calls on the event loop are acknowledged at hand-off: nothing to retry here.
             retry_on_worker_lost=policy.idempotent and not spec.on_io_worker,
