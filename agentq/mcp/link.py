@@ -26,8 +26,8 @@ from agentq.mcp.servers import McpServer
 
 log = logging.getLogger("agentq.mcp")
 
-BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
-"""Wait before the next start after 1, 2, 3... failures in a row (the last repeats)."""
+BACKOFF_S = (0.0, 0.0, 1.0, 2.0, 5.0, 10.0, 30.0)
+"""Wait before the next start after 0, 1, 2... failures in a row (the last repeats)."""
 STOP_TIMEOUT_S = 10.0
 """Longest wait for a session to close (the SDK closes stdin, waits, then kills the tree)."""
 
@@ -41,9 +41,7 @@ ProgressFn = Callable[[float, "float | None", "str | None"], Awaitable[None]]
 
 def backoff_s(failures: int) -> float:
     """How long after its last failure a server that failed `failures` times in a row waits."""
-    if failures <= 0:
-        return 0.0
-    return BACKOFF_S[min(failures, len(BACKOFF_S)) - 1]
+    return BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
 
 
 def _leaf(exc: BaseException) -> BaseException:

@@ -7,6 +7,7 @@ gateway's `GET /v1/mcp/servers`.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +58,7 @@ class Listing(BaseModel):
     def screened(cls, listed_at: float, tools: list[ListedTool]) -> Listing:
         """A listing of the tools that pass `problem`, the others refused with the reason;
         a name listed more than once is refused every time."""
-        counts: dict[str, int] = {}
-        for t in tools:
-            counts[t.name] = counts.get(t.name, 0) + 1
+        counts = Counter(t.name for t in tools)
         kept: list[ListedTool] = []
         refused: list[Refused] = []
         for t in tools:

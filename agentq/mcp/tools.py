@@ -48,8 +48,6 @@ class McpArguments(BaseModel):
 class McpToolSpec(ToolSpec):
     """A tool of an MCP server (`mcp_server`), named `SERVER__TOOL` to the model."""
 
-    remote: str = ""
-    """The tool's own name on its server."""
     _validator: Any = field(default=None, compare=False, repr=False)
 
     def validate(self, arguments: dict[str, Any]) -> BaseModel:
@@ -105,7 +103,6 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
         schema=schema,
         kind="async",
         mcp_server=server.name,
-        remote=remote,
         _validator=validator_for(schema)(schema),
     )
 

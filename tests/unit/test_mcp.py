@@ -113,7 +113,7 @@ def test_a_spec_checks_arguments_by_schema_and_carries_the_policy() -> None:
         servers(s={"command": ["x"], "timeout_s": 7, "budget_s": 2, "concurrency": "exclusive"})
     )["s"]
     spec = make_spec(ServerLink(server), listed("count-things"))
-    assert spec.name == "s__count-things" and spec.remote == "count-things"
+    assert spec.name == "s__count-things" and spec.mcp_server == "s"
     assert spec.task_name == "agentq.tool.s__count-things" and spec.kind == "async"
     assert spec.openai_schema()["function"]["parameters"]["required"] == ["n"]
     pol = spec.policy
