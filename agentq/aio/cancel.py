@@ -139,9 +139,7 @@ class CancelWatch:
                         self._wake(said)
                     elif self.on_watch is not None:
                         self.on_watch(said)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
+            except Exception as exc:  # not a cancel: a BaseException
                 log.warning("cancel channel lost (%s); resubscribing in %.1f s", exc, delay_s)
                 await asyncio.sleep(delay_s)
                 delay_s = min(delay_s * 2, 5.0)

@@ -79,11 +79,6 @@ class McpServer(BaseModel):
     def transport(self) -> Literal["stdio", "http"]:
         return "stdio" if self.command is not None else "http"
 
-    @property
-    def limit(self) -> int | None:
-        """The fleet-wide number of calls at once, when the concurrency is a number."""
-        return self.concurrency if isinstance(self.concurrency, int) else None
-
     def resolved_headers(self) -> dict[str, str]:
         """The headers with `${NAME}` read from this process's environment (ConfigError
         naming the variable, not its value, when it is unset)."""

@@ -155,8 +155,8 @@ def content_text(blocks: list[Any]) -> str:
 @contextlib.asynccontextmanager
 async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     """Hold one of the server's fleet-wide slots (`concurrency: N`) for the call."""
-    limit = server.limit
-    if limit is None:
+    limit = server.concurrency
+    if not isinstance(limit, int):
         yield
         return
     watch = cancel.CancelWatch.current

@@ -392,9 +392,7 @@ def ok_result(
     partial = isinstance(value, Partial)
     if partial:
         value = value.value
-    soft = soft_fired or (
-        bool(req.soft_timeout_s) and finished - scope.started >= (req.soft_timeout_s or 0)
-    )
+    soft = soft_fired or 0 < (req.soft_timeout_s or 0) <= finished - scope.started
     if isinstance(value, BaseModel):
         value = value.model_dump_json()
     elif not isinstance(value, str):

@@ -55,9 +55,7 @@ class ToolContext:
     @property
     def soft_limited(self) -> bool:
         """True once the soft limit has passed: return what you have."""
-        return bool(self.soft_timeout_s) and time.time() - self.started_at >= (
-            self.soft_timeout_s or 0
-        )
+        return 0 < (self.soft_timeout_s or 0) <= time.time() - self.started_at
 
     @property
     def cancelled(self) -> bool:
