@@ -14,7 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentq import constants as k
-from agentq.mcp.names import mapped_names
+from agentq.mcp.names import tool_name
 from agentq.mcp.servers import McpServer
 
 MAX_REMOTE_NAME = 256
@@ -141,12 +141,17 @@ def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
         for listed in listing.tools:
             if allowed is None or listed.name in allowed:
                 kept[(name, listed.name)] = listed
-    unique, shared = mapped_names(kept)
+    named: dict[str, list[tuple[str, str]]] = {}
+    for server, tool in kept:
+        named.setdefault(tool_name(server, tool), []).append((server, tool))
+    offered: dict[str, tuple[str, ListedTool]] = {}
     collisions: dict[str, list[Refused]] = {}
-    for model_name, owners in shared.items():
+    for model_name, owners in named.items():
+        if len(owners) == 1:
+            offered[model_name] = (owners[0][0], kept[owners[0]])
+            continue
         for owner, tool in owners:
             others = ", ".join(f"{s}/{printable(t)}" for s, t in owners if (s, t) != (owner, tool))
             why = f"its name {model_name} is also the name of {others}"
             collisions.setdefault(owner, []).append(Refused(tool=printable(tool), why=why))
-    offered = {n: (s, kept[(s, t)]) for n, (s, t) in unique.items()}
     return Plan(offered, collisions)

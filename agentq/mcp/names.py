@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
 
 SEPARATOR = "__"
 MAX_NAME = 64
@@ -27,17 +26,3 @@ def tool_name(server: str, tool: str) -> str:
     digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
     safe = _UNSAFE.sub("_", name)
     return f"{safe[: MAX_NAME - _HASH_CHARS - 1]}_{digest}"
-
-
-def mapped_names(
-    tools: Iterable[tuple[str, str]],
-) -> tuple[dict[str, tuple[str, str]], dict[str, list[tuple[str, str]]]]:
-    """The model name of every (server, tool), reversed: `{name: (server, tool)}` for the
-    names one tool has, and `{name: [(server, tool), ...]}` for those two or more would
-    share (all of them refused: which one the model meant cannot be told)."""
-    seen: dict[str, list[tuple[str, str]]] = {}
-    for server, tool in tools:
-        seen.setdefault(tool_name(server, tool), []).append((server, tool))
-    unique = {name: owners[0] for name, owners in seen.items() if len(owners) == 1}
-    shared = {name: owners for name, owners in seen.items() if len(owners) > 1}
-    return unique, shared

@@ -14,7 +14,7 @@ from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvali
 from agentq.mcp.catalog import McpTools
 from agentq.mcp.link import BACKOFF_S, ServerLink, backoff_s
 from agentq.mcp.listing import ListedTool, Listing, Refused, plan
-from agentq.mcp.names import FUNCTION_NAME, MAX_NAME, mapped_names, tool_name
+from agentq.mcp.names import FUNCTION_NAME, MAX_NAME, tool_name
 from agentq.mcp.servers import parse_servers
 from agentq.mcp.tools import approval_of, content_text, make_spec
 from agentq.tools import registry
@@ -43,14 +43,20 @@ def test_any_other_name_becomes_a_function_name_ending_in_a_hash_of_it() -> None
 
 
 def test_the_mapping_reverses_and_refuses_names_two_tools_share() -> None:
-    tools = [("a", "x.y"), ("a", "x_y"), ("b", "get-sum"), ("a", "b__c"), ("a__b", "c")]
-    unique, shared = mapped_names(tools)
-    assert unique == {
+    def listing(*names: str) -> Listing:
+        return Listing(listed_at=0.0, tools=[listed(n) for n in names])
+
+    listings = {"a": listing("x.y", "x_y", "b__c"), "b": listing("get-sum"), "a__b": listing("c")}
+    made = plan({}, listings)
+    assert {name: (s, t.name) for name, (s, t) in made.offered.items()} == {
         tool_name("a", "x.y"): ("a", "x.y"),
         "a__x_y": ("a", "x_y"),
         "b__get-sum": ("b", "get-sum"),
     }
-    assert shared == {"a__b__c": [("a", "b__c"), ("a__b", "c")]}
+    assert made.collisions == {
+        "a": [Refused(tool="b__c", why="its name a__b__c is also the name of a__b/c")],
+        "a__b": [Refused(tool="c", why="its name a__b__c is also the name of a/b__c")],
+    }
 
 
 def test_a_bad_setting_names_the_setting_and_the_server() -> None:
