@@ -61,8 +61,7 @@ def ask(caller: Caller, message: str, schema: Any) -> tuple[str, Any]:
     )
     interactions = Interactions(store)
     interactions.open(caller.turn_id, req)
-    fields = req.model_dump()
-    store.bus.publish(caller.turn_id, "interaction_requested", **fields, source="mcp")
+    store.bus.publish(caller.turn_id, "interaction_requested", **req.model_dump(), source="mcp")
     rid, until = req.request_id, req.created_at + timeout_s
     while True:
         found = interactions.get(caller.turn_id, rid)

@@ -181,9 +181,7 @@ def tool(
         f.agentq_tool = spec  # type: ignore[attr-defined]
         return f
 
-    if fn is not None:
-        return register(fn)
-    return register
+    return register if fn is None else register(fn)
 
 
 def spec_of(

@@ -13,11 +13,8 @@ def record_for(
     call: ToolCall,
     status: ToolStatus,
     *,
-    task_id: str | None = None,
     started_at: float | None = None,
     finished_at: float | None = None,
-    budget_s: float | None = None,
-    timeout_s: float | None = None,
     **extra: Any,
 ) -> InvocationRecord:
     finished = finished_at if finished_at is not None else time.time()
@@ -26,12 +23,9 @@ def record_for(
         call_id=call.id,
         tool=call.name,
         status=status,
-        task_id=task_id,
         started_at=started_at,
         finished_at=finished,
         duration_ms=duration_ms,
-        budget_s=budget_s,
-        timeout_s=timeout_s,
         **extra,
     )
 
