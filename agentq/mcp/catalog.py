@@ -16,6 +16,7 @@ from typing import Any
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from agentq import constants as k
+from agentq.aio import host as aio_host
 from agentq.config import Settings
 from agentq.errors import MissingExtra
 from agentq.fleet.roles import current_role
@@ -227,7 +228,7 @@ _keeper: concurrent.futures.Future[None] | None = None
 
 
 def _io_tools() -> McpTools | None:
-    return _tools if _tools is not None and current_role() == "io" else None
+    return _tools if current_role() == "io" else None
 
 
 def _list_at_start(**_: Any) -> None:
@@ -248,7 +249,7 @@ def _list_at_start(**_: Any) -> None:
         log.info("MCP tools added: %s", ", ".join(s.name for s in specs))
 
     tools.on_new_tools = added
-    loop = _loop()
+    loop = aio_host.get_host().loop.loop
     try:
         asyncio.run_coroutine_threadsafe(tools.list_all(), loop).result(LIST_TIMEOUT_S + 5)
     except Exception:
@@ -261,13 +262,7 @@ def _keep_listed(sender: Any = None, **_: Any) -> None:
     if tools is None:
         return
     _consumer = sender
-    _keeper = asyncio.run_coroutine_threadsafe(tools.keep_listed(), _loop())
-
-
-def _loop() -> asyncio.AbstractEventLoop:
-    from agentq.aio.host import get_host
-
-    return get_host().loop.loop
+    _keeper = asyncio.run_coroutine_threadsafe(tools.keep_listed(), aio_host.get_host().loop.loop)
 
 
 def _stop_sessions(**_: Any) -> None:
@@ -278,8 +273,6 @@ def _stop_sessions(**_: Any) -> None:
         return
     if _keeper is not None:
         _keeper.cancel()
-    from agentq.aio import host as aio_host
-
     host = aio_host._host
     if host is None:
         return
