@@ -36,9 +36,8 @@ def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, An
 
 
 def servers_view(redis: Any, servers: dict[str, McpServer]) -> list[dict[str, Any]]:
-    """Every MCP server the fleet knows (configured here, or listed by a worker): where it
-    is, its last listing's error, the tools it offers by model name, the tools refused and
-    why, and how its last start or call went."""
+    """Every MCP server the fleet knows (configured here, or listed by a worker), for the
+    console and `GET /v1/mcp/servers`."""
     listings = read_listings(redis)
     health = server_health(redis, detail=True)
     made = plan(servers, listings)

@@ -114,8 +114,7 @@ HOLD_NO_LIMIT_S = 600.0
 
 
 def settle_deadline(scope: CallScope, grace_s: float) -> float:
-    """Until when a finished call's result waits for Redis: past the turn's lost-deadline
-    (hard limit plus grace) by HOLD_PAST_DEADLINE_S."""
+    """Until when a finished call's result waits for Redis."""
     timeout_s = scope.req.timeout_s
     if timeout_s <= 0:
         return time.time() + HOLD_NO_LIMIT_S

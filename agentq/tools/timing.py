@@ -79,11 +79,8 @@ def lost_deadline(
     grace_s: float,
     queue_timeout_s: float,
 ) -> float | None:
-    """When the turn stops waiting for a call and settles it as lost; None waits forever.
-
-    Before the task starts, the clock is the queue allowance; once it runs, its hard
-    limit plus a grace for the worker to report the kill.
-    """
+    """When the turn settles a call as lost (None: never): its queue allowance until it
+    starts, then its hard limit, each plus a grace for the worker to report."""
     if started_at is None:
         return dispatched_at + queue_timeout_s + grace_s
     if timeout_s <= 0:
