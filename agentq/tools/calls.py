@@ -269,15 +269,24 @@ _NOT_RUN = {
 }
 
 
+FLOWER_PROGRESS_S = 0.5
+"""A call's progress reaches Flower (a PROGRESS state in the result backend) at most this
+often, and only once the call has run this long: most calls end sooner, and Flower is for
+watching the long ones."""
+
+
 Send = Callable[..., "bool | None"]
 
 
 def tool_context(
     store: TurnStore, scope: CallScope, backend: Any, send: Send, *, watched: bool = False
 ) -> ToolContext:
-    """The call's ToolContext, its progress sent by `send` (see Progress); `watched`: the
-    I/O worker's cancel channel sets its `_cancelled`, else the turn's cancel key is asked."""
+    """The call's ToolContext on either kind of tool worker. Its progress is a `tool_progress`
+    event, then a PROGRESS state in Flower, each written by `send(fn, *args, **kwargs)` the
+    worker's way (False when it could not); `watched`: the I/O worker's cancel channel sets
+    its `_cancelled`, else the turn's cancel key is asked."""
     req = scope.req
+    flower_at = time.monotonic()
 
     def cancelled() -> bool:
         return bool(store.redis.exists(k.cancel_key(req.turn_id)))
@@ -288,6 +297,16 @@ def tool_context(
         raw = store.redis.getdel(req.secret_ref)
         return None if raw is None else raw.decode()  # type: ignore[union-attr]
 
+    def progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
+        nonlocal flower_at
+        meta = progress_fields(scope, {"message": message, "pct": pct, "source": "tool", **fields})
+        if send(store.bus.publish, req.turn_id, "tool_progress", **meta) is False:
+            return
+        now = time.monotonic()
+        if scope.task_id and backend is not None and now - flower_at >= FLOWER_PROGRESS_S:
+            flower_at = now
+            send(backend.store_result, scope.task_id, meta, "PROGRESS")
+
     return ToolContext(
         turn_id=req.turn_id,
         call_id=req.call_id,
@@ -296,40 +315,11 @@ def tool_context(
         timeout_s=req.timeout_s,
         soft_timeout_s=req.soft_timeout_s,
         is_cancelled=None if watched else cancelled,
-        on_progress=Progress(store, scope, backend, send),
+        on_progress=progress,
         read_secret=read_secret,
         attempt=req.attempt,
         waitpoint=lambda: waitpoints(store).waitpoint_address(req.turn_id, req.call_id),
     )
-
-
-FLOWER_PROGRESS_S = 0.5
-"""A call's progress reaches Flower (a PROGRESS state in the result backend) at most this
-often, and only once the call has run this long: most calls end sooner, and Flower is for
-watching the long ones."""
-
-
-class Progress:
-    """A call's `ctx.progress` on either kind of tool worker: a `tool_progress` event, and a
-    PROGRESS state in Flower (a result-backend write). `send(fn, *args, **kwargs)` makes a
-    write the worker's way, False when it could not."""
-
-    def __init__(self, store: TurnStore, scope: CallScope, backend: Any, send: Send) -> None:
-        self.store, self.scope, self.send = store, scope, send
-        self.backend: Any = backend if scope.task_id else None
-        self._at = time.monotonic()
-
-    def __call__(self, message: str, pct: float | None, fields: dict[str, Any]) -> None:
-        meta = progress_fields(
-            self.scope, {"message": message, "pct": pct, "source": "tool", **fields}
-        )
-        req = self.scope.req
-        if self.send(self.store.bus.publish, req.turn_id, "tool_progress", **meta) is False:
-            return
-        now = time.monotonic()
-        if self.backend is not None and now - self._at >= FLOWER_PROGRESS_S:
-            self._at = now
-            self.send(self.backend.store_result, self.scope.task_id, meta, "PROGRESS")
 
 
 def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:
