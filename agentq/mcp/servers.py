@@ -82,19 +82,16 @@ class McpServer(BaseModel):
     def resolved_headers(self) -> dict[str, str]:
         """The headers with `${NAME}` read from this process's environment (ConfigError
         naming the variable, not its value, when it is unset)."""
-        out = {}
         for key, value in self.headers.items():
-
-            def sub(m: re.Match[str], key: str = key) -> str:
-                found = os.environ.get(m.group(1))
-                if found is None:
+            for name in _ENV_REF.findall(value):
+                if name not in os.environ:
                     raise ConfigError(
-                        SETTING, f"server {self.name!r}: header {key!r} names ${m.group(1)}, unset"
+                        SETTING, f"server {self.name!r}: header {key!r} names ${name}, unset"
                     )
-                return found
-
-            out[key] = _ENV_REF.sub(sub, value)
-        return out
+        return {
+            key: _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+            for key, value in self.headers.items()
+        }
 
     def describe(self) -> str:
         """Where the server is, for messages: argv[0] or the URL without its query."""
