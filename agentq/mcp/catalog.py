@@ -139,10 +139,8 @@ class McpTools:
 
     def _apply(self, name: str, listing: Listing) -> list[ToolSpec]:
         self.listings[name] = listing
-        for refused in listing.refused:
-            self._tell(name, refused.tool, refused.why)
         made = plan(self.servers, self.listings)
-        for server, refusals in made.collisions.items():
+        for server, refusals in [(name, listing.refused), *made.collisions.items()]:
             for refused in refusals:
                 self._tell(server, refused.tool, refused.why)
         own = {n for n, s in registry.all_tools().items() if not s.mcp_server}
