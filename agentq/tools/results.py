@@ -90,13 +90,8 @@ def waitpoint_timeout(call: ToolCall, waitpoint: dict[str, Any]) -> ToolResult:
         f"Tool {call.name!r} waited {timeout_s:g}s for waitpoint {waitpoint['id']} and "
         "nobody completed it; it is closed now."
     )
-    record = {
-        "timeout_s": timeout_s,
-        "task_id": waitpoint.get("task_id"),
-        "worker": waitpoint.get("worker"),
-        "started_at": waitpoint.get("started_at"),
-        "waitpoint_id": waitpoint["id"],
-    }
+    record = {f: waitpoint.get(f) for f in ("task_id", "worker", "started_at")}
+    record.update(timeout_s=timeout_s, waitpoint_id=waitpoint["id"])
     return _result(call, "timeout", {"error": what}, record, error=what)
 
 
