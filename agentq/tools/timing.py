@@ -25,10 +25,6 @@ class Limits:
         return {"time_limit": self.timeout_s, "soft_time_limit": self.soft_timeout_s}
 
 
-def default_soft(timeout_s: float) -> float:
-    return round(timeout_s * SOFT_FRACTION, 3)
-
-
 def effective_limits(
     *,
     timeout_s: float,
@@ -44,10 +40,10 @@ def effective_limits(
         effective = hint_s if ceiling <= 0 else min(hint_s, ceiling)
     if effective <= 0:
         return Limits(timeout_s=0.0, soft_timeout_s=0.0, budget_s=budget_s)
-    soft = soft_timeout_s if soft_timeout_s is not None else default_soft(effective)
-    if soft >= effective:
+    soft = soft_timeout_s
+    if soft is None or soft >= effective:
         # A hint below the declared soft limit would leave no room to catch it.
-        soft = default_soft(effective)
+        soft = round(effective * SOFT_FRACTION, 3)
     return Limits(timeout_s=effective, soft_timeout_s=soft, budget_s=budget_s)
 
 
