@@ -88,7 +88,10 @@ class CancelWatch:
         """Run (once) every callback of `turn_id`; returns how many ran."""
         handlers = self._handlers.pop(turn_id, {})
         if not handlers:
-            self._remember(turn_id)
+            self._recent.pop(turn_id, None)
+            self._recent[turn_id] = None
+            if len(self._recent) > RECENT_TURNS:
+                del self._recent[next(iter(self._recent))]
         for fn in handlers.values():
             try:
                 fn()
@@ -104,17 +107,6 @@ class CancelWatch:
         waiters.add(fut)
         fut.add_done_callback(waiters.discard)
         return fut
-
-    def _wake(self, key: str) -> None:
-        for fut in self._freed.pop(key, set()):
-            if not fut.done():
-                fut.set_result(None)
-
-    def _remember(self, turn_id: str) -> None:
-        self._recent.pop(turn_id, None)
-        self._recent[turn_id] = None
-        if len(self._recent) > RECENT_TURNS:
-            del self._recent[next(iter(self._recent))]
 
     async def _listen(self) -> None:
         delay_s = 0.1
@@ -136,7 +128,9 @@ class CancelWatch:
                     if channel == k.CANCEL_CHANNEL:
                         self.fire(said)
                     elif channel == k.SLOTS_CHANNEL:
-                        self._wake(said)
+                        for fut in self._freed.pop(said, set()):
+                            if not fut.done():
+                                fut.set_result(None)
                     elif self.on_watch is not None:
                         self.on_watch(said)
             except Exception as exc:  # not a cancel: a BaseException
