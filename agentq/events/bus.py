@@ -287,7 +287,7 @@ class EventBus:
         """Events in the log strictly after `after_id`."""
         start = "(" + after_id if after_id not in ("0", "0-0", "-") else "-"
         entries: list[Any] = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)  # type: ignore[assignment]
-        return [Event.parse(fields[b"e"], stream_id=_s(eid)) for eid, fields in entries]
+        return [Event.parse(fields[b"e"], stream_id=eid.decode()) for eid, fields in entries]
 
     def log(self, turn_id: str, page: int = 1000) -> Iterator[Event]:
         """Every event in the turn's log, read `page` at a time."""
@@ -298,7 +298,3 @@ class EventBus:
             if len(chunk) < page:
                 return
             after = str(chunk[-1].stream_id)
-
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v
