@@ -85,11 +85,10 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def apply(loggers: list[logging.Logger] | None = None) -> None:
-    """Give every handler of these loggers (default: all loggers) the JSON formatter."""
-    if loggers is None:
-        known = list(logging.Logger.manager.loggerDict.values())
-        loggers = [logging.getLogger(), *(x for x in known if isinstance(x, logging.Logger))]
+def apply() -> None:
+    """Give every handler of every logger the JSON formatter."""
+    known = list(logging.Logger.manager.loggerDict.values())
+    loggers = [logging.getLogger(), *(x for x in known if isinstance(x, logging.Logger))]
     formatter = JsonFormatter()
     for logger in loggers:
         for handler in logger.handlers:
@@ -113,20 +112,19 @@ def connect_celery_signals(log_format: str) -> None:
     """Re-apply the JSON formatter after Celery configured its loggers in a worker."""
     if log_format != "json":
         return
-    from celery.signals import after_setup_logger, after_setup_task_logger
+    from celery import signals
 
-    def reformat(logger: logging.Logger | None = None, **_: Any) -> None:
+    # The logger Celery set up (the root, or a named one) is one of those `install` formats.
+    def reformat(**_: Any) -> None:
         install("json")
-        if logger is not None:
-            apply([logger])
 
-    after_setup_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json")
-    after_setup_task_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json.task")
+    signals.after_setup_logger.connect(reformat, weak=False, dispatch_uid="agentq.logs.json")
+    signals.after_setup_task_logger.connect(
+        reformat, weak=False, dispatch_uid="agentq.logs.json.task"
+    )
 
     # A task's turn (and call), bound from its arguments for the whole of its run, so
     # Celery's own lines about it (`... succeeded in 0.002s`) carry them too.
-    from celery.signals import task_postrun, task_prerun
-
     tokens: dict[str, Any] = {}
 
     def prerun(
@@ -147,5 +145,5 @@ def connect_celery_signals(log_format: str) -> None:
             with contextlib.suppress(ValueError):
                 unbind(token)
 
-    task_prerun.connect(prerun, weak=False, dispatch_uid="agentq.logs.prerun")
-    task_postrun.connect(postrun, weak=False, dispatch_uid="agentq.logs.postrun")
+    signals.task_prerun.connect(prerun, weak=False, dispatch_uid="agentq.logs.prerun")
+    signals.task_postrun.connect(postrun, weak=False, dispatch_uid="agentq.logs.postrun")
