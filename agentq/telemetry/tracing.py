@@ -227,8 +227,10 @@ def _context(traceparent: object) -> Any:
     return trace.set_span_in_context(trace.NonRecordingSpan(sc), Context())
 
 
-def _ns(ts_s: float | None) -> int | None:
-    return None if ts_s is None else int(ts_s * 1e9)
+def _start(name: str, parent: object, attributes: Mapping[str, Any], start_s: float | None) -> Any:
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    start_ns = None if start_s is None else int(start_s * 1e9)
+    return _tracer.start_span(name, context=_context(parent), attributes=clean, start_time=start_ns)
 
 
 def start_span(
@@ -240,10 +242,7 @@ def start_span(
     """A span under `traceparent` (None when tracing is off or there is no parent)."""
     if not enabled or parse(traceparent) is None:
         return None
-    clean = {k: v for k, v in attributes.items() if v is not None}
-    return _tracer.start_span(
-        name, context=_context(traceparent), attributes=clean, start_time=_ns(start_s)
-    )
+    return _start(name, traceparent, attributes, start_s)
 
 
 def end_span(
@@ -288,8 +287,7 @@ def record_span(
     error: str | None = None,
 ) -> None:
     """A span whose work already happened (a call settled by someone else than its worker)."""
-    span = start_span(name, traceparent, attributes, start_s)
-    end_span(span, status, error=error)
+    end_span(start_span(name, traceparent, attributes, start_s), status, error=error)
 
 
 def end_turn(
@@ -305,11 +303,8 @@ def end_turn(
     ids = parse(traceparent)
     if not enabled or ids is None:
         return
-    clean = {k: v for k, v in attributes.items() if v is not None}
     with _ids.preset(*ids):
-        span = _tracer.start_span(
-            SPAN_TURN, context=_context(caller), attributes=clean, start_time=_ns(created_at)
-        )
+        span = _start(SPAN_TURN, caller, attributes, created_at)
     end_span(span, status, error=error)
 
 
