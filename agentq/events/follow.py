@@ -106,16 +106,14 @@ class TreeFollower:
         """The path of a descendant named by a resuming cursor; None if it is not one
         within `depth` (a cursor never opens another turn's stream)."""
         path = [turn_id]
-        current = turn_id
         for _ in range(self.depth):
-            raw = self.redis.hget(turn_key(current), "parent_turn_id")
+            raw = self.redis.hget(turn_key(path[-1]), "parent_turn_id")
             parent = json.loads(raw) if raw else None  # type: ignore[arg-type]
             if parent == self.root:
                 return tuple(reversed(path))
             if not isinstance(parent, str):
                 return None
             path.append(parent)
-            current = parent
         return None
 
     def _subscribe(self, turn_id: str) -> None:
@@ -123,10 +121,12 @@ class TreeFollower:
         # that follows reaches the subscription; a turn not created yet is counted in at a
         # later catch-up (`remark`).
         self.marks[turn_id] = int(self.bus.watch(turn_id, 1))
-        if self.bus.sharded:
-            self.pubsub.ssubscribe(events_channel(turn_id))
-        else:
-            self.pubsub.subscribe(events_channel(turn_id))
+        self._listen("subscribe", [turn_id])
+
+    def _listen(self, verb: str, turn_ids: list[str]) -> None:
+        """(Un)subscribe the turns' channels: shard channels on a Cluster."""
+        method = getattr(self.pubsub, "s" + verb if self.bus.sharded else verb)
+        method(*map(events_channel, turn_ids))
 
     def _unmark(self, turn_ids: list[str]) -> None:
         for t in turn_ids:
@@ -152,13 +152,7 @@ class TreeFollower:
         gone = [t for t, s in self.streams.items() if turn_id in s.path and t != self.root]
         for t in gone:
             del self.streams[t]
-        channels = [events_channel(t) for t in gone]
-        # Any: redis-py 8 left these two untyped.
-        pubsub: Any = self.pubsub
-        if self.bus.sharded:
-            pubsub.sunsubscribe(*channels)
-        else:
-            pubsub.unsubscribe(*channels)
+        self._listen("unsubscribe", gone)
         self._unmark(gone)
 
     def cursor(self) -> Cursor:
@@ -192,16 +186,13 @@ class TreeFollower:
         """Everything the logs hold past each stream's position, merged by stream id (a
         child's events fall between the parent's around them)."""
         pending: dict[str, deque[Event]] = {}
-        full: set[str] = set()
+        full: dict[str, bool] = {}
         order = {t: i for i, t in enumerate(self.streams)}
 
         def load(s: _Stream) -> None:
             batch = self.bus.replay(s.turn_id, s.last_id, PAGE)
             pending[s.turn_id] = deque(batch)
-            if len(batch) >= PAGE:
-                full.add(s.turn_id)
-            else:
-                full.discard(s.turn_id)
+            full[s.turn_id] = len(batch) >= PAGE
 
         for s in streams if streams is not None else list(self.streams.values()):
             load(s)
@@ -224,7 +215,7 @@ class TreeFollower:
             tid = min(heads)[3]
             known = set(self.streams)
             yield from self._emit(self.streams[tid], pending[tid].popleft())
-            if not pending[tid] and tid in full and tid in self.streams:
+            if not pending[tid] and full.get(tid) and tid in self.streams:
                 # Its next page before any other stream's next event: the merge needs
                 # every open stream's head.
                 load(self.streams[tid])
@@ -275,8 +266,7 @@ class TreeFollower:
         for t in self.streams:
             self.redis.exists(turn_key(t))
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        for t in self.streams:
-            self.pubsub.ssubscribe(events_channel(t))
+        self._listen("subscribe", list(self.streams))
         self.broken = False
         self.resubscribed = True
 
@@ -352,5 +342,4 @@ def _stream_pos(stream_id: str) -> tuple[int, int]:
 
 
 def _norm(stream_id: str) -> str:
-    ms, n = parse_stream_id(stream_id) or (0, 0)
-    return f"{ms}-{n}"
+    return "{}-{}".format(*_stream_pos(stream_id))
