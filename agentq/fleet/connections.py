@@ -12,6 +12,7 @@ reconnect and nothing more.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, cast
 
 import redis
@@ -124,14 +125,16 @@ def redis_client(
         "retry_on_error": RETRY_ON if retries > 0 else [],
         **kwargs,
     }
+    return cast(redis.Redis, _connect(redis.Redis, Sentinel, url, master_name, **options))
+
+
+def _connect(
+    client_cls: Any, sentinel_cls: Any, url: str, master_name: str | None, **options: Any
+) -> Any:
+    """A client for `url`; for a Sentinel URL, of the master `master_name` that its
+    sentinels name now (a sentinel is asked with the client's timeouts, or 2 s)."""
     if not is_sentinel(url):
-        return redis.Redis.from_url(url, **options)
-    return cast(redis.Redis, _master(Sentinel, url, master_name, **options))
-
-
-def _master(sentinel_cls: Any, url: str, master_name: str | None, **options: Any) -> Any:
-    """A client of the master `master_name` that the sentinels of `url` name now; a
-    sentinel is asked with the client's timeouts, or 2 s."""
+        return client_cls.from_url(url, **options)
     if not master_name:
         raise ConfigError(
             "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
@@ -212,9 +215,9 @@ def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
 def async_redis_client(url: str, master_name: str | None = None, **kwargs: Any) -> aioredis.Redis:
     """The asyncio twin of `redis_client`, with the same retries."""
     options = {"retry": AsyncRetry(_backoff(), REDIS_RETRIES), "retry_on_error": RETRY_ON, **kwargs}
-    if not is_sentinel(url):
-        return aioredis.Redis.from_url(url, **options)
-    return cast(aioredis.Redis, _master(AsyncSentinel, url, master_name, **options))
+    return cast(
+        aioredis.Redis, _connect(aioredis.Redis, AsyncSentinel, url, master_name, **options)
+    )
 
 
 def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
@@ -240,8 +243,7 @@ def _probe_broker(url: str, timeout_s: float) -> str | None:
 
 def probe_cluster(nodes: str, timeout_s: float = 3.0) -> str | None:
     """None when the Redis Cluster that `nodes` name some of answers; else why not (as `probe`)."""
-    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
-    return _ping(lambda: cluster_client(nodes, retries=0, **timeouts))
+    return _ping(partial(cluster_client, nodes), timeout_s)
 
 
 def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> str | None:
@@ -252,14 +254,13 @@ def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> s
     """
     if not url.startswith(REDIS_SCHEMES):
         return _probe_broker(url, timeout_s)
-    timeouts = {"socket_connect_timeout": timeout_s, "socket_timeout": timeout_s}
-    return _ping(lambda: redis_client(url, master_name, retries=0, **timeouts))
+    return _ping(partial(redis_client, url, master_name), timeout_s)
 
 
-def _ping(connect: Callable[[], Any]) -> str | None:
+def _ping(connect: Callable[..., Any], timeout_s: float) -> str | None:
     client = None
     try:
-        client = connect()
+        client = connect(retries=0, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
         client.ping()
     except ValueError as exc:
         return f"bad URL: {exc}"
