@@ -187,7 +187,12 @@ class FleetCounts:
     def _inc(self, family: str, labels: tuple[str, ...] = (), by: int = 1) -> None:
         self._ints[field_of(family, labels)] += by
 
-    def _observe(self, family: str, labels: tuple[str, ...], value_s: float) -> None:
+    def _observe(self, family: str, labels: tuple[str, ...], value: object, per_s: int = 1) -> None:
+        """Count `value` (in units of 1/`per_s` s, as published) in a histogram, if a number."""
+        number = _number(value)
+        if number is None:
+            return
+        value_s = number / per_s
         buckets = FAMILIES[family].buckets
         assert buckets is not None
         self._ints[field_of(family, labels, str(bisect.bisect_left(buckets, value_s)))] += 1
@@ -223,9 +228,7 @@ class FleetCounts:
             status = str(f.get("status"))
             status = status if status in _TOOL_STATUSES else "other"
             self._inc("tool_results", (tool, status))
-            duration_ms = _number(f.get("duration_ms"))
-            if duration_ms is not None:
-                self._observe("tool_duration_seconds", (tool, status), duration_ms / 1000)
+            self._observe("tool_duration_seconds", (tool, status), f.get("duration_ms"), per_s=1000)
             if f.get("waitpoint_id"):
                 self._inc("waitpoints_settled", (tool, status))
             elif status == "timeout":
@@ -239,9 +242,8 @@ class FleetCounts:
             if f.get("first") is True:
                 self._inc("llm_rounds_queued", (self._model_of(f),))
         elif type_ == "llm_started":
-            queued_ms = _number(f.get("queued_ms"))
-            if queued_ms is not None:
-                self._observe("llm_queue_wait_seconds", (self._model_of(f),), queued_ms / 1000)
+            model = self._model_of(f)
+            self._observe("llm_queue_wait_seconds", (model,), f.get("queued_ms"), per_s=1000)
         if type_ in ("llm_retry", "llm_finished") and f.get("code") == "ETIMEDOUT":
             self._inc("watchdog_trips")
         if type_ in _TERMINAL:
@@ -271,13 +273,9 @@ class FleetCounts:
             status = f.get("status")
             code = str(status) if isinstance(status, int) and 100 <= status < 600 else "other"
             self._inc("llm_busy", (self._model_of(f), self._deployment(f.get("deployment")), code))
-        ttft_ms = _number(f.get("ttft_ms"))
-        if ttft_ms is not None:
-            self._observe("llm_ttft_seconds", (), ttft_ms / 1000)
-        duration_ms = _number(f.get("duration_ms"))
-        if duration_ms is not None:
-            outcome = "error" if f.get("error") else "ok"
-            self._observe("llm_round_duration_seconds", (outcome,), duration_ms / 1000)
+        self._observe("llm_ttft_seconds", (), f.get("ttft_ms"), per_s=1000)
+        outcome = "error" if f.get("error") else "ok"
+        self._observe("llm_round_duration_seconds", (outcome,), f.get("duration_ms"), per_s=1000)
 
     def _started(self, client: Any, flush_s: float) -> None:
         # The newest count's Redis: a process that moved to another one (a test process
