@@ -22,10 +22,7 @@ class HealthFile(bootsteps.StartStopStep):  # type: ignore[misc]
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
     path = ""
-
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
-        super().__init__(parent, **kwargs)
-        self.tref: Any = None
+    tref: Any = None
 
     def start(self, parent: Any) -> None:
         touch = Path(self.path).touch
