@@ -48,18 +48,15 @@ def check_channel(channel: Any) -> None:
     the parameters agentq passes."""
     import kombu
 
-    for name, params in REACHED.items():
-        member = getattr(channel, name, None)
-        if member is None:
+    for name in (*REACHED, *READ):
+        if not hasattr(channel, name):
             raise IncompatibleDependency("kombu", kombu.__version__, f"Channel.{name} is gone")
-        got = tuple(inspect.signature(member).parameters)[: len(params)]
+    for name, params in REACHED.items():
+        got = tuple(inspect.signature(getattr(channel, name)).parameters)[: len(params)]
         if got != params:
             raise IncompatibleDependency(
                 "kombu", kombu.__version__, f"Channel.{name}{got} is not {name}{params}"
             )
-    for name in READ:
-        if not hasattr(channel, name):
-            raise IncompatibleDependency("kombu", kombu.__version__, f"Channel.{name} is gone")
 
 
 def patch_redis_transport() -> None:
