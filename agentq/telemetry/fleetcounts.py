@@ -337,7 +337,6 @@ class FleetCounts:
 
 
 fleet_counts = FleetCounts()
-"""The process's counts."""
 
 
 def read_counts(client: redis.Redis) -> dict[str, float]:
