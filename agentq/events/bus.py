@@ -63,10 +63,6 @@ end
 """
 
 
-# The publish scripts write the seq they counted up (`last`) back to the turn's hash.
-_WRITE_SEQ = f"redis.call('HSET', turn_key, '{SEQ_FIELD}', last)\n"
-
-
 def ended_lua(status: str) -> str:
     """A Lua condition: `status` (a turn's `status` field, as stored: JSON) is terminal."""
     return " or ".join(f"{status} == '\"{s}\"'" for s in sorted(TERMINAL_STATUSES))
@@ -100,19 +96,16 @@ for t = 0, #KEYS / 3 - 1 do
   local status, last = open[1], tonumber(open[3]) or 0
   if {refused} then
     followed[#followed + 1] = -1 - t
-    a = a + 1 + n
   else
     if open[2] and tonumber(open[2]) > 0 then followed[#followed + 1] = t end
     for i = 1, n do
 """
         + publish_lua("log_key", "channel", "ARGV[a + i]", "log_opts", "open[2]", "last")
-        + """
+        + f"""
     end
-"""
-        + _WRITE_SEQ
-        + """
-    a = a + 1 + n
+    redis.call('HSET', turn_key, '{SEQ_FIELD}', last)
   end
+  a = a + 1 + n
 end
 return followed
 """
