@@ -232,19 +232,14 @@ class EventBus:
                 by_shard.setdefault(shard_of(turn_id) if self.sharded else 0, []).append(turn_id)
         calls: list[tuple[list[str], list[str], list[Any]]] = []
         for turn_ids in by_shard.values():
-            ids: list[str] = []
-            keys: list[str] = []
-            args: list[Any] = [opts]
+            calls.append(([], [], [opts]))
             for turn_id in turn_ids:
-                bodies = batches[turn_id]
+                if len(calls[-1][2]) > PUBLISH_MANY_EVENTS:
+                    calls.append(([], [], [opts]))
+                ids, keys, args = calls[-1]
                 ids.append(turn_id)
                 keys += TurnEventKeys(log_key(turn_id), events_channel(turn_id), turn_key(turn_id))
-                args += [len(bodies), *bodies]
-                if len(args) > PUBLISH_MANY_EVENTS:
-                    calls.append((ids, keys, args))
-                    ids, keys, args = [], [], [opts]
-            if keys:
-                calls.append((ids, keys, args))
+                args += [len(batches[turn_id]), *batches[turn_id]]
         if not calls:
             return set(), set()
         if len(calls) == 1 or self.sharded:
