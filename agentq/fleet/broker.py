@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agentq.constants import QUEUE_TURNS, TASK_STEP
@@ -55,7 +54,12 @@ def queue_size(app: Celery, queue: str) -> int | None:
 def revoke(app: Celery, task_ids: str | list[str], **options: Any) -> bool:
     """Revoke tasks; False if the broker is away (a task that runs on finds its call
     settled already, and its result is dropped: only its worker's time is lost)."""
-    return _control(app, f"revoke of {task_ids}", lambda: app.control.revoke(task_ids, **options))
+    try:
+        app.control.revoke(task_ids, **options)
+    except _broker_errors(app) as exc:
+        log.warning("revoke of %s not sent: the broker is away (%s)", task_ids, exc)
+        return False
+    return True
 
 
 def broadcast(
@@ -63,18 +67,10 @@ def broadcast(
 ) -> bool:
     """Send a remote control command to these workers (None: all); False if the broker is
     away."""
-    return _control(
-        app,
-        command,
-        lambda: app.control.broadcast(command, arguments=arguments, destination=destination),
-    )
-
-
-def _control(app: Celery, what: str, send: Callable[[], object]) -> bool:
     try:
-        send()
+        app.control.broadcast(command, arguments=arguments, destination=destination)
     except _broker_errors(app) as exc:
-        log.warning("%s not sent: the broker is away (%s)", what, exc)
+        log.warning("%s not sent: the broker is away (%s)", command, exc)
         return False
     return True
 
