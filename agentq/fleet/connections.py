@@ -125,16 +125,14 @@ def redis_client(
         "retry_on_error": RETRY_ON if retries > 0 else [],
         **kwargs,
     }
-    return cast(redis.Redis, _connect(redis.Redis, Sentinel, url, master_name, **options))
-
-
-def _connect(
-    client_cls: Any, sentinel_cls: Any, url: str, master_name: str | None, **options: Any
-) -> Any:
-    """A client for `url`; for a Sentinel URL, of the master `master_name` that its
-    sentinels name now (a sentinel is asked with the client's timeouts, or 2 s)."""
     if not is_sentinel(url):
-        return client_cls.from_url(url, **options)
+        return redis.Redis.from_url(url, **options)
+    return cast(redis.Redis, _master(Sentinel, url, master_name, **options))
+
+
+def _master(sentinel_cls: Any, url: str, master_name: str | None, **options: Any) -> Any:
+    """A client of the master `master_name` that the sentinels of `url` name now; a
+    sentinel is asked with the client's timeouts, or 2 s."""
     if not master_name:
         raise ConfigError(
             "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
@@ -215,9 +213,9 @@ def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
 def async_redis_client(url: str, master_name: str | None = None, **kwargs: Any) -> aioredis.Redis:
     """The asyncio twin of `redis_client`, with the same retries."""
     options = {"retry": AsyncRetry(_backoff(), REDIS_RETRIES), "retry_on_error": RETRY_ON, **kwargs}
-    return cast(
-        aioredis.Redis, _connect(aioredis.Redis, AsyncSentinel, url, master_name, **options)
-    )
+    if not is_sentinel(url):
+        return aioredis.Redis.from_url(url, **options)
+    return cast(aioredis.Redis, _master(AsyncSentinel, url, master_name, **options))
 
 
 def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
