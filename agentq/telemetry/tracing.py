@@ -74,15 +74,11 @@ def wanted(otel: bool | None = None, environ: Mapping[str, str] | None = None) -
 
 def parse(traceparent: object) -> tuple[int, int] | None:
     """(trace_id, span_id) of a W3C traceparent, or None if it is not one."""
-    if not isinstance(traceparent, str):
-        return None
-    m = _TRACEPARENT.match(traceparent)
+    m = _TRACEPARENT.match(traceparent) if isinstance(traceparent, str) else None
     if m is None:
         return None
     trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
-    if not trace_id or not span_id:
-        return None
-    return trace_id, span_id
+    return (trace_id, span_id) if trace_id and span_id else None
 
 
 def format_traceparent(trace_id: int, span_id: int) -> str:
@@ -255,9 +251,7 @@ def end_span(
         return
     from opentelemetry.trace import Status, StatusCode
 
-    for key, value in (attributes or {}).items():
-        if value is not None:
-            span.set_attribute(key, value)
+    span.set_attributes({k: v for k, v in (attributes or {}).items() if v is not None})
     if status is not None:
         span.set_attribute(ATTR_STATUS, status)
         if status not in OK_STATUSES:
