@@ -67,8 +67,7 @@ def _parse_failover_errors(cls: type[BaseParser], response: str) -> redis.RedisE
             return NoReplicasError(response)
     if response.startswith(("ERR WAIT cannot be used with replica", "WAIT cannot be used")):
         return redis.ReadOnlyError(response)
-    error: redis.RedisError = _parse_error(cls, response)
-    return error
+    return cast(redis.RedisError, _parse_error(cls, response))
 
 
 # Older redis-py (5, 6) reconnects through `connect`, which asks Sentinel already.
