@@ -80,12 +80,9 @@ def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
     if errors is None:
         from kombu.exceptions import OperationalError
 
-        conn = app.connection_for_write()
-        try:
+        with app.connection_for_write() as conn:
             # Not its channel errors: for Redis those include KeyError and ResponseError.
             errors = (OperationalError, *conn.recoverable_connection_errors)
-        finally:
-            conn.release()
         app.__dict__["_agentq_broker_errors"] = errors
     return errors
 
