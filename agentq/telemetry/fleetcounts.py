@@ -151,10 +151,8 @@ class _Labels:
 
     def __call__(self, value: object) -> str:
         label = str(value)
-        if not self.pattern.match(label):
-            return "other"
         if label not in self._seen:
-            if len(self._seen) >= self.limit:
+            if not self.pattern.match(label) or len(self._seen) >= self.limit:
                 return "other"
             self._seen.add(label)
         return label
