@@ -37,9 +37,7 @@ def celery_task() -> tuple[str | None, str | None]:
     """The id and name of the Celery task this thread runs, found as Celery's TaskFormatter
     finds them (without importing Celery into a process that has none)."""
     state = sys.modules.get("celery._state")
-    if state is None:
-        return None, None
-    task = state.get_current_task()
+    task = state.get_current_task() if state is not None else None
     if task is None or task.request is None:
         return None, None
     return getattr(task.request, "id", None), getattr(task, "name", None)

@@ -57,8 +57,6 @@ def _param(m: re.Match[str]) -> str:
 
 def redact(text: str) -> str:
     """`text` with every credential it shows replaced by ***."""
-    if not text:
-        return text
     text = _AUTH_HEADER.sub(lambda m: f"{m.group('name')}{m.group('sep')}{MASK}", text)
     text = _PARAM.sub(_param, text)
     text = _BEARER.sub(lambda m: f"{m.group('scheme')}{m.group('sp')}{MASK}", text)
