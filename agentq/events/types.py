@@ -96,13 +96,11 @@ class Event(BaseModel):
 def event_from(data: dict[str, Any]) -> Event:
     """`data` (an event's fields) as the class of its `type`; a plain `Event` for a type
     this version does not know, or fields its class cannot read."""
-    typed = Event._by_type.get(str(data.get("type")))
-    if typed is not None:
-        try:
-            return typed.model_validate(data)
-        except ValidationError:
-            pass
-    return Event.model_validate(data)
+    typed = Event._by_type.get(str(data.get("type")), Event)
+    try:
+        return typed.model_validate(data)
+    except ValidationError:
+        return Event.model_validate(data)
 
 
 class TurnStarted(Event):
