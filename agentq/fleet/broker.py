@@ -81,7 +81,10 @@ def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
         from kombu.exceptions import OperationalError
 
         with app.connection_for_write() as conn:
-            # Not its channel errors: for Redis those include KeyError and ResponseError.
+            # For Redis these include its channel errors (kombu's fallback for a transport
+            # without recoverable errors of its own), ResponseError among them: kept, as
+            # READONLY and MASTERDOWN during a failover are ResponseErrors that mean the
+            # broker is away for now; a refused command is then left to the wakeup too.
             errors = (OperationalError, *conn.recoverable_connection_errors)
         app.__dict__["_agentq_broker_errors"] = errors
     return errors

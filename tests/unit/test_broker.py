@@ -24,3 +24,15 @@ def test_a_refused_publish_is_broker_unavailable(scheme: str) -> None:
     assert "refused" in caught.value.error.lower()
     # A revoke that cannot be sent is not an error: the call is settled already.
     assert revoke(app, ["t1.c1"], terminate=True) is False
+
+
+def test_a_failover_refusal_is_an_absent_broker() -> None:
+    # A Redis broker mid-failover answers READONLY or MASTERDOWN, both ResponseErrors: the
+    # step is left to the turn's wakeup, as for a broker that does not answer.
+    import redis
+
+    from agentq.fleet.broker import _broker_errors
+
+    errors = _broker_errors(create_app(Settings(redis_url="redis://127.0.0.1:1/0")))
+    for failover in (redis.ReadOnlyError, redis.exceptions.MasterDownError, redis.ConnectionError):
+        assert any(issubclass(failover, e) for e in errors), failover
