@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -253,21 +252,41 @@ def _answer(ctx: StepContext, round_no: int, message: AssistantMessage, streamed
 
 
 def _final_answer(ctx: StepContext, kept: dict[str, Any], counts: TurnState) -> Phase:
-    """An answer without calls ends the turn, unless the agent's output type refuses it
-    (sent back once with the errors, then the turn fails)."""
+    """An answer without calls ends the turn. An agent that declares `output_type` has it
+    checked: a JSON object the type validates, stored with the turn (`output`) as JSON,
+    carried by `turn_finished` and the result of the agent call that started the turn. An
+    answer that is not goes back to the model once with the errors as a user message; a
+    second one fails the turn."""
     # Written with what follows it (the end of the turn, or the retry's message), in that
     # one write.
     ctx.stage(**counts)
-    checked = check_output(ctx, kept)
-    if checked.retry is not None:
-        retries = int(ctx.state.get("output_retries") or 0) + 1
-        ctx.commit(append=[kept, checked.retry], output_retries=retries)
+    output_type = None if ctx.agent is None else ctx.agent.output_type
+    if output_type is None:
+        finish(ctx, "stop", append=[kept])
+        return None
+    content = str(kept.get("content") or "").strip()
+    # Models often fence JSON as a code block: the fence is not part of the answer.
+    fenced = _FENCE.match(content)
+    try:
+        value = output_type.model_validate_json(fenced.group(1) if fenced else content)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'answer'}: {e['msg']}"
+            for e in exc.errors()[:ERRORS_SHOWN]
+        )
+        name, retries = output_type.__name__, int(ctx.state.get("output_retries") or 0)
+        if retries >= OUTPUT_RETRIES:
+            ctx.commit(append=[kept])
+            fail(ctx, "invalid_output", f"the final answer is not a valid {name}: {problems}")
+            return None
+        retry = {
+            "role": "user",
+            "content": f"Your answer is not a valid {name}: {problems}. Answer again "
+            "with only one JSON object that matches the schema.",
+        }
+        ctx.commit(append=[kept, retry], output_retries=retries + 1)
         return GO_ON
-    if checked.error is not None:
-        ctx.commit(append=[kept])
-        fail(ctx, "invalid_output", checked.error)
-    else:
-        finish(ctx, "stop", append=[kept], output=checked.value)
+    finish(ctx, "stop", append=[kept], output=value.model_dump(mode="json"))
     return None
 
 
@@ -276,47 +295,6 @@ OUTPUT_RETRIES = 1
 ERRORS_SHOWN = 10
 """Validation errors quoted to the model and in the turn's error, at most."""
 _FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n```$", re.DOTALL)
-
-
-@dataclass(frozen=True)
-class Checked:
-    """What the final answer is: a typed value (JSON), a request to answer again, or an
-    error; all None for an agent without an output type."""
-
-    value: Any = None
-    retry: dict[str, Any] | None = None
-    error: str | None = None
-
-
-def check_output(ctx: StepContext, message: dict[str, Any]) -> Checked:
-    """An agent that declares `output_type` has its final answer checked: a JSON object the
-    type validates, stored with the turn (`output`) as JSON, carried by `turn_finished` and
-    the result of the agent call that started the turn. An answer that is not goes back to
-    the model once with the errors as a user message; a second one fails the turn."""
-    agent = ctx.agent
-    if agent is None or agent.output_type is None:
-        return Checked()
-    name = agent.output_type.__name__
-    content = str(message.get("content") or "").strip()
-    # Models often fence JSON as a code block: the fence is not part of the answer.
-    fenced = _FENCE.match(content)
-    try:
-        value = agent.output_type.model_validate_json(fenced.group(1) if fenced else content)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'answer'}: {e['msg']}"
-            for e in exc.errors()[:ERRORS_SHOWN]
-        )
-        if int(ctx.state.get("output_retries") or 0) >= OUTPUT_RETRIES:
-            return Checked(error=f"the final answer is not a valid {name}: {problems}")
-        return Checked(
-            retry={
-                "role": "user",
-                "content": f"Your answer is not a valid {name}: {problems}. Answer again "
-                "with only one JSON object that matches the schema.",
-            }
-        )
-    return Checked(value=value.model_dump(mode="json"))
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:

@@ -203,8 +203,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     calls = calls_of([history[last]]) if rounds else []
     open_ids = [c.id for c in calls if _unsettled(src, c.id, ended)]
     state = _base_state(src, req, token, req.model)
-    carried = {f: st.get(f) for f in CARRIED_FIELDS}
-    state.update(cast(TurnState, {f: v for f, v in carried.items() if v is not None}))
+    state.update(cast(TurnState, {f: st.get(f) for f in CARRIED_FIELDS if st.get(f) is not None}))
     state["retry_of"] = src.turn_id
     reused = dict(src.results)
     if open_ids:
