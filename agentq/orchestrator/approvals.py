@@ -155,19 +155,14 @@ def _decide(
 ) -> None:
     """What a closed request means for its call: run it (with a password's secret), take
     the user's answer as its result (`input`), or deny it."""
-    if req.kind == "input" and state in ("answered", "defaulted"):
-        # Defaulted only when it declares an answer (a headless turn without one fails).
-        if state == "defaulted" or interactions.decision(ctx.turn_id, rid) == "approve":
-            out.results[call.id] = _answer(ctx, call, rid, req)
-        else:
-            out.results[call.id] = denied_result(call, "user")  # declined to answer
-    elif state == "answered":
-        if interactions.decision(ctx.turn_id, rid) != "approve":
-            out.results[call.id] = denied_result(call, "user")
-        elif req.kind == "password":
-            out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)
-    elif state == "defaulted":
-        if req.default != "approve":
-            out.results[call.id] = denied_result(call, "policy")
-    else:
-        out.results[call.id] = denied_result(call, "timeout")
+    # Defaulted only by a headless turn, to a declared default (an input's: its answer).
+    approved = (state == "answered" and interactions.decision(ctx.turn_id, rid) == "approve") or (
+        state == "defaulted" and req.default == "approve"
+    )
+    if not approved:
+        why = {"answered": "user", "defaulted": "policy"}.get(state, "timeout")
+        out.results[call.id] = denied_result(call, why)
+    elif req.kind == "input":
+        out.results[call.id] = _answer(ctx, call, rid, req)
+    elif req.kind == "password":
+        out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)

@@ -59,15 +59,12 @@ def send(
     secrets: dict[str, str],
     next_at: float | None,
 ) -> None:
-    """Send the calls as the step's last act: their records (`records`, with everything the
-    step staged) are written as it lets go of its lock, then the messages go out.
-
-    Recorded first, a call's start and result always find its record, and its events
-    follow the turn's. A step that dies between the write and the last message leaves
-    calls recorded that were never sent: the step that wakes PICKUP_LEASES later sends a
-    call that has not started, and cannot be waiting in its queue, again, once, under the
-    same task id (a call's start claim runs it once, whichever delivery comes first).
-    """
+    """Send the calls as the step's last act: their records are written with what it staged
+    as it lets go of its lock (so a call's start and result find its record, and its events
+    follow the turn's), then the messages go out. A step that dies in between leaves calls
+    recorded and never sent: the step PICKUP_LEASES later sends one that has not started,
+    and cannot be waiting in its queue, again under the same task id (run once by its start
+    claim)."""
     requests = {
         p.call.id: ToolTaskRequest(
             turn_id=ctx.turn_id,
@@ -144,10 +141,8 @@ def advance_calls(
         if fresh or again:
             out = [*fresh, *(p for p in tools if p.call.id in again)]
             if fresh:
-                # Recorded before they are sent: a step that dies in between leaves them
-                # to the pickup, the first wake after PICKUP_LEASES. Not started by their
-                # queue allowance, they are lost: the step looks again then (`lost_deadline`
-                # of a call not started).
+                # Looked at again at the pickup (their step may die before it sends them)
+                # and at their queue allowance (not started by then, they are lost).
                 s = ctx.settings
                 due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
                 due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]

@@ -184,11 +184,8 @@ def history_form(
     msg: AssistantMessage, max_arguments_bytes: int
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The assistant message as kept in history (with its Responses reasoning items), and
-    the calls refused for their size.
-
-    Oversized arguments are replaced: the call is refused anyway, and keeping megabytes
-    of arguments would send them back to the model with every later round.
-    """
+    the calls refused for their size, whose arguments it replaces: kept, megabytes of them
+    would go back to the model with every later round."""
     out = msg.to_openai()
     if msg.reasoning_items:
         out[REASONING_ITEMS] = list(msg.reasoning_items)
@@ -219,13 +216,9 @@ def oversize_refusal(call: ToolCall, max_arguments_bytes: int) -> str | None:
 def with_safe_call_ids(
     message: AssistantMessage, taken: set[str], round_no: int
 ) -> AssistantMessage:
-    """The message with every call id usable as a key and a URL part, and unique in the turn.
-
-    Call ids come from the model: an id with other characters could not be answered
-    over HTTP (its approval's request id would be refused), and an id a model reuses
-    across rounds ("call_0" every time) would find the earlier round's result settled.
-    The history keeps the id given here, in the assistant message and in its result.
-    """
+    """The message with every call id usable as a key and a URL part (else its approval
+    could not be answered over HTTP), and unique in the turn (a model that says "call_0"
+    every round would find the earlier round's result settled)."""
     seen = set(taken)
     calls: list[ToolCall] = []
     for i, call in enumerate(message.tool_calls):
