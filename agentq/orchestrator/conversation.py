@@ -16,7 +16,8 @@ import dataclasses
 import json
 import logging
 import time
-from functools import cache, partial
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -56,27 +57,11 @@ def admit(
     conversation_id: str,
     turn_id: str,
     mode: Multitask,
-    *,
-    new_bytes: int,
-    max_bytes: int,
-    claim: str,
-    may: tuple[str, ...],
-    any_owner: bool,
+    decide: Callable[[], Admitted],
 ) -> Admitted:
-    """Admit a stored turn to its conversation: run it now, queue it, or refuse it
-    (ConversationBusy, the turn removed again: nothing of a refused request stays)."""
-    convs = conversations(store)
-    decide = partial(
-        convs.admit,
-        conversation_id,
-        turn_id,
-        mode,
-        new_bytes=new_bytes,
-        max_bytes=max_bytes,
-        claim=claim,
-        may=may,
-        any_owner=any_owner,
-    )
+    """Admit a stored turn to its conversation (`decide`: its Conversations.admit): run it
+    now, queue it, or refuse it (ConversationBusy, the turn removed again: nothing of a
+    refused request stays)."""
     admitted = decide()
     running = admitted.running
     if admitted.outcome is not Admit.RUN and running and not _alive(store, running):
@@ -96,7 +81,7 @@ def admit(
         reason = "rollback" if mode is Multitask.ROLLBACK else "interrupt"
         request_abort(store, str(running), reason)
     elif admitted.outcome is Admit.INJECTED:
-        convs.note_injected(str(running))
+        conversations(store).note_injected(str(running))
     return admitted
 
 

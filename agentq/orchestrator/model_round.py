@@ -307,8 +307,7 @@ def _watch_round(ctx: StepContext, round_no: int) -> float:
         ctx.store.redis.hdel(k.turn_key(ctx.turn_id), k.LLM_TAKEN_FIELD)
         send_round(ctx, round_no, attempt + 1)
     elif not alive:
-        sent_at = ctx.state.get("llm_sent_at")
-        sent_at = ctx.now if sent_at is None else float(sent_at)
+        sent_at = float(ctx.state.get("llm_sent_at", ctx.now))
         if ctx.now - sent_at >= k.PICKUP_LEASES * s.turn_lease_s:
             # A delivery that arrives after all finds the result or the claim: not run twice.
             sends = int(ctx.state.get("llm_sends") or 1) + 1

@@ -13,6 +13,7 @@ import math
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from agentq.agents import published_agent_details, require_known
@@ -216,18 +217,19 @@ def _admit(
     turn_id, owner = new.turn_id, new.state.get("owner")
     handle: dict[str, object] = {}
     new_token = None if owner else secrets.token_urlsafe(32)
-    admitted = conversation.admit(
-        store,
-        app,
+    mode = Multitask(new.state.get("multitask") or "enqueue")
+    decide = partial(
+        conversation.conversations(store).admit,
         cid,
         turn_id,
-        Multitask(new.state.get("multitask") or "enqueue"),
+        mode,
         new_bytes=new.size,
         max_bytes=settings.max_conversation_bytes,
         claim=binding("owner", owner) if owner else binding("secret", str(new_token)),
         may=held_bindings(owner, conversation_token),
         any_owner=any_owner,
     )
+    admitted = conversation.admit(store, app, cid, turn_id, mode, decide)
     if admitted.created:
         handle["conversation_token"] = new_token
     queued = admitted.outcome is not Admit.RUN
