@@ -17,12 +17,9 @@ if TYPE_CHECKING:
     from celery import Celery
 
     from agentq.orchestrator.context import StepContext
-    from agentq.state.store import TurnStore
 
 
-def revoke_unsettled(
-    store: TurnStore, app: Celery, turn_id: str, *, kill_grace_s: float
-) -> list[str]:
+def revoke_unsettled(ctx: StepContext) -> list[str]:
     """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace.
 
     Only the workers running them are told: a task that has not started yet never
@@ -31,20 +28,20 @@ def revoke_unsettled(
     workers' sweepers send when it comes due (`send_kills`), so a tool that ignores
     SIGTERM dies even when the process that aborted (`agentq abort`) has long exited.
     """
-    running = store.running_tasks(turn_id)
+    running = ctx.store.running_tasks(ctx.turn_id)
     if not running:
         return []
     ids = list(running)
     workers = [start.get("worker") for start in running.values()]
     # A start record without a worker name (never expected) falls back to a broadcast.
     destination = sorted({str(w) for w in workers}) if all(workers) else None
-    revoke(app, ids, terminate=True, signal="SIGTERM", destination=destination)
+    revoke(ctx.app, ids, terminate=True, signal="SIGTERM", destination=destination)
     # Celery forgets a task once it has terminated it, so a second revoke with SIGKILL
     # would find nothing: the escalation names the pool processes themselves.
     targets = [[tid, start.get("pid")] for tid, start in running.items() if start.get("pid")]
     if targets:
         order = json.dumps({"targets": targets, "to": destination}, separators=(",", ":"))
-        store.redis.zadd(k.KILLS, {order: time.time() + kill_grace_s})
+        ctx.store.redis.zadd(k.KILLS, {order: time.time() + ctx.settings.abort_kill_grace_s})
     return ids
 
 

@@ -431,9 +431,7 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
     """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
     model_round.withdraw(ctx)
     spend.settle_left(ctx)
-    revoked = revoke_unsettled(
-        ctx.store, ctx.app, ctx.turn_id, kill_grace_s=ctx.settings.abort_kill_grace_s
-    )
+    revoked = revoke_unsettled(ctx)
     msgs, ours = settle_pending(
         ctx,
         _own_messages(ctx),

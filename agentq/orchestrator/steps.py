@@ -209,16 +209,8 @@ def _advance(ctx: StepContext) -> float | None:
         )
     except BudgetExceeded as exc:
         # Before a round: every call of the last one has its result, the history is whole.
-        fail(
-            ctx,
-            exc.code,
-            exc.message,
-            scope=exc.scope,
-            budget=exc.budget,
-            spent=exc.spent,
-            limit=exc.limit,
-            resets_at=exc.resets_at,
-        )
+        fields = ("scope", "budget", "spent", "limit", "resets_at")
+        fail(ctx, exc.code, exc.message, **{f: getattr(exc, f) for f in fields})
     except LlmError as exc:
         fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)
     except (StepLost, BrokerUnavailable, redis.ConnectionError, redis.TimeoutError):
