@@ -20,14 +20,10 @@ if TYPE_CHECKING:
 
 
 def revoke_unsettled(ctx: StepContext) -> list[str]:
-    """SIGTERM every unfinished task of the turn now, SIGKILL whatever is left after a grace.
-
-    Only the workers running them are told: a task that has not started yet never
-    runs, since its start sees the turn's cancel flag. Agent calls have no task: their
-    child turns are aborted instead. The SIGKILL is a durable order in Redis that the turn
-    workers' sweepers send when it comes due (`send_kills`), so a tool that ignores
-    SIGTERM dies even when the process that aborted (`agentq abort`) has long exited.
-    """
+    """SIGTERM the turn's started tasks now (one not started never runs: its start sees the
+    cancel flag), SIGKILL what is left after a grace: a durable order in Redis the sweepers
+    send when due (`send_kills`), so a tool that ignores SIGTERM dies even when the process
+    that aborted has long exited."""
     running = ctx.store.running_tasks(ctx.turn_id)
     if not running:
         return []

@@ -46,7 +46,6 @@ class StepContext:
     """Dispatch records of the calls this step sends, written as it lets go of its lock."""
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
-    ended_error: str | None = None
     lock_ms: int = field(kw_only=True)
     """The step lock's lifetime, as the step took it."""
 
@@ -106,12 +105,10 @@ class StepContext:
         if self.staged[0] or self.staged[1] or self.staged_append or self.staged_plans:
             self.commit()
 
-    def release(self, next_at: float | None) -> Released:
+    def release(self, next_at: float | None) -> None:
         """Let go of the step's lock, with what it staged and the calls it is about to send,
-        leaving the turn's next deadline (`next_at`) for the sweepers: RELEASED, or WOKEN
-        meanwhile (the lock kept: the step reads again and goes on)."""
+        leaving the turn's next deadline (`next_at`) for the sweepers (see `released`)."""
         self.released = self._write(next_at)
-        return self.released
 
     def _write(self, next_at: float | None, *, keep: bool = False) -> Released:
         """Write what was staged (and the calls to send), fenced by the step's lock; let go
@@ -169,14 +166,11 @@ class StepContext:
         status: TurnStatus,
         event: str,
         event_fields: dict[str, Any],
-        error: str | None = None,
         append: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> None:
         """End the turn (status, terminal event, retention TTL) in one atomic write, fenced
         by the step's lock, with `append`'s history messages written first."""
-        if error is not None:
-            fields["error"] = error
         if self.staged[1] or self.staged_plans:
             self.flush()  # what was staged comes first, its events before the terminal one
         else:
@@ -197,7 +191,7 @@ class StepContext:
         if won is Closed.LOST:
             raise StepLost(self.turn_id)
         if won is not Closed.ENDED_ALREADY:
-            self.ended, self.ended_error = status.value, error
+            self.ended = status.value
             self.history.extend(append or [])
             # What the end wrote, for what follows it in this step (the conversation's
             # hand-off reads the abort reason).

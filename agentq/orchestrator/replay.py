@@ -241,7 +241,6 @@ def _lost(src: Source, call_id: str) -> bool:
 
 def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
     """A fork of `src` at `req.at_round`: the history before it, edited."""
-    history = src.history
     rounds = src.rounds()
     top = len(rounds) + (1 if _settled_to_the_end(src, rounds) else 0)
     n = req.at_round
@@ -251,7 +250,7 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
             "at_round",
             f"must be 1..{top} (turn {src.turn_id} answered {len(rounds)} round(s))",
         )
-    history = [dict(m) for m in history[: rounds[n - 1] if n <= len(rounds) else len(history)]]
+    history = [dict(m) for m in src.history[: rounds[n - 1] if n <= len(rounds) else None]]
     ids = {c.id for c in calls_of(history)}
     results = {c: r for c, r in src.results.items() if c in ids}
     edit = req.edit or ForkEdit()

@@ -191,7 +191,7 @@ def _end_turn_span(ctx: StepContext) -> None:
         },
         created_at=state.get("created_at"),
         status=str(ctx.ended),
-        error=ctx.ended_error,
+        error=ctx.state.get("error"),
     )
 
 

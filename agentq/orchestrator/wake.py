@@ -29,12 +29,10 @@ def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> None:
 
 
 def request_abort(store: TurnStore, turn_id: str, reason: str) -> None:
-    """Abort a turn (and its running children) from outside its steps.
-
-    Flag, wake, notice and the children in one round trip: abort latency is user-facing.
-    The abort is a step like any other, taken by a turn worker (a step that holds the turn
-    sees the flag when it releases); the caller only sends it, and should it die first,
-    the turn's wakeup does."""
+    """Abort a turn (and its running children) from outside its steps: flag, wake, notice
+    and children in one round trip (abort latency is user-facing); a turn worker's step
+    aborts it (one that holds the turn sees the flag as it lets go), or, should this caller
+    die first, the turn's wakeup."""
     woken, children = store.flag_cancel(turn_id, reason)
     for child in children:
         if store.status(child) not in TERMINAL_STATUSES:
