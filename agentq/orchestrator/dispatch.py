@@ -33,8 +33,7 @@ def task_id_for(turn_id: str, call_id: str) -> str:
 def _records(
     ctx: StepContext, plans: list[CallPlan], earlier: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, Any]]:
-    """The dispatch records of the calls about to be sent: new ones, or, for a call sent
-    before (`earlier`), its record marked as sent again."""
+    """The records of the calls about to be sent (of one sent before: its record, a send more)."""
     now = time.time()
     return {
         p.call.id: {**earlier[p.call.id], "sends": int(earlier[p.call.id].get("sends", 1)) + 1}
@@ -232,8 +231,7 @@ def _overdue(
     start: dict[str, Any] | None,
     looks: list[float],
 ) -> str | None:
-    """Why the call is lost if it is past its lost-deadline; else None, its deadline (if
-    it has one) added to `looks`."""
+    """Why the call is lost, if past its lost-deadline; else None (its deadline in `looks`)."""
     s = ctx.settings
     due = lost_deadline(
         dispatched_at=sent_at,

@@ -214,8 +214,7 @@ def _model_round(ctx: StepContext) -> Phase:
 
 
 def _answer(ctx: StepContext, round_no: int, message: AssistantMessage, streamed_s: float) -> Phase:
-    """The model's answer: its calls checked and planned, or, without calls, the turn's
-    end (or the output type's retry)."""
+    """The model's answer: its calls checked and planned, or, without calls, the turn's end."""
     history = ctx.history
     message = with_safe_call_ids(message, {c.id for c in calls_of(history)}, round_no)
     start = int(ctx.state.get("history_start", 0))
@@ -298,8 +297,7 @@ _FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n```$", re.DOTALL)
 
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
-    """The round's plans from their stored form; calls that came with the prompt (no plan
-    yet) are planned now."""
+    """The round's plans as stored; calls that came with the prompt are planned now."""
     limit = ctx.settings.max_arguments_bytes
     plans = [
         CallPlan.model_validate_json(r)

@@ -221,8 +221,7 @@ def _next_look(ctx: StepContext) -> float:
 
 
 def _result_of(ctx: StepContext, round_no: int) -> str | None:
-    """The round's result (LlmRoundResult JSON) if it has one: as the step began with it,
-    in the step's view, or read (a round recorded as sent)."""
+    """The round's result (LlmRoundResult JSON): as the step began with it, in its view, or read."""
     known = ctx.llm_result
     if known and known[0] == round_no:
         return known[1]

@@ -44,8 +44,7 @@ def spend_of(ctx: StepContext) -> Spend:
 
 
 def _prompt_estimate(ctx: StepContext) -> int:
-    """The round's prompt in tokens, estimated as the capacity manager does: its history,
-    the agent's instructions and the tools' schemas."""
+    """The round's prompt in tokens, estimated as the capacity manager does."""
     agent = ctx.agent
     chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
     chars += len(schemas_json(ctx.offered_tools())) + (len(agent.system_message()) if agent else 0)

@@ -111,8 +111,7 @@ def start_turn(
 
 @dataclass(frozen=True)
 class Launch:
-    """A new turn as it is stored: its id, its token, its state and history, and the size
-    of what it brings to its conversation."""
+    """A new turn as it is stored, and the size of what it brings to its conversation."""
 
     turn_id: str
     token: str

@@ -224,11 +224,8 @@ def _advance(ctx: StepContext) -> float | None:
 
 
 class Sweeper:
-    """Wakes turns whose deadline came, and the turns of workers that stopped beating.
-
-    Every turn worker runs one; several sweep the same sets safely, since each wakeup
-    and each dead worker is claimed by exactly one of them.
-    """
+    """Wakes turns whose deadline came, and the turns of workers that stopped beating; every
+    turn worker runs one, safely, as each wakeup and dead worker is claimed by one of them."""
 
     def __init__(self, store: TurnStore, app: Celery, settings: Settings) -> None:
         self.store = store
