@@ -197,11 +197,10 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     if status not in RETRYABLE:
         raise NotRetryable(src.turn_id, status)
     history = src.history
-    ended = set(st.get("end_settled") or [])
     rounds = src.rounds()
     last = rounds[-1] if rounds else -1
     calls = calls_of([history[last]]) if rounds else []
-    open_ids = [c.id for c in calls if _unsettled(src, c.id, ended)]
+    open_ids = [c.id for c in calls if _unsettled(src, c.id)]
     state = _base_state(src, req, token, req.model)
     state.update(cast(TurnState, {f: st.get(f) for f in CARRIED_FIELDS if st.get(f) is not None}))
     state["retry_of"] = src.turn_id
@@ -228,9 +227,10 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     return _launch(token, state, history, reused)
 
 
-def _unsettled(src: Source, call_id: str, ended: set[str]) -> bool:
+def _unsettled(src: Source, call_id: str) -> bool:
     """A call of the source's last round without a result of its own: settled by the turn's
     end (cancelled, not run), or lost with its worker."""
+    ended = src.state.get("end_settled") or []
     return call_id in ended or call_id not in src.results or _lost(src, call_id)
 
 
@@ -280,9 +280,8 @@ def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
     if not rounds:
         return True
     calls = calls_of([src.history[rounds[-1]]])
-    ended = set(src.state.get("end_settled") or [])
     answered = {m.get("tool_call_id") for m in src.history[rounds[-1] :] if m["role"] == "tool"}
-    return bool(calls) and all(c.id in answered and not _unsettled(src, c.id, ended) for c in calls)
+    return bool(calls) and all(c.id in answered and not _unsettled(src, c.id) for c in calls)
 
 
 def _replace_message(src: Source, history: list[dict[str, Any]], message: str, n: int) -> None:
