@@ -1,10 +1,7 @@
 """The approval gate: `ask` calls wait for an answer with a finite timeout; silence denies.
-
-The gate never waits. Each step reads every request's own record and decides what it
-can now; a request still pending gives the turn its next deadline (the timeout), and an
-answer wakes the turn. The record decides, so a step that takes over after a crash
-decides the same.
-"""
+The gate never waits: each step decides what it can from each request's record (so a step
+that takes over after a crash decides the same); a pending one gives the turn its next
+deadline, and an answer wakes it."""
 
 from __future__ import annotations
 

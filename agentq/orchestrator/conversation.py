@@ -1,14 +1,7 @@
-"""A turn's part in its conversation: admitted at its start, the history read at its first
-step, messages that join it at a round, its exchange appended at its end.
-
-One turn of a conversation runs at a time, fleet-wide (`state.conversations`). A turn is
-stored first and admitted second, so the turn that holds a conversation always exists. A
-turn's end and its hand-off are two writes (their keys are in different cluster slots):
-the end leaves the turn's wakeup due at a backstop, which the hand-off takes away, so a
-step that died in between is followed by one that hands off for it; a turn queued behind
-it does so sooner, at its next look. Readers are shown the hand-off's outcome (`shown`)
-and write nothing.
-"""
+"""A turn's part in its conversation (one turn at a time, fleet-wide): admitted at its start,
+the history read at its first step, messages that join it at a round, its exchange appended
+at its end by the hand-off, a second write that a backstop wakeup, or the turn queued
+behind, does for a step that died before it (docs/conversations.md, "How it works")."""
 
 from __future__ import annotations
 

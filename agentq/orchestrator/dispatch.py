@@ -1,9 +1,6 @@
-"""Send a round's calls as Celery tasks, batch by batch, and settle the ones nobody will.
-
-Nothing here waits for a call: a step sends what may run now, settles what is overdue,
-and returns when the turn must look again (the earliest lost-deadline). Each settled
-call wakes the turn by itself.
-"""
+"""Send a round's calls as Celery tasks, batch by batch, and settle the ones nobody will:
+nothing waits for a call (a step returns when the turn must look again, and each settled
+call wakes the turn)."""
 
 from __future__ import annotations
 

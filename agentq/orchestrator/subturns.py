@@ -1,11 +1,6 @@
-"""Agents called as tools: a call that runs a child turn instead of a Celery task.
-
-The call is recorded as dispatched, waiting on its child (`child_turn_id`); the child is
-a turn like any other, with `parent_turn_id` and `parent_call_id` in its state. Its
-ending settles the parent's call in the same atomic step (`TurnStore.close`) and wakes
-the parent; nothing waits meanwhile. The parent's own step only watches the call's hard
-limit: at it the child is aborted and the call settles `timeout`.
-"""
+"""Agents called as tools: a call that runs a child turn instead of a Celery task. The
+child's end settles the call in the same atomic write (`TurnStore.close`); the parent's
+step only watches the call's hard limit, where it aborts the child (docs/agents.md)."""
 
 from __future__ import annotations
 
