@@ -91,9 +91,8 @@ def admit_in_place(
     if the source is still the conversation's last turn and no other turn holds or waits
     for it (decided in one script, so no turn gets in between); else remove the retry
     again (ConversationMovedOn)."""
-    convs = conversations(store)
     for _ in range(2):
-        outcome, running = convs.admit_in_place(conversation_id, turn_id, source_id)
+        outcome, running = conversations(store).admit_in_place(conversation_id, turn_id, source_id)
         if outcome is InPlace.RUN:
             return
         if outcome is InPlace.GONE or running is None or _alive(store, running):
@@ -124,8 +123,7 @@ def take_turn(ctx: StepContext) -> float | None:
     conversation's followed by its own messages (None: go on); else when to look again."""
     state = ctx.state
     cid = str(state.get("conversation_id"))
-    convs = conversations(ctx.store)
-    outcome, prior, running = convs.take(cid, ctx.turn_id)
+    outcome, prior, running = conversations(ctx.store).take(cid, ctx.turn_id)
     if outcome is Take.GONE:
         # Deleted with its conversation, or its starter died before admitting it.
         raise ConversationNotFound(cid)

@@ -198,8 +198,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
         raise NotRetryable(src.turn_id, status)
     history = src.history
     rounds = src.rounds()
-    last = rounds[-1] if rounds else -1
-    calls = calls_of([history[last]]) if rounds else []
+    calls = calls_of([history[rounds[-1]]]) if rounds else []
     open_ids = [c.id for c in calls if _unsettled(src, c.id)]
     state = _base_state(src, req, token, req.model)
     state.update(cast(TurnState, {f: st.get(f) for f in CARRIED_FIELDS if st.get(f) is not None}))
@@ -208,7 +207,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     if open_ids:
         # The round goes on: its tool messages go (all of them, so the round's results
         # are written again in the model's call order), its settled results stay.
-        history = history[: last + 1]
+        history = history[: rounds[-1] + 1]
         for cid in open_ids:
             reused.pop(cid, None)
         state.update(
