@@ -1,14 +1,7 @@
-"""The turn's side of a model round: admitted by the fleet's capacity manager, sent to a
-stream worker, sent again when none answers.
-
-A round that must wait for capacity is held state like every other wait: the turn records
-that it waits, publishes `llm_queued`, and its step ends with a wakeup at the time the
-capacity manager named; whoever frees capacity grants the head of the queue and wakes its
-turn, so nothing polls and only `llm_queue_timeout_s` bounds the wait. The stream worker
-holds a lease on the round while it streams and stores its result (which wakes the turn); a
-step that finds neither result nor lease sends the round again. A round the provider
-refused as busy (429, 503, 529) goes back to admission without using up a retry.
-"""
+"""The turn's side of a model round: admitted by the fleet's capacity manager (a round that
+waits is held state and a wakeup, not a poll: docs/capacity.md), sent to a stream worker,
+sent again when no worker holds its lease and it has no result; a round refused as busy
+(429, 503, 529) goes back to admission without using up a retry."""
 
 from __future__ import annotations
 

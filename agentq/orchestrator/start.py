@@ -190,16 +190,15 @@ def _new_state(
         state["max_tokens"] = req.max_tokens
     if req.max_cost_usd is not None:
         state["max_cost_usd"] = req.max_cost_usd
-    history = new
-    if req.conversation_id:
-        # Stored before it is admitted (so the turn holding a conversation always exists),
-        # its messages aside until its first step reads the conversation's history.
-        state["conversation_waiting"] = True
-        state["pending_messages"] = new
-        if req.multitask:
-            state["multitask"] = req.multitask
-        history = []
-    return state, history
+    if not req.conversation_id:
+        return state, new
+    # Stored before it is admitted (so the turn holding a conversation always exists), its
+    # messages aside until its first step reads the conversation's history.
+    state["conversation_waiting"] = True
+    state["pending_messages"] = new
+    if req.multitask:
+        state["multitask"] = req.multitask
+    return state, []
 
 
 def _admit(
