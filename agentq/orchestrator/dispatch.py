@@ -127,11 +127,7 @@ def advance_calls(
         fresh = [p for p in tools if p.call.id not in dispatched]
         # The times the step must look at the turn again; the earliest counts.
         due: list[float] = []
-        if agents:
-            ctx.flush()  # the turn's own events come before its children's
-            new = subturns.record(ctx, [p for p in agents if p.call.id not in dispatched])
-            dispatched = {**dispatched, **new}
-            subturns.watch(ctx, agents, settled, dispatched, due)
+        subturns.watch(ctx, agents, settled, dispatched, due)
         earlier = [p for p in tools if p.call.id in dispatched]
         again = _settle_overdue(ctx, earlier, settled, due)
         if fresh or again:

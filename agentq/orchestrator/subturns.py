@@ -33,22 +33,6 @@ def child_turn_id(turn_id: str, call_id: str) -> str:
     return turn_id[:4] + hashlib.sha256(f"{turn_id}/{call_id}".encode()).hexdigest()[:28]
 
 
-def record(ctx: StepContext, plans: list[CallPlan]) -> dict[str, dict[str, Any]]:
-    """Record agent calls as dispatched, each waiting on its child turn; return the records."""
-    records = {
-        p.call.id: {
-            "tool": p.call.name,
-            "agent": p.subturn_agent,
-            "child_turn_id": child_turn_id(ctx.turn_id, p.call.id),
-            "dispatched_at": time.time(),
-            "timeout_s": p.timeout_s,
-        }
-        for p in plans
-    }
-    ctx.store.record_dispatch(ctx.turn_id, records)
-    return records
-
-
 def watch(
     ctx: StepContext,
     waiting: list[CallPlan],
@@ -56,10 +40,25 @@ def watch(
     dispatched: dict[str, dict[str, Any]],
     looks: list[float],
 ) -> None:
-    """Start the children not started yet, settle the calls past their hard limit (the
-    child aborted), and add to `looks` when to look again (a limit, a heartbeat)."""
+    """Record the calls not recorded yet, each waiting on its child turn, start the children
+    not started yet, settle the calls past their hard limit (the child aborted), and add to
+    `looks` when to look again (a limit, a heartbeat)."""
     if not waiting:
         return
+    ctx.flush()  # the turn's own events come before its children's
+    new = {
+        p.call.id: {
+            "tool": p.call.name,
+            "agent": p.subturn_agent,
+            "child_turn_id": child_turn_id(ctx.turn_id, p.call.id),
+            "dispatched_at": time.time(),
+            "timeout_s": p.timeout_s,
+        }
+        for p in waiting
+        if p.call.id not in dispatched
+    }
+    ctx.store.record_dispatch(ctx.turn_id, new)
+    dispatched = {**dispatched, **new}
     beat_s = ctx.settings.progress_interval_s * BEAT_SHARE
     pipe = ctx.store.redis.pipeline(transaction=False)
     for p in waiting:
