@@ -60,19 +60,6 @@ def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
     )
 
 
-def _answer(ctx: StepContext, call: ToolCall, rid: str, req: InteractionRequest) -> ToolResult:
-    """An answered or defaulted question's result: the answer, as JSON."""
-    raw = ctx.store.redis.get(k.secret_key(ctx.turn_id, rid))
-    content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="ok",
-        content=content,
-        record=record_for(call, "ok", started_at=req.created_at),
-    )
-
-
 def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) -> GateOutcome:
     """Decide what can be decided now about the calls that need a decision; a call in
     `settled` is not asked about, though a request it already has runs its course."""
@@ -160,6 +147,15 @@ def _decide(
         why = {"answered": "user", "defaulted": "policy"}.get(state, "timeout")
         out.results[call.id] = denied_result(call, why)
     elif req.kind == "input":
-        out.results[call.id] = _answer(ctx, call, rid, req)
+        # The answer, as JSON, is the call's result (a defaulted one: the declared default).
+        raw = ctx.store.redis.get(k.secret_key(ctx.turn_id, rid))
+        content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
+        out.results[call.id] = ToolResult(
+            call_id=call.id,
+            tool=call.name,
+            status="ok",
+            content=content,
+            record=record_for(call, "ok", started_at=req.created_at),
+        )
     elif req.kind == "password":
         out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)

@@ -254,7 +254,10 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
     results = {c: r for c, r in src.results.items() if c in ids}
     edit = req.edit or ForkEdit()
     if edit.message is not None:
-        _replace_message(src, history, edit.message, n)
+        users = [i for i, m in enumerate(history) if m["role"] == "user"]
+        if not users:
+            raise ForkInvalid(src.turn_id, "edit.message", f"no user message before round {n}")
+        history[users[-1]] = {"role": "user", "content": edit.message}
     if edit.tool_result is not None:
         _replace_result(src, history, results, edit.tool_result, n)
     state = _base_state(src, req, token, edit.model)
@@ -281,14 +284,6 @@ def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
     calls = calls_of([src.history[rounds[-1]]])
     answered = {m.get("tool_call_id") for m in src.history[rounds[-1] :] if m["role"] == "tool"}
     return bool(calls) and all(c.id in answered and not _unsettled(src, c.id) for c in calls)
-
-
-def _replace_message(src: Source, history: list[dict[str, Any]], message: str, n: int) -> None:
-    for i in range(len(history) - 1, -1, -1):
-        if history[i]["role"] == "user":
-            history[i] = {"role": "user", "content": message}
-            return
-    raise ForkInvalid(src.turn_id, "edit.message", f"no user message before round {n}")
 
 
 def _replace_result(
