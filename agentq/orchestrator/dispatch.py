@@ -152,7 +152,8 @@ def _settle_overdue(
     if not waiting:
         return {}
     starts, dispatched, waits = ctx.store.call_progress(ctx.turn_id)
-    pickup_s = PICKUP_LEASES * ctx.settings.turn_lease_s
+    s = ctx.settings
+    pickup_s = PICKUP_LEASES * s.turn_lease_s
     # A call waiting on its waitpoint holds no worker: only its deadline settles it here.
     for p in [p for p in waiting if p.call.id in waits]:
         wp = waits[p.call.id]
@@ -173,7 +174,21 @@ def _settle_overdue(
                 again[cid] = sent
             else:
                 looks.append(sent_at + pickup_s)
-        why = dead.get(cid) or _overdue(ctx, p, sent_at, start, looks)
+        why = dead.get(cid)
+        due = lost_deadline(
+            dispatched_at=sent_at,
+            started_at=None if start is None else float(start["started_at"]),
+            timeout_s=p.timeout_s,
+            grace_s=s.tool_grace_s,
+            queue_timeout_s=s.tool_queue_timeout_s,
+        )
+        if why is None and due is not None:
+            if ctx.now < due:
+                looks.append(due)
+            elif start:
+                why = "no worker reported a result within its hard limit plus grace"
+            else:
+                why = "no tool worker picked it up in time"
         if why is None:
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
@@ -215,32 +230,6 @@ def _dead_workers(
             looks.append(ctx.now + WORKER_ALIVE_TTL_S - up_s)
             return {}
     return dead
-
-
-def _overdue(
-    ctx: StepContext,
-    p: CallPlan,
-    sent_at: float,
-    start: dict[str, Any] | None,
-    looks: list[float],
-) -> str | None:
-    """Why the call is lost, if past its lost-deadline; else None (its deadline in `looks`)."""
-    s = ctx.settings
-    due = lost_deadline(
-        dispatched_at=sent_at,
-        started_at=None if start is None else float(start["started_at"]),
-        timeout_s=p.timeout_s,
-        grace_s=s.tool_grace_s,
-        queue_timeout_s=s.tool_queue_timeout_s,
-    )
-    if due is None:
-        return None
-    if ctx.now < due:
-        looks.append(due)
-        return None
-    if start:
-        return "no worker reported a result within its hard limit plus grace"
-    return "no tool worker picked it up in time"
 
 
 def _not_queued(

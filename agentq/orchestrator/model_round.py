@@ -144,7 +144,15 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
         result = LlmRoundResult.model_validate_json(raw)
         if not _goes_again(ctx, round_no, result):
             spend.settle_round(ctx, round_no, result)
-            return _message(ctx, result)
+            if result.aborted:
+                # Only a cancelled turn aborts a round: the step sees the flag and aborts.
+                raise ModelRoundFailed("the model round was aborted", "EABORTED")
+            if not result.ok or result.message is None:
+                # The stream worker's typed error crossed a process boundary as text;
+                # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
+                error = result.error or "model round failed"
+                raise ModelRoundFailed(error, result.error_code or "ELLM")
+            return result.message, result.streamed_s
     if ctx.state.get("llm_round") != round_no:
         spend.reserve_round(ctx, round_no)
         grant = admit(ctx, round_no)
@@ -305,14 +313,3 @@ def _watch_round(ctx: StepContext, round_no: int) -> float:
             sends = int(ctx.state.get("llm_sends") or 1) + 1
             send_round(ctx, round_no, int(ctx.state.get("llm_attempt", 1)), sends)
     return _next_look(ctx)
-
-
-def _message(ctx: StepContext, result: LlmRoundResult) -> tuple[AssistantMessage, float]:
-    if result.aborted:
-        # Only a cancelled turn aborts a round: the step sees the flag and aborts.
-        raise ModelRoundFailed("the model round was aborted", "EABORTED")
-    if not result.ok or result.message is None:
-        # The stream worker's typed error crossed a process boundary as text;
-        # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
-        raise ModelRoundFailed(result.error or "model round failed", result.error_code or "ELLM")
-    return result.message, result.streamed_s
