@@ -108,7 +108,15 @@ deadline, or the turn ended)."""
 def advance(ctx: StepContext) -> float | None:
     """Take the turn as far as it can go now; return when it must look again (None: no
     deadline, only a wake moves it, or it has ended)."""
-    if _stopped(ctx):
+    if ctx.state.get("status") in TERMINAL_STATUSES:
+        return None
+    if ctx.cancel_reason is not None:
+        abort_turn(ctx, ctx.cancel_reason)
+        return None
+    name = ctx.state.get("agent")
+    if name and ctx.agent is None:
+        known = ", ".join(sorted(all_agents())) or "none"
+        fail(ctx, "unknown_agent", f"this worker runs no agent {name!r} (it runs: {known})")
         return None
     if ctx.state.get("status") == TurnStatus.QUEUED.value:
         begun = _begin(ctx)
@@ -120,23 +128,6 @@ def advance(ctx: StepContext) -> float | None:
         if not isinstance(got, _GoOn):
             return got
     return ctx.now  # more to do than one step should take: step again at once
-
-
-def _stopped(ctx: StepContext) -> bool:
-    """Whether the turn goes no further in this step: it has ended, it is cancelled (it
-    is aborted now), or this worker does not run its agent (it fails now)."""
-    if ctx.state.get("status") in TERMINAL_STATUSES:
-        return True
-    reason = ctx.cancel_reason
-    if reason is not None:
-        abort_turn(ctx, reason)
-        return True
-    name = ctx.state.get("agent")
-    if name and ctx.agent is None:
-        known = ", ".join(sorted(all_agents())) or "none"
-        fail(ctx, "unknown_agent", f"this worker runs no agent {name!r} (it runs: {known})")
-        return True
-    return False
 
 
 def _begin(ctx: StepContext) -> Phase:

@@ -43,14 +43,6 @@ def spend_of(ctx: StepContext) -> Spend:
     return _spends[client]
 
 
-def _prompt_estimate(ctx: StepContext) -> int:
-    """The round's prompt in tokens, estimated as the capacity manager does."""
-    agent = ctx.agent
-    chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
-    chars += len(schemas_json(ctx.offered_tools())) + (len(agent.system_message()) if agent else 0)
-    return math.ceil(chars / CHARS_PER_TOKEN)
-
-
 def limits_of(ctx: StepContext) -> tuple[int | None, float | None]:
     """The turn's own limits: its request's, lowered to its agent's."""
     agent = ctx.agent
@@ -99,7 +91,11 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
     reservation = str(round_no)
     if ctx.state.get("budget_reservation") == reservation:
         return
-    prompt, day, cap = _prompt_estimate(ctx), day_of(ctx.now), None
+    # The round's prompt in tokens, estimated as the capacity manager does.
+    agent = ctx.agent
+    chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
+    chars += len(schemas_json(ctx.offered_tools())) + (len(agent.system_message()) if agent else 0)
+    prompt, day, cap = math.ceil(chars / CHARS_PER_TOKEN), day_of(ctx.now), None
     if budgeted(ctx):
         max_tokens, max_usd = limits_of(ctx)
         got = spend_of(ctx).reserve(
