@@ -27,12 +27,21 @@ def task_id_for(turn_id: str, call_id: str) -> str:
     return f"{turn_id}.{call_id}.1"
 
 
-def _records(
-    ctx: StepContext, plans: list[CallPlan], earlier: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, Any]]:
-    """The records of the calls about to be sent (of one sent before: its record, a send more)."""
+def send(
+    ctx: StepContext,
+    plans: list[CallPlan],
+    earlier: dict[str, dict[str, Any]],
+    secrets: dict[str, str],
+    next_at: float | None,
+) -> None:
+    """Send the calls as the step's last act: their records are written with what it staged
+    as it lets go of its lock (so a call's start and result find its record, and its events
+    follow the turn's), then the messages go out. A step that dies in between leaves calls
+    recorded and never sent: the step PICKUP_LEASES later sends one that has not started,
+    and cannot be waiting in its queue, again under the same task id (run once by its start
+    claim): `earlier` holds the records of such calls, each marked as sent once more."""
     now = time.time()
-    return {
+    records = {
         p.call.id: {**earlier[p.call.id], "sends": int(earlier[p.call.id].get("sends", 1)) + 1}
         if p.call.id in earlier
         else {
@@ -46,21 +55,6 @@ def _records(
         }
         for p in plans
     }
-
-
-def send(
-    ctx: StepContext,
-    plans: list[CallPlan],
-    records: dict[str, dict[str, Any]],
-    secrets: dict[str, str],
-    next_at: float | None,
-) -> None:
-    """Send the calls as the step's last act: their records are written with what it staged
-    as it lets go of its lock (so a call's start and result find its record, and its events
-    follow the turn's), then the messages go out. A step that dies in between leaves calls
-    recorded and never sent: the step PICKUP_LEASES later sends one that has not started,
-    and cannot be waiting in its queue, again under the same task id (run once by its start
-    claim)."""
     requests = {
         p.call.id: ToolTaskRequest(
             turn_id=ctx.turn_id,
@@ -138,7 +132,7 @@ def advance_calls(
                 s = ctx.settings
                 due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
                 due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]
-            send(ctx, out, _records(ctx, out, again), secrets, min(due))
+            send(ctx, out, again, secrets, min(due))
         return min(due, default=None)
     return None
 

@@ -1,13 +1,8 @@
 """Retry and fork: a new turn built from a turn's durable history, read once (one HGETALL)
-and stored in one write; the source never changes (docs/retry.md).
-
-A retry of a turn that ended `error` or `aborted` reuses every settled call and answered
-round; a fork goes on live from before one round, perhaps edited. In a conversation, a
-retry of its last turn replaces that turn's exchange in place (`state.conversation_lua`'s
-IN_PLACE); any other retry, and every fork, starts a branch. Bulk retry retries every turn
-a filter names at a capped rate, each source under an idempotency record of its own, so a
-second bulk retry, or two at once, starts nothing for a turn retried already.
-"""
+and stored in one write; the source never changes. A retry reuses every settled call and
+answered round, a fork goes on from before one round, perhaps edited; in a conversation,
+a retry of its last turn replaces its exchange in place, any other one branches
+(docs/retry.md). Bulk retry holds an idempotency record per source: it retries each once."""
 
 from __future__ import annotations
 
