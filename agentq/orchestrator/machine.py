@@ -64,7 +64,6 @@ from agentq.agents import all_agents
 from agentq.errors import AgentqError, ConversationNotFound
 from agentq.models import (
     TERMINAL_STATUSES,
-    AssistantMessage,
     ToolCall,
     TurnStatus,
     final_content,
@@ -192,7 +191,8 @@ def _idempotent(name: str) -> bool:
 
 
 def _model_round(ctx: StepContext) -> Phase:
-    """The turn's model round: send it or look at it; its answer once it has one."""
+    """The turn's model round, sent or looked at; once answered, its calls checked and
+    planned, or, without calls, the turn's end."""
     round_no = int(ctx.state.get("round", 0))
     if ctx.state.get("inject_seq") and ctx.state.get("llm_round") != round_no:
         # Before the round is sent: messages sent to join the turn go in it.
@@ -201,11 +201,6 @@ def _model_round(ctx: StepContext) -> Phase:
     if isinstance(outcome, float):
         return outcome
     message, streamed_s = outcome
-    return _answer(ctx, round_no, message, streamed_s)
-
-
-def _answer(ctx: StepContext, round_no: int, message: AssistantMessage, streamed_s: float) -> Phase:
-    """The model's answer: its calls checked and planned, or, without calls, the turn's end."""
     history = ctx.history
     message = with_safe_call_ids(message, {c.id for c in calls_of(history)}, round_no)
     start = int(ctx.state.get("history_start", 0))
