@@ -254,7 +254,15 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
             raise ForkInvalid(src.turn_id, "edit.message", f"no user message before round {n}")
         history[users[-1]] = {"role": "user", "content": edit.message}
     if edit.tool_result is not None:
-        _replace_result(src, history, results, edit.tool_result, n)
+        # The call's result is replaced (its record kept), and so is its tool message.
+        cid, content = edit.tool_result.call_id, edit.tool_result.content
+        at = [i for i, m in enumerate(history) if m["role"] == "tool" and m["tool_call_id"] == cid]
+        if not at or cid not in results:
+            why = f"no settled call {cid} before round {n}"
+            raise ForkInvalid(src.turn_id, "edit.tool_result.call_id", why)
+        history[at[0]] = {**history[at[0]], "content": content}
+        result = ToolResult.model_validate_json(results[cid])
+        results[cid] = result.model_copy(update={"content": content}).model_dump_json()
     state = _base_state(src, req, token, edit.model)
     start = int(state.get("history_start") or 0)
     state.update(
@@ -279,21 +287,6 @@ def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
     calls = calls_of([src.history[rounds[-1]]])
     answered = {m.get("tool_call_id") for m in src.history[rounds[-1] :] if m["role"] == "tool"}
     return bool(calls) and all(c.id in answered and not _unsettled(src, c.id) for c in calls)
-
-
-def _replace_result(
-    src: Source, history: list[dict[str, Any]], results: dict[str, str], new: ToolResultEdit, n: int
-) -> None:
-    """Replace a settled call's result (its record kept) and its tool message."""
-    cid, content = new.call_id, new.content
-    at = [i for i, m in enumerate(history) if m["role"] == "tool" and m["tool_call_id"] == cid]
-    if not at or cid not in results:
-        raise ForkInvalid(
-            src.turn_id, "edit.tool_result.call_id", f"no settled call {cid} before round {n}"
-        )
-    history[at[0]] = {**history[at[0]], "content": content}
-    result = ToolResult.model_validate_json(results[cid])
-    results[cid] = result.model_copy(update={"content": content}).model_dump_json()
 
 
 def replay_source(state: TurnState) -> dict[str, Any] | None:
