@@ -69,13 +69,11 @@ class Publisher:
         self.tick = asyncio.Event()
         """Set (and replaced) each time a batch has gone out."""
         self.wake = asyncio.Event()
-        """Wakes the loop from waiting for held deltas alone."""
+        """Wakes the loop from its sleep: an event came that may not wait that long."""
         self.holding_until: float | None = None
-        """While only held deltas wait: when the first of them is due."""
-        self.resting: set[str] | None = None
-        """The turns whose interval after a batch the loop waits out (`_rest`)."""
-        self.urgent = asyncio.Event()
-        """Wakes the loop from the interval: another turn's first event came."""
+        """While the loop sleeps (nothing to send now): until when."""
+        self.resting: set[str] = set()
+        """The turns whose interval after a batch the loop waits out."""
 
     def add(self, turn_id: str, type_: str, fields: dict[str, Any]) -> None:
         events = self.pending.setdefault(turn_id, [])
@@ -92,14 +90,12 @@ class Publisher:
         events.append((type_, fields))
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.get_running_loop().create_task(self._flush())
-        elif self.resting is not None and turn_id not in self.resting and len(events) == 1:
-            if type_ != "llm_delta" or self._due(turn_id, time.monotonic()) is None:
-                self.urgent.set()
-        elif self.holding_until is not None:
-            # Otherwise the loop looks at every turn after the batch it is on: waking it
-            # for each held delta would have it scan thousands of turns a chunk.
+        elif self.holding_until is not None and turn_id not in self.resting:
+            # Otherwise the loop looks at every turn when it wakes: waking it for each held
+            # delta (in an interval, at whose end it looks anyway, for any) would have it
+            # scan thousands of turns a chunk.
             due = self._due(turn_id, time.monotonic()) if type_ == "llm_delta" else None
-            if due is None or due < self.holding_until:
+            if due is None or (not self.resting and due < self.holding_until):
                 self.wake.set()
 
     def _due(self, turn_id: str, now: float) -> float | None:
@@ -131,23 +127,30 @@ class Publisher:
         return batch, first_due
 
     async def _flush(self) -> None:
-        while self.pending:
+        """Send what may go now; after a batch, wait out the interval for its turns: another
+        turn's first event goes at once, so no round's first token waits out another
+        round's interval."""
+        rest_until = 0.0
+        while True:
             now = time.monotonic()
-            batch, first_due = self._take(now)
-            if not batch:
-                # Only held deltas: nothing to do until the first is due, unless an event
-                # comes that may not wait that long (`add`).
-                self.wake.clear()
-                self.holding_until = first_due
-                try:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.wake.wait(), first_due - now)
-                finally:
-                    self.holding_until = None
+            if now >= rest_until:
+                if not self.pending:
+                    return
+                self.resting = set()
+            batch, first_due = self._take(now, self.resting)
+            if batch:
+                await self._send(batch, now)
+                if not self.resting:
+                    rest_until = time.monotonic() + self.interval_s
+                self.resting.update(batch)
                 continue
-            await self._send(batch, now)
-            if self.interval_s > 0:
-                await self._rest(set(batch))
+            self.wake.clear()
+            self.holding_until = rest_until if self.resting else first_due
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), self.holding_until - now)
+            finally:
+                self.holding_until = None
 
     async def _send(self, batch: Batch, now: float) -> None:
         self.in_flight = set(batch)
@@ -163,24 +166,6 @@ class Publisher:
         self.in_flight = set()
         tick, self.tick = self.tick, asyncio.Event()
         tick.set()
-
-    async def _rest(self, sent: set[str]) -> None:
-        """Wait out the interval after a batch, that batch's turns': another turn's first
-        event goes at once, so no round's first token waits out another round's interval."""
-        until = time.monotonic() + self.interval_s
-        self.resting = sent
-        try:
-            while (left_s := until - time.monotonic()) > 0:
-                self.urgent.clear()
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.urgent.wait(), left_s)
-                now = time.monotonic()
-                batch, _ = self._take(now, sent)
-                if batch:
-                    sent.update(batch)
-                    await self._send(batch, now)
-        finally:
-            self.resting = None
 
     def _prune(self, now: float) -> None:
         """Forget turns that published nothing for the quiet interval (nothing is held for
@@ -210,6 +195,6 @@ class Publisher:
         # Its next round (here or elsewhere) learns afresh.
         self.seen.pop(turn_id, None)
         taken = self.pending.pop(turn_id, [])
-        if taken:
+        if taken and not self.resting:
             self.wake.set()  # a loop that waits for held deltas alone may wait for none now
         return taken
