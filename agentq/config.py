@@ -441,10 +441,8 @@ class Settings(BaseSettings):
 
     @property
     def shard_count(self) -> int:
-        """`redis_shards`, or its default: 16 on a Cluster, else 1."""
-        if self.redis_shards is not None:
-            return self.redis_shards
-        return k.DEFAULT_CLUSTER_SHARDS if self.redis_cluster_nodes else 1
+        """`redis_shards` (never 0), or its default: 16 on a Cluster, else 1."""
+        return self.redis_shards or (k.DEFAULT_CLUSTER_SHARDS if self.redis_cluster_nodes else 1)
 
     @property
     def replicas_acked(self) -> int:
