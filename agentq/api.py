@@ -235,7 +235,10 @@ class Client(CompletesWaitpoints):
         its `fields`, owned by the key name `owner` (None: no key). `operator=True` may
         continue any conversation: an admin key, or a tool that holds Redis credentials and
         could read it anyway."""
-        if not isinstance(prompt, TurnRequest):
+        if isinstance(prompt, TurnRequest):
+            if fields:  # they would be dropped without a word
+                raise TypeError(f"fields given beside a TurnRequest: {', '.join(sorted(fields))}")
+        else:
             prompt = TurnRequest(prompt=prompt, **fields)
         return start_turn(
             self._store,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 import re
 
+import pytest
+
 import agentq
 from agentq import errors
 
@@ -153,3 +155,12 @@ def test_the_drawn_error_tree_is_the_class_tree() -> None:
         params = set(inspect.signature(cls.__init__).parameters)
         for f in fields:
             assert f in params or hasattr(cls, f), f"{name}({f}): no such field"
+
+
+def test_fields_beside_a_turn_request_are_refused_not_dropped() -> None:
+    # The gateway passes a TurnRequest; a field beside it was dropped without a word.
+    from agentq.api import Client
+    from agentq.models import TurnRequest
+
+    with pytest.raises(TypeError, match="beside a TurnRequest: agent, headless"):
+        Client()._start_turn(TurnRequest(prompt="x"), agent="a", headless=True)
