@@ -172,6 +172,14 @@ def each_shard(client: Any, command: Callable[[Any, int], Any]) -> list[Any]:
     return list(pipe.execute())
 
 
+def exist(client: Any, keys: list[str]) -> list[bool]:
+    """Whether each of `keys` exists, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        pipe.exists(key)
+    return [bool(v) for v in pipe.execute()]
+
+
 def active_turns(client: Any) -> list[str]:
     """The open turns of every shard (the members of their wakeups), the soonest due first."""
     got = each_shard(client, lambda p, s: p.zrange(k.wakeups_key(s), 0, -1, withscores=True))
@@ -255,11 +263,9 @@ class StoreBase:
         """Run a script whose write a failover must not lose (see `_durable_write`)."""
         if not self.replicas_acked:
             return script(keys=keys, args=args)
-
-        def build(pipe: Any) -> None:
-            script(keys=keys, args=args, client=pipe)
-
-        return self._durable_write(build, again, claim=claim)[0]
+        return self._durable_write(
+            lambda pipe: script(keys=keys, args=args, client=pipe), again, claim=claim
+        )[0]
 
     def _durable_write(
         self, build: Callable[[Any], None], again: bool = True, *, claim: bool = False
@@ -278,14 +284,20 @@ class StoreBase:
         run by the claim's id, so the last run's answer is right either way.
         """
         if not self.replicas_acked:
-            return self._pipelined(build)
+            return run_pipeline(self.redis, build)
+
+        def waited(pipe: Any) -> None:
+            build(pipe)
+            pipe.wait(self.replicas_acked, self.wait_timeout_ms)
+
         answer: list[Any] = []
         acked = 0
         for attempt in range(DURABLE_ATTEMPTS if again else 1):
             if attempt:
                 time.sleep(min(0.1 * 2**attempt, 1.0))
                 self._follow_master()
-            *res, acked = self._pipelined(build, wait=True)
+            # run_pipeline builds it again if a failover took it to a master without its scripts.
+            *res, acked = run_pipeline(self.redis, waited)
             if attempt == 0 or claim:
                 answer = res
             if int(acked) >= self.replicas_acked:
@@ -301,17 +313,6 @@ class StoreBase:
                 self.wait_timeout_ms,
             )
         return answer
-
-    def _pipelined(self, build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
-        """Run the commands `build` puts in a pipeline (with a WAIT last, `wait`), built
-        again if a failover took it to a master without its scripts (`run_pipeline`)."""
-
-        def built(pipe: Any) -> None:
-            build(pipe)
-            if wait:
-                pipe.wait(self.replicas_acked, self.wait_timeout_ms)
-
-        return run_pipeline(self.redis, built)
 
     def _follow_master(self) -> None:
         """Behind Sentinel, ask for the master now: if it moved, the pool drops its

@@ -18,6 +18,7 @@ from agentq.state.base import (
     active_turns,
     call_fields,
     dispatch_args,
+    exist,
     finished,
     now_ms,
     text,
@@ -312,12 +313,8 @@ class CallRecords(StoreBase):
 
     def workers_alive(self, hostnames: list[str]) -> dict[str, bool]:
         """Which workers sent a heartbeat lately."""
-        if not hostnames:
-            return {}
-        pipe = self.redis.pipeline(transaction=False)
-        for h in hostnames:
-            pipe.exists(k.worker_alive_key(h))
-        return {h: bool(v) for h, v in zip(hostnames, pipe.execute(), strict=True)}
+        alive = exist(self.redis, [k.worker_alive_key(h) for h in hostnames])
+        return dict(zip(hostnames, alive, strict=True))
 
     def redis_up_s(self) -> float | None:
         """How long Redis has been up (the least of a Cluster's nodes); None if not known.

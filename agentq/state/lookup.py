@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from agentq import constants as k
-from agentq.state.base import text
+from agentq.state.base import exist, text
 
 TURN_ID_LEN = 32
 SCAN_COUNT = 1000
@@ -50,12 +50,8 @@ def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[st
 
 def live(client: Any, turn_ids: list[str]) -> list[str]:
     """The turns of `turn_ids` whose state Redis still holds, in one round trip."""
-    if not turn_ids:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for turn_id in turn_ids:
-        pipe.exists(k.turn_key(turn_id))
-    return [t for t, alive in zip(turn_ids, pipe.execute(), strict=True) if alive]
+    alive = exist(client, [k.turn_key(t) for t in turn_ids])
+    return [t for t, up in zip(turn_ids, alive, strict=True) if up]
 
 
 def _newest(found: dict[str, float], limit: int) -> list[str]:

@@ -6,8 +6,11 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from agentq import constants as k
 from agentq.models import ToolCall, TurnStatus
+from agentq.state import base
 from agentq.state.calls import Started
 from agentq.state.store import TurnStore
 from agentq.tools.results import cancelled_result, error_result
@@ -93,21 +96,27 @@ def test_a_turns_call_records_are_fields_of_its_state_that_state_reads_leave_out
     )
 
 
-def _failover_on_first_run(store: TurnStore, lost: Callable[[], None]) -> list[int]:
+def _failover_on_first_run(
+    store: TurnStore, lost: Callable[[], None], monkeypatch: pytest.MonkeyPatch
+) -> list[int]:
     """Replicas acknowledge no run but the retries: the first run's master is demoted
     (`lost` does to the state what the failover did). Returns the WAIT counts given."""
     store.replicas_acked = 1
-    real = store._pipelined
+    real = base.run_pipeline
     given: list[int] = []
 
-    def pipelined(build: Callable[[Any], None], *, wait: bool = False) -> list[Any]:
-        answers = real(build)
+    def run_pipeline(client: Any, build: Callable[[Any], None]) -> list[Any]:
+        def no_wait(pipe: Any) -> None:
+            pipe.wait = lambda *_: None  # fakeredis has no WAIT: its answer is given here
+            build(pipe)
+
+        answers = real(client, no_wait)
         if not given:
             lost()
         given.append(1 if given else 0)
         return [*answers, given[-1]]
 
-    store._pipelined = pipelined  # type: ignore[method-assign]
+    monkeypatch.setattr(base, "run_pipeline", run_pipeline)
     return given
 
 
@@ -116,7 +125,7 @@ STARTED_EVENT = {"call_id": "c1", "tool": "echo"}
 
 
 def test_a_start_lost_in_a_failover_yields_to_the_copy_that_claimed_the_new_master(
-    store: TurnStore,
+    store: TurnStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The chaos soak's case: a delivery's start lands on a master that is demoted before
     a replica copies it, and the broker's second copy of the delivery claims the call on
@@ -128,18 +137,20 @@ def test_a_start_lost_in_a_failover_yields_to_the_copy_that_claimed_the_new_mast
     def lost() -> None:
         store.redis.hset(k.turn_key("t1"), k.STARTED + "c1", json.dumps(theirs))
 
-    given = _failover_on_first_run(store, lost)
+    given = _failover_on_first_run(store, lost, monkeypatch)
     mine = {**START, "delivery": "x.1", "claim": "mine"}
     assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.REDELIVERED
     assert given == [0, 1]
     assert store.call_progress("t1")[0]["c1"]["claim"] == "theirs"
 
 
-def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(store: TurnStore) -> None:
+def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(
+    store: TurnStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The same, but the first run survived (the replica only acknowledged late): the run
     sent again finds its own claim, and the call runs once."""
     store.record_dispatch("t1", {"c1": {"task_id": "x"}})
-    given = _failover_on_first_run(store, lambda: None)
+    given = _failover_on_first_run(store, lambda: None, monkeypatch)
     mine = {**START, "delivery": "x.1", "claim": "mine"}
     assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.STARTED_ALONE
     assert given == [0, 1]
