@@ -317,10 +317,8 @@ class CallRecords(StoreBase):
         return dict(zip(hostnames, alive, strict=True))
 
     def redis_up_s(self) -> float | None:
-        """How long Redis has been up (the least of a Cluster's nodes); None if not known.
-
-        Read only when a worker looks dead: heartbeats that lapsed while Redis restarted
-        say nothing about the workers until they had a beat's time to beat again."""
+        """How long Redis has been up (the least of a Cluster's nodes); None if not known:
+        heartbeats that lapsed while Redis restarted say nothing about the workers."""
         try:
             info = self.redis.info("server")
         except Exception:
@@ -329,24 +327,9 @@ class CallRecords(StoreBase):
         ups = [float(i["uptime_in_seconds"]) for i in found if isinstance(i, dict) and i]
         return min(ups) if ups else None
 
-    def settle(
-        self,
-        turn_id: str,
-        result: ToolResult,
-        *,
-        wake: bool = True,
-        tracked: bool = True,
-        alone: bool = False,
-    ) -> bool:
-        """Store a call's result unless one is stored already; True if this one won.
-
-        `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
-        for a call never recorded as sent (refused, denied). `alone` (`STARTED_ALONE`): this
-        settle most likely takes the turn's step, so it reads the whole state at once; a
-        wrong guess costs a larger read, nothing else.
-        """
-        code = self.settle_code(turn_id, result, wake=wake, tracked=tracked, alone=alone)
-        return code in (Settled.WON, Settled.READY)
+    def settle(self, turn_id: str, result: ToolResult, **opts: bool) -> bool:
+        """`settle_code`: True if this result was stored (WON or READY)."""
+        return self.settle_code(turn_id, result, **opts) in (Settled.WON, Settled.READY)
 
     def settle_code(
         self,
@@ -358,8 +341,15 @@ class CallRecords(StoreBase):
         alone: bool = False,
         waitpoint: bool = False,
     ) -> Settled:
-        """`settle`, answering what it found; `waitpoint`: a waitpoint's completion, stored
-        only while the call's waitpoint is open (else NOT_WAITING or EXPIRED)."""
+        """Store a call's result unless one is stored already (first writer wins).
+
+        `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
+        for a call never recorded as sent (refused, denied). `alone` (`STARTED_ALONE`): this
+        settle most likely takes the turn's step, so it reads the whole state at once; a
+        wrong guess costs a larger read, nothing else. `waitpoint`: a waitpoint's
+        completion, stored only while the call's waitpoint is open (else NOT_WAITING or
+        EXPIRED).
+        """
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
         args = SettleArgs(
