@@ -87,15 +87,13 @@ def calls(
     ids = list(dispatched) + [c for c in results if c not in dispatched]
     out = []
     for cid in ids:
-        d = dispatched.get(cid, {})
-        s = starts.get(cid, {})
-        r = results.get(cid)
-        rec = (r or {}).get("record") or {}
-        status = str(r.get("status")) if r is not None else ("running" if s else "queued")
+        d, s, r = dispatched.get(cid, {}), starts.get(cid, {}), results.get(cid) or {}
+        rec = r.get("record") or {}
+        status = str(r["status"]) if r else ("running" if s else "queued")
         out.append(
             {
                 "call_id": cid,
-                "tool": d.get("tool") or (r or {}).get("tool"),
+                "tool": d.get("tool") or r.get("tool"),
                 "round": rounds_of.get(cid),
                 "status": status,
                 "dispatched_at": d.get("dispatched_at"),
@@ -112,8 +110,8 @@ def calls(
                 "pid": rec.get("pid") or s.get("pid"),
                 "task_id": rec.get("task_id") or d.get("task_id"),
                 "queue": d.get("queue"),
-                "error": (r or {}).get("error"),
-                "reason": (r or {}).get("reason"),
+                "error": r.get("error"),
+                "reason": r.get("reason"),
             }
         )
     return out
