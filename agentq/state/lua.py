@@ -34,13 +34,10 @@ _OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
 def turn_open_lua(ended: str, whole: str | None = None, extra: tuple[str, ...] = ()) -> str:
     """Lua that reads what every write to a turn (`turn_key`) checks first, and answers
-    `ended` for a turn that is over (or whose state Redis lost): nothing is written after
-    its terminal event, and nothing recreates half of a vanished turn.
-
-    It binds the `_OPEN` fields (`watched`, `seq`, `cancelled`, `held`, `unsettled`, `kids`,
-    `hlen`) and `more`, the fields the Lua expressions `extra` name. When the Lua condition
-    `whole` holds it reads the whole state instead (`whole_st`, `whole_at`: field -> index),
-    so a write that takes the step (`wake_or_step_lua`) does not read it twice.
+    `ended` for a turn that is over or lost: nothing is written after its terminal event,
+    and nothing recreates half of a vanished turn. It binds the `_OPEN` fields and `more`
+    (the fields the Lua expressions `extra` name); when the Lua condition `whole` holds it
+    reads the whole state (`whole_st`, `whole_at`: field -> index) for `wake_or_step_lua`.
     """
     names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
     read = f"local open = redis.call('HMGET', turn_key, {names})\n"
@@ -106,8 +103,7 @@ MANY_CHUNK = 1000
 
 def write_lua(turn: str, w: str, first: str, last: str) -> str:
     """Lua that adds the history messages ARGV[first..last] to the field/value table `w`
-    after the turn's `hlen` messages, with their new count, and HSETs `w` to `turn` in
-    MANY_CHUNK pieces."""
+    after the turn's `hlen` messages and HSETs `w` to `turn` in MANY_CHUNK pieces."""
     return f"""
 do
   local next_m = hlen
@@ -134,9 +130,8 @@ _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 def wake_lua(
     fields: str = "", turn: str = "turn_key", turn_id: str = "turn_id", at: str = "wake_at"
 ) -> str:
-    """Lua that marks an existing turn woken (DIRTY_FIELD, in one HSET with the Lua
-    field/value list `fields`) and has a sweeper step it by `at` (LT: an earlier wakeup
-    stays)."""
+    """Lua that marks a turn woken (DIRTY_FIELD, in one HSET with the Lua field/value list
+    `fields`) and has a sweeper step it by `at` (LT: an earlier wakeup stays)."""
     more = f", {fields}" if fields else ""
     return f"""
 redis.call('HSET', {turn}, '{DIRTY_FIELD}', 1{more})
@@ -145,10 +140,9 @@ redis.call('ZADD', wakeups_key, 'LT', {at}, {turn_id})
 
 
 def view_lua(st: str) -> str:
-    """A Lua table expression: what a step reads out of the state `st` as HGETALL gave it:
-    the state without its records, the history in order, and the round (the settled
-    results, dispatch records and plans of the `round_calls`), so collecting a round
-    needs no read of its own."""
+    """A Lua table expression: what a step reads out of the state `st` (HGETALL): the state
+    without its records, the history in order, and the round's settled results, dispatch
+    records and plans (of `round_calls`), so collecting a round needs no read of its own."""
     return f"""(function()
     local state, rec, rc, hist = {{}}, {{}}, nil, {{}}
     for i = 1, #{st}, 2 do

@@ -220,11 +220,8 @@ class RoundRecords(StoreBase):
         return text(raw) if text(raw) != "null" else None
 
     def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
-        """Renew many rounds' leases in one round trip: (turn id, round) -> worker.
-
-        A plain HSET: a renewal that lands after the round's result (which clears the
-        lease) leaves a lease of a round that has its result, which nothing reads, and the
-        turn's hash outlives every round of it (its retention starts when it ends)."""
+        """Renew many rounds' leases in one round trip: (turn id, round) -> worker. A plain
+        HSET: a renewal that lands after the round's result leaves a lease nothing reads."""
         if not rounds:
             return
         until_ms = now_ms() + lease_ms

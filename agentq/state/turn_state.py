@@ -1,11 +1,6 @@
-"""The turn's state: the fields of its state hash (each JSON), as one read decodes them.
-
-Every module that reads a turn's state reads it as a `TurnState`, so mypy refuses a
-misspelled field instead of letting it read as None. The hash holds the turn's records
-too (its calls and history messages, `constants.RECORDS`); those are not state, and a
-read of the state leaves them out. A new field is added here first, with one line
-saying what it holds.
-"""
+"""The turn's state: the fields of its state hash (each JSON) but its records (calls and
+history messages, `constants.RECORDS`), typed so mypy refuses a misspelled field. A new
+field is added here first, with one line saying what it holds."""
 
 from __future__ import annotations
 
@@ -13,10 +8,8 @@ from typing import Any, TypedDict
 
 
 class TurnState(TypedDict, total=False):
-    """A turn's state fields, as `TurnStore.state` returns them; every field may be absent
-    (a field not written yet, one written None)."""
+    """A turn's state fields; any may be absent (not written yet, or written None)."""
 
-    # -- what the turn is, written when it is stored --------------------------------------
     status: str
     """`TurnStatus` value: queued, running, finished, error or aborted."""
     created_at: float
@@ -32,17 +25,14 @@ class TurnState(TypedDict, total=False):
     history_start: int
     """How many messages of the history came from the conversation (before this turn)."""
     conversation_waiting: bool
-    """Queued behind another turn of its conversation: its messages are in
-    `pending_messages`, not yet in its history (its first step after its turn comes moves
-    them there, after the conversation's history)."""
+    """Queued behind another turn of its conversation: its messages wait in
+    `pending_messages` until its first step moves them after the conversation's history."""
     pending_messages: list[dict[str, Any]] | None
     """A waiting turn's own messages, until it runs (or joins the running turn)."""
     conversation_base_len: int
-    """The conversation history's length when the turn read it: its exchange is appended
-    after exactly that many messages."""
+    """The conversation history's length when the turn read it, where its exchange goes."""
     conversation_replaces: str
-    """A retry in place: the turn (its source, the conversation's last) whose exchange in the
-    conversation its own replaces."""
+    """A retry in place: its source, the conversation's last turn, whose exchange it replaces."""
     multitask: str | None
     """What the turn's request asked for when its conversation was busy."""
     inject_seq: int
@@ -89,7 +79,6 @@ class TurnState(TypedDict, total=False):
     instructions: str | None
     """The system message of its rounds, instead of its agent's (a fork's edit)."""
 
-    # -- how far it went -----------------------------------------------------------------
     started_at: float
     """When its first step ran (epoch seconds)."""
     phase: str
@@ -101,8 +90,7 @@ class TurnState(TypedDict, total=False):
     call_count: int
     """How many tool calls the turn has made since `history_start`."""
     stop_after_round: str | None
-    """A stop reason (max_calls_per_turn, loop_detected) that ends the turn once the
-    round's calls are settled."""
+    """A stop reason (max_calls_per_turn, loop_detected) that ends the turn after this round."""
     streamed_s: float
     """Seconds spent streaming model rounds so far."""
     output_retries: int
@@ -110,7 +98,6 @@ class TurnState(TypedDict, total=False):
     progress: str
     """A child turn's last phase, shown in its parent's heartbeats."""
 
-    # -- its model round: sending, admission, failover -----------------------------------
     llm_round: int | None
     """The round last recorded as sent (None: the round goes again)."""
     llm_attempt: int
@@ -138,7 +125,6 @@ class TurnState(TypedDict, total=False):
     llm_failover_round: int
     """The round those failovers are counted for."""
 
-    # -- its spend (docs/spend.md; the totals count its own rounds) ----------------------
     max_tokens: int | None
     """The turn's token budget from its request (its agent's may be lower)."""
     max_cost_usd: float | None
@@ -164,7 +150,6 @@ class TurnState(TypedDict, total=False):
     spent_estimated_rounds: int
     """Rounds charged their estimate (no usage from the server, or the stream broke)."""
 
-    # -- its end -------------------------------------------------------------------------
     ended_at: float
     """When the turn ended (epoch seconds)."""
     finished_at: float
@@ -182,7 +167,6 @@ class TurnState(TypedDict, total=False):
     end_settled: list[str] | None
     """The calls its end settled (cancelled, or not run): a retry runs them again."""
 
-    # -- the machinery's bookkeeping (constants.BOOKKEEPING_FIELDS, the event bus) -------
     step: str
     """constants.STEP_FIELD: the step lock, `"<token>:<until ms>"`."""
     dirty: int

@@ -246,8 +246,7 @@ class TurnRecords(StoreBase):
         return _state_of(raw) if raw else None
 
     def snapshot(self, turn_id: str) -> TurnSnapshot | None:
-        """The turn's state, history and settled results, from one read; None if Redis
-        has no such turn."""
+        """The turn's state, history and settled results, from one read (None: no turn)."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
         if not raw:
             return None
@@ -283,12 +282,8 @@ class TurnRecords(StoreBase):
         **fields: Any,
     ) -> Closed:
         """End the turn (status, terminal event, retention TTL) atomically, unless it had
-        ended or `token` no longer holds the step lock (see `Closed`).
-
-        `settle_parent` (parent turn id, result) settles the parent's call in the same step;
-        `append` adds history messages first; `hands_off`: its conversation's hand-off
-        follows, and the turn's wakeup stays as its backstop.
-        """
+        ended or `token` no longer holds the step lock (see `Closed` and CLOSE_LUA).
+        `settle_parent`: (parent turn id, result) of the parent's call it settles."""
         messages = [json.dumps(m) for m in append or []]
         ended = {"status": status.value, "ended_at": time.time(), **fields}
         flat = [x for f, v in ended.items() for x in (f, json.dumps(v))]
