@@ -16,9 +16,9 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import redis
 
@@ -30,6 +30,8 @@ from agentq.state.turn_state import TurnState
 from agentq.telemetry.fleetcounts import COUNTED_TYPES, fleet_counts
 
 log = logging.getLogger("agentq.state")
+
+T = TypeVar("T")
 
 WAIT_WARN_EVERY_S = 10.0
 """A replica that does not acknowledge is logged at most this often per process."""
@@ -163,26 +165,23 @@ def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
     return [x for c, r in records.items() for x in (k.DISPATCHED + c, json.dumps(r))]
 
 
-def each_shard(client: Any, command: Callable[[Any, int], Any]) -> list[Any]:
-    """The answers of `command(pipe, shard)` for every shard of the state, in one round
-    trip (agentq.constants: one shard on one Redis, several on a Cluster)."""
+def each(client: Any, items: Iterable[T], command: Callable[[Any, T], Any]) -> list[Any]:
+    """The answers of `command(pipe, item)` for each of `items`, in one round trip (none
+    for no items). Over `k.shards()`: one shard on one Redis, several on a Cluster."""
     pipe = client.pipeline(transaction=False)
-    for shard in k.shards():
-        command(pipe, shard)
+    for item in items:
+        command(pipe, item)
     return list(pipe.execute())
 
 
 def exist(client: Any, keys: list[str]) -> list[bool]:
     """Whether each of `keys` exists, in one round trip."""
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.exists(key)
-    return [bool(v) for v in pipe.execute()]
+    return [bool(v) for v in each(client, keys, lambda p, key: p.exists(key))]
 
 
 def active_turns(client: Any) -> list[str]:
     """The open turns of every shard (the members of their wakeups), the soonest due first."""
-    got = each_shard(client, lambda p, s: p.zrange(k.wakeups_key(s), 0, -1, withscores=True))
+    got = each(client, k.shards(), lambda p, s: p.zrange(k.wakeups_key(s), 0, -1, withscores=True))
     return [text(t) for _, t in sorted((float(sc), t) for rows in got for t, sc in rows)]
 
 

@@ -18,6 +18,7 @@ from agentq.state.base import (
     active_turns,
     call_fields,
     dispatch_args,
+    each,
     exist,
     finished,
     now_ms,
@@ -199,11 +200,11 @@ def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, A
     one round trip (more for a turn too large for one scan), matched in Redis so a turn's
     history stays there."""
     pattern = f"[{kinds}]:*"
-    pipe = client.pipeline(transaction=False)
-    for turn_id in turn_ids:
-        pipe.hscan(k.turn_key(turn_id), 0, match=pattern, count=SCAN_COUNT)
+    got = each(
+        client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, match=pattern, count=SCAN_COUNT)
+    )
     out: list[dict[Any, Any]] = []
-    for turn_id, (cursor, fields) in zip(turn_ids, pipe.execute(), strict=True):
+    for turn_id, (cursor, fields) in zip(turn_ids, got, strict=True):
         found = dict(fields)
         while int(cursor):
             cursor, more = client.hscan(

@@ -25,7 +25,7 @@ import redis
 from agentq import constants as k
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.state.base import active_turns, each_shard, text
+from agentq.state.base import active_turns, each, text
 from agentq.state.lookup import live
 
 MAX_LIMIT = 200
@@ -263,17 +263,13 @@ class TurnLister:
 
     def _drop(self, gone: list[str]) -> None:
         """Remove these turns' index entries, each from its shard's index."""
-        if not gone:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for t in gone:
-            pipe.zrem(k.turn_index_key(t), t)
-        pipe.execute()
+        each(self.redis, gone, lambda p, t: p.zrem(k.turn_index_key(t), t))
 
     def _newest(self, top: str, num: int) -> list[tuple[str, float]]:
         """The `num` newest index entries below `top`, over every shard."""
-        got = each_shard(
+        got = each(
             self.redis,
+            k.shards(),
             lambda p, s: p.zrevrangebyscore(
                 k.index_key(s), top, "-inf", start=0, num=num, withscores=True
             ),
@@ -316,8 +312,9 @@ class TurnLister:
         top, low, tied, dropped = f"({older_than!r}", -math.inf, set[str](), 0
 
         def from_low(low: float, num: int) -> list[Any]:
-            return each_shard(
+            return each(
                 self.redis,
+                k.shards(),
                 lambda p, s: p.zrangebyscore(
                     k.index_key(s), repr(low), top, start=0, num=num, withscores=True
                 ),

@@ -222,8 +222,6 @@ class RoundRecords(StoreBase):
     def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
         """Renew many rounds' leases in one round trip: (turn id, round) -> worker. A plain
         HSET: a renewal that lands after the round's result leaves a lease nothing reads."""
-        if not rounds:
-            return
         until_ms = now_ms() + lease_ms
         pipe = self.redis.pipeline(transaction=False)
         for (turn_id, round_no), worker in rounds.items():

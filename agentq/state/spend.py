@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from agentq.config import ModelPrice, Settings
 from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import Usage
-from agentq.state.base import text
+from agentq.state.base import each, text
 from agentq.state.budget import (
     MIN_COMPLETION_TOKENS,
     Budget,
@@ -449,14 +449,12 @@ class Spend:
         """The per-day hashes of `owners` over `days`, by (owner, day), in one round trip
         (one a slot on a Cluster)."""
         pairs = [(o, d) for o in owners for d in days]
-        pipe = self.redis.pipeline(transaction=False)
-        for o, d in pairs:
-            pipe.hgetall(day_key(None if o == NO_KEY else o, d))
-        out: dict[tuple[str, str], dict[str, str]] = {}
-        for pair, raw in zip(pairs, pipe.execute(), strict=True):
-            if raw:
-                out[pair] = {text(a): text(b) for a, b in raw.items()}
-        return out
+        got = each(self.redis, pairs, lambda p, od: p.hgetall(day_key(*od)))
+        return {
+            pair: {text(a): text(b) for a, b in raw.items()}
+            for pair, raw in zip(pairs, got, strict=True)
+            if raw
+        }
 
 
 GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
