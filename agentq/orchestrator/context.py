@@ -117,7 +117,6 @@ class StepContext:
         # The calls to send are recorded only as the lock goes (the release script skips
         # them on a keep): a commit leaves them for the release.
         dispatched = {} if keep else self.dispatched
-        new_calls = sum(1 for r in dispatched.values() if int(r.get("sends", 1)) == 1)
         got = self.store.release_step(
             self.turn_id,
             self.token,
@@ -128,7 +127,6 @@ class StepContext:
             events=events,
             append=self.staged_append,
             plans=self.staged_plans,
-            new_calls=new_calls,
             keep=keep,
         )
         if got is Released.LOST or (keep and got is not Released.KEPT):

@@ -160,6 +160,11 @@ def history_of(raw: Mapping[Any, Any]) -> list[dict[str, Any]]:
     return [json.loads(found[i]) for i in sorted(found)]
 
 
+def first_send(record: Mapping[str, Any]) -> bool:
+    """A dispatch record of a call sent for the first time (a pickup sends it again)."""
+    return int(record.get("sends", 1)) == 1
+
+
 def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
     """Dispatch records as the (field, record JSON) pairs of a turn's state hash."""
     return [x for c, r in records.items() for x in (k.DISPATCHED + c, json.dumps(r))]

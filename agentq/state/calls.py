@@ -21,6 +21,7 @@ from agentq.state.base import (
     each,
     exist,
     finished,
+    first_send,
     now_ms,
     text,
 )
@@ -241,12 +242,12 @@ class CallRecords(StoreBase):
         if not records:
             return
         key, pipe = k.turn_key(turn_id), self.redis.pipeline(transaction=False)
-        new = [k.DISPATCHED + c for c, r in records.items() if int(r.get("sends", 1)) == 1]
+        new = [k.DISPATCHED + c for c, r in records.items() if first_send(r)]
         if new:
             pipe.hdel(key, *new)
             pipe.hincrby(key, k.UNSETTLED_FIELD, -len(new))
         for c, r in records.items():
-            if int(r.get("sends", 1)) > 1:
+            if not first_send(r):
                 pipe.hset(key, k.DISPATCHED + c, json.dumps({**r, "sends": int(r["sends"]) - 1}))
         pipe.execute()
 

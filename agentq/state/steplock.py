@@ -19,6 +19,7 @@ from agentq.state.base import (
     StoreBase,
     TurnKeys,
     dispatch_args,
+    first_send,
     now_ms,
     step_view,
 )
@@ -274,13 +275,13 @@ class StepRecords(StoreBase):
         events: list[tuple[str, dict[str, Any]]] | None = None,
         append: list[dict[str, Any]] | None = None,
         plans: dict[str, str] | None = None,
-        new_calls: int = 0,
         keep: bool = False,
     ) -> Released:
         """Write what the step staged and record the calls it is about to send
-        (`dispatched`, `new_calls` of them new), fenced by its lock, then let go of the lock
-        unless `keep` (see `Released`)."""
+        (`dispatched`), fenced by its lock, then let go of the lock unless `keep` (see
+        `Released`)."""
         write = StepWrite.of(turn_id, fields, append, plans, events)
+        dispatched = dispatched or {}
         named = ReleaseArgs(
             token,
             turn_id,
@@ -288,11 +289,11 @@ class StepRecords(StoreBase):
             ttl_ms,
             self.bus.log_arg() if write.events else "",
             now_ms(),
-            new_calls,
+            sum(1 for r in dispatched.values() if first_send(r)),
             "1" if keep else "0",
             *write.counts(),
         )
-        args = argv_of(named, *write, dispatch_args(dispatched or {}))
+        args = argv_of(named, *write, dispatch_args(dispatched))
         keys = TurnKeys.of(turn_id)
         if not (dispatched or any(write)):
             return Released(int(self._release(keys=keys, args=args)))

@@ -80,7 +80,6 @@ def _one_call(store: TurnStore) -> tuple[str, dict[str, int]]:
             fields={"status": "running", "round_calls": [call.id]},
             events=[("turn_started", {})],
             plans={call.id: json.dumps({"call": call.model_dump()})},
-            new_calls=1,
         ),
     )
     start = {"started_at": time.time(), "worker": "w", "pid": 1, "task_id": "t"}

@@ -81,9 +81,7 @@ class UnsettledCount(RuleBasedStateMachine):
         out = [c for c in self.sent if c not in self.settled][:again]
         for c in out:
             records[c] = {**self.sent[c], "sends": int(self.sent[c]["sends"]) + 1}
-        released = self.store.release_step(
-            self.turn_id, token, None, 10_000, records, new_calls=new
-        )
+        released = self.store.release_step(self.turn_id, token, None, 10_000, records)
         assert released is Released.RELEASED
         self.sent.update(records)
         self.last_batch = records
