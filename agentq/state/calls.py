@@ -301,16 +301,12 @@ class CallRecords(StoreBase):
         found: list[str] = []
         for i in range(0, len(ids), batch):
             chunk = ids[i : i + batch]
-            for turn_id, calls in zip(
+            for turn_id, raw in zip(
                 chunk, records_of(self.redis, chunk, k.STARTED[0]), strict=True
             ):
-                for raw in call_fields(calls, k.STARTED).values():
-                    if needle not in text(raw):
-                        continue
-                    rec = json.loads(raw)
-                    if rec.get("worker") == worker and rec.get("heartbeat"):
-                        found.append(turn_id)
-                        break
+                starts = [json.loads(v) for v in raw.values() if needle in text(v)]
+                if any(s.get("worker") == worker and s.get("heartbeat") for s in starts):
+                    found.append(turn_id)
         return found
 
     def workers_alive(self, hostnames: list[str]) -> dict[str, bool]:
