@@ -135,9 +135,7 @@ class InlineStepper(Protocol):
 
 def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None) -> StepView:
     """A step's view from what the begin script (or a write that took the lock) returned."""
-    state = cast(
-        TurnState, {text(flat[i]): json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
-    )
+    state = state_of(dict(zip(flat[::2], flat[1::2], strict=True)))
     ids = state.get("round_calls")
     cancel = state.pop(k.CANCEL_FIELD, None)
     return StepView(
@@ -146,6 +144,12 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
         history=[json.loads(m) for m in history],
         round=RoundRead(tuple(ids), *rnd) if rnd and isinstance(ids, list) else None,
     )
+
+
+def state_of(raw: Mapping[Any, Any]) -> TurnState:
+    """A turn's state fields out of its state hash as read: its records left out."""
+    fields = ((text(f), v) for f, v in raw.items())
+    return cast(TurnState, {f: json.loads(v) for f, v in fields if not k.is_record(f)})
 
 
 def call_fields(raw: Mapping[Any, Any], prefix: str) -> dict[str, Any]:

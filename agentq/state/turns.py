@@ -6,7 +6,7 @@ import json
 import time
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import (
@@ -27,6 +27,7 @@ from agentq.state.base import (
     call_fields,
     finished,
     history_of,
+    state_of,
     text,
 )
 from agentq.state.lua import (
@@ -178,12 +179,6 @@ class TurnSnapshot:
     """Its calls' settled results, by call id."""
 
 
-def _state_of(raw: dict[Any, Any]) -> TurnState:
-    """A turn's state fields out of its state hash as read: its records left out."""
-    fields = ((text(f), v) for f, v in raw.items())
-    return cast(TurnState, {f: json.loads(v) for f, v in fields if not k.is_record(f)})
-
-
 class TurnRecords(StoreBase):
     """A turn's state hash, history and children; `close` ends it once."""
 
@@ -243,7 +238,7 @@ class TurnRecords(StoreBase):
     def state(self, turn_id: str) -> TurnState | None:
         """The turn's state fields (its records left out), None if Redis has none."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
-        return _state_of(raw) if raw else None
+        return state_of(raw) if raw else None
 
     def snapshot(self, turn_id: str) -> TurnSnapshot | None:
         """The turn's state, history and settled results, from one read (None: no turn)."""
@@ -252,7 +247,7 @@ class TurnRecords(StoreBase):
             return None
         settled = call_fields(raw, k.SETTLED)
         return TurnSnapshot(
-            state=_state_of(raw),
+            state=state_of(raw),
             history=history_of(raw),
             results={c: ToolResult.model_validate_json(v) for c, v in settled.items()},
         )
