@@ -51,8 +51,7 @@ STATE_LOST_MESSAGE = (
 
 
 class TurnKeys(NamedTuple):
-    """KEYS of a script that writes a turn's state, publishes its events or wakes it: all
-    in the slot of the turn's shard."""
+    """KEYS of a script that writes a turn's state, publishes or wakes it: one slot, its shard's."""
 
     turn_key: str
     log_key: str
@@ -95,8 +94,7 @@ return 1
 
 @dataclass(frozen=True)
 class RoundRead:
-    """The stored results, dispatch records and plans (raw, in call order) of a round's
-    calls, read with the step's view or known by the step that planned them."""
+    """The stored results, dispatch records and plans (raw, in call order) of a round's calls."""
 
     ids: tuple[str, ...]
     results: list[Any]
@@ -112,8 +110,7 @@ class RoundRead:
 
 @dataclass
 class StepView:
-    """What a step reads when it begins: the turn's state (None: Redis lost it), its cancel
-    reason, its history and, when the state names them, its round's calls as stored."""
+    """What a step reads when it begins (`state` None: Redis lost the turn)."""
 
     state: TurnState | None
     cancel_reason: str | None
@@ -279,18 +276,12 @@ class StoreBase:
         self, build: Callable[[Any], None], again: bool = True, *, claim: bool = False
     ) -> list[Any]:
         """Send the commands `build` puts in a pipeline, then WAIT for `replicas_acked`
-        replicas on the same connection; the answers of the first run, WAIT's cut off.
-
-        Too few acknowledgements mean the write may sit on a master being replaced, so
-        idempotent writes (`again`) are sent again, with backoff, until replicas
-        acknowledge them: after a failover the client has moved to the new master and
-        the write lands there.
-
-        A `claim` (a call's start) answers with its last run instead: its first may be
-        lost with the old master, and on the new one the broker's second copy of the
-        delivery may have claimed the call in between. The script tells its own earlier
-        run by the claim's id, so the last run's answer is right either way.
-        """
+        replicas; the answers of the first run. Too few acknowledgements mean the write may
+        sit on a master being replaced, so idempotent writes (`again`) are sent again, with
+        backoff, until replicas acknowledge them on the new master. A `claim` (a call's
+        start) answers with its last run: its first may be lost with the old master, where
+        the broker's second copy may since have claimed the call; the script tells its own
+        earlier run by the claim's id, so the last answer is right either way."""
         if not self.replicas_acked:
             return run_pipeline(self.redis, build)
 
