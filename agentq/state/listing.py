@@ -265,17 +265,18 @@ class TurnLister:
         """Remove these turns' index entries, each from its shard's index."""
         each(self.redis, gone, lambda p, t: p.zrem(k.turn_index_key(t), t))
 
-    def _newest(self, top: str, num: int) -> list[tuple[str, float]]:
-        """The `num` newest index entries below `top`, over every shard."""
-        got = each(
-            self.redis,
-            k.shards(),
-            lambda p, s: p.zrevrangebyscore(
-                k.index_key(s), top, "-inf", start=0, num=num, withscores=True
-            ),
-        )
-        rows = [(text(m), float(sc)) for found in got for m, sc in found]
-        rows.sort(key=lambda r: r[1], reverse=True)
+    def _entries(self, low: str, high: str, num: int, newest: bool) -> list[tuple[float, str]]:
+        """At most `num` index entries (score, turn id) from `low` to `high`, over every
+        shard: the newest first, or the oldest."""
+
+        def read(p: Any, shard: int) -> Any:
+            key = k.index_key(shard)
+            if newest:
+                return p.zrevrangebyscore(key, high, low, start=0, num=num, withscores=True)
+            return p.zrangebyscore(key, low, high, start=0, num=num, withscores=True)
+
+        got = each(self.redis, k.shards(), read)
+        rows = sorted(((float(sc), text(m)) for found in got for m, sc in found), reverse=newest)
         return rows[:num]
 
     def page(self, query: TurnQuery, visible: Visible | None = None) -> TurnPage:
@@ -286,11 +287,11 @@ class TurnLister:
         scanned = 0
         last_score: float | None = None
         while scanned < SCAN_MAX:
-            rows = self._newest(top, SCAN_BATCH)
+            rows = self._entries("-inf", top, SCAN_BATCH, newest=True)
             if not rows:
                 return page
-            found = self.summaries([m for m, _ in rows], now, visible)
-            for member, score in rows:
+            found = self.summaries([m for _, m in rows], now, visible)
+            for score, member in rows:
                 scanned += 1
                 last_score = score
                 row = found.get(member)
@@ -311,20 +312,10 @@ class TurnLister:
         reading at most `rounds` pages of `batch`; how many were dropped."""
         top, low, tied, dropped = f"({older_than!r}", -math.inf, set[str](), 0
 
-        def from_low(low: float, num: int) -> list[Any]:
-            return each(
-                self.redis,
-                k.shards(),
-                lambda p, s: p.zrangebyscore(
-                    k.index_key(s), repr(low), top, start=0, num=num, withscores=True
-                ),
-            )
-
         for _ in range(rounds):
             # A page starts at the last one's score, past its live entries of that score:
             # entries sharing a score are never skipped.
-            got = from_low(low, batch + len(tied))
-            rows = sorted((float(sc), text(m)) for found in got for m, sc in found)
+            rows = self._entries(repr(low), top, batch + len(tied), newest=False)
             page = [(sc, m) for sc, m in rows if m not in tied][:batch]
             if not page:
                 break
