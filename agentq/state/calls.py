@@ -197,9 +197,8 @@ call reads all of its records."""
 
 
 def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
-    """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`), in
-    one round trip (more for a turn too large for one scan), matched in Redis so a turn's
-    history stays there."""
+    """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`),
+    matched in Redis so its history stays there, in one round trip (more for a large turn)."""
     pattern = f"[{kinds}]:*"
     got = each(
         client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, match=pattern, count=SCAN_COUNT)
@@ -265,8 +264,7 @@ class CallRecords(StoreBase):
         return _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED), _decoded(raw, k.WAITING)
 
     def running_tasks(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        """Task id -> start record (`worker`, `pid`) of each call that started and has no
-        result yet, in one read."""
+        """Task id -> start record (`worker`, `pid`) of each started call without a result."""
         raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.SETTLED[0] + k.WAITING[0])
         # A waiting call's task has ended: nothing of it runs to stop.
         done = set(call_fields(raw, k.SETTLED)) | set(call_fields(raw, k.WAITING))

@@ -234,8 +234,7 @@ class TurnLister:
     def summaries(
         self, turn_ids: list[str], now: float | None = None, visible: Visible | None = None
     ) -> dict[str, dict[str, Any]]:
-        """Summaries of these turns whose state is `visible` (vanished ones omitted and
-        dropped from the index)."""
+        """Summaries of these turns whose state is `visible`; vanished ones leave the index."""
         now = time.time() if now is None else now
         by_shard: dict[int, list[str]] = {}
         for t in turn_ids:

@@ -150,8 +150,7 @@ class RoundRecords(StoreBase):
     def begin_llm_round(
         self, turn_id: str, round_no: int, worker: str, lease_ms: int, started: dict[str, Any]
     ) -> LlmRoundStart:
-        """Claim a model round for this stream worker, publish its llm_started (`started`:
-        the event's fields) and read its history, in one step."""
+        """Claim a model round, publish its llm_started (`started`) and read its history."""
         now = now_ms()
         args = BeginLlmArgs(
             k.llm_alive_value(round_no, now + lease_ms, worker),
@@ -179,8 +178,7 @@ class RoundRecords(StoreBase):
         result_json: str,
         events: list[tuple[str, dict[str, Any]]] | None = None,
     ) -> None:
-        """Publish the round's last `events`, store its result (LlmRoundResult JSON) and
-        wake its turn, in one write."""
+        """Publish the round's last `events`, store its result and wake its turn, in one write."""
         token, lock_ms = self._inline_lock()
         args = FinishLlmArgs(
             turn_id,

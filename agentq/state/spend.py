@@ -366,8 +366,7 @@ class Spend:
     def settle(
         self, *, owner: str | None, turn_id: str, parents: list[str], settle: Settlement
     ) -> bool:
-        """Settle a round to its usage (its reservation replaced, if it took one); False if
-        it was settled before."""
+        """Settle a round to its usage (replacing its reservation); False if settled before."""
         u = settle.usage
         args = SettleArgs(
             str(settle.round_no),

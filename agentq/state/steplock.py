@@ -277,9 +277,8 @@ class StepRecords(StoreBase):
         plans: dict[str, str] | None = None,
         keep: bool = False,
     ) -> Released:
-        """Write what the step staged and record the calls it is about to send
-        (`dispatched`), fenced by its lock, then let go of the lock unless `keep` (see
-        `Released`)."""
+        """Write what the step staged and record the calls it sends (`dispatched`), fenced by
+        its lock, then let go of the lock unless `keep` (see `Released`)."""
         write = StepWrite.of(turn_id, fields, append, plans, events)
         dispatched = dispatched or {}
         named = ReleaseArgs(

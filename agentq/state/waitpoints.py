@@ -133,8 +133,7 @@ class Waitpoints:
     def open_waitpoint(
         self, turn_id: str, call_id: str, record: dict[str, Any], event: dict[str, Any]
     ) -> bool:
-        """Record the call's waitpoint (`record` with `deadline_ms`) and publish tool_waiting;
-        False if it was not (see OPEN_LUA)."""
+        """Record the call's waitpoint and publish tool_waiting; False if not (see OPEN_LUA)."""
         args = OpenArgs(
             call_id,
             json.dumps(record, default=str),
