@@ -62,12 +62,7 @@ def binding(kind: str, value: str) -> str:
 
 def held_bindings(owner: str | None, token: str | None) -> tuple[str, ...]:
     """The bindings a caller holds: its key's, and its conversation token's."""
-    held = []
-    if owner:
-        held.append(binding("owner", owner))
-    if token:
-        held.append(binding("secret", token))
-    return tuple(held)
+    return tuple(binding(kind, v) for kind, v in (("owner", owner), ("secret", token)) if v)
 
 
 @dataclass(frozen=True)
