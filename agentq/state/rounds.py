@@ -200,12 +200,12 @@ class RoundRecords(StoreBase):
             f"the result of round {round_no} of turn {turn_id}",
         )
         woken = ok == RoundFinished.WOKEN
-        if woken or isinstance(ok, list):
-            self.bus.counted(events or [])
-        woke = self._woke(
+        got = self._woke(
             turn_id, ok, token, lock_ms, wake=woken, llm_result=(round_no, result_json)
         )
-        if woke == RoundFinished.TURN_GONE:
+        if got in (RoundFinished.WOKEN, RoundFinished.STEPPED):
+            self.bus.counted(events or [])
+        elif got == RoundFinished.TURN_GONE:
             self.end_lost_turn(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:
