@@ -54,9 +54,6 @@ class Release(IntEnum):
     """Appended, but the history had changed since the turn read it (never expected)."""
 
 
-MODES = {m: i for i, m in enumerate(Multitask)}
-
-
 class ConversationKeys(NamedTuple):
     owner_key: str
     meta_key: str
@@ -90,7 +87,8 @@ class AdmitArgs(NamedTuple):
     may_too: str
     any_owner: int
     """1: an admin or operator, who may continue any conversation."""
-    mode: int
+    mode: str
+    """A `Multitask` value."""
     ttl_s: int
     now: float
     new_bytes: int
@@ -103,8 +101,7 @@ class AdmitArgs(NamedTuple):
 # position, behind.
 ADMIT_LUA = (
     bind_lua(_SCRIPT_KEYS, AdmitArgs)
-    + f"""mode = tonumber(mode)
-local created = 0
+    + f"""local created = 0
 if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl_s) then
   -- Whatever outlived an expired binding is not this caller's to read.
   redis.call('DEL', meta_key, history_key, queue_key, inject_key)
@@ -123,15 +120,15 @@ if not running or running == '' then
   redis.call('EXPIRE', meta_key, ttl_s)
   return {{{Admit.RUN}, created}}
 end
-if mode == {MODES[Multitask.REJECT]} then return {{{Admit.BUSY}, running}} end
+if mode == '{Multitask.REJECT.value}' then return {{{Admit.BUSY}, running}} end
 local answer = {Admit.QUEUED}
-if mode == {MODES[Multitask.INTERRUPT]} or mode == {MODES[Multitask.ROLLBACK]} then
+if mode == '{Multitask.INTERRUPT.value}' or mode == '{Multitask.ROLLBACK.value}' then
   redis.call('LPUSH', queue_key, turn_id)
-  if mode == {MODES[Multitask.ROLLBACK]} then redis.call('HSET', meta_key, 'rollback', running) end
+  if mode == '{Multitask.ROLLBACK.value}' then redis.call('HSET', meta_key, 'rollback', running) end
   answer = {Admit.INTERRUPTED}
 else
   redis.call('RPUSH', queue_key, turn_id)
-  if mode == {MODES[Multitask.INJECT]} then
+  if mode == '{Multitask.INJECT.value}' then
     redis.call('SADD', inject_key, turn_id)
     answer = {Admit.INJECTED}
   end
