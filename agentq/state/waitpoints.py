@@ -49,13 +49,10 @@ def waitpoint_id(turn_id: str, call_id: str) -> str:
 
 def parse_waitpoint_id(value: str) -> tuple[str, str] | None:
     """The turn id and call id a waitpoint id names; None for anything else."""
-    if not value.startswith(PREFIX):
-        return None
-    rest = value[len(PREFIX) :]
+    rest = value.removeprefix(PREFIX)
     turn_id, sep, call_id = rest[:32], rest[32:33], rest[33:]
-    if sep != "_" or not TURN_ID.fullmatch(turn_id) or not CALL_ID.fullmatch(call_id):
-        return None
-    return turn_id, call_id
+    ok = value.startswith(PREFIX) and sep == "_" and TURN_ID.fullmatch(turn_id)
+    return (turn_id, call_id) if ok and CALL_ID.fullmatch(call_id) else None
 
 
 def token_for(key: bytes, wp_id: str) -> str:
