@@ -45,18 +45,14 @@ def fingerprint(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _xor(key: str, raw: bytes) -> bytes:
-    pad = hashlib.shake_256(b"agentq.idempotency\0" + key.encode()).digest(len(raw))
-    return bytes(a ^ b for a, b in zip(raw, pad, strict=True))
-
-
 def _sealed(key: str, handle: dict[str, Any], seal: bool) -> dict[str, Any]:
     """The handle with its tokens sealed (`seal`) or opened again."""
     out = dict(handle)
     for field in ("token", "conversation_token"):
         if out.get(field):
             raw = out[field].encode() if seal else base64.b64decode(out[field])
-            done = _xor(key, raw)
+            pad = hashlib.shake_256(b"agentq.idempotency\0" + key.encode()).digest(len(raw))
+            done = bytes(a ^ b for a, b in zip(raw, pad, strict=True))
             out[field] = base64.b64encode(done).decode() if seal else done.decode()
     return out
 
