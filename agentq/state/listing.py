@@ -334,10 +334,8 @@ class TurnLister:
         for i in range(0, len(ids), SCAN_BATCH):
             for row in self.summaries(ids[i : i + SCAN_BATCH], visible=visible).values():
                 for p in row["pending_interactions"]:
-                    p["agent"] = row["agent"]
-                    p["owner"] = row["owner"]
                     # A sub-agent's request: the console shows whose agent call asked.
-                    p["parent_turn_id"] = row["parent_turn_id"]
+                    p.update({f: row[f] for f in ("agent", "owner", "parent_turn_id")})
                     out.append(p)
         out.sort(key=lambda p: float(p["expires_at"]))
         return out
