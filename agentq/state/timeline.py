@@ -65,16 +65,13 @@ def model_rounds(events: list[Event], ended_at: float | None) -> list[dict[str, 
 
 def call_rounds(history: list[dict[str, Any]], start: int) -> dict[str, int]:
     """call id -> the model round (1-based) that asked for it."""
-    out: dict[str, int] = {}
-    n = 0
-    for msg in history[start:]:
-        if msg.get("role") != "assistant":
-            continue
-        n += 1
-        for call in msg.get("tool_calls") or []:
-            if isinstance(call, dict) and call.get("id"):
-                out[str(call["id"])] = n
-    return out
+    asked = [m for m in history[start:] if m.get("role") == "assistant"]
+    return {
+        str(call["id"]): n
+        for n, msg in enumerate(asked, 1)
+        for call in msg.get("tool_calls") or []
+        if isinstance(call, dict) and call.get("id")
+    }
 
 
 def calls(
