@@ -245,19 +245,16 @@ class TurnLister:
             args = [k.approval_request_id(""), *turns]
             raw += json.loads(text(self._summary(keys=[k.index_key(shard)], args=args)))
         out: dict[str, dict[str, Any]] = {}
-        gone: list[str] = []
         for row in raw:
-            turn_id = row[0]
             if row[1] is False:
-                gone.append(turn_id)
                 continue
             flat = _as_list(row[1])
             state = {flat[i]: _loads(flat[i + 1]) for i in range(0, len(flat), 2)}
             if visible is not None and not visible(state):
                 continue
             pending = [json.loads(p) for p in _as_list(row[4])]
-            out[turn_id] = summarise(turn_id, state, row[2] or {}, _as_list(row[3]), pending, now)
-        self._drop(gone)
+            out[row[0]] = summarise(row[0], state, row[2] or {}, _as_list(row[3]), pending, now)
+        self._drop([row[0] for row in raw if row[1] is False])
         return out
 
     def _drop(self, gone: list[str]) -> None:
