@@ -277,19 +277,15 @@ class Conversations:
                 pipe.llen(k.conversation_key(c))
                 pipe.llen(k.conversation_queue_key(c))
             got = pipe.execute()
-            gone = []
+            gone = [text(cid) for i, (cid, _) in enumerate(page) if got[4 * i] is None]
             for i, (cid, score) in enumerate(page):
                 bound, running, n_messages, n_queued = got[4 * i : 4 * i + 4]
-                c = text(cid)
-                if bound is None:
-                    gone.append(c)
-                    continue
-                if not any_owner and text(bound) != wanted:
+                if bound is None or not (any_owner or text(bound) == wanted):
                     continue
                 running = text(running or "") or None
                 rows.append(
                     {
-                        "conversation_id": c,
+                        "conversation_id": text(cid),
                         "status": "busy" if running else "idle",
                         "running_turn_id": running,
                         "queued": int(n_queued),
