@@ -415,11 +415,9 @@ class Spend:
         month_raw = self.redis.hmget(
             month_key(owner, month_of(day)), ["usd", "exhausted:usd_per_month"]
         )
-        exhausted = {n for n, v in zip(names, day_raw[2:], strict=True) if v}
-        if month_raw[1]:
-            exhausted.add("usd_per_month")
+        refused = zip((*names, "usd_per_month"), (*day_raw[2:], month_raw[1]), strict=True)
         spent = key_budgets(budget, _num(day_raw[0]), _num(day_raw[1]), _num(month_raw[0]))
-        return spent, exhausted
+        return spent, {n for n, v in refused if v}
 
     def key_refusal(self, owner: str | None, day: str, tokens: int, usd: float) -> Budget | None:
         """The key budget that refuses a start: one that cannot afford the least round
