@@ -91,25 +91,16 @@ async def run_round(
     host.running[name] = Running(req.turn_id, f"model round {req.round_no} of turn {req.turn_id}")
     abort = asyncio.Event()
     remove_cancel = host.cancels.add(req.turn_id, abort.set)
-    bound = logs.bind(req.turn_id, None, task_id)
-    span = tracing.start_span(
-        tracing.SPAN_ROUND,
-        req.traceparent,
-        {
-            tracing.ATTR_TURN_ID: req.turn_id,
-            tracing.ATTR_ROUND: req.round_no,
-            tracing.ATTR_TASK_ID: task_id,
-            "gen_ai.request.model": model,
-        },
-    )
+    ids = logs.LogContext(req.turn_id, None, task_id)
+    attrs = {tracing.ATTR_ROUND: req.round_no, "gen_ai.request.model": model}
     refused: AgentqError | None = None
-    try:
-        if start.cancelled:
-            abort.set()
-        publisher = streams.publisher
-        publisher.learned(req.turn_id, start.followed)
-        rnd = _Round(host, req, publisher, model, len(streams.capacity.entry(model).routes) > 1)
-        with tracing.active(span):
+    with tracing.observed(tracing.SPAN_ROUND, req.traceparent, ids, attrs) as span:
+        try:
+            if start.cancelled:
+                abort.set()
+            publisher = streams.publisher
+            publisher.learned(req.turn_id, start.followed)
+            rnd = _Round(host, req, publisher, model, len(streams.capacity.entry(model).routes) > 1)
             try:
                 result = rnd.answered(*await rnd.call(streams, start.history, abort))
             except ModelBusy as exc:
@@ -125,11 +116,10 @@ async def run_round(
             await host.io(
                 settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers
             )
-    finally:
-        remove_cancel()
-        streams.release((req.turn_id, req.round_no))
-        host.running.pop(name, None)
-        logs.unbind(bound)
+        finally:
+            remove_cancel()
+            streams.release((req.turn_id, req.round_no))
+            host.running.pop(name, None)
     # Before the result is stored: storing it may run the turn's next step here.
     _end_round_span(span, result, rnd.ttft_ms)
     await host.io(

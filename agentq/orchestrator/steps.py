@@ -93,24 +93,10 @@ def take_step(
             return _steps(turn_id, view, token, ttl_ms, store, app, settings)
         # The turn's id bound for the logs, and a step span under the turn's.
         state = view.state or {}
-        bound = logs.bind(turn_id)
-        span = tracing.start_span(
-            tracing.SPAN_STEP,
-            state.get("traceparent"),
-            {
-                tracing.ATTR_TURN_ID: turn_id,
-                tracing.ATTR_AGENT: state.get("agent"),
-                tracing.ATTR_TASK_ID: logs.celery_task()[0],
-            },
-        )
-        try:
-            with tracing.active(span):
-                outcome = _steps(turn_id, view, token, ttl_ms, store, app, settings)
-        except BaseException as exc:
-            tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            logs.unbind(bound)
+        ids, task_id = logs.LogContext(turn_id), logs.celery_task()[0]
+        attrs = {tracing.ATTR_AGENT: state.get("agent"), tracing.ATTR_TASK_ID: task_id}
+        with tracing.observed(tracing.SPAN_STEP, state.get("traceparent"), ids, attrs) as span:
+            outcome = _steps(turn_id, view, token, ttl_ms, store, app, settings)
         tracing.end_span(span, None, {"agentq.step_outcome": outcome})
         return outcome
     finally:

@@ -24,6 +24,9 @@ import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from agentq.telemetry import logs
+from agentq.telemetry.logs import LogContext
+
 log = logging.getLogger("agentq.telemetry")
 
 enabled = False
@@ -269,6 +272,30 @@ def active(span: Any) -> Iterator[None]:
 
     with trace.use_span(span, end_on_exit=False, record_exception=False):
         yield
+
+
+@contextlib.contextmanager
+def observed(
+    name: str,
+    traceparent: object,
+    ids: LogContext,
+    attributes: Mapping[str, Any],
+    ends: type[BaseException] = BaseException,
+) -> Iterator[Any]:
+    """`ids` bound for the logs, and a span under `traceparent` (with them and `attributes`)
+    current, while the block runs; yields the span for the caller to end, ended "error" here
+    when an `ends` exception escapes."""
+    bound = logs.bind(*ids)
+    ids_attrs = {ATTR_TURN_ID: ids.turn_id, ATTR_CALL_ID: ids.call_id, ATTR_TASK_ID: ids.task_id}
+    span = start_span(name, traceparent, {**ids_attrs, **attributes})
+    try:
+        with active(span):
+            yield span
+    except ends as exc:
+        end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        logs.unbind(bound)
 
 
 def record_span(

@@ -59,12 +59,9 @@ async def _guarded(
     """The call, its ids bound for the logs and its span current in its own asyncio task
     (the other calls on the loop keep theirs)."""
     try:
-        status = "error"
         with observed(scope) as span:
-            try:
-                status = await _AsyncCall(host, spec, scope, backend).run(delivery)
-            finally:
-                tracing.end_span(span, status)
+            status = await _AsyncCall(host, spec, scope, backend).run(delivery)
+        tracing.end_span(span, status)
     except BaseException:
         log.exception("call %s of %s failed outside the tool", scope.req.call_id, spec.name)
         raise

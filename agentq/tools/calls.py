@@ -11,7 +11,7 @@ import math
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -83,22 +83,15 @@ def task_scope(request: Any, req: ToolTaskRequest) -> tuple[CallScope, str]:
     return scope, f"{task_id}/{getattr(request, 'retries', 0) or 0}"
 
 
-@contextlib.contextmanager
-def observed(scope: CallScope) -> Iterator[Any]:
+def observed(
+    scope: CallScope, ends: type[BaseException] = BaseException
+) -> contextlib.AbstractContextManager[Any]:
     """The call's ids bound for the logs and its span current (tools' own spans nest under
-    it) meanwhile; yields the span, which the caller ends."""
+    it) meanwhile; yields the span, which the caller ends (see `tracing.observed`)."""
     req = scope.req
-    bound = logs.bind(req.turn_id, req.call_id, scope.task_id)
-    span = tracing.start_span(
-        tracing.CALL_SPAN_PREFIX + req.tool,
-        req.traceparent,
-        tracing.call_attributes(req, scope.task_id),
-    )
-    try:
-        with tracing.active(span):
-            yield span
-    finally:
-        logs.unbind(bound)
+    ids = logs.LogContext(req.turn_id, req.call_id, scope.task_id)
+    attrs = tracing.call_attributes(req, scope.task_id)
+    return tracing.observed(tracing.CALL_SPAN_PREFIX + req.tool, req.traceparent, ids, attrs, ends)
 
 
 HOLD_PAST_DEADLINE_S = 60.0

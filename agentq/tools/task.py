@@ -162,14 +162,11 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     if why_not is not None:
         return why_not
     ctx = tool_context(store, scope, task.backend, _sent)
-    with observed(scope) as span:
-        try:
-            status = _run(spec, scope, ctx, store, settings)
-        except Exception as exc:
-            tracing.end_span(span, "error", error=f"{type(exc).__name__}: {exc}")
-            raise
-    # Anything else (the hard limit's SIGTERM, a revoke) leaves the span open, unexported:
-    # whoever settles the call (the worker's parent, the abort) records it.
+    # Only an Exception ends the span "error": anything else (the SystemExit of the hard
+    # limit's SIGTERM, or of a revoke) leaves it open, unexported, for whoever settles the
+    # call (the worker's parent, the abort) to record.
+    with observed(scope, Exception) as span:
+        status = _run(spec, scope, ctx, store, settings)
     tracing.end_span(span, status)
     return status
 
