@@ -15,7 +15,7 @@ from agentq.errors import HeadlessInteraction
 from agentq.models import InteractionRequest, ToolCall, ToolResult
 from agentq.orchestrator.plan import CallPlan
 from agentq.state.interactions import Interactions, default_timeout_s
-from agentq.tools.results import denied_result, record_for
+from agentq.tools.results import denied_result, ok_result
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -150,12 +150,6 @@ def _decide(
         # The answer, as JSON, is the call's result (a defaulted one: the declared default).
         raw = ctx.store.redis.get(k.secret_key(ctx.turn_id, rid))
         content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
-        out.results[call.id] = ToolResult(
-            call_id=call.id,
-            tool=call.name,
-            status="ok",
-            content=content,
-            record=record_for(call, "ok", started_at=req.created_at),
-        )
+        out.results[call.id] = ok_result(call, content, started_at=req.created_at)
     elif req.kind == "password":
         out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)

@@ -15,7 +15,7 @@ from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, final_content
 from agentq.orchestrator.wake import abort_child, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
-from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
+from agentq.tools.results import cancelled_result, error_result, ok_result, timeout_result
 from agentq.tools.timing import truncate_text
 
 if TYPE_CHECKING:
@@ -216,14 +216,7 @@ def _result(
     extra: dict[str, Any] = {"task_id": child, "started_at": started_at}
     if status == "finished":
         body, cut = truncate_text(content, ctx.settings.max_result_bytes)
-        return ToolResult(
-            call_id=call.id,
-            tool=call.name,
-            status="ok",
-            content=body,
-            truncated_bytes=cut,
-            record=record_for(call, "ok", **extra),
-        )
+        return ok_result(call, body, cut, **extra)
     if status == "aborted":
         return cancelled_result(call, error or "user", **extra)
     return error_result(call, f"the agent's turn failed: {error or 'unknown error'}", **extra)

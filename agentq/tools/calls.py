@@ -28,7 +28,7 @@ from agentq.state.waitpoints import waitpoints
 from agentq.telemetry import logs, tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
 from agentq.tools.registry import ToolSpec
-from agentq.tools.results import cancelled_result, error_result, record_for, timeout_result
+from agentq.tools.results import cancelled_result, error_result, ok_result, timeout_result
 from agentq.tools.timing import overran, truncate_text
 from agentq.webhooks.task import queue_waiting
 
@@ -362,7 +362,7 @@ def check_value(spec: ToolSpec, value: Any) -> Any:
     return value
 
 
-def ok_result(
+def returned(
     scope: CallScope, spec: ToolSpec, value: Any, settings: Settings, *, soft_fired: bool
 ) -> ToolResult | Waiting:
     """What the tool returned, once `check_value` lets it through."""
@@ -380,21 +380,15 @@ def ok_result(
     elif not isinstance(value, str):
         value = json.dumps(value, default=str, ensure_ascii=False)
     text, cut = truncate_text(value, settings.max_result_bytes)
-    return ToolResult(
-        call_id=req.call_id,
-        tool=req.tool,
-        status="ok",
-        content=text,
-        truncated_bytes=cut,
-        record=record_for(
-            scope.call,
-            "ok",
-            finished_at=finished,
-            soft_limited=soft,
-            partial=partial or soft,
-            overran=overran(finished - scope.started, req.budget_s),
-            **scope.common,
-        ),
+    return ok_result(
+        scope.call,
+        text,
+        cut,
+        finished_at=finished,
+        soft_limited=soft,
+        partial=partial or soft,
+        overran=overran(finished - scope.started, req.budget_s),
+        **scope.common,
     )
 
 
@@ -420,7 +414,7 @@ def outcome(
         return scope.timeout(killed=False, soft=True)
     if raised is None:
         try:
-            return ok_result(scope, spec, value, settings, soft_fired=soft_fired)
+            return returned(scope, spec, value, settings, soft_fired=soft_fired)
         except Exception as exc:  # a value no tool may return (ToolMisuse)
             raised = exc
     if isinstance(raised, AgentqError):

@@ -44,6 +44,18 @@ def _result(
     )
 
 
+def ok_result(call: ToolCall, content: str, truncated_bytes: int = 0, **record: Any) -> ToolResult:
+    """A call that succeeded: the model reads `content`."""
+    return ToolResult(
+        call_id=call.id,
+        tool=call.name,
+        status="ok",
+        content=content,
+        truncated_bytes=truncated_bytes,
+        record=record_for(call, "ok", **record),
+    )
+
+
 def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
     """A call that could not run or raised: the model reads what went wrong."""
     return _result(call, "error", {"error": message}, record, error=message)
