@@ -16,6 +16,7 @@ from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.llm.reasoning import REASONING_ITEMS
 from agentq.models import CALL_ID, AssistantMessage, InteractionKind, ToolCall
 from agentq.tools import ask_user
+from agentq.tools.policy import ToolPolicy
 from agentq.tools.registry import get_tool, parse_arguments
 from agentq.tools.timing import Limits, effective_limits, split_meta
 
@@ -74,13 +75,7 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
     if asks:
         # A question is always asked, whatever the agent says: no worker runs `ask_user`.
         agent = None
-    limits = effective_limits(
-        timeout_s=pol.timeout_s,
-        soft_timeout_s=pol.soft_timeout_s,
-        budget_s=pol.budget_s,
-        max_timeout_s=pol.max_timeout_s,
-        hint_s=hint_s,
-    )
+    limits = effective_limits(pol, hint_s)
     approval = pol.approval if agent is None else agent.approval.get(call.name, pol.approval)
     return CallPlan(
         call=call,
@@ -114,13 +109,7 @@ def _plan_subturn(call: ToolCall, tool: AgentTool, agent: Agent) -> CallPlan:
             raise ToolArgumentsInvalid(call.name, 'expected {"prompt": "<a non-empty string>"}')
     except AgentqError as exc:
         return CallPlan(call=call, refusal=exc.message)
-    limits = effective_limits(
-        timeout_s=tool.timeout_s,
-        soft_timeout_s=None,
-        budget_s=0.0,
-        max_timeout_s=tool.timeout_s,
-        hint_s=hint_s,
-    )
+    limits = effective_limits(ToolPolicy.model_validate({"timeout_s": tool.timeout_s}), hint_s)
     return CallPlan(
         call=call,
         arguments={"prompt": prompt},

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agentq.tools.policy import ToolPolicy
 
 SOFT_FRACTION = 0.9
 META_KEY = "_meta"
@@ -25,22 +28,17 @@ class Limits:
         return {"time_limit": self.timeout_s, "soft_time_limit": self.soft_timeout_s}
 
 
-def effective_limits(
-    *,
-    timeout_s: float,
-    soft_timeout_s: float | None,
-    budget_s: float,
-    max_timeout_s: float | None,
-    hint_s: float | None,
-) -> Limits:
-    """Apply a per-call hint to a tool's policy, clamped to the tool's ceiling."""
-    ceiling = timeout_s if max_timeout_s is None else max_timeout_s
+def effective_limits(policy: ToolPolicy, hint_s: float | None) -> Limits:
+    """Apply a per-call hint to a tool's policy (resolved, or with unset limits meaning
+    none), clamped to the tool's ceiling."""
+    timeout_s, budget_s = policy.timeout_s or 0.0, policy.budget_s or 0.0
+    ceiling = timeout_s if policy.max_timeout_s is None else policy.max_timeout_s
     effective = timeout_s
     if hint_s is not None and hint_s > 0:
         effective = hint_s if ceiling <= 0 else min(hint_s, ceiling)
     if effective <= 0:
         return Limits(timeout_s=0.0, soft_timeout_s=0.0, budget_s=budget_s)
-    soft = soft_timeout_s
+    soft = policy.soft_timeout_s
     if soft is None or soft >= effective:
         # A hint below the declared soft limit would leave no room to catch it.
         soft = round(effective * SOFT_FRACTION, 3)

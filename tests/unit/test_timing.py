@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from agentq.tools.policy import ToolPolicy
 from agentq.tools.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
 from tests.helpers import call_scope
 
@@ -14,9 +15,8 @@ def limits(
     max_s: float | None = None,
     hint: float | None = None,
 ):
-    return effective_limits(
-        timeout_s=timeout_s, soft_timeout_s=soft, budget_s=10, max_timeout_s=max_s, hint_s=hint
-    )
+    policy = ToolPolicy(timeout_s=timeout_s, soft_timeout_s=soft, budget_s=10, max_timeout_s=max_s)
+    return effective_limits(policy, hint)
 
 
 def test_defaults_soft_is_nine_tenths_of_hard() -> None:
