@@ -185,14 +185,8 @@ def _advance(ctx: StepContext) -> float | None:
     try:
         return advance(ctx)
     except HeadlessInteraction as exc:
-        fail(
-            ctx,
-            "headless_interaction",
-            exc.message,
-            request_id=exc.request_id,
-            kind=exc.kind,
-            exit_code=4,
-        )
+        where = {"request_id": exc.request_id, "kind": exc.kind}
+        fail(ctx, "headless_interaction", exc.message, **where, exit_code=4)
     except BudgetExceeded as exc:
         # Before a round: every call of the last one has its result, the history is whole.
         fields = ("scope", "budget", "spent", "limit", "resets_at")
