@@ -91,7 +91,6 @@ def take_step(
     try:
         if not (tracing.enabled or logs.enabled):
             return _steps(turn_id, view, token, ttl_ms, store, app, settings)
-        # The turn's id bound for the logs, and a step span under the turn's.
         state = view.state or {}
         ids, task_id = logs.LogContext(turn_id), logs.celery_task()[0]
         attrs = {tracing.ATTR_AGENT: state.get("agent"), tracing.ATTR_TASK_ID: task_id}

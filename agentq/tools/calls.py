@@ -86,8 +86,7 @@ def task_scope(request: Any, req: ToolTaskRequest) -> tuple[CallScope, str]:
 def observed(
     scope: CallScope, ends: type[BaseException] = BaseException
 ) -> contextlib.AbstractContextManager[Any]:
-    """The call's ids bound for the logs and its span current (tools' own spans nest under
-    it) meanwhile; yields the span, which the caller ends (see `tracing.observed`)."""
+    """`tracing.observed` for the call: tools' own spans nest under its span."""
     req = scope.req
     ids = logs.LogContext(req.turn_id, req.call_id, scope.task_id)
     attrs = tracing.call_attributes(req, scope.task_id)
