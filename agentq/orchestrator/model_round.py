@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.errors import (
     BrokerUnavailable,
+    ModelBusy,
     ModelCapacityTimeout,
     ModelRoundFailed,
     StreamDurationExceeded,
@@ -26,10 +27,6 @@ from agentq.tools.registry import schemas_json
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
-
-
-BUSY_CODE = "EBUSY"
-"""The round's result code when the provider answered busy (ModelBusy)."""
 
 
 def send_round(
@@ -241,7 +238,7 @@ def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool
     the model said anything, with failovers left): its result and claim are forgotten."""
     same_round = ctx.state.get("llm_failover_round") == round_no
     failovers = int(ctx.state.get("llm_failovers") or 0) if same_round else 0
-    busy = result.error_code == BUSY_CODE
+    busy = result.error_code == ModelBusy.code
     if not busy and not (result.failover and failovers < ctx.settings.llm_max_retries):
         return False
     # The round goes again: its result is forgotten, and so is its claim (a delivery of
