@@ -230,14 +230,8 @@ def mark_started(
         # This attempt's own: the same START sent again finds it (see START_LUA).
         "claim": secrets.token_hex(8),
     }
-    event = {
-        "call_id": req.call_id,
-        "tool": req.tool,
-        "worker": scope.worker,
-        "pid": scope.pid,
-        "timeout_s": req.timeout_s,
-        "attempt": req.attempt,
-    }
+    event = {"call_id": req.call_id, "tool": req.tool, "timeout_s": req.timeout_s}
+    event |= {k: start[k] for k in ("worker", "pid", "attempt")}
     claim = held_writes.hold(
         lambda: store.mark_started(req.turn_id, req.call_id, start, event),
         (
