@@ -220,38 +220,12 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
 
 
 Register = Callable[[dict[str, ToolSpec]], Any]
-_register: Register | None = None
 _consumer: Any = None
 _keeper: concurrent.futures.Future[None] | None = None
 
 
 def _io_tools() -> McpTools | None:
     return _tools if current_role() == "io" else None
-
-
-def _list_at_start(**_: Any) -> None:
-    """List every server before the worker consumes: a call of a tool whose task this
-    worker lacks would be dropped as an unknown task."""
-    tools = _io_tools()
-    if tools is None or _register is None:
-        return
-    register = _register
-
-    def added(specs: list[ToolSpec]) -> None:
-        register({s.name: s for s in specs})
-        # A tool a server adds later (`tools/list_changed`, a TTL's listing): the consumer
-        # is told, or its calls would be refused as unknown tasks.
-        update = getattr(_consumer, "update_strategies", None)
-        if callable(update):
-            update()
-        log.info("MCP tools added: %s", ", ".join(s.name for s in specs))
-
-    tools.on_new_tools = added
-    loop = aio_host.get_host().loop.loop
-    try:
-        asyncio.run_coroutine_threadsafe(tools.list_all(), loop).result(LIST_TIMEOUT_S + 5)
-    except Exception:
-        log.warning("MCP servers not all listed at start", exc_info=True)
 
 
 def _keep_listed(sender: Any = None, **_: Any) -> None:
@@ -284,8 +258,30 @@ def connect_mcp(register: Register) -> None:
     """Connect the signals; the worker does it after its own, so its role is decided
     before the listing, and a warm shutdown lets the calls on the loop end before their
     sessions stop. `register` registers tools' tasks."""
-    global _register
-    _register = register
-    worker_init.connect(_list_at_start, weak=False, dispatch_uid="agentq.mcp.list")
+
+    def list_at_start(**_: Any) -> None:
+        """List every server before the worker consumes: a call of a tool whose task this
+        worker lacks would be dropped as an unknown task."""
+        tools = _io_tools()
+        if tools is None:
+            return
+
+        def added(specs: list[ToolSpec]) -> None:
+            register({s.name: s for s in specs})
+            # A tool a server adds later (`tools/list_changed`, a TTL's listing): the consumer
+            # is told, or its calls would be refused as unknown tasks.
+            update = getattr(_consumer, "update_strategies", None)
+            if callable(update):
+                update()
+            log.info("MCP tools added: %s", ", ".join(s.name for s in specs))
+
+        tools.on_new_tools = added
+        loop = aio_host.get_host().loop.loop
+        try:
+            asyncio.run_coroutine_threadsafe(tools.list_all(), loop).result(LIST_TIMEOUT_S + 5)
+        except Exception:
+            log.warning("MCP servers not all listed at start", exc_info=True)
+
+    worker_init.connect(list_at_start, weak=False, dispatch_uid="agentq.mcp.list")
     worker_ready.connect(_keep_listed, weak=False, dispatch_uid="agentq.mcp.keep")
     worker_shutdown.connect(_stop_sessions, weak=False, dispatch_uid="agentq.mcp.stop")
