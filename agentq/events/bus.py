@@ -68,18 +68,10 @@ def ended_lua(status: str) -> str:
     return " or ".join(f"{status} == '\"{s}\"'" for s in sorted(TERMINAL_STATUSES))
 
 
-class TurnEventKeys(NamedTuple):
-    """A turn's keys that publishing to it touches."""
-
-    log_key: str
-    channel: str
-    turn_key: str
-
-
 def _publish_many_lua(refused: str) -> str:
-    """The events of many turns in one call: KEYS are three per turn (TurnEventKeys), ARGV
-    the `log_arg`, then for each turn the number of its events and their bodies. Nothing
-    of a turn is published while `refused` (a Lua condition on its `status`) holds.
+    """The events of many turns in one call: KEYS are three per turn (its log, channel and
+    hash), ARGV the `log_arg`, then for each turn the number of its events and their bodies.
+    Nothing of a turn is published while `refused` (a Lua condition on its `status`) holds.
 
     Returns the positions (from 0) of the turns someone follows (the stream worker holds
     back the deltas of a turn nobody watches live), and those of the refused turns (-1 -
@@ -238,7 +230,7 @@ class EventBus:
                     calls.append(([], [], [opts]))
                 ids, keys, args = calls[-1]
                 ids.append(turn_id)
-                keys += TurnEventKeys(log_key(turn_id), events_channel(turn_id), turn_key(turn_id))
+                keys += [log_key(turn_id), events_channel(turn_id), turn_key(turn_id)]
                 args += [len(batches[turn_id]), *batches[turn_id]]
         if not calls:
             return set(), set()

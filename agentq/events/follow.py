@@ -120,7 +120,7 @@ class TreeFollower:
         # Counted in before subscribing, so every live copy published after the log read
         # that follows reaches the subscription; a turn not created yet is counted in at a
         # later catch-up (`remark`).
-        self.marks[turn_id] = int(self.bus.watch(turn_id, 1))
+        self.remark(turn_id)
         self._listen("subscribe", [turn_id])
 
     def _listen(self, verb: str, turn_ids: list[str]) -> None:
