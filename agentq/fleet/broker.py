@@ -52,14 +52,11 @@ def queue_size(app: Celery, queue: str) -> int | None:
 
 
 def revoke(app: Celery, task_ids: str | list[str], **options: Any) -> bool:
-    """Revoke tasks; False if the broker is away (a task that runs on finds its call
-    settled already, and its result is dropped: only its worker's time is lost)."""
-    try:
-        app.control.revoke(task_ids, **options)
-    except _broker_errors(app) as exc:
-        log.warning("revoke of %s not sent: the broker is away (%s)", task_ids, exc)
-        return False
-    return True
+    """Revoke tasks (`terminate`, `signal`, `destination` as Celery's revoke takes them);
+    False if the broker is away (a task that runs on finds its call settled already, and
+    its result is dropped: only its worker's time is lost)."""
+    to = options.pop("destination", None)
+    return broadcast(app, "revoke", {"task_id": task_ids, **options}, destination=to)
 
 
 def broadcast(
@@ -70,7 +67,7 @@ def broadcast(
     try:
         app.control.broadcast(command, arguments=arguments, destination=destination)
     except _broker_errors(app) as exc:
-        log.warning("%s not sent: the broker is away (%s)", command, exc)
+        log.warning("%s %s not sent: the broker is away (%s)", command, arguments, exc)
         return False
     return True
 
