@@ -32,12 +32,9 @@ CONFIG_TTL_S = 86_400
 """The fleet's stored limits of a model outlive the last configured caller this long."""
 
 # The caller's clock is a test's: production passes "" and runs on Redis's (`agentq.limits`).
-NOW_LUA = (
-    REDIS_NOW_MS_LUA
-    + """
+NOW_LUA = f"""{REDIS_NOW_MS_LUA}
 local now = tonumber(now_arg) or redis_now_ms()
 """
-)
 
 CONFIG_STORE_S = 30.0
 """A configured process stores its limits again after this long (`store` in its config):
@@ -400,10 +397,7 @@ return cjson.encode(out)
 """
 )
 
-RELEASE_LUA = (
-    deciding_lua(ReleaseArgs)
-    + PRELUDE_LUA
-    + """
+RELEASE_LUA = f"""{deciding_lua(ReleaseArgs)}{PRELUDE_LUA}
 local m = drop_lease(lease_id)
 local used = tonumber(used)
 if m and used then
@@ -413,12 +407,8 @@ if m and used then
 end
 return freed()
 """
-)
 
-WITHDRAW_LUA = (
-    deciding_lua(WithdrawArgs)
-    + PRELUDE_LUA
-    + """
+WITHDRAW_LUA = f"""{deciding_lua(WithdrawArgs)}{PRELUDE_LUA}
 local w = waiter
 local raw = redis.call('HGET', QM, w)
 if raw then unqueue(w, cjson.decode(raw).c, nil) end
@@ -437,7 +427,6 @@ if g and g.k == 0 then
 end
 return freed()
 """
-)
 
 SNAPSHOT_LUA = (
     deciding_lua()
@@ -481,21 +470,13 @@ return cjson.encode({
 NOTE_LUA = deciding_lua(NoteArgs) + PRELUDE_LUA + NOTE_BODY_LUA
 
 # RENEW_LUA: an expired lease not yet purged still holds its slot, so renewing it is safe.
-RENEW_LUA = (
-    bind_lua(("LEASES",), RenewArgs._fields)
-    + NOW_LUA
-    + LEASES_LUA
-    + """
+RENEW_LUA = f"""{bind_lua(("LEASES",), RenewArgs._fields)}{NOW_LUA}{LEASES_LUA}
 return lease_hold(LEASES, lease_id, now + tonumber(ttl_ms), true) and 1 or 0
 """
-)
 
 # BREAKER_LUA: a failure counted. A success needs no script: it deletes the deployment's
 # fields (`Capacity.report_success`).
-BREAKER_LUA = (
-    bind_lua(("BRK",), BreakerArgs._fields)
-    + NOW_LUA
-    + """
+BREAKER_LUA = f"""{bind_lua(("BRK",), BreakerArgs._fields)}{NOW_LUA}
 local d = deployment
 local fails = redis.call('HINCRBY', BRK, 'f:' .. d, 1)
 redis.call('HSET', BRK, 'k:' .. d, kind)
@@ -510,4 +491,3 @@ if o or fails >= tonumber(failures_to_open) then
 end
 return 'closed'
 """
-)
