@@ -151,11 +151,6 @@ local function drop_lease(lid)
   return undo_lease(lid)
 end
 
--- Leases past their expiry belong to dead workers (or grants nobody took): free them.
-local function purge()
-  leases_lapse(LEASES, now, undo_lease)
-end
-
 local function breaker(dep)
   local o = tonumber(redis.call('HGET', BRK, 'o:' .. dep))
   if not o then return 'closed', now end
@@ -323,7 +318,8 @@ end
 
 -- The end of a script that may have freed capacity: grant whom it lets go, say whom to wake.
 local function freed()
-  purge()
+  -- Leases past their expiry belong to dead workers (or grants nobody took): free them.
+  leases_lapse(LEASES, now, undo_lease)
   local _, woken, later, head, ready = pump('')
   return cjson.encode({woken = woken, later = later, head = head, ready = ready, now = now})
 end
@@ -353,7 +349,7 @@ ACQUIRE_LUA = (
     + HELPERS_LUA
     + """
 local w = waiter
-purge()
+leases_lapse(LEASES, now, undo_lease)
 local raw = redis.call('HGET', GRANTS, w)
 if raw then
   local g = cjson.decode(raw)

@@ -140,14 +140,13 @@ end
 # burst. Returns when the pause ends (0: none).
 NOTE_BODY_LUA = """
 local st = rate_state()
-local lr, lt = tonumber(limit_rpm) or 0, tonumber(limit_tpm) or 0
-local learned = {}
-if lr > 0 and lr ~= st.lr then learned[#learned + 1] = 'lr'; learned[#learned + 1] = lr end
-if lt > 0 and lt ~= st.lt then learned[#learned + 1] = 'lt'; learned[#learned + 1] = lt end
-if learned[1] then
-  redis.call('HSET', RATE, unpack(learned))
-  if lr > 0 then st.lr = lr end
-  if lt > 0 then st.lt = lt end
+local learned = false
+for _, x in ipairs({{'lr', limit_rpm}, {'lt', limit_tpm}}) do
+  local v = tonumber(x[2]) or 0
+  if v > 0 and v ~= st[x[1]] then
+    redis.call('HSET', RATE, x[1], v)
+    st[x[1]], learned = v, true
+  end
 end
 local rpm = rate_rpm()
 if tonumber(refused) == 1 and now - st.d >= 1000 then
@@ -179,6 +178,6 @@ if wait then
   end
   if rpm > 0 then pace_from(until_at, rpm) end
 end
-if learned[1] or tonumber(refused) == 1 then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
+if learned or tonumber(refused) == 1 then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
 return cjson.encode({until_at = until_at, rpm = rpm})
 """
