@@ -76,10 +76,6 @@ local function rate_state()
   return RS
 end
 
-local function ceiling_rpm()
-  return ceiling_of(cfg.rpm, rate_state())
-end
-
 local function tpm_limit()
   if cfg.tpm > 0 then return cfg.tpm end
   return rate_state().lt
@@ -87,7 +83,7 @@ end
 
 -- The rpm admitted now (0: no rate known, unpaced).
 local function rate_rpm()
-  return admitted_rpm(rate_state(), ceiling_rpm(), now)
+  return admitted_rpm(rate_state(), ceiling_of(cfg.rpm, rate_state()), now)
 end
 
 -- At most a second's worth is granted in each wall-clock second, counted in the second of
@@ -155,7 +151,7 @@ if tonumber(refused) == 1 and now - st.d >= 1000 then
     window_now()
     seen_rpm = math.max(tonumber(hint_rpm) or 0, st.n * 60)
   end
-  st.r, st.ai, st.top = cut(rpm, ceiling_rpm(), seen_rpm)
+  st.r, st.ai, st.top = cut(rpm, ceiling_of(cfg.rpm, st), seen_rpm)
   st.t, st.d, rpm = now, now, st.r
   redis.call('HSET', RATE, 'r', fmt(rpm), 't', now, 'd', now, 'ai', fmt(st.ai), 'top', fmt(st.top))
 end
