@@ -80,12 +80,9 @@ class RequestGuard:
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            refused = self.refusal(scope)
-            if refused is not None:
-                answer = error_response(
-                    refused.status_code, type(refused).__name__, refused.message
-                )
-                await answer(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        refused = self.refusal(scope) if scope["type"] == "http" else None
+        if refused is None:
+            await self.app(scope, receive, send)
+            return
+        answer = error_response(refused.status_code, type(refused).__name__, refused.message)
+        await answer(scope, receive, send)
