@@ -18,6 +18,7 @@ from agentq.errors import PayloadTooLarge
 from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError, invalid
 from agentq.models import REQUEST_ID, TURN_ID, lone_surrogate_at, parse_stream_id
+from agentq.state.base import text
 
 MAX_JSON_DEPTH = 32
 """Deeper than any valid request (a message part is 5 levels down); json would recurse."""
@@ -76,8 +77,7 @@ def clamp_to_log(client: redis.Redis, turn_id: str, after: str) -> str:
     last: Any = client.xrevrange(log_key(turn_id), count=1)
     if not last:
         return "0-0"
-    raw = last[0][0]
-    last_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+    last_id = text(last[0][0])
     last_pos = parse_stream_id(last_id)
     if last_pos is not None and pos > last_pos:
         return last_id
