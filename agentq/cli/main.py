@@ -221,11 +221,6 @@ def _add_run(sub: Any) -> None:
 def _add_turn_commands(sub: Any) -> None:
     a = sub.add_parser("abort", help="abort a running turn")
     a.add_argument("turn_id", help=TURN_ID_HELP)
-    a.add_argument(
-        "--token",
-        default=os.environ.get("AGENTQ_TURN_TOKEN"),
-        help="the turn's token (or AGENTQ_TURN_TOKEN)",
-    )
     t = sub.add_parser("turns", help="list recent and running turns, newest first")
     t.add_argument("--status", help="e.g. running, finished, active, ended")
     t.add_argument("--agent", help="only turns of this agent")
@@ -250,11 +245,9 @@ def _add_turn_commands(sub: Any) -> None:
         "--value",
         help="the answer's value; `-` reads it from the terminal without echo (a password)",
     )
-    an.add_argument(
-        "--token",
-        default=os.environ.get("AGENTQ_TURN_TOKEN"),
-        help="the turn's token (or AGENTQ_TURN_TOKEN); without it, as an operator",
-    )
+    token = "the turn's token (or AGENTQ_TURN_TOKEN)"
+    for parser, help_ in ((a, token), (an, f"{token}; without it, as an operator")):
+        parser.add_argument("--token", default=os.environ.get("AGENTQ_TURN_TOKEN"), help=help_)
     e = sub.add_parser("events", help="follow a turn's events, from the start, then live")
     e.add_argument("turn_id", help=TURN_ID_HELP)
     e.add_argument(
