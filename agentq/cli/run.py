@@ -29,13 +29,9 @@ EXIT_OK, EXIT_FAILED, EXIT_HEADLESS, EXIT_ABORTED = 0, 1, 4, 130
 
 
 def exit_code_for(ev: Event) -> int:
-    if ev.type == "turn_finished":
-        return EXIT_OK
-    if ev.type == "turn_aborted":
-        return EXIT_ABORTED
-    if ev.fields.get("code") == "headless_interaction":
+    if ev.fields.get("code") == "headless_interaction":  # only a turn_error has a code
         return EXIT_HEADLESS
-    return EXIT_FAILED
+    return {"turn_finished": EXIT_OK, "turn_aborted": EXIT_ABORTED}.get(ev.type, EXIT_FAILED)
 
 
 class _Answerer:
