@@ -8,6 +8,7 @@ to (agentq.telemetry.fleetcounts).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
@@ -66,16 +67,10 @@ class GatewayMetrics:
 
     def refresh_active(self, active: list[dict[str, Any]]) -> None:
         """Set the scrape-time gauges from `Client.active()`."""
-        by_status = {"queued": 0, "running": 0}
-        running = 0
-        for turn in active:
-            status = str(turn.get("status"))
-            if status in by_status:
-                by_status[status] += 1
-            running += len(turn["current_tools"])
-        for status, n in by_status.items():
-            self.active_turns.labels(status=status).set(n)
-        self.running_tools.set(running)
+        by_status = Counter(str(turn.get("status")) for turn in active)
+        for status in ("queued", "running"):
+            self.active_turns.labels(status=status).set(by_status[status])
+        self.running_tools.set(sum(len(turn["current_tools"]) for turn in active))
         self.redis_up.set(1)
 
     def render(self) -> bytes:
