@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +19,7 @@ from agentq.api import DEFAULT_TIMEOUT_S, _Started
 from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
-from agentq.events.follow import Cursor
+from agentq.events.follow import Cursor, descendant_path
 from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.fleet.connections import async_redis_client
 from agentq.models import parse_stream_id
@@ -123,7 +122,9 @@ class AsyncClient:
         # A stream's key -> its last id read and its path (the turn ids below the root).
         streams: dict[str, tuple[str, tuple[str, ...]]] = {log_key(turn_id): (after.root, ())}
         for named, pos in after.children.items():
-            path = await self._path_of(turn_id, named, depth)
+            # On a thread: one walk up at a resume, not worth an asyncio twin.
+            redis_ = self._client._store.redis
+            path = await self._call(descendant_path, redis_, turn_id, named, depth)
             if path:
                 streams[log_key(named)] = (pos, path)
         checked = False
@@ -165,20 +166,6 @@ class AsyncClient:
                 yield ev
                 if ended and not path:
                     return
-
-    async def _path_of(self, root: str, turn_id: str, depth: int) -> tuple[str, ...]:
-        """The path from `root` down to a descendant a cursor names; () if it is not one
-        within `depth` (a cursor never opens another turn's stream)."""
-        path = [turn_id]
-        while len(path) <= depth:
-            raw = await self._redis.hget(turn_key(path[-1]), "parent_turn_id")
-            parent = json.loads(raw) if raw else None
-            if parent == root:
-                return tuple(reversed(path))
-            if not isinstance(parent, str):
-                break
-            path.append(parent)
-        return ()
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""

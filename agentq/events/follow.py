@@ -78,6 +78,23 @@ class _Stream:
     last_seq: int = 0
 
 
+def descendant_path(
+    client: redis.Redis, root: str, turn_id: str, depth: int
+) -> tuple[str, ...] | None:
+    """The turn ids from `root`'s child down to `turn_id`, a descendant a resuming cursor
+    names; None if it is not one within `depth` (a cursor never opens another turn's stream)."""
+    path = [turn_id]
+    for _ in range(depth):
+        raw = client.hget(turn_key(path[-1]), "parent_turn_id")
+        parent = json.loads(raw) if raw else None  # type: ignore[arg-type]
+        if parent == root:
+            return tuple(reversed(path))
+        if not isinstance(parent, str):
+            return None
+        path.append(parent)
+    return None
+
+
 class TreeFollower:
     """One follow of a turn and, `depth` levels down, of the sub-agents it starts."""
 
@@ -98,23 +115,9 @@ class TreeFollower:
         """Subscribed again after a loss: what was published meanwhile is only in the logs."""
         self._subscribe(root)
         for tid, pos in after.children.items():
-            path = self._path_of(tid)
+            path = descendant_path(self.redis, root, tid, self.depth)
             if path is not None:
                 self._open(tid, path, pos)
-
-    def _path_of(self, turn_id: str) -> tuple[str, ...] | None:
-        """The path of a descendant named by a resuming cursor; None if it is not one
-        within `depth` (a cursor never opens another turn's stream)."""
-        path = [turn_id]
-        for _ in range(self.depth):
-            raw = self.redis.hget(turn_key(path[-1]), "parent_turn_id")
-            parent = json.loads(raw) if raw else None  # type: ignore[arg-type]
-            if parent == self.root:
-                return tuple(reversed(path))
-            if not isinstance(parent, str):
-                return None
-            path.append(parent)
-        return None
 
     def _subscribe(self, turn_id: str) -> None:
         # Counted in before subscribing, so every live copy published after the log read
