@@ -61,7 +61,7 @@ from pydantic import ValidationError
 
 from agentq import constants as k
 from agentq.agents import all_agents
-from agentq.errors import AgentqError, ConversationNotFound
+from agentq.errors import AgentqError, ConversationNotFound, describe_invalid
 from agentq.models import (
     TERMINAL_STATUSES,
     ToolCall,
@@ -255,10 +255,7 @@ def _final_answer(ctx: StepContext, kept: dict[str, Any], counts: TurnState) -> 
     try:
         value = output_type.model_validate_json(fenced.group(1) if fenced else content)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'answer'}: {e['msg']}"
-            for e in exc.errors()[:ERRORS_SHOWN]
-        )
+        problems = describe_invalid(exc, "answer", ERRORS_SHOWN)
         name, retries = output_type.__name__, int(ctx.state.get("output_retries") or 0)
         if retries >= OUTPUT_RETRIES:
             ctx.commit(append=[kept])
