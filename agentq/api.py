@@ -34,7 +34,7 @@ from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import NO_KEY, Spend, usage_report, usage_window
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
-from agentq.state.waitpoints import CompletesWaitpoints, waitpoints
+from agentq.state.waitpoints import CompletesWaitpoints
 from agentq.telemetry import tracing
 from agentq.webhooks.deliveries import Deliveries
 
@@ -382,7 +382,7 @@ class Client(CompletesWaitpoints):
             "turn": summary,
             "webhook": Deliveries(r, s).of_turn(turn_id),
             "source": replay.replay_source(state),
-            "waitpoints": waitpoints(self._store).listing(turn_id),
+            "waitpoints": self._store.waitpoint_rows(turn_id),
             "spend": Spend(r, s).turn_totals(state.get("owner"), turn_id),
         }
 

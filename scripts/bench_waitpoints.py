@@ -24,7 +24,6 @@ import httpx
 from agentq import constants as k
 from agentq.api import Client
 from agentq.fleet import runtime
-from agentq.state.waitpoints import waitpoints
 from agentq.testing.openai_server import Round, ScriptedCall
 from scripts.bench_stages import BenchRig, Sizes, pct, turn_statuses
 
@@ -74,7 +73,7 @@ def bench_waitpoints(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
 
     client = Client()
     store = runtime.get_store()
-    wps = waitpoints(store)
+    wps = store
     n = sz.waitpoint_calls
     key = fx.script(
         Round(tool_calls=[ScriptedCall(name="await_callback", arguments={"timeout_s": 3600})])

@@ -13,39 +13,20 @@ from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
+    Settled,
     StoreBase,
     TurnKeys,
     active_turns,
     call_fields,
     dispatch_args,
-    each,
     exist,
     finished,
     first_send,
     now_ms,
+    records_of,
     text,
 )
 from agentq.state.lua import turn_open_lua, wake_or_step_lua
-
-
-class Settled(IntEnum):
-    """What `settle` found (SETTLE_LUA answers it)."""
-
-    TURN_GONE = -2
-    """The turn is over, or Redis lost it: nothing written."""
-    LOST = 0
-    """A result was stored first: it is the one kept."""
-    WON = 1
-    """Stored; other calls of the batch in flight have no result yet (or the caller
-    asked for no wake)."""
-    READY = 3
-    """Stored, and it completed the batch in flight: the turn is woken (or its step was
-    taken here, when the answer came with the step's view)."""
-    NOT_WAITING = -3
-    """A waitpoint's completion for a call that has no open waitpoint: nothing written."""
-    EXPIRED = -4
-    """A waitpoint's completion past its deadline: nothing written (the turn's step
-    settles the call `timeout`)."""
 
 
 class Started(IntEnum):
@@ -189,30 +170,6 @@ end
 return 1
 """
 )
-
-
-SCAN_COUNT = 10_000
-"""Fields an HSCAN of a turn's state looks at a call: a turn has fewer, mostly, so one
-call reads all of its records."""
-
-
-def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
-    """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`),
-    matched in Redis so its history stays there, in one round trip (more for a large turn)."""
-    pattern = f"[{kinds}]:*"
-    got = each(
-        client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, match=pattern, count=SCAN_COUNT)
-    )
-    out: list[dict[Any, Any]] = []
-    for turn_id, (cursor, fields) in zip(turn_ids, got, strict=True):
-        found = dict(fields)
-        while int(cursor):
-            cursor, more = client.hscan(
-                k.turn_key(turn_id), cursor, match=pattern, count=SCAN_COUNT
-            )
-            found.update(more)
-        out.append(found)
-    return out
 
 
 def _decoded(raw: dict[Any, Any], prefix: str) -> dict[str, dict[str, Any]]:

@@ -17,8 +17,8 @@ import hmac
 import json
 import secrets
 import time
-from functools import cache, cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
@@ -29,12 +29,11 @@ from agentq.errors import (
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import CALL_ID, TURN_ID, InvocationRecord, ToolResult, ToolStatus
-from agentq.state.base import TurnKeys, call_fields, text
-from agentq.state.calls import Settled, records_of
+from agentq.state.base import Settled, StoreBase, TurnKeys, call_fields, records_of, text
 from agentq.state.lua import turn_open_lua, wake_lua
 
 if TYPE_CHECKING:
-    from agentq.state.store import TurnStore
+    from agentq.state.calls import CallRecords
 
 PREFIX = "wp_"
 KEY_FIELD = f"{k.PREFIX}:waitpoints:key"
@@ -101,13 +100,10 @@ OPEN_LUA = (
 )
 
 
-class Waitpoints:
+class WaitpointRecords(StoreBase):
     """Opening a call's waitpoint, completing it, and the open ones of a turn."""
 
     _open = LuaScript(OPEN_LUA)
-
-    def __init__(self, store: TurnStore) -> None:
-        self.store, self.redis = store, store.redis
 
     @cached_property
     def waitpoint_key(self) -> bytes:
@@ -135,14 +131,14 @@ class Waitpoints:
             call_id,
             json.dumps(record, default=str),
             event_body(turn_id, "tool_waiting", event),
-            self.store.bus.log_arg(),
+            self.bus.log_arg(),
             turn_id,
             record["deadline_ms"] / 1000,
         )
         keys = TurnKeys.of(turn_id)
-        opened = bool(int(self.store._durable(self._open, keys=keys, args=list(args))))
+        opened = bool(int(self._durable(self._open, keys=keys, args=list(args))))
         if opened:
-            self.store.bus.counted([("tool_waiting", event)])
+            self.bus.counted([("tool_waiting", event)])
         return opened
 
     def open_waitpoints(self, turn_id: str) -> dict[str, dict[str, Any]]:
@@ -151,7 +147,7 @@ class Waitpoints:
         done = set(call_fields(raw, k.SETTLED))
         return {c: json.loads(v) for c, v in call_fields(raw, k.WAITING).items() if c not in done}
 
-    def listing(self, turn_id: str) -> list[dict[str, Any]]:
+    def waitpoint_rows(self, turn_id: str) -> list[dict[str, Any]]:
         """The turn's open waitpoints, oldest first, with their age and time left (for
         `agentq show` and the console)."""
         now = time.time()
@@ -205,14 +201,15 @@ class Waitpoints:
         result = ToolResult(
             call_id=call_id, tool=tool, status=status, content=content, error=error, record=record
         )
-        code = self.store.settle_code(turn_id, result, waitpoint=True)
+        calls = cast("CallRecords", self)  # a TurnStore: its calls' part settles the call
+        code = calls.settle_code(turn_id, result, waitpoint=True)
         if code in (Settled.WON, Settled.READY):
             return result
         if code is Settled.NOT_WAITING:
             raise not_found(wp_id)
         if code is Settled.EXPIRED:
             raise WaitpointRefused(wp_id, 410, "timed out")
-        first = self.store.result(turn_id, call_id)
+        first = calls.result(turn_id, call_id)
         if first is None:
             raise WaitpointRefused(wp_id, 410, "its turn ended")  # before the call settled
         if first.record.waitpoint_id == wp_id and first.status in COMPLETED_STATUSES:
@@ -224,7 +221,7 @@ class Waitpoints:
 class CompletesWaitpoints:
     """`Client.complete_waitpoint` (agentq.api.Client is one of these)."""
 
-    _store: TurnStore
+    _store: WaitpointRecords
     settings: Settings
 
     def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
@@ -234,12 +231,6 @@ class CompletesWaitpoints:
         callback URL's `token`). Raises WaitpointRefused: 404 (unknown, or a wrong token),
         409 (completed already: `first`), 410 (timed out, cancelled, its turn over);
         PayloadTooLarge."""
-        return waitpoints(self._store).complete_waitpoint(
+        return self._store.complete_waitpoint(
             waitpoint_id, token, result, max_bytes=self.settings.max_result_bytes
         )
-
-
-@cache
-def waitpoints(store: TurnStore) -> Waitpoints:
-    """The store's Waitpoints, made once per store (its script registered once)."""
-    return Waitpoints(store)

@@ -24,7 +24,6 @@ from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
 from agentq.state.held import held_writes
-from agentq.state.waitpoints import waitpoints
 from agentq.telemetry import logs, tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
 from agentq.tools.registry import ToolSpec
@@ -153,7 +152,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
     """Record the call's waitpoint and publish tool_waiting; the call's process is free
     once this returns. Held while Redis is away, as a result is."""
     req, wp = scope.req, wait.waitpoint
-    wp_id, _, url = waitpoints(store).waitpoint_address(req.turn_id, req.call_id)
+    wp_id, _, url = store.waitpoint_address(req.turn_id, req.call_id)
     now = time.time()
     given = {"data": wp.data, "idempotency_key": wp.idempotency_key, "tags": list(wp.tags)}
     record = {
@@ -176,7 +175,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
         **given,
     }
     opened = held_writes.hold(
-        lambda: waitpoints(store).open_waitpoint(req.turn_id, req.call_id, record, event),
+        lambda: store.open_waitpoint(req.turn_id, req.call_id, record, event),
         settle_deadline(scope, get_settings().tool_grace_s),
         f"the waitpoint of call {req.call_id} ({req.tool})",
     )
@@ -304,7 +303,7 @@ def tool_context(
         on_progress=progress,
         read_secret=read_secret,
         attempt=req.attempt,
-        waitpoint=lambda: waitpoints(store).waitpoint_address(req.turn_id, req.call_id),
+        waitpoint=lambda: store.waitpoint_address(req.turn_id, req.call_id),
     )
 
 

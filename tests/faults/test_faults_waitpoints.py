@@ -14,7 +14,6 @@ import pytest
 from agentq.errors import REDIS_ERRORS, WaitpointRefused
 from agentq.events.types import Event
 from agentq.local.processes import wait_for
-from agentq.state.waitpoints import waitpoints
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli, assert_gapless, assert_valid_history, calls
 
@@ -122,5 +121,5 @@ def test_completions_across_a_redis_restart_are_never_lost_nor_doubled(make_rig)
     for i, (_, wp_id, token) in enumerate(turns[: TURNS // 2]):
         assert _complete(rig, wp_id, token, {"n": i}) == "first"
     _check_once(rig, turns)
-    wps = waitpoints(rig.client._store)
+    wps = rig.client._store
     wait_for(lambda: all(not wps.open_waitpoints(t) for t, _, _ in turns), 10)

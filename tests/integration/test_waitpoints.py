@@ -20,7 +20,6 @@ from agentq.events.types import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.models import TurnHandle
-from agentq.state.waitpoints import waitpoints
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli, assert_valid_history, calls, collect, script, wait_event
 
@@ -314,7 +313,7 @@ def test_a_wait_outlives_its_tools_hard_limit(fleet, llm_server, client: Client)
     wakes at its lost-deadline finds the waitpoint and looks again at its deadline."""
     turn_id, waiting = waiting_turn(client, llm_server, _meta={"timeout_s": 1})
     store = client._store
-    wp = waitpoints(store).open_waitpoints(turn_id)
+    wp = store.open_waitpoints(turn_id)
     (record,) = wp.values()
     deadline_s = record["deadline_ms"] / 1000
 
