@@ -250,18 +250,11 @@ def finished(result: ToolResult) -> dict[str, Any]:
     """The fields of a call's tool_finished event."""
     rec = result.record
     return {
-        "call_id": result.call_id,
-        "tool": result.tool,
-        "status": result.status,
-        "duration_ms": rec.duration_ms,
-        "overran": rec.overran,
-        "soft_limited": rec.soft_limited,
-        "partial": rec.partial,
-        "worker": rec.worker,
-        "error": result.error,
-        "reason": result.reason,
-        "truncated_bytes": result.truncated_bytes,
-        **({"waitpoint_id": rec.waitpoint_id} if rec.waitpoint_id else {}),
+        **result.model_dump(
+            include={"call_id", "tool", "status", "error", "reason", "truncated_bytes"}
+        ),
+        **rec.model_dump(include={"duration_ms", "overran", "soft_limited", "partial", "worker"}),
+        **rec.model_dump(include={"waitpoint_id"}, exclude_none=True),
     }
 
 
