@@ -360,6 +360,13 @@ class StoreBase:
             with contextlib.suppress(redis.RedisError):
                 refresh()
 
+    def _calls(self, turn_id: str, *kinds: str) -> list[dict[str, Any]]:
+        """The turn's call records of each kind (prefix), by call id, from one read: decoded,
+        but settled results, left as ToolResult JSON for whoever reads more than their ids."""
+        raw = records_of(self.redis, [turn_id], "".join(p[0] for p in kinds))[0]
+        load = {p: json.loads if p != k.SETTLED else text for p in kinds}
+        return [{c: load[p](v) for c, v in call_fields(raw, p).items()} for p in kinds]
+
     def send_step(self, turn_id: str) -> None:
         """Send the step of a turn a write woke (its wakeup in Redis is the backstop)."""
         if self.waker is not None:

@@ -17,7 +17,6 @@ from agentq.state.base import (
     StoreBase,
     TurnKeys,
     active_turns,
-    call_fields,
     dispatch_args,
     exist,
     finished,
@@ -172,11 +171,6 @@ return 1
 )
 
 
-def _decoded(raw: dict[Any, Any], prefix: str) -> dict[str, dict[str, Any]]:
-    """The JSON records of one kind (`prefix`) in a turn's state as read, by call id."""
-    return {c: json.loads(v) for c, v in call_fields(raw, prefix).items()}
-
-
 class CallRecords(StoreBase):
     """Dispatch records, start records and settled results, by call id."""
 
@@ -207,25 +201,22 @@ class CallRecords(StoreBase):
                 pipe.hset(key, k.DISPATCHED + c, json.dumps({**r, "sends": int(r["sends"]) - 1}))
         pipe.execute()
 
-    def _records(self, turn_id: str, kinds: str) -> dict[Any, Any]:
-        return records_of(self.redis, [turn_id], kinds)[0]
-
     def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        return self.call_progress(turn_id)[1]
+        return self._calls(turn_id, k.DISPATCHED)[0]
 
     def call_progress(
         self, turn_id: str
     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
         """The starts, dispatch records and open waitpoints of the turn's calls, from one read."""
-        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.WAITING[0])
-        return _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED), _decoded(raw, k.WAITING)
+        starts, records, waiting = self._calls(turn_id, k.STARTED, k.DISPATCHED, k.WAITING)
+        return starts, records, waiting
 
     def running_tasks(self, turn_id: str) -> dict[str, dict[str, Any]]:
         """Task id -> start record (`worker`, `pid`) of each started call without a result."""
-        raw = self._records(turn_id, k.STARTED[0] + k.DISPATCHED[0] + k.SETTLED[0] + k.WAITING[0])
+        kinds = (k.STARTED, k.DISPATCHED, k.SETTLED, k.WAITING)
+        starts, records, settled, waiting = self._calls(turn_id, *kinds)
         # A waiting call's task has ended: nothing of it runs to stop.
-        done = set(call_fields(raw, k.SETTLED)) | set(call_fields(raw, k.WAITING))
-        starts, records = _decoded(raw, k.STARTED), _decoded(raw, k.DISPATCHED)
+        done = settled.keys() | waiting.keys()
         # Agent calls have no task: their child turns are aborted instead.
         return {
             d["task_id"]: starts[cid]
@@ -334,5 +325,5 @@ class CallRecords(StoreBase):
         return None if raw is None else ToolResult.model_validate_json(raw)
 
     def results(self, turn_id: str) -> dict[str, ToolResult]:
-        settled = call_fields(self._records(turn_id, k.SETTLED[0]), k.SETTLED)
+        settled = self._calls(turn_id, k.SETTLED)[0]
         return {c: ToolResult.model_validate_json(v) for c, v in settled.items()}

@@ -29,7 +29,7 @@ from agentq.errors import (
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import CALL_ID, TURN_ID, InvocationRecord, ToolResult, ToolStatus
-from agentq.state.base import Settled, StoreBase, TurnKeys, call_fields, records_of, text
+from agentq.state.base import Settled, StoreBase, TurnKeys, text
 from agentq.state.lua import turn_open_lua, wake_lua
 
 if TYPE_CHECKING:
@@ -143,9 +143,8 @@ class WaitpointRecords(StoreBase):
 
     def open_waitpoints(self, turn_id: str) -> dict[str, dict[str, Any]]:
         """The turn's waitpoints still open, by call id (their records)."""
-        raw = records_of(self.redis, [turn_id], k.WAITING[0] + k.SETTLED[0])[0]
-        done = set(call_fields(raw, k.SETTLED))
-        return {c: json.loads(v) for c, v in call_fields(raw, k.WAITING).items() if c not in done}
+        waiting, settled = self._calls(turn_id, k.WAITING, k.SETTLED)
+        return {c: w for c, w in waiting.items() if c not in settled}
 
     def waitpoint_rows(self, turn_id: str) -> list[dict[str, Any]]:
         """The turn's open waitpoints, oldest first, with their age and time left (for
