@@ -102,7 +102,8 @@ class LockArgs(NamedTuple):
     now_ms: int
     """The caller's clock, on which the lock's lifetime runs."""
     again: str = "0"
-    """BEGIN_LUA: "1": the step goes round again (woken while it ran) and keeps its lock."""
+    """"1": the step goes round again (woken while it ran) and keeps its lock; "lock": the
+    lock alone is taken (answers 1), the dirty mark left and no view sent back."""
 
 
 # BEGIN_LUA: a step begins: take the lock (free, or lapsed; or keep it, `again`), clear the
@@ -120,6 +121,10 @@ if again ~= '1' then
   held = {LOCK_VALUE_LUA}
 elseif not {lock_mine_lua("held")} then
   return false
+end
+if again == 'lock' then
+  redis.call('HSET', turn_key, '{_STEP}', held)
+  return 1
 end
 redis.call('HSET', turn_key, '{_STEP}', held, '{_DIRTY}', 0)
 return {view_lua("st")}
@@ -227,18 +232,6 @@ return 1
 """
 )
 
-# LOCK_LUA: taking the step lock alone, without the step's read or clearing its dirty
-# mark (a step taking back the lock its release let go of).
-LOCK_LUA = (
-    bind_lua(("turn_key",), LockArgs)
-    + f"""
-local h = redis.call('HMGET', turn_key, 'status', '{_STEP}')
-if not h[1] or not {lock_free_lua("h[2]")} then return 0 end
-redis.call('HSET', turn_key, '{_STEP}', {LOCK_VALUE_LUA})
-return 1
-"""
-)
-
 
 class StepRecords(StoreBase):
     """The step lock, the commit fenced by it, the round a step collects, and wakeups."""
@@ -247,12 +240,11 @@ class StepRecords(StoreBase):
     _begin = LuaScript(BEGIN_LUA)
     _release = LuaScript(RELEASE_LUA)
     _claim = LuaScript(CLAIM_LUA)
-    _lock = LuaScript(LOCK_LUA)
 
     def lock_step(self, turn_id: str, token: str, ttl_ms: int) -> bool:
         """Take a turn's step lock (free or lapsed) for `ttl_ms`; False if held or no turn."""
-        args = LockArgs(token, ttl_ms, now_ms())
-        return bool(self._lock(keys=[k.turn_key(turn_id)], args=list(args)))
+        args = LockArgs(token, ttl_ms, now_ms(), "lock")
+        return bool(self._begin(keys=[k.turn_key(turn_id)], args=list(args)) == 1)
 
     def begin_step(
         self, turn_id: str, token: str, ttl_ms: int, *, again: bool = False
