@@ -61,40 +61,6 @@ class WakeArgs(NamedTuple):
 WAKE_ONLY_LUA = bind_lua(TurnKeys, WakeArgs) + turn_open_lua("0") + wake_lua() + "return 1"
 
 
-class StepWrite(NamedTuple):
-    """The sections of RELEASE_LUA's ARGV after its named arguments, in this order; their
-    sizes are its last four (`counts`)."""
-
-    fields: list[str]
-    """State field/value pairs, flat (values JSON)."""
-    messages: list[str]
-    """History messages (JSON) appended after the turn's last."""
-    plans: list[str]
-    """Call plan field/CallPlan JSON pairs, flat."""
-    events: list[str]
-    """Event bodies published, in order."""
-
-    @classmethod
-    def of(
-        cls,
-        turn_id: str,
-        fields: Mapping[str, Any] | None,
-        append: list[dict[str, Any]] | None,
-        plans: dict[str, str] | None,
-        events: list[tuple[str, dict[str, Any]]] | None,
-    ) -> StepWrite:
-        return cls(
-            [x for f, v in (fields or {}).items() for x in (f, json.dumps(v))],
-            [json.dumps(m) for m in append or []],
-            [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)],
-            [event_body(turn_id, t, f) for t, f in events or []],
-        )
-
-    def counts(self) -> tuple[int, int, int, int]:
-        """n_fields, n_messages, n_plans, n_events."""
-        return len(self.fields) // 2, len(self.messages), len(self.plans) // 2, len(self.events)
-
-
 class LockArgs(NamedTuple):
     token: str
     lock_ms: int
@@ -148,9 +114,14 @@ class ReleaseArgs(NamedTuple):
     keep: str
     """"1": a commit: the write alone, the lock and the turn's wakeup left as they are."""
     n_fields: int
+    """The ARGV sections after these are this long, in this order: state field/value pairs
+    (values JSON),"""
     n_messages: int
+    """history messages (JSON) appended after the turn's last,"""
     n_plans: int
+    """call plan field/CallPlan JSON pairs,"""
     n_events: int
+    """event bodies published, in order; then the dispatch records' field/value pairs."""
 
 
 # RELEASE_LUA: a step's writes are fenced by its lock token: a step whose lock lapsed (a
@@ -170,11 +141,10 @@ local open = redis.call('HMGET', turn_key, '{_STEP}', '{WATCHERS_FIELD}', '{SEQ_
 if not {lock_mine_lua("open[1]")} then return {Released.LOST:d} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
 local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
-local nf, nm = tonumber(n_fields), tonumber(n_messages)
-local np, ne = tonumber(n_plans), tonumber(n_events)
-local messages_at = sections_at + 2 * nf
-local plans_at = messages_at + nm
-local events_at = plans_at + 2 * np
+local ne = tonumber(n_events)
+local messages_at = sections_at + tonumber(n_fields)
+local plans_at = messages_at + tonumber(n_messages)
+local events_at = plans_at + tonumber(n_plans)
 local records_at = events_at + ne
 local w = {{}}
 for i = sections_at, messages_at - 1 do w[#w + 1] = ARGV[i] end
@@ -271,22 +241,27 @@ class StepRecords(StoreBase):
     ) -> Released:
         """Write what the step staged and record the calls it sends (`dispatched`), fenced by
         its lock, then let go of the lock unless `keep` (see `Released`)."""
-        write = StepWrite.of(turn_id, fields, append, plans, events)
+        sections = (
+            [x for f, v in (fields or {}).items() for x in (f, json.dumps(v))],
+            [json.dumps(m) for m in append or []],
+            [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)],
+            [event_body(turn_id, t, f) for t, f in events or []],
+        )
         dispatched = dispatched or {}
         named = ReleaseArgs(
             token,
             turn_id,
             "" if next_wake_at is None else repr(next_wake_at),
             ttl_ms,
-            self.bus.log_arg() if write.events else "",
+            self.bus.log_arg() if events else "",
             now_ms(),
             sum(1 for r in dispatched.values() if first_send(r)),
             "1" if keep else "0",
-            *write.counts(),
+            *map(len, sections),
         )
-        args = argv_of(named, *write, dispatch_args(dispatched))
+        args = argv_of(named, *sections, dispatch_args(dispatched))
         keys = TurnKeys.of(turn_id)
-        if not (dispatched or any(write)):
+        if not (dispatched or any(sections)):
             return Released(int(self._release(keys=keys, args=args)))
         # Not sent again: a second run finds the lock gone, or appends the messages twice
         # (and would publish twice). Records a failover loses are of calls a later step
