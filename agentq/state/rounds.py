@@ -13,7 +13,7 @@ from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms, text
 from agentq.state.held import held_writes
-from agentq.state.lua import turn_open_lua, wake_or_step_lua
+from agentq.state.lua import turn_open_lua, view_lua, wake_or_step_lua
 
 ROUND_HOLD_S = 60.0
 """How long a model round's result waits for Redis to answer again."""
@@ -119,13 +119,8 @@ end
 redis.call('HSET', turn_key, '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', round_no,
   '{k.LLM_ALIVE_FIELD}', lease)
 local followed = watched and tonumber(watched) > 0 and 1 or 0
-local hist = {{}}
-for i = 1, #whole_st, 2 do
-  if string.sub(whole_st[i], 1, 2) == '{k.MESSAGE}' then
-    hist[tonumber(string.sub(whole_st[i], 3)) + 1] = whole_st[i + 1]
-  end
-end
-return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, hist, followed}}
+local view = {view_lua("whole_st")}
+return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, view[2], followed}}
 """
 )
 
