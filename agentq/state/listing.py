@@ -276,31 +276,24 @@ class TurnLister:
         return rows[:num]
 
     def page(self, query: TurnQuery, visible: Visible | None = None) -> TurnPage:
-        """Newest first from `query.before`, filtered, at most `query.limit` turns."""
-        now = time.time()
+        """Newest first from `query.before`, filtered, at most `query.limit` turns, reading
+        at most SCAN_MAX index entries."""
+        now, page = time.time(), TurnPage()
         top = "+inf" if query.before is None else f"({query.before!r}"
-        page = TurnPage()
-        scanned = 0
-        last_score: float | None = None
-        while scanned < SCAN_MAX:
+        for _ in range(SCAN_MAX // SCAN_BATCH):
             rows = self._entries("-inf", top, SCAN_BATCH, newest=True)
-            if not rows:
-                return page
             found = self.summaries([m for _, m in rows], now, visible)
             for score, member in rows:
-                scanned += 1
-                last_score = score
                 row = found.get(member)
-                if row is None or not query.matches(row):
-                    continue
-                page.turns.append(row)
-                if len(page.turns) >= query.limit:
-                    page.next_before = last_score
-                    return page
+                if row is not None and query.matches(row):
+                    page.turns.append(row)
+                    if len(page.turns) >= query.limit:
+                        page.next_before = score
+                        return page
             if len(rows) < SCAN_BATCH:
                 return page
-            top = f"({last_score!r}"
-        page.next_before = last_score
+            top = f"({rows[-1][0]!r}"
+        page.next_before = rows[-1][0]
         return page
 
     def prune(self, older_than: float, batch: int, rounds: int) -> int:
