@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 import redis
@@ -236,11 +237,8 @@ class TurnLister:
     ) -> dict[str, dict[str, Any]]:
         """Summaries of these turns whose state is `visible`; vanished ones leave the index."""
         now = time.time() if now is None else now
-        by_shard: dict[int, list[str]] = {}
-        for t in turn_ids:
-            by_shard.setdefault(k.shard_of(t), []).append(t)
         raw: list[Any] = []
-        for shard, ids in by_shard.items():
+        for shard, ids in groupby(sorted(turn_ids, key=k.shard_of), k.shard_of):
             turns = [a for t in ids for a in (t, k.turn_key(t))]
             args = [k.approval_request_id(""), *turns]
             raw += json.loads(text(self._summary(keys=[k.index_key(shard)], args=args)))
