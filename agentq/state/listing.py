@@ -73,8 +73,7 @@ for i = turns_at, #ARGV, 2 do
       elseif kind == '{k.MESSAGE}' then
         -- The history: not the listing's.
       else
-        st[#st + 1] = all[j]
-        st[#st + 1] = all[j + 1]
+        st[all[j]] = all[j + 1]
       end
     end
     local open = {{}}
@@ -246,8 +245,7 @@ class TurnLister:
         for row in raw:
             if row[1] is False:
                 continue
-            flat = _as_list(row[1])
-            state = {flat[i]: _loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+            state = {f: _loads(v) for f, v in row[1].items()}
             if visible is not None and not visible(state):
                 continue
             pending = [json.loads(p) for p in _as_list(row[4])]
