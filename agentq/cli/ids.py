@@ -30,7 +30,7 @@ def resolve_turn_id(client: Client, given: str) -> str:
     back as it was, so the command reports an unknown turn as it always has."""
     # Imported here, as everything below Redis is: tables import short_id at `--help`.
     from agentq.errors import AmbiguousTurnId
-    from agentq.state.lookup import TURN_ID_LEN, find_turn_ids
+    from agentq.state.listing import TURN_ID_LEN, find_turn_ids
 
     if len(given) == TURN_ID_LEN:
         return given

@@ -9,12 +9,18 @@ Each shard of the state (agentq.constants.shard_count) has its own index; a list
 merges them. One Lua call a shard summarises a page of turns inside Redis (state, call
 counts by status, unsettled calls, pending interactions), so a page costs a couple of
 round trips and no result content crosses the network.
+
+A person names a turn by a prefix of its id (`agentq show 3f2a9c01b7e4`), looked up in the
+index too (`find_turn_ids`): four hex digits or more name its shard, Redis matches the
+prefix as it scans (ZSCAN MATCH), and a lookup stops at `limit` live turns or ID_SCAN_MAX
+entries read, so it is a bounded number of round trips whatever the index holds.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,8 +32,7 @@ import redis
 from agentq import constants as k
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
-from agentq.state.base import active_turns, each, text
-from agentq.state.lookup import live
+from agentq.state.base import active_turns, each, exist, text
 
 MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
@@ -36,6 +41,12 @@ SCAN_MAX = 5000
 """A filtered listing reads at most this many index entries per page, then hands back a
 cursor: a rare filter never makes one request read the whole index."""
 TURN_STATUSES = frozenset(s.value for s in TurnStatus)
+TURN_ID_LEN = 32
+ID_SCAN_COUNT = 1000
+"""Index entries a ZSCAN call of `find_turn_ids` reads."""
+ID_SCAN_MAX = 200_000
+"""Index entries a lookup reads at most, over every shard it reads."""
+_PREFIX = re.compile(r"[0-9a-f]{1,32}")
 Visible = Callable[[dict[str, Any]], bool]
 """Whether the asker may see a turn, given its state (the gateway's rule)."""
 
@@ -325,3 +336,39 @@ class TurnLister:
                     out.append(p)
         out.sort(key=lambda p: float(p["expires_at"]))
         return out
+
+
+def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[str], bool]:
+    """The stored turns whose id starts with `prefix` (hex, any case), newest first, at most
+    `limit` of them, and whether the lookup stopped before it knew them all (more matches,
+    or ID_SCAN_MAX entries read). Something that cannot begin a turn id matches nothing."""
+    prefix = prefix.lower()
+    if not _PREFIX.fullmatch(prefix):
+        return [], False
+    shards = [k.shard_of(prefix)] if len(prefix) >= 4 else list(k.shards())
+    found: dict[str, float] = {}
+    scanned = 0
+    for shard in shards:
+        cursor = 0
+        while True:
+            cursor, rows = client.zscan(
+                k.index_key(shard), cursor, match=prefix + "*", count=ID_SCAN_COUNT
+            )
+            scanned += ID_SCAN_COUNT
+            fresh = {text(m): float(sc) for m, sc in rows if text(m) not in found}
+            found.update({t: fresh[t] for t in live(client, list(fresh))})
+            if int(cursor) == 0 and len(found) <= limit:
+                break
+            if len(found) > limit or scanned >= ID_SCAN_MAX:
+                return _newest(found, limit), True
+    return _newest(found, limit), False
+
+
+def live(client: Any, turn_ids: list[str]) -> list[str]:
+    """The turns of `turn_ids` whose state Redis still holds, in one round trip."""
+    alive = exist(client, [k.turn_key(t) for t in turn_ids])
+    return [t for t, up in zip(turn_ids, alive, strict=True) if up]
+
+
+def _newest(found: dict[str, float], limit: int) -> list[str]:
+    return sorted(found, key=lambda t: found[t], reverse=True)[:limit]

@@ -1,4 +1,4 @@
-"""Turn ids by prefix (agentq.state.lookup) and how the CLI shows and resolves them, on
+"""Turn ids by prefix (agentq.state.listing) and how the CLI shows and resolves them, on
 fakeredis: the index of the turn's shard only, live turns only, newest first, bounded."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from agentq import constants as k
 from agentq.cli.ids import resolve_turn_id, short_id
 from agentq.cli.show import turns_table
 from agentq.errors import AmbiguousTurnId
-from agentq.state import lookup
-from agentq.state.lookup import SCAN_COUNT, find_turn_ids
+from agentq.state import listing
+from agentq.state.listing import ID_SCAN_COUNT, find_turn_ids
 
 
 class Counting:
@@ -80,14 +80,14 @@ def test_four_hex_digits_read_one_shard_and_fewer_read_them_all(four_shards: Non
 
 def test_the_scan_stops_at_the_limit_and_at_scan_max(monkeypatch: pytest.MonkeyPatch) -> None:
     r = Counting(fakeredis.FakeRedis())
-    # Enough entries that the index is a skiplist, read SCAN_COUNT at a time.
-    for i in range(3 * SCAN_COUNT):
+    # Enough entries that the index is a skiplist, read ID_SCAN_COUNT at a time.
+    for i in range(3 * ID_SCAN_COUNT):
         store_turn(r, "ab" + secrets.token_hex(15), float(i))
     found, more = find_turn_ids(r, "ab", limit=3)
     assert len(found) == 3 and more
     assert len(r.scanned) == 1
     r.scanned.clear()
-    monkeypatch.setattr(lookup, "SCAN_MAX", SCAN_COUNT)
+    monkeypatch.setattr(listing, "ID_SCAN_MAX", ID_SCAN_COUNT)
     found, more = find_turn_ids(r, "abffffffff", limit=3)
     assert more and len(r.scanned) == 1
 
