@@ -20,6 +20,7 @@ from agentq.models import (
     TERMINAL_STATUSES,
     InteractionAnswer,
     MultitaskMode,
+    ToolResult,
     TurnHandle,
     TurnRequest,
 )
@@ -34,7 +35,6 @@ from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import NO_KEY, Spend, usage_report, usage_window
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
-from agentq.state.waitpoints import CompletesWaitpoints
 from agentq.telemetry import tracing
 from agentq.webhooks.deliveries import Deliveries
 
@@ -139,7 +139,7 @@ class Turn(_Started):
         self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
 
 
-class Client(CompletesWaitpoints):
+class Client:
     """A handle on agentq from outside the workers: the CLI, the gateway, your code."""
 
     def __init__(self, settings: Settings | None = None, *, app: Celery | None = None) -> None:
@@ -354,6 +354,17 @@ class Client(CompletesWaitpoints):
             turn_id,
             request_id,
             InteractionAnswer.model_validate({"decision": decision, "value": value}),
+        )
+
+    def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
+        """Complete a waitpoint (what a tool's `Waitpoint` waits for) with `result`, the
+        JSON the model reads as the call's result (`{"error": "..."}`: the call settles
+        `error`); the call's settled result. The token is the waitpoint's capability (its
+        callback URL's `token`). Raises WaitpointRefused: 404 (unknown, or a wrong token),
+        409 (completed already: `first`), 410 (timed out, cancelled, its turn over);
+        PayloadTooLarge."""
+        return self._store.complete_waitpoint(
+            waitpoint_id, token, result, max_bytes=self.settings.max_result_bytes
         )
 
     def get(self, turn_id: str) -> TurnView:

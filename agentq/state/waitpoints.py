@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from agentq import constants as k
-from agentq.config import Settings, get_settings
+from agentq.config import get_settings
 from agentq.errors import (
     PayloadTooLarge,
     WaitpointRefused,
@@ -215,21 +215,3 @@ class WaitpointRecords(StoreBase):
             done = {"status": first.status, "content": first.content}
             raise WaitpointRefused(wp_id, 409, "completed already", done)
         raise WaitpointRefused(wp_id, 410, f"closed: its call settled {first.status}")
-
-
-class CompletesWaitpoints:
-    """`Client.complete_waitpoint` (agentq.api.Client is one of these)."""
-
-    _store: WaitpointRecords
-    settings: Settings
-
-    def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
-        """Complete a waitpoint (what a tool's `Waitpoint` waits for) with `result`, the
-        JSON the model reads as the call's result (`{"error": "..."}`: the call settles
-        `error`); the call's settled result. The token is the waitpoint's capability (its
-        callback URL's `token`). Raises WaitpointRefused: 404 (unknown, or a wrong token),
-        409 (completed already: `first`), 410 (timed out, cancelled, its turn over);
-        PayloadTooLarge."""
-        return self._store.complete_waitpoint(
-            waitpoint_id, token, result, max_bytes=self.settings.max_result_bytes
-        )
