@@ -94,8 +94,7 @@ OPEN_LUA = (
     + turn_open_lua("0", extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"))
     + "if more[1] or more[2] then return 0 end\n"
     + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + f"redis.call('HSET', turn_key, '{k.WAITING}' .. call_id, record, '{SEQ_FIELD}', seq)\n"
-    + wake_lua(at="deadline")
+    + wake_lua(f"'{k.WAITING}' .. call_id, record, '{SEQ_FIELD}', seq", at="deadline")
     + "return 1\n"
 )
 
