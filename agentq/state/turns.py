@@ -137,7 +137,6 @@ do
 class FlagCancelArgs(NamedTuple):
     reason: str
     ttl_s: int
-    cancel_channel: str
     turn_id: str
     reason_json: str
     """The reason as JSON, for the turn's state."""
@@ -161,7 +160,7 @@ if status then
 {wake_lua()}    woken = 1
   end
 end
-redis.call('PUBLISH', cancel_channel, turn_id)
+redis.call('PUBLISH', '{k.CANCEL_CHANNEL}', turn_id)
 local out = {{woken}}
 for _, c in ipairs(redis.call('SMEMBERS', children_key)) do out[#out + 1] = c end
 return out
@@ -193,7 +192,6 @@ class TurnRecords(StoreBase):
         args = FlagCancelArgs(
             reason,
             self.ttl_s,
-            k.CANCEL_CHANNEL,
             turn_id,
             json.dumps(reason),
             time.time() + WAKE_BACKSTOP_S,
