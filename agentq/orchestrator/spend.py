@@ -13,16 +13,10 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from agentq.config import Settings
-from agentq.errors import BudgetExceeded
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import LlmRoundResult, Usage
-from agentq.state.budget import (
-    cost_usd,
-    day_of,
-    lower_limit,
-    resets_at,
-)
-from agentq.state.spend import Reserved, Settlement, Spend
+from agentq.state.budget import cost_usd, day_of, lower_limit
+from agentq.state.spend import Settlement, Spend
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import schemas_json
 
@@ -108,9 +102,6 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
             max_tokens=max_tokens,
             max_usd=max_usd,
         )
-        if not isinstance(got, Reserved):
-            when = resets_at(got.name, ctx.now) if got.scope == "key" else None
-            raise BudgetExceeded(got.scope, got.name, got.spent, got.limit, when)
         cap = got.cap if got.bounded else None
     ctx.stage(budget_reservation=reservation, budget_day=day, budget_prompt=prompt, budget_cap=cap)
 

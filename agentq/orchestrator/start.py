@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
-from agentq.errors import BudgetExceeded, BudgetInvalid, PayloadTooLarge
+from agentq.errors import BudgetInvalid, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
 from agentq.orchestrator.wake import send_step_or_wake
-from agentq.state.budget import MIN_COMPLETION_TOKENS, cost_usd, day_of, resets_at
+from agentq.state.budget import day_of
 from agentq.state.conversation_lua import Admit, Multitask
 from agentq.state.conversations import binding, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
@@ -259,11 +259,6 @@ def check_budgets(
         )
     if (owner or "") not in settings.key_budgets:
         return
-    now = time.time()
     # The least first round: the request's messages and a minimal completion.
-    tokens = math.ceil(size / CHARS_PER_TOKEN) + MIN_COMPLETION_TOKENS
-    usd = cost_usd(price, tokens - MIN_COMPLETION_TOKENS, MIN_COMPLETION_TOKENS)
-    spent = Spend(store.redis, settings).key_refusal(owner, day_of(now), tokens, usd or 0.0)
-    if spent is not None:
-        when = resets_at(spent.name, now)
-        raise BudgetExceeded("key", spent.name, spent.spent, spent.limit, when)
+    prompt = math.ceil(size / CHARS_PER_TOKEN)
+    Spend(store.redis, settings).check_key(owner, day_of(time.time()), prompt, price)

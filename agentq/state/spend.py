@@ -14,7 +14,8 @@ turn has its parent's key), so each script below runs on one slot of a Cluster:
   (with its descendants', reservations included), its settled ``prompt``, ``completion``
   and ``cached``, its rounds' reservations ``r:<round>`` and the last round ``settled``.
 
-RESERVE (before a round under a budget: the one place its completion is capped) and
+RESERVE (before a round under a budget: the one place its completion is capped, a start's
+key check too) and
 SETTLE (as every round answers) are keyed by the turn and the round's number, and
 idempotent: a step that runs again finds its round reserved, or settled (docs/spend.md).
 """
@@ -25,26 +26,19 @@ import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import redis
 
 from agentq import constants as k
+from agentq.errors import BudgetExceeded
 
 if TYPE_CHECKING:
     from agentq.config import ModelPrice, Settings
 from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import Usage
 from agentq.state.base import each, text
-from agentq.state.budget import (
-    MIN_COMPLETION_TOKENS,
-    Budget,
-    key_budgets,
-    month_of,
-    over,
-    per_token,
-)
+from agentq.state.budget import MIN_COMPLETION_TOKENS, month_of, per_token, resets_at
 
 SPEND_OWNERS = f"{k.PREFIX}:spend:owners"
 """The key names that ever spent (the admin's usage reads them all)."""
@@ -69,15 +63,6 @@ def month_key(owner: str | None, month: str) -> str:
 
 def turn_spend_key(owner: str | None, turn_id: str) -> str:
     return f"{_tag(owner)}:t:{turn_id}"
-
-
-class Reserve(IntEnum):
-    """RESERVE's answer."""
-
-    OK = 1
-    """Reserved (or reserved already): {OK, cap, bounded}."""
-    EXCEEDED = 2
-    """A budget cannot afford the round: {EXCEEDED, scope, budget, spent, limit}."""
 
 
 class SpendKeys(NamedTuple):
@@ -121,8 +106,6 @@ class SettleArgs(NamedTuple):
     used_usd: float
     model: str
     agent: str
-    first: int
-    """1: the turn's first round (it counts as a turn)."""
     day_ttl_s: int
     turn_ttl_s: int
 
@@ -181,7 +164,8 @@ for i = parents_at - 1, #KEYS do counts(KEYS[i], '') end
 for _, g in ipairs({'m|' .. model .. '|', 'a|' .. agent .. '|'}) do
   counts(day_key, g)
   if u ~= 0 then redis.call('HINCRBYFLOAT', day_key, g .. 'usd', used_usd) end
-  if first == '1' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
+  -- The turn's first round counts it as a turn.
+  if settle_round == '0' then redis.call('HINCRBY', day_key, g .. 'turns', 1) end
 end
 return 1
 """
@@ -191,11 +175,14 @@ return 1
 RESERVE_LUA = (
     bind_lua(SpendKeys, ReserveArgs)
     + _ADD_LUA
-    + f"""local field = 'r:' .. reservation
+    + """-- A start's check (reservation ''): whether the key's budgets afford its least round,
+-- a budget that refused a round this period refusing it too; it writes nothing.
+local check = reservation == ''
+local field = 'r:' .. reservation
 local held = redis.call('HGET', own_key, field)
 if held then
   local r = cjson.decode(held)
-  return {{{Reserve.OK}, r[3], r[4]}}
+  return {r[3], r[4]}
 end
 if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
 if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
@@ -204,14 +191,16 @@ local pin, pout = tonumber(input_per_token), tonumber(output_per_token)
 local tight, bounded = nil, 0
 -- The completion the round may produce: what it wants, lowered to what each budget has
 -- left once the prompt is paid for. A USD budget of a model without a price is not
--- counted (its tokens are).
-local function consider(scope, name, unit, limit, spent)
+-- counted (its tokens are), but by a start's check (at no cost).
+local function consider(scope, name, unit, limit, spent, exhausted)
   if not limit or limit < 0 then return end
-  if unit == 'usd' and priced ~= '1' then return end
+  if unit == 'usd' and priced ~= '1' and not check then return end
   bounded = 1
   spent = spent or 0
   local room
-  if unit == 'tokens' then
+  if check and exhausted then
+    room = -math.huge
+  elseif unit == 'tokens' then
     room = limit - spent - prompt
   else
     local room_usd = limit - spent - prompt * pin
@@ -220,15 +209,14 @@ local function consider(scope, name, unit, limit, spent)
     else room = room_usd / pout end
   end
   room = math.floor(room)
-  if room < cap then cap = room; tight = {{scope, name, tostring(spent), tostring(limit)}} end
+  if room < cap then cap = room; tight = {scope, name, tostring(spent), tostring(limit)} end
 end
-local day = redis.call('HMGET', day_key, 'tokens', 'usd')
-consider('key', 'tokens_per_day', 'tokens', tonumber(tokens_per_day), tonumber(day[1]))
-consider('key', 'usd_per_day', 'usd', tonumber(usd_per_day), tonumber(day[2]))
-if tonumber(usd_per_month) >= 0 and priced == '1' then
-  consider('key', 'usd_per_month', 'usd', tonumber(usd_per_month),
-    tonumber(redis.call('HGET', month_key, 'usd')))
-end
+local n, x = {'tokens_per_day', 'usd_per_day', 'usd_per_month'}, 'exhausted:'
+local day = redis.call('HMGET', day_key, 'tokens', 'usd', x .. n[1], x .. n[2])
+local month = redis.call('HMGET', month_key, 'usd', x .. n[3])
+consider('key', n[1], 'tokens', tonumber(tokens_per_day), tonumber(day[1]), day[3])
+consider('key', n[2], 'usd', tonumber(usd_per_day), tonumber(day[2]), day[4])
+consider('key', n[3], 'usd', tonumber(usd_per_month), tonumber(month[1]), month[2])
 for i = parents_at - 1, #KEYS do
   local scope = (i == parents_at - 1) and 'turn' or 'parent_turn'
   local t = redis.call('HMGET', KEYS[i], 'max_tokens', 'max_usd', 'tokens', 'usd')
@@ -237,23 +225,24 @@ for i = parents_at - 1, #KEYS do
 end
 -- Below min_completion (or what it wants, if less) the round is refused, by the budget
 -- that left the least.
-if cap < math.min(wanted, tonumber(min_completion)) then
-  if tight[1] == 'key' then
-    -- Starts of the key are refused until the period resets (Spend.key_refusal).
-    local period = (tight[2] == 'usd_per_month') and month_key or day_key
-    redis.call('HSET', period, 'exhausted:' .. tight[2], 1)
+if cap >= math.min(wanted, tonumber(min_completion)) then
+  if not check then
+    local tokens, usd = prompt + cap, 0
+    if priced == '1' then usd = prompt * pin + cap * pout end
+    add_all(tokens, usd, true)
+    redis.call('HSET', own_key, field, cjson.encode({tokens, usd, cap, bounded}))
   end
-  -- A turn refused at its first round has a spend key (its limits) that no count gave
-  -- a retention.
-  if redis.call('TTL', own_key) == -1 then redis.call('EXPIRE', own_key, turn_ttl_s) end
-  return {{{Reserve.EXCEEDED}, tight[1], tight[2], tight[3], tight[4]}}
+  return {cap, bounded}
 end
-local tokens = prompt + cap
-local usd = 0
-if priced == '1' then usd = prompt * pin + cap * pout end
-add_all(tokens, usd, true)
-redis.call('HSET', own_key, field, cjson.encode({{tokens, usd, cap, bounded}}))
-return {{{Reserve.OK}, cap, bounded}}
+if tight[1] == 'key' and not check then
+  -- Starts of the key are refused until the period resets (a start's check).
+  local period = (tight[2] == n[3]) and month_key or day_key
+  redis.call('HSET', period, x .. tight[2], 1)
+end
+-- A turn refused at its first round has a spend key (its limits) that no count gave
+-- a retention.
+if redis.call('TTL', own_key) == -1 then redis.call('EXPIRE', own_key, turn_ttl_s) end
+return tight
 """
 )
 """A round's reservation, before it is sent."""
@@ -337,9 +326,9 @@ class Spend:
         price: ModelPrice | None,
         max_tokens: int | None,
         max_usd: float | None,
-    ) -> Reserved | Budget:
+    ) -> Reserved:
         """Reserve a round against every budget it counts against: the completion it may
-        produce, or the budget that cannot afford it."""
+        produce; BudgetExceeded (with when a key's resets) names one that cannot afford it."""
         kb = self.settings.key_budgets.get(owner or "")
         args = ReserveArgs(
             reservation,
@@ -357,11 +346,11 @@ class Spend:
             *self._ttls(),
         )
         answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
-        if Reserve(int(answer[0])) is Reserve.OK:
-            return Reserved(int(answer[1]), bool(int(answer[2])))
-        scope, name, spent, limit = (text(a) for a in answer[1:5])
-        unit = "tokens" if "tokens" in name else "usd"
-        return Budget(scope, name, unit, _num(limit), _num(spent))  # type: ignore[arg-type]
+        if len(answer) == 2:
+            return Reserved(int(answer[0]), bool(int(answer[1])))
+        scope, name, spent, limit = (text(a) for a in answer)
+        when = resets_at(name, day) if scope == "key" else None
+        raise BudgetExceeded(scope, name, _num(spent), _num(limit), when)
 
     def settle(
         self, *, owner: str | None, turn_id: str, parents: list[str], settle: Settlement
@@ -376,7 +365,6 @@ class Spend:
             u.cost_usd or 0.0,
             settle.model,
             settle.agent or "",
-            int(settle.round_no == 0),
             *self._ttls(),
         )
         keys = self._keys(owner, settle.day, turn_id, parents)
@@ -402,28 +390,24 @@ class Spend:
         pipe.expire(key, self.settings.turn_retention_s)
         pipe.execute()
 
-    def key_budgets(self, owner: str | None, day: str) -> tuple[list[Budget], set[str]]:
-        """The key's budgets, with what it spent of each this day and month, and those that
-        refused a round of the key's this period."""
-        budget = self.settings.key_budgets.get(owner or "")
-        if budget is None:
-            return [], set()
-        names = ("tokens_per_day", "usd_per_day")
-        day_raw = self.redis.hmget(
-            day_key(owner, day), ["tokens", "usd", *(f"exhausted:{n}" for n in names)]
+    def check_key(
+        self, owner: str | None, day: str, prompt_tokens: int, price: ModelPrice | None
+    ) -> None:
+        """Raise BudgetExceeded for a key budget that refuses a start: one that cannot afford
+        its least round (its prompt and MIN_COMPLETION_TOKENS), or that refused a round of the
+        key's this period. RESERVE decides it, reserving nothing."""
+        self.reserve(
+            owner=owner,
+            turn_id="",
+            parents=[],
+            reservation="",
+            day=day,
+            prompt_tokens=prompt_tokens,
+            want=MIN_COMPLETION_TOKENS,
+            price=price,
+            max_tokens=None,
+            max_usd=None,
         )
-        month_raw = self.redis.hmget(
-            month_key(owner, month_of(day)), ["usd", "exhausted:usd_per_month"]
-        )
-        refused = zip((*names, "usd_per_month"), (*day_raw[2:], month_raw[1]), strict=True)
-        spent = key_budgets(budget, _num(day_raw[0]), _num(day_raw[1]), _num(month_raw[0]))
-        return spent, {n for n, v in refused if v}
-
-    def key_refusal(self, owner: str | None, day: str, tokens: int, usd: float) -> Budget | None:
-        """The key budget that refuses a start: one that cannot afford the least round
-        (`tokens`, `usd`), or that refused a round of the key's this period."""
-        spent, exhausted = self.key_budgets(owner, day)
-        return next((b for b in spent if b.name in exhausted), None) or over(spent, tokens, usd)
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
         """A turn's spend with its sub-agents' (reservations in flight included in

@@ -24,7 +24,7 @@ from agentq.local.processes import ManagedProcess, run_process, start_worker
 from agentq.local.redis_server import RedisServer
 from agentq.models import TurnRequest, Usage
 from agentq.state.budget import day_of
-from agentq.state.spend import Spend, day_key, turn_spend_key
+from agentq.state.spend import day_key, turn_spend_key
 from agentq.testing.openai_server import Round
 from tests.conftest import BASE_TOOLS
 from tests.helpers import (
@@ -196,8 +196,8 @@ def test_a_key_over_its_budget_ends_its_turns_and_may_not_start_more(
     assert end.fields["scope"] == "key" and end.fields["budget"] == "tokens_per_day"
     assert end.fields["resets_at"] > events[0].ts
     assert_valid_history(stack.get(handle.turn_id)["history"])
-    spent = Spend(stack._store.redis, stack.settings).key_budgets("k-tight", day_of(end.ts))[0]
-    assert spent[0].spent <= 3000
+    spent = stack._store.redis.hget(day_key("k-tight", day_of(end.ts)), "tokens")
+    assert int(spent or 0) <= 3000
     # Whatever it left is less than a round: the next start is refused, with its reset.
     with pytest.raises(BudgetExceeded) as refused:
         for _ in range(50):
@@ -470,9 +470,9 @@ def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) ->
     rounds = finished_usages(events)
     assert len(rounds) >= 5
     assert all(u["cost_usd"] == pytest.approx((1000 * 1.0 + 50 * 4.0) / 1e6) for u in rounds)
-    (spent,) = Spend(stack._store.redis, stack.settings).key_budgets("k-usd", day_of(end.ts))[0]
-    assert spent.spent <= 0.02
-    assert spent.spent == pytest.approx(len(rounds) * (1000 * 1.0 + 50 * 4.0) / 1e6)
+    spent = float(stack._store.redis.hget(day_key("k-usd", day_of(end.ts)), "usd") or 0)
+    assert spent <= 0.02
+    assert spent == pytest.approx(len(rounds) * (1000 * 1.0 + 50 * 4.0) / 1e6)
 
 
 def test_an_abort_mid_stream_charges_the_rounds_estimate(stack: Client, llm_server) -> None:

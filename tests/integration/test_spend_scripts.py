@@ -14,11 +14,12 @@ import pytest
 import redis
 
 from agentq.config import ModelPrice, load_settings
+from agentq.errors import BudgetExceeded
 from agentq.fleet.connections import cluster_client
 from agentq.local.cluster import LocalCluster
 from agentq.local.redis_server import RedisServer
 from agentq.models import Usage
-from agentq.state.budget import MIN_COMPLETION_TOKENS, Budget
+from agentq.state.budget import MIN_COMPLETION_TOKENS, resets_at
 from agentq.state.spend import (
     Reserved,
     Settlement,
@@ -108,22 +109,16 @@ def test_reserve_caps_a_round_by_what_its_budgets_leave(client: redis.Redis, cas
         parent = turn_spend_key(owner, "p")
         client.hset(parent, mapping={"max_tokens": case.parent_max_tokens})
         client.hset(parent, "tokens", case.parent_spent)
-    got = spend.reserve(
-        owner=owner,
-        turn_id="t",
-        parents=parents,
-        reservation="0",
-        day=DAY,
-        prompt_tokens=case.prompt,
-        want=4096,
-        price=case.price,
-        max_tokens=case.max_tokens,
-        max_usd=case.max_usd,
-    )
+    args = {"reservation": "0", "day": DAY, "prompt_tokens": case.prompt, "want": 4096}
+    turn = {"owner": owner, "turn_id": "t", "parents": parents}
+    limits = {"price": case.price, "max_tokens": case.max_tokens, "max_usd": case.max_usd}
     if isinstance(case.expected, int):
+        got = spend.reserve(**turn, **args, **limits)  # type: ignore[arg-type]
         assert got == Reserved(case.expected, case.expected != 4096)
     else:
-        assert isinstance(got, Budget) and (got.scope, got.name) == case.expected
+        with pytest.raises(BudgetExceeded) as refused:
+            spend.reserve(**turn, **args, **limits)  # type: ignore[arg-type]
+        assert (refused.value.scope, refused.value.budget) == case.expected
 
 
 def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) -> None:
@@ -167,22 +162,50 @@ def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) 
 def test_a_key_that_refused_a_round_refuses_starts(client: redis.Redis) -> None:
     owner = f"k-{uuid.uuid4().hex[:8]}"
     spend = spend_of(client, **{owner: {"tokens_per_day": 1000}})
-    assert spend.key_refusal(owner, DAY, tokens=50, usd=0.0) is None
-    got = spend.reserve(
-        owner=owner,
-        turn_id="t",
-        parents=[],
-        reservation="0",
-        day=DAY,
-        prompt_tokens=990,
-        want=64,
-        price=None,
-        max_tokens=None,
-        max_usd=None,
-    )
-    assert isinstance(got, Budget) and got.name == "tokens_per_day"
-    refusal = spend.key_refusal(owner, DAY, tokens=50, usd=0.0)
-    assert refusal is not None and refusal.name == "tokens_per_day"
+    spend.check_key(owner, DAY, 34, None)
+    with pytest.raises(BudgetExceeded) as refused:
+        spend.reserve(
+            owner=owner,
+            turn_id="t",
+            parents=[],
+            reservation="0",
+            day=DAY,
+            prompt_tokens=990,
+            want=64,
+            price=None,
+            max_tokens=None,
+            max_usd=None,
+        )
+    assert refused.value.budget == "tokens_per_day"
+    assert refused.value.resets_at == resets_at("tokens_per_day", DAY)
+    with pytest.raises(BudgetExceeded) as refused:
+        spend.check_key(owner, DAY, 34, None)
+    assert refused.value.budget == "tokens_per_day"
+
+
+def test_a_key_that_cannot_afford_the_least_round_refuses_starts(client: redis.Redis) -> None:
+    owner = f"k-{uuid.uuid4().hex[:8]}"
+    spend = spend_of(client, **{owner: {"tokens_per_day": 1000, "usd_per_month": 1.0}})
+    client.hset(day_key(owner, DAY), "tokens", 950)
+    month = month_key(owner, DAY[:6])
+    client.hset(month, "usd", 0.5)
+    least = MIN_COMPLETION_TOKENS
+    spend.check_key(owner, DAY, 40 - least, None)
+
+    def refusal(prompt: int, price: ModelPrice | None) -> tuple[str, float, float]:
+        with pytest.raises(BudgetExceeded) as refused:
+            spend.check_key(owner, DAY, prompt, price)
+        return refused.value.budget, refused.value.spent, refused.value.limit
+
+    assert refusal(60 - least, None) == ("tokens_per_day", 950, 1000)
+    # 10 prompt tokens at $0.06 each: $0.6 more than the month's $0.5 can take.
+    assert refusal(10, ModelPrice(input=60_000.0, output=0.0)) == ("usd_per_month", 0.5, 1.0)
+    # A model without a price is refused by a USD budget already spent past its limit.
+    client.hset(month, "usd", 1.5)
+    assert refusal(10, None) == ("usd_per_month", 1.5, 1.0)
+    # A start's check reserves nothing, and refuses later starts by nothing.
+    assert int(client.hget(day_key(owner, DAY), "tokens") or 0) == 950
+    assert not [f for f in client.hkeys(day_key(owner, DAY)) if f.startswith(b"exhausted")]
 
 
 def test_the_scripts_run_on_a_redis_cluster() -> None:
@@ -210,7 +233,7 @@ def test_the_scripts_run_on_a_redis_cluster() -> None:
                 )
                 assert got == Reserved(64, True)
                 assert spend.settle(**turn, settle=Settlement(round_no, DAY, used, "m", None))
-            assert spend.key_budgets(owner, DAY)[0][0].spent == pytest.approx(0.002)
+            assert float(client.hget(day_key(owner, DAY), "usd") or 0) == pytest.approx(0.002)
         finally:
             client.close()
 
@@ -245,9 +268,10 @@ def test_a_round_is_reserved_against_the_last_ones_usage(client: redis.Redis) ->
     assert spend.settle(**turn, settle=used)
     # An earlier round settled again (a stale step) is found settled.
     assert not spend.settle(**turn, settle=Settlement(0, DAY, Usage(), "m", "a"))
-    refused = _reserve(spend, turn, 2, prompt_tokens=900, max_tokens=1000)
-    assert isinstance(refused, Budget) and refused.name == "max_tokens"
-    assert refused.spent == 450
+    with pytest.raises(BudgetExceeded) as refused:
+        _reserve(spend, turn, 2, prompt_tokens=900, max_tokens=1000)
+    assert refused.value.budget == "max_tokens" and refused.value.resets_at is None
+    assert refused.value.spent == 450
     assert int(client.hget(own, "tokens") or 0) == 450
     assert client.hget(own, "r:1") is None and client.hget(own, "r:2") is None
 

@@ -1,6 +1,6 @@
-"""Spend's pure decisions, without Redis or waiting: prices, period resets, a key's
-refusal, and the settings that configure them. (The reservation's completion cap is
-decided by RESERVE alone: tests/integration/test_spend_scripts.py.)"""
+"""Spend's pure decisions, without Redis or waiting: prices, period resets, and the
+settings that configure them. (The reservation's completion cap and a key's refusal of a
+start are decided by RESERVE alone: tests/integration/test_spend_scripts.py.)"""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ import json
 
 import pytest
 
-from agentq.config import KeyBudget, ModelPrice, load_settings
+from agentq.config import ModelPrice, load_settings
 from agentq.errors import ConfigError
-from agentq.state.budget import (
-    cost_usd,
-    day_of,
-    key_budgets,
-    lower_limit,
-    over,
-    resets_at,
-)
+from agentq.state.budget import cost_usd, day_of, lower_limit, resets_at
 
 PRICE = ModelPrice(input=2.0, output=8.0, cached_input=0.5)
 
@@ -40,20 +33,10 @@ def test_cost_prices_input_cached_and_output_per_million() -> None:
 def test_periods_reset_at_utc_midnight_and_the_first_of_the_month() -> None:
     now = ts(2026, 12, 31, 23, 59)
     assert day_of(now) == "20261231"
-    assert resets_at("tokens_per_day", now) == ts(2027, 1, 1)
-    assert resets_at("usd_per_day", ts(2026, 2, 3, 1)) == ts(2026, 2, 4)
-    assert resets_at("usd_per_month", now) == ts(2027, 1, 1)
-    assert resets_at("usd_per_month", ts(2026, 2, 3)) == ts(2026, 3, 1)
-
-
-def test_a_key_that_cannot_afford_the_least_round_is_over() -> None:
-    budget = KeyBudget(tokens_per_day=1000, usd_per_month=1.0)
-    spent = key_budgets(budget, day_tokens=950, day_usd=0.0, month_usd=0.5)
-    assert [b.name for b in spent] == ["tokens_per_day", "usd_per_month"]
-    assert over(spent, tokens=40) is None
-    assert over(spent, tokens=60) == spent[0]
-    assert over(spent, tokens=0, usd=0.6) == spent[1]
-    assert key_budgets(None, 1, 1, 1) == []
+    assert resets_at("tokens_per_day", day_of(now)) == ts(2027, 1, 1)
+    assert resets_at("usd_per_day", "20260203") == ts(2026, 2, 4)
+    assert resets_at("usd_per_month", day_of(now)) == ts(2027, 1, 1)
+    assert resets_at("usd_per_month", "20260203") == ts(2026, 3, 1)
 
 
 def test_a_request_may_lower_its_agents_limit_not_raise_it() -> None:
