@@ -2,11 +2,11 @@
 answers: every decision about a conversation (who holds it, who waits, what its history
 becomes) is one script, so turns racing for a conversation never both get it.
 
-Each script gets the conversation's keys (`ConversationKeys`, then on one Redis the
-listing's index). Besides the meta fields `agentq.state.conversations` lists, the scripts
-keep `last_turn`, `last_base`, `last_end` (the last turn that held the conversation, and
-its exchange's place in the history, `[last_base, last_end)`) and `replacing` (a retry
-that holds the conversation to replace that exchange: `IN_PLACE_LUA`).
+Each script gets the conversation's keys (`ConversationKeys`, then for a write on one
+Redis the listing's index). Besides the meta fields `agentq.state.conversations` lists, the
+scripts keep `last_turn`, `last_base`, `last_end` (the last turn that held the
+conversation, and its exchange's place in the history, `[last_base, last_end)`) and
+`replacing` (a retry that holds the conversation to replace that exchange: `IN_PLACE_LUA`).
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ end
 
 
 class Take(IntEnum):
-    """TAKE's answer for a waiting turn."""
+    """A waiting turn's look at its conversation (`Conversations.take`)."""
 
     HOLDS = 1
     """It holds the conversation: its history follows."""
@@ -245,28 +245,6 @@ class Take(IntEnum):
     """It is queued behind the running turn."""
     GONE = 3
     """Neither: the conversation was deleted, or the turn was never admitted."""
-
-
-# KEYS: ConversationKeys; ARGV: the waiting turn. Returns {HOLDS, history...} or
-# {WAITS|GONE, running turn or ''}: the read a queued turn's first step makes.
-TAKE_LUA = (
-    bind_lua(_SCRIPT_KEYS, ("turn_id",))
-    + f"""local running = redis.call('HGET', meta_key, 'running') or ''
-if running == turn_id then
-  local out = {{{Take.HOLDS}}}
-  local upto = -1
-  if redis.call('HGET', meta_key, 'replacing') == turn_id then
-    -- A retry in place reads the history before the exchange it replaces.
-    upto = tonumber(redis.call('HGET', meta_key, 'last_base')) - 1
-    if upto < 0 then return out end
-  end
-  for _, m in ipairs(redis.call('LRANGE', history_key, 0, upto)) do out[#out + 1] = m end
-  return out
-end
-if redis.call('LPOS', queue_key, turn_id) then return {{{Take.WAITS}, running}} end
-return {{{Take.GONE}, running}}
-"""
-)
 
 
 class InPlace(IntEnum):
@@ -308,23 +286,20 @@ redis.call('HSET', meta_key, 'running', turn_id, 'replacing', turn_id, 'updated_
 """
 )
 
-# KEYS: ConversationKeys; ARGV: the turn that takes them in. Returns the queued turns whose
-# message may join it, in queue order; nothing unless that turn holds the conversation.
-INJECTABLE_LUA = (
-    bind_lua(_SCRIPT_KEYS, ("turn_id",))
-    + """if redis.call('HGET', meta_key, 'running') ~= turn_id then return {} end
-if redis.call('SCARD', inject_key) == 0 then return {} end
-local out = {}
-for _, id in ipairs(redis.call('LRANGE', queue_key, 0, -1)) do
-  if redis.call('SISMEMBER', inject_key, id) == 1 then out[#out + 1] = id end
-end
-return out
+# KEYS: ConversationKeys; ARGV: 1 for the history too. Returns {meta (HGETALL), queue,
+# inject (SMEMBERS), history}: what a reader sees of a conversation, as one moment's.
+READ_LUA = (
+    bind_lua(ConversationKeys, ("with_history",))
+    + """local history = {}
+if with_history == '1' then history = redis.call('LRANGE', history_key, 0, -1) end
+return {redis.call('HGETALL', meta_key), redis.call('LRANGE', queue_key, 0, -1),
+  redis.call('SMEMBERS', inject_key), history}
 """
 )
 
 # KEYS: ConversationKeys. Removes the conversation; returns its running and queued turns.
 DELETE_LUA = (
-    bind_lua(_SCRIPT_KEYS)
+    bind_lua(ConversationKeys)
     + """local out = redis.call('LRANGE', queue_key, 0, -1)
 local running = redis.call('HGET', meta_key, 'running')
 if running and running ~= '' then table.insert(out, 1, running) end

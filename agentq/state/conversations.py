@@ -39,10 +39,9 @@ from agentq.state.conversation_lua import (
     ADMIT_LUA,
     DELETE_LUA,
     IN_PLACE_LUA,
-    INJECTABLE_LUA,
     NOTE_INJECTED_LUA,
+    READ_LUA,
     RELEASE_LUA,
-    TAKE_LUA,
     Admit,
     AdmitArgs,
     ConversationKeys,
@@ -88,14 +87,8 @@ class ConversationView:
     updated_at: float | None
 
     def public(self) -> dict[str, Any]:
-        return {
-            "conversation_id": self.conversation_id,
-            "status": "busy" if self.running_turn_id else "idle",
-            "running_turn_id": self.running_turn_id,
-            "queued": self.queued,
-            "messages": self.messages,
-            "updated_at": self.updated_at,
-        }
+        status = "busy" if self.running_turn_id else "idle"
+        return {"conversation_id": self.conversation_id, "status": status, **vars(self)}
 
 
 class Conversations:
@@ -103,10 +96,9 @@ class Conversations:
 
     _admit = LuaScript(ADMIT_LUA)
     _release = LuaScript(RELEASE_LUA)
-    _injectable = LuaScript(INJECTABLE_LUA)
     _delete = LuaScript(DELETE_LUA)
     _note_injected = LuaScript(NOTE_INJECTED_LUA)
-    _take = LuaScript(TAKE_LUA)
+    _read = LuaScript(READ_LUA)
     _in_place = LuaScript(IN_PLACE_LUA)
 
     def __init__(self, client: redis.Redis, *, ttl_s: int) -> None:
@@ -122,6 +114,19 @@ class Conversations:
         """On a Cluster, the listing's index is on another slot: noted apart."""
         if self.sharded:
             self.redis.zadd(k.CONVERSATIONS_INDEX, {conversation_id: now})
+
+    def _look(
+        self, conversation_id: str, history: bool = True
+    ) -> tuple[dict[str, str], list[str], set[str], list[Any]]:
+        """Its meta, queue, injectable turns and history (if asked), as one moment's."""
+        keys = ConversationKeys.of(conversation_id)
+        meta, queue, inject, messages = self._read(keys=keys, args=[int(history)])
+        return (
+            {text(f): text(v) for f, v in zip(meta[::2], meta[1::2], strict=True)},
+            [text(q) for q in queue],
+            {text(i) for i in inject},
+            [json.loads(m) for m in messages],
+        )
 
     def admit(
         self,
@@ -201,8 +206,8 @@ class Conversations:
 
     def injectable(self, conversation_id: str, turn_id: str) -> list[str]:
         """Queued turns whose message may join `turn_id`'s next round, in arrival order."""
-        ids = self._injectable(keys=list(ConversationKeys.of(conversation_id)), args=[turn_id])
-        return [text(i) for i in ids]
+        meta, queue, inject, _ = self._look(conversation_id, history=False)
+        return [t for t in queue if t in inject] if meta.get("running") == turn_id else []
 
     def note_injected(self, turn_id: str) -> bool:
         """Tell a running turn a message waits to join it; False if it has ended."""
@@ -213,11 +218,13 @@ class Conversations:
     ) -> tuple[Take, list[dict[str, Any]], str | None]:
         """A waiting turn's look: whether it holds the conversation (with its history), waits
         (behind the running turn named), or is in it no more."""
-        answer = self._take(keys=list(ConversationKeys.of(conversation_id)), args=[turn_id])
-        outcome = Take(int(answer[0]))
-        if outcome is Take.HOLDS:
-            return outcome, [json.loads(m) for m in answer[1:]], turn_id
-        return outcome, [], text(answer[1]) or None
+        meta, queue, _, history = self._look(conversation_id)
+        running = meta.get("running") or None
+        if running != turn_id:
+            return (Take.WAITS if turn_id in queue else Take.GONE), [], running
+        # A retry in place reads the history before the exchange it replaces.
+        upto = int(meta["last_base"]) if meta.get("replacing") == turn_id else None
+        return Take.HOLDS, history[:upto], turn_id
 
     def check_access(
         self,
@@ -234,19 +241,10 @@ class Conversations:
             raise ConversationNotFound(conversation_id)
 
     def view(self, conversation_id: str) -> ConversationView:
-        keys = ConversationKeys.of(conversation_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(keys.meta_key)
-        pipe.lrange(keys.queue_key, 0, -1)
-        pipe.lrange(keys.history_key, 0, -1)
-        meta_raw, queue, history = pipe.execute()
-        meta = {text(f): text(v) for f, v in meta_raw.items()}
+        meta, queue, _, history = self._look(conversation_id)
+        updated_at = float(meta["updated_at"]) if meta.get("updated_at") else None
         return ConversationView(
-            conversation_id=conversation_id,
-            running_turn_id=meta.get("running") or None,
-            queued=[text(q) for q in queue],
-            messages=[json.loads(m) for m in history],
-            updated_at=float(meta["updated_at"]) if meta.get("updated_at") else None,
+            conversation_id, meta.get("running") or None, queue, history, updated_at
         )
 
     def listing(
@@ -303,6 +301,6 @@ class Conversations:
 
     def delete(self, conversation_id: str) -> list[str]:
         """Remove the conversation; its running and queued turns, for the caller to abort."""
-        ids = self._delete(keys=list(ConversationKeys.of(conversation_id)), args=[])
+        ids = self._delete(keys=ConversationKeys.of(conversation_id), args=[])
         self.redis.zrem(k.CONVERSATIONS_INDEX, conversation_id)
         return [text(i) for i in ids]

@@ -60,8 +60,7 @@ SCRIPTS = {
             "ADMIT_LUA",
             "IN_PLACE_LUA",
             "RELEASE_LUA",
-            "TAKE_LUA",
-            "INJECTABLE_LUA",
+            "READ_LUA",
             "DELETE_LUA",
             "NOTE_INJECTED_LUA",
         )
