@@ -96,31 +96,27 @@ class AdmitArgs(NamedTuple):
     conversation_id: str
 
 
-# KEYS: ConversationKeys; ARGV: AdmitArgs. Returns {Admit, ...}: NOT_FOUND; TOO_LARGE, size;
-# RUN, created; BUSY, running; QUEUED|INJECTED|INTERRUPTED, created, running,
-# position, behind.
+# KEYS: ConversationKeys; ARGV: AdmitArgs. Returns {NOT_FOUND}, {TOO_LARGE, size}, or
+# {Admit, created, running, position, behind} ('' and 0 for none).
 ADMIT_LUA = (
     bind_lua(_SCRIPT_KEYS, AdmitArgs)
-    + f"""local created = 0
-if redis.call('SET', owner_key, claim, 'NX', 'EX', ttl_s) then
-  -- Whatever outlived an expired binding is not this caller's to read.
-  redis.call('DEL', meta_key, history_key, queue_key, inject_key)
-  created = 1
-else
-  local bound = redis.call('GET', owner_key)
-  if any_owner ~= '1' and bound ~= may and bound ~= may_too then
-    return {{{Admit.NOT_FOUND}}}
-  end
+    + f"""local bound = redis.call('GET', owner_key)
+if bound and any_owner ~= '1' and bound ~= may and bound ~= may_too then
+  return {{{Admit.NOT_FOUND}}}
 end
+-- Whatever outlived an expired binding is not this caller's to read.
+if not bound then redis.call('DEL', meta_key, history_key, queue_key, inject_key) end
 local size = (tonumber(redis.call('HGET', meta_key, 'bytes')) or 0) + tonumber(new_bytes)
 if size > tonumber(max_bytes) then return {{{Admit.TOO_LARGE}, size}} end
+local created = bound and 0 or 1
+if not bound then redis.call('SET', owner_key, claim, 'EX', ttl_s) end
 {_KEEP}{_INDEX}local running = redis.call('HGET', meta_key, 'running')
 if not running or running == '' then
   redis.call('HSET', meta_key, 'running', turn_id, 'updated_at', now)
   redis.call('EXPIRE', meta_key, ttl_s)
-  return {{{Admit.RUN}, created}}
+  return {{{Admit.RUN}, created, '', 0, ''}}
 end
-if mode == '{Multitask.REJECT.value}' then return {{{Admit.BUSY}, running}} end
+if mode == '{Multitask.REJECT.value}' then return {{{Admit.BUSY}, created, running, 0, ''}} end
 local answer = {Admit.QUEUED}
 if mode == '{Multitask.INTERRUPT.value}' or mode == '{Multitask.ROLLBACK.value}' then
   redis.call('LPUSH', queue_key, turn_id)

@@ -141,9 +141,8 @@ class Conversations:
         any_owner: bool = False,
     ) -> Admitted:
         """Claim a new conversation or check the caller may continue this one, enforce its
-        cap, and run the turn now or as `mode` says when another turn holds it."""
-        if new_bytes > max_bytes:
-            raise PayloadTooLarge(f"conversation {conversation_id}", new_bytes, max_bytes)
+        cap (a new one's too: created only within it), and run the turn now or as `mode`
+        says when another turn holds it."""
         held = [*may, "", ""][:2]
         args = AdmitArgs(
             turn_id,
@@ -169,18 +168,9 @@ class Conversations:
                 max_bytes,
             )
         self._noted(conversation_id, args.now)
-        if outcome is Admit.RUN:
-            # Its history is read at its first step (TAKE), not here.
-            return Admitted(outcome, created=bool(int(answer[1])))
-        if outcome is Admit.BUSY:
-            return Admitted(outcome, running=text(answer[1]))
-        return Admitted(
-            outcome,
-            created=bool(int(answer[1])),
-            running=text(answer[2]),
-            position=int(answer[3]),
-            behind=text(answer[4]),
-        )
+        _, created, running, position, behind = answer
+        running, behind = text(running) or None, text(behind) or None
+        return Admitted(outcome, bool(int(created)), running, int(position), behind)
 
     def admit_in_place(
         self, conversation_id: str, turn_id: str, source_id: str
