@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.errors import AgentqError, ConversationBusy, ConversationNotFound
-from agentq.models import TERMINAL_STATUSES, TurnStatus
+from agentq.models import TERMINAL_STATUSES, MultitaskMode, TurnStatus
 from agentq.orchestrator.wake import request_abort, send_step_or_wake
-from agentq.state.conversation_lua import Admit, InPlace, Multitask, Release, ReleaseArgs, Take
+from agentq.state.conversation_lua import Admit, InPlace, Release, ReleaseArgs, Take
 from agentq.state.conversations import Admitted, Conversations, ConversationView
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ def admit(
     app: Celery,
     conversation_id: str,
     turn_id: str,
-    mode: Multitask,
+    mode: MultitaskMode,
     decide: Callable[[], Admitted],
 ) -> Admitted:
     """Admit a stored turn to its conversation (`decide`: its Conversations.admit): run it
@@ -71,7 +71,7 @@ def admit(
         forget(store, turn_id)
         raise ConversationBusy(conversation_id, str(running))
     if admitted.outcome is Admit.INTERRUPTED:
-        reason = "rollback" if mode is Multitask.ROLLBACK else "interrupt"
+        reason = "rollback" if mode == "rollback" else "interrupt"
         request_abort(store, str(running), reason)
     elif admitted.outcome is Admit.INJECTED:
         conversations(store).note_injected(str(running))

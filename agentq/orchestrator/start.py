@@ -14,17 +14,17 @@ import secrets
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
 from agentq.errors import BudgetInvalid, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
-from agentq.models import TurnHandle, TurnRequest, check_messages
+from agentq.models import MultitaskMode, TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
 from agentq.orchestrator.wake import send_step_or_wake
 from agentq.state.budget import day_of
-from agentq.state.conversation_lua import Admit, Multitask
+from agentq.state.conversation_lua import Admit
 from agentq.state.conversations import binding, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
@@ -215,7 +215,7 @@ def _admit(
     turn_id, owner = new.turn_id, new.state.get("owner")
     handle: dict[str, object] = {}
     new_token = None if owner else secrets.token_urlsafe(32)
-    mode = Multitask(new.state.get("multitask") or "enqueue")
+    mode = cast(MultitaskMode, new.state.get("multitask") or "enqueue")
     decide = partial(
         conversation.conversations(store).admit,
         cid,

@@ -11,22 +11,12 @@ conversation, and its exchange's place in the history, `[last_base, last_end)`) 
 
 from __future__ import annotations
 
-from enum import Enum, IntEnum
+from enum import IntEnum
 from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import ended_lua
 from agentq.events.lua_args import bind_lua
-
-
-class Multitask(str, Enum):
-    """What a message to a conversation whose turn still runs does."""
-
-    ENQUEUE = "enqueue"
-    REJECT = "reject"
-    INTERRUPT = "interrupt"
-    ROLLBACK = "rollback"
-    INJECT = "inject"
 
 
 class Admit(IntEnum):
@@ -88,7 +78,7 @@ class AdmitArgs(NamedTuple):
     any_owner: int
     """1: an admin or operator, who may continue any conversation."""
     mode: str
-    """A `Multitask` value."""
+    """A `MultitaskMode`."""
     ttl_s: int
     now: float
     new_bytes: int
@@ -116,15 +106,15 @@ if not running or running == '' then
   redis.call('EXPIRE', meta_key, ttl_s)
   return {{{Admit.RUN}, created, '', 0, ''}}
 end
-if mode == '{Multitask.REJECT.value}' then return {{{Admit.BUSY}, created, running, 0, ''}} end
+if mode == 'reject' then return {{{Admit.BUSY}, created, running, 0, ''}} end
 local answer = {Admit.QUEUED}
-if mode == '{Multitask.INTERRUPT.value}' or mode == '{Multitask.ROLLBACK.value}' then
+if mode == 'interrupt' or mode == 'rollback' then
   redis.call('LPUSH', queue_key, turn_id)
-  if mode == '{Multitask.ROLLBACK.value}' then redis.call('HSET', meta_key, 'rollback', running) end
+  if mode == 'rollback' then redis.call('HSET', meta_key, 'rollback', running) end
   answer = {Admit.INTERRUPTED}
 else
   redis.call('RPUSH', queue_key, turn_id)
-  if mode == '{Multitask.INJECT.value}' then
+  if mode == 'inject' then
     redis.call('SADD', inject_key, turn_id)
     answer = {Admit.INJECTED}
   end

@@ -15,7 +15,7 @@ below runs on one slot:
 - ``inject``: the queued turns whose message may join the running turn instead.
 
 A turn is admitted (`admit`) when its conversation is idle, else follows its request's
-`Multitask`; at its end it commits its exchange and hands the conversation to the next
+`multitask`; at its end it commits its exchange and hands the conversation to the next
 queued turn in one step (`release`). A conversation whose binding expired is gone. The
 scripts are in `agentq.state.conversation_lua`.
 """
@@ -34,6 +34,7 @@ from redis.cluster import RedisCluster
 from agentq import constants as k
 from agentq.errors import ConversationNotFound, PayloadTooLarge
 from agentq.events.lua_args import LuaScript
+from agentq.models import MultitaskMode
 from agentq.state.base import text
 from agentq.state.conversation_lua import (
     ADMIT_LUA,
@@ -47,7 +48,6 @@ from agentq.state.conversation_lua import (
     ConversationKeys,
     InPlace,
     InPlaceArgs,
-    Multitask,
     Release,
     ReleaseArgs,
     Take,
@@ -132,7 +132,7 @@ class Conversations:
         self,
         conversation_id: str,
         turn_id: str,
-        mode: Multitask,
+        mode: MultitaskMode,
         *,
         new_bytes: int,
         max_bytes: int,
@@ -150,7 +150,7 @@ class Conversations:
             held[0],
             held[1],
             int(any_owner),
-            Multitask(mode).value,
+            mode,
             self.ttl_s,
             time.time(),
             new_bytes,

@@ -11,7 +11,8 @@ from typing import Any
 import fakeredis
 
 from agentq import constants as k
-from agentq.state.conversation_lua import Admit, InPlace, Multitask, Release, ReleaseArgs, Take
+from agentq.models import MultitaskMode
+from agentq.state.conversation_lua import Admit, InPlace, Release, ReleaseArgs, Take
 from agentq.state.conversations import Admitted, Conversations, binding
 
 CID = "c-1"
@@ -26,7 +27,7 @@ def msg(text: str) -> dict[str, Any]:
     return {"role": "user", "content": text}
 
 
-def admit(c: Conversations, turn_id: str, mode: Multitask = Multitask.ENQUEUE) -> Admitted:
+def admit(c: Conversations, turn_id: str, mode: MultitaskMode = "enqueue") -> Admitted:
     return c.admit(CID, turn_id, mode, new_bytes=10, max_bytes=10**6, claim=OWNER, may=(OWNER,))
 
 
@@ -138,7 +139,7 @@ def test_a_rolled_back_retry_keeps_the_source_s_exchange() -> None:
     run(c, "a", ["a1"])
     assert c.admit_in_place(CID, "r", "a")[0] is InPlace.RUN
     assert take(c, "r") == []
-    assert admit(c, "n", Multitask.ROLLBACK).outcome is Admit.INTERRUPTED
+    assert admit(c, "n", "rollback").outcome is Admit.INTERRUPTED
     assert release(c, "r", 0, ["a1", "r1"], rolled_back=True) == (Release.DROPPED, "n")
     assert history(c) == ["a1"]
     assert take(c, "n") == [msg("a1")]
@@ -148,7 +149,7 @@ def test_a_rolled_back_source_is_followed_by_the_turn_that_rolled_it_back() -> N
     c = convs()
     run(c, "a", ["a1"])
     assert admit(c, "b").outcome is Admit.RUN
-    assert admit(c, "n", Multitask.ROLLBACK).outcome is Admit.INTERRUPTED
+    assert admit(c, "n", "rollback").outcome is Admit.INTERRUPTED
     assert release(c, "b", 1, ["b1"], rolled_back=True) == (Release.DROPPED, "n")
     assert c.admit_in_place(CID, "r", "b") == (InPlace.MOVED_ON, "n")
     release(c, "n", 1, ["n1"])
