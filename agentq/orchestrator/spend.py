@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -22,19 +21,6 @@ from agentq.tools.registry import schemas_json
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
-
-
-_spends: weakref.WeakKeyDictionary[redis.Redis, Spend] = weakref.WeakKeyDictionary()
-"""One Spend (its scripts registered once) per store client of the process. Not one per
-settings: a step's settings are a new copy for an agent with overrides, none of which
-Spend reads (retention, key budgets), and a Spend per copy would be kept forever."""
-
-
-def spend_of(ctx: StepContext) -> Spend:
-    client = ctx.store.redis
-    if client not in _spends:
-        _spends[client] = Spend(client, ctx.settings)
-    return _spends[client]
 
 
 def limits_of(ctx: StepContext) -> tuple[int | None, float | None]:
@@ -92,7 +78,7 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
     prompt, day, cap = math.ceil(chars / CHARS_PER_TOKEN), day_of(ctx.now), None
     if budgeted(ctx):
         max_tokens, max_usd = limits_of(ctx)
-        got = spend_of(ctx).reserve(
+        got = Spend(ctx.store.redis, ctx.settings).reserve(
             **_args(ctx),
             reservation=reservation,
             day=day,
@@ -136,7 +122,7 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult) -> Non
     usage = round_usage(ctx, result, ctx.model)
     day = str(st.get("budget_day") or day_of(ctx.now))
     settle = Settlement(round_no, day, usage, ctx.model, st.get("agent"))
-    spend_of(ctx).settle(**_args(ctx), settle=settle)
+    Spend(ctx.store.redis, ctx.settings).settle(**_args(ctx), settle=settle)
     ctx.stage(
         budget_reservation=None,
         spent_prompt_tokens=int(st.get("spent_prompt_tokens") or 0) + usage.prompt_tokens,

@@ -22,7 +22,6 @@ idempotent: a step that runs again finds its round reserved, or settled (docs/sp
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -281,10 +280,6 @@ def _limit(v: float | None) -> float:
 _TOKENS = {"prompt": "prompt_tokens", "completion": "completion_tokens", "cached": "cached_tokens"}
 """A spend hash's token fields, and the `Usage` fields (and report names) they count."""
 
-OWNER_NOTED_S = 600.0
-"""How long a process takes a key for noted in SPEND_OWNERS before adding it again (a set
-emptied meanwhile gets it back)."""
-
 
 class Spend:
     """Every read and write of spend."""
@@ -295,7 +290,6 @@ class Spend:
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis = client
         self.settings = settings
-        self._noted: dict[str, float] = {}
 
     def _keys(self, owner: str | None, day: str, turn_id: str, parents: Iterable[str]) -> list[str]:
         turns = [turn_spend_key(owner, t) for t in (turn_id, *reversed(list(parents)))]
@@ -304,14 +298,6 @@ class Spend:
 
     def _ttls(self) -> tuple[int, int]:
         return self.settings.usage_retention_days * 86400, self.settings.turn_retention_s
-
-    def _note_owner(self, owner: str | None) -> None:
-        """Name the key among those that spent, at its turns' first round (once in a while
-        per process: the set changes only when a new key spends)."""
-        name, now = owner or NO_KEY, time.monotonic()
-        if now - self._noted.get(name, -OWNER_NOTED_S) >= OWNER_NOTED_S:
-            self.redis.sadd(SPEND_OWNERS, name)
-            self._noted[name] = now
 
     def reserve(
         self,
@@ -371,7 +357,8 @@ class Spend:
         answer = self._settle(keys=keys, args=argv_of(args))
         done = int(answer) == 1
         if done and settle.round_no == 0:
-            self._note_owner(owner)
+            # Its turns' first rounds name the key among those that spent (another slot).
+            self.redis.sadd(SPEND_OWNERS, owner or NO_KEY)
         return done
 
     def carry(self, owner: str | None, turn_id: str, usage: Usage) -> None:
