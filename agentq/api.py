@@ -28,11 +28,10 @@ from agentq.orchestrator import replay
 from agentq.orchestrator.conversation import conversations, shown
 from agentq.orchestrator.start import start_turn, token_matches
 from agentq.orchestrator.wake import request_abort
-from agentq.state.budget import day_of
 from agentq.state.interactions import Interactions
 from agentq.state.listing import SCAN_BATCH, TurnLister
 from agentq.state.results import TurnResult, TurnView, settle
-from agentq.state.spend import NO_KEY, Spend, usage_report, usage_window
+from agentq.state.spend import NO_KEY, Spend, usage_days, usage_report
 from agentq.state.timeline import timeline
 from agentq.state.turn_state import TurnState
 from agentq.telemetry import tracing
@@ -441,12 +440,8 @@ class Client:
         last 30 days), totals and rows grouped by model, agent or key (docs/spend.md).
         `owner` (a caller that is not `admin`) sees its own key's only; an admin sees
         `key`'s, or every key's."""
-        now = time.time()
-        since, until = usage_window(group_by, since, until, now)
-        keep_s = self.settings.usage_retention_days * 86400
-        days = [day_of(t) for t in range(int(max(since, now - keep_s)), int(until) + 1, 86400)]
-        if day_of(until) not in days:
-            days.append(day_of(until))
+        keep = self.settings.usage_retention_days
+        days = usage_days(group_by, since, until, time.time(), keep)
         spend = Spend(self._store.redis, self.settings)
         if not admin:
             owners = [owner or NO_KEY]

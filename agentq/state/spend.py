@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import Usage
 from agentq.state.base import each, text
-from agentq.state.budget import MIN_COMPLETION_TOKENS, month_of, per_token, resets_at
+from agentq.state.budget import MIN_COMPLETION_TOKENS, day_of, month_of, per_token, resets_at
 
 SPEND_OWNERS = f"{k.PREFIX}:spend:owners"
 """The key names that ever spent (the admin's usage reads them all)."""
@@ -429,18 +429,20 @@ GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
 """What `/v1/usage` may group by, and the prefix of its fields in a day's hash."""
 
 
-def usage_window(
-    group_by: str, since: float | None, until: float | None, now: float
-) -> tuple[float, float]:
-    """A usage query's window (epoch s; by default the 30 days to `now`), or ValueError
-    naming what is wrong with the query."""
+def usage_days(
+    group_by: str, since: float | None, until: float | None, now: float, keep_days: int
+) -> list[str]:
+    """The UTC days of a usage query's window (epoch s; by default the 30 days to `now`) that
+    are kept, or ValueError naming what is wrong with the query."""
     if group_by not in GROUPS:
         raise ValueError(f"group_by: one of {', '.join(GROUPS)}, not {group_by!r}")
     until = now if until is None else until
     since = until - 29 * 86400 if since is None else since
     if since > until:
         raise ValueError("since: after until")
-    return since, until
+    start = int(max(since, now - keep_days * 86400))
+    days = [day_of(t) for t in range(start, int(until) + 1, 86400)]
+    return days if day_of(until) in days else [*days, day_of(until)]
 
 
 _COUNTS = {**_TOKENS, "turns": "turns"}
