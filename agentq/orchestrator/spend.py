@@ -78,7 +78,7 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
     prompt, day, cap = math.ceil(chars / CHARS_PER_TOKEN), day_of(ctx.now), None
     if budgeted(ctx):
         max_tokens, max_usd = limits_of(ctx)
-        got = Spend(ctx.store.redis, ctx.settings).reserve(
+        cap = Spend(ctx.store.redis, ctx.settings).reserve(
             **_args(ctx),
             reservation=reservation,
             day=day,
@@ -88,7 +88,6 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
             max_tokens=max_tokens,
             max_usd=max_usd,
         )
-        cap = got.cap if got.bounded else None
     ctx.stage(budget_reservation=reservation, budget_day=day, budget_prompt=prompt, budget_cap=cap)
 
 

@@ -248,14 +248,6 @@ return tight
 
 
 @dataclass(frozen=True)
-class Reserved:
-    cap: int
-    """The completion tokens the round may produce."""
-    bounded: bool
-    """A budget applies: the round is sent with `max_completion_tokens` = cap."""
-
-
-@dataclass(frozen=True)
 class Settlement:
     """A round to settle: its usage, and the day its reservation (or its send) counts in."""
 
@@ -312,9 +304,10 @@ class Spend:
         price: ModelPrice | None,
         max_tokens: int | None,
         max_usd: float | None,
-    ) -> Reserved:
+    ) -> int | None:
         """Reserve a round against every budget it counts against: the completion it may
-        produce; BudgetExceeded (with when a key's resets) names one that cannot afford it."""
+        produce (its `max_completion_tokens`; None: no budget bounds it); BudgetExceeded
+        (with when a key's resets) names one that cannot afford it."""
         kb = self.settings.key_budgets.get(owner or "")
         args = ReserveArgs(
             reservation,
@@ -333,7 +326,7 @@ class Spend:
         )
         answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
         if len(answer) == 2:
-            return Reserved(int(answer[0]), bool(int(answer[1])))
+            return int(answer[0]) if int(answer[1]) else None
         scope, name, spent, limit = (text(a) for a in answer)
         when = resets_at(name, day) if scope == "key" else None
         raise BudgetExceeded(scope, name, _num(spent), _num(limit), when)
