@@ -53,8 +53,7 @@ def admit(
     decide: Callable[[], Admitted],
 ) -> Admitted:
     """Admit a stored turn to its conversation (`decide`: its Conversations.admit): run it
-    now, queue it, or refuse it (ConversationBusy, the turn removed again: nothing of a
-    refused request stays)."""
+    now, queue it, or refuse it (ConversationBusy; the caller removes the turn again)."""
     admitted = decide()
     running = admitted.running
     if admitted.outcome is not Admit.RUN and running and not _alive(store, running):
@@ -68,7 +67,6 @@ def admit(
         admitted = decide()  # refused behind a turn that is over: asked once more
         running = admitted.running
     if admitted.outcome is Admit.BUSY:
-        forget(store, turn_id)
         raise ConversationBusy(conversation_id, str(running))
     if admitted.outcome is Admit.INTERRUPTED:
         reason = "rollback" if mode == "rollback" else "interrupt"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, cast
 
 from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
-from agentq.errors import BudgetInvalid, PayloadTooLarge
+from agentq.errors import AgentqError, BudgetInvalid, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import MultitaskMode, TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
@@ -227,7 +227,12 @@ def _admit(
         may=held_bindings(owner, conversation_token),
         any_owner=any_owner,
     )
-    admitted = conversation.admit(store, app, cid, turn_id, mode, decide)
+    try:
+        admitted = conversation.admit(store, app, cid, turn_id, mode, decide)
+    except AgentqError:
+        # Busy, too large, not found or not the caller's: nothing of the request stays.
+        conversation.forget(store, turn_id)
+        raise
     if admitted.created:
         handle["conversation_token"] = new_token
     queued = admitted.outcome is not Admit.RUN

@@ -574,8 +574,11 @@ def test_conversation_size_cap(fleet: Any, agentq_env: dict[str, str], llm_serve
         )
         assert first.status_code == 202
         finish(client, first.json()["turn_id"])
+        listed = {t["turn_id"] for t in http.get("/v1/turns").json()["turns"]}
         over = http.post("/v1/turns", json={"prompt": "z" * 900, "conversation_id": conv})
         assert over.status_code == 413, over.text
+        # The refused turn was stored before the conversation's cap refused it: removed again.
+        assert {t["turn_id"] for t in http.get("/v1/turns").json()["turns"]} == listed
         message = over.json()["error"]["message"]
         assert over.json()["error"]["type"] == "PayloadTooLarge"
         assert f"conversation {conv}" in message and "over the limit of 2048 bytes" in message
