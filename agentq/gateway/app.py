@@ -1,7 +1,9 @@
-"""The gateway app: the endpoints (`agentq.gateway.endpoints`), the route modules, the MCP
-endpoint, behind the cross-site guard (and CORS), with JSON errors."""
+"""The gateway app: the endpoints (`agentq.gateway.endpoints`, the route modules, the MCP
+endpoint) routed as openapi.OPERATIONS lists them, behind the cross-site guard (and CORS)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -10,17 +12,17 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from agentq.api import Client
-from agentq.gateway.console import console_routes
-from agentq.gateway.conversations import conversation_routes
+from agentq.gateway.console import console_handlers
+from agentq.gateway.conversations import conversation_handlers
 from agentq.gateway.endpoints import STATIC_DIR, Gateway
 from agentq.gateway.errors import EXCEPTION_HANDLERS
 from agentq.gateway.guard import RequestGuard
-from agentq.gateway.jobs import check_key_webhooks, job_routes
+from agentq.gateway.jobs import check_key_webhooks, job_handlers
 from agentq.gateway.mcp_endpoint import McpEndpoint
-from agentq.gateway.openapi import openapi_page
-from agentq.gateway.replay import replay_routes
-from agentq.gateway.usage import usage_routes
-from agentq.gateway.waitpoints import waitpoint_routes
+from agentq.gateway.openapi import OPERATIONS, openapi_page
+from agentq.gateway.replay import replay_handlers
+from agentq.gateway.usage import usage_handlers
+from agentq.gateway.waitpoints import waitpoint_handlers
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
 
@@ -59,32 +61,29 @@ def create_app(
         *([cors] if origins else []),
         Middleware(RequestGuard, bind_host=bind_host, cors_origins=origins),
     ]
-    routes = [
-        Route("/", gw.index, methods=["GET"]),
-        Route("/healthz", gw.healthz, methods=["GET"]),
-        Route("/metrics", gw.metrics_page, methods=["GET"]),
-        Route("/openapi.json", openapi_page, methods=["GET"]),
-        Route("/v1/turns", gw.start_turn, methods=["POST"]),
-        # Before /v1/turns/{turn_id}, which would otherwise take "active" for an id.
-        Route("/v1/turns/active", gw.active, methods=["GET"]),
-        Route("/v1/agents", gw.agents, methods=["GET"]),
-        Route("/v1/turns/{turn_id}", gw.get_turn, methods=["GET"]),
-        Route("/v1/turns/{turn_id}/events", gw.events, methods=["GET"]),
-        Route("/v1/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/abort", gw.abort, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/interactions/{request_id}", gw.answer, methods=["POST"]),
-        *conversation_routes(gw),
-        *usage_routes(gw),
-        *console_routes(gw),
-        *job_routes(gw),
-        *waitpoint_routes(gw),
-        *replay_routes(gw),
-        Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
-    ]
     # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.
     mcp = McpEndpoint(gw)
-    routes.append(Route("/mcp", mcp, methods=["GET", "POST", "DELETE"]))
+    handlers: dict[str, Any] = {"mcp": mcp, "openapi_page": openapi_page}
+    for module_handlers in (
+        conversation_handlers,
+        usage_handlers,
+        console_handlers,
+        job_handlers,
+        waitpoint_handlers,
+        replay_handlers,
+    ):
+        handlers.update((f.__name__, f) for f in module_handlers(gw))
+    # One route per path and handler, in the document's order (`/v1/turns/active` before
+    # `/v1/turns/{turn_id}`, which would otherwise take "active" for an id).
+    methods: dict[tuple[str, str], list[str]] = {}
+    for op in OPERATIONS:
+        methods.setdefault((op.path, op.handler), []).append(op.method)
+    routes = [
+        Route(path, handlers.get(name) or getattr(gw, name), methods=m)
+        if name != "static"
+        else Mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+        for (path, name), m in methods.items()
+    ]
     app = Starlette(
         routes=routes,
         middleware=middleware,

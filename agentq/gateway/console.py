@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agentq.gateway.auth import visible_to
 from agentq.gateway.errors import NO_STORE, invalid
@@ -26,7 +25,7 @@ from agentq.mcp.servers import parse_servers
 from agentq.state.listing import TurnLister, TurnQuery
 
 if TYPE_CHECKING:
-    from agentq.gateway.endpoints import Gateway
+    from agentq.gateway.endpoints import Endpoint, Gateway
 
 
 def _limits(limits: Any) -> dict[str, Any]:
@@ -52,8 +51,7 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
     return {"now_ms": now_ms, "models": models}
 
 
-def console_routes(gw: Gateway) -> list[Route]:
-    """Routes to add to the gateway's; `GET /v1/turns` shares its path with the start."""
+def console_handlers(gw: Gateway) -> list[Endpoint]:
     redis = gw.client._store.redis
     settings = gw.client.settings
     lister = TurnLister(redis)
@@ -109,10 +107,4 @@ def console_routes(gw: Gateway) -> list[Route]:
         view = await run_in_threadpool(servers)
         return JSONResponse({"servers": view}, headers=NO_STORE)
 
-    return [
-        Route("/v1/turns", list_turns, methods=["GET"]),
-        Route("/v1/interactions", inbox, methods=["GET"]),
-        Route("/v1/capacity", capacity, methods=["GET"]),
-        Route("/v1/mcp/servers", mcp_servers, methods=["GET"]),
-        Route("/v1/turns/{turn_id}/timeline", turn_timeline, methods=["GET"]),
-    ]
+    return [list_turns, inbox, capacity, mcp_servers, turn_timeline]

@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agentq.errors import ConversationNotFound
 from agentq.gateway.errors import NO_STORE, bearer, invalid
 
 if TYPE_CHECKING:
-    from agentq.gateway.endpoints import Gateway
+    from agentq.gateway.endpoints import Endpoint, Gateway
 
 MAX_LISTED = 200
 _CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -41,7 +40,7 @@ def _number(request: Request, name: str, default: float | None, *, low: float, h
     return value
 
 
-def conversation_routes(gw: Gateway) -> list[Route]:
+def conversation_handlers(gw: Gateway) -> list[Endpoint]:
     client = gw.client
 
     def target(request: Request) -> tuple[str, dict[str, Any]]:
@@ -53,19 +52,19 @@ def conversation_routes(gw: Gateway) -> list[Route]:
         # No keys configured (require refuses a missing or unknown key when there are).
         return cid, {"token": bearer(request)}
 
-    async def get(request: Request) -> Response:
+    async def conversation(request: Request) -> Response:
         cid, who = target(request)
         view = await run_in_threadpool(lambda: client.conversation(cid, **who))
         return JSONResponse(view, headers=NO_STORE)
 
-    async def delete(request: Request) -> Response:
+    async def delete_conversation(request: Request) -> Response:
         cid, who = target(request)
         aborted = await run_in_threadpool(lambda: client.delete_conversation(cid, **who))
         return JSONResponse(
             {"ok": True, "conversation_id": cid, "aborted_turns": aborted}, headers=NO_STORE
         )
 
-    async def listing(request: Request) -> Response:
+    async def conversations(request: Request) -> Response:
         principal = gw.require(request, "key")
         limit = int(_number(request, "limit", 50, low=1, high=MAX_LISTED))
         before = _number(request, "before", None, low=0, high=1e12)
@@ -77,8 +76,4 @@ def conversation_routes(gw: Gateway) -> list[Route]:
         )
         return JSONResponse({"conversations": rows}, headers=NO_STORE)
 
-    return [
-        Route("/v1/conversations", listing, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", get, methods=["GET"]),
-        Route("/v1/conversations/{conversation_id}", delete, methods=["DELETE"]),
-    ]
+    return [conversations, conversation, delete_conversation]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.gateway")
 T = TypeVar("T")
 Rule = Literal["key", "operator", "admin", "admin_key"]
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 BODY_MARGIN_BYTES = 64 * 1024

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agentq.config import Settings
 from agentq.errors import ConfigError, WebhookRefused
@@ -21,12 +20,12 @@ from agentq.schedules.store import Schedules
 from agentq.webhooks.target import check_for_turn
 
 if TYPE_CHECKING:
-    from agentq.gateway.endpoints import Gateway
+    from agentq.gateway.endpoints import Endpoint, Gateway
 
 MAX_LISTED = 200
 
 
-def job_routes(gw: Gateway) -> list[Route]:
+def job_handlers(gw: Gateway) -> list[Endpoint]:
     @cache
     def schedules() -> Schedules:
         """Made on first use: behind Sentinel the gateway serves all else, and schedules
@@ -73,12 +72,7 @@ def job_routes(gw: Gateway) -> list[Route]:
         rows = await run_in_threadpool(gw.deliveries.recent, limit)
         return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 
-    return [
-        Route("/v1/schedules", list_schedules, methods=["GET"]),
-        Route("/v1/schedules", add_schedule, methods=["POST"]),
-        Route("/v1/schedules/{name}", remove_schedule, methods=["DELETE"]),
-        Route("/v1/webhooks", list_webhooks, methods=["GET"]),
-    ]
+    return [list_schedules, add_schedule, remove_schedule, list_webhooks]
 
 
 def check_key_webhooks(settings: Settings) -> None:

@@ -1,8 +1,9 @@
 """`GET /openapi.json`: the gateway's HTTP API as an OpenAPI 3.1 document.
 
-The operations are listed here by hand, with who may call each (`x-agentq-auth`); request
-and response bodies are the pydantic models the handlers validate with. A test checks the
-list against the app's real route table and each operation's auth rule against the server.
+The operations are listed here by hand, with who may call each (`x-agentq-auth`) and the
+handler that serves it: the app's routes are made from this list. Request and response
+bodies are the pydantic models the handlers validate with. A test checks each operation's
+auth rule against the server.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ IDEMPOTENCY_KEY = {
 class Operation:
     method: str
     path: str
+    handler: str
+    """The name of the function that serves it (app.create_app routes by it)."""
     summary: str
     auth: Auth
     ok: str = "200"
@@ -89,36 +92,37 @@ class Operation:
 
 
 OPERATIONS: tuple[Operation, ...] = (
-    Operation("GET", "/", "The web page: chat, live tool chips, Cancel, approvals.", "public",
-              media_type="text/html"),
-    Operation("GET", "/static/{path}", "The page's script and style.", "public",
+    Operation("GET", "/", "index", "The web page: chat, live tool chips, Cancel, approvals.",
+              "public", media_type="text/html"),
+    Operation("GET", "/static/{path}", "static", "The page's script and style.", "public",
               media_type="text/plain"),
-    Operation("GET", "/healthz", "Liveness, and whether Redis answers; `workers`: the "
-              "live workers per queue of agentq's own, `missing_workers`: the kinds every "
+    Operation("GET", "/healthz", "healthz", "Liveness, and whether Redis answers; `workers`: "
+              "the live workers per queue of agentq's own, `missing_workers`: the kinds every "
               "turn needs that no live worker is (turns wait for them: still 200).", "public",
               errors=("503",)),
-    Operation("GET", "/openapi.json", "This document.", "public"),
-    Operation("GET", "/metrics", "Prometheus metrics.", "admin", media_type="text/plain",
-              errors=("401", "403")),
-    Operation("POST", "/v1/turns", "Start a turn; with conversation_id, one turn of the "
-              "conversation runs at a time and multitask says what this message does while "
-              "another runs (docs/conversations.md); `missing_workers` names the kinds of worker "
-              "no live one is (the turn waits for them).", "key", ok="202", request=TurnRequest,
-              response=TurnHandle, parameters=(IDEMPOTENCY_KEY,),
+    Operation("GET", "/openapi.json", "openapi_page", "This document.", "public"),
+    Operation("GET", "/metrics", "metrics_page", "Prometheus metrics.", "admin",
+              media_type="text/plain", errors=("401", "403")),
+    Operation("POST", "/v1/turns", "start_turn", "Start a turn; with conversation_id, one turn "
+              "of the conversation runs at a time and multitask says what this message does "
+              "while another runs (docs/conversations.md); `missing_workers` names the kinds of "
+              "worker no live one is (the turn waits for them).", "key", ok="202",
+              request=TurnRequest, response=TurnHandle, parameters=(IDEMPOTENCY_KEY,),
               errors=("401", "404", "409", "413", "415", "422", "429")),
-    Operation("GET", "/v1/conversations", "The caller's conversations (every one for an "
-              "admin), most recently changed first.", "key",
+    Operation("GET", "/v1/conversations", "conversations", "The caller's conversations (every "
+              "one for an admin), most recently changed first.", "key",
               parameters=(
                   _query("limit", "At most this many (1 to 200; default 50).", "integer"),
                   _query("before", "Conversations changed before this time (epoch "
                          "seconds), for the next page.", "number"),
               ), errors=("401", "422")),
-    Operation("GET", "/v1/conversations/{conversation_id}", "A conversation: status "
-              "(idle, busy), running_turn_id, queued turn ids, messages, updated_at.",
+    Operation("GET", "/v1/conversations/{conversation_id}", "conversation", "A conversation: "
+              "status (idle, busy), running_turn_id, queued turn ids, messages, updated_at.",
               "conversation", errors=("401", "404")),
-    Operation("DELETE", "/v1/conversations/{conversation_id}", "Abort the conversation's "
-              "running and queued turns and remove it.", "conversation", errors=("401", "404")),
-    Operation("GET", "/v1/usage", "Tokens and cost of the UTC days from since to until: "
+    Operation("DELETE", "/v1/conversations/{conversation_id}", "delete_conversation", "Abort "
+              "the conversation's running and queued turns and remove it.", "conversation",
+              errors=("401", "404")),
+    Operation("GET", "/v1/usage", "usage", "Tokens and cost of the UTC days from since to until: "
               "totals and rows (prompt_tokens, completion_tokens, cached_tokens, "
               "total_tokens, cost_usd, turns) by model, agent or key; a key sees its own, "
               "an admin every key's (docs/spend.md).", "key",
@@ -129,7 +133,7 @@ OPERATIONS: tuple[Operation, ...] = (
                   _query("key", "Only this key's usage (an admin; a key may name itself)."),
                   _query("group_by", "model (default), agent or key."),
               ), errors=("401", "403", "422")),
-    Operation("GET", "/v1/turns", "Recent and running turns, newest first.", "key",
+    Operation("GET", "/v1/turns", "list_turns", "Recent and running turns, newest first.", "key",
               parameters=(
                   _query("status", "Comma-separated: queued, running, finished, aborted, "
                          "error, active, ended."),
@@ -138,14 +142,14 @@ OPERATIONS: tuple[Operation, ...] = (
                   _query("before", "Turns started before this time (epoch seconds), "
                          "for the next page.", "number"),
               ), errors=("401", "422")),
-    Operation("GET", "/v1/turns/active", "Running turns: id, started, current tools, "
+    Operation("GET", "/v1/turns/active", "active", "Running turns: id, started, current tools, "
               "call count.", "key", errors=("401",)),
-    Operation("GET", "/v1/agents", "The agents the turn workers run: name, model, tools, "
-              "description, the JSON schema of a typed output.",
+    Operation("GET", "/v1/agents", "agents", "The agents the turn workers run: name, model, "
+              "tools, description, the JSON schema of a typed output.",
               "key", errors=("401",)),
-    Operation("GET", "/v1/turns/{turn_id}", "A turn's state, history and invocation "
-              "records.", "turn", errors=("401", "404")),
-    Operation("GET", "/v1/turns/{turn_id}/events", "The turn's events as Server-Sent "
+    Operation("GET", "/v1/turns/{turn_id}", "get_turn", "A turn's state, history and "
+              "invocation records.", "turn", errors=("401", "404")),
+    Operation("GET", "/v1/turns/{turn_id}/events", "events", "The turn's events as Server-Sent "
               "Events, from the start (or after Last-Event-ID), then live.", "turn",
               media_type="text/event-stream",
               parameters=(
@@ -157,18 +161,18 @@ OPERATIONS: tuple[Operation, ...] = (
                   {"name": "Last-Event-ID", "in": "header", "required": False,
                    "schema": {"type": "string"}},
               ), errors=("401", "404")),
-    Operation("GET", "/v1/turns/{turn_id}/timeline", "A turn's model rounds and calls "
-              "on a time line (the console).", "owner", errors=("401", "404")),
-    Operation("POST", "/v1/turns/{turn_id}/abort", "Abort a running turn and its "
+    Operation("GET", "/v1/turns/{turn_id}/timeline", "turn_timeline", "A turn's model rounds "
+              "and calls on a time line (the console).", "owner", errors=("401", "404")),
+    Operation("POST", "/v1/turns/{turn_id}/abort", "abort", "Abort a running turn and its "
               "sub-agents.", "turn", errors=("401", "404")),
-    Operation("POST", "/v1/turns/retry", "Retry in bulk: each of the caller's turns (every "
-              "owner's for an admin) that ended `status` in the last `since_s` seconds, "
-              "of `agent`, once (a turn retried by a bulk retry already is answered with its "
-              "retry), at most `rate_per_s` a second; `dry_run` starts nothing. Without keys: "
-              "from this machine only. docs/retry.md.", "key", request=BulkRetryRequest,
-              errors=("401", "403", "422")),
-    Operation("POST", "/v1/turns/{turn_id}/retry", "Retry a turn that ended error or "
-              "aborted: a new turn (retry_of) that reuses its settled calls and answered "
+    Operation("POST", "/v1/turns/retry", "retry_many", "Retry in bulk: each of the caller's "
+              "turns (every owner's for an admin) that ended `status` in the last `since_s` "
+              "seconds, of `agent`, once (a turn retried by a bulk retry already is answered "
+              "with its retry), at most `rate_per_s` a second; `dry_run` starts nothing. "
+              "Without keys: from this machine only. docs/retry.md.", "key",
+              request=BulkRetryRequest, errors=("401", "403", "422")),
+    Operation("POST", "/v1/turns/{turn_id}/retry", "retry_or_fork", "Retry a turn that ended "
+              "error or aborted: a new turn (retry_of) that reuses its settled calls and answered "
               "rounds and goes on from its first unsettled step, with its agent, owner, "
               "webhook and budgets (its spend counts). A conversation's last turn is retried in "
               "its conversation, the retry's exchange replacing the source's; any other "
@@ -176,51 +180,52 @@ OPERATIONS: tuple[Operation, ...] = (
               "`branched`). docs/retry.md.", "turn", ok="202",
               request=RetryRequest, response=TurnHandle,
               errors=("401", "403", "404", "409", "410", "422")),
-    Operation("POST", "/v1/turns/{turn_id}/fork", "Fork a turn: a new turn (fork_of) from "
-              "its history before round at_round (1-based), optionally edited (the last user "
-              "message, the instructions, the model, one settled call's result); a turn of a "
-              "conversation forks into a new conversation. docs/retry.md.", "turn", ok="202",
-              request=ForkRequest, response=TurnHandle,
+    Operation("POST", "/v1/turns/{turn_id}/fork", "retry_or_fork", "Fork a turn: a new turn "
+              "(fork_of) from its history before round at_round (1-based), optionally edited (the "
+              "last user message, the instructions, the model, one settled call's result); a "
+              "turn of a conversation forks into a new conversation. docs/retry.md.", "turn",
+              ok="202", request=ForkRequest, response=TurnHandle,
               errors=("401", "403", "404", "410", "422")),
-    Operation("POST", "/v1/turns/{turn_id}/interactions/{request_id}", "Answer an "
+    Operation("POST", "/v1/turns/{turn_id}/interactions/{request_id}", "answer", "Answer an "
               "interaction (approval, password, confirm, input: `value` is the answer, checked "
               "against its answer_schema, 422 AnswerInvalid when it does not fit).", "turn",
               request=InteractionAnswer, errors=("401", "404", "409", "422")),
-    Operation("POST", "/v1/waitpoints/{waitpoint_id}", "Complete a tool's waitpoint: the "
-              "body (any JSON) is the call's result, settled ok; `{\"error\": \"...\"}` "
-              "settles it error (docs/waitpoints.md). 409: completed already, `first` holds "
-              "that completion; 410: timed out, or its call cancelled or its turn over.",
+    Operation("POST", "/v1/waitpoints/{waitpoint_id}", "complete_waitpoint", "Complete a tool's "
+              "waitpoint: the body (any JSON) is the call's result, settled ok; `{\"error\": "
+              "\"...\"}` settles it error (docs/waitpoints.md). 409: completed already, `first` "
+              "holds that completion; 410: timed out, or its call cancelled or its turn over.",
               "capability", parameters=(WAITPOINT_TOKEN,),
               errors=("404", "409", "410", "413", "415", "422")),
-    Operation("GET", "/v1/interactions", "Every pending interaction of the running turns, "
-              "the soonest to expire first (the console's inbox).", "key", errors=("401",)),
-    Operation("GET", "/v1/capacity", "The fleet's model capacity per model (the console's "
-              "panel): rounds queued by class, streams in use, pauses, requests and tokens "
-              "in the last minute, deployments with their breakers, configured limits, and the "
-              "model API in use (`api`: setting, in_use, what auto learned).",
+    Operation("GET", "/v1/interactions", "inbox", "Every pending interaction of the running "
+              "turns, the soonest to expire first (the console's inbox).", "key",
+              errors=("401",)),
+    Operation("GET", "/v1/capacity", "capacity", "The fleet's model capacity per model (the "
+              "console's panel): rounds queued by class, streams in use, pauses, requests and "
+              "tokens in the last minute, deployments with their breakers, configured limits, "
+              "and the model API in use (`api`: setting, in_use, what auto learned).",
               "admin", errors=("401", "403", "503")),
-    Operation("GET", "/v1/mcp/servers", "Every MCP server of AGENTQ_MCP_SERVERS (and any a "
-              "worker listed): where it is, its last listing's error, its tools by the name "
-              "the model sees (`name`) and on the server (`tool`), the tools refused and why "
+    Operation("GET", "/v1/mcp/servers", "mcp_servers", "Every MCP server of AGENTQ_MCP_SERVERS "
+              "(and any a worker listed): where it is, its last listing's error, its tools by the "
+              "name the model sees (`name`) and on the server (`tool`), the tools refused and why "
               "(a bad name or schema, listed twice, a name another tool maps to), and how its "
               "last start or call went (`health`).", "admin", errors=("401", "403", "503")),
-    Operation("GET", "/v1/schedules", "Every schedule, its last turn and its next tick.",
-              "admin_key", errors=("401", "403")),
-    Operation("POST", "/v1/schedules", "Add a schedule: name, every (30s, 5m) or cron "
-              "(5 fields, UTC), prompt, agent?, webhook_url?, overlap?.", "admin_key",
+    Operation("GET", "/v1/schedules", "list_schedules", "Every schedule, its last turn and its "
+              "next tick.", "admin_key", errors=("401", "403")),
+    Operation("POST", "/v1/schedules", "add_schedule", "Add a schedule: name, every (30s, 5m) or "
+              "cron (5 fields, UTC), prompt, agent?, webhook_url?, overlap?.", "admin_key",
               ok="201", errors=("401", "403", "422")),
-    Operation("DELETE", "/v1/schedules/{name}", "Remove a schedule.", "admin_key",
-              errors=("401", "403", "404")),
-    Operation("GET", "/v1/webhooks", "Recent webhook deliveries: status, attempts, next "
-              "attempt.", "admin", parameters=(_query("limit", "At most this many.",
-                                                       "integer"),),
+    Operation("DELETE", "/v1/schedules/{name}", "remove_schedule", "Remove a schedule.",
+              "admin_key", errors=("401", "403", "404")),
+    Operation("GET", "/v1/webhooks", "list_webhooks", "Recent webhook deliveries: status, "
+              "attempts, next attempt.", "admin",
+              parameters=(_query("limit", "At most this many.", "integer"),),
               errors=("401", "403")),
-    Operation("POST", "/mcp", "MCP over Streamable HTTP (JSON-RPC): the fleet's agents as "
+    Operation("POST", "/mcp", "mcp", "MCP over Streamable HTTP (JSON-RPC): the fleet's agents as "
               "tools, each call a turn of the caller's; see docs/mcp.md.", "key",
               media_type="text/event-stream", errors=("401", "404", "422")),
-    Operation("GET", "/mcp", "MCP: a session's stream of server messages (Mcp-Session-Id).",
+    Operation("GET", "/mcp", "mcp", "MCP: a session's stream of server messages (Mcp-Session-Id).",
               "key", media_type="text/event-stream", errors=("401", "404", "422")),
-    Operation("DELETE", "/mcp", "MCP: end a session (Mcp-Session-Id).", "key",
+    Operation("DELETE", "/mcp", "mcp", "MCP: end a session (Mcp-Session-Id).", "key",
               errors=("401", "404", "422")),
 )  # fmt: skip
 # The console's buttons (abort, answer, retry, fork, bulk retry) are the steering of a turn

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agentq.gateway.auth import visible_to
 from agentq.gateway.errors import NO_STORE, accepted, validated
@@ -17,10 +16,10 @@ from agentq.gateway.validate import client_host, read_json, turn_id_of
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
 
 if TYPE_CHECKING:
-    from agentq.gateway.endpoints import Gateway
+    from agentq.gateway.endpoints import Endpoint, Gateway
 
 
-def replay_routes(gw: Gateway) -> list[Route]:
+def replay_handlers(gw: Gateway) -> list[Endpoint]:
     async def body(request: Request) -> Any:
         """The JSON body; none at all is `{}` (a retry needs no field)."""
         empty = request.headers.get("content-length") == "0"
@@ -58,13 +57,4 @@ def replay_routes(gw: Gateway) -> list[Route]:
             headers=NO_STORE,
         )
 
-    return [
-        Route("/v1/turns/retry", retry_many, methods=["POST"]),
-        # The console's bulk control: the same bulk retry under the same rules, beside the
-        # console's other buttons (`gateway.console`).
-        Route("/v1/console/turns/retry", retry_many, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/retry", retry_or_fork, methods=["POST"]),
-        Route("/v1/turns/{turn_id}/fork", retry_or_fork, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/retry", retry_or_fork, methods=["POST"]),
-        Route("/v1/console/turns/{turn_id}/fork", retry_or_fork, methods=["POST"]),
-    ]
+    return [retry_many, retry_or_fork]

@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agentq.errors import Forbidden
 from agentq.gateway.errors import NO_STORE, invalid
 
 if TYPE_CHECKING:
-    from agentq.gateway.endpoints import Gateway
+    from agentq.gateway.endpoints import Endpoint, Gateway
 
 
 def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
@@ -37,7 +36,7 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
     return value
 
 
-def usage_routes(gw: Gateway) -> list[Route]:
+def usage_handlers(gw: Gateway) -> list[Endpoint]:
     async def usage(request: Request) -> Response:
         principal = gw.require(request, "key")
         q = request.query_params
@@ -59,4 +58,4 @@ def usage_routes(gw: Gateway) -> list[Route]:
             raise invalid(str(exc)) from None
         return JSONResponse(report, headers=NO_STORE)
 
-    return [Route("/v1/usage", usage, methods=["GET"])]
+    return [usage]

@@ -12,24 +12,23 @@ from typing import TYPE_CHECKING
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from agentq.gateway.errors import bearer
 from agentq.gateway.validate import read_json_value
 from agentq.state.waitpoints import not_found, parse_waitpoint_id
 
 if TYPE_CHECKING:
-    from agentq.gateway.endpoints import Gateway
+    from agentq.gateway.endpoints import Endpoint, Gateway
 
 BODY_MARGIN_BYTES = 4096
 """Room for JSON escaping above `max_result_bytes`; the result's own size is checked after."""
 
 
-def waitpoint_routes(gw: Gateway) -> list[Route]:
+def waitpoint_handlers(gw: Gateway) -> list[Endpoint]:
     client = gw.client
     limit_bytes = client.settings.max_result_bytes + BODY_MARGIN_BYTES
 
-    async def complete(request: Request) -> Response:
+    async def complete_waitpoint(request: Request) -> Response:
         wp_id = request.path_params["waitpoint_id"]
         token = request.query_params.get("token") or bearer(request)
         ids = parse_waitpoint_id(wp_id)
@@ -47,4 +46,4 @@ def waitpoint_routes(gw: Gateway) -> list[Route]:
             }
         )
 
-    return [Route("/v1/waitpoints/{waitpoint_id}", complete, methods=["POST"])]
+    return [complete_waitpoint]
