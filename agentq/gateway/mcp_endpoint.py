@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from agentq.agents import published_agent_details
 from agentq.constants import VERSION
@@ -48,8 +48,6 @@ TURN_META_KEY = "io.agentq/turn_id"
 """The `_meta` key of a call's result that names its turn."""
 FOLLOW_HEARTBEAT_S = 1.0
 """How often the follow loop wakes without events, so a cancel is seen within it."""
-MAX_SESSIONS = 10_000
-"""Sessions whose owner is remembered; the oldest is forgotten past this."""
 
 
 PROGRESS = {
@@ -134,7 +132,6 @@ class McpEndpoint:
             app=self.server,
             security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         )
-        self.owners: dict[str, str | None] = {}
 
     @asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -143,26 +140,18 @@ class McpEndpoint:
             yield
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+        from mcp.server.auth.provider import AccessToken
+
         request = Request(scope, receive)
         principal = self.gw.require(request, "key")
-        owner = principal.name if principal is not None else None
-        session_id = request.headers.get("mcp-session-id")
-        check_transport(request.method, request.headers, session_id)
-        if session_id is not None and self.owners.get(session_id, owner) != owner:
-            # Someone else's session is unknown to this caller, as someone else's turn is.
-            raise TurnNotFound(f"mcp session {session_id}")
-
-        async def remember_owner(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                for name, value in message.get("headers") or []:
-                    session = value.decode("latin-1")
-                    if name.lower() == b"mcp-session-id" and session not in self.owners:
-                        if len(self.owners) >= MAX_SESSIONS:
-                            del self.owners[next(iter(self.owners))]
-                        self.owners[session] = owner
-            await send(message)
-
-        await self.manager.asgi_app(scope, receive, remember_owner)
+        check_transport(request.method, request.headers, request.headers.get("mcp-session-id"))
+        if principal is not None:
+            # The SDK binds a session to the user that made it: to anyone else it is
+            # unknown (404), as someone else's turn is.
+            user = AuthenticatedUser(AccessToken(token="", client_id=principal.name, scopes=[]))
+            scope = {**scope, "user": user}
+        await self.manager.asgi_app(scope, receive, send)
 
     async def _list_tools(self, ctx: Any, params: Any) -> Any:
         from mcp.types import ListToolsResult, Tool
