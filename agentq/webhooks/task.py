@@ -27,7 +27,7 @@ from agentq.webhooks.deliveries import (
     encode,
     turn_payload,
 )
-from agentq.webhooks.post import post, signed_headers
+from agentq.webhooks.target import post, signed_headers
 
 if TYPE_CHECKING:
     from celery import Celery

@@ -17,8 +17,7 @@ from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.roles import role_of
 from agentq.webhooks.backoff import JITTER, outcome, retry_delay_s
 from agentq.webhooks.deliveries import _label
-from agentq.webhooks.post import signed_headers
-from agentq.webhooks.target import check_url, resolve
+from agentq.webhooks.target import check_url, resolve, signed_headers
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 
