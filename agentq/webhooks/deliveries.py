@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, Field
 
@@ -19,7 +19,6 @@ from agentq import constants as k
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import final_content
 from agentq.state.base import text
-from agentq.webhooks.backoff import Status
 
 if TYPE_CHECKING:
     import redis
@@ -27,6 +26,7 @@ if TYPE_CHECKING:
     from agentq.config import Settings
     from agentq.state.store import TurnStore
 
+Status = Literal["pending", "delivered", "gone", "failed"]
 EVENT_TYPES = {"finished": "turn.finished", "error": "turn.failed", "aborted": "turn.aborted"}
 """The webhook `type` of each terminal turn status."""
 MAX_ATTEMPTS_KEPT = 50

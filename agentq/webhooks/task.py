@@ -3,7 +3,8 @@
 A turn's ending step queues its delivery and sends the first attempt's message
 (`queue_delivery`); every later attempt is sent by a sweep of WEBHOOKS_DUE when it is due,
 by any worker consuming the webhook queue. Nothing waits in a Celery countdown, which is
-held in a worker's memory and dies with it.
+held in a worker's memory and dies with it. When the next attempt is due (`outcome`) is a
+pure function of time, tested without waiting.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.config import Settings
-from agentq.webhooks import backoff
 from agentq.webhooks.deliveries import (
     EVENT_TYPES,
     AttemptRecord,
     Deliveries,
+    Status,
     encode,
     turn_payload,
 )
@@ -38,6 +40,49 @@ log = logging.getLogger("agentq.webhooks")
 
 WAITING_RECHECK_S = 30.0
 """How often the sweep looks again at a running turn that has a webhook."""
+JITTER = 0.2
+"""Each wait is shortened by up to this fraction, so retries of many deliveries spread out."""
+
+
+def retry_delay_s(attempts: int, base_s: float, max_s: float, jitter: float = 0.0) -> float:
+    """The wait after the `attempts`-th failed attempt: base, 2 x base, 4 x base ... capped
+    at `max_s`; `jitter` in [0, 1) takes up to JITTER of it off."""
+    if attempts < 1:
+        raise ValueError("attempts counts the attempts made: at least 1")
+    # The exponent is capped so that a long-failing delivery never overflows a float.
+    delay = min(max_s, base_s * 2.0 ** min(attempts - 1, 60))
+    return delay * (1 - JITTER * min(max(jitter, 0.0), 0.999))
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: Status
+    next_at: float | None
+    """When the next attempt is due (status pending), else None."""
+
+
+def outcome(
+    status_code: int | None,
+    *,
+    attempts: int,
+    created_at: float,
+    now: float,
+    base_s: float,
+    max_s: float,
+    max_age_s: float,
+    jitter: float = 0.0,
+) -> Outcome:
+    """After the `attempts`-th attempt answered `status_code` (None: no answer): a 2xx
+    delivers, a 410 stops for good, anything else retries until `max_age_s` after the
+    delivery was queued."""
+    if status_code is not None and 200 <= status_code < 300:
+        return Outcome("delivered", None)
+    if status_code == 410:
+        return Outcome("gone", None)
+    next_at = now + retry_delay_s(attempts, base_s, max_s, jitter)
+    if next_at > created_at + max_age_s:
+        return Outcome("failed", None)
+    return Outcome("pending", next_at)
 
 
 def lease_s(settings: Settings) -> float:
@@ -128,9 +173,9 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
             )
             took_ms = int((time.monotonic() - started) * 1000)
             jitter = random.random()
-        out = backoff.Outcome("failed", None)
+        out = Outcome("failed", None)
         if body is not None:
-            out = backoff.outcome(
+            out = outcome(
                 code,
                 attempts=d.attempts + 1,
                 created_at=d.created_at,

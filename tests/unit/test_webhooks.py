@@ -15,9 +15,9 @@ from agentq.config import load_settings
 from agentq.constants import QUEUE_WEBHOOKS
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.roles import role_of
-from agentq.webhooks.backoff import JITTER, outcome, retry_delay_s
 from agentq.webhooks.deliveries import _label
 from agentq.webhooks.target import check_url, resolve, signed_headers
+from agentq.webhooks.task import JITTER, outcome, retry_delay_s
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 
