@@ -19,7 +19,7 @@ import os
 import re
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, get_args
 
@@ -172,8 +172,8 @@ class FleetCounts:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ints: Counter[str] = Counter()
-        self._sums: defaultdict[str, float] = defaultdict(float)
+        self._counts: defaultdict[str, float] = defaultdict(float)
+        """Hash field -> what to add to it: a count, or a histogram's or the cost's sum."""
         self._pid = 0
         self._client: Any = None
         """Where the flusher adds the counts: the Redis of the newest count."""
@@ -182,8 +182,8 @@ class FleetCounts:
         self._deployment = _Labels(_MODEL_NAME, MAX_MODEL_LABELS)
         self._key = _Labels(_TOOL_NAME, MAX_TOOL_LABELS)
 
-    def _inc(self, family: str, labels: tuple[str, ...] = (), by: int = 1) -> None:
-        self._ints[field_of(family, labels)] += by
+    def _inc(self, family: str, labels: tuple[str, ...] = (), by: float = 1) -> None:
+        self._counts[field_of(family, labels)] += by
 
     def _observe(self, family: str, labels: tuple[str, ...], value: object, per_s: int = 1) -> None:
         """Count `value` (in units of 1/`per_s` s, as published) in a histogram, if a number."""
@@ -193,8 +193,8 @@ class FleetCounts:
         value_s = number / per_s
         buckets = FAMILIES[family].buckets
         assert buckets is not None
-        self._ints[field_of(family, labels, str(bisect.bisect_left(buckets, value_s)))] += 1
-        self._sums[field_of(family, labels, "sum")] += value_s
+        self._counts[field_of(family, labels, str(bisect.bisect_left(buckets, value_s)))] += 1
+        self._counts[field_of(family, labels, "sum")] += value_s
 
     def step(self, seconds: float, client: redis.Redis, flush_s: float) -> None:
         """Count one turn step's duration."""
@@ -202,18 +202,16 @@ class FleetCounts:
             self._started(client, flush_s)
             self._observe("step_duration_seconds", (), seconds)
 
-    def events(self, events: list[tuple[str, dict[str, Any]]], client: Any, flush_s: float) -> None:
-        """Count the events (type, fields) of a write that published them."""
-        if any(t in COUNTED_TYPES for t, _ in events):
-            with self._lock:
-                self._started(client, flush_s)
-            self.fold(events)
-
-    def fold(self, events: list[tuple[str, dict[str, Any]]]) -> None:
-        """Count events (type, fields) here, without starting the flusher."""
+    def events(
+        self, events: list[tuple[str, dict[str, Any]]], client: Any = None, flush_s: float = 0
+    ) -> None:
+        """Count the events (type, fields) of a write that published them; with no `client`
+        (a test's fold) no flusher starts."""
         with self._lock:
             for type_, fields in events:
                 if type_ in COUNTED_TYPES:
+                    if client is not None:
+                        self._started(client, flush_s)
                     self._event(type_, fields)
 
     def _model_of(self, fields: dict[str, Any]) -> str:
@@ -266,7 +264,7 @@ class FleetCounts:
                         self._inc("llm_model_tokens", (model, kind), n)
             cost = _number(usage.get("cost_usd"))
             if cost:
-                self._sums[field_of("llm_cost_usd", (model, key))] += cost
+                self._inc("llm_cost_usd", (model, key), cost)
         if f.get("code") == ModelBusy.code:
             status = f.get("status")
             code = str(status) if isinstance(status, int) and 100 <= status < 600 else "other"
@@ -284,7 +282,7 @@ class FleetCounts:
             return
         # A forked child starts with its parent's counts, which the parent flushes itself.
         self._pid = os.getpid()
-        self._ints, self._sums = Counter(), defaultdict(float)
+        self._counts = defaultdict(float)
         thread = threading.Thread(
             target=self._run, args=(flush_s,), name="agentq-fleet-counts", daemon=True
         )
@@ -296,7 +294,7 @@ class FleetCounts:
 
     def _flush_at_exit(self) -> None:
         # Bounded: with Redis gone, the client's retries would hold the exit for seconds.
-        if self._pid == os.getpid() and (self._ints or self._sums):
+        if self._pid == os.getpid() and self._counts:
             last = threading.Thread(target=self.flush, args=(self._client,), daemon=True)
             last.start()
             last.join(EXIT_FLUSH_S)
@@ -315,23 +313,20 @@ class FleetCounts:
     def flush(self, client: Any) -> None:
         """Add the counts to the fleet's hash (kept for the next flush if Redis fails)."""
         with self._lock:
-            ints, sums = self._ints, self._sums
-            self._ints, self._sums = Counter(), defaultdict(float)
-        if not ints and not sums:
+            counts, self._counts = self._counts, defaultdict(float)
+        if not counts:
             return
         try:
+            # HINCRBYFLOAT writes a whole number as one ("3"), so counts stay integers.
             pipe = client.pipeline(transaction=False)
-            for field, n in ints.items():
-                pipe.hincrby(FLEET_COUNTS, field, n)
-            for field, v in sums.items():
-                pipe.hincrbyfloat(FLEET_COUNTS, field, v)
+            for field, n in counts.items():
+                pipe.hincrbyfloat(FLEET_COUNTS, field, n)
             pipe.execute()
         except REDIS_ERRORS as exc:
             log.debug("fleet counts not flushed: %s", exc)
             with self._lock:
-                self._ints.update(ints)
-                for field, v in sums.items():
-                    self._sums[field] += v
+                for field, n in counts.items():
+                    self._counts[field] += n
 
 
 fleet_counts = FleetCounts()

@@ -23,7 +23,7 @@ def exported_names() -> set[str]:
         {"type": "llm_finished", "usage": {"prompt_tokens": 1}, "ttft_ms": 1, "duration_ms": 1},
         {"type": "turn_aborted", "reason": "user"},
     ]
-    fc.fold([(str(e["type"]), e) for e in events])
+    fc.events([(str(e["type"]), e) for e in events])
     m = GatewayMetrics()
     r = fakeredis.FakeRedis()
     fc.flush(r)

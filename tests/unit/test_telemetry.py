@@ -189,7 +189,7 @@ def _rendered(counts: dict[str, float]) -> str:
 def _folded(*events: dict[str, Any]) -> str:
     """/metrics of a fleet whose processes published these events (as published)."""
     fc = FleetCounts()
-    fc.fold([(str(e["type"]), e) for e in events])
+    fc.events([(str(e["type"]), e) for e in events])
     r = fakeredis.FakeRedis()
     fc.flush(r)
     return _rendered(read_counts(r))
