@@ -13,16 +13,16 @@ Two classes carry an `Event` suffix because the plain names are errors of `agent
 
 from __future__ import annotations
 
-import builtins
 import json
 import time
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    TypeAdapter,
     ValidationError,
     model_serializer,
 )
@@ -50,16 +50,6 @@ class Event(BaseModel):
     path: list[str] = Field(default_factory=list)
     """For a sub-agent's event relayed into a parent's stream: the turn ids from the
     parent's direct child down to the turn that emitted it; [] for the turn's own."""
-
-    _by_type: ClassVar[dict[str, builtins.type[Event]]] = {}
-
-    @classmethod
-    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
-        super().__pydantic_init_subclass__(**kwargs)
-        # A class that fixes its type (a Literal default) is the one that type parses to.
-        type_ = cls.model_fields["type"].default
-        if isinstance(type_, str):
-            Event._by_type[type_] = cls
 
     @model_serializer(mode="wrap")
     def _as_published(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -96,9 +86,8 @@ class Event(BaseModel):
 def event_from(data: dict[str, Any]) -> Event:
     """`data` (an event's fields) as the class of its `type`; a plain `Event` for a type
     this version does not know, or fields its class cannot read."""
-    typed = Event._by_type.get(str(data.get("type")), Event)
     try:
-        return typed.model_validate(data)
+        return _TYPED.validate_python(data)
     except ValidationError:
         return Event.model_validate(data)
 
@@ -307,9 +296,6 @@ class TurnErrorEvent(TurnEnded):
     kind: str | None = None
 
 
-EVENT_CLASSES: tuple[type[Event], ...] = tuple(Event._by_type.values())
-"""Every typed event class, one per type."""
-
 TypedEvent = Annotated[
     TurnStarted
     | TurnQueued
@@ -334,6 +320,9 @@ TypedEvent = Annotated[
     Field(discriminator="type"),
 ]
 """The typed events as one discriminated union (for a TypeAdapter, or `match`)."""
+_TYPED: TypeAdapter[Event] = TypeAdapter(TypedEvent)
+EVENT_CLASSES: tuple[type[Event], ...] = get_args(get_args(TypedEvent)[0])
+"""Every typed event class, one per type."""
 
 __all__ = [
     "EVENT_CLASSES",
