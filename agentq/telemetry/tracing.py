@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import secrets
 import threading
@@ -56,7 +57,6 @@ _TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
 
 _tracer: Any = None
 _provider: Any = None
-_ids: Any = None
 
 
 def wanted(otel: bool | None = None, environ: Mapping[str, str] | None = None) -> bool:
@@ -116,7 +116,7 @@ def setup(
 ) -> bool:
     """Record spans in this process if tracing is configured (or `exporter` is given, for
     tests); True if on. Safe to call again."""
-    global enabled, _tracer, _provider, _ids
+    global enabled, _tracer, _provider
     if enabled:
         return True
     if exporter is None and not (spans_file or wanted(otel)):
@@ -149,8 +149,9 @@ def setup(
     attributes = (
         {} if os.environ.get("OTEL_SERVICE_NAME") else {"service.name": f"agentq-{service}"}
     )
-    _ids = _PresetIds()
-    _provider = TracerProvider(resource=Resource.create(attributes), id_generator=_ids)
+    # An IdGenerator by its methods: the SDK's base class needs the optional extra.
+    ids: Any = _PresetIds()
+    _provider = TracerProvider(resource=Resource.create(attributes), id_generator=ids)
     _provider.add_span_processor(processor)
     if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         # Tools' own instrumentation (httpx, databases) nests under the call's span.
@@ -183,30 +184,20 @@ def shutdown() -> None:
     enabled = False
 
 
+_preset = threading.local()
+"""The ids of the turn span this thread starts now (`end_turn`)."""
+
+
 class _PresetIds:
     """Random ids, except for the turn's span, whose ids were drawn when the turn began."""
 
-    def __init__(self) -> None:
-        from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-
-        self._random = RandomIdGenerator()
-        self._preset = threading.local()
-
-    @contextlib.contextmanager
-    def preset(self, trace_id: int, span_id: int) -> Iterator[None]:
-        self._preset.ids = (trace_id, span_id)
-        try:
-            yield
-        finally:
-            self._preset.ids = None
-
     def generate_span_id(self) -> int:
-        ids = getattr(self._preset, "ids", None)
-        return ids[1] if ids else self._random.generate_span_id()  # type: ignore[no-any-return]
+        ids = getattr(_preset, "ids", None)
+        return ids[1] if ids else random.getrandbits(64) or 1  # type: ignore[no-any-return]
 
     def generate_trace_id(self) -> int:
-        ids = getattr(self._preset, "ids", None)
-        return ids[0] if ids else self._random.generate_trace_id()  # type: ignore[no-any-return]
+        ids = getattr(_preset, "ids", None)
+        return ids[0] if ids else random.getrandbits(128) or 1  # type: ignore[no-any-return]
 
     def is_trace_id_random(self) -> bool:
         return True
@@ -324,8 +315,11 @@ def end_turn(
     ids = parse(traceparent)
     if not enabled or ids is None:
         return
-    with _ids.preset(*ids):
+    _preset.ids = ids
+    try:
         span = _start(SPAN_TURN, caller, attributes, created_at)
+    finally:
+        _preset.ids = None
     end_span(span, status, error=error)
 
 
