@@ -57,7 +57,7 @@ if _typing.TYPE_CHECKING:
         WaitpointRefused,
         WebhookRefused,
     )
-    from agentq.events.types import Event
+    from agentq.events import Event
     from agentq.models import (
         AssistantMessage,
         InteractionAnswer,
@@ -169,7 +169,7 @@ _SOURCES: dict[str, tuple[str, ...]] = {
         "TurnHandle",
         "TurnRequest",
     ),
-    "agentq.events.types": ("Event",),
+    "agentq.events": ("Event",),
     "agentq.constants": ("__version__",),
 }
 """Where each public name lives, for the names `__all__` lists; every name not placed here

@@ -12,9 +12,9 @@ from pydantic import BaseModel
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import TokenInvalid, TurnNotFound, TurnTimeout
+from agentq.events import Event
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD
 from agentq.events.follow import follow
-from agentq.events.types import Event
 from agentq.llm.reasoning import public_history
 from agentq.models import (
     TERMINAL_STATUSES,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentq.api import Client
-from agentq.events.types import TERMINAL_TYPES
+from agentq.events import TERMINAL_TYPES
 from agentq.fleet import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
 from scripts.bench_stages import BenchRig, Sizes, _r, _ratio, ms_stats, pct, redis_monitor

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentq.events.types import TERMINAL_TYPES
+from agentq.events import TERMINAL_TYPES
 from agentq.testing.openai_server import Round
 from scripts.bench_stages import BenchError, BenchRig, Sizes, ms_stats, pct
 

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agentq.errors import TurnNotFound
-from agentq.events.types import TERMINAL_TYPES as TERMINAL
+from agentq.events import TERMINAL_TYPES as TERMINAL
 from agentq.fleet import runtime
 from agentq.testing.openai_server import Round, ScriptedCall
 from scripts.bench_stages import BenchRig, Sizes, pct, turn_statuses

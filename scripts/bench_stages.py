@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentq.events import TERMINAL_TYPES
 from agentq.events.follow import follow
-from agentq.events.types import TERMINAL_TYPES
 from agentq.fleet import runtime
 from agentq.local.fleet import LocalFleet, memory_mb
 from agentq.local.processes import CELERY_READY_PATTERN, ManagedProcess, start_process

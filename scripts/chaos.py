@@ -54,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 
 from agentq.api import Client  # noqa: E402
 from agentq.constants import interaction_key  # noqa: E402
-from agentq.events.types import TERMINAL_TYPES, Event  # noqa: E402
+from agentq.events import TERMINAL_TYPES, Event  # noqa: E402
 from agentq.fleet import runtime  # noqa: E402
 from agentq.local.fleet import LocalFleet  # noqa: E402
 from agentq.local.processes import ManagedProcess  # noqa: E402

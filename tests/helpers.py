@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from agentq.api import Client
-from agentq.events.types import TERMINAL_TYPES, Event
+from agentq.events import TERMINAL_TYPES, Event
 from agentq.testing.openai_server import Round, ScriptedCall
 
 

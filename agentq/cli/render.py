@@ -12,7 +12,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from agentq.events.types import Event
+from agentq.events import Event
 
 STATUS_STYLE = {
     "queued": "dim",

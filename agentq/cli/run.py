@@ -21,7 +21,7 @@ from agentq.api import Client
 from agentq.cli.render import TurnView
 from agentq.constants import RELAY_DEPTH_MAX
 from agentq.errors import AgentqError, AnswerInvalid
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.fleet import presence
 from agentq.models import TurnHandle
 

@@ -19,8 +19,8 @@ from agentq.api import DEFAULT_TIMEOUT_S, _Started
 from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
+from agentq.events import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.events.follow import Cursor, descendant_path
-from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.fleet.connections import async_redis_client
 from agentq.models import parse_stream_id
 from agentq.state.base import text

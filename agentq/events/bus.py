@@ -18,8 +18,8 @@ from agentq.constants import (
     shard_of,
     turn_key,
 )
+from agentq.events import Event
 from agentq.events.lua_args import LuaScript, bind_lua
-from agentq.events.types import Event
 from agentq.models import TERMINAL_STATUSES
 
 EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]

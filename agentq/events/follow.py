@@ -27,8 +27,8 @@ import redis
 from redis.exceptions import RedisClusterException
 
 from agentq.constants import RELAY_DEPTH_MAX, events_channel, turn_key
+from agentq.events import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.events.bus import EventBus
-from agentq.events.types import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.models import TURN_ID, parse_stream_id
 
 log = logging.getLogger("agentq.events")

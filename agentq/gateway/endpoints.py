@@ -25,8 +25,8 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from agentq.agents import published_agent_details
 from agentq.errors import REDIS_ERRORS, AgentqError, Forbidden, TurnNotFound, Unauthorized
+from agentq.events import Event
 from agentq.events.follow import Cursor, follow
-from agentq.events.types import Event
 from agentq.fleet.presence import Presence, missing_kinds, workers_view
 from agentq.gateway.auth import (
     Keyring,

@@ -25,8 +25,8 @@ from starlette.types import Receive, Scope, Send
 from agentq.agents import published_agent_details
 from agentq.constants import VERSION
 from agentq.errors import AgentqError, TurnNotFound, Unauthorized
+from agentq.events import Event
 from agentq.events.follow import follow
-from agentq.events.types import Event
 from agentq.gateway.errors import bearer, invalid
 from agentq.gateway.sse import stepped
 from agentq.gateway.validate import client_host

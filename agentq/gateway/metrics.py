@@ -26,7 +26,7 @@ from agentq.llm.apis import api_view, read_learned
 from agentq.telemetry.fleetcounts import FAMILIES, MAX_SERIES
 
 if TYPE_CHECKING:
-    from agentq.events.types import Event
+    from agentq.events import Event
     from agentq.llm.capacity import Capacity
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from agentq.errors import REDIS_ERRORS
-from agentq.events.types import Event
+from agentq.events import Event
 
 log = logging.getLogger("agentq.gateway.sse")
 

@@ -12,7 +12,7 @@ from typing import Any, TypedDict
 from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import HeadlessInteraction, TurnAborted, TurnFailed
-from agentq.events.types import Event, TurnFinished
+from agentq.events import Event, TurnFinished
 from agentq.state.turn_state import TurnState
 
 

@@ -11,7 +11,7 @@ import time
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.models import TERMINAL_STATUSES
 from agentq.state.turn_state import TurnState
 

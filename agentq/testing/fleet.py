@@ -25,7 +25,7 @@ from typing import Any
 
 from agentq.api import Client
 from agentq.errors import AgentqError
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.models import TurnHandle, TurnRequest
 from agentq.testing.openai_server import DEFAULT_KEY, Round, ScriptedCall, ScriptedOpenAIServer
 

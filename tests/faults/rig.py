@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from agentq.api import Client
-from agentq.events.types import TERMINAL_TYPES, Event
+from agentq.events import TERMINAL_TYPES, Event
 from agentq.fleet import runtime
 from agentq.local.cluster import LocalCluster
 from agentq.local.fleet import LocalFleet

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from agentq.config import load_settings
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.llm.capacity import capacity_for
 from agentq.local.processes import wait_for
 from agentq.models import TurnRequest

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from agentq import constants as k
-from agentq.events.types import TERMINAL_TYPES
+from agentq.events import TERMINAL_TYPES
 from agentq.local.processes import ManagedProcess, start_process, wait_for
 from agentq.local.redis_server import find_free_port
 from agentq.testing.openai_server import Round

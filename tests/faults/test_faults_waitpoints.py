@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agentq.errors import REDIS_ERRORS, WaitpointRefused
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli, assert_gapless, assert_valid_history, calls

@@ -12,7 +12,7 @@ import pytest
 
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import SSEMessage, iter_sse

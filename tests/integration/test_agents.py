@@ -14,7 +14,7 @@ import pytest
 
 from agentq.api import Client
 from agentq.errors import UnknownAgent
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.models import parse_stream_id

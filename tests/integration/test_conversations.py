@@ -15,7 +15,7 @@ import pytest
 from agentq import constants as k
 from agentq.api import Client
 from agentq.errors import ConversationBusy, ConversationNotFound, IdempotencyKeyReused
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.local.processes import wait_for
 from agentq.models import TurnRequest
 from agentq.state.store import TurnStore

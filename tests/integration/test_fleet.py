@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from agentq.api import Client
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.fleet import runtime
 from agentq.fleet.connections import probe
 from agentq.local.processes import (

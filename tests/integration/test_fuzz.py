@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from agentq.api import Client
-from agentq.events.types import TERMINAL_TYPES
+from agentq.events import TERMINAL_TYPES
 from agentq.gateway import BackgroundServer, create_app
 from agentq.testing.openai_server import Round
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from agentq.api import Client
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
 from tests.helpers import calls, script

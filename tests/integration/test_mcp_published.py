@@ -25,7 +25,7 @@ import pytest
 from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for

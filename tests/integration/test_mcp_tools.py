@@ -26,7 +26,7 @@ import pytest
 from agentq import constants as k
 from agentq.api import Client
 from agentq.errors import AnswerInvalid
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, start_process, wait_for
 from agentq.local.redis_server import RedisServer

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from agentq import constants as k
+from agentq.events import Event
 from agentq.events import follow as follow_mod
 from agentq.events.bus import EventBus
 from agentq.events.follow import Cursor, follow
-from agentq.events.types import Event
 from agentq.fleet.runtime import get_store
 from agentq.local.processes import wait_for
 

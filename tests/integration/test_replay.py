@@ -20,7 +20,7 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import ForkInvalid, NotRetryable
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.local.processes import ManagedProcess, start_worker, wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.models import Usage

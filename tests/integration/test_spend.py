@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import BudgetExceeded, BudgetInvalid
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import ManagedProcess, run_process, start_worker
 from agentq.local.redis_server import RedisServer

@@ -16,7 +16,7 @@ import pytest
 from agentq import constants as k
 from agentq.api import Client
 from agentq.errors import AnswerInvalid, WaitpointRefused
-from agentq.events.types import Event
+from agentq.events import Event
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.models import TurnHandle

@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 
 from agentq.cli.render import TurnView, progress_text
-from agentq.events.types import Event
+from agentq.events import Event
 
 
 def ev(seq: int, type_: str, **fields: object) -> Event:
