@@ -119,25 +119,22 @@ def redis_client(
     `retries` reconnect attempts (with backoff) ride out a restart or failover instead of
     failing a turn at once; `retries=0` is for probes that must answer quickly.
     """
-    options: dict[str, Any] = {
-        "retry": Retry(_backoff(), max(retries, 0)),
-        "retry_on_error": RETRY_ON if retries > 0 else [],
-        **kwargs,
-    }
+    return cast(redis.Redis, _client(False, url, master_name, retries, kwargs))
+
+
+def _client(aio: bool, url: str, master_name: str | None, retries: int, kwargs: Any) -> Any:
+    """`redis_client`, sync or asyncio (`aio`); the sentinels of a Sentinel URL are asked
+    with the client's timeouts, or 2 s."""
+    retry = (AsyncRetry if aio else Retry)(_backoff(), max(retries, 0))
+    options = {"retry": retry, "retry_on_error": RETRY_ON if retries > 0 else [], **kwargs}
     if not is_sentinel(url):
-        return redis.Redis.from_url(url, **options)
-    return cast(redis.Redis, _master(Sentinel, url, master_name, **options))
-
-
-def _master(sentinel_cls: Any, url: str, master_name: str | None, **options: Any) -> Any:
-    """A client of the master `master_name` that the sentinels of `url` name now; a
-    sentinel is asked with the client's timeouts, or 2 s."""
+        return (aioredis.Redis if aio else redis.Redis).from_url(url, **options)
     if not master_name:
         raise ConfigError(
             "AGENTQ_REDIS_SENTINEL_MASTER", "a sentinel:// URL needs the master's name"
         )
     parsed = parse_sentinel_url(url)
-    sentinel = sentinel_cls(
+    sentinel = (AsyncSentinel if aio else Sentinel)(
         parsed.sentinels,
         sentinel_kwargs={
             name: options.get(name) or 2.0 for name in ("socket_timeout", "socket_connect_timeout")
@@ -211,10 +208,7 @@ def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
 
 def async_redis_client(url: str, master_name: str | None = None, **kwargs: Any) -> aioredis.Redis:
     """The asyncio twin of `redis_client`, with the same retries."""
-    options = {"retry": AsyncRetry(_backoff(), REDIS_RETRIES), "retry_on_error": RETRY_ON, **kwargs}
-    if not is_sentinel(url):
-        return aioredis.Redis.from_url(url, **options)
-    return cast(aioredis.Redis, _master(AsyncSentinel, url, master_name, **options))
+    return cast(aioredis.Redis, _client(True, url, master_name, REDIS_RETRIES, kwargs))
 
 
 def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
