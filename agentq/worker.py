@@ -26,10 +26,10 @@ from agentq import constants as k
 from agentq.agents import load_tool_modules, publish_agents
 from agentq.config import get_settings
 from agentq.errors import ConfigError
-from agentq.fleet import health
+from agentq.fleet import health, roles
 from agentq.fleet.app import create_app
 from agentq.fleet.presence import entry
-from agentq.fleet.roles import HEARTBEAT_ROLES, current_role, pool_problem, role_of, set_role
+from agentq.fleet.roles import HEARTBEAT_ROLES, pool_problem, role_of
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task, warm
@@ -98,7 +98,7 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     problem = pool_problem(role, str(name))
     if problem:
         raise SystemExit(f"agentq: {problem}")
-    set_role(role)
+    roles.role = role
     if role in BROKER_POOL:
         sender.app.conf.broker_pool_limit = BROKER_POOL[role]
     if settings.broker.startswith(("redis", "sentinel")):
@@ -171,7 +171,7 @@ def _leave(**_: Any) -> None:
 def _drain_loop(**_: Any) -> None:
     """Warm shutdown of an event-loop worker: its calls and streams were acknowledged at
     hand-off, so let them end (up to the longest limit) before the process goes."""
-    if current_role() not in ("io", "llm"):
+    if roles.role not in ("io", "llm"):
         return
     from agentq.aio import host as aio_host
 
@@ -188,7 +188,7 @@ def _drain_loop(**_: Any) -> None:
 @worker_process_init.connect
 def _inline_steps_in_tool_children(**_: Any) -> None:
     """A prefork child that settles a batch's last call takes the turn's next step itself."""
-    if current_role() == "tools":
+    if roles.role == "tools":
         step_inline()
 
 
@@ -197,7 +197,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
     """What a worker of each role starts once it is ready; a part that fails is logged and
     the rest still start, as Celery does for separate receivers (a heartbeat that cannot
     reach Redis must not leave a turn worker without its sweeper)."""
-    role = current_role()
+    role = roles.role
     consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
     parts: list[Callable[[], object]] = []
     if role is not None:

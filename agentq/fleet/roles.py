@@ -18,7 +18,9 @@ HEARTBEAT_ROLES: tuple[Role, ...] = ("tools", "io")
 """Roles that run tool calls: they beat, so a turn settles the calls of a dead one as lost."""
 PREFORK_POOLS = ("prefork", "processes")
 
-_role: Role | None = None
+role: Role | None = None
+"""This worker's role, set before the prefork pool forks (so its children know it); None
+outside a worker (a client, the gateway, a test)."""
 
 
 def role_of(queues: Iterable[str], tool_queues: Iterable[str], io_queues: Iterable[str]) -> Role:
@@ -67,14 +69,3 @@ def pool_problem(role: str, pool: str) -> str | None:
             f"the I/O worker runs its calls on one event loop fed by the threads pool, not {pool!r}"
         )
     return None
-
-
-def set_role(role: Role | None) -> None:
-    """Record this worker's role (before the prefork pool forks, so its children know it)."""
-    global _role
-    _role = role
-
-
-def current_role() -> Role | None:
-    """This process's worker role; None outside a worker (a client, the gateway, a test)."""
-    return _role

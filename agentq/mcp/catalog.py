@@ -19,7 +19,7 @@ from agentq import constants as k
 from agentq.aio import host as aio_host
 from agentq.config import Settings
 from agentq.errors import MissingExtra
-from agentq.fleet.roles import current_role
+from agentq.fleet import roles
 from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink, explain
 from agentq.mcp.listing import ListedTool, Listing, plan, printable, read_listings
@@ -225,7 +225,7 @@ _keeper: concurrent.futures.Future[None] | None = None
 
 
 def _io_tools() -> McpTools | None:
-    return _tools if current_role() == "io" else None
+    return _tools if roles.role == "io" else None
 
 
 def _keep_listed(sender: Any = None, **_: Any) -> None:

@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import AgentqError, ToolMisuse
-from agentq.fleet.roles import HEARTBEAT_ROLES, current_role
+from agentq.fleet import roles
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
 from agentq.state.held import held_writes
@@ -225,7 +225,7 @@ def mark_started(
         "delivery": delivery,
         # Tool and I/O workers beat; a call run elsewhere (eagerly, in a test) does
         # not, and must not be taken for dead for lack of beats.
-        "heartbeat": current_role() in HEARTBEAT_ROLES,
+        "heartbeat": roles.role in roles.HEARTBEAT_ROLES,
         # This attempt's own: the same START sent again finds it (see START_LUA).
         "claim": secrets.token_hex(8),
     }
