@@ -9,6 +9,7 @@ under `agentq serve` and under `uvicorn --factory agentq.gateway.app:create_app`
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from typing import Any
@@ -36,7 +37,6 @@ _AUTH_HEADER = re.compile(
     r"(?P<value>(?:(?:bearer|basic)\s+)?[^\s\"',;&]+)"
 )
 _KEYS = re.compile(r"\b(?:sk|agq)-[A-Za-z0-9_-]{16,}")
-_installed = False
 
 
 def _decoded_name(name: str) -> str:
@@ -78,15 +78,12 @@ def redact_record(record: logging.LogRecord) -> logging.LogRecord:
     return record
 
 
+@functools.cache
 def install() -> None:
     """Redact every log record this process makes from now on; calling it again is harmless."""
-    global _installed
-    if _installed:
-        return
     make = logging.getLogRecordFactory()
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         return redact_record(make(*args, **kwargs))
 
     logging.setLogRecordFactory(factory)
-    _installed = True
