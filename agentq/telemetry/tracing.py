@@ -253,16 +253,13 @@ def end_span(
     span.end()
 
 
-@contextlib.contextmanager
-def active(span: Any) -> Iterator[None]:
+def active(span: Any) -> contextlib.AbstractContextManager[Any]:
     """Make `span` current while the block runs (a tool's own spans nest under it)."""
     if span is None:
-        yield
-        return
+        return contextlib.nullcontext()
     from opentelemetry import trace
 
-    with trace.use_span(span, end_on_exit=False, record_exception=False):
-        yield
+    return trace.use_span(span, end_on_exit=False, record_exception=False)
 
 
 @contextlib.contextmanager
