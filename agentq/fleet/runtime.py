@@ -75,18 +75,13 @@ class InlineSteps(InlineStepper, Protocol):
         """Take the step of a turn a write just woke, or send it when that fails."""
 
 
-_inline: InlineSteps | None = None
-
-
-def set_inline_steps(steps: InlineSteps | None) -> None:
-    """Install (or, with None, remove) the stepper that takes woken turns' steps here."""
-    global _inline
-    _inline = steps
+inline: InlineSteps | None = None
+"""The stepper that takes woken turns' steps here (None: they are sent to a turn worker)."""
 
 
 def _send_step(turn_id: str) -> None:
-    if _inline is not None:
-        _inline.wake(turn_id)
+    if inline is not None:
+        inline.wake(turn_id)
     else:
         send_woken_step(turn_id)
 
@@ -104,11 +99,11 @@ class _Stepper:
     """The store's stepper: whatever inline stepping is installed now, else none."""
 
     def lock_ms(self) -> int | None:
-        return _inline.lock_ms() if _inline is not None else None
+        return inline.lock_ms() if inline is not None else None
 
     def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
-        if _inline is not None:
-            _inline.run(turn_id, token, lock_ms, view)
+        if inline is not None:
+            inline.run(turn_id, token, lock_ms, view)
         else:
             send_woken_step(turn_id)
 
@@ -131,8 +126,8 @@ def set_app(app: Celery) -> None:
 
 def reset() -> None:
     """Forget every singleton (tests that change settings)."""
-    global _redis, _store, _app, _inline
+    global _redis, _store, _app, inline
     get_settings.cache_clear()
     k.set_shard_count(None)
-    _inline = None
+    inline = None
     _redis = _store = _app = None
