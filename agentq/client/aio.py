@@ -19,8 +19,8 @@ from agentq.api import DEFAULT_TIMEOUT_S, _Started
 from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
-from agentq.events import TERMINAL_TYPES, Event, SubturnStarted
-from agentq.events.follow import Cursor, descendant_path
+from agentq.events import Event
+from agentq.events.follow import Cursor, Relay, descendant_path
 from agentq.fleet.connections import async_redis_client
 from agentq.models import parse_stream_id
 from agentq.state.base import text
@@ -119,18 +119,18 @@ class AsyncClient:
         `after_id` is an event's `cursor` (or a stream id): the events after it."""
         block_ms = int((heartbeat_s or 5.0) * 1000)
         after = Cursor.parse(after_id)
-        # A stream's key -> its last id read and its path (the turn ids below the root).
-        streams: dict[str, tuple[str, tuple[str, ...]]] = {log_key(turn_id): (after.root, ())}
+        relay = Relay(turn_id, after=after, depth=depth)
         for named, pos in after.children.items():
             # On a thread: one walk up at a resume, not worth an asyncio twin.
             redis_ = self._client._store.redis
-            path = await self._call(descendant_path, redis_, turn_id, named, depth)
+            path = await self._call(descendant_path, redis_, turn_id, named, relay.depth)
             if path:
-                streams[log_key(named)] = (pos, path)
+                relay.open(named, path, pos)
         checked = False
-        while True:
+        while not relay.done:
+            streams = {log_key(t): s for t, s in relay.streams.items()}
             reply: Any = await self._redis.xread(
-                {key: last for key, (last, _) in streams.items()},
+                {key: s.last_id for key, s in streams.items()},
                 count=READ_COUNT,
                 block=max(block_ms, 1),
             )
@@ -148,24 +148,9 @@ class AsyncClient:
                 key=lambda entry: parse_stream_id(entry[0]) or (0, 0),
             )
             for stream_id, key, fields in merged:
-                if key not in streams:  # a child that ended earlier in this reply
-                    continue
-                path = streams[key][1]
-                streams[key] = (stream_id, path)
                 ev = Event.parse(fields[b"e"], stream_id=stream_id)
-                if path:
-                    ev = ev.model_copy(update={"path": list(path)})
-                child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
-                if child and len(path) < depth:
-                    streams.setdefault(log_key(child), ("0-0", (*path, child)))
-                ended = ev.type in TERMINAL_TYPES
-                if ended and path:
-                    streams = {k: v for k, v in streams.items() if path[-1] not in v[1]}
-                children = {p[-1]: last for last, p in streams.values() if p}
-                ev.cursor = Cursor(streams[log_key(turn_id)][0], children).encode()
-                yield ev
-                if ended and not path:
-                    return
+                for relayed in relay.emit(streams[key], ev):
+                    yield relayed
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""

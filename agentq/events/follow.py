@@ -95,36 +95,89 @@ def descendant_path(
     return None
 
 
-class TreeFollower:
+class Relay:
+    """The streams of one follow and what each event does to them; no I/O but its hooks."""
+
+    def __init__(self, root: str, *, after: Cursor, depth: int) -> None:
+        self.root = root
+        self.depth = max(0, min(depth, RELAY_DEPTH_MAX))
+        self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
+        self.done = False
+
+    def opened(self, turn_id: str) -> None:
+        pass
+
+    def closed(self, turn_ids: list[str]) -> None:
+        pass
+
+    def open(self, turn_id: str, path: tuple[str, ...], after: str = "0-0") -> None:
+        if turn_id not in self.streams:
+            self.streams[turn_id] = _Stream(turn_id, path, after)
+            self.opened(turn_id)
+
+    def cursor(self) -> Cursor:
+        return Cursor(
+            self.streams[self.root].last_id,
+            {t: s.last_id for t, s in self.streams.items() if t != self.root},
+        )
+
+    def emit(self, stream: _Stream, ev: Event) -> Iterator[Event]:
+        """Yield `ev` if it is new for its stream; open or close streams as it says."""
+        if self.done or self.streams.get(stream.turn_id) is not stream:
+            return
+        if not _is_new(ev, stream.last_seq, stream.last_id):
+            return
+        stream.last_seq = ev.seq
+        stream.last_id = ev.stream_id or stream.last_id
+        if stream.path:
+            ev = ev.model_copy(update={"path": list(stream.path)})
+        child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
+        if isinstance(child, str) and len(stream.path) < self.depth and TURN_ID.fullmatch(child):
+            self.open(child, (*stream.path, child))
+        ended = ev.type in TERMINAL_TYPES
+        if ended and stream.path:
+            # A child stream ended: it and every stream below it.
+            gone = [t for t, s in self.streams.items() if stream.turn_id in s.path]
+            for t in gone:
+                del self.streams[t]
+            self.closed(gone)
+        ev.cursor = self.cursor().encode()
+        yield ev
+        if ended and not stream.path:
+            self.done = True
+
+
+class TreeFollower(Relay):
     """One follow of a turn and, `depth` levels down, of the sub-agents it starts."""
 
     def __init__(self, bus: EventBus, root: str, *, after: Cursor, depth: int) -> None:
+        super().__init__(root, after=after, depth=depth)
         self.redis: redis.Redis = bus.redis  # type: ignore[assignment]
         self.bus = bus
         self.marks: dict[str, int] = {}
         """How often this follower counted itself in each open stream's `watchers`: a turn
         publishes its live copies only while someone does."""
-        self.root = root
-        self.depth = max(0, min(depth, RELAY_DEPTH_MAX))
-        self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
-        self.done = False
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         self.broken = False
         """The shard subscription was lost (a Cluster node failed) and is not back yet."""
         self.resubscribed = False
         """Subscribed again after a loss: what was published meanwhile is only in the logs."""
-        self._subscribe(root)
+        self.opened(root)
         for tid, pos in after.children.items():
             path = descendant_path(self.redis, root, tid, self.depth)
             if path is not None:
-                self._open(tid, path, pos)
+                self.open(tid, path, pos)
 
-    def _subscribe(self, turn_id: str) -> None:
+    def opened(self, turn_id: str) -> None:
         # Counted in before subscribing, so every live copy published after the log read
         # that follows reaches the subscription; a turn not created yet is counted in at a
         # later catch-up (`remark`).
         self.remark(turn_id)
         self._listen("subscribe", [turn_id])
+
+    def closed(self, turn_ids: list[str]) -> None:
+        self._listen("unsubscribe", turn_ids)
+        self._unmark(turn_ids)
 
     def _listen(self, verb: str, turn_ids: list[str]) -> None:
         """(Un)subscribe the turns' channels: shard channels on a Cluster."""
@@ -144,46 +197,6 @@ class TreeFollower:
         """Count in again where the count may be gone (a failover lost it, or the turn did
         not exist yet): its events came by the log, not live."""
         self.marks[turn_id] = self.marks.get(turn_id, 0) + int(self.bus.watch(turn_id, 1))
-
-    def _open(self, turn_id: str, path: tuple[str, ...], after: str = "0-0") -> None:
-        if turn_id not in self.streams:
-            self.streams[turn_id] = _Stream(turn_id, path, after)
-            self._subscribe(turn_id)
-
-    def _close(self, turn_id: str) -> None:
-        """A child stream ended: it and every stream below it."""
-        gone = [t for t, s in self.streams.items() if turn_id in s.path and t != self.root]
-        for t in gone:
-            del self.streams[t]
-        self._listen("unsubscribe", gone)
-        self._unmark(gone)
-
-    def cursor(self) -> Cursor:
-        return Cursor(
-            self.streams[self.root].last_id,
-            {t: s.last_id for t, s in self.streams.items() if t != self.root},
-        )
-
-    def _emit(self, stream: _Stream, ev: Event) -> Iterator[Event]:
-        """Yield `ev` if it is new for its stream; open or close streams as it says."""
-        if self.done or self.streams.get(stream.turn_id) is not stream:
-            return
-        if not _is_new(ev, stream.last_seq, stream.last_id):
-            return
-        stream.last_seq = ev.seq
-        stream.last_id = ev.stream_id or stream.last_id
-        if stream.path:
-            ev = ev.model_copy(update={"path": list(stream.path)})
-        child = ev.child_turn_id if isinstance(ev, SubturnStarted) else None
-        if isinstance(child, str) and len(stream.path) < self.depth and TURN_ID.fullmatch(child):
-            self._open(child, (*stream.path, child))
-        ended = ev.type in TERMINAL_TYPES
-        if ended and stream.path:
-            self._close(stream.turn_id)
-        ev.cursor = self.cursor().encode()
-        yield ev
-        if ended and not stream.path:
-            self.done = True
 
     def catch_up(self, streams: list[_Stream] | None = None) -> Iterator[Event]:
         """Everything the logs hold past each stream's position, merged by stream id (a
@@ -217,7 +230,7 @@ class TreeFollower:
                 return
             tid = min(heads)[3]
             known = set(self.streams)
-            yield from self._emit(self.streams[tid], pending[tid].popleft())
+            yield from self.emit(self.streams[tid], pending[tid].popleft())
             if not pending[tid] and full.get(tid) and tid in self.streams:
                 # Its next page before any other stream's next event: the merge needs
                 # every open stream's head.
@@ -237,7 +250,7 @@ class TreeFollower:
             yield from self.catch_up([stream])
             return
         known = set(self.streams)
-        yield from self._emit(stream, ev)
+        yield from self.emit(stream, ev)
         if set(self.streams) - known:
             # Subscribed when opened, so its log and then its live copies miss nothing.
             # Every stream's log, not only its: what the parent published before the
