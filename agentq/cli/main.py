@@ -20,14 +20,16 @@ if TYPE_CHECKING:
     from agentq.api import Client
     from agentq.config import Settings
 
-WORKER_KINDS: dict[str, dict[str, str | None]] = {
-    "turns": {"pool": "threads", "concurrency": "16"},
+WORKER_KINDS: dict[str, tuple[str, str | None, str]] = {
+    "turns": ("threads", "16", "agentq.turns"),
     # The threads claim each round and hand it to the event loop, which streams it.
-    "llm": {"pool": "threads", "concurrency": "4"},
-    "tools": {"pool": "prefork", "concurrency": None},
+    "llm": ("threads", "4", "agentq.llm"),
+    "tools": ("prefork", None, "agentq.tools"),
     # The threads only hand calls to the event loop, which holds thousands of them.
-    "io": {"pool": "threads", "concurrency": "8"},
+    "io": ("threads", "8", "agentq.io"),
 }
+"""Each kind of worker: its default pool and concurrency, and its queue (the tool workers'
+are given theirs)."""
 
 
 def worker_argv(
@@ -37,24 +39,19 @@ def worker_argv(
     from agentq.errors import ConfigError
     from agentq.fleet.roles import pool_problem
 
-    spec = WORKER_KINDS[kind]
+    default_pool, concurrency, queue = WORKER_KINDS[kind]
     pool = take_option(opts, "-P", "--pool")[0] or None
     problem = pool_problem(kind, pool) if pool is not None else None
     if problem:
         raise ConfigError("--pool", problem)
-    queues = {
-        "turns": ["agentq.turns"],
-        "llm": ["agentq.llm"],
-        "tools": tool_queues,
-        "io": io_queues or ["agentq.io"],
-    }[kind]
+    queues = {"tools": tool_queues, "io": io_queues or [queue]}.get(kind, [queue])
     argv = ["worker"]
     if not has_option(opts, "-Q", "--queues"):
         argv += ["-Q", ",".join(queues)]
     if pool is None:
-        argv += ["-P", str(spec["pool"])]
-    if spec["concurrency"] and not has_option(opts, "-c", "--concurrency"):
-        argv += ["-c", str(spec["concurrency"])]
+        argv += ["-P", default_pool]
+    if concurrency and not has_option(opts, "-c", "--concurrency"):
+        argv += ["-c", concurrency]
     if not has_option(opts, "-n", "--hostname"):
         argv += ["-n", f"{kind}@%h"]
     if not has_option(opts, "-l", "--loglevel"):
