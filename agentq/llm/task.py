@@ -170,6 +170,9 @@ class _Round:
     def elapsed_ms(self) -> int:
         return int((time.monotonic() - self.t0) * 1000)
 
+    def _finished(self, **fields: Any) -> None:
+        self.emit("llm_finished", model=self.model, duration_ms=self.elapsed_ms(), **fields)
+
     async def call(
         self, streams: Streams, history: list[dict[str, Any]], abort: asyncio.Event
     ) -> tuple[AssistantMessage, float]:
@@ -264,40 +267,31 @@ class _Round:
     def answered(self, message: AssistantMessage, streamed_s: float) -> LlmRoundResult:
         usage = self._usage(message)
         message = message.model_copy(update={"usage": usage})
-        self.emit(
-            "llm_finished",
-            model=self.model,
+        self._finished(
             finish_reason=message.finish_reason,
             tool_calls=len(message.tool_calls),
             usage=usage.model_dump(exclude_none=True),
             key=self.req.key,
-            duration_ms=self.elapsed_ms(),
             ttft_ms=self.ttft_ms,
         )
         return LlmRoundResult(ok=True, message=message, streamed_s=streamed_s)
 
     def busy(self, exc: ModelBusy) -> LlmRoundResult:
         """Not this round's failure: the turn queues it again, with no retry used."""
-        self.emit(
-            "llm_finished",
+        self._finished(
             error=exc.message,
             code=exc.code,
             status=exc.status_code,
-            model=self.model,
             deployment=self.req.deployment or DEFAULT_DEPLOYMENT,
-            duration_ms=self.elapsed_ms(),
         )
         return self._failed(exc.message, exc.code, type(exc).__name__)
 
     def failed(self, exc: AgentqError) -> LlmRoundResult:
         code = getattr(exc, "code", "ELLM")
         fields = {k_: v for k_, v in vars(exc).items() if isinstance(v, (int, float, str))}
-        self.emit(
-            "llm_finished",
+        self._finished(
             error=exc.message,
             code=code,
-            model=self.model,
-            duration_ms=self.elapsed_ms(),
             ttft_ms=self.ttft_ms,
             **{f"error_{k_}": v for k_, v in fields.items() if k_ != "message"},
         )
