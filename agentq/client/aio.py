@@ -20,7 +20,7 @@ from agentq.config import Settings, get_settings
 from agentq.constants import log_key, turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events import Event
-from agentq.events.follow import Cursor, Relay, descendant_path
+from agentq.events.follow import Cursor, Relay
 from agentq.fleet.connections import async_redis_client
 from agentq.models import parse_stream_id
 from agentq.state.base import text
@@ -120,12 +120,8 @@ class AsyncClient:
         block_ms = int((heartbeat_s or 5.0) * 1000)
         after = Cursor.parse(after_id)
         relay = Relay(turn_id, after=after, depth=depth)
-        for named, pos in after.children.items():
-            # On a thread: one walk up at a resume, not worth an asyncio twin.
-            redis_ = self._client._store.redis
-            path = await self._call(descendant_path, redis_, turn_id, named, relay.depth)
-            if path:
-                relay.open(named, path, pos)
+        # On a thread: one walk up per child at a resume, not worth an asyncio twin.
+        await self._call(relay.resume, self._client._store.redis, after)
         checked = False
         while not relay.done:
             streams = {log_key(t): s for t, s in relay.streams.items()}

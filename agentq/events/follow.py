@@ -78,23 +78,6 @@ class _Stream:
     last_seq: int = 0
 
 
-def descendant_path(
-    client: redis.Redis, root: str, turn_id: str, depth: int
-) -> tuple[str, ...] | None:
-    """The turn ids from `root`'s child down to `turn_id`, a descendant a resuming cursor
-    names; None if it is not one within `depth` (a cursor never opens another turn's stream)."""
-    path = [turn_id]
-    for _ in range(depth):
-        raw = client.hget(turn_key(path[-1]), "parent_turn_id")
-        parent = json.loads(raw) if raw else None  # type: ignore[arg-type]
-        if parent == root:
-            return tuple(reversed(path))
-        if not isinstance(parent, str):
-            return None
-        path.append(parent)
-    return None
-
-
 class Relay:
     """The streams of one follow and what each event does to them; no I/O but its hooks."""
 
@@ -103,6 +86,21 @@ class Relay:
         self.depth = max(0, min(depth, RELAY_DEPTH_MAX))
         self.streams: dict[str, _Stream] = {root: _Stream(root, (), after.root)}
         self.done = False
+
+    def resume(self, client: redis.Redis, after: Cursor) -> None:
+        """Open the child streams a resuming cursor names, each found by a walk up its
+        parents to the root within `depth` (a cursor never opens another turn's stream)."""
+        for tid, pos in after.children.items():
+            path = [tid]
+            for _ in range(self.depth):
+                raw = client.hget(turn_key(path[-1]), "parent_turn_id")
+                parent = json.loads(raw) if raw else None  # type: ignore[arg-type]
+                if parent == self.root:
+                    self.open(tid, tuple(reversed(path)), pos)
+                    break
+                if not isinstance(parent, str):
+                    break
+                path.append(parent)
 
     def opened(self, turn_id: str) -> None:
         pass
@@ -163,10 +161,7 @@ class TreeFollower(Relay):
         self.resubscribed = False
         """Subscribed again after a loss: what was published meanwhile is only in the logs."""
         self.opened(root)
-        for tid, pos in after.children.items():
-            path = descendant_path(self.redis, root, tid, self.depth)
-            if path is not None:
-                self.open(tid, path, pos)
+        self.resume(self.redis, after)
 
     def opened(self, turn_id: str) -> None:
         # Counted in before subscribing, so every live copy published after the log read
