@@ -276,21 +276,14 @@ def _add_process_commands(sub: Any) -> None:
         "reaches the port can read and start turns",
     )
     d = sub.add_parser("dev", help="everything on one machine, Redis included")
-    d.add_argument("--no-flower", action="store_true", help="don't start Flower")
-    d.add_argument(
-        "--no-gateway", action="store_true", help="don't start the gateway (HTTP API and web page)"
-    )
-    d.add_argument("--no-beat", action="store_true", help="don't start a beat (schedules)")
-    d.add_argument(
-        "--demo",
-        action="store_true",
-        help="run one demo turn once started, print its events, keep running",
-    )
-    d.add_argument(
-        "--once",
-        action="store_true",
-        help="start, run one demo turn live, stop everything; exit with its code",
-    )
+    for flag, help_ in (
+        ("--no-flower", "don't start Flower"),
+        ("--no-gateway", "don't start the gateway (HTTP API and web page)"),
+        ("--no-beat", "don't start a beat (schedules)"),
+        ("--demo", "run one demo turn once started, print its events, keep running"),
+        ("--once", "start, run one demo turn live, stop everything; exit with its code"),
+    ):
+        d.add_argument(flag, action="store_true", help=help_)
     d.add_argument("--prompt", help="the prompt of the demo turn")
     d.add_argument("--agent", help="the agent of the demo turn (e.g. lead)")
 
