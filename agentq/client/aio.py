@@ -137,16 +137,24 @@ class AsyncClient:
                 if heartbeat_s is not None:
                     yield None
                 continue
-            # Merged by stream id, as the sync follower does: a resumed child's events fall
-            # between the parent's around them (one reply may hold both ends).
+            # Merged as the sync follower merges (one reply may hold both ends): by the
+            # millisecond, then the deeper stream first (a child's end and its call's
+            # settling in the parent are one script), as a sequence counts per stream.
             merged = sorted(
                 ((text(i), text(k), f) for k, entries in reply for i, f in entries),
-                key=lambda entry: parse_stream_id(entry[0]) or (0, 0),
+                key=lambda e: (
+                    (parse_stream_id(e[0]) or (0, 0))[0],
+                    -len(streams[e[1]].path),
+                    (parse_stream_id(e[0]) or (0, 0))[1],
+                ),
             )
             for stream_id, key, fields in merged:
                 ev = Event.parse(fields[b"e"], stream_id=stream_id)
+                before = len(relay.streams)
                 for relayed in relay.emit(streams[key], ev):
                     yield relayed
+                if len(relay.streams) > before:
+                    break  # a child opened: the next read merges its log with the rest
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""

@@ -129,3 +129,7 @@ def test_async_events_carry_a_cursor_that_resumes_either_client(fleet, llm_serve
             assert [(e.type, e.seq) for e in rest if e.turn_id == turn_id] == [
                 (e.type, e.seq) for e in events[mid + 1 :] if e.turn_id == turn_id
             ], (side, turn_id == parent.turn_id, [(e.type, e.path) for e in rest])
+    # Read whole once it ended, both clients merge the two logs alike: within a millisecond
+    # the child's end goes before its call's settling in the parent (one script).
+    whole = [(e.turn_id, e.seq) for e in client.events(parent.turn_id) if e is not None]
+    assert [(e.turn_id, e.seq) for e in asyncio.run(read())] == whole
