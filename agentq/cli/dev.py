@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -34,7 +34,9 @@ from agentq.local.processes import (
     CELERY_READY_PATTERN,
     ManagedProcess,
     ProcessStartError,
+    WaitTimeout,
     last_error,
+    wait_for,
 )
 from agentq.local.redis_server import ensure_redis, find_free_port, port_is_free
 
@@ -47,6 +49,8 @@ STOP_TIMEOUT_S = 10.0
 """Per process, between SIGTERM and SIGKILL: a warm shutdown lets running tasks end."""
 TOOL_CONCURRENCY = 4
 _POLL_S = 0.05
+FLOWER_AUTH_VARIABLES = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
+"""Flower's own: either keeps `agentq dev` from generating credentials."""
 
 
 class _Stop(Exception):
@@ -71,21 +75,17 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _in_log(proc: ManagedProcess, pattern: str) -> Callable[[], bool]:
-    regex = re.compile(pattern, re.MULTILINE)
-    return lambda: bool(regex.search(proc.log_text()))
-
-
-Check = tuple[ManagedProcess, Callable[[], bool]]
+Check = tuple[ManagedProcess, str | None, str | None]
+"""A process starting and how it says it is ready: a line of its log, or a URL answering 200."""
 
 
 def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> None:
     """Wait until every check passes; ProcessStartError when a process exits or time runs out."""
     pending = dict(checks)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for name, (proc, ready) in list(pending.items()):
-            if ready():
+
+    def all_ready() -> bool:
+        for name, (proc, line, url) in list(pending.items()):
+            if (line and re.search(line, proc.log_text(), re.MULTILINE)) or (url and _http_ok(url)):
                 del pending[name]
             elif proc.poll() is not None:
                 raise ProcessStartError(
@@ -93,15 +93,16 @@ def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> 
                     f"starting{_because(proc)}; its log: {proc.log_path}",
                     proc.log_tail(),
                 )
-        if not pending:
-            return
-        if time.monotonic() >= deadline:
-            name, (proc, _) = next(iter(pending.items()))
-            raise ProcessStartError(
-                f"{', '.join(pending)} not ready within {timeout_s:g} s; log: {proc.log_path}",
-                proc.log_tail(),
-            )
-        time.sleep(_POLL_S)
+        return not pending
+
+    try:
+        wait_for(all_ready, timeout_s, _POLL_S)
+    except WaitTimeout:
+        proc = next(iter(pending.values()))[0]
+        raise ProcessStartError(
+            f"{', '.join(pending)} not ready within {timeout_s:g} s; log: {proc.log_path}",
+            proc.log_tail(),
+        ) from None
 
 
 def _because(proc: ManagedProcess) -> str:
@@ -123,20 +124,17 @@ def _port(preferred: int, env_name: str, what: str) -> int:
     return port
 
 
+SHOWN = ("web page", "Flower", "webhooks", "Redis", "model", "pids", "logs")
+"""The summary's lines, in this order, each when it applies."""
+
+
 @dataclass
 class Started:
-    """What the summary prints and what the in-process client needs."""
+    """The environment the fleet starts with, and what the summary shows by SHOWN label:
+    Flower's and the webhooks' generated credentials too, printed once, at start."""
 
     env: dict[str, str]
-    redis_url: str
-    model_url: str | None = None
-    gateway_url: str | None = None
-    flower_url: str | None = None
-    flower_auth: str | None = None
-    """`user:password` generated for Flower when none was configured; printed at start."""
-    webhook_secret: str | None = None
-    """Generated when AGENTQ_WEBHOOK_SECRET was unset, so `agentq run --webhook` works here;
-    printed at start for the receiver to check signatures with."""
+    shown: dict[str, str]
 
 
 def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
@@ -149,8 +147,20 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
     )
     started = _environment(fleet, opts, settings)
     checks: dict[str, Check] = {}
+
+    def launch(
+        what: str, name: str, argv: list[str], line: str | None, url: str | None = None, **env: str
+    ) -> None:
+        checks[what] = (fleet.start(name, argv, env={**started.env, **env}), line, url)
+
     if not settings.llm_base_url:
-        checks["model"] = _start_demo_model(fleet, started)
+        say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
+        # Its port is picked here, so the workers start beside it rather than after it.
+        port = str(find_free_port())
+        argv = _python("agentq.testing.openai_server", "--port", port, "--script", "demo")
+        launch("model", "model", argv, r"listening on \S+")
+        url = started.env["AGENTQ_LLM_BASE_URL"] = f"http://127.0.0.1:{port}/v1"
+        started.shown["model"] = f"{url}  (scripted demo model)"
     for kind in ("turns", "llm", "tools", "io"):
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
@@ -159,16 +169,28 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
             # One event loop holds the streams of a machine's worth of turns; a process a
             # CPU would start two more Pythons beside the rest of the fleet for nothing.
             argv += ["--processes", "1"]
-        proc = fleet.start(f"worker-{kind}", argv, env=started.env)
-        checks[f"{kind} worker"] = (proc, _in_log(proc, CELERY_READY_PATTERN))
+        launch(f"{kind} worker", f"worker-{kind}", argv, CELERY_READY_PATTERN)
     if not opts.no_beat:
         # A beat already running elsewhere holds the lock: this one waits for its turn.
-        beat = fleet.start("beat", _python("agentq", "beat"), env=started.env)
-        checks["beat"] = (beat, _in_log(beat, r"beat: Starting"))
+        launch("beat", "beat", _python("agentq", "beat"), r"beat: Starting")
     if not opts.no_gateway:
-        checks["gateway"] = _start_gateway(fleet, started, settings.gateway_host, gateway_port)
+        host = settings.gateway_host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        url = started.shown["web page"] = f"http://{shown}:{gateway_port}/"
+        argv = _python("agentq", "serve", "--host", host, "--port", str(gateway_port))
+        launch("gateway", "gateway", argv, r"Uvicorn running on", f"{url}healthz")
     if not opts.no_flower:
-        checks["Flower"] = _start_flower(fleet, started, settings, flower_port)
+        url = f"http://127.0.0.1:{flower_port}/"
+        env = {"AGENTQ_FLOWER_PORT": str(flower_port)}
+        auth = " from AGENTQ_FLOWER_BASIC_AUTH"
+        # Flower can revoke and kill tasks: even on loopback, not for any local process.
+        if not settings.flower_basic_auth and not any(map(os.getenv, FLOWER_AUTH_VARIABLES)):
+            password = secrets.token_urlsafe(12)
+            env["AGENTQ_FLOWER_BASIC_AUTH"] = f"agentq:{password}"
+            auth = f", user agentq password {password}"
+        started.shown["Flower"] = f"{url}  (basic auth{auth})"
+        # /healthcheck answers without credentials once Flower serves HTTP.
+        launch("Flower", "flower", _python("agentq", "flower"), None, f"{url}healthcheck", **env)
     wait_ready(checks)
     return started
 
@@ -205,71 +227,22 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
     if not opts.no_flower and "AGENTQ_TASK_EVENTS" not in os.environ:
         # Flower runs here: task events from the first task on, not after its 5 s timer.
         env["AGENTQ_TASK_EVENTS"] = "true"
-    started = Started(env=env, redis_url=url)
+    where = "embedded, stops with agentq dev" if embedded else "already running"
+    started = Started(env, {"Redis": f"{redact(url)}  ({where})"})
     if settings.webhook_secret is None:
         import base64
 
-        secret = "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
-        started.webhook_secret = env["AGENTQ_WEBHOOK_SECRET"] = secret
+        token = base64.b64encode(secrets.token_bytes(32)).decode()
+        secret = env["AGENTQ_WEBHOOK_SECRET"] = f"whsec_{token}"
+        started.shown["webhooks"] = f"signed with {secret} (generated)"
     return started
 
 
-def _start_demo_model(fleet: LocalFleet, started: Started) -> Check:
-    say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
-    # Its port is picked here, so the workers start beside it rather than after it.
-    model_port = find_free_port()
-    model = fleet.start(
-        "model",
-        _python("agentq.testing.openai_server", "--port", str(model_port), "--script", "demo"),
-        env=started.env,
-    )
-    started.model_url = f"http://127.0.0.1:{model_port}/v1"
-    started.env["AGENTQ_LLM_BASE_URL"] = started.model_url
-    return model, _in_log(model, r"listening on \S+")
-
-
-def _start_gateway(fleet: LocalFleet, started: Started, host: str, port: int) -> Check:
-    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    started.gateway_url = f"http://{shown}:{port}"
-    gw = fleet.start(
-        "gateway", _python("agentq", "serve", "--host", host, "--port", str(port)), env=started.env
-    )
-    health = f"{started.gateway_url}/healthz"
-    in_log = _in_log(gw, r"Uvicorn running on")
-    return gw, lambda: in_log() or _http_ok(health)
-
-
-def _start_flower(fleet: LocalFleet, started: Started, settings: Settings, port: int) -> Check:
-    started.flower_url = f"http://127.0.0.1:{port}"
-    flower_env = {**started.env, "AGENTQ_FLOWER_PORT": str(port)}
-    env = os.environ
-    # Flower can revoke and kill tasks: even on loopback, not for any local process.
-    if not (settings.flower_basic_auth or env.get("FLOWER_BASIC_AUTH") or env.get("FLOWER_AUTH")):
-        started.flower_auth = f"agentq:{secrets.token_urlsafe(12)}"
-        flower_env["AGENTQ_FLOWER_BASIC_AUTH"] = started.flower_auth
-    fl = fleet.start("flower", _python("agentq", "flower"), env=flower_env)
-    # /healthcheck answers without credentials once Flower serves HTTP.
-    probe = f"{started.flower_url}/healthcheck"
-    return fl, lambda: _http_ok(probe)
-
-
 def summary(started: Started, fleet: LocalFleet, took_s: float) -> str:
-    lines = [f"ready in {took_s:.1f} s"]
-    if started.gateway_url:
-        lines.append(f"  web page  {started.gateway_url}/")
-    if started.flower_url:
-        user, _, password = (started.flower_auth or "").partition(":")
-        auth = f", user {user} password {password}" if user else " from AGENTQ_FLOWER_BASIC_AUTH"
-        lines.append(f"  Flower    {started.flower_url}/  (basic auth{auth})")
-    if started.webhook_secret:
-        lines.append(f"  webhooks  signed with {started.webhook_secret} (generated)")
-    where = "embedded, stops with agentq dev" if fleet.redis else "already running"
-    lines.append(f"  Redis     {redact(started.redis_url)}  ({where})")
-    if started.model_url:
-        lines.append(f"  model     {started.model_url}  (scripted demo model)")
     pids = ", ".join(f"{name} {p.pid}" for name, p in fleet.procs.items())
-    lines.append(f"  pids      {pids}")
-    lines.append(f"  logs      {fleet.log_dir}")
+    shown = {**started.shown, "pids": pids, "logs": str(fleet.log_dir)}
+    lines = [f"ready in {took_s:.1f} s"]
+    lines += [f"  {label:<9} {shown[label]}" for label in SHOWN if label in shown]
     # The variables another terminal needs that its environment does not already hold.
     prefix = "".join(
         f"{k}={redact(v)} "
@@ -295,16 +268,12 @@ def _print_events(events: Iterator[Any]) -> None:
 
 def _watch(fleet: LocalFleet) -> int:
     """Block until a process dies (1) or we are told to stop."""
-    while True:
-        dead = fleet.first_dead()
-        if dead is not None:
-            name, rc = dead
-            proc = fleet.procs.get(name)
-            tail = proc.log_tail() if proc else ""
-            why = _because(proc) if proc else ""
-            say(f"{name} exited with code {rc}{why}; stopping everything\n{tail}")
-            return 1
-        time.sleep(0.5)
+    # wait_for returns only what is truthy: a death, never None.
+    name, rc = wait_for(fleet.first_dead, float("inf"), 0.5)  # type: ignore[misc]
+    proc = fleet.procs.get(name)  # None for Redis
+    why, tail = (_because(proc), proc.log_tail()) if proc else ("", "")
+    say(f"{name} exited with code {rc}{why}; stopping everything\n{tail}")
+    return 1
 
 
 def _raise_stop(signum: int, frame: FrameType | None) -> None:
@@ -333,46 +302,46 @@ def _stop_quietly(fleet: LocalFleet) -> None:
 
 
 def main(opts: argparse.Namespace) -> int:
-    prompt = opts.prompt or DEMO_PROMPT
-    settings = get_settings()
     log_dir = Path(tempfile.mkdtemp(prefix="agentq-dev-"))
     fleet = LocalFleet({}, log_dir=log_dir, stop_timeout_s=STOP_TIMEOUT_S)
     code = 1
-    t0 = time.monotonic()
     try:
         with _signals(_raise_stop, signal.SIGTERM, signal.SIGHUP):
-            try:
-                started = start_all(fleet, opts, settings)
-                say(summary(started, fleet, time.monotonic() - t0))
-                from agentq.fleet import runtime
-
-                # This process's Client uses what was started.
-                os.environ.update(started.env)
-                runtime.reset()
-                from agentq.api import Client
-
-                if opts.once:
-                    from agentq.cli.run import run
-
-                    code = run(Client(), prompt, as_json=False, headless=True, agent=opts.agent)
-                    return code
-                if opts.demo:
-                    client = Client()
-                    handle = client._start_turn(prompt, headless=True, agent=opts.agent)
-                    say(f"demo turn {handle.turn_id}:")
-                    _print_events(client.events(handle.turn_id, heartbeat_s=1.0))
-                say("running; Ctrl-C stops everything")
-                code = _watch(fleet)
-                return code
-            except ProcessStartError as exc:
-                say(f"could not start: {exc}")
-                return 1
-            except (KeyboardInterrupt, _Stop):
-                code = 0
-                return 0
+            code = _serve(fleet, opts)
+    except ProcessStartError as exc:
+        say(f"could not start: {exc}")
+    except (KeyboardInterrupt, _Stop):
+        code = 0
     finally:
         _stop_quietly(fleet)
         if code == 0 or not any(log_dir.iterdir()):
             shutil.rmtree(log_dir, ignore_errors=True)
         else:
             say(f"logs kept in {log_dir}")
+    return code
+
+
+def _serve(fleet: LocalFleet, opts: argparse.Namespace) -> int:
+    """Start everything; then the demo turn (with --once, its exit code) or watch till a death."""
+    t0 = time.monotonic()
+    started = start_all(fleet, opts, get_settings())
+    say(summary(started, fleet, time.monotonic() - t0))
+    from agentq.fleet import runtime
+
+    # This process's Client uses what was started.
+    os.environ.update(started.env)
+    runtime.reset()
+    from agentq.api import Client
+
+    prompt = opts.prompt or DEMO_PROMPT
+    if opts.once:
+        from agentq.cli.run import run
+
+        return run(Client(), prompt, as_json=False, headless=True, agent=opts.agent)
+    if opts.demo:
+        client = Client()
+        handle = client._start_turn(prompt, headless=True, agent=opts.agent)
+        say(f"demo turn {handle.turn_id}:")
+        _print_events(client.events(handle.turn_id, heartbeat_s=1.0))
+    say("running; Ctrl-C stops everything")
+    return _watch(fleet)
