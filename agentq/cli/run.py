@@ -56,38 +56,24 @@ class _Answerer:
             if f.get("kind") == "password":
                 secs = max(0, int(deadline - time.time()))
                 value: str | None = getpass.getpass(f"{prompt} password ({secs}s): ")
-                decision = "approve" if value else "deny"
-            elif f.get("kind") == "input":
-                self._question(turn_id, rid, prompt, f, deadline)
+                self.client.answer(turn_id, rid, self.token, "approve" if value else "deny", value)
                 return
-            else:
-                line = countdown_input(f"{prompt} [y/N]", deadline)
-                if line is None:
-                    print("\nno answer in time: denied", flush=True)
+            # A question is asked until an answer fits its schema (the line is JSON, or
+            # plain text; an empty line declines); an approval takes y or yes.
+            question = f.get("kind") == "input"
+            schema = f.get("answer_schema")
+            hint = (f" {json.dumps(schema)}" if schema else "") if question else " [y/N]"
+            while (line := countdown_input(prompt + hint, deadline)) is not None:
+                value = line.strip() if question else None
+                yes = bool(value) if question else line.strip().lower() in ("y", "yes")
+                try:
+                    self.client.answer(
+                        turn_id, rid, self.token, "approve" if yes else "deny", value
+                    )
                     return
-                decision = "approve" if line.strip().lower() in ("y", "yes") else "deny"
-                value = None
-            self.client.answer(turn_id, rid, self.token, decision, value)
-
-    def _question(
-        self, turn_id: str, rid: str, prompt: str, f: dict[str, Any], deadline: float
-    ) -> None:
-        """Ask until an answer fits the question's schema (the line is JSON, or plain text;
-        an empty line declines) or time runs out."""
-        schema = f.get("answer_schema")
-        hint = f" {json.dumps(schema)}" if schema else ""
-        while True:
-            value = countdown_input(f"{prompt}{hint}", deadline)
-            if value is None:
-                print("\nno answer in time", flush=True)
-                return
-            value = value.strip()
-            decision = "approve" if value else "deny"
-            try:
-                self.client.answer(turn_id, rid, self.token, decision, value)
-                return
-            except AnswerInvalid as exc:
-                print(exc.message, flush=True)
+                except AnswerInvalid as exc:
+                    print(exc.message, flush=True)
+            print("\nno answer in time" + ("" if question else ": denied"), flush=True)
 
 
 def countdown_input(prompt: str, deadline: float) -> str | None:
@@ -121,43 +107,38 @@ def _say_admission(console: Console, handle: TurnHandle) -> None:
         )
 
 
-def _follow_json(client: Client, turn_id: str, asker: _Answerer | None) -> int:
-    """Every event as a JSON line on stdout; the exit code of the turn's end."""
-    code = EXIT_FAILED
-    for ev in client.events(turn_id, depth=RELAY_DEPTH_MAX):
-        if ev is None:
-            continue
-        sys.stdout.write(ev.model_dump_json() + "\n")
-        sys.stdout.flush()
-        if ev.type == "interaction_requested" and asker is not None:
-            asker.ask(ev)
-        if ev.ends_turn:
-            code = exit_code_for(ev)
-    return code
-
-
-def _follow_live(client: Client, turn_id: str, asker: _Answerer | None, console: Console) -> int:
-    """The turn's live view, then its summary; the exit code of its end."""
+def _follow(client: Client, turn_id: str, asker: _Answerer | None, console: Console | None) -> int:
+    """The turn's live view, then its summary (no console: every event as a JSON line on
+    stdout); the exit code of its end."""
     code = EXIT_FAILED
     view = TurnView(turn_id)
-    console.print(f"[dim]turn {turn_id}[/dim]")
+    live = None
+    if console is not None:
+        console.print(f"[dim]turn {turn_id}[/dim]")
+        live = Live(view.render(), console=console, refresh_per_second=8, transient=False)
     asked = False
-    with Live(view.render(), console=console, refresh_per_second=8, transient=False) as live:
+    heartbeat_s = None if live is None else 0.25
+    with live or contextlib.nullcontext():
         # Every level of sub-agents: an approval they ask for is answered here.
-        for ev in client.events(turn_id, heartbeat_s=0.25, depth=RELAY_DEPTH_MAX):
+        for ev in client.events(turn_id, heartbeat_s=heartbeat_s, depth=RELAY_DEPTH_MAX):
             if ev is not None:
                 view.apply(ev)
+                if live is None:
+                    print(ev.model_dump_json(), flush=True)
                 if ev.type == "interaction_requested" and asker is not None:
-                    live.stop()
+                    if live is not None:
+                        live.stop()
                     asked = True
                     asker.ask(ev)
                 if ev.ends_turn:
                     code = exit_code_for(ev)
-            live.update(view.render())
-    if asked:
-        # The live view stopped for a prompt: show how the turn ended below the answer.
-        console.print(view.render())
-    console.print(view.summary(), style="bold")
+            if live is not None:
+                live.update(view.render())
+    if console is not None:
+        if asked:
+            # The live view stopped for a prompt: show how the turn ended below the answer.
+            console.print(view.render())
+        console.print(view.summary(), style="bold")
     return code
 
 
@@ -198,9 +179,7 @@ def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: A
     if not headless and sys.stdin.isatty():
         asker = _Answerer(client, handle.turn_id, handle.token)
     try:
-        if as_json:
-            return _follow_json(client, handle.turn_id, asker)
-        return _follow_live(client, handle.turn_id, asker, console)
+        return _follow(client, handle.turn_id, asker, None if as_json else console)
     except KeyboardInterrupt:
         return EXIT_ABORTED
     finally:
