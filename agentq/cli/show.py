@@ -169,40 +169,30 @@ def cmd_show(client: Client, args: argparse.Namespace) -> int:
         print(json.dumps(view), flush=True)
         return 0
     console = Console()
+
+    def say(text: str, style: str) -> None:
+        # Unwrapped: a command or id in it can be copied whole.
+        console.print(Text(text, style=style), soft_wrap=True)
+
     console.print(timeline_view(view))
     source = view["source"]
     if source:
         line = f"{source['kind']} of {source['turn_id']}, from round {source['from_round']}"
-        console.print(Text(line + f"  (agentq show {source['turn_id']})", style="cyan"))
-    console.print(Text(spend_line(view["spend"]), style="dim"), soft_wrap=True)
+        say(line + f"  (agentq show {source['turn_id']})", "cyan")
+    say(spend_line(view["spend"]), "dim")
     hook = view["webhook"]
     if hook:
-        console.print(
-            Text(
-                f"webhook {hook['id']} -> {hook['url']}: {hook['status']}, "
-                f"{hook['attempts']} attempt(s)",
-                style="green" if hook["status"] == "delivered" else "yellow",
-            )
-        )
+        line = f"webhook {hook['id']} -> {hook['url']}: {hook['status']}"
+        style = "green" if hook["status"] == "delivered" else "yellow"
+        say(f"{line}, {hook['attempts']} attempt(s)", style)
         for a in hook["tries"]:
-            outcome = a["error"] or a["status_code"]
-            console.print(Text(f"  #{a['n']} {outcome} in {a['duration_ms']} ms", style="dim"))
+            say(f"  #{a['n']} {a['error'] or a['status_code']} in {a['duration_ms']} ms", "dim")
     for w in view["waitpoints"]:
-        console.print(
-            Text(
-                f"waiting: {w['tool']} on {w['id']}, open {w['age_s']:.0f}s, "
-                f"{w['left_s']:.0f}s of {w['timeout_s']:g}s left",
-                style="yellow",
-            ),
-            soft_wrap=True,
-        )
+        left = f"{w['left_s']:.0f}s of {w['timeout_s']:g}s left"
+        say(f"waiting: {w['tool']} on {w['id']}, open {w['age_s']:.0f}s, {left}", "yellow")
     for p in view["turn"].get("pending_interactions", []):
         left_s = max(0.0, float(p["expires_at"]) - time.time())
-        console.print(
-            Text(f"? {p.get('prompt') or p.get('kind')}  ({left_s:.0f}s left)", style="yellow")
-        )
-        # Unwrapped, so it can be copied as one command.
+        say(f"? {p.get('prompt') or p.get('kind')}  ({left_s:.0f}s left)", "yellow")
         how = "approve --value ANSWER|deny" if p.get("kind") == "input" else "approve|deny"
-        answer = f"  agentq answer {turn_id} {p.get('request_id')} {how}"
-        console.print(Text(answer, style="dim"), soft_wrap=True)
+        say(f"  agentq answer {turn_id} {p.get('request_id')} {how}", "dim")
     return 0
