@@ -27,6 +27,8 @@ STATUS_STYLE = {
     "denied": "yellow",
 }
 """How the terminal colours a status, a turn's or a call's."""
+OUTCOMES = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "failed"}
+"""A turn's end, as the summary line says it."""
 
 
 def fmt_s(seconds: float) -> str:
@@ -120,7 +122,7 @@ class TurnView:
             self.pending[str(f["request_id"])] = {**f, "ts": ev.ts, "path": ev.path}
         elif ev.type in ("interaction_answered", "interaction_timed_out"):
             self.pending.pop(str(f.get("request_id")), None)
-        elif ev.type in ("turn_finished", "turn_aborted", "turn_error"):
+        elif ev.type in OUTCOMES:
             self.waiting = ""
             self.outcome = ev.type
             self.detail = str(f.get("reason") or f.get("error") or "")
@@ -184,10 +186,6 @@ class TurnView:
         counts = Counter(line.status or "running" for line in self.tools.values())
         tools = ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no tools"
         took = fmt_s(time.time() - self.started)
-        outcome = {
-            "turn_finished": "finished",
-            "turn_aborted": "aborted",
-            "turn_error": "failed",
-        }.get(self.outcome or "", "ended")
+        outcome = OUTCOMES.get(self.outcome or "", "ended")
         extra = f" ({self.detail})" if self.detail and outcome != "finished" else ""
         return f"turn {outcome}{extra} in {took}: {tools}"
