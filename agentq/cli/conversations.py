@@ -37,49 +37,38 @@ def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
     # The command holds Redis credentials: it may read any conversation, as the console.
     if args.action == "delete":
         aborted = client.delete_conversation(args.conversation_id, operator=True)
-        if args.json:
-            print(json.dumps({"conversation_id": args.conversation_id, "aborted_turns": aborted}))
-        else:
-            console.print(
-                f"deleted {args.conversation_id}"
-                + (f" (aborted {len(aborted)} turns)" if aborted else "")
-            )
-        return 0
-    if args.action == "show":
-        view = client.conversation(args.conversation_id, operator=True)
-        if args.json:
-            print(json.dumps(view))
-            return 0
-        running = view["running_turn_id"]
+        data: Any = {"conversation_id": args.conversation_id, "aborted_turns": aborted}
+    elif args.action == "show":
+        data = client.conversation(args.conversation_id, operator=True)
+    else:
+        data = client.conversations(operator=True, limit=max(1, min(args.limit, 200)))
+    if args.json:
+        print(json.dumps(data))
+    elif args.action == "delete":
+        also = f" (aborted {len(aborted)} turns)" if aborted else ""
+        console.print(f"deleted {args.conversation_id}{also}")
+    elif args.action == "show":
+        running = data["running_turn_id"]
         console.print(
-            f"[bold]{view['conversation_id']}[/]  {view['status']}"
+            f"[bold]{data['conversation_id']}[/]  {data['status']}"
             + (f", running {short_id(running)}" if running else "")
-            + (f", {len(view['queued'])} queued" if view["queued"] else "")
-            + f", updated {clock(view['updated_at'])}"
+            + (f", {len(data['queued'])} queued" if data["queued"] else "")
+            + f", updated {clock(data['updated_at'])}"
         )
-        for m in view["messages"]:
+        for m in data["messages"]:
             role = m.get("role", "?")
             text = m.get("content") or ""
             if m.get("tool_calls"):
                 text = ", ".join(c["function"]["name"] for c in m["tool_calls"])
                 role += " (calls)"
             console.print(f"  [dim]{role:>16}[/]  {str(text)[:200]}", highlight=False)
-        return 0
-    rows = client.conversations(operator=True, limit=max(1, min(args.limit, 200)))
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    table = Table(box=box.SIMPLE_HEAD)
-    for col in ("conversation", "status", "running", "queued", "messages", "updated"):
-        table.add_column(col, no_wrap=col != "conversation", overflow="fold")
-    for r in rows:
-        table.add_row(
-            r["conversation_id"],
-            r["status"],
-            short_id(r["running_turn_id"]) if r["running_turn_id"] else "-",
-            str(r["queued"]),
-            str(r["messages"]),
-            clock(r["updated_at"]),
-        )
-    console.print(table)
+    else:
+        table = Table(box=box.SIMPLE_HEAD)
+        for col in ("conversation", "status", "running", "queued", "messages", "updated"):
+            table.add_column(col, no_wrap=col != "conversation", overflow="fold")
+        for r in data:
+            running = short_id(r["running_turn_id"]) if r["running_turn_id"] else "-"
+            row = (r["conversation_id"], r["status"], running, str(r["queued"]), str(r["messages"]))
+            table.add_row(*row, clock(r["updated_at"]))
+        console.print(table)
     return 0
