@@ -126,14 +126,10 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
 
 
 def _edit(args: argparse.Namespace) -> dict[str, Any] | None:
-    edit: dict[str, Any] = {
-        name: getattr(args, name)
-        for name in ("message", "instructions", "model")
-        if getattr(args, name) is not None
-    }
+    edit = {n: getattr(args, n) for n in ("message", "instructions", "model", "tool_result")}
     if args.tool_result:
-        edit["tool_result"] = {"call_id": args.tool_result[0], "content": args.tool_result[1]}
-    return edit or None
+        edit["tool_result"] = dict(zip(("call_id", "content"), args.tool_result, strict=True))
+    return {n: v for n, v in edit.items() if v is not None} or None
 
 
 def _said(turn: Turn, args: argparse.Namespace) -> int:
