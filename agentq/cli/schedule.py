@@ -69,14 +69,8 @@ def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
     table = Table("name", "when", "agent", "fired", "skipped", "last turn", "next in")
     for r in rows:
         next_in = "" if r["next_at"] is None else f"{max(0.0, r['next_at'] - time.time()):.0f}s"
-        table.add_row(
-            r["name"],
-            r["when"],
-            r["agent"] or "",
-            str(r["fired"]),
-            str(r["skipped"]),
-            short_id(r["last_turn_id"]) if r["last_turn_id"] else "",
-            next_in,
-        )
+        last = short_id(r["last_turn_id"]) if r["last_turn_id"] else ""
+        cells = (r["name"], r["when"], r["agent"] or "", r["fired"], r["skipped"], last, next_in)
+        table.add_row(*map(str, cells))
     Console().print(table)
     return 0
