@@ -88,18 +88,15 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
         proc = subprocess.Popen(argvs[i], env=env, preexec_fn=_die_with_parent)
         running[proc.pid] = i
 
-    def signal_all(signum: int) -> None:
+    def stop_all(signum: int, _frame: object = None) -> None:
+        nonlocal stopping
+        stopping = True
         for pid in running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-    def forward(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        signal_all(signum)
-
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
+        signal.signal(sig, stop_all)
     for i in range(processes):
         start(i)
     first_rc: int | None = None
@@ -120,6 +117,5 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
         if first_rc is None:
             first_rc = rc
         if not stopping:
-            stopping = True
-            signal_all(signal.SIGTERM)
+            stop_all(signal.SIGTERM)
     return first_rc or 0
