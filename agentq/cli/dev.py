@@ -255,15 +255,13 @@ def summary(started: Started, fleet: LocalFleet, took_s: float) -> str:
 
 
 def _print_events(events: Iterator[Any]) -> None:
+    """Until the turn's end, where its events end."""
     for ev in events:
-        if ev is None:
-            continue
-        fields = json.dumps(ev.fields, default=str, ensure_ascii=False)
-        # A sub-agent's events, relayed, are indented under the call that started them.
-        indent = "  " * len(ev.path)
-        print(f"  {indent}{ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
-        if ev.ends_turn:
-            return
+        if ev is not None:
+            fields = json.dumps(ev.fields, default=str, ensure_ascii=False)
+            # A sub-agent's events, relayed, are indented under the call that started them.
+            indent = "  " * len(ev.path)
+            print(f"  {indent}{ev.seq:>3} {ev.type:<22} {fields[:150]}", flush=True)
 
 
 def _watch(fleet: LocalFleet) -> int:
