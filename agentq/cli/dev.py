@@ -198,8 +198,7 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
 def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
     """The Redis the fleet uses (embedded if none answers) and the environment it starts with."""
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
-    problem = probe(settings.broker, settings.redis_sentinel_master) if separate_broker else None
-    if problem is not None:
+    if separate_broker and (problem := probe(settings.broker, settings.redis_sentinel_master)):
         where = redact(settings.broker)
         raise ConfigError("AGENTQ_BROKER_URL", f"no broker answers at {where}: {problem}")
     # A Sentinel's master is used as it is; anything else, `ensure_redis`.
