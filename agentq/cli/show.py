@@ -37,7 +37,6 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
     wide = width is None or width >= WIDE_COLUMNS
     table = Table(
         title="turns, newest first",
-        expand=False,
         box=box.SIMPLE_HEAD,
         show_edge=False,
         pad_edge=False,
@@ -109,7 +108,7 @@ def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableTyp
     head.append(f"turn {view['turn_id']}  ", style="bold")
     head.append(str(turn["status"]), style=STATUS_STYLE.get(str(turn["status"]), ""))
     head.append(f"  agent {turn.get('agent') or '-'}  {fmt_s(span)}")
-    table = Table(box=None, show_header=True, pad_edge=False)
+    table = Table(box=None, pad_edge=False)
     for col in ("what", "status", f"0 … {fmt_s(span)}", "took", "limits b/s/H", "worker"):
         table.add_column(col, justify="right" if col == "took" else "left", no_wrap=True)
     for r in view["rounds"]:
