@@ -36,8 +36,7 @@ def configure(app: Celery, settings: Settings) -> Celery:
         beat_max_loop_interval=settings.beat_max_interval_s,
     )
     # celery-redbeat reads its settings once per app; a copy read before this is stale.
-    if "redbeat_conf" in vars(app):
-        del app.redbeat_conf
+    vars(app).pop("redbeat_conf", None)
     ensure_conf(app)
     return app
 
