@@ -21,7 +21,6 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -126,15 +125,9 @@ def _port(preferred: int, env_name: str, what: str) -> int:
 
 SHOWN = ("web page", "Flower", "webhooks", "Redis", "model", "pids", "logs")
 """The summary's lines, in this order, each when it applies."""
-
-
-@dataclass
-class Started:
-    """The environment the fleet starts with, and what the summary shows by SHOWN label:
-    Flower's and the webhooks' generated credentials too, printed once, at start."""
-
-    env: dict[str, str]
-    shown: dict[str, str]
+Started = tuple[dict[str, str], dict[str, str]]
+"""The environment the fleet starts with, and the summary's lines by SHOWN label: Flower's
+and the webhooks' generated credentials too, printed once, at start."""
 
 
 def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
@@ -145,13 +138,13 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
     flower_port = (
         0 if opts.no_flower else _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower")
     )
-    started = _environment(fleet, opts, settings)
+    fleet_env, shown = _environment(fleet, opts, settings)
     checks: dict[str, Check] = {}
 
     def launch(
         what: str, name: str, argv: list[str], line: str | None, url: str | None = None, **env: str
     ) -> None:
-        checks[what] = (fleet.start(name, argv, env={**started.env, **env}), line, url)
+        checks[what] = (fleet.start(name, argv, env={**fleet_env, **env}), line, url)
 
     if not settings.llm_base_url:
         say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
@@ -159,8 +152,8 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
         port = str(find_free_port())
         argv = _python("agentq.testing.openai_server", "--port", port, "--script", "demo")
         launch("model", "model", argv, r"listening on \S+")
-        url = started.env["AGENTQ_LLM_BASE_URL"] = f"http://127.0.0.1:{port}/v1"
-        started.shown["model"] = f"{url}  (scripted demo model)"
+        url = fleet_env["AGENTQ_LLM_BASE_URL"] = f"http://127.0.0.1:{port}/v1"
+        shown["model"] = f"{url}  (scripted demo model)"
     for kind in ("turns", "llm", "tools", "io"):
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
@@ -175,8 +168,8 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
         launch("beat", "beat", _python("agentq", "beat"), r"beat: Starting")
     if not opts.no_gateway:
         host = settings.gateway_host
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        url = started.shown["web page"] = f"http://{shown}:{gateway_port}/"
+        at = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        url = shown["web page"] = f"http://{at}:{gateway_port}/"
         argv = _python("agentq", "serve", "--host", host, "--port", str(gateway_port))
         launch("gateway", "gateway", argv, r"Uvicorn running on", f"{url}healthz")
     if not opts.no_flower:
@@ -188,11 +181,11 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
             password = secrets.token_urlsafe(12)
             env["AGENTQ_FLOWER_BASIC_AUTH"] = f"agentq:{password}"
             auth = f", user agentq password {password}"
-        started.shown["Flower"] = f"{url}  (basic auth{auth})"
+        shown["Flower"] = f"{url}  (basic auth{auth})"
         # /healthcheck answers without credentials once Flower serves HTTP.
         launch("Flower", "flower", _python("agentq", "flower"), None, f"{url}healthcheck", **env)
     wait_ready(checks)
-    return started
+    return fleet_env, shown
 
 
 def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
@@ -227,25 +220,25 @@ def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings
         # Flower runs here: task events from the first task on, not after its 5 s timer.
         env["AGENTQ_TASK_EVENTS"] = "true"
     where = "embedded, stops with agentq dev" if embedded else "already running"
-    started = Started(env, {"Redis": f"{redact(url)}  ({where})"})
+    shown = {"Redis": f"{redact(url)}  ({where})"}
     if settings.webhook_secret is None:
         import base64
 
         token = base64.b64encode(secrets.token_bytes(32)).decode()
         secret = env["AGENTQ_WEBHOOK_SECRET"] = f"whsec_{token}"
-        started.shown["webhooks"] = f"signed with {secret} (generated)"
-    return started
+        shown["webhooks"] = f"signed with {secret} (generated)"
+    return env, shown
 
 
-def summary(started: Started, fleet: LocalFleet, took_s: float) -> str:
+def summary(env: dict[str, str], shown: dict[str, str], fleet: LocalFleet, took_s: float) -> str:
     pids = ", ".join(f"{name} {p.pid}" for name, p in fleet.procs.items())
-    shown = {**started.shown, "pids": pids, "logs": str(fleet.log_dir)}
+    shown = {**shown, "pids": pids, "logs": str(fleet.log_dir)}
     lines = [f"ready in {took_s:.1f} s"]
     lines += [f"  {label:<9} {shown[label]}" for label in SHOWN if label in shown]
     # The variables another terminal needs that its environment does not already hold.
     prefix = "".join(
         f"{k}={redact(v)} "
-        for k, v in started.env.items()
+        for k, v in env.items()
         if k in ("AGENTQ_REDIS_URL", "AGENTQ_BROKER_URL")
         and v != os.environ.get(k, DEFAULT_REDIS_URL)
     )
@@ -321,12 +314,12 @@ def main(opts: argparse.Namespace) -> int:
 def _serve(fleet: LocalFleet, opts: argparse.Namespace) -> int:
     """Start everything; then the demo turn (with --once, its exit code) or watch till a death."""
     t0 = time.monotonic()
-    started = start_all(fleet, opts, get_settings())
-    say(summary(started, fleet, time.monotonic() - t0))
+    env, shown = start_all(fleet, opts, get_settings())
+    say(summary(env, shown, fleet, time.monotonic() - t0))
     from agentq.fleet import runtime
 
     # This process's Client uses what was started.
-    os.environ.update(started.env)
+    os.environ.update(env)
     runtime.reset()
     from agentq.api import Client
 
