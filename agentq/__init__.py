@@ -10,69 +10,21 @@ from __future__ import annotations
 import importlib as _importlib
 import typing as _typing
 
+# ruff: noqa: F403, F405 - mypy reads the names of `__all__` from these star imports, and
+# exports only those (tests/unit/test_startup.py checks each is there).
 if _typing.TYPE_CHECKING:
-    from agentq.agents import Agent, AgentTool
-    from agentq.api import Client, Turn
-    from agentq.client.aio import AsyncClient, AsyncTurn
-    from agentq.config import Settings, get_settings, load_settings
+    from agentq.agents import *
+    from agentq.api import *
+    from agentq.client.aio import *
+    from agentq.config import *
     from agentq.constants import VERSION as __version__
-    from agentq.errors import (
-        Aborted,
-        AgentDefinitionError,
-        AgentError,
-        AgentqError,
-        AnswerInvalid,
-        BudgetExceeded,
-        BudgetInvalid,
-        ConfigError,
-        ConversationBusy,
-        ConversationNotFound,
-        HeadlessInteraction,
-        IdempotencyKeyReused,
-        InteractionClosed,
-        InteractionError,
-        InteractionNotFound,
-        LlmError,
-        MalformedStreamChunk,
-        ModelBusy,
-        ModelCapacityTimeout,
-        ModelConnectionError,
-        ModelHTTPError,
-        ModelIncomplete,
-        ModelResponseFailed,
-        PayloadTooLarge,
-        StreamDurationExceeded,
-        StreamIdleTimeout,
-        TokenInvalid,
-        ToolArgumentsInvalid,
-        ToolDefinitionError,
-        ToolError,
-        TurnAborted,
-        TurnError,
-        TurnFailed,
-        TurnNotFound,
-        TurnTimeout,
-        UnknownAgent,
-        UnknownTool,
-        WaitpointRefused,
-        WebhookRefused,
-    )
-    from agentq.events import Event
-    from agentq.models import (
-        AssistantMessage,
-        InteractionAnswer,
-        InteractionRequest,
-        InvocationRecord,
-        ToolCall,
-        ToolResult,
-        ToolResultMessage,
-        TurnHandle,
-        TurnRequest,
-    )
-    from agentq.state.results import TurnResult, TurnUsage
-    from agentq.tools.context import Partial, ToolContext, Waitpoint
-    from agentq.tools.policy import ToolPolicy
-    from agentq.tools.registry import ToolSpec, tool
+    from agentq.errors import *
+    from agentq.events import *
+    from agentq.models import *
+    from agentq.state.results import *
+    from agentq.tools.context import *
+    from agentq.tools.policy import *
+    from agentq.tools.registry import *
 
 __all__ = [
     # declaring tools
