@@ -24,7 +24,7 @@ import hashlib
 import json
 import os
 from functools import lru_cache
-from typing import Final
+from typing import Final, Literal
 
 VERSION = "0.1.0"
 """agentq.__version__; here so that no part of the package imports the package itself."""
@@ -337,29 +337,16 @@ def worker_alive_key(hostname: str) -> str:
     return f"{PREFIX}:worker:{hostname}:alive"
 
 
-def conversation_key(conversation_id: str) -> str:
-    return f"{PREFIX}:conv:{{{conversation_id}}}:history"
+ConversationPart = Literal["history", "owner", "meta", "queue", "inject"]
 
 
-def conversation_owner_key(conversation_id: str) -> str:
-    """Who may continue the conversation: `owner:<sha256 of the key name>` or
-    `secret:<sha256 of the conversation token>`; never a plain key or token."""
-    return f"{PREFIX}:conv:{{{conversation_id}}}:owner"
-
-
-def conversation_meta_key(conversation_id: str) -> str:
-    """Hash: the turn that holds the conversation (`running`), one to roll back, its size."""
-    return f"{PREFIX}:conv:{{{conversation_id}}}:meta"
-
-
-def conversation_queue_key(conversation_id: str) -> str:
-    """List: the turns waiting for the conversation, in the order they run."""
-    return f"{PREFIX}:conv:{{{conversation_id}}}:queue"
-
-
-def conversation_inject_key(conversation_id: str) -> str:
-    """Set: queued turns whose message may join the running turn's next round instead."""
-    return f"{PREFIX}:conv:{{{conversation_id}}}:inject"
+def conversation_key(conversation_id: str, part: ConversationPart = "history") -> str:
+    """A conversation's keys, on one slot: `history` (list: its messages); `owner` (who may
+    continue it: `owner:<sha256 of the key name>` or `secret:<sha256 of the conversation
+    token>`, never a plain key or token); `meta` (hash: the turn that holds it, `running`,
+    one to roll back, its size); `queue` (list: the turns waiting for it, in the order they
+    run); `inject` (set: queued turns whose message may join the running turn's next round)."""
+    return f"{PREFIX}:conv:{{{conversation_id}}}:{part}"
 
 
 CONVERSATIONS_INDEX = f"{PREFIX}:conversations:index"

@@ -148,7 +148,7 @@ def read_source(store: TurnStore, turn_id: str) -> Source:
     fields = {text(f): v for f, v in raw.items()}
     state = cast(TurnState, {f: json.loads(v) for f, v in fields.items() if not k.is_record(f)})
     cid = state.get("conversation_id")
-    if cid and not store.redis.exists(k.conversation_owner_key(cid)):
+    if cid and not store.redis.exists(k.conversation_key(cid, "owner")):
         raise SourceGone(turn_id, f"its conversation {cid} was deleted, and its history with it")
     history = history_of(raw) or list(state.get("pending_messages") or [])
     return Source(

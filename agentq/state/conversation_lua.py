@@ -53,13 +53,8 @@ class ConversationKeys(NamedTuple):
 
     @classmethod
     def of(cls, conversation_id: str) -> ConversationKeys:
-        return cls(
-            k.conversation_owner_key(conversation_id),
-            k.conversation_meta_key(conversation_id),
-            k.conversation_key(conversation_id),
-            k.conversation_queue_key(conversation_id),
-            k.conversation_inject_key(conversation_id),
-        )
+        parts: tuple[k.ConversationPart, ...] = ("owner", "meta", "history", "queue", "inject")
+        return cls._make(k.conversation_key(conversation_id, part) for part in parts)
 
 
 _SCRIPT_KEYS = (*ConversationKeys._fields, "index_key")

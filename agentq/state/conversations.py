@@ -226,7 +226,7 @@ class Conversations:
     ) -> None:
         """Raise ConversationNotFound unless the conversation exists and the caller may use
         it: its owner's key, its token, or an admin or operator."""
-        raw = self.redis.get(k.conversation_owner_key(conversation_id))
+        raw = self.redis.get(k.conversation_key(conversation_id, "owner"))
         if raw is None or not (any_owner or text(raw) in held_bindings(owner, token)):
             raise ConversationNotFound(conversation_id)
 
@@ -260,10 +260,10 @@ class Conversations:
             pipe = self.redis.pipeline(transaction=False)
             for cid, _score in page:
                 c = text(cid)
-                pipe.get(k.conversation_owner_key(c))
-                pipe.hget(k.conversation_meta_key(c), "running")
+                pipe.get(k.conversation_key(c, "owner"))
+                pipe.hget(k.conversation_key(c, "meta"), "running")
                 pipe.llen(k.conversation_key(c))
-                pipe.llen(k.conversation_queue_key(c))
+                pipe.llen(k.conversation_key(c, "queue"))
             got = pipe.execute()
             gone = [text(cid) for i, (cid, _) in enumerate(page) if got[4 * i] is None]
             for i, (cid, score) in enumerate(page):

@@ -13,6 +13,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import httpx
 import pytest
@@ -319,14 +320,8 @@ def test_a_conversation_runs_one_turn_at_a_time_on_a_cluster(cluster_rig: Rig) -
     assert users == [key, "second", "and this", "third"]
     assert_valid_history(view["messages"])
     # The conversation's keys share one slot; its turns are spread over the shards.
-    named = (
-        k.conversation_key,
-        k.conversation_meta_key,
-        k.conversation_queue_key,
-        k.conversation_inject_key,
-        k.conversation_owner_key,
-    )
-    slots = {key_slot(name(conv).encode()) for name in named}
+    parts = get_args(k.ConversationPart)
+    slots = {key_slot(k.conversation_key(conv, part).encode()) for part in parts}
     assert len(slots) == 1
     assert conv in [r["conversation_id"] for r in c.conversations(operator=True)]
 

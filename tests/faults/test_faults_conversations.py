@@ -184,7 +184,7 @@ def test_fifty_messages_into_one_conversation(rig: Rig, gateways: list[str], mod
             assert mine == sorted(mine, key=lambda x: int(x.rsplit("-m", 1)[1])), mine
     assert final["running_turn_id"] is None
     # No turn's append found the history changed under it (RELEASE counts any that did).
-    meta = rig.client._store.redis.hget(k.conversation_meta_key(conv), "conflicts")
+    meta = rig.client._store.redis.hget(k.conversation_key(conv, "meta"), "conflicts")
     assert meta is None, f"{meta} appends found the history changed under them"
 
 

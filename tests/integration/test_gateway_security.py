@@ -463,9 +463,9 @@ def test_a_conversation_is_continued_only_by_its_owner(
     stored = client._store.redis.lrange(k.conversation_key(conv), 0, -1)
     assert len(stored) == 2
     # Bound to a digest of the owner's name: neither the name nor the key is stored.
-    bound = client._store.redis.get(k.conversation_owner_key(conv))
+    bound = client._store.redis.get(k.conversation_key(conv, "owner"))
     assert bound == b"owner:" + hashlib.sha256(b"alice").hexdigest().encode()
-    ttl_s = client._store.redis.ttl(k.conversation_owner_key(conv))
+    ttl_s = client._store.redis.ttl(k.conversation_key(conv, "owner"))
     assert 0 < ttl_s <= keyed_settings().turn_retention_s
 
     stolen = httpx.post(
@@ -544,7 +544,7 @@ def test_an_expired_conversation_is_gone_not_inherited(
         json={"prompt": script(llm_server, Round(text="Alice's notes.")), "conversation_id": conv},
     )
     finish(client, r.json()["turn_id"])
-    client._store.redis.delete(k.conversation_owner_key(conv))  # as its TTL would
+    client._store.redis.delete(k.conversation_key(conv, "owner"))  # as its TTL would
     r = httpx.post(
         keyed.url + "/v1/turns",
         headers=bearer(BOB_KEY),

@@ -57,7 +57,7 @@ def history(c: Conversations) -> list[str]:
 
 
 def stored_bytes(c: Conversations) -> int:
-    raw = c.redis.hget(k.conversation_meta_key(CID), "bytes")
+    raw = c.redis.hget(k.conversation_key(CID, "meta"), "bytes")
     return int(raw or 0)
 
 
@@ -100,7 +100,7 @@ def test_a_turn_that_holds_or_waits_keeps_the_retry_out() -> None:
     assert c.admit_in_place(CID, "r", "a")[0] is InPlace.MOVED_ON
     c2 = convs()
     run(c2, "a", ["a1"])
-    c2.redis.rpush(k.conversation_queue_key(CID), "q")  # one waits (as a hand-off in between)
+    c2.redis.rpush(k.conversation_key(CID, "queue"), "q")  # one waits (as a hand-off in between)
     assert c2.admit_in_place(CID, "r", "a") == (InPlace.MOVED_ON, None)
     assert c.admit_in_place(CID, "r", "gone")[0] is InPlace.MOVED_ON
     assert convs().admit_in_place(CID, "r", "a")[0] is InPlace.GONE
@@ -116,7 +116,7 @@ def test_turns_that_come_while_the_retry_holds_it_wait_and_read_its_exchange() -
     assert take(c, "n") == [msg("a1"), msg("r1")]
     release(c, "n", 2, ["n1"])
     assert history(c) == ["a1", "r1", "n1"]
-    assert c.redis.hget(k.conversation_meta_key(CID), "conflicts") is None
+    assert c.redis.hget(k.conversation_key(CID, "meta"), "conflicts") is None
 
 
 def test_a_retry_that_never_read_the_history_changes_nothing_and_may_be_retried() -> None:
@@ -175,7 +175,7 @@ def test_a_listing_past_expired_conversations_skips_none_that_live() -> None:
         cid = f"c-{i}"
         r.zadd(k.CONVERSATIONS_INDEX, {cid: 100.0 - i})
         if i >= 3:
-            r.set(k.conversation_owner_key(cid), OWNER)
+            r.set(k.conversation_key(cid, "owner"), OWNER)
     # A page of limit * 2 = 2 entries: the first two pages meet the expired ones.
     rows = c.listing(owner="alice", any_owner=False, limit=1)
     assert [row["conversation_id"] for row in rows] == ["c-3"]
