@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from pydantic import BaseModel
 
@@ -40,6 +40,8 @@ from agentq.webhooks.deliveries import Deliveries
 log = logging.getLogger("agentq.client")
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from celery import Celery
 
     from agentq.agents import Agent
@@ -71,6 +73,22 @@ def output_type_of(agent: Agent | str | None) -> type[BaseModel] | None:
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long `Turn.result()` and `Client.run` wait for a turn's end unless told."""
+
+
+class StartOptions(TypedDict, total=False):
+    """The options of `Client.start` and `Client.run` (docs/python-api.md): the fields of a
+    TurnRequest a caller sets, and the start's `idempotency_key`."""
+
+    messages: list[dict[str, Any]] | None
+    conversation_id: str | None
+    conversation_token: str | None
+    multitask: MultitaskMode | None
+    headless: bool
+    detach: bool
+    webhook_url: str | None
+    idempotency_key: str | None
+    max_tokens: int | None
+    max_cost_usd: float | None
 
 
 class _Started:
@@ -169,20 +187,7 @@ class Client:
         return self._app
 
     def start(
-        self,
-        agent: Agent | str | None,
-        prompt: str | None = None,
-        *,
-        messages: list[dict[str, Any]] | None = None,
-        conversation_id: str | None = None,
-        conversation_token: str | None = None,
-        multitask: MultitaskMode | None = None,
-        headless: bool = False,
-        detach: bool = False,
-        webhook_url: str | None = None,
-        idempotency_key: str | None = None,
-        max_tokens: int | None = None,
-        max_cost_usd: float | None = None,
+        self, agent: Agent | str | None, prompt: str | None = None, **options: Unpack[StartOptions]
     ) -> Turn:
         """Start a turn of `agent` (an Agent, its name, or None: the default model with
         every tool) and return at once with its `Turn` (options: docs/python-api.md).
@@ -192,21 +197,11 @@ class Client:
         Raises UnknownAgent, BudgetInvalid, BudgetExceeded, ConversationBusy,
         IdempotencyKeyReused or WebhookRefused before any turn exists.
         """
-        handle = self._start_turn(
-            prompt,
-            messages=messages,
-            conversation_id=conversation_id,
-            conversation_token=conversation_token,
-            multitask=multitask,
-            headless=headless,
-            detach=detach,
-            webhook_url=webhook_url,
-            idempotency_key=idempotency_key,
-            max_tokens=max_tokens,
-            max_cost_usd=max_cost_usd,
-            agent=agent_name(agent),
-        )
-        return Turn(self, handle, output_type_of(agent))
+        key = options.pop("idempotency_key", None)
+        # A TurnRequest refuses any other keyword (a start's `owner` is the gateway's own).
+        fields = cast("dict[str, Any]", options)
+        req = TurnRequest(prompt=prompt, agent=agent_name(agent), **fields)
+        return Turn(self, self._start_turn(req, idempotency_key=key), output_type_of(agent))
 
     def run(
         self,
@@ -214,7 +209,7 @@ class Client:
         prompt: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        **options: Any,
+        **options: Unpack[StartOptions],
     ) -> TurnResult:
         """Start a turn (`start`'s options) and block until it ends: its result, or
         TurnFailed, TurnAborted, HeadlessInteraction; TurnTimeout past `timeout_s` (the

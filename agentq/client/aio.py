@@ -27,8 +27,10 @@ from agentq.state.base import text
 from agentq.state.results import TurnResult, TurnView, settle
 
 if TYPE_CHECKING:
+    from typing import Unpack
+
     from agentq.agents import Agent
-    from agentq.api import Client, Turn
+    from agentq.api import Client, StartOptions, Turn
     from agentq.models import ToolResult
 
 R = TypeVar("R")
@@ -78,7 +80,7 @@ class AsyncClient:
         return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
 
     async def start(
-        self, agent: Agent | str | None, prompt: str | None = None, **options: Any
+        self, agent: Agent | str | None, prompt: str | None = None, **options: Unpack[StartOptions]
     ) -> AsyncTurn:
         """`Client.start`: start a turn and return at once with its handle."""
         return self._held(await self._call(self._client.start, agent, prompt, **options))
@@ -100,7 +102,7 @@ class AsyncClient:
         prompt: str | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        **options: Any,
+        **options: Unpack[StartOptions],
     ) -> TurnResult:
         """`Client.run`: start a turn and wait for its result (or its typed error)."""
         turn = await self.start(agent, prompt, **options)
