@@ -363,14 +363,11 @@ def idempotency_key(caller: str, key: str) -> str:
     return f"{PREFIX}:idem:{digest}"
 
 
-def owner_turns_key(subject: str) -> str:
-    """Sorted set of one caller's (key name or client address) turns, for the running cap."""
-    return f"{PREFIX}:limits:{subject}:turns"
-
-
-def start_bucket_key(subject: str) -> str:
-    """Hash of one caller's start-rate token bucket (tokens, last refill)."""
-    return f"{PREFIX}:limits:{subject}:bucket"
+def limits_key(subject: str, part: Literal["turns", "bucket"]) -> str:
+    """One caller's (key name or client address) start limits: `turns` (sorted set of its
+    turns, for the running cap), `bucket` (hash: its start-rate token bucket, tokens and
+    last refill)."""
+    return f"{PREFIX}:limits:{subject}:{part}"
 
 
 def turn_keys(turn_id: str) -> list[str]:
@@ -409,19 +406,11 @@ WEBHOOK_COUNTS = f"{WEBHOOKS}:counts"
 """Hash: delivery and attempt counters (`attempts:<outcome>`, `deliveries:<status>`)."""
 
 
-def webhook_key(delivery_id: str) -> str:
-    """Hash of one delivery: url, body, status, attempts, next_at."""
-    return f"{WEBHOOKS}:delivery:{delivery_id}"
-
-
-def webhook_attempts_key(delivery_id: str) -> str:
-    """List of the delivery's attempts (JSON: at, status_code, error, duration_ms)."""
-    return f"{webhook_key(delivery_id)}:attempts"
-
-
-def webhook_lock_key(delivery_id: str) -> str:
-    """Held (SET NX PX) by the one attempt in flight, so two messages never post at once."""
-    return f"{webhook_key(delivery_id)}:lock"
+def webhook_key(delivery_id: str, part: Literal["", "attempts", "lock"] = "") -> str:
+    """Hash of one delivery (url, body, status, attempts, next_at); its `attempts` (list,
+    JSON: at, status_code, error, duration_ms); its `lock` (held, SET NX PX, by the one
+    attempt in flight, so two messages never post at once)."""
+    return f"{WEBHOOKS}:delivery:{delivery_id}" + (f":{part}" if part else "")
 
 
 def webhook_id(turn_id: str) -> str:

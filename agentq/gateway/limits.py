@@ -46,7 +46,7 @@ class StartLimits:
         mid-start frees it), then passes to the turn until it is found ended. The caller's
         turns that ended give theirs back first (their states are read here: on a Cluster
         they live on other slots than the caller's set)."""
-        wait_s = self._bucket.take(k.start_bucket_key(subject))
+        wait_s = self._bucket.take(k.limits_key(subject, "bucket"))
         if wait_s > 0:
             raise RateLimited(
                 wait_s,
@@ -54,7 +54,7 @@ class StartLimits:
                 f"{self.settings.start_rate_per_s:g} per second",
             )
         reservation = f"r:{secrets.token_hex(8)}"
-        key = k.owner_turns_key(subject)
+        key = k.limits_key(subject, "turns")
         turns = [m for m in self._running.holders(key) if not m.startswith("r:")]
         pipe = self.redis.pipeline(transaction=False)
         for t in turns:

@@ -203,7 +203,7 @@ class Deliveries:
     ) -> None:
         """The attempt, its outcome, and the next attempt's time (or the end), in one write."""
         key = k.webhook_key(delivery.id)
-        attempts_key = k.webhook_attempts_key(delivery.id)
+        attempts_key = k.webhook_key(delivery.id, "attempts")
         fields = {
             "attempts": str(attempt.n),
             "status": status,
@@ -242,7 +242,7 @@ class Deliveries:
         d = self.get(k.webhook_id(turn_id))
         if d is None:
             return None
-        tries = self.redis.lrange(k.webhook_attempts_key(d.id), 0, -1)
+        tries = self.redis.lrange(k.webhook_key(d.id, "attempts"), 0, -1)
         return {**d.model_dump(), "tries": [json.loads(a) for a in tries]}
 
     def counts(self) -> dict[str, int]:

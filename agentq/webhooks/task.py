@@ -136,7 +136,7 @@ def queue_waiting(
 def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_before: int) -> str:
     """Make the delivery's next attempt, if it is still pending and no other message made it
     already; return what happened (for the task's result and the logs)."""
-    lock = k.webhook_lock_key(delivery_id)
+    lock = k.webhook_key(delivery_id, "lock")
     redis = store.redis
     if not redis.set(lock, "1", nx=True, px=int(lease_s(settings) * 1000)):
         return "busy"

@@ -139,7 +139,7 @@ def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
         wait_for(lambda: (d := deliveries().get(delivery_id)) and d.status == "delivered", 10)
         redis = get_store().redis
         # As if the delivery had never been queued: gone, and the turn still noted.
-        redis.delete(k.webhook_key(delivery_id), k.webhook_attempts_key(delivery_id))
+        redis.delete(k.webhook_key(delivery_id), k.webhook_key(delivery_id, "attempts"))
         redis.zadd(k.WEBHOOKS_WAITING, {handle.turn_id: 0})
         again = rx.wait(2)[1]
         assert again.headers["webhook-id"] == delivery_id
