@@ -303,7 +303,7 @@ def tool_context(
         on_progress=progress,
         read_secret=read_secret,
         attempt=req.attempt,
-        waitpoint=lambda: store.waitpoint_address(req.turn_id, req.call_id),
+        locate_waitpoint=lambda: store.waitpoint_address(req.turn_id, req.call_id),
     )
 
 

@@ -8,39 +8,25 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 
+@dataclass(kw_only=True, eq=False)
 class ToolContext:
     """Handed to a tool as its first argument (`ctx`)."""
 
     _CANCEL_POLL_S = 0.1
 
-    def __init__(
-        self,
-        *,
-        turn_id: str,
-        call_id: str,
-        tool: str,
-        started_at: float,
-        timeout_s: float,
-        soft_timeout_s: float | None,
-        is_cancelled: Callable[[], bool] | None = None,
-        on_progress: Callable[[str, float | None, dict[str, Any]], None] | None = None,
-        read_secret: Callable[[], str | None] | None = None,
-        attempt: int = 1,
-        waitpoint: Callable[[], tuple[str, str, str]] | None = None,
-    ) -> None:
-        self.turn_id = turn_id
-        self.call_id = call_id
-        self.tool = tool
-        self.started_at = started_at
-        self.timeout_s = timeout_s
-        self.soft_timeout_s = soft_timeout_s
-        self.attempt = attempt
-        self._is_cancelled = is_cancelled
-        self._on_progress = on_progress
-        self._read_secret = read_secret
-        self._waitpoint = waitpoint
-        self._cancel_checked_at = 0.0
-        self._cancelled = False
+    turn_id: str
+    call_id: str
+    tool: str
+    started_at: float
+    timeout_s: float
+    soft_timeout_s: float | None
+    attempt: int = 1
+    is_cancelled: Callable[[], bool] | None = None
+    on_progress: Callable[[str, float | None, dict[str, Any]], None] | None = None
+    read_secret: Callable[[], str | None] | None = None
+    locate_waitpoint: Callable[[], tuple[str, str, str]] | None = None
+    _cancel_checked_at: float = field(default=0.0, init=False)
+    _cancelled: bool = field(default=False, init=False)
 
     @property
     def deadline(self) -> float | None:
@@ -60,30 +46,30 @@ class ToolContext:
     @property
     def cancelled(self) -> bool:
         """True once the turn was aborted; polled cheaply, so tools may check it in loops."""
-        if self._cancelled or self._is_cancelled is None:
+        if self._cancelled or self.is_cancelled is None:
             return self._cancelled
         now = time.monotonic()
         if now - self._cancel_checked_at >= self._CANCEL_POLL_S:
             self._cancel_checked_at = now
-            self._cancelled = self._is_cancelled()
+            self._cancelled = self.is_cancelled()
         return self._cancelled
 
     def progress(self, message: str = "", pct: float | None = None, **fields: Any) -> None:
         """Report progress: a `tool_progress` event for clients and a PROGRESS state in Flower."""
-        if self._on_progress is not None:
-            self._on_progress(message, pct, fields)
+        if self.on_progress is not None:
+            self.on_progress(message, pct, fields)
 
     def secret(self) -> str | None:
         """The password answered for this call, readable once; never stored anywhere else."""
-        return self._read_secret() if self._read_secret is not None else None
+        return self.read_secret() if self.read_secret is not None else None
 
     def waitpoint(self) -> WaitpointAddress:
         """The id, token and callback URL of the waitpoint this call opens if it returns a
         `Waitpoint`: known before it returns, so the tool can hand them to the system that
         will complete it (the same for every run of the call)."""
-        if self._waitpoint is None:
+        if self.locate_waitpoint is None:
             raise RuntimeError("this call runs outside a tool worker: it has no waitpoint")
-        return WaitpointAddress(*self._waitpoint())
+        return WaitpointAddress(*self.locate_waitpoint())
 
 
 class WaitpointAddress(NamedTuple):
