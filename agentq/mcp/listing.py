@@ -6,7 +6,9 @@ gateway's `GET /v1/mcp/servers`.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +16,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentq import constants as k
-from agentq.mcp.names import tool_name
 from agentq.mcp.servers import McpServer
 
 MAX_REMOTE_NAME = 256
@@ -23,6 +24,25 @@ MAX_DESCRIPTION = 4096
 """The longest description kept; a longer one is cut, with a marker saying so."""
 MAX_SCHEMA_BYTES = 64 * 1024
 """The largest input schema taken (as JSON): every request of a turn carries it."""
+SEPARATOR = "__"
+MAX_NAME = 64
+"""The longest function name the OpenAI API accepts."""
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+_HASH_CHARS = 8
+
+
+def tool_name(server: str, tool: str) -> str:
+    """The model's name of `tool` of `server`: `SERVER__TOOL` when that is a valid function
+    name, else made one, ending in a short hash of the original (docs/mcp.md, "What the
+    model sees"). Task names (`agentq.tool.<name>`) take it: it only has characters safe
+    there, and no Python identifier is ever made from it."""
+    name = f"{server}{SEPARATOR}{tool}"
+    if FUNCTION_NAME.match(name):
+        return name
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:_HASH_CHARS]
+    safe = _UNSAFE.sub("_", name)
+    return f"{safe[: MAX_NAME - _HASH_CHARS - 1]}_{digest}"
 
 
 class ListedTool(BaseModel):

@@ -25,8 +25,7 @@ from agentq.limits.semaphore import LeasedSemaphore
 from agentq.mcp.elicit import Caller
 from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink
-from agentq.mcp.listing import ListedTool
-from agentq.mcp.names import tool_name
+from agentq.mcp.listing import ListedTool, tool_name
 from agentq.mcp.servers import McpServer
 from agentq.tools.context import ToolContext
 from agentq.tools.policy import Approval, ToolPolicy

@@ -30,7 +30,7 @@ from agentq.gateway import BackgroundServer, create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
 from agentq.local.redis_server import RedisServer
-from agentq.mcp.names import tool_name
+from agentq.mcp.listing import tool_name
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import collect, process_env, script, wait_event
 from tests.mcp_published import everything_argv

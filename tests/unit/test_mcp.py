@@ -13,8 +13,15 @@ from agentq.agents import Agent, check_agents, unregister_agent
 from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvalid
 from agentq.mcp.catalog import McpTools
 from agentq.mcp.link import BACKOFF_S, ServerLink, backoff_s
-from agentq.mcp.listing import ListedTool, Listing, Refused, plan
-from agentq.mcp.names import FUNCTION_NAME, MAX_NAME, tool_name
+from agentq.mcp.listing import (
+    FUNCTION_NAME,
+    MAX_NAME,
+    ListedTool,
+    Listing,
+    Refused,
+    plan,
+    tool_name,
+)
 from agentq.mcp.servers import parse_servers
 from agentq.mcp.tools import approval_of, content_text, make_spec
 from agentq.tools import registry
