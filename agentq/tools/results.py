@@ -33,27 +33,20 @@ def record_for(
 def _result(
     call: ToolCall, status: ToolStatus, shown: dict[str, Any], record: dict[str, Any], **fields: Any
 ) -> ToolResult:
-    """A result of `status`; its content, what the model reads, is `shown` after the status."""
+    """A result of `status`; its content, what the model reads, is `shown` after the status
+    unless `fields` give it."""
     return ToolResult(
         call_id=call.id,
         tool=call.name,
         status=status,
-        content=json.dumps({"status": status, **shown}),
         record=record_for(call, status, **record),
-        **fields,
+        **{"content": json.dumps({"status": status, **shown}), **fields},
     )
 
 
 def ok_result(call: ToolCall, content: str, truncated_bytes: int = 0, **record: Any) -> ToolResult:
     """A call that succeeded: the model reads `content`."""
-    return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status="ok",
-        content=content,
-        truncated_bytes=truncated_bytes,
-        record=record_for(call, "ok", **record),
-    )
+    return _result(call, "ok", {}, record, content=content, truncated_bytes=truncated_bytes)
 
 
 def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
@@ -71,19 +64,15 @@ def timeout_result(
     **record: Any,
 ) -> ToolResult:
     """`what` replaces the standard explanation (e.g. for a cancelled coroutine)."""
-    if what is None and soft:
+    if what is None:
         what = (
             f"Tool {call.name!r} hit its soft time limit and gave up without a result "
             f"(hard limit {timeout_s:g}s)."
-        )
-    elif what is None and killed:
-        what = (
-            f"Tool {call.name!r} was stopped at its hard time limit of {timeout_s:g}s; "
+            if soft
+            else f"Tool {call.name!r} was stopped at its hard time limit of {timeout_s:g}s; "
             "its process was killed, so it is not running any more."
-        )
-    elif what is None:
-        what = (
-            f"Tool {call.name!r} did not answer within {timeout_s:g}s; "
+            if killed
+            else f"Tool {call.name!r} did not answer within {timeout_s:g}s; "
             "it may still be running in the background."
         )
     advice = (
