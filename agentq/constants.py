@@ -75,7 +75,7 @@ them), scored by when it is due; the turn workers' sweepers send it, so it fires
 process aborted the turn and however soon that process exits."""
 
 KILL_COMMAND = "agentq_kill"
-"""The remote control command that sends a due order of `KILLS` (agentq.tools.kill)."""
+"""The remote control command that sends a due order of `KILLS` (agentq.tools.task.agentq_kill)."""
 
 WORKERS = f"{PREFIX}:workers"
 """Sorted set: worker hostname scored by its last heartbeat; a lapsed one is dead."""

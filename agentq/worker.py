@@ -39,7 +39,6 @@ from agentq.orchestrator.scheduled import register_schedule_task
 from agentq.orchestrator.steps import Sweeper, register_step_task, step_inline
 from agentq.telemetry import logs, tracing
 from agentq.telemetry.fleetcounts import fleet_counts
-from agentq.tools import kill  # noqa: F401 - registers the agentq_kill control command
 from agentq.tools.registry import all_tools
 from agentq.tools.task import queues_of, register_tool_tasks
 from agentq.webhooks.task import register_webhook_task, start_sweeper

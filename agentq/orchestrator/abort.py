@@ -42,8 +42,9 @@ def revoke_unsettled(ctx: StepContext) -> list[str]:
 
 
 def send_kills(r: redis.Redis, app: Celery, due: list[bytes]) -> int:
-    """Send these due escalations to the workers running their tasks (`agentq.tools.kill`);
-    each order is sent by the one sweeper whose ZREM takes it. Returns how many were sent."""
+    """Send these due escalations to the workers running their tasks (`agentq_kill` of
+    agentq.tools.task); each order is sent by the one sweeper whose ZREM takes it. Returns
+    how many were sent."""
     sent = 0
     for raw in due:
         if not r.zrem(k.KILLS, raw):

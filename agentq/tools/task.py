@@ -1,10 +1,12 @@
-"""The Celery task that runs one tool call in the prefork tool worker, and settles it."""
+"""The prefork tool worker's side of a call: the Celery task that runs it and settles it, and
+the control command that kills a pool process an abort's SIGTERM did not end."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -17,6 +19,8 @@ from billiard.pool import SIG_SOFT_TIMEOUT
 from celery import Celery, Task
 from celery.exceptions import TimeLimitExceeded
 from celery.signals import task_failure
+from celery.worker import state as worker_state
+from celery.worker.control import control_command
 
 from agentq import constants as k
 from agentq.config import Settings, get_settings
@@ -311,3 +315,33 @@ def register_tool_tasks(app: Celery, specs: dict[str, ToolSpec] | None = None) -
         )(make(spec))
     task_failure.connect(_on_task_failure, weak=False, dispatch_uid="agentq.tool.failure")
     return queues_of(specs, io=False)
+
+
+@control_command(
+    name=k.KILL_COMMAND,
+    args=[("targets", list)],
+    signature="[[task_id, pid], ...]",
+)
+def agentq_kill(state: Any, targets: list[list[Any]]) -> dict[str, Any]:
+    """SIGKILL the pool processes still running these terminated tasks: Celery drops a task
+    from its active requests once it has terminated it, so the escalation of an abort's
+    SIGTERM cannot be a second revoke. The turn workers' sweepers send this command with the
+    task ids and pool process ids of the calls' start records when the kill grace is over; a
+    process is killed only while it is one of this worker's pool processes and no task it
+    accepted since runs on it."""
+    pool = getattr(state.consumer, "pool", None)
+    info = pool.info if pool is not None else {}
+    ours = {int(p) for p in info.get("processes", ()) if p}
+    busy = {r.worker_pid for r in worker_state.active_requests}
+    killed = []
+    for task_id, pid in targets:
+        pid = int(pid)
+        if pid == os.getpid() or pid not in ours or pid in busy:
+            continue  # gone already, not ours, or running another task by now
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        log.warning("killed pool process %d: task %s outlived its SIGTERM", pid, task_id)
+        killed.append(pid)
+    return {"ok": f"killed {len(killed)}", "killed": killed}
