@@ -3,6 +3,10 @@
 The session lives in an owner task on the process's event loop (the SDK's transports are
 anyio task groups, entered and left by one task); calls from other tasks send on it. Its
 restarts' backoff and the ping after a cancel are in docs/mcp.md ("A call").
+
+A server's `elicitation/create` during a call becomes an `input` question on the turn of
+the one call its session has in flight (an elicitation names no call), and the answer goes
+back; docs/mcp.md says what the server hears in each case.
 """
 
 from __future__ import annotations
@@ -10,19 +14,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
+from agentq.config import get_settings
 from agentq.errors import McpServerUnavailable, McpToolFailed
 from agentq.mcp.child import ENV_KEYS
-from agentq.mcp.elicit import Caller, on_elicit
 from agentq.mcp.listing import ListedTool, cut_description, printable
 from agentq.mcp.servers import McpServer
+from agentq.models import InteractionRequest
+from agentq.state.interactions import Interactions
+
+if TYPE_CHECKING:
+    from agentq.state.store import TurnStore
 
 log = logging.getLogger("agentq.mcp")
 
@@ -100,7 +111,7 @@ class ServerLink:
         self.reported_ok: bool | None = None
         """What /healthz was last told of this server by this process."""
         self.callers: dict[int, Caller] = {}
-        """The calls in flight on the session (agentq.mcp.elicit)."""
+        """The calls in flight on the session (whose turn an elicitation asks: `_on_elicit`)."""
         self._caller_ids = itertools.count()
 
     @property
@@ -279,7 +290,25 @@ class ServerLink:
             raise McpServerUnavailable(self.name, f"tools/list failed: {explain(exc)}") from None
 
     async def _on_elicit(self, context: Any, params: Any) -> Any:
-        return await on_elicit(self.name, self.callers, params)
+        """The session's elicitation callback: the ElicitResult of the question it asks."""
+        from mcp import types
+
+        message = str(getattr(params, "message", ""))
+        schema: Any = getattr(params, "requested_schema", None)
+        if hasattr(schema, "model_dump"):
+            schema = schema.model_dump(by_alias=True, exclude_none=True)
+        if getattr(params, "mode", "form") != "form" or len(self.callers) != 1:
+            log.info(
+                "MCP server %s: elicitation declined (%s)",
+                self.name,
+                "not a form" if len(self.callers) == 1 else f"{len(self.callers)} calls in flight",
+            )
+            return types.ElicitResult(action="decline")
+        (caller,) = self.callers.values()
+        action, content = await asyncio.to_thread(ask, caller, message, schema)
+        if action == "accept" and isinstance(content, dict):
+            return types.ElicitResult(action="accept", content=content)
+        return types.ElicitResult(action="cancel" if action == "cancel" else "decline")
 
     async def call(
         self,
@@ -290,7 +319,7 @@ class ServerLink:
     ) -> Any:
         """Call a tool; McpServerUnavailable when the server died or cannot be reached,
         McpToolFailed when it answered with a protocol error. `caller`: whose turn a
-        question the server asks meanwhile goes to (agentq.mcp.elicit)."""
+        question the server asks meanwhile goes to (`_on_elicit`)."""
         session = await self.session()
         slot = next(self._caller_ids)
         if caller is not None:
@@ -358,3 +387,65 @@ def _listed(tool: Any) -> ListedTool:
         read_only=ann.read_only_hint if ann is not None else None,
         destructive=ann.destructive_hint if ann is not None else None,
     )
+
+
+POLL_S = 0.25
+"""How often a pending question's record is read while the server waits for it."""
+_seq = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A call in flight on a server's session: whose question an elicitation is."""
+
+    store: TurnStore
+    turn_id: str
+    call_id: str
+    tool: str
+    deadline: float | None
+    """Epoch seconds of the call's hard limit; None: none."""
+
+
+def ask(caller: Caller, message: str, schema: Any) -> tuple[str, Any]:
+    """Ask the question on the caller's turn and wait for it (blocking: run it in a
+    thread); (`accept`, content), (`decline`, None) or (`cancel`, None)."""
+    store = caller.store
+    state = store.state(caller.turn_id) or {}
+    if state.get("headless") or state.get("status") not in ("running", "queued"):
+        return "decline", None
+    left_s = None if caller.deadline is None else caller.deadline - time.time()
+    timeout_s = get_settings().input_timeout_s
+    timeout_s = timeout_s if left_s is None else max(0.001, min(timeout_s, left_s - 1))
+    req = InteractionRequest(
+        request_id=f"{caller.call_id}.e{next(_seq)}.approval",
+        kind="input",
+        call_id=caller.call_id,
+        tool=caller.tool,
+        prompt=message,
+        timeout_ms=max(1, int(timeout_s * 1000)),
+        answer_schema=schema if isinstance(schema, dict) else None,
+    )
+    interactions = Interactions(store)
+    interactions.open(caller.turn_id, req)
+    store.bus.publish(caller.turn_id, "interaction_requested", **req.model_dump(), source="mcp")
+    rid, until = req.request_id, req.created_at + timeout_s
+    while True:
+        found = interactions.get(caller.turn_id, rid)
+        if found is None or found[0] != "pending":
+            break
+        if time.time() >= until:
+            if interactions.expire(caller.turn_id, rid):
+                store.bus.publish(
+                    caller.turn_id,
+                    "interaction_timed_out",
+                    request_id=rid,
+                    call_id=caller.call_id,
+                    timeout_ms=req.timeout_ms,
+                )
+                return "cancel", None
+            continue
+        time.sleep(POLL_S)
+    if interactions.decision(caller.turn_id, rid) != "approve":
+        return "decline", None
+    raw = store.redis.getdel(k.secret_key(caller.turn_id, rid))
+    return "accept", json.loads(raw) if raw is not None else {}
