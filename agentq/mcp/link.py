@@ -19,13 +19,13 @@ import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.config import get_settings
 from agentq.errors import McpServerUnavailable, McpToolFailed
+from agentq.fleet.runtime import get_store
 from agentq.mcp.child import ENV_KEYS
 from agentq.mcp.listing import ListedTool, cut_description, printable
 from agentq.mcp.servers import McpServer
@@ -33,7 +33,7 @@ from agentq.models import InteractionRequest
 from agentq.state.interactions import Interactions
 
 if TYPE_CHECKING:
-    from agentq.state.store import TurnStore
+    from agentq.tools.context import ToolContext
 
 log = logging.getLogger("agentq.mcp")
 
@@ -110,7 +110,7 @@ class ServerLink:
         self.starts = 0
         self.reported_ok: bool | None = None
         """What /healthz was last told of this server by this process."""
-        self.callers: dict[int, Caller] = {}
+        self.callers: dict[int, ToolContext] = {}
         """The calls in flight on the session (whose turn an elicitation asks: `_on_elicit`)."""
         self._caller_ids = itertools.count()
 
@@ -315,11 +315,11 @@ class ServerLink:
         tool: str,
         arguments: dict[str, Any],
         on_progress: ProgressFn,
-        caller: Caller | None = None,
+        caller: ToolContext | None = None,
     ) -> Any:
         """Call a tool; McpServerUnavailable when the server died or cannot be reached,
-        McpToolFailed when it answered with a protocol error. `caller`: whose turn a
-        question the server asks meanwhile goes to (`_on_elicit`)."""
+        McpToolFailed when it answered with a protocol error. `caller`: the call whose turn
+        a question the server asks meanwhile goes to (`_on_elicit`)."""
         session = await self.session()
         slot = next(self._caller_ids)
         if caller is not None:
@@ -394,22 +394,10 @@ POLL_S = 0.25
 _seq = itertools.count(1)
 
 
-@dataclass(frozen=True)
-class Caller:
-    """A call in flight on a server's session: whose question an elicitation is."""
-
-    store: TurnStore
-    turn_id: str
-    call_id: str
-    tool: str
-    deadline: float | None
-    """Epoch seconds of the call's hard limit; None: none."""
-
-
-def ask(caller: Caller, message: str, schema: Any) -> tuple[str, Any]:
-    """Ask the question on the caller's turn and wait for it (blocking: run it in a
-    thread); (`accept`, content), (`decline`, None) or (`cancel`, None)."""
-    store = caller.store
+def ask(caller: ToolContext, message: str, schema: Any) -> tuple[str, Any]:
+    """Ask the question on the turn of the call in flight and wait for it (blocking: run
+    it in a thread); (`accept`, content), (`decline`, None) or (`cancel`, None)."""
+    store = get_store()
     state = store.state(caller.turn_id) or {}
     if state.get("headless") or state.get("status") not in ("running", "queued"):
         return "decline", None

@@ -23,7 +23,7 @@ from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInva
 from agentq.fleet.runtime import get_store
 from agentq.limits.semaphore import LeasedSemaphore
 from agentq.mcp.health import record_health
-from agentq.mcp.link import Caller, ServerLink
+from agentq.mcp.link import ServerLink
 from agentq.mcp.listing import ListedTool, tool_name
 from agentq.mcp.servers import McpServer
 from agentq.tools.context import ToolContext
@@ -116,8 +116,7 @@ async def call_tool(
 
     async with _slot(link.server, ctx):
         try:
-            caller = Caller(get_store(), ctx.turn_id, ctx.call_id, ctx.tool, ctx.deadline)
-            result = await link.call(remote, arguments, on_progress, caller)
+            result = await link.call(remote, arguments, on_progress, ctx)
         except McpServerUnavailable as exc:
             _report(link, ok=False, error=exc.detail)
             raise
