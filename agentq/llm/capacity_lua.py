@@ -23,9 +23,10 @@ from agentq.llm.capacity_rate import NOTE_BODY_LUA, RATE_HELPERS_LUA
 
 
 def deciding_lua(args: type[NamedTuple] | None = None) -> str:
-    """The opening of a deciding script whose own arguments are `args`."""
+    """The opening of a deciding script whose own arguments are `args`: its inputs, and
+    `cfg`, the caller's limits."""
     own = args._fields if args is not None else ()
-    return bind_lua(ModelKeys, (*DecidingArgs._fields, *own))
+    return bind_lua(ModelKeys, (*DecidingArgs._fields, *own)) + "local cfg = cjson.decode(config)\n"
 
 
 CONFIG_TTL_S = 86_400
@@ -40,9 +41,8 @@ CONFIG_STORE_S = 30.0
 """A configured process stores its limits again after this long (`store` in its config):
 once per round would be a write per round; a stored copy Redis lost is back this soon."""
 
+# A process configured with the limits stores them; one that is not decides by them too.
 CONFIG_LUA = f"""
-local cfg = cjson.decode(config)
--- A process configured with the limits stores them; one that is not decides by them too.
 if cfg.configured then
   if cfg.store then redis.call('SET', CONFIG, config, 'EX', {CONFIG_TTL_S}) end
 else
@@ -51,33 +51,33 @@ else
 end
 """
 
-# A round that goes at once, on deployment `dep`, without a lease (`at`: the grant's time,
-# or false: the caller's own clock), for `tokens`.
-AT_ONCE_LUA = """
-local function at_once(dep, at)
-  local g = {l = '', d = dep, at = at, t = tonumber(tokens), k = 1}
-  return cjson.encode({g = g, woken = {}, now = at})
-end
-"""
-
 # A model without limits (nor a learned rate, in RATE) while the fleet holds nothing of it
 # (no queue, grant, lease, breaker or pause hash, which expires with its last pause) has
 # nothing to count or wait for: the round goes at once, with no lease, no write and no
 # clock. Anything held takes the full decision below. A background round going so leaves
-# the count of interactive grants alone: it matters only while both classes wait.
-UNMETERED_LUA = """
-local function unmetered()
-  if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return false end
+# the count of interactive grants alone: it matters only while both classes wait. An
+# unconfigured caller first counts the fleet's stored limits (`also`: CONFIG) among what
+# holds the model, instead of a GET of its own.
+UNMETERED_LUA = f"""
+local function unmetered(also)
+  if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return nil end
   -- least_loaded weighs deployments by the leases they hold: it needs them recorded.
-  if cfg.deps[2] and cfg.strategy ~= 'ordered' then return false end
+  if cfg.deps[2] and cfg.strategy ~= 'ordered' then return nil end
   for _, d in ipairs(cfg.deps) do
-    if d.rpm > 0 or d.tpm > 0 or d.streams > 0 then return false end
+    if d.rpm > 0 or d.tpm > 0 or d.streams > 0 then return nil end
   end
-  return true
+  if redis.call('EXISTS', unpack({{QI, QB, LEASES, GRANTS, BRK, PAUSE, RATE, also}})) > 0 then
+    return nil
+  end
+  local at = tonumber(now_arg) or false
+  local g = {{l = '', d = cfg.deps[1].n, at = at, t = tonumber(tokens), k = 1}}
+  return cjson.encode({{g = g, woken = {{}}, now = at}})
 end
-if unmetered() and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, RATE) == 0 then
-  return at_once(cfg.deps[1].n, tonumber(now_arg) or false)
-end
+local at_once = not cfg.configured and unmetered(CONFIG)
+if at_once then return at_once end
+{CONFIG_LUA}
+at_once = unmetered(nil)
+if at_once then return at_once end
 """
 
 HELPERS_LUA = (
@@ -328,22 +328,8 @@ end
 
 PRELUDE_LUA = CONFIG_LUA + NOW_LUA + HELPERS_LUA
 
-# The same for an unconfigured caller of a model the fleet stored no limits for: CONFIG is
-# one more key EXISTS counts, instead of a GET of its own.
-UNCONFIGURED_LUA = """
-local mine = cjson.decode(config)
-if not mine.configured
-  and redis.call('EXISTS', QI, QB, LEASES, GRANTS, BRK, PAUSE, CONFIG, RATE) == 0
-then
-  return at_once(mine.deps[1].n, tonumber(now_arg) or false)
-end
-"""
-
 ACQUIRE_LUA = (
     deciding_lua(AcquireArgs)
-    + AT_ONCE_LUA
-    + UNCONFIGURED_LUA
-    + CONFIG_LUA
     + UNMETERED_LUA
     + NOW_LUA
     + HELPERS_LUA
