@@ -247,28 +247,20 @@ class Capacity:
                 **wakes,
             )
         now = int(out["now"])
-        if "mine" in out:
-            # A slot of its own, held for it: nothing to estimate.
-            slot = max(math.ceil(out["mine"]), now)
-            return Queued(
-                position=1,
-                wait_ms=slot - now,
-                next_slot_ms=slot,
-                retry_at_ms=slot,
-                held=True,
-                **wakes,
-            )
-        next_slot = max(math.ceil(out.get("ready") or now), now)
-        position = int(out["pos"])
+        held = "mine" in out  # a slot of its own, held for it: nothing to estimate
+        next_slot = max(math.ceil(out["mine"] if held else out.get("ready") or now), now)
+        position = 1 if held else int(out["pos"])
         ahead_ms = (position - 1) * pacing_interval_ms(self.entry(model), tokens)
         wait_ms = int(next_slot - now + ahead_ms)
         at_ms = next_slot if position <= 1 else now + wait_ms
-        at_ms = max(at_ms - RESERVE_AHEAD_MS, now)
+        if not held:
+            at_ms = min(_early(at_ms, now), now + self.waiter_ttl_ms // 3)
         return Queued(
             position=position,
             wait_ms=wait_ms,
             next_slot_ms=next_slot,
-            retry_at_ms=min(at_ms, now + self.waiter_ttl_ms // 3),
+            retry_at_ms=at_ms,
+            held=held,
             **wakes,
         )
 
@@ -376,8 +368,7 @@ class Capacity:
         head = out.get("head")
         wake_next = None
         if head and head != skip:
-            ready = max(math.ceil(out.get("ready") or 0), 0)
-            at_ms = max(ready - RESERVE_AHEAD_MS, int(out["now"]))
+            at_ms = _early(math.ceil(out.get("ready") or 0), int(out["now"]))
             wake_next = WakeAt(waiter=head, at_ms=at_ms)
         later = tuple(
             WakeAt(waiter=x["w"], at_ms=math.ceil(x["at"]))
@@ -400,6 +391,11 @@ def _counts(limits: DeploymentLimits | ModelLimitsEntry) -> dict[str, int]:
 def _clock(now_ms: int | None) -> str | int:
     """The `now_arg` of a script: the caller's clock, or "" for Redis TIME."""
     return "" if now_ms is None else now_ms
+
+
+def _early(slot_ms: int, now_ms: int) -> int:
+    """When a waiter whose slot comes at `slot_ms` asks: early enough to be given it."""
+    return max(slot_ms - RESERVE_AHEAD_MS, now_ms)
 
 
 def _list(value: Any) -> list[Any]:
