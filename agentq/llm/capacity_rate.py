@@ -65,13 +65,11 @@ local RATE_TTL_MS = cfg.rate_ttl_ms
 local RS = nil
 local function rate_state()
   if RS == nil then
-    local v = redis.call(
-      'HMGET', RATE, 'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'f', 'top')
-    RS = {
-      r = tonumber(v[1]), t = num(v[2]), ai = num(v[3]), d = num(v[4]),
-      lr = num(v[5]), lt = num(v[6]), w = num(v[7]), n = num(v[8]), f = num(v[9]),
-      top = num(v[10]),
-    }
+    local fields = {'r', 't', 'ai', 'd', 'lr', 'lt', 'w', 'n', 'f', 'top'}
+    local v = redis.call('HMGET', RATE, unpack(fields))
+    RS = {}
+    for i, f in ipairs(fields) do RS[f] = num(v[i]) end
+    RS.r = tonumber(v[1])  -- nil: no cut yet
   end
   return RS
 end
