@@ -13,6 +13,7 @@ import re
 import time
 from collections.abc import Mapping
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -112,22 +113,12 @@ def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None
     `anthropic-ratelimit-*`, `retry-after`, `retry-after-ms`); `now_s` anchors dates."""
     h = {k.lower(): v for k, v in headers.items()}
     now = time.time() if now_s is None else now_s
-    pause_s = parse_retry_after(h, now_s=now)
-
-    def reset(kind: str) -> float | None:
-        raw = h.get(f"x-ratelimit-reset-{kind}") or h.get(f"anthropic-ratelimit-{kind}-reset")
-        return None if raw is None else _until_s(raw, now)
-
-    def count(what: str, kind: str) -> int | None:
-        raw = h.get(f"x-ratelimit-{what}-{kind}") or h.get(f"anthropic-ratelimit-{kind}-{what}")
-        return _int(raw)
-
-    return RateSignal(
-        pause_s=pause_s,
-        remaining_requests=count("remaining", "requests"),
-        remaining_tokens=count("remaining", "tokens"),
-        reset_requests_s=reset("requests"),
-        reset_tokens_s=reset("tokens"),
-        limit_requests=count("limit", "requests"),
-        limit_tokens=count("limit", "tokens"),
-    )
+    fields: dict[str, Any] = {"pause_s": parse_retry_after(h, now_s=now)}
+    for kind in ("requests", "tokens"):
+        for what in ("remaining", "limit", "reset"):
+            raw = h.get(f"x-ratelimit-{what}-{kind}") or h.get(f"anthropic-ratelimit-{kind}-{what}")
+            if what == "reset":
+                fields[f"reset_{kind}_s"] = None if raw is None else _until_s(raw, now)
+            else:
+                fields[f"{what}_{kind}"] = _int(raw)
+    return RateSignal(**fields)
