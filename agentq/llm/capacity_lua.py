@@ -262,11 +262,13 @@ end
 local function pump(me)
   local woken, later, own = {}, {}, nil
   local real_now = now
-  for i = 1, cfg.max_pump do
+  for i = 1, cfg.max_pump + 1 do
     local cls = pick_class()
     if not cls then return own, woken, later, nil, nil end
     local head = redis.call('ZRANGE', queue_of(cls), 0, 0, 'WITHSCORES')
     local w, tag = head[1], tonumber(head[2])
+    -- This call granted its share; whoever is at the head may go on at once.
+    if i > cfg.max_pump then return own, woken, later, w, now end
     local raw = redis.call('HGET', QM, w)
     local m = raw and cjson.decode(raw)
     if not m or m.s + cfg.waiter_ttl_ms < now then
@@ -301,10 +303,6 @@ local function pump(me)
       now = real_now
     end
   end
-  -- This call granted its share; whoever is at the head may go on at once.
-  local cls = pick_class()
-  if not cls then return own, woken, later, nil, nil end
-  return own, woken, later, redis.call('ZRANGE', queue_of(cls), 0, 0)[1], now
 end
 
 local function position(w)
