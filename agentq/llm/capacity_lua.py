@@ -119,11 +119,15 @@ local function use(requests, tokens)
   if tokens ~= 0 then redis.call('HINCRBY', USE, 't:' .. b, tokens) end
 end
 
--- Counts a request's share against the model's limits and deployment `d`'s (nil: none
--- known), or gives it back (negative).
-local function charge(d, requests, tokens)
+-- Counts the share of a request whose slot is `at` against the model's limits and
+-- deployment `d`'s (nil: none known), or gives it back (negative).
+local function charge(d, requests, tokens, at)
   -- rate_rpm() may read the rate hash: a release, which counts no request, does not.
-  if requests ~= 0 then pace_add('r', rate_rpm(), requests) end
+  if requests ~= 0 then
+    local rpm = rate_rpm()
+    window_add(rpm, requests, at)
+    pace_add('r', rpm, requests)
+  end
   pace_add('t', tpm_limit(), tokens)
   if d then
     pace_add('r:' .. d.n, d.rpm, requests)
@@ -194,8 +198,7 @@ local function admit(tokens)
     end
   end
   if best == nil then return nil, 0, soonest end
-  window_add(rate_rpm(), 1)
-  charge(best, 1, tokens)
+  charge(best, 1, tokens, now)
   local probe = 0
   if best_state == 'half_open' then
     -- One request probes a deployment whose cool-down ended; the rest wait for its verdict.
@@ -397,13 +400,7 @@ local g = raw and cjson.decode(raw)
 if g and g.k == 0 then
   -- A grant nobody took: its request was never sent, so its share of the limits comes back.
   local m = drop_lease(g.l)
-  if m then
-    window_now()
-    if math.floor(num(g.at) / 1000) == rate_state().w and rate_state().n > 0 then
-      window_add(rate_rpm(), -1)
-    end
-    charge(DEPS[m.d], -1, -m.t)
-  end
+  if m then charge(DEPS[m.d], -1, -m.t, num(g.at)) end
 end
 return freed()
 """

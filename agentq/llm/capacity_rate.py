@@ -109,10 +109,11 @@ local function pace_from(at, rpm)
   gcra_defer(GCRA, 'r', 60000 / rpm, cfg.burst_ms, at)
 end
 
-local function window_add(rpm, k)
+-- A request given back (k < 0) leaves the count of a second past, and never goes below none.
+local function window_add(rpm, k, at)
   if rpm <= 0 then return end
-  window_now()
   local st = rate_state()
+  if math.floor(at / 1000) ~= window_now() or st.n + k < 0 then return end
   if st.smooth then
     pace_from(now, rpm)
     st.smooth = false
