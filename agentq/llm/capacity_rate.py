@@ -104,18 +104,13 @@ local function window_ready(rpm)
   return math.max(now, w * 1000)
 end
 
--- Requests at `rpm` go on from `at` at the pace, with no burst before it.
-local function pace_from(at, rpm)
-  gcra_defer(GCRA, 'r', 60000 / rpm, cfg.burst_ms, at)
-end
-
 -- A request given back (k < 0) leaves the count of a second past, and never goes below none.
 local function window_add(rpm, k, at)
   if rpm <= 0 then return end
   local st = rate_state()
   if math.floor(at / 1000) ~= window_now() or st.n + k < 0 then return end
   if st.smooth then
-    pace_from(now, rpm)
+    gcra_defer(GCRA, 'r', 60000 / rpm, cfg.burst_ms, now)
     st.smooth = false
   end
   st.n = st.n + k
@@ -171,7 +166,7 @@ if wait then
   else
     until_at = cur
   end
-  if rpm > 0 then pace_from(until_at, rpm) end
+  if rpm > 0 then gcra_defer(GCRA, 'r', 60000 / rpm, cfg.burst_ms, until_at) end
 end
 if learned or tonumber(refused) == 1 then redis.call('PEXPIRE', RATE, RATE_TTL_MS) end
 return cjson.encode({until_at = until_at, rpm = rpm})
