@@ -35,7 +35,7 @@ from agentq.llm.reasoning import without_reasoning
 from agentq.llm.responses import RESPONSES_PATH, ModelApi
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
-from agentq.state.budget import cost_usd
+from agentq.state.budget import charged
 from agentq.state.held import REDIS_AWAY
 from agentq.state.rounds import LlmRoundStart, RoundBegun
 from agentq.telemetry import logs, tracing
@@ -240,20 +240,10 @@ class _Round:
 
     def _usage(self, message: AssistantMessage) -> Usage:
         """The round's usage as the server counted it, else estimated; priced."""
-        usage = message.usage
-        if usage is None:
-            chars = len(message.content) + len(message.reasoning)
-            chars += sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
-            prompt, completion = self.req.prompt_estimate, math.ceil(chars / CHARS_PER_TOKEN)
-            usage = Usage(
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                total_tokens=prompt + completion,
-                estimated=True,
-            )
-        price = self.host.settings.llm_prices.get(self.model)
-        cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
-        return usage.model_copy(update={"cost_usd": cost})
+        chars = len(message.content) + len(message.reasoning)
+        chars += sum(len(c.name) + len(c.arguments) for c in message.tool_calls)
+        completion, price = math.ceil(chars / CHARS_PER_TOKEN), self.host.settings.llm_prices
+        return charged(message.usage, self.req.prompt_estimate, completion, price.get(self.model))
 
     def _on_retry(self, attempt: int, exc: Exception, delay_s: float) -> None:
         code = getattr(exc, "code", None)

@@ -14,7 +14,7 @@ import redis
 from agentq.config import Settings
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import LlmRoundResult, Usage
-from agentq.state.budget import cost_usd, day_of, lower_limit
+from agentq.state.budget import charged, day_of, lower_limit
 from agentq.state.spend import Settlement, Spend
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import schemas_json
@@ -94,21 +94,10 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
 def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
     """What the round is charged: its usage (priced here if the stream worker did not), or,
     without one (a broken or aborted stream), its reservation's estimate."""
-    price = ctx.settings.llm_prices.get(model)
     usage = result.message.usage if result.message is not None else None
-    if usage is None:
-        prompt = int(ctx.state.get("budget_prompt") or 0)
-        completion = int(ctx.state.get("budget_cap") or ctx.settings.budget_completion_tokens)
-        usage = Usage(
-            prompt_tokens=prompt,
-            completion_tokens=completion,
-            total_tokens=prompt + completion,
-            estimated=True,
-        )
-    if usage.cost_usd is None and price is not None:
-        cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
-        usage = usage.model_copy(update={"cost_usd": cost})
-    return usage
+    prompt = int(ctx.state.get("budget_prompt") or 0)
+    completion = int(ctx.state.get("budget_cap") or ctx.settings.budget_completion_tokens)
+    return charged(usage, prompt, completion, ctx.settings.llm_prices.get(model))
 
 
 def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult) -> None:

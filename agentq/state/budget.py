@@ -7,6 +7,8 @@ from __future__ import annotations
 import datetime as dt
 from typing import TYPE_CHECKING
 
+from agentq.models import Usage
+
 if TYPE_CHECKING:
     from agentq.config import ModelPrice
 
@@ -32,6 +34,20 @@ def cost_usd(
     cached_price = price.input if price.cached_input is None else price.cached_input
     usd = (prompt - cached) * price.input + cached * cached_price + completion * price.output
     return usd / TOKENS_PER_MILLION
+
+
+def charged(usage: Usage | None, prompt: int, completion: int, price: ModelPrice | None) -> Usage:
+    """A round's usage, estimated as `prompt` + `completion` tokens when none was counted,
+    priced at `price` unless already priced."""
+    if usage is None:
+        total = prompt + completion
+        usage = Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=total, estimated=True
+        )
+    if usage.cost_usd is None and price is not None:
+        cost = cost_usd(price, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+        usage = usage.model_copy(update={"cost_usd": cost})
+    return usage
 
 
 def day_of(now: float) -> str:
