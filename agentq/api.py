@@ -28,7 +28,6 @@ from agentq.orchestrator import replay
 from agentq.orchestrator.conversation import conversations, shown
 from agentq.orchestrator.start import start_turn, token_matches
 from agentq.orchestrator.wake import request_abort
-from agentq.state.interactions import Interactions
 from agentq.state.listing import SCAN_BATCH, TurnLister
 from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import NO_KEY, Spend, usage_days, usage_report
@@ -169,7 +168,6 @@ class Client:
         # The Celery app is built on first use: `agentq abort` of a turn no task holds
         # never needs it, and building it costs that command most of its start-up.
         self._app = app
-        self.interactions = Interactions(self._store)
         s = self.settings
         self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
         if self.traced:
@@ -344,7 +342,7 @@ class Client:
     ) -> None:
         """Answer an interaction; raises if unknown (404) or closed already (409)."""
         self.check_token(turn_id, token, operator=operator)
-        self.interactions.answer(
+        self._store.answer_interaction(
             turn_id,
             request_id,
             InteractionAnswer.model_validate({"decision": decision, "value": value}),

@@ -30,7 +30,6 @@ from agentq.mcp.child import ENV_KEYS
 from agentq.mcp.listing import ListedTool, cut_description, printable
 from agentq.mcp.servers import McpServer
 from agentq.models import InteractionRequest
-from agentq.state.interactions import Interactions
 
 if TYPE_CHECKING:
     from agentq.tools.context import ToolContext
@@ -413,16 +412,15 @@ def ask(caller: ToolContext, message: str, schema: Any) -> tuple[str, Any]:
         timeout_ms=max(1, int(timeout_s * 1000)),
         answer_schema=schema if isinstance(schema, dict) else None,
     )
-    interactions = Interactions(store)
-    interactions.open(caller.turn_id, req)
+    store.open_interaction(caller.turn_id, req)
     store.bus.publish(caller.turn_id, "interaction_requested", **req.model_dump(), source="mcp")
     rid, until = req.request_id, req.created_at + timeout_s
     while True:
-        found = interactions.get(caller.turn_id, rid)
+        found = store.interaction(caller.turn_id, rid)
         if found is None or found[0] != "pending":
             break
         if time.time() >= until:
-            if interactions.expire(caller.turn_id, rid):
+            if store.expire_interaction(caller.turn_id, rid):
                 store.bus.publish(
                     caller.turn_id,
                     "interaction_timed_out",
@@ -433,7 +431,7 @@ def ask(caller: ToolContext, message: str, schema: Any) -> tuple[str, Any]:
                 return "cancel", None
             continue
         time.sleep(POLL_S)
-    if interactions.decision(caller.turn_id, rid) != "approve":
+    if store.interaction_decision(caller.turn_id, rid) != "approve":
         return "decline", None
     raw = store.redis.getdel(k.secret_key(caller.turn_id, rid))
     return "accept", json.loads(raw) if raw is not None else {}

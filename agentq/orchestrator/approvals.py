@@ -14,7 +14,7 @@ from agentq import constants as k
 from agentq.errors import HeadlessInteraction
 from agentq.models import InteractionRequest, ToolCall, ToolResult
 from agentq.orchestrator.plan import CallPlan
-from agentq.state.interactions import Interactions, default_timeout_s
+from agentq.state.interactions import default_timeout_s
 from agentq.tools.results import denied_result, ok_result
 
 if TYPE_CHECKING:
@@ -64,7 +64,6 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
     """Decide what can be decided now about the calls that need a decision; a call in
     `settled` is not asked about, though a request it already has runs its course."""
     out = GateOutcome()
-    interactions: Interactions | None = None  # most steps ask nobody: no scripts to load
     for p in plans:
         call = p.call
         if p.refusal is not None or p.approval == "auto":
@@ -72,14 +71,12 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
         if p.approval == "deny":
             out.results[call.id] = denied_result(call, "policy")
             continue
-        if interactions is None:
-            interactions = Interactions(ctx.store)
         rid = k.approval_request_id(call.id)
-        found = interactions.get(ctx.turn_id, rid)
+        found = ctx.store.interaction(ctx.turn_id, rid)
         if found is None:
             if call.id in settled:
                 continue
-            found = _ask(ctx, interactions, p, rid)
+            found = _ask(ctx, p, rid)
         state, req = found
         if state == "pending":
             deadline = req.created_at + req.timeout_ms / 1000
@@ -87,7 +84,7 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
                 out.wait_until = min(out.wait_until or deadline, deadline)
                 continue
             # Past its timeout: timed out, unless an answer won the race (its record decides).
-            if interactions.expire(ctx.turn_id, rid):
+            if ctx.store.expire_interaction(ctx.turn_id, rid):
                 ctx.publish(
                     "interaction_timed_out",
                     request_id=rid,
@@ -96,20 +93,18 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
                 )
                 state = "timed_out"
             else:
-                found = interactions.get(ctx.turn_id, rid)
+                found = ctx.store.interaction(ctx.turn_id, rid)
                 assert found is not None
                 state = found[0]
-        _decide(ctx, interactions, out, call, rid, state, req)
+        _decide(ctx, out, call, rid, state, req)
     return out
 
 
-def _ask(
-    ctx: StepContext, interactions: Interactions, p: CallPlan, rid: str
-) -> tuple[str, InteractionRequest]:
+def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionRequest]:
     """Open the call's request and tell whoever follows; a headless turn takes its default
     at once (none declared: HeadlessInteraction)."""
     req = _request(ctx, p)
-    interactions.open(ctx.turn_id, req)
+    ctx.store.open_interaction(ctx.turn_id, req)
     # `agent` names who asks when the request is relayed into a parent's stream.
     ctx.publish(
         "interaction_requested",
@@ -121,16 +116,15 @@ def _ask(
         return "pending", req
     if req.default is None:
         raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
-    if interactions.expire(ctx.turn_id, rid, state="defaulted"):
+    if ctx.store.expire_interaction(ctx.turn_id, rid, state="defaulted"):
         ctx.publish("interaction_answered", request_id=rid, decision=req.default, by="default")
-    found = interactions.get(ctx.turn_id, rid)
+    found = ctx.store.interaction(ctx.turn_id, rid)
     assert found is not None
     return found
 
 
 def _decide(
     ctx: StepContext,
-    interactions: Interactions,
     out: GateOutcome,
     call: ToolCall,
     rid: str,
@@ -140,9 +134,9 @@ def _decide(
     """What a closed request means for its call: run it (with a password's secret), take
     the user's answer as its result (`input`), or deny it."""
     # Defaulted only by a headless turn, to a declared default (an input's: its answer).
-    approved = (state == "answered" and interactions.decision(ctx.turn_id, rid) == "approve") or (
-        state == "defaulted" and req.default == "approve"
-    )
+    approved = (
+        state == "answered" and ctx.store.interaction_decision(ctx.turn_id, rid) == "approve"
+    ) or (state == "defaulted" and req.default == "approve")
     if not approved:
         why = {"answered": "user", "defaulted": "policy"}.get(state, "timeout")
         out.results[call.id] = denied_result(call, why)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.config import Settings
@@ -13,11 +13,8 @@ from agentq.errors import AnswerInvalid, InteractionClosed, InteractionNotFound,
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import InteractionAnswer, InteractionKind, InteractionRequest
-from agentq.state.base import WAKE_BACKSTOP_S, TurnKeys, text
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, text
 from agentq.state.lua import turn_open_lua, wake_lua
-
-if TYPE_CHECKING:
-    from agentq.state.store import TurnStore
 
 
 class CloseArgs(NamedTuple):
@@ -90,32 +87,31 @@ def checked_answer(turn_id: str, req: InteractionRequest, value: str | None) -> 
     return json.dumps(answer, ensure_ascii=False)
 
 
-class Interactions:
-    _close = LuaScript(_CLOSE_LUA)
+class InteractionRecords(StoreBase):
+    """A turn's interaction requests: opened, read, answered once or expired."""
 
-    def __init__(self, store: TurnStore) -> None:
-        self.store, self.redis = store, store.redis
+    _interaction_close = LuaScript(_CLOSE_LUA)
 
-    def open(self, turn_id: str, req: InteractionRequest) -> None:
+    def open_interaction(self, turn_id: str, req: InteractionRequest) -> None:
         key = k.interaction_key(turn_id, req.request_id)
         pipe = self.redis.pipeline()
         pipe.hset(key, mapping={"state": "pending", "request": req.model_dump_json()})
-        pipe.expire(key, self.store.ttl_s)
+        pipe.expire(key, self.ttl_s)
         pipe.execute()
 
-    def get(self, turn_id: str, request_id: str) -> tuple[str, InteractionRequest] | None:
+    def interaction(self, turn_id: str, request_id: str) -> tuple[str, InteractionRequest] | None:
         raw = self.redis.hmget(k.interaction_key(turn_id, request_id), "state", "request")
         if raw[0] is None or raw[1] is None:
             return None
         return text(raw[0]), InteractionRequest.model_validate_json(raw[1])
 
-    def decision(self, turn_id: str, request_id: str) -> str | None:
+    def interaction_decision(self, turn_id: str, request_id: str) -> str | None:
         raw = self.redis.hget(k.interaction_key(turn_id, request_id), "decision")
         return None if raw is None else text(raw)
 
-    def answer(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:
+    def answer_interaction(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:
         """Deliver a client's answer and wake the turn; raises if unknown, answered or timed out."""
-        found = self.get(turn_id, request_id)
+        found = self.interaction(turn_id, request_id)
         if found is None:
             raise InteractionNotFound(turn_id, request_id)
         _, req = found
@@ -132,26 +128,26 @@ class Interactions:
             {"request_id": request_id, "decision": answer.decision, "by": "user"},
         )
         ttl_s = max(1, int(req.timeout_ms / 1000) + 600)
-        outcome = self._run_close(
+        outcome = self._close_interaction(
             turn_id, request_id, "answered", answer.decision, secret, ttl_s, event
         )
         if outcome == "missing":
             raise InteractionNotFound(turn_id, request_id)
         if outcome != "ok":
             raise InteractionClosed(turn_id, request_id, outcome)
-        self.store.send_step(turn_id)
+        self.send_step(turn_id)
 
-    def expire(self, turn_id: str, request_id: str, state: str = "timed_out") -> bool:
+    def expire_interaction(self, turn_id: str, request_id: str, state: str = "timed_out") -> bool:
         """Close a pending request without an answer; False if an answer won the race."""
-        return self._run_close(turn_id, request_id, state, "deny", "", 1, "") == "ok"
+        return self._close_interaction(turn_id, request_id, state, "deny", "", 1, "") == "ok"
 
-    def _run_close(self, turn_id: str, request_id: str, *close: Any) -> str:
+    def _close_interaction(self, turn_id: str, request_id: str, *close: Any) -> str:
         """_CLOSE_LUA, given the first five of its CloseArgs (`close`)."""
         keys = [
             *TurnKeys.of(turn_id),
             k.interaction_key(turn_id, request_id),
             k.secret_key(turn_id, request_id),
         ]
-        log_opts, wake_at = self.store.bus.log_arg(), time.time() + WAKE_BACKSTOP_S
+        log_opts, wake_at = self.bus.log_arg(), time.time() + WAKE_BACKSTOP_S
         args = CloseArgs._make((*close, log_opts, turn_id, wake_at))
-        return text(self._close(keys=keys, args=list(args)))
+        return text(self._interaction_close(keys=keys, args=list(args)))

@@ -57,7 +57,7 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
     assert len(compared) >= 8 and all(len(a) == len(b) == 64 for a, b in compared)
     state = client.get(tid)["state"]
     assert state["status"] == "running"
-    assert client.interactions.get(tid, rid)[0] == "pending"
+    assert client._store.interaction(tid, rid)[0] == "pending"
     assert client._store.redis.get(k.cancel_key(tid)) is None
 
     client.abort(tid, handle.token)

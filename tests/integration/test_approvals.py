@@ -168,7 +168,6 @@ def test_a_step_decides_from_the_request_records(agentq_env) -> None:
     from agentq.orchestrator.approvals import gate
     from agentq.orchestrator.context import StepContext
     from agentq.orchestrator.plan import plan_call
-    from agentq.state.interactions import Interactions
 
     store = get_store()
     turn_id = uuid.uuid4().hex
@@ -179,9 +178,8 @@ def test_a_step_decides_from_the_request_records(agentq_env) -> None:
     ctx = StepContext(turn_id, store, get_app(), get_settings(), "test", state, lock_ms=600_000)
     approve = ToolCall(id="a1", name="delete_file", arguments='{"path": "p"}')
     deny = ToolCall(id="d1", name="delete_file", arguments='{"path": "q"}')
-    inter = Interactions(store)
     for call, decision in ((approve, "approve"), (deny, "deny")):
-        inter.open(
+        store.open_interaction(
             turn_id,
             InteractionRequest(
                 request_id=f"{call.id}.approval",
@@ -192,7 +190,9 @@ def test_a_step_decides_from_the_request_records(agentq_env) -> None:
                 timeout_ms=120_000,
             ),
         )
-        inter.answer(turn_id, f"{call.id}.approval", InteractionAnswer(decision=decision))
+        store.answer_interaction(
+            turn_id, f"{call.id}.approval", InteractionAnswer(decision=decision)
+        )
     t0 = time.monotonic()
     out = gate(ctx, [plan_call(approve), plan_call(deny)])
     assert time.monotonic() - t0 < 2  # decided from the records, no 120 s wait

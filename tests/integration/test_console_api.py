@@ -17,7 +17,6 @@ from agentq.config import load_settings
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.models import InteractionRequest, InvocationRecord, ToolResult, TurnStatus
-from agentq.state.interactions import Interactions
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.store import TurnStore
 
@@ -148,7 +147,7 @@ def test_call_counts_and_pending_interactions(store: TurnStore, open_gateway: ht
         prompt="ok?",
         timeout_ms=90_000,
     )
-    Interactions(store).open(turn_id, req)
+    store.open_interaction(turn_id, req)
 
     row = open_gateway.get("/v1/turns", params={"agent": agent}).json()["turns"][0]
     assert row["calls"] == {"ok": 1, "queued": 1, "running": 1, "timeout": 1}

@@ -285,7 +285,7 @@ def test_access_matrix(
     if steering and expected != 200:
         # Refused means untouched: still running, its question still open.
         assert client._store.status(turn.id) == "running"
-        assert client.interactions.get(turn.id, turn.request_id)[0] == "pending"
+        assert client._store.interaction(turn.id, turn.request_id)[0] == "pending"
     if turn is not turns["alice"]:
         stop(client, turn.id)
 
