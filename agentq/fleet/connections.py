@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis._parsers.base import BaseParser
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, TryAgainError
 from redis.retry import Retry
@@ -182,7 +182,9 @@ def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -
     return BackoffCluster(
         startup_nodes=startup,
         retries=retries,
-        retry=Retry(_backoff(), max(retries, 0)),
+        # redis-py's own retries go at once (8.2 waits by this backoff): the waits are
+        # BackoffCluster's, or each of its retries would wait through all of these.
+        retry=Retry(NoBackoff(), max(retries, 0)),
         reinitialize_steps=CLUSTER_REINITIALIZE_STEPS,
         **kwargs,
     )

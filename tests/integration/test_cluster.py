@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+import redis
 from redis.crc import key_slot
 
 from agentq import constants as k
@@ -196,3 +197,21 @@ def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: Local
     with pytest.raises(ConfigError) as err:
         Settings(redis_cluster_nodes=cluster.nodes, redis_min_replicas_acked=1)
     assert err.value.setting == "AGENTQ_REDIS_MIN_REPLICAS_ACKED"
+
+
+def test_a_command_whose_master_is_gone_fails_after_one_backoff_not_nested_ones() -> None:
+    # The client's waits between retries are its own (BackoffCluster), once: redis-py 8.2
+    # waits between its cluster retries too, and a backoff there multiplied them (about
+    # 28 s for 6 retries; 5 minutes for the default 20, instead of about 16 s).
+    own = LocalCluster(masters=3).start()
+    try:
+        client = cluster_client(own.nodes, retries=6)
+        client.set("k", 1)
+        port = client.get_node_from_key("k").port
+        next(s for s in own.servers if s.port == port).stop()
+        t0 = time.monotonic()
+        with pytest.raises(redis.ConnectionError):
+            client.get("k")
+        assert time.monotonic() - t0 < 15.0
+    finally:
+        own.stop()
