@@ -22,9 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from agentq import constants as k
 from agentq.config import Settings, get_settings
 from agentq.errors import AgentDefinitionError, ConfigError, UnknownAgent, field_errors
-from agentq.tools import ask_user
 from agentq.tools.policy import Approval
-from agentq.tools.registry import all_tools
+from agentq.tools.registry import ASK_USER, ASK_USER_SPEC, all_tools
 
 if TYPE_CHECKING:
     from agentq.tools.registry import ToolSpec
@@ -103,7 +102,7 @@ class Agent(BaseModel):
     approval_default: Literal["approve", "deny"] | None = None
     """What a headless turn of this agent does with an `ask` whose tool declares no default."""
     ask_user: bool = False
-    """Offer the model `ask_user` (agentq.tools.ask_user): a typed question for the user,
+    """Offer the model `ask_user` (agentq.tools.registry): a typed question for the user,
     asked as an `input` interaction, its checked answer the call's result."""
     output_type: type[BaseModel] | None = None
     """A pydantic model the final answer must be (as JSON): validated, sent back to the
@@ -184,13 +183,13 @@ class Agent(BaseModel):
         names += sorted(
             n for n, s in all_tools().items() if s.mcp_server in servers and n not in names
         )
-        if self.ask_user and ask_user.NAME not in names:
-            names.append(ask_user.NAME)
+        if self.ask_user and ASK_USER not in names:
+            names.append(ASK_USER)
         return names
 
     def offered_tools(self) -> list[ToolSpec | AgentTool]:
         """What the model is offered (tools, and agents as tools), in the agent's order."""
-        asks = {ask_user.NAME: ask_user.SPEC} if self.ask_user else {}
+        asks = {ASK_USER: ASK_USER_SPEC} if self.ask_user else {}
         tools: dict[str, ToolSpec | AgentTool] = {**all_tools(), **asks, **self.agent_tools}
         return [tools[n] for n in self.tool_names() if n in tools]
 
@@ -245,7 +244,7 @@ def _problems(
         # is down; it is offered once listed.
         if n.split("__", 1)[0] in servers and "__" in n:
             continue
-        if n == ask_user.NAME:
+        if n == ASK_USER:
             # Listed without the flag, it was accepted and offered to nobody.
             if not agent.ask_user:
                 yield "tools", f"{n!r} is offered with ask_user=True, not by its name in tools"

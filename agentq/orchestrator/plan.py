@@ -15,9 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.llm.reasoning import REASONING_ITEMS
 from agentq.models import CALL_ID, AssistantMessage, InteractionKind, ToolCall
-from agentq.tools import ask_user
 from agentq.tools.policy import ToolPolicy
-from agentq.tools.registry import get_tool, parse_arguments
+from agentq.tools.registry import ASK_USER, ASK_USER_SPEC, get_tool, parse_arguments
 from agentq.tools.timing import Limits, effective_limits, split_meta
 
 if TYPE_CHECKING:
@@ -65,8 +64,8 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
         if call.name in agent.agent_tools:
             return _plan_subturn(call, agent.agent_tools[call.name], agent)
     try:
-        asks = agent is not None and agent.ask_user and call.name == ask_user.NAME
-        spec = ask_user.SPEC if asks else get_tool(call.name)
+        asks = agent is not None and agent.ask_user and call.name == ASK_USER
+        spec = ASK_USER_SPEC if asks else get_tool(call.name)
         args, hint_s = _arguments(call)
         validated = spec.validate(args)
     except AgentqError as exc:

@@ -15,6 +15,7 @@ from agentq.constants import TOOL_TASK_PREFIX
 from agentq.errors import (
     ToolArgumentsInvalid,
     ToolDefinitionError,
+    ToolMisuse,
     UnknownTool,
     describe_invalid,
 )
@@ -209,6 +210,26 @@ def spec_of(
         schema=schema,
         kind=kind,
     )
+
+
+ASK_USER = "ask_user"
+
+
+def _ask_user(
+    question: str, answer_schema: dict[str, Any] | None = None, default: Any = None
+) -> str:
+    """Ask the user a question and wait for the answer. Free text unless `answer_schema`
+    (a JSON Schema) says otherwise: a choice is {"enum": [...]}, a small form an object
+    with properties. `default`: the answer taken when nobody can be asked."""
+    raise ToolMisuse(ASK_USER, "it is answered by the user, never run by a worker")
+
+
+ASK_USER_SPEC = spec_of(
+    _ask_user, ASK_USER, None, {"approval": "ask", "approval_kind": "input", "timeout_s": 0}
+)
+"""The built-in tool an `Agent(..., ask_user=True)` offers its model, registered nowhere. A
+call is never run by a worker: the turn's approval gate asks it as an `input` interaction,
+and the answer (checked against the call's `answer_schema`) is the call's result."""
 
 
 _refreshers: list[Callable[[], None]] = []
