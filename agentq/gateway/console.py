@@ -20,7 +20,7 @@ from agentq.gateway.errors import NO_STORE, invalid
 from agentq.gateway.metrics import read_snapshots
 from agentq.llm.capacity import Capacity
 from agentq.llm.limits import ModelLimitsEntry
-from agentq.mcp.health import server_health, servers_view
+from agentq.mcp.listing import server_health, servers_view
 from agentq.mcp.servers import parse_servers
 from agentq.state.listing import TurnLister, TurnQuery
 

@@ -51,7 +51,7 @@ from agentq.gateway.validate import (
     turn_id_of,
 )
 from agentq.llm.capacity import capacity_for
-from agentq.mcp.health import server_health
+from agentq.mcp.listing import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.start import token_matches
 from agentq.state.idempotency import check_key

@@ -20,9 +20,8 @@ from agentq.aio import host as aio_host
 from agentq.config import Settings
 from agentq.errors import MissingExtra
 from agentq.fleet import roles
-from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink, explain
-from agentq.mcp.listing import ListedTool, Listing, plan, printable, read_listings
+from agentq.mcp.listing import ListedTool, Listing, plan, printable, read_listings, record_health
 from agentq.mcp.servers import McpServer, parse_servers
 from agentq.mcp.tools import make_spec
 from agentq.tools import registry

@@ -1,7 +1,8 @@
 """What a server's `tools/list` yields to agentq, and what it refuses: each bad tool costs
 only itself (docs/mcp.md, "Bad listings"). Which model name each kept tool gets follows
 from all the servers' listings together (`plan`), the same in every process and in the
-gateway's `GET /v1/mcp/servers`.
+gateway's `GET /v1/mcp/servers`. How each server last went (`agentq:mcp:health`) is kept
+beside: the I/O workers write it, the gateway reads it without importing the worker side.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -175,3 +177,55 @@ def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
             why = f"its name {model_name} is also the name of {others}"
             collisions.setdefault(owner, []).append(Refused(tool=printable(tool), why=why))
     return Plan(offered, collisions)
+
+
+def record_health(redis: Any, name: str, ok: bool, failures: int, error: str, worker: str) -> None:
+    """How server `name`'s last start or call went (`error` never holds its headers)."""
+    entry = {"ok": ok, "failures": failures, "error": error, "worker": worker, "at": time.time()}
+    redis.hset(k.MCP_HEALTH, name, json.dumps(entry))
+
+
+def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, Any]]:
+    """How each MCP server's last start or call went, fleet-wide: `ok`, the `failures` in a
+    row and when (public: /healthz); with `detail` the error and the worker too (the
+    console, for admins)."""
+    fields = ("ok", "failures", "at", "error", "worker") if detail else ("ok", "failures", "at")
+    out = {}
+    for name, raw in (redis.hgetall(k.MCP_HEALTH) or {}).items():
+        try:
+            entry = json.loads(raw)
+        except ValueError:
+            continue
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        out[key] = {f: entry.get(f) for f in fields}
+    return out
+
+
+def servers_view(redis: Any, servers: dict[str, McpServer]) -> list[dict[str, Any]]:
+    """Every MCP server the fleet knows (configured here, or listed by a worker), for the
+    console and `GET /v1/mcp/servers`."""
+    listings = read_listings(redis)
+    health = server_health(redis, detail=True)
+    made = plan(servers, listings)
+    offered: dict[str, list[dict[str, str]]] = {}
+    for model_name, (owner, tool) in sorted(made.offered.items()):
+        offered.setdefault(owner, []).append({"name": model_name, "tool": tool.name})
+    out = []
+    for name in sorted(set(servers) | set(listings)):
+        server = servers.get(name)
+        listing = listings.get(name)
+        refused = [*(listing.refused if listing else []), *made.collisions.get(name, [])]
+        out.append(
+            {
+                "name": name,
+                "transport": server.transport if server else None,
+                "where": server.describe() if server else None,
+                "configured": server is not None,
+                "listed_at": listing.listed_at if listing else None,
+                "error": listing.error if listing else None,
+                "tools": offered.get(name, []),
+                "refused": [{"tool": r.tool, "why": r.why} for r in refused],
+                "health": health.get(name),
+            }
+        )
+    return out

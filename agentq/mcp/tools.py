@@ -22,9 +22,8 @@ from agentq.aio import cancel
 from agentq.errors import McpServerUnavailable, McpToolFailed, ToolArgumentsInvalid
 from agentq.fleet.runtime import get_store
 from agentq.limits.semaphore import LeasedSemaphore
-from agentq.mcp.health import record_health
 from agentq.mcp.link import ServerLink
-from agentq.mcp.listing import ListedTool, tool_name
+from agentq.mcp.listing import ListedTool, record_health, tool_name
 from agentq.mcp.servers import McpServer
 from agentq.tools.context import ToolContext
 from agentq.tools.policy import Approval, ToolPolicy

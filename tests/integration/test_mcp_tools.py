@@ -30,7 +30,7 @@ from agentq.events import Event
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, start_process, wait_for
 from agentq.local.redis_server import RedisServer
-from agentq.mcp.health import server_health
+from agentq.mcp.listing import server_health
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import collect, process_env, script, wait_event
 
