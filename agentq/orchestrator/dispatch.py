@@ -13,8 +13,8 @@ from agentq.fleet.broker import publish, queue_size, revoke, task_repr
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.orchestrator import subturns
 from agentq.orchestrator.plan import CallPlan, batches
+from agentq.tools.policy import lost_deadline
 from agentq.tools.results import lost_result, waitpoint_timeout
-from agentq.tools.timing import lost_deadline
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext

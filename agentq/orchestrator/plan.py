@@ -15,9 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.llm.reasoning import REASONING_ITEMS
 from agentq.models import CALL_ID, AssistantMessage, InteractionKind, ToolCall
-from agentq.tools.policy import ToolPolicy
+from agentq.tools.policy import Limits, ToolPolicy, effective_limits, split_meta
 from agentq.tools.registry import ASK_USER, ASK_USER_SPEC, get_tool, parse_arguments
-from agentq.tools.timing import Limits, effective_limits, split_meta
 
 if TYPE_CHECKING:
     from agentq.agents import Agent, AgentTool

@@ -15,8 +15,8 @@ from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, final_content
 from agentq.orchestrator.wake import abort_child, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
+from agentq.tools.policy import truncate_text
 from agentq.tools.results import cancelled_result, error_result, ok_result, timeout_result
-from agentq.tools.timing import truncate_text
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext

@@ -26,9 +26,9 @@ from agentq.state.calls import Started
 from agentq.state.held import held_writes
 from agentq.telemetry import logs, tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
+from agentq.tools.policy import overran, truncate_text
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import cancelled_result, error_result, ok_result, timeout_result
-from agentq.tools.timing import overran, truncate_text
 from agentq.webhooks.task import queue_waiting
 
 if TYPE_CHECKING:

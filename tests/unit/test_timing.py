@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from agentq.tools.policy import ToolPolicy
-from agentq.tools.timing import effective_limits, lost_deadline, overran, split_meta, truncate_text
+from agentq.tools.policy import (
+    ToolPolicy,
+    effective_limits,
+    lost_deadline,
+    overran,
+    split_meta,
+    truncate_text,
+)
 from tests.helpers import call_scope
 
 
