@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from pydantic import ValidationError
 
@@ -94,14 +94,10 @@ MAX_TRANSITIONS_PER_STEP = 50
 """A bound on one step's work; a turn with more to do wakes itself for another step."""
 
 
-class _GoOn:
-    """What a phase of `advance` answers when the step goes on to its next transition."""
-
-
-GO_ON = _GoOn()
-Phase = float | None | _GoOn
-"""A phase's answer: GO_ON, or what `advance` returns (when to look again; None: no
-deadline, or the turn ended)."""
+GO_ON: Final = "go_on"
+Phase = float | None | Literal["go_on"]
+"""A phase's answer: GO_ON when the step goes on to its next transition, or what `advance`
+returns (when to look again; None: no deadline, or the turn ended)."""
 
 
 def advance(ctx: StepContext) -> float | None:
@@ -119,12 +115,12 @@ def advance(ctx: StepContext) -> float | None:
         return None
     if ctx.state.get("status") == TurnStatus.QUEUED.value:
         begun = _begin(ctx)
-        if not isinstance(begun, _GoOn):
+        if begun != GO_ON:
             return begun
     for _ in range(MAX_TRANSITIONS_PER_STEP):
         pending = pending_calls(ctx.history)
         got = _collect_calls(ctx, pending) if pending else _model_round(ctx)
-        if not isinstance(got, _GoOn):
+        if got != GO_ON:
             return got
     return ctx.now  # more to do than one step should take: step again at once
 
