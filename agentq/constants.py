@@ -154,26 +154,13 @@ def shards() -> range:
     return range(shard_count())
 
 
-def _shard_key(name: str, shard: int) -> str:
-    """A fleet-wide index's key for one shard (its plain name with one shard)."""
+def shard_key(name: str, shard: int | str) -> str:
+    """A fleet-wide index's (WAKEUPS, TURNS_INDEX) key for one shard, or for a turn id's
+    shard (which holds the turn's entry); with one shard, its name."""
     n = shard_count()
+    if isinstance(shard, str):
+        shard = shard_of(shard)
     return name if n == 1 else f"{name}:{{{shard_tag(shard, n)}}}"
-
-
-def wakeups_key(shard: int) -> str:
-    return _shard_key(WAKEUPS, shard)
-
-
-def index_key(shard: int) -> str:
-    return _shard_key(TURNS_INDEX, shard)
-
-
-def turn_wakeups_key(turn_id: str) -> str:
-    return wakeups_key(shard_of(turn_id))
-
-
-def turn_index_key(turn_id: str) -> str:
-    return index_key(shard_of(turn_id))
 
 
 def turn_tag(turn_id: str) -> str:
@@ -183,16 +170,18 @@ def turn_tag(turn_id: str) -> str:
     return "{" + shard_tag(shard_of(turn_id), n) + "}" + turn_id
 
 
-def turn_key(turn_id: str) -> str:
-    return f"{PREFIX}:turn:{turn_tag(turn_id)}"
+TurnPart = Literal["", "log", "events", "children", "cancel", "interaction", "secret", "beat"]
 
 
-def events_channel(turn_id: str) -> str:
-    return f"{turn_key(turn_id)}:events"
-
-
-def log_key(turn_id: str) -> str:
-    return f"{turn_key(turn_id)}:log"
+def turn_key(turn_id: str, part: TurnPart = "", item: str = "") -> str:
+    """A turn's keys, on one slot: its state hash; `log` (stream of its events); `events`
+    (their pub/sub channel); `children` (set of the sub-agent turns it started, aborted
+    with it); `cancel` (why it was cancelled, for the processes that poll many turns, one
+    MGET); `interaction` + request id; `secret` + request id (a password answer, read once
+    by the tool and never written elsewhere); `beat` + call id (set NX PX when a step
+    publishes the heartbeat `tool_progress` of an agent call)."""
+    key = f"{PREFIX}:turn:{turn_tag(turn_id)}"
+    return key + "".join(f":{s}" for s in (part, item) if s)
 
 
 # A turn's calls are fields of its state hash, up to four a call (one of these prefixes
@@ -228,16 +217,6 @@ def is_record(field: str) -> bool:
     return field[:2] in RECORDS
 
 
-def children_key(turn_id: str) -> str:
-    """Set of sub-agent turns started by this turn; aborted with it."""
-    return f"{turn_key(turn_id)}:children"
-
-
-def agent_beat_key(turn_id: str, call_id: str) -> str:
-    """Set (NX PX) when a step publishes the heartbeat `tool_progress` of an agent call."""
-    return f"{turn_key(turn_id)}:beat:{call_id}"
-
-
 STEP_FIELD: Final = "step"
 """Field of the turn's state hash: the step lock, `"<token>:<until ms>"` (JSON), held by the
 one step advancing the turn until then; its token fences the step's writes."""
@@ -258,23 +237,9 @@ UNSETTLED_FIELD: Final = "unsettled"
 before they settled) have no result yet; the settle that brings it to 0 wakes the turn."""
 
 
-def cancel_key(turn_id: str) -> str:
-    """Why the turn was cancelled, for the processes that poll many turns (one MGET)."""
-    return f"{turn_key(turn_id)}:cancel"
-
-
 CANCEL_FIELD: Final = "cancel"
 """Field of the turn's state hash: the same reason (JSON), which the scripts read with the
 state they read anyway."""
-
-
-def interaction_key(turn_id: str, request_id: str) -> str:
-    return f"{turn_key(turn_id)}:interaction:{request_id}"
-
-
-def secret_key(turn_id: str, request_id: str) -> str:
-    """A password answer, read once by the tool and never written elsewhere."""
-    return f"{turn_key(turn_id)}:secret:{request_id}"
 
 
 LLM_RESULT_FIELD: Final = "llm_result"
@@ -373,12 +338,12 @@ def limits_key(subject: str, part: Literal["turns", "bucket"]) -> str:
 def turn_keys(turn_id: str) -> list[str]:
     """The per-turn keys that get the retention TTL when the turn ends (the cancel flag has
     it already; the children set is deleted)."""
-    return [turn_key(turn_id), log_key(turn_id)]
+    return [turn_key(turn_id), turn_key(turn_id, "log")]
 
 
 CHILDREN_FIELD: Final = "has_children"
 """Field of the turn's state hash, set when its first sub-agent turn is created: only
-then does its end delete `children_key` (a command fewer for every other turn)."""
+then does its end delete its `children` key (a command fewer for every other turn)."""
 
 
 def approval_request_id(call_id: str) -> str:

@@ -262,7 +262,7 @@ def _phase_ms(store: Any, ids: list[str], since: float) -> dict[str, list[int]]:
     at: dict[str, list[int]] = {f"{t}#{n}": [] for t, n in _PHASES}
     pipe = store.redis.pipeline()
     for tid in ids:
-        pipe.xrange(k.log_key(tid))
+        pipe.xrange(k.turn_key(tid, "log"))
     for entries in pipe.execute():
         seen: Counter[str] = Counter()
         for sid, fields in entries:

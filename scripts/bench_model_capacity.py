@@ -109,7 +109,7 @@ def _logs(store: Any, ids: list[str]) -> list[list[tuple[float, dict[str, Any]]]
 
     pipe = store.redis.pipeline(transaction=False)
     for tid in ids:
-        pipe.xrange(k.log_key(tid))
+        pipe.xrange(k.turn_key(tid, "log"))
     out = []
     for entries in pipe.execute():
         evs = [(int(sid.split(b"-")[0]) / 1000, json.loads(f[b"e"])) for sid, f in entries]

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from agentq.api import Client  # noqa: E402
-from agentq.constants import interaction_key  # noqa: E402
+from agentq.constants import turn_key  # noqa: E402
 from agentq.events import TERMINAL_TYPES, Event  # noqa: E402
 from agentq.fleet import runtime  # noqa: E402
 from agentq.local.fleet import LocalFleet  # noqa: E402
@@ -390,7 +390,9 @@ def check_invariants(client: Client, turns: list[str], runs_file: Path) -> list[
         for e in log:
             if e.type == "interaction_requested":
                 closed.checked += 1
-                state = store.redis.hget(interaction_key(tid, str(e.fields["request_id"])), "state")
+                state = store.redis.hget(
+                    turn_key(tid, "interaction", str(e.fields["request_id"])), "state"
+                )
                 if state in (b"pending", "pending"):
                     closed.violations.append(f"{tid}: interaction {e.fields['request_id']} open")
     runs: Counter[str] = Counter()

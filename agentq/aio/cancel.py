@@ -156,7 +156,7 @@ class CancelWatch:
                 try:
                     # One MGET, not an EXISTS per turn: a loop holding a thousand turns
                     # spent 4% of its time packing and parsing those each second.
-                    keys = [k.cancel_key(t) for t in turns]
+                    keys = [k.turn_key(t, "cancel") for t in turns]
                     flags = await (
                         client.mget_nonatomic(keys) if self._cluster else client.mget(keys)
                     )

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentq.api import DEFAULT_TIMEOUT_S, _Started
 from agentq.config import Settings, get_settings
-from agentq.constants import log_key, turn_key
+from agentq.constants import turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events import Event
 from agentq.events.follow import Cursor, Relay
@@ -126,7 +126,7 @@ class AsyncClient:
         await self._call(relay.resume, self._client._store.redis, after)
         checked = False
         while not relay.done:
-            streams = {log_key(t): s for t, s in relay.streams.items()}
+            streams = {turn_key(t, "log"): s for t, s in relay.streams.items()}
             reply: Any = await self._redis.xread(
                 {key: s.last_id for key, s in streams.items()},
                 count=READ_COUNT,

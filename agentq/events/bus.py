@@ -13,8 +13,6 @@ from redis.cluster import RedisCluster
 
 from agentq.constants import (
     WATCH_CHANNEL,
-    events_channel,
-    log_key,
     shard_of,
     turn_key,
 )
@@ -230,7 +228,7 @@ class EventBus:
                     calls.append(([], [], [opts]))
                 ids, keys, args = calls[-1]
                 ids.append(turn_id)
-                keys += [log_key(turn_id), events_channel(turn_id), turn_key(turn_id)]
+                keys += [turn_key(turn_id, "log"), turn_key(turn_id, "events"), turn_key(turn_id)]
                 args += [len(batches[turn_id]), *batches[turn_id]]
         if not calls:
             return set(), set()
@@ -266,7 +264,7 @@ class EventBus:
     def replay(self, turn_id: str, after_id: str = "0-0", count: int = 1000) -> list[Event]:
         """Events in the log strictly after `after_id`."""
         start = "(" + after_id if after_id not in ("0", "0-0", "-") else "-"
-        entries: list[Any] = self.redis.xrange(log_key(turn_id), min=start, max="+", count=count)  # type: ignore[assignment]
+        entries: list[Any] = self.redis.xrange(turn_key(turn_id, "log"), start, "+", count)  # type: ignore[assignment]
         return [Event.parse(fields[b"e"], stream_id=eid.decode()) for eid, fields in entries]
 
     def log(self, turn_id: str, page: int = 1000) -> Iterator[Event]:

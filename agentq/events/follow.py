@@ -26,7 +26,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisClusterException
 
-from agentq.constants import RELAY_DEPTH_MAX, events_channel, turn_key
+from agentq.constants import RELAY_DEPTH_MAX, turn_key
 from agentq.events import TERMINAL_TYPES, Event, SubturnStarted
 from agentq.events.bus import EventBus
 from agentq.models import TURN_ID, parse_stream_id
@@ -177,7 +177,7 @@ class TreeFollower(Relay):
     def _listen(self, verb: str, turn_ids: list[str]) -> None:
         """(Un)subscribe the turns' channels: shard channels on a Cluster."""
         method = getattr(self.pubsub, "s" + verb if self.bus.sharded else verb)
-        method(*map(events_channel, turn_ids))
+        method(*(turn_key(t, "events") for t in turn_ids))
 
     def _unmark(self, turn_ids: list[str]) -> None:
         for t in turn_ids:

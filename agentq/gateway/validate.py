@@ -13,7 +13,7 @@ from typing import Any
 import redis
 from starlette.requests import Request
 
-from agentq.constants import RELAY_DEPTH_MAX, log_key
+from agentq.constants import RELAY_DEPTH_MAX, turn_key
 from agentq.errors import PayloadTooLarge
 from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError, invalid
@@ -74,7 +74,7 @@ def clamp_to_log(client: redis.Redis, turn_id: str, after: str) -> str:
     pos = parse_stream_id(after)
     if pos is None or pos == (0, 0):
         return after
-    last: Any = client.xrevrange(log_key(turn_id), count=1)
+    last: Any = client.xrevrange(turn_key(turn_id, "log"), count=1)
     if not last:
         return "0-0"
     last_id = text(last[0][0])

@@ -433,5 +433,5 @@ def ask(caller: ToolContext, message: str, schema: Any) -> tuple[str, Any]:
         time.sleep(POLL_S)
     if store.interaction_decision(caller.turn_id, rid) != "approve":
         return "decline", None
-    raw = store.redis.getdel(k.secret_key(caller.turn_id, rid))
+    raw = store.redis.getdel(k.turn_key(caller.turn_id, "secret", rid))
     return "accept", json.loads(raw) if raw is not None else {}

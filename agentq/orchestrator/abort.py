@@ -77,5 +77,5 @@ def settle_pending(
         if won:
             ours.append(call.id)
     # A password answer is read once by its tool; a round that ends must not leave one.
-    ctx.store.redis.delete(*[k.secret_key(ctx.turn_id, f"{c.id}.approval") for c in calls])
+    ctx.store.redis.delete(*[k.turn_key(ctx.turn_id, "secret", f"{c.id}.approval") for c in calls])
     return [settled[c.id].to_openai() for c in calls], ours

@@ -142,8 +142,8 @@ def _decide(
         out.results[call.id] = denied_result(call, why)
     elif req.kind == "input":
         # The answer, as JSON, is the call's result (a defaulted one: the declared default).
-        raw = ctx.store.redis.get(k.secret_key(ctx.turn_id, rid))
+        raw = ctx.store.redis.get(k.turn_key(ctx.turn_id, "secret", rid))
         content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
         out.results[call.id] = ok_result(call, content, started_at=req.created_at)
     elif req.kind == "password":
-        out.secrets[call.id] = k.secret_key(ctx.turn_id, rid)
+        out.secrets[call.id] = k.turn_key(ctx.turn_id, "secret", rid)

@@ -107,8 +107,8 @@ def forget(store: TurnStore, turn_id: str) -> None:
     """Remove a turn stored for a request that was then refused."""
     pipe = store.redis.pipeline(transaction=False)
     pipe.delete(k.turn_key(turn_id))
-    pipe.zrem(k.turn_index_key(turn_id), turn_id)
-    pipe.zrem(k.turn_wakeups_key(turn_id), turn_id)
+    pipe.zrem(k.shard_key(k.TURNS_INDEX, turn_id), turn_id)
+    pipe.zrem(k.shard_key(k.WAKEUPS, turn_id), turn_id)
     pipe.execute()
 
 
@@ -230,7 +230,7 @@ def hand_off(
     if nxt is not None:
         send_step_or_wake(store, app, nxt)
     # Handed on: the backstop its end left in the wakeups goes (due, it finds nothing to do).
-    store.redis.zrem(k.turn_wakeups_key(turn_id), turn_id)
+    store.redis.zrem(k.shard_key(k.WAKEUPS, turn_id), turn_id)
     return outcome, nxt
 
 

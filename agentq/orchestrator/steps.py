@@ -222,7 +222,7 @@ class Sweeper:
         """What a pass at `now` has to do, in one round trip."""
         pipe = self.store.redis.pipeline(transaction=False)
         for shard in k.shards():
-            key = k.wakeups_key(shard)
+            key = k.shard_key(k.WAKEUPS, shard)
             pipe.zrangebyscore(key, "-inf", now, start=0, num=DUE_PER_PASS)
             pipe.zrangebyscore(key, f"({now!r}", "+inf", start=0, num=1, withscores=True)
         pipe.zrangebyscore(k.KILLS, "-inf", now)

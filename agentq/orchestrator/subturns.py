@@ -64,7 +64,7 @@ def watch(
     for p in waiting:
         pipe.hmget(k.turn_key(dispatched[p.call.id]["child_turn_id"]), ["status", "progress"])
         # At most one heartbeat per call per beat_s, however many steps look.
-        pipe.set(k.agent_beat_key(ctx.turn_id, p.call.id), 1, nx=True, px=int(beat_s * 900))
+        pipe.set(k.turn_key(ctx.turn_id, "beat", p.call.id), 1, nx=True, px=int(beat_s * 900))
     replies = pipe.execute()
     for i, p in enumerate(waiting):
         (raw, progress), beat = replies[2 * i], replies[2 * i + 1]
@@ -148,7 +148,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     prompt = str(p.arguments["prompt"])
     ctx.store.create(child, child_state, [{"role": "user", "content": prompt}])
     # The backstop if the step message below is lost: a sweeper steps the child.
-    ctx.store.redis.zadd(k.turn_wakeups_key(child), {child: now + WAKE_BACKSTOP_S})
+    ctx.store.redis.zadd(k.shard_key(k.WAKEUPS, child), {child: now + WAKE_BACKSTOP_S})
     # A start record without a worker: listings show the call running, and no worker
     # heartbeat is watched for it.
     ctx.store.redis.hset(

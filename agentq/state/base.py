@@ -82,8 +82,8 @@ class TurnKeys(NamedTuple):
 
     @classmethod
     def of(cls, turn_id: str) -> list[str]:
-        keys = (k.turn_key, k.log_key, k.events_channel, k.turn_wakeups_key)
-        return list(cls._make(key(turn_id) for key in keys))
+        turn = [k.turn_key(turn_id, p) for p in ("", "log", "events")]
+        return [*turn, k.shard_key(k.WAKEUPS, turn_id)]
 
 
 class StateLostArgs(NamedTuple):
@@ -208,7 +208,9 @@ def exist(client: Any, keys: list[str]) -> list[bool]:
 
 def active_turns(client: Any) -> list[str]:
     """The open turns of every shard (the members of their wakeups), the soonest due first."""
-    got = each(client, k.shards(), lambda p, s: p.zrange(k.wakeups_key(s), 0, -1, withscores=True))
+    got = each(
+        client, k.shards(), lambda p, s: p.zrange(k.shard_key(k.WAKEUPS, s), 0, -1, withscores=True)
+    )
     return [text(t) for _, t in sorted((float(sc), t) for rows in got for t, sc in rows)]
 
 

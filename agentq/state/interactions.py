@@ -93,20 +93,20 @@ class InteractionRecords(StoreBase):
     _interaction_close = LuaScript(_CLOSE_LUA)
 
     def open_interaction(self, turn_id: str, req: InteractionRequest) -> None:
-        key = k.interaction_key(turn_id, req.request_id)
+        key = k.turn_key(turn_id, "interaction", req.request_id)
         pipe = self.redis.pipeline()
         pipe.hset(key, mapping={"state": "pending", "request": req.model_dump_json()})
         pipe.expire(key, self.ttl_s)
         pipe.execute()
 
     def interaction(self, turn_id: str, request_id: str) -> tuple[str, InteractionRequest] | None:
-        raw = self.redis.hmget(k.interaction_key(turn_id, request_id), "state", "request")
+        raw = self.redis.hmget(k.turn_key(turn_id, "interaction", request_id), "state", "request")
         if raw[0] is None or raw[1] is None:
             return None
         return text(raw[0]), InteractionRequest.model_validate_json(raw[1])
 
     def interaction_decision(self, turn_id: str, request_id: str) -> str | None:
-        raw = self.redis.hget(k.interaction_key(turn_id, request_id), "decision")
+        raw = self.redis.hget(k.turn_key(turn_id, "interaction", request_id), "decision")
         return None if raw is None else text(raw)
 
     def answer_interaction(self, turn_id: str, request_id: str, answer: InteractionAnswer) -> None:
@@ -145,8 +145,8 @@ class InteractionRecords(StoreBase):
         """_CLOSE_LUA, given the first five of its CloseArgs (`close`)."""
         keys = [
             *TurnKeys.of(turn_id),
-            k.interaction_key(turn_id, request_id),
-            k.secret_key(turn_id, request_id),
+            k.turn_key(turn_id, "interaction", request_id),
+            k.turn_key(turn_id, "secret", request_id),
         ]
         log_opts, wake_at = self.bus.log_arg(), time.time() + WAKE_BACKSTOP_S
         args = CloseArgs._make((*close, log_opts, turn_id, wake_at))

@@ -251,7 +251,9 @@ class TurnLister:
         for shard, ids in groupby(sorted(turn_ids, key=k.shard_of), k.shard_of):
             turns = [a for t in ids for a in (t, k.turn_key(t))]
             args = [k.approval_request_id(""), *turns]
-            raw += json.loads(text(self._summary(keys=[k.index_key(shard)], args=args)))
+            raw += json.loads(
+                text(self._summary(keys=[k.shard_key(k.TURNS_INDEX, shard)], args=args))
+            )
         out: dict[str, dict[str, Any]] = {}
         for row in raw:
             if row[1] is False:
@@ -266,14 +268,14 @@ class TurnLister:
 
     def _drop(self, gone: list[str]) -> None:
         """Remove these turns' index entries, each from its shard's index."""
-        each(self.redis, gone, lambda p, t: p.zrem(k.turn_index_key(t), t))
+        each(self.redis, gone, lambda p, t: p.zrem(k.shard_key(k.TURNS_INDEX, t), t))
 
     def _entries(self, low: str, high: str, num: int, newest: bool) -> list[tuple[float, str]]:
         """At most `num` index entries (score, turn id) from `low` to `high`, over every
         shard: the newest first, or the oldest."""
 
         def read(p: Any, shard: int) -> Any:
-            key = k.index_key(shard)
+            key = k.shard_key(k.TURNS_INDEX, shard)
             if newest:
                 return p.zrevrangebyscore(key, high, low, start=0, num=num, withscores=True)
             return p.zrangebyscore(key, low, high, start=0, num=num, withscores=True)
@@ -352,7 +354,7 @@ def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[st
         cursor = 0
         while True:
             cursor, rows = client.zscan(
-                k.index_key(shard), cursor, match=prefix + "*", count=ID_SCAN_COUNT
+                k.shard_key(k.TURNS_INDEX, shard), cursor, match=prefix + "*", count=ID_SCAN_COUNT
             )
             scanned += ID_SCAN_COUNT
             fresh = {text(m): float(sc) for m, sc in rows if text(m) not in found}

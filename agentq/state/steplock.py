@@ -282,7 +282,7 @@ class StepRecords(StoreBase):
     def wake_by(self, turn_id: str, at: float) -> None:
         """Bring a pending wakeup forward to `at` (its step could not be sent): none is added
         for a turn that has none, since that turn has ended."""
-        self.redis.zadd(k.turn_wakeups_key(turn_id), {turn_id: at}, xx=True, lt=True)
+        self.redis.zadd(k.shard_key(k.WAKEUPS, turn_id), {turn_id: at}, xx=True, lt=True)
 
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
         """Claim a due wakeup (one sweeper wins) and push it `retry_s` later as its retry."""

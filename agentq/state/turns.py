@@ -188,7 +188,7 @@ class TurnRecords(StoreBase):
         """Flag the turn cancelled (the first reason stays) and wake it (its backstop
         wakeup), tell the event loops that hold its calls, in one round trip; whether it
         was open (its step is then for the caller to send) and its children."""
-        keys = [*TurnKeys.of(turn_id), k.cancel_key(turn_id), k.children_key(turn_id)]
+        keys = [*TurnKeys.of(turn_id), *(k.turn_key(turn_id, p) for p in ("cancel", "children"))]
         args = FlagCancelArgs(
             reason,
             self.ttl_s,
@@ -220,13 +220,14 @@ class TurnRecords(StoreBase):
         def build(pipe: Any) -> None:
             pipe.hset(k.turn_key(turn_id), mapping=fields)
             pipe.zadd(
-                k.turn_index_key(turn_id), {turn_id: float(state.get("created_at") or time.time())}
+                k.shard_key(k.TURNS_INDEX, turn_id),
+                {turn_id: float(state.get("created_at") or time.time())},
             )
             # No dirty mark: no step can hold a turn that did not exist.
-            pipe.zadd(k.turn_wakeups_key(turn_id), {turn_id: time.time() + START_BACKSTOP_S})
+            pipe.zadd(k.shard_key(k.WAKEUPS, turn_id), {turn_id: time.time() + START_BACKSTOP_S})
             parent = state.get("parent_turn_id")
             if parent:
-                pipe.sadd(k.children_key(parent), turn_id)
+                pipe.sadd(k.turn_key(parent, "children"), turn_id)
                 pipe.hset(k.turn_key(parent), k.CHILDREN_FIELD, "1")
 
         # Not MULTI/EXEC: nothing steps the turn before its step is sent, after this
@@ -286,10 +287,10 @@ class TurnRecords(StoreBase):
         pid = parent or turn_id  # placeholders the script leaves alone without a parent
         keys = [
             *TurnKeys.of(turn_id),
-            k.children_key(turn_id),
+            k.turn_key(turn_id, "children"),
             k.turn_key(pid),
-            k.log_key(pid),
-            k.events_channel(pid),
+            k.turn_key(pid, "log"),
+            k.turn_key(pid, "events"),
             *k.turn_keys(turn_id),
         ]
         args = CloseArgs(
@@ -321,4 +322,4 @@ class TurnRecords(StoreBase):
         return history_of(self.redis.hgetall(k.turn_key(turn_id)))
 
     def children(self, turn_id: str) -> list[str]:
-        return [text(c) for c in self.redis.smembers(k.children_key(turn_id))]
+        return [text(c) for c in self.redis.smembers(k.turn_key(turn_id, "children"))]

@@ -274,7 +274,7 @@ def tool_context(
     flower_at = time.monotonic()
 
     def cancelled() -> bool:
-        return bool(store.redis.exists(k.cancel_key(req.turn_id)))
+        return bool(store.redis.exists(k.turn_key(req.turn_id, "cancel")))
 
     def read_secret() -> str | None:
         if not req.secret_ref:

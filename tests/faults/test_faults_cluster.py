@@ -70,7 +70,9 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(cluster_rig: Rig) -> N
     # The state is sharded: one index of each kind a shard, each on its shard's slot.
     assert k.shard_count() == k.DEFAULT_CLUSTER_SHARDS
     turn_id = "ab12" + "0" * 28
-    assert key_slot(k.turn_key(turn_id).encode()) == key_slot(k.turn_wakeups_key(turn_id).encode())
+    assert key_slot(k.turn_key(turn_id).encode()) == key_slot(
+        k.shard_key(k.WAKEUPS, turn_id).encode()
+    )
     key = rig.script(
         Round(tool_calls=calls(("echo", {"text": "a"}), ("aio_sleep", {"seconds": 0.2}))),
         Round(text="Done on the cluster."),
@@ -252,7 +254,7 @@ def _explain(rig: Rig, ids: list[str]) -> str:
         state = {f.decode(): v.decode()[:160] for f, v in redis.hgetall(k.turn_key(tid)).items()}
         if json.loads(state.get("status", "null")) == "finished":
             continue
-        wake = redis.zscore(k.turn_wakeups_key(tid), tid)
+        wake = redis.zscore(k.shard_key(k.WAKEUPS, tid), tid)
         last = [(e.type, str(e.fields)[:120]) for e in rig.log_events(tid)[-5:]]
         lines.append(f"{tid}: wakeup={wake} now={time.time():.1f} state={state} last={last}")
     return "\n".join(lines)

@@ -58,7 +58,7 @@ def test_abort_and_answer_need_the_turns_own_token(rig, monkeypatch) -> None:
     state = client.get(tid)["state"]
     assert state["status"] == "running"
     assert client._store.interaction(tid, rid)[0] == "pending"
-    assert client._store.redis.get(k.cancel_key(tid)) is None
+    assert client._store.redis.get(k.turn_key(tid, "cancel")) is None
 
     client.abort(tid, handle.token)
     events = rig.collect(tid)
@@ -75,7 +75,7 @@ def test_turn_ids_are_128_random_bits_and_tokens_are_never_stored(rig) -> None:
     # A uuid4 fixes 6 of its bits (version 4, variant 10): 128 random bits vary there too.
     assert {t[12] for t in ids} != {"4"}
     assert {int(t[16], 16) >> 2 for t in ids} != {0b10}
-    assert all(k.events_channel(t) == f"agentq:turn:{{{t}}}:events" for t in ids)
+    assert all(k.turn_key(t, "events") == f"agentq:turn:{{{t}}}:events" for t in ids)
     tokens = [h.token for h in handles]
     assert len(set(tokens)) == len(tokens) and min(len(t) for t in tokens) >= 43
     stored = dump_redis(client._store.redis)
@@ -103,13 +103,15 @@ def test_a_password_answer_is_never_stored_or_logged(rig) -> None:
         "event log": "\n".join(e.model_dump_json() for e in rig.log_events(tid)),
         "history": str(turn["history"]),
         "turn state hash": str(redis.hgetall(k.turn_key(tid))),
-        "interaction hash": str(redis.hgetall(k.interaction_key(tid, asked.fields["request_id"]))),
+        "interaction hash": str(
+            redis.hgetall(k.turn_key(tid, "interaction", asked.fields["request_id"]))
+        ),
         "every Redis key": dump_redis(redis),
         "worker logs": rig.logs(),
     }
     leaks = [where for where, text in places.items() if secret in text]
     assert not leaks, leaks
-    assert not redis.exists(k.secret_key(tid, asked.fields["request_id"]))
+    assert not redis.exists(k.turn_key(tid, "secret", asked.fields["request_id"]))
 
 
 def test_a_denied_password_is_not_kept_either(rig) -> None:

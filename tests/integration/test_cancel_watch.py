@@ -41,7 +41,7 @@ def test_the_poll_finds_a_cancel_key_set_without_a_message(redis_server) -> None
         watch.add(turn, lambda: (fired.append(turn), done.set()))
         watch.add(quiet, lambda: fired.append(quiet))
         # The key alone, as when the message went out while the subscription was down.
-        redis.Redis.from_url(redis_server.url).set(k.cancel_key(turn), "user", ex=60)
+        redis.Redis.from_url(redis_server.url).set(k.turn_key(turn, "cancel"), "user", ex=60)
         try:
             await asyncio.wait_for(done.wait(), 5)
         finally:

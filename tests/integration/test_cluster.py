@@ -61,11 +61,11 @@ def test_a_turns_keys_share_one_slot_and_turns_spread_over_the_masters(
     turn_id = uuid.uuid4().hex
     keys = [
         *k.turn_keys(turn_id),
-        k.children_key(turn_id),
-        k.events_channel(turn_id),
-        k.cancel_key(turn_id),
-        k.interaction_key(turn_id, "c1.approval"),
-        k.secret_key(turn_id, "c1.password"),
+        k.turn_key(turn_id, "children"),
+        k.turn_key(turn_id, "events"),
+        k.turn_key(turn_id, "cancel"),
+        k.turn_key(turn_id, "interaction", "c1.approval"),
+        k.turn_key(turn_id, "secret", "c1.password"),
     ]
     assert {key_slot(key.encode()) for key in keys} == {key_slot(k.turn_key(turn_id).encode())}
     masters = {cluster.master_of(k.turn_key(uuid.uuid4().hex)).port for _ in range(60)}
@@ -179,11 +179,11 @@ def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: Local
         assert k.shard_count() == k.DEFAULT_CLUSTER_SHARDS
         # Each shard's indexes live on a slot of their own share of the slots: with three
         # masters holding even ranges, each master holds a third of the shards.
-        per_master = Counter(cluster.master_of(k.wakeups_key(s)).port for s in k.shards())
+        per_master = Counter(cluster.master_of(k.shard_key(k.WAKEUPS, s)).port for s in k.shards())
         assert sorted(per_master.values()) == [5, 5, 6]
         turn_id = "0a0b" + uuid.uuid4().hex[4:]
-        keys = [k.turn_key(turn_id), k.turn_wakeups_key(turn_id)]
-        keys += [k.turn_index_key(turn_id)]
+        keys = [k.turn_key(turn_id), k.shard_key(k.WAKEUPS, turn_id)]
+        keys += [k.shard_key(k.TURNS_INDEX, turn_id)]
         assert len({key_slot(key.encode()) for key in keys}) == 1
         store.create(turn_id, {"status": "queued", "created_at": time.time()}, [])
         assert store.active() == [turn_id]

@@ -413,7 +413,7 @@ def test_reading_a_conversation_whose_turn_ended_shows_its_exchange(
     assert user_texts(handed.messages) == [key]
     # The hand-off takes the wakeup away just after its release script: waited for too.
     wait_for(
-        lambda: store.redis.zscore(k.turn_wakeups_key(turn.turn_id), turn.turn_id) is None,
+        lambda: store.redis.zscore(k.shard_key(k.WAKEUPS, turn.turn_id), turn.turn_id) is None,
         30,
         message="the hand-off left the ended turn's backstop wakeup behind",
     )

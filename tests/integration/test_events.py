@@ -68,7 +68,7 @@ def _live_copies(bus: Any, turn_id: str, publish: Callable[[], None]) -> int:
     subscriber (which does not count itself as a follower). Redis writes a PUBLISH's
     messages before its reply, so a PING answered after them closes the count."""
     listener = bus.redis.pubsub()
-    listener.subscribe(k.events_channel(turn_id))
+    listener.subscribe(k.turn_key(turn_id, "events"))
     try:
         assert listener.get_message(timeout=5)["type"] == "subscribe"
         publish()
@@ -99,7 +99,7 @@ def test_live_copy_carries_the_stream_id_for_sse(agentq_env) -> None:
 
     t = threading.Thread(target=run)
     t.start()
-    wait_for(lambda: bus.redis.pubsub_numsub(k.events_channel(turn_id))[0][1] > 0, 5)
+    wait_for(lambda: bus.redis.pubsub_numsub(k.turn_key(turn_id, "events"))[0][1] > 0, 5)
 
     def two() -> None:
         bus.publish(turn_id, "turn_started")

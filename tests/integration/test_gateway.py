@@ -16,7 +16,7 @@ from redis.retry import Retry
 
 from agentq.api import Client
 from agentq.config import get_settings
-from agentq.constants import events_channel
+from agentq.constants import turn_key
 from agentq.gateway import BackgroundServer, create_app
 from agentq.local.processes import wait_for
 from agentq.state.store import TurnStore
@@ -275,7 +275,7 @@ def test_disconnect_leaves_a_detached_turn_running(fleet, llm_server, http, clie
         next(m for m in events if m.event == "tool_started")
         beat = next(m for m in events if m.comment is not None)
         assert beat.comment == "keep-alive"
-        channel = events_channel(h["turn_id"])
+        channel = turn_key(h["turn_id"], "events")
         assert client._store.redis.pubsub_numsub(channel)[0][1] == 1
     # The gateway counts a stream closed only after it has handled the disconnect.
     wait_for(lambda: sse_connections(http) == 0, 10, 0.1, message="the stream was not closed")

@@ -152,7 +152,7 @@ def test_abort_cancels_within_50_ms(io_worker) -> None:
     time.sleep(0.2)
     store = get_store()
     t0 = time.time()
-    store.redis.set(k.cancel_key(turn_id), "user")
+    store.redis.set(k.turn_key(turn_id, "cancel"), "user")
     store.redis.publish(k.CANCEL_CHANNEL, turn_id)
 
     def cancelled_progress() -> Any:
@@ -189,7 +189,7 @@ def test_a_tool_that_saw_the_abort_and_raised_settles_cancelled(
     get_app().send_task(spec.task_name, kwargs=req.model_dump(), queue=spec.policy.queue)
     store = get_store()
     wait_for(lambda: req.call_id in store.call_progress(turn_id)[0], 10, message="started")
-    store.redis.set(k.cancel_key(turn_id), "user")
+    store.redis.set(k.turn_key(turn_id, "cancel"), "user")
     store.redis.publish(k.CANCEL_CHANNEL, turn_id)
     res = wait_for(lambda: store.result(turn_id, req.call_id), 10, message="settled")
     assert res.status == "cancelled", res

@@ -318,7 +318,7 @@ def test_a_wait_outlives_its_tools_hard_limit(fleet, llm_server, client: Client)
     deadline_s = record["deadline_ms"] / 1000
 
     def next_look() -> float | None:
-        return store.redis.zscore(k.turn_wakeups_key(turn_id), turn_id)
+        return store.redis.zscore(k.shard_key(k.WAKEUPS, turn_id), turn_id)
 
     # Past the call's hard limit plus grace (1.5 s in the tests' settings), the turn's
     # next look is still the waitpoint's deadline, and the call is not settled lost.

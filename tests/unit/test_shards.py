@@ -44,16 +44,16 @@ def test_a_turns_keys_its_indexes_and_its_children_share_one_slot(shards: int) -
     parent = secrets.token_hex(16)
     child = child_turn_id(parent, "call_1")
     assert len(child) == 32 and child != parent and child[:4] == parent[:4]
-    keys = [*k.turn_keys(parent), k.children_key(parent), k.events_channel(parent)]
-    keys += [k.interaction_key(parent, "c.approval")]
-    keys += [k.turn_wakeups_key(parent), k.turn_index_key(parent)]
-    keys += [k.agent_beat_key(parent, "c")]
-    keys += [k.turn_key(child), k.log_key(child)]
+    keys = [*k.turn_keys(parent), k.turn_key(parent, "children"), k.turn_key(parent, "events")]
+    keys += [k.turn_key(parent, "interaction", "c.approval")]
+    keys += [k.shard_key(k.WAKEUPS, parent), k.shard_key(k.TURNS_INDEX, parent)]
+    keys += [k.turn_key(parent, "beat", "c")]
+    keys += [k.turn_key(child), k.turn_key(child, "log")]
     assert {_slot(key) for key in keys} == {_slot(k.turn_key(parent))}
     # With one shard (one Redis) the names are the contract's: the tag is the turn id.
     k.set_shard_count(1)
     assert k.turn_key(parent) == f"agentq:turn:{{{parent}}}"
-    assert k.turn_wakeups_key(parent) == k.WAKEUPS == "agentq:turns:wakeups"
+    assert k.shard_key(k.WAKEUPS, parent) == k.WAKEUPS == "agentq:turns:wakeups"
 
 
 def test_sweeps_active_turns_and_the_listing_merge_every_shard(shards: int) -> None:
@@ -82,15 +82,15 @@ def test_sweeps_active_turns_and_the_listing_merge_every_shard(shards: int) -> N
         page = lister.page(TurnQuery(limit=10, before=page.next_before))
         seen += [t["turn_id"] for t in page.turns]
     assert seen == list(reversed(ids))  # newest first, across the shards, each once
-    assert sum(store.redis.zcard(k.index_key(s)) for s in k.shards()) == 24
+    assert sum(store.redis.zcard(k.shard_key(k.TURNS_INDEX, s)) for s in k.shards()) == 24
 
     # A turn whose keys expired leaves the index of its own shard when the listing meets it.
     gone = ids[5]
     for key in k.turn_keys(gone):
         store.redis.delete(key)
     lister.page(TurnQuery(limit=50))
-    assert store.redis.zscore(k.turn_index_key(gone), gone) is None
-    assert sum(store.redis.zcard(k.index_key(s)) for s in k.shards()) == 23
+    assert store.redis.zscore(k.shard_key(k.TURNS_INDEX, gone), gone) is None
+    assert sum(store.redis.zcard(k.shard_key(k.TURNS_INDEX, s)) for s in k.shards()) == 23
 
 
 def test_the_shard_count_comes_from_the_settings() -> None:

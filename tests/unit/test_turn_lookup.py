@@ -36,7 +36,7 @@ class Counting:
 
 
 def store_turn(r: Any, turn_id: str, created_at: float, *, alive: bool = True) -> None:
-    r.zadd(k.turn_index_key(turn_id), {turn_id: created_at})
+    r.zadd(k.shard_key(k.TURNS_INDEX, turn_id), {turn_id: created_at})
     if alive:
         r.hset(k.turn_key(turn_id), "status", '"running"')
 
@@ -72,10 +72,10 @@ def test_four_hex_digits_read_one_shard_and_fewer_read_them_all(four_shards: Non
     turn_id = secrets.token_hex(16)
     store_turn(r, turn_id, time.time())
     assert find_turn_ids(r, turn_id[:6]) == ([turn_id], False)
-    assert r.scanned == [k.turn_index_key(turn_id)]
+    assert r.scanned == [k.shard_key(k.TURNS_INDEX, turn_id)]
     r.scanned.clear()
     assert find_turn_ids(r, turn_id[:2])[0][:1] == [turn_id]
-    assert sorted(r.scanned) == sorted(k.index_key(s) for s in range(4))
+    assert sorted(r.scanned) == sorted(k.shard_key(k.TURNS_INDEX, s) for s in range(4))
 
 
 def test_the_scan_stops_at_the_limit_and_at_scan_max(monkeypatch: pytest.MonkeyPatch) -> None:
