@@ -389,11 +389,7 @@ BEAT_PREFIX = f"{PREFIX}:beat:"
 """celery-redbeat's key prefix: its entries, its schedule set and the lock of the one beat."""
 
 
-def schedule_state_key(name: str) -> str:
-    """Hash of a schedule's runs: last turn id, fired, skipped counts."""
-    return f"{PREFIX}:schedule:{name}:runs"
-
-
-def schedule_tick_key(name: str, tick: str) -> str:
-    """SET NX by the one tick task that starts the tick's turn (two beats, one turn)."""
-    return f"{PREFIX}:schedule:{name}:tick:{tick}"
+def schedule_key(name: str, tick: str | None = None) -> str:
+    """Hash of a schedule's runs (last turn id, fired, skipped counts); with a tick, the key
+    SET NX by the one tick task that starts the tick's turn (two beats, one turn)."""
+    return f"{PREFIX}:schedule:{name}:" + ("runs" if tick is None else f"tick:{tick}")

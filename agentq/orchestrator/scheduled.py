@@ -44,9 +44,9 @@ def run_tick(store: TurnStore, app: Celery, settings: Settings, name: str, tick:
     except ScheduleNotFound:
         return "gone"
     redis = store.redis
-    if not redis.set(k.schedule_tick_key(name, tick), "1", nx=True, ex=TICK_KEY_TTL_S):
+    if not redis.set(k.schedule_key(name, tick), "1", nx=True, ex=TICK_KEY_TTL_S):
         return "duplicate"
-    runs = k.schedule_state_key(name)
+    runs = k.schedule_key(name)
     last = redis.hget(runs, "last_turn_id")
     if last is not None and not spec.overlap:
         status = store.status(text(last))

@@ -52,7 +52,7 @@ class Schedules:
         entry = self._beat_entry(name)
         if entry is not None:
             entry.delete()
-        self.redis.delete(k.schedule_state_key(name))
+        self.redis.delete(k.schedule_key(name))
 
     def list(self) -> list[dict[str, Any]]:
         """Every schedule with its runs: last turn, fired and skipped ticks, next due."""
@@ -60,8 +60,7 @@ class Schedules:
         for name, raw in sorted(self.redis.hgetall(k.SCHEDULES).items()):
             spec = ScheduleSpec.model_validate_json(raw)
             runs = {
-                text(f): text(v)
-                for f, v in self.redis.hgetall(k.schedule_state_key(text(name))).items()
+                text(f): text(v) for f, v in self.redis.hgetall(k.schedule_key(text(name))).items()
             }
             last_fired_at = runs.get("last_fired_at")
             entry = self._beat_entry(spec.name)

@@ -286,10 +286,10 @@ def test_webhooks_and_schedules_on_a_cluster(make_rig) -> None:
     schedules.add(ScheduleSpec(name="report", every_s=1, prompt=f"{key} report"))
 
     def fired() -> int:
-        return int(redis.hget(k.schedule_state_key("report"), "fired") or 0)
+        return int(redis.hget(k.schedule_key("report"), "fired") or 0)
 
     wait_for(lambda: fired() >= 2, 30, message="two ticks of the schedule")
-    last = redis.hget(k.schedule_state_key("report"), "last_turn_id")
+    last = redis.hget(k.schedule_key("report"), "last_turn_id")
     assert last is not None
     done = rig.collect(last.decode(), timeout_s=30)
     assert done[-1].type == "turn_finished"

@@ -77,7 +77,7 @@ def schedules(agentq_env: dict[str, str]) -> Iterator[Schedules]:
 
 
 def runs(name: str) -> dict[str, str]:
-    raw = get_store().redis.hgetall(k.schedule_state_key(name))
+    raw = get_store().redis.hgetall(k.schedule_key(name))
     return {f.decode(): v.decode() for f, v in raw.items()}
 
 
@@ -92,7 +92,7 @@ def turns_of(name: str) -> list[dict[str, Any]]:
 
 
 def tick_keys(name: str) -> list[bytes]:
-    return list(get_store().redis.scan_iter(k.schedule_tick_key(name, "*")))
+    return list(get_store().redis.scan_iter(k.schedule_key(name, "*")))
 
 
 def test_ticks_start_turns_that_finish(
