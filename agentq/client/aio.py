@@ -145,9 +145,9 @@ class AsyncClient:
             merged = sorted(
                 ((text(i), text(k), f) for k, entries in reply for i, f in entries),
                 key=lambda e: (
-                    (parse_stream_id(e[0]) or (0, 0))[0],
+                    (pos := parse_stream_id(e[0]) or (0, 0))[0],
                     -len(streams[e[1]].path),
-                    (parse_stream_id(e[0]) or (0, 0))[1],
+                    pos[1],
                 ),
             )
             for stream_id, key, fields in merged:
