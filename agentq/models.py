@@ -440,7 +440,7 @@ class TurnRequest(_Closed):
     """What a client sends to start a turn."""
 
     prompt: _Text = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Annotated[list[dict[str, Any]], AfterValidator(check_messages)] | None = None
     conversation_id: str | None = Field(default=None, max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")
     conversation_token: _Text = Field(default=None, max_length=128)
     """Continues a conversation created without a key: the token its first turn returned."""
@@ -461,11 +461,6 @@ class TurnRequest(_Closed):
         default=None, gt=0, le=MAX_TURN_COST_USD, allow_inf_nan=False
     )
     """The turn's budget in USD, its sub-agents' included; its model needs a price."""
-
-    @field_validator("messages")
-    @classmethod
-    def _chat_messages(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        return None if v is None else check_messages(v)
 
     @model_validator(mode="after")
     def _multitask_needs_conversation(self) -> TurnRequest:
