@@ -109,9 +109,8 @@ class ServerLink:
         self.starts = 0
         self.reported_ok: bool | None = None
         """What /healthz was last told of this server by this process."""
-        self.callers: dict[int, ToolContext] = {}
+        self.callers: set[ToolContext] = set()
         """The calls in flight on the session (whose turn an elicitation asks: `_on_elicit`)."""
-        self._caller_ids = itertools.count()
 
     @property
     def name(self) -> str:
@@ -303,7 +302,7 @@ class ServerLink:
                 "not a form" if len(self.callers) == 1 else f"{len(self.callers)} calls in flight",
             )
             return types.ElicitResult(action="decline")
-        (caller,) = self.callers.values()
+        (caller,) = self.callers
         action, content = await asyncio.to_thread(ask, caller, message, schema)
         if action == "accept" and isinstance(content, dict):
             return types.ElicitResult(action="accept", content=content)
@@ -320,9 +319,8 @@ class ServerLink:
         McpToolFailed when it answered with a protocol error. `caller`: the call whose turn
         a question the server asks meanwhile goes to (`_on_elicit`)."""
         session = await self.session()
-        slot = next(self._caller_ids)
         if caller is not None:
-            self.callers[slot] = caller
+            self.callers.add(caller)
         try:
             result = await session.call_tool(tool, arguments, progress_callback=on_progress)
         except asyncio.CancelledError:
@@ -340,7 +338,8 @@ class ServerLink:
             self.failures = 0
             raise McpToolFailed(self.name, tool, explain(exc)) from None
         finally:
-            self.callers.pop(slot, None)
+            if caller is not None:
+                self.callers.discard(caller)
         self.failures = 0
         return result
 
