@@ -12,10 +12,11 @@ import json
 import re
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from agentq import constants as k
 from agentq.mcp.servers import McpServer
@@ -32,6 +33,7 @@ MAX_NAME = 64
 FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
 _HASH_CHARS = 8
+T = TypeVar("T")
 
 
 def tool_name(server: str, tool: str) -> str:
@@ -94,12 +96,16 @@ class Listing(BaseModel):
 
 def read_listings(redis: Any) -> dict[str, Listing]:
     """The listings the fleet shares in Redis (`agentq:mcp:tools`), those that parse."""
+    return _by_server(redis, k.MCP_TOOLS, Listing.model_validate_json)
+
+
+def _by_server(redis: Any, key: str, parse: Callable[[Any], T]) -> dict[str, T]:
+    """A hash of one JSON entry per server, each entry that parses."""
     out = {}
-    for name, raw in (redis.hgetall(k.MCP_TOOLS) or {}).items():
+    for name, raw in (redis.hgetall(key) or {}).items():
         try:
-            key = name.decode() if isinstance(name, bytes) else str(name)
-            out[key] = Listing.model_validate_json(raw)
-        except ValidationError:
+            out[name.decode() if isinstance(name, bytes) else str(name)] = parse(raw)
+        except ValueError:  # pydantic's ValidationError among them
             continue
     return out
 
@@ -190,15 +196,8 @@ def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, An
     row and when (public: /healthz); with `detail` the error and the worker too (the
     console, for admins)."""
     fields = ("ok", "failures", "at", "error", "worker") if detail else ("ok", "failures", "at")
-    out = {}
-    for name, raw in (redis.hgetall(k.MCP_HEALTH) or {}).items():
-        try:
-            entry = json.loads(raw)
-        except ValueError:
-            continue
-        key = name.decode() if isinstance(name, bytes) else str(name)
-        out[key] = {f: entry.get(f) for f in fields}
-    return out
+    entries = _by_server(redis, k.MCP_HEALTH, json.loads)
+    return {name: {f: entry.get(f) for f in fields} for name, entry in entries.items()}
 
 
 def servers_view(redis: Any, servers: dict[str, McpServer]) -> list[dict[str, Any]]:
