@@ -25,7 +25,7 @@ from agentq.telemetry import tracing
 from agentq.tools.calls import (
     CallScope,
     Waiting,
-    call_kwargs,
+    invoke,
     mark_started,
     observed,
     outcome,
@@ -89,7 +89,7 @@ class _AsyncCall:
             log.info("call %s of %s: %s", self.req.call_id, self.spec.name, why_not)
             return why_not
         try:
-            inner = self.start(call_kwargs(self.spec, self.req))
+            inner = self.start()
         except Exception as exc:
             result = outcome(scope, self.spec, host.settings, raised=exc)
         else:
@@ -111,16 +111,13 @@ class _AsyncCall:
         if self._settling.acquire(blocking=False):
             settle(self.host.store, scope, result)
 
-    def start(self, kwargs: dict[str, Any]) -> asyncio.Future[Any]:
+    def start(self) -> asyncio.Future[Any]:
         """The tool's run: a task on the loop, or a thread of the pool (`thread=True`)."""
-        spec = self.spec
-        args = (self.ctx,) if spec.wants_ctx else ()
         loop = asyncio.get_running_loop()
-        if spec.kind == "thread":
-            return loop.run_in_executor(
-                self.host.threads, functools.partial(spec.fn, *args, **kwargs)
-            )
-        return loop.create_task(_await(spec.fn(*args, **kwargs)), name=self.name)
+        run = functools.partial(invoke, self.spec, self.ctx, self.req)
+        if self.spec.kind == "thread":
+            return loop.run_in_executor(self.host.threads, run)
+        return loop.create_task(_await(run()), name=self.name)
 
     def _soft(self, inner: asyncio.Future[Any]) -> None:
         if not inner.done():

@@ -324,13 +324,14 @@ def tick(store: TurnStore, scope: CallScope) -> None:
     store.bus.publish(scope.req.turn_id, "tool_progress", **fields)
 
 
-def call_kwargs(spec: ToolSpec, req: ToolTaskRequest) -> dict[str, Any]:
-    """The validated arguments (ToolArgumentsInvalid when the model's are wrong)."""
+def invoke(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:
+    """Call the tool with the call's validated arguments (ToolArgumentsInvalid when the
+    model's are wrong), and its ToolContext first when it takes one."""
     validated = spec.validate(req.arguments)
     kwargs = {name: getattr(validated, name) for name in type(validated).model_fields}
     # A model that keeps extra fields (an MCP tool's, checked by its JSON schema) passes them on.
     kwargs.update(validated.model_extra or {})
-    return kwargs
+    return spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
 
 
 def check_value(spec: ToolSpec, value: Any) -> Any:

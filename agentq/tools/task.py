@@ -31,7 +31,7 @@ from agentq.telemetry import tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
     CallScope,
-    call_kwargs,
+    invoke,
     mark_started,
     observed,
     outcome,
@@ -196,8 +196,7 @@ def _run(
     with _soft_limit(scope) as soft:
         try:
             with _ticker.running(store, scope, settings.progress_interval_s):
-                kwargs = call_kwargs(spec, scope.req)
-                value = spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
+                value = invoke(spec, ctx, scope.req)
         except Exception as exc:  # the soft limit's SoftTimeLimitExceeded among them
             raised = exc
         soft.done = True
