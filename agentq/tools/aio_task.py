@@ -76,7 +76,7 @@ class _AsyncCall:
         scope.started = time.time()
         req = self.req = scope.req
         self.name = f"{spec.task_name}:{req.call_id}"
-        self.abort_wait = asyncio.Event()
+        self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.soft_fired = False
         self._settling = threading.Lock()
         """Taken, never released, by whoever settles the call: the first to try, alone."""
@@ -100,7 +100,8 @@ class _AsyncCall:
 
     def _abort(self) -> None:
         self.ctx._cancelled = True
-        self.abort_wait.set()
+        if not self.aborted.done():
+            self.aborted.set_result(None)
 
     def _recycled(self, why: str, blocked: bool) -> None:
         scope, req = self.scope, self.req
@@ -144,16 +145,14 @@ class _AsyncCall:
         if req.timeout_s > 0:
             hard_left = max(0.0, req.timeout_s - (time.time() - scope.started))
             host.loop.watch(self.name, time.monotonic() + hard_left)
-        waiter = loop.create_task(self.abort_wait.wait())
         try:
             done, _ = await asyncio.wait(
-                {inner, waiter}, timeout=hard_left, return_when=asyncio.FIRST_COMPLETED
+                {inner, self.aborted}, timeout=hard_left, return_when=asyncio.FIRST_COMPLETED
             )
         finally:
             host.loop.unwatch(self.name)
             remove_cancel()
             ticker.cancel()
-            waiter.cancel()
             if soft_timer is not None:
                 soft_timer.cancel()
         value: Any = None
