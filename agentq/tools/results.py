@@ -9,37 +9,19 @@ from typing import Any
 from agentq.models import InvocationRecord, ToolCall, ToolResult, ToolStatus
 
 
-def record_for(
-    call: ToolCall,
-    status: ToolStatus,
-    *,
-    started_at: float | None = None,
-    finished_at: float | None = None,
-    **extra: Any,
-) -> InvocationRecord:
-    finished = finished_at if finished_at is not None else time.time()
-    duration_ms = int((finished - started_at) * 1000) if started_at is not None else None
-    return InvocationRecord(
-        call_id=call.id,
-        tool=call.name,
-        status=status,
-        started_at=started_at,
-        finished_at=finished,
-        duration_ms=duration_ms,
-        **extra,
-    )
-
-
 def _result(
     call: ToolCall, status: ToolStatus, shown: dict[str, Any], record: dict[str, Any], **fields: Any
 ) -> ToolResult:
     """A result of `status`; its content, what the model reads, is `shown` after the status
-    unless `fields` give it."""
+    unless `fields` give it. `record`: its InvocationRecord's fields, `finished_at` now
+    unless given."""
+    finished = record.pop("finished_at", None) or time.time()
+    started = record.get("started_at")
+    duration_ms = int((finished - started) * 1000) if started is not None else None
+    ids: dict[str, Any] = {"call_id": call.id, "tool": call.name, "status": status}
     return ToolResult(
-        call_id=call.id,
-        tool=call.name,
-        status=status,
-        record=record_for(call, status, **record),
+        **ids,
+        record=InvocationRecord(**ids, finished_at=finished, duration_ms=duration_ms, **record),
         **{"content": json.dumps({"status": status, **shown}), **fields},
     )
 
