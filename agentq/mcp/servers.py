@@ -82,16 +82,14 @@ class McpServer(BaseModel):
     def resolved_headers(self) -> dict[str, str]:
         """The headers with `${NAME}` read from this process's environment (ConfigError
         naming the variable, not its value, when it is unset)."""
+        out = {}
         for key, value in self.headers.items():
-            for name in _ENV_REF.findall(value):
-                if name not in os.environ:
-                    raise ConfigError(
-                        SETTING, f"server {self.name!r}: header {key!r} names ${name}, unset"
-                    )
-        return {
-            key: _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
-            for key, value in self.headers.items()
-        }
+            unset = [name for name in _ENV_REF.findall(value) if name not in os.environ]
+            if unset:
+                why = f"server {self.name!r}: header {key!r} names ${unset[0]}, unset"
+                raise ConfigError(SETTING, why)
+            out[key] = _ENV_REF.sub(lambda m: os.environ[m.group(1)], value)
+        return out
 
     def describe(self) -> str:
         """Where the server is, for messages: argv[0] or the URL without its query."""
