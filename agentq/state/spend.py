@@ -23,7 +23,7 @@ idempotent: a step that runs again finds its round reserved, or settled (docs/sp
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -295,19 +295,20 @@ class Spend:
         self,
         *,
         owner: str | None,
-        turn_id: str,
-        parents: list[str],
-        reservation: str,
         day: str,
         prompt_tokens: int,
-        want: int,
         price: ModelPrice | None,
-        max_tokens: int | None,
-        max_usd: float | None,
+        turn_id: str = "",
+        parents: Sequence[str] = (),
+        reservation: str = "",
+        want: int = MIN_COMPLETION_TOKENS,
+        max_tokens: int | None = None,
+        max_usd: float | None = None,
     ) -> int | None:
         """Reserve a round against every budget it counts against: the completion it may
         produce (its `max_completion_tokens`; None: no budget bounds it); BudgetExceeded
-        (with when a key's resets) names one that cannot afford it."""
+        (with when a key's resets) names one that cannot afford it. Without a reservation,
+        a start's check (`check_key`)."""
         kb = self.settings.key_budgets.get(owner or "")
         args = ReserveArgs(
             reservation,
@@ -332,7 +333,7 @@ class Spend:
         raise BudgetExceeded(scope, name, _num(spent), _num(limit), when)
 
     def settle(
-        self, *, owner: str | None, turn_id: str, parents: list[str], settle: Settlement
+        self, *, owner: str | None, turn_id: str, parents: Sequence[str], settle: Settlement
     ) -> bool:
         """Settle a round to its usage (replacing its reservation); False if settled before."""
         u = settle.usage
@@ -376,18 +377,7 @@ class Spend:
         """Raise BudgetExceeded for a key budget that refuses a start: one that cannot afford
         its least round (its prompt and MIN_COMPLETION_TOKENS), or that refused a round of the
         key's this period. RESERVE decides it, reserving nothing."""
-        self.reserve(
-            owner=owner,
-            turn_id="",
-            parents=[],
-            reservation="",
-            day=day,
-            prompt_tokens=prompt_tokens,
-            want=MIN_COMPLETION_TOKENS,
-            price=price,
-            max_tokens=None,
-            max_usd=None,
-        )
+        self.reserve(owner=owner, day=day, prompt_tokens=prompt_tokens, price=price)
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
         """A turn's spend with its sub-agents' (reservations in flight included in
