@@ -41,9 +41,6 @@ class Started(IntEnum):
     """Recorded: the call runs."""
     REDELIVERED = 2
     """This delivery started already (a restored unacked message): not run twice."""
-    STARTED_ALONE = 3
-    """Recorded, and the call is the batch's only one in flight: its settle will most
-    likely take the turn's step (see `settle`'s `alone`)."""
 
 
 class SettleArgs(NamedTuple):
@@ -63,8 +60,6 @@ class SettleArgs(NamedTuple):
     lock_ms: int
     tracked: str
     """"1": the call was recorded as sent, so it counts in the batch in flight."""
-    alone: str
-    """"1": the call was its batch's only one when it started."""
     waitpoint: str
     """"1": a waitpoint's completion: stored only while the call's waitpoint is open."""
 
@@ -74,12 +69,8 @@ class SettleArgs(NamedTuple):
 # settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
 SETTLE_LUA = (
     bind_lua(TurnKeys, SettleArgs)
-    # A call alone in its batch is the last: its settle takes the step, so the state is
-    # read whole at once (see `wake_or_step_lua`).
     + turn_open_lua(
-        f"{Settled.TURN_GONE:d}",
-        whole="alone == '1' and token ~= ''",
-        extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"),
+        f"{Settled.TURN_GONE:d}", extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id")
     )
     + f"""
 if more[1] then return {Settled.LOST:d} end
@@ -144,15 +135,13 @@ if more[2] and delivery ~= '' then
     if rec['claim'] == nil or rec['claim'] ~= cjson.decode(start)['claim'] then
       return {Started.REDELIVERED:d}
     end
-    return unsettled <= 1 and {Started.STARTED_ALONE:d} or {Started.STARTED:d}
+    return {Started.STARTED:d}
   end
 end
 {publish_lua("log_key", "channel", "event", "log_opts", "watched")}
 redis.call('HSET', turn_key, '{k.STARTED}' .. call_id, start, '{SEQ_FIELD}', seq)
+return {Started.STARTED:d}
 """
-    # Alone in the batch in flight (which counts it: recorded before sent), its settle
-    # will be the one that takes the turn's step.
-    + f"return unsettled <= 1 and {Started.STARTED_ALONE:d} or {Started.STARTED:d}"
 )
 
 # RECORD_DISPATCH_LUA: dispatch records written apart from a step's release (a sub-agent
@@ -282,15 +271,12 @@ class CallRecords(StoreBase):
         *,
         wake: bool = True,
         tracked: bool = True,
-        alone: bool = False,
         waitpoint: bool = False,
     ) -> Settled:
         """Store a call's result unless one is stored already (first writer wins).
 
         `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
-        for a call never recorded as sent (refused, denied). `alone` (`STARTED_ALONE`): this
-        settle most likely takes the turn's step, so it reads the whole state at once; a
-        wrong guess costs a larger read, nothing else. `waitpoint`: a waitpoint's
+        for a call never recorded as sent (refused, denied). `waitpoint`: a waitpoint's
         completion, stored only while the call's waitpoint is open (else NOT_WAITING or
         EXPIRED).
         """
@@ -308,7 +294,6 @@ class CallRecords(StoreBase):
             token,
             lock_ms,
             "1" if tracked else "0",
-            "1" if alone else "0",
             "1" if waitpoint else "0",
         )
         answer = self._durable(self._settle, keys=TurnKeys.of(turn_id), args=list(args))

@@ -32,33 +32,14 @@ _OPEN = (
 _OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
 
-def turn_open_lua(ended: str, whole: str | None = None, extra: tuple[str, ...] = ()) -> str:
+def turn_open_lua(ended: str, extra: tuple[str, ...] = ()) -> str:
     """Lua that reads what every write to a turn (`turn_key`) checks first, and answers
     `ended` for a turn that is over or lost: nothing is written after its terminal event,
     and nothing recreates half of a vanished turn. It binds the `_OPEN` fields and `more`
-    (the fields the Lua expressions `extra` name); when the Lua condition `whole` holds it
-    reads the whole state (`whole_st`, `whole_at`: field -> index) for `wake_or_step_lua`.
-    """
+    (the fields the Lua expressions `extra` name)."""
     names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
-    read = f"local open = redis.call('HMGET', turn_key, {names})\n"
-    if whole is not None:
-        read = f"""
-local whole_st, whole_at, open = false, {{}}, nil
-if {whole} then
-  whole_st = redis.call('HGETALL', turn_key)
-  for i = 1, #whole_st, 2 do whole_at[whole_st[i]] = i end
-  open = {{}}
-  for i, name in ipairs({{{names}}}) do
-    local j = whole_at[name]
-    open[i] = j and whole_st[j + 1] or false
-  end
-else
-  open = redis.call('HMGET', turn_key, {names})
-end
-"""
-    return (
-        read
-        + f"""local status, watched, cancelled = open[1], open[2], open[3]
+    return f"""local open = redis.call('HMGET', turn_key, {names})
+local status, watched, cancelled = open[1], open[2], open[3]
 local seq = tonumber(open[4]) or 0
 local held, unsettled, kids = open[5], tonumber(open[6]) or 0, open[7]
 local hlen = tonumber(open[8]) or 0
@@ -68,7 +49,6 @@ if not status or {ended_lua("status")} then
   return {ended}
 end
 """
-    )
 
 
 # The step lock is a field of the turn's state (STEP_FIELD), so the scripts that take,
@@ -183,30 +163,12 @@ def wake_or_step_lua(fields: str, stepped: int) -> str:
     (`token` set) while the lock is free, takes the lock and answers `stepped` with the
     step's view, as BEGIN would: one round trip fewer between a batch's last result and
     the step that collects it. Such a step needs no dirty mark, only its wakeup, should
-    its process die in it; the view is `whole_st` with these fields laid over when
-    `turn_open_lua` read it whole."""
+    its process die in it."""
     return f"""
 if token ~= '' and {lock_free_lua("held")} then
-  local w = {{'{STEP_FIELD}', {LOCK_VALUE_LUA}, {fields}}}
-  redis.call('HSET', turn_key, unpack(w))
+  redis.call('HSET', turn_key, '{STEP_FIELD}', {LOCK_VALUE_LUA}, {fields})
   redis.call('ZADD', wakeups_key, 'LT', wake_at, turn_id)
-  local st = whole_st
-  if st then
-    for i = 1, #w, 2 do
-      local v = w[i + 1]
-      if type(v) == 'number' then v = string.format('%.17g', v) end
-      local j = whole_at[w[i]]
-      if j then
-        st[j + 1] = v
-      else
-        st[#st + 1] = w[i]
-        st[#st + 1] = v
-        whole_at[w[i]] = #st - 1
-      end
-    end
-  else
-    st = redis.call('HGETALL', turn_key)
-  end
+  local st = redis.call('HGETALL', turn_key)
   return {{{stepped:d}, unpack({view_lua("st")})}}
 end
 """ + wake_lua(fields)

@@ -68,8 +68,7 @@ FINISH_LLM_LUA = (
 local done = tonumber(redis.call('HGET', turn_key, '{k.LLM_RESULT_ROUND_FIELD}')) or -1
 if done >= tonumber(round_no) then return {RoundFinished.DONE:d} end
 """
-    # A round's end always wakes its turn: a writer that steps it reads the state whole.
-    + turn_open_lua(f"{RoundFinished.TURN_GONE:d}", whole="token ~= ''")
+    + turn_open_lua(f"{RoundFinished.TURN_GONE:d}")
     + f"""
 for i = events_at, #ARGV do
 {publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watched")}
@@ -103,7 +102,6 @@ BEGIN_LLM_LUA = (
     bind_lua(TurnKeys, BeginLlmArgs)
     + turn_open_lua(
         f"{{{RoundBegun.GONE:d}}}",
-        whole="true",
         extra=(f"'{k.LLM_RESULT_ROUND_FIELD}'", f"'{k.LLM_ALIVE_FIELD}'"),
     )
     + f"""
@@ -119,7 +117,8 @@ end
 redis.call('HSET', turn_key, '{SEQ_FIELD}', seq, '{k.LLM_TAKEN_FIELD}', round_no,
   '{k.LLM_ALIVE_FIELD}', lease)
 local followed = watched and tonumber(watched) > 0 and 1 or 0
-local view = {view_lua("whole_st")}
+local st = redis.call('HGETALL', turn_key)
+local view = {view_lua("st")}
 return {{{RoundBegun.CLAIMED:d}, cancelled and 1 or 0, view[2], followed}}
 """
 )

@@ -46,8 +46,6 @@ class CallScope:
     task_id: str | None
     started: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
-    alone: bool = False
-    """The call was its turn's only one in flight when it started (see `settle`)."""
 
     @property
     def call(self) -> ToolCall:
@@ -200,7 +198,7 @@ def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> 
     if result.status != "ok":
         result.record.overran = overran(time.time() - scope.started, scope.req.budget_s)
     held_writes.hold(
-        lambda: store.settle(scope.req.turn_id, result, alone=scope.alone),
+        lambda: store.settle(scope.req.turn_id, result),
         settle_deadline(scope, get_settings().tool_grace_s),
         f"the result of call {scope.req.call_id} ({scope.req.tool})",
     )
@@ -240,7 +238,6 @@ def mark_started(
         ),
         f"the start of call {req.call_id} ({req.tool})",
     )
-    scope.alone = claim is Started.STARTED_ALONE
     if claim is Started.CANCELLED:
         settle(store, scope, scope.cancelled())
     return _NOT_RUN.get(claim)

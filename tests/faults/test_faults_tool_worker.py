@@ -74,13 +74,12 @@ def test_a_delivery_handed_out_again_while_it_runs_does_not_start_twice(rig) -> 
     store.create(tid, {"status": "running"}, [{"role": "user", "content": "x"}])
     first = {"started_at": 1.0, "delivery": "task-1/0"}
     event = {"call_id": "c1", "tool": "counted"}
-    # Started, alone: the only call in flight, as none is recorded here.
-    assert store.mark_started(tid, "c1", first, event) is Started.STARTED_ALONE
+    assert store.mark_started(tid, "c1", first, event) is Started.STARTED
     again = store.mark_started(tid, "c1", {**first, "started_at": 2.0}, event)
     assert again is Started.REDELIVERED
     # An explicit retry (Celery's retry count went up) is a new delivery: it may run.
     retried = store.mark_started(tid, "c1", {"started_at": 3.0, "delivery": "task-1/1"}, event)
-    assert retried is Started.STARTED_ALONE
+    assert retried is Started.STARTED
     store.close(tid, TurnStatus.FINISHED, "turn_finished", {})
     # Nothing starts, and nothing settles, in a turn that is over.
     assert store.mark_started(tid, "c2", {"delivery": "task-2/0"}, event) is Started.TURN_GONE

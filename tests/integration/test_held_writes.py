@@ -35,8 +35,8 @@ def test_a_start_sent_again_with_its_own_claim_runs_the_call(client) -> None:  #
     tid = _turn(store)
     start = {"started_at": 1.0, "delivery": "task-1/0", "claim": "aaaa"}
     event = {"call_id": "c1", "tool": "counted"}
-    assert store.mark_started(tid, "c1", start, event) is Started.STARTED_ALONE
-    assert store.mark_started(tid, "c1", start, event) is Started.STARTED_ALONE
+    assert store.mark_started(tid, "c1", start, event) is Started.STARTED
+    assert store.mark_started(tid, "c1", start, event) is Started.STARTED
     # The broker's second copy of the same delivery has another claim: not run twice.
     other = {**start, "claim": "bbbb"}
     assert store.mark_started(tid, "c1", other, event) is Started.REDELIVERED

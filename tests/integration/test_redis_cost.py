@@ -90,13 +90,11 @@ def _one_call(store: TurnStore) -> tuple[str, dict[str, int]]:
             store.mark_started(turn_id, call.id, start, {"call_id": call.id, "tool": "noop"})
         ),
     )
-    assert answers == [3]  # alone in its batch
+    assert answers == [1]
     stepper = _Stepper()
     store.stepper = stepper
     try:
-        cost["settle"] = _cost(
-            r, lambda: store.settle(turn_id, error_result(call, "done"), alone=True)
-        )
+        cost["settle"] = _cost(r, lambda: store.settle(turn_id, error_result(call, "done")))
     finally:
         store.stepper = None
     ((token, view),) = stepper.taken
@@ -136,16 +134,16 @@ def test_a_no_op_calls_writes_cost_the_commands_the_benchmark_counts(
         "send": 5,
         # the state and the call's records in one HMGET, tool_started, one HSET
         "start": 4,
-        # the whole state (the history for the step it takes among it), tool_finished,
-        # one HSET (result, step lock), the backstop
-        "settle": 5,
+        # the state and the call's records in one HMGET, tool_finished, one HSET (result,
+        # step lock), the backstop, the whole state (the step it takes reads it)
+        "settle": 6,
         # fenced: turn_finished, the state with the last messages, the wakeup gone, 2 TTLs
         "end": 7,
     }, cost
-    # With the call's message (LPUSH and BRPOP) and the client's read of the end, 30: the
+    # With the call's message (LPUSH and BRPOP) and the client's read of the end, 31: the
     # bench's `agentq_redis_commands_per_call`, whose caller sends the call as a stream
-    # worker sends a model round's calls; 32 when a turn worker's step sends it (the
+    # worker sends a model round's calls; 33 when a turn worker's step sends it (the
     # step's own message is two more).
-    assert sum(cost.values()) + 2 + 1 == 30
+    assert sum(cost.values()) + 2 + 1 == 31
     # The history the steps wrote is the turn's, in order.
     assert [m["role"] for m in store.history(turn_id)] == ["user", "assistant", "tool"]

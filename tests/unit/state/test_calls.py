@@ -78,8 +78,7 @@ def test_a_turns_call_records_are_fields_of_its_state_that_state_reads_leave_out
     store.record_dispatch("t1", {"c1": {"task_id": "a"}})
     start = {"started_at": 1.0, "worker": "w", "pid": 1, "task_id": "a", "attempt": 1}
     assert (
-        store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"})
-        == Started.STARTED_ALONE
+        store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"}) == Started.STARTED
     )
     assert store.settle("t1", error_result(CALL, "one"), wake=False)
     fields = {f.decode() for f in store.redis.hkeys(k.turn_key("t1"))}
@@ -152,6 +151,6 @@ def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(
     store.record_dispatch("t1", {"c1": {"task_id": "x"}})
     given = _failover_on_first_run(store, lambda: None, monkeypatch)
     mine = {**START, "delivery": "x.1", "claim": "mine"}
-    assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.STARTED_ALONE
+    assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.STARTED
     assert given == [0, 1]
     assert store.call_progress("t1")[0]["c1"]["claim"] == "mine"

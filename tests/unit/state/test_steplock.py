@@ -97,13 +97,12 @@ def test_a_lone_calls_settle_hands_its_step_the_view_a_fresh_read_gives(store: T
     store.record_dispatch("t1", {"c1": {"task_id": "a"}})
     start = {"started_at": 1.0, "worker": "w", "pid": 1, "task_id": "a", "attempt": 1}
     assert (
-        store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"})
-        == Started.STARTED_ALONE
+        store.mark_started("t1", "c1", start, {"call_id": "c1", "tool": "echo"}) == Started.STARTED
     )
     capture = Capture()
     store.stepper = capture
-    # Its settle reads the state whole before it writes, and lays its writes over it.
-    assert store.settle("t1", error_result(CALL, "one"), alone=True)
+    # Its settle takes the step with the state it wrote.
+    assert store.settle("t1", error_result(CALL, "one"))
     (taken,) = capture.views
     token = holder(store, "t1")
     assert token is not None
