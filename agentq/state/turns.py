@@ -288,9 +288,7 @@ class TurnRecords(StoreBase):
         keys = [
             *TurnKeys.of(turn_id),
             k.turn_key(turn_id, "children"),
-            k.turn_key(pid),
-            k.turn_key(pid, "log"),
-            k.turn_key(pid, "events"),
+            *TurnKeys.of(pid)[:3],
             *k.turn_keys(turn_id),
         ]
         args = CloseArgs(
