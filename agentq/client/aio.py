@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
-from agentq.api import DEFAULT_TIMEOUT_S, _Started
+from agentq.api import DEFAULT_TIMEOUT_S, Client, Turn, _Started
 from agentq.config import Settings, get_settings
 from agentq.constants import turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
@@ -24,15 +24,15 @@ from agentq.events.follow import Cursor, Relay
 from agentq.fleet.connections import async_redis_client
 from agentq.models import parse_stream_id
 from agentq.state.base import text
-from agentq.state.results import TurnResult, TurnView, settle
+from agentq.state.results import TurnResult, settle
 
 if TYPE_CHECKING:
     from typing import Unpack
 
     from agentq.agents import Agent
-    from agentq.api import Client, StartOptions, Turn
-    from agentq.models import ToolResult
+    from agentq.api import StartOptions
 
+P = ParamSpec("P")
 R = TypeVar("R")
 
 READ_COUNT = 500
@@ -44,12 +44,36 @@ MAX_CONNECTIONS = 4096
 (its XREAD BLOCK) while it waits."""
 
 
+def _threaded(
+    method: Callable[Concatenate[Client, P], R],
+) -> Callable[Concatenate[AsyncClient, P], Awaitable[R]]:
+    """`Client`'s method as a coroutine: it has no asyncio form, so it runs on the threads."""
+
+    async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return await self._call(method, self._client, *args, **kwargs)
+
+    call.__doc__ = method.__doc__
+    return call
+
+
+def _starts(
+    method: Callable[Concatenate[Client, P], Turn],
+) -> Callable[Concatenate[AsyncClient, P], Awaitable[AsyncTurn]]:
+    """`Client`'s method that starts a turn, as a coroutine that returns its `AsyncTurn`."""
+    threaded = _threaded(method)
+
+    async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> AsyncTurn:
+        turn = await threaded(self, *args, **kwargs)
+        return AsyncTurn(self, turn.handle, turn._output_type)
+
+    call.__doc__ = method.__doc__
+    return call
+
+
 class AsyncClient:
     """`Client` for asyncio code: `async with AsyncClient() as client: await client.run(...)`."""
 
     def __init__(self, settings: Settings | None = None) -> None:
-        from agentq.api import Client
-
         self.settings = settings or get_settings()
         if self.settings.redis_cluster_nodes:
             raise ConfigError(
@@ -78,23 +102,6 @@ class AsyncClient:
     async def _call(self, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
-
-    async def start(
-        self, agent: Agent | str | None, prompt: str | None = None, **options: Unpack[StartOptions]
-    ) -> AsyncTurn:
-        """`Client.start`: start a turn and return at once with its handle."""
-        return self._held(await self._call(self._client.start, agent, prompt, **options))
-
-    async def retry(self, turn_id: str, **options: Any) -> AsyncTurn:
-        """`Client.retry`: a new turn that goes on from where `turn_id` failed."""
-        return self._held(await self._call(self._client.retry, turn_id, **options))
-
-    async def fork(self, turn_id: str, at_round: int, **options: Any) -> AsyncTurn:
-        """`Client.fork`: a new turn from the history of `turn_id` before `at_round`."""
-        return self._held(await self._call(self._client.fork, turn_id, at_round, **options))
-
-    def _held(self, turn: Turn) -> AsyncTurn:
-        return AsyncTurn(self, turn.handle, turn._output_type)
 
     async def run(
         self,
@@ -169,25 +176,13 @@ class AsyncClient:
                 break
         raise TurnTimeout(turn_id, timeout_s)
 
-    async def get(self, turn_id: str) -> TurnView:
-        """`Client.get`: its state, history, invocation records and spend."""
-        return await self._call(self._client.get, turn_id)
-
-    async def abort(self, turn_id: str, token: str | None) -> None:
-        await self._call(self._client.abort, turn_id, token)
-
-    async def answer(
-        self,
-        turn_id: str,
-        request_id: str,
-        token: str | None,
-        decision: str,
-        value: str | None = None,
-    ) -> None:
-        await self._call(self._client.answer, turn_id, request_id, token, decision, value)
-
-    async def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
-        return await self._call(self._client.complete_waitpoint, waitpoint_id, token, result)
+    start = _starts(Client.start)
+    retry = _starts(Client.retry)
+    fork = _starts(Client.fork)
+    get = _threaded(Client.get)
+    abort = _threaded(Client.abort)
+    answer = _threaded(Client.answer)
+    complete_waitpoint = _threaded(Client.complete_waitpoint)
 
 
 class AsyncTurn(_Started):
