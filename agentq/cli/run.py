@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -34,29 +35,23 @@ def exit_code_for(ev: Event) -> int:
     return {"turn_finished": EXIT_OK, "turn_aborted": EXIT_ABORTED}.get(ev.type, EXIT_FAILED)
 
 
-class _Answerer:
-    """Asks the person at the terminal, one request at a time, in a background thread."""
+def _answerer(client: Client, turn_id: str, token: str) -> Callable[[Event], None]:
+    """Asks the person at the terminal, one request at a time, each on a background thread."""
+    busy = threading.Lock()
 
-    def __init__(self, client: Client, turn_id: str, token: str) -> None:
-        self.client, self.turn_id, self.token = client, turn_id, token
-        self._busy = threading.Lock()
-
-    def ask(self, ev: Event) -> None:
-        threading.Thread(target=self._ask, args=(ev,), daemon=True).start()
-
-    def _ask(self, ev: Event) -> None:
+    def ask(ev: Event) -> None:
         f = ev.fields
         # A sub-agent's request, relayed, is answered on its own turn: the turn's token
         # opens its sub-agents too.
-        turn_id = ev.turn_id if ev.path else self.turn_id
+        on = ev.turn_id if ev.path else turn_id
         prompt = (f"[{f['agent']}] " if ev.path and f.get("agent") else "") + str(f.get("prompt"))
         rid = str(f["request_id"])
-        with self._busy, contextlib.suppress(EOFError, AgentqError):
+        with busy, contextlib.suppress(EOFError, AgentqError):
             deadline = float(f.get("created_at") or time.time()) + int(f["timeout_ms"]) / 1000
             if f.get("kind") == "password":
                 secs = max(0, int(deadline - time.time()))
                 value: str | None = getpass.getpass(f"{prompt} password ({secs}s): ")
-                self.client.answer(turn_id, rid, self.token, "approve" if value else "deny", value)
+                client.answer(on, rid, token, "approve" if value else "deny", value)
                 return
             # A question is asked until an answer fits its schema (the line is JSON, or
             # plain text; an empty line declines); an approval takes y or yes.
@@ -67,13 +62,13 @@ class _Answerer:
                 value = line.strip() if question else None
                 yes = bool(value) if question else line.strip().lower() in ("y", "yes")
                 try:
-                    self.client.answer(
-                        turn_id, rid, self.token, "approve" if yes else "deny", value
-                    )
+                    client.answer(on, rid, token, "approve" if yes else "deny", value)
                     return
                 except AnswerInvalid as exc:
                     print(exc.message, flush=True)
             print("\nno answer in time" + ("" if question else ": denied"), flush=True)
+
+    return lambda ev: threading.Thread(target=ask, args=(ev,), daemon=True).start()
 
 
 def countdown_input(prompt: str, deadline: float) -> str | None:
@@ -107,7 +102,9 @@ def _say_admission(console: Console, handle: TurnHandle) -> None:
         )
 
 
-def _follow(client: Client, turn_id: str, asker: _Answerer | None, console: Console | None) -> int:
+def _follow(
+    client: Client, turn_id: str, asker: Callable[[Event], None] | None, console: Console | None
+) -> int:
     """The turn's live view, then its summary (no console: every event as a JSON line on
     stdout); the exit code of its end."""
     code = EXIT_FAILED
@@ -129,7 +126,7 @@ def _follow(client: Client, turn_id: str, asker: _Answerer | None, console: Cons
                     if live is not None:
                         live.stop()
                     asked = True
-                    asker.ask(ev)
+                    asker(ev)
                 if ev.ends_turn:
                     code = exit_code_for(ev)
             if live is not None:
@@ -177,7 +174,7 @@ def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: A
     # Prompted only where someone can answer: a terminal, and not a headless run.
     asker = None
     if not headless and sys.stdin.isatty():
-        asker = _Answerer(client, handle.turn_id, handle.token)
+        asker = _answerer(client, handle.turn_id, handle.token)
     try:
         return _follow(client, handle.turn_id, asker, None if as_json else console)
     except KeyboardInterrupt:
