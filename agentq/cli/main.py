@@ -163,6 +163,22 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
     return argv + opts
 
 
+CLIENT_COMMANDS = {
+    "run": "run.cmd_run",
+    "turns": "show.cmd_turns",
+    "show": "show.cmd_show",
+    "abort": "main._cmd_abort",
+    "answer": "main._cmd_answer",
+    "events": "main._cmd_events",
+    "retry": "replay.cmd_replay",
+    "fork": "replay.cmd_replay",
+    "conversations": "conversations.cmd_conversations",
+    "usage": "usage.cmd_usage",
+    "waitpoint": "waitpoints.cmd_waitpoint",
+}
+"""The commands that run on a Client: their function in agentq.cli, imported when it runs."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="agentq", description="LLM agent turns on a Celery fleet.")
     p.add_argument("--version", action="version", version=f"agentq {VERSION}")
@@ -333,7 +349,7 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     from agentq.config import get_settings
 
     get_settings()  # bad configuration fails here, naming the setting
-    if args.cmd in ("worker", "flower", "serve", "dev", "beat", "schedule"):
+    if args.cmd not in CLIENT_COMMANDS:
         return _process_command(args, rest)
     from agentq.api import Client
 
@@ -348,7 +364,10 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
         except AmbiguousTurnId as exc:
             print(ambiguity_text(client, exc), file=sys.stderr)
             return 2
-    return _client_command(client, args)
+    module, _, name = CLIENT_COMMANDS[args.cmd].rpartition(".")
+    cmd: Callable[[Client, argparse.Namespace], int]
+    cmd = getattr(importlib.import_module(f"agentq.cli.{module}"), name)
+    return cmd(client, args)
 
 
 def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
@@ -392,27 +411,6 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
     from agentq.cli.schedule import cmd_schedule
 
     return cmd_schedule(args, get_settings())
-
-
-def _client_command(client: Client, args: argparse.Namespace) -> int:
-    cmd: Callable[[Client, argparse.Namespace], int]
-    if args.cmd == "run":
-        from agentq.cli.run import cmd_run as cmd
-    elif args.cmd == "usage":
-        from agentq.cli.usage import cmd_usage as cmd
-    elif args.cmd == "conversations":
-        from agentq.cli.conversations import cmd_conversations as cmd
-    elif args.cmd == "waitpoint":
-        from agentq.cli.waitpoints import cmd_waitpoint as cmd
-    elif args.cmd in ("retry", "fork"):
-        from agentq.cli.replay import cmd_replay as cmd
-    elif args.cmd == "turns":
-        from agentq.cli.show import cmd_turns as cmd
-    elif args.cmd == "show":
-        from agentq.cli.show import cmd_show as cmd
-    else:
-        cmd = {"abort": _cmd_abort, "answer": _cmd_answer, "events": _cmd_events}[args.cmd]
-    return cmd(client, args)
 
 
 def _cmd_events(client: Client, args: argparse.Namespace) -> int:
