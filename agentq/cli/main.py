@@ -175,6 +175,7 @@ CLIENT_COMMANDS = {
     "conversations": "conversations.cmd_conversations",
     "usage": "usage.cmd_usage",
     "waitpoint": "waitpoints.cmd_waitpoint",
+    "schedule": "schedule.cmd_schedule",
 }
 """The commands that run on a Client: their function in agentq.cli, imported when it runs."""
 
@@ -401,16 +402,12 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
         from agentq.cli.dev import main as dev_main
 
         return dev_main(args)
-    require_reachable(get_settings(), broker=args.cmd == "beat")
-    if args.cmd == "beat":
-        from agentq.fleet.runtime import get_app
-        from agentq.schedules.beat import run_beat
+    require_reachable(get_settings(), broker=True)
+    from agentq.fleet.runtime import get_app
+    from agentq.schedules.beat import run_beat
 
-        run_beat(get_app(), get_settings())
-        return 0
-    from agentq.cli.schedule import cmd_schedule
-
-    return cmd_schedule(args, get_settings())
+    run_beat(get_app(), get_settings())
+    return 0
 
 
 def _cmd_events(client: Client, args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agentq.config import Settings
+    from agentq.api import Client
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,16 +36,15 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     rm.add_argument("name")
 
 
-def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
+def cmd_schedule(client: Client, args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from agentq.cli.ids import short_id
-    from agentq.fleet.runtime import get_app, get_redis
     from agentq.schedules.spec import build_spec, parse_every
     from agentq.schedules.store import Schedules
 
-    schedules = Schedules(get_app(), get_redis(settings), settings)
+    schedules = Schedules(client.app, client._store.redis, client.settings)
     if args.schedule_cmd == "add":
         # Every option but --every is a field of the spec as it is given.
         data = {f: getattr(args, f) for f in ("name", "cron", "prompt", "agent", "webhook_url")}
@@ -54,7 +53,7 @@ def cmd_schedule(args: argparse.Namespace, settings: Settings) -> int:
         if spec.webhook_url:
             from agentq.webhooks.target import check_for_turn
 
-            check_for_turn(spec.webhook_url, settings)
+            check_for_turn(spec.webhook_url, client.settings)
         schedules.add(spec)
         print(f"added {spec.name}: {spec.when}")
         return 0
