@@ -19,7 +19,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
@@ -66,29 +65,18 @@ def _python(*args: str) -> list[str]:
     return [sys.executable, "-m", *args]
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as resp:
-            return bool(resp.status == 200)
-    except (OSError, ValueError):  # an HTTPError too
-        return False
-
-
-Check = tuple[ManagedProcess, str | None, str | None]
-"""A process starting and how it says it is ready: a line of its log, or a URL answering 200."""
-
-
-def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until every check passes; ProcessStartError when a process exits or time runs out."""
-    pending = dict(checks)
+def wait_ready(ready: dict[ManagedProcess, str], timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Wait until each process has logged its ready line; ProcessStartError when one exits
+    or time runs out."""
+    pending = dict(ready)
 
     def all_ready() -> bool:
-        for name, (proc, line, url) in list(pending.items()):
-            if (line and re.search(line, proc.log_text(), re.MULTILINE)) or (url and _http_ok(url)):
-                del pending[name]
+        for proc, line in list(pending.items()):
+            if re.search(line, proc.log_text(), re.MULTILINE):
+                del pending[proc]
             elif proc.poll() is not None:
                 raise ProcessStartError(
-                    f"{name} (pid {proc.pid}) exited with code {proc.returncode} while "
+                    f"{proc.name} (pid {proc.pid}) exited with code {proc.returncode} while "
                     f"starting{_because(proc)}; its log: {proc.log_path}",
                     proc.log_tail(),
                 )
@@ -97,9 +85,10 @@ def wait_ready(checks: dict[str, Check], timeout_s: float = READY_TIMEOUT_S) -> 
     try:
         wait_for(all_ready, timeout_s, _POLL_S)
     except WaitTimeout:
-        proc = next(iter(pending.values()))[0]
+        proc = next(iter(pending))
         raise ProcessStartError(
-            f"{', '.join(pending)} not ready within {timeout_s:g} s; log: {proc.log_path}",
+            f"{', '.join(p.name for p in pending)} not ready within {timeout_s:g} s; "
+            f"log: {proc.log_path}",
             proc.log_tail(),
         ) from None
 
@@ -139,19 +128,17 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
         0 if opts.no_flower else _port(settings.flower_port, "AGENTQ_FLOWER_PORT", "Flower")
     )
     fleet_env, shown = _environment(fleet, opts, settings)
-    checks: dict[str, Check] = {}
+    ready: dict[ManagedProcess, str] = {}
 
-    def launch(
-        what: str, name: str, argv: list[str], line: str | None, url: str | None = None, **env: str
-    ) -> None:
-        checks[what] = (fleet.start(name, argv, env={**fleet_env, **env}), line, url)
+    def launch(name: str, argv: list[str], ready_line: str, **env: str) -> None:
+        ready[fleet.start(name, argv, env={**fleet_env, **env})] = ready_line
 
     if not settings.llm_base_url:
         say("no model configured (AGENTQ_LLM_BASE_URL unset): using the scripted demo model")
         # Its port is picked here, so the workers start beside it rather than after it.
         port = str(find_free_port())
         argv = _python("agentq.testing.openai_server", "--port", port, "--script", "demo")
-        launch("model", "model", argv, r"listening on \S+")
+        launch("model", argv, r"listening on \S+")
         url = fleet_env["AGENTQ_LLM_BASE_URL"] = f"http://127.0.0.1:{port}/v1"
         shown["model"] = f"{url}  (scripted demo model)"
     for kind in ("turns", "llm", "tools", "io"):
@@ -162,16 +149,16 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
             # One event loop holds the streams of a machine's worth of turns; a process a
             # CPU would start two more Pythons beside the rest of the fleet for nothing.
             argv += ["--processes", "1"]
-        launch(f"{kind} worker", f"worker-{kind}", argv, CELERY_READY_PATTERN)
+        launch(f"worker-{kind}", argv, CELERY_READY_PATTERN)
     if not opts.no_beat:
         # A beat already running elsewhere holds the lock: this one waits for its turn.
-        launch("beat", "beat", _python("agentq", "beat"), r"beat: Starting")
+        launch("beat", _python("agentq", "beat"), r"beat: Starting")
     if not opts.no_gateway:
         host = settings.gateway_host
         at = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         url = shown["web page"] = f"http://{at}:{gateway_port}/"
         argv = _python("agentq", "serve", "--host", host, "--port", str(gateway_port))
-        launch("gateway", "gateway", argv, r"Uvicorn running on", f"{url}healthz")
+        launch("gateway", argv, r"Uvicorn running on")
     if not opts.no_flower:
         url = f"http://127.0.0.1:{flower_port}/"
         env = {"AGENTQ_FLOWER_PORT": str(flower_port)}
@@ -182,9 +169,9 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
             env["AGENTQ_FLOWER_BASIC_AUTH"] = f"agentq:{password}"
             auth = f", user agentq password {password}"
         shown["Flower"] = f"{url}  (basic auth{auth})"
-        # /healthcheck answers without credentials once Flower serves HTTP.
-        launch("Flower", "flower", _python("agentq", "flower"), None, f"{url}healthcheck", **env)
-    wait_ready(checks)
+        # Logged once its socket listens.
+        launch("flower", _python("agentq", "flower"), r"Visit me at", **env)
+    wait_ready(ready)
     return fleet_env, shown
 
 
