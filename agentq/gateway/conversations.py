@@ -11,7 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentq.errors import ConversationNotFound
-from agentq.gateway.errors import NO_STORE, bearer, invalid
+from agentq.gateway.errors import NO_STORE, bearer
+from agentq.gateway.validate import query_number
 
 if TYPE_CHECKING:
     from agentq.gateway.endpoints import Endpoint, Gateway
@@ -25,19 +26,6 @@ def conversation_id_of(raw: str) -> str:
     if not _CONVERSATION_ID.match(raw):
         raise ConversationNotFound(raw[:128])
     return raw
-
-
-def _number(request: Request, name: str, default: float | None, *, low: float, high: float) -> Any:
-    raw = request.query_params.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise invalid(f"{name}: not a number: {raw!r}") from None
-    if not low <= value <= high:
-        raise invalid(f"{name}: must be between {low:g} and {high:g}")
-    return value
 
 
 def conversation_handlers(gw: Gateway) -> list[Endpoint]:
@@ -66,8 +54,8 @@ def conversation_handlers(gw: Gateway) -> list[Endpoint]:
 
     async def conversations(request: Request) -> Response:
         principal = gw.require(request, "key")
-        limit = int(_number(request, "limit", 50, low=1, high=MAX_LISTED))
-        before = _number(request, "before", None, low=0, high=1e12)
+        limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True)
+        before = query_number(request, "before", None, low=0, high=1e12)
         owner = principal.name if principal else None
         # Without keys (loopback only) the caller may list every conversation, as the CLI.
         operator = principal.admin if principal else True

@@ -11,7 +11,6 @@ aborted with reason ``disconnect``. Without a token, the stream is read-only.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Awaitable, Callable, Generator
 from pathlib import Path
@@ -24,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from agentq.agents import published_agent_details
+from agentq.constants import RELAY_DEPTH_MAX
 from agentq.errors import REDIS_ERRORS, AgentqError, Forbidden, TurnNotFound, Unauthorized
 from agentq.events import Event
 from agentq.events.follow import Cursor, follow
@@ -45,7 +45,7 @@ from agentq.gateway.validate import (
     clamp_to_log,
     client_host,
     cursor_of,
-    depth_of,
+    query_number,
     read_json,
     request_id_of,
     turn_id_of,
@@ -265,18 +265,6 @@ class Gateway:
             {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
         )
 
-    def _keep_alive_s(self, request: Request) -> float:
-        raw = request.query_params.get("heartbeat")
-        if raw is None:
-            return self.heartbeat_s
-        try:
-            value = float(raw)
-            if not math.isfinite(value):
-                raise ValueError(raw)
-        except ValueError:
-            raise invalid("heartbeat: must be seconds") from None
-        return min(max(value, 0.05), 60.0)
-
     async def events(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
         # A key only in the header: a URL (?token=) ends up in logs and history.
@@ -287,8 +275,10 @@ class Gateway:
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
         q = request.query_params
         after = cursor_of(request.headers.get("last-event-id") or q.get("after") or "0-0")
-        depth = depth_of(q.get("depth"))
-        keep_alive_s = self._keep_alive_s(request)
+        depth = query_number(request, "depth", 1, low=0, high=RELAY_DEPTH_MAX, integer=True)
+        keep_alive_s = query_number(
+            request, "heartbeat", self.heartbeat_s, low=0.05, high=60.0, clamp=True
+        )
         poll_s = min(self.poll_s, keep_alive_s)
         opened = await run_in_threadpool(
             self._open_events, turn_id, principal, token, after, depth, poll_s

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, Response
 from agentq.config import Settings
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.gateway.errors import NO_STORE
-from agentq.gateway.validate import read_json
+from agentq.gateway.validate import query_number, read_json
 from agentq.schedules.spec import build_spec, parse_every
 from agentq.schedules.store import Schedules
 from agentq.webhooks.target import check_for_turn
@@ -65,10 +65,7 @@ def job_handlers(gw: Gateway) -> list[Endpoint]:
 
     async def list_webhooks(request: Request) -> Response:
         gw.require(request, "admin")
-        try:
-            limit = min(MAX_LISTED, max(1, int(request.query_params.get("limit", "50"))))
-        except ValueError:
-            limit = 50
+        limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True, clamp=True)
         rows = await run_in_threadpool(gw.deliveries.recent, limit)
         return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 

@@ -218,8 +218,9 @@ OPERATIONS: tuple[Operation, ...] = (
               "admin_key", errors=("401", "403", "404")),
     Operation("GET", "/v1/webhooks", "list_webhooks", "Recent webhook deliveries: status, "
               "attempts, next attempt.", "admin",
-              parameters=(_query("limit", "At most this many.", "integer"),),
-              errors=("401", "403")),
+              parameters=(_query("limit", "At most this many (1 to 200; default 50).",
+                                 "integer"),),
+              errors=("401", "403", "422")),
     Operation("POST", "/mcp", "mcp", "MCP over Streamable HTTP (JSON-RPC): the fleet's agents as "
               "tools, each call a turn of the caller's; see docs/mcp.md.", "key",
               media_type="text/event-stream", errors=("401", "404", "422")),

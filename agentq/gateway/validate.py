@@ -7,13 +7,14 @@ key, a parser or a stream read in a shape that would end as a 500 or 503.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
 import redis
 from starlette.requests import Request
 
-from agentq.constants import RELAY_DEPTH_MAX, turn_key
+from agentq.constants import turn_key
 from agentq.errors import PayloadTooLarge
 from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError, invalid
@@ -56,13 +57,31 @@ def cursor_of(value: str) -> Cursor:
         raise invalid(f"Last-Event-ID: {exc} (an SSE id as the stream sent it)") from None
 
 
-def depth_of(raw: str | None) -> int:
-    """How many levels of sub-agents to relay (`?depth=`, default 1), else 422."""
-    if raw is None:
-        return 1
-    if not raw.isdigit() or int(raw) > RELAY_DEPTH_MAX:
-        raise invalid(f"depth: must be an integer from 0 to {RELAY_DEPTH_MAX}")
-    return int(raw)
+def query_number(
+    request: Request,
+    name: str,
+    default: Any,
+    *,
+    low: float,
+    high: float,
+    integer: bool = False,
+    clamp: bool = False,
+) -> Any:
+    """The query parameter `name` as a number from `low` to `high` (`clamp`: brought into
+    that range), `default` when absent, else 422."""
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        raise invalid(f"{name}: not {'an integer' if integer else 'a number'}: {raw!r}") from None
+    if clamp and math.isfinite(value):
+        return min(max(value, low), high)
+    # NaN is in no range.
+    if not low <= value <= high:
+        raise invalid(f"{name}: must be between {low:g} and {high:g}")
+    return value
 
 
 def clamp_to_log(client: redis.Redis, turn_id: str, after: str) -> str:
