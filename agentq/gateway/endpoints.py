@@ -39,7 +39,7 @@ from agentq.gateway.auth import (
 )
 from agentq.gateway.errors import accepted, bearer, invalid, validated
 from agentq.gateway.limits import StartLimits
-from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, read_snapshots
+from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, Scrape, read_snapshots
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.validate import (
     clamp_to_log,
@@ -346,47 +346,40 @@ class Gateway:
         )
 
     async def healthz(self, request: Request) -> Response:
-        ok = False
-        mcp: dict[str, dict[str, Any]] = {}
-        live: dict[str, list[str]] = {}
+        redis = self.client._store.redis
+
+        def read() -> dict[str, Any]:
+            redis.ping()
+            # Not a 503: the gateway serves without workers (turns wait for them), and MCP
+            # servers (AGENTQ_MCP_SERVERS) that keep failing show here.
+            body = {"ok": True, "redis": "ok", **workers_view(self.presence.live())}
+            mcp = server_health(redis)
+            return body | ({"mcp": mcp} if mcp else {})
+
         error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                ok = bool(await _abandonable(self.client._store.redis.ping))
-                # MCP servers (AGENTQ_MCP_SERVERS) that keep failing show here, not as 503.
-                mcp = await _abandonable(server_health, self.client._store.redis)
-                # Not a 503: the gateway serves (turns wait for their workers) without them.
-                live = await _abandonable(self.presence.live)
+                return JSONResponse(await _abandonable(read))
             except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
-        if ok:
-            body: dict[str, Any] = {"ok": True, "redis": "ok", **workers_view(live)}
-            if mcp:
-                body["mcp"] = mcp
-            return JSONResponse(body)
         return JSONResponse(
             {"ok": False, "error": {"type": "RedisUnavailable", "message": error}}, status_code=503
         )
 
+    def _scrape(self) -> Scrape:
+        """What /metrics reads from Redis, in one worker thread."""
+        hooks = self.deliveries.counts(), self.deliveries.backlog()
+        counts = read_counts(self.client._store.redis)
+        snapshots = read_snapshots(self.capacity, self.client.settings)
+        return self.client.active(), counts, snapshots, hooks
+
     async def metrics_page(self, request: Request) -> Response:
         self.require(request, "admin")
-        active = None
-        capacity: list[dict[str, Any]] = []
-        hooks: tuple[dict[str, int], int | None] = ({}, None)
+        scrape = None
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                active = await _abandonable(self.client.active)
-                self.metrics.counts = await _abandonable(read_counts, self.client._store.redis)
-                capacity = await _abandonable(read_snapshots, self.capacity, self.client.settings)
-                hooks = await _abandonable(
-                    lambda: (self.deliveries.counts(), self.deliveries.backlog())
-                )
+                scrape = await _abandonable(self._scrape)
             except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
-        self.metrics.snapshots = capacity
-        self.metrics.webhook_counts, self.metrics.webhook_backlog = hooks
-        if active is None:
-            self.metrics.redis_up.set(0)
-        else:
-            self.metrics.refresh_active(active)
+        self.metrics.refresh(scrape)
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from agentq.llm.capacity import Capacity
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+Scrape = tuple[
+    list[dict[str, Any]], dict[str, float], list[dict[str, Any]], tuple[dict[str, int], int | None]
+]
+"""What /metrics reads from Redis: the active turns, the fleet's counts, the capacity
+snapshots, the webhook counts and backlog."""
 
 
 class GatewayMetrics:
@@ -65,13 +70,18 @@ class GatewayMetrics:
     def streamed(self, ev: Event) -> None:
         self.events_streamed.labels(type=ev.type if len(ev.type) <= 40 else "other").inc()
 
-    def refresh_active(self, active: list[dict[str, Any]]) -> None:
-        """Set the scrape-time gauges from `Client.active()`."""
+    def refresh(self, scrape: Scrape | None) -> None:
+        """Take what /metrics read from Redis; None: the read failed (the fleet's counts
+        stay as last read: counters only grow)."""
+        self.redis_up.set(scrape is not None)
+        if scrape is None:
+            self.snapshots, self.webhook_counts, self.webhook_backlog = [], {}, None
+            return
+        active, self.counts, self.snapshots, (self.webhook_counts, self.webhook_backlog) = scrape
         by_status = Counter(str(turn.get("status")) for turn in active)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(by_status[status])
         self.running_tools.set(sum(len(turn["current_tools"]) for turn in active))
-        self.redis_up.set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

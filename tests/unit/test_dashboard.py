@@ -27,8 +27,7 @@ def exported_names() -> set[str]:
     m = GatewayMetrics()
     r = fakeredis.FakeRedis()
     fc.flush(r)
-    m.counts = read_counts(r)
-    m.refresh_active([])
+    m.refresh(([], read_counts(r), [], ({}, None)))
     return {
         re.split(r"[{ ]", line, maxsplit=1)[0]
         for line in m.render().decode().splitlines()
