@@ -69,7 +69,8 @@ def _timed_posts(url: str, addresses: list[tuple[str, str]], every_s: float) -> 
 
 
 def bench_waitpoints(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
-    from agentq.gateway import BackgroundServer, create_app
+    from agentq.gateway import create_app
+    from agentq.testing.gateway import BackgroundServer
 
     client = Client()
     store = runtime.get_store()

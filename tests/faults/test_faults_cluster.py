@@ -23,11 +23,12 @@ from standardwebhooks import Webhook
 from agentq import constants as k
 from agentq.config import load_settings
 from agentq.fleet.runtime import get_app
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.schedules.spec import ScheduleSpec
 from agentq.schedules.store import Schedules
 from agentq.state.listing import TurnLister, TurnQuery
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import iter_sse
 from tests.faults.rig import FAULT_TOOLS, Rig

@@ -20,9 +20,10 @@ import pytest
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import TurnNotFound
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.models import TERMINAL_STATUSES
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from tests.helpers import busy_factor, calls
 

@@ -13,7 +13,8 @@ import pytest
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.events import Event
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import SSEMessage, iter_sse
 from tests.helpers import calls, collect, script, script_asking_echoer, wait_event

@@ -15,10 +15,11 @@ import pytest
 from agentq.api import Client
 from agentq.errors import UnknownAgent
 from agentq.events import Event
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.models import parse_stream_id
 from agentq.state.listing import TurnLister
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, first_user_text
 from tests.helpers import agentq_cli as agentq
 from tests.helpers import (

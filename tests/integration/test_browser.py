@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from agentq.api import Client
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import follow_until, script
 from tests.integration.chromium import ARTIFACTS

@@ -16,7 +16,8 @@ from starlette.routing import Route
 
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import dump_redis, script
 

@@ -17,10 +17,11 @@ import pytest
 
 from agentq.api import Client
 from agentq.config import Settings, load_settings
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.llm.capacity import Capacity, Grant, Queued
 from agentq.llm.headers import RateSignal
 from agentq.llm.limits import parse_limits
+from agentq.testing.gateway import BackgroundServer
 
 pytestmark = pytest.mark.integration
 

@@ -14,11 +14,12 @@ from starlette.testclient import TestClient
 from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.models import InteractionRequest, InvocationRecord, ToolResult, TurnStatus
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.store import TurnStore
+from agentq.testing.gateway import BackgroundServer
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,9 @@ import pytest
 
 from agentq.api import Client
 from agentq.constants import idempotency_key
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.orchestrator.replay import BULK_CALLER
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import script, wait_event
 from tests.integration.chromium import ARTIFACTS

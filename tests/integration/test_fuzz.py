@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from agentq.api import Client
 from agentq.events import TERMINAL_TYPES
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -17,9 +17,10 @@ from redis.retry import Retry
 from agentq.api import Client
 from agentq.config import get_settings
 from agentq.constants import turn_key
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.state.store import TurnStore
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from agentq.testing.sse import SSEMessage, iter_sse
 from tests.helpers import calls, follow_until, script

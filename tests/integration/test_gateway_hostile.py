@@ -18,10 +18,11 @@ import pytest
 from pydantic import ValidationError
 
 from agentq.api import Client
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.local.redis_server import find_free_port
 from agentq.models import TurnRequest
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from agentq.testing.sse import iter_sse
 from tests.helpers import script

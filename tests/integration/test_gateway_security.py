@@ -29,9 +29,10 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import Settings, load_settings
 from agentq.errors import TurnNotFound
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import run_process, wait_for
 from agentq.models import TERMINAL_STATUSES
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import dump_redis, script
 

@@ -18,8 +18,9 @@ from mcp.client.streamable_http import streamable_http_client
 from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.gateway.mcp_endpoint import TURN_META_KEY
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import script
 

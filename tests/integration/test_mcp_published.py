@@ -26,11 +26,12 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.events import Event
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
 from agentq.local.redis_server import RedisServer
 from agentq.mcp.listing import tool_name
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import collect, process_env, script, wait_event
 from tests.mcp_published import everything_argv

@@ -16,11 +16,12 @@ import httpx
 import pytest
 
 from agentq.events import Event
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.llm.apis import read_learned
 from agentq.llm.reasoning import REASONING_ITEMS
 from agentq.local.processes import wait_for
 from agentq.models import Usage
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, first_user_text
 from agentq.testing.responses_answer import chat_tools_refusal, input_messages
 from tests.conftest import BASE_TOOLS

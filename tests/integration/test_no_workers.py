@@ -22,9 +22,10 @@ import pytest
 
 from agentq.api import Client
 from agentq.fleet import runtime
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import start_worker
 from agentq.local.redis_server import RedisServer
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import script
 

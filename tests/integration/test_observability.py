@@ -22,12 +22,13 @@ import pytest
 
 from agentq.api import Client
 from agentq.fleet import runtime
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import JSON_READY_PATTERN, ManagedProcess, start_process, wait_for
 from agentq.local.redis_server import RedisServer, find_free_port
 from agentq.models import Usage
 from agentq.telemetry import tracing
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.conftest import base_env
 

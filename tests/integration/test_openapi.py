@@ -15,7 +15,8 @@ from starlette.routing import Match, Mount, Route
 
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
+from agentq.testing.gateway import BackgroundServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

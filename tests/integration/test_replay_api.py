@@ -17,8 +17,9 @@ import pytest
 
 from agentq.api import Client
 from agentq.config import load_settings
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import run_process, wait_for
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_valid_history, calls, collect, follow_until, script
 

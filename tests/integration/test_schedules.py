@@ -22,11 +22,12 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.config import load_settings
 from agentq.fleet.runtime import get_app, get_store
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import ManagedProcess, run_process, start_process, wait_for
 from agentq.orchestrator.scheduled import run_tick, tick_turn_id
 from agentq.schedules.spec import ScheduleSpec
 from agentq.schedules.store import Schedules
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from tests.helpers import calls, script
 

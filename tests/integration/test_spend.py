@@ -19,12 +19,13 @@ from agentq.api import Client
 from agentq.config import load_settings
 from agentq.errors import BudgetExceeded, BudgetInvalid
 from agentq.events import Event
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import ManagedProcess, run_process, start_worker
 from agentq.local.redis_server import RedisServer
 from agentq.models import TurnRequest, Usage
 from agentq.state.budget import day_of
 from agentq.state.spend import day_key, turn_spend_key
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from tests.conftest import BASE_TOOLS
 from tests.helpers import (

@@ -17,9 +17,10 @@ from agentq import constants as k
 from agentq.api import Client
 from agentq.errors import AnswerInvalid, WaitpointRefused
 from agentq.events import Event
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.models import TurnHandle
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from tests.helpers import agentq_cli, assert_valid_history, calls, collect, script, wait_event
 

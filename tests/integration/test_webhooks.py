@@ -21,10 +21,11 @@ from agentq.cli.show import cmd_show
 from agentq.config import load_settings
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.fleet.runtime import get_store
-from agentq.gateway import BackgroundServer, create_app
+from agentq.gateway import create_app
 from agentq.local.fleet import LocalFleet
 from agentq.local.processes import ManagedProcess, wait_for
 from agentq.models import Usage
+from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from agentq.webhooks.deliveries import Deliveries
 from tests.helpers import calls, follow_until, script
