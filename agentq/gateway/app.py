@@ -88,7 +88,8 @@ def create_app(
         routes=routes,
         middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS,
-        lifespan=mcp.lifespan,
+        # The MCP session manager runs while the app does.
+        lifespan=lambda app: mcp.manager.run(),
     )
     app.state.gateway = gw
     return app

@@ -13,8 +13,7 @@ import json
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import aclosing, asynccontextmanager
+from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -24,17 +23,15 @@ from starlette.types import Receive, Scope, Send
 
 from agentq.agents import published_agent_details
 from agentq.constants import VERSION
-from agentq.errors import AgentqError, TurnNotFound, Unauthorized
+from agentq.errors import AgentqError, TurnNotFound
 from agentq.events import Event
 from agentq.events.follow import follow
-from agentq.gateway.errors import bearer, invalid
+from agentq.gateway.errors import invalid
 from agentq.gateway.sse import stepped
 from agentq.gateway.validate import client_host
 from agentq.models import TurnHandle, TurnRequest
 
 if TYPE_CHECKING:
-    from starlette.applications import Starlette
-
     from agentq.gateway.endpoints import Gateway
 
 log = logging.getLogger("agentq.gateway")
@@ -133,12 +130,6 @@ class McpEndpoint:
             security_settings=TransportSecuritySettings(enable_dns_rebinding_protection=False),
         )
 
-    @asynccontextmanager
-    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        """The app's lifespan: the session manager runs while the app does."""
-        async with self.manager.run():
-            yield
-
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
         from mcp.server.auth.provider import AccessToken
@@ -170,15 +161,13 @@ class McpEndpoint:
         return ListToolsResult(tools=tools)
 
     async def _call_tool(self, ctx: Any, params: Any) -> Any:
-        request = getattr(ctx, "request", None)
-        request = request if isinstance(request, Request) else None
-        principal = None if request is None else self.gw.keyring.identify(bearer(request))
-        if self.gw.keyring.enabled and principal is None:
-            raise Unauthorized("this call needs a key: Authorization: Bearer <key>")
+        # The HTTP request that carried the call: its key is the caller.
+        request: Request = ctx.request
+        principal = self.gw.require(request, "key")
+        host = client_host(request)
         prompt = (params.arguments or {}).get("input")
         if not isinstance(prompt, str) or not prompt.strip():
             return _error('expected {"input": "<the task, a non-empty string>"}')
-        host = "" if request is None else client_host(request)
         req = TurnRequest(prompt=prompt, agent=params.name, headless=True, detach=True)
         try:
             # An agent no turn worker publishes is refused here too (UnknownAgent).
