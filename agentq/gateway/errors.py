@@ -64,13 +64,12 @@ def accepted(handle: TurnHandle) -> Response:
     )
 
 
-class ApiError(Exception):
-    """An HTTP-level refusal that is not one of agentq's own errors (`extra`: more fields of
-    its body, as `detail`)."""
+class ApiError(HTTPException):
+    """An HTTP-level refusal that is not one of agentq's own errors, with the error's type
+    (`extra`: more fields of its body, as `detail`)."""
 
     def __init__(self, status_code: int, type_: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status_code = status_code
+        super().__init__(status_code, message)
         self.body = {"type": type_, "message": message, **extra}
 
 
@@ -107,11 +106,6 @@ def bearer(request: Request, *, allow_query: bool = False) -> str | None:
     return None
 
 
-async def _on_api_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, ApiError)
-    return JSONResponse({"error": exc.body}, status_code=exc.status_code)
-
-
 def _headers(exc: AgentqError) -> dict[str, str]:
     if isinstance(exc, Unauthorized):
         return {"WWW-Authenticate": "Bearer"}
@@ -145,6 +139,8 @@ async def _on_redis_error(request: Request, exc: Exception) -> Response:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
+    if isinstance(exc, ApiError):
+        return JSONResponse({"error": exc.body}, status_code=exc.status_code)
     try:
         name = HTTPStatus(exc.status_code).phrase.replace(" ", "").replace("-", "")
     except ValueError:
@@ -157,7 +153,6 @@ async def _on_crash(request: Request, exc: Exception) -> Response:
 
 
 EXCEPTION_HANDLERS: dict[Any, Handler] = {
-    ApiError: _on_api_error,
     HTTPException: _on_http_error,
     AccessError: _agentq_handler(None),
     TurnNotFound: _agentq_handler(404),
