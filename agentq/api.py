@@ -15,7 +15,7 @@ from agentq.errors import TokenInvalid, TurnNotFound, TurnTimeout
 from agentq.events import Event
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD
 from agentq.events.follow import follow
-from agentq.llm.reasoning import public_history
+from agentq.llm.responses import public_history
 from agentq.models import (
     TERMINAL_STATUSES,
     InteractionAnswer,

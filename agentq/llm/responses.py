@@ -5,7 +5,9 @@ stream makes.
 Stateless: every request goes with `store: false` and asks for the reasoning items'
 `encrypted_content`, and the history (agentq's durable record) is sent whole each round;
 `previous_response_id` is never used, so servers that keep no responses serve it too.
-The reasoning items a round returns are kept in history (`agentq.llm.reasoning`).
+The reasoning items a round returns are kept on its assistant message in history
+(`REASONING_ITEMS`), sent back to this API, dropped for Chat Completions, and shown to
+clients without the provider's sealed `encrypted_content`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from agentq.llm.client import (
     opt_str,
     usage_of,
 )
-from agentq.llm.reasoning import REASONING_ITEMS
 from agentq.models import AssistantMessage
 
 log = logging.getLogger("agentq.llm")
@@ -41,6 +42,33 @@ UNKNOWN_EVENTS: collections.Counter[str] = collections.Counter()
 
 _REASONING_FIELDS = ("type", "id", "summary", "encrypted_content")
 """What a reasoning item keeps in history: enough to send it back, nothing else."""
+REASONING_ITEMS = "reasoning_items"
+"""The key of an assistant message in history that holds its Responses reasoning items."""
+
+
+def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as Chat Completions takes it: the Responses reasoning items dropped."""
+    return [
+        {k: v for k, v in m.items() if k != REASONING_ITEMS} if REASONING_ITEMS in m else m
+        for m in messages
+    ]
+
+
+def public_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as a client reads it: reasoning items keep their summaries, never
+    their `encrypted_content` (the provider's sealed reasoning, for agentq to send back)."""
+    return [
+        {
+            **m,
+            REASONING_ITEMS: [
+                {k: v for k, v in item.items() if k != "encrypted_content"}
+                for item in m[REASONING_ITEMS]
+            ],
+        }
+        if REASONING_ITEMS in m
+        else m
+        for m in messages
+    ]
 
 
 def _content(content: Any, assistant: bool) -> Any:

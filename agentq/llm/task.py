@@ -31,8 +31,7 @@ from agentq.llm.apis import configured, names_responses
 from agentq.llm.capacity import wake_granted
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
 from agentq.llm.publisher import Publisher
-from agentq.llm.reasoning import without_reasoning
-from agentq.llm.responses import RESPONSES_PATH, ModelApi
+from agentq.llm.responses import RESPONSES_PATH, ModelApi, without_reasoning
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
 from agentq.state.budget import charged

@@ -1,5 +1,5 @@
 """The Responses API's request building and event reading (agentq.llm.responses), the
-reasoning items in history (agentq.llm.reasoning), and which API a model uses
+reasoning items in history (agentq.llm.responses), and which API a model uses
 (agentq.llm.apis)."""
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from agentq.errors import (
 )
 from agentq.llm.apis import ApiChoice, api_view, configured, names_responses, read_learned
 from agentq.llm.limits import parse_limits
-from agentq.llm.reasoning import REASONING_ITEMS, public_history, without_reasoning
 from agentq.llm.responses import (
+    REASONING_ITEMS,
     UNKNOWN_EVENTS,
     ResponsesAssembler,
     output_format,
+    public_history,
     responses_request,
+    without_reasoning,
 )
 from agentq.models import AssistantMessage, ToolCall
 from agentq.orchestrator.plan import history_form
