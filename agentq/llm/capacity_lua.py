@@ -356,17 +356,6 @@ if raw then
   m.s = now
   redis.call('HSET', QM, w, cjson.encode(m))
 else
-  -- Nobody waits: a round that capacity admits now takes its lease without passing
-  -- through the queue (joining it and leaving it at once leaves the queue as it was:
-  -- an empty class has no finish tags, so its virtual time would not move).
-  if redis.call('ZCARD', QI) == 0 and redis.call('ZCARD', QB) == 0 then
-    local d, probe = admit(tonumber(tokens))
-    if d then
-      if class_ == 'b' then redis.call('HSET', ST, 'ic', 0) end
-      local g = grant(w, d, probe, tonumber(tokens), true, 1)
-      return cjson.encode({g = g, woken = {}, now = now})
-    end
-  end
   enqueue(w, class_, owner, tonumber(weight), tonumber(tokens))
 end
 local own, woken, later, head, ready = pump(w)
