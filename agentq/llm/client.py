@@ -7,7 +7,7 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import openai
 
@@ -25,6 +25,7 @@ DeltaCallback = Callable[[str, str], None]
 
 Tools = list[dict[str, Any]] | str
 """Tool schemas: a list, or the JSON array text of one (the stream worker's form)."""
+_T = TypeVar("_T")
 
 
 def api_error_to_llm(exc: openai.APIStatusError) -> ModelHTTPError:
@@ -67,11 +68,6 @@ def chat_request(
     if schemas.strip() not in ("", "[]"):
         text = text[:-1] + ',"tools":' + schemas + "}"
     return text.encode()
-
-
-def _field(obj: object, name: str) -> Any:
-    """A field of a chunk's JSON object; None when it has none or is no object."""
-    return obj.get(name) if isinstance(obj, dict) else None
 
 
 @dataclass
@@ -134,32 +130,29 @@ class ChatAssembler(Assembler):
 
     def add(self, chunk: object, index: int) -> None:
         self._last_index = index
-        choices = _field(chunk, "choices")
-        usage = _field(chunk, "usage")
+        choices = opt(chunk, "choices", index, list)
+        usage = opt(chunk, "usage", index, dict)
         if choices is None and usage is None:
             bad(index, "chunk has neither 'choices' nor 'usage'")
-        if choices is not None and not isinstance(choices, list):
-            bad(index, "'choices' is not a list")
         if usage is not None:
             self._usage = usage_of(usage, index, "prompt", "completion")
         for choice in choices or ():
             # Only one choice is ever requested; others would belong to n > 1.
-            if (_field(choice, "index") or 0) == 0:
+            if (opt(choice, "index", index, object) or 0) == 0:
                 self._add_choice(choice, index)
 
     def _add_choice(self, choice: object, index: int) -> None:
-        finish = opt_str(choice, "finish_reason", index)
+        finish = opt(choice, "finish_reason", index, str)
         if finish is not None:
             self._finish_reason = finish
-        delta = _field(choice, "delta")
+        delta = opt(choice, "delta", index, dict)
         if delta is None:
             return
-        if not isinstance(delta, dict):
-            bad(index, "'delta' is not an object")
-        reasoning = opt_str(delta, "reasoning_content", index) or opt_str(delta, "reasoning", index)
+        reasoning = opt(delta, "reasoning_content", index, str)
+        reasoning = reasoning or opt(delta, "reasoning", index, str)
         if reasoning:
             self._say("reasoning", reasoning)
-        text = opt_str(delta, "content", index)
+        text = opt(delta, "content", index, str)
         if text:
             self._say("text", text)
         calls = delta.get("tool_calls")
@@ -171,18 +164,13 @@ class ChatAssembler(Assembler):
             self._add_call(call, index)
 
     def _add_call(self, call: object, index: int) -> None:
-        position = _field(call, "index")
-        if not isinstance(position, int):
-            bad(index, "tool call delta without an integer 'index'")
-        partial = self._calls.setdefault(position, PartialCall())
-        call_id = opt_str(call, "id", index)
+        partial = self._calls.setdefault(must(call, "index", index, int), PartialCall())
+        call_id = opt(call, "id", index, str)
         partial.id = partial.id or call_id or ""
-        function = _field(call, "function")
-        if function is None:
-            return
-        name = opt_str(function, "name", index)
+        function = opt(call, "function", index, object)
+        name = opt(function, "name", index, str)
         partial.name = partial.name or name or ""
-        arguments = opt_str(function, "arguments", index)
+        arguments = opt(function, "arguments", index, str)
         if arguments:
             partial.arguments.append(arguments)
 
@@ -194,34 +182,42 @@ def bad(index: int, detail: str) -> NoReturn:
     raise MalformedStreamChunk(index, detail)
 
 
-def opt_str(obj: object, name: str, index: int) -> str | None:
-    value = _field(obj, name)
-    if value is not None and not isinstance(value, str):
-        bad(index, f"'{name}' is not a string")
+_KINDS = {str: "a string", int: "an integer", dict: "an object", list: "a list"}
+
+
+def opt(obj: object, name: str, index: int, kind: type[_T]) -> _T | None:
+    """A field of a chunk's JSON object, of type `kind` (`object`: any); None when it has
+    none or is no object."""
+    value = obj.get(name) if isinstance(obj, dict) else None
+    if value is not None and not isinstance(value, kind):
+        bad(index, f"'{name}' is not {_KINDS[kind]}")
     return value
 
 
-def token_count(usage: object, name: str, index: int) -> int:
-    """A count of a usage object (0 when absent)."""
-    value = _field(usage, name) or 0
-    if not isinstance(value, int):
-        bad(index, f"usage '{name}' is not an integer")
+def must(obj: object, name: str, index: int, kind: type[_T]) -> _T:
+    """A field the chunk's object must have, of type `kind`."""
+    value = opt(obj, name, index, kind)
+    if value is None:
+        bad(index, f"'{name}' is not {_KINDS[kind]}")
     return value
 
 
-def usage_of(usage: object, index: int, prompt: str, completion: str) -> Usage:
+def usage_of(usage: dict[str, Any], index: int, prompt: str, completion: str) -> Usage:
     """A usage object's counts: `<prompt>_tokens`, `<completion>_tokens` and their details
     (chat names them prompt and completion, the Responses API input and output)."""
-    if not isinstance(usage, dict):
-        bad(index, "'usage' is not an object")
-    asked = token_count(usage, f"{prompt}_tokens", index)
-    said = token_count(usage, f"{completion}_tokens", index)
+
+    def count(of: object, name: str) -> int:
+        value = opt(of, name, index, object) or 0
+        if not isinstance(value, int):
+            bad(index, f"usage '{name}' is not an integer")
+        return value
+
+    asked = count(usage, f"{prompt}_tokens")
+    said = count(usage, f"{completion}_tokens")
     return Usage(
         prompt_tokens=asked,
         completion_tokens=said,
-        total_tokens=token_count(usage, "total_tokens", index) or asked + said,
-        cached_tokens=token_count(usage.get(f"{prompt}_tokens_details"), "cached_tokens", index),
-        reasoning_tokens=token_count(
-            usage.get(f"{completion}_tokens_details"), "reasoning_tokens", index
-        ),
+        total_tokens=count(usage, "total_tokens") or asked + said,
+        cached_tokens=count(usage.get(f"{prompt}_tokens_details"), "cached_tokens"),
+        reasoning_tokens=count(usage.get(f"{completion}_tokens_details"), "reasoning_tokens"),
     )

@@ -17,7 +17,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn
 
 from agentq.errors import ModelIncomplete, ModelResponseFailed
 from agentq.llm.client import (
@@ -26,7 +26,8 @@ from agentq.llm.client import (
     PartialCall,
     Tools,
     bad,
-    opt_str,
+    must,
+    opt,
     usage_of,
 )
 from agentq.models import AssistantMessage
@@ -34,7 +35,6 @@ from agentq.models import AssistantMessage
 log = logging.getLogger("agentq.llm")
 
 ModelApi = Literal["chat", "responses"]
-_T = TypeVar("_T")
 RESPONSES_PATH = "/responses"
 
 UNKNOWN_EVENTS: collections.Counter[str] = collections.Counter()
@@ -213,51 +213,51 @@ class ResponsesAssembler(Assembler):
             self._say(kind, text)
 
     def _text_delta(self, event: dict[str, Any], index: int) -> None:
-        delta = opt_str(event, "delta", index)
+        delta = opt(event, "delta", index, str)
         if delta:
-            self._texts_seen.add(_must(event, "output_index", index, int))
+            self._texts_seen.add(must(event, "output_index", index, int))
         self._said("text", delta)
 
     def _reasoning_delta(self, event: dict[str, Any], index: int) -> None:
-        self._said("reasoning", opt_str(event, "delta", index))
+        self._said("reasoning", opt(event, "delta", index, str))
 
     def _function_call(self, item: dict[str, Any], at: int, index: int) -> PartialCall:
         call = self._calls.setdefault(at, PartialCall())
-        call.id = opt_str(item, "call_id", index) or call.id
-        call.name = opt_str(item, "name", index) or call.name
+        call.id = opt(item, "call_id", index, str) or call.id
+        call.name = opt(item, "name", index, str) or call.name
         return call
 
     def _item_added(self, event: dict[str, Any], index: int) -> None:
-        item = _must(event, "item", index, dict)
+        item = must(event, "item", index, dict)
         if item.get("type") == "function_call":
-            self._function_call(item, _must(event, "output_index", index, int), index)
+            self._function_call(item, must(event, "output_index", index, int), index)
             self.output_events += 1
 
     def _arguments_delta(self, event: dict[str, Any], index: int) -> None:
         call = self._call_of(event, index)
-        delta = opt_str(event, "delta", index)
+        delta = opt(event, "delta", index, str)
         if delta:
             self.output_events += 1
             call.arguments.append(delta)
 
     def _arguments_done(self, event: dict[str, Any], index: int) -> None:
-        self._call_of(event, index).done = opt_str(event, "arguments", index)
+        self._call_of(event, index).done = opt(event, "arguments", index, str)
 
     def _call_of(self, event: dict[str, Any], index: int) -> PartialCall:
-        call = self._calls.get(_must(event, "output_index", index, int))
+        call = self._calls.get(must(event, "output_index", index, int))
         if call is None:
             bad(index, f"{event['type']} for no function_call item")
         return call
 
     def _item_done(self, event: dict[str, Any], index: int) -> None:
-        item = _must(event, "item", index, dict)
-        at = _must(event, "output_index", index, int)
+        item = must(event, "item", index, dict)
+        at = must(event, "output_index", index, int)
         kind = item.get("type")
         if kind == "reasoning":
             self._reasoning_items.append({k: item[k] for k in _REASONING_FIELDS if k in item})
         elif kind == "function_call":
             call = self._function_call(item, at, index)
-            call.done = opt_str(item, "arguments", index) or call.done
+            call.done = opt(item, "arguments", index, str) or call.done
         elif kind == "message" and at not in self._texts_seen:
             # A server that sends a message's text only whole, with no deltas.
             for part in item.get("content") or ():
@@ -265,19 +265,19 @@ class ResponsesAssembler(Assembler):
                 self._said("text", text if isinstance(text, str) else None)
 
     def _completed(self, event: dict[str, Any], index: int) -> None:
-        response = _must(event, "response", index, dict)
-        usage = response.get("usage")
+        response = must(event, "response", index, dict)
+        usage = opt(response, "usage", index, dict)
         if usage is not None:
             self._usage = usage_of(usage, index, "input", "output")
         self._ended = True
 
     def _incomplete(self, event: dict[str, Any], index: int) -> NoReturn:
-        details = _must(event, "response", index, dict).get("incomplete_details")
+        details = must(event, "response", index, dict).get("incomplete_details")
         reason = details.get("reason") if isinstance(details, dict) else None
         raise ModelIncomplete(str(reason or "no reason given"))
 
     def _failed(self, event: dict[str, Any], index: int) -> NoReturn:
-        error = _must(event, "response", index, dict).get("error")
+        error = must(event, "response", index, dict).get("error")
         error = error if isinstance(error, dict) else {}
         raise ModelResponseFailed(
             str(error.get("code") or "unknown"), str(error.get("message") or "response.failed")
@@ -329,11 +329,3 @@ _SAY_NOTHING = frozenset(
     }
 )
 """Events that say nothing the message needs (their text came in the deltas)."""
-
-
-def _must(obj: Mapping[str, Any], name: str, index: int, kind: type[_T]) -> _T:
-    """A field the event must have, of type `kind` (int or dict)."""
-    value = obj.get(name)
-    if not isinstance(value, kind):
-        bad(index, f"'{name}' is not {'an integer' if kind is int else 'an object'}")
-    return value
