@@ -43,6 +43,16 @@ def api_error_to_llm(exc: openai.APIStatusError) -> ModelHTTPError:
 
 
 CHAT_COMPLETIONS_PATH = "/chat/completions"
+REASONING_ITEMS = "reasoning_items"
+"""The key of an assistant message in history that holds its Responses reasoning items."""
+
+
+def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The history as Chat Completions takes it: the Responses reasoning items dropped."""
+    return [
+        {k: v for k, v in m.items() if k != REASONING_ITEMS} if REASONING_ITEMS in m else m
+        for m in messages
+    ]
 
 
 def chat_request(
@@ -56,7 +66,7 @@ def chat_request(
     spliced in as the text the turn encoded once per tool set."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": messages,
+        "messages": without_reasoning(messages),
         "stream": True,
         "stream_options": {"include_usage": True},
     }

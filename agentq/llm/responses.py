@@ -21,6 +21,7 @@ from typing import Any, Literal, NoReturn
 
 from agentq.errors import ModelIncomplete, ModelResponseFailed
 from agentq.llm.client import (
+    REASONING_ITEMS,
     Assembler,
     DeltaCallback,
     PartialCall,
@@ -42,16 +43,6 @@ UNKNOWN_EVENTS: collections.Counter[str] = collections.Counter()
 
 _REASONING_FIELDS = ("type", "id", "summary", "encrypted_content")
 """What a reasoning item keeps in history: enough to send it back, nothing else."""
-REASONING_ITEMS = "reasoning_items"
-"""The key of an assistant message in history that holds its Responses reasoning items."""
-
-
-def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The history as Chat Completions takes it: the Responses reasoning items dropped."""
-    return [
-        {k: v for k, v in m.items() if k != REASONING_ITEMS} if REASONING_ITEMS in m else m
-        for m in messages
-    ]
 
 
 def public_history(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

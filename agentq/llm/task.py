@@ -31,7 +31,7 @@ from agentq.llm.apis import configured, names_responses
 from agentq.llm.capacity import wake_granted
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
 from agentq.llm.publisher import Publisher
-from agentq.llm.responses import RESPONSES_PATH, ModelApi, without_reasoning
+from agentq.llm.responses import RESPONSES_PATH
 from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
 from agentq.state.budget import charged
@@ -196,30 +196,26 @@ class _Round:
             await self.host.io(streams.apis.refresh)
         api = streams.apis.api_for(self.model, setting)
 
-        async def send(api: ModelApi) -> tuple[AssistantMessage, float]:
-            attempt = Attempt(
-                client=client,
-                model=sent_model,
-                idle_timeout_ms=req.idle_timeout_ms,
-                duration_left_s=req.duration_left_s,
-                max_retries=settings.llm_max_retries,
-                timeout=timeout,
-                on_delta=lambda kind, text: self.emit("llm_delta", kind=kind, text=text),
-                on_retry=self._on_retry,
-                abort=abort,
-                turn_id=req.turn_id,
-                on_first_output=self._on_first_output,
-                on_headers=self.headers.update,
-                failover=self.failover,
-                max_completion_tokens=req.max_completion_tokens,
-                api=api,
-                output_format=req.output_format,
-            )
-            sent = messages if api == "responses" else without_reasoning(messages)
-            return await astream_round(attempt, sent, req.tools_json)
-
+        first = Attempt(
+            client=client,
+            model=sent_model,
+            idle_timeout_ms=req.idle_timeout_ms,
+            duration_left_s=req.duration_left_s,
+            max_retries=settings.llm_max_retries,
+            timeout=timeout,
+            on_delta=lambda kind, text: self.emit("llm_delta", kind=kind, text=text),
+            on_retry=self._on_retry,
+            abort=abort,
+            turn_id=req.turn_id,
+            on_first_output=self._on_first_output,
+            on_headers=self.headers.update,
+            failover=self.failover,
+            max_completion_tokens=req.max_completion_tokens,
+            api=api,
+            output_format=req.output_format,
+        )
         try:
-            return await send(api)
+            return await astream_round(first, messages, req.tools_json)
         except ModelHTTPError as exc:
             moves = setting == "auto" and api == "chat" and names_responses(exc)
             if not moves or streams.apis.kept_on_chat(self.model):
@@ -229,7 +225,8 @@ class _Round:
         # round, which said nothing on chat, goes again at once.
         await self.host.io(streams.apis.learn, self.model, "responses", refused.message)
         try:
-            return await send("responses")
+            again = dataclasses.replace(first, api="responses")
+            return await astream_round(again, messages, req.tools_json)
         except ModelHTTPError as exc:
             if exc.status_code != 404:
                 raise

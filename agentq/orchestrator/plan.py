@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from agentq.errors import AgentqError, ToolArgumentsInvalid
-from agentq.llm.responses import REASONING_ITEMS
+from agentq.llm.client import REASONING_ITEMS
 from agentq.models import CALL_ID, AssistantMessage, InteractionKind, ToolCall
 from agentq.tools.policy import Limits, ToolPolicy, effective_limits, split_meta
 from agentq.tools.registry import ASK_USER, ASK_USER_SPEC, get_tool, parse_arguments

@@ -18,7 +18,7 @@ import pytest
 from agentq.events import Event
 from agentq.gateway import create_app
 from agentq.llm.apis import read_learned
-from agentq.llm.responses import REASONING_ITEMS
+from agentq.llm.client import REASONING_ITEMS
 from agentq.local.processes import wait_for
 from agentq.models import Usage
 from agentq.testing.gateway import BackgroundServer

@@ -18,15 +18,14 @@ from agentq.errors import (
     ModelResponseFailed,
 )
 from agentq.llm.apis import ApiChoice, api_view, configured, names_responses, read_learned
+from agentq.llm.client import REASONING_ITEMS, without_reasoning
 from agentq.llm.limits import parse_limits
 from agentq.llm.responses import (
-    REASONING_ITEMS,
     UNKNOWN_EVENTS,
     ResponsesAssembler,
     output_format,
     public_history,
     responses_request,
-    without_reasoning,
 )
 from agentq.models import AssistantMessage, ToolCall
 from agentq.orchestrator.plan import history_form
