@@ -144,6 +144,36 @@ class Relay:
         if ended and not stream.path:
             self.done = True
 
+    def merge(
+        self, pending: dict[str, deque[Event]], full: set[str]
+    ) -> Generator[Event, None, list[str]]:
+        """Emit the events read from the logs (`pending`, by turn id), merged by stream id so
+        a child's events fall between the parent's around them, until a log must be read
+        (again): returns the streams to read, [] once all read is emitted. `full` names the
+        streams whose read was a full page: the merge needs their next page once they run
+        out, and the log of a child an event opens."""
+        order = {t: i for i, t in enumerate(self.streams)}
+        while not self.done:
+            heads = []
+            for t, q in pending.items():
+                if t in full and not q and t in self.streams:
+                    return [t]
+                if q and t in self.streams:
+                    # By the millisecond of the stream id: the sequence part counts per
+                    # stream, so within a millisecond the deeper stream goes first (a
+                    # child's end and the settling of its call in the parent are one
+                    # script, the child's end first).
+                    ms = _stream_pos(q[0].stream_id or "0-0")[0]
+                    heads.append((ms, -len(self.streams[t].path), order[t], t))
+            if not heads:
+                break
+            t = min(heads)[3]
+            known = len(self.streams)
+            yield from self.emit(self.streams[t], pending[t].popleft())
+            if len(self.streams) > known:
+                return list(self.streams)[known:]
+        return []
+
 
 class TreeFollower(Relay):
     """One follow of a turn and, `depth` levels down, of the sub-agents it starts."""
@@ -194,47 +224,19 @@ class TreeFollower(Relay):
         self.marks[turn_id] = self.marks.get(turn_id, 0) + int(self.bus.watch(turn_id, 1))
 
     def catch_up(self, streams: list[_Stream] | None = None) -> Iterator[Event]:
-        """Everything the logs hold past each stream's position, merged by stream id (a
-        child's events fall between the parent's around them)."""
+        """Everything the logs hold past each stream's position (`streams`, or all), merged."""
         pending: dict[str, deque[Event]] = {}
-        full: dict[str, bool] = {}
-        order = {t: i for i, t in enumerate(self.streams)}
-
-        def load(s: _Stream) -> None:
-            batch = self.bus.replay(s.turn_id, s.last_id, PAGE)
-            pending[s.turn_id] = deque(batch)
-            full[s.turn_id] = len(batch) >= PAGE
-
-        for s in streams if streams is not None else list(self.streams.values()):
-            load(s)
-        while not self.done:
-            # By the millisecond of the stream id: the sequence part counts per stream,
-            # so within a millisecond the deeper stream goes first (a child's end and the
-            # settling of its call in the parent are one script, the child's end first).
-            heads = [
-                (
-                    _stream_pos(q[0].stream_id or "0-0")[0],
-                    -len(self.streams[t].path),
-                    order.get(t, len(order)),
-                    t,
-                )
-                for t, q in pending.items()
-                if q and t in self.streams
-            ]
-            if not heads:
-                return
-            tid = min(heads)[3]
-            known = set(self.streams)
-            yield from self.emit(self.streams[tid], pending[tid].popleft())
-            if not pending[tid] and full.get(tid) and tid in self.streams:
-                # Its next page before any other stream's next event: the merge needs
-                # every open stream's head.
-                load(self.streams[tid])
-            for t in self.streams:
-                if t not in known:
-                    # A child that event opened: its log is merged with the rest from here.
-                    order[t] = len(order)
-                    load(self.streams[t])
+        full: set[str] = set()
+        need = [s.turn_id for s in streams] if streams is not None else list(self.streams)
+        while need:
+            for t in need:
+                batch = self.bus.replay(t, self.streams[t].last_id, PAGE)
+                pending[t] = deque(batch)
+                if len(batch) >= PAGE:
+                    full.add(t)
+                else:
+                    full.discard(t)
+            need = yield from self.merge(pending, full)
 
     def live(self, ev: Event) -> Iterator[Event]:
         """A live copy from the subscription; a gap in its stream's seq is refilled."""
