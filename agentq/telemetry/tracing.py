@@ -203,36 +203,25 @@ class _PresetIds:
         return True
 
 
-def _context(traceparent: object) -> Any:
-    """An OpenTelemetry context whose current span is the remote parent `traceparent`."""
-    from opentelemetry import trace
-    from opentelemetry.context import Context
-
-    ids = parse(traceparent)
-    if ids is None:
-        return Context()
-    sc = trace.SpanContext(
-        ids[0], ids[1], is_remote=True, trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)
-    )
-    return trace.set_span_in_context(trace.NonRecordingSpan(sc), Context())
-
-
-def _start(name: str, parent: object, attributes: Mapping[str, Any], start_s: float | None) -> Any:
-    clean = {k: v for k, v in attributes.items() if v is not None}
-    start_ns = None if start_s is None else int(start_s * 1e9)
-    return _tracer.start_span(name, context=_context(parent), attributes=clean, start_time=start_ns)
-
-
 def start_span(
     name: str,
     traceparent: object,
     attributes: Mapping[str, Any],
     start_s: float | None = None,
+    *,
+    root: bool = False,
 ) -> Any:
-    """A span under `traceparent` (None when tracing is off or there is no parent)."""
-    if not enabled or parse(traceparent) is None:
+    """A span under `traceparent` (None when tracing is off or there is no parent, unless
+    `root`: then a trace's root span)."""
+    if not enabled or (parse(traceparent) is None and not root):
         return None
-    return _start(name, traceparent, attributes, start_s)
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier = {"traceparent": traceparent} if isinstance(traceparent, str) else {}
+    parent = TraceContextTextMapPropagator().extract(carrier)
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    start_ns = None if start_s is None else int(start_s * 1e9)
+    return _tracer.start_span(name, context=parent, attributes=clean, start_time=start_ns)
 
 
 def end_span(
@@ -314,7 +303,7 @@ def end_turn(
         return
     _preset.ids = ids
     try:
-        span = _start(SPAN_TURN, caller, attributes, created_at)
+        span = start_span(SPAN_TURN, caller, attributes, created_at, root=True)
     finally:
         _preset.ids = None
     end_span(span, status, error=error)
