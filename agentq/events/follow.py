@@ -230,12 +230,8 @@ class TreeFollower(Relay):
         need = [s.turn_id for s in streams] if streams is not None else list(self.streams)
         while need:
             for t in need:
-                batch = self.bus.replay(t, self.streams[t].last_id, PAGE)
-                pending[t] = deque(batch)
-                if len(batch) >= PAGE:
-                    full.add(t)
-                else:
-                    full.discard(t)
+                pending[t] = deque(self.bus.replay(t, self.streams[t].last_id, PAGE))
+            full = (full - set(need)) | {t for t in need if len(pending[t]) >= PAGE}
             need = yield from self.merge(pending, full)
 
     def live(self, ev: Event) -> Iterator[Event]:
@@ -246,9 +242,9 @@ class TreeFollower(Relay):
         if ev.seq != stream.last_seq + 1:
             yield from self.catch_up([stream])
             return
-        known = set(self.streams)
+        known = len(self.streams)
         yield from self.emit(stream, ev)
-        if set(self.streams) - known:
+        if len(self.streams) > known:
             # Subscribed when opened, so its log and then its live copies miss nothing.
             # Every stream's log, not only its: what the parent published before the
             # child began (the call's tool_started) may still wait in the subscription,
