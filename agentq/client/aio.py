@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
@@ -22,7 +23,6 @@ from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events import Event
 from agentq.events.follow import Cursor, Relay
 from agentq.fleet.connections import async_redis_client
-from agentq.models import parse_stream_id
 from agentq.state.base import text
 from agentq.state.results import TurnResult, settle
 
@@ -146,24 +146,17 @@ class AsyncClient:
                 if heartbeat_s is not None:
                     yield None
                 continue
-            # Merged as the sync follower merges (one reply may hold both ends): by the
-            # millisecond, then the deeper stream first (a child's end and its call's
-            # settling in the parent are one script), as a sequence counts per stream.
-            merged = sorted(
-                ((text(i), text(k), f) for k, entries in reply for i, f in entries),
-                key=lambda e: (
-                    (pos := parse_stream_id(e[0]) or (0, 0))[0],
-                    -len(streams[e[1]].path),
-                    pos[1],
-                ),
-            )
-            for stream_id, key, fields in merged:
-                ev = Event.parse(fields[b"e"], stream_id=stream_id)
-                before = len(relay.streams)
-                for relayed in relay.emit(streams[key], ev):
-                    yield relayed
-                if len(relay.streams) > before:
-                    break  # a child opened: the next read merges its log with the rest
+            # Merged as the sync follower merges: a full page that runs out, or a child
+            # that opens, ends the merge and the next read takes every log from its place.
+            pending = {
+                streams[text(key)].turn_id: deque(
+                    Event.parse(f[b"e"], stream_id=text(i)) for i, f in entries
+                )
+                for key, entries in reply
+            }
+            full = {t for t, q in pending.items() if len(q) >= READ_COUNT}
+            for ev in relay.merge(pending, full):
+                yield ev
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""
