@@ -38,7 +38,7 @@ from agentq.orchestrator import spend
 from agentq.orchestrator.conversation import ConversationMovedOn
 from agentq.orchestrator.plan import calls_of
 from agentq.orchestrator.start import Launch, check_budgets, hash_token, launch
-from agentq.state.base import call_fields, history_of, text
+from agentq.state.base import call_fields, history_of, state_of, text
 from agentq.state.idempotency import fingerprint, start_once
 from agentq.state.listing import MAX_LIMIT, TurnLister, TurnQuery
 from agentq.state.turn_state import TurnState
@@ -145,8 +145,7 @@ def read_source(store: TurnStore, turn_id: str) -> Source:
     raw = store.redis.hgetall(k.turn_key(turn_id))
     if not raw:
         raise TurnNotFound(turn_id)
-    fields = {text(f): v for f, v in raw.items()}
-    state = cast(TurnState, {f: json.loads(v) for f, v in fields.items() if not k.is_record(f)})
+    state = state_of(raw)
     cid = state.get("conversation_id")
     if cid and not store.redis.exists(k.conversation_key(cid, "owner")):
         raise SourceGone(turn_id, f"its conversation {cid} was deleted, and its history with it")
@@ -348,13 +347,7 @@ def start_replay(
     # A branch: the new conversation holds the source's earlier messages, the one the
     # source belongs to is left as it is.
     branch = f"{cid[:100]}.b{secrets.token_hex(6)}"
-    state: TurnState = {
-        **new.state,
-        "conversation_id": branch,
-        "conversation_waiting": True,
-        "pending_messages": new.history,
-    }
-    handle = go(replace(new, state=state, history=[]))
+    handle = go(_waiting(new, branch, new.history))
     return handle.model_copy(update={"conversation_id": branch, "branched": True})
 
 
@@ -364,15 +357,19 @@ def _in_place(src: Source, new: Launch) -> Launch:
     reads the history before the source's exchange, which its exchange replaces."""
     st = src.state
     base = 0 if st.get("conversation_waiting") else int(st.get("conversation_base_len") or 0)
-    state: TurnState = {
-        **new.state,
-        "conversation_id": st.get("conversation_id"),
-        "conversation_waiting": True,
-        "pending_messages": new.history[base:],
-        "history_start": int(new.state.get("history_start") or 0) - base,
-        "conversation_replaces": src.turn_id,
-    }
-    return replace(new, state=state, history=[])
+    return _waiting(
+        new,
+        str(st.get("conversation_id")),
+        new.history[base:],
+        history_start=int(new.state.get("history_start") or 0) - base,
+        conversation_replaces=src.turn_id,
+    )
+
+
+def _waiting(new: Launch, cid: str, messages: list[dict[str, Any]], **fields: Any) -> Launch:
+    """`new` in conversation `cid`, its `messages` aside until its first step reads it."""
+    state = {"conversation_id": cid, "conversation_waiting": True, "pending_messages": messages}
+    return replace(new, state=cast(TurnState, {**new.state, **state, **fields}), history=[])
 
 
 BULK_CALLER = "bulk-retry"
