@@ -9,16 +9,15 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.errors import AgentqError, ConversationBusy, ConversationNotFound
-from agentq.models import TERMINAL_STATUSES, MultitaskMode, TurnStatus
-from agentq.orchestrator.wake import request_abort, send_step_or_wake
-from agentq.state.conversation_lua import Admit, InPlace, Release, ReleaseArgs, Take
-from agentq.state.conversations import Admitted, Conversations, ConversationView
+from agentq.errors import AgentqError, ConversationNotFound
+from agentq.models import TERMINAL_STATUSES, TurnStatus
+from agentq.orchestrator.wake import send_step_or_wake
+from agentq.state.conversation_lua import InPlace, Release, ReleaseArgs, Take
+from agentq.state.conversations import Conversations, ConversationView
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -44,38 +43,6 @@ def conversations(store: TurnStore) -> Conversations:
     return Conversations(store.redis, ttl_s=store.ttl_s)
 
 
-def admit(
-    store: TurnStore,
-    app: Celery,
-    conversation_id: str,
-    turn_id: str,
-    mode: MultitaskMode,
-    decide: Callable[[], Admitted],
-) -> Admitted:
-    """Admit a stored turn to its conversation (`decide`: its Conversations.admit): run it
-    now, queue it, or refuse it (ConversationBusy; the caller removes the turn again)."""
-    admitted = decide()
-    running = admitted.running
-    if admitted.outcome is not Admit.RUN and running and not _alive(store, running):
-        # The turn ahead has ended; its own hand-off is under way, or its process died
-        # before it. Hand off for it now rather than wait (or refuse) behind a turn that
-        # is over: the release script lets exactly one of the two act.
-        if release_for(store, app, conversation_id, running) == turn_id:
-            return Admitted(Admit.RUN, created=admitted.created, step_sent=True)
-        if admitted.outcome is not Admit.BUSY:
-            return admitted
-        admitted = decide()  # refused behind a turn that is over: asked once more
-        running = admitted.running
-    if admitted.outcome is Admit.BUSY:
-        raise ConversationBusy(conversation_id, str(running))
-    if admitted.outcome is Admit.INTERRUPTED:
-        reason = "rollback" if mode == "rollback" else "interrupt"
-        request_abort(store, str(running), reason)
-    elif admitted.outcome is Admit.INJECTED:
-        conversations(store).note_injected(str(running))
-    return admitted
-
-
 class ConversationMovedOn(AgentqError):
     """A retry was to go on in its source's conversation, but the source is no longer that
     conversation's last turn, or another turn holds or waits for it: the retry branches
@@ -93,7 +60,7 @@ def admit_in_place(
         outcome, running = conversations(store).admit_in_place(conversation_id, turn_id, source_id)
         if outcome is InPlace.RUN:
             return
-        if outcome is InPlace.GONE or running is None or _alive(store, running):
+        if outcome is InPlace.GONE or running is None or alive(store, running):
             break
         # The turn that holds it has ended (the source itself, say, its hand-off under
         # way): hand off for it, then look once more.
@@ -112,7 +79,7 @@ def forget(store: TurnStore, turn_id: str) -> None:
     pipe.execute()
 
 
-def _alive(store: TurnStore, turn_id: str) -> bool:
+def alive(store: TurnStore, turn_id: str) -> bool:
     return store.status(turn_id) not in (None, *TERMINAL_STATUSES)
 
 
@@ -126,7 +93,7 @@ def take_turn(ctx: StepContext) -> float | None:
         # Deleted with its conversation, or its starter died before admitting it.
         raise ConversationNotFound(cid)
     if outcome is Take.WAITS:
-        if running is not None and not _alive(ctx.store, running):
+        if running is not None and not alive(ctx.store, running):
             release_for(ctx.store, ctx.app, cid, running)
             return ctx.now
         return ctx.now + WAITING_RECHECK_S

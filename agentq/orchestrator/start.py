@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, cast
 
 from agentq.agents import published_agent_details, require_known
 from agentq.config import Settings
-from agentq.errors import AgentqError, BudgetInvalid, PayloadTooLarge
+from agentq.errors import AgentqError, BudgetInvalid, ConversationBusy, PayloadTooLarge
 from agentq.llm.limits import CHARS_PER_TOKEN
 from agentq.models import MultitaskMode, TurnHandle, TurnRequest, check_messages
 from agentq.orchestrator import conversation
-from agentq.orchestrator.wake import send_step_or_wake
+from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.budget import day_of
 from agentq.state.conversation_lua import Admit
 from agentq.state.conversations import binding, held_bindings
@@ -151,7 +151,7 @@ def launch(
     if cid and in_place_of:
         conversation.admit_in_place(store, app, cid, turn_id, in_place_of)
     elif cid:
-        handle, done = _admit(store, app, settings, new, cid, any_owner, conversation_token)
+        handle, done = _admit(store, app, settings, new, any_owner, conversation_token)
     if not done:
         send_step_or_wake(store, app, turn_id)
     shown = str(handle.pop("events_url_of", None) or turn_id)
@@ -206,14 +206,15 @@ def _admit(
     app: Celery,
     settings: Settings,
     new: Launch,
-    cid: str,
     any_owner: bool,
     conversation_token: str | None,
 ) -> tuple[dict[str, object], bool]:
-    """Admit a stored turn to its conversation `cid`: the handle's fields, and whether the
-    caller is done (its first step sent already, or it waits behind another turn)."""
+    """Admit a stored turn to its conversation: run it now, queue it, or refuse it (busy,
+    too large, not found or not the caller's: the turn is removed again). Returns the
+    handle's fields, and whether the caller is done (its first step sent already, or it
+    waits behind another turn)."""
     turn_id, owner = new.turn_id, new.state.get("owner")
-    handle: dict[str, object] = {}
+    cid = str(new.state.get("conversation_id"))
     new_token = None if owner else secrets.token_urlsafe(32)
     mode = cast(MultitaskMode, new.state.get("multitask") or "enqueue")
     decide = partial(
@@ -228,11 +229,31 @@ def _admit(
         any_owner=any_owner,
     )
     try:
-        admitted = conversation.admit(store, app, cid, turn_id, mode, decide)
+        admitted = decide()
+        running = admitted.running
+        if admitted.outcome is not Admit.RUN and running and not conversation.alive(store, running):
+            # The turn ahead has ended; its own hand-off is under way, or its process died
+            # before it. Hand off for it now rather than wait (or refuse) behind a turn
+            # that is over: the release script lets exactly one of the two act.
+            if conversation.release_for(store, app, cid, running) == turn_id:
+                return {"conversation_token": new_token} if admitted.created else {}, True
+            if admitted.outcome is Admit.BUSY:
+                admitted = decide()  # refused behind a turn that is over: asked once more
+                running = admitted.running
+            else:
+                running = None  # over: not interrupted, nothing joins it
+        if admitted.outcome is Admit.BUSY:
+            raise ConversationBusy(cid, str(running))
+        if admitted.outcome is Admit.INTERRUPTED and running:
+            reason = "rollback" if mode == "rollback" else "interrupt"
+            request_abort(store, running, reason)
+        elif admitted.outcome is Admit.INJECTED and running:
+            conversation.conversations(store).note_injected(running)
     except AgentqError:
         # Busy, too large, not found or not the caller's: nothing of the request stays.
         conversation.forget(store, turn_id)
         raise
+    handle: dict[str, object] = {}
     if admitted.created:
         handle["conversation_token"] = new_token
     queued = admitted.outcome is not Admit.RUN
