@@ -13,6 +13,7 @@ still to do and every write it made is recorded.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -33,9 +34,8 @@ from agentq.errors import (
     StepLost,
 )
 from agentq.fleet import runtime
-from agentq.fleet.broker import BROKER_RETRY_S, send_step
+from agentq.fleet.broker import BROKER_RETRY_S, broadcast, send_step
 from agentq.models import TERMINAL_STATUSES
-from agentq.orchestrator.abort import send_kills
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
 from agentq.orchestrator.machine import advance, fail
@@ -304,6 +304,20 @@ class Look(NamedTuple):
     """Workers that stopped beating."""
     next_at: float | None
     """The soonest wakeup or escalation not yet due (None: nothing waits)."""
+
+
+def send_kills(r: redis.Redis, app: Celery, due: list[bytes]) -> int:
+    """Send these due escalations to the workers running their tasks (`agentq_kill` of
+    agentq.tools.task); each order is sent by the one sweeper whose ZREM takes it. Returns
+    how many were sent."""
+    sent = 0
+    for raw in due:
+        if not r.zrem(k.KILLS, raw):
+            continue  # another sweeper took it
+        order = json.loads(raw)
+        broadcast(app, k.KILL_COMMAND, {"targets": order["targets"]}, destination=order["to"])
+        sent += 1
+    return sent
 
 
 def step_inline() -> None:

@@ -89,8 +89,7 @@ def test_a_pass_that_took_a_full_batch_of_due_wakeups_sweeps_again_at_once() -> 
 
 def test_an_abort_escalation_is_sent_once_when_due_and_the_sweeper_wakes_for_it() -> None:
     from agentq.config import Settings
-    from agentq.orchestrator.abort import send_kills
-    from agentq.orchestrator.steps import Sweeper
+    from agentq.orchestrator.steps import Sweeper, send_kills
 
     sent: list[tuple[str, dict[str, object], object]] = []
 
