@@ -347,7 +347,7 @@ def start_replay(
     # A branch: the new conversation holds the source's earlier messages, the one the
     # source belongs to is left as it is.
     branch = f"{cid[:100]}.b{secrets.token_hex(6)}"
-    handle = go(_waiting(new, branch, new.history))
+    handle = go(replace(new, state={**new.state, "conversation_id": branch}))
     return handle.model_copy(update={"conversation_id": branch, "branched": True})
 
 
@@ -357,19 +357,13 @@ def _in_place(src: Source, new: Launch) -> Launch:
     reads the history before the source's exchange, which its exchange replaces."""
     st = src.state
     base = 0 if st.get("conversation_waiting") else int(st.get("conversation_base_len") or 0)
-    return _waiting(
-        new,
-        str(st.get("conversation_id")),
-        new.history[base:],
-        history_start=int(new.state.get("history_start") or 0) - base,
-        conversation_replaces=src.turn_id,
-    )
-
-
-def _waiting(new: Launch, cid: str, messages: list[dict[str, Any]], **fields: Any) -> Launch:
-    """`new` in conversation `cid`, its `messages` aside until its first step reads it."""
-    state = {"conversation_id": cid, "conversation_waiting": True, "pending_messages": messages}
-    return replace(new, state=cast(TurnState, {**new.state, **state, **fields}), history=[])
+    state: TurnState = {
+        **new.state,
+        "conversation_id": st.get("conversation_id"),
+        "history_start": int(new.state.get("history_start") or 0) - base,
+        "conversation_replaces": src.turn_id,
+    }
+    return replace(new, state=state, history=new.history[base:])
 
 
 BULK_CALLER = "bulk-retry"

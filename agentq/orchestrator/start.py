@@ -89,10 +89,10 @@ def start_turn(
                 f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
             )
         token = secrets.token_urlsafe(32)
-        state, history = _new_state(req, new, owner, token, extra_state)
+        state = _new_state(req, owner, token, extra_state)
         if webhook_url:
             state["webhook_url"] = webhook_url
-        new_turn = Launch(new_id, token, state, history, size)
+        new_turn = Launch(new_id, token, state, new, size)
         return launch(
             store,
             app,
@@ -137,15 +137,19 @@ def launch(
     any, send its first step: every turn's start, a request's, a retry's or a fork's.
     `in_place_of`: a retry that replaces that turn's exchange in the conversation, or, if
     that turn is no longer the conversation's last, is removed again (ConversationMovedOn)."""
-    turn_id, token, state = new.turn_id, new.token, new.state
+    turn_id, token, state, history = new.turn_id, new.token, new.state, new.history
     cid = state.get("conversation_id")
+    if cid:
+        # Stored before it is admitted (so the turn holding a conversation always exists),
+        # its messages aside until its first step reads the conversation's history.
+        state["conversation_waiting"], state["pending_messages"], history = True, history, []
     if state.get("webhook_url"):
         # Before the turn exists: whatever happens to the step that ends it, a sweep
         # finds the turn here and queues its delivery.
         Deliveries(store.redis, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
-    store.create(turn_id, state, new.history, new.records)
+    store.create(turn_id, state, history, new.records)
     handle: dict[str, object] = {}
     done = False
     if cid and in_place_of:
@@ -164,13 +168,9 @@ def launch(
 
 
 def _new_state(
-    req: TurnRequest,
-    new: list[dict[str, object]],
-    owner: str | None,
-    token: str,
-    extra_state: TurnState | None,
-) -> tuple[TurnState, list[dict[str, object]]]:
-    """A new turn's state and history."""
+    req: TurnRequest, owner: str | None, token: str, extra_state: TurnState | None
+) -> TurnState:
+    """A new turn's state."""
     state: TurnState = {
         "status": "queued",
         "created_at": time.time(),
@@ -186,19 +186,9 @@ def _new_state(
         "call_count": 0,
         **(extra_state or {}),
     }
-    if req.max_tokens is not None:
-        state["max_tokens"] = req.max_tokens
-    if req.max_cost_usd is not None:
-        state["max_cost_usd"] = req.max_cost_usd
-    if not req.conversation_id:
-        return state, new
-    # Stored before it is admitted (so the turn holding a conversation always exists), its
-    # messages aside until its first step reads the conversation's history.
-    state["conversation_waiting"] = True
-    state["pending_messages"] = new
-    if req.multitask:
-        state["multitask"] = req.multitask
-    return state, []
+    asked = req.model_dump(include={"max_tokens", "max_cost_usd", "multitask"}, exclude_none=True)
+    state.update(cast(TurnState, asked))
+    return state
 
 
 def _admit(
