@@ -371,30 +371,18 @@ def finish(
     )
 
 
-def _own_messages(ctx: StepContext) -> list[dict[str, Any]]:
-    """The messages whose open calls the turn's end settles: its history, or, for a turn
-    that never read its conversation, the messages it holds aside (a retry's branch may
-    leave calls open there)."""
-    if ctx.state.get("conversation_waiting"):
-        return list(ctx.state.get("pending_messages") or [])
-    return ctx.history
-
-
 def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     """End the turn with turn_error, every call of its round settled first."""
-    model_round.withdraw(ctx)
-    spend.settle_left(ctx)
     headless = code == "headless_interaction"
-    msgs, ours = settle_pending(
+    msgs, ours = _wind_up(
         ctx,
-        _own_messages(ctx),
+        "error",
         lambda call, _: (
             denied_result(call, "policy")
             if headless
             else error_result(call, f"not run: the turn failed ({message})")
         ),
     )
-    subturns.abort_children(ctx, "error")
     ctx.close(
         TurnStatus.ERROR,
         "turn_error",
@@ -409,15 +397,12 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
 
 def abort_turn(ctx: StepContext, reason: str) -> None:
     """Revoke what runs, settle every call as cancelled, end with turn_aborted."""
-    model_round.withdraw(ctx)
-    spend.settle_left(ctx)
     revoked = revoke_unsettled(ctx)
-    msgs, ours = settle_pending(
+    msgs, ours = _wind_up(
         ctx,
-        _own_messages(ctx),
+        reason,
         lambda call, dispatch: cancelled_result(call, reason, task_id=dispatch.get("task_id")),
     )
-    subturns.abort_children(ctx, reason)
     ctx.close(
         TurnStatus.ABORTED,
         "turn_aborted",
@@ -451,27 +436,34 @@ def revoke_unsettled(ctx: StepContext) -> list[str]:
     return ids
 
 
-def settle_pending(
-    ctx: StepContext,
-    history: list[dict[str, Any]],
-    result_for: Callable[[ToolCall, dict[str, Any]], ToolResult],
+def _wind_up(
+    ctx: StepContext, why: str, result_for: Callable[[ToolCall, dict[str, Any]], ToolResult]
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Settle each unanswered call (unless a result won already); return the round's tool
-    messages, so the history stays valid however the turn ends, and the ids of the calls
-    settled here (the ones a retry runs again)."""
-    calls = pending_calls(history)
-    if not calls:
-        return [], []
+    """Before an end without an answer: the round's place in the capacity queue and its
+    spend settled, each unanswered call settled (unless a result won already), then the
+    children aborted (`why`). Returns the round's tool messages, so the history stays valid
+    however the turn ends, and the ids of the calls settled here (the ones a retry runs
+    again)."""
+    model_round.withdraw(ctx)
+    spend.settle_left(ctx)
+    # A turn that never read its conversation settles the calls of the messages it holds
+    # aside (a retry's branch may leave calls open there).
+    waiting = ctx.state.get("conversation_waiting")
+    calls = pending_calls(list(ctx.state.get("pending_messages") or []) if waiting else ctx.history)
     ours: list[str] = []
-    _, settled, dispatched = ctx.store.round_view(ctx.turn_id, [c.id for c in calls])
-    for call in calls:
-        if call.id in settled:
-            continue
-        mine = result_for(call, dispatched.get(call.id, {}))
-        # A tool's result that came first is the one kept.
-        settled[call.id], won = ctx.settle(mine, tracked=call.id in dispatched)
-        if won:
-            ours.append(call.id)
-    # A password answer is read once by its tool; a round that ends must not leave one.
-    ctx.store.redis.delete(*[k.turn_key(ctx.turn_id, "secret", f"{c.id}.approval") for c in calls])
+    settled: dict[str, ToolResult] = {}
+    if calls:
+        _, settled, dispatched = ctx.store.round_view(ctx.turn_id, [c.id for c in calls])
+        for call in calls:
+            if call.id in settled:
+                continue
+            mine = result_for(call, dispatched.get(call.id, {}))
+            # A tool's result that came first is the one kept.
+            settled[call.id], won = ctx.settle(mine, tracked=call.id in dispatched)
+            if won:
+                ours.append(call.id)
+        # A password answer is read once by its tool; a round that ends must not leave one.
+        secrets = [k.turn_key(ctx.turn_id, "secret", f"{c.id}.approval") for c in calls]
+        ctx.store.redis.delete(*secrets)
+    subturns.abort_children(ctx, why)
     return [settled[c.id].to_openai() for c in calls], ours
