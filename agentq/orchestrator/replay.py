@@ -53,16 +53,7 @@ RETRYABLE = ("error", "aborted")
 
 KEPT_FIELDS = ("headless", "detach", "agent", "owner", "webhook_url", "max_tokens", "max_cost_usd")
 """What a retry or fork keeps of its source as it is (overrides aside)."""
-CARRIED_FIELDS = (
-    "round",
-    "call_count",
-    "output_retries",
-    "spent_prompt_tokens",
-    "spent_completion_tokens",
-    "spent_cached_tokens",
-    "spent_usd",
-    "spent_estimated_rounds",
-)
+CARRIED_FIELDS = ("round", "call_count", "output_retries", *spend.SPENT)
 """What a retry goes on counting from its source: its spend too, so that a retry never
 resets a budget."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -21,6 +21,16 @@ from agentq.tools.registry import schemas_json
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
+
+
+SPENT = {
+    "spent_prompt_tokens": "prompt_tokens",
+    "spent_completion_tokens": "completion_tokens",
+    "spent_cached_tokens": "cached_tokens",
+    "spent_usd": "cost_usd",
+    "spent_estimated_rounds": "estimated",
+}
+"""A turn's spend so far (fields of its state), each the sum of a Usage field over its rounds."""
 
 
 def limits_of(ctx: StepContext) -> tuple[int | None, float | None]:
@@ -111,15 +121,9 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult) -> Non
     day = str(st.get("budget_day") or day_of(ctx.now))
     settle = Settlement(round_no, day, usage, ctx.model, st.get("agent"))
     Spend(ctx.store.redis, ctx.settings).settle(**_args(ctx), settle=settle)
-    ctx.stage(
-        budget_reservation=None,
-        spent_prompt_tokens=int(st.get("spent_prompt_tokens") or 0) + usage.prompt_tokens,
-        spent_completion_tokens=int(st.get("spent_completion_tokens") or 0)
-        + usage.completion_tokens,
-        spent_cached_tokens=int(st.get("spent_cached_tokens") or 0) + usage.cached_tokens,
-        spent_usd=float(st.get("spent_usd") or 0.0) + (usage.cost_usd or 0.0),
-        spent_estimated_rounds=int(st.get("spent_estimated_rounds") or 0) + int(usage.estimated),
-    )
+    was = cast(dict[str, Any], st)
+    spent = {f: (was.get(f) or 0) + (getattr(usage, u) or 0) for f, u in SPENT.items()}
+    ctx.stage(**cast(TurnState, {**spent, "budget_reservation": None}))
 
 
 def settle_left(ctx: StepContext) -> None:
