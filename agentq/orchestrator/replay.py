@@ -32,7 +32,6 @@ from agentq.models import (
     MAX_TURN_TOKENS,
     ToolResult,
     TurnHandle,
-    TurnRequest,
 )
 from agentq.orchestrator import spend
 from agentq.orchestrator.conversation import ConversationMovedOn
@@ -313,13 +312,10 @@ def start_replay(
         new = retry_launch(src, req, token)
     else:
         new = fork_launch(src, req, token)
-    if req.agent:
-        require_known(store.redis, req.agent)
-    st = new.state
+    require_known(store.redis, req.agent)  # an agent it names instead of its source's
     # As for any start: a key over its budget starts nothing (429), nor a USD budget for
     # a model without a price; the first round sends the whole history.
-    budgets = TurnRequest(agent=st.get("agent"), max_cost_usd=st.get("max_cost_usd"))
-    check_budgets(store, settings, budgets, st.get("owner"), new.size)
+    check_budgets(store, settings, new.state, new.size)
     turn_id = turn_id or secrets.token_hex(16)
     new = replace(new, turn_id=turn_id)
     if isinstance(req, RetryRequest):

@@ -83,13 +83,13 @@ def start_turn(
         if webhook_url:
             check_for_turn(webhook_url, settings)
         require_known(store.redis, req.agent)
-        check_budgets(store, settings, req, owner, size)
+        token = secrets.token_urlsafe(32)
+        state = _new_state(req, owner, token, extra_state)
+        check_budgets(store, settings, state, size)
         if req.conversation_id and size > settings.max_conversation_bytes:
             raise PayloadTooLarge(
                 f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
             )
-        token = secrets.token_urlsafe(32)
-        state = _new_state(req, owner, token, extra_state)
         if webhook_url:
             state["webhook_url"] = webhook_url
         new_turn = Launch(new_id, token, state, new, size)
@@ -258,17 +258,16 @@ def _admit(
     return handle, queued or admitted.step_sent
 
 
-def check_budgets(
-    store: TurnStore, settings: Settings, req: TurnRequest, owner: str | None, size: int
-) -> None:
-    """Refuse a `max_cost_usd` agentq cannot keep (a model without a price: BudgetInvalid),
-    and a start from a key over its budget (BudgetExceeded, with when it resets)."""
-    model = settings.llm_model
-    if req.agent:
+def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:
+    """Refuse a new turn (`state`, bringing `size` bytes) whose `max_cost_usd` agentq cannot
+    keep (a model without a price: BudgetInvalid), or whose key is over its budget
+    (BudgetExceeded, with when it resets)."""
+    model, agent, owner = settings.llm_model, state.get("agent"), state.get("owner")
+    if agent:
         details = {a["name"]: a for a in published_agent_details(store.redis)}
-        model = (details.get(req.agent) or {}).get("model") or model
+        model = (details.get(agent) or {}).get("model") or model
     price = settings.llm_prices.get(model)
-    if req.max_cost_usd is not None and price is None:
+    if state.get("max_cost_usd") is not None and price is None:
         raise BudgetInvalid(
             f"max_cost_usd needs a price for model {model!r}: it has none in "
             "AGENTQ_LLM_PRICES (max_tokens bounds a turn of any model)"
