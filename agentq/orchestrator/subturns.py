@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, final_content
-from agentq.orchestrator.wake import abort_child, send_step_or_wake
+from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import TurnState
 from agentq.tools.policy import truncate_text
@@ -101,7 +101,7 @@ def watch(
             task_id=child,
         )
         settled[p.call.id], _ = ctx.settle(result)
-        abort_child(ctx.store, child, "timeout")
+        request_abort(ctx.store, child, "timeout", walk=False)
 
 
 def _progress(
@@ -187,7 +187,7 @@ def abort_children(ctx: StepContext, reason: str) -> None:
         pipe.hget(k.turn_key(c), "status")
     for c, raw in zip(children, pipe.execute(), strict=True):
         if raw is not None and json.loads(raw) not in TERMINAL_STATUSES:
-            abort_child(ctx.store, c, reason)
+            request_abort(ctx.store, c, reason, walk=False)
 
 
 def parent_settlement(

@@ -28,21 +28,15 @@ def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> None:
         store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
 
 
-def request_abort(store: TurnStore, turn_id: str, reason: str) -> None:
-    """Abort a turn (and its running children) from outside its steps: flag, wake, notice
-    and children in one round trip (abort latency is user-facing); a turn worker's step
-    aborts it (one that holds the turn sees the flag as it lets go), or, should this caller
-    die first, the turn's wakeup."""
+def request_abort(store: TurnStore, turn_id: str, reason: str, *, walk: bool = True) -> None:
+    """Abort a turn (and, if `walk`, its running children) from outside its steps: flag,
+    wake, notice and children in one round trip (abort latency is user-facing); a turn
+    worker's step aborts it (one that holds the turn sees the flag as it lets go), or,
+    should this caller die first, the turn's wakeup. A parent's step does not walk: each
+    child's own abort step aborts its children."""
     woken, children = store.flag_cancel(turn_id, reason)
-    for child in children:
+    for child in children if walk else []:
         if store.status(child) not in TERMINAL_STATUSES:
             request_abort(store, child, reason)
     if woken:
         store.send_step(turn_id)
-
-
-def abort_child(store: TurnStore, child: str, reason: str) -> None:
-    """Flag a child turn cancelled and wake it, from its parent's step: the child's own
-    abort step aborts its children, so the parent's step need not walk the tree."""
-    if store.flag_cancel(child, reason)[0]:
-        store.send_step(child)
