@@ -390,7 +390,8 @@ class StoreBase:
         llm_result: tuple[int, str] | None = None,
     ) -> int:
         """After a write that wakes a turn: take the step it locked for this process, else
-        send one (unless another step holds the lock: it steps again when it lets go)."""
+        send one (unless another step holds the lock: it steps again when it lets go); a
+        turn Redis lost (TURN_GONE) is ended `state_lost`."""
         if isinstance(answer, list):
             code, *raw = answer
             if self.stepper is not None:
@@ -400,6 +401,8 @@ class StoreBase:
             return int(code)
         if wake and not token:
             self.send_step(turn_id)
+        if int(answer) == Settled.TURN_GONE:
+            self.end_lost_turn(turn_id)
         return int(answer)
 
     def end_lost_turn(self, turn_id: str) -> bool:

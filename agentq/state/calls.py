@@ -299,8 +299,6 @@ class CallRecords(StoreBase):
         answer = self._durable(self._settle, keys=TurnKeys.of(turn_id), args=list(args))
         ready = answer == Settled.READY
         got = Settled(self._woke(turn_id, answer, token, lock_ms, wake=ready and wake))
-        if got is Settled.TURN_GONE:
-            self.end_lost_turn(turn_id)
         if got in (Settled.WON, Settled.READY):
             self.bus.counted([("tool_finished", event)])
         return got

@@ -199,8 +199,6 @@ class RoundRecords(StoreBase):
         )
         if got in (RoundFinished.WOKEN, RoundFinished.STEPPED):
             self.bus.counted(events or [])
-        elif got == RoundFinished.TURN_GONE:
-            self.end_lost_turn(turn_id)
 
     def llm_result(self, turn_id: str, round_no: int) -> str | None:
         """The round's result (LlmRoundResult JSON) if it is the last one stored."""
