@@ -115,18 +115,15 @@ return 1
 
 @dataclass(frozen=True)
 class RoundRead:
-    """The stored results, dispatch records and plans (raw, in call order) of a round's calls."""
+    """A round's calls' results, dispatch records and plans (raw), as `round_view`'s HMGET."""
 
     ids: tuple[str, ...]
-    results: list[Any]
-    calls: list[Any]
-    plans: list[Any]
+    values: list[Any]
 
     @classmethod
     def unsent(cls, ids: tuple[str, ...], plans: list[Any] | None = None) -> RoundRead:
         """Calls neither sent nor settled, planned (`plans`) or not even that."""
-        none: list[Any] = [None] * len(ids)
-        return cls(ids, none, list(none), plans or list(none))
+        return cls(ids, [None] * (2 * len(ids)) + (plans or [None] * len(ids)))
 
 
 @dataclass
@@ -160,7 +157,7 @@ def step_view(flat: list[Any], history: list[Any], rnd: list[Any] | None = None)
         state=state or None,
         cancel_reason=None if cancel is None else str(cancel),
         history=[json.loads(m) for m in history],
-        round=RoundRead(tuple(ids), *rnd) if rnd and isinstance(ids, list) else None,
+        round=RoundRead(tuple(ids), rnd) if rnd and isinstance(ids, list) else None,
     )
 
 

@@ -142,17 +142,16 @@ def view_lua(st: str) -> str:
     local ok, ids = false, nil
     if rc then ok, ids = pcall(cjson.decode, rc) end
     if ok and type(ids) == 'table' and #ids > 0 then
-      local settled, records, plans, open = {{}}, {{}}, {{}}, false
-      for i = 1, #ids do
+      local n, open = #ids, false
+      for i = 1, n do
         local id = tostring(ids[i])
-        settled[i] = rec['{SETTLED}' .. id] or false
-        records[i] = rec['{DISPATCHED}' .. id] or false
-        plans[i] = rec['{PLANNED}' .. id] or false
-        open = open or not settled[i]
+        rnd[i] = rec['{SETTLED}' .. id] or false
+        rnd[n + i] = rec['{DISPATCHED}' .. id] or false
+        rnd[2 * n + i] = rec['{PLANNED}' .. id] or false
+        open = open or not rnd[i]
       end
       -- Every call settled: the step sends nothing, and needs no dispatch record.
-      if not open then for i = 1, #ids do records[i] = false end end
-      rnd = {{settled, records, plans}}
+      if not open then for i = n + 1, 2 * n do rnd[i] = false end end
     end
     return {{state, hist, rnd}}
   end)()"""

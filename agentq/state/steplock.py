@@ -296,13 +296,12 @@ class StepRecords(StoreBase):
         calls: from `read` when it is of these calls, else in one round trip."""
         if not call_ids:
             return [], {}, {}
+        n, kinds = len(call_ids), (k.SETTLED, k.DISPATCHED, k.PLANNED)
         if read is not None and list(read.ids) == call_ids:
-            results, calls, plans = read.results, read.calls, read.plans
+            got = read.values
         else:
-            n = len(call_ids)
-            kinds = (k.SETTLED, k.DISPATCHED, k.PLANNED)
             got = self.redis.hmget(k.turn_key(turn_id), [p + c for p in kinds for c in call_ids])
-            results, calls, plans = got[:n], got[n : 2 * n], got[2 * n :]
+        results, calls, plans = got[:n], got[n : 2 * n], got[2 * n :]
         return (
             plans,
             {

@@ -98,7 +98,7 @@ def _one_call(store: TurnStore) -> tuple[str, dict[str, int]]:
     finally:
         store.stepper = None
     ((token, view),) = stepper.taken
-    assert view.round is not None and all(view.round.results)  # the step has the result
+    assert view.round is not None and view.round.values[0]  # the step has the result
     tool_message = {"role": "tool", "tool_call_id": call.id, "content": "done"}
     cost["end"] = _cost(
         r,
