@@ -359,7 +359,7 @@ def agentq_once(fx: BenchRig) -> float:
     """
     turn_id, call_id, _ = _noop_turn()
     store = runtime.get_store()
-    sent_at = float(store.dispatches(turn_id)[call_id]["dispatched_at"])
+    sent_at = float(store.call_progress(turn_id)[1][call_id]["dispatched_at"])
     collected_at = store.bus.replay(turn_id)[-1].ts
     return collected_at - sent_at
 

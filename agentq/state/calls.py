@@ -190,9 +190,6 @@ class CallRecords(StoreBase):
                 pipe.hset(key, k.DISPATCHED + c, json.dumps({**r, "sends": int(r["sends"]) - 1}))
         pipe.execute()
 
-    def dispatches(self, turn_id: str) -> dict[str, dict[str, Any]]:
-        return self._calls(turn_id, k.DISPATCHED)[0]
-
     def call_progress(
         self, turn_id: str
     ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:

@@ -124,7 +124,7 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
         20,
         message="the step recorded and sent the first batch",
     )
-    first = store.dispatches(tid)
+    first = store.call_progress(tid)[1]
     assert set(first) == {"call_r0_0", "call_r0_1"}
     # While the calls' queue holds messages they may be among them (a backlog): the
     # pickup's step looks and sends nothing again, and looks again a pickup later (it
@@ -134,17 +134,17 @@ def test_calls_recorded_but_never_sent_are_sent_after_the_pickup_and_run_once(
         30,
         message="the pickup's step held the calls back, twice",
     )
-    assert all(d.get("sends", 1) == 1 for d in store.dispatches(tid).values())
+    assert all(d.get("sends", 1) == 1 for d in store.call_progress(tid)[1].values())
     assert sum(store.redis.llen(q) for q in queued) == 2
     # As if the step had died between its write and its sends: the messages never left.
     store.redis.delete(*queued)
     rig.start("tools")
     wait_for(
-        lambda: all(d.get("sends") == 2 for d in store.dispatches(tid).values()),
+        lambda: all(d.get("sends") == 2 for d in store.call_progress(tid)[1].values()),
         30,
         message="the pickup sent both calls again",
     )
-    again = store.dispatches(tid)
+    again = store.call_progress(tid)[1]
     for cid, rec in first.items():
         # The same task id, and the queue allowance still runs from the first send.
         assert again[cid]["task_id"] == rec["task_id"]
@@ -204,7 +204,7 @@ def test_a_thousand_waiting_turns_are_held_and_aborted_at_once(rig, tmp_path: Pa
         message="all turns waiting on their call",
     )
     wait_for(
-        lambda: sum(1 for h in handles[::50] if store.dispatches(h.turn_id)) == n // 50,
+        lambda: sum(1 for h in handles[::50] if store.call_progress(h.turn_id)[1]) == n // 50,
         60,
         message="calls dispatched",
     )

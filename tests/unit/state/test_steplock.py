@@ -128,11 +128,11 @@ def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lo
     plans = {"c1": "plan-1", "c2": "plan-2"}
     assert store.lock_step("t1", "a", 5000) is True
     assert store.release_step("t1", "b", None, 5000, sent, plans=plans) == Released.LOST
-    assert store.dispatches("t1") == {}  # not b's lock: nothing written
+    assert store.call_progress("t1")[1] == {}  # not b's lock: nothing written
     assert store.redis.hget(k.turn_key("t1"), k.PLANNED + "c1") is None
     store.wake("t1")  # woken while "a" steps: the lock is kept, the records written
     assert store.release_step("t1", "a", None, 5000, sent, plans=plans) == Released.WOKEN
-    assert store.dispatches("t1") == sent
+    assert store.call_progress("t1")[1] == sent
     assert store.redis.hget(k.turn_key("t1"), k.PLANNED + "c2") == b"plan-2"
     assert unsettled(store, "t1") == 2
     # Sent again (the pickup), a call is not counted twice.
@@ -143,7 +143,7 @@ def test_a_step_records_the_calls_it_sends_as_it_lets_go_only_if_it_holds_the_lo
     # The broker went away before c2 went out again, and c1 was never sent at all: c1
     # leaves the batch in flight, c2 gets its earlier count of sends back.
     store.unrecord("t1", {"c1": sent["c1"], "c2": again["c2"]})
-    assert store.dispatches("t1") == {"c2": {"task_id": "b", "sends": 1}}
+    assert store.call_progress("t1")[1] == {"c2": {"task_id": "b", "sends": 1}}
     assert unsettled(store, "t1") == 1
     # Ending the turn lets go of the lock in the same write.
     assert store.lock_step("t1", "a", 5000) is True
