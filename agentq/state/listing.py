@@ -28,8 +28,10 @@ from itertools import groupby
 from typing import Any
 
 import redis
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from agentq import constants as k
+from agentq.errors import describe_invalid
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import TERMINAL_STATUSES, TurnStatus
 from agentq.state.base import active_turns, each, exist, text
@@ -122,47 +124,33 @@ def _loads(raw: str) -> Any:
         return raw
 
 
-@dataclass(frozen=True)
-class TurnQuery:
+class TurnQuery(BaseModel, frozen=True):
     """Filters and paging of a listing; `before` is a `created_at` (exclusive)."""
 
     status: frozenset[str] = frozenset()
     agent: str | None = None
-    limit: int = DEFAULT_LIMIT
-    before: float | None = None
+    limit: int = Field(DEFAULT_LIMIT, ge=1, le=MAX_LIMIT)
+    before: float | None = Field(None, allow_inf_nan=False)
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _known(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = {s.strip() for s in value.split(",") if s.strip()}
+        unknown = sorted(set(value) - TURN_STATUSES - {"active", "ended"})
+        if unknown:
+            known = ", ".join(sorted(TURN_STATUSES))
+            raise ValueError(f"unknown {', '.join(unknown)}; one or more of {known}, active, ended")
+        return value
 
     @classmethod
-    def parse(
-        cls,
-        *,
-        status: str | None = None,
-        agent: str | None = None,
-        limit: str | int | None = None,
-        before: str | float | None = None,
-    ) -> TurnQuery:
-        """From query-string values; ValueError naming the parameter if one is malformed."""
-        wanted = frozenset(s.strip() for s in (status or "").split(",") if s.strip())
-        unknown = sorted(wanted - TURN_STATUSES - {"active", "ended"})
-        if unknown:
-            raise ValueError(
-                f"status: unknown {', '.join(unknown)}; one or more of "
-                f"{', '.join(sorted(TURN_STATUSES))}, active, ended"
-            )
+    def parse(cls, **raw: str | int | None) -> TurnQuery:
+        """From query-string values (blank: absent); ValueError naming the parameter if one is
+        malformed."""
         try:
-            n = DEFAULT_LIMIT if limit in (None, "") else int(limit)
-        except ValueError:
-            raise ValueError("limit: must be an integer") from None
-        if not 1 <= n <= MAX_LIMIT:
-            raise ValueError(f"limit: must be between 1 and {MAX_LIMIT}")
-        cursor: float | None = None
-        if before not in (None, ""):
-            try:
-                cursor = float(before)  # type: ignore[arg-type]
-            except ValueError:
-                raise ValueError("before: must be a created_at timestamp (seconds)") from None
-            if not math.isfinite(cursor):
-                raise ValueError("before: must be a finite timestamp")
-        return cls(status=wanted, agent=agent or None, limit=n, before=cursor)
+            return cls.model_validate({f: v for f, v in raw.items() if v not in (None, "")})
+        except ValidationError as exc:
+            raise ValueError(describe_invalid(exc)) from None
 
     def matches(self, summary: dict[str, Any]) -> bool:
         status = summary.get("status")
