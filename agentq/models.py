@@ -352,7 +352,7 @@ class LlmRoundRequest(_Frozen):
 
     turn_id: str
     round_no: int
-    tools_json: str = Field("[]", pattern=r"^\s*\[")
+    tools_json: str = "[]"
     """The tools' schemas as the JSON array sent to the model, never parsed on the way:
     dozens of small objects cost kombu a Python hook each, and every hop an encoding."""
     duration_left_s: float
@@ -377,6 +377,13 @@ class LlmRoundRequest(_Frozen):
     """How long the round waited for model capacity before it was sent."""
     output_format: dict[str, Any] | None = None
     """The Responses API's `text.format` of the agent's typed answer (its `output_type`)."""
+
+    @field_validator("tools_json")
+    @classmethod
+    def _a_json_array(cls, v: str) -> str:
+        if not v.strip().startswith("["):
+            raise ValueError("tools_json must be the JSON array of the tools' schemas")
+        return v
 
 
 class LlmRoundResult(_Frozen):
