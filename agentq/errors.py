@@ -46,7 +46,7 @@ AgentqError
 ├── Aborted(turn_id, reason)                   a user abort; always wins over a timeout
 └── TurnError(turn_id)
     ├── TurnNotFound
-    ├── AmbiguousTurnId(matches)               a typed prefix names several turns: exit 2
+    ├── AmbiguousTurnId(matches, candidates)   a typed prefix names several turns: exit 2
     ├── TokenInvalid
     ├── StepLost                               a step's lock lapsed; another step took over
     ├── TurnFailed(error_code, error)          `Client.run`: the turn ended with turn_error
@@ -458,13 +458,18 @@ class TurnNotFound(TurnError):
 
 
 class AmbiguousTurnId(TurnError):
-    """`turn_id` is the prefix a person typed; `matches` the turns it names, newest first
-    (`more`: and others beyond them)."""
+    """`turn_id` is the prefix a person typed; `matches` the turns it names, newest first,
+    `candidates` a line on each for the message (`more`: and others beyond them)."""
 
-    def __init__(self, turn_id: str, matches: list[str], *, more: bool = False) -> None:
+    def __init__(
+        self, turn_id: str, matches: list[str], candidates: list[str], *, more: bool = False
+    ) -> None:
         n = f"more than {len(matches)}" if more else str(len(matches))
-        super().__init__(turn_id, f"turn id prefix {turn_id} is ambiguous: it names {n} turns")
-        self.matches, self.more = matches, more
+        lines = [f"turn id prefix {turn_id} is ambiguous: it names {n} turns; the candidates:"]
+        lines += [f"  {line}" for line in candidates]
+        lines += ["  ... and more: type more of the id"] if more else []
+        super().__init__(turn_id, "\n".join(lines))
+        self.matches, self.candidates, self.more = matches, candidates, more
 
 
 class TokenInvalid(TurnError):
@@ -563,3 +568,7 @@ class HeadlessInteraction(InteractionError):
             f"turn {turn_id} is headless and the {kind} request {request_id} declares no default",
         )
         self.kind = kind
+
+
+CLI_USAGE_ERRORS = (UnknownAgent, MissingExtra, ScheduleInvalid, AmbiguousTurnId)
+"""What `agentq` exits 2 for, as for a usage error; any other AgentqError exits 1."""

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentq.api import Client
-    from agentq.errors import AmbiguousTurnId
 
 SHORT_ID_LEN = 12
 TURN_ID_HELP = "the turn's id, or any prefix of it that names one turn (as `agentq turns` shows it)"
@@ -26,34 +25,24 @@ def clock(ts: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
 
 def resolve_turn_id(client: Client, given: str) -> str:
     """The turn `given` names: a full id as it is, else the one live turn whose id starts
-    with it. A prefix that names several raises AmbiguousTurnId; one that names none comes
-    back as it was, so the command reports an unknown turn as it always has."""
+    with it. A prefix that names several raises AmbiguousTurnId, listing each with its status;
+    one that names none comes back as it was, so the command reports an unknown turn as ever."""
     # Imported here, as everything below Redis is: tables import short_id at `--help`.
     from agentq.errors import AmbiguousTurnId
-    from agentq.state.listing import TURN_ID_LEN, find_turn_ids
+    from agentq.state.listing import TURN_ID_LEN, TurnLister, find_turn_ids
 
     if len(given) == TURN_ID_LEN:
         return given
     matches, more = find_turn_ids(client._store.redis, given, limit=MATCHES_SHOWN)
     if len(matches) == 1 and not more:
         return matches[0]
-    if matches:
-        raise AmbiguousTurnId(given, matches, more=more)
-    return given
-
-
-def ambiguity_text(client: Client, exc: AmbiguousTurnId) -> str:
-    """What the command prints: the matches, newest first, with their status and agent."""
-    from agentq.state.listing import TurnLister
-
-    rows = TurnLister(client._store.redis).summaries(exc.matches)
-    lines = [f"agentq: {exc}; the candidates:"]
-    for turn_id in exc.matches:
+    if not matches:
+        return given
+    rows = TurnLister(client._store.redis).summaries(matches)
+    candidates = []
+    for turn_id in matches:
         row = rows.get(turn_id, {})
         when = clock(row.get("created_at"))
-        lines.append(
-            f"  {turn_id}  {row.get('status') or '-':<9} {when}  {row.get('agent') or '-'}"
-        )
-    if exc.more:
-        lines.append("  ... and more: type more of the id")
-    return "\n".join(lines)
+        status, agent = row.get("status") or "-", row.get("agent") or "-"
+        candidates.append(f"{turn_id}  {status:<9} {when}  {agent}")
+    raise AmbiguousTurnId(given, matches, candidates, more=more)

@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(_glued(args_in))
     if rest and args.cmd not in ("worker", "flower"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from agentq.errors import AgentqError, ConfigError, MissingExtra, ScheduleInvalid, UnknownAgent
+    from agentq.errors import CLI_USAGE_ERRORS, AgentqError, ConfigError
 
     try:
         return _dispatch(args, rest)
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except AgentqError as exc:
         print(f"agentq: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, (UnknownAgent, MissingExtra, ScheduleInvalid)) else 1
+        return 2 if isinstance(exc, CLI_USAGE_ERRORS) else 1
 
 
 def _glued(argv: list[str]) -> list[str]:
@@ -357,14 +357,9 @@ def _dispatch(args: argparse.Namespace, rest: list[str]) -> int:
     require_reachable(get_settings(), broker=args.cmd == "run")
     client = Client()
     if getattr(args, "turn_id", None) is not None:
-        from agentq.cli.ids import ambiguity_text, resolve_turn_id
-        from agentq.errors import AmbiguousTurnId
+        from agentq.cli.ids import resolve_turn_id
 
-        try:
-            args.turn_id = resolve_turn_id(client, args.turn_id)
-        except AmbiguousTurnId as exc:
-            print(ambiguity_text(client, exc), file=sys.stderr)
-            return 2
+        args.turn_id = resolve_turn_id(client, args.turn_id)
     module, _, name = CLIENT_COMMANDS[args.cmd].rpartition(".")
     cmd: Callable[[Client, argparse.Namespace], int]
     cmd = getattr(importlib.import_module(f"agentq.cli.{module}"), name)
