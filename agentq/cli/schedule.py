@@ -41,15 +41,14 @@ def cmd_schedule(client: Client, args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from agentq.cli.ids import short_id
-    from agentq.schedules.spec import build_spec, parse_every
+    from agentq.schedules.spec import build_spec
     from agentq.schedules.store import Schedules
 
     schedules = Schedules(client.app, client._store.redis, client.settings)
     if args.schedule_cmd == "add":
-        # Every option but --every is a field of the spec as it is given.
-        data = {f: getattr(args, f) for f in ("name", "cron", "prompt", "agent", "webhook_url")}
-        every_s = parse_every(args.every, args.name) if args.every else None
-        spec = build_spec({**data, "every_s": every_s, "overlap": args.overlap})
+        # Every option is a field of the spec as it is given, as the gateway's body is.
+        fields = ("name", "every", "cron", "prompt", "agent", "webhook_url", "overlap")
+        spec = build_spec({f: getattr(args, f) for f in fields})
         if spec.webhook_url:
             from agentq.webhooks.target import check_for_turn
 

@@ -15,7 +15,7 @@ from agentq.config import Settings
 from agentq.errors import ConfigError, WebhookRefused
 from agentq.gateway.errors import NO_STORE
 from agentq.gateway.validate import query_number, read_json
-from agentq.schedules.spec import build_spec, parse_every
+from agentq.schedules.spec import build_spec
 from agentq.schedules.store import Schedules
 from agentq.webhooks.target import check_for_turn
 
@@ -41,10 +41,6 @@ def job_handlers(gw: Gateway) -> list[Endpoint]:
     async def add_schedule(request: Request) -> Response:
         principal = gw.require(request, "admin_key")
         data: dict[str, Any] = await read_json(request, gw.body_limit_bytes)
-        name = str(data.get("name") or "")
-        every = data.pop("every", None)
-        if every is not None:
-            data["every_s"] = parse_every(str(every), name)
         data["owner"] = principal.name if principal else None
         data.pop("created_at", None)
         spec = build_spec(data)

@@ -79,8 +79,11 @@ def parse_every(text: str, name: str = "") -> float:
 
 
 def build_spec(data: dict[str, Any]) -> ScheduleSpec:
-    """A ScheduleSpec from a request or the command line; ScheduleInvalid naming the field."""
+    """A ScheduleSpec from a request or the command line (its own `data`), whose `every` is a
+    period such as `30s`; ScheduleInvalid naming the field."""
     name = str(data.get("name") or "")
+    if (every := data.pop("every", None)) is not None:
+        data["every_s"] = parse_every(str(every), name)
     try:
         return ScheduleSpec.model_validate(data)
     except ValidationError as exc:
