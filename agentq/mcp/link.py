@@ -106,7 +106,6 @@ class ServerLink:
         self._stopping: asyncio.Task[None] | None = None
         self._checking: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
-        self.starts = 0
         self.reported_ok: bool | None = None
         """What /healthz was last told of this server by this process."""
         self.callers: set[ToolContext] = set()
@@ -167,7 +166,6 @@ class ServerLink:
             ) from None
         self._session, self._stop, self._owner = session, stop, owner
         self.stopped_why = ""
-        self.starts += 1
         log.info("MCP server %s started (%s)", self.name, self.server.describe())
         return session
 
