@@ -39,13 +39,17 @@ log = logging.getLogger("agentq.tools")
 
 @dataclass
 class CallScope:
-    """What every result of one call carries, fixed when the call starts."""
+    """What every result of one call carries, fixed when the call starts, and how it ran."""
 
     req: ToolTaskRequest
     worker: str
     task_id: str | None
     started: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
+    soft_fired: bool = False
+    """The pool's soft time limit fired during the call (`task._soft_limit`)."""
+    done: bool = False
+    """The tool returned: a signal now would drop its result, held while Redis is away."""
 
     @property
     def call(self) -> ToolCall:

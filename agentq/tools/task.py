@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
@@ -101,24 +100,17 @@ class _Ticker:
 _ticker = _Ticker()
 
 
-@dataclass
-class _SoftLimit:
-    fired: bool = False
-    done: bool = False
-    """The tool has returned: a signal now would drop its result, held while Redis is away."""
-
-
 @contextlib.contextmanager
-def _soft_limit(scope: CallScope) -> Iterator[_SoftLimit]:
-    """Whether the pool's soft time limit fired during the call, also when the tool caught
-    it: the pool times the limit from when it accepted the job, a little before the call
-    began here, so the call's own clock can read just under the limit when it fires.
+def _soft_limit(scope: CallScope) -> Iterator[None]:
+    """Set `scope.soft_fired` when the pool's soft time limit fires during the call, also
+    when the tool catches it: the pool times the limit from when it accepted the job, a
+    little before the call began here, so the call's own clock can read just under the
+    limit when it fires.
 
     A signal before half the call's own soft limit is not its own: a pool whose event loop
     stood still (reconnecting to a broker that was away) fires its overdue timers before
     it reads the results its processes sent meanwhile, so it may signal a process that has
     since begun another call (a 25 s Redis outage did)."""
-    soft = _SoftLimit()
     sig = SIG_SOFT_TIMEOUT
     prev = signal.getsignal(sig) if sig is not None else None
     if (
@@ -126,14 +118,14 @@ def _soft_limit(scope: CallScope) -> Iterator[_SoftLimit]:
         or not callable(prev)
         or threading.current_thread() is not threading.main_thread()
     ):
-        yield soft
+        yield
         return
 
     def seen(signum: int, frame: Any) -> None:
         req = scope.req
         soft_s = req.soft_timeout_s or 0.0
         ran_s = time.time() - scope.started
-        if soft.done:
+        if scope.done:
             log.warning(
                 "call %s (%s): soft limit after it finished: ignored", req.call_id, req.tool
             )
@@ -147,12 +139,12 @@ def _soft_limit(scope: CallScope) -> Iterator[_SoftLimit]:
                 soft_s,
             )
         else:
-            soft.fired = True
+            scope.soft_fired = True
             prev(signum, frame)
 
     signal.signal(sig, seen)
     try:
-        yield soft
+        yield
     finally:
         signal.signal(sig, prev)
 
@@ -193,19 +185,19 @@ def _run(
 ) -> str:
     value: Any = None
     raised: Exception | None = None
-    with _soft_limit(scope) as soft:
+    with _soft_limit(scope):
         try:
             with _ticker.running(store, scope, settings.progress_interval_s):
                 value = invoke(spec, ctx, scope.req)
         except Exception as exc:  # the soft limit's SoftTimeLimitExceeded among them
             raised = exc
-        soft.done = True
+        scope.done = True
         result = outcome(
             scope,
             spec,
             settings,
             aborted=ctx._cancelled,
-            soft_fired=soft.fired,
+            soft_fired=scope.soft_fired,
             raised=raised,
             value=value,
         )

@@ -95,21 +95,22 @@ def test_a_soft_limit_the_tool_caught_is_still_seen() -> None:
 
     before = signal.signal(SIG_SOFT_TIMEOUT, soft_timeout_sighandler)
     try:
-        with _soft_limit(call_scope(8.9)) as quiet:
+        with _soft_limit(quiet := call_scope(8.9)):
             pass
-        assert not quiet.fired
-        with _soft_limit(call_scope(8.9)) as soft, pytest.raises(SoftTimeLimitExceeded):
+        assert not quiet.soft_fired
+        with _soft_limit(soft := call_scope(8.9)), pytest.raises(SoftTimeLimitExceeded):
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)  # its handler runs before this returns
-        assert soft.fired
+        assert soft.soft_fired
         assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler  # restored
         # A limit the pool fired late, for the call this process ran before: not this one's.
-        with _soft_limit(call_scope(0.1)) as stale:
+        with _soft_limit(stale := call_scope(0.1)):
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)
-        assert not stale.fired
+        assert not stale.soft_fired
         # Once the tool returned, its result is written whatever the limit says.
-        with _soft_limit(call_scope(9.5)) as after:
+        with _soft_limit(after := call_scope(9.5)):
             after.done = True
             os.kill(os.getpid(), SIG_SOFT_TIMEOUT)
+        assert not after.soft_fired
         assert signal.getsignal(SIG_SOFT_TIMEOUT) is soft_timeout_sighandler
     finally:
         signal.signal(SIG_SOFT_TIMEOUT, before)
