@@ -66,7 +66,7 @@ AgentqError
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from redis.exceptions import RedisClusterException
@@ -96,6 +96,10 @@ class AgentqError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its fields, not its args: a subclass's __init__ takes other arguments.
+        return type(self).__new__, (type(self),), {**self.__dict__, "args": self.args}
 
 
 class ConfigError(AgentqError):
