@@ -21,8 +21,9 @@ def add_parsers(sub: Any) -> None:
         "retry",
         help="retry a turn that ended error or aborted, paying once; or many: --status, --since",
     )
-    r.add_argument("turn_id", nargs="?", help=TURN_ID_HELP)
-    r.add_argument(
+    one = r.add_mutually_exclusive_group(required=True)
+    one.add_argument("turn_id", nargs="?", help=TURN_ID_HELP)
+    one.add_argument(
         "--status",
         choices=("error", "aborted", "error,aborted"),
         help="retry every turn that ended so (each once), newest first",
@@ -71,9 +72,6 @@ def _common(p: argparse.ArgumentParser) -> None:
 def cmd_replay(client: Client, args: argparse.Namespace) -> int:
     from agentq.errors import ForkInvalid
 
-    if args.cmd == "retry" and (args.turn_id is None) == (args.status is None):
-        print("agentq retry: give a turn id, or --status (and --since) for many", file=sys.stderr)
-        return 2
     if args.cmd == "retry" and args.status is not None:
         return _bulk(client, args)
     given = {"agent": args.agent, "max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}

@@ -42,3 +42,13 @@ def test_every_command_refuses_a_budget_or_pace_not_above_zero(
     with pytest.raises(SystemExit) as exited:
         build_parser().parse_args(argv)
     assert exited.value.code == 2 and "must be above 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["retry"], ["retry", "0123abcd", "--status", "error"]])
+def test_retry_takes_a_turn_id_or_status_exactly(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "turn_id" in err and "--status" in err
