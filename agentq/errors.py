@@ -574,5 +574,5 @@ class HeadlessInteraction(InteractionError):
         self.kind = kind
 
 
-CLI_USAGE_ERRORS = (UnknownAgent, MissingExtra, ScheduleInvalid, AmbiguousTurnId)
+CLI_USAGE_ERRORS = (UnknownAgent, MissingExtra, ScheduleInvalid, AmbiguousTurnId, ForkInvalid)
 """What `agentq` exits 2 for, as for a usage error; any other AgentqError exits 1."""

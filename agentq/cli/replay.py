@@ -70,19 +70,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_replay(client: Client, args: argparse.Namespace) -> int:
-    from agentq.errors import ForkInvalid
-
     if args.cmd == "retry" and args.status is not None:
         return _bulk(client, args)
     given = {"agent": args.agent, "max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}
-    try:
-        if args.cmd == "retry":
-            turn = client.retry(args.turn_id, rerun_lost=args.rerun_lost, model=args.model, **given)
-        else:
-            turn = client.fork(args.turn_id, args.at_round, edit=_edit(args), **given)
-    except ForkInvalid as exc:
-        print(f"agentq {args.cmd}: {exc}", file=sys.stderr)
-        return 2
+    if args.cmd == "retry":
+        turn = client.retry(args.turn_id, rerun_lost=args.rerun_lost, model=args.model, **given)
+    else:
+        turn = client.fork(args.turn_id, args.at_round, edit=_edit(args), **given)
     return _said(turn, args)
 
 
