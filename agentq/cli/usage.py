@@ -13,21 +13,19 @@ if TYPE_CHECKING:
 
 def add_parsers(sub: Any) -> None:
     u = sub.add_parser("usage", help="tokens and cost per model, agent or key")
-    u.add_argument("--since", help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
-    u.add_argument("--until", help="last UTC day, YYYY-MM-DD (default: today)")
+    u.add_argument("--since", type=_day, help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
+    u.add_argument("--until", type=_day, help="last UTC day, YYYY-MM-DD (default: today)")
     u.add_argument("--key", help="only this key's usage")
     u.add_argument("--group-by", default="model", choices=("model", "agent", "key"))
     u.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _day(raw: str | None, *, end: bool = False) -> float | None:
-    if raw is None:
-        return None
+def _day(raw: str) -> float:
     try:
         day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
     except ValueError:
-        raise SystemExit(f"agentq usage: {raw!r} is not a UTC day (YYYY-MM-DD)") from None
-    return day.timestamp() + (86399 if end else 0)
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a UTC day (YYYY-MM-DD)") from None
+    return day.timestamp()
 
 
 def cmd_usage(client: Client, args: argparse.Namespace) -> int:
@@ -38,8 +36,8 @@ def cmd_usage(client: Client, args: argparse.Namespace) -> int:
 
     # The command holds Redis credentials: it reads every key's usage, as an admin.
     report = client.usage(
-        since=_day(args.since),
-        until=_day(args.until, end=True),
+        since=args.since,
+        until=None if args.until is None else args.until + 86399,
         key=args.key,
         group_by=args.group_by,
     )

@@ -52,3 +52,11 @@ def test_retry_takes_a_turn_id_or_status_exactly(
         build_parser().parse_args(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "turn_id" in err and "--status" in err
+
+
+def test_usage_takes_utc_days_and_refuses_anything_else(capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["usage", "--since", "2026-01-02", "--until", "2026-01-02"])
+    assert args.since == 1767312000.0 and args.until == args.since
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["usage", "--until", "2026-13-01"])
+    assert exited.value.code == 2 and "'2026-13-01' is not a UTC day" in capsys.readouterr().err
