@@ -572,7 +572,3 @@ class HeadlessInteraction(InteractionError):
             f"turn {turn_id} is headless and the {kind} request {request_id} declares no default",
         )
         self.kind = kind
-
-
-CLI_USAGE_ERRORS = (UnknownAgent, MissingExtra, ScheduleInvalid, AmbiguousTurnId, ForkInvalid)
-"""What `agentq` exits 2 for, as for a usage error; any other AgentqError exits 1."""

@@ -317,16 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(_glued(args_in))
     if rest and args.cmd not in ("worker", "flower"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from agentq.errors import CLI_USAGE_ERRORS, AgentqError, ConfigError
+    from agentq import errors as e
 
     try:
         return _dispatch(args, rest)
-    except ConfigError as exc:
+    except e.ConfigError as exc:
         print(f"agentq: configuration error: {exc}", file=sys.stderr)
         return 2
-    except AgentqError as exc:
+    except e.AgentqError as exc:
         print(f"agentq: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, CLI_USAGE_ERRORS) else 1
+        # The caller's words are wrong, as in argparse's errors: exit 2 as it does.
+        usage = e.UnknownAgent, e.MissingExtra, e.ScheduleInvalid, e.AmbiguousTurnId
+        return 2 if isinstance(exc, (*usage, e.ForkInvalid)) else 1
 
 
 def _glued(argv: list[str]) -> list[str]:
