@@ -275,19 +275,6 @@ def observed(
         logs.unbind(bound)
 
 
-def record_span(
-    name: str,
-    traceparent: object,
-    attributes: Mapping[str, Any],
-    *,
-    start_s: float | None,
-    status: str | None,
-    error: str | None = None,
-) -> None:
-    """A span whose work already happened (a call settled by someone else than its worker)."""
-    end_span(start_span(name, traceparent, attributes, start_s), status, error=error)
-
-
 def end_turn(
     traceparent: object,
     caller: object,
@@ -309,23 +296,22 @@ def end_turn(
     end_span(span, status, error=error)
 
 
-def record_settled(traceparent: object, turn_id: str, result: Any) -> None:
-    """The span of a call that a step settled itself (refused, denied, lost)."""
+def record_settled(
+    traceparent: object, turn_id: str, result: Any, settled_by: str = "turn"
+) -> None:
+    """The span of a call settled by someone else than its worker: a step (refused, denied,
+    lost) or, for a killed child, its worker's parent ("worker")."""
     rec = result.record
-    record_span(
-        CALL_SPAN_PREFIX + result.tool,
-        traceparent,
-        {
-            ATTR_TURN_ID: turn_id,
-            ATTR_CALL_ID: result.call_id,
-            ATTR_TOOL: result.tool,
-            ATTR_TASK_ID: rec.task_id,
-            "agentq.settled_by": "turn",
-        },
-        start_s=rec.started_at,
-        status=result.status,
-        error=result.error or result.reason,
-    )
+    attrs = {
+        ATTR_TURN_ID: turn_id,
+        ATTR_CALL_ID: result.call_id,
+        ATTR_TOOL: result.tool,
+        ATTR_TASK_ID: rec.task_id,
+        "agentq.attempt": rec.attempt,
+        "agentq.settled_by": settled_by,
+    }
+    span = start_span(CALL_SPAN_PREFIX + result.tool, traceparent, attrs, rec.started_at)
+    end_span(span, result.status, error=result.error or result.reason)
 
 
 def call_attributes(req: Any, task_id: str | None) -> dict[str, Any]:

@@ -252,14 +252,7 @@ def _settle_killed(
     won = held_writes.hold(lambda: store.settle(req.turn_id, result), until, what)
     if won and tracing.enabled:
         # The child that ran the call died with its span: record it from here.
-        tracing.record_span(
-            tracing.CALL_SPAN_PREFIX + req.tool,
-            req.traceparent,
-            tracing.call_attributes(req, task_id),
-            start_s=start.get("started_at"),
-            status=result.status,
-            error=result.error,
-        )
+        tracing.record_settled(req.traceparent, req.turn_id, result, "worker")
 
 
 def queues_of(specs: dict[str, ToolSpec], *, io: bool) -> list[str]:

@@ -223,6 +223,7 @@ def test_a_call_killed_at_its_hard_limit_has_one_span(obs: Obs, llm_server: Any)
     (span,) = found
     assert span["attributes"][tracing.ATTR_STATUS] == "timeout" and span["status"] == "ERROR"
     assert span["service"] == "agentq-tools"
+    assert span["attributes"]["agentq.settled_by"] == "worker"
     assert (span["end_ns"] - span["start_ns"]) / 1e9 >= 1.5
 
 
