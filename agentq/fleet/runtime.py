@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import redis
 
@@ -59,7 +59,6 @@ def get_store(settings: Settings | None = None) -> TurnStore:
                 client,
                 log_maxlen=s.event_log_maxlen,
                 ttl_s=s.turn_retention_s,
-                waker=_send_step,
                 stepper=_Stepper(),
                 replicas_acked=s.replicas_acked,
                 wait_timeout_ms=s.redis_wait_timeout_ms,
@@ -68,22 +67,8 @@ def get_store(settings: Settings | None = None) -> TurnStore:
         return _store
 
 
-class InlineSteps(InlineStepper, Protocol):
-    """Takes woken turns' steps in this process (agentq.orchestrator.steps.step_inline)."""
-
-    def wake(self, turn_id: str) -> None:
-        """Take the step of a turn a write just woke, or send it when that fails."""
-
-
-inline: InlineSteps | None = None
+inline: InlineStepper | None = None
 """The stepper that takes woken turns' steps here (None: they are sent to a turn worker)."""
-
-
-def _send_step(turn_id: str) -> None:
-    if inline is not None:
-        inline.wake(turn_id)
-    else:
-        send_woken_step(turn_id)
 
 
 def send_woken_step(turn_id: str) -> None:
@@ -96,7 +81,13 @@ def send_woken_step(turn_id: str) -> None:
 
 
 class _Stepper:
-    """The store's stepper: whatever inline stepping is installed now, else none."""
+    """The store's stepper: whatever inline stepping is installed now, else the turn workers'."""
+
+    def wake(self, turn_id: str) -> None:
+        if inline is not None:
+            inline.wake(turn_id)
+        else:
+            send_woken_step(turn_id)
 
     def lock_ms(self) -> int | None:
         return inline.lock_ms() if inline is not None else None

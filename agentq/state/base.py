@@ -4,9 +4,9 @@ the views a step reads, and the helpers that decode what Redis returns.
 Nothing here waits. Whatever changes a turn's situation (a settled call, a finished model
 round, an answer, an abort) writes its fact and *wakes* the turn in one atomic step: it
 sets the turn's dirty flag and a near wakeup in ``agentq:turns:wakeups`` (the backstop,
-swept by every turn worker), then asks for a step at once through ``waker``. A process
-that takes woken turns' steps itself (``stepper``) has the same script take the step
-lock too, and goes on with the step from what the script read.
+swept by every turn worker), then asks its ``stepper`` for a step at once. A process
+that takes woken turns' steps itself has the same script take the step lock too, and
+goes on with the step from what the script read.
 """
 
 from __future__ import annotations
@@ -139,7 +139,10 @@ class StepView:
 
 
 class InlineStepper(Protocol):
-    """Takes a woken turn's step in this process (see `runtime.step_inline`)."""
+    """Sends a woken turn's step, or takes it in this process (see `steps.step_inline`)."""
+
+    def wake(self, turn_id: str) -> None:
+        """Send (or take here) the step of a turn a write woke without taking its lock."""
 
     def lock_ms(self) -> int | None:
         """The step lock's lifetime; None when steps are not taken here now."""
@@ -268,7 +271,6 @@ class StoreBase:
         *,
         log_maxlen: int = 10_000,
         ttl_s: int = 604800,
-        waker: Callable[[str], None] | None = None,
         stepper: InlineStepper | None = None,
         replicas_acked: int = 0,
         wait_timeout_ms: int = 500,
@@ -288,10 +290,9 @@ class StoreBase:
             counted_types=COUNTED_TYPES,
         )
         self.ttl_s = ttl_s
-        self.waker = waker
-        """Sends a step of a turn at once (a Celery task); the wakeup sweep is the backstop."""
         self.stepper = stepper
-        """Takes the step of a turn this process woke, when this process steps turns itself."""
+        """Sends the step of a turn this process woke, or takes it when this process steps
+        turns itself; the wakeup sweep is the backstop."""
 
     def _durable(
         self,
@@ -368,8 +369,8 @@ class StoreBase:
 
     def send_step(self, turn_id: str) -> None:
         """Send the step of a turn a write woke (its wakeup in Redis is the backstop)."""
-        if self.waker is not None:
-            self.waker(turn_id)
+        if self.stepper is not None:
+            self.stepper.wake(turn_id)
 
     def _inline_lock(self) -> tuple[str, int]:
         """A step lock token for a write that may take the step it wakes here ("" if not)."""

@@ -35,6 +35,9 @@ class _Stepper:
     def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
         self.taken.append((token, view))
 
+    def wake(self, turn_id: str) -> None:
+        raise AssertionError("a settle that takes the step sends none")
+
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[redis.Redis]:

@@ -27,6 +27,7 @@ from agentq.orchestrator.plan import plan_call
 from agentq.state.store import TurnStore
 from agentq.testing.openai_server import script_key
 from agentq.tools.results import error_result
+from tests.unit.state.support import Woken
 
 
 @pytest.fixture(autouse=True)
@@ -195,8 +196,8 @@ CALL = ToolCall(id="c1", name="ask")
 
 
 def _stores() -> tuple[TurnStore, list[str]]:
-    woken: list[str] = []
-    store = TurnStore(fakeredis.FakeRedis(), waker=woken.append)
+    woken = Woken()
+    store = TurnStore(fakeredis.FakeRedis(), stepper=woken)
     store.create("parent", {"status": "running"}, [])
     store.create("child", {"status": "running", "parent_turn_id": "parent"}, [])
     return store, woken

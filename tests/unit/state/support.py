@@ -58,6 +58,22 @@ class Capture:
     def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
         self.views.append(view)
 
+    def wake(self, turn_id: str) -> None:
+        pass
+
+
+class Woken(list[str]):
+    """A stepper that takes no step here and keeps the turns it is asked to wake."""
+
+    def lock_ms(self) -> int | None:
+        return None
+
+    def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
+        raise AssertionError("no lock was taken for this process")
+
+    def wake(self, turn_id: str) -> None:
+        self.append(turn_id)
+
 
 def publish_many(store: TurnStore, batches: dict[str, list[tuple[str, dict[str, Any]]]]) -> None:
     """As a stream worker publishes: event bodies of several turns in one go."""

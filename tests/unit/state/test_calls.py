@@ -14,12 +14,11 @@ from agentq.state import base
 from agentq.state.calls import Started
 from agentq.state.store import TurnStore
 from agentq.tools.results import cancelled_result, error_result
-from tests.unit.state.support import CALL, dirty, unsettled
+from tests.unit.state.support import CALL, Woken, dirty, unsettled
 
 
 def test_first_settle_wins_publishes_once_and_wakes_the_turn(store: TurnStore) -> None:
-    woken: list[str] = []
-    store.waker = woken.append
+    store.stepper = woken = Woken()
     assert store.settle("t1", error_result(CALL, "first")) is True
     assert store.settle("t1", cancelled_result(CALL)) is False
     assert store.results("t1")["c1"].error == "first"
