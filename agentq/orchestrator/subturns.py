@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -139,16 +138,14 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
         "agent": p.subturn_agent,
         "owner": state.get("owner"),
         # The parent's token steers its children too: it answers their approvals.
-        "token_sha256": state.get("token_sha256")
-        or hashlib.sha256(secrets.token_bytes(32)).hexdigest(),
+        "token_sha256": state["token_sha256"],
         "history_start": 0,
         "round": 0,
         "call_count": 0,
     }
-    prompt = str(p.arguments["prompt"])
-    ctx.store.create(child, child_state, [{"role": "user", "content": prompt}])
-    # The backstop if the step message below is lost: a sweeper steps the child.
-    ctx.store.redis.zadd(k.shard_key(k.WAKEUPS, child), {child: now + WAKE_BACKSTOP_S})
+    history = [{"role": "user", "content": str(p.arguments["prompt"])}]
+    # The step is sent below; should it be lost, a sweeper steps the child soon.
+    ctx.store.create(child, child_state, history, backstop_s=WAKE_BACKSTOP_S)
     # A start record without a worker: listings show the call running, and no worker
     # heartbeat is watched for it.
     ctx.store.redis.hset(

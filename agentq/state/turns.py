@@ -205,10 +205,11 @@ class TurnRecords(StoreBase):
         state: TurnState,
         history: list[dict[str, Any]],
         records: dict[str, str] | None = None,
+        backstop_s: float = START_BACKSTOP_S,
     ) -> None:
         """Store a new turn, woken: if the message of its first step is lost (a failover
-        took it with the old master, its sender died), the wakeup sweep starts it.
-        `records`: call records it starts with (a retry's settled calls), by field."""
+        took it with the old master, its sender died), the wakeup sweep starts it after
+        `backstop_s`. `records`: call records it starts with (a retry's settled calls)."""
         fields = {f: json.dumps(v) for f, v in state.items()}
         # Its history is fields of its state (constants.MESSAGE): written whole, so
         # sending it again (see _durable_write) is harmless.
@@ -224,7 +225,7 @@ class TurnRecords(StoreBase):
                 {turn_id: float(state.get("created_at") or time.time())},
             )
             # No dirty mark: no step can hold a turn that did not exist.
-            pipe.zadd(k.shard_key(k.WAKEUPS, turn_id), {turn_id: time.time() + START_BACKSTOP_S})
+            pipe.zadd(k.shard_key(k.WAKEUPS, turn_id), {turn_id: time.time() + backstop_s})
             parent = state.get("parent_turn_id")
             if parent:
                 pipe.sadd(k.turn_key(parent, "children"), turn_id)
