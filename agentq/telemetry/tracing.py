@@ -302,23 +302,19 @@ def record_settled(
     """The span of a call settled by someone else than its worker: a step (refused, denied,
     lost) or, for a killed child, its worker's parent ("worker")."""
     rec = result.record
-    attrs = {
-        ATTR_TURN_ID: turn_id,
-        ATTR_CALL_ID: result.call_id,
-        ATTR_TOOL: result.tool,
-        ATTR_TASK_ID: rec.task_id,
-        "agentq.attempt": rec.attempt,
-        "agentq.settled_by": settled_by,
-    }
+    attrs = call_attributes(turn_id, result.call_id, result.tool, rec.task_id, rec.attempt)
+    attrs["agentq.settled_by"] = settled_by
     span = start_span(CALL_SPAN_PREFIX + result.tool, traceparent, attrs, rec.started_at)
     end_span(span, result.status, error=result.error or result.reason)
 
 
-def call_attributes(req: Any, task_id: str | None) -> dict[str, Any]:
+def call_attributes(
+    turn_id: str, call_id: str, tool: str, task_id: str | None, attempt: int
+) -> dict[str, Any]:
     return {
-        ATTR_TURN_ID: req.turn_id,
-        ATTR_CALL_ID: req.call_id,
-        ATTR_TOOL: req.tool,
+        ATTR_TURN_ID: turn_id,
+        ATTR_CALL_ID: call_id,
+        ATTR_TOOL: tool,
         ATTR_TASK_ID: task_id,
-        "agentq.attempt": req.attempt,
+        "agentq.attempt": attempt,
     }

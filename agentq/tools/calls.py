@@ -90,7 +90,7 @@ def observed(
     """`tracing.observed` for the call: tools' own spans nest under its span."""
     req = scope.req
     ids = logs.LogContext(req.turn_id, req.call_id, scope.task_id)
-    attrs = tracing.call_attributes(req, scope.task_id)
+    attrs = tracing.call_attributes(req.turn_id, req.call_id, req.tool, scope.task_id, req.attempt)
     return tracing.observed(tracing.CALL_SPAN_PREFIX + req.tool, req.traceparent, ids, attrs, ends)
 
 
