@@ -14,7 +14,7 @@ from agentq.config import Settings, get_settings
 from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import send_step
 from agentq.fleet.connections import REDIS_MAX_CONNECTIONS, cluster_client, redis_client
-from agentq.state.base import InlineStepper, StepView
+from agentq.state.base import StepView
 from agentq.state.store import TurnStore
 
 if TYPE_CHECKING:
@@ -59,16 +59,12 @@ def get_store(settings: Settings | None = None) -> TurnStore:
                 client,
                 log_maxlen=s.event_log_maxlen,
                 ttl_s=s.turn_retention_s,
-                stepper=_Stepper(),
+                stepper=_Sender(),
                 replicas_acked=s.replicas_acked,
                 wait_timeout_ms=s.redis_wait_timeout_ms,
                 metrics_flush_s=s.metrics_flush_s,
             )
         return _store
-
-
-inline: InlineStepper | None = None
-"""The stepper that takes woken turns' steps here (None: they are sent to a turn worker)."""
 
 
 def send_woken_step(turn_id: str) -> None:
@@ -80,23 +76,17 @@ def send_woken_step(turn_id: str) -> None:
         log.warning("%s; the turn's wakeup sends it later", exc)
 
 
-class _Stepper:
-    """The store's stepper: whatever inline stepping is installed now, else the turn workers'."""
+class _Sender:
+    """The store's stepper until steps.step_inline replaces it: steps go to a turn worker."""
 
     def wake(self, turn_id: str) -> None:
-        if inline is not None:
-            inline.wake(turn_id)
-        else:
-            send_woken_step(turn_id)
+        send_woken_step(turn_id)
 
     def lock_ms(self) -> int | None:
-        return inline.lock_ms() if inline is not None else None
+        return None  # no write takes a step lock for this process
 
     def run(self, turn_id: str, token: str, lock_ms: int, view: StepView) -> None:
-        if inline is not None:
-            inline.run(turn_id, token, lock_ms, view)
-        else:
-            send_woken_step(turn_id)
+        send_woken_step(turn_id)
 
 
 def get_app() -> Celery:
@@ -117,8 +107,7 @@ def set_app(app: Celery) -> None:
 
 def reset() -> None:
     """Forget every singleton (tests that change settings)."""
-    global _redis, _store, _app, inline
+    global _redis, _store, _app
     get_settings.cache_clear()
     k.set_shard_count(None)
-    inline = None
     _redis = _store = _app = None

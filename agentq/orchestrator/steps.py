@@ -325,7 +325,7 @@ def step_inline() -> None:
     for processes that settle calls or finish model rounds and whose own work may wait a
     few milliseconds (not a prefork parent); the step after a batch's last result then
     costs no broker round trip."""
-    runtime.inline = _InlineSteps()
+    runtime.get_store().stepper = _InlineSteps()
 
 
 class _InlineSteps:

@@ -490,3 +490,18 @@ def test_gateway_logs_json_without_the_token(obs: Obs, tmp_path: Path) -> None:
     text = log_path.read_text()
     assert "s3cr3t-t0ken" not in text
     assert all(isinstance(json.loads(t), dict) for t in text.splitlines() if t.strip())
+
+
+def test_a_worker_that_settles_a_call_takes_the_next_step_itself(obs: Obs, llm_server: Any) -> None:
+    turn_id, _ = run_turn(obs, llm_server)
+
+    def services() -> set[str] | None:
+        spans = turn_spans(obs, turn_id)
+        if not any(s["name"] == tracing.SPAN_TURN for s in spans):
+            return None
+        return {s["service"] for s in spans if s["name"] == tracing.SPAN_STEP}
+
+    stepped = wait_for(services, 15, 0.1, message="the turn's step spans")
+    # Inline steps (steps.step_inline): the tool and I/O workers' children settle the
+    # round's calls, the model worker its rounds.
+    assert isinstance(stepped, set) and stepped - {"agentq-turns"}, stepped
