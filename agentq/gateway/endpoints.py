@@ -143,36 +143,32 @@ class Gateway:
         return principal
 
     def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
-        """The turn's state if the caller may read and steer it (anyone may without keys);
-        anyone else: TurnNotFound."""
+        """The turn's state if the caller may read and steer it (anyone may without keys,
+        but a token shown then must be the turn's: TokenInvalid); anyone else: TurnNotFound."""
+        if token is not None and not self.keyring.enabled:
+            return self.client.check_token(turn_id, token)
         state = self.client._store.state(turn_id)
         if state is None or (self.keyring.enabled and not may_access(state, principal, token)):
             raise TurnNotFound(turn_id)
         return state
 
-    async def steerer(
-        self, request: Request, turn_id: str
-    ) -> tuple[Principal | None, str | None, bool]:
-        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, the turn's
-        token if they showed it, and whether they steer as an operator (by key, or from the
-        console, which takes no token)."""
+    async def steerer(self, request: Request, turn_id: str) -> Principal | None:
+        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, if any.
+        The console takes no token (an operator's key, or this machine without keys); other
+        callers show a key or the turn's token (without keys, the token only)."""
+        token = None
         if request.url.path.startswith("/v1/console/"):
             principal = self.require(request, "operator")
-            await run_in_threadpool(self.authorize, turn_id, principal, None)
-            return principal, None, True
-        if not self.keyring.enabled:
-            token = bearer(request)
+        elif self.keyring.enabled:
+            principal, token = self.caller(request)
+        else:
+            principal, token = None, bearer(request)
             if token is None:
                 raise Unauthorized(
                     "this call needs the turn's token: Authorization: Bearer <token>"
                 )
-            await run_in_threadpool(self.client.check_token, turn_id, token)
-            return None, token, False
-        principal, presented = self.caller(request)
-        state = await run_in_threadpool(self.authorize, turn_id, principal, presented)
-        if token_matches(state, presented):
-            return principal, presented, False
-        return principal, None, True
+        await run_in_threadpool(self.authorize, turn_id, principal, token)
+        return principal
 
     async def start_turn(self, request: Request) -> Response:
         principal = self.require(request, "key")
@@ -247,18 +243,19 @@ class Gateway:
 
     async def abort(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
-        _, token, operator = await self.steerer(request, turn_id)
-        await run_in_threadpool(self.client.abort, turn_id, token, "user", operator=operator)
+        await self.steerer(request, turn_id)
+        # Checked by the steerer: the Client need not check the caller again.
+        await run_in_threadpool(self.client.abort, turn_id, None, "user", operator=True)
         return JSONResponse({"ok": True, "turn_id": turn_id})
 
     async def answer(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
         request_id = request_id_of(request.path_params["request_id"])
-        _, token, operator = await self.steerer(request, turn_id)
+        await self.steerer(request, turn_id)
         ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
         await run_in_threadpool(
             lambda: self.client.answer(
-                turn_id, request_id, token, ans.decision, ans.value, operator=operator
+                turn_id, request_id, None, ans.decision, ans.value, operator=True
             )
         )
         return JSONResponse(
@@ -322,10 +319,7 @@ class Gateway:
         depth: int,
         poll_s: float,
     ) -> tuple[Generator[Event | None, None, None], bool] | None:
-        if token is not None and not self.keyring.enabled:
-            state = self.client.check_token(turn_id, token)
-        else:
-            state = self.authorize(turn_id, principal, token)
+        state = self.authorize(turn_id, principal, token)
         # Only the turn's token attaches: a key reading along never aborts on leaving.
         owner = token_matches(state, token) and not state.get("detach")
         # Relayed sub-agents are read with the parent's authorization: the follower opens

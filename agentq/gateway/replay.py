@@ -27,7 +27,7 @@ def replay_handlers(gw: Gateway) -> list[Endpoint]:
 
     async def retry_or_fork(request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
-        principal, _, _ = await gw.steerer(request, turn_id)
+        principal = await gw.steerer(request, turn_id)
         data = await body(request)
         retry = request.url.path.endswith("/retry")
         req = validated(RetryRequest, data) if retry else validated(ForkRequest, data)
