@@ -1,5 +1,6 @@
-"""The gateway app: the endpoints (`agentq.gateway.endpoints`, the route modules, the MCP
-endpoint) routed as openapi.OPERATIONS lists them, behind the cross-site guard (and CORS)."""
+"""The gateway app: the endpoints (`agentq.gateway.endpoints`, the console's and the jobs'
+routes, the MCP endpoint) routed as openapi.OPERATIONS lists them, behind the cross-site
+guard (and CORS)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,12 @@ from starlette.staticfiles import StaticFiles
 
 from agentq.api import Client
 from agentq.gateway.console import console_handlers
-from agentq.gateway.conversations import conversation_handlers
 from agentq.gateway.endpoints import STATIC_DIR, Gateway
 from agentq.gateway.errors import EXCEPTION_HANDLERS
 from agentq.gateway.guard import RequestGuard
 from agentq.gateway.jobs import check_key_webhooks, job_handlers
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.openapi import OPERATIONS, openapi_page
-from agentq.gateway.replay import replay_handlers
-from agentq.gateway.usage import usage_handlers
-from agentq.gateway.waitpoints import waitpoint_handlers
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
 
@@ -64,14 +61,7 @@ def create_app(
     # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.
     mcp = McpEndpoint(gw)
     handlers: dict[str, Any] = {"mcp": mcp, "openapi_page": openapi_page}
-    for module_handlers in (
-        conversation_handlers,
-        usage_handlers,
-        console_handlers,
-        job_handlers,
-        waitpoint_handlers,
-        replay_handlers,
-    ):
+    for module_handlers in (console_handlers, job_handlers):
         handlers.update((f.__name__, f) for f in module_handlers(gw))
     # One route per path and handler, in the document's order (`/v1/turns/active` before
     # `/v1/turns/{turn_id}`, which would otherwise take "active" for an id).

@@ -1,6 +1,6 @@
-"""The gateway's endpoints: REST for turns, SSE for their events, the web page, health and
-metrics. Every Redis call (the Client's methods, the event follow loop) runs in a worker
-thread, never on the event loop.
+"""The gateway's endpoints: REST for turns (retry and fork too), conversations, waitpoints
+and usage, SSE for turns' events, the web page, health and metrics. Every Redis call (the
+Client's methods, the event follow loop) runs in a worker thread, never on the event loop.
 
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)
@@ -10,9 +10,12 @@ aborted with reason ``disconnect``. Without a token, the stream is read-only.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import re
 import threading
 from collections.abc import Awaitable, Callable, Generator
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -24,7 +27,14 @@ from starlette.responses import FileResponse, JSONResponse, Response
 
 from agentq.agents import published_agent_details
 from agentq.constants import RELAY_DEPTH_MAX
-from agentq.errors import REDIS_ERRORS, AgentqError, Forbidden, TurnNotFound, Unauthorized
+from agentq.errors import (
+    REDIS_ERRORS,
+    AgentqError,
+    ConversationNotFound,
+    Forbidden,
+    TurnNotFound,
+    Unauthorized,
+)
 from agentq.events import Event
 from agentq.events.follow import Cursor, follow
 from agentq.fleet.presence import Presence, missing_kinds, workers_view
@@ -36,8 +46,9 @@ from agentq.gateway.auth import (
     may_list,
     reveal,
     secret_matches,
+    visible_to,
 )
-from agentq.gateway.errors import accepted, bearer, invalid, validated
+from agentq.gateway.errors import NO_STORE, accepted, bearer, invalid, validated
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, Scrape, read_snapshots
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
@@ -47,15 +58,18 @@ from agentq.gateway.validate import (
     cursor_of,
     query_number,
     read_json,
+    read_json_value,
     request_id_of,
     turn_id_of,
 )
 from agentq.llm.capacity import capacity_for
 from agentq.mcp.listing import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
+from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
 from agentq.orchestrator.start import token_matches
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
+from agentq.state.waitpoints import not_found, parse_waitpoint_id
 from agentq.telemetry.fleetcounts import read_counts
 from agentq.webhooks.deliveries import Deliveries
 
@@ -73,6 +87,10 @@ BODY_MARGIN_BYTES = 64 * 1024
 HEALTH_TIMEOUT_S = 2.0
 MAX_STREAMS = 1000
 """Open SSE streams the gateway serves at once (each holds a thread while it waits)."""
+MAX_LISTED = 200
+WAITPOINT_MARGIN_BYTES = 4096
+"""Room for JSON escaping above `max_result_bytes`; the result's own size is checked after."""
+_CONVERSATION_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 # The page loads only its own script and style: no inline code, nothing from elsewhere.
 PAGE_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -84,6 +102,32 @@ async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on a thread that a timeout abandons: a hung socket must not hang the
     health check or a scrape."""
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
+
+
+def conversation_id_of(raw: str) -> str:
+    """A path's conversation id, or the 404 any unknown one gets (nothing else names a key)."""
+    if not _CONVERSATION_ID.match(raw):
+        raise ConversationNotFound(raw[:128])
+    return raw
+
+
+def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
+    """A `since`/`until` value as epoch seconds: a UTC day (its start, or with `end` its
+    last second) or a number."""
+    if raw is None or raw == "":
+        return None
+    try:
+        day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+        return day.timestamp() + (86399 if end else 0)
+    except ValueError:
+        pass
+    try:
+        value = float(raw)
+    except ValueError:
+        raise invalid(f"{name}: a UTC day (YYYY-MM-DD) or epoch seconds") from None
+    if not 0 <= value <= 1e11:
+        raise invalid(f"{name}: out of range")
+    return value
 
 
 class Gateway:
@@ -220,6 +264,129 @@ class Gateway:
         return self.limits.start(
             principal.name if principal else f"addr:{host or 'unknown'}", start
         )
+
+    async def optional_body(self, request: Request) -> Any:
+        """The JSON body; none at all is `{}` (a retry needs no field)."""
+        empty = request.headers.get("content-length") == "0"
+        return {} if empty else await read_json(request, self.body_limit_bytes)
+
+    async def retry_or_fork(self, request: Request) -> Response:
+        """A new turn from a turn's history (agentq.orchestrator.replay), for whoever may
+        steer the source."""
+        turn_id = turn_id_of(request.path_params["turn_id"])
+        principal = await self.steerer(request, turn_id)
+        data = await self.optional_body(request)
+        retry = request.url.path.endswith("/retry")
+        req = validated(RetryRequest, data) if retry else validated(ForkRequest, data)
+        start = partial(self.client._replay, turn_id, req)
+        handle = await run_in_threadpool(self.limited, principal, client_host(request), start)
+        return accepted(handle)
+
+    async def retry_many(self, request: Request) -> Response:
+        """The bulk retry of the caller's turns that a filter names (without keys: from
+        this machine only)."""
+        principal = self.require(request, "operator")
+        host = client_host(request)
+        req = validated(BulkRetryRequest, await self.optional_body(request))
+        c = self.client
+        done = await run_in_threadpool(
+            lambda: bulk_retry(
+                c._store,
+                c.app,
+                c.settings,
+                req,
+                visible=visible_to(principal),
+                traced=c.traced,
+                limited=lambda start: self.limited(principal, host, start),
+            )
+        )
+        return JSONResponse(
+            {"dry_run": req.dry_run, "turns": [d.model_dump(exclude_none=True) for d in done]},
+            headers=NO_STORE,
+        )
+
+    async def complete_waitpoint(self, request: Request) -> Response:
+        """`POST /v1/waitpoints/{id}?token=...`: an outside system completes a tool's
+        waitpoint. The token is the capability (an HMAC of the id), so this route needs no
+        API key: whoever holds the callback URL may complete that one waitpoint, and nothing
+        else. A wrong token answers as an unknown id does (404), so the route tells nobody
+        which ids exist."""
+        wp_id = request.path_params["waitpoint_id"]
+        token = request.query_params.get("token") or bearer(request)
+        ids = parse_waitpoint_id(wp_id)
+        if not token or ids is None:
+            raise not_found(wp_id)
+        limit_bytes = self.client.settings.max_result_bytes + WAITPOINT_MARGIN_BYTES
+        value = await read_json_value(request, limit_bytes)
+        result = await run_in_threadpool(self.client.complete_waitpoint, wp_id, token, value)
+        return JSONResponse(
+            {
+                "ok": True,
+                "waitpoint_id": wp_id,
+                "turn_id": ids[0],
+                "call_id": ids[1],
+                "status": result.status,
+            }
+        )
+
+    def conversation_target(self, request: Request) -> tuple[str, dict[str, Any]]:
+        """The path's conversation, and who asks (as the Client's keyword arguments): for
+        the holders openapi.AUTH_RULES["conversation"] names (anyone else: 404, as unknown)."""
+        cid = conversation_id_of(request.path_params["conversation_id"])
+        principal = self.require(request, "key")
+        if principal is not None:
+            return cid, {"owner": principal.name, "operator": principal.admin}
+        # No keys configured (require refuses a missing or unknown key when there are).
+        return cid, {"token": bearer(request)}
+
+    async def conversation(self, request: Request) -> Response:
+        cid, who = self.conversation_target(request)
+        view = await run_in_threadpool(lambda: self.client.conversation(cid, **who))
+        return JSONResponse(view, headers=NO_STORE)
+
+    async def delete_conversation(self, request: Request) -> Response:
+        cid, who = self.conversation_target(request)
+        aborted = await run_in_threadpool(lambda: self.client.delete_conversation(cid, **who))
+        return JSONResponse(
+            {"ok": True, "conversation_id": cid, "aborted_turns": aborted}, headers=NO_STORE
+        )
+
+    async def conversations(self, request: Request) -> Response:
+        principal = self.require(request, "key")
+        limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True)
+        before = query_number(request, "before", None, low=0, high=1e12)
+        owner = principal.name if principal else None
+        # Without keys (loopback only) the caller may list every conversation, as the CLI.
+        operator = principal.admin if principal else True
+        rows = await run_in_threadpool(
+            lambda: self.client.conversations(
+                owner=owner, operator=operator, limit=limit, before=before
+            )
+        )
+        return JSONResponse({"conversations": rows}, headers=NO_STORE)
+
+    async def usage(self, request: Request) -> Response:
+        """`GET /v1/usage?since=&until=&key=&group_by=model|agent|key` (docs/spend.md);
+        without keys (loopback only) the caller sees every key's, as the CLI does."""
+        principal = self.require(request, "key")
+        q = request.query_params
+        group_by = q.get("group_by") or "model"
+        since = when(q.get("since"), "since")
+        until = when(q.get("until"), "until", end=True)
+        key = q.get("key") or None
+        admin = principal is None or principal.admin
+        if not admin and key is not None and principal is not None and key != principal.name:
+            raise Forbidden("a key sees its own usage only")
+        owner = principal.name if principal else None
+        try:
+            report = await run_in_threadpool(
+                lambda: self.client.usage(
+                    since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
+                )
+            )
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
+        return JSONResponse(report, headers=NO_STORE)
 
     async def get_turn(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
