@@ -132,8 +132,8 @@ def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
 
 class Gateway:
     """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter;
-    the route modules take it as their context (the caller checks, the body limit, model
-    capacity)."""
+    the console's and the jobs' routes take it as their context (the caller checks, the
+    body limit, model capacity)."""
 
     def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
         self.client = client
@@ -375,9 +375,9 @@ class Gateway:
         until = when(q.get("until"), "until", end=True)
         key = q.get("key") or None
         admin = principal is None or principal.admin
-        if not admin and key is not None and principal is not None and key != principal.name:
-            raise Forbidden("a key sees its own usage only")
         owner = principal.name if principal else None
+        if not admin and key not in (None, owner):
+            raise Forbidden("a key sees its own usage only")
         try:
             report = await run_in_threadpool(
                 lambda: self.client.usage(
