@@ -109,8 +109,7 @@ class Capacity:
     """Fleet-wide limits of the models in `limits`; other models pass unmetered."""
 
     _acquire = LuaScript(lua.ACQUIRE_LUA)
-    _release = LuaScript(lua.RELEASE_LUA)
-    _withdraw = LuaScript(lua.WITHDRAW_LUA)
+    _free = LuaScript(lua.FREE_LUA)
     _snapshot = LuaScript(lua.SNAPSHOT_LUA)
     _renew = LuaScript(lua.RENEW_LUA)
     _breaker = LuaScript(lua.BREAKER_LUA)
@@ -272,8 +271,8 @@ class Capacity:
             return Wakes()
         model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
-        own = inputs.ReleaseArgs(lease_id, used)
-        return Wakes(**self._wakes(self._run(self._release, model, now_ms, own)))
+        own = inputs.FreeArgs(lease_id, used, "")
+        return Wakes(**self._wakes(self._run(self._free, model, now_ms, own)))
 
     def renew(self, lease_id: str, *, now_ms: int | None = None) -> bool:
         """Keep a lease for `lease_ttl_ms` more; False if it was lost."""
@@ -286,7 +285,7 @@ class Capacity:
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> Wakes:
         """Take an aborted round out of the queue and give back a grant it did not take."""
         # The model is an argument because it names the keys (and the Cluster slot).
-        out = self._run(self._withdraw, model, now_ms, inputs.WithdrawArgs(waiter))
+        out = self._run(self._free, model, now_ms, inputs.FreeArgs("", "", waiter))
         return Wakes(**self._wakes(out))
 
     def note_answer(

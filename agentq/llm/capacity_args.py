@@ -58,10 +58,13 @@ class AcquireArgs(NamedTuple):
     """The round's estimated tokens."""
 
 
-class ReleaseArgs(NamedTuple):
+class FreeArgs(NamedTuple):
+    """A release (`lease_id`) or a withdrawal (`waiter`): the other is ""."""
+
     lease_id: str
     used: str | int
     """Tokens the round used ("": unknown)."""
+    waiter: str
 
 
 class NoteArgs(NamedTuple):
@@ -78,10 +81,6 @@ class NoteArgs(NamedTuple):
     limit_tpm: int
     hint_rpm: int
     """Requests a minute this process saw answered lately: the guess when nothing told."""
-
-
-class WithdrawArgs(NamedTuple):
-    waiter: str
 
 
 class RenewArgs(NamedTuple):

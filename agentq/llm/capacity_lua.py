@@ -13,11 +13,10 @@ from agentq.llm.capacity_args import (
     AcquireArgs,
     BreakerArgs,
     DecidingArgs,
+    FreeArgs,
     ModelKeys,
     NoteArgs,
-    ReleaseArgs,
     RenewArgs,
-    WithdrawArgs,
 )
 from agentq.llm.capacity_rate import NOTE_BODY_LUA, RATE_HELPERS_LUA
 
@@ -148,11 +147,6 @@ local function undo_lease(lid)
   -- A probe that ends without a verdict (its worker died) lets the next request probe.
   if m.p == 1 then redis.call('HDEL', BRK, 'p:' .. m.d) end
   return m
-end
-
-local function drop_lease(lid)
-  redis.call('ZREM', LEASES, lid)
-  return undo_lease(lid)
 end
 
 local function breaker(dep)
@@ -317,13 +311,6 @@ local function position(w)
   return rank + 1
 end
 
--- The end of a script that may have freed capacity: grant whom it lets go, say whom to wake.
-local function freed()
-  -- Leases past their expiry belong to dead workers (or grants nobody took): free them.
-  leases_lapse(LEASES, now, undo_lease)
-  local _, woken, later, head, ready = pump('')
-  return cjson.encode({woken = woken, later = later, head = head, ready = ready, now = now})
-end
 """
 )
 
@@ -369,29 +356,32 @@ return cjson.encode(out)
 """
 )
 
-RELEASE_LUA = f"""{deciding_lua(ReleaseArgs)}{PRELUDE_LUA}
-local m = drop_lease(lease_id)
-local used = tonumber(used)
+# FREE_LUA: a release names its lease; a withdrawal (`waiter`), the round it takes out of
+# the queue, whose grant nobody took was never sent: that grant's request and tokens come
+# back, as a release that used none. Then it grants whom the freed capacity lets go.
+FREE_LUA = f"""{deciding_lua(FreeArgs)}{PRELUDE_LUA}
+local lid, used, requests, at = lease_id, tonumber(used), 0, nil
+if waiter ~= '' then
+  local raw = redis.call('HGET', QM, waiter)
+  if raw then unqueue(waiter, cjson.decode(raw).c, nil) end
+  raw = redis.call('HGET', GRANTS, waiter)
+  local g = raw and cjson.decode(raw)
+  if g and g.k == 0 then lid, used, requests, at = g.l, 0, -1, num(g.at) end
+end
+local m = nil
+if lid ~= '' then
+  redis.call('ZREM', LEASES, lid)
+  m = undo_lease(lid)
+end
 if m and used then
   -- The estimate counted against tpm becomes the real usage: the difference is taken or
   -- given back, so a short answer frees what its max_completion_tokens had reserved.
-  charge(DEPS[m.d], 0, used - m.t)
+  charge(DEPS[m.d], requests, used - m.t, at)
 end
-return freed()
-"""
-
-WITHDRAW_LUA = f"""{deciding_lua(WithdrawArgs)}{PRELUDE_LUA}
-local w = waiter
-local raw = redis.call('HGET', QM, w)
-if raw then unqueue(w, cjson.decode(raw).c, nil) end
-raw = redis.call('HGET', GRANTS, w)
-local g = raw and cjson.decode(raw)
-if g and g.k == 0 then
-  -- A grant nobody took: its request was never sent, so its share of the limits comes back.
-  local m = drop_lease(g.l)
-  if m then charge(DEPS[m.d], -1, -m.t, num(g.at)) end
-end
-return freed()
+-- Leases past their expiry belong to dead workers (or grants nobody took): free them.
+leases_lapse(LEASES, now, undo_lease)
+local _, woken, later, head, ready = pump('')
+return cjson.encode({{woken = woken, later = later, head = head, ready = ready, now = now}})
 """
 
 SNAPSHOT_LUA = (

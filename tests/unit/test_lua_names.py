@@ -42,8 +42,7 @@ SCRIPTS = {
         f"capacity_lua.{name}": getattr(capacity_lua, name)
         for name in (
             "ACQUIRE_LUA",
-            "RELEASE_LUA",
-            "WITHDRAW_LUA",
+            "FREE_LUA",
             "SNAPSHOT_LUA",
             "RENEW_LUA",
             "BREAKER_LUA",
