@@ -232,18 +232,18 @@ class Capacity:
         weight = self.owner_weights.get(owner, 1.0)
         cls = "i" if interactive else "b"
         own = inputs.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
+        # The answer's other fields (`now`, `g`, ...) are no Grant's nor Queued's: ignored.
         out = self._run(self._acquire, model, now_ms, own)
-        wakes = self._wakes(out, skip=waiter)
         if "g" in out:
             g = out["g"]
             return Grant(
+                **out,
                 model=model,
                 deployment=g["d"],
                 lease_id=g["l"],
                 # A round that went without reading Redis' clock has the caller's.
                 granted_at_ms=int(g["at"]) if g["at"] else int(time.time() * 1000),
                 tokens=int(g["t"]),
-                **wakes,
             )
         now = int(out["now"])
         held = "mine" in out  # a slot of its own, held for it: nothing to estimate
@@ -255,12 +255,12 @@ class Capacity:
         if not held:
             at_ms = min(_early(at_ms, now), now + self.waiter_ttl_ms // 3)
         return Queued(
+            **out,
             position=position,
             wait_ms=wait_ms,
             next_slot_ms=next_slot,
             retry_at_ms=at_ms,
             held=held,
-            **wakes,
         )
 
     def release(
@@ -272,7 +272,7 @@ class Capacity:
         model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
         own = inputs.FreeArgs(lease_id, used, "")
-        return Wakes(**self._wakes(self._run(self._free, model, now_ms, own)))
+        return Wakes(**self._run(self._free, model, now_ms, own))
 
     def renew(self, lease_id: str, *, now_ms: int | None = None) -> bool:
         """Keep a lease for `lease_ttl_ms` more; False if it was lost."""
@@ -285,8 +285,7 @@ class Capacity:
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> Wakes:
         """Take an aborted round out of the queue and give back a grant it did not take."""
         # The model is an argument because it names the keys (and the Cluster slot).
-        out = self._run(self._free, model, now_ms, inputs.FreeArgs("", "", waiter))
-        return Wakes(**self._wakes(out))
+        return Wakes(**self._run(self._free, model, now_ms, inputs.FreeArgs("", "", waiter)))
 
     def note_answer(
         self,
@@ -362,20 +361,6 @@ class Capacity:
         fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
         self.redis.hdel(self._key(model, inputs.SUFFIX.BRK), *fields)
 
-    def _wakes(self, out: dict[str, Any], *, skip: str = "") -> dict[str, Any]:
-        """The `Wakes` fields of a script's answer."""
-        head = out.get("head")
-        wake_next = None
-        if head and head != skip:
-            at_ms = _early(math.ceil(out.get("ready") or 0), int(out["now"]))
-            wake_next = WakeAt(waiter=head, at_ms=at_ms)
-        later = tuple(
-            WakeAt(waiter=x["w"], at_ms=math.ceil(x["at"]))
-            for x in _list(out.get("later"))
-            if x["w"] != skip
-        )
-        return {"woken": tuple(_list(out.get("woken"))), "later": later, "wake_next": wake_next}
-
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
         """The model's capacity state now (SNAPSHOT_LUA's layout), for metrics and the console."""
         out = self._run(self._snapshot, model, now_ms)
@@ -395,11 +380,6 @@ def _clock(now_ms: int | None) -> str | int:
 def _early(slot_ms: int, now_ms: int) -> int:
     """When a waiter whose slot comes at `slot_ms` asks: early enough to be given it."""
     return max(slot_ms - RESERVE_AHEAD_MS, now_ms)
-
-
-def _list(value: Any) -> list[Any]:
-    """A JSON array from Lua's cjson, which writes an empty one as {}."""
-    return list(value) if isinstance(value, list) else []
 
 
 def _lease_model(lease_id: str) -> str:

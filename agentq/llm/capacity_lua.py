@@ -70,7 +70,7 @@ local function unmetered(also)
   end
   local at = tonumber(now_arg) or false
   local g = {{l = '', d = cfg.deps[1].n, at = at, t = tonumber(tokens), k = 1}}
-  return cjson.encode({{g = g, woken = {{}}, now = at}})
+  return cjson.encode({{g = g, now = at}})
 end
 local at_once = not cfg.configured and unmetered(CONFIG)
 if at_once then return at_once end
@@ -255,7 +255,8 @@ end
 
 -- Grants the head waiters while capacity allows, now or at a slot due within `reserve_ms`
 -- (held however late its turn wakes). Returns the caller's (`me`) grant, the waiters
--- granted now, those given a later slot ({w, at}), and the head left waiting and its slot.
+-- granted now, the others given a later slot (`WakeAt`s), and the head left waiting and
+-- its slot.
 local function pump(me)
   local woken, later, own = {}, {}, nil
   local real_now = now
@@ -288,12 +289,11 @@ local function pump(me)
       elseif redis.call('ZCARD', QB) > 0 then
         redis.call('HINCRBY', ST, 'ic', 1)
       end
-      local taken = w == me and now == real_now
-      local g = grant(w, d, probe, m.t, taken, i)
-      if now > real_now then
-        later[#later + 1] = {w = w, at = now}
-      elseif taken then
+      local g = grant(w, d, probe, m.t, w == me and now == real_now, i)
+      if w == me then
         own = g
+      elseif now > real_now then
+        later[#later + 1] = {waiter = w, at_ms = math.ceil(now)}
       else
         woken[#woken + 1] = w
       end
@@ -309,6 +309,21 @@ local function position(w)
   local rank = redis.call('ZRANK', queue_of(cls), w)
   if cls == 'b' then rank = rank + redis.call('ZCARD', QI) end
   return rank + 1
+end
+
+-- Grants whom capacity lets go (`pump`): the caller's grant, and the answer's `Wakes`
+-- fields (`capacity.Wakes`; cjson would write an empty array as an object).
+local function answer(me)
+  local own, woken, later, head, ready = pump(me)
+  local out = {now = now, ready = ready}
+  if woken[1] then out.woken = woken end
+  if later[1] then out.later = later end
+  if head and head ~= me then
+    -- Asked early enough to be given its slot (`reserve_ms`).
+    local at = math.max(math.ceil(ready) - cfg.reserve_ms, math.floor(now))
+    out.wake_next = {waiter = head, at_ms = at}
+  end
+  return out, own
 end
 
 """
@@ -328,7 +343,7 @@ local raw = redis.call('HGET', GRANTS, w)
 if raw then
   local g = cjson.decode(raw)
   -- A slot given ahead of its time: the turn asks again then.
-  if g.at > now then return cjson.encode({mine = g.at, woken = {}, now = now}) end
+  if g.at > now then return cjson.encode({mine = g.at, now = now}) end
   -- Taking a grant (or asking again for one taken) gives its lease a full term.
   lease_hold(LEASES, g.l, now + cfg.lease_ttl_ms, true)
   if g.k == 0 then
@@ -345,13 +360,14 @@ if raw then
 else
   enqueue(w, class_, owner, tonumber(weight), tonumber(tokens))
 end
-local own, woken, later, head, ready = pump(w)
-local out = {woken = woken, later = later, head = head, ready = ready, now = now}
-if own then out.g = own end
-for _, x in ipairs(later) do
-  if x.w == w then out.mine = x.at end
+local out, own = answer(w)
+if not own then
+  out.pos = position(w)
+elseif own.at > now then
+  out.mine = own.at
+else
+  out.g = own
 end
-if not own and not out.mine then out.pos = position(w) end
 return cjson.encode(out)
 """
 )
@@ -380,8 +396,7 @@ if m and used then
 end
 -- Leases past their expiry belong to dead workers (or grants nobody took): free them.
 leases_lapse(LEASES, now, undo_lease)
-local _, woken, later, head, ready = pump('')
-return cjson.encode({{woken = woken, later = later, head = head, ready = ready, now = now}})
+return cjson.encode((answer('')))
 """
 
 SNAPSHOT_LUA = (
