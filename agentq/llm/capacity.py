@@ -245,23 +245,15 @@ class Capacity:
                 granted_at_ms=int(g["at"]) if g["at"] else int(time.time() * 1000),
                 tokens=int(g["t"]),
             )
-        now = int(out["now"])
-        held = "mine" in out  # a slot of its own, held for it: nothing to estimate
-        next_slot = max(math.ceil(out["mine"] if held else out.get("ready") or now), now)
-        position = 1 if held else int(out["pos"])
+        # `held`: a slot of its own (`ready`), held for it: nothing to estimate.
+        now, held, position = int(out["now"]), out.get("held", False), int(out["position"])
+        next_slot = max(math.ceil(out.get("ready") or now), now)
         ahead_ms = (position - 1) * pacing_interval_ms(self.entry(model), tokens)
         wait_ms = int(next_slot - now + ahead_ms)
         at_ms = next_slot if position <= 1 else now + wait_ms
         if not held:
             at_ms = min(_early(at_ms, now), now + self.waiter_ttl_ms // 3)
-        return Queued(
-            **out,
-            position=position,
-            wait_ms=wait_ms,
-            next_slot_ms=next_slot,
-            retry_at_ms=at_ms,
-            held=held,
-        )
+        return Queued(**out, wait_ms=wait_ms, next_slot_ms=next_slot, retry_at_ms=at_ms)
 
     def release(
         self, lease_id: str, *, tokens_used: int | None = None, now_ms: int | None = None

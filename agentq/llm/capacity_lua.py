@@ -254,34 +254,37 @@ local function grant(w, d, probe, tokens, taken, i)
 end
 
 -- Grants the head waiters while capacity allows, now or at a slot due within `reserve_ms`
--- (held however late its turn wakes). Returns the caller's (`me`) grant, the waiters
--- granted now, the others given a later slot (`WakeAt`s), and the head left waiting and
--- its slot.
+-- (held however late its turn wakes). Returns the answer's `Wakes` fields
+-- (`capacity.Wakes`; cjson would write an empty array as an object), the slot of the head
+-- left waiting (`ready`), and the caller's (`me`) grant, now or at a later slot.
 local function pump(me)
-  local woken, later, own = {}, {}, nil
+  local woken, later, own, head, ready = {}, {}, nil, nil, nil
   local real_now = now
   for i = 1, cfg.max_pump + 1 do
     local cls = pick_class()
-    if not cls then return own, woken, later, nil, nil end
-    local head = redis.call('ZRANGE', queue_of(cls), 0, 0, 'WITHSCORES')
-    local w, tag = head[1], tonumber(head[2])
+    if not cls then break end
+    local top = redis.call('ZRANGE', queue_of(cls), 0, 0, 'WITHSCORES')
+    local w, tag = top[1], tonumber(top[2])
     -- This call granted its share; whoever is at the head may go on at once.
-    if i > cfg.max_pump then return own, woken, later, w, now end
+    if i > cfg.max_pump then
+      head, ready = w, now
+      break
+    end
     local raw = redis.call('HGET', QM, w)
     local m = raw and cjson.decode(raw)
     if not m or m.s + cfg.waiter_ttl_ms < now then
       -- Its turn stopped asking without withdrawing: a grant would hold a slot for nobody.
       unqueue(w, cls, nil)
     else
-      local d, probe, ready = admit(m.t)
-      if not d and ready <= now + cfg.reserve_ms then
+      local d, probe, slot = admit(m.t)
+      if not d and slot <= now + cfg.reserve_ms then
         -- Decided as at the slot: by then only releases (more room) and pauses differ.
-        now = ready
-        d, probe, ready = admit(m.t)
+        now = slot
+        d, probe, slot = admit(m.t)
       end
       if not d then
-        now = real_now
-        return own, woken, later, w, ready
+        head, ready = w, slot
+        break
       end
       unqueue(w, cls, tag)
       if cls == 'b' then
@@ -300,21 +303,7 @@ local function pump(me)
       now = real_now
     end
   end
-end
-
-local function position(w)
-  local raw = redis.call('HGET', QM, w)
-  if not raw then return 0 end
-  local cls = cjson.decode(raw).c
-  local rank = redis.call('ZRANK', queue_of(cls), w)
-  if cls == 'b' then rank = rank + redis.call('ZCARD', QI) end
-  return rank + 1
-end
-
--- Grants whom capacity lets go (`pump`): the caller's grant, and the answer's `Wakes`
--- fields (`capacity.Wakes`; cjson would write an empty array as an object).
-local function answer(me)
-  local own, woken, later, head, ready = pump(me)
+  now = real_now
   local out = {now = now, ready = ready}
   if woken[1] then out.woken = woken end
   if later[1] then out.later = later end
@@ -324,6 +313,15 @@ local function answer(me)
     out.wake_next = {waiter = head, at_ms = at}
   end
   return out, own
+end
+
+local function position(w)
+  local raw = redis.call('HGET', QM, w)
+  if not raw then return 0 end
+  local cls = cjson.decode(raw).c
+  local rank = redis.call('ZRANK', queue_of(cls), w)
+  if cls == 'b' then rank = rank + redis.call('ZCARD', QI) end
+  return rank + 1
 end
 
 """
@@ -343,7 +341,7 @@ local raw = redis.call('HGET', GRANTS, w)
 if raw then
   local g = cjson.decode(raw)
   -- A slot given ahead of its time: the turn asks again then.
-  if g.at > now then return cjson.encode({mine = g.at, now = now}) end
+  if g.at > now then return cjson.encode({held = true, position = 1, ready = g.at, now = now}) end
   -- Taking a grant (or asking again for one taken) gives its lease a full term.
   lease_hold(LEASES, g.l, now + cfg.lease_ttl_ms, true)
   if g.k == 0 then
@@ -360,11 +358,11 @@ if raw then
 else
   enqueue(w, class_, owner, tonumber(weight), tonumber(tokens))
 end
-local out, own = answer(w)
+local out, own = pump(w)
 if not own then
-  out.pos = position(w)
+  out.position = position(w)
 elseif own.at > now then
-  out.mine = own.at
+  out.held, out.position, out.ready = true, 1, own.at
 else
   out.g = own
 end
@@ -396,7 +394,7 @@ if m and used then
 end
 -- Leases past their expiry belong to dead workers (or grants nobody took): free them.
 leases_lapse(LEASES, now, undo_lease)
-return cjson.encode((answer('')))
+return cjson.encode((pump('')))
 """
 
 SNAPSHOT_LUA = (
