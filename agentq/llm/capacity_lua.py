@@ -315,15 +315,6 @@ local function pump(me)
   return out, own
 end
 
-local function position(w)
-  local raw = redis.call('HGET', QM, w)
-  if not raw then return 0 end
-  local cls = cjson.decode(raw).c
-  local rank = redis.call('ZRANK', queue_of(cls), w)
-  if cls == 'b' then rank = rank + redis.call('ZCARD', QI) end
-  return rank + 1
-end
-
 """
 )
 
@@ -351,16 +342,19 @@ if raw then
   return cjson.encode({g = g, now = now})
 end
 raw = redis.call('HGET', QM, w)
+local cls = class_
 if raw then
   local m = cjson.decode(raw)
-  m.s = now
+  m.s, cls = now, m.c
   redis.call('HSET', QM, w, cjson.encode(m))
 else
-  enqueue(w, class_, owner, tonumber(weight), tonumber(tokens))
+  enqueue(w, cls, owner, tonumber(weight), tonumber(tokens))
 end
 local out, own = pump(w)
 if not own then
-  out.position = position(w)
+  -- Still queued (it asked just now): background rounds come after every interactive one.
+  out.position = redis.call('ZRANK', queue_of(cls), w) + 1
+  if cls == 'b' then out.position = out.position + redis.call('ZCARD', QI) end
 elseif own.at > now then
   out.held, out.position, out.ready = true, 1, own.at
 else
