@@ -252,7 +252,8 @@ class Capacity:
         wait_ms = int(next_slot - now + ahead_ms)
         at_ms = next_slot if position <= 1 else now + wait_ms
         if not held:
-            at_ms = min(_early(at_ms, now), now + self.waiter_ttl_ms // 3)
+            # Asked early enough to be given its slot, and often enough to look alive.
+            at_ms = min(max(at_ms - RESERVE_AHEAD_MS, now), now + self.waiter_ttl_ms // 3)
         return Queued(**out, wait_ms=wait_ms, next_slot_ms=next_slot, retry_at_ms=at_ms)
 
     def release(
@@ -367,11 +368,6 @@ def _counts(limits: DeploymentLimits | ModelLimitsEntry) -> dict[str, int]:
 def _clock(now_ms: int | None) -> str | int:
     """The `now_arg` of a script: the caller's clock, or "" for Redis TIME."""
     return "" if now_ms is None else now_ms
-
-
-def _early(slot_ms: int, now_ms: int) -> int:
-    """When a waiter whose slot comes at `slot_ms` asks: early enough to be given it."""
-    return max(slot_ms - RESERVE_AHEAD_MS, now_ms)
 
 
 def _lease_model(lease_id: str) -> str:
