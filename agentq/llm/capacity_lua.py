@@ -202,16 +202,14 @@ local function admit(tokens)
   return best, probe, now
 end
 
-local function queue_of(cls)
-  if cls == 'i' then return QI, FTI end
-  return QB, FTB
-end
+-- Each class's queue and finish tags.
+local Q, FT = {i = QI, b = QB}, {i = FTI, b = FTB}
 
 -- Start-time fair queuing per class: a round's start tag is the later of the class's
 -- virtual time and its owner's previous finish tag, so owners take turns whatever
 -- their backlog, and an owner's own rounds keep their order.
 local function enqueue(w, cls, owner, weight, tokens)
-  local q, ft = queue_of(cls)
+  local q, ft = Q[cls], FT[cls]
   local v = num(redis.call('HGET', ST, 'v:' .. cls))
   local start = math.max(v, num(redis.call('HGET', ft, owner)))
   redis.call('HSET', ft, owner, fmt(start + 1 / weight))
@@ -220,7 +218,7 @@ local function enqueue(w, cls, owner, weight, tokens)
 end
 
 local function unqueue(w, cls, tag)
-  local q, ft = queue_of(cls)
+  local q, ft = Q[cls], FT[cls]
   redis.call('ZREM', q, w)
   redis.call('HDEL', QM, w)
   if tag and tag > num(redis.call('HGET', ST, 'v:' .. cls)) then
@@ -232,8 +230,7 @@ end
 
 local function pick_class()
   local ni, nb = redis.call('ZCARD', QI), redis.call('ZCARD', QB)
-  if ni == 0 and nb == 0 then return nil end
-  if nb == 0 then return 'i' end
+  if nb == 0 then return ni > 0 and 'i' or nil end
   if ni == 0 then return 'b' end
   -- While both wait, background gets one grant in bg_every (0: strict priority).
   if cfg.bg_every > 0 and num(redis.call('HGET', ST, 'ic')) >= cfg.bg_every - 1 then return 'b' end
@@ -263,7 +260,7 @@ local function pump(me)
   for i = 1, cfg.max_pump + 1 do
     local cls = pick_class()
     if not cls then break end
-    local top = redis.call('ZRANGE', queue_of(cls), 0, 0, 'WITHSCORES')
+    local top = redis.call('ZRANGE', Q[cls], 0, 0, 'WITHSCORES')
     local w, tag = top[1], tonumber(top[2])
     -- This call granted its share; whoever is at the head may go on at once.
     if i > cfg.max_pump then
@@ -353,7 +350,7 @@ end
 local out, own = pump(w)
 if not own then
   -- Still queued (it asked just now): background rounds come after every interactive one.
-  out.position = redis.call('ZRANK', queue_of(cls), w) + 1
+  out.position = redis.call('ZRANK', Q[cls], w) + 1
   if cls == 'b' then out.position = out.position + redis.call('ZCARD', QI) end
 elseif own.at > now then
   out.held, out.position, out.ready = true, 1, own.at
