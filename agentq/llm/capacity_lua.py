@@ -237,19 +237,6 @@ local function pick_class()
   return 'i'
 end
 
--- A lease of deployment `d` for waiter `w` (taken: by the caller itself, now).
-local function grant(w, d, probe, tokens, taken, i)
-  local lid = nonce .. i .. ':' .. model
-  local ttl = cfg.grant_ttl_ms
-  if taken then ttl = cfg.lease_ttl_ms end
-  lease_hold(LEASES, lid, now + ttl)
-  redis.call('HSET', LMETA, lid, cjson.encode({d = d.n, t = tokens, w = w, p = probe}))
-  redis.call('HINCRBY', INFL, d.n, 1)
-  local g = {l = lid, d = d.n, at = now, t = tokens, k = taken and 1 or 0}
-  redis.call('HSET', GRANTS, w, cjson.encode(g))
-  return g
-end
-
 -- Grants the head waiters while capacity allows, now or at a slot due within `reserve_ms`
 -- (held however late its turn wakes). Returns the answer's `Wakes` fields
 -- (`capacity.Wakes`; cjson would write an empty array as an object), the slot of the head
@@ -289,7 +276,13 @@ local function pump(me)
       elseif redis.call('ZCARD', QB) > 0 then
         redis.call('HINCRBY', ST, 'ic', 1)
       end
-      local g = grant(w, d, probe, m.t, w == me and now == real_now, i)
+      -- A lease of deployment `d` for `w`, taken (by the caller itself, now) or not yet.
+      local lid, taken = nonce .. i .. ':' .. model, w == me and now == real_now
+      lease_hold(LEASES, lid, now + (taken and cfg.lease_ttl_ms or cfg.grant_ttl_ms))
+      redis.call('HSET', LMETA, lid, cjson.encode({d = d.n, t = m.t, w = w, p = probe}))
+      redis.call('HINCRBY', INFL, d.n, 1)
+      local g = {l = lid, d = d.n, at = now, t = m.t, k = taken and 1 or 0}
+      redis.call('HSET', GRANTS, w, cjson.encode(g))
       if w == me then
         own = g
       elseif now > real_now then
