@@ -69,11 +69,8 @@ def parse_duration_s(text: str) -> float | None:
     """Seconds in an OpenAI reset duration (`1s`, `250ms`, `6m0s`, `1h2m3.5s`, or plain
     seconds); None when it is not one."""
     text = text.strip()
-    try:
+    with contextlib.suppress(ValueError):
         plain = float(text)
-    except ValueError:
-        pass
-    else:
         return max(plain, 0.0) if math.isfinite(plain) else None
     parts = _DURATION_PART.findall(text)
     if not parts or "".join(n + u for n, u in parts) != text:
@@ -102,10 +99,9 @@ def _until_s(text: str, now_s: float) -> float | None:
 def _int(text: str | None) -> int | None:
     if text is None:
         return None
-    try:
+    with contextlib.suppress(ValueError, OverflowError):
         return int(float(text))
-    except (ValueError, OverflowError):
-        return None
+    return None
 
 
 def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None) -> RateSignal:
