@@ -323,9 +323,7 @@ class Capacity:
 
     def _answered_rpm(self, model: str) -> int:
         """Rounds of `model` this process saw succeed in the last ANSWERED_S, a minute's worth."""
-        seen = self._answered.get(model)
-        if not seen:
-            return 0
+        seen = self._answered.get(model, ())
         since = time.monotonic() - ANSWERED_S
         return round(sum(1 for t in seen if t >= since) * 60 / ANSWERED_S)
 
