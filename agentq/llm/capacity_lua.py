@@ -104,20 +104,6 @@ local function pace_add(field, limit, cost)
   gcra_add(GCRA, field, 60000 / limit, cost, now)
 end
 
--- Requests and tokens per 10 s bucket; the last six buckets are the last minute.
-local function use(requests, tokens)
-  local b = math.floor(now / 10000)
-  if num(redis.call('HGET', USE, 'cur')) ~= b then
-    redis.call('HSET', USE, 'cur', b)
-    for _, f in ipairs(redis.call('HKEYS', USE)) do
-      local fb = tonumber(string.sub(f, 3))
-      if fb and fb < b - 5 then redis.call('HDEL', USE, f) end
-    end
-  end
-  if requests ~= 0 then redis.call('HINCRBY', USE, 'r:' .. b, requests) end
-  if tokens ~= 0 then redis.call('HINCRBY', USE, 't:' .. b, tokens) end
-end
-
 -- Counts the share of a request whose slot is `at` against the model's limits and
 -- deployment `d`'s (nil: none known), or gives it back (negative).
 local function charge(d, requests, tokens, at)
@@ -132,7 +118,17 @@ local function charge(d, requests, tokens, at)
     pace_add('r:' .. d.n, d.rpm, requests)
     pace_add('t:' .. d.n, d.tpm, tokens)
   end
-  use(requests, tokens)
+  -- Requests and tokens per 10 s bucket; the last six buckets are the last minute.
+  local b = math.floor(now / 10000)
+  if num(redis.call('HGET', USE, 'cur')) ~= b then
+    redis.call('HSET', USE, 'cur', b)
+    for _, f in ipairs(redis.call('HKEYS', USE)) do
+      local fb = tonumber(string.sub(f, 3))
+      if fb and fb < b - 5 then redis.call('HDEL', USE, f) end
+    end
+  end
+  if requests ~= 0 then redis.call('HINCRBY', USE, 'r:' .. b, requests) end
+  if tokens ~= 0 then redis.call('HINCRBY', USE, 't:' .. b, tokens) end
 end
 
 -- What a lease held besides its place, given back once its place is gone.
