@@ -163,17 +163,13 @@ local function dep_ready(d)
   return math.max(ready, paced('r:' .. d.n, d.rpm), paced('t:' .. d.n, d.tpm)), state
 end
 
-local function model_ready()
-  local ready = math.max(now, num(redis.call('HGET', PAUSE, 'm')))
-  if leases_full(LEASES, cfg.streams) then ready = math.max(ready, leases_next_end(LEASES, now)) end
-  local rpm = rate_rpm()
-  return math.max(ready, paced('r', rpm), paced('t', tpm_limit()), window_ready(rpm))
-end
-
 -- Takes the model's and a deployment's share for one request (the deployment, whether it
 -- probes a half-open breaker), or says when to try again (nil, 0, ready_ms).
 local function admit(tokens)
-  local ready = model_ready()
+  -- The model's pause, streams and pace first (`dep_ready`: each deployment's).
+  local rpm, ready = rate_rpm(), math.max(now, num(redis.call('HGET', PAUSE, 'm')))
+  if leases_full(LEASES, cfg.streams) then ready = math.max(ready, leases_next_end(LEASES, now)) end
+  ready = math.max(ready, paced('r', rpm), paced('t', tpm_limit()), window_ready(rpm))
   if ready > now then return nil, 0, ready end
   local best, best_load, best_state, soonest = nil, 0, nil, nil
   for _, d in ipairs(cfg.deps) do
@@ -189,12 +185,9 @@ local function admit(tokens)
   end
   if best == nil then return nil, 0, soonest end
   charge(best, 1, tokens, now)
-  local probe = 0
-  if best_state == 'half_open' then
-    -- One request probes a deployment whose cool-down ended; the rest wait for its verdict.
-    redis.call('HSET', BRK, 'p:' .. best.n, now + cfg.lease_ttl_ms)
-    probe = 1
-  end
+  -- One request probes a deployment whose cool-down ended; the rest wait for its verdict.
+  local probe = best_state == 'half_open' and 1 or 0
+  if probe == 1 then redis.call('HSET', BRK, 'p:' .. best.n, now + cfg.lease_ttl_ms) end
   return best, probe, now
 end
 
