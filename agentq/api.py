@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -153,6 +154,25 @@ class Turn(_Started):
         A relayed sub-agent's request is answered on its own turn: pass the event's
         `turn_id` (the turn's token holds for its sub-agents too)."""
         self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
+
+
+def usage_time(raw: float | str | None, name: str, *, end: bool = False) -> float | None:
+    """A usage query's `since`/`until` as epoch seconds: a UTC day YYYY-MM-DD (its start,
+    or with `end` its last second) or epoch seconds; ValueError naming `name` otherwise."""
+    if not isinstance(raw, str):
+        return raw
+    try:
+        day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
+        return day.timestamp() + (86399 if end else 0)
+    except ValueError:
+        pass
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}: a UTC day (YYYY-MM-DD) or epoch seconds") from None
+    if not 0 <= value <= 1e11:
+        raise ValueError(f"{name}: out of range")
+    return value
 
 
 class Client:
@@ -422,19 +442,20 @@ class Client:
     def usage(
         self,
         *,
-        since: float | None = None,
-        until: float | None = None,
+        since: float | str | None = None,
+        until: float | str | None = None,
         key: str | None = None,
         group_by: str = "model",
         owner: str | None = None,
         admin: bool = True,
     ) -> dict[str, Any]:
-        """Tokens and cost of the UTC days from `since` to `until` (epoch s; default the
-        last 30 days), totals and rows grouped by model, agent or key (docs/spend.md).
+        """Tokens and cost of the UTC days from `since` to `until` (`usage_time`; default
+        the last 30 days), totals and rows grouped by model, agent or key (docs/spend.md).
         `owner` (a caller that is not `admin`) sees its own key's only; an admin sees
         `key`'s, or every key's."""
         keep = self.settings.usage_retention_days
-        days = usage_days(group_by, since, until, time.time(), keep)
+        start, end = usage_time(since, "since"), usage_time(until, "until", end=True)
+        days = usage_days(group_by, start, end, time.time(), keep)
         spend = Spend(self._store.redis, self.settings)
         if not admin:
             owners = [owner or NO_KEY]

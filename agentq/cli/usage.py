@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -13,19 +13,11 @@ if TYPE_CHECKING:
 
 def add_parsers(sub: Any) -> None:
     u = sub.add_parser("usage", help="tokens and cost per model, agent or key")
-    u.add_argument("--since", type=_day, help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
-    u.add_argument("--until", type=_day, help="last UTC day, YYYY-MM-DD (default: today)")
+    u.add_argument("--since", help="first UTC day, YYYY-MM-DD (default: 29 days ago)")
+    u.add_argument("--until", help="last UTC day, YYYY-MM-DD (default: today)")
     u.add_argument("--key", help="only this key's usage")
     u.add_argument("--group-by", default="model", choices=("model", "agent", "key"))
     u.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _day(raw: str) -> float:
-    try:
-        day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a UTC day (YYYY-MM-DD)") from None
-    return day.timestamp()
 
 
 def cmd_usage(client: Client, args: argparse.Namespace) -> int:
@@ -35,12 +27,13 @@ def cmd_usage(client: Client, args: argparse.Namespace) -> int:
     from rich.table import Table
 
     # The command holds Redis credentials: it reads every key's usage, as an admin.
-    report = client.usage(
-        since=args.since,
-        until=None if args.until is None else args.until + 86399,
-        key=args.key,
-        group_by=args.group_by,
-    )
+    try:
+        report = client.usage(
+            since=args.since, until=args.until, key=args.key, group_by=args.group_by
+        )
+    except ValueError as exc:
+        print(f"agentq usage: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(report))
         return 0

@@ -10,7 +10,6 @@ aborted with reason ``disconnect``. Without a token, the stream is read-only.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 import re
 import threading
@@ -109,25 +108,6 @@ def conversation_id_of(raw: str) -> str:
     if not _CONVERSATION_ID.match(raw):
         raise ConversationNotFound(raw[:128])
     return raw
-
-
-def when(raw: str | None, name: str, *, end: bool = False) -> float | None:
-    """A `since`/`until` value as epoch seconds: a UTC day (its start, or with `end` its
-    last second) or a number."""
-    if raw is None or raw == "":
-        return None
-    try:
-        day = dt.datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=dt.timezone.utc)
-        return day.timestamp() + (86399 if end else 0)
-    except ValueError:
-        pass
-    try:
-        value = float(raw)
-    except ValueError:
-        raise invalid(f"{name}: a UTC day (YYYY-MM-DD) or epoch seconds") from None
-    if not 0 <= value <= 1e11:
-        raise invalid(f"{name}: out of range")
-    return value
 
 
 class Gateway:
@@ -371,8 +351,7 @@ class Gateway:
         principal = self.require(request, "key")
         q = request.query_params
         group_by = q.get("group_by") or "model"
-        since = when(q.get("since"), "since")
-        until = when(q.get("until"), "until", end=True)
+        since, until = q.get("since") or None, q.get("until") or None
         key = q.get("key") or None
         admin = principal is None or principal.admin
         owner = principal.name if principal else None

@@ -458,6 +458,8 @@ def test_the_cli_runs_under_a_budget_and_shows_usage(stack: Client, llm_server) 
     assert report["group_by"] == "key" and report["totals"]["total_tokens"] > 0
     table = agentq_cli("usage")
     assert table.returncode == 0 and "gpt-4o-mini" in table.stdout
+    backwards = agentq_cli("usage", "--since", "2026-02-02", "--until", "2026-02-01")
+    assert backwards.returncode == 2 and "since: after until" in backwards.stderr
 
 
 def test_a_keys_usd_budget_ends_its_turn_within_it(stack: Client, llm_server) -> None:
