@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from agentq.api import usage_time
 from agentq.cli.main import _glued, build_parser
 
 
@@ -54,9 +55,17 @@ def test_retry_takes_a_turn_id_or_status_exactly(
     assert exited.value.code == 2 and "turn_id" in err and "--status" in err
 
 
-def test_usage_takes_utc_days_and_refuses_anything_else(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_takes_utc_days_and_refuses_anything_else() -> None:
+    # The command hands its words to Client.usage, which reads them with usage_time.
     args = build_parser().parse_args(["usage", "--since", "2026-01-02", "--until", "2026-01-02"])
-    assert args.since == 1767312000.0 and args.until == args.since
-    with pytest.raises(SystemExit) as exited:
-        build_parser().parse_args(["usage", "--until", "2026-13-01"])
-    assert exited.value.code == 2 and "'2026-13-01' is not a UTC day" in capsys.readouterr().err
+    assert (args.since, args.until) == ("2026-01-02", "2026-01-02")
+    assert usage_time(args.since, "since") == 1767312000.0
+    assert usage_time(args.until, "until", end=True) == 1767312000.0 + 86399
+    assert usage_time("1767312000", "since") == 1767312000.0
+    for bad, says in (
+        ("2026-13-01", "a UTC day"),
+        ("1e12", "out of range"),
+        ("nan", "out of range"),
+    ):
+        with pytest.raises(ValueError, match=f"until: {says}"):
+            usage_time(bad, "until")
