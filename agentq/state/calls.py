@@ -25,7 +25,7 @@ from agentq.state.base import (
     records_of,
     text,
 )
-from agentq.state.lua import turn_open_lua, wake_or_step_lua
+from agentq.state.lua import settle_lua, turn_open_lua
 
 
 class Started(IntEnum):
@@ -65,40 +65,8 @@ class SettleArgs(NamedTuple):
 
 
 # SETTLE_LUA: store the result under its call id (first writer wins), wake the turn and
-# publish tool_finished, in one atomic step: exactly one result per call, whoever
-# settles it (the tool, the worker's parent on a hard kill, or the turn on abort/loss).
-SETTLE_LUA = (
-    bind_lua(TurnKeys, SettleArgs)
-    + turn_open_lua(
-        f"{Settled.TURN_GONE:d}", extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id")
-    )
-    + f"""
-if more[1] then return {Settled.LOST:d} end
-if waitpoint == '1' then
-  if not more[2] then return {Settled.NOT_WAITING:d} end
-  if tonumber(now_ms) >= tonumber(cjson.decode(more[2])['deadline_ms']) then
-    return {Settled.EXPIRED:d}
-  end
-end
--- Only the settle that completes the batch in flight (or one of a call it does not
--- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
--- call recorded as sent (every call a worker settles, since calls are recorded before
--- they are sent) is in the batch's count: this first result takes it out.
-local is_tracked = tracked == '1'
-if is_tracked then unsettled = math.max(unsettled - 1, 0) end
-local ready = not is_tracked or unsettled == 0
-"""
-    + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-    + "if not ready or wake ~= '1' then\n"
-    + f"  redis.call('HSET', turn_key, '{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq,\n"
-    + f"    '{k.UNSETTLED_FIELD}', unsettled)\n"
-    + f"  return ready and {Settled.READY:d} or {Settled.WON:d}\nend\n"
-    + wake_or_step_lua(
-        f"'{k.SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, '{k.UNSETTLED_FIELD}', unsettled",
-        Settled.READY,
-    )
-    + f"return {Settled.READY:d}"
-)
+# publish tool_finished, in one atomic step (see `settle_lua`).
+SETTLE_LUA = bind_lua(TurnKeys, SettleArgs) + settle_lua(Settled)
 
 
 class StartArgs(NamedTuple):

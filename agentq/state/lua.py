@@ -4,6 +4,8 @@ method that runs it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from agentq.constants import (
     CALL_RECORDS,
     CANCEL_FIELD,
@@ -16,8 +18,9 @@ from agentq.constants import (
     SETTLED,
     STEP_FIELD,
     UNSETTLED_FIELD,
+    WAITING,
 )
-from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua
+from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, publish_lua
 
 _OPEN = (
     "status",
@@ -107,15 +110,13 @@ _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 """A Lua condition on `p`, a state field's first two characters: the field is a call's record."""
 
 
-def wake_lua(
-    fields: str = "", turn: str = "turn_key", turn_id: str = "turn_id", at: str = "wake_at"
-) -> str:
+def wake_lua(fields: str = "", at: str = "wake_at") -> str:
     """Lua that marks a turn woken (DIRTY_FIELD, in one HSET with the Lua field/value list
     `fields`) and has a sweeper step it by `at` (LT: an earlier wakeup stays)."""
     more = f", {fields}" if fields else ""
     return f"""
-redis.call('HSET', {turn}, '{DIRTY_FIELD}', 1{more})
-redis.call('ZADD', wakeups_key, 'LT', {at}, {turn_id})
+redis.call('HSET', turn_key, '{DIRTY_FIELD}', 1{more})
+redis.call('ZADD', wakeups_key, 'LT', {at}, turn_id)
 """
 
 
@@ -171,3 +172,41 @@ if token ~= '' and {lock_free_lua("held")} then
   return {{{stepped:d}, unpack({view_lua("st")})}}
 end
 """ + wake_lua(fields)
+
+
+def settle_lua(settled: Any) -> str:
+    """Lua that settles a call, exactly one result per call, whoever settles it (the tool,
+    the worker's parent on a hard kill, the turn on abort/loss: calls.SETTLE_LUA; or its
+    child turn's end: turns.CLOSE_LUA runs it on the parent's keys). It answers `settled`
+    (base.Settled, above this module)."""
+    return (
+        turn_open_lua(
+            f"{settled.TURN_GONE:d}", extra=(f"'{SETTLED}' .. call_id", f"'{WAITING}' .. call_id")
+        )
+        + f"""
+if more[1] then return {settled.LOST:d} end
+if waitpoint == '1' then
+  if not more[2] then return {settled.NOT_WAITING:d} end
+  if tonumber(now_ms) >= tonumber(cjson.decode(more[2])['deadline_ms']) then
+    return {settled.EXPIRED:d}
+  end
+end
+-- Only the settle that completes the batch in flight (or one of a call it does not
+-- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
+-- call recorded as sent (every call a worker settles, since calls are recorded before
+-- they are sent) is in the batch's count: this first result takes it out.
+local is_tracked = tracked == '1'
+if is_tracked then unsettled = math.max(unsettled - 1, 0) end
+local ready = not is_tracked or unsettled == 0
+"""
+        + publish_lua("log_key", "channel", "event", "log_opts", "watched")
+        + "if not ready or wake ~= '1' then\n"
+        + f"  redis.call('HSET', turn_key, '{SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq,\n"
+        + f"    '{UNSETTLED_FIELD}', unsettled)\n"
+        + f"  return ready and {settled.READY:d} or {settled.WON:d}\nend\n"
+        + wake_or_step_lua(
+            f"'{SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, '{UNSETTLED_FIELD}', unsettled",
+            settled.READY,
+        )
+        + f"return {settled.READY:d}\n"
+    )

@@ -9,18 +9,13 @@ from enum import IntEnum
 from typing import Any, NamedTuple
 
 from agentq import constants as k
-from agentq.events.bus import (
-    SEQ_FIELD,
-    WATCHERS_FIELD,
-    ended_lua,
-    event_body,
-    publish_lua,
-)
+from agentq.events.bus import SEQ_FIELD, ended_lua, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, argv_of, bind_lua
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
     START_BACKSTOP_S,
     WAKE_BACKSTOP_S,
+    Settled,
     StoreBase,
     TurnKeys,
     active_turns,
@@ -33,6 +28,7 @@ from agentq.state.base import (
 from agentq.state.lua import (
     LOCK_FREE_VALUE,
     lock_mine_lua,
+    settle_lua,
     turn_open_lua,
     wake_lua,
     write_lua,
@@ -108,29 +104,19 @@ end
 if kids then redis.call('DEL', children_key) end
 for i = {len(_CLOSE_KEYS) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
 if parent_id == '' then return {Closed.ENDED:d} end
-local popen = redis.call('HMGET', parent_key, 'status', '{WATCHERS_FIELD}', '{SEQ_FIELD}',
-  '{k.UNSETTLED_FIELD}', '{k.SETTLED}' .. parent_call_id)
-local pstatus, pwatched, pseq = popen[1], popen[2], tonumber(popen[3]) or 0
-if not pstatus or {ended_lua("pstatus")} then return {Closed.ENDED:d} end
-if popen[5] then return {Closed.ENDED:d} end
--- The parent recorded its call before it started this turn: the call is in its batch.
-local left = math.max((tonumber(popen[4]) or 0) - 1, 0)
-do
+-- The parent's call is settled as SETTLE_LUA settles a call, on the parent's keys. The
+-- parent recorded its call before it started this turn: the call is in its batch.
+local function settle_parent()
+  local turn_key, log_key, channel, turn_id = parent_key, parent_log_key, parent_channel, parent_id
+  local call_id, result, event = parent_call_id, parent_result, parent_event
+  local tracked, wake, waitpoint, token = '1', '1', '0', ''
 """
-    + publish_lua(
-        "parent_log_key", "parent_channel", "parent_event", "log_opts", "pwatched", "pseq"
-    )
-    + "end\nif left > 0 then\n"
-    + f"  redis.call('HSET', parent_key, '{k.SETTLED}' .. parent_call_id, parent_result,\n"
-    + f"    '{SEQ_FIELD}', pseq, '{k.UNSETTLED_FIELD}', left)\n"
-    + f"  return {Closed.PARENT_WAITS:d}\nend\n"
-    + wake_lua(
-        f"'{k.SETTLED}' .. parent_call_id, parent_result, '{SEQ_FIELD}', pseq, "
-        f"'{k.UNSETTLED_FIELD}', left",
-        "parent_key",
-        "parent_id",
-    )
-    + f"return {Closed.PARENT_WOKEN:d}\n"
+    + settle_lua(Settled)
+    + f"""end
+local settled = settle_parent()
+if settled == {Settled.READY:d} then return {Closed.PARENT_WOKEN:d} end
+return settled == {Settled.WON:d} and {Closed.PARENT_WAITS:d} or {Closed.ENDED:d}
+"""
 )
 
 
