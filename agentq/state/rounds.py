@@ -64,12 +64,12 @@ class FinishLlmArgs(NamedTuple):
 # the HSET of its seq), and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
     bind_lua(TurnKeys, FinishLlmArgs, rest="events")
-    + f"""
-local done = tonumber(redis.call('HGET', turn_key, '{k.LLM_RESULT_ROUND_FIELD}')) or -1
-if done >= tonumber(round_no) then return {RoundFinished.DONE:d} end
-"""
-    + turn_open_lua(f"{RoundFinished.TURN_GONE:d}")
-    + f"""
+    + turn_open_lua(
+        f"(tonumber(more[1]) or -1) >= tonumber(round_no) and {RoundFinished.DONE:d}"
+        f" or {RoundFinished.TURN_GONE:d}",
+        extra=(f"'{k.LLM_RESULT_ROUND_FIELD}'",),
+    )
+    + f"""if (tonumber(more[1]) or -1) >= tonumber(round_no) then return {RoundFinished.DONE:d} end
 for i = events_at, #ARGV do
 {publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watched")}
 end
