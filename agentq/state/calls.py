@@ -158,12 +158,9 @@ class CallRecords(StoreBase):
                 pipe.hset(key, k.DISPATCHED + c, json.dumps({**r, "sends": int(r["sends"]) - 1}))
         pipe.execute()
 
-    def call_progress(
-        self, turn_id: str
-    ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    def call_progress(self, turn_id: str) -> list[dict[str, Any]]:
         """The starts, dispatch records and open waitpoints of the turn's calls, from one read."""
-        starts, records, waiting = self._calls(turn_id, k.STARTED, k.DISPATCHED, k.WAITING)
-        return starts, records, waiting
+        return self._calls(turn_id, k.STARTED, k.DISPATCHED, k.WAITING)
 
     def running_tasks(self, turn_id: str) -> dict[str, dict[str, Any]]:
         """Task id -> start record (`worker`, `pid`) of each started call without a result."""
