@@ -64,8 +64,6 @@ class Settled(IntEnum):
     READY = 3
     """Stored, and it completed the batch in flight: the turn is woken (or its step was
     taken here, when the answer came with the step's view)."""
-    NOT_WAITING = -3
-    """A waitpoint's completion for a call that has no open waitpoint: nothing written."""
     EXPIRED = -4
     """A waitpoint's completion past its deadline: nothing written (the turn's step
     settles the call `timeout`)."""

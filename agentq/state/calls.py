@@ -60,8 +60,8 @@ class SettleArgs(NamedTuple):
     lock_ms: int
     tracked: str
     """"1": the call was recorded as sent, so it counts in the batch in flight."""
-    waitpoint: str
-    """"1": a waitpoint's completion: stored only while the call's waitpoint is open."""
+    deadline_ms: str
+    """A waitpoint's completion: its deadline, past which nothing is stored ("": none)."""
 
 
 # SETTLE_LUA: store the result under its call id (first writer wins), wake the turn and
@@ -233,14 +233,13 @@ class CallRecords(StoreBase):
         *,
         wake: bool = True,
         tracked: bool = True,
-        waitpoint: bool = False,
+        deadline_ms: int | None = None,
     ) -> Settled:
         """Store a call's result unless one is stored already (first writer wins).
 
         `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
-        for a call never recorded as sent (refused, denied). `waitpoint`: a waitpoint's
-        completion, stored only while the call's waitpoint is open (else NOT_WAITING or
-        EXPIRED).
+        for a call never recorded as sent (refused, denied). `deadline_ms`: a waitpoint's
+        completion, stored only before the waitpoint's deadline (else EXPIRED).
         """
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
@@ -256,7 +255,7 @@ class CallRecords(StoreBase):
             token,
             lock_ms,
             "1" if tracked else "0",
-            "1" if waitpoint else "0",
+            "" if deadline_ms is None else str(deadline_ms),
         )
         answer = self._durable(self._settle, keys=TurnKeys.of(turn_id), args=list(args))
         ready = answer == Settled.READY

@@ -18,7 +18,6 @@ from agentq.constants import (
     SETTLED,
     STEP_FIELD,
     UNSETTLED_FIELD,
-    WAITING,
 )
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, publish_lua
 
@@ -180,16 +179,11 @@ def settle_lua(settled: Any) -> str:
     child turn's end: turns.CLOSE_LUA runs it on the parent's keys). It answers `settled`
     (base.Settled, above this module)."""
     return (
-        turn_open_lua(
-            f"{settled.TURN_GONE:d}", extra=(f"'{SETTLED}' .. call_id", f"'{WAITING}' .. call_id")
-        )
+        turn_open_lua(f"{settled.TURN_GONE:d}", extra=(f"'{SETTLED}' .. call_id",))
         + f"""
 if more[1] then return {settled.LOST:d} end
-if waitpoint == '1' then
-  if not more[2] then return {settled.NOT_WAITING:d} end
-  if tonumber(now_ms) >= tonumber(cjson.decode(more[2])['deadline_ms']) then
-    return {settled.EXPIRED:d}
-  end
+if deadline_ms ~= '' and tonumber(now_ms) >= tonumber(deadline_ms) then
+  return {settled.EXPIRED:d}
 end
 -- Only the settle that completes the batch in flight (or one of a call it does not
 -- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A

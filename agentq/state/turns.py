@@ -109,7 +109,7 @@ if parent_id == '' then return {Closed.ENDED:d} end
 local function settle_parent()
   local turn_key, log_key, channel, turn_id = parent_key, parent_log_key, parent_channel, parent_id
   local call_id, result, event = parent_call_id, parent_result, parent_event
-  local tracked, wake, waitpoint, token = '1', '1', '0', ''
+  local tracked, wake, deadline_ms, token = '1', '1', '', ''
 """
     + settle_lua(Settled)
     + f"""end

@@ -6,7 +6,7 @@ A waitpoint's id names its turn and call (`wp_<turn id>_<call id>`), so finding 
 one read of the turn; its token is an HMAC of the id under the fleet's waitpoint key, so
 a tool knows it before it returns, every run of a call gets the same one, and nothing
 stores it. A completion is the call's settle (SETTLE_LUA, first result wins), told to
-store only while the waitpoint is open: exactly once, atomically with the turn's wake.
+store only before the waitpoint's deadline: exactly once, atomically with the turn's wake.
 """
 
 from __future__ import annotations
@@ -200,11 +200,10 @@ class WaitpointRecords(StoreBase):
             call_id=call_id, tool=tool, status=status, content=content, error=error, record=record
         )
         calls = cast("CallRecords", self)  # a TurnStore: its calls' part settles the call
-        code = calls.settle_code(turn_id, result, waitpoint=True)
+        # The waitpoint's record is written once: its deadline is the one the script checks.
+        code = calls.settle_code(turn_id, result, deadline_ms=opened["deadline_ms"])
         if code in (Settled.WON, Settled.READY):
             return result
-        if code is Settled.NOT_WAITING:
-            raise not_found(wp_id)
         if code is Settled.EXPIRED:
             raise WaitpointRefused(wp_id, 410, "timed out")
         first = calls.result(turn_id, call_id)
