@@ -45,8 +45,6 @@ SPEND_OWNERS = f"{k.PREFIX}:spend:owners"
 NO_KEY = "-"
 """The owner of turns started without a key, in the spend keys."""
 
-NO_LIMIT = -1
-
 
 def _tag(owner: str | None) -> str:
     return f"{k.PREFIX}:spend:{{{owner or NO_KEY}}}"
@@ -114,17 +112,16 @@ class ReserveArgs(NamedTuple):
     prompt_tokens: int
     want: int
     """The completion the round would produce unbounded."""
-    priced: int
-    """1: the model has a price (USD budgets count); 0: tokens only."""
-    input_per_token: float
-    output_per_token: float
-    own_max_tokens: float
-    """The turn's limits (NO_LIMIT: none), stored with its spend for its children's rounds
-    and its readers."""
-    own_max_usd: float
-    tokens_per_day: float
-    usd_per_day: float
-    usd_per_month: float
+    input_per_token: float | str
+    """The model's prices ("": it has none, so USD budgets do not count it: tokens only)."""
+    output_per_token: float | str
+    own_max_tokens: float | str
+    """The turn's limits ("": none), stored with its spend for its children's rounds and
+    its readers."""
+    own_max_usd: float | str
+    tokens_per_day: float | str
+    usd_per_day: float | str
+    usd_per_month: float | str
     min_completion: int
     day_ttl_s: int
     turn_ttl_s: int
@@ -183,17 +180,18 @@ if held then
   local r = cjson.decode(held)
   return {r[3], r[4]}
 end
-if tonumber(own_max_tokens) >= 0 then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
-if tonumber(own_max_usd) >= 0 then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
+if own_max_tokens ~= '' then redis.call('HSET', own_key, 'max_tokens', own_max_tokens) end
+if own_max_usd ~= '' then redis.call('HSET', own_key, 'max_usd', own_max_usd) end
 local prompt, cap, wanted = tonumber(prompt_tokens), tonumber(want), tonumber(want)
-local pin, pout = tonumber(input_per_token), tonumber(output_per_token)
+local priced = input_per_token ~= ''
+local pin, pout = tonumber(input_per_token) or 0, tonumber(output_per_token) or 0
 local tight, bounded = nil, 0
 -- The completion the round may produce: what it wants, lowered to what each budget has
 -- left once the prompt is paid for. A USD budget of a model without a price is not
 -- counted (its tokens are), but by a start's check (at no cost).
 local function consider(scope, name, unit, limit, spent, exhausted)
   if not limit or limit < 0 then return end
-  if unit == 'usd' and priced ~= '1' and not check then return end
+  if unit == 'usd' and not priced and not check then return end
   bounded = 1
   spent = spent or 0
   local room
@@ -227,7 +225,7 @@ end
 if cap >= math.min(wanted, tonumber(min_completion)) then
   if not check then
     local tokens, usd = prompt + cap, 0
-    if priced == '1' then usd = prompt * pin + cap * pout end
+    if priced then usd = prompt * pin + cap * pout end
     add_all(tokens, usd, true)
     redis.call('HSET', own_key, field, cjson.encode({tokens, usd, cap, bounded}))
   end
@@ -265,8 +263,8 @@ def _num(v: Any) -> float:
         return 0.0
 
 
-def _limit(v: float | None) -> float:
-    return NO_LIMIT if v is None else v
+def _limit(v: float | None) -> float | str:
+    return "" if v is None else v
 
 
 _TOKENS = {"prompt": "prompt_tokens", "completion": "completion_tokens", "cached": "cached_tokens"}
@@ -314,9 +312,8 @@ class Spend:
             reservation,
             prompt_tokens,
             want,
-            int(price is not None),
-            per_token(price.input) if price else 0.0,
-            per_token(price.output) if price else 0.0,
+            per_token(price.input) if price else "",
+            per_token(price.output) if price else "",
             _limit(max_tokens),
             _limit(max_usd),
             _limit(kb.tokens_per_day if kb else None),
