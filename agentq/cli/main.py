@@ -327,8 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     except e.AgentqError as exc:
         print(f"agentq: {exc}", file=sys.stderr)
         # The caller's words are wrong, as in argparse's errors: exit 2 as it does.
-        usage = e.UnknownAgent, e.MissingExtra, e.ScheduleInvalid, e.AmbiguousTurnId
-        return 2 if isinstance(exc, (*usage, e.ForkInvalid)) else 1
+        usage = (
+            e.UnknownAgent,
+            e.MissingExtra,
+            e.ScheduleInvalid,
+            e.AmbiguousTurnId,
+            e.ForkInvalid,
+        )
+        return 2 if isinstance(exc, usage) else 1
 
 
 def _glued(argv: list[str]) -> list[str]:
