@@ -83,18 +83,9 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def apply() -> None:
-    """Give every handler of every logger the JSON formatter."""
-    known = list(logging.Logger.manager.loggerDict.values())
-    loggers = [logging.getLogger(), *(x for x in known if isinstance(x, logging.Logger))]
-    formatter = JsonFormatter()
-    for logger in loggers:
-        for handler in logger.handlers:
-            handler.setFormatter(formatter)
-
-
 def install(log_format: str) -> bool:
-    """Switch this process to JSON logs if `log_format` is "json"; True if it did."""
+    """Switch this process to JSON logs if `log_format` is "json" (every handler of every
+    logger gets the JSON formatter); True if it did."""
     global enabled
     if log_format != "json":
         return False
@@ -102,7 +93,11 @@ def install(log_format: str) -> bool:
     root = logging.getLogger()
     if not root.handlers:
         root.addHandler(logging.StreamHandler())
-    apply()
+    known = list(logging.Logger.manager.loggerDict.values())
+    formatter = JsonFormatter()
+    for logger in (root, *(x for x in known if isinstance(x, logging.Logger))):
+        for handler in logger.handlers:
+            handler.setFormatter(formatter)
     return True
 
 
