@@ -223,17 +223,6 @@ def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
     }
 
 
-def _probe_broker(url: str, timeout_s: float) -> str | None:
-    from kombu import Connection  # type: ignore[attr-defined]
-
-    try:
-        with Connection(url, connect_timeout=timeout_s) as conn:  # type: ignore[no-untyped-call]
-            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
-    except Exception as exc:
-        return str(exc) or type(exc).__name__
-    return None
-
-
 def probe_cluster(nodes: str, timeout_s: float = 3.0) -> str | None:
     """None when the Redis Cluster that `nodes` name some of answers; else why not (as `probe`)."""
     return _ping(partial(cluster_client, nodes), timeout_s)
@@ -245,9 +234,16 @@ def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> s
     Else why not: a reason starting with `refused:` means a Redis answered but will not
     serve us (a bad password, ...); one starting with `bad URL` means the URL does not parse.
     """
-    if not url.startswith(REDIS_SCHEMES):
-        return _probe_broker(url, timeout_s)
-    return _ping(partial(redis_client, url, master_name), timeout_s)
+    if url.startswith(REDIS_SCHEMES):
+        return _ping(partial(redis_client, url, master_name), timeout_s)
+    from kombu import Connection  # type: ignore[attr-defined]
+
+    try:
+        with Connection(url, connect_timeout=timeout_s) as conn:  # type: ignore[no-untyped-call]
+            conn.ensure_connection(max_retries=1, interval_start=0, timeout=timeout_s)
+    except Exception as exc:
+        return str(exc) or type(exc).__name__
+    return None
 
 
 def _ping(connect: Callable[..., Any], timeout_s: float) -> str | None:
