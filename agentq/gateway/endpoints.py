@@ -169,10 +169,9 @@ class Gateway:
     def authorize(self, turn_id: str, principal: Principal | None, token: str | None) -> TurnState:
         """The turn's state if the caller may read and steer it (anyone may without keys,
         but a token shown then must be the turn's: TokenInvalid); anyone else: TurnNotFound."""
-        if token is not None and not self.keyring.enabled:
-            return self.client.check_token(turn_id, token)
-        state = self.client._store.state(turn_id)
-        if state is None or (self.keyring.enabled and not may_access(state, principal, token)):
+        keyed = self.keyring.enabled
+        state = self.client.check_token(turn_id, token, operator=keyed or token is None)
+        if keyed and not may_access(state, principal, token):
             raise TurnNotFound(turn_id)
         return state
 
