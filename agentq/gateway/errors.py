@@ -141,10 +141,8 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if isinstance(exc, ApiError):
         return JSONResponse({"error": exc.body}, status_code=exc.status_code)
-    try:
-        name = HTTPStatus(exc.status_code).phrase.replace(" ", "").replace("-", "")
-    except ValueError:
-        name = "HTTPError"
+    # Starlette's own (an unknown path, a method not allowed): standard codes only.
+    name = HTTPStatus(exc.status_code).phrase.replace(" ", "").replace("-", "")
     return error_response(exc.status_code, name, exc.detail, dict(exc.headers or {}))
 
 
