@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 
 from agentq.agents import published_agent_details
-from agentq.constants import RELAY_DEPTH_MAX
+from agentq.constants import RELAY_DEPTH_MAX, turn_key
 from agentq.errors import (
     REDIS_ERRORS,
     AgentqError,
@@ -52,7 +52,6 @@ from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, Scrape, read_snapshots
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.validate import (
-    clamp_to_log,
     client_host,
     cursor_of,
     query_number,
@@ -66,6 +65,7 @@ from agentq.mcp.listing import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
 from agentq.orchestrator.start import token_matches
+from agentq.state.base import text
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
 from agentq.state.waitpoints import not_found, parse_waitpoint_id
@@ -467,9 +467,16 @@ class Gateway:
         state = self.authorize(turn_id, principal, token)
         # Only the turn's token attaches: a key reading along never aborts on leaving.
         owner = token_matches(state, token) and not state.get("detach")
+        # A cursor past the log's end (a client ahead of the log) resumes from that end:
+        # events after an id from the future would be dropped as already seen, so the
+        # stream would wait forever; from the end it gets every real event that comes.
+        if after.root != "0-0":
+            last: Any = self.client._store.redis.xrevrange(turn_key(turn_id, "log"), count=1)
+            end = text(last[0][0]) if last else "0-0"
+            # Both are `<ms>-<seq>` (Cursor.parse wrote the cursor's so).
+            after.root = min(after.root, end, key=lambda i: [int(n) for n in i.split("-")])
         # Relayed sub-agents are read with the parent's authorization: the follower opens
         # only streams of turns below this one (a cursor naming any other is ignored).
-        after.root = clamp_to_log(self.client._store.redis, turn_id, after.root)
         bus = self.client._store.bus
         if state.get("status") in TERMINAL_STATUSES:
             if not bus.replay(turn_id, after.root, count=1):

@@ -11,15 +11,12 @@ import math
 import re
 from typing import Any
 
-import redis
 from starlette.requests import Request
 
-from agentq.constants import turn_key
 from agentq.errors import PayloadTooLarge
 from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError, invalid
-from agentq.models import REQUEST_ID, TURN_ID, lone_surrogate_at, parse_stream_id
-from agentq.state.base import text
+from agentq.models import REQUEST_ID, TURN_ID, lone_surrogate_at
 
 MAX_JSON_DEPTH = 32
 """Deeper than any valid request (a message part is 5 levels down); json would recurse."""
@@ -82,25 +79,6 @@ def query_number(
     if not low <= value <= high:
         raise invalid(f"{name}: must be between {low:g} and {high:g}")
     return value
-
-
-def clamp_to_log(client: redis.Redis, turn_id: str, after: str) -> str:
-    """`after`, or the log's last id when `after` lies past it (a client ahead of the log).
-
-    Events after an id from the future would be dropped as already seen, so the stream
-    would wait forever; from the log's end it gets every real event that comes.
-    """
-    pos = parse_stream_id(after)
-    if pos is None or pos == (0, 0):
-        return after
-    last: Any = client.xrevrange(turn_key(turn_id, "log"), count=1)
-    if not last:
-        return "0-0"
-    last_id = text(last[0][0])
-    last_pos = parse_stream_id(last_id)
-    if last_pos is not None and pos > last_pos:
-        return last_id
-    return after
 
 
 def _raise_constant(name: str) -> Any:
