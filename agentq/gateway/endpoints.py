@@ -53,7 +53,6 @@ from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, Scrape, read_sn
 from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
 from agentq.gateway.validate import (
     client_host,
-    cursor_of,
     query_number,
     read_json,
     read_json_value,
@@ -416,7 +415,12 @@ class Gateway:
             raise Unauthorized("this stream needs a key or the turn's token")
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
         q = request.query_params
-        after = cursor_of(request.headers.get("last-event-id") or q.get("after") or "0-0")
+        try:
+            # Where the reader resumes: an SSE id this gateway sent (a stream id, maybe with
+            # the positions of relayed sub-agent streams).
+            after = Cursor.parse(request.headers.get("last-event-id") or q.get("after") or "0-0")
+        except ValueError as exc:
+            raise invalid(f"Last-Event-ID: {exc} (an SSE id as the stream sent it)") from None
         depth = query_number(request, "depth", 1, low=0, high=RELAY_DEPTH_MAX, integer=True)
         keep_alive_s = query_number(
             request, "heartbeat", self.heartbeat_s, low=0.05, high=60.0, clamp=True

@@ -14,7 +14,6 @@ from typing import Any
 from starlette.requests import Request
 
 from agentq.errors import PayloadTooLarge
-from agentq.events.follow import Cursor
 from agentq.gateway.errors import ApiError, invalid
 from agentq.models import REQUEST_ID, TURN_ID, lone_surrogate_at
 
@@ -43,15 +42,6 @@ def request_id_of(value: str) -> str:
             "letters, digits and _ . : - (at most 128)",
         )
     return value
-
-
-def cursor_of(value: str) -> Cursor:
-    """Where a reader resumes (an SSE id this gateway sent: a stream id, maybe with the
-    positions of relayed sub-agent streams), else 422."""
-    try:
-        return Cursor.parse(value)
-    except ValueError as exc:
-        raise invalid(f"Last-Event-ID: {exc} (an SSE id as the stream sent it)") from None
 
 
 def query_number(
