@@ -102,13 +102,6 @@ async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
 
 
-def conversation_id_of(raw: str) -> str:
-    """A path's conversation id, or the 404 any unknown one gets (nothing else names a key)."""
-    if not _CONVERSATION_ID.match(raw):
-        raise ConversationNotFound(raw[:128])
-    return raw
-
-
 class Gateway:
     """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter;
     the console's and the jobs' routes take it as their context (the caller checks, the
@@ -310,7 +303,10 @@ class Gateway:
     def conversation_target(self, request: Request) -> tuple[str, dict[str, Any]]:
         """The path's conversation, and who asks (as the Client's keyword arguments): for
         the holders openapi.AUTH_RULES["conversation"] names (anyone else: 404, as unknown)."""
-        cid = conversation_id_of(request.path_params["conversation_id"])
+        cid = request.path_params["conversation_id"]
+        if not _CONVERSATION_ID.match(cid):
+            # The 404 any unknown one gets: nothing else names a key.
+            raise ConversationNotFound(cid[:128])
         principal = self.require(request, "key")
         if principal is not None:
             return cid, {"owner": principal.name, "operator": principal.admin}
