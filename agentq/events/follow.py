@@ -113,12 +113,6 @@ class Relay:
             self.streams[turn_id] = _Stream(turn_id, path, after)
             self.opened(turn_id)
 
-    def cursor(self) -> Cursor:
-        return Cursor(
-            self.streams[self.root].last_id,
-            {t: s.last_id for t, s in self.streams.items() if t != self.root},
-        )
-
     def emit(self, stream: _Stream, ev: Event) -> Iterator[Event]:
         """Yield `ev` if it is new for its stream; open or close streams as it says."""
         if self.done or self.streams.get(stream.turn_id) is not stream:
@@ -139,7 +133,10 @@ class Relay:
             for t in gone:
                 del self.streams[t]
             self.closed(gone)
-        ev.cursor = self.cursor().encode()
+        ev.cursor = Cursor(
+            self.streams[self.root].last_id,
+            {t: s.last_id for t, s in self.streams.items() if t != self.root},
+        ).encode()
         yield ev
         if ended and not stream.path:
             self.done = True
