@@ -174,11 +174,9 @@ class Gateway:
         token = None
         if request.url.path.startswith("/v1/console/"):
             principal = self.require(request, "operator")
-        elif self.keyring.enabled:
-            principal, token = self.caller(request)
         else:
-            principal, token = None, bearer(request)
-            if token is None:
+            principal, token = self.caller(request)
+            if token is None:  # no keys: with keys, the caller shows one
                 raise Unauthorized(
                     "this call needs the turn's token: Authorization: Bearer <token>"
                 )
