@@ -53,12 +53,11 @@ def _query(name: str, description: str, type_: str = "string") -> dict[str, Any]
     }
 
 
-_PATH_TEXT = {"waitpoint_id": "`wp_<turn id>_<call id>`, from the call's tool_waiting event."}
-
-
 def _path(name: str) -> dict[str, Any]:
     param = {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-    return param | ({"description": _PATH_TEXT[name]} if name in _PATH_TEXT else {})
+    if name == "waitpoint_id":
+        param["description"] = "`wp_<turn id>_<call id>`, from the call's tool_waiting event."
+    return param
 
 
 WAITPOINT_TOKEN = _query("token", "The waitpoint's capability, from its callback_url.") | {
