@@ -404,7 +404,7 @@ class Gateway:
         turn_id = turn_id_of(request.path_params["turn_id"])
         # A key only in the header: a URL (?token=) ends up in logs and history.
         principal = self.keyring.identify(bearer(request))
-        token = bearer(request, allow_query=True)
+        token = bearer(request) or request.query_params.get("token") or None
         if self.keyring.enabled and token is None:
             raise Unauthorized("this stream needs a key or the turn's token")
         # The header wins: EventSource resends it on every reconnect, the URL never changes.

@@ -96,13 +96,11 @@ def validated(model: type[M], data: Any) -> M:
     raise ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
 
 
-def bearer(request: Request, *, allow_query: bool = False) -> str | None:
+def bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization", "")
     scheme, _, value = auth.partition(" ")
     if scheme.lower() == "bearer" and value.strip():
         return value.strip()
-    if allow_query:
-        return request.query_params.get("token") or None
     return None
 
 
