@@ -39,18 +39,15 @@ _AUTH_HEADER = re.compile(
 _KEYS = re.compile(r"\b(?:sk|agq)-[A-Za-z0-9_-]{16,}")
 
 
-def _decoded_name(name: str) -> str:
+def _param(m: re.Match[str]) -> str:
+    name = m.group("name")
     # Decoded until it stops changing: %2574oken is %74oken is token.
     for _ in range(4):
         plain = unquote_plus(name)
         if plain == name:
             break
         name = plain
-    return name.strip().lower()
-
-
-def _param(m: re.Match[str]) -> str:
-    if _decoded_name(m.group("name")) in SECRET_PARAMS and m.group("value"):
+    if name.strip().lower() in SECRET_PARAMS and m.group("value"):
         return f"{m.group('sep')}{m.group('name')}={MASK}"
     return m.group(0)
 
