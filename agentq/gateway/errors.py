@@ -92,8 +92,7 @@ def validated(model: type[M], data: Any) -> M:
         return model.model_validate(data)
     except ValidationError as exc:
         detail = [{"field": f, "message": m} for f, m in field_errors(exc, "body")]
-    first = detail[0] if detail else {"field": "body", "message": "invalid"}
-    raise ApiError(422, "ValidationError", f"{first['field']}: {first['message']}", detail=detail)
+    raise ApiError(422, "ValidationError", "{field}: {message}".format(**detail[0]), detail=detail)
 
 
 def bearer(request: Request) -> str | None:
