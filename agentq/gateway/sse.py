@@ -141,7 +141,6 @@ class EventStreamResponse(Response):
         self.on_disconnect = on_disconnect
         self.on_close = on_close
         self.status_code = 200
-        self.background = None
         # nginx buffers responses unless told not to (X-Accel-Buffering); SSE must reach
         # the client now.
         self.init_headers({"Cache-Control": "no-cache, no-store", "X-Accel-Buffering": "no"})
