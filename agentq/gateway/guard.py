@@ -24,7 +24,6 @@ from agentq.gateway.errors import error_response
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
-OPEN_PATHS = frozenset({"/healthz"})
 
 
 def host_name(host_header: str) -> str:
@@ -56,7 +55,7 @@ class RequestGuard:
     def refusal(self, scope: Scope) -> AccessError | None:
         """Why the request must not reach the app, or None."""
         headers = Headers(scope=scope)
-        if scope["path"] in OPEN_PATHS:
+        if scope["path"] == "/healthz":
             return None
         host = headers.get("host", "")
         name = host_name(host)
