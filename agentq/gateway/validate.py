@@ -1,4 +1,4 @@
-"""What the gateway checks before it touches Redis: ids in paths, Last-Event-ID, JSON bodies.
+"""What the gateway checks before it touches Redis: ids in paths, query numbers, JSON bodies.
 
 Every refusal is a 404 or 422 with a message; nothing a client sends reaches a Redis
 key, a parser or a stream read in a shape that would end as a 500 or 503.
