@@ -254,7 +254,15 @@ class TreeFollower(Relay):
             return self.pubsub.get_message(timeout=timeout_s)  # type: ignore[no-any-return]
         try:
             if self.broken:
-                self._resubscribe()
+                with contextlib.suppress(Exception):
+                    self.pubsub.close()
+                # A command on each turn's slot makes the client learn who serves it now.
+                for t in self.streams:
+                    self.redis.exists(turn_key(t))
+                self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                self._listen("subscribe", list(self.streams))
+                self.broken = False
+                self.resubscribed = True
             return self.pubsub.get_sharded_message(timeout=timeout_s)  # type: ignore[no-any-return]
         except (redis.ConnectionError, redis.TimeoutError, RedisClusterException) as exc:
             # A shard subscription dies with its node; once a replica serves the slot, it
@@ -264,17 +272,6 @@ class TreeFollower(Relay):
             self.broken = True
             time.sleep(min(timeout_s, 0.25))
             return None
-
-    def _resubscribe(self) -> None:
-        with contextlib.suppress(Exception):
-            self.pubsub.close()
-        # A command on each turn's slot makes the client learn who serves it now.
-        for t in self.streams:
-            self.redis.exists(turn_key(t))
-        self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
-        self._listen("subscribe", list(self.streams))
-        self.broken = False
-        self.resubscribed = True
 
     def close(self) -> None:
         self.pubsub.close()
