@@ -63,7 +63,7 @@ async def _sdk_round(client: openai.AsyncOpenAI, on_delta: Any) -> None:
         async for chunk in stream:
             assembler.add(chunk, index)
             index += 1
-        assembler.message()
+        assembler.message(index - 1)
 
 
 async def _streams(url: str, transport: str, n: int) -> float:

@@ -280,4 +280,4 @@ class Attempt:
             _lost(exc)
         finally:
             await response.aclose()
-        return assembler.message()
+        return assembler.message(self.chunks - 1)

@@ -98,7 +98,6 @@ class Assembler:
         self._reasoning: list[str] = []
         self._calls: dict[int, PartialCall] = {}
         self._usage: Usage | None = None
-        self._last_index = -1
 
     def _say(self, kind: str, text: str) -> None:
         (self._text if kind == "text" else self._reasoning).append(text)
@@ -109,12 +108,13 @@ class Assembler:
         """Whether the model said anything yet: text, reasoning or a tool call."""
         return bool(self._text or self._reasoning or self._calls)
 
-    def _message(self, finish_reason: str | None, **extra: Any) -> AssistantMessage:
+    def _message(self, finish_reason: str | None, last: int, **extra: Any) -> AssistantMessage:
+        """The message, or MalformedStreamChunk at `last`, the index of the stream's last chunk."""
         calls: list[ToolCall] = []
         for position in sorted(self._calls):
             call = self._calls[position]
             if not call.name:
-                bad(self._last_index, f"tool call at {position} has no name")
+                bad(last, f"tool call at {position} has no name")
             arguments = "".join(call.arguments) if call.done is None else call.done
             calls.append(
                 ToolCall(
@@ -139,7 +139,6 @@ class ChatAssembler(Assembler):
     _finish_reason: str | None = None
 
     def add(self, chunk: object, index: int) -> None:
-        self._last_index = index
         choices = opt(chunk, "choices", index, list)
         usage = opt(chunk, "usage", index, dict)
         if choices is None and usage is None:
@@ -184,8 +183,8 @@ class ChatAssembler(Assembler):
         if arguments:
             partial.arguments.append(arguments)
 
-    def message(self) -> AssistantMessage:
-        return self._message(self._finish_reason)
+    def message(self, last: int) -> AssistantMessage:
+        return self._message(self._finish_reason, last)
 
 
 def bad(index: int, detail: str) -> NoReturn:

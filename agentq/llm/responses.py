@@ -184,7 +184,6 @@ class ResponsesAssembler(Assembler):
         """Events that carried output: a retry after one would show it twice."""
 
     def add(self, event: object, index: int) -> None:
-        self._last_index = index
         if not isinstance(event, dict):
             bad(index, "event is not an object")
         kind = event.get("type")
@@ -279,11 +278,12 @@ class ResponsesAssembler(Assembler):
             str(event.get("code") or "unknown"), str(event.get("message") or "an error event")
         )
 
-    def message(self) -> AssistantMessage:
+    def message(self, last: int) -> AssistantMessage:
         if not self._ended:
-            bad(self._last_index, "the stream ended without response.completed")
+            bad(last, "the stream ended without response.completed")
         return self._message(
             "tool_calls" if self._calls else "stop",
+            last,
             reasoning_items=tuple(self._reasoning_items),
         )
 

@@ -110,7 +110,7 @@ def _play(events: list[dict[str, Any]]) -> tuple[AssistantMessage, list[tuple[st
     assembler = ResponsesAssembler(lambda kind, text: deltas.append((kind, text)))
     for index, event in enumerate(events):
         assembler.add(event, index)
-    return assembler.message(), deltas
+    return assembler.message(len(events) - 1), deltas
 
 
 COMPLETED = {
