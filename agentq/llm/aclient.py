@@ -181,7 +181,6 @@ class Attempt:
     chunks: int = dataclasses.field(default=0, init=False)
     retry_after_s: float | None = dataclasses.field(default=None, init=False)
     elapsed_s: float = dataclasses.field(default=0.0, init=False)
-    _started: float = dataclasses.field(default=0.0, init=False)
     _last: float = dataclasses.field(default=0.0, init=False)
 
     @property
@@ -192,10 +191,10 @@ class Attempt:
         return self.chunks
 
     async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
-        self._started = self._last = time.monotonic()
+        started = self._last = time.monotonic()
         idle_s = self.idle_timeout_ms / 1000 if self.idle_timeout_ms > 0 else None
         # The budget is this clock's too: keep-alive comments must not outlive it.
-        ends_at = self._started + self.duration_left_s
+        ends_at = started + self.duration_left_s
         loop = asyncio.get_running_loop()
         reader = loop.create_task(self._stream(messages, tools))
         aborted = loop.create_task(self.abort.wait())
@@ -210,7 +209,7 @@ class Attempt:
                 if reader in done:
                     return reader.result()
                 now = time.monotonic()
-                lifetime_s = now - self._started
+                lifetime_s = now - started
                 if aborted in done:
                     error: AgentqError = Aborted(self.turn_id)
                 elif idle_s is not None and now - self._last >= idle_s:
@@ -228,7 +227,7 @@ class Attempt:
         finally:
             aborted.cancel()
             reader.cancel()  # a no-op once it is done
-            self.elapsed_s = time.monotonic() - self._started
+            self.elapsed_s = time.monotonic() - started
 
     async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         if self.api == "responses":
