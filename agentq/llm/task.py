@@ -120,21 +120,13 @@ async def run_round(
             streams.release((req.turn_id, req.round_no))
             host.running.pop(name, None)
     # Before the result is stored: storing it may run the turn's next step here.
-    _end_round_span(span, result, rnd.ttft_ms)
-    await host.io(
-        host.store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last
-    )
-    return result
-
-
-def _end_round_span(span: Any, result: LlmRoundResult, ttft_ms: int | None) -> None:
     usage = result.message.usage if result.message is not None else None
     status = "ok" if result.ok else "aborted" if result.aborted else "error"
     tracing.end_span(
         span,
         status,
         {
-            tracing.ATTR_TTFT_MS: ttft_ms,
+            tracing.ATTR_TTFT_MS: rnd.ttft_ms,
             tracing.ATTR_INPUT_TOKENS: usage.prompt_tokens if usage else None,
             tracing.ATTR_OUTPUT_TOKENS: usage.completion_tokens if usage else None,
             "agentq.error_code": result.error_code,
@@ -146,6 +138,10 @@ def _end_round_span(span: Any, result: LlmRoundResult, ttft_ms: int | None) -> N
         },
         error=result.error,
     )
+    await host.io(
+        host.store.finish_llm_round, req.turn_id, req.round_no, result.model_dump_json(), last
+    )
+    return result
 
 
 @dataclasses.dataclass
