@@ -311,21 +311,17 @@ class Capacity:
         if learn:
             self._told[model] = (*limits, fresh)
         field = "m" if deployment in ("", DEFAULT_DEPLOYMENT) else f"d:{deployment}"
+        # The hint: rounds of `model` this process saw succeed in the last ANSWERED_S.
+        seen = sum(1 for t in self._answered.get(model, ()) if t >= fresh - ANSWERED_S)
         own = inputs.NoteArgs(
             1 if status == 429 else 0,
             field,
             "" if wait_s is None else math.ceil(wait_s * 1000),
             *limits,
-            self._answered_rpm(model),
+            round(seen * 60 / ANSWERED_S),
         )
         out = self._run(self._note, model, now_ms, own)
         return int(out["until_at"]) or None
-
-    def _answered_rpm(self, model: str) -> int:
-        """Rounds of `model` this process saw succeed in the last ANSWERED_S, a minute's worth."""
-        seen = self._answered.get(model, ())
-        since = time.monotonic() - ANSWERED_S
-        return round(sum(1 for t in seen if t >= since) * 60 / ANSWERED_S)
 
     def report_failure(
         self, model: str, deployment: str, kind: str, *, now_ms: int | None = None
