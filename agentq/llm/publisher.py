@@ -162,17 +162,14 @@ class Publisher:
             if self.quiet_s:
                 for turn_id in batch:
                     self.seen[turn_id] = _Seen(turn_id in watched, now)
-                self._prune(now)
+                # Forget turns that published nothing for the quiet interval (nothing is held
+                # for them either way): those whose round never reached `take`.
+                if now - self.pruned_at >= self.quiet_s:
+                    self.pruned_at = now
+                    self.seen = {t: s for t, s in self.seen.items() if s.at + self.quiet_s > now}
         self.in_flight = set()
         tick, self.tick = self.tick, asyncio.Event()
         tick.set()
-
-    def _prune(self, now: float) -> None:
-        """Forget turns that published nothing for the quiet interval (nothing is held for
-        them either way): those whose round never reached `take`."""
-        if now - self.pruned_at >= self.quiet_s:
-            self.pruned_at = now
-            self.seen = {t: s for t, s in self.seen.items() if s.at + self.quiet_s > now}
 
     def learned(self, turn_id: str, watched: bool) -> None:
         """What the round's claim found, as if its events had gone out now, unless a
