@@ -96,14 +96,6 @@ def _until_s(text: str, now_s: float) -> float | None:
     return max(when.timestamp() - now_s, 0.0)
 
 
-def _int(text: str | None) -> int | None:
-    if text is None:
-        return None
-    with contextlib.suppress(ValueError, OverflowError):
-        return int(float(text))
-    return None
-
-
 def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None) -> RateSignal:
     """The rate-limit signal in a response's headers (OpenAI's `x-ratelimit-*`, Anthropic's
     `anthropic-ratelimit-*`, `retry-after`, `retry-after-ms`); `now_s` anchors dates."""
@@ -113,8 +105,11 @@ def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None
     for kind in ("requests", "tokens"):
         for what in ("remaining", "limit", "reset"):
             raw = h.get(f"x-ratelimit-{what}-{kind}") or h.get(f"anthropic-ratelimit-{kind}-{what}")
+            if raw is None:
+                continue  # not sent: None
             if what == "reset":
-                fields[f"reset_{kind}_s"] = None if raw is None else _until_s(raw, now)
+                fields[f"reset_{kind}_s"] = _until_s(raw, now)
             else:
-                fields[f"{what}_{kind}"] = _int(raw)
+                with contextlib.suppress(ValueError, OverflowError):  # unreadable: None
+                    fields[f"{what}_{kind}"] = int(float(raw))
     return RateSignal(**fields)
