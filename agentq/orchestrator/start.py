@@ -255,7 +255,7 @@ def _admit(
         if admitted.outcome is Admit.INJECTED:
             handle.update(injected=True, message_turn_id=turn_id, events_url_of=admitted.running)
         handle.update(queued=True, **fields)
-    return handle, queued or admitted.step_sent
+    return handle, queued
 
 
 def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:

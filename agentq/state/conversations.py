@@ -72,8 +72,6 @@ class Admitted:
     running: str | None = None
     position: int = 0
     behind: str | None = None
-    step_sent: bool = False
-    """RUN: its first step was sent already (by the hand-off that gave it the turn)."""
 
 
 @dataclass(frozen=True)
