@@ -112,18 +112,6 @@ return cjson.encode(out)
 )
 
 
-def _as_list(v: Any) -> list[Any]:
-    # cjson encodes an empty table as {}.
-    return v if isinstance(v, list) else []
-
-
-def _loads(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
-
-
 class TurnQuery(BaseModel, frozen=True):
     """Filters and paging of a listing; `before` is a `created_at` (exclusive)."""
 
@@ -239,18 +227,17 @@ class TurnLister:
         for shard, ids in groupby(sorted(turn_ids, key=k.shard_of), k.shard_of):
             turns = [a for t in ids for a in (t, k.turn_key(t))]
             args = [k.approval_request_id(""), *turns]
-            raw += json.loads(
-                text(self._summary(keys=[k.shard_key(k.TURNS_INDEX, shard)], args=args))
-            )
+            raw += json.loads(self._summary(keys=[k.shard_key(k.TURNS_INDEX, shard)], args=args))
         out: dict[str, dict[str, Any]] = {}
+        # An empty table comes as {} (cjson) or [] (fakeredis): iterated, either is empty.
         for row in raw:
             if row[1] is False:
                 continue
-            state = {f: _loads(v) for f, v in row[1].items()}
+            state = {f: json.loads(v) for f, v in row[1].items()}
             if visible is not None and not visible(state):
                 continue
-            pending = [json.loads(p) for p in _as_list(row[4])]
-            out[row[0]] = summarise(row[0], state, row[2] or {}, _as_list(row[3]), pending, now)
+            pending = [json.loads(p) for p in row[4]]
+            out[row[0]] = summarise(row[0], state, row[2] or {}, row[3], pending, now)
         self._drop([row[0] for row in raw if row[1] is False])
         return out
 
