@@ -72,7 +72,7 @@ def cmd_turns(client: Client, args: argparse.Namespace) -> int:
         print(f"agentq turns: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(lister.page(query).to_json()), flush=True)
+        print(json.dumps(vars(lister.page(query))), flush=True)
         return 0
     console = Console()
     if args.watch is None:

@@ -64,7 +64,7 @@ def console_handlers(gw: Gateway) -> list[Endpoint]:
         except ValueError as exc:
             raise invalid(str(exc)) from None
         page = await run_in_threadpool(lister.page, query, visible)
-        return JSONResponse(page.to_json(), headers=NO_STORE)
+        return JSONResponse(vars(page), headers=NO_STORE)
 
     async def inbox(request: Request) -> Response:
         visible = visible_to(gw.require(request, "key"))

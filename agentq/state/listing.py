@@ -154,9 +154,6 @@ class TurnPage:
     next_before: float | None = None
     """Pass as `before` for the next page; None when there is none."""
 
-    def to_json(self) -> dict[str, Any]:
-        return {"turns": self.turns, "next_before": self.next_before}
-
 
 def summarise(
     turn_id: str,
