@@ -322,9 +322,10 @@ def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[st
     shards = [k.shard_of(prefix)] if len(prefix) >= 4 else list(k.shards())
     found: dict[str, float] = {}
     scanned = 0
+    more = False
     for shard in shards:
         cursor = 0
-        while True:
+        while not more:
             cursor, rows = client.zscan(
                 k.shard_key(k.TURNS_INDEX, shard), cursor, match=prefix + "*", count=ID_SCAN_COUNT
             )
@@ -333,16 +334,11 @@ def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[st
             found.update({t: fresh[t] for t in live(client, list(fresh))})
             if int(cursor) == 0 and len(found) <= limit:
                 break
-            if len(found) > limit or scanned >= ID_SCAN_MAX:
-                return _newest(found, limit), True
-    return _newest(found, limit), False
+            more = len(found) > limit or scanned >= ID_SCAN_MAX
+    return sorted(found, key=found.__getitem__, reverse=True)[:limit], more
 
 
 def live(client: Any, turn_ids: list[str]) -> list[str]:
     """The turns of `turn_ids` whose state Redis still holds, in one round trip."""
     alive = exist(client, [k.turn_key(t) for t in turn_ids])
     return [t for t, up in zip(turn_ids, alive, strict=True) if up]
-
-
-def _newest(found: dict[str, float], limit: int) -> list[str]:
-    return sorted(found, key=lambda t: found[t], reverse=True)[:limit]
