@@ -82,12 +82,11 @@ def settle(
     if value is not None and output_type is not None:
         value = output_type.model_validate(value)
     text = terminal.content if isinstance(terminal, TurnFinished) else ""
-    spend = {k: v for k, v in view["spend"].items() if k in TurnUsage.model_fields}
     return TurnResult(
         turn_id=turn_id,
         status=str(state.get("status") or "finished"),
         text=text,
         output=value,
-        usage=TurnUsage.model_validate(spend),
+        usage=TurnUsage.model_validate(view["spend"]),  # its limits ignored: extra fields
         history=view["history"],
     )
