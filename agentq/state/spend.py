@@ -256,13 +256,6 @@ class Settlement:
     agent: str | None
 
 
-def _num(v: Any) -> float:
-    try:
-        return float(v)
-    except (TypeError, ValueError):
-        return 0.0
-
-
 def _limit(v: float | None) -> float | str:
     return "" if v is None else v
 
@@ -327,7 +320,7 @@ class Spend:
             return int(answer[0]) if int(answer[1]) else None
         scope, name, spent, limit = (text(a) for a in answer)
         when = resets_at(name, day) if scope == "key" else None
-        raise BudgetExceeded(scope, name, _num(spent), _num(limit), when)
+        raise BudgetExceeded(scope, name, float(spent), float(limit), when)
 
     def settle(
         self, *, owner: str | None, turn_id: str, parents: Sequence[str], settle: Settlement
@@ -382,12 +375,12 @@ class Spend:
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
         f = {text(a): b for a, b in raw.items()}
         counts = {**_TOKENS, "tokens": "total_tokens"}
-        out: dict[str, Any] = {name: int(_num(f.get(n))) for n, name in counts.items()}
-        out["cost_usd"] = round(_num(f.get("usd")), 6)
+        out: dict[str, Any] = {name: int(f.get(n) or 0) for n, name in counts.items()}
+        out["cost_usd"] = round(float(f.get("usd") or 0), 6)
         if "max_tokens" in f:
-            out["max_tokens"] = int(_num(f["max_tokens"]))
+            out["max_tokens"] = int(float(f["max_tokens"]))
         if "max_usd" in f:
-            out["max_cost_usd"] = _num(f["max_usd"])
+            out["max_cost_usd"] = float(f["max_usd"])
         return out
 
     def owners(self) -> list[str]:
@@ -446,12 +439,12 @@ def usage_report(hashes: dict[tuple[str, str], dict[str, str]], group_by: str) -
             if name.startswith("m|"):
                 # Every settled round counts under its model: the totals are their sum.
                 field = name.rpartition("|")[2]
-                totals[field] += _num(value)
+                totals[field] += float(value)
                 if group_by == "key":
-                    rows[owner][field] += _num(value)
+                    rows[owner][field] += float(value)
             if group_by != "key" and name.startswith(prefix):
                 group, _, field = name[len(prefix) :].rpartition("|")
-                rows[group][field] += _num(value)
+                rows[group][field] += float(value)
     return {
         "totals": _row(totals),
         "rows": [
