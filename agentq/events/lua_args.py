@@ -5,7 +5,6 @@ argument's position is written in one place; and how a class names its scripts
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, overload
 
 from redis.commands.core import Script
@@ -24,11 +23,6 @@ def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
     if rest:
         lines.append(f"local {rest}_at = {len(arg_names) + 1}")
     return "\n".join(lines) + "\n"
-
-
-def argv_of(values: Sequence[Any], *tail: Sequence[Any]) -> list[Any]:
-    """A script's ARGV (or KEYS): its named inputs (a NamedTuple), then its variable sections."""
-    return [*values, *(v for section in tail for v in section)]
 
 
 class LuaScript:

@@ -9,7 +9,7 @@ import math
 from typing import Any, NamedTuple
 
 from agentq.constants import SLOTS_CHANNEL
-from agentq.events.lua_args import LuaScript, argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.limits import REDIS_NOW_MS_LUA
 
 FOREVER = "+inf"
@@ -106,7 +106,7 @@ class LeasedSemaphore:
         """`acquire`, answering 0 for a place, else the ms until the soonest lease lapses."""
         lease_ms = FOREVER if lease_s == FOREVER else str(math.ceil(float(lease_s) * 1000))
         args = AcquireArgs(holder, lease_ms, self.limit)
-        return int(self._acquire(keys=[key], args=argv_of(args, ended or [])))
+        return int(self._acquire(keys=[key], args=[*args, *(ended or [])]))
 
     def release(self, key: str, holder: str, *, wake: bool = False) -> None:
         """Give `holder`'s place back; `wake`: tell the waiters on SLOTS_CHANNEL."""

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
-from agentq.events.lua_args import LuaScript, argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms, text
 from agentq.state.held import held_writes
 from agentq.state.lua import turn_open_lua, view_lua, wake_or_step_lua
@@ -189,7 +189,7 @@ class RoundRecords(StoreBase):
         # model gave is written when Redis returns, not replaced by "the stream worker
         # failed" (a 25 s outage ended 7 turns of 30 so).
         ok = held_writes.hold(
-            lambda: self._finish_llm(keys=TurnKeys.of(turn_id), args=argv_of(args, bodies)),
+            lambda: self._finish_llm(keys=TurnKeys.of(turn_id), args=[*args, *bodies]),
             time.time() + ROUND_HOLD_S,
             f"the result of round {round_no} of turn {turn_id}",
         )

@@ -34,7 +34,7 @@ from agentq.errors import BudgetExceeded
 
 if TYPE_CHECKING:
     from agentq.config import ModelPrice, Settings
-from agentq.events.lua_args import LuaScript, argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import Usage
 from agentq.state.base import each, text
 from agentq.state.budget import MIN_COMPLETION_TOKENS, day_of, month_of, per_token, resets_at
@@ -315,7 +315,7 @@ class Spend:
             MIN_COMPLETION_TOKENS,
             *self._ttls(),
         )
-        answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=argv_of(args))
+        answer = self._reserve(keys=self._keys(owner, day, turn_id, parents), args=list(args))
         if len(answer) == 2:
             return int(answer[0]) if int(answer[1]) else None
         scope, name, spent, limit = (text(a) for a in answer)
@@ -338,7 +338,7 @@ class Spend:
             *self._ttls(),
         )
         keys = self._keys(owner, settle.day, turn_id, parents)
-        answer = self._settle(keys=keys, args=argv_of(args))
+        answer = self._settle(keys=keys, args=list(args))
         done = int(answer) == 1
         if done and settle.round_no == 0:
             # Its turns' first rounds name the key among those that spent (another slot).

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, WATCHERS_FIELD, ended_lua, event_body, publish_lua
-from agentq.events.lua_args import LuaScript, argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import ToolResult
 from agentq.state.base import (
     WAKE_BACKSTOP_S,
@@ -259,7 +259,7 @@ class StepRecords(StoreBase):
             "1" if keep else "0",
             *map(len, sections),
         )
-        args = argv_of(named, *sections, dispatch_args(dispatched))
+        args: list[Any] = [*named, *(x for s in sections for x in s), *dispatch_args(dispatched)]
         keys = TurnKeys.of(turn_id)
         if not (dispatched or any(sections)):
             return Released(int(self._release(keys=keys, args=args)))

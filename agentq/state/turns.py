@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, ended_lua, event_body, publish_lua
-from agentq.events.lua_args import LuaScript, argv_of, bind_lua
+from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import ToolResult, TurnStatus
 from agentq.state.base import (
     START_BACKSTOP_S,
@@ -292,7 +292,7 @@ class TurnRecords(StoreBase):
             len(messages),
             "1" if hands_off else "0",
         )
-        won = Closed(int(self._durable(self._close, keys, argv_of(args, messages, flat))))
+        won = Closed(int(self._durable(self._close, keys, [*args, *messages, *flat])))
         if won >= Closed.ENDED:
             counted = [(event, event_fields)]
             if won is not Closed.ENDED and result is not None:
