@@ -40,8 +40,6 @@ class StepContext:
     """The turn's agent; `settings` already carry its overrides."""
     round_read: RoundRead | None = None
     """Its round's calls as stored when the step began (or as it planned them); used once."""
-    llm_result: tuple[int, str] | None = None
-    """(round, result JSON) of a model round, when the step began with it in hand."""
     dispatched: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Dispatch records of the calls this step sends, written as it lets go of its lock."""
     ended: str | None = None

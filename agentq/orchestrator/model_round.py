@@ -136,20 +136,18 @@ def _round_request(
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
     """The round's message and streaming seconds when it is done, else when to look again
     (sending the round first if it was not sent)."""
-    raw = _result_of(ctx, round_no)
-    if raw is not None:
-        result = LlmRoundResult.model_validate_json(raw)
-        if not _goes_again(ctx, round_no, result):
-            spend.settle_round(ctx, round_no, result)
-            if result.aborted:
-                # Only a cancelled turn aborts a round: the step sees the flag and aborts.
-                raise ModelRoundFailed("the model round was aborted", "EABORTED")
-            if not result.ok or result.message is None:
-                # The stream worker's typed error crossed a process boundary as text;
-                # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
-                error = result.error or "model round failed"
-                raise ModelRoundFailed(error, result.error_code or "ELLM")
-            return result.message, result.streamed_s
+    result = _result_of(ctx, round_no)
+    if result is not None and not _goes_again(ctx, round_no, result):
+        spend.settle_round(ctx, round_no, result)
+        if result.aborted:
+            # Only a cancelled turn aborts a round: the step sees the flag and aborts.
+            raise ModelRoundFailed("the model round was aborted", "EABORTED")
+        if not result.ok or result.message is None:
+            # The stream worker's typed error crossed a process boundary as text;
+            # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
+            error = result.error or "model round failed"
+            raise ModelRoundFailed(error, result.error_code or "ELLM")
+        return result.message, result.streamed_s
     if ctx.state.get("llm_round") != round_no:
         spend.reserve_round(ctx, round_no)
         grant = admit(ctx, round_no)
@@ -218,16 +216,15 @@ def _next_look(ctx: StepContext) -> float:
     return min(float(ctx.state["llm_deadline"]), ctx.now + ctx.settings.turn_lease_s)
 
 
-def _result_of(ctx: StepContext, round_no: int) -> str | None:
-    """The round's result (LlmRoundResult JSON): as the step began with it, in its view, or read."""
-    known = ctx.llm_result
-    if known and known[0] == round_no:
-        return known[1]
+def _result_of(ctx: StepContext, round_no: int) -> LlmRoundResult | None:
+    """The round's result: in the step's view, or read."""
     if ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD):
-        # Stored before the step read the turn: its view has it.
-        return json.dumps(ctx.state[k.LLM_RESULT_FIELD])
+        # Stored before the step read the turn (or by the write that took the step): its
+        # view has it, parsed already.
+        return LlmRoundResult.model_validate(ctx.state[k.LLM_RESULT_FIELD])
     if ctx.state.get("llm_round") == round_no:
-        return ctx.store.llm_result(ctx.turn_id, round_no)
+        raw = ctx.store.llm_result(ctx.turn_id, round_no)
+        return None if raw is None else LlmRoundResult.model_validate_json(raw)
     # Not recorded as sent: not sent, or its step died between the send and the write
     # (sent again now, its result read once this send is recorded).
     return None
@@ -263,7 +260,6 @@ def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool
         }
         events.append(("llm_retry", retry))
     # A busy provider costs no retry: the round waits for capacity again.
-    ctx.llm_result = None
     ctx.commit(events=events, **fields)
     return True
 

@@ -127,7 +127,6 @@ def _steps(
             cancel_reason=view.cancel_reason,
             agent=agent,
             round_read=view.round,
-            llm_result=view.llm_result,
             lock_ms=ttl_ms,
         )
         try:

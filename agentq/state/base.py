@@ -132,8 +132,6 @@ class StepView:
     cancel_reason: str | None
     history: list[dict[str, Any]]
     round: RoundRead | None = None
-    llm_result: tuple[int, str] | None = None
-    """(round, LlmRoundResult JSON): a model round's result its writer took this step with."""
 
 
 class InlineStepper(Protocol):
@@ -383,7 +381,6 @@ class StoreBase:
         lock_ms: int,
         *,
         wake: bool,
-        llm_result: tuple[int, str] | None = None,
     ) -> int:
         """After a write that wakes a turn: take the step it locked for this process, else
         send one (unless another step holds the lock: it steps again when it lets go); a
@@ -391,9 +388,7 @@ class StoreBase:
         if isinstance(answer, list):
             code, *raw = answer
             if self.stepper is not None:
-                view = step_view(*raw)
-                view.llm_result = llm_result
-                self.stepper.run(turn_id, token, lock_ms, view)
+                self.stepper.run(turn_id, token, lock_ms, step_view(*raw))
             return int(code)
         if wake and not token:
             self.send_step(turn_id)

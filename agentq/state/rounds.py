@@ -193,10 +193,7 @@ class RoundRecords(StoreBase):
             time.time() + ROUND_HOLD_S,
             f"the result of round {round_no} of turn {turn_id}",
         )
-        woken = ok == RoundFinished.WOKEN
-        got = self._woke(
-            turn_id, ok, token, lock_ms, wake=woken, llm_result=(round_no, result_json)
-        )
+        got = self._woke(turn_id, ok, token, lock_ms, wake=ok == RoundFinished.WOKEN)
         if got in (RoundFinished.WOKEN, RoundFinished.STEPPED):
             self.bus.counted(events or [])
 
