@@ -57,11 +57,8 @@ def budgeted(ctx: StepContext) -> bool:
 def carry_spent(client: redis.Redis, settings: Settings, turn_id: str, state: TurnState) -> None:
     """A retry's budgets count its source's spend, carried in its state (`spent_*`): the
     new turn's spend in Redis, which its RESERVE reads, starts at it."""
-    carried = Usage(
-        prompt_tokens=int(state.get("spent_prompt_tokens") or 0),
-        completion_tokens=int(state.get("spent_completion_tokens") or 0),
-        cached_tokens=int(state.get("spent_cached_tokens") or 0),
-        cost_usd=float(state.get("spent_usd") or 0.0),
+    carried = Usage.model_validate(
+        {u: state.get(f) or 0 for f, u in SPENT.items() if u != "estimated"}
     )
     if carried.prompt_tokens or carried.completion_tokens or carried.cost_usd:
         Spend(client, settings).carry(state.get("owner"), turn_id, carried)
