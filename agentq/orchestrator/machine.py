@@ -85,6 +85,7 @@ from agentq.orchestrator.plan import (
     plan_call,
     with_safe_call_ids,
 )
+from agentq.orchestrator.wake import abort_running
 from agentq.state.base import RoundRead
 from agentq.state.turn_state import TurnState
 from agentq.tools.registry import get_tool
@@ -465,5 +466,5 @@ def _wind_up(
         # A password answer is read once by its tool; a round that ends must not leave one.
         secrets = [k.turn_key(ctx.turn_id, "secret", f"{c.id}.approval") for c in calls]
         ctx.store.redis.delete(*secrets)
-    subturns.abort_children(ctx, why)
+    abort_running(ctx.store, ctx.store.children(ctx.turn_id), why, walk=False)
     return [settled[c.id].to_openai() for c in calls], ours

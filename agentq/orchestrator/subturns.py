@@ -174,19 +174,6 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
     ctx.store.bus.publish(str(parent), "tool_progress", **fields)
 
 
-def abort_children(ctx: StepContext, reason: str) -> None:
-    """Abort every child of an ending turn that is still running."""
-    children = ctx.store.children(ctx.turn_id)
-    if not children:
-        return
-    pipe = ctx.store.redis.pipeline(transaction=False)
-    for c in children:
-        pipe.hget(k.turn_key(c), "status")
-    for c, raw in zip(children, pipe.execute(), strict=True):
-        if raw is not None and json.loads(raw) not in TERMINAL_STATUSES:
-            request_abort(ctx.store, c, reason, walk=False)
-
-
 def parent_settlement(
     ctx: StepContext, status: str, content: str = "", error: str = ""
 ) -> tuple[str, ToolResult] | None:
