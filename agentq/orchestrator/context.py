@@ -149,12 +149,11 @@ class StepContext:
         append: list[dict[str, Any]] | None = None,
         *,
         events: list[tuple[str, dict[str, Any]]] | None = None,
-        plans: dict[str, str] | None = None,
         **fields: Unpack[TurnState],
     ) -> None:
-        """Record state fields (and history messages, call plans, the events the change
-        means) atomically, fenced by the step's lock, after whatever was staged."""
-        self.stage(events, append, plans, **fields)
+        """Record state fields (and history messages, the events the change means)
+        atomically, fenced by the step's lock, after whatever was staged."""
+        self.stage(events, append, **fields)
         self._write(None, keep=True)
 
     def close(
