@@ -425,11 +425,7 @@ def bulk_retry(
     next_at = time.monotonic()
     one = RetryRequest(rerun_lost=req.rerun_lost)
     body = fingerprint(one.model_dump())
-
-    def start(source: str, new_id: str) -> TurnHandle:
-        go = partial(start_replay, store, app, settings, source, one, traced=traced, turn_id=new_id)
-        return go() if limited is None else limited(go)
-
+    run: Starter = limited or (lambda start: start())
     for source in islice(_sources(TurnLister(store.redis), req, visible), req.limit):
         # Under the source's idempotency record: started now, or by whoever came first.
         done = store.redis.get(k.idempotency_key(BULK_CALLER, source))
@@ -442,9 +438,12 @@ def bulk_retry(
             time.sleep(max(0.0, next_at - time.monotonic()))  # the rate cap
             next_at = time.monotonic() + gap_s
             new_id = secrets.token_hex(16)
+            go = partial(
+                start_replay, store, app, settings, source, one, traced=traced, turn_id=new_id
+            )
             try:
                 handle = start_once(
-                    store.redis, BULK_CALLER, source, body, new_id, partial(start, source, new_id)
+                    store.redis, BULK_CALLER, source, body, new_id, partial(run, go)
                 )
             except AgentqError as exc:
                 outcome = BulkOutcome(source=source, outcome="refused", error=exc.message)
