@@ -181,7 +181,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
     waited_s = ctx.now - since
     limit_s = ctx.settings.llm_queue_timeout_s
     if waited_s >= limit_s:
-        wake_granted(ctx.store, cap.withdraw(model, waiter))
+        # The turn fails: its end withdraws the round (`withdraw`: it is waiting).
         raise ModelCapacityTimeout(model, waited_s)
     fields: TurnState = {"llm_wait_round": round_no, "llm_wait_since": since}
     events: list[tuple[str, dict[str, Any]]] = []
