@@ -22,7 +22,7 @@ from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
 from agentq import constants as k
-from agentq.config import Settings, get_settings
+from agentq.config import get_settings
 from agentq.fleet.runtime import get_store
 from agentq.models import ToolTaskRequest
 from agentq.state.held import REDIS_AWAY, held_writes
@@ -39,7 +39,6 @@ from agentq.tools.calls import (
     tick,
     tool_context,
 )
-from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec, all_tools
 from agentq.tools.results import lost_result
 
@@ -158,37 +157,15 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     if why_not is not None:
         return why_not
     ctx = tool_context(store, scope, task.backend, _sent)
+    value: Any = None
+    raised: Exception | None = None
     # Only an Exception ends the span "error": anything else (the SystemExit of the hard
     # limit's SIGTERM, or of a revoke) leaves it open, unexported, for whoever settles the
     # call (the worker's parent, the abort) to record.
-    with observed(scope, Exception) as span:
-        status = _run(spec, scope, ctx, store, settings)
-    tracing.end_span(span, status)
-    return status
-
-
-def _sent(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> bool:
-    """A progress write: advisory, so a failed one never fails the tool that reports it."""
-    try:
-        fn(*args, **kwargs)
-    except REDIS_AWAY:
-        log.warning("progress not sent: Redis is away", exc_info=True)
-        return False
-    except Exception:
-        log.debug("progress not sent", exc_info=True)
-        return False
-    return True
-
-
-def _run(
-    spec: ToolSpec, scope: CallScope, ctx: ToolContext, store: TurnStore, settings: Settings
-) -> str:
-    value: Any = None
-    raised: Exception | None = None
-    with _soft_limit(scope):
+    with observed(scope, Exception) as span, _soft_limit(scope):
         try:
             with _ticker.running(store, scope, settings.progress_interval_s):
-                value = invoke(spec, ctx, scope.req)
+                value = invoke(spec, ctx, req)
         except Exception as exc:  # the soft limit's SoftTimeLimitExceeded among them
             raised = exc
         scope.done = True
@@ -202,7 +179,21 @@ def _run(
             value=value,
         )
         settle(store, scope, result)
+    tracing.end_span(span, result.status)
     return result.status
+
+
+def _sent(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> bool:
+    """A progress write: advisory, so a failed one never fails the tool that reports it."""
+    try:
+        fn(*args, **kwargs)
+    except REDIS_AWAY:
+        log.warning("progress not sent: Redis is away", exc_info=True)
+        return False
+    except Exception:
+        log.debug("progress not sent", exc_info=True)
+        return False
+    return True
 
 
 def _on_task_failure(
