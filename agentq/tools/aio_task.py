@@ -77,7 +77,6 @@ class _AsyncCall:
         req = self.req = scope.req
         self.name = f"{spec.task_name}:{req.call_id}"
         self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.soft_fired = False
         self._settling = threading.Lock()
         """Taken, never released, by whoever settles the call: the first to try, alone."""
         self.ctx = tool_context(host.store, scope, backend, host.fire, watched=True)
@@ -122,7 +121,7 @@ class _AsyncCall:
 
     def _soft(self, inner: asyncio.Future[Any]) -> None:
         if not inner.done():
-            self.soft_fired = True
+            self.scope.soft_fired = True
             inner.cancel("agentq: soft time limit")  # what the tool's CancelledError says
 
     async def wait(self, inner: asyncio.Future[Any]) -> ToolResult | Waiting:
@@ -181,7 +180,6 @@ class _AsyncCall:
             host.settings,
             aborted=self.ctx._cancelled,
             hard_limit=hard_limit,
-            soft_fired=self.soft_fired,
             raised=raised,
             value=value,
         )

@@ -47,7 +47,7 @@ class CallScope:
     started: float = field(default_factory=time.time)
     pid: int = field(default_factory=os.getpid)
     soft_fired: bool = False
-    """The pool's soft time limit fired during the call (`task._soft_limit`)."""
+    """The call's soft limit fired during it (the pool's signal, or the I/O worker's timer)."""
     done: bool = False
     """The tool returned: a signal now would drop its result, held while Redis is away."""
 
@@ -357,7 +357,7 @@ def check_value(spec: ToolSpec, value: Any) -> Any:
 
 
 def returned(
-    scope: CallScope, spec: ToolSpec, value: Any, settings: Settings, *, soft_fired: bool
+    scope: CallScope, spec: ToolSpec, value: Any, settings: Settings
 ) -> ToolResult | Waiting:
     """What the tool returned, once `check_value` lets it through."""
     value = check_value(spec, value)
@@ -368,7 +368,7 @@ def returned(
     partial = isinstance(value, Partial)
     if partial:
         value = value.value
-    soft = soft_fired or 0 < (req.soft_timeout_s or 0) <= finished - scope.started
+    soft = scope.soft_fired or 0 < (req.soft_timeout_s or 0) <= finished - scope.started
     if isinstance(value, BaseModel):
         value = value.model_dump_json()
     elif not isinstance(value, str):
@@ -393,7 +393,6 @@ def outcome(
     *,
     aborted: bool = False,
     hard_limit: str | None = None,
-    soft_fired: bool = False,
     raised: BaseException | None = None,
     value: Any = None,
 ) -> ToolResult | Waiting:
@@ -404,11 +403,11 @@ def outcome(
         return scope.cancelled()
     if hard_limit is not None:
         return scope.timeout(killed=True, what=hard_limit)
-    if raised is not None and soft_fired:
+    if raised is not None and scope.soft_fired:
         return scope.timeout(killed=False, soft=True)
     if raised is None:
         try:
-            return returned(scope, spec, value, settings, soft_fired=soft_fired)
+            return returned(scope, spec, value, settings)
         except Exception as exc:  # a value no tool may return (ToolMisuse)
             raised = exc
     if isinstance(raised, AgentqError):

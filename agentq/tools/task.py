@@ -174,7 +174,6 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
             spec,
             settings,
             aborted=ctx._cancelled,
-            soft_fired=scope.soft_fired,
             raised=raised,
             value=value,
         )

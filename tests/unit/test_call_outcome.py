@@ -24,8 +24,10 @@ def slow(seconds: float = 1) -> str:
 SPEC = spec_of(slow, "slow", None, {})
 
 
-def _outcome(**how: Any) -> Any:
-    return outcome(call_scope(), SPEC, Settings(), **how)
+def _outcome(soft_fired: bool = False, **how: Any) -> Any:
+    scope = call_scope()
+    scope.soft_fired = soft_fired  # as the worker's soft limit sets it
+    return outcome(scope, SPEC, Settings(), **how)
 
 
 def test_an_abort_the_tool_saw_wins_over_everything() -> None:
