@@ -10,7 +10,6 @@ and hard limits and an abort do to a coroutine or a `thread=True` tool is in doc
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 import time
@@ -34,6 +33,7 @@ from agentq.tools.calls import (
     tick,
     tool_context,
 )
+from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import lost_result
 
@@ -87,12 +87,7 @@ class _AsyncCall:
         if why_not is not None:
             log.info("call %s of %s: %s", self.req.call_id, self.spec.name, why_not)
             return why_not
-        try:
-            inner = self.start()
-        except Exception as exc:
-            result = outcome(scope, self.spec, host.settings, raised=exc)
-        else:
-            result = await self.wait(inner)
+        result = await self.wait()
         if self._settling.acquire(blocking=False):  # else the worker's recycling settled it
             await host.io(settle, host.store, scope, result)
         return result.status
@@ -111,23 +106,20 @@ class _AsyncCall:
         if self._settling.acquire(blocking=False):
             settle(self.host.store, scope, result)
 
-    def start(self) -> asyncio.Future[Any]:
-        """The tool's run: a task on the loop, or a thread of the pool (`thread=True`)."""
-        loop = asyncio.get_running_loop()
-        run = functools.partial(invoke, self.spec, self.ctx, self.req)
-        if self.spec.kind == "thread":
-            return loop.run_in_executor(self.host.threads, run)
-        return loop.create_task(_await(run()), name=self.name)
-
     def _soft(self, inner: asyncio.Future[Any]) -> None:
         if not inner.done():
             self.scope.soft_fired = True
             inner.cancel("agentq: soft time limit")  # what the tool's CancelledError says
 
-    async def wait(self, inner: asyncio.Future[Any]) -> ToolResult | Waiting:
-        """Until the tool ends, its hard limit or an abort: the call's result."""
+    async def wait(self) -> ToolResult | Waiting:
+        """The tool's run (a task on the loop, or a thread of the pool with `thread=True`)
+        until it ends, its hard limit or an abort: the call's result."""
         host, scope, req = self.host, self.scope, self.req
         loop = asyncio.get_running_loop()
+        if self.spec.kind == "thread":
+            inner = loop.run_in_executor(host.threads, invoke, self.spec, self.ctx, req)
+        else:
+            inner = loop.create_task(_await(self.spec, self.ctx, req), name=self.name)
         host.running[self.name] = Running(
             req.turn_id,
             f"call {req.call_id} of tool {req.tool}",
@@ -185,8 +177,9 @@ class _AsyncCall:
         )
 
 
-async def _await(made: Any) -> Any:
-    """Await what an async tool made; a non-awaitable (a wrapper's value) is the result."""
+async def _await(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:
+    """Run an async tool; a non-awaitable it made (a wrapper's value) is the result."""
+    made = invoke(spec, ctx, req)
     if asyncio.iscoroutine(made) or asyncio.isfuture(made) or hasattr(made, "__await__"):
         return await made
     return made
