@@ -208,11 +208,7 @@ def _on_task_failure(
         return
     if not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         return
-    try:
-        req = ToolTaskRequest.model_validate(kwargs)
-    except Exception:
-        log.exception("cannot settle task %s: bad kwargs", task_id)
-        return
+    req = ToolTaskRequest.model_validate(kwargs)  # if it raises, Celery logs it
     # On a thread: with Redis away the settle waits for it (held_writes), and the pool's
     # event loop, which runs this handler, must go on meanwhile.
     threading.Thread(
