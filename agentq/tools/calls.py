@@ -335,8 +335,10 @@ def invoke(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:
     return spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
 
 
-def check_value(spec: ToolSpec, value: Any) -> Any:
-    """Refuse what no tool may return, saying what to change; the value otherwise."""
+def returned(
+    scope: CallScope, spec: ToolSpec, value: Any, settings: Settings
+) -> ToolResult | Waiting:
+    """What the tool returned; ToolMisuse, saying what to change, for what no tool may return."""
     if inspect.iscoroutine(value):
         value.close()  # never awaited on purpose: no RuntimeWarning about it
         raise ToolMisuse(
@@ -353,14 +355,6 @@ def check_value(spec: ToolSpec, value: Any) -> Any:
         if inspect.isgenerator(value):
             value.close()
         raise ToolMisuse(spec.name, "it returned a generator; return a list of the items instead")
-    return value
-
-
-def returned(
-    scope: CallScope, spec: ToolSpec, value: Any, settings: Settings
-) -> ToolResult | Waiting:
-    """What the tool returned, once `check_value` lets it through."""
-    value = check_value(spec, value)
     if isinstance(value, Waitpoint):
         return waiting(scope, value, settings)
     finished = time.time()
