@@ -82,35 +82,6 @@ class ToolSpec:
             ) from None
 
 
-def _args_model(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], bool]:
-    sig = inspect.signature(fn)
-    try:
-        hints = get_type_hints(fn)
-    except Exception as exc:
-        raise ToolDefinitionError(name, f"cannot resolve annotations: {exc}") from None
-    fields: dict[str, Any] = {}
-    wants_ctx = False
-    for i, (pname, param) in enumerate(sig.parameters.items()):
-        ann = hints.get(pname, Any)
-        if i == 0 and (ann is ToolContext or pname == "ctx"):
-            wants_ctx = True
-            continue
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise ToolDefinitionError(
-                name, f"*args/**kwargs ({pname}) cannot be described to a model"
-            )
-        if pname.startswith("_"):
-            raise ToolDefinitionError(name, f"argument {pname!r} may not start with '_'")
-        default = ... if param.default is inspect.Parameter.empty else param.default
-        fields[pname] = (ann, default)
-    model = create_model(  # type: ignore[call-overload]
-        f"{name}_arguments",
-        __config__=ConfigDict(extra="forbid"),
-        **fields,
-    )
-    return model, wants_ctx
-
-
 def _kind(name: str, f: Callable[..., Any], pol: ToolPolicy) -> ToolKind:
     """How the tool runs; the shapes that cannot be a tool are refused here."""
     target = inspect.unwrap(f)
@@ -194,7 +165,31 @@ def spec_of(
     except ValidationError as exc:
         raise ToolDefinitionError(tool_name, describe_invalid(exc, "(arguments)", 10)) from None
     kind = _kind(tool_name, f, pol)
-    model, wants_ctx = _args_model(tool_name, f)
+    sig = inspect.signature(f)
+    try:
+        hints = get_type_hints(f)
+    except Exception as exc:
+        raise ToolDefinitionError(tool_name, f"cannot resolve annotations: {exc}") from None
+    fields: dict[str, Any] = {}
+    wants_ctx = False
+    for i, (pname, param) in enumerate(sig.parameters.items()):
+        ann = hints.get(pname, Any)
+        if i == 0 and (ann is ToolContext or pname == "ctx"):
+            wants_ctx = True
+            continue
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise ToolDefinitionError(
+                tool_name, f"*args/**kwargs ({pname}) cannot be described to a model"
+            )
+        if pname.startswith("_"):
+            raise ToolDefinitionError(tool_name, f"argument {pname!r} may not start with '_'")
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        fields[pname] = (ann, default)
+    model = create_model(  # type: ignore[call-overload]
+        f"{tool_name}_arguments",
+        __config__=ConfigDict(extra="forbid"),
+        **fields,
+    )
     schema = model.model_json_schema()
     schema.pop("title", None)
     for prop in schema.get("properties", {}).values():
