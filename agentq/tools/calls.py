@@ -71,10 +71,8 @@ class CallScope:
         return cancelled_result(self.call, "user", **self.common)
 
     def timeout(self, *, killed: bool, soft: bool = False, what: str | None = None) -> ToolResult:
-        record = {k_: v for k_, v in self.common.items() if k_ != "timeout_s"}
-        return timeout_result(
-            self.call, self.req.timeout_s, killed=killed, soft=soft, what=what, **record
-        )
+        # `timeout_s`, the limit the result names, is one of the common fields.
+        return timeout_result(self.call, killed=killed, soft=soft, what=what, **self.common)
 
 
 def task_scope(request: Any, req: ToolTaskRequest) -> tuple[CallScope, str]:
