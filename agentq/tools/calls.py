@@ -104,14 +104,6 @@ HOLD_NO_LIMIT_S = 600.0
 """How long the result of a call without a hard limit waits for Redis."""
 
 
-def settle_deadline(scope: CallScope, grace_s: float) -> float:
-    """Until when a finished call's result waits for Redis."""
-    timeout_s = scope.req.timeout_s
-    if timeout_s <= 0:
-        return time.time() + HOLD_NO_LIMIT_S
-    return scope.started + timeout_s + grace_s + HOLD_PAST_DEADLINE_S
-
-
 def start_deadline(timeout_s: float, now: float) -> float:
     """Until when a start waits for Redis: HOLD_START_S, at most half the hard limit."""
     return now + (min(HOLD_START_S, timeout_s / 2) if timeout_s > 0 else HOLD_START_S)
@@ -148,10 +140,28 @@ def waiting(scope: CallScope, wp: Waitpoint, settings: Settings) -> Waiting:
     return Waiting(wp)
 
 
-def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
-    """Record the call's waitpoint and publish tool_waiting; the call's process is free
-    once this returns. Held while Redis is away, as a result is."""
-    req, wp = scope.req, wait.waitpoint
+def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> None:
+    """Settle the call with what it returned or raised (its scope's fields added), or record
+    its waitpoint and publish tool_waiting (the call's process is free once this returns).
+
+    A result or a wait computed while Redis is away waits here, and is written when Redis
+    answers again: first writer wins, so a write whose answer was lost and is sent again, or
+    one the turn's `lost` beat, changes nothing."""
+    req = scope.req
+    if req.timeout_s <= 0:
+        until = time.time() + HOLD_NO_LIMIT_S
+    else:
+        until = scope.started + req.timeout_s + get_settings().tool_grace_s + HOLD_PAST_DEADLINE_S
+    if not isinstance(result, Waiting):
+        if result.status != "ok":
+            result.record.overran = overran(time.time() - scope.started, req.budget_s)
+        held_writes.hold(
+            lambda: store.settle(req.turn_id, result),
+            until,
+            f"the result of call {req.call_id} ({req.tool})",
+        )
+        return
+    wp = result.waitpoint
     wp_id, _, url = store.waitpoint_address(req.turn_id, req.call_id)
     now = time.time()
     given = {"data": wp.data, "idempotency_key": wp.idempotency_key, "tags": list(wp.tags)}
@@ -176,7 +186,7 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
     }
     opened = held_writes.hold(
         lambda: store.open_waitpoint(req.turn_id, req.call_id, record, event),
-        settle_deadline(scope, get_settings().tool_grace_s),
+        until,
         f"the waitpoint of call {req.call_id} ({req.tool})",
     )
     if opened:
@@ -185,25 +195,6 @@ def open_wait(store: TurnStore, scope: CallScope, wait: Waiting) -> None:
         except Exception:
             # The wait is recorded and published: its webhook is a courtesy on top.
             log.warning("turn.waiting webhook of call %s not queued", req.call_id, exc_info=True)
-
-
-def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> None:
-    """Settle the call with what it returned or raised (its scope's fields added), or open
-    its waitpoint.
-
-    A result computed while Redis is away waits here, and is written when Redis answers
-    again: first writer wins, so a write whose answer was lost and is sent again, or one
-    the turn's `lost` beat, changes nothing."""
-    if isinstance(result, Waiting):
-        open_wait(store, scope, result)
-        return
-    if result.status != "ok":
-        result.record.overran = overran(time.time() - scope.started, scope.req.budget_s)
-    held_writes.hold(
-        lambda: store.settle(scope.req.turn_id, result),
-        settle_deadline(scope, get_settings().tool_grace_s),
-        f"the result of call {scope.req.call_id} ({scope.req.tool})",
-    )
 
 
 def mark_started(
