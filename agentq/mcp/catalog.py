@@ -196,26 +196,20 @@ def _in_event_loop() -> bool:
     return True
 
 
-_lock = threading.Lock()
 _tools: McpTools | None = None
 
 
-def load_mcp(settings: Settings, redis: Callable[[], Any]) -> McpTools | None:
-    """Load the tools of AGENTQ_MCP_SERVERS into this process's registry (once); None when
-    no server is configured. A bad setting raises ConfigError, naming it."""
+def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
+    """Load the tools of AGENTQ_MCP_SERVERS into this process's registry (agentq.worker's
+    body does, once); a bad setting raises ConfigError, naming it."""
     global _tools
     servers = parse_servers(settings.mcp_servers)
-    with _lock:
-        if _tools is not None:
-            return _tools
-        if not servers:
-            return None
-        MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
-        tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
-        tools.refresh()
-        registry.add_refresher(tools.refresh)
-        _tools = tools
-        return tools
+    if not servers:
+        return
+    MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
+    _tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
+    _tools.refresh()
+    registry.add_refresher(_tools.refresh)
 
 
 Register = Callable[[dict[str, ToolSpec]], Any]
