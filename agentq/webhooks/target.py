@@ -133,7 +133,7 @@ def resolve(target: Target, *, allow_private: bool) -> list[str]:
 
 
 def check_for_turn(url: str, settings: Settings) -> Target:
-    """A turn's webhook URL, checked when the turn starts: deliverable, and signable here."""
+    """A webhook URL, checked as its turn starts and at each attempt: deliverable, signable here."""
     target = check_url(
         url, allow_http=settings.webhook_allow_http, allow_private=settings.webhook_allow_private
     )
@@ -158,13 +158,7 @@ def signed_headers(secret: str, msg_id: str, timestamp_s: int, body: bytes) -> d
 
 
 def post(
-    url: str,
-    body: bytes,
-    headers: dict[str, str],
-    *,
-    timeout_s: float,
-    allow_http: bool,
-    allow_private: bool,
+    url: str, body: bytes, headers: dict[str, str], settings: Settings
 ) -> tuple[int | None, str | None]:
     """POST `body` once: the answer's status (None: no answer) and what went wrong. Redirects
     are not followed (a 3xx is a failed attempt): following one would post the signed body
@@ -173,9 +167,10 @@ def post(
     # among them, and only a delivery needs an HTTP client.
     import httpx
 
+    timeout_s = settings.webhook_timeout_s
     try:
-        target = check_url(url, allow_http=allow_http, allow_private=allow_private)
-        address = resolve(target, allow_private=allow_private)[0]
+        target = check_for_turn(url, settings)
+        address = resolve(target, allow_private=settings.webhook_allow_private)[0]
     except WebhookRefused as exc:
         return None, f"refused: {exc.reason}"
     try:

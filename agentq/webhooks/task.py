@@ -163,14 +163,8 @@ def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_bef
             log.error("webhook %s: %s", d.id, error)
         else:
             started = time.monotonic()
-            code, error = post(
-                d.url,
-                body,
-                signed_headers(secret.get_secret_value(), delivery_id, int(now), body),
-                timeout_s=settings.webhook_timeout_s,
-                allow_http=settings.webhook_allow_http,
-                allow_private=settings.webhook_allow_private,
-            )
+            headers = signed_headers(secret.get_secret_value(), delivery_id, int(now), body)
+            code, error = post(d.url, body, headers, settings)
             took_ms = int((time.monotonic() - started) * 1000)
             jitter = random.random()
         out = Outcome("failed", None)
