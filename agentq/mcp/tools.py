@@ -86,13 +86,9 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
         }
     )
     remote = listed.name
-
-    async def call(ctx: ToolContext, /, **arguments: Any) -> Any:
-        return await call_tool(link, remote, ctx, arguments)
-
     return McpToolSpec(
         name=tool_name(server.name, remote),
-        fn=call,
+        fn=functools.partial(call_tool, link, remote),
         description=listed.description or f"{remote} (MCP server {server.name})",
         declared=policy,
         args_model=McpArguments,
@@ -104,10 +100,9 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
     )
 
 
-async def call_tool(
-    link: ServerLink, remote: str, ctx: ToolContext, arguments: dict[str, Any]
-) -> Any:
-    """One call on the server's session, within its fleet-wide slot when it has a number."""
+async def call_tool(link: ServerLink, remote: str, ctx: ToolContext, /, **arguments: Any) -> Any:
+    """One call on the server's session, within its fleet-wide slot when it has a number (the
+    tool's `fn`, its link and name bound; positional-only, so any argument name is free)."""
 
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         pct = round(100.0 * progress / total, 1) if total else None
