@@ -212,7 +212,6 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
     registry.add_refresher(_tools.refresh)
 
 
-Register = Callable[[dict[str, ToolSpec]], Any]
 _consumer: Any = None
 _keeper: concurrent.futures.Future[None] | None = None
 
@@ -247,7 +246,7 @@ def _stop_sessions(**_: Any) -> None:
         log.warning("MCP sessions not all stopped in time", exc_info=True)
 
 
-def connect_mcp(register: Register) -> None:
+def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
     """Connect the signals; the worker does it after its own, so its role is decided
     before the listing, and a warm shutdown lets the calls on the loop end before their
     sessions stop. `register` registers tools' tasks."""
