@@ -46,8 +46,6 @@ MAX_TOOLS = 2000
 """A server listing more tools than this is refused: every model request would carry them
 all, and a listing whose pages never end stops here."""
 
-ProgressFn = Callable[[float, "float | None", "str | None"], Awaitable[None]]
-
 
 def backoff_s(failures: int) -> float:
     """How long after its last failure a server that failed `failures` times in a row waits."""
@@ -310,7 +308,7 @@ class ServerLink:
         self,
         tool: str,
         arguments: dict[str, Any],
-        on_progress: ProgressFn,
+        on_progress: Callable[[float, float | None, str | None], Awaitable[None]],
         caller: ToolContext | None = None,
     ) -> Any:
         """Call a tool; McpServerUnavailable when the server died or cannot be reached,

@@ -19,8 +19,6 @@ SETTING = "AGENTQ_MCP_SERVERS"
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,32}$"
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
-McpApproval = Literal["auto", "ask", "deny", "annotations"]
-
 
 class McpServer(BaseModel):
     """One MCP server: how to reach it and the policy every call of its tools runs under."""
@@ -39,7 +37,7 @@ class McpServer(BaseModel):
     """HTTP headers; `${NAME}` in a value is the environment variable NAME of the worker."""
     timeout_s: float | None = Field(None, ge=0)
     budget_s: float | None = Field(None, ge=0)
-    approval: McpApproval = "auto"
+    approval: Literal["auto", "ask", "deny", "annotations"] = "auto"
     """`annotations`: ask unless the tool declares `readOnlyHint` (and the server is trusted)."""
     trust_annotations: bool = False
     """Believe the tools' `readOnlyHint`; without it `annotations` asks for every call."""

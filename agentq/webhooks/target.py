@@ -23,8 +23,6 @@ from agentq.errors import WebhookRefused
 
 MAX_URL_CHARS = 2048
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-
 
 @dataclass(frozen=True)
 class Target:
@@ -49,7 +47,7 @@ class Target:
         return f"{self.scheme}://{netloc}:{self.port}{self.path}"
 
 
-def address_problem(address: IPAddress) -> str | None:
+def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """Why a webhook may not go to `address` (without AGENTQ_WEBHOOK_ALLOW_PRIVATE), or None."""
     mapped = getattr(address, "ipv4_mapped", None)
     if mapped is not None:
