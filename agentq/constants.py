@@ -163,13 +163,6 @@ def shard_key(name: str, shard: int | str) -> str:
     return name if n == 1 else f"{name}:{{{shard_tag(shard, n)}}}"
 
 
-def turn_tag(turn_id: str) -> str:
-    n = shard_count()
-    if n == 1:
-        return "{" + turn_id + "}"
-    return "{" + shard_tag(shard_of(turn_id), n) + "}" + turn_id
-
-
 TurnPart = Literal["", "log", "events", "children", "cancel", "interaction", "secret", "beat"]
 
 
@@ -180,7 +173,9 @@ def turn_key(turn_id: str, part: TurnPart = "", item: str = "") -> str:
     MGET); `interaction` + request id; `secret` + request id (a password answer, read once
     by the tool and never written elsewhere); `beat` + call id (set NX PX when a step
     publishes the heartbeat `tool_progress` of an agent call)."""
-    key = f"{PREFIX}:turn:{turn_tag(turn_id)}"
+    n = shard_count()
+    tag = "{" + turn_id + "}" if n == 1 else "{" + shard_tag(shard_of(turn_id), n) + "}" + turn_id
+    key = f"{PREFIX}:turn:{tag}"
     return key + "".join(f":{s}" for s in (part, item) if s)
 
 
