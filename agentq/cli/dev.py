@@ -40,7 +40,6 @@ from agentq.local.redis_server import ensure_redis, find_free_port, port_is_free
 
 DEMO_PROMPT = "Say hello: call echo with 'hello' and sleep for 2 seconds, both at once."
 DEMO_TOOLS = "agentq.testing.tools,agentq.testing.agents"
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 READY_TIMEOUT_S = 90.0
 """Generous: five Python processes import Celery at once, on a laptop or a small CI box."""
 STOP_TIMEOUT_S = 10.0
@@ -227,7 +226,7 @@ def summary(env: dict[str, str], shown: dict[str, str], fleet: LocalFleet, took_
         f"{k}={redact(v)} "
         for k, v in env.items()
         if k in ("AGENTQ_REDIS_URL", "AGENTQ_BROKER_URL")
-        and v != os.environ.get(k, DEFAULT_REDIS_URL)
+        and v != os.environ.get(k, Settings.model_fields["redis_url"].default)
     )
     lines.append(f'try it from another terminal:  {prefix}agentq run "hello"')
     return "\n".join(lines)
