@@ -109,7 +109,7 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
         setting = settings.llm_processes if kind == "llm" else settings.io_processes
         opts, asked = take_processes(opts, setting)
         processes = asked or default_processes(kind)
-    if not _is_help(opts):
+    if not has_option(opts, "-h", "--help"):
         require_reachable(settings, broker=True)
         # An I/O worker is always supervised: it recycles itself when a tool blocks its
         # loop past a hard limit.
@@ -120,10 +120,6 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
     argv = worker_argv(kind, opts, tool_queues, io_queues)
     app.worker_main(argv=argv)
     return 0
-
-
-def _is_help(opts: list[str]) -> bool:
-    return any(o in ("-h", "--help") for o in opts)
 
 
 LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
@@ -309,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     from agentq.cli.helptext import WORKER_HELP
 
-    if args_in[:1] == ["worker"] and (len(args_in) == 1 or _is_help(args_in[1:2])):
+    if args_in[:1] == ["worker"] and args_in[1:2] in ([], ["-h"], ["--help"]):
         # `agentq worker` alone is a usage error; `agentq worker --help` is not.
         print(WORKER_HELP, end="", file=sys.stdout if len(args_in) > 1 else sys.stderr)
         return 0 if len(args_in) > 1 else 2
@@ -382,7 +378,7 @@ def _process_command(args: argparse.Namespace, rest: list[str]) -> int:
         return cmd_worker(args.kind, rest)
     if args.cmd == "flower":
         MissingExtra.check("flower", "agentq flower")
-        if _is_help(rest):
+        if has_option(rest, "-h", "--help"):
             from agentq.cli.helptext import flower_help
 
             print(flower_help(), end="")
