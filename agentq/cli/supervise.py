@@ -81,12 +81,15 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
         [sys.executable, "-m", "agentq", "worker", kind, *child_opts(kind, opts, i, processes)]
         for i in range(processes)
     ]
-    running: dict[int, int] = {}  # pid -> index of its argv
+    # pid -> (index of its argv, its Popen). The Popen is kept: one dropped while its
+    # worker runs goes on subprocess's list of children to reap, and the next Popen (a
+    # recycled worker's restart) would reap it there, unseen by os.wait() below.
+    running: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}
     stopping = False
 
     def start(i: int) -> None:
         proc = subprocess.Popen(argvs[i], env=env, preexec_fn=_die_with_parent)
-        running[proc.pid] = i
+        running[proc.pid] = i, proc
 
     def stop_all(signum: int, _frame: object = None) -> None:
         nonlocal stopping
@@ -104,8 +107,8 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
         pid, status = os.wait()
         if pid not in running:
             continue
-        i = running.pop(pid)
-        rc = os.waitstatus_to_exitcode(status)
+        i, proc = running.pop(pid)
+        rc = proc.returncode = os.waitstatus_to_exitcode(status)
         if rc == RECYCLE_EXIT_CODE and not stopping:
             print(
                 f"agentq: a {kind} worker recycled itself (blocked event loop); restarting",

@@ -4,6 +4,11 @@ worker's node name, the default, and the pool a tool worker refuses."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +18,7 @@ from agentq.cli.supervise import (
     MAX_AUTO_PROCESSES,
     child_opts,
     default_processes,
+    supervise,
     take_processes,
 )
 from agentq.errors import ConfigError
@@ -95,3 +101,43 @@ def test_workers_go_without_mingle_and_gossip_once() -> None:
     assert argv.count("--without-mingle") == 1 and argv.count("--without-gossip") == 1
     argv = worker_argv("tools", ["--without-mingle"], ["agentq.tools"])
     assert argv.count("--without-mingle") == 1 and argv.count("--without-gossip") == 1
+
+
+FAKE_WORKERS = """#!/bin/sh
+# llm-1 recycles itself once, then its replacement runs until stopped; llm-2 exits 3 once
+# the replacement has started.
+case "$*" in
+  *llm-1@*)
+    if [ ! -e {dir}/recycled ]; then : > {dir}/recycled; exit 75; fi
+    echo $$ > {dir}/restarted
+    exec sleep 60 ;;
+  *)
+    while [ ! -e {dir}/restarted ]; do sleep 0.02; done
+    exit 3 ;;
+esac
+"""
+
+
+def test_a_recycled_workers_restart_leaves_the_others_exits_to_the_supervisor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Popen dropped while its worker runs is reaped by the next Popen (the restart), not
+    # by the supervisor's os.wait(): a worker's exit in that window would go unseen.
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_WORKERS.format(dir=tmp_path))
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with warnings.catch_warnings():
+            # As outside the suite: a Popen dropped while running warns unseen, and is listed.
+            warnings.simplefilter("ignore", ResourceWarning)
+            rc = supervise("llm", [], 2)
+    finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    assert rc == 3
+    with pytest.raises(ProcessLookupError):  # the replacement was stopped and reaped
+        os.kill(int((tmp_path / "restarted").read_text()), 0)
+    left = [p.pid for p in subprocess._active if p.args[0] == str(fake)]  # type: ignore[attr-defined]
+    assert not left, f"workers left for subprocess to reap: {left}"
