@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 from agentq.cli.ids import clock, short_id
@@ -32,7 +33,7 @@ def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
 
     console = Console()
     if args.action != "list" and not args.conversation_id:
-        console.print(f"agentq conversations {args.action}: needs a conversation id")
+        print(f"agentq conversations {args.action}: needs a conversation id", file=sys.stderr)
         return 2
     # The command holds Redis credentials: it may read any conversation, as the console.
     if args.action == "delete":

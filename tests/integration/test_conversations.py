@@ -300,6 +300,8 @@ def test_the_cli_queues_a_message_and_shows_the_conversation(
     assert gone.returncode == 0 and f"deleted {conv}" in gone.stdout
     missing = agentq_cli(agentq_env, "conversations", "show", conv)
     assert missing.returncode == 1 and "unknown or not yours" in missing.stderr
+    no_id = agentq_cli(agentq_env, "conversations", "show")
+    assert no_id.returncode == 2 and "needs a conversation id" in no_id.stderr
     bad = agentq_cli(agentq_env, "run", "--conversation", conv, "--multitask", "queue", "x")
     assert bad.returncode == 2 and "enqueue" in bad.stderr
 
