@@ -160,7 +160,7 @@ class Relay:
                     # stream, so within a millisecond the deeper stream goes first (a
                     # child's end and the settling of its call in the parent are one
                     # script, the child's end first).
-                    ms = _stream_pos(q[0].stream_id or "0-0")[0]
+                    ms = stream_pos(q[0].stream_id or "0-0")[0]
                     heads.append((ms, -len(self.streams[t].path), order[t], t))
             if not heads:
                 break
@@ -337,12 +337,13 @@ def _is_new(ev: Event, last_seq: int, last_id: str) -> bool:
     """
     if ev.stream_id is None:
         return ev.seq > last_seq
-    return _stream_pos(ev.stream_id) > _stream_pos(last_id)
+    return stream_pos(ev.stream_id) > stream_pos(last_id)
 
 
-def _stream_pos(stream_id: str) -> tuple[int, int]:
+def stream_pos(stream_id: str) -> tuple[int, int]:
+    """(ms, seq) of a stream id, to order ids by; (0, 0) for one that is not a stream id."""
     return parse_stream_id(stream_id) or (0, 0)
 
 
 def _norm(stream_id: str) -> str:
-    return "{}-{}".format(*_stream_pos(stream_id))
+    return "{}-{}".format(*stream_pos(stream_id))

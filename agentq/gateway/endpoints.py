@@ -35,7 +35,7 @@ from agentq.errors import (
     Unauthorized,
 )
 from agentq.events import Event
-from agentq.events.follow import Cursor, follow
+from agentq.events.follow import Cursor, follow, stream_pos
 from agentq.fleet.presence import Presence, missing_kinds, workers_view
 from agentq.gateway.auth import (
     Keyring,
@@ -471,8 +471,7 @@ class Gateway:
         if after.root != "0-0":
             last: Any = self.client._store.redis.xrevrange(turn_key(turn_id, "log"), count=1)
             end = text(last[0][0]) if last else "0-0"
-            # Both are `<ms>-<seq>` (Cursor.parse wrote the cursor's so).
-            after.root = min(after.root, end, key=lambda i: [int(n) for n in i.split("-")])
+            after.root = min(after.root, end, key=stream_pos)
         # Relayed sub-agents are read with the parent's authorization: the follower opens
         # only streams of turns below this one (a cursor naming any other is ignored).
         bus = self.client._store.bus
