@@ -117,7 +117,8 @@ class Streams:
                 self.leases.pop(key, None)
 
     def _renew(self) -> None:
-        every_s = self.host.settings.turn_lease_s / 3
+        # A third of the shorter lease: the round claims' or the capacity leases'.
+        every_s = min(self.lease_ms, self.capacity.lease_ttl_ms) / 3000
         while True:
             time.sleep(every_s)
             try:

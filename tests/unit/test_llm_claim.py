@@ -4,6 +4,7 @@ delivery when it is this one's to stream."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -69,3 +70,21 @@ def test_a_renewal_just_before_a_rounds_claim_does_not_refuse_it(
     # the first one's lease held.
     assert claim_round(host, req) is None  # type: ignore[arg-type]
     assert streams.alive[("t1", 0)] == 1
+
+
+def test_capacity_leases_shorter_than_the_round_claim_are_renewed_in_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The renewer used to wake every third of AGENTQ_TURN_LEASE_S only: with capacity leases
+    # of AGENTQ_LLM_LEASE_TTL_S = 1.5 s and claims of 30 s, it first renewed a lease after
+    # 10 s, so every streaming round's stream slot lapsed and was given to another round.
+    h = _Host()
+    h.settings = Settings(turn_lease_s=30, llm_lease_ttl_s=1.5)
+    streams = Streams(h)  # type: ignore[arg-type]
+    renewed = threading.Event()
+    monkeypatch.setattr(streams.capacity, "renew", lambda lease_id: renewed.set())
+    streams.hold(("t1", 0), "lease-1")
+    try:
+        assert renewed.wait(5.0), "the capacity lease was not renewed within its ttl"
+    finally:
+        streams.release(("t1", 0))
