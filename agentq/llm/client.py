@@ -164,13 +164,9 @@ class ChatAssembler(Assembler):
         text = opt(delta, "content", index, str)
         if text:
             self._say("text", text)
-        calls = delta.get("tool_calls")
-        if calls is None:
-            return
-        if not isinstance(calls, list):
-            bad(index, "'tool_calls' is not a list")
-        for call in calls:
-            self._add_call(call, index)
+        if delta.get("tool_calls") is not None:
+            for call in must(delta, "tool_calls", index, list):
+                self._add_call(call, index)
 
     def _add_call(self, call: object, index: int) -> None:
         partial = self._calls.setdefault(must(call, "index", index, int), PartialCall())
