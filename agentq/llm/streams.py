@@ -164,11 +164,9 @@ def settle_capacity(
     deployment = req.deployment or DEFAULT_DEPLOYMENT
     busy = failure if isinstance(failure, ModelBusy) else None
     try:
-        if busy is not None:
-            status = busy.status_code
-            cap.note_answer(model, deployment, parse_rate_headers(busy.headers), status=status)
-        elif headers:
-            cap.note_answer(model, deployment, parse_rate_headers(headers))
+        if busy is not None or headers:
+            said = parse_rate_headers(busy.headers if busy is not None else headers)
+            cap.note_answer(model, deployment, said, status=busy.status_code if busy else 200)
         if result.ok:
             cap.report_success(model, deployment, unleased=not req.lease_id)
         elif busy is None and failure is not None and (kind := deployment_failure(failure)):
