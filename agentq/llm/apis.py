@@ -35,13 +35,9 @@ def configured(model: str, settings: Settings, limits: dict[str, ModelLimitsEntr
     return entry.api if entry is not None and entry.api is not None else settings.llm_api
 
 
-def names_responses(exc: Exception) -> bool:
+def names_responses(exc: ModelHTTPError) -> bool:
     """A 400 that says the round needs the Responses API."""
-    return (
-        isinstance(exc, ModelHTTPError)
-        and exc.status_code == 400
-        and "/v1/responses" in exc.message
-    )
+    return exc.status_code == 400 and "/v1/responses" in exc.message
 
 
 def read_learned(client: redis.Redis) -> dict[str, dict[str, Any]]:
