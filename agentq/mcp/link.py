@@ -174,9 +174,7 @@ class ServerLink:
 
         try:
             async with contextlib.AsyncExitStack() as stack:
-                stdio = self.server.command is not None
-                transport = self._stdio() if stdio else await self._http(stack)
-                read, write = await stack.enter_async_context(transport)
+                read, write = await stack.enter_async_context(await self._transport(stack))
                 session = await stack.enter_async_context(
                     ClientSession(
                         read,
@@ -196,32 +194,26 @@ class ServerLink:
             else:
                 log.info("MCP server %s: session ended: %s", self.name, explain(exc))
 
-    def _stdio(self) -> Any:
-        from mcp.client.stdio import StdioServerParameters, stdio_client
-
-        assert self.server.command is not None
-        env = dict(self.server.env)
-        env[ENV_KEYS] = ",".join(self.server.env)
-        # The launcher is agentq's own module: found where this process found agentq.
-        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-        params = StdioServerParameters(
-            command=sys.executable,
-            args=["-m", "agentq.mcp.child", *self.server.command],
-            env=env,
-            cwd=self.server.cwd,
-        )
-        # The process's real stderr: Celery puts a logging proxy, which has no fd, in sys.stderr.
-        return stdio_client(params, errlog=sys.__stderr__ or sys.stderr)
-
-    async def _http(self, stack: contextlib.AsyncExitStack) -> Any:
+    async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
+        """The server's stdio or Streamable HTTP transport (its HTTP client on `stack`)."""
         import httpx2
+        from mcp.client.stdio import StdioServerParameters, stdio_client
         from mcp.client.streamable_http import streamable_http_client
 
-        assert self.server.url is not None
-        timeout = httpx2.Timeout(30.0, read=None)
-        headers = self.server.resolved_headers()
-        http = await stack.enter_async_context(httpx2.AsyncClient(headers=headers, timeout=timeout))
-        return streamable_http_client(self.server.url, http_client=http)
+        server = self.server
+        if server.url is not None:
+            timeout = httpx2.Timeout(30.0, read=None)
+            http = httpx2.AsyncClient(headers=server.resolved_headers(), timeout=timeout)
+            http = await stack.enter_async_context(http)
+            return streamable_http_client(server.url, http_client=http)
+        assert server.command is not None
+        env = {**server.env, ENV_KEYS: ",".join(server.env)}
+        # The launcher is agentq's own module: found where this process found agentq.
+        env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+        launch = ["-m", "agentq.mcp.child", *server.command]
+        params = StdioServerParameters(command=sys.executable, args=launch, env=env, cwd=server.cwd)
+        # The process's real stderr: Celery puts a logging proxy, which has no fd, in sys.stderr.
+        return stdio_client(params, errlog=sys.__stderr__ or sys.stderr)
 
     async def _on_message(self, message: Any) -> None:
         method = getattr(getattr(message, "root", message), "method", None)
