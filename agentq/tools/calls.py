@@ -317,10 +317,8 @@ def tick(store: TurnStore, scope: CallScope) -> None:
 def invoke(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:
     """Call the tool with the call's validated arguments (ToolArgumentsInvalid when the
     model's are wrong), and its ToolContext first when it takes one."""
-    validated = spec.validate(req.arguments)
-    kwargs = {name: getattr(validated, name) for name in type(validated).model_fields}
-    # A model that keeps extra fields (an MCP tool's, checked by its JSON schema) passes them on.
-    kwargs.update(validated.model_extra or {})
+    # A model's fields, then the extra ones it keeps (an MCP tool's, checked by its JSON schema).
+    kwargs = dict(spec.validate(req.arguments))
     return spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
 
 
