@@ -60,7 +60,15 @@ async def _guarded(
     (the other calls on the loop keep theirs)."""
     try:
         with observed(scope) as span:
-            status = await _AsyncCall(host, spec, scope, backend).run(delivery)
+            call = _AsyncCall(host, spec, scope, backend)
+            status = await host.io(mark_started, host.store, scope, delivery, within_limit=True)
+            if status is not None:
+                log.info("call %s of %s: %s", scope.req.call_id, spec.name, status)
+            else:
+                result = await call.wait()
+                if call.settling.acquire(blocking=False):  # else the worker's recycling did
+                    await host.io(settle, host.store, scope, result)
+                status = result.status
         tracing.end_span(span, status)
     except BaseException:
         log.exception("call %s of %s failed outside the tool", scope.req.call_id, spec.name)
@@ -77,20 +85,9 @@ class _AsyncCall:
         req = self.req = scope.req
         self.name = f"{spec.task_name}:{req.call_id}"
         self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._settling = threading.Lock()
+        self.settling = threading.Lock()
         """Taken, never released, by whoever settles the call: the first to try, alone."""
         self.ctx = tool_context(host.store, scope, backend, host.fire, watched=True)
-
-    async def run(self, delivery: str) -> str:
-        host, scope = self.host, self.scope
-        why_not = await host.io(mark_started, host.store, scope, delivery, within_limit=True)
-        if why_not is not None:
-            log.info("call %s of %s: %s", self.req.call_id, self.spec.name, why_not)
-            return why_not
-        result = await self.wait()
-        if self._settling.acquire(blocking=False):  # else the worker's recycling settled it
-            await host.io(settle, host.store, scope, result)
-        return result.status
 
     def _abort(self) -> None:
         self.ctx._cancelled = True
@@ -103,7 +100,7 @@ class _AsyncCall:
             result = scope.timeout(killed=True, what=f"Tool {req.tool!r}: {why}.")
         else:
             result = lost_result(scope.call, why, **scope.common)
-        if self._settling.acquire(blocking=False):
+        if self.settling.acquire(blocking=False):
             settle(self.host.store, scope, result)
 
     def _soft(self, inner: asyncio.Future[Any]) -> None:
