@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery.signals import worker_init, worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_shutdown
 
 from agentq import constants as k
 from agentq.aio import host as aio_host
@@ -212,21 +212,11 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
     registry.add_refresher(_tools.refresh)
 
 
-_consumer: Any = None
 _keeper: concurrent.futures.Future[None] | None = None
 
 
 def _io_tools() -> McpTools | None:
     return _tools if roles.role == "io" else None
-
-
-def _keep_listed(sender: Any = None, **_: Any) -> None:
-    global _consumer, _keeper
-    tools = _io_tools()
-    if tools is None:
-        return
-    _consumer = sender
-    _keeper = asyncio.run_coroutine_threadsafe(tools.keep_listed(), aio_host.get_host().loop.loop)
 
 
 def _stop_sessions(**_: Any) -> None:
@@ -251,9 +241,10 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
     before the listing, and a warm shutdown lets the calls on the loop end before their
     sessions stop. `register` registers tools' tasks."""
 
-    def list_at_start(**_: Any) -> None:
-        """List every server before the worker consumes: a call of a tool whose task this
-        worker lacks would be dropped as an unknown task."""
+    def list_at_start(sender: Any = None, **_: Any) -> None:
+        """List every server before the worker consumes (a call of a tool whose task this
+        worker lacks would be dropped as an unknown task), then keep them listed."""
+        global _keeper
         tools = _io_tools()
         if tools is None:
             return
@@ -262,7 +253,7 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
             register({s.name: s for s in specs})
             # A tool a server adds later (`tools/list_changed`, a TTL's listing): the consumer
             # is told, or its calls would be refused as unknown tasks.
-            update = getattr(_consumer, "update_strategies", None)
+            update = getattr(getattr(sender, "consumer", None), "update_strategies", None)
             if callable(update):
                 update()
             log.info("MCP tools added: %s", ", ".join(s.name for s in specs))
@@ -273,7 +264,7 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
             asyncio.run_coroutine_threadsafe(tools.list_all(), loop).result(LIST_TIMEOUT_S + 5)
         except Exception:
             log.warning("MCP servers not all listed at start", exc_info=True)
+        _keeper = asyncio.run_coroutine_threadsafe(tools.keep_listed(), loop)
 
     worker_init.connect(list_at_start, weak=False, dispatch_uid="agentq.mcp.list")
-    worker_ready.connect(_keep_listed, weak=False, dispatch_uid="agentq.mcp.keep")
     worker_shutdown.connect(_stop_sessions, weak=False, dispatch_uid="agentq.mcp.stop")
