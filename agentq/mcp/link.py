@@ -279,11 +279,7 @@ class ServerLink:
         """The session's elicitation callback: the ElicitResult of the question it asks."""
         from mcp import types
 
-        message = str(getattr(params, "message", ""))
-        schema: Any = getattr(params, "requested_schema", None)
-        if hasattr(schema, "model_dump"):
-            schema = schema.model_dump(by_alias=True, exclude_none=True)
-        if getattr(params, "mode", "form") != "form" or len(self.callers) != 1:
+        if not isinstance(params, types.ElicitRequestFormParams) or len(self.callers) != 1:
             log.info(
                 "MCP server %s: elicitation declined (%s)",
                 self.name,
@@ -291,7 +287,8 @@ class ServerLink:
             )
             return types.ElicitResult(action="decline")
         (caller,) = self.callers
-        action, content = await asyncio.to_thread(ask, caller, message, schema)
+        schema = params.requested_schema
+        action, content = await asyncio.to_thread(ask, caller, params.message, schema)
         if action == "accept" and isinstance(content, dict):
             return types.ElicitResult(action="accept", content=content)
         return types.ElicitResult(action="cancel" if action == "cancel" else "decline")
@@ -380,7 +377,7 @@ POLL_S = 0.25
 _seq = itertools.count(1)
 
 
-def ask(caller: ToolContext, message: str, schema: Any) -> tuple[str, Any]:
+def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str, Any]:
     """Ask the question on the turn of the call in flight and wait for it (blocking: run
     it in a thread); (`accept`, content), (`decline`, None) or (`cancel`, None)."""
     store = get_store()
@@ -397,7 +394,7 @@ def ask(caller: ToolContext, message: str, schema: Any) -> tuple[str, Any]:
         tool=caller.tool,
         prompt=message,
         timeout_ms=max(1, int(timeout_s * 1000)),
-        answer_schema=schema if isinstance(schema, dict) else None,
+        answer_schema=schema,
     )
     store.open_interaction(caller.turn_id, req)
     store.bus.publish(caller.turn_id, "interaction_requested", **req.model_dump(), source="mcp")
