@@ -399,22 +399,18 @@ def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str,
     store.open_interaction(caller.turn_id, req)
     store.bus.publish(caller.turn_id, "interaction_requested", **req.model_dump(), source="mcp")
     rid, until = req.request_id, req.created_at + timeout_s
-    while True:
-        found = store.interaction(caller.turn_id, rid)
-        if found is None or found[0] != "pending":
-            break
-        if time.time() >= until:
-            if store.expire_interaction(caller.turn_id, rid):
-                store.bus.publish(
-                    caller.turn_id,
-                    "interaction_timed_out",
-                    request_id=rid,
-                    call_id=caller.call_id,
-                    timeout_ms=req.timeout_ms,
-                )
-                return "cancel", None
-            continue
-        time.sleep(POLL_S)
+    while (found := store.interaction(caller.turn_id, rid)) and found[0] == "pending":
+        if time.time() < until:
+            time.sleep(POLL_S)
+        elif store.expire_interaction(caller.turn_id, rid):  # else an answer won the race
+            store.bus.publish(
+                caller.turn_id,
+                "interaction_timed_out",
+                request_id=rid,
+                call_id=caller.call_id,
+                timeout_ms=req.timeout_ms,
+            )
+            return "cancel", None
     if store.interaction_decision(caller.turn_id, rid) != "approve":
         return "decline", None
     raw = store.redis.getdel(k.turn_key(caller.turn_id, "secret", rid))
