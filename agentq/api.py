@@ -388,7 +388,10 @@ class Client:
             "turn_id": turn_id,
             "state": state,
             "history": public_history(whole.history),
-            "invocations": [r.record.model_dump() for r in whole.results.values()],
+            "invocations": [
+                ToolResult.model_validate_json(r).record.model_dump()
+                for r in whole.results.values()
+            ],
             "spend": Spend(self._store.redis, self.settings).turn_totals(
                 whole.state.get("owner"), turn_id
             ),

@@ -10,7 +10,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from itertools import islice
 from typing import TYPE_CHECKING, Any, Literal, cast
@@ -37,10 +37,10 @@ from agentq.orchestrator import spend
 from agentq.orchestrator.conversation import ConversationMovedOn
 from agentq.orchestrator.plan import calls_of
 from agentq.orchestrator.start import Launch, check_budgets, hash_token, launch
-from agentq.state.base import call_fields, history_of, state_of, text
 from agentq.state.idempotency import fingerprint, start_once
 from agentq.state.listing import MAX_LIMIT, TurnLister, TurnQuery
 from agentq.state.turn_state import TurnState
+from agentq.state.turns import TurnSnapshot
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -110,17 +110,8 @@ class ForkRequest(_Overrides):
     edit: ForkEdit | None = None
 
 
-@dataclass(frozen=True)
-class Source:
+class Source(TurnSnapshot):
     """A turn as one read found it: what a retry or fork is built from."""
-
-    turn_id: str
-    state: TurnState
-    history: list[dict[str, Any]]
-    results: dict[str, str]
-    """Settled results (ToolResult JSON) by call id."""
-    started: frozenset[str]
-    """Calls a worker started (their start record)."""
 
     def rounds(self) -> list[int]:
         """The index in the history of each of its own rounds' answers."""
@@ -132,21 +123,14 @@ class Source:
 def read_source(store: TurnStore, turn_id: str) -> Source:
     """The source turn, from one read of its state hash; TurnNotFound if Redis has none,
     SourceGone if its conversation was deleted."""
-    raw = store.redis.hgetall(k.turn_key(turn_id))
-    if not raw:
+    snap = store.snapshot(turn_id)
+    if snap is None:
         raise TurnNotFound(turn_id)
-    state = state_of(raw)
-    cid = state.get("conversation_id")
+    cid = snap.state.get("conversation_id")
     if cid and not store.redis.exists(k.conversation_key(cid, "owner")):
         raise SourceGone(turn_id, f"its conversation {cid} was deleted, and its history with it")
-    history = history_of(raw) or list(state.get("pending_messages") or [])
-    return Source(
-        turn_id=turn_id,
-        state=state,
-        history=history,
-        results={c: text(v) for c, v in call_fields(raw, k.SETTLED).items()},
-        started=frozenset(call_fields(raw, k.STARTED)),
-    )
+    history = snap.history or list(snap.state.get("pending_messages") or [])
+    return Source(**{**vars(snap), "history": history})
 
 
 def _base_state(src: Source, over: _Overrides, token: str, model: str | None) -> TurnState:

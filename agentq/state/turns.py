@@ -158,10 +158,13 @@ return out
 class TurnSnapshot:
     """A turn as one read of its state hash found it."""
 
+    turn_id: str
     state: TurnState
     history: list[dict[str, Any]]
-    results: dict[str, ToolResult]
-    """Its calls' settled results, by call id."""
+    results: dict[str, str]
+    """Its calls' settled results (ToolResult JSON), by call id."""
+    started: frozenset[str]
+    """Its calls a worker started (their start record)."""
 
 
 class TurnRecords(StoreBase):
@@ -227,15 +230,16 @@ class TurnRecords(StoreBase):
         return state_of(raw) if raw else None
 
     def snapshot(self, turn_id: str) -> TurnSnapshot | None:
-        """The turn's state, history and settled results, from one read (None: no turn)."""
+        """The turn as one read of its state hash found it (None: Redis has no such turn)."""
         raw = self.redis.hgetall(k.turn_key(turn_id))
         if not raw:
             return None
-        settled = call_fields(raw, k.SETTLED)
         return TurnSnapshot(
-            state=state_of(raw),
-            history=history_of(raw),
-            results={c: ToolResult.model_validate_json(v) for c, v in settled.items()},
+            turn_id,
+            state_of(raw),
+            history_of(raw),
+            {c: text(v) for c, v in call_fields(raw, k.SETTLED).items()},
+            frozenset(call_fields(raw, k.STARTED)),
         )
 
     def update(self, turn_id: str, **fields: Any) -> None:
