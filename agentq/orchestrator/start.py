@@ -274,6 +274,7 @@ def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: 
         )
     if (owner or "") not in settings.key_budgets:
         return
-    # The least first round: the request's messages and a minimal completion.
+    # The least first round (the request's messages and a minimal completion), reserved
+    # without a reservation: a check of the key's budgets.
     prompt = math.ceil(size / CHARS_PER_TOKEN)
-    Spend(store.redis, settings).check_key(owner, day_of(time.time()), prompt, price)
+    Spend(store.redis, settings).reserve(owner, day_of(time.time()), prompt, price)

@@ -284,11 +284,11 @@ class Spend:
 
     def reserve(
         self,
-        *,
         owner: str | None,
         day: str,
         prompt_tokens: int,
         price: ModelPrice | None,
+        *,
         turn_id: str = "",
         parents: Sequence[str] = (),
         reservation: str = "",
@@ -299,7 +299,9 @@ class Spend:
         """Reserve a round against every budget it counts against: the completion it may
         produce (its `max_completion_tokens`; None: no budget bounds it); BudgetExceeded
         (with when a key's resets) names one that cannot afford it. Without a reservation,
-        a start's check (`check_key`)."""
+        a start's check of its key's budgets, which reserves nothing: one that cannot afford
+        its least round (its prompt and MIN_COMPLETION_TOKENS), or that refused a round of
+        the key's this period, refuses it."""
         kb = self.settings.key_budgets.get(owner or "")
         args = ReserveArgs(
             reservation,
@@ -360,14 +362,6 @@ class Spend:
         )
         pipe.expire(key, self.settings.turn_retention_s)
         pipe.execute()
-
-    def check_key(
-        self, owner: str | None, day: str, prompt_tokens: int, price: ModelPrice | None
-    ) -> None:
-        """Raise BudgetExceeded for a key budget that refuses a start: one that cannot afford
-        its least round (its prompt and MIN_COMPLETION_TOKENS), or that refused a round of the
-        key's this period. RESERVE decides it, reserving nothing."""
-        self.reserve(owner=owner, day=day, prompt_tokens=prompt_tokens, price=price)
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
         """A turn's spend with its sub-agents' (reservations in flight included in

@@ -162,7 +162,7 @@ def test_reserve_and_settle_run_once_and_move_every_budget(client: redis.Redis) 
 def test_a_key_that_refused_a_round_refuses_starts(client: redis.Redis) -> None:
     owner = f"k-{uuid.uuid4().hex[:8]}"
     spend = spend_of(client, **{owner: {"tokens_per_day": 1000}})
-    spend.check_key(owner, DAY, 34, None)
+    spend.reserve(owner, DAY, 34, None)
     with pytest.raises(BudgetExceeded) as refused:
         spend.reserve(
             owner=owner,
@@ -179,7 +179,7 @@ def test_a_key_that_refused_a_round_refuses_starts(client: redis.Redis) -> None:
     assert refused.value.budget == "tokens_per_day"
     assert refused.value.resets_at == resets_at("tokens_per_day", DAY)
     with pytest.raises(BudgetExceeded) as refused:
-        spend.check_key(owner, DAY, 34, None)
+        spend.reserve(owner, DAY, 34, None)
     assert refused.value.budget == "tokens_per_day"
 
 
@@ -190,11 +190,11 @@ def test_a_key_that_cannot_afford_the_least_round_refuses_starts(client: redis.R
     month = month_key(owner, DAY[:6])
     client.hset(month, "usd", 0.5)
     least = MIN_COMPLETION_TOKENS
-    spend.check_key(owner, DAY, 40 - least, None)
+    spend.reserve(owner, DAY, 40 - least, None)
 
     def refusal(prompt: int, price: ModelPrice | None) -> tuple[str, float, float]:
         with pytest.raises(BudgetExceeded) as refused:
-            spend.check_key(owner, DAY, prompt, price)
+            spend.reserve(owner, DAY, prompt, price)
         return refused.value.budget, refused.value.spent, refused.value.limit
 
     assert refusal(60 - least, None) == ("tokens_per_day", 950, 1000)
