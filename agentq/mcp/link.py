@@ -402,7 +402,7 @@ def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str,
     while (found := store.interaction(caller.turn_id, rid)) and found[0] == "pending":
         if time.time() < until:
             time.sleep(POLL_S)
-        elif store.expire_interaction(caller.turn_id, rid):  # else an answer won the race
+        elif store.expire_interaction(caller.turn_id, rid):
             store.bus.publish(
                 caller.turn_id,
                 "interaction_timed_out",
@@ -411,6 +411,8 @@ def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str,
                 timeout_ms=req.timeout_ms,
             )
             return "cancel", None
+        else:
+            break  # an answer came first (or the turn ended): it decides
     if store.interaction_decision(caller.turn_id, rid) != "approve":
         return "decline", None
     raw = store.redis.getdel(k.turn_key(caller.turn_id, "secret", rid))
