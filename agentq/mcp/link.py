@@ -402,7 +402,7 @@ def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str,
     while (found := store.interaction(caller.turn_id, rid)) and found[0] == "pending":
         if time.time() < until:
             time.sleep(POLL_S)
-        elif store.expire_interaction(caller.turn_id, rid):
+        elif store.expire_interaction(caller.turn_id, rid) == "timed_out":
             store.bus.publish(
                 caller.turn_id,
                 "interaction_timed_out",

@@ -83,19 +83,15 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
             if ctx.now < deadline:
                 out.wait_until = min(out.wait_until or deadline, deadline)
                 continue
-            # Past its timeout: timed out, unless an answer won the race (its record decides).
-            if ctx.store.expire_interaction(ctx.turn_id, rid):
+            # Past its timeout: timed out, unless an answer won the race (its state stays).
+            state = ctx.store.expire_interaction(ctx.turn_id, rid)
+            if state == "timed_out":
                 ctx.publish(
                     "interaction_timed_out",
                     request_id=rid,
                     call_id=call.id,
                     timeout_ms=req.timeout_ms,
                 )
-                state = "timed_out"
-            else:
-                found = ctx.store.interaction(ctx.turn_id, rid)
-                assert found is not None
-                state = found[0]
         _decide(ctx, out, call, rid, state, req)
     return out
 
@@ -116,11 +112,10 @@ def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionReque
         return "pending", req
     if req.default is None:
         raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
-    if ctx.store.expire_interaction(ctx.turn_id, rid, state="defaulted"):
+    state = ctx.store.expire_interaction(ctx.turn_id, rid, state="defaulted")
+    if state == "defaulted":
         ctx.publish("interaction_answered", request_id=rid, decision=req.default, by="default")
-    found = ctx.store.interaction(ctx.turn_id, rid)
-    assert found is not None
-    return found
+    return state, req
 
 
 def _decide(

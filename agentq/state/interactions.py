@@ -137,9 +137,11 @@ class InteractionRecords(StoreBase):
             raise InteractionClosed(turn_id, request_id, outcome)
         self.send_step(turn_id)
 
-    def expire_interaction(self, turn_id: str, request_id: str, state: str = "timed_out") -> bool:
-        """Close a pending request without an answer; False if an answer won the race."""
-        return self._close_interaction(turn_id, request_id, state, "deny", "", 1, "") == "ok"
+    def expire_interaction(self, turn_id: str, request_id: str, state: str = "timed_out") -> str:
+        """Close a pending request without an answer: the state it is in now (`state`, or
+        the one of an answer that won the race; "closed": its turn is over, "missing")."""
+        got = self._close_interaction(turn_id, request_id, state, "deny", "", 1, "")
+        return state if got == "ok" else got
 
     def _close_interaction(self, turn_id: str, request_id: str, *close: Any) -> str:
         """_CLOSE_LUA, given the first five of its CloseArgs (`close`)."""
