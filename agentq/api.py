@@ -29,7 +29,7 @@ from agentq.orchestrator import replay
 from agentq.orchestrator.conversation import conversations, shown
 from agentq.orchestrator.start import start_turn, token_matches
 from agentq.orchestrator.wake import request_abort
-from agentq.state.listing import SCAN_BATCH, TurnLister
+from agentq.state.listing import TurnLister
 from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import NO_KEY, Spend, usage_days, usage_report
 from agentq.state.timeline import timeline
@@ -415,15 +415,9 @@ class Client:
     def active(self) -> list[dict[str, Any]]:
         """The open turns, oldest first, as `agentq turns` lists them (`current_tools`: the
         calls each has out), summarised a page at a time so no script holds Redis long."""
-        ids = self._store.active()
-        lister = TurnLister(self._store.redis)
-        rows = [
-            row
-            for at in range(0, len(ids), SCAN_BATCH)
-            for row in lister.summaries(ids[at : at + SCAN_BATCH]).values()
-            if row["status"] not in TERMINAL_STATUSES
-        ]
-        return sorted(rows, key=lambda t: float(t["created_at"] or 0))
+        rows = TurnLister(self._store.redis).active()
+        open_rows = [row for row in rows if row["status"] not in TERMINAL_STATUSES]
+        return sorted(open_rows, key=lambda t: float(t["created_at"] or 0))
 
     def conversation(
         self,

@@ -298,18 +298,22 @@ class TurnLister:
             tied |= {m for sc, m in page if sc == low and m in alive}
         return dropped
 
+    def active(self, visible: Visible | None = None) -> list[dict[str, Any]]:
+        """The summaries of the open turns (the members of the wakeups), a page at a time
+        so no script holds Redis long."""
+        ids = active_turns(self.redis)
+        at = range(0, len(ids), SCAN_BATCH)
+        return [
+            r for i in at for r in self.summaries(ids[i : i + SCAN_BATCH], None, visible).values()
+        ]
+
     def pending_interactions(self, visible: Visible | None = None) -> list[dict[str, Any]]:
         """Every pending interaction of the running turns, the soonest to expire first."""
-        ids = active_turns(self.redis)
-        out: list[dict[str, Any]] = []
-        for i in range(0, len(ids), SCAN_BATCH):
-            for row in self.summaries(ids[i : i + SCAN_BATCH], visible=visible).values():
-                for p in row["pending_interactions"]:
-                    # A sub-agent's request: the console shows whose agent call asked.
-                    p.update({f: row[f] for f in ("agent", "owner", "parent_turn_id")})
-                    out.append(p)
-        out.sort(key=lambda p: float(p["expires_at"]))
-        return out
+        # A sub-agent's request: the console shows whose agent call asked.
+        asks = ("agent", "owner", "parent_turn_id")
+        rows = self.active(visible)
+        out = [{**p, **{f: r[f] for f in asks}} for r in rows for p in r["pending_interactions"]]
+        return sorted(out, key=lambda p: float(p["expires_at"]))
 
 
 def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[str], bool]:
