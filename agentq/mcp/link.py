@@ -402,14 +402,7 @@ def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str,
     while (found := store.interaction(caller.turn_id, rid)) and found[0] == "pending":
         if time.time() < until:
             time.sleep(POLL_S)
-        elif store.expire_interaction(caller.turn_id, rid) == "timed_out":
-            store.bus.publish(
-                caller.turn_id,
-                "interaction_timed_out",
-                request_id=rid,
-                call_id=caller.call_id,
-                timeout_ms=req.timeout_ms,
-            )
+        elif store.expire_interaction(caller.turn_id, req) == "timed_out":
             return "cancel", None
         else:
             break  # an answer came first (or the turn ended): it decides

@@ -84,14 +84,8 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
                 out.wait_until = min(out.wait_until or deadline, deadline)
                 continue
             # Past its timeout: timed out, unless an answer won the race (its state stays).
-            state = ctx.store.expire_interaction(ctx.turn_id, rid)
-            if state == "timed_out":
-                ctx.publish(
-                    "interaction_timed_out",
-                    request_id=rid,
-                    call_id=call.id,
-                    timeout_ms=req.timeout_ms,
-                )
+            ctx.flush()  # interaction_timed_out after what the step staged
+            state = ctx.store.expire_interaction(ctx.turn_id, req)
         _decide(ctx, out, call, rid, state, req)
     return out
 
@@ -112,10 +106,7 @@ def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionReque
         return "pending", req
     if req.default is None:
         raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
-    state = ctx.store.expire_interaction(ctx.turn_id, rid, state="defaulted")
-    if state == "defaulted":
-        ctx.publish("interaction_answered", request_id=rid, decision=req.default, by="default")
-    return state, req
+    return ctx.store.expire_interaction(ctx.turn_id, req, state="defaulted"), req
 
 
 def _decide(

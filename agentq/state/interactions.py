@@ -25,7 +25,7 @@ class CloseArgs(NamedTuple):
     """A password answer ("": none), kept `secret_ttl_s` for its tool to read once."""
     secret_ttl_s: int
     event: str
-    """The interaction_answered body ("": no event, and no wake)."""
+    """The body of the event the close publishes."""
     log_opts: str
     turn_id: str
     wake_at: float
@@ -33,7 +33,8 @@ class CloseArgs(NamedTuple):
 
 # _CLOSE_LUA: closing a request is a compare-and-set on its state, so an answer and the
 # timeout can race and exactly one wins; the loser gets the state that won (409 to a
-# client). An answer publishes interaction_answered and wakes the turn in the same step.
+# client). The close publishes its event in the same step; an answer wakes the turn too
+# (a timeout or a default is the turn's own step's, or its tool's, doing).
 _CLOSE_LUA = (
     bind_lua((*TurnKeys._fields, "interaction_key", "secret_key"), CloseArgs)
     + f"""
@@ -45,8 +46,10 @@ redis.call('HSET', interaction_key, 'state', new_state, 'decision', decision)
 if secret ~= '' then
   redis.call('SET', secret_key, secret, 'EX', secret_ttl_s)
 end
-if event ~= '' then
-{publish_lua("log_key", "channel", "event", "log_opts", "watched")}{wake_lua(f"'{SEQ_FIELD}', seq")}
+{publish_lua("log_key", "channel", "event", "log_opts", "watched")}
+if new_state == 'answered' then
+{wake_lua(f"'{SEQ_FIELD}', seq")}else
+  redis.call('HSET', turn_key, '{SEQ_FIELD}', seq)
 end
 return 'ok'
 """
@@ -137,10 +140,19 @@ class InteractionRecords(StoreBase):
             raise InteractionClosed(turn_id, request_id, outcome)
         self.send_step(turn_id)
 
-    def expire_interaction(self, turn_id: str, request_id: str, state: str = "timed_out") -> str:
-        """Close a pending request without an answer: the state it is in now (`state`, or
-        the one of an answer that won the race; "closed": its turn is over, "missing")."""
-        got = self._close_interaction(turn_id, request_id, state, "deny", "", 1, "")
+    def expire_interaction(
+        self, turn_id: str, req: InteractionRequest, state: str = "timed_out"
+    ) -> str:
+        """Close a pending request without an answer, publishing interaction_timed_out (a
+        headless default, `defaulted`: interaction_answered), its turn not woken; the state
+        it is in now: `state`, or an answer's that won the race ("closed": the turn ended)."""
+        rid = req.request_id
+        fields: dict[str, Any] = {"request_id": rid, "decision": req.default, "by": "default"}
+        if state != "defaulted":
+            fields = {"request_id": rid, "call_id": req.call_id, "timeout_ms": req.timeout_ms}
+        kind = "interaction_answered" if state == "defaulted" else "interaction_timed_out"
+        event = event_body(turn_id, kind, fields)
+        got = self._close_interaction(turn_id, rid, state, "deny", "", 1, event)
         return state if got == "ok" else got
 
     def _close_interaction(self, turn_id: str, request_id: str, *close: Any) -> str:

@@ -21,7 +21,7 @@ def test_an_interaction_closes_exactly_once(store: TurnStore) -> None:
     with pytest.raises(InteractionClosed) as info:
         store.answer_interaction("t1", "r1", InteractionAnswer(decision="deny"))
     assert info.value.state == "answered"
-    assert store.expire_interaction("t1", "r1") == "answered"  # the answer won the race
+    assert store.expire_interaction("t1", req) == "answered"  # the answer won the race
     answered = [e for e in store.bus.replay("t1") if e.type == "interaction_answered"]
     assert len(answered) == 1 and "s3cret" not in answered[0].model_dump_json()
     with pytest.raises(InteractionNotFound):
@@ -29,10 +29,9 @@ def test_an_interaction_closes_exactly_once(store: TurnStore) -> None:
 
 
 def test_a_timed_out_interaction_refuses_late_answers(store: TurnStore) -> None:
-    store.open_interaction(
-        "t1", InteractionRequest(request_id="r2", kind="approval", prompt="?", timeout_ms=1000)
-    )
-    assert store.expire_interaction("t1", "r2") == "timed_out"
+    req = InteractionRequest(request_id="r2", kind="approval", prompt="?", timeout_ms=1000)
+    store.open_interaction("t1", req)
+    assert store.expire_interaction("t1", req) == "timed_out"
     with pytest.raises(InteractionClosed) as info:
         store.answer_interaction("t1", "r2", InteractionAnswer(decision="approve"))
     assert info.value.state == "timed_out"
