@@ -217,21 +217,14 @@ call reads all of its records."""
 
 def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
     """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`),
-    matched in Redis so its history stays there, in one round trip (more for a large turn)."""
-    pattern = f"[{kinds}]:*"
-    got = each(
-        client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, match=pattern, count=SCAN_COUNT)
-    )
-    out: list[dict[Any, Any]] = []
-    for turn_id, (cursor, fields) in zip(turn_ids, got, strict=True):
-        found = dict(fields)
-        while int(cursor):
-            cursor, more = client.hscan(
-                k.turn_key(turn_id), cursor, match=pattern, count=SCAN_COUNT
-            )
-            found.update(more)
-        out.append(found)
-    return out
+    matched in Redis so its history stays there, in one round trip (a turn the first call
+    did not read whole is read again with redis-py's scan: more calls)."""
+    opts = {"match": f"[{kinds}]:*", "count": SCAN_COUNT}
+    got = each(client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, **opts))
+    return [
+        dict(client.hscan_iter(k.turn_key(t), **opts)) if int(cursor) else dict(fields)
+        for t, (cursor, fields) in zip(turn_ids, got, strict=True)
+    ]
 
 
 def now_ms() -> int:

@@ -153,3 +153,12 @@ def test_a_start_a_replica_was_slow_to_acknowledge_still_runs(
     assert store.mark_started("t1", "c1", mine, STARTED_EVENT) == Started.STARTED
     assert given == [0, 1]
     assert store.call_progress("t1")[0]["c1"]["claim"] == "mine"
+
+
+def test_records_of_a_turn_the_first_scan_did_not_read_whole_are_all_read(
+    store: TurnStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(base, "SCAN_COUNT", 2)
+    store.record_dispatch("t1", {f"c{i}": {"task_id": f"x{i}"} for i in range(9)})
+    dispatched = store.call_progress("t1")[1]
+    assert sorted(dispatched) == [f"c{i}" for i in range(9)]
