@@ -9,7 +9,6 @@ and a write.
 
 from __future__ import annotations
 
-import json
 import math
 import secrets
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from agentq.errors import RateLimited
 from agentq.limits.bucket import TokenBucket
 from agentq.limits.semaphore import FOREVER, LeasedSemaphore
 from agentq.models import TERMINAL_STATUSES, TurnHandle
+from agentq.state.base import statuses
 
 RESERVATION_TTL_S = 60
 """A reservation whose start never completed (a crashed gateway) frees its slot after this."""
@@ -56,14 +56,8 @@ class StartLimits:
         reservation = f"r:{secrets.token_hex(8)}"
         key = k.limits_key(subject, "turns")
         turns = [m for m in self._running.holders(key) if not m.startswith("r:")]
-        pipe = self.redis.pipeline(transaction=False)
-        for t in turns:
-            pipe.hget(k.turn_key(t), "status")
-        ended = [
-            t
-            for t, raw in zip(turns, pipe.execute() if turns else [], strict=True)
-            if raw is None or str(json.loads(raw)) in TERMINAL_STATUSES
-        ]
+        got = statuses(self.redis, turns)
+        ended = [t for t, s in zip(turns, got, strict=True) if s in (None, *TERMINAL_STATUSES)]
         if not self._running.acquire(key, reservation, RESERVATION_TTL_S, ended):
             raise RateLimited(
                 ACTIVE_RETRY_AFTER_S,

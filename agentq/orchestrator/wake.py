@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import TYPE_CHECKING
 
-from agentq import constants as k
 from agentq.errors import BrokerUnavailable
 from agentq.fleet.broker import BROKER_RETRY_S, send_step
 from agentq.models import TERMINAL_STATUSES
+from agentq.state.base import statuses
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -46,11 +45,6 @@ def request_abort(store: TurnStore, turn_id: str, reason: str, *, walk: bool = T
 def abort_running(store: TurnStore, turn_ids: list[str], reason: str, *, walk: bool = True) -> None:
     """`request_abort` those of these turns (a turn's children) that still run, their
     statuses read in one round trip."""
-    if not turn_ids:
-        return
-    pipe = store.redis.pipeline(transaction=False)
-    for t in turn_ids:
-        pipe.hget(k.turn_key(t), "status")
-    for t, raw in zip(turn_ids, pipe.execute(), strict=True):
-        if raw is not None and json.loads(raw) not in TERMINAL_STATUSES:
+    for t, status in zip(turn_ids, statuses(store.redis, turn_ids), strict=True):
+        if status not in (None, *TERMINAL_STATUSES):
             request_abort(store, t, reason, walk=walk)

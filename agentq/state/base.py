@@ -202,6 +202,12 @@ def exist(client: Any, keys: list[str]) -> list[bool]:
     return [bool(v) for v in each(client, keys, lambda p, key: p.exists(key))]
 
 
+def statuses(client: Any, turn_ids: list[str]) -> list[str | None]:
+    """Each turn's status (None: Redis holds no such turn), in one round trip."""
+    got = each(client, turn_ids, lambda p, t: p.hget(k.turn_key(t), "status"))
+    return [None if raw is None else json.loads(raw) for raw in got]
+
+
 def active_turns(client: Any) -> list[str]:
     """The open turns of every shard (the members of their wakeups), the soonest due first."""
     got = each(

@@ -23,6 +23,7 @@ from agentq.state.base import (
     finished,
     history_of,
     state_of,
+    statuses,
     text,
 )
 from agentq.state.lua import (
@@ -246,8 +247,7 @@ class TurnRecords(StoreBase):
         self.redis.hset(k.turn_key(turn_id), mapping={f: json.dumps(v) for f, v in fields.items()})
 
     def status(self, turn_id: str) -> str | None:
-        raw = self.redis.hget(k.turn_key(turn_id), "status")
-        return None if raw is None else json.loads(raw)  # type: ignore[no-any-return]
+        return statuses(self.redis, [turn_id])[0]
 
     def active(self) -> list[str]:
         """The running turns, oldest first."""
