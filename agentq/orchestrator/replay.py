@@ -383,7 +383,7 @@ def _sources(
             yield str(row["turn_id"])
         if page.next_before is None:
             return
-        query = replace(query, before=page.next_before)
+        query = query.model_copy(update={"before": page.next_before})
 
 
 Starter = Callable[[Callable[[], TurnHandle]], TurnHandle]

@@ -4,7 +4,8 @@ reused, the ones run again, the refusals. Pure functions of the source: no Redis
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from typing import Any, cast
 
 import pytest
 
@@ -12,14 +13,17 @@ from agentq import constants as k
 from agentq.errors import ForkInvalid, NotRetryable
 from agentq.models import ToolCall
 from agentq.orchestrator.replay import (
+    BulkRetryRequest,
     ForkEdit,
     ForkRequest,
     RetryRequest,
     Source,
+    _sources,
     fork_launch,
     replay_source,
     retry_launch,
 )
+from agentq.state.listing import TurnLister, TurnPage, TurnQuery
 from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, lost_result
 
@@ -138,3 +142,19 @@ def test_no_round_follows_one_whose_results_are_not_all_in_the_history() -> None
     assert "must be 1..2" in refused.value.message
     complete = _source({}, {**_all_results(), "b2": _result("b2")})
     assert fork_launch(complete, ForkRequest(at_round=3), TOKEN).history == complete.history
+
+
+def test_a_bulk_retry_reads_the_listing_page_after_page() -> None:
+    now = time.time()
+    asked: list[float | None] = []
+
+    class Lister:
+        def page(self, query: TurnQuery, visible: Any = None) -> TurnPage:
+            asked.append(query.before)
+            if query.before is None:
+                return TurnPage([{"turn_id": "a", "created_at": now - 1}], next_before=now - 1)
+            return TurnPage([{"turn_id": "b", "created_at": now - 2}])
+
+    req = BulkRetryRequest(status="error")
+    assert list(_sources(cast(TurnLister, Lister()), req, None)) == ["a", "b"]
+    assert asked == [None, now - 1]
