@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
 
 def span_record(span: ReadableSpan) -> dict[str, Any]:
@@ -33,18 +32,11 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
-class JsonLinesSpanExporter(SpanExporter):  # type: ignore[misc]
-    """Appends finished spans to `path`, one JSON object a line, safe across processes."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        data = "".join(json.dumps(span_record(s), default=str) + "\n" for s in spans).encode()
-        # One O_APPEND write per batch: lines of several processes never interleave.
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-        return SpanExportResult.SUCCESS
+def exporter(path: str) -> ConsoleSpanExporter:
+    """OpenTelemetry's console exporter, writing each span's `span_record` to `path`: the
+    file is opened for appending (O_APPEND) and flushed after each span, one write a line,
+    so lines of several processes never interleave."""
+    out = open(path, "a", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600))  # noqa: SIM115 (open while the process records spans)
+    return ConsoleSpanExporter(
+        out=out, formatter=lambda s: json.dumps(span_record(s), default=str) + "\n"
+    )

@@ -131,10 +131,10 @@ def setup(
         if exporter is not None:
             processor = SimpleSpanProcessor(exporter)
         elif spans_file:
-            from agentq.telemetry.spans import JsonLinesSpanExporter
+            from agentq.telemetry import spans
 
             # Written as each span ends: a prefork child may be killed at any time.
-            processor = SimpleSpanProcessor(JsonLinesSpanExporter(spans_file))
+            processor = SimpleSpanProcessor(spans.exporter(spans_file))
         else:
             processor = BatchSpanProcessor(_standard_exporter())
     except ImportError:
