@@ -328,7 +328,7 @@ def machine(fx: BenchRig) -> dict[str, Any]:
                 break
     server = "?"
     with contextlib.suppress(Exception):
-        server = str(runtime.get_redis().info("server").get("redis_version"))
+        server = str(runtime.get_store().redis.info("server").get("redis_version"))
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),

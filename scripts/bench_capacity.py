@@ -39,7 +39,7 @@ def pids_by_kind(fx: BenchRig, pids: dict[int, str]) -> dict[int, str]:
 
 def redis_clients_by_kind(fx: BenchRig, extra: dict[int, str] | None = None) -> dict[str, int]:
     """Open connections to the bench's Redis, by process kind."""
-    port = int(runtime.get_redis().connection_pool.connection_kwargs.get("port", 6379))
+    port = int(runtime.get_store().redis.connection_pool.connection_kwargs.get("port", 6379))
     out: Counter[str] = Counter()
     for pid, kind in pids_by_kind(fx, {os.getpid(): "bench client", **(extra or {})}).items():
         with contextlib.suppress(psutil.Error):

@@ -165,7 +165,7 @@ def plain_celery(fx: BenchRig, key: str, n: int, shape: Shape) -> dict[str, Any]
     """The shape's turns as plain Celery tasks: seconds, and CPU of its workers + Redis."""
     from scripts.bench_celery_app import ROUNDS, SYNC_TOOLS, turn_round
 
-    r = runtime.get_redis()
+    r = runtime.get_store().redis
     done_key = f"bench:plain:{uuid.uuid4().hex}"
     kinds = (*plain_kinds(shape), "redis")
     tool_queue = SYNC_TOOLS if shape.sync else ROUNDS

@@ -23,15 +23,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.broker")
 
 _lock = threading.Lock()
-_redis: redis.Redis | None = None
 _store: TurnStore | None = None
 _app: Celery | None = None
 
 
-def get_redis(settings: Settings | None = None) -> redis.Redis:
-    global _redis
+def get_store(settings: Settings | None = None) -> TurnStore:
+    """The store of this process, on its Redis client (`store.redis`)."""
+    global _store
     with _lock:
-        if _redis is None:
+        if _store is None:
             s = settings or get_settings()
             k.set_shard_count(s.shard_count)
             options: dict[str, Any] = {
@@ -41,20 +41,11 @@ def get_redis(settings: Settings | None = None) -> redis.Redis:
             }
             # The store sends a Cluster only one-slot scripts and transactions and the
             # commands both clients share (see agentq.constants on shards).
-            _redis = (
+            client = (
                 cast(redis.Redis, cluster_client(s.redis_cluster_nodes, **options))
                 if s.redis_cluster_nodes
                 else redis_client(s.redis_url, s.redis_sentinel_master, **options)
             )
-        return _redis
-
-
-def get_store(settings: Settings | None = None) -> TurnStore:
-    global _store
-    s = settings or get_settings()
-    client = get_redis(s)
-    with _lock:
-        if _store is None:
             _store = TurnStore(
                 client,
                 log_maxlen=s.event_log_maxlen,
@@ -107,7 +98,7 @@ def set_app(app: Celery) -> None:
 
 def reset() -> None:
     """Forget every singleton (tests that change settings)."""
-    global _redis, _store, _app
+    global _store, _app
     get_settings.cache_clear()
     k.set_shard_count(None)
-    _redis = _store = _app = None
+    _store = _app = None
