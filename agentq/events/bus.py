@@ -191,13 +191,10 @@ class EventBus:
         return f"{self.log_maxlen}s" if self.sharded else str(self.log_maxlen)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> bool:
-        """Publish one event; False if the turn has ended (nothing published)."""
-        over = self._send(self._publish_many, {turn_id: [event_body(turn_id, type_, fields)]})[1]
-        return not over
-
-    def publish_while_queued(self, turn_id: str, type_: str, **fields: Any) -> bool:
-        """`publish`, only while the turn has not started (False once its first step ran)."""
-        over = self._send(self._publish_queued, {turn_id: [event_body(turn_id, type_, fields)]})[1]
+        """Publish one event; False if the turn has ended (nothing published), or for a
+        `turn_queued`, once the turn's first step ran (PUBLISH_QUEUED_LUA)."""
+        script = self._publish_queued if type_ == "turn_queued" else self._publish_many
+        over = self._send(script, {turn_id: [event_body(turn_id, type_, fields)]})[1]
         return not over
 
     def watch(self, turn_id: str, by: int) -> bool:

@@ -251,7 +251,7 @@ def _admit(
         # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
         # perhaps already: said only while the turn has not started.
         fields = {"position": admitted.position, "behind": admitted.behind}
-        store.bus.publish_while_queued(turn_id, "turn_queued", **fields)
+        store.bus.publish(turn_id, "turn_queued", **fields)
         if admitted.outcome is Admit.INJECTED:
             handle.update(injected=True, message_turn_id=turn_id, events_url_of=admitted.running)
         handle.update(queued=True, **fields)
