@@ -9,6 +9,7 @@ threads, not from a pool's dozens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import time
 from collections import deque
@@ -132,31 +133,47 @@ class AsyncClient:
         # On a thread: one walk up per child at a resume, not worth an asyncio twin.
         await self._call(relay.resume, self._client._store.redis, after)
         checked = False
-        while not relay.done:
-            streams = {turn_key(t, "log"): s for t, s in relay.streams.items()}
-            reply: Any = await self._redis.xread(
-                {key: s.last_id for key, s in streams.items()},
-                count=READ_COUNT,
-                block=max(block_ms, 1),
-            )
-            if not reply:
-                if not checked and not await self._redis.exists(turn_key(turn_id)):
-                    raise TurnNotFound(turn_id)
-                checked = True
-                if heartbeat_s is not None:
-                    yield None
-                continue
-            # Merged as the sync follower merges: a full page that runs out, or a child
-            # that opens, ends the merge and the next read takes every log from its place.
-            pending = {
-                streams[text(key)].turn_id: deque(
-                    Event.parse(f[b"e"], stream_id=text(i)) for i, f in entries
+        marked: set[str] = set()
+        bus = self._client._store.bus
+
+        def watch(turn_ids: set[str], by: int) -> set[str]:  # on the client's threads
+            return {t for t in turn_ids if bus.watch(t, by)}
+
+        try:
+            while not relay.done:
+                # Counted in as a follower of each stream, as the sync follower is: a
+                # stream worker holds back the deltas of a turn nobody follows.
+                fresh = relay.streams.keys() - marked
+                if fresh:
+                    marked |= await self._call(watch, fresh, 1)
+                streams = {turn_key(t, "log"): s for t, s in relay.streams.items()}
+                reply: Any = await self._redis.xread(
+                    {key: s.last_id for key, s in streams.items()},
+                    count=READ_COUNT,
+                    block=max(block_ms, 1),
                 )
-                for key, entries in reply
-            }
-            full = {t for t, q in pending.items() if len(q) >= READ_COUNT}
-            for ev in relay.merge(pending, full):
-                yield ev
+                if not reply:
+                    if not checked and not await self._redis.exists(turn_key(turn_id)):
+                        raise TurnNotFound(turn_id)
+                    checked = True
+                    if heartbeat_s is not None:
+                        yield None
+                    continue
+                # Merged as the sync follower merges: a full page that runs out, or a child
+                # that opens, ends the merge and the next read takes every log from its place.
+                pending = {
+                    streams[text(key)].turn_id: deque(
+                        Event.parse(f[b"e"], stream_id=text(i)) for i, f in entries
+                    )
+                    for key, entries in reply
+                }
+                full = {t for t, q in pending.items() if len(q) >= READ_COUNT}
+                for ev in relay.merge(pending, full):
+                    yield ev
+        finally:
+            if marked:
+                with contextlib.suppress(RuntimeError):  # the client's threads are gone
+                    self._threads.submit(watch, marked, -1)
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""

@@ -6,11 +6,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 
 import pytest
 
 from agentq import AsyncClient, AsyncTurn, TurnAborted, TurnFailed, TurnTimeout
+from agentq.constants import turn_key
 from agentq.events import Event, ToolStarted, TurnFinished
+from agentq.events.bus import WATCHERS_FIELD
+from agentq.local.processes import wait_for
 from agentq.testing.openai_server import Round
 from tests.agents_under_test import Verdict
 from tests.helpers import calls, collect, script, script_asking_echoer
@@ -133,3 +137,22 @@ def test_async_events_carry_a_cursor_that_resumes_either_client(fleet, llm_serve
     # the child's end goes before its call's settling in the parent (one script).
     whole = [(e.turn_id, e.seq) for e in client.events(parent.turn_id) if e is not None]
     assert [(e.turn_id, e.seq) for e in asyncio.run(read())] == whole
+
+
+def test_an_async_follower_is_counted_in_while_it_reads(client) -> None:
+    # A stream worker holds back the deltas of a turn nobody follows (for
+    # llm_quiet_delta_interval_ms): an async follower counts itself in, as a sync one
+    # does, or it would get a streamed answer in bursts seconds apart.
+    redis, turn_id = client._store.redis, uuid.uuid4().hex
+    redis.hset(turn_key(turn_id), "status", '"running"')
+
+    async def main() -> object:
+        async with AsyncClient() as aclient:
+            events = aclient.events(turn_id, depth=0, heartbeat_s=0.05)
+            assert await anext(events) is None  # nothing published: a heartbeat
+            watchers = redis.hget(turn_key(turn_id), WATCHERS_FIELD)
+            await events.aclose()
+            return watchers
+
+    assert asyncio.run(main()) == b"1"
+    wait_for(lambda: not redis.hexists(turn_key(turn_id), WATCHERS_FIELD), 5, 0.02)
