@@ -73,18 +73,16 @@ def broadcast(
 
 
 def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
-    errors: tuple[type[BaseException], ...] | None = app.__dict__.get("_agentq_broker_errors")
-    if errors is None:
-        from kombu.exceptions import OperationalError
+    """The errors of a broker that is away (read only when a send raised: an `except`
+    clause's expression is evaluated then, so a send that goes through costs nothing)."""
+    from kombu.exceptions import OperationalError
 
-        with app.connection_for_write() as conn:
-            # For Redis these include its channel errors (kombu's fallback for a transport
-            # without recoverable errors of its own), ResponseError among them: kept, as
-            # READONLY and MASTERDOWN during a failover are ResponseErrors that mean the
-            # broker is away for now; a refused command is then left to the wakeup too.
-            errors = (OperationalError, *conn.recoverable_connection_errors)
-        app.__dict__["_agentq_broker_errors"] = errors
-    return errors
+    with app.connection_for_write() as conn:
+        # For Redis these include its channel errors (kombu's fallback for a transport
+        # without recoverable errors of its own), ResponseError among them: kept, as
+        # READONLY and MASTERDOWN during a failover are ResponseErrors that mean the
+        # broker is away for now; a refused command is then left to the wakeup too.
+        return (OperationalError, *conn.recoverable_connection_errors)
 
 
 def send_step(app: Celery, turn_id: str) -> None:
