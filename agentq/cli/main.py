@@ -138,8 +138,10 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
         "AGENTQ_FLOWER_PORT" in environ or "FLOWER_PORT" not in environ
     ):
         argv.append(f"--port={settings.flower_port}")
-    address = take_option(opts, "--address")[0] or environ.get("FLOWER_ADDRESS") or "127.0.0.1"
-    if not has_option(opts, "--address"):
+    # An empty --address is Flower's default: every address.
+    address = take_option(opts, "--address")[0]
+    if address is None:
+        address = environ.get("FLOWER_ADDRESS") or "127.0.0.1"
         argv.append(f"--address={address}")
     if settings.flower_basic_auth and not has_option(opts, "--basic_auth", "--basic-auth"):
         argv.append(f"--basic_auth={settings.flower_basic_auth.get_secret_value()}")

@@ -156,6 +156,10 @@ def test_agentq_flower_never_listens_beyond_loopback_without_auth(monkeypatch) -
     with pytest.raises(ConfigError, match="AGENTQ_FLOWER_BASIC_AUTH"):
         flower_argv(bare, [], {"FLOWER_ADDRESS": "0.0.0.0"})
     assert "--address=127.0.0.1" in flower_argv(bare, [], {})
+    # An empty address is Flower's own default, every address: refused as 0.0.0.0 is.
+    for empty in (["--address="], ["--address", ""]):
+        with pytest.raises(ConfigError, match="every address"):
+            flower_argv(bare, empty, {})
     monkeypatch.setenv("AGENTQ_FLOWER_BASIC_AUTH", "ops:s3cret")
     argv = flower_argv(load_settings(), [], {"FLOWER_ADDRESS": "0.0.0.0"})
     assert "--basic_auth=ops:s3cret" in argv
