@@ -241,7 +241,7 @@ def _add_turn_commands(sub: Any) -> None:
     t.add_argument(
         "--watch",
         nargs="?",
-        type=float,
+        type=positive(float),
         const=1.0,
         metavar="SECONDS",
         help="redraw every SECONDS (1 by default) until Ctrl-C",

@@ -34,6 +34,8 @@ def test_words_after_a_double_dash_are_left_alone() -> None:
         ["fork", "0123abcd", "--at-round", "1", "--max-cost-usd", "-1"],
         ["retry", "--status", "error", "--rate", "0"],
         ["retry", "--status", "error", "--limit", "-5"],
+        ["turns", "--watch", "-1"],
+        ["turns", "--watch", "0"],
     ],
 )
 def test_every_command_refuses_a_budget_or_pace_not_above_zero(
