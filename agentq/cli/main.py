@@ -40,22 +40,20 @@ def worker_argv(
     from agentq.fleet.roles import pool_problem
 
     default_pool, concurrency, queue = WORKER_KINDS[kind]
-    pool = take_option(opts, "-P", "--pool")[0] or None
-    problem = pool_problem(kind, pool) if pool is not None else None
-    if problem:
+    pool = take_option(opts, "-P", "--pool")[0]
+    if pool and (problem := pool_problem(kind, pool)):
         raise ConfigError("--pool", problem)
     queues = {"tools": tool_queues, "io": io_queues or [queue]}.get(kind, [queue])
     argv = ["worker"]
-    if not has_option(opts, "-Q", "--queues"):
-        argv += ["-Q", ",".join(queues)]
-    if pool is None:
-        argv += ["-P", default_pool]
-    if concurrency and not has_option(opts, "-c", "--concurrency"):
-        argv += ["-c", concurrency]
-    if not has_option(opts, "-n", "--hostname"):
-        argv += ["-n", f"{kind}@%h"]
-    if not has_option(opts, "-l", "--loglevel"):
-        argv += ["-l", "INFO"]
+    for names, value in (
+        (("-Q", "--queues"), ",".join(queues)),
+        (("-P", "--pool"), default_pool),
+        (("-c", "--concurrency"), concurrency),
+        (("-n", "--hostname"), f"{kind}@%h"),
+        (("-l", "--loglevel"), "INFO"),
+    ):
+        if value and not has_option(opts, *names):
+            argv += [names[0], value]
     # Mingle (revoked ids from the neighbours, a second's wait at every start and
     # reconnect) and gossip (each worker consuming every other's events) serve nothing
     # agentq uses: a call of a turn that was cancelled is refused at its start in Redis,
