@@ -44,7 +44,6 @@ READY_TIMEOUT_S = 90.0
 """Generous: five Python processes import Celery at once, on a laptop or a small CI box."""
 STOP_TIMEOUT_S = 10.0
 """Per process, between SIGTERM and SIGKILL: a warm shutdown lets running tasks end."""
-TOOL_CONCURRENCY = 4
 _POLL_S = 0.05
 FLOWER_AUTH_VARIABLES = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
 """Flower's own: either keeps `agentq dev` from generating credentials."""
@@ -143,7 +142,7 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
     for kind in ("turns", "llm", "tools", "io"):
         argv = _python("agentq", "worker", kind, "--hostname", f"{kind}-dev@%h")
         if kind == "tools":
-            argv += ["--concurrency", str(TOOL_CONCURRENCY)]
+            argv += ["--concurrency", "4"]
         if kind == "llm" and not settings.llm_processes:
             # One event loop holds the streams of a machine's worth of turns; a process a
             # CPU would start two more Pythons beside the rest of the fleet for nothing.

@@ -9,13 +9,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agentq.api import Client
 
-SHORT_ID_LEN = 12
 TURN_ID_HELP = "the turn's id, or any prefix of it that names one turn (as `agentq turns` shows it)"
-MATCHES_SHOWN = 10
 
 
 def short_id(turn_id: str) -> str:
-    return turn_id[:SHORT_ID_LEN]
+    return turn_id[:12]
 
 
 def clock(ts: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
@@ -33,7 +31,7 @@ def resolve_turn_id(client: Client, given: str) -> str:
 
     if len(given) == TURN_ID_LEN:
         return given
-    matches, more = find_turn_ids(client._store.redis, given, limit=MATCHES_SHOWN)
+    matches, more = find_turn_ids(client._store.redis, given, limit=10)
     if len(matches) == 1 and not more:
         return matches[0]
     if not matches:

@@ -120,9 +120,6 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
     return 0
 
 
-LOOPBACK_ADDRESSES = ("127.0.0.1", "localhost", "::1")
-
-
 def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str]) -> list[str]:
     """Flower's command line: agentq's port and basic auth, bound to loopback by default.
 
@@ -150,7 +147,7 @@ def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str])
         or has_option(opts, "--basic_auth", "--basic-auth", "--auth")
     )
     # Flower can revoke and kill tasks: it never listens beyond this machine unguarded.
-    if address not in LOOPBACK_ADDRESSES and not authenticated:
+    if address not in ("127.0.0.1", "localhost", "::1") and not authenticated:
         raise ConfigError(
             "AGENTQ_FLOWER_BASIC_AUTH",
             f"Flower would listen on {address or 'every address'} without authentication; "
@@ -416,16 +413,12 @@ def _cmd_events(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-ABORT_WAIT_S = 10.0
-"""How long `agentq abort` waits for the turn to say it ended."""
-
-
 def _cmd_abort(client: Client, args: argparse.Namespace) -> int:
     # The abort is durable once written; a turn worker's step ends the turn. Said when done,
     # so the command's word is the turn's.
     client.abort(args.turn_id, args.token, operator=args.token is None)
     try:
-        client.wait(args.turn_id, timeout_s=ABORT_WAIT_S)
+        client.wait(args.turn_id, timeout_s=10.0)
         print(f"aborted {args.turn_id}")
     except TimeoutError as exc:
         print(

@@ -19,7 +19,6 @@ from agentq.cli.ids import clock, short_id
 from agentq.cli.render import STATUS_STYLE, fmt_s
 from agentq.state.listing import TurnLister, TurnQuery
 
-BAR_WIDTH = 60
 WIDE_COLUMNS = 100
 """A terminal at least this wide shows `agentq turns`' `ended` column too."""
 
@@ -99,7 +98,7 @@ def bar(
     return max(0, min(a, width - 1)), max(1, min(b, width) - max(0, min(a, width - 1)))
 
 
-def timeline_view(view: dict[str, Any], width: int = BAR_WIDTH) -> RenderableType:
+def timeline_view(view: dict[str, Any], width: int = 60) -> RenderableType:
     turn = view["turn"]
     t0 = float(view.get("started_at") or view.get("created_at") or view["now"])
     end = float(view.get("ended_at") or view["now"])
