@@ -101,7 +101,6 @@ FLEET_COUNTS = f"{PREFIX}:metrics:fleet"
 every process that publishes turn events or runs steps; /metrics reads it."""
 
 
-SHARDS_ENV = "AGENTQ_REDIS_SHARDS"
 DEFAULT_CLUSTER_SHARDS = 16
 _shards: int | None = None
 
@@ -112,7 +111,7 @@ def shard_count() -> int:
     a fleet must agree on it, and it does not change while turns are stored."""
     global _shards
     if _shards is None:
-        raw = os.environ.get(SHARDS_ENV, "").strip()
+        raw = os.environ.get("AGENTQ_REDIS_SHARDS", "").strip()
         cluster = bool(os.environ.get("AGENTQ_REDIS_CLUSTER_NODES", "").strip())
         _shards = int(raw) if raw else (DEFAULT_CLUSTER_SHARDS if cluster else 1)
     return _shards
