@@ -205,7 +205,7 @@ class Settings(BaseSettings):
     """Transport timeout of the HTTP request (connect, write, pool); each read too where the
     watchdog is off (`stream_idle_timeout_ms` 0); with it on, the watchdog owns silence."""
 
-    tools: str = ""
+    tools: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated modules imported for their @tool definitions."""
     tool_timeout_s: float = Field(120.0, ge=0, allow_inf_nan=False)
     """Default hard limit of a tool; 0 means no limit."""
@@ -321,7 +321,7 @@ class Settings(BaseSettings):
     """Like `api_keys`, for keys that read, abort and answer every turn and read /metrics."""
     metrics_token: SecretStr | None = None
     """A bearer token that reads /metrics only (for a Prometheus scraper), besides admin keys."""
-    cors_origins: str = ""
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated origins (`https://app.example.com`) whose pages may call the gateway;
     none by default, and `*` is refused."""
     max_active_turns_per_key: int = Field(100, ge=1)
@@ -403,16 +403,19 @@ class Settings(BaseSettings):
             raise ValueError("must be a redis://, sentinel:// or amqp:// URL")
         return v
 
+    @field_validator("tools", "cors_origins", mode="before")
+    @classmethod
+    def _comma_separated(cls, v: Any) -> Any:
+        return [i.strip() for i in v.split(",") if i.strip()] if isinstance(v, str) else v
+
     @field_validator("cors_origins")
     @classmethod
-    def _origins(cls, v: str) -> str:
-        for origin in (o.strip() for o in v.split(",")):
-            if not origin:
-                continue
+    def _origins(cls, v: list[str]) -> list[str]:
+        for origin in v:
             scheme, sep, rest = origin.partition("://")
             if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
                 raise ValueError(f"{origin!r} is not an origin like https://app.example.com")
-        return v
+        return [o.lower() for o in v]
 
     @model_validator(mode="after")
     def _redis_topology(self) -> Settings:
@@ -454,14 +457,6 @@ class Settings(BaseSettings):
     @property
     def broker(self) -> str:
         return self.broker_url or self.redis_url
-
-    @property
-    def cors_origin_list(self) -> list[str]:
-        return [o.strip().rstrip("/").lower() for o in self.cors_origins.split(",") if o.strip()]
-
-    @property
-    def tool_modules(self) -> list[str]:
-        return [m.strip() for m in self.tools.split(",") if m.strip()]
 
 
 def load_settings(**overrides: object) -> Settings:

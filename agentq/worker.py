@@ -59,7 +59,7 @@ if not settings.task_received_logs:
     # message costs a formatted line in the consumer: a sixth of an I/O worker's CPU,
     # with the `succeeded` line, in the benchmark's io stage.
     logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
-load_tool_modules(settings.tool_modules)
+load_tool_modules(settings.tools)
 # The tools of AGENTQ_MCP_SERVERS join the registry before its tasks are registered.
 load_mcp(settings, lambda: get_store().redis)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.

@@ -44,7 +44,7 @@ def create_app(
     logs.install(client.settings.log_format)
     check_key_webhooks(client.settings)
     gw = Gateway(client, heartbeat_s=heartbeat_s, poll_s=poll_s)
-    origins = client.settings.cors_origin_list
+    origins = client.settings.cors_origins
     cors = Middleware(
         CORSMiddleware,
         allow_origins=origins,

@@ -65,7 +65,7 @@ def test_a_key_listed_twice_or_a_name_in_both_lists_is_refused() -> None:
 def test_settings_keep_keys_secret_and_check_cors_origins() -> None:
     s = load_settings(api_keys=f"alice={A}", cors_origins="https://app.example.com")
     assert A not in repr(s) and A not in str(s.model_dump())
-    assert s.cors_origin_list == ["https://app.example.com"]
+    assert s.cors_origins == ["https://app.example.com"]
     for bad in ("*", "app.example.com", "https://app.example.com/path", "ftp://x"):
         with pytest.raises(ConfigError, match="AGENTQ_CORS_ORIGINS"):
             load_settings(cors_origins=bad)
