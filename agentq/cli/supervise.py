@@ -88,7 +88,11 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
     stopping = False
 
     def start(i: int) -> None:
-        proc = subprocess.Popen(argvs[i], env=env, preexec_fn=_die_with_parent)
+        # In a session of its own: a terminal's Ctrl-C reaches the supervisor alone, which
+        # passes it on once (a second SIGINT is Celery's cold shutdown: tasks killed).
+        proc = subprocess.Popen(
+            argvs[i], env=env, preexec_fn=_die_with_parent, start_new_session=True
+        )
         running[proc.pid] = i, proc
 
     def stop_all(signum: int, _frame: object = None) -> None:

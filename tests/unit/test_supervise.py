@@ -22,6 +22,7 @@ from agentq.cli.supervise import (
     take_processes,
 )
 from agentq.errors import ConfigError
+from agentq.local.processes import wait_for
 
 
 @pytest.mark.parametrize(
@@ -141,3 +142,38 @@ def test_a_recycled_workers_restart_leaves_the_others_exits_to_the_supervisor(
         os.kill(int((tmp_path / "restarted").read_text()), 0)
     left = [p.pid for p in subprocess._active if p.args[0] == str(fake)]  # type: ignore[attr-defined]
     assert not left, f"workers left for subprocess to reap: {left}"
+
+
+COUNTING_WORKER = """#!{python}
+import os, signal, time
+seen = []
+signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+open(os.path.join({dir!r}, f"up.{{os.getpid()}}"), "w").close()
+while not seen:
+    time.sleep(0.01)
+time.sleep(0.5)  # as a warm shutdown takes a while: a second SIGINT would come meanwhile
+open(os.path.join({dir!r}, f"ints.{{os.getpid()}}"), "w").write(str(len(seen)))
+"""
+
+
+def test_a_terminals_ctrl_c_reaches_each_worker_once(tmp_path: Path) -> None:
+    """Ctrl-C signals the terminal's foreground process group, and the supervisor passes
+    SIGINT on: a worker in that group got two, and Celery takes a second SIGINT for a cold
+    shutdown, which kills the tasks it runs."""
+    fake = tmp_path / "python"
+    fake.write_text(COUNTING_WORKER.format(python=sys.executable, dir=str(tmp_path)))
+    fake.chmod(0o755)
+    code = (
+        f"import sys; sys.executable = {str(fake)!r}; from agentq.cli.supervise import "
+        "supervise; sys.exit(supervise('llm', [], 2))"
+    )
+    # In a session of its own, as a command started from a terminal is its group's leader.
+    sup = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    try:
+        wait_for(lambda: len(list(tmp_path.glob("up.*"))) == 2, 30)
+        os.killpg(sup.pid, signal.SIGINT)  # what the terminal does
+        assert sup.wait(30) == 0
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sorted(p.read_text() for p in tmp_path.glob("ints.*")) == ["1", "1"]
