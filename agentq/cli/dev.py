@@ -44,7 +44,6 @@ READY_TIMEOUT_S = 90.0
 """Generous: five Python processes import Celery at once, on a laptop or a small CI box."""
 STOP_TIMEOUT_S = 10.0
 """Per process, between SIGTERM and SIGKILL: a warm shutdown lets running tasks end."""
-_POLL_S = 0.05
 FLOWER_AUTH_VARIABLES = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
 """Flower's own: either keeps `agentq dev` from generating credentials."""
 
@@ -81,7 +80,7 @@ def wait_ready(ready: dict[ManagedProcess, str], timeout_s: float = READY_TIMEOU
         return not pending
 
     try:
-        wait_for(all_ready, timeout_s, _POLL_S)
+        wait_for(all_ready, timeout_s, 0.05)
     except WaitTimeout:
         proc = next(iter(pending))
         raise ProcessStartError(
