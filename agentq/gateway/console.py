@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -56,38 +55,34 @@ def console_handlers(gw: Gateway) -> list[Endpoint]:
     settings = gw.client.settings
     lister = TurnLister(redis)
 
-    async def list_turns(request: Request) -> Response:
+    def list_turns(request: Request) -> Response:
         visible = visible_to(gw.require(request, "key"))
         q = request.query_params
         try:
             query = TurnQuery.parse(**{f: q.get(f) for f in ("status", "agent", "limit", "before")})
         except ValueError as exc:
             raise invalid(str(exc)) from None
-        page = await run_in_threadpool(lister.page, query, visible)
-        return JSONResponse(vars(page), headers=NO_STORE)
+        return JSONResponse(vars(lister.page(query, visible)), headers=NO_STORE)
 
-    async def inbox(request: Request) -> Response:
+    def inbox(request: Request) -> Response:
         visible = visible_to(gw.require(request, "key"))
-        pending = await run_in_threadpool(lister.pending_interactions, visible)
+        pending = lister.pending_interactions(visible)
         return JSONResponse({"interactions": pending}, headers=NO_STORE)
 
-    async def turn_timeline(request: Request) -> Response:
+    def turn_timeline(request: Request) -> Response:
         principal = gw.require(request, "key")
         turn_id = request.path_params["turn_id"]
-        view = await run_in_threadpool(
-            lambda: gw.client._timeline(turn_id, gw.authorize(turn_id, principal, None))
-        )
+        view = gw.client._timeline(turn_id, gw.authorize(turn_id, principal, None))
         default = f"{request.url.scheme}://{request.url.hostname}:{settings.flower_port}"
         view["flower_url"] = (settings.flower_url or default).rstrip("/")
         return JSONResponse(view, headers=NO_STORE)
 
-    async def capacity(request: Request) -> Response:
+    def capacity(request: Request) -> Response:
         gw.require(request, "admin")
-        snapshots = await run_in_threadpool(read_snapshots, gw.capacity, settings)
-        body = capacity_view(gw.capacity, snapshots)
+        body = capacity_view(gw.capacity, read_snapshots(gw.capacity, settings))
         # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors, and the tools their
         # listings hold that are refused: admins only.
-        body["mcp_servers"] = await run_in_threadpool(mcp_panel)
+        body["mcp_servers"] = mcp_panel()
         return JSONResponse(body, headers=NO_STORE)
 
     def servers() -> list[dict[str, Any]]:
@@ -102,9 +97,8 @@ def console_handlers(gw: Gateway) -> list[Endpoint]:
                 entry["refused"] = server["refused"]
         return panel
 
-    async def mcp_servers(request: Request) -> Response:
+    def mcp_servers(request: Request) -> Response:
         gw.require(request, "admin")
-        view = await run_in_threadpool(servers)
-        return JSONResponse({"servers": view}, headers=NO_STORE)
+        return JSONResponse({"servers": servers()}, headers=NO_STORE)
 
     return [list_turns, inbox, capacity, mcp_servers, turn_timeline]

@@ -1,6 +1,7 @@
 """The gateway's endpoints: REST for turns (retry and fork too), conversations, waitpoints
 and usage, SSE for turns' events, the web page, health and metrics. Every Redis call (the
-Client's methods, the event follow loop) runs in a worker thread, never on the event loop.
+Client's methods, the event follow loop) runs in a worker thread, never on the event loop:
+a handler that reads no body is a plain function, which starlette runs in its thread pool.
 
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)
@@ -13,7 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable, Generator
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
@@ -77,7 +78,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.gateway")
 T = TypeVar("T")
 Rule = Literal["key", "operator", "admin", "admin_key"]
-Endpoint = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[[Request], Any]
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 BODY_MARGIN_BYTES = 64 * 1024
@@ -311,33 +312,28 @@ class Gateway:
         # No keys configured (require refuses a missing or unknown key when there are).
         return cid, {"token": bearer(request)}
 
-    async def conversation(self, request: Request) -> Response:
+    def conversation(self, request: Request) -> Response:
         cid, who = self.conversation_target(request)
-        view = await run_in_threadpool(lambda: self.client.conversation(cid, **who))
-        return JSONResponse(view, headers=NO_STORE)
+        return JSONResponse(self.client.conversation(cid, **who), headers=NO_STORE)
 
-    async def delete_conversation(self, request: Request) -> Response:
+    def delete_conversation(self, request: Request) -> Response:
         cid, who = self.conversation_target(request)
-        aborted = await run_in_threadpool(lambda: self.client.delete_conversation(cid, **who))
+        aborted = self.client.delete_conversation(cid, **who)
         return JSONResponse(
             {"ok": True, "conversation_id": cid, "aborted_turns": aborted}, headers=NO_STORE
         )
 
-    async def conversations(self, request: Request) -> Response:
+    def conversations(self, request: Request) -> Response:
         principal = self.require(request, "key")
         limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True)
         before = query_number(request, "before", None, low=0, high=1e12)
         owner = principal.name if principal else None
         # Without keys (loopback only) the caller may list every conversation, as the CLI.
         operator = principal.admin if principal else True
-        rows = await run_in_threadpool(
-            lambda: self.client.conversations(
-                owner=owner, operator=operator, limit=limit, before=before
-            )
-        )
+        rows = self.client.conversations(owner=owner, operator=operator, limit=limit, before=before)
         return JSONResponse({"conversations": rows}, headers=NO_STORE)
 
-    async def usage(self, request: Request) -> Response:
+    def usage(self, request: Request) -> Response:
         """`GET /v1/usage?since=&until=&key=&group_by=model|agent|key` (docs/spend.md);
         without keys (loopback only) the caller sees every key's, as the CLI does."""
         principal = self.require(request, "key")
@@ -350,31 +346,26 @@ class Gateway:
         if not admin and key not in (None, owner):
             raise Forbidden("a key sees its own usage only")
         try:
-            report = await run_in_threadpool(
-                lambda: self.client.usage(
-                    since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
-                )
+            report = self.client.usage(
+                since=since, until=until, key=key, group_by=group_by, owner=owner, admin=admin
             )
         except ValueError as exc:
             raise invalid(str(exc)) from None
         return JSONResponse(report, headers=NO_STORE)
 
-    async def get_turn(self, request: Request) -> Response:
+    def get_turn(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
         if self.keyring.enabled:
-            principal, token = self.caller(request)
-            await run_in_threadpool(self.authorize, turn_id, principal, token)
-        turn = await run_in_threadpool(self.client.get, turn_id)
-        return JSONResponse(turn)
+            self.authorize(turn_id, *self.caller(request))
+        return JSONResponse(self.client.get(turn_id))
 
-    async def agents(self, request: Request) -> Response:
+    def agents(self, request: Request) -> Response:
         self.require(request, "key")
-        agents = await run_in_threadpool(published_agent_details, self.client._store.redis)
-        return JSONResponse({"agents": agents})
+        return JSONResponse({"agents": published_agent_details(self.client._store.redis)})
 
-    async def active(self, request: Request) -> Response:
+    def active(self, request: Request) -> Response:
         principal = self.require(request, "key")
-        turns = await run_in_threadpool(self.client.active)
+        turns = self.client.active()
         if principal is not None:
             turns = [t for t in turns if may_list(t, principal)]
         return JSONResponse({"turns": turns})

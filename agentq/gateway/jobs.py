@@ -33,10 +33,9 @@ def job_handlers(gw: Gateway) -> list[Endpoint]:
         c = gw.client
         return Schedules(c.app, c._store.redis, c.settings)
 
-    async def list_schedules(request: Request) -> Response:
+    def list_schedules(request: Request) -> Response:
         gw.require(request, "admin_key")
-        rows = await run_in_threadpool(schedules().list)
-        return JSONResponse({"schedules": rows}, headers=NO_STORE)
+        return JSONResponse({"schedules": schedules().list()}, headers=NO_STORE)
 
     async def add_schedule(request: Request) -> Response:
         principal = gw.require(request, "admin_key")
@@ -53,16 +52,16 @@ def job_handlers(gw: Gateway) -> list[Endpoint]:
             headers={"Location": f"/v1/schedules/{spec.name}", **NO_STORE},
         )
 
-    async def remove_schedule(request: Request) -> Response:
+    def remove_schedule(request: Request) -> Response:
         gw.require(request, "admin_key")
         name = request.path_params["name"]
-        await run_in_threadpool(schedules().remove, name)
+        schedules().remove(name)
         return JSONResponse({"ok": True, "name": name})
 
-    async def list_webhooks(request: Request) -> Response:
+    def list_webhooks(request: Request) -> Response:
         gw.require(request, "admin")
         limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True, clamp=True)
-        rows = await run_in_threadpool(gw.deliveries.recent, limit)
+        rows = gw.deliveries.recent(limit)
         return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 
     return [list_schedules, add_schedule, remove_schedule, list_webhooks]
