@@ -1,6 +1,5 @@
-"""The gateway app: the endpoints (`agentq.gateway.endpoints`, the console's and the jobs'
-routes, the MCP endpoint) routed as openapi.OPERATIONS lists them, behind the cross-site
-guard (and CORS)."""
+"""The gateway app: the endpoints (`agentq.gateway.endpoints`, the console's routes, the
+MCP endpoint) routed as openapi.OPERATIONS lists them, behind the cross-site guard (and CORS)."""
 
 from __future__ import annotations
 
@@ -13,15 +12,16 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from agentq.api import Client
+from agentq.errors import ConfigError, WebhookRefused
 from agentq.gateway.console import console_handlers
 from agentq.gateway.endpoints import STATIC_DIR, Gateway
 from agentq.gateway.errors import EXCEPTION_HANDLERS
 from agentq.gateway.guard import RequestGuard
-from agentq.gateway.jobs import check_key_webhooks, job_handlers
 from agentq.gateway.mcp_endpoint import McpEndpoint
 from agentq.gateway.openapi import OPERATIONS, openapi_page
 from agentq.telemetry import logs
 from agentq.telemetry import redact as logredact
+from agentq.webhooks.target import check_for_turn
 
 
 def create_app(
@@ -42,7 +42,12 @@ def create_app(
     # first turn's or abort's time.
     _ = client.app
     logs.install(client.settings.log_format)
-    check_key_webhooks(client.settings)
+    # Each key's default webhook URL (AGENTQ_WEBHOOK_URLS), checked as the gateway starts.
+    for name, url in client.settings.webhook_urls.items():
+        try:
+            check_for_turn(url, client.settings)
+        except WebhookRefused as exc:
+            raise ConfigError("AGENTQ_WEBHOOK_URLS", f"{name}: {exc.message}") from None
     gw = Gateway(client, heartbeat_s=heartbeat_s, poll_s=poll_s)
     origins = client.settings.cors_origins
     cors = Middleware(
@@ -61,8 +66,7 @@ def create_app(
     # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.
     mcp = McpEndpoint(gw)
     handlers: dict[str, Any] = {"mcp": mcp, "openapi_page": openapi_page}
-    for module_handlers in (console_handlers, job_handlers):
-        handlers.update((f.__name__, f) for f in module_handlers(gw))
+    handlers.update((f.__name__, f) for f in console_handlers(gw))
     # One route per path and handler, in the document's order (`/v1/turns/active` before
     # `/v1/turns/{turn_id}`, which would otherwise take "active" for an id).
     methods: dict[tuple[str, str], list[str]] = {}

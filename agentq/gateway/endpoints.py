@@ -1,7 +1,8 @@
-"""The gateway's endpoints: REST for turns (retry and fork too), conversations, waitpoints
-and usage, SSE for turns' events, the web page, health and metrics. Every Redis call (the
-Client's methods, the event follow loop) runs in a worker thread, never on the event loop:
-a handler that reads no body is a plain function, which starlette runs in its thread pool.
+"""The gateway's endpoints: REST for turns (retry and fork too), conversations, waitpoints,
+usage, schedules (as `agentq schedule`) and webhook deliveries, SSE for turns' events, the
+web page, health and metrics. Every Redis call (the Client's methods, the event follow
+loop) runs in a worker thread, never on the event loop: a handler that reads no body is a
+plain function, which starlette runs in its thread pool.
 
 An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
 since EventSource cannot set headers) on a turn started attached (``detach: false``)
@@ -15,7 +16,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Generator
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -65,12 +66,15 @@ from agentq.mcp.listing import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
 from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
 from agentq.orchestrator.start import token_matches
+from agentq.schedules.spec import build_spec
+from agentq.schedules.store import Schedules
 from agentq.state.base import text
 from agentq.state.idempotency import check_key
 from agentq.state.turn_state import TurnState
 from agentq.state.waitpoints import not_found, parse_waitpoint_id
 from agentq.telemetry.fleetcounts import read_counts
 from agentq.webhooks.deliveries import Deliveries
+from agentq.webhooks.target import check_for_turn
 
 if TYPE_CHECKING:
     from agentq.api import Client
@@ -105,8 +109,8 @@ async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
 
 class Gateway:
     """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter;
-    the console's and the jobs' routes take it as their context (the caller checks, the
-    body limit, model capacity)."""
+    the console's routes take it as their context (the caller checks, the body limit,
+    model capacity)."""
 
     def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
         self.client = client
@@ -352,6 +356,46 @@ class Gateway:
         except ValueError as exc:
             raise invalid(str(exc)) from None
         return JSONResponse(report, headers=NO_STORE)
+
+    @cached_property
+    def schedules(self) -> Schedules:
+        """Made on first use: behind Sentinel the gateway serves all else, and schedules
+        answer with the ConfigError that says why they cannot run there."""
+        c = self.client
+        return Schedules(c.app, c._store.redis, c.settings)
+
+    def list_schedules(self, request: Request) -> Response:
+        self.require(request, "admin_key")
+        return JSONResponse({"schedules": self.schedules.list()}, headers=NO_STORE)
+
+    async def add_schedule(self, request: Request) -> Response:
+        principal = self.require(request, "admin_key")
+        data: dict[str, Any] = await read_json(request, self.body_limit_bytes)
+        data["owner"] = principal.name if principal else None
+        data.pop("created_at", None)
+        spec = build_spec(data)
+        if spec.webhook_url:
+            check_for_turn(spec.webhook_url, self.client.settings)
+        spec = await run_in_threadpool(self.schedules.add, spec)
+        return JSONResponse(
+            {**spec.model_dump(), "when": spec.when},
+            status_code=201,
+            headers={"Location": f"/v1/schedules/{spec.name}", **NO_STORE},
+        )
+
+    def remove_schedule(self, request: Request) -> Response:
+        self.require(request, "admin_key")
+        name = request.path_params["name"]
+        self.schedules.remove(name)
+        return JSONResponse({"ok": True, "name": name})
+
+    def list_webhooks(self, request: Request) -> Response:
+        """The recent webhook deliveries, for an admin; an API key sees its own turns'
+        deliveries through their timeline instead."""
+        self.require(request, "admin")
+        limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True, clamp=True)
+        rows = self.deliveries.recent(limit)
+        return JSONResponse({"deliveries": [d.model_dump() for d in rows]}, headers=NO_STORE)
 
     def get_turn(self, request: Request) -> Response:
         turn_id = turn_id_of(request.path_params["turn_id"])
