@@ -9,6 +9,7 @@ which is when a gone client is noticed and the loop stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -20,8 +21,9 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.requests import ClientDisconnect
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from agentq.errors import REDIS_ERRORS
 from agentq.events import Event
@@ -125,8 +127,9 @@ async def event_source(
         log.warning("event stream lost Redis: %s", exc)
 
 
-class EventStreamResponse(Response):
-    """Streams `content`; if the client goes away first, awaits `on_disconnect`; then `on_close`."""
+class EventStreamResponse(StreamingResponse):
+    """Streams `content` (starlette's own stream, which stops when the client goes away);
+    if the client went away before `content` ended, awaits `on_disconnect`; then `on_close`."""
 
     media_type = "text/event-stream"
 
@@ -137,57 +140,29 @@ class EventStreamResponse(Response):
         on_disconnect: Callable[[], Awaitable[None]],
         on_close: Callable[[], None],
     ) -> None:
-        self.content = content
-        self.on_disconnect = on_disconnect
-        self.on_close = on_close
-        self.status_code = 200
         # nginx buffers responses unless told not to (X-Accel-Buffering); SSE must reach
         # the client now.
-        self.init_headers({"Cache-Control": "no-cache, no-store", "X-Accel-Buffering": "no"})
+        headers = {"Cache-Control": "no-cache, no-store", "X-Accel-Buffering": "no"}
+        super().__init__(content, headers=headers)
+        self.content, self.on_disconnect, self.on_close = content, on_disconnect, on_close
+        self.complete = False
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+            self.complete = True
+        finally:
+            # Cancelled while sending, the generator sits at a yield: close it now, not
+            # whenever it is garbage collected, so its follow loop stops at once.
+            with anyio.CancelScope(shield=True):
+                await self.content.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        disconnected = False
-        complete = False
-
-        async def stream(scope_: anyio.CancelScope) -> None:
-            nonlocal disconnected, complete
-            try:
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": self.status_code,
-                        "headers": self.raw_headers,
-                    }
-                )
-                async for chunk in self.content:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                complete = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            except OSError:
-                disconnected = not complete  # ASGI >= 2.4 servers raise on a send to a gone client
-            finally:
-                # Cancelled while sending, the generator sits at a yield: close it now, not
-                # whenever it is garbage collected, so its follow loop stops at once.
-                with anyio.CancelScope(shield=True):
-                    await self.content.aclose()
-            scope_.cancel()
-
-        async def listen(scope_: anyio.CancelScope) -> None:
-            nonlocal disconnected
-            while True:
-                message: Message = await receive()
-                if message["type"] == "http.disconnect":
-                    # Servers also report a disconnect once the response is complete;
-                    # only a client leaving mid-stream counts.
-                    disconnected = not complete
-                    scope_.cancel()
-                    return
-
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stream, tg.cancel_scope)
-                tg.start_soon(listen, tg.cancel_scope)
-            if disconnected:
+            # ASGI >= 2.4 servers raise on a send to a gone client.
+            with contextlib.suppress(ClientDisconnect):
+                await super().__call__(scope, receive, send)
+            if not self.complete:
                 with anyio.CancelScope(shield=True):
                     await self.on_disconnect()
         finally:
