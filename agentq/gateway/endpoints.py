@@ -52,7 +52,7 @@ from agentq.gateway.auth import (
 from agentq.gateway.errors import NO_STORE, accepted, bearer, invalid, validated
 from agentq.gateway.limits import StartLimits
 from agentq.gateway.metrics import CONTENT_TYPE, GatewayMetrics, Scrape, read_snapshots
-from agentq.gateway.sse import EventStreamResponse, StreamState, event_source
+from agentq.gateway.sse import EventStreamResponse, event_source
 from agentq.gateway.validate import (
     client_host,
     query_number,
@@ -462,10 +462,11 @@ class Gateway:
             # The turn ended and the client has its last event: 204 stops EventSource retrying.
             return Response(status_code=204)
         events, owner = opened
-        state = StreamState()
 
         async def on_disconnect() -> None:
-            if not owner or state.terminal_seen:
+            # Not after a complete stream: it ended with the turn's terminal event (or the
+            # gateway's shutdown, or a lost Redis: the client reconnects).
+            if not owner:
                 return
             log.info("turn %s: its attached client disconnected; aborting", turn_id)
             try:
@@ -478,7 +479,6 @@ class Gateway:
         self.metrics.sse_connections.inc()
         body = event_source(
             events,
-            state,
             keep_alive_s=keep_alive_s,
             limiter=self.stream_limiter,
             on_event=self.metrics.streamed,

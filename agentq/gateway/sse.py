@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -39,13 +38,6 @@ def format_event(ev: Event) -> bytes:
     """One SSE message; the data is one line of JSON (json.dumps escapes newlines)."""
     data = json.dumps(ev.model_dump(mode="json"), separators=(",", ":"), default=str)
     return f"id: {ev.cursor or ev.stream_id or ''}\nevent: {ev.type}\ndata: {data}\n\n".encode()
-
-
-@dataclass
-class StreamState:
-    """What the response learned, for the disconnect decision after it ends."""
-
-    terminal_seen: bool = False
 
 
 _DONE = object()
@@ -91,7 +83,6 @@ async def stepped(
 
 async def event_source(
     events: Generator[Event | None, None, None],
-    state: StreamState,
     *,
     keep_alive_s: float,
     limiter: anyio.CapacityLimiter,
@@ -117,10 +108,9 @@ async def event_source(
                     continue
                 last_write = time.monotonic()
                 on_event(item)
-                # A sub-agent's relayed end is not the turn's.
-                state.terminal_seen = item.ends_turn
                 yield format_event(item)
-                if state.terminal_seen:
+                # A sub-agent's relayed end is not the turn's.
+                if item.ends_turn:
                     return
     except REDIS_ERRORS as exc:
         # End the response; the client reconnects with its last id and loses nothing.
