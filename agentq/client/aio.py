@@ -179,11 +179,13 @@ class AsyncClient:
         """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         beat_s = min(1.0, max(timeout_s, 0.01))
-        async for ev in self.events(turn_id, depth=0, heartbeat_s=beat_s):
-            if ev is not None and ev.ends_turn:
-                return ev
-            if time.monotonic() > deadline:
-                break
+        # Closed here, not by the loop's finalizer: the follower counts itself out at once.
+        async with contextlib.aclosing(self.events(turn_id, depth=0, heartbeat_s=beat_s)) as evs:
+            async for ev in evs:
+                if ev is not None and ev.ends_turn:
+                    return ev
+                if time.monotonic() > deadline:
+                    break
         raise TurnTimeout(turn_id, timeout_s)
 
     start = _starts(Client.start)

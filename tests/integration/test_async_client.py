@@ -156,3 +156,18 @@ def test_an_async_follower_is_counted_in_while_it_reads(client) -> None:
 
     assert asyncio.run(main()) == b"1"
     wait_for(lambda: not redis.hexists(turn_key(turn_id), WATCHERS_FIELD), 5, 0.02)
+
+
+def test_an_async_wait_counts_its_follower_out_before_it_returns(client) -> None:
+    # Closed by wait itself, not by the loop's finalizer later: the check below blocks the
+    # loop, so a close left to the finalizer could not run before it.
+    redis, turn_id = client._store.redis, uuid.uuid4().hex
+    redis.hset(turn_key(turn_id), "status", '"running"')
+
+    async def main() -> None:
+        async with AsyncClient() as aclient:
+            with pytest.raises(TurnTimeout):
+                await aclient.wait(turn_id, timeout_s=0.2)
+            wait_for(lambda: not redis.hexists(turn_key(turn_id), WATCHERS_FIELD), 5, 0.02)
+
+    asyncio.run(main())
