@@ -39,7 +39,7 @@ from agentq.orchestrator.plan import calls_of
 from agentq.orchestrator.start import Launch, check_budgets, hash_token, launch
 from agentq.state.idempotency import fingerprint, start_once
 from agentq.state.listing import MAX_LIMIT, TurnLister, TurnQuery
-from agentq.state.turn_state import TurnState
+from agentq.state.turn_state import TurnState, queued_state
 from agentq.state.turns import TurnSnapshot
 
 if TYPE_CHECKING:
@@ -137,12 +137,7 @@ def _base_state(src: Source, over: _Overrides, token: str, model: str | None) ->
     """What a retry and a fork start with: the source's kept fields, the request's
     overrides (`model`, else the source's own), a new token."""
     st = src.state
-    state: TurnState = {
-        "status": "queued",
-        "created_at": time.time(),
-        "token_sha256": hash_token(token),
-        "history_start": int(st.get("history_start") or 0),
-    }
+    state = queued_state(hash_token(token), history_start=int(st.get("history_start") or 0))
     overrides = over.model_dump(include=set(_Overrides.model_fields), exclude_none=True)
     kept = {f: st.get(f) for f in KEPT_FIELDS} | overrides
     kept["model"] = model or st.get("model") or None

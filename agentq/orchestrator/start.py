@@ -28,7 +28,7 @@ from agentq.state.conversation_lua import Admit
 from agentq.state.conversations import binding, held_bindings
 from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
-from agentq.state.turn_state import TurnState
+from agentq.state.turn_state import TurnState, queued_state
 from agentq.telemetry import tracing
 from agentq.webhooks.deliveries import Deliveries
 from agentq.webhooks.target import check_for_turn
@@ -170,24 +170,18 @@ def launch(
 def _new_state(
     req: TurnRequest, owner: str | None, token: str, extra_state: TurnState | None
 ) -> TurnState:
-    """A new turn's state."""
-    state: TurnState = {
-        "status": "queued",
-        "created_at": time.time(),
-        "headless": req.headless,
-        "detach": req.detach,
-        "conversation_id": req.conversation_id,
-        "parent_turn_id": req.parent_turn_id,
-        "agent": req.agent,
-        "owner": owner,
-        "token_sha256": hash_token(token),
-        "history_start": 0,
-        "round": 0,
-        "call_count": 0,
-        **(extra_state or {}),
-    }
+    """A request's new turn's state."""
+    state = queued_state(
+        hash_token(token),
+        headless=req.headless,
+        detach=req.detach,
+        conversation_id=req.conversation_id,
+        parent_turn_id=req.parent_turn_id,
+        agent=req.agent,
+        owner=owner,
+    )
     asked = req.model_dump(include={"max_tokens", "max_cost_usd", "multitask"}, exclude_none=True)
-    state.update(cast(TurnState, asked))
+    state.update(cast(TurnState, {**(extra_state or {}), **asked}))
     return state
 
 

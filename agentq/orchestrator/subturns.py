@@ -13,7 +13,7 @@ from agentq import constants as k
 from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, final_content
 from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
-from agentq.state.turn_state import TurnState
+from agentq.state.turn_state import queued_state
 from agentq.tools.policy import truncate_text
 from agentq.tools.results import cancelled_result, error_result, ok_result, timeout_result
 
@@ -122,27 +122,23 @@ def _progress(
 def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     state = ctx.state
     now = time.time()
-    child_state: TurnState = {
-        "status": "queued",
-        "created_at": now,
-        "headless": bool(state.get("headless")),
-        "detach": True,
-        # A sub-agent works for whoever waits on its parent: its rounds keep their place.
-        "interactive": ctx.interactive,
-        "conversation_id": None,
-        "parent_turn_id": ctx.turn_id,
-        "parent_call_id": p.call.id,
-        "parent_tool": p.call.name,
-        # Its rounds count against its parents' budgets too (docs/spend.md).
-        "budget_ancestors": [*(state.get("budget_ancestors") or []), ctx.turn_id],
-        "agent": p.subturn_agent,
-        "owner": state.get("owner"),
+    child_state = queued_state(
         # The parent's token steers its children too: it answers their approvals.
-        "token_sha256": state["token_sha256"],
-        "history_start": 0,
-        "round": 0,
-        "call_count": 0,
-    }
+        state["token_sha256"],
+        created_at=now,
+        headless=bool(state.get("headless")),
+        detach=True,
+        # A sub-agent works for whoever waits on its parent: its rounds keep their place.
+        interactive=ctx.interactive,
+        conversation_id=None,
+        parent_turn_id=ctx.turn_id,
+        parent_call_id=p.call.id,
+        parent_tool=p.call.name,
+        # Its rounds count against its parents' budgets too (docs/spend.md).
+        budget_ancestors=[*(state.get("budget_ancestors") or []), ctx.turn_id],
+        agent=p.subturn_agent,
+        owner=state.get("owner"),
+    )
     history = [{"role": "user", "content": str(p.arguments["prompt"])}]
     # The step is sent below; should it be lost, a sweeper steps the child soon.
     ctx.store.create(child, child_state, history, backstop_s=WAKE_BACKSTOP_S)

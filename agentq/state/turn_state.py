@@ -4,7 +4,11 @@ field is added here first, with one line saying what it holds."""
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+import time
+from typing import TYPE_CHECKING, Any, TypedDict, cast
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class TurnState(TypedDict, total=False):
@@ -191,3 +195,10 @@ class TurnState(TypedDict, total=False):
     """events.bus.WATCHERS_FIELD: how many followers want the live copies."""
     seq: int
     """events.bus.SEQ_FIELD: the seq of the turn's last event."""
+
+
+def queued_state(sha256: str, /, **fields: Unpack[TurnState]) -> TurnState:
+    """A new turn's state (a request's, a retry's or fork's, a sub-agent's): queued, steered
+    by the token of this hash, before its first round; `fields` added."""
+    state: TurnState = {"status": "queued", "created_at": time.time(), "history_start": 0}
+    return cast(TurnState, {**state, "token_sha256": sha256, "round": 0, "call_count": 0, **fields})
