@@ -255,11 +255,13 @@ def _admit(
 def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:
     """Refuse a new turn (`state`, bringing `size` bytes) whose `max_cost_usd` agentq cannot
     keep (a model without a price: BudgetInvalid), or whose key is over its budget
-    (BudgetExceeded, with when it resets)."""
-    model, agent, owner = settings.llm_model, state.get("agent"), state.get("owner")
-    if agent:
+    (BudgetExceeded, with when it resets). Its model is the one its rounds use: its own (a
+    retry's or fork's), else its agent's, else the default."""
+    model, agent, owner = state.get("model"), state.get("agent"), state.get("owner")
+    if agent and not model:
         details = {a["name"]: a for a in published_agent_details(store.redis)}
-        model = (details.get(agent) or {}).get("model") or model
+        model = (details.get(agent) or {}).get("model")
+    model = model or settings.llm_model
     price = settings.llm_prices.get(model)
     if state.get("max_cost_usd") is not None and price is None:
         raise BudgetInvalid(

@@ -10,7 +10,8 @@ from typing import Any, cast
 import pytest
 
 from agentq import constants as k
-from agentq.errors import ForkInvalid, NotRetryable
+from agentq.config import load_settings
+from agentq.errors import BudgetInvalid, ForkInvalid, NotRetryable
 from agentq.models import ToolCall
 from agentq.orchestrator.replay import (
     BulkRetryRequest,
@@ -23,6 +24,7 @@ from agentq.orchestrator.replay import (
     replay_source,
     retry_launch,
 )
+from agentq.orchestrator.start import check_budgets
 from agentq.state.listing import TurnLister, TurnPage, TurnQuery
 from agentq.state.turn_state import TurnState
 from agentq.tools.results import cancelled_result, lost_result
@@ -158,3 +160,14 @@ def test_a_bulk_retry_reads_the_listing_page_after_page() -> None:
     req = BulkRetryRequest(status="error")
     assert list(_sources(cast(TurnLister, Lister()), req, None)) == ["a", "b"]
     assert asked == [None, now - 1]
+
+
+def test_a_usd_budget_is_checked_for_the_model_a_retry_or_fork_runs() -> None:
+    # The start's check prices the model the rounds use: the turn's own, not the default.
+    prices = json.dumps({"priced": {"input": 1, "output": 2}})
+    store = cast(Any, None)  # no agent, no key budget: nothing read from Redis
+    priced = load_settings(llm_model="priced", llm_prices=prices)
+    with pytest.raises(BudgetInvalid, match="no-price"):
+        check_budgets(store, priced, {"model": "no-price", "max_cost_usd": 1.0}, 10)
+    unpriced = load_settings(llm_model="no-price", llm_prices=prices)
+    check_budgets(store, unpriced, {"model": "priced", "max_cost_usd": 1.0}, 10)
