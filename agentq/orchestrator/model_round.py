@@ -136,7 +136,10 @@ def _round_request(
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
     """The round's message and streaming seconds when it is done, else when to look again
     (sending the round first if it was not sent)."""
-    result = _result_of(ctx, round_no)
+    # Its result as the step's view holds it, parsed already (stored before the step read the
+    # turn, or by the write that took the step); one stored since, `_watch_round` finds.
+    raw = ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD)
+    result = LlmRoundResult.model_validate(raw) if raw else None
     if result is not None and not _goes_again(ctx, round_no, result):
         spend.settle_round(ctx, round_no, result)
         if result.aborted:
@@ -216,20 +219,6 @@ def _next_look(ctx: StepContext) -> float:
     return min(float(ctx.state["llm_deadline"]), ctx.now + ctx.settings.turn_lease_s)
 
 
-def _result_of(ctx: StepContext, round_no: int) -> LlmRoundResult | None:
-    """The round's result: in the step's view, or read."""
-    if ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD):
-        # Stored before the step read the turn (or by the write that took the step): its
-        # view has it, parsed already.
-        return LlmRoundResult.model_validate(ctx.state[k.LLM_RESULT_FIELD])
-    if ctx.state.get("llm_round") == round_no:
-        raw = ctx.store.llm_result(ctx.turn_id, round_no)
-        return None if raw is None else LlmRoundResult.model_validate_json(raw)
-    # Not recorded as sent: not sent, or its step died between the send and the write
-    # (sent again now, its result read once this send is recorded).
-    return None
-
-
 def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool:
     """Whether the round goes again (a busy provider, or a deployment that failed before
     the model said anything, with failovers left): its result and claim are forgotten."""
@@ -268,18 +257,17 @@ def _watch_round(ctx: StepContext, round_no: int) -> float:
     """A round sent and not done: past its deadline it fails; a stream worker that took it
     and died, or a send nobody took up, sends it again; else when to look again."""
     s = ctx.settings
-    deadline = float(ctx.state.get("llm_deadline") or 0)
-    if ctx.now >= deadline:
-        raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
-    # One read: a round that finished after the result was read above has no lease any
-    # more, and must not be taken for a round whose worker died.
+    # One read: a round that finished after the step's view has no lease any more, and must
+    # not be taken for a round whose worker died.
     raw_done, raw_taken, raw_alive = ctx.store.redis.hmget(
         k.turn_key(ctx.turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_TAKEN_FIELD, k.LLM_ALIVE_FIELD]
     )
+    if raw_done is not None and json.loads(raw_done) == round_no:
+        return ctx.now  # the step goes on from a view that holds the result
+    if ctx.now >= float(ctx.state.get("llm_deadline") or 0):
+        raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
     alive = k.llm_alive(raw_alive, round_no, now_ms())
     taken = raw_taken is not None and json.loads(raw_taken) == round_no
-    if raw_done is not None and json.loads(raw_done) == round_no:
-        return ctx.now
     if not alive and taken:
         # Taken, and its lease lapsed without a result: the stream worker died.
         attempt = int(ctx.state.get("llm_attempt", 1))
