@@ -52,9 +52,9 @@ RETRYABLE = ("error", "aborted")
 
 KEPT_FIELDS = ("headless", "detach", "agent", "owner", "webhook_url", "max_tokens", "max_cost_usd")
 """What a retry or fork keeps of its source as it is (overrides aside)."""
-CARRIED_FIELDS = ("round", "call_count", "output_retries", *spend.SPENT)
-"""What a retry goes on counting from its source: its spend too, so that a retry never
-resets a budget."""
+CARRIED_FIELDS = ("round", "call_count", "output_retries", "instructions", *spend.SPENT)
+"""What a retry goes on from: its source's counts, the system message its rounds had (a
+fork's edited instructions), and its spend, so that a retry never resets a budget."""
 
 _MODEL = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/@-]+$")
 

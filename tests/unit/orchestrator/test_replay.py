@@ -81,6 +81,14 @@ def test_a_retry_runs_only_the_calls_its_source_ended_without() -> None:
     assert "rerun_lost" not in st
 
 
+def test_a_retry_of_a_fork_keeps_its_edited_instructions() -> None:
+    # Its rounds go on with the system message the source's rounds had.
+    src = _source({"status": "error", "instructions": "be brief"}, _all_results())
+    assert retry_launch(src, RetryRequest(), TOKEN).state["instructions"] == "be brief"
+    fork = fork_launch(src, ForkRequest(at_round=2, edit=ForkEdit(instructions="new")), TOKEN)
+    assert fork.state["instructions"] == "new"
+
+
 def test_a_call_lost_with_its_worker_is_run_again_like_one_cut_short() -> None:
     b2 = ToolCall(id="b2", name="echo", arguments="{}")
     results = {**_all_results(), "b2": lost_result(b2, "its worker died").model_dump_json()}
