@@ -57,6 +57,12 @@ class StepContext:
         agent_model = self.agent.model if self.agent is not None else None
         return self.state.get("model") or agent_model or self.settings.llm_model
 
+    @property
+    def instructions(self) -> str:
+        """Its rounds' system message: its own (a fork's edit), else its agent's."""
+        agent_says = "" if self.agent is None else self.agent.system_message()
+        return self.state.get("instructions") or agent_says
+
     def offered_tools(self) -> list[ToolSpec | AgentTool]:
         """What the turn's model rounds are offered: its agent's tools, else every tool."""
         return list(all_tools().values()) if self.agent is None else self.agent.offered_tools()

@@ -116,8 +116,7 @@ def _round_request(
         idle_timeout_ms=s.stream_idle_timeout_ms,
         # The model the round was admitted for: its limits and its call are one model's.
         model=ctx.model,
-        instructions=ctx.state.get("instructions")
-        or ("" if agent is None else agent.system_message()),
+        instructions=ctx.instructions,
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),

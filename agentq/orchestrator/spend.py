@@ -79,9 +79,8 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
     if ctx.state.get("budget_reservation") == reservation:
         return
     # The round's prompt in tokens, estimated as the capacity manager does.
-    agent = ctx.agent
     chars = sum(len(json.dumps(m, ensure_ascii=False)) for m in ctx.history)
-    chars += len(schemas_json(ctx.offered_tools())) + (len(agent.system_message()) if agent else 0)
+    chars += len(schemas_json(ctx.offered_tools())) + len(ctx.instructions)
     prompt, day, cap = math.ceil(chars / CHARS_PER_TOKEN), day_of(ctx.now), None
     if budgeted(ctx):
         max_tokens, max_usd = limits_of(ctx)
