@@ -15,7 +15,7 @@ from agentq.errors import HeadlessInteraction
 from agentq.models import InteractionRequest, ToolCall, ToolResult
 from agentq.orchestrator.plan import CallPlan
 from agentq.state.interactions import default_timeout_s
-from agentq.tools.results import denied_result, ok_result
+from agentq.tools.results import denied_result, error_result, ok_result
 
 if TYPE_CHECKING:
     from agentq.orchestrator.context import StepContext
@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 @dataclass
 class GateOutcome:
     results: dict[str, ToolResult] = field(default_factory=dict)
-    """call id -> the result the gate gave the call: denied, or (`input`) the user's answer."""
+    """call id -> the result the gate gave the call: refused (its plan's refusal), denied, or
+    (`input`) the user's answer."""
     secrets: dict[str, str] = field(default_factory=dict)
     """call id -> Redis key of a password answer, handed to the tool by reference."""
     wait_until: float | None = None
@@ -66,10 +67,11 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
     out = GateOutcome()
     for p in plans:
         call = p.call
-        if p.refusal is not None or p.approval == "auto":
-            continue
-        if p.approval == "deny":
+        if p.refusal is not None:
+            out.results[call.id] = error_result(call, p.refusal)
+        elif p.approval == "deny":
             out.results[call.id] = denied_result(call, "policy")
+        if p.refusal is not None or p.approval != "ask":
             continue
         rid = k.approval_request_id(call.id)
         found = ctx.store.interaction(ctx.turn_id, rid)

@@ -308,16 +308,12 @@ def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
     # request of one still open is closed all the same, at its timeout.
     decided = gate(ctx, plans, settled)
     for p in plans:
-        cid = p.call.id
-        if cid in settled:
+        cid, result = p.call.id, decided.results.get(p.call.id)
+        if result is None or cid in settled:
             continue
-        if p.refusal is not None:
-            settled[cid], _ = ctx.settle(error_result(p.call, p.refusal), tracked=False)
-        elif cid in decided.results:
-            result = decided.results[cid]
-            settled[cid], won = ctx.settle(result, tracked=False)
-            if won and result.status == "denied":
-                ctx.publish("tool_denied", call_id=cid, tool=p.call.name, reason=result.reason)
+        settled[cid], won = ctx.settle(result, tracked=False)
+        if won and result.status == "denied":
+            ctx.publish("tool_denied", call_id=cid, tool=p.call.name, reason=result.reason)
     if decided.wait_until is not None:
         # No call of a round runs before every call of it is decided.
         return decided.wait_until
