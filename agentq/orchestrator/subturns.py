@@ -170,9 +170,7 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
     ctx.store.bus.publish(str(parent), "tool_progress", **fields)
 
 
-def parent_settlement(
-    ctx: StepContext, status: str, content: str = "", error: str = ""
-) -> tuple[str, ToolResult] | None:
+def parent_settlement(ctx: StepContext, status: str, said: str) -> tuple[str, ToolResult] | None:
     """For a child started by an agent call: (parent turn id, the call's result)."""
     state = ctx.state
     parent, call_id = state.get("parent_turn_id"), state.get("parent_call_id")
@@ -180,32 +178,28 @@ def parent_settlement(
         return None
     call = ToolCall(id=str(call_id), name=str(state.get("parent_tool") or "agent"))
     started_at = float(state.get("created_at") or ctx.now)
-    return str(parent), _result(ctx, call, ctx.turn_id, status, content, error, started_at)
+    return str(parent), _result(ctx, call, ctx.turn_id, status, said, started_at)
 
 
 def _result(
-    ctx: StepContext,
-    call: ToolCall,
-    child: str,
-    status: str,
-    content: str,
-    error: str,
-    started_at: float,
+    ctx: StepContext, call: ToolCall, child: str, status: str, said: str, started_at: float
 ) -> ToolResult:
-    """The call's result from how its child turn ended; the record's task id is the child's."""
+    """The call's result from how its child turn ended (`said`: its answer, or why it failed
+    or was aborted); the record's task id is the child's."""
     extra: dict[str, Any] = {"task_id": child, "started_at": started_at}
     if status == "finished":
-        body, cut = truncate_text(content, ctx.settings.max_result_bytes)
+        body, cut = truncate_text(said, ctx.settings.max_result_bytes)
         return ok_result(call, body, cut, **extra)
     if status == "aborted":
-        return cancelled_result(call, error or "user", **extra)
-    return error_result(call, f"the agent's turn failed: {error or 'unknown error'}", **extra)
+        return cancelled_result(call, said or "user", **extra)
+    return error_result(call, f"the agent's turn failed: {said or 'unknown error'}", **extra)
 
 
 def _from_child(ctx: StepContext, call: ToolCall, child: str, started_at: float) -> ToolResult:
     """The backstop: a child that ended without settling the call (it never should)."""
     state = ctx.store.state(child) or {}
     status = str(state.get("status"))
-    content = final_content(ctx.store.history(child)) if status == "finished" else ""
-    error = str(state.get("error") or state.get("abort_reason") or "")
-    return ctx.settle(_result(ctx, call, child, status, content, error, started_at))[0]
+    said = str(state.get("error") or state.get("abort_reason") or "")
+    if status == "finished":
+        said = final_content(ctx.store.history(child))
+    return ctx.settle(_result(ctx, call, child, status, said, started_at))[0]
