@@ -34,11 +34,12 @@ from agentq.errors import (
     StepLost,
 )
 from agentq.fleet import runtime
-from agentq.fleet.broker import BROKER_RETRY_S, broadcast, send_step
+from agentq.fleet.broker import BROKER_RETRY_S, broadcast
 from agentq.models import TERMINAL_STATUSES
 from agentq.orchestrator.context import StepContext
 from agentq.orchestrator.conversation import hand_off
 from agentq.orchestrator.machine import advance, fail
+from agentq.orchestrator.wake import send_step_or_wake
 from agentq.state.base import StepView, text
 from agentq.state.listing import TurnLister
 from agentq.state.steplock import Released
@@ -244,14 +245,9 @@ class Sweeper:
         now = time.time() if now is None else now
         look = self.look(now)
         for turn_id in look.wakeups:
-            if self.store.claim_wakeup(turn_id, now, self.retry_s):
-                try:
-                    send_step(self.app, turn_id)
-                except BrokerUnavailable as exc:
-                    # The rest wait too: each would spend kombu's retries on the same outage.
-                    self.store.wake_by(turn_id, now + BROKER_RETRY_S)
-                    log.warning("wakeup sweep paused: %s", exc)
-                    break
+            claimed = self.store.claim_wakeup(turn_id, now, self.retry_s)
+            if claimed and not send_step_or_wake(self.store, self.app, turn_id):
+                break  # the rest wait too: each would spend kombu's retries on the same outage
         r = self.store.redis
         send_kills(r, self.app, look.kills)
         for host in look.dead:

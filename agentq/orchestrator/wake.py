@@ -19,14 +19,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.turn")
 
 
-def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> None:
-    """Send a stored turn's step; with the broker away, a turn worker's sweep sends it
-    once the broker is back."""
+def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> bool:
+    """Send a stored turn's step; with the broker away (False), a turn worker's sweep sends
+    it once the broker is back."""
     try:
         send_step(app, turn_id)
     except BrokerUnavailable as exc:
-        log.warning("%s; turn %s starts when the broker is back", exc, turn_id)
+        log.warning("%s; the step of turn %s is sent when the broker is back", exc, turn_id)
         store.wake_by(turn_id, time.time() + BROKER_RETRY_S)
+        return False
+    return True
 
 
 def request_abort(store: TurnStore, turn_id: str, reason: str, *, walk: bool = True) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from agentq import constants as k
+from agentq.fleet.broker import send_step
 from agentq.local.processes import wait_for
-from agentq.orchestrator.steps import send_step
 from agentq.testing.openai_server import Round
 from tests.helpers import assert_gapless, assert_valid_history, busy_factor, calls, starts
 from tests.unit.state.support import holder
