@@ -343,8 +343,7 @@ def finish(
     in the same write; `output` is the agent's typed answer (JSON), stored with the turn."""
     # A round whose calls were its last (stop_after_round) is settled here.
     spend.settle_left(ctx)
-    history = [*ctx.history, *(append or [])]
-    content = final_content(history)
+    content = final_content([*ctx.history, *(append or [])])
     typed = {} if output is None else {"output": output}
     ctx.close(
         TurnStatus.FINISHED,
@@ -352,7 +351,7 @@ def finish(
         {
             "reason": reason,
             "content": content,
-            "rounds": len([m for m in history if m.get("role") == "assistant"]),
+            "rounds": ctx.state.get("round"),  # its own: not its conversation's earlier ones
             **typed,
         },
         settle_parent=subturns.parent_settlement(

@@ -62,6 +62,8 @@ def test_a_second_message_waits_for_the_first_and_both_are_kept(
     assert events[-1].fields["content"] == "second answer"
     first_end = collect(client, first.turn_id)[-1]
     assert first_end.type == "turn_finished"
+    # Each counts its own rounds, not the ones of the turns before it.
+    assert first_end.fields["rounds"] == 2 and events[-1].fields["rounds"] == 1
     # The second ran after the first had ended, on the history it left.
     assert events[1].ts >= first_end.ts
     view = client.conversation(conv, operator=True)
