@@ -214,13 +214,13 @@ def _admit(
     )
     try:
         admitted = decide()
-        running = admitted.running
+        running, handed = admitted.running, False
         if admitted.outcome is not Admit.RUN and running and not conversation.alive(store, running):
             # The turn ahead has ended; its own hand-off is under way, or its process died
             # before it. Hand off for it now rather than wait (or refuse) behind a turn
-            # that is over: the release script lets exactly one of the two act.
-            if conversation.release_for(store, app, cid, running) == turn_id:
-                return {"conversation_token": new_token} if admitted.created else {}, True
+            # that is over: the release script lets exactly one of the two act (handed:
+            # to this turn, whose first step it sent).
+            handed = conversation.release_for(store, app, cid, running) == turn_id
             if admitted.outcome is Admit.BUSY:
                 admitted = decide()  # refused behind a turn that is over: asked once more
                 running = admitted.running
@@ -237,10 +237,8 @@ def _admit(
         # Busy, too large, not found or not the caller's: nothing of the request stays.
         conversation.forget(store, turn_id)
         raise
-    handle: dict[str, object] = {}
-    if admitted.created:
-        handle["conversation_token"] = new_token
-    queued = admitted.outcome is not Admit.RUN
+    handle: dict[str, object] = {"conversation_token": new_token} if admitted.created else {}
+    queued = admitted.outcome is not Admit.RUN and not handed
     if queued:
         # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
         # perhaps already: said only while the turn has not started.
@@ -249,7 +247,7 @@ def _admit(
         if admitted.outcome is Admit.INJECTED:
             handle.update(injected=True, message_turn_id=turn_id, events_url_of=admitted.running)
         handle.update(queued=True, **fields)
-    return handle, queued
+    return handle, queued or handed
 
 
 def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:
