@@ -13,7 +13,7 @@ import contextlib
 import functools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -123,7 +123,7 @@ class AsyncClient:
         after_id: str = "0-0",
         depth: int = 1,
         heartbeat_s: float | None = None,
-    ) -> AsyncIterator[Event | None]:
+    ) -> AsyncGenerator[Event | None, None]:
         """The turn's events, its log first, then live, up to its own end; its sub-agents'
         relayed `depth` levels down (with `path`). None every `heartbeat_s` of silence.
         `after_id` is an event's `cursor` (or a stream id): the events after it."""
