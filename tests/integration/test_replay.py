@@ -251,6 +251,9 @@ def _abort_mid_round(
         return "fast" in seen and len(seen) >= held + 2
 
     collect(client, handle.turn_id, until=ready)
+    # tool_started comes before the tool's body runs: abort once every call has tallied.
+    labels = sorted(a["label"] for _, a in round_calls)
+    wait_for(lambda: sorted(_runs(tally)) == labels, 30, message="every call tallied")
     client.abort(handle.turn_id, handle.token)
     follow_until(client, handle.turn_id, "turn_aborted")
     return handle.turn_id, tally, hold, key
