@@ -72,6 +72,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def cmd_replay(client: Client, args: argparse.Namespace) -> int:
     if args.cmd == "retry" and args.status is not None:
         return _bulk(client, args)
+    if args.cmd == "retry" and (args.since is not None or args.dry_run):
+        # A dry run that retried the one turn would start what it said it would not.
+        print("agentq retry: --since and --dry-run go with --status", file=sys.stderr)
+        return 2
     given = {"agent": args.agent, "max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}
     if args.cmd == "retry":
         turn = client.retry(args.turn_id, rerun_lost=args.rerun_lost, model=args.model, **given)

@@ -6,6 +6,7 @@ import pytest
 
 from agentq.api import usage_time
 from agentq.cli.main import _glued, build_parser
+from agentq.cli.replay import cmd_replay
 
 
 @pytest.mark.parametrize(
@@ -55,6 +56,16 @@ def test_retry_takes_a_turn_id_or_status_exactly(
         build_parser().parse_args(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and "turn_id" in err and "--status" in err
+
+
+@pytest.mark.parametrize("extra", [["--dry-run"], ["--since", "2h"]])
+def test_a_single_retry_refuses_the_bulk_options(
+    extra: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Refused before any Redis is asked: a dry run must never start the turn's retry.
+    args = build_parser().parse_args(["retry", "0123abcd", *extra])
+    assert cmd_replay(None, args) == 2  # type: ignore[arg-type]
+    assert "go with --status" in capsys.readouterr().err
 
 
 def test_usage_takes_utc_days_and_refuses_anything_else() -> None:
