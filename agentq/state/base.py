@@ -1,13 +1,5 @@
-"""What every part of the turn store shares: the client, durable writes, waking a turn,
-the views a step reads, and the helpers that decode what Redis returns.
-
-Nothing here waits. Whatever changes a turn's situation (a settled call, a finished model
-round, an answer, an abort) writes its fact and *wakes* the turn in one atomic step: it
-sets the turn's dirty flag and a near wakeup in ``agentq:turns:wakeups`` (the backstop,
-swept by every turn worker), then asks its ``stepper`` for a step at once. A process
-that takes woken turns' steps itself has the same script take the step lock too, and
-goes on with the step from what the script read.
-"""
+"""What every part of the turn store shares: the client, durable writes, waking a turn
+(docs/architecture.md: nothing waits, a write wakes), the views a step reads, decoding."""
 
 from __future__ import annotations
 
@@ -37,12 +29,11 @@ T = TypeVar("T")
 WAIT_WARN_EVERY_S = 10.0
 """A replica that does not acknowledge is logged at most this often per process."""
 DURABLE_ATTEMPTS = 8
-"""Runs of an idempotent settling write that replicas did not acknowledge: with the
-backoff, about 5 s, longer than Sentinel takes to demote the old master."""
+"""Runs of an unacknowledged idempotent write: with backoff, about 5 s, past a Sentinel failover."""
 
 START_BACKSTOP_S = 30.0
-"""A new turn whose first step message was lost is swept up this much later: long enough
-that a burst of new turns waiting in the queue is not sent a second step each."""
+"""A new turn whose first step message was lost is swept up this much later (a burst of
+new turns waiting in the queue is not sent a second step each)."""
 WAKE_BACKSTOP_S = 2.0
 """A wake whose step message was lost (its sender died) is swept up this much later."""
 
@@ -59,14 +50,11 @@ class Settled(IntEnum):
     LOST = 0
     """A result was stored first: it is the one kept."""
     WON = 1
-    """Stored; other calls of the batch in flight have no result yet (or the caller
-    asked for no wake)."""
+    """Stored; other calls of the batch in flight have no result yet (or no wake asked)."""
     READY = 3
-    """Stored, and it completed the batch in flight: the turn is woken (or its step was
-    taken here, when the answer came with the step's view)."""
+    """Stored, completing the batch in flight: the turn is woken (or its step taken here)."""
     EXPIRED = -4
-    """A waitpoint's completion past its deadline: nothing written (the turn's step
-    settles the call `timeout`)."""
+    """A waitpoint's completion past its deadline: nothing written (its step times it out)."""
 
 
 class TurnKeys(NamedTuple):
@@ -76,7 +64,6 @@ class TurnKeys(NamedTuple):
     log_key: str
     channel: str
     wakeups_key: str
-    """The wakeups of the turn's shard."""
 
     @classmethod
     def of(cls, turn_id: str) -> list[str]:
@@ -93,9 +80,8 @@ class StateLostArgs(NamedTuple):
     ttl_s: int
 
 
-# STATE_LOST_LUA: a fact about a turn whose state Redis lost (a restart without
-# persistence): the turn cannot go on, so it ends here with a clear error, once, and its
-# record expires.
+# STATE_LOST_LUA: a turn whose state Redis lost (a restart without persistence) cannot go
+# on: it ends here with a clear error, once, and its record expires.
 STATE_LOST_LUA = (
     bind_lua(TurnKeys, StateLostArgs)
     + f"""
@@ -189,8 +175,7 @@ def dispatch_args(records: Mapping[str, dict[str, Any]]) -> list[str]:
 
 
 def each(client: Any, items: Iterable[T], command: Callable[[Any, T], Any]) -> list[Any]:
-    """The answers of `command(pipe, item)` for each of `items`, in one round trip (none
-    for no items). Over `k.shards()`: one shard on one Redis, several on a Cluster."""
+    """The answers of `command(pipe, item)` for each of `items`, in one round trip."""
     pipe = client.pipeline(transaction=False)
     for item in items:
         command(pipe, item)
@@ -217,14 +202,12 @@ def active_turns(client: Any) -> list[str]:
 
 
 SCAN_COUNT = 10_000
-"""Fields an HSCAN of a turn's state looks at a call: a turn has fewer, mostly, so one
-call reads all of its records."""
+"""Fields an HSCAN of a turn's state looks at a call: mostly all of them, in one call."""
 
 
 def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
     """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`),
-    matched in Redis so its history stays there, in one round trip (a turn the first call
-    did not read whole is read again with redis-py's scan: more calls)."""
+    matched in Redis so its history stays there; in one round trip for most turns."""
     opts = {"match": f"[{kinds}]:*", "count": SCAN_COUNT}
     got = each(client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, **opts))
     return [
@@ -277,7 +260,6 @@ class StoreBase:
         self.wait_timeout_ms = wait_timeout_ms
         self._wait_warned_at = 0.0
         self.metrics_flush_s = metrics_flush_s
-        """How often this process adds the events it counted to the fleet's counts."""
         self.bus = EventBus(
             client,
             log_maxlen=log_maxlen,
@@ -286,8 +268,7 @@ class StoreBase:
         )
         self.ttl_s = ttl_s
         self.stepper = stepper
-        """Sends the step of a turn this process woke, or takes it when this process steps
-        turns itself; the wakeup sweep is the backstop."""
+        """Sends (or takes here) the step of a turn this process woke."""
 
     def _durable(
         self,
@@ -308,13 +289,11 @@ class StoreBase:
     def _durable_write(
         self, build: Callable[[Any], None], again: bool = True, *, claim: bool = False
     ) -> list[Any]:
-        """Send the commands `build` puts in a pipeline, then WAIT for `replicas_acked`
-        replicas; the answers of the first run. Too few acknowledgements mean the write may
-        sit on a master being replaced, so idempotent writes (`again`) are sent again, with
-        backoff, until replicas acknowledge them on the new master. A `claim` (a call's
-        start) answers with its last run: its first may be lost with the old master, where
-        the broker's second copy may since have claimed the call; the script tells its own
-        earlier run by the claim's id, so the last answer is right either way."""
+        """Send the commands `build` puts in a pipeline and WAIT for `replicas_acked`
+        replicas; the first run's answers. Too few acknowledgements: the write may sit on a
+        master being replaced, so an idempotent one (`again`) is sent again, with backoff. A
+        `claim` answers with its last run: its first may be lost with the old master and the
+        broker's second copy claim the call since; the script knows its own claim's id."""
         if not self.replicas_acked:
             return run_pipeline(self.redis, build)
 
@@ -356,8 +335,8 @@ class StoreBase:
                 refresh()
 
     def _calls(self, turn_id: str, *kinds: str) -> list[dict[str, Any]]:
-        """The turn's call records of each kind (prefix), by call id, from one read: decoded,
-        but settled results, left as ToolResult JSON for whoever reads more than their ids."""
+        """The turn's call records of each kind (prefix), by call id, from one read; settled
+        results are left as JSON (most readers want only their ids)."""
         raw = records_of(self.redis, [turn_id], "".join(p[0] for p in kinds))[0]
         load = {p: json.loads if p != k.SETTLED else text for p in kinds}
         return [{c: load[p](v) for c, v in call_fields(raw, p).items()} for p in kinds]
@@ -372,18 +351,9 @@ class StoreBase:
         lock_ms = self.stepper.lock_ms() if self.stepper is not None else None
         return ("", 0) if lock_ms is None else (secrets.token_hex(8), lock_ms)
 
-    def _woke(
-        self,
-        turn_id: str,
-        answer: Any,
-        token: str,
-        lock_ms: int,
-        *,
-        wake: bool,
-    ) -> int:
-        """After a write that wakes a turn: take the step it locked for this process, else
-        send one (unless another step holds the lock: it steps again when it lets go); a
-        turn Redis lost (TURN_GONE) is ended `state_lost`."""
+    def _woke(self, turn_id: str, answer: Any, token: str, lock_ms: int, *, wake: bool) -> int:
+        """After a write that wakes a turn: take the step it locked here, else send one (not if
+        a step held the lock: it steps again as it lets go); a lost turn ends `state_lost`."""
         if isinstance(answer, list):
             code, *raw = answer
             if self.stepper is not None:

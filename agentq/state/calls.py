@@ -80,12 +80,10 @@ class StartArgs(NamedTuple):
     """The delivery's task id and retry count ("": not known)."""
 
 
-# START_LUA: a task that starts checks, in the same step that records its start, that its
-# call is not settled yet (a redelivery) and its turn not cancelled. The start record
-# names the delivery (task id and retry count), so the broker handing the same delivery
-# out again while it runs (a restored unacked message) does not run the call twice, and
-# the claim (random, one per attempt), so redis-py sending the same START again after a
-# reply lost to a Redis restart finds its own claim and runs the call.
+# START_LUA: a start is recorded only if its call is not settled (a redelivery) and its turn
+# not cancelled. The record names the delivery, so a restored unacked message does not run
+# the call twice, and the claim (random per attempt), so redis-py sending START again after
+# a reply lost to a Redis restart finds its own claim and runs the call.
 START_LUA = (
     bind_lua(TurnKeys, StartArgs)
     + turn_open_lua(
@@ -112,9 +110,8 @@ return {Started.STARTED:d}
 """
 )
 
-# RECORD_DISPATCH_LUA: dispatch records written apart from a step's release (a sub-agent
-# call's child turn, recorded before the child is started): the new ones join the batch
-# in flight. Not into a turn Redis does not hold: that would make half a turn.
+# RECORD_DISPATCH_LUA: dispatch records written apart from a step's release (a sub-agent's
+# child turn): new ones join the batch in flight. Never into a turn Redis lost (half a turn).
 RECORD_DISPATCH_LUA = (
     bind_lua(("turn_key",), (), rest="records")
     + f"""
@@ -143,9 +140,8 @@ class CallRecords(StoreBase):
         self._durable(self._record_dispatch, [k.turn_key(turn_id)], dispatch_args(records))
 
     def unrecord(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
-        """Take back the records of calls a step recorded but could not send (the broker
-        went away): a new one is deleted and leaves the batch in flight, one sent again
-        gets its earlier count of sends back. For the step that holds the turn."""
+        """Take back the records of calls the step holding the turn could not send (the broker
+        went away): a new one leaves the batch in flight, one sent again gets its count back."""
         if not records:
             return
         key, pipe = k.turn_key(turn_id), self.redis.pipeline(transaction=False)
@@ -186,13 +182,12 @@ class CallRecords(StoreBase):
             self.bus.log_arg(),
             str(start.get("delivery") or ""),
         )
-        answer = self._durable(self._start, keys=TurnKeys.of(turn_id), args=list(args), claim=True)
+        answer = self._durable(self._start, TurnKeys.of(turn_id), list(args), claim=True)
         return Started(int(answer))
 
     def turns_running_on(self, worker: str, batch: int = 500) -> list[str]:
-        """The open turns with a call whose start record names `worker` and asks to be
-        watched by its `heartbeat`, settled or not: read from every open turn's starts only
-        when a worker stops beating, so no call pays two writes to a per-worker index."""
+        """The open turns with a start record of `worker` watched by its `heartbeat`: read
+        only when a worker stops beating, so no call pays a write to a per-worker index."""
         needle = json.dumps(worker)
         ids = active_turns(self.redis)
         found: list[str] = []
@@ -235,12 +230,8 @@ class CallRecords(StoreBase):
         tracked: bool = True,
         deadline_ms: int | None = None,
     ) -> Settled:
-        """Store a call's result unless one is stored already (first writer wins).
-
-        `wake=False` is for the turn's own step, which goes on by itself. `tracked=False`
-        for a call never recorded as sent (refused, denied). `deadline_ms`: a waitpoint's
-        completion, stored only before the waitpoint's deadline (else EXPIRED).
-        """
+        """Store a call's result unless one is stored already (first writer wins). `wake=False`:
+        the turn's own step; `tracked=False`: a call never sent; `deadline_ms`: a waitpoint's."""
         event = finished(result)
         token, lock_ms = self._inline_lock() if wake else ("", 0)
         args = SettleArgs(
@@ -258,8 +249,9 @@ class CallRecords(StoreBase):
             "" if deadline_ms is None else str(deadline_ms),
         )
         answer = self._durable(self._settle, keys=TurnKeys.of(turn_id), args=list(args))
-        ready = answer == Settled.READY
-        got = Settled(self._woke(turn_id, answer, token, lock_ms, wake=ready and wake))
+        got = Settled(
+            self._woke(turn_id, answer, token, lock_ms, wake=wake and answer == Settled.READY)
+        )
         if got in (Settled.WON, Settled.READY):
             self.bus.counted([("tool_finished", event)])
         return got

@@ -1,6 +1,4 @@
-"""Lua fragments the store's scripts share: the open-turn guard, waking a turn, what a step
-reads, taking the step lock and recording dispatches. Each whole script stands beside the
-method that runs it."""
+"""Lua fragments the store's scripts share; each whole script stands beside its method."""
 
 from __future__ import annotations
 
@@ -35,10 +33,9 @@ _OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
 
 def turn_open_lua(ended: str, extra: tuple[str, ...] = ()) -> str:
-    """Lua that reads what every write to a turn (`turn_key`) checks first, and answers
-    `ended` for a turn that is over or lost: nothing is written after its terminal event,
-    and nothing recreates half of a vanished turn. It binds the `_OPEN` fields and `more`
-    (the fields the Lua expressions `extra` name)."""
+    """Lua that reads the `_OPEN` fields of `turn_key` (and `more`, the fields `extra` names)
+    and answers `ended` for a turn over or lost: nothing is written after its terminal
+    event, and nothing recreates half of a vanished turn."""
     names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
     return f"""local open = redis.call('HMGET', turn_key, {names})
 local status, watched, cancelled = open[1], open[2], open[3]
@@ -53,14 +50,11 @@ end
 """
 
 
-# The step lock is a field of the turn's state (STEP_FIELD), so the scripts that take,
-# check or let go of it do so in the commands they run on the state anyway. Its lifetime
-# is on the callers' clocks (ARGV), as the wakeups' are: a caller whose clock runs ahead
-# may take a lock early, and the fence (the token) still keeps the step it took over
-# from writing anything.
+# The step lock is a state field (STEP_FIELD), handled in the commands a script runs on the
+# state anyway. Its lifetime is on the caller's clock: a clock ahead may take a lock early,
+# and the token still fences the step it took over.
 def lock_free_lua(held: str) -> str:
-    """A Lua condition: the step lock as read (`held`; false, "" or lapsed) is free at the
-    ARGV `now_ms`."""
+    """A Lua condition: the step lock as read (`held`) is free ("" or lapsed) at `now_ms`."""
     return f"(not {held} or (tonumber(string.match({held}, ':(%d+)\"$')) or 0) <= tonumber(now_ms))"
 
 
@@ -84,8 +78,8 @@ MANY_CHUNK = 1000
 
 
 def write_lua(turn: str, w: str, first: str, last: str) -> str:
-    """Lua that adds the history messages ARGV[first..last] to the field/value table `w`
-    after the turn's `hlen` messages and HSETs `w` to `turn` in MANY_CHUNK pieces."""
+    """Lua that adds the messages ARGV[first..last] after the turn's `hlen` to the field/value
+    table `w` and HSETs `w` to `turn` in MANY_CHUNK pieces."""
     return f"""
 do
   local next_m = hlen
@@ -110,8 +104,8 @@ _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 
 
 def wake_lua(fields: str = "", at: str = "wake_at") -> str:
-    """Lua that marks a turn woken (DIRTY_FIELD, in one HSET with the Lua field/value list
-    `fields`) and has a sweeper step it by `at` (LT: an earlier wakeup stays)."""
+    """Lua that marks a turn woken (in one HSET with `fields`) and due by `at` (LT: an earlier
+    wakeup stays)."""
     more = f", {fields}" if fields else ""
     return f"""
 redis.call('HSET', turn_key, '{DIRTY_FIELD}', 1{more})
@@ -120,9 +114,8 @@ redis.call('ZADD', wakeups_key, 'LT', {at}, turn_id)
 
 
 def view_lua(st: str) -> str:
-    """A Lua table expression: what a step reads out of the state `st` (HGETALL): the state
-    without its records, the history in order, and the round's settled results, dispatch
-    records and plans (of `round_calls`), so collecting a round needs no read of its own."""
+    """A Lua table: what a step reads of the state `st` (HGETALL): the state without records,
+    the history, and the round's results, dispatch records and plans (no read of its own)."""
     return f"""(function()
     local state, rec, rc, hist = {{}}, {{}}, nil, {{}}
     for i = 1, #{st}, 2 do
@@ -158,11 +151,9 @@ def view_lua(st: str) -> str:
 
 
 def wake_or_step_lua(fields: str, stepped: int) -> str:
-    """Lua that writes `fields` and wakes the turn or, for a caller that steps it itself
-    (`token` set) while the lock is free, takes the lock and answers `stepped` with the
-    step's view, as BEGIN would: one round trip fewer between a batch's last result and
-    the step that collects it. Such a step needs no dirty mark, only its wakeup, should
-    its process die in it."""
+    """Lua that writes `fields` and wakes the turn or, for a caller that steps it (`token`)
+    while the lock is free, takes the lock and answers `stepped` with its view, as BEGIN
+    would: one round trip fewer. That step needs no dirty mark, only the wakeup if it dies."""
     return f"""
 if token ~= '' and {lock_free_lua("held")} then
   redis.call('HSET', turn_key, '{STEP_FIELD}', {LOCK_VALUE_LUA}, {fields})
@@ -174,10 +165,8 @@ end
 
 
 def settle_lua(settled: Any) -> str:
-    """Lua that settles a call, exactly one result per call, whoever settles it (the tool,
-    the worker's parent on a hard kill, the turn on abort/loss: calls.SETTLE_LUA; or its
-    child turn's end: turns.CLOSE_LUA runs it on the parent's keys). It answers `settled`
-    (base.Settled, above this module)."""
+    """Lua that settles a call with exactly one result, whoever settles it (calls.SETTLE_LUA,
+    or turns.CLOSE_LUA on a child's parent); it answers `settled` (base.Settled)."""
     return (
         turn_open_lua(f"{settled.TURN_GONE:d}", extra=(f"'{SETTLED}' .. call_id",))
         + f"""
@@ -185,10 +174,8 @@ if more[1] then return {settled.LOST:d} end
 if deadline_ms ~= '' and tonumber(now_ms) >= tonumber(deadline_ms) then
   return {settled.EXPIRED:d}
 end
--- Only the settle that completes the batch in flight (or one of a call it does not
--- track) wakes the turn: a round of a thousand calls takes one step, not a thousand. A
--- call recorded as sent (every call a worker settles, since calls are recorded before
--- they are sent) is in the batch's count: this first result takes it out.
+-- Only the settle that completes the batch in flight (or of an untracked call) wakes the
+-- turn: a round of a thousand calls takes one step. A call recorded as sent is counted.
 local is_tracked = tracked == '1'
 if is_tracked then unsettled = math.max(unsettled - 1, 0) end
 local ready = not is_tracked or unsettled == 0

@@ -25,8 +25,7 @@ class RoundFinished(IntEnum):
     TURN_GONE = -2
     """The turn is over, or Redis lost it: nothing written."""
     DONE = 0
-    """The round has its result already (this write, sent again across a Redis restart, or
-    the failure a worker reported after it): nothing written, first writer wins."""
+    """The round has its result already (this write sent again, or a later failure report)."""
     WOKEN = 1
     """The result stored and the turn woken."""
     STEPPED = 3
@@ -59,9 +58,8 @@ class FinishLlmArgs(NamedTuple):
     round_no: int
 
 
-# FINISH_LLM_LUA: a round's end: the events of it not published yet (its last deltas,
-# llm_finished: ARGV after the named ones), its result (fields of the turn's state, in
-# the HSET of its seq), and the turn woken (or stepped here), in one write.
+# FINISH_LLM_LUA: a round's unpublished events (its last deltas, llm_finished), its result
+# and the turn woken (or stepped here), in one write.
 FINISH_LLM_LUA = (
     bind_lua(TurnKeys, FinishLlmArgs, rest="events")
     + turn_open_lua(
@@ -94,10 +92,9 @@ class BeginLlmArgs(NamedTuple):
     round_no: int
 
 
-# BEGIN_LLM_LUA: a stream worker claims a model round (unless its turn is over, it has a
-# result or another delivery holds its lease), publishes llm_started and reads the history
-# in one step: each round trip is a handoff to a thread on a worker that holds thousands
-# of rounds. Whether anyone follows the turn decides how often its deltas go out.
+# BEGIN_LLM_LUA: a stream worker claims a round (unless it is over, answered or leased
+# elsewhere), publishes llm_started and reads the history in one step: each round trip is a
+# thread handoff on a worker holding thousands of rounds. Followers set the delta pace.
 BEGIN_LLM_LUA = (
     bind_lua(TurnKeys, BeginLlmArgs)
     + turn_open_lua(
@@ -185,9 +182,8 @@ class RoundRecords(StoreBase):
             round_no,
         )
         bodies = [event_body(turn_id, t, f) for t, f in events or []]
-        # Held while Redis is away (past redis-py's own retries, about 17 s): the answer a
-        # model gave is written when Redis returns, not replaced by "the stream worker
-        # failed" (a 25 s outage ended 7 turns of 30 so).
+        # Held while Redis is away (past redis-py's ~17 s of retries): a model's answer is not
+        # replaced by "the stream worker failed" (a 25 s outage ended 7 turns of 30 so).
         ok = held_writes.hold(
             lambda: self._finish_llm(keys=TurnKeys.of(turn_id), args=[*args, *bodies]),
             time.time() + ROUND_HOLD_S,

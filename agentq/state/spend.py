@@ -1,23 +1,14 @@
-"""Spend in Redis: what each key spent per UTC day and month, what each turn spent (its
-sub-agents' rounds included), and the reservations that keep every budget from being
-passed, even by many turns of one key at once.
+"""Spend in Redis: per key per UTC day and month, per turn (its sub-agents' included), and
+the reservations that keep every budget (docs/spend.md). A key's spend, its turns' too, is
+under one hash tag (``{spend:<key name>}``), so each script runs on one slot:
 
-A key's spend lives under one hash tag (``{spend:<key name>}``), its turns' too (a child
-turn has its parent's key), so each script below runs on one slot of a Cluster:
-
-- ``d:<YYYYMMDD>``: a hash per UTC day: ``tokens`` and ``usd`` (reservations included),
-  and settled rounds' ``prompt``, ``completion``, ``cached``, ``usd`` and ``turns`` per
-  model (``m|<model>|<field>``) and per agent (``a|<agent>|<field>``); the key's totals
-  are the sum of its models'. Kept `usage_retention_days`, past the turns it counts.
-- ``mo:<YYYYMM>``: ``usd`` per UTC month.
-- ``t:<turn id>``: a turn's ``max_tokens`` and ``max_usd``, its ``tokens`` and ``usd``
-  (with its descendants', reservations included), its settled ``prompt``, ``completion``
-  and ``cached``, its rounds' reservations ``r:<round>`` and the last round ``settled``.
-
-RESERVE (before a round under a budget: the one place its completion is capped, a start's
-key check too) and
-SETTLE (as every round answers) are keyed by the turn and the round's number, and
-idempotent: a step that runs again finds its round reserved, or settled (docs/spend.md).
+- ``d:<YYYYMMDD>``: ``tokens`` and ``usd`` (reservations included), and settled rounds'
+  ``prompt``, ``completion``, ``cached``, ``usd`` and ``turns`` per model (``m|<model>|<f>``)
+  and per agent (``a|<agent>|<f>``); kept `usage_retention_days`, past the turns it counts.
+- ``mo:<YYYYMM>``: ``usd``.
+- ``t:<turn id>``: ``max_tokens``, ``max_usd``, ``tokens`` and ``usd`` (its descendants' and
+  reservations included), settled ``prompt``, ``completion``, ``cached``, its reservations
+  ``r:<round>`` and the last round ``settled``.
 """
 
 from __future__ import annotations
@@ -63,9 +54,8 @@ def turn_spend_key(owner: str | None, turn_id: str) -> str:
 
 
 class SpendKeys(NamedTuple):
-    """KEYS of RESERVE and SETTLE; the turn's parents' spend keys follow (`parents_at`).
-    A round is settled in the day (and month) it was reserved in, which may not be the
-    day it answers in (a turn that runs past midnight, UTC)."""
+    """KEYS of RESERVE and SETTLE, the parents' spend keys after (`parents_at`). A round is
+    settled in the day it was reserved in, not always the day it answers in."""
 
     day_key: str
     month_key: str
@@ -74,10 +64,9 @@ class SpendKeys(NamedTuple):
 
 
 _ADD_LUA = f"""local parents_at = {len(SpendKeys._fields) + 1}
--- Adds to the day's, the month's (dollars only: usd_per_month is its one budget), the
--- turn's and its parents' counts; counts that do not change are not written. `fresh`: a
--- count may be a hash's first, which sets its retention (HINCRBY answering the increment
--- itself; a count back at zero sets it again, harmless).
+-- Adds to the day's, the month's (usd only: its one budget), the turn's and its parents'
+-- counts. `fresh`: a count may be a hash's first, which sets its retention (HINCRBY
+-- answering the increment itself; a count back at zero sets it again, harmless).
 local function add(key, ttl, dt, du, fresh)
   local total = nil
   if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
@@ -116,8 +105,7 @@ class ReserveArgs(NamedTuple):
     """The model's prices ("": it has none, so USD budgets do not count it: tokens only)."""
     output_per_token: float | str
     own_max_tokens: float | str
-    """The turn's limits ("": none), stored with its spend for its children's rounds and
-    its readers."""
+    """The turn's limits ("": none), stored for its children's rounds and its readers."""
     own_max_usd: float | str
     tokens_per_day: float | str
     usd_per_day: float | str
@@ -130,9 +118,8 @@ class ReserveArgs(NamedTuple):
 SETTLE_LUA = (
     bind_lua(SpendKeys, SettleArgs)
     + _ADD_LUA
-    + """-- The round's reservation (if it took one) becomes its usage, in every count the
--- reservation was added to; once: rounds are settled in order, a step that runs again
--- finds its round settled (0).
+    + """-- The round's reservation (if any) becomes its usage in every count it was added to,
+-- once: rounds settle in order, so a step that runs again finds its round settled (0).
 local field = 'r:' .. settle_round
 local got = redis.call('HMGET', own_key, 'settled', field)
 local last = tonumber(got[1])
@@ -186,9 +173,8 @@ local prompt, cap, wanted = tonumber(prompt_tokens), tonumber(want), tonumber(wa
 local priced = input_per_token ~= ''
 local pin, pout = tonumber(input_per_token) or 0, tonumber(output_per_token) or 0
 local tight, bounded = nil, 0
--- The completion the round may produce: what it wants, lowered to what each budget has
--- left once the prompt is paid for. A USD budget of a model without a price is not
--- counted (its tokens are), but by a start's check (at no cost).
+-- The completion: what it wants, lowered to what each budget has left past the prompt. A
+-- USD budget does not count an unpriced model (its tokens count) but in a start's check.
 local function consider(scope, name, unit, limit, spent, exhausted)
   if not limit or limit < 0 then return end
   if unit == 'usd' and not priced and not check then return end
@@ -220,8 +206,7 @@ for i = parents_at - 1, #KEYS do
   consider(scope, 'max_tokens', 'tokens', tonumber(t[1]), tonumber(t[3]))
   consider(scope, 'max_cost_usd', 'usd', tonumber(t[2]), tonumber(t[4]))
 end
--- Below min_completion (or what it wants, if less) the round is refused, by the budget
--- that left the least.
+-- Below min_completion (or its want, if less): refused by the budget that left the least.
 if cap >= math.min(wanted, tonumber(min_completion)) then
   if not check then
     local tokens, usd = prompt + cap, 0
@@ -236,8 +221,7 @@ if tight[1] == 'key' and not check then
   local period = (tight[2] == n[3]) and month_key or day_key
   redis.call('HSET', period, x .. tight[2], 1)
 end
--- A turn refused at its first round has a spend key (its limits) that no count gave
--- a retention.
+-- A turn refused at its first round has a spend key (its limits) no count gave a TTL.
 if redis.call('TTL', own_key) == -1 then redis.call('EXPIRE', own_key, turn_ttl_s) end
 return tight
 """
@@ -297,11 +281,9 @@ class Spend:
         max_usd: float | None = None,
     ) -> int | None:
         """Reserve a round against every budget it counts against: the completion it may
-        produce (its `max_completion_tokens`; None: no budget bounds it); BudgetExceeded
-        (with when a key's resets) names one that cannot afford it. Without a reservation,
-        a start's check of its key's budgets, which reserves nothing: one that cannot afford
-        its least round (its prompt and MIN_COMPLETION_TOKENS), or that refused a round of
-        the key's this period, refuses it."""
+        produce (None: no budget bounds it), or BudgetExceeded naming one that cannot afford
+        it. Without a reservation, a start's check that reserves nothing: a key budget that
+        cannot afford its least round, or refused a round this period, refuses it."""
         kb = self.settings.key_budgets.get(owner or "")
         args = ReserveArgs(
             reservation,
@@ -348,8 +330,8 @@ class Spend:
         return done
 
     def carry(self, owner: str | None, turn_id: str, usage: Usage) -> None:
-        """Start a new turn's spend at what it carries (a retry: its source's), which its
-        own budgets count, as RESERVE reads them, and its readers show."""
+        """Start a new turn's spend at what it carries (a retry: its source's), as its budgets
+        and readers count it."""
         key = turn_spend_key(owner, turn_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(
@@ -364,8 +346,7 @@ class Spend:
         pipe.execute()
 
     def turn_totals(self, owner: str | None, turn_id: str) -> dict[str, Any]:
-        """A turn's spend with its sub-agents' (reservations in flight included in
-        `tokens` and `cost_usd`) and its limits."""
+        """A turn's spend with its sub-agents' (reservations in flight included) and limits."""
         raw = self.redis.hgetall(turn_spend_key(owner, turn_id))
         f = {text(a): b for a, b in raw.items()}
         counts = {**_TOKENS, "tokens": "total_tokens"}
@@ -381,8 +362,7 @@ class Spend:
         return sorted(text(o) for o in self.redis.smembers(SPEND_OWNERS))
 
     def days(self, owners: list[str], days: list[str]) -> dict[tuple[str, str], dict[str, str]]:
-        """The per-day hashes of `owners` over `days`, by (owner, day), in one round trip
-        (one a slot on a Cluster)."""
+        """The per-day hashes of `owners` over `days`, by (owner, day), in one round trip."""
         pairs = [(o, d) for o in owners for d in days]
         got = each(self.redis, pairs, lambda p, od: p.hgetall(day_key(*od)))
         return {
@@ -399,8 +379,8 @@ GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
 def usage_days(
     group_by: str, since: float | None, until: float | None, now: float, keep_days: int
 ) -> list[str]:
-    """The UTC days of a usage query's window (epoch s; by default the 30 days to `now`) that
-    are kept, or ValueError naming what is wrong with the query."""
+    """The kept UTC days of a usage query's window (by default the 30 days to `now`), or
+    ValueError."""
     if group_by not in GROUPS:
         raise ValueError(f"group_by: one of {', '.join(GROUPS)}, not {group_by!r}")
     until = now if until is None else until

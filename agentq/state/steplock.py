@@ -43,8 +43,7 @@ class Released(IntEnum):
     LOST = -1
     """The step's token no longer holds the lock: nothing written."""
     WOKEN = 0
-    """Written, and the turn was woken meanwhile: the lock is kept (a full term) and the
-    step reads again and goes on."""
+    """Written; the turn was woken meanwhile, so the lock is kept (a full term): step again."""
     RELEASED = 1
     """Written, the lock let go, the turn's next deadline left for the sweepers."""
     KEPT = 2
@@ -68,13 +67,11 @@ class LockArgs(NamedTuple):
     now_ms: int
     """The caller's clock, on which the lock's lifetime runs."""
     again: str = "0"
-    """"1": the step goes round again (woken while it ran) and keeps its lock; "lock": the
-    lock alone is taken (answers 1), the dirty mark left and no view sent back."""
+    """"1": a woken step goes round again, keeping its lock; "lock": the lock alone (answers 1)."""
 
 
-# BEGIN_LUA: a step begins: take the lock (free, or lapsed; or keep it, `again`), clear the
-# dirty mark, and read what the step needs (state with its cancel reason, history, round)
-# in one round trip. A turn Redis does not hold is read as such, and nothing is written to it.
+# BEGIN_LUA: take the lock (free or lapsed; or keep it, `again`), clear the dirty mark and
+# read the step's view in one round trip; nothing is written to a turn Redis does not hold.
 BEGIN_LUA = (
     bind_lua(("turn_key",), LockArgs)
     + f"""
@@ -114,25 +111,17 @@ class ReleaseArgs(NamedTuple):
     keep: str
     """"1": a commit: the write alone, the lock and the turn's wakeup left as they are."""
     n_fields: int
-    """The ARGV sections after these are this long, in this order: state field/value pairs
-    (values JSON),"""
+    """The lengths of the ARGV sections that follow, in order: state field/value pairs, messages
+    appended, plan field/CallPlan pairs, event bodies; then the dispatch records' pairs."""
     n_messages: int
-    """history messages (JSON) appended after the turn's last,"""
     n_plans: int
-    """call plan field/CallPlan JSON pairs,"""
     n_events: int
-    """event bodies published, in order; then the dispatch records' field/value pairs."""
 
 
-# RELEASE_LUA: a step's writes are fenced by its lock token: a step whose lock lapsed (a
-# paused process) cannot overwrite what the step that took over wrote. Its plans and
-# events go in the same write, so an event is never seen without its state nor a state
-# without its event.
-#
-# Unless it `keep`s the lock (a commit), it lets go of it and writes the dispatch records
-# of the calls it is about to send: its sends are its last act, so a call's start and
-# result always find its record. If the turn was woken meanwhile, it keeps the lock (a
-# full term) and steps again; else the turn's next deadline is left for the sweepers.
+# RELEASE_LUA: a step's writes are fenced by its lock token (a paused process whose lock
+# lapsed cannot overwrite its successor's), with its plans and events in the same write: no
+# event without its state. Unless it `keep`s the lock, it lets go and writes the dispatch
+# records of its sends, its last act, so a call's start and result find its record.
 RELEASE_LUA = (
     bind_lua(TurnKeys, ReleaseArgs, rest="sections")
     + f"""
@@ -188,9 +177,8 @@ class ClaimArgs(NamedTuple):
     """When the wakeup is due again, should the step it claims never run."""
 
 
-# CLAIM_LUA: a sweeper claims a due wakeup by pushing it later (its retry if the step
-# never runs): several sweepers, one claim. The turn is marked woken, should a step hold
-# it now.
+# CLAIM_LUA: a sweeper claims a due wakeup by pushing it to its retry: several sweepers, one
+# claim. The turn is marked woken, should a step hold it now.
 CLAIM_LUA = (
     bind_lua(TurnKeys, ClaimArgs)
     + f"""
@@ -263,9 +251,8 @@ class StepRecords(StoreBase):
         keys = TurnKeys.of(turn_id)
         if not (dispatched or any(sections)):
             return Released(int(self._release(keys=keys, args=args)))
-        # Not sent again: a second run finds the lock gone, or appends the messages twice
-        # (and would publish twice). Records a failover loses are of calls a later step
-        # sends again, which their start claims run once.
+        # Not sent again: a second run finds the lock gone or appends (and publishes) twice.
+        # Records a failover loses are sent again by a later step; start claims run them once.
         released = Released(int(self._durable(self._release, keys=keys, args=args, again=False)))
         if released is not Released.LOST:
             self.bus.counted(events or [])

@@ -53,8 +53,7 @@ class Closed(IntEnum):
 
 
 _CLOSE_KEYS = (*TurnKeys._fields, "children_key", "parent_key", "parent_log_key", "parent_channel")
-"""CLOSE's KEYS: the turn's, its children's set, and its parent's state hash, log and
-channel (the turn's own, as placeholders, without a parent)."""
+"""CLOSE's KEYS: the turn's, its children's set, and its parent's (its own without a parent)."""
 
 
 class CloseArgs(NamedTuple):
@@ -79,12 +78,10 @@ class CloseArgs(NamedTuple):
     """"1": the turn hands its conversation on after this write (its wakeup stays)."""
 
 
-# CLOSE_LUA: ending a turn: its status, its terminal event and the retention TTL of its
-# keys in one atomic step; exactly one ending wins, and nothing is published after it. A
-# child turn settles its parent's call in the same step (first result wins, as in
-# SETTLE_LUA) and wakes the parent if the batch is complete. A step ends the turn fenced
-# by its lock, with the messages it has not committed yet: its last words and its end are
-# one write. KEYS after the named ones get the TTL; ARGV: the messages, then the fields.
+# CLOSE_LUA: a turn's status, terminal event and keys' TTL in one step: one ending wins and
+# nothing is published after it. A child settles its parent's call in the same step (as
+# SETTLE_LUA). A step's end is fenced by its lock and carries its uncommitted messages.
+# KEYS after the named ones get the TTL; ARGV: the messages, then the fields.
 CLOSE_LUA = (
     bind_lua(_CLOSE_KEYS, CloseArgs, rest="messages")
     + turn_open_lua(f"{Closed.ENDED_ALREADY:d}")
@@ -96,8 +93,7 @@ w[#w + 1] = '{SEQ_FIELD}'
 w[#w + 1] = seq
 {write_lua("turn_key", "w", "messages_at", "fields_at - 1")}
 if hands_off == '1' then
-  -- Its conversation is handed on after this write: the wakeup stays, due at the backstop,
-  -- should the process die in between (the hand-off takes it away).
+  -- The wakeup stays, due at the backstop, should the process die before the hand-off.
   redis.call('ZADD', wakeups_key, wake_at, turn_id)
 else
   redis.call('ZREM', wakeups_key, turn_id)
@@ -105,8 +101,7 @@ end
 if kids then redis.call('DEL', children_key) end
 for i = {len(_CLOSE_KEYS) + 1}, #KEYS do redis.call('EXPIRE', KEYS[i], ttl_s) end
 if parent_id == '' then return {Closed.ENDED:d} end
--- The parent's call is settled as SETTLE_LUA settles a call, on the parent's keys. The
--- parent recorded its call before it started this turn: the call is in its batch.
+-- SETTLE_LUA's settle on the parent's keys; the parent recorded the call: it is tracked.
 local function settle_parent()
   local turn_key, log_key, channel, turn_id = parent_key, parent_log_key, parent_channel, parent_id
   local call_id, result, event = parent_call_id, parent_result, parent_event
@@ -131,10 +126,9 @@ class FlagCancelArgs(NamedTuple):
     """When a sweeper steps the turn should the abort's step message never be sent."""
 
 
-# FLAG_CANCEL_LUA: the cancel flag, also in the turn's state (if Redis holds it), where
-# the scripts read it. An open turn is woken in the same write, so an abort whose sender
-# dies before it sends the step is still taken. A script, not a pipeline: a Cluster
-# pipeline takes no PUBLISH. Returns {woken (1: the turn is open), children...}.
+# FLAG_CANCEL_LUA: the cancel flag, in the turn's state too, where scripts read it; an open
+# turn is woken in the same write (an abort's sender may die before sending the step). A
+# script: a Cluster pipeline takes no PUBLISH. Returns {woken (1: open), children...}.
 FLAG_CANCEL_LUA = (
     bind_lua((*TurnKeys._fields, "cancel_key", "children_key"), FlagCancelArgs)
     + f"""
@@ -175,17 +169,11 @@ class TurnRecords(StoreBase):
     _flag_cancel = LuaScript(FLAG_CANCEL_LUA)
 
     def flag_cancel(self, turn_id: str, reason: str) -> tuple[bool, list[str]]:
-        """Flag the turn cancelled (the first reason stays) and wake it (its backstop
-        wakeup), tell the event loops that hold its calls, in one round trip; whether it
-        was open (its step is then for the caller to send) and its children."""
+        """Flag the turn cancelled (the first reason stays), wake it and tell the event loops
+        holding its calls; whether it was open (the caller sends its step) and its children."""
         keys = [*TurnKeys.of(turn_id), *(k.turn_key(turn_id, p) for p in ("cancel", "children"))]
-        args = FlagCancelArgs(
-            reason,
-            self.ttl_s,
-            turn_id,
-            json.dumps(reason),
-            time.time() + WAKE_BACKSTOP_S,
-        )
+        wake_at = time.time() + WAKE_BACKSTOP_S
+        args = FlagCancelArgs(reason, self.ttl_s, turn_id, json.dumps(reason), wake_at)
         woken, *children = self._flag_cancel(keys=keys, args=list(args))
         return bool(int(woken)), [text(c) for c in children]
 
@@ -197,12 +185,10 @@ class TurnRecords(StoreBase):
         records: dict[str, str] | None = None,
         backstop_s: float = START_BACKSTOP_S,
     ) -> None:
-        """Store a new turn, woken: if the message of its first step is lost (a failover
-        took it with the old master, its sender died), the wakeup sweep starts it after
-        `backstop_s`. `records`: call records it starts with (a retry's settled calls)."""
+        """Store a new turn, woken: a lost first step message is swept up after `backstop_s`.
+        `records`: call records it starts with (a retry's settled calls)."""
         fields = {f: json.dumps(v) for f, v in state.items()}
-        # Its history is fields of its state (constants.MESSAGE): written whole, so
-        # sending it again (see _durable_write) is harmless.
+        # Written whole, so sending it again (see _durable_write) is harmless.
         fields.update({f"{k.MESSAGE}{i}": json.dumps(m) for i, m in enumerate(history)})
         if history:
             fields[k.HISTORY_LEN_FIELD] = str(len(history))
