@@ -1,6 +1,5 @@
-"""Spend's pure decisions: what a round's tokens cost, when a key's period ends. (Whether
-the budgets afford a round, and how much completion, is decided in one place, atomically:
-`spend.RESERVE_LUA`.) Nothing here reads a clock or Redis: tests call it with numbers."""
+"""Spend's pure decisions: what a round's tokens cost, when a key's period ends (what a round
+may spend is `spend.RESERVE_LUA`'s). Nothing here reads a clock or Redis."""
 
 from __future__ import annotations
 

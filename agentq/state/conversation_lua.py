@@ -1,13 +1,5 @@
-"""The Lua scripts behind `agentq.state.conversations`, with their argument layouts and
-answers: every decision about a conversation (who holds it, who waits, what its history
-becomes) is one script, so turns racing for a conversation never both get it.
-
-Each script gets the conversation's keys (`ConversationKeys`, then for a write on one
-Redis the listing's index). Besides the meta fields `agentq.state.conversations` lists, the
-scripts keep `last_turn`, `last_base`, `last_end` (the last turn that held the
-conversation, and its exchange's place in the history, `[last_base, last_end)`) and
-`replacing` (a retry that holds the conversation to replace that exchange: `IN_PLACE_LUA`).
-"""
+"""The Lua scripts behind `agentq.state.conversations` (keys: docs/conversations.md): every
+decision about a conversation is one script, so turns racing for it never both get it."""
 
 from __future__ import annotations
 
@@ -35,8 +27,7 @@ class Release(IntEnum):
     """RELEASE's answer: what became of the turn's exchange."""
 
     LEFT = 0
-    """The turn did not hold the conversation: it left the queue (aborted while queued, or
-    its message joined the running turn), or the conversation is gone."""
+    """The turn did not hold the conversation: it left the queue, or the conversation is gone."""
     COMMITTED = 1
     DROPPED = 2
     """Rolled back: its exchange is not kept."""
@@ -81,8 +72,7 @@ class AdmitArgs(NamedTuple):
     conversation_id: str
 
 
-# KEYS: ConversationKeys; ARGV: AdmitArgs. Returns {NOT_FOUND}, {TOO_LARGE, size}, or
-# {Admit, created, running, position, behind} ('' and 0 for none).
+# Returns {NOT_FOUND}, {TOO_LARGE, size}, or {Admit, created, running, position, behind}.
 ADMIT_LUA = (
     bind_lua(_SCRIPT_KEYS, AdmitArgs)
     + f"""local bound = redis.call('GET', owner_key)
@@ -128,26 +118,23 @@ return {{answer, created, running, position, behind}}
 class ReleaseArgs(NamedTuple):
     turn_id: str
     base_len: int
-    """The history's length when the turn read it: an append finds it unchanged (-1: the
-    turn ended before it read it, holding the conversation, so none is expected)."""
+    """The history's length when the turn read it, as an append expects it (-1: not read)."""
     ttl_s: int
     now: float
     conversation_id: str
     rolled_back: bool
-    """The turn was aborted for a rollback: its exchange is dropped (a turn that ended on
-    its own before the rollback could abort it is kept)."""
+    """Aborted for a rollback: its exchange is dropped (one that ended first is kept)."""
     gone: list[str]
     """Queued turns whose message this turn took in (inject): they leave the queue."""
     messages: list[str]
     """The turn's exchange, as JSON."""
 
     def argv(self) -> list[Any]:
-        """RELEASE's ARGV: the first six fields (`rolled_back` as 0 or 1), how many turns are
-        gone (`n_gone`), then those turns, then the messages."""
+        """RELEASE's ARGV: the first six fields, `n_gone`, those turns, then the messages."""
         return [*self[:5], int(self.rolled_back), len(self.gone), *self.gone, *self.messages]
 
 
-# KEYS: ConversationKeys; ARGV: ReleaseArgs.argv(). Returns {Release, next turn id or ''}.
+# Returns {Release, next turn id or ''}.
 RELEASE_LUA = (
     bind_lua(_SCRIPT_KEYS, (*ReleaseArgs._fields[:6], "n_gone"), rest="tail")
     + f"""local first_message = tail_at + tonumber(n_gone)
@@ -248,9 +235,8 @@ class InPlaceArgs(NamedTuple):
     conversation_id: str
 
 
-# KEYS: ConversationKeys; ARGV: InPlaceArgs. Returns {InPlace, running turn or ''}. The
-# retry was authorized on its source, so no binding is checked; no cap either: it replaces
-# an exchange the conversation holds, as big as its own before it goes on.
+# Returns {InPlace, running turn or ''}. The retry was authorized on its source: no binding
+# check; no cap either, as it replaces an exchange of the conversation's own.
 IN_PLACE_LUA = (
     bind_lua(_SCRIPT_KEYS, InPlaceArgs)
     + f"""if redis.call('EXISTS', owner_key) == 0 then return {{{InPlace.GONE}, ''}} end
@@ -267,8 +253,7 @@ redis.call('HSET', meta_key, 'running', turn_id, 'replacing', turn_id, 'updated_
 """
 )
 
-# KEYS: ConversationKeys; ARGV: 1 for the history too. Returns {meta (HGETALL), queue,
-# inject (SMEMBERS), history}: what a reader sees of a conversation, as one moment's.
+# Returns {meta, queue, inject, history (with_history)}: a conversation as one moment's.
 READ_LUA = (
     bind_lua(ConversationKeys, ("with_history",))
     + """local history = {}
@@ -278,7 +263,7 @@ return {redis.call('HGETALL', meta_key), redis.call('LRANGE', queue_key, 0, -1),
 """
 )
 
-# KEYS: ConversationKeys. Removes the conversation; returns its running and queued turns.
+# Removes the conversation; returns its running and queued turns.
 DELETE_LUA = (
     bind_lua(ConversationKeys)
     + """local out = redis.call('LRANGE', queue_key, 0, -1)
@@ -289,8 +274,7 @@ return out
 """
 )
 
-# KEYS: the running turn's state hash. Counts a message sent to join it (`inject_seq`),
-# which its next step sees with its state; nothing for a turn that ended.
+# Counts a message sent to join a running turn, which its next step sees with its state.
 NOTE_INJECTED_LUA = (
     bind_lua(("turn_key",))
     + f"""local status = redis.call('HGET', turn_key, 'status')

@@ -1,23 +1,5 @@
-"""Conversations: one history that successive turns append to, one turn at a time.
-
-A conversation is five keys under one hash tag (``{<conversation id>}``), so each script
-below runs on one slot:
-
-- ``owner``: who may continue it (sha256 of its owner's key name, or of a conversation
-  token returned to the creator once); to anyone else it is unknown.
-- ``history``: a list of its messages. Turns append to it (RPUSH), each its own exchange,
-  at its end; only a retry of the last turn replaces that turn's exchange with its own
-  (`admit_in_place`).
-- ``meta``: a hash: ``running`` (the one turn that holds the conversation), ``rollback``
-  (a running turn whose exchange is to be dropped), ``bytes``, ``updated_at``,
-  ``conflicts`` (appends that found the history changed under them: never expected).
-- ``queue``: the turns waiting for it, in the order they run.
-- ``inject``: the queued turns whose message may join the running turn instead.
-
-A turn is admitted (`admit`) when its conversation is idle, else follows its request's
-`multitask`; at its end it commits its exchange and hands the conversation to the next
-queued turn in one step (`release`). A conversation whose binding expired is gone. The
-scripts are in `agentq.state.conversation_lua`.
+"""Conversations: one history that successive turns append to, one turn at a time. Its keys
+and how a turn is admitted are docs/conversations.md's; its scripts are in `conversation_lua`.
 """
 
 from __future__ import annotations
@@ -138,9 +120,8 @@ class Conversations:
         may: tuple[str, ...] = (),
         any_owner: bool = False,
     ) -> Admitted:
-        """Claim a new conversation or check the caller may continue this one, enforce its
-        cap (a new one's too: created only within it), and run the turn now or as `mode`
-        says when another turn holds it."""
+        """Claim a new conversation or check the caller may continue this one, enforce its cap
+        (a new one's too), and run the turn now or as `mode` says if another turn holds it."""
         held = [*may, "", ""][:2]
         args = AdmitArgs(
             turn_id,
@@ -173,9 +154,8 @@ class Conversations:
     def admit_in_place(
         self, conversation_id: str, turn_id: str, source_id: str
     ) -> tuple[InPlace, str | None]:
-        """Let a stored retry hold the conversation to replace `source_id`'s exchange, if that
-        is the conversation's last turn and no other turn holds or waits for it (the running
-        turn, if one does)."""
+        """Let a stored retry hold the conversation to replace its last turn `source_id`'s
+        exchange, if no other turn holds or waits for it (the running turn, if one does)."""
         args = InPlaceArgs(turn_id, source_id, self.ttl_s, time.time(), conversation_id)
         answer = self._in_place(keys=self._keys(conversation_id), args=list(args))
         outcome = InPlace(int(answer[0]))
@@ -222,8 +202,7 @@ class Conversations:
         token: str | None = None,
         any_owner: bool = False,
     ) -> None:
-        """Raise ConversationNotFound unless the conversation exists and the caller may use
-        it: its owner's key, its token, or an admin or operator."""
+        """ConversationNotFound unless the caller may use it (its key, its token, an admin)."""
         raw = self.redis.get(k.conversation_key(conversation_id, "owner"))
         if raw is None or not (any_owner or text(raw) in held_bindings(owner, token)):
             raise ConversationNotFound(conversation_id)

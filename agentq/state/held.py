@@ -1,6 +1,5 @@
-"""Writes a process holds while Redis is away: a tool call's settle and start, a model
-round's result. Each is tried again until Redis answers or its deadline passes, so a
-result computed during a restart or an outage is written when Redis returns."""
+"""Writes a process holds while Redis is away (a call's settle and start, a round's result):
+tried again until Redis answers or a deadline passes, so a result is not lost to an outage."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ HOLD_RETRY_S = 0.5
 
 
 class HeldWrites:
-    """The writes this process holds until Redis answers again (a call's settle or start,
-    a round's result); the I/O worker takes no new call while it holds any (`wait_none`)."""
+    """The writes this process holds; the I/O worker takes no new call while it holds any."""
 
     def __init__(self) -> None:
         self.count = 0

@@ -1,11 +1,8 @@
 """Idempotent starts: the same Idempotency-Key from the same caller starts one turn.
 
-The first request with a key claims its record (SET NX) with the turn id and token it is
-about to use, marked pending; the others wait for it to be done and answer with the same
-turn. A start that fails drops the record, so a retry of a refused request is tried again
-rather than answered with a turn that never was. The record holds the turn's token sealed
-with the key itself (whose sha256 alone names the record): a reader of Redis learns
-neither the key nor the token.
+The first request claims the key's record (SET NX, pending); the others wait for it and
+answer with its turn. A failed start drops the record, so a retry is tried again. The token
+is sealed with the key itself (only its sha256 names the record): Redis learns neither.
 """
 
 from __future__ import annotations

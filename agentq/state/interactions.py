@@ -31,10 +31,9 @@ class CloseArgs(NamedTuple):
     wake_at: float
 
 
-# _CLOSE_LUA: closing a request is a compare-and-set on its state, so an answer and the
-# timeout can race and exactly one wins; the loser gets the state that won (409 to a
-# client). The close publishes its event in the same step; an answer wakes the turn too
-# (a timeout or a default is the turn's own step's, or its tool's, doing).
+# _CLOSE_LUA: a compare-and-set on the request's state, so of an answer and the timeout
+# exactly one wins; the loser gets the state that won (409 to a client). Only an answer
+# wakes the turn: a timeout or a default is its own step's (or tool's) doing.
 _CLOSE_LUA = (
     bind_lua((*TurnKeys._fields, "interaction_key", "secret_key"), CloseArgs)
     + f"""
@@ -118,8 +117,7 @@ class InteractionRecords(StoreBase):
         if found is None:
             raise InteractionNotFound(turn_id, request_id)
         _, req = found
-        # Only an approved password is kept (until its tool reads it once); a denied
-        # call never runs, so its password would otherwise sit in Redis until expiry.
+        # Only an approved password is kept (its tool reads it once): a denied call never runs.
         approved = answer.decision == "approve"
         secret = answer.value if (req.kind == "password" and approved and answer.value) else ""
         if req.kind == "input" and approved:
@@ -143,9 +141,8 @@ class InteractionRecords(StoreBase):
     def expire_interaction(
         self, turn_id: str, req: InteractionRequest, state: str = "timed_out"
     ) -> str:
-        """Close a pending request without an answer, publishing interaction_timed_out (a
-        headless default, `defaulted`: interaction_answered), its turn not woken; the state
-        it is in now: `state`, or an answer's that won the race ("closed": the turn ended)."""
+        """Close a pending request unanswered (`defaulted`: a headless default), its turn not
+        woken; its state now: `state`, or an answer's that won ("closed": the turn ended)."""
         rid = req.request_id
         fields: dict[str, Any] = {"request_id": rid, "decision": req.default, "by": "default"}
         if state != "defaulted":

@@ -1,19 +1,10 @@
 """The list of turns for the operator console: recent and running turns, newest first.
 
-Every turn is in ``agentq:turns:index`` (a sorted set scored by ``created_at``) from its
-creation. A finished turn's keys expire after the retention TTL (`turn_retention_s`); the
-turn workers' sweeper drops the entries of expired turns every minute (`prune`), so the
-index does not grow with turns nobody lists, and a listing drops those it meets.
-
-Each shard of the state (agentq.constants.shard_count) has its own index; a listing
-merges them. One Lua call a shard summarises a page of turns inside Redis (state, call
-counts by status, unsettled calls, pending interactions), so a page costs a couple of
-round trips and no result content crosses the network.
-
-A person names a turn by a prefix of its id (`agentq show 3f2a9c01b7e4`), looked up in the
-index too (`find_turn_ids`): four hex digits or more name its shard, Redis matches the
-prefix as it scans (ZSCAN MATCH), and a lookup stops at `limit` live turns or ID_SCAN_MAX
-entries read, so it is a bounded number of round trips whatever the index holds.
+Every turn is in its shard's ``agentq:turns:index`` (scored by ``created_at``); the sweeper
+drops expired turns' entries every minute (`prune`), and a listing those it meets. One Lua
+call a shard summarises a page inside Redis, so no result content crosses the network. A
+turn id prefix (`agentq show 3f2a9c01b7e4`) is looked up there too (ZSCAN MATCH; four hex
+digits name its shard), bounded by `limit` live turns or ID_SCAN_MAX entries read.
 """
 
 from __future__ import annotations
@@ -53,11 +44,9 @@ Visible = Callable[[dict[str, Any]], bool]
 """Whether the asker may see a turn, given its state (the gateway's rule)."""
 
 
-# _SUMMARY_LUA: the summaries of a shard's turns (ARGV after approval_suffix, what follows
-# a call id in the id of its approval request: turn id, state key, for each; the shard's
-# index only routes the call to its slot). Results are matched, not decoded: the first
-# "status" of a ToolResult's JSON is its own (call_id and tool come before it, and a
-# quote inside them is escaped).
+# _SUMMARY_LUA: the summaries of a shard's turns (turn id, state key: pairs; the index key
+# routes it to its slot). Results are matched, not decoded: the first "status" of a
+# ToolResult's JSON is its own (call_id and tool come before it, their quotes escaped).
 _SUMMARY_LUA = (
     bind_lua(("index_key",), ("approval_suffix",), rest="turns")
     + f"""
@@ -133,8 +122,7 @@ class TurnQuery(BaseModel, frozen=True):
 
     @classmethod
     def parse(cls, **raw: str | int | None) -> TurnQuery:
-        """From query-string values (blank: absent); ValueError naming the parameter if one is
-        malformed."""
+        """From query-string values (blank: absent); ValueError naming a malformed one."""
         try:
             return cls.model_validate({f: v for f, v in raw.items() if v not in (None, "")})
         except ValidationError as exc:
@@ -243,8 +231,7 @@ class TurnLister:
         each(self.redis, gone, lambda p, t: p.zrem(k.shard_key(k.TURNS_INDEX, t), t))
 
     def _entries(self, low: str, high: str, num: int, newest: bool) -> list[tuple[float, str]]:
-        """At most `num` index entries (score, turn id) from `low` to `high`, over every
-        shard: the newest first, or the oldest."""
+        """At most `num` index entries (score, turn id) from `low` to `high` over every shard."""
 
         def read(p: Any, shard: int) -> Any:
             key = k.shard_key(k.TURNS_INDEX, shard)
@@ -257,8 +244,7 @@ class TurnLister:
         return rows[:num]
 
     def page(self, query: TurnQuery, visible: Visible | None = None) -> TurnPage:
-        """Newest first from `query.before`, filtered, at most `query.limit` turns, reading
-        at most SCAN_MAX index entries."""
+        """Up to `query.limit` turns, newest first from `query.before`, of SCAN_MAX entries read."""
         now, page = time.time(), TurnPage()
         top = "+inf" if query.before is None else f"({query.before!r}"
         for _ in range(SCAN_MAX // SCAN_BATCH):
@@ -278,8 +264,8 @@ class TurnLister:
         return page
 
     def prune(self, older_than: float, batch: int, rounds: int) -> int:
-        """Drop the index entries of expired turns created before `older_than`, oldest first,
-        reading at most `rounds` pages of `batch`; how many were dropped."""
+        """Drop the index entries of expired turns older than `older_than` (at most `rounds`
+        pages of `batch`); how many."""
         top, low, tied, dropped = f"({older_than!r}", -math.inf, set[str](), 0
 
         for _ in range(rounds):
@@ -299,8 +285,7 @@ class TurnLister:
         return dropped
 
     def active(self, visible: Visible | None = None) -> list[dict[str, Any]]:
-        """The summaries of the open turns (the members of the wakeups), a page at a time
-        so no script holds Redis long."""
+        """The open turns' summaries, a page at a time so no script holds Redis long."""
         ids = active_turns(self.redis)
         at = range(0, len(ids), SCAN_BATCH)
         return [
@@ -317,9 +302,8 @@ class TurnLister:
 
 
 def find_turn_ids(client: Any, prefix: str, *, limit: int = 10) -> tuple[list[str], bool]:
-    """The stored turns whose id starts with `prefix` (hex, any case), newest first, at most
-    `limit` of them, and whether the lookup stopped before it knew them all (more matches,
-    or ID_SCAN_MAX entries read). Something that cannot begin a turn id matches nothing."""
+    """Up to `limit` stored turns whose id starts with `prefix` (hex, any case), newest first,
+    and whether the lookup stopped before it knew them all."""
     prefix = prefix.lower()
     if not _PREFIX.fullmatch(prefix):
         return [], False

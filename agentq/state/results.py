@@ -1,9 +1,5 @@
-"""What `Client.run` and `Turn.result()` answer: a finished turn's result, or the typed
-error of a turn that did not finish (`TurnFailed`, `TurnAborted`, `HeadlessInteraction`).
-
-Shared by the sync and the async client: both wait for the turn's own end (its terminal
-event), read the turn once, and hand both to `settle`.
-"""
+"""What `Client.run` and `Turn.result()` answer, for the sync and the async client: a
+finished turn's result, or the typed error of a turn that did not finish."""
 
 from __future__ import annotations
 
@@ -27,8 +23,7 @@ class TurnView(TypedDict):
     invocations: list[dict[str, Any]]
     """The records of its settled calls (`InvocationRecord` as JSON)."""
     spend: dict[str, Any]
-    """Its tokens and cost with its sub-agents' (reservations in flight included), and its
-    limits (docs/spend.md)."""
+    """Its tokens and cost with its sub-agents', and its limits (docs/spend.md)."""
 
 
 class TurnUsage(BaseModel):
@@ -55,8 +50,7 @@ class TurnResult(BaseModel):
     text: str
     """The final answer's text."""
     output: Any = None
-    """The agent's `output_type` instance (its JSON when the type is not known here);
-    None for an agent without one."""
+    """The agent's `output_type` instance (its JSON when the type is not known here)."""
     usage: TurnUsage
     history: list[dict[str, Any]]
     """The turn's messages, in order (OpenAI chat format)."""

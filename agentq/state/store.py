@@ -1,6 +1,5 @@
-"""Durable turn state in Redis, one class put together from its parts: the turn
-(agentq.state.turns), its step (steplock), its calls (calls, waitpoints), its model rounds
-(rounds) and its questions (interactions); agentq.state.base says how a write wakes a turn."""
+"""Durable turn state in Redis: one class put together from its parts (turns, steplock,
+calls, waitpoints, rounds, interactions)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""One turn laid out in time: each model round and each call as a bar from start to end.
-
-Built from what Redis already holds for the turn: its event log (model rounds start and
-end there) and its calls' records among its state: dispatch records (limits, budget, task
-id), start records (worker, pid, start) and settled results. Nothing is recorded twice for it.
-"""
+"""One turn laid out in time: each model round and each call as a bar from start to end,
+built from its event log and its calls' records: nothing is recorded twice for it."""
 
 from __future__ import annotations
 

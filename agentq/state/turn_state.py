@@ -1,6 +1,5 @@
-"""The turn's state: the fields of its state hash (each JSON) but its records (calls and
-history messages, `constants.RECORDS`), typed so mypy refuses a misspelled field. A new
-field is added here first, with one line saying what it holds."""
+"""The turn's state: its state hash's fields (JSON) but its records, typed so mypy refuses a
+misspelled field. A new field is added here first, with one line saying what it holds."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class TurnState(TypedDict, total=False):
     history_start: int
     """How many messages of the history came from the conversation (before this turn)."""
     conversation_waiting: bool
-    """Queued behind another turn of its conversation: its messages wait in
-    `pending_messages` until its first step moves them after the conversation's history."""
+    """Queued behind another turn of its conversation (its messages in `pending_messages`)."""
     pending_messages: list[dict[str, Any]] | None
     """A waiting turn's own messages, until it runs (or joins the running turn)."""
     conversation_base_len: int
@@ -74,8 +72,7 @@ class TurnState(TypedDict, total=False):
     from_round: int
     """A retry's or fork's first round of its own (1-based, as `agentq show` counts)."""
     replay_lost: list[str] | None
-    """A retry's calls of its first round that ran in the source without a result: its
-    first step runs them again (idempotent tools, `rerun_lost`) or settles them lost."""
+    """A retry's first-round calls that ran in the source unsettled: run again, or lost."""
     rerun_lost: bool
     """The retry's request asked to run every such call again."""
     model: str | None

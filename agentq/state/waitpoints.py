@@ -1,12 +1,7 @@
 """Waitpoints: a call whose tool ended its run with a wait, open in its turn's state (a
-`w:` record beside its other records) until a completion, its deadline or an abort
-settles it.
-
-A waitpoint's id names its turn and call (`wp_<turn id>_<call id>`), so finding it is
-one read of the turn; its token is an HMAC of the id under the fleet's waitpoint key, so
-a tool knows it before it returns, every run of a call gets the same one, and nothing
-stores it. A completion is the call's settle (SETTLE_LUA, first result wins), told to
-store only before the waitpoint's deadline: exactly once, atomically with the turn's wake.
+`w:` record) until a completion, its deadline or an abort settles it (docs/waitpoints.md).
+Its id names its turn and call, so finding it is one read; its token is an HMAC of the id,
+so a tool knows it before it returns, every run of a call gets the same, and nothing stores it.
 """
 
 from __future__ import annotations
@@ -22,10 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from agentq import constants as k
 from agentq.config import get_settings
-from agentq.errors import (
-    PayloadTooLarge,
-    WaitpointRefused,
-)
+from agentq.errors import PayloadTooLarge, WaitpointRefused
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import CALL_ID, TURN_ID, InvocationRecord, ToolResult, ToolStatus
@@ -84,11 +76,9 @@ class OpenArgs(NamedTuple):
     """Epoch seconds: the turn's wakeup comes by then, to settle the call `timeout`."""
 
 
-# OPEN_LUA: a call's waitpoint, recorded once (a redelivered run keeps the first) unless
-# the call settled meanwhile (an abort came first) or its turn is over: 1 if it wrote,
-# 0 if not. tool_waiting published; the turn woken by the deadline (LT: an earlier
-# wakeup stays) and marked, so a step that read the turn before this write steps again
-# and sees the waitpoint's deadline.
+# OPEN_LUA: a call's waitpoint, recorded once (a redelivered run keeps the first) unless the
+# call settled or its turn is over. The turn is due by the deadline and marked woken, so a
+# step that read the turn before this write steps again and sees the deadline.
 OPEN_LUA = (
     bind_lua(TurnKeys, OpenArgs)
     + turn_open_lua("0", extra=(f"'{k.SETTLED}' .. call_id", f"'{k.WAITING}' .. call_id"))
@@ -106,8 +96,7 @@ class WaitpointRecords(StoreBase):
 
     @cached_property
     def waitpoint_key(self) -> bytes:
-        """The HMAC key of waitpoint tokens: AGENTQ_WAITPOINT_SECRET, else the fleet's key
-        in Redis (made once, SET NX), read once."""
+        """The HMAC key of tokens: AGENTQ_WAITPOINT_SECRET, else the fleet's (KEY_FIELD)."""
         secret = get_settings().waitpoint_secret
         if secret is not None:
             return secret.get_secret_value().encode()
@@ -146,8 +135,7 @@ class WaitpointRecords(StoreBase):
         return {c: w for c, w in waiting.items() if c not in settled}
 
     def waitpoint_rows(self, turn_id: str) -> list[dict[str, Any]]:
-        """The turn's open waitpoints, oldest first, with their age and time left (for
-        `agentq show` and the console)."""
+        """The turn's open waitpoints, oldest first, with their age and time left."""
         now = time.time()
         rows = [
             {
