@@ -75,7 +75,6 @@ class StateLostArgs(NamedTuple):
     error: str
     """The error message (JSON)."""
     event: str
-    """The turn_error event body."""
     log_opts: str
     ttl_s: int
 

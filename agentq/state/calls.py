@@ -48,7 +48,6 @@ class SettleArgs(NamedTuple):
     result: str
     """The ToolResult JSON."""
     event: str
-    """The tool_finished event body."""
     log_opts: str
     now_ms: int
     wake_at: float
@@ -74,7 +73,6 @@ class StartArgs(NamedTuple):
     start: str
     """The start record (JSON), with its `claim`."""
     event: str
-    """The tool_started event body."""
     log_opts: str
     delivery: str
     """The delivery's task id and retry count ("": not known)."""

@@ -64,4 +64,3 @@ class HeldWrites:
 
 
 held_writes = HeldWrites()
-"""This process's held writes."""

@@ -152,6 +152,7 @@ def summarise(
     now: float,
 ) -> dict[str, Any]:
     """One row of the list, from the turn's state and what the summary script found."""
+    shown = ("status", "phase", "agent", "owner", "parent_turn_id", "conversation_id")
     started = state.get("started_at")
     # The model round the turn holds waiting for model capacity, with its place in the queue.
     wait = None
@@ -172,12 +173,7 @@ def summarise(
         p["turn_id"] = turn_id
     return {
         "turn_id": turn_id,
-        "status": state.get("status"),
-        "phase": state.get("phase"),
-        "agent": state.get("agent"),
-        "owner": state.get("owner"),
-        "parent_turn_id": state.get("parent_turn_id"),
-        "conversation_id": state.get("conversation_id"),
+        **{f: state.get(f) for f in shown},
         "conversation_waiting": bool(state.get("conversation_waiting"))
         and state.get("status") == "queued",
         "round": state.get("round", 0),

@@ -85,9 +85,7 @@ class BeginLlmArgs(NamedTuple):
     lease: str
     """The lease the worker takes (`constants.llm_alive_value`)."""
     now_ms: int
-    """The worker's clock."""
     event: str
-    """The llm_started event body."""
     log_opts: str
     round_no: int
 

@@ -63,7 +63,6 @@ WAKE_ONLY_LUA = bind_lua(TurnKeys, WakeArgs) + turn_open_lua("0") + wake_lua() +
 class LockArgs(NamedTuple):
     token: str
     lock_ms: int
-    """The lock's lifetime."""
     now_ms: int
     """The caller's clock, on which the lock's lifetime runs."""
     again: str = "0"
@@ -288,13 +287,10 @@ class StepRecords(StoreBase):
             got = read.values
         else:
             got = self.redis.hmget(k.turn_key(turn_id), [p + c for p in kinds for c in call_ids])
-        results, calls, plans = got[:n], got[n : 2 * n], got[2 * n :]
+        results = zip(call_ids, got[:n], strict=True)
+        calls = zip(call_ids, got[n : 2 * n], strict=True)
         return (
-            plans,
-            {
-                c: ToolResult.model_validate_json(r)
-                for c, r in zip(call_ids, results, strict=True)
-                if r
-            },
-            {c: json.loads(d) for c, d in zip(call_ids, calls, strict=True) if d},
+            got[2 * n :],
+            {c: ToolResult.model_validate_json(r) for c, r in results if r},
+            {c: json.loads(d) for c, d in calls if d},
         )

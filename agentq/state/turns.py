@@ -59,9 +59,7 @@ _CLOSE_KEYS = (*TurnKeys._fields, "children_key", "parent_key", "parent_log_key"
 class CloseArgs(NamedTuple):
     turn_id: str
     ttl_s: int
-    """The retention TTL of the turn's keys."""
     event: str
-    """The terminal event's body."""
     log_opts: str
     parent_id: str
     """"": the turn has no parent call to settle."""
@@ -69,7 +67,6 @@ class CloseArgs(NamedTuple):
     parent_result: str
     """The parent call's ToolResult JSON."""
     parent_event: str
-    """The parent's tool_finished event body."""
     wake_at: float
     token: str
     """The step's lock token ("": not fenced)."""

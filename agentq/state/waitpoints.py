@@ -69,7 +69,6 @@ class OpenArgs(NamedTuple):
     record: str
     """The waitpoint's record (JSON, with `deadline_ms`)."""
     event: str
-    """The tool_waiting event body."""
     log_opts: str
     turn_id: str
     deadline: float
