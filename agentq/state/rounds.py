@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 from agentq import constants as k
 from agentq.events.bus import SEQ_FIELD, event_body, publish_lua
 from agentq.events.lua_args import LuaScript, bind_lua
-from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms, text
+from agentq.state.base import WAKE_BACKSTOP_S, StoreBase, TurnKeys, now_ms
 from agentq.state.held import held_writes
 from agentq.state.lua import turn_open_lua, view_lua, wake_or_step_lua
 
@@ -190,15 +190,6 @@ class RoundRecords(StoreBase):
         got = self._woke(turn_id, ok, token, lock_ms, wake=ok == RoundFinished.WOKEN)
         if got in (RoundFinished.WOKEN, RoundFinished.STEPPED):
             self.bus.counted(events or [])
-
-    def llm_result(self, turn_id: str, round_no: int) -> str | None:
-        """The round's result (LlmRoundResult JSON) if it is the last one stored."""
-        at, raw = self.redis.hmget(
-            k.turn_key(turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_RESULT_FIELD]
-        )
-        if at is None or raw is None or int(at) != round_no:
-            return None
-        return text(raw) if text(raw) != "null" else None
 
     def llm_rounds_alive(self, rounds: dict[tuple[str, int], str], lease_ms: int) -> None:
         """Renew many rounds' leases in one round trip: (turn id, round) -> worker. A plain

@@ -134,10 +134,12 @@ def test_a_round_result_sent_again_changes_nothing(client) -> None:  # type: ign
     store.finish_llm_round(tid, 0, answer, events)
     failed = LlmRoundResult(ok=False, error="the stream worker failed", error_code="ELLM")
     store.finish_llm_round(tid, 0, failed.model_dump_json())
-    assert json.loads(store.llm_result(tid, 0) or "{}") == json.loads(answer)
+    state = store.state(tid) or {}
+    assert (state.get("llm_result_round"), state.get("llm_result")) == (0, json.loads(answer))
     finished = [e for e in store.bus.replay(tid, "0-0") if e.type == "llm_finished"]
     assert len(finished) == 1
     # The next round is written as before.
     store.finish_llm_round(tid, 1, answer)
-    assert json.loads(store.llm_result(tid, 1) or "{}") == json.loads(answer)
+    state = store.state(tid) or {}
+    assert (state.get("llm_result_round"), state.get("llm_result")) == (1, json.loads(answer))
     store.close(tid, TurnStatus.FINISHED, "turn_finished", {})
