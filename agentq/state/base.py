@@ -258,11 +258,10 @@ class StoreBase:
         """Replicas that must acknowledge the writes a failover must not lose (`WAIT`)."""
         self.wait_timeout_ms = wait_timeout_ms
         self._wait_warned_at = 0.0
-        self.metrics_flush_s = metrics_flush_s
         self.bus = EventBus(
             client,
             log_maxlen=log_maxlen,
-            count=lambda events: fleet_counts.events(events, client, self.metrics_flush_s),
+            count=lambda events: fleet_counts.events(events, client, metrics_flush_s),
             counted_types=COUNTED_TYPES,
         )
         self.ttl_s = ttl_s

@@ -63,8 +63,7 @@ class SettleArgs(NamedTuple):
     """A waitpoint's completion: its deadline, past which nothing is stored ("": none)."""
 
 
-# SETTLE_LUA: store the result under its call id (first writer wins), wake the turn and
-# publish tool_finished, in one atomic step (see `settle_lua`).
+# SETTLE_LUA: store the result (first writer wins), publish and wake in one step (`settle_lua`).
 SETTLE_LUA = bind_lua(TurnKeys, SettleArgs) + settle_lua(Settled)
 
 

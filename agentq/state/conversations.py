@@ -215,12 +215,7 @@ class Conversations:
         )
 
     def listing(
-        self,
-        *,
-        owner: str | None,
-        any_owner: bool,
-        limit: int,
-        before: float | None = None,
+        self, *, owner: str | None, any_owner: bool, limit: int, before: float | None = None
     ) -> list[dict[str, Any]]:
         """The caller's conversations (all for an admin or operator), newest first."""
         top = "+inf" if before is None else f"({before}"

@@ -123,11 +123,8 @@ class InteractionRecords(StoreBase):
         if req.kind == "input" and approved:
             # Refused before anything is written: the question stays open.
             secret = checked_answer(turn_id, req, answer.value)
-        event = event_body(
-            turn_id,
-            "interaction_answered",
-            {"request_id": request_id, "decision": answer.decision, "by": "user"},
-        )
+        fields = {"request_id": request_id, "decision": answer.decision, "by": "user"}
+        event = event_body(turn_id, "interaction_answered", fields)
         ttl_s = max(1, int(req.timeout_ms / 1000) + 600)
         outcome = self._close_interaction(
             turn_id, request_id, "answered", answer.decision, secret, ttl_s, event

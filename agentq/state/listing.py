@@ -72,9 +72,7 @@ for i = turns_at, #ARGV, 2 do
         sent[#sent + 1] = {{call, all[j + 1]}}
       elseif kind == '{k.PLANNED}' then
         planned[#planned + 1] = call
-      elseif kind == '{k.MESSAGE}' then
-        -- The history: not the listing's.
-      else
+      elseif not ({" or ".join(f"kind == '{r}'" for r in k.RECORDS)}) then
         st[all[j]] = all[j + 1]
       end
     end

@@ -56,7 +56,6 @@ class WakeArgs(NamedTuple):
     """When a sweeper steps the turn if its step message is lost."""
 
 
-# WAKE_ONLY_LUA: a woken turn: whoever wakes it (a model round, an answer) in one step.
 WAKE_ONLY_LUA = bind_lua(TurnKeys, WakeArgs) + turn_open_lua("0") + wake_lua() + "return 1"
 
 

@@ -96,15 +96,12 @@ def calls(
                 "timeout_s": d.get("timeout_s", rec.get("timeout_s")),
                 "soft_timeout_s": d.get("soft_timeout_s"),
                 "budget_s": d.get("budget_s", rec.get("budget_s")),
-                "overran": bool(rec.get("overran")),
-                "soft_limited": bool(rec.get("soft_limited")),
-                "partial": bool(rec.get("partial")),
+                **{f: bool(rec.get(f)) for f in ("overran", "soft_limited", "partial")},
                 "worker": rec.get("worker") or s.get("worker"),
                 "pid": rec.get("pid") or s.get("pid"),
                 "task_id": rec.get("task_id") or d.get("task_id"),
                 "queue": d.get("queue"),
-                "error": r.get("error"),
-                "reason": r.get("reason"),
+                **{f: r.get(f) for f in ("error", "reason")},
             }
         )
     return out
