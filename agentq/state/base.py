@@ -1,5 +1,4 @@
-"""What every part of the turn store shares: the client, durable writes, waking a turn
-(docs/architecture.md: nothing waits, a write wakes), the views a step reads, decoding."""
+"""What every part of the turn store shares: the client, durable writes, waking, decoding."""
 
 from __future__ import annotations
 
@@ -205,8 +204,7 @@ SCAN_COUNT = 10_000
 
 
 def records_of(client: Any, turn_ids: list[str], kinds: str) -> list[dict[Any, Any]]:
-    """Each turn's call records of these kinds (prefix letters: "sd" for `s:` and `d:`),
-    matched in Redis so its history stays there; in one round trip for most turns."""
+    """Each turn's records of these kinds (prefix letters: "sd"), matched in Redis, in one trip."""
     opts = {"match": f"[{kinds}]:*", "count": SCAN_COUNT}
     got = each(client, turn_ids, lambda p, t: p.hscan(k.turn_key(t), 0, **opts))
     return [
@@ -333,8 +331,7 @@ class StoreBase:
                 refresh()
 
     def _calls(self, turn_id: str, *kinds: str) -> list[dict[str, Any]]:
-        """The turn's call records of each kind (prefix), by call id, from one read; settled
-        results are left as JSON (most readers want only their ids)."""
+        """The turn's call records of each kind, by call id, from one read (results as JSON)."""
         raw = records_of(self.redis, [turn_id], "".join(p[0] for p in kinds))[0]
         load = {p: json.loads if p != k.SETTLED else text for p in kinds}
         return [{c: load[p](v) for c, v in call_fields(raw, p).items()} for p in kinds]

@@ -1,5 +1,4 @@
-"""Spend's pure decisions: what a round's tokens cost, when a key's period ends (what a round
-may spend is `spend.RESERVE_LUA`'s). Nothing here reads a clock or Redis."""
+"""Spend's pure decisions: a round's cost, when a key's period ends (RESERVE_LUA spends)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def per_token(usd_per_million: float) -> float:
 def cost_usd(
     price: ModelPrice | None, prompt: int, completion: int, cached: int = 0
 ) -> float | None:
-    """What the tokens cost at `price` (None: the model has no price). Cached prompt tokens
-    are priced at `cached_input` (the `input` price when unset)."""
+    """What the tokens cost at `price` (None: no price); cached ones at `cached_input`, if set."""
     if price is None:
         return None
     cached = min(max(cached, 0), max(prompt, 0))
@@ -36,8 +34,7 @@ def cost_usd(
 
 
 def charged(usage: Usage | None, prompt: int, completion: int, price: ModelPrice | None) -> Usage:
-    """A round's usage, estimated as `prompt` + `completion` tokens when none was counted,
-    priced at `price` unless already priced."""
+    """A round's usage (`prompt` + `completion` estimated if none was counted), priced."""
     if usage is None:
         total = prompt + completion
         usage = Usage(
@@ -59,8 +56,7 @@ def month_of(day: str) -> str:
 
 
 def resets_at(budget: str, day: str) -> float:
-    """When a key's `budget` (tokens_per_day, usd_per_day, usd_per_month) spent on `day`
-    starts afresh: the next UTC midnight, or the first of next month."""
+    """When a key's `budget` spent on `day` starts afresh: next UTC midnight or month."""
     t = dt.datetime.strptime(day, "%Y%m%d").replace(tzinfo=dt.timezone.utc)
     if budget == "usd_per_month":
         year, month = (t.year + 1, 1) if t.month == 12 else (t.year, t.month + 1)

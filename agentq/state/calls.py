@@ -130,8 +130,7 @@ class CallRecords(StoreBase):
     _record_dispatch = LuaScript(RECORD_DISPATCH_LUA)
 
     def record_dispatch(self, turn_id: str, records: dict[str, dict[str, Any]]) -> None:
-        """Record calls as sent, and those not settled yet as the batch in flight whose last
-        settle wakes the turn."""
+        """Record calls as sent; unsettled ones join the batch in flight whose last settle wakes."""
         if not records:
             return
         self._durable(self._record_dispatch, [k.turn_key(turn_id)], dispatch_args(records))

@@ -1,6 +1,5 @@
 """Conversations: one history that successive turns append to, one turn at a time. Its keys
-and how a turn is admitted are docs/conversations.md's; its scripts are in `conversation_lua`.
-"""
+and how a turn is admitted are docs/conversations.md's; its scripts are in `conversation_lua`."""
 
 from __future__ import annotations
 
@@ -120,8 +119,7 @@ class Conversations:
         may: tuple[str, ...] = (),
         any_owner: bool = False,
     ) -> Admitted:
-        """Claim a new conversation or check the caller may continue this one, enforce its cap
-        (a new one's too), and run the turn now or as `mode` says if another turn holds it."""
+        """Admit a turn (a new conversation claimed, within its cap): run it, or as `mode` says."""
         held = [*may, "", ""][:2]
         args = AdmitArgs(
             turn_id,
@@ -164,8 +162,7 @@ class Conversations:
         return outcome, text(answer[1]) or None
 
     def release(self, conversation_id: str, args: ReleaseArgs) -> tuple[Release, str | None]:
-        """Commit a turn's exchange and hand the conversation to the next queued turn (its
-        id, if any); a turn that did not hold it just leaves the queue."""
+        """Commit a turn's exchange and hand the conversation on (the next turn's id, if any)."""
         answer = self._release(keys=self._keys(conversation_id), args=args.argv())
         outcome = Release(int(answer[0]))
         if outcome is not Release.LEFT:
@@ -184,8 +181,7 @@ class Conversations:
     def take(
         self, conversation_id: str, turn_id: str
     ) -> tuple[Take, list[dict[str, Any]], str | None]:
-        """A waiting turn's look: whether it holds the conversation (with its history), waits
-        (behind the running turn named), or is in it no more."""
+        """Whether a waiting turn holds its conversation (its history) or waits (behind whom)."""
         meta, queue, _, history = self._look(conversation_id)
         running = meta.get("running") or None
         if running != turn_id:

@@ -31,8 +31,7 @@ class HeldWrites:
         self._cond = threading.Condition()
 
     def hold(self, write: Callable[[], T], until: float, what: str) -> T:
-        """`write()`, tried again every HOLD_RETRY_S while Redis is away, until `until`
-        (time.time()); then its last error is raised."""
+        """`write()`, tried every HOLD_RETRY_S while Redis is away until `until`, then raised."""
         held = False
         try:
             while True:

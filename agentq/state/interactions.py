@@ -67,8 +67,7 @@ def default_timeout_s(kind: InteractionKind, settings: Settings) -> float | None
 
 
 def checked_answer(turn_id: str, req: InteractionRequest, value: str | None) -> str:
-    """An `input` answer as JSON text, once its value (JSON, or else plain text) meets the
-    request's schema (AnswerInvalid otherwise)."""
+    """An `input` answer (JSON, else plain text) as JSON, once it meets the request's schema."""
     raw = value or ""
     try:
         answer = json.loads(raw)

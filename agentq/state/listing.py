@@ -31,8 +31,7 @@ MAX_LIMIT = 200
 DEFAULT_LIMIT = 50
 SCAN_BATCH = 100
 SCAN_MAX = 5000
-"""A filtered listing reads at most this many index entries per page, then hands back a
-cursor: a rare filter never makes one request read the whole index."""
+"""Index entries a filtered page reads at most, then it hands back a cursor."""
 TURN_STATUSES = frozenset(s.value for s in TurnStatus)
 TURN_ID_LEN = 32
 ID_SCAN_COUNT = 1000
@@ -258,8 +257,7 @@ class TurnLister:
         return page
 
     def prune(self, older_than: float, batch: int, rounds: int) -> int:
-        """Drop the index entries of expired turns older than `older_than` (at most `rounds`
-        pages of `batch`); how many."""
+        """Drop expired turns' entries before `older_than` (`rounds` pages of `batch`); how many."""
         top, low, tied, dropped = f"({older_than!r}", -math.inf, set[str](), 0
 
         for _ in range(rounds):

@@ -104,8 +104,7 @@ _IS_RECORD_LUA = " or ".join(f"p == '{r}'" for r in CALL_RECORDS)
 
 
 def wake_lua(fields: str = "", at: str = "wake_at") -> str:
-    """Lua that marks a turn woken (in one HSET with `fields`) and due by `at` (LT: an earlier
-    wakeup stays)."""
+    """Lua that marks a turn woken (one HSET with `fields`), due by `at` (LT: earlier stays)."""
     more = f", {fields}" if fields else ""
     return f"""
 redis.call('HSET', turn_key, '{DIRTY_FIELD}', 1{more})

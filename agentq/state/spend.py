@@ -330,8 +330,7 @@ class Spend:
         return done
 
     def carry(self, owner: str | None, turn_id: str, usage: Usage) -> None:
-        """Start a new turn's spend at what it carries (a retry: its source's), as its budgets
-        and readers count it."""
+        """Start a new turn's spend at what it carries (a retry: its source's)."""
         key = turn_spend_key(owner, turn_id)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(
@@ -379,8 +378,7 @@ GROUPS = {"model": "m|", "agent": "a|", "key": "m|"}
 def usage_days(
     group_by: str, since: float | None, until: float | None, now: float, keep_days: int
 ) -> list[str]:
-    """The kept UTC days of a usage query's window (by default the 30 days to `now`), or
-    ValueError."""
+    """The kept UTC days of a usage query's window (default: 30 days to `now`), or ValueError."""
     if group_by not in GROUPS:
         raise ValueError(f"group_by: one of {', '.join(GROUPS)}, not {group_by!r}")
     until = now if until is None else until

@@ -225,8 +225,7 @@ class StepRecords(StoreBase):
         plans: dict[str, str] | None = None,
         keep: bool = False,
     ) -> Released:
-        """Write what the step staged and record the calls it sends (`dispatched`), fenced by
-        its lock, then let go of the lock unless `keep` (see `Released`)."""
+        """Write what the step staged and its sends' records, fenced; let go unless `keep`."""
         sections = (
             [x for f, v in (fields or {}).items() for x in (f, json.dumps(v))],
             [json.dumps(m) for m in append or []],
@@ -265,8 +264,7 @@ class StepRecords(StoreBase):
         return ok
 
     def wake_by(self, turn_id: str, at: float) -> None:
-        """Bring a pending wakeup forward to `at` (its step could not be sent): none is added
-        for a turn that has none, since that turn has ended."""
+        """Bring a wakeup forward to `at` (its step could not be sent); an ended turn has none."""
         self.redis.zadd(k.shard_key(k.WAKEUPS, turn_id), {turn_id: at}, xx=True, lt=True)
 
     def claim_wakeup(self, turn_id: str, now: float, retry_s: float) -> bool:
@@ -277,8 +275,7 @@ class StepRecords(StoreBase):
     def round_view(
         self, turn_id: str, call_ids: list[str], *, read: RoundRead | None = None
     ) -> tuple[list[bytes | None], dict[str, ToolResult], dict[str, dict[str, Any]]]:
-        """The stored plans (raw, in order), settled results and dispatch records of these
-        calls: from `read` when it is of these calls, else in one round trip."""
+        """The plans (raw), results and dispatch records of these calls, from `read` if theirs."""
         if not call_ids:
             return [], {}, {}
         n, kinds = len(call_ids), (k.SETTLED, k.DISPATCHED, k.PLANNED)

@@ -1,5 +1,4 @@
-"""Durable turn state in Redis: one class put together from its parts (turns, steplock,
-calls, waitpoints, rounds, interactions)."""
+"""Durable turn state in Redis: one class put together from its parts."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""One turn laid out in time: each model round and each call as a bar from start to end,
-built from its event log and its calls' records: nothing is recorded twice for it."""
+"""One turn in time: each model round and call as a bar, from its event log and records."""
 
 from __future__ import annotations
 
