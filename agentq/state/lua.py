@@ -131,9 +131,8 @@ def view_lua(st: str) -> str:
       end
     end
     local rnd = {{}}
-    local ok, ids = false, nil
-    if rc then ok, ids = pcall(cjson.decode, rc) end
-    if ok and type(ids) == 'table' and #ids > 0 then
+    local ids = rc and cjson.decode(rc)
+    if type(ids) == 'table' and #ids > 0 then
       local n, open = #ids, false
       for i = 1, n do
         local id = tostring(ids[i])
@@ -166,6 +165,7 @@ end
 def settle_lua(settled: Any) -> str:
     """Lua that settles a call with exactly one result, whoever settles it (calls.SETTLE_LUA,
     or turns.CLOSE_LUA on a child's parent); it answers `settled` (base.Settled)."""
+    fields = f"'{SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, '{UNSETTLED_FIELD}', unsettled"
     return (
         turn_open_lua(f"{settled.TURN_GONE:d}", extra=(f"'{SETTLED}' .. call_id",))
         + f"""
@@ -175,18 +175,14 @@ if deadline_ms ~= '' and tonumber(now_ms) >= tonumber(deadline_ms) then
 end
 -- Only the settle that completes the batch in flight (or of an untracked call) wakes the
 -- turn: a round of a thousand calls takes one step. A call recorded as sent is counted.
-local is_tracked = tracked == '1'
-if is_tracked then unsettled = math.max(unsettled - 1, 0) end
-local ready = not is_tracked or unsettled == 0
+if tracked == '1' then unsettled = math.max(unsettled - 1, 0) end
+local ready = tracked ~= '1' or unsettled == 0
+{publish_lua("log_key", "channel", "event", "log_opts", "watched")}
+if not ready or wake ~= '1' then
+  redis.call('HSET', turn_key, {fields})
+  return ready and {settled.READY:d} or {settled.WON:d}
+end
 """
-        + publish_lua("log_key", "channel", "event", "log_opts", "watched")
-        + "if not ready or wake ~= '1' then\n"
-        + f"  redis.call('HSET', turn_key, '{SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq,\n"
-        + f"    '{UNSETTLED_FIELD}', unsettled)\n"
-        + f"  return ready and {settled.READY:d} or {settled.WON:d}\nend\n"
-        + wake_or_step_lua(
-            f"'{SETTLED}' .. call_id, result, '{SEQ_FIELD}', seq, '{UNSETTLED_FIELD}', unsettled",
-            settled.READY,
-        )
+        + wake_or_step_lua(fields, settled.READY)
         + f"return {settled.READY:d}\n"
     )

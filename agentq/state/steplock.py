@@ -109,10 +109,10 @@ class ReleaseArgs(NamedTuple):
     keep: str
     """"1": a commit: the write alone, the lock and the turn's wakeup left as they are."""
     n_fields: int
-    """The lengths of the ARGV sections that follow, in order: state field/value pairs, messages
-    appended, plan field/CallPlan pairs, event bodies; then the dispatch records' pairs."""
-    n_messages: int
+    """The lengths of the ARGV sections that follow, in order: state field/value pairs, plan
+    field/CallPlan pairs, messages appended, event bodies; then the dispatch records' pairs."""
     n_plans: int
+    n_messages: int
     n_events: int
 
 
@@ -129,13 +129,11 @@ if not {lock_mine_lua("open[1]")} then return {Released.LOST:d} end
 local watchers, seq, dirty = open[2], tonumber(open[3]) or 0, tonumber(open[4]) == 1
 local unsettled, status, hlen = tonumber(open[5]) or 0, open[6], tonumber(open[7]) or 0
 local ne = tonumber(n_events)
-local messages_at = sections_at + tonumber(n_fields)
-local plans_at = messages_at + tonumber(n_messages)
-local events_at = plans_at + tonumber(n_plans)
+local messages_at = sections_at + tonumber(n_fields) + tonumber(n_plans)
+local events_at = messages_at + tonumber(n_messages)
 local records_at = events_at + ne
 local w = {{}}
 for i = sections_at, messages_at - 1 do w[#w + 1] = ARGV[i] end
-for i = plans_at, events_at - 1 do w[#w + 1] = ARGV[i] end
 if ne > 0 then
   for i = events_at, records_at - 1 do
 {publish_lua("log_key", "channel", "ARGV[i]", "log_opts", "watchers")}
@@ -153,7 +151,7 @@ if keep ~= '1' then
   w[#w + 1] = '{_STEP}'
   w[#w + 1] = dirty and {LOCK_VALUE_LUA} or '{LOCK_FREE_VALUE}'
 end
-{write_lua("turn_key", "w", "messages_at", "plans_at - 1")}
+{write_lua("turn_key", "w", "messages_at", "events_at - 1")}
 if keep == '1' then return {Released.KEPT:d} end
 if dirty then return {Released.WOKEN:d} end
 if {ended_lua("status")} then
@@ -228,8 +226,8 @@ class StepRecords(StoreBase):
         """Write what the step staged and its sends' records, fenced; let go unless `keep`."""
         sections = (
             [x for f, v in (fields or {}).items() for x in (f, json.dumps(v))],
-            [json.dumps(m) for m in append or []],
             [x for c, p in (plans or {}).items() for x in (k.PLANNED + c, p)],
+            [json.dumps(m) for m in append or []],
             [event_body(turn_id, t, f) for t, f in events or []],
         )
         dispatched = dispatched or {}
