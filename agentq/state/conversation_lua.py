@@ -210,7 +210,6 @@ class Take(IntEnum):
     HOLDS = 1
     """It holds the conversation: its history follows."""
     WAITS = 2
-    """It is queued behind the running turn."""
     GONE = 3
     """Neither: the conversation was deleted, or the turn was never admitted."""
 

@@ -90,7 +90,6 @@ class Conversations:
         return keys if self.sharded else [*keys, k.CONVERSATIONS_INDEX]
 
     def _noted(self, conversation_id: str, now: float) -> None:
-        """On a Cluster, the listing's index is on another slot: noted apart."""
         if self.sharded:
             self.redis.zadd(k.CONVERSATIONS_INDEX, {conversation_id: now})
 

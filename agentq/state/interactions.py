@@ -150,11 +150,8 @@ class InteractionRecords(StoreBase):
 
     def _close_interaction(self, turn_id: str, request_id: str, *close: Any) -> str:
         """_CLOSE_LUA, given the first five of its CloseArgs (`close`)."""
-        keys = [
-            *TurnKeys.of(turn_id),
-            k.turn_key(turn_id, "interaction", request_id),
-            k.turn_key(turn_id, "secret", request_id),
-        ]
+        own = (k.turn_key(turn_id, p, request_id) for p in ("interaction", "secret"))
+        keys = [*TurnKeys.of(turn_id), *own]
         log_opts, wake_at = self.bus.log_arg(), time.time() + WAKE_BACKSTOP_S
         args = CloseArgs._make((*close, log_opts, turn_id, wake_at))
         return text(self._interaction_close(keys=keys, args=list(args)))

@@ -27,7 +27,6 @@ class RoundFinished(IntEnum):
     DONE = 0
     """The round has its result already (this write sent again, or a later failure report)."""
     WOKEN = 1
-    """The result stored and the turn woken."""
     STEPPED = 3
     """The result stored and the turn's step taken here (the answer carries its view)."""
 

@@ -45,7 +45,6 @@ class Closed(IntEnum):
     ENDED_ALREADY = 0
     """The turn had ended (or Redis lost it): nothing written."""
     ENDED = 1
-    """Ended here."""
     PARENT_WOKEN = 2
     """Ended here, its parent's call settled, and the parent woken (its batch complete)."""
     PARENT_WAITS = 3
@@ -259,12 +258,8 @@ class TurnRecords(StoreBase):
             flat += [k.STEP_FIELD, LOCK_FREE_VALUE]  # the end lets go of the step's lock
         parent, result = settle_parent or ("", None)
         pid = parent or turn_id  # placeholders the script leaves alone without a parent
-        keys = [
-            *TurnKeys.of(turn_id),
-            k.turn_key(turn_id, "children"),
-            *TurnKeys.of(pid)[:3],
-            *k.turn_keys(turn_id),
-        ]
+        keys = [*TurnKeys.of(turn_id), k.turn_key(turn_id, "children"), *TurnKeys.of(pid)[:3]]
+        keys += k.turn_keys(turn_id)
         args = CloseArgs(
             turn_id,
             self.ttl_s,
