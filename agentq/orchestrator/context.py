@@ -10,6 +10,7 @@ from agentq.agents import Agent, AgentTool
 from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import ToolResult, TurnStatus
+from agentq.orchestrator import subturns
 from agentq.state.base import RoundRead
 from agentq.state.steplock import Released
 from agentq.state.turn_state import TurnState
@@ -165,13 +166,14 @@ class StepContext:
     def close(
         self,
         status: TurnStatus,
-        event: str,
         event_fields: dict[str, Any],
+        said: str,
         append: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> None:
-        """End the turn (status, terminal event, retention TTL) in one atomic write, fenced
-        by the step's lock, with `append`'s history messages written first."""
+        """End the turn (status, `turn_<status>` event, retention TTL, `append`, and a parent's
+        call settled with `said`: its answer, or why it failed) in one write, fenced by the
+        step's lock."""
         if self.staged[1] or self.staged_plans:
             self.flush()  # what was staged comes first, its events before the terminal one
         else:
@@ -182,8 +184,9 @@ class StepContext:
         won = self.store.close(
             self.turn_id,
             status,
-            event,
+            f"turn_{status.value}",
             event_fields,
+            settle_parent=subturns.parent_settlement(self, status.value, said),
             token=self.token,
             append=[*staged_append, *(append or [])],
             hands_off=bool(self.state.get("conversation_id")),

@@ -42,13 +42,9 @@ queued, running       an unexpected failure                        error (turn_e
 queued, running       an agent this worker does not run            error (turn_error)
 ====================  ===========================================  ===========================
 
-A step does what can be done now and returns when the turn must look again (its next
-deadline, kept in ``agentq:turns:wakeups``); a settled call, a finished round, an
-answer or an abort wakes it sooner. Ending a turn is one atomic write, fenced by the
-step's lock (the round's last tool-result messages, status, terminal event, retention
-TTL), so nothing is published after the end; a child turn started by an
-agent call settles that call in its parent in the same write (ok, error or cancelled).
-Ending a turn aborts its children still running.
+A turn ends in one write fenced by the step's lock (the round's last tool messages, status,
+terminal event, retention TTL, and the parent's call a child turn settles), so nothing is
+published after the end; its children still running are then aborted.
 """
 
 from __future__ import annotations
@@ -72,7 +68,7 @@ from agentq.models import (
     TurnStatus,
     final_content,
 )
-from agentq.orchestrator import conversation, model_round, spend, subturns
+from agentq.orchestrator import conversation, model_round, spend
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
 from agentq.orchestrator.plan import (
@@ -97,16 +93,13 @@ if TYPE_CHECKING:
 MAX_TRANSITIONS_PER_STEP = 50
 """A bound on one step's work; a turn with more to do wakes itself for another step."""
 
-
 GO_ON: Final = "go_on"
 Phase = float | None | Literal["go_on"]
-"""A phase's answer: GO_ON when the step goes on to its next transition, or what `advance`
-returns (when to look again; None: no deadline, or the turn ended)."""
+"""A phase's answer: GO_ON (on to the next transition), or what `advance` returns."""
 
 
 def advance(ctx: StepContext) -> float | None:
-    """Take the turn as far as it can go now; return when it must look again (None: no
-    deadline, only a wake moves it, or it has ended)."""
+    """Take the turn as far as it can go now; when to look again (None: only a wake, or ended)."""
     if ctx.state.get("status") in TERMINAL_STATUSES:
         return None
     if ctx.cancel_reason is not None:
@@ -139,19 +132,13 @@ def _begin(ctx: StepContext) -> Phase:
             return None
         if wait is not None:
             return wait
-    started: dict[str, object] = {
-        "conversation_id": ctx.state.get("conversation_id"),
-        "headless": ctx.headless,
-        "agent": ctx.state.get("agent"),
-        "parent_turn_id": ctx.state.get("parent_turn_id"),
-    }
-    for name in ("retry_of", "fork_of", "from_round"):
-        if ctx.state.get(name):
-            started[name] = ctx.state.get(name)
+    st = ctx.state
+    started = {f: st.get(f) for f in ("conversation_id", "agent", "parent_turn_id")}
+    started |= {f: st.get(f) for f in ("retry_of", "fork_of", "from_round") if st.get(f)}
     # Written with the step's first write (the model round's send, the round's plans),
     # which comes before anything that acts on it: one write fewer per turn.
     ctx.stage(
-        events=[("turn_started", started)],
+        events=[("turn_started", {**started, "headless": ctx.headless})],
         status=TurnStatus.RUNNING.value,
         started_at=ctx.now,
         phase="model",
@@ -169,8 +156,8 @@ def _begin(ctx: StepContext) -> Phase:
 
 
 def _settle_replay_lost(ctx: StepContext) -> None:
-    """A retry's calls that ran in its source without a result: an idempotent tool's (or
-    every one, with `rerun_lost`) run again; any other settles lost again, unrun."""
+    """A retry's calls that ran in its source without a result run again if idempotent (or
+    with `rerun_lost`); any other settles lost again."""
     lost = set(ctx.state.get("replay_lost") or [])
     if not lost or ctx.state.get("rerun_lost"):
         return
@@ -191,8 +178,7 @@ def _idempotent(name: str) -> bool:
 
 
 def _model_round(ctx: StepContext) -> Phase:
-    """The turn's model round, sent or looked at; once answered, its calls checked and
-    planned, or, without calls, the turn's end."""
+    """The turn's model round, sent or looked at; once answered, its calls planned, or the end."""
     round_no = int(ctx.state.get("round", 0))
     if ctx.state.get("inject_seq") and ctx.state.get("llm_round") != round_no:
         # Before the round is sent: messages sent to join the turn go in it.
@@ -237,14 +223,9 @@ def _model_round(ctx: StepContext) -> Phase:
 
 
 def _final_answer(ctx: StepContext, kept: dict[str, Any], counts: TurnState) -> Phase:
-    """An answer without calls ends the turn. An agent that declares `output_type` has it
-    checked: a JSON object the type validates, stored with the turn (`output`) as JSON,
-    carried by `turn_finished` and the result of the agent call that started the turn. An
-    answer that is not goes back to the model once with the errors as a user message; a
-    second one fails the turn."""
-    # Written with what follows it (the end of the turn, or the retry's message), in that
-    # one write.
-    ctx.stage(**counts)
+    """An answer without calls ends the turn; an agent's `output_type` validates it (stored as
+    `output`), and an invalid one goes back to the model OUTPUT_RETRIES times with the errors."""
+    ctx.stage(**counts)  # written with the end, or with the retry's message
     output_type = None if ctx.agent is None else ctx.agent.output_type
     if output_type is None:
         finish(ctx, "stop", append=[kept])
@@ -297,8 +278,7 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
 
 
 def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
-    """The round's calls, gated and run; once all have results, their tool-result messages
-    (and the turn's end, if the round asked to stop after it)."""
+    """The round's calls gated and run; once all are settled, their tool messages (or the end)."""
     ids = [c.id for c in pending]
     # One read for the whole round: a result that lands after it wakes the turn again.
     read, ctx.round_read = ctx.round_read, None  # used once
@@ -339,27 +319,21 @@ def finish(
     append: list[dict[str, Any]] | None = None,
     output: Any = None,
 ) -> None:
-    """End the turn with turn_finished; `append` (the round's last tool results) is written
-    in the same write; `output` is the agent's typed answer (JSON), stored with the turn."""
+    """End the turn with turn_finished (`output`: the agent's typed answer, as JSON)."""
     # A round whose calls were its last (stop_after_round) is settled here.
     spend.settle_left(ctx)
     content = final_content([*ctx.history, *(append or [])])
     typed = {} if output is None else {"output": output}
     ctx.close(
         TurnStatus.FINISHED,
-        "turn_finished",
         {
             "reason": reason,
             "content": content,
             "rounds": ctx.state.get("round"),  # its own: not its conversation's earlier ones
             **typed,
         },
-        settle_parent=subturns.parent_settlement(
-            ctx,
-            "finished",
-            # A parent gets the typed value, as the validated JSON.
-            content if output is None else json.dumps(output, separators=(",", ":")),
-        ),
+        # A parent gets the typed value, as the validated JSON.
+        content if output is None else json.dumps(output, separators=(",", ":")),
         append=append,
         finish_reason=reason,
         finished_at=ctx.now,
@@ -381,9 +355,8 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     )
     ctx.close(
         TurnStatus.ERROR,
-        "turn_error",
         {"code": code, "error": message, **fields},
-        settle_parent=subturns.parent_settlement(ctx, "error", message),
+        message,
         append=msgs,
         error=message,
         error_code=code,
@@ -401,9 +374,8 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
     )
     ctx.close(
         TurnStatus.ABORTED,
-        "turn_aborted",
         {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},
-        settle_parent=subturns.parent_settlement(ctx, "aborted", reason),
+        reason,
         append=msgs,
         abort_reason=reason,
         end_settled=ours or None,
@@ -411,10 +383,9 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
 
 
 def revoke_unsettled(ctx: StepContext) -> list[str]:
-    """SIGTERM the turn's started tasks now (one not started never runs: its start sees the
-    cancel flag), SIGKILL what is left after a grace: a durable order in Redis the sweepers
-    send when due (`send_kills`), so a tool that ignores SIGTERM dies even when the process
-    that aborted has long exited."""
+    """SIGTERM the turn's started tasks (one not started sees the cancel flag), and leave a
+    SIGKILL after a grace as an order in Redis the sweepers send (`send_kills`): a tool that
+    ignores SIGTERM dies even when the aborting process has exited."""
     running = ctx.store.running_tasks(ctx.turn_id)
     if not running:
         return []
@@ -435,11 +406,9 @@ def revoke_unsettled(ctx: StepContext) -> list[str]:
 def _wind_up(
     ctx: StepContext, why: str, result_for: Callable[[ToolCall, dict[str, Any]], ToolResult]
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """Before an end without an answer: the round's place in the capacity queue and its
-    spend settled, each unanswered call settled (unless a result won already), then the
-    children aborted (`why`). Returns the round's tool messages, so the history stays valid
-    however the turn ends, and the ids of the calls settled here (the ones a retry runs
-    again)."""
+    """Before an end without an answer: the round withdrawn and its spend settled, each open
+    call settled, the children aborted; the round's tool messages (so the history stays
+    valid), and the ids of the calls settled here (the ones a retry runs again)."""
     model_round.withdraw(ctx)
     spend.settle_left(ctx)
     # A turn that never read its conversation settles the calls of the messages it holds
