@@ -277,41 +277,36 @@ def start_replay(
     traced: bool = False,
     turn_id: str | None = None,
 ) -> TurnHandle:
-    """Start a retry (RetryRequest) or fork (ForkRequest) of `source_id`: read it once,
-    store the new turn in one write, send its first step. The caller checked that it may
-    (the source's owner, its token, or an admin)."""
+    """Start a retry (RetryRequest) or fork (ForkRequest) of `source_id`: read once, stored in
+    one write, its first step sent. The caller checked that it may."""
     src = read_source(store, source_id)
-    edit = req.edit if isinstance(req, ForkRequest) else None
-    if edit is not None and edit.message is not None:
-        size = len(edit.message.encode())
-        if size > settings.max_prompt_bytes:
-            raise PayloadTooLarge("edit.message", size, settings.max_prompt_bytes)
     token = secrets.token_urlsafe(32)
+    retry = isinstance(req, RetryRequest)
     if isinstance(req, RetryRequest):
         new = retry_launch(src, req, token)
     else:
+        message = req.edit.message if req.edit else None
+        if message and len(message.encode()) > settings.max_prompt_bytes:
+            raise PayloadTooLarge("edit.message", len(message.encode()), settings.max_prompt_bytes)
         new = fork_launch(src, req, token)
+    new = replace(new, turn_id=turn_id or secrets.token_hex(16))
     require_known(store.redis, req.agent)  # an agent it names instead of its source's
     # As for any start: a key over its budget starts nothing (429), nor a USD budget for
     # a model without a price; the first round sends the whole history.
     check_budgets(store, settings, new.state, new.size)
-    turn_id = turn_id or secrets.token_hex(16)
-    new = replace(new, turn_id=turn_id)
-    if isinstance(req, RetryRequest):
-        spend.carry_spent(store.redis, settings, turn_id, new.state)
-
+    if retry:
+        spend.carry_spent(store.redis, settings, new.turn_id, new.state)
     go = partial(launch, store, app, settings, any_owner=True, traced=traced)
     cid = src.state.get("conversation_id")
     if not cid:
         return go(new)
-    if isinstance(req, RetryRequest):
+    if retry:
         try:
             handle = go(_in_place(src, new), in_place_of=src.turn_id)
             return handle.model_copy(update={"conversation_id": cid, "branched": False})
         except ConversationMovedOn:
             pass  # another turn followed the source, or holds or waits: a branch then
-    # A branch: the new conversation holds the source's earlier messages, the one the
-    # source belongs to is left as it is.
+    # A branch: a new conversation holds the source's earlier messages.
     branch = f"{cid[:100]}.b{secrets.token_hex(6)}"
     handle = go(replace(new, state={**new.state, "conversation_id": branch}))
     return handle.model_copy(update={"conversation_id": branch, "branched": True})
