@@ -47,12 +47,10 @@ def send_round(
         idle_s = max(s.stream_idle_timeout_ms, 0) / 1000 or s.stream_duration_s
         tries_s = (s.llm_max_retries + 1) * (idle_s + s.llm_request_timeout_s)
         deadline = ctx.now + left_s + tries_s + 30
-    # The send is the step's last act: what it staged (the turn's start, the round's tool
-    # results), the send's record and the lock's release are one write, before the message
-    # goes out, so the stream worker reads the history this round answers and publishes
-    # its events after the turn's. A step that dies before the message is out leaves a
-    # round recorded as sent that nobody took: the next step sends it again after
-    # PICKUP_LEASES (the delivery that comes second finds the round claimed or done).
+    # What the step staged, the send's record and the lock's release are one write before
+    # the message goes: the stream worker reads the history this round answers and publishes
+    # after the turn's events. A step that dies before the send leaves a round nobody took,
+    # sent again after PICKUP_LEASES (the second delivery finds it claimed or done).
     sent: TurnState = {
         "llm_round": round_no,
         "llm_attempt": attempt,
@@ -133,8 +131,8 @@ def _round_request(
 
 
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
-    """The round's message and streaming seconds when it is done, else when to look again
-    (sending the round first if it was not sent)."""
+    """The round's message and streaming seconds once done, else when to look again (the
+    round sent first if it was not)."""
     # Its result as the step's view holds it, parsed already (stored before the step read the
     # turn, or by the write that took the step); one stored since, `_watch_round` finds.
     raw = ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD)
@@ -167,8 +165,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
     waiting = ctx.state.get("llm_wait_round") == round_no
     since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
     cap = capacity_for(ctx.store.redis, ctx.settings)
-    # The round's prompt as spend estimated it when it recorded the round (`reserve_round`),
-    # and the completion its request will allow.
+    # The prompt as `reserve_round` estimated it, and the completion the request allows.
     tokens = estimate_tokens(int(ctx.state.get("budget_prompt") or 0), ctx.state.get("budget_cap"))
     got = cap.acquire(
         model,
@@ -226,8 +223,7 @@ def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool
     busy = result.error_code == ModelBusy.code
     if not busy and not (result.failover and failovers < ctx.settings.llm_max_retries):
         return False
-    # The round goes again: its result is forgotten, and so is its claim (a delivery of
-    # an earlier round still finds it done).
+    # A delivery of an earlier round still finds it done.
     fields: TurnState = {
         "llm_round": None,
         k.LLM_RESULT_FIELD: None,

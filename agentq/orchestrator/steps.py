@@ -1,15 +1,6 @@
-"""Steps: the short `agentq.turn.step` tasks that advance turns (taken inline by the process
-that woke the turn, or by a turn worker), and the sweeper that wakes turns whose deadline
-came or whose worker died.
-
-Two steps of one turn never act at once: a step holds the turn's lock, a field of its
-state hash (constants.STEP_FIELD: a token that fences its writes, and when it lapses),
-taken and let go by the scripts that read the state anyway (state/steplock.py). A wake
-that finds the lock taken only marks the turn dirty; the holder sees the mark when it
-releases and steps again. A step that dies mid-way leaves its lock to lapse and its
-wakeup to come due: the next step finishes the work, since every write it skipped is
-still to do and every write it made is recorded.
-"""
+"""Steps: the short `agentq.turn.step` tasks that advance turns (inline in the process that
+woke the turn, or on a turn worker), and the sweeper that wakes turns whose deadline came or
+whose worker died. The step lock and a dying step's take-over: docs/turns.md."""
 
 from __future__ import annotations
 
@@ -53,10 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.turn")
 
 StepOutcome = Literal["busy", "unknown", "lost", "ended", "waiting"]
-"""How a step task ended (its result, and its span's `agentq.step_outcome`): "busy"
-another step holds the turn; "unknown" Redis holds no such turn; "lost" its lock lapsed
-and another step took over; "ended" it ended the turn; "waiting" it let go of the turn,
-which waits for a wake or its next deadline."""
+"""How a step task ended (its span's `agentq.step_outcome`): another step holds the turn, no
+such turn, its lock lost to another step, it ended the turn, it let go of a waiting turn."""
 
 PRUNE_EVERY_S = 60.0
 DUE_PER_PASS = 500
@@ -142,9 +131,8 @@ def _steps(
         if ctx.ended is not None and tracing.enabled:
             _end_turn_span(ctx)
         if ctx.state.get("status") in TERMINAL_STATUSES and ctx.state.get("conversation_id"):
-            # After the end is written, by this step or by one that died before it handed
-            # the conversation on (whose end left the backstop that woke this one; handed
-            # on already, this changes nothing).
+            # After the end, by this step or for one that died before its hand-off (whose
+            # end left the backstop that woke this one); a second hand-off changes nothing.
             hand_off(store, app, turn_id, ctx.state, ctx.history)
         if ctx.ended is not None:
             return "ended"  # the write that ended the turn let go of the lock
@@ -203,8 +191,8 @@ def _advance(ctx: StepContext) -> float | None:
 
 
 class Sweeper:
-    """Wakes turns whose deadline came, and the turns of workers that stopped beating; every
-    turn worker runs one, safely, as each wakeup and dead worker is claimed by one of them."""
+    """Wakes turns whose deadline came or whose workers stopped beating; one per turn worker,
+    each wakeup and dead worker claimed by one of them."""
 
     def __init__(self, store: TurnStore, app: Celery, settings: Settings) -> None:
         self.store = store
@@ -271,9 +259,8 @@ class Sweeper:
         return TurnLister(self.store.redis).prune(older_than, PRUNE_BATCH, PRUNE_ROUNDS)
 
     def until_next_s(self, now: float, next_at: float | None) -> float:
-        """How long to wait before the next pass: the interval, or less when a wakeup
-        comes due sooner (a queued model round's slot, mostly: its turn asks for it at
-        that moment, not up to an interval late, when the slot may have passed unused)."""
+        """The wait before the next pass: the interval, or less when a wakeup is due sooner
+        (a queued round's slot, mostly, which may pass unused if asked for late)."""
         if next_at is None:
             return self.interval_s
         return min(self.interval_s, max(next_at - now, MIN_SWEEP_WAIT_S))
@@ -302,24 +289,20 @@ class Look(NamedTuple):
 
 
 def send_kills(r: redis.Redis, app: Celery, due: list[bytes]) -> int:
-    """Send these due escalations to the workers running their tasks (`agentq_kill` of
-    agentq.tools.task); each order is sent by the one sweeper whose ZREM takes it. Returns
-    how many were sent."""
+    """Send due escalations to the workers running their tasks (`agentq_kill`), each by the
+    one sweeper whose ZREM takes it; how many this one sent."""
     sent = 0
     for raw in due:
-        if not r.zrem(k.KILLS, raw):
-            continue  # another sweeper took it
-        order = json.loads(raw)
-        broadcast(app, k.KILL_COMMAND, {"targets": order["targets"]}, destination=order["to"])
-        sent += 1
+        if r.zrem(k.KILLS, raw):
+            order = json.loads(raw)
+            broadcast(app, k.KILL_COMMAND, {"targets": order["targets"]}, destination=order["to"])
+            sent += 1
     return sent
 
 
 def step_inline() -> None:
-    """Take woken turns' steps in this process instead of sending them to a turn worker:
-    for processes that settle calls or finish model rounds and whose own work may wait a
-    few milliseconds (not a prefork parent); the step after a batch's last result then
-    costs no broker round trip."""
+    """Take woken turns' steps in this process, not on a turn worker (for processes whose own
+    work may wait a few ms, not a prefork parent): no broker round trip after a last result."""
     runtime.get_store().stepper = _InlineSteps()
 
 
@@ -339,8 +322,7 @@ def _step_here(step: Callable[..., object], turn_id: str, *args: Any) -> None:
         store, app = runtime.get_store(), runtime.get_app()
         step(turn_id, *args, store=store, app=app, settings=get_settings())
     except Exception:
-        # The fact is recorded and the turn marked: a turn worker takes the step (once the
-        # failed step's lock, if it held one, lapses; the wakeup sweep is the backstop).
+        # The turn is marked: a turn worker takes the step once a lock it held lapses.
         log.warning("turn %s: inline step failed; sending it", turn_id, exc_info=True)
         runtime.send_woken_step(turn_id)
 
