@@ -70,8 +70,7 @@ class StepContext:
 
     @property
     def interactive(self) -> bool:
-        """A person follows the turn (it is neither detached nor headless, or it is the
-        child of a turn a person follows): its model rounds are served first."""
+        """A person follows the turn (or its parent): its model rounds are served first."""
         if "interactive" in self.state:
             return bool(self.state["interactive"])
         return not (self.state.get("detach") or self.headless)
@@ -85,8 +84,7 @@ class StepContext:
     staged_plans: dict[str, str] = field(default_factory=dict)
     """Call plans (call id -> CallPlan JSON) `stage`d for the step's next write."""
     released: Released | None = None
-    """Set once the step let go of its lock before its end (`release`): RELEASED, or
-    WOKEN (the lock kept: the step reads again and goes on)."""
+    """Set by `release`: RELEASED, or WOKEN (the lock kept: the step reads again, goes on)."""
 
     def stage(
         self,
@@ -95,9 +93,8 @@ class StepContext:
         plans: dict[str, str] | None = None,
         **fields: Unpack[TurnState],
     ) -> None:
-        """Record state fields (and their events, history messages and call plans) with the
-        step's next write: for a change nothing outside the step acts on before then, such
-        as a turn's start, one write instead of two."""
+        """Record state fields, events, history messages and call plans with the step's next
+        write: for a change nothing outside the step acts on before then (one write, not two)."""
         self.state.update(fields)
         self.staged[0].update(fields)
         self.staged[1].extend(events or [])
@@ -111,16 +108,14 @@ class StepContext:
             self.commit()
 
     def release(self, next_at: float | None) -> None:
-        """Let go of the step's lock, with what it staged and the calls it is about to send,
-        leaving the turn's next deadline (`next_at`) for the sweepers (see `released`)."""
+        """Let go of the step's lock with what it staged and the calls it is about to send,
+        leaving `next_at` for the sweepers."""
         self.released = self._write(next_at)
 
     def _write(self, next_at: float | None, *, keep: bool = False) -> Released:
-        """Write what was staged (and the calls to send), fenced by the step's lock; let go
-        of it unless `keep`. StepLost if another step holds it."""
+        """Write what was staged, fenced by the step's lock; let go of it unless `keep`."""
         fields, events = self.staged
-        # The calls to send are recorded only as the lock goes (the release script skips
-        # them on a keep): a commit leaves them for the release.
+        # The calls to send are recorded only as the lock goes: a commit leaves them.
         dispatched = {} if keep else self.dispatched
         got = self.store.release_step(
             self.turn_id,
@@ -142,8 +137,8 @@ class StepContext:
         return got
 
     def relock(self) -> bool:
-        """Take the lock again after `release` let go of it (the step's last act failed):
-        False if another step holds it now, which goes on from what was written."""
+        """Take the lock again after `release` (the step's last act failed); False if another
+        step holds it now."""
         if self.released is Released.RELEASED and not self.store.lock_step(
             self.turn_id, self.token, self.lock_ms
         ):
@@ -158,8 +153,7 @@ class StepContext:
         events: list[tuple[str, dict[str, Any]]] | None = None,
         **fields: Unpack[TurnState],
     ) -> None:
-        """Record state fields (and history messages, the events the change means)
-        atomically, fenced by the step's lock, after whatever was staged."""
+        """Write state fields, history messages and events now, after what was staged."""
         self.stage(events, append, **fields)
         self._write(None, keep=True)
 
@@ -197,19 +191,16 @@ class StepContext:
         if won is not Closed.ENDED_ALREADY:
             self.ended = status.value
             self.history.extend(append or [])
-            # What the end wrote, for what follows it in this step (the conversation's
-            # hand-off reads the abort reason).
+            # For what follows in this step (the hand-off reads the abort reason).
             self.state.update(cast(TurnState, {"status": status.value, **fields}))
             url = self.state.get("webhook_url")
             if url:
-                # After the end is written: a crash in between leaves the turn in
-                # WEBHOOKS_WAITING, where the webhook sweep finds it ended.
+                # A crash before this leaves the turn in WEBHOOKS_WAITING for the sweep.
                 queue_delivery(self.store, self.app, self.settings, self.turn_id, url)
 
     def settle(self, result: ToolResult, *, tracked: bool = True) -> tuple[ToolResult, bool]:
-        """Settle one of the turn's calls from this step, the one way a step does (traced,
-        no wake, after what it staged so its tool_finished follows them): the result the
-        call keeps, as the first stored wins, and whether it is `result`. `tracked=False`
+        """Settle a call, the one way a step does (traced, no wake, after what it staged): the
+        result it keeps (the first stored wins), and whether that is `result`. `tracked=False`
         for a call never recorded as sent (refused, denied)."""
         self.flush()
         if self.store.settle(self.turn_id, result, wake=False, tracked=tracked):

@@ -44,26 +44,23 @@ def conversations(store: TurnStore) -> Conversations:
 
 
 class ConversationMovedOn(AgentqError):
-    """A retry was to go on in its source's conversation, but the source is no longer that
-    conversation's last turn, or another turn holds or waits for it: the retry branches
-    instead (`start_replay` catches it), so this never reaches a caller."""
+    """A retry's source is no longer its conversation's last turn, or another turn holds or
+    waits for it: the retry branches instead (`start_replay` catches it)."""
 
 
 def admit_in_place(
     store: TurnStore, app: Celery, conversation_id: str, turn_id: str, source_id: str
 ) -> None:
-    """Let a stored retry hold its source's conversation to replace the source's exchange,
-    if the source is still the conversation's last turn and no other turn holds or waits
-    for it (decided in one script, so no turn gets in between); else remove the retry
-    again (ConversationMovedOn)."""
+    """Let a stored retry hold its source's conversation to replace its exchange, if the
+    source is still its last turn and no other holds or waits (one script); else remove the
+    retry again (ConversationMovedOn)."""
     for _ in range(2):
         outcome, running = conversations(store).admit_in_place(conversation_id, turn_id, source_id)
         if outcome is InPlace.RUN:
             return
         if outcome is InPlace.GONE or running is None or alive(store, running):
             break
-        # The turn that holds it has ended (the source itself, say, its hand-off under
-        # way): hand off for it, then look once more.
+        # The turn that holds it has ended (the source, say): hand off for it, look again.
         if release_for(store, app, conversation_id, running) is not None:
             break
     forget(store, turn_id)
@@ -84,8 +81,8 @@ def alive(store: TurnStore, turn_id: str) -> bool:
 
 
 def take_turn(ctx: StepContext) -> float | None:
-    """A waiting turn's first look: once it holds its conversation, its history becomes the
-    conversation's followed by its own messages (None: go on); else when to look again."""
+    """A waiting turn's first look: once it holds its conversation, the conversation's history
+    then its own messages (None: go on); else when to look again."""
     state = ctx.state
     cid = str(state.get("conversation_id"))
     outcome, prior, running = conversations(ctx.store).take(cid, ctx.turn_id)
@@ -111,8 +108,8 @@ def take_turn(ctx: StepContext) -> float | None:
 
 
 def take_injected(ctx: StepContext) -> None:
-    """Before a new model round: messages sent to join this turn (multitask inject) are
-    appended to its history, each with `message_injected`, and their turns end."""
+    """Before a new model round: messages sent to join this turn (multitask inject) appended,
+    each with `message_injected`, and their turns ended."""
     seq = int(ctx.state.get("inject_seq") or 0)
     if seq <= int(ctx.state.get("inject_seen") or 0):
         return
@@ -152,12 +149,10 @@ def _end_injected(store: TurnStore, turn_id: str, into: str) -> None:
 def exchange_of(state: TurnState, history: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What a turn adds to its conversation: its own messages and what followed them."""
     if state.get("conversation_waiting"):
-        # Ended before it read the history (aborted as it was handed the conversation). A
-        # retry in place adds nothing then: the exchange it was to replace stays.
+        # Ended before it read the history: a retry in place adds nothing, its source stays.
         if state.get("conversation_replaces"):
             return []
-        # Its history holds only what its end wrote: the results of the calls its pending
-        # messages left open (a retry's branch), settled by the abort.
+        # Its history holds only the results of calls its pending messages left open.
         return [*(state.get("pending_messages") or []), *history]
     base = state.get("conversation_base_len")
     return history[int(base if base is not None else state.get("history_start") or 0) :]
@@ -202,9 +197,8 @@ def hand_off(
 
 
 def shown(store: TurnStore, view: ConversationView) -> ConversationView:
-    """The conversation as a reader should see it: once its running turn's end is written
-    (and `turn_finished` sent), as that turn's hand-off leaves it, though the hand-off, a
-    second write, may not be done yet. A read writes nothing."""
+    """The conversation as a reader should see it: once its running turn ended, as that turn's
+    hand-off (a second write, perhaps not done yet) leaves it. A read writes nothing."""
     running = view.running_turn_id
     # Its status first: the whole state is read only for a turn that has ended.
     if not running or store.status(running) not in TERMINAL_STATUSES:
@@ -229,12 +223,10 @@ def shown(store: TurnStore, view: ConversationView) -> ConversationView:
 
 
 def release_for(store: TurnStore, app: Celery, conversation_id: str, turn_id: str) -> str | None:
-    """Hand off the conversation of a turn that ended (or vanished) without doing so yet;
-    the turn it went to, if this call handed it on."""
+    """Hand off for a turn that ended or vanished without it; the next turn, if this handed on."""
     snap = store.snapshot(turn_id)
     if snap is None:
-        # Its state is gone (expired, or lost with a Redis that lost writes): nothing of it
-        # can be appended; the conversation goes on without it.
+        # Its state expired or was lost: the conversation goes on without its exchange.
         return hand_off(store, app, turn_id, {"conversation_id": conversation_id}, [])[1]
     if snap.state.get("status") not in TERMINAL_STATUSES:
         return None
