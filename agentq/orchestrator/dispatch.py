@@ -34,12 +34,10 @@ def send(
     secrets: dict[str, str],
     next_at: float | None,
 ) -> None:
-    """Send the calls as the step's last act: their records are written with what it staged
-    as it lets go of its lock (so a call's start and result find its record, and its events
-    follow the turn's), then the messages go out. A step that dies in between leaves calls
-    recorded and never sent: the step PICKUP_LEASES later sends one that has not started,
-    and cannot be waiting in its queue, again under the same task id (run once by its start
-    claim): `earlier` holds the records of such calls, each marked as sent once more."""
+    """Send the calls as the step's last act: their records go with what it staged as it lets
+    go of its lock (a call's start and result find its record), then the messages. A step
+    that dies in between leaves calls recorded, unsent: PICKUP_LEASES later they are sent
+    again under the same task id (run once by its start claim), `earlier` their records."""
     now = time.time()
     records = {
         p.call.id: {**earlier[p.call.id], "sends": int(earlier[p.call.id].get("sends", 1)) + 1}
@@ -109,9 +107,8 @@ def advance_calls(
     dispatched: dict[str, dict[str, Any]],
     secrets: dict[str, str],
 ) -> float | None:
-    """Send the first batch that is not settled yet and settle its overdue calls; when the
-    turn must look again (None: only results wake it). A step that sends calls has let go
-    of the turn when this returns."""
+    """Send the first unsettled batch and settle its overdue calls; when to look again (None:
+    only results wake it). A step that sends calls has let go of the turn on return."""
     for batch in batches(plans):
         waiting = [p for p in batch if p.call.id not in settled]
         if not waiting:
@@ -140,9 +137,8 @@ def advance_calls(
 def _settle_overdue(
     ctx: StepContext, waiting: list[CallPlan], settled: dict[str, ToolResult], looks: list[float]
 ) -> dict[str, dict[str, Any]]:
-    """Settle the calls sent earlier that nobody will settle, add when to look again to
-    `looks`; return the calls to send again with their records (recorded, not started
-    after PICKUP_LEASES: their step may have died before it sent them)."""
+    """Settle the calls sent earlier that nobody will, add when to look again to `looks`; the
+    calls recorded and not started after PICKUP_LEASES, to send again, with their records."""
     if not waiting:
         return {}
     starts, dispatched, waits = ctx.store.call_progress(ctx.turn_id)
@@ -196,9 +192,8 @@ def _dead_workers(
     starts: dict[str, dict[str, Any]],
     looks: list[float],
 ) -> dict[str, str]:
-    """Why each call whose tool worker stopped beating is lost (call id -> why), in one
-    read: a worker that died whole (no parent left to report the kill) loses its calls
-    now, not at their hard limit, or never for tools without one."""
+    """Why each call whose tool worker stopped beating is lost, in one read: a worker that
+    died whole loses its calls now, not at their hard limit (or never, without one)."""
     watched: dict[str, str] = {}
     for p in waiting:
         rec = starts.get(p.call.id) or {}
@@ -232,9 +227,8 @@ def _not_queued(
     again: dict[str, dict[str, Any]],
     looks: list[float],
 ) -> dict[str, dict[str, Any]]:
-    """The calls of `again` to send again now. A call whose queue still holds messages
-    may be among them (a backlog): it waits for its queue allowance instead of a second
-    message. Only a call that cannot be waiting is sent again."""
+    """The calls of `again` that cannot be waiting in their queue: one whose queue holds
+    messages (a backlog) waits for its queue allowance instead of a second message."""
     queues = {p.call.id: p.queue for p in waiting if p.call.id in again}
     waiting_in = {q: queue_size(ctx.app, q) for q in set(queues.values())}
     held = sorted(c for c, q in queues.items() if waiting_in[q])

@@ -1,8 +1,5 @@
-"""Starting a turn: check the request, store the turn, send its first step.
-
-The Python API (`Client.start`, behind `POST /v1/turns` and `agentq run`) and the ticks of
-schedules start turns here.
-"""
+"""Starting a turn (`Client.start`, `POST /v1/turns`, `agentq run`, a schedule's tick): check
+the request, store the turn, send its first step."""
 
 from __future__ import annotations
 
@@ -84,7 +81,18 @@ def start_turn(
             check_for_turn(webhook_url, settings)
         require_known(store.redis, req.agent)
         token = secrets.token_urlsafe(32)
-        state = _new_state(req, owner, token, extra_state)
+        state = queued_state(
+            hash_token(token),
+            headless=req.headless,
+            detach=req.detach,
+            conversation_id=req.conversation_id,
+            parent_turn_id=req.parent_turn_id,
+            agent=req.agent,
+            owner=owner,
+        )
+        asked = {"max_tokens", "max_cost_usd", "multitask"}
+        asked_for = req.model_dump(include=asked, exclude_none=True)
+        state.update(cast(TurnState, {**(extra_state or {}), **asked_for}))
         check_budgets(store, settings, state, size)
         if req.conversation_id and size > settings.max_conversation_bytes:
             raise PayloadTooLarge(
@@ -133,10 +141,9 @@ def launch(
     conversation_token: str | None = None,
     in_place_of: str | None = None,
 ) -> TurnHandle:
-    """Store a checked turn (one write), admit it to the conversation its state names if
-    any, send its first step: every turn's start, a request's, a retry's or a fork's.
-    `in_place_of`: a retry that replaces that turn's exchange in the conversation, or, if
-    that turn is no longer the conversation's last, is removed again (ConversationMovedOn)."""
+    """Store a checked turn (one write), admit it to its conversation if any, send its first
+    step: every start's. `in_place_of`: a retry that replaces that turn's exchange, or, if
+    that turn is no longer its conversation's last, is removed again (ConversationMovedOn)."""
     turn_id, token, state, history = new.turn_id, new.token, new.state, new.history
     cid = state.get("conversation_id")
     if cid:
@@ -167,24 +174,6 @@ def launch(
     )
 
 
-def _new_state(
-    req: TurnRequest, owner: str | None, token: str, extra_state: TurnState | None
-) -> TurnState:
-    """A request's new turn's state."""
-    state = queued_state(
-        hash_token(token),
-        headless=req.headless,
-        detach=req.detach,
-        conversation_id=req.conversation_id,
-        parent_turn_id=req.parent_turn_id,
-        agent=req.agent,
-        owner=owner,
-    )
-    asked = req.model_dump(include={"max_tokens", "max_cost_usd", "multitask"}, exclude_none=True)
-    state.update(cast(TurnState, {**(extra_state or {}), **asked}))
-    return state
-
-
 def _admit(
     store: TurnStore,
     app: Celery,
@@ -193,10 +182,8 @@ def _admit(
     any_owner: bool,
     conversation_token: str | None,
 ) -> tuple[dict[str, object], bool]:
-    """Admit a stored turn to its conversation: run it now, queue it, or refuse it (busy,
-    too large, not found or not the caller's: the turn is removed again). Returns the
-    handle's fields, and whether the caller is done (its first step sent already, or it
-    waits behind another turn)."""
+    """Admit a stored turn to its conversation: run, queue or refuse it (then removed again).
+    The handle's fields, and whether the caller is done (first step sent, or it waits)."""
     turn_id, owner = new.turn_id, new.state.get("owner")
     cid = str(new.state.get("conversation_id"))
     new_token = None if owner else secrets.token_urlsafe(32)
@@ -216,10 +203,8 @@ def _admit(
         admitted = decide()
         running, handed = admitted.running, False
         if admitted.outcome is not Admit.RUN and running and not conversation.alive(store, running):
-            # The turn ahead has ended; its own hand-off is under way, or its process died
-            # before it. Hand off for it now rather than wait (or refuse) behind a turn
-            # that is over: the release script lets exactly one of the two act (handed:
-            # to this turn, whose first step it sent).
+            # The turn ahead has ended, its hand-off under way or never to come: hand off for
+            # it rather than wait (or refuse) behind it; the release script lets one act.
             handed = conversation.release_for(store, app, cid, running) == turn_id
             if admitted.outcome is Admit.BUSY:
                 admitted = decide()  # refused behind a turn that is over: asked once more
@@ -251,10 +236,9 @@ def _admit(
 
 
 def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:
-    """Refuse a new turn (`state`, bringing `size` bytes) whose `max_cost_usd` agentq cannot
-    keep (a model without a price: BudgetInvalid), or whose key is over its budget
-    (BudgetExceeded, with when it resets). Its model is the one its rounds use: its own (a
-    retry's or fork's), else its agent's, else the default."""
+    """Refuse a new turn (bringing `size` bytes) whose `max_cost_usd` cannot be kept (a model
+    without a price: BudgetInvalid), or whose key is over budget (BudgetExceeded). Its model:
+    its own (a retry's or fork's), else its agent's, else the default."""
     model, agent, owner = state.get("model"), state.get("agent"), state.get("owner")
     if agent and not model:
         details = {a["name"]: a for a in published_agent_details(store.redis)}
