@@ -24,8 +24,7 @@ if TYPE_CHECKING:
 @dataclass
 class GateOutcome:
     results: dict[str, ToolResult] = field(default_factory=dict)
-    """call id -> the result the gate gave the call: refused (its plan's refusal), denied, or
-    (`input`) the user's answer."""
+    """call id -> the gate's result: refused (its plan's refusal), denied, or an `input` answer."""
     secrets: dict[str, str] = field(default_factory=dict)
     """call id -> Redis key of a password answer, handed to the tool by reference."""
     wait_until: float | None = None
@@ -62,8 +61,8 @@ def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
 
 
 def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) -> GateOutcome:
-    """Decide what can be decided now about the calls that need a decision; a call in
-    `settled` is not asked about, though a request it already has runs its course."""
+    """Decide what can be decided now; a call in `settled` is not asked about, though a request
+    it already has runs its course."""
     out = GateOutcome()
     for p in plans:
         call = p.call
@@ -119,8 +118,7 @@ def _decide(
     state: str,
     req: InteractionRequest,
 ) -> None:
-    """What a closed request means for its call: run it (with a password's secret), take
-    the user's answer as its result (`input`), or deny it."""
+    """A closed request's call runs (with a password's secret), takes the answer, or is denied."""
     # Defaulted only by a headless turn, to a declared default (an input's: its answer).
     approved = (
         state == "answered" and ctx.store.interaction_decision(ctx.turn_id, rid) == "approve"

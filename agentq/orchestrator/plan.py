@@ -1,8 +1,5 @@
-"""Each call of a round is planned once: checked, limited and gated, before anything runs.
-
-The plan is stored with the turn, so the approval gate, the dispatcher and a step that
-takes over after a crash all read the same decisions instead of making them again.
-"""
+"""Each call of a round is planned once (checked, limited, gated) before anything runs, and
+stored: the gate, the dispatcher and a step that takes over read the same decisions."""
 
 from __future__ import annotations
 
@@ -170,9 +167,8 @@ def limit_checks(
 def history_form(
     msg: AssistantMessage, max_arguments_bytes: int
 ) -> tuple[dict[str, Any], dict[str, str]]:
-    """The assistant message as kept in history (with its Responses reasoning items), and
-    the calls refused for their size, whose arguments it replaces: kept, megabytes of them
-    would go back to the model with every later round."""
+    """The assistant message as kept in history (with its reasoning items), and the calls
+    refused for their size, whose arguments it drops (else resent with every round)."""
     out = msg.to_openai()
     if msg.reasoning_items:
         out[REASONING_ITEMS] = list(msg.reasoning_items)

@@ -1,9 +1,6 @@
-"""A schedule's tick: start its turn, once per tick, unless its last turn still runs.
-
-`agentq beat` sends the tick task (name, tick) when a schedule is due; a turn worker runs
-it. The tick's name is claimed with SET NX before anything starts, so two beats that both
-sent the tick start one turn; the turn's id is derived from it too.
-"""
+"""A schedule's tick (sent by `agentq beat`, run by a turn worker): start its turn once per
+tick, unless its last turn still runs. The tick is claimed with SET NX first, so two beats
+that both sent it start one turn; the turn's id is derived from it too."""
 
 from __future__ import annotations
 

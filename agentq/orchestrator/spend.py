@@ -42,9 +42,8 @@ def limits_of(ctx: StepContext) -> tuple[int | None, float | None]:
 
 
 def budgeted(ctx: StepContext) -> bool:
-    """Whether a budget bounds the turn's rounds, so each is reserved: its own, its key's,
-    or a parent's (a sub-agent reserves whether its parents have limits or not: it cannot
-    tell without reading them)."""
+    """Whether a budget bounds the turn's rounds: its own, its key's, or a parent's (a
+    sub-agent reserves always: it cannot tell its parents' limits without reading them)."""
     max_tokens, max_usd = limits_of(ctx)
     return (
         max_tokens is not None
@@ -55,8 +54,7 @@ def budgeted(ctx: StepContext) -> bool:
 
 
 def carry_spent(client: redis.Redis, settings: Settings, turn_id: str, state: TurnState) -> None:
-    """A retry's budgets count its source's spend, carried in its state (`spent_*`): the
-    new turn's spend in Redis, which its RESERVE reads, starts at it."""
+    """A retry's spend in Redis (which its RESERVE reads) starts at its source's `spent_*`."""
     carried = Usage.model_validate(
         {u: state.get(f) or 0 for f, u in SPENT.items() if u != "estimated"}
     )
@@ -73,8 +71,8 @@ def _args(ctx: StepContext) -> dict[str, Any]:
 
 
 def reserve_round(ctx: StepContext, round_no: int) -> None:
-    """Record the round as sent and, under a budget, reserve it first (once: a step that
-    runs again finds it reserved); raise BudgetExceeded when a budget cannot afford it."""
+    """Record the round as sent, reserved first under a budget (once); BudgetExceeded when a
+    budget cannot afford it."""
     reservation = str(round_no)
     if ctx.state.get("budget_reservation") == reservation:
         return
@@ -107,9 +105,8 @@ def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
 
 
 def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult) -> None:
-    """Settle the answered round in Redis (its reservation, if any, replaced by its usage)
-    and stage the turn's new totals. Once: a step that runs again finds the round settled
-    (in its state, or in Redis, and then stages the same totals its state lost)."""
+    """Settle the answered round in Redis (its reservation replaced by its usage) and stage
+    the turn's totals; once (a step that runs again finds it settled, in state or Redis)."""
     st = ctx.state
     if st.get("budget_reservation") != str(round_no):
         return
@@ -123,8 +120,7 @@ def settle_round(ctx: StepContext, round_no: int, result: LlmRoundResult) -> Non
 
 
 def settle_left(ctx: StepContext) -> None:
-    """At the turn's end: a round sent and not answered (aborted mid-stream, or its turn
-    ended before its result) is settled at its estimate."""
+    """At the turn's end: a round sent and not answered is settled at its estimate."""
     reservation = ctx.state.get("budget_reservation")
     if reservation is not None:
         ended = LlmRoundResult(ok=False, error="the turn ended before the round's result")

@@ -39,9 +39,8 @@ def watch(
     dispatched: dict[str, dict[str, Any]],
     looks: list[float],
 ) -> None:
-    """Record the calls not recorded yet, each waiting on its child turn, start the children
-    not started yet, settle the calls past their hard limit (the child aborted), and add to
-    `looks` when to look again (a limit, a heartbeat)."""
+    """Record and start the calls' child turns, settle the calls past their hard limit (the
+    child aborted), add to `looks` when to look again (a limit, a heartbeat)."""
     if not waiting:
         return
     ctx.flush()  # the turn's own events come before its children's
@@ -156,8 +155,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
 
 
 def report_to_parent(ctx: StepContext, message: str) -> None:
-    """A child turn's step, shown on its parent's stream as `tool_progress` of the call that
-    started it (a parent waiting on an agent sees it work, as it sees a tool's progress)."""
+    """A child turn's step, shown on its parent's stream as `tool_progress` of its call."""
     state = ctx.state
     parent, call_id = state.get("parent_turn_id"), state.get("parent_call_id")
     if not parent or not call_id:
@@ -184,8 +182,7 @@ def parent_settlement(ctx: StepContext, status: str, said: str) -> tuple[str, To
 def _result(
     ctx: StepContext, call: ToolCall, child: str, status: str, said: str, started_at: float
 ) -> ToolResult:
-    """The call's result from how its child turn ended (`said`: its answer, or why it failed
-    or was aborted); the record's task id is the child's."""
+    """The call's result from how its child ended (`said`: its answer, or why it did not)."""
     extra: dict[str, Any] = {"task_id": child, "started_at": started_at}
     if status == "finished":
         body, cut = truncate_text(said, ctx.settings.max_result_bytes)

@@ -20,8 +20,7 @@ log = logging.getLogger("agentq.turn")
 
 
 def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> bool:
-    """Send a stored turn's step; with the broker away (False), a turn worker's sweep sends
-    it once the broker is back."""
+    """Send a stored turn's step; with the broker away (False), the sweep sends it later."""
     try:
         send_step(app, turn_id)
     except BrokerUnavailable as exc:
@@ -32,11 +31,9 @@ def send_step_or_wake(store: TurnStore, app: Celery, turn_id: str) -> bool:
 
 
 def request_abort(store: TurnStore, turn_id: str, reason: str, *, walk: bool = True) -> None:
-    """Abort a turn (and, if `walk`, its running children) from outside its steps: flag,
-    wake, notice and children in one round trip (abort latency is user-facing); a turn
-    worker's step aborts it (one that holds the turn sees the flag as it lets go), or,
-    should this caller die first, the turn's wakeup. A parent's step does not walk: each
-    child's own abort step aborts its children."""
+    """Abort a turn (and, if `walk`, its running children) from outside its steps: flag, wake
+    and children in one round trip (abort latency is user-facing); its step, or its wakeup
+    should this caller die, aborts it. A parent's step does not walk: each child's does."""
     woken, children = store.flag_cancel(turn_id, reason)
     if walk:
         abort_running(store, children, reason)
@@ -45,8 +42,7 @@ def request_abort(store: TurnStore, turn_id: str, reason: str, *, walk: bool = T
 
 
 def abort_running(store: TurnStore, turn_ids: list[str], reason: str, *, walk: bool = True) -> None:
-    """`request_abort` those of these turns (a turn's children) that still run, their
-    statuses read in one round trip."""
+    """`request_abort` those of these turns that still run (statuses read in one trip)."""
     for t, status in zip(turn_ids, statuses(store.redis, turn_ids), strict=True):
         if status not in (None, *TERMINAL_STATUSES):
             request_abort(store, t, reason, walk=walk)
