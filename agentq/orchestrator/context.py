@@ -10,7 +10,6 @@ from agentq.agents import Agent, AgentTool
 from agentq.config import Settings
 from agentq.errors import StepLost
 from agentq.models import ToolResult, TurnStatus
-from agentq.orchestrator import subturns
 from agentq.state.base import RoundRead
 from agentq.state.steplock import Released
 from agentq.state.turn_state import TurnState
@@ -161,13 +160,12 @@ class StepContext:
         self,
         status: TurnStatus,
         event_fields: dict[str, Any],
-        said: str,
+        settle_parent: tuple[str, ToolResult] | None,
         append: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> None:
-        """End the turn (status, `turn_<status>` event, retention TTL, `append`, and a parent's
-        call settled with `said`: its answer, or why it failed) in one write, fenced by the
-        step's lock."""
+        """End the turn (status, `turn_<status>` event, retention TTL, `append`, the parent's
+        call it settles) in one write, fenced by the step's lock."""
         if self.staged[1] or self.staged_plans:
             self.flush()  # what was staged comes first, its events before the terminal one
         else:
@@ -180,7 +178,7 @@ class StepContext:
             status,
             f"turn_{status.value}",
             event_fields,
-            settle_parent=subturns.parent_settlement(self, status.value, said),
+            settle_parent=settle_parent,
             token=self.token,
             append=[*staged_append, *(append or [])],
             hands_off=bool(self.state.get("conversation_id")),

@@ -1,46 +1,31 @@
 """The turn's life: a state machine kept in Redis and advanced by short steps.
 
-Transitions (``status`` in the turn's hash, and ``phase`` while it runs):
+Transitions (``status`` in the turn's hash, and ``phase`` while it runs; "=": the same):
 
-====================  ===========================================  ===========================
-from                  on                                           to (what the step does)
-====================  ===========================================  ===========================
-queued                its first step                               running:model (turn_started;
-                                                                   the model round is sent)
-running:model         round sent, no result yet                    running:model (look again at
-                                                                   the round's deadline or the
-                                                                   heartbeat check)
-running:model         its stream worker died (heartbeat lapsed)    running:model (round sent
-                                                                   again, llm_max_retries times)
-running:model         an answer without tool calls                 finished (turn_finished; a
-                                                                   typed output stored)
-running:model         an answer its agent's output type refuses    running:model (the errors
-                                                                   as a user message; once)
-running:model         ... refused a second time                    error (turn_error,
-                                                                   invalid_output)
-running:model         an answer with tool calls                    running:tools (assistant
-                                                                   message kept, calls planned)
-running:model         the round failed, or no worker in time       error (turn_error)
-running:tools         an approval still pending                    running:tools (look again at
-                                                                   its timeout)
-running:tools         a batch settled                              running:tools (next batch)
-running:tools         a call overdue, or its worker dead           running:tools (settled lost)
-running:tools         an agent call planned                        running:tools (child turn
-                                                                   started, subturn_started)
-running:tools         an agent call past its limit                 running:tools (settled
-                                                                   timeout, child aborted)
-running:tools         every call settled                           running:model (tool-result
-                                                                   message; next round)
-running:tools         an agent call's heartbeat is due             running:tools (tool_progress
-                                                                   of the call, child's phase)
-running:tools         every call settled, and a stop reason        finished (max_calls_per_turn,
-                                                                   loop_detected)
-running:tools         headless ask without a declared default      error (turn_error, exit 4)
-queued, running       the cancel flag                              aborted (tasks revoked, calls
-                                                                   cancelled, turn_aborted)
-queued, running       an unexpected failure                        error (turn_error)
-queued, running       an agent this worker does not run            error (turn_error)
-====================  ===========================================  ===========================
+==============  ======================================  ============================================
+from            on                                      to (what the step does)
+==============  ======================================  ============================================
+queued          its first step                          running:model (turn_started, round sent)
+running:model   round sent, no result yet               = (look again: deadline, heartbeat)
+running:model   its stream worker died (no heartbeat)   = (sent again, llm_max_retries times)
+running:model   an answer without tool calls            finished (turn_finished, typed output kept)
+running:model   an answer its output type refuses       = (the errors as a user message; once)
+running:model   ... refused a second time               error (turn_error, invalid_output)
+running:model   an answer with tool calls               running:tools (message kept, calls planned)
+running:model   the round failed, or no worker in time  error (turn_error)
+running:tools   an approval still pending               = (look again at its timeout)
+running:tools   a batch settled                         = (next batch)
+running:tools   a call overdue, or its worker dead      = (settled lost)
+running:tools   an agent call planned                   = (child turn started, subturn_started)
+running:tools   an agent call past its limit            = (settled timeout, child aborted)
+running:tools   an agent call's heartbeat is due        = (tool_progress: the child's phase)
+running:tools   every call settled                      running:model (tool messages, next round)
+running:tools   every call settled, and a stop reason   finished (max_calls_per_turn, loop_detected)
+running:tools   a headless ask, no declared default     error (turn_error, exit 4)
+queued/running  the cancel flag                         aborted (tasks revoked, calls cancelled)
+queued/running  an unexpected failure                   error (turn_error)
+queued/running  an agent this worker does not run       error (turn_error)
+==============  ======================================  ============================================
 
 A turn ends in one write fenced by the step's lock (the round's last tool messages, status,
 terminal event, retention TTL, and the parent's call a child turn settles), so nothing is
@@ -68,7 +53,7 @@ from agentq.models import (
     TurnStatus,
     final_content,
 )
-from agentq.orchestrator import conversation, model_round, spend
+from agentq.orchestrator import conversation, model_round, spend, subturns
 from agentq.orchestrator.approvals import gate
 from agentq.orchestrator.dispatch import advance_calls
 from agentq.orchestrator.plan import (
@@ -332,8 +317,12 @@ def finish(
             "rounds": ctx.state.get("round"),  # its own: not its conversation's earlier ones
             **typed,
         },
-        # A parent gets the typed value, as the validated JSON.
-        content if output is None else json.dumps(output, separators=(",", ":")),
+        subturns.parent_settlement(
+            ctx,
+            "finished",
+            # A parent gets the typed value, as the validated JSON.
+            content if output is None else json.dumps(output, separators=(",", ":")),
+        ),
         append=append,
         finish_reason=reason,
         finished_at=ctx.now,
@@ -356,7 +345,7 @@ def fail(ctx: StepContext, code: str, message: str, **fields: Any) -> None:
     ctx.close(
         TurnStatus.ERROR,
         {"code": code, "error": message, **fields},
-        message,
+        subturns.parent_settlement(ctx, "error", message),
         append=msgs,
         error=message,
         error_code=code,
@@ -375,7 +364,7 @@ def abort_turn(ctx: StepContext, reason: str) -> None:
     ctx.close(
         TurnStatus.ABORTED,
         {"reason": reason, "revoked": len(revoked), "cancelled_calls": len(msgs)},
-        reason,
+        subturns.parent_settlement(ctx, "aborted", reason),
         append=msgs,
         abort_reason=reason,
         end_settled=ours or None,

@@ -59,10 +59,12 @@ fork's edited instructions), and its spend, so that a retry never resets a budge
 _MODEL = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/@-]+$")
 
 
-class _Overrides(BaseModel):
-    """What a retry or fork may change of its source."""
-
+class _Closed(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class _Overrides(_Closed):
+    """What a retry or fork may change of its source."""
 
     agent: str | None = Field(default=None, max_length=64)
     max_tokens: int | None = Field(default=None, gt=0, le=MAX_TURN_TOKENS)
@@ -79,18 +81,14 @@ class RetryRequest(_Overrides):
     model: str | None = _MODEL
 
 
-class ToolResultEdit(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class ToolResultEdit(_Closed):
     call_id: str = Field(min_length=1, max_length=128)
     content: str
     """What the model reads as that call's result from then on (what-if)."""
 
 
-class ForkEdit(BaseModel):
+class ForkEdit(_Closed):
     """A fork's changes to the history it starts from; each optional."""
-
-    model_config = ConfigDict(extra="forbid")
 
     message: str | None = Field(default=None, min_length=1)
     """Replaces the last user message before the round."""
@@ -331,10 +329,8 @@ BULK_CALLER = "bulk-retry"
 """The idempotency records' caller: one record per source turn, whoever asks."""
 
 
-class BulkRetryRequest(BaseModel):
+class BulkRetryRequest(_Closed):
     """`POST /v1/turns/retry`: which turns to retry, and how fast."""
-
-    model_config = ConfigDict(extra="forbid")
 
     status: Literal["error", "aborted", "error,aborted"] = "error"
     agent: str | None = Field(default=None, max_length=64)
