@@ -97,8 +97,7 @@ def take_turn(ctx: StepContext) -> float | None:
     own = list(state.get("pending_messages") or [])
     ctx.stage(
         append=[*prior, *own],
-        # A branch (a retry or fork in a new conversation) brings its source's earlier
-        # messages among its own: its exchange starts where its source's did.
+        # A branch brings its source's earlier messages: its exchange starts where the source's did.
         history_start=len(prior) + int(state.get("history_start") or 0),
         conversation_base_len=len(prior),
         conversation_waiting=False,
@@ -122,8 +121,7 @@ def take_injected(ctx: StepContext) -> None:
         own = (ctx.store.state(tid) or {}).get("pending_messages") or []
         messages.extend(own)
         events.append(("message_injected", {"message_turn_id": tid, "messages": len(own)}))
-    # In this turn's history before they leave the queue: a crash in between leaves them
-    # queued, and this turn's end takes them out (`injected_turns`), never twice.
+    # In the history before they leave the queue: after a crash, this turn's end takes them out.
     ctx.commit(
         append=messages, events=events, inject_seen=seq, injected_turns=[*taken, *ids] or None
     )

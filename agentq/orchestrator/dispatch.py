@@ -68,8 +68,7 @@ def send(
         for p in plans
     }
     ctx.dispatched.update(records)
-    # Reported before the calls go: a call that settles at once takes the step that sends
-    # the next round, whose own report must come after this one on the parent's stream.
+    # Before the calls go: a call that settles at once steps the turn, which reports next.
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
     ctx.release(next_at)
     sent: set[str] = set()
@@ -124,8 +123,8 @@ def advance_calls(
         if fresh or again:
             out = [*fresh, *(p for p in tools if p.call.id in again)]
             if fresh:
-                # Looked at again at the pickup (their step may die before it sends them)
-                # and at their queue allowance (not started by then, they are lost).
+                # Looked at again at the pickup (the step may die before it sends them) and
+                # at their queue allowance (not started by then, they are lost).
                 s = ctx.settings
                 due += [ctx.now + PICKUP_LEASES * s.turn_lease_s]
                 due += [ctx.now + s.tool_queue_timeout_s + s.tool_grace_s]
@@ -212,8 +211,7 @@ def _dead_workers(
         if not alive.get(worker, True)
     }
     if dead:
-        # Heartbeats lapse while Redis restarts: a worker is judged once Redis has been
-        # up for a heartbeat's lifetime, time enough for a live worker to beat again.
+        # Heartbeats lapse while Redis restarts: judged once Redis was up a heartbeat's life.
         up_s = ctx.store.redis_up_s()
         if up_s is not None and up_s < WORKER_ALIVE_TTL_S:
             looks.append(ctx.now + WORKER_ALIVE_TTL_S - up_s)

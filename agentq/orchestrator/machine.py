@@ -120,8 +120,7 @@ def _begin(ctx: StepContext) -> Phase:
     st = ctx.state
     started = {f: st.get(f) for f in ("conversation_id", "agent", "parent_turn_id")}
     started |= {f: st.get(f) for f in ("retry_of", "fork_of", "from_round") if st.get(f)}
-    # Written with the step's first write (the model round's send, the round's plans),
-    # which comes before anything that acts on it: one write fewer per turn.
+    # With the step's first write, before anything acts on it: one write fewer per turn.
     ctx.stage(
         events=[("turn_started", {**started, "headless": ctx.headless})],
         status=TurnStatus.RUNNING.value,
@@ -129,12 +128,10 @@ def _begin(ctx: StepContext) -> Phase:
         phase="model",
     )
     if ctx.state.get("retry_of"):
-        # A retry's round came with its settled calls (read with the view, as its
-        # `round_calls` names them); the ones the source lost are decided now.
+        # Its settled calls came with the view (`round_calls`); those the source lost: now.
         _settle_replay_lost(ctx)
         return GO_ON
-    # Nothing of a turn's calls is stored before its first step: the calls it came
-    # with (if any) are read as they are, without a round trip.
+    # Nothing of its calls is stored yet: the ones it came with are read as they are.
     ids = tuple(c.id for c in pending_calls(ctx.history))
     ctx.round_read = RoundRead.unsent(ids) if ids else None
     return GO_ON
@@ -199,8 +196,7 @@ def _model_round(ctx: StepContext) -> Phase:
     }
     if not message.tool_calls:
         return _final_answer(ctx, kept, counts)
-    # The assistant message and its calls' plans are written with the calls' records,
-    # before any call is sent (or with whatever the step writes first).
+    # Written with the calls' records (or the step's next write), before any call is sent.
     ctx.stage(append=[kept], plans=plans, **counts)
     # Calls this new are neither sent nor settled: the step goes on without a read.
     ctx.round_read = RoundRead.unsent(tuple(plans), list(plans.values())) if plans else None
@@ -254,8 +250,7 @@ def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> 
         else plan_call(c, oversize_refusal(c, limit), ctx.agent)
         for c, r in zip(calls, raw, strict=True)
     ]
-    # Stored, and the round's calls named for the next step's read, with the step's next
-    # write (nothing of the round runs before it).
+    # With the step's next write (nothing of the round runs before it).
     new = {p.call.id: p.model_dump_json() for p, r in zip(plans, raw, strict=True) if not r}
     if new:
         ctx.stage(plans=new, round_calls=[c.id for c in calls])
@@ -269,8 +264,7 @@ def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
     read, ctx.round_read = ctx.round_read, None  # used once
     raw_plans, settled, dispatched = ctx.store.round_view(ctx.turn_id, ids, read=read)
     plans = _plans(ctx, pending, raw_plans)
-    # A call with its result is never asked about (a retry's reused calls among them); a
-    # request of one still open is closed all the same, at its timeout.
+    # A settled call is never asked about; a request of one still open closes at its timeout.
     decided = gate(ctx, plans, settled)
     for p in plans:
         cid, result = p.call.id, decided.results.get(p.call.id)
@@ -383,8 +377,7 @@ def revoke_unsettled(ctx: StepContext) -> list[str]:
     # A start record without a worker name (never expected) falls back to a broadcast.
     destination = sorted({str(w) for w in workers}) if all(workers) else None
     revoke(ctx.app, ids, terminate=True, signal="SIGTERM", destination=destination)
-    # Celery forgets a task once it has terminated it, so a second revoke with SIGKILL
-    # would find nothing: the escalation names the pool processes themselves.
+    # Celery forgets a task it terminated (a SIGKILL revoke finds nothing): name the pids.
     targets = [[tid, start.get("pid")] for tid, start in running.items() if start.get("pid")]
     if targets:
         order = json.dumps({"targets": targets, "to": destination}, separators=(",", ":"))
@@ -400,8 +393,7 @@ def _wind_up(
     valid), and the ids of the calls settled here (the ones a retry runs again)."""
     model_round.withdraw(ctx)
     spend.settle_left(ctx)
-    # A turn that never read its conversation settles the calls of the messages it holds
-    # aside (a retry's branch may leave calls open there).
+    # A turn that never read its conversation settles what its pending messages left open.
     waiting = ctx.state.get("conversation_waiting")
     calls = pending_calls(list(ctx.state.get("pending_messages") or []) if waiting else ctx.history)
     ours: list[str] = []

@@ -59,8 +59,7 @@ def send_round(
         "llm_deadline": deadline,
     }
     if grant is not None:
-        # The wait's start stays: a round the provider turns away again waits on the same
-        # clock (`llm_queue_timeout_s` bounds the whole wait).
+        # The wait's start stays: `llm_queue_timeout_s` bounds the whole wait, turned away or not.
         sent.update(
             {
                 "llm_admissions": admissions,
@@ -92,8 +91,7 @@ def send_round(
             ignore_result=True,
         )
     except BrokerUnavailable:
-        # Not picked up for long already: the step after the outage sends it at once. A
-        # step that took the turn meanwhile waits for the pickup instead.
+        # The step after the outage sends it at once (one that took the turn: at the pickup).
         if ctx.relock():
             ctx.stage(llm_sent_at=0.0)
         raise
@@ -133,8 +131,7 @@ def _round_request(
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
     """The round's message and streaming seconds once done, else when to look again (the
     round sent first if it was not)."""
-    # Its result as the step's view holds it, parsed already (stored before the step read the
-    # turn, or by the write that took the step); one stored since, `_watch_round` finds.
+    # Its result as the step's view holds it; one stored since, `_watch_round` finds.
     raw = ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD)
     result = LlmRoundResult.model_validate(raw) if raw else None
     if result is not None and not _goes_again(ctx, round_no, result):
@@ -143,8 +140,7 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
             # Only a cancelled turn aborts a round: the step sees the flag and aborts.
             raise ModelRoundFailed("the model round was aborted", "EABORTED")
         if not result.ok or result.message is None:
-            # The stream worker's typed error crossed a process boundary as text;
-            # keep its code (ETIMEDOUT, ...) so clients can tell failures apart.
+            # The stream worker's error code (ETIMEDOUT, ...) kept: clients tell failures apart.
             error = result.error or "model round failed"
             raise ModelRoundFailed(error, result.error_code or "ELLM")
         return result.message, result.streamed_s
@@ -185,8 +181,7 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
     fields: TurnState = {"llm_wait_round": round_no, "llm_wait_since": since}
     events: list[tuple[str, dict[str, Any]]] = []
     if not waiting or ctx.state.get("llm_wait_position") != got.position:
-        # `first`: this wait starts here (the metrics count rounds that had to wait by it);
-        # later ones only say the round moved up the queue.
+        # `first`: the wait starts (metrics count waiting rounds by it); later: moved up.
         queued = {
             "round_no": round_no,
             "model": model,
@@ -252,8 +247,7 @@ def _watch_round(ctx: StepContext, round_no: int) -> float:
     """A round sent and not done: past its deadline it fails; a stream worker that took it
     and died, or a send nobody took up, sends it again; else when to look again."""
     s = ctx.settings
-    # One read: a round that finished after the step's view has no lease any more, and must
-    # not be taken for a round whose worker died.
+    # One read: a round finished after the view has no lease, and must not look abandoned.
     raw_done, raw_taken, raw_alive = ctx.store.redis.hmget(
         k.turn_key(ctx.turn_id), [k.LLM_RESULT_ROUND_FIELD, k.LLM_TAKEN_FIELD, k.LLM_ALIVE_FIELD]
     )

@@ -166,8 +166,8 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     state["retry_of"] = src.turn_id
     reused = dict(src.results)
     if open_ids:
-        # The round goes on: its tool messages go (all of them, so the round's results
-        # are written again in the model's call order), its settled results stay.
+        # The round goes on: all its tool messages go (rewritten in the model's call order),
+        # its settled results stay.
         history = history[: rounds[-1] + 1]
         for cid in open_ids:
             reused.pop(cid, None)
@@ -289,8 +289,7 @@ def start_replay(
         new = fork_launch(src, req, token)
     new = replace(new, turn_id=turn_id or secrets.token_hex(16))
     require_known(store.redis, req.agent)  # an agent it names instead of its source's
-    # As for any start: a key over its budget starts nothing (429), nor a USD budget for
-    # a model without a price; the first round sends the whole history.
+    # As any start (the first round sends the whole history).
     check_budgets(store, settings, new.state, new.size)
     if retry:
         spend.carry_spent(store.redis, settings, new.turn_id, new.state)

@@ -147,12 +147,11 @@ def launch(
     turn_id, token, state, history = new.turn_id, new.token, new.state, new.history
     cid = state.get("conversation_id")
     if cid:
-        # Stored before it is admitted (so the turn holding a conversation always exists),
-        # its messages aside until its first step reads the conversation's history.
+        # Stored before admitted (a conversation's holder always exists), its messages aside
+        # until its first step reads the conversation's history.
         state["conversation_waiting"], state["pending_messages"], history = True, history, []
     if state.get("webhook_url"):
-        # Before the turn exists: whatever happens to the step that ends it, a sweep
-        # finds the turn here and queues its delivery.
+        # Before the turn exists: whatever happens to its last step, a sweep finds it here.
         Deliveries(store.redis, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
@@ -225,8 +224,7 @@ def _admit(
     handle: dict[str, object] = {"conversation_token": new_token} if admitted.created else {}
     queued = admitted.outcome is not Admit.RUN and not handed
     if queued:
-        # Its predecessor's hand-off sends its first step (the wakeup is the backstop),
-        # perhaps already: said only while the turn has not started.
+        # Its predecessor's hand-off sends its first step, perhaps already: said only if queued.
         fields = {"position": admitted.position, "behind": admitted.behind}
         store.bus.publish(turn_id, "turn_queued", **fields)
         if admitted.outcome is Admit.INJECTED:
@@ -252,7 +250,6 @@ def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: 
         )
     if (owner or "") not in settings.key_budgets:
         return
-    # The least first round (the request's messages and a minimal completion), reserved
-    # without a reservation: a check of the key's budgets.
+    # The least first round, reserved without a reservation: a check of the key's budgets.
     prompt = math.ceil(size / CHARS_PER_TOKEN)
     Spend(store.redis, settings).reserve(owner, day_of(time.time()), prompt, price)

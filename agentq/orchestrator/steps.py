@@ -131,8 +131,8 @@ def _steps(
         if ctx.ended is not None and tracing.enabled:
             _end_turn_span(ctx)
         if ctx.state.get("status") in TERMINAL_STATUSES and ctx.state.get("conversation_id"):
-            # After the end, by this step or for one that died before its hand-off (whose
-            # end left the backstop that woke this one); a second hand-off changes nothing.
+            # After the end, by this step or for one that died before its hand-off (its end's
+            # backstop woke this one); a second hand-off changes nothing.
             hand_off(store, app, turn_id, ctx.state, ctx.history)
         if ctx.ended is not None:
             return "ended"  # the write that ended the turn let go of the lock
@@ -181,8 +181,7 @@ def _advance(ctx: StepContext) -> float | None:
     except LlmError as exc:
         fail(ctx, exc.code, exc.message, error_type=type(exc).__name__)
     except (StepLost, BrokerUnavailable, redis.ConnectionError, redis.TimeoutError):
-        # Redis stayed away longer than the client's retries: the state is intact,
-        # the step's lock lapses and the wakeup sweep runs the turn again.
+        # Redis stayed away past the client's retries: the state is intact, the sweep retries.
         raise
     except Exception as exc:
         log.exception("turn %s: step failed", ctx.turn_id)

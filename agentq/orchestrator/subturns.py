@@ -141,8 +141,7 @@ def _start_child(ctx: StepContext, p: CallPlan, child: str) -> None:
     history = [{"role": "user", "content": str(p.arguments["prompt"])}]
     # The step is sent below; should it be lost, a sweeper steps the child soon.
     ctx.store.create(child, child_state, history, backstop_s=WAKE_BACKSTOP_S)
-    # A start record without a worker: listings show the call running, and no worker
-    # heartbeat is watched for it.
+    # A start record without a worker: shown running, no worker heartbeat watched.
     ctx.store.redis.hset(
         k.turn_key(ctx.turn_id),
         k.STARTED + p.call.id,
