@@ -61,8 +61,7 @@ def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
 
 
 def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) -> GateOutcome:
-    """Decide what can be decided now; a call in `settled` is not asked about, though a request
-    it already has runs its course."""
+    """Decide what can be decided now; a call in `settled` is not asked about."""
     out = GateOutcome()
     for p in plans:
         call = p.call
@@ -92,8 +91,7 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
 
 
 def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionRequest]:
-    """Open the call's request and tell whoever follows; a headless turn takes its default
-    at once (none declared: HeadlessInteraction)."""
+    """Open the call's request; a headless turn takes its default at once (or raises)."""
     req = _request(ctx, p)
     ctx.store.open_interaction(ctx.turn_id, req)
     # `agent` names who asks when the request is relayed into a parent's stream.

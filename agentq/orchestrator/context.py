@@ -107,8 +107,7 @@ class StepContext:
             self.commit()
 
     def release(self, next_at: float | None) -> None:
-        """Let go of the step's lock with what it staged and the calls it is about to send,
-        leaving `next_at` for the sweepers."""
+        """Let go of the lock with what was staged and the calls to send; `next_at` for sweeps."""
         self.released = self._write(next_at)
 
     def _write(self, next_at: float | None, *, keep: bool = False) -> Released:
@@ -136,8 +135,7 @@ class StepContext:
         return got
 
     def relock(self) -> bool:
-        """Take the lock again after `release` (the step's last act failed); False if another
-        step holds it now."""
+        """Take the lock again after `release` (its last act failed); False if another has it."""
         if self.released is Released.RELEASED and not self.store.lock_step(
             self.turn_id, self.token, self.lock_ms
         ):
@@ -164,8 +162,7 @@ class StepContext:
         append: list[dict[str, Any]] | None = None,
         **fields: Any,
     ) -> None:
-        """End the turn (status, `turn_<status>` event, retention TTL, `append`, the parent's
-        call it settles) in one write, fenced by the step's lock."""
+        """End the turn (status, `turn_<status>`, TTL, `append`, a parent's call) in one write."""
         if self.staged[1] or self.staged_plans:
             self.flush()  # what was staged comes first, its events before the terminal one
         else:

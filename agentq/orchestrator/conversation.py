@@ -44,8 +44,7 @@ def conversations(store: TurnStore) -> Conversations:
 
 
 class ConversationMovedOn(AgentqError):
-    """A retry's source is no longer its conversation's last turn, or another turn holds or
-    waits for it: the retry branches instead (`start_replay` catches it)."""
+    """A retry's source moved on in its conversation: the retry branches (`start_replay`)."""
 
 
 def admit_in_place(
@@ -107,8 +106,7 @@ def take_turn(ctx: StepContext) -> float | None:
 
 
 def take_injected(ctx: StepContext) -> None:
-    """Before a new model round: messages sent to join this turn (multitask inject) appended,
-    each with `message_injected`, and their turns ended."""
+    """Before a round: messages sent to join this turn (multitask inject) in, their turns ended."""
     seq = int(ctx.state.get("inject_seq") or 0)
     if seq <= int(ctx.state.get("inject_seen") or 0):
         return

@@ -138,8 +138,7 @@ def _begin(ctx: StepContext) -> Phase:
 
 
 def _settle_replay_lost(ctx: StepContext) -> None:
-    """A retry's calls that ran in its source without a result run again if idempotent (or
-    with `rerun_lost`); any other settles lost again."""
+    """A retry's calls its source lost run again if idempotent (or `rerun_lost`), else lost."""
     lost = set(ctx.state.get("replay_lost") or [])
     if not lost or ctx.state.get("rerun_lost"):
         return

@@ -129,8 +129,7 @@ def _round_request(
 
 
 def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float] | float:
-    """The round's message and streaming seconds once done, else when to look again (the
-    round sent first if it was not)."""
+    """The round's message and streamed seconds once done, else when to look again (sent if not)."""
     # Its result as the step's view holds it; one stored since, `_watch_round` finds.
     raw = ctx.state.get(k.LLM_RESULT_ROUND_FIELD) == round_no and ctx.state.get(k.LLM_RESULT_FIELD)
     result = LlmRoundResult.model_validate(raw) if raw else None
@@ -211,8 +210,7 @@ def _next_look(ctx: StepContext) -> float:
 
 
 def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool:
-    """Whether the round goes again (a busy provider, or a deployment that failed before
-    the model said anything, with failovers left): its result and claim are forgotten."""
+    """Whether the round goes again (busy, or a failover left): its result and claim forgotten."""
     same_round = ctx.state.get("llm_failover_round") == round_no
     failovers = int(ctx.state.get("llm_failovers") or 0) if same_round else 0
     busy = result.error_code == ModelBusy.code

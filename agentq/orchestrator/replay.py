@@ -119,8 +119,7 @@ class Source(TurnSnapshot):
 
 
 def read_source(store: TurnStore, turn_id: str) -> Source:
-    """The source turn, from one read of its state hash; TurnNotFound if Redis has none,
-    SourceGone if its conversation was deleted."""
+    """The source turn, read once; TurnNotFound, or SourceGone if its conversation is deleted."""
     snap = store.snapshot(turn_id)
     if snap is None:
         raise TurnNotFound(turn_id)
@@ -132,8 +131,7 @@ def read_source(store: TurnStore, turn_id: str) -> Source:
 
 
 def _base_state(src: Source, over: _Overrides, token: str, model: str | None) -> TurnState:
-    """What a retry and a fork start with: the source's kept fields, the request's
-    overrides (`model`, else the source's own), a new token."""
+    """A retry's or fork's start: the source's kept fields, the overrides, `model`, a token."""
     st = src.state
     state = queued_state(hash_token(token), history_start=int(st.get("history_start") or 0))
     overrides = over.model_dump(include=set(_Overrides.model_fields), exclude_none=True)
@@ -164,13 +162,11 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     state = _base_state(src, req, token, req.model)
     state.update(cast(TurnState, {f: st.get(f) for f in CARRIED_FIELDS if st.get(f) is not None}))
     state["retry_of"] = src.turn_id
-    reused = dict(src.results)
+    reused = {c: r for c, r in src.results.items() if c not in open_ids}
     if open_ids:
         # The round goes on: all its tool messages go (rewritten in the model's call order),
         # its settled results stay.
         history = history[: rounds[-1] + 1]
-        for cid in open_ids:
-            reused.pop(cid, None)
         state.update(
             {
                 "from_round": len(rounds),
@@ -256,8 +252,7 @@ def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
 
 
 def replay_source(state: TurnState) -> dict[str, Any] | None:
-    """The turn a retry or fork was made from (`agentq show`, the console): its id, which
-    of the two it is, and the round it went on from."""
+    """The turn a retry or fork was made from (`agentq show`): id, kind, and `from_round`."""
     for kind in ("retry", "fork"):
         source = state.get(f"{kind}_of")
         if source:

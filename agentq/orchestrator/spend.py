@@ -71,8 +71,7 @@ def _args(ctx: StepContext) -> dict[str, Any]:
 
 
 def reserve_round(ctx: StepContext, round_no: int) -> None:
-    """Record the round as sent, reserved first under a budget (once); BudgetExceeded when a
-    budget cannot afford it."""
+    """Record the round as sent, reserved under a budget first (once), else BudgetExceeded."""
     reservation = str(round_no)
     if ctx.state.get("budget_reservation") == reservation:
         return
