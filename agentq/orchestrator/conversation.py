@@ -125,9 +125,7 @@ def take_injected(ctx: StepContext) -> None:
     )
     for tid in ids:
         _end_injected(ctx.store, tid, ctx.turn_id)
-        conversations(ctx.store).release(
-            cid, ReleaseArgs(tid, 0, ctx.store.ttl_s, ctx.now, cid, False, [], [])
-        )
+        hand_off(ctx.store, ctx.app, tid, {"conversation_id": cid}, [])  # leaves the queue
 
 
 def _end_injected(store: TurnStore, turn_id: str, into: str) -> None:
