@@ -195,8 +195,7 @@ class StepContext:
 
     def settle(self, result: ToolResult, *, tracked: bool = True) -> tuple[ToolResult, bool]:
         """Settle a call, the one way a step does (traced, no wake, after what it staged): the
-        result it keeps (the first stored wins), and whether that is `result`. `tracked=False`
-        for a call never recorded as sent (refused, denied)."""
+        result it keeps (the first wins), and whether that is `result`; untracked: never sent."""
         self.flush()
         if self.store.settle(self.turn_id, result, wake=False, tracked=tracked):
             if tracing.enabled:

@@ -50,9 +50,8 @@ class ConversationMovedOn(AgentqError):
 def admit_in_place(
     store: TurnStore, app: Celery, conversation_id: str, turn_id: str, source_id: str
 ) -> None:
-    """Let a stored retry hold its source's conversation to replace its exchange, if the
-    source is still its last turn and no other holds or waits (one script); else remove the
-    retry again (ConversationMovedOn)."""
+    """Let a stored retry hold its source's conversation if the source is still its last turn
+    and no other holds or waits (one script); else remove it again (ConversationMovedOn)."""
     for _ in range(2):
         outcome, running = conversations(store).admit_in_place(conversation_id, turn_id, source_id)
         if outcome is InPlace.RUN:

@@ -199,9 +199,8 @@ def oversize_refusal(call: ToolCall, max_arguments_bytes: int) -> str | None:
 def with_safe_call_ids(
     message: AssistantMessage, taken: set[str], round_no: int
 ) -> AssistantMessage:
-    """The message with every call id usable as a key and a URL part (else its approval
-    could not be answered over HTTP), and unique in the turn (a model that says "call_0"
-    every round would find the earlier round's result settled)."""
+    """The message with every call id usable in a URL (to answer its approval) and unique in
+    the turn (a model saying "call_0" every round would find the first result settled)."""
     seen = set(taken)
     calls: list[ToolCall] = []
     for i, call in enumerate(message.tool_calls):

@@ -305,9 +305,8 @@ def start_replay(
 
 
 def _in_place(src: Source, new: Launch) -> Launch:
-    """A retry that goes on in its source's conversation: its own messages (the source's
-    from where the source read the conversation's history) aside until its first step
-    reads the history before the source's exchange, which its exchange replaces."""
+    """A retry in its source's conversation: its own messages (the source's exchange) aside
+    until its first step reads the history before that exchange, which it replaces."""
     st = src.state
     base = 0 if st.get("conversation_waiting") else int(st.get("conversation_base_len") or 0)
     state: TurnState = {
@@ -381,9 +380,8 @@ def bulk_retry(
     said: Callable[[BulkOutcome], None] | None = None,
     limited: Starter | None = None,
 ) -> list[BulkOutcome]:
-    """Retry each matching turn once, at most `req.rate_per_s` a second; `visible` keeps
-    a caller to its own turns; `said` hears each outcome as it happens; `limited` runs
-    each start (under the caller's limits: one refused is said `refused`)."""
+    """Retry each matching turn once, at most `req.rate_per_s` a second; `visible` keeps a
+    caller to its turns, `said` hears each outcome, `limited` runs each start (or refuses)."""
     out: list[BulkOutcome] = []
     gap_s = 1.0 / req.rate_per_s
     next_at = time.monotonic()

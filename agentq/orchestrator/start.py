@@ -61,9 +61,8 @@ def start_turn(
     extra_state: TurnState | None = None,
     idempotency_key: str | None = None,
 ) -> TurnHandle:
-    """Queue a turn owned by the key name `owner` (None: no key); see `Client.start`.
-    `any_owner`: the caller may continue any conversation (an admin key, an operator).
-    `turn_id` and `extra_state` (fields stored with its state) are for a schedule's tick."""
+    """Queue a turn owned by the key `owner` (see `Client.start`); `any_owner`: an admin or an
+    operator, who may continue any conversation; `turn_id` and `extra_state`: a tick's."""
     # 128 random bits (a uuid4 has 122): the id alone opens the turn's event stream.
     new_id = turn_id or secrets.token_hex(16)
 
@@ -141,9 +140,8 @@ def launch(
     conversation_token: str | None = None,
     in_place_of: str | None = None,
 ) -> TurnHandle:
-    """Store a checked turn (one write), admit it to its conversation if any, send its first
-    step: every start's. `in_place_of`: a retry that replaces that turn's exchange, or, if
-    that turn is no longer its conversation's last, is removed again (ConversationMovedOn)."""
+    """Store a checked turn (one write), admit it to its conversation, send its first step.
+    `in_place_of`: a retry to replace that turn's exchange (else ConversationMovedOn)."""
     turn_id, token, state, history = new.turn_id, new.token, new.state, new.history
     cid = state.get("conversation_id")
     if cid:
@@ -234,9 +232,8 @@ def _admit(
 
 
 def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:
-    """Refuse a new turn (bringing `size` bytes) whose `max_cost_usd` cannot be kept (a model
-    without a price: BudgetInvalid), or whose key is over budget (BudgetExceeded). Its model:
-    its own (a retry's or fork's), else its agent's, else the default."""
+    """Refuse a new turn whose `max_cost_usd` cannot be kept (its model has no price:
+    BudgetInvalid), or whose key is over budget (BudgetExceeded)."""
     model, agent, owner = state.get("model"), state.get("agent"), state.get("owner")
     if agent and not model:
         details = {a["name"]: a for a in published_agent_details(store.redis)}
