@@ -1,7 +1,6 @@
 """The approval gate: `ask` calls wait for an answer with a finite timeout; silence denies.
-The gate never waits: each step decides what it can from each request's record (so a step
-that takes over after a crash decides the same); a pending one gives the turn its next
-deadline, and an answer wakes it."""
+The gate never waits: each step decides from the requests' records (a step that takes over
+decides the same); a pending one is the turn's next deadline, an answer wakes it."""
 
 from __future__ import annotations
 

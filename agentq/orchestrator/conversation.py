@@ -1,7 +1,6 @@
-"""A turn's part in its conversation (one turn at a time, fleet-wide): admitted at its start,
-the history read at its first step, messages that join it at a round, its exchange appended
-at its end by the hand-off, a second write that a backstop wakeup, or the turn queued
-behind, does for a step that died before it (docs/conversations.md, "How it works")."""
+"""A turn's part in its conversation (one turn at a time): admitted at its start, the history
+read at its first step, messages that join it at a round, its exchange appended at its end
+by the hand-off (docs/conversations.md, "How it works")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The turn's side of a model round: admitted by the fleet's capacity manager (a round that
-waits is held state and a wakeup, not a poll: docs/capacity.md), sent to a stream worker,
-sent again when no worker holds its lease and it has no result; a round refused as busy
-(429, 503, 529) goes back to admission without using up a retry."""
+"""The turn's side of a model round: admitted by the capacity manager (docs/capacity.md),
+sent to a stream worker, sent again when no worker holds it and it has no result; a round
+refused as busy (429, 503, 529) goes back to admission without using up a retry."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Retry and fork: a new turn built from a turn's durable history, read once (one HGETALL)
-and stored in one write; the source never changes. A retry reuses every settled call and
-answered round, a fork goes on from before one round, perhaps edited; in a conversation,
-a retry of its last turn replaces its exchange in place, any other one branches
-(docs/retry.md). Bulk retry holds an idempotency record per source: it retries each once."""
+"""Retry and fork (docs/retry.md): a new turn built from a turn's history, read once and
+stored in one write; the source never changes. Bulk retry holds an idempotency record per
+source: it retries each once."""
 
 from __future__ import annotations
 

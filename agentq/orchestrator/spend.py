@@ -1,7 +1,5 @@
-"""The turn's side of spend: before a round under a budget is sent, reserve what it may
-cost against the turn's, its parents' and its key's budgets (the turn fails
-`budget_exceeded` when they cannot afford it); when its result is in, settle it to its
-usage and add that to the turn's totals. See docs/spend.md and `agentq.state.spend`."""
+"""The turn's side of spend (docs/spend.md): a round under a budget is reserved against the
+turn's, its parents' and its key's budgets before it is sent, then settled to its usage."""
 
 from __future__ import annotations
 
