@@ -28,8 +28,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.conversation")
 
 WAITING_RECHECK_S = 15.0
-"""A queued turn looks at its conversation this often; its predecessor's hand-off wakes it
-at once, so this only matters when that hand-off never came."""
+"""A queued turn looks at its conversation this often, should its predecessor's hand-off fail."""
 
 STUCK_AFTER_S = 5.0
 """A turn ended this long ago without handing its conversation on was stopped before it

@@ -225,8 +225,7 @@ def _not_queued(
     again: dict[str, dict[str, Any]],
     looks: list[float],
 ) -> dict[str, dict[str, Any]]:
-    """The calls of `again` that cannot be waiting in their queue: one whose queue holds
-    messages (a backlog) waits for its queue allowance instead of a second message."""
+    """The calls of `again` to send now: one whose queue holds a backlog waits its allowance."""
     queues = {p.call.id: p.queue for p in waiting if p.call.id in again}
     waiting_in = {q: queue_size(ctx.app, q) for q in set(queues.values())}
     held = sorted(c for c, q in queues.items() if waiting_in[q])

@@ -241,8 +241,7 @@ def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool
 
 
 def _watch_round(ctx: StepContext, round_no: int) -> float:
-    """A round sent and not done: past its deadline it fails; a stream worker that took it
-    and died, or a send nobody took up, sends it again; else when to look again."""
+    """A round sent, not done: fails past its deadline, goes again if abandoned; next look."""
     s = ctx.settings
     # One read: a round finished after the view has no lease, and must not look abandoned.
     raw_done, raw_taken, raw_alive = ctx.store.redis.hmget(

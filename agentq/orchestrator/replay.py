@@ -101,8 +101,7 @@ class ForkRequest(_Overrides):
     """`POST /v1/turns/{id}/fork`."""
 
     at_round: int = Field(ge=1)
-    """The first round the fork plays again (1-based, as `agentq show` counts): its history
-    is the source's before that round."""
+    """The first round the fork plays again (1-based, as `agentq show` counts)."""
     edit: ForkEdit | None = None
 
 
@@ -182,8 +181,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
 
 
 def _unsettled(src: Source, call_id: str) -> bool:
-    """A call of the source's last round without a result of its own: settled by the turn's
-    end (cancelled, not run), or lost with its worker."""
+    """A call of the last round without its own result: cancelled by the end, or lost."""
     ended = src.state.get("end_settled") or []
     return call_id in ended or call_id not in src.results or _lost(src, call_id)
 
@@ -240,8 +238,7 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
 
 
 def _settled_to_the_end(src: Source, rounds: list[int]) -> bool:
-    """Whether a round may follow the source's last: its last answer asked for calls, and
-    each has a result of its own (or it answered no round at all)."""
+    """Whether a round may follow the source's last: all its calls have their own results."""
     if not rounds:
         return True
     calls = calls_of([src.history[rounds[-1]]])

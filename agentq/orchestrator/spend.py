@@ -93,8 +93,7 @@ def reserve_round(ctx: StepContext, round_no: int) -> None:
 
 
 def round_usage(ctx: StepContext, result: LlmRoundResult, model: str) -> Usage:
-    """What the round is charged: its usage (priced here if the stream worker did not), or,
-    without one (a broken or aborted stream), its reservation's estimate."""
+    """The round's charge: its usage (priced here if need be), else its reservation's estimate."""
     usage = result.message.usage if result.message is not None else None
     prompt = int(ctx.state.get("budget_prompt") or 0)
     completion = int(ctx.state.get("budget_cap") or ctx.settings.budget_completion_tokens)

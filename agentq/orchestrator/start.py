@@ -232,8 +232,7 @@ def _admit(
 
 
 def check_budgets(store: TurnStore, settings: Settings, state: TurnState, size: int) -> None:
-    """Refuse a new turn whose `max_cost_usd` cannot be kept (its model has no price:
-    BudgetInvalid), or whose key is over budget (BudgetExceeded)."""
+    """Refuse a turn whose `max_cost_usd` has no price (BudgetInvalid) or key is over budget."""
     model, agent, owner = state.get("model"), state.get("agent"), state.get("owner")
     if agent and not model:
         details = {a["name"]: a for a in published_agent_details(store.redis)}

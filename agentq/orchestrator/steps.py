@@ -190,8 +190,7 @@ def _advance(ctx: StepContext) -> float | None:
 
 
 class Sweeper:
-    """Wakes turns whose deadline came or whose workers stopped beating; one per turn worker,
-    each wakeup and dead worker claimed by one of them."""
+    """Wakes due turns and those of dead workers; one per turn worker, each claim taken once."""
 
     def __init__(self, store: TurnStore, app: Celery, settings: Settings) -> None:
         self.store = store
@@ -288,8 +287,7 @@ class Look(NamedTuple):
 
 
 def send_kills(r: redis.Redis, app: Celery, due: list[bytes]) -> int:
-    """Send due escalations to the workers running their tasks (`agentq_kill`), each by the
-    one sweeper whose ZREM takes it; how many this one sent."""
+    """Send due escalations (`agentq_kill`), each by the sweeper whose ZREM takes it; how many."""
     sent = 0
     for raw in due:
         if r.zrem(k.KILLS, raw):

@@ -22,13 +22,11 @@ if TYPE_CHECKING:
     from agentq.orchestrator.plan import CallPlan
 
 BEAT_SHARE = 0.9
-"""An agent call's heartbeat comes every this share of `progress_interval_s`: the step
-that publishes it is woken by a sweeper, a little late."""
+"""A heartbeat every this share of `progress_interval_s`: a sweeper wakes its step a bit late."""
 
 
 def child_turn_id(turn_id: str, call_id: str) -> str:
-    """The child's id, derived so a step that takes over finds the child it started; its
-    first four hex digits are the parent's, so it is stored in the parent's shard."""
+    """Derived (a step that takes over finds it), in the parent's shard (its first 4 hex digits)."""
     return turn_id[:4] + hashlib.sha256(f"{turn_id}/{call_id}".encode()).hexdigest()[:28]
 
 
