@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
-from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult, final_content
+from agentq.models import TERMINAL_STATUSES, ToolCall, ToolResult
 from agentq.orchestrator.wake import request_abort, send_step_or_wake
 from agentq.state.base import WAKE_BACKSTOP_S
 from agentq.state.turn_state import queued_state
@@ -69,10 +69,10 @@ def watch(
         if raw is None:
             _start_child(ctx, p, child)
         elif json.loads(raw) in TERMINAL_STATUSES:
-            # Its ending settles this call; a result Redis already holds wins over ours.
-            settled[p.call.id] = ctx.store.result(ctx.turn_id, p.call.id) or _from_child(
-                ctx, p.call, child, since
-            )
+            # Its end settled this call in the same write (`TurnStore.close`).
+            result = ctx.store.result(ctx.turn_id, p.call.id)
+            assert result is not None, f"child {child} ended without settling its call"
+            settled[p.call.id] = result
             continue
         elif beat:
             # The call's heartbeat: its child's last phase.
@@ -166,34 +166,21 @@ def report_to_parent(ctx: StepContext, message: str) -> None:
 
 
 def parent_settlement(ctx: StepContext, status: str, said: str) -> tuple[str, ToolResult] | None:
-    """For a child started by an agent call: (parent turn id, the call's result)."""
+    """For a child started by an agent call: (parent turn id, the call's result from how the
+    child ended, `said` being its answer or why it did not)."""
     state = ctx.state
     parent, call_id = state.get("parent_turn_id"), state.get("parent_call_id")
     if not parent or not call_id:
         return None
     call = ToolCall(id=str(call_id), name=str(state.get("parent_tool") or "agent"))
-    started_at = float(state.get("created_at") or ctx.now)
-    return str(parent), _result(ctx, call, ctx.turn_id, status, said, started_at)
-
-
-def _result(
-    ctx: StepContext, call: ToolCall, child: str, status: str, said: str, started_at: float
-) -> ToolResult:
-    """The call's result from how its child ended (`said`: its answer, or why it did not)."""
-    extra: dict[str, Any] = {"task_id": child, "started_at": started_at}
+    extra: dict[str, Any] = {
+        "task_id": ctx.turn_id,
+        "started_at": float(state.get("created_at") or ctx.now),
+    }
     if status == "finished":
         body, cut = truncate_text(said, ctx.settings.max_result_bytes)
-        return ok_result(call, body, cut, **extra)
+        return str(parent), ok_result(call, body, cut, **extra)
     if status == "aborted":
-        return cancelled_result(call, said or "user", **extra)
-    return error_result(call, f"the agent's turn failed: {said or 'unknown error'}", **extra)
-
-
-def _from_child(ctx: StepContext, call: ToolCall, child: str, started_at: float) -> ToolResult:
-    """The backstop: a child that ended without settling the call (it never should)."""
-    state = ctx.store.state(child) or {}
-    status = str(state.get("status"))
-    said = str(state.get("error") or state.get("abort_reason") or "")
-    if status == "finished":
-        said = final_content(ctx.store.history(child))
-    return ctx.settle(_result(ctx, call, child, status, said, started_at))[0]
+        return str(parent), cancelled_result(call, said or "user", **extra)
+    failed = f"the agent's turn failed: {said or 'unknown error'}"
+    return str(parent), error_result(call, failed, **extra)
