@@ -45,7 +45,6 @@ class StepContext:
     ended: str | None = None
     """The status this step ended the turn with (None: the turn goes on)."""
     lock_ms: int = field(kw_only=True)
-    """The step lock's lifetime, as the step took it."""
 
     @property
     def headless(self) -> bool:
@@ -102,7 +101,6 @@ class StepContext:
         self.history.extend(append or [])
 
     def flush(self) -> None:
-        """Write what was staged, if anything."""
         if self.staged[0] or self.staged[1] or self.staged_append or self.staged_plans:
             self.commit()
 

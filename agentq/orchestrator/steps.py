@@ -275,13 +275,11 @@ class Sweeper:
 
 
 class Look(NamedTuple):
-    """What one sweep found due, and when the next is."""
+    """What one sweep found due (turns, `KILLS` members, dead workers), and when the next is."""
 
     wakeups: list[str]
     kills: list[bytes]
-    """Kill escalations (`KILLS` members)."""
     dead: list[str]
-    """Workers that stopped beating."""
     next_at: float | None
     """The soonest wakeup or escalation not yet due (None: nothing waits)."""
 
