@@ -115,7 +115,6 @@ def advance_calls(
         tools = [p for p in waiting if not p.subturn_agent]
         agents = [p for p in waiting if p.subturn_agent]
         fresh = [p for p in tools if p.call.id not in dispatched]
-        # The times the step must look at the turn again; the earliest counts.
         due: list[float] = []
         subturns.watch(ctx, agents, settled, dispatched, due)
         earlier = [p for p in tools if p.call.id in dispatched]
@@ -254,5 +253,4 @@ def _settle_lost(
         started_at=None if start is None else start.get("started_at"),
         worker=None if start is None else start.get("worker"),
     )
-    # A real result that landed meanwhile wins: it is the one kept.
     return ctx.settle(lost)[0]

@@ -286,7 +286,6 @@ def _collect_calls(ctx: StepContext, pending: list[ToolCall]) -> Phase:
     if stop:
         finish(ctx, str(stop), append=messages)
         return None
-    # Written with the round's send (or whatever the step writes next).
     ctx.stage(append=messages, phase="model")
     return GO_ON
 
@@ -403,7 +402,6 @@ def _wind_up(
             if call.id in settled:
                 continue
             mine = result_for(call, dispatched.get(call.id, {}))
-            # A tool's result that came first is the one kept.
             settled[call.id], won = ctx.settle(mine, tracked=call.id in dispatched)
             if won:
                 ours.append(call.id)

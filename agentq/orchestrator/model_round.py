@@ -115,7 +115,6 @@ def _round_request(
         traceparent=ctx.state.get("traceparent"),
         deployment=grant.deployment if grant else ctx.state.get("llm_deployment"),
         lease_id=grant.lease_id if grant else ctx.state.get("llm_lease"),
-        # How long this round has waited for model capacity so far.
         queued_s=max(0.0, ctx.now - float(ctx.state.get("llm_wait_since") or ctx.now))
         if grant and ctx.state.get("llm_wait_round") == round_no
         else 0.0,

@@ -161,8 +161,7 @@ def retry_launch(src: Source, req: RetryRequest, token: str) -> Launch:
     state["retry_of"] = src.turn_id
     reused = {c: r for c, r in src.results.items() if c not in open_ids}
     if open_ids:
-        # The round goes on: all its tool messages go (rewritten in the model's call order),
-        # its settled results stay.
+        # The round goes on: its tool messages go (rewritten in call order), its results stay.
         history = history[: rounds[-1] + 1]
         state.update(
             {

@@ -75,7 +75,6 @@ def watch(
             settled[p.call.id] = result
             continue
         elif beat:
-            # The call's heartbeat: its child's last phase.
             message = json.loads(progress) if progress else "starting"
             fields = _progress(ctx, p.call.id, p.call.name, p.subturn_agent, child, message, since)
             ctx.publish("tool_progress", **fields)
