@@ -53,20 +53,6 @@ def send(
         }
         for p in plans
     }
-    requests = {
-        p.call.id: ToolTaskRequest(
-            turn_id=ctx.turn_id,
-            call_id=p.call.id,
-            tool=p.call.name,
-            arguments=p.arguments,
-            timeout_s=p.timeout_s,
-            soft_timeout_s=p.soft_timeout_s or None,
-            budget_s=p.budget_s,
-            secret_ref=secrets.get(p.call.id),
-            traceparent=ctx.state.get("traceparent"),
-        ).model_dump()
-        for p in plans
-    }
     ctx.dispatched.update(records)
     # Before the calls go: a call that settles at once steps the turn, which reports next.
     subturns.report_to_parent(ctx, "calling " + ", ".join(p.call.name for p in plans))
@@ -74,11 +60,22 @@ def send(
     sent: set[str] = set()
     try:
         for p in plans:
+            request = ToolTaskRequest(
+                turn_id=ctx.turn_id,
+                call_id=p.call.id,
+                tool=p.call.name,
+                arguments=p.arguments,
+                timeout_s=p.timeout_s,
+                soft_timeout_s=p.soft_timeout_s or None,
+                budget_s=p.budget_s,
+                secret_ref=secrets.get(p.call.id),
+                traceparent=ctx.state.get("traceparent"),
+            )
             publish(
                 ctx.app,
                 p.task_name,
                 what=f"call {p.call.id} of turn {ctx.turn_id}",
-                kwargs=requests[p.call.id],
+                kwargs=request.model_dump(),
                 task_id=records[p.call.id]["task_id"],
                 queue=p.queue,
                 argsrepr="()",

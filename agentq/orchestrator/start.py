@@ -154,21 +154,17 @@ def launch(
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, history, new.records)
-    handle: dict[str, object] = {}
+    handle: dict[str, object] = {"turn_id": turn_id}
     done = False
     if cid and in_place_of:
         conversation.admit_in_place(store, app, cid, turn_id, in_place_of)
     elif cid:
-        handle, done = _admit(store, app, settings, new, any_owner, conversation_token)
+        admitted, done = _admit(store, app, settings, new, any_owner, conversation_token)
+        handle.update(admitted)
     if not done:
         send_step_or_wake(store, app, turn_id)
-    shown = str(handle.pop("events_url_of", None) or turn_id)
-    return TurnHandle(
-        turn_id=shown,
-        token=token,
-        events_url=f"/v1/turns/{shown}/events",
-        **handle,  # type: ignore[arg-type]
-    )
+    events_url = f"/v1/turns/{handle['turn_id']}/events"
+    return TurnHandle(token=token, events_url=events_url, **handle)  # type: ignore[arg-type]
 
 
 def _admit(
@@ -226,7 +222,7 @@ def _admit(
         fields = {"position": admitted.position, "behind": admitted.behind}
         store.bus.publish(turn_id, "turn_queued", **fields)
         if admitted.outcome is Admit.INJECTED:
-            handle.update(injected=True, message_turn_id=turn_id, events_url_of=admitted.running)
+            handle.update(injected=True, message_turn_id=turn_id, turn_id=admitted.running)
         handle.update(queued=True, **fields)
     return handle, queued or handed
 
