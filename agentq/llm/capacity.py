@@ -25,7 +25,6 @@ from pydantic import BaseModel, ConfigDict
 
 from agentq.config import Settings
 from agentq.events.lua_args import LuaScript
-from agentq.llm import capacity_args as inputs
 from agentq.llm import capacity_lua as lua
 from agentq.llm.headers import BUSY_STATUSES, RateSignal
 from agentq.llm.limits import DEFAULT_DEPLOYMENT, DeploymentLimits, ModelLimitsEntry, parse_limits
@@ -198,7 +197,7 @@ class Capacity:
 
     def keys(self, model: str) -> list[str]:
         """The model's Redis keys, in the order the scripts take them."""
-        return [self._key(model, suffix) for suffix in inputs.SUFFIX]
+        return [self._key(model, suffix) for suffix in lua.SUFFIX]
 
     def _key(self, model: str, suffix: str) -> str:
         return f"{self.prefix}:{{{model}}}:{suffix}"
@@ -207,9 +206,7 @@ class Capacity:
         self, script: Any, model: str, now_ms: int | None, own: tuple[Any, ...] = ()
     ) -> dict[str, Any]:
         """A deciding script's JSON answer, run on the model's keys with its own arguments."""
-        argv = inputs.DecidingArgs(
-            self._config_of(model), _clock(now_ms), model, secrets.token_hex(8)
-        )
+        argv = lua.DecidingArgs(self._config_of(model), _clock(now_ms), model, secrets.token_hex(8))
         raw = script(keys=self.keys(model), args=[*argv, *own])
         out: dict[str, Any] = json.loads(raw)
         return out
@@ -231,7 +228,7 @@ class Capacity:
         tokens = max(int(tokens), 0)
         weight = self.owner_weights.get(owner, 1.0)
         cls = "i" if interactive else "b"
-        own = inputs.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
+        own = lua.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
         # The answer's other fields (`now`, `g`, ...) are no Grant's nor Queued's: ignored.
         out = self._run(self._acquire, model, now_ms, own)
         if "g" in out:
@@ -264,7 +261,7 @@ class Capacity:
             return Wakes()
         model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
-        own = inputs.FreeArgs(lease_id, used, "")
+        own = lua.FreeArgs(lease_id, used, "")
         return Wakes(**self._run(self._free, model, now_ms, own))
 
     def renew(self, lease_id: str, *, now_ms: int | None = None) -> bool:
@@ -272,13 +269,13 @@ class Capacity:
         if not lease_id:
             return True
         model = _lease_model(lease_id)
-        args = inputs.RenewArgs(_clock(now_ms), lease_id, self.lease_ttl_ms)
-        return bool(self._renew(keys=[self._key(model, inputs.SUFFIX.LEASES)], args=list(args)))
+        args = lua.RenewArgs(_clock(now_ms), lease_id, self.lease_ttl_ms)
+        return bool(self._renew(keys=[self._key(model, lua.SUFFIX.LEASES)], args=list(args)))
 
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> Wakes:
         """Take an aborted round out of the queue and give back a grant it did not take."""
         # The model is an argument because it names the keys (and the Cluster slot).
-        return Wakes(**self._run(self._free, model, now_ms, inputs.FreeArgs("", "", waiter)))
+        return Wakes(**self._run(self._free, model, now_ms, lua.FreeArgs("", "", waiter)))
 
     def note_answer(
         self,
@@ -313,7 +310,7 @@ class Capacity:
         field = "m" if deployment in ("", DEFAULT_DEPLOYMENT) else f"d:{deployment}"
         # The hint: rounds of `model` this process saw succeed in the last ANSWERED_S.
         seen = sum(1 for t in self._answered.get(model, ()) if t >= fresh - ANSWERED_S)
-        own = inputs.NoteArgs(
+        own = lua.NoteArgs(
             1 if status == 429 else 0,
             field,
             "" if wait_s is None else math.ceil(wait_s * 1000),
@@ -327,11 +324,11 @@ class Capacity:
         self, model: str, deployment: str, kind: str, *, now_ms: int | None = None
     ) -> BreakerVerdict:
         """Count a failure (`5xx`, `stall`, `connection`...) of a deployment (BREAKER_LUA)."""
-        args = inputs.BreakerArgs(
+        args = lua.BreakerArgs(
             _clock(now_ms), deployment, kind, self.breaker_failures, self.breaker_cooldown_ms
         )
         self._failed.add((model, deployment))
-        state = self._breaker(keys=[self._key(model, inputs.SUFFIX.BRK)], args=list(args))
+        state = self._breaker(keys=[self._key(model, lua.SUFFIX.BRK)], args=list(args))
         return "open" if state in ("open", b"open") else "closed"
 
     def report_success(self, model: str, deployment: str, *, unleased: bool = False) -> None:
@@ -346,7 +343,7 @@ class Capacity:
         self._failed.discard(key)
         # No script: forgetting decides nothing, and deleting absent fields writes nothing.
         fields = [f"{f}:{deployment}" for f in ("f", "o", "p", "k")]
-        self.redis.hdel(self._key(model, inputs.SUFFIX.BRK), *fields)
+        self.redis.hdel(self._key(model, lua.SUFFIX.BRK), *fields)
 
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
         """The model's capacity state now (SNAPSHOT_LUA's layout), for metrics and the console."""

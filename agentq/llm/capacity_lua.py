@@ -1,5 +1,7 @@
 """The Lua scripts behind `agentq.llm.capacity`, one per decision, so workers racing for
-the same slot never both get it; their inputs are laid out in `capacity_args`."""
+the same slot never both get it, and their inputs, one NamedTuple each: a deciding script
+gets the model's keys (`ModelKeys`), `DecidingArgs`, then its own (`AcquireArgs`, ...);
+the scripts on one key (renew, the breaker) get that key and their own."""
 
 from __future__ import annotations
 
@@ -9,16 +11,81 @@ from agentq.events.lua_args import bind_lua
 from agentq.limits import REDIS_NOW_MS_LUA
 from agentq.limits.bucket import GCRA_LUA
 from agentq.limits.semaphore import LEASES_LUA
-from agentq.llm.capacity_args import (
-    AcquireArgs,
-    BreakerArgs,
-    DecidingArgs,
-    FreeArgs,
-    ModelKeys,
-    NoteArgs,
-    RenewArgs,
-)
 from agentq.llm.capacity_rate import NOTE_BODY_LUA, RATE_HELPERS_LUA
+
+
+class ModelKeys(NamedTuple):
+    """A model's keys in the scripts' order: the name they bind, the suffix after
+    `<prefix>:{<model>}:`."""
+
+    QI: str = "q:i"  # ZSET waiter -> start tag: interactive rounds waiting
+    QB: str = "q:b"  # ZSET waiter -> start tag: background rounds waiting
+    QM: str = "q:meta"  # HASH waiter -> {c: class, o: owner, t: tokens, s: last seen ms}
+    FTI: str = "q:ft:i"  # HASH owner -> finish tag of its last interactive round
+    FTB: str = "q:ft:b"  # HASH owner -> finish tag of its last background round
+    ST: str = "q:state"  # HASH v:i, v:b (virtual times), ic (interactive grants since bg)
+    GCRA: str = "gcra"  # HASH r, t, r:<dep>, t:<dep> -> arrival time ms
+    LEASES: str = "leases"  # ZSET lease id -> expiry ms
+    LMETA: str = "leases:meta"  # HASH lease id -> {d: deployment, t: tokens, w: waiter, p}
+    INFL: str = "inflight"  # HASH deployment -> leases held
+    GRANTS: str = "grants"  # HASH waiter -> {l: lease, d: deployment, at, t: tokens, k: taken}
+    PAUSE: str = "paused"  # HASH m | d:<dep> -> paused until ms
+    BRK: str = "breaker"  # HASH f:<dep> failures, o: open until, p: probe until, k: kind
+    USE: str = "usage"  # HASH r:<10 s bucket>, t:<10 s bucket>, cur -> requests, tokens used
+    CONFIG: str = "config"  # STRING the model's limits as a configured process last sent them
+    RATE: str = "rate"  # HASH the admitted rate and learned limits (see capacity_rate)
+
+
+SUFFIX = ModelKeys()
+"""Each key's suffix by its name (`SUFFIX.LEASES`)."""
+
+
+class DecidingArgs(NamedTuple):
+    config: str  # the model's limits (JSON)
+    now_arg: str | int  # the caller's clock (ms); "": Redis TIME
+    model: str
+    nonce: str  # random: makes the lease ids a script hands out unique
+
+
+class AcquireArgs(NamedTuple):
+    waiter: str  # unique per round
+    class_: str  # "i" (interactive) or "b" (background)
+    owner: str
+    weight: str  # the owner's weight in the fair queue
+    tokens: int  # the round's estimated tokens
+
+
+class FreeArgs(NamedTuple):
+    """A release (`lease_id`) or a withdrawal (`waiter`): the other is ""."""
+
+    lease_id: str
+    used: str | int  # tokens the round used ("": unknown)
+    waiter: str
+
+
+class NoteArgs(NamedTuple):
+    """What one answer of the provider said about its limits (`Capacity.note_answer`)."""
+
+    refused: int  # 1: a 429 although the fleet paced its requests: the rate comes down
+    field: str  # what to pause: "m" (the model) or "d:<deployment>"
+    wait_ms: str | int  # how long the provider asked to wait ("": no wait)
+    limit_rpm: int  # the provider's own limits from its headers (0: not sent)
+    limit_tpm: int
+    hint_rpm: int  # requests a minute this process saw answered lately: the guess
+
+
+class RenewArgs(NamedTuple):
+    now_arg: str | int
+    lease_id: str
+    ttl_ms: int
+
+
+class BreakerArgs(NamedTuple):
+    now_arg: str | int
+    deployment: str
+    kind: str  # what failed: 5xx, stall, connection...
+    failures_to_open: int
+    cooldown_ms: int
 
 
 def deciding_lua(args: type[NamedTuple] | None = None) -> str:
