@@ -1,10 +1,7 @@
 """The stream worker's task: one model round, streamed on the event loop and handed back
-to the turn.
-
-The Celery task (a thread of the `threads` pool) claims the round, hands it to the loop and
-returns, so one process streams thousands of rounds. Their claims are renewed together by
-one thread (`Streams`); if the process dies they lapse and the turn sends the rounds again.
-"""
+to the turn. The Celery thread only claims the round and hands it over, so one process
+streams thousands; one thread renews their claims (`Streams`), which lapse with a dead
+process, and the turn then sends its rounds again."""
 
 from __future__ import annotations
 
@@ -105,7 +102,7 @@ async def run_round(
             except ModelBusy as exc:
                 refused, result = exc, rnd.busy(exc)
             except Aborted:
-                result = rnd.aborted()
+                result = rnd.ended(aborted=True, error="aborted")
             except AgentqError as exc:
                 refused, result = exc, rnd.failed(exc)
             except Exception as exc:
@@ -266,7 +263,7 @@ class _Round:
             status=exc.status_code,
             deployment=self.req.deployment or DEFAULT_DEPLOYMENT,
         )
-        return self._failed(exc.message, exc.code, type(exc).__name__)
+        return self.ended(error=exc.message, error_code=exc.code, error_type=type(exc).__name__)
 
     def failed(self, exc: AgentqError) -> LlmRoundResult:
         code = getattr(exc, "code", "ELLM")
@@ -279,28 +276,17 @@ class _Round:
         )
         # Before the model said anything, another deployment may take the round.
         failover = self.failover and self.ttft_ms is None and bool(deployment_failure(exc))
-        return self._failed(exc.message, code, type(exc).__name__, failover=failover)
-
-    def aborted(self) -> LlmRoundResult:
-        return LlmRoundResult(
-            ok=False, aborted=True, error="aborted", streamed_s=time.monotonic() - self.t0
+        return self.ended(
+            error=exc.message, error_code=code, error_type=type(exc).__name__, failover=failover
         )
 
     def crashed(self, exc: Exception) -> LlmRoundResult:
         log.exception("model round failed")
-        return self._failed(f"{type(exc).__name__}: {exc}", "ELLM", type(exc).__name__)
+        error = f"{type(exc).__name__}: {exc}"
+        return self.ended(error=error, error_code="ELLM", error_type=type(exc).__name__)
 
-    def _failed(
-        self, error: str, code: str, error_type: str, *, failover: bool = False
-    ) -> LlmRoundResult:
-        return LlmRoundResult(
-            ok=False,
-            error=error,
-            error_code=code,
-            error_type=error_type,
-            streamed_s=time.monotonic() - self.t0,
-            failover=failover,
-        )
+    def ended(self, **fields: Any) -> LlmRoundResult:
+        return LlmRoundResult(ok=False, streamed_s=time.monotonic() - self.t0, **fields)
 
 
 def submit_round(req: LlmRoundRequest, task_id: str | None = None) -> None:
