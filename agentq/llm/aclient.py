@@ -186,9 +186,7 @@ class Attempt:
     @property
     def said(self) -> int:
         """Chunks whose deltas a retry would publish twice."""
-        if isinstance(self.assembler, ResponsesAssembler):
-            return self.assembler.output_events
-        return self.chunks
+        return getattr(self.assembler, "output_events", self.chunks)
 
     async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
         started = self._last = time.monotonic()

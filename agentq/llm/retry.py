@@ -29,11 +29,6 @@ def retryable_status(status_code: int) -> bool:
     return status_code == 429 or status_code >= 500
 
 
-def retryable(exc: BaseException) -> bool:
-    """A failure another attempt may not meet: a stall, a retryable status, a dropped connection."""
-    return isinstance(exc, StreamIdleTimeout) or (isinstance(exc, ModelHTTPError) and exc.retryable)
-
-
 def should_retry(
     exc: BaseException,
     *,
@@ -43,9 +38,9 @@ def should_retry(
     failover: bool = False,
 ) -> bool:
     """Whether to try again after attempt number `attempt` (1-based) failed with `exc`."""
-    if isinstance(exc, ModelBusy) or failover or chunks_received:
+    if isinstance(exc, ModelBusy) or failover or chunks_received or attempt > max_retries:
         return False
-    return attempt <= max_retries and retryable(exc)
+    return isinstance(exc, StreamIdleTimeout) or (isinstance(exc, ModelHTTPError) and exc.retryable)
 
 
 JITTER = 0.25

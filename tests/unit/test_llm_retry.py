@@ -17,7 +17,6 @@ from agentq.llm.retry import (
     BASE_BACKOFF_S,
     MAX_BACKOFF_S,
     backoff_s,
-    retryable,
     retryable_status,
     should_retry,
 )
@@ -47,7 +46,7 @@ def http(status: int) -> ModelHTTPError:
     ],
 )
 def test_retryable(exc: BaseException, again: bool) -> None:
-    assert retryable(exc) is again
+    assert should_retry(exc, chunks_received=0, attempt=1, max_retries=1) is again
 
 
 def test_idle_timeout_code_is_etimedout() -> None:
