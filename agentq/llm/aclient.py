@@ -1,10 +1,6 @@
-"""One model round on the event loop, as the stream worker runs it: retries
-(`agentq.llm.retry`), the inactivity watchdog and the stream-duration budget.
-
-The watchdog is no thread: the attempt's reading task is cancelled on silence or abort,
-which closes that response's connection. An abort (`abort`, set by the cancel channel)
-always wins over the silence limit.
-"""
+"""One model round on the event loop: retries, the inactivity watchdog and the duration
+budget. The watchdog is no thread: the attempt's reading task is cancelled on silence or
+abort (which always wins), and that closes the response's connection."""
 
 from __future__ import annotations
 
@@ -111,9 +107,8 @@ def make_client(
 async def astream_round(
     first: Attempt, messages: list[dict[str, Any]], tools: Tools
 ) -> tuple[AssistantMessage, float]:
-    """Stream one assistant message, each attempt a fresh copy of `first`; returns it and
-    the seconds spent streaming, or raises an `LlmError` once no retry is allowed, or
-    `Aborted`."""
+    """The assistant message and the seconds spent streaming it, each attempt a fresh copy
+    of `first`; an `LlmError` once no retry is allowed, or `Aborted`."""
     abort, turn_id = first.abort, first.turn_id
     streamed_s = 0.0
     attempt = 0

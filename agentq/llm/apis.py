@@ -1,7 +1,5 @@
-"""Which API a model is called with, Chat Completions or the Responses API, and what
-`auto` learned of it, fleet-wide, from a 400 that names `/v1/responses` or a 404 there
-(docs/models.md): one Redis hash, `API_KEY`, read by every stream worker.
-"""
+"""Which API a model is called with, and what `auto` learned of it fleet-wide
+(docs/models.md): one Redis hash, `API_KEY`, read by every stream worker."""
 
 from __future__ import annotations
 

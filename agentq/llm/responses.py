@@ -1,14 +1,6 @@
 """The Responses API (`POST /v1/responses`): a round's request built from the turn's
 history, and its stream of typed events read into the same assistant message a chat
-stream makes.
-
-Stateless: every request goes with `store: false` and asks for the reasoning items'
-`encrypted_content`, and the history (agentq's durable record) is sent whole each round;
-`previous_response_id` is never used, so servers that keep no responses serve it too.
-The reasoning items a round returns are kept on its assistant message in history
-(`REASONING_ITEMS`), sent back to this API, dropped for Chat Completions, and shown to
-clients without the provider's sealed `encrypted_content`.
-"""
+stream makes. Stateless, with its reasoning items kept in history: docs/models.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
-"""When a failed model round is tried again, and after how long. Pure: no I/O, no sleeping.
-
-The rules (design.md, "Time limits"):
-
-- a user abort never retries, and wins over every other failure;
-- an inactivity timeout retries only when no chunk had arrived (the request stalled
-  before the model said anything), at most `max_retries` times;
-- HTTP 429 and 5xx, and a dropped connection, retry with backoff; other 4xx never;
-- a malformed chunk or an exhausted stream_duration_s never retries;
-- nothing retries once a chunk has arrived: its deltas are already published, and
-  replaying a generation half-way would show them twice;
-- a busy answer never retries here (the fleet's capacity waits, not this stream), nor,
-  with `failover`, a failure a retry would send to the same deployment again.
+"""When a failed model round is tried again, and after how long; pure. A user abort never
+retries and wins over any failure. A stall, a 5xx or a dropped connection retries with
+backoff, up to `max_retries`, while no chunk has arrived (its deltas are published: a
+replay would show them twice); other 4xx, a malformed chunk and a spent duration budget
+never do; nor does a busy answer (the fleet's capacity waits, not this stream), nor, with
+`failover`, a failure a retry would send to the same deployment again.
 """
 
 from __future__ import annotations

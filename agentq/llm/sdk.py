@@ -1,11 +1,7 @@
-"""The one module that reaches into the openai SDK's private members, and why.
-
-The stream worker builds each request once per client and path, not once per round: the
-SDK's per-request building was a tenth of a busy stream worker's CPU, and it has no public
-way to build a request without sending it. The members used are in `REACHED`; `check_sdk`
-compares the installed SDK with it at a stream worker's first client and in
-`tests/unit/test_openai_sdk.py`, so an SDK that renamed or re-signed one fails loudly.
-"""
+"""The one module that reaches into the openai SDK's private members: each request is
+built once per client and path, not per round (that cost a tenth of a busy stream worker's
+CPU, and the SDK cannot build a request without sending it). `check_sdk` checks `REACHED`
+at a stream worker's first client and in tests, so a renamed member fails loudly."""
 
 from __future__ import annotations
 
@@ -67,8 +63,7 @@ _endpoints: weakref.WeakKeyDictionary[openai.AsyncOpenAI, dict[str, Endpoint]] =
 
 
 async def endpoint(client: openai.AsyncOpenAI, path: str) -> Endpoint:
-    """The POST to `path` as the SDK builds it, built once per client (agentq's clients carry
-    a static key, so the request is the same every round)."""
+    """The POST to `path` as the SDK builds it, once per client (its key is static)."""
     from openai._models import FinalRequestOptions
 
     paths = _endpoints.setdefault(client, {})

@@ -1,11 +1,7 @@
-"""A stream's events, decoded once from the response's bytes.
-
-The SDK's own stream (a `ServerSentEvent` per line through three generators) cost a sixth
-of a busy stream worker's CPU; here orjson parses the `data:` payloads as bytes, by the SSE
-rules (CR, LF or CRLF line ends, several `data:` lines joined, comments skipped, an event
-only at a blank line) and the SDK's (`[DONE]` ends the stream; JSON holding `error` is the
-server's error inside a 200 stream).
-"""
+"""A stream's events, decoded once from the response's bytes by orjson: the SDK's own
+stream (a `ServerSentEvent` per line through three generators) cost a sixth of a busy
+stream worker's CPU. SSE's rules hold, and the SDK's: `[DONE]` ends the stream, and JSON
+holding `error` is the server's error inside a 200 stream."""
 
 from __future__ import annotations
 
