@@ -1,13 +1,6 @@
-"""Fleet-wide model capacity in Redis: pacing, stream slots, a fair queue, pauses, breakers.
-
-Each decision is one Lua script (`capacity_lua`), so workers racing for one slot never
-both get it. Waiting holds nothing: a round that cannot go now is queued in Redis and
-`acquire` says when its turn should ask again; whoever frees or finds capacity grants the
-head of the queue and is told whose turns to wake.
-
-The queue's order is docs/capacity.md's. A model's keys share the hash tag
-`{prefix}:{<model>}:`: one Redis Cluster slot.
-"""
+"""Fleet-wide model capacity in Redis (docs/capacity.md): pacing, stream slots, a fair
+queue, pauses and breakers, each decision one Lua script (`capacity_lua`). A model's keys
+share the hash tag `{prefix}:{<model>}:`: one Redis Cluster slot."""
 
 from __future__ import annotations
 
@@ -40,8 +33,7 @@ ANSWERED_S = 1.0
 """The window of a process's recent successes: its guess of a rate nothing else told."""
 ANSWERED_KEEP = 4096
 RESERVE_AHEAD_MS = 200
-"""A waiting round is given its slot once it is due this soon, so a wake late by less
-loses nothing of the pace."""
+"""A waiting round is given its slot once it is due this soon (docs/capacity.md)."""
 
 
 class WakeAt(BaseModel):
@@ -83,15 +75,14 @@ class Queued(Wakes):
     """No capacity yet: the round waits in the queue."""
 
     position: int
-    """1 = next to be served."""
+    """1: next to be served."""
     wait_ms: int
     """Estimated wait: until the next slot, plus one pacing interval per round ahead."""
     next_slot_ms: int
     """When capacity opens next for whoever is at the head of the queue."""
     retry_at_ms: int
-    """When to call `acquire` again: the next slot for the head, the estimated turn further
-    back (a queue of thousands asking at every slot would wake thousands of turns per slot),
-    at most `waiter_ttl_ms` / 3 away so a live waiter never looks dead."""
+    """When to call `acquire` again: the head at the next slot, a round further back at its
+    estimated turn (not every slot: thousands would wake), within `waiter_ttl_ms` / 3."""
     held: bool = False
     """The slot at `next_slot_ms` is held for this waiter: not an estimate."""
 
@@ -166,8 +157,7 @@ class Capacity:
         """The provider's limits this process last stored for a model, and when."""
 
     def entry(self, model: str) -> ModelLimitsEntry:
-        """The model's limits (none for an unconfigured one, which still shares the queue
-        and pauses)."""
+        """The model's limits (none for an unconfigured one)."""
         entry = self.limits.get(model)
         if entry is None:
             entry = self.limits[model] = ModelLimitsEntry.model_construct()
@@ -332,9 +322,8 @@ class Capacity:
         return "open" if state in ("open", b"open") else "closed"
 
     def report_success(self, model: str, deployment: str, *, unleased: bool = False) -> None:
-        """A request to the deployment worked: its breaker closes. An `unleased` round found
-        no breaker hash, so, unless this process counted a failure since, no command is sent
-        (another's stays counted until the next leased success)."""
+        """A request to the deployment worked: its breaker closes. An `unleased` round found no
+        breaker hash: no command unless this process counted a failure since."""
         seen = self._answered.setdefault(model, collections.deque(maxlen=ANSWERED_KEEP))
         seen.append(time.monotonic())
         key = (model, deployment)
@@ -395,8 +384,8 @@ def waiter_of(turn_id: str, round_no: int) -> str:
 
 
 def wake_granted(store: TurnStore, wakes: Wakes) -> None:
-    """Wake the turns whose rounds were just granted, and set the wakeups of those given a
-    later slot, and of the new head of the queue, to their slots (earlier wakeups stay)."""
+    """Wake the turns whose rounds were just granted; bring the wakeups of those given a later
+    slot, and of the new head of the queue, forward to their slots."""
     for waiter in wakes.woken:
         store.wake(waiter.rsplit(":", 1)[0])
     for at in [*wakes.later, *([wakes.wake_next] if wakes.wake_next is not None else [])]:

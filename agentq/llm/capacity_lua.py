@@ -117,13 +117,11 @@ else
 end
 """
 
-# A model without limits (nor a learned rate, in RATE) while the fleet holds nothing of it
-# (no queue, grant, lease, breaker or pause hash, which expires with its last pause) has
-# nothing to count or wait for: the round goes at once, with no lease, no write and no
-# clock. Anything held takes the full decision below. A background round going so leaves
-# the count of interactive grants alone: it matters only while both classes wait. An
-# unconfigured caller first counts the fleet's stored limits (`also`: CONFIG) among what
-# holds the model, instead of a GET of its own.
+# A model without limits (nor a learned rate) that the fleet holds nothing of (no queue,
+# grant, lease, breaker, or pause, whose hash expires with its last pause) goes at once: no
+# lease, no write, no clock. A background round going so leaves the interactive-grant count
+# alone: it matters only while both classes wait. An unconfigured caller counts the stored
+# limits (`also`: CONFIG) among what holds the model: no GET of its own.
 UNMETERED_LUA = f"""
 local function unmetered(also)
   if cfg.rpm > 0 or cfg.tpm > 0 or cfg.streams > 0 or not cfg.deps[1] then return nil end
@@ -293,10 +291,9 @@ local function pick_class()
   return 'i'
 end
 
--- Grants the head waiters while capacity allows, now or at a slot due within `reserve_ms`
--- (held however late its turn wakes). Returns the answer's `Wakes` fields
--- (`capacity.Wakes`; cjson would write an empty array as an object), the slot of the head
--- left waiting (`ready`), and the caller's (`me`) grant, now or at a later slot.
+-- Grants the head waiters while capacity allows, now or at a slot due within `reserve_ms`.
+-- Returns `capacity.Wakes`' fields (none empty: cjson writes {} for an empty array), the
+-- slot of the head left waiting (`ready`), and the caller's (`me`) grant, now or later.
 local function pump(me)
   local woken, later, own, head, ready = {}, {}, nil, nil, nil
   local real_now = now
@@ -483,8 +480,7 @@ RENEW_LUA = f"""{bind_lua(("LEASES",), RenewArgs._fields)}{NOW_LUA}{LEASES_LUA}
 return lease_hold(LEASES, lease_id, now + tonumber(ttl_ms), true) and 1 or 0
 """
 
-# BREAKER_LUA: a failure counted. A success needs no script: it deletes the deployment's
-# fields (`Capacity.report_success`).
+# BREAKER_LUA: a failure counted (a success needs no script: `Capacity.report_success`).
 BREAKER_LUA = f"""{bind_lua(("BRK",), BreakerArgs._fields)}{NOW_LUA}
 local d = deployment
 local fails = redis.call('HINCRBY', BRK, 'f:' .. d, 1)

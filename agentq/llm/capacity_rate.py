@@ -122,12 +122,9 @@ end
 """
 )
 
-# NOTE_BODY_LUA, the end of NOTE_LUA: what one answer of the provider said. Its limits
-# become the ceiling of a model configured without one; a 429 despite pacing cuts the rate
-# (once a second: one overfull window's 429s are one signal); a wait pauses the model or
-# deployment, where pacing spaces requests only until the next second when that is sooner
-# than Retry-After (whole seconds round up); pacing resumes from the pause's end with no
-# burst. Returns when the pause ends (0: none).
+# NOTE_BODY_LUA, the end of NOTE_LUA: what one answer said (docs/capacity.md): limits
+# learned, the rate cut by a 429 despite pacing (once a second: one overfull window's 429s
+# are one signal), a pause. Returns when the pause ends (0: none).
 NOTE_BODY_LUA = """
 local st = rate_state()
 local learned = false
