@@ -37,8 +37,6 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
     models = []
     for snap in snapshots:
         entry: ModelLimitsEntry | None = cap.limits.get(snap["model"])
-        if not snap["configured"]:
-            entry = None
         routes = {d.name: d for d in entry.routes} if entry is not None else {}
         deployments = {
             name: {**dep, "limits": _limits(routes[name]) if name in routes else None}

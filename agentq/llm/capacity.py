@@ -95,6 +95,9 @@ def pacing_interval_ms(entry: ModelLimitsEntry, tokens: int) -> float:
     return max(60_000 / rpm if rpm else 0.0, tokens * 60_000 / tpm if tpm else 0.0)
 
 
+_NO_LIMITS = ModelLimitsEntry.model_construct()
+
+
 class Capacity:
     """Fleet-wide limits of the models in `limits`; other models pass unmetered."""
 
@@ -129,7 +132,6 @@ class Capacity:
             raise ValueError("breaker_failures must be >= 1 and background_every >= 0")
         self.redis = redis_client
         self.limits = dict(limits)
-        self._configured = frozenset(self.limits)
         self.prefix = prefix
         self.owner_weights = dict(owner_weights or {})
         self.lease_ttl_ms = lease_ttl_ms
@@ -158,10 +160,7 @@ class Capacity:
 
     def entry(self, model: str) -> ModelLimitsEntry:
         """The model's limits (none for an unconfigured one)."""
-        entry = self.limits.get(model)
-        if entry is None:
-            entry = self.limits[model] = ModelLimitsEntry.model_construct()
-        return entry
+        return self.limits.get(model) or _NO_LIMITS
 
     def _config_of(self, model: str) -> str:
         """The model's config as the scripts take it, asking them to store it once every
@@ -173,12 +172,12 @@ class Capacity:
                 {
                     **_counts(entry),
                     "strategy": entry.strategy,
-                    "configured": model in self._configured,
+                    "configured": model in self.limits,
                     "deps": [{"n": d.name, **_counts(d)} for d in entry.routes],
                     **self._tunables,
                 }
             )
-        if model in self._configured:
+        if model in self.limits:
             now = time.monotonic()
             if now - self._stored_at.get(model, -lua.CONFIG_STORE_S) >= lua.CONFIG_STORE_S:
                 self._stored_at[model] = now
@@ -337,7 +336,7 @@ class Capacity:
     def snapshot(self, model: str, *, now_ms: int | None = None) -> dict[str, Any]:
         """The model's capacity state now (SNAPSHOT_LUA's layout), for metrics and the console."""
         out = self._run(self._snapshot, model, now_ms)
-        return {"model": model, "configured": model in self._configured, **out}
+        return {"model": model, "configured": model in self.limits, **out}
 
 
 def _counts(limits: DeploymentLimits | ModelLimitsEntry) -> dict[str, int]:
