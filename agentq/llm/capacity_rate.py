@@ -14,8 +14,8 @@ DECREASE = 0.8
 RECOVER_S = 4.0
 """...and it climbs back to the ceiling in this many seconds."""
 PROBE = 0.02
-"""Without a ceiling it climbs past the rate it was cut from by this share of it a second,
-until the next 429: the provider's limit may have grown."""
+"""Without a ceiling it climbs past the rate refused by this share of it a second: the
+provider's limit may have grown."""
 SLOW_START = 1.5
 """Before a 429 came while paced, the guessed rate grows by this factor each second."""
 # RATE_LUA: the adaptation as pure functions of the rate state (no Redis call), which the

@@ -191,8 +191,7 @@ _KINDS = {str: "a string", int: "an integer", dict: "an object", list: "a list"}
 
 
 def opt(obj: object, name: str, index: int, kind: type[_T]) -> _T | None:
-    """A field of a chunk's JSON object, of type `kind` (`object`: any); None when it has
-    none or is no object."""
+    """A field of a chunk's JSON object, of type `kind` (`object`: any); None when absent."""
     value = obj.get(name) if isinstance(obj, dict) else None
     if value is not None and not isinstance(value, kind):
         bad(index, f"'{name}' is not {_KINDS[kind]}")

@@ -1,8 +1,5 @@
 """What a provider's answer says about its capacity: the busy statuses, `Retry-After`, and
-the rate-limit headers (OpenAI's `x-ratelimit-*`, Anthropic's `anthropic-ratelimit-*`).
-
-Pure: no I/O; the time is passed in where a date needs anchoring.
-"""
+the rate-limit headers (OpenAI's `x-ratelimit-*`, Anthropic's `anthropic-ratelimit-*`)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ lacks capacity, the request itself is fine."""
 
 
 def rate_headers(headers: Mapping[str, str]) -> dict[str, str]:
-    """The provider's rate-limit headers only (`retry-after*`, `x-ratelimit-*`,
-    `anthropic-ratelimit-*`), lowercased."""
+    """The provider's rate-limit headers only, lowercased."""
     return {
         name.lower(): value
         for name, value in headers.items()
@@ -97,8 +93,7 @@ def _until_s(text: str, now_s: float) -> float | None:
 
 
 def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None) -> RateSignal:
-    """The rate-limit signal in a response's headers (OpenAI's `x-ratelimit-*`, Anthropic's
-    `anthropic-ratelimit-*`, `retry-after`, `retry-after-ms`); `now_s` anchors dates."""
+    """The rate-limit signal in a response's headers; `now_s` anchors dates."""
     h = {k.lower(): v for k, v in headers.items()}
     now = time.time() if now_s is None else now_s
     fields: dict[str, Any] = {"pause_s": parse_retry_after(h, now_s=now)}

@@ -99,9 +99,7 @@ def parse_limits(raw: str | None) -> dict[str, ModelLimitsEntry]:
 
 def estimate_tokens(prompt_tokens: int, max_completion_tokens: int | None) -> int:
     """Tokens a request may use, counted against `tpm` before it is sent: the prompt's
-    estimate plus the completion at its maximum, as providers count it. No tokenizer:
-    tiktoken downloads its encoding files on first use, which a worker offline cannot do.
-    """
+    estimate plus the completion at its maximum, as providers count it (docs/capacity.md)."""
     if max_completion_tokens is None:
         max_completion_tokens = DEFAULT_COMPLETION_TOKENS
     return max(max(prompt_tokens, 0) + max(max_completion_tokens, 0), 1)

@@ -107,8 +107,7 @@ class Publisher:
         return due if due > now else None
 
     def _take(self, now: float, skip: Collection[str] = ()) -> tuple[Batch, float]:
-        """The events to publish now (none of the turns in `skip`), and when the first held
-        delta is due."""
+        """The events to publish now (none of `skip`'s), and when the first held delta is due."""
         if not self.quiet_s and not skip:
             taken, self.pending = self.pending, {}
             return taken, math.inf
@@ -172,8 +171,7 @@ class Publisher:
         tick.set()
 
     def learned(self, turn_id: str, watched: bool) -> None:
-        """What the round's claim found, as if its events had gone out now, unless a
-        follower came since."""
+        """What the round's claim found, as if its events went out now, unless a follower came."""
         if self.quiet_s and turn_id not in self.seen:
             self.seen[turn_id] = _Seen(watched, time.monotonic())
 

@@ -159,8 +159,8 @@ def settle_capacity(
     failure: AgentqError | None,
     headers: dict[str, str],
 ) -> None:
-    """Tell the fleet's capacity how the round went: its answer's headers and status, a
-    failure against the deployment's breaker, and its grant back with its real usage."""
+    """Tell the fleet's capacity what the round's answer said, a failure against the
+    deployment's breaker, and give its grant back with its real usage."""
     deployment = req.deployment or DEFAULT_DEPLOYMENT
     busy = failure if isinstance(failure, ModelBusy) else None
     try:
@@ -183,8 +183,7 @@ def settle_capacity(
 
 
 def deployment_failure(exc: AgentqError) -> str:
-    """What a failure says against the deployment ("" if nothing): a server error, a
-    refused or dropped connection, a stream that stalled."""
+    """What a failure says against the deployment ("" if nothing)."""
     if isinstance(exc, ModelConnectionError):
         return "connection"
     if isinstance(exc, ModelHTTPError) and exc.status_code >= 500:
