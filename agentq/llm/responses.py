@@ -8,7 +8,7 @@ import collections
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, NoReturn
 
 from agentq.errors import ModelIncomplete, ModelResponseFailed
@@ -181,49 +181,58 @@ class ResponsesAssembler(Assembler):
         kind = event.get("type")
         if not isinstance(kind, str):
             bad(index, "event has no string 'type'")
-        handler = _HANDLERS.get(kind)
-        if handler is not None:
-            handler(self, event, index)
-        elif kind not in _SAY_NOTHING:
-            if UNKNOWN_EVENTS[kind] == 0:
-                log.info("ignoring Responses stream events of an unknown type: %s", kind)
-            UNKNOWN_EVENTS[kind] += 1
+        match kind:
+            case "response.output_text.delta":
+                delta = opt(event, "delta", index, str)
+                if delta:
+                    self._texts_seen.add(must(event, "output_index", index, int))
+                self._said("text", delta)
+            case "response.reasoning_summary_text.delta" | "response.reasoning_text.delta":
+                self._said("reasoning", opt(event, "delta", index, str))
+            case "response.function_call_arguments.delta":
+                call = self._call_of(event, index)
+                delta = opt(event, "delta", index, str)
+                if delta:
+                    self.output_events += 1
+                    call.arguments.append(delta)
+            case "response.function_call_arguments.done":
+                self._call_of(event, index).done = opt(event, "arguments", index, str)
+            case "response.output_item.added":
+                item = must(event, "item", index, dict)
+                if item.get("type") == "function_call":
+                    self._function_call(item, must(event, "output_index", index, int), index)
+                    self.output_events += 1
+            case "response.output_item.done":
+                self._item_done(event, index)
+            case "response.completed":
+                usage = opt(must(event, "response", index, dict), "usage", index, dict)
+                if usage is not None:
+                    self._usage = usage_of(usage, index, "input", "output")
+                self._ended = True
+            case "response.incomplete":
+                details = must(event, "response", index, dict).get("incomplete_details")
+                reason = details.get("reason") if isinstance(details, dict) else None
+                raise ModelIncomplete(str(reason or "no reason given"))
+            case "response.failed":
+                error = must(event, "response", index, dict).get("error")
+                _failed(error if isinstance(error, dict) else {}, "response.failed")
+            case "error":
+                _failed(event, "an error event")
+            case _ if kind not in _SAY_NOTHING:
+                if UNKNOWN_EVENTS[kind] == 0:
+                    log.info("ignoring Responses stream events of an unknown type: %s", kind)
+                UNKNOWN_EVENTS[kind] += 1
 
     def _said(self, kind: str, text: str | None) -> None:
         if text:
             self.output_events += 1
             self._say(kind, text)
 
-    def _text_delta(self, event: dict[str, Any], index: int) -> None:
-        delta = opt(event, "delta", index, str)
-        if delta:
-            self._texts_seen.add(must(event, "output_index", index, int))
-        self._said("text", delta)
-
-    def _reasoning_delta(self, event: dict[str, Any], index: int) -> None:
-        self._said("reasoning", opt(event, "delta", index, str))
-
     def _function_call(self, item: dict[str, Any], at: int, index: int) -> PartialCall:
         call = self._calls.setdefault(at, PartialCall())
         call.id = opt(item, "call_id", index, str) or call.id
         call.name = opt(item, "name", index, str) or call.name
         return call
-
-    def _item_added(self, event: dict[str, Any], index: int) -> None:
-        item = must(event, "item", index, dict)
-        if item.get("type") == "function_call":
-            self._function_call(item, must(event, "output_index", index, int), index)
-            self.output_events += 1
-
-    def _arguments_delta(self, event: dict[str, Any], index: int) -> None:
-        call = self._call_of(event, index)
-        delta = opt(event, "delta", index, str)
-        if delta:
-            self.output_events += 1
-            call.arguments.append(delta)
-
-    def _arguments_done(self, event: dict[str, Any], index: int) -> None:
-        self._call_of(event, index).done = opt(event, "arguments", index, str)
 
     def _call_of(self, event: dict[str, Any], index: int) -> PartialCall:
         call = self._calls.get(must(event, "output_index", index, int))
@@ -246,30 +255,6 @@ class ResponsesAssembler(Assembler):
                 text = part.get("text") if isinstance(part, dict) else None
                 self._said("text", text if isinstance(text, str) else None)
 
-    def _completed(self, event: dict[str, Any], index: int) -> None:
-        response = must(event, "response", index, dict)
-        usage = opt(response, "usage", index, dict)
-        if usage is not None:
-            self._usage = usage_of(usage, index, "input", "output")
-        self._ended = True
-
-    def _incomplete(self, event: dict[str, Any], index: int) -> NoReturn:
-        details = must(event, "response", index, dict).get("incomplete_details")
-        reason = details.get("reason") if isinstance(details, dict) else None
-        raise ModelIncomplete(str(reason or "no reason given"))
-
-    def _failed(self, event: dict[str, Any], index: int) -> NoReturn:
-        error = must(event, "response", index, dict).get("error")
-        error = error if isinstance(error, dict) else {}
-        raise ModelResponseFailed(
-            str(error.get("code") or "unknown"), str(error.get("message") or "response.failed")
-        )
-
-    def _error(self, event: dict[str, Any], index: int) -> NoReturn:
-        raise ModelResponseFailed(
-            str(event.get("code") or "unknown"), str(event.get("message") or "an error event")
-        )
-
     def message(self, last: int) -> AssistantMessage:
         if not self._ended:
             bad(last, "the stream ended without response.completed")
@@ -280,20 +265,12 @@ class ResponsesAssembler(Assembler):
         )
 
 
-_Handler = Callable[[ResponsesAssembler, dict[str, Any], int], None]
-_HANDLERS: dict[str, _Handler] = {
-    "response.output_text.delta": ResponsesAssembler._text_delta,
-    "response.reasoning_summary_text.delta": ResponsesAssembler._reasoning_delta,
-    "response.reasoning_text.delta": ResponsesAssembler._reasoning_delta,
-    "response.output_item.added": ResponsesAssembler._item_added,
-    "response.function_call_arguments.delta": ResponsesAssembler._arguments_delta,
-    "response.function_call_arguments.done": ResponsesAssembler._arguments_done,
-    "response.output_item.done": ResponsesAssembler._item_done,
-    "response.completed": ResponsesAssembler._completed,
-    "response.incomplete": ResponsesAssembler._incomplete,
-    "response.failed": ResponsesAssembler._failed,
-    "error": ResponsesAssembler._error,
-}
+def _failed(error: dict[str, Any], default: str) -> NoReturn:
+    raise ModelResponseFailed(
+        str(error.get("code") or "unknown"), str(error.get("message") or default)
+    )
+
+
 _SAY_NOTHING = frozenset(
     {
         "response.created",
