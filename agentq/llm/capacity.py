@@ -248,18 +248,17 @@ class Capacity:
         """Free a lease's stream slot, correct tpm from the real usage, and grant waiters."""
         if not lease_id:
             return Wakes()
-        model = _lease_model(lease_id)
         used = "" if tokens_used is None else max(int(tokens_used), 0)
         own = lua.FreeArgs(lease_id, used, "")
-        return Wakes(**self._run(self._free, model, now_ms, own))
+        return Wakes(**self._run(self._free, _lease_model(lease_id), now_ms, own))
 
     def renew(self, lease_id: str, *, now_ms: int | None = None) -> bool:
         """Keep a lease for `lease_ttl_ms` more; False if it was lost."""
         if not lease_id:
             return True
-        model = _lease_model(lease_id)
         args = lua.RenewArgs(_clock(now_ms), lease_id, self.lease_ttl_ms)
-        return bool(self._renew(keys=[self._key(model, lua.SUFFIX.LEASES)], args=list(args)))
+        key = self._key(_lease_model(lease_id), lua.SUFFIX.LEASES)
+        return bool(self._renew(keys=[key], args=list(args)))
 
     def withdraw(self, model: str, waiter: str, *, now_ms: int | None = None) -> Wakes:
         """Take an aborted round out of the queue and give back a grant it did not take."""
@@ -287,11 +286,8 @@ class Capacity:
             if signal.remaining_tokens is not None and signal.remaining_tokens <= 0:
                 wait_s = max(wait_s or 0.0, signal.reset_tokens_s or 1.0)
         limits = (signal.limit_requests or 0, signal.limit_tokens or 0)
-        told = self._told.get(model)
-        fresh = time.monotonic()
-        learn = any(limits) and (
-            told is None or told[:2] != limits or fresh - told[2] >= LIMITS_RESTORE_S
-        )
+        told, fresh = self._told.get(model, (0, 0, -math.inf)), time.monotonic()
+        learn = any(limits) and (told[:2] != limits or fresh - told[2] >= LIMITS_RESTORE_S)
         if wait_s is None and not learn:
             return None
         if learn:
