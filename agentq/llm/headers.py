@@ -80,16 +80,13 @@ def _until_s(text: str, now_s: float) -> float | None:
     if duration is not None:
         return duration
     try:
-        # Python 3.10's fromisoformat does not read the "Z" suffix.
-        when = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+        when = datetime.fromisoformat(text.strip())
     except ValueError:
         try:
             when = email.utils.parsedate_to_datetime(text)
         except (TypeError, ValueError):
             return None
-    if when.tzinfo is None:
-        return None
-    return max(when.timestamp() - now_s, 0.0)
+    return None if when.tzinfo is None else max(when.timestamp() - now_s, 0.0)
 
 
 def parse_rate_headers(headers: Mapping[str, str], *, now_s: float | None = None) -> RateSignal:
