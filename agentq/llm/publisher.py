@@ -45,14 +45,10 @@ class _Seen:
 
 class Publisher:
     """One per process: the pending events of every round go out in one pipelined round
-    trip, so thousands of streams cost a few store calls a second, not one a chunk.
-
-    After a batch it waits `llm_delta_interval_ms`, and deltas that come meanwhile join the
-    one before them. A turn nobody followed when its events last went out keeps its deltas
-    for `llm_quiet_delta_interval_ms` (most rounds are never watched live, and their deltas
-    are about half of what a turn costs Redis); any other event of the turn takes them
-    along at once. A round that ends `take`s its turn's events for the write of its result.
-    """
+    trip, so thousands of streams cost a few store calls a second, not one a chunk. Deltas
+    wait out the settings' intervals, the quiet one for a turn nobody followed (most rounds
+    are never watched live, and deltas are about half of what a turn costs Redis); the
+    turn's other events take them along at once, and a round's end `take`s them."""
 
     def __init__(self, host: LoopHost, publish: Callable[[Batch], set[str]] | None = None) -> None:
         self.host = host
