@@ -15,6 +15,7 @@ from agentq.config import Settings
 from agentq.errors import ModelHTTPError
 from agentq.llm.limits import ModelLimitsEntry
 from agentq.llm.responses import ModelApi
+from agentq.state.base import text
 
 log = logging.getLogger("agentq.llm")
 
@@ -39,17 +40,8 @@ def names_responses(exc: ModelHTTPError) -> bool:
 
 
 def read_learned(client: redis.Redis) -> dict[str, dict[str, Any]]:
-    """Every model's learned API, by model."""
-    out: dict[str, dict[str, Any]] = {}
-    for field, raw in (client.hgetall(API_KEY) or {}).items():
-        model = field.decode() if isinstance(field, bytes) else str(field)
-        try:
-            value = json.loads(raw)
-        except ValueError:
-            continue
-        if isinstance(value, dict) and value.get("api") in ("chat", "responses"):
-            out[model] = value
-    return out
+    """Every model's learned API (`learn`'s JSON), by model."""
+    return {text(model): json.loads(raw) for model, raw in client.hgetall(API_KEY).items()}
 
 
 def api_view(
