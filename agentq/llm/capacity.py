@@ -212,9 +212,6 @@ class Capacity:
     ) -> Grant | Queued:
         """Capacity for one request of `waiter` (unique per round) or its place in the
         queue; asking again keeps the place, or returns the same grant until released."""
-        if not waiter:
-            raise ValueError("waiter must be a non-empty id")
-        tokens = max(int(tokens), 0)
         weight = self.owner_weights.get(owner, 1.0)
         cls = "i" if interactive else "b"
         own = lua.AcquireArgs(waiter, cls, owner, repr(weight), tokens)
