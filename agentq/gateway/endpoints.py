@@ -220,24 +220,14 @@ class Gateway:
         idempotency_key: str | None = None,
     ) -> TurnHandle:
         """Start a turn under the caller's start limits (POST /v1/turns, the MCP endpoint)."""
-        return self.limited(
-            principal,
-            host,
-            lambda: self.client._start_turn(
-                req,
-                owner=principal.name if principal else None,
-                operator=bool(principal and principal.admin),
-                idempotency_key=idempotency_key,
-            ),
+        start = partial(
+            self.client._start_turn,
+            req,
+            owner=principal.name if principal else None,
+            operator=bool(principal and principal.admin),
+            idempotency_key=idempotency_key,
         )
-
-    def limited(
-        self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
-    ) -> TurnHandle:
-        """`start()` a turn (a request's, a retry's, a fork's) within the caller's limits."""
-        return self.limits.start(
-            principal.name if principal else f"addr:{host or 'unknown'}", start
-        )
+        return self.limits.start(principal, host, start)
 
     async def optional_body(self, request: Request) -> Any:
         """The JSON body; none at all is `{}` (a retry needs no field)."""
@@ -253,7 +243,7 @@ class Gateway:
         retry = request.url.path.endswith("/retry")
         req = validated(RetryRequest, data) if retry else validated(ForkRequest, data)
         start = partial(self.client._replay, turn_id, req)
-        handle = await run_in_threadpool(self.limited, principal, client_host(request), start)
+        handle = await run_in_threadpool(self.limits.start, principal, client_host(request), start)
         return accepted(handle)
 
     async def retry_many(self, request: Request) -> Response:
@@ -271,7 +261,7 @@ class Gateway:
                 req,
                 visible=visible_to(principal),
                 traced=c.traced,
-                limited=lambda start: self.limited(principal, host, start),
+                limited=partial(self.limits.start, principal, host),
             )
         )
         return JSONResponse(

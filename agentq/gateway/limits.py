@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import secrets
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -22,6 +23,9 @@ from agentq.limits.bucket import TokenBucket
 from agentq.limits.semaphore import FOREVER, LeasedSemaphore
 from agentq.models import TERMINAL_STATUSES, TurnHandle
 from agentq.state.base import statuses
+
+if TYPE_CHECKING:
+    from agentq.gateway.auth import Principal
 
 RESERVATION_TTL_S = 60
 """A reservation whose start never completed (a crashed gateway) frees its slot after this."""
@@ -40,12 +44,15 @@ class StartLimits:
         )
         self._running = LeasedSemaphore(client, settings.max_active_turns_per_key)
 
-    def start(self, subject: str, start: Callable[[], TurnHandle]) -> TurnHandle:
-        """`start()` a turn within `subject`'s start rate and running-turn cap, else
+    def start(
+        self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
+    ) -> TurnHandle:
+        """`start()` a turn within the caller's start rate and running-turn cap, else
         RateLimited. A place is held for the start in progress (leased: a gateway that dies
         mid-start frees it), then passes to the turn until it is found ended. The caller's
         turns that ended give theirs back first (their states are read here: on a Cluster
         they live on other slots than the caller's set)."""
+        subject = principal.name if principal else f"addr:{host or 'unknown'}"
         wait_s = self._bucket.take(k.limits_key(subject, "bucket"))
         if wait_s > 0:
             raise RateLimited(
