@@ -1,5 +1,5 @@
-"""The gateway app: the endpoints (`agentq.gateway.endpoints`, the console's routes, the
-MCP endpoint) routed as openapi.OPERATIONS lists them, behind the cross-site guard (and CORS)."""
+"""The gateway app: the endpoints routed as openapi.OPERATIONS lists them, behind the
+cross-site guard (and CORS)."""
 
 from __future__ import annotations
 
@@ -31,10 +31,9 @@ def create_app(
     poll_s: float = 1.0,
     bind_host: str = "127.0.0.1",
 ) -> Starlette:
-    """The gateway app: `heartbeat_s` between an idle SSE stream's keep-alives (unless a
-    request asks ``?heartbeat=``); `poll_s` bounds how long a client's disconnect goes
-    unnoticed; `bind_host`, the address it listens on, is a Host the guard accepts. Bad
-    keys in the settings raise ConfigError naming the variable."""
+    """The gateway app: `heartbeat_s` between an idle SSE stream's keep-alives; `poll_s`
+    bounds how long a client's disconnect goes unnoticed; `bind_host` is a Host the guard
+    accepts."""
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
@@ -42,7 +41,6 @@ def create_app(
     # first turn's or abort's time.
     _ = client.app
     logs.install(client.settings.log_format)
-    # Each key's default webhook URL (AGENTQ_WEBHOOK_URLS), checked as the gateway starts.
     for name, url in client.settings.webhook_urls.items():
         try:
             check_for_turn(url, client.settings)
@@ -63,7 +61,6 @@ def create_app(
         *([cors] if origins else []),
         Middleware(RequestGuard, bind_host=bind_host, cors_origins=origins),
     ]
-    # The fleet's agents as MCP tools (Streamable HTTP): docs/mcp.md.
     mcp = McpEndpoint(gw)
     handlers: dict[str, Any] = {"mcp": mcp, "openapi_page": openapi_page}
     handlers.update((f.__name__, f) for f in console_handlers(gw))

@@ -1,13 +1,8 @@
 """Who is calling, and what they may do: API keys, principals and the turn access rule.
 
-Keys come from `AGENTQ_API_KEYS` and `AGENTQ_ADMIN_KEYS`, each a comma-separated list of
-``name=key`` or ``name=sha256:<hex of the key>``. Only sha256 digests are kept in memory;
-a presented key is hashed and compared with every known digest by `hmac.compare_digest`,
-so neither the comparison nor the loop stops early on a partial match.
-
-A turn started with a key belongs to that key's *name* (`owner` on the turn's state).
-It is read, aborted and answered with its own token, its owner's key or an admin key;
-everything here is a pure function of the turn's state, the caller and the token.
+Only keys' sha256 digests are kept; a presented key's is compared with every one, so
+neither the comparison nor the loop stops early on a partial match. A turn started with a
+key belongs to that key's name (`owner` on the turn's state).
 """
 
 from __future__ import annotations
@@ -42,8 +37,7 @@ class Principal:
 
 
 def parse_keys(raw: str, *, setting: str, admin: bool = False) -> list[tuple[Principal, bytes]]:
-    """`name=key,name=sha256:<hex>` into (principal, sha256 of the key); ConfigError naming
-    `setting` if malformed."""
+    """`name=key,name=sha256:<hex>` into (principal, sha256 of the key)."""
     entries: list[tuple[Principal, bytes]] = []
     for i, item in enumerate(part.strip() for part in raw.split(",")):
         if not item:
@@ -73,8 +67,6 @@ def parse_keys(raw: str, *, setting: str, admin: bool = False) -> list[tuple[Pri
 
 
 class Keyring:
-    """The configured keys, as digests; `identify` tells which principal holds a key."""
-
     def __init__(self, entries: list[tuple[Principal, bytes]]) -> None:
         names: dict[str, bool] = {}
         for p, _ in entries:
@@ -99,7 +91,7 @@ class Keyring:
         return bool(self._entries)
 
     def identify(self, presented: str | None) -> Principal | None:
-        """The principal whose key this is, or None; constant time over every key."""
+        """The principal whose key this is, or None."""
         if not presented:
             return None
         digest = hashlib.sha256(presented.encode()).digest()
@@ -122,7 +114,7 @@ def secret_matches(presented: str | None, expected: str | None) -> bool:
 
 
 def may_access(state: TurnState, principal: Principal | None, token: str | None) -> bool:
-    """Read and steer (abort, answer) rights on one turn: the same three holders for both."""
+    """Read and steer rights on one turn: the same three holders for both."""
     return token_matches(state, token) or (principal is not None and may_list(state, principal))
 
 
@@ -148,7 +140,6 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, keyring: Keyring, *, insecure_no_auth: bool) -> None:
-    """Refuse to serve beyond this machine without keys, unless explicitly told to."""
     if keyring.enabled or insecure_no_auth or is_loopback(host):
         return
     raise ConfigError(

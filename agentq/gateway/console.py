@@ -1,10 +1,6 @@
-"""The operator console's reads: turns, one turn's timeline, the approvals inbox, the fleet's
-model capacity and MCP servers (its steering is the gateway's own, as an operator:
-`Gateway.steerer`).
-
-Model capacity is fleet-wide, like /metrics, so it needs an admin key (or
-`AGENTQ_METRICS_TOKEN`); only names and numbers go out: a deployment's `base_url`, provider
-model name and `api_key` never do.
+"""The operator console's reads (its steering is `Gateway.steerer`'s). Model capacity is
+fleet-wide, like /metrics, so admins only; only names and numbers go out: a deployment's
+`base_url`, provider model name and `api_key` never do.
 """
 
 from __future__ import annotations
@@ -32,8 +28,7 @@ def _limits(limits: Any) -> dict[str, Any]:
 
 
 def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, Any]:
-    """The body of `GET /v1/capacity`: each snapshot with the configured limits beside it
-    (None for a model without configured limits)."""
+    """The body of `GET /v1/capacity`: each snapshot with its configured limits (or None)."""
     models = []
     for snap in snapshots:
         entry: ModelLimitsEntry | None = cap.limits.get(snap["model"])
@@ -78,13 +73,10 @@ def console_handlers(gw: Gateway) -> list[Endpoint]:
     def capacity(request: Request) -> Response:
         gw.require(request, "admin")
         body = capacity_view(gw.capacity, read_snapshots(gw.capacity, settings))
-        # MCP servers (AGENTQ_MCP_SERVERS) that fail, with their errors, and the tools their
-        # listings hold that are refused: admins only.
         body["mcp_servers"] = mcp_panel()
         return JSONResponse(body, headers=NO_STORE)
 
     def servers() -> list[dict[str, Any]]:
-        """What /v1/mcp/servers lists: AGENTQ_MCP_SERVERS, each with its tools' listing."""
         return servers_view(redis, parse_servers(settings.mcp_servers))
 
     def mcp_panel() -> dict[str, dict[str, Any]]:

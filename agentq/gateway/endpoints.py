@@ -1,13 +1,9 @@
-"""The gateway's endpoints: REST for turns (retry and fork too), conversations, waitpoints,
-usage, schedules (as `agentq schedule`) and webhook deliveries, SSE for turns' events, the
-web page, health and metrics. Every Redis call (the Client's methods, the event follow
-loop) runs in a worker thread, never on the event loop: a handler that reads no body is a
-plain function, which starlette runs in its thread pool.
+"""The gateway's endpoints (REST, SSE, the page, health, metrics). Redis calls run in
+worker threads, never on the event loop: a handler that reads no body is a plain function,
+which starlette runs in its thread pool.
 
-An SSE client that shows the turn's token (``Authorization: Bearer`` or ``?token=``,
-since EventSource cannot set headers) on a turn started attached (``detach: false``)
-owns it: if that client goes away before the turn's terminal event, the turn is
-aborted with reason ``disconnect``. Without a token, the stream is read-only.
+An SSE client that shows the token of a turn started attached owns it: if it goes away
+before the terminal event, the turn is aborted (reason ``disconnect``).
 """
 
 from __future__ import annotations
@@ -108,9 +104,8 @@ async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
 
 
 class Gateway:
-    """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter;
-    the console's routes take it as their context (the caller checks, the body limit,
-    model capacity)."""
+    """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter
+    (and the console's routes' context)."""
 
     def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
         self.client = client
@@ -140,10 +135,9 @@ class Gateway:
         return principal, presented
 
     def require(self, request: Request, rule: Rule) -> Principal | None:
-        """The caller's key if `rule` (as openapi.AUTH_RULES words it) admits the call;
-        Unauthorized or Forbidden if not.
-        Without keys, "operator" answers this machine only: a gateway started with
-        `--insecure-no-auth` stays read-only to the network."""
+        """The caller's key if `rule` (openapi.AUTH_RULES) admits the call, else Unauthorized
+        or Forbidden. Without keys, "operator" answers this machine only: a gateway started
+        with `--insecure-no-auth` stays read-only to the network."""
         path = request.url.path
         if rule == "admin":
             presented = bearer(request)
@@ -173,9 +167,8 @@ class Gateway:
         return state
 
     async def steerer(self, request: Request, turn_id: str) -> Principal | None:
-        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, if any.
-        The console takes no token (an operator's key, or this machine without keys); other
-        callers show a key or the turn's token (without keys, the token only)."""
+        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, if any. The
+        console takes no token (openapi.AUTH_RULES "operator"), other callers "turn"."""
         token = None
         if request.url.path.startswith("/v1/console/"):
             principal = self.require(request, "operator")
@@ -235,8 +228,7 @@ class Gateway:
         return {} if empty else await read_json(request, self.body_limit_bytes)
 
     async def retry_or_fork(self, request: Request) -> Response:
-        """A new turn from a turn's history (agentq.orchestrator.replay), for whoever may
-        steer the source."""
+        """A new turn from the history of a turn the caller may steer."""
         turn_id = turn_id_of(request.path_params["turn_id"])
         principal = await self.steerer(request, turn_id)
         data = await self.optional_body(request)
@@ -247,8 +239,7 @@ class Gateway:
         return accepted(handle)
 
     async def retry_many(self, request: Request) -> Response:
-        """The bulk retry of the caller's turns that a filter names (without keys: from
-        this machine only)."""
+        """Retry the caller's turns that a filter names."""
         principal = self.require(request, "operator")
         host = client_host(request)
         req = validated(BulkRetryRequest, await self.optional_body(request))
@@ -270,11 +261,8 @@ class Gateway:
         )
 
     async def complete_waitpoint(self, request: Request) -> Response:
-        """`POST /v1/waitpoints/{id}?token=...`: an outside system completes a tool's
-        waitpoint. The token is the capability (an HMAC of the id), so this route needs no
-        API key: whoever holds the callback URL may complete that one waitpoint, and nothing
-        else. A wrong token answers as an unknown id does (404), so the route tells nobody
-        which ids exist."""
+        """An outside system completes a tool's waitpoint: the callback URL's token is the
+        credential (openapi.AUTH_RULES "capability")."""
         wp_id = request.path_params["waitpoint_id"]
         token = request.query_params.get("token") or bearer(request)
         ids = parse_waitpoint_id(wp_id)
@@ -294,8 +282,7 @@ class Gateway:
         )
 
     def conversation_target(self, request: Request) -> tuple[str, dict[str, Any]]:
-        """The path's conversation, and who asks (as the Client's keyword arguments): for
-        the holders openapi.AUTH_RULES["conversation"] names (anyone else: 404, as unknown)."""
+        """The path's conversation, and who asks as the Client's keyword arguments."""
         cid = request.path_params["conversation_id"]
         if not _CONVERSATION_ID.match(cid):
             # The 404 any unknown one gets: nothing else names a key.
@@ -328,8 +315,7 @@ class Gateway:
         return JSONResponse({"conversations": rows}, headers=NO_STORE)
 
     def usage(self, request: Request) -> Response:
-        """`GET /v1/usage?since=&until=&key=&group_by=model|agent|key` (docs/spend.md);
-        without keys (loopback only) the caller sees every key's, as the CLI does."""
+        """Without keys (loopback only) the caller sees every key's usage, as the CLI does."""
         principal = self.require(request, "key")
         q = request.query_params
         group_by = q.get("group_by") or "model"
@@ -380,8 +366,7 @@ class Gateway:
         return JSONResponse({"ok": True, "name": name})
 
     def list_webhooks(self, request: Request) -> Response:
-        """The recent webhook deliveries, for an admin; an API key sees its own turns'
-        deliveries through their timeline instead."""
+        """An API key sees its own turns' deliveries through their timeline instead."""
         self.require(request, "admin")
         limit = query_number(request, "limit", 50, low=1, high=MAX_LISTED, integer=True, clamp=True)
         rows = self.deliveries.recent(limit)
@@ -435,8 +420,6 @@ class Gateway:
         # The header wins: EventSource resends it on every reconnect, the URL never changes.
         q = request.query_params
         try:
-            # Where the reader resumes: an SSE id this gateway sent (a stream id, maybe with
-            # the positions of relayed sub-agent streams).
             after = Cursor.parse(request.headers.get("last-event-id") or q.get("after") or "0-0")
         except ValueError as exc:
             raise invalid(f"Last-Event-ID: {exc} (an SSE id as the stream sent it)") from None
@@ -490,9 +473,8 @@ class Gateway:
         state = self.authorize(turn_id, principal, token)
         # Only the turn's token attaches: a key reading along never aborts on leaving.
         owner = token_matches(state, token) and not state.get("detach")
-        # A cursor past the log's end (a client ahead of the log) resumes from that end:
-        # events after an id from the future would be dropped as already seen, so the
-        # stream would wait forever; from the end it gets every real event that comes.
+        # A cursor past the log's end resumes from that end: events after an id from the
+        # future would be dropped as already seen, so the stream would wait forever.
         if after.root != "0-0":
             last: Any = self.client._store.redis.xrevrange(turn_key(turn_id, "log"), count=1)
             end = text(last[0][0]) if last else "0-0"
@@ -535,7 +517,6 @@ class Gateway:
         )
 
     def _scrape(self) -> Scrape:
-        """What /metrics reads from Redis, in one worker thread."""
         hooks = self.deliveries.counts(), self.deliveries.backlog()
         counts = read_counts(self.client._store.redis)
         snapshots = read_snapshots(self.capacity, self.client.settings)

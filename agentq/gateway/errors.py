@@ -1,9 +1,5 @@
-"""How the gateway answers: every refusal is JSON, `{"error": {"type", "message"}}`; a
-started turn is a 202 naming where to read it (`accepted`).
-
-agentq's own exceptions map to a status here (TurnNotFound 404, AccessError subclasses
-their `status_code`, ...); `ApiError` covers refusals that are only HTTP's business.
-"""
+"""How the gateway answers: every refusal is JSON, `{"error": {"type", "message"}}`, its
+status mapped here from agentq's own exceptions; `ApiError` for refusals only HTTP has."""
 
 from __future__ import annotations
 
@@ -52,11 +48,11 @@ log = logging.getLogger("agentq.gateway")
 M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[Request, Exception], Awaitable[Response]]
 NO_STORE = {"Cache-Control": "no-store"}
-"""The header of an answer that holds a caller's own data."""
+"""For an answer that holds a caller's own data."""
 
 
 def accepted(handle: TurnHandle) -> Response:
-    """202 for a turn started (a request's, a retry's, a fork's), with where to read it."""
+    """202 for a turn started, with where to read it."""
     return JSONResponse(
         handle.model_dump(exclude_none=True),
         status_code=202,
@@ -65,8 +61,8 @@ def accepted(handle: TurnHandle) -> Response:
 
 
 class ApiError(HTTPException):
-    """An HTTP-level refusal that is not one of agentq's own errors, with the error's type
-    (`extra`: more fields of its body, as `detail`)."""
+    """An HTTP-level refusal that is not one of agentq's own errors (`extra`: more fields
+    of its body)."""
 
     def __init__(self, status_code: int, type_: str, message: str, **extra: Any) -> None:
         super().__init__(status_code, message)
@@ -86,8 +82,7 @@ def invalid(message: str) -> ApiError:
 
 
 def validated(model: type[M], data: Any) -> M:
-    """`data` as `model`, else 422 whose message names the first bad field, with every
-    problem in `detail`."""
+    """`data` as `model`, else 422 naming the first bad field, every problem in `detail`."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -1,14 +1,12 @@
-"""Cross-site protection for the gateway, as ASGI middleware in front of every route.
+"""Cross-site protection, as ASGI middleware in front of every route: a web page the user
+visits must not drive a gateway it can reach (one on the user's own machine, above all,
+which may run without keys).
 
-A web page the user visits must not drive a gateway it can reach (one on the user's own
-machine, above all, which may run without keys). Browsers attach `Origin` to every POST
-and the real `Host`; so a mutating request is refused (403) unless its `Origin`, when it
-has one, is the gateway's own or listed in `AGENTQ_CORS_ORIGINS`, and its body, when it
-has one, is declared `application/json` (415 otherwise: a `no-cors` page can only send
-`text/plain`, form or multipart bodies). On every request but /healthz, `Host` must name
-this gateway (a loopback name, the address it is bound to, or a CORS origin's host), so
-a DNS-rebinding page cannot read a loopback gateway either; bound to every address
-(0.0.0.0), it cannot know its names, and keys guard it instead.
+Browsers attach `Origin` to every POST and the real `Host`. A mutating request needs its
+`Origin` (if any) to be ours or in `AGENTQ_CORS_ORIGINS`, and a body declared JSON (a
+`no-cors` page can only send text, form or multipart bodies). `Host` must name this
+gateway, so a DNS-rebinding page cannot read a loopback one; bound to 0.0.0.0 it cannot
+know its names, and keys guard it instead.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ class RequestGuard:
         }
 
     def refusal(self, scope: Scope) -> AccessError | None:
-        """Why the request must not reach the app, or None."""
         headers = Headers(scope=scope)
         if scope["path"] == "/healthz":
             return None

@@ -1,11 +1,6 @@
-"""Per-caller limits on starting turns, kept in Redis so every gateway shares them.
-
-A caller (a key's name, or ``addr:<ip>`` without keys) gets a token bucket of
-`start_burst` starts refilled at `start_rate_per_s`, and at most
-`max_active_turns_per_key` running turns. Both checks are one Lua script each
-(`agentq.limits`), so a flood of concurrent starts cannot slip past them between a read
-and a write.
-"""
+"""Per-caller (key name, or ``addr:<ip>``) limits on starting turns, in Redis so every
+gateway shares them: a token bucket and a running-turn cap (`agentq.limits`, one script
+each, so concurrent starts cannot slip past between a read and a write)."""
 
 from __future__ import annotations
 
@@ -33,9 +28,6 @@ ACTIVE_RETRY_AFTER_S = 1.0
 
 
 class StartLimits:
-    """The two limits on starting turns, for one gateway: a token bucket and a leased
-    semaphore per caller (`agentq.limits`)."""
-
     def __init__(self, client: redis.Redis, settings: Settings) -> None:
         self.redis = client
         self.settings = settings
@@ -47,11 +39,10 @@ class StartLimits:
     def start(
         self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
     ) -> TurnHandle:
-        """`start()` a turn within the caller's start rate and running-turn cap, else
-        RateLimited. A place is held for the start in progress (leased: a gateway that dies
-        mid-start frees it), then passes to the turn until it is found ended. The caller's
-        turns that ended give theirs back first (their states are read here: on a Cluster
-        they live on other slots than the caller's set)."""
+        """`start()` a turn within the caller's limits, else RateLimited. A leased place is
+        held for the start in progress (a gateway that dies mid-start frees it), then passes
+        to the turn; ended turns give theirs back first (their states are read here: on a
+        Cluster they live on other slots than the caller's set)."""
         subject = principal.name if principal else f"addr:{host or 'unknown'}"
         wait_s = self._bucket.take(k.limits_key(subject, "bucket"))
         if wait_s > 0:

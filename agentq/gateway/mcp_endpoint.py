@@ -1,10 +1,5 @@
-"""`/mcp`: the fleet's agents served to MCP clients (Streamable HTTP, the `mcp` SDK).
-
-Each agent a turn worker publishes is a tool, each call a turn owned by the caller's key,
-relayed as progress; a session belongs to the key that made it. What a client sees (tools,
-progress lines, results, cancels, failures as `isError`) is docs/mcp.md's "agentq as an
-MCP server".
-"""
+"""`/mcp`: the fleet's agents served to MCP clients (Streamable HTTP, the `mcp` SDK), each
+call a turn of the caller's key relayed as progress (docs/mcp.md)."""
 
 from __future__ import annotations
 
@@ -47,7 +42,7 @@ FOLLOW_HEARTBEAT_S = 1.0
 """How often the follow loop wakes without events, so a cancel is seen within it."""
 
 
-PROGRESS = {
+PROGRESS = {  # what an MCP client is told of each turn event worth a notification
     "turn_started": "turn {turn_id} started",
     "turn_queued": "queued behind another turn",
     "llm_started": "thinking (model round {round})",
@@ -56,11 +51,10 @@ PROGRESS = {
     "tool_finished": "{tool}: {status}",
     "interaction_requested": "waiting for an answer ({kind})",
 }
-"""What an MCP client is told of each turn event worth a notification."""
 
 
 def progress_message(ev: Event, started: float) -> str | None:
-    """What an MCP client is told of one turn event; None: not worth a notification."""
+    """The notification of one turn event, or None."""
     f = ev.fields
     template = PROGRESS.get(ev.type)
     if ev.type == "tool_progress" and not (f.get("source") == "tool" and f.get("message")):
@@ -73,8 +67,7 @@ def progress_message(ev: Event, started: float) -> str | None:
 
 
 def check_transport(method: str, headers: Any, session_id: str | None) -> None:
-    """Refuse, as the gateway refuses a bad request (422, JSON), what no MCP session can
-    take: a POST that is not JSON or cannot take the answer, a GET or DELETE outside one."""
+    """Refuse (422, as any bad request) what no MCP session can take."""
     if method == "POST":
         if "application/json" not in headers.get("content-type", ""):
             raise invalid("Content-Type: application/json required")
@@ -109,8 +102,6 @@ def _error(message: str) -> Any:
 
 
 class McpEndpoint:
-    """The `/mcp` route: an ASGI app in front of the SDK's session manager."""
-
     def __init__(self, gw: Gateway) -> None:
         from mcp.server.lowlevel import Server
         from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
@@ -188,7 +179,6 @@ class McpEndpoint:
         return result
 
     async def _follow(self, ctx: Any, handle: TurnHandle) -> Event:
-        """Relay the turn's events as progress until its terminal event."""
         events = follow(self.gw.client._store.bus, handle.turn_id, heartbeat_s=FOLLOW_HEARTBEAT_S)
         started = time.time()
         sent = 0

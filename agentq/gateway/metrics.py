@@ -1,9 +1,5 @@
-"""Prometheus metrics of the gateway, in a registry of their own (no process/GC collectors).
-
-Every metric is listed in docs/operations.md. The event-derived metrics and the step
-durations are the fleet's, read at scrape time from the hash every process adds its counts
-to (agentq.telemetry.fleetcounts).
-"""
+"""Prometheus metrics of the gateway, in a registry of their own (no process/GC collectors),
+and the fleet's, read at scrape time from Redis (docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -30,18 +26,14 @@ if TYPE_CHECKING:
     from agentq.llm.capacity import Capacity
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The active turns, the fleet's counts, the capacity snapshots, the webhook counts and backlog.
 Scrape = tuple[
     list[dict[str, Any]], dict[str, float], list[dict[str, Any]], tuple[dict[str, int], int | None]
 ]
-"""What /metrics reads from Redis: the active turns, the fleet's counts, the capacity
-snapshots, the webhook counts and backlog."""
 
 
 class GatewayMetrics:
-    """The gateway's own metrics, and what /metrics last read from Redis (`collect`, as
-    metric families): the fleet's counts (kept from the last read that got them: counters
-    only grow), the model capacity snapshots and the webhook counters (none of a read that
-    failed: a stale queue length would mislead)."""
+    """The gateway's own metrics, and what /metrics last read from Redis (`collect`)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -71,8 +63,8 @@ class GatewayMetrics:
         self.events_streamed.labels(type=ev.type if len(ev.type) <= 40 else "other").inc()
 
     def refresh(self, scrape: Scrape | None) -> None:
-        """Take what /metrics read from Redis; None: the read failed (the fleet's counts
-        stay as last read: counters only grow)."""
+        """Take what /metrics read; None: the read failed (the fleet's counts stay as last
+        read: counters only grow; a stale queue length would mislead)."""
         self.redis_up.set(scrape is not None)
         if scrape is None:
             self.snapshots, self.webhook_counts, self.webhook_backlog = [], {}, None
@@ -95,8 +87,7 @@ class GatewayMetrics:
 
 
 def fleet_families(counts: dict[str, float]) -> list[Metric]:
-    """The fleet's event counters and histograms (agentq.telemetry.fleetcounts) from the
-    hash; each family shows at least its unlabelled samples."""
+    """The fleet's counters and histograms; each family shows at least its unlabelled samples."""
     series: dict[str, dict[tuple[str, ...], dict[str, float]]] = {}
     for field, value in counts.items():
         name, _, rest = field.partition("|")
@@ -137,7 +128,6 @@ def fleet_families(counts: dict[str, float]) -> list[Metric]:
 
 
 def webhook_families(counts: dict[str, int], backlog_n: int | None) -> list[Metric]:
-    """The fleet's webhook counters, and its backlog unless the read failed."""
     attempts, deliveries, backlog = families = [
         CounterMetricFamily(
             "agentq_webhook_attempts", "Webhook attempts by outcome.", labels=["outcome"]
@@ -157,7 +147,6 @@ def webhook_families(counts: dict[str, int], backlog_n: int | None) -> list[Metr
 
 
 def capacity_families(snapshots: list[dict[str, Any]]) -> list[GaugeMetricFamily]:
-    """The capacity gauges from the models' `Capacity.snapshot`s."""
     queued, streams, paused, api = families = [
         GaugeMetricFamily(
             "agentq_llm_queued",
@@ -189,9 +178,8 @@ def capacity_families(snapshots: list[dict[str, Any]]) -> list[GaugeMetricFamily
 
 
 def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
-    """`Capacity.snapshot` (a read-only script) of every model the gateway knows, by name,
-    each with the API it is called with (`api`: its setting, the one in use, what `auto`
-    learned): the capacity gauges here, and the console's panel."""
+    """The capacity snapshot of every model the gateway knows, with the API it is called
+    with (`api`), for the gauges here and the console's panel."""
     learned = read_learned(cap.redis)
     agents = [
         a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)

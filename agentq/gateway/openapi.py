@@ -1,10 +1,6 @@
-"""`GET /openapi.json`: the gateway's HTTP API as an OpenAPI 3.1 document.
-
-The operations are listed here by hand, with who may call each (`x-agentq-auth`) and the
-handler that serves it: the app's routes are made from this list. Request and response
-bodies are the pydantic models the handlers validate with. A test checks each operation's
-auth rule against the server.
-"""
+"""`GET /openapi.json`: the gateway's HTTP API as an OpenAPI 3.1 document. The operations
+are listed by hand, with who may call each and the handler that serves it: the app's
+routes are made from this list."""
 
 from __future__ import annotations
 
@@ -79,7 +75,6 @@ class Operation:
     method: str
     path: str
     handler: str
-    """The name of the function that serves it (app.create_app routes by it)."""
     summary: str
     auth: Auth
     ok: str = "200"
@@ -297,7 +292,6 @@ def _operation(op: Operation) -> dict[str, Any]:
 
 @cache
 def openapi_document(version: str) -> dict[str, Any]:
-    """The whole document (the same for every caller: it describes, it grants nothing)."""
     models = dict.fromkeys(m for op in OPERATIONS for m in (op.request, op.response) if m)
     _, defs = models_json_schema(
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"

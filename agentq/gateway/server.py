@@ -28,10 +28,8 @@ class GatewayServer(uvicorn.Server):
 def serve(
     host: str | None = None, port: int | None = None, *, insecure_no_auth: bool = False
 ) -> int:
-    """Serve the gateway until interrupted; defaults from AGENTQ_GATEWAY_HOST/PORT.
-
-    Without keys, a non-loopback `host` raises ConfigError unless `insecure_no_auth`.
-    """
+    """Serve the gateway until interrupted; without keys, a non-loopback `host` raises
+    ConfigError unless `insecure_no_auth`."""
     from agentq.gateway.app import create_app
     from agentq.gateway.auth import Keyring, check_bind
 

@@ -1,10 +1,7 @@
 """Server-sent events: a turn's log-then-live events as an ASGI response that notices disconnects.
 
-Each SSE message is ``id: <cursor>`` (`events.follow.Cursor`, which a reconnecting
-EventSource sends back as ``Last-Event-ID``), ``event: <type>``, ``data: <event JSON>``.
 Blocking Redis reads run in worker threads with their own capacity limiter, so many open
-streams cannot starve the REST handlers; the follow loop wakes at least every `poll_s`,
-which is when a gone client is noticed and the loop stopped.
+streams cannot starve the REST handlers.
 """
 
 from __future__ import annotations
@@ -47,13 +44,10 @@ async def stepped(
     events: Generator[Event | None, None, None], **run: Any
 ) -> AsyncGenerator[Event | None, None]:
     """The items of a blocking event iterator, each stepped on a worker thread (`run`:
-    `anyio.to_thread.run_sync`'s options); closed off the loop when the generator is, even
-    when cancelled (closing unsubscribes: socket I/O).
-
-    A step may outlive the coroutine that awaited it (the server cancels hard at shutdown;
-    a cancelled MCP call abandons it); closing then only asks, and the step closes the
-    iterator when it returns, since a generator cannot be closed while another thread runs
-    it.
+    `anyio.to_thread.run_sync`'s options); closed off the loop (closing unsubscribes:
+    socket I/O), even when cancelled. A step may outlive its awaiter (a hard cancel at
+    shutdown, an abandoned MCP call): closing then only asks, and the step closes the
+    iterator as it returns, since a generator cannot be closed while another thread runs it.
     """
     lock = threading.Lock()
     closed = threading.Event()
@@ -89,11 +83,8 @@ async def event_source(
     on_event: Callable[[Event], None],
     closing: threading.Event,
 ) -> AsyncGenerator[bytes, None]:
-    """SSE bytes from a blocking event iterator that yields None when it is quiet.
-
-    Ends early, without a terminal event, once `closing` is set (server shutdown): the
-    client reconnects with its last id, to this server's successor or another replica.
-    """
+    """SSE bytes from a blocking event iterator that yields None when it is quiet; ends
+    early once `closing` is set (shutdown): the client reconnects with its last id."""
     yield f"retry: {RETRY_MS}\n\n".encode()
     last_write = time.monotonic()
     try:
@@ -118,8 +109,8 @@ async def event_source(
 
 
 class EventStreamResponse(StreamingResponse):
-    """Streams `content` (starlette's own stream, which stops when the client goes away);
-    if the client went away before `content` ended, awaits `on_disconnect`; then `on_close`."""
+    """Streams `content`; if the client went away before it ended, awaits `on_disconnect`;
+    then `on_close`."""
 
     media_type = "text/event-stream"
 
@@ -130,8 +121,7 @@ class EventStreamResponse(StreamingResponse):
         on_disconnect: Callable[[], Awaitable[None]],
         on_close: Callable[[], None],
     ) -> None:
-        # nginx buffers responses unless told not to (X-Accel-Buffering); SSE must reach
-        # the client now.
+        # nginx buffers responses unless told not to; SSE must reach the client now.
         headers = {"Cache-Control": "no-cache, no-store", "X-Accel-Buffering": "no"}
         super().__init__(content, headers=headers)
         self.content, self.on_disconnect, self.on_close = content, on_disconnect, on_close

@@ -1,8 +1,5 @@
-"""What the gateway checks before it touches Redis: ids in paths, query numbers, JSON bodies.
-
-Every refusal is a 404 or 422 with a message; nothing a client sends reaches a Redis
-key, a parser or a stream read in a shape that would end as a 500 or 503.
-"""
+"""What the gateway checks before it touches Redis (ids in paths, query numbers, JSON
+bodies), so nothing a client sends ends as a 500 or 503."""
 
 from __future__ import annotations
 
@@ -54,8 +51,8 @@ def query_number(
     integer: bool = False,
     clamp: bool = False,
 ) -> Any:
-    """The query parameter `name` as a number from `low` to `high` (`clamp`: brought into
-    that range), `default` when absent, else 422."""
+    """The query parameter `name` from `low` to `high` (`clamp`: brought into that range),
+    `default` when absent, else 422."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
@@ -76,8 +73,8 @@ def _raise_constant(name: str) -> Any:
 
 
 async def read_json_value(request: Request, limit_bytes: int) -> Any:
-    """The body as any JSON value, refusing (413) before reading more than `limit_bytes`;
-    strict: UTF-8, no NaN/Infinity, no lone surrogates, nested at most MAX_JSON_DEPTH."""
+    """The body as any strict JSON value, refusing (413) before reading more than
+    `limit_bytes`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise PayloadTooLarge("request body", int(declared), limit_bytes)
@@ -104,7 +101,6 @@ async def read_json_value(request: Request, limit_bytes: int) -> Any:
 
 
 async def read_json(request: Request, limit_bytes: int) -> dict[str, Any]:
-    """The body as a JSON object, refusing (413) before reading more than `limit_bytes`."""
     data = await read_json_value(request, limit_bytes)
     if not isinstance(data, dict):
         raise invalid("body: must be a JSON object")
