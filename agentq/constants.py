@@ -358,9 +358,6 @@ WEBHOOKS_DUE = f"{WEBHOOKS}:due"
 Every worker consuming the webhook queue sweeps it: a lost message or a restart loses nothing."""
 WEBHOOKS_INDEX = f"{WEBHOOKS}:index"
 """Sorted set: delivery id scored by created_at, for the console and `agentq webhooks`."""
-WEBHOOKS_WAITING = f"{WEBHOOKS}:waiting"
-"""Sorted set: running turns that have a webhook, scored by when to look whether they ended:
-the backstop for a turn whose ending step died before it queued the delivery."""
 WEBHOOK_COUNTS = f"{WEBHOOKS}:counts"
 """Hash: delivery and attempt counters (`attempts:<outcome>`, `deliveries:<status>`)."""
 

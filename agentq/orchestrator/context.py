@@ -16,7 +16,6 @@ from agentq.state.turn_state import TurnState
 from agentq.state.turns import Closed
 from agentq.telemetry import tracing
 from agentq.tools.registry import ToolSpec, all_tools
-from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -176,7 +175,7 @@ class StepContext:
             settle_parent=settle_parent,
             token=self.token,
             append=[*staged_append, *(append or [])],
-            hands_off=bool(self.state.get("conversation_id")),
+            hands_off=bool(self.state.get("conversation_id") or self.state.get("webhook_url")),
             **fields,
         )
         if won is Closed.LOST:
@@ -186,10 +185,6 @@ class StepContext:
             self.history.extend(append or [])
             # For what follows in this step (the hand-off reads the abort reason).
             self.state.update(cast(TurnState, {"status": status.value, **fields}))
-            url = self.state.get("webhook_url")
-            if url:
-                # A crash before this leaves the turn in WEBHOOKS_WAITING for the sweep.
-                queue_delivery(self.store, self.app, self.settings, self.turn_id, url)
 
     def settle(self, result: ToolResult, *, tracked: bool = True) -> tuple[ToolResult, bool]:
         """Settle a call, the one way a step does (traced, no wake, after what it staged): the

@@ -134,6 +134,7 @@ def _end_injected(store: TurnStore, turn_id: str, into: str) -> None:
         finish_reason="injected",
         injected_into=into,
         pending_messages=None,
+        hands_off=True,  # its webhook's delivery, if any: queued by the step its backstop wakes
     )
 
 

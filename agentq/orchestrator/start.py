@@ -27,9 +27,7 @@ from agentq.state.idempotency import check_key, fingerprint, start_once
 from agentq.state.spend import Spend
 from agentq.state.turn_state import TurnState, queued_state
 from agentq.telemetry import tracing
-from agentq.webhooks.deliveries import Deliveries
 from agentq.webhooks.target import check_for_turn
-from agentq.webhooks.task import WAITING_RECHECK_S
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -148,9 +146,6 @@ def launch(
         # Stored before admitted (a conversation's holder always exists), its messages aside
         # until its first step reads the conversation's history.
         state["conversation_waiting"], state["pending_messages"], history = True, history, []
-    if state.get("webhook_url"):
-        # Before the turn exists: whatever happens to its last step, a sweep finds it here.
-        Deliveries(store.redis, settings).wait_for(turn_id, time.time() + WAITING_RECHECK_S)
     if traced:
         state["traceparent"], state["trace_caller"] = tracing.new_turn_trace()
     store.create(turn_id, state, history, new.records)

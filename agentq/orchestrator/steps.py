@@ -37,6 +37,7 @@ from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
 from agentq.telemetry import logs, tracing
 from agentq.telemetry.fleetcounts import fleet_counts
+from agentq.webhooks.task import queue_delivery
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -130,10 +131,8 @@ def _steps(
             next_at = time.time() + BROKER_RETRY_S
         if ctx.ended is not None and tracing.enabled:
             _end_turn_span(ctx)
-        if ctx.state.get("status") in TERMINAL_STATUSES and ctx.state.get("conversation_id"):
-            # After the end, by this step or for one that died before its hand-off (its end's
-            # backstop woke this one); a second hand-off changes nothing.
-            hand_off(store, app, turn_id, ctx.state, ctx.history)
+        if ctx.state.get("status") in TERMINAL_STATUSES:
+            _after_end(ctx)
         if ctx.ended is not None:
             return "ended"  # the write that ended the turn let go of the lock
         if ctx.released is None:  # else it let go before its last act
@@ -187,6 +186,19 @@ def _advance(ctx: StepContext) -> float | None:
         log.exception("turn %s: step failed", ctx.turn_id)
         fail(ctx, "internal", f"{type(exc).__name__}: {exc}")
     return None
+
+
+def _after_end(ctx: StepContext) -> None:
+    """Queue the webhook's delivery and hand the conversation on, after the end is written,
+    by its step or by one that died before it did (whose end left the backstop that woke
+    this one; done already, this changes nothing); either takes the backstop away."""
+    url = ctx.state.get("webhook_url")
+    if url:
+        queue_delivery(ctx.store, ctx.app, ctx.settings, ctx.turn_id, url)
+    if ctx.state.get("conversation_id"):
+        hand_off(ctx.store, ctx.app, ctx.turn_id, ctx.state, ctx.history)
+    elif url:
+        ctx.store.redis.zrem(k.shard_key(k.WAKEUPS, ctx.turn_id), ctx.turn_id)
 
 
 class Sweeper:

@@ -71,7 +71,8 @@ class CloseArgs(NamedTuple):
     """The step's lock token ("": not fenced)."""
     n_messages: int
     hands_off: str
-    """"1": the turn hands its conversation on after this write (its wakeup stays)."""
+    """"1": work follows this write (a conversation's hand-off, a webhook's delivery): the
+    wakeup stays."""
 
 
 # CLOSE_LUA: a turn's status, terminal event and keys' TTL in one step: one ending wins and
@@ -89,7 +90,8 @@ w[#w + 1] = '{SEQ_FIELD}'
 w[#w + 1] = seq
 {write_lua("turn_key", "w", "messages_at", "fields_at - 1")}
 if hands_off == '1' then
-  -- The wakeup stays, due at the backstop, should the process die before the hand-off.
+  -- Work follows this write: the wakeup stays, due at the backstop, should the process die
+  -- in between (that work takes it away).
   redis.call('ZADD', wakeups_key, wake_at, turn_id)
 else
   redis.call('ZREM', wakeups_key, turn_id)

@@ -62,7 +62,6 @@ class CreateKeys(NamedTuple):
     delivery_key: str
     due_key: str
     index_key: str
-    waiting_key: str
     counts_key: str
 
 
@@ -75,7 +74,7 @@ class CreateArgs(NamedTuple):
     """A lease from now: the creator sends the first attempt's message itself."""
     body: str
     """The body, fixed now (an event's delivery); "": the first attempt builds it (the
-    turn's end), and the turn leaves the waiting set."""
+    turn's end)."""
 
 
 # CREATE_LUA: creating a delivery: once per turn (a second ending, a sweep that raced the
@@ -88,11 +87,7 @@ redis.call('HSET', delivery_key, 'id', delivery_id, 'turn_id', turn_id, 'url', u
   'status', 'pending', 'attempts', 0, 'created_at', now, 'next_at', now)
 redis.call('ZADD', due_key, due_at, delivery_id)
 redis.call('ZADD', index_key, now, delivery_id)
-if body ~= '' then
-  redis.call('HSET', delivery_key, 'body', body)
-else
-  redis.call('ZREM', waiting_key, turn_id)
-end
+if body ~= '' then redis.call('HSET', delivery_key, 'body', body) end
 redis.call('HINCRBY', counts_key, 'deliveries:created', 1)
 return 1
 """
@@ -138,11 +133,6 @@ class Deliveries:
         self.redis = redis
         self.retention_s = settings.turn_retention_s
 
-    def wait_for(self, turn_id: str, check_at: float) -> None:
-        """Note a turn with a webhook, so a sweep queues its delivery even if the step that
-        ends it dies before it does (called before the turn is stored)."""
-        self.redis.zadd(k.WEBHOOKS_WAITING, {turn_id: check_at})
-
     def create(
         self,
         turn_id: str,
@@ -157,11 +147,7 @@ class Deliveries:
         delivery_id = k.webhook_id(turn_id) if event is None else event[0]
         now = time.time()
         keys = CreateKeys(
-            k.webhook_key(delivery_id),
-            k.WEBHOOKS_DUE,
-            k.WEBHOOKS_INDEX,
-            k.WEBHOOKS_WAITING,
-            k.WEBHOOK_COUNTS,
+            k.webhook_key(delivery_id), k.WEBHOOKS_DUE, k.WEBHOOKS_INDEX, k.WEBHOOK_COUNTS
         )
         body = "" if event is None else event[1].decode()
         args = CreateArgs(delivery_id, turn_id, url, now, now + lease_s, body)
@@ -174,12 +160,6 @@ class Deliveries:
         args = ClaimArgs(now, now + lease_s, limit, k.webhook_key(""))
         raw = self._claim(keys=[k.WEBHOOKS_DUE], args=list(args))
         return [(text(raw[i]), int(raw[i + 1])) for i in range(0, len(raw), 2)]
-
-    def waiting_due(self, limit: int = 100) -> list[str]:
-        return [
-            text(t)
-            for t in self.redis.zrangebyscore(k.WEBHOOKS_WAITING, "-inf", time.time(), 0, limit)
-        ]
 
     def get(self, delivery_id: str) -> Delivery | None:
         raw = {text(f): text(v) for f, v in self.redis.hgetall(k.webhook_key(delivery_id)).items()}

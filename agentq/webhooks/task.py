@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 from agentq import constants as k
 from agentq.config import Settings
 from agentq.webhooks.deliveries import (
-    EVENT_TYPES,
     AttemptRecord,
     Deliveries,
     Status,
@@ -38,8 +37,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentq.webhooks")
 
-WAITING_RECHECK_S = 30.0
-"""How often the sweep looks again at a running turn that has a webhook."""
 JITTER = 0.2
 """Each wait is shortened by up to this fraction, so retries of many deliveries spread out."""
 
@@ -198,22 +195,13 @@ def register_webhook_task(
 
 
 def start_sweeper(store: TurnStore, app: Celery, settings: Settings) -> None:
-    """Send the due attempts and queue the deliveries of turns whose ending step died, every
-    `webhook_sweep_interval_s`, on a daemon thread of every worker that consumes the webhook
-    queue."""
+    """Send the due attempts every `webhook_sweep_interval_s`, on a daemon thread of every
+    worker that consumes the webhook queue."""
     dels = Deliveries(store.redis, settings)
 
     def sweep() -> None:
         for delivery_id, attempts in dels.claim_due(lease_s=lease_s(settings)):
             send_attempt(app, delivery_id, attempts)
-        for turn_id in dels.waiting_due():
-            state = store.state(turn_id)
-            if state is None:
-                store.redis.zrem(k.WEBHOOKS_WAITING, turn_id)
-            elif state.get("status") in EVENT_TYPES and state.get("webhook_url"):
-                queue_delivery(store, app, settings, turn_id, state["webhook_url"])
-            else:
-                store.redis.zadd(k.WEBHOOKS_WAITING, {turn_id: time.time() + WAITING_RECHECK_S})
 
     def run() -> None:
         while True:

@@ -102,7 +102,9 @@ def test_finished_turn_posts_one_signed_webhook(
         assert d.status == "delivered" and d.attempts == 1
         assert [a["status_code"] for a in deliveries().of_turn(d.turn_id)["tries"]] == [200]
         assert SECRET not in json.dumps(hook_client.get(handle.turn_id))
-        assert get_store().redis.zscore(k.WEBHOOKS_WAITING, handle.turn_id) is None
+        # Queued: the backstop wakeup the turn's end left is gone.
+        wakeups = k.shard_key(k.WAKEUPS, handle.turn_id)
+        wait_for(lambda: get_store().redis.zscore(wakeups, handle.turn_id) is None, 5)
 
 
 def test_a_call_that_starts_waiting_posts_turn_waiting(
@@ -130,8 +132,8 @@ def test_a_call_that_starts_waiting_posts_turn_waiting(
 def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
     fleet, webhook_worker, llm_server, hook_client: Client
 ) -> None:
-    """The step that ended the turn died before it queued the delivery: the turn was noted
-    when it started, and the sweep queues its delivery once it finds it ended."""
+    """The step that ended the turn died before it queued the delivery: its end left a
+    wakeup, and the step that wakes finds the turn ended and queues the delivery."""
     key = script(llm_server, Round(text="ok"))
     with WebhookReceiver([200]) as rx:
         handle = hook_client._start_turn(f"{key} go", webhook_url=rx.url, detach=True)
@@ -139,13 +141,14 @@ def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
         delivery_id = k.webhook_id(handle.turn_id)
         wait_for(lambda: (d := deliveries().get(delivery_id)) and d.status == "delivered", 10)
         redis = get_store().redis
-        # As if the delivery had never been queued: gone, and the turn still noted.
+        # As if the delivery had never been queued: gone, and the end's wakeup still due.
+        wakeups = k.shard_key(k.WAKEUPS, handle.turn_id)
         redis.delete(k.webhook_key(delivery_id), k.webhook_key(delivery_id, "attempts"))
-        redis.zadd(k.WEBHOOKS_WAITING, {handle.turn_id: 0})
+        redis.zadd(wakeups, {handle.turn_id: 0})
         again = rx.wait(2)[1]
         assert again.headers["webhook-id"] == delivery_id
         assert verified(again)["data"]["turn_id"] == handle.turn_id
-        assert redis.zscore(k.WEBHOOKS_WAITING, handle.turn_id) is None
+        wait_for(lambda: redis.zscore(wakeups, handle.turn_id) is None, 5)
 
 
 def test_failures_are_retried_with_backoff_under_one_id(
