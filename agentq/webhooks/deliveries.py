@@ -1,9 +1,6 @@
-"""Deliveries in Redis: one per turn with a webhook, kept until it is accepted, gone or
-failed for good, whatever happens to the message that carries an attempt.
-
-A delivery's score in WEBHOOKS_DUE is when its next attempt is due. Whoever sends an
-attempt's message first pushes that score a lease ahead (`claim_due`), so a message lost
-with a worker, or never sent, is sent again by a sweep once the lease ends.
+"""Deliveries in Redis, kept until accepted, gone or failed for good, whatever happens to
+the message that carries an attempt: whoever sends an attempt's message first pushes its
+due score a lease ahead (`claim_due`), so a lost message is sent again once the lease ends.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ if TYPE_CHECKING:
 
 Status = Literal["pending", "delivered", "gone", "failed"]
 EVENT_TYPES = {"finished": "turn.finished", "error": "turn.failed", "aborted": "turn.aborted"}
-"""The webhook `type` of each terminal turn status."""
 MAX_ATTEMPTS_KEPT = 50
-"""Attempts kept per delivery for `agentq show` and the console (the newest)."""
+"""The newest attempts kept per delivery, for `agentq show` and the console."""
 
 
 class Delivery(BaseModel):
@@ -73,12 +69,10 @@ class CreateArgs(NamedTuple):
     due_at: float
     """A lease from now: the creator sends the first attempt's message itself."""
     body: str
-    """The body, fixed now (an event's delivery); "": the first attempt builds it (the
-    turn's end)."""
+    """Fixed now (an event's delivery); "": the first attempt builds it (the turn's end)."""
 
 
-# CREATE_LUA: creating a delivery: once per turn (a second ending, a sweep that raced the
-# step: no-op).
+# CREATE_LUA: creating a delivery, once (a second call: no-op).
 CREATE_LUA = (
     bind_lua(CreateKeys, CreateArgs)
     + """
@@ -99,12 +93,10 @@ class ClaimArgs(NamedTuple):
     lease_until: float
     limit: int
     key_prefix: str
-    """A delivery's key without its id."""
 
 
-# CLAIM_LUA: taking due deliveries: each one's score moves a lease ahead, so two sweepers
-# (or a sweep and the creator) never send the same attempt at once; returns id, attempts
-# pairs.
+# CLAIM_LUA: taking due deliveries, each one's score a lease ahead, so two sweepers never
+# send the same attempt at once; returns id, attempts pairs.
 CLAIM_LUA = (
     bind_lua(("due_key",), ClaimArgs)
     + """
@@ -142,8 +134,7 @@ class Deliveries:
         event: tuple[str, bytes] | None = None,
     ) -> str | None:
         """Queue the turn's delivery; its id if this call created it (send its first attempt
-        now), None if it existed. `event`: (id, body) of a delivery of an event of the
-        running turn instead (its body fixed now), due after `lease_s`."""
+        now). `event`: (id, body) of a running turn's event's delivery instead."""
         delivery_id = k.webhook_id(turn_id) if event is None else event[0]
         now = time.time()
         keys = CreateKeys(
@@ -181,7 +172,7 @@ class Deliveries:
         status: Status,
         next_at: float | None,
     ) -> None:
-        """The attempt, its outcome, and the next attempt's time (or the end), in one write."""
+        """The attempt, its outcome and the next attempt's time (or the end), in one write."""
         key = k.webhook_key(delivery.id)
         attempts_key = k.webhook_key(delivery.id, "attempts")
         fields = {
@@ -218,7 +209,7 @@ class Deliveries:
         return out
 
     def of_turn(self, turn_id: str) -> dict[str, Any] | None:
-        """A turn's delivery with its attempts (`tries`), for `agentq show` and the console."""
+        """A turn's delivery with its attempts (`tries`)."""
         d = self.get(k.webhook_id(turn_id))
         if d is None:
             return None
@@ -229,7 +220,6 @@ class Deliveries:
         return {text(f): int(v) for f, v in self.redis.hgetall(k.WEBHOOK_COUNTS).items()}
 
     def backlog(self) -> int:
-        """Deliveries not yet accepted, gone or failed."""
         return int(self.redis.zcard(k.WEBHOOKS_DUE))
 
 
@@ -246,8 +236,7 @@ def _label(status: Status, error: str | None) -> str:
 
 
 def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
-    """The webhook body of an ended turn (None: it is gone or has not ended): `type`,
-    `timestamp` and `data` (id, status, the final assistant text, usage, timestamps)."""
+    """The webhook body of an ended turn (None: it is gone or has not ended)."""
     state = store.state(turn_id)
     if state is None or state.get("status") not in EVENT_TYPES:
         return None

@@ -1,11 +1,9 @@
-"""Where agentq may post a webhook, the one checked address it connects to, and one signed
-attempt there (Standard Webhooks; only the answer's status is kept).
+"""Where agentq may post a webhook, and one signed attempt there (Standard Webhooks).
 
-A URL is checked twice: when a turn names it (scheme, credentials, a literal address, a
-`localhost` name: whatever can never be delivered to is refused at `POST /v1/turns`), and
-at each attempt, after resolution: every address the name resolves to must be allowed,
-and the attempt connects to one of those very addresses (with the name as Host and SNI),
-so a name cannot resolve to a public address for the check and a private one for the post.
+A URL is checked when a turn names it and at each attempt, after resolution: every address
+the name resolves to must be allowed, and the attempt connects to one of those very
+addresses (the name as Host and SNI), so a name cannot resolve to a public address for the
+check and a private one for the post.
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ MAX_URL_CHARS = 2048
 
 @dataclass(frozen=True)
 class Target:
-    """A checked URL: its parts, and the address an attempt connects to."""
-
     url: str
     scheme: str
     host: str
@@ -66,7 +62,6 @@ def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> s
 
 
 def check_url(url: str, *, allow_http: bool, allow_private: bool) -> Target:
-    """The URL's target, or WebhookRefused naming what makes it undeliverable."""
     if len(url) > MAX_URL_CHARS:
         raise WebhookRefused(url[:64] + "...", f"longer than {MAX_URL_CHARS} characters")
     try:
@@ -110,8 +105,7 @@ _PRIVATE_HINT = " (allowed with AGENTQ_WEBHOOK_ALLOW_PRIVATE=true)"
 
 
 def resolve(target: Target, *, allow_private: bool) -> list[str]:
-    """The addresses of the target's host, every one of them allowed; WebhookRefused if
-    the name does not resolve or any address is refused."""
+    """The addresses of the target's host, every one of them allowed, else WebhookRefused."""
     try:
         infos = socket.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
@@ -141,9 +135,8 @@ def check_for_turn(url: str, settings: Settings) -> Target:
 
 
 def signed_headers(secret: str, msg_id: str, timestamp_s: int, body: bytes) -> dict[str, str]:
-    """The headers of one attempt: the id stays the same on every retry, the timestamp and
-    so the signature (`v1,<base64 of HMAC-SHA256 over "id.timestamp.body">`) are those of
-    the attempt."""
+    """The headers of one attempt: the id is the same on every retry, the timestamp and so
+    the signature are the attempt's."""
     signed = f"{msg_id}.{timestamp_s}.".encode() + body
     mac = hmac.new(webhook_key_bytes(secret), signed, hashlib.sha256).digest()
     return {
@@ -158,9 +151,8 @@ def signed_headers(secret: str, msg_id: str, timestamp_s: int, body: bytes) -> d
 def post(
     url: str, body: bytes, headers: dict[str, str], settings: Settings
 ) -> tuple[int | None, str | None]:
-    """POST `body` once: the answer's status (None: no answer) and what went wrong. Redirects
-    are not followed (a 3xx is a failed attempt): following one would post the signed body
-    to a place nobody checked. The answer's body is never read."""
+    """POST `body` once: the answer's status (None: no answer) and what went wrong. A 3xx is
+    not followed: it would post the signed body to a place nobody checked."""
     # Imported here: every process that can end a turn imports this module, `agentq abort`
     # among them, and only a delivery needs an HTTP client.
     import httpx

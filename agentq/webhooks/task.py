@@ -1,10 +1,7 @@
 """The delivery task (one attempt, on the webhook queue) and the sweep that sends due ones.
 
-A turn's ending step queues its delivery and sends the first attempt's message
-(`queue_delivery`); every later attempt is sent by a sweep of WEBHOOKS_DUE when it is due,
-by any worker consuming the webhook queue. Nothing waits in a Celery countdown, which is
-held in a worker's memory and dies with it. When the next attempt is due (`outcome`) is a
-pure function of time, tested without waiting.
+A turn's ending step sends the first attempt; every later one is sent by a sweep of
+WEBHOOKS_DUE, never a Celery countdown, which is held in a worker's memory and dies with it.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ def retry_delay_s(attempts: int, base_s: float, max_s: float, jitter: float = 0.
     at `max_s`; `jitter` in [0, 1) takes up to JITTER of it off."""
     if attempts < 1:
         raise ValueError("attempts counts the attempts made: at least 1")
-    # The exponent is capped so that a long-failing delivery never overflows a float.
+    # Capped so that a long-failing delivery never overflows a float.
     delay = min(max_s, base_s * 2.0 ** min(attempts - 1, 60))
     return delay * (1 - JITTER * min(max(jitter, 0.0), 0.999))
 
@@ -55,7 +52,6 @@ def retry_delay_s(attempts: int, base_s: float, max_s: float, jitter: float = 0.
 class Outcome:
     status: Status
     next_at: float | None
-    """When the next attempt is due (status pending), else None."""
 
 
 def outcome(
@@ -70,8 +66,7 @@ def outcome(
     jitter: float = 0.0,
 ) -> Outcome:
     """After the `attempts`-th attempt answered `status_code` (None: no answer): a 2xx
-    delivers, a 410 stops for good, anything else retries until `max_age_s` after the
-    delivery was queued."""
+    delivers, a 410 stops for good, anything else retries until `max_age_s`."""
     if status_code is not None and 200 <= status_code < 300:
         return Outcome("delivered", None)
     if status_code == 410:
@@ -83,14 +78,12 @@ def outcome(
 
 
 def lease_s(settings: Settings) -> float:
-    """How long a sent attempt's message has before a sweep sends another: twice its
-    attempt's bound plus a little time in the queue. A message that waits longer finds its
-    attempt made (or in flight) and does nothing."""
+    """How long a sent attempt's message has before a sweep sends another (a message that
+    waits longer finds its attempt made and does nothing)."""
     return 2 * settings.webhook_timeout_s + 5.0
 
 
 def send_attempt(app: Celery, delivery_id: str, attempts: int) -> None:
-    """Send the message of the delivery's next attempt (the attempt after `attempts`)."""
     app.send_task(k.TASK_WEBHOOK_DELIVER, args=[delivery_id, attempts], queue=k.QUEUE_WEBHOOKS)
 
 
@@ -112,9 +105,8 @@ def queue_delivery(
 def queue_waiting(
     store: TurnStore, settings: Settings, turn_id: str, event: dict[str, Any]
 ) -> str | None:
-    """Queue a `turn.waiting` delivery for a turn with a webhook whose call started waiting
-    on a waitpoint (`event`: its tool_waiting fields); a webhook sweep sends it. Its id, or
-    None (no webhook, or queued already)."""
+    """Queue a `turn.waiting` delivery (`event`: the tool_waiting fields) if the turn has a
+    webhook; its id, or None."""
     raw = store.redis.hget(k.turn_key(turn_id), "webhook_url")
     if not raw:
         return None
@@ -131,8 +123,8 @@ def queue_waiting(
 
 
 def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_before: int) -> str:
-    """Make the delivery's next attempt, if it is still pending and no other message made it
-    already; return what happened (for the task's result and the logs)."""
+    """Make the delivery's next attempt, if still pending and not made already; what
+    happened."""
     lock = k.webhook_key(delivery_id, "lock")
     redis = store.redis
     if not redis.set(lock, "1", nx=True, px=int(lease_s(settings) * 1000)):
