@@ -21,6 +21,8 @@ from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryReque
 Auth = Literal[
     "public", "key", "turn", "owner", "conversation", "operator", "admin", "admin_key", "capability"
 ]
+FALLS_SHORT = ("operator", "admin", "admin_key")
+"""The rules a known key can fall short of (403)."""
 AUTH_RULES: dict[Auth, str] = {
     "public": "No credential.",
     "key": "With keys configured: an API or admin key; lists show the caller's own turns "
@@ -83,6 +85,7 @@ class Operation:
     media_type: str = "application/json"
     parameters: tuple[dict[str, Any], ...] = ()
     errors: tuple[str, ...] = ()
+    """Beyond the 401 (and 403) its auth rule implies."""
 
 
 OPERATIONS: tuple[Operation, ...] = (
@@ -96,26 +99,26 @@ OPERATIONS: tuple[Operation, ...] = (
               errors=("503",)),
     Operation("GET", "/openapi.json", "openapi_page", "This document.", "public"),
     Operation("GET", "/metrics", "metrics_page", "Prometheus metrics.", "admin",
-              media_type="text/plain", errors=("401", "403")),
+              media_type="text/plain"),
     Operation("POST", "/v1/turns", "start_turn", "Start a turn; with conversation_id, one turn "
               "of the conversation runs at a time and multitask says what this message does "
               "while another runs (docs/conversations.md); `missing_workers` names the kinds of "
               "worker no live one is (the turn waits for them).", "key", ok="202",
               request=TurnRequest, response=TurnHandle, parameters=(IDEMPOTENCY_KEY,),
-              errors=("401", "404", "409", "413", "415", "422", "429")),
+              errors=("404", "409", "413", "415", "422", "429")),
     Operation("GET", "/v1/conversations", "conversations", "The caller's conversations (every "
               "one for an admin), most recently changed first.", "key",
               parameters=(
                   _query("limit", "At most this many (1 to 200; default 50).", "integer"),
                   _query("before", "Conversations changed before this time (epoch "
                          "seconds), for the next page.", "number"),
-              ), errors=("401", "422")),
+              ), errors=("422",)),
     Operation("GET", "/v1/conversations/{conversation_id}", "conversation", "A conversation: "
               "status (idle, busy), running_turn_id, queued turn ids, messages, updated_at.",
-              "conversation", errors=("401", "404")),
+              "conversation", errors=("404",)),
     Operation("DELETE", "/v1/conversations/{conversation_id}", "delete_conversation", "Abort "
               "the conversation's running and queued turns and remove it.", "conversation",
-              errors=("401", "404")),
+              errors=("404",)),
     Operation("GET", "/v1/usage", "usage", "Tokens and cost of the UTC days from since to until: "
               "totals and rows (prompt_tokens, completion_tokens, cached_tokens, "
               "total_tokens, cost_usd, turns) by model, agent or key; a key sees its own, "
@@ -126,7 +129,7 @@ OPERATIONS: tuple[Operation, ...] = (
                   _query("until", "Last UTC day (YYYY-MM-DD) or epoch seconds; default now."),
                   _query("key", "Only this key's usage (an admin; a key may name itself)."),
                   _query("group_by", "model (default), agent or key."),
-              ), errors=("401", "403", "422")),
+              ), errors=("403", "422")),
     Operation("GET", "/v1/turns", "list_turns", "Recent and running turns, newest first.", "key",
               parameters=(
                   _query("status", "Comma-separated: queued, running, finished, aborted, "
@@ -135,14 +138,14 @@ OPERATIONS: tuple[Operation, ...] = (
                   _query("limit", "At most this many turns.", "integer"),
                   _query("before", "Turns started before this time (epoch seconds), "
                          "for the next page.", "number"),
-              ), errors=("401", "422")),
+              ), errors=("422",)),
     Operation("GET", "/v1/turns/active", "active", "Running turns: id, started, current tools, "
-              "call count.", "key", errors=("401",)),
+              "call count.", "key"),
     Operation("GET", "/v1/agents", "agents", "The agents the turn workers run: name, model, "
               "tools, description, the JSON schema of a typed output.",
-              "key", errors=("401",)),
+              "key"),
     Operation("GET", "/v1/turns/{turn_id}", "get_turn", "A turn's state, history and "
-              "invocation records.", "turn", errors=("401", "404")),
+              "invocation records.", "turn", errors=("404",)),
     Operation("GET", "/v1/turns/{turn_id}/events", "events", "The turn's events as Server-Sent "
               "Events, from the start (or after Last-Event-ID), then live.", "turn",
               media_type="text/event-stream",
@@ -154,17 +157,17 @@ OPERATIONS: tuple[Operation, ...] = (
                          "with `path` (0 to 8; default 1).", "integer"),
                   {"name": "Last-Event-ID", "in": "header", "required": False,
                    "schema": {"type": "string"}},
-              ), errors=("401", "404")),
+              ), errors=("404",)),
     Operation("GET", "/v1/turns/{turn_id}/timeline", "turn_timeline", "A turn's model rounds "
-              "and calls on a time line (the console).", "owner", errors=("401", "404")),
+              "and calls on a time line (the console).", "owner", errors=("404",)),
     Operation("POST", "/v1/turns/{turn_id}/abort", "abort", "Abort a running turn and its "
-              "sub-agents.", "turn", errors=("401", "404")),
+              "sub-agents.", "turn", errors=("404",)),
     Operation("POST", "/v1/turns/retry", "retry_many", "Retry in bulk: each of the caller's "
               "turns (every owner's for an admin) that ended `status` in the last `since_s` "
               "seconds, of `agent`, once (a turn retried by a bulk retry already is answered "
               "with its retry), at most `rate_per_s` a second; `dry_run` starts nothing. "
               "Without keys: from this machine only. docs/retry.md.", "key",
-              request=BulkRetryRequest, errors=("401", "403", "422")),
+              request=BulkRetryRequest, errors=("403", "422")),
     Operation("POST", "/v1/turns/{turn_id}/retry", "retry_or_fork", "Retry a turn that ended "
               "error or aborted: a new turn (retry_of) that reuses its settled calls and answered "
               "rounds and goes on from its first unsettled step, with its agent, owner, "
@@ -173,17 +176,17 @@ OPERATIONS: tuple[Operation, ...] = (
               "conversation turn's retry starts a new conversation (`conversation_id`, "
               "`branched`). docs/retry.md.", "turn", ok="202",
               request=RetryRequest, response=TurnHandle,
-              errors=("401", "403", "404", "409", "410", "422")),
+              errors=("403", "404", "409", "410", "422")),
     Operation("POST", "/v1/turns/{turn_id}/fork", "retry_or_fork", "Fork a turn: a new turn "
               "(fork_of) from its history before round at_round (1-based), optionally edited (the "
               "last user message, the instructions, the model, one settled call's result); a "
               "turn of a conversation forks into a new conversation. docs/retry.md.", "turn",
               ok="202", request=ForkRequest, response=TurnHandle,
-              errors=("401", "403", "404", "410", "422")),
+              errors=("403", "404", "410", "422")),
     Operation("POST", "/v1/turns/{turn_id}/interactions/{request_id}", "answer", "Answer an "
               "interaction (approval, password, confirm, input: `value` is the answer, checked "
               "against its answer_schema, 422 AnswerInvalid when it does not fit).", "turn",
-              request=InteractionAnswer, errors=("401", "404", "409", "422")),
+              request=InteractionAnswer, errors=("404", "409", "422")),
     Operation("POST", "/v1/waitpoints/{waitpoint_id}", "complete_waitpoint", "Complete a tool's "
               "waitpoint: the body (any JSON) is the call's result, settled ok; `{\"error\": "
               "\"...\"}` settles it error (docs/waitpoints.md). 409: completed already, `first` "
@@ -191,45 +194,43 @@ OPERATIONS: tuple[Operation, ...] = (
               "capability", parameters=(WAITPOINT_TOKEN,),
               errors=("404", "409", "410", "413", "415", "422")),
     Operation("GET", "/v1/interactions", "inbox", "Every pending interaction of the running "
-              "turns, the soonest to expire first (the console's inbox).", "key",
-              errors=("401",)),
+              "turns, the soonest to expire first (the console's inbox).", "key"),
     Operation("GET", "/v1/capacity", "capacity", "The fleet's model capacity per model (the "
               "console's panel): rounds queued by class, streams in use, pauses, requests and "
               "tokens in the last minute, deployments with their breakers, configured limits, "
               "and the model API in use (`api`: setting, in_use, what auto learned).",
-              "admin", errors=("401", "403", "503")),
+              "admin", errors=("503",)),
     Operation("GET", "/v1/mcp/servers", "mcp_servers", "Every MCP server of AGENTQ_MCP_SERVERS "
               "(and any a worker listed): where it is, its last listing's error, its tools by the "
               "name the model sees (`name`) and on the server (`tool`), the tools refused and why "
               "(a bad name or schema, listed twice, a name another tool maps to), and how its "
-              "last start or call went (`health`).", "admin", errors=("401", "403", "503")),
+              "last start or call went (`health`).", "admin", errors=("503",)),
     Operation("GET", "/v1/schedules", "list_schedules", "Every schedule, its last turn and its "
-              "next tick.", "admin_key", errors=("401", "403")),
+              "next tick.", "admin_key"),
     Operation("POST", "/v1/schedules", "add_schedule", "Add a schedule: name, every (30s, 5m) or "
               "cron (5 fields, UTC), prompt, agent?, webhook_url?, overlap?.", "admin_key",
-              ok="201", errors=("401", "403", "422")),
+              ok="201", errors=("422",)),
     Operation("DELETE", "/v1/schedules/{name}", "remove_schedule", "Remove a schedule.",
-              "admin_key", errors=("401", "403", "404")),
+              "admin_key", errors=("404",)),
     Operation("GET", "/v1/webhooks", "list_webhooks", "Recent webhook deliveries: status, "
               "attempts, next attempt.", "admin",
               parameters=(_query("limit", "At most this many (1 to 200; default 50).",
                                  "integer"),),
-              errors=("401", "403", "422")),
+              errors=("422",)),
     Operation("POST", "/mcp", "mcp", "MCP over Streamable HTTP (JSON-RPC): the fleet's agents as "
               "tools, each call a turn of the caller's; see docs/mcp.md.", "key",
-              media_type="text/event-stream", errors=("401", "404", "422")),
+              media_type="text/event-stream", errors=("404", "422")),
     Operation("GET", "/mcp", "mcp", "MCP: a session's stream of server messages (Mcp-Session-Id).",
-              "key", media_type="text/event-stream", errors=("401", "404", "422")),
+              "key", media_type="text/event-stream", errors=("404", "422")),
     Operation("DELETE", "/mcp", "mcp", "MCP: end a session (Mcp-Session-Id).", "key",
-              errors=("401", "404", "422")),
+              errors=("404", "422")),
 )  # fmt: skip
 # The console's buttons (abort, answer, retry, fork, bulk retry) are the steering of a turn
 # with the same bodies, as an operator (no token).
 OPERATIONS += tuple(
     replace(op, path=op.path.replace("/v1/", "/v1/console/"),
             summary=f"From the console, as an operator: {op.summary}",
-            auth="operator" if op.auth == "turn" else op.auth,
-            errors=tuple(sorted({*op.errors, "403"})))
+            auth="operator" if op.auth == "turn" else op.auth)
     for op in OPERATIONS if op.method == "POST" and op.path.startswith("/v1/turns/")
 )  # fmt: skip
 
@@ -259,12 +260,14 @@ def _operation(op: Operation) -> dict[str, Any]:
     ok_content: dict[str, Any] = {"schema": _ref(op.response)} if op.response else {}
     # `post_v1_turns_turn_id_abort`: unique per method and path.
     operation_id = re.sub(r"[^a-z0-9]+", "_", f"{op.method} {op.path}".lower()).strip("_")
+    secured = op.auth not in ("public", "capability")
+    errors = {*op.errors, *("401",) * secured, *("403",) * (op.auth in FALLS_SHORT)}
     out: dict[str, Any] = {
         "summary": op.summary,
         "operationId": operation_id or "page",
         "x-agentq-auth": op.auth,
         "description": AUTH_RULES[op.auth],
-        "security": [] if op.auth in ("public", "capability") else [{"bearer": []}],
+        "security": [{"bearer": []}] if secured else [],
         "responses": {
             op.ok: {"description": "OK", "content": {op.media_type: ok_content}},
             **{
@@ -274,7 +277,7 @@ def _operation(op: Operation) -> dict[str, Any]:
                         "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
                     },
                 }
-                for code in op.errors
+                for code in sorted(errors)
             },
         },
     }
