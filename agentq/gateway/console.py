@@ -73,19 +73,15 @@ def console_handlers(gw: Gateway) -> list[Endpoint]:
     def capacity(request: Request) -> Response:
         gw.require(request, "admin")
         body = capacity_view(gw.capacity, read_snapshots(gw.capacity, settings))
-        body["mcp_servers"] = mcp_panel()
-        return JSONResponse(body, headers=NO_STORE)
-
-    def servers() -> list[dict[str, Any]]:
-        return servers_view(redis, parse_servers(settings.mcp_servers))
-
-    def mcp_panel() -> dict[str, dict[str, Any]]:
-        panel = server_health(redis, detail=True)
+        body["mcp_servers"] = panel = server_health(redis, detail=True)
         for server in servers():
             if server["refused"]:
                 entry = panel.setdefault(server["name"], {"ok": True, "failures": 0})
                 entry["refused"] = server["refused"]
-        return panel
+        return JSONResponse(body, headers=NO_STORE)
+
+    def servers() -> list[dict[str, Any]]:
+        return servers_view(redis, parse_servers(settings.mcp_servers))
 
     def mcp_servers(request: Request) -> Response:
         gw.require(request, "admin")
