@@ -199,14 +199,10 @@ class Deliveries:
 
     def recent(self, limit: int = 50) -> list[Delivery]:
         ids = [text(i) for i in self.redis.zrevrange(k.WEBHOOKS_INDEX, 0, limit - 1)]
-        out = []
-        for delivery_id in ids:
-            d = self.get(delivery_id)
-            if d is None:
-                self.redis.zrem(k.WEBHOOKS_INDEX, delivery_id)
-            else:
-                out.append(d)
-        return out
+        got = {i: self.get(i) for i in ids}
+        if expired := [i for i, d in got.items() if d is None]:
+            self.redis.zrem(k.WEBHOOKS_INDEX, *expired)
+        return [d for d in got.values() if d is not None]
 
     def of_turn(self, turn_id: str) -> dict[str, Any] | None:
         """A turn's delivery with its attempts (`tries`)."""
