@@ -1,5 +1,4 @@
-"""The gateway app: the endpoints routed as openapi.OPERATIONS lists them, behind the
-cross-site guard (and CORS)."""
+"""The gateway app: the routes of openapi.OPERATIONS, behind the cross-site guard and CORS."""
 
 from __future__ import annotations
 

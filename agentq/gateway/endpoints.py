@@ -98,14 +98,12 @@ PAGE_CSP = (
 
 
 async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a thread that a timeout abandons: a hung socket must not hang the
-    health check or a scrape."""
+    """`fn(*args)` on a thread a timeout abandons: a hung socket must not hang health checks."""
     return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
 
 
 class Gateway:
-    """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter
-    (and the console's routes' context)."""
+    """The endpoints, sharing one Client, one metrics registry and the SSE thread limiter."""
 
     def __init__(self, client: Client, *, heartbeat_s: float, poll_s: float) -> None:
         self.client = client
@@ -167,8 +165,7 @@ class Gateway:
         return state
 
     async def steerer(self, request: Request, turn_id: str) -> Principal | None:
-        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, if any. The
-        console takes no token (openapi.AUTH_RULES "operator"), other callers "turn"."""
+        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, if any."""
         token = None
         if request.url.path.startswith("/v1/console/"):
             principal = self.require(request, "operator")
@@ -261,8 +258,7 @@ class Gateway:
         )
 
     async def complete_waitpoint(self, request: Request) -> Response:
-        """An outside system completes a tool's waitpoint: the callback URL's token is the
-        credential (openapi.AUTH_RULES "capability")."""
+        """An outside system completes a tool's waitpoint (openapi.AUTH_RULES "capability")."""
         wp_id = request.path_params["waitpoint_id"]
         token = request.query_params.get("token") or bearer(request)
         ids = parse_waitpoint_id(wp_id)

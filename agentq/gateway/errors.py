@@ -61,8 +61,7 @@ def accepted(handle: TurnHandle) -> Response:
 
 
 class ApiError(HTTPException):
-    """An HTTP-level refusal that is not one of agentq's own errors (`extra`: more fields
-    of its body)."""
+    """An HTTP-level refusal, not one of agentq's own errors (`extra`: more body fields)."""
 
     def __init__(self, status_code: int, type_: str, message: str, **extra: Any) -> None:
         super().__init__(status_code, message)

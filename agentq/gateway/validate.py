@@ -73,8 +73,7 @@ def _raise_constant(name: str) -> Any:
 
 
 async def read_json_value(request: Request, limit_bytes: int) -> Any:
-    """The body as any strict JSON value, refusing (413) before reading more than
-    `limit_bytes`."""
+    """The body as any strict JSON value, refusing (413) past `limit_bytes`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit_bytes:
         raise PayloadTooLarge("request body", int(declared), limit_bytes)

@@ -105,8 +105,7 @@ def queue_delivery(
 def queue_waiting(
     store: TurnStore, settings: Settings, turn_id: str, event: dict[str, Any]
 ) -> str | None:
-    """Queue a `turn.waiting` delivery (`event`: the tool_waiting fields) if the turn has a
-    webhook; its id, or None."""
+    """Queue a `turn.waiting` delivery (`event`: tool_waiting's fields) if there is a webhook."""
     raw = store.redis.hget(k.turn_key(turn_id), "webhook_url")
     if not raw:
         return None
@@ -123,8 +122,7 @@ def queue_waiting(
 
 
 def attempt(store: TurnStore, settings: Settings, delivery_id: str, attempts_before: int) -> str:
-    """Make the delivery's next attempt, if still pending and not made already; what
-    happened."""
+    """Make the delivery's next attempt unless it ended or was made already; what happened."""
     lock = k.webhook_key(delivery_id, "lock")
     redis = store.redis
     if not redis.set(lock, "1", nx=True, px=int(lease_s(settings) * 1000)):
@@ -187,8 +185,7 @@ def register_webhook_task(
 
 
 def start_sweeper(store: TurnStore, app: Celery, settings: Settings) -> None:
-    """Send the due attempts every `webhook_sweep_interval_s`, on a daemon thread of every
-    worker that consumes the webhook queue."""
+    """Send the due attempts every `webhook_sweep_interval_s`, on a daemon thread."""
     dels = Deliveries(store.redis, settings)
 
     def sweep() -> None:
