@@ -30,8 +30,6 @@ LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
 
 @dataclass(frozen=True)
 class Principal:
-    """The holder of an API key: its name, and whether it is an admin key."""
-
     name: str
     admin: bool = False
 
@@ -91,7 +89,6 @@ class Keyring:
         return bool(self._entries)
 
     def identify(self, presented: str | None) -> Principal | None:
-        """The principal whose key this is, or None."""
         if not presented:
             return None
         digest = hashlib.sha256(presented.encode()).digest()

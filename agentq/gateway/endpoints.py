@@ -236,7 +236,6 @@ class Gateway:
         return accepted(handle)
 
     async def retry_many(self, request: Request) -> Response:
-        """Retry the caller's turns that a filter names."""
         principal = self.require(request, "operator")
         host = client_host(request)
         req = validated(BulkRetryRequest, await self.optional_body(request))

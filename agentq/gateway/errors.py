@@ -52,7 +52,6 @@ NO_STORE = {"Cache-Control": "no-store"}
 
 
 def accepted(handle: TurnHandle) -> Response:
-    """202 for a turn started, with where to read it."""
     return JSONResponse(
         handle.model_dump(exclude_none=True),
         status_code=202,

@@ -79,7 +79,6 @@ def check_transport(method: str, headers: Any, session_id: str | None) -> None:
 
 
 def result_of(terminal: Event) -> Any:
-    """The CallToolResult of a turn that ended with `terminal`."""
     from mcp.types import CallToolResult, TextContent
 
     f = terminal.fields

@@ -205,7 +205,6 @@ class Deliveries:
         return [d for d in got.values() if d is not None]
 
     def of_turn(self, turn_id: str) -> dict[str, Any] | None:
-        """A turn's delivery with its attempts (`tries`)."""
         d = self.get(k.webhook_id(turn_id))
         if d is None:
             return None
