@@ -78,7 +78,6 @@ def create_app(
         routes=routes,
         middleware=middleware,
         exception_handlers=EXCEPTION_HANDLERS,
-        # The MCP session manager runs while the app does.
         lifespan=lambda app: mcp.manager.run(),
     )
     app.state.gateway = gw

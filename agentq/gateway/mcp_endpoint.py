@@ -151,7 +151,6 @@ class McpEndpoint:
         return ListToolsResult(tools=tools)
 
     async def _call_tool(self, ctx: Any, params: Any) -> Any:
-        # The HTTP request that carried the call: its key is the caller.
         request: Request = ctx.request
         principal = self.gw.require(request, "key")
         host = client_host(request)
@@ -160,7 +159,6 @@ class McpEndpoint:
             return _error('expected {"input": "<the task, a non-empty string>"}')
         req = TurnRequest(prompt=prompt, agent=params.name, headless=True, detach=True)
         try:
-            # An agent no turn worker publishes is refused here too (UnknownAgent).
             handle = await run_in_threadpool(self.gw.start_limited, req, principal, host)
         except AgentqError as exc:
             return _error(exc.message)
@@ -173,7 +171,6 @@ class McpEndpoint:
                 log.info("mcp: turn %s aborted: its call was cancelled", handle.turn_id)
             raise
         result = result_of(terminal)
-        # Where the caller can read the whole turn (GET /v1/turns/{id}, its events).
         result.meta = {TURN_META_KEY: handle.turn_id}
         return result
 

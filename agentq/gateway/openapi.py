@@ -258,7 +258,6 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 def _operation(op: Operation) -> dict[str, Any]:
     ok_content: dict[str, Any] = {"schema": _ref(op.response)} if op.response else {}
-    # `post_v1_turns_turn_id_abort`: unique per method and path.
     operation_id = re.sub(r"[^a-z0-9]+", "_", f"{op.method} {op.path}".lower()).strip("_")
     secured = op.auth not in ("public", "capability")
     errors = {*op.errors, *("401",) * secured, *("403",) * (op.auth in FALLS_SHORT)}
@@ -281,7 +280,6 @@ def _operation(op: Operation) -> dict[str, Any]:
             },
         },
     }
-    # The path's own parameters first, in the path's order, then the operation's.
     parameters = [*map(_path, re.findall(r"{(\w+)}", op.path)), *op.parameters]
     if parameters:
         out["parameters"] = parameters
