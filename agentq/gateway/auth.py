@@ -1,9 +1,6 @@
 """Who is calling, and what they may do: API keys, principals and the turn access rule.
-
 Only keys' sha256 digests are kept; a presented key's is compared with every one, so
-neither the comparison nor the loop stops early on a partial match. A turn started with a
-key belongs to that key's name (`owner` on the turn's state).
-"""
+neither the comparison nor the loop stops early on a partial match."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""Cross-site protection, as ASGI middleware in front of every route: a web page the user
-visits must not drive a gateway it can reach (one on the user's own machine, above all,
-which may run without keys).
-
-Browsers attach `Origin` to every POST and the real `Host`. A mutating request needs its
-`Origin` (if any) to be ours or in `AGENTQ_CORS_ORIGINS`, and a body declared JSON (a
-`no-cors` page can only send text, form or multipart bodies). `Host` must name this
-gateway, so a DNS-rebinding page cannot read a loopback one; bound to 0.0.0.0 it cannot
-know its names, and keys guard it instead.
+"""Cross-site protection: a web page the user visits must not drive a gateway it can reach
+(on the user's own machine, above all, maybe without keys). Browsers attach `Origin` to
+every POST, and a `no-cors` page can only send text, form or multipart bodies; `Host` must
+name this gateway, so a DNS-rebinding page cannot read a loopback one (bound to 0.0.0.0 it
+cannot know its names, and keys guard it instead).
 """
 
 from __future__ import annotations
