@@ -1,10 +1,7 @@
-"""The gateway's endpoints (REST, SSE, the page, health, metrics). Redis calls run in
-worker threads, never on the event loop: a handler that reads no body is a plain function,
-which starlette runs in its thread pool.
-
+"""The gateway's endpoints. Redis calls run in worker threads, never on the event loop: a
+handler that reads no body is a plain function, which starlette runs in its thread pool.
 An SSE client that shows the token of a turn started attached owns it: if it goes away
-before the terminal event, the turn is aborted (reason ``disconnect``).
-"""
+before the terminal event, the turn is aborted (reason ``disconnect``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""`GET /openapi.json`: the gateway's HTTP API as an OpenAPI 3.1 document. The operations
-are listed by hand, with who may call each and the handler that serves it: the app's
-routes are made from this list."""
+"""`GET /openapi.json`: the HTTP API as an OpenAPI 3.1 document, its operations listed by
+hand with who may call each and the handler the app routes them to."""
 
 from __future__ import annotations
 

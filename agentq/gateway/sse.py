@@ -1,8 +1,5 @@
-"""Server-sent events: a turn's log-then-live events as an ASGI response that notices disconnects.
-
-Blocking Redis reads run in worker threads with their own capacity limiter, so many open
-streams cannot starve the REST handlers.
-"""
+"""Server-sent events: a turn's events as an ASGI response that notices disconnects; the
+Redis reads run in threads with their own limiter, so open streams cannot starve REST."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""The delivery task (one attempt, on the webhook queue) and the sweep that sends due ones.
-
-A turn's ending step sends the first attempt; every later one is sent by a sweep of
-WEBHOOKS_DUE, never a Celery countdown, which is held in a worker's memory and dies with it.
-"""
+"""The delivery task (one attempt) and the sweep that sends due ones: never a Celery
+countdown, which is held in a worker's memory and dies with it."""
 
 from __future__ import annotations
 
