@@ -23,8 +23,7 @@ if TYPE_CHECKING:
     from agentq.gateway.endpoints import Endpoint, Gateway
 
 
-def _limits(limits: Any) -> dict[str, Any]:
-    return {"rpm": limits.rpm, "tpm": limits.tpm, "streams": limits.streams}
+LIMITS = {"rpm", "tpm", "streams"}
 
 
 def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, Any]:
@@ -34,10 +33,13 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
         entry: ModelLimitsEntry | None = cap.limits.get(snap["model"])
         routes = {d.name: d for d in entry.routes} if entry is not None else {}
         deployments = {
-            name: {**dep, "limits": _limits(routes[name]) if name in routes else None}
+            name: {
+                **dep,
+                "limits": routes[name].model_dump(include=LIMITS) if name in routes else None,
+            }
             for name, dep in snap["deployments"].items()
         }
-        limits = None if entry is None else {**_limits(entry), "strategy": entry.strategy}
+        limits = None if entry is None else entry.model_dump(include={*LIMITS, "strategy"})
         models.append({**snap, "limits": limits, "deployments": deployments})
     now_ms = max((int(s["now_ms"]) for s in snapshots), default=None)
     return {"now_ms": now_ms, "models": models}
