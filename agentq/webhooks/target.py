@@ -42,9 +42,7 @@ class Target:
 
 def address_problem(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
     """Why a webhook may not go to `address` (without AGENTQ_WEBHOOK_ALLOW_PRIVATE), or None."""
-    mapped = getattr(address, "ipv4_mapped", None)
-    if mapped is not None:
-        address = mapped
+    address = getattr(address, "ipv4_mapped", None) or address
     if address.is_loopback:
         return "a loopback address"
     if address.is_link_local:
