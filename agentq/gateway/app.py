@@ -36,8 +36,7 @@ def create_app(
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()
-    # A server builds its Celery app as it starts: not in a request thread, and not on the
-    # first turn's or abort's time.
+    # Built now, not in a request thread on the first turn's or abort's time.
     _ = client.app
     logs.install(client.settings.log_format)
     for name, url in client.settings.webhook_urls.items():

@@ -429,8 +429,7 @@ class Gateway:
         events, owner = opened
 
         async def on_disconnect() -> None:
-            # Not after a complete stream: it ended with the turn's terminal event (or the
-            # gateway's shutdown, or a lost Redis: the client reconnects).
+            # Not after a complete stream (the terminal event, a shutdown, a lost Redis).
             if not owner:
                 return
             log.info("turn %s: its attached client disconnected; aborting", turn_id)
@@ -492,8 +491,7 @@ class Gateway:
 
         def read() -> dict[str, Any]:
             redis.ping()
-            # Not a 503: the gateway serves without workers (turns wait for them), and MCP
-            # servers (AGENTQ_MCP_SERVERS) that keep failing show here.
+            # Not a 503 without workers (turns wait for them); failing MCP servers show here.
             body = {"ok": True, "redis": "ok", **workers_view(self.presence.live())}
             mcp = server_health(redis)
             return body | ({"mcp": mcp} if mcp else {})

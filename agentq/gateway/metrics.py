@@ -178,8 +178,7 @@ def capacity_families(snapshots: list[dict[str, Any]]) -> list[GaugeMetricFamily
 
 
 def read_snapshots(cap: Capacity, settings: Settings) -> list[dict[str, Any]]:
-    """The capacity snapshot of every model the gateway knows, with the API it is called
-    with (`api`), for the gauges here and the console's panel."""
+    """The capacity snapshot of every model the gateway knows, with its API (`api`)."""
     learned = read_learned(cap.redis)
     agents = [
         a["model"] for a in published_agent_details(cap.redis) if isinstance(a.get("model"), str)

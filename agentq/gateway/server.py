@@ -28,8 +28,7 @@ class GatewayServer(uvicorn.Server):
 def serve(
     host: str | None = None, port: int | None = None, *, insecure_no_auth: bool = False
 ) -> int:
-    """Serve the gateway until interrupted; without keys, a non-loopback `host` raises
-    ConfigError unless `insecure_no_auth`."""
+    """Serve until interrupted; without keys, a non-loopback `host` needs `insecure_no_auth`."""
     from agentq.gateway.app import create_app
     from agentq.gateway.auth import Keyring, check_bind
 

@@ -106,8 +106,7 @@ async def event_source(
 
 
 class EventStreamResponse(StreamingResponse):
-    """Streams `content`; if the client went away before it ended, awaits `on_disconnect`;
-    then `on_close`."""
+    """Streams `content`, awaits `on_disconnect` if the client left early, then `on_close`."""
 
     media_type = "text/event-stream"
 

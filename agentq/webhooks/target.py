@@ -130,8 +130,7 @@ def check_for_turn(url: str, settings: Settings) -> Target:
 
 
 def signed_headers(secret: str, msg_id: str, timestamp_s: int, body: bytes) -> dict[str, str]:
-    """The headers of one attempt: the id is the same on every retry, the timestamp and so
-    the signature are the attempt's."""
+    """One attempt's headers: the same id on every retry, the attempt's timestamp and signature."""
     signed = f"{msg_id}.{timestamp_s}.".encode() + body
     mac = hmac.new(webhook_key_bytes(secret), signed, hashlib.sha256).digest()
     return {

@@ -75,8 +75,7 @@ def outcome(
 
 
 def lease_s(settings: Settings) -> float:
-    """How long a sent attempt's message has before a sweep sends another (a message that
-    waits longer finds its attempt made and does nothing)."""
+    """How long an attempt's message has before a sweep sends another (a late one does nothing)."""
     return 2 * settings.webhook_timeout_s + 5.0
 
 
@@ -94,8 +93,7 @@ def queue_delivery(
     try:
         send_attempt(app, created, 0)
     except Exception as exc:
-        # The turn has ended already, whatever the broker says: the delivery is due in
-        # Redis, and a sweep sends it once its lease is over.
+        # The delivery is due in Redis: a sweep sends it once its lease is over.
         log.warning("webhook %s not sent now (%s); a sweep sends it", created, exc)
 
 
