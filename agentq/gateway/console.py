@@ -1,7 +1,5 @@
 """The operator console's reads (its steering is `Gateway.steerer`'s). Model capacity is
-fleet-wide, like /metrics, so admins only; only names and numbers go out: a deployment's
-`base_url`, provider model name and `api_key` never do.
-"""
+for admins, like /metrics, and only names and numbers: never a deployment's URL, model or key."""
 
 from __future__ import annotations
 

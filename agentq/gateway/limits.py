@@ -39,10 +39,9 @@ class StartLimits:
     def start(
         self, principal: Principal | None, host: str, start: Callable[[], TurnHandle]
     ) -> TurnHandle:
-        """`start()` a turn within the caller's limits, else RateLimited. A leased place is
-        held for the start in progress (a gateway that dies mid-start frees it), then passes
-        to the turn; ended turns give theirs back first (their states are read here: on a
-        Cluster they live on other slots than the caller's set)."""
+        """`start()` a turn within the caller's limits, else RateLimited. A place is leased
+        for the start (a gateway that dies mid-start frees it), then passes to the turn; ended
+        turns give theirs back first (read here: on a Cluster they are on other slots)."""
         subject = principal.name if principal else f"addr:{host or 'unknown'}"
         wait_s = self._bucket.take(k.limits_key(subject, "bucket"))
         if wait_s > 0:

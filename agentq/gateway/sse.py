@@ -41,11 +41,9 @@ async def stepped(
     events: Generator[Event | None, None, None], **run: Any
 ) -> AsyncGenerator[Event | None, None]:
     """The items of a blocking event iterator, each stepped on a worker thread (`run`:
-    `anyio.to_thread.run_sync`'s options); closed off the loop (closing unsubscribes:
-    socket I/O), even when cancelled. A step may outlive its awaiter (a hard cancel at
-    shutdown, an abandoned MCP call): closing then only asks, and the step closes the
-    iterator as it returns, since a generator cannot be closed while another thread runs it.
-    """
+    `run_sync`'s options), closed off the loop (it unsubscribes: socket I/O) even when
+    cancelled. A step may outlive its awaiter: closing then only asks, and the step closes
+    the iterator as it returns (a generator cannot be closed while a thread runs it)."""
     lock = threading.Lock()
     closed = threading.Event()
 

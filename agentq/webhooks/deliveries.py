@@ -1,7 +1,5 @@
-"""Deliveries in Redis, kept until accepted, gone or failed for good, whatever happens to
-the message that carries an attempt: whoever sends an attempt's message first pushes its
-due score a lease ahead (`claim_due`), so a lost message is sent again once the lease ends.
-"""
+"""Deliveries in Redis, kept until accepted, gone or failed for good: whoever sends an
+attempt's message first pushes its due score a lease ahead, so a lost one is sent again."""
 
 from __future__ import annotations
 
