@@ -53,8 +53,7 @@ class GatewayMetrics:
         )
         self.counts: dict[str, float] = {}
         self.snapshots: list[dict[str, Any]] = []
-        self.webhook_counts: dict[str, int] = {}
-        self.webhook_backlog: int | None = None
+        self.webhooks: tuple[dict[str, int], int | None] = ({}, None)
         r.register(self)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(0)
@@ -67,9 +66,9 @@ class GatewayMetrics:
         read: counters only grow; a stale queue length would mislead)."""
         self.redis_up.set(scrape is not None)
         if scrape is None:
-            self.snapshots, self.webhook_counts, self.webhook_backlog = [], {}, None
+            self.snapshots, self.webhooks = [], ({}, None)
             return
-        active, self.counts, self.snapshots, (self.webhook_counts, self.webhook_backlog) = scrape
+        active, self.counts, self.snapshots, self.webhooks = scrape
         by_status = Counter(str(turn.get("status")) for turn in active)
         for status in ("queued", "running"):
             self.active_turns.labels(status=status).set(by_status[status])
@@ -82,7 +81,7 @@ class GatewayMetrics:
         return [
             *fleet_families(self.counts),
             *capacity_families(self.snapshots),
-            *webhook_families(self.webhook_counts, self.webhook_backlog),
+            *webhook_families(*self.webhooks),
         ]
 
 
