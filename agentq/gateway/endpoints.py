@@ -161,9 +161,9 @@ class Gateway:
             raise TurnNotFound(turn_id)
         return state
 
-    async def steerer(self, request: Request, turn_id: str) -> Principal | None:
-        """Who steers `turn_id` (abort, answer, retry, fork), checked: their key, if any."""
-        token = None
+    async def steerer(self, request: Request) -> tuple[str, Principal | None]:
+        """The path's turn, and who steers it (abort, answer, retry, fork): their key, if any."""
+        turn_id, token = turn_id_of(request.path_params["turn_id"]), None
         if request.url.path.startswith("/v1/console/"):
             principal = self.require(request, "operator")
         else:
@@ -173,7 +173,7 @@ class Gateway:
                     "this call needs the turn's token: Authorization: Bearer <token>"
                 )
         await run_in_threadpool(self.authorize, turn_id, principal, token)
-        return principal
+        return turn_id, principal
 
     async def start_turn(self, request: Request) -> Response:
         principal = self.require(request, "key")
@@ -223,8 +223,7 @@ class Gateway:
 
     async def retry_or_fork(self, request: Request) -> Response:
         """A new turn from the history of a turn the caller may steer."""
-        turn_id = turn_id_of(request.path_params["turn_id"])
-        principal = await self.steerer(request, turn_id)
+        turn_id, principal = await self.steerer(request)
         data = await self.optional_body(request)
         retry = request.url.path.endswith("/retry")
         req = validated(RetryRequest, data) if retry else validated(ForkRequest, data)
@@ -382,16 +381,14 @@ class Gateway:
         return JSONResponse({"turns": turns})
 
     async def abort(self, request: Request) -> Response:
-        turn_id = turn_id_of(request.path_params["turn_id"])
-        await self.steerer(request, turn_id)
+        turn_id, _ = await self.steerer(request)
         # Checked by the steerer: the Client need not check the caller again.
         await run_in_threadpool(self.client.abort, turn_id, None, "user", operator=True)
         return JSONResponse({"ok": True, "turn_id": turn_id})
 
     async def answer(self, request: Request) -> Response:
-        turn_id = turn_id_of(request.path_params["turn_id"])
         request_id = request_id_of(request.path_params["request_id"])
-        await self.steerer(request, turn_id)
+        turn_id, _ = await self.steerer(request)
         ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
         await run_in_threadpool(
             lambda: self.client.answer(
