@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Generator
 from functools import cached_property, partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -73,7 +73,6 @@ if TYPE_CHECKING:
     from agentq.api import Client
 
 log = logging.getLogger("agentq.gateway")
-T = TypeVar("T")
 Rule = Literal["key", "operator", "admin", "admin_key"]
 Endpoint = Callable[[Request], Any]
 
@@ -81,6 +80,7 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 BODY_MARGIN_BYTES = 64 * 1024
 """Room for JSON escaping and the other fields above `max_prompt_bytes`."""
 HEALTH_TIMEOUT_S = 2.0
+"""A health check or a scrape abandons its thread after this: a hung socket must not hang it."""
 MAX_STREAMS = 1000
 """Open SSE streams the gateway serves at once (each holds a thread while it waits)."""
 MAX_LISTED = 200
@@ -92,11 +92,6 @@ PAGE_CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
-
-
-async def _abandonable(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a thread a timeout abandons: a hung socket must not hang health checks."""
-    return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=True)
 
 
 class Gateway:
@@ -496,7 +491,7 @@ class Gateway:
         error = f"no answer within {HEALTH_TIMEOUT_S:g}s"
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                return JSONResponse(await _abandonable(read))
+                return JSONResponse(await anyio.to_thread.run_sync(read, abandon_on_cancel=True))
             except REDIS_ERRORS as exc:
                 error = f"{type(exc).__name__}: {exc}"
         return JSONResponse(
@@ -514,7 +509,7 @@ class Gateway:
         scrape = None
         with anyio.move_on_after(HEALTH_TIMEOUT_S):
             try:
-                scrape = await _abandonable(self._scrape)
+                scrape = await anyio.to_thread.run_sync(self._scrape, abandon_on_cancel=True)
             except REDIS_ERRORS as exc:
                 log.warning("metrics: cannot read the fleet's state from Redis: %s", exc)
         self.metrics.refresh(scrape)
