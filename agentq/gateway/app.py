@@ -30,9 +30,8 @@ def create_app(
     poll_s: float = 1.0,
     bind_host: str = "127.0.0.1",
 ) -> Starlette:
-    """The gateway app: `heartbeat_s` between an idle SSE stream's keep-alives; `poll_s`
-    bounds how long a client's disconnect goes unnoticed; `bind_host` is a Host the guard
-    accepts."""
+    """`heartbeat_s` between an idle stream's keep-alives; `poll_s` bounds how long a gone
+    client goes unnoticed; `bind_host` is a Host the guard accepts."""
     # Here, not in `agentq serve`: `uvicorn --factory` must not log a token either.
     logredact.install()
     client = client or Client()

@@ -1,6 +1,5 @@
-"""Who is calling, and what they may do: API keys, principals and the turn access rule.
-Only keys' sha256 digests are kept; a presented key's is compared with every one, so
-neither the comparison nor the loop stops early on a partial match."""
+"""Who is calling, and what they may do. Only keys' sha256 digests are kept; a presented
+key's is compared with every one, so nothing stops early on a partial match."""
 
 from __future__ import annotations
 

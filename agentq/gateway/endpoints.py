@@ -1,7 +1,6 @@
-"""The gateway's endpoints. Redis calls run in worker threads, never on the event loop: a
-handler that reads no body is a plain function, which starlette runs in its thread pool.
-An SSE client that shows the token of a turn started attached owns it: if it goes away
-before the terminal event, the turn is aborted (reason ``disconnect``)."""
+"""The gateway's endpoints. Redis calls run in worker threads (a handler that reads no body
+is a plain function, run in starlette's pool). An SSE client that shows an attached turn's
+token owns it: if it leaves before the end, the turn is aborted (reason ``disconnect``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Cross-site protection: a web page the user visits must not drive a gateway it can reach
-(on the user's own machine, above all, maybe without keys). Browsers attach `Origin` to
-every POST, and a `no-cors` page can only send text, form or multipart bodies; `Host` must
-name this gateway, so a DNS-rebinding page cannot read a loopback one (bound to 0.0.0.0 it
-cannot know its names, and keys guard it instead).
-"""
+"""Cross-site protection: a page the user visits must not drive a gateway it can reach (on
+their own machine, above all, maybe without keys). Browsers attach `Origin` to every POST,
+and a `no-cors` page sends only text, form or multipart bodies; `Host` must name this
+gateway, so a DNS-rebinding page cannot read a loopback one (bound to 0.0.0.0: keys guard it)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Per-caller (key name, or ``addr:<ip>``) limits on starting turns, in Redis so every
-gateway shares them: a token bucket and a running-turn cap (`agentq.limits`, one script
-each, so concurrent starts cannot slip past between a read and a write)."""
+"""Per-caller limits on starting turns, in Redis so every gateway shares them, one script
+each (`agentq.limits`), so concurrent starts cannot slip past between a read and a write."""
 
 from __future__ import annotations
 

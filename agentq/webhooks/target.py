@@ -1,7 +1,6 @@
-"""Where agentq may post a webhook, and one signed attempt there (Standard Webhooks). A URL
-is checked when a turn names it and at each attempt, after resolution: the attempt connects
-to one of the very addresses checked (the name as Host and SNI), so a name cannot resolve
-to a public address for the check and a private one for the post."""
+"""Where agentq may post a webhook, and one signed attempt there (Standard Webhooks). Each
+attempt connects to one of the very addresses it checked (the name as Host and SNI): a name
+cannot resolve to a public address for the check and a private one for the post."""
 
 from __future__ import annotations
 
