@@ -1,5 +1,4 @@
-"""How the gateway answers: every refusal is JSON, `{"error": {"type", "message"}}`, its
-status mapped here from agentq's own exceptions; `ApiError` for refusals only HTTP has."""
+"""How the gateway answers: every refusal is JSON, `{"error": {"type", "message"}}`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`/mcp`: the fleet's agents served to MCP clients (Streamable HTTP, the `mcp` SDK), each
-call a turn of the caller's key relayed as progress (docs/mcp.md)."""
+"""`/mcp`: the fleet's agents as MCP tools (Streamable HTTP), each call a turn (docs/mcp.md)."""
 
 from __future__ import annotations
 

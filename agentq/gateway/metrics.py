@@ -1,5 +1,4 @@
-"""Prometheus metrics of the gateway, in a registry of their own (no process/GC collectors),
-and the fleet's, read at scrape time from Redis (docs/operations.md)."""
+"""The gateway's Prometheus metrics (its own registry) and the fleet's, read at scrape time."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""`GET /openapi.json`: the HTTP API as an OpenAPI 3.1 document, its operations listed by
-hand with who may call each and the handler the app routes them to."""
+"""`GET /openapi.json`: the HTTP API, listed by hand with who may call each and its handler."""
 
 from __future__ import annotations
 

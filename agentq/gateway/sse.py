@@ -1,5 +1,4 @@
-"""Server-sent events: a turn's events as an ASGI response that notices disconnects; the
-Redis reads run in threads with their own limiter, so open streams cannot starve REST."""
+"""Server-sent events: a turn's events as an ASGI response that notices disconnects."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What the gateway checks before it touches Redis (ids in paths, query numbers, JSON
-bodies), so nothing a client sends ends as a 500 or 503."""
+"""What the gateway checks before Redis, so nothing a client sends ends as a 500 or 503."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def query_number(
     integer: bool = False,
     clamp: bool = False,
 ) -> Any:
-    """The query parameter `name` from `low` to `high` (`clamp`: brought into that range),
-    `default` when absent, else 422."""
+    """The query parameter `name` from `low` to `high` (`clamp`: brought in), else 422."""
     raw = request.query_params.get(name)
     if raw is None or raw == "":
         return default
