@@ -88,11 +88,8 @@ def validated(model: type[M], data: Any) -> M:
 
 
 def bearer(request: Request) -> str | None:
-    auth = request.headers.get("authorization", "")
-    scheme, _, value = auth.partition(" ")
-    if scheme.lower() == "bearer" and value.strip():
-        return value.strip()
-    return None
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    return (value.strip() or None) if scheme.lower() == "bearer" else None
 
 
 def _headers(exc: AgentqError) -> dict[str, str]:
