@@ -12,7 +12,6 @@ from agentq.gateway.auth import visible_to
 from agentq.gateway.errors import NO_STORE, invalid
 from agentq.gateway.metrics import read_snapshots
 from agentq.llm.capacity import Capacity
-from agentq.llm.limits import ModelLimitsEntry
 from agentq.mcp.listing import server_health, servers_view
 from agentq.mcp.servers import parse_servers
 from agentq.state.listing import TurnLister, TurnQuery
@@ -28,14 +27,10 @@ def capacity_view(cap: Capacity, snapshots: list[dict[str, Any]]) -> dict[str, A
     """The body of `GET /v1/capacity`: each snapshot with its configured limits (or None)."""
     models = []
     for snap in snapshots:
-        entry: ModelLimitsEntry | None = cap.limits.get(snap["model"])
-        routes = {d.name: d for d in entry.routes} if entry is not None else {}
+        entry = cap.limits.get(snap["model"])
+        routes = {d.name: d.model_dump(include=LIMITS) for d in entry.routes} if entry else {}
         deployments = {
-            name: {
-                **dep,
-                "limits": routes[name].model_dump(include=LIMITS) if name in routes else None,
-            }
-            for name, dep in snap["deployments"].items()
+            name: {**dep, "limits": routes.get(name)} for name, dep in snap["deployments"].items()
         }
         limits = None if entry is None else entry.model_dump(include={*LIMITS, "strategy"})
         models.append({**snap, "limits": limits, "deployments": deployments})
