@@ -19,8 +19,7 @@ from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryReque
 Auth = Literal[
     "public", "key", "turn", "owner", "conversation", "operator", "admin", "admin_key", "capability"
 ]
-FALLS_SHORT = ("operator", "admin", "admin_key")
-"""The rules a known key can fall short of (403)."""
+FALLS_SHORT = ("operator", "admin", "admin_key")  # rules a known key can fall short of: 403
 AUTH_RULES: dict[Auth, str] = {
     "public": "No credential.",
     "key": "With keys configured: an API or admin key; lists show the caller's own turns "
