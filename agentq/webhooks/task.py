@@ -183,15 +183,12 @@ def start_sweeper(store: TurnStore, app: Celery, settings: Settings) -> None:
     """Send the due attempts every `webhook_sweep_interval_s`, on a daemon thread."""
     dels = Deliveries(store.redis, settings)
 
-    def sweep() -> None:
-        for delivery_id, attempts in dels.claim_due(lease_s=lease_s(settings)):
-            send_attempt(app, delivery_id, attempts)
-
     def run() -> None:
         while True:
             time.sleep(settings.webhook_sweep_interval_s)
             try:
-                sweep()
+                for delivery_id, attempts in dels.claim_due(lease_s=lease_s(settings)):
+                    send_attempt(app, delivery_id, attempts)
             except Exception:
                 log.warning("webhook sweep failed", exc_info=True)
 
