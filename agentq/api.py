@@ -53,22 +53,15 @@ _HIDDEN = frozenset({"token_sha256", WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_F
 bookkeeping."""
 
 
-def agent_name(agent: Agent | str | None) -> str | None:
-    """The name a turn request carries for `agent`."""
-    return agent if agent is None or isinstance(agent, str) else agent.name
+def _agent(agent: Agent | str | None) -> tuple[str | None, type[BaseModel] | None]:
+    """The name a turn request carries for `agent`, and the model its output is validated
+    as (by name: among the agents this process defined)."""
+    if not isinstance(agent, str):
+        return (None, None) if agent is None else (agent.name, agent.output_type)
+    from agentq.agents import all_agents
 
-
-def output_type_of(agent: Agent | str | None) -> type[BaseModel] | None:
-    """The model a turn's output is validated as: the agent's `output_type`, found by name
-    among the agents this process defined when only a name is given."""
-    if agent is None:
-        return None
-    if isinstance(agent, str):
-        from agentq.agents import all_agents
-
-        found = all_agents().get(agent)
-        return None if found is None else found.output_type
-    return agent.output_type
+    found = all_agents().get(agent)
+    return agent, None if found is None else found.output_type
 
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -218,8 +211,9 @@ class Client:
         key = options.pop("idempotency_key", None)
         # A TurnRequest refuses any other keyword (a start's `owner` is the gateway's own).
         fields = cast("dict[str, Any]", options)
-        req = TurnRequest(prompt=prompt, agent=agent_name(agent), **fields)
-        return Turn(self, self._start_turn(req, idempotency_key=key), output_type_of(agent))
+        name, output_type = _agent(agent)
+        req = TurnRequest(prompt=prompt, agent=name, **fields)
+        return Turn(self, self._start_turn(req, idempotency_key=key), output_type)
 
     def run(
         self,
@@ -276,14 +270,15 @@ class Client:
     ) -> Turn:
         """A new turn (`retry_of`) going on where a turn that ended error or aborted stopped,
         its settled calls and rounds reused, its spend counted (docs/retry.md)."""
+        name, output_type = _agent(agent)
         req = replay.RetryRequest(
             rerun_lost=rerun_lost,
-            agent=agent_name(agent),
+            agent=name,
             model=model,
             max_tokens=max_tokens,
             max_cost_usd=max_cost_usd,
         )
-        return Turn(self, self._replay(turn_id, req, token), output_type_of(agent))
+        return Turn(self, self._replay(turn_id, req, token), output_type)
 
     def fork(
         self,
@@ -297,14 +292,15 @@ class Client:
         max_cost_usd: float | None = None,
     ) -> Turn:
         """A new turn (`fork_of`) from the history before round `at_round` (1-based)."""
+        name, output_type = _agent(agent)
         req = replay.ForkRequest(
             at_round=at_round,
             edit=replay.ForkEdit.model_validate(edit) if isinstance(edit, dict) else edit,
-            agent=agent_name(agent),
+            agent=name,
             max_tokens=max_tokens,
             max_cost_usd=max_cost_usd,
         )
-        return Turn(self, self._replay(turn_id, req, token), output_type_of(agent))
+        return Turn(self, self._replay(turn_id, req, token), output_type)
 
     def _replay(
         self, turn_id: str, req: replay.RetryRequest | replay.ForkRequest, token: str | None = None
@@ -517,8 +513,7 @@ class Client:
 
         deadline = time.monotonic() + timeout_s
         beat_s = min(1.0, max(timeout_s, 0.01))
-        watch = Watch(turn_id, None, self._store.redis, log.warning)
-        watch.start()
+        watch = Watch(turn_id, None, self._store.redis, log.warning).start()
         try:
             for ev in follow(self._store.bus, turn_id, heartbeat_s=beat_s, depth=0):
                 if ev is not None and ev.ends_turn:

@@ -21,7 +21,6 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from agentq.config import Settings, get_settings, is_sentinel, redact
@@ -46,10 +45,6 @@ STOP_TIMEOUT_S = 10.0
 """Per process, between SIGTERM and SIGKILL: a warm shutdown lets running tasks end."""
 FLOWER_AUTH_VARIABLES = ("FLOWER_BASIC_AUTH", "FLOWER_AUTH")
 """Flower's own: either keeps `agentq dev` from generating credentials."""
-
-
-class _Stop(Exception):
-    """SIGTERM or SIGHUP: stop everything, like Ctrl-C."""
 
 
 def say(message: str) -> None:
@@ -250,10 +245,6 @@ def _watch(fleet: LocalFleet) -> int:
     return 1
 
 
-def _raise_stop(signum: int, frame: FrameType | None) -> None:
-    raise _Stop(signal.Signals(signum).name)
-
-
 @contextlib.contextmanager
 def _signals(handler: Any, *signums: signal.Signals) -> Iterator[None]:
     saved = {s: signal.signal(s, handler) for s in signums}
@@ -280,11 +271,12 @@ def main(opts: argparse.Namespace) -> int:
     fleet = LocalFleet({}, log_dir=log_dir, stop_timeout_s=STOP_TIMEOUT_S)
     code = 1
     try:
-        with _signals(_raise_stop, signal.SIGTERM, signal.SIGHUP):
+        # SIGTERM and SIGHUP stop everything as Ctrl-C does.
+        with _signals(signal.default_int_handler, signal.SIGTERM, signal.SIGHUP):
             code = _serve(fleet, opts)
     except ProcessStartError as exc:
         say(f"could not start: {exc}")
-    except (KeyboardInterrupt, _Stop):
+    except KeyboardInterrupt:
         code = 0
     finally:
         _stop_quietly(fleet)
