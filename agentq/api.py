@@ -49,8 +49,7 @@ if TYPE_CHECKING:
 
 
 _HIDDEN = frozenset({"token_sha256", WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_FIELDS})
-"""State fields a client's view leaves out: the token's hash, the bus's and the rounds'
-bookkeeping."""
+"""State fields a client's view leaves out: the token's hash and bookkeeping."""
 
 
 def _agent(agent: Agent | str | None) -> tuple[str | None, type[BaseModel] | None]:
@@ -69,8 +68,7 @@ DEFAULT_TIMEOUT_S = 300.0
 
 
 class StartOptions(TypedDict, total=False):
-    """The options of `Client.start` and `Client.run` (docs/python-api.md): the fields of a
-    TurnRequest a caller sets, and the start's `idempotency_key`."""
+    """`Client.start`'s options (docs/python-api.md): TurnRequest fields and `idempotency_key`."""
 
     messages: list[dict[str, Any]] | None
     conversation_id: str | None
@@ -92,7 +90,6 @@ class _Started:
     ) -> None:
         self._client = client
         self.handle = handle
-        """What the start answered (its conversation token, queue position, ...)."""
         self._output_type = output_type
 
     @property
@@ -114,19 +111,17 @@ class Turn(_Started):
     _client: Client
 
     def events(self, *, depth: int = 1, after_id: str = "0-0") -> Iterator[Event]:
-        """Its events from the start (or after `after_id`), then live, up to its own end
-        (`ev.ends_turn`); its sub-agents' are relayed `depth` levels down, with `path`."""
+        """`Client.events` without heartbeats."""
         for ev in self._client.events(self.turn_id, after_id=after_id, depth=depth):
             if ev is not None:
                 yield ev
 
     def wait(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
-        """Block until the turn ends; its terminal event (TurnTimeout past `timeout_s`)."""
+        """`Client.wait` on this turn."""
         return self._client.wait(self.turn_id, timeout_s)
 
     def result(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> TurnResult:
-        """Block until the turn ends: its result, or TurnFailed, TurnAborted,
-        HeadlessInteraction; TurnTimeout (a TimeoutError) past `timeout_s`."""
+        """Block until the turn ends: its result, or `Client.run`'s errors."""
         terminal = self.wait(timeout_s)
         return settle(self.turn_id, terminal, self._client.get(self.turn_id), self._output_type)
 
@@ -142,16 +137,14 @@ class Turn(_Started):
         *,
         turn_id: str | None = None,
     ) -> None:
-        """Answer its interaction `request_id` ("approve" or "deny"; `value` for a password).
-
-        A relayed sub-agent's request is answered on its own turn: pass the event's
-        `turn_id` (the turn's token holds for its sub-agents too)."""
+        """Answer its interaction `request_id`; a relayed sub-agent's on the event's `turn_id`
+        (the turn's token opens its sub-agents too)."""
         self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
 
 
 def usage_time(raw: float | str | None, name: str, *, end: bool = False) -> float | None:
-    """A usage query's `since`/`until` as epoch seconds: a UTC day YYYY-MM-DD (its start,
-    or with `end` its last second) or epoch seconds; ValueError naming `name` otherwise."""
+    """A UTC day YYYY-MM-DD (its first, or with `end` its last second) or epoch seconds, as
+    epoch seconds; ValueError naming `name` otherwise."""
     if not isinstance(raw, str):
         return raw
     try:
@@ -175,22 +168,17 @@ class Client:
         from agentq.fleet.runtime import get_store
 
         self.settings = settings or get_settings()
-        self._store: TurnStore = get_store(self.settings)
-        """The fleet's store, for agentq's own processes that hold a Client (the gateway,
-        the CLI); not part of the public API."""
-        # The Celery app is built on first use: `agentq abort` of a turn no task holds
-        # never needs it, and building it costs that command most of its start-up.
-        self._app = app
         s = self.settings
+        self._store: TurnStore = get_store(s)
+        # Built on first use: `agentq abort` of a turn no task holds never needs it, and
+        # building it costs that command most of its start-up.
+        self._app = app
         self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
-        if self.traced:
-            # The workers record a turn's spans; this process gives each turn it starts
-            # its trace.
+        if self.traced:  # the workers record a turn's spans; each turn starts its trace here
             tracing.setup("client", otel=s.otel, spans_file=s.otel_spans_file)
 
     @property
     def app(self) -> Celery:
-        """The Celery app this client sends tasks with."""
         if self._app is None:
             from agentq.fleet.runtime import get_app
 
@@ -201,13 +189,9 @@ class Client:
         self, agent: Agent | str | None, prompt: str | None = None, **options: Unpack[StartOptions]
     ) -> Turn:
         """Start a turn of `agent` (an Agent, its name, or None: the default model with
-        every tool) and return at once with its `Turn` (options: docs/python-api.md).
-
-        A budget counts the sub-agents' spend and may lower the agent's, not raise it; a
-        second start with the same `idempotency_key` within 24 h returns the first's turn.
-        Raises UnknownAgent, BudgetInvalid, BudgetExceeded, ConversationBusy,
-        IdempotencyKeyReused or WebhookRefused before any turn exists.
-        """
+        every tool) and return its `Turn` at once (docs/python-api.md). Raises UnknownAgent,
+        BudgetInvalid, BudgetExceeded, ConversationBusy, IdempotencyKeyReused or
+        WebhookRefused before any turn exists."""
         key = options.pop("idempotency_key", None)
         # A TurnRequest refuses any other keyword (a start's `owner` is the gateway's own).
         fields = cast("dict[str, Any]", options)
@@ -223,9 +207,8 @@ class Client:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         **options: Unpack[StartOptions],
     ) -> TurnResult:
-        """Start a turn (`start`'s options) and block until it ends: its result, or
-        TurnFailed, TurnAborted, HeadlessInteraction; TurnTimeout past `timeout_s` (the
-        turn keeps running: abort it with the error's `turn_id` if it should not)."""
+        """Start a turn and block until it ends: its result, or TurnFailed, TurnAborted,
+        HeadlessInteraction; TurnTimeout past `timeout_s` (the turn keeps running)."""
         return self.start(agent, prompt, **options).result(timeout_s)
 
     def _start_turn(
@@ -237,10 +220,9 @@ class Client:
         idempotency_key: str | None = None,
         **fields: Any,
     ) -> TurnHandle:
-        """`start` for agentq's own commands and the gateway: a TurnRequest, or a prompt and
-        its `fields`, owned by the key name `owner` (None: no key). `operator=True` may
-        continue any conversation: an admin key, or a tool that holds Redis credentials and
-        could read it anyway."""
+        """`start` for agentq's own commands and the gateway, owned by the key name `owner`.
+        An `operator` (an admin key, or a tool holding Redis credentials that could read it
+        anyway) may continue any conversation."""
         if isinstance(prompt, TurnRequest):
             if fields:  # they would be dropped without a word
                 raise TypeError(f"fields given beside a TurnRequest: {', '.join(sorted(fields))}")
@@ -268,8 +250,7 @@ class Client:
         max_tokens: int | None = None,
         max_cost_usd: float | None = None,
     ) -> Turn:
-        """A new turn (`retry_of`) going on where a turn that ended error or aborted stopped,
-        its settled calls and rounds reused, its spend counted (docs/retry.md)."""
+        """A new turn going on where a turn that ended error or aborted stopped (docs/retry.md)."""
         name, output_type = _agent(agent)
         req = replay.RetryRequest(
             rerun_lost=rerun_lost,
@@ -291,7 +272,7 @@ class Client:
         max_tokens: int | None = None,
         max_cost_usd: float | None = None,
     ) -> Turn:
-        """A new turn (`fork_of`) from the history before round `at_round` (1-based)."""
+        """A new turn from the history before round `at_round` (1-based)."""
         name, output_type = _agent(agent)
         req = replay.ForkRequest(
             at_round=at_round,
@@ -305,7 +286,7 @@ class Client:
     def _replay(
         self, turn_id: str, req: replay.RetryRequest | replay.ForkRequest, token: str | None = None
     ) -> TurnHandle:
-        """Start a retry or fork: the gateway's way in, once it checked the caller."""
+        """The gateway's way in, once it checked the caller."""
         if token is not None:
             self.check_token(turn_id, token)
         return replay.start_replay(
@@ -315,9 +296,8 @@ class Client:
     def retry_many(
         self, *, said: Callable[[replay.BulkOutcome], None] | None = None, **filters: Any
     ) -> list[replay.BulkOutcome]:
-        """Retry once each turn that matches `filters` (BulkRetryRequest's fields: status,
-        agent, since_s, limit, rate_per_s, dry_run, rerun_lost), at most `rate_per_s` a
-        second; a turn retried before (by anyone) is said `retried_already`, never again."""
+        """Retry once each turn that matches `filters` (BulkRetryRequest's fields); a turn
+        retried before, by anyone, is said `retried_already`."""
         from celery.local import Proxy
 
         req = replay.BulkRetryRequest(**filters)
@@ -328,8 +308,8 @@ class Client:
         )
 
     def check_token(self, turn_id: str, token: str | None, *, operator: bool = False) -> TurnState:
-        """The turn's state if `token` is its token (`token_matches`). An `operator` needs
-        none: a tool that holds Redis credentials could do anything to the turn anyway."""
+        """The turn's state if `token` is its token; an `operator` (holding Redis credentials,
+        it could do anything to the turn anyway) needs none."""
         state = self._store.state(turn_id)
         if state is None:
             raise TurnNotFound(turn_id)
@@ -365,12 +345,9 @@ class Client:
         )
 
     def complete_waitpoint(self, waitpoint_id: str, token: str, result: Any) -> ToolResult:
-        """Complete a waitpoint (what a tool's `Waitpoint` waits for) with `result`, the
-        JSON the model reads as the call's result (`{"error": "..."}`: the call settles
-        `error`); the call's settled result. The token is the waitpoint's capability (its
-        callback URL's `token`). Raises WaitpointRefused: 404 (unknown, or a wrong token),
-        409 (completed already: `first`), 410 (timed out, cancelled, its turn over);
-        PayloadTooLarge."""
+        """Settle a waitpoint's call with `result` (`{"error": ...}` settles it `error`); the
+        settled result. Raises WaitpointRefused (404 unknown or a wrong token, 409 completed
+        already, 410 closed) or PayloadTooLarge."""
         return self._store.complete_waitpoint(
             waitpoint_id, token, result, max_bytes=self.settings.max_result_bytes
         )
@@ -409,8 +386,7 @@ class Client:
         }
 
     def active(self) -> list[dict[str, Any]]:
-        """The open turns, oldest first, as `agentq turns` lists them (`current_tools`: the
-        calls each has out), summarised a page at a time so no script holds Redis long."""
+        """The open turns, oldest first, with the calls each has out (`current_tools`)."""
         rows = TurnLister(self._store.redis).active()
         open_rows = [row for row in rows if row["status"] not in TERMINAL_STATUSES]
         return sorted(open_rows, key=lambda t: float(t["created_at"] or 0))
@@ -423,9 +399,8 @@ class Client:
         token: str | None = None,
         operator: bool = False,
     ) -> dict[str, Any]:
-        """A conversation: idle or busy, its running and queued turns, its messages. Its
-        owner, the holder of its token or an `operator` may read it; anyone else, and an
-        unknown id: ConversationNotFound."""
+        """A conversation, for its owner, its token's holder or an `operator`; anyone else,
+        and an unknown id: ConversationNotFound."""
         convs = conversations(self._store)
         convs.check_access(conversation_id, owner=owner, token=token, any_owner=operator)
         view = shown(self._store, convs.view(conversation_id)).public()
@@ -442,10 +417,8 @@ class Client:
         owner: str | None = None,
         admin: bool = True,
     ) -> dict[str, Any]:
-        """Tokens and cost of the UTC days from `since` to `until` (`usage_time`; default
-        the last 30 days), totals and rows grouped by model, agent or key (docs/spend.md).
-        `owner` (a caller that is not `admin`) sees its own key's only; an admin sees
-        `key`'s, or every key's."""
+        """Tokens and cost of the UTC days from `since` to `until` (default the last 30),
+        grouped by model, agent or key (docs/spend.md); a caller not `admin` sees its own."""
         keep = self.settings.usage_retention_days
         start, end = usage_time(since, "since"), usage_time(until, "until", end=True)
         days = usage_days(group_by, start, end, time.time(), keep)
@@ -498,7 +471,7 @@ class Client:
         depth: int = 1,
     ) -> Iterator[Event | None]:
         """The turn's events after `after_id` (an event's `cursor`), then live, up to its
-        end; its sub-agents' relayed `depth` levels down. None every `heartbeat_s` of silence."""
+        end; its sub-agents' relayed `depth` levels down; None every `heartbeat_s` of silence."""
         if self._store.state(turn_id) is None:
             raise TurnNotFound(turn_id)
         return follow(
@@ -506,9 +479,8 @@ class Client:
         )
 
     def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
-        """Block until the turn ends; return its terminal event (TurnTimeout, a
-        TimeoutError, past `timeout_s`). While the fleet has no live worker the turn
-        needs, a warning (logger `agentq.client`) says what to start."""
+        """Block until the turn ends: its terminal event, or TurnTimeout. While no live worker
+        serves the turn, a warning says what to start."""
         from agentq.fleet.presence import Watch, advice
 
         deadline = time.monotonic() + timeout_s

@@ -1,9 +1,8 @@
 """The asyncio client: `Client` as coroutines and async iterators.
 
 Waiting never holds a thread: XREAD BLOCK on `redis.asyncio` reads the turn's log and its
-relayed sub-agents' in one command. Starts, aborts and final reads have no asyncio form and
-run on two threads, so a burst of starts competes with the loop for the GIL from two
-threads, not from a pool's dozens.
+relayed sub-agents' in one command. Starts, aborts and final reads run on two threads, so a
+burst of starts competes with the loop for the GIL from two threads, not a pool's dozens.
 """
 
 from __future__ import annotations
@@ -39,16 +38,14 @@ R = TypeVar("R")
 READ_COUNT = 500
 """Events one XREAD answers at most."""
 SYNC_THREADS = 2
-"""Threads that run the client's few blocking calls (starts, aborts, final reads)."""
 MAX_CONNECTIONS = 4096
-"""Redis connections of one AsyncClient: each turn being waited for or followed holds one
-(its XREAD BLOCK) while it waits."""
+"""Redis connections of one AsyncClient: each turn waited for or followed holds one."""
 
 
 def _threaded(
     method: Callable[Concatenate[Client, P], R],
 ) -> Callable[Concatenate[AsyncClient, P], Awaitable[R]]:
-    """`Client`'s method as a coroutine: it has no asyncio form, so it runs on the threads."""
+    """`Client`'s method as a coroutine run on the client's threads."""
 
     async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> R:
         return await self._call(method, self._client, *args, **kwargs)
@@ -60,7 +57,7 @@ def _threaded(
 def _starts(
     method: Callable[Concatenate[Client, P], Turn],
 ) -> Callable[Concatenate[AsyncClient, P], Awaitable[AsyncTurn]]:
-    """`Client`'s method that starts a turn, as a coroutine that returns its `AsyncTurn`."""
+    """`_threaded` for a method that starts a turn: its `AsyncTurn`."""
     threaded = _threaded(method)
 
     async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> AsyncTurn:
@@ -87,7 +84,6 @@ class AsyncClient:
             max_connections=MAX_CONNECTIONS,
         )
         self._client: Client = Client(self.settings)
-        """Starts, aborts, answers and reads, run on `_threads`."""
         self._threads = ThreadPoolExecutor(SYNC_THREADS, thread_name_prefix="agentq-aclient")
 
     async def __aenter__(self) -> AsyncClient:
@@ -124,9 +120,7 @@ class AsyncClient:
         depth: int = 1,
         heartbeat_s: float | None = None,
     ) -> AsyncGenerator[Event | None, None]:
-        """The turn's events, its log first, then live, up to its own end; its sub-agents'
-        relayed `depth` levels down (with `path`). None every `heartbeat_s` of silence.
-        `after_id` is an event's `cursor` (or a stream id): the events after it."""
+        """`Client.events`."""
         block_ms = int((heartbeat_s or 5.0) * 1000)
         after = Cursor.parse(after_id)
         relay = Relay(turn_id, after=after, depth=depth)
@@ -154,8 +148,8 @@ class AsyncClient:
                     if heartbeat_s is not None:
                         yield None
                     continue
-                # Merged as the sync follower merges: a full page that runs out, or a child
-                # that opens, ends the merge and the next read takes every log from its place.
+                # A full page that runs out, or a child that opens, ends the merge: the next
+                # read takes every log from its place.
                 pending = {
                     streams[text(key)].turn_id: deque(
                         Event.parse(f[b"e"], stream_id=text(i)) for i, f in entries
@@ -171,7 +165,7 @@ class AsyncClient:
                     self._threads.submit(marks.drop, list(marks))
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
-        """The turn's terminal event, once it ends; TurnTimeout past `timeout_s`."""
+        """`Client.wait`, without the warning."""
         deadline = time.monotonic() + timeout_s
         beat_s = min(1.0, max(timeout_s, 0.01))
         # Closed here, not by the loop's finalizer: the follower counts itself out at once.
@@ -198,14 +192,13 @@ class AsyncTurn(_Started):
     _client: AsyncClient
 
     async def events(self, *, depth: int = 1, after_id: str = "0-0") -> AsyncIterator[Event]:
-        """Its events up to its own end (`ev.ends_turn`), sub-agents' relayed `depth` down."""
+        """`Client.events` without heartbeats."""
         async for ev in self._client.events(self.turn_id, after_id=after_id, depth=depth):
             if ev is not None:
                 yield ev
 
     async def result(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> TurnResult:
-        """Its result once it ends, or TurnFailed, TurnAborted, HeadlessInteraction;
-        TurnTimeout past `timeout_s`."""
+        """`Turn.result`."""
         terminal = await self._client.wait(self.turn_id, timeout_s)
         view = await self._client.get(self.turn_id)
         return settle(self.turn_id, terminal, view, self._output_type)
