@@ -1,10 +1,5 @@
-"""`agentq dev`: the whole fleet on one machine, and all of it stopped again by PID.
-
-Redis (embedded when none answers at AGENTQ_REDIS_URL) and the scripted demo model (when
-AGENTQ_LLM_BASE_URL is unset) first, then side by side the workers, the beat, the gateway
-and Flower, each in its own process group logging to a file. Ctrl-C, SIGTERM, the death
-of any process or a failed start stops all of them.
-"""
+"""`agentq dev`: the whole fleet on one machine, Redis and a demo model where none is set,
+each process logging to a file; Ctrl-C, SIGTERM, any death or a failed start stops all."""
 
 from __future__ import annotations
 
@@ -58,8 +53,7 @@ def _python(*args: str) -> list[str]:
 
 
 def wait_ready(ready: dict[ManagedProcess, str], timeout_s: float = READY_TIMEOUT_S) -> None:
-    """Wait until each process has logged its ready line; ProcessStartError when one exits
-    or time runs out."""
+    """Wait until each process logged its ready line; ProcessStartError otherwise."""
     pending = dict(ready)
 
     def all_ready() -> bool:
@@ -91,8 +85,7 @@ def _because(proc: ManagedProcess) -> str:
 
 
 def _port(preferred: int, env_name: str, what: str) -> int:
-    """`preferred` when it is free; a free port otherwise, unless the user asked for that one.
-    0 means any free port."""
+    """`preferred` (0: any) if free; else a free one, unless the user asked for that one."""
     if preferred == 0:
         return find_free_port()
     if port_is_free(preferred):
@@ -105,10 +98,9 @@ def _port(preferred: int, env_name: str, what: str) -> int:
 
 
 SHOWN = ("web page", "Flower", "webhooks", "Redis", "model", "pids", "logs")
-"""The summary's lines, in this order, each when it applies."""
 Started = tuple[dict[str, str], dict[str, str]]
-"""The environment the fleet starts with, and the summary's lines by SHOWN label: Flower's
-and the webhooks' generated credentials too, printed once, at start."""
+"""The fleet's environment, and the summary's lines by SHOWN label (generated credentials
+too: printed once, at start)."""
 
 
 def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
@@ -168,7 +160,7 @@ def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -
 
 
 def _environment(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:
-    """The Redis the fleet uses (embedded if none answers) and the environment it starts with."""
+    """The Redis the fleet uses (embedded if none answers), and its environment."""
     separate_broker = bool(settings.broker_url) and settings.broker_url != settings.redis_url
     if separate_broker and (problem := probe(settings.broker, settings.redis_sentinel_master)):
         where = redact(settings.broker)
@@ -226,7 +218,6 @@ def summary(env: dict[str, str], shown: dict[str, str], fleet: LocalFleet, took_
 
 
 def _print_events(events: Iterator[Any]) -> None:
-    """Until the turn's end, where its events end."""
     for ev in events:
         if ev is not None:
             fields = json.dumps(ev.fields, default=str, ensure_ascii=False)
@@ -256,7 +247,7 @@ def _signals(handler: Any, *signums: signal.Signals) -> Iterator[None]:
 
 
 def _stop_quietly(fleet: LocalFleet) -> None:
-    """Stop everything; signals wait until it is done, so no child is left behind."""
+    """Stop everything, signals ignored meanwhile so no child is left behind."""
     with _signals(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         n = len(fleet.procs) + (fleet.redis is not None)
         t0 = time.monotonic()
@@ -288,14 +279,13 @@ def main(opts: argparse.Namespace) -> int:
 
 
 def _serve(fleet: LocalFleet, opts: argparse.Namespace) -> int:
-    """Start everything; then the demo turn (with --once, its exit code) or watch till a death."""
+    """Start everything; then the demo turn (--once: its exit code), or watch till a death."""
     t0 = time.monotonic()
     env, shown = start_all(fleet, opts, get_settings())
     say(summary(env, shown, fleet, time.monotonic() - t0))
     from agentq.fleet import runtime
 
-    # This process's Client uses what was started.
-    os.environ.update(env)
+    os.environ.update(env)  # this process's Client uses what was started
     runtime.reset()
     from agentq.api import Client
 

@@ -22,10 +22,9 @@ def clock(ts: Any, fmt: str = "%Y-%m-%d %H:%M:%S") -> str:
 
 
 def resolve_turn_id(client: Client, given: str) -> str:
-    """The turn `given` names: a full id as it is, else the one live turn whose id starts
-    with it. A prefix that names several raises AmbiguousTurnId, listing each with its status;
-    one that names none comes back as it was, so the command reports an unknown turn as ever."""
-    # Imported here, as everything below Redis is: tables import short_id at `--help`.
+    """The turn `given` names: a full id, or the one turn whose id starts with it. Several
+    raise AmbiguousTurnId; none gives `given` back, for the command to report unknown."""
+    # Imported here: tables import short_id at `--help`.
     from agentq.errors import AmbiguousTurnId
     from agentq.state.listing import TURN_ID_LEN, TurnLister, find_turn_ids
 

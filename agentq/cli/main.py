@@ -28,8 +28,7 @@ WORKER_KINDS: dict[str, tuple[str, str | None, str]] = {
     # The threads only hand calls to the event loop, which holds thousands of them.
     "io": ("threads", "8", "agentq.io"),
 }
-"""Each kind of worker: its default pool and concurrency, and its queue (the tool workers'
-are given theirs)."""
+"""Each kind of worker: its default pool, concurrency and queue."""
 
 
 def worker_argv(
@@ -54,22 +53,17 @@ def worker_argv(
     ):
         if value and not has_option(opts, *names):
             argv += [names[0], value]
-    # Mingle (revoked ids from the neighbours, a second's wait at every start and
-    # reconnect) and gossip (each worker consuming every other's events) serve nothing
-    # agentq uses: a call of a turn that was cancelled is refused at its start in Redis,
-    # and liveness is agentq's own heartbeat. Mingle at a reconnect also takes a broker
-    # connection from the pool the publishing threads hold, without waiting: kombu's
-    # LimitExceeded stopped a stream worker so after a Redis restart.
+    # Mingle (a second's wait at every start and reconnect) and gossip serve nothing agentq
+    # uses: a cancelled turn's call is refused at its start in Redis, and liveness is
+    # agentq's own heartbeat. Mingle at a reconnect also took a broker connection from the
+    # publishers' pool without waiting: kombu's LimitExceeded stopped a stream worker.
     argv += [flag for flag in ("--without-mingle", "--without-gossip") if flag not in opts]
     return [*argv, *opts]
 
 
 def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) -> None:
-    """Fail at start, naming the setting, when Redis (or the broker) does not answer.
-
-    Celery would retry an unreachable broker 100 times over many minutes, which hides a
-    wrong URL; a broker lost later is still retried by Celery, as an outage should be.
-    """
+    """Fail at start, naming the setting, when Redis (or the broker) does not answer:
+    Celery would retry an unreachable broker for many minutes, hiding a wrong URL."""
     import time
 
     from agentq.config import redact
@@ -121,11 +115,8 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
 
 
 def flower_argv(settings: Settings, opts: list[str], environ: Mapping[str, str]) -> list[str]:
-    """Flower's command line: agentq's port and basic auth, bound to loopback by default.
-
-    Options on the command line win, then Flower's own ``FLOWER_*`` variables (which Flower
-    reads itself: ``FLOWER_ADDRESS=0.0.0.0`` in a container), then agentq's settings.
-    """
+    """Flower's command line, bound to loopback by default: options given win, then Flower's
+    own ``FLOWER_*`` variables (``FLOWER_ADDRESS=0.0.0.0`` in a container), then agentq's."""
     from agentq.errors import ConfigError
 
     argv = ["flower"]
@@ -170,7 +161,7 @@ CLIENT_COMMANDS = {
     "waitpoint": "waitpoints.cmd_waitpoint",
     "schedule": "schedule.cmd_schedule",
 }
-"""The commands that run on a Client: their function in agentq.cli, imported when it runs."""
+"""The commands that run on a Client: their function in agentq.cli, imported to run."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _glued(argv: list[str]) -> list[str]:
-    """`--token -x` as `--token=-x`: a URL-safe token may begin with "-", which argparse
-    would read as an option ("expected one argument") if it came as its own word."""
+    """`--token -x` as `--token=-x`: argparse reads a word that begins with "-" (as a
+    URL-safe token may) as an option."""
     out: list[str] = []
     words = iter(argv)
     for word in words:
@@ -414,8 +405,7 @@ def _cmd_events(client: Client, args: argparse.Namespace) -> int:
 
 
 def _cmd_abort(client: Client, args: argparse.Namespace) -> int:
-    # The abort is durable once written; a turn worker's step ends the turn. Said when done,
-    # so the command's word is the turn's.
+    # Durable once written; said once a turn worker's step ended the turn.
     client.abort(args.turn_id, args.token, operator=args.token is None)
     try:
         client.wait(args.turn_id, timeout_s=10.0)

@@ -1,6 +1,5 @@
-"""Options of agentq's commands: a budget's argparse type, and the Celery worker options
-agentq reads, or takes out, before the rest goes to Celery, in each form Celery accepts:
-`-n X`, `-nX`, `--hostname X`, `--hostname=X`."""
+"""A budget's argparse type, and the Celery options agentq reads or takes out before the
+rest goes to Celery, in each form Celery accepts (`-nX`, `--hostname=X`, ...)."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from typing import Any
 
 
 def take_option(opts: Sequence[str], *names: str) -> tuple[str | None, list[str]]:
-    """The value of the option `names` spell (the last one given, as Celery takes it;
-    "" when it comes without one) and the other options, in their order."""
+    """The option's last value (as Celery takes it; "" when bare) and the other options."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument(*names, dest="value", nargs="?", const="")
     found, rest = parser.parse_known_args(opts)
@@ -19,7 +17,6 @@ def take_option(opts: Sequence[str], *names: str) -> tuple[str | None, list[str]
 
 
 def has_option(opts: Sequence[str], *names: str) -> bool:
-    """Whether any of `names` is given, in any form."""
     return take_option(opts, *names)[0] is not None
 
 

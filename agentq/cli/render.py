@@ -75,8 +75,7 @@ class TurnView:
     """Set while a model round waits for model capacity (`llm_queued`)."""
 
     def apply(self, ev: Event, depth: int = 0) -> None:
-        """Fold one event in; a sub-agent's relayed one (with `path`) into the view of the
-        agent call that started it, nested as deep as its path."""
+        """Fold one event in; a relayed one into the view of the agent call that started it."""
         if len(ev.path) > depth:
             child = ev.path[depth]
             line = next((t for t in self.tools.values() if t.child_turn_id == child), None)

@@ -41,8 +41,7 @@ def _answerer(client: Client, turn_id: str, token: str) -> Callable[[Event], Non
 
     def ask(ev: Event) -> None:
         f = ev.fields
-        # A sub-agent's request, relayed, is answered on its own turn: the turn's token
-        # opens its sub-agents too.
+        # A relayed sub-agent's request is answered on its own turn, with the root's token.
         on = ev.turn_id if ev.path else turn_id
         prompt = (f"[{f['agent']}] " if ev.path and f.get("agent") else "") + str(f.get("prompt"))
         rid = str(f["request_id"])
@@ -105,8 +104,7 @@ def _say_admission(console: Console, handle: TurnHandle) -> None:
 def _follow(
     client: Client, turn_id: str, asker: Callable[[Event], None] | None, console: Console | None
 ) -> int:
-    """The turn's live view, then its summary (no console: every event as a JSON line on
-    stdout); the exit code of its end."""
+    """The turn's live view and summary (no console: its events as JSON lines); its exit code."""
     code = EXIT_FAILED
     view = TurnView(turn_id)
     live = None

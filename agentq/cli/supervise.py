@@ -1,7 +1,5 @@
-"""`agentq worker llm|io`: N Celery workers under one command, one event loop each, and a
-fresh one started when a worker recycles itself. One loop is one core (a thousand streams
-keep a Python process busy); Flower shows them as `llm-1@host`, `llm-2@host`, ...
-"""
+"""`agentq worker llm|io`: N Celery workers under one command, one event loop (one core)
+each, and a fresh one started when a worker recycles itself."""
 
 from __future__ import annotations
 
@@ -19,12 +17,11 @@ SUPERVISED_ENV = "AGENTQ_SUPERVISED"
 """Set in the workers a supervisor starts, so they run Celery instead of supervising."""
 PROCESSES_OPTION = "--processes"
 MAX_AUTO_PROCESSES = 4
-"""The default of `agentq worker llm` is one process per CPU, up to this many: each
-holds thousands of streams, and each costs about 150 MB and 20 Redis connections."""
+"""`agentq worker llm`'s default, one process per CPU, at most: each costs about 150 MB and
+20 Redis connections."""
 
 
 def default_processes(kind: str) -> int:
-    """One per CPU (at most MAX_AUTO_PROCESSES) for the stream worker; one for I/O."""
     if kind != "llm":
         return 1
     try:
@@ -35,8 +32,7 @@ def default_processes(kind: str) -> int:
 
 
 def take_processes(opts: Sequence[str], setting: int) -> tuple[list[str], int | None]:
-    """`--processes N` out of the Celery options: (the rest, N or None when not given);
-    `setting` (AGENTQ_LLM_PROCESSES / AGENTQ_IO_PROCESSES, 0 = the default) is the fallback."""
+    """`--processes N` out of the Celery options: (the rest, N, else `setting` or None)."""
     value, rest = take_option(opts, PROCESSES_OPTION)
     if value is None:
         return rest, setting or None
@@ -47,8 +43,8 @@ def take_processes(opts: Sequence[str], setting: int) -> tuple[list[str], int | 
 
 
 def child_opts(kind: str, opts: Sequence[str], index: int, processes: int) -> list[str]:
-    """The options of worker `index` (0-based): with several, each gets its own node name
-    (`llm@%h` becomes `llm-1@%h`, ...), which Celery needs for revokes and Flower."""
+    """Worker `index`'s options: with several, each its own node name (`llm-1@%h`, ...),
+    which Celery needs for revokes and Flower."""
     if processes == 1:
         return list(opts)
     name, rest = take_option(opts, "-n", "--hostname")
@@ -58,7 +54,7 @@ def child_opts(kind: str, opts: Sequence[str], index: int, processes: int) -> li
 
 def _die_with_parent() -> None:
     """In each worker, before exec: a supervisor killed outright takes its workers along
-    (SIGTERM: a warm shutdown), instead of leaving them orphaned."""
+    (SIGTERM: warm), not orphaned."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -67,13 +63,9 @@ def _die_with_parent() -> None:
 
 
 def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
-    """Run `processes` workers of `kind` until they end; returns the first bad exit code.
-
-    A worker that exits with RECYCLE_EXIT_CODE (its loop stayed blocked past a call's
-    hard limit) is started again. Any other exit stops the others (SIGTERM: warm) and
-    ends the supervisor with that code, for the service manager to restart. SIGTERM and
-    SIGINT are passed on, so a warm shutdown stays warm.
-    """
+    """Run `processes` workers of `kind`, starting again one that recycled itself. Any other
+    exit stops the others (SIGTERM: warm) and ends the supervisor with its code, for the
+    service manager to restart; SIGTERM and SIGINT are passed on, a warm shutdown warm."""
     from agentq.constants import RECYCLE_EXIT_CODE
 
     env = {**os.environ, SUPERVISED_ENV: "1"}
@@ -81,9 +73,8 @@ def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
         [sys.executable, "-m", "agentq", "worker", kind, *child_opts(kind, opts, i, processes)]
         for i in range(processes)
     ]
-    # pid -> (index of its argv, its Popen). The Popen is kept: one dropped while its
-    # worker runs goes on subprocess's list of children to reap, and the next Popen (a
-    # recycled worker's restart) would reap it there, unseen by os.wait() below.
+    # pid -> (index of its argv, its Popen), kept: a Popen dropped while its worker runs
+    # is listed for subprocess to reap, and the next Popen would reap it unseen by os.wait().
     running: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}
     stopping = False
 

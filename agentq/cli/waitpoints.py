@@ -29,8 +29,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_waitpoint(client: Client, args: argparse.Namespace) -> int:
-    """Exit 0 completed; 1 closed (completed already, timed out, cancelled) or unknown; 2
-    bad input."""
+    """Exit 0 completed; 1 closed or unknown; 2 bad input."""
     if not args.token:
         print("agentq waitpoint complete: --token is required", file=sys.stderr)
         return 2
