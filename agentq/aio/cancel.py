@@ -1,11 +1,9 @@
-"""Abort, in-process: the loop hears `agentq:control:cancel` and cancels within milliseconds.
+"""Abort, in-process: the loop hears CANCEL_CHANNEL and cancels within milliseconds.
 
-An abort sets the turn's cancel key and publishes the turn id on CANCEL_CHANNEL. The
-loop subscribes to the channel and runs the callbacks registered for that turn; a
-slow poll of the cancel keys of the turns it holds catches a message missed while the
-subscription was reconnecting. The same subscription hears WATCH_CHANNEL, where a
-follower's first mark of a turn is told, for whoever holds back that turn's events, and
-SLOTS_CHANNEL, where a semaphore's place given back wakes the calls waiting for one.
+A slow poll of the cancel keys of the turns the loop holds catches a message missed while
+the subscription was reconnecting. The same subscription hears WATCH_CHANNEL (a turn's
+first follower, for whoever holds back its events) and SLOTS_CHANNEL (a semaphore's place
+given back wakes the calls waiting for one).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from agentq.state.base import text
 log = logging.getLogger("agentq.aio")
 
 POLL_S = 1.0
-"""The fallback poll of the cancel keys."""
 RECENT_TURNS = 10_000
 """Aborts that found no callback, remembered for one registered just after (a round is
 claimed off the loop and registers when the loop takes it up): the newest this many."""
@@ -56,11 +53,9 @@ class CancelWatch:
         self._recent: dict[str, None] = {}
         """Aborted turns that had no callback yet, oldest first."""
         self.on_watch: Callable[[str], None] | None = None
-        """Run (on the loop) with a turn's id when someone starts following it."""
         self._freed: dict[str, set[asyncio.Future[None]]] = {}
 
     def start(self) -> None:
-        """On the loop: subscribe and poll until the loop stops."""
         CancelWatch.current = self
         self._tasks = [
             asyncio.get_running_loop().create_task(self._listen(), name="agentq-cancel-listen"),
@@ -100,8 +95,8 @@ class CancelWatch:
         return len(handlers)
 
     def on_freed(self, key: str) -> asyncio.Future[None]:
-        """On the loop: a future done when a place of the semaphore `key` is given back;
-        taken before the caller's try, so a place freed during the try still wakes it."""
+        """On the loop: a future done when the semaphore `key` gives a place back; taken before
+        the caller's try, so a place freed during the try still wakes it."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiters = self._freed.setdefault(key, set())
         waiters.add(fut)

@@ -1,9 +1,5 @@
-"""What an event-loop worker process holds: its loop, the cancel channel, the store's
-thread pool, and the calls running on the loop, so a blocked loop can name its culprit.
-
-Redis calls of the store are blocking, so coroutines run them on a small thread pool
-(`await host.io(fn, ...)`); they are short and few per call.
-"""
+"""What an event-loop worker process holds: its loop, the cancel channel, a thread pool for
+the store's blocking Redis calls, and the calls on the loop, for blame when it blocks."""
 
 from __future__ import annotations
 
@@ -47,7 +43,6 @@ class Running:
     on_recycle: Callable[[str, bool], None] | None = None
     """Settle it synchronously (from the watchdog thread): (why, it_blocked_the_loop)."""
     ids: dict[str, str] = field(default_factory=dict)
-    """A call's `tool` and `call_id`, told with its blocking."""
 
 
 class LoopHost:
@@ -83,7 +78,7 @@ class LoopHost:
         )
 
     def fire(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Run a blocking store call off the loop, without waiting for it (events)."""
+        """`io` without waiting for it (events)."""
         fut = self.pool.submit(fn, *args, **kwargs)
         fut.add_done_callback(_log_failure)
 

@@ -1,14 +1,10 @@
 """One asyncio loop on a background thread, with backpressure and a blocked-loop watchdog.
 
-Celery has no asyncio pool: the I/O and stream workers run its `threads` pool and
-`submit` each task's coroutine here, blocking while the loop holds `capacity` of them,
-so the broker keeps what the process cannot take.
-
-The selector notes when the loop last stopped waiting for I/O. A watchdog thread that
-sees an iteration run too long names the task holding the loop (`on_blocked`, once per
-stall), and past the earliest hard deadline registered with `watch` calls `on_stuck`,
-which recycles the process. Nothing runs on the loop for it: a 50 Hz pulse coroutine
-cost each worker process 1% of a core, as much as many of its streams.
+Celery has no asyncio pool: its `threads` pool `submit`s each task's coroutine here,
+blocking while the loop holds `capacity` of them, so the broker keeps what the process
+cannot take. A watchdog thread reads when the loop last stopped waiting for I/O, names the
+task holding it (`on_blocked`) and, past a hard deadline given to `watch`, calls `on_stuck`.
+Nothing runs on the loop for it: a 50 Hz pulse coroutine cost 1% of a core per process.
 """
 
 from __future__ import annotations
@@ -33,15 +29,14 @@ IDLE_WATCH_S = 0.5
 STUCK_GRACE_S = 0.5
 """A stall this long past a call's hard deadline recycles the process."""
 STOP_WAIT_S = 2.0
-"""How long a stopped loop waits for what it cancelled to finish before it closes."""
+"""How long a stopped loop waits for what it cancelled before it closes."""
 
 BlockedHook = Callable[["asyncio.Task[Any] | None", float], None]
 StuckHook = Callable[["asyncio.Task[Any] | None", float, str], None]
 
 
 class _WatchedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
-    """The loop's selector; `busy_since` is when the loop last stopped waiting for I/O
-    (None while it waits): how long the running iteration has held the loop."""
+    """`busy_since`: when the loop last stopped waiting for I/O (None while it waits)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -80,8 +75,7 @@ class EventLoopThread:
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._started = threading.Event()
         self._stopping = threading.Event()
-        self._nudge = threading.Event()
-        """Wakes the watchdog from an idle wait: the first submit, or stop."""
+        self._nudge = threading.Event()  # wakes the idle watchdog: the first submit, or stop
         self._deadlines: dict[str, float] = {}
         self._deadlines_lock = threading.Lock()
 
@@ -131,7 +125,7 @@ class EventLoopThread:
         self._slots.release()
 
     def watch(self, key: str, hard_deadline_mono: float) -> None:
-        """Register a hard deadline (time.monotonic()); the loop must reach it unblocked."""
+        """A hard deadline (time.monotonic()) the loop must reach unblocked."""
         with self._deadlines_lock:
             self._deadlines[key] = hard_deadline_mono
 
@@ -171,12 +165,9 @@ class EventLoopThread:
 
 
 def _close(loop: asyncio.AbstractEventLoop) -> None:
-    """Cancel what is left and close, as asyncio.run does.
-
-    A pending task left to the garbage collector logs from its finalizer, and on CPython
-    3.11 a finalizer that runs inside ast.parse corrupts the parser's recursion count
-    (SystemError: AST constructor recursion depth mismatch) in whatever parses next.
-    """
+    """Cancel what is left and close, as asyncio.run does: on CPython 3.11 a pending task's
+    finalizer that runs inside ast.parse corrupts the parser's recursion count (SystemError:
+    AST constructor recursion depth mismatch) in whatever parses next."""
     pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
     for task in pending:
         task.cancel()
