@@ -37,7 +37,11 @@ def add_parsers(sub: Any) -> None:
         "--limit", type=positive(int), default=100, help="with --status: at most this many"
     )
     r.add_argument(
-        "--rate", type=positive(float), default=10.0, help="with --status: starts a second"
+        "--rate",
+        dest="rate_per_s",
+        type=positive(float),
+        default=10.0,
+        help="with --status: starts a second",
     )
     r.add_argument("--dry-run", action="store_true", help="with --status: say, start nothing")
     r.add_argument(
@@ -69,13 +73,23 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the new turn's handle as JSON")
 
 
+BULK = ("status", "agent", "limit", "rate_per_s", "dry_run", "rerun_lost")
+"""`agentq retry --status`'s options, each a BulkRetryRequest field."""
+MISPLACED = {False: ("since", "dry_run"), True: ("model", "max_tokens", "max_cost_usd")}
+"""The options a single retry (False) or a bulk one (True) would ignore: refused instead (a
+dry run that retried the one turn would start what it said it would not)."""
+
+
 def cmd_replay(client: Client, args: argparse.Namespace) -> int:
-    if args.cmd == "retry" and args.status is not None:
-        return _bulk(client, args)
-    if args.cmd == "retry" and (args.since is not None or args.dry_run):
-        # A dry run that retried the one turn would start what it said it would not.
-        print("agentq retry: --since and --dry-run go with --status", file=sys.stderr)
+    bulk = args.cmd == "retry" and args.status is not None
+    misplaced = MISPLACED[bulk] if args.cmd == "retry" else ()
+    if wrong := [o for o in misplaced if getattr(args, o) not in (None, False)]:
+        with_ = "a TURN_ID" if bulk else "--status"
+        said = " and ".join("--" + o.replace("_", "-") for o in wrong)
+        print(f"agentq retry: {said} go with {with_}", file=sys.stderr)
         return 2
+    if bulk:
+        return _bulk(client, args)
     given = {"agent": args.agent, "max_tokens": args.max_tokens, "max_cost_usd": args.max_cost_usd}
     if args.cmd == "retry":
         turn = client.retry(args.turn_id, rerun_lost=args.rerun_lost, model=args.model, **given)
@@ -103,15 +117,7 @@ def _bulk(client: Client, args: argparse.Namespace) -> int:
             print(f"{o.source}  {o.outcome.replace('_', ' ')}  {o.turn_id or o.error or ''}")
 
     try:
-        done = client.retry_many(
-            status=args.status,
-            agent=args.agent,
-            since_s=since_s,
-            limit=args.limit,
-            rate_per_s=args.rate,
-            dry_run=args.dry_run,
-            said=said,
-        )
+        done = client.retry_many(since_s=since_s, said=said, **{f: getattr(args, f) for f in BULK})
     except ValidationError as exc:
         print(f"agentq retry: {describe_invalid(exc)}", file=sys.stderr)
         return 2

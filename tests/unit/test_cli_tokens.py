@@ -82,3 +82,22 @@ def test_usage_takes_utc_days_and_refuses_anything_else() -> None:
     ):
         with pytest.raises(ValueError, match=f"until: {says}"):
             usage_time(bad, "until")
+
+
+def test_a_bulk_retry_passes_rerun_lost_and_refuses_the_single_options(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    asked: dict[str, object] = {}
+
+    class Retrier:
+        def retry_many(self, **filters: object) -> list[object]:
+            asked.update(filters)
+            return []
+
+    args = build_parser().parse_args(["retry", "--status", "error", "--rerun-lost", "--json"])
+    assert cmd_replay(Retrier(), args) == 0  # type: ignore[arg-type]
+    assert asked["rerun_lost"] is True
+    # A bulk retry has no budget or model of its own: refused, not ignored.
+    args = build_parser().parse_args(["retry", "--status", "error", "--max-tokens", "5"])
+    assert cmd_replay(None, args) == 2  # type: ignore[arg-type]
+    assert "go with a TURN_ID" in capsys.readouterr().err
