@@ -45,7 +45,6 @@ def progress_text(message: Any, pct: Any) -> str:
 
 @dataclass
 class ToolLine:
-    call_id: str
     tool: str
     started: float
     finished: float | None = None
@@ -63,7 +62,6 @@ class ToolLine:
 class TurnView:
     """Folds events into what the screen shows."""
 
-    turn_id: str
     text: str = ""
     tools: dict[str, ToolLine] = field(default_factory=dict)
     pending: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -80,7 +78,7 @@ class TurnView:
             child = ev.path[depth]
             line = next((t for t in self.tools.values() if t.child_turn_id == child), None)
             if line is not None:
-                line.sub = line.sub or TurnView(child)
+                line.sub = line.sub or TurnView()
                 line.sub.apply(ev, depth + 1)
             return
         f = ev.fields
@@ -101,9 +99,8 @@ class TurnView:
             # The round starts over on another stream worker: drop the dead attempt's text.
             self.text = self.text[: self.round_start]
         elif ev.type == "tool_started":
-            cid = str(f["call_id"])
-            sub_turn = f.get("child_turn_id") or None
-            self.tools[cid] = ToolLine(cid, str(f.get("tool")), ev.ts, child_turn_id=sub_turn)
+            line = ToolLine(str(f.get("tool")), ev.ts, child_turn_id=f.get("child_turn_id") or None)
+            self.tools[str(f["call_id"])] = line
         elif ev.type == "tool_progress" and f.get("source") in ("tool", "agent"):
             self._line(ev).progress = progress_text(f.get("message"), f.get("pct"))
         elif ev.type == "tool_waiting":
@@ -131,7 +128,7 @@ class TurnView:
     def _line(self, ev: Event) -> ToolLine:
         """The line of the call `ev` is about, made if its `tool_started` was missed."""
         cid = str(ev.fields["call_id"])
-        return self.tools.setdefault(cid, ToolLine(cid, str(ev.fields.get("tool")), ev.ts))
+        return self.tools.setdefault(cid, ToolLine(str(ev.fields.get("tool")), ev.ts))
 
     def render(self) -> RenderableType:
         now = time.time()

@@ -106,7 +106,7 @@ def _follow(
 ) -> int:
     """The turn's live view and summary (no console: its events as JSON lines); its exit code."""
     code = EXIT_FAILED
-    view = TurnView(turn_id)
+    view = TurnView()
     live = None
     if console is not None:
         console.print(f"[dim]turn {turn_id}[/dim]")

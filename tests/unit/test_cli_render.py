@@ -30,7 +30,7 @@ def test_progress_text_clamps_and_skips_what_is_missing() -> None:
 
 
 def test_the_live_view_shows_a_tools_progress_until_it_finishes() -> None:
-    view = TurnView("t")
+    view = TurnView()
     view.apply(ev(1, "tool_started", call_id="c1", tool="crawl"))
     view.apply(
         ev(
@@ -63,7 +63,7 @@ def test_the_live_view_shows_a_tools_progress_until_it_finishes() -> None:
 
 
 def test_the_live_view_shows_what_an_agent_call_is_doing() -> None:
-    view = TurnView("t")
+    view = TurnView()
     view.apply(ev(1, "tool_started", call_id="c1", tool="ask_researcher", child_turn_id="k"))
     view.apply(
         ev(
@@ -82,7 +82,7 @@ def test_the_live_view_shows_what_an_agent_call_is_doing() -> None:
 
 
 def test_the_live_view_says_a_round_waits_for_model_capacity_until_it_starts() -> None:
-    view = TurnView("t")
+    view = TurnView()
     view.apply(ev(1, "llm_queued", round_no=0, model="m", position=3, wait_s=1.5))
     assert "waiting for model capacity (position 3, about 1.5s)" in shown(view)
     view.apply(ev(2, "llm_queued", round_no=0, model="m", position=1, wait_s=0.2))
@@ -92,7 +92,7 @@ def test_the_live_view_says_a_round_waits_for_model_capacity_until_it_starts() -
 
 
 def test_a_sub_agents_tools_and_requests_nest_under_its_agent_call() -> None:
-    view = TurnView("t")
+    view = TurnView()
     view.apply(ev(1, "tool_started", call_id="c1", tool="ask_researcher", child_turn_id="k"))
     view.apply(ev(2, "tool_started", call_id="c2", tool="ask_other", child_turn_id="k2"))
     # The child's call ids may repeat the parent's: its events are folded apart, by path.
