@@ -423,12 +423,7 @@ class Client:
         start, end = usage_time(since, "since"), usage_time(until, "until", end=True)
         days = usage_days(group_by, start, end, time.time(), keep)
         spend = Spend(self._store.redis, self.settings)
-        if not admin:
-            owners = [owner or NO_KEY]
-        elif key is not None:
-            owners = [key]
-        else:
-            owners = spend.owners()
+        owners = [owner or NO_KEY] if not admin else [key] if key is not None else spend.owners()
         report = usage_report(spend.days(owners, days), group_by)
         return {"since": days[0], "until": days[-1], "group_by": group_by, **report}
 

@@ -61,7 +61,7 @@ def worker_argv(
     return [*argv, *opts]
 
 
-def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) -> None:
+def require_reachable(settings: Settings, *, broker: bool) -> None:
     """Fail at start, naming the setting, when Redis (or the broker) does not answer:
     Celery would retry an unreachable broker for many minutes, hiding a wrong URL."""
     import time
@@ -79,11 +79,10 @@ def require_reachable(settings: Settings, *, broker: bool, attempts: int = 3) ->
     if settings.redis_cluster_nodes:
         checks.append(("AGENTQ_REDIS_CLUSTER_NODES", settings.redis_cluster_nodes, probe_cluster))
     for setting, url, check in checks:
-        for attempt in range(attempts):
-            problem = check(url)
-            if problem is None:
+        for attempt in range(3):
+            if (problem := check(url)) is None:
                 break
-            if attempt == attempts - 1:
+            if attempt == 2:
                 raise ConfigError(setting, f"cannot reach {redact(url)}: {problem}")
             time.sleep(1.0)
 

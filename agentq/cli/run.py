@@ -149,17 +149,12 @@ def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: A
     # The command holds Redis credentials: it may continue any conversation, as it could read it.
     handle = client._start_turn(prompt, headless=headless, operator=True, **turn)
     _say_admission(console, handle)
-    aborts = {"n": 0}
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
-        aborts["n"] += 1
-        if aborts["n"] > 1:
-            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second one stops waiting
         with contextlib.suppress(AgentqError):
             # An injected message's token is its own turn's, not the joined one's.
-            client.abort(
-                handle.turn_id, handle.token, reason="user", operator=bool(handle.injected)
-            )
+            client.abort(handle.turn_id, handle.token, operator=bool(handle.injected))
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     # A fleet with no live worker for the turn: a line on stderr says what to start.
@@ -170,9 +165,8 @@ def run(client: Client, prompt: str, *, as_json: bool, headless: bool, **turn: A
         lambda line: print(f"agentq: {line}", file=sys.stderr, flush=True),
     ).start()
     # Prompted only where someone can answer: a terminal, and not a headless run.
-    asker = None
-    if not headless and sys.stdin.isatty():
-        asker = _answerer(client, handle.turn_id, handle.token)
+    tty = not headless and sys.stdin.isatty()
+    asker = _answerer(client, handle.turn_id, handle.token) if tty else None
     try:
         return _follow(client, handle.turn_id, asker, None if as_json else console)
     except KeyboardInterrupt:

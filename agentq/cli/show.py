@@ -23,13 +23,6 @@ WIDE_COLUMNS = 100
 """A terminal at least this wide shows `agentq turns`' `ended` column too."""
 
 
-def _counts(calls: dict[str, int]) -> Text:
-    out = Text(" ").join(
-        Text(f"{s} {n}", style=STATUS_STYLE.get(s, "cyan")) for s, n in calls.items()
-    )
-    return out or Text("-", style="dim")
-
-
 def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
     """Short turn ids, no vertical rules; below WIDE_COLUMNS columns, no `ended` column (it
     is `started` plus `took`), so a row fits 80 columns with its calls unclipped."""
@@ -48,6 +41,9 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
         table.add_column(col, no_wrap=col != "calls", min_width=12 if col == "calls" else None)
     for t in rows:
         pending = len(t["pending_interactions"])
+        calls = Text(" ").join(
+            Text(f"{s} {n}", style=STATUS_STYLE.get(s, "cyan")) for s, n in t["calls"].items()
+        )
         cells: dict[str, RenderableType] = {
             "turn": short_id(t["turn_id"]),
             "status": Text(str(t["status"]), style=STATUS_STYLE.get(str(t["status"]), "")),
@@ -55,7 +51,7 @@ def turns_table(rows: list[dict[str, Any]], width: int | None = None) -> Table:
             "started": clock(t.get("started_at"), "%H:%M:%S"),
             "ended": clock(t.get("ended_at"), "%H:%M:%S"),
             "took": "-" if t.get("duration_s") is None else fmt_s(float(t["duration_s"])),
-            "calls": _counts(t["calls"]),
+            "calls": calls or Text("-", style="dim"),
             "pending": Text(str(pending), style="bold yellow" if pending else "dim"),
         }
         table.add_row(*(cells[c] for c in columns))
