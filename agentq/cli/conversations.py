@@ -26,7 +26,6 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_conversations(client: Client, args: argparse.Namespace) -> int:
-    # Imported here: `agentq --help` builds this command's parser, and loads none of them.
     from rich import box
     from rich.console import Console
     from rich.table import Table
