@@ -47,8 +47,7 @@ class CancelWatch:
         self._master = master_name
         self._cluster = cluster_nodes
         self._poll_s = poll_s
-        self._handlers: dict[str, dict[int, Callable[[], None]]] = {}
-        self._next = 0
+        self._handlers: dict[str, list[Callable[[], None]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._recent: dict[str, None] = {}
         """Aborted turns that had no callback yet, oldest first."""
@@ -64,16 +63,14 @@ class CancelWatch:
 
     def add(self, turn_id: str, fn: Callable[[], None]) -> Callable[[], None]:
         """On the loop: run `fn` when `turn_id` is aborted; returns the remover."""
-        self._next += 1
-        key = self._next
-        self._handlers.setdefault(turn_id, {})[key] = fn
+        handlers = self._handlers.setdefault(turn_id, [])
+        handlers.append(fn)
         if turn_id in self._recent:
             asyncio.get_running_loop().call_soon(self.fire, turn_id)
 
         def remove() -> None:
-            handlers = self._handlers.get(turn_id)
-            if handlers is not None:
-                handlers.pop(key, None)
+            if self._handlers.get(turn_id) is handlers:  # not fired yet
+                handlers.remove(fn)
                 if not handlers:
                     del self._handlers[turn_id]
 
@@ -81,13 +78,13 @@ class CancelWatch:
 
     def fire(self, turn_id: str) -> int:
         """Run (once) every callback of `turn_id`; returns how many ran."""
-        handlers = self._handlers.pop(turn_id, {})
+        handlers = self._handlers.pop(turn_id, [])
         if not handlers:
             self._recent.pop(turn_id, None)
             self._recent[turn_id] = None
             if len(self._recent) > RECENT_TURNS:
                 del self._recent[next(iter(self._recent))]
-        for fn in handlers.values():
+        for fn in handlers:
             try:
                 fn()
             except Exception:
