@@ -53,8 +53,7 @@ _HIDDEN = frozenset({"token_sha256", WATCHERS_FIELD, SEQ_FIELD, *k.BOOKKEEPING_F
 
 
 def _agent(agent: Agent | str | None) -> tuple[str | None, type[BaseModel] | None]:
-    """The name a turn request carries for `agent`, and the model its output is validated
-    as (by name: among the agents this process defined)."""
+    """`agent`'s name and output model (by name: among the agents this process defined)."""
     if not isinstance(agent, str):
         return (None, None) if agent is None else (agent.name, agent.output_type)
     from agentq.agents import all_agents
@@ -143,8 +142,7 @@ class Turn(_Started):
 
 
 def usage_time(raw: float | str | None, name: str, *, end: bool = False) -> float | None:
-    """A UTC day YYYY-MM-DD (its first, or with `end` its last second) or epoch seconds, as
-    epoch seconds; ValueError naming `name` otherwise."""
+    """A UTC day YYYY-MM-DD (with `end`: its last second) or epoch seconds, as epoch seconds."""
     if not isinstance(raw, str):
         return raw
     try:
@@ -296,8 +294,7 @@ class Client:
     def retry_many(
         self, *, said: Callable[[replay.BulkOutcome], None] | None = None, **filters: Any
     ) -> list[replay.BulkOutcome]:
-        """Retry once each turn that matches `filters` (BulkRetryRequest's fields); a turn
-        retried before, by anyone, is said `retried_already`."""
+        """Retry each turn matching `filters` (BulkRetryRequest's fields) once, by anyone."""
         from celery.local import Proxy
 
         req = replay.BulkRetryRequest(**filters)
@@ -474,8 +471,7 @@ class Client:
         )
 
     def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
-        """Block until the turn ends: its terminal event, or TurnTimeout. While no live worker
-        serves the turn, a warning says what to start."""
+        """The turn's terminal event, or TurnTimeout; warns while no worker serves the turn."""
         from agentq.fleet.presence import Watch, advice
 
         deadline = time.monotonic() + timeout_s

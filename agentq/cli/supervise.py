@@ -63,9 +63,8 @@ def _die_with_parent() -> None:
 
 
 def supervise(kind: str, opts: Sequence[str], processes: int) -> int:
-    """Run `processes` workers of `kind`, starting again one that recycled itself. Any other
-    exit stops the others (SIGTERM: warm) and ends the supervisor with its code, for the
-    service manager to restart; SIGTERM and SIGINT are passed on, a warm shutdown warm."""
+    """Run `processes` workers of `kind`, starting again one that recycled itself; any other
+    exit stops the rest (SIGTERM: warm) and ends the supervisor with its code."""
     from agentq.constants import RECYCLE_EXIT_CODE
 
     env = {**os.environ, SUPERVISED_ENV: "1"}

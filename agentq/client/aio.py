@@ -1,9 +1,6 @@
-"""The asyncio client: `Client` as coroutines and async iterators.
-
-Waiting never holds a thread: XREAD BLOCK on `redis.asyncio` reads the turn's log and its
-relayed sub-agents' in one command. Starts, aborts and final reads run on two threads, so a
-burst of starts competes with the loop for the GIL from two threads, not a pool's dozens.
-"""
+"""The asyncio client: waiting holds no thread (XREAD BLOCK on `redis.asyncio`, the
+sub-agents' logs in the same command); starts, aborts and final reads run on two threads,
+so a burst of starts competes with the loop for the GIL from two, not a pool's dozens."""
 
 from __future__ import annotations
 
