@@ -99,8 +99,7 @@ def _port(preferred: int, env_name: str, what: str) -> int:
 
 SHOWN = ("web page", "Flower", "webhooks", "Redis", "model", "pids", "logs")
 Started = tuple[dict[str, str], dict[str, str]]
-"""The fleet's environment, and the summary's lines by SHOWN label (generated credentials
-too: printed once, at start)."""
+"""The fleet's environment, and the summary's lines by SHOWN label (generated credentials too)."""
 
 
 def start_all(fleet: LocalFleet, opts: argparse.Namespace, settings: Settings) -> Started:

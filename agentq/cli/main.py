@@ -321,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _glued(argv: list[str]) -> list[str]:
-    """`--token -x` as `--token=-x`: argparse reads a word that begins with "-" (as a
-    URL-safe token may) as an option."""
+    """`--token -x` as `--token=-x`: argparse reads a word beginning with "-" as an option."""
     out: list[str] = []
     words = iter(argv)
     for word in words:

@@ -17,8 +17,8 @@ SUPERVISED_ENV = "AGENTQ_SUPERVISED"
 """Set in the workers a supervisor starts, so they run Celery instead of supervising."""
 PROCESSES_OPTION = "--processes"
 MAX_AUTO_PROCESSES = 4
-"""`agentq worker llm`'s default, one process per CPU, at most: each costs about 150 MB and
-20 Redis connections."""
+"""The most `agentq worker llm` starts by default (one per CPU): each costs ~150 MB, 20
+Redis connections."""
 
 
 def default_processes(kind: str) -> int:
@@ -53,8 +53,7 @@ def child_opts(kind: str, opts: Sequence[str], index: int, processes: int) -> li
 
 
 def _die_with_parent() -> None:
-    """In each worker, before exec: a supervisor killed outright takes its workers along
-    (SIGTERM: warm), not orphaned."""
+    """In each worker, before exec: SIGTERM (warm) when the supervisor is killed outright."""
     if sys.platform.startswith("linux"):
         import ctypes
 
