@@ -18,7 +18,7 @@ from agentq.config import Settings, get_settings
 from agentq.constants import turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events import Event
-from agentq.events.follow import Cursor, Marks, Relay
+from agentq.events.follow import Cursor, Relay
 from agentq.fleet.connections import async_redis_client
 from agentq.state.base import text
 from agentq.state.results import TurnResult, settle
@@ -124,14 +124,19 @@ class AsyncClient:
         # On a thread: one walk up per child at a resume, not worth an asyncio twin.
         await self._call(relay.resume, self._client._store.redis, after)
         checked = False
-        marks = Marks(self._client._store.bus)
+        marked: set[str] = set()
+        bus = self._client._store.bus
+
+        def watch(turn_ids: set[str], by: int) -> set[str]:  # on the client's threads
+            return {t for t in turn_ids if bus.watch(t, by)}
+
         try:
             while not relay.done:
                 # Counted in as a follower of each stream, as the sync follower is: a
                 # stream worker holds back the deltas of a turn nobody follows.
-                fresh = [t for t in relay.streams if not marks.get(t)]
+                fresh = relay.streams.keys() - marked
                 if fresh:
-                    await self._call(marks.add, fresh)
+                    marked |= await self._call(watch, fresh, 1)
                 streams = {turn_key(t, "log"): s for t, s in relay.streams.items()}
                 reply: Any = await self._redis.xread(
                     {key: s.last_id for key, s in streams.items()},
@@ -157,9 +162,9 @@ class AsyncClient:
                 for ev in relay.merge(pending, full):
                     yield ev
         finally:
-            if marks:
+            if marked:
                 with contextlib.suppress(RuntimeError):  # the client's threads are gone
-                    self._threads.submit(marks.drop, list(marks))
+                    self._threads.submit(watch, marked, -1)
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """`Client.wait`, without the warning."""

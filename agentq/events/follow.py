@@ -19,7 +19,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -172,27 +172,6 @@ class Relay:
         return []
 
 
-class Marks(dict[str, int]):
-    """How often a follower counted itself in each stream's `watchers`: a turn publishes its
-    live copies only while someone does."""
-
-    def __init__(self, bus: EventBus) -> None:
-        super().__init__()
-        self.bus = bus
-
-    def add(self, turn_ids: Iterable[str]) -> None:
-        for t in turn_ids:
-            self[t] = self.get(t, 0) + int(self.bus.watch(t, 1))
-
-    def drop(self, turn_ids: Iterable[str]) -> None:
-        for t in turn_ids:
-            if n := self.pop(t, 0):
-                # A follower that dies without this leaves the turn publishing live copies
-                # to nobody: a cost, not a fault.
-                with contextlib.suppress(redis.RedisError):
-                    self.bus.watch(t, -n)
-
-
 class TreeFollower(Relay):
     """One follow of a turn and, `depth` levels down, of the sub-agents it starts."""
 
@@ -200,7 +179,9 @@ class TreeFollower(Relay):
         super().__init__(root, after=after, depth=depth)
         self.redis: redis.Redis = bus.redis  # type: ignore[assignment]
         self.bus = bus
-        self.marks = Marks(bus)
+        self.marks: dict[str, int] = {}
+        """How often this follower counted itself in each open stream's `watchers`: a turn
+        publishes its live copies only while someone does."""
         self.pubsub = self.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         self.broken = False
         """The shard subscription was lost (a Cluster node failed) and is not back yet."""
@@ -212,18 +193,32 @@ class TreeFollower(Relay):
     def opened(self, turn_id: str) -> None:
         # Counted in before subscribing, so every live copy published after the log read
         # that follows reaches the subscription; a turn not created yet is counted in at a
-        # later catch-up.
-        self.marks.add([turn_id])
+        # later catch-up (`remark`).
+        self.remark(turn_id)
         self._listen("subscribe", [turn_id])
 
     def closed(self, turn_ids: list[str]) -> None:
         self._listen("unsubscribe", turn_ids)
-        self.marks.drop(turn_ids)
+        self._unmark(turn_ids)
 
     def _listen(self, verb: str, turn_ids: list[str]) -> None:
         """(Un)subscribe the turns' channels: shard channels on a Cluster."""
         method = getattr(self.pubsub, "s" + verb if self.bus.sharded else verb)
         method(*(turn_key(t, "events") for t in turn_ids))
+
+    def _unmark(self, turn_ids: list[str]) -> None:
+        for t in turn_ids:
+            n = self.marks.pop(t, 0)
+            if n:
+                # A follower that dies without this leaves the turn publishing live copies
+                # to nobody: a cost, not a fault.
+                with contextlib.suppress(redis.RedisError):
+                    self.bus.watch(t, -n)
+
+    def remark(self, turn_id: str) -> None:
+        """Count in again where the count may be gone (a failover lost it, or the turn did
+        not exist yet): its events came by the log, not live."""
+        self.marks[turn_id] = self.marks.get(turn_id, 0) + int(self.bus.watch(turn_id, 1))
 
     def catch_up(self, streams: list[_Stream] | None = None) -> Iterator[Event]:
         """Everything the logs hold past each stream's position (`streams`, or all), merged."""
@@ -280,7 +275,7 @@ class TreeFollower(Relay):
 
     def close(self) -> None:
         self.pubsub.close()
-        self.marks.drop(list(self.marks))
+        self._unmark(list(self.marks))
 
 
 def follow(
@@ -327,9 +322,9 @@ def follow(
                 for ev in tree.catch_up():
                     came.add(ev.turn_id)
                     yield ev
-                # Counted in again where the count may be gone (a failover lost it, or the
-                # turn did not exist yet): their events came by the log, not live.
-                tree.marks.add([t for t in tree.streams if t in came or not tree.marks.get(t)])
+                for t in list(tree.streams):
+                    if t in came or not tree.marks.get(t):
+                        tree.remark(t)
     finally:
         tree.close()
 
