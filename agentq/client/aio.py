@@ -150,8 +150,8 @@ class AsyncClient:
                     if heartbeat_s is not None:
                         yield None
                     continue
-                # A full page that runs out, or a child that opens, ends the merge: the next
-                # read takes every log from its place.
+                # Merged as the sync follower merges: a full page that runs out, or a child
+                # that opens, ends the merge and the next read takes every log from its place.
                 pending = {
                     streams[text(key)].turn_id: deque(
                         Event.parse(f[b"e"], stream_id=text(i)) for i, f in entries
