@@ -235,25 +235,16 @@ def _watch(fleet: LocalFleet) -> int:
     return 1
 
 
-@contextlib.contextmanager
-def _signals(handler: Any, *signums: signal.Signals) -> Iterator[None]:
-    saved = {s: signal.signal(s, handler) for s in signums}
-    try:
-        yield
-    finally:
-        for s, previous in saved.items():
-            signal.signal(s, previous)
-
-
 def _stop_quietly(fleet: LocalFleet) -> None:
-    """Stop everything, signals ignored meanwhile so no child is left behind."""
-    with _signals(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        n = len(fleet.procs) + (fleet.redis is not None)
-        t0 = time.monotonic()
-        fleet.stop()
-        if n:
-            what = "process" if n == 1 else "processes"
-            say(f"stopped {n} {what} in {time.monotonic() - t0:.1f} s")
+    """Stop everything, signals ignored from here on so no child is left behind."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    n = len(fleet.procs) + (fleet.redis is not None)
+    t0 = time.monotonic()
+    fleet.stop()
+    if n:
+        what = "process" if n == 1 else "processes"
+        say(f"stopped {n} {what} in {time.monotonic() - t0:.1f} s")
 
 
 def main(opts: argparse.Namespace) -> int:
@@ -261,9 +252,9 @@ def main(opts: argparse.Namespace) -> int:
     fleet = LocalFleet({}, log_dir=log_dir, stop_timeout_s=STOP_TIMEOUT_S)
     code = 1
     try:
-        # SIGTERM and SIGHUP stop everything as Ctrl-C does.
-        with _signals(signal.default_int_handler, signal.SIGTERM, signal.SIGHUP):
-            code = _serve(fleet, opts)
+        for signum in (signal.SIGTERM, signal.SIGHUP):  # they stop everything as Ctrl-C does
+            signal.signal(signum, signal.default_int_handler)
+        code = _serve(fleet, opts)
     except ProcessStartError as exc:
         say(f"could not start: {exc}")
     except KeyboardInterrupt:
