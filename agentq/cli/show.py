@@ -88,10 +88,9 @@ def bar(
     """The (offset, length) in cells of a bar from `start` to `end` on a `span`-second axis."""
     if start is None:
         return 0, 0
-    end = start if end is None else end
-    a = int((start - t0) / span * width)
-    b = int((end - t0) / span * width)
-    return max(0, min(a, width - 1)), max(1, min(b, width) - max(0, min(a, width - 1)))
+    a = max(0, min(int((start - t0) / span * width), width - 1))
+    b = int(((start if end is None else end) - t0) / span * width)
+    return a, max(1, min(b, width) - a)
 
 
 def timeline_view(view: dict[str, Any], width: int = 60) -> RenderableType:
@@ -126,16 +125,10 @@ def timeline_view(view: dict[str, Any], width: int = 60) -> RenderableType:
                     cells[pos] = mark
         line = Text("".join(cells), style=style)
         took = "-" if c["duration_ms"] is None else fmt_s(c["duration_ms"] / 1000)
-        flags = " overran" if c["overran"] else ""
+        what = f"{c['tool']} r{c['round'] or '?'}"
+        status = Text(c["status"] + (" overran" if c["overran"] else ""), style=style)
         worker = f"{c['worker'] or '-'} pid {c['pid'] or '-'}"
-        table.add_row(
-            f"{c['tool']} r{c['round'] or '?'}",
-            Text(c["status"] + flags, style=style),
-            line,
-            took,
-            "/".join(limits),
-            worker,
-        )
+        table.add_row(what, status, line, took, "/".join(limits), worker)
     legend = Text("b budget  s soft limit  H hard limit", style="dim")
     return Group(head, table, legend)
 
