@@ -31,9 +31,6 @@ STUCK_GRACE_S = 0.5
 STOP_WAIT_S = 2.0
 """How long a stopped loop waits for what it cancelled before it closes."""
 
-BlockedHook = Callable[["asyncio.Task[Any] | None", float], None]
-StuckHook = Callable[["asyncio.Task[Any] | None", float, str], None]
-
 
 class _WatchedSelector(selectors.DefaultSelector):  # type: ignore[misc,valid-type]
     """`busy_since`: when the loop last stopped waiting for I/O (None while it waits)."""
@@ -59,8 +56,8 @@ class EventLoopThread:
         name: str = "agentq-loop",
         capacity: int = 2000,
         lag_warn_s: float = 0.1,
-        on_blocked: BlockedHook | None = None,
-        on_stuck: StuckHook | None = None,
+        on_blocked: Callable[[asyncio.Task[Any] | None, float], None] | None = None,
+        on_stuck: Callable[[asyncio.Task[Any] | None, float, str], None] | None = None,
     ) -> None:
         self.lag_warn_s = lag_warn_s
         self.on_blocked = on_blocked
