@@ -6,6 +6,7 @@ import datetime as dt
 import logging
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 from pydantic import BaseModel
@@ -81,15 +82,13 @@ class StartOptions(TypedDict, total=False):
     max_cost_usd: float | None
 
 
+@dataclass(repr=False, eq=False)
 class _Started:
     """What a start answered, as `Turn` and `AsyncTurn` show it."""
 
-    def __init__(
-        self, client: Any, handle: TurnHandle, output_type: type[BaseModel] | None = None
-    ) -> None:
-        self._client = client
-        self.handle = handle
-        self._output_type = output_type
+    _client: Any
+    handle: TurnHandle
+    _output_type: type[BaseModel] | None
 
     @property
     def turn_id(self) -> str:
@@ -168,8 +167,7 @@ class Client:
         self.settings = settings or get_settings()
         s = self.settings
         self._store: TurnStore = get_store(s)
-        # Built on first use: `agentq abort` of a turn no task holds never needs it, and
-        # building it costs that command most of its start-up.
+        # Built on first use: `agentq abort` rarely needs it, and it costs most of its start-up.
         self._app = app
         self.traced = bool(s.otel_spans_file) or tracing.wanted(s.otel)
         if self.traced:  # the workers record a turn's spans; each turn starts its trace here

@@ -109,7 +109,7 @@ class LoopHost:
                     **run.ids,
                 )
 
-    def _on_stuck(self, task: asyncio.Task[Any] | None, stalled_s: float, why: str) -> None:
+    def _on_stuck(self, task: asyncio.Task[Any] | None, why: str) -> None:
         name, culprit = self._blamed(task)
         log.critical(
             "%s (%s): recycling this worker process", why, culprit.what if culprit else name

@@ -57,7 +57,7 @@ class EventLoopThread:
         capacity: int = 2000,
         lag_warn_s: float = 0.1,
         on_blocked: Callable[[asyncio.Task[Any] | None, float], None] | None = None,
-        on_stuck: Callable[[asyncio.Task[Any] | None, float, str], None] | None = None,
+        on_stuck: Callable[[asyncio.Task[Any] | None, str], None] | None = None,
     ) -> None:
         self.lag_warn_s = lag_warn_s
         self.on_blocked = on_blocked
@@ -157,7 +157,7 @@ class EventLoopThread:
                     f"the event loop has been blocked for {stalled_s:.1f} s, past the hard "
                     f"limit of {len(due)} call(s) on it"
                 )
-                self.on_stuck(task, stalled_s, why)
+                self.on_stuck(task, why)
                 return
 
 
