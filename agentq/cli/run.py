@@ -76,10 +76,8 @@ def countdown_input(prompt: str, deadline: float) -> str | None:
         left = deadline - time.time()
         if left <= 0:
             return None
-        sys.stdout.write(f"\r{prompt} ({int(left)}s left, silence denies): ")
-        sys.stdout.flush()
-        ready, _, _ = select.select([sys.stdin], [], [], min(1.0, left))
-        if ready:
+        print(f"\r{prompt} ({int(left)}s left, silence denies): ", end="", flush=True)
+        if select.select([sys.stdin], [], [], min(1.0, left))[0]:
             line = sys.stdin.readline()
             if not line:
                 raise EOFError
