@@ -102,8 +102,7 @@ def cmd_worker(kind: str, opts: list[str]) -> int:
         processes = asked or default_processes(kind)
     if not has_option(opts, "-h", "--help"):
         require_reachable(settings, broker=True)
-        # An I/O worker is always supervised: it recycles itself when a tool blocks its
-        # loop past a hard limit.
+        # An I/O worker is always supervised: it recycles itself when a tool blocks its loop.
         if os.environ.get(SUPERVISED_ENV) != "1" and (processes > 1 or kind == "io"):
             return supervise(kind, opts, processes)
     from agentq.worker import app, io_queues, tool_queues
@@ -261,8 +260,7 @@ def _add_turn_commands(sub: Any) -> None:
 
 
 def _add_process_commands(sub: Any) -> None:
-    # No -h of their own: `agentq worker tools --help` shows Celery's worker options,
-    # `agentq flower --help` Flower's.
+    # No -h of their own: `--help` shows Celery's worker options, or Flower's.
     w = sub.add_parser("worker", help="start a worker: turns, llm, tools or io", add_help=False)
     w.add_argument("kind", choices=sorted(WORKER_KINDS))
     sub.add_parser("flower", help="Flower, the Celery monitor, on agentq's app", add_help=False)
