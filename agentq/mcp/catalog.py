@@ -209,7 +209,7 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
     MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
     _tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
     _tools.refresh()
-    registry.add_refresher(_tools.refresh)
+    registry.refresher = _tools.refresh
 
 
 _keeper: concurrent.futures.Future[None] | None = None

@@ -227,13 +227,9 @@ call is never run by a worker: the turn's approval gate asks it as an `input` in
 and the answer (checked against the call's `answer_schema`) is the call's result."""
 
 
-_refreshers: list[Callable[[], None]] = []
-
-
-def add_refresher(fn: Callable[[], None]) -> None:
-    """Run `fn` (cheap, never raising) before the registry is read: a source of tools that
-    change while the process runs (MCP servers) brings them up to date."""
-    _refreshers.append(fn)
+refresher: Callable[[], None] | None = None
+"""Run (cheap, never raising) before the registry is read: MCP servers' tools change while
+the process runs."""
 
 
 def register(spec: ToolSpec) -> None:
@@ -242,17 +238,15 @@ def register(spec: ToolSpec) -> None:
 
 
 def get_tool(name: str) -> ToolSpec:
-    for refresh in _refreshers:
-        refresh()
     try:
-        return _REGISTRY[name]
+        return all_tools()[name]
     except KeyError:
         raise UnknownTool(name, list(_REGISTRY)) from None
 
 
 def all_tools() -> dict[str, ToolSpec]:
-    for refresh in _refreshers:
-        refresh()
+    if refresher is not None:
+        refresher()
     return dict(_REGISTRY)
 
 
