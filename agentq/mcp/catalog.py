@@ -215,15 +215,11 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
 _keeper: concurrent.futures.Future[None] | None = None
 
 
-def _io_tools() -> McpTools | None:
-    return _tools if roles.role == "io" else None
-
-
 def _stop_sessions(**_: Any) -> None:
     """Close every MCP session on the loop: a stdio server is told (stdin closed), then
     killed if it lingers. (A worker killed outright takes them along: agentq.mcp.child.)"""
-    tools = _io_tools()
-    if tools is None:
+    tools = _tools
+    if tools is None or roles.role != "io":
         return
     if _keeper is not None:
         _keeper.cancel()
@@ -245,8 +241,8 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
         """List every server before the worker consumes (a call of a tool whose task this
         worker lacks would be dropped as an unknown task), then keep them listed."""
         global _keeper
-        tools = _io_tools()
-        if tools is None:
+        tools = _tools
+        if tools is None or roles.role != "io":
             return
 
         def added(specs: list[ToolSpec]) -> None:
