@@ -209,36 +209,31 @@ def _on_task_failure(
     if not isinstance(exception, (TimeLimitExceeded, WorkerLostError)):
         return
     req = ToolTaskRequest.model_validate(kwargs)  # if it raises, Celery logs it
+
+    def settle_killed() -> None:
+        store = get_store()
+        until = time.time() + get_settings().tool_grace_s + HOLD_PAST_DEADLINE_S
+        what = f"the end of killed call {req.call_id} ({req.tool})"
+        key = k.turn_key(req.turn_id)
+        raw = held_writes.hold(lambda: store.redis.hget(key, k.STARTED + req.call_id), until, what)
+        start = json.loads(raw or "{}")
+        # The fields of the start record, each None when it was never written.
+        started, pid = start.get("started_at"), start.get("pid")
+        scope = CallScope(req, start.get("worker"), task_id, started, pid)
+        if isinstance(exception, TimeLimitExceeded):
+            result = scope.timeout(killed=True)
+        else:
+            why = f"its worker process died ({exception})"
+            result = lost_result(scope.call, why, **scope.common)
+        won = held_writes.hold(lambda: store.settle(req.turn_id, result), until, what)
+        if won and tracing.enabled:
+            # The child that ran the call died with its span: record it from here.
+            tracing.record_settled(req.traceparent, req.turn_id, result, "worker")
+
     # On a thread: with Redis away the settle waits for it (held_writes), and the pool's
     # event loop, which runs this handler, must go on meanwhile.
-    threading.Thread(
-        target=_settle_killed,
-        args=(req, task_id, exception),
-        name=f"agentq-settle-{req.call_id}",
-        daemon=True,
-    ).start()
-
-
-def _settle_killed(
-    req: ToolTaskRequest, task_id: str | None, exception: TimeLimitExceeded | WorkerLostError
-) -> None:
-    store = get_store()
-    until = time.time() + get_settings().tool_grace_s + HOLD_PAST_DEADLINE_S
-    what = f"the end of killed call {req.call_id} ({req.tool})"
-    raw = held_writes.hold(
-        lambda: store.redis.hget(k.turn_key(req.turn_id), k.STARTED + req.call_id), until, what
-    )
-    start = json.loads(raw or "{}")
-    # The fields of the start record, each None when it was never written.
-    scope = CallScope(req, start.get("worker"), task_id, start.get("started_at"), start.get("pid"))
-    if isinstance(exception, TimeLimitExceeded):
-        result = scope.timeout(killed=True)
-    else:
-        result = lost_result(scope.call, f"its worker process died ({exception})", **scope.common)
-    won = held_writes.hold(lambda: store.settle(req.turn_id, result), until, what)
-    if won and tracing.enabled:
-        # The child that ran the call died with its span: record it from here.
-        tracing.record_settled(req.traceparent, req.turn_id, result, "worker")
+    name = f"agentq-settle-{req.call_id}"
+    threading.Thread(target=settle_killed, name=name, daemon=True).start()
 
 
 def queues_of(specs: dict[str, ToolSpec], *, io: bool) -> list[str]:
