@@ -1,11 +1,8 @@
 """How `agentq worker io` runs a call: a coroutine on the process's event loop.
 
-The Celery task (a thread of the `threads` pool) only hands the call to the loop and
-returns, so one process holds thousands of calls with a handful of threads; the
-message is acknowledged at hand-off. If the process dies, its heartbeat stops and the
-turn settles its calls as `lost` (an idempotent tool may be sent again). What the soft
-and hard limits and an abort do to a coroutine or a `thread=True` tool is in docs/tools.md.
-"""
+The Celery task only hands the call to the loop (its message is acknowledged then), so a
+handful of threads hold thousands of calls; if the process dies, its heartbeat stops and
+the turn settles its calls `lost`."""
 
 from __future__ import annotations
 
@@ -56,8 +53,7 @@ def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
 async def _guarded(
     host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any
 ) -> None:
-    """The call, its ids bound for the logs and its span current in its own asyncio task
-    (the other calls on the loop keep theirs)."""
+    """Run and settle the call in its own asyncio task, so its log ids and span are its own."""
     try:
         with observed(scope) as span:
             call = _AsyncCall(host, spec, scope, backend)
@@ -76,8 +72,8 @@ async def _guarded(
 
 
 class _AsyncCall:
-    """One call on the loop: its ToolContext, its limits, and one settle however it ends
-    (the tool's own end, its hard limit, an abort, or the worker recycling it)."""
+    """One call on the loop, settled once however it ends (itself, its hard limit, an abort,
+    or the worker recycling it)."""
 
     def __init__(self, host: LoopHost, spec: ToolSpec, scope: CallScope, backend: Any) -> None:
         self.host, self.spec, self.scope = host, spec, scope
@@ -109,8 +105,7 @@ class _AsyncCall:
             inner.cancel("agentq: soft time limit")  # what the tool's CancelledError says
 
     async def wait(self) -> ToolResult | Waiting:
-        """The tool's run (a task on the loop, or a thread of the pool with `thread=True`)
-        until it ends, its hard limit or an abort: the call's result."""
+        """Run the tool (on the loop, or a pool thread) until it ends, times out or is aborted."""
         host, scope, req = self.host, self.scope, self.req
         loop = asyncio.get_running_loop()
         if self.spec.kind == "thread":

@@ -1,5 +1,4 @@
-"""The prefork tool worker's side of a call: the Celery task that runs it and settles it, and
-the control command that kills a pool process an abort's SIGTERM did not end."""
+"""The prefork tool worker: the Celery task that runs and settles a call, and the kill command."""
 
 from __future__ import annotations
 
@@ -48,13 +47,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentq.tools")
 
 TICK_POLL_S = 0.5
-"""How often the progress ticker looks at the running call."""
 
 
 class _Ticker:
-    """One thread per process publishing the running call's `tool_progress` (a prefork child
-    runs one call at a time); a call's start and end only set an attribute, as starting or
-    waking a thread per call cost more than a short call itself."""
+    """One thread per process ticks the running call: a thread per call cost more than a
+    short call itself."""
 
     def __init__(self) -> None:
         self._current: tuple[TurnStore, CallScope, float] | None = None
@@ -101,15 +98,10 @@ _ticker = _Ticker()
 
 @contextlib.contextmanager
 def _soft_limit(scope: CallScope) -> Iterator[None]:
-    """Set `scope.soft_fired` when the pool's soft time limit fires during the call, also
-    when the tool catches it: the pool times the limit from when it accepted the job, a
-    little before the call began here, so the call's own clock can read just under the
-    limit when it fires.
-
-    A signal before half the call's own soft limit is not its own: a pool whose event loop
-    stood still (reconnecting to a broker that was away) fires its overdue timers before
-    it reads the results its processes sent meanwhile, so it may signal a process that has
-    since begun another call (a 25 s Redis outage did)."""
+    """Set `scope.soft_fired` when the pool's soft limit fires, even if the tool catches it
+    (the pool's clock starts a little before the call's, so the call's may read just under).
+    A signal before half the call's soft limit was meant for an earlier call: a pool whose
+    loop stood still (a 25 s Redis outage) fires overdue timers before reading results."""
     sig = SIG_SOFT_TIMEOUT
     prev = signal.getsignal(sig) if sig is not None else None
     if (
@@ -159,9 +151,8 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     ctx = tool_context(store, scope, task.backend, _sent)
     value: Any = None
     raised: Exception | None = None
-    # Only an Exception ends the span "error": anything else (the SystemExit of the hard
-    # limit's SIGTERM, or of a revoke) leaves it open, unexported, for whoever settles the
-    # call (the worker's parent, the abort) to record.
+    # Only an Exception ends the span "error": a SystemExit (hard limit, revoke) leaves it
+    # open, unexported, for whoever settles the call (the worker's parent, the abort).
     with observed(scope, Exception) as span, _soft_limit(scope):
         try:
             with _ticker.running(store, scope, settings.progress_interval_s):
@@ -169,14 +160,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         except Exception as exc:  # the soft limit's SoftTimeLimitExceeded among them
             raised = exc
         scope.done = True
-        result = outcome(
-            scope,
-            spec,
-            settings,
-            aborted=ctx._cancelled,
-            raised=raised,
-            value=value,
-        )
+        result = outcome(scope, spec, settings, aborted=ctx._cancelled, raised=raised, value=value)
         settle(store, scope, result)
     tracing.end_span(span, result.status)
     return result.status
@@ -288,12 +272,9 @@ def register_tool_tasks(app: Celery, specs: dict[str, ToolSpec] | None = None) -
     signature="[[task_id, pid], ...]",
 )
 def agentq_kill(state: Any, targets: list[list[Any]]) -> dict[str, Any]:
-    """SIGKILL the pool processes still running these terminated tasks: Celery drops a task
-    from its active requests once it has terminated it, so the escalation of an abort's
-    SIGTERM cannot be a second revoke. The turn workers' sweepers send this command with the
-    task ids and pool process ids of the calls' start records when the kill grace is over; a
-    process is killed only while it is one of this worker's pool processes and no task it
-    accepted since runs on it."""
+    """SIGKILL the pool processes still running these terminated tasks (the sweepers send it
+    when an abort's kill grace is over): Celery forgets a task once it has terminated it, so
+    a second revoke cannot escalate. A process that runs a task accepted since is spared."""
     pool = getattr(state.consumer, "pool", None)
     info = pool.info if pool is not None else {}
     ours = {int(p) for p in info.get("processes", ()) if p}
