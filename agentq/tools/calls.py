@@ -1,5 +1,4 @@
-"""One tool call's life as both tool workers share it: its start record, its ToolContext,
-and how the way it ended becomes a ToolResult (`outcome`)."""
+"""One tool call's life as both tool workers share it: start, ToolContext, result, settle."""
 
 from __future__ import annotations
 
@@ -93,13 +92,11 @@ def observed(
 
 
 HOLD_PAST_DEADLINE_S = 60.0
-"""A held result keeps trying this long past its call's lost-deadline: the turn cannot
-settle the call `lost` while Redis is away either, so when it returns the first writer
-wins, and the worker's retry is the likelier first."""
+"""A held result keeps trying this long past its call's lost-deadline: the turn cannot settle
+it `lost` while Redis is away either, and the first writer wins when it returns."""
 HOLD_START_S = 60.0
-"""How long a start record waits for Redis, at most half the call's hard limit (which
-counts the wait), before the delivery is given up: the turn sends a call that never
-started again."""
+"""How long a start waits for Redis, at most half the hard limit (which counts the wait),
+before the delivery is given up: the turn sends a call that never started again."""
 HOLD_NO_LIMIT_S = 600.0
 """How long the result of a call without a hard limit waits for Redis."""
 
@@ -111,16 +108,14 @@ def start_deadline(timeout_s: float, now: float) -> float:
 
 @dataclass(frozen=True)
 class Waiting:
-    """What a call's run ended with when its tool returned a Waitpoint: not a result, a
-    wait that `settle` records (its completion, timeout or abort settles the call)."""
+    """A run that ended with a Waitpoint: a wait `settle` records, settled later."""
 
     waitpoint: Waitpoint
     status: str = "waiting"
 
 
 def waiting(scope: CallScope, wp: Waitpoint, settings: Settings) -> Waiting:
-    """The call's wait, once its Waitpoint is checked (ToolMisuse: not a finite timeout
-    within the ceiling, or data that is not JSON)."""
+    """The call's wait, once its Waitpoint is checked (ToolMisuse when it is not valid)."""
     timeout_s = wp.timeout_s
     ceiling_s = settings.waitpoint_max_timeout_s
     finite = isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf
@@ -141,12 +136,9 @@ def waiting(scope: CallScope, wp: Waitpoint, settings: Settings) -> Waiting:
 
 
 def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> None:
-    """Settle the call with what it returned or raised (its scope's fields added), or record
-    its waitpoint and publish tool_waiting (the call's process is free once this returns).
-
-    A result or a wait computed while Redis is away waits here, and is written when Redis
-    answers again: first writer wins, so a write whose answer was lost and is sent again, or
-    one the turn's `lost` beat, changes nothing."""
+    """Settle the call, or record its waitpoint. While Redis is away this waits and writes
+    when it answers: first writer wins, so a write sent again, or one the turn's `lost`
+    beat, changes nothing."""
     req = scope.req
     if req.timeout_s <= 0:
         until = time.time() + HOLD_NO_LIMIT_S
@@ -201,11 +193,9 @@ def mark_started(
     store: TurnStore, scope: CallScope, delivery: str, *, within_limit: bool = False
 ) -> str | None:
     """Record the start; None when the call should run, else why it does not (for Flower).
-
-    `within_limit`: the start waits for Redis up to the call's hard limit (the I/O worker,
-    which counts the limit from `scope.started` itself), not half of it: a start given up
-    may have been written all the same (Redis applied it and went away before it
-    answered), and the call then settled `lost` though it never ran (a 20 s outage did)."""
+    `within_limit` (the I/O worker, whose clock is `scope.started`) waits for Redis up to the
+    whole hard limit: a start given up may have been applied all the same, and the call then
+    settled `lost` though it never ran (a 20 s outage did)."""
     req = scope.req
     start = {
         "started_at": scope.started,
@@ -245,9 +235,8 @@ _NOT_RUN = {
 
 
 FLOWER_PROGRESS_S = 0.5
-"""A call's progress reaches Flower (a PROGRESS state in the result backend) at most this
-often, and only once the call has run this long: most calls end sooner, and Flower is for
-watching the long ones."""
+"""A call's progress reaches Flower at most this often, and only once it has run this long:
+most calls end sooner, and Flower is for watching the long ones."""
 
 
 Send = Callable[..., "bool | None"]
@@ -256,10 +245,8 @@ Send = Callable[..., "bool | None"]
 def tool_context(
     store: TurnStore, scope: CallScope, backend: Any, send: Send, *, watched: bool = False
 ) -> ToolContext:
-    """The call's ToolContext on either kind of tool worker. Its progress is a `tool_progress`
-    event, then a PROGRESS state in Flower, each written by `send(fn, *args, **kwargs)` the
-    worker's way (False when it could not); `watched`: the I/O worker's cancel channel sets
-    its `_cancelled`, else the turn's cancel key is asked."""
+    """The call's ToolContext; `send(fn, *args)` writes its progress the worker's way (False
+    when it could not); `watched`: the I/O worker's cancel channel sets its `_cancelled`."""
     req = scope.req
     flower_at = time.monotonic()
 
@@ -315,8 +302,7 @@ def tick(store: TurnStore, scope: CallScope) -> None:
 
 
 def invoke(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:
-    """Call the tool with the call's validated arguments (ToolArgumentsInvalid when the
-    model's are wrong), and its ToolContext first when it takes one."""
+    """Call the tool with the validated arguments (ToolArgumentsInvalid), ctx first if wanted."""
     # A model's fields, then the extra ones it keeps (an MCP tool's, checked by its JSON schema).
     kwargs = dict(spec.validate(req.arguments))
     return spec.fn(ctx, **kwargs) if spec.wants_ctx else spec.fn(**kwargs)
@@ -377,9 +363,9 @@ def outcome(
     raised: BaseException | None = None,
     value: Any = None,
 ) -> ToolResult | Waiting:
-    """The call's result on either tool worker, by one precedence: an abort the tool saw
-    (the status the abort step gives it, whichever settles first), the hard limit
-    (`hard_limit`: what it did), the soft limit once the tool raised, its error, its value."""
+    """The call's result by one precedence: an abort the tool saw (the abort step's status
+    too), the hard limit (`hard_limit`: what it did), the soft limit once the tool raised,
+    its error, its value."""
     if aborted:
         return scope.cancelled()
     if hard_limit is not None:

@@ -64,9 +64,8 @@ class ToolContext:
         return self.read_secret() if self.read_secret is not None else None
 
     def waitpoint(self) -> WaitpointAddress:
-        """The id, token and callback URL of the waitpoint this call opens if it returns a
-        `Waitpoint`: known before it returns, so the tool can hand them to the system that
-        will complete it (the same for every run of the call)."""
+        """Where the waitpoint this call opens if it returns a `Waitpoint` is completed (the same
+        for every run), known beforehand so the tool can hand it to whoever completes it."""
         if self.locate_waitpoint is None:
             raise RuntimeError("this call runs outside a tool worker: it has no waitpoint")
         return WaitpointAddress(*self.locate_waitpoint())
@@ -84,9 +83,8 @@ class WaitpointAddress(NamedTuple):
 
 @dataclass(frozen=True)
 class Waitpoint:
-    """Return `Waitpoint(timeout_s=..., data=...)` to end the call's run with a wait: the
-    call stays open, holding no worker, until its waitpoint is completed or `timeout_s`
-    passes (docs/waitpoints.md)."""
+    """Return it to end the run with a wait: the call stays open, holding no worker, until its
+    waitpoint is completed or `timeout_s` passes (docs/waitpoints.md)."""
 
     timeout_s: float
     data: Any = None

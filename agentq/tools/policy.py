@@ -1,7 +1,5 @@
-"""The policy a tool runs under: a small frozen model, checked when the tool is declared.
-A field left unset (None) takes its default where the tool is loaded (`resolved`); "no
-limit" is `0` everywhere: in the policy, the settings, the per-call limits and the task
-request. Below it, what a call's policy decides over time: limits, deadline, budget."""
+"""The policy a tool runs under (unset fields take their defaults where the tool is loaded;
+"no limit" is `0` everywhere), and what it decides over time: limits, deadline, budget."""
 
 from __future__ import annotations
 
@@ -109,8 +107,7 @@ class Limits:
 
 
 def effective_limits(policy: ToolPolicy, hint_s: float | None) -> Limits:
-    """Apply a per-call hint to a tool's policy (resolved, or with unset limits meaning
-    none), clamped to the tool's ceiling."""
+    """Apply a per-call hint to a tool's policy (unset limits: none), clamped to its ceiling."""
     timeout_s, budget_s = policy.timeout_s or 0.0, policy.budget_s or 0.0
     ceiling = timeout_s if policy.max_timeout_s is None else policy.max_timeout_s
     effective = timeout_s
@@ -153,8 +150,8 @@ def lost_deadline(
     grace_s: float,
     queue_timeout_s: float,
 ) -> float | None:
-    """When the turn settles a call as lost (None: never): its queue allowance until it
-    starts, then its hard limit, each plus a grace for the worker to report."""
+    """When the turn settles a call lost (None: never): its queue allowance until it starts,
+    then its hard limit, each plus a grace for the worker to report."""
     if started_at is None:
         return dispatched_at + queue_timeout_s + grace_s
     if timeout_s <= 0:

@@ -140,8 +140,7 @@ def tool(
     description: str | None = None,
     **policy: Any,
 ) -> Any:
-    """Declare a tool; the keyword arguments after `description` are its ToolPolicy
-    (see agentq.tools.policy for what each does)."""
+    """Declare a tool; the keyword arguments after `description` are its ToolPolicy."""
     unknown = sorted(set(policy) - set(ToolPolicy.model_fields))
     if unknown:
         # As a signature would refuse it: a misspelt knob is a mistake in the code.
@@ -222,14 +221,12 @@ def _ask_user(
 ASK_USER_SPEC = spec_of(
     _ask_user, ASK_USER, None, {"approval": "ask", "approval_kind": "input", "timeout_s": 0}
 )
-"""The built-in tool an `Agent(..., ask_user=True)` offers its model, registered nowhere. A
-call is never run by a worker: the turn's approval gate asks it as an `input` interaction,
-and the answer (checked against the call's `answer_schema`) is the call's result."""
+"""The tool of `Agent(..., ask_user=True)`, registered nowhere: the turn's approval gate asks
+it as an `input` interaction, and the (checked) answer is the call's result."""
 
 
 refresher: Callable[[], None] | None = None
-"""Run (cheap, never raising) before the registry is read: MCP servers' tools change while
-the process runs."""
+"""Run before the registry is read (cheap, never raising): MCP servers' tools change."""
 
 
 def register(spec: ToolSpec) -> None:
@@ -278,8 +275,7 @@ _schemas_json: dict[tuple[int, ...], tuple[tuple[_Offered, ...], str]] = {}
 
 
 def schemas_json(offered: Sequence[_Offered]) -> str:
-    """The JSON array of these tools' schemas, as a model round sends it: encoded once per
-    tool set (every round of a fleet offers one of a few), not once per round."""
+    """These tools' schemas as a JSON array, encoded once per tool set, not once per round."""
     key = tuple(map(id, offered))
     hit = _schemas_json.get(key)
     # The entry holds the tools themselves, so no id in a key is reused while it lives:

@@ -12,9 +12,8 @@ from agentq.models import InvocationRecord, ToolCall, ToolResult, ToolStatus
 def _result(
     call: ToolCall, status: ToolStatus, shown: dict[str, Any], record: dict[str, Any], **fields: Any
 ) -> ToolResult:
-    """A result of `status`; its content, what the model reads, is `shown` after the status
-    unless `fields` give it. `record`: its InvocationRecord's fields, `finished_at` now
-    unless given."""
+    """A result of `status`: the model reads `shown` unless `fields` give a content; `record`
+    holds its InvocationRecord's fields."""
     finished = record.pop("finished_at", None) or time.time()
     started = record.get("started_at")
     duration_ms = int((finished - started) * 1000) if started is not None else None
