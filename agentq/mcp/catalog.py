@@ -1,7 +1,5 @@
-"""The configured MCP servers' tools in this process's registry, and the listings the
-fleet shares through Redis: I/O workers list the servers on their sessions and write the
-listings, every other process only reads them (docs/mcp.md, "Listings").
-"""
+"""The MCP servers' tools in this process's registry: I/O workers list the servers and share
+the listings in Redis, every other process only reads them (docs/mcp.md, "Listings")."""
 
 from __future__ import annotations
 
@@ -52,14 +50,13 @@ class McpTools:
         self._told: set[str] = set()
         self.registered: dict[str, set[str]] = {name: set() for name in servers}
         self.on_new_tools: Callable[[list[ToolSpec]], None] | None = None
-        """Told of tools a listing added after start (the I/O worker registers their tasks)."""
+        """Told of tools a later listing added (the I/O worker registers their tasks)."""
         self._looked = 0.0
         self._busy = threading.Lock()
         self._apply_lock = threading.RLock()
 
     def refresh(self) -> None:
-        """At start, and before a registry read: newer shared listings, every POLL_S at most
-        (at every read while a server has none)."""
+        """Take newer shared listings, every POLL_S at most (always while a server has none)."""
         due = time.monotonic() - self._looked >= POLL_S or len(self.listings) < len(self.servers)
         if not due or _in_event_loop() or not self._busy.acquire(blocking=False):
             return
@@ -78,8 +75,7 @@ class McpTools:
             self._busy.release()
 
     async def list_all(self) -> None:
-        """List every server on its session (at an I/O worker's start), all at once: a
-        server slow to start delays the others by its own start timeout only."""
+        """List every server at once: one slow to start delays the others by its timeout only."""
         await asyncio.gather(*(self._list(name) for name in self.servers))
 
     async def keep_listed(self) -> None:
@@ -99,8 +95,7 @@ class McpTools:
         return listing.listed_at + ttl_s
 
     async def _list(self, name: str) -> None:
-        """List one server, share the listing and take it; a failure keeps the tools it
-        listed last, with the error, and is tried again after RETRY_FAILED_S."""
+        """List one server, share the listing and take it; a failure keeps its last tools."""
         try:
             tools = await asyncio.wait_for(self.links[name].list_tools(), LIST_TIMEOUT_S)
             listing = Listing.screened(time.time(), tools)
@@ -125,10 +120,8 @@ class McpTools:
         self.apply(name, listing)
 
     def apply(self, name: str, listing: Listing) -> list[ToolSpec]:
-        """Put the listing's tools (those the allowlist keeps) in the registry, in place of
-        the server's earlier ones; returns the tools that were not there before. Whatever a
-        listing holds costs its server's tools, never the worker nor the task that keeps the
-        listings (the listing is recorded before anything can fail)."""
+        """Put the listing's allowed tools in the registry in place of the server's earlier ones;
+        returns those new. A bad listing costs its server's tools, never the worker."""
         try:
             with self._apply_lock:
                 return self._apply(name, listing)
@@ -154,8 +147,7 @@ class McpTools:
             before = self.registered[server]
             for gone in before - set(tools):
                 registry.unregister(gone)
-            # Only the listed server's tools are made again; another's change only when a
-            # shared name appears or goes.
+            # Another server's tools change only when a shared name appears or goes.
             fresh = tools if server == name else {n: t for n, t in tools.items() if n not in before}
             for model_name, tool in fresh.items():
                 try:
@@ -200,8 +192,7 @@ _tools: McpTools | None = None
 
 
 def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
-    """Load the tools of AGENTQ_MCP_SERVERS into this process's registry (agentq.worker's
-    body does, once); a bad setting raises ConfigError, naming it."""
+    """Load the tools of AGENTQ_MCP_SERVERS into this process's registry (ConfigError)."""
     global _tools
     servers = parse_servers(settings.mcp_servers)
     if not servers:
@@ -216,8 +207,7 @@ _keeper: concurrent.futures.Future[None] | None = None
 
 
 def _stop_sessions(**_: Any) -> None:
-    """Close every MCP session on the loop: a stdio server is told (stdin closed), then
-    killed if it lingers. (A worker killed outright takes them along: agentq.mcp.child.)"""
+    """Close every MCP session on the loop (a stdio server's stdin, then a kill if it lingers)."""
     tools = _tools
     if tools is None or roles.role != "io":
         return
@@ -233,13 +223,12 @@ def _stop_sessions(**_: Any) -> None:
 
 
 def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
-    """Connect the signals; the worker does it after its own, so its role is decided
-    before the listing, and a warm shutdown lets the calls on the loop end before their
-    sessions stop. `register` registers tools' tasks."""
+    """Connect the signals after the worker's own: its role is decided before the listing,
+    and a warm shutdown lets the calls on the loop end before their sessions stop."""
 
     def list_at_start(sender: Any = None, **_: Any) -> None:
-        """List every server before the worker consumes (a call of a tool whose task this
-        worker lacks would be dropped as an unknown task), then keep them listed."""
+        """List every server before the worker consumes (else a call of a tool it lacks a task
+        for is dropped as unknown), then keep them listed."""
         global _keeper
         tools = _tools
         if tools is None or roles.role != "io":
@@ -247,8 +236,7 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
 
         def added(specs: list[ToolSpec]) -> None:
             register({s.name: s for s in specs})
-            # A tool a server adds later (`tools/list_changed`, a TTL's listing): the consumer
-            # is told, or its calls would be refused as unknown tasks.
+            # The consumer is told, or calls of a tool added later are refused as unknown.
             update = getattr(getattr(sender, "consumer", None), "update_strategies", None)
             if callable(update):
                 update()

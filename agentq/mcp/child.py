@@ -1,10 +1,6 @@
-"""The launcher of a stdio MCP server: it dies with its worker and sees only its config.
-
-`python -m agentq.mcp.child PROGRAM ARGS...` asks Linux to kill it when the thread that
-started it (an I/O worker's event loop) ends, so no server outlives a worker killed
-outright, keeps only the variables named in AGENTQ_MCP_ENV_KEYS (the config's `env`), and
-becomes the server (exec: same process, so killing it kills the server).
-"""
+"""`python -m agentq.mcp.child PROGRAM ARGS...`: a stdio MCP server's launcher. Linux kills
+it when the thread that started it (an I/O worker's loop) ends, so no server outlives a
+worker killed outright; it keeps only the AGENTQ_MCP_ENV_KEYS variables, then execs."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """One MCP server's session in a worker process, shared by the server's calls.
 
-The session lives in an owner task on the process's event loop (the SDK's transports are
-anyio task groups, entered and left by one task); calls from other tasks send on it. Its
-restarts' backoff and the ping after a cancel are in docs/mcp.md ("A call").
-
-A server's `elicitation/create` during a call becomes an `input` question on the turn of
-the one call its session has in flight (an elicitation names no call), and the answer goes
-back; docs/mcp.md says what the server hears in each case.
-"""
+The session lives in an owner task on the loop (the SDK's transports are anyio task groups,
+entered and left by one task); calls from other tasks send on it. An elicitation names no
+call: it is asked on the turn of the one call in flight (docs/mcp.md)."""
 
 from __future__ import annotations
 
@@ -43,8 +38,7 @@ STOP_TIMEOUT_S = 10.0
 
 EXPLAIN_CHARS = 500
 MAX_TOOLS = 2000
-"""A server listing more tools than this is refused: every model request would carry them
-all, and a listing whose pages never end stops here."""
+"""A server listing more tools is refused: every model request would carry them all."""
 
 
 def backoff_s(failures: int) -> float:
@@ -300,9 +294,8 @@ class ServerLink:
         on_progress: Callable[[float, float | None, str | None], Awaitable[None]],
         caller: ToolContext | None = None,
     ) -> Any:
-        """Call a tool; McpServerUnavailable when the server died or cannot be reached,
-        McpToolFailed when it answered with a protocol error. `caller`: the call whose turn
-        a question the server asks meanwhile goes to (`_on_elicit`)."""
+        """Call a tool (McpServerUnavailable, McpToolFailed); a question the server asks
+        meanwhile goes to `caller`'s turn."""
         session = await self.session()
         if caller is not None:
             self.callers.add(caller)
@@ -329,8 +322,8 @@ class ServerLink:
         return result
 
     def _check_after_cancel(self, session: Any) -> None:
-        """A cancelled request (abort, hard limit): a server that does not answer a ping
-        within the grace is stuck in the work it was told to drop, and is stopped."""
+        """After a cancel, stop a server that does not answer a ping within the grace: it is
+        stuck in the work it was told to drop."""
         grace_s = self.server.cancel_grace_s
 
         async def check() -> None:
@@ -378,8 +371,7 @@ _seq = itertools.count(1)
 
 
 def ask(caller: ToolContext, message: str, schema: dict[str, Any]) -> tuple[str, Any]:
-    """Ask the question on the turn of the call in flight and wait for it (blocking: run
-    it in a thread); (`accept`, content), (`decline`, None) or (`cancel`, None)."""
+    """Ask on the caller's turn and wait (blocking): (`accept`, content), `decline` or `cancel`."""
     store = get_store()
     state = store.state(caller.turn_id) or {}
     if state.get("headless") or state.get("status") not in ("running", "queued"):

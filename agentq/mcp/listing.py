@@ -1,9 +1,6 @@
-"""What a server's `tools/list` yields to agentq, and what it refuses: each bad tool costs
-only itself (docs/mcp.md, "Bad listings"). Which model name each kept tool gets follows
-from all the servers' listings together (`plan`), the same in every process and in the
-gateway's `GET /v1/mcp/servers`. How each server last went (`agentq:mcp:health`) is kept
-beside: the I/O workers write it, the gateway reads it without importing the worker side.
-"""
+"""What a server's `tools/list` yields (each bad tool costs only itself), the model names
+all listings together give (`plan`), and each server's health: the gateway reads these
+without importing the worker side."""
 
 from __future__ import annotations
 
@@ -37,10 +34,8 @@ T = TypeVar("T")
 
 
 def tool_name(server: str, tool: str) -> str:
-    """The model's name of `tool` of `server`: `SERVER__TOOL` when that is a valid function
-    name, else made one, ending in a short hash of the original (docs/mcp.md, "What the
-    model sees"). Task names (`agentq.tool.<name>`) take it: it only has characters safe
-    there, and no Python identifier is ever made from it."""
+    """`SERVER__TOOL` when that is a valid function name, else made one, ending in a short hash
+    of the original; its characters are safe in a task name too."""
     name = f"{server}{SEPARATOR}{tool}"
     if FUNCTION_NAME.match(name):
         return name
@@ -80,8 +75,7 @@ class Listing(BaseModel):
 
     @classmethod
     def screened(cls, listed_at: float, tools: list[ListedTool]) -> Listing:
-        """A listing of the tools that pass `problem`, the others refused with the reason;
-        a name listed more than once is refused every time."""
+        """The tools that pass `problem`, the others refused (a name listed twice, each time)."""
         counts = Counter(t.name for t in tools)
         kept: list[ListedTool] = []
         refused: list[Refused] = []
@@ -111,8 +105,7 @@ def _by_server(redis: Any, key: str, parse: Callable[[Any], T]) -> dict[str, T]:
 
 
 def problem(tool: ListedTool) -> str | None:
-    """Why a listed tool cannot be offered (its input schema must be able to be the
-    parameters of a function the model calls), or None."""
+    """Why a listed tool cannot be a function the model calls, or None."""
     from jsonschema.validators import validator_for
 
     if not tool.name:
@@ -159,12 +152,10 @@ class Plan:
 
 
 def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
-    """Which tool each model name is: every listed tool the allowlists keep, except the
-    names two tools would share, refused for both (and all) of them."""
+    """Which tool each model name is; a name two tools would share is refused for all."""
     kept: dict[tuple[str, str], ListedTool] = {}
     for name, listing in listings.items():
-        # A server this process was not told of (the gateway's view of a worker's listing)
-        # has no allowlist here.
+        # A server this process was not told of (the gateway's view) has no allowlist here.
         allowed = servers[name].tools if name in servers else None
         for listed in listing.tools:
             if allowed is None or listed.name in allowed:
@@ -192,17 +183,15 @@ def record_health(redis: Any, name: str, ok: bool, failures: int, error: str, wo
 
 
 def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, Any]]:
-    """How each MCP server's last start or call went, fleet-wide: `ok`, the `failures` in a
-    row and when (public: /healthz); with `detail` the error and the worker too (the
-    console, for admins)."""
+    """How each MCP server's last start or call went (public: /healthz); with `detail` its
+    error and worker too (the console, for admins)."""
     fields = ("ok", "failures", "at", "error", "worker") if detail else ("ok", "failures", "at")
     entries = _by_server(redis, k.MCP_HEALTH, json.loads)
     return {name: {f: entry.get(f) for f in fields} for name, entry in entries.items()}
 
 
 def servers_view(redis: Any, servers: dict[str, McpServer]) -> list[dict[str, Any]]:
-    """Every MCP server the fleet knows (configured here, or listed by a worker), for the
-    console and `GET /v1/mcp/servers`."""
+    """Every MCP server configured here or listed by a worker, for `GET /v1/mcp/servers`."""
     listings = read_listings(redis)
     health = server_health(redis, detail=True)
     made = plan(servers, listings)

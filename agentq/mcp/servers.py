@@ -1,8 +1,4 @@
-"""`AGENTQ_MCP_SERVERS`: one frozen model per server, checked when a process starts.
-
-A header value may name environment variables (`"Bearer ${GITHUB_TOKEN}"`): they are read
-where the session is made, never stored in the model, and never logged.
-"""
+"""`AGENTQ_MCP_SERVERS`: one frozen model per server, checked when a process starts."""
 
 from __future__ import annotations
 
@@ -42,15 +38,13 @@ class McpServer(BaseModel):
     trust_annotations: bool = False
     """Believe the tools' `readOnlyHint`; without it `annotations` asks for every call."""
     concurrency: Literal["parallel", "exclusive"] | int = "parallel"
-    """`parallel`, `exclusive` (alone in its turn's round), or N: the most calls of this
-    server at once, fleet-wide."""
+    """`parallel`, `exclusive` (alone in its round), or N: the most calls at once, fleet-wide."""
     tools: tuple[str, ...] | None = None
     """An allowlist of the server's tool names; unset: all of them."""
     queue: str | None = None
     """The Celery queue of its calls; unset: `agentq.io`."""
     cancel_grace_s: float = Field(2.0, gt=0)
-    """After a cancel or a hard limit, how long the server has to show it still answers
-    (a ping) before it is stopped and made again."""
+    """After a cancel, how long the server has to answer a ping before it is restarted."""
     start_timeout_s: float = Field(20.0, gt=0)
     """Longest wait for a server to start and answer `initialize`."""
 
@@ -78,8 +72,7 @@ class McpServer(BaseModel):
         return "stdio" if self.command is not None else "http"
 
     def resolved_headers(self) -> dict[str, str]:
-        """The headers with `${NAME}` read from this process's environment (ConfigError
-        naming the variable, not its value, when it is unset)."""
+        """The headers with `${NAME}` read here, never stored nor logged (ConfigError if unset)."""
         out = {}
         for key, value in self.headers.items():
             unset = [name for name in _ENV_REF.findall(value) if name not in os.environ]

@@ -1,7 +1,5 @@
-"""An MCP server's tool as an agentq tool: its spec (checked by the tool's JSON schema) and
-its call, an `async def` tool on `agentq worker io` like any other, so it inherits that
-worker's limits, ticks, abort and one settled result (docs/mcp.md, "A call").
-"""
+"""An MCP server's tool as an agentq tool: its spec and its call, an `async def` tool on
+`agentq worker io` like any other (its limits, ticks, abort and one settled result)."""
 
 from __future__ import annotations
 
@@ -101,8 +99,8 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
 
 
 async def call_tool(link: ServerLink, remote: str, ctx: ToolContext, /, **arguments: Any) -> Any:
-    """One call on the server's session, within its fleet-wide slot when it has a number (the
-    tool's `fn`, its link and name bound; positional-only, so any argument name is free)."""
+    """One call on the server's session, in its fleet-wide slot if any (positional-only, so
+    any argument name is free)."""
 
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         pct = round(100.0 * progress / total, 1) if total else None
@@ -124,8 +122,7 @@ async def call_tool(link: ServerLink, remote: str, ctx: ToolContext, /, **argume
 
 
 def content_text(blocks: list[Any]) -> str:
-    """What the model reads of a result's content blocks: the text, and a line for each
-    block that is not text."""
+    """What the model reads of a result's content: the text, a line for each other block."""
     parts = []
     for block in blocks:
         kind = getattr(block, "type", "")
@@ -160,8 +157,7 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     release = functools.partial(slots.release, key, ctx.call_id, wake=True)
     waited = False
     while True:
-        # Woken by a place given back (SLOTS_CHANNEL), by the soonest lease's end (its
-        # holder died), or after POLL_S should the message be missed, as an abort is.
+        # Woken by a place given back, the soonest lease's end, or POLL_S if a message is lost.
         freed = watch.on_freed(key)
         trying = loop.run_in_executor(None, slots.acquire_or_wait_ms, key, ctx.call_id, lease_s)
         try:
@@ -184,8 +180,7 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        # Awaited: the slot is free when the call is over. Shielded: a second cancel of
-        # the call stops the wait, never the release.
+        # Shielded: a second cancel of the call stops the wait, never the release.
         await asyncio.shield(loop.run_in_executor(None, release))
 
 
