@@ -149,7 +149,7 @@ class McpTools:
                 registry.unregister(gone)
             # Another server's tools change only when a shared name appears or goes.
             fresh = tools if server == name else {n: t for n, t in tools.items() if n not in before}
-            for model_name, tool in fresh.items():
+            for model_name, tool in list(fresh.items()):  # a tool not made leaves `tools`
                 try:
                     spec = make_spec(self.links[server], tool)
                 except Exception as exc:

@@ -11,6 +11,7 @@ from mcp.types import EmbeddedResource, ImageContent, TextContent, TextResourceC
 
 from agentq.agents import Agent, check_agents, unregister_agent
 from agentq.errors import AgentDefinitionError, ConfigError, ToolArgumentsInvalid
+from agentq.mcp import catalog
 from agentq.mcp.catalog import McpTools
 from agentq.mcp.link import BACKOFF_S, ServerLink, backoff_s
 from agentq.mcp.listing import (
@@ -182,6 +183,21 @@ def test_a_listing_replaces_the_server_s_tools_within_its_allowlist(mcp_tools: M
     assert added == [] and "gh__a" not in registry.all_tools() and "gh__b" in registry.all_tools()
 
 
+def test_a_tool_whose_spec_cannot_be_made_costs_only_itself(
+    mcp_tools: McpTools, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = catalog.make_spec
+
+    def flaky(link: Any, tool: ListedTool) -> Any:
+        if tool.name == "b":
+            raise ValueError("no spec")
+        return real(link, tool)
+
+    monkeypatch.setattr(catalog, "make_spec", flaky)
+    added = mcp_tools.apply("fs", Listing(listed_at=1.0, tools=[listed("a"), listed("b")]))
+    assert [s.name for s in added] == ["fs__a"] and "fs__b" not in registry.all_tools()
+
+
 def test_agents_name_the_servers_their_turns_may_use(mcp_tools: McpTools) -> None:
     mcp_tools.apply("gh", Listing(listed_at=1.0, tools=[listed("a")]))
     mcp_tools.apply("fs", Listing(listed_at=1.0, tools=[listed("read")]))
@@ -211,7 +227,6 @@ def test_a_process_that_holds_no_sessions_only_reads_the_shared_listings(
     import fakeredis
 
     from agentq import constants as k
-    from agentq.mcp import catalog
 
     redis = fakeredis.FakeRedis()
     # A server that could never start: a process that tried to list it would say so.
