@@ -19,7 +19,7 @@ from agentq.config import Settings
 from agentq.errors import MissingExtra
 from agentq.fleet import roles
 from agentq.mcp.link import ServerLink, explain
-from agentq.mcp.listing import ListedTool, Listing, plan, printable, read_listings, record_health
+from agentq.mcp.listing import Listing, plan, printable, read_listings, record_health
 from agentq.mcp.servers import McpServer, parse_servers
 from agentq.mcp.tools import make_spec
 from agentq.tools import registry
@@ -48,7 +48,8 @@ class McpTools:
         self.links = {name: ServerLink(s, self._list_changed) for name, s in servers.items()}
         self.listings: dict[str, Listing] = {}
         self._told: set[str] = set()
-        self.registered: dict[str, set[str]] = {name: set() for name in servers}
+        self.registered: dict[str, str] = {}
+        """The model name of each tool this registry holds -> its server."""
         self.on_new_tools: Callable[[list[ToolSpec]], None] | None = None
         """Told of tools a later listing added (the I/O worker registers their tasks)."""
         self._looked = 0.0
@@ -136,30 +137,26 @@ class McpTools:
             for refused in refusals:
                 self._tell(server, refused.tool, refused.why)
         own = {n for n, s in registry.all_tools().items() if not s.mcp_server}
-        wanted: dict[str, dict[str, ListedTool]] = {s: {} for s in self.servers}
+        for gone in set(self.registered) - (set(made.offered) - own):
+            registry.unregister(gone)
+            del self.registered[gone]
+        added: list[ToolSpec] = []
         for model_name, (server, tool) in made.offered.items():
+            before = self.registered.get(model_name)
             if model_name in own:
                 self._tell(server, printable(tool.name), f"{model_name} names a tool of this fleet")
-            else:
-                wanted[server][model_name] = tool
-        added: list[ToolSpec] = []
-        for server, tools in wanted.items():
-            before = self.registered[server]
-            for gone in before - set(tools):
-                registry.unregister(gone)
-            # Another server's tools change only when a shared name appears or goes.
-            fresh = tools if server == name else {n: t for n, t in tools.items() if n not in before}
-            for model_name, tool in list(fresh.items()):  # a tool not made leaves `tools`
-                try:
-                    spec = make_spec(self.links[server], tool)
-                except Exception as exc:
-                    self._tell(server, printable(tool.name), f"not made: {explain(exc)}")
-                    tools.pop(model_name)
-                    continue
-                registry.register(spec)
-                if model_name not in before:
-                    added.append(spec)
-            self.registered[server] = set(tools)
+                continue
+            if before == server and server != name:
+                continue  # another server's tool changes only when a shared name appears or goes
+            try:
+                spec = make_spec(self.links[server], tool)
+            except Exception as exc:
+                self._tell(server, printable(tool.name), f"not made: {explain(exc)}")
+                continue
+            registry.register(spec)
+            self.registered[model_name] = server
+            if before is None:
+                added.append(spec)
         if added and self.on_new_tools is not None:
             self.on_new_tools(added)
         return added

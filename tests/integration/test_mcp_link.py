@@ -176,7 +176,6 @@ def test_an_io_worker_lists_on_its_sessions_and_again_when_a_listing_is_due(
         # A server that could not be listed is tried again sooner than the TTL.
         assert failed_again.listed_at < first.listed_at + 3.0 <= again.listed_at
     finally:
-        for names in tools.registered.values():
-            for n in names:
-                registry.unregister(n)
+        for n in tools.registered:
+            registry.unregister(n)
         client.close()

@@ -168,9 +168,8 @@ def mcp_tools() -> Iterator[McpTools]:
     cfg = parse_servers(servers(gh={"command": ["x"], "tools": ["a", "b"]}, fs={"command": ["y"]}))
     tools = McpTools(cfg, 300.0, lambda: None)
     yield tools
-    for names in tools.registered.values():
-        for n in names:
-            registry.unregister(n)
+    for n in tools.registered:
+        registry.unregister(n)
 
 
 def test_a_listing_replaces_the_server_s_tools_within_its_allowlist(mcp_tools: McpTools) -> None:
@@ -234,31 +233,30 @@ def test_a_process_that_holds_no_sessions_only_reads_the_shared_listings(
     monkeypatch.setattr(catalog, "POLL_S", 3600.0)
     try:
         tools.refresh()
-        assert tools.registered["gh"] == set() and redis.hget(k.MCP_TOOLS, "gh") is None
+        assert tools.registered == {} and redis.hget(k.MCP_TOOLS, "gh") is None
         redis.hset(
             k.MCP_TOOLS, "gh", Listing(listed_at=time.time(), tools=[listed("a")]).model_dump_json()
         )
         tools.refresh()  # gh had none: looked for at once
-        assert tools.registered["gh"] == {"gh__a"}
+        assert tools.registered == {"gh__a": "gh"}
         redis.hset(
             k.MCP_TOOLS,
             "gh",
             Listing(listed_at=time.time() + 1, tools=[listed("b")]).model_dump_json(),
         )
         tools.refresh()  # gh has one: not before POLL_S
-        assert tools.registered["gh"] == {"gh__a"}
+        assert tools.registered == {"gh__a": "gh"}
         monkeypatch.setattr(catalog, "POLL_S", 0.0)
         tools.refresh()
-        assert tools.registered["gh"] == {"gh__b"}
+        assert tools.registered == {"gh__b": "gh"}
         # Past its TTL the listing still serves: listing again is the I/O workers' work.
         time.sleep(1.1)
         tools.refresh()
-        assert tools.registered["gh"] == {"gh__b"}
+        assert tools.registered == {"gh__b": "gh"}
         assert Listing.model_validate_json(redis.hget(k.MCP_TOOLS, "gh")).tools[0].name == "b"
     finally:
-        for names in tools.registered.values():
-            for n in names:
-                registry.unregister(n)
+        for n in tools.registered:
+            registry.unregister(n)
 
 
 def test_a_listing_refuses_each_bad_tool_with_its_reason_and_keeps_the_rest() -> None:
@@ -321,9 +319,8 @@ def test_tools_of_two_servers_that_share_a_model_name_are_both_refused(
         tools.apply("gh__x", Listing(listed_at=3.0, tools=[listed("z")]))
         assert "gh__x__y" in registry.all_tools()
     finally:
-        for names in tools.registered.values():
-            for n in names:
-                registry.unregister(n)
+        for n in tools.registered:
+            registry.unregister(n)
 
 
 def test_a_celery_task_is_made_for_any_tool_name_a_server_gives() -> None:
