@@ -104,34 +104,19 @@ def _soft_limit(scope: CallScope) -> Iterator[None]:
     loop stood still (a 25 s Redis outage) fires overdue timers before reading results."""
     sig = SIG_SOFT_TIMEOUT
     prev = signal.getsignal(sig) if sig is not None else None
-    if (
-        sig is None
-        or not callable(prev)
-        or threading.current_thread() is not threading.main_thread()
-    ):
+    if not callable(prev) or threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def seen(signum: int, frame: Any) -> None:
-        req = scope.req
+        req, ran_s = scope.req, time.time() - scope.started
         soft_s = req.soft_timeout_s or 0.0
-        ran_s = time.time() - scope.started
-        if scope.done:
-            log.warning(
-                "call %s (%s): soft limit after it finished: ignored", req.call_id, req.tool
-            )
-        elif soft_s <= 0 or ran_s < soft_s / 2:
-            log.warning(
-                "call %s (%s): a soft time limit after %.1f s of its %.1f s, set for an "
-                "earlier call: ignored",
-                req.call_id,
-                req.tool,
-                ran_s,
-                soft_s,
-            )
-        else:
-            scope.soft_fired = True
-            prev(signum, frame)
+        if scope.done or soft_s <= 0 or ran_s < soft_s / 2:
+            when = "after it finished" if scope.done else f"at {ran_s:.1f} s of its {soft_s:.1f} s"
+            log.warning("call %s (%s): a soft time limit %s: ignored", req.call_id, req.tool, when)
+            return
+        scope.soft_fired = True
+        prev(signum, frame)
 
     signal.signal(sig, seen)
     try:
