@@ -85,24 +85,22 @@ class ToolSpec:
 def _kind(name: str, f: Callable[..., Any], pol: ToolPolicy) -> ToolKind:
     """How the tool runs; the shapes that cannot be a tool are refused here."""
     target = inspect.unwrap(f)
-    if inspect.isasyncgenfunction(f) or inspect.isasyncgenfunction(target):
+
+    def shaped(test: Callable[[Any], bool]) -> bool:
+        return test(f) or test(target)
+
+    if shaped(inspect.isasyncgenfunction) or shaped(inspect.isgeneratorfunction):
+        what = "an async generator" if shaped(inspect.isasyncgenfunction) else "a generator"
         raise ToolDefinitionError(
             name,
-            "an async generator cannot be a tool: collect the items and return them "
-            "(a list), or report each with ctx.progress(...)",
-        )
-    if inspect.isgeneratorfunction(f) or inspect.isgeneratorfunction(target):
-        raise ToolDefinitionError(
-            name,
-            "a generator cannot be a tool: return a list instead of yielding, "
+            f"{what} cannot be a tool: return a list instead of yielding, "
             "or report each item with ctx.progress(...)",
         )
-    is_async = inspect.iscoroutinefunction(f) or inspect.iscoroutinefunction(target)
-    if is_async and pol.thread:
+    if shaped(inspect.iscoroutinefunction) and pol.thread:
         raise ToolDefinitionError(
             name, "thread=True is for sync tools; an async def tool runs on the event loop"
         )
-    if is_async:
+    if shaped(inspect.iscoroutinefunction):
         return "async"
     return "thread" if pol.thread else "sync"
 
