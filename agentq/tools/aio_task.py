@@ -7,6 +7,7 @@ the turn settles its calls `lost`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -118,26 +119,21 @@ class _AsyncCall:
             self._recycled,
             {"tool": req.tool, "call_id": req.call_id},
         )
-        remove_cancel = host.cancels.add(req.turn_id, self._abort)
-        ticker = loop.create_task(_tick(host, scope, host.settings.progress_interval_s))
-        soft_timer = None
-        if req.soft_timeout_s and self.spec.kind == "async":
-            soft_left = max(0.0, req.soft_timeout_s - (time.time() - scope.started))
-            soft_timer = loop.call_later(soft_left, self._soft, inner)
-        hard_left = None
-        if req.timeout_s > 0:
-            hard_left = max(0.0, req.timeout_s - (time.time() - scope.started))
-            host.loop.watch(self.name, time.monotonic() + hard_left)
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(host.cancels.add(req.turn_id, self._abort))
+            ticker = loop.create_task(_tick(host, scope, host.settings.progress_interval_s))
+            undo.callback(ticker.cancel)
+            if req.soft_timeout_s and self.spec.kind == "async":
+                soft_left = max(0.0, req.soft_timeout_s - (time.time() - scope.started))
+                undo.callback(loop.call_later(soft_left, self._soft, inner).cancel)
+            hard_left = None
+            if req.timeout_s > 0:
+                hard_left = max(0.0, req.timeout_s - (time.time() - scope.started))
+                host.loop.watch(self.name, time.monotonic() + hard_left)
+                undo.callback(host.loop.unwatch, self.name)
             done, _ = await asyncio.wait(
                 {inner, self.aborted}, timeout=hard_left, return_when=asyncio.FIRST_COMPLETED
             )
-        finally:
-            host.loop.unwatch(self.name)
-            remove_cancel()
-            ticker.cancel()
-            if soft_timer is not None:
-                soft_timer.cancel()
         value: Any = None
         raised: BaseException | None = None
         if inner in done:
