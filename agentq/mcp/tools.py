@@ -67,19 +67,17 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
     from jsonschema.validators import validator_for
 
     server = link.server
-
     # The listing refused schemas that are not JSON Schema (agentq.mcp.listing).
     schema = listed.input_schema or {"type": "object"}
     approval = approval_of(server, listed)
+    confirm = approval == "ask" and server.trust_annotations and listed.destructive
     policy = ToolPolicy.model_validate(
         {
             "timeout_s": server.timeout_s,
             "budget_s": server.budget_s,
             "concurrency": "exclusive" if server.concurrency == "exclusive" else "parallel",
             "approval": approval,
-            "approval_kind": "confirm"
-            if approval == "ask" and server.trust_annotations and listed.destructive
-            else "approval",
+            "approval_kind": "confirm" if confirm else "approval",
             "queue": server.queue,
         }
     )
