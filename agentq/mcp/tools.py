@@ -161,8 +161,7 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
         try:
             wait_ms = await asyncio.shield(trying)
         except asyncio.CancelledError:
-            # Cancelled mid-try: the try may still take a place, given back before the cancel
-            # goes on (else it is held to its lease's end, past the call's hard limit).
+            # Cancelled mid-try: a place the try takes is given back, not held to its lease's end.
             freed.cancel()
             if await asyncio.shield(trying) == 0:
                 await asyncio.shield(loop.run_in_executor(None, release))

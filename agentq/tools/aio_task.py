@@ -41,8 +41,7 @@ log = logging.getLogger("agentq.tools")
 def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     """In a Celery thread: hand the call to the loop (waiting while it is full)."""
     host = get_host()
-    # Results wait here for Redis: no new call until they are written (the wait is short
-    # once Redis answers, and bounded by their deadlines when it does not).
+    # No new call while results wait for Redis (bounded by their deadlines).
     while held_writes.count and not held_writes.wait_none(HOLD_RETRY_S):
         pass
     host.hostname = host.hostname or (getattr(task.request, "hostname", None) or "")

@@ -70,7 +70,6 @@ class CallScope:
         return cancelled_result(self.call, "user", **self.common)
 
     def timeout(self, *, killed: bool, soft: bool = False, what: str | None = None) -> ToolResult:
-        # `timeout_s`, the limit the result names, is one of the common fields.
         return timeout_result(self.call, killed=killed, soft=soft, what=what, **self.common)
 
 
@@ -204,8 +203,7 @@ def mark_started(
         "task_id": scope.task_id,
         "attempt": req.attempt,
         "delivery": delivery,
-        # Tool and I/O workers beat; a call run elsewhere (eagerly, in a test) does
-        # not, and must not be taken for dead for lack of beats.
+        # A call run elsewhere (eagerly, in a test) has no beats, and is not dead for that.
         "heartbeat": roles.role in roles.HEARTBEAT_ROLES,
         # This attempt's own: the same START sent again finds it (see START_LUA).
         "claim": secrets.token_hex(8),

@@ -276,8 +276,7 @@ def schemas_json(offered: Sequence[_Offered]) -> str:
     """These tools' schemas as a JSON array, encoded once per tool set, not once per round."""
     key = tuple(map(id, offered))
     hit = _schemas_json.get(key)
-    # The entry holds the tools themselves, so no id in a key is reused while it lives:
-    # the same key is the same tools.
+    # The entry holds the tools, so no id in its key is reused while it lives.
     if hit is not None:
         return hit[1]
     text = json.dumps([t.openai_schema() for t in offered], separators=(",", ":"))

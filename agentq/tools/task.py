@@ -199,8 +199,7 @@ def _on_task_failure(
             # The child that ran the call died with its span: record it from here.
             tracing.record_settled(req.traceparent, req.turn_id, result, "worker")
 
-    # On a thread: with Redis away the settle waits for it (held_writes), and the pool's
-    # event loop, which runs this handler, must go on meanwhile.
+    # On a thread: with Redis away the settle waits, and the pool's loop runs this handler.
     name = f"agentq-settle-{req.call_id}"
     threading.Thread(target=settle_killed, name=name, daemon=True).start()
 
@@ -228,8 +227,7 @@ def register_tool_tasks(app: Celery, specs: dict[str, ToolSpec] | None = None) -
                     return submit_call(self, s, req)
                 return run_call(self, s, req)
 
-            # Celery execs a `def` of this name: a tool's own name (an MCP server's may hold
-            # `-` or `.`) must not become Python source.
+            # Celery execs a `def` of this name: an MCP tool's name must not become source.
             run.__name__ = run.__qualname__ = "run_tool"
             run.__doc__ = s.description
             return run
