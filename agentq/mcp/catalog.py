@@ -4,7 +4,6 @@ the listings in Redis, every other process only reads them (docs/mcp.md, "Listin
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 import time
@@ -53,6 +52,7 @@ class McpTools:
         self.on_new_tools: Callable[[list[ToolSpec]], None] | None = None
         """Told of tools a later listing added (the I/O worker registers their tasks)."""
         self._looked = 0.0
+        self._keeper: asyncio.Task[Any] | None = None
         self._busy = threading.Lock()
         self._apply_lock = threading.RLock()
 
@@ -80,7 +80,8 @@ class McpTools:
         await asyncio.gather(*(self._list(name) for name in self.servers))
 
     async def keep_listed(self) -> None:
-        """List each server again when its listing's TTL has passed, until cancelled."""
+        """List each server again when its listing's TTL has passed, until `close`."""
+        self._keeper = asyncio.current_task()
         while True:
             soonest = min(self._due_at(name) for name in self.servers)
             await asyncio.sleep(max(soonest - time.time(), 1.0))
@@ -173,7 +174,9 @@ class McpTools:
         asyncio.get_running_loop().create_task(self._list(name), name=f"agentq-mcp-{name}-list")
 
     async def close(self) -> None:
-        """On the loop: stop every session (the worker is going)."""
+        """On the loop: stop listing and every session (the worker is going)."""
+        if self._keeper is not None:
+            self._keeper.cancel()
         await asyncio.gather(*(link.stop("the worker stops") for link in self.links.values()))
 
 
@@ -200,21 +203,13 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
     registry.refresher = _tools.refresh
 
 
-_keeper: concurrent.futures.Future[None] | None = None
-
-
 def _stop_sessions(**_: Any) -> None:
     """Close every MCP session on the loop (a stdio server's stdin, then a kill if it lingers)."""
     tools = _tools
     if tools is None or roles.role != "io":
         return
-    if _keeper is not None:
-        _keeper.cancel()
-    host = aio_host._host
-    if host is None:
-        return
     try:
-        host.loop.submit(tools.close).result(STOP_TIMEOUT_S)
+        aio_host.get_host().loop.submit(tools.close).result(STOP_TIMEOUT_S)
     except Exception:
         log.warning("MCP sessions not all stopped in time", exc_info=True)
 
@@ -226,7 +221,6 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
     def list_at_start(sender: Any = None, **_: Any) -> None:
         """List every server before the worker consumes (else a call of a tool it lacks a task
         for is dropped as unknown), then keep them listed."""
-        global _keeper
         tools = _tools
         if tools is None or roles.role != "io":
             return
@@ -245,7 +239,7 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
             asyncio.run_coroutine_threadsafe(tools.list_all(), loop).result(LIST_TIMEOUT_S + 5)
         except Exception:
             log.warning("MCP servers not all listed at start", exc_info=True)
-        _keeper = asyncio.run_coroutine_threadsafe(tools.keep_listed(), loop)
+        asyncio.run_coroutine_threadsafe(tools.keep_listed(), loop)
 
     worker_init.connect(list_at_start, weak=False, dispatch_uid="agentq.mcp.list")
     worker_shutdown.connect(_stop_sessions, weak=False, dispatch_uid="agentq.mcp.stop")
