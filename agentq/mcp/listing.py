@@ -77,15 +77,11 @@ class Listing(BaseModel):
     def screened(cls, listed_at: float, tools: list[ListedTool]) -> Listing:
         """The tools that pass `problem`, the others refused (a name listed twice, each time)."""
         counts = Counter(t.name for t in tools)
-        kept: list[ListedTool] = []
-        refused: list[Refused] = []
-        for t in tools:
-            why = problem(t) or (f"listed {counts[t.name]} times" if counts[t.name] > 1 else None)
-            if why is None:
-                kept.append(t)
-            elif Refused(tool=printable(t.name), why=why) not in refused:
-                refused.append(Refused(tool=printable(t.name), why=why))
-        return cls(listed_at=listed_at, tools=kept, refused=refused)
+        twice = {name: f"listed {n} times" for name, n in counts.items() if n > 1}
+        whys = [(t, problem(t) or twice.get(t.name)) for t in tools]
+        refused = {Refused(tool=printable(t.name), why=why): None for t, why in whys if why}
+        kept = [t for t, why in whys if why is None]
+        return cls(listed_at=listed_at, tools=kept, refused=list(refused))
 
 
 def read_listings(redis: Any) -> dict[str, Listing]:
