@@ -53,11 +53,8 @@ class ToolPolicy(BaseModel):
             )
         if self.timeout_s and 0 < (self.max_timeout_s or 0) < self.timeout_s:
             raise ValueError("max_timeout_s must not be below timeout_s")
-        if (
-            self.approval == "ask"
-            and self.approval_kind == "device_code"
-            and self.approval_timeout_s is None
-        ):
+        asks_code = self.approval == "ask" and self.approval_kind == "device_code"
+        if asks_code and self.approval_timeout_s is None:
             raise ValueError("a device_code interaction must declare a finite approval_timeout_s")
         return self
 

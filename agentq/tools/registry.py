@@ -77,9 +77,8 @@ class ToolSpec:
         try:
             return self.args_model.model_validate(arguments)
         except ValidationError as exc:
-            raise ToolArgumentsInvalid(
-                self.name, describe_invalid(exc, "(arguments)", 10)
-            ) from None
+            why = describe_invalid(exc, "(arguments)", 10)
+            raise ToolArgumentsInvalid(self.name, why) from None
 
 
 def _kind(name: str, f: Callable[..., Any], pol: ToolPolicy) -> ToolKind:
