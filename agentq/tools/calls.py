@@ -310,22 +310,17 @@ def returned(
     scope: CallScope, spec: ToolSpec, value: Any, settings: Settings
 ) -> ToolResult | Waiting:
     """What the tool returned; ToolMisuse, saying what to change, for what no tool may return."""
+    misuse = None
+    if inspect.iscoroutine(value) or inspect.isgenerator(value):
+        value.close()  # never run on purpose: no RuntimeWarning about it
     if inspect.iscoroutine(value):
-        value.close()  # never awaited on purpose: no RuntimeWarning about it
-        raise ToolMisuse(
-            spec.name,
-            "it returned a coroutine; declare it `async def` so `agentq worker io` awaits it",
-        )
-    if inspect.isawaitable(value):
-        raise ToolMisuse(
-            spec.name,
-            f"it returned an awaitable ({type(value).__name__}); declare it `async def` "
-            "and await it inside",
-        )
-    if inspect.isgenerator(value) or inspect.isasyncgen(value):
-        if inspect.isgenerator(value):
-            value.close()
-        raise ToolMisuse(spec.name, "it returned a generator; return a list of the items instead")
+        misuse = "a coroutine; declare it `async def` so `agentq worker io` awaits it"
+    elif inspect.isawaitable(value):
+        misuse = f"an awaitable ({type(value).__name__}); declare it `async def`, await it inside"
+    elif inspect.isgenerator(value) or inspect.isasyncgen(value):
+        misuse = "a generator; return a list of the items instead"
+    if misuse is not None:
+        raise ToolMisuse(spec.name, f"it returned {misuse}")
     if isinstance(value, Waitpoint):
         return waiting(scope, value, settings)
     finished = time.time()
