@@ -274,11 +274,8 @@ class ServerLink:
         from mcp import types
 
         if not isinstance(params, types.ElicitRequestFormParams) or len(self.callers) != 1:
-            log.info(
-                "MCP server %s: elicitation declined (%s)",
-                self.name,
-                "not a form" if len(self.callers) == 1 else f"{len(self.callers)} calls in flight",
-            )
+            why = "not a form" if len(self.callers) == 1 else f"{len(self.callers)} calls in flight"
+            log.info("MCP server %s: elicitation declined (%s)", self.name, why)
             return types.ElicitResult(action="decline")
         (caller,) = self.callers
         schema = params.requested_schema
@@ -335,18 +332,13 @@ class ServerLink:
             finally:
                 self._checking = None
             if self._session is session:
-                log.warning(
-                    "MCP server %s ignored a cancel (ping: %s within %g s): stopping it",
-                    self.name,
-                    why,
-                    grace_s,
-                )
+                msg = "MCP server %s ignored a cancel (ping: %s within %g s): stopping it"
+                log.warning(msg, self.name, why, grace_s)
                 self._begin_stop(f"it ignored a cancel and was stopped ({why} to a ping)")
 
         if self._checking is None:
-            self._checking = asyncio.get_running_loop().create_task(
-                check(), name=f"agentq-mcp-{self.name}-check"
-            )
+            name = f"agentq-mcp-{self.name}-check"
+            self._checking = asyncio.get_running_loop().create_task(check(), name=name)
 
 
 def _closed(session: Any) -> bool:

@@ -112,12 +112,9 @@ class _AsyncCall:
             inner = loop.run_in_executor(host.threads, invoke, self.spec, self.ctx, req)
         else:
             inner = loop.create_task(_await(self.spec, self.ctx, req), name=self.name)
-        host.running[self.name] = Running(
-            req.turn_id,
-            f"call {req.call_id} of tool {req.tool}",
-            self._recycled,
-            {"tool": req.tool, "call_id": req.call_id},
-        )
+        ids = {"tool": req.tool, "call_id": req.call_id}
+        what = f"call {req.call_id} of tool {req.tool}"
+        host.running[self.name] = Running(req.turn_id, what, self._recycled, ids)
         with contextlib.ExitStack() as undo:
             undo.callback(host.cancels.add(req.turn_id, self._abort))
             ticker = loop.create_task(_tick(host, scope, host.settings.progress_interval_s))

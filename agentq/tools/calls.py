@@ -146,11 +146,8 @@ def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> 
     if not isinstance(result, Waiting):
         if result.status != "ok":
             result.record.overran = overran(time.time() - scope.started, req.budget_s)
-        held_writes.hold(
-            lambda: store.settle(req.turn_id, result),
-            until,
-            f"the result of call {req.call_id} ({req.tool})",
-        )
+        what = f"the result of call {req.call_id} ({req.tool})"
+        held_writes.hold(lambda: store.settle(req.turn_id, result), until, what)
         return
     wp = result.waitpoint
     wp_id, _, url = store.waitpoint_address(req.turn_id, req.call_id)
@@ -284,13 +281,9 @@ def tool_context(
 
 def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:
     """A running call's `tool_progress`: its ids and time so far, then `fields`."""
+    req = scope.req
     elapsed_ms = int((time.time() - scope.started) * 1000)
-    return {
-        "call_id": scope.req.call_id,
-        "tool": scope.req.tool,
-        "elapsed_ms": elapsed_ms,
-        **fields,
-    }
+    return {"call_id": req.call_id, "tool": req.tool, "elapsed_ms": elapsed_ms, **fields}
 
 
 def tick(store: TurnStore, scope: CallScope) -> None:
