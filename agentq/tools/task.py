@@ -46,8 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentq.tools")
 
-TICK_POLL_S = 0.5
-
 
 class _Ticker:
     """One thread per process ticks the running call: a thread per call cost more than a
@@ -55,6 +53,7 @@ class _Ticker:
 
     def __init__(self) -> None:
         self._current: tuple[TurnStore, CallScope, float] | None = None
+        self._changed = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -66,6 +65,7 @@ class _Ticker:
                 self._thread = threading.Thread(target=self._run, name="agentq-tick", daemon=True)
                 self._thread.start()
         self._current = (store, scope, interval_s)
+        self._changed.set()
         try:
             yield
         finally:
@@ -74,23 +74,17 @@ class _Ticker:
                 self._current = None
 
     def _run(self) -> None:
-        ticked: tuple[CallScope, float] | None = None
-        poll_s = TICK_POLL_S
-        while True:
-            time.sleep(poll_s)
+        """Asleep between calls; during one, a tick every interval until another begins."""
+        while self._changed.wait():
+            self._changed.clear()
             current = self._current
-            if current is None:
-                continue
-            store, scope, interval_s = current
-            poll_s = min(TICK_POLL_S, interval_s / 4)
-            last = ticked[1] if ticked is not None and ticked[0] is scope else scope.started
-            if time.time() - last < interval_s:
-                continue
-            ticked = (scope, time.time())
-            try:
-                tick(store, scope)
-            except Exception:
-                log.debug("progress tick not sent", exc_info=True)
+            while current is not None and not self._changed.wait(current[2]):
+                if current is not self._current:
+                    break  # the call is over
+                try:
+                    tick(*current[:2])
+                except Exception:
+                    log.debug("progress tick not sent", exc_info=True)
 
 
 _ticker = _Ticker()
