@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import logging
 import os
 import socket
@@ -153,27 +154,25 @@ async def _slot(server: McpServer, ctx: ToolContext) -> AsyncIterator[None]:
     # Leased past the call's hard limit: a worker that dies with the call frees it then.
     lease_s = (ctx.timeout_s or SLOT_UNLIMITED_S) + 5.0
     release = functools.partial(slots.release, key, ctx.call_id, wake=True)
-    waited = False
-    while True:
+    for tries in itertools.count():
         # Woken by a place given back, the soonest lease's end, or POLL_S if a message is lost.
         freed = watch.on_freed(key)
         trying = loop.run_in_executor(None, slots.acquire_or_wait_ms, key, ctx.call_id, lease_s)
         try:
             wait_ms = await asyncio.shield(trying)
+            if not wait_ms:
+                break
+            if not tries:
+                ctx.progress(f"waiting for one of {limit} slots of MCP server {server.name}")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(freed, min(wait_ms / 1000, cancel.POLL_S))
         except asyncio.CancelledError:
             # Cancelled mid-try: a place the try takes is given back, not held to its lease's end.
-            freed.cancel()
             if await asyncio.shield(trying) == 0:
                 await asyncio.shield(loop.run_in_executor(None, release))
             raise
-        if not wait_ms:
+        finally:
             freed.cancel()
-            break
-        if not waited:
-            waited = True
-            ctx.progress(f"waiting for one of {limit} slots of MCP server {server.name}")
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(freed, min(wait_ms / 1000, cancel.POLL_S))
     try:
         yield
     finally:
