@@ -42,7 +42,6 @@ MAX_TOOLS = 2000
 
 
 def backoff_s(failures: int) -> float:
-    """How long after its last failure a server that failed `failures` times in a row waits."""
     return BACKOFF_S[min(failures, len(BACKOFF_S) - 1)]
 
 
@@ -189,7 +188,6 @@ class ServerLink:
                 log.info("MCP server %s: session ended: %s", self.name, explain(exc))
 
     async def _transport(self, stack: contextlib.AsyncExitStack) -> Any:
-        """The server's stdio or Streamable HTTP transport (its HTTP client on `stack`)."""
         import httpx2
         from mcp.client.stdio import StdioServerParameters, stdio_client
         from mcp.client.streamable_http import streamable_http_client

@@ -90,7 +90,6 @@ def read_listings(redis: Any) -> dict[str, Listing]:
 
 
 def _by_server(redis: Any, key: str, parse: Callable[[Any], T]) -> dict[str, T]:
-    """A hash of one JSON entry per server, each entry that parses."""
     out = {}
     for name, raw in (redis.hgetall(key) or {}).items():
         try:

@@ -280,14 +280,12 @@ def tool_context(
 
 
 def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:
-    """A running call's `tool_progress`: its ids and time so far, then `fields`."""
     req = scope.req
     elapsed_ms = int((time.time() - scope.started) * 1000)
     return {"call_id": req.call_id, "tool": req.tool, "elapsed_ms": elapsed_ms, **fields}
 
 
 def tick(store: TurnStore, scope: CallScope) -> None:
-    """The worker's periodic `tool_progress` of a running call."""
     fields = progress_fields(scope, {"state": "running", "source": "worker"})
     store.bus.publish(scope.req.turn_id, "tool_progress", **fields)
 

@@ -26,12 +26,10 @@ def _result(
 
 
 def ok_result(call: ToolCall, content: str, truncated_bytes: int = 0, **record: Any) -> ToolResult:
-    """A call that succeeded: the model reads `content`."""
     return _result(call, "ok", {}, record, content=content, truncated_bytes=truncated_bytes)
 
 
 def error_result(call: ToolCall, message: str, **record: Any) -> ToolResult:
-    """A call that could not run or raised: the model reads what went wrong."""
     return _result(call, "error", {"error": message}, record, error=message)
 
 
