@@ -199,7 +199,6 @@ def load_mcp(settings: Settings, redis: Callable[[], Any]) -> None:
         return
     MissingExtra.check("mcp", "AGENTQ_MCP_SERVERS")
     _tools = McpTools(servers, settings.mcp_tools_ttl_s, redis)
-    _tools.refresh()
     registry.refresher = _tools.refresh
 
 
