@@ -74,8 +74,7 @@ def _is_disconnect(exc: BaseException) -> bool:
     if isinstance(exc, MCPError):
         return exc.code == CONNECTION_CLOSED
     return isinstance(
-        exc,
-        (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError, httpx2.TransportError),
+        exc, (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError, httpx2.TransportError)
     )
 
 

@@ -182,9 +182,7 @@ def spec_of(
         default = ... if param.default is inspect.Parameter.empty else param.default
         fields[pname] = (ann, default)
     model = create_model(  # type: ignore[call-overload]
-        f"{tool_name}_arguments",
-        __config__=ConfigDict(extra="forbid"),
-        **fields,
+        f"{tool_name}_arguments", __config__=ConfigDict(extra="forbid"), **fields
     )
     schema = model.model_json_schema()
     schema.pop("title", None)

@@ -243,11 +243,7 @@ def register_tool_tasks(app: Celery, specs: dict[str, ToolSpec] | None = None) -
     return queues_of(specs, io=False)
 
 
-@control_command(
-    name=k.KILL_COMMAND,
-    args=[("targets", list)],
-    signature="[[task_id, pid], ...]",
-)
+@control_command(name=k.KILL_COMMAND, args=[("targets", list)], signature="[[task_id, pid], ...]")
 def agentq_kill(state: Any, targets: list[list[Any]]) -> dict[str, Any]:
     """SIGKILL the pool processes still running these terminated tasks (the sweepers send it
     when an abort's kill grace is over): Celery forgets a task once it has terminated it, so
