@@ -316,8 +316,7 @@ class ServerLink:
         return result
 
     def _check_after_cancel(self, session: Any) -> None:
-        """After a cancel, stop a server that does not answer a ping within the grace: it is
-        stuck in the work it was told to drop."""
+        """After a cancel, stop a server stuck in the dropped work (no ping answer in the grace)."""
         grace_s = self.server.cancel_grace_s
 
         async def check() -> None:

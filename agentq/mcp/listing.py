@@ -178,8 +178,7 @@ def record_health(redis: Any, name: str, ok: bool, failures: int, error: str, wo
 
 
 def server_health(redis: Any, *, detail: bool = False) -> dict[str, dict[str, Any]]:
-    """How each MCP server's last start or call went (public: /healthz); with `detail` its
-    error and worker too (the console, for admins)."""
+    """How each MCP server last went (public: /healthz); `detail` adds error and worker."""
     fields = ("ok", "failures", "at", "error", "worker") if detail else ("ok", "failures", "at")
     entries = _by_server(redis, k.MCP_HEALTH, json.loads)
     return {name: {f: entry.get(f) for f in fields} for name, entry in entries.items()}

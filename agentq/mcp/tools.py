@@ -98,8 +98,7 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
 
 
 async def call_tool(link: ServerLink, remote: str, ctx: ToolContext, /, **arguments: Any) -> Any:
-    """One call on the server's session, in its fleet-wide slot if any (positional-only, so
-    any argument name is free)."""
+    """One call on the server's session, in its slot (positional-only: any argument is free)."""
 
     async def on_progress(progress: float, total: float | None, message: str | None) -> None:
         pct = round(100.0 * progress / total, 1) if total else None

@@ -1,8 +1,5 @@
-"""How `agentq worker io` runs a call: a coroutine on the process's event loop.
-
-The Celery task only hands the call to the loop (its message is acknowledged then), so a
-handful of threads hold thousands of calls; if the process dies, its heartbeat stops and
-the turn settles its calls `lost`."""
+"""How `agentq worker io` runs a call: its Celery task hands it to the event loop (and its
+message is acknowledged), so a handful of threads hold thousands of calls."""
 
 from __future__ import annotations
 

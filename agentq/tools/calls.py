@@ -135,9 +135,8 @@ def waiting(scope: CallScope, wp: Waitpoint, settings: Settings) -> Waiting:
 
 
 def settle(store: TurnStore, scope: CallScope, result: ToolResult | Waiting) -> None:
-    """Settle the call, or record its waitpoint. While Redis is away this waits and writes
-    when it answers: first writer wins, so a write sent again, or one the turn's `lost`
-    beat, changes nothing."""
+    """Settle the call, or record its waitpoint, waiting while Redis is away: first writer
+    wins, so a write sent again, or one the turn's `lost` beat, changes nothing."""
     req = scope.req
     if req.timeout_s <= 0:
         until = time.time() + HOLD_NO_LIMIT_S
@@ -240,8 +239,8 @@ Send = Callable[..., "bool | None"]
 def tool_context(
     store: TurnStore, scope: CallScope, backend: Any, send: Send, *, watched: bool = False
 ) -> ToolContext:
-    """The call's ToolContext; `send(fn, *args)` writes its progress the worker's way (False
-    when it could not); `watched`: the I/O worker's cancel channel sets its `_cancelled`."""
+    """The call's ToolContext; `send(fn, *args)` writes its progress the worker's way, and if
+    `watched` the I/O worker's cancel channel sets its `_cancelled`."""
     req = scope.req
     flower_at = time.monotonic()
 
