@@ -148,26 +148,23 @@ class Plan:
 
 def plan(servers: dict[str, McpServer], listings: dict[str, Listing]) -> Plan:
     """Which tool each model name is; a name two tools would share is refused for all."""
-    kept: dict[tuple[str, str], ListedTool] = {}
+    named: dict[str, list[tuple[str, ListedTool]]] = {}
     for name, listing in listings.items():
         # A server this process was not told of (the gateway's view) has no allowlist here.
         allowed = servers[name].tools if name in servers else None
         for listed in listing.tools:
             if allowed is None or listed.name in allowed:
-                kept[(name, listed.name)] = listed
-    named: dict[str, list[tuple[str, str]]] = {}
-    for server, tool in kept:
-        named.setdefault(tool_name(server, tool), []).append((server, tool))
+                named.setdefault(tool_name(name, listed.name), []).append((name, listed))
     offered: dict[str, tuple[str, ListedTool]] = {}
     collisions: dict[str, list[Refused]] = {}
     for model_name, owners in named.items():
         if len(owners) == 1:
-            offered[model_name] = (owners[0][0], kept[owners[0]])
+            offered[model_name] = owners[0]
             continue
         for owner, tool in owners:
-            others = ", ".join(f"{s}/{printable(t)}" for s, t in owners if (s, t) != (owner, tool))
+            others = ", ".join(f"{s}/{printable(t.name)}" for s, t in owners if t is not tool)
             why = f"its name {model_name} is also the name of {others}"
-            collisions.setdefault(owner, []).append(Refused(tool=printable(tool), why=why))
+            collisions.setdefault(owner, []).append(Refused(tool=printable(tool.name), why=why))
     return Plan(offered, collisions)
 
 
