@@ -136,7 +136,8 @@ class _AsyncCall:
                 raised = exc
         else:
             inner.cancel()
-            inner.add_done_callback(_forget)
+            # Its late end is retrieved, so asyncio does not log it.
+            inner.add_done_callback(lambda late: late.cancelled() or late.exception())
         host.running.pop(self.name, None)
         hard_limit = None
         if not done:
@@ -172,9 +173,3 @@ async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
         if held_writes.count:
             continue  # Redis is away: a tick would wait in the store's threads before results
         host.fire(tick, host.store, scope)
-
-
-def _forget(fut: asyncio.Future[Any]) -> None:
-    """Retrieve the late end of a call already settled, so asyncio does not log it."""
-    if not fut.cancelled():
-        fut.exception()
