@@ -68,8 +68,7 @@ def make_spec(link: ServerLink, listed: ListedTool) -> McpToolSpec:
     from jsonschema.validators import validator_for
 
     server = link.server
-    # The listing refused schemas that are not JSON Schema (agentq.mcp.listing).
-    schema = listed.input_schema or {"type": "object"}
+    schema = listed.input_schema  # JSON Schema of an object: the listing refused the others
     approval = approval_of(server, listed)
     confirm = approval == "ask" and server.trust_annotations and listed.destructive
     policy = ToolPolicy.model_validate(
