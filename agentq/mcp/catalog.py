@@ -63,12 +63,10 @@ class McpTools:
             return
         try:
             self._looked = time.monotonic()
-            shared = read_listings(self._redis())
-            for name in self.servers:
-                listing, applied = shared.get(name), self.listings.get(name)
-                if listing is not None and (
-                    applied is None or listing.listed_at > applied.listed_at
-                ):
+            for name, listing in read_listings(self._redis()).items():
+                applied = self.listings.get(name)
+                newer = applied is None or listing.listed_at > applied.listed_at
+                if name in self.servers and newer:
                     self.apply(name, listing)
         except Exception as exc:
             log.warning("MCP listings not read from Redis: %s", explain(exc))
