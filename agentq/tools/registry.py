@@ -64,14 +64,8 @@ class ToolSpec:
         )
 
     def openai_schema(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {
-                "name": self.name,
-                "description": self.description,
-                "parameters": self.schema,
-            },
-        }
+        function = {"name": self.name, "description": self.description, "parameters": self.schema}
+        return {"type": "function", "function": function}
 
     def validate(self, arguments: dict[str, Any]) -> BaseModel:
         try:
