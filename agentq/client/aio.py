@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
@@ -18,9 +17,8 @@ from agentq.config import Settings, get_settings
 from agentq.constants import turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events import Event
-from agentq.events.follow import Cursor, Relay
+from agentq.events.follow import Cursor, Marks, Relay
 from agentq.fleet.connections import async_redis_client
-from agentq.state.base import text
 from agentq.state.results import TurnResult, settle
 
 if TYPE_CHECKING:
@@ -124,24 +122,13 @@ class AsyncClient:
         # On a thread: one walk up per child at a resume, not worth an asyncio twin.
         await self._call(relay.resume, self._client._store.redis, after)
         checked = False
-        marked: set[str] = set()
-        bus = self._client._store.bus
-
-        def watch(turn_ids: set[str], by: int) -> set[str]:  # on the client's threads
-            return {t for t in turn_ids if bus.watch(t, by)}
-
+        marks = Marks(self._client._store.bus)
         try:
             while not relay.done:
-                # Counted in as a follower of each stream, as the sync follower is: a
-                # stream worker holds back the deltas of a turn nobody follows.
-                fresh = relay.streams.keys() - marked
-                if fresh:
-                    marked |= await self._call(watch, fresh, 1)
-                streams = {turn_key(t, "log"): s for t, s in relay.streams.items()}
+                if marks.due(relay.streams.keys()):
+                    await self._call(marks.keep, list(relay.streams))
                 reply: Any = await self._redis.xread(
-                    {key: s.last_id for key, s in streams.items()},
-                    count=READ_COUNT,
-                    block=max(block_ms, 1),
+                    relay.positions(), count=READ_COUNT, block=max(block_ms, 1)
                 )
                 if not reply:
                     if not checked and not await self._redis.exists(turn_key(turn_id)):
@@ -150,21 +137,11 @@ class AsyncClient:
                     if heartbeat_s is not None:
                         yield None
                     continue
-                # Merged as the sync follower merges: a full page that runs out, or a child
-                # that opens, ends the merge and the next read takes every log from its place.
-                pending = {
-                    streams[text(key)].turn_id: deque(
-                        Event.parse(f[b"e"], stream_id=text(i)) for i, f in entries
-                    )
-                    for key, entries in reply
-                }
-                full = {t for t, q in pending.items() if len(q) >= READ_COUNT}
-                for ev in relay.merge(pending, full):
+                for ev in relay.take(reply, READ_COUNT):
                     yield ev
         finally:
-            if marked:
-                with contextlib.suppress(RuntimeError):  # the client's threads are gone
-                    self._threads.submit(watch, marked, -1)
+            with contextlib.suppress(RuntimeError):  # the client's threads are gone
+                self._threads.submit(marks.clear)
 
     async def wait(self, turn_id: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Event:
         """`Client.wait`, without the warning."""

@@ -6,6 +6,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -276,17 +277,12 @@ def test_disconnect_leaves_a_detached_turn_running(fleet, llm_server, http, clie
         next(m for m in events if m.event == "tool_started")
         beat = next(m for m in events if m.comment is not None)
         assert beat.comment == "keep-alive"
-        channel = turn_key(h["turn_id"], "events")
-        assert client._store.redis.pubsub_numsub(channel)[0][1] == 1
+        followers = partial(client._store.redis.hget, turn_key(h["turn_id"]), "watchers")
+        assert followers() == b"1"
     # The gateway counts a stream closed only after it has handled the disconnect.
     wait_for(lambda: sse_connections(http) == 0, 10, 0.1, message="the stream was not closed")
-    # The server-side follow loop stopped too: its subscription to the turn is gone.
-    wait_for(
-        lambda: client._store.redis.pubsub_numsub(channel)[0][1] == 0,
-        10,
-        0.1,
-        message="the follow loop still subscribes to the turn",
-    )
+    # The server-side follow loop stopped too: it counted itself out of the turn.
+    wait_for(lambda: followers() is None, 10, 0.1, message="the follow loop still follows the turn")
     turn = http.get(f"/v1/turns/{h['turn_id']}").json()
     assert turn["state"]["status"] == "running"
     assert "turn_aborted" not in [e.type for e in client._store.bus.replay(h["turn_id"])]

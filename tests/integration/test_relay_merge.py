@@ -114,10 +114,10 @@ def test_live_child_events_arrive_relayed_and_stop_at_the_parents_end(agentq_env
 
     t = threading.Thread(target=run)
     t.start()
-    wait_for(lambda: bus.redis.pubsub_numsub(k.turn_key(root, "events"))[0][1] > 0, 5)
+    wait_for(lambda: bus.redis.hget(k.turn_key(root), "watchers") == b"1", 5)
     bus.publish(child, "llm_delta", text="before it is known")  # read from its log
     bus.publish(root, "subturn_started", child_turn_id=child)
-    wait_for(lambda: bus.redis.pubsub_numsub(k.turn_key(child, "events"))[0][1] > 0, 5)
+    wait_for(lambda: bus.redis.hget(k.turn_key(child), "watchers") == b"1", 5)
     for i in range(50):
         bus.publish(child, "llm_delta", text=str(i))
     bus.publish(root, "turn_finished")
@@ -127,8 +127,8 @@ def test_live_child_events_arrive_relayed_and_stop_at_the_parents_end(agentq_env
     relayed = [e for e in got if e.path]
     assert [e.fields["text"] for e in relayed] == ["before it is known", *map(str, range(50))]
     assert got[-1].type == "turn_finished" and got[-1].turn_id == root
-    # The follower left the child's channel with the rest.
-    assert bus.redis.pubsub_numsub(k.turn_key(child, "events"))[0][1] == 0
+    # The follower counted itself out of the child with the rest.
+    assert bus.redis.hget(k.turn_key(child), "watchers") is None
 
 
 def _next_ms() -> None:
