@@ -23,15 +23,9 @@ from agentq.models import TERMINAL_STATUSES
 EventCount = Callable[[list[tuple[str, dict[str, Any]]]], None]
 """Counts published events (type, fields) in the fleet's metrics."""
 
-# Appends to the log and publishes with the same seq, atomically: a subscriber that
-# reads the log after subscribing can dedupe by seq and never misses an event. The seq is
-# a field of the turn's state hash, read with its status and written back with it, and is
-# spliced into the body as text, so no JSON is parsed inside Redis.
-#
-# The live copy goes out only while someone follows the turn (its `watchers` field, kept by
-# `follow`): a PUBLISH to nobody is a command Redis runs all the same. A follower marks the
-# turn before it subscribes and reads the log after, so what was published before the mark
-# is in what it reads.
+# The seq lives in the turn's state hash and is spliced into the body as text, so no JSON
+# is parsed inside Redis. The live copy goes out only while someone follows the turn (its
+# `watchers` field): a PUBLISH to nobody is a command Redis runs all the same.
 
 WATCHERS_FIELD: Final = "watchers"
 """Field of the turn's state hash: how many followers want the live copies."""
@@ -42,12 +36,9 @@ SEQ_FIELD: Final = "seq"
 def publish_lua(
     log: str, channel: str, body: str, opts: str, watched: str, seq: str = "seq"
 ) -> str:
-    """The Lua that publishes one event, for embedding in larger atomic scripts.
-
-    `opts` is a `log_arg`; `watched` a Lua value, the turn's `watchers` field as read
-    (false: none); `seq` a Lua local holding the turn's last seq (0 for none), which the
-    fragment counts up and the script writes back to the turn's hash.
-    """
+    """The Lua that publishes one event, for embedding in larger atomic scripts: `opts` is
+    a `log_arg`, `watched` the turn's `watchers` as read (false: none), `seq` a Lua local
+    with the turn's last seq, counted up here and written back by the script."""
     return f"""
 {seq} = {seq} + 1
 local body = '{{"seq":' .. {seq} .. ',' .. string.sub({body}, 2)
@@ -67,13 +58,11 @@ def ended_lua(status: str) -> str:
 
 
 def _publish_many_lua(refused: str) -> str:
-    """The events of many turns in one call: KEYS are three per turn (its log, channel and
-    hash), ARGV the `log_arg`, then for each turn the number of its events and their bodies.
-    Nothing of a turn is published while `refused` (a Lua condition on its `status`) holds.
-
-    Returns the positions (from 0) of the turns someone follows (the stream worker holds
-    back the deltas of a turn nobody watches live), and those of the refused turns (-1 -
-    position)."""
+    """The events of many turns in one call: KEYS are three per turn (log, channel, hash),
+    ARGV the `log_arg`, then per turn its event count and bodies; nothing of a turn is
+    published while `refused` (a Lua condition on its `status`) holds. Returns the positions
+    of the followed turns (the stream worker holds back the deltas of the others) and of
+    the refused ones (-1 - position)."""
     return (
         bind_lua((), ("log_opts",), rest="turns")
         + f"""
@@ -102,22 +91,18 @@ return followed
     )
 
 
-# Nothing is published after a turn's terminal event (the terminal event itself is
-# published by the script that ends the turn): a late writer, such as a stream worker
-# finishing its deltas after an abort, is refused here atomically. Nor to a turn Redis
-# does not hold (it lost it): its seq would make half a turn, which `end_lost_turn` then
-# could not end.
+# Nothing is published after a turn's terminal event (a stream worker's late deltas after
+# an abort are refused here atomically), nor to a turn Redis lost: its seq would make half
+# a turn, which `end_lost_turn` then could not end.
 PUBLISH_MANY_LUA = _publish_many_lua(f"not status or {ended_lua('status')}")
 # Only while the turn is queued (`turn_queued`): once its first step ran, it said
 # `turn_started`, and a late `turn_queued` after it would tell a follower the opposite.
 PUBLISH_QUEUED_LUA = _publish_many_lua("status ~= '\"queued\"'")
 
 
-# A follower marks the turn it follows (by one, again if it saw a live copy missing) and
-# unmarks it when it stops (by as many); a turn Redis does not hold is not created by it.
-# The count is a hint, never below zero: a mark lost (a failover) and then taken back
-# leaves it short, and a follower left unmarked marks again at its next catch-up. A mark
-# is told to the stream workers (WATCH_CHANNEL), which then stop holding the turn's deltas.
+# The count is a hint, never below zero (a mark a failover lost, then taken back, leaves it
+# short; `follow.Marks` marks again), and never creates a turn. A mark is told on
+# WATCH_CHANNEL: the stream workers then stop holding the turn's deltas.
 class WatchArgs(NamedTuple):
     by: int
     """1: a follower more; -1 (or less): fewer."""
@@ -139,7 +124,7 @@ would hold every other client for milliseconds."""
 
 
 def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
-    """An event as published, without its seq; `type` first (the publish scripts read it)."""
+    """An event as published, without its seq; `type` first (the counted prefixes read it)."""
     return json.dumps(
         {"type": type_, "turn_id": turn_id, "ts": round(time.time(), 6), **fields},
         separators=(",", ":"),
@@ -148,11 +133,8 @@ def event_body(turn_id: str, type_: str, fields: dict[str, Any]) -> str:
 
 
 def run_pipeline(client: Any, build: Callable[[Any], None]) -> list[Any]:
-    """Run the commands `build` puts in a pipeline of `client`; their answers.
-
-    A pipeline loads its scripts once, before it is sent: when a retry took it to a new
-    master (a failover, a restart) that lacks them, it is built and sent again.
-    """
+    """The answers of the commands `build` puts in a pipeline; built and sent again once
+    if a retry took it to a new master that lacks its scripts (loaded before sending)."""
     for attempt in range(2):
         pipe = client.pipeline(transaction=False)
         build(pipe)
@@ -183,35 +165,31 @@ class EventBus:
         # How the bodies of counted events begin (`event_body` puts the type first).
         self._counted_prefixes = tuple(f'{{"type":"{t}"' for t in sorted(counted_types))
         self.sharded = isinstance(client, RedisCluster)
-        """On a Redis Cluster a turn's channel is a shard channel (SPUBLISH/SSUBSCRIBE):
-        its messages stay on the turn's shard instead of crossing the whole cluster."""
+        """On a Cluster a turn's live copies go out by SPUBLISH: they stay on its shard."""
 
     def log_arg(self) -> str:
         """The publish scripts' options: the log's maxlen, then `s` on a Cluster (SPUBLISH)."""
         return f"{self.log_maxlen}s" if self.sharded else str(self.log_maxlen)
 
     def publish(self, turn_id: str, type_: str, **fields: Any) -> bool:
-        """Publish one event; False if the turn has ended (nothing published), or for a
-        `turn_queued`, once the turn's first step ran (PUBLISH_QUEUED_LUA)."""
+        """Publish one event; False if the turn has ended, or for a `turn_queued` once its
+        first step ran."""
         script = self._publish_queued if type_ == "turn_queued" else self._publish_many
         over = self._send(script, {turn_id: [event_body(turn_id, type_, fields)]})[1]
         return not over
 
     def watch(self, turn_id: str, by: int) -> bool:
-        """Count a follower of the turn in (`by` 1) or out (-1); False if Redis does not hold
-        the turn (yet)."""
+        """Count a follower in (`by` 1) or out (-1); False if Redis does not hold the turn."""
         args = WatchArgs(by, turn_id)
         return self._watch(keys=[turn_key(turn_id)], args=list(args)) is not None
 
     def publish_many(self, batches: Mapping[str, list[str]]) -> set[str]:
-        """Publish event bodies (`event_body`) of several turns, each turn's in order; the
-        turns someone followed (`watchers` > 0) as their events went out."""
+        """Publish several turns' `event_body`s in order; the turns someone followed."""
         return self._send(self._publish_many, batches)[0]
 
     def _send(self, script: Any, batches: Mapping[str, list[str]]) -> tuple[set[str], set[str]]:
         """Run a publish script on `batches` in calls of about PUBLISH_MANY_EVENTS events,
-        pipelined when there are several; on a Cluster each call holds the turns of one
-        shard only (a script runs on one slot). The turns followed, and those refused."""
+        each of one shard's turns on a Cluster; the turns followed, and those refused."""
         opts = self.log_arg()
         by_shard: dict[int, list[str]] = {}
         for turn_id, bodies in batches.items():
