@@ -1,15 +1,12 @@
-"""A turn's events as typed models: one class per event type, all of them `Event`; the bus
-that publishes them is `agentq.events.bus`, and `agentq.events.follow` follows a turn.
+"""A turn's events as typed models, one class per type, all of them `Event` (published by
+`agentq.events.bus`, followed by `agentq.events.follow`).
 
-`Event.parse` reads an event as the bus stores it (JSON) into the class of its `type`
-(`ToolFinished`, `TurnFinished`, ...), so `isinstance(ev, ToolFinished)` and `ev.status`
-work and mypy knows the fields; a type this version does not know stays a plain `Event`.
-The wire format is the JSON the workers publish: these classes only read it. Each class
-names the fields its publishers send; every field but the common ones may be missing
-(None), and fields a newer worker adds ride along as extras (`ev.fields` has them all).
-
-Two classes carry an `Event` suffix because the plain names are errors of `agentq`:
-`TurnAbortedEvent` (the error is `TurnAborted`) and `TurnErrorEvent` (`TurnError`).
+`Event.parse` reads an event (JSON, as the workers publish it) into the class of its
+`type`, so `isinstance(ev, ToolFinished)` and `ev.status` work and mypy knows the fields;
+an unknown type stays a plain `Event`. Every field but the common ones may be missing
+(None), and a newer worker's extra fields ride along (`ev.fields` has them all).
+`TurnAbortedEvent` and `TurnErrorEvent` carry a suffix: `TurnAborted` and `TurnError`
+are agentq's errors.
 """
 
 from __future__ import annotations
@@ -46,16 +43,15 @@ class Event(BaseModel):
     ts: float = Field(default_factory=time.time)
     stream_id: str | None = None
     cursor: str | None = Field(default=None, exclude=True)
-    """Where a reader resumes right after this event (`Last-Event-ID`): its stream id, or
-    with sub-agents relayed, the positions in every stream followed (`events.follow`)."""
+    """Where a reader resumes right after this event (`Last-Event-ID`, `follow.Cursor`)."""
     path: list[str] = Field(default_factory=list)
-    """For a sub-agent's event relayed into a parent's stream: the turn ids from the
-    parent's direct child down to the turn that emitted it; [] for the turn's own."""
+    """A relayed sub-agent's event: the turn ids from the parent's direct child down to the
+    turn that emitted it; [] for the turn's own."""
 
     @model_serializer(mode="wrap")
     def _as_published(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The fields the event came with, and no others: a typed field it lacks is not
-        written out as null, so what a reader re-sends (SSE, `--json`) is what was sent."""
+        """The fields the event came with and no others (no typed field as null), so what a
+        reader re-sends (SSE, `--json`) is what was sent."""
         data: dict[str, Any] = handler(self)
         sent = self.model_fields_set
         return {k: v for k, v in data.items() if k in _COMMON or k in sent}
@@ -85,8 +81,7 @@ class Event(BaseModel):
 
 
 def event_from(data: dict[str, Any]) -> Event:
-    """`data` (an event's fields) as the class of its `type`; a plain `Event` for a type
-    this version does not know, or fields its class cannot read."""
+    """`data` as the class of its `type`; a plain `Event` for one unknown or unreadable."""
     try:
         return _TYPED.validate_python(data)
     except ValidationError:
@@ -268,8 +263,7 @@ class InteractionTimedOut(Event):
 
 
 class TurnEnded(Event):
-    """The base of the three events that end a turn; `ends_turn` tells the followed
-    turn's own end from a relayed sub-agent's."""
+    """The base of the three events that end a turn (`ends_turn`: the followed turn's own)."""
 
 
 class TurnFinished(TurnEnded):

@@ -1,7 +1,6 @@
-"""How a Lua script's inputs are named: each script opens by binding its KEYS and ARGV
-to names, in the order of the NamedTuples the Python builds its lists from, so an
-argument's position is written in one place; and how a class names its scripts
-(`LuaScript`). Imports nothing of agentq: every module with a script may use it."""
+"""How a Lua script names its inputs (bound in the order of the NamedTuple the Python builds
+its lists from, so a position is written once) and how a class names its scripts
+(`LuaScript`); imports nothing of agentq, so every module with a script may use it."""
 
 from __future__ import annotations
 
@@ -11,10 +10,9 @@ from redis.commands.core import Script
 
 
 def bind_lua(keys: Any = (), args: Any = (), rest: str = "") -> str:
-    """Lua that opens a script: a header giving its argument layout, then its KEYS and ARGV
-    bound to names (`local turn_key = KEYS[1]`) in the order of `keys` and `args` (NamedTuple
-    classes, or names). `rest` names a variable tail after them: `<rest>_at` is its first
-    index."""
+    """Lua that opens a script: a header with its layout, then KEYS and ARGV bound to the
+    names of `keys` and `args` (NamedTuple classes, or names); `rest` names a variable tail,
+    whose first index is `<rest>_at`."""
     key_names, arg_names = (tuple(getattr(x, "_fields", x)) for x in (keys, args))
     tail = f", {rest}..." if rest else ""
     lines = [f"-- KEYS: {', '.join(key_names) or '-'}; ARGV: {', '.join(arg_names) or '-'}{tail}"]

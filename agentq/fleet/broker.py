@@ -1,6 +1,5 @@
-"""How agentq sends to its broker: the task reprs it hands Celery (made without saferepr,
-for the hot path), a publish whose broker stays away raising BrokerUnavailable, and the
-step message every part of agentq sends."""
+"""How agentq sends to its broker: short task reprs, BrokerUnavailable for a broker that
+stays away, and the step message."""
 
 from __future__ import annotations
 
@@ -25,15 +24,14 @@ REPR_LIMIT = 200
 
 
 def task_repr(**fields: Any) -> str:
-    """A short repr of a task's arguments, made without Celery's saferepr (a millisecond
-    per send for a model round's tool schemas)."""
+    """A task's arguments for Flower and logs, without Celery's saferepr (a millisecond per
+    send for a model round's tool schemas)."""
     text = json.dumps(fields, default=str, separators=(",", ":"))
     return text if len(text) <= REPR_LIMIT else text[: REPR_LIMIT - 1] + "…"
 
 
 def publish(app: Celery, name: str, *, what: str, **options: Any) -> None:
-    """Send a task; a broker that stays away past kombu's retries raises BrokerUnavailable
-    (whatever the transport raised), which the caller leaves to the turn's wakeup."""
+    """Send a task; BrokerUnavailable for a broker away past kombu's retries."""
     try:
         app.send_task(name, **options)
     except _broker_errors(app) as exc:
@@ -41,8 +39,7 @@ def publish(app: Celery, name: str, *, what: str, **options: Any) -> None:
 
 
 def queue_size(app: Celery, queue: str) -> int | None:
-    """Messages waiting in a broker queue (not those a worker holds unacknowledged); None
-    when the broker cannot tell (it is away, or the queue does not exist)."""
+    """Messages waiting in a broker queue (not those workers hold); None if it cannot tell."""
     try:
         with app.connection_for_read() as conn, conn.channel() as channel:
             return int(channel.queue_declare(queue=queue, passive=True).message_count)
@@ -62,8 +59,7 @@ def revoke(app: Celery, task_ids: str | list[str], **options: Any) -> bool:
 def broadcast(
     app: Celery, command: str, arguments: dict[str, Any], *, destination: list[str] | None
 ) -> bool:
-    """Send a remote control command to these workers (None: all); False if the broker is
-    away."""
+    """Send a remote control command to these workers (None: all); False if the broker is away."""
     try:
         app.control.broadcast(command, arguments=arguments, destination=destination)
     except _broker_errors(app) as exc:
@@ -73,8 +69,8 @@ def broadcast(
 
 
 def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
-    """The errors of a broker that is away (read only when a send raised: an `except`
-    clause's expression is evaluated then, so a send that goes through costs nothing)."""
+    """The errors of a broker that is away (an `except` clause evaluates this only when a
+    send raised)."""
     from kombu.exceptions import OperationalError
 
     with app.connection_for_write() as conn:
@@ -86,8 +82,7 @@ def _broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
 
 
 def send_step(app: Celery, turn_id: str) -> None:
-    """Ask a turn worker for one step of the turn (BrokerUnavailable if the broker is away:
-    the turn's wakeup sends it later)."""
+    """Ask a turn worker for one step of the turn (BrokerUnavailable if the broker is away)."""
     publish(
         app,
         TASK_STEP,

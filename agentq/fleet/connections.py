@@ -1,12 +1,9 @@
-"""Every Redis client agentq makes, from one URL: plain Redis or a master behind Sentinel;
-or, for turn state and events, a Redis Cluster (`cluster_client`).
+"""Every Redis client agentq makes: from one URL, plain Redis or a master behind Sentinel
+(Celery's `sentinel://h1:26379;sentinel://h2:26379/0` with a master name), or for turn
+state and events a Redis Cluster (`cluster_client`).
 
-`sentinel://h1:26379;sentinel://h2:26379/0` with a master name is Celery's convention for
-Redis behind Sentinel; the same URL and name configure the state store, the event bus,
-the broker and the result backend. A Sentinel client asks the sentinels for the current
-master on every new connection, and a connection to a master that was demoted (the
-`READONLY` answer) is dropped and retried, so a failover costs the commands in flight a
-reconnect and nothing more.
+A Sentinel client asks for the master on every new connection and drops one to a demoted
+master (`READONLY`), so a failover costs the commands in flight a reconnect, no more.
 """
 
 from __future__ import annotations
@@ -37,9 +34,8 @@ enough for a restart or a Sentinel failover (a few seconds with default timeouts
 
 
 class NoReplicasError(redis.ConnectionError):
-    """`NOREPLICAS`: the master has fewer good replicas than its `min-replicas-to-write`;
-    behind Sentinel, one whose replica was just promoted, so the write is retried on the
-    new master like a lost connection."""
+    """`NOREPLICAS`: behind Sentinel, a master whose replica was just promoted; the write is
+    retried on the new master like a lost connection."""
 
 
 class MasterChangedError(redis.ConnectionError):
@@ -51,13 +47,9 @@ _parse_error = BaseParser.parse_error.__func__  # type: ignore[attr-defined]
 
 
 def _parse_failover_errors(cls: type[BaseParser], response: str) -> redis.RedisError:
-    """redis-py's error parsing, plus the answers of a master being replaced.
-
-    A write inside a Lua script on a demoted master fails as `ERR Error running script
-    ... -READONLY`; it is a ReadOnlyError like the plain answer, so redis-py's Sentinel
-    connection reconnects to the new master. Celery's BRPOP gets `UNBLOCKED`, which
-    would otherwise stop the worker for good.
-    """
+    """redis-py's error parsing, plus the answers of a master being replaced: a script's
+    write on a demoted master (`... -READONLY`) becomes a ReadOnlyError, so the Sentinel
+    connection reconnects; Celery's BRPOP's `UNBLOCKED` would otherwise stop the worker."""
     if response.startswith("UNBLOCKED"):
         return MasterChangedError(response)
     if response.startswith(("ERR Error running script", "Error running script")):
@@ -77,12 +69,8 @@ _connect_check_health = getattr(SentinelManagedConnection, "connect_check_health
 def _connect_to_master(
     self: SentinelManagedConnection, check_health: bool = True, retry_socket_connect: bool = True
 ) -> None:
-    """Reconnect to the master Sentinel names now, not to the address of the last one.
-
-    redis-py 8 reconnects a dropped connection through `connect_check_health`, which
-    skips the Sentinel lookup of `connect`: after a failover every retry went back to
-    the demoted master (READONLY) until the retries ran out.
-    """
+    """Reconnect to the master Sentinel names now: redis-py 8's `connect_check_health`
+    skips `connect`'s lookup, so every retry after a failover went to the demoted master."""
     if not self._sock and self.connection_pool.is_master:
         self.host, self.port = self.connection_pool.get_master_address()
     assert _connect_check_health is not None
@@ -97,9 +85,8 @@ BaseParser.EXCEPTION_CLASSES["NOREPLICAS"] = NoReplicasError
 BaseParser.parse_error = classmethod(_parse_failover_errors)  # type: ignore[method-assign,assignment]
 
 RETRY_ON = [redis.ConnectionError, redis.TimeoutError]
-"""A demoted master's READONLY answer reaches us as a ConnectionError (redis-py's
-SentinelManagedConnection turns it into one), and so does NOREPLICAS (NoReplicasError),
-so both are retried on the new master."""
+"""READONLY (as SentinelManagedConnection raises it) and NOREPLICAS are ConnectionErrors
+too, so both are retried on the new master."""
 
 
 def _backoff() -> ExponentialBackoff:
@@ -114,17 +101,13 @@ def redis_client(
     retries: int = REDIS_RETRIES,
     **kwargs: Any,
 ) -> redis.Redis:
-    """A client for `url`; for a Sentinel URL, for the current master of `master_name`.
-
-    `retries` reconnect attempts (with backoff) ride out a restart or failover instead of
-    failing a turn at once; `retries=0` is for probes that must answer quickly.
-    """
+    """A client for `url` (for a Sentinel URL, of `master_name`'s master) whose `retries`
+    ride out a restart or failover; `retries=0` is for probes that must answer quickly."""
     return cast(redis.Redis, _client(False, url, master_name, retries, kwargs))
 
 
 def _client(aio: bool, url: str, master_name: str | None, retries: int, kwargs: Any) -> Any:
-    """`redis_client`, sync or asyncio (`aio`); the sentinels of a Sentinel URL are asked
-    with the client's timeouts, or 2 s."""
+    """`redis_client`, sync or asyncio; sentinels are asked with its timeouts, or 2 s."""
     retry = (AsyncRetry if aio else Retry)(_backoff(), max(retries, 0))
     options = {"retry": retry, "retry_on_error": RETRY_ON if retries > 0 else [], **kwargs}
     if not is_sentinel(url):
@@ -153,13 +136,9 @@ command goes to the promoted replica, not again to the lost master."""
 
 
 class BackoffCluster(RedisCluster):
-    """A RedisCluster whose commands outlast a failover.
-
-    redis-py retries a command whose node failed at once, reloading the slot map each
-    time: its retries are spent in milliseconds, while the cluster takes a node timeout
-    or two to promote the replica. Here each retry waits first, with the same backoff
-    as `redis_client` (about 16 s in all).
-    """
+    """A RedisCluster whose commands outlast a failover: redis-py spends its retries in
+    milliseconds, while a replica takes a node timeout or two to be promoted, so here each
+    retry waits first, with `redis_client`'s backoff."""
 
     def __init__(self, *args: Any, retries: int = REDIS_RETRIES, **kwargs: Any) -> None:
         # Set first: the base class sends commands while it starts.
@@ -176,8 +155,7 @@ class BackoffCluster(RedisCluster):
 
 
 def cluster_client(nodes: str, *, retries: int = REDIS_RETRIES, **kwargs: Any) -> RedisCluster:
-    """A client (a BackoffCluster) for the Redis Cluster whose nodes `nodes` (`host:port,...`)
-    name some of."""
+    """A BackoffCluster for the Cluster some of whose nodes `nodes` names (`host:port,...`)."""
     startup = [ClusterNode(host, port) for host, port in parse_cluster_nodes(nodes)]  # type: ignore[no-untyped-call]
     return BackoffCluster(
         startup_nodes=startup,
@@ -201,8 +179,8 @@ def async_cluster_client(nodes: str) -> aioredis.RedisCluster:
 
 
 def async_node_client(nodes: str, attempt: int) -> aioredis.Redis:
-    """A plain asyncio client of one node of a Cluster (the next one on each `attempt`):
-    a plain channel's messages reach every node's subscribers."""
+    """A plain asyncio client of a Cluster's node (the next on each `attempt`): a plain
+    channel's messages reach every node's subscribers."""
     startup = parse_cluster_nodes(nodes)
     host, port = startup[attempt % len(startup)]
     return aioredis.Redis(host=host, port=port)
@@ -224,16 +202,13 @@ def transport_options(url: str, master_name: str | None) -> dict[str, Any]:
 
 
 def probe_cluster(nodes: str, timeout_s: float = 3.0) -> str | None:
-    """None when the Redis Cluster that `nodes` name some of answers; else why not (as `probe`)."""
+    """None when the Cluster `nodes` names answers; else why not (as `probe`)."""
     return _ping(partial(cluster_client, nodes), timeout_s)
 
 
 def probe(url: str, master_name: str | None = None, timeout_s: float = 3.0) -> str | None:
-    """None when the Redis at `url` (or Sentinel's master, or another kombu broker) answers.
-
-    Else why not: a reason starting with `refused:` means a Redis answered but will not
-    serve us (a bad password, ...); one starting with `bad URL` means the URL does not parse.
-    """
+    """None when the Redis at `url` (or Sentinel's master, or a kombu broker) answers; else
+    why not, `refused: ...` for one that answered but will not serve us, `bad URL: ...`."""
     if url.startswith(REDIS_SCHEMES):
         return _ping(partial(redis_client, url, master_name), timeout_s)
     from kombu import Connection  # type: ignore[attr-defined]

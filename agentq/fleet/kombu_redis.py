@@ -1,16 +1,12 @@
-"""The one module that reaches into kombu's private Redis channel, and why.
+"""The one module that reaches into kombu's private Redis channel, for three things kombu
+has no option or hook for: a channel closed under it raises a connection error Celery
+recovers from (`_connparams`), one redis client serves a connection pool
+(`_create_client`), and what a worker held when its broker went away goes back to its
+queues when it returns (`_restore`, `basic_consume`).
 
-kombu offers no transport option or public hook for three things agentq's fleet needs
-from its Redis broker, so this module wraps private members of
-`kombu.transport.redis.Channel` (the `REACHED` table), once per process: a channel closed
-under it raises a connection error Celery recovers from (`_connparams`), one redis client
-serves a connection pool (`_create_client`), and the messages a worker held when its
-broker went away go back to their queues when it returns (`_restore`, `basic_consume`).
-
-`check_channel` compares the installed kombu with `REACHED` before anything is wrapped,
-and `tests/unit/test_kombu_redis.py` runs it on every test run: a kombu that renamed or
-re-signed one of them fails loudly there and at a worker's start, never silently.
-pyproject.toml bounds kombu below the next minor version for the same reason.
+`check_channel` compares the installed kombu with `REACHED` before anything is wrapped, at
+a worker's start and in tests/unit/test_kombu_redis.py, so a kombu that changed them
+fails loudly, never silently.
 """
 
 from __future__ import annotations
@@ -32,20 +28,17 @@ REACHED: dict[str, tuple[str, ...]] = {
     "_put": ("self", "queue", "message"),
     "basic_consume": ("self", "queue"),
 }
-"""The members of kombu's redis Channel that agentq calls or wraps, and the leading
-parameters it passes them."""
+"""The Channel members agentq calls or wraps, and the leading parameters it passes."""
 READ = ("ack_emulation", "pool")
 """The Channel attributes the wrappers read."""
 
 _unrestored: list[tuple[dict[str, Any], str, str]] = []
-"""Messages this process could not put back on its broker (payload, exchange, routing
-key), for the next channel that consumes from it."""
+"""(payload, exchange, routing key) of messages not yet put back on the broker."""
 _unrestored_lock = threading.Lock()
 
 
 def check_channel(channel: Any) -> None:
-    """Raise IncompatibleDependency unless `channel` has every member of REACHED, taking
-    the parameters agentq passes."""
+    """Raise IncompatibleDependency unless `channel` has REACHED and READ as agentq uses them."""
     import kombu
 
     for name in (*REACHED, *READ):
@@ -69,12 +62,9 @@ def patch_redis_transport() -> None:
         return
     check_channel(channel)
 
-    # Keep a worker alive when its Redis broker restarts while tasks are unacked: Celery
-    # 5.7 / kombu 5.7 close the lost connection's transport before its channel; the
-    # channel then tries to restore its unacked messages through the closed transport and
-    # raises AttributeError, which Celery treats as unrecoverable and exits. A connection
-    # error instead lets Celery reconnect as it does for any broker loss. A publish on a
-    # channel closed under it (a Sentinel failover) has no connection at all: the same.
+    # kombu 5.7 closes a lost connection's transport before its channel, whose restore of
+    # its unacked messages (or a publish after a Sentinel failover) then raised
+    # AttributeError, which Celery treats as fatal; a connection error it reconnects from.
     connparams = channel._connparams
 
     def _connparams(self: Any, asynchronous: bool = False) -> Any:
@@ -82,9 +72,8 @@ def patch_redis_transport() -> None:
             raise redis.exceptions.ConnectionError("the broker connection is closed")
         return connparams(self, asynchronous)  # type: ignore[no-untyped-call]
 
-    # kombu builds a new redis.Redis around the channel's pool for every publish (half a
-    # millisecond of response-callback tables each time): one per pool does, since a
-    # redis.Redis is safe to share between threads.
+    # kombu builds a redis.Redis around the pool for every publish (half a millisecond of
+    # callback tables); one per pool does, as a redis.Redis is thread-safe.
     create_client = channel._create_client
 
     def _create_client(self: Any, asynchronous: bool = False) -> Any:
@@ -97,14 +86,11 @@ def patch_redis_transport() -> None:
             self.__dict__["_agentq_client"] = cached
         return cached[1]
 
-    # Give back what a worker held when its broker connection broke. Celery drops the
-    # requests it had received and not started (`Consumer.on_close`), and kombu puts every
-    # unacknowledged message back as the channel closes: through a broker that is away by
-    # then. With kombu's unacked hash (off in agentq's workers: `agentq.worker`) its
-    # visibility timeout would restore them an hour later; here they wait in the process
-    # and go back to their queues through the first channel that consumes again. One
-    # that ran (or runs) already is refused by its call's start claim, a step by the
-    # turn's lock, a model round by its claim: none runs twice.
+    # Celery drops the requests it held unstarted when its broker connection broke, and
+    # kombu puts them back through that broker, away by then (without the unacked hash,
+    # off in `agentq.worker`, nothing restores them): they wait here for the first channel
+    # that consumes again. One that ran already is refused by its call's start claim, a
+    # step by the turn's lock, a round by its claim: none runs twice.
     restore = channel._restore
     lost = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 
@@ -142,8 +128,7 @@ def patch_redis_transport() -> None:
 
 
 def _give_back(channel: Any) -> None:
-    """Put the messages kept by `_restore` back on their queues through `channel`; those
-    it cannot wait for the next channel."""
+    """Put the messages `_restore` kept back on their queues; those it cannot wait on."""
     with _unrestored_lock:
         kept = list(_unrestored)
         _unrestored.clear()

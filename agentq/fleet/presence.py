@@ -1,11 +1,9 @@
 """Which workers are alive, and which queues no live worker consumes.
 
-Every worker, whatever its role, says every WORKER_HEARTBEAT_S that it is alive and which
-queues it consumes (`agentq:fleet:presence`, one field per worker, gone when it stops
-cleanly); an entry older than WORKER_ALIVE_TTL_S is a worker that died or lost Redis. The
-readers, `agentq run`, the gateway's /healthz and POST /v1/turns, tell a user who started
-a turn in a fleet with no turn worker what to start, instead of leaving it queued in
-silence.
+Every worker says every WORKER_HEARTBEAT_S which queues it consumes (one field of
+`agentq:fleet:presence`, gone when it stops cleanly; older than WORKER_ALIVE_TTL_S: dead or
+cut off), so `agentq run`, /healthz and POST /v1/turns tell a user what to start instead of
+leaving a turn queued in silence.
 """
 
 from __future__ import annotations
@@ -94,8 +92,8 @@ def advice(queues: list[str]) -> str:
 
 
 def workers_view(live: dict[str, list[str]]) -> dict[str, Any]:
-    """/healthz's part: how many live workers consume each queue of agentq's own, and the
-    kinds a turn needs that none serves (`missing_workers`, empty when all is well)."""
+    """/healthz's part: live workers per agentq queue, and the kinds a turn needs that none
+    serves."""
     return {
         "workers": {q: len(live.get(q, ())) for q in START},
         "missing_workers": missing_kinds(live),
@@ -125,8 +123,7 @@ class Presence:
 
 
 def waiting_on(store: TurnStore, turn_id: str) -> list[str] | None:
-    """The queues a turn needs now: a turn and a stream worker's, and those of its calls
-    sent and neither started nor settled; None when the turn has ended."""
+    """The queues a turn needs now (its workers', its unstarted calls'); None once it ended."""
     from agentq.models import TERMINAL_STATUSES
 
     state = store.state(turn_id) or {}
@@ -142,10 +139,9 @@ def waiting_on(store: TurnStore, turn_id: str) -> list[str] | None:
 
 
 class Watch:
-    """While a turn waits, says (`say`) which queue it needs has no live worker and what to
-    start for it, again when that changes; it only speaks, the turn goes on once the worker
-    starts. `needs` gives the queues the turn needs now (`waiting_on`; None: it ended);
-    without it the watch looks for the workers every turn needs, and its owner ends it."""
+    """While a turn waits, says which queue it needs has no live worker and what to start,
+    again when that changes; `needs` gives the queues (`waiting_on`), by default those
+    every turn needs, until its owner ends the watch."""
 
     def __init__(
         self,

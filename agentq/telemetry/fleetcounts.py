@@ -1,12 +1,10 @@
 """The fleet's counts for Prometheus: the turn events each process published and the steps
-it ran, folded here, added to Redis every `metrics_flush_s`, read by the gateway's /metrics.
+it ran, folded here and added to one Redis hash every `metrics_flush_s` by a thread the
+first count starts, so every gateway's /metrics reads the same fleet-wide totals.
 
-An event is counted by the process whose write published it, after the write went
-through: no copy of it on a channel for the gateways to count (a PUBLISH an event, and
-counts lost while no gateway listened), no write per step. A flusher thread of the
-process (started by the first count) adds the counts to one hash, so every gateway
-replica reads the same fleet-wide totals. A process that dies loses what it counted since
-its last flush (at most `metrics_flush_s`; a worker flushes as it shuts down).
+An event is counted by the process whose write published it: no PUBLISH an event for the
+gateways to count (and lose while none listened), no write per step. A process that dies
+loses at most `metrics_flush_s` of counts (a worker flushes as it shuts down).
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 
 
 @dataclass(frozen=True)
 class Family:
-    """One metric: its name without the `agentq_` prefix, help, labels, and buckets (a
-    histogram) or none (a counter)."""
+    """One metric, named without `agentq_`: a histogram if it has buckets, else a counter."""
 
     name: str
     help: str
@@ -141,8 +138,7 @@ _TOOL_STATUSES = frozenset(get_args(ToolStatus))
 
 
 class _Labels:
-    """A capped set of label values: past `limit` distinct ones, or one that does not
-    match `pattern`, a value is counted as ``other``."""
+    """Label values, ``other`` past `limit` distinct ones or for one not matching `pattern`."""
 
     def __init__(self, pattern: re.Pattern[str], limit: int) -> None:
         self.pattern = pattern
@@ -205,8 +201,7 @@ class FleetCounts:
     def events(
         self, events: list[tuple[str, dict[str, Any]]], client: Any = None, flush_s: float = 0
     ) -> None:
-        """Count the events (type, fields) of a write that published them; with no `client`
-        (a test's fold) no flusher starts."""
+        """Count the events (type, fields) a write published; no `client`: no flusher (tests)."""
         with self._lock:
             for type_, fields in events:
                 if type_ in COUNTED_TYPES:
@@ -274,9 +269,8 @@ class FleetCounts:
         self._observe("llm_round_duration_seconds", (outcome,), f.get("duration_ms"), per_s=1000)
 
     def _started(self, client: Any, flush_s: float) -> None:
-        # The newest count's Redis: a process that moved to another one (a test process
-        # going from fleet to fleet, a CLI given another URL) must not keep adding its
-        # counts to the first, where no gateway of the new one reads them.
+        # The newest count's Redis: a process that moved to another (a test going from fleet
+        # to fleet) must not add to the first, where the new fleet's gateways do not read.
         self._client = client
         if self._pid == os.getpid():
             return
@@ -287,9 +281,8 @@ class FleetCounts:
             target=self._run, args=(flush_s,), name="agentq-fleet-counts", daemon=True
         )
         thread.start()
-        # A short-lived process (a CLI abort that runs the abort step itself) ends before
-        # its first flush; a prefork child exits without atexit and flushes on Celery's
-        # worker_process_shutdown instead (agentq.worker).
+        # A short-lived process (a CLI abort) ends before its first flush; a prefork child
+        # skips atexit and flushes on worker_process_shutdown (agentq.worker).
         atexit.register(self._flush_at_exit)
 
     def _flush_at_exit(self) -> None:

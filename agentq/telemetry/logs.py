@@ -1,12 +1,9 @@
 """JSON logs (`AGENTQ_LOG_FORMAT=json`): one JSON object a line, with the turn, call and
 Celery task a line is about.
 
-Workers switch it on from Celery's logging signals (so `celery -A agentq.worker worker`
-gets it too), the gateway from its app factory. Each line carries `ts`, `level`,
-`logger`, `message`, `pid`, and, where known, `turn_id`, `call_id`, `task_id` and
-`task_name`; a traceback goes in `exc`. The step, the tool task and the model round bind
-their ids (`bind`) only while JSON logs or tracing are on, so the hot path pays nothing
-otherwise.
+Workers switch it on from Celery's logging signals (so a bare `celery worker` gets it
+too), the gateway from its app factory. The step, the tool task and the model round bind
+their ids (`bind`) only while JSON logs or tracing are on: the hot path pays nothing else.
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ _current: ContextVar[LogContext] = ContextVar("agentq_log_context", default=_EMP
 
 
 def celery_task() -> tuple[str | None, str | None]:
-    """The id and name of the Celery task this thread runs, found as Celery's TaskFormatter
-    finds them (without importing Celery into a process that has none)."""
+    """The id and name of this thread's Celery task, without importing Celery."""
     state = sys.modules.get("celery._state")
     task = state.get_current_task() if state is not None else None
     if task is None or task.request is None:
@@ -84,8 +80,7 @@ class JsonFormatter(logging.Formatter):
 
 
 def install(log_format: str) -> bool:
-    """Switch this process to JSON logs if `log_format` is "json" (every handler of every
-    logger gets the JSON formatter); True if it did."""
+    """Give every handler the JSON formatter if `log_format` is "json"; True if it did."""
     global enabled
     if log_format != "json":
         return False

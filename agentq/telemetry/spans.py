@@ -1,8 +1,5 @@
-"""A span exporter for tests across processes: each finished span as one JSON line in a
-file, so a test reads the spans its worker processes recorded.
-
-Workers use it when `AGENTQ_OTEL_SPANS_FILE` names the file (tracing is then on).
-"""
+"""A span exporter for tests across processes: each finished span as one JSON line in the
+file `AGENTQ_OTEL_SPANS_FILE` names (tracing is then on)."""
 
 from __future__ import annotations
 
@@ -33,9 +30,8 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
 
 
 def exporter(path: str) -> ConsoleSpanExporter:
-    """OpenTelemetry's console exporter, writing each span's `span_record` to `path`: the
-    file is opened for appending (O_APPEND) and flushed after each span, one write a line,
-    so lines of several processes never interleave."""
+    """OpenTelemetry's console exporter writing `span_record`s to `path`, appended and
+    flushed one write a line, so lines of several processes never interleave."""
     out = open(path, "a", encoding="utf-8", opener=lambda p, flags: os.open(p, flags, 0o600))  # noqa: SIM115 (open while the process records spans)
     return ConsoleSpanExporter(
         out=out, formatter=lambda s: json.dumps(span_record(s), default=str) + "\n"

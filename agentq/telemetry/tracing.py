@@ -1,16 +1,12 @@
 """OpenTelemetry traces of turns: a turn is a trace, each step, model round and tool call
 a span under the turn's span.
 
-A turn lives in several processes over its life, so its span context travels as data: the
-client that starts a turn draws its W3C `traceparent` (in the caller's trace if a span is
-current there) and stores it in the turn's state hash; a step reads it with the state and
-passes it on in the `traceparent` field of every model round and tool call it sends. Each
-process records its own spans under that parent. The turn's own span is recorded last,
-by the step that ends the turn, with the ids drawn at the start and the turn's
-`created_at` as its start, so the tree is whole whichever processes took part.
-
-Off unless configured (`wanted`); without the `agentq[otel]` extra, agentq runs untraced
-and says why once.
+A turn spans processes, so its context travels as data: the client that starts it draws
+its W3C `traceparent` (in the caller's trace if a span is current) into the turn's state,
+and each step passes it on to the rounds and calls it sends. The turn's own span is
+recorded last, by the step that ends it, with the ids drawn at the start and `created_at`
+as its start, so the tree is whole whichever processes took part. Off unless configured
+(`wanted`); without the `agentq[otel]` extra, agentq runs untraced and says why once.
 """
 
 from __future__ import annotations
@@ -89,10 +85,7 @@ def format_traceparent(trace_id: int, span_id: int) -> str:
 
 
 def new_turn_trace() -> tuple[str, str | None]:
-    """The new turn's traceparent, and the caller's if a span is current here.
-
-    Needs no SDK: the ids are drawn here, and the span is recorded when the turn ends.
-    """
+    """The new turn's traceparent (no SDK needed), and the caller's if a span is current."""
     trace_id = 0
     caller: str | None = None
     with contextlib.suppress(ImportError):
@@ -211,8 +204,8 @@ def start_span(
     *,
     root: bool = False,
 ) -> Any:
-    """A span under `traceparent` (None when tracing is off or there is no parent, unless
-    `root`: then a trace's root span)."""
+    """A span under `traceparent`, or a root span (`root`); None when tracing is off or
+    there is no parent."""
     if not enabled or (parse(traceparent) is None and not root):
         return None
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -259,9 +252,8 @@ def observed(
     attributes: Mapping[str, Any],
     ends: type[BaseException] = BaseException,
 ) -> Iterator[Any]:
-    """`ids` bound for the logs, and a span under `traceparent` (with them and `attributes`)
-    current, while the block runs; yields the span for the caller to end, ended "error" here
-    when an `ends` exception escapes."""
+    """While the block runs, `ids` bound for the logs and a span under `traceparent` current;
+    yields the span for the caller to end (ended "error" here if an `ends` escapes)."""
     bound = logs.bind(*ids)
     ids_attrs = {ATTR_TURN_ID: ids.turn_id, ATTR_CALL_ID: ids.call_id, ATTR_TASK_ID: ids.task_id}
     span = start_span(name, traceparent, {**ids_attrs, **attributes})
