@@ -1,17 +1,12 @@
-"""Follow a turn's events without gaps, and relay its sub-agents' events into it.
+"""Follow a turn's events without gaps, its sub-agents' relayed into it.
 
-One XREAD reads every followed log, blocking while it waits: a sub-agent's turn lives in
-its parent's shard, so on a Cluster all the logs are on one slot. A sub-agent's events
-stay in its own log: nothing is copied at publish time. A reader of a parent merges the
-streams of the children it discovers (each `subturn_started` names one), up to `depth`
-levels, and marks a child's events with `path`: the turn ids from the parent's direct
-child down to the turn that emitted them. Its position is a `Cursor`: the parent's stream
-id plus the position in each child stream still open, so `Last-Event-ID` resumes every
-stream it had reached.
-
-Nothing of a stream is relayed after the terminal event of the turn above it: a stream
-closes (with its descendants) when its turn's own terminal event is yielded, and the
-whole follow stops at the root's.
+One XREAD reads every followed log, blocking while it waits (a sub-agent's turn lives in
+its parent's shard, so on a Cluster they share a slot). A sub-agent's events stay in its
+own log: a reader of the parent merges the logs of the children it finds (each
+`subturn_started` names one), up to `depth` levels, and marks their events with `path`.
+Its position is a `Cursor`, so `Last-Event-ID` resumes every stream it had reached. A
+stream closes, with those below it, at its turn's own terminal event; the follow stops at
+the root's.
 """
 
 from __future__ import annotations

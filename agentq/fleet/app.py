@@ -55,14 +55,11 @@ def create_app(settings: Settings) -> Celery:
             "agentq.tool.*": {"queue": QUEUE_TOOLS},
             "agentq.webhook.*": {"queue": QUEUE_WEBHOOKS},
         },
-        # A broker blip must not kill running tools: they settle through their own Redis
-        # connection, and a message the broker hands out again is not run twice.
+        # A broker blip must not kill running tools: they settle through Redis, and a
+        # message handed out again is not run twice.
         "worker_cancel_long_running_tasks_on_connection_loss": False,
     }
     if settings.broker.startswith(("amqp", "pyamqp")):
-        # RabbitMQ redelivers an unacked message only when its channel closes. Its
-        # server-side consumer_timeout (default 30 min) must exceed the longest tool and
-        # turn: see docs/operations.md.
         # Publisher confirms: a send returns once RabbitMQ has the message on disk, so a
         # broker that crashes right after loses no call or round a turn counts as sent.
         conf["broker_transport_options"] = {"confirm_publish": True}

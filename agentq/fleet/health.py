@@ -1,6 +1,5 @@
-"""A worker's health as a file's age: touched by the consumer while it is connected to the
-broker and its loop turns, so a container healthcheck costs a `find`, not a Python process
-and a broadcast to every worker (`celery inspect ping`)."""
+"""A worker's health as a file's age, touched while its consumer runs: a healthcheck costs
+a `find`, not a Python process and a broadcast (`celery inspect ping`)."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ HEALTHY_WITHIN_S = 30
 
 
 class HealthFile(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Touches `path` every HEALTH_EVERY_S while the consumer runs; a lost broker stops the
-    consumer, and so the touches, until it is connected again."""
+    """Touches `path` every HEALTH_EVERY_S while the consumer runs (a lost broker stops it)."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
     path = ""

@@ -1,9 +1,6 @@
-"""A worker's role (turns, llm, tools, io) follows from the queues it consumes.
-
-`agentq worker KIND` and a bare `celery -A agentq worker -Q ...` get the same role, and so
-the same heartbeat, checks and pool rules: the role is decided once, when the worker
-starts, from its queues, and every process of that worker reads it here.
-"""
+"""A worker's role (turns, llm, tools, io), decided once from the queues it consumes, so
+`agentq worker KIND` and a bare `celery -A agentq worker -Q ...` get the same heartbeat,
+checks and pool rules."""
 
 from __future__ import annotations
 

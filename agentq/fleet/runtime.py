@@ -1,5 +1,5 @@
-"""Process-wide singletons: settings, Redis client, store, Celery app, and how a woken turn's
-step is taken (sent to a turn worker, or taken here by agentq.orchestrator.steps.step_inline)."""
+"""Process-wide singletons: the store and its Redis client, the Celery app, and how a woken
+turn's step is taken (sent to a turn worker, or here by `steps.step_inline`)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,7 @@ def get_store(settings: Settings | None = None) -> TurnStore:
 
 
 def send_woken_step(turn_id: str) -> None:
-    """Send the step of a turn a write just woke; with the broker away, its wakeup (due
-    within seconds of the write) sends it later."""
+    """Send the step of a turn a write just woke; with the broker away, its wakeup will."""
     try:
         send_step(get_app(), turn_id)
     except BrokerUnavailable as exc:

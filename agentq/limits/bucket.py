@@ -1,5 +1,5 @@
 """Pacing by GCRA (a token bucket kept as one arrival time): `GCRA_LUA` for scripts that
-pace several limits at once (model capacity), `TokenBucket` for one rate and burst a key."""
+pace several limits at once, `TokenBucket` for one rate and burst a key."""
 
 from __future__ import annotations
 
@@ -73,8 +73,7 @@ return 0
 
 
 class TokenBucket:
-    """Buckets of one rate and burst, one per key: `burst` requests at once, then
-    `rate_per_s`."""
+    """Buckets, one per key: `burst` requests at once, then `rate_per_s`."""
 
     _take = LuaScript(TAKE_LUA)
 

@@ -1,7 +1,6 @@
-"""Leases on places: at most `limit` holders at once, fleet-wide; each holds a place until
-it gives it back or its lease lapses, so a holder whose process died frees its place at
-its lease's end without anyone's help. `LEASES_LUA` for scripts that keep more per lease
-(model capacity), `LeasedSemaphore` for places alone."""
+"""Leases on places: at most `limit` holders at once, fleet-wide, each until it gives its
+place back or its lease lapses (so a dead holder's place frees itself). `LEASES_LUA` for
+scripts that keep more per lease, `LeasedSemaphore` for places alone."""
 
 from __future__ import annotations
 
@@ -96,14 +95,14 @@ class LeasedSemaphore:
     def acquire(
         self, key: str, holder: str, lease_s: float | str, ended: list[str] | None = None
     ) -> bool:
-        """Take (or renew) `holder`'s place in `key`'s semaphore for `lease_s` seconds,
-        after dropping the `ended` holders; False when all places are held."""
+        """Take or renew `holder`'s place for `lease_s` after dropping the `ended` holders;
+        False when all places are held."""
         return self.acquire_or_wait_ms(key, holder, lease_s, ended) == 0
 
     def acquire_or_wait_ms(
         self, key: str, holder: str, lease_s: float | str, ended: list[str] | None = None
     ) -> int:
-        """`acquire`, answering 0 for a place, else the ms until the soonest lease lapses."""
+        """`acquire`: 0 for a place, else the ms until the soonest lease lapses."""
         lease_ms = FOREVER if lease_s == FOREVER else str(math.ceil(float(lease_s) * 1000))
         args = AcquireArgs(holder, lease_ms, self.limit)
         return int(self._acquire(keys=[key], args=[*args, *(ended or [])]))

@@ -1,9 +1,7 @@
-"""The scheduler `agentq beat` runs: celery-redbeat's, naming each tick it sends.
-
-A tick is named by the stored last run of its entry: two beats that find the same entry
-due (one lost its lock while it worked) name the same tick, and the tick task starts one
-turn per name. A tick missed while no beat ran is due once when one starts (celery's
-`is_due` looks at the last run only), so it fires once, not once per missed tick.
+"""The scheduler `agentq beat` runs: celery-redbeat's, naming each tick by its entry's
+stored last run, so two beats that find the same entry due (one lost its lock) name the
+same tick, and the tick task starts one turn per name. Ticks missed while no beat ran
+fire once (celery's `is_due` looks at the last run only).
 """
 
 from __future__ import annotations

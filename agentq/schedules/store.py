@@ -1,5 +1,4 @@
-"""Adding, listing and removing schedules: our spec in SCHEDULES, and beside it the
-celery-redbeat entry that `agentq beat` fires."""
+"""Adding, listing and removing schedules: the spec, and the redbeat entry `agentq beat` fires."""
 
 from __future__ import annotations
 
