@@ -11,11 +11,7 @@ from typing import Any, Final, NamedTuple
 import redis
 from redis.cluster import RedisCluster
 
-from agentq.constants import (
-    WATCH_CHANNEL,
-    shard_of,
-    turn_key,
-)
+from agentq.constants import WATCH_CHANNEL, shard_of, turn_key
 from agentq.events import Event
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import TERMINAL_STATUSES
