@@ -200,12 +200,9 @@ def follow(
     heartbeat_s: float | None = None,
     live: bool = True,
 ) -> Generator[Event | None, None, None]:
-    """Yield every event after `after` exactly once, read from the logs with XREAD: with
-    `live`, blocking for the next ones up to the root's end; else up to the logs' end.
-
-    Yields None after each `heartbeat_s` of silence, so callers can write keep-alives or
-    notice a gone client. Each event's `cursor` resumes right after it.
-    """
+    """Yield every event after `after` exactly once, up to the root's end (`live`) or the
+    logs' end; None after each `heartbeat_s` of silence, for keep-alives or noticing a gone
+    client."""
     cursor = Cursor.parse(after) if isinstance(after, str) else after
     relay = Relay(turn_id, after=cursor, depth=depth)
     relay.resume(bus.redis, cursor)

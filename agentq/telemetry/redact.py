@@ -1,10 +1,7 @@
-"""One redaction rule for credentials in log lines, whatever logger writes them.
-
-A query parameter whose name, once percent-decoded (``%74oken`` is ``token``), names a
-credential, an ``Authorization``/``Bearer`` value and an agentq or OpenAI style key are
-replaced by ``***``. `install()` wraps the process's LogRecord factory, so every record
-is redacted when it is made: uvicorn's access and error logs, agentq's, any library's,
-under `agentq serve` and under `uvicorn --factory agentq.gateway.app:create_app` alike.
+"""One redaction rule for credentials in log lines, whatever logger writes them: a query
+parameter naming a credential once percent-decoded (``%74oken``), an ``Authorization`` or
+``Bearer`` value, an agentq or OpenAI style key become ``***``. `install()` wraps the
+LogRecord factory, so uvicorn's, agentq's and any library's records are redacted as made.
 """
 
 from __future__ import annotations
