@@ -179,9 +179,11 @@ class RateLimited(AccessError):
 
 
 class ToolError(AgentqError):
-    def __init__(self, tool: str, message: str) -> None:
-        super().__init__(message)
-        self.tool = tool
+    template = "{detail}"
+
+    def __init__(self, tool: str, detail: str) -> None:
+        super().__init__(self.template.format(tool=tool, detail=detail))
+        self.tool, self.detail = tool, detail
 
 
 class UnknownTool(ToolError):
@@ -192,33 +194,27 @@ class UnknownTool(ToolError):
 
 
 class ToolDefinitionError(ToolError):
-    def __init__(self, tool: str, detail: str) -> None:
-        super().__init__(tool, f"tool {tool!r} is badly declared: {detail}")
-        self.detail = detail
+    template = "tool {tool!r} is badly declared: {detail}"
 
 
 class ToolArgumentsInvalid(ToolError):
-    def __init__(self, tool: str, detail: str) -> None:
-        super().__init__(tool, f"invalid arguments for tool {tool!r}: {detail}")
-        self.detail = detail
+    template = "invalid arguments for tool {tool!r}: {detail}"
 
 
 class ToolMisuse(ToolError):
-    def __init__(self, tool: str, detail: str) -> None:
-        super().__init__(tool, f"tool {tool!r} is misdeclared: {detail}")
-        self.detail = detail
+    template = "tool {tool!r} is misdeclared: {detail}"
 
 
 class McpError(AgentqError):
-    def __init__(self, server: str, message: str) -> None:
-        super().__init__(message)
-        self.server = server
+    template = "{detail}"
+
+    def __init__(self, server: str, detail: str) -> None:
+        super().__init__(self.template.format(server=server, detail=detail))
+        self.server, self.detail = server, detail
 
 
 class McpServerUnavailable(McpError):
-    def __init__(self, server: str, detail: str) -> None:
-        super().__init__(server, f"MCP server {server!r} is unavailable: {detail}")
-        self.detail = detail
+    template = "MCP server {server!r} is unavailable: {detail}"
 
 
 class McpToolFailed(McpError):
@@ -417,20 +413,19 @@ class WebhookRefused(AgentqError):
 
 
 class ScheduleError(AgentqError):
-    def __init__(self, schedule: str, message: str) -> None:
-        super().__init__(message)
-        self.schedule = schedule
+    template = "{detail}"
+
+    def __init__(self, schedule: str, detail: str = "") -> None:
+        super().__init__(self.template.format(schedule=schedule, detail=detail))
+        self.schedule, self.detail = schedule, detail
 
 
 class ScheduleNotFound(ScheduleError):
-    def __init__(self, schedule: str) -> None:
-        super().__init__(schedule, f"no schedule named {schedule!r}")
+    template = "no schedule named {schedule!r}"
 
 
 class ScheduleInvalid(ScheduleError):
-    def __init__(self, schedule: str, detail: str) -> None:
-        super().__init__(schedule, f"schedule {schedule!r}: {detail}")
-        self.detail = detail
+    template = "schedule {schedule!r}: {detail}"
 
 
 class WaitpointRefused(AgentqError):
@@ -451,14 +446,15 @@ class Aborted(AgentqError):
 
 
 class TurnError(AgentqError):
-    def __init__(self, turn_id: str, message: str) -> None:
-        super().__init__(message)
-        self.turn_id = turn_id
+    template = "{detail}"
+
+    def __init__(self, turn_id: str, detail: str = "") -> None:
+        super().__init__(self.template.format(turn_id=turn_id, detail=detail))
+        self.turn_id, self.detail = turn_id, detail
 
 
 class TurnNotFound(TurnError):
-    def __init__(self, turn_id: str) -> None:
-        super().__init__(turn_id, f"turn {turn_id} is unknown or already finished")
+    template = "turn {turn_id} is unknown or already finished"
 
 
 class AmbiguousTurnId(TurnError):
@@ -477,13 +473,11 @@ class AmbiguousTurnId(TurnError):
 
 
 class TokenInvalid(TurnError):
-    def __init__(self, turn_id: str) -> None:
-        super().__init__(turn_id, f"missing or wrong token for turn {turn_id}")
+    template = "missing or wrong token for turn {turn_id}"
 
 
 class StepLost(TurnError):
-    def __init__(self, turn_id: str) -> None:
-        super().__init__(turn_id, f"turn {turn_id}: the step lost its lock to another step")
+    template = "turn {turn_id}: the step lost its lock to another step"
 
 
 class TurnFailed(TurnError):
@@ -529,9 +523,7 @@ class NotRetryable(ReplayRefused):
 class SourceGone(ReplayRefused):
     code = "source_gone"
     status_code = 410
-
-    def __init__(self, turn_id: str, detail: str) -> None:
-        super().__init__(turn_id, f"turn {turn_id}: {detail}")
+    template = "turn {turn_id}: {detail}"
 
 
 class ForkInvalid(ReplayRefused):
