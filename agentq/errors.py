@@ -75,8 +75,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
 
 REDIS_ERRORS: tuple[type[Exception], ...] = (redis.RedisError, RedisClusterException)
-"""What a Redis command may raise: a Cluster client's own errors (no slot map, no node
-reachable) are not RedisErrors."""
+"""What a Redis command may raise: a Cluster client's own errors are not RedisErrors."""
 
 
 def field_errors(exc: ValidationError, top: str = "") -> list[tuple[str, str]]:
@@ -285,8 +284,7 @@ class ModelConnectionError(ModelHTTPError):
 
 
 class ModelBusy(ModelHTTPError):
-    """The fleet's capacity manager pauses the model and queues the round again: it never
-    uses up one of the turn's retries."""
+    """The capacity manager pauses the model and queues the round again, using no retry."""
 
     code = "EBUSY"
 
@@ -342,8 +340,7 @@ class ModelRoundFailed(LlmError):
 
 
 class BrokerUnavailable(AgentqError):
-    """The broker refused a publish past kombu's retries: what it was stays in Redis (the
-    turn's wakeup, an unrecorded dispatch) and is sent again when the broker is back."""
+    """What was not published stays in Redis and is sent again when the broker is back."""
 
     def __init__(self, what: str, error: str) -> None:
         super().__init__(f"the broker is unavailable: {what} not sent ({error})")
@@ -404,8 +401,7 @@ class BudgetInvalid(AgentqError):
 
 
 class WebhookRefused(AgentqError):
-    """A webhook URL that can never be delivered to (checked when a turn starts), or a
-    target refused when an attempt resolves it (a name that now points somewhere private)."""
+    """Checked at a turn's start and at each attempt: a name may now point somewhere private."""
 
     def __init__(self, url: str, reason: str) -> None:
         super().__init__(f"webhook_url {url!r} refused: {reason}")
@@ -429,8 +425,7 @@ class ScheduleInvalid(ScheduleError):
 
 
 class WaitpointRefused(AgentqError):
-    """A waitpoint's completion refused: 404 for an unknown id or a wrong token (one answer,
-    no oracle), 409 when completed already (`first`: that completion), 410 when closed."""
+    """One 404 for an unknown id or a wrong token (no oracle); `first`: a 409's completion."""
 
     def __init__(
         self, waitpoint_id: str, status_code: int, why: str, first: dict[str, str] | None = None
@@ -458,8 +453,7 @@ class TurnNotFound(TurnError):
 
 
 class AmbiguousTurnId(TurnError):
-    """`turn_id` is the prefix a person typed; `matches` the turns it names, newest first,
-    `candidates` a line on each for the message (`more`: and others beyond them)."""
+    """`turn_id` is the typed prefix; `matches` the turns it names, newest first."""
 
     def __init__(
         self, turn_id: str, matches: list[str], candidates: list[str], *, more: bool = False
