@@ -66,8 +66,7 @@ def is_sentinel(url: str) -> bool:
 
 
 def parse_sentinel_url(url: str, setting: str = "AGENTQ_REDIS_URL") -> SentinelUrl:
-    """`sentinel://[:pw@]h1:26379;sentinel://h2:26379/0` -> sentinels, db, credentials of the
-    master (taken from the first part, as Celery does)."""
+    """`sentinel://[:pw@]h1:26379;sentinel://h2:26379/0`; credentials from the first, as Celery."""
     chunks = [c.strip() for c in url.split(";")]
     sentinels: list[tuple[str, int]] = []
     for chunk in chunks:
@@ -122,8 +121,7 @@ WEBHOOK_SECRET_PREFIX = "whsec_"
 
 
 def webhook_key_bytes(secret: str) -> bytes:
-    """The HMAC key of a Standard Webhooks secret (`whsec_` + base64); ValueError, never
-    showing the secret, for anything else."""
+    """The HMAC key of a `whsec_` secret; ValueError, never showing it, for anything else."""
     if not secret.startswith(WEBHOOK_SECRET_PREFIX):
         raise ValueError("must start with whsec_ (then the base64 of the key)")
     try:
@@ -145,14 +143,13 @@ class Settings(BaseSettings):
     redis_sentinel_master: str | None = None
     """The master's name when `redis_url` or `broker_url` is `sentinel://h1:26379;...`."""
     redis_cluster_nodes: str | None = None
-    """`host:port,...` of a Redis Cluster for turn state and events; `redis_url` then names a
-    plain Redis for the broker (kombu does not speak Cluster), results and the beat."""
+    """`host:port,...` of a Redis Cluster for turn state and events (kombu's broker stays on
+    `redis_url`)."""
     redis_shards: int | None = Field(None, ge=1, le=1024)
-    """How many shards turn state is split into (agentq.constants.shard_count): unset, 16 on
-    a Cluster and 1 otherwise. Every process of a fleet must use the same value."""
+    """Shards of the turn state (unset: 16 on a Cluster, else 1); names keys, so one per fleet."""
     redis_min_replicas_acked: int | None = Field(None, ge=0)
-    """Replicas that must acknowledge (Redis `WAIT`) the writes that dispatch or settle a
-    call and end a turn before they count; unset: 1 behind Sentinel, else 0 (no wait)."""
+    """Replicas that must `WAIT`-acknowledge a call's dispatch or settle and a turn's end;
+    unset: 1 behind Sentinel, else 0."""
     redis_wait_timeout_ms: int = Field(500, ge=1)
     """Longest `WAIT` for those replicas; past it the write stands, with a warning."""
 
@@ -166,22 +163,15 @@ class Settings(BaseSettings):
     llm_model: str = "gpt-4o-mini"
     """Model name sent to the server."""
     llm_limits: str | None = None
-    """Fleet-wide model limits (JSON keyed by model name; docs/capacity.md). Unset: no
-    limits, but a busy provider's answers still pace the fleet."""
+    """Fleet-wide model limits (JSON keyed by model name; docs/capacity.md); unset: none."""
     llm_api: Literal["chat", "responses", "auto"] = "auto"
-    """The model API: Chat Completions, the Responses API, or `auto`: Chat Completions
-    until the server answers a 400 naming /v1/responses, then the Responses API for that
-    model, fleet-wide. A model's `api` in AGENTQ_LLM_LIMITS wins; see docs/models.md."""
+    """The model API; `auto`: Chat Completions until a 400 names /v1/responses (docs/models.md)."""
     llm_prices: Annotated[dict[str, ModelPrice], NoDecode] = Field(default_factory=dict)
-    """Prices of models (JSON keyed by model name: USD per million `input`, `output`,
-    `cached_input` tokens), for the `cost_usd` of usage and the USD budgets; a model without
-    a price counts tokens only. See docs/spend.md."""
+    """Prices of models (JSON keyed by model name) for `cost_usd` and USD budgets; docs/spend.md."""
     key_budgets: Annotated[dict[str, KeyBudget], NoDecode] = Field(default_factory=dict)
-    """Budgets of API keys (JSON keyed by key name: `tokens_per_day`, `usd_per_day`,
-    `usd_per_month`; UTC periods). A key without one is unbounded. See docs/spend.md."""
+    """Budgets of API keys (JSON keyed by key name); a key without one is unbounded."""
     budget_completion_tokens: int = Field(4096, ge=16)
-    """The completion a round under a budget may produce at most: reserved before it is
-    sent, and its `max_completion_tokens` (lowered to what the budgets leave)."""
+    """The most a round under a budget may produce, reserved before it is sent."""
     usage_retention_days: int = Field(400, gt=0, le=3650)
     """How long the usage kept per key and day lives (it outlives the turns it counts)."""
     llm_queue_timeout_s: float = Field(600.0, gt=0)
@@ -197,13 +187,11 @@ class Settings(BaseSettings):
     llm_breaker_cooldown_s: float = Field(30.0, gt=0)
     """How long a failing deployment is skipped, fleet-wide, before one request probes it."""
     llm_background_every: int = Field(0, ge=0)
-    """0: interactive rounds are always served before background ones; N: one background
-    round in every N grants while both wait, so background work never starves."""
+    """N: one background round in every N grants while both wait; 0: interactive ones first."""
     llm_max_retries: int = Field(2, ge=0, le=10)
     """Retries of a model round on a zero-chunk stall, 429 or 5xx."""
     llm_request_timeout_s: float = Field(60.0, gt=0)
-    """Transport timeout of the HTTP request (connect, write, pool); each read too where the
-    watchdog is off (`stream_idle_timeout_ms` 0); with it on, the watchdog owns silence."""
+    """Transport timeout of the HTTP request, and of each read while the watchdog is off."""
 
     tools: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Comma-separated modules imported for their @tool definitions."""
@@ -220,8 +208,7 @@ class Settings(BaseSettings):
     progress_interval_s: float = Field(5.0, gt=0)
     """How often the worker running a call publishes tool_progress for it."""
     io_capacity: int = Field(2000, ge=1)
-    """Calls (I/O worker) or model streams (stream worker) one process holds on its event
-    loop; past it the Celery threads wait and the broker keeps the rest."""
+    """Calls or model streams one event-loop process holds; the broker keeps the rest."""
     llm_processes: int = Field(0, ge=0, le=64)
     """Event-loop processes of `agentq worker llm` (`--processes`); 0: one per CPU, at most 4."""
     io_processes: int = Field(0, ge=0, le=64)
@@ -230,11 +217,9 @@ class Settings(BaseSettings):
     """An event loop blocked this long is logged, with the call that blocked it."""
 
     llm_delta_interval_ms: int = Field(250, ge=0)
-    """A stream worker publishes a round's `llm_delta` events at most this often, each
-    holding the text that came meanwhile (the first chunk goes at once); 0: every chunk."""
+    """How often at most a round's `llm_delta` is sent (the first chunk at once); 0: each chunk."""
     llm_quiet_delta_interval_ms: int = Field(2000, ge=0)
-    """`llm_delta_interval_ms` for a turn nobody followed at its last publish, until a
-    follower comes (`constants.WATCH_CHANNEL`); 0 (or not above it): as if followed."""
+    """`llm_delta_interval_ms` for a turn nobody follows, until one does; 0: as if followed."""
 
     stream_idle_timeout_ms: int = 120_000
     """Longest silence between two model chunks; <= 0 disables the watchdog."""
@@ -253,24 +238,20 @@ class Settings(BaseSettings):
     """A prompt longer than this is refused."""
 
     turn_lease_s: float = Field(10.0, gt=0)
-    """A stream worker renews its claim on a model round every third of this; a claim that
-    lapses without a result means the worker died, and the turn sends the round again."""
+    """A stream worker's claim on a round, renewed every third of it; lapsed, it is resent."""
     step_lock_s: float = Field(10.0, gt=0)
     """Longest a step may hold its turn; a step that died mid-way is taken over after this."""
     sweep_interval_s: float = Field(0.25, gt=0)
     """How often each turn worker sweeps for due deadlines and dead workers, at the least: a
     deadline due sooner has its sweep then, 20 ms apart at most often."""
     health_file: str | None = None
-    """A file a worker touches every few seconds while it is connected to the broker and
-    consuming: a container's healthcheck reads its age (the compose image sets it)."""
+    """A file a consuming worker touches every few seconds, for a container's healthcheck."""
     task_events: bool = False
-    """Always send Celery task events (for monitors other than Flower, which turns them on
-    while it runs); off by default, they cost three publishes per task."""
+    """Always send Celery task events (Flower turns them on itself); each costs 3 publishes."""
     log_format: Literal["text", "json"] = "text"
     """`json`: every log line of the workers and the gateway is one JSON object."""
     task_received_logs: bool = False
-    """Celery's `Task ... received` line (INFO) for every step, call and model round; off
-    by default: it carries no turn id, and its `succeeded` line stays."""
+    """Celery's `Task ... received` INFO line for every task; off: it carries no turn id."""
     otel: bool | None = None
     """OpenTelemetry traces on or off; unset follows the standard `OTEL_*` variables."""
     otel_spans_file: str | None = None
@@ -286,11 +267,9 @@ class Settings(BaseSettings):
             "AGENTQ_TURN_RETENTION_S", "AGENTQ_STATE_TTL_S", "turn_retention_s", "state_ttl_s"
         ),
     )
-    """How long a finished turn (state, history, results, log, every key of it) is kept
-    before it expires from Redis. `AGENTQ_STATE_TTL_S` is the old name, still read."""
+    """How long a finished turn's keys are kept; `AGENTQ_STATE_TTL_S`, its old name, works."""
     flower_url: str | None = None
-    """Where operators reach Flower (`https://flower.example.com`), for the console's links
-    to a call's task; default: this host at `flower_port`."""
+    """Flower's address for the console's links; default: this host at `flower_port`."""
 
     approval_timeout_s: float = Field(120.0, gt=0)
     password_timeout_s: float = Field(120.0, gt=0)
@@ -301,11 +280,9 @@ class Settings(BaseSettings):
     waitpoint_max_timeout_s: float = Field(7 * 24 * 3600.0, gt=0)
     """The longest `timeout_s` a tool's Waitpoint may ask for; a longer one settles `error`."""
     waitpoint_secret: SecretStr | None = None
-    """Key of the HMAC that makes a waitpoint's token; unset: a random key kept in Redis,
-    made once for the fleet."""
+    """HMAC key of waitpoint tokens; unset: a random key made once for the fleet, in Redis."""
     public_url: str = ""
-    """Where outside systems reach the gateway (`https://agentq.example.com`): the prefix of
-    a waitpoint's `callback_url` (a path alone when unset)."""
+    """Where outside systems reach the gateway: the prefix of a waitpoint's `callback_url`."""
 
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(8000, ge=0, le=65535)
@@ -314,16 +291,14 @@ class Settings(BaseSettings):
     """`user:password` for Flower; required by the compose files."""
 
     api_keys: SecretStr | None = None
-    """Gateway keys, comma-separated `name=key` or `name=sha256:<hex of the key>`; a turn
-    belongs to the name of the key that started it. Unset (with no admin keys): the gateway
-    needs no key and serves loopback only."""
+    """Gateway keys, `name=key` or `name=sha256:<hex>`, comma-separated; a turn belongs to its
+    key's name. Unset (and no admin keys): no key needed, loopback only."""
     admin_keys: SecretStr | None = None
     """Like `api_keys`, for keys that read, abort and answer every turn and read /metrics."""
     metrics_token: SecretStr | None = None
     """A bearer token that reads /metrics only (for a Prometheus scraper), besides admin keys."""
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Comma-separated origins (`https://app.example.com`) whose pages may call the gateway;
-    none by default, and `*` is refused."""
+    """Comma-separated origins whose pages may call the gateway; `*` is refused."""
     max_active_turns_per_key: int = Field(100, ge=1)
     """Running turns one key (or, without keys, one client address) may have at once."""
     start_rate_per_s: float = Field(10.0, gt=0)
@@ -334,11 +309,9 @@ class Settings(BaseSettings):
     """A conversation's stored history plus a request's new messages may not pass this."""
 
     webhook_secret: SecretStr | None = None
-    """Signs webhooks (Standard Webhooks): `whsec_` + base64 of 24 to 64 random bytes. Unset:
-    a turn with a webhook is refused."""
+    """Signs webhooks: `whsec_` + base64 of 24 to 64 bytes; unset: webhooks are refused."""
     webhook_urls: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
-    """Default webhook URL of a key's turns, by key name (JSON: `{"ci": "https://..."}`);
-    a turn's own `webhook_url` wins."""
+    """Default webhook URL of a key's turns (JSON by key name); a turn's own one wins."""
     webhook_allow_private: bool = False
     """Deliver to private, loopback and link-local addresses (tests, private networks)."""
     webhook_allow_http: bool = False
@@ -357,12 +330,9 @@ class Settings(BaseSettings):
     """Longest sleep of `agentq beat` between two looks at its schedules; a second beat
     takes over five of these after the first one died (celery-redbeat's lock)."""
     mcp_servers: str | None = None
-    """MCP servers whose tools the fleet's models may call (JSON keyed by server name:
-    `command` argv with `env` and `cwd`, or `url` with `headers`; the tool policy
-    `timeout_s`, `budget_s`, `approval`, `concurrency`, `tools`); see docs/mcp.md."""
+    """MCP servers whose tools the models may call (JSON keyed by server name; docs/mcp.md)."""
     mcp_tools_ttl_s: float = Field(300.0, gt=0)
-    """How long a listing of an MCP server's tools is used before it is listed again
-    (a server's `notifications/tools/list_changed` lists it at once)."""
+    """How long an MCP server's tool listing is used (`tools/list_changed` ends it at once)."""
 
     @field_validator(
         "llm_prices", "key_budgets", "llm_owner_weights", "webhook_urls", mode="before"
