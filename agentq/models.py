@@ -19,7 +19,6 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -97,7 +96,7 @@ class ImagePart(_Strict):
 
 
 UserPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
-CallId = Annotated[str, Field(min_length=1, max_length=MAX_CALL_ID_CHARS)]
+CallId = Annotated[str, Field(pattern=f"^{CALL_ID.pattern}$")]
 
 
 class FunctionCall(_Strict):
@@ -109,13 +108,6 @@ class ToolCallMessage(_Strict):
     id: CallId
     type: Literal["function"]
     function: FunctionCall
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not CALL_ID.fullmatch(v):
-            raise ValueError("a call id is letters, digits and _ . : - only")
-        return v
 
 
 class SystemMessage(_Strict):
@@ -352,7 +344,7 @@ class LlmRoundRequest(_Frozen):
 
     turn_id: str
     round_no: int
-    tools_json: str = "[]"
+    tools_json: str = Field("[]", pattern=r"^\s*\[")
     """The tools' schemas as the JSON array sent to the model, never parsed on the way:
     dozens of small objects cost kombu a Python hook each, and every hop an encoding."""
     duration_left_s: float
@@ -377,13 +369,6 @@ class LlmRoundRequest(_Frozen):
     """How long the round waited for model capacity before it was sent."""
     output_format: dict[str, Any] | None = None
     """The Responses API's `text.format` of the agent's typed answer (its `output_type`)."""
-
-    @field_validator("tools_json")
-    @classmethod
-    def _a_json_array(cls, v: str) -> str:
-        if not v.strip().startswith("["):
-            raise ValueError("tools_json must be the JSON array of the tools' schemas")
-        return v
 
 
 class LlmRoundResult(_Frozen):

@@ -209,7 +209,7 @@ BAD_MESSAGES = [
     ([{"role": "assistant", "tool_calls": [{"id": "evil"}]}], "tool_calls.0"),
     ([{"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "echo"}}]}], "arguments"),
     ([{"role": "assistant", "tool_calls": [{**CALL, "type": "code"}]}], "type"),
-    ([{"role": "assistant", "tool_calls": [{**CALL, "id": "a b"}]}], "call id"),
+    ([{"role": "assistant", "tool_calls": [{**CALL, "id": "a b"}]}], "tool_calls.0.id"),
     ([{"role": "tool", "tool_call_id": "c1", "content": "r"}], "answers no open call"),
     ([{"role": "assistant", "tool_calls": [CALL]}], "no tool message"),
     (
