@@ -1,9 +1,7 @@
 """Pydantic models for everything that crosses a process boundary.
 
-The chat messages a client may start a turn with are the OpenAI chat format, checked up
-front: a message the model server or the orchestrator would choke on mid-turn (a tool call
-without a function, a tool message answering nothing, text that is not Unicode) is refused
-when the turn is started, with a message naming the field, never accepted and failed later.
+A client's chat messages are checked when the turn starts, naming the field: what the model
+server or the orchestrator would choke on mid-turn is refused up front, never failed later.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ _STREAM_ID = re.compile(r"(\d{1,20})(?:-(\d{1,20}))?")
 
 
 def parse_stream_id(value: str) -> tuple[int, int] | None:
-    """(ms, seq) of a Redis stream id ("1-0", or "0"); None if it is not one Redis accepts
-    (both parts are unsigned 64-bit integers: a larger one makes XRANGE fail)."""
+    """(ms, seq) of a Redis stream id ("1-0", or "0"); None past 64 bits, which fail XRANGE."""
     found = _STREAM_ID.fullmatch(value)
     if found is None:
         return None
@@ -50,11 +47,8 @@ _LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 def lone_surrogate_at(value: Any) -> str | None:
-    """The path of the first string (key or value) holding a lone surrogate, else None.
-
-    JSON's ``"\\ud800"`` decodes to one; it cannot be encoded as UTF-8, so it breaks
-    every later write of the text (Redis, the model request, the HTTP answer).
-    """
+    """The path of the first string (key or value) holding a lone surrogate (JSON's
+    ``"\\ud800"``), else None: it cannot be encoded as UTF-8, so every later write fails."""
     stack: list[tuple[Any, str]] = [(value, "")]
     while stack:
         item, where = stack.pop()
@@ -147,10 +141,8 @@ _BY_ROLE: dict[str, type[_Strict]] = {
 def check_messages(messages: Any) -> list[dict[str, Any]]:
     """`messages` if they are a valid start of an OpenAI chat; else ValueError naming the field.
 
-    Each message matches its role's shape; every tool message answers a call of the
-    assistant message before it, once; every call is answered before the next message
-    that is not a tool message, and by the end (a turn never runs calls a client wrote).
-    """
+    Every call is answered once, by the tool messages right after it: a turn never runs
+    calls a client wrote."""
     if not isinstance(messages, list):
         raise ValueError("messages must be a list")
     open_calls: set[str] = set()
@@ -345,8 +337,8 @@ class LlmRoundRequest(_Frozen):
     turn_id: str
     round_no: int
     tools_json: str = Field("[]", pattern=r"^\s*\[")
-    """The tools' schemas as the JSON array sent to the model, never parsed on the way:
-    dozens of small objects cost kombu a Python hook each, and every hop an encoding."""
+    """The tools' schemas as the JSON array sent, never parsed on the way: as objects, each
+    would cost kombu a Python hook and every hop an encoding."""
     duration_left_s: float
     idle_timeout_ms: int
     model: str | None = None
@@ -422,8 +414,7 @@ class TurnRequest(_Closed):
     conversation_token: _Text = Field(default=None, max_length=128)
     """Continues a conversation created without a key: the token its first turn returned."""
     multitask: MultitaskMode | None = None
-    """With `conversation_id`: what this message does when another turn of the conversation
-    still runs (default enqueue: it runs after it). See docs/conversations.md."""
+    """What this message does while another turn of its conversation runs (default enqueue)."""
     agent: str | None = Field(default=None, max_length=64)
     """The agent the turn runs as; unset: the model of the settings with every tool."""
     headless: bool = False
@@ -432,8 +423,7 @@ class TurnRequest(_Closed):
     webhook_url: str | None = Field(default=None, max_length=2048)
     """Gets a signed POST (Standard Webhooks) when the turn ends."""
     max_tokens: int | None = Field(default=None, gt=0, le=MAX_TURN_TOKENS)
-    """The turn's token budget, its sub-agents' spend included (docs/spend.md); at most
-    its agent's own."""
+    """The turn's token budget, its sub-agents' spend included; at most its agent's own."""
     max_cost_usd: float | None = Field(
         default=None, gt=0, le=MAX_TURN_COST_USD, allow_inf_nan=False
     )
@@ -463,17 +453,14 @@ class TurnHandle(_Frozen):
     position: int | None = None
     behind: str | None = None
     injected: bool | None = None
-    """True (multitask inject): `turn_id` is the running turn the message joins at its next
-    model round; `message_turn_id` is the turn that runs it if that turn has none."""
+    """Inject: the message joins `turn_id`'s next round, else runs as `message_turn_id`."""
     message_turn_id: str | None = None
     conversation_id: str | None = None
     """A retry's or fork's of a conversation's turn: the conversation it goes on in."""
     branched: bool | None = None
-    """A retry's or fork's of a conversation's turn: True when `conversation_id` is a new
-    conversation (a branch), False for a retry that replaces its source's exchange there."""
+    """True: `conversation_id` is a new branch; False: a retry replaced its source's exchange."""
     missing_workers: list[str] | None = None
-    """Set by the gateway when no live worker of a kind every turn needs (`turns`, `llm`)
-    answers: the turn waits until one starts (`agentq worker KIND`)."""
+    """The kinds of worker every turn needs that none answers: the turn waits for them."""
 
 
 def final_content(history: list[dict[str, Any]]) -> str:
