@@ -1,11 +1,9 @@
-"""Agents: named configurations of a turn (instructions, model, tools, limits), and
-agents called by other agents as tools.
+"""Agents: named configurations of a turn (instructions, model, tools, limits), also
+offered to other agents as tools.
 
-An `Agent(...)` made at import time of an `AGENTQ_TOOLS` module is registered under its
-name, the way `@tool` registers a tool; `load_tool_modules` checks every agent once all
-modules are imported (its tools must exist). Turn workers publish the names of their
-agents to Redis (`agentq:agents`), so the gateway and the CLI, which import no tool
-module, can refuse an unknown agent before a turn starts.
+An `Agent(...)` made in an `AGENTQ_TOOLS` module is registered, as `@tool` registers a tool.
+Turn workers publish their agents to Redis, so the gateway and the CLI, which import no tool
+module, refuse an unknown agent before a turn starts.
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ class AgentTool(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     description: str
     timeout_s: float = Field(300.0, ge=0)
-    """Hard limit of the child turn: at it the child is aborted and the call settles
-    `timeout`; 0 means no limit."""
+    """Hard limit of the child turn, aborted at it (the call settles `timeout`); 0: none."""
 
     def openai_schema(self) -> dict[str, Any]:
         params = {
@@ -82,12 +79,10 @@ class Agent(BaseModel):
     description: str = ""
     """What the agent does: the description its `as_tool()` gives other models by default."""
     tools: tuple[str | AgentTool, ...] = ()
-    """The tools its model is offered and may call: names, @tool functions, or other
-    agents' `as_tool()`; none unless listed, so what an agent may do is read where it is
-    defined, never grown by a module loaded elsewhere in the fleet."""
+    """Names, @tool functions, or other agents' `as_tool()`: none unless listed, so what an
+    agent may do is read where it is defined, never grown by a module loaded elsewhere."""
     mcp_servers: tuple[str, ...] = ()
-    """MCP servers (AGENTQ_MCP_SERVERS) whose tools its model is offered, besides `tools`
-    (a `SERVER__TOOL` name in `tools` offers that one tool)."""
+    """MCP servers whose tools are offered too (a `SERVER__TOOL` in `tools` offers just one)."""
     max_calls_per_turn: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, gt=0)
     """Token budget of this agent's turns (a request may lower it, not raise it)."""
@@ -102,11 +97,9 @@ class Agent(BaseModel):
     approval_default: Literal["approve", "deny"] | None = None
     """What a headless turn of this agent does with an `ask` whose tool declares no default."""
     ask_user: bool = False
-    """Offer the model `ask_user` (agentq.tools.registry): a typed question for the user,
-    asked as an `input` interaction, its checked answer the call's result."""
+    """Offer the model `ask_user`: a typed question for the user, asked as an `input`."""
     output_type: type[BaseModel] | None = None
-    """A pydantic model the final answer must be (as JSON): validated, sent back to the
-    model once when invalid, stored with the turn as `output`, and an agent call's result."""
+    """The pydantic model the final JSON answer must match (asked once more), the `output`."""
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -141,8 +134,7 @@ class Agent(BaseModel):
         _AGENTS[self.name] = self
 
     def system_message(self) -> str:
-        """What each model round sends first: the instructions, and with an output type,
-        its JSON schema."""
+        """The instructions, and with an output type, its JSON schema."""
         if self.output_type is None:
             return self.instructions
         schema = json.dumps(self.output_type.model_json_schema(), separators=(",", ":"))
@@ -208,8 +200,7 @@ def unregister_agent(name: str) -> None:
 
 
 def check_agents(mcp_servers: str | None = None) -> None:
-    """Check what only the whole set of modules can tell: every tool an agent names exists,
-    and every MCP server (of `mcp_servers`, AGENTQ_MCP_SERVERS) it names is configured."""
+    """Check that every tool and MCP server an agent names exists, once all are loaded."""
     tools = all_tools()
     try:
         servers = set(json.loads(mcp_servers or "{}"))
@@ -269,8 +260,7 @@ def publish_agents(client: redis.Redis, now: float | None = None) -> int:
 
 
 def published_agent_details(client: redis.Redis, now: float | None = None) -> list[dict[str, Any]]:
-    """The agents some turn worker published lately (before `now`), by name: name, model,
-    tools, description, output schema."""
+    """The agents some turn worker published lately (before `now`), sorted by name."""
     now = time.time() if now is None else now
     out = []
     for name, raw in client.hgetall(k.AGENTS).items():
