@@ -124,14 +124,12 @@ _SOURCES: dict[str, tuple[str, ...]] = {
     "agentq.events": ("Event",),
     "agentq.constants": ("__version__",),
 }
-"""Where each public name lives, for the names `__all__` lists; every name not placed here
-is an exception of `agentq.errors` (tests/unit/test_startup.py keeps both in step)."""
+"""Where each public name lives; any other is in `agentq.errors` (test_startup.py checks)."""
 _ALIASES = {"__version__": "VERSION"}
 
 
 def __getattr__(name: str) -> _typing.Any:
-    """PEP 562: a public name is imported on first use, so `agentq --version` and a
-    process that needs only `agentq.errors` do not pay for Celery, redis and the SDKs."""
+    """PEP 562: import a public name on first use, so `agentq --version` skips Celery."""
     if name not in __all__:
         raise AttributeError(f"module 'agentq' has no attribute {name!r}")
     module = next((m for m, names in _SOURCES.items() if name in names), "agentq.errors")

@@ -48,24 +48,21 @@ log = logging.getLogger("agentq.worker")
 LEAVE_TIMEOUT_S = 2.0
 """Longest a stopping worker waits to take itself out of the fleet's presence."""
 BROKER_POOL = {"turns": 4, "llm": 2, "io": 2}
-"""Broker connections a worker process keeps for publishing (Celery's default is ten, each
-two Redis connections): the steps these workers take publish from a few threads."""
+"""Broker connections a worker keeps for publishing, from a few threads (Celery's: ten)."""
 
 
 settings = get_settings()
 logs.connect_celery_signals(settings.log_format)
 if not settings.task_received_logs:
-    # Before the consumer builds its strategies, which read the level once. At INFO each
-    # message costs a formatted line in the consumer: a sixth of an I/O worker's CPU,
-    # with the `succeeded` line, in the benchmark's io stage.
+    # Before the consumer's strategies read the level: at INFO the lines cost a sixth of an
+    # I/O worker's CPU in the benchmark's io stage.
     logging.getLogger("celery.worker.strategy").setLevel(logging.WARNING)
 load_tool_modules(settings.tools)
 # The tools of AGENTQ_MCP_SERVERS join the registry before its tasks are registered.
 load_mcp(settings, lambda: get_store().redis)
 # A bad AGENTQ_LLM_LIMITS stops the worker at start, naming the setting.
 parse_limits(settings.llm_limits)
-# An event-loop worker lets its calls end before it goes: the longest limit any call can
-# get, a per-call hint up to `max_timeout_s` included.
+# How long an event-loop worker lets its calls end before it goes: the longest call limit.
 _longest = max(
     [settings.tool_timeout_s]
     + [max(t.policy.timeout_s, t.policy.max_timeout_s or 0) for t in all_tools().values()]
@@ -101,11 +98,9 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     if role in BROKER_POOL:
         sender.app.conf.broker_pool_limit = BROKER_POOL[role]
     if settings.broker.startswith(("redis", "sentinel")):
-        # kombu's unacked hash costs eight Redis commands a message and guards nothing
-        # agentq does not guard sooner, from Redis: an unclaimed round (PICKUP_LEASES), a
-        # lost step (the wakeups), a dead worker's call (its heartbeat) and a webhook (its
-        # due set) are sent again long before kombu's hour-long visibility timeout. A warm
-        # shutdown, a requeueing reject and a broken connection still put messages back.
+        # kombu's unacked hash costs eight Redis commands a message and guards nothing that
+        # agentq's own resends (rounds, steps, calls, webhooks) do not guard long before its
+        # hour-long visibility timeout; a warm shutdown or a broken connection still requeues.
         sender.app.conf.broker_transport_options = {
             **sender.app.conf.broker_transport_options,
             "ack_emulation": False,
@@ -113,18 +108,15 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     # Here, not at import: the role names the service, and a prefork pool forks after this.
     tracing.setup(role, otel=settings.otel, spans_file=settings.otel_spans_file)
     if role == "tools":
-        # Everything imported so far out of the collector's sight before the prefork pool
-        # forks: a collection in a child would otherwise write to (and so copy) every page
-        # of objects it shares with the parent.
+        # Frozen before the prefork pool forks: a collection in a child would write to (and
+        # so copy) every page it shares with the parent.
         gc.collect()
         gc.freeze()
 
 
 def _start_heartbeat(hostname: str, kind: str, consumed: list[str]) -> None:
-    """Every worker says it is alive and what it consumes (agentq.fleet.presence), so a
-    turn started in a fleet without one is told what to start; a tool worker also beats for
-    its calls, so a turn settles the calls of a dead one without waiting for their hard
-    limit (or forever, for tools without one)."""
+    """Say this worker is alive and what it consumes; a tool worker's beat also lets a turn
+    settle a dead worker's calls without waiting for their hard limit (or forever)."""
     if kind == "io":
         from agentq.aio.host import get_host
 
@@ -168,8 +160,7 @@ def _leave(**_: Any) -> None:
 
 @worker_shutdown.connect
 def _drain_loop(**_: Any) -> None:
-    """Warm shutdown of an event-loop worker: its calls and streams were acknowledged at
-    hand-off, so let them end (up to the longest limit) before the process goes."""
+    """An event-loop worker acknowledged its calls at hand-off: let them end before it goes."""
     if roles.role not in ("io", "llm"):
         return
     from agentq.aio import host as aio_host
@@ -193,9 +184,8 @@ def _inline_steps_in_tool_children(**_: Any) -> None:
 
 @worker_ready.connect
 def _ready(sender: Any = None, **_: Any) -> None:
-    """What a worker of each role starts once it is ready; a part that fails is logged and
-    the rest still start, as Celery does for separate receivers (a heartbeat that cannot
-    reach Redis must not leave a turn worker without its sweeper)."""
+    """What a worker of each role starts once ready; a part that fails is logged and the rest
+    still start (a heartbeat that cannot reach Redis must not stop the sweeper)."""
     role = roles.role
     consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
     parts: list[Callable[[], object]] = []
@@ -204,8 +194,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
         parts.append(lambda: _start_heartbeat(hostname, role, consumed))
     log.info("agentq %s worker: consuming %s", role, ", ".join(consumed))
     if role in ("io", "llm"):
-        # They settle from threads beside their loop: they take the next step themselves
-        # too (the tool worker's parent, which settles hard kills, does not).
+        # They settle from threads beside their loop, so take the next step themselves too.
         parts.append(step_inline)
     if role == "llm":
         # Imported and built on the event loop, the OpenAI client (seconds on a busy
@@ -228,8 +217,7 @@ def _ready(sender: Any = None, **_: Any) -> None:
 @worker_process_shutdown.connect
 @worker_shutdown.connect
 def _flush_telemetry(**_: Any) -> None:
-    """Export the spans still buffered, and the fleet counts not yet in Redis, before the
-    process goes (a prefork child exits without running atexit hooks)."""
+    """Export buffered spans and fleet counts (a prefork child runs no atexit hooks)."""
     tracing.shutdown()
     try:
         fleet_counts.flush(get_store().redis)
