@@ -231,8 +231,7 @@ def _problems(
         if t.name in tools:
             yield "tools", f"agent tool {t.name!r} has the name of a @tool tool"
     for n in names:
-        # A configured MCP server's tool (`SERVER__TOOL`) may be missing while its server
-        # is down; it is offered once listed.
+        # A configured server's tool (`SERVER__TOOL`) is missing while the server is down.
         if n.split("__", 1)[0] in servers and "__" in n:
             continue
         if n == ASK_USER:

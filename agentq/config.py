@@ -143,13 +143,11 @@ class Settings(BaseSettings):
     redis_sentinel_master: str | None = None
     """The master's name when `redis_url` or `broker_url` is `sentinel://h1:26379;...`."""
     redis_cluster_nodes: str | None = None
-    """`host:port,...` of a Redis Cluster for turn state and events (kombu's broker stays on
-    `redis_url`)."""
+    """`host:port,...` of a Redis Cluster for turn state and events; kombu stays on `redis_url`."""
     redis_shards: int | None = Field(None, ge=1, le=1024)
     """Shards of the turn state (unset: 16 on a Cluster, else 1); names keys, so one per fleet."""
     redis_min_replicas_acked: int | None = Field(None, ge=0)
-    """Replicas that must `WAIT`-acknowledge a call's dispatch or settle and a turn's end;
-    unset: 1 behind Sentinel, else 0."""
+    """Replicas that must `WAIT`-ack a call's dispatch or settle, or a turn's end (Sentinel: 1)."""
     redis_wait_timeout_ms: int = Field(500, ge=1)
     """Longest `WAIT` for those replicas; past it the write stands, with a warning."""
 
@@ -242,8 +240,7 @@ class Settings(BaseSettings):
     step_lock_s: float = Field(10.0, gt=0)
     """Longest a step may hold its turn; a step that died mid-way is taken over after this."""
     sweep_interval_s: float = Field(0.25, gt=0)
-    """How often each turn worker sweeps for due deadlines and dead workers, at the least: a
-    deadline due sooner has its sweep then, 20 ms apart at most often."""
+    """Longest gap between a turn worker's sweeps (a sooner deadline gets one, 20 ms apart)."""
     health_file: str | None = None
     """A file a consuming worker touches every few seconds, for a container's healthcheck."""
     task_events: bool = False
@@ -327,8 +324,7 @@ class Settings(BaseSettings):
     webhook_sweep_interval_s: float = Field(1.0, gt=0)
     """How often a webhook worker looks for due retries and turns whose delivery was lost."""
     beat_max_interval_s: float = Field(5.0, gt=0)
-    """Longest sleep of `agentq beat` between two looks at its schedules; a second beat
-    takes over five of these after the first one died (celery-redbeat's lock)."""
+    """Longest sleep of `agentq beat`; a second beat takes over five of these after one dies."""
     mcp_servers: str | None = None
     """MCP servers whose tools the models may call (JSON keyed by server name; docs/mcp.md)."""
     mcp_tools_ttl_s: float = Field(300.0, gt=0)

@@ -20,8 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-# The shapes of the ids that travel in URLs and messages: checked at the edge, before any
-# Redis key is built from them.
+# The shapes of the ids in URLs and messages, checked before any Redis key is built from one.
 MAX_CALL_ID_CHARS = 128
 TURN_ID = re.compile(r"[0-9a-f]{32}")
 CALL_ID = re.compile(rf"[A-Za-z0-9_.:-]{{1,{MAX_CALL_ID_CHARS}}}")

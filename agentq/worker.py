@@ -132,8 +132,7 @@ def _start_heartbeat(hostname: str, kind: str, consumed: list[str]) -> None:
                 pipe.hset(k.PRESENCE, hostname, entry(kind, consumed))
                 if kind in HEARTBEAT_ROLES:
                     pipe.set(key, os.getpid(), px=int(k.WORKER_ALIVE_TTL_S * 1000))
-                    # The sweepers find a worker that stopped beating here, and wake the
-                    # turns of its calls at once.
+                    # The sweepers find a dead worker here and wake its calls' turns at once.
                     pipe.zadd(k.WORKERS, {hostname: time.time()})
                 pipe.execute()
             except Exception:
