@@ -169,7 +169,6 @@ class Agent(BaseModel):
         return {t.name: t for t in self.tools if isinstance(t, AgentTool)}
 
     def tool_names(self) -> list[str]:
-        """The names of every tool this agent may call."""
         names = [t if isinstance(t, str) else t.name for t in self.tools]
         servers = set(self.mcp_servers)
         names += sorted(
@@ -186,7 +185,6 @@ class Agent(BaseModel):
         return [tools[n] for n in self.tool_names() if n in tools]
 
     def settings_for(self, base: Settings) -> Settings:
-        """The settings a turn of this agent runs under: the base with its overrides."""
         update = self.model_dump(include=SETTINGS_FIELDS, exclude_none=True)
         return base.model_copy(update=update) if update else base
 

@@ -233,7 +233,6 @@ RECYCLE_EXIT_CODE = 75
 """An event-loop worker a blocked loop made unusable exits so, and is started afresh."""
 
 WORKER_HEARTBEAT_S = 1.0
-"""How often a worker's main process says it is alive."""
 WORKER_ALIVE_TTL_S = 5.0
 """A tool worker silent this long is dead: its running calls settle as lost."""
 
