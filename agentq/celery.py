@@ -1,8 +1,5 @@
-"""`celery -A agentq ...`: Celery looks for the app here (`agentq.celery:app`).
-
-`celery -A agentq worker -Q agentq.tools` is a tool worker as safe as `agentq worker
-tools`: its role, heartbeat and pool rule follow from the queues it consumes.
-"""
+"""Celery's `-A agentq` finds the app here; its worker's role, heartbeat and pool rule follow
+from its queues, as with `agentq worker`."""
 
 from __future__ import annotations
 
