@@ -48,7 +48,7 @@ log = logging.getLogger("agentq.tools")
 
 
 class _Ticker:
-    """One thread per process ticks its running call (one per call cost more than a call)."""
+    """One thread per process ticks its running call: a thread per call cost more than a call."""
 
     def __init__(self) -> None:
         self._current: tuple[TurnStore, CallScope, float] | None = None
