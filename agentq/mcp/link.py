@@ -38,7 +38,7 @@ STOP_TIMEOUT_S = 10.0
 
 EXPLAIN_CHARS = 500
 MAX_TOOLS = 2000
-"""A server listing more tools is refused: every model request would carry them all."""
+"""A server listing more tools is refused: every request would carry them (endless pages too)."""
 
 
 def backoff_s(failures: int) -> float:
