@@ -64,7 +64,6 @@ def _agent(agent: Agent | str | None) -> tuple[str | None, type[BaseModel] | Non
 
 
 DEFAULT_TIMEOUT_S = 300.0
-"""How long `Turn.result()` and `Client.run` wait for a turn's end unless told."""
 
 
 class StartOptions(TypedDict, total=False):

@@ -26,7 +26,6 @@ STATUS_STYLE = {
     "cancelled": "yellow",
     "denied": "yellow",
 }
-"""How the terminal colours a status, a turn's or a call's."""
 OUTCOMES = {"turn_finished": "finished", "turn_aborted": "aborted", "turn_error": "failed"}
 """A turn's end, as the summary line says it."""
 
