@@ -211,8 +211,6 @@ def with_safe_call_ids(
                 new_id += "_"
         seen.add(new_id)
         calls.append(call if new_id == call.id else call.model_copy(update={"id": new_id}))
-    if all(a is b for a, b in zip(calls, message.tool_calls, strict=True)):
-        return message
     return message.model_copy(update={"tool_calls": tuple(calls)})
 
 
