@@ -51,8 +51,7 @@ RETRYABLE = ("error", "aborted")
 KEPT_FIELDS = ("headless", "detach", "agent", "owner", "webhook_url", "max_tokens", "max_cost_usd")
 """What a retry or fork keeps of its source as it is (overrides aside)."""
 CARRIED_FIELDS = ("round", "call_count", "output_retries", "instructions", *spend.SPENT)
-"""What a retry goes on from: its source's counts, the system message its rounds had (a
-fork's edited instructions), and its spend, so that a retry never resets a budget."""
+"""What a retry carries on from its source: counts, instructions and spend (no budget resets)."""
 
 _MODEL = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:/@-]+$")
 
