@@ -189,9 +189,8 @@ class CallRecords(StoreBase):
         found: list[str] = []
         for i in range(0, len(ids), batch):
             chunk = ids[i : i + batch]
-            for turn_id, raw in zip(
-                chunk, records_of(self.redis, chunk, k.STARTED[0]), strict=True
-            ):
+            starts_of = records_of(self.redis, chunk, k.STARTED[0])
+            for turn_id, raw in zip(chunk, starts_of, strict=True):
                 starts = [json.loads(v) for v in raw.values() if needle in text(v)]
                 if any(s.get("worker") == worker and s.get("heartbeat") for s in starts):
                     found.append(turn_id)

@@ -57,13 +57,7 @@ return 'ok'
 
 def default_timeout_s(kind: InteractionKind, settings: Settings) -> float | None:
     """Default wait per kind; a device code has none, its provider must declare one."""
-    return {
-        "approval": settings.approval_timeout_s,
-        "password": settings.password_timeout_s,
-        "confirm": settings.confirm_timeout_s,
-        "device_code": None,
-        "input": settings.input_timeout_s,
-    }[kind]
+    return None if kind == "device_code" else float(getattr(settings, f"{kind}_timeout_s"))
 
 
 def checked_answer(turn_id: str, req: InteractionRequest, value: str | None) -> str:

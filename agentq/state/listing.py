@@ -56,8 +56,7 @@ for i = turns_at, #ARGV, 2 do
   if #all == 0 then
     out[#out + 1] = {{id, false}}
   else
-    local counts = {{}}
-    local st, settled, started, sent, planned = {{}}, {{}}, {{}}, {{}}, {{}}
+    local st, counts, settled, started, sent, planned = {{}}, {{}}, {{}}, {{}}, {{}}, {{}}
     -- The calls' records (counted here) and the history are fields of the state: not sent back.
     for j = 1, #all, 2 do
       local kind, call = string.sub(all[j], 1, 2), string.sub(all[j], 3)
@@ -154,11 +153,7 @@ def summarise(
     # The model round the turn holds waiting for model capacity, with its place in the queue.
     wait = None
     if state.get("llm_wait_round") is not None and state.get("status") not in TERMINAL_STATUSES:
-        wait = {
-            "round": state["llm_wait_round"],
-            "since": state.get("llm_wait_since"),
-            "position": state.get("llm_wait_position"),
-        }
+        wait = {n: state.get(f"llm_wait_{n}") for n in ("round", "since", "position")}
     ended = state.get("ended_at")
     duration_s = None
     if isinstance(started, (int, float)):

@@ -44,14 +44,8 @@ def model_rounds(events: list[Event], ended_at: float | None) -> list[dict[str, 
         elif ev.type == "llm_retry" and current is not None:
             current["retries"] += 1
         elif ev.type == "llm_finished" and current is not None:
-            f = ev.fields
-            current.update(
-                finished_at=ev.ts,
-                status="error" if f.get("error") else "ok",
-                error=f.get("error"),
-                code=f.get("code"),
-                tool_calls=f.get("tool_calls"),
-            )
+            current.update({n: ev.fields.get(n) for n in ("error", "code", "tool_calls")})
+            current.update(finished_at=ev.ts, status="error" if current["error"] else "ok")
             current = None
     if current is not None and ended_at is not None:
         current.update(finished_at=ended_at, status="cancelled")
@@ -113,7 +107,6 @@ def log_line(ev: Event) -> dict[str, Any]:
 
 def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]:
     """The turn's rounds, calls and recent events; `state` is its state hash, read already."""
-    now = time.time()
     log = (e for e in store.bus.log(turn_id) if e.type != "llm_delta")
     events = list(islice(log, MAX_LOG_EVENTS))
     ended_at = state.get("ended_at")
@@ -129,7 +122,7 @@ def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]
     shown = [e for e in events if e.type not in QUIET_TYPES][-LOG_TAIL:]
     return {
         "turn_id": turn_id,
-        "now": now,
+        "now": time.time(),
         "created_at": state.get("created_at"),
         "started_at": state.get("started_at"),
         "ended_at": ended_at,
