@@ -88,8 +88,7 @@ local seq = 0
 {publish_lua("log_key", "channel", "event", "log_opts", "1")}
 redis.call('HSET', turn_key, 'status', '"error"', 'error_code', '"state_lost"', 'error', error,
   '{SEQ_FIELD}', seq)
-redis.call('EXPIRE', turn_key, ttl_s)
-redis.call('EXPIRE', log_key, ttl_s)
+for _, key in ipairs({{turn_key, log_key}}) do redis.call('EXPIRE', key, ttl_s) end
 return 1
 """
 )

@@ -55,7 +55,6 @@ class SettleArgs(NamedTuple):
     wake: str
     """"1": wake the turn if the batch is complete ("0": the turn's own step settles)."""
     token: str
-    """A step lock token, when this process takes the step it wakes ("" if not)."""
     lock_ms: int
     tracked: str
     """"1": the call was recorded as sent, so it counts in the batch in flight."""

@@ -1,5 +1,4 @@
-"""Writes a process holds while Redis is away (a call's settle and start, a round's result):
-tried again until Redis answers or a deadline passes, so a result is not lost to an outage."""
+"""Writes a process holds while Redis is away: tried again until it answers or a deadline passes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Interaction requests (approvals, passwords, confirms, questions for the user): finite,
-answered once, deny by default."""
+"""Interaction requests (approvals, passwords, questions): answered once, deny by default."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The list of turns for the operator console: recent and running turns, newest first.
 
-Every turn is in its shard's ``agentq:turns:index`` (scored by ``created_at``); the sweeper
-drops expired turns' entries every minute (`prune`), and a listing those it meets. One Lua
-call a shard summarises a page inside Redis, so no result content crosses the network. A
-turn id prefix (`agentq show 3f2a9c01b7e4`) is looked up there too (ZSCAN MATCH; four hex
-digits name its shard), bounded by `limit` live turns or ID_SCAN_MAX entries read.
+Every turn is in its shard's ``agentq:turns:index`` (by ``created_at``) until the sweeper
+(`prune`) or a listing drops it expired. One Lua call a shard summarises a page in Redis: no
+result content crosses the network. A turn id prefix is looked up there too (ZSCAN MATCH),
+bounded by `limit` live turns or ID_SCAN_MAX entries read.
 """
 
 from __future__ import annotations

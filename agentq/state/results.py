@@ -1,5 +1,4 @@
-"""What `Client.run` and `Turn.result()` answer, for the sync and the async client: a
-finished turn's result, or the typed error of a turn that did not finish."""
+"""What `Client.run` and `Turn.result()` answer: a finished turn's result, or its typed error."""
 
 from __future__ import annotations
 

@@ -50,7 +50,6 @@ class FinishLlmArgs(NamedTuple):
     result: str
     """The round's LlmRoundResult JSON."""
     token: str
-    """A step lock token, when this process takes the step it wakes ("" if not)."""
     lock_ms: int
     log_opts: str
     now_ms: int
@@ -152,12 +151,7 @@ class RoundRecords(StoreBase):
         if outcome is not RoundBegun.CLAIMED:
             return LlmRoundStart(outcome)
         self.bus.counted([("llm_started", started)])
-        return LlmRoundStart(
-            outcome,
-            cancelled=bool(res[1]),
-            history=[json.loads(m) for m in res[2]],
-            followed=bool(res[3]),
-        )
+        return LlmRoundStart(outcome, bool(res[1]), [json.loads(m) for m in res[2]], bool(res[3]))
 
     def finish_llm_round(
         self,

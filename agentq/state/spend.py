@@ -390,11 +390,8 @@ def usage_days(
     return days if day_of(until) in days else [*days, day_of(until)]
 
 
-_COUNTS = {**_TOKENS, "turns": "turns"}
-
-
 def _row(sums: defaultdict[str, float]) -> dict[str, Any]:
-    row: dict[str, Any] = {name: int(sums[f]) for f, name in _COUNTS.items()}
+    row: dict[str, Any] = {n: int(sums[f]) for f, n in {**_TOKENS, "turns": "turns"}.items()}
     row["total_tokens"] = row["prompt_tokens"] + row["completion_tokens"]
     row["cost_usd"] = round(sums["usd"], 6)
     return row

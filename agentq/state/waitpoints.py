@@ -158,12 +158,12 @@ class WaitpointRecords(StoreBase):
         unknown id's 404: one answer, no oracle."""
         ids = parse_waitpoint_id(wp_id)
         expected = token_for(self.waitpoint_key, wp_id) if ids else ""
-        if ids is None or not hmac.compare_digest(expected.encode(), token.encode()):
+        raw_wp = None
+        if ids is not None and hmac.compare_digest(expected.encode(), token.encode()):
+            raw_wp = self.redis.hget(k.turn_key(ids[0]), k.WAITING + ids[1])
+        if ids is None or raw_wp is None:
             raise not_found(wp_id)
         turn_id, call_id = ids
-        raw_wp = self.redis.hget(k.turn_key(turn_id), k.WAITING + call_id)
-        if raw_wp is None:
-            raise not_found(wp_id)
         opened = json.loads(raw_wp)
         status, content, error = completion_of(value)
         size = len(content.encode())
