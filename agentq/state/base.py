@@ -321,8 +321,7 @@ class StoreBase:
         return answer
 
     def _follow_master(self) -> None:
-        """Behind Sentinel, ask for the master now: if it moved, the pool drops its
-        connections to the old one instead of writing there until it is demoted."""
+        """Behind Sentinel, ask for the master now: if it moved, the pool drops the old one."""
         refresh = getattr(self.redis.connection_pool, "get_master_address", None)
         if refresh is not None:
             # No sentinel answers: the write is retried as it is.

@@ -13,8 +13,7 @@ if TYPE_CHECKING:
 TOKENS_PER_MILLION = 1_000_000
 
 MIN_COMPLETION_TOKENS = 16
-"""A round the budgets leave fewer completion tokens than this (or than it wants, if less)
-is not sent: the turn cannot afford it."""
+"""A round the budgets leave fewer completion tokens (or than it wants, if less) is not sent."""
 
 
 def per_token(usd_per_million: float) -> float:

@@ -16,8 +16,7 @@ log = logging.getLogger("agentq.state")
 T = TypeVar("T")
 
 REDIS_AWAY = (redis.ConnectionError, redis.TimeoutError, ClusterDownError, TryAgainError)
-"""What a write raises when Redis is away (a restart, a failover, an outage): a held write
-tries again. BusyLoadingError (a restart loading its AOF) is a ConnectionError."""
+"""What a write raises while Redis is away (BusyLoadingError, AOF loading, is a ConnectionError)."""
 HOLD_RETRY_S = 0.5
 """How often a held write asks Redis again, once the client's own retries ran out."""
 

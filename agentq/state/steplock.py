@@ -203,8 +203,7 @@ class StepRecords(StoreBase):
     def begin_step(
         self, turn_id: str, token: str, ttl_ms: int, *, again: bool = False
     ) -> StepView | None:
-        """Lock the turn for a step (or keep the lock, `again`) and read it, in one round
-        trip; None if another step holds it (or, `again`, this step lost it)."""
+        """Lock the turn for a step (or keep it, `again`) and read it; None if another holds it."""
         args = LockArgs(token, ttl_ms, now_ms(), "1" if again else "0")
         raw = self._begin(keys=[k.turn_key(turn_id)], args=list(args))
         return step_view(*raw) if raw else None

@@ -195,7 +195,6 @@ class TurnState(TypedDict, total=False):
 
 
 def queued_state(sha256: str, /, **fields: Unpack[TurnState]) -> TurnState:
-    """A new turn's state (a request's, a retry's or fork's, a sub-agent's): queued, steered
-    by the token of this hash, before its first round; `fields` added."""
+    """A new turn's state: queued, steered by the token of `sha256`, before its first round."""
     state: TurnState = {"status": "queued", "created_at": time.time(), "history_start": 0}
     return cast(TurnState, {**state, "token_sha256": sha256, "round": 0, "call_count": 0, **fields})
