@@ -46,7 +46,6 @@ class Started(IntEnum):
 class SettleArgs(NamedTuple):
     call_id: str
     result: str
-    """The ToolResult JSON."""
     event: str
     log_opts: str
     now_ms: int

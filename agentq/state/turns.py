@@ -64,7 +64,6 @@ class CloseArgs(NamedTuple):
     """"": the turn has no parent call to settle."""
     parent_call_id: str
     parent_result: str
-    """The parent call's ToolResult JSON."""
     parent_event: str
     wake_at: float
     token: str

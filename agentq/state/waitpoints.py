@@ -175,13 +175,11 @@ class WaitpointRecords(StoreBase):
             call_id=call_id,
             tool=tool,
             status=status,
-            task_id=opened.get("task_id"),
-            worker=opened.get("worker"),
             started_at=started,
             finished_at=now,
             duration_ms=int((now - started) * 1000),
-            timeout_s=opened.get("timeout_s"),
             waitpoint_id=wp_id,
+            **{f: opened.get(f) for f in ("task_id", "worker", "timeout_s")},
         )
         result = ToolResult(
             call_id=call_id, tool=tool, status=status, content=content, error=error, record=record
