@@ -149,7 +149,6 @@ def summarise(
     """One row of the list, from the turn's state and what the summary script found."""
     shown = ("status", "phase", "agent", "owner", "parent_turn_id", "conversation_id")
     started = state.get("started_at")
-    # The model round the turn holds waiting for model capacity, with its place in the queue.
     wait = None
     if state.get("llm_wait_round") is not None and state.get("status") not in TERMINAL_STATUSES:
         wait = {n: state.get(f"llm_wait_{n}") for n in ("round", "since", "position")}
