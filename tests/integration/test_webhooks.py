@@ -151,6 +151,34 @@ def test_a_turn_whose_delivery_was_never_queued_is_found_by_the_sweep(
         wait_for(lambda: redis.zscore(wakeups, handle.turn_id) is None, 5)
 
 
+def test_a_message_injected_into_the_running_turn_posts_its_own_webhook(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    """The injected message's turn is ended by the turn that takes the message; its end keeps
+    a wakeup, and the step that wakes queues its delivery."""
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("sleep", {"seconds": 1.0}))),
+        Round(text="saw both"),
+    )
+    conv = f"hook-{os.urandom(4).hex()}"
+    with WebhookReceiver([200]) as rx:
+        first = hook_client._start_turn(key, conversation_id=conv, operator=True, detach=True)
+        follow_until(hook_client, first.turn_id, "tool_started")
+        joined = hook_client._start_turn(
+            "also check X",
+            conversation_id=conv,
+            operator=True,
+            multitask="inject",
+            webhook_url=rx.url,
+            detach=True,
+        )
+        assert joined.injected is True
+        data = verified(rx.wait(1)[0])["data"]
+        assert data["turn_id"] == joined.message_turn_id
+        assert data["finish_reason"] == "injected"
+
+
 def test_failures_are_retried_with_backoff_under_one_id(
     fleet, webhook_worker, llm_server, hook_client: Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
