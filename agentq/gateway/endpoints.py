@@ -247,7 +247,8 @@ class Gateway:
         )
 
     async def complete_waitpoint(self, request: Request) -> Response:
-        """An outside system completes a tool's waitpoint (openapi.AUTH_RULES "capability")."""
+        """An outside system completes a tool's waitpoint (openapi.AUTH_RULES "capability"): a
+        wrong token answers as an unknown id does, so the route tells nobody which ids exist."""
         wp_id = request.path_params["waitpoint_id"]
         token = request.query_params.get("token") or bearer(request)
         ids = parse_waitpoint_id(wp_id)

@@ -100,7 +100,8 @@ def queue_delivery(
 def queue_waiting(
     store: TurnStore, settings: Settings, turn_id: str, event: dict[str, Any]
 ) -> str | None:
-    """Queue a `turn.waiting` delivery (`event`: tool_waiting's fields) if there is a webhook."""
+    """Queue a `turn.waiting` delivery (`event`: tool_waiting's fields) if there is a webhook,
+    due now: a sweep sends it."""
     raw = store.redis.hget(k.turn_key(turn_id), "webhook_url")
     if not raw:
         return None
