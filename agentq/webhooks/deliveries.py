@@ -152,9 +152,7 @@ class Deliveries:
 
     def get(self, delivery_id: str) -> Delivery | None:
         raw = {text(f): text(v) for f, v in self.redis.hgetall(k.webhook_key(delivery_id)).items()}
-        if not raw:
-            return None
-        return Delivery.model_validate({f: v for f, v in raw.items() if v != ""})
+        return Delivery.model_validate({f: v for f, v in raw.items() if v != ""}) if raw else None
 
     def set_body(self, delivery_id: str, body: bytes) -> bytes:
         """Fix the body the first attempt built; every retry sends the same bytes."""
