@@ -8,13 +8,13 @@ from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import redis
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from agentq.errors import (
+    REDIS_ERRORS,
     AccessError,
     AgentqError,
     AnswerInvalid,
@@ -157,6 +157,6 @@ EXCEPTION_HANDLERS: dict[Any, Handler] = {
     ScheduleNotFound: _agentq_handler(404),
     ScheduleInvalid: _agentq_handler(422),
     AgentqError: _agentq_handler(400),
-    redis.RedisError: _on_redis_error,
+    **dict.fromkeys(REDIS_ERRORS, _on_redis_error),
     Exception: _on_crash,
 }

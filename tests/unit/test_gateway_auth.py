@@ -151,3 +151,21 @@ def test_the_guard() -> None:
     assert is_json("application/json; charset=utf-8") and is_json("application/merge+json")
     assert not is_json("text/plain")
     assert retry_after_header(0.01) == "1" and retry_after_header(2.2) == "3"
+
+
+def test_a_redis_cluster_clients_own_error_answers_503_as_any_redis_error() -> None:
+    from redis.exceptions import RedisClusterException
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from agentq.gateway.errors import EXCEPTION_HANDLERS
+
+    async def no_node(request: Request) -> None:
+        raise RedisClusterException("no node of the cluster answers")
+
+    app = Starlette(routes=[Route("/x", no_node)], exception_handlers=EXCEPTION_HANDLERS)
+    res = TestClient(app, raise_server_exceptions=False).get("/x")
+    assert res.status_code == 503, res.text
+    assert res.json()["error"]["type"] == "RedisUnavailable"
