@@ -116,6 +116,36 @@ class Streams:
                 del self.alive[key]
                 self.leases.pop(key, None)
 
+    def settle(
+        self,
+        req: LlmRoundRequest,
+        model: str,
+        result: LlmRoundResult,
+        failure: AgentqError | None,
+        headers: dict[str, str],
+    ) -> None:
+        """Blocking: tell the fleet's capacity what the round's answer said, a failure against
+        the deployment's breaker, and give its grant back with its real usage."""
+        cap, deployment = self.capacity, req.deployment or DEFAULT_DEPLOYMENT
+        busy = failure if isinstance(failure, ModelBusy) else None
+        try:
+            if busy is not None or headers:
+                said = parse_rate_headers(busy.headers if busy is not None else headers)
+                cap.note_answer(model, deployment, said, status=busy.status_code if busy else 200)
+            if result.ok:
+                cap.report_success(model, deployment, unleased=not req.lease_id)
+            elif busy is None and failure is not None and (kind := deployment_failure(failure)):
+                cap.report_failure(model, deployment, kind)
+            used = None
+            if result.message is not None and result.message.usage is not None:
+                used = result.message.usage.total_tokens
+            elif busy is not None:
+                used = 0
+            wake_granted(self.host.store, cap.release(req.lease_id or "", tokens_used=used))
+        except Exception:
+            # The lease lapses by itself and the turn goes on: capacity is bookkeeping here.
+            log.warning("capacity bookkeeping of a round failed", exc_info=True)
+
     def _renew(self) -> None:
         # A third of the shorter lease: the round claims' or the capacity leases'.
         every_s = min(self.lease_ms, self.capacity.lease_ttl_ms) / 3000
@@ -148,38 +178,6 @@ def get_streams(host: LoopHost) -> Streams:
         if _streams is None:
             _streams = Streams(host)
         return _streams
-
-
-def settle_capacity(
-    host: LoopHost,
-    cap: Capacity,
-    req: LlmRoundRequest,
-    model: str,
-    result: LlmRoundResult,
-    failure: AgentqError | None,
-    headers: dict[str, str],
-) -> None:
-    """Tell the fleet's capacity what the round's answer said, a failure against the
-    deployment's breaker, and give its grant back with its real usage."""
-    deployment = req.deployment or DEFAULT_DEPLOYMENT
-    busy = failure if isinstance(failure, ModelBusy) else None
-    try:
-        if busy is not None or headers:
-            said = parse_rate_headers(busy.headers if busy is not None else headers)
-            cap.note_answer(model, deployment, said, status=busy.status_code if busy else 200)
-        if result.ok:
-            cap.report_success(model, deployment, unleased=not req.lease_id)
-        elif busy is None and failure is not None and (kind := deployment_failure(failure)):
-            cap.report_failure(model, deployment, kind)
-        used = None
-        if result.message is not None and result.message.usage is not None:
-            used = result.message.usage.total_tokens
-        elif busy is not None:
-            used = 0
-        wake_granted(host.store, cap.release(req.lease_id or "", tokens_used=used))
-    except Exception:
-        # The lease lapses by itself and the turn goes on: capacity is bookkeeping here.
-        log.warning("capacity bookkeeping of a round failed", exc_info=True)
 
 
 def deployment_failure(exc: AgentqError) -> str:

@@ -29,7 +29,7 @@ from agentq.llm.capacity import wake_granted
 from agentq.llm.limits import CHARS_PER_TOKEN, DEFAULT_DEPLOYMENT
 from agentq.llm.publisher import Publisher
 from agentq.llm.responses import RESPONSES_PATH
-from agentq.llm.streams import Streams, deployment_failure, get_streams, settle_capacity
+from agentq.llm.streams import Streams, deployment_failure, get_streams
 from agentq.models import AssistantMessage, LlmRoundRequest, LlmRoundResult, Usage
 from agentq.state.budget import charged
 from agentq.state.held import REDIS_AWAY
@@ -109,9 +109,7 @@ async def run_round(
                 result = rnd.crashed(exc)
             # Every delta is out, or in the write of the round's end, before the turn hears it.
             last = await publisher.take(req.turn_id)
-            await host.io(
-                settle_capacity, host, streams.capacity, req, model, result, refused, rnd.headers
-            )
+            await host.io(streams.settle, req, model, result, refused, rnd.headers)
         finally:
             remove_cancel()
             streams.release((req.turn_id, req.round_no))
