@@ -19,8 +19,6 @@ CHARS_PER_TOKEN = 4
 DEFAULT_COMPLETION_TOKENS = 1024
 """Completion tokens assumed when a request sets no `max_completion_tokens`."""
 
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
-
 
 class _Limits(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -36,7 +34,7 @@ class _Limits(BaseModel):
 class DeploymentLimits(_Limits):
     """One endpoint (or account) serving a model, with its own limits."""
 
-    name: str = Field(pattern=_NAME, max_length=64)
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$", max_length=64)
     base_url: str | None = None
     """The endpoint; None: the configured `AGENTQ_LLM_BASE_URL`."""
     model: str | None = None
