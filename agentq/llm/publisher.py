@@ -87,9 +87,8 @@ class Publisher:
         if self.flushing is None or self.flushing.done():
             self.flushing = asyncio.get_running_loop().create_task(self._flush())
         elif self.holding_until is not None and turn_id not in self.resting:
-            # Otherwise the loop looks at every turn when it wakes: waking it for each held
-            # delta (in an interval, at whose end it looks anyway, for any) would have it
-            # scan thousands of turns a chunk.
+            # Not woken for each held delta: it scans every turn when it wakes (as it does at
+            # the interval's end anyway), which per chunk would be thousands of turns.
             due = self._due(turn_id, time.monotonic()) if type_ == "llm_delta" else None
             if due is None or (not self.resting and due < self.holding_until):
                 self.wake.set()

@@ -69,7 +69,6 @@ def claim_round(host: LoopHost, req: LlmRoundRequest) -> LlmRoundStart | None:
         # Nobody will stream this round: its capacity grant goes back to the queue.
         wake_granted(host.store, streams.capacity.release(req.lease_id))
     if start.outcome is RoundBegun.GONE:
-        # A late or redelivered round of a turn that ended (or that Redis lost).
         log.info("round %s of turn %s: the turn is over or gone", req.round_no, req.turn_id)
     elif start.outcome is RoundBegun.ELSEWHERE:
         # The broker handed this round out again while another delivery streams it.
