@@ -170,8 +170,7 @@ class Attempt:
     api: ModelApi = "chat"
     output_format: dict[str, Any] | None = None
     """A typed answer's `text.format` (Responses API)."""
-    # What one attempt found: not arguments, so each copy (`dataclasses.replace`) starts
-    # from nothing.
+    # What one attempt found: not arguments, so each copy (`replace`) starts from nothing.
     assembler: Assembler | None = dataclasses.field(default=None, init=False)
     chunks: int = dataclasses.field(default=0, init=False)
     retry_after_s: float | None = dataclasses.field(default=None, init=False)

@@ -1,11 +1,9 @@
 """The admitted rate of a model, in Lua for the capacity scripts (`capacity_lua`): a
-ceiling, not a schedule, cut by a 429 and climbing back (docs/capacity.md).
-
-State, per model, in the `rate` hash: r, t, ai (the rate cut to at t, its climb a
-second), d (the last cut), top (the rate refused), lr, lt (the provider's limits), w, n,
-f (the latest second granted in, its grants, the last second that filled up). It expires
-`rate_ttl_ms` after the last news of it.
-"""
+ceiling, not a schedule, cut by a 429 and climbing back (docs/capacity.md). Its state, per
+model, in the `rate` hash: r, t, ai (the rate cut to at t, its climb a second), d (the
+last cut), top (the rate refused), lr, lt (the provider's limits), w, n, f (the latest
+second granted in, its grants, the last second that filled up), expiring `rate_ttl_ms`
+after the last news of it."""
 
 from __future__ import annotations
 
