@@ -604,7 +604,7 @@ def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                             turn_id="bench",
                         )
                         prompt = [{"role": "user", "content": f"{key} {i}"}]
-                        await astream_round(attempt, prompt, [])
+                        await astream_round(attempt, prompt, "[]")
                     except StreamIdleTimeout:
                         failed = time.monotonic()
                     else:

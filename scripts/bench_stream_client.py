@@ -52,7 +52,7 @@ async def _sdk_round(client: openai.AsyncOpenAI, on_delta: Any) -> None:
     stream, its chunks assembled as the worker's own are."""
     stream: openai.AsyncStream[object] = await client.post(  # type: ignore[assignment]
         chat.CHAT_COMPLETIONS_PATH,
-        content=chat.chat_request("m", [{"role": "user", "content": "k"}], []),
+        content=chat.chat_request("m", [{"role": "user", "content": "k"}], "[]"),
         cast_to=object,
         stream=True,
         stream_cls=openai.AsyncStream[object],
@@ -101,7 +101,7 @@ async def _streams(url: str, transport: str, n: int) -> float:
             on_retry=lambda *_: None,
             abort=never,
         )
-        await aclient.astream_round(attempt, [{"role": "user", "content": "k"}], [])
+        await aclient.astream_round(attempt, [{"role": "user", "content": "k"}], "[]")
         return len(deltas)
 
     try:

@@ -31,7 +31,6 @@ from agentq.llm.client import (
     Assembler,
     ChatAssembler,
     DeltaCallback,
-    Tools,
     api_error_to_llm,
     chat_request,
 )
@@ -105,7 +104,7 @@ def make_client(
 
 
 async def astream_round(
-    first: Attempt, messages: list[dict[str, Any]], tools: Tools
+    first: Attempt, messages: list[dict[str, Any]], tools: str
 ) -> tuple[AssistantMessage, float]:
     """The assistant message and the seconds spent streaming it, each attempt a fresh copy
     of `first`; an `LlmError` once no retry is allowed, or `Aborted`."""
@@ -182,7 +181,7 @@ class Attempt:
         """Chunks whose deltas a retry would publish twice."""
         return getattr(self.assembler, "output_events", self.chunks)
 
-    async def run(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
+    async def run(self, messages: list[dict[str, Any]], tools: str) -> AssistantMessage:
         started = self._last = time.monotonic()
         idle_s = self.idle_timeout_ms / 1000 if self.idle_timeout_ms > 0 else None
         # The budget is this clock's too: keep-alive comments must not outlive it.
@@ -221,7 +220,7 @@ class Attempt:
             reader.cancel()  # a no-op once it is done
             self.elapsed_s = time.monotonic() - started
 
-    async def _stream(self, messages: list[dict[str, Any]], tools: Tools) -> AssistantMessage:
+    async def _stream(self, messages: list[dict[str, Any]], tools: str) -> AssistantMessage:
         if self.api == "responses":
             path = RESPONSES_PATH
             content = responses_request(

@@ -23,8 +23,6 @@ from agentq.models import AssistantMessage, ToolCall, Usage
 DeltaCallback = Callable[[str, str], None]
 """(kind, text): kind is "text" or "reasoning"."""
 
-Tools = list[dict[str, Any]] | str
-"""Tool schemas: a list, or the JSON array text of one (the stream worker's form)."""
 _T = TypeVar("_T")
 
 
@@ -58,7 +56,7 @@ def without_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def chat_request(
     model: str,
     messages: list[dict[str, Any]],
-    tools: Tools,
+    tools: str,
     max_completion_tokens: int | None = None,
 ) -> bytes:
     """The streamed chat-completions request body, encoded: `chat.completions.create`'s
@@ -74,9 +72,8 @@ def chat_request(
         # What the turn's and its key's budgets leave this round (docs/spend.md).
         body["max_completion_tokens"] = max_completion_tokens
     text = json.dumps(body, separators=(",", ":"))
-    schemas = tools if isinstance(tools, str) else json.dumps(tools, separators=(",", ":"))
-    if schemas.strip() not in ("", "[]"):
-        text = text[:-1] + ',"tools":' + schemas + "}"
+    if tools.strip() not in ("", "[]"):
+        text = text[:-1] + ',"tools":' + tools + "}"
     return text.encode()
 
 

@@ -17,7 +17,6 @@ from agentq.llm.client import (
     Assembler,
     DeltaCallback,
     PartialCall,
-    Tools,
     bad,
     must,
     opt,
@@ -133,7 +132,7 @@ def response_tools(tools_json: str) -> list[dict[str, Any]]:
 def responses_request(
     model: str,
     messages: list[dict[str, Any]],
-    tools: Tools,
+    tools: str,
     max_output_tokens: int | None = None,
     output_format: dict[str, Any] | None = None,
 ) -> bytes:
@@ -148,7 +147,7 @@ def responses_request(
     }
     if instructions is not None:
         body["instructions"] = instructions
-    schemas = response_tools(tools if isinstance(tools, str) else json.dumps(tools))
+    schemas = response_tools(tools)
     if schemas:
         body["tools"] = schemas
     if max_output_tokens is not None:

@@ -77,7 +77,7 @@ async def _round(
             turn_id="t",
             api=API[0],
         )
-        message, _ = await astream_round(first, [{"role": "user", "content": prompt}], [])
+        message, _ = await astream_round(first, [{"role": "user", "content": prompt}], "[]")
         return message, None, retries, deltas
     except Exception as exc:
         return None, exc, retries, deltas

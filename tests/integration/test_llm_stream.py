@@ -146,7 +146,7 @@ def run(
                 **kwargs,
             )
             out.message, out.streamed_s = await astream_round(
-                attempt, messages or [{"role": "user", "content": prompt}], tools or []
+                attempt, messages or [{"role": "user", "content": prompt}], json.dumps(tools or [])
             )
         except Exception as exc:
             out.error = exc
