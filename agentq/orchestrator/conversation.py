@@ -112,8 +112,9 @@ def take_injected(ctx: StepContext) -> None:
     ids = [i for i in conversations(ctx.store).injectable(cid, ctx.turn_id) if i not in taken]
     messages: list[dict[str, Any]] = []
     events: list[tuple[str, dict[str, Any]]] = []
+    states = {tid: ctx.store.state(tid) or {} for tid in ids}
     for tid in ids:
-        own = (ctx.store.state(tid) or {}).get("pending_messages") or []
+        own = states[tid].get("pending_messages") or []
         messages.extend(own)
         events.append(("message_injected", {"message_turn_id": tid, "messages": len(own)}))
     # In the history before they leave the queue: after a crash, this turn's end takes them out.
@@ -122,7 +123,11 @@ def take_injected(ctx: StepContext) -> None:
     )
     for tid in ids:
         _end_injected(ctx.store, tid, ctx.turn_id)
-        hand_off(ctx.store, ctx.app, tid, {"conversation_id": cid}, [])  # leaves the queue
+        # It leaves the queue; a webhook keeps its backstop, whose step queues the delivery.
+        left: TurnState = {"conversation_id": cid}
+        if states[tid].get("webhook_url"):
+            left["webhook_url"] = states[tid]["webhook_url"]
+        hand_off(ctx.store, ctx.app, tid, left, [])
 
 
 def _end_injected(store: TurnStore, turn_id: str, into: str) -> None:
@@ -183,8 +188,9 @@ def hand_off(
         _end_injected(store, tid, turn_id)
     if nxt is not None:
         send_step_or_wake(store, app, nxt)
-    # Handed on: the backstop its end left in the wakeups goes (due, it finds nothing to do).
-    store.redis.zrem(k.shard_key(k.WAKEUPS, turn_id), turn_id)
+    if not state.get("webhook_url"):
+        # Handed on: the backstop its end left goes (a webhook's goes once it is queued).
+        store.redis.zrem(k.shard_key(k.WAKEUPS, turn_id), turn_id)
     return outcome, nxt
 
 

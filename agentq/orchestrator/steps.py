@@ -197,7 +197,7 @@ def _after_end(ctx: StepContext) -> None:
         queue_delivery(ctx.store, ctx.app, ctx.settings, ctx.turn_id, url)
     if ctx.state.get("conversation_id"):
         hand_off(ctx.store, ctx.app, ctx.turn_id, ctx.state, ctx.history)
-    elif url:
+    if url:
         ctx.store.redis.zrem(k.shard_key(k.WAKEUPS, ctx.turn_id), ctx.turn_id)
 
 
