@@ -179,6 +179,37 @@ def test_a_message_injected_into_the_running_turn_posts_its_own_webhook(
         assert data["finish_reason"] == "injected"
 
 
+def test_a_turn_handed_off_for_by_another_still_posts_its_webhook(
+    fleet, webhook_worker, llm_server, hook_client: Client
+) -> None:
+    """Its step died between its end and its delivery; the turn queued behind it hands the
+    conversation off for it first, and the end's backstop still queues the delivery."""
+    from agentq.models import TurnStatus
+
+    key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))), Round(text="b"))
+    conv = f"hook-{os.urandom(4).hex()}"
+    with WebhookReceiver([200]) as rx:
+        first = hook_client._start_turn(
+            key, conversation_id=conv, operator=True, webhook_url=rx.url, detach=True
+        )
+        follow_until(hook_client, first.turn_id, "tool_started")
+        behind = hook_client._start_turn("next", conversation_id=conv, operator=True, detach=True)
+        store = get_store()
+        call_id = hook_client.get(first.turn_id)["history"][-1]["tool_calls"][0]["id"]
+        answered = {"role": "tool", "tool_call_id": call_id, "content": "cancelled"}
+        store.close(
+            first.turn_id,
+            TurnStatus.ABORTED,
+            "turn_aborted",
+            {"reason": "user"},
+            append=[answered],
+            hands_off=True,
+        )
+        store.wake_by(behind.turn_id, 0)  # its look hands off for the first, before its backstop
+        data = verified(rx.wait(1)[0])["data"]
+        assert data["turn_id"] == first.turn_id and data["status"] == "aborted"
+
+
 def test_failures_are_retried_with_backoff_under_one_id(
     fleet, webhook_worker, llm_server, hook_client: Client, capsys: pytest.CaptureFixture[str]
 ) -> None:
