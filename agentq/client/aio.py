@@ -17,7 +17,7 @@ from agentq.config import Settings, get_settings
 from agentq.constants import turn_key
 from agentq.errors import ConfigError, TurnNotFound, TurnTimeout
 from agentq.events import Event
-from agentq.events.follow import Cursor, Marks, Relay
+from agentq.events.follow import PAGE, Cursor, Marks, Relay
 from agentq.fleet.connections import async_redis_client
 from agentq.state.results import TurnResult, settle
 
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 P = ParamSpec("P")
 R = TypeVar("R")
 
-READ_COUNT = 500
-"""Events one XREAD answers at most."""
 SYNC_THREADS = 2
 MAX_CONNECTIONS = 4096
 """Redis connections of one AsyncClient: each turn waited for or followed holds one."""
@@ -128,7 +126,7 @@ class AsyncClient:
                 if marks.due(relay.streams.keys()):
                     await self._call(marks.keep, list(relay.streams))
                 reply: Any = await self._redis.xread(
-                    relay.positions(), count=READ_COUNT, block=max(block_ms, 1)
+                    relay.positions(), count=PAGE, block=max(block_ms, 1)
                 )
                 if not reply:
                     if not checked and not await self._redis.exists(turn_key(turn_id)):
@@ -137,7 +135,7 @@ class AsyncClient:
                     if heartbeat_s is not None:
                         yield None
                     continue
-                for ev in relay.take(reply, READ_COUNT):
+                for ev in relay.take(reply, PAGE):
                     yield ev
         finally:
             with contextlib.suppress(RuntimeError):  # the client's threads are gone
