@@ -198,15 +198,12 @@ class FleetCounts:
             self._started(client, flush_s)
             self._observe("step_duration_seconds", (), seconds)
 
-    def events(
-        self, events: list[tuple[str, dict[str, Any]]], client: Any = None, flush_s: float = 0
-    ) -> None:
-        """Count the events (type, fields) a write published; no `client`: no flusher (tests)."""
+    def events(self, events: list[tuple[str, dict[str, Any]]], client: Any, flush_s: float) -> None:
+        """Count the events (type, fields) a write published."""
         with self._lock:
             for type_, fields in events:
                 if type_ in COUNTED_TYPES:
-                    if client is not None:
-                        self._started(client, flush_s)
+                    self._started(client, flush_s)
                     self._event(type_, fields)
 
     def _model_of(self, fields: dict[str, Any]) -> str:
@@ -297,11 +294,6 @@ class FleetCounts:
         while self._pid == pid:
             time.sleep(flush_s)
             self.flush(self._client)
-
-    def stop(self) -> None:
-        """Stop the flusher thread (after its current sleep); counts stay until `flush`."""
-        with self._lock:
-            self._pid = 0
 
     def flush(self, client: Any) -> None:
         """Add the counts to the fleet's hash (kept for the next flush if Redis fails)."""

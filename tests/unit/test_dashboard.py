@@ -23,9 +23,9 @@ def exported_names() -> set[str]:
         {"type": "llm_finished", "usage": {"prompt_tokens": 1}, "ttft_ms": 1, "duration_ms": 1},
         {"type": "turn_aborted", "reason": "user"},
     ]
-    fc.events([(str(e["type"]), e) for e in events])
     m = GatewayMetrics()
     r = fakeredis.FakeRedis()
+    fc.events([(str(e["type"]), e) for e in events], r, flush_s=3600)
     fc.flush(r)
     m.refresh(([], read_counts(r), [], ({}, None)))
     return {

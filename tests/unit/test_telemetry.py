@@ -189,8 +189,8 @@ def _rendered(counts: dict[str, float]) -> str:
 def _folded(*events: dict[str, Any]) -> str:
     """/metrics of a fleet whose processes published these events (as published)."""
     fc = FleetCounts()
-    fc.events([(str(e["type"]), e) for e in events])
     r = fakeredis.FakeRedis()
+    fc.events([(str(e["type"]), e) for e in events], r, flush_s=3600)
     fc.flush(r)
     return _rendered(read_counts(r))
 
@@ -198,27 +198,23 @@ def _folded(*events: dict[str, Any]) -> str:
 def test_step_durations_add_up_across_processes() -> None:
     r = fakeredis.FakeRedis()
     a, b = FleetCounts(), FleetCounts()
-    try:
-        a.step(0.002, r, flush_s=3600)
-        a.step(0.3, r, flush_s=3600)
-        b.step(20.0, r, flush_s=3600)
-        assert read_counts(r) == {}  # counted here, not yet in Redis
-        a.flush(r)
-        b.flush(r)
-        counts = read_counts(r)
-        text = _rendered(counts)
-        step = "agentq_step_duration_seconds"
-        assert f'{step}_bucket{{le="0.001"}} 0.0' in text
-        assert f'{step}_bucket{{le="0.0025"}} 1.0' in text
-        assert f'{step}_bucket{{le="0.5"}} 2.0' in text
-        assert f'{step}_bucket{{le="10.0"}} 2.0' in text
-        assert f'{step}_bucket{{le="+Inf"}} 3.0' in text
-        assert f"{step}_count 3.0" in text and f"{step}_sum 20.302" in text
-        a.flush(r)  # nothing new: nothing added
-        assert read_counts(r) == counts
-    finally:
-        a.stop()
-        b.stop()
+    a.step(0.002, r, flush_s=3600)
+    a.step(0.3, r, flush_s=3600)
+    b.step(20.0, r, flush_s=3600)
+    assert read_counts(r) == {}  # counted here, not yet in Redis
+    a.flush(r)
+    b.flush(r)
+    counts = read_counts(r)
+    text = _rendered(counts)
+    step = "agentq_step_duration_seconds"
+    assert f'{step}_bucket{{le="0.001"}} 0.0' in text
+    assert f'{step}_bucket{{le="0.0025"}} 1.0' in text
+    assert f'{step}_bucket{{le="0.5"}} 2.0' in text
+    assert f'{step}_bucket{{le="10.0"}} 2.0' in text
+    assert f'{step}_bucket{{le="+Inf"}} 3.0' in text
+    assert f"{step}_count 3.0" in text and f"{step}_sum 20.302" in text
+    a.flush(r)  # nothing new: nothing added
+    assert read_counts(r) == counts
 
 
 def test_the_flusher_thread_adds_counts_by_itself() -> None:
@@ -228,7 +224,7 @@ def test_the_flusher_thread_adds_counts_by_itself() -> None:
     try:
         got = wait_for(lambda: read_counts(r), 5, 0.02, message="the flusher's write")
     finally:
-        counts.stop()
+        counts._pid = 0  # its flusher thread ends after its sleep
     assert 'agentq_turns_ended_total{outcome="finished"} 1.0' in _rendered(got)
 
 
@@ -243,7 +239,7 @@ def test_counts_go_to_the_redis_of_the_newest_count() -> None:
         counts.events([("turn_aborted", {"reason": "user"})], second, flush_s=0.05)
         got = wait_for(lambda: read_counts(second), 5, 0.02, message="the second's counts")
     finally:
-        counts.stop()
+        counts._pid = 0  # its flusher thread ends after its sleep
     assert 'agentq_turn_aborts_total{reason="user"} 1.0' in _rendered(got)
     assert "agentq_turn_aborts_total{" not in _rendered(read_counts(first))
 
