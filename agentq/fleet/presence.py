@@ -51,8 +51,7 @@ def live_queues(redis: Any) -> dict[str, list[str]]:
     now = time.time()
     out: dict[str, list[str]] = {}
     stale = []
-    for raw_host, raw in (redis.hgetall(k.PRESENCE) or {}).items():
-        host = raw_host.decode() if isinstance(raw_host, bytes) else str(raw_host)
+    for host, raw in redis.hgetall(k.PRESENCE).items():
         try:
             data = json.loads(raw)
             at = float(data["at"])
@@ -63,7 +62,7 @@ def live_queues(redis: Any) -> dict[str, list[str]]:
         if now - at > k.WORKER_ALIVE_TTL_S:
             continue
         for queue in data.get("queues") or ():
-            out.setdefault(str(queue), []).append(host)
+            out.setdefault(str(queue), []).append(host.decode())
     if stale:
         redis.hdel(k.PRESENCE, *stale)
     return out

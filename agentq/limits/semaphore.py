@@ -114,6 +114,4 @@ class LeasedSemaphore:
 
     def holders(self, key: str) -> list[str]:
         """Every holder with a place, lapsed ones included until the next acquire."""
-        return [
-            h.decode() if isinstance(h, bytes) else str(h) for h in self.redis.zrange(key, 0, -1)
-        ]
+        return [h.decode() for h in self.redis.zrange(key, 0, -1)]

@@ -319,5 +319,5 @@ fleet_counts = FleetCounts()
 
 def read_counts(client: redis.Redis) -> dict[str, float]:
     """The fleet's counts as the hash holds them (field -> value)."""
-    raw = client.hgetall(FLEET_COUNTS)
-    return {(k.decode() if isinstance(k, bytes) else str(k)): float(v) for k, v in raw.items()}
+    raw: dict[bytes, bytes] = client.hgetall(FLEET_COUNTS)  # type: ignore[assignment]
+    return {k.decode(): float(v) for k, v in raw.items()}
