@@ -182,15 +182,12 @@ def _inline_steps_in_tool_children(**_: Any) -> None:
 
 
 @worker_ready.connect
-def _ready(sender: Any = None, **_: Any) -> None:
+def _ready(sender: Any, **_: Any) -> None:
     """What a worker of each role starts once ready; a part that fails is logged and the rest
     still start (a heartbeat that cannot reach Redis must not stop the sweeper)."""
-    role = roles.role
-    consumed = sorted(sender.app.amqp.queues.consume_from) if sender is not None else []
-    parts: list[Callable[[], object]] = []
-    if role is not None:
-        hostname = str(getattr(sender, "hostname", ""))
-        parts.append(lambda: _start_heartbeat(hostname, role, consumed))
+    role = str(roles.role)  # set by _take_role at worker_init, which comes first
+    consumed = sorted(sender.app.amqp.queues.consume_from)  # sender: Celery's Consumer
+    parts: list[Callable[[], object]] = [lambda: _start_heartbeat(sender.hostname, role, consumed)]
     log.info("agentq %s worker: consuming %s", role, ", ".join(consumed))
     if role in ("io", "llm"):
         # They settle from threads beside their loop, so take the next step themselves too.
