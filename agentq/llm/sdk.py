@@ -17,34 +17,29 @@ import openai
 from agentq.errors import IncompatibleDependency
 
 REACHED: dict[str, tuple[str, ...]] = {
-    "_prepare_options": ("self", "options"),
-    "_build_request": ("self", "options"),
-    "_make_status_error_from_response": ("self", "response"),
+    "AsyncOpenAI._prepare_options": ("self", "options"),
+    "AsyncOpenAI._build_request": ("self", "options"),
+    "AsyncOpenAI._make_status_error_from_response": ("self", "response"),
+    "FinalRequestOptions.construct": (),
 }
-"""The private methods of `openai.AsyncOpenAI` agentq calls, and the leading parameters it
-passes them; besides, `_client` (its HTTP client) and `openai._models.FinalRequestOptions`."""
+"""The private members of the SDK agentq calls (`FinalRequestOptions` is in `openai._models`),
+and the leading parameters it passes them; besides, `AsyncOpenAI._client` (its HTTP client)."""
 
 
 @functools.cache  # once per process (and class): a stream worker makes several clients
 def check_sdk(client_class: type[Any] = openai.AsyncOpenAI) -> None:
     """Raise IncompatibleDependency unless the SDK has every member agentq reaches."""
-    version = openai.__version__
-    try:
-        from openai._models import FinalRequestOptions
-    except ImportError:
-        raise IncompatibleDependency(
-            "openai", version, "openai._models.FinalRequestOptions is gone"
-        ) from None
-    if not callable(getattr(FinalRequestOptions, "construct", None)):
-        raise IncompatibleDependency("openai", version, "FinalRequestOptions.construct is gone")
-    for name, params in REACHED.items():
-        member = getattr(client_class, name, None)
+    options = getattr(getattr(openai, "_models", None), "FinalRequestOptions", None)
+    owners = {"AsyncOpenAI": client_class, "FinalRequestOptions": options}
+    for where, params in REACHED.items():
+        owner, name = where.split(".")
+        member = getattr(owners[owner], name, None)
         if member is None:
-            raise IncompatibleDependency("openai", version, f"AsyncOpenAI.{name} is gone")
+            raise IncompatibleDependency("openai", openai.__version__, f"{where} is gone")
         got = tuple(inspect.signature(member).parameters)[: len(params)]
         if got != params:
             raise IncompatibleDependency(
-                "openai", version, f"AsyncOpenAI.{name}{got} is not {name}{params}"
+                "openai", openai.__version__, f"{where}{got} is not {name}{params}"
             )
 
 

@@ -3,6 +3,7 @@ passes: an SDK that changed them fails here, not silently in a stream worker."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from agentq.errors import IncompatibleDependency
@@ -38,3 +39,14 @@ def test_a_re_signed_member_fails_loudly() -> None:
 
     with pytest.raises(IncompatibleDependency, match="_build_request"):
         sdk.check_sdk(Resigned)
+
+
+def test_an_sdk_without_its_request_options_class_fails_loudly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Client(openai.AsyncOpenAI):  # a class of its own: check_sdk caches per class
+        pass
+
+    monkeypatch.delattr(openai._models, "FinalRequestOptions")
+    with pytest.raises(IncompatibleDependency, match=r"FinalRequestOptions\.construct is gone"):
+        sdk.check_sdk(Client)
