@@ -18,7 +18,6 @@ from agentq.state.base import (
     Settled,
     StoreBase,
     TurnKeys,
-    active_turns,
     call_fields,
     finished,
     history_of,
@@ -231,10 +230,6 @@ class TurnRecords(StoreBase):
 
     def status(self, turn_id: str) -> str | None:
         return statuses(self.redis, [turn_id])[0]
-
-    def active(self) -> list[str]:
-        """The running turns, oldest first."""
-        return active_turns(self.redis)
 
     def close(
         self,

@@ -27,6 +27,7 @@ from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.schedules.spec import ScheduleSpec
 from agentq.schedules.store import Schedules
+from agentq.state.base import active_turns
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
@@ -124,7 +125,7 @@ def test_turns_subagents_and_the_listing_run_on_a_cluster(cluster_rig: Rig) -> N
     assert set(seen) == everyone and len(seen) == len(everyone)
     created = [rig.client.get(t)["state"]["created_at"] for t in seen]
     assert created == sorted(created, reverse=True)
-    assert rig.client._store.active() == []
+    assert active_turns(rig.client._store.redis) == []
 
     # The gateway on the cluster: a turn over HTTP, its events over SSE (a shard channel),
     # the active list and the fleet's metrics.
@@ -194,7 +195,7 @@ def test_aborts_and_approvals_on_a_cluster(cluster_rig: Rig) -> None:
     assert "interaction_timed_out" in types and types[-1] == "turn_finished", types
     tool_msg = next(m for m in rig.client.get(quick.turn_id)["history"] if m["role"] == "tool")
     assert json.loads(tool_msg["content"])["status"] == "denied"
-    assert rig.client._store.active() == []
+    assert active_turns(rig.client._store.redis) == []
 
 
 def test_a_master_killed_mid_turn_loses_nothing(make_rig, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from agentq.errors import TurnNotFound
 from agentq.gateway import create_app
 from agentq.local.processes import wait_for
 from agentq.models import TERMINAL_STATUSES
+from agentq.state.base import active_turns
 from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round
 from tests.helpers import busy_factor, calls
@@ -103,7 +104,7 @@ def test_a_flood_from_one_key_does_not_slow_another_keys_turn(rig: Any) -> None:
     # Alone: 1.3-1.4x. Beside a four-process suite run the machine's load swings between
     # the two timings, so the bound grows with it.
     assert flooded_s <= 2 * baseline_s * busy_factor(), (baseline_s, flooded_s, busy_factor())
-    for tid in client._store.active():
+    for tid in active_turns(client._store.redis):
         if client._store.status(tid) not in TERMINAL_STATUSES:
             with contextlib.suppress(TurnNotFound):  # it may end on its own meanwhile
                 client.abort(tid, None, operator=True)

@@ -26,6 +26,7 @@ from agentq.fleet.connections import cluster_client
 from agentq.local.cluster import LocalCluster
 from agentq.local.processes import wait_for
 from agentq.orchestrator.steps import Sweeper
+from agentq.state.base import active_turns
 
 pytestmark = pytest.mark.integration
 
@@ -186,7 +187,7 @@ def test_the_store_runs_on_the_cluster_in_shards_and_refuses_wait(cluster: Local
         keys += [k.shard_key(k.TURNS_INDEX, turn_id)]
         assert len({key_slot(key.encode()) for key in keys}) == 1
         store.create(turn_id, {"status": "queued", "created_at": time.time()}, [])
-        assert store.active() == [turn_id]
+        assert active_turns(store.redis) == [turn_id]
         # One sweep's look reads every shard's wakeups, the kills and the workers, on
         # three masters, in one pipeline.
         look = Sweeper(store, None, Settings()).look(time.time() + 60)  # type: ignore[arg-type]

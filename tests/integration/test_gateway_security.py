@@ -32,6 +32,7 @@ from agentq.errors import TurnNotFound
 from agentq.gateway import create_app
 from agentq.local.processes import run_process, wait_for
 from agentq.models import TERMINAL_STATUSES
+from agentq.state.base import active_turns
 from agentq.testing.gateway import BackgroundServer
 from agentq.testing.openai_server import Round, ScriptedCall
 from tests.helpers import dump_redis, script
@@ -667,7 +668,7 @@ def test_running_turns_cap_per_key(fleet: Any, agentq_env: dict[str, str], llm_s
         again = http.post("/v1/turns", json={"prompt": hang, "detach": True})
         assert again.status_code == 202, again.text
         ids.append(again.json()["turn_id"])
-    for tid in client._store.active():
+    for tid in active_turns(client._store.redis):
         if (client._store.state(tid) or {}).get("owner") in ("carol", "bob"):
             stop(client, tid)
 

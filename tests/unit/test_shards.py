@@ -17,6 +17,7 @@ from agentq.config import Settings
 from agentq.models import TurnStatus
 from agentq.orchestrator.steps import Sweeper
 from agentq.orchestrator.subturns import child_turn_id
+from agentq.state.base import active_turns
 from agentq.state.listing import TurnLister, TurnQuery
 from agentq.state.store import TurnStore
 
@@ -69,11 +70,11 @@ def test_sweeps_active_turns_and_the_listing_merge_every_shard(shards: int) -> N
     assert len({k.shard_of(t) for t in ids}) == shards
     for i, turn_id in enumerate(ids):
         store.create(turn_id, {"status": "running", "created_at": now - 100 + i}, [])
-    assert store.active() == ids  # oldest first, whatever their shard
+    assert active_turns(store.redis) == ids  # oldest first, whatever their shard
     look = Sweeper(store, None, Settings()).look(now + 60)  # type: ignore[arg-type]
     assert set(look.wakeups) == set(ids)
     store.close(ids[0], TurnStatus.FINISHED, "turn_finished", {})
-    assert ids[0] not in store.active()
+    assert ids[0] not in active_turns(store.redis)
 
     lister = TurnLister(store.redis)
     page = lister.page(TurnQuery(limit=10))

@@ -9,6 +9,7 @@ from agentq import constants as k
 from agentq.config import Settings
 from agentq.models import ToolCall, TurnStatus
 from agentq.orchestrator.steps import Sweeper
+from agentq.state.base import active_turns
 from agentq.state.calls import Started
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
@@ -18,11 +19,11 @@ from tests.unit.state.support import CALL, Capture, holder, lock, unsettled
 
 
 def test_a_turn_without_a_deadline_stays_among_the_open_ones(store: TurnStore) -> None:
-    assert store.active() == ["t1"]
+    assert active_turns(store.redis) == ["t1"]
     assert store.lock_step("t1", "a", 5000)
     assert store.release_step("t1", "a", None, 5000) == Released.RELEASED
     assert store.redis.zscore(k.WAKEUPS, "t1") == float("inf")
-    assert store.active() == ["t1"]
+    assert active_turns(store.redis) == ["t1"]
     assert _sweeper(store).look(time.time() + 3600).wakeups == []
 
 

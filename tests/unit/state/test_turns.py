@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from agentq import constants as k
 from agentq.models import TurnStatus
+from agentq.state.base import active_turns
 from agentq.state.steplock import Released
 from agentq.state.store import TurnStore
 from agentq.state.turns import Closed
@@ -28,7 +29,7 @@ def test_nothing_after_the_turn_is_over(store: TurnStore) -> None:
     assert store.lock_step("t1", "late", 5000)
     assert store.release_step("t1", "late", None, 5000) == Released.RELEASED
     assert store.redis.zscore(k.WAKEUPS, "t1") is None
-    assert store.active() == []
+    assert active_turns(store.redis) == []
 
 
 def test_a_step_ends_the_turn_with_its_last_messages_only_while_it_holds_the_lock(
