@@ -114,7 +114,7 @@ class AsyncClient:
         heartbeat_s: float | None = None,
     ) -> AsyncGenerator[Event | None, None]:
         """`Client.events`."""
-        block_ms = int((heartbeat_s or 5.0) * 1000)
+        block_ms = max(1, int((heartbeat_s or 5.0) * 1000))
         after = Cursor.parse(after_id)
         relay = Relay(turn_id, after=after, depth=depth)
         # On a thread: one walk up per child at a resume, not worth an asyncio twin.
@@ -125,9 +125,7 @@ class AsyncClient:
             while not relay.done:
                 if marks.due(relay.streams.keys()):
                     await self._call(marks.keep, list(relay.streams))
-                reply: Any = await self._redis.xread(
-                    relay.positions(), count=PAGE, block=max(block_ms, 1)
-                )
+                reply: Any = await self._redis.xread(relay.positions(), count=PAGE, block=block_ms)
                 if not reply:
                     if not checked and not await self._redis.exists(turn_key(turn_id)):
                         raise TurnNotFound(turn_id)
