@@ -114,27 +114,24 @@ class AsyncClient:
         heartbeat_s: float | None = None,
     ) -> AsyncGenerator[Event | None, None]:
         """`Client.events`."""
+        if not await self._redis.exists(turn_key(turn_id)):
+            raise TurnNotFound(turn_id)
         block_ms = max(1, int((heartbeat_s or 5.0) * 1000))
         after = Cursor.parse(after_id)
         relay = Relay(turn_id, after=after, depth=depth)
         # On a thread: one walk up per child at a resume, not worth an asyncio twin.
         await self._call(relay.resume, self._client._store.redis, after)
-        checked = False
         marks = Marks(self._client._store.bus)
         try:
             while not relay.done:
                 if marks.due(relay.streams.keys()):
                     await self._call(marks.keep, list(relay.streams))
                 reply: Any = await self._redis.xread(relay.positions(), count=PAGE, block=block_ms)
-                if not reply:
-                    if not checked and not await self._redis.exists(turn_key(turn_id)):
-                        raise TurnNotFound(turn_id)
-                    checked = True
-                    if heartbeat_s is not None:
-                        yield None
-                    continue
-                for ev in relay.take(reply, PAGE):
-                    yield ev
+                if reply:
+                    for ev in relay.take(reply, PAGE):
+                        yield ev
+                elif heartbeat_s is not None:
+                    yield None
         finally:
             with contextlib.suppress(RuntimeError):  # the client's threads are gone
                 self._threads.submit(marks.clear)

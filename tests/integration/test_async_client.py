@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from agentq import AsyncClient, AsyncTurn, TurnAborted, TurnFailed, TurnTimeout
+from agentq import AsyncClient, AsyncTurn, TurnAborted, TurnFailed, TurnNotFound, TurnTimeout
 from agentq.constants import turn_key
 from agentq.events import Event, ToolStarted, TurnFinished
 from agentq.events.bus import WATCHERS_FIELD
@@ -171,3 +171,14 @@ def test_an_async_wait_counts_its_follower_out_before_it_returns(client) -> None
             wait_for(lambda: not redis.hexists(turn_key(turn_id), WATCHERS_FIELD), 5, 0.02)
 
     asyncio.run(main())
+
+
+def test_async_events_of_an_unknown_turn_raise_at_once(client) -> None:
+    async def main() -> None:
+        async with AsyncClient() as aclient:
+            with pytest.raises(TurnNotFound):
+                await anext(aclient.events(uuid.uuid4().hex, heartbeat_s=30))
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 10  # not after a 30 s read
