@@ -84,7 +84,8 @@ def send(
                 ),
                 # The result lives in agentq's store; no backend subscription per send.
                 ignore_result=True,
-                **p.limits.celery_options,
+                time_limit=p.timeout_s or None,
+                soft_time_limit=p.soft_timeout_s or None,
             )
             sent.add(p.call.id)
     except BaseException:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from agentq.errors import AgentqError, ToolArgumentsInvalid
 from agentq.llm.client import REASONING_ITEMS
 from agentq.models import CALL_ID, AssistantMessage, InteractionKind, ToolCall
-from agentq.tools.policy import Limits, ToolPolicy, effective_limits, split_meta
+from agentq.tools.policy import ToolPolicy, effective_limits, split_meta
 from agentq.tools.registry import ASK_USER, ASK_USER_SPEC, get_tool, parse_arguments
 
 if TYPE_CHECKING:
@@ -39,10 +39,6 @@ class CallPlan(BaseModel):
     approval_default: Literal["approve", "deny"] | None = None
     subturn_agent: str = ""
     """Set for an agent called as a tool: the call runs a child turn of this agent."""
-
-    @property
-    def limits(self) -> Limits:
-        return Limits(self.timeout_s, self.soft_timeout_s, self.budget_s)
 
 
 def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = None) -> CallPlan:

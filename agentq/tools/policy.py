@@ -96,12 +96,6 @@ class Limits:
     soft_timeout_s: float
     budget_s: float
 
-    @property
-    def celery_options(self) -> dict[str, float]:
-        if self.timeout_s <= 0:
-            return {}
-        return {"time_limit": self.timeout_s, "soft_time_limit": self.soft_timeout_s}
-
 
 def effective_limits(policy: ToolPolicy, hint_s: float | None) -> Limits:
     """Apply a per-call hint to a tool's policy (unset limits: none), clamped to its ceiling."""

@@ -28,7 +28,6 @@ def limits(
 def test_defaults_soft_is_nine_tenths_of_hard() -> None:
     lim = limits()
     assert (lim.timeout_s, lim.soft_timeout_s) == (120, 108)
-    assert lim.celery_options == {"time_limit": 120, "soft_time_limit": 108}
 
 
 def test_hint_is_clamped_to_the_ceiling() -> None:
@@ -43,7 +42,7 @@ def test_hint_may_shorten_and_soft_follows() -> None:
 
 
 def test_zero_timeout_means_no_limit_unless_hinted() -> None:
-    assert limits(timeout_s=0).celery_options == {}
+    assert limits(timeout_s=0).timeout_s == 0
     assert limits(timeout_s=0, max_s=0, hint=50).timeout_s == 50
 
 
