@@ -219,21 +219,18 @@ class Sweeper:
     def look(self, now: float) -> Look:
         """What a pass at `now` has to do, in one round trip."""
         pipe = self.store.redis.pipeline(transaction=False)
-        for shard in k.shards():
-            key = k.shard_key(k.WAKEUPS, shard)
+        for key in [*(k.shard_key(k.WAKEUPS, shard) for shard in k.shards()), k.KILLS]:
             pipe.zrangebyscore(key, "-inf", now, start=0, num=DUE_PER_PASS)
             pipe.zrangebyscore(key, f"({now!r}", "+inf", start=0, num=1, withscores=True)
-        pipe.zrangebyscore(k.KILLS, "-inf", now)
-        pipe.zrangebyscore(k.KILLS, f"({now!r}", "+inf", start=0, num=1, withscores=True)
         pipe.zrangebyscore(k.WORKERS, "-inf", now - k.WORKER_ALIVE_TTL_S)
-        *per_shard, kills, next_kill, dead = pipe.execute()
-        due = per_shard[0::2]
-        soonest = [float(score) for rows in (*per_shard[1::2], next_kill) for _, score in rows]
-        if any(len(rows) >= DUE_PER_PASS for rows in due):
-            soonest.append(now)  # the rest of a shard's backlog: sweep again at once
+        *found, dead = pipe.execute()
+        *due, kills = found[0::2]
+        soonest = [float(score) for rows in found[1::2] for _, score in rows]
+        if any(len(rows) >= DUE_PER_PASS for rows in found[0::2]):
+            soonest.append(now)  # the rest of a backlog: sweep again at once
         return Look(
             wakeups=[text(t) for rows in due for t in rows],
-            kills=list(kills),
+            kills=kills,
             dead=[text(w) for w in dead],
             next_at=min(soonest, default=None),
         )
