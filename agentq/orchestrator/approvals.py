@@ -30,35 +30,6 @@ class GateOutcome:
     """The earliest timeout of a request still pending; None when every call is decided."""
 
 
-def _request(ctx: StepContext, p: CallPlan) -> InteractionRequest:
-    timeout_s = p.approval_timeout_s or default_timeout_s(p.approval_kind, ctx.settings)
-    assert timeout_s is not None  # checked when the tool was declared
-    asked: dict[str, Any] = {
-        "request_id": k.approval_request_id(p.call.id),
-        "call_id": p.call.id,
-        "tool": p.call.name,
-        "timeout_ms": int(timeout_s * 1000),
-    }
-    if p.approval_kind == "input":
-        # A question: its prompt, schema and headless answer are the call's arguments.
-        default_answer = p.arguments.get("default")
-        return InteractionRequest(
-            **asked,
-            kind="input",
-            prompt=str(p.arguments.get("question") or ""),
-            default=None if default_answer is None else "approve",
-            answer_schema=p.arguments.get("answer_schema"),
-            default_answer=default_answer,
-        )
-    args = json.dumps(p.arguments, ensure_ascii=False)
-    if len(args) > 500:
-        args = args[:500] + "..."
-    prompt = f"Allow {p.call.name}({args})?"
-    return InteractionRequest(
-        **asked, kind=p.approval_kind, prompt=prompt, default=p.approval_default
-    )
-
-
 def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) -> GateOutcome:
     """Decide what can be decided now; a call in `settled` is not asked about."""
     out = GateOutcome()
@@ -91,7 +62,33 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
 
 def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionRequest]:
     """Open the call's request; a headless turn takes its default at once (or raises)."""
-    req = _request(ctx, p)
+    timeout_s = p.approval_timeout_s or default_timeout_s(p.approval_kind, ctx.settings)
+    assert timeout_s is not None  # checked when the tool was declared
+    asked: dict[str, Any] = {
+        "request_id": rid,
+        "call_id": p.call.id,
+        "tool": p.call.name,
+        "timeout_ms": int(timeout_s * 1000),
+    }
+    if p.approval_kind == "input":
+        # A question: its prompt, schema and headless answer are the call's arguments.
+        default_answer = p.arguments.get("default")
+        req = InteractionRequest(
+            **asked,
+            kind="input",
+            prompt=str(p.arguments.get("question") or ""),
+            default=None if default_answer is None else "approve",
+            answer_schema=p.arguments.get("answer_schema"),
+            default_answer=default_answer,
+        )
+    else:
+        args = json.dumps(p.arguments, ensure_ascii=False)
+        if len(args) > 500:
+            args = args[:500] + "..."
+        prompt = f"Allow {p.call.name}({args})?"
+        req = InteractionRequest(
+            **asked, kind=p.approval_kind, prompt=prompt, default=p.approval_default
+        )
     ctx.store.open_interaction(ctx.turn_id, req)
     # `agent` names who asks when the request is relayed into a parent's stream.
     ctx.publish(
