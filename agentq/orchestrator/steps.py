@@ -129,8 +129,21 @@ def _steps(
             # What was not sent is recorded as not sent; the wakeup tries again.
             log.warning("turn %s: %s; trying again in %g s", turn_id, exc, BROKER_RETRY_S)
             next_at = time.time() + BROKER_RETRY_S
-        if ctx.ended is not None and tracing.enabled:
-            _end_turn_span(ctx)
+        if ctx.ended is not None:
+            tracing.end_turn(
+                ctx.state.get("traceparent"),
+                ctx.state.get("trace_caller"),
+                {
+                    tracing.ATTR_TURN_ID: turn_id,
+                    tracing.ATTR_AGENT: ctx.state.get("agent"),
+                    "agentq.rounds": ctx.state.get("round"),
+                    "agentq.call_count": ctx.state.get("call_count"),
+                    "agentq.parent_turn_id": ctx.state.get("parent_turn_id"),
+                },
+                created_at=ctx.state.get("created_at"),
+                status=str(ctx.ended),
+                error=ctx.state.get("error"),
+            )
         if ctx.state.get("status") in TERMINAL_STATUSES:
             _after_end(ctx)
         if ctx.ended is not None:
@@ -147,24 +160,6 @@ def _steps(
         if again is None:
             return "lost"
         view = again
-
-
-def _end_turn_span(ctx: StepContext) -> None:
-    state = ctx.state
-    tracing.end_turn(
-        state.get("traceparent"),
-        state.get("trace_caller"),
-        {
-            tracing.ATTR_TURN_ID: ctx.turn_id,
-            tracing.ATTR_AGENT: state.get("agent"),
-            "agentq.rounds": state.get("round"),
-            "agentq.call_count": state.get("call_count"),
-            "agentq.parent_turn_id": state.get("parent_turn_id"),
-        },
-        created_at=state.get("created_at"),
-        status=str(ctx.ended),
-        error=ctx.state.get("error"),
-    )
 
 
 def _advance(ctx: StepContext) -> float | None:
