@@ -86,6 +86,7 @@ def start_turn(
             parent_turn_id=req.parent_turn_id,
             agent=req.agent,
             owner=owner,
+            webhook_url=webhook_url,
         )
         asked = {"max_tokens", "max_cost_usd", "multitask"}
         asked_for = req.model_dump(include=asked, exclude_none=True)
@@ -95,8 +96,6 @@ def start_turn(
             raise PayloadTooLarge(
                 f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
             )
-        if webhook_url:
-            state["webhook_url"] = webhook_url
         new_turn = Launch(new_id, token, state, new, size)
         return launch(
             store,

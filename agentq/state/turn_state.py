@@ -57,8 +57,8 @@ class TurnState(TypedDict, total=False):
     """The key name that started the turn (None: no key)."""
     token_sha256: str
     """sha256 of the turn's control token (a child shares its parent's)."""
-    webhook_url: str
-    """Where the turn's end is delivered as a signed webhook."""
+    webhook_url: str | None
+    """Where the turn's end is delivered as a signed webhook (None: nowhere)."""
     traceparent: str
     """W3C traceparent of the turn's trace, when the turn is traced."""
     trace_caller: str | None

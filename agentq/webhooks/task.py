@@ -102,10 +102,9 @@ def queue_waiting(
 ) -> str | None:
     """Queue a `turn.waiting` delivery (`event`: tool_waiting's fields) if there is a webhook,
     due now: a sweep sends it."""
-    raw = store.redis.hget(k.turn_key(turn_id), "webhook_url")
-    if not raw:
+    url = json.loads(store.redis.hget(k.turn_key(turn_id), "webhook_url") or "null")
+    if not url:
         return None
-    url = str(json.loads(raw))
     payload = {
         "type": "turn.waiting",
         "timestamp": datetime.now(timezone.utc).isoformat(),
