@@ -77,11 +77,6 @@ class LoopHost:
             self.pool, functools.partial(fn, *args, **kwargs)
         )
 
-    def fire(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """`io` without waiting for it (events)."""
-        fut = self.pool.submit(fn, *args, **kwargs)
-        fut.add_done_callback(_log_failure)
-
     def _blamed(self, task: asyncio.Task[Any] | None) -> tuple[str, Running | None]:
         name = task.get_name() if task is not None else ""
         return name, self.running.get(name)
@@ -134,12 +129,6 @@ class LoopHost:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(k.RECYCLE_EXIT_CODE)
-
-
-def _log_failure(fut: concurrent.futures.Future[Any]) -> None:
-    exc = fut.exception()
-    if exc is not None:
-        log.debug("background store call failed: %r", exc)
 
 
 _lock = threading.Lock()

@@ -23,6 +23,7 @@ from agentq.tools.calls import (
     mark_started,
     observed,
     outcome,
+    sent,
     settle,
     task_scope,
     tick,
@@ -80,7 +81,7 @@ class _AsyncCall:
         self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.settling = threading.Lock()
         """Taken, never released, by whoever settles the call: the first to try, alone."""
-        self.ctx = tool_context(host.store, scope, backend, host.fire, watched=True)
+        self.ctx = tool_context(host.store, scope, backend, host.pool.submit, watched=True)
 
     def _abort(self) -> None:
         self.ctx._cancelled = True
@@ -172,4 +173,4 @@ async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         if held_writes.count:
             continue  # Redis is away: a tick would wait in the store's threads before results
-        host.fire(tick, host.store, scope)
+        host.pool.submit(sent, tick, host.store, scope)

@@ -22,7 +22,7 @@ from agentq.errors import AgentqError, ToolMisuse
 from agentq.fleet import roles
 from agentq.models import ToolCall, ToolResult, ToolTaskRequest
 from agentq.state.calls import Started
-from agentq.state.held import held_writes
+from agentq.state.held import REDIS_AWAY, held_writes
 from agentq.telemetry import logs, tracing
 from agentq.tools.context import Partial, ToolContext, Waitpoint
 from agentq.tools.policy import overran, truncate_text
@@ -233,14 +233,27 @@ FLOWER_PROGRESS_S = 0.5
 most calls end sooner, and Flower is for watching the long ones."""
 
 
-Send = Callable[..., "bool | None"]
+def sent(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> bool:
+    """A progress write: advisory, so a failed one never fails the tool that reports it."""
+    try:
+        fn(*args, **kwargs)
+    except REDIS_AWAY:
+        log.warning("progress not sent: Redis is away", exc_info=True)
+        return False
+    except Exception:
+        log.debug("progress not sent", exc_info=True)
+        return False
+    return True
+
+
+Send = Callable[..., object]
 
 
 def tool_context(
     store: TurnStore, scope: CallScope, backend: Any, send: Send, *, watched: bool = False
 ) -> ToolContext:
-    """The call's ToolContext; `send(fn, *args)` writes its progress the worker's way, and if
-    `watched` the I/O worker's cancel channel sets its `_cancelled`."""
+    """The call's ToolContext; `send(sent, fn, *args)` runs a progress write (the I/O worker's
+    off its loop), and if `watched` the I/O worker's cancel channel sets its `_cancelled`."""
     req = scope.req
     flower_at = time.monotonic()
 
@@ -256,12 +269,12 @@ def tool_context(
     def progress(message: str, pct: float | None, fields: dict[str, Any]) -> None:
         nonlocal flower_at
         meta = progress_fields(scope, {"message": message, "pct": pct, "source": "tool", **fields})
-        if send(store.bus.publish, req.turn_id, "tool_progress", **meta) is False:
+        if send(sent, store.bus.publish, req.turn_id, "tool_progress", **meta) is False:
             return
         now = time.monotonic()
         if scope.task_id and backend is not None and now - flower_at >= FLOWER_PROGRESS_S:
             flower_at = now
-            send(backend.store_result, scope.task_id, meta, "PROGRESS")
+            send(sent, backend.store_result, scope.task_id, meta, "PROGRESS")
 
     return ToolContext(
         turn_id=req.turn_id,

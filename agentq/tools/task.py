@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from billiard.exceptions import WorkerLostError
@@ -24,7 +25,7 @@ from agentq import constants as k
 from agentq.config import get_settings
 from agentq.fleet.runtime import get_store
 from agentq.models import ToolTaskRequest
-from agentq.state.held import REDIS_AWAY, held_writes
+from agentq.state.held import held_writes
 from agentq.telemetry import tracing
 from agentq.tools.calls import (
     HOLD_PAST_DEADLINE_S,
@@ -126,7 +127,7 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     why_not = mark_started(store, scope, delivery)
     if why_not is not None:
         return why_not
-    ctx = tool_context(store, scope, task.backend, _sent)
+    ctx = tool_context(store, scope, task.backend, operator.call)
     value: Any = None
     raised: Exception | None = None
     # Only an Exception ends the span "error": a SystemExit (hard limit, revoke) leaves it
@@ -142,19 +143,6 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
         settle(store, scope, result)
     tracing.end_span(span, result.status)
     return result.status
-
-
-def _sent(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> bool:
-    """A progress write: advisory, so a failed one never fails the tool that reports it."""
-    try:
-        fn(*args, **kwargs)
-    except REDIS_AWAY:
-        log.warning("progress not sent: Redis is away", exc_info=True)
-        return False
-    except Exception:
-        log.debug("progress not sent", exc_info=True)
-        return False
-    return True
 
 
 def _on_task_failure(
