@@ -63,13 +63,13 @@ class ApiError(HTTPException):
 
     def __init__(self, status_code: int, type_: str, message: str, **extra: Any) -> None:
         super().__init__(status_code, message)
-        self.body = {"type": type_, "message": message, **extra}
+        self.type_, self.extra = type_, extra
 
 
 def error_response(
-    status_code: int, type_: str, message: str, headers: dict[str, str] | None = None
+    status_code: int, type_: str, message: str, headers: dict[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
-    body = {"type": type_, "message": message}
+    body = {"type": type_, "message": message, **extra}
     return JSONResponse({"error": body}, status_code=status_code, headers=headers)
 
 
@@ -105,15 +105,13 @@ def _headers(exc: AgentqError) -> dict[str, str]:
 def _agentq_handler(status_code: int | None, *fields: str, **renamed: str) -> Handler:
     """Answers `status_code` (None: the error's own) with the error's type, message and
     each of `fields` it has that is not None (`renamed`: name in the body = attribute)."""
+    pairs = [*zip(fields, fields, strict=True), *renamed.items()]
 
     async def handler(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, AgentqError)
-        body: dict[str, Any] = {"type": type(exc).__name__, "message": exc.message}
-        for name, attr in [*zip(fields, fields, strict=True), *renamed.items()]:
-            if getattr(exc, attr, None) is not None:
-                body[name] = getattr(exc, attr)
+        extra = {name: getattr(exc, a) for name, a in pairs if getattr(exc, a, None) is not None}
         status = getattr(exc, "status_code", 400) if status_code is None else status_code
-        return JSONResponse({"error": body}, status_code=status, headers=_headers(exc))
+        return error_response(status, type(exc).__name__, exc.message, _headers(exc), **extra)
 
     return handler
 
@@ -126,7 +124,7 @@ async def _on_redis_error(request: Request, exc: Exception) -> Response:
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     if isinstance(exc, ApiError):
-        return JSONResponse({"error": exc.body}, status_code=exc.status_code)
+        return error_response(exc.status_code, exc.type_, exc.detail, **exc.extra)
     # Starlette's own (an unknown path, a method not allowed): standard codes only.
     name = HTTPStatus(exc.status_code).phrase.replace(" ", "").replace("-", "")
     return error_response(exc.status_code, name, exc.detail, dict(exc.headers or {}))
