@@ -23,7 +23,6 @@ from agentq.tools.calls import (
     mark_started,
     observed,
     outcome,
-    sent,
     settle,
     task_scope,
     tick,
@@ -173,4 +172,4 @@ async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
         await asyncio.sleep(interval_s)
         if held_writes.count:
             continue  # Redis is away: a tick would wait in the store's threads before results
-        host.pool.submit(sent, tick, host.store, scope)
+        host.pool.submit(tick, host.store, scope)

@@ -298,8 +298,12 @@ def progress_fields(scope: CallScope, fields: dict[str, Any]) -> dict[str, Any]:
 
 
 def tick(store: TurnStore, scope: CallScope) -> None:
+    """The worker's own progress for its call, every few seconds: a lost one is no warning."""
     fields = progress_fields(scope, {"state": "running", "source": "worker"})
-    store.bus.publish(scope.req.turn_id, "tool_progress", **fields)
+    try:
+        store.bus.publish(scope.req.turn_id, "tool_progress", **fields)
+    except Exception:
+        log.debug("progress tick not sent", exc_info=True)
 
 
 def invoke(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:

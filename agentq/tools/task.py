@@ -81,10 +81,7 @@ class _Ticker:
             while current is not None and not self._changed.wait(current[2]):
                 if current is not self._current:
                     break  # the call is over
-                try:
-                    tick(*current[:2])
-                except Exception:
-                    log.debug("progress tick not sent", exc_info=True)
+                tick(*current[:2])
 
 
 _ticker = _Ticker()
