@@ -41,7 +41,6 @@ def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     # No new call while results wait for Redis (bounded by their deadlines).
     while held_writes.count and not held_writes.wait_none(HOLD_RETRY_S):
         pass
-    host.hostname = host.hostname or (getattr(task.request, "hostname", None) or "")
     scope, delivery = task_scope(task.request, req)
     host.loop.submit(lambda: _guarded(host, spec, scope, delivery, task.backend))
     return "handed to the event loop"
