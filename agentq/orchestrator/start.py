@@ -96,12 +96,11 @@ def start_turn(
             raise PayloadTooLarge(
                 f"conversation {req.conversation_id}", size, settings.max_conversation_bytes
             )
-        new_turn = Launch(new_id, token, state, new, size)
         return launch(
             store,
             app,
             settings,
-            new_turn,
+            Launch(new_id, token, state, new, size),
             any_owner=any_owner,
             traced=traced,
             conversation_token=req.conversation_token,
