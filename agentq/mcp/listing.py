@@ -4,6 +4,7 @@ without importing the worker side."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -91,11 +92,9 @@ def read_listings(redis: Any) -> dict[str, Listing]:
 
 def _by_server(redis: Any, key: str, parse: Callable[[Any], T]) -> dict[str, T]:
     out = {}
-    for name, raw in (redis.hgetall(key) or {}).items():
-        try:
-            out[name.decode() if isinstance(name, bytes) else str(name)] = parse(raw)
-        except ValueError:  # pydantic's ValidationError among them
-            continue
+    for name, raw in redis.hgetall(key).items():
+        with contextlib.suppress(ValueError):  # pydantic's ValidationError among them
+            out[name.decode()] = parse(raw)
     return out
 
 
