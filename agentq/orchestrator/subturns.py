@@ -69,9 +69,12 @@ def watch(
         if raw is None:
             _start_child(ctx, p, child)
         elif json.loads(raw) in TERMINAL_STATUSES:
-            # Its end settled this call in the same write (`TurnStore.close`).
+            # Its end settled this call in the same write (`TurnStore.close`), unless Redis
+            # lost the child's state and `end_lost_turn` ended it: its error is the call's.
             result = ctx.store.result(ctx.turn_id, p.call.id)
-            assert result is not None, f"child {child} ended without settling its call"
+            if result is None:
+                why = str((ctx.store.state(child) or {}).get("error") or "")
+                result, _ = ctx.settle(_failed(p.call, why, task_id=child, started_at=since))
             settled[p.call.id] = result
             continue
         elif beat:
@@ -181,5 +184,8 @@ def parent_settlement(ctx: StepContext, status: str, said: str) -> tuple[str, To
         return str(parent), ok_result(call, body, cut, **extra)
     if status == "aborted":
         return str(parent), cancelled_result(call, said or "user", **extra)
-    failed = f"the agent's turn failed: {said or 'unknown error'}"
-    return str(parent), error_result(call, failed, **extra)
+    return str(parent), _failed(call, said, **extra)
+
+
+def _failed(call: ToolCall, why: str, **extra: Any) -> ToolResult:
+    return error_result(call, f"the agent's turn failed: {why or 'unknown error'}", **extra)

@@ -328,6 +328,35 @@ def test_a_failed_child_settles_the_call_as_error(fleet, llm_server, client: Cli
     assert "child model says no" in finished.fields["error"]
 
 
+def test_a_child_whose_state_redis_lost_settles_the_call_as_error(
+    fleet, llm_server, client: Client
+) -> None:
+    """Ended by `end_lost_turn`, the child settles nothing on its parent: the parent's look
+    settles the call with the child's error and the turn goes on."""
+    from agentq import constants as k
+    from agentq.state.base import STATE_LOST_MESSAGE
+
+    child_key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 30}))))
+    key = script(
+        llm_server,
+        Round(tool_calls=calls(("ask_waiter", {"prompt": f"{child_key} wait"}))),
+        Round(text="The child was lost."),
+    )
+    parent = client._start_turn(key, agent="t_boss")
+    child = str(wait_event(client, parent.turn_id, "subturn_started").fields["child_turn_id"])
+    wait_event(client, child, "tool_started")
+    store = client._store
+    store.redis.delete(k.turn_key(child))  # as a failover that lost the child's writes
+    assert store.end_lost_turn(child)
+    store.wake_by(parent.turn_id, 0)
+    events = own(collect(client, parent.turn_id))
+    assert events[-1].type == "turn_finished", events[-1].fields
+    (finished,) = [e for e in events if e.type == "tool_finished"]
+    assert finished.fields["status"] == "error"
+    assert STATE_LOST_MESSAGE in finished.fields["error"]
+    assert_valid_history(client.get(parent.turn_id)["history"])
+
+
 def test_listings_show_the_agent(fleet, llm_server, client: Client, agentq_env) -> None:
     # Held by a hanging tool until the abort below: listed as running however slow the CLI.
     key = script(llm_server, Round(tool_calls=calls(("hang", {"seconds": 60}))))
