@@ -74,9 +74,11 @@ def test_a_configured_limit_holds_for_every_worker(make_rig) -> None:  # type: i
     for h in handles:
         assert rig.collect(h.turn_id, timeout_s=60)[-1].type == "turn_finished"
     limits = rig.limits
-    # 240 rpm is 4 a second: a one-second burst of 4, then one every 250 ms, so at most 7
-    # grants in any second; arrival at the server may bunch them by a few milliseconds.
-    assert limits.most_in_one_second() <= 8
+    # 240 rpm is 4 a second: a burst of 4, then one every 250 ms, so at most 8 grants in any
+    # closed second. Arrivals at the server trail their grants, by a few hundred ms on a
+    # loaded machine, which can bunch one more into a second; a limit each worker kept for
+    # itself would let 16 through in the first second (two bursts of 4, twice the pace).
+    assert limits.most_in_one_second() <= 10
     assert max(limits.admitted_at) - min(limits.admitted_at) >= 2.0
     assert time.monotonic() - started < 60
     assert not limits.refused
