@@ -405,6 +405,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, stage in stages:
             if only and name not in only:
                 continue
+            left = fx.drain()
+            if left:
+                notes.append(f"{name}: {left} messages of earlier stages still queued at its start")
             t0 = time.perf_counter()
             print(f"bench: {name} ...", file=sys.stderr, flush=True)
             outs: list[dict[str, Any]] = []

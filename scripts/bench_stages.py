@@ -288,6 +288,21 @@ class BenchRig:
         self.llm.set_script(key, list(rounds))
         return key
 
+    def drain(self, timeout_s: float = 120.0) -> int:
+        """Wait until agentq's queues are empty, so a stage does not time the last one's
+        backlog (after 10,000 waitpoint turns, its steps ran for seconds into the next
+        stage); the messages left when `timeout_s` ran out."""
+        from agentq import constants as k
+        from agentq.fleet.broker import queue_size
+
+        queues = (k.QUEUE_TURNS, k.QUEUE_TOOLS, k.QUEUE_IO, k.QUEUE_LLM)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = sum(queue_size(runtime.get_app(), q) or 0 for q in queues)
+            if left == 0 or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
     def memory_mb(self, measure: str = "rss") -> dict[str, float]:
         """Memory of each process kind, its pool children included (rss or pss)."""
         pids = {kind: p.pid for kind, p in self.procs.items()}
