@@ -57,6 +57,12 @@ class ModelLimitsEntry(_Limits):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"deployment names must be unique, repeated: {', '.join(dupes)}")
+        if DEFAULT_DEPLOYMENT in names:
+            # Rounds on it would go to the configured endpoint, key and model, not its own.
+            raise ValueError(
+                f"'{DEFAULT_DEPLOYMENT}' names the implicit deployment of an entry without "
+                "deployments: give this one another name"
+            )
         if not self.deployments and not (self.rpm or self.tpm or self.streams or self.api):
             raise ValueError("sets none of rpm, tpm, streams, deployments, api")
         return self

@@ -60,6 +60,11 @@ def test_deployments_keep_their_order_and_hide_their_keys() -> None:
         ('{"m": {"deployments": [{"name": "a"}, {"name": "a"}]}}', "repeated: a"),
         ('{"m": {"deployments": [{"name": "a b"}]}}', "deployments.0.name"),
         ('{"m": {"deployments": [{"name": "a", "tpm": -1}]}}', "deployments.0.tpm"),
+        # The implicit deployment's name: its endpoint, key and model would be ignored.
+        (
+            '{"m": {"deployments": [{"name": "default", "base_url": "http://x/v1"}]}}',
+            "'default' names the implicit deployment",
+        ),
     ],
 )
 def test_bad_config_names_the_setting_and_the_problem(raw: str, needle: str) -> None:
