@@ -5,6 +5,7 @@ abort (which always wins), and that closes the response's connection."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -121,12 +122,10 @@ async def astream_round(
             raise StreamDurationExceeded(first.duration_left_s, streamed_s)
         run = dataclasses.replace(first, duration_left_s=left_s)
         try:
-            message = await run.run(messages, tools)
+            return await run.run(messages, tools), streamed_s + run.elapsed_s
         except LlmError as exc:
-            streamed_s += run.elapsed_s
             error = exc
-        else:
-            return message, streamed_s + run.elapsed_s
+        streamed_s += run.elapsed_s
         if abort.is_set():
             raise Aborted(turn_id) from error
         if not should_retry(
@@ -139,11 +138,9 @@ async def astream_round(
             raise error
         delay_s = backoff_s(attempt, run.retry_after_s)
         first.on_retry(attempt, error, delay_s)
-        try:
+        # An abort cuts the wait short: the loop's first check raises Aborted.
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(abort.wait(), delay_s)
-        except asyncio.TimeoutError:
-            continue
-        raise Aborted(turn_id)
 
 
 @dataclasses.dataclass
