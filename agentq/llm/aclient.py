@@ -60,6 +60,7 @@ def _lost(exc: Exception) -> NoReturn:
     raise ModelConnectionError(f"{what} ({type(exc).__name__}: {exc})") from exc
 
 
+@functools.cache  # every round asks for its agent's: one Timeout per idle limit
 def client_timeout(request_timeout_s: float, idle_timeout_ms: int) -> httpx2.Timeout:
     """No read timeout while the watchdog owns silence: on aiohttp a read timeout is a timer
     reset for every chunk (a tenth of a busy stream worker's CPU)."""

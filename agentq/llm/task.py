@@ -169,12 +169,6 @@ class _Round:
         from agentq.llm.aclient import Attempt, astream_round, client_timeout
 
         req, settings = self.req, self.host.settings
-        # An agent with its own idle limit (or none) has its own read timeout (`client_timeout`).
-        timeout = (
-            None
-            if req.idle_timeout_ms == settings.stream_idle_timeout_ms
-            else client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms)
-        )
         client, sent_model = streams.client_for(req.turn_id, self.model, req.deployment)
         if client is None:
             raise LlmError("AGENTQ_LLM_BASE_URL is not set: no model server to call")
@@ -192,7 +186,8 @@ class _Round:
             idle_timeout_ms=req.idle_timeout_ms,
             duration_left_s=req.duration_left_s,
             max_retries=settings.llm_max_retries,
-            timeout=timeout,
+            # An agent with its own idle limit (or none) has its own read timeout.
+            timeout=client_timeout(settings.llm_request_timeout_s, req.idle_timeout_ms),
             on_delta=lambda kind, text: self.emit("llm_delta", kind=kind, text=text),
             on_retry=self._on_retry,
             abort=abort,
