@@ -103,9 +103,6 @@ class Publisher:
 
     def _take(self, now: float, skip: Collection[str] = ()) -> tuple[Batch, float]:
         """The events to publish now (none of `skip`'s), and when the first held delta is due."""
-        if not self.quiet_s and not skip:
-            taken, self.pending = self.pending, {}
-            return taken, math.inf
         batch: Batch = {}
         first_due = math.inf
         for turn_id, events in self.pending.items():
