@@ -79,10 +79,8 @@ class TokenBucket:
 
     def __init__(self, client: Any, *, rate_per_s: float, burst: int) -> None:
         self.redis = client
-        self.rate_per_s = rate_per_s
-        self.burst = burst
+        self._args = BucketArgs(rate_per_s, burst)
 
     def take(self, key: str) -> float:
         """Take a token from `key`'s bucket: 0.0, or the seconds until one is there."""
-        args = BucketArgs(self.rate_per_s, self.burst)
-        return int(self._take(keys=[key], args=list(args))) / 1000
+        return int(self._take(keys=[key], args=list(self._args))) / 1000
