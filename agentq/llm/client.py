@@ -108,8 +108,7 @@ class Assembler:
     def _message(self, finish_reason: str | None, last: int, **extra: Any) -> AssistantMessage:
         """The message, or MalformedStreamChunk at `last`, the index of the stream's last chunk."""
         calls: list[ToolCall] = []
-        for position in sorted(self._calls):
-            call = self._calls[position]
+        for position, call in sorted(self._calls.items()):
             if not call.name:
                 bad(last, f"tool call at {position} has no name")
             arguments = "".join(call.arguments) if call.done is None else call.done
