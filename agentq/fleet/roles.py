@@ -22,16 +22,13 @@ outside a worker (a client, the gateway, a test)."""
 
 def role_of(queues: Iterable[str], tool_queues: Iterable[str], io_queues: Iterable[str]) -> Role:
     """The one role a worker consuming `queues` has; ConfigError for a mix or a stranger."""
-    owners: dict[str, set[Role]] = {}
-    for q in tool_queues:
-        owners.setdefault(q, set()).add("tools")
-    for q in io_queues:
-        owners.setdefault(q, set()).add("io")
-    owners.setdefault(QUEUE_TURNS, set()).add("turns")
-    owners.setdefault(QUEUE_LLM, set()).add("llm")
+    owners: dict[str, set[Role]] = {QUEUE_TURNS: {"turns"}, QUEUE_LLM: {"llm"}}
     # Webhook attempts wait on the network, as async tools do: the I/O worker takes them,
     # or a worker started for that queue alone (`-Q agentq.webhooks -P threads`).
-    owners.setdefault(QUEUE_WEBHOOKS, set()).add("io")
+    served: dict[Role, Iterable[str]] = {"tools": tool_queues, "io": [*io_queues, QUEUE_WEBHOOKS]}
+    for r, qs in served.items():
+        for q in qs:
+            owners.setdefault(q, set()).add(r)
     names = sorted(set(queues))
     unknown = [q for q in names if q not in owners]
     if not names or unknown:
