@@ -29,7 +29,6 @@ from agentq.errors import ConfigError
 from agentq.fleet import health, roles
 from agentq.fleet.app import create_app
 from agentq.fleet.presence import entry
-from agentq.fleet.roles import HEARTBEAT_ROLES, pool_problem, role_of
 from agentq.fleet.runtime import get_store, set_app
 from agentq.llm.limits import parse_limits
 from agentq.llm.task import register_llm_task, warm
@@ -86,12 +85,12 @@ def _take_role(sender: Any = None, **_: Any) -> None:
     """Decide this worker's role from its queues and refuse a pool that cannot serve it."""
     consumed = sender.app.amqp.queues.consume_from
     try:
-        role = role_of(consumed.keys(), tool_queues, io_queues)
+        role = roles.role_of(consumed.keys(), tool_queues, io_queues)
     except ConfigError as exc:
         raise SystemExit(f"agentq: {exc}") from None
     pool = getattr(sender, "pool_cls", None)
     name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
-    problem = pool_problem(role, str(name))
+    problem = roles.pool_problem(role, str(name))
     if problem:
         raise SystemExit(f"agentq: {problem}")
     roles.role = role
@@ -130,7 +129,7 @@ def _start_heartbeat(hostname: str, kind: str, consumed: list[str]) -> None:
             try:
                 pipe = redis.pipeline(transaction=False)
                 pipe.hset(k.PRESENCE, hostname, entry(kind, consumed))
-                if kind in HEARTBEAT_ROLES:
+                if kind in roles.HEARTBEAT_ROLES:
                     pipe.set(key, os.getpid(), px=int(k.WORKER_ALIVE_TTL_S * 1000))
                     # The sweepers find a dead worker here and wake its calls' turns at once.
                     pipe.zadd(k.WORKERS, {hostname: time.time()})

@@ -22,7 +22,6 @@ from agentq.mcp.listing import Listing, plan, printable, read_listings, record_h
 from agentq.mcp.servers import McpServer, parse_servers
 from agentq.mcp.tools import make_spec
 from agentq.tools import registry
-from agentq.tools.registry import ToolSpec
 
 log = logging.getLogger("agentq.mcp")
 
@@ -49,7 +48,7 @@ class McpTools:
         self._told: set[str] = set()
         self.registered: dict[str, str] = {}
         """The model name of each tool this registry holds -> its server."""
-        self.on_new_tools: Callable[[list[ToolSpec]], None] | None = None
+        self.on_new_tools: Callable[[list[registry.ToolSpec]], None] | None = None
         """Told of tools a later listing added (the I/O worker registers their tasks)."""
         self._looked = 0.0
         self._keeper: asyncio.Task[Any] | None = None
@@ -119,7 +118,7 @@ class McpTools:
             log.warning("MCP listing of %s not shared: %s", name, explain(exc))
         self.apply(name, listing)
 
-    def apply(self, name: str, listing: Listing) -> list[ToolSpec]:
+    def apply(self, name: str, listing: Listing) -> list[registry.ToolSpec]:
         """Put the listing's allowed tools in the registry in place of the server's earlier ones;
         returns those new. A bad listing costs its server's tools, never the worker."""
         try:
@@ -129,7 +128,7 @@ class McpTools:
             log.warning("MCP server %s: tools not taken: %s", name, explain(exc))
             return []
 
-    def _apply(self, name: str, listing: Listing) -> list[ToolSpec]:
+    def _apply(self, name: str, listing: Listing) -> list[registry.ToolSpec]:
         self.listings[name] = listing
         made = plan(self.servers, self.listings)
         for server, refusals in [(name, listing.refused), *made.collisions.items()]:
@@ -139,7 +138,7 @@ class McpTools:
         for gone in set(self.registered) - (set(made.offered) - own):
             registry.unregister(gone)
             del self.registered[gone]
-        added: list[ToolSpec] = []
+        added: list[registry.ToolSpec] = []
         for model_name, (server, tool) in made.offered.items():
             before = self.registered.get(model_name)
             if model_name in own:
@@ -211,7 +210,7 @@ def _stop_sessions(**_: Any) -> None:
         log.warning("MCP sessions not all stopped in time", exc_info=True)
 
 
-def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
+def connect_mcp(register: Callable[[dict[str, registry.ToolSpec]], Any]) -> None:
     """Connect the signals after the worker's own: its role is decided before the listing,
     and a warm shutdown lets the calls on the loop end before their sessions stop."""
 
@@ -222,7 +221,7 @@ def connect_mcp(register: Callable[[dict[str, ToolSpec]], Any]) -> None:
         if tools is None or roles.role != "io":
             return
 
-        def added(specs: list[ToolSpec]) -> None:
+        def added(specs: list[registry.ToolSpec]) -> None:
             register({s.name: s for s in specs})
             # The consumer is told, or calls of a tool added later are refused as unknown.
             update = getattr(getattr(sender, "consumer", None), "update_strategies", None)

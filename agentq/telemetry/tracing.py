@@ -22,7 +22,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from agentq.telemetry import logs
-from agentq.telemetry.logs import LogContext
 
 log = logging.getLogger("agentq.telemetry")
 
@@ -248,7 +247,7 @@ def active(span: Any) -> contextlib.AbstractContextManager[Any]:
 def observed(
     name: str,
     traceparent: object,
-    ids: LogContext,
+    ids: logs.LogContext,
     attributes: Mapping[str, Any],
     ends: type[BaseException] = BaseException,
 ) -> Iterator[Any]:
