@@ -259,11 +259,13 @@ def turn_payload(store: TurnStore, turn_id: str) -> dict[str, Any] | None:
     for field in ("error", "error_code", "abort_reason", "finish_reason", "schedule"):
         if state.get(field) is not None:
             data[field] = state[field]
-    return {
-        "type": EVENT_TYPES[status],
-        "timestamp": datetime.fromtimestamp(ended_at, timezone.utc).isoformat(),
-        "data": data,
-    }
+    return envelope(EVENT_TYPES[status], ended_at, data)
+
+
+def envelope(type_: str, at: float, data: dict[str, Any]) -> dict[str, Any]:
+    """A webhook's body as Standard Webhooks has it: its type, its time and its data."""
+    when = datetime.fromtimestamp(at, timezone.utc).isoformat()
+    return {"type": type_, "timestamp": when, "data": data}
 
 
 def encode(payload: dict[str, Any]) -> bytes:

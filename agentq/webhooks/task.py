@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
@@ -20,6 +19,7 @@ from agentq.webhooks.deliveries import (
     Deliveries,
     Status,
     encode,
+    envelope,
     turn_payload,
 )
 from agentq.webhooks.target import post, signed_headers
@@ -105,11 +105,7 @@ def queue_waiting(
     url = json.loads(store.redis.hget(k.turn_key(turn_id), "webhook_url") or "null")
     if not url:
         return None
-    payload = {
-        "type": "turn.waiting",
-        "timestamp": datetime.now(timezone.utc).isoformat(),
-        "data": {"turn_id": turn_id, **event},
-    }
+    payload = envelope("turn.waiting", time.time(), {"turn_id": turn_id, **event})
     delivery_id = f"{k.webhook_id(turn_id)}_{event['call_id']}"
     return Deliveries(store.redis, settings).create(
         turn_id, url, lease_s=0.0, event=(delivery_id, encode(payload))
