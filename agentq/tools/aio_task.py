@@ -16,18 +16,7 @@ from agentq.aio.host import LoopHost, Running, get_host
 from agentq.models import ToolResult, ToolTaskRequest
 from agentq.state.held import HOLD_RETRY_S, held_writes
 from agentq.telemetry import tracing
-from agentq.tools.calls import (
-    CallScope,
-    Waiting,
-    invoke,
-    mark_started,
-    observed,
-    outcome,
-    settle,
-    task_scope,
-    tick,
-    tool_context,
-)
+from agentq.tools import calls
 from agentq.tools.context import ToolContext
 from agentq.tools.registry import ToolSpec
 from agentq.tools.results import lost_result
@@ -41,25 +30,27 @@ def submit_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     # No new call while results wait for Redis (bounded by their deadlines).
     while held_writes.count and not held_writes.wait_none(HOLD_RETRY_S):
         pass
-    scope, delivery = task_scope(task.request, req)
+    scope, delivery = calls.task_scope(task.request, req)
     host.loop.submit(lambda: _guarded(host, spec, scope, delivery, task.backend))
     return "handed to the event loop"
 
 
 async def _guarded(
-    host: LoopHost, spec: ToolSpec, scope: CallScope, delivery: str, backend: Any
+    host: LoopHost, spec: ToolSpec, scope: calls.CallScope, delivery: str, backend: Any
 ) -> None:
     """Run and settle the call in its own asyncio task, so its log ids and span are its own."""
     try:
-        with observed(scope) as span:
+        with calls.observed(scope) as span:
             call = _AsyncCall(host, spec, scope, backend)
-            status = await host.io(mark_started, host.store, scope, delivery, within_limit=True)
+            status = await host.io(
+                calls.mark_started, host.store, scope, delivery, within_limit=True
+            )
             if status is not None:
                 log.info("call %s of %s: %s", scope.req.call_id, spec.name, status)
             else:
                 result = await call.wait()
                 if call.settling.acquire(blocking=False):  # else the worker's recycling did
-                    await host.io(settle, host.store, scope, result)
+                    await host.io(calls.settle, host.store, scope, result)
                 status = result.status
         tracing.end_span(span, status)
     except BaseException:
@@ -71,7 +62,9 @@ class _AsyncCall:
     """One call on the loop, settled once however it ends (itself, its hard limit, an abort,
     or the worker recycling it)."""
 
-    def __init__(self, host: LoopHost, spec: ToolSpec, scope: CallScope, backend: Any) -> None:
+    def __init__(
+        self, host: LoopHost, spec: ToolSpec, scope: calls.CallScope, backend: Any
+    ) -> None:
         self.host, self.spec, self.scope = host, spec, scope
         scope.started = time.time()
         req = self.req = scope.req
@@ -79,7 +72,7 @@ class _AsyncCall:
         self.aborted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.settling = threading.Lock()
         """Taken, never released, by whoever settles the call: the first to try, alone."""
-        self.ctx = tool_context(host.store, scope, backend, host.pool.submit, watched=True)
+        self.ctx = calls.tool_context(host.store, scope, backend, host.pool.submit, watched=True)
 
     def _abort(self) -> None:
         self.ctx._cancelled = True
@@ -93,19 +86,19 @@ class _AsyncCall:
         else:
             result = lost_result(scope.call, why, **scope.common)
         if self.settling.acquire(blocking=False):
-            settle(self.host.store, scope, result)
+            calls.settle(self.host.store, scope, result)
 
     def _soft(self, inner: asyncio.Future[Any]) -> None:
         if not inner.done():
             self.scope.soft_fired = True
             inner.cancel("agentq: soft time limit")  # what the tool's CancelledError says
 
-    async def wait(self) -> ToolResult | Waiting:
+    async def wait(self) -> ToolResult | calls.Waiting:
         """Run the tool (on the loop, or a pool thread) until it ends, times out or is aborted."""
         host, scope, req = self.host, self.scope, self.req
         loop = asyncio.get_running_loop()
         if self.spec.kind == "thread":
-            inner = loop.run_in_executor(host.threads, invoke, self.spec, self.ctx, req)
+            inner = loop.run_in_executor(host.threads, calls.invoke, self.spec, self.ctx, req)
         else:
             inner = loop.create_task(_await(self.spec, self.ctx, req), name=self.name)
         ids = {"tool": req.tool, "call_id": req.call_id}
@@ -147,7 +140,7 @@ class _AsyncCall:
                 else f"Tool {req.tool!r} did not finish within its hard time limit of "
                 f"{req.timeout_s:g}s; its thread was abandoned and may still be running."
             )
-        return outcome(
+        return calls.outcome(
             scope,
             self.spec,
             host.settings,
@@ -160,15 +153,15 @@ class _AsyncCall:
 
 async def _await(spec: ToolSpec, ctx: ToolContext, req: ToolTaskRequest) -> Any:
     """Run an async tool; a non-awaitable it made (a wrapper's value) is the result."""
-    made = invoke(spec, ctx, req)
+    made = calls.invoke(spec, ctx, req)
     if asyncio.iscoroutine(made) or asyncio.isfuture(made) or hasattr(made, "__await__"):
         return await made
     return made
 
 
-async def _tick(host: LoopHost, scope: CallScope, interval_s: float) -> None:
+async def _tick(host: LoopHost, scope: calls.CallScope, interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         if held_writes.count:
             continue  # Redis is away: a tick would wait in the store's threads before results
-        host.pool.submit(tick, host.store, scope)
+        host.pool.submit(calls.tick, host.store, scope)

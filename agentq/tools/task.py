@@ -27,18 +27,7 @@ from agentq.fleet.runtime import get_store
 from agentq.models import ToolTaskRequest
 from agentq.state.held import held_writes
 from agentq.telemetry import tracing
-from agentq.tools.calls import (
-    HOLD_PAST_DEADLINE_S,
-    CallScope,
-    invoke,
-    mark_started,
-    observed,
-    outcome,
-    settle,
-    task_scope,
-    tick,
-    tool_context,
-)
+from agentq.tools import calls
 from agentq.tools.registry import ToolSpec, all_tools
 from agentq.tools.results import lost_result
 
@@ -52,13 +41,15 @@ class _Ticker:
     """One thread per process ticks its running call: a thread per call cost more than a call."""
 
     def __init__(self) -> None:
-        self._current: tuple[TurnStore, CallScope, float] | None = None
+        self._current: tuple[TurnStore, calls.CallScope, float] | None = None
         self._changed = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def running(self, store: TurnStore, scope: CallScope, interval_s: float) -> Iterator[None]:
+    def running(
+        self, store: TurnStore, scope: calls.CallScope, interval_s: float
+    ) -> Iterator[None]:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 # Started lazily, after the fork: a thread does not survive into a child.
@@ -81,14 +72,14 @@ class _Ticker:
             while current is not None and not self._changed.wait(current[2]):
                 if current is not self._current:
                     break  # the call is over
-                tick(*current[:2])
+                calls.tick(*current[:2])
 
 
 _ticker = _Ticker()
 
 
 @contextlib.contextmanager
-def _soft_limit(scope: CallScope) -> Iterator[None]:
+def _soft_limit(scope: calls.CallScope) -> Iterator[None]:
     """Set `scope.soft_fired` when the pool's soft limit fires, even if the tool catches it
     (the pool's clock starts a little before the call's, so the call's may read just under).
     A signal before half the call's soft limit was meant for an earlier call: a pool whose
@@ -120,24 +111,26 @@ def run_call(task: Task, spec: ToolSpec, req: ToolTaskRequest) -> str:
     """Run one call and settle its result; the return value is only for Flower."""
     store = get_store()
     settings = get_settings()
-    scope, delivery = task_scope(task.request, req)
-    why_not = mark_started(store, scope, delivery)
+    scope, delivery = calls.task_scope(task.request, req)
+    why_not = calls.mark_started(store, scope, delivery)
     if why_not is not None:
         return why_not
-    ctx = tool_context(store, scope, task.backend, operator.call)
+    ctx = calls.tool_context(store, scope, task.backend, operator.call)
     value: Any = None
     raised: Exception | None = None
     # Only an Exception ends the span "error": a SystemExit (hard limit, revoke) leaves it
     # open, unexported, for whoever settles the call (the worker's parent, the abort).
-    with observed(scope, Exception) as span, _soft_limit(scope):
+    with calls.observed(scope, Exception) as span, _soft_limit(scope):
         try:
             with _ticker.running(store, scope, settings.progress_interval_s):
-                value = invoke(spec, ctx, req)
+                value = calls.invoke(spec, ctx, req)
         except Exception as exc:  # the soft limit's SoftTimeLimitExceeded among them
             raised = exc
         scope.done = True
-        result = outcome(scope, spec, settings, aborted=ctx._cancelled, raised=raised, value=value)
-        settle(store, scope, result)
+        result = calls.outcome(
+            scope, spec, settings, aborted=ctx._cancelled, raised=raised, value=value
+        )
+        calls.settle(store, scope, result)
     tracing.end_span(span, result.status)
     return result.status
 
@@ -159,14 +152,14 @@ def _on_task_failure(
 
     def settle_killed() -> None:
         store = get_store()
-        until = time.time() + get_settings().tool_grace_s + HOLD_PAST_DEADLINE_S
+        until = time.time() + get_settings().tool_grace_s + calls.HOLD_PAST_DEADLINE_S
         what = f"the end of killed call {req.call_id} ({req.tool})"
         key = k.turn_key(req.turn_id)
         raw = held_writes.hold(lambda: store.redis.hget(key, k.STARTED + req.call_id), until, what)
         start = json.loads(raw or "{}")
         # The fields of the start record, each None when it was never written.
         started, pid = start.get("started_at"), start.get("pid")
-        scope = CallScope(req, start.get("worker"), task_id, started, pid)
+        scope = calls.CallScope(req, start.get("worker"), task_id, started, pid)
         if isinstance(exception, TimeLimitExceeded):
             result = scope.timeout(killed=True)
         else:
