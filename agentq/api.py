@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -81,8 +81,12 @@ class StartOptions(TypedDict, total=False):
     max_cost_usd: float | None
 
 
+Done = TypeVar("Done")
+"""What a Turn's steering returns: None, or for an AsyncTurn an awaitable of it."""
+
+
 @dataclass(repr=False, eq=False)
-class _Started:
+class _Started(Generic[Done]):
     """What a start answered, as `Turn` and `AsyncTurn` show it."""
 
     _client: Any
@@ -101,8 +105,26 @@ class _Started:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.turn_id!r})"
 
+    def abort(self) -> Done:
+        """Abort it and its sub-agents; TurnNotFound once it has ended."""
+        return self._client.abort(self.turn_id, self.token)  # type: ignore[no-any-return]
 
-class Turn(_Started):
+    def answer(
+        self,
+        request_id: str,
+        decision: str = "approve",
+        value: str | None = None,
+        *,
+        turn_id: str | None = None,
+    ) -> Done:
+        """Answer its interaction `request_id`; a relayed sub-agent's on the event's `turn_id`
+        (the turn's token opens its sub-agents too)."""
+        return self._client.answer(  # type: ignore[no-any-return]
+            turn_id or self.turn_id, request_id, self.token, decision, value
+        )
+
+
+class Turn(_Started[None]):
     """A running (or ended) turn, as `Client.start` returns it."""
 
     _client: Client
@@ -121,22 +143,6 @@ class Turn(_Started):
         """Block until the turn ends: its result, or `Client.run`'s errors."""
         terminal = self.wait(timeout_s)
         return settle(self.turn_id, terminal, self._client.get(self.turn_id), self._output_type)
-
-    def abort(self) -> None:
-        """Abort it and its sub-agents; TurnNotFound once it has ended."""
-        self._client.abort(self.turn_id, self.token)
-
-    def answer(
-        self,
-        request_id: str,
-        decision: str = "approve",
-        value: str | None = None,
-        *,
-        turn_id: str | None = None,
-    ) -> None:
-        """Answer its interaction `request_id`; a relayed sub-agent's on the event's `turn_id`
-        (the turn's token opens its sub-agents too)."""
-        self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
 
 
 def usage_time(raw: float | str | None, name: str, *, end: bool = False) -> float | None:

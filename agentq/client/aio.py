@@ -158,7 +158,7 @@ class AsyncClient:
     complete_waitpoint = _threaded(Client.complete_waitpoint)
 
 
-class AsyncTurn(_Started):
+class AsyncTurn(_Started[Awaitable[None]]):
     """`Turn` for asyncio code: `async for ev in turn.events()`, `await turn.result()`."""
 
     _client: AsyncClient
@@ -174,19 +174,6 @@ class AsyncTurn(_Started):
         terminal = await self._client.wait(self.turn_id, timeout_s)
         view = await self._client.get(self.turn_id)
         return settle(self.turn_id, terminal, view, self._output_type)
-
-    async def abort(self) -> None:
-        await self._client.abort(self.turn_id, self.token)
-
-    async def answer(
-        self,
-        request_id: str,
-        decision: str = "approve",
-        value: str | None = None,
-        *,
-        turn_id: str | None = None,
-    ) -> None:
-        await self._client.answer(turn_id or self.turn_id, request_id, self.token, decision, value)
 
 
 __all__ = ["AsyncClient", "AsyncTurn"]
