@@ -298,13 +298,16 @@ class Client:
         self, *, said: Callable[[replay.BulkOutcome], None] | None = None, **filters: Any
     ) -> list[replay.BulkOutcome]:
         """Retry each turn matching `filters` (BulkRetryRequest's fields) once, by anyone."""
+        return self._retry_many(replay.BulkRetryRequest(**filters), said=said)
+
+    def _retry_many(self, req: replay.BulkRetryRequest, **options: Any) -> list[replay.BulkOutcome]:
+        """`retry_many` of a checked request (the gateway's way in); `options`: bulk_retry's."""
         from celery.local import Proxy
 
-        req = replay.BulkRetryRequest(**filters)
         # The app is built only once a retry is sent with it (a dry run sends none).
         app = cast("Celery", Proxy(lambda: self.app))
         return replay.bulk_retry(
-            self._store, app, self.settings, req, traced=self.traced, said=said
+            self._store, app, self.settings, req, traced=self.traced, **options
         )
 
     def check_token(self, turn_id: str, token: str | None, *, operator: bool = False) -> TurnState:

@@ -56,7 +56,7 @@ from agentq.gateway.validate import (
 from agentq.llm.capacity import capacity_for
 from agentq.mcp.listing import server_health
 from agentq.models import TERMINAL_STATUSES, InteractionAnswer, TurnHandle, TurnRequest
-from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest, bulk_retry
+from agentq.orchestrator.replay import BulkRetryRequest, ForkRequest, RetryRequest
 from agentq.orchestrator.start import token_matches
 from agentq.schedules.spec import build_spec
 from agentq.schedules.store import Schedules
@@ -227,19 +227,10 @@ class Gateway:
 
     async def retry_many(self, request: Request) -> Response:
         principal = self.require(request, "operator")
-        host = client_host(request)
         req = validated(BulkRetryRequest, await self.optional_body(request))
-        c = self.client
+        limited = partial(self.limits.start, principal, client_host(request))
         done = await run_in_threadpool(
-            lambda: bulk_retry(
-                c._store,
-                c.app,
-                c.settings,
-                req,
-                visible=visible_to(principal),
-                traced=c.traced,
-                limited=partial(self.limits.start, principal, host),
-            )
+            partial(self.client._retry_many, req, visible=visible_to(principal), limited=limited)
         )
         return JSONResponse(
             {"dry_run": req.dry_run, "turns": [d.model_dump(exclude_none=True) for d in done]},
