@@ -249,12 +249,13 @@ _ERROR_TEXT = {
 }
 
 
-def _ref(model: type[BaseModel]) -> dict[str, str]:
-    return {"$ref": f"#/components/schemas/{model.__name__}"}
+def _schema(name: str) -> dict[str, Any]:
+    """A response's or request body's content: JSON of the schema `name`."""
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}
 
 
 def _operation(op: Operation) -> dict[str, Any]:
-    ok_content: dict[str, Any] = {"schema": _ref(op.response)} if op.response else {}
+    ok_content = _schema(op.response.__name__)["application/json"] if op.response else {}
     operation_id = re.sub(r"[^a-z0-9]+", "_", f"{op.method} {op.path}".lower()).strip("_")
     secured = op.auth not in ("public", "capability")
     errors = {*op.errors, *("401",) * secured, *("403",) * (op.auth in FALLS_SHORT)}
@@ -267,12 +268,7 @@ def _operation(op: Operation) -> dict[str, Any]:
         "responses": {
             op.ok: {"description": "OK", "content": {op.media_type: ok_content}},
             **{
-                code: {
-                    "description": _ERROR_TEXT[code],
-                    "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/Error"}}
-                    },
-                }
+                code: {"description": _ERROR_TEXT[code], "content": _schema("Error")}
                 for code in sorted(errors)
             },
         },
@@ -281,10 +277,7 @@ def _operation(op: Operation) -> dict[str, Any]:
     if parameters:
         out["parameters"] = parameters
     if op.request is not None:
-        out["requestBody"] = {
-            "required": True,
-            "content": {"application/json": {"schema": _ref(op.request)}},
-        }
+        out["requestBody"] = {"required": True, "content": _schema(op.request.__name__)}
     return out
 
 
