@@ -30,7 +30,7 @@ from agentq.orchestrator import replay
 from agentq.orchestrator.conversation import conversations, shown
 from agentq.orchestrator.start import start_turn, token_matches
 from agentq.orchestrator.wake import request_abort
-from agentq.state.listing import TurnLister
+from agentq.state.listing import TurnLister, Visible
 from agentq.state.results import TurnResult, TurnView, settle
 from agentq.state.spend import NO_KEY, Spend, usage_days, usage_report
 from agentq.state.timeline import timeline
@@ -388,9 +388,10 @@ class Client:
             "spend": Spend(r, s).turn_totals(state.get("owner"), turn_id),
         }
 
-    def active(self) -> list[dict[str, Any]]:
-        """The open turns, oldest first, with the calls each has out (`current_tools`)."""
-        rows = TurnLister(self._store.redis).active()
+    def active(self, visible: Visible | None = None) -> list[dict[str, Any]]:
+        """The open turns (only those `visible`, when given), oldest first, with the calls
+        each has out (`current_tools`)."""
+        rows = TurnLister(self._store.redis).active(visible)
         open_rows = [row for row in rows if row["status"] not in TERMINAL_STATUSES]
         return sorted(open_rows, key=lambda t: float(t["created_at"] or 0))
 

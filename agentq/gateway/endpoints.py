@@ -36,7 +36,6 @@ from agentq.gateway.auth import (
     Principal,
     is_loopback,
     may_access,
-    may_list,
     reveal,
     secret_matches,
     visible_to,
@@ -360,11 +359,8 @@ class Gateway:
         return JSONResponse({"agents": published_agent_details(self.client._store.redis)})
 
     def active(self, request: Request) -> Response:
-        principal = self.require(request, "key")
-        turns = self.client.active()
-        if principal is not None:
-            turns = [t for t in turns if may_list(t, principal)]
-        return JSONResponse({"turns": turns})
+        visible = visible_to(self.require(request, "key"))
+        return JSONResponse({"turns": self.client.active(visible)})
 
     async def abort(self, request: Request) -> Response:
         turn_id, _ = await self.steerer(request)
