@@ -188,9 +188,7 @@ class Gateway:
         )
         # A turn in a fleet without the workers every turn needs waits, and is told so.
         missing = missing_kinds(await run_in_threadpool(self.presence.live))
-        if missing:
-            handle = handle.model_copy(update={"missing_workers": missing})
-        return accepted(handle)
+        return accepted(handle.model_copy(update={"missing_workers": missing or None}))
 
     def start_limited(
         self,
@@ -295,8 +293,7 @@ class Gateway:
         principal = self.require(request, "key")
         q = request.query_params
         group_by = q.get("group_by") or "model"
-        since, until = q.get("since") or None, q.get("until") or None
-        key = q.get("key") or None
+        since, until, key = (q.get(name) or None for name in ("since", "until", "key"))
         admin = principal is None or principal.admin
         owner = principal.name if principal else None
         if not admin and key not in (None, owner):
@@ -373,9 +370,7 @@ class Gateway:
         turn_id, _ = await self.steerer(request)
         ans = validated(InteractionAnswer, await read_json(request, self.body_limit_bytes))
         await run_in_threadpool(
-            lambda: self.client.answer(
-                turn_id, request_id, None, ans.decision, ans.value, operator=True
-            )
+            self.client.answer, turn_id, request_id, None, ans.decision, ans.value, operator=True
         )
         return JSONResponse(
             {"ok": True, "turn_id": turn_id, "request_id": request_id, "decision": ans.decision}
