@@ -51,10 +51,9 @@ def _starts(
     method: Callable[Concatenate[Client, P], Turn],
 ) -> Callable[Concatenate[AsyncClient, P], Awaitable[AsyncTurn]]:
     """`_threaded` for a method that starts a turn: its `AsyncTurn`."""
-    threaded = _threaded(method)
 
     async def call(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> AsyncTurn:
-        turn = await threaded(self, *args, **kwargs)
+        turn = await self._call(method, self._client, *args, **kwargs)
         return AsyncTurn(self, turn.handle, turn._output_type)
 
     call.__doc__ = method.__doc__
