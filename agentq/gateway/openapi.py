@@ -281,6 +281,11 @@ def _operation(op: Operation) -> dict[str, Any]:
     return out
 
 
+def _object(*required: str, **properties: Any) -> dict[str, Any]:
+    """A JSON Schema object of `properties`, of which `required` are."""
+    return {"type": "object", "required": list(required), "properties": properties}
+
+
 @cache
 def openapi_document(version: str) -> dict[str, Any]:
     models = dict.fromkeys(m for op in OPERATIONS for m in (op.request, op.response) if m)
@@ -288,25 +293,13 @@ def openapi_document(version: str) -> dict[str, Any]:
         [(m, "validation") for m in models], ref_template="#/components/schemas/{model}"
     )
     schemas: dict[str, Any] = dict(defs.get("$defs", {}))
-    schemas["Error"] = {
-        "type": "object",
-        "required": ["error"],
-        "properties": {
-            "error": {
-                "type": "object",
-                "required": ["type", "message"],
-                "properties": {
-                    "type": {"type": "string"},
-                    "message": {"type": "string"},
-                    "code": {
-                        "type": "string",
-                        "description": "A stable code where one applies: conversation_busy, "
-                        "idempotency_key_reused, not_retryable, source_gone, fork_invalid.",
-                    },
-                },
-            }
-        },
+    string = {"type": "string"}
+    code = string | {
+        "description": "A stable code where one applies: conversation_busy, "
+        "idempotency_key_reused, not_retryable, source_gone, fork_invalid."
     }
+    error = _object("type", "message", type=string, message=string, code=code)
+    schemas["Error"] = _object("error", error=error)
     paths: dict[str, dict[str, Any]] = {}
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method.lower()] = _operation(op)
