@@ -394,9 +394,28 @@ class Gateway:
             request, "heartbeat", self.heartbeat_s, low=0.05, high=60.0, clamp=True
         )
         poll_s = min(self.poll_s, keep_alive_s)
-        opened = await run_in_threadpool(
-            self._open_events, turn_id, principal, token, after, depth, poll_s
-        )
+
+        def open_stream() -> tuple[Generator[Event | None, None, None], bool] | None:
+            state = self.authorize(turn_id, principal, token)
+            # Only the turn's token attaches: a key reading along never aborts on leaving.
+            owner = token_matches(state, token) and not state.get("detach")
+            # A cursor past the log's end resumes from that end: events after an id from the
+            # future would be dropped as already seen, so the stream would wait forever.
+            if after.root != "0-0":
+                last: Any = self.client._store.redis.xrevrange(turn_key(turn_id, "log"), count=1)
+                end = text(last[0][0]) if last else "0-0"
+                after.root = min(after.root, end, key=stream_pos)
+            # Relayed sub-agents are read with the parent's authorization: the follower opens
+            # only streams of turns below this one (a cursor naming any other is ignored).
+            bus = self.client._store.bus
+            if state.get("status") in TERMINAL_STATUSES:
+                if not bus.replay(turn_id, after.root, count=1):
+                    return None
+                return follow(bus, turn_id, after=after, depth=depth, live=False), False
+            events = follow(bus, turn_id, after=after, depth=depth, heartbeat_s=poll_s)
+            return events, owner
+
+        opened = await run_in_threadpool(open_stream)
         if opened is None:
             # The turn ended and the client has its last event: 204 stops EventSource retrying.
             return Response(status_code=204)
@@ -425,34 +444,6 @@ class Gateway:
         return EventStreamResponse(
             body, on_disconnect=on_disconnect, on_close=self.metrics.sse_connections.dec
         )
-
-    def _open_events(
-        self,
-        turn_id: str,
-        principal: Principal | None,
-        token: str | None,
-        after: Cursor,
-        depth: int,
-        poll_s: float,
-    ) -> tuple[Generator[Event | None, None, None], bool] | None:
-        state = self.authorize(turn_id, principal, token)
-        # Only the turn's token attaches: a key reading along never aborts on leaving.
-        owner = token_matches(state, token) and not state.get("detach")
-        # A cursor past the log's end resumes from that end: events after an id from the
-        # future would be dropped as already seen, so the stream would wait forever.
-        if after.root != "0-0":
-            last: Any = self.client._store.redis.xrevrange(turn_key(turn_id, "log"), count=1)
-            end = text(last[0][0]) if last else "0-0"
-            after.root = min(after.root, end, key=stream_pos)
-        # Relayed sub-agents are read with the parent's authorization: the follower opens
-        # only streams of turns below this one (a cursor naming any other is ignored).
-        bus = self.client._store.bus
-        if state.get("status") in TERMINAL_STATUSES:
-            if not bus.replay(turn_id, after.root, count=1):
-                return None
-            return follow(bus, turn_id, after=after, depth=depth, live=False), False
-        events = follow(bus, turn_id, after=after, depth=depth, heartbeat_s=poll_s)
-        return events, owner
 
     async def index(self, request: Request) -> Response:
         return FileResponse(
