@@ -50,10 +50,6 @@ def day_of(now: float) -> str:
     return dt.datetime.fromtimestamp(now, dt.timezone.utc).strftime("%Y%m%d")
 
 
-def month_of(day: str) -> str:
-    return day[:6]
-
-
 def resets_at(budget: str, day: str) -> float:
     """When a key's `budget` spent on `day` starts afresh: next UTC midnight or month."""
     t = dt.datetime.strptime(day, "%Y%m%d").replace(tzinfo=dt.timezone.utc)

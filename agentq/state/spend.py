@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 from agentq.events.lua_args import LuaScript, bind_lua
 from agentq.models import Usage
 from agentq.state.base import each, text
-from agentq.state.budget import MIN_COMPLETION_TOKENS, day_of, month_of, per_token, resets_at
+from agentq.state.budget import MIN_COMPLETION_TOKENS, day_of, per_token, resets_at
 
 SPEND_OWNERS = f"{k.PREFIX}:spend:owners"
 """The key names that ever spent (the admin's usage reads them all)."""
@@ -70,15 +70,12 @@ _ADD_LUA = f"""local parents_at = {len(SpendKeys._fields) + 1}
 local function add(key, ttl, dt, du, fresh)
   local total = nil
   if dt ~= 0 then total = redis.call('HINCRBY', key, 'tokens', dt) end
-  if fresh and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
   if du ~= 0 then redis.call('HINCRBYFLOAT', key, 'usd', tostring(du)) end
+  if fresh and (total == nil or total == dt) then redis.call('EXPIRE', key, ttl) end
 end
 local function add_all(dt, du, fresh)
   add(day_key, day_ttl_s, dt, du, fresh)
-  if du ~= 0 then
-    redis.call('HINCRBYFLOAT', month_key, 'usd', tostring(du))
-    if fresh then redis.call('EXPIRE', month_key, day_ttl_s) end
-  end
+  add(month_key, day_ttl_s, 0, du, fresh and du ~= 0)
   for i = parents_at - 1, #KEYS do add(KEYS[i], turn_ttl_s, dt, du, fresh) end
 end
 """
@@ -260,7 +257,7 @@ class Spend:
 
     def _keys(self, owner: str | None, day: str, turn_id: str, parents: Iterable[str]) -> list[str]:
         turns = [turn_spend_key(owner, t) for t in (turn_id, *reversed(list(parents)))]
-        own = SpendKeys(day_key(owner, day), month_key(owner, month_of(day)), turns[0])
+        own = SpendKeys(day_key(owner, day), month_key(owner, day[:6]), turns[0])
         return [*own, *turns[1:]]
 
     def _ttls(self) -> tuple[int, int]:
@@ -322,8 +319,7 @@ class Spend:
             *self._ttls(),
         )
         keys = self._keys(owner, settle.day, turn_id, parents)
-        answer = self._settle(keys=keys, args=list(args))
-        done = int(answer) == 1
+        done = int(self._settle(keys=keys, args=list(args))) == 1
         if done and settle.round_no == 0:
             # Its turns' first rounds name the key among those that spent (another slot).
             self.redis.sadd(SPEND_OWNERS, owner or NO_KEY)
