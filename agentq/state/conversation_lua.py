@@ -241,9 +241,8 @@ IN_PLACE_LUA = (
     + f"""if redis.call('EXISTS', owner_key) == 0 then return {{{InPlace.GONE}, ''}} end
 local running = redis.call('HGET', meta_key, 'running') or ''
 if running ~= '' then return {{{InPlace.MOVED_ON}, running}} end
-if redis.call('LLEN', queue_key) > 0 then return {{{InPlace.MOVED_ON}, ''}} end
 local last_end = tonumber(redis.call('HGET', meta_key, 'last_end') or -1)
-if redis.call('HGET', meta_key, 'last_turn') ~= source_id
+if redis.call('LLEN', queue_key) > 0 or redis.call('HGET', meta_key, 'last_turn') ~= source_id
     or redis.call('LLEN', history_key) ~= last_end then
   return {{{InPlace.MOVED_ON}, ''}}
 end
