@@ -167,17 +167,14 @@ def summarise(
         "conversation_waiting": bool(state.get("conversation_waiting"))
         and state.get("status") == "queued",
         "round": state.get("round", 0),
-        "created_at": state.get("created_at"),
-        "started_at": started,
-        "ended_at": ended,
+        **{f: state.get(f) for f in ("created_at", "started_at", "ended_at")},
         "duration_s": duration_s,
         "call_count": state.get("call_count", 0),
         "calls": {s: int(n) for s, n in sorted(counts.items())},
         "current_tools": [{"call_id": c, "tool": t, "state": s} for c, t, s in open_calls],
         "pending_interactions": pending,
         "model_wait": wait,
-        "error": state.get("error"),
-        "abort_reason": state.get("abort_reason"),
+        **{f: state.get(f) for f in ("error", "abort_reason")},
     }
 
 
@@ -196,8 +193,7 @@ class TurnLister:
         now = time.time() if now is None else now
         raw: list[Any] = []
         for shard, ids in groupby(sorted(turn_ids, key=k.shard_of), k.shard_of):
-            turns = [a for t in ids for a in (t, k.turn_key(t))]
-            args = [k.approval_request_id(""), *turns]
+            args = [k.approval_request_id(""), *(a for t in ids for a in (t, k.turn_key(t)))]
             raw += json.loads(self._summary(keys=[k.shard_key(k.TURNS_INDEX, shard)], args=args))
         out: dict[str, dict[str, Any]] = {}
         # An empty table comes as {} (cjson) or [] (fakeredis): iterated, either is empty.

@@ -119,9 +119,7 @@ def timeline(store: TurnStore, turn_id: str, state: TurnState) -> dict[str, Any]
     return {
         "turn_id": turn_id,
         "now": time.time(),
-        "created_at": state.get("created_at"),
-        "started_at": state.get("started_at"),
-        "ended_at": ended_at,
+        **{f: state.get(f) for f in ("created_at", "started_at", "ended_at")},
         "rounds": model_rounds(events, ended_at),
         "calls": bars,
         "events": [log_line(e) for e in shown],
