@@ -67,9 +67,7 @@ def start_once(
     record_key = k.idempotency_key(caller, key)
     claim = json.dumps({"body": body, "turn_id": turn_id, "state": "pending"})
     deadline = time.monotonic() + WAIT_FOR_FIRST_S
-    while True:
-        if client.set(record_key, claim, nx=True, ex=k.IDEMPOTENCY_TTL_S):
-            break
+    while not client.set(record_key, claim, nx=True, ex=k.IDEMPOTENCY_TTL_S):
         raw = client.get(record_key)
         if raw is None:
             continue  # the first one failed and let go: this one tries
