@@ -29,14 +29,13 @@ _OPEN = (
     CHILDREN_FIELD,
     HISTORY_LEN_FIELD,
 )
-_OPEN_FIELDS = ", ".join(f"'{f}'" for f in _OPEN)
 
 
 def turn_open_lua(ended: str, extra: tuple[str, ...] = ()) -> str:
     """Lua that reads the `_OPEN` fields of `turn_key` (and `more`, the fields `extra` names)
     and answers `ended` for a turn over or lost: nothing is written after its terminal
     event, and nothing recreates half of a vanished turn."""
-    names = _OPEN_FIELDS + "".join(f", {e}" for e in extra)
+    names = ", ".join([*(f"'{f}'" for f in _OPEN), *extra])
     return f"""local open = redis.call('HMGET', turn_key, {names})
 local status, watched, cancelled = open[1], open[2], open[3]
 local seq = tonumber(open[4]) or 0
