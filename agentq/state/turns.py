@@ -189,13 +189,11 @@ class TurnRecords(StoreBase):
         if history:
             fields[k.HISTORY_LEN_FIELD] = str(len(history))
         fields.update(records or {})
+        created = float(state.get("created_at") or time.time())
 
         def build(pipe: Any) -> None:
             pipe.hset(k.turn_key(turn_id), mapping=fields)
-            pipe.zadd(
-                k.shard_key(k.TURNS_INDEX, turn_id),
-                {turn_id: float(state.get("created_at") or time.time())},
-            )
+            pipe.zadd(k.shard_key(k.TURNS_INDEX, turn_id), {turn_id: created})
             # No dirty mark: no step can hold a turn that did not exist.
             pipe.zadd(k.shard_key(k.WAKEUPS, turn_id), {turn_id: time.time() + backstop_s})
             parent = state.get("parent_turn_id")
