@@ -122,8 +122,7 @@ class WaitpointRecords(StoreBase):
             turn_id,
             record["deadline_ms"] / 1000,
         )
-        keys = TurnKeys.of(turn_id)
-        opened = bool(int(self._durable(self._open, keys=keys, args=list(args))))
+        opened = bool(int(self._durable(self._open, TurnKeys.of(turn_id), list(args))))
         if opened:
             self.bus.counted([("tool_waiting", event)])
         return opened
