@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentq import constants as k
 from agentq.errors import HeadlessInteraction
-from agentq.models import InteractionRequest, ToolCall, ToolResult
+from agentq.models import InteractionRequest, ToolResult
 from agentq.orchestrator.plan import CallPlan
 from agentq.state.interactions import default_timeout_s
 from agentq.tools.results import denied_result, error_result, ok_result
@@ -56,7 +56,21 @@ def gate(ctx: StepContext, plans: list[CallPlan], settled: Container[str] = ()) 
             # Past its timeout: timed out, unless an answer won the race (its state stays).
             ctx.flush()  # interaction_timed_out after what the step staged
             state = ctx.store.expire_interaction(ctx.turn_id, req)
-        _decide(ctx, out, call, rid, state, req)
+        # Closed: the call runs (with a password's secret), takes the answer, or is denied.
+        # Defaulted only by a headless turn, to a declared default (an input's: its answer).
+        approved = (
+            state == "answered" and ctx.store.interaction_decision(ctx.turn_id, rid) == "approve"
+        ) or (state == "defaulted" and req.default == "approve")
+        if not approved:
+            why = {"answered": "user", "defaulted": "policy"}.get(state, "timeout")
+            out.results[call.id] = denied_result(call, why)
+        elif req.kind == "input":
+            # The answer, as JSON, is the call's result (a defaulted one: the declared default).
+            raw = ctx.store.redis.get(k.turn_key(ctx.turn_id, "secret", rid))
+            content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
+            out.results[call.id] = ok_result(call, content, started_at=req.created_at)
+        elif req.kind == "password":
+            out.secrets[call.id] = k.turn_key(ctx.turn_id, "secret", rid)
     return out
 
 
@@ -73,22 +87,18 @@ def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionReque
     if p.approval_kind == "input":
         # A question: its prompt, schema and headless answer are the call's arguments.
         default_answer = p.arguments.get("default")
-        req = InteractionRequest(
-            **asked,
-            kind="input",
-            prompt=str(p.arguments.get("question") or ""),
-            default=None if default_answer is None else "approve",
-            answer_schema=p.arguments.get("answer_schema"),
-            default_answer=default_answer,
-        )
+        asked |= {
+            "prompt": str(p.arguments.get("question") or ""),
+            "default": None if default_answer is None else "approve",
+            "answer_schema": p.arguments.get("answer_schema"),
+            "default_answer": default_answer,
+        }
     else:
         args = json.dumps(p.arguments, ensure_ascii=False)
         if len(args) > 500:
             args = args[:500] + "..."
-        prompt = f"Allow {p.call.name}({args})?"
-        req = InteractionRequest(
-            **asked, kind=p.approval_kind, prompt=prompt, default=p.approval_default
-        )
+        asked |= {"prompt": f"Allow {p.call.name}({args})?", "default": p.approval_default}
+    req = InteractionRequest(**asked, kind=p.approval_kind)
     ctx.store.open_interaction(ctx.turn_id, req)
     # `agent` names who asks when the request is relayed into a parent's stream.
     ctx.publish(
@@ -102,28 +112,3 @@ def _ask(ctx: StepContext, p: CallPlan, rid: str) -> tuple[str, InteractionReque
     if req.default is None:
         raise HeadlessInteraction(ctx.turn_id, rid, req.kind)
     return ctx.store.expire_interaction(ctx.turn_id, req, state="defaulted"), req
-
-
-def _decide(
-    ctx: StepContext,
-    out: GateOutcome,
-    call: ToolCall,
-    rid: str,
-    state: str,
-    req: InteractionRequest,
-) -> None:
-    """A closed request's call runs (with a password's secret), takes the answer, or is denied."""
-    # Defaulted only by a headless turn, to a declared default (an input's: its answer).
-    approved = (
-        state == "answered" and ctx.store.interaction_decision(ctx.turn_id, rid) == "approve"
-    ) or (state == "defaulted" and req.default == "approve")
-    if not approved:
-        why = {"answered": "user", "defaulted": "policy"}.get(state, "timeout")
-        out.results[call.id] = denied_result(call, why)
-    elif req.kind == "input":
-        # The answer, as JSON, is the call's result (a defaulted one: the declared default).
-        raw = ctx.store.redis.get(k.turn_key(ctx.turn_id, "secret", rid))
-        content = raw.decode() if isinstance(raw, bytes) else json.dumps(req.default_answer)
-        out.results[call.id] = ok_result(call, content, started_at=req.created_at)
-    elif req.kind == "password":
-        out.secrets[call.id] = k.turn_key(ctx.turn_id, "secret", rid)
