@@ -91,9 +91,8 @@ def send(
     except BaseException:
         # What was not sent is recorded as not sent, for the step after the outage to
         # send at once; a step that took the turn meanwhile sends it after the pickup.
-        unsent = {c: r for c, r in records.items() if c not in sent}
         if ctx.relock():
-            ctx.store.unrecord(ctx.turn_id, unsent)
+            ctx.store.unrecord(ctx.turn_id, {c: r for c, r in records.items() if c not in sent})
         raise
 
 
@@ -178,7 +177,18 @@ def _settle_overdue(
         if why is None:
             continue  # no limit and a live worker: its result wakes the turn
         again.pop(cid, None)
-        settled[cid] = _settle_lost(ctx, p, why, start)
+        task_id = task_id_for(ctx.turn_id, cid)
+        revoke(ctx.app, task_id, terminate=True, signal="SIGKILL")
+        lost = lost_result(
+            p.call,
+            why,
+            task_id=task_id,
+            timeout_s=p.timeout_s,
+            budget_s=p.budget_s,
+            started_at=None if start is None else start.get("started_at"),
+            worker=None if start is None else start.get("worker"),
+        )
+        settled[cid] = ctx.settle(lost)[0]
     return _not_queued(ctx, waiting, again, looks)
 
 
@@ -235,20 +245,3 @@ def _not_queued(
         )
         looks.append(ctx.now + PICKUP_LEASES * ctx.settings.turn_lease_s)
     return {c: r for c, r in again.items() if c not in held}
-
-
-def _settle_lost(
-    ctx: StepContext, p: CallPlan, why: str, start: dict[str, Any] | None
-) -> ToolResult:
-    task_id = task_id_for(ctx.turn_id, p.call.id)
-    revoke(ctx.app, task_id, terminate=True, signal="SIGKILL")
-    lost = lost_result(
-        p.call,
-        why,
-        task_id=task_id,
-        timeout_s=p.timeout_s,
-        budget_s=p.budget_s,
-        started_at=None if start is None else start.get("started_at"),
-        worker=None if start is None else start.get("worker"),
-    )
-    return ctx.settle(lost)[0]
