@@ -50,24 +50,21 @@ def send_round(
     # the message goes: the stream worker reads the history this round answers and publishes
     # after the turn's events. A step that dies before the send leaves a round nobody took,
     # sent again after PICKUP_LEASES (the second delivery finds it claimed or done).
-    sent: TurnState = {
-        "llm_round": round_no,
-        "llm_attempt": attempt,
-        "llm_sends": sends,
-        "llm_sent_at": ctx.now,
-        "llm_deadline": deadline,
-    }
+    ctx.stage(
+        llm_round=round_no,
+        llm_attempt=attempt,
+        llm_sends=sends,
+        llm_sent_at=ctx.now,
+        llm_deadline=deadline,
+    )
     if grant is not None:
         # The wait's start stays: `llm_queue_timeout_s` bounds the whole wait, turned away or not.
-        sent.update(
-            {
-                "llm_admissions": admissions,
-                "llm_deployment": grant.deployment,
-                "llm_lease": grant.lease_id,
-                "llm_wait_position": None,
-            }
+        ctx.stage(
+            llm_admissions=admissions,
+            llm_deployment=grant.deployment,
+            llm_lease=grant.lease_id,
+            llm_wait_position=None,
         )
-    ctx.stage(**sent)
     ctx.release(min(deadline, ctx.now + s.turn_lease_s))
     # A round the provider refused as busy is sent again under a new id.
     task_id = (
@@ -100,15 +97,13 @@ def _round_request(
     ctx: StepContext, round_no: int, left_s: float, grant: Grant | None
 ) -> tuple[LlmRoundRequest, int]:
     """What the stream worker is sent for the round, and how many tools it offers."""
-    s = ctx.settings
-    agent = ctx.agent
     offered = ctx.offered_tools()
     req = LlmRoundRequest(
         turn_id=ctx.turn_id,
         round_no=round_no,
         tools_json=schemas_json(offered),
         duration_left_s=left_s,
-        idle_timeout_ms=s.stream_idle_timeout_ms,
+        idle_timeout_ms=ctx.settings.stream_idle_timeout_ms,
         # The model the round was admitted for: its limits and its call are one model's.
         model=ctx.model,
         instructions=ctx.instructions,
@@ -121,7 +116,7 @@ def _round_request(
         max_completion_tokens=ctx.state.get("budget_cap"),
         prompt_estimate=int(ctx.state.get("budget_prompt") or 0),
         key=ctx.state.get("owner"),
-        output_format=None if agent is None else agent.output_format(),
+        output_format=None if ctx.agent is None else ctx.agent.output_format(),
     )
     return req, len(offered)
 
@@ -154,15 +149,13 @@ def poll_round(ctx: StepContext, round_no: int) -> tuple[AssistantMessage, float
 def admit(ctx: StepContext, round_no: int) -> Grant | float:
     """The round's grant, or when its turn should ask again (the round waits, queued)."""
     model = ctx.model
-    waiter = waiter_of(ctx.turn_id, round_no)
     waiting = ctx.state.get("llm_wait_round") == round_no
     since = float(ctx.state.get("llm_wait_since") or ctx.now) if waiting else ctx.now
-    cap = capacity_for(ctx.store.redis, ctx.settings)
     # The prompt as `reserve_round` estimated it, and the completion the request allows.
     tokens = estimate_tokens(int(ctx.state.get("budget_prompt") or 0), ctx.state.get("budget_cap"))
-    got = cap.acquire(
+    got = capacity_for(ctx.store.redis, ctx.settings).acquire(
         model,
-        waiter=waiter,
+        waiter=waiter_of(ctx.turn_id, round_no),
         owner=str(ctx.state.get("owner") or ""),
         interactive=ctx.interactive,
         tokens=tokens,
