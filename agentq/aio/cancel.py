@@ -9,6 +9,7 @@ given back wakes the calls waiting for one).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -102,11 +103,9 @@ class CancelWatch:
 
     async def _listen(self) -> None:
         delay_s = 0.1
-        attempt = 0
-        while True:
+        for attempt in itertools.count():
             if self._cluster:
                 client = async_node_client(self._cluster, attempt)
-                attempt += 1
             else:
                 client = async_redis_client(self._url, self._master)
             pubsub = client.pubsub(ignore_subscribe_messages=True)

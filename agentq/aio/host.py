@@ -4,7 +4,6 @@ the store's blocking Redis calls, and the calls on the loop, for blame when it b
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -12,6 +11,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -49,12 +49,8 @@ class LoopHost:
     def __init__(self) -> None:
         self.settings = settings = get_settings()
         self.store: TurnStore = get_store()
-        self.pool = concurrent.futures.ThreadPoolExecutor(
-            STORE_THREADS, thread_name_prefix="agentq-store"
-        )
-        self.threads = concurrent.futures.ThreadPoolExecutor(
-            256, thread_name_prefix="agentq-tool-thread"
-        )
+        self.pool = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="agentq-store")
+        self.threads = ThreadPoolExecutor(256, thread_name_prefix="agentq-tool-thread")
         self.running: dict[str, Running] = {}
         self.hostname = ""
         self.loop = EventLoopThread(

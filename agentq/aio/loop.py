@@ -67,14 +67,14 @@ class EventLoopThread:
         self._slots = threading.BoundedSemaphore(capacity)
         self.held = 0
         """Coroutines submitted and not finished."""
-        self._held_lock = threading.Lock()
+        self._lock = threading.Lock()
+        """Guards `held` and `_deadlines`."""
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name=f"{name}-watchdog", daemon=True)
         self._started = threading.Event()
         self._stopping = threading.Event()
         self._nudge = threading.Event()  # wakes the idle watchdog: the first submit, or stop
         self._deadlines: dict[str, float] = {}
-        self._deadlines_lock = threading.Lock()
 
     def start(self) -> EventLoopThread:
         if not self._thread.is_alive():
@@ -103,7 +103,7 @@ class EventLoopThread:
     def submit(self, coro_fn: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
         """Run `coro_fn()` on the loop; blocks while the loop is at capacity."""
         self._slots.acquire()
-        with self._held_lock:
+        with self._lock:
             self.held += 1
             woke = self.held == 1
         if woke:
@@ -117,17 +117,17 @@ class EventLoopThread:
         return fut
 
     def _release(self) -> None:
-        with self._held_lock:
+        with self._lock:
             self.held -= 1
         self._slots.release()
 
     def watch(self, key: str, hard_deadline_mono: float) -> None:
         """A hard deadline (time.monotonic()) the loop must reach unblocked."""
-        with self._deadlines_lock:
+        with self._lock:
             self._deadlines[key] = hard_deadline_mono
 
     def unwatch(self, key: str) -> None:
-        with self._deadlines_lock:
+        with self._lock:
             self._deadlines.pop(key, None)
 
     def _watch(self) -> None:
@@ -143,14 +143,13 @@ class EventLoopThread:
             if stalled_s < self.lag_warn_s:
                 continue
             task = asyncio.current_task(self.loop)  # read from another thread: racy, enough
-            if reported_for != since:
+            if reported_for != since and self.on_blocked is not None:
                 reported_for = since
-                if self.on_blocked is not None:
-                    try:
-                        self.on_blocked(task, stalled_s)
-                    except Exception:
-                        log.exception("on_blocked failed")
-            with self._deadlines_lock:
+                try:
+                    self.on_blocked(task, stalled_s)
+                except Exception:
+                    log.exception("on_blocked failed")
+            with self._lock:
                 due = [k for k, d in self._deadlines.items() if now > d + STUCK_GRACE_S]
             if due and self.on_stuck is not None:
                 why = (
