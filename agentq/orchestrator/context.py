@@ -109,17 +109,15 @@ class StepContext:
 
     def _write(self, next_at: float | None, *, keep: bool = False) -> Released:
         """Write what was staged, fenced by the step's lock; let go of it unless `keep`."""
-        fields, events = self.staged
-        # The calls to send are recorded only as the lock goes: a commit leaves them.
-        dispatched = {} if keep else self.dispatched
         got = self.store.release_step(
             self.turn_id,
             self.token,
             next_at,
             0 if keep else self.lock_ms,
-            dispatched,
-            fields=fields,
-            events=events,
+            # The calls to send are recorded only as the lock goes: a commit leaves them.
+            {} if keep else self.dispatched,
+            fields=self.staged[0],
+            events=self.staged[1],
             append=self.staged_append,
             plans=self.staged_plans,
             keep=keep,

@@ -90,9 +90,8 @@ def take_turn(ctx: StepContext) -> float | None:
             release_for(ctx.store, ctx.app, cid, running)
             return ctx.now
         return ctx.now + WAITING_RECHECK_S
-    own = list(state.get("pending_messages") or [])
     ctx.stage(
-        append=[*prior, *own],
+        append=[*prior, *(state.get("pending_messages") or [])],
         # A branch brings its source's earlier messages: its exchange starts where the source's did.
         history_start=len(prior) + int(state.get("history_start") or 0),
         conversation_base_len=len(prior),
@@ -124,9 +123,7 @@ def take_injected(ctx: StepContext) -> None:
     for tid in ids:
         _end_injected(ctx.store, tid, ctx.turn_id)
         # It leaves the queue; a webhook keeps its backstop, whose step queues the delivery.
-        left: TurnState = {"conversation_id": cid}
-        if states[tid].get("webhook_url"):
-            left["webhook_url"] = states[tid]["webhook_url"]
+        left: TurnState = {"conversation_id": cid, "webhook_url": states[tid].get("webhook_url")}
         hand_off(ctx.store, ctx.app, tid, left, [])
 
 

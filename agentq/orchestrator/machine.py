@@ -168,10 +168,8 @@ def _model_round(ctx: StepContext) -> Phase:
     if isinstance(outcome, float):
         return outcome
     message, streamed_s = outcome
-    history = ctx.history
-    message = with_safe_call_ids(message, {c.id for c in calls_of(history)}, round_no)
-    start = int(ctx.state.get("history_start", 0))
-    earlier = calls_of(history, start)
+    message = with_safe_call_ids(message, {c.id for c in calls_of(ctx.history)}, round_no)
+    earlier = calls_of(ctx.history, int(ctx.state.get("history_start", 0)))
     refused, stop = limit_checks(
         earlier,
         list(message.tool_calls),
@@ -242,11 +240,10 @@ _FENCE = re.compile(r"^```[A-Za-z0-9_-]*\s*\n(.*)\n```$", re.DOTALL)
 
 def _plans(ctx: StepContext, calls: list[ToolCall], raw: list[bytes | None]) -> list[CallPlan]:
     """The round's plans as stored; calls that came with the prompt are planned now."""
-    limit = ctx.settings.max_arguments_bytes
     plans = [
         CallPlan.model_validate_json(r)
         if r
-        else plan_call(c, oversize_refusal(c, limit), ctx.agent)
+        else plan_call(c, oversize_refusal(c, ctx.settings.max_arguments_bytes), ctx.agent)
         for c, r in zip(calls, raw, strict=True)
     ]
     # With the step's next write (nothing of the round runs before it).

@@ -66,16 +66,14 @@ def plan_call(call: ToolCall, refusal: str | None = None, agent: Agent | None = 
     if asks:
         # A question is always asked, whatever the agent says: no worker runs `ask_user`.
         agent = None
-    limits = effective_limits(pol, hint_s)
-    approval = pol.approval if agent is None else agent.approval.get(call.name, pol.approval)
     return CallPlan(
         call=call,
         task_name=spec.task_name,
         queue=pol.queue,
         exclusive=pol.concurrency == "exclusive",
         arguments=validated.model_dump(mode="json"),
-        **vars(limits),
-        approval=approval,
+        **vars(effective_limits(pol, hint_s)),
+        approval=pol.approval if agent is None else agent.approval.get(call.name, pol.approval),
         approval_kind=pol.approval_kind,
         approval_timeout_s=pol.approval_timeout_s,
         approval_default=pol.approval_default or (agent.approval_default if agent else None),
@@ -123,8 +121,7 @@ def batches(plans: list[CallPlan]) -> list[list[CallPlan]]:
 def canonical_call(call: ToolCall) -> str:
     """The identity the loop detector compares: tool plus normalised arguments."""
     try:
-        args: Any = json.loads(call.arguments or "{}")
-        norm = json.dumps(args, sort_keys=True, separators=(",", ":"))
+        norm = json.dumps(json.loads(call.arguments or "{}"), sort_keys=True, separators=(",", ":"))
     except json.JSONDecodeError:
         norm = call.arguments
     return f"{call.name}:{norm}"

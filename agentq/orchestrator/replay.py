@@ -109,8 +109,7 @@ class Source(TurnSnapshot):
 
     def rounds(self) -> list[int]:
         """The index in the history of each of its own rounds' answers."""
-        start = int(self.state.get("history_start") or 0)
-        own = range(start, len(self.history))
+        own = range(int(self.state.get("history_start") or 0), len(self.history))
         return [i for i in own if self.history[i]["role"] == "assistant"]
 
 
@@ -220,13 +219,12 @@ def fork_launch(src: Source, req: ForkRequest, token: str) -> Launch:
         result = ToolResult.model_validate_json(results[cid])
         results[cid] = result.model_copy(update={"content": content}).model_dump_json()
     state = _base_state(src, req, token, edit.model)
-    start = int(state.get("history_start") or 0)
     state.update(
         {
             "fork_of": src.turn_id,
             "from_round": n,
             "round": n - 1,
-            "call_count": len(calls_of(history, start)),
+            "call_count": len(calls_of(history, int(state.get("history_start") or 0))),
         }
     )
     instructions = edit.instructions or src.state.get("instructions")
@@ -403,10 +401,9 @@ def bulk_retry(
             except AgentqError as exc:
                 outcome = BulkOutcome(source=source, outcome="refused", error=exc.message)
             else:
-                fresh = handle.turn_id == new_id
                 outcome = BulkOutcome(
                     source=source,
-                    outcome="started" if fresh else "retried_already",
+                    outcome="started" if handle.turn_id == new_id else "retried_already",
                     turn_id=handle.turn_id,
                 )
         out.append(outcome)

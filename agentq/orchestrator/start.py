@@ -200,8 +200,7 @@ def _admit(
         if admitted.outcome is Admit.BUSY:
             raise ConversationBusy(cid, str(running))
         if admitted.outcome is Admit.INTERRUPTED and running:
-            reason = "rollback" if mode == "rollback" else "interrupt"
-            request_abort(store, running, reason)
+            request_abort(store, running, "rollback" if mode == "rollback" else "interrupt")
         elif admitted.outcome is Admit.INJECTED and running:
             conversation.conversations(store).note_injected(running)
     except AgentqError:

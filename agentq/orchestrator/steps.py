@@ -257,8 +257,7 @@ class Sweeper:
 
     def prune_index(self, now: float) -> int:
         """Drop the console index's entries of turns whose retention ran out."""
-        older_than = now - self.retention_s
-        return TurnLister(self.store.redis).prune(older_than, PRUNE_BATCH, PRUNE_ROUNDS)
+        return TurnLister(self.store.redis).prune(now - self.retention_s, PRUNE_BATCH, PRUNE_ROUNDS)
 
     def until_next_s(self, now: float, next_at: float | None) -> float:
         """The wait before the next pass: the interval, or less when a wakeup is due sooner
