@@ -110,12 +110,10 @@ def advance_calls(
         if not waiting:
             continue
         tools = [p for p in waiting if not p.subturn_agent]
-        agents = [p for p in waiting if p.subturn_agent]
         fresh = [p for p in tools if p.call.id not in dispatched]
         due: list[float] = []
-        subturns.watch(ctx, agents, settled, dispatched, due)
-        earlier = [p for p in tools if p.call.id in dispatched]
-        again = _settle_overdue(ctx, earlier, settled, due)
+        subturns.watch(ctx, [p for p in waiting if p.subturn_agent], settled, dispatched, due)
+        again = _settle_overdue(ctx, [p for p in tools if p.call.id in dispatched], settled, due)
         if fresh or again:
             out = [*fresh, *(p for p in tools if p.call.id in again)]
             if fresh:

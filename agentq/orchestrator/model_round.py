@@ -244,8 +244,7 @@ def _watch_round(ctx: StepContext, round_no: int) -> float:
     if ctx.now >= float(ctx.state.get("llm_deadline") or 0):
         raise ModelRoundFailed("no stream worker answered the model round in time", "ELLM")
     alive = k.llm_alive(raw_alive, round_no, now_ms())
-    taken = raw_taken is not None and json.loads(raw_taken) == round_no
-    if not alive and taken:
+    if not alive and raw_taken is not None and json.loads(raw_taken) == round_no:
         # Taken, and its lease lapsed without a result: the stream worker died.
         attempt = int(ctx.state.get("llm_attempt", 1))
         if attempt > s.llm_max_retries:
