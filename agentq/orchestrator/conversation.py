@@ -109,17 +109,13 @@ def take_injected(ctx: StepContext) -> None:
     cid = str(ctx.state.get("conversation_id"))
     taken = list(ctx.state.get("injected_turns") or [])
     ids = [i for i in conversations(ctx.store).injectable(cid, ctx.turn_id) if i not in taken]
-    messages: list[dict[str, Any]] = []
-    events: list[tuple[str, dict[str, Any]]] = []
     states = {tid: ctx.store.state(tid) or {} for tid in ids}
     for tid in ids:
         own = states[tid].get("pending_messages") or []
-        messages.extend(own)
-        events.append(("message_injected", {"message_turn_id": tid, "messages": len(own)}))
+        event = ("message_injected", {"message_turn_id": tid, "messages": len(own)})
+        ctx.stage(events=[event], append=own)
     # In the history before they leave the queue: after a crash, this turn's end takes them out.
-    ctx.commit(
-        append=messages, events=events, inject_seen=seq, injected_turns=[*taken, *ids] or None
-    )
+    ctx.commit(inject_seen=seq, injected_turns=[*taken, *ids] or None)
     for tid in ids:
         _end_injected(ctx.store, tid, ctx.turn_id)
         # It leaves the queue; a webhook keeps its backstop, whose step queues the delivery.

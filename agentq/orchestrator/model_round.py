@@ -5,7 +5,7 @@ refused as busy (429, 503, 529) goes back to admission without using up a retry.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from agentq import constants as k
 from agentq.errors import (
@@ -168,8 +168,6 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
     if waited_s >= limit_s:
         # The turn fails: its end withdraws the round (`withdraw`: it is waiting).
         raise ModelCapacityTimeout(model, waited_s)
-    fields: TurnState = {"llm_wait_round": round_no, "llm_wait_since": since}
-    events: list[tuple[str, dict[str, Any]]] = []
     if not waiting or ctx.state.get("llm_wait_position") != got.position:
         # `first`: the wait starts (metrics count waiting rounds by it); later: moved up.
         queued = {
@@ -179,9 +177,8 @@ def admit(ctx: StepContext, round_no: int) -> Grant | float:
             "wait_s": round(got.wait_ms / 1000, 1),
             "first": not waiting,
         }
-        events.append(("llm_queued", queued))
-        fields["llm_wait_position"] = got.position
-    ctx.commit(events=events, **fields)
+        ctx.stage(events=[("llm_queued", queued)], llm_wait_position=got.position)
+    ctx.commit(llm_wait_round=round_no, llm_wait_since=since)
     return min(got.retry_at_ms / 1000, since + limit_s)
 
 
@@ -214,7 +211,6 @@ def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool
         k.LLM_RESULT_ROUND_FIELD: round_no - 1,
         k.LLM_TAKEN_FIELD: None,
     }
-    events: list[tuple[str, dict[str, Any]]] = []
     if not busy:
         # Its deployment failed before the model said anything: another one takes it.
         fields.update({"llm_failovers": failovers + 1, "llm_failover_round": round_no})
@@ -226,9 +222,9 @@ def _goes_again(ctx: StepContext, round_no: int, result: LlmRoundResult) -> bool
             "delay_ms": 0,
             "failover": True,
         }
-        events.append(("llm_retry", retry))
+        ctx.stage(events=[("llm_retry", retry)])
     # A busy provider costs no retry: the round waits for capacity again.
-    ctx.commit(events=events, **fields)
+    ctx.commit(**fields)
     return True
 
 
