@@ -612,7 +612,7 @@ def bench_watchdog(fx: BenchRig, sz: Sizes) -> dict[str, Any]:
                             idle_timeout_ms=500,
                             duration_left_s=30,
                             max_retries=0,
-                            timeout=None,
+                            timeout=client_timeout(5, 500),
                             on_delta=on_delta,
                             on_retry=lambda *_: None,
                             abort=asyncio.Event(),

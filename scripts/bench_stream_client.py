@@ -96,7 +96,7 @@ async def _streams(url: str, transport: str, n: int) -> float:
             idle_timeout_ms=30_000,
             duration_left_s=60,
             max_retries=0,
-            timeout=None,
+            timeout=timeout,
             on_delta=lambda kind, text: deltas.append(text),
             on_retry=lambda *_: None,
             abort=never,

@@ -153,7 +153,8 @@ class Attempt:
     idle_timeout_ms: int
     duration_left_s: float
     max_retries: int
-    timeout: httpx2.Timeout | None
+    timeout: httpx2.Timeout
+    """The request's timeouts (`client_timeout` of the round's idle limit)."""
     on_delta: DeltaCallback
     on_retry: RetryCallback
     abort: asyncio.Event
@@ -233,9 +234,7 @@ class Attempt:
             endpoint.url,
             headers=endpoint.headers,
             content=content,
-            extensions={
-                "timeout": endpoint.timeout if self.timeout is None else self.timeout.as_dict()
-            },
+            extensions={"timeout": self.timeout.as_dict()},
         )
         try:
             response = await sdk.send(self.client, request)

@@ -49,7 +49,6 @@ class Endpoint:
 
     url: httpx2.URL
     headers: list[tuple[str, str]]
-    timeout: dict[str, float | None]
 
 
 _endpoints: weakref.WeakKeyDictionary[openai.AsyncOpenAI, dict[str, Endpoint]] = (
@@ -67,7 +66,7 @@ async def endpoint(client: openai.AsyncOpenAI, path: str) -> Endpoint:
         options = FinalRequestOptions.construct(method="post", url=path)
         built = client._build_request(await client._prepare_options(options))
         headers = [(k, v) for k, v in built.headers.multi_items() if k != "content-length"]
-        found = paths[path] = Endpoint(built.url, headers, dict(built.extensions["timeout"]))
+        found = paths[path] = Endpoint(built.url, headers)
     return found
 
 

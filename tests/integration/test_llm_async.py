@@ -70,7 +70,7 @@ async def _round(
             idle_timeout_ms=idle_ms,
             duration_left_s=duration_s,
             max_retries=max_retries,
-            timeout=None,
+            timeout=client_timeout(10, idle_ms),
             on_delta=lambda kind, text: deltas.append(text),
             on_retry=lambda attempt, exc, delay: retries.append(attempt),
             abort=abort or asyncio.Event(),

@@ -139,7 +139,7 @@ def run(
         try:
             attempt = Attempt(
                 client=client,
-                timeout=None,
+                timeout=client_timeout(request_timeout_s, kwargs["idle_timeout_ms"]),
                 on_delta=lambda kind, text: out.deltas.append((kind, text)),
                 on_retry=_on_retry,
                 abort=abort,

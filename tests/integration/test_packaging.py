@@ -126,7 +126,7 @@ def test_the_lowest_declared_versions_install_and_run_every_worker_kind(lowest_v
         "    c = make_client(base_url=server.url, api_key=None, max_connections=8,\n"
         "        timeout=client_timeout(10, 5000))\n"
         "    a = Attempt(client=c, model='m', idle_timeout_ms=5000, duration_left_s=20,\n"
-        "        max_retries=0, timeout=None, on_delta=lambda k, t: None,\n"
+        "        max_retries=0, timeout=client_timeout(10, 5000), on_delta=lambda k, t: None,\n"
         "        on_retry=lambda *a: None, abort=asyncio.Event())\n"
         "    msg, _ = await astream_round(a, [{'role': 'user', 'content': 'hi'}], '[]')\n"
         "    await c.close()\n"
