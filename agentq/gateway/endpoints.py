@@ -188,7 +188,9 @@ class Gateway:
         )
         # A turn in a fleet without the workers every turn needs waits, and is told so.
         missing = missing_kinds(await run_in_threadpool(self.presence.live))
-        return accepted(handle.model_copy(update={"missing_workers": missing or None}))
+        if missing:
+            handle = handle.model_copy(update={"missing_workers": missing})
+        return accepted(handle)
 
     def start_limited(
         self,

@@ -167,14 +167,17 @@ def summarise(
         "conversation_waiting": bool(state.get("conversation_waiting"))
         and state.get("status") == "queued",
         "round": state.get("round", 0),
-        **{f: state.get(f) for f in ("created_at", "started_at", "ended_at")},
+        "created_at": state.get("created_at"),
+        "started_at": started,
+        "ended_at": ended,
         "duration_s": duration_s,
         "call_count": state.get("call_count", 0),
         "calls": {s: int(n) for s, n in sorted(counts.items())},
         "current_tools": [{"call_id": c, "tool": t, "state": s} for c, t, s in open_calls],
         "pending_interactions": pending,
         "model_wait": wait,
-        **{f: state.get(f) for f in ("error", "abort_reason")},
+        "error": state.get("error"),
+        "abort_reason": state.get("abort_reason"),
     }
 
 

@@ -276,8 +276,8 @@ def end_turn(
     error: str | None = None,
 ) -> None:
     """Record the turn's span with the ids its traceparent names, from its creation to now."""
-    ids = parse(traceparent)
-    if not enabled or ids is None:
+    ids = parse(traceparent) if enabled else None
+    if ids is None:
         return
     _preset.ids = ids
     try:
