@@ -300,14 +300,29 @@ class Client:
         """Retry each turn matching `filters` (BulkRetryRequest's fields) once, by anyone."""
         return self._retry_many(replay.BulkRetryRequest(**filters), said=said)
 
-    def _retry_many(self, req: replay.BulkRetryRequest, **options: Any) -> list[replay.BulkOutcome]:
-        """`retry_many` of a checked request (the gateway's way in); `options`: bulk_retry's."""
+    def _retry_many(
+        self,
+        req: replay.BulkRetryRequest,
+        *,
+        said: Callable[[replay.BulkOutcome], None] | None = None,
+        visible: Visible | None = None,
+        limited: replay.Starter | None = None,
+    ) -> list[replay.BulkOutcome]:
+        """`retry_many` of a checked request (the gateway's way in, with its caller's view and
+        start limits)."""
         from celery.local import Proxy
 
         # The app is built only once a retry is sent with it (a dry run sends none).
         app = cast("Celery", Proxy(lambda: self.app))
         return replay.bulk_retry(
-            self._store, app, self.settings, req, traced=self.traced, **options
+            self._store,
+            app,
+            self.settings,
+            req,
+            traced=self.traced,
+            said=said,
+            visible=visible,
+            limited=limited,
         )
 
     def check_token(self, turn_id: str, token: str | None, *, operator: bool = False) -> TurnState:
