@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """agentq side by side with plain Celery on the same broker, in one run.
 
-    python scripts/bench.py                 # the full run (a few minutes on 2 cores)
-    python scripts/bench.py --quick         # under 3 minutes
+    python scripts/bench.py                 # the full run (about 21 minutes on 2 cores)
+    python scripts/bench.py --quick         # smaller samples (about 8 minutes)
     python scripts/bench.py --quick --json  # one JSON object on stdout, the table on stderr
     python scripts/bench.py --use-env-redis # AGENTQ_REDIS_URL instead of an own redis-server
     python scripts/bench.py --profile DIR   # also profile a call's hot path into DIR
 
-It starts its own Redis, the three agentq workers (tools: prefork; turns, llm: threads),
+It starts its own Redis, the four agentq workers (tools: prefork; turns, llm, io),
 a plain Celery worker (scripts/bench_celery_app.py) and the scripted model server, all
 on 127.0.0.1, and stops every process it started by PID on the way out. The workers run
 with agentq's default settings; only the tool modules and the model URL are set.
@@ -448,7 +448,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--quick", action="store_true", help="smaller samples; under 3 minutes")
+    p.add_argument("--quick", action="store_true", help="smaller samples; about 8 minutes")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument(
         "--use-env-redis",
