@@ -289,8 +289,9 @@ def test_a_client_that_leaves_mid_burst_is_no_app_error(caplog: pytest.LogCaptur
     """A client that reads one chunk of a burst and closes (as a turn aborted at its first
     delta does) is counted as gone, and uvicorn sees an answer that ended with its client,
     not an app that returned with its response unfinished."""
-    # Far more than the socket buffers hold (a 4 MB send buffer here): the answer cannot
-    # be written whole before its client leaves.
+    # 8 MB of SSE: more than the sender's buffer (4 MB at most here) and the receive window
+    # of a client that stops reading at its first delta, so the answer cannot be written
+    # whole before its client leaves (4,000 words, 0.5 MB, sometimes could).
     burst = Round(text="word " * 60000, chunk_delay_ms=0)
     caplog.set_level("INFO", logger="uvicorn.error")
     with ScriptedOpenAIServer({"burst": [burst]}) as srv:
