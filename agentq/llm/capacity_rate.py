@@ -1,7 +1,7 @@
 """The admitted rate of a model, in Lua for the capacity scripts (`capacity_lua`): a
 ceiling, not a schedule, cut by a 429 and climbing back (docs/capacity.md). Its state, per
 model, in the `rate` hash: r, t, ai (the rate cut to at t, its climb a second), d (the
-last cut), top (the rate refused), lr, lt (the provider's limits), w, n, f (the latest
+last cut), top (where the climb ends), lr, lt (the provider's limits), w, n, f (the latest
 second granted in, its grants, the last second that filled up), expiring `rate_ttl_ms`
 after the last news of it."""
 
@@ -11,16 +11,20 @@ DECREASE = 0.8
 """A 429 despite pacing multiplies the admitted rate by this, at once, fleet-wide."""
 RECOVER_S = 4.0
 """...and it climbs back to the ceiling in this many seconds."""
+TOP_SHARE = 0.9
+"""Without a ceiling the climb ends at this share of the rate refused: the provider's limit
+is under it. Climbing back to the rate refused itself never came down to the limit: a rate
+overshot in slow start (34/s against 20) was refused again every few seconds."""
 PROBE = 0.02
-"""Without a ceiling it climbs past the rate refused by this share of it a second: the
-provider's limit may have grown."""
+"""...and goes on past it by this share of it a second: the provider's limit may have
+grown."""
 SLOW_START = 1.5
 """Before a 429 came while paced, the guessed rate grows by this factor each second."""
 # RATE_LUA: the adaptation as pure functions of the rate state (no Redis call), which the
 # unit tests run alone (tests/unit/test_rate_adaptation.py).
 RATE_LUA = f"""
 local DECREASE, RECOVER_S = {DECREASE!r}, {RECOVER_S!r}
-local PROBE, SLOW_START = {PROBE!r}, {SLOW_START!r}
+local PROBE, SLOW_START, TOP_SHARE = {PROBE!r}, {SLOW_START!r}, {TOP_SHARE!r}
 
 -- The configured rpm, else the provider's own limit learned from its headers (0: none).
 local function ceiling_of(cfg_rpm, st)
@@ -29,8 +33,8 @@ local function ceiling_of(cfg_rpm, st)
 end
 
 -- The rpm admitted at `now` (0: unpaced). After a cut to `r` at `t` it climbs by `ai` a
--- second to the ceiling; without one, to the rate refused (`top`) and on by PROBE, or by
--- SLOW_START while `top` is unknown.
+-- second to the ceiling; without one, to `top` (under the rate refused) and on by PROBE,
+-- or by SLOW_START while `top` is unknown.
 local function admitted_rpm(st, ceiling, now)
   if not st.r then return ceiling end
   local dt = math.max(now - st.t, 0) / 1000
@@ -44,13 +48,13 @@ local function admitted_rpm(st, ceiling, now)
 end
 
 -- A 429 despite pacing at `rpm` (0: none known, `seen_rpm` is the guess): the rate cut
--- to, its climb a second, and where the climb ends (the ceiling, else the rate refused;
--- 0 when that was a guess, and slow start goes on).
+-- to, its climb a second, and where the climb ends (the ceiling, else TOP_SHARE of the
+-- rate refused; 0 when that was a guess, and slow start goes on).
 local function cut(rpm, ceiling, seen_rpm)
   local guess = rpm
   if guess <= 0 then guess = math.max(seen_rpm, 60) end
   local top = ceiling
-  if top <= 0 and rpm > 0 then top = guess end
+  if top <= 0 and rpm > 0 then top = math.max(guess * TOP_SHARE, 1) end
   return math.max(guess * DECREASE, 1), top * (1 - DECREASE) / RECOVER_S, top
 end
 """

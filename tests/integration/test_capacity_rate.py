@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from agentq.llm.capacity import Capacity, Grant, Queued
-from agentq.llm.capacity_rate import DECREASE, PROBE, RECOVER_S, SLOW_START
+from agentq.llm.capacity_rate import DECREASE, PROBE, RECOVER_S, SLOW_START, TOP_SHARE
 from agentq.llm.headers import RateSignal, parse_rate_headers
 from agentq.llm.limits import parse_limits
 from agentq.local.redis_server import RedisServer
@@ -162,14 +162,17 @@ def test_an_unconfigured_fleet_without_headers_learns_from_its_429s(r: redis.Red
     assert admitted_rpm(cap, T0 + 200) == pytest.approx(1200 * DECREASE)
     # A guess may be far off: the rate grows half again each second (slow start)...
     assert admitted_rpm(cap, T0 + 1200) == pytest.approx(1200 * DECREASE * SLOW_START)
-    # ...until a 429 comes while paced: that rate is the provider's, as good as a ceiling.
+    # ...until a 429 comes while paced: the provider's limit is under that rate, and the
+    # climb back ends under it too.
     refused_at = 1200 * DECREASE * SLOW_START
     cap.note_answer("m", "default", BARE_429, status=429, now_ms=T0 + 1200)
     assert admitted_rpm(cap, T0 + 1200) == pytest.approx(refused_at * DECREASE)
-    back = T0 + 1200 + int(RECOVER_S * 1000)
-    assert admitted_rpm(cap, back) == pytest.approx(refused_at)
+    top = refused_at * TOP_SHARE
+    climb_s = (top - refused_at * DECREASE) / (top * (1 - DECREASE) / RECOVER_S)
+    back = T0 + 1200 + round(climb_s * 1000)
+    assert admitted_rpm(cap, back) == pytest.approx(top, rel=1e-3)
     # Past it only slowly (the limit may have grown), until the next 429.
-    assert admitted_rpm(cap, back + 5000) == pytest.approx(refused_at * (1 + PROBE * 5))
+    assert admitted_rpm(cap, back + 5000) == pytest.approx(top * (1 + PROBE * 5), rel=1e-3)
 
 
 def test_no_second_grants_more_than_its_share(r: redis.Redis) -> None:

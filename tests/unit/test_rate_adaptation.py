@@ -9,7 +9,14 @@ from typing import Any
 import lupa.lua51 as lua51  # fakeredis[lua], a dev extra, brings it
 import pytest
 
-from agentq.llm.capacity_rate import DECREASE, PROBE, RATE_LUA, RECOVER_S, SLOW_START
+from agentq.llm.capacity_rate import (
+    DECREASE,
+    PROBE,
+    RATE_LUA,
+    RECOVER_S,
+    SLOW_START,
+    TOP_SHARE,
+)
 
 T = 1_700_000_000_000
 """The cut's time, in epoch ms."""
@@ -71,16 +78,35 @@ def test_a_second_429_cuts_from_where_the_climb_had_got(rate: Any, table: Any) -
     assert top2 == 1200
 
 
-def test_without_a_ceiling_the_climb_ends_at_the_rate_refused_then_probes_past_it(
+def test_without_a_ceiling_the_climb_ends_under_the_rate_refused_then_probes_past_it(
     rate: Any, table: Any
 ) -> None:
     r, ai, top = rate.cut(900, 0, 0)
-    assert (r, top) == (pytest.approx(720), 900)
+    assert (r, top) == (pytest.approx(900 * DECREASE), pytest.approx(900 * TOP_SHARE))
     cut = table({"r": r, "t": T, "ai": ai, "top": top})
-    back = T + int(RECOVER_S * 1000)
-    assert rate.admitted_rpm(cut, 0, back) == pytest.approx(900)
-    assert rate.admitted_rpm(cut, 0, back + 1000) == pytest.approx(900 * (1 + PROBE))
-    assert rate.admitted_rpm(cut, 0, back + 10_000) == pytest.approx(900 * (1 + 10 * PROBE))
+    back = T + round((top - r) / ai * 1000)  # about 2 s: a climb of a tenth of the rate
+    assert rate.admitted_rpm(cut, 0, back) == pytest.approx(top, rel=1e-4)
+    assert rate.admitted_rpm(cut, 0, back + 1000) == pytest.approx(top * (1 + PROBE), rel=1e-4)
+    assert rate.admitted_rpm(cut, 0, back + 10_000) == pytest.approx(
+        top * (1 + 10 * PROBE), rel=1e-4
+    )
+
+
+def test_without_a_ceiling_each_429_brings_the_climbs_end_down_to_the_providers_limit(
+    rate: Any, table: Any
+) -> None:
+    # Slow start overshot to 34 a second against a provider of 20: each 429 at the climb's
+    # end lowers it, until the climb ends under the limit and only the probe reaches it.
+    limit_rpm, rpm, tops = 1200, 34 * 60, []
+    for _ in range(10):
+        if rpm <= limit_rpm:
+            break
+        r, ai, top = rate.cut(rpm, 0, 0)
+        tops.append(top)
+        rpm = rate.admitted_rpm(table({"r": r, "t": T, "ai": ai, "top": top}), 0, T + 60_000)
+        rpm = min(rpm, top)  # refused again where the climb ends, before the probe
+    assert tops[-1] <= limit_rpm and len(tops) <= 6
+    assert tops == sorted(tops, reverse=True)
 
 
 def test_with_nothing_known_the_first_429_guesses_from_the_fleets_pace_and_starts_slow(
